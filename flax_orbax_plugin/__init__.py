@@ -1,0 +1,1 @@
+"""flax_orbax_plugin: fast, safe, sharded checkpointing for Flax/Optax training loops."""
