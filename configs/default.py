@@ -1,0 +1,31 @@
+"""Default configuration for examples/train.py and examples/serve.py.
+
+Override any field on the command line, for example:
+
+    python examples/train.py --config=configs/default.py \
+        --config.checkpoint.resume=True --config.num_train_steps=4000
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+    config.num_train_steps = 2000
+    config.batch_size = 128
+    config.learning_rate = 2e-3
+    config.hidden_sizes = (256, 256, 256)
+    config.log_every_steps = 100
+
+    # Where checkpoints go and how often; `resume` picks up the latest step.
+    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint.directory = "runs/demo/checkpoints"
+    config.checkpoint.every_steps = 200
+    config.checkpoint.keep = 3
+    # True: continue from the latest step when one exists (start fresh otherwise).
+    config.checkpoint.resume = False
+    # Save in the background while training continues (the blocking phase only
+    # copies to host memory). ("async" itself is a Python keyword.)
+    config.checkpoint.async_save = True
+    return config
