@@ -1,0 +1,106 @@
+"""Multi-process coordination through jax.distributed's coordination service.
+
+With one process every function here is a no-op. With several (after
+``jax.distributed.initialize``), every process must call the same functions in
+the same order (SPMD); process 0 is the primary: it writes metadata and
+commits. Barriers carry a timeout so that a dead process turns into a
+:class:`CoordinationError` naming the barrier instead of a hang.
+
+Thread-safety: the coordination client is thread-safe; barrier and key names
+are unique per save, so a background thread may call these while the
+training thread runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import jax
+
+from ._errors import CoordinationError
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("FOP_COORDINATION_TIMEOUT_S", "300"))
+_COUNTER = itertools.count()
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def is_primary() -> bool:
+    return jax.process_index() == 0
+
+
+def _client():
+    from jax._src.distributed import global_state
+
+    client = global_state.client
+    if client is None:
+        raise CoordinationError(
+            "several JAX processes but no coordination client: call jax.distributed.initialize()"
+        )
+    return client
+
+
+def next_operation_id(kind: str) -> str:
+    """A name every process derives identically for its n-th operation of this kind."""
+    return f"fop/{kind}/{next(_COUNTER)}"
+
+
+def barrier(name: str, *, timeout_s: float | None = None) -> None:
+    """Blocks until every process reached ``name``; raises CoordinationError on timeout."""
+    if process_count() == 1:
+        return
+    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        _client().wait_at_barrier(name, int(timeout * 1000))
+    except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
+        raise CoordinationError(
+            f"process {process_index()} of {process_count()}: not every process reached "
+            f"barrier {name!r} within {timeout:.0f}s ({e})"
+        ) from e
+
+
+def broadcast_str(name: str, value: str | None, *, timeout_s: float | None = None) -> str:
+    """The primary's ``value`` on every process (others pass anything)."""
+    if process_count() == 1:
+        assert value is not None
+        return value
+    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    client = _client()
+    if is_primary():
+        client.key_value_set(name, value)
+        return value
+    try:
+        return client.blocking_key_value_get(name, int(timeout * 1000))
+    except Exception as e:
+        raise CoordinationError(
+            f"process {process_index()}: no value for {name!r} from the primary within "
+            f"{timeout:.0f}s ({e})"
+        ) from e
+
+
+def publish(name: str, value: str) -> None:
+    """Stores this process's ``value`` under ``name/<process>`` for :func:`gather_str`."""
+    if process_count() > 1:
+        _client().key_value_set(f"{name}/{process_index()}", value)
+
+
+def gather_str(name: str, *, timeout_s: float | None = None) -> list[str]:
+    """Values that every process published under ``name``, by process index."""
+    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    client = _client()
+    out = []
+    for p in range(process_count()):
+        try:
+            out.append(client.blocking_key_value_get(f"{name}/{p}", int(timeout * 1000)))
+        except Exception as e:
+            raise CoordinationError(
+                f"no value {name!r} from process {p} within {timeout:.0f}s ({e})"
+            ) from e
+    return out

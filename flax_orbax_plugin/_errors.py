@@ -1,0 +1,31 @@
+"""Exceptions raised by flax_orbax_plugin.
+
+Every error that concerns one leaf names its path (``params/Dense_0/kernel``),
+what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """Nothing, committed or not, exists at the given path."""
+
+
+class NotCommittedError(CheckpointError):
+    """Something exists at the path but it was never committed (a save died or is running)."""
+
+
+class StructureError(CheckpointError, ValueError):
+    """The tree to save, or the ``like`` template, does not fit: names the leaf path."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored data failed its checksum, is missing, or metadata is malformed."""
+
+
+class CoordinationError(CheckpointError):
+    """Processes of a multi-process save or restore failed to meet in time."""

@@ -1,0 +1,389 @@
+"""Restoring a pytree, driven by a ``like`` template.
+
+``like`` decides the structure and the form of every leaf:
+
+* ``None`` (the whole tree or one leaf): numpy arrays / Python scalars on the host,
+  structure rebuilt from the saved paths as nested dicts and lists;
+* a ``jax.Array`` or ``jax.ShapeDtypeStruct`` with a sharding: a jax.Array on that
+  sharding; each process reads exactly the regions its devices need, whatever mesh
+  or device count the checkpoint was written with;
+* a ``jax.ShapeDtypeStruct`` without a sharding: a jax.Array on the default device;
+* a numpy array or scalar, a Python scalar: the same kind of value.
+
+A dtype in ``like`` that differs from the saved one is cast. With
+``partial=True`` the template may be a subtree; only its leaves are read.
+
+Threading: reads are issued to tensorstore's own thread pool from the calling
+thread; the host-memory budget bounds the bytes of reads in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fnmatch
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _arrays, _metadata, _save, _tree
+from ._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotCommittedError,
+    StructureError,
+)
+from ._metadata import COMMIT_FILE, METADATA_FILE
+from ._storage import Location
+
+DEFAULT_MEMORY_LIMIT_BYTES = 1 << 30
+
+
+def read_document(location: Location) -> dict[str, Any]:
+    """The validated metadata of a committed checkpoint; clear errors otherwise."""
+    if not location.exists(COMMIT_FILE):
+        if location.is_dir() or _has_partial_sibling(location):
+            raise NotCommittedError(
+                f"{location} is not a committed checkpoint: its save was interrupted or is "
+                f"still running"
+            )
+        raise CheckpointNotFoundError(f"no checkpoint at {location}: the path does not exist")
+    raw = location.read_bytes(METADATA_FILE)
+    if raw is None:
+        raise CorruptCheckpointError(f"{location} is committed but has no {METADATA_FILE}")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{location}/{METADATA_FILE} is not valid JSON: {e}") from e
+    return _metadata.validate_document(doc, f"{location}/{METADATA_FILE}")
+
+
+def _has_partial_sibling(location: Location) -> bool:
+    if not location.is_local:
+        return False
+    parent = os.path.dirname(location.path.rstrip("/"))
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return False
+    return bool(fnmatch.filter(names, f"{location.name}.partial-*"))
+
+
+def metadata(path: Any) -> _metadata.CheckpointMetadata:
+    """Leaf paths, shapes, dtypes and shardings of a checkpoint; reads no array data."""
+    location = Location.from_path(path)
+    _save.wait_for_pending_save(location)
+    return _metadata.to_public(read_document(location), str(location))
+
+
+# -- targets ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Target:
+    index: int  # leaf number in the checkpoint
+    record: dict[str, Any]
+    like: Any
+    dtype: np.dtype | None = None  # saved dtype
+    out_dtype: Any = None
+    result: Any = None
+
+
+def _describe(x: Any) -> str:
+    if x is None:
+        return "None"
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is not None:
+        return f"{type(x).__name__}(shape={tuple(shape)}, dtype={dtype})"
+    return type(x).__name__
+
+
+def _make_target(index: int, record: dict[str, Any], like: Any) -> _Target:
+    path = record["path"]
+    target = _Target(index, record, like)
+    if record["kind"] == "none":
+        if like is not None:
+            raise StructureError(
+                f"leaf {path!r}: expected {_describe(like)} (from like), "
+                f"found None in the checkpoint"
+            )
+        return target
+    target.dtype = _metadata.dtype_from_name(record["dtype"], path=path)
+    saved_shape = tuple(record["shape"])
+    if record["kind"] == "prng_key":
+        return target  # shape and dtype checked after wrapping
+    if like is None:
+        target.out_dtype = target.dtype
+        return target
+    if isinstance(like, (bool, int, float, complex)):
+        like_shape, like_dtype = (), np.asarray(like).dtype
+    elif isinstance(like, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+        like_shape, like_dtype = tuple(like.shape), like.dtype
+    else:
+        raise StructureError(
+            f"leaf {path!r}: expected like to hold an array, ShapeDtypeStruct, scalar or None, "
+            f"found {type(like).__name__}"
+        )
+    if jax.dtypes.issubdtype(like_dtype, jax.dtypes.prng_key):
+        raise StructureError(
+            f"leaf {path!r}: expected a PRNG key array (from like), "
+            f"found {record['dtype']}{list(saved_shape)} in the checkpoint"
+        )
+    if like_shape != saved_shape:
+        raise StructureError(
+            f"leaf {path!r}: shape mismatch: expected {like_shape} (from like), "
+            f"found {saved_shape} in the checkpoint"
+        )
+    target.out_dtype = np.dtype(like_dtype)
+    return target
+
+
+def _finish(target: _Target, host: np.ndarray) -> Any:
+    """Turns host data into the leaf's final form (cast, device placement, scalar)."""
+    record, like = target.record, target.like
+    kind = record["kind"]
+    host = host.reshape(record["shape"])
+    if kind == "prng_key":
+        keys = jax.random.wrap_key_data(host, impl=record["impl"])
+        if like is not None:
+            if tuple(like.shape) != keys.shape:
+                raise StructureError(
+                    f"leaf {record['path']!r}: shape mismatch: expected {tuple(like.shape)} "
+                    f"(from like), found {keys.shape} in the checkpoint"
+                )
+            sharding = getattr(like, "sharding", None)
+            if sharding is not None:
+                keys = jax.device_put(keys, sharding)
+        return keys
+    if host.dtype != target.out_dtype:
+        host = host.astype(target.out_dtype)
+    if like is None:
+        return _python_value(kind, host)
+    if isinstance(like, (bool, int, float, complex)):
+        return type(like)(host[()])
+    if isinstance(like, np.generic):
+        return host[()]
+    if isinstance(like, np.ndarray):
+        return host
+    sharding = like.sharding if isinstance(like, jax.Array) else getattr(like, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.device_put(host, sharding)
+
+
+def _python_value(kind: str, host: np.ndarray) -> Any:
+    if kind == "py_int":
+        return int(host[()])
+    if kind == "py_float":
+        return float(host[()])
+    if kind == "py_bool":
+        return bool(host[()])
+    if kind == "py_complex":
+        return complex(host[()])
+    if kind == "np_scalar":
+        return host[()]
+    return host
+
+
+def _sharding_of(target: _Target) -> Any:
+    like = target.like
+    if target.record["kind"] == "prng_key" or like is None:
+        return None
+    if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
+        return getattr(like, "sharding", None)
+    return None
+
+
+# -- reading ------------------------------------------------------------------------
+
+
+class _Reader:
+    """Issues tensorstore reads in order, keeping at most ``limit`` bytes in flight."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.pending: collections.deque = collections.deque()
+        self.in_flight = 0
+
+    def submit(self, future, nbytes: int, on_done, on_error) -> None:
+        self.pending.append((future, nbytes, on_done, on_error))
+        self.in_flight += nbytes
+        self.drain(self.limit)
+
+    def drain(self, to: int = 0) -> None:
+        while self.pending and self.in_flight > to:
+            future, nbytes, on_done, on_error = self.pending.popleft()
+            self.in_flight -= nbytes
+            try:
+                data = future.result()
+            except Exception as e:  # tensorstore raises ValueError with a status text
+                on_error(e)
+                continue
+            on_done(data)
+
+
+def _corrupt(paths: list[str], location: Location, error: Exception) -> CorruptCheckpointError:
+    shown = ", ".join(repr(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
+    noun = "leaf" if len(paths) == 1 else "leaves"
+    return CorruptCheckpointError(
+        f"{noun} {shown} in {location}: stored data is damaged or missing ({error})"
+    )
+
+
+def _read_targets(location: Location, doc: dict[str, Any], targets: list[_Target], limit: int):
+    reader = _Reader(limit)
+    errors: list[CorruptCheckpointError] = []
+    by_batch: dict[str, list[_Target]] = collections.defaultdict(list)
+
+    def fail(paths):
+        return lambda e: errors.append(_corrupt(paths, location, e))
+
+    for target in targets:
+        record = target.record
+        if record["kind"] == "none":
+            continue
+        if record["storage"]["type"] == "batch":
+            by_batch[record["storage"]["batch"]].append(target)
+            continue
+        spec = _save._array_spec(location, target.index, record)
+        store = _arrays.open_for_read(spec)
+        nbytes = int(np.prod(record["shape"], dtype=np.int64)) * target.dtype.itemsize
+        sharding = _sharding_of(target)
+        if sharding is None or sharding.is_fully_replicated or nbytes == 0:
+
+            def done(data, target=target):
+                target.result = _finish(target, data)
+
+            reader.submit(store.read(), nbytes, done, fail([record["path"]]))
+        else:
+            _read_shards(reader, store, target, sharding, fail([record["path"]]))
+    for name, members in by_batch.items():
+        _read_batch(reader, location, name, doc["batches"][name], members, fail, errors)
+    reader.drain(0)
+    if errors:
+        raise errors[0]
+
+
+def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) -> None:
+    """Reads only the regions this process's devices need; assembles a global jax.Array."""
+    shape = tuple(target.record["shape"])
+    by_index: dict[tuple, list] = collections.defaultdict(list)
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index)
+        by_index[key].append((device, index))
+    pieces: list[jax.Array] = []
+    remaining = [len(by_index)]
+    itemsize = target.dtype.itemsize
+
+    for devices in by_index.values():
+        index = devices[0][1]
+        region = store[index]
+        nbytes = int(np.prod(region.shape, dtype=np.int64)) * itemsize
+
+        def done(data, devices=devices):
+            if data.dtype != target.out_dtype:
+                data = data.astype(target.out_dtype)
+            pieces.extend(jax.device_put(data, device) for device, _ in devices)
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+        reader.submit(region.read(), nbytes, done, on_error)
+
+
+def _read_batch(reader, location, name, batch, members, fail, errors) -> None:
+    """Reads a batch of small leaves whole when most of it is needed, else leaf by leaf."""
+    dtype = _metadata.dtype_from_name(batch["dtype"])
+    store = _arrays.open_for_read(_save._batch_spec(location, name, batch))
+    needed = sum(t.record["storage"]["size"] for t in members)
+
+    def read_each(targets):
+        for target in targets:
+            off, size = target.record["storage"]["offset"], target.record["storage"]["size"]
+
+            def done(data, target=target):
+                target.result = _finish(target, data)
+
+            reader.submit(
+                store[off : off + size].read(),
+                size * dtype.itemsize,
+                done,
+                fail([target.record["path"]]),
+            )
+
+    if needed * 2 < batch["size"]:
+        read_each(members)
+        return
+
+    def done_all(data):
+        for target in members:
+            off, size = target.record["storage"]["offset"], target.record["storage"]["size"]
+            target.result = _finish(target, data[off : off + size])
+
+    def failed_all(error):
+        # Find which leaves sit in the damaged chunk(s): read them one by one.
+        before = len(errors)
+        read_each(members)
+        reader.drain(0)
+        if len(errors) == before:
+            errors.append(_corrupt([t.record["path"] for t in members], location, error))
+        else:
+            bad = [str(e) for e in errors[before:]]
+            del errors[before:]
+            paths = [
+                t.record["path"] for t in members if any(repr(t.record["path"]) in b for b in bad)
+            ]
+            errors.append(_corrupt(paths, location, error))
+
+    reader.submit(store.read(), batch["size"] * dtype.itemsize, done_all, failed_all)
+
+
+def restore(
+    path: Any,
+    like: Any = None,
+    *,
+    partial: bool = False,
+    memory_limit_bytes: int | None = None,
+) -> Any:
+    """Restores the checkpoint at ``path`` in the form of ``like`` (see module doc).
+
+    Raises:
+      CheckpointNotFoundError: nothing at ``path``.
+      NotCommittedError: a save to ``path`` never committed.
+      StructureError: ``like`` does not fit (missing or unexpected key, shape, dtype).
+      CorruptCheckpointError: a checksum failed or data is missing; names the leaf.
+    """
+    location = Location.from_path(path)
+    _save.wait_for_pending_save(location)
+    doc = read_document(location)
+    limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
+    records = {rec["path"]: (i, rec) for i, rec in enumerate(doc["leaves"])}
+    if like is None:
+        targets = [_make_target(i, rec, None) for i, rec in enumerate(doc["leaves"])]
+        _read_targets(location, doc, targets, limit)
+        items = [([tuple(k) for k in t.record["keys"]], t.result) for t in targets]
+        return _tree.rebuild(items)
+    flat, treedef = _tree.flatten(like)
+    missing = [p for p, _, _ in flat if p not in records]
+    if missing:
+        raise StructureError(
+            f"leaf {missing[0]!r}: expected by like, found no such key in the checkpoint "
+            f"at {location}" + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else "")
+        )
+    if not partial:
+        wanted = {p for p, _, _ in flat}
+        unexpected = [p for p in records if p not in wanted]
+        if unexpected:
+            raise StructureError(
+                f"leaf {unexpected[0]!r}: unexpected key: found in the checkpoint at {location} "
+                f"but not in like"
+                + (f" ({len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                + "; pass partial=True to restore a subtree"
+            )
+    targets = [_make_target(*records[p], leaf) for p, _, leaf in flat]
+    _read_targets(location, doc, targets, limit)
+    return _tree.unflatten(treedef, [t.result for t in targets])

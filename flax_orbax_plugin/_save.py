@@ -1,0 +1,497 @@
+"""Saving a pytree: validation, host snapshot, background write, atomic commit.
+
+Call order, on every process (SPMD: all processes call ``save_async`` with the
+same tree structure in the same order):
+
+1. Blocking phase, on the caller's thread: wait for the previous save (re-raise
+   its unreported error), flatten and validate the tree, plan the layout, start
+   every device-to-host copy and wait for them (one host copy of the bytes this
+   process writes), then return a :class:`SaveHandle`. From here on the caller
+   may donate or overwrite the saved arrays.
+2. Background phase, on one non-daemon thread: the primary prepares the target,
+   every process writes its own chunks through tensorstore within the host-memory
+   budget (each file fsynced), every process reports its status and meets at a
+   barrier; the primary writes ``_METADATA.json`` and the ``_COMMITTED`` marker
+   and renames the temporary sibling into place (local disk) or leaves the marker
+   as the commit (object stores). A failure anywhere removes the temporary
+   directory; earlier checkpoints are never touched.
+
+Only one save runs at a time in a process; a second ``save_async`` waits for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+import uuid
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _arrays, _distributed, _metadata, _tree
+from ._errors import CheckpointError, StructureError
+from ._metadata import COMMIT_FILE, METADATA_FILE
+from ._storage import Location
+
+SMALL_LEAF_BYTES = 1 << 20  # unpartitioned leaves up to this size are batched
+DEFAULT_MEMORY_LIMIT_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResult:
+    """Figures of one finished save, as seen by this process."""
+
+    path: str
+    blocking_seconds: float
+    total_seconds: float
+    bytes_written: int  # array bytes this process wrote
+
+    @property
+    def gigabytes_per_second(self) -> float:
+        return self.bytes_written / max(self.total_seconds, 1e-9) / 1e9
+
+
+class SaveHandle:
+    """A save whose background phase may still run. ``wait()`` re-raises its error.
+
+    Thread-safety: ``wait`` and ``done`` may be called from any thread.
+    """
+
+    def __init__(self, location: Location, target: Any):
+        self.location = location
+        self.path = str(location)
+        self._target = target
+        self._thread = threading.Thread(target=self._run, name="fop-save", daemon=False)
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def _start(self) -> SaveHandle:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self._result = self._target()
+        except BaseException as e:  # noqa: BLE001  (re-raised on wait)
+            e.add_note(f"raised by the background phase of the save to {self.path}")
+            self._error = e
+        finally:
+            self._target = None  # drop the host snapshot
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Blocks until the save is committed; raises its error if it failed."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"save to {self.path} still running after {timeout}s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+_IN_FLIGHT: SaveHandle | None = None
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def wait_for_pending_save(location: Location | None = None) -> None:
+    """Waits for the in-flight save (only if it targets ``location``, when given).
+
+    Re-raises its error unless ``wait()`` already reported it.
+    """
+    handle = _IN_FLIGHT
+    if handle is None or (location is not None and handle.location != location):
+        return
+    handle._thread.join()
+    if handle._error is not None and not handle._reported:
+        handle._reported = True
+        raise handle._error
+
+
+def save(path: Any, tree: Any, *, force: bool = False, memory_limit_bytes: int | None = None):
+    """Saves ``tree`` to ``path``; durable and committed on return.
+
+    See :func:`save_async` for the arguments.
+    """
+    return save_async(path, tree, force=force, memory_limit_bytes=memory_limit_bytes).wait()
+
+
+def save_async(
+    path: Any,
+    tree: Any,
+    *,
+    force: bool = False,
+    memory_limit_bytes: int | None = None,
+) -> SaveHandle:
+    """Starts saving ``tree`` to ``path``; returns once the tree is snapshotted to host.
+
+    Args:
+      path: a local directory, an ``s3://``/``gs://`` URL or a tensorstore kvstore spec.
+        It must not hold a committed checkpoint unless ``force``.
+      tree: dicts, lists, tuples, NamedTuples, registered dataclasses; leaves are
+        jax.Arrays (any sharding), numpy arrays, numpy or Python scalars, typed PRNG
+        key arrays, or None.
+      force: replace a committed checkpoint at ``path``.
+      memory_limit_bytes: bound on bytes handed to tensorstore and not yet written.
+
+    Returns:
+      A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
+    """
+    global _IN_FLIGHT
+    with _IN_FLIGHT_LOCK:
+        wait_for_pending_save()
+        start = time.perf_counter()
+        location = Location.from_path(path)
+        op = _distributed.next_operation_id("save")
+        plan = _Plan.build(tree)
+        _check_target(location, force)
+        plan.snapshot()
+        nonce = _distributed.broadcast_str(f"{op}/nonce", uuid.uuid4().hex[:12])
+        blocking = time.perf_counter() - start
+        limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
+
+        def background() -> SaveResult:
+            written = _write_and_commit(location, plan, op, nonce, force, limit)
+            return SaveResult(str(location), blocking, time.perf_counter() - start, written)
+
+        _IN_FLIGHT = SaveHandle(location, background)._start()
+        return _IN_FLIGHT
+
+
+def is_committed(path: Any) -> bool:
+    """True when ``path`` holds a committed checkpoint."""
+    return Location.from_path(path).exists(COMMIT_FILE)
+
+
+# -- planning -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Leaf:
+    index: int
+    path: str
+    keys: list
+    kind: str
+    value: Any  # jax.Array / np.ndarray / None, after scalar and key conversion
+    record: dict[str, Any]
+    writes: list[tuple[tuple[slice, ...], np.ndarray]] = dataclasses.field(default_factory=list)
+
+
+def _classify(path: str, leaf: Any) -> tuple[str, Any, dict[str, Any]]:
+    """(kind, array-like value, extra record fields) for one leaf; errors name the path."""
+    if leaf is None:
+        return "none", None, {}
+    if isinstance(leaf, jax.Array):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            impl = str(jax.random.key_impl(leaf))
+            return "prng_key", jax.random.key_data(leaf), {"impl": impl}
+        return "array", leaf, {}
+    if isinstance(leaf, bool):
+        return "py_bool", np.asarray(leaf, dtype=np.bool_), {}
+    if isinstance(leaf, int):
+        if not -(2**63) <= leaf < 2**63:
+            raise StructureError(f"leaf {path!r}: expected an int that fits int64, found {leaf}")
+        return "py_int", np.asarray(leaf, dtype=np.int64), {}
+    if isinstance(leaf, float):
+        return "py_float", np.asarray(leaf, dtype=np.float64), {}
+    if isinstance(leaf, complex):
+        return "py_complex", np.asarray(leaf, dtype=np.complex128), {}
+    if isinstance(leaf, np.generic):
+        return "np_scalar", np.asarray(leaf), {}
+    if isinstance(leaf, np.ndarray):
+        return "array", leaf, {}
+    raise StructureError(
+        f"leaf {path!r}: expected a jax.Array, numpy array, scalar or None, "
+        f"found {type(leaf).__module__}.{type(leaf).__qualname__}"
+    )
+
+
+def _writer_process(value: Any) -> int:
+    """Process that writes an unpartitioned leaf: the owner of replica 0."""
+    if isinstance(value, jax.Array):
+        first_device = next(iter(value.sharding.devices_indices_map(value.shape)))
+        return first_device.process_index
+    return 0
+
+
+def _is_partitioned(value: Any) -> bool:
+    return isinstance(value, jax.Array) and not value.sharding.is_fully_replicated
+
+
+class _Plan:
+    """The layout of one save, identical on every process, plus this process's snapshot."""
+
+    def __init__(self, leaves: list[_Leaf], batches: dict[str, dict[str, Any]]):
+        self.leaves = leaves
+        self.batches = batches
+        self.batch_buffers: dict[str, np.ndarray] = {}
+
+    @classmethod
+    def build(cls, tree: Any) -> _Plan:
+        flat, _ = _tree.flatten(tree)
+        leaves: list[_Leaf] = []
+        batches: dict[str, dict[str, Any]] = {}
+        for index, (path, keys, raw) in enumerate(flat):
+            kind, value, extra = _classify(path, raw)
+            record: dict[str, Any] = {"path": path, "keys": [list(k) for k in keys], "kind": kind}
+            record.update(extra)
+            if kind != "none":
+                dtype = np.dtype(value.dtype)
+                if dtype.name not in _metadata.SUPPORTED_DTYPES:
+                    raise StructureError(
+                        f"leaf {path!r}: expected a dtype in {sorted(_metadata.SUPPORTED_DTYPES)}, "
+                        f"found {dtype}"
+                    )
+                shape = tuple(int(s) for s in value.shape)
+                record["shape"] = list(shape)
+                record["dtype"] = dtype.name
+                sharding = value.sharding if isinstance(value, jax.Array) else None
+                record["sharding"] = _metadata.describe_sharding(sharding)
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                if nbytes <= SMALL_LEAF_BYTES and not _is_partitioned(value):
+                    process = _writer_process(value)
+                    name = _metadata.batch_name(process, dtype.name)
+                    batch = batches.setdefault(
+                        name,
+                        {
+                            "dtype": dtype.name,
+                            "process": process,
+                            "size": 0,
+                            "chunk": max(1, _arrays.BATCH_CHUNK_BYTES // dtype.itemsize),
+                        },
+                    )
+                    size = nbytes // dtype.itemsize
+                    record["storage"] = {
+                        "type": "batch",
+                        "batch": name,
+                        "offset": batch["size"],
+                        "size": size,
+                    }
+                    batch["size"] += size
+                else:
+                    shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
+                    chunk = _arrays.chunk_shape(
+                        shard_shape, dtype.itemsize, must_divide=_is_partitioned(value)
+                    )
+                    record["storage"] = {"type": "array", "chunk_shape": chunk}
+            leaves.append(_Leaf(index, path, keys, kind, value, record))
+        for batch in batches.values():
+            batch["size"] = max(1, batch["size"])
+        return cls(leaves, batches)
+
+    def snapshot(self) -> None:
+        """Copies every byte this process writes to host memory (blocking phase)."""
+        me = _distributed.process_index()
+        owned: list[tuple[_Leaf, Any]] = []
+        for leaf in self.leaves:
+            if leaf.kind == "none":
+                continue
+            storage = leaf.record["storage"]
+            if storage["type"] == "batch":
+                if self.batches[storage["batch"]]["process"] == me:
+                    owned.append((leaf, None))
+            elif isinstance(leaf.value, jax.Array):
+                for shard in leaf.value.addressable_shards:
+                    if shard.replica_id == 0:
+                        owned.append((leaf, shard))
+            elif me == 0:
+                owned.append((leaf, None))
+        for _, shard in owned:  # start all device-to-host copies before waiting on any
+            if shard is not None and shard.device.platform != "cpu":
+                shard.data.copy_to_host_async()
+        for name, batch in self.batches.items():
+            if batch["process"] == me:
+                dtype = _metadata.dtype_from_name(batch["dtype"])
+                self.batch_buffers[name] = np.empty(batch["size"], dtype=dtype)
+        for leaf, shard in owned:
+            storage = leaf.record["storage"]
+            if storage["type"] == "batch":
+                buf = self.batch_buffers[storage["batch"]]
+                off, size = storage["offset"], storage["size"]
+                buf[off : off + size] = _host_view(leaf.value).reshape(-1)
+            elif shard is not None:
+                leaf.writes.append((shard.index, _host_copy(shard.data)))
+            else:
+                full = tuple(slice(None) for _ in leaf.value.shape)
+                leaf.writes.append((full, np.array(leaf.value, copy=True)))
+        for leaf in self.leaves:
+            leaf.value = None  # the snapshot is all the background phase needs
+
+    def document(self) -> dict[str, Any]:
+        return _metadata.new_document([leaf.record for leaf in self.leaves], self.batches)
+
+    def array_specs(self, root: Location):
+        for leaf in self.leaves:
+            if leaf.kind != "none" and leaf.record["storage"]["type"] == "array":
+                yield leaf, _array_spec(root, leaf.index, leaf.record)
+
+    def batch_specs(self, root: Location):
+        for name, batch in self.batches.items():
+            yield name, _batch_spec(root, name, batch)
+
+
+def _array_spec(root: Location, index: int, record: dict[str, Any]) -> dict[str, Any]:
+    dtype = _metadata.dtype_from_name(record["dtype"], path=record["path"])
+    return _arrays.spec(
+        root,
+        f"d/{int(index)}",
+        record["shape"],
+        record["dtype"],
+        record["storage"]["chunk_shape"],
+        dtype.itemsize,
+    )
+
+
+def _batch_spec(root: Location, name: str, batch: dict[str, Any]) -> dict[str, Any]:
+    dtype = _metadata.dtype_from_name(batch["dtype"])
+    return _arrays.spec(
+        root,
+        f"b/{_metadata.batch_name(int(batch['process']), batch['dtype'])}",
+        [batch["size"]],
+        batch["dtype"],
+        [batch["chunk"]],
+        dtype.itemsize,
+    )
+
+
+def _host_view(value: Any) -> np.ndarray:
+    """Host data of an unpartitioned leaf (a view where possible; copied by the caller)."""
+    if isinstance(value, jax.Array):
+        for shard in value.addressable_shards:
+            if shard.replica_id == 0:
+                return np.asarray(shard.data)
+        raise AssertionError("writer process holds no replica 0")
+    return np.asarray(value)
+
+
+def _host_copy(data: jax.Array) -> np.ndarray:
+    """A host copy that no later donation or in-place update of ``data`` can change."""
+    if data.device.platform == "cpu":
+        return np.array(data, copy=True)  # np.asarray would alias the device buffer
+    return np.asarray(data)  # a fresh host buffer already
+
+
+# -- background phase -------------------------------------------------------------------
+
+
+def _check_target(location: Location, force: bool) -> None:
+    if not force and _distributed.is_primary() and location.exists(COMMIT_FILE):
+        raise CheckpointError(
+            f"{location} already holds a committed checkpoint; pass force=True to replace it"
+        )
+
+
+def _staging(location: Location, nonce: str) -> Location:
+    if location.supports_rename:
+        return location.sibling(f"{location.name}.partial-{nonce}")
+    return location
+
+
+def _write_and_commit(
+    location: Location, plan: _Plan, op: str, nonce: str, force: bool, limit: int
+) -> int:
+    staging = _staging(location, nonce)
+    primary = _distributed.is_primary()
+    if primary and not location.supports_rename:
+        if force or location.is_dir():
+            location.remove()  # no marker was there (checked), or force: start clean
+    _distributed.barrier(f"{op}/prepared")
+    error: BaseException | None = None
+    written = 0
+    try:
+        written = _write_data(staging, plan, primary, limit)
+    except BaseException as e:  # noqa: BLE001  (reported to every process below)
+        error = e
+    status = "ok" if error is None else f"error: {type(error).__name__}: {error}"
+    _distributed.publish(f"{op}/status", status)
+    _distributed.barrier(f"{op}/written")
+    if primary:
+        statuses = (
+            _distributed.gather_str(f"{op}/status")
+            if _distributed.process_count() > 1
+            else [status]
+        )
+        failed = [f"process {p}: {s}" for p, s in enumerate(statuses) if s != "ok"]
+        outcome = "committed"
+        if failed:
+            outcome = "not committed; " + "; ".join(failed)
+            staging.remove()
+        else:
+            try:
+                _commit(location, staging, plan, nonce, force)
+            except BaseException as e:  # noqa: BLE001
+                staging.remove()
+                error = error or e
+                outcome = f"not committed; commit failed: {e}"
+        _distributed.broadcast_str(f"{op}/outcome", outcome)
+    else:
+        outcome = _distributed.broadcast_str(f"{op}/outcome", None)
+    _distributed.barrier(f"{op}/done")
+    if error is not None:
+        raise error
+    if outcome != "committed":
+        raise CheckpointError(f"save to {location} failed: {outcome}")
+    return written
+
+
+def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> int:
+    """Writes this process's chunks (and, on the primary, every zarr.json)."""
+    pending: collections.deque = collections.deque()
+    in_flight = 0
+    written = 0
+
+    def drain(to: int) -> None:
+        nonlocal in_flight
+        while pending and in_flight > to:
+            future, nbytes = pending.popleft()
+            future.result()
+            in_flight -= nbytes
+
+    if primary:
+        creates = [_arrays.create(spec) for _, spec in plan.array_specs(staging)]
+        creates += [_arrays.create(spec) for _, spec in plan.batch_specs(staging)]
+        for future in creates:
+            future.result()
+    jobs = [(spec, leaf.writes) for leaf, spec in plan.array_specs(staging) if leaf.writes]
+    for name, spec in plan.batch_specs(staging):
+        if name in plan.batch_buffers:
+            full = (slice(None),)
+            jobs.append((spec, [(full, plan.batch_buffers.pop(name))]))
+    for spec, writes in jobs:
+        store = _arrays.open_for_write(spec)
+        while writes:
+            index, data = writes.pop()
+            if data.size:
+                future = store[index].write(data, can_reference_source_data_indefinitely=True)
+                pending.append((future.commit, data.nbytes))
+                in_flight += data.nbytes
+                written += data.nbytes
+            del data
+            drain(limit)
+    drain(0)
+    return written
+
+
+def _commit(location: Location, staging: Location, plan: _Plan, nonce: str, force: bool) -> None:
+    """Primary only: metadata, marker last, then the atomic rename on local disk."""
+    staging.write_json(METADATA_FILE, plan.document())
+    staging.fsync_tree()
+    staging.write_json(COMMIT_FILE, {"committed_at": time.time()})
+    if not location.supports_rename:
+        return
+    old = None
+    if location.is_dir():
+        if not force and location.exists(COMMIT_FILE):
+            raise CheckpointError(f"{location} was committed by someone else meanwhile")
+        old = location.sibling(f"{location.name}.old-{nonce}")
+        location.rename(old)
+    staging.rename(location)
+    if old is not None:
+        old.remove()

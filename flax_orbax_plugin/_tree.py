@@ -1,0 +1,84 @@
+"""Pytree paths: flatten a tree into named leaves and rebuild a tree from names.
+
+A leaf's *path* is its key path joined by '/', e.g. ``params/Dense_0/kernel`` or
+``opt_state/0/mu/w``. Path components escape '%' and '/' so that a path names
+exactly one leaf. ``None`` is kept as a leaf (jax drops it by default) so that
+a saved tree comes back with the same structure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+KeyEntry = tuple[str, Any]  # ("dict" | "seq" | "attr" | "flat", key)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _encode_key(entry: Any) -> KeyEntry:
+    if isinstance(entry, jax.tree_util.DictKey):
+        key = entry.key
+        if not isinstance(key, (str, int)) or isinstance(key, bool):
+            raise TypeError(f"dict keys must be str or int to be saved, found {key!r}")
+        return ("dict", key)
+    if isinstance(entry, jax.tree_util.SequenceKey):
+        return ("seq", entry.idx)
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+        return ("attr", entry.name)
+    if isinstance(entry, jax.tree_util.FlattenedIndexKey):
+        return ("flat", entry.key)
+    raise TypeError(f"unsupported pytree key {entry!r}")
+
+
+def _escape(part: Any) -> str:
+    return str(part).replace("%", "%25").replace("/", "%2F")
+
+
+def path_string(keys: list[KeyEntry] | tuple[KeyEntry, ...]) -> str:
+    """The display and matching form of a key path."""
+    return "/".join(_escape(k) for _, k in keys) if keys else "<root>"
+
+
+def flatten(tree: Any) -> tuple[list[tuple[str, list[KeyEntry], Any]], Any]:
+    """Returns ``([(path, keys, leaf), ...], treedef)`` with None kept as a leaf."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    out = []
+    seen: set[str] = set()
+    for keypath, leaf in flat:
+        keys = [_encode_key(k) for k in keypath]
+        path = path_string(keys)
+        if path in seen:
+            raise ValueError(f"two leaves share the path {path!r}")
+        seen.add(path)
+        out.append((path, keys, leaf))
+    return out, treedef
+
+
+def unflatten(treedef: Any, leaves: list[Any]) -> Any:
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def rebuild(items: Iterator[tuple[list[KeyEntry], Any]]) -> Any:
+    """Builds nested dicts/lists from ``(keys, value)`` pairs (restore without ``like``).
+
+    Dict and attribute keys become dicts, sequence and flattened-index keys lists.
+    """
+    root: list[Any] = [None]
+    for keys, value in items:
+        node, slot = root, 0
+        for kind, key in keys:
+            if node[slot] is None:
+                node[slot] = [] if kind in ("seq", "flat") else {}
+            container = node[slot]
+            if isinstance(container, list):
+                container.extend([None] * (key + 1 - len(container)))
+            else:
+                container.setdefault(key, None)
+            node, slot = container, key
+        node[slot] = value
+    return root[0]
