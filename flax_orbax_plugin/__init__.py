@@ -8,6 +8,7 @@ The core (one pytree):
     info = fop.metadata(path)            # leaves, shapes, dtypes, shardings; no data read
 """
 
+from ._callback import CheckpointCallback, SaveFigures
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -21,6 +22,8 @@ from ._restore import metadata, restore
 from ._save import SaveHandle, SaveResult, is_committed, save, save_async
 
 __all__ = [
+    "CheckpointCallback",
+    "SaveFigures",
     "CheckpointError",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
