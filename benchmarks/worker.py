@@ -1,0 +1,189 @@
+"""One measured operation in a fresh process; prints ``RESULT {json}`` as its last line.
+
+Started by the drivers through ``common.run_worker``; not meant to be run by hand,
+though it can be (``python benchmarks/worker.py save --lib fop --workload b --path X``).
+
+Operations:
+  save     build the workload's tree as jax arrays, then an async save:
+           blocking = until save_async returns, total = until durable.
+           ``--lib raw`` instead times one host copy of the tree (the blocking
+           reference) and writing the same bytes to one file with one fsync.
+  restore  drop the page cache, then restore the whole tree (``--params``: only the
+           params subtree) onto ``--target`` ('single', '4x2', ...); report time,
+           peak RSS above the pre-restore RSS, and bytes read from disk.
+  train    see train_loop.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common as C  # noqa: E402
+
+
+def _leaves(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def _tiny_tree():
+    import jax.numpy as jnp
+
+    return {"params": {"w": jnp.arange(16.0).reshape(4, 4)}, "x": jnp.ones(8)}
+
+
+def _warm_up(adapter, root: str) -> None:
+    """One tiny save and restore so one-time setup is not timed."""
+    import jax
+
+    path = os.path.join(root, "warmup")
+    C.rmtree(path)
+    os.makedirs(root, exist_ok=True)
+    tree = _tiny_tree()
+    adapter.save_async(path, tree).wait()
+    like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                 sharding=x.sharding), tree)
+    jax.block_until_ready(adapter.restore(path, like))
+    jax.block_until_ready(adapter.restore_params(path, like["params"]))
+    C.rmtree(path)
+
+
+def op_save(a) -> dict:
+    import jax
+    import numpy as np
+
+    specs = C.tree_specs(a.workload)
+    layout = "2x4" if a.workload == "c" else "single"
+    C.rmtree(a.path)
+    os.makedirs(os.path.dirname(a.path), exist_ok=True)
+    adapter = None
+    if a.lib != "raw":
+        from peers import get_adapter
+
+        adapter = get_adapter(a.lib)
+        _warm_up(adapter, os.path.dirname(a.path))
+    tree = C.build_jax_tree(specs, layout)
+    nbytes = C.total_bytes(specs)
+    os.sync()
+    time.sleep(0.2)
+    C.reset_peak_rss()
+    rss0 = C.rss_bytes()
+    io0 = C.io_counters()
+    res: dict = {"op": "save", "lib": a.lib, "workload": a.workload, "tree_bytes": nbytes}
+    if a.lib == "raw":
+        t0 = time.perf_counter()
+        snap = [np.array(x, copy=True) for _, x in _leaves(tree)]
+        t1 = time.perf_counter()
+        C.raw_write(a.path, snap)
+        t2 = time.perf_counter()
+        res.update(host_copy_s=t1 - t0, blocking_s=t1 - t0, total_s=t2 - t1,
+                   raw_write_s=t2 - t1)
+    else:
+        t0 = time.perf_counter()
+        w = adapter.save_async(a.path, tree)
+        t1 = time.perf_counter()
+        res.update(w.wait() or {})
+        t2 = time.perf_counter()
+        if adapter.harness_fsync:
+            C.fsync_tree(a.path)
+            t3 = time.perf_counter()
+            res.update(harness_fsync_s=t3 - t2)
+        else:
+            t3 = t2
+            C.fsync_tree(a.path)  # should find nothing dirty: durable on return
+            res.update(residual_fsync_s=time.perf_counter() - t2)
+        res.update(blocking_s=t1 - t0, total_s=t3 - t0)
+    io1 = C.io_counters()
+    res.update(
+        peak_rss_delta=C.peak_rss_bytes() - rss0,
+        peak_rss_abs=C.peak_rss_bytes(),
+        write_bytes=io1["write_bytes"] - io0["write_bytes"],
+    )
+    res["disk_bytes"], res["disk_alloc_bytes"] = C.disk_usage(a.path)
+    del tree
+    return res
+
+
+def op_restore(a) -> dict:
+    import jax
+
+    specs = C.tree_specs(a.workload)
+    if a.params:
+        specs = C.params_specs(specs)
+    nbytes = C.total_bytes(specs)
+    adapter = None
+    if a.lib != "raw":
+        from peers import get_adapter
+
+        adapter = get_adapter(a.lib)
+        _warm_up(adapter, os.path.join(os.path.dirname(a.path), "warm_r"))
+        like = C.build_like(specs, a.target)
+        if a.params:
+            like = like["params"]
+    C.drop_caches()
+    time.sleep(0.2)
+    C.reset_peak_rss()
+    rss0 = C.rss_bytes()
+    io0 = C.io_counters()
+    t0 = time.perf_counter()
+    if a.lib == "raw":
+        out = C.raw_read(a.path, nbytes if a.params else None)  # params come first
+    elif a.params:
+        out = adapter.restore_params(a.path, like)
+        jax.block_until_ready(out)
+    else:
+        out = adapter.restore(a.path, like)
+        jax.block_until_ready(out)
+    t1 = time.perf_counter()
+    io1 = C.io_counters()
+    res = {
+        "op": "params" if a.params else "restore",
+        "lib": a.lib,
+        "workload": a.workload,
+        "target": a.target,
+        "restored_bytes": nbytes,
+        "time_s": t1 - t0,
+        "read_bytes": io1["read_bytes"] - io0["read_bytes"],
+        "peak_rss_delta": C.peak_rss_bytes() - rss0,
+        "peak_rss_abs": C.peak_rss_bytes(),
+    }
+    if a.verify and a.lib != "raw":
+        wanted = C.params_specs(C.tree_specs(a.workload)) if a.params else specs
+        if a.params:
+            out = {"params": out}
+        C.verify(out, wanted)
+        res["verified"] = True
+        if a.target not in ("single",):
+            want_sh = C.build_like(wanted, a.target)
+            bad = [C.flat_key(p) for p, x in _leaves(out)
+                   if not x.sharding.is_equivalent_to(C.get_path(want_sh, p).sharding, x.ndim)]
+            res["sharding_ok"] = not bad
+    return res
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("op", choices=["save", "restore"])
+    p.add_argument("--lib", required=True)
+    p.add_argument("--workload", required=True, choices=list(C.WORKLOADS))
+    p.add_argument("--path", required=True)
+    p.add_argument("--target", default="single")
+    p.add_argument("--params", action="store_true")
+    p.add_argument("--verify", action="store_true")
+    a = p.parse_args(argv)
+    a.path = os.path.abspath(a.path)
+    res = op_save(a) if a.op == "save" else op_restore(a)
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
