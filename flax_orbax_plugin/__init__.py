@@ -9,6 +9,7 @@ The core (one pytree):
 """
 
 from ._callback import CheckpointCallback, SaveFigures
+from ._checkpointables import Checkpointable
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -17,6 +18,7 @@ from ._errors import (
     NotCommittedError,
     StructureError,
 )
+from ._manager import CheckpointManager, UnknownItemError, restore_params
 from ._metadata import CheckpointMetadata, LeafMetadata
 from ._restore import metadata, restore
 from ._save import SaveHandle, SaveResult, is_committed, save, save_async
@@ -25,6 +27,8 @@ __all__ = [
     "CheckpointCallback",
     "SaveFigures",
     "CheckpointError",
+    "CheckpointManager",
+    "Checkpointable",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
     "CoordinationError",
@@ -34,9 +38,11 @@ __all__ = [
     "SaveHandle",
     "SaveResult",
     "StructureError",
+    "UnknownItemError",
     "is_committed",
     "metadata",
     "restore",
+    "restore_params",
     "save",
     "save_async",
 ]

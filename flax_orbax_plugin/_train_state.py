@@ -72,13 +72,13 @@ def _split_nnx(x: Any, kind: str) -> dict[str, Any]:
     nnx = _nnx()
     if kind == "optimizer":
         # Static parts (tx, wrt) are attributes, not state: never written.
-        return dict(nnx.state(x).to_pure_dict())
+        return dict(nnx.to_pure_dict(nnx.state(x)))
     if kind == "module":
         parts = nnx.state(x, *_module_filters())
     else:
-        parts = x.filter(*_module_filters())
+        parts = nnx.filter_state(x, *_module_filters())
     return {
-        name: part.to_pure_dict()
+        name: nnx.to_pure_dict(part)
         for name, part in zip(_NNX_MODULE_ITEMS, parts, strict=True)
         if len(part) > 0
     }
@@ -88,7 +88,7 @@ def _merge_nnx(like: Any, kind: str, restored: Mapping[str, Any]) -> Any:
     nnx = _nnx()
     if kind == "optimizer":
         state = nnx.state(like)
-        pure = dict(state.to_pure_dict())
+        pure = dict(nnx.to_pure_dict(state))
         pure.update({k: v for k, v in restored.items() if k in pure})
         nnx.replace_by_pure_dict(state, pure)
         nnx.update(like, state)
@@ -96,7 +96,7 @@ def _merge_nnx(like: Any, kind: str, restored: Mapping[str, Any]) -> Any:
     if kind == "module":
         parts = nnx.state(like, *_module_filters())
     else:
-        parts = like.filter(*_module_filters())
+        parts = nnx.filter_state(like, *_module_filters())
     new_parts = []
     for name, part in zip(_NNX_MODULE_ITEMS, parts, strict=True):
         if name in restored and len(part) > 0:
@@ -107,7 +107,7 @@ def _merge_nnx(like: Any, kind: str, restored: Mapping[str, Any]) -> Any:
             if len(part) > 0:
                 nnx.update(like, part)
         return like
-    return nnx.State.merge(*new_parts)
+    return nnx.merge_state(*new_parts)
 
 
 def split_state(state: Any) -> dict[str, Any]:
