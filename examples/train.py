@@ -68,6 +68,7 @@ def train_and_evaluate(config):
     model = model_lib.make_model(config, data.NUM_CLASSES)
     state = model_lib.create_train_state(config, model, data.NUM_FEATURES)
     writer = PrintWriter()
+    last_scalars: dict[str, float] = {}
 
     ckpt = config.checkpoint
     callback = fop.CheckpointCallback(
@@ -77,6 +78,7 @@ def train_and_evaluate(config):
         resume=ckpt.resume,
         async_save=ckpt.async_save,
         writer=writer,
+        extras_fn=lambda step, state: dict(last_scalars),  # metrics shown by `flax-orbax list`
     )
     state = callback.on_train_start(state, data_iterator=it)
     first_step = int(state.step) + 1
@@ -89,12 +91,13 @@ def train_and_evaluate(config):
     for step in range(first_step, config.num_train_steps + 1):
         state, step_metrics = train_step(state, next(it))
         window = step_metrics if window is None else window.merge(step_metrics)
-        callback.on_step_end(step, state)
         if step % config.log_every_steps == 0 or step == config.num_train_steps:
-            scalars = window.compute()
+            scalars = {k: float(v) for k, v in window.compute().items()}
+            last_scalars.update(scalars)
             scalars["steps_per_sec"] = config.log_every_steps / (time.perf_counter() - t0)
             writer.write_scalars(step, scalars)
             window, t0 = None, time.perf_counter()
+        callback.on_step_end(step, state)
     callback.on_train_end(state)
     return state
 
