@@ -17,6 +17,11 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# The main job: train, SIGKILL mid-run, resume from the config flag, serve, and
+# check the final params equal an uninterrupted run's bit for bit.
+demo: $(STAMP)
+	$(BIN)/python examples/main_job.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
