@@ -1,0 +1,478 @@
+"""CheckpointManager and restore_params, against the real core, grain and flax."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin._checkpointables import JsonCheckpointable
+from flax_orbax_plugin._lock import DirectoryLockedError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---------------------------------------------------------------- a real training loop
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dense(1)(nn.relu(x))
+
+
+class BNState(train_state.TrainState):
+    batch_stats: Any = None
+
+
+def make_state():
+    model = MLP()
+    variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+    return BNState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=optax.adam(1e-2),
+        batch_stats=variables["batch_stats"],
+    )
+
+
+@jax.jit
+def train_step(state, batch):
+    x = batch[:, :3]
+    y = batch[:, 3:]
+
+    def loss_fn(params):
+        out, updates = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats},
+            x,
+            mutable=["batch_stats"],
+        )
+        return jnp.mean((out - y) ** 2), updates
+
+    (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+    return state, loss
+
+
+def make_iterator():
+    rows = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
+    ds = grain.MapDataset.source(rows).shuffle(seed=7).batch(8, drop_remainder=True).repeat(3)
+    return iter(ds.to_iter_dataset())
+
+
+TOTAL = 30
+
+
+def run(state, it, steps, mngr=None, seen=None):
+    for _ in steps:
+        batch = next(it)
+        if seen is not None:
+            seen.append(np.asarray(batch).copy())
+        state, _ = train_step(state, batch)
+        step = int(state.step)
+        if mngr is not None:
+            mngr.save(step, state, data_iterator=it)
+    return state
+
+
+def test_interrupted_grain_run_resumes_bit_identically(tmp_path):
+    reference_batches = []
+    reference = run(make_state(), make_iterator(), range(TOTAL), seen=reference_batches)
+
+    seen = []
+    it = make_iterator()
+    with fop.CheckpointManager(tmp_path, keep=2, save_every_steps=4) as mngr:
+        run(make_state(), it, range(14), mngr, seen)  # "crashes" after step 14; last save 12
+    assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [8, 12]
+    del seen[12:]  # steps 13 and 14 are lost with the crash
+
+    it = make_iterator()
+    with fop.CheckpointManager(tmp_path, keep=2, save_every_steps=4) as mngr:
+        abstract = jax.eval_shape(make_state)
+        state = mngr.restore(like=abstract, data_iterator=it)
+        assert int(state.step) == 12 and state.apply_fn is abstract.apply_fn
+        state = run(state, it, range(TOTAL - 12), mngr, seen)
+
+    assert len(seen) == TOTAL
+    for a, b in zip(seen, reference_batches, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(state.params, reference.params)
+    assert_trees_equal(state.batch_stats, reference.batch_stats)
+    assert_trees_equal(state.opt_state, reference.opt_state)
+
+
+# ---------------------------------------------------------------- policy and retention
+
+
+def tiny(step):
+    return {"params": {"w": np.full((4,), step, np.float32)}}
+
+
+def test_retention_after_50_saves_keeps_exactly_the_expected_steps(tmp_path):
+    opts = dict(keep=3, keep_every=10, keep_best=2, best_metric="loss", best_mode="min")
+
+    def loss(s):
+        return abs(s - 17) + 0.5  # best: 17, then 16 and 18 tie -> the newer, 18
+
+    for lo, hi in [(0, 25), (25, 50)]:  # two managers: metrics of old steps come from disk
+        with fop.CheckpointManager(tmp_path, **opts) as mngr:
+            for s in range(lo, hi):
+                assert mngr.save(s, tiny(s), extras={"loss": loss(s)})
+                assert mngr.latest_step() in ((s - 1, s) if s else (None, 0))  # s in flight
+            mngr.wait()
+            assert mngr.latest_step() == hi - 1
+    expected = [0, 10, 17, 18, 20, 30, 40, 47, 48, 49]
+    assert fop.CheckpointManager(tmp_path, read_only=True).steps() == expected
+    assert sorted(os.listdir(tmp_path)) == sorted([str(s) for s in expected] + [".writer.lock"])
+
+
+def test_best_by_max(tmp_path):
+    with fop.CheckpointManager(
+        tmp_path, keep_best=2, best_metric="acc", best_mode="max", async_save=False
+    ) as mngr:
+        for s, acc in enumerate([0.1, 0.9, 0.5, 0.8, 0.2]):
+            mngr.save(s, tiny(s), extras={"acc": acc})
+        mngr.wait()
+        assert mngr.steps() == [1, 3, 4]  # best two, and the one just written
+
+
+def test_save_policy_steps_seconds_explicit_and_force(tmp_path):
+    now = [0.0]
+    with fop.CheckpointManager(
+        tmp_path,
+        save_every_steps=5,
+        save_every_seconds=60,
+        save_steps=[7],
+        clock=lambda: now[0],
+    ) as mngr:
+        saved = [s for s in range(1, 12) if mngr.save(s, tiny(s))]
+        assert saved == [5, 7, 10]
+        now[0] = 100.0
+        assert mngr.save(11, tiny(11))  # 60 s passed since the last save
+        assert not mngr.save(12, tiny(12))  # timer restarted at the last save
+        assert mngr.save(13, tiny(13), force=True)
+        assert not mngr.save(10, tiny(99), force=False)  # exists: not overwritten
+        assert mngr.save(10, tiny(99), force=True)  # force replaces it
+        mngr.wait()
+        assert mngr.steps() == [5, 7, 10, 11, 13]
+        out = mngr.restore(step=10, items="params")
+        np.testing.assert_array_equal(out["w"], np.full((4,), 99, np.float32))
+
+
+# ---------------------------------------------------------------- one writer, crashes
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    import flax_orbax_plugin as fop
+    mngr = fop.CheckpointManager({directory!r})
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_second_writer_refused_while_first_lives_and_allowed_after_sigkill(tmp_path):
+    with fop.CheckpointManager(tmp_path):
+        with pytest.raises(DirectoryLockedError, match="live writer"):
+            fop.CheckpointManager(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER.format(repo=REPO, directory=str(tmp_path))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        with pytest.raises(DirectoryLockedError, match=f"pid {proc.pid}"):
+            fop.CheckpointManager(tmp_path)
+        fop.CheckpointManager(tmp_path, read_only=True).close()  # readers are fine
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with fop.CheckpointManager(tmp_path) as mngr:
+        assert mngr.save(1, tiny(1))
+
+
+def test_unfinished_steps_are_removed_on_start_and_never_listed(tmp_path):
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, tiny(1))
+    (tmp_path / "2.partial-abc123" / "params").mkdir(parents=True)
+    (tmp_path / "3.deleting-abc123").mkdir()
+    (tmp_path / "4" / "params").mkdir(parents=True)  # no manifest: never committed
+    assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [1]
+    with fop.CheckpointManager(tmp_path) as mngr:
+        assert mngr.steps() == [1]
+    assert sorted(os.listdir(tmp_path)) == [".writer.lock", "1"]
+
+
+PREEMPTED = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    import numpy as np
+    import flax_orbax_plugin as fop
+    with fop.CheckpointManager({directory!r}, save_every_steps=1000, handle_sigterm=True) as m:
+        for step in range(1, 100000):
+            m.save(step, {{"params": {{"w": np.full((3,), step, np.float32)}}}})
+            print(step, flush=True)
+            time.sleep(0.01)
+    """
+)
+
+
+def test_sigterm_saves_the_current_step_and_exits(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PREEMPTED.format(repo=REPO, directory=str(tmp_path))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while int(proc.stdout.readline()) < 5:
+            pass
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0].split()
+    finally:
+        proc.kill()
+    assert proc.returncode == 143
+    last_printed = int(out[-1]) if out else 5
+    (step,) = fop.CheckpointManager(tmp_path, read_only=True).steps()
+    assert step in (last_printed, last_printed + 1)  # the step whose save() saw the flag
+    params = fop.restore_params(tmp_path)
+    np.testing.assert_array_equal(params["w"], np.full((3,), step, np.float32))
+
+
+# ---------------------------------------------------------------- restore
+
+
+def test_nnx_model_and_optimizer_round_trip(tmp_path):
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(3, 5, rngs=rngs)
+            self.bn = nnx.BatchNorm(5, rngs=rngs)
+            self.rngs = rngs
+
+    model = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    opt.update(model, grads)
+    model.rngs.default()  # advance the rng
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, (model, opt))
+        mngr.wait()
+        model2 = nnx.eval_shape(lambda: Net(nnx.Rngs(1)))
+        opt2 = nnx.eval_shape(
+            lambda: nnx.Optimizer(Net(nnx.Rngs(1)), optax.adam(1e-2), wrt=nnx.Param)
+        )
+        m2, o2 = mngr.restore(like=(model2, opt2))
+    np.testing.assert_array_equal(m2.a.kernel[...], model.a.kernel[...])
+    np.testing.assert_array_equal(m2.bn.mean[...], model.bn.mean[...])
+    assert int(o2.step[...]) == 1
+    assert_trees_equal(nnx.state(o2, nnx.OptState), nnx.state(opt, nnx.OptState))
+    assert jax.random.key_data(m2.rngs.default.key[...]).tolist() == (
+        jax.random.key_data(model.rngs.default.key[...]).tolist()
+    )
+
+
+def test_subset_restore_and_clear_errors(tmp_path):
+    state = make_state()
+    with pytest.raises(fop.CheckpointNotFoundError, match="no checkpoints"):
+        fop.CheckpointManager(tmp_path, read_only=True).restore()
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.save(3, state, extras={"loss": 1.5})
+        mngr.save(6, state, extras={"loss": 1.0})
+        assert mngr.restore(items="extras") == {"loss": 1.0}
+        assert mngr.restore(step=3, items="extras") == {"loss": 1.5}
+        out = mngr.restore(like=state, items=("params", "batch_stats"))
+        assert set(out) == {"params", "batch_stats"}
+        assert_trees_equal(out["params"], state.params)
+        everything = mngr.restore()
+        assert set(everything) == {"step", "params", "opt_state", "batch_stats", "extras"}
+
+        with pytest.raises(fop.UnknownItemError, match=r"no item 'ema'.*'batch_stats'"):
+            mngr.restore(items="ema")
+        with pytest.raises(fop.CheckpointNotFoundError, match=r"step 4 does not exist.*\[3, 6\]"):
+            mngr.restore(step=4)
+        with pytest.raises(fop.UnknownItemError, match="no data_iterator"):
+            mngr.restore(like=state, data_iterator=make_iterator())
+        wrong = state.replace(params={**state.params, "Dense_9": {"kernel": jnp.ones(2)}})
+        with pytest.raises(fop.StructureError, match="Dense_9"):
+            mngr.restore(like=wrong)
+        bad_shape = state.replace(
+            params={**state.params, "Dense_0": {**state.params["Dense_0"], "bias": jnp.ones(7)}}
+        )
+        with pytest.raises(fop.StructureError, match="Dense_0/bias"):
+            mngr.restore(like=bad_shape)
+        with pytest.raises(fop.StructureError, match="ema"):
+            mngr.restore(like={"params": state.params, "ema": state.params})
+
+
+def test_background_error_is_raised_and_the_step_not_committed(tmp_path):
+    class Failing(JsonCheckpointable):
+        def save(self, directory, value):
+            class P:
+                def wait(self):
+                    raise OSError("disk on fire")
+
+            return P()
+
+    with fop.CheckpointManager(tmp_path, checkpointables={"bad": Failing()}) as mngr:
+        mngr.save(1, tiny(1))
+        assert mngr.save(2, {**tiny(2), "bad": 1})  # blocking phase fine
+        with pytest.raises(OSError, match="disk on fire"):
+            mngr.wait()
+        mngr.wait()  # reported once
+        assert mngr.steps() == [1]
+    assert sorted(os.listdir(tmp_path)) == [".writer.lock", "1"]
+
+
+def test_a_step_being_read_is_not_deleted(tmp_path):
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(JsonCheckpointable):
+        def restore(self, directory, like):
+            entered.set()
+            release.wait(30)
+            return super().restore(directory, like)
+
+    with fop.CheckpointManager(tmp_path, keep=1, checkpointables={"slow": Slow()}) as mngr:
+        mngr.save(1, {**tiny(1), "slow": 1})
+        mngr.wait()
+        result = {}
+        reader = threading.Thread(target=lambda: result.update(mngr.restore(step=1)))
+        reader.start()
+        assert entered.wait(30)
+        mngr.save(2, {**tiny(2), "slow": 2})
+        mngr.wait()
+        assert mngr.steps() == [1, 2]  # 1 is being read: kept for now
+        release.set()
+        reader.join()
+        assert result["slow"] == 1
+        mngr.save(3, {**tiny(3), "slow": 3})
+        mngr.wait()
+        assert mngr.steps() == [3]
+
+
+# ---------------------------------------------------------------- serving and resharding
+
+
+def test_restore_params_opens_nothing_but_params(tmp_path):
+    state = make_state()
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.save(5, state, data_iterator=make_iterator(), extras={"x": 1})
+    for name in ("opt_state", "step", "batch_stats", "data_iterator", "extras"):
+        shutil.rmtree(tmp_path / "5" / name)
+    like = jax.eval_shape(lambda: make_state().params)
+    params = fop.restore_params(tmp_path, like=like)
+    assert_trees_equal(params, state.params)
+    as_bf16 = fop.restore_params(tmp_path, like=state, dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(as_bf16)} == {jnp.dtype(jnp.bfloat16)}
+    with pytest.raises(fop.CheckpointNotFoundError, match=r"\[5\]"):
+        fop.restore_params(tmp_path, step=1)
+    with fop.CheckpointManager(tmp_path) as mngr, pytest.raises(fop.CheckpointError):
+        mngr.restore(items="opt_state")
+
+
+def _drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise AssertionError("no read_bytes in /proc/self/io")
+
+
+def test_restore_params_reads_from_disk_only_the_params_bytes(tmp_path):
+    rng = np.random.default_rng(0)
+    params = {
+        f"layer_{i}": {"kernel": rng.normal(size=(512, 1024)).astype(np.float32)} for i in range(8)
+    }
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(params))  # 16 MiB
+    opt_state = {"mu": params, "nu": params}  # twice as big, must not be read
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, {"params": params, "opt_state": opt_state})
+    with fop.CheckpointManager(tmp_path / "warm") as mngr:
+        mngr.save(1, {"params": {"a": np.ones(3)}, "opt_state": {"b": np.ones(3)}})
+    fop.restore_params(tmp_path / "warm")  # imports and first-use costs, off the count
+    if not _drop_page_cache():
+        pytest.skip("cannot drop the page cache here (needs root and a writable /proc/sys)")
+    before = _read_bytes()
+    out = fop.restore_params(tmp_path / "run")
+    read = _read_bytes() - before
+    assert_trees_equal(out, params)
+    assert abs(read - nbytes) <= 0.05 * nbytes, (read, nbytes)
+
+
+def test_state_saved_on_8_devices_restores_on_4_on_1_and_as_numpy(tmp_path):
+    assert jax.device_count() >= 8
+    mesh8 = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    state = make_state()
+    big = {"w": jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32), "b": jnp.arange(32.0)}
+    specs = {"w": P("data", "model"), "b": P("model")}
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh8, s)), big, specs)
+    state = state.replace(params=sharded, opt_state=state.tx.init(sharded))
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, state)
+
+        mesh4 = Mesh(np.array(jax.devices()[4:8]).reshape(2, 2), ("data", "model"))
+        mesh1 = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+        for mesh in (mesh4, mesh1):
+
+            def abstract(mesh=mesh):
+                s = jax.eval_shape(lambda: state)
+                return jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(
+                        x.shape,
+                        x.dtype,
+                        sharding=NamedSharding(mesh, P(*(["data", "model"][: x.ndim]))),
+                    ),
+                    s,
+                )
+
+            out = mngr.restore(like=abstract())
+            assert out.params["w"].sharding.mesh.devices.size == mesh.devices.size
+            assert_trees_equal(out.params, big)
+            assert_trees_equal(out.opt_state, state.opt_state)
+            params = fop.restore_params(tmp_path, sharding=NamedSharding(mesh, P()))
+            assert params["w"].sharding.mesh.devices.size == mesh.devices.size
+            assert_trees_equal(params, big)
+        host = mngr.restore(items="params")
+        assert isinstance(host["w"], np.ndarray)
+        np.testing.assert_array_equal(host["w"], np.asarray(big["w"]))
