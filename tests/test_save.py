@@ -1,0 +1,325 @@
+"""Tests of _save: round trips of every leaf type, async semantics, atomic commit."""
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_orbax_plugin as fop
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+@flax.struct.dataclass
+class Holder:
+    weights: jax.Array
+    count: int
+    name: str = flax.struct.field(pytree_node=False, default="h")
+
+
+def _mesh(shape, names=("x", "y"), devices=None):
+    devices = devices if devices is not None else jax.devices()
+    n = int(np.prod(shape))
+    return Mesh(np.array(devices[:n]).reshape(shape), names[: len(shape)])
+
+
+def _assert_bitwise_equal(a, b):
+    a_leaves, a_def = jax.tree_util.tree_flatten(a, is_leaf=lambda x: x is None)
+    b_leaves, b_def = jax.tree_util.tree_flatten(b, is_leaf=lambda x: x is None)
+    assert a_def == b_def
+    for x, y in zip(a_leaves, b_leaves):
+        if x is None:
+            assert y is None
+            continue
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        assert type(x) is type(y) or (isinstance(x, jax.Array) and isinstance(y, jax.Array))
+        xa, ya = np.asarray(x), np.asarray(y)
+        assert xa.dtype == ya.dtype and xa.shape == ya.shape
+        assert xa.tobytes() == ya.tobytes()
+
+
+DTYPES = [
+    jnp.bfloat16,
+    jnp.float16,
+    jnp.float32,
+    jnp.float64,
+    jnp.int8,
+    jnp.int32,
+    jnp.uint8,
+    jnp.uint32,
+    jnp.bool_,
+    jnp.complex64,
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_round_trip_every_dtype(tmp_path, dtype):
+    jax.config.update("jax_enable_x64", True)
+    try:
+        rng = np.random.default_rng(0)
+        host = (rng.standard_normal((37, 5)) * 10).astype(np.dtype(dtype))
+        big = (rng.standard_normal((600, 600)) * 10).astype(np.dtype(dtype))  # > batch limit
+        tree = {"small": jnp.asarray(host), "np": host, "big": jnp.asarray(big)}
+        fop.save(tmp_path / "c", tree)
+        like = jax.tree_util.tree_map(lambda x: x, tree)
+        _assert_bitwise_equal(fop.restore(tmp_path / "c", like), tree)
+        as_numpy = fop.restore(tmp_path / "c")
+        assert as_numpy["small"].dtype == np.dtype(dtype)
+        assert np.asarray(as_numpy["big"]).tobytes() == big.tobytes()
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_round_trip_tree_types_and_scalars(tmp_path):
+    tree = {
+        "list": [np.arange(3), None, (np.float32(1.5), 7)],
+        "pair": Pair(jnp.ones((2, 2)), {"deep": [True, 2.5, 3 + 1j]}),
+        "holder": Holder(jnp.arange(4.0), 3),
+        "key": jax.random.key(42),
+        "rbg": jax.random.key(7, impl="rbg"),
+        "none": None,
+        "empty_array": np.zeros((0, 3), np.float32),
+    }
+    fop.save(tmp_path / "c", tree)
+    _assert_bitwise_equal(fop.restore(tmp_path / "c", tree), tree)
+    restored = fop.restore(tmp_path / "c", tree)
+    assert restored["holder"].name == "h" and isinstance(restored["pair"], Pair)
+    assert type(restored["list"][2][1]) is int and type(restored["pair"].second["deep"][0]) is bool
+    plain = fop.restore(tmp_path / "c")  # no like: nested dicts and lists, numpy and scalars
+    assert plain["pair"]["first"].shape == (2, 2) and plain["none"] is None
+    assert plain["list"][2][1] == 7 and isinstance(plain["list"][2][1], int)
+    assert plain["holder"]["count"] == 3
+    np.testing.assert_array_equal(
+        jax.random.key_data(plain["key"]), jax.random.key_data(tree["key"])
+    )
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,spec",
+    [
+        ((8,), P("x")),
+        ((2, 4), P("x", "y")),
+        ((2, 4), P("x", None)),
+        ((2, 4), P()),
+        ((4, 2), P(None, "y")),
+    ],
+    ids=["1d", "2d-full", "2d-partly-replicated", "replicated", "2d-other"],
+)
+def test_round_trip_shardings(tmp_path, devices, mesh_shape, spec):
+    mesh = _mesh(mesh_shape)
+    sharding = NamedSharding(mesh, spec)
+    x = jax.device_put(jnp.arange(64 * 48, dtype=jnp.float32).reshape(64, 48), sharding)
+    big = jax.device_put(jnp.arange(512 * 1024, dtype=jnp.float32).reshape(512, 1024), sharding)
+    fop.save(tmp_path / "c", {"x": x, "big": big})
+    out = fop.restore(tmp_path / "c", {"x": x, "big": big})
+    assert out["x"].sharding == sharding and out["big"].sharding == sharding
+    _assert_bitwise_equal(out, {"x": x, "big": big})
+    info = fop.metadata(tmp_path / "c")
+    assert info.leaves["big"].shape == (512, 1024) and info.leaves["big"].dtype == "float32"
+    assert info.leaves["big"].sharding["mesh_shape"] == list(mesh_shape)
+
+
+def test_each_device_shard_written_once_and_chunks_align(tmp_path, devices):
+    sharding = NamedSharding(_mesh((2, 4)), P("x", None))  # each row block on 4 devices
+    x = jax.device_put(jnp.ones((1024, 512), jnp.float32), sharding)
+    result = fop.save(tmp_path / "c", {"x": x})
+    assert result.bytes_written == x.nbytes  # replicas written once
+    chunks = [f for f in os.listdir(tmp_path / "c" / "d" / "0" / "c")]
+    assert len(chunks) == 2  # one chunk per distinct shard
+
+
+def test_small_leaves_are_batched(tmp_path):
+    tree = {f"leaf{i}": np.full((10,), i, np.float32) for i in range(3000)}
+    fop.save(tmp_path / "c", tree)
+    n_files = sum(len(files) for _, _, files in os.walk(tmp_path / "c"))
+    assert n_files < 20
+    out = fop.restore(tmp_path / "c")
+    assert all(np.array_equal(out[k], v) for k, v in tree.items())
+
+
+def test_save_async_returns_before_commit_and_wait_reports(tmp_path):
+    tree = {"w": np.random.default_rng(0).standard_normal((2000, 2000)).astype(np.float32)}
+    handle = fop.save_async(tmp_path / "c", tree)
+    result = handle.wait()
+    assert handle.done() and fop.is_committed(tmp_path / "c")
+    assert result.blocking_seconds <= result.total_seconds
+    assert result.bytes_written == tree["w"].nbytes
+
+
+def test_numpy_mutated_after_save_async_does_not_change_checkpoint(tmp_path):
+    data = np.arange(300_000, dtype=np.float32)
+    expected = data.copy()
+    handle = fop.save_async(tmp_path / "c", {"d": data})
+    data[:] = -1
+    handle.wait()
+    np.testing.assert_array_equal(fop.restore(tmp_path / "c")["d"], expected)
+
+
+def test_donation_right_after_save_async(tmp_path, devices):
+    sharding = NamedSharding(_mesh((8,)), P("x"))
+    state = {
+        "w": jax.device_put(jnp.arange(8 * 1024 * 64, dtype=jnp.float32).reshape(-1, 64), sharding),
+        "b": jnp.ones((16,), jnp.float32),
+    }
+    expected = jax.tree_util.tree_map(np.array, state)
+
+    @jax.jit
+    def step(s):
+        return jax.tree_util.tree_map(lambda x: x * 0 - 7, s)
+
+    donating = jax.jit(step, donate_argnums=0)
+    handle = fop.save_async(tmp_path / "c", state)
+    new_state = donating(state)  # invalidates the saved buffers
+    jax.block_until_ready(new_state)
+    handle.wait()
+    assert state["w"].is_deleted()  # donation really happened
+    restored = fop.restore(tmp_path / "c")
+    np.testing.assert_array_equal(restored["w"], expected["w"])
+    np.testing.assert_array_equal(restored["b"], expected["b"])
+
+
+def test_second_save_waits_for_first(tmp_path):
+    big = {"w": np.ones((3000, 1000), np.float32)}
+    first = fop.save_async(tmp_path / "a", big)
+    second = fop.save_async(tmp_path / "b", {"x": np.zeros(3)})
+    assert first.done()  # the second call waited for the first
+    second.wait()
+    assert fop.is_committed(tmp_path / "a") and fop.is_committed(tmp_path / "b")
+
+
+def test_background_error_is_reraised_on_next_save(tmp_path):
+    target = tmp_path / "blocked"
+    # A regular file where the parent directory must be makes the background phase fail.
+    (tmp_path / "file").write_text("x")
+    handle = fop.save_async(tmp_path / "file" / "c", {"x": np.ones(3)})
+    while not handle.done():
+        time.sleep(0.01)
+    with pytest.raises(Exception, match="file"):
+        fop.save_async(target, {"x": np.ones(3)})
+    fop.save(target, {"x": np.ones(3)})  # reported once; later saves proceed
+    assert not os.path.exists(tmp_path / "file" / "c")
+
+
+def test_refuses_to_overwrite_without_force(tmp_path):
+    fop.save(tmp_path / "c", {"x": np.ones(3)})
+    with pytest.raises(fop.CheckpointError, match="force=True"):
+        fop.save(tmp_path / "c", {"x": np.zeros(3)})
+    fop.save(tmp_path / "c", {"x": np.zeros(3)}, force=True)
+    np.testing.assert_array_equal(fop.restore(tmp_path / "c")["x"], np.zeros(3))
+    assert os.listdir(tmp_path) == ["c"]
+
+
+def test_unsupported_leaf_names_path(tmp_path):
+    with pytest.raises(fop.StructureError, match=r"leaf 'a/b'.*found builtins.str"):
+        fop.save(tmp_path / "c", {"a": {"b": "text"}})
+    assert not os.path.exists(tmp_path / "c")
+
+
+def test_hostile_keys_stay_inside_checkpoint(tmp_path):
+    tree = {"../x": np.ones(3), "/etc/passwd": np.zeros(2), "a/../../b": np.arange(4)}
+    fop.save(tmp_path / "ck" / "c", tree)
+    assert os.listdir(tmp_path) == ["ck"] and os.listdir(tmp_path / "ck") == ["c"]
+    out = fop.restore(tmp_path / "ck" / "c")
+    assert set(out) == set(tree)
+    np.testing.assert_array_equal(out["a/../../b"], np.arange(4))
+
+
+def test_memory_limit_small_still_correct(tmp_path):
+    tree = {
+        f"w{i}": np.random.default_rng(i).standard_normal((512, 1024)).astype(np.float32)
+        for i in range(4)
+    }
+    fop.save(tmp_path / "c", tree, memory_limit_bytes=1 << 20)
+    _assert_bitwise_equal(fop.restore(tmp_path / "c", tree, memory_limit_bytes=1 << 20), tree)
+
+
+_KILL_CHILD = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import flax_orbax_plugin as fop
+    rng = np.random.default_rng(0)
+    tree = {"big": [rng.standard_normal((1024, 1024)).astype(np.float32) for _ in range(12)],
+            "small": {f"s{i}": rng.standard_normal((64,)).astype(np.float32) for i in range(500)}}
+    print("ready", flush=True)
+    sys.stdin.readline()
+    fop.save(sys.argv[1], tree)
+    print("saved", flush=True)
+    """
+)
+
+
+def _expected_kill_tree():
+    rng = np.random.default_rng(0)
+    return {
+        "big": [rng.standard_normal((1024, 1024)).astype(np.float32) for _ in range(12)],
+        "small": {f"s{i}": rng.standard_normal((64,)).astype(np.float32) for i in range(500)},
+    }
+
+
+def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
+    """Kill a real saving process at 24 moments; each path is uncommitted or exact."""
+    script = tmp_path / "child.py"
+    script.write_text(_KILL_CHILD)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+
+    def spawn(path):
+        child = subprocess.Popen(
+            [sys.executable, str(script), str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        assert child.stdout.readline().strip() == "ready"
+        return child
+
+    # Calibrate: how long one undisturbed save takes here.
+    child = spawn(tmp_path / "calibration")
+    t0 = time.perf_counter()
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    assert child.stdout.readline().strip() == "saved"
+    duration = time.perf_counter() - t0
+    child.wait()
+    expected = _expected_kill_tree()
+    _assert_bitwise_equal(fop.restore(tmp_path / "calibration"), expected)
+    outcomes = collections.Counter()
+    points = 24
+    paths = [tmp_path / f"c{i}" for i in range(points)]
+    following = spawn(paths[0])
+    for i in range(points):
+        child, following = following, (spawn(paths[i + 1]) if i + 1 < points else None)
+        delay = duration * 1.2 * i / (points - 1)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        time.sleep(delay)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        try:
+            restored = fop.restore(paths[i])
+        except fop.NotCommittedError:
+            outcomes["interrupted mid-save"] += 1
+            assert not fop.is_committed(paths[i])
+            continue
+        except fop.CheckpointNotFoundError:
+            outcomes["killed before writing"] += 1
+            continue
+        _assert_bitwise_equal(restored, expected)
+        outcomes["exact"] += 1
+    print(dict(outcomes))
+    assert outcomes["interrupted mid-save"] >= 3, outcomes  # kills did land mid-save
+    assert sum(outcomes.values()) == points
