@@ -1,0 +1,173 @@
+"""CheckpointCallback in a real (short) Flax/optax/grain training loop."""
+
+import os
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax.training import train_state
+
+import flax_orbax_plugin as fop
+
+NUM_STEPS = 12
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(nn.tanh(nn.Dense(8)(x)))
+
+
+def make_state():
+    net = Net()
+    params = net.init(jax.random.key(0), jnp.zeros((1, 3)))["params"]
+    return train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adam(1e-2))
+
+
+def make_iterator():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32))[:, None]
+    records = [{"x": x[i], "y": y[i]} for i in range(64)]
+    ds = grain.MapDataset.source(records).shuffle(seed=1).repeat(None).batch(8)
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+
+
+@jax.jit
+def train_step(state, batch):
+    def loss_fn(p):
+        return jnp.mean((state.apply_fn({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+class RecordingWriter:
+    def __init__(self):
+        self.calls = []
+
+    def write_scalars(self, step, scalars):
+        self.calls.append((step, dict(scalars)))
+
+
+def run(directory, *, stop_at=NUM_STEPS, final=True, **cb_kwargs):
+    """The canonical loop: on_train_start, on_step_end per step, on_train_end."""
+    it = make_iterator()
+    cb = fop.CheckpointCallback(directory, **cb_kwargs)
+    state = cb.on_train_start(make_state(), data_iterator=it)
+    for step in range(int(state.step) + 1, stop_at + 1):
+        state, _ = train_step(state, next(it))
+        cb.on_step_end(step, state)
+    if final:
+        cb.on_train_end(state)
+    else:
+        cb.close()  # a loop that stops early: no final save
+    return state, cb
+
+
+def committed_steps(directory):
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_policy_final_save_and_figures(tmp_path):
+    writer = RecordingWriter()
+    state, cb = run(tmp_path, every_steps=5, keep=None, writer=writer)
+    assert int(state.step) == NUM_STEPS
+    # every 5 steps, plus the final step from on_train_end
+    assert committed_steps(tmp_path) == [5, 10, 12]
+    assert [f.step for f in cb.history] == [5, 10, 12]
+    assert [step for step, _ in writer.calls] == [5, 10, 12]
+    for figures, (_, scalars) in zip(cb.history, writer.calls, strict=True):
+        assert 0 < figures.blocking_seconds <= figures.total_seconds
+        assert figures.bytes_written > 0
+        assert scalars == figures.as_scalars()
+        assert set(scalars) == {
+            "checkpoint/blocking_seconds",
+            "checkpoint/total_seconds",
+            "checkpoint/bytes",
+            "checkpoint/gbytes_per_sec",
+        }
+    # the final checkpoint holds the final params
+    assert_trees_equal(fop.restore_params(tmp_path, state.params), state.params)
+
+
+def test_keep_and_sync_save(tmp_path):
+    _, cb = run(tmp_path, every_steps=2, keep=2, async_save=False)
+    assert committed_steps(tmp_path) == [10, 12]
+    assert len(cb.history) == 6
+
+
+def test_resume_after_interruption_is_bit_exact(tmp_path):
+    reference, _ = run(tmp_path / "reference", every_steps=4)
+
+    # Stops after step 7 without a final save: the latest checkpoint is step 4.
+    run(tmp_path / "run", every_steps=4, stop_at=7, final=False)
+    assert committed_steps(tmp_path / "run") == [4]
+
+    state, cb = run(tmp_path / "run", every_steps=4, resume=True)
+    assert cb.resumed_step == 4
+    assert int(state.step) == NUM_STEPS
+    assert_trees_equal(state.params, reference.params)
+    assert_trees_equal(state.opt_state, reference.opt_state)
+    assert committed_steps(tmp_path / "run")[-1] == NUM_STEPS
+
+
+def test_resume_choices(tmp_path):
+    # Nothing to resume: True starts fresh, "required" refuses.
+    fresh = make_state()
+    cb = fop.CheckpointCallback(tmp_path, resume=True)
+    assert cb.on_train_start(fresh) is fresh
+    assert cb.resumed_step is None
+    cb.close()
+    cb = fop.CheckpointCallback(tmp_path, resume="required")
+    with pytest.raises(fop.CheckpointNotFoundError, match="no committed checkpoint"):
+        cb.on_train_start(fresh)
+    cb.close()
+
+    trained, _ = run(tmp_path, every_steps=5)
+    # resume=False ignores the checkpoints that exist ...
+    cb = fop.CheckpointCallback(tmp_path, resume=False)
+    assert int(cb.on_train_start(make_state()).step) == 0
+    cb.close()
+    # ... resume="required" restores the latest.
+    cb = fop.CheckpointCallback(tmp_path, resume="required")
+    resumed = cb.on_train_start(make_state())
+    cb.close()
+    assert int(resumed.step) == NUM_STEPS
+    assert_trees_equal(resumed.params, trained.params)
+
+
+def test_clu_style_hook_with_time_passed_in(tmp_path):
+    state = {"value": make_state()}
+    cb = fop.CheckpointCallback(tmp_path, every_secs=10.0, state_fn=lambda: state["value"])
+    cb.on_train_start(state["value"])
+    saved = []
+    for step, t in [(1, 100.0), (2, 105.0), (3, 110.5), (4, 112.0), (5, 119.0), (6, 121.0)]:
+        state["value"], _ = train_step(state["value"], next(make_iterator()))
+        if cb(step, t=t):
+            saved.append(step)
+    cb.close()
+    # the first call starts the clock; then a save once 10 s have passed since the last
+    assert saved == [3, 6]
+    assert committed_steps(tmp_path) == [3, 6]
+
+
+def test_hook_needs_state_fn_and_bad_arguments(tmp_path):
+    with pytest.raises(TypeError, match="state_fn"):
+        fop.CheckpointCallback(tmp_path)(1)
+    with pytest.raises(ValueError, match="resume"):
+        fop.CheckpointCallback(tmp_path, resume="yes")
+    with pytest.raises(ValueError, match="every_steps"):
+        fop.CheckpointCallback(tmp_path, every_steps=0)
+    with pytest.raises(ValueError, match="every_secs"):
+        fop.CheckpointCallback(tmp_path, every_secs=-1)
