@@ -477,3 +477,22 @@ def test_state_saved_on_8_devices_restores_on_4_on_1_and_as_numpy(tmp_path):
         host = mngr.restore(items="params")
         assert isinstance(host["w"], np.ndarray)
         np.testing.assert_array_equal(host["w"], np.asarray(big["w"]))
+
+
+def test_object_store_commits_with_the_manifest_written_last():
+    from flax_orbax_plugin._storage import Location
+
+    url = "memory://test_manager/run"
+    with fop.CheckpointManager(url, keep=2) as mngr:
+        for s in range(4):
+            mngr.save(s, tiny(s), extras={"loss": s})
+        mngr.wait()
+        assert mngr.steps() == [2, 3]
+        # an interrupted step: data written, no manifest
+        fop.save(Location.from_path(url).child("7").child("params"), tiny(7)["params"])
+        assert mngr.steps() == [2, 3]
+        assert mngr.save(3, tiny(30), force=True)
+    assert fop.restore_params(url)["w"][0] == 30
+    with fop.CheckpointManager(url) as mngr:  # a writer removes the uncommitted step
+        assert "7" not in Location.from_path(url).list_children()
+        assert mngr.restore(step=2, items="extras") == {"loss": 2}
