@@ -1,0 +1,221 @@
+"""The flax-orbax command line on real checkpoints written by CheckpointManager."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+import safetensors.numpy
+from flax import linen as nn
+from flax.training import train_state
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = (10, 20, 30)
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(32, name="hidden")(x))
+        return nn.Dense(4, name="out")(x)
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    """A directory with steps 10, 20, 30 of a TrainState, extras holding a loss."""
+    directory = tmp_path_factory.mktemp("cli") / "ckpts"
+    net = Net()
+    params = net.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
+    state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adam(1e-3))
+    with fop.CheckpointManager(directory) as mngr:
+        for step in STEPS:
+            state = state.replace(
+                step=step, params=jax.tree.map(lambda p, s=step: p + s / 100.0, state.params)
+            )
+            mngr.save(step, state, extras={"loss": 1.0 / step, "note": "x"})
+    return directory, jax.tree.map(np.asarray, state.params)
+
+
+def run_cli(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def flip_byte(directory, item):
+    """Flips one byte in the middle of the largest data file of `item` of the latest step."""
+    root = os.path.join(directory, str(STEPS[-1]), item)
+    files = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(root)
+        for f in fs
+        if not f.endswith(".json") and not f.startswith("_")
+    ]
+    target = max(files, key=os.path.getsize)
+    with open(target, "r+b") as f:
+        f.seek(os.path.getsize(target) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return target
+
+
+def test_list(ckpt_dir, capsys):
+    directory, _ = ckpt_dir
+    rc, out, _ = run_cli(capsys, "list", directory)
+    assert rc == 0
+    assert "3 step(s)" in out
+    for step in STEPS:
+        row = next(line for line in out.splitlines() if line.startswith(f"| {step} "))
+        assert f"loss={1.0 / step:.4g}" in row
+        assert "opt_state" in row and "params" in row and "extras" in row
+    assert "unfinished" not in out
+
+
+def test_inspect(ckpt_dir, capsys):
+    directory, params = ckpt_dir
+    rc, out, _ = run_cli(capsys, "inspect", directory)
+    assert rc == 0
+    assert out.splitlines()[0].endswith(os.path.join("ckpts", "30"))
+    row = next(line for line in out.splitlines() if line.startswith("| hidden/kernel "))
+    assert "(6, 32)" in row and "float32" in row and f"{6 * 32 * 4:,}" in row
+    n = sum(p.size for p in jax.tree.leaves(params))
+    assert f"Total: {n:,} values -- {4 * n:,} bytes" in out
+    # one step, one item
+    rc, out, _ = run_cli(capsys, "inspect", os.path.join(directory, "10", "params"))
+    assert rc == 0 and "out/bias" in out and "opt_state" not in out
+    rc, out, _ = run_cli(capsys, "inspect", directory, "--step", 20)
+    assert rc == 0 and out.splitlines()[0].endswith("20")
+
+
+def test_verify_ok_and_damaged(ckpt_dir, capsys, tmp_path):
+    directory, _ = ckpt_dir
+    rc, out, _ = run_cli(capsys, "verify", directory, "--all")
+    assert rc == 0, out
+    assert out.count("\nok ") + out.startswith("ok ") == 3 * 4  # params, opt_state, step, extras
+    damaged = tmp_path / "damaged"
+    shutil.copytree(directory, damaged)
+    flip_byte(damaged, "params")
+    rc, out, err = run_cli(capsys, "verify", damaged)
+    assert rc == cli.EXIT_DAMAGED
+    bad = [line for line in out.splitlines() if line.startswith("DAMAGED")]
+    assert len(bad) == 1 and "30/params" in bad[0] and "hidden/" in bad[0]
+    assert "30/params" in err
+    # the other steps are intact
+    rc, _, _ = run_cli(capsys, "verify", damaged, "--step", 20)
+    assert rc == 0
+
+
+def test_export_safetensors_equals_params(ckpt_dir, capsys, tmp_path):
+    directory, params = ckpt_dir
+    out_file = tmp_path / "params.safetensors"
+    rc, out, err = run_cli(capsys, "export", directory, out_file, "--format", "safetensors")
+    assert rc == 0, err
+    loaded = safetensors.numpy.load_file(str(out_file))
+    flat = {
+        "/".join(k.key for k in path).replace("/", "."): np.asarray(v)
+        for path, v in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    assert (
+        sorted(loaded) == sorted(flat) == ["hidden.bias", "hidden.kernel", "out.bias", "out.kernel"]
+    )
+    for name, value in flat.items():
+        assert loaded[name].dtype == value.dtype
+        np.testing.assert_array_equal(loaded[name], value)
+
+    # with a dtype: floating leaves are cast
+    bf16 = tmp_path / "params-bf16.safetensors"
+    rc, _, err = run_cli(capsys, "export", directory, bf16, "--dtype", "bfloat16")
+    assert rc == 0, err
+    assert os.path.getsize(bf16) < os.path.getsize(out_file)
+    with safetensors.safe_open(str(bf16), framework="flax") as f:
+        for name, value in flat.items():
+            got = np.asarray(f.get_tensor(name))
+            assert got.dtype == ml_dtypes.bfloat16
+            np.testing.assert_array_equal(got, value.astype(ml_dtypes.bfloat16))
+
+
+def test_export_refuses_damaged_and_leaves_no_file(ckpt_dir, capsys, tmp_path):
+    directory, _ = ckpt_dir
+    damaged = tmp_path / "damaged"
+    shutil.copytree(directory, damaged)
+    flip_byte(damaged, "params")
+    out_file = tmp_path / "p.safetensors"
+    rc, out, err = run_cli(capsys, "export", damaged, out_file)
+    assert rc == cli.EXIT_ERROR
+    assert "damaged" in err and len(err.strip().splitlines()) == 1
+    assert not out_file.exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("p.safetensors")]
+
+
+def test_gc(ckpt_dir, capsys, tmp_path):
+    directory, _ = ckpt_dir
+    work = tmp_path / "gc"
+    shutil.copytree(directory, work)
+    os.makedirs(work / "40.partial-abc123" / "params")
+    rc, out, _ = run_cli(capsys, "list", work)
+    assert "unfinished" in out and "40.partial-abc123" in out
+    rc, out, _ = run_cli(capsys, "gc", work, "--keep", 2)
+    assert rc == 0
+    assert "removed steps: 10" in out and "removed unfinished: 40.partial-abc123" in out
+    assert sorted(n for n in os.listdir(work) if not n.startswith(".")) == ["20", "30"]
+    # refused while a live writer holds the directory
+    with fop.CheckpointManager(work):
+        rc, _, err = run_cli(capsys, "gc", work, "--keep", 1)
+    assert rc == cli.EXIT_ERROR and "writer" in err
+    assert sorted(n for n in os.listdir(work) if not n.startswith(".")) == ["20", "30"]
+
+
+def test_errors_are_one_line_with_nonzero_exit(tmp_path):
+    """Through the real entry point: `python -m flax_orbax_plugin`, no traceback."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for argv in (
+        ["inspect", str(tmp_path / "missing")],
+        ["verify", str(tmp_path)],
+        ["export", str(tmp_path), str(tmp_path / "x.safetensors")],
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "flax_orbax_plugin", *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert p.returncode == cli.EXIT_ERROR, p
+        assert "Traceback" not in p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert p.stderr.startswith(f"flax-orbax {argv[0]}: error: ")
+
+
+def test_progress_bar_only_on_a_tty(ckpt_dir, tmp_path, capsys):
+    directory, _ = ckpt_dir
+
+    class Tty:
+        def __init__(self):
+            self.text = ""
+
+        def isatty(self):
+            return True
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            pass
+
+    tty = Tty()
+    with cli.Progress(100, "export", stream=tty) as bar:
+        bar.advance(100, "params")
+    assert "100.0%" in tty.text and "#" * 30 in tty.text
+    # not a terminal (pytest captures stderr): plain lines, no carriage returns
+    rc, out, err = run_cli(capsys, "verify", directory)
+    assert rc == 0 and "\r" not in out + err
