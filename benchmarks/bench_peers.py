@@ -1,0 +1,82 @@
+"""Issue 5's benchmark: this plugin against orbax-checkpoint, PyTorch DCP, Flax msgpack
+and the raw limit of the disk, in one run, on the same trees.
+
+    benchmarks/run.sh peers           # or: python benchmarks/bench_peers.py [--quick]
+
+Workloads: (a) ~1.2 GB training state, (b) ~6,000 small arrays (~200 MB), (c) (a)
+sharded over 8 CPU devices on a 2x4 mesh, restored onto 4x2 and onto one device.
+Then a training loop with background saves every few steps, per library. Each
+figure is the median of ``--repeats`` runs (interleaved across libraries), each
+operation in a fresh process. Writes benchmarks/results/peers.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness as H  # noqa: E402
+from peers import LIBRARIES  # noqa: E402
+
+NOTES = [
+    "Every library saves the same jax.Array tree (float32 random values, fixed seeds) and "
+    "restores onto the same jax.ShapeDtypeStruct targets; DCP and msgpack convert to/from "
+    "host arrays (torch.from_numpy / jax.device_put) inside the timed region.",
+    "Blocking time: until the library's async save returns. orbax: StandardCheckpointer.save; "
+    "DCP: dcp.async_save (stages a CPU copy); msgpack has no async API: blocking = "
+    "flax.serialization.to_bytes, then a thread writes one file and fsyncs it.",
+    "Durability: orbax does not fsync all of its files itself, so the harness fsyncs its "
+    "checkpoint directory and counts that time in its save. DCP (FileSystemWriter "
+    "sync_files=True), msgpack (our fsync) and the plugin are durable on return; the "
+    "harness checks with an extra fsync pass (residual_fsync_s in the JSON).",
+    "Workload (c) for DCP and msgpack: single-process DCP and msgpack have no jax "
+    "sharding; they save the gathered global arrays and restore with jax.device_put onto "
+    "the target sharding, which is what a single-host user of them does.",
+    "DCP runs in one process without init_process_group (no_dist=True), FileSystemWriter "
+    "thread_count=2 (the machine's cores).",
+    "orbax stores zstd-compressed zarr3/OCDBT chunks by default: smaller on disk, more CPU.",
+    "Peak RSS is measured as VmHWM above the RSS just before the operation, in a fresh "
+    "process per operation; bytes read come from /proc/self/io read_bytes after "
+    "drop_caches.",
+]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3, help="repeats for workloads (a), (b)")
+    p.add_argument("--repeats-c", type=int, default=1, help="repeats for workload (c)")
+    p.add_argument("--workloads", default="abc")
+    p.add_argument("--libs", default=",".join(LIBRARIES))
+    p.add_argument("--train-steps", type=int, default=20)
+    p.add_argument("--train-every", type=int, default=10)
+    p.add_argument("--no-train", action="store_true")
+    p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="one repeat everywhere, fewer training steps, no verification")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.repeats = a.repeats_c = 1
+        a.train_steps = 10
+        a.train_every = 5
+    if os.geteuid() != 0:
+        sys.exit("cold reads need root to drop the page cache")
+    libs = ["raw"] + [x for x in a.libs.split(",") if x]
+    t0 = time.perf_counter()
+    rows = []
+    for w in a.workloads:
+        reps = a.repeats_c if w == "c" else a.repeats
+        rows += H.run_matrix(libs, [w], reps, verify=not (a.no_verify or a.quick))
+    train = [] if a.no_train else H.run_train([x for x in libs if x != "raw"],
+                                              a.train_steps, a.train_every)
+    H.write_outputs("peers", "Checkpointing libraries side by side (issue 5)", rows, train,
+                    H.peer_targets, notes=NOTES,
+                    config=vars(a) | {"wall_s": time.perf_counter() - t0})
+    H.log(f"done in {time.perf_counter() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

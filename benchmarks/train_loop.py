@@ -1,0 +1,126 @@
+"""Training-loop slowdown: median step time with background saves vs without.
+
+Run in a fresh process per library (``bench_peers.py`` does that). The state is
+workload (a): transformer-shaped float32 params plus Adam moments (~1.2 GB). The
+step is a jitted forward/backward over every weight matrix plus ``optax.adam``,
+with the state donated (as real loops do), so a library must have copied what it
+saves before ``save_async`` returns.
+
+Phases, in one process: ``--warmup`` steps (compile), ``--steps`` steps without
+saves, then ``--steps`` steps with an async save every ``--every`` steps (the
+previous one waited for first, as a loop with one writer does), then a final wait.
+Prints ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common as C  # noqa: E402
+
+
+def build(seed_specs):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    params = C.build_jax_tree(C.params_specs(seed_specs), "single")
+    tx = optax.adam(1e-4)
+    opt_state = tx.init(params)
+
+    def loss_fn(p, x):
+        total = 0.0
+        for leaf in jax.tree_util.tree_leaves(p):
+            if leaf.ndim == 2:
+                total = total + jnp.mean(jnp.tanh(x[:, : leaf.shape[0]] @ leaf))
+            else:
+                total = total + 1e-3 * jnp.sum(leaf * leaf)
+        return total
+
+    def step(state, x):
+        p, o = state
+        loss, g = jax.value_and_grad(loss_fn)(p, x)
+        upd, o = tx.update(g, o, p)
+        return (optax.apply_updates(p, upd), o), loss
+
+    step = jax.jit(step, donate_argnums=0)
+    return (params, opt_state), step
+
+
+def as_tree(state):
+    """The saved tree: {'params', 'opt_state': {'mu','nu','count'}} like workload (a)."""
+    params, opt_state = state
+    adam = opt_state[0]
+    return {"params": params, "opt_state": {"mu": adam.mu, "nu": adam.nu, "count": adam.count}}
+
+
+def main(argv=None):
+    import jax
+    import numpy as np
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--lib", required=True, help="'none' for the no-save baseline only")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    a = p.parse_args(argv)
+    a.dir = os.path.abspath(a.dir)
+    C.rmtree(a.dir)
+    os.makedirs(a.dir)
+
+    adapter = None
+    if a.lib != "none":
+        from peers import get_adapter
+
+        adapter = get_adapter(a.lib)
+    state, step = build(C.tree_specs("a"))
+    x = jax.device_put(np.random.default_rng(0).random((8, 25600), dtype=np.float32))
+
+    def run(n, save_every=0):
+        nonlocal state
+        times, blocking, pending = [], [], None
+        for i in range(n):
+            t0 = time.perf_counter()
+            if save_every and i % save_every == save_every - 1:
+                if pending is not None:
+                    pending.wait()
+                tb = time.perf_counter()
+                pending = adapter.save_async(os.path.join(a.dir, f"step_{i}"), as_tree(state))
+                blocking.append(time.perf_counter() - tb)
+            state, loss = step(state, x)
+            loss.block_until_ready()
+            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        if pending is not None:
+            pending.wait()
+        return times, blocking, time.perf_counter() - t0
+
+    run(a.warmup)
+    base, _, _ = run(a.steps)
+    res = {"op": "train", "lib": a.lib, "steps": a.steps, "every": a.every,
+           "base_median_s": statistics.median(base), "base_mean_s": statistics.mean(base)}
+    if adapter is not None:
+        saving, blocking, tail = run(a.steps, a.every)
+        res.update(
+            save_median_s=statistics.median(saving),
+            save_mean_s=statistics.mean(saving),
+            final_wait_s=tail,
+            blocking_median_s=statistics.median(blocking),
+            n_saves=len(blocking),
+            slowdown_median=statistics.median(saving) / statistics.median(base),
+            slowdown_mean=(sum(saving) + tail) / sum(base),
+        )
+    C.rmtree(a.dir)
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
