@@ -1,0 +1,49 @@
+"""Retention rules and the save policy, as pure functions of steps and time."""
+
+import pytest
+
+from flax_orbax_plugin._policy import SavePolicy
+from flax_orbax_plugin._retention import RetentionPolicy, steps_to_delete
+
+
+def test_nothing_is_deleted_without_keep_last_or_keep_best():
+    assert steps_to_delete(range(10), RetentionPolicy(keep_every=3)) == []
+
+
+def test_rules_are_a_union_and_protected_steps_survive():
+    policy = RetentionPolicy(keep_last=2, keep_every=4, keep_best=1, best_metric="loss")
+    metrics = {1: 0.1, 2: 0.5, 5: float("nan")}
+    out = steps_to_delete(range(10), policy, metrics=metrics, protected=[3])
+    assert out == [2, 5, 6, 7]
+    assert sorted(set(range(10)) - set(out)) == [0, 1, 3, 4, 8, 9]
+
+
+def test_best_mode_max_and_ties_prefer_newer():
+    policy = RetentionPolicy(keep_best=2, best_metric="acc", best_mode="max")
+    assert steps_to_delete([1, 2, 3, 4], policy, metrics={1: 0.9, 2: 0.5, 3: 0.5, 4: 0.1}) == [
+        2,
+        4,
+    ]
+
+
+def test_invalid_retention_options_are_refused():
+    with pytest.raises(ValueError, match="keep_last"):
+        RetentionPolicy(keep_last=0)
+    with pytest.raises(ValueError, match="best_mode"):
+        RetentionPolicy(keep_best=1, best_metric="x", best_mode="lowest")
+    with pytest.raises(ValueError, match="go together"):
+        RetentionPolicy(keep_best=1)
+
+
+def test_save_policy_with_injected_clock():
+    now = [0.0]
+    policy = SavePolicy(every_seconds=10, clock=lambda: now[0])
+    assert not policy.should_save(1)
+    now[0] = 10.0
+    assert policy.should_save(2)
+    policy.record_save()
+    now[0] = 15.0
+    assert not policy.should_save(3)
+    assert SavePolicy().should_save(123)  # no rule: every call saves
+    with pytest.raises(ValueError):
+        SavePolicy(every_steps=0)
