@@ -330,8 +330,12 @@ class CheckpointManager:
         if self._loc.supports_rename:
             target = self._loc.child(f"{step}.partial-{nonce}")
         else:
+            # No rename on object stores: a forced overwrite deletes the old step
+            # first (uncommitting it), then writes the new one in its place.
             if exists and _distributed.is_primary():
                 self._remove_step_now(step)
+            if exists:
+                _distributed.barrier(_distributed.next_operation_id("manager-replace"))
             target = final
 
         handlers = {name: checkpointable_for(name, self._overrides) for name in items}
@@ -345,8 +349,7 @@ class CheckpointManager:
                     p.wait()
                 except Exception:  # noqa: BLE001 - the first error is the one to report
                     pass
-            if target is not final or not exists:
-                target.remove()
+            target.remove()  # nothing committed here: no manifest was written
             raise
         self._policy.record_save()
 
