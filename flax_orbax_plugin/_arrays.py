@@ -15,7 +15,8 @@ import tensorstore as ts
 from ._storage import Location, context
 
 CHUNK_TARGET_BYTES = 16 << 20  # large leaves: chunks of at most ~16 MiB
-BATCH_CHUNK_BYTES = 4 << 20  # batches of small leaves: ~4 MiB chunks
+BATCH_CHUNK_BYTES = 16 << 20  # batches of small leaves: one file per ~16 MiB ...
+BATCH_INNER_CHUNK_BYTES = 64 << 10  # ... holding checksummed 64 KiB inner chunks
 
 
 def _divisors(n: int) -> list[int]:
@@ -55,11 +56,36 @@ def chunk_shape(
 
 
 def spec(
-    location: Location, sub: str, shape, dtype_name: str, chunk: list[int], itemsize: int
+    location: Location,
+    sub: str,
+    shape,
+    dtype_name: str,
+    chunk: list[int],
+    itemsize: int,
+    *,
+    inner_chunk: list[int] | None = None,
 ) -> dict[str, Any]:
+    """zarr3 spec; with ``inner_chunk`` each chunk is one file of checksummed inner chunks
+    (zarr3 sharding codec), so damage is located to ``inner_chunk`` granularity."""
     bytes_codec: dict[str, Any] = {"name": "bytes"}
     if itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}
+    codecs: list[dict[str, Any]] = [bytes_codec, {"name": "crc32c"}]
+    if inner_chunk is not None:
+        codecs = [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": inner_chunk,
+                    "codecs": codecs,
+                    "index_codecs": [
+                        {"name": "bytes", "configuration": {"endian": "little"}},
+                        {"name": "crc32c"},
+                    ],
+                    "index_location": "end",
+                },
+            }
+        ]
     return {
         "driver": "zarr3",
         "kvstore": location.kvstore(sub),
@@ -68,7 +94,7 @@ def spec(
             "data_type": dtype_name,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
             "chunk_key_encoding": {"name": "default"},
-            "codecs": [bytes_codec, {"name": "crc32c"}],
+            "codecs": codecs,
         },
     }
 

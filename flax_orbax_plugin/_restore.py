@@ -227,7 +227,7 @@ class _Reader:
 
 
 def _corrupt(paths: list[str], location: Location, error: Exception) -> CorruptCheckpointError:
-    shown = ", ".join(repr(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
+    shown = ", ".join(repr(p) for p in paths[:20]) + (" ..." if len(paths) > 20 else "")
     noun = "leaf" if len(paths) == 1 else "leaves"
     return CorruptCheckpointError(
         f"{noun} {shown} in {location}: stored data is damaged or missing ({error})"

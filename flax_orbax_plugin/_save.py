@@ -351,13 +351,18 @@ def _array_spec(root: Location, index: int, record: dict[str, Any]) -> dict[str,
 
 def _batch_spec(root: Location, name: str, batch: dict[str, Any]) -> dict[str, Any]:
     dtype = _metadata.dtype_from_name(batch["dtype"])
+    chunk = int(batch["chunk"])
+    inner = max(1, _arrays.BATCH_INNER_CHUNK_BYTES // dtype.itemsize)
+    while chunk % inner:  # inner chunks must divide the chunk
+        inner -= 1
     return _arrays.spec(
         root,
         f"b/{_metadata.batch_name(int(batch['process']), batch['dtype'])}",
         [batch["size"]],
         batch["dtype"],
-        [batch["chunk"]],
+        [chunk],
         dtype.itemsize,
+        inner_chunk=[inner],
     )
 
 

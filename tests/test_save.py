@@ -11,7 +11,6 @@ import time
 import flax.struct
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
@@ -39,7 +38,7 @@ def _assert_bitwise_equal(a, b):
     a_leaves, a_def = jax.tree_util.tree_flatten(a, is_leaf=lambda x: x is None)
     b_leaves, b_def = jax.tree_util.tree_flatten(b, is_leaf=lambda x: x is None)
     assert a_def == b_def
-    for x, y in zip(a_leaves, b_leaves):
+    for x, y in zip(a_leaves, b_leaves, strict=True):
         if x is None:
             assert y is None
             continue
