@@ -69,11 +69,16 @@ def _fail(msg: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Further --config.* flags are passed to train.py and serve.py.",
+    )
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "demo"))
     parser.add_argument("--kill-at", type=int, default=1300, help="SIGKILL after this step")
-    parser.add_argument("overrides", nargs="*", help="extra --config.* flags for train.py")
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()
+    if any(not o.startswith("--config.") for o in overrides):
+        parser.error(f"unknown arguments (only --config.* overrides pass through): {overrides}")
+    args.overrides = overrides
 
     t_start = time.perf_counter()
     shutil.rmtree(args.workdir, ignore_errors=True)
