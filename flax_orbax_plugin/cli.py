@@ -353,12 +353,21 @@ def cmd_verify(args) -> int:
 
 
 def _verify_core(fop, path: str) -> int:
-    verify = getattr(fop, "verify", None)
-    if verify is not None:
-        verify(path)
-    else:
-        fop.restore(path)  # reads every leaf; the zarr3 crc32c of every chunk is checked
-    return len(fop.metadata(path).leaves)
+    """Reads every leaf (the zarr3 crc32c of every chunk is checked on read), a group
+    at a time; raises CorruptCheckpointError naming the damaged leaves of every bad group."""
+    from flax_orbax_plugin._errors import CorruptCheckpointError
+
+    names = list(fop.metadata(path).leaves)
+    groups, read = _leaf_groups(fop, path, names)
+    errors = []
+    for group in groups:
+        try:
+            read(group)
+        except CorruptCheckpointError as e:
+            errors.append(_one_line(e))
+    if errors:
+        raise CorruptCheckpointError("; ".join(errors))
+    return len(names)
 
 
 def _verify_json(path: str) -> None:
@@ -436,20 +445,55 @@ def safetensors_header(
     return len(body).to_bytes(8, "little") + body
 
 
-def _leaf_values(fop, path: str, names: list[str]) -> Iterator[tuple[str, Any]]:
-    """Yields (leaf path, numpy array) in `names` order, one leaf in memory at a time
-    where the core can restore single leaves, else from one full restore."""
-    from flax_orbax_plugin import _tree
+_GROUP_BYTES = 64 << 20  # leaves read per partial restore by export and verify
 
-    restore_leaf = getattr(fop, "restore_leaf", None)
-    if restore_leaf is not None:
-        for name in names:
-            yield name, restore_leaf(path, name)
-        return
-    flat, _ = _tree.flatten(fop.restore(path))
-    by_path = {p: v for p, _, v in flat}
+
+def _leaf_groups(fop, path: str, names: list[str]) -> tuple[list[list[str]], Any]:
+    """Splits ``names`` into groups of at most ~64 MiB and returns (groups, read) where
+    ``read(group) -> {leaf path: numpy array}`` restores one group alone.
+
+    A group is a partial restore whose template holds None leaves (numpy results),
+    so memory stays bounded whatever the tree's size. Trees with list/tuple nodes
+    come back as one group, because a partial template cannot name a single list
+    element.
+    """
+    from flax_orbax_plugin import _restore, _tree
+    from flax_orbax_plugin._storage import Location
+
+    doc = _restore.read_document(Location.from_path(path))
+    records = {rec["path"]: rec for rec in doc["leaves"]}
+    if not all(k[0] in ("dict", "attr") for n in names for k in records[n]["keys"]):
+
+        def read_all(group):
+            flat, _ = _tree.flatten(fop.restore(path))
+            return {p: v for p, _, v in flat}
+
+        return [list(names)], read_all
+
+    def read(group):
+        like = _tree.rebuild(([tuple(k) for k in records[n]["keys"]], None) for n in group)
+        flat, _ = _tree.flatten(fop.restore(path, like, partial=True))
+        return {p: v for p, _, v in flat}
+
+    meta = fop.metadata(path).leaves
+    groups: list[list[str]] = [[]]
+    size = 0
     for name in names:
-        yield name, by_path.pop(name)
+        if groups[-1] and size + meta[name].nbytes > _GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += meta[name].nbytes
+    return [g for g in groups if g], read
+
+
+def _leaf_values(fop, path: str, names: list[str]) -> Iterator[tuple[str, Any]]:
+    """Yields (leaf path, numpy array) in ``names`` order, a group at a time."""
+    groups, read = _leaf_groups(fop, path, names)
+    for group in groups:
+        values = read(group)
+        for name in group:
+            yield name, values.pop(name)
 
 
 def cmd_export(args) -> int:

@@ -1,6 +1,7 @@
 """The flax-orbax command line on real checkpoints written by CheckpointManager."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -219,3 +220,34 @@ def test_progress_bar_only_on_a_tty(ckpt_dir, tmp_path, capsys):
     # not a terminal (pytest captures stderr): plain lines, no carriage returns
     rc, out, err = run_cli(capsys, "verify", directory)
     assert rc == 0 and "\r" not in out + err
+
+
+def test_export_and_verify_read_a_group_of_leaves_at_a_time(
+    ckpt_dir, capsys, tmp_path, monkeypatch
+):
+    """With a tiny group size every leaf is its own partial restore: same file, and
+    verify names only the leaves whose chunks are damaged."""
+    directory, params = ckpt_dir
+    whole = tmp_path / "whole.safetensors"
+    assert run_cli(capsys, "export", directory, whole)[0] == 0
+    monkeypatch.setattr(cli, "_GROUP_BYTES", 1)
+    one_by_one = tmp_path / "one.safetensors"
+    assert run_cli(capsys, "export", directory, one_by_one)[0] == 0
+    assert whole.read_bytes() == one_by_one.read_bytes()
+
+    # A lone core checkpoint with leaves large enough to live in chunks of their own.
+    tree = {k: np.arange(200_000, dtype=np.float32) + i for i, k in enumerate("abcd")}
+    lone = tmp_path / "lone"
+    fop.save(lone, tree)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(lone) for f in fs]
+    target = max(files, key=os.path.getsize)  # the data, leaf after leaf
+    offset = os.path.getsize(target) * 3 // 8  # inside the second leaf's bytes
+    with open(target, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    rc, out, _ = run_cli(capsys, "verify", lone)
+    assert rc == cli.EXIT_DAMAGED
+    line = next(line for line in out.splitlines() if line.startswith("DAMAGED"))
+    assert len(set(re.findall(r"leaf '([a-d])'", line))) == 1, line
