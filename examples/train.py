@@ -52,13 +52,17 @@ class PrintWriter:
     """A minimal metric writer with CLU's `write_scalars(step, scalars)` shape."""
 
     def write_scalars(self, step: int, scalars) -> None:
-        body = " | ".join(f"{k} {_fmt(v)}" for k, v in scalars.items())
+        if "checkpoint/bytes" in scalars:  # the figures of one save, from the callback
+            print(
+                f"checkpoint {step:5d} | blocking {scalars['checkpoint/blocking_seconds']:.3f} s"
+                f" | total {scalars['checkpoint/total_seconds']:.3f} s"
+                f" | {scalars['checkpoint/bytes'] / 2**20:.2f} MiB"
+                f" | {scalars['checkpoint/gbytes_per_sec']:.3f} GB/s",
+                flush=True,
+            )
+            return
+        body = " | ".join(f"{k} {float(v):.4g}" for k, v in scalars.items())
         print(f"step {step:5d} | {body}", flush=True)
-
-
-def _fmt(v) -> str:
-    v = float(v)
-    return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
 
 
 def train_and_evaluate(config):
