@@ -1,0 +1,358 @@
+"""Run a function in N real JAX processes on 127.0.0.1 (jax.distributed, CPU, gloo).
+
+Who calls what, in which order:
+
+* The test (parent) calls :func:`run_processes` with a target ``"module:function"``
+  importable from ``tests/`` (or the repository root). It picks a free coordinator
+  port and starts N children with ``python tests/_multiprocess.py``; each child's
+  environment carries ``XLA_FLAGS=--xla_force_host_platform_device_count=K``,
+  ``JAX_PLATFORMS=cpu`` and a JSON job description.
+* Each child sets ``jax_cpu_collectives_implementation=gloo``, calls
+  ``jax.distributed.initialize(coordinator_address="127.0.0.1:<port>",
+  num_processes=N, process_id=i, ...)``, builds a :class:`Context` (with a global
+  mesh over all N*K devices) and calls ``function(ctx, **args)``. The return value
+  (JSON-serialisable) is written to a per-process result file together with the
+  process's own ``/proc/self/io`` counters, the error if it raised, and timings.
+* The parent waits for every child (a global timeout; on expiry it SIGKILLs the
+  stragglers), optionally SIGKILLs one process at a chosen point (:class:`Kill`), and
+  returns a :class:`RunResult` with one :class:`ProcResult` per process.
+
+Kill points: ``Kill(process=i, at="name")`` makes process i SIGKILL itself when it
+calls ``ctx.point("name")`` (deterministic); ``Kill(process=i, after_s=t)`` has the
+parent kill it t seconds after start; ``Kill(process=i, when=callable)`` has the
+parent kill it as soon as ``callable()`` is true (polled every 5 ms).
+
+Facts about jax 0.10.2's coordination service that this relies on are in
+``docs``-style notes at the bottom of this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+_SPEC_ENV = "FOP_MP_JOB"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kill:
+    process: int
+    at: str | None = None  # a ctx.point() name: the child kills itself there
+    after_s: float | None = None  # the parent kills it this long after start
+    when: Callable[[], bool] | None = None  # the parent kills it once this is true
+
+
+@dataclasses.dataclass
+class ProcResult:
+    process_id: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+    killed: bool  # SIGKILLed on purpose (Kill)
+    timed_out: bool  # SIGKILLed by the parent's global timeout
+    record: dict  # what the child wrote: ok, result, error, traceback, io, t_* ...
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and bool(self.record.get("ok"))
+
+    @property
+    def result(self):
+        return self.record.get("result")
+
+    @property
+    def error(self) -> str | None:
+        return self.record.get("error")
+
+    def describe(self) -> str:
+        tail = "\n".join((self.stderr or "").splitlines()[-25:])
+        return (
+            f"process {self.process_id}: rc={self.returncode} killed={self.killed} "
+            f"timed_out={self.timed_out} wall={self.wall_s:.1f}s error={self.error!r}\n"
+            f"{self.record.get('traceback', '')}\n--- stderr tail ---\n{tail}"
+        )
+
+
+@dataclasses.dataclass
+class RunResult:
+    procs: list[ProcResult]
+    workdir: str
+
+    def __getitem__(self, i) -> ProcResult:
+        return self.procs[i]
+
+    @property
+    def results(self) -> list:
+        return [p.result for p in self.procs]
+
+    def check(self) -> RunResult:
+        """Raises AssertionError with every process's story unless all succeeded."""
+        bad = [p for p in self.procs if not p.ok]
+        if bad:
+            raise AssertionError("\n\n".join(p.describe() for p in self.procs))
+        return self
+
+
+def run_processes(
+    target: str,
+    n: int = 2,
+    *,
+    devices_per_process: int = 2,
+    args: dict | None = None,
+    timeout_s: float = 90.0,
+    kill: Kill | None = None,
+    env: dict | None = None,
+    heartbeat_timeout_s: int = 100,
+    shutdown_timeout_s: int = 30,
+    init_timeout_s: int = 60,
+    workdir: str | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_axes: tuple[str, ...] = ("data",),
+    recoverable: bool = False,
+    done_timeout_s: float = 30.0,
+) -> RunResult:
+    """Runs ``target(ctx, **args)`` in ``n`` processes; see the module docstring."""
+    workdir = workdir or tempfile.mkdtemp(prefix="fop-mp-")
+    os.makedirs(workdir, exist_ok=True)
+    port = free_port()
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    child_env.update(env or {})
+    child_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+    child_env["JAX_PLATFORMS"] = "cpu"
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [TESTS_DIR, REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    child_env["PYTHONUNBUFFERED"] = "1"
+    procs, outs = [], []
+    t0 = time.monotonic()
+    for i in range(n):
+        job = {
+            "target": target,
+            "args": args or {},
+            "coordinator": f"127.0.0.1:{port}",
+            "num_processes": n,
+            "process_id": i,
+            "result_path": os.path.join(workdir, f"result_{i}.json"),
+            "kill_at": kill.at if (kill and kill.process == i) else None,
+            "heartbeat_timeout_s": heartbeat_timeout_s,
+            "shutdown_timeout_s": shutdown_timeout_s,
+            "init_timeout_s": init_timeout_s,
+            "mesh_shape": list(mesh_shape) if mesh_shape else None,
+            "mesh_axes": list(mesh_axes),
+            "workdir": workdir,
+            "t0_wall": time.time(),
+            "recoverable": recoverable,
+            "done_timeout_s": done_timeout_s,
+        }
+        out = open(os.path.join(workdir, f"stdout_{i}.txt"), "w+")
+        err = open(os.path.join(workdir, f"stderr_{i}.txt"), "w+")
+        outs.append((out, err))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__)],
+                env={**child_env, _SPEC_ENV: json.dumps(job)},
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                cwd=workdir,
+            )
+        )
+    ends = [None] * n
+    killed = [False] * n
+    timed_out = [False] * n
+    deadline = t0 + timeout_s
+    while any(e is None for e in ends):
+        now = time.monotonic()
+        for i, p in enumerate(procs):
+            if ends[i] is None and p.poll() is not None:
+                ends[i] = now
+        if kill is not None and ends[kill.process] is None and not killed[kill.process]:
+            fire = (kill.after_s is not None and now - t0 >= kill.after_s) or (
+                kill.when is not None and kill.when()
+            )
+            if fire:
+                procs[kill.process].send_signal(signal.SIGKILL)
+                killed[kill.process] = True
+        if now > deadline:
+            for i, p in enumerate(procs):
+                if ends[i] is None:
+                    p.send_signal(signal.SIGKILL)
+                    p.wait()
+                    timed_out[i] = True
+                    ends[i] = time.monotonic()
+            break
+        time.sleep(0.005)
+    results = []
+    for i, p in enumerate(procs):
+        p.wait()
+        out, err = outs[i]
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+        out.close()
+        err.close()
+        record = {}
+        path = os.path.join(workdir, f"result_{i}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                record = json.load(f)
+        if p.returncode == -signal.SIGKILL and kill is not None and kill.process == i:
+            killed[i] = True
+        results.append(
+            ProcResult(
+                i, p.returncode, stdout, stderr, ends[i] - t0, killed[i], timed_out[i], record
+            )
+        )
+    return RunResult(results, workdir)
+
+
+# ----------------------------------------------------------------------------- child side
+
+
+def read_proc_io(pid: int | str = "self") -> dict:
+    """The kernel's I/O counters of a process (rchar, wchar, read_bytes, write_bytes ...)."""
+    with open(f"/proc/{pid}/io") as f:
+        return {k: int(v) for k, v in (line.split(":") for line in f)}
+
+
+class Context:
+    """What a target function gets: its place in the job and a few helpers."""
+
+    def __init__(self, job: dict):
+        import jax
+        import numpy as np
+
+        self.job = job
+        self.process_id: int = job["process_id"]
+        self.num_processes: int = job["num_processes"]
+        self.workdir: str = job["workdir"]
+        self.devices = jax.devices()
+        shape = job["mesh_shape"] or [len(self.devices)]
+        self.mesh = jax.sharding.Mesh(
+            np.array(self.devices).reshape(shape), tuple(job["mesh_axes"])
+        )
+        self._record: dict = {}
+
+    @property
+    def client(self):
+        """jax's coordination service client (wait_at_barrier, key_value_set, ...)."""
+        from jax._src.distributed import global_state
+
+        return global_state.client
+
+    def point(self, name: str) -> None:
+        """A kill point: SIGKILLs this process if the job asked for it here."""
+        self.note(f"t_point_{name}", time.time())
+        if self.job.get("kill_at") == name:
+            self.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def note(self, key: str, value) -> None:
+        """Adds ``key: value`` to this process's record (kept even if it dies later)."""
+        self._record[key] = value
+
+    def flush(self) -> None:
+        _write_record(self.job["result_path"], {"ok": False, "partial": True, **self._record})
+
+    def io(self) -> dict:
+        return read_proc_io()
+
+
+def _write_record(path: str, record: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, default=repr)
+    os.replace(tmp, path)
+
+
+def _resolve(target: str):
+    module, _, func = target.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _child_main() -> int:
+    job = json.loads(os.environ[_SPEC_ENV])
+    t_start = time.time()
+    ctx = None
+    try:
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if job["recoverable"]:
+            jax.config.update("jax_enable_recoverability", True)
+        jax.distributed.initialize(
+            coordinator_address=job["coordinator"],
+            num_processes=job["num_processes"],
+            process_id=job["process_id"],
+            initialization_timeout=job["init_timeout_s"],
+            heartbeat_timeout_seconds=job["heartbeat_timeout_s"],
+            shutdown_timeout_seconds=job["shutdown_timeout_s"],
+        )
+        t_init = time.time()
+        ctx = Context(job)
+        ctx.note("t_start", t_start)
+        ctx.note("t_initialized", t_init)
+        io_before = read_proc_io()
+        result = _resolve(job["target"])(ctx, **job["args"])
+        io_after = read_proc_io()
+        record = {
+            **ctx._record,
+            "ok": True,
+            "result": result,
+            "io_before": io_before,
+            "io_after": io_after,
+            "t_end": time.time(),
+            "pid": os.getpid(),
+        }
+        _write_record(job["result_path"], record)
+    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+        record = {
+            **(ctx._record if ctx else {}),
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}",
+            "error_type": type(e).__name__,
+            "traceback": traceback.format_exc(),
+            "t_end": time.time(),
+            "pid": os.getpid(),
+        }
+        _write_record(job["result_path"], record)
+        return 1
+    # Success: leave together, so that no process looks dead to the coordination
+    # service while its peers still work; then jax's own shutdown (itself a barrier).
+    # If a peer is gone, the done barrier fails and we leave without that shutdown,
+    # which would otherwise wait shutdown_timeout_s and then abort the process.
+    try:
+        ctx.client.wait_at_barrier("fop_mp/done", int(job["done_timeout_s"] * 1000))
+    except Exception:  # noqa: BLE001
+        return 0
+    jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    rc = _child_main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit: after a failure, skip jax's atexit shutdown barrier, which after a peer
+    # died would block for shutdown_timeout_s. Every result is already on disk.
+    os._exit(rc)
