@@ -253,17 +253,24 @@ class CheckpointCallback:
         self._finish_inflight(block=False)
 
     def _finish_inflight(self, *, block: bool) -> None:
-        """Reports the figures of the save in flight once it is committed."""
+        """Reports the figures of the save in flight once it is committed.
+
+        With ``block`` False, returns at once if the save is still running. A save
+        that failed in the background raises here (through the manager, which then
+        forgets the error) and reports no figures.
+        """
         if self._inflight is None:
             return
         step, t0, blocking, future, done_at = self._inflight
-        if not done_at:
-            if not block and future is not None and not future.done():
-                return
-            self.manager.wait()  # re-raises a background error
-        elif future is not None and future.exception() is not None:
-            self.manager.wait()  # re-raises it
+        if future is not None and not block and not future.done():
+            return
         self._inflight = None
+        if future is not None:
+            try:
+                future.result()  # waits for the commit only, not for retention
+            except BaseException:
+                self.manager.wait()  # re-raises the background error
+                raise
         total = (done_at[0] if done_at else time.perf_counter()) - t0
         figures = SaveFigures(step, blocking, total, _step_bytes(self.directory, step))
         self.history.append(figures)
