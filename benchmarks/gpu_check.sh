@@ -18,8 +18,9 @@ need_ts() {
   "$PY" - <<'PY'
 import sys
 try:
-    import tensorstore as ts
-    v = tuple(int(x) for x in ts.__version__.split(".")[:3])
+    from importlib.metadata import version
+    import tensorstore  # noqa: F401
+    v = tuple(int(x) for x in version("tensorstore").split(".")[:3])
     sys.exit(0 if v >= (0, 1, 86) else 1)
 except Exception:
     sys.exit(1)
@@ -36,7 +37,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" -c "import jax, tensorstore, orbax.checkpoint as o; print('jax', jax.__version__, jax.devices(), 'ts', tensorstore.__version__)" || true
+"$PY" -c "import jax, importlib.metadata as m; print('jax', jax.__version__, jax.devices(), 'tensorstore', m.version('tensorstore'), 'orbax', m.version('orbax-checkpoint'))" || true
 out="${OUT:-$PWD/benchmarks/results}"
 timeout 300 "$PY" benchmarks/gpu_check.py --repeats "${REPEATS:-3}" --out "$out"
 rc=$?
