@@ -32,7 +32,8 @@ Facts about tensorstore 0.1.86's ``s3`` kvstore driver, checked against moto 5.2
   /root/.aws/config`` at ERROR on stderr, several lines per open, while it looks for
   a profile (harmless). ``S3Server`` writes a config and a credentials file with a
   ``[default]`` profile and points AWS_CONFIG_FILE/AWS_SHARED_CREDENTIALS_FILE at
-  them, which silences it.
+  them, which cuts that to two lines per open ("Profile credentials provider could
+  not load a profile at ." and one about STS web identity), also harmless.
 * Conditional writes (``KvStore.write(..., if_equal=<generation of a missing key>)``)
   are honoured: a second create-if-absent returns an empty generation.
 """
