@@ -33,7 +33,7 @@ def main(argv=None):
         sys.exit("cold reads need root to drop the page cache")
     t0 = time.perf_counter()
     rows = H.run_matrix(["raw", "fop"], list(a.workloads), a.repeats,
-                        verify=not (a.no_verify or a.quick))
+                        verify=not (a.no_verify or a.quick), numpy_restore=True)
     H.write_outputs("core", "flax_orbax_plugin core vs the raw limit (issue 2)", rows, [],
                     lambda s, _t: H.core_targets(s),
                     config=vars(a) | {"wall_s": time.perf_counter() - t0})

@@ -53,6 +53,7 @@ def main(argv=None):
     p.add_argument("--libs", default=",".join(LIBRARIES))
     p.add_argument("--train-steps", type=int, default=20)
     p.add_argument("--train-every", type=int, default=10)
+    p.add_argument("--train-rounds", type=int, default=2)
     p.add_argument("--no-train", action="store_true")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--quick", action="store_true",
@@ -62,6 +63,7 @@ def main(argv=None):
         a.repeats = a.repeats_c = 1
         a.train_steps = 10
         a.train_every = 5
+        a.train_rounds = 1
     if os.geteuid() != 0:
         sys.exit("cold reads need root to drop the page cache")
     libs = ["raw"] + [x for x in a.libs.split(",") if x]
@@ -71,7 +73,7 @@ def main(argv=None):
         reps = a.repeats_c if w == "c" else a.repeats
         rows += H.run_matrix(libs, [w], reps, verify=not (a.no_verify or a.quick))
     train = [] if a.no_train else H.run_train([x for x in libs if x != "raw"],
-                                              a.train_steps, a.train_every)
+                                              a.train_steps, a.train_every, a.train_rounds)
     H.write_outputs("peers", "Checkpointing libraries side by side (issue 5)", rows, train,
                     H.peer_targets, notes=NOTES,
                     config=vars(a) | {"wall_s": time.perf_counter() - t0})

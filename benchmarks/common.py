@@ -369,6 +369,15 @@ def machine_description() -> dict:
         except md.PackageNotFoundError:
             vers[pkg] = None
     info["versions"] = vers
+    try:
+        root = os.path.dirname(HERE)
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "flax_orbax_plugin"],
+                               capture_output=True, text=True).stdout.strip()
+        info["plugin_commit"] = head + ("+uncommitted changes" if dirty else "")
+    except OSError:
+        pass
     info["ru_maxrss_note"] = "peak RSS per operation: VmHWM after reset via clear_refs"
     return info
 

@@ -35,7 +35,8 @@ def log(msg: str) -> None:
     print(time.strftime("%H:%M:%S"), msg, flush=True)
 
 
-def run_matrix(libs, workloads, repeats, *, params=True, verify=True) -> list[dict]:
+def run_matrix(libs, workloads, repeats, *, params=True, verify=True,
+               numpy_restore=False) -> list[dict]:
     """Every measurement as a list of worker result dicts (with 'rep')."""
     rows = []
     for w in workloads:
@@ -46,7 +47,10 @@ def run_matrix(libs, workloads, repeats, *, params=True, verify=True) -> list[di
             for lib in order:
                 path = os.path.join(base, lib + (".bin" if lib in ("raw", "msgpack") else ""))
                 jobs = [["save", "--lib", lib, "--workload", w, "--path", path]]
-                for t in restore_targets(w) if lib != "raw" else ["single"]:
+                targets = restore_targets(w) if lib != "raw" else ["single"]
+                if numpy_restore and lib == "fop":
+                    targets = targets + ["numpy"]
+                for t in targets:
                     jobs.append(["restore", "--lib", lib, "--workload", w, "--path", path,
                                  "--target", t])
                 if params:
@@ -74,12 +78,13 @@ def run_matrix(libs, workloads, repeats, *, params=True, verify=True) -> list[di
     return rows
 
 
-def run_train(libs, steps, every) -> list[dict]:
+def run_train(libs, steps, every, rounds=2) -> list[dict]:
     rows = []
     for lib in libs:
         t0 = time.perf_counter()
         args = [os.path.join(C.HERE, "train_loop.py"), "--lib", lib, "--dir",
-                os.path.join(C.TMP, "train"), "--steps", str(steps), "--every", str(every)]
+                os.path.join(C.TMP, "train"), "--steps", str(steps), "--every", str(every),
+                "--rounds", str(rounds)]
         import subprocess
 
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -112,6 +117,8 @@ FIGS = [
     ("restore_read_bytes", "restore", "read_bytes", "single"),
     ("restore_4x2_s", "restore", "time_s", "4x2"),
     ("restore_4x2_peak_rss", "restore", "peak_rss_delta", "4x2"),
+    ("restore_numpy_s", "restore", "time_s", "numpy"),
+    ("restore_numpy_peak_rss", "restore", "peak_rss_delta", "numpy"),
     ("params_s", "params", "time_s", None),
     ("params_read_bytes", "params", "read_bytes", None),
     ("params_peak_rss", "params", "peak_rss_delta", None),
@@ -285,7 +292,8 @@ def markdown(summary, rat, targets, train, machine, title, notes=()) -> str:
     lines.append(
         f"Machine: {machine.get('cpu_count')} CPUs ({machine.get('cpu_model', '?')}), "
         f"{(machine.get('ram_bytes') or 0) / (1 << 30):.0f} GiB RAM, disk `{machine.get('disk')}`; "
-        + ", ".join(f"{k} {val}" for k, val in v.items() if val))
+        + ", ".join(f"{k} {val}" for k, val in v.items() if val)
+        + f"; plugin at commit {machine.get('plugin_commit')}")
     lines.append("")
     lines.append("Times in seconds, sizes in MiB; each figure is the median of the repeats "
                  "(n in the JSON). RSS is peak RSS above the process's RSS just before the "
@@ -293,6 +301,8 @@ def markdown(summary, rat, targets, train, machine, title, notes=()) -> str:
     lines.append("")
     cols = [("blocking_s", "async blocking s", "s"), ("save_s", "durable save s", "s"),
             ("restore_s", "cold restore s", "s"), ("restore_4x2_s", "restore 4x2 s", "s"),
+            ("restore_numpy_s", "restore to numpy s", "s"),
+            ("restore_numpy_peak_rss", "numpy restore RSS MiB", "b"),
             ("params_s", "params-only s", "s"), ("params_read_bytes", "params read MiB", "b"),
             ("save_peak_rss", "save RSS MiB", "b"), ("restore_peak_rss", "restore RSS MiB", "b"),
             ("disk_bytes", "on disk MiB", "b")]
@@ -326,7 +336,7 @@ def markdown(summary, rat, targets, train, machine, title, notes=()) -> str:
     if train:
         lines.append("## Training loop: median step time with background saves vs none")
         lines.append("")
-        lines.append("| library | steps/phase | save every | base median s | with saves "
+        lines.append("| library | steps/phase x rounds | save every | base median s | with saves "
                      "median s | slowdown (median) | slowdown (total time) | blocking median s |")
         lines.append("|---|---|---|---|---|---|---|---|")
         for r in train:
@@ -334,7 +344,8 @@ def markdown(summary, rat, targets, train, machine, title, notes=()) -> str:
                 lines.append(f"| {LABELS.get(r['lib'], r['lib'])} | error: {r['error']} |")
                 continue
             lines.append(
-                f"| {LABELS.get(r['lib'], r['lib'])} | {r['steps']} | {r['every']} | "
+                f"| {LABELS.get(r['lib'], r['lib'])} | {r['steps']} x {r.get('rounds', 1)} | "
+                f"{r['every']} | "
                 f"{r['base_median_s']:.3f} | {r.get('save_median_s', 0):.3f} | "
                 f"{r.get('slowdown_median', 0):.2f}x | {r.get('slowdown_mean', 0):.2f}x | "
                 f"{r.get('blocking_median_s', 0):.3f} |")

@@ -6,9 +6,10 @@ step is a jitted forward/backward over every weight matrix plus ``optax.adam``,
 with the state donated (as real loops do), so a library must have copied what it
 saves before ``save_async`` returns.
 
-Phases, in one process: ``--warmup`` steps (compile), ``--steps`` steps without
-saves, then ``--steps`` steps with an async save every ``--every`` steps (the
-previous one waited for first, as a loop with one writer does), then a final wait.
+Phases, in one process: ``--warmup`` steps (compile), then ``--rounds`` times:
+``--steps`` steps without saves, then ``--steps`` steps with an async save every
+``--every`` steps (the previous one waited for first, as a loop with one writer
+does) and a final wait. Medians are over all rounds of each phase.
 Prints ``RESULT {json}``.
 """
 
@@ -71,6 +72,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="alternations of the two phases")
     a = p.parse_args(argv)
     a.dir = os.path.abspath(a.dir)
     C.rmtree(a.dir)
@@ -104,11 +106,17 @@ def main(argv=None):
         return times, blocking, time.perf_counter() - t0
 
     run(a.warmup)
-    base, _, _ = run(a.steps)
-    res = {"op": "train", "lib": a.lib, "steps": a.steps, "every": a.every,
+    base, saving, blocking, tail = [], [], [], 0.0
+    for _ in range(a.rounds):  # alternate, so drift on a shared machine hits both alike
+        base += run(a.steps)[0]
+        if adapter is not None:
+            s, b, t = run(a.steps, a.every)
+            saving += s
+            blocking += b
+            tail += t
+    res = {"op": "train", "lib": a.lib, "steps": a.steps, "every": a.every, "rounds": a.rounds,
            "base_median_s": statistics.median(base), "base_mean_s": statistics.mean(base)}
     if adapter is not None:
-        saving, blocking, tail = run(a.steps, a.every)
         res.update(
             save_median_s=statistics.median(saving),
             save_mean_s=statistics.mean(saving),
