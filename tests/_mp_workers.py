@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 
@@ -77,3 +79,329 @@ def sleep_after_kill(ctx, seconds=10):
         ctx.note("alive_s", time.time() - t)
         ctx.flush()
     return {"slept": time.time() - t}
+
+
+# ----------------------------------------------------------------- checkpointing workers
+
+ROWS_PER_DEVICE = 128
+COLS = 1024  # float32: 512 KiB per device shard of "w"
+
+
+def expected_w(n_devices_total: int):
+    import numpy as np
+
+    rows = ROWS_PER_DEVICE * n_devices_total
+    return np.arange(rows * COLS, dtype=np.float32).reshape(rows, COLS) / 7.0
+
+
+def make_state(ctx, step: int):
+    """A sharded training state over the global mesh: w and mu sharded, b replicated."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    axis = ctx.mesh.axis_names[0]
+    full = expected_w(len(ctx.devices)) + step
+    sharded = NamedSharding(ctx.mesh, P(axis))
+    replicated = NamedSharding(ctx.mesh, P())
+    w = jax.make_array_from_callback(full.shape, sharded, lambda idx: full[idx])
+    mu = jax.make_array_from_callback(full.shape, sharded, lambda idx: -full[idx])
+    b_host = np.full((COLS,), float(step), np.float32)
+    b = jax.make_array_from_callback(b_host.shape, replicated, lambda idx: b_host[idx])
+    return {"params": {"w": w, "b": b}, "opt_state": {"mu": mu}}
+
+
+def shard_bytes_of_this_process(state) -> int:
+    """Bytes this process must write: its addressable shards with replica_id == 0."""
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        for s in leaf.addressable_shards:
+            if s.replica_id == 0:
+                total += s.data.nbytes
+    return total
+
+
+def _io_delta(before, after):
+    return {k: after[k] - before[k] for k in ("wchar", "write_bytes", "rchar", "read_bytes")}
+
+
+def _spy_small_files(ctx):
+    """Records which small files (metadata, markers, manifests) this process writes."""
+    from flax_orbax_plugin import _storage
+
+    written = []
+    original = _storage.Location.write_bytes
+
+    def spy(self, name, data):
+        written.append(f"{self.path.rstrip('/').rsplit('/', 1)[-1]}/{name}")
+        return original(self, name, data)
+
+    _storage.Location.write_bytes = spy
+    return written
+
+
+def core_save(ctx, directory, steps=(1,), async_save=False, work_between=False):
+    """Every process saves the same sharded state with fop.save / fop.save_async."""
+    import jax
+    import jax.numpy as jnp
+
+    import flax_orbax_plugin as fop
+
+    small = _spy_small_files(ctx)
+    out = {"saves": []}
+    handles = []
+    for step in steps:
+        state = make_state(ctx, step)
+        mine = shard_bytes_of_this_process(state)
+        before = ctx.io()
+        t = time.perf_counter()
+        if async_save:
+            handles.append(fop.save_async(f"{directory}/{step}", state))
+        else:
+            fop.save(f"{directory}/{step}", state)
+        elapsed = time.perf_counter() - t
+        if work_between:  # a "train step" that replaces the saved buffers
+            state = jax.tree.map(jnp.zeros_like, state)
+            jax.block_until_ready(state)
+        out["saves"].append(
+            {"step": step, "mine": mine, "call_s": elapsed, "io": _io_delta(before, ctx.io())}
+        )
+    for h in handles:
+        h.wait()
+    out["small_files"] = small
+    out["committed"] = [fop.is_committed(f"{directory}/{s}") for s in steps]
+    return out
+
+
+def core_restore(ctx, directory, step=1, mesh_shape=None, spec=("data",)):
+    """Restores with fop.restore onto this job's mesh; checks every local shard."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flax_orbax_plugin as fop
+
+    mesh = ctx.mesh
+    if mesh_shape:
+        names = tuple(f"m{i}" for i in range(len(mesh_shape)))
+        mesh = Mesh(np.array(ctx.devices).reshape(mesh_shape), names)
+        spec = tuple(names[i] if isinstance(i, int) else i for i in spec)
+    path = f"{directory}/{step}"
+    with open(os.path.join(path, "_METADATA.json")) as f:
+        rows = _find_rows(json.load(f))
+    sharding = NamedSharding(mesh, P(*spec))
+    like = {
+        "params": {
+            "w": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sharding),
+            "b": jax.ShapeDtypeStruct((COLS,), np.float32, sharding=NamedSharding(mesh, P())),
+        },
+        "opt_state": {"mu": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sharding)},
+    }
+    before = ctx.io()
+    state = fop.restore(path, like)
+    io = _io_delta(before, ctx.io())
+    return {"step": step, "rows": rows, **check_state(state, rows, step), "io": io}
+
+
+def _find_rows(doc) -> int:
+    """Rows of leaf 'w' from a metadata document (searched, to not depend on its layout)."""
+    found = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            shape = x.get("shape")
+            if isinstance(shape, list) and len(shape) == 2 and shape[1] == COLS:
+                found.append(shape[0])
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(doc)
+    assert found, doc
+    return found[0]
+
+
+def check_state(state, rows, step) -> dict:
+    import numpy as np
+
+    full = expected_w(rows // ROWS_PER_DEVICE) + step
+    checked = 0
+    for s in state["params"]["w"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), full[s.index])
+        checked += 1
+    for s in state["opt_state"]["mu"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), -full[s.index])
+    np.testing.assert_array_equal(
+        np.asarray(state["params"]["b"].addressable_shards[0].data), np.full(COLS, float(step))
+    )
+    return {"checked_shards": checked, "sharding": str(state["params"]["w"].sharding.spec)}
+
+
+def manager_save(ctx, directory, steps=(1,), async_save=False, keep=None, work_between=False):
+    """Every process saves the same steps through the manager; reports bytes it wrote."""
+    import jax
+    import jax.numpy as jnp
+
+    import flax_orbax_plugin as fop
+
+    out = {"saves": []}
+    with fop.CheckpointManager(directory, keep=keep, async_save=async_save) as mngr:
+        for step in steps:
+            state = make_state(ctx, step)
+            mine = shard_bytes_of_this_process(state)
+            before = ctx.io()
+            t = time.perf_counter()
+            mngr.save(step, state, extras={"step": step})
+            blocking = time.perf_counter() - t
+            if work_between:  # a "train step" that overwrites the saved buffers
+                state = jax.tree.map(lambda x: jnp.zeros_like(x), state)
+                jax.block_until_ready(state)
+            if not async_save:
+                mngr.wait()
+            out["saves"].append(
+                {
+                    "step": step,
+                    "mine": mine,
+                    "blocking_s": blocking,
+                    "io": _io_delta(before, ctx.io()),
+                }
+            )
+        t = time.perf_counter()
+        mngr.wait()
+        out["final_wait_s"] = time.perf_counter() - t
+        out["steps"] = mngr.steps()
+    return out
+
+
+def manager_restore(ctx, directory, step=None, mesh_shape=None, spec=("data",)):
+    """Restores onto this job's mesh (any process count); checks every local shard."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flax_orbax_plugin as fop
+
+    mesh = ctx.mesh
+    if mesh_shape:
+        names = tuple(f"m{i}" for i in range(len(mesh_shape)))
+        mesh = Mesh(np.array(ctx.devices).reshape(mesh_shape), names)
+        spec = tuple(names[i] if isinstance(i, int) else i for i in spec)
+    with fop.CheckpointManager(directory, read_only=True) as mngr:
+        step = mngr.latest_step() if step is None else step
+        meta = fop.metadata(f"{directory}/{step}/params")
+        shape = None
+        for leaf in getattr(meta, "leaves", []) or []:
+            if str(getattr(leaf, "path", "")).endswith("w"):
+                shape = tuple(leaf.shape)
+        rows = shape[0] if shape else None
+        sharding = NamedSharding(mesh, P(*spec))
+        like = {
+            "params": {
+                "w": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sharding),
+                "b": jax.ShapeDtypeStruct((COLS,), np.float32, sharding=NamedSharding(mesh, P())),
+            },
+            "opt_state": {"mu": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sharding)},
+        }
+        before = ctx.io()
+        state = mngr.restore(like)
+        io = _io_delta(before, ctx.io())
+    full = expected_w(rows // ROWS_PER_DEVICE) + step
+    checked = 0
+    for s in state["params"]["w"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), full[s.index])
+        checked += 1
+    for s in state["opt_state"]["mu"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), -full[s.index])
+    np.testing.assert_array_equal(
+        np.asarray(state["params"]["b"].addressable_shards[0].data), np.full(COLS, float(step))
+    )
+    return {
+        "step": step,
+        "rows": rows,
+        "checked_shards": checked,
+        "sharding": str(state["params"]["w"].sharding.spec),
+        "io": io,
+    }
+
+
+def manager_save_killed(ctx, directory, victim_after_opens=2):
+    """Saves step 1 (committed), then step 2; the victim dies mid-write of step 2."""
+    import flax_orbax_plugin as fop
+    from flax_orbax_plugin import _arrays
+
+    out = {}
+    with fop.CheckpointManager(directory) as mngr:
+        mngr.save(1, make_state(ctx, 1))
+        mngr.wait()
+        out["steps_before"] = mngr.steps()
+        opened = {"n": 0}
+        original = _arrays.open_for_write
+
+        def counting_open(spec):
+            opened["n"] += 1
+            if opened["n"] > victim_after_opens:
+                ctx.point("mid_save")
+            return original(spec)
+
+        _arrays.open_for_write = counting_open
+        t = time.time()
+        ctx.note("t_save2_start", t)
+        ctx.flush()
+        try:
+            mngr.save(2, make_state(ctx, 2))
+            mngr.wait()
+            out["save2"] = "returned"
+        except Exception as e:  # noqa: BLE001
+            out["save2"] = f"{type(e).__name__}: {e}"
+            out["save2_type"] = type(e).__name__
+        out["save2_s"] = time.time() - t
+        ctx.note("partial_out", out)
+        ctx.flush()
+        try:
+            mngr.close()
+        except Exception as e:  # noqa: BLE001
+            out["close"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def core_save_killed(ctx, directory, victim_after_opens=1):
+    """Saves step 1 (committed), then step 2; the Kill victim dies mid-write of step 2.
+
+    The victim SIGKILLs itself (ctx.point("mid_save")) when it opens its
+    ``victim_after_opens + 1``-th array for writing, i.e. after some of its chunks
+    were handed to tensorstore and before the others.
+    """
+    import flax_orbax_plugin as fop
+    from flax_orbax_plugin import _arrays
+
+    fop.save(f"{directory}/1", make_state(ctx, 1))
+    out = {"step1_committed": fop.is_committed(f"{directory}/1")}
+    opened = {"n": 0}
+    original = _arrays.open_for_write
+
+    def counting_open(spec):
+        opened["n"] += 1
+        if opened["n"] > victim_after_opens:
+            ctx.point("mid_save")
+        return original(spec)
+
+    _arrays.open_for_write = counting_open
+    state = make_state(ctx, 2)
+    t = time.time()
+    ctx.note("t_save2_start", t)
+    ctx.flush()
+    try:
+        fop.save(f"{directory}/2", state)
+        out["save2"] = "returned"
+    except Exception as e:  # noqa: BLE001
+        out["save2"] = f"{type(e).__name__}: {e}"
+        out["save2_type"] = type(e).__name__
+    out["save2_s"] = time.time() - t
+    return out

@@ -1,0 +1,263 @@
+"""Several real JAX processes on 127.0.0.1 saving and restoring one sharded state.
+
+Each test starts 2, 3 or 4 processes with ``jax.distributed.initialize`` (CPU, gloo
+collectives, 2 devices each, one global mesh) through ``tests/_multiprocess.py``; the
+functions they run are in ``tests/_mp_workers.py``. Select with ``-m distributed``.
+
+What they show:
+
+* each process writes only its own shards (its /proc/self/io write counters match
+  the bytes of its addressable replica-0 shards, not the whole state), and only
+  process 0 writes the metadata and the commit marker;
+* a checkpoint saved by 4 processes restores onto 2 processes with another mesh,
+  and one saved by 2 processes restores into this single process (8 devices);
+* async saves from several processes, with the saved buffers replaced right away;
+* a process SIGKILLed in the middle of a save: no step is committed, the survivors
+  fail within a bounded time with an error naming the missing process.
+"""
+
+import os
+import time
+
+import _mp_workers as W
+import jax
+import numpy as np
+import pytest
+from _multiprocess import Kill, run_processes
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_orbax_plugin as fop
+
+pytestmark = pytest.mark.distributed
+
+# Failures must end quickly: a barrier gives up after this long (the core reads it).
+FAST_FAIL = {"FOP_COORDINATION_TIMEOUT_S": "20"}
+
+
+def _run(target, n, **kw):
+    kw.setdefault("env", FAST_FAIL)
+    kw.setdefault("heartbeat_timeout_s", 30)
+    kw.setdefault("timeout_s", 120)
+    return run_processes(target, n, devices_per_process=2, **kw)
+
+
+def _state_nbytes(n_devices: int) -> int:
+    w = W.ROWS_PER_DEVICE * n_devices * W.COLS * 4
+    return 2 * w + W.COLS * 4  # w, mu and the replicated b (written once)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints written by 2 and by 4 processes (step 1), and what each process saw."""
+    out = {}
+    for n in (2, 4):
+        directory = str(tmp_path_factory.mktemp(f"saved{n}"))
+        run = _run("_mp_workers:core_save", n, args={"directory": directory, "steps": [1]})
+        run.check()
+        out[n] = (directory, run)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_process_writes_only_its_own_shards(saved, n):
+    directory, run = saved[n]
+    total = _state_nbytes(2 * n)
+    mine = [p.result["saves"][0]["mine"] for p in run.procs]
+    assert sum(mine) == total
+    for p in run.procs:
+        save = p.result["saves"][0]
+        io = save["io"]
+        # The kernel's count of bytes this process wrote while saving: its own
+        # shards (zarr3 framing, metadata and json add a little), far from the total.
+        written = io["write_bytes"] or io["wchar"]
+        assert save["mine"] * 0.95 <= written <= save["mine"] * 1.2 + (256 << 10), (
+            p.process_id,
+            save,
+        )
+        assert written < total / n * 1.5, (p.process_id, written, total)
+        assert all(p.result["committed"])
+    # Only the primary writes the small files: metadata, then the commit marker.
+    primary_files = [f.rsplit("/", 1)[-1] for f in run[0].result["small_files"]]
+    assert primary_files[-1] == "_COMMITTED", primary_files
+    assert "_METADATA.json" in primary_files
+    for p in run.procs[1:]:
+        assert p.result["small_files"] == [], (p.process_id, p.result["small_files"])
+    # On disk: one committed step holding every byte once.
+    on_disk = sum(
+        os.path.getsize(os.path.join(root, f))
+        for root, _, files in os.walk(os.path.join(directory, "1"))
+        for f in files
+    )
+    assert total <= on_disk <= total * 1.1 + (256 << 10)
+    assert fop.is_committed(os.path.join(directory, "1"))
+    assert sorted(os.listdir(directory)) == ["1"]
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [([0, 1], "('m0', 'm1')"), ([1, 0], "('m1', 'm0')")],
+    ids=["rows-by-process", "columns-by-process"],
+)
+def test_restore_4_processes_onto_2_with_another_mesh(saved, spec, expected):
+    """Saved over a mesh of 8 (rows sharded), restored over 2x2 on 2 processes."""
+    directory, _ = saved[4]
+    run = _run(
+        "_mp_workers:core_restore",
+        2,
+        args={"directory": directory, "step": 1, "mesh_shape": [2, 2], "spec": spec},
+    ).check()
+    rows = W.ROWS_PER_DEVICE * 8
+    for p in run.procs:
+        assert p.result["rows"] == rows
+        assert p.result["checked_shards"] == 2
+        assert p.result["sharding"].endswith(expected), p.result["sharding"]
+        if spec == [0, 1]:
+            # Each process needs half of the rows: it reads about half the
+            # checkpoint, not all of it. (Split by columns instead, every stored
+            # row-chunk overlaps both processes' shards and is read by both.)
+            read = p.result["io"]["rchar"]
+            assert read < 0.75 * _state_nbytes(8), (p.process_id, p.result["io"])
+
+
+def test_restore_2_processes_into_one(saved, devices):
+    directory, _ = saved[2]
+    rows = W.ROWS_PER_DEVICE * 4
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("a", "b"))
+    sharding = NamedSharding(mesh, P(("a", "b")))
+    like = {
+        "params": {
+            "w": jax.ShapeDtypeStruct((rows, W.COLS), np.float32, sharding=sharding),
+            "b": jax.ShapeDtypeStruct((W.COLS,), np.float32, sharding=NamedSharding(mesh, P())),
+        },
+        "opt_state": {"mu": jax.ShapeDtypeStruct((rows, W.COLS), np.float32, sharding=sharding)},
+    }
+    state = fop.restore(os.path.join(directory, "1"), like)
+    assert W.check_state(state, rows, 1)["checked_shards"] == 8
+    host = fop.restore(os.path.join(directory, "1"))  # and to numpy on the host
+    np.testing.assert_array_equal(host["params"]["w"], W.expected_w(4) + 1)
+
+
+def test_async_saves_across_processes(tmp_path):
+    directory = str(tmp_path)
+    run = _run(
+        "_mp_workers:core_save",
+        2,
+        args={"directory": directory, "steps": [1, 2, 3], "async_save": True, "work_between": True},
+    ).check()
+    for p in run.procs:
+        assert p.result["committed"] == [True, True, True]
+    for step in (1, 2, 3):
+        host = fop.restore(os.path.join(directory, str(step)))
+        np.testing.assert_array_equal(host["params"]["w"], W.expected_w(4) + step)
+        np.testing.assert_array_equal(host["opt_state"]["mu"], -(W.expected_w(4) + step))
+
+
+# ------------------------------------------------------------------ a process dies mid-save
+
+
+def _assert_step2_not_committed(directory):
+    assert fop.is_committed(os.path.join(directory, "1"))
+    assert not fop.is_committed(os.path.join(directory, "2"))
+    assert "2" not in os.listdir(directory)
+    with pytest.raises(fop.CheckpointError):
+        fop.restore(os.path.join(directory, "2"))
+    host = fop.restore(os.path.join(directory, "1"))
+    np.testing.assert_array_equal(host["params"]["w"], W.expected_w(6) + 1)
+
+
+def test_sigkill_mid_save_survivors_fail_naming_the_missing_process(tmp_path):
+    """Process 1 of 3 dies while writing; the barrier timeout (5 s) fires first."""
+    directory = str(tmp_path)
+    t = time.monotonic()
+    run = _run(
+        "_mp_workers:core_save_killed",
+        3,
+        args={"directory": directory},
+        kill=Kill(process=1, at="mid_save"),
+        env={"FOP_COORDINATION_TIMEOUT_S": "5"},
+        heartbeat_timeout_s=60,
+        done_timeout_s=2,
+    )
+    assert time.monotonic() - t < 60
+    assert run[1].killed
+    for p in (run[0], run[2]):
+        assert p.record.get("ok"), p.describe()
+        res = p.result
+        assert res["step1_committed"]
+        assert res["save2_type"] == "CoordinationError", res
+        # Bounded: the coordination timeout plus slack, not a hang.
+        assert res["save2_s"] < 5 + 10, res
+        # Names the barrier and, in jax's words, the task that never arrived.
+        assert "Some timed out task names:\n1\n" in res["save2"], res["save2"]
+    _assert_step2_not_committed(directory)
+
+
+def test_sigkill_mid_save_heartbeat_detects_the_dead_process(tmp_path):
+    """With a short heartbeat timeout, jax itself marks the dead task and ends the others."""
+    directory = str(tmp_path)
+    run = _run(
+        "_mp_workers:core_save_killed",
+        3,
+        args={"directory": directory},
+        kill=Kill(process=1, at="mid_save"),
+        env={"FOP_COORDINATION_TIMEOUT_S": "60"},
+        heartbeat_timeout_s=3,
+        done_timeout_s=2,
+    )
+    for p in (run[0], run[2]):
+        assert not p.timed_out
+        # Within the heartbeat timeout plus slack of the victim's death.
+        assert p.wall_s - run[1].wall_s < 3 + 10, p.describe()
+        # jax aborts survivors once it has seen the heartbeat timeout; whichever comes
+        # first, the Python error or the runtime's fatal log, names task 1.
+        said = (p.record.get("result") or {}).get("save2", "") + p.stderr
+        assert "Task 1 heartbeat timeout" in said or "stopped sending heartbeats):\n1" in said, (
+            p.describe()
+        )
+    _assert_step2_not_committed(directory)
+
+
+def test_sigkill_primary_mid_save(tmp_path):
+    """The primary hosts the coordination service: survivors learn of its death at once."""
+    directory = str(tmp_path)
+    run = _run(
+        "_mp_workers:core_save_killed",
+        3,
+        args={"directory": directory},
+        kill=Kill(process=0, at="mid_save"),
+        heartbeat_timeout_s=30,
+        done_timeout_s=2,
+    )
+    for p in (run[1], run[2]):
+        assert not p.timed_out
+        assert p.wall_s - run[0].wall_s < 15, p.describe()
+        said = (p.record.get("result") or {}).get("save2", "") + p.stderr
+        assert "coordination service" in said or "UNAVAILABLE" in said, p.describe()
+    _assert_step2_not_committed(directory)
+
+
+# ------------------------------------------------------------------ through the manager
+
+
+@pytest.mark.xfail(
+    reason="every process of a multi-process run takes the directory's flock: process 1 gets "
+    "DirectoryLockedError (flax_orbax_plugin/_manager.py CheckpointManager.__init__)",
+    strict=False,
+)
+def test_manager_multi_process_save_then_restore_in_one_process(tmp_path):
+    directory = str(tmp_path)
+    run = _run(
+        "_mp_workers:manager_save",
+        2,
+        args={"directory": directory, "steps": [1, 2], "async_save": True, "keep": 1},
+        heartbeat_timeout_s=5,
+        done_timeout_s=2,
+    )
+    run.check()
+    for p in run.procs:
+        assert p.result["steps"] == [2]
+    with fop.CheckpointManager(directory, read_only=True) as mngr:
+        assert mngr.steps() == [2]
+        host = mngr.restore()
+    np.testing.assert_array_equal(host["params"]["w"], W.expected_w(4) + 2)
