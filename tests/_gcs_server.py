@@ -15,15 +15,32 @@ How tensorstore 0.1.86 is pointed at it (checked):
 * Both the spec ``{"driver": "gcs", "bucket": B, "path": "prefix/"}`` and the URL
   ``gs://B/prefix/`` work (unlike s3, the endpoint comes from the environment).
 * KvStore write/read/list/delete_range and zarr3 with the crc32c codec work.
-* Quirk: the emulator ignores ``ifGenerationMatch=0``, so a create-if-absent
+* The emulator serves one request at a time (``http.server.HTTPServer``).
+
+Where gcp-storage-emulator 2026.7.19 differs from GCS, and what this module does:
+
+* Object listing ignores ``startOffset``/``endOffset``. tensorstore lists a key
+  range as "prefix = the kvstore path, plus those offsets" and does not filter the
+  answer, so ``KvStore.list(range)`` returns every key under the path and
+  ``delete_range(range)`` deletes every key under it (a manager removing one old
+  step would remove all of them). Patched here: the listing handler filters by
+  the offsets, as GCS does.
+* Suffix range reads (``Range: bytes=-N``) are answered with the whole object and
+  status 200; tensorstore then fails with "Requested byte range [-N, ?) was ignored
+  by server". zarr3 sharded arrays read their shard index that way. Patched here:
+  a suffix range is turned into the equivalent ``bytes=<size-N>-``, and the
+  object's generation is sent as ``x-goog-generation`` as GCS does (without it a
+  ranged read fails with "Malformed StorageGeneration").
+* Not patched: ``ifGenerationMatch=0`` is ignored, so a create-if-absent
   conditional write (``if_equal=<missing generation>``) succeeds even when the
   object exists. Real GCS honours it. Do not test conditional-write semantics here.
-* The emulator serves one request at a time (``http.server.HTTPServer``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import re
 import time
 
 from _s3_server import (
@@ -36,11 +53,65 @@ from _s3_server import (
 
 
 def available() -> bool:
-    try:
-        import gcp_storage_emulator.server  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("gcp_storage_emulator") is not None
+
+
+_PATCHED = False
+
+
+def _patch_emulator() -> None:
+    """Makes the emulator honour list offsets and suffix ranges (see the docstring)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.handlers import objects
+
+    original_ls, original_download = objects.ls, objects.download
+
+    def ls(request, response, storage, *args, **kwargs):
+        start = (request.query.get("startOffset") or [None])[0]
+        end = (request.query.get("endOffset") or [None])[0]
+        send = response.json
+
+        def filtered(obj):
+            if isinstance(obj, dict) and isinstance(obj.get("items"), list):
+                obj = dict(obj)
+                obj["items"] = [
+                    it
+                    for it in obj["items"]
+                    if (start is None or it["name"] >= start) and (end is None or it["name"] < end)
+                ]
+            return send(obj)
+
+        response.json = filtered
+        return original_ls(request, response, storage, *args, **kwargs)
+
+    def download(request, response, storage, *args, **kwargs):
+        bucket, name = request.params["bucket_name"], request.params["object_id"]
+        try:
+            size = len(storage.get_file(bucket, name))
+            generation = storage.get_file_obj(bucket, name).get("generation")
+        except Exception:  # noqa: BLE001 - let the original answer 404
+            return original_download(request, response, storage, *args, **kwargs)
+        m = re.fullmatch(r"\s*bytes=-(\d+)\s*", request.get_header("range", "") or "")
+        if m:
+            headers = request._request_handler.headers
+            headers.replace_header("Range", f"bytes={max(0, size - int(m[1]))}-")
+        if generation is not None:
+            # GCS sends the generation with every media download; tensorstore needs it
+            # on ranged reads ("Malformed StorageGeneration" without it).
+            response["x-goog-generation"] = str(generation)
+        return original_download(request, response, storage, *args, **kwargs)
+
+    objects.ls, objects.download = ls, download  # for handlers that call them directly
+    for _, methods in server.HANDLERS:
+        for method, fn in list(methods.items()):
+            if fn is original_ls:
+                methods[method] = ls
+            elif fn is original_download:
+                methods[method] = download
+    _PATCHED = True
 
 
 class GCSServer:
@@ -65,6 +136,7 @@ class GCSServer:
         from gcp_storage_emulator.server import create_server
 
         logging.getLogger("gcp_storage_emulator").setLevel(logging.WARNING)
+        _patch_emulator()
         self._server = create_server("127.0.0.1", self.port, in_memory=True)
         self._server.start()
         _wait_listening(self.port, timeout)

@@ -143,6 +143,13 @@ def _spy_small_files(ctx):
     return written
 
 
+def step_path(directory, step):
+    """``directory/step`` for a local path, or a kvstore spec dict one level down."""
+    if isinstance(directory, dict):
+        return {**directory, "path": directory.get("path", "").rstrip("/") + f"/{step}/"}
+    return f"{directory}/{step}"
+
+
 def core_save(ctx, directory, steps=(1,), async_save=False, work_between=False):
     """Every process saves the same sharded state with fop.save / fop.save_async."""
     import jax
@@ -159,9 +166,9 @@ def core_save(ctx, directory, steps=(1,), async_save=False, work_between=False):
         before = ctx.io()
         t = time.perf_counter()
         if async_save:
-            handles.append(fop.save_async(f"{directory}/{step}", state))
+            handles.append(fop.save_async(step_path(directory, step), state))
         else:
-            fop.save(f"{directory}/{step}", state)
+            fop.save(step_path(directory, step), state)
         elapsed = time.perf_counter() - t
         if work_between:  # a "train step" that replaces the saved buffers
             state = jax.tree.map(jnp.zeros_like, state)
@@ -172,7 +179,7 @@ def core_save(ctx, directory, steps=(1,), async_save=False, work_between=False):
     for h in handles:
         h.wait()
     out["small_files"] = small
-    out["committed"] = [fop.is_committed(f"{directory}/{s}") for s in steps]
+    out["committed"] = [fop.is_committed(step_path(directory, s)) for s in steps]
     return out
 
 
