@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from flax_orbax_plugin import _distributed
+from flax_orbax_plugin import _distributed, _save
 from flax_orbax_plugin._checkpointables import (
     Checkpointable,
     Pending,
@@ -341,8 +341,9 @@ class CheckpointManager:
         handlers = {name: checkpointable_for(name, self._overrides) for name in items}
         pendings: dict[str, Pending] = {}
         try:
-            for name, value in items.items():
-                pendings[name] = handlers[name].save(target.child(name), value)
+            with _save.save_group():  # every item's blocking phase now, writes after
+                for name, value in items.items():
+                    pendings[name] = handlers[name].save(target.child(name), value)
         except BaseException:
             for p in pendings.values():
                 try:

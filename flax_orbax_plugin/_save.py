@@ -16,12 +16,15 @@ same tree structure in the same order):
    as the commit (object stores). A failure anywhere removes the temporary
    directory; earlier checkpoints are never touched.
 
-Only one save runs at a time in a process; a second ``save_async`` waits for it.
+Only one save runs at a time in a process; a second ``save_async`` waits for it
+(saves started inside :func:`save_group` are one unit: their background phases
+run back to back while the caller goes on).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -60,8 +63,9 @@ class SaveHandle:
     Thread-safety: ``wait`` and ``done`` may be called from any thread.
     """
 
-    def __init__(self, location: Location, target: Any):
+    def __init__(self, location: Location, target: Any, after: SaveHandle | None = None):
         self.location = location
+        self._after = after  # a save of the same group that must finish writing first
         self.path = str(location)
         self._target = target
         self._thread = threading.Thread(target=self._run, name="fop-save", daemon=False)
@@ -75,6 +79,9 @@ class SaveHandle:
 
     def _run(self) -> None:
         try:
+            if self._after is not None:
+                self._after._thread.join()
+                self._after = None
             self._result = self._target()
         except BaseException as e:  # noqa: BLE001  (re-raised on wait)
             e.add_note(f"raised by the background phase of the save to {self.path}")
@@ -97,22 +104,44 @@ class SaveHandle:
         return self._result
 
 
-_IN_FLIGHT: SaveHandle | None = None
+_IN_FLIGHT: list[SaveHandle] = []  # the latest save, or the saves of the latest group
 _IN_FLIGHT_LOCK = threading.Lock()
+_GROUP = threading.local()
 
 
 def wait_for_pending_save(location: Location | None = None) -> None:
-    """Waits for the in-flight save (only if it targets ``location``, when given).
+    """Waits for the in-flight save(s) (only if one targets ``location``, when given).
 
-    Re-raises its error unless ``wait()`` already reported it.
+    Re-raises an error that ``wait()`` has not already reported.
     """
-    handle = _IN_FLIGHT
-    if handle is None or (location is not None and handle.location != location):
+    handles = list(_IN_FLIGHT)
+    if location is not None and all(h.location != location for h in handles):
         return
-    handle._thread.join()
-    if handle._error is not None and not handle._reported:
-        handle._reported = True
-        raise handle._error
+    for handle in handles:
+        handle._thread.join()
+    for handle in handles:
+        if handle._error is not None and not handle._reported:
+            handle._reported = True
+            raise handle._error
+
+
+@contextlib.contextmanager
+def save_group():
+    """Saves started inside this block (one thread) form one group: each runs its
+    blocking phase at once, without waiting for the background phase of the others;
+    their background phases run one after another, in call order.
+
+    For callers that save several pytrees as one unit (the manager's checkpointables).
+    The first save of a group still waits for saves started before the group.
+    """
+    if getattr(_GROUP, "handles", None) is not None:
+        yield  # nested: part of the enclosing group
+        return
+    _GROUP.handles = []
+    try:
+        yield
+    finally:
+        _GROUP.handles = None
 
 
 def save(path: Any, tree: Any, *, force: bool = False, memory_limit_bytes: int | None = None):
@@ -144,9 +173,10 @@ def save_async(
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
     """
-    global _IN_FLIGHT
+    group = getattr(_GROUP, "handles", None)
     with _IN_FLIGHT_LOCK:
-        wait_for_pending_save()
+        if not group:
+            wait_for_pending_save()
         start = time.perf_counter()
         location = Location.from_path(path)
         op = _distributed.next_operation_id("save")
@@ -161,8 +191,15 @@ def save_async(
             written = _write_and_commit(location, plan, op, nonce, force, limit)
             return SaveResult(str(location), blocking, time.perf_counter() - start, written)
 
-        _IN_FLIGHT = SaveHandle(location, background)._start()
-        return _IN_FLIGHT
+        handle = SaveHandle(location, background, after=group[-1] if group else None)
+        if group is None:
+            _IN_FLIGHT[:] = [handle]
+        else:
+            if not group:
+                _IN_FLIGHT.clear()
+            group.append(handle)
+            _IN_FLIGHT.append(handle)
+        return handle._start()
 
 
 def is_committed(path: Any) -> bool:
