@@ -8,7 +8,7 @@ The core (one pytree):
     info = fop.metadata(path)            # leaves, shapes, dtypes, shardings; no data read
 """
 
-from ._callback import CheckpointCallback, SaveFigures
+from ._callback import CheckpointCallback
 from ._checkpointables import Checkpointable
 from ._errors import (
     CheckpointError,
@@ -18,7 +18,7 @@ from ._errors import (
     NotCommittedError,
     StructureError,
 )
-from ._manager import CheckpointManager, UnknownItemError, restore_params
+from ._manager import CheckpointManager, SaveFigures, UnknownItemError, restore_params
 from ._metadata import CheckpointMetadata, LeafMetadata
 from ._restore import metadata, restore
 from ._save import SaveHandle, SaveResult, is_committed, save, save_async

@@ -26,8 +26,6 @@ metric-writer shape) with ``checkpoint/blocking_seconds``,
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -35,39 +33,13 @@ from typing import Any, Protocol
 from absl import logging
 
 from flax_orbax_plugin._errors import CheckpointNotFoundError
+from flax_orbax_plugin._manager import SaveFigures
 
-__all__ = ["CheckpointCallback", "SaveFigures"]
+__all__ = ["CheckpointCallback"]
 
 
 class ScalarWriter(Protocol):
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveFigures:
-    """The figures of one committed save.
-
-    ``blocking_seconds``: how long the training loop waited in ``save``;
-    ``total_seconds``: from the start of ``save`` until the step was committed;
-    ``bytes_written``: the bytes the step occupies on storage.
-    """
-
-    step: int
-    blocking_seconds: float
-    total_seconds: float
-    bytes_written: int
-
-    @property
-    def gbytes_per_sec(self) -> float:
-        return self.bytes_written / max(self.total_seconds, 1e-9) / 1e9
-
-    def as_scalars(self) -> dict[str, float]:
-        return {
-            "checkpoint/blocking_seconds": self.blocking_seconds,
-            "checkpoint/total_seconds": self.total_seconds,
-            "checkpoint/bytes": float(self.bytes_written),
-            "checkpoint/gbytes_per_sec": self.gbytes_per_sec,
-        }
 
 
 class CheckpointCallback:
@@ -130,7 +102,7 @@ class CheckpointCallback:
         self._last_save_time: float | None = None
         self._last_saved_step: int | None = None
         self._last_step: int | None = None
-        self._inflight: tuple | None = None  # (step, t0, blocking, future, done_at)
+        self._inflight: int | None = None  # the step saving in the background
         self.history: list[SaveFigures] = []  # figures of every finished save, in order
         self.resumed_step: int | None = None  # the step restored by on_train_start
 
@@ -235,17 +207,9 @@ class CheckpointCallback:
     def _save(self, step: int, state: Any) -> None:
         self._finish_inflight(block=True)
         extras = dict(self._extras_fn(step, state)) if self._extras_fn else None
-        t0 = time.perf_counter()
         self.manager.save(step, state, data_iterator=self._data_iterator, extras=extras, force=True)
-        blocking = time.perf_counter() - t0
         self._last_saved_step = step
-        done_at: list[float] = []
-        future = getattr(self.manager, "_inflight", None)  # the commit of this step
-        if future is not None:
-            future.add_done_callback(lambda _: done_at.append(time.perf_counter()))
-        else:  # already committed (async_save=False)
-            done_at.append(time.perf_counter())
-        self._inflight = (step, t0, blocking, future, done_at)
+        self._inflight = step
         if not self.async_save:
             self._finish_inflight(block=True)
 
@@ -256,23 +220,18 @@ class CheckpointCallback:
         """Reports the figures of the save in flight once it is committed.
 
         With ``block`` False, returns at once if the save is still running. A save
-        that failed in the background raises here (through the manager, which then
-        forgets the error) and reports no figures.
+        that failed in the background raises here (through the manager) and reports
+        no figures.
         """
         if self._inflight is None:
             return
-        step, t0, blocking, future, done_at = self._inflight
-        if future is not None and not block and not future.done():
+        if not block and self.manager.save_in_flight:
             return
-        self._inflight = None
-        if future is not None:
-            try:
-                future.result()  # waits for the commit only, not for retention
-            except BaseException:
-                self.manager.wait()  # re-raises the background error
-                raise
-        total = (done_at[0] if done_at else time.perf_counter()) - t0
-        figures = SaveFigures(step, blocking, total, _step_bytes(self.directory, step))
+        step, self._inflight = self._inflight, None
+        self.manager.wait()  # re-raises a background error
+        figures = self.manager.last_save
+        if figures is None or figures.step != step:
+            return
         self.history.append(figures)
         logging.info(
             "checkpoint: saved step %d: blocking %.4f s, total %.4f s, %d bytes, %.3f GB/s",
@@ -294,28 +253,3 @@ def _step_of(state: Any, default: int | None) -> int | None:
         return int(step)
     except TypeError:
         return default
-
-
-def _step_bytes(directory: Any, step: int) -> int:
-    """Bytes stored for ``step``: file sizes on a local disk, array bytes elsewhere."""
-    from flax_orbax_plugin._storage import Location
-
-    loc = Location.from_path(directory)
-    if loc.is_local:
-        total = 0
-        for dirpath, _, files in os.walk(os.path.join(loc.path, str(step))):
-            for f in files:
-                try:
-                    total += os.path.getsize(os.path.join(dirpath, f))
-                except OSError:
-                    pass
-        return total
-    from flax_orbax_plugin._restore import metadata
-
-    total = 0
-    for name in ("params", "opt_state", "rng"):
-        try:
-            total += metadata(loc.child(str(step)).child(name)).total_bytes
-        except Exception:  # noqa: BLE001 - figures are informational
-            pass
-    return total

@@ -37,6 +37,7 @@ commits after a barrier.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import operator
 import os
@@ -68,7 +69,7 @@ from flax_orbax_plugin._retention import RetentionPolicy, steps_to_delete
 from flax_orbax_plugin._storage import Location
 from flax_orbax_plugin._train_state import merge_state, split_state
 
-__all__ = ["CheckpointManager", "UnknownItemError", "restore_params"]
+__all__ = ["CheckpointManager", "SaveFigures", "UnknownItemError", "restore_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,33 @@ VERSION = 1
 _STEP_RE = re.compile(r"^[0-9]+$")
 _TMP_RE = re.compile(r"^[0-9]+\.(partial|deleting)-[0-9a-z]+$")
 _ITEM_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveFigures:
+    """The figures of one committed step, as seen by this process.
+
+    ``blocking_seconds``: how long the training loop waited in ``save``;
+    ``total_seconds``: from the start of ``save`` until the step was committed;
+    ``bytes_written``: array bytes this process wrote for the step.
+    """
+
+    step: int
+    blocking_seconds: float
+    total_seconds: float
+    bytes_written: int
+
+    @property
+    def gbytes_per_sec(self) -> float:
+        return self.bytes_written / max(self.total_seconds, 1e-9) / 1e9
+
+    def as_scalars(self) -> dict[str, float]:
+        return {
+            "checkpoint/blocking_seconds": self.blocking_seconds,
+            "checkpoint/total_seconds": self.total_seconds,
+            "checkpoint/bytes": float(self.bytes_written),
+            "checkpoint/gbytes_per_sec": self.gbytes_per_sec,
+        }
 
 
 class UnknownItemError(CheckpointError, KeyError):
@@ -202,6 +230,7 @@ class CheckpointManager:
         self._deleting: set[int] = set()
         self._metrics: dict[int, float | None] = {}
         self._inflight: Future | None = None
+        self._last_save: SaveFigures | None = None
         self._retention_future: Future | None = None
         self._closed = False
         self._preempted = False
@@ -305,6 +334,7 @@ class CheckpointManager:
         exists = step in self.steps()
         if exists and not (force or preempted):
             return False
+        started = time.perf_counter()
 
         items = split_state(state)
         if data_iterator is not None:
@@ -366,8 +396,9 @@ class CheckpointManager:
             "time": time.time(),
         }
         op = _distributed.next_operation_id("manager-commit")
+        timing = (started, time.perf_counter() - started)
         self._inflight = self._commit_pool.submit(
-            self._finish_save, step, target, final, pendings, manifest, metric, op
+            self._finish_save, step, target, final, pendings, manifest, metric, op, timing
         )
         if not self._async or preempted:
             self._wait_inflight()
@@ -376,11 +407,10 @@ class CheckpointManager:
             raise SystemExit(128 + signal.SIGTERM)
         return True
 
-    def _finish_save(self, step, target, final, pendings, manifest, metric, op) -> None:
+    def _finish_save(self, step, target, final, pendings, manifest, metric, op, timing) -> None:
         """Commit thread: wait for every item, write the manifest, commit the step."""
         try:
-            for p in pendings.values():
-                p.wait()
+            results = [p.wait() for p in pendings.values()]
             _distributed.barrier(op + "/written")
             if _distributed.is_primary():
                 target.write_json(MANIFEST, manifest)  # durable; the commit on object stores
@@ -397,8 +427,11 @@ class CheckpointManager:
             if target != final and _distributed.is_primary():
                 target.remove()
             raise
+        started, blocking = timing
+        written = sum(r.bytes_written for r in results if isinstance(r, _save.SaveResult))
         with self._lock:
             self._metrics[step] = metric
+            self._last_save = SaveFigures(step, blocking, time.perf_counter() - started, written)
         self._retention_future = self._delete_pool.submit(self._apply_retention, step)
 
     # ------------------------------------------------------------------ retention
@@ -423,18 +456,32 @@ class CheckpointManager:
             self._metrics[step] = value
         return value
 
-    def _apply_retention(self, just_written: int) -> None:
+    def gc(self) -> list[int]:
+        """Removes unfinished steps and applies retention now; returns the removed steps.
+
+        Call from the training thread (waits for the in-flight save first).
+        """
+        self._check_open()
+        if self._read_only:
+            raise CheckpointError(f"manager on {self._loc} is read-only")
+        self.wait()
+        if _distributed.is_primary():
+            self._remove_unfinished()
+        return self._apply_retention(None)
+
+    def _apply_retention(self, just_written: int | None) -> list[int]:
         """Deletion thread: delete the steps the retention policy does not keep."""
+        removed: list[int] = []
         try:
             if not self._retention.deletes_anything or not _distributed.is_primary():
-                return
+                return removed
             steps = self.steps()
             metrics = {}
             if self._retention.keep_best is not None:
                 metrics = {s: self._metric(s) for s in steps}
                 metrics = {s: m for s, m in metrics.items() if m is not None}
             with self._lock:
-                protected = {just_written} | set(+self._reading)
+                protected = {just_written} - {None} | set(+self._reading)
             for s in steps_to_delete(steps, self._retention, metrics=metrics, protected=protected):
                 with self._lock:
                     if self._reading[s] > 0:
@@ -442,12 +489,14 @@ class CheckpointManager:
                     self._deleting.add(s)
                 try:
                     self._remove_step_now(s)
+                    removed.append(s)
                 finally:
                     with self._lock:
                         self._deleting.discard(s)
                         self._metrics.pop(s, None)
         except Exception:
             logger.exception("retention failed in %s", self._loc)
+        return removed
 
     def _remove_step_now(self, step: int) -> None:
         loc = self._loc.child(str(step))
@@ -564,6 +613,18 @@ class CheckpointManager:
             raise
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def save_in_flight(self) -> bool:
+        """True while a save's background phase runs (not yet committed or failed)."""
+        fut = self._inflight
+        return fut is not None and not fut.done()
+
+    @property
+    def last_save(self) -> SaveFigures | None:
+        """Figures of the most recently committed save of this manager, if any."""
+        with self._lock:
+            return self._last_save
 
     def wait(self) -> None:
         """Block until the in-flight save is committed and retention has run.

@@ -559,7 +559,6 @@ def cmd_export(args) -> int:
 
 def cmd_gc(args) -> int:
     from flax_orbax_plugin._manager import CheckpointManager
-    from flax_orbax_plugin._retention import RetentionPolicy, steps_to_delete
 
     directory = os.path.normpath(args.directory)
     if not os.path.isdir(directory):
@@ -567,15 +566,8 @@ def cmd_gc(args) -> int:
     unfinished = _unfinished(directory)
     # Opening a writer takes the directory's lock (refused while a training job
     # writes to it) and removes unfinished steps.
-    mngr = CheckpointManager(directory)
-    removed: list[int] = []
-    try:
-        policy = RetentionPolicy(keep_last=args.keep, keep_every=args.keep_every)
-        for step in steps_to_delete(mngr.steps(), policy):
-            mngr._remove_step_now(step)  # rename out of sight, then delete
-            removed.append(step)
-    finally:
-        mngr.close()
+    with CheckpointManager(directory, keep=args.keep, keep_every=args.keep_every) as mngr:
+        removed = mngr.gc()
     print(f"removed unfinished: {', '.join(unfinished) or 'none'}")
     if args.keep is None:
         print("removed steps: none (no --keep given)")
