@@ -39,6 +39,15 @@ NOTES = [
     "DCP runs in one process without init_process_group (no_dist=True), FileSystemWriter "
     "thread_count=2 (the machine's cores).",
     "orbax stores zstd-compressed zarr3/OCDBT chunks by default: smaller on disk, more CPU.",
+    "orbax's blocking phase on CPU copies nothing: its device-to-host step is "
+    "copy_to_host_async + np.asarray, which for a CPU jax.Array is a zero-copy view of the "
+    "live buffer, so its CPU blocking figure is not a snapshot (on a GPU it is a real "
+    "transfer; see gpu_check.sh). The plugin copies, so a donated buffer cannot change "
+    "what it writes.",
+    "The disk is a virtual disk: drop_caches empties this machine's page cache, but the "
+    "host under it may still cache the file, so 'cold' reads can run faster than the "
+    "device would. Other sessions share the machine; each run records the load average "
+    "(loadavg_1m in the JSON).",
     "Peak RSS is measured as VmHWM above the RSS just before the operation, in a fresh "
     "process per operation; bytes read come from /proc/self/io read_bytes after "
     "drop_caches.",
@@ -58,7 +67,19 @@ def main(argv=None):
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help="one repeat everywhere, fewer training steps, no verification")
+    p.add_argument("--reuse-runs", metavar="JSON",
+                   help="take the save/restore runs from an earlier peers.json; measure the rest")
+    p.add_argument("--report-only", metavar="JSON",
+                   help="rebuild the Markdown/PNG/targets from an earlier peers.json; run nothing")
     a = p.parse_args(argv)
+    if a.report_only:
+        import json
+
+        with open(a.report_only) as f:
+            old = json.load(f)
+        H.write_outputs("peers", "Checkpointing libraries side by side (issue 5)", old["runs"],
+                        old["train"], H.peer_targets, notes=NOTES, config=old.get("config"))
+        return
     if a.quick:
         a.repeats = a.repeats_c = 1
         a.train_steps = 10
@@ -69,6 +90,12 @@ def main(argv=None):
     libs = ["raw"] + [x for x in a.libs.split(",") if x]
     t0 = time.perf_counter()
     rows = []
+    if a.reuse_runs:  # e.g. to rerun only the training loop
+        import json
+
+        with open(a.reuse_runs) as f:
+            rows = json.load(f)["runs"]
+        a.workloads = ""
     for w in a.workloads:
         reps = a.repeats_c if w == "c" else a.repeats
         rows += H.run_matrix(libs, [w], reps, verify=not (a.no_verify or a.quick))

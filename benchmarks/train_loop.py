@@ -86,6 +86,8 @@ def main(argv=None):
     state, step = build(C.tree_specs("a"))
     x = jax.device_put(np.random.default_rng(0).random((8, 25600), dtype=np.float32))
 
+    saves = [0]
+
     def run(n, save_every=0):
         nonlocal state
         times, blocking, pending = [], [], None
@@ -95,7 +97,9 @@ def main(argv=None):
                 if pending is not None:
                     pending.wait()
                 tb = time.perf_counter()
-                pending = adapter.save_async(os.path.join(a.dir, f"step_{i}"), as_tree(state))
+                saves[0] += 1
+                path = os.path.join(a.dir, f"save_{saves[0]}")
+                pending = adapter.save_async(path, as_tree(state))
                 blocking.append(time.perf_counter() - tb)
             state, loss = step(state, x)
             loss.block_until_ready()
