@@ -139,9 +139,8 @@ def run_processes(
     child_env.update(env or {})
     child_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
     child_env["JAX_PLATFORMS"] = "cpu"
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        [TESTS_DIR, REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
+    extra_path = (env or {}).get("PYTHONPATH") or os.environ.get("PYTHONPATH")
+    child_env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, REPO_ROOT, *filter(None, [extra_path])])
     child_env["PYTHONUNBUFFERED"] = "1"
     procs, outs = [], []
     t0 = time.monotonic()
