@@ -15,6 +15,7 @@ Nothing here is ever unpickled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -48,6 +49,12 @@ LEAF_KINDS = (
 )
 
 
+@functools.lru_cache(maxsize=256)
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, cached (numpy computes it anew on every access)."""
+    return dtype.name
+
+
 def dtype_from_name(name: str, *, path: str = "?") -> np.dtype:
     """numpy dtype for a stored dtype name; a clear error for unknown names."""
     if name not in SUPPORTED_DTYPES:
@@ -62,6 +69,11 @@ def describe_sharding(sharding: Any) -> dict[str, Any] | None:
     """A JSON description of a jax sharding (informational; restore uses ``like``)."""
     if sharding is None:
         return None
+    return _describe_sharding(sharding)
+
+
+@functools.lru_cache(maxsize=1024)
+def _describe_sharding(sharding: Any) -> dict[str, Any]:
     if isinstance(sharding, jax.sharding.NamedSharding):
         spec = []
         for entry in sharding.spec:

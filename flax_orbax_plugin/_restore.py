@@ -142,8 +142,17 @@ def _make_target(index: int, record: dict[str, Any], like: Any) -> _Target:
     return target
 
 
-def _finish(target: _Target, host: np.ndarray) -> Any:
-    """Turns host data into the leaf's final form (cast, device placement, scalar)."""
+def _finish(target: _Target, host: np.ndarray, placer: _Placer) -> None:
+    """Turns host data into the leaf's final form (cast, scalar) in ``target.result``;
+    device placement goes through ``placer``."""
+    value = _final_value(target, host)
+    if isinstance(value, tuple):  # (host, sharding): batched device_put
+        placer.add(target, *value)
+    else:
+        target.result = value
+
+
+def _final_value(target: _Target, host: np.ndarray) -> Any:
     record, like = target.record, target.like
     kind = record["kind"]
     host = host.reshape(record["shape"])
@@ -172,7 +181,33 @@ def _finish(target: _Target, host: np.ndarray) -> Any:
     sharding = like.sharding if isinstance(like, jax.Array) else getattr(like, "sharding", None)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.device_put(host, sharding)
+    return (host, sharding)
+
+
+class _Placer:
+    """Batches host-to-device transfers: one ``jax.device_put`` call per ``flush_bytes``
+    (per-leaf calls dominate restores of thousands of small leaves)."""
+
+    def __init__(self, flush_bytes: int):
+        self.flush_bytes = flush_bytes
+        self.pending: list[tuple[_Target, np.ndarray, Any]] = []
+        self.nbytes = 0
+
+    def add(self, target: _Target, host: np.ndarray, sharding: Any) -> None:
+        self.pending.append((target, host, sharding))
+        self.nbytes += host.nbytes
+        if self.nbytes >= self.flush_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        targets, hosts, shardings = zip(*self.pending, strict=True)
+        self.pending, self.nbytes = [], 0
+        for target, array in zip(
+            targets, jax.device_put(list(hosts), list(shardings)), strict=True
+        ):
+            target.result = array
 
 
 def _python_value(kind: str, host: np.ndarray) -> Any:
@@ -206,6 +241,7 @@ class _Reader:
 
     def __init__(self, limit: int):
         self.limit = limit
+        self.placer = _Placer(flush_bytes=min(limit, 256 << 20))
         self.pending: collections.deque = collections.deque()
         self.in_flight = 0
 
@@ -256,7 +292,7 @@ def _read_targets(location: Location, doc: dict[str, Any], targets: list[_Target
         if sharding is None or sharding.is_fully_replicated or nbytes == 0:
 
             def done(data, target=target):
-                target.result = _finish(target, data)
+                _finish(target, data, reader.placer)
 
             reader.submit(store.read(), nbytes, done, fail([record["path"]]))
         else:
@@ -264,6 +300,7 @@ def _read_targets(location: Location, doc: dict[str, Any], targets: list[_Target
     for name, members in by_batch.items():
         _read_batch(reader, location, name, doc["batches"][name], members, fail, errors)
     reader.drain(0)
+    reader.placer.flush()
     if errors:
         raise errors[0]
 
@@ -306,7 +343,7 @@ def _read_batch(reader, location, name, batch, members, fail, errors) -> None:
             off, size = target.record["storage"]["offset"], target.record["storage"]["size"]
 
             def done(data, target=target):
-                target.result = _finish(target, data)
+                _finish(target, data, reader.placer)
 
             reader.submit(
                 store[off : off + size].read(),
@@ -322,7 +359,7 @@ def _read_batch(reader, location, name, batch, members, fail, errors) -> None:
     def done_all(data):
         for target in members:
             off, size = target.record["storage"]["offset"], target.record["storage"]["size"]
-            target.result = _finish(target, data[off : off + size])
+            _finish(target, data[off : off + size], reader.placer)
 
     def failed_all(error):
         # Find which leaves sit in the damaged chunk(s): read them one by one.

@@ -26,6 +26,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
+import math
 import threading
 import time
 import uuid
@@ -250,16 +252,30 @@ def _classify(path: str, leaf: Any) -> tuple[str, Any, dict[str, Any]]:
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _first_device(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> jax.Device:
+    return next(iter(sharding.devices_indices_map(shape)))
+
+
 def _writer_process(value: Any) -> int:
     """Process that writes an unpartitioned leaf: the owner of replica 0."""
     if isinstance(value, jax.Array):
-        first_device = next(iter(value.sharding.devices_indices_map(value.shape)))
-        return first_device.process_index
+        return _first_device(value.sharding, value.shape).process_index
     return 0
 
 
 def _is_partitioned(value: Any) -> bool:
     return isinstance(value, jax.Array) and not value.sharding.is_fully_replicated
+
+
+def _replica0_source(value: jax.Array) -> jax.Array:
+    """The single-device array holding replica 0 of an unpartitioned leaf."""
+    if len(value.sharding.device_set) == 1:
+        return value
+    for shard in value.addressable_shards:
+        if shard.replica_id == 0:
+            return shard.data
+    raise AssertionError("writer process holds no replica 0")
 
 
 class _Plan:
@@ -281,24 +297,25 @@ class _Plan:
             record.update(extra)
             if kind != "none":
                 dtype = np.dtype(value.dtype)
-                if dtype.name not in _metadata.SUPPORTED_DTYPES:
+                dtype_name = _metadata.dtype_name(dtype)
+                if dtype_name not in _metadata.SUPPORTED_DTYPES:
                     raise StructureError(
                         f"leaf {path!r}: expected a dtype in {sorted(_metadata.SUPPORTED_DTYPES)}, "
                         f"found {dtype}"
                     )
                 shape = tuple(int(s) for s in value.shape)
                 record["shape"] = list(shape)
-                record["dtype"] = dtype.name
+                record["dtype"] = dtype_name
                 sharding = value.sharding if isinstance(value, jax.Array) else None
                 record["sharding"] = _metadata.describe_sharding(sharding)
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                nbytes = math.prod(shape) * dtype.itemsize
                 if nbytes <= SMALL_LEAF_BYTES and not _is_partitioned(value):
                     process = _writer_process(value)
-                    name = _metadata.batch_name(process, dtype.name)
+                    name = _metadata.batch_name(process, dtype_name)
                     batch = batches.setdefault(
                         name,
                         {
-                            "dtype": dtype.name,
+                            "dtype": dtype_name,
                             "process": process,
                             "size": 0,
                             "chunk": max(1, _arrays.BATCH_CHUNK_BYTES // dtype.itemsize),
@@ -340,9 +357,13 @@ class _Plan:
                         owned.append((leaf, shard))
             elif me == 0:
                 owned.append((leaf, None))
-        for _, shard in owned:  # start all device-to-host copies before waiting on any
-            if shard is not None and shard.device.platform != "cpu":
-                shard.data.copy_to_host_async()
+        for leaf, shard in owned:  # start all device-to-host copies before waiting on any
+            source = shard.data if shard is not None else leaf.value
+            if isinstance(source, jax.Array):
+                if shard is None:
+                    source = _replica0_source(source)
+                if next(iter(source.devices())).platform != "cpu":
+                    source.copy_to_host_async()
         for name, batch in self.batches.items():
             if batch["process"] == me:
                 dtype = _metadata.dtype_from_name(batch["dtype"])
@@ -352,7 +373,10 @@ class _Plan:
             if storage["type"] == "batch":
                 buf = self.batch_buffers[storage["batch"]]
                 off, size = storage["offset"], storage["size"]
-                buf[off : off + size] = _host_view(leaf.value).reshape(-1)
+                value = leaf.value
+                if isinstance(value, jax.Array):
+                    value = _replica0_source(value)
+                buf[off : off + size] = np.asarray(value).reshape(-1)
             elif shard is not None:
                 leaf.writes.append((shard.index, _host_copy(shard.data)))
             else:
@@ -401,16 +425,6 @@ def _batch_spec(root: Location, name: str, batch: dict[str, Any]) -> dict[str, A
         dtype.itemsize,
         inner_chunk=[inner],
     )
-
-
-def _host_view(value: Any) -> np.ndarray:
-    """Host data of an unpartitioned leaf (a view where possible; copied by the caller)."""
-    if isinstance(value, jax.Array):
-        for shard in value.addressable_shards:
-            if shard.replica_id == 0:
-                return np.asarray(shard.data)
-        raise AssertionError("writer process holds no replica 0")
-    return np.asarray(value)
 
 
 def _host_copy(data: jax.Array) -> np.ndarray:

@@ -36,7 +36,10 @@ def _encode_key(entry: Any) -> KeyEntry:
 
 
 def _escape(part: Any) -> str:
-    return str(part).replace("%", "%25").replace("/", "%2F")
+    text = str(part)
+    if "%" in text or "/" in text:
+        text = text.replace("%", "%25").replace("/", "%2F")
+    return text
 
 
 def path_string(keys: list[KeyEntry] | tuple[KeyEntry, ...]) -> str:
