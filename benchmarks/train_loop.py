@@ -7,9 +7,9 @@ with the state donated (as real loops do), so a library must have copied what it
 saves before ``save_async`` returns.
 
 Phases, in one process: ``--warmup`` steps (compile), then ``--rounds`` times:
-``--steps`` steps without saves, then ``--steps`` steps with an async save every
-``--every`` steps (the previous one waited for first, as a loop with one writer
-does) and a final wait. Medians are over all rounds of each phase.
+``--steps`` steps without saves, then ``--steps`` steps with an async save at the
+start of every ``--every`` steps (the previous one waited for first, as a loop with
+one writer does) and a final wait. Medians are over all rounds of each phase.
 Prints ``RESULT {json}``.
 """
 
@@ -93,7 +93,7 @@ def main(argv=None):
         times, blocking, pending = [], [], None
         for i in range(n):
             t0 = time.perf_counter()
-            if save_every and i % save_every == save_every - 1:
+            if save_every and i % save_every == 0:  # the steps after it overlap the save
                 if pending is not None:
                     pending.wait()
                 tb = time.perf_counter()
