@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import tensorstore as ts
 
 from . import _arrays, _metadata, _save, _tree
 from ._errors import (
@@ -39,7 +40,10 @@ from ._errors import (
 from ._metadata import COMMIT_FILE, METADATA_FILE
 from ._storage import Location
 
-DEFAULT_MEMORY_LIMIT_BYTES = 1 << 30
+# Reads in flight beyond the restored arrays themselves. Small: reading leaves one
+# after another (each with tensorstore's chunk-level parallelism) is as fast as
+# reading them all at once on few cores, and keeps peak memory near the result's.
+DEFAULT_MEMORY_LIMIT_BYTES = 64 << 20
 
 
 def read_document(location: Location) -> dict[str, Any]:
@@ -236,6 +240,19 @@ def _sharding_of(target: _Target) -> Any:
 # -- reading ------------------------------------------------------------------------
 
 
+class _ReadInto:
+    """A read straight into a new numpy array (tensorstore copies chunk by chunk into it,
+    without a second whole-array buffer)."""
+
+    def __init__(self, view):
+        self.out = np.empty(view.shape, dtype=view.dtype.numpy_dtype)
+        self.future = ts.array(self.out, copy=False).write(view)
+
+    def result(self) -> np.ndarray:
+        self.future.result()
+        return self.out
+
+
 class _Reader:
     """Issues tensorstore reads in order, keeping at most ``limit`` bytes in flight."""
 
@@ -294,7 +311,7 @@ def _read_targets(location: Location, doc: dict[str, Any], targets: list[_Target
             def done(data, target=target):
                 _finish(target, data, reader.placer)
 
-            reader.submit(store.read(), nbytes, done, fail([record["path"]]))
+            reader.submit(_ReadInto(store), nbytes, done, fail([record["path"]]))
         else:
             _read_shards(reader, store, target, sharding, fail([record["path"]]))
     for name, members in by_batch.items():
@@ -329,7 +346,7 @@ def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) ->
             if remaining[0] == 0:
                 target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
-        reader.submit(region.read(), nbytes, done, on_error)
+        reader.submit(_ReadInto(region), nbytes, done, on_error)
 
 
 def _read_batch(reader, location, name, batch, members, fail, errors) -> None:
@@ -346,7 +363,7 @@ def _read_batch(reader, location, name, batch, members, fail, errors) -> None:
                 _finish(target, data, reader.placer)
 
             reader.submit(
-                store[off : off + size].read(),
+                _ReadInto(store[off : off + size]),
                 size * dtype.itemsize,
                 done,
                 fail([target.record["path"]]),
@@ -376,7 +393,7 @@ def _read_batch(reader, location, name, batch, members, fail, errors) -> None:
             ]
             errors.append(_corrupt(paths, location, error))
 
-    reader.submit(store.read(), batch["size"] * dtype.itemsize, done_all, failed_all)
+    reader.submit(_ReadInto(store), batch["size"] * dtype.itemsize, done_all, failed_all)
 
 
 def restore(
