@@ -10,7 +10,7 @@ same tree structure in the same order):
    may donate or overwrite the saved arrays.
 2. Background phase, on one non-daemon thread: the primary prepares the target,
    every process writes its own chunks through tensorstore within the host-memory
-   budget (each file fsynced), every process reports its status and meets at a
+   budget and makes them durable (one syncfs), reports its status and meets at a
    barrier; the primary writes ``_METADATA.json`` and the ``_COMMITTED`` marker
    and renames the temporary sibling into place (local disk) or leaves the marker
    as the commit (object stores). A failure anywhere removes the temporary
@@ -463,6 +463,7 @@ def _write_and_commit(
     written = 0
     try:
         written = _write_data(staging, plan, primary, limit)
+        staging.sync()  # this process's chunks are durable before it reports "ok"
     except BaseException as e:  # noqa: BLE001  (reported to every process below)
         error = e
     status = "ok" if error is None else f"error: {type(error).__name__}: {error}"
@@ -538,7 +539,6 @@ def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> in
 def _commit(location: Location, staging: Location, plan: _Plan, nonce: str, force: bool) -> None:
     """Primary only: metadata, marker last, then the atomic rename on local disk."""
     staging.write_json(METADATA_FILE, plan.document())
-    staging.fsync_tree()
     staging.write_json(COMMIT_FILE, {"committed_at": time.time()})
     if not location.supports_rename:
         return

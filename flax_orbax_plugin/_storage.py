@@ -10,11 +10,13 @@ Local directories support atomic rename; object stores do not, so callers
 commit there by writing a marker last (see ``_commit``).
 
 Thread-safety: a Location is immutable; its methods may be called from any
-thread. The shared tensorstore context is created once, lazily.
+thread. The shared tensorstore context is created once, lazily. Tensorstore does not
+fsync what it writes; callers make a location durable with :meth:`Location.sync`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -37,7 +39,9 @@ def context() -> ts.Context:
             _CONTEXT = ts.Context(
                 {
                     "cache_pool": {"total_bytes_limit": 0},
-                    "file_io_sync": True,
+                    # Files are made durable together by Location.sync() before a
+                    # commit: one syncfs instead of one fsync per chunk file.
+                    "file_io_sync": False,
                     "file_io_concurrency": {"limit": 32},
                     "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
                 }
@@ -242,12 +246,39 @@ class Location:
         os.rename(self.path.rstrip("/"), dst.path.rstrip("/"))
         fsync_dir(os.path.dirname(dst.path.rstrip("/")))
 
-    def fsync_tree(self) -> None:
-        """fsync every directory under a local location (file data is synced by its writer)."""
+    def sync(self) -> None:
+        """Makes everything written under a local location durable (no-op elsewhere:
+        an object store's write is durable once acknowledged).
+
+        One ``syncfs`` of the filesystem costs about one fsync of a single large file,
+        while an fsync per file costs a disk flush each; where ``syncfs`` is missing,
+        every file and directory is fsynced.
+        """
         if not self.is_local:
             return
-        for root, _, _ in os.walk(self.path):
+        if _syncfs(self.path):
+            return
+        for root, _, files in os.walk(self.path):
+            for name in files:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             fsync_dir(root)
+
+
+def _syncfs(path: str) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syncfs = libc.syncfs
+    except (OSError, AttributeError):
+        return False
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return syncfs(fd) == 0
+    finally:
+        os.close(fd)
 
 
 def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
