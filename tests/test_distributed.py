@@ -13,7 +13,17 @@ What they show:
   and one saved by 2 processes restores into this single process (8 devices);
 * async saves from several processes, with the saved buffers replaced right away;
 * a process SIGKILLed in the middle of a save: no step is committed, the survivors
-  fail within a bounded time with an error naming the missing process.
+  fail within a bounded time with an error naming the missing process;
+* the same on a bucket (moto S3 on 127.0.0.1), through the manager: several
+  processes write one step, retention, and a process killed mid-save.
+
+What a dead process looks like to the others (jax 0.10.2): a barrier that times
+out first raises "DEADLINE_EXCEEDED: Barrier timed out ... Some timed out task
+names: 1" (the core wraps it in CoordinationError); once the heartbeat timeout
+passes, barriers fail with "Task 1 heartbeat timeout" and jax then terminates the
+survivors itself (SIGABRT, "Terminating process because the JAX distributed service
+detected fatal errors ... stopped sending heartbeats: 1"). If process 0 dies, the
+service goes with it: survivors get UNAVAILABLE at once and are terminated likewise.
 """
 
 import os
@@ -294,3 +304,31 @@ def test_processes_save_to_s3_and_manager_commits(s3_location):
         assert reader.steps() == [2, 3]
     host = fop.restore_params(mngr_loc.spec)
     np.testing.assert_array_equal(host["w"], W.expected_w(4) + 3)
+
+
+def test_manager_on_s3_process_killed_mid_save(s3_location):
+    """Through the manager, on a bucket: process 1 of 3 dies while writing step 2."""
+    loc = s3_location.join("run")
+    run = _run(
+        "_mp_workers:manager_save_killed",
+        3,
+        args={"directory": loc.spec, "victim_after_opens": 1},
+        kill=Kill(process=1, at="mid_save"),
+        env={"FOP_COORDINATION_TIMEOUT_S": "5", **s3_location.env},
+        heartbeat_timeout_s=60,
+        done_timeout_s=2,
+    )
+    assert run[1].killed
+    for p in (run[0], run[2]):
+        assert p.record.get("ok"), p.describe()
+        assert p.result["steps_before"] == [1]
+        assert p.result["save2_type"] == "CoordinationError", p.result
+        assert p.result["save2_s"] < 5 + 10
+        assert "Some timed out task names:\n1\n" in p.result["save2"]
+    assert any(k.startswith("2/") for k in loc.keys())  # debris, but no marker
+    with fop.CheckpointManager(loc.spec, read_only=True) as reader:
+        assert reader.steps() == [1]
+        np.testing.assert_array_equal(reader.restore()["params"]["w"], W.expected_w(6) + 1)
+    with fop.CheckpointManager(loc.spec) as writer:  # a new writer clears the debris
+        assert writer.steps() == [1]
+    assert {k.split("/")[0] for k in loc.keys()} == {"1"}
