@@ -26,6 +26,7 @@ def main(argv=None):
     p.add_argument("--workloads", default="ab")
     p.add_argument("--quick", action="store_true", help="one repeat, no verification")
     p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--tag", default="", help="write results/core-TAG.* instead of core.*")
     a = p.parse_args(argv)
     if a.quick:
         a.repeats = 1
@@ -34,7 +35,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     rows = H.run_matrix(["raw", "fop"], list(a.workloads), a.repeats,
                         verify=not (a.no_verify or a.quick), numpy_restore=True)
-    H.write_outputs("core", "flax_orbax_plugin core vs the raw limit (issue 2)", rows, [],
+    stem = "core" + (f"-{a.tag}" if a.tag else "")
+    H.write_outputs(stem, "flax_orbax_plugin core vs the raw limit (issue 2)", rows, [],
                     lambda s, _t: H.core_targets(s),
                     config=vars(a) | {"wall_s": time.perf_counter() - t0})
     H.log(f"done in {time.perf_counter() - t0:.0f}s")

@@ -369,6 +369,15 @@ def machine_description() -> dict:
         except md.PackageNotFoundError:
             vers[pkg] = None
     info["versions"] = vers
+    for name in ("enabled", "defrag"):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+                info[f"thp_{name}"] = f.read().strip()
+        except OSError:
+            pass
+    # numpy madvises huge pages for big arrays unless this is 0; first-touch page faults
+    # of fresh buffers then dominate copies on some VMs (see README)
+    info["NUMPY_MADVISE_HUGEPAGE"] = os.environ.get("NUMPY_MADVISE_HUGEPAGE", "(unset: on)")
     try:
         root = os.path.dirname(HERE)
         head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],

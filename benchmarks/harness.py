@@ -293,7 +293,8 @@ def markdown(summary, rat, targets, train, machine, title, notes=()) -> str:
         f"Machine: {machine.get('cpu_count')} CPUs ({machine.get('cpu_model', '?')}), "
         f"{(machine.get('ram_bytes') or 0) / (1 << 30):.0f} GiB RAM, disk `{machine.get('disk')}`; "
         + ", ".join(f"{k} {val}" for k, val in v.items() if val)
-        + f"; plugin at commit {machine.get('plugin_commit')}")
+        + f"; plugin at commit {machine.get('plugin_commit')}; THP {machine.get('thp_enabled')}, "
+        f"NUMPY_MADVISE_HUGEPAGE={machine.get('NUMPY_MADVISE_HUGEPAGE')}")
     lines.append("")
     lines.append("Times in seconds, sizes in MiB; each figure is the median of the repeats "
                  "(n in the JSON). RSS is peak RSS above the process's RSS just before the "
