@@ -33,12 +33,22 @@ def main(argv=None):
     if os.geteuid() != 0:
         sys.exit("cold reads need root to drop the page cache")
     t0 = time.perf_counter()
-    rows = H.run_matrix(["raw", "fop"], list(a.workloads), a.repeats,
-                        verify=not (a.no_verify or a.quick), numpy_restore=True)
+    rows = H.run_matrix(
+        ["raw", "fop"],
+        list(a.workloads),
+        a.repeats,
+        verify=not (a.no_verify or a.quick),
+        numpy_restore=True,
+    )
     stem = "core" + (f"-{a.tag}" if a.tag else "")
-    H.write_outputs(stem, "flax_orbax_plugin core vs the raw limit (issue 2)", rows, [],
-                    lambda s, _t: H.core_targets(s),
-                    config=vars(a) | {"wall_s": time.perf_counter() - t0})
+    H.write_outputs(
+        stem,
+        "flax_orbax_plugin core vs the raw limit (issue 2)",
+        rows,
+        [],
+        lambda s, _t: H.core_targets(s),
+        config=vars(a) | {"wall_s": time.perf_counter() - t0},
+    )
     H.log(f"done in {time.perf_counter() - t0:.0f}s")
 
 

@@ -65,20 +65,37 @@ def main(argv=None):
     p.add_argument("--train-rounds", type=int, default=2)
     p.add_argument("--no-train", action="store_true")
     p.add_argument("--no-verify", action="store_true")
-    p.add_argument("--quick", action="store_true",
-                   help="one repeat everywhere, fewer training steps, no verification")
-    p.add_argument("--reuse-runs", metavar="JSON",
-                   help="take the save/restore runs from an earlier peers.json; measure the rest")
-    p.add_argument("--report-only", metavar="JSON",
-                   help="rebuild the Markdown/PNG/targets from an earlier peers.json; run nothing")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one repeat everywhere, fewer training steps, no verification",
+    )
+    p.add_argument(
+        "--reuse-runs",
+        metavar="JSON",
+        help="take the save/restore runs from an earlier peers.json; measure the rest",
+    )
+    p.add_argument(
+        "--report-only",
+        metavar="JSON",
+        help="rebuild the Markdown/PNG/targets from an earlier peers.json; run nothing",
+    )
     a = p.parse_args(argv)
     if a.report_only:
         import json
 
         with open(a.report_only) as f:
             old = json.load(f)
-        H.write_outputs("peers", "Checkpointing libraries side by side (issue 5)", old["runs"],
-                        old["train"], H.peer_targets, notes=NOTES, config=old.get("config"))
+        H.write_outputs(
+            "peers",
+            "Checkpointing libraries side by side (issue 5)",
+            old["runs"],
+            old["train"],
+            H.peer_targets,
+            notes=NOTES,
+            config=old.get("config"),
+            machine=old.get("machine"),
+        )
         return
     if a.quick:
         a.repeats = a.repeats_c = 1
@@ -99,11 +116,22 @@ def main(argv=None):
     for w in a.workloads:
         reps = a.repeats_c if w == "c" else a.repeats
         rows += H.run_matrix(libs, [w], reps, verify=not (a.no_verify or a.quick))
-    train = [] if a.no_train else H.run_train([x for x in libs if x != "raw"],
-                                              a.train_steps, a.train_every, a.train_rounds)
-    H.write_outputs("peers", "Checkpointing libraries side by side (issue 5)", rows, train,
-                    H.peer_targets, notes=NOTES,
-                    config=vars(a) | {"wall_s": time.perf_counter() - t0})
+    train = (
+        []
+        if a.no_train
+        else H.run_train(
+            [x for x in libs if x != "raw"], a.train_steps, a.train_every, a.train_rounds
+        )
+    )
+    H.write_outputs(
+        "peers",
+        "Checkpointing libraries side by side (issue 5)",
+        rows,
+        train,
+        H.peer_targets,
+        notes=NOTES,
+        config=vars(a) | {"wall_s": time.perf_counter() - t0},
+    )
     H.log(f"done in {time.perf_counter() - t0:.0f}s")
 
 

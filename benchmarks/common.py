@@ -170,7 +170,10 @@ def build_like(specs: list[LeafSpec], layout: str) -> dict:
     import jax
 
     return nest(
-        (s.path, jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=mesh_sharding(s, layout)))
+        (
+            s.path,
+            jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=mesh_sharding(s, layout)),
+        )
         for s in specs
     )
 
@@ -232,7 +235,7 @@ def fsync_tree(path: str) -> None:
         os.fsync(fd)
         os.close(fd)
     else:
-        for root, dirs, files in os.walk(path, topdown=False):
+        for root, _dirs, files in os.walk(path, topdown=False):
             for name in files:
                 fd = os.open(os.path.join(root, name), os.O_RDONLY)
                 os.fsync(fd)
@@ -354,16 +357,27 @@ def machine_description() -> dict:
     except OSError:
         pass
     try:
-        df = subprocess.run(["df", "-hT", TMP if os.path.isdir(TMP) else HERE],
-                            capture_output=True, text=True).stdout.splitlines()
+        df = subprocess.run(
+            ["df", "-hT", TMP if os.path.isdir(TMP) else HERE], capture_output=True, text=True
+        ).stdout.splitlines()
         info["disk"] = df[-1] if df else None
     except OSError:
         pass
     vers = {}
     from importlib import metadata as md
 
-    for pkg in ("flax_orbax_plugin", "jax", "jaxlib", "flax", "optax", "tensorstore",
-                "orbax-checkpoint", "torch", "msgpack", "numpy"):
+    for pkg in (
+        "flax_orbax_plugin",
+        "jax",
+        "jaxlib",
+        "flax",
+        "optax",
+        "tensorstore",
+        "orbax-checkpoint",
+        "torch",
+        "msgpack",
+        "numpy",
+    ):
         try:
             vers[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -380,10 +394,14 @@ def machine_description() -> dict:
     info["NUMPY_MADVISE_HUGEPAGE"] = os.environ.get("NUMPY_MADVISE_HUGEPAGE", "(unset: on)")
     try:
         root = os.path.dirname(HERE)
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "flax_orbax_plugin"],
-                               capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "flax_orbax_plugin"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         info["plugin_commit"] = head + ("+uncommitted changes" if dirty else "")
     except OSError:
         pass

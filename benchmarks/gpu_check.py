@@ -31,10 +31,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     t_start = time.perf_counter()
 
+    import common as C
     import jax
     import numpy as np
-
-    import common as C
     from peers import get_adapter
 
     res: dict = {"check": "gpu workload (a)", "repeats": a.repeats, "errors": []}
@@ -52,8 +51,9 @@ def main(argv=None):
     sh = SingleDeviceSharding(gpu)
     tree = C.nest((s.path, jax.device_put(s.make(), sh)) for s in specs)
     jax.block_until_ready(tree)
-    like = C.nest((s.path, jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=sh))
-                  for s in specs)
+    like = C.nest(
+        (s.path, jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=sh)) for s in specs
+    )
     res["tree_bytes"] = C.total_bytes(specs)
     res["setup_s"] = time.perf_counter() - t_start
 
@@ -99,8 +99,14 @@ def main(argv=None):
             C.rmtree(wp)
             small = {"params": {"w": jax.device_put(np.ones((4, 4), np.float32), sh)}}
             ad.save_async(wp, small).wait()
-            jax.block_until_ready(ad.restore(wp, jax.tree_util.tree_map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), small)))
+            jax.block_until_ready(
+                ad.restore(
+                    wp,
+                    jax.tree_util.tree_map(
+                        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), small
+                    ),
+                )
+            )
             C.rmtree(wp)
             adapters[lib] = ad
         except Exception as e:  # report, go on with the others
@@ -131,8 +137,10 @@ def main(argv=None):
                 jax.block_until_ready(out)
                 samples[lib]["restore_s"].append(time.perf_counter() - t0)
                 if rep == 0:
-                    ok = all(bool(jax.numpy.array_equal(x, y)) and x.sharding == y.sharding
-                             for x, y in zip(jax.tree_util.tree_leaves(out), leaves))
+                    ok = all(
+                        bool(jax.numpy.array_equal(x, y)) and x.sharding == y.sharding
+                        for x, y in zip(jax.tree_util.tree_leaves(out), leaves, strict=True)
+                    )
                     res[f"{lib}_verified"] = ok
                 del out
                 C.rmtree(path)
@@ -144,8 +152,9 @@ def main(argv=None):
     for k in ("blocking_s", "save_s", "restore_s"):
         fo, ob = res.get(f"fop_{k}"), res.get(f"orbax_{k}")
         res[f"orbax_over_fop_{k}"] = ob / fo if fo and ob else None
-    res["fop_blocking_over_d2h"] = (res["fop_blocking_s"] / res["d2h_copy_s"]
-                                    if res.get("fop_blocking_s") else None)
+    res["fop_blocking_over_d2h"] = (
+        res["fop_blocking_s"] / res["d2h_copy_s"] if res.get("fop_blocking_s") else None
+    )
     res["wall_s"] = time.perf_counter() - t_start
     C.rmtree(a.dir)
     line = json.dumps(res, default=str)

@@ -35,15 +35,16 @@ def log(msg: str) -> None:
     print(time.strftime("%H:%M:%S"), msg, flush=True)
 
 
-def run_matrix(libs, workloads, repeats, *, params=True, verify=True,
-               numpy_restore=False) -> list[dict]:
+def run_matrix(
+    libs, workloads, repeats, *, params=True, verify=True, numpy_restore=False
+) -> list[dict]:
     """Every measurement as a list of worker result dicts (with 'rep')."""
     rows = []
     for w in workloads:
         env = C.env_for_layout(w)
         base = os.path.join(C.TMP, w)
         for rep in range(repeats):
-            order = libs[rep % len(libs):] + libs[: rep % len(libs)]
+            order = libs[rep % len(libs) :] + libs[: rep % len(libs)]
             for lib in order:
                 path = os.path.join(base, lib + (".bin" if lib in ("raw", "msgpack") else ""))
                 jobs = [["save", "--lib", lib, "--workload", w, "--path", path]]
@@ -51,11 +52,24 @@ def run_matrix(libs, workloads, repeats, *, params=True, verify=True,
                 if numpy_restore and lib == "fop":
                     targets = targets + ["numpy"]
                 for t in targets:
-                    jobs.append(["restore", "--lib", lib, "--workload", w, "--path", path,
-                                 "--target", t])
+                    jobs.append(
+                        ["restore", "--lib", lib, "--workload", w, "--path", path, "--target", t]
+                    )
                 if params:
-                    jobs.append(["restore", "--params", "--lib", lib, "--workload", w,
-                                 "--path", path, "--target", params_target(w)])
+                    jobs.append(
+                        [
+                            "restore",
+                            "--params",
+                            "--lib",
+                            lib,
+                            "--workload",
+                            w,
+                            "--path",
+                            path,
+                            "--target",
+                            params_target(w),
+                        ]
+                    )
                 for j in jobs:
                     if verify and rep == 0 and j[0] == "restore" and lib != "raw":
                         j = j + ["--verify"]
@@ -70,8 +84,10 @@ def run_matrix(libs, workloads, repeats, *, params=True, verify=True,
                     rows.append(r)
                     what = r.get("time_s", r.get("total_s"))
                     status = r.get("error", f"{what:.3f}s" if what is not None else "")
-                    log(f"{w} rep{rep} {lib:8s} {r['op']:8s} {r.get('target', ''):6s} "
-                        f"{status} ({time.perf_counter() - t0:.1f}s wall)")
+                    log(
+                        f"{w} rep{rep} {lib:8s} {r['op']:8s} {r.get('target', ''):6s} "
+                        f"{status} ({time.perf_counter() - t0:.1f}s wall)"
+                    )
                     if "error" in r:
                         log(r.get("tail", "")[-1500:])
         C.rmtree(base)
@@ -82,25 +98,42 @@ def run_train(libs, steps, every, rounds=2) -> list[dict]:
     rows = []
     for lib in libs:
         t0 = time.perf_counter()
-        args = [os.path.join(C.HERE, "train_loop.py"), "--lib", lib, "--dir",
-                os.path.join(C.TMP, "train"), "--steps", str(steps), "--every", str(every),
-                "--rounds", str(rounds)]
+        args = [
+            os.path.join(C.HERE, "train_loop.py"),
+            "--lib",
+            lib,
+            "--dir",
+            os.path.join(C.TMP, "train"),
+            "--steps",
+            str(steps),
+            "--every",
+            str(every),
+            "--rounds",
+            str(rounds),
+        ]
         import subprocess
 
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-        p = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                           timeout=1800)
+        p = subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, env=env, timeout=1800
+        )
         r = None
         for line in reversed(p.stdout.splitlines()):
             if line.startswith("RESULT "):
                 r = json.loads(line[7:])
                 break
         if r is None:
-            r = {"op": "train", "lib": lib, "error": f"exit {p.returncode}",
-                 "tail": p.stderr[-2000:]}
+            r = {
+                "op": "train",
+                "lib": lib,
+                "error": f"exit {p.returncode}",
+                "tail": p.stderr[-2000:],
+            }
         rows.append(r)
-        log(f"train {lib}: slowdown median {r.get('slowdown_median')} mean "
-            f"{r.get('slowdown_mean')} ({time.perf_counter() - t0:.0f}s wall)")
+        log(
+            f"train {lib}: slowdown median {r.get('slowdown_median')} mean "
+            f"{r.get('slowdown_mean')} ({time.perf_counter() - t0:.0f}s wall)"
+        )
     return rows
 
 
@@ -184,8 +217,12 @@ def ratios(summary: dict) -> dict:
 
 
 def _target(name, ok, measured, detail):
-    return {"target": name, "status": "n/a" if ok is None else ("PASS" if ok else "MISS"),
-            "measured": measured, "detail": detail}
+    return {
+        "target": name,
+        "status": "n/a" if ok is None else ("PASS" if ok else "MISS"),
+        "measured": measured,
+        "detail": detail,
+    }
 
 
 def rss_limit(nbytes):
@@ -200,20 +237,44 @@ def core_targets(s: dict) -> list[dict]:
             continue
         f, raw = s[w]["fop"], s[w].get("raw", {})
         r = _ratio(f.get("save_s"), raw.get("save_s"))
-        t.append(_target(f"({w}) durable save <= {lim_save}x raw write", None if r is None
-                         else r <= lim_save, r, f"{f.get('save_s')}s vs {raw.get('save_s')}s"))
+        t.append(
+            _target(
+                f"({w}) durable save <= {lim_save}x raw write",
+                None if r is None else r <= lim_save,
+                r,
+                f"{f.get('save_s')}s vs {raw.get('save_s')}s",
+            )
+        )
         r = _ratio(f.get("restore_s"), raw.get("restore_s"))
-        t.append(_target(f"({w}) cold restore <= {lim_rest}x raw read", None if r is None
-                         else r <= lim_rest, r, f"{f.get('restore_s')}s vs {raw.get('restore_s')}s"))
+        t.append(
+            _target(
+                f"({w}) cold restore <= {lim_rest}x raw read",
+                None if r is None else r <= lim_rest,
+                r,
+                f"{f.get('restore_s')}s vs {raw.get('restore_s')}s",
+            )
+        )
         hc = raw.get("host_copy_s")
         b = f.get("blocking_s")
         ok = None if hc is None or b is None else b <= hc + 0.020
-        t.append(_target(f"({w}) async blocking <= host copy + 20 ms", ok, _ratio(b, hc),
-                         f"blocking {b}s, host copy {hc}s"))
+        t.append(
+            _target(
+                f"({w}) async blocking <= host copy + 20 ms",
+                ok,
+                _ratio(b, hc),
+                f"blocking {b}s, host copy {hc}s",
+            )
+        )
         rss, nb = f.get("restore_peak_rss"), f.get("restored_bytes")
         ok = None if rss is None or nb is None else rss <= rss_limit(nb)
-        t.append(_target(f"({w}) restore peak RSS <= 1.05 x bytes + 64 MiB", ok,
-                         _ratio(rss, nb), f"{_mib(rss)} MiB vs limit {_mib(rss_limit(nb or 0))} MiB"))
+        t.append(
+            _target(
+                f"({w}) restore peak RSS <= 1.05 x bytes + 64 MiB",
+                ok,
+                _ratio(rss, nb),
+                f"{_mib(rss)} MiB vs limit {_mib(rss_limit(nb or 0))} MiB",
+            )
+        )
     return t
 
 
@@ -228,8 +289,14 @@ def peer_targets(s: dict, train: list[dict]) -> list[dict]:
             r = _ratio(f.get(fig), raw.get(rawfig))
             best = min((a[p][fig] for p in peers if p in a and a[p].get(fig)), default=None)
             ok = None if r is None else (r <= 1.1 and (best is None or f[fig] < best))
-            t.append(_target(f"(a) {fig[:-2]} <= 1.1x raw and faster than the fastest peer", ok,
-                             r, f"fop {f.get(fig)}s, raw {raw.get(rawfig)}s, fastest peer {best}s"))
+            t.append(
+                _target(
+                    f"(a) {fig[:-2]} <= 1.1x raw and faster than the fastest peer",
+                    ok,
+                    r,
+                    f"fop {f.get(fig)}s, raw {raw.get(rawfig)}s, fastest peer {best}s",
+                )
+            )
     b = s.get("b", {})
     if "fop" in b:
         f = b["fop"]
@@ -238,16 +305,27 @@ def peer_targets(s: dict, train: list[dict]) -> list[dict]:
                 if p not in b:
                     continue
                 sp = _ratio(b[p].get(fig), f.get(fig))
-                t.append(_target(f"(b) {fig[:-2]} >= {k}x faster than {p}",
-                                 None if sp is None else sp >= k, sp,
-                                 f"{p} {b[p].get(fig)}s / fop {f.get(fig)}s"))
+                t.append(
+                    _target(
+                        f"(b) {fig[:-2]} >= {k}x faster than {p}",
+                        None if sp is None else sp >= k,
+                        sp,
+                        f"{p} {b[p].get(fig)}s / fop {f.get(fig)}s",
+                    )
+                )
     for w in ("a", "b", "c"):
         if w in s and "fop" in s[w]:
             f = s[w]["fop"]
             rb, pb = f.get("params_read_bytes"), f.get("params_bytes")
             r = _ratio(rb, pb)
-            t.append(_target(f"({w}) params-only restore reads within 5% of params bytes",
-                             None if r is None else r <= 1.05, r, f"{rb} read / {pb} params"))
+            t.append(
+                _target(
+                    f"({w}) params-only restore reads within 5% of params bytes",
+                    None if r is None else r <= 1.05,
+                    r,
+                    f"{rb} read / {pb} params",
+                )
+            )
     for w in ("a", "b"):
         if w in s and "fop" in s[w]:
             f = s[w]["fop"]
@@ -256,17 +334,29 @@ def peer_targets(s: dict, train: list[dict]) -> list[dict]:
             ok = None
             if rss is not None and nb:
                 ok = rss <= rss_limit(nb) and all(v is None or rss < v for v in others.values())
-            t.append(_target(f"({w}) restore peak RSS <= 1.05x bytes + 64 MiB, below every peer",
-                             ok, _ratio(rss, nb), f"fop {_mib(rss)} MiB, limit "
-                             f"{_mib(rss_limit(nb or 0))} MiB, peers "
-                             + ", ".join(f"{p} {_mib(v)}" for p, v in others.items())))
+            t.append(
+                _target(
+                    f"({w}) restore peak RSS <= 1.05x bytes + 64 MiB, below every peer",
+                    ok,
+                    _ratio(rss, nb),
+                    f"fop {_mib(rss)} MiB, limit "
+                    f"{_mib(rss_limit(nb or 0))} MiB, peers "
+                    + ", ".join(f"{p} {_mib(v)}" for p, v in others.items()),
+                )
+            )
     for r in train:
         if r.get("lib") == "fop" and "slowdown_median" in r:
             sd = r["slowdown_median"]
-            t.append(_target("training-step slowdown with background saves <= 10% (median step)",
-                             sd <= 1.10, sd, f"median step {r['save_median_s']:.3f}s vs "
-                             f"{r['base_median_s']:.3f}s; mean incl. blocking: "
-                             f"{r['slowdown_mean']:.2f}x"))
+            t.append(
+                _target(
+                    "training-step slowdown with background saves <= 10% (median step)",
+                    sd <= 1.10,
+                    sd,
+                    f"median step {r['save_median_s']:.3f}s vs "
+                    f"{r['base_median_s']:.3f}s; mean incl. blocking: "
+                    f"{r['slowdown_mean']:.2f}x",
+                )
+            )
     return t
 
 
@@ -294,34 +384,53 @@ def markdown(summary, rat, targets, train, machine, title, notes=()) -> str:
         f"{(machine.get('ram_bytes') or 0) / (1 << 30):.0f} GiB RAM, disk `{machine.get('disk')}`; "
         + ", ".join(f"{k} {val}" for k, val in v.items() if val)
         + f"; plugin at commit {machine.get('plugin_commit')}; THP {machine.get('thp_enabled')}, "
-        f"NUMPY_MADVISE_HUGEPAGE={machine.get('NUMPY_MADVISE_HUGEPAGE')}")
+        f"NUMPY_MADVISE_HUGEPAGE={machine.get('NUMPY_MADVISE_HUGEPAGE')}"
+    )
     lines.append("")
-    lines.append("Times in seconds, sizes in MiB; each figure is the median of the repeats "
-                 "(n in the JSON). RSS is peak RSS above the process's RSS just before the "
-                 "operation. Restores are cold (page cache dropped).")
+    lines.append(
+        "Times in seconds, sizes in MiB; each figure is the median of the repeats "
+        "(n in the JSON). RSS is peak RSS above the process's RSS just before the "
+        "operation. Restores are cold (page cache dropped)."
+    )
     lines.append("")
-    cols = [("blocking_s", "async blocking s", "s"), ("save_s", "durable save s", "s"),
-            ("restore_s", "cold restore s", "s"), ("restore_4x2_s", "restore 4x2 s", "s"),
-            ("restore_numpy_s", "restore to numpy s", "s"),
-            ("restore_numpy_peak_rss", "numpy restore RSS MiB", "b"),
-            ("params_s", "params-only s", "s"), ("params_read_bytes", "params read MiB", "b"),
-            ("save_peak_rss", "save RSS MiB", "b"), ("restore_peak_rss", "restore RSS MiB", "b"),
-            ("disk_bytes", "on disk MiB", "b")]
-    rcols = [("save/raw", "save/raw"), ("restore/raw", "restore/raw"),
-             ("save/fop", "save/fop"), ("restore/fop", "restore/fop")]
+    cols = [
+        ("blocking_s", "async blocking s", "s"),
+        ("save_s", "durable save s", "s"),
+        ("restore_s", "cold restore s", "s"),
+        ("restore_4x2_s", "restore 4x2 s", "s"),
+        ("restore_numpy_s", "restore to numpy s", "s"),
+        ("restore_numpy_peak_rss", "numpy restore RSS MiB", "b"),
+        ("params_s", "params-only s", "s"),
+        ("params_read_bytes", "params read MiB", "b"),
+        ("save_peak_rss", "save RSS MiB", "b"),
+        ("restore_peak_rss", "restore RSS MiB", "b"),
+        ("disk_bytes", "on disk MiB", "b"),
+    ]
+    rcols = [
+        ("save/raw", "save/raw"),
+        ("restore/raw", "restore/raw"),
+        ("save/fop", "save/fop"),
+        ("restore/fop", "restore/fop"),
+    ]
     for w, libs in summary.items():
         lines.append(f"## Workload ({w}): {C.WORKLOADS[w]}")
         lines.append("")
         any_tree = next(iter(libs.values()))
-        lines.append(f"Tree: {any_tree.get('tree_bytes', 0) / MiB:.0f} MiB; params "
-                     f"{(any_tree.get('params_bytes') or 0) / MiB:.0f} MiB. "
-                     + (f"One host copy of the tree: {libs['raw'].get('host_copy_s', 0):.3f} s "
-                        f"(first in the process), {libs['raw'].get('host_copy_warm_s', 0):.3f} s "
-                        "(into reused memory). The raw row's blocking column is that copy."
-                        if "raw" in libs else ""))
+        lines.append(
+            f"Tree: {any_tree.get('tree_bytes', 0) / MiB:.0f} MiB; params "
+            f"{(any_tree.get('params_bytes') or 0) / MiB:.0f} MiB. "
+            + (
+                f"One host copy of the tree: {libs['raw'].get('host_copy_s', 0):.3f} s "
+                f"(first in the process), {libs['raw'].get('host_copy_warm_s', 0):.3f} s "
+                "(into reused memory). The raw row's blocking column is that copy."
+                if "raw" in libs
+                else ""
+            )
+        )
         lines.append("")
-        hdr = ["library"] + [c[1] for c in cols if any(d.get(c[0]) is not None
-                                                       for d in libs.values())]
+        hdr = ["library"] + [
+            c[1] for c in cols if any(d.get(c[0]) is not None for d in libs.values())
+        ]
         keys = [c for c in cols if any(d.get(c[0]) is not None for d in libs.values())]
         hdr += [r[1] for r in rcols]
         lines.append("| " + " | ".join(hdr) + " |")
@@ -337,8 +446,10 @@ def markdown(summary, rat, targets, train, machine, title, notes=()) -> str:
     if train:
         lines.append("## Training loop: median step time with background saves vs none")
         lines.append("")
-        lines.append("| library | steps/phase x rounds | save every | base median s | with saves "
-                     "median s | slowdown (median) | slowdown (total time) | blocking median s |")
+        lines.append(
+            "| library | steps/phase x rounds | save every | base median s | with saves "
+            "median s | slowdown (median) | slowdown (total time) | blocking median s |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|")
         for r in train:
             if "error" in r:
@@ -349,7 +460,8 @@ def markdown(summary, rat, targets, train, machine, title, notes=()) -> str:
                 f"{r['every']} | "
                 f"{r['base_median_s']:.3f} | {r.get('save_median_s', 0):.3f} | "
                 f"{r.get('slowdown_median', 0):.2f}x | {r.get('slowdown_mean', 0):.2f}x | "
-                f"{r.get('blocking_median_s', 0):.3f} |")
+                f"{r.get('blocking_median_s', 0):.3f} |"
+            )
         lines.append("")
     lines.append("## Targets")
     lines.append("")
@@ -357,8 +469,10 @@ def markdown(summary, rat, targets, train, machine, title, notes=()) -> str:
     lines.append("|---|---|---|---|")
     for t in targets:
         m = t["measured"]
-        lines.append(f"| {t['target']} | **{t['status']}** | "
-                     f"{'–' if m is None else f'{m:.2f}'} | {t['detail']} |")
+        lines.append(
+            f"| {t['target']} | **{t['status']}** | "
+            f"{'–' if m is None else f'{m:.2f}'} | {t['detail']} |"
+        )
     lines.append("")
     if notes:
         lines.append("## Notes")
@@ -378,7 +492,7 @@ def chart(rat: dict, path: str, title: str) -> str | None:
         return None
     ws = list(rat)
     fig, axes = plt.subplots(1, len(ws), figsize=(5 * len(ws), 4), squeeze=False)
-    for ax, w in zip(axes[0], ws):
+    for ax, w in zip(axes[0], ws, strict=True):
         libs = [lib for lib in ("fop", "orbax", "dcp", "msgpack") if lib in rat[w]]
         xs = range(len(libs))
         sv = [rat[w][lib]["save/raw"] or 0 for lib in libs]
@@ -399,12 +513,12 @@ def chart(rat: dict, path: str, title: str) -> str | None:
     return path
 
 
-def write_outputs(stem, title, rows, train, targets_fn, notes=(), config=None):
+def write_outputs(stem, title, rows, train, targets_fn, notes=(), config=None, machine=None):
     os.makedirs(C.RESULTS, exist_ok=True)
     summary = summarize(rows)
     rat = ratios(summary)
     targets = targets_fn(summary, train)
-    machine = C.machine_description()
+    machine = machine or C.machine_description()
     md = markdown(summary, rat, targets, train, machine, title, notes)
     png = chart(rat, os.path.join(C.RESULTS, stem + ".png"), title)
     if png:
@@ -412,9 +526,22 @@ def write_outputs(stem, title, rows, train, targets_fn, notes=(), config=None):
     with open(os.path.join(C.RESULTS, stem + ".md"), "w") as f:
         f.write(md)
     with open(os.path.join(C.RESULTS, stem + ".json"), "w") as f:
-        json.dump({"title": title, "config": config or {}, "machine": machine,
-                   "node": platform.node(), "summary": summary, "ratios": rat,
-                   "targets": targets, "train": train, "runs": rows}, f, indent=1, default=str)
+        json.dump(
+            {
+                "title": title,
+                "config": config or {},
+                "machine": machine,
+                "node": platform.node(),
+                "summary": summary,
+                "ratios": rat,
+                "targets": targets,
+                "train": train,
+                "runs": rows,
+            },
+            f,
+            indent=1,
+            default=str,
+        )
     print()
     print(md)
     print()

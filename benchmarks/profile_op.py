@@ -24,8 +24,7 @@ sys.path.insert(0, HERE)
 import common as C  # noqa: E402
 
 
-def summarize(path, top=25, focus=("flax_orbax_plugin", "tensorstore", "jax", "numpy"),
-              under=None):
+def summarize(path, top=25, focus=("flax_orbax_plugin", "tensorstore", "jax", "numpy"), under=None):
     """Top frames; with ``under``, only samples whose stack holds a frame matching it."""
     self_c, incl = collections.Counter(), collections.Counter()
     total = 0
@@ -56,23 +55,48 @@ def main():
     p.add_argument("--workload", default="b")
     p.add_argument("--rate", type=int, default=250)
     p.add_argument("--idle", action="store_true", help="count idle/waiting samples too")
-    p.add_argument("--under", action="append", default=[],
-                   help="also summarize only samples under frames matching this (repeatable)")
+    p.add_argument(
+        "--under",
+        action="append",
+        default=[],
+        help="also summarize only samples under frames matching this (repeatable)",
+    )
     p.add_argument("--summarize-only", action="store_true", help="reuse the last profile")
     a = p.parse_args()
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     path = os.path.join(C.TMP, "profile", a.workload, a.lib)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     out = os.path.join(C.TMP, f"profile-{a.op}-{a.lib}-{a.workload}.txt")
-    wargs = ["save" if a.op == "save" else "restore", "--lib", a.lib, "--workload",
-             a.workload, "--path", path]
+    wargs = [
+        "save" if a.op == "save" else "restore",
+        "--lib",
+        a.lib,
+        "--workload",
+        a.workload,
+        "--path",
+        path,
+    ]
     if a.op == "params":
         wargs.append("--params")
     if a.workload == "c":
         wargs += ["--target", "4x2"]
-    cmd = [spy, "record", "--threads", "--native", "--rate", str(a.rate), "--format", "raw",
-           "-o", out] + (["--idle"] if a.idle else []) + ["--", sys.executable,
-                                                          os.path.join(HERE, "worker.py")] + wargs
+    cmd = (
+        [
+            spy,
+            "record",
+            "--threads",
+            "--native",
+            "--rate",
+            str(a.rate),
+            "--format",
+            "raw",
+            "-o",
+            out,
+        ]
+        + (["--idle"] if a.idle else [])
+        + ["--", sys.executable, os.path.join(HERE, "worker.py")]
+        + wargs
+    )
     env = dict(os.environ, **C.env_for_layout(a.workload))
     if not a.summarize_only:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)

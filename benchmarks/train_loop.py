@@ -118,8 +118,15 @@ def main(argv=None):
             saving += s
             blocking += b
             tail += t
-    res = {"op": "train", "lib": a.lib, "steps": a.steps, "every": a.every, "rounds": a.rounds,
-           "base_median_s": statistics.median(base), "base_mean_s": statistics.mean(base)}
+    res = {
+        "op": "train",
+        "lib": a.lib,
+        "steps": a.steps,
+        "every": a.every,
+        "rounds": a.rounds,
+        "base_median_s": statistics.median(base),
+        "base_mean_s": statistics.mean(base),
+    }
     if adapter is not None:
         res.update(
             save_median_s=statistics.median(saving),

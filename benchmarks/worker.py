@@ -50,15 +50,15 @@ def _warm_up(adapter, root: str) -> None:
     os.makedirs(root, exist_ok=True)
     tree = _tiny_tree()
     adapter.save_async(path, tree).wait()
-    like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                 sharding=x.sharding), tree)
+    like = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+    )
     jax.block_until_ready(adapter.restore(path, like))
     jax.block_until_ready(adapter.restore_params(path, like["params"]))
     C.rmtree(path)
 
 
 def op_save(a) -> dict:
-    import jax
     import numpy as np
 
     specs = C.tree_specs(a.workload)
@@ -92,8 +92,13 @@ def op_save(a) -> dict:
         del snap
         # host_copy_s: first copy in the process (fresh pages, like a library's first
         # snapshot); host_copy_warm_s: a second copy into memory the allocator reuses.
-        res.update(host_copy_s=t1 - t0, host_copy_warm_s=t4 - t3, blocking_s=t1 - t0,
-                   total_s=t2 - t1, raw_write_s=t2 - t1)
+        res.update(
+            host_copy_s=t1 - t0,
+            host_copy_warm_s=t4 - t3,
+            blocking_s=t1 - t0,
+            total_s=t2 - t1,
+            raw_write_s=t2 - t1,
+        )
     else:
         t0 = time.perf_counter()
         w = adapter.save_async(a.path, tree)
@@ -175,8 +180,11 @@ def op_restore(a) -> dict:
         res["verified"] = True
         if a.target not in ("single", "numpy"):
             want_sh = C.build_like(wanted, a.target)
-            bad = [C.flat_key(p) for p, x in _leaves(out)
-                   if not x.sharding.is_equivalent_to(C.get_path(want_sh, p).sharding, x.ndim)]
+            bad = [
+                C.flat_key(p)
+                for p, x in _leaves(out)
+                if not x.sharding.is_equivalent_to(C.get_path(want_sh, p).sharding, x.ndim)
+            ]
             res["sharding_ok"] = not bad
     return res
 

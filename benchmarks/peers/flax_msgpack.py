@@ -53,7 +53,7 @@ class Adapter:
                 try:
                     mv = memoryview(data)
                     while mv:
-                        mv = mv[os.write(fd, mv):]
+                        mv = mv[os.write(fd, mv) :]
                     os.fsync(fd)
                 finally:
                     os.close(fd)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-
 from common import flat_key, nest
 
 
@@ -78,8 +77,10 @@ class Adapter:
             for p, s in leaves
         }
         self.dcp.load(sd, storage_reader=self.dcp.FileSystemReader(path), no_dist=True)
-        out = [(p[len(prefix):], jax.device_put(sd.pop(flat_key(p)).numpy(), s.sharding))
-               for p, s in leaves]
+        out = [
+            (p[len(prefix) :], jax.device_put(sd.pop(flat_key(p)).numpy(), s.sharding))
+            for p, s in leaves
+        ]
         return nest(out)
 
     def restore(self, path, like):
