@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import _arrays, _metadata, _save, _tree
+from . import _arrays, _host, _metadata, _save, _tree
 from ._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -245,7 +245,7 @@ class _ReadInto:
     without a second whole-array buffer)."""
 
     def __init__(self, view):
-        self.out = np.empty(view.shape, dtype=view.dtype.numpy_dtype)
+        self.out = _host.empty(view.shape, view.dtype.numpy_dtype)  # adopted by jax on CPU
         self.future = ts.array(self.out, copy=False).write(view)
 
     def result(self) -> np.ndarray:
@@ -413,8 +413,13 @@ def restore(
     """
     location = Location.from_path(path)
     _save.wait_for_pending_save(location)
-    doc = read_document(location)
     limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
+    with _tree.paused_gc():
+        return _restore(location, like, partial, limit)
+
+
+def _restore(location: Location, like: Any, partial: bool, limit: int) -> Any:
+    doc = read_document(location)
     records = {rec["path"]: (i, rec) for i, rec in enumerate(doc["leaves"])}
     if like is None:
         targets = [_make_target(i, rec, None) for i, rec in enumerate(doc["leaves"])]

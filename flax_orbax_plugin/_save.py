@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _arrays, _distributed, _metadata, _tree
+from . import _arrays, _distributed, _host, _metadata, _tree
 from ._errors import CheckpointError, StructureError
 from ._metadata import COMMIT_FILE, METADATA_FILE
 from ._storage import Location
@@ -182,7 +182,8 @@ def save_async(
         start = time.perf_counter()
         location = Location.from_path(path)
         op = _distributed.next_operation_id("save")
-        plan = _Plan.build(tree)
+        with _tree.paused_gc():
+            plan = _Plan.build(tree)
         _check_target(location, force)
         plan.snapshot()
         nonce = _distributed.broadcast_str(f"{op}/nonce", uuid.uuid4().hex[:12])
@@ -322,13 +323,15 @@ class _Plan:
                         },
                     )
                     size = nbytes // dtype.itemsize
+                    align = max(1, _host.ALIGNMENT // dtype.itemsize)  # zero-copy on restore
+                    offset = -(-batch["size"] // align) * align
                     record["storage"] = {
                         "type": "batch",
                         "batch": name,
-                        "offset": batch["size"],
+                        "offset": offset,
                         "size": size,
                     }
-                    batch["size"] += size
+                    batch["size"] = offset + size
                 else:
                     shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
                     chunk = _arrays.chunk_shape(
@@ -364,24 +367,31 @@ class _Plan:
                     source = _replica0_source(source)
                 if next(iter(source.devices())).platform != "cpu":
                     source.copy_to_host_async()
+        ends: dict[str, int] = {}  # end of the last leaf written into each batch
         for name, batch in self.batches.items():
             if batch["process"] == me:
                 dtype = _metadata.dtype_from_name(batch["dtype"])
-                self.batch_buffers[name] = np.empty(batch["size"], dtype=dtype)
+                self.batch_buffers[name] = _host.empty((batch["size"],), dtype)
+                ends[name] = 0
         for leaf, shard in owned:
             storage = leaf.record["storage"]
             if storage["type"] == "batch":
-                buf = self.batch_buffers[storage["batch"]]
+                name = storage["batch"]
+                buf = self.batch_buffers[name]
                 off, size = storage["offset"], storage["size"]
+                buf[ends[name] : off] = 0  # alignment padding: never uninitialised memory
                 value = leaf.value
                 if isinstance(value, jax.Array):
                     value = _replica0_source(value)
                 buf[off : off + size] = np.asarray(value).reshape(-1)
+                ends[name] = off + size
             elif shard is not None:
                 leaf.writes.append((shard.index, _host_copy(shard.data)))
             else:
                 full = tuple(slice(None) for _ in leaf.value.shape)
-                leaf.writes.append((full, np.array(leaf.value, copy=True)))
+                leaf.writes.append((full, _host.copy(np.asarray(leaf.value))))
+        for name, end in ends.items():
+            self.batch_buffers[name][end:] = 0
         for leaf in self.leaves:
             leaf.value = None  # the snapshot is all the background phase needs
 
@@ -430,7 +440,7 @@ def _batch_spec(root: Location, name: str, batch: dict[str, Any]) -> dict[str, A
 def _host_copy(data: jax.Array) -> np.ndarray:
     """A host copy that no later donation or in-place update of ``data`` can change."""
     if data.device.platform == "cpu":
-        return np.array(data, copy=True)  # np.asarray would alias the device buffer
+        return _host.copy(np.asarray(data))  # np.asarray alone would alias the device buffer
     return np.asarray(data)  # a fresh host buffer already
 
 
@@ -468,7 +478,12 @@ def _write_and_commit(
         error = e
     status = "ok" if error is None else f"error: {type(error).__name__}: {error}"
     _distributed.publish(f"{op}/status", status)
-    _distributed.barrier(f"{op}/written")
+    try:
+        _distributed.barrier(f"{op}/written")
+    except BaseException:
+        if primary:  # a process is gone: nothing will commit, leave nothing behind
+            staging.remove()
+        raise
     if primary:
         statuses = (
             _distributed.gather_str(f"{op}/status")

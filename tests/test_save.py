@@ -338,3 +338,32 @@ def test_save_group_runs_blocking_phases_back_to_back(tmp_path):
     third = fop.save_async(tmp_path / "c", {"y": np.zeros(2)})  # outside: waits for the group
     third.wait()
     assert fop.is_committed(tmp_path / "a")
+
+
+def test_batched_leaves_are_aligned_and_padding_is_zero(tmp_path):
+    import json
+
+    import tensorstore as ts
+
+    tree = {f"l{i}": np.full((i + 1,), i + 1, np.float32) for i in range(20)}
+    fop.save(tmp_path / "c", tree)
+    doc = json.loads((tmp_path / "c" / "_METADATA.json").read_text())
+    offsets = [r["storage"]["offset"] for r in doc["leaves"]]
+    assert all(off * 4 % 64 == 0 for off in offsets)
+    (name,) = doc["batches"]
+    batch = (
+        ts.open(
+            {
+                "driver": "zarr3",
+                "kvstore": {"driver": "file", "path": str(tmp_path / "c" / "b" / name)},
+            }
+        )
+        .result()
+        .read()
+        .result()
+    )
+    used = np.zeros(batch.shape, bool)
+    for rec in doc["leaves"]:
+        used[rec["storage"]["offset"] : rec["storage"]["offset"] + rec["storage"]["size"]] = True
+    assert not batch[~used].any()  # no uninitialised memory reaches the disk
+    assert batch[used].all()
