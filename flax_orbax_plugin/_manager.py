@@ -242,7 +242,9 @@ class CheckpointManager:
             if handle_sigterm:
                 raise ValueError("handle_sigterm needs a writer (read_only=False)")
             return
-        if self._loc.is_local:
+        if self._loc.is_local and _distributed.is_primary():
+            # One writer per directory: the primary holds the lock for all processes
+            # of a run (the others write only through the primary's commit protocol).
             os.makedirs(self._loc.path, exist_ok=True)
             self._dir_lock = DirectoryLock(self._loc.path)
             self._dir_lock.acquire()

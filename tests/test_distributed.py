@@ -251,11 +251,6 @@ def test_sigkill_primary_mid_save(tmp_path):
 # ------------------------------------------------------------------ through the manager
 
 
-@pytest.mark.xfail(
-    reason="every process of a multi-process run takes the directory's flock: process 1 gets "
-    "DirectoryLockedError (flax_orbax_plugin/_manager.py CheckpointManager.__init__)",
-    strict=False,
-)
 def test_manager_multi_process_save_then_restore_in_one_process(tmp_path):
     directory = str(tmp_path)
     run = _run(
