@@ -113,6 +113,8 @@ class Location:
                     "bucket": url.netloc,
                     "path": url.path.lstrip("/"),
                 }
+                if url.scheme == "s3":
+                    spec.update(_s3_settings_from_env())
             elif url.scheme == "memory":
                 spec = {"driver": "memory", "path": (url.netloc + url.path).lstrip("/")}
             elif url.scheme == "file":
@@ -279,6 +281,19 @@ def _syncfs(path: str) -> bool:
         return syncfs(fd) == 0
     finally:
         os.close(fd)
+
+
+def _s3_settings_from_env() -> dict[str, str]:
+    """S3-compatible servers: tensorstore's s3 driver ignores ``AWS_ENDPOINT_URL``
+    (it always talks to amazonaws.com), so an ``s3://`` URL takes it from here."""
+    settings = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        settings["endpoint"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        settings["aws_region"] = region
+    return settings
 
 
 def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:

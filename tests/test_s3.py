@@ -177,12 +177,6 @@ class TestCoreOnS3:
         handle.wait()
         _assert_equal(fop.restore(s3_location.spec), jax.device_get(tree))
 
-    @pytest.mark.xfail(
-        run=False,
-        reason="tensorstore's s3 driver ignores AWS_ENDPOINT_URL: an 's3://' URL always "
-        "goes to <bucket>.s3.amazonaws.com (hangs offline); the core would have to add "
-        "'endpoint' from AWS_ENDPOINT_URL itself",
-    )
     def test_s3_url_with_custom_endpoint(self, s3_location):
         fop.save(s3_location.url, {"a": np.ones(3)})
         assert s3_location.read("_COMMITTED") is not None
