@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import jax
 
@@ -60,10 +61,23 @@ def barrier(name: str, *, timeout_s: float | None = None) -> None:
     try:
         _client().wait_at_barrier(name, int(timeout * 1000))
     except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
+        missing = _missing_processes(str(e))
+        who = f"missing process(es): {', '.join(map(str, missing))}; " if missing else ""
         raise CoordinationError(
             f"process {process_index()} of {process_count()}: not every process reached "
-            f"barrier {name!r} within {timeout:.0f}s ({e})"
+            f"barrier {name!r} within {timeout:.0f}s ({who}{e})"
         ) from e
+
+
+def _missing_processes(text: str) -> list[int]:
+    """Process ids that jax's coordination service names as absent in an error text."""
+    found = set()
+    names = re.search(r"timed out task names:\s*([0-9][0-9,\s]*)", text)
+    if names:
+        found.update(int(n) for n in re.findall(r"[0-9]+", names.group(1)))
+    found.update(int(n) for n in re.findall(r"[Tt]ask (?:id )?([0-9]+) heartbeat timeout", text))
+    found.update(int(n) for n in re.findall(r"/task:([0-9]+)", text))
+    return sorted(found)
 
 
 def broadcast_str(name: str, value: str | None, *, timeout_s: float | None = None) -> str:
