@@ -14,7 +14,7 @@ import tensorstore as ts
 
 from ._storage import Location, context
 
-CHUNK_TARGET_BYTES = 16 << 20  # large leaves: chunks of at most ~16 MiB
+CHUNK_TARGET_BYTES = 4 << 20  # large leaves: chunks of at most ~4 MiB (restore peak memory)
 BATCH_CHUNK_BYTES = 16 << 20  # batches of small leaves: one file per ~16 MiB ...
 BATCH_INNER_CHUNK_BYTES = 64 << 10  # ... holding checksummed 64 KiB inner chunks
 
@@ -29,7 +29,7 @@ def chunk_shape(
     itemsize: int,
     *,
     must_divide: bool,
-    target: int = CHUNK_TARGET_BYTES,
+    target: int | None = None,
 ) -> list[int]:
     """A chunk of at most ~``target`` bytes, splitting leading axes first (so a chunk is
     a contiguous slab where possible).
@@ -38,6 +38,7 @@ def chunk_shape(
     ``shard_shape`` so every chunk lies inside one shard; a shard axis without a
     usable divisor is kept whole rather than cut into tiny chunks.
     """
+    target = target or CHUNK_TARGET_BYTES
     chunk = [max(1, s) for s in shard_shape]
     for axis in range(len(chunk)):
         rest = itemsize * int(np.prod(chunk[axis + 1 :], dtype=np.int64))
@@ -99,18 +100,24 @@ def spec(
     }
 
 
+def _context_for(array_spec: dict[str, Any]) -> ts.Context:
+    return context(local=array_spec["kvstore"]["driver"] == "file")
+
+
 def create(array_spec: dict[str, Any]) -> ts.Future:
     """Writes the array's zarr.json (primary process only)."""
-    return ts.open(array_spec, create=True, open=True, context=context())
+    return ts.open(array_spec, create=True, open=True, context=_context_for(array_spec))
 
 
 def open_for_write(array_spec: dict[str, Any]) -> ts.TensorStore:
     """Opens without touching stored metadata; every written chunk is stored."""
     array_spec = dict(array_spec, store_data_equal_to_fill_value=True)
-    return ts.open(array_spec, assume_metadata=True, context=context()).result()
+    return ts.open(array_spec, assume_metadata=True, context=_context_for(array_spec)).result()
 
 
 def open_for_read(array_spec: dict[str, Any]) -> ts.TensorStore:
     """Opens without reading zarr.json; a missing chunk raises instead of reading zeros."""
     array_spec = dict(array_spec, fill_missing_data_reads=False)
-    return ts.open(array_spec, assume_metadata=True, open=True, context=context()).result()
+    return ts.open(
+        array_spec, assume_metadata=True, open=True, context=_context_for(array_spec)
+    ).result()

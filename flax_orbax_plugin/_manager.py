@@ -507,18 +507,8 @@ class CheckpointManager:
             loc.rename(doomed)  # atomic: the step disappears from listings at once
             doomed.remove()
         else:
-            self._remove_manifest(loc)  # uncommit first, then delete the data
+            loc.delete(MANIFEST)  # uncommit first, then delete the data
             loc.remove()
-
-    @staticmethod
-    def _remove_manifest(loc: Location) -> None:
-        import tensorstore as ts
-
-        from flax_orbax_plugin._storage import context
-
-        ts.KvStore.open(loc.spec, context=context()).result().delete_range(
-            ts.KvStore.KeyRange(inclusive_min=MANIFEST, exclusive_max=MANIFEST + "\0")
-        ).result()
 
     def _remove_unfinished(self) -> None:
         for name in self._loc.list_children():
@@ -631,12 +621,17 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the in-flight save is committed and retention has run.
 
+        With several processes every process must call it (in the same order as save).
+
         Re-raises a background save error (once).
         """
         self._wait_inflight()
         fut = self._retention_future
         if fut is not None:
             fut.result()
+        # Retention runs on the primary only: meet so that every process lists the same
+        # steps afterwards (wait is collective, like save, with several processes).
+        _distributed.barrier(_distributed.next_operation_id("manager-wait"))
 
     def close(self) -> None:
         """Wait for the in-flight save, stop the threads, release the lock. Idempotent."""
