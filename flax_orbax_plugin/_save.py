@@ -24,9 +24,11 @@ run back to back while the caller goes on).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import threading
 import time
@@ -469,6 +471,10 @@ def _write_and_commit(
         if force or location.is_dir():
             location.remove()  # no marker was there (checked), or force: start clean
     _distributed.barrier(f"{op}/prepared")
+    # The primary encodes the metadata while tensorstore's threads write the data.
+    encoded = concurrent.futures.Future()
+    if primary:
+        threading.Thread(target=_encode_document, args=(plan, encoded), daemon=True).start()
     error: BaseException | None = None
     written = 0
     try:
@@ -497,7 +503,7 @@ def _write_and_commit(
             staging.remove()
         else:
             try:
-                _commit(location, staging, plan, nonce, force)
+                _commit(location, staging, encoded.result(), nonce, force)
             except BaseException as e:  # noqa: BLE001
                 staging.remove()
                 error = error or e
@@ -551,9 +557,16 @@ def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> in
     return written
 
 
-def _commit(location: Location, staging: Location, plan: _Plan, nonce: str, force: bool) -> None:
+def _encode_document(plan: _Plan, out: concurrent.futures.Future) -> None:
+    try:
+        out.set_result(json.dumps(plan.document(), separators=(",", ":")).encode("utf-8"))
+    except BaseException as e:  # noqa: BLE001  (raised by the commit that needs it)
+        out.set_exception(e)
+
+
+def _commit(location: Location, staging: Location, document: bytes, nonce: str, force: bool):
     """Primary only: metadata, marker last, then the atomic rename on local disk."""
-    staging.write_json(METADATA_FILE, plan.document())
+    staging.write_bytes(METADATA_FILE, document)
     staging.write_json(COMMIT_FILE, {"committed_at": time.time()})
     if not location.supports_rename:
         return
