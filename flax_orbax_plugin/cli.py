@@ -165,14 +165,9 @@ def resolve(path: str, step: int | None) -> tuple[str, dict[str, str]]:
 
 
 def _dir_bytes(path: str) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(dirpath, f))
-            except OSError:
-                pass
-    return total
+    from flax_orbax_plugin._storage import Location
+
+    return Location.from_path(path).size_bytes()
 
 
 def _read_json_item(path: str) -> Any:
