@@ -450,7 +450,9 @@ def _host_copy(data: jax.Array) -> np.ndarray:
 
 
 def _check_target(location: Location, force: bool) -> None:
-    if not force and _distributed.is_primary() and location.exists(COMMIT_FILE):
+    # Every process looks (they share the store), so all refuse together rather than
+    # the others waiting for a primary that raised.
+    if not force and location.exists(COMMIT_FILE):
         raise CheckpointError(
             f"{location} already holds a committed checkpoint; pass force=True to replace it"
         )
