@@ -236,18 +236,17 @@ class Location:
         return sorted(n for n in names if n)
 
     def size_bytes(self) -> int:
-        """Total bytes stored under this location."""
-        if self.is_local:
-            total = 0
-            for root, _, files in os.walk(self.path):
-                for f in files:
-                    try:
-                        total += os.path.getsize(os.path.join(root, f))
-                    except OSError:
-                        pass
-            return total
-        kv = self._kv()
-        return sum(len(kv.read(k).result().value) for k in kv.list().result())
+        """Total bytes of the files under a local location."""
+        if not self.is_local:
+            raise NotImplementedError(f"sizes are only listed on local disks, not {self}")
+        total = 0
+        for root, _, files in os.walk(self.path):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(root, f))
+                except OSError:
+                    pass
+        return total
 
     def remove(self) -> None:
         """Removes everything under this location (no error if nothing is there)."""
