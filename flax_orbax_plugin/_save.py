@@ -218,8 +218,6 @@ def is_committed(path: Any) -> bool:
 @dataclasses.dataclass
 class _Leaf:
     index: int
-    path: str
-    keys: list
     kind: str
     value: Any  # jax.Array / np.ndarray / None, after scalar and key conversion
     record: dict[str, Any]
@@ -340,7 +338,7 @@ class _Plan:
                         shard_shape, dtype.itemsize, must_divide=_is_partitioned(value)
                     )
                     record["storage"] = {"type": "array", "chunk_shape": chunk}
-            leaves.append(_Leaf(index, path, keys, kind, value, record))
+            leaves.append(_Leaf(index, kind, value, record))
         for batch in batches.values():
             batch["size"] = max(1, batch["size"])
         return cls(leaves, batches)
@@ -348,50 +346,48 @@ class _Plan:
     def snapshot(self) -> None:
         """Copies every byte this process writes to host memory (blocking phase)."""
         me = _distributed.process_index()
-        owned: list[tuple[_Leaf, Any]] = []
+        # (leaf, what to read it from, shard index) for every piece this process writes;
+        # each source is resolved once, so the object whose device-to-host copy is
+        # started below is the one read afterwards (jax caches the copy per object).
+        owned: list[tuple[_Leaf, Any, tuple | None]] = []
         for leaf in self.leaves:
             if leaf.kind == "none":
                 continue
+            value = leaf.value
             storage = leaf.record["storage"]
             if storage["type"] == "batch":
                 if self.batches[storage["batch"]]["process"] == me:
-                    owned.append((leaf, None))
-            elif isinstance(leaf.value, jax.Array):
-                for shard in leaf.value.addressable_shards:
+                    if isinstance(value, jax.Array):
+                        value = _replica0_source(value)
+                    owned.append((leaf, value, None))
+            elif isinstance(value, jax.Array):
+                for shard in value.addressable_shards:
                     if shard.replica_id == 0:
-                        owned.append((leaf, shard))
+                        owned.append((leaf, shard.data, shard.index))
             elif me == 0:
-                owned.append((leaf, None))
-        for leaf, shard in owned:  # start all device-to-host copies before waiting on any
-            source = shard.data if shard is not None else leaf.value
-            if isinstance(source, jax.Array):
-                if shard is None:
-                    source = _replica0_source(source)
-                if next(iter(source.devices())).platform != "cpu":
-                    source.copy_to_host_async()
+                owned.append((leaf, value, tuple(slice(None) for _ in value.shape)))
+        for _, source, _ in owned:  # start all device-to-host copies before waiting on any
+            if isinstance(source, jax.Array) and next(iter(source.devices())).platform != "cpu":
+                source.copy_to_host_async()
         ends: dict[str, int] = {}  # end of the last leaf written into each batch
         for name, batch in self.batches.items():
             if batch["process"] == me:
                 dtype = _metadata.dtype_from_name(batch["dtype"])
                 self.batch_buffers[name] = _host.empty((batch["size"],), dtype)
                 ends[name] = 0
-        for leaf, shard in owned:
+        for leaf, source, index in owned:
             storage = leaf.record["storage"]
             if storage["type"] == "batch":
                 name = storage["batch"]
                 buf = self.batch_buffers[name]
                 off, size = storage["offset"], storage["size"]
                 buf[ends[name] : off] = 0  # alignment padding: never uninitialised memory
-                value = leaf.value
-                if isinstance(value, jax.Array):
-                    value = _replica0_source(value)
-                buf[off : off + size] = np.asarray(value).reshape(-1)
+                buf[off : off + size] = np.asarray(source).reshape(-1)
                 ends[name] = off + size
-            elif shard is not None:
-                leaf.writes.append((shard.index, _host_copy(shard.data)))
+            elif isinstance(source, jax.Array):
+                leaf.writes.append((index, _host_copy(source)))
             else:
-                full = tuple(slice(None) for _ in leaf.value.shape)
-                leaf.writes.append((full, _host.copy(np.asarray(leaf.value))))
+                leaf.writes.append((index, _host.copy(np.asarray(source))))
         for name, end in ends.items():
             self.batch_buffers[name][end:] = 0
         for leaf in self.leaves:
