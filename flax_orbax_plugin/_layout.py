@@ -157,6 +157,10 @@ def _need(cond: bool, where: str, field: str, expected: str, found: Any) -> None
         )
 
 
+def _one_of(x: Any, names: frozenset[str]) -> bool:
+    return isinstance(x, str) and x in names
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -268,7 +272,7 @@ class LeafRecord:
         path = _str(obj, "path", where, f"{at}.path")
         at = f"leaves[{index}] ({path!r})"
         kind = obj.get("kind")
-        _need(kind in LEAF_KINDS, where, f"{at}.kind", f"one of {sorted(LEAF_KINDS)}", kind)
+        _need(_one_of(kind, LEAF_KINDS), where, f"{at}.kind", f"one of {sorted(LEAF_KINDS)}", kind)
         keys = _keys(obj.get("keys"), where, f"{at}.keys")
         if kind == "none":
             return cls(path, keys, kind)
@@ -284,7 +288,9 @@ class LeafRecord:
         )
         shape = tuple(shape)
         dtype = obj.get("dtype")
-        _need(dtype in SUPPORTED_DTYPES, where, f"{at}.dtype", "a supported dtype name", dtype)
+        _need(
+            _one_of(dtype, SUPPORTED_DTYPES), where, f"{at}.dtype", "a supported dtype name", dtype
+        )
         itemsize = dtype_from_name(dtype).itemsize
         _need(
             math.prod(shape) * itemsize <= MAX_ARRAY_BYTES,
@@ -304,7 +310,9 @@ class LeafRecord:
         impl = None
         if kind == "prng_key":
             impl = obj.get("impl")
-            _need(impl in PRNG_IMPLS, where, f"{at}.impl", f"one of {sorted(PRNG_IMPLS)}", impl)
+            _need(
+                _one_of(impl, PRNG_IMPLS), where, f"{at}.impl", f"one of {sorted(PRNG_IMPLS)}", impl
+            )
         raw = obj.get("storage")
         _need(isinstance(raw, dict), where, f"{at}.storage", "an object", raw)
         storage: ArrayStorage | BatchStorage
@@ -351,7 +359,7 @@ def _keys(keys: Any, where: str, field: str) -> tuple[tuple[str, Any], ...]:
         ok = (
             isinstance(k, list)
             and len(k) == 2
-            and k[0] in KEY_KINDS
+            and _one_of(k[0], KEY_KINDS)
             and (
                 (k[0] in ("seq", "flat") and _is_int(k[1]) and 0 <= k[1] < (1 << 31))
                 or (k[0] == "attr" and isinstance(k[1], str))
@@ -387,7 +395,9 @@ class BatchRecord:
         at = f"batches[{name!r}]"
         _need(isinstance(obj, dict), where, at, "an object", obj)
         dtype = obj.get("dtype")
-        _need(dtype in SUPPORTED_DTYPES, where, f"{at}.dtype", "a supported dtype name", dtype)
+        _need(
+            _one_of(dtype, SUPPORTED_DTYPES), where, f"{at}.dtype", "a supported dtype name", dtype
+        )
         process = _int(obj, "process", where, f"{at}.process", hi=process_count - 1)
         itemsize = dtype_from_name(dtype).itemsize
         size = _int(obj, "size", where, f"{at}.size", lo=1, hi=MAX_ARRAY_BYTES // itemsize)
