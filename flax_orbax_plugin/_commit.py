@@ -104,7 +104,8 @@ def commit_collectively(
     """Runs the protocol in the module docstring; returns what this process wrote.
 
     ``write`` runs on every process (its own files, made durable); ``publish(files)``
-    and ``abort()`` run on the primary only, ``files`` merging every process's.
+    runs on the primary only, ``files`` merging every process's; ``abort()`` removes
+    what was staged, on the primary and, after a failed outcome, on every process.
     Raises this process's own write error, or :class:`CoordinationError` when the
     processes disagree, or :class:`CheckpointError` when another process failed.
     """
@@ -122,14 +123,15 @@ def commit_collectively(
             "files": written.files,
         }
     )
-    if _distributed.process_count() > 1:
-        _distributed.publish(f"{op}/status", status)
     if _distributed.is_primary():
         outcome = _decide_and_commit(op, status, what, publish, abort)
         if _distributed.process_count() > 1:
             _distributed.broadcast_str(f"{op}/outcome", outcome)
     else:
+        _distributed.publish(f"{op}/status", status)
         outcome = _distributed.broadcast_str(f"{op}/outcome", None)
+        if outcome != "committed":
+            _discard(abort)  # e.g. a staging directory of another step than the primary's
     if error is not None:
         error.add_note(f"{what}: {outcome}")
         raise error
@@ -138,6 +140,13 @@ def commit_collectively(
     if outcome != "committed":
         raise CheckpointError(f"{what} failed: {outcome}")
     return written
+
+
+def _discard(abort: Callable[[], None]) -> None:
+    try:
+        abort()
+    except Exception:  # noqa: BLE001  (the commit's failure is what gets reported)
+        pass
 
 
 def _decide_and_commit(op, own_status, what, publish, abort) -> str:
