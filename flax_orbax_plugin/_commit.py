@@ -135,7 +135,7 @@ def commit_collectively(
     if error is not None:
         error.add_note(f"{what}: {outcome}")
         raise error
-    if outcome.startswith("disagree"):
+    if outcome.startswith(("disagree", "lost")):
         raise CoordinationError(f"{what} not committed: {outcome}")
     if outcome != "committed":
         raise CheckpointError(f"{what} failed: {outcome}")
@@ -164,6 +164,8 @@ def _decide_and_commit(op, own_status, what, publish, abort) -> str:
                 files.update(s["files"])
             publish(files)
             return "committed"
+    except CoordinationError as e:  # a process is gone or late: nothing commits
+        outcome = f"lost: not committed; {e}"
     except BaseException as e:  # noqa: BLE001  (every process learns of it)
         outcome = f"not committed; commit failed on the primary: {type(e).__name__}: {e}"
     try:

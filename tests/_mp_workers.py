@@ -135,9 +135,9 @@ def _spy_small_files(ctx):
     written = []
     original = _storage.Location.write_bytes
 
-    def spy(self, name, data):
+    def spy(self, name, data, **kw):
         written.append(f"{self.path.rstrip('/').rsplit('/', 1)[-1]}/{name}")
-        return original(self, name, data)
+        return original(self, name, data, **kw)
 
     _storage.Location.write_bytes = spy
     return written

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from flax_orbax_plugin import _steps
 from flax_orbax_plugin._checkpointables import (
     BUILTIN_CHECKPOINTABLES,
     Checkpointable,
@@ -20,7 +21,6 @@ from flax_orbax_plugin._checkpointables import (
     StepCheckpointable,
     checkpointable_for,
 )
-from flax_orbax_plugin import _steps
 from flax_orbax_plugin._errors import CheckpointError, CheckpointNotFoundError
 from flax_orbax_plugin._layout import ItemEntry, StepManifest
 from flax_orbax_plugin._storage import Location

@@ -181,9 +181,7 @@ def test_unknown_dtype_names_leaf(saved):
     rec = next(r for r in doc["leaves"] if r["path"] == "params/kernel")
     rec["dtype"] = "float7_e9"
     _reseal(path, json.dumps(doc).encode())
-    with pytest.raises(
-        fop.CorruptCheckpointError, match=r"'params/kernel'.*dtype.*'float7_e9'"
-    ):
+    with pytest.raises(fop.CorruptCheckpointError, match=r"'params/kernel'.*dtype.*'float7_e9'"):
         fop.restore(path)
 
 
