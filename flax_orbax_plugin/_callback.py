@@ -27,13 +27,15 @@ metric-writer shape) with ``checkpoint/blocking_seconds``,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from absl import logging
 
 from flax_orbax_plugin._errors import CheckpointNotFoundError
 from flax_orbax_plugin._manager import SaveFigures
+from flax_orbax_plugin._resume import items_to_restore
+from flax_orbax_plugin._train_state import merge_state
 
 __all__ = ["CheckpointCallback"]
 
@@ -124,10 +126,18 @@ class CheckpointCallback:
 
     # -- the three hooks --------------------------------------------------------
 
-    def on_train_start(self, state: Any, data_iterator: Any = None) -> Any:
-        """Returns ``state`` resumed from the latest step (per ``resume``), or unchanged."""
+    def on_train_start(
+        self, state: Any, data_iterator: Any = None, *, reset: Iterable[str] = ()
+    ) -> Any:
+        """Returns ``state`` resumed from the latest step (per ``resume``), or unchanged.
+
+        ``reset`` names items kept from ``state`` instead of restored, e.g.
+        ``reset=("opt_state",)`` after changing the optimizer: params, step, other
+        items and the data position are resumed, the optimizer starts fresh.
+        """
         if data_iterator is not None:
             self._data_iterator = data_iterator
+        names = items_to_restore(state, reset=reset) if reset else None
         mngr = self.manager
         latest = mngr.latest_step() if self.resume else None
         if latest is None:
@@ -139,7 +149,13 @@ class CheckpointCallback:
                 logging.info("checkpoint: nothing to resume in %s; starting fresh", self.directory)
             return state
         t0 = time.perf_counter()
-        restored = mngr.restore(like=state, step=latest, data_iterator=self._data_iterator)
+        if names is None:
+            restored = mngr.restore(like=state, step=latest, data_iterator=self._data_iterator)
+        else:
+            subset = mngr.restore(
+                like=state, step=latest, items=names, data_iterator=self._data_iterator
+            )
+            restored = merge_state(state, subset)
         self.resumed_step = self._last_saved_step = self._last_step = int(latest)
         logging.info(
             "checkpoint: resumed step %d from %s in %.3f s",

@@ -65,9 +65,10 @@ from flax_orbax_plugin._errors import (
 )
 from flax_orbax_plugin._lock import DirectoryLock
 from flax_orbax_plugin._policy import SavePolicy
+from flax_orbax_plugin._resume import item_mismatch
 from flax_orbax_plugin._retention import RetentionPolicy, steps_to_delete
 from flax_orbax_plugin._storage import Location
-from flax_orbax_plugin._train_state import merge_state, split_state
+from flax_orbax_plugin._train_state import holds_nnx_objects, merge_state, split_state
 
 __all__ = ["CheckpointManager", "SaveFigures", "UnknownItemError", "restore_params"]
 
@@ -600,6 +601,8 @@ class CheckpointManager:
     def _restore_item(self, step: int, step_loc: Location, name: str, like: Any) -> Any:
         try:
             return checkpointable_for(name, self._overrides).restore(step_loc.child(name), like)
+        except StructureError as e:
+            raise item_mismatch(e, name=name, step=step, location=self._loc) from e
         except CheckpointError as e:
             e.add_note(f"while restoring item {name!r} of step {step} from {self._loc}")
             raise
@@ -712,7 +715,7 @@ def _as_metric(value: Any) -> float | None:
 
 
 def _params_like(like: Any) -> Any:
-    if like is None or isinstance(like, Mapping):
+    if like is None or (isinstance(like, Mapping) and not holds_nnx_objects(like)):
         return like
     try:
         items = split_state(like)

@@ -44,13 +44,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["split_state", "merge_state"]
+__all__ = ["split_state", "merge_state", "holds_nnx_objects"]
 
 _NNX_MODULE_ITEMS = ("params", "rng", "model_state")
 _NNX_GRAPH_KINDS = ("model_and_optimizer", "optimizer", "rngs", "module")
 _ELEMENT_KINDS = (
-    "an nnx.Module, nnx.Optimizer, nnx.ModelAndOptimizer, nnx.Rngs, nnx.State "
-    "or a Linen TrainState"
+    "an nnx.Module, nnx.Optimizer, nnx.ModelAndOptimizer, nnx.Rngs, nnx.State or a Linen TrainState"
 )
 
 
@@ -288,3 +287,8 @@ def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
         merged = [merge_state(s, _subset(restored, set(split_state(s)))) for s in like]
         return type(like)(merged)
     raise TypeError(f"cannot merge checkpointables into a {type(like).__name__}")
+
+
+def holds_nnx_objects(state: Mapping[str, Any]) -> bool:
+    """Whether a mapping holds an NNX module, optimizer or Rngs (split, not stored as is)."""
+    return any(_nnx_kind(v) in _NNX_GRAPH_KINDS for v in state.values())
