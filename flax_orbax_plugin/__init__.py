@@ -18,6 +18,7 @@ from ._errors import (
     NotCommittedError,
     StructureError,
 )
+from ._iterators import StepIndexedIterator
 from ._manager import CheckpointManager, SaveFigures, UnknownItemError, restore_params
 from ._metadata import CheckpointMetadata, LeafMetadata
 from ._restore import metadata, restore
@@ -37,6 +38,7 @@ __all__ = [
     "NotCommittedError",
     "SaveHandle",
     "SaveResult",
+    "StepIndexedIterator",
     "StructureError",
     "UnknownItemError",
     "is_committed",
