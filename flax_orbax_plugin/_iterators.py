@@ -80,6 +80,11 @@ class StepIndexedIterator:
       steps_per_epoch: batches per epoch in the epoch form; needed only by
         :meth:`seek`. Epochs end when ``make_epoch``'s iterable does.
       num_epochs: stop after this many epochs (epoch form); None repeats forever.
+
+    ``get_state()`` is the position of the next batch this adapter hands out. If
+    a prefetcher draws from it ahead of training, that is ahead of the step being
+    saved: then give the callback no data iterator and, after resuming, call
+    ``seek(int(state.step))`` (batches consumed equal steps done).
     """
 
     def __init__(
