@@ -143,6 +143,18 @@ class NNXNet(nnx.Module):
         return self.l2(x)
 
 
+class NNXOwnStreams(nnx.Module):
+    """A Dropout carrying its own RNG stream (the module's state holds key and count)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x, *, rngs: nnx.Rngs | None = None):
+        return self.l2(self.drop(nnx.relu(self.l1(x))))
+
+
 def _nnx_loss(model, batch, rngs):
     return jnp.mean((model(batch["x"], rngs=rngs) - batch["y"]) ** 2)
 
@@ -198,6 +210,11 @@ def _nnx_mao():
     return nnx.ModelAndOptimizer(NNXNet(nnx.Rngs(0)), optax.adam(1e-2))
 
 
+def _nnx_own_streams():
+    model = NNXOwnStreams(nnx.Rngs(0, dropout=4))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
 def _nnx_dict():
     model, optimizer = _pair(optax.adam(1e-2))
     return {"model": model, "optimizer": optimizer, "rngs": nnx.Rngs(dropout=5)}
@@ -211,6 +228,7 @@ FORMS = {
     "nnx_dropout": Form(
         lambda: (*_pair(optax.adamw(1e-2)), nnx.Rngs(dropout=3)), _nnx_dropout_step
     ),
+    "nnx_own_streams": Form(_nnx_own_streams, _nnx_pair_step),
     "nnx_mao": Form(_nnx_mao, _nnx_mao_step),
     "nnx_dict": Form(_nnx_dict, _nnx_dict_step),
 }

@@ -127,7 +127,7 @@ def assert_kill_and_resume_bit_exact(tmp_path, forms):
     assert finals(out) == reference  # every array, bit for bit
 
 
-FORMS = ["linen_bn_ds", "nnx_pair", "nnx_mao", "nnx_dict", "nnx_dropout"]
+FORMS = ["linen_bn_ds", "nnx_pair", "nnx_mao", "nnx_dict", "nnx_dropout", "nnx_own_streams"]
 
 
 def test_linen_and_nnx_training_states_resume_bit_exact_after_sigkill(tmp_path):
