@@ -27,15 +27,13 @@ metric-writer shape) with ``checkpoint/blocking_seconds``,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from absl import logging
 
 from flax_orbax_plugin._errors import CheckpointNotFoundError
 from flax_orbax_plugin._manager import SaveFigures
-from flax_orbax_plugin._resume import items_to_restore
-from flax_orbax_plugin._train_state import merge_state
 
 __all__ = ["CheckpointCallback"]
 
@@ -127,7 +125,7 @@ class CheckpointCallback:
     # -- the three hooks --------------------------------------------------------
 
     def on_train_start(
-        self, state: Any, data_iterator: Any = None, *, reset: Iterable[str] = ()
+        self, state: Any, data_iterator: Any = None, *, reset: tuple[str, ...] = ()
     ) -> Any:
         """Returns ``state`` resumed from the latest step (per ``resume``), or unchanged.
 
@@ -135,6 +133,9 @@ class CheckpointCallback:
         ``reset=("opt_state",)`` after changing the optimizer: params, step, other
         items and the data position are resumed, the optimizer starts fresh.
         """
+        from flax_orbax_plugin._resume import items_to_restore
+        from flax_orbax_plugin._train_state import merge_state
+
         if data_iterator is not None:
             self._data_iterator = data_iterator
         names = items_to_restore(state, reset=reset) if reset else None

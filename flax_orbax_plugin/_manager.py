@@ -65,10 +65,9 @@ from flax_orbax_plugin._errors import (
 )
 from flax_orbax_plugin._lock import DirectoryLock
 from flax_orbax_plugin._policy import SavePolicy
-from flax_orbax_plugin._resume import item_mismatch
 from flax_orbax_plugin._retention import RetentionPolicy, steps_to_delete
 from flax_orbax_plugin._storage import Location
-from flax_orbax_plugin._train_state import holds_nnx_objects, merge_state, split_state
+from flax_orbax_plugin._train_state import merge_state, split_state
 
 __all__ = ["CheckpointManager", "SaveFigures", "UnknownItemError", "restore_params"]
 
@@ -602,6 +601,8 @@ class CheckpointManager:
         try:
             return checkpointable_for(name, self._overrides).restore(step_loc.child(name), like)
         except StructureError as e:
+            from flax_orbax_plugin._resume import item_mismatch
+
             raise item_mismatch(e, name=name, step=step, location=self._loc) from e
         except CheckpointError as e:
             e.add_note(f"while restoring item {name!r} of step {step} from {self._loc}")
@@ -715,6 +716,8 @@ def _as_metric(value: Any) -> float | None:
 
 
 def _params_like(like: Any) -> Any:
+    from flax_orbax_plugin._train_state import holds_nnx_objects
+
     if like is None or (isinstance(like, Mapping) and not holds_nnx_objects(like)):
         return like
     try:
