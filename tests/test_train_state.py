@@ -294,14 +294,6 @@ def test_optimizer_without_arrays_still_has_an_opt_state():
     assert jax.tree.leaves(split_state(state)["opt_state"]) == []
 
 
-# The core cannot yet write an item holding no arrays (FileNotFoundError on a
-# staging directory it never created); the fix is being made in the core.
-CORE_EMPTY_ITEMS = pytest.mark.xfail(
-    strict=True, raises=FileNotFoundError, reason="core: empty items, fixed in main"
-)
-
-
-@CORE_EMPTY_ITEMS
 def test_items_without_arrays_round_trip_linen(tmp_path):
     import flax_orbax_plugin as fop
 
@@ -323,7 +315,6 @@ def test_items_without_arrays_round_trip_linen(tmp_path):
     np.testing.assert_array_equal(out.params["w"], [1.0, 1.0])
 
 
-@CORE_EMPTY_ITEMS
 def test_items_without_arrays_round_trip_nnx(tmp_path):
     import flax_orbax_plugin as fop
 
