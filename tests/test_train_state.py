@@ -241,6 +241,10 @@ def test_nnx_model_and_optimizer_writes_params(tmp_path):
     assert_same((mao,), (other,))
     params = fop.restore_params(tmp_path, like=other)
     np.testing.assert_array_equal(params["l1"]["kernel"], np.asarray(model.l1.kernel[...]))
+    abstract = nnx.eval_shape(lambda: NNXModel(nnx.Rngs(0)))  # allocates nothing
+    params = fop.restore_params(tmp_path, like=abstract)
+    assert isinstance(params["l1"]["kernel"], jax.Array)
+    np.testing.assert_array_equal(params["l1"]["kernel"], np.asarray(model.l1.kernel[...]))
 
 
 def test_nnx_dict_form_writes_params_and_keeps_other_items(tmp_path):
