@@ -24,6 +24,7 @@ from ._errors import (
     StructureError,
     UnknownItemError,
 )
+from ._iterators import StepIndexedIterator
 from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata
 from ._restore import metadata, restore
@@ -48,6 +49,7 @@ __all__ = [
     "Pending",
     "SaveHandle",
     "SaveResult",
+    "StepIndexedIterator",
     "StructureError",
     "UnknownItemError",
     "VerifyResult",

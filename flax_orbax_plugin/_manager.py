@@ -619,6 +619,10 @@ class CheckpointManager:
         try:
             handler = checkpointable_for(name, self._overrides)
             return handler.restore(step_loc.child(entry.dir), like)
+        except StructureError as e:
+            from flax_orbax_plugin._resume import item_mismatch
+
+            raise item_mismatch(e, name=name, step=step, location=self._loc) from e
         except CheckpointError as e:
             e.add_note(f"while restoring item {name!r} of step {step} from {self._loc}")
             raise

@@ -22,7 +22,9 @@ __all__ = ["restore_params"]
 
 
 def _params_like(like: Any) -> Any:
-    if like is None or isinstance(like, Mapping):
+    from flax_orbax_plugin._train_state import holds_nnx_objects
+
+    if like is None or (isinstance(like, Mapping) and not holds_nnx_objects(like)):
         return like
     try:
         items = split_state(like)
