@@ -99,3 +99,26 @@ def save_steps(
             mngr.save(number, items, extras=extras, force=True)
             written.append(number)
     return written
+
+
+def import_checkpoint(
+    src: Any, out_dir: Any, *, step: int | None = None, force: bool = False
+) -> list[int]:
+    """``flax-orbax import``: an Orbax directory or Flax msgpack file(s) into ``out_dir``.
+
+    Orbax (a manager, step or item directory) goes through
+    :func:`flax_orbax_plugin._orbax_import.import_orbax`; a msgpack file or a
+    ``flax.training.checkpoints`` directory through
+    :func:`flax_orbax_plugin._msgpack_import.import_msgpack`. Returns the steps written.
+    """
+    import os
+
+    from ._errors import CheckpointNotFoundError
+    from ._msgpack_import import import_msgpack
+    from ._orbax_import import import_orbax, is_orbax_checkpoint
+
+    if is_orbax_checkpoint(src):
+        return import_orbax(src, out_dir, step=step, force=force)
+    if os.path.exists(os.fspath(src)):
+        return import_msgpack(src, out_dir, step=step, force=force)
+    raise CheckpointNotFoundError(f"{src}: no such file or directory")

@@ -764,7 +764,12 @@ def restore_params(
     of them. Safe to call from any thread, even while a manager writes.
     """
     import flax_orbax_plugin as fop
+    from flax_orbax_plugin import _orbax_import  # an Orbax directory (issue 16)
 
+    if _orbax_import.is_orbax_checkpoint(directory):
+        return _orbax_import.restore_orbax_params(
+            directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
+        )
     loc = Location.from_path(directory)
     step = _choose_step(loc, _list_steps(loc), step)
     params_loc = loc.child(str(step)).child("params")

@@ -10,9 +10,11 @@ decides what the caller gets, with the same rules as :func:`flax_orbax_plugin.re
 * a ``ShapeDtypeStruct`` without a sharding: a jax.Array on the default device;
 * a numpy array or scalar, a Python scalar: the same kind of value.
 
-Unlike a restore of this plugin's own checkpoints, a dtype change is allowed only
-when it cannot change a value (``float16 -> float32``, ``int8 -> int32``); any
-other cast needs ``allow_cast=True``. A shape mismatch is always an error.
+Unlike a restore of this plugin's own checkpoints, a dtype change must not change
+a value: a widening cast (``float16 -> float32``, ``int8 -> int32``) always passes;
+a narrowing one (``int64 -> int32``, ``float32 -> bfloat16``) passes only when every
+value read survives it exactly, else StructureError; ``allow_cast=True`` casts
+anyway. A shape mismatch is always an error.
 
 Who calls what: an importer calls :func:`plan` once per leaf (it raises before
 anything is read), then :func:`materialize` with a ``read(index)`` function that
@@ -86,6 +88,26 @@ class LeafPlan:
     like: Any
     python_scalar: bool  # like None and the source stored a Python scalar
     key_impl: Any = None  # like is a PRNG key array: wrap the stored key data
+    check_values: bool = False  # a narrowing cast: allowed only if no value changes
+    source: str = ""
+
+    def cast(self, data: np.ndarray) -> np.ndarray:
+        """``data`` in ``out_dtype``; StructureError if a checked cast changes a value."""
+        if data.dtype == self.out_dtype:
+            return data
+        out = data.astype(self.out_dtype)
+        if self.check_values:
+            back = out.astype(data.dtype)
+            same = back == data
+            if _is_float(data.dtype) or data.dtype.kind == "c":
+                same |= np.isnan(data) & np.isnan(back)
+            if not same.all():
+                raise StructureError(
+                    f"leaf {self.path!r}: dtype mismatch: expected {self.out_dtype} "
+                    f"(from like), found {data.dtype} in {self.source}, and casting changes "
+                    f"values (pass allow_cast=True to cast anyway)"
+                )
+        return out
 
 
 def plan(
@@ -129,12 +151,8 @@ def plan(
             f"found {shape} in {source}"
         )
     like_dtype = np.dtype(like_dtype)
-    if not allow_cast and not is_lossless(dtype, like_dtype):
-        raise StructureError(
-            f"leaf {path!r}: dtype mismatch: expected {like_dtype} (from like), found {dtype} "
-            f"in {source}; casting would change values (pass allow_cast=True to cast anyway)"
-        )
-    return LeafPlan(path, shape, dtype, like_dtype, like, False)
+    check = not allow_cast and not is_lossless(dtype, like_dtype)
+    return LeafPlan(path, shape, dtype, like_dtype, like, False, check_values=check, source=source)
 
 
 def _sharding(like: Any) -> Any:
@@ -143,10 +161,6 @@ def _sharding(like: Any) -> Any:
     if isinstance(like, jax.ShapeDtypeStruct):
         return getattr(like, "sharding", None)
     return None
-
-
-def _cast(data: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    return data if data.dtype == dtype else data.astype(dtype)
 
 
 def materialize(leaf: LeafPlan, read: Reader) -> Any:
@@ -161,17 +175,17 @@ def materialize(leaf: LeafPlan, read: Reader) -> Any:
         data = np.asarray(read(whole))
         return data[()].item() if leaf.python_scalar else data
     if isinstance(like, (bool, int, float, complex)):
-        return type(like)(np.asarray(read(whole))[()])
+        return type(like)(leaf.cast(np.asarray(read(whole)))[()])
     if isinstance(like, np.generic):
-        return _cast(np.asarray(read(whole)), leaf.out_dtype)[()]
+        return leaf.cast(np.asarray(read(whole)))[()]
     if isinstance(like, np.ndarray):
-        return _cast(np.asarray(read(whole)), leaf.out_dtype)
+        return leaf.cast(np.asarray(read(whole)))
     sharding = _sharding(like)
     if sharding is None:
-        return jax.device_put(_cast(np.asarray(read(whole)), leaf.out_dtype), jax.devices()[0])
+        return jax.device_put(leaf.cast(np.asarray(read(whole))), jax.devices()[0])
     size = int(np.prod(leaf.shape, dtype=np.int64))
     if sharding.is_fully_replicated or size == 0:
-        return jax.device_put(_cast(np.asarray(read(whole)), leaf.out_dtype), sharding)
+        return jax.device_put(leaf.cast(np.asarray(read(whole))), sharding)
     by_index: dict[tuple, list] = collections.defaultdict(list)
     for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
         index = tuple(
@@ -181,6 +195,6 @@ def materialize(leaf: LeafPlan, read: Reader) -> Any:
         by_index[tuple((s.start, s.stop) for s in index)].append((device, index))
     pieces = []
     for devices in by_index.values():
-        data = _cast(np.asarray(read(devices[0][1])), leaf.out_dtype)
+        data = leaf.cast(np.asarray(read(devices[0][1])))
         pieces.extend(jax.device_put(data, device) for device, _ in devices)
     return jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)

@@ -113,7 +113,11 @@ def is_orbax_checkpoint(path: Any) -> bool:
         return True
     if loc.is_local and not loc.is_dir():
         return False
-    return bool(orbax_steps(loc))
+    numbered = [n for n in loc.list_children() if _STEP_RE.match(n)]
+    if not numbered:
+        return False
+    latest = loc.child(max(numbered, key=int))  # one look, not one per step
+    return latest.exists(STEP_METADATA) and not any(latest.exists(n) for n in _OURS)
 
 
 def orbax_steps(path: Any) -> list[int]:

@@ -549,6 +549,17 @@ def cmd_export(args) -> int:
     return 0
 
 
+# -- import ------------------------------------------------------------------------------
+
+
+def cmd_import(args) -> int:
+    from flax_orbax_plugin._importing import import_checkpoint
+
+    steps = import_checkpoint(args.source, args.out, step=args.step, force=args.force)
+    print(f"imported step(s) {', '.join(map(str, steps))} from {args.source} into {args.out}")
+    return 0
+
+
 # -- gc --------------------------------------------------------------------------------
 
 
@@ -605,6 +616,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--item", default="params", help="which checkpointable (default: params)")
     s.add_argument("--step", type=int, default=None)
     s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("import", help="an Orbax directory or Flax msgpack file(s) as steps")
+    s.add_argument("source", help="Orbax manager/step/item directory, msgpack file or dir")
+    s.add_argument("out", help="a CheckpointManager directory (created if missing)")
+    s.add_argument("--step", type=int, default=None, help="only this step / write as this step")
+    s.add_argument("--force", action="store_true", help="replace steps that exist in OUT")
+    s.set_defaults(fn=cmd_import)
 
     s = sub.add_parser("gc", help="apply retention and remove unfinished steps")
     s.add_argument("directory")
