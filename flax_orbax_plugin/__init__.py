@@ -6,6 +6,14 @@ The core (one pytree):
     handle = fop.save_async(path, tree)  # returns after the host snapshot; handle.wait()
     tree = fop.restore(path, like=None)  # like: arrays / ShapeDtypeStructs / None -> numpy
     info = fop.metadata(path)            # leaves, shapes, dtypes, shardings; no data read
+
+Coming from elsewhere, going elsewhere:
+
+    tree = fop.restore(orbax_dir, like)               # Orbax directories read as they are
+    fop.import_orbax(orbax_dir, out_dir)              # ... or converted to steps
+    fop.import_msgpack(flax_msgpack_file, out_dir)    # flax.serialization / training.checkpoints
+    fop.to_safetensors(path_or_tree, out, max_shard_size="5GB")
+    params = fop.from_safetensors(index_or_files, like)
 """
 
 from ._callback import CheckpointCallback
@@ -20,7 +28,10 @@ from ._errors import (
 )
 from ._manager import CheckpointManager, SaveFigures, UnknownItemError, restore_params
 from ._metadata import CheckpointMetadata, LeafMetadata
+from ._msgpack_import import import_msgpack, restore_msgpack
+from ._orbax_import import import_orbax, restore_orbax
 from ._restore import metadata, restore
+from ._safetensors import from_safetensors, to_safetensors
 from ._save import SaveHandle, SaveResult, is_committed, save, save_async
 
 __all__ = [
@@ -39,10 +50,16 @@ __all__ = [
     "SaveResult",
     "StructureError",
     "UnknownItemError",
+    "from_safetensors",
+    "import_msgpack",
+    "import_orbax",
     "is_committed",
     "metadata",
     "restore",
+    "restore_msgpack",
+    "restore_orbax",
     "restore_params",
     "save",
     "save_async",
+    "to_safetensors",
 ]
