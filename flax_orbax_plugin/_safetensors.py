@@ -15,8 +15,9 @@ PyTorch's layout, and writes each file under a temporary name, renaming it into
 place once durable; the index is written last.
 
 Import (:func:`from_safetensors`) validates every header before reading, then
-reads each leaf of ``like`` straight onto its sharding: each process memory-maps
-the files and copies out only the regions its devices hold. Shapes must match;
+reads each leaf of ``like`` straight onto its sharding: each process reads only
+the regions its devices hold (one ``pread`` per contiguous run of bytes, straight
+into the destination buffer). Shapes must match;
 dtype changes must not change a value (see :mod:`_onto_like`).
 
 Who calls what: the CLI's ``export`` calls :func:`export_checkpoint`; users call
@@ -635,19 +636,71 @@ def _read_index(path: str) -> dict[str, str]:
     return weight_map
 
 
-def _reader(t: _Stored, axes: tuple[int, ...] | None) -> Callable:
-    """read(index) over a memory map of the tensor: only the touched pages are read."""
-    if int(np.prod(t.shape, dtype=np.int64)) == 0:
-        empty = np.empty(t.shape, t.dtype)
-        view = empty.transpose(axes) if axes else empty
-        return lambda index: view[index].copy()
-    mapped = np.memmap(t.file, dtype=t.dtype, mode="r", offset=t.offset, shape=t.shape)
-    view = mapped.transpose(np.argsort(axes)) if axes else mapped
+def _pread_into(fd: int, buf: memoryview, offset: int, where: str) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{where}: file ended {len(buf) - done} bytes early")
+        done += n
 
-    def read(index):
-        return np.array(view[index])  # a copy: the map is dropped with the reader
 
-    return read
+def _read_region(fd: int, t: _Stored, index: tuple[slice, ...]) -> np.ndarray:
+    """The region ``index`` (unit-step slices) of a stored tensor, read with one
+    ``pread`` per contiguous run of bytes: nothing outside the region is read."""
+    shape = t.shape
+    starts = [s.indices(d)[0] for s, d in zip(index, shape, strict=True)]
+    stops = [s.indices(d)[1] for s, d in zip(index, shape, strict=True)]
+    out = np.empty([max(0, b - a) for a, b in zip(starts, stops, strict=True)], t.dtype)
+    if out.size == 0:
+        return out
+    buf = memoryview(out.reshape(-1).view(np.uint8))
+    where = f"{t.file} ({t.name})"
+    if not shape:
+        _pread_into(fd, buf, t.offset, where)
+        return out
+    itemsize = t.dtype.itemsize
+    strides = [int(np.prod(shape[i + 1 :], dtype=np.int64)) * itemsize for i in range(len(shape))]
+    k = len(shape) - 1  # axes after k are whole: a run spans axis k's slice
+    while k > 0 and starts[k] == 0 and stops[k] == shape[k]:
+        k -= 1
+    run = (stops[k] - starts[k]) * strides[k]
+    pos = 0
+    for outer in np.ndindex(*[stops[i] - starts[i] for i in range(k)]):
+        offset = t.offset + starts[k] * strides[k]
+        offset += sum((starts[i] + o) * strides[i] for i, o in enumerate(outer))
+        _pread_into(fd, buf[pos : pos + run], offset, where)
+        pos += run
+    return out
+
+
+class _Files:
+    """Open file descriptors of the tensors' files, closed together."""
+
+    def __init__(self):
+        self.fds: dict[str, int] = {}
+
+    def reader(self, t: _Stored, axes: tuple[int, ...] | None) -> Callable:
+        """read(index) in the leaf's layout (transposed back from PyTorch's if ``axes``)."""
+        if t.file not in self.fds:
+            self.fds[t.file] = os.open(t.file, os.O_RDONLY)
+        fd = self.fds[t.file]
+        if axes is None:
+            return lambda index: _read_region(fd, t, tuple(index))
+        perm = [int(i) for i in np.argsort(axes)]  # leaf axis j is stored axis perm[j]
+
+        def read(index):
+            stored = [slice(None)] * len(index)
+            for j, s in enumerate(index):
+                stored[perm[j]] = s
+            return _read_region(fd, t, tuple(stored)).transpose(perm)
+
+        return read
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 def from_safetensors(
@@ -680,9 +733,21 @@ def from_safetensors(
       CorruptCheckpointError: a header or index is malformed (names the file).
     """
     stored = read_safetensors_index(paths_or_index)
+    files = _Files()
+    try:
+        return _read_onto(
+            stored, paths_or_index, like, files, key_map, transpose_kernels, partial, allow_cast
+        )
+    finally:
+        files.close()
+
+
+def _read_onto(
+    stored, paths_or_index, like, files, key_map, transpose_kernels, partial, allow_cast
+):
     if like is None:
         return {
-            name: _reader(t, None)(tuple(slice(None) for _ in t.shape))
+            name: files.reader(t, None)(tuple(slice(None) for _ in t.shape))
             for name, t in stored.items()
         }
     flat, treedef = _tree.flatten(like)
@@ -709,5 +774,5 @@ def from_safetensors(
             + (f" ({len(unused) - 1} more)" if len(unused) > 1 else "")
             + "; pass partial=True to read a subset"
         )
-    values = [_onto_like.materialize(plan, _reader(t, axes)) for plan, t, axes in plans]
+    values = [_onto_like.materialize(plan, files.reader(t, axes)) for plan, t, axes in plans]
     return jax.tree_util.tree_unflatten(treedef, values)
