@@ -13,7 +13,8 @@ tensorstore directly:
 * a **step** directory (what a ``CheckpointManager`` step or a ``Composite``
   save writes) holds ``_CHECKPOINT_METADATA`` (JSON naming each item's handler)
   and one directory per item;
-* a **manager** directory holds one step directory per step, named by its number;
+* a **manager** directory holds one step directory per step, named by its number
+  (or ``<prefix>_<number>``: ``flax.training.checkpoints`` writes ``checkpoint_100``);
   unfinished saves (``<step>.orbax-checkpoint-tmp-*``) are never listed.
 
 A leaf's array is addressed by its *parameter name*, the key path joined by '.',
@@ -59,7 +60,9 @@ STEP_METADATA = "_CHECKPOINT_METADATA"  # a step's (or a lone item's) handler re
 JSON_ITEM_FILE = "metadata"  # what orbax's JsonSave writes
 STRINGS_FILE = "_strings.json"
 _OURS = ("_METADATA.json", "_CHECKPOINT.json")  # this plugin's files: never Orbax
-_STEP_RE = re.compile(r"^[0-9]+$")
+# '<step>', or '<prefix>_<step>' as orbax's step_prefix and flax.training.checkpoints
+# ('checkpoint_100') name them; unfinished saves ('<name>.orbax-checkpoint-tmp-...') never match.
+_STEP_RE = re.compile(r"^(?:[A-Za-z0-9-]+_)?([0-9]+)$")
 _SEQUENCE_KEY = 1  # orbax's key_type for list/tuple indices; everything else is a dict key
 _MAX_JSON_BYTES = 256 << 20
 
@@ -113,23 +116,42 @@ def is_orbax_checkpoint(path: Any) -> bool:
         return True
     if loc.is_local and not loc.is_dir():
         return False
-    numbered = [n for n in loc.list_children() if _STEP_RE.match(n)]
+    numbered = _numbered(loc)
     if not numbered:
         return False
-    latest = loc.child(max(numbered, key=int))  # one look, not one per step
+    latest = loc.child(numbered[max(numbered)])  # one look, not one per step
     return latest.exists(STEP_METADATA) and not any(latest.exists(n) for n in _OURS)
 
 
-def orbax_steps(path: Any) -> list[int]:
-    """Committed steps of an Orbax manager directory (digit-named step directories)."""
-    loc = Location.from_path(path)
-    out = []
+def _numbered(loc: Location) -> dict[int, str]:
+    """{step: child name} for the children named like steps (not checked further)."""
+    out: dict[int, str] = {}
     for name in loc.list_children():
-        if _STEP_RE.match(name):
-            child = loc.child(name)
-            if child.exists(STEP_METADATA) and not any(child.exists(n) for n in _OURS):
-                out.append(int(name))
-    return sorted(out)
+        m = _STEP_RE.match(name)
+        if m:
+            step = int(m.group(1))
+            if step in out:
+                raise CorruptCheckpointError(
+                    f"{loc}: step {step} appears twice ({out[step]!r} and {name!r})"
+                )
+            out[step] = name
+    return out
+
+
+def _step_dirs(loc: Location) -> dict[int, Location]:
+    """{step: directory} of the committed steps of an Orbax manager directory."""
+    out = {}
+    for step, name in sorted(_numbered(loc).items()):
+        child = loc.child(name)
+        if child.exists(STEP_METADATA) and not any(child.exists(n) for n in _OURS):
+            out[step] = child
+    return out
+
+
+def orbax_steps(path: Any) -> list[int]:
+    """Committed steps of an Orbax manager directory (``<step>`` or ``<prefix>_<step>``
+    directories holding ``_CHECKPOINT_METADATA``)."""
+    return list(_step_dirs(Location.from_path(path)))
 
 
 def _read_json(loc: Location, name: str) -> Any:
@@ -219,18 +241,19 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
     """
     loc = Location.from_path(path)
     if not _is_step(loc):
-        steps = orbax_steps(loc)
-        if not steps:
+        dirs = _step_dirs(loc)
+        if not dirs:
             raise CheckpointNotFoundError(f"{loc}: not an Orbax checkpoint (no steps, no items)")
         if step is None:
-            step = steps[-1]
-        if step not in steps:
-            raise CheckpointNotFoundError(f"{loc}: no Orbax step {step}; steps: {steps}")
-        loc = loc.child(str(step))
+            step = max(dirs)
+        if step not in dirs:
+            raise CheckpointNotFoundError(f"{loc}: no Orbax step {step}; steps: {sorted(dirs)}")
+        loc = dirs[step]
     elif step is not None:
         raise ValueError(f"{loc} is one Orbax checkpoint; step={step} does not apply")
     else:
-        step = int(loc.name) if _STEP_RE.match(loc.name) else None
+        m = _STEP_RE.match(loc.name)
+        step = int(m.group(1)) if m else None
     if loc.exists(ITEM_METADATA) or loc.exists(JSON_ITEM_FILE):
         return step, {loc.name: _item(loc, loc.name)}
     record = _read_json(loc, STEP_METADATA)
@@ -544,12 +567,12 @@ def import_orbax(
         own, _ = open_orbax(loc)
         targets = [(step if step is not None else (own if own is not None else 0), loc)]
     else:
-        steps = orbax_steps(loc)
-        if not steps:
+        dirs = _step_dirs(loc)
+        if not dirs:
             raise CheckpointNotFoundError(f"{loc}: not an Orbax checkpoint (no steps, no items)")
-        if step is not None and step not in steps:
-            raise CheckpointNotFoundError(f"{loc}: no Orbax step {step}; steps: {steps}")
-        targets = [(s, loc.child(str(s))) for s in (steps if step is None else [step])]
+        if step is not None and step not in dirs:
+            raise CheckpointNotFoundError(f"{loc}: no Orbax step {step}; steps: {sorted(dirs)}")
+        targets = [(s, dirs[s]) for s in (sorted(dirs) if step is None else [step])]
 
     def states():
         for number, step_loc in targets:

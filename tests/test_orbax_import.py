@@ -294,3 +294,21 @@ def test_reading_does_not_import_orbax(standard_dir):
     )
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def test_flax_training_checkpoints_default_writes_orbax(tmp_path):
+    """flax.training.checkpoints (orbax on, its default) names steps checkpoint_<N>."""
+    from flax.training import checkpoints
+
+    directory = tmp_path / "flax_run"
+    states = {s: _state(s, s) for s in (5, 6)}
+    for step, state in states.items():
+        checkpoints.save_checkpoint(str(directory), state, step, keep=3)
+    assert sorted(os.listdir(directory)) == ["checkpoint_5", "checkpoint_6"]
+    assert _orbax_import.orbax_steps(directory) == [5, 6]
+    _assert_bit_exact(fop.restore_params(directory), states[6]["params"])
+    _assert_bit_exact(fop.restore_params(directory, step=5), states[5]["params"])
+    out = tmp_path / "ours"
+    assert cli.main(["import", str(directory), str(out)]) == 0
+    _assert_bit_exact(fop.restore_params(out, step=5), states[5]["params"])
+    assert json.loads((out / "6" / "step" / "value.json").read_text()) == 6
