@@ -20,8 +20,8 @@ tensorstore directly:
 A leaf's array is addressed by its *parameter name*, the key path joined by '.',
 exactly as orbax names it. Missing chunks are an error, never zeros, when the
 checkpoint says every chunk was stored (``store_array_data_equal_to_fill_value``).
-Nothing here unpickles, and no name read from a file can point outside the
-checkpoint directory.
+Nothing here unpickles, no name read from a file can point outside the
+checkpoint directory, and a local item holding a symbolic link is refused.
 
 Entry points: :func:`is_orbax_checkpoint`, :func:`orbax_steps`,
 :func:`restore_orbax` (what ``fop.restore`` calls on an Orbax directory),
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -188,6 +189,8 @@ def _parse_keys(entry: Any, where: str) -> tuple[tuple[tuple[str, Any], ...], st
 
 
 def _item(loc: Location, name: str) -> OrbaxItem:
+    if loc.is_local:
+        _refuse_links(loc.path)
     if not loc.exists(ITEM_METADATA):
         if loc.exists(JSON_ITEM_FILE):
             return OrbaxItem(loc, name, "json")
@@ -274,6 +277,17 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
 
 
 # -- reading leaves ---------------------------------------------------------------------
+
+
+def _refuse_links(root: str) -> None:
+    """A local item must hold no symbolic link: reading follows nothing outside it."""
+    for directory, dirs, files in os.walk(root, followlinks=False):
+        for name in dirs + files:
+            if os.path.islink(os.path.join(directory, name)):
+                raise CorruptCheckpointError(
+                    f"{os.path.join(directory, name)}: a symbolic link inside an Orbax "
+                    f"checkpoint; refusing to follow it"
+                )
 
 
 class _ItemReader:

@@ -312,3 +312,16 @@ def test_flax_training_checkpoints_default_writes_orbax(tmp_path):
     assert cli.main(["import", str(directory), str(out)]) == 0
     _assert_bit_exact(fop.restore_params(out, step=5), states[5]["params"])
     assert json.loads((out / "6" / "step" / "value.json").read_text()) == 6
+
+
+def test_a_symbolic_link_inside_is_refused(standard_dir, tmp_path):
+    import shutil
+
+    path = tmp_path / "linked"
+    shutil.copytree(standard_dir[0], path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.rename(path / "d", outside / "d")
+    os.symlink(outside / "d", path / "d")
+    with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+        fop.restore(path)
