@@ -96,7 +96,9 @@ def save_steps(
                     f"{out_dir}: step {number} exists already; pass force=True (--force) "
                     f"to replace it"
                 )
-            mngr.save(number, items, extras=extras, force=True)
+            # overwrite: an imported step may lie below the latest one (no training run
+            # is resumed here); an existing step was refused above unless force.
+            mngr.save(number, items, extras=extras, force=True, overwrite=True)
             written.append(number)
     return written
 

@@ -41,6 +41,7 @@ import numpy as np
 
 from . import _onto_like, _tree
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureError
+from ._storage import Location
 
 __all__ = [
     "ExportResult",
@@ -312,14 +313,17 @@ def to_safetensors(
         kernel ``(in, out)`` as ``(out, in)``, a conv kernel ``(*spatial, in, out)``
         as ``(out, in, *spatial)``.
       dtype: cast floating leaves (e.g. ``"bfloat16"``); an explicit, lossy opt-in.
-      metadata: the header's ``__metadata__`` (strings); default ``{"format": "pt"}``.
+      metadata: the header's ``__metadata__`` (strings); default ``{"format": "flax"}``,
+        ``{"format": "pt"}`` with ``transpose_kernels``.
       force: replace existing output files (and the shards an old index listed);
         without it an existing output is a FileExistsError.
       progress: ``progress(total_bytes)`` returns a context manager with
         ``advance(nbytes, note)`` (the CLI's progress bar).
     """
     limit = parse_size(max_shard_size)
-    if isinstance(source, (str, os.PathLike)) or (isinstance(source, dict) and "driver" in source):
+    if isinstance(source, (str, os.PathLike, Location)) or (
+        isinstance(source, dict) and "driver" in source
+    ):
         leaves, read = _checkpoint_leaves(source)
     else:
         leaves, read = _tree_leaves(source)
@@ -329,7 +333,9 @@ def to_safetensors(
     finals = [os.path.join(directory, n) for n in names]
     index_path = os.path.join(directory, index_name) if len(shards) > 1 else None
     _check_outputs(directory, names, index_name, force)
-    meta = {"format": "pt"} if metadata is None else {str(k): str(v) for k, v in metadata.items()}
+    if metadata is None:
+        metadata = {"format": "pt" if transpose_kernels else "flax"}
+    meta = {str(k): str(v) for k, v in metadata.items()}
     total = sum(t.nbytes for t in tensors)
     os.makedirs(directory, exist_ok=True)
     tmps = [f"{f}.tmp-{os.getpid()}" for f in finals]
@@ -461,10 +467,9 @@ def _check_outputs(directory: str, names: list[str], index_name: str, force: boo
 
 def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:
     """``flax-orbax export``: :func:`to_safetensors` of one of this plugin's checkpoints."""
-    src = os.fspath(src)
-    options.setdefault(
-        "metadata", {"format": "pt", "source": os.path.abspath(src), "exported_by": "flax-orbax"}
-    )
+    src = Location.from_path(src)
+    fmt = "pt" if options.get("transpose_kernels") else "flax"
+    options.setdefault("metadata", {"format": fmt, "source": str(src), "exported_by": "flax-orbax"})
     return to_safetensors(src, out, **options)
 
 

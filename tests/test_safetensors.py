@@ -66,7 +66,7 @@ def test_sharded_export_read_by_the_safetensors_library(tmp_path):
     loaded = {}
     for f in result.files:
         with safetensors.safe_open(f, framework="numpy") as handle:
-            assert handle.metadata() == {"format": "pt"}
+            assert handle.metadata() == {"format": "flax"}  # Flax layout: not transposed
             names = list(handle.keys())
         assert all(index["weight_map"][k] == os.path.basename(f) for k in names)
         # no file above the limit unless it holds one tensor larger than the limit
