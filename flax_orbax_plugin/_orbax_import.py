@@ -315,7 +315,7 @@ class _ItemReader:
         except ValueError as e:
             raise CorruptCheckpointError(
                 f"leaf {leaf.path!r} in {self.item}: cannot open its array "
-                f"{leaf.param_name!r} ({e})"
+                f"{leaf.param_name!r} (value type {leaf.value_type!r}): {e}"
             ) from e
 
     def string(self, leaf: OrbaxLeaf) -> str:
