@@ -449,6 +449,10 @@ def restore(
     """
     location = Location.from_path(path)
     _save.wait_for_pending_save(location)
+    from . import _orbax_import  # an Orbax directory: read it through tensorstore (issue 16)
+
+    if not location.exists(COMMIT_FILE) and _orbax_import.is_orbax_checkpoint(location):
+        return _orbax_import.restore_orbax(location, like, partial=partial)
     limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
     with _tree.paused_gc():
         return _restore(location, like, partial, limit)
