@@ -15,7 +15,9 @@ from ._errors import (
     CheckpointNotFoundError,
     CoordinationError,
     CorruptCheckpointError,
+    ForeignEntryError,
     NotCommittedError,
+    StepDeletedError,
     StructureError,
 )
 from ._manager import CheckpointManager, SaveFigures, UnknownItemError, restore_params
@@ -33,10 +35,12 @@ __all__ = [
     "CheckpointNotFoundError",
     "CoordinationError",
     "CorruptCheckpointError",
+    "ForeignEntryError",
     "LeafMetadata",
     "NotCommittedError",
     "SaveHandle",
     "SaveResult",
+    "StepDeletedError",
     "StructureError",
     "UnknownItemError",
     "is_committed",

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from flax_orbax_plugin import _distributed, _save
+from flax_orbax_plugin import _casting, _distributed, _save
 from flax_orbax_plugin._checkpointables import (
     Checkpointable,
     Pending,
@@ -776,6 +776,7 @@ def restore_params(
 
         host = fop.restore(params_loc, None)
         target = _retarget(host, dtype, sharding)
+        _casting.check_tree(host, target)  # float narrowing rounds; overflow to inf raises
         return jax.tree_util.tree_map(
             lambda x, t: (
                 jax.device_put(x.astype(t.dtype), t.sharding)

@@ -46,7 +46,11 @@ LEAF_KINDS = (
     "py_complex",
     "np_scalar",
     "prng_key",
+    "empty_dict",  # an empty node ({}, a NamedTuple or dataclass without fields)
+    "empty_list",  # an empty list or tuple
 )
+EMPTY_KINDS = ("empty_dict", "empty_list")
+NO_DATA_KINDS = ("none", *EMPTY_KINDS)  # records without shape, dtype or storage
 
 
 @functools.lru_cache(maxsize=256)
@@ -173,7 +177,7 @@ def validate_document(doc: Any, where: str) -> dict[str, Any]:
             f"leaf {rec['path']!r}: bad keys",
             where,
         )
-        if rec["kind"] == "none":
+        if rec["kind"] in NO_DATA_KINDS:
             continue
         shape = rec.get("shape")
         _require(

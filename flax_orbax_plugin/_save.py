@@ -247,6 +247,8 @@ def _classify(path: str, leaf: Any) -> tuple[str, Any, dict[str, Any]]:
         return "np_scalar", np.asarray(leaf), {}
     if isinstance(leaf, np.ndarray):
         return "array", leaf, {}
+    if _tree.is_empty_node(leaf):
+        return _tree.empty_kind(leaf), None, {}
     raise StructureError(
         f"leaf {path!r}: expected a jax.Array, numpy array, scalar or None, "
         f"found {type(leaf).__module__}.{type(leaf).__qualname__}"
@@ -296,7 +298,7 @@ class _Plan:
             kind, value, extra = _classify(path, raw)
             record: dict[str, Any] = {"path": path, "keys": [list(k) for k in keys], "kind": kind}
             record.update(extra)
-            if kind != "none":
+            if kind not in _metadata.NO_DATA_KINDS:
                 dtype = np.dtype(value.dtype)
                 dtype_name = _metadata.dtype_name(dtype)
                 if dtype_name not in _metadata.SUPPORTED_DTYPES:
@@ -351,7 +353,7 @@ class _Plan:
         # started below is the one read afterwards (jax caches the copy per object).
         owned: list[tuple[_Leaf, Any, tuple | None]] = []
         for leaf in self.leaves:
-            if leaf.kind == "none":
+            if leaf.kind in _metadata.NO_DATA_KINDS:
                 continue
             value = leaf.value
             storage = leaf.record["storage"]
@@ -398,7 +400,7 @@ class _Plan:
 
     def array_specs(self, root: Location):
         for leaf in self.leaves:
-            if leaf.kind != "none" and leaf.record["storage"]["type"] == "array":
+            if "storage" in leaf.record and leaf.record["storage"]["type"] == "array":
                 yield leaf, _array_spec(root, leaf.index, leaf.record)
 
     def batch_specs(self, root: Location):
@@ -518,8 +520,30 @@ def _write_and_commit(
 
 
 def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> int:
-    """Writes this process's chunks (and, on the primary, every zarr.json)."""
+    """Writes this process's chunks (and, on the primary, every zarr.json).
+
+    On failure, waits for every write still in flight before raising: one finishing
+    after the caller removed the staging directory would create files there again.
+    """
     pending: collections.deque = collections.deque()
+    try:
+        return _write_pending(staging, plan, primary, limit, pending)
+    except BaseException:
+        _settle(pending)
+        raise
+
+
+def _settle(pending: collections.deque) -> None:
+    """Waits for every future in ``pending`` (``(future, nbytes)`` pairs), ignoring errors."""
+    while pending:
+        future, _ = pending.popleft()
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001 - the first error is the one raised
+            pass
+
+
+def _write_pending(staging, plan, primary, limit, pending: collections.deque) -> int:
     in_flight = 0
     written = 0
 
@@ -533,8 +557,10 @@ def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> in
     if primary:
         creates = [_arrays.create(spec) for _, spec in plan.array_specs(staging)]
         creates += [_arrays.create(spec) for _, spec in plan.batch_specs(staging)]
+        pending.extend((future, 0) for future in creates)
         for future in creates:
             future.result()
+        pending.clear()
     jobs = [(spec, leaf.writes) for leaf, spec in plan.array_specs(staging) if leaf.writes]
     for name, spec in plan.batch_specs(staging):
         if name in plan.batch_buffers:
