@@ -57,15 +57,26 @@ _PLAIN_LEAVES = (
 def is_empty_node(x: Any) -> bool:
     """True for a pytree node without children (``{}``, ``[]``, ``()``, ``EmptyState()``)."""
     if isinstance(x, (dict, list, tuple)):
-        return len(x) == 0
+        return not x
     if x is None or isinstance(x, _PLAIN_LEAVES):
         return False
     leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=_is_none)
     return not leaves and not jax.tree_util.treedef_is_leaf(treedef)
 
 
+_LEAF_TYPES: set[type] = set()  # exact types seen to be plain leaves (a cache)
+
+
 def _is_leaf(x: Any) -> bool:
-    return x is None or is_empty_node(x)
+    if x is None:
+        return True
+    kind = type(x)
+    if kind in _LEAF_TYPES:  # the common case, without isinstance checks
+        return False
+    if isinstance(x, _PLAIN_LEAVES):
+        _LEAF_TYPES.add(kind)
+        return False
+    return is_empty_node(x)
 
 
 def empty_kind(x: Any) -> str:
