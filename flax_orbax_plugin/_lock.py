@@ -42,6 +42,11 @@ class DirectoryLock:
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(self.path, flags, 0o644)
+        except IsADirectoryError:
+            raise ForeignEntryError(
+                f"{self.path}: expected the writer lock file, found a directory; remove it "
+                "to write to this directory"
+            ) from None
         except OSError as e:
             if e.errno != errno.ELOOP:
                 raise

@@ -61,6 +61,7 @@ from flax_orbax_plugin._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    StepDeletedError,
     StructureError,
 )
 from flax_orbax_plugin._lock import DirectoryLock
@@ -143,6 +144,20 @@ def _choose_step(loc: Location, steps: list[int], step: int | None) -> int:
     if step not in steps:
         raise CheckpointNotFoundError(f"step {step} does not exist in {loc}; steps: {steps}")
     return step
+
+
+def _deleted_step_error(mngr: CheckpointManager, step: int, error: Exception) -> Exception:
+    """``error``, or a StepDeletedError when ``step`` is no longer listed (another
+    process's retention deleted it while this one read it)."""
+    try:
+        if isinstance(error, StepDeletedError) or step in mngr.steps():
+            return error
+    except CheckpointError:
+        return error
+    return StepDeletedError(
+        f"step {step} of {mngr._loc} was deleted while it was being read (a writer's "
+        f"retention policy removes old steps; restore a newer step, or keep more): {error}"
+    )
 
 
 def _read_manifest(step_loc: Location) -> dict[str, Any]:
@@ -556,6 +571,8 @@ class CheckpointManager:
             self._reading[step] += 1
         try:
             return fn(step)
+        except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+            raise _deleted_step_error(self, step, e) from e
         finally:
             with self._lock:
                 self._reading[step] -= 1

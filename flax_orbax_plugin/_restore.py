@@ -33,6 +33,7 @@ import tensorstore as ts
 
 from . import _arrays, _casting, _host, _metadata, _save, _tree
 from ._errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotCommittedError,
@@ -175,11 +176,12 @@ def _deleted_or(location: Location, error: Exception) -> Exception:
     """``error``, or a StepDeletedError when the checkpoint's commit marker is gone (the
     writer's retention removed it while this process was reading)."""
     try:
-        still_there = location.exists(COMMIT_FILE)
-    except OSError:
-        still_there = False
-    if still_there:
+        if location.exists(COMMIT_FILE):
+            return error
+    except CheckpointError:  # a foreign marker: not a deletion
         return error
+    except OSError:
+        pass
     deleted = StepDeletedError(
         f"{location} was deleted while it was being read (a writer's retention policy "
         f"removes old steps; restore a newer step, or keep more): {error}"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _restore
+from flax_orbax_plugin import _manager, _restore
 
 
 def state(i):
@@ -56,6 +56,24 @@ def test_reader_of_a_step_that_retention_deletes_gets_step_deleted_error(
     assert not isinstance(info.value, fop.CorruptCheckpointError)
     out = reader.restore(items="params")  # the newest step is there
     np.testing.assert_array_equal(out["w"], 3)
+
+
+def test_reader_of_a_step_deleted_right_after_listing_gets_step_deleted_error(
+    tmp_path, writer, monkeypatch
+):
+    real = _manager._read_manifest
+
+    def delete_then_read(step_loc):
+        if step_loc.name == "1":
+            writer.save(3, state(3))  # keep=2: retention removes step 1
+            writer.wait()
+        return real(step_loc)
+
+    monkeypatch.setattr(_manager, "_read_manifest", delete_then_read)
+    reader = fop.CheckpointManager(tmp_path, read_only=True)
+    with pytest.raises(fop.StepDeletedError, match=r"step 1 of .* was deleted while"):
+        reader.restore(step=1)
+    assert reader.steps() == [2, 3]
 
 
 def test_core_restore_of_a_checkpoint_removed_mid_read(tmp_path, monkeypatch):

@@ -156,6 +156,13 @@ def test_a_fifo_writer_lock_is_refused_without_blocking(tmp_path):
         DirectoryLock(str(ckpt)).acquire()
 
 
+def test_a_directory_named_like_the_lock_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / ".writer.lock").mkdir(parents=True)
+    with pytest.raises(fop.ForeignEntryError, match=r"\.writer\.lock.*directory"):
+        DirectoryLock(str(ckpt)).acquire()
+
+
 def test_a_dangling_symlinked_lock_creates_nothing_outside(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
