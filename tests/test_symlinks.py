@@ -210,6 +210,24 @@ def test_restore_refuses_a_chunk_file_linked_to_outside(tmp_path):
         fop.restore(path)
 
 
+def test_verify_reports_a_step_whose_data_is_linked_from_outside(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    with fop.CheckpointManager(ckpt, async_save=False) as mngr:
+        mngr.save(1, {"params": {"big": np.arange(300_000, dtype=np.float32)}})
+    chunks = [
+        os.path.join(dirpath, f)
+        for dirpath, _, files in os.walk(ckpt / "1" / "params" / "d")
+        for f in files
+        if f != "zarr.json"
+    ]
+    shutil.copyfile(chunks[0], tmp_path / "outside_chunk")
+    os.remove(chunks[0])
+    os.symlink(tmp_path / "outside_chunk", chunks[0])
+    assert cli.main(["verify", str(ckpt)]) == 1
+    out = capsys.readouterr()
+    assert os.path.relpath(chunks[0], ckpt) in out.out + out.err
+
+
 def test_restore_refuses_a_symlinked_commit_marker(tmp_path):
     path, _ = big_and_small(tmp_path)
     os.rename(path / "_COMMITTED", tmp_path / "marker")
