@@ -51,6 +51,7 @@ from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    StepDeletedError,
     StructureError,
     UnknownItemError,
 )
@@ -566,9 +567,24 @@ class CheckpointManager:
             result = fn(step)
             self.restored_step = step
             return result
+        except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+            raise self._deleted_step_error(step, e) from e
         finally:
             with self._lock:
                 self._reading[step] -= 1
+
+    def _deleted_step_error(self, step: int, error: Exception) -> Exception:
+        """``error``, or a StepDeletedError when ``step`` is no longer listed (another
+        process's retention deleted it while this one read it)."""
+        try:
+            if isinstance(error, StepDeletedError) or step in self.steps():
+                return error
+        except CheckpointError:
+            return error
+        return StepDeletedError(
+            f"step {step} of {self._loc} was deleted while it was being read (a writer's "
+            f"retention policy removes old steps; restore a newer step, or keep more): {error}"
+        )
 
     def _restore_step(self, step: int, like: Any, items: Any, data_iterator: Any) -> Any:
         step_loc = _steps.step_location(self._loc, step)

@@ -268,6 +268,8 @@ def _classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
         return "np_scalar", np.asarray(leaf), None
     if isinstance(leaf, np.ndarray):
         return "array", leaf, None
+    if _tree.is_empty_node(leaf):
+        return _tree.empty_kind(leaf), None, None
     raise StructureError(
         f"leaf {path!r}: expected a jax.Array, numpy array, scalar or None, "
         f"found {type(leaf).__module__}.{type(leaf).__qualname__}"
@@ -339,7 +341,7 @@ class _Plan:
         for index, (path, keys, raw) in enumerate(flat):
             kind, value, impl = _classify(path, raw)
             keys = tuple(keys)
-            if kind == "none":
+            if kind in _layout.NO_DATA_KINDS:
                 leaves.append(_Leaf(index, None, LeafRecord(path, keys, kind)))
                 continue
             dtype = np.dtype(value.dtype)
@@ -563,8 +565,12 @@ def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> in
     batches = [(name, _batch_spec(staging, b)) for name, b in plan.batches.items()]
     if primary:
         creates = [_arrays.create(spec) for _, spec in arrays + batches]
-        for future in creates:
-            future.result()
+        try:
+            for future in creates:
+                future.result()
+        except BaseException:
+            _settle((f, 0) for f in creates)  # none may recreate files after a cleanup
+            raise
     jobs = [(spec, leaf.writes) for leaf, spec in arrays if leaf.writes]
     for name, spec in batches:
         if name in plan.batch_buffers:
@@ -585,10 +591,15 @@ def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> in
                 drain(limit)
         drain(0)
     except BaseException:
-        for future, _ in pending:  # never leave writes in flight that recreate files
-            try:
-                future.result()
-            except Exception:  # noqa: BLE001  (the first error is the one raised)
-                pass
+        _settle(pending)  # never leave writes in flight that recreate files
         raise
     return written
+
+
+def _settle(pending) -> None:
+    """Waits for every future, ignoring their errors (the first error is the one raised)."""
+    for future, _ in pending:
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001
+            pass

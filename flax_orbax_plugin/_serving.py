@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _restore, _steps
+from . import _casting, _restore, _steps
 from ._errors import CheckpointNotFoundError
 from ._storage import Location
 from ._train_state import split_state
@@ -89,6 +89,7 @@ def restore_params(
     if target is None and (dtype is not None or sharding is not None):
         host = _restore.restore(params_loc, None)
         target = _retarget(host, dtype, sharding)
+        _casting.check_tree(host, target)  # float narrowing rounds; overflow to inf raises
         return jax.tree_util.tree_map(
             lambda x, t: (
                 jax.device_put(x.astype(t.dtype), t.sharding)
