@@ -533,17 +533,20 @@ class CheckpointManager:
         fn = lambda s: self._restore_step(s, like, items, data_iterator)  # noqa: E731
         if step is not None:
             return self._with_step(step, fn)
-        skipped: list[str] = []
+        skipped: list[tuple[int, CorruptCheckpointError]] = []
         for candidate in reversed(self.steps()):
             try:
                 return self._with_step(candidate, fn)
             except CorruptCheckpointError as e:
-                skipped.append(f"step {candidate}: {e}")
+                skipped.append((candidate, e))
                 self._set_aside(candidate, e)
         if skipped:
-            raise CorruptCheckpointError(
-                f"no step of {self._loc} restores; skipped: " + "; ".join(skipped)
+            error = skipped[0][1]  # the latest step's own error, naming its file
+            error.add_note(
+                f"no step of {self._loc} restores; skipped: "
+                + "; ".join(f"step {s}: {e}" for s, e in skipped)
             )
+            raise error
         raise CheckpointNotFoundError(f"no committed steps in {self._loc}")
 
     def _set_aside(self, step: int, error: Exception) -> None:

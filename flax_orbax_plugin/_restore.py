@@ -360,7 +360,14 @@ def _corrupt(paths: list[str], location: Location, error: Exception) -> CorruptC
     )
 
 
-def _read_targets(location: Location, doc: dict[str, Any], targets: list[_Target], limit: int):
+def _read_targets(location: Location, doc: CheckpointDocument, targets: list, limit: int):
+    try:
+        _read_targets_inner(location, doc, targets, limit)
+    except CorruptCheckpointError as e:
+        raise _deleted_or(location, e) from None
+
+
+def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: list, limit: int):
     reader = _Reader(limit)
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[_Target]] = collections.defaultdict(list)
