@@ -375,10 +375,13 @@ class _Plan:
                 path, keys, kind, shape, name, _metadata.describe_sharding(sharding), storage, impl
             )
             leaves.append(_Leaf(index, value, record))
-        batches = {
-            batch: BatchRecord(batch, dtype, process, max(1, sizes.get(batch, 0)), chunk)
-            for batch, (dtype, process, chunk) in kinds.items()
-        }
+        batches = {}
+        for batch, (dtype, process, chunk) in kinds.items():
+            size = max(1, sizes.get(batch, 0))
+            # A small batch gets a chunk just big enough (a power of two): a full inner
+            # chunk is stored even when the batch uses a few bytes of it.
+            chunk = min(chunk, 1 << (size - 1).bit_length())
+            batches[batch] = BatchRecord(batch, dtype, process, size, chunk)
         return cls(leaves, batches)
 
     def snapshot(self) -> None:
@@ -513,7 +516,7 @@ def _array_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any
 def _batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
     dtype = _layout.dtype_from_name(batch.dtype)
     chunk = int(batch.chunk)
-    inner = max(1, _arrays.BATCH_INNER_CHUNK_BYTES // dtype.itemsize)
+    inner = max(1, min(_arrays.BATCH_INNER_CHUNK_BYTES // dtype.itemsize, chunk))
     while chunk % inner:  # inner chunks must divide the chunk
         inner -= 1
     return _arrays.spec(
