@@ -126,6 +126,8 @@ class CheckpointCallback:
         """The CheckpointManager, created on first use."""
         if self._manager is None:
             self._manager = CheckpointManager(self.directory, **self._manager_kwargs())
+            if self._writer is not None:
+                self._manager.commit_log_level = logging.DEBUG  # the writer reports it
         return self._manager
 
     def _manager_kwargs(self) -> dict[str, Any]:

@@ -144,6 +144,9 @@ class CheckpointManager:
         self._closed = False
         self._preempted = False
         self.restored_step: int | None = None  # the step the last restore() read
+        # The one line logged per committed step (a callback with a metric writer, which
+        # reports the same figures, lowers it to DEBUG: one line per save).
+        self.commit_log_level = logging.INFO
         self._prev_sigterm: Any = None
         self._dir_lock: DirectoryLock | None = None
         self._delete_pool: ThreadPoolExecutor | None = None
@@ -389,7 +392,8 @@ class CheckpointManager:
         with self._lock:
             self._metrics[step] = metric
             self._last_save = result
-        logger.info(
+        logger.log(
+            self.commit_log_level,
             "checkpoint: committed step %d: blocking %.4f s, total %.4f s, %d bytes, %.3f GB/s",
             step,
             result.blocking_seconds,
