@@ -30,7 +30,10 @@ import flax_orbax_plugin as fop
 n, directory = int(sys.argv[1]), sys.argv[2]
 rng = np.random.default_rng(0)
 sizes = rng.integers(256, 16384, size=n)
-tree = {f"layer_{i}": {"w": rng.standard_normal(int(s), dtype=np.float32)} for i, s in enumerate(sizes)}
+tree = {
+    f"layer_{i}": {"w": rng.standard_normal(int(s), dtype=np.float32)}
+    for i, s in enumerate(sizes)
+}
 kw = {"async_save": False}
 with fop.CheckpointManager(directory, **kw) as m:
     t0 = time.perf_counter()
