@@ -538,13 +538,46 @@ def array_specs(root: Location, doc: CheckpointDocument):
 
 
 def _host_copy(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
-    """A host copy that no later donation or in-place update of ``data`` can change."""
-    host = np.asarray(data)  # on CPU a view of the device buffer; elsewhere a fresh copy
+    """Host bytes of ``data`` that no later donation, deletion or update can change.
+
+    On CPU, ``np.asarray`` is a zero-copy view of the device buffer, and jax does not
+    donate or free a buffer while such a view is alive (a donating step then allocates
+    a new output): the view *is* a snapshot, held until its chunks are written, and the
+    blocking phase copies nothing. That is checked once per process
+    (:func:`cpu_views_are_snapshots`); where it does not hold, the bytes are copied.
+    Elsewhere ``np.asarray`` is a fresh device-to-host copy already.
+    """
+    host = np.asarray(data)
     if part is not None:
         host = host[part]
-    if data.device.platform == "cpu" or part is not None:
-        return _host.copy(host)
-    return host
+    if data.device.platform == "cpu":
+        return host if cpu_views_are_snapshots() else _host.copy(host)
+    return _host.copy(host) if part is not None else host
+
+
+@functools.cache
+def cpu_views_are_snapshots() -> bool:
+    """Whether a numpy view of a CPU jax.Array keeps its bytes through a donation of the
+    array, its deletion and the donating step's output (checked on this jax, once)."""
+    import warnings
+
+    cpu = jax.devices("cpu")[0]
+    base = np.arange(4096, dtype=np.float32)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "donated buffers were not usable"
+            x = jax.device_put(base, cpu)
+            view = np.asarray(x)
+            y = jax.jit(lambda a: a * 3 + 1, donate_argnums=0)(x)
+            y.block_until_ready()
+            z = jax.device_put(base + 1, cpu)
+            view_z = np.asarray(z)
+            z.delete()
+            filler = [jax.device_put(base * 7, cpu) for _ in range(4)]  # reuse freed memory
+            jax.block_until_ready(filler)
+            return bool(np.array_equal(view, base) and np.array_equal(view_z, base + 1))
+    except Exception:  # noqa: BLE001  (any doubt: copy)
+        return False
 
 
 def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> int:
