@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import logging
 import operator
+import os
 import secrets
 import signal
 import threading
@@ -163,6 +164,12 @@ class CheckpointManager:
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _refuse_step_directory(self) -> None:
+        path = self._loc.path.rstrip("/")
+        if self._loc.is_local and os.path.lexists(path) and not os.path.isdir(path):
+            raise CheckpointError(
+                f"{self._loc} is a file, not a directory of steps"
+                + _steps.foreign_format_hint(self._loc)
+            )
         for marker, what in (
             (MANIFEST_FILE, "a committed step"),
             (_layout.COMMIT_FILE, "a core checkpoint"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 from typing import Any
 
 import ml_dtypes
@@ -122,9 +123,11 @@ def _unchunk(tree: Any, where: str) -> Any:
 def is_msgpack_checkpoint(path: Any) -> bool:
     """True for a file whose first byte opens a msgpack map (a Flax state dict)."""
     try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # never open a FIFO or a device
+            return False
         with open(path, "rb") as f:
             first = f.read(1)
-    except (OSError, TypeError):
+    except (OSError, TypeError, ValueError):
         return False
     return bool(first) and (first[0] in _MSGPACK_FIXMAP or first[0] in _MSGPACK_MAP16_32)
 

@@ -92,6 +92,11 @@ def _not_a_checkpoint(location: Location) -> CheckpointError:
             f"{location} is not a committed checkpoint: its save was interrupted or is "
             f"still running"
         )
+    hint = _steps.foreign_format_hint(location)
+    if hint:
+        return CheckpointNotFoundError(f"no checkpoint of this library at {location}{hint}")
+    if location.is_local and os.path.lexists(location.path.rstrip("/")):
+        return CheckpointNotFoundError(f"{location} is a file, not a checkpoint directory")
     return CheckpointNotFoundError(f"no checkpoint at {location}: the path does not exist")
 
 

@@ -302,7 +302,7 @@ class Location:
         if self.is_local:
             try:
                 return sorted(os.listdir(self.path))
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 return []
         keys = self._kv().list().result()
         names = {k.decode("utf-8").split("/", 1)[0] for k in keys}

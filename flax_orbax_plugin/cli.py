@@ -126,6 +126,9 @@ def resolve(path: str, step: int | None) -> tuple[str, list[_Item]]:
 
 
 def _describe_missing(loc: Location, listing: _steps.Listing) -> str:
+    hint = _steps.foreign_format_hint(loc)
+    if hint:
+        return f"no checkpoint of this library at {loc}{hint}"
     if loc.is_local and os.path.isfile(loc.path.rstrip("/")):
         return f"{loc} is a file, not a checkpoint directory"
     if not loc.is_dir():
@@ -168,6 +171,8 @@ def _load_extras(step_loc: Location) -> dict[str, Any]:
 def cmd_list(args) -> int:
     loc = Location.from_path(args.directory)
     listing = _steps.list_directory(loc)
+    if not loc.is_dir() or _steps.foreign_format_hint(loc):
+        raise CliError(_describe_missing(loc, listing))
     if not listing.committed:
         print(f"{loc}: no committed steps")
     else:
