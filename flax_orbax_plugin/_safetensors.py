@@ -237,6 +237,13 @@ def _checkpoint_leaves(src: Any) -> tuple[list, Callable[[list[str]], Iterator]]
     import flax_orbax_plugin as fop
 
     meta = fop.metadata(src)
+    keys = [leaf.path for leaf in meta.leaves.values() if leaf.kind == "prng_key"]
+    if keys:
+        raise StructureError(
+            f"leaf {keys[0]!r}: a PRNG key array has no safetensors equivalent (expected "
+            f"numeric arrays, found a typed key); keep keys out of the exported item, "
+            f"or save jax.random.key_data(key) there instead"
+        )
     leaves = [
         (leaf.path, _dtype_of(leaf.dtype), tuple(leaf.shape))
         for leaf in meta.leaves.values()
