@@ -160,7 +160,7 @@ class CheckpointCallback:
             self._data_iterator = data_iterator
         names = items_to_restore(state, reset=reset) if reset else None
         mngr = self.manager
-        latest = mngr.latest_step()
+        latest = mngr.latest_step(include_persistent=True)
         if not self.resume:
             if latest is not None:
                 self._refuse_or_clear(mngr, latest)
@@ -190,13 +190,17 @@ class CheckpointCallback:
 
     def _refuse_or_clear(self, mngr: CheckpointManager, latest: int) -> None:
         if not self.overwrite:
+            where = "" if mngr.persistent is None else f" (or its tier {mngr.persistent.remote})"
             raise CheckpointError(
-                f"{self.directory} already holds steps of a run (latest: {latest}) and "
+                f"{self.directory}{where} already holds steps of a run (latest: {latest}) and "
                 f"resume=False: refusing to mix two runs. Resume it (resume=True), use a "
                 f"new directory, or pass overwrite=True to remove its steps first"
             )
         for step in mngr.steps():
             remove_step(Location.from_path(self.directory), step)
+        if mngr.persistent is not None:
+            for step in mngr.persistent.steps():
+                mngr.persistent.remove(step)
         logger.warning("checkpoint: overwrite=True: removed the steps in %s", self.directory)
 
     def on_step_end(self, step: int, state: Any, *, t: float | None = None) -> bool:

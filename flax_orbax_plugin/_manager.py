@@ -62,6 +62,7 @@ from ._policy import SavePolicy
 from ._retention import RetentionPolicy, steps_to_delete
 from ._save import SaveHandle, SaveResult
 from ._storage import Location
+from ._tiers import PersistentTier
 from ._train_state import merge_state, split_state
 
 __all__ = ["CheckpointManager"]
@@ -97,6 +98,14 @@ class CheckpointManager:
         Install from the main thread.
       checkpointables: overrides of the checkpointable used per item name.
       clock: time source for ``every_seconds`` (tests pass one in).
+      persistent: a second, persistent tier (``s3://``, ``gs://``, a shared
+        filesystem path) to which every step committed in ``directory`` (then a
+        local disk) is replicated in the background, with its own commit; restore
+        takes the newest good step of either tier. See ``_tiers``.
+      persistent_keep, persistent_keep_every: the persistent tier's retention (as
+        ``keep`` and ``keep_every``; ``persistent_keep=None`` keeps every step there).
+      persistent_grace_seconds: after SIGTERM, how long the exit waits for the
+        replication of the step it saved.
 
     A writer (``read_only=False``) takes an exclusive lock on a local directory
     (a second live writer gets DirectoryLockedError; a SIGKILLed writer's lock is
@@ -121,6 +130,10 @@ class CheckpointManager:
         handle_sigterm: bool = False,
         checkpointables: Mapping[str, Checkpointable] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        persistent: Any = None,
+        persistent_keep: int | None = None,
+        persistent_keep_every: int | None = None,
+        persistent_grace_seconds: float = 30.0,
     ):
         self._loc = Location.from_path(directory)
         self._retention = RetentionPolicy(
@@ -151,12 +164,32 @@ class CheckpointManager:
         self._prev_sigterm: Any = None
         self._dir_lock: DirectoryLock | None = None
         self._delete_pool: ThreadPoolExecutor | None = None
+        self._tier: PersistentTier | None = None
         self._refuse_step_directory()
         if read_only:
             if handle_sigterm:
                 raise ValueError("handle_sigterm needs a writer (read_only=False)")
+            if persistent is not None:
+                raise ValueError(
+                    "persistent= needs a writer; to read the persistent tier, open it "
+                    "directly: CheckpointManager(<persistent location>, read_only=True)"
+                )
             return
         self._open_writer()
+        if persistent is not None:
+            try:
+                self._tier = PersistentTier(
+                    self._loc,
+                    persistent,
+                    keep=persistent_keep,
+                    keep_every=persistent_keep_every,
+                    grace_seconds=persistent_grace_seconds,
+                    remove_step=remove_step,
+                )
+                self._tier.open(self.steps())
+            except BaseException:
+                self.close()
+                raise
         if handle_sigterm:
             if threading.current_thread() is not threading.main_thread():
                 self.close()
@@ -210,10 +243,18 @@ class CheckpointManager:
         with self._lock:
             return [s for s in steps if s not in self._deleting]
 
-    def latest_step(self) -> int | None:
-        """The highest committed step, or None when there is none."""
+    def latest_step(self, *, include_persistent: bool = False) -> int | None:
+        """The highest committed step, or None when there is none; with
+        ``include_persistent``, of either tier (what ``restore()`` starts from)."""
         steps = self.steps()
+        if include_persistent and self._tier is not None:
+            steps = sorted(set(steps) | set(self._tier.steps()))
         return steps[-1] if steps else None
+
+    @property
+    def persistent(self) -> PersistentTier | None:
+        """The persistent tier (``persistent=``), or None."""
+        return self._tier
 
     @property
     def preempted(self) -> bool:
@@ -289,7 +330,9 @@ class CheckpointManager:
     def _check_new_step(self, step: int, overwrite: bool) -> bool:
         """Refuses a step at or below the latest committed one unless ``overwrite``;
         returns whether ``step`` itself exists (and is to be replaced)."""
-        steps = self.steps()
+        local = self.steps()
+        # Steps increase across both tiers (the persistent one as known, not listed).
+        steps = sorted(set(local) | self._tier.known_steps()) if self._tier else local
         if steps and step <= steps[-1] and not overwrite:
             what = "already exists" if step in steps else "is below the latest committed step"
             raise CheckpointError(
@@ -297,7 +340,7 @@ class CheckpointManager:
                 f"increase. Resume from it (resume=True), use a new directory, or pass "
                 f"overwrite=True to replace steps"
             )
-        return step in steps
+        return step in local
 
     def _collect_items(self, state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]:
         items = split_state(state)
@@ -408,6 +451,8 @@ class CheckpointManager:
             result.bytes_written,
             result.gigabytes_per_second,
         )
+        if self._tier is not None:
+            self._tier.submit(step)
         if self._delete_pool is not None:
             self._retention_future = self._delete_pool.submit(self._apply_retention, step)
 
@@ -463,6 +508,8 @@ class CheckpointManager:
                 metrics = {s: m for s, m in metrics.items() if m is not None}
             with self._lock:
                 protected = {just_written} - {None} | set(+self._reading)
+            if self._tier is not None:  # not yet replicated: kept locally
+                protected |= self._tier.pending_steps()
             for s in steps_to_delete(steps, self._retention, metrics=metrics, protected=protected):
                 with self._lock:
                     if self._reading[s] > 0:
@@ -543,14 +590,21 @@ class CheckpointManager:
         self._wait_inflight()
         fn = lambda s: self._restore_step(s, like, items, data_iterator)  # noqa: E731
         if step is not None:
+            if self._tier is not None:
+                self._tier.ensure_local(step)
             return self._with_step(step, fn)
         skipped: list[tuple[int, CorruptCheckpointError]] = []
-        for candidate in reversed(self.steps()):
-            try:
-                return self._with_step(candidate, fn)
-            except CorruptCheckpointError as e:
-                skipped.append((candidate, e))
-                self._set_aside(candidate, e)
+        for candidate in reversed(self._restore_candidates()):
+            for _ in range(2 if self._tier is not None else 1):  # local, then persistent
+                try:
+                    if self._tier is not None and not self._tier.ensure_local(candidate):
+                        break
+                    return self._with_step(candidate, fn)
+                except CorruptCheckpointError as e:
+                    skipped.append((candidate, e))
+                    if self._tier is not None and not self._loc.child(str(candidate)).is_dir():
+                        break  # the copy down from the persistent tier failed its checks
+                    self._set_aside(candidate, e)
         if skipped:
             error = skipped[0][1]  # the latest step's own error, naming its file
             error.add_note(
@@ -559,6 +613,16 @@ class CheckpointManager:
             )
             raise error
         raise CheckpointNotFoundError(f"no committed steps in {self._loc}")
+
+    def _restore_candidates(self) -> list[int]:
+        """Committed steps of both tiers, ascending (a step in both is read locally)."""
+        steps = self.steps()
+        if self._tier is not None:
+            try:
+                steps = sorted(set(steps) | set(self._tier.steps()))
+            except Exception as e:  # noqa: BLE001  (an unreachable store: the local tier)
+                logger.warning("checkpoint: cannot list %s: %s", self._tier.remote, e)
+        return steps
 
     def _set_aside(self, step: int, error: Exception) -> None:
         logger.warning("checkpoint: skipping damaged step %d of %s: %s", step, self._loc, error)
@@ -691,7 +755,12 @@ class CheckpointManager:
             return
         try:
             self.wait()
+            if self._tier is not None:  # after SIGTERM: within the grace period
+                grace = self._tier.grace_seconds if self._preempted else None
+                self._tier.close(grace, raise_errors=not self._preempted)
         finally:
+            if self._tier is not None:
+                self._tier.close(0, raise_errors=False)
             self._closed = True
             if self._delete_pool is not None:
                 self._delete_pool.shutdown(wait=True)
