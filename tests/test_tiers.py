@@ -1,0 +1,376 @@
+"""Two tiers: steps committed to a local directory, replicated to a persistent one
+(the S3 server, the GCS emulator, or another filesystem directory)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin._layout import MANIFEST_FILE
+from flax_orbax_plugin._tiers import ReplicationError
+
+pytest_plugins = ["_servers"]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WAIT_S = 60
+
+
+def state(step: int) -> dict:
+    """Several leaves above the batching threshold: a step has a dozen files or more."""
+    rng = np.random.default_rng(step)
+    return {
+        "params": {
+            "w": rng.standard_normal((512, 640)).astype(np.float32),
+            "b": rng.standard_normal((700, 512)).astype(np.float32),
+            "small": np.arange(5, dtype=np.int32) + step,
+        },
+        "opt_state": {"mu": rng.standard_normal((300, 1024)).astype(np.float32)},
+    }
+
+
+def make_iterator():
+    return fop.StepIndexedIterator(lambda i: i)
+
+
+def save_steps(mngr, steps, it=None):
+    it = it or make_iterator()
+    for s in steps:
+        next(it)
+        mngr.save(s, state(s), data_iterator=it, extras={"loss": 1.0 / s})
+    mngr.wait()
+    assert mngr.persistent.wait(WAIT_S)
+
+
+def assert_step(restored, step):
+    want = state(step)
+    for item in ("params", "opt_state"):
+        for k, v in want[item].items():
+            np.testing.assert_array_equal(restored[item][k], v)
+            assert restored[item][k].dtype == v.dtype
+
+
+class Remote:
+    """A persistent location and a way to look at its raw keys."""
+
+    def __init__(self, url, keys):
+        self.url = url
+        self.keys = keys
+
+
+@pytest.fixture(params=["s3", "gcs", "fs"])
+def remote(request, tmp_path):
+    if request.param == "fs":
+        root = tmp_path / "persistent"
+
+        def keys():
+            out = []
+            for dirpath, _, files in os.walk(root):
+                rel = os.path.relpath(dirpath, root)
+                out += [f if rel == "." else f"{rel}/{f}" for f in files]
+            return sorted(out)
+
+        return Remote(str(root), keys)
+    loc = request.getfixturevalue(f"{request.param}_location")
+    return Remote(loc.url, loc.keys)
+
+
+@pytest.fixture
+def s3(s3_location):
+    return Remote(s3_location.url, s3_location.keys)
+
+
+def remote_steps(url):
+    return fop.CheckpointManager(url, read_only=True).steps()
+
+
+# ------------------------------------------------------------------ replication
+
+
+def test_every_item_is_replicated_whole_and_restores_bit_exact(remote, tmp_path):
+    local = tmp_path / "local"
+    it = make_iterator()
+    with fop.CheckpointManager(local, persistent=remote.url) as mngr:
+        save_steps(mngr, [1, 2], it)
+        assert mngr.persistent.replicated == [1, 2]
+    assert remote_steps(remote.url) == [1, 2]
+    # Every file of the local step is there, byte for byte (the manifest included).
+    local_files = sorted(
+        os.path.relpath(os.path.join(d, f), local / "2")
+        for d, _, fs in os.walk(local / "2")
+        for f in fs
+    )
+    assert sorted(k[2:] for k in remote.keys() if k.startswith("2/")) == local_files
+    assert "data_iterator/process_0.json" in local_files
+    # The persistent tier alone restores it: arrays, extras, the data position.
+    with fop.CheckpointManager(remote.url, read_only=True) as reader:
+        it2 = make_iterator()
+        restored = reader.restore(data_iterator=it2)
+    assert_step(restored, 2)
+    assert restored["extras"] == {"loss": 0.5}
+    assert next(it2) == next(it)
+
+
+def test_restart_replicates_committed_local_steps_that_never_were(s3, tmp_path):
+    local = tmp_path / "local"
+    with fop.CheckpointManager(local) as mngr:  # no persistent tier yet
+        save_steps_plain = [mngr.save(s, state(s)) for s in (1, 2, 3)]
+        assert all(save_steps_plain)
+    with fop.CheckpointManager(local, persistent=s3.url, persistent_keep=2) as mngr:
+        assert mngr.persistent.wait(WAIT_S)
+        # Only the newest: older ones would be deleted by the persistent retention at once.
+        assert mngr.persistent.replicated == [3]
+    assert remote_steps(s3.url) == [3]
+
+
+KILLED = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, {repo!r})
+    sys.path.insert(0, {tests!r})
+    import flax_orbax_plugin as fop
+    from test_tiers import state
+    with fop.CheckpointManager({local!r}, persistent={url!r}) as m:
+        m.save(1, state(1))
+        m.wait()
+        assert m.persistent.wait(60)
+        print("replicated 1", flush=True)
+        os.environ["FOP_KILL_AT"] = "mid_replication:4"  # the 4th file of step 2
+        m.save(2, state(2), extras={{"loss": 0.5}})
+        m.wait()
+        m.persistent.wait(60)
+    print("not killed", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_kill_during_replication_lists_nothing_partial_and_restart_finishes(
+    kind, request, tmp_path
+):
+    loc = request.getfixturevalue(f"{kind}_location")
+    local = tmp_path / "local"
+    script = KILLED.format(
+        repo=REPO, tests=os.path.join(REPO, "tests"), local=str(local), url=loc.url
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert "replicated 1" in proc.stdout and "not killed" not in proc.stdout
+    # Step 2 is committed locally; its copy died midway: files there, no manifest.
+    assert fop.CheckpointManager(local, read_only=True).steps() == [1, 2]
+    partial = [k for k in loc.keys() if k.startswith("2/")]
+    assert partial and f"2/{MANIFEST_FILE}" not in partial
+    assert remote_steps(loc.url) == [1]  # nothing partial is listed
+    np.testing.assert_array_equal(
+        fop.restore_params(loc.url)["w"], state(1)["params"]["w"]
+    )  # and the persistent tier still restores its last whole step
+    # The restart removes the dead copy and finishes the job.
+    with fop.CheckpointManager(local, persistent=loc.url) as mngr:
+        assert mngr.persistent.wait(WAIT_S)
+        assert mngr.persistent.replicated == [2]
+    assert remote_steps(loc.url) == [1, 2]
+    with fop.CheckpointManager(loc.url, read_only=True) as reader:
+        restored = reader.restore()
+    assert_step(restored, 2)
+    assert restored["extras"] == {"loss": 0.5}
+
+
+def test_local_directory_wiped_mid_run(s3, tmp_path):
+    local = tmp_path / "local"
+    with fop.CheckpointManager(local, persistent=s3.url) as mngr:
+        save_steps(mngr, [1, 2])
+        shutil.rmtree(local)
+        assert mngr.steps() == []
+        # Restore takes the newest step of the persistent tier, copied down.
+        assert_step(mngr.restore(), 2)
+        assert mngr.restored_step == 2 and mngr.steps() == [2]
+        # Saving goes on; steps must still increase across both tiers.
+        with pytest.raises(fop.CheckpointError, match="steps must increase"):
+            mngr.save(1, state(1))
+        shutil.rmtree(local)
+        save_steps(mngr, [3])
+        assert mngr.steps() == [3]
+    assert remote_steps(s3.url) == [1, 2, 3]
+
+
+def test_fresh_machine_resumes_from_the_bucket_bit_exact(gcs_location, tmp_path):
+    url = gcs_location.url
+    it = make_iterator()
+    options = {"persistent": url}
+    cb = fop.CheckpointCallback(
+        str(tmp_path / "machine-a"), every_steps=2, data_iterator=it, manager_options=options
+    )
+    st = cb.on_train_start(state(0))
+    for step in range(1, 6):
+        next(it)
+        st = state(step)
+        cb.on_step_end(step, st)
+    cb.on_train_end(st, step=5)  # waits for the replication of the final step
+    # The final step is always there; an older one may have been superseded by a newer
+    # one while queued (only the newest queued step is copied, as keep_every is unset).
+    assert remote_steps(url)[-1] == 5 and set(remote_steps(url)) <= {2, 4, 5}
+    # Another machine, empty local disk: resume=True finds the bucket's latest step.
+    it_b = make_iterator()
+    cb_b = fop.CheckpointCallback(
+        str(tmp_path / "machine-b"), every_steps=2, resume="required", manager_options=options
+    )
+    resumed = cb_b.on_train_start(state(0), data_iterator=it_b)
+    assert cb_b.resumed_step == 5
+    assert_step(resumed, 5)
+    assert next(it_b) == next(it)  # the data position came along
+    assert cb_b.manager.steps() == [5]  # copied down to the local tier
+    cb_b.close()
+
+
+def test_resume_false_refuses_a_persistent_tier_holding_steps(s3, tmp_path):
+    with fop.CheckpointManager(tmp_path / "a", persistent=s3.url) as mngr:
+        save_steps(mngr, [1])
+    cb = fop.CheckpointCallback(str(tmp_path / "b"), manager_options={"persistent": s3.url})
+    with pytest.raises(fop.CheckpointError, match="already holds steps"):
+        cb.on_train_start(state(0))
+    cb.close()
+
+
+# ------------------------------------------------------------------ retention
+
+
+def test_each_tier_has_its_own_retention(remote, tmp_path):
+    local = tmp_path / "local"
+    with fop.CheckpointManager(
+        local, keep=2, persistent=remote.url, persistent_keep=1, persistent_keep_every=4
+    ) as mngr:
+        save_steps(mngr, range(1, 10))
+        mngr.gc()  # local retention ran while steps were queued for replication
+        assert mngr.steps() == [8, 9]
+        assert mngr.persistent.steps() == [4, 8, 9]
+    assert remote_steps(remote.url) == [4, 8, 9]
+    assert not [k for k in remote.keys() if k.split("/")[0] not in ("4", "8", "9")]
+
+
+def test_a_failed_replication_is_raised_by_wait_and_close_naming_the_step(tmp_path):
+    blocker = tmp_path / "persistent"
+    blocker.write_text("a file where the persistent directory should be")
+    mngr = fop.CheckpointManager(tmp_path / "local", persistent=str(blocker))
+    try:
+        mngr.save(1, state(1))
+        mngr.wait()
+        with pytest.raises(ReplicationError, match=r"step 1 of .*local was not replicated to"):
+            mngr.persistent.wait(WAIT_S)
+        mngr.save(2, state(2))  # training goes on: the local tier is unaffected
+        mngr.wait()
+    finally:
+        with pytest.raises(ReplicationError, match="step 2 of"):
+            mngr.close()
+    assert fop.CheckpointManager(tmp_path / "local", read_only=True).steps() == [1, 2]
+    assert blocker.read_text().startswith("a file")  # never written through
+
+
+# ------------------------------------------------------------------ restore choice
+
+
+def test_a_damaged_local_step_is_restored_from_the_persistent_tier(s3, tmp_path):
+    local = tmp_path / "local"
+    with fop.CheckpointManager(local, persistent=s3.url) as mngr:
+        save_steps(mngr, [1, 2])
+        (local / "2" / "extras" / "value.json").write_text('{"loss": 9}')
+        restored = mngr.restore()
+        assert mngr.restored_step == 2
+        assert restored["extras"] == {"loss": 0.5}
+        assert_step(restored, 2)
+        assert any(n.startswith("2.corrupt-") for n in os.listdir(local))
+
+
+def test_a_damaged_persistent_copy_is_never_copied_down(s3_location, tmp_path):
+    with fop.CheckpointManager(tmp_path / "a", persistent=s3_location.url) as mngr:
+        save_steps(mngr, [1, 2])
+    s3_location.kvstore().write("2/extras/value.json", b'{"loss": 9}').result()
+    with fop.CheckpointManager(tmp_path / "b", persistent=s3_location.url) as mngr:
+        restored = mngr.restore()  # step 2 fails its check: step 1 instead
+        assert mngr.restored_step == 1
+        assert restored["extras"] == {"loss": 1.0}
+        assert mngr.steps() == [1]  # nothing of step 2 in the local tier
+        with pytest.raises(fop.CorruptCheckpointError, match=r"2/extras/value.json: sha256"):
+            mngr.restore(step=2)
+
+
+def test_the_local_copy_wins_when_both_tiers_hold_the_step(s3_location, tmp_path):
+    local = tmp_path / "local"
+    with fop.CheckpointManager(local, persistent=s3_location.url) as mngr:
+        save_steps(mngr, [1])
+    # Make the persistent copy differ (validly): if it were read, the value would show.
+    manifest = json.loads(s3_location.read(f"1/{MANIFEST_FILE}"))
+    assert manifest["step"] == 1
+    with fop.CheckpointManager(local, persistent=s3_location.url) as mngr:
+        s3_location.delete(f"1/{MANIFEST_FILE}")  # gone remotely: the local step still reads
+        assert_step(mngr.restore(), 1)
+
+
+def test_a_symlink_in_a_local_step_stops_its_copy_and_is_named(s3, tmp_path):
+    local = tmp_path / "local"
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    with fop.CheckpointManager(local) as mngr:
+        mngr.save(1, state(1))
+    os.symlink(outside, local / "1" / "params" / "link")
+    with pytest.raises(ReplicationError, match=r"1/params/link: .* found a symbolic link"):
+        with fop.CheckpointManager(local, persistent=s3.url) as mngr:
+            mngr.persistent.wait(WAIT_S)
+    assert s3.keys() == []
+
+
+# ------------------------------------------------------------------ SIGTERM
+
+PREEMPTED = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    sys.path.insert(0, {tests!r})
+    import flax_orbax_plugin as fop
+    from test_tiers import state
+    with fop.CheckpointManager({local!r}, every_steps=1000, handle_sigterm=True,
+                               persistent={url!r}, persistent_grace_seconds=60) as m:
+        for step in range(1, 100000):
+            m.save(step, state(step))
+            print(step, flush=True)
+            time.sleep(0.01)
+    """
+)
+
+
+def test_sigterm_saves_locally_then_replicates_before_exiting(s3, tmp_path):
+    local = tmp_path / "local"
+    script = PREEMPTED.format(
+        repo=REPO, tests=os.path.join(REPO, "tests"), local=str(local), url=s3.url
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        while int(proc.stdout.readline()) < 3:
+            pass
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0].split()
+    finally:
+        proc.kill()
+    assert proc.returncode == 143
+    (step,) = fop.CheckpointManager(local, read_only=True).steps()
+    assert step >= 3
+    assert remote_steps(s3.url) == [step]
+    with fop.CheckpointManager(s3.url, read_only=True) as reader:
+        assert_step(reader.restore(), step)
+    assert (int(out[-1]) if out else 3) <= step
+
+
+def test_options_are_checked(tmp_path, s3):
+    with pytest.raises(ValueError, match="needs a writer"):
+        fop.CheckpointManager(tmp_path, read_only=True, persistent=s3.url)
+    with pytest.raises(ValueError, match="is the local directory itself"):
+        fop.CheckpointManager(tmp_path / "x", persistent=str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="must be a local directory"):
+        fop.CheckpointManager(s3.url, persistent=str(tmp_path / "y"))
