@@ -33,4 +33,14 @@ def get_config() -> ml_collections.ConfigDict:
     # Save in the background while training continues (the blocking phase only
     # copies to host memory). ("async" itself is a Python keyword.)
     config.checkpoint.async_save = True
+    # Two tiers: `directory` is then a fast local disk, and every committed step is
+    # also copied in the background to this persistent location (s3://, gs:// or a
+    # shared filesystem), which keeps its own steps: the last `persistent_keep`
+    # (None: all) and every `persistent_keep_every`-th. Resume takes the newest good
+    # step of either tier (a new machine with an empty disk resumes from the bucket).
+    config.checkpoint.persistent_directory = ml_collections.config_dict.placeholder(str)
+    config.checkpoint.persistent_keep = ml_collections.config_dict.placeholder(int)
+    config.checkpoint.persistent_keep_every = ml_collections.config_dict.placeholder(int)
+    # After SIGTERM: how long the exit waits for the last step to reach the bucket.
+    config.checkpoint.persistent_grace_seconds = 30.0
     return config

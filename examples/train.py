@@ -75,6 +75,14 @@ def train_and_evaluate(config):
     last_scalars: dict[str, float] = {}
 
     ckpt = config.checkpoint
+    tiers = {}
+    if ckpt.get("persistent_directory"):
+        tiers = dict(
+            persistent=ckpt.persistent_directory,
+            persistent_keep=ckpt.persistent_keep,
+            persistent_keep_every=ckpt.persistent_keep_every,
+            persistent_grace_seconds=ckpt.persistent_grace_seconds,
+        )
     callback = fop.CheckpointCallback(
         ckpt.directory,
         every_steps=ckpt.every_steps,
@@ -85,6 +93,7 @@ def train_and_evaluate(config):
         async_save=ckpt.async_save,
         writer=writer,
         extras_fn=lambda step, state: dict(last_scalars),  # metrics shown by `flax-orbax list`
+        manager_options=tiers,
     )
     state = callback.on_train_start(state, data_iterator=it)
     first_step = int(state.step) + 1

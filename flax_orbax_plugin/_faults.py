@@ -4,7 +4,8 @@
 ``FOP_KILL_AT`` names ``phase`` (``phase`` or ``phase:N`` for its N-th hit, 1-based).
 Costs one dictionary lookup when the variable is unset. Phases of a save, in order:
 ``after_snapshot``, ``mid_write``, ``after_sync``, ``after_metadata``, ``after_marker``,
-``mid_rename``; and ``mid_retention`` while a step is being deleted.
+``mid_rename``; ``mid_retention`` while a step is being deleted; ``mid_replication``
+after each file copied to (or down from) a persistent tier (``_tiers``).
 """
 
 from __future__ import annotations
