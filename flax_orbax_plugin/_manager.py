@@ -617,11 +617,8 @@ class CheckpointManager:
     def _restore_candidates(self) -> list[int]:
         """Committed steps of both tiers, ascending (a step in both is read locally)."""
         steps = self.steps()
-        if self._tier is not None:
-            try:
-                steps = sorted(set(steps) | set(self._tier.steps()))
-            except Exception as e:  # noqa: BLE001  (an unreachable store: the local tier)
-                logger.warning("checkpoint: cannot list %s: %s", self._tier.remote, e)
+        if self._tier is not None:  # None: the store cannot be listed (logged)
+            steps = sorted(set(steps) | set(self._tier.agreed_steps() or ()))
         return steps
 
     def _set_aside(self, step: int, error: Exception) -> None:

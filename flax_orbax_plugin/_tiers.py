@@ -46,18 +46,27 @@ stays the only one; the step lands on the fast tier where the next restart reads
 and the copy verifies the manifest and every JSON checksum before anything is
 allocated. The cost is local disk for one step, which the local tier has anyway.
 
-Multi-host (not implemented: ``persistent=`` with several processes is refused with
-an error). Local tiers are per-host disks, so each host holds only the files it wrote.
-The protocol would be, per step, run on every process's replicator in step order:
-each process copies the files under its local step directory (its own shards, batch
-files, ``data_iterator/process_<i>.json``; the primary also the metadata), verifying
-the JSON checksums it can, then publishes one status (step, manifest checksum, error
-or the list of keys it wrote) with one key-value set under
+Several processes. A manager's directory is, with several processes, one that every
+host mounts (a shared filesystem or a bucket: the local commit renames a staging
+directory that all processes wrote into), and so is the local tier here: the
+**primary replicates the whole step** (it sees every process's files there), the
+other processes' tiers do no copying: ``submit`` is a no-op on them, ``open``,
+:meth:`agreed_steps` and :meth:`ensure_local` are collective (the primary lists or
+copies, then shares the result with one key-value round), so every process restores
+the same step or raises the same error.
+
+Per-host local disks (not supported, by the tier nor by the manager's local commit)
+would need: each host commits its own part locally (per-host staging, renamed on
+each host after the primary's agreement), each host's replicator copies the files
+under its own disk (its shards, batch files, ``data_iterator/process_<i>.json``; the
+primary also the metadata), verifying the JSON checksums it can, and publishes one
+status per step (step, manifest checksum, error or its keys) under
 ``fop/replicate/<step>``; the primary gathers every status (bounded by the
-coordination timeout) and writes the manifest remotely only if all succeeded for the
-same manifest, then broadcasts the outcome; on failure the primary removes the
-uncommitted remote step. Coalescing (which step to copy next) must then be decided by
-the primary and broadcast, so every process copies the same steps.
+coordination timeout), writes the manifest remotely only if all succeeded for the
+same manifest, and broadcasts the outcome, removing the uncommitted remote step on
+failure. Which step to copy next (coalescing) is then the primary's decision,
+broadcast, so every host copies the same steps; copy-down on restore would fetch,
+per host, only the files that host's shards need.
 
 Not handled: two writers replicating to one persistent location (there is no lock
 on object stores); a step replaced locally with ``overwrite=True`` is replaced
@@ -68,6 +77,7 @@ remotely, never partial).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import secrets
@@ -137,12 +147,10 @@ class PersistentTier:
             and os.path.realpath(self.remote.path) == os.path.realpath(local.path)
         ):
             raise ValueError(f"persistent location {self.remote} is the local directory itself")
-        if _distributed.process_count() > 1:
-            raise ValueError(
-                f"persistent={self.remote} is supported with one process only (found "
-                f"{_distributed.process_count()}): each host's local tier holds only its own "
-                f"files; see flax_orbax_plugin/_tiers.py for the multi-host design"
-            )
+        # With several processes the local directory is one every host mounts (as for
+        # any manager directory): the primary replicates; see the module docstring.
+        self._primary = _distributed.is_primary()
+        self._multi = _distributed.process_count() > 1
         if not grace_seconds >= 0:
             raise ValueError(f"persistent_grace_seconds must be >= 0, found {grace_seconds!r}")
         self.retention = RetentionPolicy(keep_last=keep, keep_every=keep_every)
@@ -162,9 +170,19 @@ class PersistentTier:
 
     def open(self, local_steps: Iterable[int]) -> None:
         """Cleans the persistent tier's unfinished copies, queues the local steps it lacks
-        (see the module docstring) and starts the replicator thread."""
-        self._remove_unfinished()
-        remote_steps = _steps.committed_steps(self.remote)
+        (see the module docstring) and starts the replicator thread. Collective: every
+        process calls it; the primary does the work and shares the listing."""
+        remote_steps: list[int] = []
+        if self._primary:
+            self._remove_unfinished()
+            remote_steps = _steps.committed_steps(self.remote)
+        if self._multi:
+            op = _distributed.next_operation_id("tiers-open")
+            remote_steps = json.loads(_distributed.broadcast_str(op, json.dumps(remote_steps)))
+        with self._cond:
+            self._known = set(remote_steps)
+        if not self._primary:
+            return  # the replicator runs on the primary only
         latest = remote_steps[-1] if remote_steps else -1
         every = self.retention.keep_every
         missing = [
@@ -173,7 +191,6 @@ class PersistentTier:
             if s not in remote_steps and (s > latest or (every is not None and s % every == 0))
         ]
         with self._cond:
-            self._known = set(remote_steps)
             for s in missing:
                 self._enqueue(s)
         if missing:
@@ -182,7 +199,10 @@ class PersistentTier:
         self._thread.start()
 
     def submit(self, step: int) -> None:
-        """Queues a step just committed locally (called after each local commit)."""
+        """Queues a step just committed locally (called after each local commit, on
+        every process; a no-op but on the primary)."""
+        if not self._primary:
+            return
         with self._cond:
             self._enqueue(step)
             self._cond.notify_all()
@@ -202,11 +222,27 @@ class PersistentTier:
         """Steps committed in the persistent tier now (lists the store)."""
         return _steps.committed_steps(self.remote)
 
+    def agreed_steps(self) -> list[int] | None:
+        """Collective: the primary's :meth:`steps`, on every process; None (logged) when
+        the store cannot be listed."""
+        steps = None
+        if self._primary:
+            try:
+                steps = self.steps()
+            except Exception as e:  # noqa: BLE001  (an unreachable store: the local tier)
+                logger.warning("checkpoint: cannot list %s: %s", self.remote, e)
+        if self._multi:
+            op = _distributed.next_operation_id("tiers-steps")
+            steps = json.loads(_distributed.broadcast_str(op, json.dumps(steps)))
+        return steps
+
     def remove(self, step: int) -> None:
-        """Deletes a committed step of the persistent tier (callback ``overwrite=True``)."""
+        """Deletes a committed step of the persistent tier (callback ``overwrite=True``);
+        on the primary only, as the manager's retention."""
         with self._cond:
             self._known.discard(step)
-        self._remove_step(self.remote, step)
+        if self._primary:
+            self._remove_step(self.remote, step)
 
     @property
     def error(self) -> ReplicationError | None:
@@ -434,7 +470,33 @@ class PersistentTier:
         """Training thread, on restore: makes ``step`` a committed local step, copying it
         down from the persistent tier when the local tier lacks it. Returns False when
         neither tier has it. Raises CorruptCheckpointError (naming the file) when the
-        persistent copy fails its checks; nothing is then left in the local tier."""
+        persistent copy fails its checks; nothing is then left in the local tier.
+
+        Collective with several processes: the primary copies, then tells the others
+        the outcome (one key-value round), so all restore the same step or all raise."""
+        if not self._multi:
+            return self._ensure_local(step)
+        outcome = "absent"
+        if self._primary:
+            try:
+                outcome = "present" if self._ensure_local(step) else "absent"
+            except Exception as e:  # noqa: BLE001  (every process raises it below)
+                kind = "corrupt" if isinstance(e, CorruptCheckpointError) else "failed"
+                outcome = f"{kind}: {type(e).__name__}: {e}"
+                error = e
+        op = _distributed.next_operation_id("tiers-copy-down")
+        outcome = _distributed.broadcast_str(op, outcome)
+        if outcome.startswith(("corrupt", "failed")):
+            if self._primary:
+                raise error
+            cls = CorruptCheckpointError if outcome.startswith("corrupt") else CheckpointError
+            raise cls(
+                f"copying step {step} down from {self.remote} failed on the primary: "
+                + outcome.split(": ", 1)[1]
+            )
+        return outcome == "present"
+
+    def _ensure_local(self, step: int) -> bool:
         if self.local.child(str(step)).exists(MANIFEST_FILE):
             return True
         src = _steps.step_location(self.remote, step)

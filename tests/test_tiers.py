@@ -374,3 +374,58 @@ def test_options_are_checked(tmp_path, s3):
         fop.CheckpointManager(tmp_path / "x", persistent=str(tmp_path / "x"))
     with pytest.raises(ValueError, match="must be a local directory"):
         fop.CheckpointManager(s3.url, persistent=str(tmp_path / "y"))
+
+
+# ------------------------------------------------------------------ several processes
+
+
+def mp_tiered(ctx, local, fresh, url):
+    """Run in each of 2 real JAX processes: saves through a tiered manager (a sharded
+    state), then restores on an empty local directory from the persistent tier."""
+    import _mp_workers as W
+
+    with fop.CheckpointManager(local, keep=1, persistent=url, persistent_keep=2) as mngr:
+        for step in (1, 2, 3):
+            mngr.save(step, W.make_state(ctx, step), extras={"step": step})
+        mngr.wait()
+        replicated = mngr.persistent.wait(WAIT_S)
+        copied = list(mngr.persistent.replicated)
+    with fop.CheckpointManager(fresh, persistent=url) as mngr:
+        extras = mngr.restore(items="extras")
+        restored_step = mngr.restored_step
+        fresh_steps = mngr.steps()
+    return {
+        "replicated": replicated,
+        "copied": copied,
+        "extras": extras,
+        "restored_step": restored_step,
+        "fresh_steps": fresh_steps,
+    }
+
+
+@pytest.mark.distributed
+def test_two_processes_replicate_and_resume_from_the_bucket(s3_location, tmp_path):
+    import _mp_workers as W
+    from _multiprocess import run_processes
+
+    local, fresh = str(tmp_path / "local"), str(tmp_path / "fresh")
+    run = run_processes(
+        "test_tiers:mp_tiered",
+        2,
+        devices_per_process=2,
+        args={"local": local, "fresh": fresh, "url": s3_location.url},
+        env={"FOP_COORDINATION_TIMEOUT_S": "20", **s3_location.env},
+        heartbeat_timeout_s=30,
+        timeout_s=150,
+    ).check()
+    primary, other = run[0].result, run[1].result
+    assert primary["replicated"] and other["replicated"]
+    assert primary["copied"][-1] == 3 and other["copied"] == []  # the primary copies
+    for r in (primary, other):
+        assert r["restored_step"] == 3 and r["extras"] == {"step": 3}
+        assert r["fresh_steps"] == [3]
+    assert remote_steps(s3_location.url)[-1] == 3
+    with fop.CheckpointManager(fresh, read_only=True) as reader:
+        host = reader.restore()
+    np.testing.assert_array_equal(host["params"]["w"], W.expected_w(4) + 3)
+    np.testing.assert_array_equal(host["opt_state"]["mu"], -(W.expected_w(4) + 3))
