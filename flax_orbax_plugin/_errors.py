@@ -49,3 +49,8 @@ class UnknownItemError(CheckpointError, KeyError):
 
 class DirectoryLockedError(CheckpointError):
     """Another live process (or manager) is already writing to this directory."""
+
+
+class ReplicationError(CheckpointError):
+    """A committed local step could not be copied to the persistent tier (names the
+    step, both locations and the cause)."""

@@ -90,7 +90,12 @@ from typing import Any
 
 from . import _distributed, _faults, _steps
 from ._commit import Staging
-from ._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
+from ._errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    ForeignEntryError,
+    ReplicationError,
+)
 from ._layout import MANIFEST_FILE, StepManifest
 from ._retention import RetentionPolicy, steps_to_delete
 from ._storage import Location, _open_dirs
@@ -102,10 +107,6 @@ logger = logging.getLogger("flax_orbax_plugin")
 COPY_THREADS = 16  # files copied at once (object stores are latency-bound)
 RETRIES = 2
 RETRY_DELAY_S = 0.5
-
-
-class ReplicationError(CheckpointError):
-    """A committed local step could not be copied to the persistent tier."""
 
 
 class _Stopped(Exception):

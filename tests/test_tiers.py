@@ -14,7 +14,6 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._layout import MANIFEST_FILE
-from flax_orbax_plugin._tiers import ReplicationError
 
 pytest_plugins = ["_servers"]
 
@@ -262,12 +261,12 @@ def test_a_failed_replication_is_raised_by_wait_and_close_naming_the_step(tmp_pa
     try:
         mngr.save(1, state(1))
         mngr.wait()
-        with pytest.raises(ReplicationError, match=r"step 1 of .*local was not replicated to"):
+        with pytest.raises(fop.ReplicationError, match=r"step 1 of .*local was not replicated to"):
             mngr.persistent.wait(WAIT_S)
         mngr.save(2, state(2))  # training goes on: the local tier is unaffected
         mngr.wait()
     finally:
-        with pytest.raises(ReplicationError, match="step 2 of"):
+        with pytest.raises(fop.ReplicationError, match="step 2 of"):
             mngr.close()
     assert fop.CheckpointManager(tmp_path / "local", read_only=True).steps() == [1, 2]
     assert blocker.read_text().startswith("a file")  # never written through
@@ -320,7 +319,7 @@ def test_a_symlink_in_a_local_step_stops_its_copy_and_is_named(s3, tmp_path):
     with fop.CheckpointManager(local) as mngr:
         mngr.save(1, state(1))
     os.symlink(outside, local / "1" / "params" / "link")
-    with pytest.raises(ReplicationError, match=r"1/params/link: .* found a symbolic link"):
+    with pytest.raises(fop.ReplicationError, match=r"1/params/link: .* found a symbolic link"):
         with fop.CheckpointManager(local, persistent=s3.url) as mngr:
             mngr.persistent.wait(WAIT_S)
     assert s3.keys() == []
