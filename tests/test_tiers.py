@@ -149,11 +149,8 @@ KILLED = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("kind", ["s3", "gcs"])
-def test_kill_during_replication_lists_nothing_partial_and_restart_finishes(
-    kind, request, tmp_path
-):
-    loc = request.getfixturevalue(f"{kind}_location")
+def test_kill_during_replication_lists_nothing_partial_and_restart_finishes(remote, tmp_path):
+    loc = remote
     local = tmp_path / "local"
     script = KILLED.format(
         repo=REPO, tests=os.path.join(REPO, "tests"), local=str(local), url=loc.url
@@ -165,8 +162,8 @@ def test_kill_during_replication_lists_nothing_partial_and_restart_finishes(
     assert "replicated 1" in proc.stdout and "not killed" not in proc.stdout
     # Step 2 is committed locally; its copy died midway: files there, no manifest.
     assert fop.CheckpointManager(local, read_only=True).steps() == [1, 2]
-    partial = [k for k in loc.keys() if k.startswith("2/")]
-    assert partial and f"2/{MANIFEST_FILE}" not in partial
+    partial = [k for k in loc.keys() if k.split("/")[0].startswith("2")]  # 2/ or 2.partial-
+    assert partial and f"2/{MANIFEST_FILE}" not in loc.keys()
     assert remote_steps(loc.url) == [1]  # nothing partial is listed
     np.testing.assert_array_equal(
         fop.restore_params(loc.url)["w"], state(1)["params"]["w"]
@@ -176,10 +173,40 @@ def test_kill_during_replication_lists_nothing_partial_and_restart_finishes(
         assert mngr.persistent.wait(WAIT_S)
         assert mngr.persistent.replicated == [2]
     assert remote_steps(loc.url) == [1, 2]
+    assert not [k for k in loc.keys() if not k.startswith(("1/", "2/"))]  # nothing left over
     with fop.CheckpointManager(loc.url, read_only=True) as reader:
         restored = reader.restore()
     assert_step(restored, 2)
     assert restored["extras"] == {"loss": 0.5}
+
+
+KILLED_COPY_DOWN = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, {repo!r})
+    import flax_orbax_plugin as fop
+    os.environ["FOP_KILL_AT"] = "mid_replication:3"
+    with fop.CheckpointManager({local!r}, persistent={url!r}) as m:
+        m.restore()
+    print("not killed", flush=True)
+    """
+)
+
+
+def test_kill_during_copy_down_leaves_no_local_step_and_the_next_start_restores(s3, tmp_path):
+    with fop.CheckpointManager(tmp_path / "a", persistent=s3.url) as mngr:
+        save_steps(mngr, [1, 2])
+    fresh = tmp_path / "fresh"
+    script = KILLED_COPY_DOWN.format(repo=REPO, local=str(fresh), url=s3.url)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert any(n.startswith("2.partial-") for n in os.listdir(fresh))
+    assert fop.CheckpointManager(fresh, read_only=True).steps() == []
+    with fop.CheckpointManager(fresh, persistent=s3.url) as mngr:
+        assert_step(mngr.restore(), 2)
+    assert sorted(n for n in os.listdir(fresh) if not n.startswith(".")) == ["2"]
 
 
 def test_local_directory_wiped_mid_run(s3, tmp_path):
