@@ -299,6 +299,36 @@ def test_a_failed_replication_is_raised_by_wait_and_close_naming_the_step(tmp_pa
     assert blocker.read_text().startswith("a file")  # never written through
 
 
+def test_local_retention_keeps_the_steps_waiting_for_a_stalled_bucket(tmp_path, monkeypatch):
+    """A real S3 server, stopped (SIGSTOP) while steps commit locally: the step being
+    copied is kept locally whatever ``keep`` says; a queued step superseded by a newer
+    one is not; once the server resumes, everything ends where the policies say."""
+    from _s3_server import S3Server
+
+    with S3Server(mode="process") as server:
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        spec = server.location(server.create_bucket(), "ckpt").spec
+        local = tmp_path / "local"
+        mngr = fop.CheckpointManager(local, keep=1, persistent=spec, persistent_keep=1)
+        try:
+            os.kill(server._proc.pid, signal.SIGSTOP)
+            try:
+                for s in (1, 2, 3):
+                    mngr.save(s, state(s))
+                    mngr.wait()  # committed locally, local retention applied
+                assert not mngr.persistent.wait(0.5)  # the bucket is stalled
+                assert mngr.steps() == [1, 3]  # 1 is being copied; 2 was superseded
+            finally:
+                os.kill(server._proc.pid, signal.SIGCONT)
+            assert mngr.persistent.wait(WAIT_S)
+            assert mngr.persistent.replicated == [1, 3]
+            assert mngr.gc() == [1]
+        finally:
+            mngr.close()
+        assert fop.CheckpointManager(spec, read_only=True).steps() == [3]
+
+
 # ------------------------------------------------------------------ restore choice
 
 
