@@ -269,6 +269,8 @@ class PersistentTier:
     def close(self, timeout: float | None = None, *, raise_errors: bool = True) -> None:
         """Waits up to ``timeout`` for the queue to drain, then stops the replicator (a
         copy still running is abandoned uncommitted). Idempotent."""
+        if self._stop and (self._thread is None or not self._thread.is_alive()):
+            return
         try:
             done = self.wait(timeout) if raise_errors else self._wait_quietly(timeout)
         finally:
