@@ -354,7 +354,9 @@ def test_a_damaged_persistent_copy_is_never_copied_down(s3_location, tmp_path):
         restored = mngr.restore()  # step 2 fails its check: step 1 instead
         assert mngr.restored_step == 1
         assert restored["extras"] == {"loss": 1.0}
-        assert mngr.steps() == [1]  # nothing of step 2 in the local tier
+        assert mngr.steps() == [1]
+        # Nothing of step 2 reached the local tier (not even a step set aside).
+        assert not [n for n in os.listdir(tmp_path / "b") if n.startswith("2")]
         with pytest.raises(fop.CorruptCheckpointError, match=r"2/extras/value.json: sha256"):
             mngr.restore(step=2)
 
