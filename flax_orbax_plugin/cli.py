@@ -250,8 +250,6 @@ def _sharding_str(sharding: Any) -> str:
 
 
 def cmd_inspect(args) -> int:
-    import flax_orbax_plugin as fop
-
     label, items = resolve(args.path, args.step)
     if args.item is not None:
         chosen = [i for i in items if i.name == args.item]
@@ -267,7 +265,7 @@ def cmd_inspect(args) -> int:
             text = json.dumps(_read_json_item(item), sort_keys=True)
             print(f"\n{item.name}: JSON {text if len(text) <= 200 else text[:197] + '...'}")
             continue
-        meta = fop.metadata(item.loc)
+        meta = _restore.metadata(item.loc)
         count = sum(_numel(leaf.shape) for leaf in meta.leaves.values() if leaf.dtype)
         grand_total += meta.total_bytes
         if args.summary:
@@ -302,14 +300,15 @@ def _numel(shape) -> int:
 
 
 def cmd_verify(args) -> int:
-    import flax_orbax_plugin as fop
+    from ._errors import CheckpointNotFoundError
+    from ._verify import verify
 
     try:
-        results = fop.verify(args.path, step=args.step, all_steps=args.all)
+        results = verify(args.path, step=args.step, all_steps=args.all)
     except CheckpointError as e:
         # Nothing checkable at PATH: a usage error, unless something is there but broken.
         loc = Location.from_path(args.path)
-        if loc.is_dir() and not isinstance(e, fop.CheckpointNotFoundError):
+        if loc.is_dir() and not isinstance(e, CheckpointNotFoundError):
             print(f"DAMAGED  {loc}: {_one_line(e)}")
             return EXIT_DAMAGED
         raise CliError(_one_line(e)) from None
@@ -408,17 +407,17 @@ def _leaf_groups(fop, path: str, names: list[str]) -> tuple[list[list[str]], Any
     if not all(k[0] in ("dict", "attr") for n in names for k in records[n].keys):
 
         def read_all(group):
-            flat, _ = _tree.flatten(fop.restore(path))
+            flat, _ = _tree.flatten(_restore.restore(path))
             return {p: v for p, _, v in flat}
 
         return [list(names)], read_all
 
     def read(group):
         like = _tree.rebuild((list(records[n].keys), None) for n in group)
-        flat, _ = _tree.flatten(fop.restore(path, like, partial=True))
+        flat, _ = _tree.flatten(_restore.restore(path, like, partial=True))
         return {p: v for p, _, v in flat}
 
-    meta = fop.metadata(path).leaves
+    meta = _restore.metadata(path).leaves
     groups: list[list[str]] = [[]]
     size = 0
     for name in names:
@@ -453,7 +452,7 @@ def cmd_export(args) -> int:
     if found[args.item].kind != "pytree":
         raise CliError(f"{found[args.item].loc}: not an array checkpoint")
     src = found[args.item].loc
-    from flax_orbax_plugin import _safetensors
+    from . import _safetensors
 
     key_map = _safetensors.key_map_from_file(args.key_map) if args.key_map else None
     result = _safetensors.export_checkpoint(
