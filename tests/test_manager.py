@@ -12,6 +12,7 @@ import textwrap
 import threading
 from typing import Any
 
+import _proc
 import grain
 import jax
 import jax.numpy as jnp
@@ -208,16 +209,18 @@ def test_second_writer_refused_while_first_lives_and_allowed_after_sigkill(tmp_p
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER.format(repo=REPO, directory=str(tmp_path))],
         stdout=subprocess.PIPE,
+        env=_proc.child_env(),
         text=True,
     )
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        assert _proc.read_line(proc, timeout=120).strip() == "ready"
         with pytest.raises(DirectoryLockedError, match=f"pid {proc.pid}"):
             fop.CheckpointManager(tmp_path)
         fop.CheckpointManager(tmp_path, read_only=True).close()  # readers are fine
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        _proc.wait(proc, timeout=30)
+    assert proc.returncode == -signal.SIGKILL
     with fop.CheckpointManager(tmp_path) as mngr:
         assert mngr.save(1, tiny(1))
 
@@ -253,10 +256,11 @@ def test_sigterm_saves_the_current_step_and_exits(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", PREEMPTED.format(repo=REPO, directory=str(tmp_path))],
         stdout=subprocess.PIPE,
+        env=_proc.child_env(),
         text=True,
     )
     try:
-        while int(proc.stdout.readline()) < 5:
+        while int(_proc.read_line(proc, timeout=120)) < 5:
             pass
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0].split()
