@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _arrays, _distributed, _host, _metadata, _tree
+from . import _arrays, _distributed, _faults, _host, _metadata, _tree
 from ._errors import CheckpointError, StructureError
 from ._metadata import COMMIT_FILE, METADATA_FILE
 from ._storage import Location
@@ -188,6 +188,7 @@ def save_async(
             plan = _Plan.build(tree)
         _check_target(location, force)
         plan.snapshot()
+        _faults.kill_point("snapshot")
         nonce = _distributed.broadcast_str(f"{op}/nonce", uuid.uuid4().hex[:12])
         blocking = time.perf_counter() - start
         limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
@@ -478,6 +479,7 @@ def _write_and_commit(
     try:
         written = _write_data(staging, plan, primary, limit)
         staging.sync()  # this process's chunks are durable before it reports "ok"
+        _faults.kill_point("synced")
     except BaseException as e:  # noqa: BLE001  (reported to every process below)
         error = e
     status = "ok" if error is None else f"error: {type(error).__name__}: {error}"
@@ -528,6 +530,7 @@ def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> in
         while pending and in_flight > to:
             future, nbytes = pending.popleft()
             future.result()
+            _faults.kill_point("mid_write")
             in_flight -= nbytes
 
     if primary:
@@ -565,7 +568,9 @@ def _encode_document(plan: _Plan, out: concurrent.futures.Future) -> None:
 def _commit(location: Location, staging: Location, document: bytes, nonce: str, force: bool):
     """Primary only: metadata, marker last, then the atomic rename on local disk."""
     staging.write_bytes(METADATA_FILE, document)
+    _faults.kill_point("metadata")
     staging.write_json(COMMIT_FILE, {"committed_at": time.time()})
+    _faults.kill_point("marker")
     if not location.supports_rename:
         return
     old = None
@@ -574,6 +579,7 @@ def _commit(location: Location, staging: Location, document: bytes, nonce: str, 
             raise CheckpointError(f"{location} was committed by someone else meanwhile")
         old = location.sibling(f"{location.name}.old-{nonce}")
         location.rename(old)
+    _faults.kill_point("rename")
     staging.rename(location)
     if old is not None:
         old.remove()
