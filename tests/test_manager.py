@@ -423,18 +423,68 @@ def _read_bytes() -> int:
     raise AssertionError("no read_bytes in /proc/self/io")
 
 
-def test_restore_params_reads_from_disk_only_the_params_bytes(tmp_path):
+def _params_run(tmp_path, layers):
+    """A step whose opt_state is twice the params; and a tiny warm-up run."""
     rng = np.random.default_rng(0)
     params = {
-        f"layer_{i}": {"kernel": rng.normal(size=(512, 1024)).astype(np.float32)} for i in range(16)
+        f"layer_{i}": {
+            "kernel": rng.normal(size=(512, 1024)).astype(np.float32),
+            "bias": rng.normal(size=(1024,)).astype(np.float32),  # batched small leaf
+        }
+        for i in range(layers)
     }
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(params))  # 32 MiB
     opt_state = {"mu": params, "nu": params}  # twice as big, must not be read
     with fop.CheckpointManager(tmp_path / "run") as mngr:
-        mngr.save(1, {"params": params, "opt_state": opt_state})
+        mngr.save(1, {"params": params, "opt_state": opt_state}, extras={"loss": 0.5})
     with fop.CheckpointManager(tmp_path / "warm") as mngr:
         mngr.save(1, {"params": {"a": np.ones(3)}, "opt_state": {"b": np.ones(3)}})
     fop.restore_params(tmp_path / "warm")  # imports and first-use costs, off the count
+    return params, sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+def _tensorstore_file_bytes_read() -> int:
+    import tensorstore as ts
+
+    metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return sum(v.get("value", 0) for m in metrics for v in m["values"])
+
+
+def test_restore_params_reads_only_the_params_bytes(tmp_path, monkeypatch):
+    """Counted at the storage layer (tensorstore's file reads and the library's own
+    small-file reads), so it runs everywhere: the bytes read are the params' bytes,
+    and every file or array opened lies under the step's params/."""
+    from flax_orbax_plugin._storage import Location
+
+    params, nbytes = _params_run(tmp_path, layers=4)  # 8 MiB of params, 16 of opt_state
+    opened, small = [], []
+    real_read, real_kvstore = Location.read_bytes, Location.kvstore
+
+    def read_bytes(self, name):
+        data = real_read(self, name)
+        opened.append(self.path + name)
+        small.append(len(data or b""))
+        return data
+
+    def kvstore(self, sub=""):
+        opened.append(self.path + sub)
+        return real_kvstore(self, sub)
+
+    monkeypatch.setattr(Location, "read_bytes", read_bytes)
+    monkeypatch.setattr(Location, "kvstore", kvstore)
+    before = _tensorstore_file_bytes_read()
+    out = fop.restore_params(tmp_path / "run")
+    read = _tensorstore_file_bytes_read() - before + sum(small)
+    assert_trees_equal(out, params)
+    params_dir = str(tmp_path / "run" / "1" / "params") + "/"
+    assert opened and all(p.startswith(params_dir) for p in opened), opened
+    assert any("/d/" in p for p in opened), opened  # array data went through the spy
+    print(f"read {read} bytes for {nbytes} bytes of params")
+    assert nbytes <= read <= 1.02 * nbytes + (64 << 10), (read, nbytes)
+
+
+def test_restore_params_reads_from_disk_only_the_params_bytes(tmp_path):
+    """The same from the kernel's side, with a cold page cache (where it can be dropped)."""
+    params, nbytes = _params_run(tmp_path, layers=16)  # 32 MiB of params
     if not _drop_page_cache():
         pytest.skip("cannot drop the page cache here (needs root and a writable /proc/sys)")
     before = _read_bytes()
