@@ -533,10 +533,45 @@ def test_state_saved_on_8_devices_restores_on_4_on_1_and_as_numpy(tmp_path):
         np.testing.assert_array_equal(host["w"], np.asarray(big["w"]))
 
 
-def test_object_store_commits_with_the_manifest_written_last():
+def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
+    from flax_orbax_plugin._manager import MANIFEST
     from flax_orbax_plugin._storage import Location
 
     url = "memory://test_manager/run"
+    root = Location.from_path(url)
+
+    def keys_under(step):
+        return {k.decode() for k in root.child(str(step))._kv().list().result()}
+
+    # For each manifest written: the step's keys at that moment, and the files written
+    # into that step after it.
+    at_manifest, after_manifest = {}, {}
+    real_write = Location.write_bytes
+
+    def recording_write(self, name, data):
+        for step in at_manifest:
+            if self.path.startswith(root.child(str(step)).path):
+                after_manifest[step].append(self.path + name)
+        if name == MANIFEST:
+            step = int(self.name)
+            at_manifest[step], after_manifest[step] = keys_under(step), []
+        return real_write(self, name, data)
+
+    monkeypatch.setattr(Location, "write_bytes", recording_write)
+    with fop.CheckpointManager(url, keep=2) as mngr:
+        mngr.save(9, {"params": {"w": np.arange(1 << 19, dtype=np.float32)}}, extras={"a": 1})
+        mngr.wait()
+        final = keys_under(9)
+        assert at_manifest[9] == final - {MANIFEST}, (at_manifest[9], final)
+        assert any(k.startswith("params/d/") for k in at_manifest[9])  # chunks were there
+        assert any(k.startswith("extras/") for k in at_manifest[9])
+        assert after_manifest[9] == []  # nothing written into the step after its manifest
+        mngr.save(9, {"params": {"w": np.zeros(3)}}, force=True)  # clear the way below
+        mngr.wait()
+        assert after_manifest[9] == []
+    for step in list(at_manifest):
+        root.child(str(step)).remove()
+    monkeypatch.undo()
     with fop.CheckpointManager(url, keep=2) as mngr:
         for s in range(4):
             mngr.save(s, tiny(s), extras={"loss": s})
