@@ -18,7 +18,8 @@ import importlib
 
 LIBRARIES = ("fop", "orbax", "dcp", "msgpack")
 LABELS = {
-    "raw": "raw limit (1 file, 1 fsync)",
+    "raw": "raw limit (1 file, parallel pwrite/preadv, 1 fsync)",
+    "raw1": "raw, one sequential stream",
     "fop": "flax_orbax_plugin",
     "orbax": "orbax-checkpoint",
     "dcp": "torch.distributed.checkpoint",
