@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 
+import _proc
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -306,7 +307,8 @@ class TestManagerOnS3:
                 pytest.fail("the writer wrote nothing under 2/ within 60 s")
         finally:
             proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            _proc.wait(proc, timeout=60)
+        assert proc.returncode == -signal.SIGKILL  # killed mid-save, not finished
         assert b"finished" not in proc.stdout.read()
         assert any(k.startswith("2/") for k in s3_location.keys())  # debris exists
         with fop.CheckpointManager(spec, read_only=True) as reader:
