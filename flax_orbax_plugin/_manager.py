@@ -416,12 +416,12 @@ class CheckpointManager:
             _distributed.barrier(op + "/written")
             if _distributed.is_primary():
                 target.write_json(MANIFEST, manifest)  # durable; the commit on object stores
-                _faults.kill_point("manifest")
+                _faults.kill_point("after_marker")
                 if target != final:
                     if final.is_dir():  # force-replacing an existing step
                         old = self._loc.child(f"{step}.deleting-{secrets.token_hex(6)}")
                         final.rename(old)
-                        _faults.kill_point("step_rename")
+                        _faults.kill_point("mid_rename")
                         target.rename(final)
                         old.remove()
                     else:
@@ -507,11 +507,11 @@ class CheckpointManager:
         if self._loc.supports_rename:
             doomed = self._loc.child(f"{step}.deleting-{secrets.token_hex(6)}")
             loc.rename(doomed)  # atomic: the step disappears from listings at once
-            _faults.kill_point("retention")
+            _faults.kill_point("mid_retention")
             doomed.remove()
         else:
             loc.delete(MANIFEST)  # uncommit first, then delete the data
-            _faults.kill_point("retention")
+            _faults.kill_point("mid_retention")
             loc.remove()
 
     def _remove_unfinished(self) -> None:

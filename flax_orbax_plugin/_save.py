@@ -188,7 +188,7 @@ def save_async(
             plan = _Plan.build(tree)
         _check_target(location, force)
         plan.snapshot()
-        _faults.kill_point("snapshot")
+        _faults.kill_point("after_snapshot")
         nonce = _distributed.broadcast_str(f"{op}/nonce", uuid.uuid4().hex[:12])
         blocking = time.perf_counter() - start
         limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
@@ -479,7 +479,7 @@ def _write_and_commit(
     try:
         written = _write_data(staging, plan, primary, limit)
         staging.sync()  # this process's chunks are durable before it reports "ok"
-        _faults.kill_point("synced")
+        _faults.kill_point("after_sync")
     except BaseException as e:  # noqa: BLE001  (reported to every process below)
         error = e
     status = "ok" if error is None else f"error: {type(error).__name__}: {error}"
@@ -568,9 +568,9 @@ def _encode_document(plan: _Plan, out: concurrent.futures.Future) -> None:
 def _commit(location: Location, staging: Location, document: bytes, nonce: str, force: bool):
     """Primary only: metadata, marker last, then the atomic rename on local disk."""
     staging.write_bytes(METADATA_FILE, document)
-    _faults.kill_point("metadata")
+    _faults.kill_point("after_metadata")
     staging.write_json(COMMIT_FILE, {"committed_at": time.time()})
-    _faults.kill_point("marker")
+    _faults.kill_point("after_marker")
     if not location.supports_rename:
         return
     old = None
@@ -579,7 +579,7 @@ def _commit(location: Location, staging: Location, document: bytes, nonce: str, 
             raise CheckpointError(f"{location} was committed by someone else meanwhile")
         old = location.sibling(f"{location.name}.old-{nonce}")
         location.rename(old)
-    _faults.kill_point("rename")
+        _faults.kill_point("mid_rename")
     staging.rename(location)
     if old is not None:
         old.remove()

@@ -1,7 +1,7 @@
 """A real saving process SIGKILLed at each named phase of a save (``FOP_KILL_AT``).
 
-For every phase of ``flax_orbax_plugin._faults.PHASES`` a child process opens a
-manager on a directory holding committed steps 1 and 2 and saves step 3 (or, for
+For every phase (``_faults.kill_point`` calls in the package) a child process opens
+a manager on a directory holding committed steps 1 and 2 and saves step 3 (or, for
 the forced-replacement phase, replaces step 2); the child's save path SIGKILLs it at
 that phase. The parent then checks every invariant: the child died of SIGKILL at
 that point (it never finished); only committed steps are listed, each restoring
@@ -12,6 +12,7 @@ The timed sweep (kills after measured delays) stays in ``test_save.py``.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,27 +62,37 @@ import _proc  # noqa: E402
 import pytest  # noqa: E402
 
 import flax_orbax_plugin as fop  # noqa: E402
-from flax_orbax_plugin._faults import PHASES  # noqa: E402
 
-# Phase -> (scenario, steps listed after the kill, {step: version saved there}).
+# The phases of a save, in order (see flax_orbax_plugin/_faults.py).
+PHASES = (
+    "after_snapshot",  # the blocking phase copied every byte to host memory
+    "mid_write",  # a first chunk write completed, others may be pending
+    "after_sync",  # this process's files are durable
+    "after_metadata",  # _METADATA.json written
+    "after_marker",  # the marker (the step's manifest) written, not yet renamed
+    "mid_rename",  # forced replacement: the old one moved aside, the new not yet in place
+    "mid_retention",  # an old step renamed away (or uncommitted), not yet removed
+)
+
+# Phase -> (scenario, steps listed after the kill, {step: versions allowed there}).
 EXPECTED = {
-    "snapshot": ("new", [1, 2], {}),
-    "mid_write": ("new", [1, 2], {}),
-    "synced": ("new", [1, 2], {}),
-    "metadata": ("new", [1, 2], {}),
-    "marker": ("new", [1, 2], {}),
-    "rename": ("new", [1, 2], {}),
-    "manifest": ("new", [1, 2], {}),
-    # Step 3 committed; step 1 renamed away by retention is no longer a step.
-    "retention": ("new", [2, 3], {}),
+    **{p: ("new", [1, 2], {}) for p in PHASES[:5]},
     # The old step 2 was moved aside, the new one not yet in place: step 2 must
     # still be there, old or new, never lost.
-    "step_rename": ("replace", [1, 2], {2: (0, 1)}),
+    "mid_rename": ("replace", [1, 2], {2: (0, 1)}),
+    # Step 3 committed; step 1 renamed away by retention is no longer a step.
+    "mid_retention": ("new", [2, 3], {}),
 }
 
 
-def test_every_phase_has_a_scenario():
-    assert set(EXPECTED) == set(PHASES)
+def test_every_kill_point_of_the_package_is_exercised():
+    package = os.path.dirname(fop.__file__)
+    called = set()
+    for name in os.listdir(package):
+        if name.endswith(".py"):
+            with open(os.path.join(package, name)) as f:
+                called |= set(re.findall(r"kill_point\(\"([a-z_]+)\"\)", f.read()))
+    assert called == set(PHASES)
 
 
 def _assert_items_equal(restored: dict, expected: dict) -> None:
@@ -133,7 +144,7 @@ def _run_child(tmp_path, directory, scenario, phase) -> None:
     "phase",
     [
         pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=LOST_ON_REPLACE))
-        if p == "step_rename"
+        if p == "mid_rename"
         else p
         for p in PHASES
     ]
@@ -181,12 +192,8 @@ def test_sigkill_at_phase_leaves_only_committed_steps(tmp_path, phase):
 @pytest.mark.parametrize(
     "phase",
     [
-        "snapshot",
-        "mid_write",
-        "synced",
-        "metadata",
-        "marker",
-        pytest.param("rename", marks=pytest.mark.xfail(strict=True, reason=LOST_ON_REPLACE)),
+        *PHASES[:5],
+        pytest.param("mid_rename", marks=pytest.mark.xfail(strict=True, reason=LOST_ON_REPLACE)),
     ],
 )
 def test_sigkill_during_a_forced_core_save_keeps_old_or_new(tmp_path, phase):
