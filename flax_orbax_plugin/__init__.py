@@ -6,43 +6,57 @@ The core (one pytree):
     handle = fop.save_async(path, tree)  # returns after the host snapshot; handle.wait()
     tree = fop.restore(path, like=None)  # like: arrays / ShapeDtypeStructs / None -> numpy
     info = fop.metadata(path)            # leaves, shapes, dtypes, shardings; no data read
+    report = fop.verify(path)            # every checksum of a checkpoint or a directory
+
+A directory of training steps: ``CheckpointManager``, ``CheckpointCallback``;
+serving: ``restore_params``.
 """
 
 from ._callback import CheckpointCallback
-from ._checkpointables import Checkpointable
+from ._checkpointables import Checkpointable, Pending, Written
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CoordinationError,
     CorruptCheckpointError,
+    DirectoryLockedError,
     NotCommittedError,
     StructureError,
+    UnknownItemError,
 )
-from ._manager import CheckpointManager, SaveFigures, UnknownItemError, restore_params
+from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata
 from ._restore import metadata, restore
 from ._save import SaveHandle, SaveResult, is_committed, save, save_async
+from ._serving import restore_params
+from ._storage import Location
+from ._verify import VerifyResult, verify
 
 __all__ = [
     "CheckpointCallback",
-    "SaveFigures",
     "CheckpointError",
     "CheckpointManager",
-    "Checkpointable",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
+    "Checkpointable",
     "CoordinationError",
     "CorruptCheckpointError",
+    "DirectoryLockedError",
     "LeafMetadata",
+    "Location",
     "NotCommittedError",
+    "Pending",
     "SaveHandle",
     "SaveResult",
     "StructureError",
     "UnknownItemError",
+    "VerifyResult",
+    "Written",
     "is_committed",
     "metadata",
     "restore",
     "restore_params",
     "save",
     "save_async",
+    "verify",
 ]

@@ -116,8 +116,8 @@ def open_for_write(array_spec: dict[str, Any]) -> ts.TensorStore:
 
 
 def open_for_read(array_spec: dict[str, Any]) -> ts.TensorStore:
-    """Opens without reading zarr.json; a missing chunk raises instead of reading zeros."""
+    """Opens, checking the stored ``zarr.json`` agrees with ``array_spec`` (shape, dtype,
+    chunks, codecs: tensorstore raises ValueError otherwise); a missing chunk raises
+    instead of reading zeros."""
     array_spec = dict(array_spec, fill_missing_data_reads=False)
-    return ts.open(
-        array_spec, assume_metadata=True, open=True, context=_context_for(array_spec)
-    ).result()
+    return ts.open(array_spec, open=True, context=_context_for(array_spec)).result()

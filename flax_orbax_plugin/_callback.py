@@ -14,26 +14,34 @@ current state) and call ``cb(step, t=None)`` after each step, as CLU's
 ``periodic_actions`` are called. ``t`` is the time (``time.monotonic()`` when
 None), so tests pass it in instead of sleeping.
 
-The callback owns the save *policy* (every N steps, every T seconds, first call
-never saves, the final step always does); the :class:`CheckpointManager` it
-creates owns the directory: retention, the writer lock, async writes, commit.
+The callback hands its policy options (``every_steps``, ``every_seconds``) to the
+:class:`CheckpointManager` it creates, which takes every save decision (once, shared
+by all processes) and owns the directory: retention, the writer lock, async writes,
+the commit. The final step is always saved by ``on_train_end``.
 
-Each finished save's figures reach the user twice: an absl ``logging.info`` line
-and, if a ``writer`` is given, ``writer.write_scalars(step, {...})`` (CLU's
-metric-writer shape) with ``checkpoint/blocking_seconds``,
-``checkpoint/total_seconds``, ``checkpoint/bytes`` and ``checkpoint/gbytes_per_sec``.
+No silent mixing of runs: ``resume=False`` on a directory that already holds steps
+raises (unless ``overwrite=True``, which removes them first); steps must increase;
+a ``step`` different from ``state.step`` is warned about once.
+
+Each committed save is logged once, when it commits, on the ``flax_orbax_plugin``
+logger; with a ``writer``, ``writer.write_scalars(step, {...})`` (CLU's metric-writer
+shape) also receives ``checkpoint/blocking_seconds``, ``checkpoint/total_seconds``,
+``checkpoint/bytes`` and ``checkpoint/gbytes_per_sec``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from absl import logging
+from ._errors import CheckpointError, CheckpointNotFoundError
+from ._manager import CheckpointManager, remove_step
+from ._save import SaveResult
+from ._storage import Location
 
-from flax_orbax_plugin._errors import CheckpointNotFoundError
-from flax_orbax_plugin._manager import SaveFigures
+logger = logging.getLogger("flax_orbax_plugin")
 
 __all__ = ["CheckpointCallback"]
 
@@ -48,12 +56,15 @@ class CheckpointCallback:
     Args:
       directory: the checkpoint directory (local path or ``s3://`` / ``gs://`` URL).
       every_steps: save when ``step % every_steps == 0``.
-      every_secs: save when at least this many seconds passed since the last save
+      every_seconds: save when at least this many seconds passed since the last save
         (or since the first call). With neither set, only the final step is saved.
       keep: how many of the most recent steps to keep (None keeps all).
-      resume: False starts fresh even if checkpoints exist; True resumes from the
-        latest step when one exists and starts fresh otherwise; ``"required"``
-        raises :class:`CheckpointNotFoundError` when there is nothing to resume.
+      resume: False starts fresh and refuses a directory that already holds steps;
+        True resumes from the latest good step when one exists and starts fresh
+        otherwise; ``"required"`` raises :class:`CheckpointNotFoundError` when there
+        is nothing to resume.
+      overwrite: with ``resume=False``, remove the steps already in the directory at
+        train start instead of refusing.
       async_save: write in the background (the training loop waits only for the
         device-to-host copy). False makes every save durable before returning.
       state_fn: returns the current state; needed only for ``cb(step, t)``.
@@ -71,9 +82,10 @@ class CheckpointCallback:
         directory: str,
         *,
         every_steps: int | None = None,
-        every_secs: float | None = None,
+        every_seconds: float | None = None,
         keep: int | None = 3,
         resume: bool | str = False,
+        overwrite: bool = False,
         async_save: bool = True,
         state_fn: Callable[[], Any] | None = None,
         data_iterator: Any = None,
@@ -85,13 +97,15 @@ class CheckpointCallback:
             raise ValueError(f"resume must be False, True or 'required', found {resume!r}")
         if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
             raise ValueError(f"every_steps must be a positive int or None, found {every_steps!r}")
-        if every_secs is not None and not every_secs > 0:
-            raise ValueError(f"every_secs must be > 0 or None, found {every_secs!r}")
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"every_seconds must be > 0 or None, found {every_seconds!r}")
         self.directory = directory
         self.every_steps = every_steps
-        self.every_secs = every_secs
+        self.every_seconds = every_seconds
         self.keep = keep
         self.resume = resume
+        self.overwrite = bool(overwrite)
+        self._warned_step = False
         self.async_save = bool(async_save)
         self._state_fn = state_fn
         self._data_iterator = data_iterator
@@ -99,11 +113,10 @@ class CheckpointCallback:
         self._writer = writer
         self._manager_options = dict(manager_options or {})
         self._manager = None
-        self._last_save_time: float | None = None
         self._last_saved_step: int | None = None
         self._last_step: int | None = None
         self._inflight: int | None = None  # the step saving in the background
-        self.history: list[SaveFigures] = []  # figures of every finished save, in order
+        self.history: list[SaveResult] = []  # figures of every finished save, in order
         self.resumed_step: int | None = None  # the step restored by on_train_start
 
     # -- the manager ------------------------------------------------------------
@@ -112,67 +125,78 @@ class CheckpointCallback:
     def manager(self):
         """The CheckpointManager, created on first use."""
         if self._manager is None:
-            from flax_orbax_plugin._manager import CheckpointManager
-
             self._manager = CheckpointManager(self.directory, **self._manager_kwargs())
         return self._manager
 
     def _manager_kwargs(self) -> dict[str, Any]:
-        kwargs = dict(keep=self.keep, async_save=self.async_save)
+        kwargs = dict(
+            keep=self.keep,
+            async_save=self.async_save,
+            every_steps=self.every_steps,
+            every_seconds=self.every_seconds,
+        )
         kwargs.update(self._manager_options)
         return kwargs
 
     # -- the three hooks --------------------------------------------------------
 
     def on_train_start(self, state: Any, data_iterator: Any = None) -> Any:
-        """Returns ``state`` resumed from the latest step (per ``resume``), or unchanged."""
+        """Returns ``state`` resumed from the latest good step (per ``resume``), or
+        unchanged. With ``resume=False`` a directory holding steps is refused (or, with
+        ``overwrite=True``, emptied of them)."""
         if data_iterator is not None:
             self._data_iterator = data_iterator
         mngr = self.manager
-        latest = mngr.latest_step() if self.resume else None
+        latest = mngr.latest_step()
+        if not self.resume:
+            if latest is not None:
+                self._refuse_or_clear(mngr, latest)
+            return state
         if latest is None:
             if self.resume == "required":
                 raise CheckpointNotFoundError(
                     f"resume='required' but {self.directory} holds no committed checkpoint"
                 )
-            if self.resume:
-                logging.info("checkpoint: nothing to resume in %s; starting fresh", self.directory)
+            logger.info("checkpoint: nothing to resume in %s; starting fresh", self.directory)
             return state
         t0 = time.perf_counter()
-        restored = mngr.restore(like=state, step=latest, data_iterator=self._data_iterator)
-        self.resumed_step = self._last_saved_step = self._last_step = int(latest)
-        logging.info(
-            "checkpoint: resumed step %d from %s in %.3f s",
+        restored = mngr.restore(like=state, data_iterator=self._data_iterator)
+        latest = mngr.restored_step
+        self.resumed_step = self._last_saved_step = self._last_step = latest
+        logger.info(
+            "checkpoint: resumed step %s from %s in %.3f s",
             latest,
             self.directory,
             time.perf_counter() - t0,
         )
         return restored
 
+    def _refuse_or_clear(self, mngr: CheckpointManager, latest: int) -> None:
+        if not self.overwrite:
+            raise CheckpointError(
+                f"{self.directory} already holds steps of a run (latest: {latest}) and "
+                f"resume=False: refusing to mix two runs. Resume it (resume=True), use a "
+                f"new directory, or pass overwrite=True to remove its steps first"
+            )
+        for step in mngr.steps():
+            remove_step(Location.from_path(self.directory), step)
+        logger.warning("checkpoint: overwrite=True: removed the steps in %s", self.directory)
+
     def on_step_end(self, step: int, state: Any, *, t: float | None = None) -> bool:
         """Saves ``state`` as ``step`` if the policy says so; returns whether it did."""
         step = int(step)
-        now = time.monotonic() if t is None else float(t)
         self._last_step = step
         self._poll()
-        if self._last_save_time is None:
-            # The first call starts the clock (as CLU's periodic actions do).
-            self._last_save_time = now
-        due = (self.every_steps is not None and step % self.every_steps == 0) or (
-            self.every_secs is not None and now - self._last_save_time >= self.every_secs
-        )
-        if not due or step == self._last_saved_step:
+        if step == self._last_saved_step:
             return False
-        self._save(step, state)
-        self._last_save_time = now
-        return True
+        return self._save(step, state, t=t, force=False)
 
     def on_train_end(self, state: Any, step: int | None = None) -> None:
         """Saves the final step (unless already saved), waits for it, and closes."""
         if step is None:
             step = _step_of(state, self._last_step)
         if step is not None and int(step) != self._last_saved_step:
-            self._save(int(step), state)
+            self._save(int(step), state, t=None, force=True)
         self.close()
 
     def __call__(self, step: int, t: float | None = None) -> bool:
@@ -204,14 +228,35 @@ class CheckpointCallback:
 
     # -- saving and reporting ----------------------------------------------------
 
-    def _save(self, step: int, state: Any) -> None:
+    def _save(self, step: int, state: Any, *, t: float | None, force: bool) -> bool:
         self._finish_inflight(block=True)
-        extras = dict(self._extras_fn(step, state)) if self._extras_fn else None
-        self.manager.save(step, state, data_iterator=self._data_iterator, extras=extras, force=True)
-        self._last_saved_step = step
-        self._inflight = step
-        if not self.async_save:
-            self._finish_inflight(block=True)
+        self._check_state_step(step, state)
+        extras_fn = self._extras_fn
+        saved = self.manager.save(
+            step,
+            state,
+            data_iterator=self._data_iterator,
+            extras=(lambda: dict(extras_fn(step, state))) if extras_fn else None,
+            force=force,
+            t=t,
+        )
+        if saved:
+            self._last_saved_step = step
+            self._inflight = step
+            if not self.async_save:
+                self._finish_inflight(block=True)
+        return saved
+
+    def _check_state_step(self, step: int, state: Any) -> None:
+        saved = _step_of(state, None)
+        if saved is not None and saved != step and not self._warned_step:
+            self._warned_step = True
+            logger.warning(
+                "checkpoint: saving step %d but state.step is %d (a 0-based loop counter?); "
+                "the step number is the directory name restore resumes from",
+                step,
+                saved,
+            )
 
     def _poll(self) -> None:
         self._finish_inflight(block=False)
@@ -233,14 +278,6 @@ class CheckpointCallback:
         if figures is None or figures.step != step:
             return
         self.history.append(figures)
-        logging.info(
-            "checkpoint: saved step %d: blocking %.4f s, total %.4f s, %d bytes, %.3f GB/s",
-            figures.step,
-            figures.blocking_seconds,
-            figures.total_seconds,
-            figures.bytes_written,
-            figures.gbytes_per_sec,
-        )
         if self._writer is not None:
             self._writer.write_scalars(step, figures.as_scalars())
 

@@ -11,9 +11,13 @@ directory or a prefix on an object store).
   (training) thread: it snapshots ``value`` (device-to-host copies, iterator
   state, JSON encoding) so the caller may mutate or donate it as soon as ``save``
   returns. The returned :class:`Pending` finishes the write; the manager calls
-  ``Pending.wait()`` from its background thread. ``directory`` does not exist yet
-  when ``save`` is called; the checkpointable creates it (the core does this for
-  pytrees).
+  ``Pending.wait()`` from its background thread, on every process. ``directory``
+  (inside the step's staging directory) does not exist yet when ``save`` is called;
+  the checkpointable creates it. ``wait()`` returns a :class:`Written` (array bytes,
+  and the sha256 of each JSON file it wrote, which the step manifest records and
+  restore checks) or None. It commits nothing: the step commits once, after every
+  item of every process is durable (the manager makes the staging directory durable
+  with one sync).
 * ``restore(directory, like) -> value`` reads the piece back. ``like`` is the
   abstract or concrete value the caller wants (pytree of arrays or
   ``jax.ShapeDtypeStruct``, an iterator to set the state of, an int, ...) or None.
@@ -31,17 +35,20 @@ Nothing here ever unpickles: every non-array file is JSON.
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from flax_orbax_plugin._storage import Location
+from . import _layout, _restore, _save, _steps
+from ._commit import Written
+from ._errors import CorruptCheckpointError, StructureError
+from ._storage import Location
 
 __all__ = [
     "Checkpointable",
     "Pending",
+    "Written",
     "PytreeCheckpointable",
     "JsonCheckpointable",
     "StepCheckpointable",
@@ -50,15 +57,15 @@ __all__ = [
     "BUILTIN_CHECKPOINTABLES",
 ]
 
-JSON_FILE = "value.json"
+JSON_FILE = _layout.JSON_VALUE_FILE
 
 
 @runtime_checkable
 class Pending(Protocol):
     """The unfinished, background part of a checkpointable's save."""
 
-    def wait(self) -> Any:
-        """Block until the piece is durable on storage; re-raise any write error."""
+    def wait(self) -> Written | None:
+        """Block until the piece is written; re-raise any write error."""
 
 
 @runtime_checkable
@@ -80,9 +87,10 @@ class Checkpointable(Protocol):
 class _Done:
     """A Pending whose work runs, once, when waited on (or is already done)."""
 
-    def __init__(self, fn: Callable[[], Any] | None = None):
+    def __init__(self, fn: Callable[[], Any] | None = None, digest: str = ""):
         self._fn = fn
         self._result: Any = None
+        self.digest = digest  # of the saved structure, compared across processes
 
     def wait(self) -> Any:
         if self._fn is not None:
@@ -135,16 +143,16 @@ def _from_json(value: Any) -> Any:
 
 
 def read_json(directory: Location, name: str) -> Any:
-    """Read JSON file ``name`` under ``directory``; clear errors when missing or bad."""
-    from flax_orbax_plugin._errors import CheckpointNotFoundError, CorruptCheckpointError
+    """JSON file ``name`` of an item of a committed step, checked against the checksum
+    its step manifest records."""
+    return _steps.read_item_json(directory, name)
 
-    try:
-        data = directory.read_json(name)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{directory}/{name} is not valid JSON: {e}") from e
-    if data is None:
-        raise CheckpointNotFoundError(f"missing checkpoint file {directory}/{name}")
-    return data
+
+def write_json(directory: Location, name: str, value: Any) -> Written:
+    """Writes ``value`` as JSON (made durable by the step's sync); returns its checksum."""
+    data = _layout.encode(value)
+    directory.write_bytes(name, data, durable=False)
+    return Written(0, {name: _layout.sha256(data)})
 
 
 def _process_index() -> int:
@@ -166,14 +174,12 @@ class PytreeCheckpointable:
     kind = "pytree"
 
     def save(self, directory: Location, value: Any) -> Pending:
-        import flax_orbax_plugin as fop
-
-        return fop.save_async(directory, value)
+        snap = _save.snapshot(value)
+        limit = _save.DEFAULT_MEMORY_LIMIT_BYTES
+        return _Done(lambda: snap.write(directory, limit=limit, durable=False), snap.digest)
 
     def restore(self, directory: Location, like: Any) -> Any:
-        import flax_orbax_plugin as fop
-
-        return fop.restore(directory, like)
+        return _restore.restore(directory, like)
 
 
 class JsonCheckpointable:
@@ -191,9 +197,8 @@ class JsonCheckpointable:
         data = self._encode(value)  # snapshot now, on the caller's thread
         primary = _process_index() == 0
 
-        def write() -> None:
-            if primary:
-                directory.write_json(JSON_FILE, data)
+        def write() -> Written:
+            return write_json(directory, JSON_FILE, data) if primary else Written()
 
         return _Done(write)
 
@@ -217,8 +222,6 @@ class StepCheckpointable(JsonCheckpointable):
         return int(arr)
 
     def _decode(self, data: Any, like: Any) -> Any:
-        from flax_orbax_plugin._errors import CorruptCheckpointError
-
         if not isinstance(data, int) or isinstance(data, bool):
             raise CorruptCheckpointError(f"step: expected an integer, found {data!r}")
         return cast_scalar_like(data, like)
@@ -283,14 +286,22 @@ class DataIteratorCheckpointable:
         state = _to_json(_iterator_state(value), "data_iterator")
         name = self.filename(_process_index())
 
-        def write() -> None:
-            directory.write_json(name, {"state": state})
+        def write() -> Written:
+            return write_json(directory, name, {"state": state})
 
         return _Done(write)
 
     def restore(self, directory: Location, like: Any) -> Any:
-        from flax_orbax_plugin._errors import CorruptCheckpointError
+        import jax
 
+        manifest = _steps.manifest_for_item(directory)
+        if manifest is not None and manifest.process_count != jax.process_count():
+            raise StructureError(
+                f"{directory}: the data iterator states were saved by {manifest.process_count} "
+                f"process(es) but {jax.process_count()} are restoring; each process's "
+                f"position is its own. Restore without the data_iterator item and re-seed "
+                f"the pipeline, or use an iterator whose state can be re-sharded"
+            )
         name = self.filename(_process_index())
         data = read_json(directory, name)
         if not isinstance(data, dict) or "state" not in data:

@@ -13,9 +13,12 @@ training thread runs.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import re
+import secrets
+import threading
 
 import jax
 
@@ -23,6 +26,12 @@ from ._errors import CoordinationError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FOP_COORDINATION_TIMEOUT_S", "300"))
 _COUNTER = itertools.count()
+
+# Coordination calls made by this process, by kind ("barrier", "kv_set", "kv_get"):
+# tests assert how many one save costs.
+CALLS: collections.Counter[str] = collections.Counter()
+_SESSION: list[str] = []
+_SESSION_LOCK = threading.Lock()
 
 
 def process_index() -> int:
@@ -58,6 +67,7 @@ def barrier(name: str, *, timeout_s: float | None = None) -> None:
     if process_count() == 1:
         return
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    CALLS["barrier"] += 1
     try:
         _client().wait_at_barrier(name, int(timeout * 1000))
     except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
@@ -88,8 +98,10 @@ def broadcast_str(name: str, value: str | None, *, timeout_s: float | None = Non
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     client = _client()
     if is_primary():
+        CALLS["kv_set"] += 1
         client.key_value_set(name, value)
         return value
+    CALLS["kv_get"] += 1
     try:
         return client.blocking_key_value_get(name, int(timeout * 1000))
     except Exception as e:
@@ -102,6 +114,7 @@ def broadcast_str(name: str, value: str | None, *, timeout_s: float | None = Non
 def publish(name: str, value: str) -> None:
     """Stores this process's ``value`` under ``name/<process>`` for :func:`gather_str`."""
     if process_count() > 1:
+        CALLS["kv_set"] += 1
         _client().key_value_set(f"{name}/{process_index()}", value)
 
 
@@ -111,6 +124,7 @@ def gather_str(name: str, *, timeout_s: float | None = None) -> list[str]:
     client = _client()
     out = []
     for p in range(process_count()):
+        CALLS["kv_get"] += 1
         try:
             out.append(client.blocking_key_value_get(f"{name}/{p}", int(timeout * 1000)))
         except Exception as e:
@@ -118,3 +132,34 @@ def gather_str(name: str, *, timeout_s: float | None = None) -> list[str]:
                 f"no value {name!r} from process {p} within {timeout:.0f}s ({e})"
             ) from e
     return out
+
+
+def session_nonce() -> str:
+    """A random name shared by every process, agreed once per process lifetime (the first
+    call is collective: one key-value round); later saves derive their staging names
+    from it and a counter, with no coordination."""
+    with _SESSION_LOCK:
+        if not _SESSION:
+            mine = secrets.token_hex(4)
+            _SESSION.append(broadcast_str(next_operation_id("session"), mine))
+        return _SESSION[0]
+
+
+def unique_name() -> str:
+    """``<session>x<n>``: identical on every process for its n-th call (SPMD order)."""
+    return f"{session_nonce()}x{next(_NAMES)}"
+
+
+_NAMES = itertools.count()
+
+
+def get_from(name: str, process: int, *, timeout_s: float | None = None) -> str:
+    """The value ``process`` published under ``name`` (see :func:`publish`)."""
+    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    CALLS["kv_get"] += 1
+    try:
+        return _client().blocking_key_value_get(f"{name}/{process}", int(timeout * 1000))
+    except Exception as e:
+        raise CoordinationError(
+            f"no value {name!r} from process {process} within {timeout:.0f}s ({e})"
+        ) from e

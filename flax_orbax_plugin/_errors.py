@@ -29,3 +29,14 @@ class CorruptCheckpointError(CheckpointError):
 
 class CoordinationError(CheckpointError):
     """Processes of a multi-process save or restore failed to meet in time."""
+
+
+class UnknownItemError(CheckpointError, KeyError):
+    """An item name that the step does not hold; lists those it does."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DirectoryLockedError(CheckpointError):
+    """Another live process (or manager) is already writing to this directory."""

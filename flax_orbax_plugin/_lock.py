@@ -14,15 +14,11 @@ import fcntl
 import os
 import socket
 
-from flax_orbax_plugin._errors import CheckpointError
+from ._errors import DirectoryLockedError
 
 __all__ = ["DirectoryLock", "DirectoryLockedError", "LOCK_FILE"]
 
 LOCK_FILE = ".writer.lock"
-
-
-class DirectoryLockedError(CheckpointError):
-    """Another live process (or manager) is already writing to this directory."""
 
 
 class DirectoryLock:

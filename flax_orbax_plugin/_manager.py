@@ -1,47 +1,41 @@
-"""CheckpointManager: a directory of training steps, and restore_params for serving.
+"""CheckpointManager: a directory of training steps.
 
-Layout::
+Layout (see FORMAT.md and ``_steps``)::
 
     <directory>/
       .writer.lock                 flock held by the one live writer (local only)
       <step>/                      committed step
-        _CHECKPOINT.json           manifest: format, version, step, {item: kind}
-        params/ opt_state/ ...     one core checkpoint (or JSON) per checkpointable
-      <step>.partial-<nonce>/      a step being written (local); removed on start
-      <step>.deleting-<nonce>/     a step being deleted (local); removed on start
+        _CHECKPOINT.json           manifest: items, checksums of the JSON files; the commit
+        params/ opt_state/ ...     one pytree (or JSON) per checkpointable
+      <step>.partial-<nonce>/      a step being written (local); removed on open
+      <step>.deleting-<nonce>/     a step being deleted (local); removed on open
+      <step>.corrupt-<nonce>/      a step that failed verification on resume; kept
 
-How a step is made atomic. On a local filesystem every item is saved (through
-the core, which commits each item on its own) into ``<step>.partial-<nonce>/``;
-when all items are durable the manifest is written and fsynced, then the
-directory is renamed to ``<step>`` and the parent fsynced. The rename is the
-commit. On object stores (no rename) items are written straight into
-``<step>/`` and the manifest is written last: it is the commit marker. On both,
-:meth:`CheckpointManager.steps` lists only step directories holding a manifest.
+One step, one commit: every item is written into the step's staging directory without
+a commit of its own; when every process has made its files durable, the primary
+writes the manifest and commits the step once (``_commit``: rename on filesystems,
+the manifest as the marker on object stores).
 
-Threading and call order. One training thread owns a manager: it calls
-``save`` / ``restore`` / ``wait`` / ``close``. ``save`` runs the blocking phase
-of each checkpointable on the calling thread (device-to-host snapshot, iterator
-state), then hands the rest (background writes, manifest, commit) to one
-commit thread; at most one save is in flight, and ``save`` waits for the
-previous one before starting another. Retention then runs on a separate
-deletion thread, so deleting old steps never blocks training. An error from
-the background is re-raised by the next ``save``, ``wait``, ``restore`` or
-``close``; it is never dropped.
+Threading and call order. One training thread owns a manager: it calls ``save`` /
+``restore`` / ``wait`` / ``close``. ``save`` runs the blocking phase of each item on
+the calling thread (device-to-host snapshot, iterator state, JSON encoding), then
+hands the writes and the commit to one background thread (a :class:`SaveHandle`); at
+most one save is in flight, and ``save`` waits for the previous one before starting
+another. Retention then runs on a deletion thread. An error from the background is
+re-raised by the next ``save``, ``wait``, ``restore`` or ``close``; never dropped.
 
-Multi-process (``jax.process_count() > 1``): every process calls ``save`` and
-``restore`` with the same arguments in the same order; each writes its own
-shards and its own data-iterator state; process 0 writes the manifest and
-commits after a barrier.
+Multi-process (``jax.process_count() > 1``): every process calls ``save``,
+``restore``, ``wait`` and ``close`` with the same arguments in the same order. A
+time-based save decision is taken by the primary and shared, so all processes save
+the same steps. Each process writes its own shards and data-iterator state; a step
+commits only when every process reported the same step and tree structure.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import operator
-import os
-import re
 import secrets
 import signal
 import threading
@@ -50,119 +44,36 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from flax_orbax_plugin import _distributed, _faults, _save
-from flax_orbax_plugin._checkpointables import (
-    Checkpointable,
-    Pending,
-    checkpointable_for,
-    read_json,
-)
-from flax_orbax_plugin._errors import (
+from . import _commit, _distributed, _faults, _layout, _steps
+from ._checkpointables import Checkpointable, Pending, checkpointable_for
+from ._commit import Staging, Written
+from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     StructureError,
+    UnknownItemError,
 )
-from flax_orbax_plugin._lock import DirectoryLock
-from flax_orbax_plugin._policy import SavePolicy
-from flax_orbax_plugin._retention import RetentionPolicy, steps_to_delete
-from flax_orbax_plugin._storage import Location
-from flax_orbax_plugin._train_state import merge_state, split_state
+from ._layout import MANIFEST_FILE, ItemEntry, StepManifest
+from ._lock import DirectoryLock
+from ._policy import SavePolicy
+from ._retention import RetentionPolicy, steps_to_delete
+from ._save import SaveHandle, SaveResult
+from ._storage import Location
+from ._train_state import merge_state, split_state
 
-__all__ = ["CheckpointManager", "SaveFigures", "UnknownItemError", "restore_params"]
+__all__ = ["CheckpointManager"]
 
-logger = logging.getLogger(__name__)
-
-MANIFEST = "_CHECKPOINT.json"
-FORMAT = "flax_orbax_plugin/step"
-VERSION = 1
-
-_STEP_RE = re.compile(r"^[0-9]+$")
-_TMP_RE = re.compile(r"^[0-9]+\.(partial|deleting)-[0-9a-z]+$")
-_ITEM_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveFigures:
-    """The figures of one committed step, as seen by this process.
-
-    ``blocking_seconds``: how long the training loop waited in ``save``;
-    ``total_seconds``: from the start of ``save`` until the step was committed;
-    ``bytes_written``: array bytes this process wrote for the step.
-    """
-
-    step: int
-    blocking_seconds: float
-    total_seconds: float
-    bytes_written: int
-
-    @property
-    def gbytes_per_sec(self) -> float:
-        return self.bytes_written / max(self.total_seconds, 1e-9) / 1e9
-
-    def as_scalars(self) -> dict[str, float]:
-        return {
-            "checkpoint/blocking_seconds": self.blocking_seconds,
-            "checkpoint/total_seconds": self.total_seconds,
-            "checkpoint/bytes": float(self.bytes_written),
-            "checkpoint/gbytes_per_sec": self.gbytes_per_sec,
-        }
-
-
-class UnknownItemError(CheckpointError, KeyError):
-    """An item name that the step does not hold; lists those it does."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
+logger = logging.getLogger("flax_orbax_plugin")
 
 
 def _check_item_name(name: Any) -> str:
-    if not isinstance(name, str) or not _ITEM_RE.match(name) or ".." in name:
+    if not _layout.is_safe_name(name):
         raise ValueError(
             f"invalid checkpointable name {name!r}: use letters, digits, '_', '-', '.' "
             "and do not start with '_' or '.'"
         )
     return name
-
-
-def _list_steps(loc: Location) -> list[int]:
-    """Committed steps under ``loc`` (integer-named children holding a manifest)."""
-    out = []
-    for name in loc.list_children():
-        if _STEP_RE.match(name) and loc.child(name).exists(MANIFEST):
-            out.append(int(name))
-    return sorted(out)
-
-
-def _choose_step(loc: Location, steps: list[int], step: int | None) -> int:
-    if not steps:
-        raise CheckpointNotFoundError(f"no checkpoints in {loc}")
-    if step is None:
-        return steps[-1]
-    step = operator.index(step)
-    if step not in steps:
-        raise CheckpointNotFoundError(f"step {step} does not exist in {loc}; steps: {steps}")
-    return step
-
-
-def _read_manifest(step_loc: Location) -> dict[str, Any]:
-    data = read_json(step_loc, MANIFEST)
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{step_loc}/{MANIFEST} is not a step manifest")
-    if not isinstance(data.get("version"), int) or data["version"] > VERSION:
-        raise CorruptCheckpointError(
-            f"{step_loc}/{MANIFEST} has format version {data.get('version')!r}; "
-            f"this library reads up to {VERSION}"
-        )
-    items = data.get("items")
-    if not isinstance(items, dict):
-        raise CorruptCheckpointError(f"{step_loc}/{MANIFEST}: 'items' is not an object")
-    for name in items:
-        try:
-            _check_item_name(name)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{step_loc}/{MANIFEST}: {e}") from None
-    return data
 
 
 class CheckpointManager:
@@ -174,8 +85,8 @@ class CheckpointManager:
       keep_every: also keep every step divisible by ``keep_every``, forever.
       keep_best, best_metric, best_mode: also keep the ``keep_best`` steps with the
         best ``extras[best_metric]`` ("min" or "max").
-      save_every_steps, save_every_seconds, save_steps: the save policy; with
-        none of them every ``save`` call writes. ``save(force=True)`` always does.
+      every_steps, every_seconds, steps: the save policy; with none of them every
+        ``save`` call writes. ``save(force=True)`` always does.
       async_save: when False, ``save`` returns once the step is committed.
       read_only: take no lock, remove nothing, refuse ``save``; for evaluators
         reading a directory while training writes to it.
@@ -183,11 +94,12 @@ class CheckpointManager:
         the policy, waits for it, closes the manager and raises SystemExit(143).
         Install from the main thread.
       checkpointables: overrides of the checkpointable used per item name.
-      clock: time source for ``save_every_seconds`` (tests pass one in).
+      clock: time source for ``every_seconds`` (tests pass one in).
 
     A writer (``read_only=False``) takes an exclusive lock on a local directory
     (a second live writer gets DirectoryLockedError; a SIGKILLed writer's lock is
-    released by the kernel) and removes unfinished temporary steps.
+    released by the kernel) and removes unfinished temporary steps. A directory that
+    is itself a step or a core checkpoint is refused.
     """
 
     def __init__(
@@ -199,9 +111,9 @@ class CheckpointManager:
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: str = "min",
-        save_every_steps: int | None = None,
-        save_every_seconds: float | None = None,
-        save_steps: Iterable[int] | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        steps: Iterable[int] | None = None,
         async_save: bool = True,
         read_only: bool = False,
         handle_sigterm: bool = False,
@@ -216,12 +128,8 @@ class CheckpointManager:
             best_metric=best_metric,
             best_mode=best_mode,
         )
-        self._policy = SavePolicy(
-            every_steps=save_every_steps,
-            every_seconds=save_every_seconds,
-            steps=save_steps,
-            clock=clock,
-        )
+        self._policy = SavePolicy(every_steps=every_steps, every_seconds=every_seconds, steps=steps)
+        self._clock = clock
         self._async = async_save
         self._read_only = read_only
         self._overrides = dict(checkpointables or {})
@@ -229,39 +137,55 @@ class CheckpointManager:
         self._reading: collections.Counter[int] = collections.Counter()
         self._deleting: set[int] = set()
         self._metrics: dict[int, float | None] = {}
-        self._inflight: Future | None = None
-        self._last_save: SaveFigures | None = None
+        self._inflight: SaveHandle | None = None
+        self._last_save: SaveResult | None = None
         self._retention_future: Future | None = None
         self._closed = False
         self._preempted = False
+        self.restored_step: int | None = None  # the step the last restore() read
         self._prev_sigterm: Any = None
         self._dir_lock: DirectoryLock | None = None
-        self._commit_pool: ThreadPoolExecutor | None = None
         self._delete_pool: ThreadPoolExecutor | None = None
+        self._refuse_step_directory()
         if read_only:
             if handle_sigterm:
                 raise ValueError("handle_sigterm needs a writer (read_only=False)")
             return
-        if self._loc.is_local and _distributed.is_primary():
-            # One writer per directory: the primary holds the lock for all processes
-            # of a run (the others write only through the primary's commit protocol).
-            os.makedirs(self._loc.path, exist_ok=True)
-            self._dir_lock = DirectoryLock(self._loc.path)
-            self._dir_lock.acquire()
-        try:
-            if _distributed.is_primary():
-                self._remove_unfinished()
-            _distributed.barrier(_distributed.next_operation_id("manager-open"))
-        except BaseException:
-            self._release_lock()
-            raise
-        self._commit_pool = ThreadPoolExecutor(1, thread_name_prefix="fop-commit")
-        self._delete_pool = ThreadPoolExecutor(1, thread_name_prefix="fop-retention")
+        self._open_writer()
         if handle_sigterm:
             if threading.current_thread() is not threading.main_thread():
                 self.close()
                 raise ValueError("handle_sigterm=True must be set from the main thread")
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _refuse_step_directory(self) -> None:
+        for marker, what in (
+            (MANIFEST_FILE, "a committed step"),
+            (_layout.COMMIT_FILE, "a core checkpoint"),
+            (_layout.METADATA_FILE, "a core checkpoint"),
+        ):
+            if self._loc.exists(marker):
+                raise CheckpointError(
+                    f"{self._loc} is itself {what} (it holds {marker}), not a directory of "
+                    f"steps; give the directory that holds the steps"
+                )
+
+    def _open_writer(self) -> None:
+        if self._loc.is_local and _distributed.is_primary():
+            # One writer per directory: the primary holds the lock for all processes
+            # of a run (the others write only through the primary's commit protocol).
+            self._loc.makedirs()
+            self._dir_lock = DirectoryLock(self._loc.path)
+            self._dir_lock.acquire()
+        try:
+            if _distributed.is_primary():
+                self._remove_unfinished()
+            _distributed.session_nonce()  # collective once; later staging names need none
+            _distributed.barrier(_distributed.next_operation_id("manager-open"))
+        except BaseException:
+            self._release_lock()
+            raise
+        self._delete_pool = ThreadPoolExecutor(1, thread_name_prefix="fop-retention")
 
     # ------------------------------------------------------------------ listing
 
@@ -271,7 +195,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (steps being deleted are left out)."""
-        steps = _list_steps(self._loc)
+        steps = _steps.committed_steps(self._loc)
         with self._lock:
             return [s for s in steps if s not in self._deleting]
 
@@ -287,12 +211,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def should_save(self, step: int) -> bool:
-        """Whether ``save(step, ...)`` would write (policy, preemption, existing steps)."""
+    def should_save(self, step: int, *, t: float | None = None) -> bool:
+        """Whether the policy asks for ``step`` (this process's view; ``save`` shares the
+        primary's time-based decision with every process)."""
         step = operator.index(step)
-        if self._preempted:
-            return True
-        return self._policy.should_save(step) and step not in self.steps()
+        return self._preempted or self._policy.should_save(step, self._now(t))
 
     def save(
         self,
@@ -302,106 +225,38 @@ class CheckpointManager:
         data_iterator: Any = None,
         extras: Mapping[str, Any] | None = None,
         force: bool = False,
+        overwrite: bool = False,
+        t: float | None = None,
     ) -> bool:
         """Save ``state`` as ``step`` if the policy says so; return whether it saved.
 
         ``state`` is split into checkpointables (see ``_train_state``): a Flax
         TrainState, NNX module/optimizer, or a dict of items. ``data_iterator``'s
-        state and the JSON ``extras`` become items too. A step that already exists
-        is not overwritten unless ``force=True``. Returns once every item's
-        blocking phase is done (state may then be mutated or donated); the write
-        completes in the background unless ``async_save=False``. Call from the
-        training thread only.
+        state and the JSON ``extras`` become items too. ``force`` saves whatever the
+        policy says. A step at or below the latest committed one is refused unless
+        ``overwrite=True`` (which replaces an existing step atomically). ``t`` is the
+        time for ``every_seconds`` (default: the manager's clock). ``extras`` may be a
+        callable returning the mapping, called only when the step is saved.
+
+        Returns once every item's blocking phase is done (state may then be mutated
+        or donated); the write completes in the background unless ``async_save=False``.
+        Call from the training thread only; with several processes, on every process.
         """
-        self._check_open()
-        if self._read_only:
-            raise CheckpointError(f"manager on {self._loc} is read-only")
+        self._check_writable()
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, found {step}")
         self._raise_background_error()
         preempted = self._preempted
-        if not (force or preempted):
-            decide = self._policy.should_save(step)
-            if self._policy.every_seconds is not None and _distributed.process_count() > 1:
-                decide = (
-                    _distributed.broadcast_str(
-                        _distributed.next_operation_id("manager-policy"), str(int(decide))
-                    )
-                    == "1"
-                )
-            if not decide:
-                return False
-        self._wait_inflight()
-        exists = step in self.steps()
-        if exists and not (force or preempted):
+        if not (force or preempted or self._decide(step, t)):
             return False
-        started = time.perf_counter()
-
-        items = split_state(state)
-        if data_iterator is not None:
-            if "data_iterator" in items:
-                raise ValueError("data_iterator given twice: in state and as an argument")
-            items["data_iterator"] = data_iterator
-        if extras is not None:
-            if "extras" in items:
-                raise ValueError("extras given twice: in state and as an argument")
-            items["extras"] = extras
-        if not items:
-            raise ValueError("nothing to save: state, data_iterator and extras are all empty")
-        for name in items:
-            _check_item_name(name)
-
-        nonce = secrets.token_hex(6)
-        if _distributed.process_count() > 1:
-            nonce = _distributed.broadcast_str(
-                _distributed.next_operation_id("manager-nonce"),
-                nonce if _distributed.is_primary() else None,
-            )
-        final = self._loc.child(str(step))
-        if self._loc.supports_rename:
-            target = self._loc.child(f"{step}.partial-{nonce}")
-        else:
-            # No rename on object stores: a forced overwrite deletes the old step
-            # first (uncommitting it), then writes the new one in its place.
-            if exists and _distributed.is_primary():
-                self._remove_step_now(step)
-            if exists:
-                _distributed.barrier(_distributed.next_operation_id("manager-replace"))
-            target = final
-
-        handlers = {name: checkpointable_for(name, self._overrides) for name in items}
-        pendings: dict[str, Pending] = {}
-        try:
-            with _save.save_group():  # every item's blocking phase now, writes after
-                for name, value in items.items():
-                    pendings[name] = handlers[name].save(target.child(name), value)
-        except BaseException:
-            for p in pendings.values():
-                try:
-                    p.wait()
-                except Exception:  # noqa: BLE001 - the first error is the one to report
-                    pass
-            target.remove()  # nothing committed here: no manifest was written
-            raise
-        self._policy.record_save()
-
-        metric = None
-        if self._retention.best_metric is not None and extras is not None:
-            metric = _as_metric(extras.get(self._retention.best_metric))
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": step,
-            "items": {name: getattr(h, "kind", "custom") for name, h in handlers.items()},
-            "process_count": _distributed.process_count(),
-            "time": time.time(),
-        }
-        op = _distributed.next_operation_id("manager-commit")
-        timing = (started, time.perf_counter() - started)
-        self._inflight = self._commit_pool.submit(
-            self._finish_save, step, target, final, pendings, manifest, metric, op, timing
-        )
+        self._wait_inflight()
+        replace = self._check_new_step(step, overwrite or preempted)
+        if callable(extras):  # computed only for a step that is saved
+            extras = extras()
+        items = self._collect_items(state, data_iterator, extras)
+        self._inflight = self._start_save(step, items, extras, replace)
+        self._policy.record_save(self._now(t))
         if not self._async or preempted:
             self._wait_inflight()
         if preempted:
@@ -409,34 +264,146 @@ class CheckpointManager:
             raise SystemExit(128 + signal.SIGTERM)
         return True
 
-    def _finish_save(self, step, target, final, pendings, manifest, metric, op, timing) -> None:
-        """Commit thread: wait for every item, write the manifest, commit the step."""
+    def _now(self, t: float | None) -> float:
+        return self._clock() if t is None else float(t)
+
+    def _decide(self, step: int, t: float | None) -> bool:
+        """The policy's decision; a time-based one is the primary's, shared by all."""
+        decide = self._policy.should_save(step, self._now(t))
+        if self._policy.every_seconds is not None and _distributed.process_count() > 1:
+            op = _distributed.next_operation_id("manager-policy")
+            decide = _distributed.broadcast_str(op, str(int(decide))) == "1"
+        return decide
+
+    def _check_new_step(self, step: int, overwrite: bool) -> bool:
+        """Refuses a step at or below the latest committed one unless ``overwrite``;
+        returns whether ``step`` itself exists (and is to be replaced)."""
+        steps = self.steps()
+        if steps and step <= steps[-1] and not overwrite:
+            what = "already exists" if step in steps else "is below the latest committed step"
+            raise CheckpointError(
+                f"step {step} {what} in {self._loc} (latest: {steps[-1]}); steps must "
+                f"increase. Resume from it (resume=True), use a new directory, or pass "
+                f"overwrite=True to replace steps"
+            )
+        return step in steps
+
+    def _collect_items(self, state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]:
+        items = split_state(state)
+        for name, value in (("data_iterator", data_iterator), ("extras", extras)):
+            if value is not None:
+                if name in items:
+                    raise ValueError(f"{name} given twice: in state and as an argument")
+                items[name] = value
+        if not items:
+            raise ValueError("nothing to save: state, data_iterator and extras are all empty")
+        for name in items:
+            _check_item_name(name)
+        return items
+
+    def _start_save(self, step: int, items: dict, extras: Any, replace: bool) -> SaveHandle:
+        """Blocking phase of every item, then the background write and commit."""
+        started = time.perf_counter()
+        final = _steps.step_location(self._loc, step)
+        staging = Staging.begin(final, _distributed.unique_name())
+        # On object stores a replaced step's items go under fresh names (old step intact).
+        dirs = {n: n if staging.renames or not replace else f"{n}.{staging.nonce}" for n in items}
+        handlers = {name: checkpointable_for(name, self._overrides) for name in items}
+        pendings: dict[str, Pending] = {}
         try:
-            results = [p.wait() for p in pendings.values()]
-            _distributed.barrier(op + "/written")
-            if _distributed.is_primary():
-                target.write_json(MANIFEST, manifest)  # durable; the commit on object stores
-                _faults.kill_point("after_marker")
-                if target != final:
-                    if final.is_dir():  # force-replacing an existing step
-                        old = self._loc.child(f"{step}.deleting-{secrets.token_hex(6)}")
-                        final.rename(old)
-                        _faults.kill_point("mid_rename")
-                        target.rename(final)
-                        old.remove()
-                    else:
-                        target.rename(final)
-            _distributed.barrier(op + "/committed")
+            for name, value in items.items():
+                pendings[name] = handlers[name].save(staging.location.child(dirs[name]), value)
         except BaseException:
-            if target != final and _distributed.is_primary():
-                target.remove()
+            _wait_all(pendings.values())
+            if staging.renames:
+                staging.location.remove()
             raise
-        started, blocking = timing
-        written = sum(r.bytes_written for r in results if isinstance(r, _save.SaveResult))
+        entries = {n: ItemEntry(getattr(h, "kind", "custom"), dirs[n]) for n, h in handlers.items()}
+        digest = _layout.sha256(
+            _layout.encode(
+                [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
+            )
+        )
+        metric = self._metric_of(extras)
+        blocking = time.perf_counter() - started
+        op = _distributed.next_operation_id("manager-commit")
+
+        def background() -> SaveResult:
+            written = self._commit(op, step, staging, pendings, entries, digest)
+            result = SaveResult(
+                str(final), blocking, time.perf_counter() - started, written.bytes_written, step
+            )
+            self._after_commit(step, result, metric)
+            return result
+
+        return SaveHandle(str(final), background).start()
+
+    def _commit(self, op, step, staging: Staging, pendings, entries, digest) -> Written:
+        """Background thread: every item written and durable, then the one commit."""
+
+        def write() -> Written:
+            total, files = 0, {}
+            results = _wait_all(pendings.values(), raise_first=True)
+            for name, result in zip(pendings, results, strict=True):
+                if isinstance(result, Written):
+                    total += result.bytes_written
+                    files.update({f"{entries[name].dir}/{f}": h for f, h in result.files.items()})
+            staging.location.sync()
+            _faults.kill_point("after_sync")
+            return Written(total, files)
+
+        def publish(files: dict[str, str]) -> None:
+            manifest = StepManifest(
+                step, entries, files, _distributed.process_count(), time.time(), digest
+            )
+            staging.publish(MANIFEST_FILE, manifest.to_bytes(), replace=True)
+            if not staging.renames:
+                self._remove_unreferenced(staging.final, entries)
+
+        def abort() -> None:
+            if staging.renames:
+                staging.location.remove()
+            else:
+                for entry in entries.values():
+                    if entry.dir != _dir_name_of(entry):
+                        staging.final.child(entry.dir).remove()
+
+        return _commit.commit_collectively(
+            op,
+            what=f"step {step} of {self._loc}",
+            step=step,
+            digest=digest,
+            write=write,
+            publish=publish,
+            abort=abort,
+        )
+
+    def _remove_unreferenced(self, step_loc: Location, entries: dict[str, ItemEntry]) -> None:
+        """Object stores, after a replacing commit: delete the old step's item data."""
+        keep = {e.dir for e in entries.values()} | {MANIFEST_FILE}
+        for name in step_loc.list_children():
+            if name not in keep:
+                step_loc.child(name).remove()
+
+    def _after_commit(self, step: int, result: SaveResult, metric: float | None) -> None:
         with self._lock:
             self._metrics[step] = metric
-            self._last_save = SaveFigures(step, blocking, time.perf_counter() - started, written)
-        self._retention_future = self._delete_pool.submit(self._apply_retention, step)
+            self._last_save = result
+        logger.info(
+            "checkpoint: committed step %d: blocking %.4f s, total %.4f s, %d bytes, %.3f GB/s",
+            step,
+            result.blocking_seconds,
+            result.total_seconds,
+            result.bytes_written,
+            result.gigabytes_per_second,
+        )
+        if self._delete_pool is not None:
+            self._retention_future = self._delete_pool.submit(self._apply_retention, step)
+
+    def _metric_of(self, extras: Any) -> float | None:
+        if self._retention.best_metric is None or not isinstance(extras, Mapping):
+            return None
+        return _as_metric(extras.get(self._retention.best_metric))
 
     # ------------------------------------------------------------------ retention
 
@@ -447,10 +414,11 @@ class CheckpointManager:
         value = None
         name = self._retention.best_metric
         try:
-            step_loc = self._loc.child(str(step))
-            if "extras" in _read_manifest(step_loc)["items"]:
+            step_loc = _steps.step_location(self._loc, step)
+            entry = _steps.read_manifest(step_loc).items.get("extras")
+            if entry is not None:
                 extras = checkpointable_for("extras", self._overrides).restore(
-                    step_loc.child("extras"), None
+                    step_loc.child(entry.dir), None
                 )
                 if isinstance(extras, Mapping):
                     value = _as_metric(extras.get(name))
@@ -465,9 +433,7 @@ class CheckpointManager:
 
         Call from the training thread (waits for the in-flight save first).
         """
-        self._check_open()
-        if self._read_only:
-            raise CheckpointError(f"manager on {self._loc} is read-only")
+        self._check_writable()
         self.wait()
         if _distributed.is_primary():
             self._remove_unfinished()
@@ -492,7 +458,7 @@ class CheckpointManager:
                         continue
                     self._deleting.add(s)
                 try:
-                    self._remove_step_now(s)
+                    remove_step(self._loc, s)
                     removed.append(s)
                 finally:
                     with self._lock:
@@ -502,26 +468,39 @@ class CheckpointManager:
             logger.exception("retention failed in %s", self._loc)
         return removed
 
-    def _remove_step_now(self, step: int) -> None:
-        loc = self._loc.child(str(step))
-        if self._loc.supports_rename:
-            doomed = self._loc.child(f"{step}.deleting-{secrets.token_hex(6)}")
-            loc.rename(doomed)  # atomic: the step disappears from listings at once
-            _faults.kill_point("mid_retention")
-            doomed.remove()
-        else:
-            loc.delete(MANIFEST)  # uncommit first, then delete the data
-            _faults.kill_point("mid_retention")
-            loc.remove()
-
     def _remove_unfinished(self) -> None:
-        for name in self._loc.list_children():
-            if _TMP_RE.match(name):
+        listing = _steps.list_directory(self._loc)
+        for name in listing.unfinished:
+            if not self._roll_forward(name, listing):
                 logger.info("removing unfinished %s/%s", self._loc, name)
                 self._loc.child(name).remove()
-            elif _STEP_RE.match(name) and not self._loc.child(name).exists(MANIFEST):
-                logger.info("removing uncommitted step %s/%s", self._loc, name)
-                self._loc.child(name).remove()
+        if listing.foreign:
+            if self._loc.is_local:
+                logger.warning(
+                    "%s holds entries that are not steps of this library, left alone: %s",
+                    self._loc,
+                    ", ".join(listing.foreign[:10]),
+                )
+            else:  # object stores: a step written in place whose manifest never came
+                for name in listing.foreign:
+                    if _steps.is_step_name(name):
+                        logger.info("removing uncommitted step %s/%s", self._loc, name)
+                        self._loc.child(name).remove()
+
+    def _roll_forward(self, name: str, listing: _steps.Listing) -> bool:
+        """A ``.partial-`` holding a valid manifest whose step is missing was committed
+        but not yet renamed (a crash between the renames of a replacement): finish it."""
+        step_name, kind = name.split(".", 1)
+        if not kind.startswith("partial-") or int(step_name) in listing.committed:
+            return False
+        src = self._loc.child(name)
+        try:
+            _steps.read_manifest(src)
+        except CheckpointError:
+            return False
+        src.rename(self._loc.child(step_name))
+        logger.warning("finished the commit of step %s in %s (was %s)", step_name, self._loc, name)
+        return True
 
     # ------------------------------------------------------------------ restore
 
@@ -533,7 +512,7 @@ class CheckpointManager:
         items: str | Iterable[str] | None = None,
         data_iterator: Any = None,
     ) -> Any:
-        """Restore a step (the latest by default).
+        """Restore a step (the latest that verifies, by default).
 
         * No ``items``: the items of ``like`` (a TrainState, NNX object or dict of
           items) are read and merged into a state of the same kind (static fields
@@ -543,40 +522,88 @@ class CheckpointManager:
           a dict ``{name: value}``. ``like`` then only supplies templates.
         * ``data_iterator``: its state is set to the saved one (this process's).
 
-        ``like`` leaves may be ShapeDtypeStructs (``jax.eval_shape``) with
-        shardings: arrays are restored straight onto them. Waits for this
-        manager's in-flight save first. A step being read is never deleted by
-        this manager's retention.
+        Without ``step``, a latest step that is damaged (a checksum fails, a file is
+        missing) is skipped with a warning and, by a writer, moved aside to
+        ``<step>.corrupt-<nonce>`` (never deleted); the newest good step is restored.
+        With ``step``, damage raises. Waits for this manager's in-flight save first.
+        A step being read is never deleted by this manager's retention.
         """
         self._check_open()
         self._wait_inflight()
-        return self._with_step(step, lambda s: self._restore_step(s, like, items, data_iterator))
+        fn = lambda s: self._restore_step(s, like, items, data_iterator)  # noqa: E731
+        if step is not None:
+            return self._with_step(step, fn)
+        skipped: list[str] = []
+        for candidate in reversed(self.steps()):
+            try:
+                return self._with_step(candidate, fn)
+            except CorruptCheckpointError as e:
+                skipped.append(f"step {candidate}: {e}")
+                self._set_aside(candidate, e)
+        if skipped:
+            raise CorruptCheckpointError(
+                f"no step of {self._loc} restores; skipped: " + "; ".join(skipped)
+            )
+        raise CheckpointNotFoundError(f"no committed steps in {self._loc}")
 
-    def _with_step(self, step: int | None, fn: Callable[[int], Any]) -> Any:
-        step = _choose_step(self._loc, self.steps(), step)
+    def _set_aside(self, step: int, error: Exception) -> None:
+        logger.warning("checkpoint: skipping damaged step %d of %s: %s", step, self._loc, error)
+        if self._read_only or not _distributed.is_primary() or not self._loc.supports_rename:
+            return
+        name = f"{step}.corrupt-{secrets.token_hex(6)}"
+        try:
+            _steps.step_location(self._loc, step).rename(self._loc.child(name))
+            logger.warning("checkpoint: moved step %d aside to %s/%s", step, self._loc, name)
+        except OSError as e:
+            logger.warning("checkpoint: could not move step %d aside: %s", step, e)
+
+    def _with_step(self, step: int, fn: Callable[[int], Any]) -> Any:
+        step = _steps.choose_step(self._loc, self.steps(), step)
         with self._lock:
             if step in self._deleting:
                 raise CheckpointNotFoundError(f"step {step} of {self._loc} is being deleted")
             self._reading[step] += 1
         try:
-            return fn(step)
+            result = fn(step)
+            self.restored_step = step
+            return result
         finally:
             with self._lock:
                 self._reading[step] -= 1
 
     def _restore_step(self, step: int, like: Any, items: Any, data_iterator: Any) -> Any:
-        step_loc = self._loc.child(str(step))
-        saved = _read_manifest(step_loc)["items"]
+        step_loc = _steps.step_location(self._loc, step)
+        saved = _steps.read_manifest(step_loc).items
         like_items = split_state(like) if like is not None else {}
         single = isinstance(items, str)
+        names = self._names_to_restore(step, saved, items, like, like_items)
+        if data_iterator is not None and "data_iterator" not in saved:
+            raise UnknownItemError(
+                f"step {step} of {self._loc} holds no data_iterator state; items: {sorted(saved)}"
+            )
+        restored = {}
+        for name in names:
+            restored[name] = self._restore_item(
+                step, step_loc, saved[name], name, like_items.get(name)
+            )
+        if data_iterator is not None:
+            self._restore_item(
+                step, step_loc, saved["data_iterator"], "data_iterator", data_iterator
+            )
         if items is not None:
-            names = [items] if single else list(items)
+            return restored[names[0]] if single else restored
+        return merge_state(like, restored)
+
+    def _names_to_restore(self, step, saved, items, like, like_items) -> list[str]:
+        if items is not None:
+            names = [items] if isinstance(items, str) else list(items)
             for n in names:
                 if n not in saved:
                     raise UnknownItemError(
                         f"step {step} of {self._loc} has no item {n!r}; items: {sorted(saved)}"
                     )
-        elif like is not None:
+            return names
+        if like is not None:
             names = list(like_items)
             for n in names:
                 if n not in saved:
@@ -584,26 +611,15 @@ class CheckpointManager:
                         f"like has item {n!r} but step {step} of {self._loc} does not; "
                         f"saved items: {sorted(saved)}"
                     )
-        else:
-            names = [n for n in saved if n != "data_iterator"]
-        if data_iterator is not None and "data_iterator" not in saved:
-            raise UnknownItemError(
-                f"step {step} of {self._loc} holds no data_iterator state; items: {sorted(saved)}"
-            )
+            return names
+        return [n for n in saved if n != "data_iterator"]
 
-        restored = {}
-        for name in names:
-            restored[name] = self._restore_item(step, step_loc, name, like_items.get(name))
-        if data_iterator is not None:
-            self._restore_item(step, step_loc, "data_iterator", data_iterator)
-
-        if items is not None:
-            return restored[names[0]] if single else restored
-        return merge_state(like, restored)
-
-    def _restore_item(self, step: int, step_loc: Location, name: str, like: Any) -> Any:
+    def _restore_item(
+        self, step: int, step_loc: Location, entry: ItemEntry, name: str, like: Any
+    ) -> Any:
         try:
-            return checkpointable_for(name, self._overrides).restore(step_loc.child(name), like)
+            handler = checkpointable_for(name, self._overrides)
+            return handler.restore(step_loc.child(entry.dir), like)
         except CheckpointError as e:
             e.add_note(f"while restoring item {name!r} of step {step} from {self._loc}")
             raise
@@ -613,11 +629,11 @@ class CheckpointManager:
     @property
     def save_in_flight(self) -> bool:
         """True while a save's background phase runs (not yet committed or failed)."""
-        fut = self._inflight
-        return fut is not None and not fut.done()
+        handle = self._inflight
+        return handle is not None and not handle.done()
 
     @property
-    def last_save(self) -> SaveFigures | None:
+    def last_save(self) -> SaveResult | None:
         """Figures of the most recently committed save of this manager, if any."""
         with self._lock:
             return self._last_save
@@ -626,7 +642,6 @@ class CheckpointManager:
         """Block until the in-flight save is committed and retention has run.
 
         With several processes every process must call it (in the same order as save).
-
         Re-raises a background save error (once).
         """
         self._wait_inflight()
@@ -645,9 +660,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            for pool in (self._commit_pool, self._delete_pool):
-                if pool is not None:
-                    pool.shutdown(wait=True)
+            if self._delete_pool is not None:
+                self._delete_pool.shutdown(wait=True)
             if self._prev_sigterm is not None:
                 try:
                     signal.signal(signal.SIGTERM, self._prev_sigterm)
@@ -688,19 +702,52 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"manager on {self._loc} is closed")
 
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self._read_only:
+            raise CheckpointError(f"manager on {self._loc} is read-only")
+
     def _raise_background_error(self) -> None:
-        fut = self._inflight
-        if fut is not None and fut.done() and fut.exception() is not None:
+        handle = self._inflight
+        if handle is not None and handle.done():
             self._wait_inflight()
 
     def _wait_inflight(self) -> None:
-        fut = self._inflight
-        if fut is None:
-            return
+        handle, self._inflight = self._inflight, None
+        if handle is not None:
+            handle.wait()
+
+
+def remove_step(loc: Location, step: int) -> None:
+    """Deletes a committed step so that it disappears from listings at once."""
+    step_loc = _steps.step_location(loc, step)
+    if loc.supports_rename:
+        doomed = loc.child(f"{step}.deleting-{secrets.token_hex(6)}")
+        step_loc.rename(doomed)  # atomic: the step disappears from listings at once
+        _faults.kill_point("mid_retention")
+        doomed.remove()
+    else:
+        step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
+        _faults.kill_point("mid_retention")
+        step_loc.remove()
+
+
+def _dir_name_of(entry: ItemEntry) -> str:
+    return entry.dir.split(".", 1)[0]
+
+
+def _wait_all(pendings: Iterable[Pending], *, raise_first: bool = False) -> list[Any]:
+    """Waits for every pending write (even after one failed: none stays in flight)."""
+    results, first = [], None
+    for p in pendings:
         try:
-            fut.result()
-        finally:
-            self._inflight = None
+            results.append(p.wait())
+        except BaseException as e:  # noqa: BLE001
+            results.append(None)
+            first = first or e
+    if raise_first and first is not None:
+        raise first
+    return results
 
 
 def _as_metric(value: Any) -> float | None:
@@ -710,85 +757,3 @@ def _as_metric(value: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
-
-
-# ---------------------------------------------------------------------- serving
-
-
-def _params_like(like: Any) -> Any:
-    if like is None or isinstance(like, Mapping):
-        return like
-    try:
-        items = split_state(like)
-    except TypeError:
-        return like  # a params pytree of another kind (list, tuple, dataclass leaf tree)
-    if "params" not in items:
-        raise TypeError(f"like of type {type(like).__name__} has no params")
-    return items["params"]
-
-
-def _retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
-    """ShapeDtypeStructs for ``tree`` with floating leaves cast to ``dtype`` and new shardings."""
-    import jax
-    import jax.numpy as jnp
-
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
-        shardings = [sharding] * len(leaves)
-    else:
-        shardings = treedef.flatten_up_to(sharding)
-    out = []
-    for leaf, sh in zip(leaves, shardings, strict=True):
-        dt = leaf.dtype
-        if dtype is not None and jnp.issubdtype(dt, jnp.floating):
-            dt = jnp.dtype(dtype)
-        if sh is None:
-            sh = getattr(leaf, "sharding", None)
-            if sh is not None and not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
-                sh = None
-        out.append(jax.ShapeDtypeStruct(leaf.shape, dt, sharding=sh))
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def restore_params(
-    directory: Any,
-    like: Any = None,
-    *,
-    step: int | None = None,
-    dtype: Any = None,
-    sharding: Any = None,
-) -> Any:
-    """Restore only the params of a step (the latest by default), for serving.
-
-    Opens nothing but ``<directory>/<step>/params/`` (listing the directory and
-    checking each step's manifest exists). ``like`` is a params pytree (arrays or
-    ShapeDtypeStructs, e.g. from ``jax.eval_shape``), a TrainState / NNX module
-    whose params are taken, or None (numpy on the host). ``dtype`` casts the
-    floating-point leaves; ``sharding`` is one Sharding for every leaf or a pytree
-    of them. Safe to call from any thread, even while a manager writes.
-    """
-    import flax_orbax_plugin as fop
-
-    loc = Location.from_path(directory)
-    step = _choose_step(loc, _list_steps(loc), step)
-    params_loc = loc.child(str(step)).child("params")
-    if not params_loc.is_dir():
-        raise CheckpointNotFoundError(f"step {step} of {loc} holds no params")
-    target = _params_like(like)
-    if target is None and (dtype is not None or sharding is not None):
-        import jax
-
-        host = fop.restore(params_loc, None)
-        target = _retarget(host, dtype, sharding)
-        return jax.tree_util.tree_map(
-            lambda x, t: (
-                jax.device_put(x.astype(t.dtype), t.sharding)
-                if t.sharding is not None
-                else x.astype(t.dtype)
-            ),
-            host,
-            target,
-        )
-    if target is not None and (dtype is not None or sharding is not None):
-        target = _retarget(target, dtype, sharding)
-    return fop.restore(params_loc, target)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fnmatch
-import json
 import os
 from typing import Any
 
@@ -30,14 +29,23 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import _arrays, _host, _metadata, _save, _tree
+from . import _arrays, _host, _layout, _metadata, _save, _steps, _tree
 from ._errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotCommittedError,
     StructureError,
 )
-from ._metadata import COMMIT_FILE, METADATA_FILE
+from ._layout import (
+    COMMIT_FILE,
+    METADATA_FILE,
+    BatchRecord,
+    BatchStorage,
+    CheckpointDocument,
+    CommitMarker,
+    LeafRecord,
+)
 from ._storage import Location
 
 # Reads in flight beyond the restored arrays themselves. Small: reading leaves one
@@ -46,23 +54,43 @@ from ._storage import Location
 DEFAULT_MEMORY_LIMIT_BYTES = 64 << 20
 
 
-def read_document(location: Location) -> dict[str, Any]:
-    """The validated metadata of a committed checkpoint; clear errors otherwise."""
-    if not location.exists(COMMIT_FILE):
-        if location.is_dir() or _has_partial_sibling(location):
-            raise NotCommittedError(
-                f"{location} is not a committed checkpoint: its save was interrupted or is "
-                f"still running"
+def read_document(location: Location) -> CheckpointDocument:
+    """The validated metadata of a committed checkpoint (a standalone one, or an item of
+    a committed manager step), checked against the checksum recorded at its commit."""
+    where = f"{location}/{METADATA_FILE}"
+    raw_marker = location.read_bytes(COMMIT_FILE)
+    if raw_marker is not None:
+        expected = CommitMarker.from_bytes(raw_marker, f"{location}/{COMMIT_FILE}").files[
+            METADATA_FILE
+        ]
+    else:
+        manifest = _steps.manifest_for_item(location)
+        if manifest is None:
+            raise _not_a_checkpoint(location)
+        expected = manifest.file_checksum(location.name, METADATA_FILE)
+        if expected is None:
+            raise CorruptCheckpointError(
+                f"{where}: the step manifest records no checksum for it (the item is not a "
+                f"pytree, or the file list was damaged)"
             )
-        raise CheckpointNotFoundError(f"no checkpoint at {location}: the path does not exist")
     raw = location.read_bytes(METADATA_FILE)
     if raw is None:
-        raise CorruptCheckpointError(f"{location} is committed but has no {METADATA_FILE}")
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{location}/{METADATA_FILE} is not valid JSON: {e}") from e
-    return _metadata.validate_document(doc, f"{location}/{METADATA_FILE}")
+        raise CorruptCheckpointError(f"{location} is committed but {METADATA_FILE} is missing")
+    return CheckpointDocument.from_json(_layout.decode_checked(raw, where, expected), where)
+
+
+def _not_a_checkpoint(location: Location) -> CheckpointError:
+    if location.exists(_layout.MANIFEST_FILE):
+        return CheckpointError(
+            f"{location} is a step of a checkpoint directory, not one pytree: restore one of "
+            f"its items ({location}/params) or use CheckpointManager / restore_params"
+        )
+    if location.is_dir() or _has_partial_sibling(location):
+        return NotCommittedError(
+            f"{location} is not a committed checkpoint: its save was interrupted or is "
+            f"still running"
+        )
+    return CheckpointNotFoundError(f"no checkpoint at {location}: the path does not exist")
 
 
 def _has_partial_sibling(location: Location) -> bool:
@@ -89,7 +117,7 @@ def metadata(path: Any) -> _metadata.CheckpointMetadata:
 @dataclasses.dataclass
 class _Target:
     index: int  # leaf number in the checkpoint
-    record: dict[str, Any]
+    record: LeafRecord
     like: Any
     dtype: np.dtype | None = None  # saved dtype
     out_dtype: Any = None
@@ -106,19 +134,19 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
-def _make_target(index: int, record: dict[str, Any], like: Any) -> _Target:
-    path = record["path"]
+def _make_target(index: int, record: LeafRecord, like: Any) -> _Target:
+    path = record.path
     target = _Target(index, record, like)
-    if record["kind"] == "none":
+    if record.kind == "none":
         if like is not None:
             raise StructureError(
                 f"leaf {path!r}: expected {_describe(like)} (from like), "
                 f"found None in the checkpoint"
             )
         return target
-    target.dtype = _metadata.dtype_from_name(record["dtype"], path=path)
-    saved_shape = tuple(record["shape"])
-    if record["kind"] == "prng_key":
+    target.dtype = _layout.dtype_from_name(record.dtype, path=path)
+    saved_shape = record.shape
+    if record.kind == "prng_key":
         return target  # shape and dtype checked after wrapping
     if like is None:
         target.out_dtype = target.dtype
@@ -135,7 +163,7 @@ def _make_target(index: int, record: dict[str, Any], like: Any) -> _Target:
     if jax.dtypes.issubdtype(like_dtype, jax.dtypes.prng_key):
         raise StructureError(
             f"leaf {path!r}: expected a PRNG key array (from like), "
-            f"found {record['dtype']}{list(saved_shape)} in the checkpoint"
+            f"found {record.dtype}{list(saved_shape)} in the checkpoint"
         )
     if like_shape != saved_shape:
         raise StructureError(
@@ -158,14 +186,14 @@ def _finish(target: _Target, host: np.ndarray, placer: _Placer) -> None:
 
 def _final_value(target: _Target, host: np.ndarray) -> Any:
     record, like = target.record, target.like
-    kind = record["kind"]
-    host = host.reshape(record["shape"])
+    kind = record.kind
+    host = host.reshape(record.shape)
     if kind == "prng_key":
-        keys = jax.random.wrap_key_data(host, impl=record["impl"])
+        keys = jax.random.wrap_key_data(host, impl=record.impl)
         if like is not None:
             if tuple(like.shape) != keys.shape:
                 raise StructureError(
-                    f"leaf {record['path']!r}: shape mismatch: expected {tuple(like.shape)} "
+                    f"leaf {record.path!r}: shape mismatch: expected {tuple(like.shape)} "
                     f"(from like), found {keys.shape} in the checkpoint"
                 )
             sharding = getattr(like, "sharding", None)
@@ -230,7 +258,7 @@ def _python_value(kind: str, host: np.ndarray) -> Any:
 
 def _sharding_of(target: _Target) -> Any:
     like = target.like
-    if target.record["kind"] == "prng_key" or like is None:
+    if target.record.kind == "prng_key" or like is None:
         return None
     if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
         return getattr(like, "sharding", None)
@@ -282,6 +310,7 @@ class _Reader:
 def _corrupt(paths: list[str], location: Location, error: Exception) -> CorruptCheckpointError:
     shown = ", ".join(repr(p) for p in paths[:20]) + (" ..." if len(paths) > 20 else "")
     noun = "leaf" if len(paths) == 1 else "leaves"
+    error = str(error).split(" [tensorstore_spec=", 1)[0]
     return CorruptCheckpointError(
         f"{noun} {shown} in {location}: stored data is damaged or missing ({error})"
     )
@@ -297,34 +326,43 @@ def _read_targets(location: Location, doc: dict[str, Any], targets: list[_Target
 
     for target in targets:
         record = target.record
-        if record["kind"] == "none":
+        if record.kind == "none":
             continue
-        if record["storage"]["type"] == "batch":
-            by_batch[record["storage"]["batch"]].append(target)
+        if isinstance(record.storage, BatchStorage):
+            by_batch[record.storage.batch].append(target)
             continue
         spec = _save._array_spec(location, target.index, record)
-        store = _arrays.open_for_read(spec)
-        nbytes = int(np.prod(record["shape"], dtype=np.int64)) * target.dtype.itemsize
+        store = _open(spec, location, [record.path])
+        nbytes = record.nbytes
         sharding = _sharding_of(target)
         if sharding is None or sharding.is_fully_replicated or nbytes == 0:
 
             def done(data, target=target):
                 _finish(target, data, reader.placer)
 
-            reader.submit(_ReadInto(store), nbytes, done, fail([record["path"]]))
+            reader.submit(_ReadInto(store), nbytes, done, fail([record.path]))
         else:
-            _read_shards(reader, store, target, sharding, fail([record["path"]]))
+            _read_shards(reader, store, target, sharding, fail([record.path]))
     for name, members in by_batch.items():
-        _read_batch(reader, location, name, doc["batches"][name], members, fail, errors)
+        _read_batch(reader, location, doc.batches[name], members, fail, errors)
     reader.drain(0)
     reader.placer.flush()
     if errors:
         raise errors[0]
 
 
+def _open(spec: dict[str, Any], location: Location, paths: list[str]):
+    """Opens a stored array, checking its ``zarr.json`` agrees with the metadata (shape,
+    dtype, chunks, codecs); a mismatch names the leaves."""
+    try:
+        return _arrays.open_for_read(spec)
+    except ValueError as e:
+        raise _corrupt(paths, location, e) from None
+
+
 def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) -> None:
     """Reads only the regions this process's devices need; assembles a global jax.Array."""
-    shape = tuple(target.record["shape"])
+    shape = target.record.shape
     by_index: dict[tuple, list] = collections.defaultdict(list)
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         key = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index)
@@ -349,15 +387,15 @@ def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) ->
         reader.submit(_ReadInto(region), nbytes, done, on_error)
 
 
-def _read_batch(reader, location, name, batch, members, fail, errors) -> None:
+def _read_batch(reader, location, batch: BatchRecord, members, fail, errors) -> None:
     """Reads a batch of small leaves whole when most of it is needed, else leaf by leaf."""
-    dtype = _metadata.dtype_from_name(batch["dtype"])
-    store = _arrays.open_for_read(_save._batch_spec(location, name, batch))
-    needed = sum(t.record["storage"]["size"] for t in members)
+    dtype = _layout.dtype_from_name(batch.dtype)
+    store = _open(_save._batch_spec(location, batch), location, [t.record.path for t in members])
+    needed = sum(t.record.storage.size for t in members)
 
     def read_each(targets):
         for target in targets:
-            off, size = target.record["storage"]["offset"], target.record["storage"]["size"]
+            off, size = target.record.storage.offset, target.record.storage.size
 
             def done(data, target=target):
                 _finish(target, data, reader.placer)
@@ -366,16 +404,16 @@ def _read_batch(reader, location, name, batch, members, fail, errors) -> None:
                 _ReadInto(store[off : off + size]),
                 size * dtype.itemsize,
                 done,
-                fail([target.record["path"]]),
+                fail([target.record.path]),
             )
 
-    if needed * 2 < batch["size"]:
+    if needed * 2 < batch.size:
         read_each(members)
         return
 
     def done_all(data):
         for target in members:
-            off, size = target.record["storage"]["offset"], target.record["storage"]["size"]
+            off, size = target.record.storage.offset, target.record.storage.size
             _finish(target, data[off : off + size], reader.placer)
 
     def failed_all(error):
@@ -384,16 +422,14 @@ def _read_batch(reader, location, name, batch, members, fail, errors) -> None:
         read_each(members)
         reader.drain(0)
         if len(errors) == before:
-            errors.append(_corrupt([t.record["path"] for t in members], location, error))
+            errors.append(_corrupt([t.record.path for t in members], location, error))
         else:
             bad = [str(e) for e in errors[before:]]
             del errors[before:]
-            paths = [
-                t.record["path"] for t in members if any(repr(t.record["path"]) in b for b in bad)
-            ]
+            paths = [t.record.path for t in members if any(repr(t.record.path) in b for b in bad)]
             errors.append(_corrupt(paths, location, error))
 
-    reader.submit(_ReadInto(store), batch["size"] * dtype.itemsize, done_all, failed_all)
+    reader.submit(_ReadInto(store), batch.size * dtype.itemsize, done_all, failed_all)
 
 
 def restore(
@@ -420,11 +456,11 @@ def restore(
 
 def _restore(location: Location, like: Any, partial: bool, limit: int) -> Any:
     doc = read_document(location)
-    records = {rec["path"]: (i, rec) for i, rec in enumerate(doc["leaves"])}
+    records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
     if like is None:
-        targets = [_make_target(i, rec, None) for i, rec in enumerate(doc["leaves"])]
+        targets = [_make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
         _read_targets(location, doc, targets, limit)
-        items = [([tuple(k) for k in t.record["keys"]], t.result) for t in targets]
+        items = [(list(t.record.keys), t.result) for t in targets]
         return _tree.rebuild(items)
     flat, treedef = _tree.flatten(like)
     missing = [p for p, _, _ in flat if p not in records]

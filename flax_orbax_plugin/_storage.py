@@ -177,8 +177,9 @@ class Location:
         result = self._kv().read(_check_name(name)).result()
         return result.value if result.state == "value" else None
 
-    def write_bytes(self, name: str, data: bytes) -> None:
-        """Writes durably: fsync of the file and its directory on local disk."""
+    def write_bytes(self, name: str, data: bytes, *, durable: bool = True) -> None:
+        """Writes the file whole (a temporary name, then a rename on local disk); with
+        ``durable``, fsyncs the file and its directory (else a later :meth:`sync` does)."""
         if self.is_local:
             final = self.local_file(name)
             os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -186,9 +187,11 @@ class Location:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    os.fsync(f.fileno())
             os.replace(tmp, final)
-            fsync_dir(os.path.dirname(final))
+            if durable:
+                fsync_dir(os.path.dirname(final))
             return
         self._kv().write(_check_name(name), data).result()
 
@@ -248,6 +251,11 @@ class Location:
                     pass
         return total
 
+    def makedirs(self) -> None:
+        """Creates a local directory (and its parents); nothing to do on object stores."""
+        if self.is_local:
+            os.makedirs(self.path, exist_ok=True)
+
     def remove(self) -> None:
         """Removes everything under this location (no error if nothing is there)."""
         if self.is_local:
@@ -270,8 +278,8 @@ class Location:
         while an fsync per file costs a disk flush each; where ``syncfs`` is missing,
         every file and directory is fsynced.
         """
-        if not self.is_local:
-            return
+        if not self.is_local or not os.path.isdir(self.path):
+            return  # nothing written here by this process (e.g. a replica that wrote nothing)
         if _syncfs(self.path):
             return
         for root, _, files in os.walk(self.path):

@@ -7,7 +7,9 @@
     flax-orbax gc DIR [--keep N]             retention; remove unfinished steps
 
 PATH is a checkpoint directory (the latest step, or ``--step N``), one step
-(``DIR/<step>``), or one checkpointable (``DIR/<step>/params``).
+(``DIR/<step>``), one checkpointable (``DIR/<step>/params``) or a core checkpoint, on
+local disk, ``s3://`` or ``gs://``: the CLI is a client of the library (the same
+layout, steps and verify modules), so it works wherever the library does.
 
 Progress bars go to stderr when it is a terminal; otherwise output is plain
 lines. Errors are one line on stderr and a non-zero exit status: 1 for damage
@@ -21,20 +23,20 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from . import _layout, _restore, _steps, _tree
+from ._errors import CheckpointError
+from ._layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
+from ._storage import Location
+
 __all__ = ["main"]
 
 EXIT_DAMAGED = 1
 EXIT_ERROR = 2
-
-METADATA_FILE = "_METADATA.json"  # a core checkpoint (one pytree)
-MANIFEST_FILE = "_CHECKPOINT.json"  # a committed step of a CheckpointManager directory
-_TMP_RE = re.compile(r"^[0-9]+\.(partial|deleting)-[0-9a-z]+$")
 
 
 class CliError(Exception):
@@ -97,94 +99,65 @@ def make_table(rows: list[Any]) -> str:
 # -- locating checkpoints ---------------------------------------------------------
 
 
-def _is_core_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, METADATA_FILE))
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    name: str
+    loc: Location
+    kind: str  # "pytree", "json", "step", "data_iterator", ...
 
 
-def _step_dirs(directory: str) -> dict[int, str]:
-    """Committed steps (integer names holding a step manifest) under a directory."""
-    out = {}
+def resolve(path: str, step: int | None) -> tuple[str, list[_Item]]:
+    """(label, items) for PATH: a core checkpoint, a step, an item, or a directory."""
+    loc = Location.from_path(path)
+    if loc.exists(COMMIT_FILE):
+        return str(loc), [_Item(loc.name, loc, "pytree")]
+    if loc.exists(MANIFEST_FILE):
+        return str(loc), _step_items(loc)
+    manifest = _steps.manifest_for_item(loc)
+    if manifest is not None:
+        name, entry = next((n, e) for n, e in manifest.items.items() if e.dir == loc.name)
+        return str(loc.parent), [_Item(name, loc, entry.kind)]
+    listing = _steps.list_directory(loc)
+    if not listing.committed:
+        raise CliError(_describe_missing(loc, listing))
+    chosen = _steps.choose_step(loc, listing.committed, step)
+    step_loc = _steps.step_location(loc, chosen)
+    return str(step_loc), _step_items(step_loc)
+
+
+def _describe_missing(loc: Location, listing: _steps.Listing) -> str:
+    if loc.is_local and os.path.isfile(loc.path.rstrip("/")):
+        return f"{loc} is a file, not a checkpoint directory"
+    if not loc.is_dir():
+        return f"{loc}: the path does not exist"
+    if loc.exists(METADATA_FILE):
+        return f"{loc} is a core checkpoint that was never committed (its save died)"
+    return f"{loc}: no committed steps" + (
+        f" (unfinished: {', '.join(listing.unfinished)})" if listing.unfinished else ""
+    )
+
+
+def _step_items(step_loc: Location) -> list[_Item]:
+    manifest = _steps.read_manifest(step_loc)
+    return [_Item(n, step_loc.child(e.dir), e.kind) for n, e in sorted(manifest.items.items())]
+
+
+def _dir_bytes(loc: Location) -> int | None:
+    return loc.size_bytes() if loc.is_local else None
+
+
+def _read_json_item(item: _Item) -> Any:
+    name = "process_0.json" if item.kind == "data_iterator" else _layout.JSON_VALUE_FILE
+    return _steps.read_item_json(item.loc, name)
+
+
+def _load_extras(step_loc: Location) -> dict[str, Any]:
     try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        raise CliError(f"{directory}: no such directory") from None
-    except NotADirectoryError:
-        raise CliError(f"{directory}: not a directory") from None
-    for name in names:
-        if name.isdigit() and os.path.isfile(os.path.join(directory, name, MANIFEST_FILE)):
-            out[int(name)] = os.path.join(directory, name)
-    return dict(sorted(out.items()))
-
-
-def _unfinished(directory: str) -> list[str]:
-    """Leftovers of saves or deletions that never finished (never listed as steps)."""
-    out = []
-    for name in os.listdir(directory):
-        full = os.path.join(directory, name)
-        if not os.path.isdir(full):
-            continue
-        if _TMP_RE.match(name) or (
-            name.isdigit() and not os.path.isfile(os.path.join(full, MANIFEST_FILE))
-        ):
-            out.append(name)
-    return sorted(out)
-
-
-def resolve(path: str, step: int | None) -> tuple[str, dict[str, str]]:
-    """Returns (step_path, {checkpointable name: its path}) for PATH.
-
-    PATH may be a manager directory (its latest step, or ``step``), one step
-    directory, one checkpointable of a step, or a lone core checkpoint.
-    """
-    path = os.path.normpath(path)
-    if not os.path.exists(path):
-        raise CliError(f"{path}: no such file or directory")
-    if not os.path.isdir(path):
-        raise CliError(f"{path}: not a directory")
-    parent = os.path.dirname(path)
-    if _is_core_checkpoint(path) or os.path.isfile(os.path.join(parent, MANIFEST_FILE)):
-        if step is not None:
-            raise CliError(f"{path} is one checkpointable; --step does not apply")
-        return parent, {os.path.basename(path): path}
-    if not os.path.isfile(os.path.join(path, MANIFEST_FILE)):
-        steps = _step_dirs(path)
-        if not steps:
-            raise CliError(f"{path}: not a checkpoint (no committed steps in it)")
-        if step is None:
-            step = max(steps)
-        if step not in steps:
-            raise CliError(f"{path}: no step {step}; steps: {', '.join(map(str, steps))}")
-        path = steps[step]
-    elif step is not None:
-        raise CliError(f"{path} is one step; --step does not apply")
-    manifest = _read_json_file(os.path.join(path, MANIFEST_FILE))
-    names = manifest.get("items") if isinstance(manifest, dict) else None
-    if not isinstance(names, dict):
-        raise CliError(f"{path}/{MANIFEST_FILE}: not a step manifest")
-    return path, {n: os.path.join(path, n) for n in sorted(names)}
-
-
-def _dir_bytes(path: str) -> int:
-    from flax_orbax_plugin._storage import Location
-
-    return Location.from_path(path).size_bytes()
-
-
-def _read_json_item(path: str) -> Any:
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".json"):
-            with open(os.path.join(path, name)) as f:
-                return json.load(f)
-    return None
-
-
-def _load_extras(step_path: str) -> dict[str, Any]:
-    extras_dir = os.path.join(step_path, "extras")
-    if not os.path.isdir(extras_dir):
-        return {}
-    try:
-        value = _read_json_item(extras_dir)
-    except (OSError, ValueError):
+        entry = _steps.read_manifest(step_loc).items.get("extras")
+        if entry is None:
+            return {}
+        value = _steps.read_item_json(step_loc.child(entry.dir), _layout.JSON_VALUE_FILE)
+    except CheckpointError:
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -193,38 +166,44 @@ def _load_extras(step_path: str) -> dict[str, Any]:
 
 
 def cmd_list(args) -> int:
-    directory = os.path.normpath(args.directory)
-    steps = _step_dirs(directory)
-    if not steps:
-        print(f"{directory}: no committed steps")
+    loc = Location.from_path(args.directory)
+    listing = _steps.list_directory(loc)
+    if not listing.committed:
+        print(f"{loc}: no committed steps")
     else:
-        print(f"{directory}: {len(steps)} step(s)")
-        rows = []
-        for step, path in steps.items():
-            manifest = _read_json_file(os.path.join(path, MANIFEST_FILE))
-            saved_at = manifest.get("time") if isinstance(manifest, dict) else None
-            if not isinstance(saved_at, (int, float)):
-                saved_at = os.path.getmtime(path)
-            items = manifest.get("items") if isinstance(manifest, dict) else None
-            metrics = {
-                k: v
-                for k, v in _load_extras(path).items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)
-            }
-            rows.append(
-                _ListRow(
-                    step=str(step),
-                    size=human_bytes(_dir_bytes(path)),
-                    saved=datetime.datetime.fromtimestamp(saved_at).strftime("%Y-%m-%d %H:%M:%S"),
-                    items=",".join(sorted(items)) if isinstance(items, dict) else "?",
-                    metrics=" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())) or "-",
-                )
-            )
+        print(f"{loc}: {len(listing.committed)} step(s)")
+        rows = [_list_row(loc, step) for step in listing.committed]
         print(make_table(rows))
-    pending = _unfinished(directory)
-    if pending:
-        print(f"unfinished (not steps; `flax-orbax gc` removes them): {', '.join(pending)}")
+    if listing.unfinished:
+        print(
+            f"unfinished (not steps; `flax-orbax gc` removes them): {', '.join(listing.unfinished)}"
+        )
+    if listing.corrupt:
+        print(f"set aside as damaged (kept): {', '.join(listing.corrupt)}")
+    if listing.foreign:
+        print(f"not steps of this library (left alone): {', '.join(listing.foreign)}")
     return 0
+
+
+def _list_row(loc: Location, step: int) -> _ListRow:
+    step_loc = _steps.step_location(loc, step)
+    size = _dir_bytes(step_loc)
+    try:
+        manifest = _steps.read_manifest(step_loc)
+    except CheckpointError as e:
+        return _ListRow(str(step), "?", "?", f"DAMAGED: {_one_line(e)}", "-")
+    metrics = {
+        k: v
+        for k, v in _load_extras(step_loc).items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    return _ListRow(
+        step=str(step),
+        size="?" if size is None else human_bytes(size),
+        saved=datetime.datetime.fromtimestamp(manifest.time).strftime("%Y-%m-%d %H:%M:%S"),
+        items=",".join(sorted(manifest.items)),
+        metrics=" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())) or "-",
+    )
 
 
 def _read_json_file(path: str) -> Any:
@@ -268,16 +247,31 @@ def _sharding_str(sharding: Any) -> str:
 def cmd_inspect(args) -> int:
     import flax_orbax_plugin as fop
 
-    step_path, items = resolve(args.path, args.step)
-    print(f"{step_path}")
+    label, items = resolve(args.path, args.step)
+    if args.item is not None:
+        chosen = [i for i in items if i.name == args.item]
+        if not chosen:
+            raise CliError(
+                f"{label} has no item {args.item!r} (it has: {', '.join(i.name for i in items)})"
+            )
+        items = chosen
+    print(label)
     grand_total = 0
-    for name, path in items.items():
-        if not _is_core_checkpoint(path):
-            value = _read_json_item(path)
-            text = json.dumps(value, sort_keys=True)
-            print(f"\n{name}: JSON {text if len(text) <= 200 else text[:197] + '...'}")
+    for item in items:
+        if item.kind != "pytree":
+            text = json.dumps(_read_json_item(item), sort_keys=True)
+            print(f"\n{item.name}: JSON {text if len(text) <= 200 else text[:197] + '...'}")
             continue
-        meta = fop.metadata(path)
+        meta = fop.metadata(item.loc)
+        count = sum(_numel(leaf.shape) for leaf in meta.leaves.values() if leaf.dtype)
+        grand_total += meta.total_bytes
+        if args.summary:
+            dtypes = sorted({str(leaf.dtype) for leaf in meta.leaves.values() if leaf.dtype})
+            print(
+                f"\n{item.name}: {len(meta.leaves)} leaves, {count:,} values, "
+                f"{human_bytes(meta.total_bytes)}, dtypes {', '.join(dtypes) or '-'}"
+            )
+            continue
         rows = [
             _LeafRow(
                 name=leaf.path,
@@ -288,11 +282,9 @@ def cmd_inspect(args) -> int:
             )
             for leaf in meta.leaves.values()
         ]
-        count = sum(_numel(leaf.shape) for leaf in meta.leaves.values() if leaf.dtype)
-        print(f"\n{name}:")
+        print(f"\n{item.name}:")
         print(make_table(rows) if rows else "(no leaves)")
         print(f"Total: {count:,} values -- {meta.total_bytes:,} bytes")
-        grand_total += meta.total_bytes
     print(f"\nAll arrays: {grand_total:,} bytes ({human_bytes(grand_total)})")
     return 0
 
@@ -304,76 +296,31 @@ def _numel(shape) -> int:
     return n
 
 
-def _targets(path: str, step: int | None, all_steps: bool) -> list[tuple[str, dict[str, str]]]:
-    if all_steps:
-        steps = _step_dirs(os.path.normpath(path))
-        if not steps:
-            raise CliError(f"{path}: no steps to verify")
-        return [resolve(p, None) for p in steps.values()]
-    return [resolve(path, step)]
-
-
 def cmd_verify(args) -> int:
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin._errors import CheckpointError
 
-    targets = _targets(args.path, args.step, args.all)
-    work = [(n, p) for _, items in targets for n, p in items.items()]
-    total_bytes = sum(_dir_bytes(p) for _, p in work)
-    damaged: list[str] = []
-    checked = 0
-    with Progress(max(total_bytes, 1), "verify") as bar:
-        for name, path in work:
-            label = os.path.relpath(path, os.path.dirname(targets[0][0]))
-            try:
-                if _is_core_checkpoint(path):
-                    n = _verify_core(fop, path)
-                    checked += n
-                    msg = f"{n} leaves, checksums ok"
-                else:
-                    _verify_json(path)
-                    msg = "JSON ok"
-                if not bar.enabled:
-                    print(f"ok       {label}: {msg}")
-            except (CheckpointError, OSError, ValueError) as e:
-                damaged.append(label)
-                bar.close()
-                print(f"DAMAGED  {label}: {_one_line(e)}")
-            bar.advance(_dir_bytes(path), name)
+    try:
+        results = fop.verify(args.path, step=args.step, all_steps=args.all)
+    except CheckpointError as e:
+        # Nothing checkable at PATH: a usage error, unless something is there but broken.
+        loc = Location.from_path(args.path)
+        if loc.is_dir() and not isinstance(e, fop.CheckpointNotFoundError):
+            print(f"DAMAGED  {loc}: {_one_line(e)}")
+            return EXIT_DAMAGED
+        raise CliError(_one_line(e)) from None
+    damaged = [r for r in results if not r.ok]
+    for r in results:
+        label = r.path if r.step is None else f"step {r.step}" + (f"/{r.item}" if r.item else "")
+        if r.ok:
+            print(f"ok       {label}")
+        else:
+            print(f"DAMAGED  {label}: {_one_line(r.error or '')}")
     if damaged:
-        print(f"verify: {len(damaged)} damaged: {', '.join(damaged)}", file=sys.stderr)
+        names = ", ".join(f"{r.step}/{r.item}" if r.step is not None else r.path for r in damaged)
+        print(f"verify: {len(damaged)} damaged: {names}", file=sys.stderr)
         return EXIT_DAMAGED
-    print(f"verify: all {len(work)} checkpointable(s) ok ({checked} array leaves checked)")
+    print(f"verify: all {len(results)} checkpointable(s) ok")
     return 0
-
-
-def _verify_core(fop, path: str) -> int:
-    """Reads every leaf (the zarr3 crc32c of every chunk is checked on read), a group
-    at a time; raises CorruptCheckpointError naming the damaged leaves of every bad group."""
-    from flax_orbax_plugin._errors import CorruptCheckpointError
-
-    names = list(fop.metadata(path).leaves)
-    groups, read = _leaf_groups(fop, path, names)
-    errors = []
-    for group in groups:
-        try:
-            read(group)
-        except CorruptCheckpointError as e:
-            errors.append(_one_line(e))
-    if errors:
-        raise CorruptCheckpointError("; ".join(errors))
-    return len(names)
-
-
-def _verify_json(path: str) -> None:
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if name.endswith(".json") and os.path.isfile(full):
-            with open(full) as f:
-                try:
-                    json.load(f)
-                except ValueError as e:
-                    raise ValueError(f"{name} is not valid JSON ({e})") from None
 
 
 def _one_line(e: BaseException) -> str:
@@ -419,8 +366,7 @@ def safetensors_header(
 
     Tensors are laid out back to back in the given order.
     """
-    from flax_orbax_plugin._metadata import dtype_from_name
-
+    dtype_from_name = _layout.dtype_from_name
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -452,12 +398,9 @@ def _leaf_groups(fop, path: str, names: list[str]) -> tuple[list[list[str]], Any
     come back as one group, because a partial template cannot name a single list
     element.
     """
-    from flax_orbax_plugin import _restore, _tree
-    from flax_orbax_plugin._storage import Location
-
     doc = _restore.read_document(Location.from_path(path))
-    records = {rec["path"]: rec for rec in doc["leaves"]}
-    if not all(k[0] in ("dict", "attr") for n in names for k in records[n]["keys"]):
+    records = {rec.path: rec for rec in doc.leaves}
+    if not all(k[0] in ("dict", "attr") for n in names for k in records[n].keys):
 
         def read_all(group):
             flat, _ = _tree.flatten(fop.restore(path))
@@ -466,7 +409,7 @@ def _leaf_groups(fop, path: str, names: list[str]) -> tuple[list[list[str]], Any
         return [list(names)], read_all
 
     def read(group):
-        like = _tree.rebuild(([tuple(k) for k in records[n]["keys"]], None) for n in group)
+        like = _tree.rebuild((list(records[n].keys), None) for n in group)
         flat, _ = _tree.flatten(fop.restore(path, like, partial=True))
         return {p: v for p, _, v in flat}
 
@@ -495,18 +438,21 @@ def cmd_export(args) -> int:
     import numpy as np
 
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin._metadata import dtype_from_name
 
+    dtype_from_name = _layout.dtype_from_name
     if args.format != "safetensors":
         raise CliError(f"unknown export format {args.format!r} (supported: safetensors)")
     if args.dtype is not None and args.dtype not in _SAFETENSORS_DTYPES:
         raise CliError(f"--dtype {args.dtype}: not a safetensors dtype")
-    step_path, items = resolve(args.path, args.step)
-    if args.item not in items:
-        raise CliError(f"{step_path} has no {args.item!r} (it has: {', '.join(items)})")
-    src = items[args.item]
-    if not _is_core_checkpoint(src):
-        raise CliError(f"{src}: not an array checkpoint")
+    label, items = resolve(args.path, args.step)
+    found = {i.name: i for i in items}
+    if args.item not in found and len(items) == 1 and items[0].kind == "pytree":
+        found[args.item] = items[0]  # PATH is one pytree
+    if args.item not in found:
+        raise CliError(f"{label} has no {args.item!r} (it has: {', '.join(found)})")
+    if found[args.item].kind != "pytree":
+        raise CliError(f"{found[args.item].loc}: not an array checkpoint")
+    src = found[args.item].loc
     meta = fop.metadata(src)
     leaves = [
         (leaf.path, _export_dtype(leaf.dtype, args.dtype), tuple(leaf.shape))
@@ -519,7 +465,7 @@ def cmd_export(args) -> int:
         tensor_names = names
     header = safetensors_header(
         [(t, d, s) for t, (_, d, s) in zip(tensor_names, leaves, strict=True)],
-        metadata={"format": "pt", "source": os.path.abspath(src), "exported_by": "flax-orbax"},
+        metadata={"format": "flax", "source": str(src), "exported_by": "flax-orbax"},
     )
     dtypes = {name: d for name, d, _ in leaves}
     out = args.out
@@ -553,22 +499,26 @@ def cmd_export(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from flax_orbax_plugin._manager import CheckpointManager
+    from ._manager import CheckpointManager
 
-    directory = os.path.normpath(args.directory)
-    if not os.path.isdir(directory):
-        raise CliError(f"{directory}: no such directory")
-    unfinished = _unfinished(directory)
+    loc = Location.from_path(args.directory)
+    if not loc.is_dir():
+        raise CliError(f"{loc}: no such directory")
+    before = _steps.list_directory(loc)
     # Opening a writer takes the directory's lock (refused while a training job
     # writes to it) and removes unfinished steps.
-    with CheckpointManager(directory, keep=args.keep, keep_every=args.keep_every) as mngr:
+    with CheckpointManager(loc, keep=args.keep, keep_every=args.keep_every) as mngr:
         removed = mngr.gc()
-    print(f"removed unfinished: {', '.join(unfinished) or 'none'}")
+    after = _steps.list_directory(loc)
+    gone = [n for n in before.unfinished if n not in after.unfinished]
+    print(f"removed unfinished: {', '.join(gone) or 'none'}")
     if args.keep is None:
         print("removed steps: none (no --keep given)")
     else:
         print(f"removed steps: {', '.join(map(str, removed)) or 'none'}")
-    print(f"kept steps: {', '.join(map(str, _step_dirs(directory))) or 'none'}")
+    print(f"kept steps: {', '.join(map(str, after.committed)) or 'none'}")
+    if after.foreign:
+        print(f"not steps of this library (left alone): {', '.join(after.foreign)}")
     return 0
 
 
@@ -589,6 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="leaves with shapes, dtypes, shardings and bytes")
     s.add_argument("path")
     s.add_argument("--step", type=int, default=None)
+    s.add_argument("--item", default=None, help="only this checkpointable, e.g. params")
+    s.add_argument("--summary", action="store_true", help="one line per item, no leaf table")
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("verify", help="read everything and check every checksum")

@@ -135,9 +135,9 @@ def _spy_small_files(ctx):
     written = []
     original = _storage.Location.write_bytes
 
-    def spy(self, name, data):
+    def spy(self, name, data, **kw):
         written.append(f"{self.path.rstrip('/').rsplit('/', 1)[-1]}/{name}")
-        return original(self, name, data)
+        return original(self, name, data, **kw)
 
     _storage.Location.write_bytes = spy
     return written
@@ -419,3 +419,86 @@ def core_save_killed(ctx, directory, victim_after_opens=1):
         out["save2_type"] = type(e).__name__
     out["save2_s"] = time.time() - t
     return out
+
+
+# -- one step, one commit (tests/test_commit.py) -------------------------------------------
+
+
+def replicated_state(ctx, step: int, rows: int = 4096):
+    """Pure data parallelism: every leaf replicated on every device of every process."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rep = NamedSharding(ctx.mesh, P())
+    host = np.arange(rows * COLS, dtype=np.float32).reshape(rows, COLS) + step
+    w = jax.make_array_from_callback(host.shape, rep, lambda idx: host[idx])
+    b = jax.make_array_from_callback((COLS,), rep, lambda idx: host[0][idx])
+    return {"params": {"w": w, "b": b}, "opt_state": {"count": np.int32(step)}, "step": step}
+
+
+def commit_counts(ctx, directory, steps=(1, 2, 3), replicated=False):
+    """Saves steps through the manager; reports coordination calls and bytes per step."""
+    import flax_orbax_plugin as fop
+    from flax_orbax_plugin import _distributed
+
+    out = {"per_step": []}
+    with fop.CheckpointManager(directory, async_save=False) as mngr:
+        for step in steps:
+            state = replicated_state(ctx, step) if replicated else make_state(ctx, step)
+            before = dict(_distributed.CALLS)
+            mngr.save(step, state, extras={"step": step})
+            after = dict(_distributed.CALLS)
+            delta = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+            out["per_step"].append({"calls": delta, "written": mngr.last_save.bytes_written})
+        out["steps"] = mngr.steps()
+    restored = fop.CheckpointManager(directory, read_only=True).restore(
+        items="params", step=steps[-1]
+    )
+    import numpy as np
+
+    step = steps[-1]
+    if replicated:
+        w = np.arange(4096 * COLS, dtype=np.float32).reshape(4096, COLS) + step
+        expect = {"w": w, "b": w[0]}
+    else:
+        expect = {
+            "w": expected_w(len(ctx.devices)) + step,
+            "b": np.full((COLS,), float(step), np.float32),
+        }
+    out["restored_ok"] = all(np.array_equal(restored[k], expect[k]) for k in ("w", "b"))
+    return out
+
+
+def different_steps(ctx, directory):
+    """Process i saves step 10 + i: nothing may commit; every process gets an error."""
+    import jax
+
+    import flax_orbax_plugin as fop
+
+    with fop.CheckpointManager(directory, async_save=False) as mngr:
+        try:
+            mngr.save(10 + jax.process_index(), make_state(ctx, 1))
+        except fop.CoordinationError as e:
+            return {"error": str(e), "steps": mngr.steps()}
+    return {"error": None}
+
+
+def timed_callback(ctx, directory, every_seconds=10.0, n=30):
+    """A callback with every_seconds where each process's clock runs at its own speed:
+    the manager shares the primary's decision, so every process saves the same steps."""
+    import jax
+
+    import flax_orbax_plugin as fop
+
+    speed = 1.0 + 0.7 * jax.process_index()  # process 1's clock runs 1.7x faster
+    state = replicated_state(ctx, 0, rows=8)
+    cb = fop.CheckpointCallback(directory, every_seconds=every_seconds, keep=None)
+    cb.on_train_start(state)
+    saved = []
+    for step in range(1, n + 1):
+        if cb.on_step_end(step, replicated_state(ctx, step, rows=8), t=step * speed):
+            saved.append(step)
+    cb.on_train_end(replicated_state(ctx, n, rows=8), step=n)
+    return {"saved": saved, "steps": fop.CheckpointManager(directory, read_only=True).steps()}

@@ -147,21 +147,29 @@ def test_resume_choices(tmp_path):
     cb.close()
 
     trained, _ = run(tmp_path, every_steps=5)
-    # resume=False ignores the checkpoints that exist ...
+    # resume=False refuses to mix a new run into the existing one, naming the ways out ...
     cb = fop.CheckpointCallback(tmp_path, resume=False)
-    assert int(cb.on_train_start(make_state()).step) == 0
+    with pytest.raises(fop.CheckpointError, match=r"latest: 12.*resume=True.*overwrite=True"):
+        cb.on_train_start(make_state())
     cb.close()
+    assert committed_steps(tmp_path)[-1] == NUM_STEPS
     # ... resume="required" restores the latest.
     cb = fop.CheckpointCallback(tmp_path, resume="required")
     resumed = cb.on_train_start(make_state())
     cb.close()
     assert int(resumed.step) == NUM_STEPS
     assert_trees_equal(resumed.params, trained.params)
+    # overwrite=True starts a fresh run there: the old steps are removed first.
+    cb = fop.CheckpointCallback(tmp_path, resume=False, overwrite=True, every_steps=5)
+    state = cb.on_train_start(make_state())
+    assert committed_steps(tmp_path) == []
+    cb.on_train_end(state, step=1)
+    assert committed_steps(tmp_path) == [1]
 
 
 def test_clu_style_hook_with_time_passed_in(tmp_path):
     state = {"value": make_state()}
-    cb = fop.CheckpointCallback(tmp_path, every_secs=10.0, state_fn=lambda: state["value"])
+    cb = fop.CheckpointCallback(tmp_path, every_seconds=10.0, state_fn=lambda: state["value"])
     cb.on_train_start(state["value"])
     saved = []
     for step, t in [(1, 100.0), (2, 105.0), (3, 110.5), (4, 112.0), (5, 119.0), (6, 121.0)]:
@@ -181,8 +189,8 @@ def test_hook_needs_state_fn_and_bad_arguments(tmp_path):
         fop.CheckpointCallback(tmp_path, resume="yes")
     with pytest.raises(ValueError, match="every_steps"):
         fop.CheckpointCallback(tmp_path, every_steps=0)
-    with pytest.raises(ValueError, match="every_secs"):
-        fop.CheckpointCallback(tmp_path, every_secs=-1)
+    with pytest.raises(ValueError, match="every_seconds"):
+        fop.CheckpointCallback(tmp_path, every_seconds=-1)
 
 
 def test_nnx_loop_resumes_bit_exact(tmp_path):

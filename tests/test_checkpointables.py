@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from flax_orbax_plugin import _steps
 from flax_orbax_plugin._checkpointables import (
     BUILTIN_CHECKPOINTABLES,
     Checkpointable,
@@ -20,12 +21,30 @@ from flax_orbax_plugin._checkpointables import (
     StepCheckpointable,
     checkpointable_for,
 )
-from flax_orbax_plugin._errors import CheckpointNotFoundError
+from flax_orbax_plugin._errors import CheckpointError, CheckpointNotFoundError
+from flax_orbax_plugin._layout import ItemEntry, StepManifest
 from flax_orbax_plugin._storage import Location
 
 
 def loc(tmp_path, name):
-    return Location.from_path(tmp_path).child(name)
+    """Where item ``name`` of step 1 lives."""
+    return Location.from_path(tmp_path).child("1").child(name)
+
+
+def save_item(c, tmp_path, name, value):
+    """Saves one item into step 1 and commits the step (the manifest records the
+    checksums of the item's JSON files, as the manager does)."""
+    step = Location.from_path(tmp_path).child("1")
+    written = c.save(step.child(name), value).wait()
+    try:
+        old = _steps.read_manifest(step)
+        items, files = dict(old.items), dict(old.files)
+    except CheckpointNotFoundError:
+        items, files = {}, {}
+    items[name] = ItemEntry(getattr(c, "kind", "custom"), name)
+    files.update({f"{name}/{f}": h for f, h in (written.files if written else {}).items()})
+    _steps.write_manifest(step, StepManifest(1, items, files))
+    return step.child(name)
 
 
 def test_builtins_follow_the_protocol_and_unknown_names_are_pytrees():
@@ -40,11 +59,11 @@ def test_builtins_follow_the_protocol_and_unknown_names_are_pytrees():
 def test_extras_json_round_trip_with_bytes_and_numpy_scalars(tmp_path):
     value = {"loss": np.float32(0.5), "n": 3, "blob": b"\x00\xffab", "cfg": {"lr": [1e-3, 2]}}
     c = checkpointable_for("extras")
-    c.save(loc(tmp_path, "extras"), value).wait()
+    save_item(c, tmp_path, "extras", value)
     out = c.restore(loc(tmp_path, "extras"), None)
     assert out == {"loss": 0.5, "n": 3, "blob": b"\x00\xffab", "cfg": {"lr": [1e-3, 2]}}
     # stored as JSON text, base64 for bytes: nothing to unpickle
-    text = (tmp_path / "extras" / "value.json").read_text()
+    text = (tmp_path / "1" / "extras" / "value.json").read_text()
     assert "__bytes__" in text
 
 
@@ -57,7 +76,7 @@ def test_extras_that_are_not_json_are_refused_at_save_time(tmp_path):
 
 def test_step_restores_as_the_type_of_like(tmp_path):
     c = StepCheckpointable()
-    c.save(loc(tmp_path, "step"), jnp.asarray(42, jnp.int32)).wait()
+    save_item(c, tmp_path, "step", jnp.asarray(42, jnp.int32))
     assert c.restore(loc(tmp_path, "step"), None) == 42
     assert type(c.restore(loc(tmp_path, "step"), 0)) is int
     out = c.restore(loc(tmp_path, "step"), jax.ShapeDtypeStruct((), jnp.uint32))
@@ -67,8 +86,12 @@ def test_step_restores_as_the_type_of_like(tmp_path):
 
 
 def test_missing_json_item_is_a_clear_error(tmp_path):
-    with pytest.raises(CheckpointNotFoundError, match="value.json"):
+    with pytest.raises(CheckpointError, match="nothing/value.json: not inside a committed step"):
         JsonCheckpointable().restore(loc(tmp_path, "nothing"), None)
+    save_item(JsonCheckpointable(), tmp_path, "extras", {"a": 1})
+    (tmp_path / "1" / "extras" / "value.json").unlink()
+    with pytest.raises(CheckpointError, match="value.json is missing"):
+        JsonCheckpointable().restore(loc(tmp_path, "extras"), None)
 
 
 OPTAX_STATES = {
@@ -89,7 +112,7 @@ def test_optax_states_round_trip(tmp_path, kind):
     grads = jax.tree.map(jnp.ones_like, params)
     _, state = tx.update(grads, state, params)
     c = checkpointable_for("opt_state")
-    c.save(loc(tmp_path, "opt_state"), state).wait()
+    save_item(c, tmp_path, "opt_state", state)
     like = jax.eval_shape(lambda: tx.init(params))
     out = c.restore(loc(tmp_path, "opt_state"), like)
     assert jax.tree.structure(out) == jax.tree.structure(state)
@@ -119,14 +142,14 @@ def test_grain_iterator_position_round_trip(tmp_path, make):
     for _ in range(3):
         next(it)
     c = checkpointable_for("data_iterator")
-    c.save(loc(tmp_path, "data_iterator"), it).wait()
+    save_item(c, tmp_path, "data_iterator", it)
     expected = [np.asarray(next(it)) for _ in range(4)]
     fresh = make()
     assert c.restore(loc(tmp_path, "data_iterator"), fresh) is fresh
     got = [np.asarray(next(fresh)) for _ in range(4)]
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_array_equal(a, b)
-    assert (tmp_path / "data_iterator" / "process_0.json").exists()
+    assert (tmp_path / "1" / "data_iterator" / "process_0.json").exists()
 
 
 class StateDictIterator:
@@ -149,7 +172,7 @@ def test_state_dict_iterators_work_too(tmp_path):
     next(it)
     next(it)
     c = checkpointable_for("data_iterator")
-    c.save(loc(tmp_path, "di"), it).wait()
+    save_item(c, tmp_path, "di", it)
     next(it)  # the state was taken at save time, not at wait time
     other = c.restore(loc(tmp_path, "di"), StateDictIterator())
     assert other.i == 2

@@ -109,13 +109,13 @@ def test_interrupted_grain_run_resumes_bit_identically(tmp_path):
 
     seen = []
     it = make_iterator()
-    with fop.CheckpointManager(tmp_path, keep=2, save_every_steps=4) as mngr:
+    with fop.CheckpointManager(tmp_path, keep=2, every_steps=4) as mngr:
         run(make_state(), it, range(14), mngr, seen)  # "crashes" after step 14; last save 12
     assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [8, 12]
     del seen[12:]  # steps 13 and 14 are lost with the crash
 
     it = make_iterator()
-    with fop.CheckpointManager(tmp_path, keep=2, save_every_steps=4) as mngr:
+    with fop.CheckpointManager(tmp_path, keep=2, every_steps=4) as mngr:
         abstract = jax.eval_shape(make_state)
         state = mngr.restore(like=abstract, data_iterator=it)
         assert int(state.step) == 12 and state.apply_fn is abstract.apply_fn
@@ -168,9 +168,9 @@ def test_save_policy_steps_seconds_explicit_and_force(tmp_path):
     now = [0.0]
     with fop.CheckpointManager(
         tmp_path,
-        save_every_steps=5,
-        save_every_seconds=60,
-        save_steps=[7],
+        every_steps=5,
+        every_seconds=60,
+        steps=[7],
         clock=lambda: now[0],
     ) as mngr:
         saved = [s for s in range(1, 12) if mngr.save(s, tiny(s))]
@@ -179,8 +179,11 @@ def test_save_policy_steps_seconds_explicit_and_force(tmp_path):
         assert mngr.save(11, tiny(11))  # 60 s passed since the last save
         assert not mngr.save(12, tiny(12))  # timer restarted at the last save
         assert mngr.save(13, tiny(13), force=True)
-        assert not mngr.save(10, tiny(99), force=False)  # exists: not overwritten
-        assert mngr.save(10, tiny(99), force=True)  # force replaces it
+        with pytest.raises(fop.CheckpointError, match="already exists.*overwrite=True"):
+            mngr.save(10, tiny(99), force=True)  # exists: never replaced silently
+        with pytest.raises(fop.CheckpointError, match="below the latest committed step"):
+            mngr.save(12, tiny(99), force=True)
+        assert mngr.save(10, tiny(99), force=True, overwrite=True)  # replaces it
         mngr.wait()
         assert mngr.steps() == [5, 7, 10, 11, 13]
         out = mngr.restore(step=10, items="params")
@@ -230,11 +233,13 @@ def test_unfinished_steps_are_removed_on_start_and_never_listed(tmp_path):
         mngr.save(1, tiny(1))
     (tmp_path / "2.partial-abc123" / "params").mkdir(parents=True)
     (tmp_path / "3.deleting-abc123").mkdir()
-    (tmp_path / "4" / "params").mkdir(parents=True)  # no manifest: never committed
+    (tmp_path / "4" / "params").mkdir(parents=True)  # no manifest: not ours to remove
     assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [1]
     with fop.CheckpointManager(tmp_path) as mngr:
         assert mngr.steps() == [1]
-    assert sorted(os.listdir(tmp_path)) == [".writer.lock", "1"]
+    # Only the library's own temporary names are removed; a digits-named folder without a
+    # manifest (a user's "2024", a core checkpoint) is foreign and left alone.
+    assert sorted(os.listdir(tmp_path)) == [".writer.lock", "1", "4"]
 
 
 PREEMPTED = textwrap.dedent(
@@ -243,7 +248,7 @@ PREEMPTED = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     import numpy as np
     import flax_orbax_plugin as fop
-    with fop.CheckpointManager({directory!r}, save_every_steps=1000, handle_sigterm=True) as m:
+    with fop.CheckpointManager({directory!r}, every_steps=1000, handle_sigterm=True) as m:
         for step in range(1, 100000):
             m.save(step, {{"params": {{"w": np.full((3,), step, np.float32)}}}})
             print(step, flush=True)
@@ -308,7 +313,7 @@ def test_nnx_model_and_optimizer_round_trip(tmp_path):
 
 def test_subset_restore_and_clear_errors(tmp_path):
     state = make_state()
-    with pytest.raises(fop.CheckpointNotFoundError, match="no checkpoints"):
+    with pytest.raises(fop.CheckpointNotFoundError, match="no committed steps"):
         fop.CheckpointManager(tmp_path, read_only=True).restore()
     with fop.CheckpointManager(tmp_path) as mngr:
         mngr.save(3, state, extras={"loss": 1.5})
@@ -580,8 +585,11 @@ def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
         # an interrupted step: data written, no manifest
         fop.save(Location.from_path(url).child("7").child("params"), tiny(7)["params"])
         assert mngr.steps() == [2, 3]
-        assert mngr.save(3, tiny(30), force=True)
+        assert mngr.save(3, tiny(30), force=True, overwrite=True)
     assert fop.restore_params(url)["w"][0] == 30
+    # the replaced step's items were written under fresh names, the old ones removed
+    step3 = Location.from_path(url).child("3").list_children()
+    assert "_CHECKPOINT.json" in step3 and "params" not in step3
     with fop.CheckpointManager(url) as mngr:  # a writer removes the uncommitted step
         assert "7" not in Location.from_path(url).list_children()
         assert mngr.restore(step=2, items="extras") == {"loss": 2}

@@ -180,10 +180,8 @@ def test_unknown_dtype_names_leaf(saved):
     doc = json.loads(meta.read_text())
     rec = next(r for r in doc["leaves"] if r["path"] == "params/kernel")
     rec["dtype"] = "float7_e9"
-    meta.write_text(json.dumps(doc))
-    with pytest.raises(
-        fop.StructureError, match=r"leaf 'params/kernel'.*unknown dtype 'float7_e9'"
-    ):
+    _reseal(path, json.dumps(doc).encode())
+    with pytest.raises(fop.CorruptCheckpointError, match=r"'params/kernel'.*dtype.*'float7_e9'"):
         fop.restore(path)
 
 
@@ -257,11 +255,26 @@ def test_hostile_metadata_cannot_name_outside_paths(saved):
     doc = json.loads(meta.read_text())
     doc["batches"] = {"../../etc": {"dtype": "float32", "process": 0, "size": 4, "chunk": 4}}
     meta.write_text(json.dumps(doc))
-    with pytest.raises(fop.CorruptCheckpointError, match="malformed metadata"):
+    with pytest.raises(fop.CorruptCheckpointError, match="checksum mismatch"):
         fop.restore(path)
-    meta.write_text("{not json")
+    _reseal(path, json.dumps(doc).encode())  # consistent checksums: validation catches it
+    with pytest.raises(fop.CorruptCheckpointError, match="malformed .*batches"):
+        fop.restore(path)
+    _reseal(path, b"{not json")
     with pytest.raises(fop.CorruptCheckpointError, match="not valid JSON"):
         fop.metadata(path)
+
+
+def _reseal(path, raw: bytes) -> None:
+    """Replaces _METADATA.json and the checksum its commit marker records (a crafted
+    checkpoint, not an accidental change)."""
+    from flax_orbax_plugin import _layout
+
+    (path / "_METADATA.json").write_bytes(raw)
+    body = json.loads((path / "_COMMITTED").read_bytes())
+    body.pop("checksum")
+    body["files"]["_METADATA.json"] = _layout.sha256(raw)
+    (path / "_COMMITTED").write_bytes(_layout.seal(body))
 
 
 def test_metadata_reads_no_array_data(saved):

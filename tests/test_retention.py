@@ -35,15 +35,15 @@ def test_invalid_retention_options_are_refused():
         RetentionPolicy(keep_best=1)
 
 
-def test_save_policy_with_injected_clock():
-    now = [0.0]
-    policy = SavePolicy(every_seconds=10, clock=lambda: now[0])
-    assert not policy.should_save(1)
-    now[0] = 10.0
-    assert policy.should_save(2)
-    policy.record_save()
-    now[0] = 15.0
-    assert not policy.should_save(3)
-    assert SavePolicy().should_save(123)  # no rule: every call saves
+def test_save_policy_with_time_passed_in():
+    policy = SavePolicy(every_seconds=10)
+    assert not policy.should_save(1, 100.0)  # the first decision starts the clock
+    assert not policy.should_save(2, 109.0)
+    assert policy.should_save(3, 110.0)
+    policy.record_save(110.0)
+    assert not policy.should_save(4, 115.0)
+    assert SavePolicy().should_save(123, 0.0)  # no rule: every call saves
+    steps = SavePolicy(every_steps=5, steps=[7])
+    assert [s for s in range(1, 12) if steps.should_save(s, 0.0)] == [5, 7, 10]
     with pytest.raises(ValueError):
         SavePolicy(every_steps=0)

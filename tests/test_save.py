@@ -350,22 +350,6 @@ def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
     assert sum(outcomes.values()) == points
 
 
-def test_save_group_runs_blocking_phases_back_to_back(tmp_path):
-    from flax_orbax_plugin import _save
-
-    big = {"w": np.ones((8000, 2000), np.float32)}
-    with _save.save_group():
-        first = fop.save_async(tmp_path / "a", big)
-        second = fop.save_async(tmp_path / "b", {"x": np.arange(3)})
-        assert not first.done()  # the second did not wait for the first's writes
-    second.wait()
-    assert first.done()  # background phases ran in call order
-    np.testing.assert_array_equal(fop.restore(tmp_path / "b")["x"], np.arange(3))
-    third = fop.save_async(tmp_path / "c", {"y": np.zeros(2)})  # outside: waits for the group
-    third.wait()
-    assert fop.is_committed(tmp_path / "a")
-
-
 def test_batched_leaves_are_aligned_and_padding_is_zero(tmp_path):
     import json
 

@@ -1,0 +1,651 @@
+"""The on-disk layout, format version 1: typed records for every JSON file.
+
+This module is the only place that knows the JSON field names. Every record has
+``to_json()`` and a ``from_json(obj, where)`` that validates every field (types,
+ranges, safe names, shapes and offsets bounded and consistent with each other) and
+raises :class:`CorruptCheckpointError` naming the file and the field, before anything
+sized by the untrusted numbers is allocated. FORMAT.md at the repository root is the
+specification; later format versions restore version 1.
+
+Files (see FORMAT.md)::
+
+    <checkpoint>/_METADATA.json   CheckpointDocument: leaves, batches
+    <checkpoint>/_COMMITTED       CommitMarker of a standalone core checkpoint
+    <step>/_CHECKPOINT.json       StepManifest: the commit of a manager step
+
+Integrity: the marker and the manifest carry the sha256 of every JSON file that
+restore trusts (``files``) and a checksum of their own canonical JSON; readers check
+both (:func:`decode_checked`, :func:`parse_sealed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ._errors import CorruptCheckpointError, StructureError
+
+FORMAT_NAME = "flax_orbax_plugin"
+FORMAT_VERSION = 1
+STEP_FORMAT = "flax_orbax_plugin/step"
+STEP_VERSION = 1
+
+METADATA_FILE = "_METADATA.json"
+COMMIT_FILE = "_COMMITTED"
+MANIFEST_FILE = "_CHECKPOINT.json"
+JSON_VALUE_FILE = "value.json"
+
+MAX_JSON_BYTES = 64 << 20  # no metadata, manifest or JSON item is larger than this
+MAX_NDIM = 64
+MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: larger "arrays" are damage, not data
+MAX_PROCESSES = 1 << 20
+
+# dtypes zarr3 (as tensorstore implements it) stores, by numpy name.
+SUPPORTED_DTYPES = frozenset(
+    "bool int4 int8 int16 int32 int64 uint8 uint16 uint32 uint64 float8_e4m3fn "
+    "float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 float8_e5m2fnuz float16 bfloat16 "
+    "float32 float64 complex64 complex128".split()
+)
+PRNG_IMPLS = frozenset({"threefry2x32", "rbg", "unsafe_rbg"})
+LEAF_KINDS = frozenset(
+    {"array", "none", "py_int", "py_float", "py_bool", "py_complex", "np_scalar", "prng_key"}
+)
+KEY_KINDS = frozenset({"dict", "seq", "attr", "flat"})
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", re.ASCII)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$", re.ASCII)
+
+
+# -- dtypes -----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, cached (numpy computes it anew on every access)."""
+    return dtype.name
+
+
+@functools.lru_cache(maxsize=64)
+def dtype_from_name(name: str, *, path: str = "?") -> np.dtype:
+    """numpy dtype for a stored dtype name; a clear error for unknown names."""
+    if name not in SUPPORTED_DTYPES:
+        raise StructureError(
+            f"leaf {path!r}: unknown dtype {name!r} (expected one of {sorted(SUPPORTED_DTYPES)})"
+        )
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+def is_safe_name(name: Any) -> bool:
+    """A name usable as one path component: letters, digits, '_', '-', '.'; no '..'."""
+    return isinstance(name, str) and bool(_SAFE_NAME.match(name)) and ".." not in name
+
+
+# -- checksums and JSON -------------------------------------------------------------------
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode(obj: Any) -> bytes:
+    """Compact, deterministic JSON bytes."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode(raw: bytes, where: str) -> Any:
+    """Parses JSON bytes read from an untrusted store; errors name the file."""
+    if len(raw) > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(f"{where}: {len(raw)} bytes, larger than any valid file")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where} is not valid JSON: {e}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def decode_checked(raw: bytes, where: str, expected_sha256: str) -> Any:
+    """Parses ``raw`` after checking it against the checksum recorded at commit."""
+    found = sha256(raw)
+    if found != expected_sha256:
+        raise CorruptCheckpointError(
+            f"{where}: checksum mismatch: expected sha256 {expected_sha256[:16]}... "
+            f"(recorded at commit), found {found[:16]}...; the file was changed or damaged"
+        )
+    return decode(raw, where)
+
+
+def seal(body: dict[str, Any]) -> bytes:
+    """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form."""
+    return encode(dict(body, checksum=sha256(encode(body))))
+
+
+def parse_sealed(raw: bytes, where: str) -> dict[str, Any]:
+    obj = decode(raw, where)
+    _need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
+    body = dict(obj)
+    checksum = body.pop("checksum", None)
+    _need(isinstance(checksum, str), where, "checksum", "a sha256 string", checksum)
+    if sha256(encode(body)) != checksum:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch: the file was changed or damaged")
+    return body
+
+
+# -- validation helpers ------------------------------------------------------------------
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _need(cond: bool, where: str, field: str, expected: str, found: Any) -> None:
+    if not cond:
+        raise CorruptCheckpointError(
+            f"malformed {where}: field {field}: expected {expected}, found {_show(found)}"
+        )
+
+
+def _one_of(x: Any, names: frozenset[str]) -> bool:
+    return isinstance(x, str) and x in names
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int(obj: Mapping, key: str, where: str, field: str, *, lo: int = 0, hi: int = 1 << 62):
+    value = obj.get(key)
+    _need(_is_int(value) and lo <= value <= hi, where, field, f"an int in [{lo}, {hi}]", value)
+    return value
+
+
+def _num(obj: Mapping, key: str, where: str, field: str) -> float:
+    value = obj.get(key, 0.0)
+    ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    _need(ok, where, field, "a finite number", value)
+    return float(value)
+
+
+def _str(obj: Mapping, key: str, where: str, field: str) -> str:
+    value = obj.get(key)
+    _need(isinstance(value, str), where, field, "a string", value)
+    return value
+
+
+def _files(obj: Mapping, where: str) -> dict[str, str]:
+    files = obj.get("files")
+    _need(isinstance(files, dict), where, "files", "an object {file: sha256}", files)
+    for name, digest in files.items():
+        parts = name.split("/")
+        _need(
+            all(is_safe_name(p) or p.startswith("_") and is_safe_name(p[1:]) for p in parts),
+            where,
+            f"files[{name!r}]",
+            "a relative path of safe names",
+            name,
+        )
+        _need(
+            isinstance(digest, str) and bool(_SHA256.match(digest)),
+            where,
+            f"files[{name!r}]",
+            "a sha256 hex digest",
+            digest,
+        )
+    return dict(files)
+
+
+# -- leaves and batches -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArrayStorage:
+    """A leaf stored as its own zarr3 array ``d/<index>/``."""
+
+    chunk_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchStorage:
+    """A small leaf stored at ``offset`` (elements) in the 1-D batch array ``b/<batch>/``."""
+
+    batch: str
+    offset: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafRecord:
+    """One leaf: its key path, kind, shape, dtype and where its bytes are."""
+
+    path: str
+    keys: tuple[tuple[str, Any], ...]
+    kind: str
+    shape: tuple[int, ...] = ()
+    dtype: str | None = None
+    sharding: dict[str, Any] | None = None
+    storage: ArrayStorage | BatchStorage | None = None
+    impl: str | None = None  # PRNG key implementation (kind "prng_key")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype is None:
+            return 0
+        return self.size * dtype_from_name(self.dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "keys": [list(k) for k in self.keys]}
+        out["kind"] = self.kind
+        if self.kind == "none":
+            return out
+        out["shape"] = list(self.shape)
+        out["dtype"] = self.dtype
+        out["sharding"] = self.sharding
+        if self.impl is not None:
+            out["impl"] = self.impl
+        if isinstance(self.storage, ArrayStorage):
+            out["storage"] = {"type": "array", "chunk_shape": list(self.storage.chunk_shape)}
+        elif isinstance(self.storage, BatchStorage):
+            s = self.storage
+            out["storage"] = {"type": "batch", "batch": s.batch, "offset": s.offset, "size": s.size}
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str, index: int) -> LeafRecord:
+        at = f"leaves[{index}]"
+        _need(isinstance(obj, dict), where, at, "an object", obj)
+        path = _str(obj, "path", where, f"{at}.path")
+        at = f"leaves[{index}] ({path!r})"
+        kind = obj.get("kind")
+        _need(_one_of(kind, LEAF_KINDS), where, f"{at}.kind", f"one of {sorted(LEAF_KINDS)}", kind)
+        keys = _keys(obj.get("keys"), where, f"{at}.keys")
+        if kind == "none":
+            return cls(path, keys, kind)
+        shape = obj.get("shape")
+        _need(
+            isinstance(shape, list)
+            and len(shape) <= MAX_NDIM
+            and all(_is_int(s) and 0 <= s < (1 << 50) for s in shape),
+            where,
+            f"{at}.shape",
+            f"a list of at most {MAX_NDIM} non-negative ints",
+            shape,
+        )
+        shape = tuple(shape)
+        dtype = obj.get("dtype")
+        _need(
+            _one_of(dtype, SUPPORTED_DTYPES), where, f"{at}.dtype", "a supported dtype name", dtype
+        )
+        itemsize = dtype_from_name(dtype).itemsize
+        _need(
+            math.prod(shape) * itemsize <= MAX_ARRAY_BYTES,
+            where,
+            f"{at}.shape",
+            f"at most {MAX_ARRAY_BYTES} bytes",
+            shape,
+        )
+        sharding = obj.get("sharding")
+        _need(
+            sharding is None or isinstance(sharding, dict),
+            where,
+            f"{at}.sharding",
+            "an object or null",
+            sharding,
+        )
+        impl = None
+        if kind == "prng_key":
+            impl = obj.get("impl")
+            _need(
+                _one_of(impl, PRNG_IMPLS), where, f"{at}.impl", f"one of {sorted(PRNG_IMPLS)}", impl
+            )
+        raw = obj.get("storage")
+        _need(isinstance(raw, dict), where, f"{at}.storage", "an object", raw)
+        storage: ArrayStorage | BatchStorage
+        if raw.get("type") == "array":
+            chunk = raw.get("chunk_shape")
+            _need(
+                isinstance(chunk, list)
+                and len(chunk) == len(shape)
+                and all(
+                    _is_int(c) and 1 <= c <= max(1, s) for c, s in zip(chunk, shape, strict=True)
+                ),
+                where,
+                f"{at}.storage.chunk_shape",
+                f"{len(shape)} ints in [1, shape]",
+                chunk,
+            )
+            storage = ArrayStorage(tuple(chunk))
+        else:
+            _need(
+                raw.get("type") == "batch",
+                where,
+                f"{at}.storage.type",
+                "'array' or 'batch'",
+                raw.get("type"),
+            )
+            batch = _str(raw, "batch", where, f"{at}.storage.batch")
+            offset = _int(raw, "offset", where, f"{at}.storage.offset")
+            size = _int(raw, "size", where, f"{at}.storage.size")
+            _need(
+                size == math.prod(shape),
+                where,
+                f"{at}.storage.size",
+                f"{math.prod(shape)} (the shape's element count)",
+                size,
+            )
+            storage = BatchStorage(batch, offset, size)
+        return cls(path, keys, kind, shape, dtype, sharding, storage, impl)
+
+
+def _keys(keys: Any, where: str, field: str) -> tuple[tuple[str, Any], ...]:
+    _need(isinstance(keys, list) and len(keys) <= 1000, where, field, "a list of [kind, key]", keys)
+    out = []
+    for k in keys:
+        ok = (
+            isinstance(k, list)
+            and len(k) == 2
+            and _one_of(k[0], KEY_KINDS)
+            and (
+                (k[0] in ("seq", "flat") and _is_int(k[1]) and 0 <= k[1] < (1 << 31))
+                or (k[0] == "attr" and isinstance(k[1], str))
+                or (k[0] == "dict" and (isinstance(k[1], str) or _is_int(k[1])))
+            )
+        )
+        _need(ok, where, field, "[kind, key] pairs", k)
+        out.append((k[0], k[1]))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchRecord:
+    """A 1-D zarr3 array ``b/<name>/`` holding small leaves of one dtype, written by one
+    process; ``chunk`` elements per stored file."""
+
+    name: str
+    dtype: str
+    process: int
+    size: int
+    chunk: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "process": self.process,
+            "size": self.size,
+            "chunk": self.chunk,
+        }
+
+    @classmethod
+    def from_json(cls, name: str, obj: Any, where: str, process_count: int) -> BatchRecord:
+        at = f"batches[{name!r}]"
+        _need(isinstance(obj, dict), where, at, "an object", obj)
+        dtype = obj.get("dtype")
+        _need(
+            _one_of(dtype, SUPPORTED_DTYPES), where, f"{at}.dtype", "a supported dtype name", dtype
+        )
+        process = _int(obj, "process", where, f"{at}.process", hi=process_count - 1)
+        itemsize = dtype_from_name(dtype).itemsize
+        size = _int(obj, "size", where, f"{at}.size", lo=1, hi=MAX_ARRAY_BYTES // itemsize)
+        chunk = _int(obj, "chunk", where, f"{at}.chunk", lo=1, hi=MAX_ARRAY_BYTES // itemsize)
+        _need(
+            name == batch_name(process, dtype),
+            where,
+            at,
+            f"name {batch_name(process, dtype)!r}",
+            name,
+        )
+        return cls(name, dtype, process, size, chunk)
+
+
+def batch_name(process: int, dtype: str) -> str:
+    return f"{process}.{dtype}"
+
+
+# -- a checkpoint's metadata ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointDocument:
+    """``_METADATA.json``: every leaf of one pytree and the batches of small leaves."""
+
+    leaves: tuple[LeafRecord, ...]
+    batches: dict[str, BatchRecord]
+    process_count: int = 1
+    created_at: float = 0.0
+    jax_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "created_at": self.created_at,
+            "process_count": self.process_count,
+            "jax_version": self.jax_version,
+            "leaves": [leaf.to_json() for leaf in self.leaves],
+            "batches": {name: b.to_json() for name, b in self.batches.items()},
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> CheckpointDocument:
+        _need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
+        _need(
+            obj.get("format") == FORMAT_NAME, where, "format", repr(FORMAT_NAME), obj.get("format")
+        )
+        version = _int(obj, "format_version", where, "format_version", lo=1, hi=1 << 30)
+        if version > FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{where} has format_version {version}; this version of flax_orbax_plugin "
+                f"reads up to {FORMAT_VERSION}: upgrade flax_orbax_plugin"
+            )
+        process_count = _int(obj, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES)
+        raw_leaves = obj.get("leaves")
+        _need(isinstance(raw_leaves, list), where, "leaves", "a list", raw_leaves)
+        raw_batches = obj.get("batches")
+        _need(isinstance(raw_batches, dict), where, "batches", "an object", raw_batches)
+        batches = {
+            name: BatchRecord.from_json(name, b, where, process_count)
+            for name, b in raw_batches.items()
+        }
+        leaves = tuple(LeafRecord.from_json(r, where, i) for i, r in enumerate(raw_leaves))
+        _check_leaves(leaves, batches, where)
+        return cls(
+            leaves,
+            batches,
+            process_count,
+            _num(obj, "created_at", where, "created_at"),
+            str(obj.get("jax_version", "")),
+            version,
+        )
+
+
+def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord], where: str):
+    from ._tree import path_string  # the one definition of a leaf's path
+
+    seen: set[str] = set()
+    for i, leaf in enumerate(leaves):
+        at = f"leaves[{i}] ({leaf.path!r})"
+        _need(leaf.path not in seen, where, f"{at}.path", "a path no other leaf has", leaf.path)
+        seen.add(leaf.path)
+        _need(
+            leaf.path == path_string(leaf.keys),
+            where,
+            f"{at}.path",
+            f"{path_string(leaf.keys)!r} (from its keys)",
+            leaf.path,
+        )
+        _need(
+            bool(leaf.keys) or len(leaves) == 1,
+            where,
+            f"{at}.keys",
+            "a key path (only a lone leaf may be the root)",
+            list(leaf.keys),
+        )
+        for kind, key in leaf.keys:
+            if kind in ("seq", "flat"):
+                _need(
+                    key <= 2 * len(leaves), where, f"{at}.keys", "indices below the leaf count", key
+                )
+        storage = leaf.storage
+        if isinstance(storage, BatchStorage):
+            batch = batches.get(storage.batch)
+            _need(
+                batch is not None,
+                where,
+                f"{at}.storage.batch",
+                f"one of {sorted(batches)}",
+                storage.batch,
+            )
+            _need(
+                batch.dtype == leaf.dtype,
+                where,
+                f"{at}.storage.batch",
+                f"a batch of dtype {leaf.dtype}",
+                batch.dtype,
+            )
+            _need(
+                storage.offset + storage.size <= batch.size,
+                where,
+                f"{at}.storage.offset",
+                f"offset + size <= {batch.size} (the batch's size)",
+                storage.offset,
+            )
+
+
+# -- commit records -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitMarker:
+    """``_COMMITTED`` of a standalone core checkpoint: written last; its presence is the
+    commit on object stores. Carries the sha256 of ``_METADATA.json``."""
+
+    files: dict[str, str]
+    committed_at: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        return seal(
+            {
+                "format": FORMAT_NAME,
+                "format_version": FORMAT_VERSION,
+                "committed_at": self.committed_at,
+                "files": self.files,
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> CommitMarker:
+        obj = decode(raw, where)
+        if isinstance(obj, dict) and "checksum" not in obj and "files" not in obj:
+            raise CorruptCheckpointError(
+                f"{where}: a commit marker without checksums (written before format version "
+                f"1 was fixed); re-save it with this version"
+            )
+        body = parse_sealed(raw, where)
+        _need(
+            body.get("format") == FORMAT_NAME,
+            where,
+            "format",
+            repr(FORMAT_NAME),
+            body.get("format"),
+        )
+        version = _int(body, "format_version", where, "format_version", lo=1, hi=1 << 30)
+        if version > FORMAT_VERSION:
+            raise CorruptCheckpointError(f"{where} has format_version {version}: upgrade")
+        files = _files(body, where)
+        _need(METADATA_FILE in files, where, "files", f"an entry for {METADATA_FILE}", files)
+        return cls(files, _num(body, "committed_at", where, "committed_at"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemEntry:
+    """One checkpointable of a step: its kind and the directory holding it."""
+
+    kind: str
+    dir: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepManifest:
+    """``<step>/_CHECKPOINT.json``: the one commit of a manager step.
+
+    ``files`` maps every JSON file of the step that restore trusts (relative to the
+    step) to its sha256; ``tree_digest`` is the digest all processes agreed on.
+    """
+
+    step: int
+    items: dict[str, ItemEntry]
+    files: dict[str, str]
+    process_count: int = 1
+    time: float = 0.0
+    tree_digest: str = ""
+
+    def to_bytes(self) -> bytes:
+        return seal(
+            {
+                "format": STEP_FORMAT,
+                "version": STEP_VERSION,
+                "step": self.step,
+                "items": {n: {"kind": e.kind, "dir": e.dir} for n, e in self.items.items()},
+                "files": self.files,
+                "process_count": self.process_count,
+                "time": self.time,
+                "tree_digest": self.tree_digest,
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> StepManifest:
+        body = parse_sealed(raw, where)
+        _need(
+            body.get("format") == STEP_FORMAT,
+            where,
+            "format",
+            repr(STEP_FORMAT),
+            body.get("format"),
+        )
+        version = _int(body, "version", where, "version", lo=1, hi=1 << 30)
+        if version > STEP_VERSION:
+            raise CorruptCheckpointError(
+                f"{where} has format version {version}; this library reads up to "
+                f"{STEP_VERSION}: upgrade flax_orbax_plugin"
+            )
+        step = _int(body, "step", where, "step")
+        raw_items = body.get("items")
+        _need(isinstance(raw_items, dict), where, "items", "an object", raw_items)
+        items = {}
+        for name, entry in raw_items.items():
+            _need(is_safe_name(name), where, f"items[{name!r}]", "a safe item name", name)
+            _need(isinstance(entry, dict), where, f"items[{name!r}]", "an object", entry)
+            kind = _str(entry, "kind", where, f"items[{name!r}].kind")
+            d = entry.get("dir")
+            _need(is_safe_name(d), where, f"items[{name!r}].dir", "a safe directory name", d)
+            items[name] = ItemEntry(kind, d)
+        dirs = [e.dir for e in items.values()]
+        _need(len(set(dirs)) == len(dirs), where, "items", "distinct directories", dirs)
+        return cls(
+            step,
+            items,
+            _files(body, where),
+            _int(body, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES),
+            _num(body, "time", where, "time"),
+            str(body.get("tree_digest", "")),
+        )
+
+    def file_checksum(self, item_dir: str, name: str) -> str | None:
+        return self.files.get(f"{item_dir}/{name}")

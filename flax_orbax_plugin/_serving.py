@@ -1,0 +1,95 @@
+"""Serving: restore the params of a step alone, onto any device layout.
+
+Opens nothing of a step but its manifest and ``params/`` (listing the directory and
+checking which steps hold a manifest). Safe to call from any thread and any process,
+even while a manager writes to the directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _restore, _steps
+from ._errors import CheckpointNotFoundError
+from ._storage import Location
+from ._train_state import split_state
+
+__all__ = ["restore_params"]
+
+
+def _params_like(like: Any) -> Any:
+    if like is None or isinstance(like, Mapping):
+        return like
+    try:
+        items = split_state(like)
+    except TypeError:
+        return like  # a params pytree of another kind (list, tuple, dataclass leaf tree)
+    if "params" not in items:
+        raise TypeError(f"like of type {type(like).__name__} has no params")
+    return items["params"]
+
+
+def _retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
+    """ShapeDtypeStructs for ``tree`` with floating leaves cast to ``dtype`` and new shardings."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+        shardings = [sharding] * len(leaves)
+    else:
+        shardings = treedef.flatten_up_to(sharding)
+    out = []
+    for leaf, sh in zip(leaves, shardings, strict=True):
+        dt = leaf.dtype
+        if dtype is not None and jnp.issubdtype(dt, jnp.floating):
+            dt = jnp.dtype(dtype)
+        if sh is None:
+            sh = getattr(leaf, "sharding", None)
+            if sh is not None and not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
+                sh = None
+        out.append(jax.ShapeDtypeStruct(leaf.shape, dt, sharding=sh))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def restore_params(
+    directory: Any,
+    like: Any = None,
+    *,
+    step: int | None = None,
+    dtype: Any = None,
+    sharding: Any = None,
+) -> Any:
+    """Restore only the params of a step (the latest by default), for serving.
+
+    Opens nothing but ``<directory>/<step>/params/`` (listing the directory and
+    checking each step's manifest exists). ``like`` is a params pytree (arrays or
+    ShapeDtypeStructs, e.g. from ``jax.eval_shape``), a TrainState / NNX module
+    whose params are taken, or None (numpy on the host). ``dtype`` casts the
+    floating-point leaves; ``sharding`` is one Sharding for every leaf or a pytree
+    of them. Safe to call from any thread, even while a manager writes.
+    """
+    loc = Location.from_path(directory)
+    step = _steps.choose_step(loc, _steps.committed_steps(loc), step)
+    step_loc = _steps.step_location(loc, step)
+    entry = _steps.read_manifest(step_loc).items.get("params")
+    if entry is None:
+        raise CheckpointNotFoundError(f"step {step} of {loc} holds no params item")
+    params_loc = step_loc.child(entry.dir)
+    target = _params_like(like)
+    if target is None and (dtype is not None or sharding is not None):
+        host = _restore.restore(params_loc, None)
+        target = _retarget(host, dtype, sharding)
+        return jax.tree_util.tree_map(
+            lambda x, t: (
+                jax.device_put(x.astype(t.dtype), t.sharding)
+                if t.sharding is not None
+                else x.astype(t.dtype)
+            ),
+            host,
+            target,
+        )
+    if target is not None and (dtype is not None or sharding is not None):
+        target = _retarget(target, dtype, sharding)
+    return _restore.restore(params_loc, target)

@@ -1,0 +1,131 @@
+"""Steps of a checkpoint directory: names, listing, manifests, the latest step.
+
+One implementation for the manager, the serving path and the CLI, on every store.
+
+Names directly under a directory:
+
+* ``<step>``: ASCII digits only. *Committed* when it holds a step manifest
+  (``_CHECKPOINT.json``); without one it is *foreign* (a user's folder named
+  ``2024``, a core checkpoint saved with ``fop.save(f"{d}/{step}")``) and is left alone.
+* ``<step>.partial-<nonce>``, ``<step>.deleting-<nonce>``: *unfinished*: temporary names
+  this library writes; removed by a writer when it opens (only when they are real
+  directories, never through a symlink).
+* ``<step>.corrupt-<nonce>``: a step that failed verification on resume, moved aside;
+  never removed automatically.
+* anything else (``.writer.lock`` aside) is *foreign*.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+
+from ._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ._layout import MANIFEST_FILE, StepManifest, decode_checked
+from ._storage import Location
+
+STEP_RE = re.compile(r"^[0-9]{1,18}$", re.ASCII)
+TMP_RE = re.compile(r"^([0-9]{1,18})\.(partial|deleting)-[0-9a-z]{1,32}$", re.ASCII)
+CORRUPT_RE = re.compile(r"^([0-9]{1,18})\.corrupt-[0-9a-z]{1,32}$", re.ASCII)
+LOCK_NAME = ".writer.lock"
+
+
+def is_step_name(name: str) -> bool:
+    return bool(STEP_RE.match(name))
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """What a directory holds, by the rules in the module docstring."""
+
+    committed: tuple[int, ...]
+    unfinished: tuple[str, ...]
+    corrupt: tuple[str, ...]
+    foreign: tuple[str, ...]
+
+    @property
+    def latest(self) -> int | None:
+        return self.committed[-1] if self.committed else None
+
+
+def list_directory(loc: Location) -> Listing:
+    """Lists ``loc`` without following symlinks; reads no file contents."""
+    committed, unfinished, corrupt, foreign = [], [], [], []
+    for name in loc.list_children():
+        if name == LOCK_NAME:
+            continue
+        if STEP_RE.match(name) and loc.child(name).exists(MANIFEST_FILE):
+            committed.append(int(name))
+        elif TMP_RE.match(name):
+            unfinished.append(name)
+        elif CORRUPT_RE.match(name):
+            corrupt.append(name)
+        else:
+            foreign.append(name)
+    return Listing(tuple(sorted(committed)), tuple(unfinished), tuple(corrupt), tuple(foreign))
+
+
+def committed_steps(loc: Location) -> list[int]:
+    return list(list_directory(loc).committed)
+
+
+def choose_step(loc: Location, steps: list[int] | tuple[int, ...], step: int | None) -> int:
+    """``step`` if committed, or the latest; CheckpointNotFoundError naming what exists."""
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed steps in {loc}")
+    if step is None:
+        return steps[-1]
+    step = operator.index(step)
+    if step not in steps:
+        raise CheckpointNotFoundError(f"step {step} does not exist in {loc}; steps: {list(steps)}")
+    return step
+
+
+def step_location(loc: Location, step: int) -> Location:
+    return loc.child(str(operator.index(step)))
+
+
+def read_manifest(step_loc: Location) -> StepManifest:
+    """The validated manifest of a committed step (checksum checked)."""
+    where = f"{step_loc}/{MANIFEST_FILE}"
+    raw = step_loc.read_bytes(MANIFEST_FILE)
+    if raw is None:
+        raise CheckpointNotFoundError(f"{step_loc} is not a committed step (no {MANIFEST_FILE})")
+    manifest = StepManifest.from_bytes(raw, where)
+    if step_loc.name.isascii() and step_loc.name.isdigit() and manifest.step != int(step_loc.name):
+        raise CorruptCheckpointError(
+            f"{where}: field step: expected {int(step_loc.name)} (the directory's name), "
+            f"found {manifest.step}"
+        )
+    return manifest
+
+
+def write_manifest(step_loc: Location, manifest: StepManifest) -> None:
+    step_loc.write_bytes(MANIFEST_FILE, manifest.to_bytes())
+
+
+def manifest_for_item(item_loc: Location) -> StepManifest | None:
+    """The manifest of the step holding ``item_loc`` (None when its parent is no step)."""
+    parent = item_loc.parent
+    if parent.read_bytes(MANIFEST_FILE) is None:
+        return None
+    manifest = read_manifest(parent)
+    if item_loc.name not in {e.dir for e in manifest.items.values()}:
+        return None
+    return manifest
+
+
+def read_item_json(item_loc: Location, name: str) -> object:
+    """A JSON file of a step's item, checked against the checksum in the step manifest."""
+    where = f"{item_loc}/{name}"
+    manifest = manifest_for_item(item_loc)
+    if manifest is None:
+        raise CorruptCheckpointError(f"{where}: not inside a committed step")
+    expected = manifest.file_checksum(item_loc.name, name)
+    if expected is None:
+        raise CorruptCheckpointError(f"{where}: the step manifest records no checksum for it")
+    raw = item_loc.read_bytes(name)
+    if raw is None:
+        raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
+    return decode_checked(raw, where, expected)
