@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._checkpointables import JsonCheckpointable
+from flax_orbax_plugin._layout import MANIFEST_FILE
 from flax_orbax_plugin._lock import DirectoryLockedError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -464,8 +465,8 @@ def test_restore_params_reads_only_the_params_bytes(tmp_path, monkeypatch):
     opened, small = [], []
     real_read, real_kvstore = Location.read_bytes, Location.kvstore
 
-    def read_bytes(self, name):
-        data = real_read(self, name)
+    def read_bytes(self, name, *args, **kw):
+        data = real_read(self, name, *args, **kw)
         opened.append(self.path + name)
         small.append(len(data or b""))
         return data
@@ -481,7 +482,8 @@ def test_restore_params_reads_only_the_params_bytes(tmp_path, monkeypatch):
     read = _tensorstore_file_bytes_read() - before + sum(small)
     assert_trees_equal(out, params)
     params_dir = str(tmp_path / "run" / "1" / "params") + "/"
-    assert opened and all(p.startswith(params_dir) for p in opened), opened
+    manifest = str(tmp_path / "run" / "1" / MANIFEST_FILE)  # the step's item list
+    assert opened and all(p.startswith(params_dir) or p == manifest for p in opened), opened
     assert any("/d/" in p for p in opened), opened  # array data went through the spy
     print(f"read {read} bytes for {nbytes} bytes of params")
     assert nbytes <= read <= 1.02 * nbytes + (64 << 10), (read, nbytes)
@@ -539,7 +541,7 @@ def test_state_saved_on_8_devices_restores_on_4_on_1_and_as_numpy(tmp_path):
 
 
 def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
-    from flax_orbax_plugin._manager import MANIFEST
+    MANIFEST = MANIFEST_FILE
     from flax_orbax_plugin._storage import Location
 
     url = "memory://test_manager/run"
@@ -553,14 +555,14 @@ def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
     at_manifest, after_manifest = {}, {}
     real_write = Location.write_bytes
 
-    def recording_write(self, name, data):
+    def recording_write(self, name, data, **kw):
         for step in at_manifest:
             if self.path.startswith(root.child(str(step)).path):
                 after_manifest[step].append(self.path + name)
         if name == MANIFEST:
             step = int(self.name)
             at_manifest[step], after_manifest[step] = keys_under(step), []
-        return real_write(self, name, data)
+        return real_write(self, name, data, **kw)
 
     monkeypatch.setattr(Location, "write_bytes", recording_write)
     with fop.CheckpointManager(url, keep=2) as mngr:
@@ -571,8 +573,10 @@ def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
         assert any(k.startswith("params/d/") for k in at_manifest[9])  # chunks were there
         assert any(k.startswith("extras/") for k in at_manifest[9])
         assert after_manifest[9] == []  # nothing written into the step after its manifest
-        mngr.save(9, {"params": {"w": np.zeros(3)}}, force=True)  # clear the way below
+        mngr.save(9, {"params": {"w": np.zeros(3)}}, force=True, overwrite=True)
         mngr.wait()
+        # every key of the replaced step was there before its manifest; nothing after
+        assert keys_under(9) - {MANIFEST} <= at_manifest[9], (keys_under(9), at_manifest[9])
         assert after_manifest[9] == []
     for step in list(at_manifest):
         root.child(str(step)).remove()

@@ -165,9 +165,9 @@ class TestCoreOnS3:
         writes = []
         real_write = Location.write_bytes
 
-        def recording_write(self, name, data):
+        def recording_write(self, name, data, **kw):
             writes.append((name, set(s3_location.keys())))
-            return real_write(self, name, data)
+            return real_write(self, name, data, **kw)
 
         monkeypatch.setattr(Location, "write_bytes", recording_write)
         tree = {"a": np.ones(100, np.float32), "big": np.arange(1 << 19, dtype=np.float32)}

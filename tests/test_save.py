@@ -159,9 +159,9 @@ def test_save_async_returns_before_commit_and_wait_reports(tmp_path, monkeypatch
     gate, held = threading.Event(), []
     real_write = Location.write_bytes
 
-    def gated_write(self, name, data):
+    def gated_write(self, name, data, **kw):
         held.append(gate.wait(30))
-        return real_write(self, name, data)
+        return real_write(self, name, data, **kw)
 
     monkeypatch.setattr(Location, "write_bytes", gated_write)
     tree = {"w": np.random.default_rng(0).standard_normal((2000, 2000)).astype(np.float32)}
