@@ -63,6 +63,8 @@ import pytest  # noqa: E402
 
 import flax_orbax_plugin as fop  # noqa: E402
 
+pytest_plugins = ["_servers"]
+
 # The phases of a save, in order (see flax_orbax_plugin/_faults.py).
 PHASES = (
     "after_snapshot",  # the blocking phase copied every byte to host memory
@@ -245,3 +247,30 @@ def test_sigkill_during_a_forced_core_save_keeps_old_or_new(tmp_path, phase):
     assert matches, "the checkpoint holds neither the old nor the new tree"
     fop.save(path, new, force=True)
     np.testing.assert_array_equal(fop.restore(path)["w0"], new["w0"])
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("phase", [*PHASES[:5], "mid_retention"])
+def test_sigkill_at_phase_on_an_object_store(tmp_path, s3_location, phase):
+    """The same on S3 (moto), where the manifest written last is the commit (no rename:
+    mid_rename never fires there)."""
+    url = s3_location.url  # the server's endpoint and keys are in the environment
+    with fop.CheckpointManager(url, keep=2) as mngr:
+        for s in STEPS_BEFORE:
+            mngr.save(s, state(s))
+    committed = {"after_marker": [1, 2, 3], "mid_retention": [2, 3]}.get(phase, [1, 2])
+
+    _run_child(tmp_path, url, "new", phase)
+
+    with fop.CheckpointManager(url, read_only=True) as reader:
+        assert reader.steps() == committed
+        for s in committed:
+            _assert_items_equal(reader.restore(step=s), state(s))
+    # A new writer removes the debris of the killed step (or of the half-deleted one).
+    with fop.CheckpointManager(url, keep=2) as mngr:
+        assert {k.split("/")[0] for k in s3_location.keys()} == set(map(str, committed))
+        assert mngr.latest_step() == committed[-1]
+        _assert_items_equal(mngr.restore(), state(committed[-1]))
+        mngr.save(4, state(4))
+        mngr.wait()
+        _assert_items_equal(mngr.restore(step=4), state(4))
