@@ -1,6 +1,7 @@
 """Save and restore throughput with 1, 2 and 4 JAX processes; S3 server vs local disk (issue 6).
 
     python benchmarks/bench_scale.py [--mib 512] [--repeats 3] [--quick] [--no-s3]
+        [--replicated] [--tag NAME]
 
 One global state of ``--mib`` MiB (float32, two leaves sharded by rows over 4 CPU
 devices, plus one small replicated leaf) is saved and restored by 1 process with 4
@@ -17,7 +18,12 @@ page cache is dropped when running as root (otherwise warm, and the JSON says so
 Also reported per run: the bytes each process wrote and read (``/proc/self/io``).
 The raw row is the same bytes written to one file with one fsync and read back.
 
-Results: ``benchmarks/results/scale.{json,md}``. Medians of ``--repeats`` runs.
+``--replicated`` replicates every leaf on every device instead (pure data
+parallelism): the bytes each process writes then show whether the replicas share the
+work (replica-parallel writes: at most ~1/P of the state each) or one process writes
+it all.
+
+Results: ``benchmarks/results/scale{-TAG}.{json,md}``. Medians of ``--repeats`` runs.
 On this machine (2 CPUs) 4 processes share 2 cores, so the figures show the cost of
 coordination and contention more than parallel speed-up.
 """
@@ -55,13 +61,13 @@ def _drop_caches() -> None:
 # --------------------------------------------------------------- inside each JAX process
 
 
-def _like(ctx, rows):
+def _like(ctx, rows, replicated=False):
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    sharded = NamedSharding(ctx.mesh, P("data"))
+    sharded = NamedSharding(ctx.mesh, P() if replicated else P("data"))
     return {
         "params": {
             "w": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sharded),
@@ -91,7 +97,7 @@ def _build(like):
     return jax.tree.unflatten(treedef, [make(x, i) for i, x in enumerate(leaves)])
 
 
-def worker(ctx, target, rows, drop):
+def worker(ctx, target, rows, drop, replicated=False):
     """Runs in every process: one save then one restore, timed between barriers."""
     import jax
     from _multiprocess import read_proc_io
@@ -104,7 +110,7 @@ def worker(ctx, target, rows, drop):
         if client is not None and ctx.num_processes > 1:
             client.wait_at_barrier(f"bench/{name}", 600_000)
 
-    like = _like(ctx, rows)
+    like = _like(ctx, rows, replicated)
     state = _build(like)
     jax.block_until_ready(state)
     io0 = read_proc_io()
@@ -170,6 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="64 MiB, 1 repeat")
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--processes", default="1,2,4")
+    ap.add_argument("--replicated", action="store_true", help="every leaf on every device")
+    ap.add_argument("--tag", default="", help="results go to scale-TAG.{json,md}")
     args = ap.parse_args(argv)
     if args.quick:
         args.mib, args.repeats = 64, 1
@@ -204,7 +212,12 @@ def main(argv=None) -> int:
                         "bench_scale:worker",
                         n,
                         devices_per_process=DEVICES // n,
-                        args={"target": target, "rows": rows, "drop": drop},
+                        args={
+                            "target": target,
+                            "rows": rows,
+                            "drop": drop,
+                            "replicated": args.replicated,
+                        },
                         env={**env, "PYTHONPATH": HERE},
                         timeout_s=900,
                         heartbeat_timeout_s=120,
@@ -240,6 +253,7 @@ def main(argv=None) -> int:
         "title": "flax_orbax_plugin across processes and storage (issue 6)",
         "config": {
             "mib": args.mib,
+            "replicated": args.replicated,
             "bytes": nbytes,
             "repeats": args.repeats,
             "global_devices": DEVICES,
@@ -251,9 +265,10 @@ def main(argv=None) -> int:
         "samples": samples,
     }
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "scale.json"), "w") as f:
+    stem = "scale" + (f"-{args.tag}" if args.tag else "")
+    with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    with open(os.path.join(RESULTS, "scale.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
         f.write(_markdown(doc))
     print(_markdown(doc))
     return 0
@@ -298,7 +313,9 @@ def _markdown(doc) -> str:
         f"{(m.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM, disk `{m.get('disk')}`; "
         f"plugin {m.get('plugin_commit')}.",
         "",
-        f"State: {c['bytes'] / 2**20:.0f} MiB over {c['global_devices']} CPU devices in every "
+        f"State: {c['bytes'] / 2**20:.0f} MiB "
+        f"{'replicated on' if c.get('replicated') else 'over'} "
+        f"{c['global_devices']} CPU devices in every "
         f"row; restores {'cold (page cache dropped)' if c['cold_restore'] else 'WARM (not root)'}; "
         f"medians of {c['repeats']} runs. S3 is a moto server in its own process on 127.0.0.1.",
         "",

@@ -22,9 +22,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint = ml_collections.ConfigDict()
     config.checkpoint.directory = "runs/demo/checkpoints"
     config.checkpoint.every_steps = 200
+    # Also save when this many seconds passed since the last save (None: off).
+    config.checkpoint.every_seconds = ml_collections.config_dict.placeholder(float)
     config.checkpoint.keep = 3
-    # True: continue from the latest step when one exists (start fresh otherwise).
+    # True: continue from the latest good step when one exists (start fresh otherwise).
+    # False on a directory that already holds steps is refused, unless `overwrite`
+    # (which removes them first): two runs never mix in one directory.
     config.checkpoint.resume = False
+    config.checkpoint.overwrite = False
     # Save in the background while training continues (the blocking phase only
     # copies to host memory). ("async" itself is a Python keyword.)
     config.checkpoint.async_save = True

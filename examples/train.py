@@ -78,8 +78,10 @@ def train_and_evaluate(config):
     callback = fop.CheckpointCallback(
         ckpt.directory,
         every_steps=ckpt.every_steps,
+        every_seconds=ckpt.every_seconds,
         keep=ckpt.keep,
         resume=ckpt.resume,
+        overwrite=ckpt.overwrite,
         async_save=ckpt.async_save,
         writer=writer,
         extras_fn=lambda step, state: dict(last_scalars),  # metrics shown by `flax-orbax list`

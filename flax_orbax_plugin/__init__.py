@@ -10,6 +10,14 @@ The core (one pytree):
 
 A directory of training steps: ``CheckpointManager``, ``CheckpointCallback``;
 serving: ``restore_params``.
+
+Coming from elsewhere, going elsewhere:
+
+    tree = fop.restore(orbax_dir, like)               # Orbax directories read as they are
+    fop.import_orbax(orbax_dir, out_dir)              # ... or converted to steps
+    fop.import_msgpack(flax_msgpack_file, out_dir)    # flax.serialization / training.checkpoints
+    fop.to_safetensors(path_or_tree, out, max_shard_size="5GB")
+    params = fop.from_safetensors(index_or_files, like)
 """
 
 from ._callback import CheckpointCallback
@@ -20,13 +28,19 @@ from ._errors import (
     CoordinationError,
     CorruptCheckpointError,
     DirectoryLockedError,
+    ForeignEntryError,
     NotCommittedError,
+    StepDeletedError,
     StructureError,
     UnknownItemError,
 )
+from ._iterators import StepIndexedIterator
 from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata
+from ._msgpack_import import import_msgpack, restore_msgpack
+from ._orbax_import import import_orbax, restore_orbax
 from ._restore import metadata, restore
+from ._safetensors import from_safetensors, to_safetensors
 from ._save import SaveHandle, SaveResult, is_committed, save, save_async
 from ._serving import restore_params
 from ._storage import Location
@@ -42,21 +56,30 @@ __all__ = [
     "CoordinationError",
     "CorruptCheckpointError",
     "DirectoryLockedError",
+    "ForeignEntryError",
     "LeafMetadata",
     "Location",
     "NotCommittedError",
     "Pending",
     "SaveHandle",
     "SaveResult",
+    "StepIndexedIterator",
+    "StepDeletedError",
     "StructureError",
     "UnknownItemError",
     "VerifyResult",
     "Written",
+    "from_safetensors",
+    "import_msgpack",
+    "import_orbax",
     "is_committed",
     "metadata",
     "restore",
+    "restore_msgpack",
+    "restore_orbax",
     "restore_params",
     "save",
     "save_async",
+    "to_safetensors",
     "verify",
 ]

@@ -126,6 +126,8 @@ class CheckpointCallback:
         """The CheckpointManager, created on first use."""
         if self._manager is None:
             self._manager = CheckpointManager(self.directory, **self._manager_kwargs())
+            if self._writer is not None:
+                self._manager.commit_log_level = logging.DEBUG  # the writer reports it
         return self._manager
 
     def _manager_kwargs(self) -> dict[str, Any]:
@@ -140,12 +142,23 @@ class CheckpointCallback:
 
     # -- the three hooks --------------------------------------------------------
 
-    def on_train_start(self, state: Any, data_iterator: Any = None) -> Any:
+    def on_train_start(
+        self, state: Any, data_iterator: Any = None, *, reset: tuple[str, ...] = ()
+    ) -> Any:
         """Returns ``state`` resumed from the latest good step (per ``resume``), or
         unchanged. With ``resume=False`` a directory holding steps is refused (or, with
-        ``overwrite=True``, emptied of them)."""
+        ``overwrite=True``, emptied of them).
+
+        ``reset`` names items kept from ``state`` instead of restored, e.g.
+        ``reset=("opt_state",)`` after changing the optimizer: params, step, other
+        items and the data position are resumed, the optimizer starts fresh.
+        """
+        from flax_orbax_plugin._resume import items_to_restore
+        from flax_orbax_plugin._train_state import merge_state
+
         if data_iterator is not None:
             self._data_iterator = data_iterator
+        names = items_to_restore(state, reset=reset) if reset else None
         mngr = self.manager
         latest = mngr.latest_step()
         if not self.resume:
@@ -160,7 +173,11 @@ class CheckpointCallback:
             logger.info("checkpoint: nothing to resume in %s; starting fresh", self.directory)
             return state
         t0 = time.perf_counter()
-        restored = mngr.restore(like=state, data_iterator=self._data_iterator)
+        if names is None:
+            restored = mngr.restore(like=state, data_iterator=self._data_iterator)
+        else:
+            subset = mngr.restore(like=state, items=names, data_iterator=self._data_iterator)
+            restored = merge_state(state, subset)
         latest = mngr.restored_step
         self.resumed_step = self._last_saved_step = self._last_step = latest
         logger.info(

@@ -244,6 +244,14 @@ def cast_scalar_like(value: int, like: Any) -> Any:
     return out
 
 
+_ITERATOR_ADVICE = (
+    "To save the position of a pipeline that can rebuild a batch from its index (an "
+    "in-memory shuffle seeded by the epoch, a tf.data pipeline made per epoch), wrap it "
+    "in fop.StepIndexedIterator(make_batch) or fop.StepIndexedIterator(make_epoch=...); "
+    "a grain DataLoader or IterDataset iterator works as it is"
+)
+
+
 def _iterator_state(it: Any) -> Any:
     if hasattr(it, "get_state"):
         return it.get_state()
@@ -251,7 +259,7 @@ def _iterator_state(it: Any) -> Any:
         return it.state_dict()
     raise TypeError(
         f"data_iterator: a {type(it).__name__} has neither get_state()/set_state() "
-        "nor state_dict()/load_state_dict()"
+        f"nor state_dict()/load_state_dict(). {_ITERATOR_ADVICE}"
     )
 
 
@@ -262,7 +270,8 @@ def _set_iterator_state(it: Any, state: Any) -> None:
         it.load_state_dict(state)
     else:
         raise TypeError(
-            f"data_iterator: a {type(it).__name__} has neither set_state() nor load_state_dict()"
+            f"data_iterator: a {type(it).__name__} has neither set_state() nor "
+            f"load_state_dict(). {_ITERATOR_ADVICE}"
         )
 
 

@@ -27,6 +27,15 @@ class CorruptCheckpointError(CheckpointError):
     """Stored data failed its checksum, is missing, or metadata is malformed."""
 
 
+class ForeignEntryError(CorruptCheckpointError):
+    """A symlink or a non-regular file where the library expects one of its own files
+    or directories; it is never followed, read, written or removed."""
+
+
+class StepDeletedError(CheckpointNotFoundError):
+    """The checkpoint was removed (by a writer's retention) while it was being read."""
+
+
 class CoordinationError(CheckpointError):
     """Processes of a multi-process save or restore failed to meet in time."""
 

@@ -56,8 +56,11 @@ SUPPORTED_DTYPES = frozenset(
     "float32 float64 complex64 complex128".split()
 )
 PRNG_IMPLS = frozenset({"threefry2x32", "rbg", "unsafe_rbg"})
+EMPTY_KINDS = ("empty_dict", "empty_list")  # {} (or a field-less node); [] or ()
+NO_DATA_KINDS = ("none", *EMPTY_KINDS)  # records without shape, dtype or storage
 LEAF_KINDS = frozenset(
-    {"array", "none", "py_int", "py_float", "py_bool", "py_complex", "np_scalar", "prng_key"}
+    {"array", "py_int", "py_float", "py_bool", "py_complex", "np_scalar", "prng_key"}
+    | set(NO_DATA_KINDS)
 )
 KEY_KINDS = frozenset({"dict", "seq", "attr", "flat"})
 
@@ -251,7 +254,7 @@ class LeafRecord:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path, "keys": [list(k) for k in self.keys]}
         out["kind"] = self.kind
-        if self.kind == "none":
+        if self.kind in NO_DATA_KINDS:
             return out
         out["shape"] = list(self.shape)
         out["dtype"] = self.dtype
@@ -274,7 +277,7 @@ class LeafRecord:
         kind = obj.get("kind")
         _need(_one_of(kind, LEAF_KINDS), where, f"{at}.kind", f"one of {sorted(LEAF_KINDS)}", kind)
         keys = _keys(obj.get("keys"), where, f"{at}.keys")
-        if kind == "none":
+        if kind in NO_DATA_KINDS:
             return cls(path, keys, kind)
         shape = obj.get("shape")
         _need(

@@ -6,15 +6,21 @@ The kernel drops a flock when the holding process dies, however it dies
 holder's pid and host are written into the file only to make the error message
 useful; they are never trusted. flock locks an open file description, so a
 second lock in the same process is refused too. Local filesystems only.
+
+The lock file is opened with ``O_NOFOLLOW`` and must be a regular file: a symlink
+(or FIFO, device...) named ``.writer.lock`` is refused with ForeignEntryError, and
+what it points to is never truncated or written.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
+import stat
 
-from ._errors import DirectoryLockedError
+from ._errors import DirectoryLockedError, ForeignEntryError
 
 __all__ = ["DirectoryLock", "DirectoryLockedError", "LOCK_FILE"]
 
@@ -29,7 +35,29 @@ class DirectoryLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except IsADirectoryError:
+            raise ForeignEntryError(
+                f"{self.path}: expected the writer lock file, found a directory; remove it "
+                "to write to this directory"
+            ) from None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise ForeignEntryError(
+                f"{self.path}: expected the writer lock file, found a symbolic link; it is "
+                "never followed: remove the link to write to this directory"
+            ) from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise ForeignEntryError(
+                f"{self.path}: expected the writer lock file (a regular file), found "
+                f"{'a FIFO' if stat.S_ISFIFO(mode) else 'a special file'}; remove it to write "
+                "to this directory"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import logging
 import operator
+import os
 import secrets
 import signal
 import threading
@@ -51,6 +52,7 @@ from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    StepDeletedError,
     StructureError,
     UnknownItemError,
 )
@@ -143,6 +145,9 @@ class CheckpointManager:
         self._closed = False
         self._preempted = False
         self.restored_step: int | None = None  # the step the last restore() read
+        # The one line logged per committed step (a callback with a metric writer, which
+        # reports the same figures, lowers it to DEBUG: one line per save).
+        self.commit_log_level = logging.INFO
         self._prev_sigterm: Any = None
         self._dir_lock: DirectoryLock | None = None
         self._delete_pool: ThreadPoolExecutor | None = None
@@ -159,6 +164,12 @@ class CheckpointManager:
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _refuse_step_directory(self) -> None:
+        path = self._loc.path.rstrip("/")
+        if self._loc.is_local and os.path.lexists(path) and not os.path.isdir(path):
+            raise CheckpointError(
+                f"{self._loc} is a file, not a directory of steps"
+                + _steps.foreign_format_hint(self._loc)
+            )
         for marker, what in (
             (MANIFEST_FILE, "a committed step"),
             (_layout.COMMIT_FILE, "a core checkpoint"),
@@ -389,7 +400,8 @@ class CheckpointManager:
         with self._lock:
             self._metrics[step] = metric
             self._last_save = result
-        logger.info(
+        logger.log(
+            self.commit_log_level,
             "checkpoint: committed step %d: blocking %.4f s, total %.4f s, %d bytes, %.3f GB/s",
             step,
             result.blocking_seconds,
@@ -533,17 +545,20 @@ class CheckpointManager:
         fn = lambda s: self._restore_step(s, like, items, data_iterator)  # noqa: E731
         if step is not None:
             return self._with_step(step, fn)
-        skipped: list[str] = []
+        skipped: list[tuple[int, CorruptCheckpointError]] = []
         for candidate in reversed(self.steps()):
             try:
                 return self._with_step(candidate, fn)
             except CorruptCheckpointError as e:
-                skipped.append(f"step {candidate}: {e}")
+                skipped.append((candidate, e))
                 self._set_aside(candidate, e)
         if skipped:
-            raise CorruptCheckpointError(
-                f"no step of {self._loc} restores; skipped: " + "; ".join(skipped)
+            error = skipped[0][1]  # the latest step's own error, naming its file
+            error.add_note(
+                f"no step of {self._loc} restores; skipped: "
+                + "; ".join(f"step {s}: {e}" for s, e in skipped)
             )
+            raise error
         raise CheckpointNotFoundError(f"no committed steps in {self._loc}")
 
     def _set_aside(self, step: int, error: Exception) -> None:
@@ -567,9 +582,24 @@ class CheckpointManager:
             result = fn(step)
             self.restored_step = step
             return result
+        except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+            raise self._deleted_step_error(step, e) from e
         finally:
             with self._lock:
                 self._reading[step] -= 1
+
+    def _deleted_step_error(self, step: int, error: Exception) -> Exception:
+        """``error``, or a StepDeletedError when ``step`` is no longer listed (another
+        process's retention deleted it while this one read it)."""
+        try:
+            if isinstance(error, StepDeletedError) or step in self.steps():
+                return error
+        except CheckpointError:
+            return error
+        return StepDeletedError(
+            f"step {step} of {self._loc} was deleted while it was being read (a writer's "
+            f"retention policy removes old steps; restore a newer step, or keep more): {error}"
+        )
 
     def _restore_step(self, step: int, like: Any, items: Any, data_iterator: Any) -> Any:
         step_loc = _steps.step_location(self._loc, step)
@@ -620,6 +650,10 @@ class CheckpointManager:
         try:
             handler = checkpointable_for(name, self._overrides)
             return handler.restore(step_loc.child(entry.dir), like)
+        except StructureError as e:
+            from flax_orbax_plugin._resume import item_mismatch
+
+            raise item_mismatch(e, name=name, step=step, location=self._loc) from e
         except CheckpointError as e:
             e.add_note(f"while restoring item {name!r} of step {step} from {self._loc}")
             raise

@@ -10,7 +10,8 @@
 * a ``jax.ShapeDtypeStruct`` without a sharding: a jax.Array on the default device;
 * a numpy array or scalar, a Python scalar: the same kind of value.
 
-A dtype in ``like`` that differs from the saved one is cast. With
+A dtype in ``like`` that differs from the saved one is cast, only where no value
+changes beyond float rounding (see ``_casting``; ``cast="unsafe"`` opts out). With
 ``partial=True`` the template may be a subtree; only its leaves are read.
 
 Threading: reads are issued to tensorstore's own thread pool from the calling
@@ -29,12 +30,13 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import _arrays, _host, _layout, _metadata, _save, _steps, _tree
+from . import _arrays, _casting, _host, _layout, _metadata, _save, _steps, _tree
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotCommittedError,
+    StepDeletedError,
     StructureError,
 )
 from ._layout import (
@@ -90,6 +92,11 @@ def _not_a_checkpoint(location: Location) -> CheckpointError:
             f"{location} is not a committed checkpoint: its save was interrupted or is "
             f"still running"
         )
+    hint = _steps.foreign_format_hint(location)
+    if hint:
+        return CheckpointNotFoundError(f"no checkpoint of this library at {location}{hint}")
+    if location.is_local and os.path.lexists(location.path.rstrip("/")):
+        return CheckpointNotFoundError(f"{location} is a file, not a checkpoint directory")
     return CheckpointNotFoundError(f"no checkpoint at {location}: the path does not exist")
 
 
@@ -137,6 +144,8 @@ def _describe(x: Any) -> str:
 def _make_target(index: int, record: LeafRecord, like: Any) -> _Target:
     path = record.path
     target = _Target(index, record, like)
+    if record.kind in _layout.EMPTY_KINDS:
+        return _empty_target(target)
     if record.kind == "none":
         if like is not None:
             raise StructureError(
@@ -174,6 +183,45 @@ def _make_target(index: int, record: LeafRecord, like: Any) -> _Target:
     return target
 
 
+def _empty_target(target: _Target) -> _Target:
+    """An empty node ({}, [], EmptyState()): no data; the result is ``like`` itself."""
+    like, kind = target.like, target.record.kind
+    if like is not None and not _tree.is_empty_node(like):
+        raise StructureError(
+            f"leaf {target.record.path!r}: expected {_describe(like)} (from like), found an "
+            f"empty {'list' if kind == 'empty_list' else 'node'} in the checkpoint"
+        )
+    target.result = _tree.empty_value(kind) if like is None else like
+    return target
+
+
+def _add_missing_empties(flat: list, records: dict[str, tuple[int, LeafRecord]]) -> None:
+    """Empty nodes of ``like`` that a checkpoint does not record (written before empty
+    nodes were recorded) hold no data: they are restored as they are in ``like``."""
+    for path, keys, leaf in flat:
+        if path not in records and _tree.is_empty_node(leaf):
+            kind = _tree.empty_kind(leaf)
+            records[path] = (-1, LeafRecord(path, tuple(tuple(k) for k in keys), kind))
+
+
+def _deleted_or(location: Location, error: Exception) -> Exception:
+    """``error``, or a StepDeletedError when the checkpoint's commit marker is gone (the
+    writer's retention removed it while this process was reading)."""
+    try:
+        if location.exists(COMMIT_FILE) or location.parent.exists(_layout.MANIFEST_FILE):
+            return error
+    except CheckpointError:  # a foreign marker: not a deletion
+        return error
+    except OSError:
+        pass
+    deleted = StepDeletedError(
+        f"{location} was deleted while it was being read (a writer's retention policy "
+        f"removes old steps; restore a newer step, or keep more): {error}"
+    )
+    deleted.__cause__ = error
+    return deleted
+
+
 def _finish(target: _Target, host: np.ndarray, placer: _Placer) -> None:
     """Turns host data into the leaf's final form (cast, scalar) in ``target.result``;
     device placement goes through ``placer``."""
@@ -201,6 +249,7 @@ def _final_value(target: _Target, host: np.ndarray) -> Any:
                 keys = jax.device_put(keys, sharding)
         return keys
     if host.dtype != target.out_dtype:
+        _casting.check(record.path, host, target.out_dtype)
         host = host.astype(target.out_dtype)
     if like is None:
         return _python_value(kind, host)
@@ -296,7 +345,7 @@ class _Reader:
         self.drain(self.limit)
 
     def drain(self, to: int = 0) -> None:
-        while self.pending and self.in_flight > to:
+        while self.pending and (self.in_flight > to or to == 0):  # zero-byte reads too
             future, nbytes, on_done, on_error = self.pending.popleft()
             self.in_flight -= nbytes
             try:
@@ -316,7 +365,14 @@ def _corrupt(paths: list[str], location: Location, error: Exception) -> CorruptC
     )
 
 
-def _read_targets(location: Location, doc: dict[str, Any], targets: list[_Target], limit: int):
+def _read_targets(location: Location, doc: CheckpointDocument, targets: list, limit: int):
+    try:
+        _read_targets_inner(location, doc, targets, limit)
+    except CorruptCheckpointError as e:
+        raise _deleted_or(location, e) from None
+
+
+def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: list, limit: int):
     reader = _Reader(limit)
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[_Target]] = collections.defaultdict(list)
@@ -326,7 +382,7 @@ def _read_targets(location: Location, doc: dict[str, Any], targets: list[_Target
 
     for target in targets:
         record = target.record
-        if record.kind == "none":
+        if record.kind in _layout.NO_DATA_KINDS:
             continue
         if isinstance(record.storage, BatchStorage):
             by_batch[record.storage.batch].append(target)
@@ -348,7 +404,7 @@ def _read_targets(location: Location, doc: dict[str, Any], targets: list[_Target
     reader.drain(0)
     reader.placer.flush()
     if errors:
-        raise errors[0]
+        raise _deleted_or(location, errors[0])
 
 
 def _open(spec: dict[str, Any], location: Location, paths: list[str]):
@@ -378,6 +434,7 @@ def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) ->
 
         def done(data, devices=devices):
             if data.dtype != target.out_dtype:
+                _casting.check(target.record.path, data, target.out_dtype)
                 data = data.astype(target.out_dtype)
             pieces.extend(jax.device_put(data, device) for device, _ in devices)
             remaining[0] -= 1
@@ -438,24 +495,37 @@ def restore(
     *,
     partial: bool = False,
     memory_limit_bytes: int | None = None,
+    cast: str = "safe",
 ) -> Any:
     """Restores the checkpoint at ``path`` in the form of ``like`` (see module doc).
+
+    ``cast``: ``"safe"`` (default) casts a leaf to the dtype of ``like`` only when no
+    value changes beyond float rounding (float32 to bfloat16 rounds; 1e5 to float16,
+    300 to int8, 16777217 to float32, float to int or bool raise StructureError);
+    ``"unsafe"`` casts as numpy does.
 
     Raises:
       CheckpointNotFoundError: nothing at ``path``.
       NotCommittedError: a save to ``path`` never committed.
       StructureError: ``like`` does not fit (missing or unexpected key, shape, dtype).
       CorruptCheckpointError: a checksum failed or data is missing; names the leaf.
+        ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
+      StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
     location = Location.from_path(path)
     _save.wait_for_pending_save(location)
+    from . import _orbax_import  # an Orbax directory: read it through tensorstore (issue 16)
+
+    if not location.exists(COMMIT_FILE) and _orbax_import.is_orbax_checkpoint(location):
+        return _orbax_import.restore_orbax(location, like, partial=partial)
     limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
-    with _tree.paused_gc():
+    with _tree.paused_gc(), _casting.policy(cast):
         return _restore(location, like, partial, limit)
 
 
 def _restore(location: Location, like: Any, partial: bool, limit: int) -> Any:
     doc = read_document(location)
+    location.check_no_links()  # tensorstore's file driver would follow them
     records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
     if like is None:
         targets = [_make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
@@ -463,6 +533,7 @@ def _restore(location: Location, like: Any, partial: bool, limit: int) -> Any:
         items = [(list(t.record.keys), t.result) for t in targets]
         return _tree.rebuild(items)
     flat, treedef = _tree.flatten(like)
+    _add_missing_empties(flat, records)
     missing = [p for p, _, _ in flat if p not in records]
     if missing:
         raise StructureError(
@@ -471,7 +542,8 @@ def _restore(location: Location, like: Any, partial: bool, limit: int) -> Any:
         )
     if not partial:
         wanted = {p for p, _, _ in flat}
-        unexpected = [p for p in records if p not in wanted]
+        empty = _layout.EMPTY_KINDS  # an empty node like lacks loses no data
+        unexpected = [p for p in records if p not in wanted and records[p][1].kind not in empty]
         if unexpected:
             raise StructureError(
                 f"leaf {unexpected[0]!r}: unexpected key: found in the checkpoint at {location} "

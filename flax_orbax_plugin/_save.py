@@ -268,6 +268,8 @@ def _classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
         return "np_scalar", np.asarray(leaf), None
     if isinstance(leaf, np.ndarray):
         return "array", leaf, None
+    if _tree.is_empty_node(leaf):
+        return _tree.empty_kind(leaf), None, None
     raise StructureError(
         f"leaf {path!r}: expected a jax.Array, numpy array, scalar or None, "
         f"found {type(leaf).__module__}.{type(leaf).__qualname__}"
@@ -339,7 +341,7 @@ class _Plan:
         for index, (path, keys, raw) in enumerate(flat):
             kind, value, impl = _classify(path, raw)
             keys = tuple(keys)
-            if kind == "none":
+            if kind in _layout.NO_DATA_KINDS:
                 leaves.append(_Leaf(index, None, LeafRecord(path, keys, kind)))
                 continue
             dtype = np.dtype(value.dtype)
@@ -373,10 +375,13 @@ class _Plan:
                 path, keys, kind, shape, name, _metadata.describe_sharding(sharding), storage, impl
             )
             leaves.append(_Leaf(index, value, record))
-        batches = {
-            batch: BatchRecord(batch, dtype, process, max(1, sizes.get(batch, 0)), chunk)
-            for batch, (dtype, process, chunk) in kinds.items()
-        }
+        batches = {}
+        for batch, (dtype, process, chunk) in kinds.items():
+            size = max(1, sizes.get(batch, 0))
+            # A small batch gets a chunk just big enough (a power of two): a full inner
+            # chunk is stored even when the batch uses a few bytes of it.
+            chunk = min(chunk, 1 << (size - 1).bit_length())
+            batches[batch] = BatchRecord(batch, dtype, process, size, chunk)
         return cls(leaves, batches)
 
     def snapshot(self) -> None:
@@ -511,7 +516,7 @@ def _array_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any
 def _batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
     dtype = _layout.dtype_from_name(batch.dtype)
     chunk = int(batch.chunk)
-    inner = max(1, _arrays.BATCH_INNER_CHUNK_BYTES // dtype.itemsize)
+    inner = max(1, min(_arrays.BATCH_INNER_CHUNK_BYTES // dtype.itemsize, chunk))
     while chunk % inner:  # inner chunks must divide the chunk
         inner -= 1
     return _arrays.spec(
@@ -533,13 +538,46 @@ def array_specs(root: Location, doc: CheckpointDocument):
 
 
 def _host_copy(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
-    """A host copy that no later donation or in-place update of ``data`` can change."""
-    host = np.asarray(data)  # on CPU a view of the device buffer; elsewhere a fresh copy
+    """Host bytes of ``data`` that no later donation, deletion or update can change.
+
+    On CPU, ``np.asarray`` is a zero-copy view of the device buffer, and jax does not
+    donate or free a buffer while such a view is alive (a donating step then allocates
+    a new output): the view *is* a snapshot, held until its chunks are written, and the
+    blocking phase copies nothing. That is checked once per process
+    (:func:`cpu_views_are_snapshots`); where it does not hold, the bytes are copied.
+    Elsewhere ``np.asarray`` is a fresh device-to-host copy already.
+    """
+    host = np.asarray(data)
     if part is not None:
         host = host[part]
-    if data.device.platform == "cpu" or part is not None:
-        return _host.copy(host)
-    return host
+    if data.device.platform == "cpu":
+        return host if cpu_views_are_snapshots() else _host.copy(host)
+    return _host.copy(host) if part is not None else host
+
+
+@functools.cache
+def cpu_views_are_snapshots() -> bool:
+    """Whether a numpy view of a CPU jax.Array keeps its bytes through a donation of the
+    array, its deletion and the donating step's output (checked on this jax, once)."""
+    import warnings
+
+    cpu = jax.devices("cpu")[0]
+    base = np.arange(4096, dtype=np.float32)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "donated buffers were not usable"
+            x = jax.device_put(base, cpu)
+            view = np.asarray(x)
+            y = jax.jit(lambda a: a * 3 + 1, donate_argnums=0)(x)
+            y.block_until_ready()
+            z = jax.device_put(base + 1, cpu)
+            view_z = np.asarray(z)
+            z.delete()
+            filler = [jax.device_put(base * 7, cpu) for _ in range(4)]  # reuse freed memory
+            jax.block_until_ready(filler)
+            return bool(np.array_equal(view, base) and np.array_equal(view_z, base + 1))
+    except Exception:  # noqa: BLE001  (any doubt: copy)
+        return False
 
 
 def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> int:
@@ -563,8 +601,12 @@ def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> in
     batches = [(name, _batch_spec(staging, b)) for name, b in plan.batches.items()]
     if primary:
         creates = [_arrays.create(spec) for _, spec in arrays + batches]
-        for future in creates:
-            future.result()
+        try:
+            for future in creates:
+                future.result()
+        except BaseException:
+            _settle((f, 0) for f in creates)  # none may recreate files after a cleanup
+            raise
     jobs = [(spec, leaf.writes) for leaf, spec in arrays if leaf.writes]
     for name, spec in batches:
         if name in plan.batch_buffers:
@@ -585,10 +627,15 @@ def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> in
                 drain(limit)
         drain(0)
     except BaseException:
-        for future, _ in pending:  # never leave writes in flight that recreate files
-            try:
-                future.result()
-            except Exception:  # noqa: BLE001  (the first error is the one raised)
-                pass
+        _settle(pending)  # never leave writes in flight that recreate files
         raise
     return written
+
+
+def _settle(pending) -> None:
+    """Waits for every future, ignoring their errors (the first error is the one raised)."""
+    for future, _ in pending:
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001
+            pass

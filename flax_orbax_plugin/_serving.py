@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _restore, _steps
+from . import _casting, _restore, _steps
 from ._errors import CheckpointNotFoundError
 from ._storage import Location
 from ._train_state import split_state
@@ -22,7 +22,9 @@ __all__ = ["restore_params"]
 
 
 def _params_like(like: Any) -> Any:
-    if like is None or isinstance(like, Mapping):
+    from flax_orbax_plugin._train_state import holds_nnx_objects
+
+    if like is None or (isinstance(like, Mapping) and not holds_nnx_objects(like)):
         return like
     try:
         items = split_state(like)
@@ -70,6 +72,12 @@ def restore_params(
     floating-point leaves; ``sharding`` is one Sharding for every leaf or a pytree
     of them. Safe to call from any thread, even while a manager writes.
     """
+    from . import _orbax_import  # an Orbax directory (issue 16)
+
+    if _orbax_import.is_orbax_checkpoint(directory):
+        return _orbax_import.restore_orbax_params(
+            directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
+        )
     loc = Location.from_path(directory)
     step = _steps.choose_step(loc, _steps.committed_steps(loc), step)
     step_loc = _steps.step_location(loc, step)
@@ -81,6 +89,7 @@ def restore_params(
     if target is None and (dtype is not None or sharding is not None):
         host = _restore.restore(params_loc, None)
         target = _retarget(host, dtype, sharding)
+        _casting.check_tree(host, target)  # float narrowing rounds; overflow to inf raises
         return jax.tree_util.tree_map(
             lambda x, t: (
                 jax.device_put(x.astype(t.dtype), t.sharding)

@@ -12,7 +12,8 @@ Names directly under a directory:
   directories, never through a symlink).
 * ``<step>.corrupt-<nonce>``: a step that failed verification on resume, moved aside;
   never removed automatically.
-* anything else (``.writer.lock`` aside) is *foreign*.
+* anything else (``.writer.lock`` aside), and on local disks anything that is not a
+  real directory (a symlink, even to a step), is *foreign*.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import dataclasses
 import operator
 import re
 
-from ._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._layout import MANIFEST_FILE, StepManifest, decode_checked
 from ._storage import Location
 
@@ -52,8 +53,12 @@ class Listing:
 def list_directory(loc: Location) -> Listing:
     """Lists ``loc`` without following symlinks; reads no file contents."""
     committed, unfinished, corrupt, foreign = [], [], [], []
+    kinds = loc.child_kinds() if loc.is_local else None  # from the entries: no link followed
     for name in loc.list_children():
         if name == LOCK_NAME:
+            continue
+        if kinds is not None and kinds.get(name) != "dir":
+            foreign.append(name)  # a symlink, a file, a device: never ours to follow
             continue
         if STEP_RE.match(name) and loc.child(name).exists(MANIFEST_FILE):
             committed.append(int(name))
@@ -73,7 +78,7 @@ def committed_steps(loc: Location) -> list[int]:
 def choose_step(loc: Location, steps: list[int] | tuple[int, ...], step: int | None) -> int:
     """``step`` if committed, or the latest; CheckpointNotFoundError naming what exists."""
     if not steps:
-        raise CheckpointNotFoundError(f"no committed steps in {loc}")
+        raise CheckpointNotFoundError(f"no committed steps in {loc}{foreign_format_hint(loc)}")
     if step is None:
         return steps[-1]
     step = operator.index(step)
@@ -129,3 +134,25 @@ def read_item_json(item_loc: Location, name: str) -> object:
     if raw is None:
         raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
     return decode_checked(raw, where, expected)
+
+
+def foreign_format_hint(loc: Location) -> str:
+    """``"; <what it is and what to do>"`` when ``loc`` holds another library's checkpoint
+    (Orbax, Flax msgpack), else ``""``. For error messages."""
+    from ._msgpack_import import is_msgpack_checkpoint
+    from ._orbax_import import is_orbax_checkpoint
+
+    try:
+        if loc.is_local and is_msgpack_checkpoint(loc.path.rstrip("/")):
+            return (
+                f"; {loc} is a Flax msgpack checkpoint: read it with fop.restore_msgpack, or "
+                f"convert it with `flax-orbax import`"
+            )
+        if is_orbax_checkpoint(loc):
+            return (
+                f"; {loc} is an Orbax checkpoint: fop.restore and fop.restore_params read it "
+                f"directly, `flax-orbax import` converts it into steps of this library"
+            )
+    except CheckpointError:
+        pass
+    return ""

@@ -9,6 +9,13 @@ marker) and listing/removal go through this module.
 Local directories support atomic rename; object stores do not, so callers
 commit there by writing a marker last (see ``_commit``).
 
+Local files: the location's own path is taken as given (it may pass through a
+symlink the user chose), but nothing *under* it is ever followed: every name below
+the location is opened component by component with ``O_NOFOLLOW``; only regular
+files are read (a FIFO, a device or a symlink is a :class:`ForeignEntryError` naming
+it, never a hang), and small files are capped at :data:`MAX_SMALL_FILE_BYTES`.
+:meth:`Location.remove` refuses a location that is itself a symlink.
+
 Thread-safety: a Location is immutable; its methods may be called from any
 thread. The shared tensorstore context is created once, lazily. Tensorstore does not
 fsync what it writes; callers make a location durable with :meth:`Location.sync`.
@@ -18,14 +25,21 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import json
 import os
 import shutil
+import stat
 import threading
 from typing import Any
 from urllib.parse import urlparse
 
 import tensorstore as ts
+
+from ._errors import CorruptCheckpointError, ForeignEntryError
+
+# Largest small file (JSON metadata, manifest, JSON items, markers) read into memory.
+MAX_SMALL_FILE_BYTES = 64 << 20
 
 _CONTEXTS: dict[bool, ts.Context] = {}
 _CONTEXT_LOCK = threading.Lock()
@@ -167,31 +181,24 @@ class Location:
         return os.path.join(self.path, _check_name(name))
 
     def read_bytes(self, name: str) -> bytes | None:
-        """The file's bytes, or None when it does not exist."""
+        """The file's bytes, or None when it does not exist.
+
+        Raises ForeignEntryError for a symlink or non-regular file (never followed or
+        read) and CorruptCheckpointError above :data:`MAX_SMALL_FILE_BYTES`.
+        """
         if self.is_local:
-            try:
-                with open(self.local_file(name), "rb") as f:
-                    return f.read()
-            except (FileNotFoundError, NotADirectoryError):
-                return None
+            return _read_local(self.path, _check_name(name))
         result = self._kv().read(_check_name(name)).result()
-        return result.value if result.state == "value" else None
+        if result.state != "value":
+            return None
+        _check_size(len(result.value), f"{self}/{name}")
+        return result.value
 
     def write_bytes(self, name: str, data: bytes, *, durable: bool = True) -> None:
         """Writes the file whole (a temporary name, then a rename on local disk); with
         ``durable``, fsyncs the file and its directory (else a later :meth:`sync` does)."""
         if self.is_local:
-            final = self.local_file(name)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            tmp = final + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if durable:
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-            if durable:
-                fsync_dir(os.path.dirname(final))
+            _write_local(self.path, _check_name(name), data, durable=durable)
             return
         self._kv().write(_check_name(name), data).result()
 
@@ -205,18 +212,39 @@ class Location:
     def delete(self, name: str) -> None:
         """Deletes one file (no error if it is absent)."""
         if self.is_local:
+            parts = _check_name(name).split("/")
             try:
-                os.remove(self.local_file(name))
+                dfd = _open_dirs(self.path, parts[:-1])
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            try:
+                os.unlink(parts[-1], dir_fd=dfd)  # a symlink itself, never its target
             except FileNotFoundError:
                 pass
+            finally:
+                os.close(dfd)
             return
         key = _check_name(name)
         only_key = ts.KvStore.KeyRange(inclusive_min=key, exclusive_max=key + "\0")
         self._kv().delete_range(only_key).result()
 
     def exists(self, name: str) -> bool:
+        """True for a regular file or directory at ``name``; ForeignEntryError for a
+        symlink or special file there (or on the way there)."""
         if self.is_local:
-            return os.path.exists(self.local_file(name))
+            parts = _check_name(name).split("/")
+            try:
+                dfd = _open_dirs(self.path, parts[:-1])
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            try:
+                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
+            finally:
+                os.close(dfd)
+            _require_regular(st, os.path.join(self.path, name), allow_dir=True)
+            return True
         return self.read_bytes(name) is not None
 
     # -- directories ---------------------------------------------------------------
@@ -227,12 +255,54 @@ class Location:
             return os.path.isdir(self.path)
         return bool(self._kv().list(range=_prefix_range(""), strip_prefix_length=0).result()[:1])
 
+    def child_kinds(self) -> dict[str, str]:
+        """Local only: ``{name: "dir" | "file" | "symlink" | "other"}`` of the immediate
+        children, from the directory entries themselves (no symlink is followed)."""
+        if not self.is_local:
+            raise NotImplementedError(f"entry kinds are only listed on local disks, not {self}")
+        out = {}
+        try:
+            with os.scandir(self.path) as it:
+                for entry in it:
+                    if entry.is_symlink():
+                        out[entry.name] = "symlink"
+                    elif entry.is_dir(follow_symlinks=False):
+                        out[entry.name] = "dir"
+                    elif entry.is_file(follow_symlinks=False):
+                        out[entry.name] = "file"
+                    else:
+                        out[entry.name] = "other"
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return dict(sorted(out.items()))
+
+    def check_no_links(self) -> None:
+        """Local only (no-op elsewhere): raises ForeignEntryError naming the first
+        symlink or special file anywhere under this location. One ``scandir`` walk,
+        no file opened; restore calls it once per checkpoint, since tensorstore's
+        file driver follows symlinks."""
+        if not self.is_local:
+            return
+        stack = [self.path.rstrip("/") or "/"]
+        while stack:
+            top = stack.pop()
+            try:
+                it = os.scandir(top)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with it:
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    elif not entry.is_file(follow_symlinks=False):
+                        _require_regular(entry.stat(follow_symlinks=False), entry.path)
+
     def list_children(self) -> list[str]:
         """Names of the immediate children (files and directories), sorted."""
         if self.is_local:
             try:
                 return sorted(os.listdir(self.path))
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 return []
         keys = self._kv().list().result()
         names = {k.decode("utf-8").split("/", 1)[0] for k in keys}
@@ -246,7 +316,7 @@ class Location:
         for root, _, files in os.walk(self.path):
             for f in files:
                 try:
-                    total += os.path.getsize(os.path.join(root, f))
+                    total += os.lstat(os.path.join(root, f)).st_size
                 except OSError:
                     pass
         return total
@@ -257,9 +327,24 @@ class Location:
             os.makedirs(self.path, exist_ok=True)
 
     def remove(self) -> None:
-        """Removes everything under this location (no error if nothing is there)."""
+        """Removes everything under this location (no error if nothing is there).
+
+        Local: only a real directory is removed; symlinks inside it are unlinked, never
+        followed. A location that is itself a symlink or not a directory is refused
+        with ForeignEntryError (what it points to is left alone).
+        """
         if self.is_local:
-            shutil.rmtree(self.path, ignore_errors=True)
+            path = self.path.rstrip("/")  # a trailing '/' would make lstat follow a link
+            try:
+                st = os.lstat(path)
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            if not stat.S_ISDIR(st.st_mode):
+                raise ForeignEntryError(
+                    f"refusing to remove {path}: expected a directory this library created, "
+                    f"found {_kind(st)} (nothing was removed)"
+                )
+            shutil.rmtree(path, ignore_errors=True)  # fd-based: never follows a link
             return
         self._kv().delete_range(_prefix_range("")).result()
 
@@ -278,18 +363,164 @@ class Location:
         while an fsync per file costs a disk flush each; where ``syncfs`` is missing,
         every file and directory is fsynced.
         """
-        if not self.is_local or not os.path.isdir(self.path):
-            return  # nothing written here by this process (e.g. a replica that wrote nothing)
+        if not self.is_local:
+            return
+        # A save with no array data writes nothing before its metadata: the staging
+        # directory (which the commit renames) is created here.
+        os.makedirs(self.path, exist_ok=True)
         if _syncfs(self.path):
             return
         for root, _, files in os.walk(self.path):
             for name in files:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                try:
+                    fd = os.open(os.path.join(root, name), os.O_RDONLY | os.O_NOFOLLOW)
+                except OSError:
+                    continue  # a symlink: not ours, nothing to sync
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
             fsync_dir(root)
+
+
+def _kind(st: os.stat_result) -> str:
+    mode = st.st_mode
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
+
+
+def _require_regular(st: os.stat_result, path: str, *, allow_dir: bool = False) -> None:
+    if stat.S_ISREG(st.st_mode) or (allow_dir and stat.S_ISDIR(st.st_mode)):
+        return
+    raise ForeignEntryError(
+        f"{path}: expected a regular file written by this library, found {_kind(st)} "
+        "(never followed or read)"
+    )
+
+
+def _check_size(size: int, path: str) -> None:
+    if size > MAX_SMALL_FILE_BYTES:
+        raise CorruptCheckpointError(
+            f"{path}: expected a small file of at most {MAX_SMALL_FILE_BYTES} bytes, "
+            f"found {size} bytes"
+        )
+
+
+def _open_dirs(root: str, parts: list[str], *, create: bool = False) -> int:
+    """An fd of ``root/parts...``: ``root`` as given, each part opened with
+    ``O_NOFOLLOW`` (created first with ``create``). ForeignEntryError for a symlink
+    or non-directory on the way; FileNotFoundError when a part is missing."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        walked = root.rstrip("/")
+        for part in parts:
+            walked += "/" + part
+            if create:
+                try:
+                    os.mkdir(part, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            try:
+                sub = os.open(
+                    part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+                )
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                raise ForeignEntryError(
+                    f"{walked}: expected a directory written by this library, found {_kind(st)} "
+                    "(never followed)"
+                ) from None
+            os.close(fd)
+            fd = sub
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_local(root: str, name: str) -> bytes | None:
+    parts = name.split("/")
+    path = os.path.join(root, name)
+    try:
+        dfd = _open_dirs(root, parts[:-1])
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below).
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(parts[-1], flags, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        _require_regular(os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False), path)
+        raise
+    finally:
+        os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        _require_regular(st, path)
+        _check_size(st.st_size, path)
+        chunks, total = [], 0
+        while True:  # the file may grow after fstat: read at most the cap (+1 to notice)
+            chunk = os.read(fd, min(1 << 24, MAX_SMALL_FILE_BYTES + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            _check_size(total, path)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _write_local(root: str, name: str, data: bytes, *, durable: bool = True) -> None:
+    parts = name.split("/")
+    os.makedirs(root, exist_ok=True)
+    dfd = _open_dirs(root, parts[:-1], create=True)
+    try:
+        tmp = parts[-1] + ".tmp"
+        try:
+            fd = os.open(
+                tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+                dir_fd=dfd,
+            )
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise ForeignEntryError(
+                f"{os.path.join(root, name)}.tmp: expected a file written by this library, "
+                "found a symbolic link (never followed)"
+            ) from None
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, parts[-1], src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces a link itself
+        if durable:
+            os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def _syncfs(path: str) -> bool:

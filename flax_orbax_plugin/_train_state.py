@@ -5,22 +5,37 @@ the user listing fields; :func:`merge_state` puts restored items back into a
 ``like`` of the same kind. Supported states:
 
 * Flax Linen ``TrainState`` and any ``flax.struct`` dataclass (subclasses with
-  extra pytree fields such as ``batch_stats`` or ``ema_params`` included): every
-  pytree field becomes an item named after the field (``step``, ``params``,
-  ``opt_state``, ``batch_stats`` ...). Static fields (``apply_fn``, ``tx``, any
-  ``pytree_node=False`` field) are never written; on restore they come from
-  ``like`` unchanged.
-* Flax NNX: an ``nnx.Module`` (items ``params`` for ``nnx.Param`` variables,
-  ``rng`` for RNG state, ``model_state`` for every other variable, e.g. batch
-  statistics), an ``nnx.Optimizer`` (items ``step`` and ``opt_state``), an
-  ``nnx.State`` such as ``nnx.state(model)`` (split like a module), or a tuple or
-  list of these, e.g. ``(model, optimizer)``. Values are written as pure dicts.
-  Merging updates a module or optimizer ``like`` in place (as ``nnx.update`` does)
-  and returns it; an ``nnx.State`` like gets a new State.
-* A mapping ``{item name: value}``: its keys are the item names.
+  extra pytree fields such as ``batch_stats``, ``dynamic_scale`` or
+  ``ema_params`` included): every pytree field becomes an item named after the
+  field (``step``, ``params``, ``opt_state``, ``batch_stats`` ...), even one
+  holding no arrays (``None``, optax's ``EmptyState``). Static fields
+  (``apply_fn``, ``tx``, any ``pytree_node=False`` field) are never written; on
+  restore they come from ``like`` unchanged.
+* Flax NNX objects, written as pure dicts:
 
-Both functions are pure, cheap, and safe to call on abstract states built with
-``jax.eval_shape`` / ``nnx.eval_shape``.
+  - an ``nnx.Module``: items ``params`` (``nnx.Param`` variables), ``rng`` (RNG
+    streams the module carries, e.g. a ``Dropout(rngs=...)``) and
+    ``model_state`` (every other variable, e.g. batch statistics); an empty
+    part is not written;
+  - an ``nnx.Optimizer``: items ``step`` and ``opt_state`` (written even when
+    the optimizer, e.g. ``optax.sgd``, holds no arrays);
+  - an ``nnx.ModelAndOptimizer``: the items of its model and of its optimizer;
+  - an ``nnx.Rngs`` passed at call time: item ``rngs`` (keys and counts of
+    every stream), so a resumed run draws the same random numbers;
+  - an ``nnx.State`` such as ``nnx.state(model)``: split like a module.
+
+  A tuple or list of these (and of Linen states), e.g. ``(model, optimizer,
+  rngs)``, gives the items of every element; two elements giving the same item
+  is an error naming both.
+* A mapping ``{name: value}``: an NNX module, optimizer or Rngs value is split
+  as above (so ``{"model": model, "optimizer": opt}`` writes ``params``); any
+  other value is one item named by its key (``{"ema": nnx.state(ema)}`` keeps
+  a second model's state apart from ``params``).
+
+Merging updates NNX modules, optimizers and Rngs of ``like`` in place (as
+``nnx.update`` does) and returns ``like``; Linen states and ``nnx.State`` get
+new objects. Both functions are pure on Linen states, cheap, and safe to call
+on abstract Linen states built with ``jax.eval_shape``.
 """
 
 from __future__ import annotations
@@ -29,9 +44,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["split_state", "merge_state"]
+__all__ = ["split_state", "merge_state", "holds_nnx_objects"]
 
 _NNX_MODULE_ITEMS = ("params", "rng", "model_state")
+_NNX_GRAPH_KINDS = ("model_and_optimizer", "optimizer", "rngs", "module")
+_ELEMENT_KINDS = (
+    "an nnx.Module, nnx.Optimizer, nnx.ModelAndOptimizer, nnx.Rngs, nnx.State or a Linen TrainState"
+)
 
 
 def _nnx():
@@ -54,12 +73,27 @@ def _nnx_kind(x: Any) -> str | None:
     nnx = _nnx()
     if nnx is None:
         return None
+    mao = getattr(nnx, "ModelAndOptimizer", None)
+    if mao is not None and isinstance(x, mao):
+        return "model_and_optimizer"
     if isinstance(x, nnx.Optimizer):
         return "optimizer"
+    if isinstance(x, nnx.Rngs):
+        return "rngs"
     if isinstance(x, nnx.Module):
         return "module"
     if isinstance(x, nnx.State):
         return "state"
+    return None
+
+
+def _element_kind(x: Any) -> str | None:
+    """The kind of a tuple element: an NNX kind, "linen", or None (unsupported)."""
+    kind = _nnx_kind(x)
+    if kind is not None:
+        return kind
+    if _is_struct_dataclass(x):
+        return "linen"
     return None
 
 
@@ -68,15 +102,8 @@ def _module_filters():
     return (nnx.Param, nnx.RngState, ...)
 
 
-def _split_nnx(x: Any, kind: str) -> dict[str, Any]:
+def _split_module_parts(parts: Any) -> dict[str, Any]:
     nnx = _nnx()
-    if kind == "optimizer":
-        # Static parts (tx, wrt) are attributes, not state: never written.
-        return dict(nnx.to_pure_dict(nnx.state(x)))
-    if kind == "module":
-        parts = nnx.state(x, *_module_filters())
-    else:
-        parts = nnx.filter_state(x, *_module_filters())
     return {
         name: nnx.to_pure_dict(part)
         for name, part in zip(_NNX_MODULE_ITEMS, parts, strict=True)
@@ -84,37 +111,126 @@ def _split_nnx(x: Any, kind: str) -> dict[str, Any]:
     }
 
 
-def _merge_nnx(like: Any, kind: str, restored: Mapping[str, Any]) -> Any:
+def _split_optimizer(x: Any) -> dict[str, Any]:
+    nnx = _nnx()
+    # Static parts (tx, wrt) are attributes, not state: never written.
+    items = dict(nnx.to_pure_dict(nnx.state(x)))
+    items.pop("model", None)  # a ModelAndOptimizer's model: split as a module
+    # An optimizer without arrays (optax.sgd) still has an opt_state: an empty one.
+    items.setdefault("opt_state", {})
+    return items
+
+
+def _split_nnx(x: Any, kind: str) -> dict[str, Any]:
     nnx = _nnx()
     if kind == "optimizer":
-        state = nnx.state(like)
-        pure = dict(nnx.to_pure_dict(state))
-        pure.update({k: v for k, v in restored.items() if k in pure})
-        nnx.replace_by_pure_dict(state, pure)
-        nnx.update(like, state)
-        return like
+        return _split_optimizer(x)
+    if kind == "model_and_optimizer":
+        items = _split_module_parts(nnx.state(x.model, *_module_filters()))
+        items.update(_split_optimizer(x))
+        return items
+    if kind == "rngs":
+        return {"rngs": nnx.to_pure_dict(nnx.state(x))}
     if kind == "module":
-        parts = nnx.state(like, *_module_filters())
-    else:
-        parts = nnx.filter_state(like, *_module_filters())
+        return _split_module_parts(nnx.state(x, *_module_filters()))
+    return _split_module_parts(nnx.filter_state(x, *_module_filters()))
+
+
+def _merge_optimizer(like: Any, restored: Mapping[str, Any]) -> None:
+    nnx = _nnx()
+    state = nnx.state(like)
+    pure = dict(nnx.to_pure_dict(state))
+    updates = {k: v for k, v in restored.items() if k in pure and k != "model"}
+    if not updates:
+        return
+    pure.update(updates)
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(like, state)
+
+
+def _merge_module_parts(parts: Any, restored: Mapping[str, Any]) -> list[Any]:
+    nnx = _nnx()
     new_parts = []
     for name, part in zip(_NNX_MODULE_ITEMS, parts, strict=True):
         if name in restored and len(part) > 0:
             nnx.replace_by_pure_dict(part, restored[name])
         new_parts.append(part)
-    if kind == "module":
-        for part in new_parts:
-            if len(part) > 0:
-                nnx.update(like, part)
-        return like
-    return nnx.merge_state(*new_parts)
+    return new_parts
+
+
+def _merge_module(like: Any, restored: Mapping[str, Any]) -> None:
+    nnx = _nnx()
+    parts = _merge_module_parts(nnx.state(like, *_module_filters()), restored)
+    for part in parts:
+        if len(part) > 0:
+            nnx.update(like, part)
+
+
+def _merge_nnx(like: Any, kind: str, restored: Mapping[str, Any]) -> Any:
+    nnx = _nnx()
+    if kind == "optimizer":
+        _merge_optimizer(like, restored)
+    elif kind == "model_and_optimizer":
+        _merge_module(like.model, restored)
+        _merge_optimizer(like, restored)
+    elif kind == "rngs":
+        if "rngs" in restored:
+            state = nnx.state(like)
+            nnx.replace_by_pure_dict(state, restored["rngs"])
+            nnx.update(like, state)
+    elif kind == "module":
+        _merge_module(like, restored)
+    else:
+        parts = _merge_module_parts(nnx.filter_state(like, *_module_filters()), restored)
+        return nnx.merge_state(*parts)
+    return like
+
+
+def _add_items(items: dict[str, Any], owners: dict[str, str], new: Mapping[str, Any], where: str):
+    for name, value in new.items():
+        if name in items:
+            raise TypeError(
+                f"{owners[name]} and {where} both provide item {name!r}; keep one of them "
+                "apart as a pytree item of its own, e.g. a dict "
+                "{'model': model, 'optimizer': optimizer, 'ema': nnx.state(ema_model)}"
+            )
+        items[name] = value
+        owners[name] = where
+
+
+def _split_sequence(state: list | tuple) -> dict[str, Any]:
+    items: dict[str, Any] = {}
+    owners: dict[str, str] = {}
+    for i, element in enumerate(state):
+        if _element_kind(element) is None:
+            raise TypeError(
+                f"state[{i}]: expected {_ELEMENT_KINDS}, found {type(element).__name__}"
+            )
+        _add_items(items, owners, split_state(element), f"state[{i}]")
+    return items
+
+
+def _split_mapping(state: Mapping[str, Any]) -> dict[str, Any]:
+    items: dict[str, Any] = {}
+    owners: dict[str, str] = {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise TypeError(f"item names must be str, found {key!r}")
+        where = f"state[{key!r}]"
+        kind = _nnx_kind(value)
+        if kind in _NNX_GRAPH_KINDS:
+            _add_items(items, owners, _split_nnx(value, kind), where)
+        else:
+            _add_items(items, owners, {key: value}, where)
+    return items
 
 
 def split_state(state: Any) -> dict[str, Any]:
     """Return ``{item name: value}`` for a training state (see the module docstring).
 
-    Raises TypeError for a state of an unsupported kind, or for NNX objects in a
-    tuple whose item names collide.
+    Raises TypeError for a state of an unsupported kind (naming the position of
+    an unsupported element of a tuple), or when two parts of the state provide
+    the same item.
     """
     if state is None:
         return {}
@@ -122,28 +238,21 @@ def split_state(state: Any) -> dict[str, Any]:
     if kind is not None:
         return _split_nnx(state, kind)
     if isinstance(state, Mapping):
-        for k in state:
-            if not isinstance(k, str):
-                raise TypeError(f"item names must be str, found {k!r}")
-        return dict(state)
+        return _split_mapping(state)
     if _is_struct_dataclass(state):
         return {name: getattr(state, name) for name in _pytree_fields(state)}
-    if isinstance(state, list | tuple) and state and all(_nnx_kind(s) for s in state):
-        items: dict[str, Any] = {}
-        for s in state:
-            for name, value in split_state(s).items():
-                if name in items:
-                    raise TypeError(
-                        f"two NNX objects in the state both provide item {name!r}; "
-                        "pass them as a dict of items instead"
-                    )
-                items[name] = value
-        return items
+    if isinstance(state, list | tuple) and state:
+        return _split_sequence(state)
     raise TypeError(
         f"cannot split a {type(state).__name__} into checkpointables: expected a Flax "
         "TrainState (or other flax.struct dataclass), an nnx.Module, nnx.Optimizer, "
-        "nnx.State, a tuple of those, or a dict {item name: value}"
+        "nnx.ModelAndOptimizer, nnx.Rngs, nnx.State, a tuple of those, or a dict "
+        "{item name: value}"
     )
+
+
+def _subset(restored: Mapping[str, Any], names: Any) -> dict[str, Any]:
+    return {k: v for k, v in restored.items() if k in names}
 
 
 def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
@@ -160,18 +269,26 @@ def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
         return _merge_nnx(like, kind, restored)
     if isinstance(like, Mapping):
         out = dict(like)
-        out.update(restored)
+        nnx_names: set[str] = set()
+        for key, value in like.items():
+            if _nnx_kind(value) in _NNX_GRAPH_KINDS:
+                names = set(_split_nnx(value, _nnx_kind(value)))
+                nnx_names |= names
+                out[key] = merge_state(value, _subset(restored, names))
+        out.update({k: v for k, v in restored.items() if k not in nnx_names})
         return out
     if _is_struct_dataclass(like):
-        fields = set(_pytree_fields(like))
-        updates = {k: v for k, v in restored.items() if k in fields}
+        updates = _subset(restored, set(_pytree_fields(like)))
         if hasattr(like, "replace"):
             return like.replace(**updates)
         return dataclasses.replace(like, **updates)
-    if isinstance(like, list | tuple) and like and all(_nnx_kind(s) for s in like):
-        merged = []
-        for s in like:
-            names = set(split_state(s))
-            merged.append(merge_state(s, {k: v for k, v in restored.items() if k in names}))
+    if isinstance(like, list | tuple) and like:
+        split_state(like)  # validates every element, with its position
+        merged = [merge_state(s, _subset(restored, set(split_state(s)))) for s in like]
         return type(like)(merged)
     raise TypeError(f"cannot merge checkpointables into a {type(like).__name__}")
+
+
+def holds_nnx_objects(state: Mapping[str, Any]) -> bool:
+    """Whether a mapping holds an NNX module, optimizer or Rngs (split, not stored as is)."""
+    return any(_nnx_kind(v) in _NNX_GRAPH_KINDS for v in state.values())

@@ -3,7 +3,11 @@
 A leaf's *path* is its key path joined by '/', e.g. ``params/Dense_0/kernel`` or
 ``opt_state/0/mu/w``. Path components escape '%' and '/' so that a path names
 exactly one leaf. ``None`` is kept as a leaf (jax drops it by default) so that
-a saved tree comes back with the same structure.
+a saved tree comes back with the same structure, and so is every *empty node*
+(``{}``, ``[]``, ``()``, optax's ``EmptyState()``, a dataclass without fields):
+jax drops those too, and they carry no data but are part of the structure. Their
+saved records have the kinds ``empty_dict`` or ``empty_list`` (see
+:func:`empty_kind`), and :func:`rebuild` turns them back into ``{}`` or ``[]``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 KeyEntry = tuple[str, Any]  # ("dict" | "seq" | "attr" | "flat", key)
 
@@ -35,7 +40,60 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
-def _encode_key(entry: Any) -> KeyEntry:
+_PLAIN_LEAVES = (
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    np.ndarray,
+    np.generic,
+    jax.Array,
+    jax.ShapeDtypeStruct,
+)
+
+
+def is_empty_node(x: Any) -> bool:
+    """True for a pytree node without children (``{}``, ``[]``, ``()``, ``EmptyState()``)."""
+    if isinstance(x, (dict, list, tuple)):
+        return not x
+    if x is None or isinstance(x, _PLAIN_LEAVES):
+        return False
+    leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=_is_none)
+    return not leaves and not jax.tree_util.treedef_is_leaf(treedef)
+
+
+_LEAF_TYPES: set[type] = set()  # exact types seen to be plain leaves (a cache)
+
+
+def _is_leaf(x: Any) -> bool:
+    if x is None:
+        return True
+    kind = type(x)
+    if kind in _LEAF_TYPES:  # the common case, without isinstance checks
+        return False
+    if isinstance(x, _PLAIN_LEAVES):
+        _LEAF_TYPES.add(kind)
+        return False
+    return is_empty_node(x)
+
+
+def empty_kind(x: Any) -> str:
+    """The record kind of an empty node: ``empty_list`` for lists and tuples (plain, not
+    named), ``empty_dict`` for everything else (dicts, NamedTuples, dataclasses), as
+    :func:`rebuild` turns sequence keys into lists and the others into dicts."""
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return "empty_list"
+    return "empty_dict"
+
+
+def empty_value(kind: str) -> Any:
+    """A fresh ``{}`` or ``[]`` for a record of kind ``empty_dict`` or ``empty_list``."""
+    return [] if kind == "empty_list" else {}
+
+
+def encode_key(entry: Any) -> KeyEntry:
     if isinstance(entry, jax.tree_util.DictKey):
         key = entry.key
         if not isinstance(key, (str, int)) or isinstance(key, bool):
@@ -63,12 +121,13 @@ def path_string(keys: list[KeyEntry] | tuple[KeyEntry, ...]) -> str:
 
 
 def flatten(tree: Any) -> tuple[list[tuple[str, list[KeyEntry], Any]], Any]:
-    """Returns ``([(path, keys, leaf), ...], treedef)`` with None kept as a leaf."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    """Returns ``([(path, keys, leaf), ...], treedef)`` with None and empty nodes kept
+    as leaves."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
     out = []
     seen: set[str] = set()
     for keypath, leaf in flat:
-        keys = [_encode_key(k) for k in keypath]
+        keys = [encode_key(k) for k in keypath]
         path = path_string(keys)
         if path in seen:
             raise ValueError(f"two leaves share the path {path!r}")

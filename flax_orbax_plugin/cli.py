@@ -126,6 +126,9 @@ def resolve(path: str, step: int | None) -> tuple[str, list[_Item]]:
 
 
 def _describe_missing(loc: Location, listing: _steps.Listing) -> str:
+    hint = _steps.foreign_format_hint(loc)
+    if hint:
+        return f"no checkpoint of this library at {loc}{hint}"
     if loc.is_local and os.path.isfile(loc.path.rstrip("/")):
         return f"{loc} is a file, not a checkpoint directory"
     if not loc.is_dir():
@@ -168,6 +171,8 @@ def _load_extras(step_loc: Location) -> dict[str, Any]:
 def cmd_list(args) -> int:
     loc = Location.from_path(args.directory)
     listing = _steps.list_directory(loc)
+    if not loc.is_dir() or _steps.foreign_format_hint(loc):
+        raise CliError(_describe_missing(loc, listing))
     if not listing.committed:
         print(f"{loc}: no committed steps")
     else:
@@ -435,11 +440,6 @@ def _leaf_values(fop, path: str, names: list[str]) -> Iterator[tuple[str, Any]]:
 
 
 def cmd_export(args) -> int:
-    import numpy as np
-
-    import flax_orbax_plugin as fop
-
-    dtype_from_name = _layout.dtype_from_name
     if args.format != "safetensors":
         raise CliError(f"unknown export format {args.format!r} (supported: safetensors)")
     if args.dtype is not None and args.dtype not in _SAFETENSORS_DTYPES:
@@ -453,45 +453,35 @@ def cmd_export(args) -> int:
     if found[args.item].kind != "pytree":
         raise CliError(f"{found[args.item].loc}: not an array checkpoint")
     src = found[args.item].loc
-    meta = fop.metadata(src)
-    leaves = [
-        (leaf.path, _export_dtype(leaf.dtype, args.dtype), tuple(leaf.shape))
-        for leaf in meta.leaves.values()
-        if leaf.dtype is not None
-    ]
-    names = [name for name, _, _ in leaves]
-    tensor_names = [n.replace("/", ".") for n in names]
-    if len(set(tensor_names)) != len(tensor_names):
-        tensor_names = names
-    header = safetensors_header(
-        [(t, d, s) for t, (_, d, s) in zip(tensor_names, leaves, strict=True)],
-        metadata={"format": "flax", "source": str(src), "exported_by": "flax-orbax"},
+    from flax_orbax_plugin import _safetensors
+
+    key_map = _safetensors.key_map_from_file(args.key_map) if args.key_map else None
+    result = _safetensors.export_checkpoint(
+        src,
+        args.out,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        key_map=key_map,
+        transpose_kernels=args.transpose_kernels,
+        force=args.force,
+        progress=lambda total: Progress(max(total, 1), "export"),
     )
-    dtypes = {name: d for name, d, _ in leaves}
-    out = args.out
-    tmp = f"{out}.tmp-{os.getpid()}"
-    written = 0
-    total = sum(_numel(s) * dtype_from_name(d).itemsize for _, d, s in leaves)
-    try:
-        with open(tmp, "wb") as f, Progress(max(total, 1), "export") as bar:
-            f.write(header)
-            for name, value in _leaf_values(fop, src, names):
-                arr = np.asarray(value)
-                target = dtype_from_name(dtypes[name], path=name)
-                if arr.dtype != target:
-                    arr = arr.astype(target)
-                data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-                f.write(memoryview(data))
-                written += data.nbytes
-                bar.advance(data.nbytes, name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    print(f"exported {len(leaves)} tensors ({human_bytes(written)}) from {src} to {out}")
+    where = result.index or result.files[0]
+    print(
+        f"exported {result.tensors} tensors ({human_bytes(result.total_bytes)}) from {src} to "
+        f"{where}" + (f" ({len(result.files)} files)" if result.index else "")
+    )
+    return 0
+
+
+# -- import ------------------------------------------------------------------------------
+
+
+def cmd_import(args) -> int:
+    from flax_orbax_plugin._importing import import_checkpoint
+
+    steps = import_checkpoint(args.source, args.out, step=args.step, force=args.force)
+    print(f"imported step(s) {', '.join(map(str, steps))} from {args.source} into {args.out}")
     return 0
 
 
@@ -556,7 +546,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default=None, help="cast floating leaves, e.g. bfloat16")
     s.add_argument("--item", default="params", help="which checkpointable (default: params)")
     s.add_argument("--step", type=int, default=None)
+    s.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB (10^9), 2GiB (2^30)")
+    s.add_argument("--transpose-kernels", action="store_true", help="PyTorch kernel layout")
+    s.add_argument("--key-map", default=None, help="JSON file: {leaf path: tensor name|null}")
+    s.add_argument("--force", action="store_true", help="replace an existing export")
     s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("import", help="an Orbax directory or Flax msgpack file(s) as steps")
+    s.add_argument("source", help="Orbax manager/step/item directory, msgpack file or dir")
+    s.add_argument("out", help="a CheckpointManager directory (created if missing)")
+    s.add_argument("--step", type=int, default=None, help="only this step / write as this step")
+    s.add_argument("--force", action="store_true", help="replace steps that exist in OUT")
+    s.set_defaults(fn=cmd_import)
 
     s = sub.add_parser("gc", help="apply retention and remove unfinished steps")
     s.add_argument("directory")

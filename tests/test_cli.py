@@ -251,3 +251,14 @@ def test_export_and_verify_read_a_group_of_leaves_at_a_time(
     assert rc == cli.EXIT_DAMAGED
     line = next(line for line in out.splitlines() if line.startswith("DAMAGED"))
     assert len(set(re.findall(r"leaf '([a-d])'", line))) == 1, line
+
+
+def test_export_of_a_prng_key_is_a_clear_error(tmp_path, capsys):
+    import jax
+
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, {"params": {"w": np.ones(3, np.float32), "k": jax.random.key(0)}})
+    rc, _, err = run_cli(capsys, "export", tmp_path / "run", tmp_path / "out.safetensors")
+    assert rc == 2
+    assert "leaf 'k': a PRNG key array has no safetensors equivalent" in err
+    assert not (tmp_path / "out.safetensors").exists()

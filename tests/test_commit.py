@@ -97,4 +97,4 @@ def test_time_based_policy_is_shared_by_all_processes(tmp_path):
     assert len(values[0]["saved"]) >= 2
     assert values[0]["steps"] == sorted(set(values[0]["saved"]) | {30})
     info = fop.verify(tmp_path / "run", all_steps=True)
-    assert info and all(r.ok for r in info)
+    assert info and all(r.ok for r in info), [r for r in info if not r.ok]

@@ -597,3 +597,54 @@ def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
     with fop.CheckpointManager(url) as mngr:  # a writer removes the uncommitted step
         assert "7" not in Location.from_path(url).list_children()
         assert mngr.restore(step=2, items="extras") == {"loss": 2}
+
+
+# ---------------------------------------------------------------- resume falls back
+
+
+def _damage_params(directory, step):
+    """Flips one byte in the largest data file of the step's params."""
+    root = os.path.join(directory, str(step), "params")
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f != "zarr.json"]
+    victim = max(files, key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_resume_skips_a_damaged_latest_step_loudly_and_sets_it_aside(tmp_path, caplog):
+    with fop.CheckpointManager(tmp_path) as mngr:
+        for s in (1, 2, 3):
+            mngr.save(s, tiny(s), extras={"loss": float(s)})
+    _damage_params(tmp_path, 3)
+    with caplog.at_level("WARNING", logger="flax_orbax_plugin"):
+        with fop.CheckpointManager(tmp_path) as mngr:
+            out = mngr.restore(items="params")
+            assert mngr.restored_step == 2
+            assert mngr.steps() == [1, 2]
+    np.testing.assert_array_equal(out["w"], np.full((4,), 2, np.float32))
+    assert any("skipping damaged step 3" in r.getMessage() for r in caplog.records)
+    aside = [n for n in os.listdir(tmp_path) if n.startswith("3.corrupt-")]
+    assert len(aside) == 1  # kept for inspection, never deleted automatically
+    with fop.CheckpointManager(tmp_path) as mngr:  # a new writer leaves it alone
+        mngr.gc()
+    assert aside[0] in os.listdir(tmp_path)
+    # An explicit step never falls back: damage raises.
+    with fop.CheckpointManager(tmp_path, read_only=True) as mngr:
+        np.testing.assert_array_equal(mngr.restore(step=1, items="params")["w"], np.ones(4))
+
+
+def test_resume_required_with_no_good_step_names_every_skipped_step(tmp_path):
+    with fop.CheckpointManager(tmp_path) as mngr:
+        for s in (1, 2):
+            mngr.save(s, tiny(s))
+    _damage_params(tmp_path, 1)
+    _damage_params(tmp_path, 2)
+    cb = fop.CheckpointCallback(tmp_path, resume="required")
+    with pytest.raises(fop.CorruptCheckpointError) as info:
+        cb.on_train_start({"params": {"w": np.zeros(4, np.float32)}})
+    text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    assert "step 2:" in text and "step 1:" in text
+    cb.close()

@@ -208,6 +208,39 @@ def test_donation_right_after_save_async(tmp_path, devices):
     np.testing.assert_array_equal(restored["b"], expected["b"])
 
 
+def test_cpu_views_are_snapshots_on_this_jax():
+    """The fact the zero-copy blocking phase rests on (checked again at run time: where
+    it fails, the blocking phase copies). jax versions this was checked on: the one in
+    setup.cfg's range installed by CI."""
+    from flax_orbax_plugin import _save
+
+    assert _save.cpu_views_are_snapshots(), jax.__version__
+
+
+def test_zero_copy_snapshot_survives_donation_deletion_and_reuse(tmp_path, devices):
+    """After save_async returns, the saved CPU buffers are donated, deleted and their
+    memory handed out again; the checkpoint still holds the values at the call."""
+    sharding = NamedSharding(_mesh((8,)), P("x"))
+    shape = (8 * 256, 1024)  # 8 MiB, written as arrays of its own (not batched)
+    state = {
+        "w": jax.device_put(jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape), sharding),
+        "r": jax.device_put(jnp.full(shape, 3.0, jnp.float32), NamedSharding(_mesh((8,)), P())),
+        "d": jnp.full((1024, 1024), 5.0, jnp.float32),
+    }
+    expected = jax.tree_util.tree_map(np.array, state)
+    handle = fop.save_async(tmp_path / "c", state, memory_limit_bytes=1 << 20)
+    donating = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x * 0 - 9, s), donate_argnums=0)
+    new_state = donating({"w": state["w"], "r": state["r"]})
+    state["d"].delete()
+    junk = [jnp.full(shape, -1.0, jnp.float32) + i for i in range(6)]  # reuse freed memory
+    jax.block_until_ready((new_state, junk))
+    assert state["w"].is_deleted() and state["d"].is_deleted()
+    handle.wait()
+    restored = fop.restore(tmp_path / "c")
+    for k in expected:
+        np.testing.assert_array_equal(restored[k], expected[k])
+
+
 def test_second_save_waits_for_first(tmp_path):
     big = {"w": np.ones((3000, 1000), np.float32)}
     first = fop.save_async(tmp_path / "a", big)

@@ -147,3 +147,191 @@ def test_nnx_state_split_merge():
     merged = merge_state(other, to_host(items))
     assert isinstance(merged, nnx.State)
     np.testing.assert_array_equal(merged["l1"]["kernel"][...], model.l1.kernel[...])
+
+
+# ---------------------------------------------------------------- NNX forms, end to end
+
+
+class DropoutModel(nnx.Module):
+    """Dropout without streams of its own: Rngs are passed at call time."""
+
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+        self.l2 = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x, *, rngs=None):
+        return self.l2(self.drop(nnx.relu(self.l1(x)), rngs=rngs))
+
+
+def _nnx_train(model, opt, rngs=None, steps=2):
+    def loss(m, r):
+        if isinstance(m, DropoutModel):
+            return jnp.mean(m(jnp.ones((2, 4)), rngs=r) ** 2)
+        return jnp.mean(m(jnp.ones((2, 4))) ** 2)
+
+    for _ in range(steps):
+        grads = nnx.grad(loss)(model, rngs)
+        if isinstance(opt, nnx.ModelAndOptimizer):
+            opt.update(grads)
+        else:
+            opt.update(model, grads)
+
+
+def _leaves(*objs):
+    out = []
+    for o in objs:
+        for leaf in jax.tree.leaves(nnx.state(o)):
+            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                leaf = jax.random.key_data(leaf)
+            out.append(np.asarray(leaf))
+    return out
+
+
+def assert_same(a, b):
+    la, lb = _leaves(*a), _leaves(*b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_nnx_rngs_at_call_time_round_trip_in_place(tmp_path):
+    import flax_orbax_plugin as fop
+
+    model = DropoutModel(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    rngs = nnx.Rngs(dropout=7)
+    _nnx_train(model, opt, rngs)
+    items = split_state((model, opt, rngs))
+    assert set(items) == {"params", "step", "opt_state", "rngs"}
+    assert int(items["rngs"]["dropout"]["count"]) == 2  # two dropout draws so far
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.save(2, (model, opt, rngs))
+
+    model2 = DropoutModel(nnx.Rngs(1))
+    opt2 = nnx.Optimizer(model2, optax.adam(1e-2), wrt=nnx.Param)
+    rngs2 = nnx.Rngs(dropout=99)
+    with fop.CheckpointManager(tmp_path) as mngr:
+        out = mngr.restore(like=(model2, opt2, rngs2))
+    assert out[0] is model2 and out[1] is opt2 and out[2] is rngs2
+    assert_same((model, opt, rngs), (model2, opt2, rngs2))
+    # The resumed run draws the same dropout masks: it does not diverge.
+    _nnx_train(model, opt, rngs)
+    _nnx_train(model2, opt2, rngs2)
+    assert_same((model, opt, rngs), (model2, opt2, rngs2))
+    np.testing.assert_array_equal(
+        fop.restore_params(tmp_path, like=model2)["l1"]["kernel"],
+        np.asarray(items["params"]["l1"]["kernel"]),
+    )
+
+
+def test_nnx_model_and_optimizer_writes_params(tmp_path):
+    import flax_orbax_plugin as fop
+
+    model = NNXModel(nnx.Rngs(0))
+    mao = nnx.ModelAndOptimizer(model, optax.adam(1e-2))
+    _nnx_train(mao.model, mao)
+    items = split_state(mao)
+    assert set(items) == {"params", "rng", "model_state", "step", "opt_state"}
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, mao)
+    other = nnx.ModelAndOptimizer(NNXModel(nnx.Rngs(3)), optax.adam(1e-2))
+    with fop.CheckpointManager(tmp_path) as mngr:
+        assert mngr.restore(like=other) is other
+    assert_same((mao,), (other,))
+    params = fop.restore_params(tmp_path, like=other)
+    np.testing.assert_array_equal(params["l1"]["kernel"], np.asarray(model.l1.kernel[...]))
+    abstract = nnx.eval_shape(lambda: NNXModel(nnx.Rngs(0)))  # allocates nothing
+    params = fop.restore_params(tmp_path, like=abstract)
+    assert isinstance(params["l1"]["kernel"], jax.Array)
+    np.testing.assert_array_equal(params["l1"]["kernel"], np.asarray(model.l1.kernel[...]))
+
+
+def test_nnx_dict_form_writes_params_and_keeps_other_items(tmp_path):
+    import flax_orbax_plugin as fop
+
+    def make(seed):
+        model = DropoutModel(nnx.Rngs(seed))
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        ema = nnx.state(DropoutModel(nnx.Rngs(seed + 10)), nnx.Param)
+        return {"model": model, "optimizer": opt, "rngs": nnx.Rngs(dropout=seed), "ema": ema}
+
+    state = make(0)
+    _nnx_train(state["model"], state["optimizer"], state["rngs"])
+    assert set(split_state(state)) == {"params", "step", "opt_state", "rngs", "ema"}
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.save(2, state)
+    like = make(5)
+    with fop.CheckpointManager(tmp_path) as mngr:
+        out = mngr.restore(like=like)
+    assert out["model"] is like["model"] and out["optimizer"] is like["optimizer"]
+    assert_same(
+        (state["model"], state["optimizer"], state["rngs"]),
+        (out["model"], out["optimizer"], out["rngs"]),
+    )
+    np.testing.assert_array_equal(
+        out["ema"]["l1"]["kernel"][...], state["ema"]["l1"]["kernel"][...]
+    )
+    # restore_params takes the params of a dict like, too.
+    params = fop.restore_params(tmp_path, like=make(9))
+    np.testing.assert_array_equal(params["l2"]["bias"], np.asarray(state["model"].l2.bias[...]))
+
+
+def test_unsupported_element_is_named_with_its_position():
+    model = DropoutModel(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    with pytest.raises(TypeError, match=r"state\[2\]: expected an nnx.Module, .* found int"):
+        split_state((model, opt, 3))
+    with pytest.raises(TypeError, match=r"state\[0\] and state\[1\] both provide item 'params'"):
+        split_state((model, DropoutModel(nnx.Rngs(1))))
+    with pytest.raises(TypeError, match=r"state\['a'\] and state\['b'\] both provide item 'rngs'"):
+        split_state({"a": nnx.Rngs(0), "b": nnx.Rngs(1)})
+
+
+def test_optimizer_without_arrays_still_has_an_opt_state():
+    model = DropoutModel(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
+    assert split_state(opt)["opt_state"] == {}
+    state = train_state.TrainState.create(
+        apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1)
+    )
+    assert jax.tree.leaves(split_state(state)["opt_state"]) == []
+
+
+def test_items_without_arrays_round_trip_linen(tmp_path):
+    import flax_orbax_plugin as fop
+
+    class State(train_state.TrainState):
+        dynamic_scale: Any = None
+
+    def make(seed):
+        return State.create(
+            apply_fn=None, params={"w": jnp.full(2, float(seed))}, tx=optax.sgd(0.1)
+        )
+
+    with fop.CheckpointManager(tmp_path, async_save=False) as mngr:
+        mngr.save(1, make(1))
+    with fop.CheckpointManager(tmp_path) as mngr:
+        out = mngr.restore(like=make(0))
+        assert set(mngr.restore(items=None)) == {"step", "params", "opt_state", "dynamic_scale"}
+    assert out.dynamic_scale is None
+    assert out.opt_state == make(0).opt_state
+    np.testing.assert_array_equal(out.params["w"], [1.0, 1.0])
+
+
+def test_items_without_arrays_round_trip_nnx(tmp_path):
+    import flax_orbax_plugin as fop
+
+    def make(seed):
+        model = DropoutModel(nnx.Rngs(seed))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    saved = make(1)
+    _nnx_train(*saved, rngs=nnx.Rngs(dropout=0))
+    with fop.CheckpointManager(tmp_path, async_save=False) as mngr:
+        mngr.save(1, saved)
+    like = make(0)
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.restore(like=like)
+        assert set(mngr.restore(items=None)) == {"step", "params", "opt_state"}
+    assert_same(saved, like)

@@ -1,0 +1,210 @@
+"""Data position for input pipelines without grain: :class:`StepIndexedIterator`.
+
+The manager saves a data iterator's position through ``get_state()`` /
+``set_state()`` (as grain's iterators have). A pipeline that can rebuild any
+batch from its position needs no more than a counter, and this adapter is that
+counter, in one of two forms:
+
+* ``StepIndexedIterator(make_batch)``: ``make_batch(index)`` returns batch
+  ``index`` (0, 1, 2 ...) as a pure function of it, e.g. an in-memory dataset
+  shuffled with a permutation seeded by the epoch::
+
+      def make_batch(index):
+          epoch, i = divmod(index, steps_per_epoch)
+          order = np.random.default_rng([seed, epoch]).permutation(len(x))
+          rows = order[i * batch_size:(i + 1) * batch_size]
+          return {"x": x[rows], "y": y[rows]}
+
+* ``StepIndexedIterator(make_epoch=...)``: ``make_epoch(epoch)`` returns the
+  batches of one epoch, the same ones every time it is called with that epoch,
+  e.g. a tf.data pipeline whose shuffle is seeded by the epoch::
+
+      def make_epoch(epoch):
+          return (tf.data.Dataset.from_tensor_slices(data)
+                  .shuffle(len(x), seed=epoch).batch(32, drop_remainder=True))
+
+  Resuming in the middle of an epoch rebuilds that epoch and skips the batches
+  already consumed: with ``Dataset.skip`` when the returned object has one
+  (tf.data then skips without running the pipeline's map functions), otherwise
+  by drawing and dropping them. A tf.data dataset is read with
+  ``as_numpy_iterator()``, so batches are numpy arrays.
+
+The state is JSON (``{"index": n}``, plus ``"epoch"`` and ``"offset"`` in the
+epoch form), so it is stored like any other iterator state.
+
+Iterators that run ahead. A prefetcher (``flax.jax_utils.prefetch_to_device``,
+``tf.data``'s ``prefetch`` wrapped *around* this adapter, a background thread)
+has drawn more batches from the adapter than training consumed, so the
+adapter's ``get_state()`` is ahead of the step being saved. Then do not give
+the adapter to the checkpoint callback; after resuming, position it from the
+step instead, as batches consumed equal steps done::
+
+    state = cb.on_train_start(state)                  # no data_iterator
+    it = StepIndexedIterator(make_batch)
+    it.seek(int(state.step))                          # batches 0..step-1 were used
+    batches = prefetch_to_device(it, 2)
+
+(``seek`` in the epoch form needs ``steps_per_epoch``.) A prefetch inside the
+dataset that ``make_epoch`` returns is harmless: the adapter counts the
+batches it hands out.
+
+Call order: one thread (the training loop's) calls ``next``, ``get_state``,
+``set_state`` and ``seek``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+__all__ = ["StepIndexedIterator"]
+
+
+def _count(state: Any, key: str) -> int:
+    value = state.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(
+            f"StepIndexedIterator.set_state: {key!r} must be a non-negative int, found {value!r}"
+        )
+    return value
+
+
+class StepIndexedIterator:
+    """An iterator over batches rebuilt from their position, with a JSON state.
+
+    Args:
+      make_batch: ``make_batch(index) -> batch``, a pure function of the global
+        batch index. Give this or ``make_epoch``.
+      make_epoch: ``make_epoch(epoch) -> iterable of batches`` of one epoch, the
+        same for the same epoch (seed any shuffle with the epoch).
+      steps_per_epoch: batches per epoch in the epoch form; needed only by
+        :meth:`seek`. Epochs end when ``make_epoch``'s iterable does.
+      num_epochs: stop after this many epochs (epoch form); None repeats forever.
+
+    ``get_state()`` is the position of the next batch this adapter hands out. If
+    a prefetcher draws from it ahead of training, that is ahead of the step being
+    saved: then give the callback no data iterator and, after resuming, call
+    ``seek(int(state.step))`` (batches consumed equal steps done).
+    """
+
+    def __init__(
+        self,
+        make_batch: Callable[[int], Any] | None = None,
+        *,
+        make_epoch: Callable[[int], Iterable[Any]] | None = None,
+        steps_per_epoch: int | None = None,
+        num_epochs: int | None = None,
+    ):
+        if (make_batch is None) == (make_epoch is None):
+            raise TypeError("StepIndexedIterator needs exactly one of make_batch or make_epoch")
+        if make_batch is not None and (steps_per_epoch is not None or num_epochs is not None):
+            raise TypeError("steps_per_epoch and num_epochs belong to the make_epoch form")
+        for name, value in (("steps_per_epoch", steps_per_epoch), ("num_epochs", num_epochs)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, found {value!r}")
+        self._make_batch = make_batch
+        self._make_epoch = make_epoch
+        self._steps_per_epoch = steps_per_epoch
+        self._num_epochs = num_epochs
+        self._index = 0  # batches handed out so far
+        self._epoch = 0
+        self._offset = 0  # batches handed out from the current epoch
+        self._it: Iterator[Any] | None = None  # the current epoch's batches, opened lazily
+
+    def __iter__(self) -> StepIndexedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._make_batch is not None:
+            batch = self._make_batch(self._index)
+            self._index += 1
+            return batch
+        while True:
+            if self._num_epochs is not None and self._epoch >= self._num_epochs:
+                raise StopIteration
+            if self._it is None:
+                self._it = self._open(self._epoch, self._offset)
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                if self._offset == 0:
+                    raise ValueError(
+                        f"StepIndexedIterator: make_epoch({self._epoch}) yielded no batch"
+                    ) from None
+                self._epoch, self._offset, self._it = self._epoch + 1, 0, None
+                continue
+            self._offset += 1
+            self._index += 1
+            return batch
+
+    def _open(self, epoch: int, offset: int) -> Iterator[Any]:
+        data = self._make_epoch(epoch)
+        skipped = 0
+        if offset and callable(getattr(data, "skip", None)):
+            data, skipped = data.skip(offset), offset
+        if callable(getattr(data, "as_numpy_iterator", None)):
+            it = data.as_numpy_iterator()
+        else:
+            it = iter(data)
+        for i in range(offset - skipped):
+            try:
+                next(it)
+            except StopIteration:
+                raise ValueError(
+                    f"StepIndexedIterator: the saved position is batch {offset} of epoch "
+                    f"{epoch}, but make_epoch({epoch}) yields only {i} batches"
+                ) from None
+        return it
+
+    # -- position ------------------------------------------------------------------
+
+    def get_state(self) -> dict[str, int]:
+        """The position of the next batch, as JSON: ``{"index": n, ...}``."""
+        if self._make_batch is not None:
+            return {"index": self._index}
+        return {"index": self._index, "epoch": self._epoch, "offset": self._offset}
+
+    def set_state(self, state: Any) -> None:
+        """Positions the iterator where ``get_state()`` returned ``state``.
+
+        Raises ValueError for a state of the other form or with a bad field.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"StepIndexedIterator.set_state: expected a dict, found {type(state).__name__}"
+            )
+        index = _count(state, "index")
+        if self._make_batch is not None:
+            if "epoch" in state:
+                raise ValueError(
+                    "StepIndexedIterator.set_state: the state has an 'epoch' (saved by the "
+                    "make_epoch form) but this iterator has make_batch"
+                )
+            self._index = index
+            return
+        if "epoch" not in state:
+            raise ValueError(
+                "StepIndexedIterator.set_state: the state has no 'epoch' (saved by the "
+                "make_batch form) but this iterator has make_epoch"
+            )
+        self._index, self._epoch, self._offset = (
+            index,
+            _count(state, "epoch"),
+            _count(state, "offset"),
+        )
+        self._it = None
+
+    def seek(self, index: int) -> None:
+        """Positions the iterator so that the next batch is batch ``index`` overall."""
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"seek: index must be a non-negative int, found {index!r}")
+        if self._make_batch is not None:
+            self._index = index
+            return
+        if self._steps_per_epoch is None:
+            raise ValueError(
+                "seek needs steps_per_epoch=... in the make_epoch form (to find the epoch of "
+                "a batch index); or restore a saved state with set_state"
+            )
+        epoch, offset = divmod(index, self._steps_per_epoch)
+        self.set_state({"index": index, "epoch": epoch, "offset": offset})

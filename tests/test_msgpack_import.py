@@ -1,0 +1,149 @@
+"""_msgpack_import: files written by flax.serialization and flax.training.checkpoints."""
+
+import os
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import msgpack
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import serialization
+from flax.training import checkpoints, train_state
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin import _msgpack_import, cli
+from flax_orbax_plugin._errors import CorruptCheckpointError, StructureError
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.relu(nn.Dense(8)(x)))
+
+
+def _state(step):
+    net = Net()
+    params = net.init(jax.random.key(step), jnp.zeros((1, 5)))["params"]
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16) if p.ndim == 1 else p, params)
+    state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adam(1e-3))
+    return state.replace(step=step)
+
+
+def _leaves(tree):
+    return [
+        ("/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in p), v)
+        for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+
+
+def _assert_bit_exact(got, want):
+    got, want = _leaves(got), _leaves(want)
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, g), (_, w) in zip(got, want, strict=True):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.dtype == w.dtype and g.shape == w.shape and g.tobytes() == w.tobytes(), path
+
+
+def test_to_bytes_file_read_bit_exact_without_flax(tmp_path):
+    state = _state(3)
+    path = tmp_path / "state.msgpack"
+    path.write_bytes(serialization.to_bytes(state))
+    assert _msgpack_import.is_msgpack_checkpoint(path)
+    tree = _msgpack_import.read_msgpack(path)
+    assert sorted(tree) == ["opt_state", "params", "step"]
+    _assert_bit_exact(tree["params"], state.params)
+    assert tree["params"]["Dense_0"]["bias"].dtype == ml_dtypes.bfloat16
+    # with a template: shapes checked, lossless dtypes only
+    like = jax.eval_shape(lambda: state.params)
+    _assert_bit_exact(
+        _msgpack_import.restore_msgpack(path, {"params": like}, partial=True),
+        {"params": state.params},
+    )
+    like["Dense_0"]["kernel"] = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    with pytest.raises(StructureError, match=r"params/Dense_0/kernel.*\(8, 4\).*\(8, 3\)"):
+        _msgpack_import.restore_msgpack(path, {"params": like}, partial=True)
+
+
+def test_import_to_bytes_file_as_a_step(tmp_path, capsys):
+    state = _state(12)
+    path = tmp_path / "state.msgpack"
+    path.write_bytes(serialization.to_bytes(state))
+    out = tmp_path / "ckpts"
+    rc = cli.main(["import", str(path), str(out), "--step", "12"])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    _assert_bit_exact(fop.restore_params(out), state.params)
+    # the whole TrainState comes back through the manager, optax types included
+    with fop.CheckpointManager(out, read_only=True) as mngr:
+        assert mngr.steps() == [12]
+        restored = mngr.restore(like=_state(0))
+    assert int(restored.step) == 12
+    _assert_bit_exact(restored.opt_state, state.opt_state)
+    assert isinstance(restored.opt_state[0], optax.ScaleByAdamState)
+
+
+def test_flax_training_checkpoints_directory(tmp_path):
+    flax.config.update("flax_use_orbax_checkpointing", False)
+    try:
+        ckpt_dir = tmp_path / "flax_ckpts"
+        states = {}
+        for step in (100, 200):
+            states[step] = _state(step)
+            checkpoints.save_checkpoint(str(ckpt_dir), states[step], step, keep=5)
+    finally:
+        flax.config.update("flax_use_orbax_checkpointing", True)
+    assert sorted(os.listdir(ckpt_dir)) == ["checkpoint_100", "checkpoint_200"]
+    out = tmp_path / "ours"
+    assert _msgpack_import.import_msgpack(ckpt_dir, out) == [100, 200]
+    for step in (100, 200):
+        _assert_bit_exact(fop.restore_params(out, step=step), states[step].params)
+    # only one step, into another directory; an existing step needs force
+    other = tmp_path / "one"
+    assert _msgpack_import.import_msgpack(ckpt_dir, other, step=200) == [200]
+    with pytest.raises(FileExistsError, match="step 200 exists"):
+        _msgpack_import.import_msgpack(ckpt_dir, other, step=200)
+    assert _msgpack_import.import_msgpack(ckpt_dir, other, step=200, force=True) == [200]
+
+
+def test_a_plain_params_tree_becomes_params_and_chunked_arrays_join(tmp_path, monkeypatch):
+    """A tree without 'params' is imported as params; an array larger than flax's
+    chunk limit (lowered here) is stored chunked and read back whole."""
+    monkeypatch.setattr(serialization, "MAX_CHUNK_SIZE", 64)
+    tree = {"w": np.arange(100, dtype=np.float32).reshape(10, 10), "b": np.float32(2.5)}
+    path = tmp_path / "plain.msgpack"
+    path.write_bytes(serialization.msgpack_serialize(tree))
+    raw = msgpack.unpackb(path.read_bytes(), strict_map_key=False, ext_hook=lambda c, d: None)
+    assert raw["w"]["__msgpack_chunked_array__"] is True
+    out = tmp_path / "ckpts"
+    assert _msgpack_import.import_msgpack(path, out) == [0]
+    got = fop.restore_params(out)
+    np.testing.assert_array_equal(got["w"], tree["w"])
+    assert got["b"] == np.float32(2.5)
+
+
+def test_malformed_files_are_clear_errors(tmp_path):
+    bad_dtype = tmp_path / "object.msgpack"
+    payload = msgpack.packb(((2,), "object", b"\0" * 16))
+    bad_dtype.write_bytes(msgpack.packb({"x": msgpack.ExtType(1, payload)}))
+    with pytest.raises(CorruptCheckpointError, match="dtype 'object'"):
+        _msgpack_import.read_msgpack(bad_dtype)
+    short = tmp_path / "short.msgpack"
+    short.write_bytes(
+        msgpack.packb({"x": msgpack.ExtType(1, msgpack.packb(((4,), "float32", b"\0")))})
+    )
+    with pytest.raises(CorruptCheckpointError, match=r"needs 16 bytes, found 1"):
+        _msgpack_import.read_msgpack(short)
+    truncated = tmp_path / "truncated.msgpack"
+    truncated.write_bytes(serialization.to_bytes({"a": np.ones(100)})[:-10])
+    with pytest.raises(CorruptCheckpointError, match="truncated.msgpack"):
+        _msgpack_import.read_msgpack(truncated)
+    unknown = tmp_path / "ext.msgpack"
+    unknown.write_bytes(msgpack.packb({"x": msgpack.ExtType(42, b"")}))
+    with pytest.raises(CorruptCheckpointError, match="extension type 42"):
+        _msgpack_import.read_msgpack(unknown)
+    rc = cli.main(["import", str(tmp_path / "missing"), str(tmp_path / "o")])
+    assert rc == cli.EXIT_ERROR

@@ -1,0 +1,306 @@
+"""Nothing outside a checkpoint directory is followed, read, written or removed
+(issue 11, points 1, 2, 4 and 9): symlinks and special files inside a checkpoint
+are refused with an error that names them, and what they point to is untouched."""
+
+import contextlib
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin import cli
+from flax_orbax_plugin._lock import DirectoryLock
+from flax_orbax_plugin._storage import MAX_SMALL_FILE_BYTES, Location
+
+
+def snapshot(root):
+    """{relative path: bytes} of every file under ``root`` (to prove it is untouched)."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, root)] = f.read()
+    return out
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A directory outside the checkpoint directory, holding someone else's files."""
+    d = tmp_path / "outside"
+    (d / "sub").mkdir(parents=True)
+    (d / "precious.txt").write_bytes(b"do not touch")
+    (d / "sub" / "more.bin").write_bytes(b"\x01" * 100)
+    return d
+
+
+def small_tree():
+    return {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.int32)}
+
+
+# -- point 1: removal never follows a symlink -----------------------------------------
+
+
+def test_remove_refuses_a_symlinked_location_and_leaves_the_target(tmp_path, outside):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.symlink(outside, ckpt / "9")
+    before = snapshot(outside)
+    with pytest.raises(fop.ForeignEntryError, match=r"ckpt/9.*symbolic link"):
+        Location.from_path(ckpt / "9").remove()
+    assert snapshot(outside) == before
+    assert os.path.islink(ckpt / "9")
+
+
+def test_remove_of_a_real_directory_unlinks_inner_symlinks_only(tmp_path, outside):
+    step = tmp_path / "ckpt" / "3.partial-abc"
+    step.mkdir(parents=True)
+    (step / "own.bin").write_bytes(b"x")
+    os.symlink(outside, step / "link_to_dir")
+    os.symlink(outside / "precious.txt", step / "link_to_file")
+    before = snapshot(outside)
+    Location.from_path(step).remove()
+    assert not os.path.lexists(step)
+    assert snapshot(outside) == before
+
+
+def test_retention_never_empties_a_step_linked_in_from_another_run(tmp_path, outside):
+    ckpt = tmp_path / "ckpt"
+    with fop.CheckpointManager(ckpt, keep=1, async_save=False) as mngr:
+        mngr.save(5, {"params": small_tree()})
+    other_run = tmp_path / "other_run"
+    shutil.copytree(ckpt / "5", other_run / "5")  # another run's committed step
+    os.symlink(other_run / "5", ckpt / "1")  # linked in as the oldest step
+    before = snapshot(other_run)
+    with contextlib.suppress(fop.ForeignEntryError):  # refusing to open is fine too
+        with fop.CheckpointManager(ckpt, keep=1, async_save=False) as mngr:
+            mngr.save(6, {"params": small_tree()})
+            with contextlib.suppress(fop.ForeignEntryError):
+                mngr.gc()
+    assert snapshot(other_run) == before
+
+
+def test_opening_a_writer_never_empties_a_directory_linked_as_a_step(tmp_path, outside):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.symlink(outside, ckpt / "9")
+    before = snapshot(outside)
+    with contextlib.suppress(fop.ForeignEntryError):
+        fop.CheckpointManager(ckpt).close()
+    assert snapshot(outside) == before
+
+
+def test_cli_gc_never_empties_a_directory_linked_as_an_unfinished_step(tmp_path, outside, capsys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.symlink(outside, ckpt / "3.partial-abc")
+    before = snapshot(outside)
+    code = cli.main(["gc", str(ckpt)])
+    err = capsys.readouterr().err
+    assert snapshot(outside) == before
+    if code != 0:  # refused: the error names the link
+        assert "3.partial-abc" in err
+
+
+def test_delete_does_not_follow_a_symlinked_parent(tmp_path, outside):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.symlink(outside, ckpt / "sub")
+    before = snapshot(outside)
+    with pytest.raises(fop.ForeignEntryError, match=r"ckpt/sub"):
+        Location.from_path(ckpt).delete("sub/precious.txt")
+    assert snapshot(outside) == before
+
+
+def test_write_bytes_does_not_write_through_a_symlinked_parent(tmp_path, outside):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.symlink(outside, ckpt / "sub")
+    with pytest.raises(fop.ForeignEntryError, match=r"ckpt/sub"):
+        Location.from_path(ckpt).write_bytes("sub/precious.txt", b"overwritten")
+    assert (outside / "precious.txt").read_bytes() == b"do not touch"
+
+
+def test_child_kinds_reports_links_without_following_them(tmp_path, outside):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "4").mkdir(parents=True)
+    (ckpt / "note").write_text("x")
+    os.symlink(outside, ckpt / "9")
+    os.mkfifo(ckpt / "fifo")
+    kinds = Location.from_path(ckpt).child_kinds()
+    assert kinds == {"4": "dir", "9": "symlink", "fifo": "other", "note": "file"}
+
+
+# -- point 2: the writer lock ------------------------------------------------------------
+
+
+def test_a_symlinked_writer_lock_is_refused_and_its_target_untouched(tmp_path, outside):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.symlink(outside / "precious.txt", ckpt / ".writer.lock")
+    with pytest.raises(fop.ForeignEntryError, match=r"\.writer\.lock.*symbolic link"):
+        DirectoryLock(str(ckpt)).acquire()
+    with pytest.raises(fop.ForeignEntryError, match=r"\.writer\.lock"):
+        fop.CheckpointManager(ckpt)
+    assert (outside / "precious.txt").read_bytes() == b"do not touch"
+
+
+def test_a_fifo_writer_lock_is_refused_without_blocking(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.mkfifo(ckpt / ".writer.lock")
+    with pytest.raises(fop.ForeignEntryError, match=r"\.writer\.lock.*FIFO"):
+        DirectoryLock(str(ckpt)).acquire()
+
+
+def test_a_directory_named_like_the_lock_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / ".writer.lock").mkdir(parents=True)
+    with pytest.raises(fop.ForeignEntryError, match=r"\.writer\.lock.*directory"):
+        DirectoryLock(str(ckpt)).acquire()
+
+
+def test_a_dangling_symlinked_lock_creates_nothing_outside(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    target = tmp_path / "would_be_created"
+    os.symlink(target, ckpt / ".writer.lock")
+    with pytest.raises(fop.ForeignEntryError):
+        DirectoryLock(str(ckpt)).acquire()
+    assert not os.path.lexists(target)
+
+
+# -- point 4: restore reads no array data through a symlink ------------------------------
+
+
+def big_and_small(tmp_path):
+    path = tmp_path / "ckpt"
+    tree = {"big": np.arange(300_000, dtype=np.float32), "small": np.ones(4, np.int32)}
+    fop.save(path, tree)
+    return path, tree
+
+
+def test_restore_refuses_an_array_directory_linked_to_outside_data(tmp_path):
+    path, tree = big_and_small(tmp_path)
+    fop.save(tmp_path / "other", {"big": np.zeros(300_000, np.float32), "small": tree["small"]})
+    shutil.rmtree(path / "d" / "0")
+    os.symlink(tmp_path / "other" / "d" / "0", path / "d" / "0")
+    np.testing.assert_array_equal(fop.restore(tmp_path / "other")["big"], 0)
+    with pytest.raises(fop.ForeignEntryError, match=r"ckpt/d/0"):
+        fop.restore(path)
+
+
+def test_restore_refuses_a_chunk_file_linked_to_outside(tmp_path):
+    path, _ = big_and_small(tmp_path)
+    chunks = [
+        os.path.join(dirpath, f)
+        for dirpath, _, files in os.walk(path / "d" / "0")
+        for f in files
+        if f != "zarr.json"
+    ]
+    victim = chunks[0]
+    copy = tmp_path / "outside_chunk"
+    shutil.copyfile(victim, copy)
+    os.remove(victim)
+    os.symlink(copy, victim)
+    with pytest.raises(fop.ForeignEntryError, match=os.path.relpath(victim, tmp_path)):
+        fop.restore(path)
+
+
+def test_verify_reports_a_step_whose_data_is_linked_from_outside(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    with fop.CheckpointManager(ckpt, async_save=False) as mngr:
+        mngr.save(1, {"params": {"big": np.arange(300_000, dtype=np.float32)}})
+    chunks = [
+        os.path.join(dirpath, f)
+        for dirpath, _, files in os.walk(ckpt / "1" / "params" / "d")
+        for f in files
+        if f != "zarr.json"
+    ]
+    shutil.copyfile(chunks[0], tmp_path / "outside_chunk")
+    os.remove(chunks[0])
+    os.symlink(tmp_path / "outside_chunk", chunks[0])
+    assert cli.main(["verify", str(ckpt)]) == 1
+    out = capsys.readouterr()
+    assert os.path.relpath(chunks[0], ckpt) in out.out + out.err
+
+
+def test_restore_refuses_a_symlinked_commit_marker(tmp_path):
+    path, _ = big_and_small(tmp_path)
+    os.rename(path / "_COMMITTED", tmp_path / "marker")
+    os.symlink(tmp_path / "marker", path / "_COMMITTED")
+    with pytest.raises(fop.ForeignEntryError, match=r"_COMMITTED"):
+        fop.restore(path)
+
+
+# -- point 9: only regular files are read, JSON with a size cap ------------------------
+
+
+def run_with_deadline(fn, seconds=20):
+    """Runs ``fn`` on a thread; fails the test (instead of hanging it) past ``seconds``."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds}s (a hang)"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_a_fifo_metadata_file_is_an_error_not_a_hang(tmp_path):
+    path, _ = big_and_small(tmp_path)
+    os.remove(path / "_METADATA.json")
+    os.mkfifo(path / "_METADATA.json")
+    with pytest.raises(fop.ForeignEntryError, match=r"_METADATA\.json.*FIFO"):
+        run_with_deadline(lambda: fop.restore(path))
+    with pytest.raises(fop.ForeignEntryError, match=r"_METADATA\.json.*FIFO"):
+        run_with_deadline(lambda: fop.metadata(path))
+
+
+def test_metadata_linked_to_dev_zero_is_an_error_not_a_memory_error(tmp_path):
+    path, _ = big_and_small(tmp_path)
+    os.remove(path / "_METADATA.json")
+    os.symlink("/dev/zero", path / "_METADATA.json")
+    with pytest.raises(fop.ForeignEntryError, match=r"_METADATA\.json.*symbolic link"):
+        run_with_deadline(lambda: fop.restore(path))
+
+
+def test_an_oversized_metadata_file_is_refused_before_it_is_read(tmp_path):
+    path, _ = big_and_small(tmp_path)
+    with open(path / "_METADATA.json", "r+b") as f:
+        f.truncate(MAX_SMALL_FILE_BYTES + 1)  # sparse: costs no disk
+    too_big = rf"_METADATA\.json.*{MAX_SMALL_FILE_BYTES + 1} bytes"
+    with pytest.raises(fop.CorruptCheckpointError, match=too_big):
+        fop.restore(path)
+
+
+def test_a_metadata_directory_is_an_error_naming_it(tmp_path):
+    path, _ = big_and_small(tmp_path)
+    os.remove(path / "_METADATA.json")
+    os.mkdir(path / "_METADATA.json")
+    with pytest.raises(fop.ForeignEntryError, match=r"_METADATA\.json.*directory"):
+        fop.restore(path)
+
+
+def test_a_symlinked_json_item_is_refused(tmp_path, outside):
+    ckpt = tmp_path / "ckpt"
+    with fop.CheckpointManager(ckpt, async_save=False) as mngr:
+        mngr.save(1, {"params": small_tree()}, extras={"loss": 0.5})
+    extras = ckpt / "1" / "extras"
+    (json_name,) = [n for n in os.listdir(extras) if n.endswith(".json")]
+    (outside / "fake.json").write_text('{"loss": 99.0}')
+    os.remove(extras / json_name)
+    os.symlink(outside / "fake.json", extras / json_name)
+    with pytest.raises(fop.ForeignEntryError, match=json_name):
+        fop.CheckpointManager(ckpt, read_only=True).restore(items="extras")
