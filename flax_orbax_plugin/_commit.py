@@ -6,9 +6,11 @@ Two strategies, chosen by the store:
 
 * **rename** (local filesystems): everything is written under a temporary sibling
   ``<name>.partial-<nonce>/``; the primary writes the marker (manifest) into it, then
-  renames it to ``<name>``. A forced replacement renames the old one to
-  ``<name>.deleting-<nonce>`` first and removes it after; a crash between the two
-  renames leaves a complete ``.partial-`` that the next writer rolls forward.
+  renames it to ``<name>``. A replacement swaps the two directories in one atomic
+  ``renameat2(RENAME_EXCHANGE)`` and then removes the old one, so a reader never
+  finds the step missing; where the filesystem cannot exchange, the old one is
+  renamed away first, and a crash between the two renames leaves a complete
+  ``.partial-`` that the next writer rolls forward.
 * **marker** (object stores, no rename): data is written in place; the marker written
   last by the primary is the commit. A manager step being replaced writes its items
   under fresh directory names, so the old step stays whole until the new manifest
@@ -66,16 +68,22 @@ class Staging:
         _faults.kill_point("after_marker")
         if not self.renames:
             return
-        old = None
-        if self.final.is_dir():
-            if not replace:
-                raise CheckpointError(f"{self.final} was created by someone else meanwhile")
-            old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
-            self.final.rename(old)
+        if not self.final.is_dir():
+            self.location.rename(self.final)
+            return
+        if not replace:
+            raise CheckpointError(f"{self.final} was created by someone else meanwhile")
+        if self.location.exchange(self.final):  # one atomic swap: no window without it
             _faults.kill_point("mid_rename")
-        self.location.rename(self.final)
-        if old is not None:
+            old = self.location.sibling(f"{self.final.name}.deleting-{self.nonce}")
+            self.location.rename(old)  # the old one, now at the staging name
             old.remove()
+            return
+        old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
+        self.final.rename(old)  # no exchange here: a crash now leaves a complete
+        _faults.kill_point("mid_rename")  # .partial- that the next writer rolls forward
+        self.location.rename(self.final)
+        old.remove()
 
     def abort(self) -> None:
         """Primary only: removes what this commit staged (renaming strategy)."""
