@@ -360,6 +360,7 @@ class CheckpointManager:
                     total += result.bytes_written
                     files.update({f"{entries[name].dir}/{f}": h for f, h in result.files.items()})
             staging.location.sync()
+            _faults.kill_point("after_sync")
             return Written(total, files)
 
         def publish(files: dict[str, str]) -> None:

@@ -208,9 +208,16 @@ def core_restore(ctx, directory, step=1, mesh_shape=None, spec=("data",)):
         },
         "opt_state": {"mu": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sharding)},
     }
-    before = ctx.io()
+    import tensorstore as ts
+
+    def ts_read():
+        found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+        return sum(v.get("value", 0) for m in found for v in m["values"])
+
+    before, ts_before = ctx.io(), ts_read()
     state = fop.restore(path, like)
     io = _io_delta(before, ctx.io())
+    io["tensorstore_bytes_read"] = ts_read() - ts_before
     return {"step": step, "rows": rows, **check_state(state, rows, step), "io": io}
 
 
