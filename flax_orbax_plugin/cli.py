@@ -25,10 +25,9 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
 from typing import Any
 
-from . import _layout, _restore, _steps, _tree
+from . import _layout, _restore, _steps
 from ._errors import CheckpointError
 from ._layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
 from ._storage import Location
@@ -351,91 +350,6 @@ _SAFETENSORS_DTYPES = {
     "float8_e4m3fn": "F8_E4M3",
     "float8_e5m2": "F8_E5M2",
 }
-
-
-def _export_dtype(stored: str, cast: str | None) -> str:
-    if cast is not None and _is_float(stored):
-        return cast
-    return stored
-
-
-def _is_float(dtype_name: str) -> bool:
-    return dtype_name.startswith(("float", "bfloat"))
-
-
-def safetensors_header(
-    leaves: Iterable[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
-) -> bytes:
-    """The safetensors header (8-byte length + padded JSON) for (name, dtype, shape) leaves.
-
-    Tensors are laid out back to back in the given order.
-    """
-    dtype_from_name = _layout.dtype_from_name
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for name, dtype, shape in leaves:
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise CliError(f"leaf {name!r}: dtype {dtype} has no safetensors equivalent")
-        size = _numel(shape) * dtype_from_name(dtype, path=name).itemsize
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": [int(s) for s in shape],
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-len(body) % 8)
-    return len(body).to_bytes(8, "little") + body
-
-
-_GROUP_BYTES = 64 << 20  # leaves read per partial restore by export and verify
-
-
-def _leaf_groups(fop, path: str, names: list[str]) -> tuple[list[list[str]], Any]:
-    """Splits ``names`` into groups of at most ~64 MiB and returns (groups, read) where
-    ``read(group) -> {leaf path: numpy array}`` restores one group alone.
-
-    A group is a partial restore whose template holds None leaves (numpy results),
-    so memory stays bounded whatever the tree's size. Trees with list/tuple nodes
-    come back as one group, because a partial template cannot name a single list
-    element.
-    """
-    doc = _restore.read_document(Location.from_path(path))
-    records = {rec.path: rec for rec in doc.leaves}
-    if not all(k[0] in ("dict", "attr") for n in names for k in records[n].keys):
-
-        def read_all(group):
-            flat, _ = _tree.flatten(_restore.restore(path))
-            return {p: v for p, _, v in flat}
-
-        return [list(names)], read_all
-
-    def read(group):
-        like = _tree.rebuild((list(records[n].keys), None) for n in group)
-        flat, _ = _tree.flatten(_restore.restore(path, like, partial=True))
-        return {p: v for p, _, v in flat}
-
-    meta = _restore.metadata(path).leaves
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        if groups[-1] and size + meta[name].nbytes > _GROUP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += meta[name].nbytes
-    return [g for g in groups if g], read
-
-
-def _leaf_values(fop, path: str, names: list[str]) -> Iterator[tuple[str, Any]]:
-    """Yields (leaf path, numpy array) in ``names`` order, a group at a time."""
-    groups, read = _leaf_groups(fop, path, names)
-    for group in groups:
-        values = read(group)
-        for name in group:
-            yield name, values.pop(name)
 
 
 def cmd_export(args) -> int:
