@@ -70,6 +70,7 @@ class Staging:
             return
         if not self.final.is_dir():
             self.location.rename(self.final)
+            self._remove_stale_siblings()
             return
         if not replace:
             raise CheckpointError(f"{self.final} was created by someone else meanwhile")
@@ -78,12 +79,24 @@ class Staging:
             old = self.location.sibling(f"{self.final.name}.deleting-{self.nonce}")
             self.location.rename(old)  # the old one, now at the staging name
             old.remove()
+            self._remove_stale_siblings()
             return
         old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
         self.final.rename(old)  # no exchange here: a crash now leaves a complete
         _faults.kill_point("mid_rename")  # .partial- that the next writer rolls forward
         self.location.rename(self.final)
         old.remove()
+        self._remove_stale_siblings()
+
+    def _remove_stale_siblings(self) -> None:
+        """After a commit: staging left by earlier saves of the same name that died
+        (``<name>.partial-*``, ``<name>.deleting-*``; real directories only, never
+        through a link) are garbage now; nothing else is touched."""
+        parent = self.final.parent
+        prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
+        for name, kind in parent.child_kinds().items():
+            if kind == "dir" and name.startswith(prefixes):
+                parent.child(name).remove()
 
     def abort(self) -> None:
         """Primary only: removes what this commit staged (renaming strategy)."""

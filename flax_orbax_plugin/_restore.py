@@ -426,6 +426,25 @@ def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) ->
     pieces: list[jax.Array] = []
     remaining = [len(by_index)]
     itemsize = target.dtype.itemsize
+    box = _bounding_box(list(by_index), shape)
+    if box is not None:  # this process's regions tile one box: read it once
+        region = store[tuple(slice(lo, hi) for lo, hi in box)]
+
+        def done_box(data):
+            if data.dtype != target.out_dtype:
+                _casting.check(target.record.path, data, target.out_dtype)
+                data = data.astype(target.out_dtype)
+            for key, devices in by_index.items():
+                rel = tuple(
+                    slice(lo - blo, hi - blo)
+                    for (lo, hi), (blo, _) in zip(_bounds(key, shape), box, strict=True)
+                )
+                pieces.extend(jax.device_put(data[rel], device) for device, _ in devices)
+            target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+        nbytes = int(np.prod(region.shape, dtype=np.int64)) * itemsize
+        reader.submit(_ReadInto(region), nbytes, done_box, on_error)
+        return
 
     for devices in by_index.values():
         index = devices[0][1]
@@ -442,6 +461,24 @@ def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) ->
                 target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
         reader.submit(_ReadInto(region), nbytes, done, on_error)
+
+
+def _bounds(key: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    return [(lo or 0, shape[d] if hi is None else hi) for d, (lo, hi) in enumerate(key)]
+
+
+def _bounding_box(keys: list[tuple], shape: tuple[int, ...]) -> list[tuple[int, int]] | None:
+    """The box around several regions when they (nearly) fill it, so one read serves
+    them all (a stored chunk shared by two of them is then read once, not twice)."""
+    if len(keys) < 2 or not shape:
+        return None
+    regions = [_bounds(k, shape) for k in keys]
+    box = [
+        (min(r[d][0] for r in regions), max(r[d][1] for r in regions)) for d in range(len(shape))
+    ]
+    volume = lambda b: int(np.prod([hi - lo for lo, hi in b], dtype=np.int64))  # noqa: E731
+    needed = sum(volume(r) for r in regions)
+    return box if volume(box) <= needed * 1.125 else None
 
 
 def _read_batch(reader, location, batch: BatchRecord, members, fail, errors) -> None:

@@ -626,8 +626,11 @@ def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> in
                 del data
                 drain(limit)
         drain(0)
-    except BaseException:
+    except BaseException as e:
         _settle(pending)  # never leave writes in flight that recreate files
+        if isinstance(e, ValueError):  # tensorstore's status text, with its whole spec
+            text = str(e).split(" [tensorstore_spec=", 1)[0]
+            raise CheckpointError(f"writing array data to {staging} failed: {text}") from e
         raise
     return written
 

@@ -125,15 +125,6 @@ def test_restore_4_processes_onto_2_with_another_mesh(saved, spec, expected):
         assert p.result["sharding"].endswith(expected), p.result["sharding"]
 
 
-OVER_READ = (
-    "finding: a stored chunk that spans several of a process's shards is read once per "
-    "shard unless tensorstore happens to coalesce the concurrent reads "
-    "(_restore._read_shards reads each distinct device region separately); here a "
-    "process then reads up to 1.5x the half it needs"
-)
-
-
-@pytest.mark.xfail(strict=False, raises=AssertionError, reason=OVER_READ)
 def test_restore_onto_fewer_processes_reads_only_the_rows_each_needs(saved):
     """Saved over 8 devices (128-row chunks), restored over 2x2 on 2 processes with
     rows split by process: each process needs half of the rows of w and mu (and all

@@ -410,3 +410,16 @@ def test_batched_leaves_are_aligned_and_padding_is_zero(tmp_path):
         used[rec["storage"]["offset"] : rec["storage"]["offset"] + rec["storage"]["size"]] = True
     assert not batch[~used].any()  # no uninitialised memory reaches the disk
     assert batch[used].all()
+
+
+def test_a_commit_removes_stale_staging_of_the_same_name_only(tmp_path):
+    """A killed fop.save leaves <path>.partial-*; the next commit of that path removes it
+    (a real directory of that exact name pattern), and never a link or other names."""
+    (tmp_path / "c.partial-dead01" / "d").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "keep.txt").write_text("x")
+    os.symlink(tmp_path / "outside", tmp_path / "c.partial-link01")
+    (tmp_path / "cc.partial-other").mkdir()
+    fop.save(tmp_path / "c", {"a": np.ones(3)})
+    assert sorted(os.listdir(tmp_path)) == ["c", "c.partial-link01", "cc.partial-other", "outside"]
+    assert (tmp_path / "outside" / "keep.txt").read_text() == "x"
