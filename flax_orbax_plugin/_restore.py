@@ -32,7 +32,18 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import _arrays, _casting, _distributed, _host, _layout, _metadata, _save, _steps, _tree
+from . import (
+    _arrays,
+    _casting,
+    _distributed,
+    _host,
+    _layout,
+    _metadata,
+    _onto_like,
+    _save,
+    _steps,
+    _tree,
+)
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -162,15 +173,7 @@ def _make_target(index: int, record: LeafRecord, like: Any) -> _Target:
     if like is None:
         target.out_dtype = target.dtype
         return target
-    if isinstance(like, (bool, int, float, complex)):
-        like_shape, like_dtype = (), np.asarray(like).dtype
-    elif isinstance(like, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-        like_shape, like_dtype = tuple(like.shape), like.dtype
-    else:
-        raise StructureError(
-            f"leaf {path!r}: expected like to hold an array, ShapeDtypeStruct, scalar or None, "
-            f"found {type(like).__name__}"
-        )
+    like_shape, like_dtype = _onto_like.template_of(path, like)
     if jax.dtypes.issubdtype(like_dtype, jax.dtypes.prng_key):
         raise StructureError(
             f"leaf {path!r}: expected a PRNG key array (from like), "
