@@ -102,6 +102,7 @@ def test_frozen_base_is_linked_and_only_the_adapter_is_written(tmp_path):
     with fop.CheckpointManager(d, read_only=True) as mngr:
         for step, want in zip((1, 2, 3), states, strict=True):
             _assert_equal(want, mngr.restore(step=step))
+    _assert_equal(states[2]["params"], fop.restore_params(d, states[2]["params"]))
     assert all(r.ok for r in fop.verify(d, all_steps=True))
 
 
@@ -300,3 +301,50 @@ def test_digest_field_is_validated():
             _layout.LeafRecord.from_json(dict(raw, digest=bad), "m.json", 0)
     del raw["digest"]
     assert _layout.LeafRecord.from_json(raw, "m.json", 0).digest is None
+
+
+KILLED_CHILD = """
+import sys
+import numpy as np
+import flax_orbax_plugin as fop
+from flax_orbax_plugin import _arrays
+_arrays.CHUNK_TARGET_BYTES = 1 << 20
+sys.path.insert(0, sys.argv[2])
+from test_incremental import _state
+with fop.CheckpointManager(sys.argv[1], incremental=True, keep=int(sys.argv[3]) or None) as m:
+    m.save(2, _state(2.0))
+    m.wait()
+"""
+
+
+@pytest.mark.parametrize("phase", ["mid_write", "after_marker", "mid_retention"])
+def test_a_kill_during_an_incremental_step_leaves_the_earlier_one_whole(tmp_path, phase):
+    """Killed after the links (mid_write: the first chunk write follows them), after the
+    commit marker, or while retention deletes step 1: the next writer restores a whole
+    step and nothing partial is listed."""
+    import subprocess
+    import sys
+
+    d = str(tmp_path)
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        _save(mngr, 1, _state(1.0))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", FOP_KILL_AT=phase)
+    keep = "1" if phase == "mid_retention" else "0"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_CHILD, d, os.path.dirname(__file__), keep],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        steps = mngr.steps()
+        assert steps == {"mid_write": [1], "after_marker": [1, 2], "mid_retention": [2]}[phase]
+        assert sorted(os.listdir(d)) == sorted([".writer.lock", *map(str, steps)])
+        for s in steps:
+            _assert_equal(_state(float(s)), mngr.restore(step=s))
+        r = _save(mngr, 3, _state(3.0))
+        assert r.bytes_reused == W1 + W2
+    assert all(r.ok for r in fop.verify(d, all_steps=True))
