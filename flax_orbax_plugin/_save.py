@@ -25,6 +25,7 @@ Only one :func:`save_async` runs at a time in a process; a second one waits for 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -661,30 +662,46 @@ def _write_data(
         except BaseException:
             _settle((f, 0) for f in creates)  # none may recreate files after a cleanup
             raise
-    for leaf, _ in arrays:  # after the zarr.json files exist: links go beside them
-        if leaf.index in links and leaf.writes:
-            nbytes = links[leaf.index]()
-            if nbytes is not None:
-                reused += nbytes
-                leaf.writes.clear()  # drop the snapshot: the previous step has its bytes
-    jobs = [(spec, leaf.writes) for leaf, spec in arrays if leaf.writes]
+    # Links (after the zarr.json files exist: they go beside them) run on a helper
+    # thread while the changed leaves are written; a leaf whose link fails is written
+    # after them.
+    linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
+    linker = None
+    if linking:
+        linker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fop-link")
+        linked = linker.submit(lambda: [links[leaf.index]() for leaf, _ in linking])
+    skip = {leaf.index for leaf, _ in linking}
+    jobs = [(spec, leaf.writes) for leaf, spec in arrays if leaf.writes and leaf.index not in skip]
     for name, spec in batches:
         if name in plan.batch_buffers:
             jobs.append((spec, [((slice(None),), plan.batch_buffers.pop(name))]))
     try:
-        for spec, writes in jobs:
-            store = _arrays.open_for_write(spec)
-            while writes:
-                index, data = writes.pop()
-                if data.size:
-                    future = store[index].write(data, can_reference_source_data_indefinitely=True)
-                    pending.append((future.commit, data.nbytes))
-                    in_flight += data.nbytes
-                    written += data.nbytes
-                    if written == data.nbytes:
-                        _faults.kill_point("mid_write")
-                del data
-                drain(limit)
+        for round_ in range(2):
+            if round_ == 1:  # the leaves whose links failed
+                if linker is None:
+                    break
+                jobs = []
+                for (leaf, spec), nbytes in zip(linking, linked.result(), strict=True):
+                    if nbytes is None:
+                        jobs.append((spec, leaf.writes))
+                    else:
+                        reused += nbytes
+                        leaf.writes.clear()  # drop the snapshot: the previous step has it
+            for spec, writes in jobs:
+                store = _arrays.open_for_write(spec)
+                while writes:
+                    index, data = writes.pop()
+                    if data.size:
+                        future = store[index].write(
+                            data, can_reference_source_data_indefinitely=True
+                        )
+                        pending.append((future.commit, data.nbytes))
+                        in_flight += data.nbytes
+                        written += data.nbytes
+                        if written == data.nbytes:
+                            _faults.kill_point("mid_write")
+                    del data
+                    drain(limit)
         drain(0)
     except BaseException as e:
         _settle(pending)  # never leave writes in flight that recreate files
@@ -692,6 +709,9 @@ def _write_data(
             text = str(e).split(" [tensorstore_spec=", 1)[0]
             raise CheckpointError(f"writing array data to {staging} failed: {text}") from e
         raise
+    finally:
+        if linker is not None:
+            linker.shutdown(wait=True)  # no link is made after a failure's cleanup
     return written, reused
 
 
