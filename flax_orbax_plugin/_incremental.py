@@ -54,6 +54,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 DIGEST_ALGORITHM = "xxh3_128"
 _CRC32C_RESIDUE = 0x48674BC7  # crc32c of any message followed by its own crc32c (LE)
 _CRC_BYTES = 4
+_READ_BLOCK = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,9 +236,12 @@ def _check_linked(dfd: int, name: str, shown: str, size: int) -> None:
             raise _Refused(f"{shown}: expected a regular file")
         if st.st_size != size:
             raise _Refused(f"{shown}: expected {size} bytes (one chunk), found {st.st_size}")
+        crc, seen = 0, 0
         with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(size + 1)
-        if len(data) != size or google_crc32c.value(data) != _CRC32C_RESIDUE:
+            while block := f.read(_READ_BLOCK):  # streamed: a chunk may be large
+                crc = google_crc32c.extend(crc, block)
+                seen += len(block)
+        if seen != size or crc != _CRC32C_RESIDUE:
             raise _Refused(f"{shown}: its crc32c does not match its bytes (damaged or changed)")
     finally:
         os.close(fd)
