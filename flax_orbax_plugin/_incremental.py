@@ -26,8 +26,17 @@ linked file shares its inode with the earlier step, so damage done to it in plac
 after the link shows in every step that links it (restore and ``verify`` still detect
 it through the chunk's crc32c, but the earlier step is then no independent copy of that
 leaf); a deliberate edit that also rewrites the crc32c trailer before the link is not
-detected (the digest covers the snapshot, not the previous file). Object stores and
-several processes: not reused (every step is written in full).
+detected (the digest covers the snapshot, not the previous file).
+
+Not reused (every step written in full): several processes (a leaf's digest would
+need every writer's bytes, or one digest per writer exchanged before the metadata is
+written; each process would then link the chunk files it owns) and object stores,
+which have no hard links. There the design is either a server-side copy of each
+unchanged chunk object (S3 CopyObject, GCS rewrite: no bytes through the host, each
+step still self-contained) or references: the new step's metadata names the earlier
+step's item for an unchanged leaf, and retention deletes an item's data only when no
+kept step references it (reference-aware retention, so deleting a step is no longer a
+plain prefix delete).
 """
 
 from __future__ import annotations
@@ -245,10 +254,3 @@ def _check_linked(dfd: int, name: str, shown: str, size: int) -> None:
             raise _Refused(f"{shown}: its crc32c does not match its bytes (damaged or changed)")
     finally:
         os.close(fd)
-
-
-def with_digests(records: list[LeafRecord], digests: dict[int, str]) -> list[LeafRecord]:
-    return [
-        dataclasses.replace(r, digest=digests[i]) if i in digests else r
-        for i, r in enumerate(records)
-    ]
