@@ -73,7 +73,7 @@ class SaveResult:
     ``blocking_seconds``: how long the caller waited; ``total_seconds``: from the start
     of the save until it committed; ``bytes_written``: array bytes this process wrote;
     ``bytes_reused``: array bytes of unchanged leaves hard-linked from the previous step
-    instead of written (incremental manager steps; counted in neither figure twice).
+    instead of written (incremental manager steps; not part of ``bytes_written``).
     """
 
     path: str
