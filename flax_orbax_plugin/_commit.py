@@ -106,10 +106,12 @@ class Staging:
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """What one process wrote: array bytes and ``{relative JSON file: sha256}``."""
+    """What one process wrote: array bytes and ``{relative JSON file: sha256}``; plus the
+    array bytes it hard-linked from the previous step instead (incremental steps)."""
 
     bytes_written: int = 0
     files: dict[str, str] = dataclasses.field(default_factory=dict)
+    bytes_reused: int = 0
 
 
 def commit_collectively(
