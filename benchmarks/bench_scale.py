@@ -97,7 +97,7 @@ def _build(like):
     return jax.tree.unflatten(treedef, [make(x, i) for i, x in enumerate(leaves)])
 
 
-def worker(ctx, target, rows, drop, replicated=False):
+def worker(ctx, target, rows, drop, replicated=False, share=False):
     """Runs in every process: one save then one restore, timed between barriers."""
     import jax
     from _multiprocess import read_proc_io
@@ -125,7 +125,8 @@ def worker(ctx, target, rows, drop, replicated=False):
         _drop_caches()
     barrier("restore0")
     t0 = time.perf_counter()
-    back = fop.restore(target, like)
+    kw = {"share_replicated_reads": True} if share else {}
+    back = fop.restore(target, like, **kw)
     jax.block_until_ready(back)
     barrier("restore1")
     restore_s = time.perf_counter() - t0
@@ -178,6 +179,11 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", default="1,2,4")
     ap.add_argument("--replicated", action="store_true", help="every leaf on every device")
     ap.add_argument("--tag", default="", help="results go to scale-TAG.{json,md}")
+    ap.add_argument(
+        "--share-reads",
+        action="store_true",
+        help="restore with share_replicated_reads (each process reads 1/P, all-gather)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.mib, args.repeats = 64, 1
@@ -217,6 +223,7 @@ def main(argv=None) -> int:
                             "rows": rows,
                             "drop": drop,
                             "replicated": args.replicated,
+                            "share": args.share_reads,
                         },
                         env={**env, "PYTHONPATH": HERE},
                         timeout_s=900,
@@ -254,6 +261,7 @@ def main(argv=None) -> int:
         "config": {
             "mib": args.mib,
             "replicated": args.replicated,
+            "share_reads": args.share_reads,
             "bytes": nbytes,
             "repeats": args.repeats,
             "global_devices": DEVICES,

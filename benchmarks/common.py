@@ -89,10 +89,26 @@ def _small_params(n=2000, groups=20):
     return shapes
 
 
+# FOP_BENCH_SIZE=tiny (the drivers' --tiny) shrinks every workload to a few MiB, to
+# check that the scripts run end to end; its figures mean nothing.
+SIZE_ENV = "FOP_BENCH_SIZE"
+
+
+def tiny() -> bool:
+    return os.environ.get(SIZE_ENV) == "tiny"
+
+
 def tree_specs(workload: str) -> list[LeafSpec]:
     """Leaves of a workload: params, then opt_state mu/nu, then the Adam count."""
     wid = {"a": 1, "b": 2, "c": 1}[workload]  # (c) holds the same values as (a)
-    shapes = _transformer_params() if workload in ("a", "c") else _small_params()
+    if tiny():
+        shapes = (
+            _transformer_params(d=128, layers=2, vocab=512, ff=256)
+            if workload in ("a", "c")
+            else _small_params(n=200, groups=4)
+        )
+    else:
+        shapes = _transformer_params() if workload in ("a", "c") else _small_params()
     out = []
     for role_id, prefix in enumerate((("params",), ("opt_state", "mu"), ("opt_state", "nu"))):
         for idx, (p, shape) in enumerate(shapes):
@@ -176,6 +192,36 @@ def build_like(specs: list[LeafSpec], layout: str) -> dict:
         )
         for s in specs
     )
+
+
+def check_result(tree: Any, specs: list[LeafSpec], target: str) -> list[str]:
+    """Problems with a restored tree's structure, leaf types, shapes, dtypes and
+    placement (values are not compared; see :func:`verify`). Cheap: run on every
+    repeat. ``target``: 'numpy' (host numpy arrays), 'single' or a mesh layout."""
+    import jax
+
+    problems = []
+    for s in specs:
+        try:
+            x = get_path(tree, s.path)
+        except (KeyError, TypeError):
+            problems.append(f"{flat_key(s.path)}: missing")
+            continue
+        where = flat_key(s.path)
+        if target == "numpy":
+            if not isinstance(x, np.ndarray | np.generic):
+                problems.append(f"{where}: expected a numpy array, found {type(x).__name__}")
+                continue
+        elif not isinstance(x, jax.Array):
+            problems.append(f"{where}: expected a jax.Array, found {type(x).__name__}")
+            continue
+        if tuple(x.shape) != tuple(s.shape) or np.dtype(x.dtype) != np.dtype(s.dtype):
+            problems.append(f"{where}: {x.shape} {x.dtype}, expected {s.shape} {s.dtype}")
+        if target != "numpy":
+            want = mesh_sharding(s, target)
+            if not x.sharding.is_equivalent_to(want, len(s.shape)):
+                problems.append(f"{where}: sharding {x.sharding}, expected {want}")
+    return problems
 
 
 def verify(tree: dict, specs: list[LeafSpec]) -> None:
@@ -279,7 +325,7 @@ def median(xs: list[float]) -> float | None:
 
 
 def raw_write(path: str, arrays: Iterable[np.ndarray]) -> int:
-    """The same bytes, one file, one fsync. Returns bytes written."""
+    """The same bytes, one file, one sequential stream, one fsync. Returns bytes written."""
     n = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -293,6 +339,71 @@ def raw_write(path: str, arrays: Iterable[np.ndarray]) -> int:
     finally:
         os.close(fd)
     return n
+
+
+RAW_BLOCK = 8 << 20  # bytes per parallel raw read or write call
+
+
+def _blocks(nbytes: int, block: int = RAW_BLOCK) -> list[tuple[int, int]]:
+    return [(off, min(block, nbytes - off)) for off in range(0, nbytes, block)]
+
+
+def raw_write_parallel(path: str, arrays: Iterable[np.ndarray], streams: int) -> int:
+    """The same bytes to one file by ``streams`` threads of ``os.pwrite`` (each block
+    at its offset), then one fsync: the disk's write limit when many requests are in
+    flight, as a checkpoint library keeps them. Returns bytes written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    views, offset = [], 0
+    for a in arrays:
+        mv = memoryview(np.ascontiguousarray(a)).cast("B")
+        for off, size in _blocks(len(mv)):
+            views.append((offset + off, mv[off : off + size]))
+        offset += len(mv)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, offset)
+
+        def put(job):
+            at, mv = job
+            while mv:
+                k = os.pwrite(fd, mv, at)
+                at, mv = at + k, mv[k:]
+
+        with ThreadPoolExecutor(streams) as pool:
+            list(pool.map(put, views))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return offset
+
+
+def raw_read_parallel(path: str, streams: int, nbytes: int | None = None) -> np.ndarray:
+    """Read nbytes (default: the whole file) into one fresh buffer with ``streams``
+    threads of ``os.preadv``, each filling its own blocks of the buffer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if nbytes is None:
+        nbytes = os.path.getsize(path)
+    out = np.empty(nbytes, np.uint8)
+    mv = memoryview(out)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def get(job):
+            at, size = job
+            got = 0
+            while got < size:
+                k = os.preadv(fd, [mv[at + got : at + size]], at + got)
+                if not k:
+                    raise EOFError(path)
+                got += k
+
+        with ThreadPoolExecutor(streams) as pool:
+            list(pool.map(get, _blocks(nbytes)))
+    finally:
+        os.close(fd)
+    return out
 
 
 def raw_read(path: str, nbytes: int | None = None, offset: int = 0) -> np.ndarray:

@@ -3,8 +3,9 @@
 Run by ``benchmarks/gpu_check.sh`` on the device machine (see its header). One
 process; for each library, interleaved, ``--repeats`` times: an async save of the
 ~1.2 GB training state living on the GPU (blocking = until save_async returns, i.e.
-the device-to-host copy; total = until durable; orbax's directory is fsynced by
-the harness and counted, as in bench_peers.py), then a restore onto the GPU after
+the device-to-host copy; total = until durable, then one fsync pass over the
+checkpoint for every library alike, counted, as in bench_peers.py), then a restore
+onto the GPU (each result's leaf types and shardings checked on every repeat) after
 dropping the page cache (when the kernel lets us; recorded). Also the references: one
 device-to-host copy of the tree (jax.device_get) and the raw write/read of its bytes.
 Prints one ``GPU_CHECK {json}`` line and writes the same JSON to ``--out``.
@@ -126,8 +127,7 @@ def main(argv=None):
                 w = ad.save_async(path, tree)
                 t1 = time.perf_counter()
                 w.wait()
-                if ad.harness_fsync:
-                    C.fsync_tree(path)
+                C.fsync_tree(path)  # one fsync pass for every library alike, counted
                 t2 = time.perf_counter()
                 samples[lib]["blocking_s"].append(t1 - t0)
                 samples[lib]["save_s"].append(t2 - t0)
@@ -136,6 +136,15 @@ def main(argv=None):
                 out = ad.restore(path, like)
                 jax.block_until_ready(out)
                 samples[lib]["restore_s"].append(time.perf_counter() - t0)
+                # every repeat: each leaf a jax.Array of the saved shape, dtype, sharding
+                placed = all(
+                    isinstance(x, jax.Array)
+                    and x.shape == y.shape
+                    and x.dtype == y.dtype
+                    and x.sharding == y.sharding
+                    for x, y in zip(jax.tree_util.tree_leaves(out), leaves, strict=True)
+                )
+                res.setdefault(f"{lib}_checks_passed", []).append(placed)
                 if rep == 0:
                     ok = all(
                         bool(jax.numpy.array_equal(x, y)) and x.sharding == y.sharding

@@ -173,10 +173,13 @@ class PytreeCheckpointable:
 
     kind = "pytree"
 
-    def save(self, directory: Location, value: Any) -> Pending:
+    def save(self, directory: Location, value: Any, *, reuse: Any = None) -> Pending:
+        """``reuse``: an ``_incremental.Reuse`` from a manager with ``incremental=True``."""
         snap = _save.snapshot(value)
         limit = _save.DEFAULT_MEMORY_LIMIT_BYTES
-        return _Done(lambda: snap.write(directory, limit=limit, durable=False), snap.digest)
+        return _Done(
+            lambda: snap.write(directory, limit=limit, durable=False, reuse=reuse), snap.digest
+        )
 
     def restore(self, directory: Location, like: Any) -> Any:
         return _restore.restore(directory, like)

@@ -6,9 +6,11 @@ Two strategies, chosen by the store:
 
 * **rename** (local filesystems): everything is written under a temporary sibling
   ``<name>.partial-<nonce>/``; the primary writes the marker (manifest) into it, then
-  renames it to ``<name>``. A forced replacement renames the old one to
-  ``<name>.deleting-<nonce>`` first and removes it after; a crash between the two
-  renames leaves a complete ``.partial-`` that the next writer rolls forward.
+  renames it to ``<name>``. A replacement swaps the two directories in one atomic
+  ``renameat2(RENAME_EXCHANGE)`` and then removes the old one, so a reader never
+  finds the step missing; where the filesystem cannot exchange, the old one is
+  renamed away first, and a crash between the two renames leaves a complete
+  ``.partial-`` that the next writer rolls forward.
 * **marker** (object stores, no rename): data is written in place; the marker written
   last by the primary is the commit. A manager step being replaced writes its items
   under fresh directory names, so the old step stays whole until the new manifest
@@ -66,16 +68,35 @@ class Staging:
         _faults.kill_point("after_marker")
         if not self.renames:
             return
-        old = None
-        if self.final.is_dir():
-            if not replace:
-                raise CheckpointError(f"{self.final} was created by someone else meanwhile")
-            old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
-            self.final.rename(old)
+        if not self.final.is_dir():
+            self.location.rename(self.final)
+            self._remove_stale_siblings()
+            return
+        if not replace:
+            raise CheckpointError(f"{self.final} was created by someone else meanwhile")
+        if self.location.exchange(self.final):  # one atomic swap: no window without it
             _faults.kill_point("mid_rename")
-        self.location.rename(self.final)
-        if old is not None:
+            old = self.location.sibling(f"{self.final.name}.deleting-{self.nonce}")
+            self.location.rename(old)  # the old one, now at the staging name
             old.remove()
+            self._remove_stale_siblings()
+            return
+        old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
+        self.final.rename(old)  # no exchange here: a crash now leaves a complete
+        _faults.kill_point("mid_rename")  # .partial- that the next writer rolls forward
+        self.location.rename(self.final)
+        old.remove()
+        self._remove_stale_siblings()
+
+    def _remove_stale_siblings(self) -> None:
+        """After a commit: staging left by earlier saves of the same name that died
+        (``<name>.partial-*``, ``<name>.deleting-*``; real directories only, never
+        through a link) are garbage now; nothing else is touched."""
+        parent = self.final.parent
+        prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
+        for name, kind in parent.child_kinds().items():
+            if kind == "dir" and name.startswith(prefixes):
+                parent.child(name).remove()
 
     def abort(self) -> None:
         """Primary only: removes what this commit staged (renaming strategy)."""
@@ -85,10 +106,12 @@ class Staging:
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """What one process wrote: array bytes and ``{relative JSON file: sha256}``."""
+    """What one process wrote: array bytes and ``{relative JSON file: sha256}``; plus the
+    array bytes it hard-linked from the previous step instead (incremental steps)."""
 
     bytes_written: int = 0
     files: dict[str, str] = dataclasses.field(default_factory=dict)
+    bytes_reused: int = 0
 
 
 def commit_collectively(

@@ -66,6 +66,8 @@ KEY_KINDS = frozenset({"dict", "seq", "attr", "flat"})
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", re.ASCII)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$", re.ASCII)
+# A leaf's optional content digest: "<algorithm>:<hex>" (this version writes xxh3_128).
+_LEAF_DIGEST = re.compile(r"^[a-z0-9_]{1,32}:[0-9a-f]{16,128}$", re.ASCII)
 
 
 # -- dtypes -----------------------------------------------------------------------------
@@ -240,6 +242,8 @@ class LeafRecord:
     sharding: dict[str, Any] | None = None
     storage: ArrayStorage | BatchStorage | None = None
     impl: str | None = None  # PRNG key implementation (kind "prng_key")
+    # "xxh3_128:<hex>" of the leaf's bytes (optional; incremental manager steps)
+    digest: str | None = None
 
     @property
     def size(self) -> int:
@@ -266,6 +270,8 @@ class LeafRecord:
         elif isinstance(self.storage, BatchStorage):
             s = self.storage
             out["storage"] = {"type": "batch", "batch": s.batch, "offset": s.offset, "size": s.size}
+        if self.digest is not None:
+            out["digest"] = self.digest
         return out
 
     @classmethod
@@ -352,7 +358,15 @@ class LeafRecord:
                 size,
             )
             storage = BatchStorage(batch, offset, size)
-        return cls(path, keys, kind, shape, dtype, sharding, storage, impl)
+        digest = obj.get("digest")
+        _need(
+            digest is None or (isinstance(digest, str) and bool(_LEAF_DIGEST.match(digest))),
+            where,
+            f"{at}.digest",
+            "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex digits)",
+            digest,
+        )
+        return cls(path, keys, kind, shape, dtype, sharding, storage, impl, digest)
 
 
 def _keys(keys: Any, where: str, field: str) -> tuple[tuple[str, Any], ...]:

@@ -46,7 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from . import _commit, _distributed, _faults, _layout, _steps
-from ._checkpointables import Checkpointable, Pending, checkpointable_for
+from ._checkpointables import Checkpointable, Pending, PytreeCheckpointable, checkpointable_for
 from ._commit import Staging, Written
 from ._errors import (
     CheckpointError,
@@ -56,6 +56,7 @@ from ._errors import (
     StructureError,
     UnknownItemError,
 )
+from ._incremental import Reuse
 from ._layout import MANIFEST_FILE, ItemEntry, StepManifest
 from ._lock import DirectoryLock
 from ._policy import SavePolicy
@@ -97,6 +98,8 @@ class CheckpointManager:
         the policy, waits for it, closes the manager and raises SystemExit(143).
         Install from the main thread.
       checkpointables: overrides of the checkpointable used per item name.
+      incremental: a pytree leaf unchanged since the previous committed step is
+        hard-linked from it, not written (local disk, one process; see _incremental).
       clock: time source for ``every_seconds`` (tests pass one in).
       persistent: a second, persistent tier (``s3://``, ``gs://``, a shared
         filesystem path) to which every step committed in ``directory`` (then a
@@ -130,6 +133,7 @@ class CheckpointManager:
         handle_sigterm: bool = False,
         checkpointables: Mapping[str, Checkpointable] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        incremental: bool = False,
         persistent: Any = None,
         persistent_keep: int | None = None,
         persistent_keep_every: int | None = None,
@@ -148,6 +152,7 @@ class CheckpointManager:
         self._async = async_save
         self._read_only = read_only
         self._overrides = dict(checkpointables or {})
+        self._incremental = incremental
         self._lock = threading.Lock()  # guards the fields below
         self._reading: collections.Counter[int] = collections.Counter()
         self._deleting: set[int] = set()
@@ -364,9 +369,17 @@ class CheckpointManager:
         dirs = {n: n if staging.renames or not replace else f"{n}.{staging.nonce}" for n in items}
         handlers = {name: checkpointable_for(name, self._overrides) for name in items}
         pendings: dict[str, Pending] = {}
+        prev = (
+            max((s for s in self.steps() if s < step), default=None) if self._incremental else None
+        )
+        prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
         try:
             for name, value in items.items():
-                pendings[name] = handlers[name].save(staging.location.child(dirs[name]), value)
+                kw = {}  # incremental: the same item of the previous step, to reuse from
+                if self._incremental and isinstance(handlers[name], PytreeCheckpointable):
+                    kw = {"reuse": Reuse(prev_loc, name)}
+                target = staging.location.child(dirs[name])
+                pendings[name] = handlers[name].save(target, value, **kw)
         except BaseException:
             _wait_all(pendings.values())
             if staging.renames:
@@ -385,7 +398,12 @@ class CheckpointManager:
         def background() -> SaveResult:
             written = self._commit(op, step, staging, pendings, entries, digest)
             result = SaveResult(
-                str(final), blocking, time.perf_counter() - started, written.bytes_written, step
+                str(final),
+                blocking,
+                time.perf_counter() - started,
+                written.bytes_written,
+                step,
+                written.bytes_reused,
             )
             self._after_commit(step, result, metric)
             return result
@@ -396,14 +414,16 @@ class CheckpointManager:
         """Background thread: every item written and durable, then the one commit."""
 
         def write() -> Written:
-            total, files = 0, {}
+            total, files, reused = 0, {}, 0
             results = _wait_all(pendings.values(), raise_first=True)
             for name, result in zip(pendings, results, strict=True):
                 if isinstance(result, Written):
                     total += result.bytes_written
+                    reused += result.bytes_reused
                     files.update({f"{entries[name].dir}/{f}": h for f, h in result.files.items()})
             staging.location.sync()
-            return Written(total, files)
+            _faults.kill_point("after_sync")
+            return Written(total, files, reused)
 
         def publish(files: dict[str, str]) -> None:
             manifest = StepManifest(

@@ -110,6 +110,19 @@ class LeafPlan:
         return out
 
 
+def template_of(path: str, like: Any) -> tuple[tuple[int, ...], Any]:
+    """(shape, dtype) a leaf of ``like`` asks for: an array, a ShapeDtypeStruct or a
+    scalar; StructureError naming the leaf for anything else."""
+    if isinstance(like, (bool, int, float, complex)):
+        return (), np.asarray(like).dtype
+    if isinstance(like, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+        return tuple(like.shape), like.dtype
+    raise StructureError(
+        f"leaf {path!r}: expected like to hold an array, ShapeDtypeStruct, scalar or None, "
+        f"found {type(like).__name__}"
+    )
+
+
 def plan(
     path: str,
     shape: tuple[int, ...],
@@ -127,15 +140,7 @@ def plan(
     shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
     if like is None:
         return LeafPlan(path, shape, dtype, dtype, None, python_scalar)
-    if isinstance(like, (bool, int, float, complex)):
-        like_shape, like_dtype = (), np.asarray(like).dtype
-    elif isinstance(like, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-        like_shape, like_dtype = tuple(like.shape), like.dtype
-    else:
-        raise StructureError(
-            f"leaf {path!r}: expected like to hold an array, ShapeDtypeStruct, scalar or None, "
-            f"found {type(like).__name__}"
-        )
+    like_shape, like_dtype = template_of(path, like)
     if jax.dtypes.issubdtype(like_dtype, jax.dtypes.prng_key):
         impl = getattr(like_dtype, "_impl", None)
         key_shape = like_shape + tuple(getattr(impl, "key_shape", ()))

@@ -43,6 +43,7 @@ import tensorstore as ts
 
 from . import _onto_like, _tree
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureError
+from ._serving import retarget
 from ._storage import Location, context
 
 __all__ = [
@@ -525,7 +526,7 @@ def restore_orbax_params(
         reader = _ItemReader(item)
         like = _tree.rebuild((list(leaf.keys), _abstract(reader, leaf)) for leaf in item.leaves)
     if dtype is not None or sharding is not None:
-        like = _retarget(like, dtype, sharding)
+        like = retarget(like, dtype, sharding)
     return _restore_item(item, like, False, dtype is not None)
 
 
@@ -534,25 +535,6 @@ def _abstract(reader: _ItemReader, leaf: OrbaxLeaf) -> Any:
         return reader.read(leaf, None)
     store = reader.open(leaf)
     return jax.ShapeDtypeStruct(tuple(store.shape), store.dtype.numpy_dtype)
-
-
-def _retarget(like: Any, dtype: Any, sharding: Any) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten(like)
-    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
-        shardings = [sharding] * len(leaves)
-    else:
-        shardings = treedef.flatten_up_to(sharding)
-    out = []
-    for leaf, sh in zip(leaves, shardings, strict=True):
-        if not hasattr(leaf, "shape"):
-            out.append(leaf)
-            continue
-        dt = leaf.dtype
-        if dtype is not None and jax.numpy.issubdtype(dt, jax.numpy.floating):
-            dt = dtype
-        sh = sh if sh is not None else getattr(leaf, "sharding", None)
-        out.append(jax.ShapeDtypeStruct(leaf.shape, dt, sharding=sh))
-    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 # -- import into a step of this plugin ------------------------------------------------------

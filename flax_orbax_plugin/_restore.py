@@ -21,8 +21,10 @@ thread; the host-memory budget bounds the bytes of reads in flight.
 from __future__ import annotations
 
 import collections
+import contextvars
 import dataclasses
 import fnmatch
+import functools
 import os
 from typing import Any
 
@@ -30,7 +32,18 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import _arrays, _casting, _host, _layout, _metadata, _save, _steps, _tree
+from . import (
+    _arrays,
+    _casting,
+    _distributed,
+    _host,
+    _layout,
+    _metadata,
+    _onto_like,
+    _save,
+    _steps,
+    _tree,
+)
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -160,15 +173,7 @@ def _make_target(index: int, record: LeafRecord, like: Any) -> _Target:
     if like is None:
         target.out_dtype = target.dtype
         return target
-    if isinstance(like, (bool, int, float, complex)):
-        like_shape, like_dtype = (), np.asarray(like).dtype
-    elif isinstance(like, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-        like_shape, like_dtype = tuple(like.shape), like.dtype
-    else:
-        raise StructureError(
-            f"leaf {path!r}: expected like to hold an array, ShapeDtypeStruct, scalar or None, "
-            f"found {type(like).__name__}"
-        )
+    like_shape, like_dtype = _onto_like.template_of(path, like)
     if jax.dtypes.issubdtype(like_dtype, jax.dtypes.prng_key):
         raise StructureError(
             f"leaf {path!r}: expected a PRNG key array (from like), "
@@ -376,6 +381,7 @@ def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: li
     reader = _Reader(limit)
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[_Target]] = collections.defaultdict(list)
+    shared: list[tuple[_Target, Any]] = []  # (target, its replicated sharding)
 
     def fail(paths):
         return lambda e: errors.append(_corrupt(paths, location, e))
@@ -391,7 +397,11 @@ def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: li
         store = _open(spec, location, [record.path])
         nbytes = record.nbytes
         sharding = _sharding_of(target)
-        if sharding is None or sharding.is_fully_replicated or nbytes == 0:
+        rows = _shared_read_sharding(sharding, record.shape) if _SHARE_READS.get() else None
+        if rows is not None:  # each process reads 1/P; an all-gather replicates it
+            shared.append((target, sharding))
+            _read_shards(reader, store, target, rows, fail([record.path]))
+        elif sharding is None or sharding.is_fully_replicated or nbytes == 0:
 
             def done(data, target=target):
                 _finish(target, data, reader.placer)
@@ -405,6 +415,35 @@ def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: li
     reader.placer.flush()
     if errors:
         raise _deleted_or(location, errors[0])
+    for target, sharding in shared:  # collective, in the same order on every process
+        target.result = _replicate(sharding)(target.result)
+
+
+_SHARE_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("share_reads", default=False)
+
+
+def _shared_read_sharding(sharding: Any, shape: tuple[int, ...]) -> Any:
+    """For a leaf replicated over several processes: the sharding that splits its rows
+    over every device (each process then reads only its devices' rows), or None where
+    that does not apply (one process, not replicated, rows not divisible)."""
+    if (
+        _distributed.process_count() == 1
+        or not isinstance(sharding, jax.sharding.NamedSharding)
+        or not sharding.is_fully_replicated
+        or not shape
+        or shape[0] % sharding.mesh.size
+    ):
+        return None
+    return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(tuple(sharding.mesh.axis_names))
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _replicate(sharding: Any):
+    """An all-gather onto ``sharding`` (jax's collectives: the interconnect, or gloo on
+    CPU), as one jitted identity."""
+    return jax.jit(lambda x: x, out_shardings=sharding)
 
 
 def _open(spec: dict[str, Any], location: Location, paths: list[str]):
@@ -426,6 +465,25 @@ def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) ->
     pieces: list[jax.Array] = []
     remaining = [len(by_index)]
     itemsize = target.dtype.itemsize
+    box = _bounding_box(list(by_index), shape)
+    if box is not None:  # this process's regions tile one box: read it once
+        region = store[tuple(slice(lo, hi) for lo, hi in box)]
+
+        def done_box(data):
+            if data.dtype != target.out_dtype:
+                _casting.check(target.record.path, data, target.out_dtype)
+                data = data.astype(target.out_dtype)
+            for key, devices in by_index.items():
+                rel = tuple(
+                    slice(lo - blo, hi - blo)
+                    for (lo, hi), (blo, _) in zip(_bounds(key, shape), box, strict=True)
+                )
+                pieces.extend(jax.device_put(data[rel], device) for device, _ in devices)
+            target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+        nbytes = int(np.prod(region.shape, dtype=np.int64)) * itemsize
+        reader.submit(_ReadInto(region), nbytes, done_box, on_error)
+        return
 
     for devices in by_index.values():
         index = devices[0][1]
@@ -442,6 +500,24 @@ def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) ->
                 target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
         reader.submit(_ReadInto(region), nbytes, done, on_error)
+
+
+def _bounds(key: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    return [(lo or 0, shape[d] if hi is None else hi) for d, (lo, hi) in enumerate(key)]
+
+
+def _bounding_box(keys: list[tuple], shape: tuple[int, ...]) -> list[tuple[int, int]] | None:
+    """The box around several regions when they (nearly) fill it, so one read serves
+    them all (a stored chunk shared by two of them is then read once, not twice)."""
+    if len(keys) < 2 or not shape:
+        return None
+    regions = [_bounds(k, shape) for k in keys]
+    box = [
+        (min(r[d][0] for r in regions), max(r[d][1] for r in regions)) for d in range(len(shape))
+    ]
+    volume = lambda b: int(np.prod([hi - lo for lo, hi in b], dtype=np.int64))  # noqa: E731
+    needed = sum(volume(r) for r in regions)
+    return box if volume(box) <= needed * 1.125 else None
 
 
 def _read_batch(reader, location, batch: BatchRecord, members, fail, errors) -> None:
@@ -496,8 +572,15 @@ def restore(
     partial: bool = False,
     memory_limit_bytes: int | None = None,
     cast: str = "safe",
+    share_replicated_reads: bool = False,
 ) -> Any:
     """Restores the checkpoint at ``path`` in the form of ``like`` (see module doc).
+
+    ``share_replicated_reads``: with several processes, a leaf that ``like`` replicates
+    over all of them is read once in all (each process reads ``1/P`` of its rows) and
+    the parts are all-gathered over jax's collectives, instead of every process reading
+    all of it. Off by default: see docs/scaling.md for when it wins. Collective: every
+    process must pass the same value.
 
     ``cast``: ``"safe"`` (default) casts a leaf to the dtype of ``like`` only when no
     value changes beyond float rounding (float32 to bfloat16 rounds; 1e5 to float16,
@@ -519,8 +602,12 @@ def restore(
     if not location.exists(COMMIT_FILE) and _orbax_import.is_orbax_checkpoint(location):
         return _orbax_import.restore_orbax(location, like, partial=partial)
     limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
-    with _tree.paused_gc(), _casting.policy(cast):
-        return _restore(location, like, partial, limit)
+    token = _SHARE_READS.set(bool(share_replicated_reads))
+    try:
+        with _tree.paused_gc(), _casting.policy(cast):
+            return _restore(location, like, partial, limit)
+    finally:
+        _SHARE_READS.reset(token)
 
 
 def _restore(location: Location, like: Any, partial: bool, limit: int) -> Any:

@@ -234,9 +234,9 @@ def _unescape(part: str) -> str:
 
 def _checkpoint_leaves(src: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
     """Leaves of one of this plugin's checkpoints and a reader of a group of them."""
-    import flax_orbax_plugin as fop
+    from . import _restore
 
-    meta = fop.metadata(src)
+    meta = _restore.metadata(src)
     keys = [leaf.path for leaf in meta.leaves.values() if leaf.kind == "prng_key"]
     if keys:
         raise StructureError(
@@ -258,7 +258,7 @@ def _checkpoint_leaves(src: Any) -> tuple[list, Callable[[list[str]], Iterator]]
             for part in parts[:-1]:
                 node = node.setdefault(part, {})
             node[parts[-1]] = None
-        flat, _ = _tree.flatten(fop.restore(src, template, partial=True))
+        flat, _ = _tree.flatten(_restore.restore(src, template, partial=True))
         values = {p: v for p, _, v in flat}
         for path in paths:
             yield path, np.asarray(values.pop(path))

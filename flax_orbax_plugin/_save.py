@@ -25,6 +25,7 @@ Only one :func:`save_async` runs at a time in a process; a second one waits for 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -36,7 +37,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _arrays, _commit, _distributed, _faults, _host, _layout, _metadata, _tree
+from . import (
+    _arrays,
+    _commit,
+    _distributed,
+    _faults,
+    _host,
+    _incremental,
+    _layout,
+    _metadata,
+    _tree,
+)
 from ._errors import CheckpointError, StructureError
 from ._layout import (
     COMMIT_FILE,
@@ -60,7 +71,9 @@ class SaveResult:
     this process.
 
     ``blocking_seconds``: how long the caller waited; ``total_seconds``: from the start
-    of the save until it committed; ``bytes_written``: array bytes this process wrote.
+    of the save until it committed; ``bytes_written``: array bytes this process wrote;
+    ``bytes_reused``: array bytes of unchanged leaves hard-linked from the previous step
+    instead of written (incremental manager steps; not part of ``bytes_written``).
     """
 
     path: str
@@ -68,19 +81,24 @@ class SaveResult:
     total_seconds: float
     bytes_written: int
     step: int | None = None
+    bytes_reused: int = 0
 
     @property
     def gigabytes_per_second(self) -> float:
         return self.bytes_written / max(self.total_seconds, 1e-9) / 1e9
 
     def as_scalars(self) -> dict[str, float]:
-        """For a metric writer: ``checkpoint/blocking_seconds`` and friends."""
-        return {
+        """For a metric writer: ``checkpoint/blocking_seconds`` and friends
+        (``checkpoint/bytes_reused`` only when a step reused bytes)."""
+        out = {
             "checkpoint/blocking_seconds": self.blocking_seconds,
             "checkpoint/total_seconds": self.total_seconds,
             "checkpoint/bytes": float(self.bytes_written),
             "checkpoint/gbytes_per_sec": self.gigabytes_per_second,
         }
+        if self.bytes_reused:
+            out["checkpoint/bytes_reused"] = float(self.bytes_reused)
+        return out
 
 
 class SaveHandle:
@@ -446,13 +464,28 @@ class _Plan:
             jax.__version__,
         )
 
-    def write(self, location: Location, *, limit: int, durable: bool = True) -> _commit.Written:
+    def write(
+        self,
+        location: Location,
+        *,
+        limit: int,
+        durable: bool = True,
+        reuse: _incremental.Reuse | None = None,
+    ) -> _commit.Written:
         """Background phase: this process's chunks (and, on the primary, every zarr.json
         and ``_METADATA.json``); with ``durable``, made durable (one syncfs; a manager
-        step syncs once for all its items instead). Commits nothing."""
+        step syncs once for all its items instead). Commits nothing.
+
+        ``reuse`` (a manager step with ``incremental=True``; local disk, one process):
+        every leaf stored as its own array gets a digest in ``_METADATA.json``, and one
+        whose digest and layout equal the previous step's is hard-linked from it rather
+        than written (see ``_incremental``)."""
         primary = _distributed.is_primary()
         files = {}
-        written = _write_data(location, self, primary, limit)
+        links = {}
+        if reuse is not None and _incremental.enabled(location, _distributed.process_count()):
+            links = self._plan_links(location, reuse)
+        written, reused = _write_data(location, self, primary, limit, links)
         if primary:
             encoded = _layout.encode(self.document().to_json())
             location.write_bytes(METADATA_FILE, encoded, durable=False)
@@ -461,7 +494,25 @@ class _Plan:
         if durable:
             location.sync()
             _faults.kill_point("after_sync")
-        return _commit.Written(written, files)
+        return _commit.Written(written, files, reused)
+
+    def _plan_links(self, location: Location, reuse: _incremental.Reuse) -> dict[int, Any]:
+        """Records the digest of every array leaf; returns ``{leaf index: link()}`` for
+        the leaves the previous step holds unchanged (``link()`` returns the bytes
+        reused, or None when the leaf must be written after all)."""
+        for leaf in self.leaves:
+            if isinstance(leaf.record.storage, ArrayStorage) and leaf.writes:
+                digest = _incremental.leaf_digest(leaf.record, leaf.writes)
+                leaf.record = dataclasses.replace(leaf.record, digest=digest)
+        previous = _incremental.previous_document(reuse)
+        if previous is None:
+            return {}
+        source, doc = previous
+        records = {leaf.index: leaf.record for leaf in self.leaves}
+        return {
+            i: functools.partial(_incremental.link_leaf, source, j, location, i, records[i])
+            for i, j in _incremental.plan_reuse(records, doc).items()
+        }
 
 
 Snapshot = _Plan
@@ -580,11 +631,15 @@ def cpu_views_are_snapshots() -> bool:
         return False
 
 
-def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> int:
-    """Writes this process's chunks (and, on the primary, every zarr.json)."""
+def _write_data(
+    staging: Location, plan: _Plan, primary: bool, limit: int, links: dict[int, Any]
+) -> tuple[int, int]:
+    """Writes this process's chunks (and, on the primary, every zarr.json), linking the
+    leaves in ``links`` instead where it can; returns (bytes written, bytes linked)."""
     pending: collections.deque = collections.deque()
     in_flight = 0
     written = 0
+    reused = 0
 
     def drain(to: int) -> None:
         nonlocal in_flight
@@ -607,29 +662,57 @@ def _write_data(staging: Location, plan: _Plan, primary: bool, limit: int) -> in
         except BaseException:
             _settle((f, 0) for f in creates)  # none may recreate files after a cleanup
             raise
-    jobs = [(spec, leaf.writes) for leaf, spec in arrays if leaf.writes]
+    # Links (after the zarr.json files exist: they go beside them) run on a helper
+    # thread while the changed leaves are written; a leaf whose link fails is written
+    # after them.
+    linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
+    linker = None
+    if linking:
+        linker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fop-link")
+        linked = linker.submit(lambda: [links[leaf.index]() for leaf, _ in linking])
+    skip = {leaf.index for leaf, _ in linking}
+    jobs = [(spec, leaf.writes) for leaf, spec in arrays if leaf.writes and leaf.index not in skip]
     for name, spec in batches:
         if name in plan.batch_buffers:
             jobs.append((spec, [((slice(None),), plan.batch_buffers.pop(name))]))
     try:
-        for spec, writes in jobs:
-            store = _arrays.open_for_write(spec)
-            while writes:
-                index, data = writes.pop()
-                if data.size:
-                    future = store[index].write(data, can_reference_source_data_indefinitely=True)
-                    pending.append((future.commit, data.nbytes))
-                    in_flight += data.nbytes
-                    written += data.nbytes
-                    if written == data.nbytes:
-                        _faults.kill_point("mid_write")
-                del data
-                drain(limit)
+        for round_ in range(2):
+            if round_ == 1:  # the leaves whose links failed
+                if linker is None:
+                    break
+                jobs = []
+                for (leaf, spec), nbytes in zip(linking, linked.result(), strict=True):
+                    if nbytes is None:
+                        jobs.append((spec, leaf.writes))
+                    else:
+                        reused += nbytes
+                        leaf.writes.clear()  # drop the snapshot: the previous step has it
+            for spec, writes in jobs:
+                store = _arrays.open_for_write(spec)
+                while writes:
+                    index, data = writes.pop()
+                    if data.size:
+                        future = store[index].write(
+                            data, can_reference_source_data_indefinitely=True
+                        )
+                        pending.append((future.commit, data.nbytes))
+                        in_flight += data.nbytes
+                        written += data.nbytes
+                        if written == data.nbytes:
+                            _faults.kill_point("mid_write")
+                    del data
+                    drain(limit)
         drain(0)
-    except BaseException:
+    except BaseException as e:
         _settle(pending)  # never leave writes in flight that recreate files
+        if isinstance(e, ValueError):  # tensorstore's status text, with its whole spec
+            text = str(e).split(" [tensorstore_spec=", 1)[0]
+            raise CheckpointError(f"writing array data to {staging} failed: {text}") from e
         raise
-    return written
+    finally:
+        if linker is not None:
+            linker.shutdown(wait=True)  # no link is made after a failure's cleanup
+    return written, reused
 
 
 def _settle(pending) -> None:

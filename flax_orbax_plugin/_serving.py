@@ -35,8 +35,9 @@ def _params_like(like: Any) -> Any:
     return items["params"]
 
 
-def _retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
-    """ShapeDtypeStructs for ``tree`` with floating leaves cast to ``dtype`` and new shardings."""
+def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
+    """ShapeDtypeStructs for ``tree`` with floating leaves cast to ``dtype`` and new shardings
+    (one Sharding for every leaf, or a pytree of them); leaves without a shape pass."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if sharding is None or isinstance(sharding, jax.sharding.Sharding):
         shardings = [sharding] * len(leaves)
@@ -44,6 +45,9 @@ def _retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
         shardings = treedef.flatten_up_to(sharding)
     out = []
     for leaf, sh in zip(leaves, shardings, strict=True):
+        if not hasattr(leaf, "shape"):
+            out.append(leaf)
+            continue
         dt = leaf.dtype
         if dtype is not None and jnp.issubdtype(dt, jnp.floating):
             dt = jnp.dtype(dtype)
@@ -88,7 +92,7 @@ def restore_params(
     target = _params_like(like)
     if target is None and (dtype is not None or sharding is not None):
         host = _restore.restore(params_loc, None)
-        target = _retarget(host, dtype, sharding)
+        target = retarget(host, dtype, sharding)
         _casting.check_tree(host, target)  # float narrowing rounds; overflow to inf raises
         return jax.tree_util.tree_map(
             lambda x, t: (
@@ -100,5 +104,5 @@ def restore_params(
             target,
         )
     if target is not None and (dtype is not None or sharding is not None):
-        target = _retarget(target, dtype, sharding)
+        target = retarget(target, dtype, sharding)
     return _restore.restore(params_loc, target)

@@ -355,6 +355,24 @@ class Location:
         os.rename(self.path.rstrip("/"), dst.path.rstrip("/"))
         fsync_dir(os.path.dirname(dst.path.rstrip("/")))
 
+    def exchange(self, other: Location) -> bool:
+        """Atomically swaps two local directories (``renameat2(RENAME_EXCHANGE)``), then
+        fsyncs the parent; False where the kernel or filesystem cannot (the caller then
+        renames in two steps)."""
+        if not (self.is_local and other.is_local):
+            return False
+        a, b = self.path.rstrip("/").encode(), other.path.rstrip("/").encode()
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            renameat2 = libc.renameat2
+        except (OSError, AttributeError):
+            return False
+        at_fdcwd, rename_exchange = -100, 2
+        if renameat2(at_fdcwd, a, at_fdcwd, b, rename_exchange) != 0:
+            return False
+        fsync_dir(os.path.dirname(other.path.rstrip("/")))
+        return True
+
     def sync(self) -> None:
         """Makes everything written under a local location durable (no-op elsewhere:
         an object store's write is durable once acknowledged).

@@ -25,10 +25,9 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
 from typing import Any
 
-from . import _layout, _restore, _steps, _tree
+from . import _layout, _restore, _steps
 from ._errors import CheckpointError
 from ._layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
 from ._storage import Location
@@ -250,8 +249,6 @@ def _sharding_str(sharding: Any) -> str:
 
 
 def cmd_inspect(args) -> int:
-    import flax_orbax_plugin as fop
-
     label, items = resolve(args.path, args.step)
     if args.item is not None:
         chosen = [i for i in items if i.name == args.item]
@@ -267,7 +264,7 @@ def cmd_inspect(args) -> int:
             text = json.dumps(_read_json_item(item), sort_keys=True)
             print(f"\n{item.name}: JSON {text if len(text) <= 200 else text[:197] + '...'}")
             continue
-        meta = fop.metadata(item.loc)
+        meta = _restore.metadata(item.loc)
         count = sum(_numel(leaf.shape) for leaf in meta.leaves.values() if leaf.dtype)
         grand_total += meta.total_bytes
         if args.summary:
@@ -302,14 +299,15 @@ def _numel(shape) -> int:
 
 
 def cmd_verify(args) -> int:
-    import flax_orbax_plugin as fop
+    from ._errors import CheckpointNotFoundError
+    from ._verify import verify
 
     try:
-        results = fop.verify(args.path, step=args.step, all_steps=args.all)
+        results = verify(args.path, step=args.step, all_steps=args.all)
     except CheckpointError as e:
         # Nothing checkable at PATH: a usage error, unless something is there but broken.
         loc = Location.from_path(args.path)
-        if loc.is_dir() and not isinstance(e, fop.CheckpointNotFoundError):
+        if loc.is_dir() and not isinstance(e, CheckpointNotFoundError):
             print(f"DAMAGED  {loc}: {_one_line(e)}")
             return EXIT_DAMAGED
         raise CliError(_one_line(e)) from None
@@ -354,91 +352,6 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _export_dtype(stored: str, cast: str | None) -> str:
-    if cast is not None and _is_float(stored):
-        return cast
-    return stored
-
-
-def _is_float(dtype_name: str) -> bool:
-    return dtype_name.startswith(("float", "bfloat"))
-
-
-def safetensors_header(
-    leaves: Iterable[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
-) -> bytes:
-    """The safetensors header (8-byte length + padded JSON) for (name, dtype, shape) leaves.
-
-    Tensors are laid out back to back in the given order.
-    """
-    dtype_from_name = _layout.dtype_from_name
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for name, dtype, shape in leaves:
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise CliError(f"leaf {name!r}: dtype {dtype} has no safetensors equivalent")
-        size = _numel(shape) * dtype_from_name(dtype, path=name).itemsize
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": [int(s) for s in shape],
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-len(body) % 8)
-    return len(body).to_bytes(8, "little") + body
-
-
-_GROUP_BYTES = 64 << 20  # leaves read per partial restore by export and verify
-
-
-def _leaf_groups(fop, path: str, names: list[str]) -> tuple[list[list[str]], Any]:
-    """Splits ``names`` into groups of at most ~64 MiB and returns (groups, read) where
-    ``read(group) -> {leaf path: numpy array}`` restores one group alone.
-
-    A group is a partial restore whose template holds None leaves (numpy results),
-    so memory stays bounded whatever the tree's size. Trees with list/tuple nodes
-    come back as one group, because a partial template cannot name a single list
-    element.
-    """
-    doc = _restore.read_document(Location.from_path(path))
-    records = {rec.path: rec for rec in doc.leaves}
-    if not all(k[0] in ("dict", "attr") for n in names for k in records[n].keys):
-
-        def read_all(group):
-            flat, _ = _tree.flatten(fop.restore(path))
-            return {p: v for p, _, v in flat}
-
-        return [list(names)], read_all
-
-    def read(group):
-        like = _tree.rebuild((list(records[n].keys), None) for n in group)
-        flat, _ = _tree.flatten(fop.restore(path, like, partial=True))
-        return {p: v for p, _, v in flat}
-
-    meta = fop.metadata(path).leaves
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        if groups[-1] and size + meta[name].nbytes > _GROUP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += meta[name].nbytes
-    return [g for g in groups if g], read
-
-
-def _leaf_values(fop, path: str, names: list[str]) -> Iterator[tuple[str, Any]]:
-    """Yields (leaf path, numpy array) in ``names`` order, a group at a time."""
-    groups, read = _leaf_groups(fop, path, names)
-    for group in groups:
-        values = read(group)
-        for name in group:
-            yield name, values.pop(name)
-
-
 def cmd_export(args) -> int:
     if args.format != "safetensors":
         raise CliError(f"unknown export format {args.format!r} (supported: safetensors)")
@@ -453,7 +366,7 @@ def cmd_export(args) -> int:
     if found[args.item].kind != "pytree":
         raise CliError(f"{found[args.item].loc}: not an array checkpoint")
     src = found[args.item].loc
-    from flax_orbax_plugin import _safetensors
+    from . import _safetensors
 
     key_map = _safetensors.key_map_from_file(args.key_map) if args.key_map else None
     result = _safetensors.export_checkpoint(

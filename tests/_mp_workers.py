@@ -208,9 +208,16 @@ def core_restore(ctx, directory, step=1, mesh_shape=None, spec=("data",)):
         },
         "opt_state": {"mu": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sharding)},
     }
-    before = ctx.io()
+    import tensorstore as ts
+
+    def ts_read():
+        found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+        return sum(v.get("value", 0) for m in found for v in m["values"])
+
+    before, ts_before = ctx.io(), ts_read()
     state = fop.restore(path, like)
     io = _io_delta(before, ctx.io())
+    io["tensorstore_bytes_read"] = ts_read() - ts_before
     return {"step": step, "rows": rows, **check_state(state, rows, step), "io": io}
 
 
@@ -495,3 +502,34 @@ def timed_callback(ctx, directory, every_seconds=10.0, n=30):
             saved.append(step)
     cb.on_train_end(replicated_state(ctx, n, rows=8), step=n)
     return {"saved": saved, "steps": fop.CheckpointManager(directory, read_only=True).steps()}
+
+
+def shared_restore(ctx, directory, share):
+    """Saves a replicated state, restores it replicated with share_replicated_reads on
+    or off; reports array bytes this process read and whether every shard is right."""
+    import jax
+    import numpy as np
+    import tensorstore as ts
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flax_orbax_plugin as fop
+
+    state = replicated_state(ctx, 3)
+    path = f"{directory}/c"
+    fop.save(path, {"w": state["params"]["w"]})
+    rep = NamedSharding(ctx.mesh, P())
+    like = {"w": jax.ShapeDtypeStruct(state["params"]["w"].shape, np.float32, sharding=rep)}
+
+    def ts_read():
+        found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+        return sum(v.get("value", 0) for m in found for v in m["values"])
+
+    before = ts_read()
+    out = fop.restore(path, like, share_replicated_reads=share)
+    read = ts_read() - before
+    expect = np.arange(4096 * COLS, dtype=np.float32).reshape(4096, COLS) + 3
+    ok = out["w"].sharding.is_fully_replicated and all(
+        np.array_equal(np.asarray(s.data), expect[s.index]) for s in out["w"].addressable_shards
+    )
+    return {"read": read, "ok": bool(ok), "nbytes": expect.nbytes}

@@ -102,9 +102,21 @@ def test_policy_final_save_and_figures(tmp_path):
 
 
 def test_keep_and_sync_save(tmp_path):
-    _, cb = run(tmp_path, every_steps=2, keep=2, async_save=False)
+    it = make_iterator()
+    cb = fop.CheckpointCallback(tmp_path, every_steps=2, keep=2, async_save=False)
+    state = cb.on_train_start(make_state(), data_iterator=it)
+    for step in range(1, NUM_STEPS + 1):
+        state, _ = train_step(state, next(it))
+        if cb.on_step_end(step, state):
+            # Synchronous: committed, and its figures reported, before on_step_end returns
+            # (an async save reports them only at the next poll or save).
+            assert not cb.manager.save_in_flight
+            assert step in committed_steps(tmp_path)
+            assert cb.history and cb.history[-1].step == step
+            assert cb.history[-1].total_seconds >= cb.history[-1].blocking_seconds > 0
+    cb.on_train_end(state)
     assert committed_steps(tmp_path) == [10, 12]
-    assert len(cb.history) == 6
+    assert [f.step for f in cb.history] == [2, 4, 6, 8, 10, 12]
 
 
 def test_resume_after_interruption_is_bit_exact(tmp_path):

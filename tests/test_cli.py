@@ -230,7 +230,9 @@ def test_export_and_verify_read_a_group_of_leaves_at_a_time(
     directory, params = ckpt_dir
     whole = tmp_path / "whole.safetensors"
     assert run_cli(capsys, "export", directory, whole)[0] == 0
-    monkeypatch.setattr(cli, "_GROUP_BYTES", 1)
+    from flax_orbax_plugin import _safetensors
+
+    monkeypatch.setattr(_safetensors, "_GROUP_BYTES", 1)
     one_by_one = tmp_path / "one.safetensors"
     assert run_cli(capsys, "export", directory, one_by_one)[0] == 0
     assert whole.read_bytes() == one_by_one.read_bytes()

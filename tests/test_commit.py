@@ -98,3 +98,23 @@ def test_time_based_policy_is_shared_by_all_processes(tmp_path):
     assert values[0]["steps"] == sorted(set(values[0]["saved"]) | {30})
     info = fop.verify(tmp_path / "run", all_steps=True)
     assert info and all(r.ok for r in info), [r for r in info if not r.ok]
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_replicated_restore_reads_once_and_shares_when_asked(tmp_path, share):
+    values = _ok(
+        run_processes(
+            "_mp_workers:shared_restore",
+            2,
+            devices_per_process=2,
+            args={"directory": str(tmp_path), "share": share},
+            timeout_s=150,
+        )
+    )
+    total = values[0]["nbytes"]
+    for v in values:
+        assert v["ok"]
+        if share:  # each process reads its half (plus chunk indexes), then all-gathers
+            assert 0.45 * total <= v["read"] <= 0.55 * total, (v["read"], total)
+        else:  # every process reads all of it
+            assert v["read"] >= total, (v["read"], total)

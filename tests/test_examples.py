@@ -10,6 +10,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
+# Each example run has its own subprocess timeout; these add up past the global 300 s.
+pytestmark = pytest.mark.timeout(600)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "default.py")
 SMALL = [

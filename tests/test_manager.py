@@ -12,6 +12,7 @@ import textwrap
 import threading
 from typing import Any
 
+import _proc
 import grain
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._checkpointables import JsonCheckpointable
+from flax_orbax_plugin._layout import MANIFEST_FILE
 from flax_orbax_plugin._lock import DirectoryLockedError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -211,16 +213,18 @@ def test_second_writer_refused_while_first_lives_and_allowed_after_sigkill(tmp_p
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER.format(repo=REPO, directory=str(tmp_path))],
         stdout=subprocess.PIPE,
+        env=_proc.child_env(),
         text=True,
     )
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        assert _proc.read_line(proc, timeout=120).strip() == "ready"
         with pytest.raises(DirectoryLockedError, match=f"pid {proc.pid}"):
             fop.CheckpointManager(tmp_path)
         fop.CheckpointManager(tmp_path, read_only=True).close()  # readers are fine
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        _proc.wait(proc, timeout=30)
+    assert proc.returncode == -signal.SIGKILL
     with fop.CheckpointManager(tmp_path) as mngr:
         assert mngr.save(1, tiny(1))
 
@@ -258,10 +262,11 @@ def test_sigterm_saves_the_current_step_and_exits(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", PREEMPTED.format(repo=REPO, directory=str(tmp_path))],
         stdout=subprocess.PIPE,
+        env=_proc.child_env(),
         text=True,
     )
     try:
-        while int(proc.stdout.readline()) < 5:
+        while int(_proc.read_line(proc, timeout=120)) < 5:
             pass
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0].split()
@@ -424,18 +429,69 @@ def _read_bytes() -> int:
     raise AssertionError("no read_bytes in /proc/self/io")
 
 
-def test_restore_params_reads_from_disk_only_the_params_bytes(tmp_path):
+def _params_run(tmp_path, layers):
+    """A step whose opt_state is twice the params; and a tiny warm-up run."""
     rng = np.random.default_rng(0)
     params = {
-        f"layer_{i}": {"kernel": rng.normal(size=(512, 1024)).astype(np.float32)} for i in range(16)
+        f"layer_{i}": {
+            "kernel": rng.normal(size=(512, 1024)).astype(np.float32),
+            "bias": rng.normal(size=(1024,)).astype(np.float32),  # batched small leaf
+        }
+        for i in range(layers)
     }
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(params))  # 32 MiB
     opt_state = {"mu": params, "nu": params}  # twice as big, must not be read
     with fop.CheckpointManager(tmp_path / "run") as mngr:
-        mngr.save(1, {"params": params, "opt_state": opt_state})
+        mngr.save(1, {"params": params, "opt_state": opt_state}, extras={"loss": 0.5})
     with fop.CheckpointManager(tmp_path / "warm") as mngr:
         mngr.save(1, {"params": {"a": np.ones(3)}, "opt_state": {"b": np.ones(3)}})
     fop.restore_params(tmp_path / "warm")  # imports and first-use costs, off the count
+    return params, sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+def _tensorstore_file_bytes_read() -> int:
+    import tensorstore as ts
+
+    metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return sum(v.get("value", 0) for m in metrics for v in m["values"])
+
+
+def test_restore_params_reads_only_the_params_bytes(tmp_path, monkeypatch):
+    """Counted at the storage layer (tensorstore's file reads and the library's own
+    small-file reads), so it runs everywhere: the bytes read are the params' bytes,
+    and every file or array opened lies under the step's params/."""
+    from flax_orbax_plugin._storage import Location
+
+    params, nbytes = _params_run(tmp_path, layers=4)  # 8 MiB of params, 16 of opt_state
+    opened, small = [], []
+    real_read, real_kvstore = Location.read_bytes, Location.kvstore
+
+    def read_bytes(self, name, *args, **kw):
+        data = real_read(self, name, *args, **kw)
+        opened.append(self.path + name)
+        small.append(len(data or b""))
+        return data
+
+    def kvstore(self, sub=""):
+        opened.append(self.path + sub)
+        return real_kvstore(self, sub)
+
+    monkeypatch.setattr(Location, "read_bytes", read_bytes)
+    monkeypatch.setattr(Location, "kvstore", kvstore)
+    before = _tensorstore_file_bytes_read()
+    out = fop.restore_params(tmp_path / "run")
+    read = _tensorstore_file_bytes_read() - before + sum(small)
+    assert_trees_equal(out, params)
+    params_dir = str(tmp_path / "run" / "1" / "params") + "/"
+    manifest = str(tmp_path / "run" / "1" / MANIFEST_FILE)  # the step's item list
+    assert opened and all(p.startswith(params_dir) or p == manifest for p in opened), opened
+    assert any("/d/" in p for p in opened), opened  # array data went through the spy
+    print(f"read {read} bytes for {nbytes} bytes of params")
+    assert nbytes <= read <= 1.02 * nbytes + (64 << 10), (read, nbytes)
+
+
+def test_restore_params_reads_from_disk_only_the_params_bytes(tmp_path):
+    """The same from the kernel's side, with a cold page cache (where it can be dropped)."""
+    params, nbytes = _params_run(tmp_path, layers=16)  # 32 MiB of params
     if not _drop_page_cache():
         pytest.skip("cannot drop the page cache here (needs root and a writable /proc/sys)")
     before = _read_bytes()
@@ -484,10 +540,47 @@ def test_state_saved_on_8_devices_restores_on_4_on_1_and_as_numpy(tmp_path):
         np.testing.assert_array_equal(host["w"], np.asarray(big["w"]))
 
 
-def test_object_store_commits_with_the_manifest_written_last():
+def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
+    MANIFEST = MANIFEST_FILE
     from flax_orbax_plugin._storage import Location
 
     url = "memory://test_manager/run"
+    root = Location.from_path(url)
+
+    def keys_under(step):
+        return {k.decode() for k in root.child(str(step))._kv().list().result()}
+
+    # For each manifest written: the step's keys at that moment, and the files written
+    # into that step after it.
+    at_manifest, after_manifest = {}, {}
+    real_write = Location.write_bytes
+
+    def recording_write(self, name, data, **kw):
+        for step in at_manifest:
+            if self.path.startswith(root.child(str(step)).path):
+                after_manifest[step].append(self.path + name)
+        if name == MANIFEST:
+            step = int(self.name)
+            at_manifest[step], after_manifest[step] = keys_under(step), []
+        return real_write(self, name, data, **kw)
+
+    monkeypatch.setattr(Location, "write_bytes", recording_write)
+    with fop.CheckpointManager(url, keep=2) as mngr:
+        mngr.save(9, {"params": {"w": np.arange(1 << 19, dtype=np.float32)}}, extras={"a": 1})
+        mngr.wait()
+        final = keys_under(9)
+        assert at_manifest[9] == final - {MANIFEST}, (at_manifest[9], final)
+        assert any(k.startswith("params/d/") for k in at_manifest[9])  # chunks were there
+        assert any(k.startswith("extras/") for k in at_manifest[9])
+        assert after_manifest[9] == []  # nothing written into the step after its manifest
+        mngr.save(9, {"params": {"w": np.zeros(3)}}, force=True, overwrite=True)
+        mngr.wait()
+        # every key of the replaced step was there before its manifest; nothing after
+        assert keys_under(9) - {MANIFEST} <= at_manifest[9], (keys_under(9), at_manifest[9])
+        assert after_manifest[9] == []
+    for step in list(at_manifest):
+        root.child(str(step)).remove()
+    monkeypatch.undo()
     with fop.CheckpointManager(url, keep=2) as mngr:
         for s in range(4):
             mngr.save(s, tiny(s), extras={"loss": s})

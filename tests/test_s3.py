@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 
+import _proc
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,12 +143,42 @@ class TestCoreOnS3:
         assert back["w"].sharding == like["w"].sharding
         np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(tree["w"]))
         info = fop.metadata(s3_location.spec)
-        assert info is not None
+        got = {k: (v.kind, v.shape, v.dtype) for k, v in info.leaves.items()}
+        assert got == {
+            "w": ("array", (64, 32), "float32"),
+            "r": ("array", (16,), "bfloat16"),
+            "n": ("array", (10,), "int8"),
+            "s": ("py_int", (), "int64"),
+            **{f"small/{i}": ("np_scalar", (), "float32") for i in range(5)},
+        }
+        assert info.leaves["w"].sharding["spec"] == ["x", "y"]
+        assert info.leaves["w"].sharding["mesh_shape"] == [2, 4]
+        assert info.leaves["r"].sharding["spec"] == [] and info.leaves["n"].sharding is None
+        assert info.leaves["w"].nbytes == 64 * 32 * 4 and info.leaves["r"].nbytes == 32
 
-    def test_marker_is_written_last_and_is_the_commit(self, s3_location):
-        fop.save(s3_location.spec, {"a": np.ones(100, np.float32)})
-        keys = s3_location.keys()
+    def test_marker_is_written_last_and_is_the_commit(self, s3_location, monkeypatch):
+        from flax_orbax_plugin._storage import Location
+
+        # Record, for every small file the library writes, its name and the keys
+        # already on the bucket at that moment (array chunks are written by
+        # tensorstore, so the listing is what shows them).
+        writes = []
+        real_write = Location.write_bytes
+
+        def recording_write(self, name, data, **kw):
+            writes.append((name, set(s3_location.keys())))
+            return real_write(self, name, data, **kw)
+
+        monkeypatch.setattr(Location, "write_bytes", recording_write)
+        tree = {"a": np.ones(100, np.float32), "big": np.arange(1 << 19, dtype=np.float32)}
+        fop.save(s3_location.spec, tree)
+        keys = set(s3_location.keys())
         assert "_COMMITTED" in keys, keys
+        names = [name for name, _ in writes]
+        assert names[-1] == "_COMMITTED" and names.count("_COMMITTED") == 1, names
+        # When the marker was written, every other key of the checkpoint was there.
+        assert writes[-1][1] == keys - {"_COMMITTED"}, (writes[-1][1], keys)
+        assert any(k.startswith("d/") for k in writes[-1][1])  # array chunks among them
         # Without its marker, the same bytes are not a checkpoint.
         s3_location.delete("_COMMITTED")
         assert not fop.is_committed(s3_location.spec)
@@ -276,7 +307,8 @@ class TestManagerOnS3:
                 pytest.fail("the writer wrote nothing under 2/ within 60 s")
         finally:
             proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            _proc.wait(proc, timeout=60)
+        assert proc.returncode == -signal.SIGKILL  # killed mid-save, not finished
         assert b"finished" not in proc.stdout.read()
         assert any(k.startswith("2/") for k in s3_location.keys())  # debris exists
         with fop.CheckpointManager(spec, read_only=True) as reader:

@@ -6,8 +6,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
+import _proc
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -149,10 +151,26 @@ def test_small_leaves_are_batched(tmp_path):
     assert all(np.array_equal(out[k], v) for k, v in tree.items())
 
 
-def test_save_async_returns_before_commit_and_wait_reports(tmp_path):
+def test_save_async_returns_before_commit_and_wait_reports(tmp_path, monkeypatch):
+    from flax_orbax_plugin._storage import Location
+
+    # Hold the background phase at its first small-file write (the metadata, just
+    # before the marker): save_async must have returned by then, uncommitted.
+    gate, held = threading.Event(), []
+    real_write = Location.write_bytes
+
+    def gated_write(self, name, data, **kw):
+        held.append(gate.wait(30))
+        return real_write(self, name, data, **kw)
+
+    monkeypatch.setattr(Location, "write_bytes", gated_write)
     tree = {"w": np.random.default_rng(0).standard_normal((2000, 2000)).astype(np.float32)}
     handle = fop.save_async(tmp_path / "c", tree)
+    assert not handle.done() and not fop.is_committed(tmp_path / "c")
+    assert not os.path.exists(tmp_path / "c")  # the step appears only at the commit
+    gate.set()
     result = handle.wait()
+    assert held and all(held), held  # no write waited out the gate: save_async returned first
     assert handle.done() and fop.is_committed(tmp_path / "c")
     assert result.blocking_seconds <= result.total_seconds
     assert result.bytes_written == tree["w"].nbytes
@@ -237,11 +255,19 @@ def test_background_error_is_reraised_on_next_save(tmp_path):
     # A regular file where the parent directory must be makes the background phase fail.
     (tmp_path / "file").write_text("x")
     handle = fop.save_async(tmp_path / "file" / "c", {"x": np.ones(3)})
+    deadline = time.monotonic() + 60
     while not handle.done():
+        assert time.monotonic() < deadline, "the failing save's background phase never ended"
         time.sleep(0.01)
-    with pytest.raises(Exception, match="file"):
+    # The error is the first save's (the OS's reason, and a note naming that save),
+    # raised by the next save before it writes anything.
+    with pytest.raises(Exception, match="Not a directory") as raised:
         fop.save_async(target, {"x": np.ones(3)})
+    notes = getattr(raised.value, "__notes__", [])
+    assert f"background phase of the save to {tmp_path / 'file' / 'c'}" in " ".join(notes), notes
+    assert not os.path.exists(target)
     fop.save(target, {"x": np.ones(3)})  # reported once; later saves proceed
+    assert fop.is_committed(target)
     assert not os.path.exists(tmp_path / "file" / "c")
 
 
@@ -306,7 +332,7 @@ def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
     """Kill a real saving process at 24 moments; each path is uncommitted or exact."""
     script = tmp_path / "child.py"
     script.write_text(_KILL_CHILD)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = _proc.child_env(JAX_PLATFORMS="cpu", XLA_FLAGS="")
 
     def spawn(path):
         child = subprocess.Popen(
@@ -316,7 +342,7 @@ def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
             env=env,
             text=True,
         )
-        assert child.stdout.readline().strip() == "ready"
+        assert _proc.read_line(child, timeout=120).strip() == "ready"
         return child
 
     # Calibrate: how long one undisturbed save takes here.
@@ -324,9 +350,9 @@ def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
     t0 = time.perf_counter()
     child.stdin.write("go\n")
     child.stdin.flush()
-    assert child.stdout.readline().strip() == "saved"
+    assert _proc.read_line(child, timeout=120).strip() == "saved"
     duration = time.perf_counter() - t0
-    child.wait()
+    assert _proc.wait(child, timeout=60) == 0
     expected = _expected_kill_tree()
     _assert_bitwise_equal(fop.restore(tmp_path / "calibration"), expected)
     outcomes = collections.Counter()
@@ -340,7 +366,7 @@ def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
         child.stdin.flush()
         time.sleep(delay)
         child.send_signal(signal.SIGKILL)
-        child.wait()
+        _proc.wait(child, timeout=60)
         try:
             restored = fop.restore(paths[i])
         except fop.NotCommittedError:
@@ -384,3 +410,16 @@ def test_batched_leaves_are_aligned_and_padding_is_zero(tmp_path):
         used[rec["storage"]["offset"] : rec["storage"]["offset"] + rec["storage"]["size"]] = True
     assert not batch[~used].any()  # no uninitialised memory reaches the disk
     assert batch[used].all()
+
+
+def test_a_commit_removes_stale_staging_of_the_same_name_only(tmp_path):
+    """A killed fop.save leaves <path>.partial-*; the next commit of that path removes it
+    (a real directory of that exact name pattern), and never a link or other names."""
+    (tmp_path / "c.partial-dead01" / "d").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "keep.txt").write_text("x")
+    os.symlink(tmp_path / "outside", tmp_path / "c.partial-link01")
+    (tmp_path / "cc.partial-other").mkdir()
+    fop.save(tmp_path / "c", {"a": np.ones(3)})
+    assert sorted(os.listdir(tmp_path)) == ["c", "c.partial-link01", "cc.partial-other", "outside"]
+    assert (tmp_path / "outside" / "keep.txt").read_text() == "x"

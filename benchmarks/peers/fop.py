@@ -18,7 +18,7 @@ class _Wait:
 
 class Adapter:
     name = "fop"
-    harness_fsync = False  # save is durable on return (contract); the worker checks the residual
+    harness_fsync = False  # durable on return (contract); the counted fsync pass finds little
 
     def __init__(self):
         import flax_orbax_plugin as fop

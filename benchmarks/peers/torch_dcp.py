@@ -41,7 +41,7 @@ class _Wait:
 
 class Adapter:
     name = "dcp"
-    harness_fsync = False  # FileSystemWriter(sync_files=True) fsyncs; the worker checks
+    harness_fsync = False  # FileSystemWriter(sync_files=True) fsyncs; the pass finds little
 
     def __init__(self):
         import torch

@@ -1,0 +1,73 @@
+"""Child processes in tests, bounded: every read of a child's output has a deadline.
+
+* :func:`child_env` is the environment for a Python child that must import this
+  checkout's package (the repository root first on PYTHONPATH, wherever the tests
+  are run from).
+* :func:`read_line` returns the child's next stdout line, or fails the test when
+  none arrives within ``timeout`` seconds (or the child exits first); it never
+  blocks past the deadline.
+* :func:`wait` waits for the child's exit with a deadline, SIGKILLing it on expiry.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The next line the child prints (without its newline); fails after ``timeout`` s.
+
+    The child's stdout must be a pipe opened in text mode. Reads one byte at a time
+    once the pipe is readable, so nothing past the line is buffered away.
+    """
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    fd = proc.stdout.fileno()
+    chunks: list[bytes] = []
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pytest.fail(
+                    f"child {proc.pid} printed no line within {timeout} s "
+                    f"(so far: {b''.join(chunks)!r})"
+                )
+            if not sel.select(left):
+                continue
+            byte = os.read(fd, 1)
+            if not byte:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                pytest.fail(
+                    f"child {proc.pid} exited ({code}) before printing a line "
+                    f"(so far: {b''.join(chunks)!r})"
+                )
+            if byte == b"\n":
+                return b"".join(chunks).decode()
+            chunks.append(byte)
+
+
+def wait(proc: subprocess.Popen, timeout: float) -> int:
+    """The child's exit code; SIGKILLs it and fails the test if it runs past ``timeout``."""
+    import pytest
+
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"child {proc.pid} still running after {timeout} s; killed")

@@ -1,0 +1,350 @@
+"""Incremental manager steps (``CheckpointManager(incremental=True)``): an unchanged leaf
+is hard-linked from the previous committed step, never on a mismatch or doubt."""
+
+import dataclasses
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin import _arrays, _incremental, _layout
+from flax_orbax_plugin._errors import CorruptCheckpointError
+
+MiB = 1 << 20
+W1, W2, ADAPTER = 768 * 1024 * 4, 512 * 1024 * 4, 512 * 1024 * 4  # bytes
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch):
+    monkeypatch.setattr(_arrays, "CHUNK_TARGET_BYTES", 1 * MiB)  # several chunks per leaf
+
+
+def _state(adapter_value=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {
+            "base": {
+                "w1": rng.standard_normal((768, 1024), dtype=np.float32),  # 3 MiB, 3 chunks
+                "w2": rng.integers(0, 1 << 30, (512, 1024), dtype=np.int32),  # 2 MiB
+            },
+            "adapter": np.full((512, 1024), adapter_value, np.float32),  # 2 MiB
+            "bias": np.zeros((16,), np.float32),  # batched, never reused
+        }
+    }
+
+
+def _save(mngr, step, state):
+    mngr.save(step, state, force=True)
+    mngr.wait()
+    return mngr.last_save
+
+
+def _leaf_files(directory, step, path):
+    """{relative file: os.stat} of the chunk files of leaf ``path`` in ``params``."""
+    item = os.path.join(directory, str(step), "params")
+    with open(os.path.join(item, "_METADATA.json")) as f:
+        leaves = json.load(f)["leaves"]
+    (i,) = [i for i, r in enumerate(leaves) if r["path"] == path]
+    root = os.path.join(item, "d", str(i))
+    out = {}
+    for top, _, files in os.walk(root):
+        for name in files:
+            full = os.path.join(top, name)
+            out[os.path.relpath(full, root)] = os.stat(full, follow_symlinks=False)
+    return out, leaves[i]
+
+
+def _same_inodes(directory, a, b, path):
+    fa, _ = _leaf_files(directory, a, path)
+    fb, _ = _leaf_files(directory, b, path)
+    chunks = [n for n in fa if n.startswith("c/")]
+    assert chunks and set(fa) == set(fb)
+    return [fa[n].st_ino == fb[n].st_ino for n in chunks]
+
+
+def _assert_equal(want, got):
+    for k, v in want.items():
+        if isinstance(v, dict):
+            _assert_equal(v, got[k])
+        else:
+            assert np.asarray(got[k]).dtype == v.dtype and np.asarray(got[k]).tobytes() == (
+                v.tobytes()
+            ), k
+
+
+def test_frozen_base_is_linked_and_only_the_adapter_is_written(tmp_path):
+    d = str(tmp_path)
+    states = [_state(adapter_value=s) for s in range(3)]
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        first = _save(mngr, 1, states[0])
+        second = _save(mngr, 2, states[1])
+        third = _save(mngr, 3, states[2])
+    adapter, base = ADAPTER, W1 + W2
+    assert first.bytes_reused == 0 and first.bytes_written >= base + adapter
+    for r in (second, third):
+        assert r.bytes_reused == base
+        assert r.bytes_written == adapter + 64  # the adapter and the batch of small leaves
+        assert r.as_scalars()["checkpoint/bytes_reused"] == base
+    for path in ("base/w1", "base/w2"):
+        assert all(_same_inodes(d, 1, 3, path))
+        files, record = _leaf_files(d, 3, path)
+        assert record["digest"].startswith("xxh3_128:") and len(record["digest"]) == 9 + 32
+        chunks = [st for n, st in files.items() if n.startswith("c/")]
+        assert len(chunks) >= 2 and all(st.st_nlink == 3 for st in chunks)
+        assert files["zarr.json"].st_nlink == 1  # written fresh, as for any leaf
+    assert not any(_same_inodes(d, 1, 2, "adapter"))
+    with fop.CheckpointManager(d, read_only=True) as mngr:
+        for step, want in zip((1, 2, 3), states, strict=True):
+            _assert_equal(want, mngr.restore(step=step))
+    _assert_equal(states[2]["params"], fop.restore_params(d, states[2]["params"]))
+    assert all(r.ok for r in fop.verify(d, all_steps=True))
+
+
+def test_deleting_the_first_step_keeps_the_linked_data(tmp_path):
+    d = str(tmp_path)
+    with fop.CheckpointManager(d, incremental=True, keep=1) as mngr:
+        _save(mngr, 1, _state(1.0))
+        r = _save(mngr, 2, _state(2.0))
+        assert r.bytes_reused > 0
+        assert mngr.steps() == [2]  # retention removed step 1
+        _assert_equal(_state(2.0), mngr.restore())
+    files, _ = _leaf_files(d, 2, "base/w1")
+    assert all(st.st_nlink == 1 for st in files.values())  # the only name left
+    assert all(r.ok for r in fop.verify(d, all_steps=True))
+
+
+def test_a_leaf_changed_by_one_element_is_rewritten(tmp_path):
+    d = str(tmp_path)
+    a, b = _state(), _state()
+    b["params"]["base"]["w1"][700, 3] = np.nextafter(b["params"]["base"]["w1"][700, 3], 9)
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        _save(mngr, 1, a)
+        r = _save(mngr, 2, b)
+        assert r.bytes_reused == W2 + ADAPTER  # all but w1
+        assert not any(_same_inodes(d, 1, 2, "base/w1"))
+        assert all(_same_inodes(d, 1, 2, "base/w2"))
+        _assert_equal(a, mngr.restore(step=1))
+        _assert_equal(b, mngr.restore(step=2))
+
+
+def test_changed_shape_dtype_or_chunks_is_rewritten(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    a = _state()
+    b = _state()
+    b["params"]["base"]["w2"] = b["params"]["base"]["w2"].view(np.float32)  # same bytes
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        _save(mngr, 1, a)
+        monkeypatch.setattr(_arrays, "CHUNK_TARGET_BYTES", 2 * MiB)  # other chunks for w1
+        r = _save(mngr, 2, b)
+        assert r.bytes_reused == 0
+        _assert_equal(b, mngr.restore(step=2))
+
+
+def test_a_damaged_previous_chunk_is_not_propagated(tmp_path, caplog):
+    d = str(tmp_path)
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        _save(mngr, 1, _state())
+        files, _ = _leaf_files(d, 1, "base/w1")
+        name = sorted(n for n in files if n.startswith("c/"))[1]
+        _, record = _leaf_files(d, 1, "base/w1")
+        item = os.path.join(d, "1", "params")
+        i = json.load(open(os.path.join(item, "_METADATA.json")))["leaves"].index(record)
+        victim = os.path.join(item, "d", str(i), name)
+        with open(victim, "r+b") as f:  # same size, one byte changed
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
+            r = _save(mngr, 2, _state())
+        assert r.bytes_reused == W2 + ADAPTER  # w1 written from the snapshot
+        assert "base/w1" in caplog.text and "crc32c" in caplog.text and name in caplog.text
+        assert not any(_same_inodes(d, 1, 2, "base/w1"))
+        files2, _ = _leaf_files(d, 2, "base/w1")
+        assert all(st.st_nlink == 1 for st in files2.values())  # nothing left linked
+        _assert_equal(_state(), mngr.restore(step=2))
+        with pytest.raises(CorruptCheckpointError):
+            mngr.restore(step=1)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove", "symlink"])
+def test_a_missing_short_or_symlinked_previous_chunk_means_write(tmp_path, damage, caplog):
+    d = str(tmp_path)
+    outside = tmp_path.parent / f"outside-{damage}"
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        _save(mngr, 1, _state())
+        files, record = _leaf_files(d, 1, "base/w1")
+        item = os.path.join(d, "1", "params")
+        i = json.load(open(os.path.join(item, "_METADATA.json")))["leaves"].index(record)
+        victim = os.path.join(item, "d", str(i), sorted(n for n in files if n[:2] == "c/")[-1])
+        if damage == "truncate":
+            os.truncate(victim, 1000)
+        elif damage == "remove":
+            os.remove(victim)
+        else:
+            os.replace(victim, outside)  # the real bytes, outside the checkpoint
+            os.symlink(outside, victim)
+        with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
+            r = _save(mngr, 2, _state())
+        assert r.bytes_reused == W2 + ADAPTER and "base/w1" in caplog.text
+        _assert_equal(_state(), mngr.restore(step=2))
+        files2, _ = _leaf_files(d, 2, "base/w1")
+        assert all(st.st_nlink == 1 and not os.path.islink(n) for n, st in files2.items())
+    if damage == "symlink":
+        assert outside.stat().st_nlink == 1  # never linked to, never followed
+
+
+def test_a_different_recorded_digest_means_write(tmp_path):
+    prev = _layout.LeafRecord(
+        "w",
+        (("dict", "w"),),
+        "array",
+        (4, 4),
+        "float32",
+        None,
+        _layout.ArrayStorage((2, 4)),
+        digest="xxh3_128:" + "0" * 32,
+    )
+    doc = _layout.CheckpointDocument((prev,), {})
+    same = {0: prev}
+    other = {0: dataclasses.replace(prev, digest="xxh3_128:" + "1" * 32)}
+    no_digest = {0: dataclasses.replace(prev, digest=None)}
+    assert _incremental.plan_reuse(same, doc) == {0: 0}
+    assert _incremental.plan_reuse(other, doc) == {}
+    assert _incremental.plan_reuse(no_digest, doc) == {}
+
+
+def test_digest_is_the_leaf_bytes_whatever_the_axis_0_split():
+    x = np.arange(48, dtype=np.float32).reshape(6, 8)
+    rec = _layout.LeafRecord("x", (("dict", "x"),), "array", (6, 8), "float32")
+    whole = _incremental.leaf_digest(rec, [((slice(None), slice(None)), x)])
+    split = [((slice(3, 6), slice(0, 8)), x[3:]), ((slice(0, 3), slice(None)), x[:3])]
+    assert _incremental.leaf_digest(rec, split) == whole
+    assert _incremental.leaf_digest(rec, split[:1]) is None  # rows missing: no digest
+    cols = [((slice(None), slice(0, 4)), x[:, :4]), ((slice(None), slice(4, 8)), x[:, 4:])]
+    assert _incremental.leaf_digest(rec, cols) is None  # not C-order slabs: never reused
+    y = x.copy()
+    y[5, 7] += 1
+    assert _incremental.leaf_digest(rec, [((slice(None), slice(None)), y)]) != whole
+
+
+def test_sharded_jax_arrays(tmp_path, devices):
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(4, 2), ("a", "b"))
+    rows = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)
+    state = {
+        "params": {
+            "rows": jax.device_put(rows, NamedSharding(mesh, P("a", None))),
+            "cols": jax.device_put(rows + 1, NamedSharding(mesh, P(None, "b"))),
+            "adapter": jax.device_put(np.ones((512, 1024), np.float32), NamedSharding(mesh, P())),
+        }
+    }
+    d = str(tmp_path)
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        _save(mngr, 1, state)
+        state["params"]["adapter"] = state["params"]["adapter"] * 2
+        r = _save(mngr, 2, state)
+        assert r.bytes_reused == rows.nbytes  # "rows"; "cols" has no digest: written
+        assert all(_same_inodes(d, 1, 2, "rows"))
+        assert not any(_same_inodes(d, 1, 2, "cols"))
+        got = mngr.restore(step=2)
+    np.testing.assert_array_equal(got["params"]["rows"], rows)
+    np.testing.assert_array_equal(got["params"]["cols"], rows + 1)
+    np.testing.assert_array_equal(got["params"]["adapter"], 2)
+
+
+def test_off_by_default_and_in_standalone_saves(tmp_path):
+    d = str(tmp_path / "steps")
+    with fop.CheckpointManager(d) as mngr:
+        _save(mngr, 1, _state())
+        r = _save(mngr, 2, _state())
+        assert r.bytes_reused == 0 and "checkpoint/bytes_reused" not in r.as_scalars()
+        assert not any(_same_inodes(d, 1, 2, "base/w1"))
+    _, record = _leaf_files(d, 2, "base/w1")
+    assert "digest" not in record
+    fop.save(str(tmp_path / "one"), _state()["params"])
+    meta = json.load(open(tmp_path / "one" / "_METADATA.json"))
+    assert not any("digest" in r for r in meta["leaves"])
+
+
+def test_previous_step_without_the_item_or_digests(tmp_path):
+    d = str(tmp_path)
+    with fop.CheckpointManager(d) as mngr:  # step 1 written without digests
+        _save(mngr, 1, _state())
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        assert _save(mngr, 2, {"other": _state()["params"]}).bytes_reused == 0
+        assert _save(mngr, 3, _state()).bytes_reused == 0  # step 2 has no params
+        assert _save(mngr, 4, _state()).bytes_reused > 0
+        _assert_equal(_state(), mngr.restore(step=4))
+
+
+def test_digest_field_is_validated():
+    raw = {
+        "path": "w",
+        "keys": [["dict", "w"]],
+        "kind": "array",
+        "shape": [4],
+        "dtype": "float32",
+        "sharding": None,
+        "storage": {"type": "array", "chunk_shape": [4]},
+        "digest": "xxh3_128:" + "ab" * 16,
+    }
+    rec = _layout.LeafRecord.from_json(raw, "m.json", 0)
+    assert rec.digest == raw["digest"] and rec.to_json() == raw
+    for bad in ("xxh3_128:XYZ", 5, "", "nocolon" + "0" * 32, "../x:" + "0" * 32):
+        with pytest.raises(CorruptCheckpointError, match=r"leaves\[0\] \('w'\)\.digest"):
+            _layout.LeafRecord.from_json(dict(raw, digest=bad), "m.json", 0)
+    del raw["digest"]
+    assert _layout.LeafRecord.from_json(raw, "m.json", 0).digest is None
+
+
+KILLED_CHILD = """
+import sys
+import numpy as np
+import flax_orbax_plugin as fop
+from flax_orbax_plugin import _arrays
+_arrays.CHUNK_TARGET_BYTES = 1 << 20
+sys.path.insert(0, sys.argv[2])
+from test_incremental import _state
+with fop.CheckpointManager(sys.argv[1], incremental=True, keep=int(sys.argv[3]) or None) as m:
+    m.save(2, _state(2.0))
+    m.wait()
+"""
+
+
+@pytest.mark.parametrize("phase", ["mid_write", "after_marker", "mid_retention"])
+def test_a_kill_during_an_incremental_step_leaves_the_earlier_one_whole(tmp_path, phase):
+    """Killed after the links (mid_write: the first chunk write follows them), after the
+    commit marker, or while retention deletes step 1: the next writer restores a whole
+    step and nothing partial is listed."""
+    import subprocess
+    import sys
+
+    d = str(tmp_path)
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        _save(mngr, 1, _state(1.0))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", FOP_KILL_AT=phase)
+    keep = "1" if phase == "mid_retention" else "0"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_CHILD, d, os.path.dirname(__file__), keep],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        steps = mngr.steps()
+        assert steps == {"mid_write": [1], "after_marker": [1, 2], "mid_retention": [2]}[phase]
+        assert sorted(os.listdir(d)) == sorted([".writer.lock", *map(str, steps)])
+        for s in steps:
+            _assert_equal(_state(float(s)), mngr.restore(step=s))
+        r = _save(mngr, 3, _state(3.0))
+        assert r.bytes_reused == W1 + W2
+    assert all(r.ok for r in fop.verify(d, all_steps=True))
