@@ -489,3 +489,31 @@ def test_two_processes_replicate_and_resume_from_the_bucket(s3_location, tmp_pat
         host = reader.restore()
     np.testing.assert_array_equal(host["params"]["w"], W.expected_w(4) + 3)
     np.testing.assert_array_equal(host["opt_state"]["mu"], -(W.expected_w(4) + 3))
+
+
+def test_incremental_local_steps_are_replicated_whole(s3, tmp_path):
+    """Local steps that hard-link unchanged leaves from the previous one: the bucket
+    gets every byte of each step (a step there never depends on another)."""
+    local = tmp_path / "local"
+    frozen = state(1)["params"]["w"]
+    with fop.CheckpointManager(local, incremental=True, persistent=s3.url) as mngr:
+        for s in (1, 2):
+            st = state(s)
+            st["params"]["w"] = frozen  # unchanged: linked, not written, in step 2
+            mngr.save(s, st)
+            mngr.wait()
+            assert mngr.persistent.wait(WAIT_S)
+        assert mngr.persistent.replicated == [1, 2]
+    linked = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(local / "2" / "params")
+        for f in fs
+        if os.stat(os.path.join(d, f)).st_nlink > 1
+    ]
+    assert linked  # the local step 2 does reuse step 1's files
+    with fop.CheckpointManager(s3.url, keep=1) as bucket:
+        bucket.gc()  # drop step 1 remotely: step 2 must stand alone
+        assert bucket.steps() == [2]
+        restored = bucket.restore()
+    np.testing.assert_array_equal(restored["params"]["w"], frozen)
+    np.testing.assert_array_equal(restored["params"]["b"], state(2)["params"]["b"])
