@@ -74,7 +74,11 @@ class CheckpointCallback:
         with each step (metrics, for example).
       writer: an object with ``write_scalars(step, scalars)`` receiving each
         save's figures.
-      manager_options: further keyword arguments for :class:`CheckpointManager`.
+      manager_options: further keyword arguments for :class:`CheckpointManager`,
+        e.g. ``{"persistent": "gs://bucket/run", "persistent_keep": 1}``: then
+        ``directory`` is the fast local tier and resuming takes the newest good step
+        of either tier (a new machine with an empty ``directory`` resumes from the
+        bucket).
     """
 
     def __init__(

@@ -110,6 +110,9 @@ class CheckpointManager:
       persistent_grace_seconds: after SIGTERM, how long the exit waits for the
         replication of the step it saved.
 
+    ``wait()`` is for the local tier; ``persistent.wait()`` waits for the replication
+    (``close()`` waits for both).
+
     A writer (``read_only=False``) takes an exclusive lock on a local directory
     (a second live writer gets DirectoryLockedError; a SIGKILLed writer's lock is
     released by the kernel) and removes unfinished temporary steps. A directory that
@@ -340,8 +343,9 @@ class CheckpointManager:
         steps = sorted(set(local) | self._tier.known_steps()) if self._tier else local
         if steps and step <= steps[-1] and not overwrite:
             what = "already exists" if step in steps else "is below the latest committed step"
+            where = self._loc if steps == local else f"{self._loc} + {self._tier.remote}"
             raise CheckpointError(
-                f"step {step} {what} in {self._loc} (latest: {steps[-1]}); steps must "
+                f"step {step} {what} in {where} (latest: {steps[-1]}); steps must "
                 f"increase. Resume from it (resume=True), use a new directory, or pass "
                 f"overwrite=True to replace steps"
             )

@@ -220,7 +220,7 @@ def test_local_directory_wiped_mid_run(s3, tmp_path):
         assert_step(mngr.restore(), 2)
         assert mngr.restored_step == 2 and mngr.steps() == [2]
         # Saving goes on; steps must still increase across both tiers.
-        with pytest.raises(fop.CheckpointError, match="steps must increase"):
+        with pytest.raises(fop.CheckpointError, match=r"local \+ s3://.*steps must increase"):
             mngr.save(1, state(1))
         shutil.rmtree(local)
         save_steps(mngr, [3])
