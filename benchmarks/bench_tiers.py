@@ -9,7 +9,8 @@ both alike, each repetition in a fresh bucket prefix and local directory:
 
 * ``direct``: ``CheckpointManager("s3://...")`` (async saves);
 * ``tiered``: ``CheckpointManager(<local tmp>, persistent="s3://...")``: async saves
-  to the local disk, each committed step replicated to the bucket in the background.
+  to the local disk, each committed step replicated to the bucket in the background;
+* ``local``: for reference, the local disk alone (no bucket).
 
 The loop: ``--steps`` steps of ``--step-ms`` of simulated device time (a sleep: the
 host is idle, as when an accelerator computes), a save every ``--every`` steps of a
@@ -75,13 +76,17 @@ def main() -> None:
     server = S3Server(mode="process").start()
     undo = server.apply_env()
     tmp = tempfile.mkdtemp(prefix="fop-tiers-")
-    samples: dict[str, list[dict]] = {"direct": [], "tiered": []}
+    samples: dict[str, list[dict]] = {"direct": [], "tiered": [], "local": []}
     try:
         bucket = server.create_bucket()
         for rep in range(args.reps):
-            for kind in ("direct", "tiered") if rep % 2 == 0 else ("tiered", "direct"):
+            order = ("direct", "tiered", "local")
+            for kind in order if rep % 2 == 0 else order[::-1]:
                 url = f"s3://{bucket}/{kind}-{rep}"
                 if kind == "direct":
+                    mngr = fop.CheckpointManager(url)
+                elif kind == "local":  # reference: the local disk alone, no bucket
+                    url = os.path.join(tmp, f"alone-{rep}")
                     mngr = fop.CheckpointManager(url)
                 else:
                     local = os.path.join(tmp, f"local-{rep}")

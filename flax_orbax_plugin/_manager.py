@@ -193,6 +193,7 @@ class CheckpointManager:
                     keep_every=persistent_keep_every,
                     grace_seconds=persistent_grace_seconds,
                     remove_step=remove_step,
+                    busy=lambda: self.save_in_flight,
                 )
                 self._tier.open(self.steps())
             except BaseException:

@@ -107,6 +107,10 @@ logger = logging.getLogger("flax_orbax_plugin")
 COPY_THREADS = 16  # files copied at once (object stores are latency-bound)
 RETRIES = 2
 RETRY_DELAY_S = 0.5
+# A copy yields to the training loop's own save: it waits while a local save is in
+# flight (before each step and each file), but no longer than this per step, so a
+# loop that saves all the time still gets its steps replicated.
+MAX_DEFER_S = 10.0
 
 
 class _Stopped(Exception):
@@ -124,6 +128,8 @@ class PersistentTier:
       grace_seconds: how long a close after SIGTERM waits for the replication.
       remove_step: ``remove_step(location, step)`` deletes a committed step (the
         manager's, so both tiers delete alike).
+      busy: returns True while the manager's own save is in flight; the copy waits
+        meanwhile (at most :data:`MAX_DEFER_S` per step): the local save comes first.
     """
 
     def __init__(
@@ -135,6 +141,7 @@ class PersistentTier:
         keep_every: int | None = None,
         grace_seconds: float = 30.0,
         remove_step: Callable[[Location, int], None],
+        busy: Callable[[], bool] = lambda: False,
     ):
         self.local = local
         self.remote = Location.from_path(remote)
@@ -157,6 +164,8 @@ class PersistentTier:
         self.retention = RetentionPolicy(keep_last=keep, keep_every=keep_every)
         self.grace_seconds = float(grace_seconds)
         self._remove_step = remove_step
+        self._busy = busy
+        self._defer_until = 0.0  # replicator: the deadline of the current step's yielding
         self._cond = threading.Condition()
         self._queue: set[int] = set()  # guarded by _cond, like the fields below
         self._current: int | None = None
@@ -317,6 +326,9 @@ class PersistentTier:
             with self._cond:
                 while not self._queue and not self._stop:
                     self._cond.wait()
+            self._defer_until = time.monotonic() + MAX_DEFER_S
+            self._yield_to_saves()  # then take the newest step, maybe the one just saved
+            with self._cond:
                 if self._stop:
                     return
                 step = max(self._queue)
@@ -401,11 +413,16 @@ class PersistentTier:
         )
         return True
 
-    def _copy_files(self, read, dst: Location, files, manifest: StepManifest, src: str) -> int:
+    def _copy_files(
+        self, read, dst: Location, files, manifest: StepManifest, src: str, restoring=False
+    ) -> int:
         """Copies ``files`` (relative paths) into ``dst``, checking the sha256 of each
-        JSON file the manifest lists; the manifest itself is not among them."""
+        JSON file the manifest lists; the manifest itself is not among them. A copy up
+        (not ``restoring``) yields to local saves."""
 
         def one(rel: str) -> int:
+            if not restoring:
+                self._yield_to_saves()
             if self._stop:
                 raise _Stopped()
             data = read(rel)
@@ -431,6 +448,11 @@ class PersistentTier:
                 self._stop_pool(futures)
                 raise
         return total
+
+    def _yield_to_saves(self) -> None:
+        """Replicator: waits while a local save is in flight, up to the step's deadline."""
+        while not self._stop and time.monotonic() < self._defer_until and self._busy():
+            time.sleep(0.005)
 
     @staticmethod
     def _stop_pool(futures) -> None:
@@ -521,6 +543,7 @@ class PersistentTier:
                     files,
                     manifest,
                     str(src),
+                    restoring=True,
                 )
                 staging.location.sync()
                 staging.publish(MANIFEST_FILE, raw, replace=False)
