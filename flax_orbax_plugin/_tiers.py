@@ -27,7 +27,9 @@ Who calls what (one manager, one training thread, one replicator thread):
 * the manager's background save thread calls :meth:`submit` after each local commit;
 * the replicator thread copies the newest queued step first; an older queued step
   is dropped when a newer one is queued, unless the persistent retention keeps it
-  forever (``keep_every``); then the persistent retention runs. A failed copy is
+  forever (``keep_every``); then the persistent retention runs. It yields to the
+  training loop: while the manager's own save is in flight it waits before each step
+  and each file (at most :data:`MAX_DEFER_S` per step). A failed copy is
   retried twice, then logged and kept as the tier's :attr:`error` (raised by
   :meth:`wait` and by the manager's ``close``); the step is tried again at the next
   open;
@@ -46,9 +48,9 @@ stays the only one; the step lands on the fast tier where the next restart reads
 and the copy verifies the manifest and every JSON checksum before anything is
 allocated. The cost is local disk for one step, which the local tier has anyway.
 
-Several processes. A manager's directory is, with several processes, one that every
-host mounts (a shared filesystem or a bucket: the local commit renames a staging
-directory that all processes wrote into), and so is the local tier here: the
+Several processes. A manager's local directory is, with several processes, one that
+every host mounts (the local commit renames a staging directory that all processes
+wrote into), and so is the local tier here: the
 **primary replicates the whole step** (it sees every process's files there), the
 other processes' tiers do no copying: ``submit`` is a no-op on them, ``open``,
 :meth:`agreed_steps` and :meth:`ensure_local` are collective (the primary lists or
@@ -69,9 +71,9 @@ broadcast, so every host copies the same steps; copy-down on restore would fetch
 per host, only the files that host's shards need.
 
 Not handled: two writers replicating to one persistent location (there is no lock
-on object stores); a step replaced locally with ``overwrite=True`` is replaced
-remotely by first un-committing the old copy (a window where the step is absent
-remotely, never partial).
+on object stores). A step replaced locally with ``overwrite=True`` is replaced on a
+filesystem tier atomically (rename), on an object store by first un-committing the
+old copy (a window where the step is absent there, never partial).
 """
 
 from __future__ import annotations
