@@ -266,6 +266,21 @@ def test_resume_false_refuses_a_persistent_tier_holding_steps(s3, tmp_path):
     cb.close()
 
 
+@pytest.mark.parametrize("remote", ["s3", "fs"], indirect=True)
+def test_a_step_replaced_locally_is_replaced_in_the_persistent_tier(remote, tmp_path):
+    with fop.CheckpointManager(tmp_path / "local", persistent=remote.url) as mngr:
+        save_steps(mngr, [1, 2])
+        mngr.save(2, state(7), overwrite=True)
+        mngr.wait()
+        assert mngr.persistent.wait(WAIT_S)
+        assert mngr.persistent.replicated == [1, 2, 2]
+    assert all(k.startswith(("1/", "2/")) for k in remote.keys())  # the old copy is gone
+    with fop.CheckpointManager(remote.url, read_only=True) as reader:
+        assert reader.steps() == [1, 2]
+        assert_step(reader.restore(step=2), 7)
+        assert_step(reader.restore(step=1), 1)
+
+
 # ------------------------------------------------------------------ retention
 
 
