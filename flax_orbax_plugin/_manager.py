@@ -353,7 +353,7 @@ class CheckpointManager:
         op = _distributed.next_operation_id("manager-commit")
 
         def background() -> SaveResult:
-            written = self._commit(op, step, staging, pendings, entries, digest)
+            written = self._commit(op, step, staging, pendings, entries, digest, replace)
             result = SaveResult(
                 str(final),
                 blocking,
@@ -367,7 +367,7 @@ class CheckpointManager:
 
         return SaveHandle(str(final), background).start()
 
-    def _commit(self, op, step, staging: Staging, pendings, entries, digest) -> Written:
+    def _commit(self, op, step, staging: Staging, pendings, entries, digest, replace) -> Written:
         """Background thread: every item written and durable, then the one commit."""
 
         def write() -> Written:
@@ -393,9 +393,11 @@ class CheckpointManager:
         def abort() -> None:
             if staging.renames:
                 staging.location.remove()
-            else:
-                for entry in entries.values():
-                    if entry.dir != _dir_name_of(entry):
+            elif not replace:  # a new step written in place: no manifest, all of it goes
+                staging.final.remove()
+            else:  # the old step stays whole: only the new items' fresh directories go
+                for name, entry in entries.items():
+                    if entry.dir != name:
                         staging.final.child(entry.dir).remove()
 
         return _commit.commit_collectively(
@@ -783,10 +785,6 @@ def remove_step(loc: Location, step: int) -> None:
         step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
         _faults.kill_point("mid_retention")
         step_loc.remove()
-
-
-def _dir_name_of(entry: ItemEntry) -> str:
-    return entry.dir.split(".", 1)[0]
 
 
 def _wait_all(pendings: Iterable[Pending], *, raise_first: bool = False) -> list[Any]:
