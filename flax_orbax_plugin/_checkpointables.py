@@ -179,9 +179,12 @@ class PytreeCheckpointable:
 
     kind = "pytree"
 
+    def __init__(self, *, compression: str | None = None):
+        self.compression = _layout.check_codec(compression)
+
     def save(self, directory: Location, value: Any, *, reuse: Any = None) -> Pending:
         """``reuse``: an ``_incremental.Reuse`` from a manager with ``incremental=True``."""
-        snap = _save.snapshot(value)
+        snap = _save.snapshot(value, compression=self.compression)
         limit = _save.DEFAULT_MEMORY_LIMIT_BYTES
         return _Done(
             lambda: snap.write(directory, limit=limit, durable=False, reuse=reuse), snap.digest

@@ -99,6 +99,8 @@ class CheckpointManager:
       checkpointables: overrides of the checkpointable used per item name.
       incremental: a pytree leaf unchanged since the previous committed step is
         hard-linked from it, not written (local disk, one process; see _incremental).
+      compression: per pytree item, ``"zstd"`` or ``"zstd:<level>"``, e.g.
+        ``{"opt_state": "zstd"}``; restore reads the codec from the checkpoint.
       clock: time source for ``every_seconds`` (tests pass one in).
 
     A writer (``read_only=False``) takes an exclusive lock on a local directory
@@ -125,6 +127,7 @@ class CheckpointManager:
         checkpointables: Mapping[str, Checkpointable] | None = None,
         clock: Callable[[], float] = time.monotonic,
         incremental: bool = False,
+        compression: Mapping[str, str] | None = None,
     ):
         self._loc = Location.from_path(directory)
         self._retention = RetentionPolicy(
@@ -139,6 +142,12 @@ class CheckpointManager:
         self._async = async_save
         self._read_only = read_only
         self._overrides = dict(checkpointables or {})
+        for name, codec in (compression or {}).items():
+            if name in self._overrides:
+                raise ValueError(f"compression[{name!r}]: item {name!r} has its own checkpointable")
+            self._overrides[_check_item_name(name)] = PytreeCheckpointable(
+                compression=_layout.check_codec(codec, where=f"compression[{name!r}]")
+            )
         self._incremental = incremental
         self._lock = threading.Lock()  # guards the fields below
         self._reading: collections.Counter[int] = collections.Counter()
