@@ -65,13 +65,19 @@ def spec(
     itemsize: int,
     *,
     inner_chunk: list[int] | None = None,
+    codec: str | None = None,
 ) -> dict[str, Any]:
     """zarr3 spec; with ``inner_chunk`` each chunk is one file of checksummed inner chunks
-    (zarr3 sharding codec), so damage is located to ``inner_chunk`` granularity."""
+    (zarr3 sharding codec), so damage is located to ``inner_chunk`` granularity.
+    ``codec`` ``"zstd:<level>"`` compresses each (inner) chunk before its checksum."""
     bytes_codec: dict[str, Any] = {"name": "bytes"}
     if itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}
-    codecs: list[dict[str, Any]] = [bytes_codec, {"name": "crc32c"}]
+    codecs: list[dict[str, Any]] = [bytes_codec]
+    if codec is not None:
+        name, _, level = codec.partition(":")
+        codecs.append({"name": name, "configuration": {"level": int(level)}})
+    codecs.append({"name": "crc32c"})
     if inner_chunk is not None:
         codecs = [
             {

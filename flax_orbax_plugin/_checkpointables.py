@@ -35,6 +35,7 @@ Nothing here ever unpickles: every non-array file is JSON.
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -103,25 +104,28 @@ class _Done:
 
 
 def _to_json(value: Any, where: str) -> Any:
-    """Encode ``value`` as JSON-compatible data; bytes become ``{"__bytes__": b64}``."""
+    """Encode ``value`` as JSON-compatible data; bytes become ``{"__bytes__": b64}``,
+    NaN and infinities ``{"__float__": "nan" | "inf" | "-inf"}``."""
     if value is None or isinstance(value, bool | str):
         return value
-    if isinstance(value, int | float):
+    if isinstance(value, int):
         return value
+    if isinstance(value, float):  # NaN and infinities are not JSON: tagged, exactly
+        return value if math.isfinite(value) else {"__float__": repr(value)}
     if isinstance(value, bytes | bytearray):
         return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, np.generic) or (hasattr(value, "shape") and hasattr(value, "dtype")):
         arr = np.asarray(value)
         if arr.ndim == 0:
-            return arr.item()
+            return _to_json(arr.item(), where)
         return [_to_json(x, where) for x in arr.tolist()]
     if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 raise TypeError(f"{where}: JSON keys must be str, found {k!r}")
-            if k == "__bytes__":
-                raise ValueError(f"{where}: the key '__bytes__' is reserved")
+            if k in ("__bytes__", "__float__"):
+                raise ValueError(f"{where}: the key {k!r} is reserved")
             out[k] = _to_json(v, f"{where}/{k}")
         return out
     if isinstance(value, list | tuple):
@@ -136,6 +140,8 @@ def _from_json(value: Any) -> Any:
     if isinstance(value, dict):
         if set(value) == {"__bytes__"}:
             return base64.b64decode(value["__bytes__"])
+        if set(value) == {"__float__"} and value["__float__"] in ("nan", "inf", "-inf"):
+            return float(value["__float__"])
         return {k: _from_json(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_from_json(v) for v in value]
@@ -173,9 +179,12 @@ class PytreeCheckpointable:
 
     kind = "pytree"
 
+    def __init__(self, *, compression: str | None = None):
+        self.compression = _layout.check_codec(compression)
+
     def save(self, directory: Location, value: Any, *, reuse: Any = None) -> Pending:
         """``reuse``: an ``_incremental.Reuse`` from a manager with ``incremental=True``."""
-        snap = _save.snapshot(value)
+        snap = _save.snapshot(value, compression=self.compression)
         limit = _save.DEFAULT_MEMORY_LIMIT_BYTES
         return _Done(
             lambda: snap.write(directory, limit=limit, durable=False, reuse=reuse), snap.digest

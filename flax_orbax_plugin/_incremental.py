@@ -152,6 +152,8 @@ def plan_reuse(records: dict[int, LeafRecord], previous: CheckpointDocument) -> 
             and tuple(old.shape) == tuple(rec.shape)
             and old.dtype == rec.dtype
             and tuple(old.storage.chunk_shape) == tuple(rec.storage.chunk_shape)
+            and old.storage.codec == rec.storage.codec
+            and old.storage.codec is None  # compressed chunks have no fixed size to check
             and old.impl == rec.impl
         ):
             out[i] = j

@@ -214,11 +214,26 @@ def _files(obj: Mapping, where: str) -> dict[str, str]:
 # -- leaves and batches -----------------------------------------------------------------
 
 
+_CODEC = re.compile(r"^zstd:(?:[1-9]|1[0-9]|2[0-2])$", re.ASCII)
+
+
+def check_codec(codec: Any, *, where: str = "compression") -> str | None:
+    """``None`` or ``"zstd:<level 1-22>"`` (``"zstd"`` means level 3)."""
+    if codec is None:
+        return None
+    if codec == "zstd":
+        return "zstd:3"
+    if not (isinstance(codec, str) and _CODEC.match(codec)):
+        raise ValueError(f"{where}: expected None, 'zstd' or 'zstd:<1-22>', found {codec!r}")
+    return codec
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArrayStorage:
-    """A leaf stored as its own zarr3 array ``d/<index>/``."""
+    """A leaf stored as its own zarr3 array ``d/<index>/``; ``codec`` compresses it."""
 
     chunk_shape: tuple[int, ...]
+    codec: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -267,6 +282,8 @@ class LeafRecord:
             out["impl"] = self.impl
         if isinstance(self.storage, ArrayStorage):
             out["storage"] = {"type": "array", "chunk_shape": list(self.storage.chunk_shape)}
+            if self.storage.codec is not None:
+                out["storage"]["codec"] = self.storage.codec
         elif isinstance(self.storage, BatchStorage):
             s = self.storage
             out["storage"] = {"type": "batch", "batch": s.batch, "offset": s.offset, "size": s.size}
@@ -338,7 +355,15 @@ class LeafRecord:
                 f"{len(shape)} ints in [1, shape]",
                 chunk,
             )
-            storage = ArrayStorage(tuple(chunk))
+            codec = raw.get("codec")
+            _need(
+                codec is None or (isinstance(codec, str) and bool(_CODEC.match(codec))),
+                where,
+                f"{at}.storage.codec",
+                "absent or 'zstd:<1-22>'",
+                codec,
+            )
+            storage = ArrayStorage(tuple(chunk), codec)
         else:
             _need(
                 raw.get("type") == "batch",
@@ -398,8 +423,14 @@ class BatchRecord:
     process: int
     size: int
     chunk: int
+    codec: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        if self.codec is not None:
+            return {**self._fields(), "codec": self.codec}
+        return self._fields()
+
+    def _fields(self) -> dict[str, Any]:
         return {
             "dtype": self.dtype,
             "process": self.process,
@@ -426,7 +457,15 @@ class BatchRecord:
             f"name {batch_name(process, dtype)!r}",
             name,
         )
-        return cls(name, dtype, process, size, chunk)
+        codec = obj.get("codec")
+        _need(
+            codec is None or (isinstance(codec, str) and bool(_CODEC.match(codec))),
+            where,
+            f"{at}.codec",
+            "absent or 'zstd:<1-22>'",
+            codec,
+        )
+        return cls(name, dtype, process, size, chunk, codec)
 
 
 def batch_name(process: int, dtype: str) -> str:

@@ -100,6 +100,8 @@ class CheckpointManager:
       checkpointables: overrides of the checkpointable used per item name.
       incremental: a pytree leaf unchanged since the previous committed step is
         hard-linked from it, not written (local disk, one process; see _incremental).
+      compression: per pytree item, ``"zstd"`` or ``"zstd:<level>"``, e.g.
+        ``{"opt_state": "zstd"}``; restore reads the codec from the checkpoint.
       clock: time source for ``every_seconds`` (tests pass one in).
       persistent: a second, persistent tier (``s3://``, ``gs://``, a shared
         filesystem path) to which every step committed in ``directory`` (then a
@@ -137,6 +139,7 @@ class CheckpointManager:
         checkpointables: Mapping[str, Checkpointable] | None = None,
         clock: Callable[[], float] = time.monotonic,
         incremental: bool = False,
+        compression: Mapping[str, str] | None = None,
         persistent: Any = None,
         persistent_keep: int | None = None,
         persistent_keep_every: int | None = None,
@@ -155,6 +158,12 @@ class CheckpointManager:
         self._async = async_save
         self._read_only = read_only
         self._overrides = dict(checkpointables or {})
+        for name, codec in (compression or {}).items():
+            if name in self._overrides:
+                raise ValueError(f"compression[{name!r}]: item {name!r} has its own checkpointable")
+            self._overrides[_check_item_name(name)] = PytreeCheckpointable(
+                compression=_layout.check_codec(codec, where=f"compression[{name!r}]")
+            )
         self._incremental = incremental
         self._lock = threading.Lock()  # guards the fields below
         self._reading: collections.Counter[int] = collections.Counter()
@@ -401,7 +410,7 @@ class CheckpointManager:
         op = _distributed.next_operation_id("manager-commit")
 
         def background() -> SaveResult:
-            written = self._commit(op, step, staging, pendings, entries, digest)
+            written = self._commit(op, step, staging, pendings, entries, digest, replace)
             result = SaveResult(
                 str(final),
                 blocking,
@@ -415,7 +424,7 @@ class CheckpointManager:
 
         return SaveHandle(str(final), background).start()
 
-    def _commit(self, op, step, staging: Staging, pendings, entries, digest) -> Written:
+    def _commit(self, op, step, staging: Staging, pendings, entries, digest, replace) -> Written:
         """Background thread: every item written and durable, then the one commit."""
 
         def write() -> Written:
@@ -441,9 +450,11 @@ class CheckpointManager:
         def abort() -> None:
             if staging.renames:
                 staging.location.remove()
-            else:
-                for entry in entries.values():
-                    if entry.dir != _dir_name_of(entry):
+            elif not replace:  # a new step written in place: no manifest, all of it goes
+                staging.final.remove()
+            else:  # the old step stays whole: only the new items' fresh directories go
+                for name, entry in entries.items():
+                    if entry.dir != name:
                         staging.final.child(entry.dir).remove()
 
         return _commit.commit_collectively(
@@ -854,10 +865,6 @@ def remove_step(loc: Location, step: int) -> None:
         step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
         _faults.kill_point("mid_retention")
         step_loc.remove()
-
-
-def _dir_name_of(entry: ItemEntry) -> str:
-    return entry.dir.split(".", 1)[0]
 
 
 def _wait_all(pendings: Iterable[Pending], *, raise_first: bool = False) -> list[Any]:

@@ -533,3 +533,59 @@ def shared_restore(ctx, directory, share):
         np.array_equal(np.asarray(s.data), expect[s.index]) for s in out["w"].addressable_shards
     )
     return {"read": read, "ok": bool(ok), "nbytes": expect.nbytes}
+
+
+def mixed_state_save(ctx, directory):
+    """A mixed state: sharded, replicated, and arrays living on a subset of the
+    processes' devices (process 0's first device only, and the last process's)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, SingleDeviceSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flax_orbax_plugin as fop
+
+    n = len(ctx.devices)
+    host = np.arange(n * 8 * 16, dtype=np.float32).reshape(n * 8, 16)
+    sharded = jax.make_array_from_callback(
+        host.shape, NamedSharding(ctx.mesh, P("data")), lambda i: host[i]
+    )
+    rep = jax.make_array_from_callback((16,), NamedSharding(ctx.mesh, P()), lambda i: host[0][i])
+    first, last = ctx.devices[0], ctx.devices[-1]
+    big = np.arange(600 * 1000, dtype=np.float32).reshape(600, 1000)  # its own array
+    on_first = jax.make_array_from_callback(
+        big.shape, SingleDeviceSharding(first), lambda i: big[i], dtype=np.float32
+    )
+    on_last = jax.make_array_from_callback(
+        (5,),
+        SingleDeviceSharding(last),
+        lambda i: np.arange(5.0, dtype=np.float32)[i],
+        dtype=np.float32,
+    )
+    state = {"params": {"s": sharded, "r": rep, "first": on_first, "last": on_last}}
+    with fop.CheckpointManager(directory, async_save=False) as m:
+        m.save(1, state)
+        steps = m.steps()
+    out = fop.CheckpointManager(directory, read_only=True).restore(items="params")
+    ok = (
+        np.array_equal(out["s"], host)
+        and np.array_equal(out["r"], host[0])
+        and np.array_equal(out["first"], big)
+        and np.array_equal(out["last"], np.arange(5.0, dtype=np.float32))
+    )
+    return {"steps": steps, "ok": bool(ok)}
+
+
+def iterator_into_more_processes(ctx, directory):
+    """Restores, with this job's process count, a step whose data iterator was saved by
+    one process: the iterator is refused naming both counts; params restore."""
+    import flax_orbax_plugin as fop
+
+    mngr = fop.CheckpointManager(directory, read_only=True)
+    try:
+        mngr.restore(items="data_iterator")
+        error = None
+    except fop.StructureError as e:
+        error = str(e)
+    params = mngr.restore(items="params")
+    return {"error": error, "w": [float(x) for x in params["w"]]}

@@ -228,3 +228,36 @@ def test_nnx_loop_resumes_bit_exact(tmp_path):
     model, cb = nnx_run(tmp_path / "run", 8, True, True)
     assert cb.resumed_step == 3
     assert_trees_equal(nnx.state(model, nnx.Param), nnx.state(reference, nnx.Param))
+
+
+class _Writer:
+    def __init__(self):
+        self.calls = []
+
+    def write_scalars(self, step, scalars):
+        self.calls.append((step, dict(scalars)))
+
+
+@pytest.mark.parametrize("with_writer", [False, True])
+def test_one_log_line_per_save_when_it_commits(tmp_path, caplog, with_writer):
+    writer = _Writer() if with_writer else None
+    state = make_state()
+    cb = fop.CheckpointCallback(tmp_path, every_steps=2, writer=writer)
+    state = cb.on_train_start(state)
+    with caplog.at_level("INFO", logger="flax_orbax_plugin"):
+        cb.on_step_end(2, state)
+        cb.manager._inflight.wait()  # committed in the background: logged now, not later
+        lines = [r for r in caplog.records if "committed step 2" in r.getMessage()]
+        assert len(lines) == (0 if with_writer else 1)
+        assert all(r.name == "flax_orbax_plugin" for r in caplog.records)
+        cb.on_step_end(4, state)
+        cb.close()
+    committed = [r for r in caplog.records if "committed step" in r.getMessage()]
+    if with_writer:  # the writer's line is the one line: the log stays quiet
+        assert committed == [] and [s for s, _ in writer.calls] == [2, 4]
+        assert "checkpoint/bytes" in writer.calls[0][1]
+    else:
+        assert [r.getMessage().split(":")[1] for r in committed] == [
+            " committed step 2",
+            " committed step 4",
+        ]

@@ -182,3 +182,16 @@ def test_state_dict_iterators_work_too(tmp_path):
 def test_iterator_without_state_is_refused(tmp_path):
     with pytest.raises(TypeError, match="get_state"):
         checkpointable_for("data_iterator").save(loc(tmp_path, "di"), iter([1, 2]))
+
+
+def test_non_finite_metrics_round_trip_as_tagged_json(tmp_path):
+    """A diverging run's loss is NaN: it must save (JSON has no NaN) and come back."""
+    import math
+
+    value = {"loss": float("nan"), "hi": np.float32(np.inf), "lo": -math.inf, "ok": 0.5}
+    save_item(checkpointable_for("extras"), tmp_path, "extras", value)
+    out = checkpointable_for("extras").restore(loc(tmp_path, "extras"), None)
+    assert math.isnan(out["loss"]) and out["hi"] == math.inf and out["lo"] == -math.inf
+    assert out["ok"] == 0.5
+    text = (tmp_path / "1" / "extras" / "value.json").read_text()
+    assert "NaN" not in text and "__float__" in text

@@ -118,3 +118,39 @@ def test_replicated_restore_reads_once_and_shares_when_asked(tmp_path, share):
             assert 0.45 * total <= v["read"] <= 0.55 * total, (v["read"], total)
         else:  # every process reads all of it
             assert v["read"] >= total, (v["read"], total)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_mixed_state_with_arrays_on_a_subset_of_devices(tmp_path, n):
+    values = _ok(
+        run_processes(
+            "_mp_workers:mixed_state_save",
+            n,
+            devices_per_process=2,
+            args={"directory": str(tmp_path / "run")},
+            timeout_s=150,
+        )
+    )
+    assert all(v["ok"] and v["steps"] == [1] for v in values), values
+
+
+def test_data_iterator_saved_by_one_process_is_refused_by_two(tmp_path):
+    class It:
+        def get_state(self):
+            return {"position": 7}
+
+    with fop.CheckpointManager(tmp_path / "run") as m:
+        m.save(1, {"params": {"w": [1.0, 2.0]}}, data_iterator=It())
+    values = _ok(
+        run_processes(
+            "_mp_workers:iterator_into_more_processes",
+            2,
+            devices_per_process=1,
+            args={"directory": str(tmp_path / "run")},
+            timeout_s=120,
+        )
+    )
+    for v in values:
+        assert v["w"] == [1.0, 2.0]
+        assert "saved by 1 process(es) but 2 are restoring" in v["error"]
+        assert "re-seed" in v["error"]

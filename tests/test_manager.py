@@ -648,3 +648,34 @@ def test_resume_required_with_no_good_step_names_every_skipped_step(tmp_path):
     text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
     assert "step 2:" in text and "step 1:" in text
     cb.close()
+
+
+def test_a_directory_that_is_a_step_or_a_core_checkpoint_is_refused(tmp_path):
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(300, tiny(300))
+    fop.save(tmp_path / "core", {"w": np.ones(2)})
+    for path, what in (
+        (tmp_path / "run" / "300", "a committed step"),
+        (tmp_path / "core", "a core checkpoint"),
+    ):
+        before = sorted(os.listdir(path))
+        with pytest.raises(fop.CheckpointError, match=f"is itself {what}"):
+            fop.CheckpointManager(path)
+        assert sorted(os.listdir(path)) == before  # no .writer.lock written into it
+
+
+def test_step_different_from_state_step_warns_once(tmp_path, caplog):
+    import optax
+    from flax.training import train_state
+
+    state = train_state.TrainState.create(
+        apply_fn=None, params={"w": np.ones(2, np.float32)}, tx=optax.sgd(0.1)
+    )
+    cb = fop.CheckpointCallback(tmp_path, every_steps=1)
+    cb.on_train_start(state)
+    with caplog.at_level("WARNING", logger="flax_orbax_plugin"):
+        for step in (1, 2):  # a 0-based loop counter against state.step == 0
+            cb.on_step_end(step, state)
+    cb.close()
+    warned = [r for r in caplog.records if "but state.step is 0" in r.getMessage()]
+    assert len(warned) == 1
