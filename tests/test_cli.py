@@ -264,3 +264,19 @@ def test_export_of_a_prng_key_is_a_clear_error(tmp_path, capsys):
     assert rc == 2
     assert "leaf 'k': a PRNG key array has no safetensors equivalent" in err
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_file_and_non_ascii_digit_folders_are_named_for_what_they_are(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hello")
+    rc, _, err = run_cli(capsys, "list", tmp_path / "notes.txt")
+    assert rc == 2 and "is a file, not a checkpoint directory" in err
+    with pytest.raises(fop.CheckpointNotFoundError, match="is a file"):
+        fop.restore(tmp_path / "notes.txt")
+    run_dir = tmp_path / "run"
+    with fop.CheckpointManager(run_dir) as mngr:
+        mngr.save(1, {"params": {"w": np.ones(2, np.float32)}})
+    (run_dir / "\u0663").mkdir()  # ARABIC-INDIC DIGIT THREE: str.isdigit() is True
+    rc, out, _ = run_cli(capsys, "list", run_dir)
+    assert rc == 0 and "1 step(s)" in out and "(left alone): \u0663" in out
+    rc, out, _ = run_cli(capsys, "gc", run_dir, "--keep", "1")
+    assert rc == 0 and "removed steps: none" in out and (run_dir / "\u0663").is_dir()
