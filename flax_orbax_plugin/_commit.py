@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
 from . import _distributed, _faults
 from ._errors import CheckpointError, CoordinationError
 from ._storage import Location
+
+STALE_SECONDS = 3600.0  # a staging directory untouched this long belongs to a dead save
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +94,15 @@ class Staging:
     def _remove_stale_siblings(self) -> None:
         """After a commit: staging left by earlier saves of the same name that died
         (``<name>.partial-*``, ``<name>.deleting-*``; real directories only, never
-        through a link) are garbage now; nothing else is touched."""
+        through a link) is garbage. Only entries untouched for ``STALE_SECONDS`` go, so
+        a save of the same path still running in another job is never cut short."""
         parent = self.final.parent
         prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
+        now = time.time()
         for name, kind in parent.child_kinds().items():
             if kind == "dir" and name.startswith(prefixes):
-                parent.child(name).remove()
+                if now - parent.child(name).newest_mtime() > STALE_SECONDS:
+                    parent.child(name).remove()
 
     def abort(self) -> None:
         """Primary only: removes what this commit staged (renaming strategy)."""

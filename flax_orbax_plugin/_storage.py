@@ -355,6 +355,18 @@ class Location:
         os.rename(self.path.rstrip("/"), dst.path.rstrip("/"))
         fsync_dir(os.path.dirname(dst.path.rstrip("/")))
 
+    def newest_mtime(self) -> float:
+        """Local only: the latest modification time of this directory and its immediate
+        entries (``lstat``: no link followed); ``inf`` when it cannot be read."""
+        path = self.path.rstrip("/")
+        try:
+            times = [os.lstat(path).st_mtime]
+            with os.scandir(path) as it:
+                times += [e.stat(follow_symlinks=False).st_mtime for e in it]
+        except OSError:
+            return float("inf")
+        return max(times)
+
     def exchange(self, other: Location) -> bool:
         """Atomically swaps two local directories (``renameat2(RENAME_EXCHANGE)``), then
         fsyncs the parent; False where the kernel or filesystem cannot (the caller then

@@ -414,12 +414,25 @@ def test_batched_leaves_are_aligned_and_padding_is_zero(tmp_path):
 
 def test_a_commit_removes_stale_staging_of_the_same_name_only(tmp_path):
     """A killed fop.save leaves <path>.partial-*; the next commit of that path removes it
-    (a real directory of that exact name pattern), and never a link or other names."""
+    (a real directory of that exact name pattern, untouched for an hour), and never a
+    link, other names, or a staging directory still being written."""
+    from flax_orbax_plugin import _commit
+
     (tmp_path / "c.partial-dead01" / "d").mkdir(parents=True)
+    (tmp_path / "c.partial-live01" / "d").mkdir(parents=True)  # another job's, running
+    old = time.time() - 2 * _commit.STALE_SECONDS
+    os.utime(tmp_path / "c.partial-dead01" / "d", (old, old))
+    os.utime(tmp_path / "c.partial-dead01", (old, old))
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "keep.txt").write_text("x")
     os.symlink(tmp_path / "outside", tmp_path / "c.partial-link01")
     (tmp_path / "cc.partial-other").mkdir()
     fop.save(tmp_path / "c", {"a": np.ones(3)})
-    assert sorted(os.listdir(tmp_path)) == ["c", "c.partial-link01", "cc.partial-other", "outside"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "c",
+        "c.partial-link01",
+        "c.partial-live01",
+        "cc.partial-other",
+        "outside",
+    ]
     assert (tmp_path / "outside" / "keep.txt").read_text() == "x"
