@@ -121,9 +121,10 @@ def open_for_write(array_spec: dict[str, Any]) -> ts.TensorStore:
     return ts.open(array_spec, assume_metadata=True, context=_context_for(array_spec)).result()
 
 
-def open_for_read(array_spec: dict[str, Any]) -> ts.TensorStore:
-    """Opens, checking the stored ``zarr.json`` agrees with ``array_spec`` (shape, dtype,
-    chunks, codecs: tensorstore raises ValueError otherwise); a missing chunk raises
-    instead of reading zeros."""
+def open_for_read(array_spec: dict[str, Any]) -> ts.Future:
+    """Starts opening, checking the stored ``zarr.json`` agrees with ``array_spec``
+    (shape, dtype, chunks, codecs: the future raises ValueError otherwise); a missing
+    chunk raises instead of reading zeros. A future, so that a restore reads every
+    ``zarr.json`` at once rather than one after another."""
     array_spec = dict(array_spec, fill_missing_data_reads=False)
-    return ts.open(array_spec, open=True, context=_context_for(array_spec)).result()
+    return ts.open(array_spec, open=True, context=_context_for(array_spec))

@@ -55,6 +55,7 @@ from ._errors import (
 from ._layout import (
     COMMIT_FILE,
     METADATA_FILE,
+    ArrayStorage,
     BatchRecord,
     BatchStorage,
     CheckpointDocument,
@@ -386,6 +387,12 @@ def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: li
     def fail(paths):
         return lambda e: errors.append(_corrupt(paths, location, e))
 
+    opening = {}  # every array's zarr.json read at once
+    for target in targets:
+        record = target.record
+        if isinstance(record.storage, ArrayStorage):
+            spec = _save._array_spec(location, target.index, record)
+            opening[target.index] = _arrays.open_for_read(spec)
     for target in targets:
         record = target.record
         if record.kind in _layout.NO_DATA_KINDS:
@@ -393,8 +400,7 @@ def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: li
         if isinstance(record.storage, BatchStorage):
             by_batch[record.storage.batch].append(target)
             continue
-        spec = _save._array_spec(location, target.index, record)
-        store = _open(spec, location, [record.path])
+        store = _opened(opening.pop(target.index), location, [record.path])
         nbytes = record.nbytes
         sharding = _sharding_of(target)
         rows = _shared_read_sharding(sharding, record.shape) if _SHARE_READS.get() else None
@@ -449,8 +455,12 @@ def _replicate(sharding: Any):
 def _open(spec: dict[str, Any], location: Location, paths: list[str]):
     """Opens a stored array, checking its ``zarr.json`` agrees with the metadata (shape,
     dtype, chunks, codecs); a mismatch names the leaves."""
+    return _opened(_arrays.open_for_read(spec), location, paths)
+
+
+def _opened(future, location: Location, paths: list[str]):
     try:
-        return _arrays.open_for_read(spec)
+        return future.result()
     except ValueError as e:
         raise _corrupt(paths, location, e) from None
 
