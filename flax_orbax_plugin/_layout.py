@@ -27,7 +27,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import ml_dtypes
 import numpy as np
@@ -155,11 +155,15 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _fail(where: str, field: str, expected: str, found: Any) -> NoReturn:
+    raise CorruptCheckpointError(
+        f"malformed {where}: field {field}: expected {expected}, found {_show(found)}"
+    )
+
+
 def _need(cond: bool, where: str, field: str, expected: str, found: Any) -> None:
     if not cond:
-        raise CorruptCheckpointError(
-            f"malformed {where}: field {field}: expected {expected}, found {_show(found)}"
-        )
+        _fail(where, field, expected, found)
 
 
 def _one_of(x: Any, names: frozenset[str]) -> bool:
@@ -293,113 +297,89 @@ class LeafRecord:
 
     @classmethod
     def from_json(cls, obj: Any, where: str, index: int) -> LeafRecord:
-        at = f"leaves[{index}]"
-        _need(isinstance(obj, dict), where, at, "an object", obj)
-        path = _str(obj, "path", where, f"{at}.path")
-        at = f"leaves[{index}] ({path!r})"
+        # Hot path (thousands of leaves): conditions first, messages only on failure.
+        if not isinstance(obj, dict):
+            _fail(where, f"leaves[{index}]", "an object", obj)
+        path = obj.get("path")
+        if not isinstance(path, str):
+            _fail(where, f"leaves[{index}].path", "a string", path)
+
+        def bad(field: str, expected: str, found: Any) -> NoReturn:
+            _fail(where, f"leaves[{index}] ({path!r}).{field}", expected, found)
+
         kind = obj.get("kind")
-        _need(_one_of(kind, LEAF_KINDS), where, f"{at}.kind", f"one of {sorted(LEAF_KINDS)}", kind)
-        keys = _keys(obj.get("keys"), where, f"{at}.keys")
+        if not _one_of(kind, LEAF_KINDS):
+            bad("kind", f"one of {sorted(LEAF_KINDS)}", kind)
+        keys = _keys(obj.get("keys"), bad)
         if kind in NO_DATA_KINDS:
             return cls(path, keys, kind)
         shape = obj.get("shape")
-        _need(
-            isinstance(shape, list)
+        if not (
+            type(shape) is list
             and len(shape) <= MAX_NDIM
-            and all(_is_int(s) and 0 <= s < (1 << 50) for s in shape),
-            where,
-            f"{at}.shape",
-            f"a list of at most {MAX_NDIM} non-negative ints",
-            shape,
-        )
+            and all(type(d) is int and 0 <= d < (1 << 50) for d in shape)
+        ):
+            bad("shape", f"a list of at most {MAX_NDIM} non-negative ints", shape)
         shape = tuple(shape)
         dtype = obj.get("dtype")
-        _need(
-            _one_of(dtype, SUPPORTED_DTYPES), where, f"{at}.dtype", "a supported dtype name", dtype
-        )
-        itemsize = dtype_from_name(dtype).itemsize
-        _need(
-            math.prod(shape) * itemsize <= MAX_ARRAY_BYTES,
-            where,
-            f"{at}.shape",
-            f"at most {MAX_ARRAY_BYTES} bytes",
-            shape,
-        )
+        if not _one_of(dtype, SUPPORTED_DTYPES):
+            bad("dtype", "a supported dtype name", dtype)
+        size = math.prod(shape)
+        if size * dtype_from_name(dtype).itemsize > MAX_ARRAY_BYTES:
+            bad("shape", f"at most {MAX_ARRAY_BYTES} bytes", shape)
         sharding = obj.get("sharding")
-        _need(
-            sharding is None or isinstance(sharding, dict),
-            where,
-            f"{at}.sharding",
-            "an object or null",
-            sharding,
-        )
+        if not (sharding is None or isinstance(sharding, dict)):
+            bad("sharding", "an object or null", sharding)
         impl = None
         if kind == "prng_key":
             impl = obj.get("impl")
-            _need(
-                _one_of(impl, PRNG_IMPLS), where, f"{at}.impl", f"one of {sorted(PRNG_IMPLS)}", impl
-            )
+            if not _one_of(impl, PRNG_IMPLS):
+                bad("impl", f"one of {sorted(PRNG_IMPLS)}", impl)
         raw = obj.get("storage")
-        _need(isinstance(raw, dict), where, f"{at}.storage", "an object", raw)
+        if not isinstance(raw, dict):
+            bad("storage", "an object", raw)
         storage: ArrayStorage | BatchStorage
-        if raw.get("type") == "array":
+        stype = raw.get("type")
+        if stype == "batch":
+            batch, offset, n = raw.get("batch"), raw.get("offset"), raw.get("size")
+            if not isinstance(batch, str):
+                bad("storage.batch", "a string", batch)
+            if not (type(offset) is int and 0 <= offset <= 1 << 62):
+                bad("storage.offset", "an int in [0, 2**62]", offset)
+            if n != size or type(n) is not int:
+                bad("storage.size", f"{size} (the shape's element count)", n)
+            storage = BatchStorage(batch, offset, n)
+        elif stype == "array":
             chunk = raw.get("chunk_shape")
-            _need(
-                isinstance(chunk, list)
+            if not (
+                type(chunk) is list
                 and len(chunk) == len(shape)
                 and all(
-                    _is_int(c) and 1 <= c <= max(1, s) for c, s in zip(chunk, shape, strict=True)
-                ),
-                where,
-                f"{at}.storage.chunk_shape",
-                f"{len(shape)} ints in [1, shape]",
-                chunk,
-            )
+                    type(c) is int and 1 <= c <= max(1, d)
+                    for c, d in zip(chunk, shape, strict=True)
+                )
+            ):
+                bad("storage.chunk_shape", f"{len(shape)} ints in [1, shape]", chunk)
             codec = raw.get("codec")
-            _need(
-                codec is None or (isinstance(codec, str) and bool(_CODEC.match(codec))),
-                where,
-                f"{at}.storage.codec",
-                "absent or 'zstd:<1-22>'",
-                codec,
-            )
+            if not (codec is None or (isinstance(codec, str) and _CODEC.match(codec))):
+                bad("storage.codec", "absent or 'zstd:<1-22>'", codec)
             storage = ArrayStorage(tuple(chunk), codec)
         else:
-            _need(
-                raw.get("type") == "batch",
-                where,
-                f"{at}.storage.type",
-                "'array' or 'batch'",
-                raw.get("type"),
-            )
-            batch = _str(raw, "batch", where, f"{at}.storage.batch")
-            offset = _int(raw, "offset", where, f"{at}.storage.offset")
-            size = _int(raw, "size", where, f"{at}.storage.size")
-            _need(
-                size == math.prod(shape),
-                where,
-                f"{at}.storage.size",
-                f"{math.prod(shape)} (the shape's element count)",
-                size,
-            )
-            storage = BatchStorage(batch, offset, size)
+            bad("storage.type", "'array' or 'batch'", stype)
         digest = obj.get("digest")
-        _need(
-            digest is None or (isinstance(digest, str) and bool(_LEAF_DIGEST.match(digest))),
-            where,
-            f"{at}.digest",
-            "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex digits)",
-            digest,
-        )
+        if not (digest is None or (isinstance(digest, str) and _LEAF_DIGEST.match(digest))):
+            bad("digest", "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex)", digest)
         return cls(path, keys, kind, shape, dtype, sharding, storage, impl, digest)
 
 
-def _keys(keys: Any, where: str, field: str) -> tuple[tuple[str, Any], ...]:
-    _need(isinstance(keys, list) and len(keys) <= 1000, where, field, "a list of [kind, key]", keys)
+def _keys(keys: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
+    """``[[kind, key], ...]`` as a tuple of pairs; ``bad(field, expected, found)`` raises."""
+    if not (type(keys) is list and len(keys) <= 1000):
+        bad("keys", "a list of [kind, key]", keys)
     out = []
     for k in keys:
-        ok = (
-            isinstance(k, list)
+        if not (
+            type(k) is list
             and len(k) == 2
             and _one_of(k[0], KEY_KINDS)
             and (
@@ -407,8 +387,8 @@ def _keys(keys: Any, where: str, field: str) -> tuple[tuple[str, Any], ...]:
                 or (k[0] == "attr" and isinstance(k[1], str))
                 or (k[0] == "dict" and (isinstance(k[1], str) or _is_int(k[1])))
             )
-        )
-        _need(ok, where, field, "[kind, key] pairs", k)
+        ):
+            bad("keys", "[kind, key] pairs", k)
         out.append((k[0], k[1]))
     return tuple(out)
 
@@ -534,53 +514,32 @@ def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord
     from ._tree import path_string  # the one definition of a leaf's path
 
     seen: set[str] = set()
+    limit = 2 * len(leaves)
     for i, leaf in enumerate(leaves):
-        at = f"leaves[{i}] ({leaf.path!r})"
-        _need(leaf.path not in seen, where, f"{at}.path", "a path no other leaf has", leaf.path)
+
+        def bad(field: str, expected: str, found: Any, leaf=leaf, i=i) -> NoReturn:
+            _fail(where, f"leaves[{i}] ({leaf.path!r}).{field}", expected, found)
+
+        if leaf.path in seen:
+            bad("path", "a path no other leaf has", leaf.path)
         seen.add(leaf.path)
-        _need(
-            leaf.path == path_string(leaf.keys),
-            where,
-            f"{at}.path",
-            f"{path_string(leaf.keys)!r} (from its keys)",
-            leaf.path,
-        )
-        _need(
-            bool(leaf.keys) or len(leaves) == 1,
-            where,
-            f"{at}.keys",
-            "a key path (only a lone leaf may be the root)",
-            list(leaf.keys),
-        )
+        expected_path = path_string(leaf.keys)
+        if leaf.path != expected_path:
+            bad("path", f"{expected_path!r} (from its keys)", leaf.path)
+        if not leaf.keys and len(leaves) != 1:
+            bad("keys", "a key path (only a lone leaf may be the root)", [])
         for kind, key in leaf.keys:
-            if kind in ("seq", "flat"):
-                _need(
-                    key <= 2 * len(leaves), where, f"{at}.keys", "indices below the leaf count", key
-                )
+            if kind in ("seq", "flat") and key > limit:
+                bad("keys", "indices below the leaf count", key)
         storage = leaf.storage
         if isinstance(storage, BatchStorage):
             batch = batches.get(storage.batch)
-            _need(
-                batch is not None,
-                where,
-                f"{at}.storage.batch",
-                f"one of {sorted(batches)}",
-                storage.batch,
-            )
-            _need(
-                batch.dtype == leaf.dtype,
-                where,
-                f"{at}.storage.batch",
-                f"a batch of dtype {leaf.dtype}",
-                batch.dtype,
-            )
-            _need(
-                storage.offset + storage.size <= batch.size,
-                where,
-                f"{at}.storage.offset",
-                f"offset + size <= {batch.size} (the batch's size)",
-                storage.offset,
-            )
+            if batch is None:
+                bad("storage.batch", f"one of {sorted(batches)}", storage.batch)
+            if batch.dtype != leaf.dtype:
+                bad("storage.batch", f"a batch of dtype {leaf.dtype}", batch.dtype)
+            if storage.offset + storage.size > batch.size:
+                bad("storage.offset", f"offset + size <= {batch.size}", storage.offset)
 
 
 # -- commit records -----------------------------------------------------------------------

@@ -29,6 +29,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 import threading
 import time
@@ -499,9 +500,12 @@ class _Plan:
         links = {}
         if reuse is not None and _incremental.enabled(location, _distributed.process_count()):
             links = self._plan_links(location, reuse)
+        encoded: concurrent.futures.Future = concurrent.futures.Future()
+        if primary:  # encoded while tensorstore's threads write the data
+            threading.Thread(target=self._encode, args=(encoded,), daemon=True).start()
         written, reused = _write_data(location, self, primary, limit, links)
         if primary:
-            encoded = _layout.encode(self.document().to_json())
+            encoded = encoded.result()
             location.write_bytes(METADATA_FILE, encoded, durable=False)
             files[METADATA_FILE] = _layout.sha256(encoded)
             _faults.kill_point("after_metadata")
@@ -509,6 +513,14 @@ class _Plan:
             location.sync()
             _faults.kill_point("after_sync")
         return _commit.Written(written, files, reused)
+
+    def _encode(self, out: concurrent.futures.Future) -> None:
+        """``_METADATA.json``'s bytes (compact; the checksum is of these bytes)."""
+        try:
+            doc = self.document().to_json()
+            out.set_result(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+        except BaseException as e:  # noqa: BLE001  (raised by the write that needs it)
+            out.set_exception(e)
 
     def _plan_links(self, location: Location, reuse: _incremental.Reuse) -> dict[int, Any]:
         """Records the digest of every array leaf; returns ``{leaf index: link()}`` for
