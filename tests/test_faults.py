@@ -100,7 +100,11 @@ def test_every_kill_point_of_the_package_is_exercised():
         if name.endswith(".py"):
             with open(os.path.join(package, name)) as f:
                 called |= set(re.findall(r"kill_point\(\"([a-z_]+)\"\)", f.read()))
-    assert called == set(PHASES)
+    elsewhere = {"mid_replication": "test_tiers.py"}  # the persistent tier's own kill test
+    assert called == set(PHASES) | set(elsewhere)
+    for phase, test_file in elsewhere.items():
+        with open(os.path.join(os.path.dirname(__file__), test_file)) as f:
+            assert f'FOP_KILL_AT"] = "{phase}' in f.read(), (phase, test_file)
 
 
 def _assert_items_equal(restored: dict, expected: dict) -> None:
