@@ -475,7 +475,7 @@ def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) ->
     pieces: list[jax.Array] = []
     remaining = [len(by_index)]
     itemsize = target.dtype.itemsize
-    box = _bounding_box(list(by_index), shape)
+    box = _bounding_box(list(by_index), shape, target.record.storage.chunk_shape)
     if box is not None:  # this process's regions tile one box: read it once
         region = store[tuple(slice(lo, hi) for lo, hi in box)]
 
@@ -516,12 +516,23 @@ def _bounds(key: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return [(lo or 0, shape[d] if hi is None else hi) for d, (lo, hi) in enumerate(key)]
 
 
-def _bounding_box(keys: list[tuple], shape: tuple[int, ...]) -> list[tuple[int, int]] | None:
-    """The box around several regions when they (nearly) fill it, so one read serves
-    them all (a stored chunk shared by two of them is then read once, not twice)."""
+def _bounding_box(
+    keys: list[tuple], shape: tuple[int, ...], chunk: tuple[int, ...]
+) -> list[tuple[int, int]] | None:
+    """The box around several regions when a stored chunk straddles two of them and they
+    (nearly) fill the box, so one read serves them all and no chunk is read twice.
+    Regions that fall on chunk boundaries are read separately, each straight into its
+    own buffer (no extra copy)."""
     if len(keys) < 2 or not shape:
         return None
     regions = [_bounds(k, shape) for k in keys]
+    aligned = all(
+        lo % c == 0 and (hi % c == 0 or hi == n)
+        for r in regions
+        for (lo, hi), c, n in zip(r, chunk, shape, strict=True)
+    )
+    if aligned:
+        return None
     box = [
         (min(r[d][0] for r in regions), max(r[d][1] for r in regions)) for d in range(len(shape))
     ]
