@@ -499,7 +499,12 @@ def test_restore_params_reads_from_disk_only_the_params_bytes(tmp_path):
     read = _read_bytes() - before
     assert_trees_equal(out, params)
     print(f"read {read} bytes for {nbytes} bytes of params")
-    assert abs(read - nbytes) <= 0.05 * nbytes, (read, nbytes)
+    # The kernel also counts filesystem metadata fetched from disk: the directory blocks
+    # of the listing and of the symlink check restore makes before reading (measured
+    # here: about 0.5 MiB for this step), and inode-table readahead. The library's own
+    # data reads are bounded at 2% by the tensorstore-metrics test above.
+    metadata_allowance = 1 << 20
+    assert abs(read - nbytes) <= 0.05 * nbytes + metadata_allowance, (read, nbytes)
 
 
 def test_state_saved_on_8_devices_restores_on_4_on_1_and_as_numpy(tmp_path):
