@@ -193,6 +193,19 @@ def _str(obj: Mapping, key: str, where: str, field: str) -> str:
     return value
 
 
+def _format_version(obj: Mapping, where: str, name: str, key: str, known: int) -> int:
+    """Checks the ``format`` name and returns the version under ``key``; a version this
+    library does not know yet is refused with the way out (upgrade)."""
+    _need(obj.get("format") == name, where, "format", repr(name), obj.get("format"))
+    version = _int(obj, key, where, key, lo=1, hi=1 << 30)
+    if version > known:
+        raise CorruptCheckpointError(
+            f"{where} has {key} {version}; this version of flax_orbax_plugin reads up to "
+            f"{known}: upgrade flax_orbax_plugin"
+        )
+    return version
+
+
 def _files(obj: Mapping, where: str) -> dict[str, str]:
     files = obj.get("files")
     _need(isinstance(files, dict), where, "files", "an object {file: sha256}", files)
@@ -480,15 +493,7 @@ class CheckpointDocument:
     @classmethod
     def from_json(cls, obj: Any, where: str) -> CheckpointDocument:
         _need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
-        _need(
-            obj.get("format") == FORMAT_NAME, where, "format", repr(FORMAT_NAME), obj.get("format")
-        )
-        version = _int(obj, "format_version", where, "format_version", lo=1, hi=1 << 30)
-        if version > FORMAT_VERSION:
-            raise CorruptCheckpointError(
-                f"{where} has format_version {version}; this version of flax_orbax_plugin "
-                f"reads up to {FORMAT_VERSION}: upgrade flax_orbax_plugin"
-            )
+        version = _format_version(obj, where, FORMAT_NAME, "format_version", FORMAT_VERSION)
         process_count = _int(obj, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES)
         raw_leaves = obj.get("leaves")
         _need(isinstance(raw_leaves, list), where, "leaves", "a list", raw_leaves)
@@ -572,16 +577,7 @@ class CommitMarker:
                 f"1 was fixed); re-save it with this version"
             )
         body = parse_sealed(raw, where)
-        _need(
-            body.get("format") == FORMAT_NAME,
-            where,
-            "format",
-            repr(FORMAT_NAME),
-            body.get("format"),
-        )
-        version = _int(body, "format_version", where, "format_version", lo=1, hi=1 << 30)
-        if version > FORMAT_VERSION:
-            raise CorruptCheckpointError(f"{where} has format_version {version}: upgrade")
+        _format_version(body, where, FORMAT_NAME, "format_version", FORMAT_VERSION)
         files = _files(body, where)
         _need(METADATA_FILE in files, where, "files", f"an entry for {METADATA_FILE}", files)
         return cls(files, _num(body, "committed_at", where, "committed_at"))
@@ -627,19 +623,7 @@ class StepManifest:
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> StepManifest:
         body = parse_sealed(raw, where)
-        _need(
-            body.get("format") == STEP_FORMAT,
-            where,
-            "format",
-            repr(STEP_FORMAT),
-            body.get("format"),
-        )
-        version = _int(body, "version", where, "version", lo=1, hi=1 << 30)
-        if version > STEP_VERSION:
-            raise CorruptCheckpointError(
-                f"{where} has format version {version}; this library reads up to "
-                f"{STEP_VERSION}: upgrade flax_orbax_plugin"
-            )
+        _format_version(body, where, STEP_FORMAT, "version", STEP_VERSION)
         step = _int(body, "step", where, "step")
         raw_items = body.get("items")
         _need(isinstance(raw_items, dict), where, "items", "an object", raw_items)
