@@ -283,15 +283,8 @@ def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
 
 
 def _groups(tensors: list[_Tensor]) -> list[list[_Tensor]]:
-    groups: list[list[_Tensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.nbytes > _GROUP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes
-    return [g for g in groups if g]
+    """Leaves read per partial restore: the same greedy split as the shards."""
+    return [g for g in _shards(tensors, _GROUP_BYTES) if g]
 
 
 def to_safetensors(
