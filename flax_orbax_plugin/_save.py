@@ -609,13 +609,6 @@ def _batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
     )
 
 
-def array_specs(root: Location, doc: CheckpointDocument):
-    """``(leaf index, record, zarr3 spec)`` of every leaf stored as its own array."""
-    for i, record in enumerate(doc.leaves):
-        if isinstance(record.storage, ArrayStorage):
-            yield i, record, _array_spec(root, i, record)
-
-
 def _host_copy(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
     """Host bytes of ``data`` that no later donation, deletion or update can change.
 

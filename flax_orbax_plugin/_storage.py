@@ -177,9 +177,6 @@ class Location:
 
     # -- small files ---------------------------------------------------------------
 
-    def local_file(self, name: str) -> str:
-        return os.path.join(self.path, _check_name(name))
-
     def read_bytes(self, name: str) -> bytes | None:
         """The file's bytes, or None when it does not exist.
 
@@ -201,13 +198,6 @@ class Location:
             _write_local(self.path, _check_name(name), data, durable=durable)
             return
         self._kv().write(_check_name(name), data).result()
-
-    def read_json(self, name: str) -> Any | None:
-        data = self.read_bytes(name)
-        return None if data is None else json.loads(data.decode("utf-8"))
-
-    def write_json(self, name: str, obj: Any) -> None:
-        self.write_bytes(name, json.dumps(obj, indent=1, sort_keys=True).encode("utf-8"))
 
     def delete(self, name: str) -> None:
         """Deletes one file (no error if it is absent)."""

@@ -210,14 +210,6 @@ def _list_row(loc: Location, step: int) -> _ListRow:
     )
 
 
-def _read_json_file(path: str) -> Any:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 @dataclasses.dataclass
 class _ListRow:
     step: str
