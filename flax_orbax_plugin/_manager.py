@@ -321,11 +321,11 @@ class CheckpointManager:
         if not (force or preempted or self._decide(step, t)):
             return False
         self._wait_inflight()
-        replace = self._check_new_step(step, overwrite or preempted)
+        local = self._check_new_step(step, overwrite or preempted)
         if callable(extras):  # computed only for a step that is saved
             extras = extras()
         items = self._collect_items(state, data_iterator, extras)
-        self._inflight = self._start_save(step, items, extras, replace)
+        self._inflight = self._start_save(step, items, extras, local)
         self._policy.record_save(self._now(t))
         if not self._async or preempted:
             self._wait_inflight()
@@ -345,9 +345,9 @@ class CheckpointManager:
             decide = _distributed.broadcast_str(op, str(int(decide))) == "1"
         return decide
 
-    def _check_new_step(self, step: int, overwrite: bool) -> bool:
+    def _check_new_step(self, step: int, overwrite: bool) -> list[int]:
         """Refuses a step at or below the latest committed one unless ``overwrite``;
-        returns whether ``step`` itself exists (and is to be replaced)."""
+        returns the committed local steps (listed once per save)."""
         local = self.steps()
         # Steps increase across both tiers (the persistent one as known, not listed).
         steps = sorted(set(local) | self._tier.known_steps()) if self._tier else local
@@ -359,7 +359,7 @@ class CheckpointManager:
                 f"increase. Resume from it (resume=True), use a new directory, or pass "
                 f"overwrite=True to replace steps"
             )
-        return step in local
+        return local
 
     def _collect_items(self, state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]:
         items = split_state(state)
@@ -374,18 +374,18 @@ class CheckpointManager:
             _check_item_name(name)
         return items
 
-    def _start_save(self, step: int, items: dict, extras: Any, replace: bool) -> SaveHandle:
-        """Blocking phase of every item, then the background write and commit."""
+    def _start_save(self, step: int, items: dict, extras: Any, local: list[int]) -> SaveHandle:
+        """Blocking phase of every item, then the background write and commit.
+        ``local``: the committed local steps (``step`` among them: it is replaced)."""
         started = time.perf_counter()
+        replace = step in local
         final = _steps.step_location(self._loc, step)
         staging = Staging.begin(final, _distributed.unique_name())
         # On object stores a replaced step's items go under fresh names (old step intact).
         dirs = {n: n if staging.renames or not replace else f"{n}.{staging.nonce}" for n in items}
         handlers = {name: checkpointable_for(name, self._overrides) for name in items}
         pendings: dict[str, Pending] = {}
-        prev = (
-            max((s for s in self.steps() if s < step), default=None) if self._incremental else None
-        )
+        prev = max((s for s in local if s < step), default=None) if self._incremental else None
         prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
         try:
             for name, value in items.items():
