@@ -177,18 +177,21 @@ class Location:
 
     # -- small files ---------------------------------------------------------------
 
-    def read_bytes(self, name: str) -> bytes | None:
+    def read_bytes(
+        self, name: str, *, max_bytes: int | None = MAX_SMALL_FILE_BYTES
+    ) -> bytes | None:
         """The file's bytes, or None when it does not exist.
 
         Raises ForeignEntryError for a symlink or non-regular file (never followed or
-        read) and CorruptCheckpointError above :data:`MAX_SMALL_FILE_BYTES`.
+        read) and CorruptCheckpointError above ``max_bytes`` (metadata and JSON files:
+        :data:`MAX_SMALL_FILE_BYTES`; None for array data copied whole).
         """
         if self.is_local:
-            return _read_local(self.path, _check_name(name))
+            return _read_local(self.path, _check_name(name), max_bytes)
         result = self._kv().read(_check_name(name)).result()
         if result.state != "value":
             return None
-        _check_size(len(result.value), f"{self}/{name}")
+        _check_size(len(result.value), f"{self}/{name}", max_bytes)
         return result.value
 
     def write_bytes(self, name: str, data: bytes, *, durable: bool = True) -> None:
@@ -429,11 +432,10 @@ def _require_regular(st: os.stat_result, path: str, *, allow_dir: bool = False) 
     )
 
 
-def _check_size(size: int, path: str) -> None:
-    if size > MAX_SMALL_FILE_BYTES:
+def _check_size(size: int, path: str, max_bytes: int | None = MAX_SMALL_FILE_BYTES) -> None:
+    if max_bytes is not None and size > max_bytes:
         raise CorruptCheckpointError(
-            f"{path}: expected a small file of at most {MAX_SMALL_FILE_BYTES} bytes, "
-            f"found {size} bytes"
+            f"{path}: expected a small file of at most {max_bytes} bytes, found {size} bytes"
         )
 
 
@@ -471,7 +473,7 @@ def _open_dirs(root: str, parts: list[str], *, create: bool = False) -> int:
         raise
 
 
-def _read_local(root: str, name: str) -> bytes | None:
+def _read_local(root: str, name: str, max_bytes: int | None) -> bytes | None:
     parts = name.split("/")
     path = os.path.join(root, name)
     try:
@@ -494,15 +496,16 @@ def _read_local(root: str, name: str) -> bytes | None:
     try:
         st = os.fstat(fd)
         _require_regular(st, path)
-        _check_size(st.st_size, path)
+        _check_size(st.st_size, path, max_bytes)
         chunks, total = [], 0
         while True:  # the file may grow after fstat: read at most the cap (+1 to notice)
-            chunk = os.read(fd, min(1 << 24, MAX_SMALL_FILE_BYTES + 1 - total))
+            want = 1 << 24 if max_bytes is None else min(1 << 24, max_bytes + 1 - total)
+            chunk = os.read(fd, want)
             if not chunk:
                 break
             chunks.append(chunk)
             total += len(chunk)
-            _check_size(total, path)
+            _check_size(total, path, max_bytes)
         return b"".join(chunks)
     finally:
         os.close(fd)

@@ -100,7 +100,7 @@ from ._errors import (
 )
 from ._layout import MANIFEST_FILE, StepManifest
 from ._retention import RetentionPolicy, steps_to_delete
-from ._storage import Location, _open_dirs
+from ._storage import Location
 
 __all__ = ["PersistentTier", "ReplicationError"]
 
@@ -600,42 +600,11 @@ def _local_files(root: str, step: int) -> list[str]:
 
 
 def _read_local_file(root: str, rel: str, step: int) -> bytes:
-    """A file under a local step, every component opened with O_NOFOLLOW."""
-    parts = rel.split("/")
-    try:
-        dfd = _open_dirs(root, parts[:-1])
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"step {step}: {root}/{rel} vanished while being replicated"
-        ) from None
-    try:
-        fd = os.open(
-            parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd
-        )
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"step {step}: {root}/{rel} vanished while being replicated"
-        ) from None
-    except OSError as e:
-        raise ForeignEntryError(
-            f"step {step}: {root}/{rel}: expected a regular file, found something else ({e}); "
-            "never followed"
-        ) from None
-    finally:
-        os.close(dfd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ForeignEntryError(f"step {step}: {root}/{rel}: expected a regular file")
-        chunks = []
-        while True:
-            chunk = os.read(fd, 1 << 24)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    """A file under a local step, of any size, never through a link (``read_bytes``)."""
+    data = Location.from_path(root).read_bytes(rel, max_bytes=None)
+    if data is None:
+        raise CheckpointError(f"step {step}: {root}/{rel} vanished while being replicated")
+    return data
 
 
 def _remote_files(step_loc: Location) -> list[str]:
