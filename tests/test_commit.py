@@ -22,17 +22,16 @@ def _ok(result):
     return [p.record.get("result") for p in result.procs]
 
 
+def _run(target, n, args, *, devices=2, timeout_s=150):
+    """Runs ``target`` (``module:function``) in ``n`` processes; every process's result."""
+    return _ok(
+        run_processes(target, n, devices_per_process=devices, args=args, timeout_s=timeout_s)
+    )
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_coordination_calls_per_manager_step(tmp_path, n):
-    values = _ok(
-        run_processes(
-            "_mp_workers:commit_counts",
-            n,
-            devices_per_process=2,
-            args={"directory": str(tmp_path / "run")},
-            timeout_s=150,
-        )
-    )
+    values = _run("_mp_workers:commit_counts", n, {"directory": str(tmp_path / "run")})
     for rank, v in enumerate(values):
         assert v["steps"] == [1, 2, 3]
         assert v["restored_ok"]
@@ -47,14 +46,10 @@ def test_coordination_calls_per_manager_step(tmp_path, n):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_fully_replicated_state_saves_and_writes_are_spread(tmp_path, n):
-    values = _ok(
-        run_processes(
-            "_mp_workers:commit_counts",
-            n,
-            devices_per_process=2,
-            args={"directory": str(tmp_path / "run"), "replicated": True, "steps": [1]},
-            timeout_s=150,
-        )
+    values = _run(
+        "_mp_workers:commit_counts",
+        n,
+        {"directory": str(tmp_path / "run"), "replicated": True, "steps": [1]},
     )
     written = [v["per_step"][0]["written"] for v in values]
     assert all(v["restored_ok"] and v["steps"] == [1] for v in values)
@@ -84,15 +79,7 @@ def test_processes_saving_different_steps_commit_nothing(tmp_path):
 
 
 def test_time_based_policy_is_shared_by_all_processes(tmp_path):
-    values = _ok(
-        run_processes(
-            "_mp_workers:timed_callback",
-            2,
-            devices_per_process=2,
-            args={"directory": str(tmp_path / "run")},
-            timeout_s=150,
-        )
-    )
+    values = _run("_mp_workers:timed_callback", 2, {"directory": str(tmp_path / "run")})
     assert values[0]["saved"] == values[1]["saved"]
     assert len(values[0]["saved"]) >= 2
     assert values[0]["steps"] == sorted(set(values[0]["saved"]) | {30})
@@ -102,15 +89,7 @@ def test_time_based_policy_is_shared_by_all_processes(tmp_path):
 
 @pytest.mark.parametrize("share", [False, True])
 def test_replicated_restore_reads_once_and_shares_when_asked(tmp_path, share):
-    values = _ok(
-        run_processes(
-            "_mp_workers:shared_restore",
-            2,
-            devices_per_process=2,
-            args={"directory": str(tmp_path), "share": share},
-            timeout_s=150,
-        )
-    )
+    values = _run("_mp_workers:shared_restore", 2, {"directory": str(tmp_path), "share": share})
     total = values[0]["nbytes"]
     for v in values:
         assert v["ok"]
@@ -122,15 +101,7 @@ def test_replicated_restore_reads_once_and_shares_when_asked(tmp_path, share):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_mixed_state_with_arrays_on_a_subset_of_devices(tmp_path, n):
-    values = _ok(
-        run_processes(
-            "_mp_workers:mixed_state_save",
-            n,
-            devices_per_process=2,
-            args={"directory": str(tmp_path / "run")},
-            timeout_s=150,
-        )
-    )
+    values = _run("_mp_workers:mixed_state_save", n, {"directory": str(tmp_path / "run")})
     assert all(v["ok"] and v["steps"] == [1] for v in values), values
 
 
@@ -141,14 +112,12 @@ def test_data_iterator_saved_by_one_process_is_refused_by_two(tmp_path):
 
     with fop.CheckpointManager(tmp_path / "run") as m:
         m.save(1, {"params": {"w": [1.0, 2.0]}}, data_iterator=It())
-    values = _ok(
-        run_processes(
-            "_mp_workers:iterator_into_more_processes",
-            2,
-            devices_per_process=1,
-            args={"directory": str(tmp_path / "run")},
-            timeout_s=120,
-        )
+    values = _run(
+        "_mp_workers:iterator_into_more_processes",
+        2,
+        {"directory": str(tmp_path / "run")},
+        devices=1,
+        timeout_s=120,
     )
     for v in values:
         assert v["w"] == [1.0, 2.0]
