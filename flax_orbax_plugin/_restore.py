@@ -620,18 +620,22 @@ def restore(
     """
     location = Location.from_path(path)
     _save.wait_for_pending_save(location)
-    from . import _orbax_import  # an Orbax directory: read it through tensorstore (issue 16)
-
-    if not location.exists(COMMIT_FILE) and _orbax_import.is_orbax_checkpoint(location):
-        return _orbax_import.restore_orbax(location, like, partial=partial)
     limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
     share = share_replicated_reads
     token = _SHARE_READS.set(_distributed.process_count() > 1 if share is None else bool(share))
     try:
         with _tree.paused_gc(), _casting.policy(cast):
             return _restore(location, like, partial, limit)
+    except (CheckpointNotFoundError, NotCommittedError):
+        # Not one of ours: an Orbax directory is read through tensorstore (issue 16);
+        # looked for only here, so restoring our own checkpoints costs no extra listing.
+        from . import _orbax_import
+
+        if not _orbax_import.is_orbax_checkpoint(location):
+            raise
     finally:
         _SHARE_READS.reset(token)
+    return _orbax_import.restore_orbax(location, like, partial=partial)
 
 
 def _restore(location: Location, like: Any, partial: bool, limit: int) -> Any:

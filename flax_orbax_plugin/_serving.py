@@ -76,14 +76,16 @@ def restore_params(
     floating-point leaves; ``sharding`` is one Sharding for every leaf or a pytree
     of them. Safe to call from any thread, even while a manager writes.
     """
-    from . import _orbax_import  # an Orbax directory (issue 16)
-
-    if _orbax_import.is_orbax_checkpoint(directory):
-        return _orbax_import.restore_orbax_params(
-            directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
-        )
     loc = Location.from_path(directory)
-    step = _steps.choose_step(loc, _steps.committed_steps(loc), step)
+    steps = _steps.committed_steps(loc)
+    if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
+        from . import _orbax_import
+
+        if _orbax_import.is_orbax_checkpoint(directory):
+            return _orbax_import.restore_orbax_params(
+                directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
+            )
+    step = _steps.choose_step(loc, steps, step)
     step_loc = _steps.step_location(loc, step)
     entry = _steps.read_manifest(step_loc).items.get("params")
     if entry is None:
