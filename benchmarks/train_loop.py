@@ -84,6 +84,11 @@ def main(argv=None):
         from peers import get_adapter
 
         adapter = get_adapter(a.lib)
+    # A library whose loops save through a manager says so (train_saver); else each
+    # save goes to a directory of its own through save_async.
+    saver = adapter
+    if hasattr(adapter, "train_saver"):
+        saver = adapter.train_saver(os.path.join(a.dir, "run"))
     state, step = build(C.tree_specs("a"))
     x = jax.device_put(np.random.default_rng(0).random((8, 25600), dtype=np.float32))
 
@@ -100,7 +105,7 @@ def main(argv=None):
                 tb = time.perf_counter()
                 saves[0] += 1
                 path = os.path.join(a.dir, f"save_{saves[0]}")
-                pending = adapter.save_async(path, as_tree(state))
+                pending = saver.save_async(path, as_tree(state))
                 blocking.append(time.perf_counter() - tb)
             state, loss = step(state, x)
             loss.block_until_ready()
@@ -119,6 +124,8 @@ def main(argv=None):
             saving += s
             blocking += b
             tail += t
+    if saver is not adapter:
+        saver.close()
     res = {
         "op": "train",
         "lib": a.lib,

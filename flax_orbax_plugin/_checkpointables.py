@@ -182,9 +182,12 @@ class PytreeCheckpointable:
     def __init__(self, *, compression: str | None = None):
         self.compression = _layout.check_codec(compression)
 
-    def save(self, directory: Location, value: Any, *, reuse: Any = None) -> Pending:
-        """``reuse``: an ``_incremental.Reuse`` from a manager with ``incremental=True``."""
-        snap = _save.snapshot(value, compression=self.compression)
+    def save(
+        self, directory: Location, value: Any, *, reuse: Any = None, buffers: Any = None
+    ) -> Pending:
+        """``reuse``: an ``_incremental.Reuse`` from a manager with ``incremental=True``;
+        ``buffers``: the manager's ``_host.BufferPool`` (snapshot memory reused)."""
+        snap = _save.snapshot(value, compression=self.compression, buffers=buffers)
         limit = _save.DEFAULT_MEMORY_LIMIT_BYTES
         return _Done(
             lambda: snap.write(directory, limit=limit, durable=False, reuse=reuse), snap.digest

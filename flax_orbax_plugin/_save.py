@@ -257,12 +257,19 @@ def _check_target(location: Location, force: bool) -> None:
         )
 
 
-def snapshot(tree: Any, *, compression: str | None = None) -> Snapshot:
-    """The blocking phase: plan ``tree``'s layout and copy this process's bytes to host."""
+def snapshot(
+    tree: Any, *, compression: str | None = None, buffers: _host.BufferPool | None = None
+) -> Snapshot:
+    """The blocking phase: plan ``tree``'s layout and copy this process's bytes to host.
+
+    ``buffers`` (a manager's pool): every host byte is copied into buffers taken from
+    it, CPU arrays included, and given back once written; without it, CPU arrays are
+    held as zero-copy views (see :func:`_host_copy`) and other bytes go to fresh memory.
+    """
     codec = _layout.check_codec(compression)
     with _tree.paused_gc():
         plan = _Plan.build(tree, codec=codec)
-    plan.snapshot()
+    plan.snapshot(buffers)
     _faults.kill_point("after_snapshot")
     return plan
 
@@ -364,6 +371,8 @@ class _Plan:
         self.batches = batches
         self.batch_buffers: dict[str, np.ndarray] = {}
         self.digest = _digest(leaves)
+        self._pool: _host.BufferPool | None = None
+        self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
 
     @classmethod
     def build(cls, tree: Any, *, codec: str | None = None) -> _Plan:
@@ -417,9 +426,12 @@ class _Plan:
             batches[batch] = BatchRecord(batch, dtype, process, size, chunk, codec)
         return cls(leaves, batches)
 
-    def snapshot(self) -> None:
-        """Copies every byte this process writes to host memory (blocking phase)."""
+    def snapshot(self, pool: _host.BufferPool | None = None) -> None:
+        """Copies every byte this process writes to host memory (blocking phase); with
+        ``pool``, into its buffers (given back by :meth:`write`)."""
         me = _distributed.process_index()
+        self._pool = pool
+        alloc = _host if pool is None else pool
         # (leaf, what to read it from, region) for every piece this process writes; each
         # source is resolved once, so the object whose device-to-host copy is started
         # below is the one read afterwards (jax caches the copy per object).
@@ -449,7 +461,8 @@ class _Plan:
         for name, batch in self.batches.items():
             if batch.process == me:
                 dtype = _layout.dtype_from_name(batch.dtype)
-                self.batch_buffers[name] = _host.empty((batch.size,), dtype)
+                self.batch_buffers[name] = alloc.empty((batch.size,), dtype)
+                self._pooled.append(self.batch_buffers[name])
                 ends[name] = 0
         for leaf, source, rows in owned:
             storage = leaf.record.storage
@@ -462,9 +475,18 @@ class _Plan:
                 ends[name] = off + size
             elif isinstance(source, tuple):
                 data, index = source
-                leaf.writes.append((rows, _host_copy(data, _relative(rows, index))))
+                part = _relative(rows, index)
+                if pool is not None and data.device.platform == "cpu":
+                    host = np.asarray(data)
+                    leaf.writes.append((rows, pool.copy(host if part is None else host[part])))
+                    self._pooled.append(leaf.writes[-1][1])
+                else:
+                    leaf.writes.append((rows, _host_copy(data, part)))
             else:
-                leaf.writes.append((rows, _host.copy(np.asarray(source))))
+                leaf.writes.append((rows, alloc.copy(np.asarray(source))))
+                self._pooled.append(leaf.writes[-1][1])
+        if pool is None:
+            self._pooled.clear()
         for name, end in ends.items():
             self.batch_buffers[name][end:] = 0
         for leaf in self.leaves:
@@ -495,6 +517,14 @@ class _Plan:
         every leaf stored as its own array gets a digest in ``_METADATA.json``, and one
         whose digest and layout equal the previous step's is hard-linked from it rather
         than written (see ``_incremental``)."""
+        try:
+            return self._write(location, limit=limit, durable=durable, reuse=reuse)
+        finally:
+            if self._pool is not None:  # tensorstore reads none of them any more
+                self._pool.give_back(self._pooled)
+            self._pooled = []
+
+    def _write(self, location, *, limit, durable, reuse) -> _commit.Written:
         primary = _distributed.is_primary()
         files = {}
         links = {}

@@ -684,3 +684,47 @@ def test_step_different_from_state_step_warns_once(tmp_path, caplog):
     cb.close()
     warned = [r for r in caplog.records if "but state.step is 0" in r.getMessage()]
     assert len(warned) == 1
+
+
+@pytest.mark.parametrize("reuse_host_buffers", [True, False])
+def test_snapshots_survive_donation_deletion_and_the_next_save(
+    tmp_path, devices, reuse_host_buffers
+):
+    """After ``save`` returns, the saved arrays are donated, deleted and their memory
+    handed out again, then the next step is saved (with the pool: into the first
+    step's buffers); each step restores the values it had at its ``save`` call."""
+    mesh = Mesh(np.array(devices).reshape(8), ("x",))
+    shape = (8 * 64, 1024)  # 2 MiB each: arrays of their own, pooled buffers
+
+    def state(v):
+        values = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + v  # every
+        return {  # piece differs, so pieces sharing a buffer would show
+            "w": jax.device_put(values, NamedSharding(mesh, P("x"))),
+            "r": jax.device_put(-values, NamedSharding(mesh, P())),
+            "n": values[:256] * 2,  # numpy: copied
+            "small": [np.full((8,), v + 3 + i, np.float32) for i in range(20)],  # batched
+        }
+
+    donating = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x * 0 - 9, s), donate_argnums=0)
+    expected = {}
+    with fop.CheckpointManager(tmp_path / "run", reuse_host_buffers=reuse_host_buffers) as mngr:
+        for step, v in [(1, 1.0), (2, 10.0), (3, 100.0)]:
+            s = state(v)
+            expected[step] = jax.tree_util.tree_map(np.array, s)
+            mngr.save(step, {"params": s})
+            junk = donating({"w": s["w"], "r": s["r"]})
+            s["n"][:] = -1  # the caller's numpy array, changed in place
+            jax.block_until_ready(junk)
+            if reuse_host_buffers:  # copied: nothing stops the donation
+                assert s["w"].is_deleted() and s["r"].is_deleted()
+            else:  # views may keep jax from donating; delete them instead
+                for k in ("w", "r"):
+                    s[k].delete()
+            mngr.wait()
+            if reuse_host_buffers:  # one save's snapshot kept for the next
+                assert mngr._buffers.nbytes >= 2 * 4 * np.prod(shape)
+        for step in expected:
+            got = mngr.restore(step=step)["params"]
+            jax.tree_util.tree_map(np.testing.assert_array_equal, got, expected[step])
+    if reuse_host_buffers:
+        assert mngr._buffers.nbytes == 0  # close released it

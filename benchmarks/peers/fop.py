@@ -16,6 +16,24 @@ class _Wait:
         return out
 
 
+class _ManagerSaver:
+    def __init__(self, manager):
+        self.manager = manager
+        self.step = 0
+
+    def save_async(self, path, tree):  # one manager step per save; path unused
+        self.step += 1
+        self.manager.save(self.step, tree)
+        return self
+
+    def wait(self) -> dict:
+        self.manager.wait()
+        return {}
+
+    def close(self):
+        self.manager.close()
+
+
 class Adapter:
     name = "fop"
     harness_fsync = False  # durable on return (contract); the counted fsync pass finds little
@@ -27,6 +45,11 @@ class Adapter:
 
     def save_async(self, path, tree):
         return _Wait(self.fop.save_async(path, tree))
+
+    def train_saver(self, directory):
+        """The training loop saves through a CheckpointManager, as a real loop does (its
+        snapshot buffers are reused from one save to the next)."""
+        return _ManagerSaver(self.fop.CheckpointManager(directory))
 
     def restore(self, path, like):
         return self.fop.restore(path, like)
