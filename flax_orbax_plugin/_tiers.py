@@ -485,7 +485,7 @@ class PersistentTier:
                 statuses = [self._copy_share(step, nonce, sha)]
                 for p in range(1, _distributed.process_count()):
                     statuses.append(json.loads(_distributed.get_from(f"{rnd.key}/status", p)))
-                nbytes = _check_statuses(statuses)
+                nbytes = _check_statuses(statuses, len(files))
             staging.location.sync()
             staging.publish(MANIFEST_FILE, raw, replace=True)  # the remote commit, last
         except BaseException:
@@ -857,10 +857,11 @@ def _partition(sizes: dict[str, int], n: int) -> list[list[str]]:
     return [sorted(share) for share in shares]
 
 
-def _check_statuses(statuses: list[dict[str, Any]]) -> int:
+def _check_statuses(statuses: list[dict[str, Any]], nfiles: int) -> int:
     """Primary: every process's status of a round, by index; returns the bytes copied,
     or raises :class:`_Stopped` (a process's tier closed meanwhile) or
-    :class:`_RoundFailed` naming the processes that failed or saw other files."""
+    :class:`_RoundFailed` naming the processes that failed or saw other files, or when
+    the shares together are not the ``nfiles`` files the primary listed."""
     if any(s.get("stopped") for s in statuses):
         raise _Stopped()
     failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if not s["ok"]]
@@ -875,6 +876,9 @@ def _check_statuses(statuses: list[dict[str, Any]]) -> int:
             + ", ".join(f"{p}: {s['listing'][:12]}" for p, s in enumerate(statuses))
             + "); is the local directory shared by every host?"
         )
+    copied = sum(int(s["files"]) for s in statuses)
+    if copied != nfiles:
+        raise _RoundFailed(f"the processes copied {copied} files of the {nfiles} in the step")
     return sum(int(s["bytes"]) for s in statuses)
 
 
