@@ -18,7 +18,7 @@ copy of that step and names the file, expected and found), and chunk data keeps 
 crc32c that restore checks. Nothing is ever followed: the local step is walked with
 ``O_NOFOLLOW``/``lstat`` and a symlink or special file in it stops its copy.
 
-Who calls what (one manager, one training thread, one replicator thread):
+Who calls what (one manager, one training thread, one replicator thread per process):
 
 * the manager's constructor calls :meth:`PersistentTier.open` (after taking its lock
   and cleaning its own directory): the persistent tier's unfinished copies are
@@ -50,25 +50,45 @@ allocated. The cost is local disk for one step, which the local tier has anyway.
 
 Several processes. A manager's local directory is, with several processes, one that
 every host mounts (the local commit renames a staging directory that all processes
-wrote into), and so is the local tier here: the
-**primary replicates the whole step** (it sees every process's files there), the
-other processes' tiers do no copying: ``submit`` is a no-op on them, ``open``,
-:meth:`agreed_steps` and :meth:`ensure_local` are collective (the primary lists or
-copies, then shares the result with one key-value round), so every process restores
-the same step or raises the same error.
+wrote into), and so is the local tier here: every process sees every file of a step,
+and **every process copies a share of it**, in rounds the primary decides. Every
+process runs a replicator thread; the primary's ``submit`` queue (coalescing, yielding
+to its saves, retries) chooses the step, and the processes meet through the
+jax.distributed key-value store only (set and get, no barrier from these threads),
+under a prefix the primary draws at :meth:`open` (``fop/<nonce>/replicate``):
 
-Per-host local disks (not supported, by the tier nor by the manager's local commit)
-would need: each host commits its own part locally (per-host staging, renamed on
-each host after the primary's agreement), each host's replicator copies the files
-under its own disk (its shards, batch files, ``data_iterator/process_<i>.json``; the
-primary also the metadata), verifying the JSON checksums it can, and publishes one
-status per step (step, manifest checksum, error or its keys) under
-``fop/replicate/<step>``; the primary gathers every status (bounded by the
-coordination timeout), writes the manifest remotely only if all succeeded for the
-same manifest, and broadcasts the outcome, removing the uncommitted remote step on
-failure. Which step to copy next (coalescing) is then the primary's decision,
-broadcast, so every host copies the same steps; copy-down on restore would fetch,
-per host, only the files that host's shards need.
+1. the primary checks the step (manifest, listing; on an object store it un-commits
+   an older copy) and sets round ``<n>`` to ``{step, staging nonce, manifest
+   sha256}``; a round with nothing to copy (step gone, already there, a check failed)
+   carries its outcome instead, and ``stop`` ends the rounds when its tier closes;
+2. every process lists the local step, splits its files with the same deterministic
+   :func:`_partition` (size-balanced, largest first), copies its share to the step's
+   staging (in place on object stores; ``<step>.partial-<nonce>/`` on filesystems,
+   the nonce from the round), makes it durable and sets ``<n>/status/<i>``: ok, a
+   digest of the names and sizes it listed and what it copied, or its error;
+3. the primary reads every status (each bounded by the coordination timeout) and
+   commits (the manifest, last) only if all are ok, listed the same files and copied
+   them all between them; otherwise it removes the uncommitted copy. It sets
+   ``<n>/outcome``: ``committed``, ``skipped``, ``abandoned`` (a tier closed
+   mid-copy), ``retry: ...`` (the next round copies the step again) or ``failed: ...``:
+   the :class:`ReplicationError` naming the processes and their errors, which every
+   process's :meth:`wait` and :meth:`close` then raise.
+
+A lost process is not retried: its status never comes, the round fails after the
+coordination timeout and what it wrote is removed; the step is replicated at the next
+open. The other processes' :meth:`wait` waits for the rounds of the steps they
+submitted; their :meth:`close` follows the rounds until the primary's ``stop``.
+Persistent retention runs on the primary after a committed round. ``open``,
+:meth:`agreed_steps` and :meth:`ensure_local` are collective: the primary lists or
+copies down, then shares the result with one key-value round, so every process
+restores the same step or raises the same error. With one process none of this runs:
+the replicator copies the whole step and the key-value store is never used. Round
+keys stay in the store for the job's lifetime (a few short strings per step, as the
+commit's statuses).
+
+Not supported: per-host local disks that other hosts cannot see (neither the manager's
+local commit nor this tier handles them: each host would commit its own part locally,
+and copy-down would fetch per host only the files its shards need).
 
 Not handled: two writers replicating to one persistent location (there is no lock
 on object stores). A step replaced locally with ``overwrite=True`` is replaced on a

@@ -513,6 +513,20 @@ def step_files(directory, step) -> set[str]:
     return out - {MANIFEST_FILE}
 
 
+def test_the_partition_of_a_step_is_whole_disjoint_balanced_and_order_free():
+    from flax_orbax_plugin._tiers import FILE_COST_BYTES, _partition
+
+    sizes = {"big": 10_000_000, "a/1": 4_000_000, "a/2": 4_000_000, "m.json": 300}
+    sizes |= {f"small/{i}": 1000 for i in range(40)}
+    shares = _partition(sizes, 2)
+    assert _partition(dict(reversed(list(sizes.items()))), 2) == shares  # any order
+    assert sorted(shares[0] + shares[1]) == sorted(sizes)  # whole, nothing twice
+    assert "big" in shares[0] and {"a/1", "a/2"} <= set(shares[1])  # largest first
+    loads = [sum(sizes[f] + FILE_COST_BYTES for f in share) for share in shares]
+    assert abs(loads[0] - loads[1]) <= 2_000_000 + FILE_COST_BYTES
+    assert _partition({"only": 5}, 3) == [["only"], [], []]
+
+
 def mp_shares(ctx, local, url):
     """Run in each of 2 processes: saves two steps through a tiered manager; returns
     what this process's replicator copied of each step."""
