@@ -343,6 +343,7 @@ class PersistentTier:
         if self._stop and (self._thread is None or not self._thread.is_alive()):
             return
         follower = self._multi and not self._primary
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             done = self.wait(timeout) if raise_errors else self._wait_quietly(timeout)
         finally:
@@ -354,8 +355,8 @@ class PersistentTier:
                     self._stop = True
                 left = sorted(self._queue | ({self._current} - {None}))
                 self._cond.notify_all()
-            if self._thread is not None and follower:
-                self._thread.join(timeout)  # until the primary's "stop"
+            if self._thread is not None and follower:  # until the primary's "stop"
+                self._thread.join(None if deadline is None else deadline - time.monotonic())
             with self._cond:
                 self._stop = True
                 self._cond.notify_all()
