@@ -134,6 +134,19 @@ def gather_str(name: str, *, timeout_s: float | None = None) -> list[str]:
     return out
 
 
+def poll(name: str, *, wait_s: float) -> str | None:
+    """The value under ``name``, waiting at most ``wait_s``; None when none was set by
+    then. For a background thread that follows another process's decisions and must
+    stay responsive to its own shutdown (a long wait is a loop of short polls)."""
+    CALLS["kv_get"] += 1
+    try:
+        return _client().blocking_key_value_get(name, max(1, int(wait_s * 1000)))
+    except Exception as e:
+        if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e):
+            return None
+        raise CoordinationError(f"process {process_index()}: reading {name!r}: {e}") from e
+
+
 def session_nonce() -> str:
     """A random name shared by every process, agreed once per process lifetime (the first
     call is collective: one key-value round); later saves derive their staging names

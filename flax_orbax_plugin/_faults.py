@@ -6,6 +6,11 @@ Costs one dictionary lookup when the variable is unset. Phases of a save, in ord
 ``after_snapshot``, ``mid_write``, ``after_sync``, ``after_metadata``, ``after_marker``,
 ``mid_rename``; ``mid_retention`` while a step is being deleted; ``mid_replication``
 after each file copied to (or down from) a persistent tier (``_tiers``).
+
+``fail_point(phase)`` raises :class:`InjectedFault` (an ``OSError``) instead, from the
+N-th hit on, when ``FOP_FAIL_AT`` names ``phase`` (same syntax): a process keeps
+running and reports the error as a real I/O failure would. Phases: ``replicate_file``
+before each file a process copies to a persistent tier.
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ import os
 import signal
 
 _HITS: collections.Counter[str] = collections.Counter()
+
+
+class InjectedFault(OSError):
+    """The failure ``FOP_FAIL_AT`` asked for."""
 
 
 def kill_point(phase: str) -> None:
@@ -27,3 +36,15 @@ def kill_point(phase: str) -> None:
     _HITS[phase] += 1
     if _HITS[phase] >= int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail_point(phase: str) -> None:
+    spec = os.environ.get("FOP_FAIL_AT")
+    if not spec:
+        return
+    name, _, nth = spec.partition(":")
+    if name != phase:
+        return
+    _HITS[f"fail:{phase}"] += 1
+    if _HITS[f"fail:{phase}"] >= int(nth or 1):
+        raise InjectedFault(f"injected fault at {phase} (FOP_FAIL_AT={spec})")

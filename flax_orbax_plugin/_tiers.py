@@ -18,7 +18,7 @@ copy of that step and names the file, expected and found), and chunk data keeps 
 crc32c that restore checks. Nothing is ever followed: the local step is walked with
 ``O_NOFOLLOW``/``lstat`` and a symlink or special file in it stops its copy.
 
-Who calls what (one manager, one training thread, one replicator thread):
+Who calls what (one manager, one training thread, one replicator thread per process):
 
 * the manager's constructor calls :meth:`PersistentTier.open` (after taking its lock
   and cleaning its own directory): the persistent tier's unfinished copies are
@@ -50,25 +50,45 @@ allocated. The cost is local disk for one step, which the local tier has anyway.
 
 Several processes. A manager's local directory is, with several processes, one that
 every host mounts (the local commit renames a staging directory that all processes
-wrote into), and so is the local tier here: the
-**primary replicates the whole step** (it sees every process's files there), the
-other processes' tiers do no copying: ``submit`` is a no-op on them, ``open``,
-:meth:`agreed_steps` and :meth:`ensure_local` are collective (the primary lists or
-copies, then shares the result with one key-value round), so every process restores
-the same step or raises the same error.
+wrote into), and so is the local tier here: every process sees every file of a step,
+and **every process copies a share of it**, in rounds the primary decides. Every
+process runs a replicator thread; the primary's ``submit`` queue (coalescing, yielding
+to its saves, retries) chooses the step, and the processes meet through the
+jax.distributed key-value store only (set and get, no barrier from these threads),
+under a prefix the primary draws at :meth:`open` (``fop/<nonce>/replicate``):
 
-Per-host local disks (not supported, by the tier nor by the manager's local commit)
-would need: each host commits its own part locally (per-host staging, renamed on
-each host after the primary's agreement), each host's replicator copies the files
-under its own disk (its shards, batch files, ``data_iterator/process_<i>.json``; the
-primary also the metadata), verifying the JSON checksums it can, and publishes one
-status per step (step, manifest checksum, error or its keys) under
-``fop/replicate/<step>``; the primary gathers every status (bounded by the
-coordination timeout), writes the manifest remotely only if all succeeded for the
-same manifest, and broadcasts the outcome, removing the uncommitted remote step on
-failure. Which step to copy next (coalescing) is then the primary's decision,
-broadcast, so every host copies the same steps; copy-down on restore would fetch,
-per host, only the files that host's shards need.
+1. the primary checks the step (manifest, listing; on an object store it un-commits
+   an older copy) and sets round ``<n>`` to ``{step, staging nonce, manifest
+   sha256}``; a round with nothing to copy (step gone, already there, a check failed)
+   carries its outcome instead, and ``stop`` ends the rounds when its tier closes;
+2. every process lists the local step, splits its files with the same deterministic
+   :func:`_partition` (size-balanced, largest first), copies its share to the step's
+   staging (in place on object stores; ``<step>.partial-<nonce>/`` on filesystems,
+   the nonce from the round), makes it durable and sets ``<n>/status/<i>``: ok, a
+   digest of the names and sizes it listed and what it copied, or its error;
+3. the primary reads every status (each bounded by the coordination timeout) and
+   commits (the manifest, last) only if all are ok, listed the same files and copied
+   them all between them; otherwise it removes the uncommitted copy. It sets
+   ``<n>/outcome``: ``committed``, ``skipped``, ``abandoned`` (a tier closed
+   mid-copy), ``retry: ...`` (the next round copies the step again) or ``failed: ...``:
+   the :class:`ReplicationError` naming the processes and their errors, which every
+   process's :meth:`wait` and :meth:`close` then raise.
+
+A lost process is not retried: its status never comes, the round fails after the
+coordination timeout and what it wrote is removed; the step is replicated at the next
+open. The other processes' :meth:`wait` waits for the rounds of the steps they
+submitted; their :meth:`close` follows the rounds until the primary's ``stop``.
+Persistent retention runs on the primary after a committed round. ``open``,
+:meth:`agreed_steps` and :meth:`ensure_local` are collective: the primary lists or
+copies down, then shares the result with one key-value round, so every process
+restores the same step or raises the same error. With one process none of this runs:
+the replicator copies the whole step and the key-value store is never used. Round
+keys stay in the store for the job's lifetime (a few short strings per step, as the
+commit's statuses).
+
+Not supported: per-host local disks that other hosts cannot see (neither the manager's
+local commit nor this tier handles them: each host would commit its own part locally,
+and copy-down would fetch per host only the files its shards need).
 
 Not handled: two writers replicating to one persistent location (there is no lock
 on object stores). A step replaced locally with ``overwrite=True`` is replaced on a
@@ -78,6 +98,7 @@ old copy (a window where the step is absent there, never partial).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -94,6 +115,7 @@ from . import _distributed, _faults, _steps
 from ._commit import Staging
 from ._errors import (
     CheckpointError,
+    CoordinationError,
     CorruptCheckpointError,
     ForeignEntryError,
     ReplicationError,
@@ -113,10 +135,28 @@ RETRY_DELAY_S = 0.5
 # flight (before each step and each file), but no longer than this per step, so a
 # loop that saves all the time still gets its steps replicated.
 MAX_DEFER_S = 10.0
+POLL_S = 0.5  # other processes: how long one wait for the primary's next round lasts
+# A file costs this much beyond its bytes when shares are balanced (object stores are
+# latency-bound: a thousand small files are not free).
+FILE_COST_BYTES = 1 << 16
 
 
 class _Stopped(Exception):
     """The tier is closing: the copy in progress was abandoned (uncommitted)."""
+
+
+class _RoundFailed(CheckpointError):
+    """A round in which some process failed, or the processes saw different files."""
+
+
+@dataclasses.dataclass
+class _Round:
+    """One replication round (several processes): its key-value name and step, and
+    whether the primary has announced it yet."""
+
+    key: str
+    step: int
+    announced: bool = False
 
 
 class PersistentTier:
@@ -158,7 +198,8 @@ class PersistentTier:
         ):
             raise ValueError(f"persistent location {self.remote} is the local directory itself")
         # With several processes the local directory is one every host mounts (as for
-        # any manager directory): the primary replicates; see the module docstring.
+        # any manager directory): each process copies its share of every step, the
+        # primary decides the rounds and commits; see the module docstring.
         self._primary = _distributed.is_primary()
         self._multi = _distributed.process_count() > 1
         if not grace_seconds >= 0:
@@ -174,48 +215,61 @@ class PersistentTier:
         self._reading: set[int] = set()  # steps being copied down: not deleted remotely
         self._known: set[int] = set()  # committed remotely, as far as this tier knows
         self._stop = False
+        self._closing_since: float | None = None  # other processes: close() was called
         self._error: ReplicationError | None = None
         self._thread: threading.Thread | None = None
-        self.replicated: list[int] = []  # steps copied by this tier, in order (for tests)
+        # Several processes: the key-value prefix of this tier's rounds (agreed at open),
+        # the next round's number (replicator thread only) and, on the other processes,
+        # the steps the primary has started rounds for (guarded by _cond).
+        self._rounds_key = ""
+        self._round = 0
+        self._round_steps: set[int] = set()
+        self.replicated: list[int] = []  # steps committed by this tier's rounds, in order
+        # This process's share of each step it helped commit: relative paths (for tests).
+        self.copied_files: dict[int, list[str]] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
     def open(self, local_steps: Iterable[int]) -> None:
         """Cleans the persistent tier's unfinished copies, queues the local steps it lacks
         (see the module docstring) and starts the replicator thread. Collective: every
-        process calls it; the primary does the work and shares the listing."""
+        process calls it; the primary lists, decides what is missing and shares both
+        (one key-value round), with the name of this tier's replication rounds."""
         remote_steps: list[int] = []
+        missing: list[int] = []
         if self._primary:
             self._remove_unfinished()
             remote_steps = _steps.committed_steps(self.remote)
+            latest = remote_steps[-1] if remote_steps else -1
+            every = self.retention.keep_every
+            missing = [
+                s
+                for s in local_steps
+                if s not in remote_steps and (s > latest or (every is not None and s % every == 0))
+            ]
         if self._multi:
             op = _distributed.next_operation_id("tiers-open")
-            remote_steps = json.loads(_distributed.broadcast_str(op, json.dumps(remote_steps)))
+            mine = {"remote": remote_steps, "missing": missing, "rounds": secrets.token_hex(6)}
+            shared = json.loads(_distributed.broadcast_str(op, json.dumps(mine)))
+            remote_steps, missing = shared["remote"], shared["missing"]
+            self._rounds_key = f"fop/{shared['rounds']}/replicate"
         with self._cond:
             self._known = set(remote_steps)
-        if not self._primary:
-            return  # the replicator runs on the primary only
-        latest = remote_steps[-1] if remote_steps else -1
-        every = self.retention.keep_every
-        missing = [
-            s
-            for s in local_steps
-            if s not in remote_steps and (s > latest or (every is not None and s % every == 0))
-        ]
-        with self._cond:
             for s in missing:
                 self._enqueue(s)
-        if missing:
+        if missing and self._primary:
             logger.info("checkpoint: replicating local steps %s to %s", missing, self.remote)
-        self._thread = threading.Thread(target=self._run, name="fop-replicate", daemon=True)
+        target = self._run if self._primary else self._follow
+        self._thread = threading.Thread(target=target, name="fop-replicate", daemon=True)
         self._thread.start()
 
     def submit(self, step: int) -> None:
         """Queues a step just committed locally (called after each local commit, on
-        every process; a no-op but on the primary)."""
-        if not self._primary:
-            return
+        every process). With several processes the primary's queue decides what is
+        copied; the others' queues only tell their :meth:`wait` what to wait for."""
         with self._cond:
+            if not self._primary and self._already_decided(step):
+                return
             self._enqueue(step)
             self._cond.notify_all()
 
@@ -263,7 +317,8 @@ class PersistentTier:
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is queued or being copied (or ``timeout`` passed);
         returns whether everything was replicated. Raises the error of a failed copy
-        (once)."""
+        (once). On a process other than the primary it waits for the rounds of the
+        steps it submitted (or newer ones that superseded them) to end."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._queue or self._current is not None:
@@ -279,18 +334,36 @@ class PersistentTier:
 
     def close(self, timeout: float | None = None, *, raise_errors: bool = True) -> None:
         """Waits up to ``timeout`` for the queue to drain, then stops the replicator (a
-        copy still running is abandoned uncommitted). Idempotent."""
+        copy still running is abandoned uncommitted). Idempotent.
+
+        Several processes: every process calls it (the manager's ``close`` does). The
+        primary then announces the end of its rounds; the others follow the primary's
+        rounds until that announcement, up to ``timeout`` (with None, up to the
+        coordination timeout once the primary stops starting rounds)."""
         if self._stop and (self._thread is None or not self._thread.is_alive()):
             return
+        follower = self._multi and not self._primary
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             done = self.wait(timeout) if raise_errors else self._wait_quietly(timeout)
         finally:
             with self._cond:
-                self._stop = True
+                if follower:
+                    if self._closing_since is None:
+                        self._closing_since = time.monotonic()
+                else:
+                    self._stop = True
                 left = sorted(self._queue | ({self._current} - {None}))
+                self._cond.notify_all()
+            if self._thread is not None and follower:  # until the primary's "stop"
+                self._thread.join(None if deadline is None else deadline - time.monotonic())
+            with self._cond:
+                self._stop = True
                 self._cond.notify_all()
             if self._thread is not None:
                 self._thread.join(60)
+        if follower and raise_errors:
+            self._raise_error()  # a last round's failure, seen while following
         if not done and left:
             logger.warning(
                 "checkpoint: steps %s not yet replicated to %s (within %s s); they will be "
@@ -319,55 +392,85 @@ class PersistentTier:
     def _enqueue(self, step: int) -> None:
         """Under ``_cond``: queue ``step``; drop older queued steps the persistent
         retention would not keep forever (a newer one supersedes them)."""
-        every = self.retention.keep_every
-        self._queue = {s for s in self._queue if s > step or (every is not None and s % every == 0)}
+        self._queue = {s for s in self._queue if s > step or self._kept_forever(s)}
         self._queue.add(step)
 
+    def _kept_forever(self, step: int) -> bool:
+        every = self.retention.keep_every
+        return every is not None and step % every == 0
+
+    def _already_decided(self, step: int) -> bool:
+        """Under ``_cond``, not on the primary: the primary already started a round for
+        ``step`` or for a newer step that supersedes it (a late submit)."""
+        newest = max(self._round_steps, default=-1)
+        return step in self._round_steps or (step < newest and not self._kept_forever(step))
+
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stop:
-                    self._cond.wait()
-            self._defer_until = time.monotonic() + MAX_DEFER_S
-            self._yield_to_saves()  # then take the newest step, maybe the one just saved
-            with self._cond:
-                if self._stop:
-                    return
-                step = max(self._queue)
-                self._queue.discard(step)
-                self._current = step
-            try:
-                self._replicate_with_retries(step)
-            finally:
+        """The primary's replicator thread (the only one with one process)."""
+        try:
+            while True:
                 with self._cond:
-                    self._current = None
-                    self._cond.notify_all()
+                    while not self._queue and not self._stop:
+                        self._cond.wait()
+                self._defer_until = time.monotonic() + MAX_DEFER_S
+                self._yield_to_saves()  # then take the newest step, maybe the one just saved
+                with self._cond:
+                    if self._stop:
+                        return
+                    step = max(self._queue)
+                    self._queue.discard(step)
+                    self._current = step
+                try:
+                    self._replicate_with_retries(step)
+                finally:
+                    with self._cond:
+                        self._current = None
+                        self._cond.notify_all()
+        finally:
+            if self._multi:  # the other processes' replicators follow until this
+                try:
+                    self._announce(_Round(self._next_round_key(), -1), "stop")
+                except Exception as e:  # noqa: BLE001  (they give up after the timeout)
+                    logger.warning("checkpoint: could not end the replication rounds: %s", e)
 
     def _replicate_with_retries(self, step: int) -> None:
         for attempt in range(RETRIES + 1):
+            rnd = _Round(self._next_round_key(), step) if self._multi else None
             try:
-                if self._replicate(step):
+                committed = self._replicate(step, rnd)
+                self._finish(rnd, "committed" if committed else "skipped")
+                if committed:
                     self._apply_retention(step)
                 return
             except _Stopped:
+                self._finish(rnd, "abandoned")
                 return
             except Exception as e:  # noqa: BLE001  (kept and raised by wait/close)
-                if attempt < RETRIES and not isinstance(e, CorruptCheckpointError):
-                    logger.warning("checkpoint: replicating step %d failed, retrying: %s", step, e)
+                retry = attempt < RETRIES and not isinstance(
+                    e, (CorruptCheckpointError, CoordinationError)
+                )
+                detail = str(e) if isinstance(e, _RoundFailed) else f"{type(e).__name__}: {e}"
+                if retry:
+                    logger.warning(
+                        "checkpoint: replicating step %d failed, retrying: %s", step, detail
+                    )
+                    self._finish(rnd, f"retry: {detail}")
                     time.sleep(RETRY_DELAY_S * (attempt + 1))
                     continue
                 error = ReplicationError(
-                    f"step {step} of {self.local} was not replicated to {self.remote}: "
-                    f"{type(e).__name__}: {e}"
+                    f"step {step} of {self.local} was not replicated to {self.remote}: {detail}"
                 )
                 error.__cause__ = e
                 logger.error("checkpoint: %s", error)
                 with self._cond:
                     self._error = error
+                self._finish(rnd, f"failed: {error}")
                 return
 
-    def _replicate(self, step: int) -> bool:
-        """Copies one committed local step; returns False when there was nothing to do."""
+    def _replicate(self, step: int, rnd: _Round | None) -> bool:
+        """Copies one committed local step; returns False when there was nothing to do.
+        With several processes (``rnd``) every process copies its share in this round
+        (:meth:`_copy_share`), and this one, the primary, commits when all succeeded."""
         src = _steps.step_location(self.local, step)
         raw = src.read_bytes(MANIFEST_FILE)
         if raw is None:  # deleted locally (retention, a wiped directory) meanwhile
@@ -382,18 +485,28 @@ class PersistentTier:
         files = _local_files(src.path, step)
         _check_listed(manifest, files, str(src))
         t0 = time.perf_counter()
-        staging = Staging.begin(final, secrets.token_hex(6))
+        nonce = secrets.token_hex(6)
+        staging = Staging.begin(final, nonce)
         if not staging.renames and final.is_dir():
             final.delete(MANIFEST_FILE)  # an older copy or a dead copy's files: uncommit
             final.remove()
         try:
-            nbytes = self._copy_files(
-                lambda rel: _read_local_file(src.path, rel, step),
-                staging.location,
-                files,
-                manifest,
-                str(src),
-            )
+            if rnd is None:
+                nbytes = self._copy_files(
+                    lambda rel: _read_local_file(src.path, rel, step),
+                    staging.location,
+                    files,
+                    manifest,
+                    str(src),
+                )
+                self.copied_files[step] = files
+            else:
+                sha = hashlib.sha256(raw).hexdigest()
+                self._announce(rnd, json.dumps({"step": step, "staging": nonce, "manifest": sha}))
+                statuses = [self._copy_share(step, nonce, sha)]
+                for p in range(1, _distributed.process_count()):
+                    statuses.append(json.loads(_distributed.get_from(f"{rnd.key}/status", p)))
+                nbytes = _check_statuses(statuses, len(files))
             staging.location.sync()
             staging.publish(MANIFEST_FILE, raw, replace=True)  # the remote commit, last
         except BaseException:
@@ -415,6 +528,147 @@ class PersistentTier:
         )
         return True
 
+    # ------------------------------------------------------------------ several processes
+
+    def _next_round_key(self) -> str:
+        """Replicator thread: the key of this tier's next round (the same sequence on
+        every process)."""
+        key = f"{self._rounds_key}/{self._round}"
+        self._round += 1
+        return key
+
+    def _announce(self, rnd: _Round, decision: str) -> None:
+        """Primary: publishes a round's decision (a JSON object, or ``stop``)."""
+        _distributed.broadcast_str(rnd.key, decision)
+        rnd.announced = True
+
+    def _finish(self, rnd: _Round | None, outcome: str) -> None:
+        """Primary: publishes a round's outcome; a round that never got to copying is
+        announced with its outcome in it (the others then copy nothing)."""
+        if rnd is None:
+            return
+        try:
+            if rnd.announced:
+                _distributed.broadcast_str(f"{rnd.key}/outcome", outcome)
+            else:
+                self._announce(rnd, json.dumps({"step": rnd.step, "outcome": outcome}))
+        except Exception as e:  # noqa: BLE001  (the others time out and say so)
+            logger.warning("checkpoint: could not publish round %s: %s", rnd.key, e)
+
+    def _copy_share(self, step: int, nonce: str, manifest_sha: str) -> dict[str, Any]:
+        """Every process, in a round: lists the local step, takes its share of the files
+        (:func:`_partition`, the same on every process) and copies it into the step's
+        remote staging; returns this process's status (never raises but
+        :class:`_Stopped` on the primary)."""
+        listing = None
+        try:
+            src = _steps.step_location(self.local, step)
+            raw = src.read_bytes(MANIFEST_FILE)
+            if raw is None:
+                raise CheckpointError(f"step {step}: {src}/{MANIFEST_FILE} vanished")
+            if hashlib.sha256(raw).hexdigest() != manifest_sha:
+                raise CheckpointError(
+                    f"step {step}: {src}/{MANIFEST_FILE} differs from the one the primary read"
+                )
+            manifest = _parse_manifest(raw, src, step)
+            sizes = _local_file_sizes(src.path, step)
+            listing = _listing_digest(sizes)
+            share = _partition(sizes, _distributed.process_count())[_distributed.process_index()]
+            staging = Staging.begin(_steps.step_location(self.remote, step), nonce)
+            nbytes = self._copy_files(
+                lambda rel: _read_local_file(src.path, rel, step),
+                staging.location,
+                share,
+                manifest,
+                str(src),
+            )
+            staging.location.sync()  # this process's files: durable before it reports
+        except _Stopped:
+            if self._primary:
+                raise
+            return {"ok": False, "stopped": True, "listing": listing, "error": "closed"}
+        except Exception as e:  # noqa: BLE001  (reported to the primary)
+            return {"ok": False, "listing": listing, "error": f"{type(e).__name__}: {e}"}
+        self.copied_files[step] = share
+        return {"ok": True, "listing": listing, "bytes": nbytes, "files": len(share)}
+
+    def _follow(self) -> None:
+        """The replicator thread of a process other than the primary: takes part in the
+        primary's rounds, in order, until it announces ``stop``."""
+        try:
+            while True:
+                key = self._next_round_key()
+                decision = self._await_round(key)
+                if decision is None or decision == "stop":
+                    return
+                info = json.loads(decision)
+                step = int(info["step"])
+                with self._cond:
+                    self._round_steps.add(step)
+                    self._queue = {s for s in self._queue if s > step or self._kept_forever(s)}
+                    self._queue.discard(step)
+                    self._current = step
+                try:
+                    outcome = info.get("outcome")
+                    if outcome is None:
+                        self._defer_until = time.monotonic() + MAX_DEFER_S
+                        status = self._copy_share(step, info["staging"], info["manifest"])
+                        _distributed.publish(f"{key}/status", json.dumps(status))
+                        # The primary may spend up to one timeout gathering statuses.
+                        wait = 2 * _distributed.DEFAULT_TIMEOUT_S
+                        outcome = _distributed.broadcast_str(f"{key}/outcome", None, timeout_s=wait)
+                    self._settle(step, outcome)
+                finally:
+                    with self._cond:
+                        self._current = None
+                        self._cond.notify_all()
+        except Exception as e:  # noqa: BLE001  (the primary is gone or late)
+            error = ReplicationError(
+                f"process {_distributed.process_index()} lost the primary's replication "
+                f"rounds of {self.local} to {self.remote}: {type(e).__name__}: {e}"
+            )
+            error.__cause__ = e
+            logger.error("checkpoint: %s", error)
+            with self._cond:
+                self._error = error
+                self._cond.notify_all()
+
+    def _await_round(self, key: str) -> str | None:
+        """Follower: the primary's decision under ``key``; None when this tier stops (or
+        its close found no round announced within the coordination timeout)."""
+        start = time.monotonic()
+        while True:
+            with self._cond:
+                if self._stop:
+                    return None
+                since = self._closing_since
+            waited = None if since is None else time.monotonic() - max(since, start)
+            if waited is not None and waited > _distributed.DEFAULT_TIMEOUT_S:
+                logger.warning(
+                    "checkpoint: the primary announced no replication round (%s) within %.0f s "
+                    "of close; not following it further",
+                    key,
+                    _distributed.DEFAULT_TIMEOUT_S,
+                )
+                return None
+            decision = _distributed.poll(key, wait_s=POLL_S)
+            if decision is not None:
+                return decision
+
+    def _settle(self, step: int, outcome: str) -> None:
+        """Follower: applies the outcome of the primary's round for ``step``."""
+        with self._cond:
+            if outcome == "committed":
+                self._known.add(step)
+                self.replicated.append(step)
+            elif outcome.startswith("retry:"):
+                self._queue.add(step)  # the primary runs another round of it
+            elif outcome.startswith("failed:"):
+                self._error = ReplicationError(outcome.split(": ", 1)[1])
+            # skipped, abandoned: nothing committed, no error (the next open retries)
+            if outcome != "committed":
+                self.copied_files.pop(step, None)
+
     def _copy_files(
         self, read, dst: Location, files, manifest: StepManifest, src: str, restoring=False
     ) -> int:
@@ -425,6 +679,7 @@ class PersistentTier:
         def one(rel: str) -> int:
             if not restoring:
                 self._yield_to_saves()
+                _faults.fail_point("replicate_file")
             if self._stop:
                 raise _Stopped()
             data = read(rel)
@@ -572,7 +827,12 @@ class PersistentTier:
 def _local_files(root: str, step: int) -> list[str]:
     """Relative paths of the regular files under a local step directory, manifest
     excluded. A symlink or special file anywhere in it is a ForeignEntryError."""
-    out: list[str] = []
+    return sorted(_local_file_sizes(root, step))
+
+
+def _local_file_sizes(root: str, step: int) -> dict[str, int]:
+    """``{relative path: size}`` of :func:`_local_files`."""
+    out: dict[str, int] = {}
     stack = [""]
     while stack:
         rel_dir = stack.pop()
@@ -589,14 +849,58 @@ def _local_files(root: str, step: int) -> list[str]:
                 stack.append(rel)
             elif stat.S_ISREG(st.st_mode):
                 if rel != MANIFEST_FILE:
-                    out.append(rel)
+                    out[rel] = st.st_size
             else:
                 found = "a symbolic link" if entry.is_symlink() else "a special file"
                 raise ForeignEntryError(
                     f"step {step}: {entry.path}: expected a regular file or directory written "
                     f"by this library, found {found} (never followed or copied)"
                 )
-    return sorted(out)
+    return out
+
+
+def _listing_digest(sizes: dict[str, int]) -> str:
+    """sha256 of the sorted names and sizes: processes that saw the same files agree."""
+    text = "".join(f"{rel}\t{sizes[rel]}\n" for rel in sorted(sizes))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _partition(sizes: dict[str, int], n: int) -> list[list[str]]:
+    """The files of a step split among ``n`` processes, the same on every process:
+    largest first (ties by path), each to the least-loaded process (ties by index),
+    a file weighing its size plus :data:`FILE_COST_BYTES`. Each share is sorted."""
+    loads = [0] * n
+    shares: list[list[str]] = [[] for _ in range(n)]
+    for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
+        p = min(range(n), key=lambda i: (loads[i], i))
+        shares[p].append(rel)
+        loads[p] += sizes[rel] + FILE_COST_BYTES
+    return [sorted(share) for share in shares]
+
+
+def _check_statuses(statuses: list[dict[str, Any]], nfiles: int) -> int:
+    """Primary: every process's status of a round, by index; returns the bytes copied,
+    or raises :class:`_Stopped` (a process's tier closed meanwhile) or
+    :class:`_RoundFailed` naming the processes that failed or saw other files, or when
+    the shares together are not the ``nfiles`` files the primary listed."""
+    if any(s.get("stopped") for s in statuses):
+        raise _Stopped()
+    failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if not s["ok"]]
+    if failed:
+        raise _RoundFailed("; ".join(failed))
+    first = statuses[0]["listing"]
+    other = [p for p, s in enumerate(statuses) if s["listing"] != first]
+    if other:
+        raise _RoundFailed(
+            f"process(es) {', '.join(map(str, other))} listed other files under the local "
+            f"step than process 0 (listing digests "
+            + ", ".join(f"{p}: {s['listing'][:12]}" for p, s in enumerate(statuses))
+            + "); is the local directory shared by every host?"
+        )
+    copied = sum(int(s["files"]) for s in statuses)
+    if copied != nfiles:
+        raise _RoundFailed(f"the processes copied {copied} files of the {nfiles} in the step")
+    return sum(int(s["bytes"]) for s in statuses)
 
 
 def _read_local_file(root: str, rel: str, step: int) -> bytes:

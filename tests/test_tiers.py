@@ -495,7 +495,7 @@ def test_two_processes_replicate_and_resume_from_the_bucket(s3_location, tmp_pat
     ).check()
     primary, other = run[0].result, run[1].result
     assert primary["replicated"] and other["replicated"]
-    assert primary["copied"][-1] == 3 and other["copied"] == []  # the primary copies
+    assert primary["copied"][-1] == 3 and other["copied"] == primary["copied"]
     for r in (primary, other):
         assert r["restored_step"] == 3 and r["extras"] == {"step": 3}
         assert r["fresh_steps"] == [3]
@@ -504,6 +504,200 @@ def test_two_processes_replicate_and_resume_from_the_bucket(s3_location, tmp_pat
         host = reader.restore()
     np.testing.assert_array_equal(host["params"]["w"], W.expected_w(4) + 3)
     np.testing.assert_array_equal(host["opt_state"]["mu"], -(W.expected_w(4) + 3))
+
+
+def step_files(directory, step) -> set[str]:
+    """Relative paths of a step's files, the manifest excluded (what is shared out)."""
+    root = os.path.join(directory, str(step))
+    out = {os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs}
+    return out - {MANIFEST_FILE}
+
+
+def test_the_partition_of_a_step_is_whole_disjoint_balanced_and_order_free():
+    from flax_orbax_plugin._tiers import FILE_COST_BYTES, _partition
+
+    sizes = {"big": 10_000_000, "a/1": 4_000_000, "a/2": 4_000_000, "m.json": 300}
+    sizes |= {f"small/{i}": 1000 for i in range(40)}
+    shares = _partition(sizes, 2)
+    assert _partition(dict(reversed(list(sizes.items()))), 2) == shares  # any order
+    assert sorted(shares[0] + shares[1]) == sorted(sizes)  # whole, nothing twice
+    assert "big" in shares[0] and {"a/1", "a/2"} <= set(shares[1])  # largest first
+    loads = [sum(sizes[f] + FILE_COST_BYTES for f in share) for share in shares]
+    assert abs(loads[0] - loads[1]) <= 2_000_000 + FILE_COST_BYTES
+    assert _partition({"only": 5}, 3) == [["only"], [], []]
+
+
+def mp_shares(ctx, local, url):
+    """Run in each of 2 processes: saves two steps through a tiered manager; returns
+    what this process's replicator copied of each step."""
+    import _mp_workers as W
+
+    with fop.CheckpointManager(local, persistent=url) as mngr:
+        for step in (1, 2):
+            mngr.save(step, W.make_state(ctx, step), extras={"step": step})
+            mngr.wait()
+            assert mngr.persistent.wait(WAIT_S)
+        tier = mngr.persistent
+        return {
+            "replicated": list(tier.replicated),
+            "copied": {str(s): files for s, files in tier.copied_files.items()},
+        }
+
+
+@pytest.mark.distributed
+def test_two_processes_each_copy_their_share_and_the_primary_commits(tmp_path):
+    import _mp_workers as W
+    from _multiprocess import run_processes
+
+    local, remote = str(tmp_path / "local"), str(tmp_path / "persistent")
+    run = run_processes(
+        "test_tiers:mp_shares",
+        2,
+        devices_per_process=2,
+        args={"local": local, "url": remote},
+        env={"FOP_COORDINATION_TIMEOUT_S": "20"},
+        heartbeat_timeout_s=30,
+        timeout_s=120,
+    ).check()
+    first, second = run.results
+    assert first["replicated"] == second["replicated"] == [1, 2]
+    for step in ("1", "2"):
+        mine, theirs = set(first["copied"][step]), set(second["copied"][step])
+        assert mine and theirs and not mine & theirs  # both copied, nothing twice
+        assert mine | theirs == step_files(local, step)  # and together, the whole step
+    # Committed by the primary (a filesystem tier: staging renamed), nothing else there.
+    assert sorted(os.listdir(remote)) == ["1", "2"]
+    assert step_files(remote, 2) == step_files(local, 2)
+    with fop.CheckpointManager(remote, read_only=True) as reader:
+        host = reader.restore()
+    np.testing.assert_array_equal(host["params"]["w"], W.expected_w(4) + 2)
+    np.testing.assert_array_equal(host["opt_state"]["mu"], -(W.expected_w(4) + 2))
+    assert host["extras"] == {"step": 2}
+
+
+def mp_one_share_fails(ctx, local, url):
+    """Run in each of 2 processes: step 2's copy fails on process 1 only (every file it
+    copies raises an I/O error); then step 3 replicates."""
+    import _mp_workers as W
+
+    with fop.CheckpointManager(local, persistent=url) as mngr:
+        mngr.save(1, W.make_state(ctx, 1))
+        mngr.wait()
+        assert mngr.persistent.wait(WAIT_S)
+        if ctx.process_id == 1:
+            os.environ["FOP_FAIL_AT"] = "replicate_file"
+        mngr.save(2, W.make_state(ctx, 2))
+        mngr.wait()
+        try:
+            mngr.persistent.wait(WAIT_S)
+            error = None
+        except fop.ReplicationError as e:
+            error = str(e)
+        after_failure = mngr.persistent.agreed_steps()
+        os.environ.pop("FOP_FAIL_AT", None)
+        mngr.save(3, W.make_state(ctx, 3))
+        mngr.wait()
+        replicated = mngr.persistent.wait(WAIT_S)
+        copied = list(mngr.persistent.replicated)
+    return {
+        "error": error,
+        "after_failure": after_failure,
+        "replicated": replicated,
+        "copied": copied,
+    }
+
+
+@pytest.mark.distributed
+def test_a_share_failing_on_one_process_commits_nothing_and_every_process_raises(
+    s3_location, tmp_path
+):
+    import _mp_workers as W
+    from _multiprocess import run_processes
+
+    local = str(tmp_path / "local")
+    run = run_processes(
+        "test_tiers:mp_one_share_fails",
+        2,
+        devices_per_process=2,
+        args={"local": local, "url": s3_location.url},
+        env={"FOP_COORDINATION_TIMEOUT_S": "20", **s3_location.env},
+        heartbeat_timeout_s=30,
+        timeout_s=120,
+    ).check()
+    for r in run.results:  # every process raised the same error, naming process 1
+        assert r["error"].startswith(f"step 2 of {local} was not replicated to"), r["error"]
+        assert "process 1: InjectedFault: injected fault at replicate_file" in r["error"]
+        assert "process 0" not in r["error"]
+        assert r["after_failure"] == [1]
+        assert r["replicated"] and r["copied"] == [1, 3]
+    assert remote_steps(s3_location.url) == [1, 3]
+    assert not [k for k in s3_location.keys() if k.startswith("2/")]  # nothing of step 2
+    with fop.CheckpointManager(s3_location.url, read_only=True) as reader:
+        np.testing.assert_array_equal(reader.restore()["params"]["w"], W.expected_w(4) + 3)
+
+
+def mp_share_killed(ctx, local, url):
+    """Run in each of 2 processes: process 1 is SIGKILLed after copying 2 files of its
+    share of step 2; process 0 reports what its tier saw (and does not close: the
+    close is collective and its peer is gone)."""
+    import _mp_workers as W
+
+    mngr = fop.CheckpointManager(local, persistent=url)
+    mngr.save(1, W.make_state(ctx, 1))
+    mngr.wait()
+    assert mngr.persistent.wait(WAIT_S)
+    if ctx.process_id == 1:
+        os.environ["FOP_KILL_AT"] = "mid_replication:2"
+    mngr.save(2, W.make_state(ctx, 2), extras={"step": 2})
+    try:
+        mngr.wait()  # its barrier may find process 1 already gone
+    except fop.CheckpointError:
+        pass
+    try:
+        mngr.persistent.wait(WAIT_S)
+        error = None
+    except fop.ReplicationError as e:
+        error = str(e)
+    return {"error": error, "remote": mngr.persistent.steps()}
+
+
+@pytest.mark.distributed
+def test_a_process_killed_mid_share_leaves_nothing_listed_and_a_restart_finishes(
+    s3_location, tmp_path
+):
+    import _mp_workers as W
+    from _multiprocess import run_processes
+
+    local = str(tmp_path / "local")
+    run = run_processes(
+        "test_tiers:mp_share_killed",
+        2,
+        devices_per_process=2,
+        args={"local": local, "url": s3_location.url},
+        env={"FOP_COORDINATION_TIMEOUT_S": "8", **s3_location.env},
+        heartbeat_timeout_s=30,
+        timeout_s=120,
+        recoverable=True,  # the survivor is not terminated by jax when its peer dies
+        done_timeout_s=1,
+    )
+    assert run[1].returncode == -signal.SIGKILL, run[1].describe()
+    assert run[0].ok, run[0].describe()
+    error = run[0].result["error"]
+    assert error.startswith(f"step 2 of {local} was not replicated"), error
+    assert "from process 1" in error  # the primary names the process it lost
+    assert run[0].result["remote"] == [1]
+    assert remote_steps(s3_location.url) == [1]
+    assert f"2/{MANIFEST_FILE}" not in s3_location.keys()
+    # Step 2 is committed locally; one process, restarted, finishes the job.
+    assert fop.CheckpointManager(local, read_only=True).steps() == [1, 2]
+    with fop.CheckpointManager(local, persistent=s3_location.url) as mngr:
+        assert mngr.persistent.wait(WAIT_S)
+        assert mngr.persistent.replicated == [2]
+    assert remote_steps(s3_location.url) == [1, 2]
+    with fop.CheckpointManager(s3_location.url, read_only=True) as reader:
+        host = reader.restore()
+    np.testing.assert_array_equal(host["params"]["w"], W.expected_w(4) + 2)
+    assert host["extras"] == {"step": 2}
 
 
 def test_incremental_local_steps_are_replicated_whole(s3, tmp_path):
