@@ -719,7 +719,11 @@ class PersistentTier:
     def _apply_retention(self, just_copied: int) -> None:
         if not self.retention.deletes_anything:
             return
-        steps = self.steps()
+        try:
+            steps = self.steps()
+        except Exception as e:  # noqa: BLE001  (the step is committed: retention waits)
+            logger.warning("checkpoint: cannot list %s for retention: %s", self.remote, e)
+            return
         with self._cond:
             protected = {just_copied} | self._reading
         for s in steps_to_delete(steps, self.retention, protected=protected):
