@@ -41,19 +41,23 @@ plain prefix delete).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
+import functools
 import itertools
 import logging
 import math
 import os
 import stat
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 
 import google_crc32c
 import numpy as np
 import xxhash
 
+from . import _server_copy
 from ._errors import CheckpointError
 from ._layout import ArrayStorage, CheckpointDocument, LeafRecord
 from ._storage import Location, _open_dirs
@@ -76,9 +80,31 @@ class Reuse:
     item: str
 
 
-def enabled(location: Location, process_count: int) -> bool:
-    """Reuse works on local filesystems (hard links), with one process."""
-    return location.is_local and process_count == 1
+_LOGGED: set[tuple[str, str]] = set()
+_LOGGED_LOCK = threading.Lock()
+
+
+def reuser(location: Location, process_count: int) -> Callable[..., int | None] | None:
+    """How unchanged leaves are reused under ``location``: :func:`link_leaf` on a local
+    filesystem, :func:`copy_leaf` with the store's server-side copier on S3 and GCS;
+    None (every leaf written) with several processes or where no copier is available
+    (logged once per store and reason)."""
+    if process_count != 1:
+        return None
+    if location.is_local:
+        return link_leaf
+    copier, why = _server_copy.copier_for(location)
+    if copier is None:
+        store = str(location.parent.parent)  # the manager directory, not the step
+        with _LOGGED_LOCK:
+            first = (store, why) not in _LOGGED
+            _LOGGED.add((store, why))
+        if first:
+            logger.warning(
+                "incremental save: every leaf is written under %s (no reuse): %s", store, why
+            )
+        return None
+    return functools.partial(copy_leaf, copier)
 
 
 # -- 1. digests ---------------------------------------------------------------------------
@@ -256,3 +282,93 @@ def _check_linked(dfd: int, name: str, shown: str, size: int) -> None:
             raise _Refused(f"{shown}: its crc32c does not match its bytes (damaged or changed)")
     finally:
         os.close(fd)
+
+
+# -- 4'. server-side copies (object stores) ---------------------------------------------
+
+COPIES_IN_FLIGHT = 16  # per leaf; each is one request, the bytes stay on the server
+
+
+def copy_leaf(
+    copier: _server_copy.Copier,
+    source: Location,
+    j: int,
+    target: Location,
+    i: int,
+    record: LeafRecord,
+) -> int | None:
+    """Copies the chunk objects of leaf ``j`` of ``source`` (the previous step's item)
+    to leaf ``i`` of ``target`` (the new step's item) on the server, then checks them;
+    returns the bytes reused, or None after deleting whatever it copied (the caller
+    writes the leaf).
+
+    Checked: the previous step lists exactly the leaf's chunk objects (every chunk is
+    stored, fill values included), each of the size a chunk has; each copy is made
+    only from the object listed (S3 ``If-Match`` its ETag, GCS its generation); a
+    listing of the new keys afterwards shows each of the source's size and content tag
+    (S3 ETag, GCS crc32c and md5), as does each copy's answer. Not checked: the crc32c
+    trailer (that would read the bytes here); a chunk damaged in place at the same
+    size is copied as is, and restore and ``verify`` report it in both steps."""
+    size = chunk_file_bytes(record)
+    if size is None or source.spec | {"path": ""} != target.spec | {"path": ""}:
+        return None
+    src_prefix, dst_prefix = f"{source.path}d/{j}/c/", f"{target.path}d/{i}/c/"
+    wanted = sorted("/".join(parts[1:]) for parts in chunk_names(record))
+    started = False
+    try:
+        listed = {k[len(src_prefix) :]: v for k, v in copier.list(src_prefix).items()}
+        for name in wanted:
+            info = listed.get(name)
+            if info is None:
+                raise _Refused(f"{source}/d/{j}/c/{name}: missing")
+            if info.size != size:
+                raise _Refused(
+                    f"{source}/d/{j}/c/{name}: expected {size} bytes (one chunk), found {info.size}"
+                )
+        extra = sorted(set(listed) - set(wanted))
+        if extra:
+            raise _Refused(f"{source}/d/{j}/c/{extra[0]}: not a chunk of this leaf")
+        started = True
+        with concurrent.futures.ThreadPoolExecutor(
+            min(COPIES_IN_FLIGHT, len(wanted)), thread_name_prefix="fop-copy"
+        ) as pool:
+            futures = {
+                name: pool.submit(copier.copy, src_prefix + name, dst_prefix + name, listed[name])
+                for name in wanted
+            }
+            answers = {name: f.result() for name, f in futures.items()}  # first error raised
+        copied = {k[len(dst_prefix) :]: v for k, v in copier.list(dst_prefix).items()}
+        for name in wanted:
+            want = listed[name]
+            for seen in (answers[name], copied.get(name)):
+                if (
+                    seen is None
+                    or seen.size != want.size
+                    or (want.tag and seen.tag and seen.tag != want.tag)
+                ):
+                    raise _Refused(
+                        f"{target}/d/{i}/c/{name}: the copy is not the same object as "
+                        f"{source}/d/{j}/c/{name} ({seen} != {want})"
+                    )
+        return record.nbytes
+    except Exception as e:  # noqa: BLE001  (a copier's failure never fails the save)
+        why = str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
+        logger.warning(
+            "incremental save: leaf %r is written, not copied from %s: %s",
+            record.path,
+            source,
+            why,
+        )
+        if started:
+            _delete_copies(copier, dst_prefix)
+        return None
+
+
+def _delete_copies(copier: _server_copy.Copier, prefix: str) -> None:
+    """Deletes every object under ``prefix`` (the chunks of one leaf of the new step,
+    which only this save writes); errors are ignored (the leaf's write replaces them)."""
+    try:
+        for key in copier.list(prefix):
+            copier.delete(key)
+    except OSError:
+        pass
