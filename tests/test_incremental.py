@@ -1,7 +1,9 @@
 """Incremental manager steps (``CheckpointManager(incremental=True)``): an unchanged leaf
 is hard-linked from the previous committed step, never on a mismatch or doubt."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -13,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _arrays, _incremental, _layout
+from flax_orbax_plugin import _arrays, _incremental, _layout, cli
 from flax_orbax_plugin._errors import CorruptCheckpointError
 
 MiB = 1 << 20
@@ -99,6 +101,10 @@ def test_frozen_base_is_linked_and_only_the_adapter_is_written(tmp_path):
         assert len(chunks) >= 2 and all(st.st_nlink == 3 for st in chunks)
         assert files["zarr.json"].st_nlink == 1  # written fresh, as for any leaf
     assert not any(_same_inodes(d, 1, 2, "adapter"))
+    rows = _list_rows(d)
+    assert [rows[s][:2] for s in "123"] == [[cli.human_bytes(first.bytes_written), "0 B"]] + [
+        ["2.0 MiB", "5.0 MiB"]
+    ] * 2
     with fop.CheckpointManager(d, read_only=True) as mngr:
         for step, want in zip((1, 2, 3), states, strict=True):
             _assert_equal(want, mngr.restore(step=step))
@@ -370,6 +376,19 @@ def _remote_leaf(bucket, step, path):
     return {k[len(prefix) :]: bucket.read(k) for k in keys}, leaves[i], prefix
 
 
+def _list_rows(url):
+    """``{step: [written, reused, ...]}`` from ``flax-orbax list``'s table."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["list", url]) == 0
+    rows = {}
+    for line in out.getvalue().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells and cells[0].isdigit():
+            rows[cells[0]] = cells[2:]
+    return rows
+
+
 def test_object_store_copies_the_frozen_base_on_the_server(bucket, caplog):
     url = bucket.url
     states = [_state(adapter_value=s) for s in range(3)]
@@ -390,6 +409,9 @@ def test_object_store_copies_the_frozen_base_on_the_server(bucket, caplog):
     with fop.CheckpointManager(url, read_only=True) as mngr:
         for step in (1, 2):
             _assert_equal(states[step - 1], mngr.restore(step=step))
+    rows = _list_rows(url)
+    assert rows["1"][:2] == [cli.human_bytes(first.bytes_written), "0 B"]
+    assert rows["2"][:2] == ["2.0 MiB", "5.0 MiB"]  # the adapter (+64 B); w1 and w2
     with fop.CheckpointManager(url, incremental=True, keep=1) as mngr:
         third = _save(mngr, 3, states[2])  # copied from step 2, which retention then deletes
         assert third.bytes_reused == W1 + W2 and mngr.steps() == [3]
