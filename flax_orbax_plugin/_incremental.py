@@ -1,10 +1,19 @@
 """Incremental steps: a leaf whose bytes did not change since the previous committed step
-of the same manager is hard-linked into the new step instead of being written again.
+of the same manager is taken from that step instead of being written again: hard-linked
+on a local filesystem, copied on the server (S3 ``CopyObject``, GCS ``rewriteTo``) on an
+object store. Either way every step stays self-contained: retention, ``verify``,
+``gc``, export, ``restore_params`` and the tiers see ordinary steps.
 
 Who calls what (all on the background thread of :meth:`_save.Snapshot.write`, after the
 blocking phase; only with :class:`Reuse` given, i.e. ``CheckpointManager(incremental=
-True)``; only on a local filesystem and with one process, otherwise nothing here runs):
+True)``; only where :func:`reuser` offers a way, otherwise nothing here runs):
 
+0. :func:`reuser` picks the way for the store: :func:`link_leaf` on a local
+   filesystem, :func:`copy_leaf` with the copier of ``_server_copy`` on ``s3://`` and
+   ``gs://``; none with several processes, nor where no copier is available (another
+   kvstore driver such as ``memory://``, botocore or google-auth not installed, no
+   credentials): every leaf is then written, and one WARNING per store and reason says
+   why. A missing copier never fails a save.
 1. :func:`leaf_digest` hashes each leaf stored as its own array (``xxh3_128`` of its
    host snapshot bytes, C order, little endian); the digest is recorded in the leaf's
    record in ``_METADATA.json`` (optional field ``digest``, FORMAT.md).
@@ -12,31 +21,38 @@ True)``; only on a local filesystem and with one process, otherwise nothing here
    ``_METADATA.json`` checked against the sha256 in that step's manifest.
 3. :func:`plan_reuse` picks the leaves whose path, kind, shape, dtype, storage kind,
    chunk shape and digest all equal the previous record's; any difference: written.
-4. :func:`link_leaf` hard-links every chunk file of the previous ``d/<j>/c/...`` into
-   the staging ``d/<i>/c/...`` (``zarr.json`` is written fresh, as for any leaf), then
-   checks each linked file: a regular file (a symlink is never followed: ``linkat``
-   without ``AT_SYMLINK_FOLLOW``, opened with ``O_NOFOLLOW``), of the exact size a
-   chunk has, whose crc32c trailer matches its bytes. Any failure (a missing file,
-   another size, a bad checksum, a filesystem without hard links) removes what it
-   linked for that leaf and the leaf is written from the snapshot instead.
+4. Local filesystems: :func:`link_leaf` hard-links every chunk file of the previous
+   ``d/<j>/c/...`` into the staging ``d/<i>/c/...`` (``zarr.json`` is written fresh,
+   as for any leaf), then checks each linked file: a regular file (a symlink is never
+   followed: ``linkat`` without ``AT_SYMLINK_FOLLOW``, opened with ``O_NOFOLLOW``), of
+   the exact size a chunk has, whose crc32c trailer matches its bytes. Any failure (a
+   missing file, another size, a bad checksum, a filesystem without hard links)
+   removes what it linked for that leaf and the leaf is written from the snapshot.
+5. Object stores: :func:`copy_leaf` lists the previous step's ``d/<j>/c/`` keys (every
+   chunk is stored, fill values included, so the listing must name exactly the leaf's
+   chunks, each of the size a chunk has), copies each on the server to the new step's
+   ``d/<i>/c/...`` (up to :data:`COPIES_IN_FLIGHT` at once per leaf, a few leaves at
+   once; each copy only from the object listed: S3 ``If-Match`` its ETag, GCS
+   ``ifSourceGenerationMatch``), then lists the new keys and checks each copy against
+   its source: the same size and content tag (S3 ETag, GCS crc32c and md5), in the
+   listing and in the copy's answer. Any failure deletes the leaf's copies and the
+   leaf is written from the snapshot (logged). The crc32c trailers are not read (that
+   would bring the bytes here): a previous chunk damaged in place at its own size is
+   copied as is, and restore and ``verify`` report it in both steps.
 
-Hard links make deletion safe without reference counts: removing a step unlinks its
-names, and the data stays while any other step links it. What is *not* protected: a
-linked file shares its inode with the earlier step, so damage done to it in place
-after the link shows in every step that links it (restore and ``verify`` still detect
-it through the chunk's crc32c, but the earlier step is then no independent copy of that
-leaf); a deliberate edit that also rewrites the crc32c trailer before the link is not
-detected (the digest covers the snapshot, not the previous file).
+Deleting a step stays a plain delete. Local: removing a step unlinks its names, and
+the data stays while any other step links it. What is *not* protected: a linked file
+shares its inode with the earlier step, so damage done to it in place after the link
+shows in every step that links it (restore and ``verify`` still detect it through the
+chunk's crc32c, but the earlier step is then no independent copy of that leaf); a
+deliberate edit that also rewrites the crc32c trailer before the link is not detected
+(the digest covers the snapshot, not the previous file). Object stores: a copy is an
+object of its own; the store bills it as stored bytes (no saving in storage, only in
+bytes sent and save time).
 
 Not reused (every step written in full): several processes (a leaf's digest would
 need every writer's bytes, or one digest per writer exchanged before the metadata is
-written; each process would then link the chunk files it owns) and object stores,
-which have no hard links. There the design is either a server-side copy of each
-unchanged chunk object (S3 CopyObject, GCS rewrite: no bytes through the host, each
-step still self-contained) or references: the new step's metadata names the earlier
-step's item for an unchanged leaf, and retention deletes an item's data only when no
-kept step references it (reference-aware retention, so deleting a step is no longer a
-plain prefix delete).
+written; each process would then link or copy the chunks it owns).
 """
 
 from __future__ import annotations
