@@ -535,3 +535,55 @@ def test_without_botocore_s3_steps_are_written_in_full(s3_location):
     assert out.count("RESULT 1048576 0") == 2 and "EQUAL True" in out
     why = [line for line in out.splitlines() if line.startswith("LOG") and "no reuse" in line]
     assert len(why) == 1 and "botocore is not installed" in why[0]
+
+
+@pytest.mark.parametrize("phase", ["mid_write", "after_marker", "mid_retention"])
+def test_a_kill_during_an_incremental_s3_step_leaves_the_earlier_one_whole(s3_location, phase):
+    """As on local disk: killed while chunks are being copied and the adapter written
+    (mid_write), after the marker, or while retention deletes step 1."""
+    import subprocess
+    import sys
+
+    url = s3_location.url
+    with fop.CheckpointManager(url, incremental=True) as mngr:
+        _save(mngr, 1, _state(1.0))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", FOP_KILL_AT=phase)
+    env.update(s3_location.env)
+    keep = "1" if phase == "mid_retention" else "0"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_CHILD, url, os.path.dirname(__file__), keep],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    with fop.CheckpointManager(url, incremental=True) as mngr:
+        steps = mngr.steps()
+        assert steps == {"mid_write": [1], "after_marker": [1, 2], "mid_retention": [2]}[phase]
+        for s in steps:
+            _assert_equal(_state(float(s)), mngr.restore(step=s))
+        r = _save(mngr, 3, _state(3.0))
+        assert r.bytes_reused == W1 + W2
+        _assert_equal(_state(3.0), mngr.restore(step=3))
+    assert all(r.ok for r in fop.verify(url, all_steps=True))
+
+
+def test_incremental_local_steps_replicate_whole_to_the_persistent_tier(s3_location, tmp_path):
+    """The local tier hard-links; the bucket receives whole steps, and a fresh machine
+    restores the latest of them bit-exact."""
+    url = s3_location.url
+    states = [_state(adapter_value=s) for s in range(3)]
+    with fop.CheckpointManager(tmp_path / "a", incremental=True, persistent=url) as mngr:
+        for step, state in enumerate(states, 1):
+            assert _save(mngr, step, state).bytes_reused == (step > 1) * (W1 + W2)
+        mngr.persistent.wait()
+    assert all(_same_inodes(str(tmp_path / "a"), 1, 3, "base/w1"))
+    with fop.CheckpointManager(url, read_only=True) as remote:
+        assert remote.steps()[-1] == 3
+        _assert_equal(states[2], remote.restore(step=3))
+    assert all(r.ok for r in fop.verify(url, all_steps=True))
+    with fop.CheckpointManager(tmp_path / "b", persistent=url) as fresh:
+        _assert_equal(states[2], fresh.restore())
+        assert fresh.steps() == [3]
