@@ -34,11 +34,13 @@ True)``; only where :func:`reuser` offers a way, otherwise nothing here runs):
    ``d/<i>/c/...`` (up to :data:`COPIES_IN_FLIGHT` at once per leaf, a few leaves at
    once; each copy only from the object listed: S3 ``If-Match`` its ETag, GCS
    ``ifSourceGenerationMatch``), then lists the new keys and checks each copy against
-   its source: the same size and content tag (S3 ETag, GCS crc32c and md5), in the
-   listing and in the copy's answer. Any failure deletes the leaf's copies and the
-   leaf is written from the snapshot (logged). The crc32c trailers are not read (that
-   would bring the bytes here): a previous chunk damaged in place at its own size is
-   copied as is, and restore and ``verify`` report it in both steps.
+   its source: the same size, and the same content tag (S3 ETag, GCS crc32c and md5)
+   where the tag is a hash of the bytes (not an S3 multipart or SSE-KMS ETag; the new
+   key's listing must then show the tag the copy answered). Any failure deletes the
+   leaf's copies and the leaf is written from the snapshot (logged). The crc32c
+   trailers are not read (that would bring the bytes here): a previous chunk damaged
+   in place at its own size is copied as is, and restore and ``verify`` report it in
+   both steps.
 
 Deleting a step stays a plain delete. Local: removing a step unlinks its names, and
 the data stays while any other step links it. What is *not* protected: a linked file
@@ -320,9 +322,11 @@ def copy_leaf(
 
     Checked: the previous step lists exactly the leaf's chunk objects (every chunk is
     stored, fill values included), each of the size a chunk has; each copy is made
-    only from the object listed (S3 ``If-Match`` its ETag, GCS its generation); a
-    listing of the new keys afterwards shows each of the source's size and content tag
-    (S3 ETag, GCS crc32c and md5), as does each copy's answer. Not checked: the crc32c
+    only from the object listed (S3 ``If-Match`` its ETag, GCS its generation); each
+    copy's answer carries the source's content tag (S3 ETag, GCS crc32c and md5; not
+    compared where the tag is no hash of the bytes: S3 multipart or SSE-KMS/SSE-C),
+    and a listing of the new keys afterwards shows each of the source's size and the
+    tag the copy answered (:func:`_same_copy`). Not checked: the crc32c
     trailer (that would read the bytes here); a chunk damaged in place at the same
     size is copied as is, and restore and ``verify`` report it in both steps."""
     size = chunk_file_bytes(record)
@@ -355,17 +359,12 @@ def copy_leaf(
             answers = {name: f.result() for name, f in futures.items()}  # first error raised
         copied = {k[len(dst_prefix) :]: v for k, v in copier.list(dst_prefix).items()}
         for name in wanted:
-            want = listed[name]
-            for seen in (answers[name], copied.get(name)):
-                if (
-                    seen is None
-                    or seen.size != want.size
-                    or (want.tag and seen.tag and seen.tag != want.tag)
-                ):
-                    raise _Refused(
-                        f"{target}/d/{i}/c/{name}: the copy is not the same object as "
-                        f"{source}/d/{j}/c/{name} ({seen} != {want})"
-                    )
+            want, answer, seen = listed[name], answers[name], copied.get(name)
+            if not _same_copy(want, answer, seen):
+                raise _Refused(
+                    f"{target}/d/{i}/c/{name}: the copy is not the same object as "
+                    f"{source}/d/{j}/c/{name} (source {want}, copy {answer}, listed {seen})"
+                )
         return record.nbytes
     except Exception as e:  # noqa: BLE001  (a copier's failure never fails the save)
         why = str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
@@ -378,6 +377,22 @@ def copy_leaf(
         if started:
             _delete_copies(copier, dst_prefix)
         return None
+
+
+def _same_copy(
+    source: _server_copy.ObjectInfo,
+    answer: _server_copy.ObjectInfo,
+    listed: _server_copy.ObjectInfo | None,
+) -> bool:
+    """The copy's answer has the source's size and, where both tags are content tags,
+    its tag; the new key's listing has that size and the answer's tag (the object the
+    copy made, unchanged since)."""
+    if listed is None or answer.size != source.size or listed.size != source.size:
+        return False
+    if source.content_tag and answer.content_tag and source.tag and answer.tag:
+        if answer.tag != source.tag:
+            return False
+    return not (answer.tag and listed.tag and listed.tag != answer.tag)
 
 
 def _delete_copies(copier: _server_copy.Copier, prefix: str) -> None:

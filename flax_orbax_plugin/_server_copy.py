@@ -46,13 +46,17 @@ _POOL = 32  # connections per copier (the number of copies in flight is the call
 
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
-    """What a store says about one object: its size and a content tag that equal bytes
-    share (S3: the ETag of a single-part object; GCS: ``crc32c`` and ``md5Hash``), or
-    None where it gives none. ``generation`` (GCS) pins the object in a later copy."""
+    """What a store says about one object: its size and tag (S3: the ETag; GCS:
+    ``crc32c`` and ``md5Hash``), or None where it gives none. ``content_tag``: the tag
+    depends on the bytes alone, so equal bytes in two objects have equal tags (not so
+    for an S3 ETag of a multipart upload or of an SSE-KMS/SSE-C object). Either way the
+    tag of one object changes when its bytes do. ``generation`` pins the object in a
+    later copy (S3: its ETag, for ``If-Match``; GCS: its generation)."""
 
     size: int
     tag: str | None = None
     generation: str | None = None
+    content_tag: bool = True
 
 
 class CopyError(OSError):
@@ -153,17 +157,26 @@ class _S3Copier(Copier):
             kw = {"Prefix": prefix, **({"ContinuationToken": token} if token else {})}
             page = self._call("list_objects_v2", **kw)
             for obj in page.get("Contents", ()):
-                out[obj["Key"]] = ObjectInfo(int(obj["Size"]), _etag(obj.get("ETag")))
+                etag = _etag(obj.get("ETag"))
+                # Multipart ETags are no MD5 of the bytes; SSE-KMS ones are not either,
+                # but a listing does not say: a copy's answer does (below).
+                multipart = etag is not None and "-" in etag
+                out[obj["Key"]] = ObjectInfo(int(obj["Size"]), etag, etag, not multipart)
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return out
 
     def copy(self, src: str, dst: str, source: ObjectInfo) -> ObjectInfo:
         kw: dict[str, Any] = {"Key": dst, "CopySource": {"Bucket": self._bucket, "Key": src}}
-        if source.tag:
-            kw["CopySourceIfMatch"] = f'"{source.tag}"'
-        result = self._call("copy_object", **kw).get("CopyObjectResult", {})
-        return ObjectInfo(source.size, _etag(result.get("ETag")))  # size: checked by a listing
+        if source.generation:
+            kw["CopySourceIfMatch"] = f'"{source.generation}"'
+        answer = self._call("copy_object", **kw)
+        etag = _etag(answer.get("CopyObjectResult", {}).get("ETag"))
+        encrypted = str(answer.get("ServerSideEncryption", "")).startswith("aws:kms") or bool(
+            answer.get("SSECustomerAlgorithm")
+        )
+        # CopyObject reports no size: the caller checks it in a listing.
+        return ObjectInfo(source.size, etag, etag, source.content_tag and not encrypted)
 
     def delete(self, key: str) -> None:
         self._call("delete_object", Key=key)

@@ -486,6 +486,21 @@ def test_a_copy_that_differs_from_its_source_is_deleted_and_the_leaf_written(
     assert all(r.ok for r in fop.verify(url, all_steps=True))
 
 
+def test_copy_check_compares_tags_only_where_they_hash_the_bytes():
+    from flax_orbax_plugin._server_copy import ObjectInfo as Info
+
+    same = _incremental._same_copy
+    src = Info(10, "a", "a")
+    assert same(src, Info(10, "a"), Info(10, "a"))
+    assert not same(src, Info(10, "b"), Info(10, "b"))  # other bytes than the source's
+    assert not same(src, Info(10, "a"), Info(9, "a")) and not same(src, Info(10, "a"), None)
+    kms = Info(10, "k", "k", content_tag=False)  # an SSE-KMS copy: an ETag of its own
+    assert same(src, kms, Info(10, "k"))
+    assert not same(src, kms, Info(10, "z"))  # changed after the copy
+    multipart = Info(10, "m-2", "m-2", content_tag=False)
+    assert same(multipart, Info(10, "a"), Info(10, "a"))
+
+
 def test_no_copier_for_memory_stores_writes_everything_and_says_why(caplog):
     url = f"memory://incremental-{os.getpid()}-{id(caplog)}"
     with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
