@@ -73,8 +73,9 @@ class SaveResult:
 
     ``blocking_seconds``: how long the caller waited; ``total_seconds``: from the start
     of the save until it committed; ``bytes_written``: array bytes this process wrote;
-    ``bytes_reused``: array bytes of unchanged leaves hard-linked from the previous step
-    instead of written (incremental manager steps; not part of ``bytes_written``).
+    ``bytes_reused``: array bytes of unchanged leaves hard-linked (local disk) or copied
+    on the server (S3, GCS) from the previous step instead of written (incremental
+    manager steps; not part of ``bytes_written``).
     """
 
     path: str
@@ -663,8 +664,9 @@ _LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied conc
 def _write_data(
     staging: Location, plan: _Plan, primary: bool, limit: int, links: dict[int, Any]
 ) -> tuple[int, int]:
-    """Writes this process's chunks (and, on the primary, every zarr.json), linking the
-    leaves in ``links`` instead where it can; returns (bytes written, bytes linked)."""
+    """Writes this process's chunks (and, on the primary, every zarr.json), linking or
+    copying the leaves in ``links`` instead where it can; returns (bytes written, bytes
+    reused)."""
     pending: collections.deque = collections.deque()
     in_flight = 0
     written = 0
