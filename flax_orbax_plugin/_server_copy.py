@@ -94,7 +94,12 @@ def copier_for(location: Location) -> tuple[Copier | None, str]:
         return _s3_copier(json.dumps(spec, sort_keys=True), env)
     if driver == "gcs":
         env = tuple(
-            os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")
+            os.environ.get(k)
+            for k in (
+                "TENSORSTORE_GCS_HTTP_URL",
+                "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+                "GOOGLE_APPLICATION_CREDENTIALS",
+            )
         )
         return _gcs_copier(json.dumps(spec, sort_keys=True), env)
     return None, f"the {driver!r} kvstore driver has no server-side copy"
@@ -191,7 +196,7 @@ def _etag(value: str | None) -> str | None:
 
 @functools.lru_cache(maxsize=16)
 def _gcs_copier(spec_json: str, env: tuple) -> tuple[Copier | None, str]:
-    emulator, test_token = env
+    emulator, test_token, _ = env
     bucket = json.loads(spec_json)["bucket"]
     if emulator:
         return _GCSCopier(emulator.rstrip("/"), bucket, lambda: test_token), ""

@@ -59,3 +59,21 @@ def test_no_copier_for_other_drivers(tmp_path):
     for url in ("memory://x", str(tmp_path)):
         copier, why = _server_copy.copier_for(Location.from_path(url))
         assert copier is None and "no server-side copy" in why
+
+
+def test_no_gcs_copier_without_google_credentials(monkeypatch, tmp_path):
+    monkeypatch.delenv("TENSORSTORE_GCS_HTTP_URL", raising=False)
+    monkeypatch.delenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "absent.json"))
+    copier, why = _server_copy.copier_for(Location.from_path("gs://some-bucket/run"))
+    assert copier is None and ("google-auth" in why or "no credentials" in why)
+
+
+def test_no_s3_copier_without_aws_credentials(monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "absent"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "absent-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance metadata lookup
+    copier, why = _server_copy.copier_for(Location.from_path("s3://some-bucket/run"))
+    assert copier is None and "no AWS credentials" in why
