@@ -1,15 +1,21 @@
-"""Incremental steps: step 2 of a fine-tuning state with 90% frozen, with and without
-reuse, side by side.
+"""Incremental steps: step 2 of a fine-tuning state with a frozen base, with and without
+reuse, side by side, on the local disk and on an S3 server.
 
-    python benchmarks/bench_incremental.py [--mib 256] [--reps 3] [--dir DIR]
+    python benchmarks/bench_incremental.py [--mib 256] [--frozen 0.9] [--reps 3]
+                                           [--store local|s3|both] [--dir DIR]
 
 The state (``--mib`` MiB of float32 jax.Arrays on the default device): ``params`` = a
-frozen base (90%: 8 equal leaves) plus an adapter (10%) that changes every step. Each
-repetition, for each mode, in a fresh directory: ``CheckpointManager(incremental=mode,
+frozen base (``--frozen`` of it: 8 equal leaves) plus an adapter (the rest) that changes
+every step; LoRA-style with ``--frozen 0.98``. Each repetition, for each mode, in a
+fresh directory (local) or bucket prefix (s3): ``CheckpointManager(incremental=mode,
 async_save=False)`` saves step 1 (full), then step 2 (the adapter changed); step 2's
-save time (blocking + background, durable and committed) and bytes written / reused are
-recorded. Prints medians of the repetitions; modes alternate so machine noise hits both
-alike. A third line, the floor: a full save of a state holding only the adapter.
+save time (blocking + background, durable and committed) and bytes written / reused
+are recorded. Prints medians of the repetitions; modes alternate so machine noise hits
+both alike. A third line, the floor: a full save of a state holding only the adapter.
+
+``--store s3`` starts moto's S3 server as a child process on 127.0.0.1
+(``tests/_s3_server.py``); incremental steps there copy the unchanged chunk objects on
+the server (CopyObject), so "written" is what crossed from this host to the store.
 """
 
 from __future__ import annotations
@@ -27,16 +33,17 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import flax_orbax_plugin as fop  # noqa: E402
 
 MiB = 1 << 20
 
 
-def make_state(total_mib: int, step: int) -> dict:
+def make_state(total_mib: int, step: int, frozen: float) -> dict:
     rng = np.random.default_rng(0)
-    base_leaf = int(total_mib * 0.9 / 8 * MiB) // 4 // 1024 * 1024
-    adapter = int(total_mib * 0.1 * MiB) // 4 // 1024 * 1024
+    base_leaf = int(total_mib * frozen / 8 * MiB) // 4 // 1024 * 1024
+    adapter = int(total_mib * (1 - frozen) * MiB) // 4 // 1024 * 1024
     base = {
         f"layer_{i}": rng.standard_normal((base_leaf // 1024, 1024), dtype=np.float32)
         for i in range(8)
@@ -51,7 +58,8 @@ def make_state(total_mib: int, step: int) -> dict:
 
 
 def one(directory: str, incremental: bool | None, states) -> tuple[float, int, int]:
-    shutil.rmtree(directory, ignore_errors=True)
+    """Step 2's (seconds, bytes written, bytes reused) in a fresh ``directory``."""
+    _remove(directory)
     if incremental is None:  # the floor: the adapter alone, saved in full
         states = [{"params": {"adapter": s["params"]["adapter"]}} for s in states]
     with fop.CheckpointManager(directory, incremental=bool(incremental), async_save=False) as m:
@@ -60,25 +68,27 @@ def one(directory: str, incremental: bool | None, states) -> tuple[float, int, i
         m.save(2, states[1])
         seconds = time.perf_counter() - t0
         r = m.last_save
-    shutil.rmtree(directory, ignore_errors=True)
+    _remove(directory)
     return seconds, r.bytes_written, r.bytes_reused
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mib", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    args = ap.parse_args()
-    root = args.dir or tempfile.mkdtemp(prefix="fop-bench-incremental-")
-    states = [make_state(args.mib, 1), make_state(args.mib, 2)]
-    total = sum(a.nbytes for s in (states[0],) for a in _leaves(s))
+def _remove(directory: str) -> None:
+    if "://" in directory:
+        from flax_orbax_plugin._storage import Location
+
+        Location.from_path(directory).remove()  # moto keeps every object in memory
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def run_store(store: str, root: str, states, reps: int, frozen: float) -> None:
+    total = sum(a.nbytes for a in _leaves(states[0]))
     modes = (False, True, None)
     runs: dict = {mode: [] for mode in modes}
-    for _ in range(args.reps):
-        for mode in modes:
-            runs[mode].append(one(os.path.join(root, f"inc-{mode}"), mode, states))
-    print(f"state {total / MiB:.0f} MiB (90% frozen), step 2, medians of {args.reps}:")
+    for rep in range(reps):
+        for mode in modes if rep % 2 == 0 else modes[::-1]:
+            runs[mode].append(one(f"{root}/inc-{mode}-{rep}", mode, states))
+    print(f"{store}: state {total / MiB:.0f} MiB ({frozen:.0%} frozen), step 2, medians of {reps}:")
     print(f"{'mode':<14} {'save s':>8} {'MiB written':>12} {'MiB reused':>11}")
     for mode, label in ((False, "full"), (True, "incremental"), (None, "adapter only")):
         secs = statistics.median(r[0] for r in runs[mode])
@@ -87,11 +97,40 @@ def main() -> None:
         print(f"{label:<14} {secs:>8.3f} {wrote:>12.1f} {reused:>11.1f}")
     full = statistics.median(r[0] for r in runs[False])
     inc = statistics.median(r[0] for r in runs[True])
-    print(f"speed-up {full / inc:.1f}x; all runs (s): full {[round(r[0], 3) for r in runs[False]]}")
+    written = statistics.median(r[1] for r in runs[False]) / statistics.median(
+        r[1] for r in runs[True]
+    )
+    print(f"speed-up {full / inc:.1f}x, {written:.1f}x fewer bytes written per step")
+    print(f"  all runs (s): full {[round(r[0], 3) for r in runs[False]]}")
     print(f"  incremental {[round(r[0], 3) for r in runs[True]]}")
     print(f"  adapter only {[round(r[0], 3) for r in runs[None]]}")
-    if not args.dir:
-        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--frozen", type=float, default=0.9, help="share of the frozen base")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--store", choices=("local", "s3", "both"), default="local")
+    ap.add_argument("--dir", default=None, help="where to write locally (default: a temp dir)")
+    args = ap.parse_args()
+    states = [make_state(args.mib, 1, args.frozen), make_state(args.mib, 2, args.frozen)]
+    if args.store in ("local", "both"):
+        root = args.dir or tempfile.mkdtemp(prefix="fop-bench-incremental-")
+        run_store("local", root, states, args.reps, args.frozen)
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.store in ("s3", "both"):
+        from _s3_server import S3Server
+
+        server = S3Server(mode="process").start()
+        undo = server.apply_env()
+        try:
+            bucket = server.create_bucket()
+            run_store("s3 (moto)", f"s3://{bucket}", states, args.reps, args.frozen)
+        finally:
+            undo()
+            server.stop()
 
 
 def _leaves(tree):

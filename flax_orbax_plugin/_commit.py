@@ -113,7 +113,8 @@ class Staging:
 @dataclasses.dataclass(frozen=True)
 class Written:
     """What one process wrote: array bytes and ``{relative JSON file: sha256}``; plus the
-    array bytes it hard-linked from the previous step instead (incremental steps)."""
+    array bytes it hard-linked or copied on the server from the previous step instead
+    (incremental steps)."""
 
     bytes_written: int = 0
     files: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -1,10 +1,19 @@
 """Incremental steps: a leaf whose bytes did not change since the previous committed step
-of the same manager is hard-linked into the new step instead of being written again.
+of the same manager is taken from that step instead of being written again: hard-linked
+on a local filesystem, copied on the server (S3 ``CopyObject``, GCS ``rewriteTo``) on an
+object store. Either way every step stays self-contained: retention, ``verify``,
+``gc``, export, ``restore_params`` and the tiers see ordinary steps.
 
 Who calls what (all on the background thread of :meth:`_save.Snapshot.write`, after the
 blocking phase; only with :class:`Reuse` given, i.e. ``CheckpointManager(incremental=
-True)``; only on a local filesystem and with one process, otherwise nothing here runs):
+True)``; only where :func:`reuser` offers a way, otherwise nothing here runs):
 
+0. :func:`reuser` picks the way for the store: :func:`link_leaf` on a local
+   filesystem, :func:`copy_leaf` with the copier of ``_server_copy`` on ``s3://`` and
+   ``gs://``; none with several processes, nor where no copier is available (another
+   kvstore driver such as ``memory://``, botocore or google-auth not installed, no
+   credentials): every leaf is then written, and one WARNING per store and reason says
+   why. A missing copier never fails a save.
 1. :func:`leaf_digest` hashes each leaf stored as its own array (``xxh3_128`` of its
    host snapshot bytes, C order, little endian); the digest is recorded in the leaf's
    record in ``_METADATA.json`` (optional field ``digest``, FORMAT.md).
@@ -12,48 +21,61 @@ True)``; only on a local filesystem and with one process, otherwise nothing here
    ``_METADATA.json`` checked against the sha256 in that step's manifest.
 3. :func:`plan_reuse` picks the leaves whose path, kind, shape, dtype, storage kind,
    chunk shape and digest all equal the previous record's; any difference: written.
-4. :func:`link_leaf` hard-links every chunk file of the previous ``d/<j>/c/...`` into
-   the staging ``d/<i>/c/...`` (``zarr.json`` is written fresh, as for any leaf), then
-   checks each linked file: a regular file (a symlink is never followed: ``linkat``
-   without ``AT_SYMLINK_FOLLOW``, opened with ``O_NOFOLLOW``), of the exact size a
-   chunk has, whose crc32c trailer matches its bytes. Any failure (a missing file,
-   another size, a bad checksum, a filesystem without hard links) removes what it
-   linked for that leaf and the leaf is written from the snapshot instead.
+4. Local filesystems: :func:`link_leaf` hard-links every chunk file of the previous
+   ``d/<j>/c/...`` into the staging ``d/<i>/c/...`` (``zarr.json`` is written fresh,
+   as for any leaf), then checks each linked file: a regular file (a symlink is never
+   followed: ``linkat`` without ``AT_SYMLINK_FOLLOW``, opened with ``O_NOFOLLOW``), of
+   the exact size a chunk has, whose crc32c trailer matches its bytes. Any failure (a
+   missing file, another size, a bad checksum, a filesystem without hard links)
+   removes what it linked for that leaf and the leaf is written from the snapshot.
+5. Object stores: :func:`copy_leaf` lists the previous step's ``d/<j>/c/`` keys (every
+   chunk is stored, fill values included, so the listing must name exactly the leaf's
+   chunks, each of the size a chunk has), copies each on the server to the new step's
+   ``d/<i>/c/...`` (up to :data:`COPIES_IN_FLIGHT` at once per leaf, a few leaves at
+   once; each copy only from the object listed: S3 ``If-Match`` its ETag, GCS
+   ``ifSourceGenerationMatch``), then lists the new keys and checks each copy against
+   its source: the same size, and the same content tag (S3 ETag, GCS crc32c and md5)
+   where the tag is a hash of the bytes (not an S3 multipart or SSE-KMS ETag; the new
+   key's listing must then show the tag the copy answered). Any failure deletes the
+   leaf's copies and the leaf is written from the snapshot (logged). The crc32c
+   trailers are not read (that would bring the bytes here): a previous chunk damaged
+   in place at its own size is copied as is, and restore and ``verify`` report it in
+   both steps.
 
-Hard links make deletion safe without reference counts: removing a step unlinks its
-names, and the data stays while any other step links it. What is *not* protected: a
-linked file shares its inode with the earlier step, so damage done to it in place
-after the link shows in every step that links it (restore and ``verify`` still detect
-it through the chunk's crc32c, but the earlier step is then no independent copy of that
-leaf); a deliberate edit that also rewrites the crc32c trailer before the link is not
-detected (the digest covers the snapshot, not the previous file).
+Deleting a step stays a plain delete. Local: removing a step unlinks its names, and
+the data stays while any other step links it. What is *not* protected: a linked file
+shares its inode with the earlier step, so damage done to it in place after the link
+shows in every step that links it (restore and ``verify`` still detect it through the
+chunk's crc32c, but the earlier step is then no independent copy of that leaf); a
+deliberate edit that also rewrites the crc32c trailer before the link is not detected
+(the digest covers the snapshot, not the previous file). Object stores: a copy is an
+object of its own; the store bills it as stored bytes (no saving in storage, only in
+bytes sent and save time).
 
 Not reused (every step written in full): several processes (a leaf's digest would
 need every writer's bytes, or one digest per writer exchanged before the metadata is
-written; each process would then link the chunk files it owns) and object stores,
-which have no hard links. There the design is either a server-side copy of each
-unchanged chunk object (S3 CopyObject, GCS rewrite: no bytes through the host, each
-step still self-contained) or references: the new step's metadata names the earlier
-step's item for an unchanged leaf, and retention deletes an item's data only when no
-kept step references it (reference-aware retention, so deleting a step is no longer a
-plain prefix delete).
+written; each process would then link or copy the chunks it owns).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
+import functools
 import itertools
 import logging
 import math
 import os
 import stat
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 
 import google_crc32c
 import numpy as np
 import xxhash
 
+from . import _server_copy
 from ._errors import CheckpointError
 from ._layout import ArrayStorage, CheckpointDocument, LeafRecord
 from ._storage import Location, _open_dirs
@@ -76,9 +98,31 @@ class Reuse:
     item: str
 
 
-def enabled(location: Location, process_count: int) -> bool:
-    """Reuse works on local filesystems (hard links), with one process."""
-    return location.is_local and process_count == 1
+_LOGGED: set[tuple[str, str]] = set()
+_LOGGED_LOCK = threading.Lock()
+
+
+def reuser(location: Location, process_count: int) -> Callable[..., int | None] | None:
+    """How unchanged leaves are reused under ``location``: :func:`link_leaf` on a local
+    filesystem, :func:`copy_leaf` with the store's server-side copier on S3 and GCS;
+    None (every leaf written) with several processes or where no copier is available
+    (logged once per store and reason)."""
+    if process_count != 1:
+        return None
+    if location.is_local:
+        return link_leaf
+    copier, why = _server_copy.copier_for(location)
+    if copier is None:
+        store = str(location.parent.parent)  # the manager directory, not the step
+        with _LOGGED_LOCK:
+            first = (store, why) not in _LOGGED
+            _LOGGED.add((store, why))
+        if first:
+            logger.warning(
+                "incremental save: every leaf is written under %s (no reuse): %s", store, why
+            )
+        return None
+    return functools.partial(copy_leaf, copier)
 
 
 # -- 1. digests ---------------------------------------------------------------------------
@@ -256,3 +300,106 @@ def _check_linked(dfd: int, name: str, shown: str, size: int) -> None:
             raise _Refused(f"{shown}: its crc32c does not match its bytes (damaged or changed)")
     finally:
         os.close(fd)
+
+
+# -- 4'. server-side copies (object stores) ---------------------------------------------
+
+COPIES_IN_FLIGHT = 16  # per leaf; each is one request, the bytes stay on the server
+
+
+def copy_leaf(
+    copier: _server_copy.Copier,
+    source: Location,
+    j: int,
+    target: Location,
+    i: int,
+    record: LeafRecord,
+) -> int | None:
+    """Copies the chunk objects of leaf ``j`` of ``source`` (the previous step's item)
+    to leaf ``i`` of ``target`` (the new step's item) on the server, then checks them;
+    returns the bytes reused, or None after deleting whatever it copied (the caller
+    writes the leaf).
+
+    Checked: the previous step lists exactly the leaf's chunk objects (every chunk is
+    stored, fill values included), each of the size a chunk has; each copy is made
+    only from the object listed (S3 ``If-Match`` its ETag, GCS its generation); each
+    copy's answer carries the source's content tag (S3 ETag, GCS crc32c and md5; not
+    compared where the tag is no hash of the bytes: S3 multipart or SSE-KMS/SSE-C),
+    and a listing of the new keys afterwards shows each of the source's size and the
+    tag the copy answered (:func:`_same_copy`). Not checked: the crc32c
+    trailer (that would read the bytes here); a chunk damaged in place at the same
+    size is copied as is, and restore and ``verify`` report it in both steps."""
+    size = chunk_file_bytes(record)
+    if size is None or source.spec | {"path": ""} != target.spec | {"path": ""}:
+        return None
+    src_prefix, dst_prefix = f"{source.path}d/{j}/c/", f"{target.path}d/{i}/c/"
+    wanted = sorted("/".join(parts[1:]) for parts in chunk_names(record))
+    started = False
+    try:
+        listed = {k[len(src_prefix) :]: v for k, v in copier.list(src_prefix).items()}
+        for name in wanted:
+            info = listed.get(name)
+            if info is None:
+                raise _Refused(f"{source}/d/{j}/c/{name}: missing")
+            if info.size != size:
+                raise _Refused(
+                    f"{source}/d/{j}/c/{name}: expected {size} bytes (one chunk), found {info.size}"
+                )
+        extra = sorted(set(listed) - set(wanted))
+        if extra:
+            raise _Refused(f"{source}/d/{j}/c/{extra[0]}: not a chunk of this leaf")
+        started = True
+        with concurrent.futures.ThreadPoolExecutor(
+            min(COPIES_IN_FLIGHT, len(wanted)), thread_name_prefix="fop-copy"
+        ) as pool:
+            futures = {
+                name: pool.submit(copier.copy, src_prefix + name, dst_prefix + name, listed[name])
+                for name in wanted
+            }
+            answers = {name: f.result() for name, f in futures.items()}  # first error raised
+        copied = {k[len(dst_prefix) :]: v for k, v in copier.list(dst_prefix).items()}
+        for name in wanted:
+            want, answer, seen = listed[name], answers[name], copied.get(name)
+            if not _same_copy(want, answer, seen):
+                raise _Refused(
+                    f"{target}/d/{i}/c/{name}: the copy is not the same object as "
+                    f"{source}/d/{j}/c/{name} (source {want}, copy {answer}, listed {seen})"
+                )
+        return record.nbytes
+    except Exception as e:  # noqa: BLE001  (a copier's failure never fails the save)
+        why = str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
+        logger.warning(
+            "incremental save: leaf %r is written, not copied from %s: %s",
+            record.path,
+            source,
+            why,
+        )
+        if started:
+            _delete_copies(copier, dst_prefix)
+        return None
+
+
+def _same_copy(
+    source: _server_copy.ObjectInfo,
+    answer: _server_copy.ObjectInfo,
+    listed: _server_copy.ObjectInfo | None,
+) -> bool:
+    """The copy's answer has the source's size and, where both tags are content tags,
+    its tag; the new key's listing has that size and the answer's tag (the object the
+    copy made, unchanged since)."""
+    if listed is None or answer.size != source.size or listed.size != source.size:
+        return False
+    if source.content_tag and answer.content_tag and source.tag and answer.tag:
+        if answer.tag != source.tag:
+            return False
+    return not (answer.tag and listed.tag and listed.tag != answer.tag)
+
+
+def _delete_copies(copier: _server_copy.Copier, prefix: str) -> None:
+    """Deletes every object under ``prefix`` (the chunks of one leaf of the new step,
+    which only this save writes); errors are ignored (the leaf's write replaces them)."""
+    try:
+        for key in copier.list(prefix):
+            copier.delete(key)
+    except OSError:
+        pass

@@ -597,6 +597,9 @@ class StepManifest:
 
     ``files`` maps every JSON file of the step that restore trusts (relative to the
     step) to its sha256; ``tree_digest`` is the digest all processes agreed on.
+    ``bytes_written``/``bytes_reused`` (optional, one-process steps only): array bytes
+    the save wrote, and those of unchanged leaves it took from the previous step
+    (hard links or server-side copies) instead; informational.
     """
 
     step: int
@@ -605,20 +608,23 @@ class StepManifest:
     process_count: int = 1
     time: float = 0.0
     tree_digest: str = ""
+    bytes_written: int | None = None
+    bytes_reused: int | None = None
 
     def to_bytes(self) -> bytes:
-        return seal(
-            {
-                "format": STEP_FORMAT,
-                "version": STEP_VERSION,
-                "step": self.step,
-                "items": {n: {"kind": e.kind, "dir": e.dir} for n, e in self.items.items()},
-                "files": self.files,
-                "process_count": self.process_count,
-                "time": self.time,
-                "tree_digest": self.tree_digest,
-            }
-        )
+        body = {
+            "format": STEP_FORMAT,
+            "version": STEP_VERSION,
+            "step": self.step,
+            "items": {n: {"kind": e.kind, "dir": e.dir} for n, e in self.items.items()},
+            "files": self.files,
+            "process_count": self.process_count,
+            "time": self.time,
+            "tree_digest": self.tree_digest,
+        }
+        if self.bytes_written is not None and self.bytes_reused is not None:
+            body["bytes"] = {"written": self.bytes_written, "reused": self.bytes_reused}
+        return seal(body)
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> StepManifest:
@@ -637,6 +643,12 @@ class StepManifest:
             items[name] = ItemEntry(kind, d)
         dirs = [e.dir for e in items.values()]
         _need(len(set(dirs)) == len(dirs), where, "items", "distinct directories", dirs)
+        written = reused = None
+        if "bytes" in body:
+            sizes = body["bytes"]
+            _need(isinstance(sizes, dict), where, "bytes", "an object", sizes)
+            written = _int(sizes, "written", where, "bytes.written")
+            reused = _int(sizes, "reused", where, "bytes.reused")
         return cls(
             step,
             items,
@@ -644,6 +656,8 @@ class StepManifest:
             _int(body, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES),
             _num(body, "time", where, "time"),
             str(body.get("tree_digest", "")),
+            written,
+            reused,
         )
 
     def file_checksum(self, item_dir: str, name: str) -> str | None:

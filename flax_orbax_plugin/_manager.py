@@ -99,7 +99,8 @@ class CheckpointManager:
         Install from the main thread.
       checkpointables: overrides of the checkpointable used per item name.
       incremental: a pytree leaf unchanged since the previous committed step is
-        hard-linked from it, not written (local disk, one process; see _incremental).
+        hard-linked from it (local disk) or copied on the server (S3, GCS), not
+        written (one process; see _incremental).
       compression: per pytree item, ``"zstd"`` or ``"zstd:<level>"``, e.g.
         ``{"opt_state": "zstd"}``; restore reads the codec from the checkpoint.
       clock: time source for ``every_seconds`` (tests pass one in).
@@ -438,6 +439,8 @@ class CheckpointManager:
     def _commit(self, op, step, staging: Staging, pendings, entries, digest, replace) -> Written:
         """Background thread: every item written and durable, then the one commit."""
 
+        sizes: list[Written] = []  # this process's totals, for the manifest
+
         def write() -> Written:
             total, files, reused = 0, {}, 0
             results = _wait_all(pendings.values(), raise_first=True)
@@ -448,11 +451,22 @@ class CheckpointManager:
                     files.update({f"{entries[name].dir}/{f}": h for f, h in result.files.items()})
             staging.location.sync()
             _faults.kill_point("after_sync")
-            return Written(total, files, reused)
+            sizes.append(Written(total, files, reused))
+            return sizes[-1]
 
         def publish(files: dict[str, str]) -> None:
+            count = _distributed.process_count()
+            # Sizes only where this process wrote it all (others' totals are not here).
+            mine = sizes[0] if count == 1 and sizes else None
             manifest = StepManifest(
-                step, entries, files, _distributed.process_count(), time.time(), digest
+                step,
+                entries,
+                files,
+                count,
+                time.time(),
+                digest,
+                None if mine is None else mine.bytes_written,
+                None if mine is None else mine.bytes_reused,
             )
             staging.publish(MANIFEST_FILE, manifest.to_bytes(), replace=True)
             if not staging.renames:

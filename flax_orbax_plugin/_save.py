@@ -73,8 +73,9 @@ class SaveResult:
 
     ``blocking_seconds``: how long the caller waited; ``total_seconds``: from the start
     of the save until it committed; ``bytes_written``: array bytes this process wrote;
-    ``bytes_reused``: array bytes of unchanged leaves hard-linked from the previous step
-    instead of written (incremental manager steps; not part of ``bytes_written``).
+    ``bytes_reused``: array bytes of unchanged leaves hard-linked (local disk) or copied
+    on the server (S3, GCS) from the previous step instead of written (incremental
+    manager steps; not part of ``bytes_written``).
     """
 
     path: str
@@ -513,10 +514,11 @@ class _Plan:
         and ``_METADATA.json``); with ``durable``, made durable (one syncfs; a manager
         step syncs once for all its items instead). Commits nothing.
 
-        ``reuse`` (a manager step with ``incremental=True``; local disk, one process):
-        every leaf stored as its own array gets a digest in ``_METADATA.json``, and one
-        whose digest and layout equal the previous step's is hard-linked from it rather
-        than written (see ``_incremental``)."""
+        ``reuse`` (a manager step with ``incremental=True``; one process; local disk,
+        or S3/GCS with a server-side copier): every leaf stored as its own array gets a
+        digest in ``_METADATA.json``, and one whose digest and layout equal the previous
+        step's is hard-linked (local) or copied on the server (object stores) from it
+        rather than written (see ``_incremental``)."""
         try:
             return self._write(location, limit=limit, durable=durable, reuse=reuse)
         finally:
@@ -528,7 +530,7 @@ class _Plan:
         primary = _distributed.is_primary()
         files = {}
         links = {}
-        if reuse is not None and _incremental.enabled(location, _distributed.process_count()):
+        if reuse is not None:
             links = self._plan_links(location, reuse)
         encoded: concurrent.futures.Future = concurrent.futures.Future()
         if primary:  # encoded while tensorstore's threads write the data
@@ -555,7 +557,11 @@ class _Plan:
     def _plan_links(self, location: Location, reuse: _incremental.Reuse) -> dict[int, Any]:
         """Records the digest of every array leaf; returns ``{leaf index: link()}`` for
         the leaves the previous step holds unchanged (``link()`` returns the bytes
-        reused, or None when the leaf must be written after all)."""
+        reused, or None when the leaf must be written after all); ``{}`` where nothing
+        can be reused here (see :func:`_incremental.reuser`)."""
+        reuse_leaf = _incremental.reuser(location, _distributed.process_count())
+        if reuse_leaf is None:
+            return {}
         for leaf in self.leaves:
             if isinstance(leaf.record.storage, ArrayStorage) and leaf.writes:
                 digest = _incremental.leaf_digest(leaf.record, leaf.writes)
@@ -566,7 +572,7 @@ class _Plan:
         source, doc = previous
         records = {leaf.index: leaf.record for leaf in self.leaves}
         return {
-            i: functools.partial(_incremental.link_leaf, source, j, location, i, records[i])
+            i: functools.partial(reuse_leaf, source, j, location, i, records[i])
             for i, j in _incremental.plan_reuse(records, doc).items()
         }
 
@@ -682,11 +688,15 @@ def cpu_views_are_snapshots() -> bool:
         return False
 
 
+_LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied concurrently
+
+
 def _write_data(
     staging: Location, plan: _Plan, primary: bool, limit: int, links: dict[int, Any]
 ) -> tuple[int, int]:
-    """Writes this process's chunks (and, on the primary, every zarr.json), linking the
-    leaves in ``links`` instead where it can; returns (bytes written, bytes linked)."""
+    """Writes this process's chunks (and, on the primary, every zarr.json), linking or
+    copying the leaves in ``links`` instead where it can; returns (bytes written, bytes
+    reused)."""
     pending: collections.deque = collections.deque()
     in_flight = 0
     written = 0
@@ -713,14 +723,16 @@ def _write_data(
         except BaseException:
             _settle((f, 0) for f in creates)  # none may recreate files after a cleanup
             raise
-    # Links (after the zarr.json files exist: they go beside them) run on a helper
-    # thread while the changed leaves are written; a leaf whose link fails is written
-    # after them.
+    # Links or server-side copies (after the zarr.json files exist: they go beside
+    # them) run on helper threads (one on local disk; a few leaves at once on object
+    # stores, where each waits on requests) while the changed leaves are written; a
+    # leaf whose link or copy fails is written after them.
     linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
     linker = None
     if linking:
-        linker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fop-link")
-        linked = linker.submit(lambda: [links[leaf.index]() for leaf, _ in linking])
+        workers = 1 if staging.is_local else _LEAVES_COPIED_AT_ONCE
+        linker = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fop-link")
+        linked = [linker.submit(links[leaf.index]) for leaf, _ in linking]
     skip = {leaf.index for leaf, _ in linking}
     jobs = [(spec, leaf.writes) for leaf, spec in arrays if leaf.writes and leaf.index not in skip]
     for name, spec in batches:
@@ -732,7 +744,8 @@ def _write_data(
                 if linker is None:
                     break
                 jobs = []
-                for (leaf, spec), nbytes in zip(linking, linked.result(), strict=True):
+                for (leaf, spec), future in zip(linking, linked, strict=True):
+                    nbytes = future.result()
                     if nbytes is None:
                         jobs.append((spec, leaf.writes))
                     else:
@@ -762,7 +775,8 @@ def _write_data(
         raise
     finally:
         if linker is not None:
-            linker.shutdown(wait=True)  # no link is made after a failure's cleanup
+            # No link or copy is made after a failure's cleanup: queued ones never start.
+            linker.shutdown(wait=True, cancel_futures=True)
     return written, reused
 
 

@@ -195,7 +195,7 @@ def _list_row(loc: Location, step: int) -> _ListRow:
     try:
         manifest = _steps.read_manifest(step_loc)
     except CheckpointError as e:
-        return _ListRow(str(step), "?", "?", f"DAMAGED: {_one_line(e)}", "-")
+        return _ListRow(str(step), "?", "?", "?", "?", f"DAMAGED: {_one_line(e)}", "-")
     metrics = {
         k: v
         for k, v in _load_extras(step_loc).items()
@@ -204,6 +204,8 @@ def _list_row(loc: Location, step: int) -> _ListRow:
     return _ListRow(
         step=str(step),
         size="?" if size is None else human_bytes(size),
+        written="-" if manifest.bytes_written is None else human_bytes(manifest.bytes_written),
+        reused="-" if manifest.bytes_reused is None else human_bytes(manifest.bytes_reused),
         saved=datetime.datetime.fromtimestamp(manifest.time).strftime("%Y-%m-%d %H:%M:%S"),
         items=",".join(sorted(manifest.items)),
         metrics=" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())) or "-",
@@ -212,8 +214,13 @@ def _list_row(loc: Location, step: int) -> _ListRow:
 
 @dataclasses.dataclass
 class _ListRow:
+    """One step: its size on a local disk; the array bytes its save wrote and those it
+    took unchanged from the previous step (incremental), from the manifest."""
+
     step: str
     size: str
+    written: str
+    reused: str
     saved: str
     items: str
     metrics: str

@@ -1,7 +1,9 @@
 """Incremental manager steps (``CheckpointManager(incremental=True)``): an unchanged leaf
 is hard-linked from the previous committed step, never on a mismatch or doubt."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -13,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _arrays, _incremental, _layout
+from flax_orbax_plugin import _arrays, _incremental, _layout, cli
 from flax_orbax_plugin._errors import CorruptCheckpointError
 
 MiB = 1 << 20
@@ -99,6 +101,10 @@ def test_frozen_base_is_linked_and_only_the_adapter_is_written(tmp_path):
         assert len(chunks) >= 2 and all(st.st_nlink == 3 for st in chunks)
         assert files["zarr.json"].st_nlink == 1  # written fresh, as for any leaf
     assert not any(_same_inodes(d, 1, 2, "adapter"))
+    rows = _list_rows(d)
+    assert [rows[s][:2] for s in "123"] == [[cli.human_bytes(first.bytes_written), "0 B"]] + [
+        ["2.0 MiB", "5.0 MiB"]
+    ] * 2
     with fop.CheckpointManager(d, read_only=True) as mngr:
         for step, want in zip((1, 2, 3), states, strict=True):
             _assert_equal(want, mngr.restore(step=step))
@@ -348,3 +354,251 @@ def test_a_kill_during_an_incremental_step_leaves_the_earlier_one_whole(tmp_path
         r = _save(mngr, 3, _state(3.0))
         assert r.bytes_reused == W1 + W2
     assert all(r.ok for r in fop.verify(d, all_steps=True))
+
+
+# -- object stores: server-side copies -------------------------------------------------------
+
+pytest_plugins = ["_servers"]
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def bucket(request):
+    """A fresh prefix on the real S3 server (moto) or the GCS emulator."""
+    return request.getfixturevalue(f"{request.param}_location")
+
+
+def _remote_leaf(bucket, step, path):
+    """({chunk key relative to d/<i>/: bytes}, record) of leaf ``path`` of ``params``."""
+    leaves = json.loads(bucket.read(f"{step}/params/_METADATA.json"))["leaves"]
+    (i,) = [i for i, r in enumerate(leaves) if r["path"] == path]
+    prefix = f"{step}/params/d/{i}/"
+    keys = [k for k in bucket.keys() if k.startswith(prefix)]
+    return {k[len(prefix) :]: bucket.read(k) for k in keys}, leaves[i], prefix
+
+
+def _list_rows(url):
+    """``{step: [written, reused, ...]}`` from ``flax-orbax list``'s table."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["list", url]) == 0
+    rows = {}
+    for line in out.getvalue().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells and cells[0].isdigit():
+            rows[cells[0]] = cells[2:]
+    return rows
+
+
+def test_object_store_copies_the_frozen_base_on_the_server(bucket, caplog):
+    url = bucket.url
+    states = [_state(adapter_value=s) for s in range(3)]
+    with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
+        with fop.CheckpointManager(url, incremental=True, keep=2) as mngr:
+            first = _save(mngr, 1, states[0])
+            second = _save(mngr, 2, states[1])
+    assert "incremental save" not in caplog.text  # nothing fell back to a write
+    assert first.bytes_reused == 0 and first.bytes_written >= W1 + W2 + ADAPTER
+    assert second.bytes_reused == W1 + W2
+    assert second.bytes_written == ADAPTER + 64  # the adapter and the batch of small leaves
+    for path in ("base/w1", "base/w2"):
+        a, _, _ = _remote_leaf(bucket, 1, path)
+        b, record, _ = _remote_leaf(bucket, 2, path)
+        chunks = [n for n in a if n.startswith("c/")]
+        assert len(chunks) >= 2 and set(a) == set(b)  # every chunk copied, zarr.json fresh
+        assert all(a[n] == b[n] for n in chunks) and record["digest"].startswith("xxh3_128:")
+    with fop.CheckpointManager(url, read_only=True) as mngr:
+        for step in (1, 2):
+            _assert_equal(states[step - 1], mngr.restore(step=step))
+    rows = _list_rows(url)
+    assert rows["1"][:2] == [cli.human_bytes(first.bytes_written), "0 B"]
+    assert rows["2"][:2] == ["2.0 MiB", "5.0 MiB"]  # the adapter (+64 B); w1 and w2
+    with fop.CheckpointManager(url, incremental=True, keep=1) as mngr:
+        third = _save(mngr, 3, states[2])  # copied from step 2, which retention then deletes
+        assert third.bytes_reused == W1 + W2 and mngr.steps() == [3]
+        _assert_equal(states[2], mngr.restore())
+    assert not [k for k in bucket.keys() if k.startswith(("1/", "2/"))]
+    _assert_equal(states[2]["params"], fop.restore_params(url, states[2]["params"]))
+    assert [r.ok for r in fop.verify(url, all_steps=True)] == [True]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove"])
+def test_a_missing_or_short_previous_chunk_object_means_write(s3_location, damage, caplog):
+    url = s3_location.url
+    with fop.CheckpointManager(url, incremental=True) as mngr:
+        _save(mngr, 1, _state())
+        files, _, prefix = _remote_leaf(s3_location, 1, "base/w1")
+        victim = prefix + sorted(n for n in files if n.startswith("c/"))[-1]
+        if damage == "truncate":
+            s3_location.kvstore().write(victim, files[victim[len(prefix) :]][:1000]).result()
+        else:
+            s3_location.delete(victim)
+        with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
+            r = _save(mngr, 2, _state())
+        assert r.bytes_reused == W2 + ADAPTER and r.bytes_written == W1 + 64
+        assert "base/w1" in caplog.text and victim.split("/", 1)[1] in caplog.text
+        assert ("missing" if damage == "remove" else "expected") in caplog.text
+        _assert_equal(_state(), mngr.restore(step=2))
+        copied, _, _ = _remote_leaf(s3_location, 2, "base/w1")
+        assert set(copied) == set(files)  # written whole: nothing left of the copies
+    assert [r.ok for r in fop.verify(url, all_steps=True)] == [False, True]
+
+
+def test_a_copy_that_differs_from_its_source_is_deleted_and_the_leaf_written(
+    s3_location, monkeypatch, caplog
+):
+    """A fault injected on the real server: right after one chunk is copied, another
+    writer replaces the copy with other bytes of the same size; the listing after the
+    copies shows another ETag, so the leaf's copies are deleted and it is written."""
+    from flax_orbax_plugin import _server_copy
+
+    url = s3_location.url
+    real = _server_copy.copier_for
+
+    class Tampered(_server_copy.Copier):
+        def __init__(self, inner):
+            self.inner, self.hit = inner, []
+
+        def list(self, prefix):
+            return self.inner.list(prefix)
+
+        def delete(self, key):
+            self.inner.delete(key)
+
+        def copy(self, src, dst, source):
+            out = self.inner.copy(src, dst, source)
+            if not self.hit and "/d/" in dst:
+                self.hit.append(dst)
+                key = dst[len(s3_location.prefix) + 1 :]
+                s3_location.kvstore().write(key, b"\0" * source.size).result()
+            return out
+
+    with fop.CheckpointManager(url, incremental=True) as mngr:
+        _save(mngr, 1, _state())
+        copier, _ = real(fop._storage.Location.from_path(url))
+        tampered = Tampered(copier)
+        monkeypatch.setattr(_server_copy, "copier_for", lambda loc: (tampered, ""))
+        with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
+            r = _save(mngr, 2, _state())
+        assert len(tampered.hit) == 1 and "not the same object" in caplog.text
+        assert r.bytes_reused == W1 + W2 + ADAPTER - r.bytes_written + 64
+        assert r.bytes_written in (W1 + 64, W2 + 64, ADAPTER + 64)  # that one leaf
+        _assert_equal(_state(), mngr.restore(step=2))
+    assert all(r.ok for r in fop.verify(url, all_steps=True))
+
+
+def test_copy_check_compares_tags_only_where_they_hash_the_bytes():
+    from flax_orbax_plugin._server_copy import ObjectInfo as Info
+
+    same = _incremental._same_copy
+    src = Info(10, "a", "a")
+    assert same(src, Info(10, "a"), Info(10, "a"))
+    assert not same(src, Info(10, "b"), Info(10, "b"))  # other bytes than the source's
+    assert not same(src, Info(10, "a"), Info(9, "a")) and not same(src, Info(10, "a"), None)
+    kms = Info(10, "k", "k", content_tag=False)  # an SSE-KMS copy: an ETag of its own
+    assert same(src, kms, Info(10, "k"))
+    assert not same(src, kms, Info(10, "z"))  # changed after the copy
+    multipart = Info(10, "m-2", "m-2", content_tag=False)
+    assert same(multipart, Info(10, "a"), Info(10, "a"))
+
+
+def test_no_copier_for_memory_stores_writes_everything_and_says_why(caplog):
+    url = f"memory://incremental-{os.getpid()}-{id(caplog)}"
+    with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
+        with fop.CheckpointManager(url, incremental=True) as mngr:
+            _save(mngr, 1, _state())
+            r2 = _save(mngr, 2, _state())
+            r3 = _save(mngr, 3, _state())
+            _assert_equal(_state(), mngr.restore(step=3))
+    assert r2.bytes_reused == r3.bytes_reused == 0 and r3.bytes_written == W1 + W2 + ADAPTER + 64
+    lines = [m for m in caplog.messages if "no reuse" in m]
+    assert len(lines) == 1 and "'memory'" in lines[0] and "no server-side copy" in lines[0]
+
+
+NO_BOTOCORE_CHILD = """
+import logging, sys
+sys.modules["botocore"] = None  # as if not installed: every import of it fails
+sys.modules["boto3"] = None
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
+import numpy as np
+import flax_orbax_plugin as fop
+x = {"w": np.arange(1 << 18, dtype=np.float32)}
+with fop.CheckpointManager(sys.argv[1], incremental=True) as m:
+    for step in (1, 2):
+        m.save(step, x, force=True)
+        m.wait()
+        print("RESULT", m.last_save.bytes_written, m.last_save.bytes_reused)
+    got = m.restore(step=2)
+print("EQUAL", got["w"].tobytes() == x["w"].tobytes())
+"""
+
+
+def test_without_botocore_s3_steps_are_written_in_full(s3_location):
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", **s3_location.env)
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_BOTOCORE_CHILD, s3_location.url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert out.count("RESULT 1048576 0") == 2 and "EQUAL True" in out
+    why = [line for line in out.splitlines() if line.startswith("LOG") and "no reuse" in line]
+    assert len(why) == 1 and "botocore is not installed" in why[0]
+
+
+@pytest.mark.parametrize("phase", ["mid_write", "after_marker", "mid_retention"])
+def test_a_kill_during_an_incremental_s3_step_leaves_the_earlier_one_whole(s3_location, phase):
+    """As on local disk: killed while chunks are being copied and the adapter written
+    (mid_write), after the marker, or while retention deletes step 1."""
+    import subprocess
+    import sys
+
+    url = s3_location.url
+    with fop.CheckpointManager(url, incremental=True) as mngr:
+        _save(mngr, 1, _state(1.0))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", FOP_KILL_AT=phase)
+    env.update(s3_location.env)
+    keep = "1" if phase == "mid_retention" else "0"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_CHILD, url, os.path.dirname(__file__), keep],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    with fop.CheckpointManager(url, incremental=True) as mngr:
+        steps = mngr.steps()
+        assert steps == {"mid_write": [1], "after_marker": [1, 2], "mid_retention": [2]}[phase]
+        for s in steps:
+            _assert_equal(_state(float(s)), mngr.restore(step=s))
+        r = _save(mngr, 3, _state(3.0))
+        assert r.bytes_reused == W1 + W2
+        _assert_equal(_state(3.0), mngr.restore(step=3))
+    assert all(r.ok for r in fop.verify(url, all_steps=True))
+
+
+def test_incremental_local_steps_replicate_whole_to_the_persistent_tier(s3_location, tmp_path):
+    """The local tier hard-links; the bucket receives whole steps, and a fresh machine
+    restores the latest of them bit-exact."""
+    url = s3_location.url
+    states = [_state(adapter_value=s) for s in range(3)]
+    with fop.CheckpointManager(tmp_path / "a", incremental=True, persistent=url) as mngr:
+        for step, state in enumerate(states, 1):
+            assert _save(mngr, step, state).bytes_reused == (step > 1) * (W1 + W2)
+        mngr.persistent.wait()
+    assert all(_same_inodes(str(tmp_path / "a"), 1, 3, "base/w1"))
+    with fop.CheckpointManager(url, read_only=True) as remote:
+        assert remote.steps()[-1] == 3
+        _assert_equal(states[2], remote.restore(step=3))
+    assert all(r.ok for r in fop.verify(url, all_steps=True))
+    with fop.CheckpointManager(tmp_path / "b", persistent=url) as fresh:
+        _assert_equal(states[2], fresh.restore())
+        assert fresh.steps() == [3]

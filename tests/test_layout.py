@@ -153,6 +153,22 @@ def test_manifest_damage_and_crafted_item_names(tmp_path):
         fop.restore_params(d)
 
 
+def test_manifest_bytes_written_and_reused_are_optional_and_validated():
+    items = {"params": _layout.ItemEntry("pytree", "params")}
+    m = _layout.StepManifest(3, items, {}, bytes_written=10, bytes_reused=20)
+    back = _layout.StepManifest.from_bytes(m.to_bytes(), "m")
+    assert (back.bytes_written, back.bytes_reused) == (10, 20)
+    plain = _layout.StepManifest(3, items, {})
+    assert b'"bytes"' not in plain.to_bytes()  # as written before the field existed
+    assert _layout.StepManifest.from_bytes(plain.to_bytes(), "m").bytes_written is None
+    body = json.loads(m.to_bytes())
+    body.pop("checksum")
+    bads = ({"written": -1, "reused": 0}, {"written": 1}, [1, 2], {"written": "1", "reused": 0})
+    for bad in bads:
+        with pytest.raises(CorruptCheckpointError, match=r"bytes"):
+            _layout.StepManifest.from_bytes(_layout.seal(dict(body, bytes=bad)), "m")
+
+
 _MUTATIONS = st.sampled_from(["delete", "type", "negative", "huge", "string", "list"])
 
 
