@@ -112,12 +112,15 @@ class CheckpointManager:
         ``keep`` and ``keep_every``; ``persistent_keep=None`` keeps every step there).
       persistent_grace_seconds: after SIGTERM, how long the exit waits for the
         replication of the step it saved.
-      reuse_host_buffers: the blocking phase copies the state into host buffers kept
-        from the previous save (one host copy of the saved state stays allocated
-        between saves, released by ``close``). False: fresh buffers per save, and
-        CPU arrays held as zero-copy views until written, which makes the blocking
-        phase shorter but the next step slower (a step that donates its state
-        allocates fresh outputs while the views live; measured in ``benchmarks/``).
+      reuse_host_buffers: copy the state in the blocking phase into host buffers kept
+        from the previous save (one host copy of the saved state then stays allocated
+        between saves, until ``close``). Off (the default): CPU arrays are held as
+        zero-copy views until written (a blocking phase of milliseconds), and a step
+        that donates its state meanwhile allocates fresh outputs. On helps where fresh
+        memory is dear (first touch of a VM's memory was measured 10x costlier than
+        memory freed earlier: the step after a save took 2.7 s against 1.0 s pooled);
+        in the steady state of a loop whose retention deletes old steps both measured
+        alike here (``benchmarks/train_loop.py``).
 
     ``wait()`` is for the local tier; ``persistent.wait()`` waits for the replication
     (``close()`` waits for both).
@@ -151,7 +154,7 @@ class CheckpointManager:
         persistent_keep: int | None = None,
         persistent_keep_every: int | None = None,
         persistent_grace_seconds: float = 30.0,
-        reuse_host_buffers: bool = True,
+        reuse_host_buffers: bool = False,
     ):
         self._loc = Location.from_path(directory)
         self._retention = RetentionPolicy(

@@ -46,10 +46,10 @@ class Adapter:
     def save_async(self, path, tree):
         return _Wait(self.fop.save_async(path, tree))
 
-    def train_saver(self, directory):
-        """The training loop saves through a CheckpointManager, as a real loop does (its
-        snapshot buffers are reused from one save to the next)."""
-        return _ManagerSaver(self.fop.CheckpointManager(directory))
+    def train_saver(self, directory, *, keep=None):
+        """The training loop saves through a CheckpointManager with its defaults, as a
+        real loop does (its retention deletes old steps)."""
+        return _ManagerSaver(self.fop.CheckpointManager(directory, keep=keep or None))
 
     def restore(self, path, like):
         return self.fop.restore(path, like)
