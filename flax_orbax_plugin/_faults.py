@@ -26,25 +26,24 @@ class InjectedFault(OSError):
     """The failure ``FOP_FAIL_AT`` asked for."""
 
 
-def kill_point(phase: str) -> None:
-    spec = os.environ.get("FOP_KILL_AT")
+def _reached(variable: str, phase: str, key: str) -> str | None:
+    """The spec in ``variable`` when ``phase`` is named there and this is its Nth hit."""
+    spec = os.environ.get(variable)
     if not spec:
-        return
+        return None
     name, _, nth = spec.partition(":")
     if name != phase:
-        return
-    _HITS[phase] += 1
-    if _HITS[phase] >= int(nth or 1):
+        return None
+    _HITS[key] += 1
+    return spec if _HITS[key] >= int(nth or 1) else None
+
+
+def kill_point(phase: str) -> None:
+    if _reached("FOP_KILL_AT", phase, phase):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fail_point(phase: str) -> None:
-    spec = os.environ.get("FOP_FAIL_AT")
-    if not spec:
-        return
-    name, _, nth = spec.partition(":")
-    if name != phase:
-        return
-    _HITS[f"fail:{phase}"] += 1
-    if _HITS[f"fail:{phase}"] >= int(nth or 1):
+    spec = _reached("FOP_FAIL_AT", phase, f"fail:{phase}")
+    if spec:
         raise InjectedFault(f"injected fault at {phase} (FOP_FAIL_AT={spec})")
