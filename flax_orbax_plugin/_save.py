@@ -433,6 +433,12 @@ class _Plan:
         me = _distributed.process_index()
         self._pool = pool
         alloc = _host if pool is None else pool
+
+        def pooled(buffer: np.ndarray) -> np.ndarray:  # given back after the write
+            if pool is not None:
+                self._pooled.append(buffer)
+            return buffer
+
         # (leaf, what to read it from, region) for every piece this process writes; each
         # source is resolved once, so the object whose device-to-host copy is started
         # below is the one read afterwards (jax caches the copy per object).
@@ -462,8 +468,7 @@ class _Plan:
         for name, batch in self.batches.items():
             if batch.process == me:
                 dtype = _layout.dtype_from_name(batch.dtype)
-                self.batch_buffers[name] = alloc.empty((batch.size,), dtype)
-                self._pooled.append(self.batch_buffers[name])
+                self.batch_buffers[name] = pooled(alloc.empty((batch.size,), dtype))
                 ends[name] = 0
         for leaf, source, rows in owned:
             storage = leaf.record.storage
@@ -479,15 +484,13 @@ class _Plan:
                 part = _relative(rows, index)
                 if pool is not None and data.device.platform == "cpu":
                     host = np.asarray(data)
-                    leaf.writes.append((rows, pool.copy(host if part is None else host[part])))
-                    self._pooled.append(leaf.writes[-1][1])
+                    leaf.writes.append(
+                        (rows, pooled(pool.copy(host if part is None else host[part])))
+                    )
                 else:
                     leaf.writes.append((rows, _host_copy(data, part)))
             else:
-                leaf.writes.append((rows, alloc.copy(np.asarray(source))))
-                self._pooled.append(leaf.writes[-1][1])
-        if pool is None:
-            self._pooled.clear()
+                leaf.writes.append((rows, pooled(alloc.copy(np.asarray(source)))))
         for name, end in ends.items():
             self.batch_buffers[name][end:] = 0
         for leaf in self.leaves:
