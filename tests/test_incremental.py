@@ -457,6 +457,127 @@ def test_two_processes_link_their_own_chunks_of_a_frozen_base(tmp_path):
         for step in (2, 3):
             _assert_mp_step(reader, step)
     assert all(r.ok for r in fop.verify(d, all_steps=True))
+    # Step 3's name of one chunk replaced by a damaged copy (step 2's stays whole): the
+    # process whose region holds it fails its link and writes its regions of the base;
+    # the other still links its own, and step 4 restores bit-exact.
+    victim = _chunk_path(d, 3, "base", "c/0/3")
+    with open(victim, "rb") as f:
+        data = bytearray(f.read())
+    data[100] ^= 0xFF
+    os.remove(victim)
+    with open(victim, "wb") as f:
+        f.write(data)
+    run = _run_mp(d, [4])
+    assert sorted(r["4"] for r in run.results) == [
+        [ADAPTER // 2, base // 2],
+        [ADAPTER // 2 + base // 2, 0],
+    ]
+    two, four = _leaf_files(d, 2, "base")[0], _leaf_files(d, 4, "base")[0]
+    shared = {n: two[n].st_ino == st.st_ino for n, st in four.items() if n.startswith("c/")}
+    assert len(shared) == 8 and sum(shared.values()) == 4  # half linked, half written
+    assert not shared["c/0/3"]
+    with fop.CheckpointManager(d, read_only=True) as reader:
+        _assert_mp_step(reader, 4)
+    assert all(r.ok for r in fop.verify(d, step=4))
+
+
+def _chunk_path(directory, step, path, name):
+    files, record = _leaf_files(directory, step, path)
+    item = os.path.join(directory, str(step), "params")
+    with open(os.path.join(item, "_METADATA.json")) as f:
+        i = json.load(f)["leaves"].index(record)
+    assert name in files
+    return os.path.join(item, "d", str(i), name)
+
+
+def test_link_leaf_links_only_the_chunks_asked_for_and_undoes_only_its_own(tmp_path):
+    """What one process of several does: links its chunks; on a failure it removes its
+    own links and leaves the other processes' files alone."""
+    from flax_orbax_plugin._storage import Location
+
+    d = str(tmp_path / "steps")
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        _save(mngr, 1, _state())
+    files, record = _leaf_files(d, 1, "base/w1")
+    rec = _layout.LeafRecord.from_json(record, "m", 0)
+    i = json.load(open(os.path.join(d, "1", "params", "_METADATA.json")))["leaves"].index(record)
+    names = sorted(n for n in files if n.startswith("c/"))
+    assert len(names) == 3  # 768 x 1024 float32 in chunks of 256 rows
+    source = Location.from_path(os.path.join(d, "1", "params"))
+    target = Location.from_path(str(tmp_path / "new"))
+    mine = [tuple(n.split("/")) for n in names[1:]]
+    got = _incremental.link_leaf(source, i, target, 0, rec, chunks=mine, nbytes=12345)
+    assert got == 12345
+    linked = sorted(
+        os.path.relpath(os.path.join(t, f), tmp_path / "new" / "d" / "0")
+        for t, _, fs in os.walk(tmp_path / "new")
+        for f in fs
+    )
+    assert linked == names[1:]
+    assert all(
+        os.stat(tmp_path / "new" / "d" / "0" / n).st_ino == files[n].st_ino for n in names[1:]
+    )
+    # Another process's file beside them; this process's second chunk is damaged.
+    other = tmp_path / "again" / "d" / "0" / "c" / "0" / "0"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"theirs")
+    victim = _chunk_path(d, 1, "base/w1", names[2])
+    with open(victim, "r+b") as f:
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 1]))
+    again = Location.from_path(str(tmp_path / "again"))
+    assert _incremental.link_leaf(source, i, again, 0, rec, chunks=mine, nbytes=1) is None
+    left = [os.path.join(t, f) for t, _, fs in os.walk(tmp_path / "again") for f in fs]
+    assert left == [str(other)] and other.read_bytes() == b"theirs"
+
+
+def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_location):
+    from flax_orbax_plugin import _server_copy
+    from flax_orbax_plugin._storage import Location
+
+    url = s3_location.url
+    with fop.CheckpointManager(url, incremental=True) as mngr:
+        _save(mngr, 1, _state())
+    files, record, prefix = _remote_leaf(s3_location, 1, "base/w1")
+    rec = _layout.LeafRecord.from_json(record, "m", 0)
+    j = int(prefix.rstrip("/").rsplit("/", 1)[1])
+    names = sorted(n for n in files if n.startswith("c/"))
+    mine = [tuple(n.split("/")) for n in names[1:]]
+    source = Location.from_path(f"{url}/1/params")
+    copier, why = _server_copy.copier_for(source)
+    assert copier is not None, why
+    target = Location.from_path(f"{url}/new")
+    got = _incremental.copy_leaf(copier, source, j, target, 0, rec, chunks=mine, nbytes=7)
+    assert got == 7
+    copied = {k: s3_location.read(k) for k in s3_location.keys() if k.startswith("new/")}
+    assert sorted(copied) == [f"new/d/0/{n}" for n in names[1:]]
+    assert all(copied[f"new/d/0/{n}"] == files[n] for n in names[1:])
+    # Another process's chunk beside them; the store fails this process's last copy
+    # after making it (a fault injected over the real server): its copies go, theirs stay.
+    s3_location.kvstore().write("again/d/0/c/0/0", b"theirs").result()
+
+    class FailsLast(_server_copy.Copier):
+        def list(self, prefix):
+            return copier.list(prefix)
+
+        def delete(self, key):
+            copier.delete(key)
+
+        def copy(self, src, dst, info):
+            out = copier.copy(src, dst, info)
+            if dst.endswith(names[-1]):
+                raise _server_copy.CopyError(f"{dst}: injected failure")
+            return out
+
+    again = Location.from_path(f"{url}/again")
+    assert _incremental.copy_leaf(FailsLast(), source, j, again, 0, rec, chunks=mine) is None
+    assert [k for k in s3_location.keys() if k.startswith("again/")] == ["again/d/0/c/0/0"]
+    # A short source chunk of this process is refused before any copy.
+    s3_location.kvstore().write(prefix + names[2], files[names[2]][:100]).result()
+    assert _incremental.copy_leaf(copier, source, j, again, 0, rec, chunks=mine) is None
+    assert [k for k in s3_location.keys() if k.startswith("again/")] == ["again/d/0/c/0/0"]
 
 
 def test_off_by_default_and_in_standalone_saves(tmp_path):
