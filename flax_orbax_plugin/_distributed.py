@@ -27,7 +27,8 @@ from ._errors import CoordinationError
 DEFAULT_TIMEOUT_S = float(os.environ.get("FOP_COORDINATION_TIMEOUT_S", "300"))
 _COUNTER = itertools.count()
 
-# Coordination calls made by this process, by kind ("barrier", "kv_set", "kv_get"):
+# Coordination calls made by this process, by kind ("barrier", "kv_set", "kv_get",
+# "kv_delete"):
 # tests assert how many one save costs.
 CALLS: collections.Counter[str] = collections.Counter()
 _SESSION: list[str] = []
@@ -116,6 +117,18 @@ def publish(name: str, value: str) -> None:
     if process_count() > 1:
         CALLS["kv_set"] += 1
         _client().key_value_set(f"{name}/{process_index()}", value)
+
+
+def forget(name: str) -> None:
+    """Deletes this process's value under ``name/<process>`` (see :func:`publish`), once
+    every process has read it: values stay in the coordination service until deleted.
+    Errors are ignored (a value left behind costs memory, nothing else)."""
+    if process_count() > 1:
+        CALLS["kv_delete"] += 1
+        try:
+            _client().key_value_delete(f"{name}/{process_index()}")
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def gather_str(name: str, *, timeout_s: float | None = None) -> list[str]:

@@ -5,42 +5,69 @@ object store. Either way every step stays self-contained: retention, ``verify``,
 ``gc``, export, ``restore_params`` and the tiers see ordinary steps.
 
 Who calls what (all on the background thread of :meth:`_save.Snapshot.write`, after the
-blocking phase; only with :class:`Reuse` given, i.e. ``CheckpointManager(incremental=
-True)``; only where :func:`reuser` offers a way, otherwise nothing here runs):
+blocking phase, on every process; only with :class:`Reuse` given, i.e.
+``CheckpointManager(incremental=True)``, whose ``_start_save`` draws the key-value name
+``Reuse.op`` of each pytree item on the training thread, in item order, so every process
+derives the same one):
 
 0. :func:`reuser` picks the way for the store: :func:`link_leaf` on a local
    filesystem, :func:`copy_leaf` with the copier of ``_server_copy`` on ``s3://`` and
-   ``gs://``; none with several processes, nor where no copier is available (another
-   kvstore driver such as ``memory://``, botocore or google-auth not installed, no
-   credentials): every leaf is then written, and one WARNING per store and reason says
-   why. A missing copier never fails a save.
-1. :func:`leaf_digest` hashes each leaf stored as its own array (``xxh3_128`` of its
-   host snapshot bytes, C order, little endian); the digest is recorded in the leaf's
-   record in ``_METADATA.json`` (optional field ``digest``, FORMAT.md).
+   ``gs://``; none where no copier is available (another kvstore driver such as
+   ``memory://``, botocore or google-auth not installed, no credentials): this
+   process then writes every leaf, and one WARNING per store and reason says why. A
+   missing copier never fails a save. With one process and no way, nothing below runs.
+1. Digests (:func:`region_digests`, :func:`exchange`, :func:`leaf_digest`): each
+   process hashes every region it writes of each leaf stored as its own array (its
+   shard, or its share of chunk rows of a replicated one): ``xxh3_128`` of the
+   region's bytes (C order, little endian) together with the region's bounds. With
+   several processes these ``(bounds, hash)`` entries go through the jax.distributed
+   key-value store: each process sets one compact JSON value under
+   ``<Reuse.op>/regions/<process>`` (``{leaf index: [[bounds, hash], ...]}``, array
+   leaves only) and reads every process's (the coordination timeout of
+   ``_distributed``; a lost process is a :class:`CoordinationError` and the step
+   fails, as it would at the commit). A process that could not hash sets ``null``;
+   then no process records a digest or reuses anything in that item. The leaf's
+   digest (``xxh3_128r``, FORMAT.md) is a hash over every process's entries sorted by
+   region: equal digests mean the same partition into regions and the same bytes in
+   each. It is recorded in the leaf's record in ``_METADATA.json`` (optional field
+   ``digest``), identical on every process, before the primary encodes that file.
+   After the step's commit (whatever its outcome every process has read every value
+   by then) each process deletes its own value (:func:`release`).
 2. :func:`previous_document` reads the same item of the previous committed step: its
-   ``_METADATA.json`` checked against the sha256 in that step's manifest.
+   ``_METADATA.json`` checked against the sha256 in that step's manifest (written by
+   any number of processes: the digest carries the partition).
 3. :func:`plan_reuse` picks the leaves whose path, kind, shape, dtype, storage kind,
    chunk shape and digest all equal the previous record's; any difference: written.
-4. Local filesystems: :func:`link_leaf` hard-links every chunk file of the previous
-   ``d/<j>/c/...`` into the staging ``d/<i>/c/...`` (``zarr.json`` is written fresh,
-   as for any leaf), then checks each linked file: a regular file (a symlink is never
-   followed: ``linkat`` without ``AT_SYMLINK_FOLLOW``, opened with ``O_NOFOLLOW``), of
-   the exact size a chunk has, whose crc32c trailer matches its bytes. Any failure (a
-   missing file, another size, a bad checksum, a filesystem without hard links)
-   removes what it linked for that leaf and the leaf is written from the snapshot.
+   Every process reads the same records, so every process decides alike; a process
+   that decides otherwise (it could not read the previous step) only writes bytes
+   the others would have linked: the step is the same either way.
+4. Each process reuses only the chunks of its own regions (:func:`chunks_of`: the
+   chunk grid of the record's ``chunk_shape``; a region not on chunk boundaries is
+   written). Local filesystems: :func:`link_leaf` hard-links those chunk files of the
+   previous ``d/<j>/c/...`` into the staging ``d/<i>/c/...`` (the primary writes every
+   ``zarr.json`` fresh, as for any leaf), then checks each linked file: a regular file
+   (a symlink is never followed: ``linkat`` without ``AT_SYMLINK_FOLLOW``, opened
+   with ``O_NOFOLLOW``), of the exact size a chunk has, whose crc32c trailer matches
+   its bytes. Any failure (a missing file, another size, a bad checksum, a filesystem
+   without hard links) removes what this process linked for that leaf and it writes
+   its regions of the leaf from its snapshot (the other processes' chunks, linked or
+   written, hold the same bytes).
 5. Object stores: :func:`copy_leaf` lists the previous step's ``d/<j>/c/`` keys (every
    chunk is stored, fill values included, so the listing must name exactly the leaf's
-   chunks, each of the size a chunk has), copies each on the server to the new step's
-   ``d/<i>/c/...`` (up to :data:`COPIES_IN_FLIGHT` at once per leaf, a few leaves at
-   once; each copy only from the object listed: S3 ``If-Match`` its ETag, GCS
-   ``ifSourceGenerationMatch``), then lists the new keys and checks each copy against
-   its source: the same size, and the same content tag (S3 ETag, GCS crc32c and md5)
-   where the tag is a hash of the bytes (not an S3 multipart or SSE-KMS ETag; the new
-   key's listing must then show the tag the copy answered). Any failure deletes the
-   leaf's copies and the leaf is written from the snapshot (logged). The crc32c
-   trailers are not read (that would bring the bytes here): a previous chunk damaged
-   in place at its own size is copied as is, and restore and ``verify`` report it in
-   both steps.
+   chunks, each of the size a chunk has), copies this process's chunks on the server
+   to the new step's ``d/<i>/c/...`` (up to :data:`COPIES_IN_FLIGHT` at once per
+   leaf, a few leaves at once; each copy only from the object listed: S3 ``If-Match``
+   its ETag, GCS ``ifSourceGenerationMatch``), then lists the new keys and checks each
+   of its copies against its source: the same size, and the same content tag (S3
+   ETag, GCS crc32c and md5) where the tag is a hash of the bytes (not an S3
+   multipart or SSE-KMS ETag; the new key's listing must then show the tag the copy
+   answered). Any failure deletes this process's copies of the leaf and it writes its
+   regions from its snapshot (logged). The crc32c trailers are not read (that would
+   bring the bytes here): a previous chunk damaged in place at its own size is copied
+   as is, and restore and ``verify`` report it in both steps.
+
+``bytes_reused`` is per process (the bytes of its regions it linked or copied); the
+manifest records the step's ``bytes`` only for one-process steps.
 
 Deleting a step stays a plain delete. Local: removing a step unlinks its names, and
 the data stays while any other step links it. What is *not* protected: a linked file
@@ -52,9 +79,8 @@ deliberate edit that also rewrites the crc32c trailer before the link is not det
 object of its own; the store bills it as stored bytes (no saving in storage, only in
 bytes sent and save time).
 
-Not reused (every step written in full): several processes (a leaf's digest would
-need every writer's bytes, or one digest per writer exchanged before the metadata is
-written; each process would then link or copy the chunks it owns).
+Steps recorded with the earlier whole-leaf digest (``xxh3_128``, one process only)
+never match the region digest: the step after one is written in full once.
 """
 
 from __future__ import annotations
@@ -64,6 +90,7 @@ import dataclasses
 import errno
 import functools
 import itertools
+import json
 import logging
 import math
 import os
@@ -75,14 +102,14 @@ import google_crc32c
 import numpy as np
 import xxhash
 
-from . import _server_copy
+from . import _distributed, _server_copy
 from ._errors import CheckpointError
 from ._layout import ArrayStorage, CheckpointDocument, LeafRecord
 from ._storage import Location, _open_dirs
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-DIGEST_ALGORITHM = "xxh3_128"
+DIGEST_ALGORITHM = "xxh3_128r"  # a hash over (region bounds, xxh3_128 of its bytes)
 _CRC32C_RESIDUE = 0x48674BC7  # crc32c of any message followed by its own crc32c (LE)
 _CRC_BYTES = 4
 _READ_BLOCK = 8 << 20
@@ -92,23 +119,28 @@ _READ_BLOCK = 8 << 20
 class Reuse:
     """Opt-in incremental save of one pytree item of a manager step: record leaf digests
     and reuse the unchanged leaves of ``item`` in ``previous_step`` (the previous
-    committed step's directory; None for the first step)."""
+    committed step's directory; None for the first step, whose digests are still
+    recorded).
+
+    ``op``: the key-value name under which the processes exchange their region hashes
+    (:func:`exchange`), drawn with ``_distributed.next_operation_id`` on the training
+    thread in the same order on every process; None with several processes: nothing
+    is hashed, exchanged or reused (one process needs none)."""
 
     previous_step: Location | None
     item: str
+    op: str | None = None
 
 
 _LOGGED: set[tuple[str, str]] = set()
 _LOGGED_LOCK = threading.Lock()
 
 
-def reuser(location: Location, process_count: int) -> Callable[..., int | None] | None:
-    """How unchanged leaves are reused under ``location``: :func:`link_leaf` on a local
-    filesystem, :func:`copy_leaf` with the store's server-side copier on S3 and GCS;
-    None (every leaf written) with several processes or where no copier is available
-    (logged once per store and reason)."""
-    if process_count != 1:
-        return None
+def reuser(location: Location) -> Callable[..., int | None] | None:
+    """How this process reuses its chunks of unchanged leaves under ``location``:
+    :func:`link_leaf` on a local filesystem, :func:`copy_leaf` with the store's
+    server-side copier on S3 and GCS; None (it writes every leaf) where no copier is
+    available (logged once per store and reason)."""
     if location.is_local:
         return link_leaf
     copier, why = _server_copy.copier_for(location)
@@ -127,31 +159,94 @@ def reuser(location: Location, process_count: int) -> Callable[..., int | None] 
 
 # -- 1. digests ---------------------------------------------------------------------------
 
+Bounds = tuple[tuple[int, int], ...]  # (start, stop) per axis, in the leaf's coordinates
+Entry = tuple[Bounds, str]  # a region and the xxh3_128 hex of its bytes
 
-def leaf_digest(record: LeafRecord, writes: Iterable[tuple[tuple[slice, ...], np.ndarray]]):
-    """``"xxh3_128:<hex>"`` of the leaf's bytes in C order (numpy's in-memory form,
-    little endian), or None when ``writes`` do not cover it as consecutive slabs of
-    axis 0 (e.g. sharded along another axis): such a leaf is never reused."""
+
+def region_bounds(region: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
+    """``region`` (slices, None meaning the whole axis) as ``((start, stop), ...)``."""
+    return tuple(s.indices(n)[:2] for s, n in zip(region, shape, strict=True))
+
+
+def region_hash(data: np.ndarray) -> str:
+    """``xxh3_128`` hex of ``data``'s elements in C order as little-endian bytes (numpy's
+    in-memory form; one byte per ``bool`` and 8-bit element)."""
+    if data.dtype.byteorder == ">":
+        data = data.astype(data.dtype.newbyteorder("<"))
+    return xxhash.xxh3_128(np.ascontiguousarray(data).reshape(-1).view(np.uint8)).hexdigest()
+
+
+def region_digests(
+    record: LeafRecord, writes: Iterable[tuple[tuple[slice, ...], np.ndarray]]
+) -> list[Entry]:
+    """This process's entries for one leaf: ``(bounds, hash)`` of every region it writes
+    (see :func:`leaf_digest`). Raises ValueError when a region's data does not have
+    the region's shape (never for a snapshot of this library)."""
     shape = tuple(record.shape)
-    parts = []
+    out = []
     for region, data in writes:
-        bounds = [s.indices(n)[:2] for s, n in zip(region, shape, strict=True)]
-        if any(b != (0, n) for b, n in zip(bounds[1:], shape[1:], strict=True)):
-            return None
-        if data.dtype.byteorder == ">" or tuple(data.shape) != tuple(b - a for a, b in bounds):
-            return None
-        parts.append((bounds[0][0] if bounds else 0, data))
-    parts.sort(key=lambda p: p[0])
-    h = xxhash.xxh3_128()
-    at = 0
-    for start, data in parts:
-        if shape and start != at:
-            return None
-        at = start + (data.shape[0] if shape else 1)
-        h.update(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-    if at != (shape[0] if shape else 1) or (not shape and len(parts) != 1):
+        bounds = region_bounds(region, shape)
+        if tuple(data.shape) != tuple(b - a for a, b in bounds):
+            raise ValueError(f"leaf {record.path!r}: region {bounds} holds shape {data.shape}")
+        out.append((bounds, region_hash(data)))
+    return out
+
+
+def leaf_digest(entries: Iterable[Entry]) -> str:
+    """``"xxh3_128r:<hex>"``: XXH3-128 of one ASCII line per region,
+    ``start:stop,start:stop,...=<hash>`` and a newline (axes in order, ``hash`` the
+    region's :func:`region_hash`), the lines sorted by bounds; ``entries``: those of
+    every process that writes the leaf. Equal digests: the same regions, the same
+    bytes in each (FORMAT.md)."""
+    lines = sorted((tuple(tuple(map(int, ab)) for ab in b), h) for b, h in entries)
+    hasher = xxhash.xxh3_128()
+    for bounds, h in lines:
+        hasher.update((",".join(f"{a}:{b}" for a, b in bounds) + f"={h}\n").encode())
+    return f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}"
+
+
+def exchange(op: str | None, mine: dict[int, list[Entry]] | None) -> dict[int, list[Entry]] | None:
+    """Every process's entries, merged per leaf index; ``mine`` (None: this process
+    could not hash) as is with one process. With several, one key-value set of this
+    process's JSON under ``<op>/regions/<process>`` and one blocking get per process
+    (the coordination timeout; a lost process raises :class:`CoordinationError`).
+    None when any process sent ``null`` (or ``op`` is None): nobody gets a digest.
+
+    Background thread, same call order on every process; :func:`release` deletes the
+    value once every process has read it."""
+    if _distributed.process_count() == 1:
+        return mine
+    if op is None:
         return None
-    return f"{DIGEST_ALGORITHM}:{h.hexdigest()}"
+    text = "null"
+    if mine is not None:
+        text = json.dumps(
+            {str(i): [[[list(ab) for ab in b], h] for b, h in e] for i, e in mine.items()},
+            separators=(",", ":"),
+        )
+    _distributed.publish(f"{op}/regions", text)
+    merged: dict[int, list[Entry]] = {}
+    failed = False
+    for value in _distributed.gather_str(f"{op}/regions"):  # every value read, always
+        got = json.loads(value)
+        if got is None:
+            failed = True
+            continue
+        for i, entries in got.items():
+            merged.setdefault(int(i), []).extend(
+                (tuple((int(a), int(b)) for a, b in bounds), str(h)) for bounds, h in entries
+            )
+    return None if failed else merged
+
+
+def release(reuses: Iterable[Reuse]) -> None:
+    """Deletes this process's exchanged values (after the step's commit, when every
+    process has read them); errors are ignored. A no-op with one process."""
+    if _distributed.process_count() == 1:
+        return
+    for reuse in reuses:
+        if reuse.op is not None:
+            _distributed.forget(f"{reuse.op}/regions")
 
 
 # -- 2./3. the previous step and what to reuse ---------------------------------------------
@@ -159,7 +254,7 @@ def leaf_digest(record: LeafRecord, writes: Iterable[tuple[tuple[slice, ...], np
 
 def previous_document(reuse: Reuse) -> tuple[Location, CheckpointDocument] | None:
     """The previous step's item location and checked metadata; None (logged) when there
-    is none, it is not a pytree of one process, or it does not read cleanly."""
+    is none, it is not a pytree, or it does not read cleanly."""
     from . import _restore, _steps  # _restore imports _save, which imports this module
 
     if reuse.previous_step is None:
@@ -173,8 +268,6 @@ def previous_document(reuse: Reuse) -> tuple[Location, CheckpointDocument] | Non
         doc = _restore.read_document(location)
     except (CheckpointError, OSError) as e:
         logger.warning("incremental save: not reusing %s: %s", reuse.previous_step, e)
-        return None
-    if doc.process_count != 1:
         return None
     return location, doc
 
@@ -215,6 +308,22 @@ def chunk_names(record: LeafRecord) -> list[tuple[str, ...]]:
     return [("c", *map(str, idx)) for idx in itertools.product(*(range(g) for g in grid))]
 
 
+def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, ...]] | None:
+    """The chunk files (as :func:`chunk_names`) that ``regions`` cover, sorted; None when
+    a region does not start and end on chunk boundaries (or the leaf's end): its
+    chunks are shared with another region, so it is written, never reused."""
+    chunk, shape = record.storage.chunk_shape, tuple(record.shape)
+    out: set[tuple[str, ...]] = set()
+    for bounds in regions:
+        ranges = []
+        for (a, b), c, n in zip(bounds, chunk, shape, strict=True):
+            if a % c or (b % c and b != n):
+                return None
+            ranges.append(range(a // c, -(-b // c)))
+        out.update(("c", *map(str, idx)) for idx in itertools.product(*ranges))
+    return sorted(out)
+
+
 def chunk_file_bytes(record: LeafRecord) -> int | None:
     """Size of each stored chunk file (a full chunk, edge chunks padded, plus crc32c);
     None for a dtype stored in less than one byte per element (not reused)."""
@@ -230,14 +339,25 @@ class _Refused(Exception):
     """One linked file fails a check: the leaf is written instead."""
 
 
-def link_leaf(source: Location, j: int, target: Location, i: int, record: LeafRecord) -> int | None:
-    """Hard-links the chunk files of leaf ``j`` of ``source`` (the previous step's item)
-    into leaf ``i`` of ``target`` (the staging item) and checks them; returns the bytes
-    reused, or None after removing whatever it linked (the caller writes the leaf)."""
+def link_leaf(
+    source: Location,
+    j: int,
+    target: Location,
+    i: int,
+    record: LeafRecord,
+    *,
+    chunks: list[tuple[str, ...]] | None = None,
+    nbytes: int | None = None,
+) -> int | None:
+    """Hard-links the chunk files ``chunks`` (all of them when None) of leaf ``j`` of
+    ``source`` (the previous step's item) into leaf ``i`` of ``target`` (the staging
+    item) and checks them; returns ``nbytes`` (the bytes reused; the leaf's when None),
+    or None after removing whatever it linked (the caller writes those chunks)."""
     size = chunk_file_bytes(record)
     if size is None:
         return None
     src_root, dst_root = source.path.rstrip("/"), target.path.rstrip("/")
+    names = chunk_names(record) if chunks is None else chunks
     fds: dict[tuple[str, tuple[str, ...]], int] = {}
     linked: list[tuple[int, str, str]] = []  # (dir fd, name, shown path) created here
 
@@ -248,7 +368,9 @@ def link_leaf(source: Location, j: int, target: Location, i: int, record: LeafRe
         return fds[key]
 
     try:
-        for parts in chunk_names(record):
+        if names:  # another process may not have created the staging item yet
+            os.makedirs(dst_root, exist_ok=True)
+        for parts in names:
             *dirs, name = parts
             shown = f"{source}/d/{j}/{'/'.join(parts)}"
             sfd = dir_fd(src_root, ("d", str(j), *dirs), False)
@@ -259,7 +381,7 @@ def link_leaf(source: Location, j: int, target: Location, i: int, record: LeafRe
             os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
             linked.append((dfd, name, shown))
             _check_linked(dfd, name, shown, size)
-        return record.nbytes
+        return record.nbytes if nbytes is None else nbytes
     except (_Refused, OSError, CheckpointError) as e:
         why = str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
         if isinstance(e, OSError) and e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK):
@@ -314,11 +436,15 @@ def copy_leaf(
     target: Location,
     i: int,
     record: LeafRecord,
+    *,
+    chunks: list[tuple[str, ...]] | None = None,
+    nbytes: int | None = None,
 ) -> int | None:
-    """Copies the chunk objects of leaf ``j`` of ``source`` (the previous step's item)
-    to leaf ``i`` of ``target`` (the new step's item) on the server, then checks them;
-    returns the bytes reused, or None after deleting whatever it copied (the caller
-    writes the leaf).
+    """Copies the chunk objects ``chunks`` (all of them when None) of leaf ``j`` of
+    ``source`` (the previous step's item) to leaf ``i`` of ``target`` (the new step's
+    item) on the server, then checks them; returns ``nbytes`` (the bytes reused; the
+    leaf's when None), or None after deleting whatever it copied (the caller writes
+    those chunks; the other processes' copies are theirs).
 
     Checked: the previous step lists exactly the leaf's chunk objects (every chunk is
     stored, fill values included), each of the size a chunk has; each copy is made
@@ -333,7 +459,10 @@ def copy_leaf(
     if size is None or source.spec | {"path": ""} != target.spec | {"path": ""}:
         return None
     src_prefix, dst_prefix = f"{source.path}d/{j}/c/", f"{target.path}d/{i}/c/"
-    wanted = sorted("/".join(parts[1:]) for parts in chunk_names(record))
+    every = {"/".join(parts[1:]) for parts in chunk_names(record)}
+    wanted = sorted(every if chunks is None else ("/".join(p[1:]) for p in chunks))
+    if not wanted:
+        return 0 if nbytes is None else nbytes
     started = False
     try:
         listed = {k[len(src_prefix) :]: v for k, v in copier.list(src_prefix).items()}
@@ -345,7 +474,7 @@ def copy_leaf(
                 raise _Refused(
                     f"{source}/d/{j}/c/{name}: expected {size} bytes (one chunk), found {info.size}"
                 )
-        extra = sorted(set(listed) - set(wanted))
+        extra = sorted(set(listed) - every)
         if extra:
             raise _Refused(f"{source}/d/{j}/c/{extra[0]}: not a chunk of this leaf")
         started = True
@@ -365,7 +494,7 @@ def copy_leaf(
                     f"{target}/d/{i}/c/{name}: the copy is not the same object as "
                     f"{source}/d/{j}/c/{name} (source {want}, copy {answer}, listed {seen})"
                 )
-        return record.nbytes
+        return record.nbytes if nbytes is None else nbytes
     except Exception as e:  # noqa: BLE001  (a copier's failure never fails the save)
         why = str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
         logger.warning(
@@ -375,7 +504,7 @@ def copy_leaf(
             why,
         )
         if started:
-            _delete_copies(copier, dst_prefix)
+            _delete_copies(copier, dst_prefix, wanted)
         return None
 
 
@@ -395,11 +524,14 @@ def _same_copy(
     return not (answer.tag and listed.tag and listed.tag != answer.tag)
 
 
-def _delete_copies(copier: _server_copy.Copier, prefix: str) -> None:
-    """Deletes every object under ``prefix`` (the chunks of one leaf of the new step,
-    which only this save writes); errors are ignored (the leaf's write replaces them)."""
+def _delete_copies(copier: _server_copy.Copier, prefix: str, names: list[str]) -> None:
+    """Deletes the objects ``prefix + name`` for ``names`` (this process's chunks of one
+    leaf of the new step, which only this save writes; other processes' chunks under
+    ``prefix`` are left alone); errors are ignored (the write replaces them)."""
+    mine = set(names)
     try:
         for key in copier.list(prefix):
-            copier.delete(key)
+            if key[len(prefix) :] in mine:
+                copier.delete(key)
     except OSError:
         pass

@@ -66,7 +66,8 @@ KEY_KINDS = frozenset({"dict", "seq", "attr", "flat"})
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", re.ASCII)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$", re.ASCII)
-# A leaf's optional content digest: "<algorithm>:<hex>" (this version writes xxh3_128).
+# A leaf's optional content digest: "<algorithm>:<hex>" (this version writes xxh3_128r;
+# earlier ones wrote xxh3_128, still valid to read).
 _LEAF_DIGEST = re.compile(r"^[a-z0-9_]{1,32}:[0-9a-f]{16,128}$", re.ASCII)
 
 
@@ -274,7 +275,8 @@ class LeafRecord:
     sharding: dict[str, Any] | None = None
     storage: ArrayStorage | BatchStorage | None = None
     impl: str | None = None  # PRNG key implementation (kind "prng_key")
-    # "xxh3_128:<hex>" of the leaf's bytes (optional; incremental manager steps)
+    # "xxh3_128r:<hex>" over the leaf's regions and their bytes (optional; incremental
+    # manager steps; FORMAT.md)
     digest: str | None = None
 
     @property

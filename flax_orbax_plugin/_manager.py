@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from . import _commit, _distributed, _faults, _host, _layout, _steps
+from . import _commit, _distributed, _faults, _host, _incremental, _layout, _steps
 from ._checkpointables import Checkpointable, Pending, PytreeCheckpointable, checkpointable_for
 from ._commit import Staging, Written
 from ._errors import (
@@ -98,9 +98,13 @@ class CheckpointManager:
         the policy, waits for it, closes the manager and raises SystemExit(143).
         Install from the main thread.
       checkpointables: overrides of the checkpointable used per item name.
-      incremental: a pytree leaf unchanged since the previous committed step is
-        hard-linked from it (local disk) or copied on the server (S3, GCS), not
-        written (one process; see _incremental).
+      incremental: a pytree leaf unchanged since the previous committed step (equal
+        layout, and equal bytes in an equal split into the regions each process
+        writes: any sharding, any number of processes) is hard-linked from it (local
+        disk) or copied on the server (S3, GCS), not written; each process reuses
+        the chunks of its own regions. With several processes the region hashes go
+        through the jax.distributed key-value store first (one value per process and
+        item, deleted after the commit). See _incremental.
       compression: per pytree item, ``"zstd"`` or ``"zstd:<level>"``, e.g.
         ``{"opt_state": "zstd"}``; restore reads the codec from the checkpoint.
       clock: time source for ``every_seconds`` (tests pass one in).
@@ -398,6 +402,7 @@ class CheckpointManager:
         dirs = {n: n if staging.renames or not replace else f"{n}.{staging.nonce}" for n in items}
         handlers = {name: checkpointable_for(name, self._overrides) for name in items}
         pendings: dict[str, Pending] = {}
+        reuses: list[Reuse] = []  # their key-value values are deleted after the commit
         prev = max((s for s in local if s < step), default=None) if self._incremental else None
         prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
         try:
@@ -405,8 +410,10 @@ class CheckpointManager:
                 kw = {}  # incremental: the same item of the previous step, to reuse from
                 if isinstance(handlers[name], PytreeCheckpointable):
                     kw = {"buffers": self._buffers}
-                    if self._incremental:
-                        kw["reuse"] = Reuse(prev_loc, name)
+                    if self._incremental:  # the exchange's name: drawn here, in item order
+                        reuse_op = _distributed.next_operation_id("reuse")
+                        kw["reuse"] = Reuse(prev_loc, name, reuse_op)
+                        reuses.append(kw["reuse"])
                 target = staging.location.child(dirs[name])
                 pendings[name] = handlers[name].save(target, value, **kw)
         except BaseException:
@@ -425,7 +432,10 @@ class CheckpointManager:
         op = _distributed.next_operation_id("manager-commit")
 
         def background() -> SaveResult:
-            written = self._commit(op, step, staging, pendings, entries, digest, replace)
+            try:
+                written = self._commit(op, step, staging, pendings, entries, digest, replace)
+            finally:  # every process has read every exchanged value by now
+                _incremental.release(reuses)
             result = SaveResult(
                 str(final),
                 blocking,

@@ -517,11 +517,13 @@ class _Plan:
         and ``_METADATA.json``); with ``durable``, made durable (one syncfs; a manager
         step syncs once for all its items instead). Commits nothing.
 
-        ``reuse`` (a manager step with ``incremental=True``; one process; local disk,
-        or S3/GCS with a server-side copier): every leaf stored as its own array gets a
-        digest in ``_METADATA.json``, and one whose digest and layout equal the previous
-        step's is hard-linked (local) or copied on the server (object stores) from it
-        rather than written (see ``_incremental``)."""
+        ``reuse`` (a manager step with ``incremental=True``; local disk, or S3/GCS with
+        a server-side copier; any number of processes, each calling this in the same
+        order): every leaf stored as its own array gets a digest in ``_METADATA.json``
+        (over every process's region hashes, exchanged first), and of one whose digest
+        and layout equal the previous step's each process hard-links (local) or copies
+        on the server (object stores) the chunks of its regions rather than writing
+        them (see ``_incremental``)."""
         try:
             return self._write(location, limit=limit, durable=durable, reuse=reuse)
         finally:
@@ -558,26 +560,52 @@ class _Plan:
             out.set_exception(e)
 
     def _plan_links(self, location: Location, reuse: _incremental.Reuse) -> dict[int, Any]:
-        """Records the digest of every array leaf; returns ``{leaf index: link()}`` for
-        the leaves the previous step holds unchanged (``link()`` returns the bytes
-        reused, or None when the leaf must be written after all); ``{}`` where nothing
-        can be reused here (see :func:`_incremental.reuser`)."""
-        reuse_leaf = _incremental.reuser(location, _distributed.process_count())
+        """Records the digest of every array leaf (every process's region hashes, through
+        the key-value store with several processes: every process calls this, in the
+        same order); returns ``{leaf index: link()}`` for the leaves the previous step
+        holds unchanged and of which this process writes regions (``link()`` links or
+        copies this process's chunks of the leaf and returns the bytes reused, or None
+        when it must write its regions after all); ``{}`` where this process reuses
+        nothing (see :func:`_incremental.reuser`)."""
+        reuse_leaf = _incremental.reuser(location)
+        if reuse_leaf is None and _distributed.process_count() == 1:
+            return {}
+        arrays = [leaf for leaf in self.leaves if isinstance(leaf.record.storage, ArrayStorage)]
+        mine: dict[int, list] | None = None
+        try:
+            mine = {
+                leaf.index: _incremental.region_digests(leaf.record, leaf.writes)
+                for leaf in arrays
+                if leaf.writes
+            }
+        except Exception as e:  # noqa: BLE001  (no digest, no reuse; the save goes on)
+            _incremental.logger.warning("incremental save: no digests recorded: %s", e)
+        everyone = _incremental.exchange(reuse.op, mine)
+        if everyone is None or mine is None:
+            return {}
+        for leaf in arrays:
+            if everyone.get(leaf.index):
+                digest = _incremental.leaf_digest(everyone[leaf.index])
+                leaf.record = dataclasses.replace(leaf.record, digest=digest)
         if reuse_leaf is None:
             return {}
-        for leaf in self.leaves:
-            if isinstance(leaf.record.storage, ArrayStorage) and leaf.writes:
-                digest = _incremental.leaf_digest(leaf.record, leaf.writes)
-                leaf.record = dataclasses.replace(leaf.record, digest=digest)
         previous = _incremental.previous_document(reuse)
         if previous is None:
             return {}
         source, doc = previous
-        records = {leaf.index: leaf.record for leaf in self.leaves}
-        return {
-            i: functools.partial(reuse_leaf, source, j, location, i, records[i])
-            for i, j in _incremental.plan_reuse(records, doc).items()
-        }
+        by_index = {leaf.index: leaf for leaf in self.leaves}
+        records = {i: leaf.record for i, leaf in by_index.items()}
+        links = {}
+        for i, j in _incremental.plan_reuse(records, doc).items():
+            leaf = by_index[i]
+            chunks = _incremental.chunks_of(leaf.record, [b for b, _ in mine.get(i, ())])
+            if not leaf.writes or chunks is None:
+                continue
+            nbytes = sum(data.nbytes for _, data in leaf.writes)
+            links[i] = functools.partial(
+                reuse_leaf, source, j, location, i, leaf.record, chunks=chunks, nbytes=nbytes
+            )
+        return links
 
 
 Snapshot = _Plan

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 import os
 
 import jax
@@ -96,7 +97,7 @@ def test_frozen_base_is_linked_and_only_the_adapter_is_written(tmp_path):
     for path in ("base/w1", "base/w2"):
         assert all(_same_inodes(d, 1, 3, path))
         files, record = _leaf_files(d, 3, path)
-        assert record["digest"].startswith("xxh3_128:") and len(record["digest"]) == 9 + 32
+        assert record["digest"].startswith("xxh3_128r:") and len(record["digest"]) == 10 + 32
         chunks = [st for n, st in files.items() if n.startswith("c/")]
         assert len(chunks) >= 2 and all(st.st_nlink == 3 for st in chunks)
         assert files["zarr.json"].st_nlink == 1  # written fresh, as for any leaf
@@ -226,18 +227,60 @@ def test_a_different_recorded_digest_means_write(tmp_path):
     assert _incremental.plan_reuse(no_digest, doc) == {}
 
 
-def test_digest_is_the_leaf_bytes_whatever_the_axis_0_split():
+def test_digest_depends_on_bounds_and_bytes_not_on_the_order_of_regions():
+    import xxhash
+
     x = np.arange(48, dtype=np.float32).reshape(6, 8)
     rec = _layout.LeafRecord("x", (("dict", "x"),), "array", (6, 8), "float32")
-    whole = _incremental.leaf_digest(rec, [((slice(None), slice(None)), x)])
-    split = [((slice(3, 6), slice(0, 8)), x[3:]), ((slice(0, 3), slice(None)), x[:3])]
-    assert _incremental.leaf_digest(rec, split) == whole
-    assert _incremental.leaf_digest(rec, split[:1]) is None  # rows missing: no digest
+
+    def digest(*writes_per_process):  # every process's entries, merged
+        entries = [e for w in writes_per_process for e in _incremental.region_digests(rec, w)]
+        return _incremental.leaf_digest(entries)
+
     cols = [((slice(None), slice(0, 4)), x[:, :4]), ((slice(None), slice(4, 8)), x[:, 4:])]
-    assert _incremental.leaf_digest(rec, cols) is None  # not C-order slabs: never reused
+    rows = [((slice(3, 6), slice(0, 8)), x[3:]), ((slice(0, 3), slice(None)), x[:3])]
+    whole = [((slice(None), slice(None)), x)]
+    assert digest(cols).startswith("xxh3_128r:") and len(digest(cols)) == 10 + 32
+    assert digest(cols) == digest(cols[::-1]) == digest(cols[1:], cols[:1])  # any order
+    assert len({digest(cols), digest(rows), digest(whole)}) == 3  # another split
     y = x.copy()
     y[5, 7] += 1
-    assert _incremental.leaf_digest(rec, [((slice(None), slice(None)), y)]) != whole
+    assert digest([(r, y[r]) for r, _ in cols]) != digest(cols)  # another byte
+    # The same region hashes under other bounds: another digest.
+    z = np.zeros((6, 8), np.float32)
+    halves = [((slice(0, 3), slice(None)), z[:3]), ((slice(3, 6), slice(None)), z[3:])]
+    entries = _incremental.region_digests(rec, halves)
+    shifted = [(((1, 4), (0, 8)), entries[0][1]), (((4, 7), (0, 8)), entries[1][1])]
+    assert _incremental.leaf_digest(shifted) != digest(halves)
+    # The definition (FORMAT.md): XXH3-128 of sorted "start:stop,...=<hash>" lines.
+    h = [xxhash.xxh3_128(x[:, a:b].copy().tobytes()).hexdigest() for a, b in ((0, 4), (4, 8))]
+    text = f"0:6,0:4={h[0]}\n0:6,4:8={h[1]}\n".encode()
+    assert digest(cols) == "xxh3_128r:" + xxhash.xxh3_128(text).hexdigest()
+    big = [(r, d.astype(">f4")) for r, d in cols]  # big-endian input: the same bytes hashed
+    assert digest(big) == digest(cols)
+    with pytest.raises(ValueError):
+        _incremental.region_digests(rec, [((slice(0, 3), slice(None)), x)])
+
+
+def test_each_process_reuses_the_chunks_its_regions_cover():
+    rec = _layout.LeafRecord(
+        "x", (("dict", "x"),), "array", (6, 8), "float32", None, _layout.ArrayStorage((3, 2))
+    )
+    assert _incremental.chunks_of(rec, [((0, 6), (4, 8))]) == [
+        ("c", "0", "2"),
+        ("c", "0", "3"),
+        ("c", "1", "2"),
+        ("c", "1", "3"),
+    ]
+    assert _incremental.chunks_of(rec, [((0, 3), (0, 2)), ((3, 6), (0, 2))]) == [
+        ("c", "0", "0"),
+        ("c", "1", "0"),
+    ]
+    assert _incremental.chunks_of(rec, [((0, 6), (1, 8))]) is None  # not on a boundary
+    assert _incremental.chunks_of(rec, [((0, 4), (0, 8))]) is None
+    assert _incremental.chunks_of(rec, []) == []
+    edge = dataclasses.replace(rec, shape=(7, 8))  # the last chunk row is padded
+    assert _incremental.chunks_of(edge, [((6, 7), (0, 2))]) == [("c", "2", "0")]
 
 
 def test_sharded_jax_arrays(tmp_path, devices):
@@ -255,13 +298,286 @@ def test_sharded_jax_arrays(tmp_path, devices):
         _save(mngr, 1, state)
         state["params"]["adapter"] = state["params"]["adapter"] * 2
         r = _save(mngr, 2, state)
-        assert r.bytes_reused == rows.nbytes  # "rows"; "cols" has no digest: written
+        assert r.bytes_reused == 2 * rows.nbytes  # "rows" and "cols" (sharded on axis 1)
         assert all(_same_inodes(d, 1, 2, "rows"))
-        assert not any(_same_inodes(d, 1, 2, "cols"))
+        assert all(_same_inodes(d, 1, 2, "cols"))
         got = mngr.restore(step=2)
     np.testing.assert_array_equal(got["params"]["rows"], rows)
     np.testing.assert_array_equal(got["params"]["cols"], rows + 1)
     np.testing.assert_array_equal(got["params"]["adapter"], 2)
+
+
+def _all_inodes(directory, step, path) -> set[int]:
+    files, _ = _leaf_files(directory, step, path)
+    return {st.st_ino for name, st in files.items() if name.startswith("c/")}
+
+
+def test_a_leaf_sharded_along_axis_1_is_linked_and_another_sharding_written(tmp_path, devices):
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    w = np.random.default_rng(1).standard_normal((1024, 2048), dtype=np.float32)  # 8 MiB
+    cols = NamedSharding(mesh, P(None, "x"))  # 8 shards of 1024 x 256 (1 MiB, one chunk)
+
+    def state(sharding, a):
+        adapter = np.full((512, 1024), a, np.float32)
+        return {"params": {"w": jax.device_put(w, sharding), "adapter": adapter}}
+
+    states = [state(cols, 1.0), state(cols, 2.0), state(NamedSharding(mesh, P("x")), 3.0)]
+    d = str(tmp_path)
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        results = [_save(mngr, step, s) for step, s in enumerate(states, 1)]
+    second, third = results[1:]
+    assert second.bytes_reused == w.nbytes and second.bytes_written == ADAPTER
+    assert all(_same_inodes(d, 1, 2, "w"))
+    files, record = _leaf_files(d, 2, "w")
+    assert sorted(n for n in files if n.startswith("c/")) == [f"c/0/{k}" for k in range(8)]
+    assert record["digest"] == _leaf_files(d, 1, "w")[1]["digest"]
+    assert record["digest"].startswith("xxh3_128r:")
+    # P("x"): the same bytes split another way: another digest, written.
+    assert third.bytes_reused == 0 and third.bytes_written == w.nbytes + ADAPTER
+    assert _leaf_files(d, 3, "w")[1]["digest"] != record["digest"]
+    assert not _all_inodes(d, 3, "w") & _all_inodes(d, 2, "w")
+    with fop.CheckpointManager(d, read_only=True) as mngr:
+        for step in (1, 2, 3):
+            got = mngr.restore(step=step)["params"]
+            assert got["w"].tobytes() == w.tobytes()
+            assert got["adapter"].tobytes() == states[step - 1]["params"]["adapter"].tobytes()
+    assert all(r.ok for r in fop.verify(d, all_steps=True))
+
+
+def test_another_split_with_the_same_chunks_gets_another_digest(tmp_path, devices):
+    """Replicated, then sharded in two along axis 0: the chunks are 1024 x 256 both
+    times, the bytes equal; only the digest tells the splits apart (written), and the
+    next step with the same split links."""
+    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("x",))
+    w = np.arange(2048 * 256, dtype=np.float32).reshape(2048, 256)  # 2 MiB
+    shardings = [P(), P("x"), P("x")]
+    d = str(tmp_path)
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        results = [
+            _save(mngr, step, {"params": {"w": jax.device_put(w, NamedSharding(mesh, spec))}})
+            for step, spec in enumerate(shardings, 1)
+        ]
+        for step in (1, 2, 3):
+            assert mngr.restore(step=step)["params"]["w"].tobytes() == w.tobytes()
+    records = [_leaf_files(d, step, "w")[1] for step in (1, 2, 3)]
+    assert [r["storage"]["chunk_shape"] for r in records] == [[1024, 256]] * 3
+    assert records[0]["digest"] != records[1]["digest"] == records[2]["digest"]
+    assert [r.bytes_reused for r in results] == [0, 0, w.nbytes]
+
+
+# -- several processes ---------------------------------------------------------------------
+
+BASE_SHAPE = (1024, 2048)  # 8 MiB; on 4 devices along axis 1: 1024 x 512 shards, 2 chunks each
+
+
+def _mp_base():
+    return np.random.default_rng(7).standard_normal(BASE_SHAPE, dtype=np.float32)
+
+
+def mp_frozen_base(ctx, directory, steps, keep=None):
+    """Run in each of 2 real JAX processes (2 CPU devices each): saves ``steps`` of a
+    frozen base sharded along axis 1 over the 4 devices and an adapter replicated on
+    all of them (its chunk rows split between the processes), through one incremental
+    manager on a directory both share; returns this process's bytes per step and the
+    key-value names left under ``fop/reuse/`` once every process is done."""
+    from flax_orbax_plugin import _arrays
+
+    _arrays.CHUNK_TARGET_BYTES = 1 * MiB
+    base = _mp_base()
+    cols = NamedSharding(ctx.mesh, P(None, "data"))
+    everywhere = NamedSharding(ctx.mesh, P())
+    out = {}
+    with fop.CheckpointManager(directory, incremental=True, keep=keep) as mngr:
+        for step in steps:
+            adapter = np.full((512, 1024), float(step), np.float32)
+            state = {
+                "params": {
+                    "base": jax.make_array_from_callback(base.shape, cols, lambda i: base[i]),
+                    "adapter": jax.make_array_from_callback(
+                        adapter.shape, everywhere, lambda i, a=adapter: a[i]
+                    ),
+                }
+            }
+            r = _save(mngr, step, state)
+            out[str(step)] = [r.bytes_written, r.bytes_reused]
+        out["steps"] = mngr.steps()
+    ctx.client.wait_at_barrier("test_incremental/released", 30_000)
+    out["left"] = [k for k, _ in ctx.client.key_value_dir_get("fop/reuse/")]
+    return out
+
+
+def _run_mp(directory, steps, keep=None):
+    from _multiprocess import run_processes
+
+    return run_processes(
+        "test_incremental:mp_frozen_base",
+        2,
+        devices_per_process=2,
+        args={"directory": directory, "steps": steps, "keep": keep},
+        env={"FOP_COORDINATION_TIMEOUT_S": "20"},
+        heartbeat_timeout_s=30,
+        timeout_s=120,
+    ).check()
+
+
+def _assert_mp_step(reader, step):
+    got = reader.restore(step=step)["params"]
+    assert got["base"].tobytes() == _mp_base().tobytes()
+    assert got["adapter"].tobytes() == np.full((512, 1024), float(step), np.float32).tobytes()
+
+
+@pytest.mark.distributed
+def test_two_processes_link_their_own_chunks_of_a_frozen_base(tmp_path):
+    d = str(tmp_path / "steps")
+    base = math.prod(BASE_SHAPE) * 4
+    run = _run_mp(d, [1, 2])
+    for r in run.results:  # each process: half the base (2 of 4 shards), half the adapter
+        assert r["1"] == [(base + ADAPTER) // 2, 0]
+        assert r["2"] == [ADAPTER // 2, base // 2]
+        assert r["steps"] == [1, 2] and r["left"] == []  # the exchanged values deleted
+    assert all(_same_inodes(d, 1, 2, "base"))
+    assert not any(_same_inodes(d, 1, 2, "adapter"))
+    files, record = _leaf_files(d, 2, "base")
+    assert len([n for n in files if n.startswith("c/")]) == 8  # 4 shards, 2 chunks each
+    assert record["digest"].startswith("xxh3_128r:")
+    assert record["digest"] == _leaf_files(d, 1, "base")[1]["digest"]
+    assert _leaf_files(d, 2, "adapter")[1]["digest"] != _leaf_files(d, 1, "adapter")[1]["digest"]
+    with fop.CheckpointManager(d, read_only=True) as reader:
+        for step in (1, 2):
+            _assert_mp_step(reader, step)
+    # Step 3 with keep=2 deletes step 1: the later steps stay whole.
+    run = _run_mp(d, [3], keep=2)
+    for r in run.results:
+        assert r["3"] == [ADAPTER // 2, base // 2] and r["steps"] == [2, 3]
+    assert not os.path.exists(os.path.join(d, "1"))
+    assert all(_same_inodes(d, 2, 3, "base"))
+    files, _ = _leaf_files(d, 3, "base")
+    assert all(st.st_nlink == 2 for n, st in files.items() if n.startswith("c/"))
+    with fop.CheckpointManager(d, read_only=True) as reader:
+        for step in (2, 3):
+            _assert_mp_step(reader, step)
+    assert all(r.ok for r in fop.verify(d, all_steps=True))
+    # Step 3's name of one chunk replaced by a damaged copy (step 2's stays whole): the
+    # process whose region holds it fails its link and writes its regions of the base;
+    # the other still links its own, and step 4 restores bit-exact.
+    victim = _chunk_path(d, 3, "base", "c/0/3")
+    with open(victim, "rb") as f:
+        data = bytearray(f.read())
+    data[100] ^= 0xFF
+    os.remove(victim)
+    with open(victim, "wb") as f:
+        f.write(data)
+    run = _run_mp(d, [4])
+    assert sorted(r["4"] for r in run.results) == [
+        [ADAPTER // 2, base // 2],
+        [ADAPTER // 2 + base // 2, 0],
+    ]
+    two, four = _leaf_files(d, 2, "base")[0], _leaf_files(d, 4, "base")[0]
+    shared = {n: two[n].st_ino == st.st_ino for n, st in four.items() if n.startswith("c/")}
+    assert len(shared) == 8 and sum(shared.values()) == 4  # half linked, half written
+    assert not shared["c/0/3"]
+    with fop.CheckpointManager(d, read_only=True) as reader:
+        _assert_mp_step(reader, 4)
+    assert all(r.ok for r in fop.verify(d, step=4))
+
+
+def _chunk_path(directory, step, path, name):
+    files, record = _leaf_files(directory, step, path)
+    item = os.path.join(directory, str(step), "params")
+    with open(os.path.join(item, "_METADATA.json")) as f:
+        i = json.load(f)["leaves"].index(record)
+    assert name in files
+    return os.path.join(item, "d", str(i), name)
+
+
+def test_link_leaf_links_only_the_chunks_asked_for_and_undoes_only_its_own(tmp_path):
+    """What one process of several does: links its chunks; on a failure it removes its
+    own links and leaves the other processes' files alone."""
+    from flax_orbax_plugin._storage import Location
+
+    d = str(tmp_path / "steps")
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        _save(mngr, 1, _state())
+    files, record = _leaf_files(d, 1, "base/w1")
+    rec = _layout.LeafRecord.from_json(record, "m", 0)
+    i = json.load(open(os.path.join(d, "1", "params", "_METADATA.json")))["leaves"].index(record)
+    names = sorted(n for n in files if n.startswith("c/"))
+    assert len(names) == 3  # 768 x 1024 float32 in chunks of 256 rows
+    source = Location.from_path(os.path.join(d, "1", "params"))
+    target = Location.from_path(str(tmp_path / "new"))
+    mine = [tuple(n.split("/")) for n in names[1:]]
+    got = _incremental.link_leaf(source, i, target, 0, rec, chunks=mine, nbytes=12345)
+    assert got == 12345
+    linked = sorted(
+        os.path.relpath(os.path.join(t, f), tmp_path / "new" / "d" / "0")
+        for t, _, fs in os.walk(tmp_path / "new")
+        for f in fs
+    )
+    assert linked == names[1:]
+    assert all(
+        os.stat(tmp_path / "new" / "d" / "0" / n).st_ino == files[n].st_ino for n in names[1:]
+    )
+    # Another process's file beside them; this process's second chunk is damaged.
+    other = tmp_path / "again" / "d" / "0" / "c" / "0" / "0"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"theirs")
+    victim = _chunk_path(d, 1, "base/w1", names[2])
+    with open(victim, "r+b") as f:
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 1]))
+    again = Location.from_path(str(tmp_path / "again"))
+    assert _incremental.link_leaf(source, i, again, 0, rec, chunks=mine, nbytes=1) is None
+    left = [os.path.join(t, f) for t, _, fs in os.walk(tmp_path / "again") for f in fs]
+    assert left == [str(other)] and other.read_bytes() == b"theirs"
+
+
+def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_location):
+    from flax_orbax_plugin import _server_copy
+    from flax_orbax_plugin._storage import Location
+
+    url = s3_location.url
+    with fop.CheckpointManager(url, incremental=True) as mngr:
+        _save(mngr, 1, _state())
+    files, record, prefix = _remote_leaf(s3_location, 1, "base/w1")
+    rec = _layout.LeafRecord.from_json(record, "m", 0)
+    j = int(prefix.rstrip("/").rsplit("/", 1)[1])
+    names = sorted(n for n in files if n.startswith("c/"))
+    mine = [tuple(n.split("/")) for n in names[1:]]
+    source = Location.from_path(f"{url}/1/params")
+    copier, why = _server_copy.copier_for(source)
+    assert copier is not None, why
+    target = Location.from_path(f"{url}/new")
+    got = _incremental.copy_leaf(copier, source, j, target, 0, rec, chunks=mine, nbytes=7)
+    assert got == 7
+    copied = {k: s3_location.read(k) for k in s3_location.keys() if k.startswith("new/")}
+    assert sorted(copied) == [f"new/d/0/{n}" for n in names[1:]]
+    assert all(copied[f"new/d/0/{n}"] == files[n] for n in names[1:])
+    # Another process's chunk beside them; the store fails this process's last copy
+    # after making it (a fault injected over the real server): its copies go, theirs stay.
+    s3_location.kvstore().write("again/d/0/c/0/0", b"theirs").result()
+
+    class FailsLast(_server_copy.Copier):
+        def list(self, prefix):
+            return copier.list(prefix)
+
+        def delete(self, key):
+            copier.delete(key)
+
+        def copy(self, src, dst, info):
+            out = copier.copy(src, dst, info)
+            if dst.endswith(names[-1]):
+                raise _server_copy.CopyError(f"{dst}: injected failure")
+            return out
+
+    again = Location.from_path(f"{url}/again")
+    assert _incremental.copy_leaf(FailsLast(), source, j, again, 0, rec, chunks=mine) is None
+    assert [k for k in s3_location.keys() if k.startswith("again/")] == ["again/d/0/c/0/0"]
+    # A short source chunk of this process is refused before any copy.
+    s3_location.kvstore().write(prefix + names[2], files[names[2]][:100]).result()
+    assert _incremental.copy_leaf(copier, source, j, again, 0, rec, chunks=mine) is None
+    assert [k for k in s3_location.keys() if k.startswith("again/")] == ["again/d/0/c/0/0"]
 
 
 def test_off_by_default_and_in_standalone_saves(tmp_path):
@@ -405,7 +721,7 @@ def test_object_store_copies_the_frozen_base_on_the_server(bucket, caplog):
         b, record, _ = _remote_leaf(bucket, 2, path)
         chunks = [n for n in a if n.startswith("c/")]
         assert len(chunks) >= 2 and set(a) == set(b)  # every chunk copied, zarr.json fresh
-        assert all(a[n] == b[n] for n in chunks) and record["digest"].startswith("xxh3_128:")
+        assert all(a[n] == b[n] for n in chunks) and record["digest"].startswith("xxh3_128r:")
     with fop.CheckpointManager(url, read_only=True) as mngr:
         for step in (1, 2):
             _assert_equal(states[step - 1], mngr.restore(step=step))
