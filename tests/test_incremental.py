@@ -639,28 +639,35 @@ with fop.CheckpointManager(sys.argv[1], incremental=True, keep=int(sys.argv[3]) 
 """
 
 
-@pytest.mark.parametrize("phase", ["mid_write", "after_marker", "mid_retention"])
-def test_a_kill_during_an_incremental_step_leaves_the_earlier_one_whole(tmp_path, phase):
-    """Killed after the links (mid_write: the first chunk write follows them), after the
-    commit marker, or while retention deletes step 1: the next writer restores a whole
-    step and nothing partial is listed."""
+def _killed_step_2(directory: str, phase: str, env: dict | None = None) -> None:
+    """Runs KILLED_CHILD (saving step 2, with ``keep=1`` for ``mid_retention``) with
+    ``FOP_KILL_AT=phase``; checks it died by SIGKILL."""
     import subprocess
     import sys
 
-    d = str(tmp_path)
-    with fop.CheckpointManager(d, incremental=True) as mngr:
-        _save(mngr, 1, _state(1.0))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", FOP_KILL_AT=phase)
+    child_env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", FOP_KILL_AT=phase)
+    child_env.update(env or {})
     keep = "1" if phase == "mid_retention" else "0"
     proc = subprocess.run(
-        [sys.executable, "-c", KILLED_CHILD, d, os.path.dirname(__file__), keep],
-        env=env,
+        [sys.executable, "-c", KILLED_CHILD, directory, os.path.dirname(__file__), keep],
+        env=child_env,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert proc.returncode == -9, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("phase", ["mid_write", "after_marker", "mid_retention"])
+def test_a_kill_during_an_incremental_step_leaves_the_earlier_one_whole(tmp_path, phase):
+    """Killed after the links (mid_write: the first chunk write follows them), after the
+    commit marker, or while retention deletes step 1: the next writer restores a whole
+    step and nothing partial is listed."""
+    d = str(tmp_path)
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        _save(mngr, 1, _state(1.0))
+    _killed_step_2(d, phase)
     with fop.CheckpointManager(d, incremental=True) as mngr:
         steps = mngr.steps()
         assert steps == {"mid_write": [1], "after_marker": [1, 2], "mid_retention": [2]}[phase]
@@ -872,24 +879,10 @@ def test_without_botocore_s3_steps_are_written_in_full(s3_location):
 def test_a_kill_during_an_incremental_s3_step_leaves_the_earlier_one_whole(s3_location, phase):
     """As on local disk: killed while chunks are being copied and the adapter written
     (mid_write), after the marker, or while retention deletes step 1."""
-    import subprocess
-    import sys
-
     url = s3_location.url
     with fop.CheckpointManager(url, incremental=True) as mngr:
         _save(mngr, 1, _state(1.0))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", FOP_KILL_AT=phase)
-    env.update(s3_location.env)
-    keep = "1" if phase == "mid_retention" else "0"
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED_CHILD, url, os.path.dirname(__file__), keep],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == -9, proc.stdout + proc.stderr
+    _killed_step_2(url, phase, s3_location.env)
     with fop.CheckpointManager(url, incremental=True) as mngr:
         steps = mngr.steps()
         assert steps == {"mid_write": [1], "after_marker": [1, 2], "mid_retention": [2]}[phase]
