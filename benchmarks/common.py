@@ -309,6 +309,24 @@ def disk_usage(path: str) -> tuple[int, int]:
     return app, alloc
 
 
+def warm_memory(nbytes: int, directory: str) -> None:
+    """Writes ``nbytes`` to a file in ``directory`` and deletes it: the page cache takes
+    that much memory and frees it again. On a VM, memory the guest never touched costs
+    about 10x the system time to write into (measured: 1.2 GB of file writes, 3.0 s
+    against 0.3 s), so without this the first writer of a run pays for everyone."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, ".warm")
+    block = bytes(64 << 20)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, block[: min(left, len(block))])
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def rmtree(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path)

@@ -79,6 +79,8 @@ def run_matrix(
                         j = j + ["--streams", str(streams)]
                     if verify and rep == 0 and j[0] == "restore" and lib not in RAW:
                         j = j + ["--verify"]
+                    if j[0] == "save":  # every writer starts from memory touched before
+                        C.warm_memory(2 * C.total_bytes(C.tree_specs(w)), base)
                     t0 = time.perf_counter()
                     r = C.run_worker(j, env)
                     r["rep"] = rep
