@@ -7,6 +7,8 @@
   none arrives within ``timeout`` seconds (or the child exits first); it never
   blocks past the deadline.
 * :func:`wait` waits for the child's exit with a deadline, SIGKILLing it on expiry.
+* :func:`sigterm_after` reads the step numbers a training child prints until one
+  reaches a bound, then SIGTERMs it and collects the rest of its output.
 """
 
 from __future__ import annotations
@@ -71,3 +73,16 @@ def wait(proc: subprocess.Popen, timeout: float) -> int:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         pytest.fail(f"child {proc.pid} still running after {timeout} s; killed")
+
+
+def sigterm_after(proc: subprocess.Popen, step: int, timeout: float = 120) -> list[str]:
+    """Reads the integers the child prints (one per line) until one is ``>= step``,
+    sends SIGTERM and returns the words it printed afterwards; the child is killed
+    whatever happens (its exit code is then ``proc.returncode``)."""
+    try:
+        while int(read_line(proc, timeout=timeout)) < step:
+            pass
+        proc.send_signal(signal.SIGTERM)
+        return proc.communicate(timeout=timeout)[0].split()
+    finally:
+        proc.kill()

@@ -265,13 +265,7 @@ def test_sigterm_saves_the_current_step_and_exits(tmp_path):
         env=_proc.child_env(),
         text=True,
     )
-    try:
-        while int(_proc.read_line(proc, timeout=120)) < 5:
-            pass
-        proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=120)[0].split()
-    finally:
-        proc.kill()
+    out = _proc.sigterm_after(proc, 5)
     assert proc.returncode == 143
     last_printed = int(out[-1]) if out else 5
     (step,) = fop.CheckpointManager(tmp_path, read_only=True).steps()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import _proc
 import numpy as np
 import pytest
 
@@ -426,13 +427,7 @@ def test_sigterm_saves_locally_then_replicates_before_exiting(s3, tmp_path):
         repo=REPO, tests=os.path.join(REPO, "tests"), local=str(local), url=s3.url
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        while int(proc.stdout.readline()) < 3:
-            pass
-        proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=120)[0].split()
-    finally:
-        proc.kill()
+    out = _proc.sigterm_after(proc, 3)
     assert proc.returncode == 143
     (step,) = fop.CheckpointManager(local, read_only=True).steps()
     assert step >= 3
