@@ -29,14 +29,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="one repeat, no verification")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--tag", default="", help="write results/core-TAG.* instead of core.*")
-    p.add_argument(
-        "--raw-streams", type=int, default=32, help="threads of the parallel raw limit row"
-    )
-    p.add_argument(
-        "--tiny",
-        action="store_true",
-        help="workloads of a few MiB, to check the script runs (figures meaningless)",
-    )
+    C.add_raw_and_tiny_options(p)
     a = p.parse_args(argv)
     if a.quick:
         a.repeats = 1

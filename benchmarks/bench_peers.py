@@ -73,14 +73,7 @@ def main(argv=None):
     p.add_argument(
         "--repeats-c", type=int, default=None, help="repeats for workload (c) (default: --repeats)"
     )
-    p.add_argument(
-        "--raw-streams", type=int, default=32, help="threads of the parallel raw limit row"
-    )
-    p.add_argument(
-        "--tiny",
-        action="store_true",
-        help="workloads of a few MiB, to check the scripts run (figures meaningless)",
-    )
+    C.add_raw_and_tiny_options(p)
     p.add_argument("--workloads", default="abc")
     p.add_argument("--libs", default=",".join(LIBRARIES))
     p.add_argument("--train-steps", type=int, default=20)

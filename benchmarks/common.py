@@ -309,6 +309,19 @@ def disk_usage(path: str) -> tuple[int, int]:
     return app, alloc
 
 
+def add_raw_and_tiny_options(p) -> None:
+    """The options every suite against the raw limit takes: ``--raw-streams`` and
+    ``--tiny`` (the caller sets SIZE_ENV when it is given)."""
+    p.add_argument(
+        "--raw-streams", type=int, default=32, help="threads of the parallel raw limit row"
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="workloads of a few MiB, to check the scripts run (figures meaningless)",
+    )
+
+
 def warm_memory(nbytes: int, directory: str) -> None:
     """Writes ``nbytes`` to a file in ``directory`` and deletes it: the page cache takes
     that much memory and frees it again. On a VM, memory the guest never touched costs
