@@ -40,6 +40,7 @@ import numpy as np
 
 from . import (
     _arrays,
+    _chunk_files,
     _commit,
     _distributed,
     _faults,
@@ -658,20 +659,25 @@ def _array_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any
     )
 
 
-def _batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
-    dtype = _layout.dtype_from_name(batch.dtype)
+def _batch_inner(batch: BatchRecord) -> int:
+    """Elements per checksummed inner chunk of a batch's files (divides its chunk)."""
+    itemsize = _layout.dtype_from_name(batch.dtype).itemsize
     chunk = int(batch.chunk)
-    inner = max(1, min(_arrays.BATCH_INNER_CHUNK_BYTES // dtype.itemsize, chunk))
-    while chunk % inner:  # inner chunks must divide the chunk
+    inner = max(1, min(_arrays.BATCH_INNER_CHUNK_BYTES // itemsize, chunk))
+    while chunk % inner:
         inner -= 1
+    return inner
+
+
+def _batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
     return _arrays.spec(
         root,
         f"b/{batch.name}",
         [batch.size],
         batch.dtype,
-        [chunk],
-        dtype.itemsize,
-        inner_chunk=[inner],
+        [int(batch.chunk)],
+        _layout.dtype_from_name(batch.dtype).itemsize,
+        inner_chunk=[_batch_inner(batch)],
         codec=batch.codec,
     )
 
@@ -765,10 +771,37 @@ def _write_data(
         linker = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fop-link")
         linked = [linker.submit(links[leaf.index]) for leaf, _ in linking]
     skip = {leaf.index for leaf, _ in linking}
-    jobs = [(spec, leaf.writes) for leaf, spec in arrays if leaf.writes and leaf.index not in skip]
+    # Plain arrays and batches on local disk are written by ChunkWriter (no chunk-buffer
+    # copy, writeback started per file); the rest, and any region it declines, by
+    # tensorstore. Either way each write is one pending future, drained to ``limit``.
+    writer = None
+    if _chunk_files.usable(staging):
+        writer = _chunk_files.ChunkWriter(staging.path)
+
+    def direct_array(leaf: _Leaf):
+        record = leaf.record
+        return lambda index, data: writer.array(
+            f"d/{leaf.index}", record.shape, record.storage.chunk_shape, index, data
+        )
+
+    def direct_batch(name: str):
+        batch = plan.batches[name]
+        return lambda index, data: writer.batch(
+            f"b/{name}", batch.size, batch.chunk, _batch_inner(batch), data
+        )
+
+    def array_job(leaf: _Leaf, spec):
+        plain = writer is not None and leaf.record.storage.codec is None
+        return spec, leaf.writes, direct_array(leaf) if plain else None
+
+    jobs = [
+        array_job(leaf, spec) for leaf, spec in arrays if leaf.writes and leaf.index not in skip
+    ]
     for name, spec in batches:
         if name in plan.batch_buffers:
-            jobs.append((spec, [((slice(None),), plan.batch_buffers.pop(name))]))
+            buffer = plan.batch_buffers.pop(name)
+            plain = writer is not None and plan.batches[name].codec is None
+            jobs.append((spec, [((slice(None),), buffer)], direct_batch(name) if plain else None))
     try:
         for round_ in range(2):
             if round_ == 1:  # the leaves whose links failed
@@ -778,20 +811,26 @@ def _write_data(
                 for (leaf, spec), future in zip(linking, linked, strict=True):
                     nbytes = future.result()
                     if nbytes is None:
-                        jobs.append((spec, leaf.writes))
+                        jobs.append(array_job(leaf, spec))
                     else:
                         reused += nbytes
                         leaf.writes.clear()  # drop the snapshot: the previous step has it
-            for spec, writes in jobs:
-                store = _arrays.open_for_write(spec)
+            for spec, writes, direct in jobs:
+                store = None
                 while writes:
                     index, data = writes.pop()
                     if data.size:
-                        future = store[index].write(
-                            data, can_reference_source_data_indefinitely=True
-                        )
-                        pending.append((future.commit, data.nbytes))
-                        in_flight += data.nbytes
+                        futures = direct(index, data) if direct is not None else None
+                        if futures is None:
+                            if store is None:
+                                store = _arrays.open_for_write(spec)
+                            write = store[index].write(
+                                data, can_reference_source_data_indefinitely=True
+                            )
+                            futures = [write.commit]
+                        share = data.nbytes // len(futures)
+                        pending.extend((future, share) for future in futures)
+                        in_flight += share * len(futures)
                         written += data.nbytes
                         if written == data.nbytes:
                             _faults.kill_point("mid_write")
@@ -803,8 +842,12 @@ def _write_data(
         if isinstance(e, ValueError):  # tensorstore's status text, with its whole spec
             text = str(e).split(" [tensorstore_spec=", 1)[0]
             raise CheckpointError(f"writing array data to {staging} failed: {text}") from e
+        if isinstance(e, OSError) and writer is not None:
+            raise CheckpointError(f"writing array data to {staging} failed: {e}") from e
         raise
     finally:
+        if writer is not None:
+            writer.close()
         if linker is not None:
             # No link or copy is made after a failure's cleanup: queued ones never start.
             linker.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,212 @@
+"""_chunk_files: zarr3 chunk files written straight from host memory on local disk.
+
+The reference is tensorstore itself: every file must be byte for byte the one
+tensorstore writes for the same spec and values, for every supported dtype, chunks cut
+by the array's end, chunks that are not contiguous in the source, and batches of any
+size; tensorstore must read them back and catch damage through their checksums.
+"""
+
+import errno
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin import _arrays, _chunk_files, _layout, _save, _storage
+from flax_orbax_plugin._errors import CheckpointError
+from flax_orbax_plugin._layout import BatchRecord
+
+
+def _files(root):
+    out = {}
+    for parent, _, names in os.walk(root):
+        for name in names:
+            if name != "zarr.json":
+                path = os.path.join(parent, name)
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
+def _values(dtype_name, shape, seed=0):
+    dtype = _layout.dtype_from_name(dtype_name)
+    rng = np.random.default_rng(seed)
+    if dtype_name == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if dtype_name == "int4":
+        return rng.integers(-8, 8, size=shape).astype(dtype)
+    return rng.integers(0, 100, size=shape).astype(dtype)
+
+
+def _both(tmp_path, make_spec, write_direct, values):
+    """Files of the same array written by tensorstore and by ChunkWriter."""
+    out = []
+    for who in ("tensorstore", "direct"):
+        root = tmp_path / who
+        spec = make_spec(_storage.Location.from_path(root))
+        _arrays.create(spec).result()
+        if who == "tensorstore":
+            _arrays.open_for_write(spec)[...].write(values).result()
+        else:
+            with _chunk_files.ChunkWriter(str(root)) as writer:
+                futures = write_direct(writer)
+                assert futures is not None
+                for future in futures:
+                    future.result()
+        out.append(_files(root))
+    return out
+
+
+@pytest.mark.parametrize("dtype_name", sorted(_layout.SUPPORTED_DTYPES))
+@pytest.mark.parametrize(
+    "shape,chunk",
+    [
+        ((10, 7), (4, 7)),  # last chunk cut by the end: zero-padded
+        ((9,), (4,)),
+        ((6, 5, 3), (2, 5, 3)),
+        ((5, 6), (5, 2)),  # chunks along axis 1: not contiguous in the source
+        ((8, 8), (3, 5)),  # cut along both axes
+    ],
+)
+def test_array_chunks_are_the_bytes_tensorstore_writes(tmp_path, dtype_name, shape, chunk):
+    values = _values(dtype_name, shape)
+    itemsize = _layout.dtype_from_name(dtype_name).itemsize
+    region = tuple(slice(None) for _ in shape)
+    ts_files, direct_files = _both(
+        tmp_path,
+        lambda loc: _arrays.spec(loc, "x", shape, dtype_name, list(chunk), itemsize),
+        lambda writer: writer.array("x", shape, chunk, region, values),
+        values,
+    )
+    assert ts_files and direct_files == ts_files
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "int8", "bool", "complex128"])
+@pytest.mark.parametrize("size", [1, 5, 1000, 70_000, 300_000])
+def test_batch_shards_are_the_bytes_tensorstore_writes(tmp_path, dtype_name, size):
+    """Up to 3 files (the last one short: inner chunks past the end are not stored),
+    several inner chunks each (the last one cut by the end: zero-padded)."""
+    chunk = min(1 << 17, 1 << (size - 1).bit_length())
+    record = BatchRecord("b", dtype_name, 0, size, chunk, None)
+    values = _values(dtype_name, (size,))
+    inner = _save._batch_inner(record)
+    ts_files, direct_files = _both(
+        tmp_path,
+        lambda loc: _save._batch_spec(loc, record),
+        lambda writer: writer.batch("b/b", size, record.chunk, inner, values),
+        values,
+    )
+    assert ts_files and direct_files == ts_files
+
+
+def test_a_region_of_partial_chunks_is_declined_and_nothing_written(tmp_path):
+    values = np.ones((6, 4), np.float32)
+    with _chunk_files.ChunkWriter(str(tmp_path)) as writer:
+        # starts inside a chunk / stops inside one before the array's end
+        assert writer.array("x", (12, 4), (4, 4), (slice(2, 8), slice(None)), values) is None
+        assert writer.array("x", (12, 4), (4, 4), (slice(0, 6), slice(None)), values) is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_short_writes_are_resumed(tmp_path, monkeypatch):
+    real = os.writev
+
+    def at_most_1000_bytes(fd, buffers):
+        first = memoryview(buffers[0]).cast("B")
+        return real(fd, [first[:1000]])
+
+    monkeypatch.setattr(_chunk_files.os, "writev", at_most_1000_bytes)
+    shape, chunk = (50, 30), (20, 30)
+    values = _values("float32", shape)
+    ts_files, direct_files = _both(
+        tmp_path,
+        lambda loc: _arrays.spec(loc, "x", shape, "float32", list(chunk), 4),
+        lambda writer: writer.array("x", shape, chunk, (slice(None), slice(None)), values),
+        values,
+    )
+    assert direct_files == ts_files
+
+
+def test_an_existing_file_or_symlink_is_never_written_through(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    root = tmp_path / "root"
+    (root / "x" / "c").mkdir(parents=True)
+    os.symlink(outside, root / "x" / "c" / "0")
+    values = np.ones((4,), np.float32)
+    with _chunk_files.ChunkWriter(str(root)) as writer:
+        (future,) = writer.array("x", (4,), (4,), (slice(None),), values)
+        with pytest.raises(OSError) as info:
+            future.result()
+    assert info.value.errno in (errno.EEXIST, errno.ELOOP)
+    assert outside.read_bytes() == b"keep"
+
+
+def _tree():
+    """4 MiB chunks: several per large leaf, the last one cut; a leaf sharded along axis
+    1 over 8 devices (chunks not contiguous in a shard); small leaves in batches."""
+    rng = np.random.default_rng(1)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(1, 8), ("a", "b"))
+    cols = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "b"))
+    return {
+        "big": jax.numpy.asarray(rng.standard_normal((2100, 1000), dtype=np.float32)),
+        "wide": jax.numpy.asarray(rng.standard_normal((3, 1_000_000), dtype=np.float32)),
+        "half": jax.numpy.asarray(rng.standard_normal((3000, 1000)).astype(jax.numpy.bfloat16)),
+        "cols": jax.device_put(rng.standard_normal((4096, 2048), dtype=np.float32), cols),
+        "small": {f"s{i}": np.full((i + 1, 3), i, np.int32) for i in range(40)},
+        "step": 7,
+    }
+
+
+def test_a_save_on_local_disk_writes_what_tensorstore_writes(tmp_path, monkeypatch):
+    """The whole save: same files as with the direct writer switched off; restores."""
+    tree = _tree()
+    fop.save(tmp_path / "direct", tree)
+    monkeypatch.setattr(_chunk_files, "usable", lambda location: False)
+    fop.save(tmp_path / "tensorstore", tree)
+    direct, reference = _files(tmp_path / "direct"), _files(tmp_path / "tensorstore")
+    assert sorted(direct) == sorted(reference)
+    data = [name for name in direct if name.startswith(("d/", "b/")) and "zarr.json" not in name]
+    assert len(data) > 15
+    assert all(direct[name] == reference[name] for name in data)
+    out = fop.restore(tmp_path / "direct", like=tree)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(tree), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_flipped_byte_in_a_directly_written_chunk_fails_the_restore(tmp_path):
+    tree = _tree()
+    fop.save(tmp_path / "c", tree)
+    files = sorted(
+        os.path.join(parent, name)
+        for parent, _, names in os.walk(tmp_path / "c" / "d")
+        for name in names
+        if name != "zarr.json"
+    )
+    with open(files[0], "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(CheckpointError):
+        fop.restore(tmp_path / "c", like=tree)
+
+
+def test_a_failing_write_fails_the_save_and_leaves_nothing(tmp_path, monkeypatch):
+    fop.save(tmp_path / "1", {"w": np.arange(10.0)})
+    calls = []
+    real = os.writev
+
+    def full_disk_on_the_third_file(fd, buffers):
+        calls.append(fd)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, buffers)
+
+    monkeypatch.setattr(_chunk_files.os, "writev", full_disk_on_the_third_file)
+    with pytest.raises(CheckpointError, match="No space left"):
+        fop.save(tmp_path / "2", _tree())
+    assert sorted(os.listdir(tmp_path)) == ["1"]
+    np.testing.assert_array_equal(fop.restore(tmp_path / "1")["w"], np.arange(10.0))
