@@ -26,6 +26,7 @@ directory: nothing existing is overwritten or followed.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import ctypes
 import itertools
@@ -35,6 +36,8 @@ from typing import Any
 
 import google_crc32c
 import numpy as np
+
+from . import _host
 
 THREADS = 8  # as tensorstore's file_io_concurrency for local disks (_storage.context)
 _IOV_MAX = 1000  # below the kernel's 1024 buffers per writev
@@ -143,21 +146,32 @@ class ChunkWriter:
     # -- batches (sharding_indexed) -----------------------------------------------------
 
     def batch(
-        self, sub: str, size: int, chunk: int, inner: int, data: np.ndarray
+        self, sub: str, chunk: int, inner: int, data: np.ndarray | Gathered
     ) -> list[concurrent.futures.Future]:
-        """Starts writing the whole batch array ``sub`` (1-D, ``size`` elements) from
-        ``data``: one file per ``chunk`` elements, each a zarr3 shard of checksummed
-        ``inner``-element chunks followed by its checksummed index."""
-        flat = data.reshape(-1)
+        """Starts writing the whole batch array ``sub`` (1-D) from ``data`` (its values,
+        or its leaves as :class:`Gathered` pieces): one file per ``chunk`` elements, each
+        a zarr3 shard of checksummed ``inner``-element chunks followed by its checksummed
+        index."""
+        if isinstance(data, np.ndarray):
+            data = Gathered([(0, data)], data.dtype, data.size)
+        size, itemsize = data.size, data.dtype.itemsize
         return [
-            self._pool.submit(self._write_shard, f"{sub}/c/{s}", flat, s, size, chunk, inner)
+            self._pool.submit(
+                self._write_shard,
+                f"{sub}/c/{s}",
+                data,
+                s,
+                size * itemsize,
+                chunk * itemsize,
+                inner * itemsize,
+            )
             for s in range(-(-size // chunk))
         ]
 
     def _write_shard(
-        self, name: str, flat: np.ndarray, s: int, size: int, chunk: int, inner: int
+        self, name: str, data: Gathered, s: int, size: int, chunk: int, inner: int
     ) -> None:
-        itemsize = flat.dtype.itemsize
+        """Sizes in bytes. Inner chunks past ``size`` are not stored (index: missing)."""
         pieces: list[np.ndarray] = []
         entries = np.full(2 * (chunk // inner), _MISSING, dtype="<u8")
         offset = 0
@@ -165,16 +179,15 @@ class ChunkWriter:
             start = s * chunk + j * inner
             if start >= size:
                 break
-            values = flat[start : min(start + inner, size)]
-            if values.size < inner:
-                padded = np.zeros(inner, flat.dtype)
-                padded[: values.size] = values
-                values = padded
-            payload = _as_bytes(values)
-            pieces += [payload, _crc(payload)]
+            segments = data.segments(start, start + inner, size)
+            crc = 0
+            for segment in segments:
+                crc = google_crc32c.extend(crc, segment)
+            pieces += segments
+            pieces.append(np.frombuffer(crc.to_bytes(4, "little"), np.uint8))
             entries[2 * j] = offset
-            entries[2 * j + 1] = inner * itemsize + 4
-            offset += inner * itemsize + 4
+            entries[2 * j + 1] = inner + 4
+            offset += inner + 4
         index = _as_bytes(entries)
         pieces += [index, _crc(index)]
         self._write_file(name, pieces)
@@ -204,3 +217,67 @@ class ChunkWriter:
                 _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
         finally:
             os.close(fd)
+
+
+_ZEROS = np.zeros(1 << 17, np.uint8)
+_ZEROS.flags.writeable = False
+
+
+def _zeros(nbytes: int) -> np.ndarray:
+    return _ZEROS[:nbytes] if nbytes <= _ZEROS.size else np.zeros(nbytes, np.uint8)
+
+
+class Gathered:
+    """A 1-D array's bytes given as pieces at byte offsets, zeros between and after
+    them: a batch of small leaves written straight from the leaves' own (snapshot)
+    buffers, never copied into one batch buffer first.
+
+    ``pieces``: (byte offset, C-contiguous array), non-overlapping, any order; ``dtype``
+    and ``size`` (elements): the array's.
+    """
+
+    def __init__(self, pieces: list[tuple[int, np.ndarray]], dtype, size: int):
+        ordered = sorted(((int(o), _as_bytes(a)) for o, a in pieces), key=lambda p: p[0])
+        self._offsets = [o for o, _ in ordered]
+        self._pieces = [a for _, a in ordered]
+        self.dtype = np.dtype(dtype)
+        self.size = int(size)
+        self.nbytes = self.size * self.dtype.itemsize
+
+    def segments(self, start: int, stop: int, size: int) -> list[np.ndarray]:
+        """Read-only uint8 arrays that together are bytes ``[start, stop)`` (zeros where
+        no piece is, and past ``size``)."""
+        out: list[np.ndarray] = []
+        at = start
+        i = max(0, bisect.bisect_right(self._offsets, start) - 1)
+        end = min(stop, size)
+        while at < end and i < len(self._pieces):
+            lo, piece = self._offsets[i], self._pieces[i]
+            hi = lo + piece.size
+            if hi <= at:
+                i += 1
+                continue
+            if lo >= end:
+                break
+            if lo > at:
+                out.append(_zeros(lo - at))
+                at = lo
+            take = min(hi, end)
+            out.append(piece[at - lo : take - lo])
+            at = take
+            i += 1
+        if at < stop:
+            out.append(_zeros(stop - at))
+        return out
+
+    def assemble(self) -> np.ndarray:
+        """The whole array in one aligned buffer (for tensorstore's writes)."""
+        out = _host.empty((self.size,), self.dtype)
+        flat = out.view(np.uint8)
+        at = 0
+        for lo, piece in zip(self._offsets, self._pieces, strict=True):
+            flat[at:lo] = 0
+            flat[lo : lo + piece.size] = piece
+            at = lo + piece.size
+        flat[at:] = 0
+        return out

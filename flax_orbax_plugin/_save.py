@@ -371,7 +371,7 @@ class _Plan:
     def __init__(self, leaves: list[_Leaf], batches: dict[str, BatchRecord]):
         self.leaves = leaves
         self.batches = batches
-        self.batch_buffers: dict[str, np.ndarray] = {}
+        self.batch_data: dict[str, np.ndarray | _chunk_files.Gathered] = {}
         self.digest = _digest(leaves)
         self._pool: _host.BufferPool | None = None
         self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
@@ -465,18 +465,32 @@ class _Plan:
             data = source[0] if isinstance(source, tuple) else source
             if isinstance(data, jax.Array) and next(iter(data.devices())).platform != "cpu":
                 data.copy_to_host_async()
+        # Small leaves: with a pool, copied into one pooled buffer per batch; otherwise
+        # each leaf's own host snapshot (a zero-copy view on CPU, see _host_copy), and
+        # the batch is written from those pieces (gathered, never copied on this thread).
         ends: dict[str, int] = {}  # end of the last leaf written into each batch
+        pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
         for name, batch in self.batches.items():
             if batch.process == me:
                 dtype = _layout.dtype_from_name(batch.dtype)
-                self.batch_buffers[name] = pooled(alloc.empty((batch.size,), dtype))
+                if pool is None:
+                    pieces[name] = []
+                else:
+                    self.batch_data[name] = pooled(pool.empty((batch.size,), dtype))
                 ends[name] = 0
         for leaf, source, rows in owned:
             storage = leaf.record.storage
             if isinstance(storage, BatchStorage):
                 name = storage.batch
-                buf = self.batch_buffers[name]
                 off, size = storage.offset, storage.size
+                if pool is None:
+                    if isinstance(source, jax.Array):
+                        host = _host_copy(source, None)
+                    else:  # numpy or scalar: the caller may change it after we return
+                        host = _host.copy(np.asarray(source))
+                    pieces[name].append((off * host.dtype.itemsize, host))
+                    continue
+                buf = self.batch_data[name]
                 buf[ends[name] : off] = 0  # alignment padding: never uninitialised memory
                 buf[off : off + size] = np.asarray(source).reshape(-1)
                 ends[name] = off + size
@@ -493,7 +507,12 @@ class _Plan:
             else:
                 leaf.writes.append((rows, pooled(alloc.copy(np.asarray(source)))))
         for name, end in ends.items():
-            self.batch_buffers[name][end:] = 0
+            if name in pieces:
+                batch = self.batches[name]
+                dtype = _layout.dtype_from_name(batch.dtype)
+                self.batch_data[name] = _chunk_files.Gathered(pieces[name], dtype, batch.size)
+            else:
+                self.batch_data[name][end:] = 0
         for leaf in self.leaves:
             leaf.value = None  # the snapshot is all the background phase needs
 
@@ -786,9 +805,7 @@ def _write_data(
 
     def direct_batch(name: str):
         batch = plan.batches[name]
-        return lambda index, data: writer.batch(
-            f"b/{name}", batch.size, batch.chunk, _batch_inner(batch), data
-        )
+        return lambda index, data: writer.batch(f"b/{name}", batch.chunk, _batch_inner(batch), data)
 
     def array_job(leaf: _Leaf, spec):
         plain = writer is not None and leaf.record.storage.codec is None
@@ -798,10 +815,14 @@ def _write_data(
         array_job(leaf, spec) for leaf, spec in arrays if leaf.writes and leaf.index not in skip
     ]
     for name, spec in batches:
-        if name in plan.batch_buffers:
-            buffer = plan.batch_buffers.pop(name)
-            plain = writer is not None and plan.batches[name].codec is None
-            jobs.append((spec, [((slice(None),), buffer)], direct_batch(name) if plain else None))
+        if name in plan.batch_data:
+            data = plan.batch_data.pop(name)
+            if writer is not None and plan.batches[name].codec is None:
+                jobs.append((spec, [((slice(None),), data)], direct_batch(name)))
+            else:
+                if isinstance(data, _chunk_files.Gathered):
+                    data = data.assemble()
+                jobs.append((spec, [((slice(None),), data)], None))
     try:
         for round_ in range(2):
             if round_ == 1:  # the leaves whose links failed

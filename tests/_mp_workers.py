@@ -345,26 +345,39 @@ def manager_restore(ctx, directory, step=None, mesh_shape=None, spec=("data",)):
     }
 
 
+def _kill_mid_write(ctx, after: int) -> None:
+    """From now on, the Kill victim dies (ctx.point("mid_save")) when it starts writing
+    its ``after + 1``-th array or batch, whichever writer writes it (tensorstore, or
+    the direct chunk writer on local disk): some of its chunks are then written or in
+    flight, the others not yet."""
+    from flax_orbax_plugin import _arrays, _chunk_files
+
+    started = {"n": 0}
+
+    def counting(original):
+        def wrapper(*args, **kwargs):
+            started["n"] += 1
+            if started["n"] > after:
+                ctx.point("mid_save")
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    _arrays.open_for_write = counting(_arrays.open_for_write)
+    _chunk_files.ChunkWriter.array = counting(_chunk_files.ChunkWriter.array)
+    _chunk_files.ChunkWriter.batch = counting(_chunk_files.ChunkWriter.batch)
+
+
 def manager_save_killed(ctx, directory, victim_after_opens=2):
     """Saves step 1 (committed), then step 2; the victim dies mid-write of step 2."""
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin import _arrays
 
     out = {}
     with fop.CheckpointManager(directory) as mngr:
         mngr.save(1, make_state(ctx, 1))
         mngr.wait()
         out["steps_before"] = mngr.steps()
-        opened = {"n": 0}
-        original = _arrays.open_for_write
-
-        def counting_open(spec):
-            opened["n"] += 1
-            if opened["n"] > victim_after_opens:
-                ctx.point("mid_save")
-            return original(spec)
-
-        _arrays.open_for_write = counting_open
+        _kill_mid_write(ctx, victim_after_opens)
         t = time.time()
         ctx.note("t_save2_start", t)
         ctx.flush()
@@ -388,25 +401,14 @@ def manager_save_killed(ctx, directory, victim_after_opens=2):
 def core_save_killed(ctx, directory, victim_after_opens=1):
     """Saves step 1 (committed), then step 2; the Kill victim dies mid-write of step 2.
 
-    The victim SIGKILLs itself (ctx.point("mid_save")) when it opens its
-    ``victim_after_opens + 1``-th array for writing, i.e. after some of its chunks
-    were handed to tensorstore and before the others.
+    The victim SIGKILLs itself when it starts its ``victim_after_opens + 1``-th array
+    (see _kill_mid_write).
     """
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin import _arrays
 
     fop.save(f"{directory}/1", make_state(ctx, 1))
     out = {"step1_committed": fop.is_committed(f"{directory}/1")}
-    opened = {"n": 0}
-    original = _arrays.open_for_write
-
-    def counting_open(spec):
-        opened["n"] += 1
-        if opened["n"] > victim_after_opens:
-            ctx.point("mid_save")
-        return original(spec)
-
-    _arrays.open_for_write = counting_open
+    _kill_mid_write(ctx, victim_after_opens)
     state = make_state(ctx, 2)
     t = time.time()
     ctx.note("t_save2_start", t)

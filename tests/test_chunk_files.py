@@ -95,7 +95,7 @@ def test_batch_shards_are_the_bytes_tensorstore_writes(tmp_path, dtype_name, siz
     ts_files, direct_files = _both(
         tmp_path,
         lambda loc: _save._batch_spec(loc, record),
-        lambda writer: writer.batch("b/b", size, record.chunk, inner, values),
+        lambda writer: writer.batch("b/b", record.chunk, inner, values),
         values,
     )
     assert ts_files and direct_files == ts_files
