@@ -31,6 +31,7 @@ import concurrent.futures
 import ctypes
 import itertools
 import os
+import stat
 import sys
 from typing import Any
 
@@ -217,6 +218,104 @@ class ChunkWriter:
                 _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
         finally:
             os.close(fd)
+
+
+class ChunkReader:
+    """Reads whole arrays stored without compression from local chunk files straight
+    into fresh aligned host buffers: one ``preadv`` per chunk into its place in the
+    result (tensorstore reads each chunk into a fresh chunk buffer, then copies it:
+    measured with a warm page cache, 1.2 GB in 0.39-0.44 s against 0.82-0.88 s).
+
+    Every chunk file must be a regular file (``O_NOFOLLOW``) of exactly the chunk's
+    size plus its checksum, and the crc32c must match; otherwise the read raises
+    ValueError naming the chunk (the caller names the leaf).
+
+    Threading: :meth:`read` is called from one thread (the restore's); the reads run
+    on the reader's threads; :meth:`close` waits for them.
+    """
+
+    def __init__(self, root: str, *, threads: int = THREADS):
+        self._root = root
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fop-read")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def read(
+        self, sub: str, shape: tuple[int, ...], chunk: tuple[int, ...], dtype
+    ) -> WholeRead | None:
+        """Starts reading all of array ``sub``; None when its chunks are not whole rows
+        (a chunk must span every axis but the first), so tensorstore reads it instead."""
+        dtype = np.dtype(dtype)
+        if not shape or 0 in shape or tuple(chunk[1:]) != tuple(shape[1:]):
+            return None
+        return WholeRead(self, sub, tuple(shape), int(chunk[0]), dtype)
+
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        return self._pool.submit(fn, *args)
+
+
+class WholeRead:
+    """One array being read by a :class:`ChunkReader`; :meth:`result` is its values."""
+
+    def __init__(self, reader: ChunkReader, sub: str, shape, rows: int, dtype: np.dtype):
+        self.out = _host.empty(shape, dtype)  # adopted by jax on CPU without a copy
+        flat = self.out.reshape(-1).view(np.uint8)
+        row_bytes = flat.size // shape[0]
+        chunk_bytes = rows * row_bytes
+        self._futures = []
+        for i, row in enumerate(range(0, shape[0], rows)):
+            dest = flat[row * row_bytes : min(row + rows, shape[0]) * row_bytes]
+            path = os.path.join(reader._root, sub, "c", str(i), *("0" * (len(shape) - 1)))
+            self._futures.append(reader._submit(_read_chunk, path, dest, chunk_bytes))
+
+    def result(self) -> np.ndarray:
+        for future in self._futures:
+            future.result()
+        return self.out
+
+
+def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int) -> None:
+    """Reads one chunk file: its first ``dest.size`` bytes into ``dest``, the zero
+    padding of a chunk cut by the array's end into scratch, then checks its crc32c."""
+    name = "/".join(path.split(os.sep)[-4:])
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ValueError(f"chunk {name} is missing") from None
+    except OSError as e:
+        raise ValueError(f"chunk {name} cannot be opened: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != chunk_bytes + 4:
+            raise ValueError(
+                f"chunk {name}: expected a file of {chunk_bytes + 4} bytes, found {st.st_size}"
+            )
+        trailer = np.empty(4, np.uint8)
+        parts = [dest]
+        if chunk_bytes > dest.size:
+            parts.append(np.empty(chunk_bytes - dest.size, np.uint8))
+        views = [memoryview(p) for p in parts + [trailer]]
+        at = 0
+        while views:
+            got = os.preadv(fd, views[:_IOV_MAX], at)
+            if got == 0:
+                raise ValueError(f"chunk {name}: ended early")
+            at += got
+            while got:
+                if got >= len(views[0]):
+                    got -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][got:]
+                    got = 0
+    finally:
+        os.close(fd)
+    crc = 0
+    for part in parts:
+        crc = google_crc32c.extend(crc, _as_bytes(part))
+    if crc.to_bytes(4, "little") != trailer.tobytes():
+        raise ValueError(f"chunk {name}: crc32c checksum mismatch")
 
 
 _ZEROS = np.zeros(1 << 17, np.uint8)

@@ -35,6 +35,7 @@ import tensorstore as ts
 from . import (
     _arrays,
     _casting,
+    _chunk_files,
     _distributed,
     _host,
     _layout,
@@ -379,6 +380,28 @@ def _read_targets(location: Location, doc: CheckpointDocument, targets: list, li
 
 
 def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: list, limit: int):
+    direct = _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
+    try:
+        _read_targets_with(location, doc, targets, limit, direct)
+    finally:
+        if direct is not None:
+            direct.close()
+
+
+def _read_whole(store, target: _Target, direct: _chunk_files.ChunkReader | None):
+    """A read of a whole stored array: straight from its chunk files where they are
+    plain (local, uncompressed, whole rows), else through tensorstore."""
+    record = target.record
+    if direct is not None and record.storage.codec is None:
+        dtype = _layout.dtype_from_name(record.dtype, path=record.path)
+        sub = f"d/{int(target.index)}"
+        read = direct.read(sub, record.shape, record.storage.chunk_shape, dtype)
+        if read is not None:
+            return read
+    return _ReadInto(store)
+
+
+def _read_targets_with(location, doc, targets, limit, direct):
     reader = _Reader(limit)
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[_Target]] = collections.defaultdict(list)
@@ -412,7 +435,7 @@ def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: li
             def done(data, target=target):
                 _finish(target, data, reader.placer)
 
-            reader.submit(_ReadInto(store), nbytes, done, fail([record.path]))
+            reader.submit(_read_whole(store, target, direct), nbytes, done, fail([record.path]))
         else:
             _read_shards(reader, store, target, sharding, fail([record.path]))
     for name, members in by_batch.items():

@@ -210,3 +210,73 @@ def test_a_failing_write_fails_the_save_and_leaves_nothing(tmp_path, monkeypatch
         fop.save(tmp_path / "2", _tree())
     assert sorted(os.listdir(tmp_path)) == ["1"]
     np.testing.assert_array_equal(fop.restore(tmp_path / "1")["w"], np.arange(10.0))
+
+
+# -- reading --------------------------------------------------------------------------
+
+
+def _saved_big(tmp_path):
+    """(directory, tree, chunk files of the leaf "big": 3 chunks, the last one cut)."""
+    tree = {"big": jax.numpy.asarray(np.random.default_rng(2).standard_normal((2100, 1000)))}
+    tree["big"] = tree["big"].astype(jax.numpy.float32)
+    fop.save(tmp_path / "c", tree)
+    chunks = sorted((tmp_path / "c" / "d" / "0" / "c").glob("*/0"))
+    assert len(chunks) == 3
+    return tmp_path / "c", tree, chunks
+
+
+def test_whole_arrays_are_read_by_the_chunk_reader(tmp_path, monkeypatch):
+    directory, tree, _ = _saved_big(tmp_path)
+    used = []
+    real = _chunk_files.ChunkReader.read
+
+    def spy(self, *args):
+        result = real(self, *args)
+        used.append(result is not None)
+        return result
+
+    monkeypatch.setattr(_chunk_files.ChunkReader, "read", spy)
+    out = fop.restore(directory, like=tree)
+    assert used == [True]
+    np.testing.assert_array_equal(np.asarray(out["big"]), np.asarray(tree["big"]))
+    assert out["big"].dtype == tree["big"].dtype
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["flip a data byte", "flip a padding byte", "truncate", "append", "remove", "symlink"],
+)
+def test_damaged_chunks_fail_the_direct_read_naming_the_leaf(tmp_path, damage):
+    directory, tree, chunks = _saved_big(tmp_path)
+    last = chunks[-1]  # cut by the array's end: 52 rows of data, then zero padding
+    data = last.read_bytes()
+    if damage == "flip a data byte":
+        last.write_bytes(data[:10] + bytes([data[10] ^ 1]) + data[11:])
+    elif damage == "flip a padding byte":
+        at = len(data) - 100
+        last.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
+    elif damage == "truncate":
+        last.write_bytes(data[:-1])
+    elif damage == "append":
+        last.write_bytes(data + b"\0")
+    elif damage == "remove":
+        last.unlink()
+    else:
+        copy = tmp_path / "elsewhere"
+        copy.write_bytes(data)
+        last.unlink()
+        os.symlink(copy, last)
+    named = "symbolic link" if damage == "symlink" else "'big'"  # the walk before reading
+    with pytest.raises(fop.CorruptCheckpointError, match=named):
+        fop.restore(directory, like=tree)
+
+
+def test_read_chunk_refuses_a_symlink_and_a_wrong_size(tmp_path):
+    target = tmp_path / "target"
+    target.write_bytes(b"\0" * 20)
+    os.symlink(target, tmp_path / "link")
+    dest = np.empty(16, np.uint8)
+    with pytest.raises(ValueError, match="cannot be opened"):
+        _chunk_files._read_chunk(str(tmp_path / "link"), dest, 16)
+    with pytest.raises(ValueError, match="expected a file of 21 bytes, found 20"):
+        _chunk_files._read_chunk(str(target), dest, 17)  # wrong: wants 21
