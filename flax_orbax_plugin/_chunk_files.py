@@ -33,6 +33,7 @@ import itertools
 import os
 import stat
 import sys
+import threading
 from typing import Any
 
 import google_crc32c
@@ -275,6 +276,18 @@ class WholeRead:
         return self.out
 
 
+_read_lock = threading.Lock()
+_read_total = 0
+
+
+def bytes_read() -> int:
+    """Bytes this process has read from chunk files through :class:`ChunkReader` (a
+    counter, as tensorstore's ``/tensorstore/kvstore/file/bytes_read`` metric is for
+    its own reads)."""
+    with _read_lock:
+        return _read_total
+
+
 def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int) -> None:
     """Reads one chunk file: its first ``dest.size`` bytes into ``dest``, the zero
     padding of a chunk cut by the array's end into scratch, then checks its crc32c."""
@@ -311,6 +324,9 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int) -> None:
                     got = 0
     finally:
         os.close(fd)
+        global _read_total
+        with _read_lock:
+            _read_total += at
     crc = 0
     for part in parts:
         crc = google_crc32c.extend(crc, _as_bytes(part))

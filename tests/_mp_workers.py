@@ -210,9 +210,13 @@ def core_restore(ctx, directory, step=1, mesh_shape=None, spec=("data",)):
     }
     import tensorstore as ts
 
-    def ts_read():
+    def ts_read():  # tensorstore's reads and the direct chunk reader's
+        from flax_orbax_plugin import _chunk_files
+
         found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-        return sum(v.get("value", 0) for m in found for v in m["values"])
+        return (
+            sum(v.get("value", 0) for m in found for v in m["values"]) + _chunk_files.bytes_read()
+        )
 
     before, ts_before = ctx.io(), ts_read()
     state = fop.restore(path, like)
@@ -523,9 +527,13 @@ def shared_restore(ctx, directory, share):
     rep = NamedSharding(ctx.mesh, P())
     like = {"w": jax.ShapeDtypeStruct(state["params"]["w"].shape, np.float32, sharding=rep)}
 
-    def ts_read():
+    def ts_read():  # tensorstore's reads and the direct chunk reader's
+        from flax_orbax_plugin import _chunk_files
+
         found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-        return sum(v.get("value", 0) for m in found for v in m["values"])
+        return (
+            sum(v.get("value", 0) for m in found for v in m["values"]) + _chunk_files.bytes_read()
+        )
 
     before = ts_read()
     out = fop.restore(path, like, share_replicated_reads=share)

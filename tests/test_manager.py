@@ -442,17 +442,21 @@ def _params_run(tmp_path, layers):
     return params, sum(x.nbytes for x in jax.tree.leaves(params))
 
 
-def _tensorstore_file_bytes_read() -> int:
+def _array_file_bytes_read() -> int:
+    """Bytes of array files read: by tensorstore, and by the direct chunk reader."""
     import tensorstore as ts
 
+    from flax_orbax_plugin import _chunk_files
+
     metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-    return sum(v.get("value", 0) for m in metrics for v in m["values"])
+    return sum(v.get("value", 0) for m in metrics for v in m["values"]) + _chunk_files.bytes_read()
 
 
 def test_restore_params_reads_only_the_params_bytes(tmp_path, monkeypatch):
-    """Counted at the storage layer (tensorstore's file reads and the library's own
-    small-file reads), so it runs everywhere: the bytes read are the params' bytes,
-    and every file or array opened lies under the step's params/."""
+    """Counted at the storage layer (tensorstore's file reads, the direct chunk
+    reader's and the library's own small-file reads), so it runs everywhere: the bytes
+    read are the params' bytes, and every file or array opened lies under the step's
+    params/."""
     from flax_orbax_plugin._storage import Location
 
     params, nbytes = _params_run(tmp_path, layers=4)  # 8 MiB of params, 16 of opt_state
@@ -469,11 +473,20 @@ def test_restore_params_reads_only_the_params_bytes(tmp_path, monkeypatch):
         opened.append(self.path + sub)
         return real_kvstore(self, sub)
 
+    from flax_orbax_plugin import _chunk_files
+
+    real_chunk = _chunk_files._read_chunk
+
+    def read_chunk(path, *args):
+        opened.append(path)
+        return real_chunk(path, *args)
+
     monkeypatch.setattr(Location, "read_bytes", read_bytes)
     monkeypatch.setattr(Location, "kvstore", kvstore)
-    before = _tensorstore_file_bytes_read()
+    monkeypatch.setattr(_chunk_files, "_read_chunk", read_chunk)
+    before = _array_file_bytes_read()
     out = fop.restore_params(tmp_path / "run")
-    read = _tensorstore_file_bytes_read() - before + sum(small)
+    read = _array_file_bytes_read() - before + sum(small)
     assert_trees_equal(out, params)
     params_dir = str(tmp_path / "run" / "1" / "params") + "/"
     manifest = str(tmp_path / "run" / "1" / MANIFEST_FILE)  # the step's item list
