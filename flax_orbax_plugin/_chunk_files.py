@@ -207,14 +207,7 @@ class ChunkWriter:
         try:
             views = [memoryview(p) for p in pieces if p.size]
             while views:
-                done = os.writev(fd, views[:_IOV_MAX])
-                while done:  # drop what was written (a short write resumes mid-buffer)
-                    if done >= len(views[0]):
-                        done -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][done:]
-                        done = 0
+                _advance(views, os.writev(fd, views[:_IOV_MAX]))
             if _sync_file_range is not None:  # start writeback now; never waits for it
                 _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
         finally:
@@ -231,7 +224,8 @@ class ChunkReader:
     size plus its checksum, and the crc32c must match; otherwise the read raises
     ValueError naming the chunk (the caller names the leaf).
 
-    Threading: :meth:`read` is called from one thread (the restore's); the reads run
+    Threading: :meth:`read` and :meth:`read_batch` are called from one thread (the
+    restore's); the reads run
     on the reader's threads; :meth:`close` waits for them.
     """
 
@@ -247,31 +241,48 @@ class ChunkReader:
     ) -> WholeRead | None:
         """Starts reading all of array ``sub``; None when its chunks are not whole rows
         (a chunk must span every axis but the first), so tensorstore reads it instead."""
-        dtype = np.dtype(dtype)
         if not shape or 0 in shape or tuple(chunk[1:]) != tuple(shape[1:]):
             return None
-        return WholeRead(self, sub, tuple(shape), int(chunk[0]), dtype)
+        read = WholeRead(shape, dtype)
+        flat = read.out.reshape(-1).view(np.uint8)
+        row_bytes = flat.size // shape[0]
+        rows = int(chunk[0])
+        for i, row in enumerate(range(0, shape[0], rows)):
+            dest = flat[row * row_bytes : min(row + rows, shape[0]) * row_bytes]
+            path = os.path.join(self._root, sub, "c", str(i), *("0" * (len(shape) - 1)))
+            read.futures.append(self._pool.submit(_read_chunk, path, dest, rows * row_bytes))
+        return read
 
-    def _submit(self, fn, *args) -> concurrent.futures.Future:
-        return self._pool.submit(fn, *args)
+    def read_batch(self, sub: str, size: int, chunk: int, inner: int, dtype) -> WholeRead:
+        """Starts reading all of batch array ``sub`` (1-D, ``size`` elements, files of
+        ``chunk`` elements holding ``inner``-element chunks)."""
+        read = WholeRead((size,), dtype)
+        flat = read.out.view(np.uint8)
+        itemsize = read.out.dtype.itemsize
+        read.futures = [
+            self._pool.submit(
+                _read_shard,
+                os.path.join(self._root, sub, "c", str(s)),
+                flat,
+                s,
+                size * itemsize,
+                chunk * itemsize,
+                inner * itemsize,
+            )
+            for s in range(-(-size // chunk))
+        ]
+        return read
 
 
 class WholeRead:
     """One array being read by a :class:`ChunkReader`; :meth:`result` is its values."""
 
-    def __init__(self, reader: ChunkReader, sub: str, shape, rows: int, dtype: np.dtype):
-        self.out = _host.empty(shape, dtype)  # adopted by jax on CPU without a copy
-        flat = self.out.reshape(-1).view(np.uint8)
-        row_bytes = flat.size // shape[0]
-        chunk_bytes = rows * row_bytes
-        self._futures = []
-        for i, row in enumerate(range(0, shape[0], rows)):
-            dest = flat[row * row_bytes : min(row + rows, shape[0]) * row_bytes]
-            path = os.path.join(reader._root, sub, "c", str(i), *("0" * (len(shape) - 1)))
-            self._futures.append(reader._submit(_read_chunk, path, dest, chunk_bytes))
+    def __init__(self, shape, dtype):
+        self.out = _host.empty(tuple(shape), dtype)  # adopted by jax on CPU without a copy
+        self.futures: list[concurrent.futures.Future] = []
 
     def result(self) -> np.ndarray:
-        for future in self._futures:
+        for future in self.futures:
             future.result()
         return self.out
 
@@ -291,47 +302,101 @@ def bytes_read() -> int:
 def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int) -> None:
     """Reads one chunk file: its first ``dest.size`` bytes into ``dest``, the zero
     padding of a chunk cut by the array's end into scratch, then checks its crc32c."""
-    name = "/".join(path.split(os.sep)[-4:])
+    name = _name(path)
+    parts = [dest]
+    if chunk_bytes > dest.size:
+        parts.append(np.empty(chunk_bytes - dest.size, np.uint8))
+    trailer = np.empty(4, np.uint8)
+    _read_file(path, name, parts + [trailer])
+    if not _crc_matches(parts, trailer):
+        raise ValueError(f"chunk {name}: crc32c checksum mismatch")
+
+
+def _read_shard(path: str, flat: np.ndarray, s: int, size: int, chunk: int, inner: int) -> None:
+    """Reads one batch file (a zarr3 shard, sizes in bytes) into ``flat``: every stored
+    inner chunk straight to its place, then checks the index (exactly the layout both
+    writers produce: inner chunks in order, none missing before ``size``) and every
+    checksum."""
+    name = _name(path)
+    count = chunk // inner
+    present = -(-min(size - s * chunk, chunk) // inner)
+    parts: list[np.ndarray] = []
+    checks: list[tuple[list[np.ndarray], np.ndarray]] = []
+    for j in range(present):
+        start = s * chunk + j * inner
+        data = [flat[start : min(start + inner, size)]]
+        if data[0].size < inner:
+            data.append(np.empty(inner - data[0].size, np.uint8))
+        trailer = np.empty(4, np.uint8)
+        parts += data + [trailer]
+        checks.append((data, trailer))
+    index = np.empty(2 * count, "<u8")
+    index_trailer = np.empty(4, np.uint8)
+    _read_file(path, name, parts + [index.view(np.uint8), index_trailer])
+    if not _crc_matches([index.view(np.uint8)], index_trailer):
+        raise ValueError(f"batch file {name}: crc32c checksum mismatch in its index")
+    expected = np.full(2 * count, _MISSING, "<u8")
+    expected[0 : 2 * present : 2] = np.arange(present, dtype="<u8") * (inner + 4)
+    expected[1 : 2 * present : 2] = inner + 4
+    if not np.array_equal(index, expected):
+        raise ValueError(f"batch file {name}: its index does not list the expected chunks")
+    for j, (data, trailer) in enumerate(checks):
+        if not _crc_matches(data, trailer):
+            raise ValueError(f"batch file {name}: crc32c checksum mismatch in inner chunk {j}")
+
+
+def _name(path: str) -> str:
+    return "/".join(path.split(os.sep)[-4:])
+
+
+def _crc_matches(parts: list[np.ndarray], trailer: np.ndarray) -> bool:
+    crc = 0
+    for part in parts:
+        crc = google_crc32c.extend(crc, _as_bytes(part))
+    return crc.to_bytes(4, "little") == trailer.tobytes()
+
+
+def _read_file(path: str, name: str, parts: list[np.ndarray]) -> None:
+    """Fills ``parts`` (uint8 arrays) with the whole file at ``path``, which must be a
+    regular file of exactly their total size (never followed if a symlink)."""
+    global _read_total
+    expected = sum(p.size for p in parts)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ValueError(f"chunk {name} is missing") from None
     except OSError as e:
         raise ValueError(f"chunk {name} cannot be opened: {e}") from None
+    at = 0
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != chunk_bytes + 4:
+        if not stat.S_ISREG(st.st_mode) or st.st_size != expected:
             raise ValueError(
-                f"chunk {name}: expected a file of {chunk_bytes + 4} bytes, found {st.st_size}"
+                f"chunk {name}: expected a file of {expected} bytes, found {st.st_size}"
             )
-        trailer = np.empty(4, np.uint8)
-        parts = [dest]
-        if chunk_bytes > dest.size:
-            parts.append(np.empty(chunk_bytes - dest.size, np.uint8))
-        views = [memoryview(p) for p in parts + [trailer]]
-        at = 0
+        views = [memoryview(p) for p in parts if p.size]
         while views:
             got = os.preadv(fd, views[:_IOV_MAX], at)
             if got == 0:
                 raise ValueError(f"chunk {name}: ended early")
             at += got
-            while got:
-                if got >= len(views[0]):
-                    got -= len(views[0])
-                    views.pop(0)
-                else:
-                    views[0] = views[0][got:]
-                    got = 0
+            _advance(views, got)
     finally:
         os.close(fd)
-        global _read_total
         with _read_lock:
             _read_total += at
-    crc = 0
-    for part in parts:
-        crc = google_crc32c.extend(crc, _as_bytes(part))
-    if crc.to_bytes(4, "little") != trailer.tobytes():
-        raise ValueError(f"chunk {name}: crc32c checksum mismatch")
+
+
+def _advance(views: list[memoryview], done: int) -> None:
+    """Drops ``done`` bytes from the front of ``views`` (a short read or write resumes
+    mid-buffer)."""
+    while done:
+        if done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][done:]
+            done = 0
 
 
 _ZEROS = np.zeros(1 << 17, np.uint8)

@@ -439,7 +439,7 @@ def _read_targets_with(location, doc, targets, limit, direct):
         else:
             _read_shards(reader, store, target, sharding, fail([record.path]))
     for name, members in by_batch.items():
-        _read_batch(reader, location, doc.batches[name], members, fail, errors)
+        _read_batch(reader, location, doc.batches[name], members, fail, errors, direct)
     reader.drain(0)
     reader.placer.flush()
     if errors:
@@ -564,8 +564,9 @@ def _bounding_box(
     return box if volume(box) <= needed * 1.125 else None
 
 
-def _read_batch(reader, location, batch: BatchRecord, members, fail, errors) -> None:
-    """Reads a batch of small leaves whole when most of it is needed, else leaf by leaf."""
+def _read_batch(reader, location, batch: BatchRecord, members, fail, errors, direct) -> None:
+    """Reads a batch of small leaves whole when most of it is needed (straight from its
+    files where ``direct`` can), else leaf by leaf."""
     dtype = _layout.dtype_from_name(batch.dtype)
     store = _open(_save._batch_spec(location, batch), location, [t.record.path for t in members])
     needed = sum(t.record.storage.size for t in members)
@@ -606,7 +607,12 @@ def _read_batch(reader, location, batch: BatchRecord, members, fail, errors) -> 
             paths = [t.record.path for t in members if any(repr(t.record.path) in b for b in bad)]
             errors.append(_corrupt(paths, location, error))
 
-    reader.submit(_ReadInto(store), batch.size * dtype.itemsize, done_all, failed_all)
+    if direct is not None and batch.codec is None:
+        sub, inner = f"b/{batch.name}", _save._batch_inner(batch)
+        whole = direct.read_batch(sub, batch.size, int(batch.chunk), inner, dtype)
+    else:
+        whole = _ReadInto(store)
+    reader.submit(whole, batch.size * dtype.itemsize, done_all, failed_all)
 
 
 def restore(

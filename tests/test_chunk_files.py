@@ -280,3 +280,57 @@ def test_read_chunk_refuses_a_symlink_and_a_wrong_size(tmp_path):
         _chunk_files._read_chunk(str(tmp_path / "link"), dest, 16)
     with pytest.raises(ValueError, match="expected a file of 21 bytes, found 20"):
         _chunk_files._read_chunk(str(target), dest, 17)  # wrong: wants 21
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "bool", "complex128"])
+@pytest.mark.parametrize("size", [1, 1000, 70_000, 300_000])
+def test_batches_written_by_tensorstore_are_read_back_directly(tmp_path, dtype_name, size):
+    chunk = min(1 << 17, 1 << (size - 1).bit_length())
+    record = BatchRecord("b", dtype_name, 0, size, chunk, None)
+    values = _values(dtype_name, (size,))
+    spec = _save._batch_spec(_storage.Location.from_path(tmp_path), record)
+    _arrays.create(spec).result()
+    _arrays.open_for_write(spec)[...].write(values).result()
+    reader = _chunk_files.ChunkReader(str(tmp_path))
+    try:
+        read = reader.read_batch("b/b", size, chunk, _save._batch_inner(record), values.dtype)
+        out = read.result()
+    finally:
+        reader.close()
+    assert out.dtype == values.dtype
+    np.testing.assert_array_equal(out, values)
+
+
+def _small_leaves():
+    rng = np.random.default_rng(3)
+    return {
+        f"s{i:03d}": jax.numpy.asarray(rng.standard_normal(i + 1000, np.float32)) for i in range(50)
+    }
+
+
+@pytest.mark.parametrize(
+    "damage", ["flip a data byte", "flip a padding byte", "flip an index byte", "truncate"]
+)
+def test_a_damaged_batch_file_fails_the_direct_read_naming_its_leaves(tmp_path, damage):
+    tree = _small_leaves()
+    fop.save(tmp_path / "c", tree)
+    (batch,) = list((tmp_path / "c" / "b").iterdir())
+    (path,) = list((batch / "c").iterdir())
+    data = path.read_bytes()
+    index_bytes = 16 * (len(data) // (64 << 10) + 1) + 4  # upper bound; the index is last
+    at = {
+        "flip a data byte": 70_000,  # inside the second inner chunk: leaves s017..s034
+        "flip a padding byte": len(data) - index_bytes - 200,  # the last inner chunk's tail
+        "flip an index byte": len(data) - 10,
+        "truncate": None,
+    }[damage]
+    if at is None:
+        path.write_bytes(data[:-1])
+    else:
+        path.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
+    with pytest.raises(fop.CorruptCheckpointError, match="'s0"):
+        fop.restore(tmp_path / "c", like=tree)
+    if damage == "flip a data byte":  # located to the leaves in the damaged inner chunk
+        with pytest.raises(fop.CorruptCheckpointError) as info:
+            fop.restore(tmp_path / "c", like=tree)
+        assert "'s000'" not in str(info.value) and "'s049'" not in str(info.value)
