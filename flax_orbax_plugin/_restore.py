@@ -25,6 +25,7 @@ import contextvars
 import dataclasses
 import fnmatch
 import functools
+import math
 import os
 from typing import Any
 
@@ -388,17 +389,18 @@ def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: li
             direct.close()
 
 
-def _read_whole(store, target: _Target, direct: _chunk_files.ChunkReader | None):
-    """A read of a whole stored array: straight from its chunk files where they are
-    plain (local, uncompressed, whole rows), else through tensorstore."""
+def _read_region(store, target: _Target, direct: _chunk_files.ChunkReader | None, region=None):
+    """A read of ``region`` (global; None: all) of a stored array: straight from its
+    chunk files where they are plain (local, uncompressed) and the region is whole
+    chunks, else through tensorstore."""
     record = target.record
     if direct is not None and record.storage.codec is None:
         dtype = _layout.dtype_from_name(record.dtype, path=record.path)
         sub = f"d/{int(target.index)}"
-        read = direct.read(sub, record.shape, record.storage.chunk_shape, dtype)
+        read = direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
         if read is not None:
             return read
-    return _ReadInto(store)
+    return _ReadInto(store if region is None else store[region])
 
 
 def _read_targets_with(location, doc, targets, limit, direct):
@@ -429,15 +431,15 @@ def _read_targets_with(location, doc, targets, limit, direct):
         rows = _shared_read_sharding(sharding, record.shape) if _SHARE_READS.get() else None
         if rows is not None:  # each process reads 1/P; an all-gather replicates it
             shared.append((target, sharding))
-            _read_shards(reader, store, target, rows, fail([record.path]))
+            _read_shards(reader, store, target, rows, fail([record.path]), direct)
         elif sharding is None or sharding.is_fully_replicated or nbytes == 0:
 
             def done(data, target=target):
                 _finish(target, data, reader.placer)
 
-            reader.submit(_read_whole(store, target, direct), nbytes, done, fail([record.path]))
+            reader.submit(_read_region(store, target, direct), nbytes, done, fail([record.path]))
         else:
-            _read_shards(reader, store, target, sharding, fail([record.path]))
+            _read_shards(reader, store, target, sharding, fail([record.path]), direct)
     for name, members in by_batch.items():
         _read_batch(reader, location, doc.batches[name], members, fail, errors, direct)
     reader.drain(0)
@@ -488,7 +490,7 @@ def _opened(future, location: Location, paths: list[str]):
         raise _corrupt(paths, location, e) from None
 
 
-def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) -> None:
+def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error, direct) -> None:
     """Reads only the regions this process's devices need; assembles a global jax.Array."""
     shape = target.record.shape
     by_index: dict[tuple, list] = collections.defaultdict(list)
@@ -500,7 +502,7 @@ def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) ->
     itemsize = target.dtype.itemsize
     box = _bounding_box(list(by_index), shape, target.record.storage.chunk_shape)
     if box is not None:  # this process's regions tile one box: read it once
-        region = store[tuple(slice(lo, hi) for lo, hi in box)]
+        box_index = tuple(slice(lo, hi) for lo, hi in box)
 
         def done_box(data):
             if data.dtype != target.out_dtype:
@@ -514,14 +516,13 @@ def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) ->
                 pieces.extend(jax.device_put(data[rel], device) for device, _ in devices)
             target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
-        nbytes = int(np.prod(region.shape, dtype=np.int64)) * itemsize
-        reader.submit(_ReadInto(region), nbytes, done_box, on_error)
+        nbytes = math.prod(hi - lo for lo, hi in box) * itemsize
+        reader.submit(_read_region(store, target, direct, box_index), nbytes, done_box, on_error)
         return
 
-    for devices in by_index.values():
+    for key, devices in by_index.items():
         index = devices[0][1]
-        region = store[index]
-        nbytes = int(np.prod(region.shape, dtype=np.int64)) * itemsize
+        nbytes = math.prod(hi - lo for lo, hi in _bounds(key, shape)) * itemsize
 
         def done(data, devices=devices):
             if data.dtype != target.out_dtype:
@@ -532,7 +533,7 @@ def _read_shards(reader: _Reader, store, target: _Target, sharding, on_error) ->
             if remaining[0] == 0:
                 target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
-        reader.submit(_ReadInto(region), nbytes, done, on_error)
+        reader.submit(_read_region(store, target, direct, index), nbytes, done, on_error)
 
 
 def _bounds(key: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -849,7 +849,7 @@ def _write_data(
                                 data, can_reference_source_data_indefinitely=True
                             )
                             futures = [write.commit]
-                        share = data.nbytes // len(futures)
+                        share = data.nbytes // max(1, len(futures))
                         pending.extend((future, share) for future in futures)
                         in_flight += share * len(futures)
                         written += data.nbytes

@@ -334,3 +334,83 @@ def test_a_damaged_batch_file_fails_the_direct_read_naming_its_leaves(tmp_path, 
         with pytest.raises(fop.CorruptCheckpointError) as info:
             fop.restore(tmp_path / "c", like=tree)
         assert "'s000'" not in str(info.value) and "'s049'" not in str(info.value)
+
+
+def _mesh(rows, cols):
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(rows, cols), ("a", "b"))
+
+
+def _sharded_tree(mesh):
+    P = jax.sharding.PartitionSpec
+    rng = np.random.default_rng(4)
+    specs = {"rows": P("a", None), "cols": P(None, "b"), "both": P("a", "b"), "rep": P()}
+    return {
+        name: jax.device_put(
+            rng.standard_normal((2048, 1536), dtype=np.float32),
+            jax.sharding.NamedSharding(mesh, spec),
+        )
+        for name, spec in specs.items()
+    }
+
+
+def _like(tree, mesh=None, spec=None):
+    def one(x):
+        sharding = x.sharding
+        if mesh is not None:
+            sharding = jax.sharding.NamedSharding(mesh, x.sharding.spec if spec is None else spec)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(one, tree)
+
+
+@pytest.mark.parametrize("onto", ["same mesh", "4x2", "2x4 from 8x1", "replicated"])
+def test_sharded_regions_are_read_directly_where_they_are_whole_chunks(tmp_path, monkeypatch, onto):
+    """Resuming on the same mesh reads every shard straight from its chunks (in place,
+    or through scratch where a chunk is not contiguous in the shard); other meshes
+    read what they can directly and the rest through tensorstore; all bit-exact."""
+    saved_on = _mesh(8, 1) if onto == "2x4 from 8x1" else _mesh(2, 4)
+    tree = _sharded_tree(saved_on)
+    fop.save(tmp_path / "c", tree)
+    if onto == "replicated":
+        like = _like(tree, _mesh(2, 4), jax.sharding.PartitionSpec())
+    else:
+        target = {"same mesh": None, "4x2": _mesh(4, 2), "2x4 from 8x1": _mesh(2, 4)}[onto]
+        like = _like(tree, target)
+    calls = {"direct": 0, "declined": 0, "copy": 0}
+    real_read, real_copy = _chunk_files.ChunkReader.read, _chunk_files._read_chunk_copy
+
+    def read(self, *args):
+        result = real_read(self, *args)
+        calls["direct" if result is not None else "declined"] += 1
+        return result
+
+    def copy(*args):
+        calls["copy"] += 1
+        return real_copy(*args)
+
+    monkeypatch.setattr(_chunk_files.ChunkReader, "read", read)
+    monkeypatch.setattr(_chunk_files, "_read_chunk_copy", copy)
+    out = fop.restore(tmp_path / "c", like=like)
+    for name, value in tree.items():
+        assert out[name].sharding == like[name].sharding, name
+        np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(value), err_msg=name)
+    if onto == "same mesh":  # every shard is whole chunks, each contiguous in it
+        assert calls["declined"] == 0 and calls["direct"] > 0 and calls["copy"] == 0
+    elif onto == "replicated":  # "cols" and "both": chunks narrower than the array's rows
+        assert calls["declined"] == 0 and calls["copy"] > 0
+    else:
+        assert calls["direct"] > 0
+
+
+def test_a_damaged_chunk_fails_a_sharded_direct_read_naming_the_leaf(tmp_path):
+    tree = _sharded_tree(_mesh(2, 4))
+    fop.save(tmp_path / "c", tree)
+    replicated = _like(tree, _mesh(2, 4), jax.sharding.PartitionSpec())
+    for name, like in (("rows", _like(tree)), ("cols", replicated)):  # in place; scratch
+        index = sorted(tree).index(name)
+        chunk = sorted((tmp_path / "c" / "d" / str(index) / "c").rglob("*"))[-1]
+        data = chunk.read_bytes()
+        chunk.write_bytes(data[:7] + bytes([data[7] ^ 1]) + data[8:])
+        with pytest.raises(fop.CorruptCheckpointError, match=f"'{name}'"):
+            fop.restore(tmp_path / "c", like=like)
+        chunk.write_bytes(data)
