@@ -42,9 +42,17 @@ def _leaves(tree, prefix=()):
 
 
 def _tiny_tree():
+    """Small, but with the shapes of the measured trees: a leaf stored as its own array
+    (2 MiB), small leaves, and params a small part of the small leaves, so the warm-up
+    runs the code paths the measured restores run (after drop_caches, code a process
+    has not run yet is read from disk and counted in its read bytes)."""
     import jax.numpy as jnp
 
-    return {"params": {"w": jnp.arange(16.0).reshape(4, 4)}, "x": jnp.ones(8)}
+    return {
+        "params": {"w": jnp.arange(16.0).reshape(4, 4), "big": jnp.ones((512, 1024))},
+        "x": jnp.ones(8),
+        "opt_state": {"mu": jnp.ones(1000), "nu": jnp.ones(1000)},
+    }
 
 
 def _warm_up(adapter, root: str) -> None:
