@@ -52,11 +52,12 @@ NOTES = [
     "DCP runs in one process without init_process_group (no_dist=True), FileSystemWriter "
     "thread_count=2 (the machine's cores).",
     "orbax stores zstd-compressed zarr3/OCDBT chunks by default: smaller on disk, more CPU.",
-    "orbax's blocking phase on CPU copies nothing: its device-to-host step is "
-    "copy_to_host_async + np.asarray, which for a CPU jax.Array is a zero-copy view of the "
-    "live buffer, so its CPU blocking figure is not a snapshot (on a GPU it is a real "
-    "transfer; see gpu_check.sh). The plugin copies, so a donated buffer cannot change "
-    "what it writes.",
+    "On CPU neither orbax's blocking phase nor the plugin's copies anything: both hold "
+    "zero-copy numpy views of the jax CPU buffers, and jax neither donates nor frees a "
+    "buffer while such a view lives (a donating step allocates a new output instead), so "
+    "the views are snapshots (the plugin checks this at run time and copies otherwise; "
+    "tests/test_save.py). On a GPU the device-to-host copy is a real transfer "
+    "(gpu_check.sh).",
     "The disk is a virtual disk: drop_caches empties this machine's page cache, but the "
     "host under it may still cache the file, so 'cold' reads can run faster than the "
     "device would. Other sessions share the machine; each run records the load average "

@@ -43,6 +43,7 @@ import google_crc32c
 import numpy as np
 
 from . import _host
+from ._storage import check_name
 
 THREADS = 8  # as tensorstore's file_io_concurrency for local disks (_storage.context)
 _IOV_MAX = 1000  # below the kernel's 1024 buffers per writev
@@ -200,7 +201,7 @@ class ChunkWriter:
     # -- files ---------------------------------------------------------------------------
 
     def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
-        path = os.path.join(self._root, name)
+        path = os.path.join(self._root, check_name(name))
         parent = os.path.dirname(path)
         if parent not in self._dirs:
             os.makedirs(parent, exist_ok=True)
@@ -254,6 +255,7 @@ class ChunkReader:
         a scratch buffer, checked, then copied into place."""
         if not shape or 0 in shape:
             return None
+        check_name(sub)  # never a path outside the checkpoint
         region = region or tuple(slice(None) for _ in shape)
         starts, stops = [], []
         for sl, n, c in zip(region, shape, chunk, strict=True):
@@ -285,6 +287,7 @@ class ChunkReader:
     def read_batch(self, sub: str, size: int, chunk: int, inner: int, dtype) -> PendingRead:
         """Starts reading all of batch array ``sub`` (1-D, ``size`` elements, files of
         ``chunk`` elements holding ``inner``-element chunks)."""
+        check_name(sub)  # never a path outside the checkpoint
         read = PendingRead((size,), dtype)
         flat = read.out.view(np.uint8)
         itemsize = read.out.dtype.itemsize

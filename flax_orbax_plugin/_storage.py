@@ -66,7 +66,9 @@ def context(*, local: bool = True) -> ts.Context:
         return _CONTEXTS[local]
 
 
-def _check_name(name: str) -> str:
+def check_name(name: str) -> str:
+    """``name`` if it is a relative storage name inside a location (no empty, ``.`` or
+    ``..`` component, no backslash or NUL); ValueError otherwise."""
     parts = name.split("/")
     if not name or any(p in ("", ".", "..") for p in parts) or "\\" in name or "\0" in name:
         raise ValueError(f"invalid storage name {name!r}")
@@ -151,12 +153,12 @@ class Location:
         return Location(json.dumps(spec, sort_keys=True))
 
     def child(self, name: str) -> Location:
-        return self._with_path(self.path + _check_name(name) + "/")
+        return self._with_path(self.path + check_name(name) + "/")
 
     def sibling(self, name: str) -> Location:
         parent = self.path.rstrip("/").rsplit("/", 1)[0] if "/" in self.path.rstrip("/") else ""
         prefix = parent + "/" if parent or self.is_local else ""
-        return self._with_path(prefix + _check_name(name) + "/")
+        return self._with_path(prefix + check_name(name) + "/")
 
     @property
     def parent(self) -> Location:
@@ -169,7 +171,7 @@ class Location:
         """The kvstore spec for ``sub`` (a relative directory) under this location."""
         spec = self.spec
         if sub:
-            spec["path"] = self.path + _check_name(sub) + "/"
+            spec["path"] = self.path + check_name(sub) + "/"
         return spec
 
     def _kv(self) -> ts.KvStore:
@@ -187,8 +189,8 @@ class Location:
         :data:`MAX_SMALL_FILE_BYTES`; None for array data copied whole).
         """
         if self.is_local:
-            return _read_local(self.path, _check_name(name), max_bytes)
-        result = self._kv().read(_check_name(name)).result()
+            return _read_local(self.path, check_name(name), max_bytes)
+        result = self._kv().read(check_name(name)).result()
         if result.state != "value":
             return None
         _check_size(len(result.value), f"{self}/{name}", max_bytes)
@@ -198,14 +200,14 @@ class Location:
         """Writes the file whole (a temporary name, then a rename on local disk); with
         ``durable``, fsyncs the file and its directory (else a later :meth:`sync` does)."""
         if self.is_local:
-            _write_local(self.path, _check_name(name), data, durable=durable)
+            _write_local(self.path, check_name(name), data, durable=durable)
             return
-        self._kv().write(_check_name(name), data).result()
+        self._kv().write(check_name(name), data).result()
 
     def delete(self, name: str) -> None:
         """Deletes one file (no error if it is absent)."""
         if self.is_local:
-            parts = _check_name(name).split("/")
+            parts = check_name(name).split("/")
             try:
                 dfd = _open_dirs(self.path, parts[:-1])
             except (FileNotFoundError, NotADirectoryError):
@@ -217,7 +219,7 @@ class Location:
             finally:
                 os.close(dfd)
             return
-        key = _check_name(name)
+        key = check_name(name)
         only_key = ts.KvStore.KeyRange(inclusive_min=key, exclusive_max=key + "\0")
         self._kv().delete_range(only_key).result()
 
@@ -225,7 +227,7 @@ class Location:
         """True for a regular file or directory at ``name``; ForeignEntryError for a
         symlink or special file there (or on the way there)."""
         if self.is_local:
-            parts = _check_name(name).split("/")
+            parts = check_name(name).split("/")
             try:
                 dfd = _open_dirs(self.path, parts[:-1])
             except (FileNotFoundError, NotADirectoryError):

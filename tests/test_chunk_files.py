@@ -414,3 +414,21 @@ def test_a_damaged_chunk_fails_a_sharded_direct_read_naming_the_leaf(tmp_path):
         with pytest.raises(fop.CorruptCheckpointError, match=f"'{name}'"):
             fop.restore(tmp_path / "c", like=like)
         chunk.write_bytes(data)
+
+
+def test_names_that_leave_the_checkpoint_are_refused(tmp_path):
+    values = np.ones((4,), np.float32)
+    reader = _chunk_files.ChunkReader(str(tmp_path))
+    try:
+        for sub in ("../x", "d/../../x", "/abs"):
+            with pytest.raises(ValueError, match="invalid storage name"):
+                reader.read(sub, (4,), (4,), np.float32)
+            with pytest.raises(ValueError, match="invalid storage name"):
+                reader.read_batch(sub, 4, 4, 4, np.float32)
+    finally:
+        reader.close()
+    with _chunk_files.ChunkWriter(str(tmp_path / "w")) as writer:
+        (future,) = writer.array("../x", (4,), (4,), (slice(None),), values)
+        with pytest.raises(ValueError, match="invalid storage name"):
+            future.result()
+    assert sorted(os.listdir(tmp_path)) == []
