@@ -70,7 +70,12 @@ _sync_file_range = _load_sync_file_range()
 def usable(location: Any) -> bool:
     """Whether arrays under ``location`` can be written here (those without a
     compression codec: the caller checks each)."""
-    return location.is_local and sys.byteorder == "little"
+    return (
+        location.is_local
+        and sys.byteorder == "little"
+        and hasattr(os, "preadv")  # POSIX scatter/gather I/O (not on Windows)
+        and hasattr(os, "writev")
+    )
 
 
 def _crc(data: np.ndarray) -> np.ndarray:

@@ -248,7 +248,7 @@ def test_whole_arrays_are_read_by_the_chunk_reader(tmp_path, monkeypatch):
 )
 def test_damaged_chunks_fail_the_direct_read_naming_the_leaf(tmp_path, damage):
     directory, tree, chunks = _saved_big(tmp_path)
-    last = chunks[-1]  # cut by the array's end: 52 rows of data, then zero padding
+    last = chunks[-1]  # cut by the array's end: 4 rows of data, then 1044 rows of padding
     data = last.read_bytes()
     if damage == "flip a data byte":
         last.write_bytes(data[:10] + bytes([data[10] ^ 1]) + data[11:])
