@@ -208,20 +208,11 @@ def core_restore(ctx, directory, step=1, mesh_shape=None, spec=("data",)):
         },
         "opt_state": {"mu": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sharding)},
     }
-    import tensorstore as ts
 
-    def ts_read():  # tensorstore's reads and the direct chunk reader's
-        from flax_orbax_plugin import _chunk_files
-
-        found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-        return (
-            sum(v.get("value", 0) for m in found for v in m["values"]) + _chunk_files.bytes_read()
-        )
-
-    before, ts_before = ctx.io(), ts_read()
+    before, array_before = ctx.io(), _array_bytes_read()
     state = fop.restore(path, like)
     io = _io_delta(before, ctx.io())
-    io["tensorstore_bytes_read"] = ts_read() - ts_before
+    io["array_bytes_read"] = _array_bytes_read() - array_before
     return {"step": step, "rows": rows, **check_state(state, rows, step), "io": io}
 
 
@@ -347,6 +338,16 @@ def manager_restore(ctx, directory, step=None, mesh_shape=None, spec=("data",)):
         "sharding": str(state["params"]["w"].sharding.spec),
         "io": io,
     }
+
+
+def _array_bytes_read() -> int:
+    """Bytes of array files this process read: tensorstore's and the chunk reader's."""
+    import tensorstore as ts
+
+    from flax_orbax_plugin import _chunk_files
+
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return sum(v.get("value", 0) for m in found for v in m["values"]) + _chunk_files.bytes_read()
 
 
 def _kill_mid_write(ctx, after: int) -> None:
@@ -515,7 +516,6 @@ def shared_restore(ctx, directory, share):
     or off; reports array bytes this process read and whether every shard is right."""
     import jax
     import numpy as np
-    import tensorstore as ts
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -527,17 +527,9 @@ def shared_restore(ctx, directory, share):
     rep = NamedSharding(ctx.mesh, P())
     like = {"w": jax.ShapeDtypeStruct(state["params"]["w"].shape, np.float32, sharding=rep)}
 
-    def ts_read():  # tensorstore's reads and the direct chunk reader's
-        from flax_orbax_plugin import _chunk_files
-
-        found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-        return (
-            sum(v.get("value", 0) for m in found for v in m["values"]) + _chunk_files.bytes_read()
-        )
-
-    before = ts_read()
+    before = _array_bytes_read()
     out = fop.restore(path, like, share_replicated_reads=share)
-    read = ts_read() - before
+    read = _array_bytes_read() - before
     expect = np.arange(4096 * COLS, dtype=np.float32).reshape(4096, COLS) + 3
     ok = out["w"].sharding.is_fully_replicated and all(
         np.array_equal(np.asarray(s.data), expect[s.index]) for s in out["w"].addressable_shards

@@ -142,7 +142,7 @@ def test_restore_onto_fewer_processes_reads_only_the_rows_each_needs(saved):
     for p in run.procs:
         io = p.result["io"]
         # Array bytes read, as tensorstore counts its file reads.
-        data = io["tensorstore_bytes_read"]
+        data = io["array_bytes_read"]
         assert half <= data <= 1.02 * half + (64 << 10), (p.process_id, half, io)
         # All the process read meanwhile (the kernel's count): that, the metadata, and
         # under 1 MiB of the process's own reads (lazy imports, /proc).
