@@ -141,7 +141,7 @@ def test_restore_onto_fewer_processes_reads_only_the_rows_each_needs(saved):
     metadata = os.path.getsize(os.path.join(directory, "1", "_METADATA.json"))
     for p in run.procs:
         io = p.result["io"]
-        # Array bytes read, as tensorstore counts its file reads.
+        # Array bytes read, as tensorstore and the chunk reader count their file reads.
         data = io["array_bytes_read"]
         assert half <= data <= 1.02 * half + (64 << 10), (p.process_id, half, io)
         # All the process read meanwhile (the kernel's count): that, the metadata, and
