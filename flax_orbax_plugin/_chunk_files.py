@@ -78,9 +78,37 @@ def usable(location: Any) -> bool:
     )
 
 
-def _crc(data: np.ndarray) -> np.ndarray:
-    """The zarr3 ``crc32c`` codec's trailer of ``data`` (read-only uint8)."""
-    return np.frombuffer(google_crc32c.value(data).to_bytes(4, "little"), np.uint8)
+def _whole_chunks(shape, chunk, index):
+    """For the region ``index`` (global) of an array of ``shape``: (the region's shape,
+    [(chunk grid cell, the cell's part of the region, relative to it), ...]); None when
+    the region is empty or not whole chunks (a chunk cut by the array's end counts as
+    whole)."""
+    if not shape:
+        return None
+    starts, stops = [], []
+    for s, n, c in zip(index, shape, chunk, strict=True):
+        start, stop, step = s.indices(n)
+        if step != 1 or start >= stop or start % c or (stop % c and stop != n):
+            return None
+        starts.append(start)
+        stops.append(stop)
+    cells = []
+    ranges = [range(a // c, -(-b // c)) for a, b, c in zip(starts, stops, chunk, strict=True)]
+    for cell in itertools.product(*ranges):
+        at = []
+        for i, c, n, start in zip(cell, chunk, shape, starts, strict=True):
+            at.append(slice(i * c - start, min(i * c + c, n) - start))
+        cells.append((cell, tuple(at)))
+    return tuple(b - a for a, b in zip(starts, stops, strict=True)), cells
+
+
+def _crc(parts: list[np.ndarray]) -> np.ndarray:
+    """The zarr3 ``crc32c`` codec's trailer of the bytes of ``parts`` one after another
+    (C-contiguous arrays), as 4 uint8."""
+    crc = 0
+    for part in parts:
+        crc = google_crc32c.extend(crc, _as_bytes(part))
+    return np.frombuffer(crc.to_bytes(4, "little"), np.uint8)
 
 
 def _as_bytes(array: np.ndarray) -> np.ndarray:
@@ -123,26 +151,15 @@ class ChunkWriter:
         ``sub`` from ``data`` (that region's values); None, writing nothing, when the
         region does not consist of whole chunks (chunks cut by the array's end are
         whole: they are padded with zeros, the fill value, as tensorstore pads them)."""
-        if not shape:
+        region = _whole_chunks(shape, chunk, index)
+        if region is None or data.shape != region[0]:
             return None
-        starts, stops = [], []
-        for s, n, c in zip(index, shape, chunk, strict=True):
-            start, stop, step = s.indices(n)
-            if step != 1 or start % c or (stop % c and stop != n):
-                return None
-            starts.append(start)
-            stops.append(stop)
-        if data.shape != tuple(b - a for a, b in zip(starts, stops, strict=True)):
-            return None
-        cells = [range(a // c, -(-b // c)) for a, b, c in zip(starts, stops, chunk, strict=True)]
-        futures = []
-        for cell in itertools.product(*cells):
-            lo = [i * c for i, c in zip(cell, chunk, strict=True)]
-            hi = [min(a + c, n) for a, c, n in zip(lo, chunk, shape, strict=True)]
-            view = data[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, starts, strict=True))]
-            name = f"{sub}/c/" + "/".join(str(i) for i in cell)
-            futures.append(self._pool.submit(self._write_chunk, name, view, tuple(chunk)))
-        return futures
+        return [
+            self._pool.submit(
+                self._write_chunk, f"{sub}/c/" + "/".join(map(str, cell)), data[at], tuple(chunk)
+            )
+            for cell, at in region[1]
+        ]
 
     def _write_chunk(self, name: str, view: np.ndarray, chunk: tuple[int, ...]) -> None:
         if view.shape != chunk:  # cut by the array's end: zero-padded to the full chunk
@@ -152,7 +169,7 @@ class ChunkWriter:
         elif not view.flags.c_contiguous:
             view = np.ascontiguousarray(view)
         payload = _as_bytes(view)
-        self._write_file(name, [payload, _crc(payload)])
+        self._write_file(name, [payload, _crc([payload])])
 
     # -- batches (sharding_indexed) -----------------------------------------------------
 
@@ -191,16 +208,12 @@ class ChunkWriter:
             if start >= size:
                 break
             segments = data.segments(start, start + inner, size)
-            crc = 0
-            for segment in segments:
-                crc = google_crc32c.extend(crc, segment)
-            pieces += segments
-            pieces.append(np.frombuffer(crc.to_bytes(4, "little"), np.uint8))
+            pieces += segments + [_crc(segments)]
             entries[2 * j] = offset
             entries[2 * j + 1] = inner + 4
             offset += inner + 4
         index = _as_bytes(entries)
-        pieces += [index, _crc(index)]
+        pieces += [index, _crc([index])]
         self._write_file(name, pieces)
 
     # -- files ---------------------------------------------------------------------------
@@ -258,30 +271,16 @@ class ChunkReader:
         A chunk whose bytes are contiguous in the result (it spans the region's every
         axis but the first) is read straight into place; any other is read whole into
         a scratch buffer, checked, then copied into place."""
-        if not shape or 0 in shape:
-            return None
         check_name(sub)  # never a path outside the checkpoint
-        region = region or tuple(slice(None) for _ in shape)
-        starts, stops = [], []
-        for sl, n, c in zip(region, shape, chunk, strict=True):
-            start, stop, step = sl.indices(n)
-            if step != 1 or start >= stop or start % c or (stop % c and stop != n):
-                return None
-            starts.append(start)
-            stops.append(stop)
-        read = PendingRead(tuple(b - a for a, b in zip(starts, stops, strict=True)), dtype)
-        itemsize = read.out.dtype.itemsize
-        chunk_bytes = int(np.prod(chunk, dtype=np.int64)) * itemsize
-        cells = [range(a // c, -(-b // c)) for a, b, c in zip(starts, stops, chunk, strict=True)]
-        for cell in itertools.product(*cells):
-            lo = [i * c for i, c in zip(cell, chunk, strict=True)]
-            hi = [min(a + c, n) for a, c, n in zip(lo, chunk, shape, strict=True)]
-            dest = read.out[
-                tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, starts, strict=True))
-            ]
-            path = os.path.join(self._root, sub, "c", *(str(i) for i in cell))
-            cut = [b - a for a, b in zip(lo, hi, strict=True)]
-            if dest.flags.c_contiguous and cut[1:] == list(chunk[1:]):
+        whole = _whole_chunks(shape, chunk, region or tuple(slice(None) for _ in shape))
+        if whole is None:
+            return None
+        read = PendingRead(whole[0], dtype)
+        chunk_bytes = int(np.prod(chunk, dtype=np.int64)) * read.out.dtype.itemsize
+        for cell, at in whole[1]:
+            dest = read.out[at]
+            path = os.path.join(self._root, sub, "c", *map(str, cell))
+            if dest.flags.c_contiguous and dest.shape[1:] == tuple(chunk[1:]):
                 # in place; a chunk cut along the first axis only has its padding last
                 job = (_read_chunk, path, _as_writable_bytes(dest), chunk_bytes)
             else:
@@ -410,10 +409,7 @@ def _name(path: str) -> str:
 
 
 def _crc_matches(parts: list[np.ndarray], trailer: np.ndarray) -> bool:
-    crc = 0
-    for part in parts:
-        crc = google_crc32c.extend(crc, _as_bytes(part))
-    return crc.to_bytes(4, "little") == trailer.tobytes()
+    return np.array_equal(_crc(parts), trailer)
 
 
 def _read_file(path: str, name: str, parts: list[np.ndarray]) -> None:
