@@ -6,7 +6,9 @@ step survives if any rule keeps it:
 * ``keep_last``: the ``keep_last`` highest steps;
 * ``keep_every``: every step divisible by ``keep_every``, forever;
 * ``keep_best``: the ``keep_best`` steps with the best ``metrics[step]``
-  (``mode`` "min" or "max"); steps without a metric are not ranked;
+  (``mode`` "min" or "max"); only finite metrics are ranked: a step without one, or
+  whose metric is NaN, +inf or -inf (a diverged run), is not best and is kept or
+  deleted by the other rules alone;
 * ``protected``: steps never deleted (the one just written, ones being read).
 
 When neither ``keep_last`` nor ``keep_best`` is set nothing is deleted.
@@ -64,13 +66,21 @@ def steps_to_delete(
         keep.update(s for s in steps if s % policy.keep_every == 0)
     if policy.keep_best is not None:
         metrics = metrics or {}
-        ranked = [
-            s
-            for s in steps
-            if s in metrics and metrics[s] is not None and not math.isnan(metrics[s])
-        ]
+        finite = {s: m for s in steps if (m := _finite(metrics.get(s))) is not None}
+        ranked = list(finite)
         sign = 1.0 if policy.best_mode == "min" else -1.0
         # Ties go to the newer step.
-        ranked.sort(key=lambda s: (sign * metrics[s], -s))
+        ranked.sort(key=lambda s: (sign * finite[s], -s))
         keep.update(ranked[: policy.keep_best])
     return [s for s in steps if s not in keep]
+
+
+def _finite(value: object) -> float | None:
+    """``value`` as a finite float; None for no metric, a non-number, NaN or +-inf."""
+    if value is None:
+        return None
+    try:
+        out = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return out if math.isfinite(out) else None

@@ -47,3 +47,41 @@ def test_save_policy_with_time_passed_in():
     assert [s for s in range(1, 12) if steps.should_save(s, 0.0)] == [5, 7, 10]
     with pytest.raises(ValueError):
         SavePolicy(every_steps=0)
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_keep_best_ranks_only_finite_metrics(mode):
+    """A diverged step (NaN, +inf, -inf) is never best and never displaces the finite best."""
+    inf, nan = float("inf"), float("nan")
+    sign = 1.0 if mode == "min" else -1.0
+    losses = {1: 0.5, 2: -inf, 3: 0.3, 4: nan, 5: inf}
+    metrics = {s: sign * m for s, m in losses.items()}  # 0.3 is best in both modes
+    policy = RetentionPolicy(keep_best=1, best_metric="loss", best_mode=mode)
+    assert steps_to_delete(range(1, 6), policy, metrics=metrics) == [1, 2, 4, 5]
+    # keep_best=2: the second finite step, not a non-finite one
+    policy2 = RetentionPolicy(keep_best=2, best_metric="loss", best_mode=mode)
+    assert steps_to_delete(range(1, 6), policy2, metrics=metrics) == [2, 4, 5]
+    # the other rules still keep a non-finite step: keep_last
+    policy3 = RetentionPolicy(keep_best=1, keep_last=1, best_metric="loss", best_mode=mode)
+    assert steps_to_delete(range(1, 6), policy3, metrics=metrics) == [1, 2, 4]
+    # only non-finite metrics: nothing is best, keep_last decides alone
+    only_bad = {1: inf, 2: -inf, 3: nan}
+    assert steps_to_delete([1, 2, 3], policy3, metrics=only_bad) == [1, 2]
+
+
+def test_manager_keep_best_ignores_non_finite_losses(tmp_path):
+    """Through the manager, with metrics read back from disk by a second manager."""
+    import numpy as np
+
+    import flax_orbax_plugin as fop
+
+    opts = dict(keep_best=1, best_metric="loss", best_mode="min", async_save=False)
+    losses = [0.5, float("-inf"), 0.3, float("nan")]
+    with fop.CheckpointManager(tmp_path, **opts) as mngr:
+        for s, loss in enumerate(losses[:2]):
+            mngr.save(s, {"w": np.full((2,), s, np.float32)}, extras={"loss": loss})
+    with fop.CheckpointManager(tmp_path, **opts) as mngr:  # old metrics come from disk
+        for s, loss in enumerate(losses[2:], start=2):
+            mngr.save(s, {"w": np.full((2,), s, np.float32)}, extras={"loss": loss})
+        mngr.wait()
+        assert mngr.steps() == [2, 3]  # the finite best (0.3), and the one just written
