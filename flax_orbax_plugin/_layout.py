@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import re
+import reprlib
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
@@ -63,6 +64,16 @@ LEAF_KINDS = frozenset(
     | set(NO_DATA_KINDS)
 )
 KEY_KINDS = frozenset({"dict", "seq", "attr", "flat"})
+PRNG_KEY_WORDS = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}  # uint32 words per key
+_REAL = SUPPORTED_DTYPES - {"complex64", "complex128"}
+# Python and numpy scalars: shape [] and a dtype their Python type can be made from.
+SCALAR_KINDS = {
+    "py_int": _REAL,
+    "py_float": _REAL,
+    "py_bool": _REAL,
+    "py_complex": SUPPORTED_DTYPES,
+    "np_scalar": SUPPORTED_DTYPES,
+}
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", re.ASCII)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$", re.ASCII)
@@ -112,13 +123,29 @@ def decode(raw: bytes, where: str) -> Any:
     if len(raw) > MAX_JSON_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(raw)} bytes, larger than any valid file")
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where} is not valid JSON: {e}") from None
+        return json.loads(
+            raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
+        # RecursionError: nesting deeper than the interpreter's stack (e.g. '[' * 100000)
+        raise CorruptCheckpointError(f"{where} is not valid JSON: {_brief(e)}") from None
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    """JSON numbers that overflow to infinity (``1e999``) are refused like ``Infinity``."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is not finite")
+    return value
+
+
+def _brief(error: BaseException) -> str:
+    text = str(error)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def decode_checked(raw: bytes, where: str, expected_sha256: str) -> Any:
@@ -143,7 +170,11 @@ def parse_sealed(raw: bytes, where: str) -> dict[str, Any]:
     body = dict(obj)
     checksum = body.pop("checksum", None)
     _need(isinstance(checksum, str), where, "checksum", "a sha256 string", checksum)
-    if sha256(encode(body)) != checksum:
+    try:
+        canonical = encode(body)
+    except RecursionError:  # parsed, but nested too deep to encode again
+        raise CorruptCheckpointError(f"{where}: nested too deeply to be a valid file") from None
+    if sha256(canonical) != checksum:
         raise CorruptCheckpointError(f"{where}: checksum mismatch: the file was changed or damaged")
     return body
 
@@ -151,8 +182,14 @@ def parse_sealed(raw: bytes, where: str) -> dict[str, Any]:
 # -- validation helpers ------------------------------------------------------------------
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 6, 6, 60, 60
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
+    """A short repr of an untrusted value: bounded in time, size and depth (a deeply
+    nested or huge value never recurses or builds its whole repr)."""
+    text = _REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -191,6 +228,13 @@ def _num(obj: Mapping, key: str, where: str, field: str) -> float:
 def _str(obj: Mapping, key: str, where: str, field: str) -> str:
     value = obj.get(key)
     _need(isinstance(value, str), where, field, "a string", value)
+    return value
+
+
+def _opt_str(obj: Mapping, key: str, where: str, *, limit: int = 1000) -> str:
+    """An optional, informational string field ("" when absent)."""
+    value = obj.get(key, "")
+    _need(isinstance(value, str) and len(value) <= limit, where, key, "a short string", value)
     return value
 
 
@@ -339,17 +383,24 @@ class LeafRecord:
         dtype = obj.get("dtype")
         if not _one_of(dtype, SUPPORTED_DTYPES):
             bad("dtype", "a supported dtype name", dtype)
-        size = math.prod(shape)
+        size = math.prod(shape)  # Python ints: never overflows
         if size * dtype_from_name(dtype).itemsize > MAX_ARRAY_BYTES:
             bad("shape", f"at most {MAX_ARRAY_BYTES} bytes", shape)
+        if kind in SCALAR_KINDS:
+            if shape:
+                bad("shape", f"[] (a {kind} is a scalar)", shape)
+            if dtype not in SCALAR_KINDS[kind]:
+                bad("dtype", f"one of {sorted(SCALAR_KINDS[kind])} (for a {kind})", dtype)
         sharding = obj.get("sharding")
-        if not (sharding is None or isinstance(sharding, dict)):
-            bad("sharding", "an object or null", sharding)
+        if not (sharding is None or (isinstance(sharding, dict) and _shallow(sharding))):
+            bad("sharding", "an object of at most 4 levels and 1000 values, or null", sharding)
         impl = None
         if kind == "prng_key":
             impl = obj.get("impl")
             if not _one_of(impl, PRNG_IMPLS):
                 bad("impl", f"one of {sorted(PRNG_IMPLS)}", impl)
+            if dtype != "uint32" or not shape or shape[-1] != PRNG_KEY_WORDS[impl]:
+                bad("shape", f"uint32[..., {PRNG_KEY_WORDS[impl]}] (key data of {impl})", shape)
         raw = obj.get("storage")
         if not isinstance(raw, dict):
             bad("storage", "an object", raw)
@@ -385,6 +436,22 @@ class LeafRecord:
         if not (digest is None or (isinstance(digest, str) and _LEAF_DIGEST.match(digest))):
             bad("digest", "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex)", digest)
         return cls(path, keys, kind, shape, dtype, sharding, storage, impl, digest)
+
+
+def _shallow(value: Any, *, depth: int = 4, values: int = 1000) -> bool:
+    """Whether a JSON value nests at most ``depth`` levels and holds at most ``values``
+    values (a sharding description is small; walked without recursion)."""
+    stack, seen = [(value, 0)], 0
+    while stack:
+        x, level = stack.pop()
+        seen += 1
+        if seen > values or level > depth:
+            return False
+        if isinstance(x, dict):
+            stack.extend((v, level + 1) for v in x.values())
+        elif isinstance(x, list):
+            stack.extend((v, level + 1) for v in x)
+    return True
 
 
 def _keys(keys: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
@@ -512,7 +579,7 @@ class CheckpointDocument:
             batches,
             process_count,
             _num(obj, "created_at", where, "created_at"),
-            str(obj.get("jax_version", "")),
+            _opt_str(obj, "jax_version", where),
             version,
         )
 
@@ -522,6 +589,7 @@ def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord
 
     seen: set[str] = set()
     limit = 2 * len(leaves)
+    tree = _TreeShape()
     for i, leaf in enumerate(leaves):
 
         def bad(field: str, expected: str, found: Any, leaf=leaf, i=i) -> NoReturn:
@@ -538,6 +606,9 @@ def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord
         for kind, key in leaf.keys:
             if kind in ("seq", "flat") and key > limit:
                 bad("keys", "indices below the leaf count", key)
+        conflict = tree.add(leaf.keys)
+        if conflict:
+            bad("keys", *conflict)
         storage = leaf.storage
         if isinstance(storage, BatchStorage):
             batch = batches.get(storage.batch)
@@ -547,6 +618,42 @@ def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord
                 bad("storage.batch", f"a batch of dtype {leaf.dtype}", batch.dtype)
             if storage.offset + storage.size > batch.size:
                 bad("storage.offset", f"offset + size <= {batch.size}", storage.offset)
+
+
+class _TreeShape:
+    """The nodes that the leaves' key paths make, checked to form one pytree as restore
+    rebuilds it: a node's children are all list entries (``seq``/``flat``) or all
+    mapping entries (``dict``/``attr``), the keys of one mapping are all ``str`` or all
+    ``int`` (jax cannot order mixed keys), and no leaf is also a node. Memory: one
+    entry per distinct key path prefix (bounded by the metadata's size)."""
+
+    def __init__(self):
+        self._child: dict[tuple[int, str, Any], int] = {}
+        self._form: list[Any] = [None]  # per node: None (unseen), "leaf", or (kind, key type)
+
+    def add(self, keys: tuple[tuple[str, Any], ...]) -> tuple[str, Any] | None:
+        """Adds one leaf; (expected, found) describing the first conflict, else None."""
+        node = 0
+        for kind, key in keys:
+            form = ("list", int) if kind in ("seq", "flat") else ("map", type(key))
+            known = self._form[node]
+            if known == "leaf":
+                return "a key path under no other leaf", [kind, key]
+            if known is None:
+                self._form[node] = form
+            elif known != form:
+                expected = "list entries" if known[0] == "list" else f"{known[1].__name__} keys"
+                return f"{expected} like its siblings'", [kind, key]
+            slot = (node, form[0], key)
+            child = self._child.get(slot)
+            if child is None:
+                child = self._child[slot] = len(self._form)
+                self._form.append(None)
+            node = child
+        if self._form[node] is not None:
+            return "a leaf with no other leaf under it", list(keys[-1]) if keys else []
+        self._form[node] = "leaf"
+        return None
 
 
 # -- commit records -----------------------------------------------------------------------
@@ -657,7 +764,7 @@ class StepManifest:
             _files(body, where),
             _int(body, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES),
             _num(body, "time", where, "time"),
-            str(body.get("tree_digest", "")),
+            _opt_str(body, "tree_digest", where),
             written,
             reused,
         )
