@@ -8,7 +8,18 @@ Python complex, 3 a numpy scalar. An ndarray's extension payload is itself msgpa
 
 msgpack is data only: this decoder builds dicts, lists, strings, numbers and numpy
 arrays of an allow-listed dtype; it never imports or calls anything named in the
-file. The file is memory-mapped, so its bytes are not held in memory a second time.
+file. The file is memory-mapped, so its bytes are not held in memory a second time;
+every length the file claims (a map, an array, a byte string, an ndarray's shape)
+is checked against the file's real size, in Python ints, before anything sized by
+it is allocated.
+
+Trust rules: the file is opened with ``O_NONBLOCK`` and must be a regular file (a
+FIFO, device or socket is a :class:`ForeignEntryError`, never a hang). A file the
+user names may be a symlink to a regular file (their choice); the files found by
+scanning a ``flax.training.checkpoints`` directory are never links (skipped). Any
+malformed input (nesting deeper than :data:`_MAX_DEPTH`, map keys that are not all
+strings or all integers, a bad shape or dtype) is a :class:`CorruptCheckpointError`
+naming the file and the key path.
 
 ``flax.training.checkpoints`` names its files ``<prefix><step>`` (``checkpoint_100``);
 a directory of those is imported one step per file.
@@ -16,6 +27,7 @@ a directory of those is imported one step per file.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -27,7 +39,14 @@ import msgpack
 import numpy as np
 
 from . import _onto_like, _tree
-from ._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureError
+from ._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignEntryError,
+    StructureError,
+)
+from ._importing import entry_kind, open_regular
 
 __all__ = ["import_msgpack", "is_msgpack_checkpoint", "read_msgpack", "restore_msgpack"]
 
@@ -53,6 +72,8 @@ _ALLOWED_DTYPES.update(
 _CHECKPOINT_RE = re.compile(r"^(?P<prefix>.*?)(?P<step>[0-9]+)$")
 _MSGPACK_FIXMAP = range(0x80, 0x90)
 _MSGPACK_MAP16_32 = (0xDE, 0xDF)
+_MAX_DEPTH = 128  # nesting of the state dict; deeper is not a Flax checkpoint
+_MAX_NDIM = 64  # numpy's own limit
 
 
 def _ndarray(data: bytes, where: str) -> np.ndarray:
@@ -61,16 +82,21 @@ def _ndarray(data: bytes, where: str) -> np.ndarray:
     except (ValueError, msgpack.UnpackException, TypeError) as e:
         raise CorruptCheckpointError(f"{where}: malformed ndarray payload ({e})") from e
     name = dtype_name.decode("ascii", "replace") if isinstance(dtype_name, bytes) else dtype_name
-    if name not in _ALLOWED_DTYPES:
+    if not isinstance(name, str) or name not in _ALLOWED_DTYPES:
         raise CorruptCheckpointError(
-            f"{where}: ndarray of dtype {name!r}; expected one of {sorted(_ALLOWED_DTYPES)}"
+            f"{where}: ndarray of dtype {str(name)[:100]!r}; expected one of "
+            f"{sorted(_ALLOWED_DTYPES)}"
         )
-    if not isinstance(shape, (list, tuple)) or not all(
-        isinstance(s, int) and s >= 0 for s in shape
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) > _MAX_NDIM
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
     ):
-        raise CorruptCheckpointError(f"{where}: ndarray shape {shape!r} is not a list of sizes")
+        raise CorruptCheckpointError(
+            f"{where}: ndarray shape {str(shape)[:200]} is not a list of at most {_MAX_NDIM} sizes"
+        )
     dtype = _ALLOWED_DTYPES[name]
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # Python ints: no overflow
     if not isinstance(buffer, bytes) or len(buffer) != count * dtype.itemsize:
         found = len(buffer) if isinstance(buffer, bytes) else type(buffer).__name__
         raise CorruptCheckpointError(
@@ -90,7 +116,7 @@ def _ext_hook(where: str):
             try:
                 real, imag = msgpack.unpackb(data)
                 return complex(float(real), float(imag))
-            except (ValueError, TypeError, msgpack.UnpackException) as e:
+            except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
                 raise CorruptCheckpointError(f"{where}: malformed complex payload ({e})") from e
         raise CorruptCheckpointError(f"{where}: unknown msgpack extension type {code}")
 
@@ -99,36 +125,74 @@ def _ext_hook(where: str):
 
 def _as_tuple(d: Any, where: str) -> list[Any]:
     if not isinstance(d, dict) or sorted(d, key=str) != sorted(map(str, range(len(d)))):
-        raise CorruptCheckpointError(f"{where}: malformed chunked array (keys {list(d)[:5]})")
+        keys = list(d)[:5] if isinstance(d, dict) else type(d).__name__
+        raise CorruptCheckpointError(f"{where}: malformed chunked array (keys {keys})")
     return [d[str(i)] for i in range(len(d))]
 
 
-def _unchunk(tree: Any, where: str) -> Any:
+def _key_path(keys: list[Any]) -> str:
+    return "/".join(str(k) for k in keys) or "<root>"
+
+
+def _check_keys(tree: dict, where: str, keys: list[Any]) -> None:
+    kinds = {str if isinstance(k, str) else int if type(k) is int else None for k in tree}
+    if None in kinds or len(kinds) > 1:
+        found = sorted({type(k).__name__ for k in tree})
+        raise CorruptCheckpointError(
+            f"{where}: map at {_key_path(keys)!r}: expected keys that are all strings (or all "
+            f"integers), found keys of type {', '.join(found)}"
+        )
+
+
+def _unchunk(tree: Any, where: str, keys: list[Any] | None = None) -> Any:
+    """The tree with chunked arrays joined; checks depth and key types on the way."""
+    keys = [] if keys is None else keys
+    if len(keys) > _MAX_DEPTH:
+        raise CorruptCheckpointError(
+            f"{where}: nested deeper than {_MAX_DEPTH} levels at {_key_path(keys[:8])}/...; "
+            f"expected a Flax state dict"
+        )
+    if isinstance(tree, list):
+        return [_unchunk(v, where, [*keys, i]) for i, v in enumerate(tree)]
     if not isinstance(tree, dict):
         return tree
+    _check_keys(tree, where, keys)
     if tree.get(_CHUNKED) is True:
-        shape = _as_tuple(tree.get("shape"), where)
-        chunks = _as_tuple(tree.get("chunks"), where)
-        if not chunks or not all(isinstance(c, np.ndarray) and c.ndim == 1 for c in chunks):
-            raise CorruptCheckpointError(f"{where}: malformed chunked array")
-        flat = np.concatenate(chunks)
-        if flat.size != int(np.prod(shape, dtype=np.int64)):
+        here = f"{where}: chunked array at {_key_path(keys)!r}"
+        shape = _as_tuple(tree.get("shape"), here)
+        chunks = _as_tuple(tree.get("chunks"), here)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            raise CorruptCheckpointError(f"{here}: shape {str(shape)[:200]} is not a list of sizes")
+        if (
+            not chunks
+            or len(shape) > _MAX_NDIM
+            or not all(isinstance(c, np.ndarray) and c.ndim == 1 for c in chunks)
+            or len({c.dtype for c in chunks}) != 1
+        ):
             raise CorruptCheckpointError(
-                f"{where}: chunked array of shape {shape} holds {flat.size} values"
+                f"{here}: expected 1-D chunks of one dtype and at most {_MAX_NDIM} dimensions"
             )
-        return flat.reshape(shape)
-    return {k: _unchunk(v, where) for k, v in tree.items()}
+        count = sum(c.size for c in chunks)
+        if count != math.prod(shape):  # Python ints: no overflow
+            raise CorruptCheckpointError(
+                f"{here}: shape {shape} needs {math.prod(shape)} values, the chunks hold {count}"
+            )
+        return np.concatenate(chunks).reshape(shape)
+    return {k: _unchunk(v, where, [*keys, k]) for k, v in tree.items()}
 
 
 def is_msgpack_checkpoint(path: Any) -> bool:
     """True for a file whose first byte opens a msgpack map (a Flax state dict)."""
-    try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):  # never open a FIFO or a device
-            return False
-        with open(path, "rb") as f:
-            first = f.read(1)
-    except (OSError, TypeError, ValueError):
+    try:  # never a link; a FIFO or a device is refused without blocking
+        fd, _ = open_regular(os.fspath(path), follow_links=False, what="msgpack checkpoint")
+    except (OSError, TypeError, ValueError, CheckpointError):
         return False
+    try:
+        first = os.read(fd, 1)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
     return bool(first) and (first[0] in _MSGPACK_FIXMAP or first[0] in _MSGPACK_MAP16_32)
 
 
@@ -136,29 +200,30 @@ def read_msgpack(path: Any) -> Any:
     """The state dict in a Flax msgpack file: nested dicts of numpy arrays and scalars."""
     path = os.fspath(path)
     where = str(path)
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{where}: no such file") from None
-    except IsADirectoryError:
-        raise CheckpointNotFoundError(f"{where}: a directory, not a msgpack file") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
+    if os.path.isdir(path):
+        raise CheckpointNotFoundError(f"{where}: a directory, not a msgpack file")
+    # The named file may be a symlink the user chose; it must resolve to a regular file.
+    fd, st = open_regular(path, follow_links=True, what="msgpack checkpoint")
+    with open(fd, "rb", closefd=True) as f:
+        size = st.st_size
         if size == 0:
             raise CorruptCheckpointError(f"{where}: empty file, expected a msgpack state dict")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as data:
             try:
-                tree = msgpack.unpackb(
+                tree = msgpack.unpackb(  # every claimed length is bounded by the file size
                     data,
                     ext_hook=_ext_hook(where),
                     raw=False,
                     strict_map_key=False,
+                    max_str_len=size,
                     max_bin_len=size,
                     max_ext_len=size,
+                    max_array_len=size,
+                    max_map_len=size // 2,
                 )
             except CorruptCheckpointError:
                 raise
-            except (ValueError, TypeError, msgpack.UnpackException) as e:
+            except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
                 raise CorruptCheckpointError(f"{where}: not a Flax msgpack checkpoint ({e})") from e
     return _unchunk(tree, where)
 
@@ -198,10 +263,17 @@ def restore_msgpack(path: Any, like: Any = None, *, partial: bool = False) -> An
 
 
 def _files(src: str, step: int | None) -> list[tuple[int | None, str]]:
-    if os.path.isfile(src):
+    try:
+        mode = os.stat(src).st_mode  # the path the user named: a link to it is their choice
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{src}: no such file or directory") from None
+    if stat.S_ISREG(mode):
         return [(None, src)]
-    if not os.path.isdir(src):
-        raise CheckpointNotFoundError(f"{src}: no such file or directory")
+    if not stat.S_ISDIR(mode):
+        raise ForeignEntryError(
+            f"{src}: expected a msgpack checkpoint file or a directory of them, found "
+            f"{entry_kind(mode)} (not read)"
+        )
     found = []
     for name in sorted(os.listdir(src)):
         m = _CHECKPOINT_RE.match(name)
@@ -234,12 +306,17 @@ def import_msgpack(src: Any, out_dir: Any, *, step: int | None = None, force: bo
     src = os.fspath(src)
     files = _files(src, step)
 
-    def states():
-        for number, path in files:
-            if number is None:
-                m = _CHECKPOINT_RE.match(os.path.basename(path))
-                number = step if step is not None else (int(m.group("step")) if m else 0)
+    def number_of(number: int | None, path: str) -> int:
+        if number is not None:
+            return number
+        m = _CHECKPOINT_RE.match(os.path.basename(path))
+        return step if step is not None else (int(m.group("step")) if m else 0)
+
+    numbered = [(number_of(n, p), p) for n, p in files]
+
+    def states():  # one file's tree in memory at a time
+        for number, path in numbered:
             tree = read_msgpack(path)
             yield number, step_items({"state": tree}, {"state": "pytree"}, source=path)
 
-    return save_steps(out_dir, states(), force=force)
+    return save_steps(out_dir, states(), force=force, planned=[n for n, _ in numbered])

@@ -20,8 +20,20 @@ tensorstore directly:
 A leaf's array is addressed by its *parameter name*, the key path joined by '.',
 exactly as orbax names it. Missing chunks are an error, never zeros, when the
 checkpoint says every chunk was stored (``store_array_data_equal_to_fill_value``).
-Nothing here unpickles, no name read from a file can point outside the
-checkpoint directory, and a local item holding a symbolic link is refused.
+Nothing here unpickles, and no name read from a file can point outside the
+checkpoint directory.
+
+Trust rules on local disk: the path the user names is taken as given (it may be
+a symlink they chose), but nothing below it is followed. A step directory of a
+manager directory, or an item directory of a step, that is a symbolic link is a
+:class:`ForeignEntryError` naming it (it could lead into another run); so is a
+symbolic link, FIFO, device or socket anywhere inside an item (checked before
+tensorstore opens anything, so a FIFO ``manifest.ocdbt`` or data file never
+blocks). JSON files are read through :meth:`Location.read_bytes` (regular files
+only, ``O_NOFOLLOW | O_NONBLOCK``, at most :data:`_MAX_JSON_BYTES`); malformed
+JSON or metadata fields are a :class:`CorruptCheckpointError` naming the file and
+the field. An array's claimed size is computed in Python ints and refused above
+:data:`_MAX_LEAF_BYTES` before anything is allocated.
 
 Entry points: :func:`is_orbax_checkpoint`, :func:`orbax_steps`,
 :func:`restore_orbax` (what ``fop.restore`` calls on an Orbax directory),
@@ -32,7 +44,7 @@ Entry points: :func:`is_orbax_checkpoint`, :func:`orbax_steps`,
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -42,7 +54,13 @@ import jax
 import tensorstore as ts
 
 from . import _onto_like, _tree
-from ._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureError
+from ._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignEntryError,
+    StructureError,
+)
+from ._importing import entry_kind, loads_json
 from ._serving import retarget
 from ._storage import Location, context
 
@@ -66,7 +84,9 @@ _OURS = ("_METADATA.json", "_CHECKPOINT.json")  # this plugin's files: never Orb
 # ('checkpoint_100') name them; unfinished saves ('<name>.orbax-checkpoint-tmp-...') never match.
 _STEP_RE = re.compile(r"^(?:[A-Za-z0-9-]+_)?([0-9]+)$")
 _SEQUENCE_KEY = 1  # orbax's key_type for list/tuple indices; everything else is a dict key
-_MAX_JSON_BYTES = 256 << 20
+_MAX_JSON_BYTES = 64 << 20
+_MAX_KEY_DEPTH = 256  # key path length of one leaf; deeper is malformed metadata
+_MAX_LEAF_BYTES = 1 << 40  # a leaf claiming more is malformed metadata, never allocated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +141,9 @@ def is_orbax_checkpoint(path: Any) -> bool:
     numbered = _numbered(loc)
     if not numbered:
         return False
-    latest = loc.child(numbered[max(numbered)])  # one look, not one per step
+    latest = _subdir(loc, numbered[max(numbered)], "step")  # one look, not one per step
+    if latest is None:
+        return False
     return latest.exists(STEP_METADATA) and not any(latest.exists(n) for n in _OURS)
 
 
@@ -140,11 +162,39 @@ def _numbered(loc: Location) -> dict[int, str]:
     return out
 
 
+def _local_kind(loc: Location, name: str) -> str | None:
+    """Local only: what the entry ``name`` of ``loc`` is (``lstat``: no link followed),
+    or None when it is absent."""
+    try:
+        return entry_kind(os.lstat(os.path.join(loc.path, name)).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _subdir(loc: Location, name: str, role: str) -> Location | None:
+    """``loc/name`` when it is a real directory; None when it is absent or (on local
+    disk) a plain file; ForeignEntryError for a symbolic link (never followed: it could
+    lead into another run) or a special file."""
+    if not loc.is_local:
+        return loc.child(name)
+    kind = _local_kind(loc, name)
+    if kind is None or kind == "a regular file":
+        return None
+    if kind != "a directory":
+        raise ForeignEntryError(
+            f"{loc.child(name)}: expected an Orbax {role} directory, found {kind} "
+            f"(never followed or read)"
+        )
+    return loc.child(name)
+
+
 def _step_dirs(loc: Location) -> dict[int, Location]:
     """{step: directory} of the committed steps of an Orbax manager directory."""
     out = {}
     for step, name in sorted(_numbered(loc).items()):
-        child = loc.child(name)
+        child = _subdir(loc, name, "step")
+        if child is None:
+            continue
         if child.exists(STEP_METADATA) and not any(child.exists(n) for n in _OURS):
             out[step] = child
     return out
@@ -157,32 +207,36 @@ def orbax_steps(path: Any) -> list[int]:
 
 
 def _read_json(loc: Location, name: str) -> Any:
-    raw = loc.read_bytes(name)
+    """A JSON file of the checkpoint: regular files only, never blocking, capped."""
+    raw = loc.read_bytes(name, max_bytes=_MAX_JSON_BYTES)
     if raw is None:
         raise CorruptCheckpointError(f"{loc}/{name}: missing")
-    if len(raw) > _MAX_JSON_BYTES:
-        raise CorruptCheckpointError(f"{loc}/{name}: {len(raw)} bytes, too large for metadata")
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{loc}/{name} is not valid JSON: {e}") from e
+    return loads_json(raw, f"{loc}/{name}")
 
 
-def _parse_keys(entry: Any, where: str) -> tuple[tuple[tuple[str, Any], ...], str]:
+def _parse_keys(entry: Any, where: str, max_index: int) -> tuple[tuple[tuple[str, Any], ...], str]:
     keys_meta = entry.get("key_metadata") if isinstance(entry, dict) else None
     if not isinstance(keys_meta, list) or not keys_meta:
         raise CorruptCheckpointError(f"{where}: expected a non-empty key_metadata list")
+    if len(keys_meta) > _MAX_KEY_DEPTH:
+        raise CorruptCheckpointError(
+            f"{where}: key_metadata of {len(keys_meta)} keys; expected at most {_MAX_KEY_DEPTH}"
+        )
     keys = []
     for k in keys_meta:
         if not isinstance(k, dict) or not isinstance(k.get("key"), (str, int)):
-            raise CorruptCheckpointError(f"{where}: malformed key entry {k!r}")
+            raise CorruptCheckpointError(f"{where}: malformed key entry {str(k)[:200]}")
         if k.get("key_type") == _SEQUENCE_KEY:
             try:
-                keys.append(("seq", int(k["key"])))
+                index = int(k["key"])
             except ValueError:
+                index = -1
+            if not 0 <= index < max_index:
                 raise CorruptCheckpointError(
-                    f"{where}: sequence key {k['key']!r} is not an index"
-                ) from None
+                    f"{where}: key_metadata: sequence key {str(k['key'])[:100]!r} is not an "
+                    f"index below {max_index} (the number of leaves)"
+                )
+            keys.append(("seq", index))
         else:
             keys.append(("dict", str(k["key"])))
     param_name = ".".join(str(k) for _, k in keys)
@@ -190,8 +244,7 @@ def _parse_keys(entry: Any, where: str) -> tuple[tuple[tuple[str, Any], ...], st
 
 
 def _item(loc: Location, name: str) -> OrbaxItem:
-    if loc.is_local:
-        _refuse_links(loc.path)
+    loc.check_no_links()  # local: no symlink, FIFO or device anywhere in the item
     if not loc.exists(ITEM_METADATA):
         if loc.exists(JSON_ITEM_FILE):
             return OrbaxItem(loc, name, "json")
@@ -207,17 +260,35 @@ def _item(loc: Location, name: str) -> OrbaxItem:
     leaves = []
     seen: set[str] = set()
     for entry in tree_meta.values():
-        keys, param_name = _parse_keys(entry, where)
+        keys, param_name = _parse_keys(entry, where, len(tree_meta))
         value = entry.get("value_metadata")
         value_type = value.get("value_type") if isinstance(value, dict) else None
         if not isinstance(value_type, str):
-            raise CorruptCheckpointError(f"{where}: leaf {param_name!r} has no value_type")
+            raise CorruptCheckpointError(
+                f"{where}: leaf {param_name!r}: value_metadata.value_type: expected a string, "
+                f"found {str(value_type)[:100]}"
+            )
         path = _tree.path_string(keys)
         if path in seen:
             raise CorruptCheckpointError(f"{where}: leaf {path!r} listed twice")
         seen.add(path)
         leaves.append(OrbaxLeaf(path, keys, value_type, param_name))
-    use_ocdbt = bool(doc.get("use_ocdbt", True))
+    _check_tree_shape(leaves, where)
+    flags = {}
+    for field, default in (
+        ("use_ocdbt", True),
+        ("use_zarr3", False),
+        ("store_array_data_equal_to_fill_value", False),
+    ):
+        value = doc.get(field, default)
+        if value is None:
+            value = default
+        if not isinstance(value, bool):
+            raise CorruptCheckpointError(
+                f"{where}: field {field!r}: expected true or false, found {str(value)[:100]}"
+            )
+        flags[field] = value
+    use_ocdbt = flags["use_ocdbt"]
     if not use_ocdbt:
         for leaf in leaves:
             if leaf.param_name in (".", "..") or "/" in leaf.param_name or "\\" in leaf.param_name:
@@ -231,9 +302,31 @@ def _item(loc: Location, name: str) -> OrbaxItem:
         "pytree",
         tuple(leaves),
         use_ocdbt=use_ocdbt,
-        use_zarr3=bool(doc.get("use_zarr3", False)),
-        all_chunks_stored=bool(doc.get("store_array_data_equal_to_fill_value", False)),
+        use_zarr3=flags["use_zarr3"],
+        all_chunks_stored=flags["store_array_data_equal_to_fill_value"],
     )
+
+
+def _check_tree_shape(leaves: list[OrbaxLeaf], where: str) -> None:
+    """The leaves' key paths must form a tree: one kind of key (dict or sequence) under
+    each node, and no leaf that is also the parent of another leaf."""
+    kind_under: dict[tuple, str] = {}
+    interior: set[tuple] = set()
+    for leaf in leaves:
+        for i, (kind, _) in enumerate(leaf.keys):
+            prefix = leaf.keys[:i]
+            interior.add(prefix)
+            if kind_under.setdefault(prefix, kind) != kind:
+                raise CorruptCheckpointError(
+                    f"{where}: leaf {leaf.path!r}: key_metadata mixes sequence and dict keys "
+                    f"under {_tree.path_string(list(prefix))!r}"
+                )
+    for leaf in leaves:
+        if leaf.keys in interior:
+            raise CorruptCheckpointError(
+                f"{where}: leaf {leaf.path!r} is listed both as a leaf and as the parent of "
+                f"other leaves"
+            )
 
 
 def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[str, OrbaxItem]]:
@@ -264,13 +357,19 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
     handlers = record.get("item_handlers") if isinstance(record, dict) else None
     if isinstance(handlers, dict):
         names = sorted(handlers)
+        for name in names:
+            if not _plain(name):
+                raise CorruptCheckpointError(
+                    f"{loc}/{STEP_METADATA}: item_handlers names item {name[:100]!r}; expected "
+                    f"a plain directory name inside the step"
+                )
     else:
         names = [n for n in loc.list_children() if not n.startswith((".", "_"))]
-        names = [n for n in names if _is_item(loc.child(n))]
+        names = [n for n in names if (d := _subdir(loc, n, "item")) is not None and _is_item(d)]
     items = {}
     for name in names:
-        child = loc.child(name)
-        if child.is_dir():  # an item saved empty leaves no directory
+        child = _subdir(loc, name, "item")
+        if child is not None and child.is_dir():  # an item saved empty leaves no directory
             items[name] = _item(child, name)
     if not items:
         raise CheckpointNotFoundError(f"{loc}: an Orbax step without readable items")
@@ -280,15 +379,13 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
 # -- reading leaves ---------------------------------------------------------------------
 
 
-def _refuse_links(root: str) -> None:
-    """A local item must hold no symbolic link: reading follows nothing outside it."""
-    for directory, dirs, files in os.walk(root, followlinks=False):
-        for name in dirs + files:
-            if os.path.islink(os.path.join(directory, name)):
-                raise CorruptCheckpointError(
-                    f"{os.path.join(directory, name)}: a symbolic link inside an Orbax "
-                    f"checkpoint; refusing to follow it"
-                )
+def _plain(name: Any) -> bool:
+    """A single path component that stays inside its directory."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
 
 
 class _ItemReader:
@@ -351,6 +448,14 @@ class _ItemReader:
                 )
             return value
         store = self.open(leaf)
+        shape = tuple(int(d) for d in store.shape)
+        nbytes = math.prod(shape) * store.dtype.numpy_dtype.itemsize  # Python ints
+        if nbytes > _MAX_LEAF_BYTES:
+            raise CorruptCheckpointError(
+                f"leaf {leaf.path!r} in {self.item}: its array metadata claims shape "
+                f"{list(shape)} ({nbytes} bytes), more than the {_MAX_LEAF_BYTES}-byte limit "
+                f"for one leaf; refusing to allocate it"
+            )
         plan = _onto_like.plan(
             leaf.path,
             store.shape,
@@ -369,7 +474,13 @@ class _ItemReader:
                     f"leaf {leaf.path!r} in {self.item}: stored data is damaged or missing ({e})"
                 ) from e
 
-        return _onto_like.materialize(plan, read)
+        try:
+            return _onto_like.materialize(plan, read)
+        except MemoryError:
+            raise CorruptCheckpointError(
+                f"leaf {leaf.path!r} in {self.item}: its array metadata claims shape "
+                f"{list(shape)} ({nbytes} bytes), more than this host can allocate"
+            ) from None
 
 
 def _select(item: OrbaxItem, like: Any, partial: bool) -> list[tuple[OrbaxLeaf, Any]]:
@@ -577,4 +688,4 @@ def import_orbax(
             kinds = {name: item.kind for name, item in items.items()}
             yield number, step_items(trees, kinds, source=str(step_loc))
 
-    return save_steps(out_dir, states(), force=force)
+    return save_steps(out_dir, states(), force=force, planned=[n for n, _ in targets])

@@ -225,7 +225,7 @@ def test_damaged_chunk_and_malformed_metadata_are_clear_errors(standard_dir, tmp
     bad = tmp_path / "bad"
     shutil.copytree(standard_dir[0], bad)
     (bad / "_METADATA").write_text("{not json")
-    with pytest.raises(CorruptCheckpointError, match="_METADATA is not valid JSON"):
+    with pytest.raises(CorruptCheckpointError, match="_METADATA: not valid JSON"):
         fop.restore(bad)
     (bad / "_METADATA").write_text(json.dumps({"tree_metadata": {"x": {"key_metadata": 3}}}))
     with pytest.raises(CorruptCheckpointError, match="key_metadata"):
