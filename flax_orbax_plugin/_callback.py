@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from . import _steps
 from ._errors import CheckpointError, CheckpointNotFoundError
 from ._manager import CheckpointManager, remove_step
 from ._save import SaveResult
@@ -170,6 +171,13 @@ class CheckpointCallback:
                 self._refuse_or_clear(mngr, latest)
             return state
         if latest is None:
+            aside = _steps.list_directory(Location.from_path(self.directory)).corrupt
+            if aside:  # steps existed but none restored: never silently start from step 0
+                raise CheckpointError(
+                    f"resume=True but every step of {self.directory} was set aside as damaged "
+                    f"({', '.join(aside)}); nothing was restored. Inspect them with "
+                    f"`flax-orbax verify`, or start fresh in a new directory"
+                )
             if self.resume == "required":
                 raise CheckpointNotFoundError(
                     f"resume='required' but {self.directory} holds no committed checkpoint"

@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _distributed, _faults
+from . import _distributed, _faults, _ownership
 from ._errors import CheckpointError, CoordinationError
 from ._storage import Location
 
@@ -60,36 +61,63 @@ class Staging:
         return self.location != self.final
 
     @classmethod
-    def begin(cls, final: Location, nonce: str) -> Staging:
+    def begin(cls, final: Location, nonce: str, *, claim: bool = True) -> Staging:
+        """The staging place of a commit of ``final``, claimed (pending marker written)
+        before anything else is written there. Every process calls it with the same
+        ``nonce``. With ``claim=False`` the caller calls :meth:`claim` itself, before
+        its first write (the core save: in its background phase)."""
         if final.supports_rename:
-            return cls(final, final.sibling(f"{final.name}.partial-{nonce}"), nonce)
-        return cls(final, final, nonce)
+            staging = cls(final, final.sibling(f"{final.name}.partial-{nonce}"), nonce)
+        else:
+            staging = cls(final, final, nonce)
+        if claim:
+            staging.claim()
+        return staging
+
+    def claim(self) -> None:
+        _ownership.claim(self.location, self.nonce)
 
     def publish(self, marker: str, data: bytes, *, replace: bool) -> None:
-        """Primary only: writes the marker last and makes the checkpoint visible."""
+        """Primary only: writes the marker last and makes the checkpoint visible.
+
+        A ``final`` that holds anything this library cannot prove it wrote is never
+        replaced: ForeignEntryError, and the staged data is left for ``abort``."""
         self.location.write_bytes(marker, data)  # durable (file and directory fsynced)
         _faults.kill_point("after_marker")
         if not self.renames:
+            _ownership.unclaim(self.location)  # the marker now proves it ours
             return
-        if not self.final.is_dir():
+        _ownership.unclaim(self.location)  # a crash now leaves a committed .partial-
+        if not self.final.is_dir() or self._remove_if_empty(self.final):
             self.location.rename(self.final)
             self._remove_stale_siblings()
             return
         if not replace:
             raise CheckpointError(f"{self.final} was created by someone else meanwhile")
+        _ownership.require_ours(self.final, action="replace")
         if self.location.exchange(self.final):  # one atomic swap: no window without it
             _faults.kill_point("mid_rename")
             old = self.location.sibling(f"{self.final.name}.deleting-{self.nonce}")
             self.location.rename(old)  # the old one, now at the staging name
-            old.remove()
+            _ownership.remove(old, action="remove the replaced")
             self._remove_stale_siblings()
             return
         old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
         self.final.rename(old)  # no exchange here: a crash now leaves a complete
         _faults.kill_point("mid_rename")  # .partial- that the next writer rolls forward
         self.location.rename(self.final)
-        old.remove()
+        _ownership.remove(old, action="remove the replaced")
         self._remove_stale_siblings()
+
+    @staticmethod
+    def _remove_if_empty(loc: Location) -> bool:
+        """An empty directory at the final name (made by the user beforehand) holds
+        nothing to lose: ``rmdir`` removes it only if it is still empty."""
+        try:
+            os.rmdir(loc.path.rstrip("/"))
+        except OSError:
+            return False
+        return True
 
     def _remove_stale_siblings(self) -> None:
         """After a commit: staging left by earlier saves of the same name that died
@@ -102,12 +130,12 @@ class Staging:
         for name, kind in parent.child_kinds().items():
             if kind == "dir" and name.startswith(prefixes):
                 if now - parent.child(name).newest_mtime() > STALE_SECONDS:
-                    parent.child(name).remove()
+                    _ownership.remove_if_ours(parent.child(name), what="stale staging")
 
     def abort(self) -> None:
         """Primary only: removes what this commit staged (renaming strategy)."""
         if self.renames:
-            self.location.remove()
+            _ownership.remove_if_ours(self.location, what="staging")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,13 +45,14 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from . import _commit, _distributed, _faults, _host, _incremental, _layout, _steps
+from . import _commit, _distributed, _faults, _host, _incremental, _layout, _ownership, _steps
 from ._checkpointables import Checkpointable, Pending, PytreeCheckpointable, checkpointable_for
 from ._commit import Staging, Written
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ForeignEntryError,
     StepDeletedError,
     StructureError,
     UnknownItemError,
@@ -366,6 +367,10 @@ class CheckpointManager:
         """Refuses a step at or below the latest committed one unless ``overwrite``;
         returns the committed local steps (listed once per save)."""
         local = self.steps()
+        if step not in local:  # a foreign entry with the step's name is never replaced
+            slot = _steps.step_location(self._loc, step)
+            if _ownership.check_slot(slot, what=f"step {step}", replace=False):
+                _ownership.remove(slot, action="clear the remains of a dead save at")
         # Steps increase across both tiers (the persistent one as known, not listed).
         steps = sorted(set(local) | self._tier.known_steps()) if self._tier else local
         if steps and step <= steps[-1] and not overwrite:
@@ -419,7 +424,7 @@ class CheckpointManager:
         except BaseException:
             _wait_all(pendings.values())
             if staging.renames:
-                staging.location.remove()
+                _ownership.remove_if_ours(staging.location, what="staging")
             raise
         entries = {n: ItemEntry(getattr(h, "kind", "custom"), dirs[n]) for n, h in handlers.items()}
         digest = _layout.sha256(
@@ -453,6 +458,10 @@ class CheckpointManager:
         """Background thread: every item written and durable, then the one commit."""
 
         sizes: list[Written] = []  # this process's totals, for the manifest
+        old_dirs: set[str] = set()  # object stores: the replaced step's item directories
+        if replace and not staging.renames and _distributed.is_primary():
+            old = _steps.read_manifest(staging.final)
+            old_dirs = {e.dir for e in old.items.values()}
 
         def write() -> Written:
             total, files, reused = 0, {}, 0
@@ -482,18 +491,20 @@ class CheckpointManager:
                 None if mine is None else mine.bytes_reused,
             )
             staging.publish(MANIFEST_FILE, manifest.to_bytes(), replace=True)
-            if not staging.renames:
-                self._remove_unreferenced(staging.final, entries)
+            if not staging.renames and old_dirs:
+                fresh = {e.dir for e in entries.values()}
+                _ownership.remove_children(  # the replaced step's own item directories
+                    staging.final, sorted(old_dirs - fresh), action="clean up the replaced"
+                )
 
         def abort() -> None:
             if staging.renames:
-                staging.location.remove()
+                _ownership.remove_if_ours(staging.location, what="staging")
             elif not replace:  # a new step written in place: no manifest, all of it goes
-                staging.final.remove()
+                _ownership.remove_if_ours(staging.final, what="uncommitted step")
             else:  # the old step stays whole: only the new items' fresh directories go
-                for name, entry in entries.items():
-                    if entry.dir != name:
-                        staging.final.child(entry.dir).remove()
+                fresh = [e.dir for n, e in entries.items() if e.dir != n]
+                _ownership.remove_children(staging.final, fresh, action="abort the save into")
 
         return _commit.commit_collectively(
             op,
@@ -504,13 +515,6 @@ class CheckpointManager:
             publish=publish,
             abort=abort,
         )
-
-    def _remove_unreferenced(self, step_loc: Location, entries: dict[str, ItemEntry]) -> None:
-        """Object stores, after a replacing commit: delete the old step's item data."""
-        keep = {e.dir for e in entries.values()} | {MANIFEST_FILE}
-        for name in step_loc.list_children():
-            if name not in keep:
-                step_loc.child(name).remove()
 
     def _after_commit(self, step: int, result: SaveResult, metric: float | None) -> None:
         with self._lock:
@@ -601,23 +605,25 @@ class CheckpointManager:
         return removed
 
     def _remove_unfinished(self) -> None:
+        """Primary, at open and in ``gc``: removes what dead saves of ours left (proven
+        ours: see ``_ownership``); everything else is left alone."""
         listing = _steps.list_directory(self._loc)
         for name in listing.unfinished:
             if not self._roll_forward(name, listing):
-                logger.info("removing unfinished %s/%s", self._loc, name)
-                self._loc.child(name).remove()
-        if listing.foreign:
-            if self._loc.is_local:
-                logger.warning(
-                    "%s holds entries that are not steps of this library, left alone: %s",
-                    self._loc,
-                    ", ".join(listing.foreign[:10]),
-                )
-            else:  # object stores: a step written in place whose manifest never came
-                for name in listing.foreign:
-                    if _steps.is_step_name(name):
-                        logger.info("removing uncommitted step %s/%s", self._loc, name)
-                        self._loc.child(name).remove()
+                _ownership.remove_if_ours(self._loc.child(name), what="unfinished step")
+        foreign = list(listing.foreign)
+        if not self._loc.is_local:  # object stores: a step written in place, never committed
+            for name in listing.foreign:
+                if _steps.is_step_name(name) and _ownership.remove_if_ours(
+                    self._loc.child(name), what="uncommitted step"
+                ):
+                    foreign.remove(name)
+        if foreign:
+            logger.warning(
+                "%s holds entries that are not steps of this library, left alone: %s",
+                self._loc,
+                ", ".join(foreign[:10]),
+            )
 
     def _roll_forward(self, name: str, listing: _steps.Listing) -> bool:
         """A ``.partial-`` holding a valid manifest whose step is missing was committed
@@ -696,7 +702,12 @@ class CheckpointManager:
         return steps
 
     def _set_aside(self, step: int, error: Exception) -> None:
+        """Moves a step whose verified read proved damage (a checksum, size or format
+        mismatch) aside. A link or special file planted in it is no damage of the step's
+        own data: it is skipped, never moved. Environmental errors never get here."""
         logger.warning("checkpoint: skipping damaged step %d of %s: %s", step, self._loc, error)
+        if isinstance(error, ForeignEntryError):
+            return
         if self._read_only or not _distributed.is_primary() or not self._loc.supports_rename:
             return
         name = f"{step}.corrupt-{secrets.token_hex(6)}"
@@ -893,18 +904,7 @@ class CheckpointManager:
             handle.wait()
 
 
-def remove_step(loc: Location, step: int) -> None:
-    """Deletes a committed step so that it disappears from listings at once."""
-    step_loc = _steps.step_location(loc, step)
-    if loc.supports_rename:
-        doomed = loc.child(f"{step}.deleting-{secrets.token_hex(6)}")
-        step_loc.rename(doomed)  # atomic: the step disappears from listings at once
-        _faults.kill_point("mid_retention")
-        doomed.remove()
-    else:
-        step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
-        _faults.kill_point("mid_retention")
-        step_loc.remove()
+remove_step = _ownership.remove_step  # deletes a committed step of ours (see there)
 
 
 def _wait_all(pendings: Iterable[Pending], *, raise_first: bool = False) -> list[Any]:

@@ -48,6 +48,7 @@ from . import (
     _incremental,
     _layout,
     _metadata,
+    _ownership,
     _tree,
 )
 from ._errors import CheckpointError, StructureError
@@ -215,23 +216,30 @@ def save_async(
         location = Location.from_path(path)
         snap = snapshot(tree, compression=compression)
         _check_target(location, force)
-        staging = _commit.Staging.begin(location, _distributed.unique_name())
+        # Object stores write in place: remains of a dead save, or with ``force`` a
+        # checkpoint of ours, are cleared first (proven ours by _check_target).
+        clear_first = not location.supports_rename and not _ownership.is_empty(location)
+        staging = _commit.Staging.begin(location, _distributed.unique_name(), claim=False)
         op = _distributed.next_operation_id("save")
-        clear_first = not staging.renames and (force or location.is_dir())
         blocking = time.perf_counter() - start
         limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
 
         def background() -> SaveResult:
             if clear_first:  # object store, no rename: start from an empty prefix
                 if _distributed.is_primary():
-                    location.remove()
+                    _ownership.remove(location, action="clear")
                 _distributed.barrier(f"{op}/cleared")
+
+            def write() -> _commit.Written:
+                staging.claim()  # before any data: a dead save's remains are provably ours
+                return snap.write(staging.location, limit=limit)
+
             written = _commit.commit_collectively(
                 op,
                 what=f"save to {location}",
                 step=None,
                 digest=snap.digest,
-                write=lambda: snap.write(staging.location, limit=limit),
+                write=write,
                 publish=lambda files: staging.publish(
                     COMMIT_FILE, CommitMarker(files, time.time()).to_bytes(), replace=force
                 ),
@@ -251,12 +259,11 @@ def is_committed(path: Any) -> bool:
 
 
 def _check_target(location: Location, force: bool) -> None:
-    # Every process looks (they share the store), so all refuse together rather than
-    # the others waiting for a primary that raised.
-    if not force and location.exists(COMMIT_FILE):
-        raise CheckpointError(
-            f"{location} already holds a committed checkpoint; pass force=True to replace it"
-        )
+    """Refuses a target held by anything foreign (ForeignEntryError, even with
+    ``force``) and a committed checkpoint of ours without ``force``. Every process
+    looks (they share the store), so all refuse together rather than the others
+    waiting for a primary that raised."""
+    _ownership.check_slot(location, what="a checkpoint", replace=force)
 
 
 def snapshot(
@@ -623,7 +630,15 @@ class _Plan:
                 continue
             nbytes = sum(data.nbytes for _, data in leaf.writes)
             links[i] = functools.partial(
-                reuse_leaf, source, j, location, i, leaf.record, chunks=chunks, nbytes=nbytes
+                reuse_leaf,
+                source,
+                j,
+                location,
+                i,
+                leaf.record,
+                chunks=chunks,
+                nbytes=nbytes,
+                writes=leaf.writes,  # the snapshot, which each reused chunk must equal
             )
         return links
 

@@ -4,8 +4,8 @@ One implementation for the manager, the serving path and the CLI, on every store
 
 Names directly under a directory:
 
-* ``<step>``: ASCII digits only. *Committed* when it holds a step manifest
-  (``_CHECKPOINT.json``); without one it is *foreign* (a user's folder named
+* ``<step>``: ASCII digits, canonical (``0`` or no leading zero: ``007`` is foreign).
+  *Committed* when it holds a step manifest (``_CHECKPOINT.json``); without one it is *foreign* (a user's folder named
   ``2024``, a core checkpoint saved with ``fop.save(f"{d}/{step}")``) and is left alone.
 * ``<step>.partial-<nonce>``, ``<step>.deleting-<nonce>``: *unfinished*: temporary names
   this library writes; removed by a writer when it opens (only when they are real
@@ -26,9 +26,11 @@ from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ._layout import MANIFEST_FILE, StepManifest, decode_checked
 from ._storage import Location
 
-STEP_RE = re.compile(r"^[0-9]{1,18}$", re.ASCII)
-TMP_RE = re.compile(r"^([0-9]{1,18})\.(partial|deleting)-[0-9a-z]{1,32}$", re.ASCII)
-CORRUPT_RE = re.compile(r"^([0-9]{1,18})\.corrupt-[0-9a-z]{1,32}$", re.ASCII)
+# Canonical step names only: ``0`` or digits without a leading zero (``007`` is foreign).
+_STEP = r"(0|[1-9][0-9]{0,17})"
+STEP_RE = re.compile(rf"^{_STEP}$", re.ASCII)
+TMP_RE = re.compile(rf"^{_STEP}\.(partial|deleting)-[0-9a-z]{{1,32}}$", re.ASCII)
+CORRUPT_RE = re.compile(rf"^{_STEP}\.corrupt-[0-9a-z]{{1,32}}$", re.ASCII)
 LOCK_NAME = ".writer.lock"
 
 
@@ -98,7 +100,7 @@ def read_manifest(step_loc: Location) -> StepManifest:
     if raw is None:
         raise CheckpointNotFoundError(f"{step_loc} is not a committed step (no {MANIFEST_FILE})")
     manifest = StepManifest.from_bytes(raw, where)
-    if step_loc.name.isascii() and step_loc.name.isdigit() and manifest.step != int(step_loc.name):
+    if STEP_RE.match(step_loc.name) and manifest.step != int(step_loc.name):
         raise CorruptCheckpointError(
             f"{where}: field step: expected {int(step_loc.name)} (the directory's name), "
             f"found {manifest.step}"

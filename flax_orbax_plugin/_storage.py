@@ -28,6 +28,7 @@ import dataclasses
 import errno
 import json
 import os
+import secrets
 import shutil
 import stat
 import threading
@@ -518,11 +519,11 @@ def _write_local(root: str, name: str, data: bytes, *, durable: bool = True) -> 
     os.makedirs(root, exist_ok=True)
     dfd = _open_dirs(root, parts[:-1], create=True)
     try:
-        tmp = parts[-1] + ".tmp"
+        tmp = f"{parts[-1]}.tmp-{secrets.token_hex(8)}"  # unpredictable, created exclusively
         try:
             fd = os.open(
                 tmp,
-                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                 0o644,
                 dir_fd=dfd,
             )
@@ -530,18 +531,25 @@ def _write_local(root: str, name: str, data: bytes, *, durable: bool = True) -> 
             if e.errno != errno.ELOOP:
                 raise
             raise ForeignEntryError(
-                f"{os.path.join(root, name)}.tmp: expected a file written by this library, "
+                f"{os.path.join(root, tmp)}: expected a file written by this library, "
                 "found a symbolic link (never followed)"
             ) from None
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, parts[-1], src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces a link itself
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, parts[-1], src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces a link itself
+        except BaseException:
+            try:  # ENOSPC, EIO ...: no half-written temporary file stays behind
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
         if durable:
             os.fsync(dfd)
     finally:

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin import _ownership
 from flax_orbax_plugin._checkpointables import JsonCheckpointable
 from flax_orbax_plugin._layout import MANIFEST_FILE
 from flax_orbax_plugin._lock import DirectoryLockedError
@@ -233,15 +234,20 @@ def test_second_writer_refused_while_first_lives_and_allowed_after_sigkill(tmp_p
 def test_unfinished_steps_are_removed_on_start_and_never_listed(tmp_path):
     with fop.CheckpointManager(tmp_path) as mngr:
         mngr.save(1, tiny(1))
+    # What a dead save leaves: our staging name with our pending marker inside.
     (tmp_path / "2.partial-abc123" / "params").mkdir(parents=True)
-    (tmp_path / "3.deleting-abc123").mkdir()
+    (tmp_path / "2.partial-abc123" / _ownership.PENDING_FILE).write_bytes(
+        _ownership._pending_bytes("abc123")
+    )
+    (tmp_path / "3.deleting-abc123").mkdir()  # empty: a removal cut short
+    (tmp_path / "5.partial-abc123" / "params").mkdir(parents=True)  # our name, no marker
     (tmp_path / "4" / "params").mkdir(parents=True)  # no manifest: not ours to remove
     assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [1]
     with fop.CheckpointManager(tmp_path) as mngr:
         assert mngr.steps() == [1]
-    # Only the library's own temporary names are removed; a digits-named folder without a
-    # manifest (a user's "2024", a core checkpoint) is foreign and left alone.
-    assert sorted(os.listdir(tmp_path)) == [".writer.lock", "1", "4"]
+    # Only what is proven ours is removed; a digits-named folder without a manifest (a
+    # user's "2024", a core checkpoint) and a staging name without our marker are left.
+    assert sorted(os.listdir(tmp_path)) == [".writer.lock", "1", "4", "5.partial-abc123"]
 
 
 PREEMPTED = textwrap.dedent(
@@ -612,7 +618,11 @@ def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
         mngr.save(9, {"params": {"w": np.arange(1 << 19, dtype=np.float32)}}, extras={"a": 1})
         mngr.wait()
         final = keys_under(9)
-        assert at_manifest[9] == final - {MANIFEST}, (at_manifest[9], final)
+        assert _ownership.PENDING_FILE not in final  # the claim goes once committed
+        assert at_manifest[9] - {_ownership.PENDING_FILE} == final - {MANIFEST}, (
+            at_manifest[9],
+            final,
+        )
         assert any(k.startswith("params/d/") for k in at_manifest[9])  # chunks were there
         assert any(k.startswith("extras/") for k in at_manifest[9])
         assert after_manifest[9] == []  # nothing written into the step after its manifest
@@ -629,8 +639,12 @@ def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
             mngr.save(s, tiny(s), extras={"loss": s})
         mngr.wait()
         assert mngr.steps() == [2, 3]
-        # an interrupted step: data written, no manifest
-        fop.save(Location.from_path(url).child("7").child("params"), tiny(7)["params"])
+        # an interrupted step: claimed by our pending marker, data written, no manifest
+        dead = Location.from_path(url).child("7")
+        _ownership.claim(dead, "dead01")
+        fop.save(dead.child("params"), tiny(7)["params"])
+        # a core checkpoint under a digits name: foreign to the manager, never removed
+        fop.save(Location.from_path(url).child("8").child("params"), tiny(8)["params"])
         assert mngr.steps() == [2, 3]
         assert mngr.save(3, tiny(30), force=True, overwrite=True)
     assert fop.restore_params(url)["w"][0] == 30
@@ -639,6 +653,7 @@ def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
     assert "_CHECKPOINT.json" in step3 and "params" not in step3
     with fop.CheckpointManager(url) as mngr:  # a writer removes the uncommitted step
         assert "7" not in Location.from_path(url).list_children()
+        assert fop.restore(f"{url}/8/params")["w"][0] == 8
         assert mngr.restore(step=2, items="extras") == {"loss": 2}
 
 

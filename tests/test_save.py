@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin import _ownership
 
 Pair = collections.namedtuple("Pair", "first second")
 
@@ -160,7 +161,8 @@ def test_save_async_returns_before_commit_and_wait_reports(tmp_path, monkeypatch
     real_write = Location.write_bytes
 
     def gated_write(self, name, data, **kw):
-        held.append(gate.wait(30))
+        if name != _ownership.PENDING_FILE:  # the claim, written before any data
+            held.append(gate.wait(30))
         return real_write(self, name, data, **kw)
 
     monkeypatch.setattr(Location, "write_bytes", gated_write)
@@ -435,10 +437,17 @@ def test_a_commit_removes_stale_staging_of_the_same_name_only(tmp_path):
     from flax_orbax_plugin import _commit
 
     (tmp_path / "c.partial-dead01" / "d").mkdir(parents=True)
+    (tmp_path / "c.partial-dead01" / _ownership.PENDING_FILE).write_bytes(
+        _ownership._pending_bytes("dead01")  # what a killed save leaves: our marker inside
+    )
+    (tmp_path / "c.partial-user01" / "d").mkdir(parents=True)  # our pattern, no marker
     (tmp_path / "c.partial-live01" / "d").mkdir(parents=True)  # another job's, running
     old = time.time() - 2 * _commit.STALE_SECONDS
     os.utime(tmp_path / "c.partial-dead01" / "d", (old, old))
+    os.utime(tmp_path / "c.partial-dead01" / _ownership.PENDING_FILE, (old, old))
     os.utime(tmp_path / "c.partial-dead01", (old, old))
+    os.utime(tmp_path / "c.partial-user01" / "d", (old, old))
+    os.utime(tmp_path / "c.partial-user01", (old, old))
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "keep.txt").write_text("x")
     os.symlink(tmp_path / "outside", tmp_path / "c.partial-link01")
@@ -448,6 +457,7 @@ def test_a_commit_removes_stale_staging_of_the_same_name_only(tmp_path):
         "c",
         "c.partial-link01",
         "c.partial-live01",
+        "c.partial-user01",
         "cc.partial-other",
         "outside",
     ]
