@@ -20,6 +20,29 @@ the regions its devices hold (one ``pread`` per contiguous run of bytes, straigh
 into the destination buffer). Shapes must match;
 dtype changes must not change a value (see :mod:`_onto_like`).
 
+Trust rules. Reading: every file (a ``.safetensors`` file, a shard an index
+lists, the index itself) is opened with ``O_NONBLOCK`` and must be a regular file:
+a FIFO, device, socket or directory is a :class:`ForeignEntryError` naming it,
+never a hang. A symlink *is* followed when reading, because the files users name
+are symlinks in the Hugging Face cache (``snapshots/<rev>/model.safetensors ->
+../../blobs/<hash>``); it must resolve to a regular file, and each file is checked
+to be the same one (device, inode, size) when its data is read as when its header
+was. The header length, every shape (in Python ints) and every ``data_offsets``
+pair are checked against the real file size (and the header against a 100 MiB
+cap) before anything sized by them is allocated; the index is capped at 64 MiB.
+
+Writing: nothing is ever written through a link. Each file is written under a new,
+unpredictable name (``.<name>.tmp-<random hex>``, created with ``O_CREAT | O_EXCL |
+O_NOFOLLOW``, mode 0o644) and renamed over the final name, which replaces a name
+and never follows it. Every file written carries ``{"flax_orbax_plugin": "1"}`` in
+its metadata (the header's ``__metadata__``, the index's ``metadata``). ``force``
+replaces or removes only files proven ours: a regular file (not a link) carrying
+that marker, and for stale files an old index lists, also named like our shards
+(``<stem>.safetensors``, ``<stem>-NNNNN-of-NNNNN.safetensors``); anything else an
+old index names (``config.json``) is left alone with a warning, and an existing
+output name held by anything not ours is a :class:`ForeignEntryError`, even with
+``force``, before anything is written.
+
 Who calls what: the CLI's ``export`` calls :func:`export_checkpoint`; users call
 :func:`to_safetensors` / :func:`from_safetensors`. Export is a single-process
 operation (run it on one host); import is collective-free and works on every
@@ -30,8 +53,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
 import re
+import secrets
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,7 +66,13 @@ import ml_dtypes
 import numpy as np
 
 from . import _onto_like, _tree
-from ._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureError
+from ._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignEntryError,
+    StructureError,
+)
+from ._importing import loads_json, open_regular, read_capped
 from ._storage import Location
 
 __all__ = [
@@ -55,6 +87,14 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_STEM = "model"
 _MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+_MAX_INDEX_BYTES = 64 << 20  # an index.json read into memory
+# In every header's __metadata__ and every index's metadata this library writes: only
+# a regular file carrying it (and named like our shards) is ever replaced or removed.
+MARKER_KEY = "flax_orbax_plugin"
+MARKER_VALUE = "1"
+_SHARD_NAME_RE = r"{stem}(?:(?:-[0-9]{{5}}-of-[0-9]{{5}})?\.safetensors|\.safetensors\.index\.json)"
+_log = logging.getLogger(__name__)
+_MAX_NDIM = 64
 _GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a checkpoint
 
 # safetensors dtype tag <-> numpy dtype
@@ -145,7 +185,7 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _header(tensors: Sequence[_Tensor], metadata: dict[str, str]) -> bytes:
@@ -336,12 +376,22 @@ def to_safetensors(
     if metadata is None:
         metadata = {"format": "pt" if transpose_kernels else "flax"}
     meta = {str(k): str(v) for k, v in metadata.items()}
+    meta[MARKER_KEY] = MARKER_VALUE  # proves, to a later --force, that we wrote the file
     total = sum(t.nbytes for t in tensors)
     os.makedirs(directory, exist_ok=True)
-    tmps = [f"{f}.tmp-{os.getpid()}" for f in finals]
+    tmps: list[str] = []  # every temporary file this call created (and only those)
     shard_of = {t.path: i for i, shard in enumerate(shards) for t in shard}
     by_path = {t.path: t for t in tensors}
     files: list[Any] = [None] * len(shards)
+    shard_tmps: list[str | None] = [None] * len(shards)
+
+    def start(i: int) -> Any:
+        tmp, f = _create_temp(directory, names[i])
+        tmps.append(tmp)
+        shard_tmps[i] = tmp
+        f.write(_header(shards[i], meta))
+        return f
+
     try:
         with _progress(progress, total) as bar:
             current = -1
@@ -350,45 +400,49 @@ def to_safetensors(
                     i = shard_of[path]
                     if i != current:
                         _close(files, current)
-                        files[i] = open(tmps[i], "wb")
-                        files[i].write(_header(shards[i], meta))
+                        files[i] = start(i)
                         current = i
                     t = by_path[path]
                     data = _tensor_bytes(t, value)
                     files[i].write(memoryview(data))
                     bar.advance(data.nbytes, path)
+                    del data, value  # one leaf (or one group) in memory at a time
             _close(files, current)
-            for i, shard in enumerate(shards):
+            for i in range(len(shards)):
                 if files[i] is None:  # a shard of empty tensors only
-                    with open(tmps[i], "wb") as f:
-                        f.write(_header(shard, meta))
-        for tmp, final in zip(tmps, finals, strict=True):
-            os.replace(tmp, final)
+                    files[i] = start(i)
+                    _close(files, i)
         old = _old_outputs(directory, index_name) if force else set()
+        for tmp, final in zip(shard_tmps, finals, strict=True):
+            os.replace(tmp, final)  # replaces a name, never writes through a link
         if index_path is not None:
             index = {
-                "metadata": {"total_size": total},
+                "metadata": {"total_size": total, MARKER_KEY: MARKER_VALUE},
                 "weight_map": {t.name: names[shard_of[t.path]] for t in tensors},
             }
-            tmp = f"{index_path}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
+            tmp, f = _create_temp(directory, index_name)
+            tmps.append(tmp)
+            with f:
+                f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8"))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, index_path)
-        for stale in old - set(names) - ({index_name} if index_path else set()):
-            os.remove(os.path.join(directory, stale))  # only files an old index listed
+        stem = index_name[: -len(INDEX_SUFFIX)]
+        for stale in sorted(old - set(names) - ({index_name} if index_path else set())):
+            _remove_if_ours(directory, stale, stem)  # only files an old index listed
         single = os.path.join(directory, index_name.replace(INDEX_SUFFIX, ".safetensors"))
-        if force and index_path is not None and os.path.isfile(single):
-            os.remove(single)  # an earlier unsharded export to the same name
+        if force and index_path is not None and os.path.lexists(single):
+            _remove_if_ours(directory, os.path.basename(single), stem)  # an unsharded export
         _fsync_dir(directory)
     except BaseException:
         for f in files:
             if f is not None and not f.closed:
                 f.close()
-        for tmp in tmps:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        for tmp in tmps:  # ours: created exclusively under an unpredictable name
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
         raise
     return ExportResult(tuple(finals), index_path, len(tensors), total)
 
@@ -439,30 +493,101 @@ def _tensor_bytes(t: _Tensor, value: Any) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
+def _create_temp(directory: str, final_name: str) -> tuple[str, Any]:
+    """A new file beside ``final_name`` under an unpredictable name, created exclusively
+    (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0o644): a planted file or symlink is never
+    opened, followed or truncated. Returns (path, binary file object)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        path = os.path.join(directory, f".{final_name}.tmp-{secrets.token_hex(8)}")
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileExistsError:
+            continue  # vanishingly unlikely: draw another name
+        return path, os.fdopen(fd, "wb")
+    raise FileExistsError(f"{directory}: could not create a temporary file for {final_name}")
+
+
+def _proven_ours(path: str) -> tuple[bool, str]:
+    """(True, "") when ``path`` is a regular file (not a link) this library wrote: a
+    safetensors file whose header metadata, or an index whose metadata, carries our
+    marker; else (False, what was found). Opens without following or blocking."""
+    try:
+        fd, st = open_regular(path, follow_links=False, what="file")
+    except CheckpointNotFoundError:
+        return False, "nothing"
+    except (ForeignEntryError, OSError) as e:
+        return False, str(e)
+    try:
+        if path.endswith(INDEX_SUFFIX):
+            if st.st_size > _MAX_INDEX_BYTES:
+                return False, f"an index of {st.st_size} bytes"
+            doc = loads_json(_pread_exact(fd, st.st_size, 0, path, "index"), path)
+            meta = doc.get("metadata") if isinstance(doc, dict) else None
+        else:
+            _, header = _header_json(fd, st.st_size, path)
+            meta = header.get("__metadata__")
+    except (CorruptCheckpointError, OSError) as e:
+        return False, f"a file that is not one of our exports ({e})"
+    finally:
+        os.close(fd)
+    if isinstance(meta, dict) and meta.get(MARKER_KEY) == MARKER_VALUE:
+        return True, ""
+    return False, f"a file without the {MARKER_KEY!r} marker this library writes"
+
+
+def _remove_if_ours(directory: str, name: str, stem: str) -> None:
+    """Removes ``directory/name`` only when it is named like our shards of ``stem`` and
+    proven ours (:func:`_proven_ours`); anything else is left alone with a warning."""
+    path = os.path.join(directory, name)
+    if not re.fullmatch(_SHARD_NAME_RE.format(stem=re.escape(stem)), name):
+        _log.warning("%s: listed by the old index but not named like our shards; left alone", path)
+        return
+    ours, found = _proven_ours(path)
+    if not ours:
+        if found != "nothing":
+            _log.warning("%s: listed by the old index, but %s; left alone", path, found)
+        return
+    os.unlink(path)  # the name itself: a link put there since would be unlinked, not followed
+
+
 def _old_outputs(directory: str, index_name: str) -> set[str]:
-    """Files listed by an index already in ``directory``, plus the index itself."""
+    """Files listed by an index of ours already in ``directory``, plus the index itself
+    (empty when there is none, or it is not proven ours)."""
     path = os.path.join(directory, index_name)
-    if not os.path.isfile(path):
+    if not _proven_ours(path)[0]:
         return set()
     try:
-        with open(path) as f:
-            weight_map = json.load(f).get("weight_map", {})
+        raw = read_capped(path, follow_links=False, what="index", max_bytes=_MAX_INDEX_BYTES)
+        weight_map = loads_json(raw, path).get("weight_map", {})
         listed = {v for v in weight_map.values() if isinstance(v, str) and _plain_name(v)}
-    except (OSError, ValueError, AttributeError):
+    except (OSError, CorruptCheckpointError, AttributeError):
         return set()
     return listed | {index_name}
 
 
 def _check_outputs(directory: str, names: list[str], index_name: str, force: bool) -> None:
-    if force:
-        return
+    """Without ``force`` any existing output name is a FileExistsError; with it, each
+    existing one must be proven ours (a regular file carrying our marker), else a
+    ForeignEntryError: what this library did not write is never replaced."""
     single = names[0] if len(names) == 1 else index_name.replace(INDEX_SUFFIX, ".safetensors")
-    clash = [n for n in {*names, index_name, single} if os.path.lexists(os.path.join(directory, n))]
-    if clash:
+    targets = sorted({*names, index_name, single})
+    clash = [n for n in targets if os.path.lexists(os.path.join(directory, n))]
+    if not clash:
+        return
+    if not force:
         raise FileExistsError(
-            f"{os.path.join(directory, sorted(clash)[0])} exists; pass force=True (--force) "
+            f"{os.path.join(directory, clash[0])} exists; pass force=True (--force) "
             f"to replace the export"
         )
+    for name in clash:
+        ours, found = _proven_ours(os.path.join(directory, name))
+        if not ours and found != "nothing":
+            raise ForeignEntryError(
+                f"{os.path.join(directory, name)}: expected an earlier export of this library "
+                f"to replace, found {found}; it is left alone (nothing was written). Remove it "
+                f"yourself or export elsewhere"
+            )
 
 
 def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:
@@ -476,11 +601,13 @@ def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:
 def key_map_from_file(path: str) -> Callable[[str], str | None]:
     """A key_map from a JSON object ``{leaf path: tensor name or null}``; leaves not
     listed keep their default name."""
-    with open(path) as f:
-        try:
-            mapping = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    raw = read_capped(
+        os.fspath(path), follow_links=True, what="key map file", max_bytes=_MAX_INDEX_BYTES
+    )
+    try:
+        mapping = loads_json(raw, os.fspath(path))
+    except CorruptCheckpointError as e:
+        raise ValueError(str(e)) from None
     if not isinstance(mapping, dict) or not all(
         isinstance(v, str) or v is None for v in mapping.values()
     ):
@@ -498,6 +625,7 @@ class _Stored:
     dtype: np.dtype
     shape: tuple[int, ...]
     offset: int  # absolute offset of the first byte in the file
+    identity: tuple[int, int, int] = (0, 0, 0)  # (st_dev, st_ino, size) when the header was read
 
 
 def _plain_name(name: str) -> bool:
@@ -510,29 +638,44 @@ def _plain_name(name: str) -> bool:
     )
 
 
-def _read_header(path: str) -> dict[str, _Stored]:
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: no such safetensors file") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise CorruptCheckpointError(f"{path}: {size} bytes, too short for a safetensors file")
-        n = int.from_bytes(head, "little")
-        if n > min(_MAX_HEADER_BYTES, size - 8):
-            raise CorruptCheckpointError(
-                f"{path}: header length {n} exceeds the file ({size} bytes) or the "
-                f"{_MAX_HEADER_BYTES}-byte limit"
-            )
-        raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{path}: header is not valid JSON ({e})") from e
+def _pread_exact(fd: int, n: int, offset: int, path: str, what: str) -> bytes:
+    parts, done = [], 0
+    while done < n:
+        chunk = os.pread(fd, n - done, offset + done)
+        if not chunk:
+            raise CorruptCheckpointError(f"{path}: file ended {n - done} bytes early in its {what}")
+        parts.append(chunk)
+        done += len(chunk)
+    return b"".join(parts)
+
+
+def _header_json(fd: int, size: int, path: str) -> tuple[int, Any]:
+    """(header length, parsed header) of an open safetensors file of ``size`` bytes; the
+    claimed length is checked against the file and the cap before it is read."""
+    if size < 8:
+        raise CorruptCheckpointError(f"{path}: {size} bytes, too short for a safetensors file")
+    n = int.from_bytes(_pread_exact(fd, 8, 0, path, "header length"), "little")
+    if n > min(_MAX_HEADER_BYTES, size - 8):
+        raise CorruptCheckpointError(
+            f"{path}: header length {n} exceeds the file ({size} bytes) or the "
+            f"{_MAX_HEADER_BYTES}-byte limit"
+        )
+    header = loads_json(_pread_exact(fd, n, 8, path, "header"), f"{path}: header")
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: header is not a JSON object")
+    return n, header
+
+
+def _read_header(path: str) -> dict[str, _Stored]:
+    # A symlink is followed here (Hugging Face cache snapshots link each file to its
+    # blob); it must resolve to a regular file, and a FIFO never blocks.
+    fd, st = open_regular(path, follow_links=True, what="safetensors file")
+    try:
+        size = st.st_size
+        n, header = _header_json(fd, size, path)
+    finally:
+        os.close(fd)
+    identity = (st.st_dev, st.st_ino, size)
     data_len = size - 8 - n
     out: dict[str, _Stored] = {}
     spans = []
@@ -543,14 +686,19 @@ def _read_header(path: str) -> dict[str, _Stored]:
         if not isinstance(entry, dict):
             raise CorruptCheckpointError(f"{where}: expected an object, found {entry!r}")
         tag, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if tag not in _DTYPES:
+        if not isinstance(tag, str) or tag not in _DTYPES:
             raise CorruptCheckpointError(
-                f"{where}: dtype {tag!r} not supported (expected one of {sorted(_DTYPES)})"
+                f"{where}: dtype {str(tag)[:100]!r} not supported (expected one of "
+                f"{sorted(_DTYPES)})"
             )
-        if not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_NDIM
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
         ):
-            raise CorruptCheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+            raise CorruptCheckpointError(
+                f"{where}: shape {str(shape)[:200]} is not a list of at most {_MAX_NDIM} sizes"
+            )
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
@@ -558,17 +706,17 @@ def _read_header(path: str) -> dict[str, _Stored]:
             or not 0 <= offsets[0] <= offsets[1] <= data_len
         ):
             raise CorruptCheckpointError(
-                f"{where}: data_offsets {offsets!r} outside the {data_len} data bytes"
+                f"{where}: data_offsets {str(offsets)[:200]} outside the {data_len} data bytes"
             )
         dtype = _DTYPES[tag]
-        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        need = math.prod(shape) * dtype.itemsize  # Python ints: never overflows
         if offsets[1] - offsets[0] != need:
             raise CorruptCheckpointError(
                 f"{where}: {tag}{shape} needs {need} bytes, data_offsets span "
                 f"{offsets[1] - offsets[0]}"
             )
         spans.append((offsets[0], offsets[1], name))
-        out[name] = _Stored(name, path, dtype, tuple(shape), 8 + n + offsets[0])
+        out[name] = _Stored(name, path, dtype, tuple(shape), 8 + n + offsets[0], identity)
     spans.sort()
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
         if begin < end:
@@ -623,20 +771,19 @@ def read_safetensors_index(paths_or_index: Any) -> dict[str, _Stored]:
 
 
 def _read_index(path: str) -> dict[str, str]:
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: no such index file") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{path}: not valid JSON ({e})") from e
+    # Like the shards, the index the user names may be a symlink to a regular file.
+    raw = read_capped(
+        path, follow_links=True, what="safetensors index file", max_bytes=_MAX_INDEX_BYTES
+    )
+    doc = loads_json(raw, path)
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
         raise CorruptCheckpointError(f"{path}: expected an object with a 'weight_map'")
     for name, f in weight_map.items():
         if not isinstance(f, str) or not _plain_name(f):
             raise CorruptCheckpointError(
-                f"{path}: tensor {name!r} maps to {f!r}; expected a file name beside the index"
+                f"{path}: weight_map: tensor {name!r} maps to {str(f)[:100]!r}; expected a "
+                f"file name beside the index"
             )
     return weight_map
 
@@ -688,7 +835,14 @@ class _Files:
     def reader(self, t: _Stored, axes: tuple[int, ...] | None) -> Callable:
         """read(index) in the leaf's layout (transposed back from PyTorch's if ``axes``)."""
         if t.file not in self.fds:
-            self.fds[t.file] = os.open(t.file, os.O_RDONLY)
+            fd, st = open_regular(t.file, follow_links=True, what="safetensors file")
+            if (st.st_dev, st.st_ino, st.st_size) != t.identity:
+                os.close(fd)
+                raise CorruptCheckpointError(
+                    f"{t.file}: changed (replaced or resized) after its header was read; "
+                    f"read it again"
+                )
+            self.fds[t.file] = fd
         fd = self.fds[t.file]
         if axes is None:
             return lambda index: _read_region(fd, t, tuple(index))

@@ -66,7 +66,9 @@ def test_sharded_export_read_by_the_safetensors_library(tmp_path):
     loaded = {}
     for f in result.files:
         with safetensors.safe_open(f, framework="numpy") as handle:
-            assert handle.metadata() == {"format": "flax"}  # Flax layout: not transposed
+            # Flax layout (not transposed), and the marker that lets a later --force
+            # prove the file is ours
+            assert handle.metadata() == {"format": "flax", "flax_orbax_plugin": "1"}
             names = list(handle.keys())
         assert all(index["weight_map"][k] == os.path.basename(f) for k in names)
         # no file above the limit unless it holds one tensor larger than the limit
