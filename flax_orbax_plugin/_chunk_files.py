@@ -111,6 +111,45 @@ def _crc(parts: list[np.ndarray]) -> np.ndarray:
     return np.frombuffer(crc.to_bytes(4, "little"), np.uint8)
 
 
+def _chunk_payload(view: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
+    """The stored bytes of one chunk (before its crc32c) from ``view``, the chunk's
+    part of the array: zero-padded to the full ``chunk`` where the array's end cuts
+    it, as tensorstore pads it."""
+    if view.shape != chunk:  # cut by the array's end: zero-padded to the full chunk
+        full = np.zeros(chunk, view.dtype)
+        full[tuple(slice(0, n) for n in view.shape)] = view
+        view = full
+    elif not view.flags.c_contiguous:
+        view = np.ascontiguousarray(view)
+    return _as_bytes(view)
+
+
+def chunk_crcs(
+    shape: tuple[int, ...], chunk: tuple[int, ...], index: tuple[slice, ...], data: np.ndarray
+) -> dict[tuple[int, ...], int] | None:
+    """``{chunk grid cell: crc32c}`` of every chunk of the region ``index`` (global) of
+    an array of ``shape`` holding ``data`` (that region's values): the value the
+    zarr3 ``crc32c`` codec stores as the trailer of each chunk file that
+    :meth:`ChunkWriter.array` (or tensorstore) writes for it, computed over the same
+    bytes (little endian, edge chunks zero-padded). None when the region is not whole
+    chunks. A 0-d array is one chunk, cell ``()``. Any thread; reads ``data`` only."""
+    if data.dtype.byteorder == ">":  # the stored encoding is little endian
+        data = data.astype(data.dtype.newbyteorder("<"))
+    if not shape:
+        if data.shape != ():
+            return None
+        return {
+            (): int.from_bytes(_crc([_as_bytes(np.ascontiguousarray(data))]).tobytes(), "little")
+        }
+    region = _whole_chunks(shape, chunk, index)
+    if region is None or data.shape != region[0]:
+        return None
+    return {
+        cell: int.from_bytes(_crc([_chunk_payload(data[at], tuple(chunk))]).tobytes(), "little")
+        for cell, at in region[1]
+    }
+
+
 def _as_bytes(array: np.ndarray) -> np.ndarray:
     """The bytes of a C-contiguous array as a flat, read-only uint8 view (any dtype,
     ml_dtypes ones too; google_crc32c takes read-only buffers only)."""
@@ -162,13 +201,7 @@ class ChunkWriter:
         ]
 
     def _write_chunk(self, name: str, view: np.ndarray, chunk: tuple[int, ...]) -> None:
-        if view.shape != chunk:  # cut by the array's end: zero-padded to the full chunk
-            full = np.zeros(chunk, view.dtype)
-            full[tuple(slice(0, n) for n in view.shape)] = view
-            view = full
-        elif not view.flags.c_contiguous:
-            view = np.ascontiguousarray(view)
-        payload = _as_bytes(view)
+        payload = _chunk_payload(view, chunk)
         self._write_file(name, [payload, _crc([payload])])
 
     # -- batches (sharding_indexed) -----------------------------------------------------

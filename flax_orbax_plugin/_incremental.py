@@ -48,10 +48,16 @@ derives the same one):
    ``zarr.json`` fresh, as for any leaf), then checks each linked file: a regular file
    (a symlink is never followed: ``linkat`` without ``AT_SYMLINK_FOLLOW``, opened
    with ``O_NOFOLLOW``), of the exact size a chunk has, whose crc32c trailer matches
-   its bytes. Any failure (a missing file, another size, a bad checksum, a filesystem
+   its bytes *and equals the crc32c of the snapshot's bytes for that chunk*
+   (:func:`snapshot_crcs`: the trailer the writer would store for it, over the same
+   encoding, edge chunks zero-padded): the digest matched the snapshot, this proves
+   the linked file holds the same bytes, up to crc32c. Any failure (a missing file,
+   another size, a bad checksum, another crc32c than the snapshot's, a filesystem
    without hard links) removes what this process linked for that leaf and it writes
    its regions of the leaf from its snapshot (the other processes' chunks, linked or
-   written, hold the same bytes).
+   written, hold the same bytes). Compressed leaves are never reused
+   (:func:`plan_reuse`): their stored bytes have no fixed size, and comparing them
+   would mean compressing the snapshot, the write's cost.
 5. Object stores: :func:`copy_leaf` lists the previous step's ``d/<j>/c/`` keys (every
    chunk is stored, fill values included, so the listing must name exactly the leaf's
    chunks, each of the size a chunk has), copies this process's chunks on the server
@@ -61,10 +67,13 @@ derives the same one):
    of its copies against its source: the same size, and the same content tag (S3
    ETag, GCS crc32c and md5) where the tag is a hash of the bytes (not an S3
    multipart or SSE-KMS ETag; the new key's listing must then show the tag the copy
-   answered). Any failure deletes this process's copies of the leaf and it writes its
-   regions from its snapshot (logged). The crc32c trailers are not read (that would
-   bring the bytes here): a previous chunk damaged in place at its own size is copied
-   as is, and restore and ``verify`` report it in both steps.
+   answered). Before each copy, the source's crc32c trailer (its last 4 bytes: one
+   ranged GET, pinned to the object listed as the copy is) must equal the crc32c of
+   the snapshot's bytes for that chunk. Any failure deletes this process's copies of
+   the leaf and it writes its regions from its snapshot (logged). The rest of the
+   source is not read (that would bring the bytes here): a previous chunk damaged in
+   place under its old trailer is copied as is, and restore and ``verify`` report it
+   in both steps (never silently wrong).
 
 ``bytes_reused`` is per process (the bytes of its regions it linked or copied); the
 manifest records the step's ``bytes`` only for one-process steps.
@@ -73,9 +82,10 @@ Deleting a step stays a plain delete. Local: removing a step unlinks its names, 
 the data stays while any other step links it. What is *not* protected: a linked file
 shares its inode with the earlier step, so damage done to it in place after the link
 shows in every step that links it (restore and ``verify`` still detect it through the
-chunk's crc32c, but the earlier step is then no independent copy of that leaf); a
-deliberate edit that also rewrites the crc32c trailer before the link is not detected
-(the digest covers the snapshot, not the previous file). Object stores: a copy is an
+chunk's crc32c, but the earlier step is then no independent copy of that leaf). An
+edit of the previous step that also rewrites the crc32c trailer before the link is
+refused (its crc32c is not the snapshot's), unless it was crafted to keep the
+chunk's crc32c (crc32c is a checksum, not a cryptographic hash). Object stores: a copy is an
 object of its own; the store bills it as stored bytes (no saving in storage, only in
 bytes sent and save time).
 
@@ -102,7 +112,7 @@ import google_crc32c
 import numpy as np
 import xxhash
 
-from . import _distributed, _server_copy
+from . import _chunk_files, _distributed, _server_copy
 from ._errors import CheckpointError
 from ._layout import ArrayStorage, CheckpointDocument, LeafRecord
 from ._storage import Location, _open_dirs
@@ -161,6 +171,7 @@ def reuser(location: Location) -> Callable[..., int | None] | None:
 
 Bounds = tuple[tuple[int, int], ...]  # (start, stop) per axis, in the leaf's coordinates
 Entry = tuple[Bounds, str]  # a region and the xxh3_128 hex of its bytes
+Writes = list[tuple[tuple[slice, ...], np.ndarray]]  # a leaf's (region, data) to write
 
 
 def region_bounds(region: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
@@ -346,13 +357,16 @@ def link_leaf(
     i: int,
     record: LeafRecord,
     *,
+    writes: Writes,
     chunks: list[tuple[str, ...]] | None = None,
     nbytes: int | None = None,
 ) -> int | None:
     """Hard-links the chunk files ``chunks`` (all of them when None) of leaf ``j`` of
     ``source`` (the previous step's item) into leaf ``i`` of ``target`` (the staging
-    item) and checks them; returns ``nbytes`` (the bytes reused; the leaf's when None),
-    or None after removing whatever it linked (the caller writes those chunks)."""
+    item) and checks them, each against the crc32c of its bytes in ``writes`` (this
+    process's snapshot of the leaf: ``(region, data)`` pairs covering ``chunks``);
+    returns ``nbytes`` (the bytes reused; the leaf's when None), or None after removing
+    whatever it linked (the caller writes those chunks)."""
     size = chunk_file_bytes(record)
     if size is None:
         return None
@@ -368,6 +382,7 @@ def link_leaf(
         return fds[key]
 
     try:
+        expected = snapshot_crcs(record, writes, names)
         if names:  # another process may not have created the staging item yet
             os.makedirs(dst_root, exist_ok=True)
         for parts in names:
@@ -380,7 +395,7 @@ def link_leaf(
                 raise _Refused(f"{shown}: expected a regular file, found mode {st.st_mode:o}")
             os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
             linked.append((dfd, name, shown))
-            _check_linked(dfd, name, shown, size)
+            _check_linked(dfd, name, shown, size, expected[parts])
         return record.nbytes if nbytes is None else nbytes
     except (_Refused, OSError, CheckpointError) as e:
         why = str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
@@ -403,9 +418,10 @@ def link_leaf(
             os.close(fd)
 
 
-def _check_linked(dfd: int, name: str, shown: str, size: int) -> None:
+def _check_linked(dfd: int, name: str, shown: str, size: int, expected: int) -> None:
     """The file just linked (its inode can no longer be swapped under the name we own):
-    a regular file of ``size`` bytes whose crc32c trailer matches its bytes."""
+    a regular file of ``size`` bytes whose crc32c trailer matches its bytes and equals
+    ``expected``, the crc32c of the snapshot's bytes for that chunk."""
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     try:
         st = os.fstat(fd)
@@ -420,8 +436,44 @@ def _check_linked(dfd: int, name: str, shown: str, size: int) -> None:
                 seen += len(block)
         if seen != size or crc != _CRC32C_RESIDUE:
             raise _Refused(f"{shown}: its crc32c does not match its bytes (damaged or changed)")
+        stored = int.from_bytes(os.pread(fd, _CRC_BYTES, size - _CRC_BYTES), "little")
+        if stored != expected:
+            raise _Refused(_not_the_snapshot(shown, stored, expected))
     finally:
         os.close(fd)
+
+
+def _not_the_snapshot(shown: str, stored: int, expected: int) -> str:
+    return (
+        f"{shown}: its crc32c {stored:08x} is not that of the snapshot's bytes for this "
+        f"chunk ({expected:08x}): it holds other bytes than its leaf's recorded digest says"
+    )
+
+
+def snapshot_crcs(
+    record: LeafRecord, writes: Writes, names: Iterable[tuple[str, ...]]
+) -> dict[tuple[str, ...], int]:
+    """``{chunk name: crc32c}`` for ``names`` (as :func:`chunk_names`): the crc32c trailer
+    each chunk file would get if written from ``writes`` (``_chunk_files.chunk_crcs``:
+    the stored encoding, edge chunks zero-padded). Raises :class:`_Refused` for a name
+    that no region of ``writes`` covers whole (nothing to compare it with)."""
+    shape, chunk = tuple(record.shape), tuple(record.storage.chunk_shape)
+    wanted = set(names)
+    out: dict[tuple[str, ...], int] = {}
+    for region, data in writes:
+        if not data.size:
+            continue
+        crcs = _chunk_files.chunk_crcs(shape, chunk, region, data)
+        for cell, crc in (crcs or {}).items():
+            if ("c", *map(str, cell)) in wanted:
+                out["c", *map(str, cell)] = crc
+    missing = sorted(wanted - set(out))
+    if missing:
+        raise _Refused(
+            f"chunk {'/'.join(missing[0])}: not whole in this process's snapshot of the leaf"
+            " (nothing to compare the previous chunk with)"
+        )
+    return out
 
 
 # -- 4'. server-side copies (object stores) ---------------------------------------------
@@ -437,6 +489,7 @@ def copy_leaf(
     i: int,
     record: LeafRecord,
     *,
+    writes: Writes,
     chunks: list[tuple[str, ...]] | None = None,
     nbytes: int | None = None,
 ) -> int | None:
@@ -452,9 +505,13 @@ def copy_leaf(
     copy's answer carries the source's content tag (S3 ETag, GCS crc32c and md5; not
     compared where the tag is no hash of the bytes: S3 multipart or SSE-KMS/SSE-C),
     and a listing of the new keys afterwards shows each of the source's size and the
-    tag the copy answered (:func:`_same_copy`). Not checked: the crc32c
-    trailer (that would read the bytes here); a chunk damaged in place at the same
-    size is copied as is, and restore and ``verify`` report it in both steps."""
+    tag the copy answered (:func:`_same_copy`); and before each copy, the source's
+    crc32c trailer (its last 4 bytes, one ranged read pinned to the object listed)
+    equals the crc32c of the snapshot's bytes for that chunk (``writes``, this
+    process's ``(region, data)`` pairs of the leaf): a chunk edited and resealed is
+    refused. The source's other bytes are not read here: a chunk damaged in place
+    under its old trailer is copied as is, and restore and ``verify`` report it in
+    both steps (never silently wrong)."""
     size = chunk_file_bytes(record)
     if size is None or source.spec | {"path": ""} != target.spec | {"path": ""}:
         return None
@@ -465,6 +522,8 @@ def copy_leaf(
         return 0 if nbytes is None else nbytes
     started = False
     try:
+        crcs = snapshot_crcs(record, writes, [("c", *name.split("/")) for name in wanted])
+        expected = {"/".join(parts[1:]): crc for parts, crc in crcs.items()}
         listed = {k[len(src_prefix) :]: v for k, v in copier.list(src_prefix).items()}
         for name in wanted:
             info = listed.get(name)
@@ -478,13 +537,21 @@ def copy_leaf(
         if extra:
             raise _Refused(f"{source}/d/{j}/c/{extra[0]}: not a chunk of this leaf")
         started = True
+
+        def check_and_copy(name: str) -> _server_copy.ObjectInfo:
+            info = listed[name]
+            tail = copier.read_range(src_prefix + name, size - _CRC_BYTES, size, info)
+            stored = int.from_bytes(tail, "little")
+            if stored != expected[name]:
+                raise _Refused(
+                    _not_the_snapshot(f"{source}/d/{j}/c/{name}", stored, expected[name])
+                )
+            return copier.copy(src_prefix + name, dst_prefix + name, info)
+
         with concurrent.futures.ThreadPoolExecutor(
             min(COPIES_IN_FLIGHT, len(wanted)), thread_name_prefix="fop-copy"
         ) as pool:
-            futures = {
-                name: pool.submit(copier.copy, src_prefix + name, dst_prefix + name, listed[name])
-                for name in wanted
-            }
+            futures = {name: pool.submit(check_and_copy, name) for name in wanted}
             answers = {name: f.result() for name, f in futures.items()}  # first error raised
         copied = {k[len(dst_prefix) :]: v for k, v in copier.list(dst_prefix).items()}
         for name in wanted:

@@ -20,8 +20,9 @@ new).
 :func:`copier_for` returns the copier of a location, or None and the reason (another
 driver, botocore or google-auth missing, no credentials); callers then write the
 bytes themselves. Each copier is built once per store and settings (cached) and is
-thread-safe: :meth:`Copier.list`, :meth:`Copier.copy` and :meth:`Copier.delete` may be
-called from any number of threads at once.
+thread-safe: :meth:`Copier.list`, :meth:`Copier.copy`, :meth:`Copier.delete` and
+:meth:`Copier.read_range` (a few bytes of one object: ``_incremental`` reads a source
+chunk's crc32c trailer with it) may be called from any number of threads at once.
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ class Copier:
 
     def delete(self, key: str) -> None:
         """Deletes one object (no error if it is absent)."""
+        raise NotImplementedError
+
+    def read_range(self, key: str, start: int, stop: int, source: ObjectInfo) -> bytes:
+        """Bytes ``[start, stop)`` of ``key``, only if it is still the object ``source``
+        describes (S3 ``If-Match`` on its ETag, GCS ``ifGenerationMatch``); raises
+        :class:`CopyError` when the store answers another length."""
         raise NotImplementedError
 
 
@@ -186,6 +193,19 @@ class _S3Copier(Copier):
     def delete(self, key: str) -> None:
         self._call("delete_object", Key=key)
 
+    def read_range(self, key: str, start: int, stop: int, source: ObjectInfo) -> bytes:
+        kw: dict[str, Any] = {"Key": key, "Range": f"bytes={start}-{stop - 1}"}
+        if source.generation:
+            kw["IfMatch"] = f'"{source.generation}"'
+        answer = self._call("get_object", **kw)
+        try:
+            body = answer["Body"].read(stop - start + 1)
+        except Exception as e:  # noqa: BLE001  (botocore's stream errors: no reuse)
+            raise CopyError(f"S3 get_object {key} in bucket {self._bucket}: {e}") from e
+        finally:
+            answer["Body"].close()
+        return _exact(body, start, stop, f"S3 {self._bucket}/{key}")
+
 
 def _etag(value: str | None) -> str | None:
     return value.strip('"') if value else None
@@ -227,24 +247,38 @@ class _GCSCopier(Copier):
         self._token = token
 
     def _request(self, method: str, url: str, body: bytes | None = None) -> dict:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
+        raw = self._send(method, url, body)
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError as e:
+            raise CopyError(f"GCS {method} {url}: not JSON") from e
+
+    def _send(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        limit: int | None = None,
+    ) -> bytes:
+        """The answer's body (at most ``limit`` bytes unless None); a DELETE of an absent
+        object answers b"" (no error)."""
+        headers = dict(headers or {})
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         token = self._token()
         if token:
             headers["Authorization"] = f"Bearer {token}"
         req = urllib.request.Request(url, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=_HTTP_TIMEOUT_S) as resp:
-                raw = resp.read()
+                return resp.read(limit)
         except urllib.error.HTTPError as e:
             if method == "DELETE" and e.code == 404:
-                return {}
+                return b""
             raise CopyError(f"GCS {method} {url}: HTTP {e.code} {e.reason}") from e
         except (urllib.error.URLError, OSError) as e:
             raise CopyError(f"GCS {method} {url}: {e}") from e
-        try:
-            return json.loads(raw) if raw else {}
-        except ValueError as e:
-            raise CopyError(f"GCS {method} {url}: not JSON") from e
 
     def _object(self, key: str) -> str:
         return f"{self._base}/{urllib.parse.quote(key, safe='')}"
@@ -278,6 +312,26 @@ class _GCSCopier(Copier):
 
     def delete(self, key: str) -> None:
         self._request("DELETE", self._object(key))
+
+    def read_range(self, key: str, start: int, stop: int, source: ObjectInfo) -> bytes:
+        query = {"alt": "media"}
+        if source.generation:
+            query["ifGenerationMatch"] = source.generation
+        url = f"{self._object(key)}?{urllib.parse.urlencode(query)}"
+        headers = {"Range": f"bytes={start}-{stop - 1}"}
+        body = self._send("GET", url, headers=headers, limit=stop - start + 1)
+        return _exact(body, start, stop, f"GCS {self._bucket}/{key}")
+
+
+def _exact(body: bytes, start: int, stop: int, shown: str) -> bytes:
+    """``body`` when it is the ``stop - start`` bytes asked for (a store that ignored the
+    range answers more; at most one byte more is ever read)."""
+    if len(body) != stop - start:
+        raise CopyError(
+            f"{shown}: asked for bytes {start}-{stop - 1} ({stop - start} bytes), "
+            f"the store answered {len(body)}{'+' if len(body) > stop - start else ''}"
+        )
+    return body
 
 
 def _gcs_info(obj: dict) -> ObjectInfo:

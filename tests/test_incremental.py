@@ -180,6 +180,74 @@ def test_a_damaged_previous_chunk_is_not_propagated(tmp_path, caplog):
             mngr.restore(step=1)
 
 
+def _resealed(data: bytes) -> bytes:
+    """A chunk file's bytes with one payload element changed and a valid crc32c trailer
+    for the new payload: undetectable by the chunk's own checksum."""
+    import google_crc32c
+
+    payload = bytearray(data[:-4])
+    payload[100] ^= 0x40  # one float32 of w1 changed by a power of two
+    return bytes(payload) + google_crc32c.value(bytes(payload)).to_bytes(4, "little")
+
+
+def test_an_edited_and_resealed_previous_chunk_is_not_linked(tmp_path, caplog):
+    """The leaf's digest is of the snapshot, not of the previous file: a previous chunk
+    edited with a valid crc32c passes its own check, but its crc32c is not that of the
+    snapshot's bytes for that chunk, so it is written, and the new step holds the new
+    snapshot's values."""
+    d = str(tmp_path)
+    with fop.CheckpointManager(d, incremental=True) as mngr:
+        _save(mngr, 1, _state())
+        files, _ = _leaf_files(d, 1, "base/w1")
+        name = sorted(n for n in files if n.startswith("c/"))[1]
+        victim = _chunk_path(d, 1, "base/w1", name)
+        with open(victim, "rb") as f:
+            edited = _resealed(f.read())
+        with open(victim, "r+b") as f:  # in place: the same inode, the same size
+            f.write(edited)
+        assert all(r.ok for r in fop.verify(d, step=1))  # the edit is a valid chunk
+        with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
+            r = _save(mngr, 2, _state())
+        assert "base/w1" in caplog.text and "not that of the snapshot" in caplog.text
+        assert name in caplog.text
+        assert r.bytes_reused == W2 + ADAPTER  # w1 written from the snapshot
+        assert not any(_same_inodes(d, 1, 2, "base/w1"))
+        files2, _ = _leaf_files(d, 2, "base/w1")
+        assert all(st.st_nlink == 1 for st in files2.values())  # nothing left linked
+        _assert_equal(_state(), mngr.restore(step=2))
+    assert all(r.ok for r in fop.verify(d, all_steps=True))
+    assert fop.restore_params(d, _state()["params"])["base"]["w1"].tobytes() == (
+        _state()["params"]["base"]["w1"].tobytes()
+    )
+
+
+def test_snapshot_crcs_are_the_trailers_the_writer_stores(tmp_path):
+    """``chunk_crcs`` gives, for every chunk of a region, the trailer of the file the
+    chunk writer stores for it: whole chunks, edge chunks (zero-padded) and chunks that
+    are not contiguous in the region (cut along a later axis)."""
+    from flax_orbax_plugin import _chunk_files
+
+    shape, chunk = (7, 10), (3, 4)
+    data = np.arange(70, dtype=np.float32).reshape(shape) * 1.5
+    region = (slice(3, 7), slice(None))
+    with _chunk_files.ChunkWriter(str(tmp_path)) as writer:
+        for future in writer.array("d/0", shape, chunk, region, data[3:]):
+            future.result()
+    crcs = _chunk_files.chunk_crcs(shape, chunk, region, data[3:])
+    assert sorted(crcs) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    for cell, crc in crcs.items():
+        stored = (tmp_path / "d" / "0" / "c" / str(cell[0]) / str(cell[1])).read_bytes()
+        assert len(stored) == 3 * 4 * 4 + 4
+        assert int.from_bytes(stored[-4:], "little") == crc
+    assert _chunk_files.chunk_crcs(shape, chunk, (slice(2, 7), slice(None)), data[2:]) is None
+    other = data[3:].copy()
+    other[3, 9] += 1  # in the padded edge chunk (2, 2)
+    changed = _chunk_files.chunk_crcs(shape, chunk, region, other)
+    assert [c for c in crcs if crcs[c] != changed[c]] == [(2, 2)]
+    big_endian = data[3:].astype(">f4")
+    assert _chunk_files.chunk_crcs(shape, chunk, region, big_endian) == crcs
+
+
 @pytest.mark.parametrize("damage", ["truncate", "remove", "symlink"])
 def test_a_missing_short_or_symlinked_previous_chunk_means_write(tmp_path, damage, caplog):
     d = str(tmp_path)
@@ -506,7 +574,11 @@ def test_link_leaf_links_only_the_chunks_asked_for_and_undoes_only_its_own(tmp_p
     source = Location.from_path(os.path.join(d, "1", "params"))
     target = Location.from_path(str(tmp_path / "new"))
     mine = [tuple(n.split("/")) for n in names[1:]]
-    got = _incremental.link_leaf(source, i, target, 0, rec, chunks=mine, nbytes=12345)
+    w1 = _state()["params"]["base"]["w1"]
+    writes = [((slice(256, 768), slice(None)), w1[256:])]  # this process's snapshot
+    got = _incremental.link_leaf(
+        source, i, target, 0, rec, writes=writes, chunks=mine, nbytes=12345
+    )
     assert got == 12345
     linked = sorted(
         os.path.relpath(os.path.join(t, f), tmp_path / "new" / "d" / "0")
@@ -528,7 +600,10 @@ def test_link_leaf_links_only_the_chunks_asked_for_and_undoes_only_its_own(tmp_p
         f.seek(10)
         f.write(bytes([byte[0] ^ 1]))
     again = Location.from_path(str(tmp_path / "again"))
-    assert _incremental.link_leaf(source, i, again, 0, rec, chunks=mine, nbytes=1) is None
+    assert (
+        _incremental.link_leaf(source, i, again, 0, rec, writes=writes, chunks=mine, nbytes=1)
+        is None
+    )
     left = [os.path.join(t, f) for t, _, fs in os.walk(tmp_path / "again") for f in fs]
     assert left == [str(other)] and other.read_bytes() == b"theirs"
 
@@ -545,11 +620,15 @@ def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_
     j = int(prefix.rstrip("/").rsplit("/", 1)[1])
     names = sorted(n for n in files if n.startswith("c/"))
     mine = [tuple(n.split("/")) for n in names[1:]]
+    w1 = _state()["params"]["base"]["w1"]
+    writes = [((slice(256, 768), slice(None)), w1[256:])]  # this process's snapshot
     source = Location.from_path(f"{url}/1/params")
     copier, why = _server_copy.copier_for(source)
     assert copier is not None, why
     target = Location.from_path(f"{url}/new")
-    got = _incremental.copy_leaf(copier, source, j, target, 0, rec, chunks=mine, nbytes=7)
+    got = _incremental.copy_leaf(
+        copier, source, j, target, 0, rec, writes=writes, chunks=mine, nbytes=7
+    )
     assert got == 7
     copied = {k: s3_location.read(k) for k in s3_location.keys() if k.startswith("new/")}
     assert sorted(copied) == [f"new/d/0/{n}" for n in names[1:]]
@@ -565,6 +644,9 @@ def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_
         def delete(self, key):
             copier.delete(key)
 
+        def read_range(self, key, start, stop, info):
+            return copier.read_range(key, start, stop, info)
+
         def copy(self, src, dst, info):
             out = copier.copy(src, dst, info)
             if dst.endswith(names[-1]):
@@ -572,11 +654,16 @@ def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_
             return out
 
     again = Location.from_path(f"{url}/again")
-    assert _incremental.copy_leaf(FailsLast(), source, j, again, 0, rec, chunks=mine) is None
+    assert (
+        _incremental.copy_leaf(FailsLast(), source, j, again, 0, rec, writes=writes, chunks=mine)
+        is None
+    )
     assert [k for k in s3_location.keys() if k.startswith("again/")] == ["again/d/0/c/0/0"]
     # A short source chunk of this process is refused before any copy.
     s3_location.kvstore().write(prefix + names[2], files[names[2]][:100]).result()
-    assert _incremental.copy_leaf(copier, source, j, again, 0, rec, chunks=mine) is None
+    assert (
+        _incremental.copy_leaf(copier, source, j, again, 0, rec, writes=writes, chunks=mine) is None
+    )
     assert [k for k in s3_location.keys() if k.startswith("again/")] == ["again/d/0/c/0/0"]
 
 
@@ -787,6 +874,9 @@ def test_a_copy_that_differs_from_its_source_is_deleted_and_the_leaf_written(
         def delete(self, key):
             self.inner.delete(key)
 
+        def read_range(self, key, start, stop, source):
+            return self.inner.read_range(key, start, stop, source)
+
         def copy(self, src, dst, source):
             out = self.inner.copy(src, dst, source)
             if not self.hit and "/d/" in dst:
@@ -807,6 +897,30 @@ def test_a_copy_that_differs_from_its_source_is_deleted_and_the_leaf_written(
         assert r.bytes_written in (W1 + 64, W2 + 64, ADAPTER + 64)  # that one leaf
         _assert_equal(_state(), mngr.restore(step=2))
     assert all(r.ok for r in fop.verify(url, all_steps=True))
+
+
+def test_an_edited_and_resealed_previous_chunk_object_is_not_copied(bucket, caplog):
+    """On S3 and GCS: the source chunk's crc32c trailer (read by range, pinned to the
+    object listed) must equal the crc32c of the snapshot's bytes for that chunk; an
+    edited and resealed chunk is not copied, the leaf is written."""
+    url = bucket.url
+    with fop.CheckpointManager(url, incremental=True) as mngr:
+        _save(mngr, 1, _state())
+        files, _, prefix = _remote_leaf(bucket, 1, "base/w1")
+        name = sorted(n for n in files if n.startswith("c/"))[1]
+        bucket.kvstore().write(prefix + name, _resealed(files[name])).result()
+        assert [r.ok for r in fop.verify(url, all_steps=True)] == [True]  # a valid chunk
+        with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
+            r = _save(mngr, 2, _state())
+        assert "base/w1" in caplog.text and "not that of the snapshot" in caplog.text
+        assert name in caplog.text
+        assert r.bytes_reused == W2 + ADAPTER and r.bytes_written == W1 + 64
+        _assert_equal(_state(), mngr.restore(step=2))
+        copied, _, _ = _remote_leaf(bucket, 2, "base/w1")
+        assert set(copied) == set(files) and copied[name] == files[name]  # the snapshot's
+    assert [r.ok for r in fop.verify(url, all_steps=True)] == [True, True]
+    got = fop.restore_params(url, _state()["params"])["base"]["w1"]
+    assert got.tobytes() == _state()["params"]["base"]["w1"].tobytes()
 
 
 def test_copy_check_compares_tags_only_where_they_hash_the_bytes():
