@@ -7,6 +7,8 @@ shard shape, so no two writers ever touch one chunk.
 
 from __future__ import annotations
 
+import errno
+import re
 from typing import Any
 
 import numpy as np
@@ -128,3 +130,51 @@ def open_for_read(array_spec: dict[str, Any]) -> ts.Future:
     ``zarr.json`` at once rather than one after another."""
     array_spec = dict(array_spec, fill_missing_data_reads=False)
     return ts.open(array_spec, open=True, context=_context_for(array_spec))
+
+
+# -- tensorstore's errors: damage or environment -------------------------------------
+
+# Statuses that prove the stored bytes are wrong or absent: a checksum (DATA_LOSS), a
+# size or a zarr.json that disagrees (FAILED_PRECONDITION), bytes that do not decode
+# (INVALID_ARGUMENT, OUT_OF_RANGE), a chunk that is not there (NOT_FOUND).
+_DAMAGE = frozenset(
+    {"DATA_LOSS", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "OUT_OF_RANGE", "NOT_FOUND"}
+)
+_STATUS = re.compile(r"^([A-Z_]+): ")
+_OS_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]")
+_DAMAGE_ERRNOS = frozenset({errno.ENOENT, errno.ELOOP, errno.ENOTDIR})
+_STATUS_ERRNO = {
+    "DEADLINE_EXCEEDED": errno.ETIMEDOUT,  # TimeoutError
+    "PERMISSION_DENIED": errno.EACCES,  # PermissionError
+    "UNAUTHENTICATED": errno.EACCES,
+    "UNAVAILABLE": errno.ECONNREFUSED,  # ConnectionRefusedError
+    "RESOURCE_EXHAUSTED": errno.ENOMEM,
+}
+
+
+def environmental(error: BaseException) -> OSError | None:
+    """The :class:`OSError` that ``error`` (raised by tensorstore) stands for when it is
+    the environment's fault (a file-descriptor or memory limit, a permission, a timeout,
+    a refused or reset connection, any status that proves nothing about the bytes);
+    None when it proves damage (see ``_DAMAGE``) or is not a tensorstore status.
+
+    The errno is the one tensorstore reports (``[os_error_code=24]``: EMFILE), else one
+    standing for the status (DEADLINE_EXCEEDED: ETIMEDOUT, UNAVAILABLE: ECONNREFUSED,
+    PERMISSION_DENIED: EACCES, RESOURCE_EXHAUSTED: ENOMEM, others: EIO)."""
+    if isinstance(error, OSError):
+        return error
+    if not isinstance(error, ValueError):
+        return None
+    text = str(error)
+    status = _STATUS.match(text)
+    if status is None:
+        return None  # not tensorstore's (our own checks raise plain ValueError)
+    code = _OS_CODE.search(text)
+    os_errno = int(code.group(1)) if code else None
+    if os_errno is not None:
+        if os_errno in _DAMAGE_ERRNOS:
+            return None
+    elif status.group(1) in _DAMAGE:
+        return None
+    shown = text.split(" [tensorstore_spec=", 1)[0]
+    return OSError(os_errno or _STATUS_ERRNO.get(status.group(1), errno.EIO), shown)

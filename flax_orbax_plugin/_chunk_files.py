@@ -32,7 +32,9 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import ctypes
+import errno
 import itertools
+import math
 import os
 import stat
 import sys
@@ -42,7 +44,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from . import _host
+from . import _faults, _host
 from ._storage import check_name
 
 THREADS = 8  # as tensorstore's file_io_concurrency for local disks (_storage.context)
@@ -156,6 +158,62 @@ def _as_bytes(array: np.ndarray) -> np.ndarray:
     out = array.reshape(-1).view(np.uint8)
     out.flags.writeable = False
     return out
+
+
+# -- what the files of an array must hold (checked before anything is allocated) ------
+
+# A zstd frame decodes to at most ~26,000x its size (every 128 KiB block needs at
+# least ~5 bytes); a bound above that, for claims about compressed chunk files.
+MAX_COMPRESSION_RATIO = 1 << 16
+
+
+def array_claim(shape, chunk, itemsize: int, *, compressed: bool) -> tuple[int, int]:
+    """(chunk files, bytes) that an array of ``shape`` stored in ``chunk``-shaped chunks
+    needs on disk: uncompressed, each file is the whole (padded) chunk and its crc32c;
+    compressed, the bytes are a lower bound (see :data:`MAX_COMPRESSION_RATIO`).
+    Python ints: claims of any size are computed exactly, nothing is allocated."""
+    cells = math.prod(-(-int(n) // int(c)) for n, c in zip(shape, chunk, strict=True))
+    chunk_bytes = math.prod(int(c) for c in chunk) * itemsize
+    if compressed:
+        return cells, -(-math.prod(shape) * itemsize // MAX_COMPRESSION_RATIO)
+    return cells, cells * (chunk_bytes + 4)
+
+
+def batch_claim(
+    size: int, chunk: int, inner: int, itemsize: int, *, compressed: bool
+) -> tuple[int, int]:
+    """(files, bytes) that a batch array (1-D, ``size`` elements, files of ``chunk``
+    elements holding ``inner``-element chunks, as ``ChunkWriter.batch`` and tensorstore
+    write it) needs on disk; compressed, a lower bound."""
+    files = -(-size // chunk)
+    index = files * (16 * (chunk // inner) + 4)  # one checksummed index per file
+    if compressed:
+        return files, index + -(-size * itemsize // MAX_COMPRESSION_RATIO)
+    last = size - (files - 1) * chunk
+    inners = (files - 1) * (chunk // inner) + -(-last // inner)
+    return files, index + inners * (inner * itemsize + 4)
+
+
+def stored_files(root: str, sub: str) -> tuple[int, int]:
+    """(regular files, their total bytes) under ``root/sub/c`` (an array's chunk files),
+    walked without following any link; (0, 0) when there is no such directory. Costs
+    one ``stat`` per file that exists, whatever the metadata claims."""
+    count = total = 0
+    stack = [os.path.join(root, check_name(sub), "c")]
+    while stack:
+        top = stack.pop()
+        try:
+            it = os.scandir(top)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    count += 1
+                    total += entry.stat(follow_symlinks=False).st_size
+    return count, total
 
 
 class ChunkWriter:
@@ -321,11 +379,18 @@ class ChunkReader:
             read.futures.append(self._pool.submit(*job))
         return read
 
-    def read_batch(self, sub: str, size: int, chunk: int, inner: int, dtype) -> PendingRead:
+    def read_batch(
+        self, sub: str, size: int, chunk: int, inner: int, dtype, files: range | None = None
+    ) -> PendingRead:
         """Starts reading all of batch array ``sub`` (1-D, ``size`` elements, files of
-        ``chunk`` elements holding ``inner``-element chunks)."""
+        ``chunk`` elements holding ``inner``-element chunks), or only the elements of
+        its ``files`` (consecutive file numbers: ``verify`` reads a batch a few files at
+        a time)."""
         check_name(sub)  # never a path outside the checkpoint
-        read = PendingRead((size,), dtype)
+        files = range(-(-size // chunk)) if files is None else files
+        first = files.start * chunk if files else 0
+        stop = min(size, files.stop * chunk) if files else 0
+        read = PendingRead((stop - first,), dtype)
         flat = read.out.view(np.uint8)
         itemsize = read.out.dtype.itemsize
         read.futures = [
@@ -337,8 +402,9 @@ class ChunkReader:
                 size * itemsize,
                 chunk * itemsize,
                 inner * itemsize,
+                first * itemsize,
             )
-            for s in range(-(-size // chunk))
+            for s in files
         ]
         return read
 
@@ -404,11 +470,13 @@ def _as_writable_bytes(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
-def _read_shard(path: str, flat: np.ndarray, s: int, size: int, chunk: int, inner: int) -> None:
-    """Reads one batch file (a zarr3 shard, sizes in bytes) into ``flat``: every stored
-    inner chunk straight to its place, then checks the index (exactly the layout both
-    writers produce: inner chunks in order, none missing before ``size``) and every
-    checksum."""
+def _read_shard(
+    path: str, flat: np.ndarray, s: int, size: int, chunk: int, inner: int, base: int = 0
+) -> None:
+    """Reads one batch file (a zarr3 shard, sizes in bytes) into ``flat`` (the batch's
+    bytes from byte ``base`` on): every stored inner chunk straight to its place, then
+    checks the index (exactly the layout both writers produce: inner chunks in order,
+    none missing before ``size``) and every checksum."""
     name = _name(path)
     count = chunk // inner
     present = -(-min(size - s * chunk, chunk) // inner)
@@ -416,7 +484,7 @@ def _read_shard(path: str, flat: np.ndarray, s: int, size: int, chunk: int, inne
     checks: list[tuple[list[np.ndarray], np.ndarray]] = []
     for j in range(present):
         start = s * chunk + j * inner
-        data = [flat[start : min(start + inner, size)]]
+        data = [flat[start - base : min(start + inner, size) - base]]
         if data[0].size < inner:
             data.append(np.empty(inner - data[0].size, np.uint8))
         trailer = np.empty(4, np.uint8)
@@ -450,12 +518,18 @@ def _read_file(path: str, name: str, parts: list[np.ndarray]) -> None:
     regular file of exactly their total size (never followed if a symlink)."""
     global _read_total
     expected = sum(p.size for p in parts)
+    _faults.fail_point("read_chunk")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ValueError(f"chunk {name} is missing") from None
+        # O_NONBLOCK: a FIFO in the checkpoint's place never blocks (refused below)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise ValueError(f"chunk {name} cannot be opened: {e}") from None
+        # Damage only where proven: the file is absent, a symlink or under a file.
+        # Anything else (EMFILE, EIO, EACCES, ENOMEM...) is the environment's: raised.
+        if e.errno == errno.ENOENT:
+            raise ValueError(f"chunk {name} is missing") from None
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise ValueError(f"chunk {name} cannot be opened: {e}") from None
+        raise
     at = 0
     try:
         st = os.fstat(fd)

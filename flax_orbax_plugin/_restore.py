@@ -218,10 +218,8 @@ def _deleted_or(location: Location, error: Exception) -> Exception:
     try:
         if location.exists(COMMIT_FILE) or location.parent.exists(_layout.MANIFEST_FILE):
             return error
-    except CheckpointError:  # a foreign marker: not a deletion
+    except (CheckpointError, OSError):  # a foreign marker, or unknown: not a deletion
         return error
-    except OSError:
-        pass
     deleted = StepDeletedError(
         f"{location} was deleted while it was being read (a writer's retention policy "
         f"removes old steps; restore a newer step, or keep more): {error}"
@@ -359,9 +357,21 @@ class _Reader:
             try:
                 data = future.result()
             except Exception as e:  # tensorstore raises ValueError with a status text
+                _raise_environmental(e)
                 on_error(e)
                 continue
             on_done(data)
+
+
+def _raise_environmental(error: Exception) -> None:
+    """Raises the OSError ``error`` stands for when it is no proof of damage (EMFILE,
+    EIO, EACCES, a timeout, a refused connection: see ``_arrays.environmental``), so
+    that no intact checkpoint is reported (and set aside) as damaged."""
+    env = _arrays.environmental(error)
+    if env is error:
+        raise error
+    if env is not None:
+        raise env from error
 
 
 def _corrupt(paths: list[str], location: Location, error: Exception) -> CorruptCheckpointError:
@@ -381,12 +391,66 @@ def _read_targets(location: Location, doc: CheckpointDocument, targets: list, li
 
 
 def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: list, limit: int):
+    check_claims(location, doc, targets)
     direct = _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
     try:
         _read_targets_with(location, doc, targets, limit, direct)
     finally:
         if direct is not None:
             direct.close()
+
+
+def check_claims(location: Location, doc: CheckpointDocument, targets: list) -> None:
+    """Checks that the chunk files of every array and batch that ``targets`` read hold
+    at least the bytes their metadata claims, before anything sized by a claim is
+    allocated (a resealed, checksum-valid ``_METADATA.json`` may claim any shape):
+    a CorruptCheckpointError naming the file, the field and what is on disk otherwise.
+    Local disks only (object stores list no sizes: a read there is bounded by the
+    ``zarr.json`` agreement and tensorstore's own per-chunk checks). One ``stat`` per
+    existing chunk file; nothing per claimed element or chunk."""
+    if not location.is_local:
+        return
+    where = f"{location}/{METADATA_FILE}"
+    batches: dict[str, list[str]] = collections.defaultdict(list)
+    for target in targets:
+        record = target.record
+        storage = record.storage
+        if isinstance(storage, BatchStorage):
+            batches[storage.batch].append(record.path)
+        if not isinstance(storage, ArrayStorage):
+            continue
+        itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
+        needed = _chunk_files.array_claim(
+            record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None
+        )
+        field = f"leaves[{target.index}] ({record.path!r}).shape"
+        _check_claim(location, f"d/{int(target.index)}", needed, where, field, record.shape)
+    for name, paths in sorted(batches.items()):
+        batch = doc.batches[name]
+        itemsize = _layout.dtype_from_name(batch.dtype).itemsize
+        needed = _chunk_files.batch_claim(
+            batch.size,
+            int(batch.chunk),
+            _save._batch_inner(batch),
+            itemsize,
+            compressed=batch.codec is not None,
+        )
+        shown = ", ".join(repr(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
+        field = f"batches[{name!r}].size (holding leaves {shown})"
+        _check_claim(location, f"b/{name}", needed, where, field, batch.size)
+
+
+def _check_claim(location, sub: str, needed, where: str, field: str, claim) -> None:
+    files, nbytes = needed
+    if files == 0:
+        return
+    found_files, found_bytes = _chunk_files.stored_files(location.path, sub)
+    if found_files < files or found_bytes < nbytes:
+        raise CorruptCheckpointError(
+            f"{where}: field {field}: {_layout._show(claim)} needs {files} chunk files of "
+            f"{nbytes} bytes in all under {location}/{sub}/c, found {found_files} files of "
+            f"{found_bytes} bytes (the metadata claims more data than is stored)"
+        )
 
 
 def _read_region(store, target: _Target, direct: _chunk_files.ChunkReader | None, region=None):
@@ -487,6 +551,7 @@ def _opened(future, location: Location, paths: list[str]):
     try:
         return future.result()
     except ValueError as e:
+        _raise_environmental(e)
         raise _corrupt(paths, location, e) from None
 
 

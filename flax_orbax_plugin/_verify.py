@@ -7,18 +7,39 @@ it lists (present, checksum), every file each item kind needs (``value.json`` of
 read in full (metadata checksum and fields, ``zarr.json`` agreement, every chunk's
 crc32c). A standalone core checkpoint is checked the same way.
 
-Safe to call while a writer works on the directory (it writes nothing).
+Memory: bounded by :data:`VERIFY_BUDGET_BYTES` (plus one stored chunk or batch file)
+whatever the checkpoint's size: each array is read a few whole chunks at a time, each
+batch a few files at a time, through the same readers restore uses (the direct chunk
+file reader on local disks, else tensorstore), and each part is dropped once checked.
+The sizes the metadata claims are checked against the files on disk first.
+
+Environmental errors (EMFILE, EIO, EACCES, timeouts: OSError) are raised, not reported
+as damage. Safe to call while a writer works on the directory (it writes nothing);
+call from one thread per checkpoint.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
+import math
 from typing import Any
 
-from . import _restore, _steps
+from . import _chunk_files, _layout, _restore, _save, _steps
 from ._errors import CheckpointError, CheckpointNotFoundError
-from ._layout import COMMIT_FILE, JSON_VALUE_FILE, MANIFEST_FILE, METADATA_FILE, StepManifest
+from ._layout import (
+    COMMIT_FILE,
+    JSON_VALUE_FILE,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    ArrayStorage,
+    StepManifest,
+)
 from ._storage import Location
+
+# Bytes of array data read but not yet checked, at most (plus one chunk or file).
+VERIFY_BUDGET_BYTES = 16 << 20
 
 __all__ = ["VerifyResult", "verify"]
 
@@ -109,7 +130,145 @@ def _check_item_files(item_loc: Location, name: str, kind: str, manifest: StepMa
 
 def _verify_pytree(loc: Location, step: int | None, item: str | None) -> VerifyResult:
     try:
-        _restore.restore(loc, None)
+        check_pytree(loc)
     except CheckpointError as e:
         return VerifyResult(str(loc), step, item, False, str(e))
     return VerifyResult(str(loc), step, item, True)
+
+
+def check_pytree(location: Location, *, budget: int = VERIFY_BUDGET_BYTES) -> None:
+    """Checks a committed pytree checkpoint as restore reads it (metadata checksum and
+    fields, sizes claimed against the files on disk, every ``zarr.json``, every chunk's
+    crc32c) holding at most ``budget`` bytes of data at a time; raises the
+    CorruptCheckpointError restore would (naming the leaf), OSError for the
+    environment's errors. Returns nothing: no value is kept."""
+    _save.wait_for_pending_save(location)
+    doc = _restore.read_document(location)
+    location.check_no_links()  # tensorstore's file driver would follow them
+    targets = [_restore._make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
+    _restore.check_claims(location, doc, targets)
+    direct = _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
+    window = _Window(location, budget)
+    try:
+        for target in targets:
+            record = target.record
+            if not isinstance(record.storage, ArrayStorage):
+                continue
+            spec = _save._array_spec(location, target.index, record)
+            store = _restore._open(spec, location, [record.path])
+            itemsize = target.dtype.itemsize
+            for region in _regions(record.shape, record.storage.chunk_shape, itemsize, budget):
+                nbytes = _region_bytes(region, record.shape, itemsize)
+                read = _restore._read_region(store, target, direct, region)
+                window.submit(read, nbytes, [record.path])
+        for batch in doc.batches.values():
+            _check_batch(location, doc, batch, direct, window, budget)
+        window.drain(0)
+    finally:
+        if direct is not None:
+            direct.close()
+
+
+class _Window:
+    """Reads in flight, at most ``budget`` bytes of them (plus the last submitted); each
+    result is checked (its read raised nothing) and dropped."""
+
+    def __init__(self, location: Location, budget: int):
+        self.location, self.budget = location, budget
+        self.pending: collections.deque = collections.deque()
+        self.in_flight = 0
+
+    def submit(self, read: Any, nbytes: int, paths: list[str], locate: Any = None) -> None:
+        """``locate()``, called on damage, narrows ``paths`` to the leaves damaged."""
+        self.pending.append((read, nbytes, paths, locate))
+        self.in_flight += nbytes
+        self.drain(self.budget)
+
+    def drain(self, to: int) -> None:
+        while self.pending and (self.in_flight > to or to == 0):
+            read, nbytes, paths, locate = self.pending.popleft()
+            self.in_flight -= nbytes
+            try:
+                read.result()
+            except CheckpointError:
+                raise
+            except Exception as e:  # tensorstore: ValueError with a status text
+                _restore._raise_environmental(e)
+                damaged = (locate() if locate is not None else None) or paths
+                raise _restore._corrupt(damaged, self.location, e) from None
+
+
+def _damaged_leaves(store, members: list) -> list[str]:
+    """The leaves among ``members`` (records of one batch) whose own elements fail to
+    read, each read alone through tensorstore (one small leaf at a time)."""
+    bad = []
+    for rec in members:
+        off, size = rec.storage.offset, rec.storage.size
+        try:
+            _restore._ReadInto(store[off : off + size]).result()
+        except Exception as e:  # noqa: BLE001 - damage is collected, the rest raised
+            _restore._raise_environmental(e)
+            bad.append(rec.path)
+    return bad
+
+
+def _regions(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, budget: int):
+    """Regions (tuples of slices) of whole chunks covering an array, each at most
+    ``budget`` bytes where one chunk is not larger: slabs of whole chunks along the
+    first axis where they fit, else along the next axis within one chunk of the first,
+    and so on. A generator: nothing is allocated per chunk ahead of its read."""
+    if not shape or math.prod(shape) * itemsize <= budget:
+        yield None
+        return
+    ndim = len(shape)
+    axis = ndim - 1
+    for k in range(ndim):  # the first axis along which a run of whole chunks fits
+        if math.prod(chunk[: k + 1]) * math.prod(shape[k + 1 :]) * itemsize <= budget:
+            axis = k
+            break
+    per_chunk = math.prod(chunk[: axis + 1]) * math.prod(shape[axis + 1 :]) * itemsize
+    step = chunk[axis] * max(1, budget // per_chunk)
+    outer = (range(0, shape[a], chunk[a]) for a in range(axis))
+    for starts in itertools.product(*outer):
+        cells = zip(starts, chunk[:axis], shape[:axis], strict=True)
+        head = tuple(slice(a, min(a + c, n)) for a, c, n in cells)
+        tail = tuple(slice(0, n) for n in shape[axis + 1 :])
+        for lo in range(0, shape[axis], step):
+            yield (*head, slice(lo, min(lo + step, shape[axis])), *tail)
+
+
+def _region_bytes(region, shape: tuple[int, ...], itemsize: int) -> int:
+    if region is None:
+        return math.prod(shape) * itemsize
+    return math.prod(s.stop - s.start for s in region) * itemsize
+
+
+def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> None:
+    """Reads a batch a few of its files at a time; damage names the leaves stored in
+    the files that failed."""
+    members = [
+        rec
+        for rec in doc.leaves
+        if isinstance(rec.storage, _layout.BatchStorage) and rec.storage.batch == batch.name
+    ]
+    store = _restore._open(_save._batch_spec(location, batch), location, [r.path for r in members])
+    itemsize = _layout.dtype_from_name(batch.dtype).itemsize
+    chunk = int(batch.chunk)
+    files = -(-batch.size // chunk)
+    per_group = max(1, budget // (chunk * itemsize))
+    inner = _save._batch_inner(batch)
+    for first in range(0, files, per_group):
+        group = range(first, min(files, first + per_group))
+        lo, hi = group.start * chunk, min(batch.size, group.stop * chunk)
+        if direct is not None and batch.codec is None:
+            read = direct.read_batch(
+                f"b/{batch.name}", batch.size, chunk, inner, store.dtype.numpy_dtype, group
+            )
+        else:
+            read = _restore._ReadInto(store[lo:hi])
+        inside = [
+            r for r in members if r.storage.offset < hi and r.storage.offset + r.storage.size > lo
+        ]
+        paths = [r.path for r in inside] or [f"batch {batch.name}"]
+        locate = lambda inside=inside: _damaged_leaves(store, inside)  # noqa: E731
+        window.submit(read, (hi - lo) * itemsize, paths, locate)
