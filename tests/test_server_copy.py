@@ -33,6 +33,21 @@ def test_copy_list_and_delete(bucket):
     assert copier.list(root + "b/") == {} and bucket.read("a/x/1") == data
 
 
+def test_read_range_reads_the_bytes_asked_for(bucket):
+    """What ``_incremental`` reads of a source chunk: its last 4 bytes (the crc32c
+    trailer), pinned to the object listed; a range past the end is an error."""
+    loc = Location.from_path(bucket.url)
+    data = bytes(range(256)) * 40
+    loc.write_bytes("a/x", data)
+    copier, _ = _server_copy.copier_for(loc)
+    key = bucket.prefix + "/a/x"
+    info = copier.list(key)[key]
+    assert copier.read_range(key, len(data) - 4, len(data), info) == data[-4:]
+    assert copier.read_range(key, 10, 20, info) == data[10:20]
+    with pytest.raises(_server_copy.CopyError):
+        copier.read_range(key, len(data) - 4, len(data) + 4, info)  # the store has fewer
+
+
 def test_a_source_changed_since_it_was_listed_is_never_taken_for_it(bucket):
     """The copy is made only from the object listed (S3 If-Match, GCS generation match:
     refused by real stores; moto and the emulator ignore both and copy the new bytes),
