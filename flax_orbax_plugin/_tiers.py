@@ -111,12 +111,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import _distributed, _faults, _steps
+from . import _distributed, _faults, _ownership, _run_owner, _steps
 from ._commit import Staging
 from ._errors import (
     CheckpointError,
     CoordinationError,
     CorruptCheckpointError,
+    DirectoryLockedError,
     ForeignEntryError,
     ReplicationError,
 )
@@ -139,6 +140,9 @@ POLL_S = 0.5  # other processes: how long one wait for the primary's next round 
 # A file costs this much beyond its bytes when shares are balanced (object stores are
 # latency-bound: a thousand small files are not free).
 FILE_COST_BYTES = 1 << 16
+# Object stores: the persistent steps a verified copy-down proved damaged (they cannot
+# be renamed aside), with the sha256 of the manifest found damaged.
+DAMAGED_FILE = "_DAMAGED.json"
 
 
 class _Stopped(Exception):
@@ -172,6 +176,7 @@ class PersistentTier:
         manager's, so both tiers delete alike).
       busy: returns True while the manager's own save is in flight; the copy waits
         meanwhile (at most :data:`MAX_DEFER_S` per step): the local save comes first.
+      lease_seconds: the lease on an object-store persistent path (see ``_run_owner``).
     """
 
     def __init__(
@@ -184,6 +189,7 @@ class PersistentTier:
         grace_seconds: float = 30.0,
         remove_step: Callable[[Location, int], None],
         busy: Callable[[], bool] = lambda: False,
+        lease_seconds: float = _run_owner.LEASE_SECONDS,
     ):
         self.local = local
         self.remote = Location.from_path(remote)
@@ -208,6 +214,13 @@ class PersistentTier:
         self.grace_seconds = float(grace_seconds)
         self._remove_step = remove_step
         self._busy = busy
+        self._lease_seconds = _run_owner.check_lease(lease_seconds)
+        self._owner: _run_owner.RunOwner | None = None  # the primary's, from open()
+        # Persistent steps a verified copy-down proved damaged: {step: what failed}. On
+        # filesystems they are renamed aside; object stores keep them, recorded in
+        # DAMAGED_FILE, and they are never listed, copied down or counted again.
+        self._damaged: dict[int, str] = {}
+        self.copied_down: list[int] = []  # steps this tier tried to copy down, in order
         self._defer_until = 0.0  # replicator: the deadline of the current step's yielding
         self._cond = threading.Condition()
         self._queue: set[int] = set()  # guarded by _cond, like the fields below
@@ -237,9 +250,22 @@ class PersistentTier:
         (one key-value round), with the name of this tier's replication rounds."""
         remote_steps: list[int] = []
         missing: list[int] = []
+        failure: BaseException | None = None
         if self._primary:
-            self._remove_unfinished()
-            remote_steps = _steps.committed_steps(self.remote)
+            try:
+                self._owner = _run_owner.RunOwner(
+                    self.local, self.remote, lease_seconds=self._lease_seconds
+                )
+                self._owner.open()  # this run's place, or DirectoryLockedError/CheckpointError
+                self._damaged = self._read_damaged()
+                self._remove_unfinished()
+                remote_steps = self.steps()
+            except BaseException as e:
+                if self._owner is not None:
+                    self._owner.close()
+                if not self._multi:
+                    raise
+                failure = e
             latest = remote_steps[-1] if remote_steps else -1
             every = self.retention.keep_every
             missing = [
@@ -249,9 +275,22 @@ class PersistentTier:
             ]
         if self._multi:
             op = _distributed.next_operation_id("tiers-open")
-            mine = {"remote": remote_steps, "missing": missing, "rounds": secrets.token_hex(6)}
+            mine = {
+                "remote": remote_steps,
+                "missing": missing,
+                "damaged": {str(k): v for k, v in self._damaged.items()},
+                "rounds": secrets.token_hex(6),
+                "error": None if failure is None else [type(failure).__name__, str(failure)],
+            }
             shared = json.loads(_distributed.broadcast_str(op, json.dumps(mine)))
+            if shared["error"] is not None:  # every process raises the primary's error
+                if failure is not None:
+                    raise failure
+                kind, text = shared["error"]
+                cls = DirectoryLockedError if kind == "DirectoryLockedError" else CheckpointError
+                raise cls(f"opening the persistent tier failed on the primary: {text}")
             remote_steps, missing = shared["remote"], shared["missing"]
+            self._damaged = {int(k): v for k, v in shared["damaged"].items()}
             self._rounds_key = f"fop/{shared['rounds']}/replicate"
         with self._cond:
             self._known = set(remote_steps)
@@ -285,8 +324,15 @@ class PersistentTier:
             return set(self._known)
 
     def steps(self) -> list[int]:
-        """Steps committed in the persistent tier now (lists the store)."""
-        return _steps.committed_steps(self.remote)
+        """Steps committed in the persistent tier now (lists the store), less those a
+        verified copy-down proved damaged (never listed again)."""
+        damaged = self._damaged
+        return [s for s in _steps.committed_steps(self.remote) if s not in damaged]
+
+    @property
+    def run_id(self) -> str | None:
+        """The run owning both places (the primary's; None elsewhere, or before open)."""
+        return None if self._owner is None else self._owner.run_id
 
     def agreed_steps(self) -> list[int] | None:
         """Collective: the primary's :meth:`steps`, on every process; None (logged) when
@@ -341,6 +387,7 @@ class PersistentTier:
         rounds until that announcement, up to ``timeout`` (with None, up to the
         coordination timeout once the primary stops starting rounds)."""
         if self._stop and (self._thread is None or not self._thread.is_alive()):
+            self._release_owner()
             return
         follower = self._multi and not self._primary
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -362,6 +409,8 @@ class PersistentTier:
                 self._cond.notify_all()
             if self._thread is not None:
                 self._thread.join(60)
+            if self._thread is None or not self._thread.is_alive():
+                self._release_owner()  # no copy runs any more: the place is free
         if follower and raise_errors:
             self._raise_error()  # a last round's failure, seen while following
         if not done and left:
@@ -373,6 +422,10 @@ class PersistentTier:
                 timeout,
                 self.local,
             )
+
+    def _release_owner(self) -> None:
+        if self._owner is not None:
+            self._owner.close()  # idempotent
 
     def _wait_quietly(self, timeout: float | None) -> bool:
         try:
@@ -484,12 +537,19 @@ class PersistentTier:
             return False  # already there (a restart after the commit, or copied down)
         files = _local_files(src.path, step)
         _check_listed(manifest, files, str(src))
+        if self._owner is not None:
+            self._owner.raise_if_lost()  # another run took the persistent path
+        # A foreign entry with the step's name is never written into nor replaced.
+        found = _ownership.check_slot(
+            final, what=f"step {step} of the persistent tier", replace=True
+        )
         t0 = time.perf_counter()
         nonce = secrets.token_hex(6)
+        if not final.supports_rename and found == "step manifest":
+            self._remove_step(self.remote, step)  # an older copy of ours: uncommit, remove
+        elif not final.supports_rename and found is not None:
+            _ownership.remove(final, action="clear the remains of a dead copy at", step=step)
         staging = Staging.begin(final, nonce)
-        if not staging.renames and final.is_dir():
-            final.delete(MANIFEST_FILE)  # an older copy or a dead copy's files: uncommit
-            final.remove()
         try:
             if rnd is None:
                 nbytes = self._copy_files(
@@ -511,10 +571,14 @@ class PersistentTier:
             staging.publish(MANIFEST_FILE, raw, replace=True)  # the remote commit, last
         except BaseException:
             try:  # nothing partial stays: it would never be listed, but it takes space
-                staging.abort() if staging.renames else final.remove()
+                if staging.renames:
+                    staging.abort()
+                else:
+                    _ownership.remove_if_ours(final, what="uncommitted copy")
             except Exception:  # noqa: BLE001
                 pass
             raise
+        self._forget_damaged(step)  # a good copy replaced a damaged one
         with self._cond:
             self._known.add(step)
         self.replicated.append(step)
@@ -726,6 +790,7 @@ class PersistentTier:
             return
         with self._cond:
             protected = {just_copied} | self._reading
+        # steps() leaves out the damaged ones: kept, as a step set aside, for inspection
         for s in steps_to_delete(steps, self.retention, protected=protected):
             with self._cond:
                 if s in self._reading:
@@ -737,18 +802,18 @@ class PersistentTier:
                 logger.warning("checkpoint: could not delete step %d of %s: %s", s, self.remote, e)
 
     def _remove_unfinished(self) -> None:
-        """The persistent tier's copies that never committed: ``.partial-``/``.deleting-``
-        directories (filesystems) or digits-named prefixes without a manifest (object
-        stores). Foreign entries of a filesystem are left alone."""
+        """Primary, at open: the persistent tier's copies that never committed
+        (``.partial-``/``.deleting-`` directories on filesystems, step prefixes without a
+        manifest on object stores), each removed only once proven ours (our pending
+        marker in it, see ``_ownership``). Everything else is left alone: a user's
+        ``2024/``, a ``007/``, another library's run."""
         listing = _steps.list_directory(self.remote)
         for name in listing.unfinished:
-            logger.info("checkpoint: removing unfinished copy %s/%s", self.remote, name)
-            self.remote.child(name).remove()
+            _ownership.remove_if_ours(self.remote.child(name), what="unfinished copy")
         if not self.remote.is_local:
             for name in listing.foreign:
                 if _steps.is_step_name(name):
-                    logger.info("checkpoint: removing uncommitted copy %s/%s", self.remote, name)
-                    self.remote.child(name).remove()
+                    _ownership.remove_if_ours(self.remote.child(name), what="uncommitted copy")
 
     # ------------------------------------------------------------------ copy down
 
@@ -783,8 +848,22 @@ class PersistentTier:
         return outcome == "present"
 
     def _ensure_local(self, step: int) -> bool:
-        if self.local.child(str(step)).exists(MANIFEST_FILE):
+        """Copies ``step`` down (see :meth:`ensure_local`): listed, copied into local
+        staging, **verified there in full** (every JSON checksum, every chunk's crc32c:
+        ``_verify.verify_step``), then committed. Proven damage (a checksum or format
+        mismatch) sets the persistent copy aside (:meth:`_set_aside_remote`): it is never
+        listed, copied down or counted again, and the step's number is free for the next
+        save. Environmental errors (EMFILE, EIO, a timeout, a refused connection) raise
+        and set nothing aside. A link or special file in it is no damage of its data:
+        ForeignEntryError, nothing set aside."""
+        local_final = _steps.step_location(self.local, step)
+        if local_final.exists(MANIFEST_FILE):
             return True
+        if step in self._damaged:
+            raise CorruptCheckpointError(
+                f"step {step} of {self.remote} was proven damaged when it was first copied "
+                f"down, and is never copied down again: {self._damaged[step]}"
+            )
         src = _steps.step_location(self.remote, step)
         with self._cond:
             self._reading.add(step)
@@ -792,24 +871,37 @@ class PersistentTier:
             raw = src.read_bytes(MANIFEST_FILE)
             if raw is None:
                 return False
-            manifest = _parse_manifest(raw, src, step)
-            files = [f for f in _remote_files(src) if f != MANIFEST_FILE]
-            _check_listed(manifest, files, str(src))
-            t0 = time.perf_counter()
-            staging = Staging.begin(_steps.step_location(self.local, step), secrets.token_hex(6))
+            if self._owner is not None:  # the persistent path is still this run's
+                self._owner.check(f"copying step {step} down from {self.remote}")
+            # Our own dead remains there are cleared; a foreign entry raises, naming it.
+            if _ownership.check_slot(local_final, what=f"step {step}", replace=False):
+                _ownership.remove(local_final, action="clear the remains of a dead copy at")
+            self.copied_down.append(step)
             try:
-                nbytes = self._copy_files(
-                    lambda rel: _read_remote_file(src, rel),
-                    staging.location,
-                    files,
-                    manifest,
-                    str(src),
-                    restoring=True,
-                )
-                staging.location.sync()
-                staging.publish(MANIFEST_FILE, raw, replace=False)
-            except BaseException:
-                staging.abort()
+                manifest = _parse_manifest(raw, src, step)
+                files = [f for f in _remote_files(src) if f != MANIFEST_FILE]
+                _check_listed(manifest, files, str(src))
+                t0 = time.perf_counter()
+                staging = Staging.begin(local_final, secrets.token_hex(6))
+                try:
+                    nbytes = self._copy_files(
+                        lambda rel: _read_remote_file(src, rel),
+                        staging.location,
+                        files,
+                        manifest,
+                        str(src),
+                        restoring=True,
+                    )
+                    _verify_copy(staging.location, raw, step, src)
+                    staging.location.sync()
+                    staging.publish(MANIFEST_FILE, raw, replace=False)
+                except BaseException:
+                    staging.abort()
+                    raise
+            except ForeignEntryError:
+                raise  # a planted link or FIFO: no damage of ours, nothing set aside
+            except CorruptCheckpointError as e:
+                self._set_aside_remote(step, raw, e)
                 raise
         finally:
             with self._cond:
@@ -824,13 +916,132 @@ class PersistentTier:
         )
         return True
 
+    # ------------------------------------------------------------------ damaged copies
+
+    def _read_damaged(self) -> dict[int, str]:
+        """Primary, at open: the damaged steps recorded in :data:`DAMAGED_FILE` (object
+        stores) whose manifest is still the one found damaged."""
+        if self.remote.is_local:
+            return {}
+        raw = self.remote.read_bytes(DAMAGED_FILE)
+        if raw is None:
+            return {}
+        where = f"{self.remote}/{DAMAGED_FILE}"
+        try:
+            doc = json.loads(raw)
+            steps = doc["steps"]
+            if doc.get("library") != "flax_orbax_plugin" or not isinstance(steps, dict):
+                raise ValueError("not a damage record of this library")
+            out = {}
+            for name, info in steps.items():
+                if not _steps.is_step_name(name) or not isinstance(info, dict):
+                    raise ValueError(f"field steps: entry {name!r} is no step record")
+                current = self.remote.child(name).read_bytes(MANIFEST_FILE)
+                if current is not None and hashlib.sha256(current).hexdigest() == info.get(
+                    "manifest_sha256"
+                ):
+                    out[int(name)] = str(info.get("error", ""))
+            return out
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CorruptCheckpointError(
+                f"{where}: expected this library's record of damaged steps, found {e}"
+            ) from None
+
+    def _write_damaged(self, damaged: dict[int, str], shas: dict[int, str]) -> None:
+        doc = {
+            "library": "flax_orbax_plugin",
+            "kind": "damaged steps",
+            "steps": {
+                str(s): {"manifest_sha256": shas[s], "error": damaged[s][:2000]}
+                for s in sorted(damaged)
+                if s in shas
+            },
+        }
+        self.remote.write_bytes(DAMAGED_FILE, json.dumps(doc, sort_keys=True).encode())
+
+    def _set_aside_remote(self, step: int, raw: bytes, error: Exception) -> None:
+        """Primary, after a verified copy-down proved the persistent copy damaged: on
+        filesystems it is renamed to ``<step>.corrupt-<nonce>`` (never removed); on object
+        stores, which cannot rename, it stays and is recorded in :data:`DAMAGED_FILE`
+        (with its manifest's sha256). Either way it is never listed, copied down or
+        counted again, and a new save of the step replaces it. Failing to set it aside
+        is logged: the error raised is the damage."""
+        text = str(error)
+        with self._cond:
+            self._known.discard(step)
+        try:
+            if self.remote.supports_rename:
+                name = f"{step}.corrupt-{secrets.token_hex(6)}"
+                _steps.step_location(self.remote, step).rename(self.remote.child(name))
+                logger.warning(
+                    "checkpoint: step %d of %s is damaged (%s); moved aside to %s",
+                    step,
+                    self.remote,
+                    text,
+                    name,
+                )
+                return
+            self._damaged = {**self._damaged, step: text}
+            shas = self._damaged_shas()
+            shas[step] = hashlib.sha256(raw).hexdigest()
+            self._write_damaged(self._damaged, shas)
+            logger.warning(
+                "checkpoint: step %d of %s is damaged (%s); recorded in %s, never copied "
+                "down again",
+                step,
+                self.remote,
+                text,
+                DAMAGED_FILE,
+            )
+        except Exception as e:  # noqa: BLE001  (the damage is what gets raised)
+            self._damaged = {**self._damaged, step: text}  # this process skips it anyway
+            logger.warning(
+                "checkpoint: could not set step %d of %s aside: %s", step, self.remote, e
+            )
+
+    def _damaged_shas(self) -> dict[int, str]:
+        """The manifest sha256 of every damaged step recorded (object stores)."""
+        out = {}
+        for s in self._damaged:
+            current = self.remote.child(str(s)).read_bytes(MANIFEST_FILE)
+            if current is not None:
+                out[s] = hashlib.sha256(current).hexdigest()
+        return out
+
+    def _forget_damaged(self, step: int) -> None:
+        """Replicator, after committing ``step``: a damaged copy it replaced is gone."""
+        if step not in self._damaged:
+            return
+        self._damaged = {s: e for s, e in self._damaged.items() if s != step}
+        try:
+            self._write_damaged(self._damaged, self._damaged_shas())
+        except Exception as e:  # noqa: BLE001  (the stale entry no longer matches anyway)
+            logger.warning("checkpoint: could not update %s/%s: %s", self.remote, DAMAGED_FILE, e)
+
 
 # ---------------------------------------------------------------------- files
 
 
+def _verify_copy(staging: Location, raw: bytes, step: int, src: Location) -> None:
+    """Verifies a step copied into local staging before it is committed: the manifest
+    is written there first (the pending marker still claims the place), then every
+    item is read in full. CorruptCheckpointError naming the persistent file on damage;
+    environmental errors propagate."""
+    from ._verify import verify_step
+
+    staging.write_bytes(MANIFEST_FILE, raw, durable=False)
+    bad = [r for r in verify_step(staging, step) if not r.ok]
+    if bad:
+        raise CorruptCheckpointError(
+            f"step {step} of {src} failed verification after its copy down (nothing was "
+            f"committed locally): " + "; ".join(f"{r.item or 'manifest'}: {r.error}" for r in bad)
+        )
+
+
 def _local_files(root: str, step: int) -> list[str]:
-    """Relative paths of the regular files under a local step directory, manifest
-    excluded. A symlink or special file anywhere in it is a ForeignEntryError."""
+    """Relative paths of the regular files under a local step directory, manifest and
+    pending marker excluded (a crash window can leave the marker beside a committed
+    manifest). A symlink or special file anywhere in it is a ForeignEntryError."""
     return sorted(_local_file_sizes(root, step))
 
 
@@ -852,7 +1063,7 @@ def _local_file_sizes(root: str, step: int) -> dict[str, int]:
             if stat.S_ISDIR(st.st_mode):
                 stack.append(rel)
             elif stat.S_ISREG(st.st_mode):
-                if rel != MANIFEST_FILE:
+                if rel not in (MANIFEST_FILE, _ownership.PENDING_FILE):
                     out[rel] = st.st_size
             else:
                 found = "a symbolic link" if entry.is_symlink() else "a special file"
@@ -919,7 +1130,7 @@ def _remote_files(step_loc: Location) -> list[str]:
     if step_loc.is_local:
         return _local_files(step_loc.path, int(step_loc.name))
     keys = step_loc._kv().list().result()
-    return sorted(k.decode("utf-8") for k in keys)
+    return sorted(k.decode("utf-8") for k in keys if k != _ownership.PENDING_FILE.encode())
 
 
 def _read_remote_file(step_loc: Location, rel: str) -> bytes:

@@ -20,6 +20,9 @@ pytest_plugins = ["_servers"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAIT_S = 60
+# The files of ours at the top of a place that are no step: the run's owner record and,
+# on filesystems, the writer lock.
+RECORDS = ("_RUN.json", ".writer.lock")
 
 
 def state(step: int) -> dict:
@@ -175,7 +178,8 @@ def test_kill_during_replication_lists_nothing_partial_and_restart_finishes(remo
         assert mngr.persistent.wait(WAIT_S)
         assert mngr.persistent.replicated == [2]
     assert remote_steps(loc.url) == [1, 2]
-    assert not [k for k in loc.keys() if not k.startswith(("1/", "2/"))]  # nothing left over
+    left = [k for k in loc.keys() if not k.startswith(("1/", "2/")) and k not in RECORDS]
+    assert not left  # nothing left over
     with fop.CheckpointManager(loc.url, read_only=True) as reader:
         restored = reader.restore()
     assert_step(restored, 2)
@@ -208,7 +212,7 @@ def test_kill_during_copy_down_leaves_no_local_step_and_the_next_start_restores(
     assert fop.CheckpointManager(fresh, read_only=True).steps() == []
     with fop.CheckpointManager(fresh, persistent=s3.url) as mngr:
         assert_step(mngr.restore(), 2)
-    assert sorted(n for n in os.listdir(fresh) if not n.startswith(".")) == ["2"]
+    assert sorted(n for n in os.listdir(fresh) if n not in RECORDS) == ["2"]
 
 
 def test_local_directory_wiped_mid_run(s3, tmp_path):
@@ -275,7 +279,7 @@ def test_a_step_replaced_locally_is_replaced_in_the_persistent_tier(remote, tmp_
         mngr.wait()
         assert mngr.persistent.wait(WAIT_S)
         assert mngr.persistent.replicated == [1, 2, 2]
-    assert all(k.startswith(("1/", "2/")) for k in remote.keys())  # the old copy is gone
+    assert all(k.startswith(("1/", "2/")) or k in RECORDS for k in remote.keys())  # old one gone
     with fop.CheckpointManager(remote.url, read_only=True) as reader:
         assert reader.steps() == [1, 2]
         assert_step(reader.restore(step=2), 7)
@@ -296,13 +300,17 @@ def test_each_tier_has_its_own_retention(remote, tmp_path):
         assert mngr.steps() == [6, 7]
         assert mngr.persistent.steps() == [3, 6, 7]
     assert remote_steps(remote.url) == [3, 6, 7]
-    assert not [k for k in remote.keys() if k.split("/")[0] not in ("3", "6", "7")]
+    assert not [k for k in remote.keys() if k.split("/")[0] not in ("3", "6", "7", *RECORDS)]
 
 
 def test_a_failed_replication_is_raised_by_wait_and_close_naming_the_step(tmp_path):
-    blocker = tmp_path / "persistent"
-    blocker.write_text("a file where the persistent directory should be")
-    mngr = fop.CheckpointManager(tmp_path / "local", persistent=str(blocker))
+    remote = tmp_path / "persistent"
+    remote.mkdir()
+    for step in (1, 2):  # a file where each step's directory should be
+        (remote / str(step)).write_text("a file where the step should be")
+    with pytest.raises(fop.CheckpointError, match=r"persistent path .*: expected a directory"):
+        fop.CheckpointManager(tmp_path / "other", persistent=str(remote / "1"))
+    mngr = fop.CheckpointManager(tmp_path / "local", persistent=str(remote))
     try:
         mngr.save(1, state(1))
         mngr.wait()
@@ -314,7 +322,8 @@ def test_a_failed_replication_is_raised_by_wait_and_close_naming_the_step(tmp_pa
         with pytest.raises(fop.ReplicationError, match="step 2 of"):
             mngr.close()
     assert fop.CheckpointManager(tmp_path / "local", read_only=True).steps() == [1, 2]
-    assert blocker.read_text().startswith("a file")  # never written through
+    for step in (1, 2):  # never written through, nor replaced
+        assert (remote / str(step)).read_text() == "a file where the step should be"
 
 
 def test_local_retention_keeps_the_steps_waiting_for_a_stalled_bucket(tmp_path, monkeypatch):
@@ -399,7 +408,7 @@ def test_a_symlink_in_a_local_step_stops_its_copy_and_is_named(s3, tmp_path):
     with pytest.raises(fop.ReplicationError, match=r"1/params/link: .* found a symbolic link"):
         with fop.CheckpointManager(local, persistent=s3.url) as mngr:
             mngr.persistent.wait(WAIT_S)
-    assert s3.keys() == []
+    assert [k for k in s3.keys() if k not in RECORDS] == []
 
 
 # ------------------------------------------------------------------ SIGTERM
@@ -561,7 +570,7 @@ def test_two_processes_each_copy_their_share_and_the_primary_commits(tmp_path):
         assert mine and theirs and not mine & theirs  # both copied, nothing twice
         assert mine | theirs == step_files(local, step)  # and together, the whole step
     # Committed by the primary (a filesystem tier: staging renamed), nothing else there.
-    assert sorted(os.listdir(remote)) == ["1", "2"]
+    assert sorted(n for n in os.listdir(remote) if n not in RECORDS) == ["1", "2"]
     assert step_files(remote, 2) == step_files(local, 2)
     with fop.CheckpointManager(remote, read_only=True) as reader:
         host = reader.restore()
