@@ -463,7 +463,10 @@ def snapshot_crcs(
     for region, data in writes:
         if not data.size:
             continue
-        crcs = _chunk_files.chunk_crcs(shape, chunk, region, data)
+        try:
+            crcs = _chunk_files.chunk_crcs(shape, chunk, region, data)
+        except (ValueError, TypeError) as e:  # a region this function cannot encode
+            raise _Refused(f"the snapshot's crc32c per chunk: {type(e).__name__}: {e}") from e
         for cell, crc in (crcs or {}).items():
             if ("c", *map(str, cell)) in wanted:
                 out["c", *map(str, cell)] = crc
