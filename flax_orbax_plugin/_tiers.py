@@ -500,7 +500,7 @@ class PersistentTier:
                 return
             except Exception as e:  # noqa: BLE001  (kept and raised by wait/close)
                 retry = attempt < RETRIES and not isinstance(
-                    e, (CorruptCheckpointError, CoordinationError)
+                    e, (CorruptCheckpointError, CoordinationError, DirectoryLockedError)
                 )
                 detail = str(e) if isinstance(e, _RoundFailed) else f"{type(e).__name__}: {e}"
                 if retry:
@@ -538,7 +538,7 @@ class PersistentTier:
         files = _local_files(src.path, step)
         _check_listed(manifest, files, str(src))
         if self._owner is not None:
-            self._owner.raise_if_lost()  # another run took the persistent path
+            self._owner.renew()  # at each step too; raises if another run took the path
         # A foreign entry with the step's name is never written into nor replaced.
         found = _ownership.check_slot(
             final, what=f"step {step} of the persistent tier", replace=True
@@ -568,6 +568,8 @@ class PersistentTier:
                     statuses.append(json.loads(_distributed.get_from(f"{rnd.key}/status", p)))
                 nbytes = _check_statuses(statuses, len(files))
             staging.location.sync()
+            if self._owner is not None:
+                self._owner.raise_if_lost()
             staging.publish(MANIFEST_FILE, raw, replace=True)  # the remote commit, last
         except BaseException:
             try:  # nothing partial stays: it would never be listed, but it takes space
@@ -744,6 +746,8 @@ class PersistentTier:
             if not restoring:
                 self._yield_to_saves()
                 _faults.fail_point("replicate_file")
+            else:
+                _faults.fail_point("copy_down_file")
             if self._stop:
                 raise _Stopped()
             data = read(rel)

@@ -730,3 +730,150 @@ def test_incremental_local_steps_are_replicated_whole(s3, tmp_path):
         restored = bucket.restore()
     np.testing.assert_array_equal(restored["params"]["w"], frozen)
     np.testing.assert_array_equal(restored["params"]["b"], state(2)["params"]["b"])
+
+
+# ------------------------------------------------------------------ foreign entries, damage
+
+
+class Store:
+    """Raw bytes of a persistent location: a filesystem directory or an object store."""
+
+    def __init__(self, url, root=None, kv=None):
+        self.url, self.root, self.kv = url, root, kv
+
+    def write(self, key, data):
+        if self.kv is not None:
+            self.kv.write(key, data).result()
+        else:
+            path = os.path.join(self.root, key)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+
+    def read(self, key):
+        if self.kv is not None:
+            r = self.kv.read(key).result()
+            return bytes(r.value) if r.state == "value" else None
+        try:
+            with open(os.path.join(self.root, key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def keys(self):
+        if self.kv is not None:
+            return sorted(k.decode() for k in self.kv.list().result())
+        out = []
+        for dirpath, _, files in os.walk(self.root):
+            rel = os.path.relpath(dirpath, self.root)
+            out += [f if rel == "." else f"{rel}/{f}" for f in files]
+        return sorted(out)
+
+
+@pytest.fixture(params=["s3", "fs"])
+def store(request, tmp_path):
+    if request.param == "fs":
+        root = tmp_path / "persistent"
+        root.mkdir()
+        return Store(str(root), root=str(root))
+    loc = request.getfixturevalue("s3_location")
+    return Store(loc.url, kv=loc.kvstore())
+
+
+FOREIGN = {
+    "2024/x.txt": b"a user's notes",
+    "007/y.bin": b"\x00\x07 zero-padded, not a step",
+    "100/_CHECKPOINT_METADATA": b'{"item_handlers": {"default": "PyTreeCheckpointHandler"}}',
+    "100/default/_METADATA": b'{"tree_metadata": {}}',
+    "100/default/d/0123abcd": b"orbax array data",
+    "200/_CHECKPOINT_METADATA": b'{"item_handlers": null}',
+    "5.partial-abc123/notes.txt": b"a staging name, but not ours (no pending marker)",
+}
+
+
+def test_foreign_entries_in_the_persistent_location_are_left_byte_identical(store, tmp_path):
+    """A user's 2024/, a zero-padded 007/, an Orbax run (digits-named steps without our
+    manifest) and a staging-named folder not ours: opening, replicating, persistent
+    retention and reopening leave every byte of them; a step whose name a foreign
+    entry holds is not replicated, and the error names it."""
+    for key, data in FOREIGN.items():
+        store.write(key, data)
+    local = tmp_path / "local"
+    with fop.CheckpointManager(local, persistent=store.url, persistent_keep=1) as mngr:
+        save_steps(mngr, [1, 2, 3])
+        assert mngr.persistent.steps() == [3]
+    with fop.CheckpointManager(local, persistent=store.url, persistent_keep=1) as mngr:
+        mngr.save(100, state(100))  # the Orbax run's step 100 holds that name
+        mngr.wait()
+        with pytest.raises(fop.ReplicationError, match=r"step 100 .*100: something this library"):
+            mngr.persistent.wait(WAIT_S)
+        save_steps(mngr, [101])
+    for key, data in FOREIGN.items():
+        assert store.read(key) == data, key
+    ours = {k.split("/")[0] for k in store.keys() if k not in FOREIGN and k not in RECORDS}
+    assert ours == {"101"}  # and the retention went on deleting our own steps
+
+
+def _damage_a_chunk(store, step):
+    """Flips the bytes of the largest array file of a persistent step (same length):
+    its crc32c fails, every JSON checksum and the manifest still pass."""
+    keys = [k for k in store.keys() if k.startswith(f"{step}/params/") and "json" not in k]
+    key = max(keys, key=lambda k: len(store.read(k)))
+    data = store.read(key)
+    store.write(key, bytes(b ^ 0xFF for b in data[:64]) + data[64:])
+    return key, store.read(key)
+
+
+def test_a_damaged_persistent_step_is_verified_set_aside_once_and_never_blocks_a_save(
+    store, tmp_path
+):
+    with fop.CheckpointManager(tmp_path / "a", persistent=store.url) as mngr:
+        save_steps(mngr, [1, 2])
+    key, damaged = _damage_a_chunk(store, 2)
+    b = tmp_path / "b"
+    with fop.CheckpointManager(b, persistent=store.url) as mngr:
+        assert_step(mngr.restore(), 1)  # step 2 fails verification before its local commit
+        assert mngr.restored_step == 1
+        assert not [n for n in os.listdir(b) if n.startswith("2")]  # nothing of it locally
+        assert mngr.persistent.copied_down == [2, 1]  # step 2 was copied down once
+        assert mngr.persistent.steps() == [1]
+        with pytest.raises(fop.CheckpointError):
+            mngr.restore(step=2)
+        assert mngr.persistent.copied_down == [2, 1]  # not copied again in this process
+    # The damaged copy is kept for inspection: renamed aside (filesystem) or recorded.
+    aside = [k for k in store.keys() if k.startswith("2.corrupt-")]
+    if store.root is not None:
+        assert any(k.endswith(key[1:]) for k in aside)
+    else:
+        assert store.read(key) == damaged and store.read("_DAMAGED.json") is not None
+    c = tmp_path / "c"  # a restart: step 2 is never copied down again
+    with fop.CheckpointManager(c, persistent=store.url) as mngr:
+        assert_step(mngr.restore(), 1)
+        assert mngr.persistent.copied_down == [1]
+        save_steps(mngr, [2])  # the step's number is free: the next save is not blocked
+        assert mngr.persistent.replicated == [2]
+    with fop.CheckpointManager(tmp_path / "d", persistent=store.url) as mngr:
+        assert_step(mngr.restore(), 2)
+        assert mngr.persistent.copied_down == [2]
+    if store.root is not None:  # the set-aside copy is never removed
+        assert [k for k in store.keys() if k.startswith("2.corrupt-")] == aside
+
+
+def test_an_environmental_error_during_copy_down_raises_and_sets_nothing_aside(
+    store, tmp_path, monkeypatch
+):
+    with fop.CheckpointManager(tmp_path / "a", persistent=store.url) as mngr:
+        save_steps(mngr, [1, 2])
+    before = {k: store.read(k) for k in store.keys()}
+    b = tmp_path / "b"
+    with fop.CheckpointManager(b, persistent=store.url) as mngr:
+        monkeypatch.setenv("FOP_FAIL_AT", "copy_down_file")
+        with pytest.raises(OSError, match="injected fault at copy_down_file"):
+            mngr.restore()
+        monkeypatch.delenv("FOP_FAIL_AT")
+        assert mngr.steps() == [] and not [n for n in os.listdir(b) if n[0].isdigit()]
+        after = {k: store.read(k) for k in store.keys()}
+        assert {k: v for k, v in after.items() if k != "_RUN.json"} == {
+            k: v for k, v in before.items() if k != "_RUN.json"
+        }  # nothing set aside, nothing recorded as damaged
+        assert_step(mngr.restore(), 2)  # the same step, once the fault is gone
