@@ -17,6 +17,7 @@ from flax import linen as nn
 from flax.training import train_state
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin import _ownership
 from flax_orbax_plugin import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,13 +163,22 @@ def test_gc(ckpt_dir, capsys, tmp_path):
     directory, _ = ckpt_dir
     work = tmp_path / "gc"
     shutil.copytree(directory, work)
-    os.makedirs(work / "40.partial-abc123" / "params")
+    os.makedirs(work / "40.partial-abc123" / "params")  # what a dead save leaves
+    (work / "40.partial-abc123" / _ownership.PENDING_FILE).write_bytes(
+        _ownership._pending_bytes("abc123")
+    )
+    os.makedirs(work / "50.partial-abc123" / "mine")  # our name pattern, not our marker
     rc, out, _ = run_cli(capsys, "list", work)
     assert "unfinished" in out and "40.partial-abc123" in out
     rc, out, _ = run_cli(capsys, "gc", work, "--keep", 2)
     assert rc == 0
     assert "removed steps: 10" in out and "removed unfinished: 40.partial-abc123" in out
-    assert sorted(n for n in os.listdir(work) if not n.startswith(".")) == ["20", "30"]
+    assert sorted(n for n in os.listdir(work) if not n.startswith(".")) == [
+        "20",
+        "30",
+        "50.partial-abc123",
+    ]
+    shutil.rmtree(work / "50.partial-abc123")
     # refused while a live writer holds the directory
     with fop.CheckpointManager(work):
         rc, _, err = run_cli(capsys, "gc", work, "--keep", 1)
