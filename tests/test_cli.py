@@ -17,8 +17,7 @@ from flax import linen as nn
 from flax.training import train_state
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _ownership
-from flax_orbax_plugin import cli
+from flax_orbax_plugin import _ownership, cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = (10, 20, 30)
