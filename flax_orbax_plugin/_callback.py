@@ -32,6 +32,7 @@ shape) also receives ``checkpoint/blocking_seconds``, ``checkpoint/total_seconds
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -221,6 +222,10 @@ class CheckpointCallback:
         self._last_step = step
         self._poll()
         if step == self._last_saved_step:
+            # Already saved; still asked about preemption (every step, on every process).
+            if self.manager._preempted_at(step):
+                self.close()
+                raise SystemExit(128 + signal.SIGTERM)
             return False
         return self._save(step, state, t=t, force=False)
 

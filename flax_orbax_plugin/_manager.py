@@ -61,6 +61,7 @@ from ._incremental import Reuse
 from ._layout import MANIFEST_FILE, ItemEntry, StepManifest
 from ._lock import DirectoryLock
 from ._policy import SavePolicy
+from ._preemption import Preemption
 from ._retention import RetentionPolicy, steps_to_delete
 from ._save import SaveHandle, SaveResult
 from ._storage import Location
@@ -97,7 +98,11 @@ class CheckpointManager:
         reading a directory while training writes to it.
       handle_sigterm: on SIGTERM, the next ``save`` call saves its step whatever
         the policy, waits for it, closes the manager and raises SystemExit(143).
-        Install from the main thread.
+        One process: a handler installed from the main thread. Several processes
+        (jax.distributed): jax's own notifier is kept, a notice on any host reaches
+        every host, and every process saves the same agreed step (at most a step or
+        so after the notice); call ``save`` (or ``should_save``) at every step, on
+        every process, for it to be found. See ``_preemption``.
       checkpointables: overrides of the checkpointable used per item name.
       incremental: a pytree leaf unchanged since the previous committed step (equal
         layout, and equal bytes in an equal split into the regions each process
@@ -117,6 +122,9 @@ class CheckpointManager:
         ``keep`` and ``keep_every``; ``persistent_keep=None`` keeps every step there).
       persistent_grace_seconds: after SIGTERM, how long the exit waits for the
         replication of the step it saved.
+      persistent_lease_seconds: one run owns its places: a second live manager on the
+        persistent path is refused (a lock on filesystems; on object stores a lease of
+        this many seconds, renewed every third of it). See ``_run_owner``.
       reuse_host_buffers: copy the state in the blocking phase into host buffers kept
         from the previous save (one host copy of the saved state then stays allocated
         between saves, until ``close``). Off (the default): CPU arrays are held as
@@ -159,6 +167,7 @@ class CheckpointManager:
         persistent_keep: int | None = None,
         persistent_keep_every: int | None = None,
         persistent_grace_seconds: float = 30.0,
+        persistent_lease_seconds: float = 60.0,
         reuse_host_buffers: bool = False,
     ):
         self._loc = Location.from_path(directory)
@@ -191,12 +200,11 @@ class CheckpointManager:
         self._last_save: SaveResult | None = None
         self._retention_future: Future | None = None
         self._closed = False
-        self._preempted = False
+        self._preemption: Preemption | None = None  # handle_sigterm (see _preemption)
         self.restored_step: int | None = None  # the step the last restore() read
         # The one line logged per committed step (a callback with a metric writer, which
         # reports the same figures, lowers it to DEBUG: one line per save).
         self.commit_log_level = logging.INFO
-        self._prev_sigterm: Any = None
         self._dir_lock: DirectoryLock | None = None
         self._delete_pool: ThreadPoolExecutor | None = None
         self._tier: PersistentTier | None = None
@@ -221,16 +229,18 @@ class CheckpointManager:
                     grace_seconds=persistent_grace_seconds,
                     remove_step=remove_step,
                     busy=lambda: self.save_in_flight,
+                    lease_seconds=persistent_lease_seconds,
                 )
                 self._tier.open(self.steps())
             except BaseException:
                 self.close()
                 raise
         if handle_sigterm:
-            if threading.current_thread() is not threading.main_thread():
+            try:
+                self._preemption = Preemption.install()
+            except BaseException:
                 self.close()
-                raise ValueError("handle_sigterm=True must be set from the main thread")
-            self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+                raise
 
     def _refuse_step_directory(self) -> None:
         path = self._loc.path.rstrip("/")
@@ -294,8 +304,15 @@ class CheckpointManager:
 
     @property
     def preempted(self) -> bool:
-        """True once SIGTERM arrived (with ``handle_sigterm=True``)."""
-        return self._preempted
+        """True once SIGTERM arrived (with ``handle_sigterm=True``); with several
+        processes, once the step every process saves before stopping was reached."""
+        return self._preemption is not None and self._preemption.notified
+
+    def _preempted_at(self, step: int) -> bool:
+        """Whether ``step`` is to be saved before stopping (``handle_sigterm``). With
+        several processes it asks jax's preemption sync manager: every process must
+        ask for every step, in order (``should_save`` or ``save`` once per step)."""
+        return self._preemption is not None and self._preemption.reached(step)
 
     # ------------------------------------------------------------------ save
 
@@ -303,7 +320,7 @@ class CheckpointManager:
         """Whether the policy asks for ``step`` (this process's view; ``save`` shares the
         primary's time-based decision with every process)."""
         step = operator.index(step)
-        return self._preempted or self._policy.should_save(step, self._now(t))
+        return self._preempted_at(step) or self._policy.should_save(step, self._now(t))
 
     def save(
         self,
@@ -334,8 +351,8 @@ class CheckpointManager:
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, found {step}")
+        preempted = self._preempted_at(step)  # first: asked at every step, in order
         self._raise_background_error()
-        preempted = self._preempted
         if not (force or preempted or self._decide(step, t)):
             return False
         self._wait_inflight()
@@ -838,8 +855,8 @@ class CheckpointManager:
         try:
             self.wait()
             if self._tier is not None:  # after SIGTERM: within the grace period
-                grace = self._tier.grace_seconds if self._preempted else None
-                self._tier.close(grace, raise_errors=not self._preempted)
+                grace = self._tier.grace_seconds if self.preempted else None
+                self._tier.close(grace, raise_errors=not self.preempted)
         finally:
             if self._tier is not None:
                 self._tier.close(0, raise_errors=False)
@@ -848,12 +865,8 @@ class CheckpointManager:
                 self._buffers.clear()
             if self._delete_pool is not None:
                 self._delete_pool.shutdown(wait=True)
-            if self._prev_sigterm is not None:
-                try:
-                    signal.signal(signal.SIGTERM, self._prev_sigterm)
-                except ValueError:  # not on the main thread
-                    pass
-                self._prev_sigterm = None
+            if self._preemption is not None:
+                self._preemption.uninstall()
             self._release_lock()
 
     def __enter__(self) -> CheckpointManager:
@@ -876,9 +889,6 @@ class CheckpointManager:
             pass
 
     # ------------------------------------------------------------------ internals
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self._preempted = True
 
     def _release_lock(self) -> None:
         if self._dir_lock is not None:

@@ -591,3 +591,125 @@ def iterator_into_more_processes(ctx, directory):
         error = str(e)
     params = mngr.restore(items="params")
     return {"error": error, "w": [float(x) for x in params["w"]]}
+
+
+# ------------------------------------------------------------------ preemption (issue 23)
+
+PREEMPT_ROWS = 8  # rows of "w" per device
+PREEMPT_COLS = 16
+
+
+def preempt_expected(step: int, n_devices: int) -> dict:
+    """The state ``preempted_training`` holds after ``step`` steps (exact: int32 sums)."""
+    import numpy as np
+
+    w = np.arange(PREEMPT_ROWS * n_devices * PREEMPT_COLS, dtype=np.int64)
+    w = w.reshape(PREEMPT_ROWS * n_devices, PREEMPT_COLS)
+    for _ in range(step):
+        w = w + (int(w.sum()) % 97) + 1
+    return {"w": w.astype(np.int32), "b": np.int32(step)}
+
+
+def _progress_path(workdir: str, process: int) -> str:
+    return os.path.join(workdir, f"progress_{process}")
+
+
+def progress(workdir: str, process: int) -> int:
+    """The last step ``process`` finished (-1 before its first), for the parent."""
+    try:
+        with open(_progress_path(workdir, process), "rb") as f:
+            lines = f.read().split()
+    except FileNotFoundError:
+        return -1
+    return int(lines[-1]) if lines else -1
+
+
+def preempted_training(
+    ctx, directory, via="manager", steps=300, every_steps=5, step_s=0.1, resume=False
+):
+    """A training loop (a cross-process all-reduce per step) saving every ``every_steps``
+    with ``handle_sigterm=True``, through the manager or the callback; each finished step
+    is appended to ``progress_<process>`` so the parent can signal at a chosen step.
+    Leaves with the manager's SystemExit(143) once preempted (``last_step``: the step
+    whose save raised it). With ``resume``: checks the restored shards bit-exact."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flax_orbax_plugin as fop
+
+    n_dev = len(ctx.devices)
+    sharded = NamedSharding(ctx.mesh, P(ctx.mesh.axis_names[0]))
+    replicated = NamedSharding(ctx.mesh, P())
+
+    def state_of(host: dict) -> dict:
+        w = jax.make_array_from_callback(host["w"].shape, sharded, lambda i: host["w"][i])
+        b = jax.make_array_from_callback((), replicated, lambda i: np.asarray(host["b"]))
+        return {"params": {"w": w, "b": b}}
+
+    train = jax.jit(
+        lambda s: {
+            "params": {
+                "w": s["params"]["w"] + (jnp.sum(s["params"]["w"]) % 97) + 1,
+                "b": s["params"]["b"] + 1,
+            }
+        },
+        out_shardings={"params": {"w": sharded, "b": replicated}},
+    )
+    state = state_of(preempt_expected(0, n_dev))
+    if via == "manager":
+        mngr = fop.CheckpointManager(
+            directory, every_steps=every_steps, keep=2, handle_sigterm=True
+        )
+        if resume:
+            state = mngr.restore(like=state)
+        start = (mngr.restored_step or 0) + 1 if resume else 1
+        save = lambda step, s: mngr.save(step, s)  # noqa: E731
+    else:
+        cb = fop.CheckpointCallback(
+            directory,
+            every_steps=every_steps,
+            keep=2,
+            resume=resume,
+            manager_options={"handle_sigterm": True},
+        )
+        state = cb.on_train_start(state)
+        mngr = cb.manager
+        start = (cb.resumed_step or 0) + 1
+        save = lambda step, s: cb.on_step_end(step, s)  # noqa: E731
+    ctx.note("mode", mngr._preemption.mode)
+    if resume:
+        want = preempt_expected(start - 1, n_dev)
+        exact = all(
+            np.array_equal(np.asarray(sh.data), want["w"][sh.index])
+            for sh in state["params"]["w"].addressable_shards
+        ) and int(state["params"]["b"]) == int(want["b"])
+        ctx.note("resumed", start - 1)
+        ctx.note("resumed_exact", bool(exact))
+    with open(_progress_path(ctx.workdir, ctx.process_id), "a") as log:
+        for step in range(start, steps + 1):
+            state = train(state)
+            jax.block_until_ready(state)
+            log.write(f"{step}\n")
+            log.flush()
+            ctx.note("last_step", step)
+            save(step, state)
+            time.sleep(step_s)
+    if via == "manager":
+        mngr.close()
+    else:
+        cb.on_train_end(state)
+    return {"preempted": False, "last_step": steps}
+
+
+def sigterm_without_preemption_service(ctx, directory):
+    """handle_sigterm=True when jax's preemption service is off: refused at open."""
+    import flax_orbax_plugin as fop
+
+    try:
+        fop.CheckpointManager(directory, handle_sigterm=True).close()
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}

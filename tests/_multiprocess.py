@@ -17,6 +17,13 @@ Who calls what, in which order:
   stragglers), optionally SIGKILLs one process at a chosen point (:class:`Kill`), and
   returns a :class:`RunResult` with one :class:`ProcResult` per process.
 
+Signals: ``Signal(process=i, when=callable)`` has the parent send process i a real
+signal (SIGTERM by default) once ``callable()`` is true (polled every 5 ms; each fires
+once); ``RunResult.signals_sent`` records when, in seconds since the start. A child
+whose target raises SystemExit (a preempted run leaving with 143) reports the code
+(``record["exit_code"]``), leaves through the same "done" barrier as on success and
+exits with that code.
+
 Kill points: ``Kill(process=i, at="name")`` makes process i SIGKILL itself when it
 calls ``ctx.point("name")`` (deterministic); ``Kill(process=i, after_s=t)`` has the
 parent kill it t seconds after start; ``Kill(process=i, when=callable)`` has the
@@ -87,6 +94,13 @@ class Kill:
     when: Callable[[], bool] | None = None  # the parent kills it once this is true
 
 
+@dataclasses.dataclass(frozen=True)
+class Signal:
+    process: int
+    when: Callable[[], bool]  # the parent sends it once this is true
+    signum: int = signal.SIGTERM
+
+
 @dataclasses.dataclass
 class ProcResult:
     process_id: int
@@ -123,6 +137,7 @@ class ProcResult:
 class RunResult:
     procs: list[ProcResult]
     workdir: str
+    signals_sent: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
     def __getitem__(self, i) -> ProcResult:
         return self.procs[i]
@@ -156,6 +171,7 @@ def run_processes(
     mesh_axes: tuple[str, ...] = ("data",),
     recoverable: bool = False,
     done_timeout_s: float = 30.0,
+    signals: tuple[Signal, ...] | list[Signal] = (),
 ) -> RunResult:
     """Runs ``target(ctx, **args)`` in ``n`` processes; see the module docstring."""
     workdir = workdir or tempfile.mkdtemp(prefix="fop-mp-")
@@ -206,11 +222,18 @@ def run_processes(
     killed = [False] * n
     timed_out = [False] * n
     deadline = t0 + timeout_s
+    pending_signals = list(signals)
+    sent: list[tuple[int, float]] = []
     while any(e is None for e in ends):
         now = time.monotonic()
         for i, p in enumerate(procs):
             if ends[i] is None and p.poll() is not None:
                 ends[i] = now
+        for sig in list(pending_signals):
+            if ends[sig.process] is None and sig.when():
+                procs[sig.process].send_signal(sig.signum)
+                sent.append((sig.process, time.monotonic() - t0))
+                pending_signals.remove(sig)
         if kill is not None and ends[kill.process] is None and not killed[kill.process]:
             fire = (kill.after_s is not None and now - t0 >= kill.after_s) or (
                 kill.when is not None and kill.when()
@@ -248,7 +271,7 @@ def run_processes(
                 i, p.returncode, stdout, stderr, ends[i] - t0, killed[i], timed_out[i], record
             )
         )
-    return RunResult(results, workdir)
+    return RunResult(results, workdir, sent)
 
 
 # ----------------------------------------------------------------------------- child side
@@ -350,6 +373,21 @@ def _child_main() -> int:
             "pid": os.getpid(),
         }
         _write_record(job["result_path"], record)
+        rc = 0
+    except SystemExit as e:  # e.g. a preempted run: 143 after its last save
+        rc = e.code if isinstance(e.code, int) else 1
+        record = {
+            **(ctx._record if ctx else {}),
+            "ok": False,
+            "exit_code": rc,
+            "error": f"SystemExit: {e.code}",
+            "error_type": "SystemExit",
+            "t_end": time.time(),
+            "pid": os.getpid(),
+        }
+        _write_record(job["result_path"], record)
+        if ctx is None:
+            return rc
     except BaseException as e:  # noqa: BLE001 - report everything to the parent
         record = {
             **(ctx._record if ctx else {}),
@@ -369,9 +407,9 @@ def _child_main() -> int:
     try:
         ctx.client.wait_at_barrier("fop_mp/done", int(job["done_timeout_s"] * 1000))
     except Exception:  # noqa: BLE001
-        return 0
+        return rc
     jax.distributed.shutdown()
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,0 +1,129 @@
+"""Preemption with several real JAX processes and real signals (issue 23).
+
+Each test starts 2 (or 4) ``jax.distributed`` processes on 127.0.0.1 running
+``_mp_workers.preempted_training``: a loop of ~0.1 s steps with a cross-process
+all-reduce, saving every 5 steps with ``handle_sigterm=True`` through the manager or
+the callback. The parent sends real SIGTERMs (``_multiprocess.Signal``) when a chosen
+process has finished a chosen step: to every process at once, staggered by a step in
+both orders, to one non-primary, to the primary only. jax's preemption sync manager
+(whose notifier the manager keeps) agrees on one step; every process saves it, waits
+for its commit and exits 143. What each test checks:
+
+* every process exits 143, within a few seconds of the first signal (a grace period
+  is ~30 s), having saved the same step, which is after the step at the first signal;
+* that step is committed and is the latest; it restores bit-exact (int32 state whose
+  values depend on every step: a step off by one would not match);
+* one run restarts from it (``resume=True``) in two new processes, bit-exact;
+* with jax's preemption service off, ``handle_sigterm=True`` is refused at open on
+  every process, saying what to set.
+"""
+
+import os
+
+import _mp_workers as W
+import numpy as np
+import pytest
+from _multiprocess import Signal, run_processes
+
+import flax_orbax_plugin as fop
+
+pytestmark = pytest.mark.distributed
+
+AT = 6  # the first signal goes out once its process has finished this step
+ENV = {"FOP_COORDINATION_TIMEOUT_S": "20"}
+EXIT_WITHIN_S = 10.0  # after the first signal; a scheduler's grace period is ~30 s
+
+# Who is signalled, in order: the first when it finished step AT, the next one step later.
+PATTERNS = {
+    "all-at-once": [(0, 0), (1, 0)],
+    "staggered-0-first": [(0, 0), (1, 1)],
+    "staggered-1-first": [(1, 0), (0, 1)],
+    "non-primary-only": [(1, 0)],
+    "primary-only": [(0, 0)],
+}
+
+
+def _preempt(tmp_path, via, pattern, n=2, **args):
+    workdir = str(tmp_path / "job")
+    directory = str(tmp_path / "ckpt")
+    signals = [
+        Signal(p, lambda p=p, late=late: W.progress(workdir, p) >= AT + late) for p, late in pattern
+    ]
+    run = run_processes(
+        "_mp_workers:preempted_training",
+        n,
+        devices_per_process=2 if n == 2 else 1,
+        args={"directory": directory, "via": via, **args},
+        workdir=workdir,
+        signals=signals,
+        env=ENV,
+        heartbeat_timeout_s=30,
+        timeout_s=60,
+    )
+    return run, directory
+
+
+def _check_one_agreed_step(run, directory, n_devices):
+    stories = "\n\n".join(p.describe() for p in run.procs)
+    assert run.signals_sent, stories
+    assert [p.returncode for p in run.procs] == [143] * len(run.procs), stories
+    assert all(p.record.get("mode") == "jax" for p in run.procs), stories
+    saved = {p.record["last_step"] for p in run.procs}
+    assert len(saved) == 1, stories
+    step = saved.pop()
+    assert step > AT, stories  # after the step the first signal came at
+    first_signal = min(t for _, t in run.signals_sent)
+    assert max(p.wall_s for p in run.procs) - first_signal < EXIT_WITHIN_S, stories
+    mngr = fop.CheckpointManager(directory, read_only=True)
+    assert mngr.latest_step() == step
+    restored = mngr.restore(step=step)
+    want = W.preempt_expected(step, n_devices)
+    assert restored["params"]["w"].dtype == np.int32
+    assert np.array_equal(restored["params"]["w"], want["w"])
+    assert int(restored["params"]["b"]) == step
+    return step
+
+
+@pytest.mark.parametrize("via", ["manager", "callback"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_every_process_saves_one_agreed_step_and_exits_143(tmp_path, via, pattern):
+    run, directory = _preempt(tmp_path, via, PATTERNS[pattern])
+    _check_one_agreed_step(run, directory, n_devices=4)
+
+
+def test_four_processes_one_signalled_then_a_restart_resumes_bit_exact(tmp_path):
+    run, directory = _preempt(tmp_path, "callback", [(2, 0)], n=4)
+    step = _check_one_agreed_step(run, directory, n_devices=4)
+    # Two new processes (another process count, the same 4 devices) resume from it.
+    again = run_processes(
+        "_mp_workers:preempted_training",
+        2,
+        devices_per_process=2,
+        args={"directory": directory, "via": "callback", "resume": True, "steps": step + 3},
+        workdir=str(tmp_path / "restart"),
+        env=ENV,
+        heartbeat_timeout_s=30,
+        timeout_s=60,
+    ).check()
+    for p in again.procs:
+        assert p.record["resumed"] == step
+        assert p.record["resumed_exact"] is True
+    assert fop.CheckpointManager(directory, read_only=True).latest_step() == step + 3
+
+
+def test_without_jax_preemption_service_handle_sigterm_is_refused_at_open(tmp_path):
+    run = run_processes(
+        "_mp_workers:sigterm_without_preemption_service",
+        2,
+        devices_per_process=1,
+        args={"directory": str(tmp_path / "ckpt")},
+        env={**ENV, "JAX_ENABLE_PREEMPTION_SERVICE": "false"},
+        timeout_s=60,
+    ).check()
+    for p in run.procs:
+        assert "jax_enable_preemption_service" in p.result["error"]
+        assert "handle_sigterm=False" in p.result["error"]
+    assert (
+        not os.listdir(tmp_path / "ckpt")
+        or fop.CheckpointManager(str(tmp_path / "ckpt"), read_only=True).steps() == []
+    )
