@@ -36,8 +36,8 @@ Who calls what (one manager, one training thread, one replicator thread per proc
 * local retention never deletes a queued step or the one being copied
   (:meth:`pending_steps`);
 * restore (training thread) calls :meth:`ensure_local` to copy a step down from the
-  persistent tier into the local one (staged, verified, renamed) when the step is
-  newer than every local one, or its local copy is damaged;
+  persistent tier into the local one (staged, verified in full, renamed) when the
+  step is newer than every local one, or its local copy is damaged;
 * ``close`` (and a SIGTERM-driven save) calls :meth:`close` with a deadline (the
   grace period after SIGTERM): what is still queued afterwards is logged and
   replicated at the next open.
@@ -90,10 +90,26 @@ Not supported: per-host local disks that other hosts cannot see (neither the man
 local commit nor this tier handles them: each host would commit its own part locally,
 and copy-down would fetch per host only the files its shards need).
 
-Not handled: two writers replicating to one persistent location (there is no lock
-on object stores). A step replaced locally with ``overwrite=True`` is replaced on a
-filesystem tier atomically (rename), on an object store by first un-committing the
-old copy (a window where the step is absent there, never partial).
+One run per persistent path (``_run_owner``): at open the primary takes the path
+for its run (a lock on filesystems, a renewed lease on object stores) and checks that
+the local directory and the persistent path record the same run; a second live run is
+refused with DirectoryLockedError, places of two runs with CheckpointError.
+
+Touch nothing foreign (``_ownership``): unfinished copies are removed at open only once
+proven ours (our pending marker); a step name held by anything of someone else's (a
+user's ``2024/``, another library's step ``100/``) is never written into, replaced or
+removed: its replication fails, naming it. Retention deletes only committed steps of
+ours (``remove_step``).
+
+Only proven damage sets a persistent step aside: a copy-down is verified in full before
+its local commit; a step failing it is renamed ``<step>.corrupt-<nonce>`` (filesystems)
+or recorded in :data:`DAMAGED_FILE` (object stores), never listed, copied down or
+counted again, and its number is free for the next save, whose replication replaces
+it. Environmental errors during a copy-down raise and set nothing aside.
+
+A step replaced locally with ``overwrite=True`` is replaced on a filesystem tier
+atomically (rename), on an object store by first un-committing the old copy (a window
+where the step is absent there, never partial).
 """
 
 from __future__ import annotations

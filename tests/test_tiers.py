@@ -877,3 +877,22 @@ def test_an_environmental_error_during_copy_down_raises_and_sets_nothing_aside(
             k: v for k, v in before.items() if k != "_RUN.json"
         }  # nothing set aside, nothing recorded as damaged
         assert_step(mngr.restore(), 2)  # the same step, once the fault is gone
+
+
+def test_a_pending_marker_beside_a_committed_local_manifest_is_not_replicated(s3, tmp_path):
+    """A crash between a commit's manifest and the removal of its pending marker leaves
+    both: the step is committed, and the marker is no file of the step to copy."""
+    from flax_orbax_plugin._ownership import PENDING_FILE
+
+    local = tmp_path / "local"
+    with fop.CheckpointManager(local) as mngr:
+        mngr.save(1, state(1))
+    marker = b'{"library": "flax_orbax_plugin", "kind": "pending", "nonce": "abc"}'
+    (local / "1" / PENDING_FILE).write_bytes(marker)
+    with fop.CheckpointManager(local, persistent=s3.url) as mngr:
+        assert mngr.persistent.wait(WAIT_S)
+        assert mngr.persistent.replicated == [1]
+        assert PENDING_FILE not in mngr.persistent.copied_files[1]
+    assert f"1/{PENDING_FILE}" not in s3.keys() and f"1/{MANIFEST_FILE}" in s3.keys()
+    with fop.CheckpointManager(tmp_path / "fresh", persistent=s3.url) as mngr:
+        assert_step(mngr.restore(), 1)
