@@ -776,7 +776,7 @@ def store(request, tmp_path):
         root = tmp_path / "persistent"
         root.mkdir()
         return Store(str(root), root=str(root))
-    loc = request.getfixturevalue("s3_location")
+    loc = request.getfixturevalue(f"{request.param}_location")
     return Store(loc.url, kv=loc.kvstore())
 
 
@@ -791,6 +791,7 @@ FOREIGN = {
 }
 
 
+@pytest.mark.parametrize("store", ["s3", "gcs", "fs"], indirect=True)
 def test_foreign_entries_in_the_persistent_location_are_left_byte_identical(store, tmp_path):
     """A user's 2024/, a zero-padded 007/, an Orbax run (digits-named steps without our
     manifest) and a staging-named folder not ours: opening, replicating, persistent
