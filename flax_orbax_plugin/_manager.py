@@ -33,6 +33,7 @@ commits only when every process reported the same step and tree structure.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import operator
@@ -197,6 +198,7 @@ class CheckpointManager:
         self._deleting: set[int] = set()
         self._metrics: dict[int, float | None] = {}
         self._inflight: SaveHandle | None = None
+        self._committed: list[int] | None = None  # a writer's committed steps (steps())
         self._last_save: SaveResult | None = None
         self._retention_future: Future | None = None
         self._closed = False
@@ -284,10 +286,42 @@ class CheckpointManager:
         return str(self._loc)
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending (steps being deleted are left out)."""
-        steps = _steps.committed_steps(self._loc)
+        """Committed steps, ascending (steps being deleted are left out).
+
+        A writer answers from its list in memory (read from the store once, at its
+        first need, and again after a failed commit; kept up to date by its own
+        commits and removals), so that a save costs the same whatever the number of
+        steps kept. A reader (``read_only``) lists the store at each call."""
+        steps = self._known_steps() if not self._read_only else _steps.committed_steps(self._loc)
         with self._lock:
             return [s for s in steps if s not in self._deleting]
+
+    def _known_steps(self) -> list[int]:
+        """A writer's committed steps, from memory (listed when unknown). Any thread."""
+        with self._lock:
+            if self._committed is not None:
+                return list(self._committed)
+        listed = _steps.committed_steps(self._loc)
+        with self._lock:
+            if self._committed is None:
+                self._committed = listed
+            return list(self._committed)
+
+    def _forget_steps(self) -> None:
+        """The list in memory may be wrong (a failed commit, a removal by someone
+        else, a copy from the persistent tier): the next need lists the store."""
+        with self._lock:
+            self._committed = None
+
+    def _step_committed(self, step: int) -> None:
+        with self._lock:
+            if self._committed is not None and step not in self._committed:
+                bisect.insort(self._committed, step)
+
+    def _step_removed(self, step: int) -> None:
+        with self._lock:
+            if self._committed is not None and step in self._committed:
+                self._committed.remove(step)
 
     def latest_step(self, *, include_persistent: bool = False) -> int | None:
         """The highest committed step, or None when there is none; with
@@ -456,6 +490,9 @@ class CheckpointManager:
         def background() -> SaveResult:
             try:
                 written = self._commit(op, step, staging, pendings, entries, digest, replace)
+            except BaseException:
+                self._forget_steps()  # a failed commit never enters the list; re-read
+                raise
             finally:  # every process has read every exchanged value by now
                 _incremental.release(reuses)
             result = SaveResult(
@@ -534,6 +571,7 @@ class CheckpointManager:
         )
 
     def _after_commit(self, step: int, result: SaveResult, metric: float | None) -> None:
+        self._step_committed(step)
         with self._lock:
             self._metrics[step] = metric
             self._last_save = result
@@ -586,15 +624,17 @@ class CheckpointManager:
         """
         self._check_writable()
         self.wait()
+        self._forget_steps()  # gc looks at the store itself
         if _distributed.is_primary():
             self._remove_unfinished()
         return self._apply_retention(None)
 
     def _apply_retention(self, just_written: int | None) -> list[int]:
-        """Deletion thread: delete the steps the retention policy does not keep."""
+        """Deletion thread: delete the steps the retention policy does not keep (the
+        primary); the other processes drop the same steps from their list in memory."""
         removed: list[int] = []
         try:
-            if not self._retention.deletes_anything or not _distributed.is_primary():
+            if not self._retention.deletes_anything:
                 return removed
             steps = self.steps()
             metrics = {}
@@ -605,7 +645,12 @@ class CheckpointManager:
                 protected = {just_written} - {None} | set(+self._reading)
             if self._tier is not None:  # not yet replicated: kept locally
                 protected |= self._tier.pending_steps()
-            for s in steps_to_delete(steps, self._retention, metrics=metrics, protected=protected):
+            doomed = steps_to_delete(steps, self._retention, metrics=metrics, protected=protected)
+            if not _distributed.is_primary():  # the primary deletes them
+                for s in doomed:
+                    self._step_removed(s)
+                return removed
+            for s in doomed:
                 with self._lock:
                     if self._reading[s] > 0:
                         continue
@@ -613,6 +658,7 @@ class CheckpointManager:
                 try:
                     remove_step(self._loc, s)
                     removed.append(s)
+                    self._step_removed(s)
                 finally:
                     with self._lock:
                         self._deleting.discard(s)
@@ -649,6 +695,8 @@ class CheckpointManager:
         if not kind.startswith("partial-") or int(step_name) in listing.committed:
             return False
         src = self._loc.child(name)
+        if src.read_bytes(_ownership.PENDING_FILE) is not None:
+            return False  # still claimed: its commit never finished (e.g. a copy-down check)
         try:
             _steps.read_manifest(src)
         except CheckpointError:
@@ -689,13 +737,16 @@ class CheckpointManager:
         if step is not None:
             if self._tier is not None:
                 self._tier.ensure_local(step)
+                self._forget_steps()  # it may have copied the step here
             return self._with_step(step, fn)
         skipped: list[tuple[int, CorruptCheckpointError]] = []
         for candidate in reversed(self._restore_candidates()):
             for _ in range(2 if self._tier is not None else 1):  # local, then persistent
                 try:
-                    if self._tier is not None and not self._tier.ensure_local(candidate):
-                        break
+                    if self._tier is not None:
+                        if not self._tier.ensure_local(candidate):
+                            break
+                        self._forget_steps()  # it may have copied the step here
                     return self._with_step(candidate, fn)
                 except CorruptCheckpointError as e:
                     skipped.append((candidate, e))
@@ -730,6 +781,7 @@ class CheckpointManager:
         name = f"{step}.corrupt-{secrets.token_hex(6)}"
         try:
             _steps.step_location(self._loc, step).rename(self._loc.child(name))
+            self._step_removed(step)
             logger.warning("checkpoint: moved step %d aside to %s/%s", step, self._loc, name)
         except OSError as e:
             logger.warning("checkpoint: could not move step %d aside: %s", step, e)
@@ -753,8 +805,8 @@ class CheckpointManager:
     def _deleted_step_error(self, step: int, error: Exception) -> Exception:
         """``error``, or a StepDeletedError when ``step`` is no longer listed (another
         process's retention deleted it while this one read it)."""
-        try:
-            if isinstance(error, StepDeletedError) or step in self.steps():
+        try:  # listed afresh: another process may have deleted it
+            if isinstance(error, StepDeletedError) or step in _steps.committed_steps(self._loc):
                 return error
         except CheckpointError:
             return error

@@ -5,8 +5,9 @@ One implementation for the manager, the serving path and the CLI, on every store
 Names directly under a directory:
 
 * ``<step>``: ASCII digits, canonical (``0`` or no leading zero: ``007`` is foreign).
-  *Committed* when it holds a step manifest (``_CHECKPOINT.json``); without one it is *foreign* (a user's folder named
-  ``2024``, a core checkpoint saved with ``fop.save(f"{d}/{step}")``) and is left alone.
+  *Committed* when it holds a step manifest (``_CHECKPOINT.json``); without one it is
+  *foreign* (a user's folder named ``2024``, a core checkpoint saved with
+  ``fop.save(f"{d}/{step}")``) and is left alone.
 * ``<step>.partial-<nonce>``, ``<step>.deleting-<nonce>``: *unfinished*: temporary names
   this library writes; removed by a writer when it opens (only when they are real
   directories, never through a symlink).
@@ -32,6 +33,10 @@ STEP_RE = re.compile(rf"^{_STEP}$", re.ASCII)
 TMP_RE = re.compile(rf"^{_STEP}\.(partial|deleting)-[0-9a-z]{{1,32}}$", re.ASCII)
 CORRUPT_RE = re.compile(rf"^{_STEP}\.corrupt-[0-9a-z]{{1,32}}$", re.ASCII)
 LOCK_NAME = ".writer.lock"
+# Records of ours at the top of a directory (run owner, damaged persistent copies):
+# never steps, never foreign. Named here, where listing lives, not imported from
+# the modules that write them (they sit above this one).
+RECORD_NAMES = frozenset({LOCK_NAME, "_RUN.json", "_DAMAGED.json"})
 
 
 def is_step_name(name: str) -> bool:
@@ -57,7 +62,7 @@ def list_directory(loc: Location) -> Listing:
     committed, unfinished, corrupt, foreign = [], [], [], []
     kinds = loc.child_kinds() if loc.is_local else None  # from the entries: no link followed
     for name in loc.list_children():
-        if name == LOCK_NAME:
+        if name in RECORD_NAMES:
             continue
         if kinds is not None and kinds.get(name) != "dir":
             foreign.append(name)  # a symlink, a file, a device: never ours to follow
