@@ -126,6 +126,11 @@ def decode(raw: bytes, where: str) -> Any:
         return json.loads(
             raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float
         )
+    except _NonFinite as e:
+        raise CorruptCheckpointError(
+            f"malformed {where}: field {_field_before(raw, e.text)}: expected a finite "
+            f"number, found {e.text[:40]}"
+        ) from None
     except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
         # RecursionError: nesting deeper than the interpreter's stack (e.g. '[' * 100000)
         raise CorruptCheckpointError(f"{where} is not valid JSON: {_brief(e)}") from None
@@ -135,12 +140,31 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+class _NonFinite(ValueError):
+    def __init__(self, text: str):
+        super().__init__(f"the number {text[:40]} is not finite")
+        self.text = text
+
+
 def _finite_float(text: str) -> float:
     """JSON numbers that overflow to infinity (``1e999``) are refused like ``Infinity``."""
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} is not finite")
+        raise _NonFinite(text)
     return value
+
+
+_KEY_BEFORE = re.compile(rb'"([^"\\]{1,64})"\s*:\s*[\[\s]*$')
+
+
+def _field_before(raw: bytes, text: str) -> str:
+    """The key under which the number ``text`` first appears in ``raw`` (for the error
+    message), else its byte offset."""
+    at = raw.find(text.encode())
+    if at < 0:
+        return "?"
+    match = _KEY_BEFORE.search(raw[max(0, at - 200) : at])
+    return match.group(1).decode(errors="replace") if match else f"at byte {at}"
 
 
 def _brief(error: BaseException) -> str:
