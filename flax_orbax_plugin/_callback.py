@@ -211,6 +211,7 @@ class CheckpointCallback:
             )
         for step in mngr.steps():
             remove_step(Location.from_path(self.directory), step)
+        mngr._forget_steps()  # removed behind the manager's back: it lists again
         if mngr.persistent is not None:
             for step in mngr.persistent.steps():
                 mngr.persistent.remove(step)

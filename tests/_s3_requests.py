@@ -1,0 +1,76 @@
+"""Counts the HTTP requests a moto S3 server in this process answers, by kind.
+
+``_s3_server.S3Server(mode="thread")`` serves through werkzeug, which logs one line
+per answered request on the ``werkzeug`` logger (``"GET /bucket/key?x HTTP/1.1" 200
+-``). :class:`S3Requests` is a logging handler on that logger: while it is entered it
+counts every request line by kind: ``LIST`` (a GET of the bucket with a ``list-type``
+or ``prefix`` query), ``GET``, ``HEAD``, ``PUT``, ``POST``, ``DELETE``. The line is
+logged after the answer is sent, so :meth:`S3Requests.settle` waits until no new line
+arrived for a moment before a count is read.
+
+Thread-safety: ``emit`` runs on the server's threads; counts are read under a lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import threading
+import time
+
+_LINE = re.compile(r'"(GET|PUT|DELETE|HEAD|POST) (\S+) HTTP/')
+
+
+class S3Requests(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.INFO)
+        self._mutex = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._last = time.monotonic()
+        self._logger = logging.getLogger("werkzeug")
+        self._saved: tuple[int, bool] | None = None
+
+    def __enter__(self) -> S3Requests:
+        self._saved = (self._logger.level, self._logger.propagate)
+        self._logger.setLevel(logging.INFO)
+        self._logger.propagate = False  # counted here, not printed
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._logger.removeHandler(self)
+        level, propagate = self._saved
+        self._logger.setLevel(level)
+        self._logger.propagate = propagate
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = _LINE.search(record.getMessage())
+        if not m:
+            return
+        method, target = m.groups()
+        path, _, query = target.partition("?")
+        kind = method
+        if method == "GET" and re.search(r"(^|&)(list-type|prefix|delimiter)=", query):
+            kind = "LIST"
+        with self._mutex:
+            self._counts[kind] += 1
+            self._last = time.monotonic()
+
+    def settle(self, quiet_s: float = 0.1, timeout_s: float = 5.0) -> None:
+        """Waits until no request was logged for ``quiet_s`` (at most ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._mutex:
+                idle = time.monotonic() - self._last
+            if idle >= quiet_s:
+                return
+            time.sleep(quiet_s - idle)
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last ``take`` (after :meth:`settle`), and a reset."""
+        self.settle()
+        with self._mutex:
+            out = dict(self._counts)
+            self._counts.clear()
+        return out
