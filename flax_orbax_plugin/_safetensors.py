@@ -483,7 +483,8 @@ def _tensor_bytes(t: _Tensor, value: Any) -> np.ndarray:
         arr = arr.astype(t.dtype)
     if t.axes is not None:
         arr = arr.transpose(t.axes)
-    arr = np.ascontiguousarray(arr)
+    if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar 1-D)
+        arr = arr.copy(order="C")
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     if tuple(arr.shape) != t.shape:

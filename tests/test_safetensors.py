@@ -330,3 +330,15 @@ def test_each_process_reads_only_its_regions(tmp_path):
         out = proc.record["result"]
         assert out["rows_ok"] and out["shard_rows"] == rows // 4
         assert full.nbytes // 2 <= out["bytes_read"] < full.nbytes // 2 + (64 << 10), out
+
+
+def test_scalar_leaves_of_a_checkpoint_export_as_0d_tensors(tmp_path):
+    """A saved scalar (shape ()) stays shape () in the file: it was written 1-D before."""
+    directory = tmp_path / "ckpts"
+    with fop.CheckpointManager(directory) as mngr:
+        mngr.save(1, {"params": {"n": np.float32(0.5), "w": np.ones((2, 3), np.float32)}})
+    out = tmp_path / "s.safetensors"
+    assert cli.main(["export", str(directory), str(out)]) == 0
+    got = safetensors.numpy.load_file(str(out))
+    assert got["n"].shape == () and got["n"] == np.float32(0.5)
+    assert _safetensors.from_safetensors(out)["n"].shape == ()
