@@ -63,8 +63,8 @@ class Staging:
     @classmethod
     def begin(cls, final: Location, nonce: str, *, claim: bool = True) -> Staging:
         """The staging place of a commit of ``final``, claimed (pending marker written)
-        before anything else is written there. Every process calls it with the same
-        ``nonce``. With ``claim=False`` the caller calls :meth:`claim` itself, before
+        before anything else is written there (by the primary). Every process calls it
+        with the same ``nonce``. With ``claim=False`` the caller calls :meth:`claim` itself, before
         its first write (the core save: in its background phase)."""
         if final.supports_rename:
             staging = cls(final, final.sibling(f"{final.name}.partial-{nonce}"), nonce)
@@ -75,7 +75,11 @@ class Staging:
         return staging
 
     def claim(self) -> None:
-        _ownership.claim(self.location, self.nonce)
+        """Primary only (a no-op elsewhere): the others share the place and its claim.
+        A process that writes before the claim lands can at worst leave remains
+        nothing proves ours: left alone, never a foreign place removed."""
+        if _distributed.is_primary():
+            _ownership.claim(self.location, self.nonce)
 
     def publish(self, marker: str, data: bytes, *, replace: bool) -> None:
         """Primary only: writes the marker last and makes the checkpoint visible.

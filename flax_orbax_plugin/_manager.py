@@ -286,26 +286,28 @@ class CheckpointManager:
         return str(self._loc)
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending (steps being deleted are left out).
-
-        A writer answers from its list in memory (read from the store once, at its
-        first need, and again after a failed commit; kept up to date by its own
-        commits and removals), so that a save costs the same whatever the number of
-        steps kept. A reader (``read_only``) lists the store at each call."""
-        steps = self._known_steps() if not self._read_only else _steps.committed_steps(self._loc)
+        """Committed steps, ascending (steps being deleted are left out), as listed in
+        the store now. A save never calls it: see :meth:`_known_steps`."""
+        steps = _steps.committed_steps(self._loc)
         with self._lock:
             return [s for s in steps if s not in self._deleting]
 
     def _known_steps(self) -> list[int]:
-        """A writer's committed steps, from memory (listed when unknown). Any thread."""
+        """A writer's committed steps, from its list in memory (steps being deleted left
+        out): what ``save`` and retention use, so that a save costs the same whatever
+        the number of steps kept. Listed from the store at the first need and again
+        after a failed commit (or anything else that makes it unsure); kept up to date
+        by this manager's own commits and removals. Any thread."""
         with self._lock:
-            if self._committed is not None:
-                return list(self._committed)
-        listed = _steps.committed_steps(self._loc)
+            known = self._committed
+        if known is None:
+            listed = _steps.committed_steps(self._loc)
+            with self._lock:
+                if self._committed is None:
+                    self._committed = listed
+                known = self._committed
         with self._lock:
-            if self._committed is None:
-                self._committed = listed
-            return list(self._committed)
+            return [s for s in known if s not in self._deleting]
 
     def _forget_steps(self) -> None:
         """The list in memory may be wrong (a failed commit, a removal by someone
@@ -416,8 +418,8 @@ class CheckpointManager:
 
     def _check_new_step(self, step: int, overwrite: bool) -> list[int]:
         """Refuses a step at or below the latest committed one unless ``overwrite``;
-        returns the committed local steps (listed once per save)."""
-        local = self.steps()
+        returns the committed local steps (from memory: no listing per save)."""
+        local = self._known_steps()
         if step not in local:  # a foreign entry with the step's name is never replaced
             slot = _steps.step_location(self._loc, step)
             if _ownership.check_slot(slot, what=f"step {step}", replace=False):
@@ -636,7 +638,7 @@ class CheckpointManager:
         try:
             if not self._retention.deletes_anything:
                 return removed
-            steps = self.steps()
+            steps = self._known_steps()
             metrics = {}
             if self._retention.keep_best is not None:
                 metrics = {s: self._metric(s) for s in steps}
@@ -695,13 +697,12 @@ class CheckpointManager:
         if not kind.startswith("partial-") or int(step_name) in listing.committed:
             return False
         src = self._loc.child(name)
-        if src.read_bytes(_ownership.PENDING_FILE) is not None:
-            return False  # still claimed: its commit never finished (e.g. a copy-down check)
         try:
             _steps.read_manifest(src)
         except CheckpointError:
             return False
         src.rename(self._loc.child(step_name))
+        _ownership.unclaim(self._loc.child(step_name))  # killed before its own unclaim
         logger.warning("finished the commit of step %s in %s (was %s)", step_name, self._loc, name)
         return True
 
