@@ -449,7 +449,8 @@ def _check_claim(location, sub: str, needed, where: str, field: str, claim) -> N
         raise CorruptCheckpointError(
             f"{where}: field {field}: {_layout._show(claim)} needs {files} chunk files of "
             f"{nbytes} bytes in all under {location}/{sub}/c, found {found_files} files of "
-            f"{found_bytes} bytes (the metadata claims more data than is stored)"
+            f"{found_bytes} bytes (stored data is damaged or missing, or the metadata "
+            f"claims more than was stored)"
         )
 
 
