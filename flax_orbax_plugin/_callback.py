@@ -122,6 +122,7 @@ class CheckpointCallback:
         self._last_saved_step: int | None = None
         self._last_step: int | None = None
         self._inflight: int | None = None  # the step saving in the background
+        self._inflight_handle = None  # its SaveHandle (the manager's), if not committed
         self.history: list[SaveResult] = []  # figures of every finished save, in order
         self.resumed_step: int | None = None  # the step restored by on_train_start
 
@@ -245,7 +246,8 @@ class CheckpointCallback:
         return self.on_step_end(step, self._state_fn(), t=t)
 
     def wait(self) -> None:
-        """Blocks until the save in flight (if any) is durable; reports its figures."""
+        """Blocks until the save in flight (if any) is durable and retention has run;
+        reports its figures. With several processes: on every process (collective)."""
         if self._manager is not None:
             self._finish_inflight(block=True)
             self._manager.wait()
@@ -268,7 +270,10 @@ class CheckpointCallback:
     # -- saving and reporting ----------------------------------------------------
 
     def _save(self, step: int, state: Any, *, t: float | None, force: bool) -> bool:
-        self._finish_inflight(block=True)
+        # No wait here: most steps save nothing, and the manager waits for the save in
+        # flight itself when it starts the next one (so the step after a save never
+        # waits for its commit).
+        self._finish_inflight(block=False)
         self._check_state_step(step, state)
         extras_fn = self._extras_fn
         saved = self.manager.save(
@@ -280,8 +285,10 @@ class CheckpointCallback:
             t=t,
         )
         if saved:
+            self._finish_inflight(block=True)  # the previous save: committed by now
             self._last_saved_step = step
             self._inflight = step
+            self._inflight_handle = self.manager._inflight  # None: already committed
             if not self.async_save:
                 self._finish_inflight(block=True)
         return saved
@@ -305,15 +312,28 @@ class CheckpointCallback:
 
         With ``block`` False, returns at once if the save is still running. A save
         that failed in the background raises here (through the manager) and reports
-        no figures.
+        no figures. This process's own wait only, never the manager's collective
+        ``wait`` (a barrier, then retention): with several processes each one sees
+        its commit done at its own moment, and a barrier entered by one of them at
+        one step would hold it until the others poll, a step later or more; before a
+        save, waiting for the last one's commit is all that is needed.
         """
         if self._inflight is None:
             return
-        if not block and self.manager.save_in_flight:
+        handle = self._inflight_handle
+        if not block and handle is not None and not handle.done():
             return
-        step, self._inflight = self._inflight, None
-        self.manager.wait()  # re-raises a background error
-        figures = self.manager.last_save
+        step, self._inflight, self._inflight_handle = self._inflight, None, None
+        if handle is None:  # a synchronous save: committed within manager.save
+            figures = self.manager.last_save
+        elif handle is self.manager._inflight:
+            self.manager._wait_inflight()  # re-raises a background error (once)
+            figures = handle.wait()
+        else:  # the manager waited for it when it started the next save
+            try:
+                figures = handle.wait()
+            except BaseException:  # noqa: BLE001  (the manager has raised it already)
+                return
         if figures is None or figures.step != step:
             return
         self.history.append(figures)

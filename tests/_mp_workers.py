@@ -713,3 +713,43 @@ def sigterm_without_preemption_service(ctx, directory):
     except ValueError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+def callback_step_times(ctx, directory, steps=31, every_steps=5, step_s=0.05, rows=2048):
+    """Step times of a loop with an async callback (a 2048-row float32 sharded state per
+    device, 8 MiB): whether the step after a save waits for the save's commit."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flax_orbax_plugin as fop
+
+    sharded = NamedSharding(ctx.mesh, P(ctx.mesh.axis_names[0]))
+    shape = (rows * len(ctx.devices), 1024)
+    w = jax.make_array_from_callback(shape, sharded, lambda i: np.ones(shape, np.float32)[i])
+    train = jax.jit(lambda w: w + jnp.mean(w) * 1e-6, out_shardings=sharded)
+    from flax_orbax_plugin import _distributed
+
+    cb = fop.CheckpointCallback(directory, every_steps=every_steps, keep=2)
+    cb.on_train_start({"params": {"w": w}})
+    times, saved, barriers = [], [], []
+    for step in range(1, steps + 1):
+        t = time.perf_counter()
+        w = train(w)
+        jax.block_until_ready(w)
+        time.sleep(step_s)
+        before = _distributed.CALLS["barrier"]
+        if cb.on_step_end(step, {"params": {"w": w}}):
+            saved.append(step)
+        barriers.append(_distributed.CALLS["barrier"] - before)
+        times.append(time.perf_counter() - t)
+    cb.on_train_end({"params": {"w": w}})
+    return {
+        "times": times,
+        "saved": saved,
+        "barriers": barriers,  # per on_step_end
+        "reported": [h.step for h in cb.history],
+        "totals": [h.total_seconds for h in cb.history],
+    }

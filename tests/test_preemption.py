@@ -127,3 +127,20 @@ def test_without_jax_preemption_service_handle_sigterm_is_refused_at_open(tmp_pa
         not os.listdir(tmp_path / "ckpt")
         or fop.CheckpointManager(str(tmp_path / "ckpt"), read_only=True).steps() == []
     )
+
+
+def test_callback_steps_with_several_processes_never_wait_at_a_barrier(tmp_path):
+    """The step after a save does not wait for its commit: no on_step_end enters a
+    barrier (each process polls its own save; the collective wait is at the end)."""
+    run = run_processes(
+        "_mp_workers:callback_step_times",
+        2,
+        devices_per_process=2,
+        args={"directory": str(tmp_path / "ckpt"), "steps": 16, "rows": 256},
+        env=ENV,
+        timeout_s=60,
+    ).check()
+    for p in run.procs:
+        assert p.result["saved"] == [5, 10, 15]
+        assert p.result["barriers"] == [0] * 16
+        assert p.result["reported"] == [5, 10, 15, 16]  # every save's figures, in order
