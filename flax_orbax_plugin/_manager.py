@@ -46,7 +46,17 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from . import _commit, _distributed, _faults, _host, _incremental, _layout, _ownership, _steps
+from . import (
+    _commit,
+    _distributed,
+    _faults,
+    _host,
+    _incremental,
+    _layout,
+    _ownership,
+    _shared_dir,
+    _steps,
+)
 from ._checkpointables import Checkpointable, Pending, PytreeCheckpointable, checkpointable_for
 from ._commit import Staging, Written
 from ._errors import (
@@ -221,6 +231,11 @@ class CheckpointManager:
                 )
             return
         self._open_writer()
+        try:  # several processes on a local path: the same directory on every host
+            _shared_dir.check_visible(self._loc)
+        except BaseException:
+            self.close()
+            raise
         if persistent is not None:
             try:
                 self._tier = PersistentTier(

@@ -753,3 +753,18 @@ def callback_step_times(ctx, directory, steps=31, every_steps=5, step_s=0.05, ro
         "reported": [h.step for h in cb.history],
         "totals": [h.total_seconds for h in cb.history],
     }
+
+
+def per_host_directories(ctx, base, shared=False):
+    """A writer opened by every process on a local path: its own directory per process
+    (hosts without a shared disk), or one shared. Reports the error and what is left."""
+    import flax_orbax_plugin as fop
+
+    directory = base if shared else os.path.join(base, f"host{ctx.process_id}")
+    try:
+        fop.CheckpointManager(directory).close()
+        error = None
+    except fop.CheckpointError as e:
+        error = str(e)
+    left = sorted(os.listdir(directory)) if os.path.isdir(directory) else None
+    return {"error": error, "left": left}

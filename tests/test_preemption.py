@@ -16,6 +16,10 @@ for its commit and exits 143. What each test checks:
 * one run restarts from it (``resume=True``) in two new processes, bit-exact;
 * with jax's preemption service off, ``handle_sigterm=True`` is refused at open on
   every process, saying what to set.
+
+Also with several processes (issue 23): the callback's steps never enter a barrier
+(the step after a save does not wait for its commit), and a writer on a local path
+that is a directory per host is refused at open on every process.
 """
 
 import os
@@ -144,3 +148,31 @@ def test_callback_steps_with_several_processes_never_wait_at_a_barrier(tmp_path)
         assert p.result["saved"] == [5, 10, 15]
         assert p.result["barriers"] == [0] * 16
         assert p.result["reported"] == [5, 10, 15, 16]  # every save's figures, in order
+
+
+@pytest.mark.parametrize("case", ["shared", "missing", "empty"])
+def test_per_host_local_directories_are_refused_at_open_on_every_process(tmp_path, case):
+    """Each process on its own directory (process 1's absent, or present and empty, as
+    on a host with its own disk) is refused on both with one error naming process 1;
+    one shared directory opens."""
+    base = tmp_path / "ckpt"
+    if case == "empty":
+        (base / "host1").mkdir(parents=True)
+    run = run_processes(
+        "_mp_workers:per_host_directories",
+        2,
+        devices_per_process=1,
+        args={"base": str(base), "shared": case == "shared"},
+        env=ENV,
+        timeout_s=60,
+    ).check()
+    errors = [p.result["error"] for p in run.procs]
+    if case == "shared":
+        assert errors == [None, None]
+    else:
+        assert errors[0] == errors[1]  # the same verdict everywhere
+        found = "the directory does not exist" if case == "missing" else "the file is missing"
+        assert "process 1 on host" in errors[0] and found in errors[0]
+        assert "object store" in errors[0] and "filesystem every host mounts" in errors[0]
+    # The primary's check file is gone either way.
+    assert [n for n in run[0].result["left"] if n.startswith(".fop-visible-")] == []
