@@ -14,7 +14,8 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Lint first (ruff check and format), then the suite: CI runs exactly this.
+test: lint
 	$(BIN)/python -m pytest -q tests
 
 # The main job: train, SIGKILL mid-run, resume from the config flag, serve, and

@@ -18,8 +18,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common as C  # noqa: E402
-import harness as H  # noqa: E402
+import common as C
+import harness as H
 
 
 def main(argv=None):

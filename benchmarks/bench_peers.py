@@ -19,9 +19,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common as C  # noqa: E402
-import harness as H  # noqa: E402
-from peers import LIBRARIES  # noqa: E402
+import common as C
+import harness as H
+from peers import LIBRARIES
 
 NOTES = [
     "Before every save (every library and the raw rows alike) the harness writes and "

@@ -46,7 +46,7 @@ import flax_orbax_plugin as fop  # noqa: E402
 def make_state(mib: int, step: int) -> dict:
     n = mib * (1 << 20) // 4 // 2 // 4  # four leaves per item, two items
     rng = np.random.default_rng(step)
-    leaves = lambda: {f"l{i}": rng.standard_normal(n, dtype=np.float32) for i in range(4)}  # noqa: E731
+    leaves = lambda: {f"l{i}": rng.standard_normal(n, dtype=np.float32) for i in range(4)}
     return {"params": leaves(), "opt_state": leaves()}
 
 

@@ -110,7 +110,7 @@ def main(argv=None):
             )
             C.rmtree(wp)
             adapters[lib] = ad
-        except Exception as e:  # report, go on with the others
+        except Exception as e:  # noqa: BLE001  (report, go on with the others)
             res["errors"].append(f"{lib} setup: {type(e).__name__}: {e}"[:500])
 
     samples = {lib: {"blocking_s": [], "save_s": [], "restore_s": []} for lib in adapters}
@@ -153,7 +153,7 @@ def main(argv=None):
                     res[f"{lib}_verified"] = ok
                 del out
                 C.rmtree(path)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001  (reported in the results)
                 res["errors"].append(f"{lib} rep {rep}: {type(e).__name__}: {e}"[:500])
     for lib, d in samples.items():
         for k, xs in d.items():

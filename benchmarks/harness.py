@@ -17,8 +17,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common as C  # noqa: E402
-from peers import LABELS  # noqa: E402
+import common as C
+from peers import LABELS
 
 MiB = 1 << 20
 RAW = ("raw", "raw1")  # the disk's limit: parallel streams (ratios' base), one stream

@@ -32,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common as C  # noqa: E402
+import common as C
 
 
 def build(seed_specs):

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common as C  # noqa: E402
+import common as C
 
 RAW = ("raw", "raw1")  # the disk's limit: parallel streams, and one sequential stream
 

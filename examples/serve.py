@@ -17,10 +17,10 @@ from absl import app, flags
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import data  # noqa: E402
-import model as model_lib  # noqa: E402
+import data
+import model as model_lib
 
-import flax_orbax_plugin as fop  # noqa: E402
+import flax_orbax_plugin as fop
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training configuration file.")
 _STEP = flags.DEFINE_integer("step", None, "Step to serve (default: the latest).")

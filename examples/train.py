@@ -22,10 +22,10 @@ from flax import struct
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import data  # noqa: E402
-import model as model_lib  # noqa: E402
+import data
+import model as model_lib
 
-import flax_orbax_plugin as fop  # noqa: E402
+import flax_orbax_plugin as fop
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training configuration file.")
 

@@ -59,7 +59,8 @@ class CheckpointCallback:
       directory: the checkpoint directory (local path or ``s3://`` / ``gs://`` URL).
       every_steps: save when ``step % every_steps == 0``.
       every_seconds: save when at least this many seconds passed since the last save
-        (or since the first call). With neither set, only the final step is saved.
+        (or since the first call). With neither set, every step is saved (the
+        manager's default policy); ``on_train_end`` always saves the final step.
       keep: how many of the most recent steps to keep (None keeps all).
       resume: False starts fresh and refuses a directory that already holds steps;
         True resumes from the latest good step when one exists and starts fresh

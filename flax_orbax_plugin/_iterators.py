@@ -24,9 +24,11 @@ counter, in one of two forms:
                   .shuffle(len(x), seed=epoch).batch(32, drop_remainder=True))
 
   Resuming in the middle of an epoch rebuilds that epoch and skips the batches
-  already consumed: with ``Dataset.skip`` when the returned object has one
-  (tf.data then skips without running the pipeline's map functions), otherwise
-  by drawing and dropping them. A tf.data dataset is read with
+  already consumed: with ``Dataset.skip`` when the returned object has one,
+  otherwise by drawing and dropping them. ``skip`` still runs the pipeline for
+  the skipped elements (tf.data 2.21 ran every map function: 100 batches skipped
+  took about as long as drawing them), so a long epoch resumed late costs that
+  much time at start. A tf.data dataset is read with
   ``as_numpy_iterator()``, so batches are numpy arrays.
 
 The state is JSON (``{"index": n}``, plus ``"epoch"`` and ``"offset"`` in the

@@ -749,7 +749,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._wait_inflight()
-        fn = lambda s: self._restore_step(s, like, items, data_iterator)  # noqa: E731
+        fn = lambda s: self._restore_step(s, like, items, data_iterator)
         if step is not None:
             if self._tier is not None:
                 self._tier.ensure_local(step)
@@ -946,7 +946,7 @@ class CheckpointManager:
             return
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - do not mask the exception already raised
+        except Exception:
             logger.exception("error while closing the checkpoint manager")
 
     def __del__(self):

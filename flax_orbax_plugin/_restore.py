@@ -356,7 +356,7 @@ class _Reader:
             self.in_flight -= nbytes
             try:
                 data = future.result()
-            except Exception as e:  # tensorstore raises ValueError with a status text
+            except Exception as e:  # noqa: BLE001  (tensorstore: ValueError with a status text)
                 _raise_environmental(e)
                 on_error(e)
                 continue
@@ -626,7 +626,7 @@ def _bounding_box(
     box = [
         (min(r[d][0] for r in regions), max(r[d][1] for r in regions)) for d in range(len(shape))
     ]
-    volume = lambda b: int(np.prod([hi - lo for lo, hi in b], dtype=np.int64))  # noqa: E731
+    volume = lambda b: int(np.prod([hi - lo for lo, hi in b], dtype=np.int64))
     needed = sum(volume(r) for r in regions)
     return box if volume(box) <= needed * 1.125 else None
 

@@ -200,7 +200,7 @@ class _S3Copier(Copier):
         answer = self._call("get_object", **kw)
         try:
             body = answer["Body"].read(stop - start + 1)
-        except Exception as e:  # noqa: BLE001  (botocore's stream errors: no reuse)
+        except Exception as e:
             raise CopyError(f"S3 get_object {key} in bucket {self._bucket}: {e}") from e
         finally:
             answer["Body"].close()

@@ -192,7 +192,7 @@ class _Window:
                 read.result()
             except CheckpointError:
                 raise
-            except Exception as e:  # tensorstore: ValueError with a status text
+            except Exception as e:  # noqa: BLE001  (tensorstore: ValueError with a status text)
                 _restore._raise_environmental(e)
                 damaged = (locate() if locate is not None else None) or paths
                 raise _restore._corrupt(damaged, self.location, e) from None
@@ -270,5 +270,5 @@ def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> 
             r for r in members if r.storage.offset < hi and r.storage.offset + r.storage.size > lo
         ]
         paths = [r.path for r in inside] or [f"batch {batch.name}"]
-        locate = lambda inside=inside: _damaged_leaves(store, inside)  # noqa: E731
+        locate = lambda inside=inside: _damaged_leaves(store, inside)
         window.submit(read, (hi - lo) * itemsize, paths, locate)

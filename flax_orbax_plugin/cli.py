@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"flax-orbax {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 -- one clear line, never a traceback
+    except Exception as e:
         from flax_orbax_plugin._errors import CheckpointError
 
         kind = "" if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: "

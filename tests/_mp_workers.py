@@ -288,58 +288,6 @@ def manager_save(ctx, directory, steps=(1,), async_save=False, keep=None, work_b
     return out
 
 
-def manager_restore(ctx, directory, step=None, mesh_shape=None, spec=("data",)):
-    """Restores onto this job's mesh (any process count); checks every local shard."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import flax_orbax_plugin as fop
-
-    mesh = ctx.mesh
-    if mesh_shape:
-        names = tuple(f"m{i}" for i in range(len(mesh_shape)))
-        mesh = Mesh(np.array(ctx.devices).reshape(mesh_shape), names)
-        spec = tuple(names[i] if isinstance(i, int) else i for i in spec)
-    with fop.CheckpointManager(directory, read_only=True) as mngr:
-        step = mngr.latest_step() if step is None else step
-        meta = fop.metadata(f"{directory}/{step}/params")
-        shape = None
-        for leaf in getattr(meta, "leaves", []) or []:
-            if str(getattr(leaf, "path", "")).endswith("w"):
-                shape = tuple(leaf.shape)
-        rows = shape[0] if shape else None
-        sharding = NamedSharding(mesh, P(*spec))
-        like = {
-            "params": {
-                "w": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sharding),
-                "b": jax.ShapeDtypeStruct((COLS,), np.float32, sharding=NamedSharding(mesh, P())),
-            },
-            "opt_state": {"mu": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sharding)},
-        }
-        before = ctx.io()
-        state = mngr.restore(like)
-        io = _io_delta(before, ctx.io())
-    full = expected_w(rows // ROWS_PER_DEVICE) + step
-    checked = 0
-    for s in state["params"]["w"].addressable_shards:
-        np.testing.assert_array_equal(np.asarray(s.data), full[s.index])
-        checked += 1
-    for s in state["opt_state"]["mu"].addressable_shards:
-        np.testing.assert_array_equal(np.asarray(s.data), -full[s.index])
-    np.testing.assert_array_equal(
-        np.asarray(state["params"]["b"].addressable_shards[0].data), np.full(COLS, float(step))
-    )
-    return {
-        "step": step,
-        "rows": rows,
-        "checked_shards": checked,
-        "sharding": str(state["params"]["w"].sharding.spec),
-        "io": io,
-    }
-
-
 def _array_bytes_read() -> int:
     """Bytes of array files this process read: tensorstore's and the chunk reader's."""
     import tensorstore as ts
@@ -666,7 +614,7 @@ def preempted_training(
         if resume:
             state = mngr.restore(like=state)
         start = (mngr.restored_step or 0) + 1 if resume else 1
-        save = lambda step, s: mngr.save(step, s)  # noqa: E731
+        save = lambda step, s: mngr.save(step, s)
     else:
         cb = fop.CheckpointCallback(
             directory,
@@ -678,7 +626,7 @@ def preempted_training(
         state = cb.on_train_start(state)
         mngr = cb.manager
         start = (cb.resumed_step or 0) + 1
-        save = lambda step, s: cb.on_step_end(step, s)  # noqa: E731
+        save = lambda step, s: cb.on_step_end(step, s)
     ctx.note("mode", mngr._preemption.mode)
     if resume:
         want = preempt_expected(start - 1, n_dev)

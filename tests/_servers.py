@@ -1,4 +1,4 @@
-"""Pytest plugin: object-store servers on 127.0.0.1 and the ``distributed`` marker.
+"""Pytest plugin: object-store servers on 127.0.0.1.
 
 Load it from ``tests/conftest.py`` with::
 
@@ -22,14 +22,6 @@ import pytest
 from _gcs_server import GCSServer
 from _gcs_server import available as gcs_available
 from _s3_server import S3Server
-
-
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "distributed: starts several real jax.distributed processes on 127.0.0.1 "
-        "(deselect with -m 'not distributed')",
-    )
 
 
 @pytest.fixture(scope="session")

@@ -5,13 +5,20 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "distributed: starts several jax processes")
-    config.addinivalue_line("markers", "s3: starts a local S3-compatible server")
+_SERVER_FIXTURES = {"s3": ("s3_server", "s3_location"), "gcs": ("gcs_server", "gcs_location")}
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that uses a server fixture carries its marker (registered in
+    pyproject.toml), so ``-m 'not s3 and not gcs'`` deselects them all."""
+    for item in items:
+        for marker, fixtures in _SERVER_FIXTURES.items():
+            if any(f in getattr(item, "fixturenames", ()) for f in fixtures):
+                item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")

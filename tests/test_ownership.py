@@ -28,7 +28,14 @@ FOREIGN = {
 }
 
 
-@pytest.fixture(params=["local", "memory", "s3", "gcs"])
+@pytest.fixture(
+    params=[
+        "local",
+        "memory",
+        pytest.param("s3", marks=pytest.mark.s3),
+        pytest.param("gcs", marks=pytest.mark.gcs),
+    ]
+)
 def store(request, tmp_path):
     """The URL (or path) of an empty checkpoint directory on one store."""
     if request.param == "local":

@@ -57,7 +57,7 @@ class Adapter:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            except BaseException as e:  # re-raised on wait()
+            except BaseException as e:  # noqa: BLE001  (re-raised on wait())
                 err.append(e)
 
         t = threading.Thread(target=write, daemon=True)
