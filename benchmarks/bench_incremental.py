@@ -122,7 +122,7 @@ def run_peers(root: str, states, reps: int) -> None:
 
 def _remove(directory: str) -> None:
     if "://" in directory:
-        from flax_orbax_plugin._storage import Location
+        from flax_orbax_plugin._storage.location import Location
 
         Location.from_path(directory).remove()  # moto keeps every object in memory
     else:

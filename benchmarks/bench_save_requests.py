@@ -35,7 +35,7 @@ def saves(ctx, url, kept, measured=5, counter=None):
     import numpy as np
 
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin import _distributed
+    from flax_orbax_plugin._base import distributed as _distributed
 
     state = {"params": {"w": np.arange(512, dtype=np.float32), "b": np.ones(512, np.float32)}}
     mngr = fop.CheckpointManager(url, keep=None)
@@ -155,7 +155,7 @@ def saves_multi(ctx, url, kept, measured=5):
     import numpy as np
 
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin import _distributed
+    from flax_orbax_plugin._base import distributed as _distributed
 
     def mark(i: int, edge: str) -> None:
         if ctx.process_id == 0:

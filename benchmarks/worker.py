@@ -94,7 +94,7 @@ def op_save(a) -> dict:
     io0 = C.io_counters()
     res: dict = {"op": "save", "lib": a.lib, "workload": a.workload, "tree_bytes": nbytes}
     if a.lib in RAW:
-        from flax_orbax_plugin import _host
+        from flax_orbax_plugin._base import host as _host
 
         # host_copy_s, the blocking reference: one copy of the bytes this process
         # writes (each replica-0 shard), into fresh memory from the allocator the

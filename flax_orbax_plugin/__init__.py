@@ -20,8 +20,9 @@ Coming from elsewhere, going elsewhere:
     params = fop.from_safetensors(index_or_files, like)
 """
 
-from ._callback import CheckpointCallback
-from ._checkpointables import Checkpointable, Pending, Written
+from ._core.restore import metadata, restore
+from ._core.save import SaveHandle, SaveResult, is_committed, save, save_async
+from ._core.verify import VerifyResult, verify
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -35,17 +36,16 @@ from ._errors import (
     StructureError,
     UnknownItemError,
 )
-from ._iterators import StepIndexedIterator
-from ._manager import CheckpointManager
-from ._metadata import CheckpointMetadata, LeafMetadata
-from ._msgpack_import import import_msgpack, restore_msgpack
-from ._orbax_import import import_orbax, restore_orbax
-from ._restore import metadata, restore
-from ._safetensors import from_safetensors, to_safetensors
-from ._save import SaveHandle, SaveResult, is_committed, save, save_async
-from ._serving import restore_params
-from ._storage import Location
-from ._verify import VerifyResult, verify
+from ._format.metadata import CheckpointMetadata, LeafMetadata
+from ._interop.msgpack_reader import import_msgpack, restore_msgpack
+from ._interop.orbax_reader import import_orbax, restore_orbax
+from ._interop.safetensors import from_safetensors, to_safetensors
+from ._manager.callback import CheckpointCallback
+from ._manager.checkpointables import Checkpointable, Pending, Written
+from ._manager.manager import CheckpointManager
+from ._reading.serving import restore_params
+from ._state.iterators import StepIndexedIterator
+from ._storage.location import Location
 
 __all__ = [
     "CheckpointCallback",

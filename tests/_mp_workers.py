@@ -130,7 +130,7 @@ def _io_delta(before, after):
 
 def _spy_small_files(ctx):
     """Records which small files (metadata, markers, manifests) this process writes."""
-    from flax_orbax_plugin import _storage
+    from flax_orbax_plugin._storage import location as _storage
 
     written = []
     original = _storage.Location.write_bytes
@@ -292,7 +292,7 @@ def _array_bytes_read() -> int:
     """Bytes of array files this process read: tensorstore's and the chunk reader's."""
     import tensorstore as ts
 
-    from flax_orbax_plugin import _chunk_files
+    from flax_orbax_plugin._zarr import chunk_files as _chunk_files
 
     found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
     return sum(v.get("value", 0) for m in found for v in m["values"]) + _chunk_files.bytes_read()
@@ -303,7 +303,8 @@ def _kill_mid_write(ctx, after: int) -> None:
     its ``after + 1``-th array or batch, whichever writer writes it (tensorstore, or
     the direct chunk writer on local disk): some of its chunks are then written or in
     flight, the others not yet."""
-    from flax_orbax_plugin import _arrays, _chunk_files
+    from flax_orbax_plugin._zarr import arrays as _arrays
+    from flax_orbax_plugin._zarr import chunk_files as _chunk_files
 
     started = {"n": 0}
 
@@ -396,7 +397,7 @@ def replicated_state(ctx, step: int, rows: int = 4096):
 def commit_counts(ctx, directory, steps=(1, 2, 3), replicated=False):
     """Saves steps through the manager; reports coordination calls and bytes per step."""
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin import _distributed
+    from flax_orbax_plugin._base import distributed as _distributed
 
     out = {"per_step": []}
     with fop.CheckpointManager(directory, async_save=False) as mngr:
@@ -678,7 +679,7 @@ def callback_step_times(ctx, directory, steps=31, every_steps=5, step_s=0.05, ro
     shape = (rows * len(ctx.devices), 1024)
     w = jax.make_array_from_callback(shape, sharded, lambda i: np.ones(shape, np.float32)[i])
     train = jax.jit(lambda w: w + jnp.mean(w) * 1e-6, out_shardings=sharded)
-    from flax_orbax_plugin import _distributed
+    from flax_orbax_plugin._base import distributed as _distributed
 
     cb = fop.CheckpointCallback(directory, every_steps=every_steps, keep=2)
     cb.on_train_start({"params": {"w": w}})

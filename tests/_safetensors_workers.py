@@ -10,7 +10,7 @@ def read_sharded(ctx, path: str, rows: int, cols: int):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from flax_orbax_plugin import _safetensors
+    from flax_orbax_plugin._interop import safetensors as _safetensors
 
     like = {
         "w": jax.ShapeDtypeStruct(

@@ -35,7 +35,7 @@ from flax.training import train_state
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._train_state import split_state
+from flax_orbax_plugin._state.train_state import split_state
 
 NUM_STEPS = 10
 EVERY = 4

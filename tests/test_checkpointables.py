@@ -11,8 +11,10 @@ import numpy as np
 import optax
 import pytest
 
-from flax_orbax_plugin import _steps
-from flax_orbax_plugin._checkpointables import (
+from flax_orbax_plugin._errors import CheckpointError, CheckpointNotFoundError
+from flax_orbax_plugin._format import steps as _steps
+from flax_orbax_plugin._format.layout import ItemEntry, StepManifest
+from flax_orbax_plugin._manager.checkpointables import (
     BUILTIN_CHECKPOINTABLES,
     Checkpointable,
     DataIteratorCheckpointable,
@@ -21,9 +23,7 @@ from flax_orbax_plugin._checkpointables import (
     StepCheckpointable,
     checkpointable_for,
 )
-from flax_orbax_plugin._errors import CheckpointError, CheckpointNotFoundError
-from flax_orbax_plugin._layout import ItemEntry, StepManifest
-from flax_orbax_plugin._storage import Location
+from flax_orbax_plugin._storage.location import Location
 
 
 def loc(tmp_path, name):

@@ -14,9 +14,13 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _arrays, _chunk_files, _layout, _save, _storage
+from flax_orbax_plugin._core import save as _save
 from flax_orbax_plugin._errors import CheckpointError
-from flax_orbax_plugin._layout import BatchRecord
+from flax_orbax_plugin._format import layout as _layout
+from flax_orbax_plugin._format.layout import BatchRecord
+from flax_orbax_plugin._storage import location as _storage
+from flax_orbax_plugin._zarr import arrays as _arrays
+from flax_orbax_plugin._zarr import chunk_files as _chunk_files
 
 
 def _files(root):

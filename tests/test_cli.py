@@ -17,7 +17,8 @@ from flax import linen as nn
 from flax.training import train_state
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _ownership, cli
+from flax_orbax_plugin import cli
+from flax_orbax_plugin._core import ownership as _ownership
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = (10, 20, 30)
@@ -239,7 +240,7 @@ def test_export_and_verify_read_a_group_of_leaves_at_a_time(
     directory, params = ckpt_dir
     whole = tmp_path / "whole.safetensors"
     assert run_cli(capsys, "export", directory, whole)[0] == 0
-    from flax_orbax_plugin import _safetensors
+    from flax_orbax_plugin._interop import safetensors as _safetensors
 
     monkeypatch.setattr(_safetensors, "_GROUP_BYTES", 1)
     one_by_one = tmp_path / "one.safetensors"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _layout
+from flax_orbax_plugin._format import layout as _layout
 
 G = golden.GOLDEN
 

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 
-from flax_orbax_plugin import _host
+from flax_orbax_plugin._base import host as _host
 
 
 def test_empty_is_aligned_and_contiguous():

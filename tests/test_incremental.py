@@ -16,8 +16,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _arrays, _incremental, _layout, cli
+from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CorruptCheckpointError
+from flax_orbax_plugin._format import layout as _layout
+from flax_orbax_plugin._incremental import reuse as _incremental
+from flax_orbax_plugin._zarr import arrays as _arrays
 
 MiB = 1 << 20
 W1, W2, ADAPTER = 768 * 1024 * 4, 512 * 1024 * 4, 512 * 1024 * 4  # bytes
@@ -225,7 +228,7 @@ def test_snapshot_crcs_are_the_trailers_the_writer_stores(tmp_path):
     """``chunk_crcs`` gives, for every chunk of a region, the trailer of the file the
     chunk writer stores for it: whole chunks, edge chunks (zero-padded) and chunks that
     are not contiguous in the region (cut along a later axis)."""
-    from flax_orbax_plugin import _chunk_files
+    from flax_orbax_plugin._zarr import chunk_files as _chunk_files
 
     shape, chunk = (7, 10), (3, 4)
     data = np.arange(70, dtype=np.float32).reshape(shape) * 1.5
@@ -448,7 +451,7 @@ def mp_frozen_base(ctx, directory, steps, keep=None):
     all of them (its chunk rows split between the processes), through one incremental
     manager on a directory both share; returns this process's bytes per step and the
     key-value names left under ``fop/reuse/`` once every process is done."""
-    from flax_orbax_plugin import _arrays
+    from flax_orbax_plugin._zarr import arrays as _arrays
 
     _arrays.CHUNK_TARGET_BYTES = 1 * MiB
     base = _mp_base()
@@ -561,7 +564,7 @@ def _chunk_path(directory, step, path, name):
 def test_link_leaf_links_only_the_chunks_asked_for_and_undoes_only_its_own(tmp_path):
     """What one process of several does: links its chunks; on a failure it removes its
     own links and leaves the other processes' files alone."""
-    from flax_orbax_plugin._storage import Location
+    from flax_orbax_plugin._storage.location import Location
 
     d = str(tmp_path / "steps")
     with fop.CheckpointManager(d, incremental=True) as mngr:
@@ -609,8 +612,8 @@ def test_link_leaf_links_only_the_chunks_asked_for_and_undoes_only_its_own(tmp_p
 
 
 def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_location):
-    from flax_orbax_plugin import _server_copy
-    from flax_orbax_plugin._storage import Location
+    from flax_orbax_plugin._storage import server_copy as _server_copy
+    from flax_orbax_plugin._storage.location import Location
 
     url = s3_location.url
     with fop.CheckpointManager(url, incremental=True) as mngr:
@@ -859,7 +862,7 @@ def test_a_copy_that_differs_from_its_source_is_deleted_and_the_leaf_written(
     """A fault injected on the real server: right after one chunk is copied, another
     writer replaces the copy with other bytes of the same size; the listing after the
     copies shows another ETag, so the leaf's copies are deleted and it is written."""
-    from flax_orbax_plugin import _server_copy
+    from flax_orbax_plugin._storage import server_copy as _server_copy
 
     url = s3_location.url
     real = _server_copy.copier_for
@@ -924,7 +927,7 @@ def test_an_edited_and_resealed_previous_chunk_object_is_not_copied(bucket, capl
 
 
 def test_copy_check_compares_tags_only_where_they_hash_the_bytes():
-    from flax_orbax_plugin._server_copy import ObjectInfo as Info
+    from flax_orbax_plugin._storage.server_copy import ObjectInfo as Info
 
     same = _incremental._same_copy
     src = Info(10, "a", "a")

@@ -20,9 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _msgpack_import, _orbax_import, _safetensors, cli
+from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CheckpointError, ForeignEntryError
-from flax_orbax_plugin._importing import import_checkpoint
+from flax_orbax_plugin._interop import msgpack_reader as _msgpack_import
+from flax_orbax_plugin._interop import orbax_reader as _orbax_import
+from flax_orbax_plugin._interop import safetensors as _safetensors
+from flax_orbax_plugin._interop.importing import import_checkpoint
 
 FAST = pytest.mark.timeout(30)
 HYPOTHESIS = settings(
@@ -341,7 +344,7 @@ def test_export_force_leaves_files_an_old_index_names_that_are_not_ours(tmp_path
     keep = {
         n: _tree_digest(out).get(n) for n in ("config.json", "model-00004-of-00005.safetensors")
     }
-    with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin._safetensors"):
+    with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin._interop.safetensors"):
         rc = cli.main(["export", str(directory), str(out), "--max-shard-size", "1MB", "--force"])
     assert rc == 0
     after = _tree_digest(out)

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _layout
 from flax_orbax_plugin._errors import CheckpointError, CorruptCheckpointError
+from flax_orbax_plugin._format import layout as _layout
 
 TREE = {
     "a": np.arange(12, dtype=np.float32).reshape(3, 4),

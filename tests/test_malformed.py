@@ -23,10 +23,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _arrays, _layout, _restore, _save, _tree
+from flax_orbax_plugin._base import tree as _tree
+from flax_orbax_plugin._base.tree import path_string
+from flax_orbax_plugin._core import restore as _restore
+from flax_orbax_plugin._core import save as _save
 from flax_orbax_plugin._errors import CheckpointError, CorruptCheckpointError
-from flax_orbax_plugin._storage import Location
-from flax_orbax_plugin._tree import path_string
+from flax_orbax_plugin._format import layout as _layout
+from flax_orbax_plugin._storage.location import Location
+from flax_orbax_plugin._zarr import arrays as _arrays
 
 TREE = {
     "a": np.arange(12, dtype=np.float32).reshape(3, 4),

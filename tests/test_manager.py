@@ -27,10 +27,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _ownership
-from flax_orbax_plugin._checkpointables import JsonCheckpointable
-from flax_orbax_plugin._layout import MANIFEST_FILE
-from flax_orbax_plugin._lock import DirectoryLockedError
+from flax_orbax_plugin._core import ownership as _ownership
+from flax_orbax_plugin._format.layout import MANIFEST_FILE
+from flax_orbax_plugin._manager.checkpointables import JsonCheckpointable
+from flax_orbax_plugin._storage.lock import DirectoryLockedError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -453,7 +453,7 @@ def _array_file_bytes_read() -> int:
     """Bytes of array files read: by tensorstore, and by the direct chunk reader."""
     import tensorstore as ts
 
-    from flax_orbax_plugin import _chunk_files
+    from flax_orbax_plugin._zarr import chunk_files as _chunk_files
 
     metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
     return sum(v.get("value", 0) for m in metrics for v in m["values"]) + _chunk_files.bytes_read()
@@ -464,7 +464,7 @@ def test_restore_params_reads_only_the_params_bytes(tmp_path, monkeypatch):
     reader's and the library's own small-file reads), so it runs everywhere: the bytes
     read are the params' bytes, and every file or array opened lies under the step's
     params/."""
-    from flax_orbax_plugin._storage import Location
+    from flax_orbax_plugin._storage.location import Location
 
     params, nbytes = _params_run(tmp_path, layers=4)  # 8 MiB of params, 16 of opt_state
     opened, small = [], []
@@ -480,7 +480,7 @@ def test_restore_params_reads_only_the_params_bytes(tmp_path, monkeypatch):
         opened.append(self.path + sub)
         return real_kvstore(self, sub)
 
-    from flax_orbax_plugin import _chunk_files
+    from flax_orbax_plugin._zarr import chunk_files as _chunk_files
 
     real_chunk = _chunk_files._read_chunk
 
@@ -591,7 +591,7 @@ def test_state_saved_on_8_devices_restores_on_4_on_1_and_as_numpy(tmp_path):
 
 def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
     MANIFEST = MANIFEST_FILE
-    from flax_orbax_plugin._storage import Location
+    from flax_orbax_plugin._storage.location import Location
 
     url = "memory://test_manager/run"
     root = Location.from_path(url)

@@ -15,8 +15,9 @@ from flax import serialization
 from flax.training import checkpoints, train_state
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _msgpack_import, cli
+from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CorruptCheckpointError, StructureError
+from flax_orbax_plugin._interop import msgpack_reader as _msgpack_import
 
 
 class Net(nn.Module):

@@ -16,8 +16,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _orbax_import, cli
+from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CorruptCheckpointError, StructureError
+from flax_orbax_plugin._interop import orbax_reader as _orbax_import
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

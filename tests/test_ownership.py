@@ -13,8 +13,10 @@ import pytest
 import tensorstore as ts
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _ownership, _storage, cli
-from flax_orbax_plugin._storage import Location
+from flax_orbax_plugin import cli
+from flax_orbax_plugin._core import ownership as _ownership
+from flax_orbax_plugin._storage import location as _storage
+from flax_orbax_plugin._storage.location import Location
 
 pytest_plugins = ["_servers"]
 

@@ -268,7 +268,7 @@ def test_hostile_metadata_cannot_name_outside_paths(saved):
 def _reseal(path, raw: bytes) -> None:
     """Replaces _METADATA.json and the checksum its commit marker records (a crafted
     checkpoint, not an accidental change)."""
-    from flax_orbax_plugin import _layout
+    from flax_orbax_plugin._format import layout as _layout
 
     (path / "_METADATA.json").write_bytes(raw)
     body = json.loads((path / "_COMMITTED").read_bytes())

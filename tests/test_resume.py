@@ -10,8 +10,8 @@ from flax import nnx
 from flax.training import train_state
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._iterators import StepIndexedIterator
-from flax_orbax_plugin._resume import items_to_restore
+from flax_orbax_plugin._state.iterators import StepIndexedIterator
+from flax_orbax_plugin._state.resume import items_to_restore
 
 
 class Net(nn.Module):

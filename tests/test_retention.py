@@ -2,8 +2,8 @@
 
 import pytest
 
-from flax_orbax_plugin._policy import SavePolicy
-from flax_orbax_plugin._retention import RetentionPolicy, steps_to_delete
+from flax_orbax_plugin._manager.policy import SavePolicy
+from flax_orbax_plugin._manager.retention import RetentionPolicy, steps_to_delete
 
 
 def test_nothing_is_deleted_without_keep_last_or_keep_best():

@@ -157,7 +157,7 @@ class TestCoreOnS3:
         assert info.leaves["w"].nbytes == 64 * 32 * 4 and info.leaves["r"].nbytes == 32
 
     def test_marker_is_written_last_and_is_the_commit(self, s3_location, monkeypatch):
-        from flax_orbax_plugin._storage import Location
+        from flax_orbax_plugin._storage.location import Location
 
         # Record, for every small file the library writes, its name and the keys
         # already on the bucket at that moment (array chunks are written by

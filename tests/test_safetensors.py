@@ -14,8 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _safetensors, cli
+from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CorruptCheckpointError, StructureError
+from flax_orbax_plugin._interop import safetensors as _safetensors
 
 
 def _params():

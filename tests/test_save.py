@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _ownership
+from flax_orbax_plugin._core import ownership as _ownership
 
 Pair = collections.namedtuple("Pair", "first second")
 
@@ -153,7 +153,7 @@ def test_small_leaves_are_batched(tmp_path):
 
 
 def test_save_async_returns_before_commit_and_wait_reports(tmp_path, monkeypatch):
-    from flax_orbax_plugin._storage import Location
+    from flax_orbax_plugin._storage.location import Location
 
     # Hold the background phase at its first small-file write (the metadata, just
     # before the marker): save_async must have returned by then, uncommitted.
@@ -216,7 +216,7 @@ def test_cpu_views_are_snapshots_on_this_jax():
     """The fact the zero-copy blocking phase rests on (checked again at run time: where
     it fails, the blocking phase copies). jax versions this was checked on: the one in
     setup.cfg's range installed by CI."""
-    from flax_orbax_plugin import _save
+    from flax_orbax_plugin._core import save as _save
 
     assert _save.cpu_views_are_snapshots(), jax.__version__
 
@@ -434,7 +434,7 @@ def test_a_commit_removes_stale_staging_of_the_same_name_only(tmp_path):
     """A killed fop.save leaves <path>.partial-*; the next commit of that path removes it
     (a real directory of that exact name pattern, untouched for an hour), and never a
     link, other names, or a staging directory still being written."""
-    from flax_orbax_plugin import _commit
+    from flax_orbax_plugin._core import commit as _commit
 
     (tmp_path / "c.partial-dead01" / "d").mkdir(parents=True)
     (tmp_path / "c.partial-dead01" / _ownership.PENDING_FILE).write_bytes(

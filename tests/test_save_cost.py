@@ -15,9 +15,9 @@ import numpy as np
 from _s3_requests import S3Requests
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _steps
-from flax_orbax_plugin._layout import MANIFEST_FILE
-from flax_orbax_plugin._storage import Location
+from flax_orbax_plugin._format import steps as _steps
+from flax_orbax_plugin._format.layout import MANIFEST_FILE
+from flax_orbax_plugin._storage.location import Location
 
 pytest_plugins = ["_servers"]
 

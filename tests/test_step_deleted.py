@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _restore, _steps
+from flax_orbax_plugin._core import restore as _restore
+from flax_orbax_plugin._format import steps as _steps
 
 
 def state(i):

@@ -12,8 +12,8 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
-from flax_orbax_plugin._lock import DirectoryLock
-from flax_orbax_plugin._storage import MAX_SMALL_FILE_BYTES, Location
+from flax_orbax_plugin._storage.location import MAX_SMALL_FILE_BYTES, Location
+from flax_orbax_plugin._storage.lock import DirectoryLock
 
 
 def snapshot(root):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._layout import MANIFEST_FILE
+from flax_orbax_plugin._format.layout import MANIFEST_FILE
 
 pytest_plugins = ["_servers"]
 
@@ -518,7 +518,7 @@ def step_files(directory, step) -> set[str]:
 
 
 def test_the_partition_of_a_step_is_whole_disjoint_balanced_and_order_free():
-    from flax_orbax_plugin._tiers import FILE_COST_BYTES, _partition
+    from flax_orbax_plugin._manager.tiers import FILE_COST_BYTES, _partition
 
     sizes = {"big": 10_000_000, "a/1": 4_000_000, "a/2": 4_000_000, "m.json": 300}
     sizes |= {f"small/{i}": 1000 for i in range(40)}
@@ -883,7 +883,7 @@ def test_an_environmental_error_during_copy_down_raises_and_sets_nothing_aside(
 def test_a_pending_marker_beside_a_committed_local_manifest_is_not_replicated(s3, tmp_path):
     """A crash between a commit's manifest and the removal of its pending marker leaves
     both: the step is committed, and the marker is no file of the step to copy."""
-    from flax_orbax_plugin._ownership import PENDING_FILE
+    from flax_orbax_plugin._core.ownership import PENDING_FILE
 
     local = tmp_path / "local"
     with fop.CheckpointManager(local) as mngr:

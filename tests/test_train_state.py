@@ -15,7 +15,7 @@ from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
 
-from flax_orbax_plugin._train_state import merge_state, split_state
+from flax_orbax_plugin._state.train_state import merge_state, split_state
 
 
 class MLP(nn.Module):

@@ -22,7 +22,7 @@ must raise); overwrite an existing step; restore the latest and a given step;
 ``restore_params``; ``gc``; close; wipe the local tier; core ``fop.save`` /
 ``fop.save(force=True)`` / ``fop.restore`` into a sub-path (a new one, the seeded
 core checkpoint, a user folder, a user file); ``fop.verify``; the CLI in process
-(``flax_orbax_plugin.cli.main``): ``list`` (its step column), ``verify [--all]``,
+(``flax_orbax_plugin.cli.commands.main``): ``list`` (its step column), ``verify [--all]``,
 ``gc [--keep N]``, ``export`` to safetensors (sharded or not, ``--force``, with an
 index edited to name ``config.json``) into a folder holding a user's files; import of
 a Flax msgpack file (as a new step, an existing one with and without ``force``, and

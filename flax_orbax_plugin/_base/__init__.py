@@ -1,0 +1,1 @@
+"""Base plumbing: pytree paths, host buffers, fault points, jax.distributed rounds."""

@@ -1,0 +1,1 @@
+"""One pytree: save, restore, staging and commit, removal, verify."""

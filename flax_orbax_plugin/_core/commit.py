@@ -1,0 +1,259 @@
+"""Staging and commit: how a checkpoint (a core pytree or a manager step) becomes visible
+whole or not at all. Used once per commit: items inside a manager step have no commit
+of their own.
+
+Two strategies, chosen by the store:
+
+* **rename** (local filesystems): everything is written under a temporary sibling
+  ``<name>.partial-<nonce>/``; the primary writes the marker (manifest) into it, then
+  renames it to ``<name>``. A replacement swaps the two directories in one atomic
+  ``renameat2(RENAME_EXCHANGE)`` and then removes the old one, so a reader never
+  finds the step missing; where the filesystem cannot exchange, the old one is
+  renamed away first, and a crash between the two renames leaves a complete
+  ``.partial-`` that the next writer rolls forward.
+* **marker** (object stores, no rename): data is written in place; the marker written
+  last by the primary is the commit. A manager step being replaced writes its items
+  under fresh directory names, so the old step stays whole until the new manifest
+  (one object, replaced atomically) points at the new items.
+
+The collective protocol (:func:`commit_collectively`), run on the background thread of
+every process, in the same order on every process:
+
+1. each process writes its own files and makes them durable (one ``syncfs``);
+2. each process publishes one status (step, tree digest, error or the sha256 of the
+   JSON files it wrote): one key-value set;
+3. the primary reads every status; if all agree on step and digest and none failed it
+   commits (marker or manifest, rename), otherwise it removes what was staged;
+4. the primary publishes the outcome; the others read it and raise if it failed.
+
+That is **no barrier and two key-value rounds per commit** (status, outcome); a lost
+process turns into a :class:`CoordinationError` after the coordination timeout on
+every process, and nothing commits. The nonce used for staging names is derived
+without coordination (:func:`_distributed.unique_name`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._base import distributed as _distributed
+from .._base import faults as _faults
+from .._errors import CheckpointError, CoordinationError
+from .._storage.location import Location
+from . import ownership as _ownership
+
+STALE_SECONDS = 3600.0  # a staging directory untouched this long belongs to a dead save
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    """Where one commit writes (``location``) and where it appears (``final``)."""
+
+    final: Location
+    location: Location
+    nonce: str
+
+    @property
+    def renames(self) -> bool:
+        return self.location != self.final
+
+    @classmethod
+    def begin(cls, final: Location, nonce: str, *, claim: bool = True) -> Staging:
+        """The staging place of a commit of ``final``, claimed (pending marker written)
+        before anything else is written there (by the primary). Every process calls it
+        with the same ``nonce``. With ``claim=False`` the caller calls :meth:`claim` itself, before
+        its first write (the core save: in its background phase)."""
+        if final.supports_rename:
+            staging = cls(final, final.sibling(f"{final.name}.partial-{nonce}"), nonce)
+        else:
+            staging = cls(final, final, nonce)
+        if claim:
+            staging.claim()
+        return staging
+
+    def claim(self) -> None:
+        """Primary only (a no-op elsewhere): the others share the place and its claim.
+        A process that writes before the claim lands can at worst leave remains
+        nothing proves ours: left alone, never a foreign place removed."""
+        if _distributed.is_primary():
+            _ownership.claim(self.location, self.nonce)
+
+    def publish(self, marker: str, data: bytes, *, replace: bool) -> None:
+        """Primary only: writes the marker last and makes the checkpoint visible.
+
+        A ``final`` that holds anything this library cannot prove it wrote is never
+        replaced: ForeignEntryError, and the staged data is left for ``abort``."""
+        self.location.write_bytes(marker, data)  # durable (file and directory fsynced)
+        _faults.kill_point("after_marker")
+        if not self.renames:
+            _ownership.unclaim(self.location)  # the marker now proves it ours
+            return
+        _ownership.unclaim(self.location)  # a crash now leaves a committed .partial-
+        if not self.final.is_dir() or self._remove_if_empty(self.final):
+            self.location.rename(self.final)
+            self._remove_stale_siblings()
+            return
+        if not replace:
+            raise CheckpointError(f"{self.final} was created by someone else meanwhile")
+        _ownership.require_ours(self.final, action="replace")
+        if self.location.exchange(self.final):  # one atomic swap: no window without it
+            _faults.kill_point("mid_rename")
+            old = self.location.sibling(f"{self.final.name}.deleting-{self.nonce}")
+            self.location.rename(old)  # the old one, now at the staging name
+            _ownership.remove(old, action="remove the replaced")
+            self._remove_stale_siblings()
+            return
+        old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
+        self.final.rename(old)  # no exchange here: a crash now leaves a complete
+        _faults.kill_point("mid_rename")  # .partial- that the next writer rolls forward
+        self.location.rename(self.final)
+        _ownership.remove(old, action="remove the replaced")
+        self._remove_stale_siblings()
+
+    @staticmethod
+    def _remove_if_empty(loc: Location) -> bool:
+        """An empty directory at the final name (made by the user beforehand) holds
+        nothing to lose: ``rmdir`` removes it only if it is still empty."""
+        try:
+            os.rmdir(loc.path.rstrip("/"))
+        except OSError:
+            return False
+        return True
+
+    def _remove_stale_siblings(self) -> None:
+        """After a commit: staging left by earlier saves of the same name that died
+        (``<name>.partial-*``, ``<name>.deleting-*``; real directories only, never
+        through a link) is garbage. Only entries untouched for ``STALE_SECONDS`` go, so
+        a save of the same path still running in another job is never cut short."""
+        parent = self.final.parent
+        prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
+        now = time.time()
+        for name, kind in parent.child_kinds().items():
+            if kind == "dir" and name.startswith(prefixes):
+                if now - parent.child(name).newest_mtime() > STALE_SECONDS:
+                    _ownership.remove_if_ours(parent.child(name), what="stale staging")
+
+    def abort(self) -> None:
+        """Primary only: removes what this commit staged (renaming strategy)."""
+        if self.renames:
+            _ownership.remove_if_ours(self.location, what="staging")
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What one process wrote: array bytes and ``{relative JSON file: sha256}``; plus the
+    array bytes it hard-linked or copied on the server from the previous step instead
+    (incremental steps)."""
+
+    bytes_written: int = 0
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+    bytes_reused: int = 0
+
+
+def commit_collectively(
+    op: str,
+    *,
+    what: str,
+    step: int | None,
+    digest: str,
+    write: Callable[[], Written],
+    publish: Callable[[dict[str, str]], None],
+    abort: Callable[[], None],
+) -> Written:
+    """Runs the protocol in the module docstring; returns what this process wrote.
+
+    ``write`` runs on every process (its own files, made durable); ``publish(files)``
+    runs on the primary only, ``files`` merging every process's; ``abort()`` removes
+    what was staged, on the primary and, after a failed outcome, on every process.
+    Raises this process's own write error, or :class:`CoordinationError` when the
+    processes disagree, or :class:`CheckpointError` when another process failed.
+    """
+    error: BaseException | None = None
+    written = Written()
+    try:
+        written = write()
+    except BaseException as e:  # noqa: BLE001  (reported to every process below)
+        error = e
+    status = json.dumps(
+        {
+            "step": step,
+            "digest": digest,
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "files": written.files,
+        }
+    )
+    if _distributed.is_primary():
+        outcome = _decide_and_commit(op, status, what, publish, abort)
+        if _distributed.process_count() > 1:
+            _distributed.broadcast_str(f"{op}/outcome", outcome)
+    else:
+        _distributed.publish(f"{op}/status", status)
+        # The primary may spend up to one timeout gathering statuses: wait longer for
+        # its outcome, so a missing process is reported by name rather than as "late".
+        wait = 2 * _distributed.DEFAULT_TIMEOUT_S
+        outcome = _distributed.broadcast_str(f"{op}/outcome", None, timeout_s=wait)
+        if outcome != "committed":
+            _discard(abort)  # e.g. a staging directory of another step than the primary's
+    if error is not None:
+        error.add_note(f"{what}: {outcome}")
+        raise error
+    if outcome.startswith(("disagree", "lost")):
+        raise CoordinationError(f"{what} not committed: {outcome}")
+    if outcome != "committed":
+        raise CheckpointError(f"{what} failed: {outcome}")
+    return written
+
+
+def _discard(abort: Callable[[], None]) -> None:
+    try:
+        abort()
+    except Exception:  # noqa: BLE001  (the commit's failure is what gets reported)
+        pass
+
+
+def _decide_and_commit(op, own_status, what, publish, abort) -> str:
+    try:
+        statuses = [json.loads(own_status)]
+        for p in range(1, _distributed.process_count()):
+            statuses.append(json.loads(_distributed.get_from(f"{op}/status", p)))
+        outcome = _disagreement(statuses)
+        if outcome is None:
+            failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if s["error"]]
+            outcome = ("not committed; " + "; ".join(failed)) if failed else None
+        if outcome is None:
+            files: dict[str, str] = {}
+            for s in statuses:
+                files.update(s["files"])
+            publish(files)
+            return "committed"
+    except CoordinationError as e:  # a process is gone or late: nothing commits
+        outcome = f"lost: not committed; {e}"
+    except BaseException as e:  # noqa: BLE001  (every process learns of it)
+        outcome = f"not committed; commit failed on the primary: {type(e).__name__}: {e}"
+    try:
+        abort()
+    except Exception as e:  # noqa: BLE001
+        outcome += f" (and removing the staged files failed: {e})"
+    return outcome
+
+
+def _disagreement(statuses: list[dict[str, Any]]) -> str | None:
+    first = statuses[0]
+    for p, s in enumerate(statuses[1:], start=1):
+        if s["step"] != first["step"]:
+            return (
+                f"disagree: process 0 saved step {first['step']} but process {p} saved step "
+                f"{s['step']}; every process must save the same step"
+            )
+        if s["digest"] != first["digest"]:
+            return (
+                f"disagree: process {p} saved a tree of another structure than process 0 "
+                f"(structure digests {s['digest'][:12]} and {first['digest'][:12]}) at step "
+                f"{first['step']}; every process must save the same tree"
+            )
+    return None

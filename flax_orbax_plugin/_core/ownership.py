@@ -1,0 +1,281 @@
+"""The one owner of removal: every delete, clear, swap and overwrite of a checkpoint,
+a step or a staging place goes through this module, on every store.
+
+Nothing is removed, replaced or cleared before it is *proven ours*. A place is ours
+when it holds (read through :class:`~flax_orbax_plugin._storage.location.Location`, which never
+follows a link below the location):
+
+* a step manifest (``_CHECKPOINT.json``) that parses and names the step its
+  directory is named after, or
+* a core commit marker (``_COMMITTED``) that parses, or
+* our pending marker (:data:`PENDING_FILE`): written first into every staging place
+  (:func:`claim`, called by ``Staging.begin``) and into every place about to be
+  removed, deleted last. A save or removal that dies midway therefore always leaves
+  something that proves the remains ours, on local disk and on object stores alike.
+
+A damaged manifest proves nothing: such a step is left where it is (a verified read
+moves a damaged step aside, see the manager; this module never guesses). On local
+disks the location itself must be a real directory (a symlink is refused, never
+followed) and removal unlinks links found inside, never their targets.
+
+Threading: stateless; any function may be called from any thread. Callers serialise
+removals of one place (the manager's writer lock, the tier's primary process).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import stat
+
+import tensorstore as ts
+
+from .._base import faults as _faults
+from .._errors import CheckpointError, ForeignEntryError
+from .._format.layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
+from .._storage.location import Location, context
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+PENDING_FILE = "_PENDING.json"
+_LIBRARY = "flax_orbax_plugin"
+
+
+def _pending_bytes(nonce: str) -> bytes:
+    return json.dumps({"library": _LIBRARY, "kind": "pending", "nonce": nonce}).encode()
+
+
+def claim(loc: Location, nonce: str) -> None:
+    """Marks ``loc`` as a place this library is writing (staging) or removing.
+
+    The content depends only on ``nonce``, so every process of a run may write it.
+    Not fsynced on its own: a later ``sync`` of the staging place makes it durable.
+    """
+    loc.write_bytes(PENDING_FILE, _pending_bytes(nonce), durable=False)
+
+
+def unclaim(loc: Location) -> None:
+    """Deletes the pending marker once the commit record (manifest or commit marker)
+    that proves ``loc`` ours is written."""
+    loc.delete(PENDING_FILE)
+
+
+def _is_pending_marker(raw: bytes | None) -> bool:
+    if raw is None:
+        return False
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("library") == _LIBRARY and doc.get("kind") == "pending"
+
+
+def proof(loc: Location, *, step: int | None = None) -> str | None:
+    """What proves ``loc`` ours (``"step manifest"``, ``"commit marker"``, ``"pending
+    marker"``), or None. With ``step``, a manifest must name that step. Raises
+    ForeignEntryError when ``loc`` (on local disk) is not a real directory."""
+    if loc.is_local:
+        path = loc.path.rstrip("/")
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            raise ForeignEntryError(
+                f"{path}: expected a directory this library created, found "
+                f"{'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'a non-directory'}"
+            )
+    try:
+        if _is_pending_marker(loc.read_bytes(PENDING_FILE)):
+            return "pending marker"
+        raw = loc.read_bytes(MANIFEST_FILE)
+        if raw is not None:
+            manifest = StepManifest.from_bytes(raw, f"{loc}/{MANIFEST_FILE}")
+            if step is None or manifest.step == step:
+                return "step manifest"
+            return None
+        raw = loc.read_bytes(COMMIT_FILE)
+        if raw is not None:
+            CommitMarker.from_bytes(raw, f"{loc}/{COMMIT_FILE}")
+            return "commit marker"
+    except ForeignEntryError:
+        return None  # a link or a FIFO where our file would be: not ours
+    except CheckpointError:
+        return None  # a damaged record proves nothing
+    return None
+
+
+def is_empty(loc: Location) -> bool:
+    """True when nothing at all is stored at ``loc`` (an empty local directory too)."""
+    if loc.is_local:
+        try:
+            with os.scandir(loc.path.rstrip("/")) as it:
+                return next(it, None) is None
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+    return not loc.is_dir()
+
+
+def describe(loc: Location, limit: int = 5) -> str:
+    """A short list of what ``loc`` holds, for error messages."""
+    names = loc.list_children()
+    shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+    return f"it holds {shown}" if names else "it is empty"
+
+
+def require_ours(loc: Location, *, action: str, step: int | None = None) -> str:
+    """The proof that ``loc`` is ours; ForeignEntryError naming it otherwise."""
+    found = proof(loc, step=step)
+    if found is None:
+        raise ForeignEntryError(
+            f"refusing to {action} {loc}: expected a checkpoint or step this library "
+            f"created (our manifest, commit marker or pending marker), found none "
+            f"({describe(loc)}); nothing was changed"
+        )
+    return found
+
+
+def remove(loc: Location, *, action: str = "remove", step: int | None = None) -> bool:
+    """Removes ``loc`` whole once it is proven ours; False (and nothing changed) when
+    nothing is there; ForeignEntryError when it is not ours.
+
+    Crash-safe: the pending marker is written first and deleted last, so a removal
+    cut short leaves remains that are still proven ours (and removed next time).
+    """
+    if is_empty(loc) and not _exists(loc):
+        return False
+    require_ours(loc, action=action, step=step)
+    _remove_proven(loc)
+    return True
+
+
+def remove_if_ours(loc: Location, *, what: str) -> bool:
+    """Housekeeping: removes ``loc`` when it is proven ours, else logs that it is left
+    alone. Returns whether it was removed. Environmental errors propagate."""
+    try:
+        found = proof(loc)
+    except ForeignEntryError as e:
+        logger.warning("checkpoint: %s left alone: %s", what, e)
+        return False
+    if found is None:
+        if not _exists(loc):
+            return False
+        if loc.is_local and _rmdir_if_empty(loc):
+            return True  # an empty directory holds nothing to lose (a cut-short removal)
+        logger.warning(
+            "checkpoint: %s %s left alone: nothing in it proves this library wrote it (%s)",
+            what,
+            loc,
+            describe(loc),
+        )
+        return False
+    logger.info("checkpoint: removing %s %s", what, loc)
+    _remove_proven(loc)
+    return True
+
+
+def remove_step(directory: Location, step: int) -> None:
+    """Deletes a committed step of ``directory`` so that it disappears from listings
+    at once: on local disk a rename to ``<step>.deleting-<nonce>``; on object stores
+    the manifest goes first (after the pending marker)."""
+    step_loc = directory.child(str(step))
+    require_ours(step_loc, action="delete step", step=step)
+    if directory.supports_rename:
+        doomed = directory.child(f"{step}.deleting-{secrets.token_hex(6)}")
+        step_loc.rename(doomed)  # atomic: the step disappears from listings at once
+        _faults.kill_point("mid_retention")
+        _remove_proven(doomed)
+        return
+    claim(step_loc, secrets.token_hex(6))
+    step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
+    _faults.kill_point("mid_retention")
+    _remove_proven(step_loc)
+
+
+def check_slot(loc: Location, *, what: str, replace: bool) -> str | None:
+    """Before writing a checkpoint or step at ``loc``: refuses a place held by something
+    foreign (ForeignEntryError naming it), and a committed one of ours unless
+    ``replace``. An empty place, or remains of a dead save of ours, are fine.
+    Returns the proof found (None for an empty place)."""
+    if is_empty(loc):
+        return None
+    found = proof(loc)
+    if found is None:
+        raise ForeignEntryError(
+            f"cannot write {what} at {loc}: something this library did not create is "
+            f"there ({describe(loc)}); it is left alone. Move it away or choose another path"
+        )
+    if found != "pending marker" and not replace:
+        raise CheckpointError(
+            f"{loc} already holds a committed checkpoint ({found}); pass force=True "
+            f"(overwrite=True for a manager step) to replace it"
+        )
+    return found
+
+
+def remove_children(loc: Location, names: list[str], *, action: str) -> None:
+    """Removes the named children of ``loc`` (item directories of an old version of a
+    step, after a replacing commit on an object store) once ``loc`` is proven ours."""
+    require_ours(loc, action=action)
+    for name in names:
+        _remove_tree(loc.child(name))
+
+
+def _rmdir_if_empty(loc: Location) -> bool:
+    try:
+        os.rmdir(loc.path.rstrip("/"))  # refused unless empty: nothing can be lost
+    except OSError:
+        return False
+    return True
+
+
+def _exists(loc: Location) -> bool:
+    if loc.is_local:
+        return os.path.lexists(loc.path.rstrip("/"))
+    return loc.is_dir()
+
+
+def _remove_proven(loc: Location) -> None:
+    """Removes everything at ``loc``, the pending marker last."""
+    if loc.read_bytes(PENDING_FILE) is None:
+        loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6)))  # durable
+    if loc.is_local:
+        path = loc.path.rstrip("/")
+        with os.scandir(path) as it:
+            entries = list(it)
+        for entry in entries:
+            if entry.name == PENDING_FILE:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)  # fd-based: links inside are unlinked, not followed
+            else:
+                os.unlink(entry.path)  # a link itself, never its target
+        os.unlink(os.path.join(path, PENDING_FILE))
+        os.rmdir(path)
+        return
+    kv = ts.KvStore.open(loc.spec, context=context(local=False)).result()
+    kv.delete_range(ts.KvStore.KeyRange(exclusive_max=PENDING_FILE)).result()
+    kv.delete_range(ts.KvStore.KeyRange(inclusive_min=PENDING_FILE + "\0")).result()
+    kv.delete_range(
+        ts.KvStore.KeyRange(inclusive_min=PENDING_FILE, exclusive_max=PENDING_FILE + "\0")
+    ).result()
+
+
+def _remove_tree(loc: Location) -> None:
+    """Removes a child of a place already proven ours (no proof of its own needed)."""
+    if loc.is_local:
+        path = loc.path.rstrip("/")
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        return
+    kv = ts.KvStore.open(loc.spec, context=context(local=False)).result()
+    kv.delete_range(ts.KvStore.KeyRange()).result()

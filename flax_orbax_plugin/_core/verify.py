@@ -1,0 +1,278 @@
+"""``verify``: check everything restore depends on, and report every damaged piece.
+
+For a directory of steps, every committed step (or one) is checked item by item and a
+damaged step never stops the others: its manifest (checksum, fields), every JSON file
+it lists (present, checksum), every file each item kind needs (``value.json`` of
+``step``/``extras``, one iterator state per saving process), and every pytree item
+read in full (metadata checksum and fields, ``zarr.json`` agreement, every chunk's
+crc32c). A standalone core checkpoint is checked the same way.
+
+Memory: bounded by :data:`VERIFY_BUDGET_BYTES` (plus one stored chunk or batch file)
+whatever the checkpoint's size: each array is read a few whole chunks at a time, each
+batch a few files at a time, through the same readers restore uses (the direct chunk
+file reader on local disks, else tensorstore), and each part is dropped once checked.
+The sizes the metadata claims are checked against the files on disk first.
+
+Environmental errors (EMFILE, EIO, EACCES, timeouts: OSError) are raised, not reported
+as damage. Safe to call while a writer works on the directory (it writes nothing);
+call from one thread per checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+from .._errors import CheckpointError, CheckpointNotFoundError
+from .._format import layout as _layout
+from .._format import steps as _steps
+from .._format.layout import (
+    COMMIT_FILE,
+    JSON_VALUE_FILE,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    ArrayStorage,
+    StepManifest,
+)
+from .._storage.location import Location
+from .._zarr import chunk_files as _chunk_files
+from . import restore as _restore
+from . import save as _save
+
+# Bytes of array data read but not yet checked, at most (plus one chunk or file).
+VERIFY_BUDGET_BYTES = 16 << 20
+
+__all__ = ["VerifyResult", "verify"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    """The verdict on one checkpoint piece: a step's item (``step``, ``item`` set), a
+    whole step whose manifest is unreadable (``item`` None), or a core checkpoint."""
+
+    path: str
+    step: int | None
+    item: str | None
+    ok: bool
+    error: str | None = None
+
+
+def verify(path: Any, *, step: int | None = None, all_steps: bool = False) -> list[VerifyResult]:
+    """Verifies ``path``: a directory of steps (its latest step, ``step``, or with
+    ``all_steps`` every committed step), one step, one item of a step, or a standalone
+    core checkpoint. Returns one :class:`VerifyResult` per piece; never raises for
+    damage (only :class:`CheckpointNotFoundError` when nothing checkable is there).
+    """
+    loc = Location.from_path(path)
+    if loc.exists(COMMIT_FILE):
+        return [_verify_pytree(loc, None, None)]
+    if loc.exists(MANIFEST_FILE):
+        return verify_step(loc, _step_number(loc))
+    if loc.exists(METADATA_FILE) or _steps.manifest_for_item(loc) is not None:
+        return [_verify_pytree(loc, _step_number(loc.parent), loc.name)]
+    listing = _steps.list_directory(loc)
+    if not listing.committed:
+        raise CheckpointNotFoundError(f"nothing to verify at {loc}: no committed checkpoint")
+    chosen = listing.committed if all_steps else [_steps.choose_step(loc, listing.committed, step)]
+    out: list[VerifyResult] = []
+    for s in chosen:
+        out.extend(verify_step(_steps.step_location(loc, s), s))
+    return out
+
+
+def _step_number(loc: Location) -> int | None:
+    return int(loc.name) if _steps.is_step_name(loc.name) else None
+
+
+def verify_step(step_loc: Location, step: int | None) -> list[VerifyResult]:
+    """Every item of one step; a bad manifest is one failed result for the step."""
+    try:
+        manifest = _steps.read_manifest(step_loc)
+    except CheckpointError as e:
+        return [VerifyResult(str(step_loc), step, None, False, str(e))]
+    out = []
+    for name, entry in manifest.items.items():
+        item_loc = step_loc.child(entry.dir)
+        try:
+            _check_item_files(item_loc, name, entry.kind, manifest)
+        except CheckpointError as e:
+            out.append(VerifyResult(str(item_loc), step, name, False, str(e)))
+            continue
+        if entry.kind == "pytree":
+            out.append(_verify_pytree(item_loc, step, name))
+        else:
+            out.append(VerifyResult(str(item_loc), step, name, True))
+    return out
+
+
+def _required_files(kind: str, manifest: StepManifest) -> list[str]:
+    if kind == "pytree":
+        return [METADATA_FILE]
+    if kind in ("json", "step"):
+        return [JSON_VALUE_FILE]
+    if kind == "data_iterator":
+        return [f"process_{p}.json" for p in range(manifest.process_count)]
+    return []
+
+
+def _check_item_files(item_loc: Location, name: str, kind: str, manifest: StepManifest) -> None:
+    prefix = f"{item_loc.name}/"
+    listed = [f[len(prefix) :] for f in manifest.files if f.startswith(prefix)]
+    for needed in _required_files(kind, manifest):
+        if needed not in listed:
+            raise CheckpointError(
+                f"item {name!r} ({kind}): the step manifest lists no {needed}; expected one "
+                f"for every {kind} item"
+            )
+    for file in listed:
+        if file != METADATA_FILE:  # read with its pytree below
+            _steps.read_item_json(item_loc, file)
+
+
+def _verify_pytree(loc: Location, step: int | None, item: str | None) -> VerifyResult:
+    try:
+        check_pytree(loc)
+    except CheckpointError as e:
+        return VerifyResult(str(loc), step, item, False, str(e))
+    return VerifyResult(str(loc), step, item, True)
+
+
+def check_pytree(location: Location, *, budget: int = VERIFY_BUDGET_BYTES) -> None:
+    """Checks a committed pytree checkpoint as restore reads it (metadata checksum and
+    fields, sizes claimed against the files on disk, every ``zarr.json``, every chunk's
+    crc32c) holding at most ``budget`` bytes of data at a time; raises the
+    CorruptCheckpointError restore would (naming the leaf), OSError for the
+    environment's errors. Returns nothing: no value is kept."""
+    _save.wait_for_pending_save(location)
+    doc = _restore.read_document(location)
+    location.check_no_links()  # tensorstore's file driver would follow them
+    targets = [_restore._make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
+    _restore.check_claims(location, doc, targets)
+    direct = _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
+    window = _Window(location, budget)
+    try:
+        for target in targets:
+            record = target.record
+            if not isinstance(record.storage, ArrayStorage):
+                continue
+            spec = _save._array_spec(location, target.index, record)
+            store = _restore._open(spec, location, [record.path])
+            itemsize = target.dtype.itemsize
+            for region in _regions(record.shape, record.storage.chunk_shape, itemsize, budget):
+                nbytes = _region_bytes(region, record.shape, itemsize)
+                read = _restore._read_region(store, target, direct, region)
+                window.submit(read, nbytes, [record.path])
+        for batch in doc.batches.values():
+            _check_batch(location, doc, batch, direct, window, budget)
+        window.drain(0)
+    finally:
+        if direct is not None:
+            direct.close()
+
+
+class _Window:
+    """Reads in flight, at most ``budget`` bytes of them (plus the last submitted); each
+    result is checked (its read raised nothing) and dropped."""
+
+    def __init__(self, location: Location, budget: int):
+        self.location, self.budget = location, budget
+        self.pending: collections.deque = collections.deque()
+        self.in_flight = 0
+
+    def submit(self, read: Any, nbytes: int, paths: list[str], locate: Any = None) -> None:
+        """``locate()``, called on damage, narrows ``paths`` to the leaves damaged."""
+        self.pending.append((read, nbytes, paths, locate))
+        self.in_flight += nbytes
+        self.drain(self.budget)
+
+    def drain(self, to: int) -> None:
+        while self.pending and (self.in_flight > to or to == 0):
+            read, nbytes, paths, locate = self.pending.popleft()
+            self.in_flight -= nbytes
+            try:
+                read.result()
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001  (tensorstore: ValueError with a status text)
+                _restore._raise_environmental(e)
+                damaged = (locate() if locate is not None else None) or paths
+                raise _restore._corrupt(damaged, self.location, e) from None
+
+
+def _damaged_leaves(store, members: list) -> list[str]:
+    """The leaves among ``members`` (records of one batch) whose own elements fail to
+    read, each read alone through tensorstore (one small leaf at a time)."""
+    bad = []
+    for rec in members:
+        off, size = rec.storage.offset, rec.storage.size
+        try:
+            _restore._ReadInto(store[off : off + size]).result()
+        except Exception as e:  # noqa: BLE001 - damage is collected, the rest raised
+            _restore._raise_environmental(e)
+            bad.append(rec.path)
+    return bad
+
+
+def _regions(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, budget: int):
+    """Regions (tuples of slices) of whole chunks covering an array, each at most
+    ``budget`` bytes where one chunk is not larger: slabs of whole chunks along the
+    first axis where they fit, else along the next axis within one chunk of the first,
+    and so on. A generator: nothing is allocated per chunk ahead of its read."""
+    if not shape or math.prod(shape) * itemsize <= budget:
+        yield None
+        return
+    ndim = len(shape)
+    axis = ndim - 1
+    for k in range(ndim):  # the first axis along which a run of whole chunks fits
+        if math.prod(chunk[: k + 1]) * math.prod(shape[k + 1 :]) * itemsize <= budget:
+            axis = k
+            break
+    per_chunk = math.prod(chunk[: axis + 1]) * math.prod(shape[axis + 1 :]) * itemsize
+    step = chunk[axis] * max(1, budget // per_chunk)
+    outer = (range(0, shape[a], chunk[a]) for a in range(axis))
+    for starts in itertools.product(*outer):
+        cells = zip(starts, chunk[:axis], shape[:axis], strict=True)
+        head = tuple(slice(a, min(a + c, n)) for a, c, n in cells)
+        tail = tuple(slice(0, n) for n in shape[axis + 1 :])
+        for lo in range(0, shape[axis], step):
+            yield (*head, slice(lo, min(lo + step, shape[axis])), *tail)
+
+
+def _region_bytes(region, shape: tuple[int, ...], itemsize: int) -> int:
+    if region is None:
+        return math.prod(shape) * itemsize
+    return math.prod(s.stop - s.start for s in region) * itemsize
+
+
+def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> None:
+    """Reads a batch a few of its files at a time; damage names the leaves stored in
+    the files that failed."""
+    members = [
+        rec
+        for rec in doc.leaves
+        if isinstance(rec.storage, _layout.BatchStorage) and rec.storage.batch == batch.name
+    ]
+    store = _restore._open(_save._batch_spec(location, batch), location, [r.path for r in members])
+    itemsize = _layout.dtype_from_name(batch.dtype).itemsize
+    chunk = int(batch.chunk)
+    files = -(-batch.size // chunk)
+    per_group = max(1, budget // (chunk * itemsize))
+    inner = _save._batch_inner(batch)
+    for first in range(0, files, per_group):
+        group = range(first, min(files, first + per_group))
+        lo, hi = group.start * chunk, min(batch.size, group.stop * chunk)
+        if direct is not None and batch.codec is None:
+            read = direct.read_batch(
+                f"b/{batch.name}", batch.size, chunk, inner, store.dtype.numpy_dtype, group
+            )
+        else:
+            read = _restore._ReadInto(store[lo:hi])
+        inside = [
+            r for r in members if r.storage.offset < hi and r.storage.offset + r.storage.size > lo
+        ]
+        paths = [r.path for r in inside] or [f"batch {batch.name}"]
+        locate = lambda inside=inside: _damaged_leaves(store, inside)
+        window.submit(read, (hi - lo) * itemsize, paths, locate)

@@ -1,0 +1,1 @@
+"""Format version 1 on disk: typed records, step names and listing, public metadata."""

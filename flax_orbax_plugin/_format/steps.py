@@ -1,0 +1,165 @@
+"""Steps of a checkpoint directory: names, listing, manifests, the latest step.
+
+One implementation for the manager, the serving path and the CLI, on every store.
+
+Names directly under a directory:
+
+* ``<step>``: ASCII digits, canonical (``0`` or no leading zero: ``007`` is foreign).
+  *Committed* when it holds a step manifest (``_CHECKPOINT.json``); without one it is
+  *foreign* (a user's folder named ``2024``, a core checkpoint saved with
+  ``fop.save(f"{d}/{step}")``) and is left alone.
+* ``<step>.partial-<nonce>``, ``<step>.deleting-<nonce>``: *unfinished*: temporary names
+  this library writes; removed by a writer when it opens (only when they are real
+  directories, never through a symlink).
+* ``<step>.corrupt-<nonce>``: a step that failed verification on resume, moved aside;
+  never removed automatically.
+* anything else (``.writer.lock`` aside), and on local disks anything that is not a
+  real directory (a symlink, even to a step), is *foreign*.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._storage.location import Location
+from .layout import MANIFEST_FILE, StepManifest, decode_checked
+
+# Canonical step names only: ``0`` or digits without a leading zero (``007`` is foreign).
+_STEP = r"(0|[1-9][0-9]{0,17})"
+STEP_RE = re.compile(rf"^{_STEP}$", re.ASCII)
+TMP_RE = re.compile(rf"^{_STEP}\.(partial|deleting)-[0-9a-z]{{1,32}}$", re.ASCII)
+CORRUPT_RE = re.compile(rf"^{_STEP}\.corrupt-[0-9a-z]{{1,32}}$", re.ASCII)
+LOCK_NAME = ".writer.lock"
+# Records of ours at the top of a directory (run owner, damaged persistent copies):
+# never steps, never foreign. Named here, where listing lives, not imported from
+# the modules that write them (they sit above this one).
+RECORD_NAMES = frozenset({LOCK_NAME, "_RUN.json", "_DAMAGED.json"})
+
+
+def is_step_name(name: str) -> bool:
+    return bool(STEP_RE.match(name))
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """What a directory holds, by the rules in the module docstring."""
+
+    committed: tuple[int, ...]
+    unfinished: tuple[str, ...]
+    corrupt: tuple[str, ...]
+    foreign: tuple[str, ...]
+
+    @property
+    def latest(self) -> int | None:
+        return self.committed[-1] if self.committed else None
+
+
+def list_directory(loc: Location) -> Listing:
+    """Lists ``loc`` without following symlinks; reads no file contents."""
+    committed, unfinished, corrupt, foreign = [], [], [], []
+    kinds = loc.child_kinds() if loc.is_local else None  # from the entries: no link followed
+    for name in loc.list_children():
+        if name in RECORD_NAMES:
+            continue
+        if kinds is not None and kinds.get(name) != "dir":
+            foreign.append(name)  # a symlink, a file, a device: never ours to follow
+            continue
+        if STEP_RE.match(name) and loc.child(name).exists(MANIFEST_FILE):
+            committed.append(int(name))
+        elif TMP_RE.match(name):
+            unfinished.append(name)
+        elif CORRUPT_RE.match(name):
+            corrupt.append(name)
+        else:
+            foreign.append(name)
+    return Listing(tuple(sorted(committed)), tuple(unfinished), tuple(corrupt), tuple(foreign))
+
+
+def committed_steps(loc: Location) -> list[int]:
+    return list(list_directory(loc).committed)
+
+
+def choose_step(loc: Location, steps: list[int] | tuple[int, ...], step: int | None) -> int:
+    """``step`` if committed, or the latest; CheckpointNotFoundError naming what exists."""
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed steps in {loc}{foreign_format_hint(loc)}")
+    if step is None:
+        return steps[-1]
+    step = operator.index(step)
+    if step not in steps:
+        raise CheckpointNotFoundError(f"step {step} does not exist in {loc}; steps: {list(steps)}")
+    return step
+
+
+def step_location(loc: Location, step: int) -> Location:
+    return loc.child(str(operator.index(step)))
+
+
+def read_manifest(step_loc: Location) -> StepManifest:
+    """The validated manifest of a committed step (checksum checked)."""
+    where = f"{step_loc}/{MANIFEST_FILE}"
+    raw = step_loc.read_bytes(MANIFEST_FILE)
+    if raw is None:
+        raise CheckpointNotFoundError(f"{step_loc} is not a committed step (no {MANIFEST_FILE})")
+    manifest = StepManifest.from_bytes(raw, where)
+    if STEP_RE.match(step_loc.name) and manifest.step != int(step_loc.name):
+        raise CorruptCheckpointError(
+            f"{where}: field step: expected {int(step_loc.name)} (the directory's name), "
+            f"found {manifest.step}"
+        )
+    return manifest
+
+
+def write_manifest(step_loc: Location, manifest: StepManifest) -> None:
+    step_loc.write_bytes(MANIFEST_FILE, manifest.to_bytes())
+
+
+def manifest_for_item(item_loc: Location) -> StepManifest | None:
+    """The manifest of the step holding ``item_loc`` (None when its parent is no step)."""
+    parent = item_loc.parent
+    if parent.read_bytes(MANIFEST_FILE) is None:
+        return None
+    manifest = read_manifest(parent)
+    if item_loc.name not in {e.dir for e in manifest.items.values()}:
+        return None
+    return manifest
+
+
+def read_item_json(item_loc: Location, name: str) -> object:
+    """A JSON file of a step's item, checked against the checksum in the step manifest."""
+    where = f"{item_loc}/{name}"
+    manifest = manifest_for_item(item_loc)
+    if manifest is None:
+        raise CorruptCheckpointError(f"{where}: not inside a committed step")
+    expected = manifest.file_checksum(item_loc.name, name)
+    if expected is None:
+        raise CorruptCheckpointError(f"{where}: the step manifest records no checksum for it")
+    raw = item_loc.read_bytes(name)
+    if raw is None:
+        raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
+    return decode_checked(raw, where, expected)
+
+
+def foreign_format_hint(loc: Location) -> str:
+    """``"; <what it is and what to do>"`` when ``loc`` holds another library's checkpoint
+    (Orbax, Flax msgpack), else ``""``. For error messages."""
+    from .._interop.msgpack_reader import is_msgpack_checkpoint
+    from .._interop.orbax_reader import is_orbax_checkpoint
+
+    try:
+        if loc.is_local and is_msgpack_checkpoint(loc.path.rstrip("/")):
+            return (
+                f"; {loc} is a Flax msgpack checkpoint: read it with fop.restore_msgpack, or "
+                f"convert it with `flax-orbax import`"
+            )
+        if is_orbax_checkpoint(loc):
+            return (
+                f"; {loc} is an Orbax checkpoint: fop.restore and fop.restore_params read it "
+                f"directly, `flax-orbax import` converts it into steps of this library"
+            )
+    except CheckpointError:
+        pass
+    return ""

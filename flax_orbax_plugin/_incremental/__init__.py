@@ -1,0 +1,1 @@
+"""Incremental steps: digests, reuse plan, links, server-side copies."""

@@ -1,0 +1,1 @@
+"""Foreign formats: Orbax and msgpack readers, safetensors, importing as steps."""

@@ -1,0 +1,323 @@
+"""Reading Flax msgpack checkpoints (``flax.serialization`` / ``flax.training.checkpoints``).
+
+Flax writes a state dict (nested dicts with string keys; lists become ``{"0": ...}``)
+as msgpack, with arrays as msgpack *extension* values: type 1 an ndarray, 2 a
+Python complex, 3 a numpy scalar. An ndarray's extension payload is itself msgpack:
+``[shape, dtype name, raw C-order bytes]``. Arrays over 2**30 bytes are split into
+``{"__msgpack_chunked_array__": True, "shape": ..., "chunks": {...}}``.
+
+msgpack is data only: this decoder builds dicts, lists, strings, numbers and numpy
+arrays of an allow-listed dtype; it never imports or calls anything named in the
+file. The file is memory-mapped, so its bytes are not held in memory a second time;
+every length the file claims (a map, an array, a byte string, an ndarray's shape)
+is checked against the file's real size, in Python ints, before anything sized by
+it is allocated.
+
+Trust rules: the file is opened with ``O_NONBLOCK`` and must be a regular file (a
+FIFO, device or socket is a :class:`ForeignEntryError`, never a hang). A file the
+user names may be a symlink to a regular file (their choice); the files found by
+scanning a ``flax.training.checkpoints`` directory are never links (skipped). Any
+malformed input (nesting deeper than :data:`_MAX_DEPTH`, map keys that are not all
+strings or all integers, a bad shape or dtype) is a :class:`CorruptCheckpointError`
+naming the file and the key path.
+
+``flax.training.checkpoints`` names its files ``<prefix><step>`` (``checkpoint_100``);
+a directory of those is imported one step per file.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import stat
+from typing import Any
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from .._base import tree as _tree
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignEntryError,
+    StructureError,
+)
+from .._like import onto_like as _onto_like
+from .importing import entry_kind, open_regular
+
+__all__ = ["import_msgpack", "is_msgpack_checkpoint", "read_msgpack", "restore_msgpack"]
+
+_EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
+_CHUNKED = "__msgpack_chunked_array__"
+_ALLOWED_DTYPES = {
+    name: np.dtype(name)
+    for name in (
+        "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 "
+        "float16 float32 float64 complex64 complex128"
+    ).split()
+}
+_ALLOWED_DTYPES.update(
+    {
+        name: np.dtype(getattr(ml_dtypes, name))
+        for name in (
+            "bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz "
+            "float8_e4m3b11fnuz int4 uint4"
+        ).split()
+        if hasattr(ml_dtypes, name)
+    }
+)
+_CHECKPOINT_RE = re.compile(r"^(?P<prefix>.*?)(?P<step>[0-9]+)$")
+_MSGPACK_FIXMAP = range(0x80, 0x90)
+_MSGPACK_MAP16_32 = (0xDE, 0xDF)
+_MAX_DEPTH = 128  # nesting of the state dict; deeper is not a Flax checkpoint
+_MAX_NDIM = 64  # numpy's own limit
+
+
+def _ndarray(data: bytes, where: str) -> np.ndarray:
+    try:
+        shape, dtype_name, buffer = msgpack.unpackb(data, raw=True)
+    except (ValueError, msgpack.UnpackException, TypeError) as e:
+        raise CorruptCheckpointError(f"{where}: malformed ndarray payload ({e})") from e
+    name = dtype_name.decode("ascii", "replace") if isinstance(dtype_name, bytes) else dtype_name
+    if not isinstance(name, str) or name not in _ALLOWED_DTYPES:
+        raise CorruptCheckpointError(
+            f"{where}: ndarray of dtype {str(name)[:100]!r}; expected one of "
+            f"{sorted(_ALLOWED_DTYPES)}"
+        )
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) > _MAX_NDIM
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: ndarray shape {str(shape)[:200]} is not a list of at most {_MAX_NDIM} sizes"
+        )
+    dtype = _ALLOWED_DTYPES[name]
+    count = math.prod(shape)  # Python ints: no overflow
+    if not isinstance(buffer, bytes) or len(buffer) != count * dtype.itemsize:
+        found = len(buffer) if isinstance(buffer, bytes) else type(buffer).__name__
+        raise CorruptCheckpointError(
+            f"{where}: ndarray {name}{list(shape)} needs {count * dtype.itemsize} bytes, "
+            f"found {found}"
+        )
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def _ext_hook(where: str):
+    def hook(code: int, data: bytes) -> Any:
+        if code == _EXT_NDARRAY:
+            return _ndarray(data, where)
+        if code == _EXT_NPSCALAR:
+            return _ndarray(data, where)[()]
+        if code == _EXT_COMPLEX:
+            try:
+                real, imag = msgpack.unpackb(data)
+                return complex(float(real), float(imag))
+            except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+                raise CorruptCheckpointError(f"{where}: malformed complex payload ({e})") from e
+        raise CorruptCheckpointError(f"{where}: unknown msgpack extension type {code}")
+
+    return hook
+
+
+def _as_tuple(d: Any, where: str) -> list[Any]:
+    if not isinstance(d, dict) or sorted(d, key=str) != sorted(map(str, range(len(d)))):
+        keys = list(d)[:5] if isinstance(d, dict) else type(d).__name__
+        raise CorruptCheckpointError(f"{where}: malformed chunked array (keys {keys})")
+    return [d[str(i)] for i in range(len(d))]
+
+
+def _key_path(keys: list[Any]) -> str:
+    return "/".join(str(k) for k in keys) or "<root>"
+
+
+def _check_keys(tree: dict, where: str, keys: list[Any]) -> None:
+    kinds = {str if isinstance(k, str) else int if type(k) is int else None for k in tree}
+    if None in kinds or len(kinds) > 1:
+        found = sorted({type(k).__name__ for k in tree})
+        raise CorruptCheckpointError(
+            f"{where}: map at {_key_path(keys)!r}: expected keys that are all strings (or all "
+            f"integers), found keys of type {', '.join(found)}"
+        )
+
+
+def _unchunk(tree: Any, where: str, keys: list[Any] | None = None) -> Any:
+    """The tree with chunked arrays joined; checks depth and key types on the way."""
+    keys = [] if keys is None else keys
+    if len(keys) > _MAX_DEPTH:
+        raise CorruptCheckpointError(
+            f"{where}: nested deeper than {_MAX_DEPTH} levels at {_key_path(keys[:8])}/...; "
+            f"expected a Flax state dict"
+        )
+    if isinstance(tree, list):
+        return [_unchunk(v, where, [*keys, i]) for i, v in enumerate(tree)]
+    if not isinstance(tree, dict):
+        return tree
+    _check_keys(tree, where, keys)
+    if tree.get(_CHUNKED) is True:
+        here = f"{where}: chunked array at {_key_path(keys)!r}"
+        shape = _as_tuple(tree.get("shape"), here)
+        chunks = _as_tuple(tree.get("chunks"), here)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            raise CorruptCheckpointError(f"{here}: shape {str(shape)[:200]} is not a list of sizes")
+        if (
+            not chunks
+            or len(shape) > _MAX_NDIM
+            or not all(isinstance(c, np.ndarray) and c.ndim == 1 for c in chunks)
+            or len({c.dtype for c in chunks}) != 1
+        ):
+            raise CorruptCheckpointError(
+                f"{here}: expected 1-D chunks of one dtype and at most {_MAX_NDIM} dimensions"
+            )
+        count = sum(c.size for c in chunks)
+        if count != math.prod(shape):  # Python ints: no overflow
+            raise CorruptCheckpointError(
+                f"{here}: shape {shape} needs {math.prod(shape)} values, the chunks hold {count}"
+            )
+        return np.concatenate(chunks).reshape(shape)
+    return {k: _unchunk(v, where, [*keys, k]) for k, v in tree.items()}
+
+
+def is_msgpack_checkpoint(path: Any) -> bool:
+    """True for a file whose first byte opens a msgpack map (a Flax state dict)."""
+    try:  # never a link; a FIFO or a device is refused without blocking
+        fd, _ = open_regular(os.fspath(path), follow_links=False, what="msgpack checkpoint")
+    except (OSError, TypeError, ValueError, CheckpointError):
+        return False
+    try:
+        first = os.read(fd, 1)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return bool(first) and (first[0] in _MSGPACK_FIXMAP or first[0] in _MSGPACK_MAP16_32)
+
+
+def read_msgpack(path: Any) -> Any:
+    """The state dict in a Flax msgpack file: nested dicts of numpy arrays and scalars."""
+    path = os.fspath(path)
+    where = str(path)
+    if os.path.isdir(path):
+        raise CheckpointNotFoundError(f"{where}: a directory, not a msgpack file")
+    # The named file may be a symlink the user chose; it must resolve to a regular file.
+    fd, st = open_regular(path, follow_links=True, what="msgpack checkpoint")
+    with open(fd, "rb", closefd=True) as f:
+        size = st.st_size
+        if size == 0:
+            raise CorruptCheckpointError(f"{where}: empty file, expected a msgpack state dict")
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as data:
+            try:
+                tree = msgpack.unpackb(  # every claimed length is bounded by the file size
+                    data,
+                    ext_hook=_ext_hook(where),
+                    raw=False,
+                    strict_map_key=False,
+                    max_str_len=size,
+                    max_bin_len=size,
+                    max_ext_len=size,
+                    max_array_len=size,
+                    max_map_len=size // 2,
+                )
+            except CorruptCheckpointError:
+                raise
+            except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+                raise CorruptCheckpointError(f"{where}: not a Flax msgpack checkpoint ({e})") from e
+    return _unchunk(tree, where)
+
+
+def restore_msgpack(path: Any, like: Any = None, *, partial: bool = False) -> Any:
+    """A msgpack checkpoint in the form of ``like`` (the rules of ``fop.restore``;
+    dtype changes must be lossless); ``like`` None gives the state dict as read."""
+    tree = read_msgpack(path)
+    if like is None:
+        return tree
+    flat, _ = _tree.flatten(tree)
+    stored = {p: v for p, _, v in flat}
+    like_flat, treedef = _tree.flatten(like)
+    wanted = {p for p, _, _ in like_flat}
+    missing = sorted(wanted - set(stored))
+    if missing:
+        raise StructureError(
+            f"leaf {missing[0]!r}: expected by like, found no such key in {path}"
+            + (f" ({len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    extra = sorted(set(stored) - wanted)
+    if extra and not partial:
+        raise StructureError(
+            f"leaf {extra[0]!r}: unexpected key: found in {path} but not in like; "
+            f"pass partial=True to restore a subtree"
+        )
+    out = []
+    for p, _, leaf_like in like_flat:
+        value = stored[p]
+        if value is None or isinstance(value, str):
+            out.append(value)
+            continue
+        host = np.asarray(value)
+        plan = _onto_like.plan(p, host.shape, host.dtype, leaf_like, source=str(path))
+        out.append(_onto_like.materialize(plan, lambda index, host=host: host[index]))
+    return _tree.unflatten(treedef, out)
+
+
+def _files(src: str, step: int | None) -> list[tuple[int | None, str]]:
+    try:
+        mode = os.stat(src).st_mode  # the path the user named: a link to it is their choice
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{src}: no such file or directory") from None
+    if stat.S_ISREG(mode):
+        return [(None, src)]
+    if not stat.S_ISDIR(mode):
+        raise ForeignEntryError(
+            f"{src}: expected a msgpack checkpoint file or a directory of them, found "
+            f"{entry_kind(mode)} (not read)"
+        )
+    found = []
+    for name in sorted(os.listdir(src)):
+        m = _CHECKPOINT_RE.match(name)
+        full = os.path.join(src, name)
+        if m and not os.path.islink(full) and os.path.isfile(full) and is_msgpack_checkpoint(full):
+            found.append((int(m.group("step")), full))
+    if not found:
+        raise CheckpointNotFoundError(
+            f"{src}: no flax.training.checkpoints files (checkpoint_<step>) in it"
+        )
+    found.sort()
+    if step is not None:
+        found = [(s, f) for s, f in found if s == step]
+        if not found:
+            raise CheckpointNotFoundError(f"{src}: no msgpack checkpoint for step {step}")
+    return found
+
+
+def import_msgpack(src: Any, out_dir: Any, *, step: int | None = None, force: bool = False):
+    """Writes Flax msgpack checkpoints as steps of a ``CheckpointManager`` directory.
+
+    ``src`` is one msgpack file (written as ``step``; default: the number its name
+    ends with, else 0) or a ``flax.training.checkpoints`` directory (every
+    ``<prefix><step>`` file, or only ``step``). A state dict with ``params`` is
+    split into items (``params``, ``opt_state``, ``step`` ...), any other tree is
+    saved as ``params``. Returns the steps written.
+    """
+    from .importing import save_steps, step_items
+
+    src = os.fspath(src)
+    files = _files(src, step)
+
+    def number_of(number: int | None, path: str) -> int:
+        if number is not None:
+            return number
+        m = _CHECKPOINT_RE.match(os.path.basename(path))
+        return step if step is not None else (int(m.group("step")) if m else 0)
+
+    numbered = [(number_of(n, p), p) for n, p in files]
+
+    def states():  # one file's tree in memory at a time
+        for number, path in numbered:
+            tree = read_msgpack(path)
+            yield number, step_items({"state": tree}, {"state": "pytree"}, source=path)
+
+    return save_steps(out_dir, states(), force=force, planned=[n for n, _ in numbered])

@@ -1,0 +1,1 @@
+"""What the caller asked for: cast rules, placing data onto a ``like``."""

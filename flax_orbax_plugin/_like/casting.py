@@ -1,0 +1,197 @@
+"""When restore may cast a saved leaf to another dtype: never when a value changes.
+
+Restore casts when the ``like`` template asks for a dtype other than the saved one.
+The rule, checked on the actual host data before the cast:
+
+* same dtype: nothing to check;
+* widening (int8 to int32, float16 to float32, bool to anything numeric): exact;
+* float narrowing (float32 to bfloat16 or float16, float64 to float32, complex128
+  to complex64): allowed, and documented as **rounding** (this is how params are
+  served in half precision); a finite value that would become inf or NaN, or an
+  inf that the target cannot hold, is an error;
+* integer to a narrower integer (or signed/unsigned): allowed only when every value
+  fits, never wraps around;
+* integer to float: allowed only when every value comes back exactly (int32
+  16777217 is not a float32);
+* float to integer, anything to bool (except bool to bool), complex to real: always
+  an error, whatever the values.
+
+An error is a :class:`StructureError` naming the leaf path, the saved and requested
+dtypes and an offending value. ``fop.restore(..., cast="unsafe")`` skips the checks
+and casts as numpy does.
+
+Threading: the policy is a context variable, set by ``restore`` around its reads
+(which finish on the calling thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .._errors import StructureError
+
+CAST_POLICIES = ("safe", "unsafe")
+
+_POLICY: contextvars.ContextVar[str] = contextvars.ContextVar("fop_cast", default="safe")
+
+
+@contextlib.contextmanager
+def policy(cast: str):
+    """Sets the cast policy (``"safe"`` or ``"unsafe"``) for the restore in this block."""
+    if cast not in CAST_POLICIES:
+        raise ValueError(f"cast must be one of {CAST_POLICIES}, found {cast!r}")
+    token = _POLICY.set(cast)
+    try:
+        yield
+    finally:
+        _POLICY.reset(token)
+
+
+def _category(dtype: np.dtype) -> str:
+    if dtype == np.bool_:
+        return "bool"
+    if dtype.kind == "c":
+        return "complex"
+    if dtype.kind == "f" or _is_ml_float(dtype):
+        return "float"
+    if dtype.kind in "iu" or _is_ml_int(dtype):
+        return "int"
+    return "other"
+
+
+def _is_ml_float(dtype: np.dtype) -> bool:
+    try:
+        ml_dtypes.finfo(dtype)
+    except (ValueError, TypeError):
+        return False
+    return dtype.kind == "V"
+
+
+def _is_ml_int(dtype: np.dtype) -> bool:
+    try:
+        ml_dtypes.iinfo(dtype)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _first(values: np.ndarray, bad: np.ndarray | None = None) -> Any:
+    flat = values.reshape(-1)
+    if bad is not None:
+        index = int(np.argmax(bad.reshape(-1)))
+        return flat[index].item() if flat.dtype.kind in "biufc" else float(flat[index])
+    if flat.size == 0:
+        return None
+    return flat[0].item() if flat.dtype.kind in "biufc" else float(flat[0])
+
+
+def _fail(path: str, src: np.dtype, dst: np.dtype, why: str, example: Any) -> StructureError:
+    shown = "" if example is None else f" (e.g. {example!r})"
+    return StructureError(
+        f"leaf {path!r}: saved as {src}, requested {dst}: {why}{shown}; "
+        "pass cast='unsafe' to restore to cast anyway"
+    )
+
+
+def _float_changes(x: np.ndarray, dst: np.dtype) -> np.ndarray | None:
+    """Mask of float values that a cast to ``dst`` turns into something other than a
+    rounding (finite to inf/NaN, inf to NaN or finite, NaN to a number); None if none."""
+    orig = x if x.dtype.kind == "f" else x.astype(np.float32)  # ml_dtypes floats
+    back = x.astype(dst).astype(orig.dtype)
+    finite = np.isfinite(orig)
+    bad = finite & ~np.isfinite(back)
+    if not finite.all():  # inf must stay the same inf, NaN stay NaN
+        nan = np.isnan(orig)
+        bad |= (nan & ~np.isnan(back)) | (~finite & ~nan & (back != orig))
+    return bad if bad.any() else None
+
+
+def check_tree(host: Any, target: Any) -> None:
+    """:func:`check` for every leaf of ``host`` (numpy values) against the dtype of the
+    matching leaf of ``target`` (arrays or ShapeDtypeStructs of the same structure)."""
+    import jax
+
+    from .._base.tree import encode_key, path_string
+
+    def one(keypath, x, t):
+        if x is not None and t is not None:
+            check(path_string([encode_key(k) for k in keypath]), np.asarray(x), t.dtype)
+
+    jax.tree_util.tree_map_with_path(one, host, target, is_leaf=lambda x: x is None)
+
+
+def check(path: str, host: np.ndarray, out_dtype: Any) -> None:
+    """Raises StructureError if casting ``host`` (a leaf's saved data) to ``out_dtype``
+    would change a value beyond float rounding; a no-op under ``cast="unsafe"``."""
+    src, dst = np.dtype(host.dtype), np.dtype(out_dtype)
+    if src == dst or _POLICY.get() == "unsafe":
+        return
+    a, b = _category(src), _category(dst)
+    if a == "bool":
+        if b == "other":
+            raise _fail(path, src, dst, "no cast from bool to this dtype", _first(host))
+        return  # False/True are 0/1 in every numeric dtype
+    if b == "bool":
+        raise _fail(path, src, dst, "a cast to bool changes values", _first(host))
+    if a == "complex" and b != "complex":
+        why = "a cast from complex to real drops the imaginary part"
+        raise _fail(path, src, dst, why, _first(host))
+    if a == "float" and b == "int":
+        raise _fail(path, src, dst, "a cast from float to integer truncates", _first(host))
+    if "other" in (a, b):
+        raise _fail(path, src, dst, "no checked cast between these dtypes", _first(host))
+    with np.errstate(all="ignore"):
+        if a == "int":
+            values = host.astype(np.int64) if src.kind == "V" else host  # int4/uint4
+            if b == "int":
+                _check_int_range(path, values, src, dst)
+            else:
+                _check_int_exact(path, values, src, dst, np.finfo(dst).dtype)
+            return
+        # float or complex to float or complex: rounding only
+        parts = (np.real(host), np.imag(host)) if a == "complex" else (host,)
+        target = np.finfo(dst).dtype if b == "complex" else dst
+        for part in parts:
+            part = np.asarray(part)
+            bad = _float_changes(part, target)
+            if bad is not None:
+                raise _fail(
+                    path, src, dst, "a value overflows or is not representable", _first(part, bad)
+                )
+
+
+def _iinfo(dtype: np.dtype):
+    try:
+        return np.iinfo(dtype)
+    except ValueError:
+        return ml_dtypes.iinfo(dtype)
+
+
+def _check_int_range(path: str, values: np.ndarray, src: np.dtype, dst: np.dtype) -> None:
+    have, want = np.iinfo(values.dtype), _iinfo(dst)
+    lo, hi = max(int(want.min), int(have.min)), min(int(want.max), int(have.max))
+    if lo == int(have.min) and hi == int(have.max):
+        return  # every value of the saved dtype fits
+    bad = (values < lo) | (values > hi)
+    if bad.any():
+        why = "a value does not fit and would wrap around"
+        raise _fail(path, src, dst, why, _first(values, bad))
+
+
+def _check_int_exact(path, values: np.ndarray, src, dst, real: np.dtype) -> None:
+    back = values.astype(real).astype(np.float64)
+    bad = ~np.isfinite(back)
+    if values.dtype.itemsize < 8:  # float64 holds every such integer exactly
+        bad |= back != values.astype(np.float64)
+    else:
+        lo, hi = (0.0, 2.0**64) if values.dtype.kind == "u" else (-(2.0**63), 2.0**63)
+        inside = (back >= lo) & (back < hi)
+        bad |= ~inside
+        bad |= np.where(inside, back, 0).astype(values.dtype) != values
+    if bad.any():
+        raise _fail(path, src, dst, "an integer is not exactly representable", _first(values, bad))

@@ -1,0 +1,205 @@
+"""Placing foreign array data onto a ``like`` leaf: checks, lossless casts, shards.
+
+The importers (Orbax, safetensors) know where a leaf's bytes are; this module
+decides what the caller gets, with the same rules as :func:`flax_orbax_plugin.restore`:
+
+* ``like`` None: a numpy array (Python scalars stay Python scalars when the
+  source says so);
+* a ``jax.Array`` or ``jax.ShapeDtypeStruct`` with a sharding: a jax.Array on
+  that sharding, reading only the regions this process's devices need;
+* a ``ShapeDtypeStruct`` without a sharding: a jax.Array on the default device;
+* a numpy array or scalar, a Python scalar: the same kind of value.
+
+Unlike a restore of this plugin's own checkpoints, a dtype change must not change
+a value: a widening cast (``float16 -> float32``, ``int8 -> int32``) always passes;
+a narrowing one (``int64 -> int32``, ``float32 -> bfloat16``) passes only when every
+value read survives it exactly, else StructureError; ``allow_cast=True`` casts
+anyway. A shape mismatch is always an error.
+
+Who calls what: an importer calls :func:`plan` once per leaf (it raises before
+anything is read), then :func:`materialize` with a ``read(index)`` function that
+returns the numpy data of one region (a tuple of slices) of the stored array.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from .._errors import StructureError
+
+Reader = Callable[[tuple[slice, ...]], np.ndarray]
+
+
+def describe(x: Any) -> str:
+    """A short description of a like leaf for error messages."""
+    if x is None:
+        return "None"
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is not None:
+        return f"{type(x).__name__}(shape={tuple(shape)}, dtype={dtype})"
+    return type(x).__name__
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    if dtype.kind in "biuc":
+        return False
+    try:
+        ml_dtypes.finfo(dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def is_lossless(src: Any, dst: Any) -> bool:
+    """True when every value of ``src`` is exactly representable in ``dst``."""
+    src, dst = np.dtype(src), np.dtype(dst)
+    if src == dst or src == np.bool_:
+        return True
+    if _is_float(src) and _is_float(dst):
+        s, d = ml_dtypes.finfo(src), ml_dtypes.finfo(dst)
+        return d.nmant >= s.nmant and d.maxexp >= s.maxexp and d.minexp <= s.minexp
+    if np.issubdtype(src, np.integer) and _is_float(dst):
+        bits = src.itemsize * 8 - (1 if np.issubdtype(src, np.signedinteger) else 0)
+        return ml_dtypes.finfo(dst).nmant + 1 >= bits
+    if np.issubdtype(src, np.integer) and np.issubdtype(dst, np.integer):
+        return bool(np.can_cast(src, dst, "safe"))
+    if np.issubdtype(src, np.complexfloating) and np.issubdtype(dst, np.complexfloating):
+        return bool(np.can_cast(src, dst, "safe"))
+    if _is_float(src) and np.issubdtype(dst, np.complexfloating):
+        return bool(np.can_cast(src, dst, "safe"))
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """What one leaf becomes: checked before any byte is read."""
+
+    path: str
+    shape: tuple[int, ...]
+    stored_dtype: np.dtype
+    out_dtype: np.dtype
+    like: Any
+    python_scalar: bool  # like None and the source stored a Python scalar
+    key_impl: Any = None  # like is a PRNG key array: wrap the stored key data
+    check_values: bool = False  # a narrowing cast: allowed only if no value changes
+    source: str = ""
+
+    def cast(self, data: np.ndarray) -> np.ndarray:
+        """``data`` in ``out_dtype``; StructureError if a checked cast changes a value."""
+        if data.dtype == self.out_dtype:
+            return data
+        out = data.astype(self.out_dtype)
+        if self.check_values:
+            back = out.astype(data.dtype)
+            same = back == data
+            if _is_float(data.dtype) or data.dtype.kind == "c":
+                same |= np.isnan(data) & np.isnan(back)
+            if not same.all():
+                raise StructureError(
+                    f"leaf {self.path!r}: dtype mismatch: expected {self.out_dtype} "
+                    f"(from like), found {data.dtype} in {self.source}, and casting changes "
+                    f"values (pass allow_cast=True to cast anyway)"
+                )
+        return out
+
+
+def template_of(path: str, like: Any) -> tuple[tuple[int, ...], Any]:
+    """(shape, dtype) a leaf of ``like`` asks for: an array, a ShapeDtypeStruct or a
+    scalar; StructureError naming the leaf for anything else."""
+    if isinstance(like, (bool, int, float, complex)):
+        return (), np.asarray(like).dtype
+    if isinstance(like, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+        return tuple(like.shape), like.dtype
+    raise StructureError(
+        f"leaf {path!r}: expected like to hold an array, ShapeDtypeStruct, scalar or None, "
+        f"found {type(like).__name__}"
+    )
+
+
+def plan(
+    path: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    like: Any,
+    *,
+    source: str,
+    allow_cast: bool = False,
+    python_scalar: bool = False,
+) -> LeafPlan:
+    """Checks that the stored ``shape``/``dtype`` fit ``like``; ``source`` names the file.
+
+    Raises StructureError naming the leaf, the expected and the found value.
+    """
+    shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+    if like is None:
+        return LeafPlan(path, shape, dtype, dtype, None, python_scalar)
+    like_shape, like_dtype = template_of(path, like)
+    if jax.dtypes.issubdtype(like_dtype, jax.dtypes.prng_key):
+        impl = getattr(like_dtype, "_impl", None)
+        key_shape = like_shape + tuple(getattr(impl, "key_shape", ()))
+        if impl is None or key_shape != shape or dtype != np.uint32:
+            raise StructureError(
+                f"leaf {path!r}: expected key data for {describe(like)} (from like), "
+                f"found {dtype}{list(shape)} in {source}"
+            )
+        return LeafPlan(path, shape, dtype, dtype, like, False, impl)
+    if like_shape != shape:
+        raise StructureError(
+            f"leaf {path!r}: shape mismatch: expected {like_shape} (from like), "
+            f"found {shape} in {source}"
+        )
+    like_dtype = np.dtype(like_dtype)
+    check = not allow_cast and not is_lossless(dtype, like_dtype)
+    return LeafPlan(path, shape, dtype, like_dtype, like, False, check_values=check, source=source)
+
+
+def _sharding(like: Any) -> Any:
+    if isinstance(like, jax.Array):
+        return like.sharding
+    if isinstance(like, jax.ShapeDtypeStruct):
+        return getattr(like, "sharding", None)
+    return None
+
+
+def materialize(leaf: LeafPlan, read: Reader) -> Any:
+    """Reads the leaf through ``read(index)`` and returns it in the form of ``like``."""
+    like = leaf.like
+    whole = tuple(slice(0, s) for s in leaf.shape)
+    if leaf.key_impl is not None:
+        keys = jax.random.wrap_key_data(np.asarray(read(whole)), impl=leaf.key_impl)
+        sharding = _sharding(like)
+        return jax.device_put(keys, sharding) if sharding is not None else keys
+    if like is None:
+        data = np.asarray(read(whole))
+        return data[()].item() if leaf.python_scalar else data
+    if isinstance(like, (bool, int, float, complex)):
+        return type(like)(leaf.cast(np.asarray(read(whole)))[()])
+    if isinstance(like, np.generic):
+        return leaf.cast(np.asarray(read(whole)))[()]
+    if isinstance(like, np.ndarray):
+        return leaf.cast(np.asarray(read(whole)))
+    sharding = _sharding(like)
+    if sharding is None:
+        return jax.device_put(leaf.cast(np.asarray(read(whole))), jax.devices()[0])
+    size = int(np.prod(leaf.shape, dtype=np.int64))
+    if sharding.is_fully_replicated or size == 0:
+        return jax.device_put(leaf.cast(np.asarray(read(whole))), sharding)
+    by_index: dict[tuple, list] = collections.defaultdict(list)
+    for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
+        index = tuple(
+            slice(*s.indices(dim)[:2]) if isinstance(s, slice) else s
+            for s, dim in zip(index, leaf.shape, strict=True)
+        )
+        by_index[tuple((s.start, s.stop) for s in index)].append((device, index))
+    pieces = []
+    for devices in by_index.values():
+        data = leaf.cast(np.asarray(read(devices[0][1])))
+        pieces.extend(jax.device_put(data, device) for device, _ in devices)
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)

@@ -1,0 +1,352 @@
+"""CheckpointCallback: checkpointing for a training loop in three calls.
+
+Who calls what, in which order (all on the training thread)::
+
+    cb = CheckpointCallback(directory, every_steps=500, resume=config.checkpoint.resume)
+    state = cb.on_train_start(state, data_iterator=it)   # once, before the first step
+    for step in range(int(state.step) + 1, num_steps + 1):
+        state = train_step(state, next(it))
+        cb.on_step_end(step, state)                       # after every step
+    cb.on_train_end(state)                                # once; saves the last step, waits
+
+It also fits a CLU-style hooks list: give it ``state_fn`` (a callable returning the
+current state) and call ``cb(step, t=None)`` after each step, as CLU's
+``periodic_actions`` are called. ``t`` is the time (``time.monotonic()`` when
+None), so tests pass it in instead of sleeping.
+
+The callback hands its policy options (``every_steps``, ``every_seconds``) to the
+:class:`CheckpointManager` it creates, which takes every save decision (once, shared
+by all processes) and owns the directory: retention, the writer lock, async writes,
+the commit. The final step is always saved by ``on_train_end``.
+
+No silent mixing of runs: ``resume=False`` on a directory that already holds steps
+raises (unless ``overwrite=True``, which removes them first); steps must increase;
+a ``step`` different from ``state.step`` is warned about once.
+
+Each committed save is logged once, when it commits, on the ``flax_orbax_plugin``
+logger; with a ``writer``, ``writer.write_scalars(step, {...})`` (CLU's metric-writer
+shape) also receives ``checkpoint/blocking_seconds``, ``checkpoint/total_seconds``,
+``checkpoint/bytes`` and ``checkpoint/gbytes_per_sec``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from .._core.save import SaveResult
+from .._errors import CheckpointError, CheckpointNotFoundError
+from .._format import steps as _steps
+from .._storage.location import Location
+from .manager import CheckpointManager, remove_step
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+__all__ = ["CheckpointCallback"]
+
+
+class ScalarWriter(Protocol):
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
+
+
+class CheckpointCallback:
+    """Resume at train start, save on a policy, flush at train end.
+
+    Args:
+      directory: the checkpoint directory (local path or ``s3://`` / ``gs://`` URL).
+      every_steps: save when ``step % every_steps == 0``.
+      every_seconds: save when at least this many seconds passed since the last save
+        (or since the first call). With neither set, every step is saved (the
+        manager's default policy); ``on_train_end`` always saves the final step.
+      keep: how many of the most recent steps to keep (None keeps all).
+      resume: False starts fresh and refuses a directory that already holds steps;
+        True resumes from the latest good step when one exists and starts fresh
+        otherwise; ``"required"`` raises :class:`CheckpointNotFoundError` when there
+        is nothing to resume.
+      overwrite: with ``resume=False``, remove the steps already in the directory at
+        train start instead of refusing.
+      async_save: write in the background (the training loop waits only for the
+        device-to-host copy). False makes every save durable before returning.
+      state_fn: returns the current state; needed only for ``cb(step, t)``.
+      data_iterator: an iterator whose position is saved with each step (it may
+        also be given to ``on_train_start``).
+      extras_fn: ``extras_fn(step, state) -> dict`` of small JSON values saved
+        with each step (metrics, for example).
+      writer: an object with ``write_scalars(step, scalars)`` receiving each
+        save's figures.
+      manager_options: further keyword arguments for :class:`CheckpointManager`,
+        e.g. ``{"persistent": "gs://bucket/run", "persistent_keep": 1}``: then
+        ``directory`` is the fast local tier and resuming takes the newest good step
+        of either tier (a new machine with an empty ``directory`` resumes from the
+        bucket).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep: int | None = 3,
+        resume: bool | str = False,
+        overwrite: bool = False,
+        async_save: bool = True,
+        state_fn: Callable[[], Any] | None = None,
+        data_iterator: Any = None,
+        extras_fn: Callable[[int, Any], Mapping[str, Any]] | None = None,
+        writer: ScalarWriter | None = None,
+        manager_options: Mapping[str, Any] | None = None,
+    ):
+        if not (resume is True or resume is False or resume == "required"):
+            raise ValueError(f"resume must be False, True or 'required', found {resume!r}")
+        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
+            raise ValueError(f"every_steps must be a positive int or None, found {every_steps!r}")
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"every_seconds must be > 0 or None, found {every_seconds!r}")
+        self.directory = directory
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.keep = keep
+        self.resume = resume
+        self.overwrite = bool(overwrite)
+        self._warned_step = False
+        self.async_save = bool(async_save)
+        self._state_fn = state_fn
+        self._data_iterator = data_iterator
+        self._extras_fn = extras_fn
+        self._writer = writer
+        self._manager_options = dict(manager_options or {})
+        self._manager = None
+        self._last_saved_step: int | None = None
+        self._last_step: int | None = None
+        self._inflight: int | None = None  # the step saving in the background
+        self._inflight_handle = None  # its SaveHandle (the manager's), if not committed
+        self.history: list[SaveResult] = []  # figures of every finished save, in order
+        self.resumed_step: int | None = None  # the step restored by on_train_start
+
+    # -- the manager ------------------------------------------------------------
+
+    @property
+    def manager(self):
+        """The CheckpointManager, created on first use."""
+        if self._manager is None:
+            self._manager = CheckpointManager(self.directory, **self._manager_kwargs())
+            if self._writer is not None:
+                self._manager.commit_log_level = logging.DEBUG  # the writer reports it
+        return self._manager
+
+    def _manager_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(
+            keep=self.keep,
+            async_save=self.async_save,
+            every_steps=self.every_steps,
+            every_seconds=self.every_seconds,
+        )
+        kwargs.update(self._manager_options)
+        return kwargs
+
+    # -- the three hooks --------------------------------------------------------
+
+    def on_train_start(
+        self, state: Any, data_iterator: Any = None, *, reset: tuple[str, ...] = ()
+    ) -> Any:
+        """Returns ``state`` resumed from the latest good step (per ``resume``), or
+        unchanged. With ``resume=False`` a directory holding steps is refused (or, with
+        ``overwrite=True``, emptied of them).
+
+        ``reset`` names items kept from ``state`` instead of restored, e.g.
+        ``reset=("opt_state",)`` after changing the optimizer: params, step, other
+        items and the data position are resumed, the optimizer starts fresh.
+        """
+        from flax_orbax_plugin._state.resume import items_to_restore
+        from flax_orbax_plugin._state.train_state import merge_state
+
+        if data_iterator is not None:
+            self._data_iterator = data_iterator
+        names = items_to_restore(state, reset=reset) if reset else None
+        mngr = self.manager
+        latest = mngr.latest_step(include_persistent=True)
+        if not self.resume:
+            if latest is not None:
+                self._refuse_or_clear(mngr, latest)
+            return state
+        if latest is None:
+            aside = _steps.list_directory(Location.from_path(self.directory)).corrupt
+            if aside:  # steps existed but none restored: never silently start from step 0
+                raise CheckpointError(
+                    f"resume=True but every step of {self.directory} was set aside as damaged "
+                    f"({', '.join(aside)}); nothing was restored. Inspect them with "
+                    f"`flax-orbax verify`, or start fresh in a new directory"
+                )
+            if self.resume == "required":
+                raise CheckpointNotFoundError(
+                    f"resume='required' but {self.directory} holds no committed checkpoint"
+                )
+            logger.info("checkpoint: nothing to resume in %s; starting fresh", self.directory)
+            return state
+        t0 = time.perf_counter()
+        if names is None:
+            restored = mngr.restore(like=state, data_iterator=self._data_iterator)
+        else:
+            subset = mngr.restore(like=state, items=names, data_iterator=self._data_iterator)
+            restored = merge_state(state, subset)
+        latest = mngr.restored_step
+        self.resumed_step = self._last_saved_step = self._last_step = latest
+        logger.info(
+            "checkpoint: resumed step %s from %s in %.3f s",
+            latest,
+            self.directory,
+            time.perf_counter() - t0,
+        )
+        return restored
+
+    def _refuse_or_clear(self, mngr: CheckpointManager, latest: int) -> None:
+        if not self.overwrite:
+            where = "" if mngr.persistent is None else f" (or its tier {mngr.persistent.remote})"
+            raise CheckpointError(
+                f"{self.directory}{where} already holds steps of a run (latest: {latest}) and "
+                f"resume=False: refusing to mix two runs. Resume it (resume=True), use a "
+                f"new directory, or pass overwrite=True to remove its steps first"
+            )
+        for step in mngr.steps():
+            remove_step(Location.from_path(self.directory), step)
+        mngr._forget_steps()  # removed behind the manager's back: it lists again
+        if mngr.persistent is not None:
+            for step in mngr.persistent.steps():
+                mngr.persistent.remove(step)
+        logger.warning("checkpoint: overwrite=True: removed the steps in %s", self.directory)
+
+    def on_step_end(self, step: int, state: Any, *, t: float | None = None) -> bool:
+        """Saves ``state`` as ``step`` if the policy says so; returns whether it did."""
+        step = int(step)
+        self._last_step = step
+        self._poll()
+        if step == self._last_saved_step:
+            # Already saved; still asked about preemption (every step, on every process).
+            if self.manager._preempted_at(step):
+                self.close()
+                raise SystemExit(128 + signal.SIGTERM)
+            return False
+        return self._save(step, state, t=t, force=False)
+
+    def on_train_end(self, state: Any, step: int | None = None) -> None:
+        """Saves the final step (unless already saved), waits for it, and closes."""
+        if step is None:
+            step = _step_of(state, self._last_step)
+        if step is not None and int(step) != self._last_saved_step:
+            self._save(int(step), state, t=None, force=True)
+        self.close()
+
+    def __call__(self, step: int, t: float | None = None) -> bool:
+        """CLU-style hook: reads the state from ``state_fn`` and calls ``on_step_end``."""
+        if self._state_fn is None:
+            raise TypeError("CheckpointCallback(...) needs state_fn=... to be used as a hook")
+        return self.on_step_end(step, self._state_fn(), t=t)
+
+    def wait(self) -> None:
+        """Blocks until the save in flight (if any) is durable and retention has run;
+        reports its figures. With several processes: on every process (collective)."""
+        if self._manager is not None:
+            self._finish_inflight(block=True)
+            self._manager.wait()
+
+    def close(self) -> None:
+        """Waits for the save in flight and releases the directory."""
+        if self._manager is not None:
+            try:
+                self.wait()
+            finally:
+                self._manager.close()
+                self._manager = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- saving and reporting ----------------------------------------------------
+
+    def _save(self, step: int, state: Any, *, t: float | None, force: bool) -> bool:
+        # No wait here: most steps save nothing, and the manager waits for the save in
+        # flight itself when it starts the next one (so the step after a save never
+        # waits for its commit).
+        self._finish_inflight(block=False)
+        self._check_state_step(step, state)
+        extras_fn = self._extras_fn
+        saved = self.manager.save(
+            step,
+            state,
+            data_iterator=self._data_iterator,
+            extras=(lambda: dict(extras_fn(step, state))) if extras_fn else None,
+            force=force,
+            t=t,
+        )
+        if saved:
+            self._finish_inflight(block=True)  # the previous save: committed by now
+            self._last_saved_step = step
+            self._inflight = step
+            self._inflight_handle = self.manager._inflight  # None: already committed
+            if not self.async_save:
+                self._finish_inflight(block=True)
+        return saved
+
+    def _check_state_step(self, step: int, state: Any) -> None:
+        saved = _step_of(state, None)
+        if saved is not None and saved != step and not self._warned_step:
+            self._warned_step = True
+            logger.warning(
+                "checkpoint: saving step %d but state.step is %d (a 0-based loop counter?); "
+                "the step number is the directory name restore resumes from",
+                step,
+                saved,
+            )
+
+    def _poll(self) -> None:
+        self._finish_inflight(block=False)
+
+    def _finish_inflight(self, *, block: bool) -> None:
+        """Reports the figures of the save in flight once it is committed.
+
+        With ``block`` False, returns at once if the save is still running. A save
+        that failed in the background raises here (through the manager) and reports
+        no figures. This process's own wait only, never the manager's collective
+        ``wait`` (a barrier, then retention): with several processes each one sees
+        its commit done at its own moment, and a barrier entered by one of them at
+        one step would hold it until the others poll, a step later or more; before a
+        save, waiting for the last one's commit is all that is needed.
+        """
+        if self._inflight is None:
+            return
+        handle = self._inflight_handle
+        if not block and handle is not None and not handle.done():
+            return
+        step, self._inflight, self._inflight_handle = self._inflight, None, None
+        if handle is None:  # a synchronous save: committed within manager.save
+            figures = self.manager.last_save
+        elif handle is self.manager._inflight:
+            self.manager._wait_inflight()  # re-raises a background error (once)
+            figures = handle.wait()
+        else:  # the manager waited for it when it started the next save
+            try:
+                figures = handle.wait()
+            except BaseException:  # noqa: BLE001  (the manager has raised it already)
+                return
+        if figures is None or figures.step != step:
+            return
+        self.history.append(figures)
+        if self._writer is not None:
+            self._writer.write_scalars(step, figures.as_scalars())
+
+
+def _step_of(state: Any, default: int | None) -> int | None:
+    step = getattr(state, "step", None)
+    if step is None:
+        return default
+    try:
+        return int(step)
+    except TypeError:
+        return default

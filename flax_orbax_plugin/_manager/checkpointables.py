@@ -1,0 +1,361 @@
+"""Checkpointables: named, separately restorable pieces of a training state.
+
+A checkpoint step is a directory holding one sub-directory per checkpointable
+(``params/``, ``opt_state/``, ``data_iterator/``, ``extras/`` ...). Each piece is
+written and read by a :class:`Checkpointable`, a two-method protocol:
+
+``directory`` is a :class:`flax_orbax_plugin._storage.location.Location` (a local
+directory or a prefix on an object store).
+
+* ``save(directory, value) -> Pending`` runs the *blocking phase* on the calling
+  (training) thread: it snapshots ``value`` (device-to-host copies, iterator
+  state, JSON encoding) so the caller may mutate or donate it as soon as ``save``
+  returns. The returned :class:`Pending` finishes the write; the manager calls
+  ``Pending.wait()`` from its background thread, on every process. ``directory``
+  (inside the step's staging directory) does not exist yet when ``save`` is called;
+  the checkpointable creates it. ``wait()`` returns a :class:`Written` (array bytes,
+  and the sha256 of each JSON file it wrote, which the step manifest records and
+  restore checks) or None. It commits nothing: the step commits once, after every
+  item of every process is durable (the manager makes the staging directory durable
+  with one sync).
+* ``restore(directory, like) -> value`` reads the piece back. ``like`` is the
+  abstract or concrete value the caller wants (pytree of arrays or
+  ``jax.ShapeDtypeStruct``, an iterator to set the state of, an int, ...) or None.
+
+Built-ins (see :func:`checkpointable_for`): ``params``, ``opt_state`` and ``rng``
+are pytrees written through the tensorstore core; ``step`` is a JSON integer;
+``extras`` is a JSON value (metrics, config, user metadata); ``data_iterator`` is
+the JSON-encoded state of any iterator with ``get_state()/set_state()`` (as
+grain's) or ``state_dict()/load_state_dict()``, one file per process. Any other
+name is treated as a pytree.
+
+Nothing here ever unpickles: every non-array file is JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from .._core import restore as _restore
+from .._core import save as _save
+from .._core.commit import Written
+from .._errors import CorruptCheckpointError, StructureError
+from .._format import layout as _layout
+from .._format import steps as _steps
+from .._storage.location import Location
+
+__all__ = [
+    "Checkpointable",
+    "Pending",
+    "Written",
+    "PytreeCheckpointable",
+    "JsonCheckpointable",
+    "StepCheckpointable",
+    "DataIteratorCheckpointable",
+    "checkpointable_for",
+    "BUILTIN_CHECKPOINTABLES",
+]
+
+JSON_FILE = _layout.JSON_VALUE_FILE
+
+
+@runtime_checkable
+class Pending(Protocol):
+    """The unfinished, background part of a checkpointable's save."""
+
+    def wait(self) -> Written | None:
+        """Block until the piece is written; re-raise any write error."""
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """Writes and reads one named piece of a training state.
+
+    ``kind`` is a short string recorded in the step's JSON manifest.
+    Threading: ``save`` is called on the training thread, ``Pending.wait`` on the
+    manager's background thread, ``restore`` on the caller's thread.
+    """
+
+    kind: str
+
+    def save(self, directory: Location, value: Any) -> Pending: ...
+
+    def restore(self, directory: Location, like: Any) -> Any: ...
+
+
+class _Done:
+    """A Pending whose work runs, once, when waited on (or is already done)."""
+
+    def __init__(self, fn: Callable[[], Any] | None = None, digest: str = ""):
+        self._fn = fn
+        self._result: Any = None
+        self.digest = digest  # of the saved structure, compared across processes
+
+    def wait(self) -> Any:
+        if self._fn is not None:
+            fn, self._fn = self._fn, None
+            self._result = fn()
+        return self._result
+
+
+# ----------------------------------------------------------------------------- JSON helpers
+
+
+def _to_json(value: Any, where: str) -> Any:
+    """Encode ``value`` as JSON-compatible data; bytes become ``{"__bytes__": b64}``,
+    NaN and infinities ``{"__float__": "nan" | "inf" | "-inf"}``."""
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):  # NaN and infinities are not JSON: tagged, exactly
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, bytes | bytearray):
+        return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, np.generic) or (hasattr(value, "shape") and hasattr(value, "dtype")):
+        arr = np.asarray(value)
+        if arr.ndim == 0:
+            return _to_json(arr.item(), where)
+        return [_to_json(x, where) for x in arr.tolist()]
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: JSON keys must be str, found {k!r}")
+            if k in ("__bytes__", "__float__"):
+                raise ValueError(f"{where}: the key {k!r} is reserved")
+            out[k] = _to_json(v, f"{where}/{k}")
+        return out
+    if isinstance(value, list | tuple):
+        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise TypeError(
+        f"{where}: cannot store a {type(value).__name__} as JSON; extras and iterator "
+        "states must be JSON values (dict, list, str, int, float, bool, None, bytes)"
+    )
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__bytes__"}:
+            return base64.b64decode(value["__bytes__"])
+        if set(value) == {"__float__"} and value["__float__"] in ("nan", "inf", "-inf"):
+            return float(value["__float__"])
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
+def read_json(directory: Location, name: str) -> Any:
+    """JSON file ``name`` of an item of a committed step, checked against the checksum
+    its step manifest records."""
+    return _steps.read_item_json(directory, name)
+
+
+def write_json(directory: Location, name: str, value: Any) -> Written:
+    """Writes ``value`` as JSON (made durable by the step's sync); returns its checksum."""
+    data = _layout.encode(value)
+    directory.write_bytes(name, data, durable=False)
+    return Written(0, {name: _layout.sha256(data)})
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+
+class PytreeCheckpointable:
+    """A pytree of arrays written through the tensorstore core (``fop.save_async``).
+
+    ``restore`` hands ``like`` to ``fop.restore``: arrays or ShapeDtypeStructs
+    (with ``.sharding`` to restore onto it), or None for numpy on the host.
+    """
+
+    kind = "pytree"
+
+    def __init__(self, *, compression: str | None = None):
+        self.compression = _layout.check_codec(compression)
+
+    def save(
+        self, directory: Location, value: Any, *, reuse: Any = None, buffers: Any = None
+    ) -> Pending:
+        """``reuse``: an ``_incremental.Reuse`` from a manager with ``incremental=True``;
+        ``buffers``: the manager's ``_host.BufferPool`` (snapshot memory reused)."""
+        snap = _save.snapshot(value, compression=self.compression, buffers=buffers)
+        limit = _save.DEFAULT_MEMORY_LIMIT_BYTES
+        return _Done(
+            lambda: snap.write(directory, limit=limit, durable=False, reuse=reuse), snap.digest
+        )
+
+    def restore(self, directory: Location, like: Any) -> Any:
+        return _restore.restore(directory, like)
+
+
+class JsonCheckpointable:
+    """A small JSON value, written by the primary process only (``extras``)."""
+
+    kind = "json"
+
+    def _encode(self, value: Any) -> Any:
+        return _to_json(value, "extras")
+
+    def _decode(self, data: Any, like: Any) -> Any:
+        return _from_json(data)
+
+    def save(self, directory: Location, value: Any) -> Pending:
+        data = self._encode(value)  # snapshot now, on the caller's thread
+        primary = _process_index() == 0
+
+        def write() -> Written:
+            return write_json(directory, JSON_FILE, data) if primary else Written()
+
+        return _Done(write)
+
+    def restore(self, directory: Location, like: Any) -> Any:
+        return self._decode(read_json(directory, JSON_FILE), like)
+
+
+class StepCheckpointable(JsonCheckpointable):
+    """The training step as a JSON integer; restored with the type of ``like``.
+
+    ``like`` may be an int, a numpy/jax scalar array or a ShapeDtypeStruct (the
+    restored value then has that dtype and, if it has one, that sharding).
+    """
+
+    kind = "step"
+
+    def _encode(self, value: Any) -> Any:
+        arr = np.asarray(value)
+        if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"step: expected an integer scalar, found {value!r}")
+        return int(arr)
+
+    def _decode(self, data: Any, like: Any) -> Any:
+        if not isinstance(data, int) or isinstance(data, bool):
+            raise CorruptCheckpointError(f"step: expected an integer, found {data!r}")
+        return cast_scalar_like(data, like)
+
+
+def cast_scalar_like(value: int, like: Any) -> Any:
+    """Return ``value`` as the same kind of scalar as ``like`` (int, numpy, jax)."""
+    if like is None or isinstance(like, int):
+        return int(value)
+    import jax
+    import jax.numpy as jnp
+
+    dtype = getattr(like, "dtype", None)
+    if isinstance(like, np.ndarray | np.generic):
+        return np.asarray(value, dtype=dtype)
+    sharding = getattr(like, "sharding", None)
+    out = jnp.asarray(value, dtype=dtype)
+    if sharding is not None:
+        out = jax.device_put(out, sharding)
+    return out
+
+
+_ITERATOR_ADVICE = (
+    "To save the position of a pipeline that can rebuild a batch from its index (an "
+    "in-memory shuffle seeded by the epoch, a tf.data pipeline made per epoch), wrap it "
+    "in fop.StepIndexedIterator(make_batch) or fop.StepIndexedIterator(make_epoch=...); "
+    "a grain DataLoader or IterDataset iterator works as it is"
+)
+
+
+def _iterator_state(it: Any) -> Any:
+    if hasattr(it, "get_state"):
+        return it.get_state()
+    if hasattr(it, "state_dict"):
+        return it.state_dict()
+    raise TypeError(
+        f"data_iterator: a {type(it).__name__} has neither get_state()/set_state() "
+        f"nor state_dict()/load_state_dict(). {_ITERATOR_ADVICE}"
+    )
+
+
+def _set_iterator_state(it: Any, state: Any) -> None:
+    if hasattr(it, "set_state"):
+        it.set_state(state)
+    elif hasattr(it, "load_state_dict"):
+        it.load_state_dict(state)
+    else:
+        raise TypeError(
+            f"data_iterator: a {type(it).__name__} has neither set_state() nor "
+            f"load_state_dict(). {_ITERATOR_ADVICE}"
+        )
+
+
+class DataIteratorCheckpointable:
+    """The position of a data iterator, one JSON file per process.
+
+    ``save`` calls ``get_state()`` (or ``state_dict()``) on the caller's thread, so
+    the state is the one at the moment of the call. Bytes states (grain's
+    DataLoader) are stored base64-encoded. ``restore(directory, like=iterator)``
+    calls ``set_state`` on that iterator and returns it; with ``like=None`` it
+    returns the decoded state of this process.
+    """
+
+    kind = "data_iterator"
+
+    @staticmethod
+    def filename(process_index: int) -> str:
+        return f"process_{process_index}.json"
+
+    def save(self, directory: Location, value: Any) -> Pending:
+        state = _to_json(_iterator_state(value), "data_iterator")
+        name = self.filename(_process_index())
+
+        def write() -> Written:
+            return write_json(directory, name, {"state": state})
+
+        return _Done(write)
+
+    def restore(self, directory: Location, like: Any) -> Any:
+        import jax
+
+        manifest = _steps.manifest_for_item(directory)
+        if manifest is not None and manifest.process_count != jax.process_count():
+            raise StructureError(
+                f"{directory}: the data iterator states were saved by {manifest.process_count} "
+                f"process(es) but {jax.process_count()} are restoring; each process's "
+                f"position is its own. Restore without the data_iterator item and re-seed "
+                f"the pipeline, or use an iterator whose state can be re-sharded"
+            )
+        name = self.filename(_process_index())
+        data = read_json(directory, name)
+        if not isinstance(data, dict) or "state" not in data:
+            raise CorruptCheckpointError(f"{directory}/{name}: expected an object with 'state'")
+        state = _from_json(data["state"])
+        if like is None:
+            return state
+        _set_iterator_state(like, state)
+        return like
+
+
+BUILTIN_CHECKPOINTABLES: Mapping[str, Checkpointable] = {
+    "params": PytreeCheckpointable(),
+    "opt_state": PytreeCheckpointable(),
+    "rng": PytreeCheckpointable(),
+    "step": StepCheckpointable(),
+    "extras": JsonCheckpointable(),
+    "data_iterator": DataIteratorCheckpointable(),
+}
+
+_DEFAULT = PytreeCheckpointable()
+
+
+def checkpointable_for(
+    name: str, overrides: Mapping[str, Checkpointable] | None = None
+) -> Checkpointable:
+    """The checkpointable that handles item ``name``: an override, a built-in, or a pytree."""
+    if overrides and name in overrides:
+        return overrides[name]
+    return BUILTIN_CHECKPOINTABLES.get(name, _DEFAULT)

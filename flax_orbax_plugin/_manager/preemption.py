@@ -1,0 +1,116 @@
+"""Preemption notices: how a writer learns that the run must stop, and at which step.
+
+Two ways, chosen once when a manager with ``handle_sigterm=True`` opens:
+
+* **One process** (``signal``): a Python SIGTERM handler, installed from the main
+  thread, sets a flag; the next step asked about is the one to save. The previous
+  handler is put back by :meth:`Preemption.uninstall`.
+* **Several processes** (``jax``, after ``jax.distributed.initialize``): jax owns
+  SIGTERM. ``initialize`` starts a preemption sync manager whose notifier catches the
+  signal on any host and tells the coordination service; every process then learns
+  of it and the processes agree on one step (one past the highest step any of them
+  had reported). ``jax.experimental.multihost_utils.reached_preemption_sync_point(step)``
+  returns True on every process at that step, and only there. No Python handler is
+  installed: replacing jax's notifier would leave a host whose notice the others
+  never hear about (it force-saves alone and waits for them; they enter the next
+  step's collective and wait for it: a deadlock).
+* **Several processes, jax's preemption service off**
+  (``jax_enable_preemption_service=False``: no sync manager, the jax call raises):
+  refused when the manager opens, on every process, with a ValueError saying what to
+  set. A per-process handler is no fallback there: two hosts signalled between
+  different steps (even "at once") save different steps, and the first one waits for
+  the other while the other waits in the next step's collective, until the
+  coordination timeout.
+
+Call order (the ``jax`` way's contract, the same as jax's): every process asks
+:meth:`Preemption.reached` once per training step, for every step, in increasing
+order, with the same step numbers. Asking again for the step asked last returns the
+same answer without asking jax (``should_save(step)`` then ``save(step)`` ask once).
+
+Threading: the training thread only (the handler runs on the main thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+from .._base import distributed as _distributed
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+__all__ = ["Preemption"]
+
+
+def _sync_manager_available() -> bool:
+    from jax._src.distributed import global_state
+
+    return global_state.client is not None and global_state.preemption_sync_manager is not None
+
+
+class Preemption:
+    """Whether, and at which step, this run was asked to stop (see the module docstring).
+
+    Create with :meth:`install` (from the main thread); :meth:`reached` is asked once
+    per step; :meth:`uninstall` restores the previous SIGTERM handler (``signal`` way).
+    """
+
+    def __init__(self, mode: str):
+        self.mode = mode  # "signal" or "jax"
+        self.notified = False  # signal: SIGTERM arrived; jax: the agreed step came
+        self._asked: int | None = None  # the step asked last, and its answer
+        self._answer = False
+        self._previous: Any = None
+        self._installed = False
+
+    @classmethod
+    def install(cls) -> Preemption:
+        """Chooses the way for this process and installs it. With several processes
+        every process calls it (each chooses the same way)."""
+        if _distributed.process_count() > 1:
+            if _sync_manager_available():
+                return cls("jax")
+            raise ValueError(
+                f"handle_sigterm=True with {_distributed.process_count()} processes needs "
+                "jax's preemption service, which is off (jax_enable_preemption_service="
+                "False before jax.distributed.initialize): leave that option at its "
+                "default (True), so that every host saves the same step on a notice to "
+                "any of them, or pass handle_sigterm=False and handle preemption yourself"
+            )
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("handle_sigterm=True must be set from the main thread")
+        self = cls("signal")
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._installed = True
+        return self
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.notified = True
+
+    def reached(self, step: int) -> bool:
+        """True when ``step`` is the step to save before stopping. ``jax`` way: asks
+        jax once per new step (every process, every step, in order)."""
+        if self.mode == "signal":
+            return self.notified
+        if step == self._asked:
+            return self._answer
+        from jax.experimental import multihost_utils
+
+        self._asked = step
+        self._answer = bool(multihost_utils.reached_preemption_sync_point(step))
+        if self._answer:
+            self.notified = True
+        return self._answer
+
+    def uninstall(self) -> None:
+        """Puts back the SIGTERM handler that was there before (``signal`` way).
+        Idempotent; a no-op off the main thread (the handler then stays)."""
+        if not self._installed:
+            return
+        try:
+            signal.signal(signal.SIGTERM, self._previous)
+        except ValueError:  # not on the main thread
+            return
+        self._installed = False

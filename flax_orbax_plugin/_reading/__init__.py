@@ -1,0 +1,1 @@
+"""Reading any checkpoint: restore with the foreign fallback, serving."""

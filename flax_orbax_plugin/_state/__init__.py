@@ -1,0 +1,1 @@
+"""Training-state adapters: TrainState/NNX split and merge, resume, iterators."""

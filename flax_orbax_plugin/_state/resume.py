@@ -1,0 +1,60 @@
+"""Resuming part of a training state: keep some items fresh, restore the rest.
+
+After a change of optimizer (Adam to SGD, a new schedule with other state) the
+saved ``opt_state`` no longer fits the new one. The way on is to restore every
+other item (params, step, batch statistics, RNG streams, the data position)
+and keep the fresh ``opt_state`` of the given state::
+
+    state = cb.on_train_start(state, reset=("opt_state",))
+
+or, with a manager, restore a subset and merge it::
+
+    names = items_to_restore(state, reset=("opt_state",))
+    state = merge_state(state, mngr.restore(like=state, items=names))
+
+:func:`item_mismatch` turns the core's structure error for one item into one
+that says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from flax_orbax_plugin._errors import StructureError
+from flax_orbax_plugin._state.train_state import split_state
+
+__all__ = ["items_to_restore", "item_mismatch"]
+
+
+def items_to_restore(state: Any, *, reset: Iterable[str]) -> list[str]:
+    """The item names of ``state`` less those in ``reset``, in ``state``'s order.
+
+    Raises ValueError when ``reset`` is a bare string or names an item that
+    ``state`` does not have (listing the ones it has).
+    """
+    if isinstance(reset, str):
+        raise ValueError(f"reset must be a tuple of item names, e.g. ({reset!r},), found {reset!r}")
+    reset = list(reset)
+    names = list(split_state(state))
+    unknown = [n for n in reset if n not in names]
+    if unknown:
+        raise ValueError(
+            f"reset names item {unknown[0]!r}, which the state does not have; its items: {names}"
+        )
+    return [n for n in names if n not in reset]
+
+
+def item_mismatch(error: StructureError, *, name: str, step: int, location: Any) -> StructureError:
+    """A StructureError for item ``name`` of a step that does not fit the given state.
+
+    Keeps the core's message (the leaf, what was expected, what was found) and says
+    how to start that item fresh instead.
+    """
+    detail = str(error).removesuffix("; pass partial=True to restore a subtree")
+    return StructureError(
+        f"item {name!r} of step {step} in {location} does not fit the given state: {detail}. "
+        f"If it changed on purpose (a new optimizer, say), keep the given state's {name} "
+        f"and restore the rest: CheckpointCallback.on_train_start(state, reset=({name!r},)), "
+        f"or CheckpointManager.restore(like=state, items=[...every item but {name!r}])"
+    )

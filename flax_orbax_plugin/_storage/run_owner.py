@@ -1,0 +1,430 @@
+"""A run owns its places: the local directory and the persistent path of a tiered
+manager each record the run that owns them, and one live run holds them at a time.
+
+The record is a small JSON file of ours at the top of each place, :data:`RUN_FILE`
+(``_RUN.json``)::
+
+    {"library": "flax_orbax_plugin", "kind": "run", "run": "<32 hex>", "host": "...",
+     "pid": 1234, "holder": "<16 hex>", "lease_expires": 1733050000.0}
+
+* ``run``: drawn at random when a place is first used, then kept: a restart (a new
+  process, a new host, an empty local disk) continues the run of its places.
+* ``holder``: drawn by each open; who holds the place now.
+* ``lease_expires`` (object stores only): wall-clock time (seconds since the epoch, as
+  ``time.time()``) until which the holder owns the place; ``0`` once it closed;
+  ``null`` on local paths, which are guarded by a lock instead.
+
+**One live run per place.** On a local (or shared) filesystem the persistent path is
+locked with :class:`~flax_orbax_plugin._storage.lock.DirectoryLock` (``.writer.lock``, an
+``flock`` the kernel drops when the process dies); the manager's own directory already
+holds one. Object stores cannot lock: an open reads the record and, when another
+holder's lease has not expired, raises :class:`DirectoryLockedError` naming the run,
+its host and pid and the expiry. An expired lease is taken over with a warning (its
+holder died or hung), and so is one whose holder ran on this host and whose process is
+gone (a restart after SIGKILL need not wait out the lease). Every write of the record
+is conditional on the generation read just before (``if_equal``: a compare-and-swap on
+S3 and GCS), so two opens racing for one place cannot both win, and a holder that
+lost its place (a takeover after it hung past its lease) finds out at its next renewal.
+
+**Lease length.** :data:`LEASE_SECONDS` = 60 s (``persistent_lease_seconds`` of the
+manager), renewed every third of it (20 s) by a daemon thread of the primary process.
+A killed run's persistent path can therefore be opened again at most 60 s after its
+death; a holder stalled for longer than its lease (a stopped process, a host whose
+clock jumped) loses the place, logs it, and its tier refuses to commit anything more
+(:meth:`RunOwner.raise_if_lost`). Hosts' clocks must agree to well within the lease
+(NTP does).
+
+**Agreement.** A manager's local directory and its persistent path belong to one run:
+a local directory without a record (a restart on a new disk) adopts the persistent
+path's run; a persistent path without one adopts the local directory's; when both
+have records naming different runs the open raises :class:`CheckpointError` saying
+so (two runs would otherwise mix their steps, or one restore the other's weights).
+Before a step is copied down, :meth:`RunOwner.check` reads the persistent record
+again: it must still name this run and holder.
+
+Several processes (jax.distributed): only the primary process creates a
+:class:`RunOwner` (takes the lock or lease, renews it, writes the records); the other
+processes of the same run never touch the records and are never refused.
+
+Threading: :meth:`open` and :meth:`close` from the thread that owns the tier (the
+training thread); :meth:`check` and :meth:`raise_if_lost` from any thread; renewal
+runs on its own daemon thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+from .._errors import CheckpointError, CorruptCheckpointError, DirectoryLockedError
+from .location import Location
+from .lock import DirectoryLock
+
+__all__ = ["LEASE_SECONDS", "RUN_FILE", "RunOwner", "RunRecord", "read_record"]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+RUN_FILE = "_RUN.json"
+LEASE_SECONDS = 60.0
+MAX_RECORD_BYTES = 4096
+_LIBRARY = "flax_orbax_plugin"
+_HEX = re.compile(r"^[0-9a-f]{8,64}$", re.ASCII)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """The owner record of one place (see the module docstring)."""
+
+    run: str
+    host: str
+    pid: int
+    holder: str
+    lease_expires: float | None = None
+
+    def to_bytes(self) -> bytes:
+        doc = {"library": _LIBRARY, "kind": "run", **dataclasses.asdict(self)}
+        return json.dumps(doc, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> RunRecord:
+        """Parses and checks a record; CorruptCheckpointError naming the field."""
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(
+                f"{where}: expected a run record of this library (JSON), found {e}"
+            ) from None
+        if not isinstance(doc, dict):
+            raise CorruptCheckpointError(f"{where}: expected a JSON object, found {_kind(doc)}")
+        for field, want in (("library", _LIBRARY), ("kind", "run")):
+            if doc.get(field) != want:
+                raise CorruptCheckpointError(
+                    f"{where}: field {field}: expected {want!r}, found {doc.get(field)!r}"
+                )
+        for field in ("run", "holder"):
+            value = doc.get(field)
+            if not isinstance(value, str) or not _HEX.match(value):
+                raise CorruptCheckpointError(
+                    f"{where}: field {field}: expected 8 to 64 lowercase hex digits, "
+                    f"found {_short(value)}"
+                )
+        host, pid, expires = doc.get("host"), doc.get("pid"), doc.get("lease_expires")
+        if not isinstance(host, str) or len(host) > 255:
+            raise CorruptCheckpointError(
+                f"{where}: field host: expected a host name, found {_short(host)}"
+            )
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < 1 << 32:
+            raise CorruptCheckpointError(
+                f"{where}: field pid: expected a process id, found {_short(pid)}"
+            )
+        if expires is not None and (
+            not isinstance(expires, (int, float))
+            or isinstance(expires, bool)
+            or not math.isfinite(expires)
+            or expires < 0
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: field lease_expires: expected null or a time in seconds, "
+                f"found {_short(expires)}"
+            )
+        return cls(
+            doc["run"], host, pid, doc["holder"], None if expires is None else float(expires)
+        )
+
+    def describe(self) -> str:
+        return f"run {self.run} (pid {self.pid} on {self.host})"
+
+
+def _kind(value: Any) -> str:
+    return type(value).__name__
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _when(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")
+
+
+def check_lease(lease_seconds: Any) -> float:
+    """``persistent_lease_seconds`` as a float; ValueError naming it otherwise."""
+    ok = isinstance(lease_seconds, (int, float)) and not isinstance(lease_seconds, bool)
+    if not (ok and 0 < lease_seconds < math.inf):
+        raise ValueError(
+            f"persistent_lease_seconds must be a positive number of seconds, found "
+            f"{lease_seconds!r}"
+        )
+    return float(lease_seconds)
+
+
+def _dead_here(rec: RunRecord) -> bool:
+    """True when the record's holder ran on this host and its process is gone (a
+    restart after SIGKILL need not wait for the lease to run out)."""
+    if rec.host != socket.gethostname() or rec.pid == os.getpid():
+        return False
+    try:
+        os.kill(rec.pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def read_record(loc: Location) -> RunRecord | None:
+    """The record of ``loc``, or None when it has none. Never follows a link (a link
+    or special file at its name is a ForeignEntryError); a malformed record is a
+    CorruptCheckpointError naming the file and field."""
+    raw = loc.read_bytes(RUN_FILE, max_bytes=MAX_RECORD_BYTES)
+    return None if raw is None else RunRecord.from_bytes(raw, f"{loc}/{RUN_FILE}")
+
+
+def _read_versioned(loc: Location) -> tuple[RunRecord | None, Any]:
+    """Object stores: the record and the storage generation it was read at."""
+    result = loc._kv().read(RUN_FILE).result()
+    if result.state != "value":
+        return None, result.stamp.generation
+    raw = bytes(result.value)
+    if len(raw) > MAX_RECORD_BYTES:
+        raise CorruptCheckpointError(
+            f"{loc}/{RUN_FILE}: expected a run record of at most {MAX_RECORD_BYTES} bytes, "
+            f"found {len(raw)}"
+        )
+    return RunRecord.from_bytes(raw, f"{loc}/{RUN_FILE}"), result.stamp.generation
+
+
+def _write_if(loc: Location, record: RunRecord, generation: Any) -> Any | None:
+    """Object stores: writes ``record`` only if the stored generation is still
+    ``generation``; returns the new generation, or None when someone wrote meanwhile."""
+    stamp = loc._kv().write(RUN_FILE, record.to_bytes(), if_equal=generation).result()
+    return stamp.generation or None
+
+
+class RunOwner:
+    """The run owning a tiered manager's two places; primary process only.
+
+    Args:
+      local: the manager's directory (already locked by the manager).
+      remote: the persistent path.
+      lease_seconds: the lease on object stores (see the module docstring).
+      clock: wall-clock time source (``time.time``).
+    """
+
+    def __init__(
+        self,
+        local: Location,
+        remote: Location,
+        *,
+        lease_seconds: float = LEASE_SECONDS,
+        clock=time.time,
+    ):
+        self.local = local
+        self.remote = remote
+        self.lease_seconds = check_lease(lease_seconds)
+        self._clock = clock
+        self.holder = secrets.token_hex(8)
+        self.run_id: str | None = None
+        self._lock: DirectoryLock | None = None  # the persistent path's, on filesystems
+        self._generation: Any = None  # object stores: of the record we last wrote
+        self._guard = threading.Lock()  # guards _generation and _lost
+        self._lost: DirectoryLockedError | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ open / close
+
+    def open(self) -> str:
+        """Takes the persistent path for this run (lock or lease), checks that both
+        places belong to one run, writes the records a place lacks; returns the run id.
+        Raises DirectoryLockedError (another live run holds the path) or CheckpointError
+        (the places belong to different runs); nothing is held after a raise."""
+        try:
+            return self._open()
+        except BaseException:
+            self._release()
+            raise
+
+    def _open(self) -> str:
+        local_rec = read_record(self.local)
+        if self.remote.is_local:
+            path = self.remote.path.rstrip("/")
+            if os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
+                raise CheckpointError(
+                    f"persistent path {path}: expected a directory, found "
+                    f"{'a symbolic link' if os.path.islink(path) else 'a file'} (left alone)"
+                )
+            self.remote.makedirs()
+            self._lock = DirectoryLock(self.remote.path.rstrip("/"))
+            self._lock.acquire()  # DirectoryLockedError: another live writer
+            remote_rec, generation = read_record(self.remote), None
+        else:
+            remote_rec, generation = _read_versioned(self.remote)
+            self._refuse_live_lease(remote_rec)
+        if local_rec is not None and remote_rec is not None and local_rec.run != remote_rec.run:
+            raise CheckpointError(
+                f"{self.local} belongs to run {local_rec.run} but the persistent path "
+                f"{self.remote} belongs to run {remote_rec.run} (their {RUN_FILE} records "
+                f"differ): they are two runs, and mixing them would replace or restore the "
+                f"other's steps. Give this run its own persistent path, or its own local "
+                f"directory (an empty one continues the persistent path's run)"
+            )
+        if local_rec is not None:
+            run = local_rec.run
+        elif remote_rec is not None:
+            run = remote_rec.run
+            logger.info(
+                "checkpoint: %s continues run %s of %s (it had no run record of its own)",
+                self.local,
+                run,
+                self.remote,
+            )
+        else:
+            run = secrets.token_hex(16)
+        self.run_id = run
+        mine = self._record(local=self.remote.is_local)
+        if self.remote.is_local:
+            if remote_rec is None or remote_rec != mine:
+                self.remote.write_bytes(RUN_FILE, mine.to_bytes())
+        else:
+            new = _write_if(self.remote, mine, generation)
+            if new is None:  # another open wrote the record between our read and write
+                theirs, _ = _read_versioned(self.remote)
+                raise DirectoryLockedError(
+                    f"{self.remote} was taken by "
+                    + (theirs.describe() if theirs else "another run")
+                    + " while this manager opened it; one run writes to a persistent path "
+                    "at a time"
+                )
+            self._generation = new
+            self._thread = threading.Thread(target=self._renew_loop, name="fop-lease", daemon=True)
+            self._thread.start()
+        if local_rec is None:
+            self.local.makedirs()
+            self.local.write_bytes(RUN_FILE, self._record(local=True).to_bytes())
+        return run
+
+    def _refuse_live_lease(self, rec: RunRecord | None) -> None:
+        if rec is None or rec.lease_expires is None or rec.lease_expires == 0:
+            return
+        now = self._clock()
+        if rec.lease_expires > now and not _dead_here(rec):
+            raise DirectoryLockedError(
+                f"{self.remote} is held by {rec.describe()}, whose lease expires at "
+                f"{_when(rec.lease_expires)} ({rec.lease_expires - now:.0f} s from now): one "
+                f"run writes to a persistent path at a time. Wait for it to close, or give "
+                f"this run its own persistent path"
+            )
+        logger.warning(
+            "checkpoint: taking over %s from %s, whose lease %s at %s (it died or hung "
+            "without closing)",
+            self.remote,
+            rec.describe(),
+            "expired" if rec.lease_expires <= now else "would expire (its process is gone)",
+            _when(rec.lease_expires),
+        )
+
+    def _record(self, *, local: bool, expires: float | None = None) -> RunRecord:
+        if not local and expires is None:
+            expires = self._clock() + self.lease_seconds
+        assert self.run_id is not None
+        return RunRecord(
+            self.run_id, socket.gethostname(), os.getpid(), self.holder, None if local else expires
+        )
+
+    def close(self) -> None:
+        """Stops renewing and releases the place (the lock; on object stores the
+        lease is marked released, ``lease_expires: 0``, keeping the run id). Idempotent."""
+        self._release()
+
+    def _release(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(30)
+        self._thread = None
+        with self._guard:
+            generation, self._generation = self._generation, None
+            lost = self._lost
+        if generation is not None and lost is None:
+            try:
+                _write_if(self.remote, self._record(local=False, expires=0.0), generation)
+            except Exception as e:  # noqa: BLE001  (the lease then expires by itself)
+                logger.warning("checkpoint: could not release the lease on %s: %s", self.remote, e)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    # ------------------------------------------------------------------ while open
+
+    def _renew_loop(self) -> None:
+        interval = self.lease_seconds / 3
+        while not self._stop.wait(interval):
+            try:
+                self.renew()
+            except DirectoryLockedError:
+                return
+            except Exception as e:  # noqa: BLE001  (a transient store error: next time)
+                logger.warning("checkpoint: could not renew the lease on %s: %s", self.remote, e)
+
+    def renew(self) -> None:
+        """Object stores: extends the lease by :attr:`lease_seconds` from now. Raises
+        (and remembers) DirectoryLockedError when another run took the place."""
+        with self._guard:
+            if self._lost is not None:
+                raise self._lost
+            generation = self._generation
+            if generation is None:
+                return
+            new = _write_if(self.remote, self._record(local=False), generation)
+            if new is not None:
+                self._generation = new
+                return
+        theirs = None
+        try:
+            theirs, _ = _read_versioned(self.remote)
+        except Exception:  # noqa: BLE001  (the error below says what is known)
+            pass
+        lost = DirectoryLockedError(
+            f"this run ({self.run_id}) lost {self.remote} to "
+            + (theirs.describe() if theirs else "another writer")
+            + f" (its lease of {self.lease_seconds:.0f} s ran out before it was renewed); "
+            "nothing more is written there"
+        )
+        logger.error("checkpoint: %s", lost)
+        with self._guard:
+            self._lost, self._generation = lost, None
+        raise lost
+
+    def raise_if_lost(self) -> None:
+        """Raises the DirectoryLockedError of a lost lease (no I/O)."""
+        with self._guard:
+            if self._lost is not None:
+                raise self._lost
+
+    def check(self, what: str) -> None:
+        """Reads the persistent record again before ``what``: it must name this run
+        (and, on object stores, this holder). CheckpointError otherwise."""
+        self.raise_if_lost()
+        rec = read_record(self.remote)
+        if rec is None or rec.run != self.run_id:
+            found = "no run record" if rec is None else f"a record of {rec.describe()}"
+            raise CheckpointError(
+                f"refusing {what}: {self.remote} should belong to this run ({self.run_id}) "
+                f"but holds {found} in {RUN_FILE}; another run wrote there"
+            )
+        if not self.remote.is_local and rec.holder != self.holder:
+            raise DirectoryLockedError(
+                f"refusing {what}: {self.remote} is now held by {rec.describe()}, not by this "
+                f"manager (its lease ran out)"
+            )

@@ -1,0 +1,165 @@
+"""Every process sees one directory: checked when a writer opens a local path.
+
+With several processes the primary commits what every process wrote into one
+directory, so that directory must be the same one on every host: a shared
+filesystem (NFS, Lustre, a FUSE-mounted bucket) or an object store. A local path on
+hosts without a shared disk is a directory per host: each process would write its own
+shards into a directory only its own host sees, and the primary would commit steps
+whose other shards are elsewhere. Refused at open instead (per-host directories are
+not supported yet).
+
+The check (:func:`check_visible`, collective, once per writer open, local paths and
+several processes only):
+
+1. the primary creates ``.fop-visible-<random>`` in the directory, exclusively
+   (``O_CREAT | O_EXCL | O_NOFOLLOW``, never through a link) and writes a random
+   nonce into it;
+2. the primary shares the name and nonce (one key-value round);
+3. every other process opens that name (a regular file only, never following a
+   link, non-blocking) and compares the nonce; it publishes what it found, with its
+   host name;
+4. the primary reads every report, then removes its file (by name, only while the
+   name is still the file it created), and shares the verdict;
+5. every process raises the same :class:`~flax_orbax_plugin._errors.CheckpointError`
+   naming the processes and hosts that do not see the file, or returns.
+
+Cost: two key-value rounds and one small file, once per open.
+Threading: the training thread, during ``CheckpointManager.__init__``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import stat
+
+from .._base import distributed as _distributed
+from .._errors import CheckpointError
+from .location import Location
+
+PREFIX = ".fop-visible-"
+_MAX = 256  # bytes read back: the nonce is 32
+
+
+def check_visible(loc: Location) -> None:
+    """Raises CheckpointError on every process when some process does not see what the
+    primary wrote in ``loc`` (see the module docstring). Every process calls it."""
+    if _distributed.process_count() == 1 or not loc.is_local:
+        return
+    directory = loc.path.rstrip("/")
+    op = _distributed.next_operation_id("visible")
+    created = None
+    if _distributed.is_primary():
+        name, nonce = f"{PREFIX}{secrets.token_hex(8)}", secrets.token_hex(16)
+        try:
+            created = _create(directory, name, nonce.encode())
+            shared = json.dumps({"name": name, "nonce": nonce, "host": socket.gethostname()})
+        except OSError as e:  # every process learns of it (none waits for a file)
+            shared = json.dumps({"error": f"{type(e).__name__}: {e}"})
+    else:
+        shared = None
+    try:
+        sent = json.loads(_distributed.broadcast_str(f"{op}/file", shared))
+        if "error" in sent:
+            raise CheckpointError(
+                f"{loc}: process 0 could not create the file that shows every process "
+                f"sees this directory: {sent['error']}"
+            )
+        if not _distributed.is_primary():
+            seen = _read(directory, sent["name"], sent["nonce"].encode())
+            report = json.dumps({"host": socket.gethostname(), "seen": seen})
+            _distributed.publish(f"{op}/report", report)
+            verdict = _distributed.broadcast_str(f"{op}/verdict", None)
+        else:
+            reports = [None] + [
+                json.loads(_distributed.get_from(f"{op}/report", p))
+                for p in range(1, _distributed.process_count())
+            ]
+            verdict = _verdict(loc, sent["host"], reports)
+            _distributed.broadcast_str(f"{op}/verdict", verdict)
+    finally:
+        if created is not None:
+            _remove(directory, *created)
+    _distributed.forget(f"{op}/report")
+    if verdict:
+        raise CheckpointError(verdict)
+
+
+def _create(directory: str, name: str, data: bytes) -> tuple[str, tuple[int, int]]:
+    """Creates ``directory/name`` exclusively; returns its name and (device, inode)."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fd = os.open(
+            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd
+        )
+        try:
+            os.write(fd, data)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dir_fd)
+    return name, (st.st_dev, st.st_ino)
+
+
+def _read(directory: str, name: str, nonce: bytes) -> str:
+    """``"yes"`` when ``directory/name`` is a regular file holding ``nonce``, else what
+    was found instead."""
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return "the directory does not exist there"
+    except OSError as e:
+        return f"the directory cannot be opened there ({e.strerror})"
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return "the file is missing there"
+    except OSError as e:
+        return f"the file cannot be opened there ({e.strerror})"
+    finally:
+        os.close(dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "another kind of file is there under its name"
+        raw = os.read(fd, _MAX)
+    finally:
+        os.close(fd)
+    return "yes" if raw == nonce else "another file is there under its name"
+
+
+def _remove(directory: str, name: str, identity: tuple[int, int]) -> None:
+    """Unlinks ``directory/name`` only while it is still the file :func:`_create` made
+    (same device and inode, a regular file, no link followed). Errors are left alone:
+    a file of a few bytes left behind costs nothing and is never read as a step."""
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == identity:
+            os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def _verdict(loc: Location, primary_host: str, reports: list) -> str:
+    """``""`` when every process saw the file, else the error every process raises."""
+    blind = [(p, r) for p, r in enumerate(reports) if r is not None and r["seen"] != "yes"]
+    if not blind:
+        return ""
+    who = "; ".join(f"process {p} on host {r['host']!r}: {r['seen']}" for p, r in blind)
+    return (
+        f"{loc}: not every process sees the same directory: process 0 (host "
+        f"{primary_host!r}) wrote a file there that {len(blind)} of "
+        f"{len(reports) - 1} other process(es) cannot read ({who}). Each host has its "
+        f"own directory under this path; the primary would commit steps whose other "
+        f"shards are on other hosts. Use a filesystem every host mounts (NFS, Lustre, "
+        f"a FUSE-mounted bucket) or an object store (s3://..., gs://...); per-host "
+        f"local directories are not supported yet"
+    )

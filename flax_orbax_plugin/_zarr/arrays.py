@@ -1,0 +1,180 @@
+"""zarr3 arrays through tensorstore: the on-disk form of array data.
+
+Every chunk carries a crc32c checksum (zarr3 ``crc32c`` codec) that tensorstore
+verifies on read; missing chunks are an error, not zeros. Chunks divide the
+shard shape, so no two writers ever touch one chunk.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from .._storage.location import Location, context
+
+CHUNK_TARGET_BYTES = 4 << 20  # large leaves: chunks of at most ~4 MiB (restore peak memory)
+BATCH_CHUNK_BYTES = 16 << 20  # batches of small leaves: one file per ~16 MiB ...
+BATCH_INNER_CHUNK_BYTES = 64 << 10  # ... holding checksummed 64 KiB inner chunks
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return small + [n // d for d in small]
+
+
+def chunk_shape(
+    shard_shape: tuple[int, ...],
+    itemsize: int,
+    *,
+    must_divide: bool,
+    target: int | None = None,
+) -> list[int]:
+    """A chunk of at most ~``target`` bytes, splitting leading axes first (so a chunk is
+    a contiguous slab where possible).
+
+    With ``must_divide`` (the array is split over several writers) the chunk divides
+    ``shard_shape`` so every chunk lies inside one shard; a shard axis without a
+    usable divisor is kept whole rather than cut into tiny chunks.
+    """
+    target = target or CHUNK_TARGET_BYTES
+    chunk = [max(1, s) for s in shard_shape]
+    for axis in range(len(chunk)):
+        rest = itemsize * int(np.prod(chunk[axis + 1 :], dtype=np.int64))
+        if rest * chunk[axis] <= target:
+            break
+        if must_divide:
+            best = max((d for d in _divisors(chunk[axis]) if rest * d <= target), default=1)
+            if rest * best * 16 < target and best < chunk[axis]:
+                break  # only tiny divisors: keep this axis whole
+            chunk[axis] = best
+        else:
+            chunk[axis] = max(1, target // rest)
+        if rest * chunk[axis] <= target:
+            break
+    return [int(c) for c in chunk]
+
+
+def spec(
+    location: Location,
+    sub: str,
+    shape,
+    dtype_name: str,
+    chunk: list[int],
+    itemsize: int,
+    *,
+    inner_chunk: list[int] | None = None,
+    codec: str | None = None,
+) -> dict[str, Any]:
+    """zarr3 spec; with ``inner_chunk`` each chunk is one file of checksummed inner chunks
+    (zarr3 sharding codec), so damage is located to ``inner_chunk`` granularity.
+    ``codec`` ``"zstd:<level>"`` compresses each (inner) chunk before its checksum."""
+    bytes_codec: dict[str, Any] = {"name": "bytes"}
+    if itemsize > 1:
+        bytes_codec["configuration"] = {"endian": "little"}
+    codecs: list[dict[str, Any]] = [bytes_codec]
+    if codec is not None:
+        name, _, level = codec.partition(":")
+        codecs.append({"name": name, "configuration": {"level": int(level)}})
+    codecs.append({"name": "crc32c"})
+    if inner_chunk is not None:
+        codecs = [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": inner_chunk,
+                    "codecs": codecs,
+                    "index_codecs": [
+                        {"name": "bytes", "configuration": {"endian": "little"}},
+                        {"name": "crc32c"},
+                    ],
+                    "index_location": "end",
+                },
+            }
+        ]
+    return {
+        "driver": "zarr3",
+        "kvstore": location.kvstore(sub),
+        "metadata": {
+            "shape": [int(s) for s in shape],
+            "data_type": dtype_name,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+            "chunk_key_encoding": {"name": "default"},
+            "codecs": codecs,
+        },
+    }
+
+
+def _context_for(array_spec: dict[str, Any]) -> ts.Context:
+    return context(local=array_spec["kvstore"]["driver"] == "file")
+
+
+def create(array_spec: dict[str, Any]) -> ts.Future:
+    """Writes the array's zarr.json (primary process only)."""
+    return ts.open(array_spec, create=True, open=True, context=_context_for(array_spec))
+
+
+def open_for_write(array_spec: dict[str, Any]) -> ts.TensorStore:
+    """Opens without touching stored metadata; every written chunk is stored."""
+    array_spec = dict(array_spec, store_data_equal_to_fill_value=True)
+    return ts.open(array_spec, assume_metadata=True, context=_context_for(array_spec)).result()
+
+
+def open_for_read(array_spec: dict[str, Any]) -> ts.Future:
+    """Starts opening, checking the stored ``zarr.json`` agrees with ``array_spec``
+    (shape, dtype, chunks, codecs: the future raises ValueError otherwise); a missing
+    chunk raises instead of reading zeros. A future, so that a restore reads every
+    ``zarr.json`` at once rather than one after another."""
+    array_spec = dict(array_spec, fill_missing_data_reads=False)
+    return ts.open(array_spec, open=True, context=_context_for(array_spec))
+
+
+# -- tensorstore's errors: damage or environment -------------------------------------
+
+# Statuses that prove the stored bytes are wrong or absent: a checksum (DATA_LOSS), a
+# size or a zarr.json that disagrees (FAILED_PRECONDITION), bytes that do not decode
+# (INVALID_ARGUMENT, OUT_OF_RANGE), a chunk that is not there (NOT_FOUND).
+_DAMAGE = frozenset(
+    {"DATA_LOSS", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "OUT_OF_RANGE", "NOT_FOUND"}
+)
+_STATUS = re.compile(r"^([A-Z_]+): ")
+_OS_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]")
+_DAMAGE_ERRNOS = frozenset({errno.ENOENT, errno.ELOOP, errno.ENOTDIR})
+_STATUS_ERRNO = {
+    "DEADLINE_EXCEEDED": errno.ETIMEDOUT,  # TimeoutError
+    "PERMISSION_DENIED": errno.EACCES,  # PermissionError
+    "UNAUTHENTICATED": errno.EACCES,
+    "UNAVAILABLE": errno.ECONNREFUSED,  # ConnectionRefusedError
+    "RESOURCE_EXHAUSTED": errno.ENOMEM,
+}
+
+
+def environmental(error: BaseException) -> OSError | None:
+    """The :class:`OSError` that ``error`` (raised by tensorstore) stands for when it is
+    the environment's fault (a file-descriptor or memory limit, a permission, a timeout,
+    a refused or reset connection, any status that proves nothing about the bytes);
+    None when it proves damage (see ``_DAMAGE``) or is not a tensorstore status.
+
+    The errno is the one tensorstore reports (``[os_error_code=24]``: EMFILE), else one
+    standing for the status (DEADLINE_EXCEEDED: ETIMEDOUT, UNAVAILABLE: ECONNREFUSED,
+    PERMISSION_DENIED: EACCES, RESOURCE_EXHAUSTED: ENOMEM, others: EIO)."""
+    if isinstance(error, OSError):
+        return error
+    if not isinstance(error, ValueError):
+        return None
+    text = str(error)
+    status = _STATUS.match(text)
+    if status is None:
+        return None  # not tensorstore's (our own checks raise plain ValueError)
+    code = _OS_CODE.search(text)
+    os_errno = int(code.group(1)) if code else None
+    if os_errno is not None:
+        if os_errno in _DAMAGE_ERRNOS:
+            return None
+    elif status.group(1) in _DAMAGE:
+        return None
+    shown = text.split(" [tensorstore_spec=", 1)[0]
+    return OSError(os_errno or _STATUS_ERRNO.get(status.group(1), errno.EIO), shown)
