@@ -719,7 +719,7 @@ KILLED_CHILD = """
 import sys
 import numpy as np
 import flax_orbax_plugin as fop
-from flax_orbax_plugin import _arrays
+from flax_orbax_plugin._zarr import arrays as _arrays
 _arrays.CHUNK_TARGET_BYTES = 1 << 20
 sys.path.insert(0, sys.argv[2])
 from test_incremental import _state
@@ -890,7 +890,7 @@ def test_a_copy_that_differs_from_its_source_is_deleted_and_the_leaf_written(
 
     with fop.CheckpointManager(url, incremental=True) as mngr:
         _save(mngr, 1, _state())
-        copier, _ = real(fop._storage.Location.from_path(url))
+        copier, _ = real(fop._storage.location.Location.from_path(url))
         tampered = Tampered(copier)
         monkeypatch.setattr(_server_copy, "copier_for", lambda loc: (tampered, ""))
         with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CheckpointError, ForeignEntryError
+from flax_orbax_plugin._format import foreign as _foreign
+from flax_orbax_plugin._interop import importing as _importing
 from flax_orbax_plugin._interop import msgpack_reader as _msgpack_import
 from flax_orbax_plugin._interop import orbax_reader as _orbax_import
 from flax_orbax_plugin._interop import safetensors as _safetensors
@@ -128,12 +130,12 @@ def test_fifo_msgpack(tmp_path):
         _msgpack_import.read_msgpack(fifo)
     with pytest.raises(ForeignEntryError, match="a FIFO"):
         import_checkpoint(fifo, tmp_path / "out")
-    assert not _msgpack_import.is_msgpack_checkpoint(fifo)
+    assert not _foreign.is_msgpack_checkpoint(fifo)
     # in a flax.training.checkpoints directory the FIFO is not a checkpoint: skipped
     (tmp_path / "ckpts").mkdir()
     _fifo(tmp_path / "ckpts" / "checkpoint_7")
     (tmp_path / "ckpts" / "checkpoint_8").write_bytes(serialization.to_bytes(_params(8)))
-    assert _msgpack_import.import_msgpack(tmp_path / "ckpts", tmp_path / "out2") == [8]
+    assert _importing.import_msgpack(tmp_path / "ckpts", tmp_path / "out2") == [8]
 
 
 @FAST
@@ -151,7 +153,7 @@ def test_fifo_orbax_manifest_and_metadata(run, tmp_path, victim):
     with pytest.raises(ForeignEntryError, match=os.path.basename(victim) + ".*a FIFO"):
         _orbax_import.restore_orbax(run / "2")
     with pytest.raises(CheckpointError, match="a FIFO"):
-        _orbax_import.import_orbax(run, tmp_path / "out")
+        _importing.import_orbax(run, tmp_path / "out")
 
 
 @FAST
@@ -162,7 +164,7 @@ def test_fifo_orbax_data_file(run, tmp_path):
     with pytest.raises(ForeignEntryError, match=victim + ".*a FIFO"):
         _orbax_import.restore_orbax(run, step=2)
     with pytest.raises(ForeignEntryError, match=victim + ".*a FIFO"):
-        _orbax_import.import_orbax(run, tmp_path / "out", step=2)
+        _importing.import_orbax(run, tmp_path / "out", step=2)
 
 
 # -- symlinks: the Orbax reader follows none below the named path ------------------------
@@ -177,7 +179,7 @@ def test_orbax_symlinked_step_directory_is_refused(run, orbax_run, tmp_path):
     for call in (
         lambda: _orbax_import.orbax_steps(run),
         lambda: _orbax_import.restore_orbax(run),
-        lambda: _orbax_import.import_orbax(run, tmp_path / "out"),
+        lambda: _importing.import_orbax(run, tmp_path / "out"),
     ):
         with pytest.raises(ForeignEntryError, match=r"run/3.*symbolic link"):
             call()
@@ -194,7 +196,7 @@ def test_orbax_symlinked_item_directory_is_refused(run, orbax_run, tmp_path):
     with pytest.raises(ForeignEntryError, match=r"2/state.*symbolic link"):
         _orbax_import.restore_orbax(run / "2")
     with pytest.raises(ForeignEntryError, match=r"2/state.*symbolic link"):
-        _orbax_import.import_orbax(run, tmp_path / "out", step=2)
+        _importing.import_orbax(run, tmp_path / "out", step=2)
 
 
 @FAST
@@ -475,7 +477,7 @@ def test_malformed_msgpack(tmp_path, case):
     with pytest.raises(CheckpointError, match="checkpoint_3"):
         _msgpack_import.read_msgpack(path)
     with pytest.raises(CheckpointError, match="checkpoint_3"):
-        _msgpack_import.import_msgpack(path, tmp_path / "out")
+        _importing.import_msgpack(path, tmp_path / "out")
 
 
 def _rewrite_json(path, edit):
@@ -576,7 +578,7 @@ def test_malformed_orbax_metadata(run, tmp_path, case):
     with pytest.raises(CheckpointError, match=os.path.basename(name)):
         _orbax_import.restore_orbax(run / "2")
     with pytest.raises(CheckpointError, match=os.path.basename(name)):
-        _orbax_import.import_orbax(run, tmp_path / "out", step=2)
+        _importing.import_orbax(run, tmp_path / "out", step=2)
 
 
 @pytest.mark.timeout(60)
@@ -692,9 +694,9 @@ def test_random_orbax_metadata_gives_only_checkpoint_errors(
 def test_in_place_orbax_import_leaves_every_orbax_file_alone(run):
     before = _tree_digest(run)
     with pytest.raises(ForeignEntryError, match=r"run/1.*another output directory"):
-        _orbax_import.import_orbax(run, run)
+        _importing.import_orbax(run, run)
     with pytest.raises(ForeignEntryError, match=r"run/2"):
-        _orbax_import.import_orbax(run, run, step=2, force=True)
+        _importing.import_orbax(run, run, step=2, force=True)
     assert cli.main(["import", str(run), str(run), "--force"]) == cli.EXIT_ERROR
     assert _tree_digest(run) == before
 
@@ -708,7 +710,7 @@ def test_import_refuses_a_user_folder_named_like_the_step(tmp_path):
     (ckpts / "5" / "notes.txt").write_text("mine")
     before = _tree_digest(ckpts)
     with pytest.raises(ForeignEntryError, match=r"flax/5"):
-        _msgpack_import.import_msgpack(ckpts, ckpts, force=True)
+        _importing.import_msgpack(ckpts, ckpts, force=True)
     assert _tree_digest(ckpts) == before
     # into a fresh directory it works
-    assert _msgpack_import.import_msgpack(ckpts, tmp_path / "out") == [5]
+    assert _importing.import_msgpack(ckpts, tmp_path / "out") == [5]

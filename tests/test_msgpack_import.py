@@ -17,6 +17,8 @@ from flax.training import checkpoints, train_state
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CorruptCheckpointError, StructureError
+from flax_orbax_plugin._format import foreign as _foreign
+from flax_orbax_plugin._interop import importing as _importing
 from flax_orbax_plugin._interop import msgpack_reader as _msgpack_import
 
 
@@ -53,7 +55,7 @@ def test_to_bytes_file_read_bit_exact_without_flax(tmp_path):
     state = _state(3)
     path = tmp_path / "state.msgpack"
     path.write_bytes(serialization.to_bytes(state))
-    assert _msgpack_import.is_msgpack_checkpoint(path)
+    assert _foreign.is_msgpack_checkpoint(path)
     tree = _msgpack_import.read_msgpack(path)
     assert sorted(tree) == ["opt_state", "params", "step"]
     _assert_bit_exact(tree["params"], state.params)
@@ -99,15 +101,15 @@ def test_flax_training_checkpoints_directory(tmp_path):
         flax.config.update("flax_use_orbax_checkpointing", True)
     assert sorted(os.listdir(ckpt_dir)) == ["checkpoint_100", "checkpoint_200"]
     out = tmp_path / "ours"
-    assert _msgpack_import.import_msgpack(ckpt_dir, out) == [100, 200]
+    assert _importing.import_msgpack(ckpt_dir, out) == [100, 200]
     for step in (100, 200):
         _assert_bit_exact(fop.restore_params(out, step=step), states[step].params)
     # only one step, into another directory; an existing step needs force
     other = tmp_path / "one"
-    assert _msgpack_import.import_msgpack(ckpt_dir, other, step=200) == [200]
+    assert _importing.import_msgpack(ckpt_dir, other, step=200) == [200]
     with pytest.raises(FileExistsError, match="step 200 exists"):
-        _msgpack_import.import_msgpack(ckpt_dir, other, step=200)
-    assert _msgpack_import.import_msgpack(ckpt_dir, other, step=200, force=True) == [200]
+        _importing.import_msgpack(ckpt_dir, other, step=200)
+    assert _importing.import_msgpack(ckpt_dir, other, step=200, force=True) == [200]
 
 
 def test_a_plain_params_tree_becomes_params_and_chunked_arrays_join(tmp_path, monkeypatch):
@@ -120,7 +122,7 @@ def test_a_plain_params_tree_becomes_params_and_chunked_arrays_join(tmp_path, mo
     raw = msgpack.unpackb(path.read_bytes(), strict_map_key=False, ext_hook=lambda c, d: None)
     assert raw["w"]["__msgpack_chunked_array__"] is True
     out = tmp_path / "ckpts"
-    assert _msgpack_import.import_msgpack(path, out) == [0]
+    assert _importing.import_msgpack(path, out) == [0]
     got = fop.restore_params(out)
     np.testing.assert_array_equal(got["w"], tree["w"])
     assert got["b"] == np.float32(2.5)

@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CorruptCheckpointError, StructureError
+from flax_orbax_plugin._format import foreign as _foreign
+from flax_orbax_plugin._interop import importing as _importing
 from flax_orbax_plugin._interop import orbax_reader as _orbax_import
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,16 +98,16 @@ def manager_dir(tmp_path_factory, devices):
 
 
 def test_recognizes_orbax_and_not_ours(standard_dir, manager_dir, tmp_path):
-    assert _orbax_import.is_orbax_checkpoint(standard_dir[0])
-    assert _orbax_import.is_orbax_checkpoint(manager_dir[0])
-    assert _orbax_import.is_orbax_checkpoint(manager_dir[0] / "20")
+    assert _foreign.is_orbax_checkpoint(standard_dir[0])
+    assert _foreign.is_orbax_checkpoint(manager_dir[0])
+    assert _foreign.is_orbax_checkpoint(manager_dir[0] / "20")
     assert _orbax_import.orbax_steps(manager_dir[0]) == [10, 20, 30]
     fop.save(tmp_path / "ours", {"a": np.ones(3)})
     with fop.CheckpointManager(tmp_path / "mine") as mngr:
         mngr.save(1, {"params": {"a": np.ones(2)}})
-    assert not _orbax_import.is_orbax_checkpoint(tmp_path / "ours")
-    assert not _orbax_import.is_orbax_checkpoint(tmp_path / "mine")
-    assert not _orbax_import.is_orbax_checkpoint(tmp_path / "missing")
+    assert not _foreign.is_orbax_checkpoint(tmp_path / "ours")
+    assert not _foreign.is_orbax_checkpoint(tmp_path / "mine")
+    assert not _foreign.is_orbax_checkpoint(tmp_path / "missing")
 
 
 def test_standard_save_restored_bit_exact(standard_dir):
@@ -276,7 +278,7 @@ def test_cli_import_every_step_then_one(manager_dir, tmp_path, capsys):
 def test_import_lone_item_as_given_step(standard_dir, tmp_path):
     path, state = standard_dir
     out = tmp_path / "one"
-    assert _orbax_import.import_orbax(path, out, step=5) == [5]
+    assert _importing.import_orbax(path, out, step=5) == [5]
     _assert_bit_exact(fop.restore_params(out), state["params"])
     assert fop.restore(out / "5" / "opt_state") is not None
 

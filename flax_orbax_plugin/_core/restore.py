@@ -23,10 +23,8 @@ from __future__ import annotations
 import collections
 import contextvars
 import dataclasses
-import fnmatch
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -38,15 +36,13 @@ from .._base import host as _host
 from .._base import tree as _tree
 from .._errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     CorruptCheckpointError,
-    NotCommittedError,
     StepDeletedError,
     StructureError,
 )
 from .._format import layout as _layout
 from .._format import metadata as _metadata
-from .._format import steps as _steps
+from .._format.documents import read_document
 from .._format.layout import (
     COMMIT_FILE,
     METADATA_FILE,
@@ -54,7 +50,6 @@ from .._format.layout import (
     BatchRecord,
     BatchStorage,
     CheckpointDocument,
-    CommitMarker,
     LeafRecord,
 )
 from .._like import casting as _casting
@@ -68,61 +63,6 @@ from . import save as _save
 # after another (each with tensorstore's chunk-level parallelism) is as fast as
 # reading them all at once on few cores, and keeps peak memory near the result's.
 DEFAULT_MEMORY_LIMIT_BYTES = 64 << 20
-
-
-def read_document(location: Location) -> CheckpointDocument:
-    """The validated metadata of a committed checkpoint (a standalone one, or an item of
-    a committed manager step), checked against the checksum recorded at its commit."""
-    where = f"{location}/{METADATA_FILE}"
-    raw_marker = location.read_bytes(COMMIT_FILE)
-    if raw_marker is not None:
-        expected = CommitMarker.from_bytes(raw_marker, f"{location}/{COMMIT_FILE}").files[
-            METADATA_FILE
-        ]
-    else:
-        manifest = _steps.manifest_for_item(location)
-        if manifest is None:
-            raise _not_a_checkpoint(location)
-        expected = manifest.file_checksum(location.name, METADATA_FILE)
-        if expected is None:
-            raise CorruptCheckpointError(
-                f"{where}: the step manifest records no checksum for it (the item is not a "
-                f"pytree, or the file list was damaged)"
-            )
-    raw = location.read_bytes(METADATA_FILE)
-    if raw is None:
-        raise CorruptCheckpointError(f"{location} is committed but {METADATA_FILE} is missing")
-    return CheckpointDocument.from_json(_layout.decode_checked(raw, where, expected), where)
-
-
-def _not_a_checkpoint(location: Location) -> CheckpointError:
-    if location.exists(_layout.MANIFEST_FILE):
-        return CheckpointError(
-            f"{location} is a step of a checkpoint directory, not one pytree: restore one of "
-            f"its items ({location}/params) or use CheckpointManager / restore_params"
-        )
-    if location.is_dir() or _has_partial_sibling(location):
-        return NotCommittedError(
-            f"{location} is not a committed checkpoint: its save was interrupted or is "
-            f"still running"
-        )
-    hint = _steps.foreign_format_hint(location)
-    if hint:
-        return CheckpointNotFoundError(f"no checkpoint of this library at {location}{hint}")
-    if location.is_local and os.path.lexists(location.path.rstrip("/")):
-        return CheckpointNotFoundError(f"{location} is a file, not a checkpoint directory")
-    return CheckpointNotFoundError(f"no checkpoint at {location}: the path does not exist")
-
-
-def _has_partial_sibling(location: Location) -> bool:
-    if not location.is_local:
-        return False
-    parent = os.path.dirname(location.path.rstrip("/"))
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return False
-    return bool(fnmatch.filter(names, f"{location.name}.partial-*"))
 
 
 def metadata(path: Any) -> _metadata.CheckpointMetadata:
@@ -689,28 +629,12 @@ def restore(
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
 ) -> Any:
-    """Restores the checkpoint at ``path`` in the form of ``like`` (see module doc).
+    """Restores this library's own checkpoint at ``path`` in the form of ``like``.
 
-    ``share_replicated_reads``: with several processes, a leaf that ``like`` replicates
-    over all of them is read once in all (each process reads ``1/P`` of its rows) and
-    the parts are all-gathered over jax's collectives, instead of every process reading
-    all of it (measured here: 3x faster with 2 processes, 9-10x with 4, on local disk
-    and S3; docs/scaling.md). ``None`` (default): on whenever there are several
-    processes; False reads everything on every process. Collective: every process must
-    pass the same value.
-
-    ``cast``: ``"safe"`` (default) casts a leaf to the dtype of ``like`` only when no
-    value changes beyond float rounding (float32 to bfloat16 rounds; 1e5 to float16,
-    300 to int8, 16777217 to float32, float to int or bool raise StructureError);
-    ``"unsafe"`` casts as numpy does.
-
-    Raises:
-      CheckpointNotFoundError: nothing at ``path``.
-      NotCommittedError: a save to ``path`` never committed.
-      StructureError: ``like`` does not fit (missing or unexpected key, shape, dtype).
-      CorruptCheckpointError: a checksum failed or data is missing; names the leaf.
-        ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
-      StepDeletedError: the checkpoint was deleted (by retention) while being read.
+    The native reader behind :func:`flax_orbax_plugin.restore` (``_reading.restore``),
+    which documents the arguments and errors and adds the fallback to foreign formats;
+    internal callers that read only native checkpoints (items of a step, serving,
+    export) call this one. Threading as in the module doc.
     """
     location = Location.from_path(path)
     _save.wait_for_pending_save(location)
@@ -720,16 +644,8 @@ def restore(
     try:
         with _tree.paused_gc(), _casting.policy(cast):
             return _restore(location, like, partial, limit)
-    except (CheckpointNotFoundError, NotCommittedError):
-        # Not one of ours: an Orbax directory is read through tensorstore (issue 16);
-        # looked for only here, so restoring our own checkpoints costs no extra listing.
-        from .._interop import orbax_reader as _orbax_import
-
-        if not _orbax_import.is_orbax_checkpoint(location):
-            raise
     finally:
         _SHARE_READS.reset(token)
-    return _orbax_import.restore_orbax(location, like, partial=partial)
 
 
 def _restore(location: Location, like: Any, partial: bool, limit: int) -> Any:

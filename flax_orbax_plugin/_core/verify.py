@@ -29,6 +29,7 @@ from typing import Any
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import layout as _layout
 from .._format import steps as _steps
+from .._format.documents import read_document
 from .._format.layout import (
     COMMIT_FILE,
     JSON_VALUE_FILE,
@@ -147,7 +148,7 @@ def check_pytree(location: Location, *, budget: int = VERIFY_BUDGET_BYTES) -> No
     CorruptCheckpointError restore would (naming the leaf), OSError for the
     environment's errors. Returns nothing: no value is kept."""
     _save.wait_for_pending_save(location)
-    doc = _restore.read_document(location)
+    doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
     targets = [_restore._make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
     _restore.check_claims(location, doc, targets)

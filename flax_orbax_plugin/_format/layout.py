@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 import ml_dtypes
 import numpy as np
 
+from .._base.tree import path_string
 from .._errors import CorruptCheckpointError, StructureError
 
 FORMAT_NAME = "flax_orbax_plugin"
@@ -609,8 +610,6 @@ class CheckpointDocument:
 
 
 def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord], where: str):
-    from .._base.tree import path_string
-
     seen: set[str] = set()
     limit = 2 * len(leaves)
     tree = _TreeShape()

@@ -23,8 +23,9 @@ import dataclasses
 import operator
 import re
 
-from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._storage.location import Location
+from .foreign import foreign_format_hint
 from .layout import MANIFEST_FILE, StepManifest, decode_checked
 
 # Canonical step names only: ``0`` or digits without a leading zero (``007`` is foreign).
@@ -141,25 +142,3 @@ def read_item_json(item_loc: Location, name: str) -> object:
     if raw is None:
         raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
     return decode_checked(raw, where, expected)
-
-
-def foreign_format_hint(loc: Location) -> str:
-    """``"; <what it is and what to do>"`` when ``loc`` holds another library's checkpoint
-    (Orbax, Flax msgpack), else ``""``. For error messages."""
-    from .._interop.msgpack_reader import is_msgpack_checkpoint
-    from .._interop.orbax_reader import is_orbax_checkpoint
-
-    try:
-        if loc.is_local and is_msgpack_checkpoint(loc.path.rstrip("/")):
-            return (
-                f"; {loc} is a Flax msgpack checkpoint: read it with fop.restore_msgpack, or "
-                f"convert it with `flax-orbax import`"
-            )
-        if is_orbax_checkpoint(loc):
-            return (
-                f"; {loc} is an Orbax checkpoint: fop.restore and fop.restore_params read it "
-                f"directly, `flax-orbax import` converts it into steps of this library"
-            )
-    except CheckpointError:
-        pass
-    return ""

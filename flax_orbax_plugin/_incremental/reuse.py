@@ -114,7 +114,9 @@ import xxhash
 
 from .._base import distributed as _distributed
 from .._errors import CheckpointError
-from .._format.layout import ArrayStorage, CheckpointDocument, LeafRecord
+from .._format import steps as _steps
+from .._format.documents import read_document
+from .._format.layout import ArrayStorage, CheckpointDocument, LeafRecord, dtype_from_name
 from .._storage import server_copy as _server_copy
 from .._storage.location import Location, _open_dirs
 from .._zarr import chunk_files as _chunk_files
@@ -268,9 +270,6 @@ def release(reuses: Iterable[Reuse]) -> None:
 def previous_document(reuse: Reuse) -> tuple[Location, CheckpointDocument] | None:
     """The previous step's item location and checked metadata; None (logged) when there
     is none, it is not a pytree, or it does not read cleanly."""
-    from .._core import restore as _restore
-    from .._format import steps as _steps
-
     if reuse.previous_step is None:
         return None
     try:
@@ -279,7 +278,7 @@ def previous_document(reuse: Reuse) -> tuple[Location, CheckpointDocument] | Non
         if entry is None or entry.kind != "pytree":
             return None
         location = reuse.previous_step.child(entry.dir)
-        doc = _restore.read_document(location)
+        doc = read_document(location)
     except (CheckpointError, OSError) as e:
         logger.warning("incremental save: not reusing %s: %s", reuse.previous_step, e)
         return None
@@ -341,8 +340,6 @@ def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, 
 def chunk_file_bytes(record: LeafRecord) -> int | None:
     """Size of each stored chunk file (a full chunk, edge chunks padded, plus crc32c);
     None for a dtype stored in less than one byte per element (not reused)."""
-    from .._format.layout import dtype_from_name
-
     itemsize = dtype_from_name(record.dtype).itemsize
     if record.dtype in ("int4", "uint4") or itemsize < 1:
         return None

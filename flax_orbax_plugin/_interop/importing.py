@@ -6,22 +6,16 @@ foreign step into ``{item name: tree or JSON value}``, maps it with
 writes each through the public ``CheckpointManager.save`` (so the on-disk layout
 is exactly what a training job writes).
 
-It also holds the one opener of untrusted local files that every importer
-(Orbax, msgpack, safetensors) uses: :func:`open_regular` opens with
-``O_NONBLOCK`` (a FIFO never blocks), optionally ``O_NOFOLLOW``, and refuses
-anything that is not a regular file with a :class:`ForeignEntryError` naming the
-path and what was found; :func:`read_capped` reads such a file whole, at most a
-cap of bytes, checked against ``fstat`` before anything is allocated.
+The public importers :func:`import_orbax`, :func:`import_msgpack` and
+:func:`import_checkpoint` (``flax-orbax import``) live here: this is the one module
+of the foreign-format wing that calls the manager; the readers only read.
 
 Thread-safety: every function here is safe to call from any thread.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import os
-import stat
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -29,119 +23,24 @@ import numpy as np
 
 from .._errors import (
     CheckpointNotFoundError,
-    CorruptCheckpointError,
     ForeignEntryError,
     StructureError,
 )
+from .._format.foreign import is_orbax_checkpoint
+from .._format.steps import list_directory
+from .._manager.manager import CheckpointManager
+from .._storage.location import Location
+from . import msgpack_reader, orbax_reader
 
 __all__ = [
+    "import_checkpoint",
+    "import_msgpack",
+    "import_orbax",
     "save_steps",
     "step_items",
     "ImportedStep",
-    "open_regular",
-    "read_capped",
-    "loads_json",
     "refuse_foreign_targets",
 ]
-
-# Largest JSON document (an index, a header, Orbax metadata) read into memory.
-MAX_JSON_BYTES = 64 << 20
-
-
-def entry_kind(mode: int) -> str:
-    """'a FIFO', 'a symbolic link', 'a directory' ... for an ``st_mode``."""
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a special file"
-
-
-def open_regular(path: str, *, follow_links: bool, what: str) -> tuple[int, os.stat_result]:
-    """``(fd, fstat)`` of a regular file opened read-only, never blocking.
-
-    ``follow_links``: the path itself may be a symlink (it must resolve to a regular
-    file); otherwise a symlink is refused. Directories on the way are resolved by
-    the OS as usual (the caller names them). Raises CheckpointNotFoundError when
-    nothing is there and ForeignEntryError for a link (when not followed), a FIFO,
-    a device, a socket or a directory; ``what`` names the file's role in messages
-    ("safetensors file", "msgpack checkpoint").
-    """
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
-    if not follow_links:
-        flags |= os.O_NOFOLLOW
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: no such {what}") from None
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-            try:
-                found = entry_kind(os.lstat(path).st_mode)
-            except OSError:
-                found = "something that cannot be opened"
-            raise ForeignEntryError(
-                f"{path}: expected a {what} (a regular file), found {found} (not read)"
-            ) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ForeignEntryError(
-                f"{path}: expected a {what} (a regular file), found {entry_kind(st.st_mode)} "
-                f"(not read)"
-            )
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
-
-
-def read_capped(path: str, *, follow_links: bool, what: str, max_bytes: int) -> bytes:
-    """The whole of a regular file (see :func:`open_regular`), refused above
-    ``max_bytes`` (checked against ``fstat`` first, then while reading: a file that
-    grows is noticed)."""
-    fd, st = open_regular(path, follow_links=follow_links, what=what)
-    try:
-        if st.st_size > max_bytes:
-            raise CorruptCheckpointError(
-                f"{path}: expected a {what} of at most {max_bytes} bytes, found {st.st_size}"
-            )
-        chunks, total = [], 0
-        while True:
-            chunk = os.read(fd, min(1 << 24, max_bytes + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > max_bytes:
-                raise CorruptCheckpointError(
-                    f"{path}: expected a {what} of at most {max_bytes} bytes; it grew past that"
-                )
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def loads_json(raw: bytes, where: str) -> Any:
-    """Parses untrusted JSON; CorruptCheckpointError naming ``where`` for bad UTF-8,
-    bad JSON or nesting too deep for the parser (never a RecursionError)."""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise CorruptCheckpointError(f"{where}: not UTF-8 text ({e})") from None
-    except json.JSONDecodeError as e:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
-    except RecursionError:
-        raise CorruptCheckpointError(f"{where}: JSON nested too deeply to read") from None
 
 
 ImportedStep = tuple[int, dict[str, Any], dict[str, Any] | None]  # (step, items, extras)
@@ -209,9 +108,6 @@ def refuse_foreign_targets(out_dir: Any, numbers: Iterable[int]) -> None:
     ``numbers`` that is not a committed step of ours (a user's folder, a file, a
     symlink, the Orbax step of an in-place import): it would be replaced otherwise.
     Reads only the directory listing; writes nothing."""
-    from .._format.steps import list_directory
-    from .._storage.location import Location
-
     loc = Location.from_path(out_dir)
     if loc.is_local and not os.path.isdir(loc.path):
         return  # nothing there yet (or the manager will refuse what is there)
@@ -241,8 +137,6 @@ def save_steps(
     written and again before each step. ``steps`` is consumed lazily: one step's trees
     are in memory at a time. Returns the steps written, in order.
     """
-    from .._manager.manager import CheckpointManager
-
     refuse_foreign_targets(out_dir, list(planned))
     written = []
     with CheckpointManager(out_dir, async_save=False) as mngr:
@@ -267,18 +161,56 @@ def import_checkpoint(
     """``flax-orbax import``: an Orbax directory or Flax msgpack file(s) into ``out_dir``.
 
     Orbax (a manager, step or item directory) goes through
-    :func:`flax_orbax_plugin._interop.orbax_reader.import_orbax`; a msgpack file or a
-    ``flax.training.checkpoints`` directory through
-    :func:`flax_orbax_plugin._interop.msgpack_reader.import_msgpack`. Returns the steps written.
+    :func:`import_orbax`; a msgpack file or a ``flax.training.checkpoints`` directory
+    through :func:`import_msgpack`. Returns the steps written.
     """
-    import os
-
-    from .._errors import CheckpointNotFoundError
-    from .msgpack_reader import import_msgpack
-    from .orbax_reader import import_orbax, is_orbax_checkpoint
-
     if is_orbax_checkpoint(src):
         return import_orbax(src, out_dir, step=step, force=force)
     if os.path.exists(os.fspath(src)):
         return import_msgpack(src, out_dir, step=step, force=force)
     raise CheckpointNotFoundError(f"{src}: no such file or directory")
+
+
+def import_orbax(
+    src: Any,
+    out_dir: Any,
+    *,
+    step: int | None = None,
+    force: bool = False,
+) -> list[int]:
+    """Writes Orbax checkpoints as steps of a ``CheckpointManager`` directory.
+
+    ``src`` is an Orbax manager directory (every committed step, or only ``step``),
+    a step directory or an item directory (written as ``step``, default: the
+    directory's own number, else 0). Leaves are read one at a time to host memory
+    and the assembled step is saved with the public ``CheckpointManager.save``, so
+    the peak is about twice the step's bytes (the tree, then the save's own host
+    snapshot). Returns the steps written. Items map as :func:`step_items` says.
+    """
+    targets = orbax_reader.steps_to_import(src, step)
+
+    def states():
+        for number, step_loc in targets:
+            trees, kinds = orbax_reader.read_step(step_loc)
+            yield number, step_items(trees, kinds, source=str(step_loc))
+
+    return save_steps(out_dir, states(), force=force, planned=[n for n, _ in targets])
+
+
+def import_msgpack(src: Any, out_dir: Any, *, step: int | None = None, force: bool = False):
+    """Writes Flax msgpack checkpoints as steps of a ``CheckpointManager`` directory.
+
+    ``src`` is one msgpack file (written as ``step``; default: the number its name
+    ends with, else 0) or a ``flax.training.checkpoints`` directory (every
+    ``<prefix><step>`` file, or only ``step``). A state dict with ``params`` is
+    split into items (``params``, ``opt_state``, ``step`` ...), any other tree is
+    saved as ``params``. Returns the steps written.
+    """
+    numbered = msgpack_reader.files_to_import(src, step)
+
+    def states():  # one file's tree in memory at a time
+        for number, path in numbered:
+            tree = msgpack_reader.read_msgpack(path)
+            yield number, step_items({"state": tree}, {"state": "pytree"}, source=path)
+
+    return save_steps(out_dir, states(), force=force, planned=[n for n, _ in numbered])

@@ -40,16 +40,16 @@ import numpy as np
 
 from .._base import tree as _tree
 from .._errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ForeignEntryError,
     StructureError,
 )
+from .._format.foreign import is_msgpack_checkpoint
 from .._like import onto_like as _onto_like
-from .importing import entry_kind, open_regular
+from .._storage.untrusted import entry_kind, open_regular
 
-__all__ = ["import_msgpack", "is_msgpack_checkpoint", "read_msgpack", "restore_msgpack"]
+__all__ = ["files_to_import", "read_msgpack", "restore_msgpack"]
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"
@@ -71,8 +71,6 @@ _ALLOWED_DTYPES.update(
     }
 )
 _CHECKPOINT_RE = re.compile(r"^(?P<prefix>.*?)(?P<step>[0-9]+)$")
-_MSGPACK_FIXMAP = range(0x80, 0x90)
-_MSGPACK_MAP16_32 = (0xDE, 0xDF)
 _MAX_DEPTH = 128  # nesting of the state dict; deeper is not a Flax checkpoint
 _MAX_NDIM = 64  # numpy's own limit
 
@@ -182,21 +180,6 @@ def _unchunk(tree: Any, where: str, keys: list[Any] | None = None) -> Any:
     return {k: _unchunk(v, where, [*keys, k]) for k, v in tree.items()}
 
 
-def is_msgpack_checkpoint(path: Any) -> bool:
-    """True for a file whose first byte opens a msgpack map (a Flax state dict)."""
-    try:  # never a link; a FIFO or a device is refused without blocking
-        fd, _ = open_regular(os.fspath(path), follow_links=False, what="msgpack checkpoint")
-    except (OSError, TypeError, ValueError, CheckpointError):
-        return False
-    try:
-        first = os.read(fd, 1)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return bool(first) and (first[0] in _MSGPACK_FIXMAP or first[0] in _MSGPACK_MAP16_32)
-
-
 def read_msgpack(path: Any) -> Any:
     """The state dict in a Flax msgpack file: nested dicts of numpy arrays and scalars."""
     path = os.fspath(path)
@@ -293,19 +276,12 @@ def _files(src: str, step: int | None) -> list[tuple[int | None, str]]:
     return found
 
 
-def import_msgpack(src: Any, out_dir: Any, *, step: int | None = None, force: bool = False):
-    """Writes Flax msgpack checkpoints as steps of a ``CheckpointManager`` directory.
-
-    ``src`` is one msgpack file (written as ``step``; default: the number its name
-    ends with, else 0) or a ``flax.training.checkpoints`` directory (every
-    ``<prefix><step>`` file, or only ``step``). A state dict with ``params`` is
-    split into items (``params``, ``opt_state``, ``step`` ...), any other tree is
-    saved as ``params``. Returns the steps written.
-    """
-    from .importing import save_steps, step_items
-
+def files_to_import(src: Any, step: int | None) -> list[tuple[int, str]]:
+    """``[(step number, file)]`` that importing ``src`` writes: one msgpack file (as
+    ``step``; default: the number its name ends with, else 0) or every
+    ``<prefix><step>`` file of a ``flax.training.checkpoints`` directory (or only
+    ``step``). Reads names and one byte of each file."""
     src = os.fspath(src)
-    files = _files(src, step)
 
     def number_of(number: int | None, path: str) -> int:
         if number is not None:
@@ -313,11 +289,4 @@ def import_msgpack(src: Any, out_dir: Any, *, step: int | None = None, force: bo
         m = _CHECKPOINT_RE.match(os.path.basename(path))
         return step if step is not None else (int(m.group("step")) if m else 0)
 
-    numbered = [(number_of(n, p), p) for n, p in files]
-
-    def states():  # one file's tree in memory at a time
-        for number, path in numbered:
-            tree = read_msgpack(path)
-            yield number, step_items({"state": tree}, {"state": "pytree"}, source=path)
-
-    return save_steps(out_dir, states(), force=force, planned=[n for n, _ in numbered])
+    return [(number_of(n, p), p) for n, p in _files(src, step)]

@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -57,33 +55,35 @@ from .._base import tree as _tree
 from .._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    ForeignEntryError,
     StructureError,
 )
+from .._format.foreign import (
+    ITEM_METADATA,
+    OWN_FILES,
+    STEP_METADATA,
+    STEP_RE,
+    is_step,
+    numbered_children,
+    subdir,
+)
 from .._like import onto_like as _onto_like
-from .._reading.serving import retarget
+from .._like.retarget import retarget
 from .._storage.location import Location, context
-from .importing import entry_kind, loads_json
+from .._storage.untrusted import loads_json
 
 __all__ = [
     "OrbaxItem",
     "OrbaxLeaf",
-    "import_orbax",
-    "is_orbax_checkpoint",
     "open_orbax",
     "orbax_steps",
+    "read_step",
     "restore_orbax",
     "restore_orbax_params",
+    "steps_to_import",
 ]
 
-ITEM_METADATA = "_METADATA"  # a pytree item's tree metadata
-STEP_METADATA = "_CHECKPOINT_METADATA"  # a step's (or a lone item's) handler record
 JSON_ITEM_FILE = "metadata"  # what orbax's JsonSave writes
 STRINGS_FILE = "_strings.json"
-_OURS = ("_METADATA.json", "_CHECKPOINT.json")  # this plugin's files: never Orbax
-# '<step>', or '<prefix>_<step>' as orbax's step_prefix and flax.training.checkpoints
-# ('checkpoint_100') name them; unfinished saves ('<name>.orbax-checkpoint-tmp-...') never match.
-_STEP_RE = re.compile(r"^(?:[A-Za-z0-9-]+_)?([0-9]+)$")
 _SEQUENCE_KEY = 1  # orbax's key_type for list/tuple indices; everything else is a dict key
 _MAX_JSON_BYTES = 64 << 20
 _MAX_KEY_DEPTH = 256  # key path length of one leaf; deeper is malformed metadata
@@ -123,80 +123,14 @@ def _is_item(loc: Location) -> bool:
     return loc.exists(ITEM_METADATA) or loc.exists(JSON_ITEM_FILE)
 
 
-def _is_step(loc: Location) -> bool:
-    return loc.exists(STEP_METADATA) or loc.exists(ITEM_METADATA)
-
-
-def is_orbax_checkpoint(path: Any) -> bool:
-    """True when ``path`` is an Orbax item, step or manager directory (never one of ours)."""
-    try:
-        loc = Location.from_path(path)
-    except (TypeError, ValueError):
-        return False
-    if any(loc.exists(name) for name in _OURS):
-        return False
-    if _is_step(loc):
-        return True
-    if loc.is_local and not loc.is_dir():
-        return False
-    numbered = _numbered(loc)
-    if not numbered:
-        return False
-    latest = _subdir(loc, numbered[max(numbered)], "step")  # one look, not one per step
-    if latest is None:
-        return False
-    return latest.exists(STEP_METADATA) and not any(latest.exists(n) for n in _OURS)
-
-
-def _numbered(loc: Location) -> dict[int, str]:
-    """{step: child name} for the children named like steps (not checked further)."""
-    out: dict[int, str] = {}
-    for name in loc.list_children():
-        m = _STEP_RE.match(name)
-        if m:
-            step = int(m.group(1))
-            if step in out:
-                raise CorruptCheckpointError(
-                    f"{loc}: step {step} appears twice ({out[step]!r} and {name!r})"
-                )
-            out[step] = name
-    return out
-
-
-def _local_kind(loc: Location, name: str) -> str | None:
-    """Local only: what the entry ``name`` of ``loc`` is (``lstat``: no link followed),
-    or None when it is absent."""
-    try:
-        return entry_kind(os.lstat(os.path.join(loc.path, name)).st_mode)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def _subdir(loc: Location, name: str, role: str) -> Location | None:
-    """``loc/name`` when it is a real directory; None when it is absent or (on local
-    disk) a plain file; ForeignEntryError for a symbolic link (never followed: it could
-    lead into another run) or a special file."""
-    if not loc.is_local:
-        return loc.child(name)
-    kind = _local_kind(loc, name)
-    if kind is None or kind == "a regular file":
-        return None
-    if kind != "a directory":
-        raise ForeignEntryError(
-            f"{loc.child(name)}: expected an Orbax {role} directory, found {kind} "
-            f"(never followed or read)"
-        )
-    return loc.child(name)
-
-
 def _step_dirs(loc: Location) -> dict[int, Location]:
     """{step: directory} of the committed steps of an Orbax manager directory."""
     out = {}
-    for step, name in sorted(_numbered(loc).items()):
-        child = _subdir(loc, name, "step")
+    for step, name in sorted(numbered_children(loc).items()):
+        child = subdir(loc, name, "step")
         if child is None:
             continue
-        if child.exists(STEP_METADATA) and not any(child.exists(n) for n in _OURS):
+        if child.exists(STEP_METADATA) and not any(child.exists(n) for n in OWN_FILES):
             out[step] = child
     return out
 
@@ -338,7 +272,7 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
     directory). The step is None when ``path`` is not inside a manager directory.
     """
     loc = Location.from_path(path)
-    if not _is_step(loc):
+    if not is_step(loc):
         dirs = _step_dirs(loc)
         if not dirs:
             raise CheckpointNotFoundError(f"{loc}: not an Orbax checkpoint (no steps, no items)")
@@ -350,7 +284,7 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
     elif step is not None:
         raise ValueError(f"{loc} is one Orbax checkpoint; step={step} does not apply")
     else:
-        m = _STEP_RE.match(loc.name)
+        m = STEP_RE.match(loc.name)
         step = int(m.group(1)) if m else None
     if loc.exists(ITEM_METADATA) or loc.exists(JSON_ITEM_FILE):
         return step, {loc.name: _item(loc, loc.name)}
@@ -366,10 +300,10 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
                 )
     else:
         names = [n for n in loc.list_children() if not n.startswith((".", "_"))]
-        names = [n for n in names if (d := _subdir(loc, n, "item")) is not None and _is_item(d)]
+        names = [n for n in names if (d := subdir(loc, n, "item")) is not None and _is_item(d)]
     items = {}
     for name in names:
-        child = _subdir(loc, name, "item")
+        child = subdir(loc, name, "item")
         if child is not None and child.is_dir():  # an item saved empty leaves no directory
             items[name] = _item(child, name)
     if not items:
@@ -649,44 +583,29 @@ def _abstract(reader: _ItemReader, leaf: OrbaxLeaf) -> Any:
     return jax.ShapeDtypeStruct(tuple(store.shape), store.dtype.numpy_dtype)
 
 
-# -- import into a step of this plugin ------------------------------------------------------
+# -- what an import reads ------------------------------------------------------------
 
 
-def import_orbax(
-    src: Any,
-    out_dir: Any,
-    *,
-    step: int | None = None,
-    force: bool = False,
-) -> list[int]:
-    """Writes Orbax checkpoints as steps of a ``CheckpointManager`` directory.
-
-    ``src`` is an Orbax manager directory (every committed step, or only ``step``),
-    a step directory or an item directory (written as ``step``, default: the
-    directory's own number, else 0). Leaves are read one at a time to host memory
-    and the assembled step is saved with the public ``CheckpointManager.save``, so
-    the peak is about twice the step's bytes (the tree, then the save's own host
-    snapshot). Returns the steps written. Items map as :func:`step_items` says.
-    """
-    from .importing import save_steps, step_items
-
+def steps_to_import(src: Any, step: int | None) -> list[tuple[int, Location]]:
+    """``[(step number, step directory)]`` that importing ``src`` writes: every committed
+    step of an Orbax manager directory (or only ``step``), or a lone step or item
+    directory as ``step`` (default: its own number, else 0). Reads names and metadata."""
     loc = Location.from_path(src)
-    if _is_step(loc):
+    if is_step(loc):
         own, _ = open_orbax(loc)
-        targets = [(step if step is not None else (own if own is not None else 0), loc)]
-    else:
-        dirs = _step_dirs(loc)
-        if not dirs:
-            raise CheckpointNotFoundError(f"{loc}: not an Orbax checkpoint (no steps, no items)")
-        if step is not None and step not in dirs:
-            raise CheckpointNotFoundError(f"{loc}: no Orbax step {step}; steps: {sorted(dirs)}")
-        targets = [(s, dirs[s]) for s in (sorted(dirs) if step is None else [step])]
+        return [(step if step is not None else (own if own is not None else 0), loc)]
+    dirs = _step_dirs(loc)
+    if not dirs:
+        raise CheckpointNotFoundError(f"{loc}: not an Orbax checkpoint (no steps, no items)")
+    if step is not None and step not in dirs:
+        raise CheckpointNotFoundError(f"{loc}: no Orbax step {step}; steps: {sorted(dirs)}")
+    return [(s, dirs[s]) for s in (sorted(dirs) if step is None else [step])]
 
-    def states():
-        for number, step_loc in targets:
-            _, items = open_orbax(step_loc)
-            trees = {name: _restore_item(item, None, False, False) for name, item in items.items()}
-            kinds = {name: item.kind for name, item in items.items()}
-            yield number, step_items(trees, kinds, source=str(step_loc))
 
-    return save_steps(out_dir, states(), force=force, planned=[n for n, _ in targets])
+def read_step(step_loc: Location) -> tuple[dict[str, Any], dict[str, str]]:
+    """``({item: tree or JSON value}, {item: kind})`` of one Orbax step, every leaf read
+    to host memory (one leaf at a time)."""
+    _, items = open_orbax(step_loc)
+    trees = {name: _restore_item(item, None, False, False) for name, item in items.items()}
+    kinds = {name: item.kind for name, item in items.items()}
+    return trees, kinds

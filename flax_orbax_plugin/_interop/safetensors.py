@@ -66,6 +66,7 @@ import ml_dtypes
 import numpy as np
 
 from .._base import tree as _tree
+from .._core import restore as _restore
 from .._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -74,7 +75,7 @@ from .._errors import (
 )
 from .._like import onto_like as _onto_like
 from .._storage.location import Location
-from .importing import loads_json, open_regular, read_capped
+from .._storage.untrusted import loads_json, open_regular, read_capped
 
 __all__ = [
     "ExportResult",
@@ -275,8 +276,6 @@ def _unescape(part: str) -> str:
 
 def _checkpoint_leaves(src: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
     """Leaves of one of this plugin's checkpoints and a reader of a group of them."""
-    from .._core import restore as _restore
-
     meta = _restore.metadata(src)
     keys = [leaf.path for leaf in meta.leaves.values() if leaf.kind == "prng_key"]
     if keys:

@@ -30,9 +30,11 @@ import contextlib
 import contextvars
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
+from .._base.tree import encode_key, path_string
 from .._errors import StructureError
 
 CAST_POLICIES = ("safe", "unsafe")
@@ -114,9 +116,6 @@ def _float_changes(x: np.ndarray, dst: np.dtype) -> np.ndarray | None:
 def check_tree(host: Any, target: Any) -> None:
     """:func:`check` for every leaf of ``host`` (numpy values) against the dtype of the
     matching leaf of ``target`` (arrays or ShapeDtypeStructs of the same structure)."""
-    import jax
-
-    from .._base.tree import encode_key, path_string
 
     def one(keypath, x, t):
         if x is not None and t is not None:

@@ -40,6 +40,8 @@ from typing import Any, Protocol
 from .._core.save import SaveResult
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
+from .._state.resume import items_to_restore
+from .._state.train_state import merge_state
 from .._storage.location import Location
 from .manager import CheckpointManager, remove_step
 
@@ -161,9 +163,6 @@ class CheckpointCallback:
         ``reset=("opt_state",)`` after changing the optimizer: params, step, other
         items and the data position are resumed, the optimizer starts fresh.
         """
-        from flax_orbax_plugin._state.resume import items_to_restore
-        from flax_orbax_plugin._state.train_state import merge_state
-
         if data_iterator is not None:
             self._data_iterator = data_iterator
         names = items_to_restore(state, reset=reset) if reset else None

@@ -67,6 +67,7 @@ from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE, ItemEntry, StepManifest
 from .._incremental import reuse as _incremental
 from .._incremental.reuse import Reuse
+from .._state.resume import item_mismatch
 from .._state.train_state import merge_state, split_state
 from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location
@@ -879,8 +880,6 @@ class CheckpointManager:
             handler = checkpointable_for(name, self._overrides)
             return handler.restore(step_loc.child(entry.dir), like)
         except StructureError as e:
-            from flax_orbax_plugin._state.resume import item_mismatch
-
             raise item_mismatch(e, name=name, step=step, location=self._loc) from e
         except CheckpointError as e:
             e.add_note(f"while restoring item {name!r} of step {step} from {self._loc}")

@@ -131,6 +131,7 @@ from .._base import distributed as _distributed
 from .._base import faults as _faults
 from .._core import ownership as _ownership
 from .._core.commit import Staging
+from .._core.verify import verify_step
 from .._errors import (
     CheckpointError,
     CoordinationError,
@@ -1051,8 +1052,6 @@ def _verify_copy(staging: Location, raw: bytes, step: int, src: Location) -> Non
     is written there first (the pending marker still claims the place), then every
     item is read in full. CorruptCheckpointError naming the persistent file on damage;
     environmental errors propagate."""
-    from .._core.verify import verify_step
-
     staging.write_bytes(MANIFEST_FILE, raw, durable=False)
     bad = [r for r in verify_step(staging, step) if not r.ok]
     if bad:

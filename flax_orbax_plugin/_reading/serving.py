@@ -11,21 +11,21 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from .._core import restore as _restore
 from .._errors import CheckpointNotFoundError
 from .._format import steps as _steps
+from .._format.foreign import is_orbax_checkpoint
+from .._interop import orbax_reader as _orbax_import
 from .._like import casting as _casting
-from .._state.train_state import split_state
+from .._like.retarget import retarget
+from .._state.train_state import holds_nnx_objects, split_state
 from .._storage.location import Location
 
 __all__ = ["restore_params"]
 
 
 def _params_like(like: Any) -> Any:
-    from flax_orbax_plugin._state.train_state import holds_nnx_objects
-
     if like is None or (isinstance(like, Mapping) and not holds_nnx_objects(like)):
         return like
     try:
@@ -35,30 +35,6 @@ def _params_like(like: Any) -> Any:
     if "params" not in items:
         raise TypeError(f"like of type {type(like).__name__} has no params")
     return items["params"]
-
-
-def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
-    """ShapeDtypeStructs for ``tree`` with floating leaves cast to ``dtype`` and new shardings
-    (one Sharding for every leaf, or a pytree of them); leaves without a shape pass."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
-        shardings = [sharding] * len(leaves)
-    else:
-        shardings = treedef.flatten_up_to(sharding)
-    out = []
-    for leaf, sh in zip(leaves, shardings, strict=True):
-        if not hasattr(leaf, "shape"):
-            out.append(leaf)
-            continue
-        dt = leaf.dtype
-        if dtype is not None and jnp.issubdtype(dt, jnp.floating):
-            dt = jnp.dtype(dtype)
-        if sh is None:
-            sh = getattr(leaf, "sharding", None)
-            if sh is not None and not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
-                sh = None
-        out.append(jax.ShapeDtypeStruct(leaf.shape, dt, sharding=sh))
-    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def restore_params(
@@ -81,9 +57,7 @@ def restore_params(
     loc = Location.from_path(directory)
     steps = _steps.committed_steps(loc)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
-        from .._interop import orbax_reader as _orbax_import
-
-        if _orbax_import.is_orbax_checkpoint(directory):
+        if is_orbax_checkpoint(directory):
             return _orbax_import.restore_orbax_params(
                 directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
             )

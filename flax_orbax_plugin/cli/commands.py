@@ -28,10 +28,14 @@ import time
 from typing import Any
 
 from .._core import restore as _restore
-from .._errors import CheckpointError
+from .._core.verify import verify
+from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
+from .._interop import safetensors as _safetensors
+from .._interop.importing import import_checkpoint
+from .._manager.manager import CheckpointManager
 from .._storage.location import Location
 
 __all__ = ["main"]
@@ -300,9 +304,6 @@ def _numel(shape) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .._core.verify import verify
-    from .._errors import CheckpointNotFoundError
-
     try:
         results = verify(args.path, step=args.step, all_steps=args.all)
     except CheckpointError as e:
@@ -367,8 +368,6 @@ def cmd_export(args) -> int:
     if found[args.item].kind != "pytree":
         raise CliError(f"{found[args.item].loc}: not an array checkpoint")
     src = found[args.item].loc
-    from .._interop import safetensors as _safetensors
-
     key_map = _safetensors.key_map_from_file(args.key_map) if args.key_map else None
     result = _safetensors.export_checkpoint(
         src,
@@ -392,8 +391,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from flax_orbax_plugin._interop.importing import import_checkpoint
-
     steps = import_checkpoint(args.source, args.out, step=args.step, force=args.force)
     print(f"imported step(s) {', '.join(map(str, steps))} from {args.source} into {args.out}")
     return 0
@@ -403,8 +400,6 @@ def cmd_import(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .._manager.manager import CheckpointManager
-
     loc = Location.from_path(args.directory)
     if not loc.is_dir():
         raise CliError(f"{loc}: no such directory")
@@ -492,8 +487,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flax-orbax {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        from flax_orbax_plugin._errors import CheckpointError
-
         kind = "" if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: "
         print(f"flax-orbax {args.command}: error: {kind}{_one_line(e)}", file=sys.stderr)
         if os.environ.get("FLAX_ORBAX_DEBUG"):

@@ -1,0 +1,80 @@
+"""Checked reads of a checkpoint's metadata document (``_METADATA.json``).
+
+:func:`read_document` returns the validated :class:`CheckpointDocument` of a
+committed checkpoint (a standalone one, or an item of a committed manager step),
+checked against the checksum recorded at its commit; anything else is an error
+saying what is there instead (a step, an unfinished save, another library's
+checkpoint, a file, nothing). Reads two small JSON files; safe from any thread.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotCommittedError,
+)
+from .._storage.location import Location
+from . import layout as _layout
+from . import steps as _steps
+from .foreign import foreign_format_hint
+from .layout import COMMIT_FILE, METADATA_FILE, CheckpointDocument, CommitMarker
+
+
+def read_document(location: Location) -> CheckpointDocument:
+    """The validated metadata of a committed checkpoint (a standalone one, or an item of
+    a committed manager step), checked against the checksum recorded at its commit."""
+    where = f"{location}/{METADATA_FILE}"
+    raw_marker = location.read_bytes(COMMIT_FILE)
+    if raw_marker is not None:
+        expected = CommitMarker.from_bytes(raw_marker, f"{location}/{COMMIT_FILE}").files[
+            METADATA_FILE
+        ]
+    else:
+        manifest = _steps.manifest_for_item(location)
+        if manifest is None:
+            raise _not_a_checkpoint(location)
+        expected = manifest.file_checksum(location.name, METADATA_FILE)
+        if expected is None:
+            raise CorruptCheckpointError(
+                f"{where}: the step manifest records no checksum for it (the item is not a "
+                f"pytree, or the file list was damaged)"
+            )
+    raw = location.read_bytes(METADATA_FILE)
+    if raw is None:
+        raise CorruptCheckpointError(f"{location} is committed but {METADATA_FILE} is missing")
+    return CheckpointDocument.from_json(_layout.decode_checked(raw, where, expected), where)
+
+
+def _not_a_checkpoint(location: Location) -> CheckpointError:
+    if location.exists(_layout.MANIFEST_FILE):
+        return CheckpointError(
+            f"{location} is a step of a checkpoint directory, not one pytree: restore one of "
+            f"its items ({location}/params) or use CheckpointManager / restore_params"
+        )
+    if location.is_dir() or _has_partial_sibling(location):
+        return NotCommittedError(
+            f"{location} is not a committed checkpoint: its save was interrupted or is "
+            f"still running"
+        )
+    hint = foreign_format_hint(location)
+    if hint:
+        return CheckpointNotFoundError(f"no checkpoint of this library at {location}{hint}")
+    if location.is_local and os.path.lexists(location.path.rstrip("/")):
+        return CheckpointNotFoundError(f"{location} is a file, not a checkpoint directory")
+    return CheckpointNotFoundError(f"no checkpoint at {location}: the path does not exist")
+
+
+def _has_partial_sibling(location: Location) -> bool:
+    if not location.is_local:
+        return False
+    parent = os.path.dirname(location.path.rstrip("/"))
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return False
+    return bool(fnmatch.filter(names, f"{location.name}.partial-*"))

@@ -1,0 +1,141 @@
+"""What other libraries' checkpoints look like: detection without their readers.
+
+An Orbax item, step or manager directory is recognized by its file names
+(``_METADATA``, ``_CHECKPOINT_METADATA``, numbered step directories) and never
+holds this library's own ``_METADATA.json`` / ``_CHECKPOINT.json``; a Flax msgpack
+file by its first byte (a msgpack map). Only names and at most one byte are read;
+nothing is parsed. The readers (``_interop``) build on these names; error messages
+of the native format use :func:`foreign_format_hint`.
+
+Trust rules: no link is followed below the path the user named; a FIFO or device
+is refused without blocking.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from .._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
+from .._storage.location import Location
+from .._storage.untrusted import entry_kind, open_regular
+from .layout import MANIFEST_FILE, METADATA_FILE
+
+# -- Orbax ----------------------------------------------------------------------------
+
+STEP_METADATA = "_CHECKPOINT_METADATA"  # a step's (or a lone item's) handler record
+ITEM_METADATA = "_METADATA"  # a pytree item's tree metadata
+OWN_FILES = (METADATA_FILE, MANIFEST_FILE)  # this plugin's files: never Orbax
+# '<step>', or '<prefix>_<step>' as orbax's step_prefix and flax.training.checkpoints
+# ('checkpoint_100') name them; unfinished saves ('<name>.orbax-checkpoint-tmp-...') never match.
+STEP_RE = re.compile(r"^(?:[A-Za-z0-9-]+_)?([0-9]+)$")
+
+
+def is_step(loc: Location) -> bool:
+    return loc.exists(STEP_METADATA) or loc.exists(ITEM_METADATA)
+
+
+def is_orbax_checkpoint(path: Any) -> bool:
+    """True when ``path`` is an Orbax item, step or manager directory (never one of ours)."""
+    try:
+        loc = Location.from_path(path)
+    except (TypeError, ValueError):
+        return False
+    if any(loc.exists(name) for name in OWN_FILES):
+        return False
+    if is_step(loc):
+        return True
+    if loc.is_local and not loc.is_dir():
+        return False
+    numbered = numbered_children(loc)
+    if not numbered:
+        return False
+    latest = subdir(loc, numbered[max(numbered)], "step")  # one look, not one per step
+    if latest is None:
+        return False
+    return latest.exists(STEP_METADATA) and not any(latest.exists(n) for n in OWN_FILES)
+
+
+def numbered_children(loc: Location) -> dict[int, str]:
+    """{step: child name} for the children named like steps (not checked further)."""
+    out: dict[int, str] = {}
+    for name in loc.list_children():
+        m = STEP_RE.match(name)
+        if m:
+            step = int(m.group(1))
+            if step in out:
+                raise CorruptCheckpointError(
+                    f"{loc}: step {step} appears twice ({out[step]!r} and {name!r})"
+                )
+            out[step] = name
+    return out
+
+
+def local_kind(loc: Location, name: str) -> str | None:
+    """Local only: what the entry ``name`` of ``loc`` is (``lstat``: no link followed),
+    or None when it is absent."""
+    try:
+        return entry_kind(os.lstat(os.path.join(loc.path, name)).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def subdir(loc: Location, name: str, role: str) -> Location | None:
+    """``loc/name`` when it is a real directory; None when it is absent or (on local
+    disk) a plain file; ForeignEntryError for a symbolic link (never followed: it could
+    lead into another run) or a special file."""
+    if not loc.is_local:
+        return loc.child(name)
+    kind = local_kind(loc, name)
+    if kind is None or kind == "a regular file":
+        return None
+    if kind != "a directory":
+        raise ForeignEntryError(
+            f"{loc.child(name)}: expected an Orbax {role} directory, found {kind} "
+            f"(never followed or read)"
+        )
+    return loc.child(name)
+
+
+# -- Flax msgpack ----------------------------------------------------------------------
+
+_MSGPACK_FIXMAP = range(0x80, 0x90)
+_MSGPACK_MAP16_32 = (0xDE, 0xDF)
+
+
+def is_msgpack_checkpoint(path: Any) -> bool:
+    """True for a file whose first byte opens a msgpack map (a Flax state dict)."""
+    try:  # never a link; a FIFO or a device is refused without blocking
+        fd, _ = open_regular(os.fspath(path), follow_links=False, what="msgpack checkpoint")
+    except (OSError, TypeError, ValueError, CheckpointError):
+        return False
+    try:
+        first = os.read(fd, 1)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return bool(first) and (first[0] in _MSGPACK_FIXMAP or first[0] in _MSGPACK_MAP16_32)
+
+
+# -- for error messages ------------------------------------------------------------------
+
+
+def foreign_format_hint(loc: Location) -> str:
+    """``"; <what it is and what to do>"`` when ``loc`` holds another library's checkpoint
+    (Orbax, Flax msgpack), else ``""``. For error messages."""
+    try:
+        if loc.is_local and is_msgpack_checkpoint(loc.path.rstrip("/")):
+            return (
+                f"; {loc} is a Flax msgpack checkpoint: read it with fop.restore_msgpack, or "
+                f"convert it with `flax-orbax import`"
+            )
+        if is_orbax_checkpoint(loc):
+            return (
+                f"; {loc} is an Orbax checkpoint: fop.restore and fop.restore_params read it "
+                f"directly, `flax-orbax import` converts it into steps of this library"
+            )
+    except CheckpointError:
+        pass
+    return ""
