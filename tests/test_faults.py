@@ -65,7 +65,7 @@ import flax_orbax_plugin as fop  # noqa: E402
 
 pytest_plugins = ["_servers"]
 
-# The phases of a save, in order (see flax_orbax_plugin/_faults.py).
+# The phases of a save, in order (see flax_orbax_plugin/_base/faults.py).
 PHASES = (
     "after_snapshot",  # the blocking phase copied every byte to host memory
     "mid_write",  # a first chunk write completed, others may be pending
@@ -96,10 +96,11 @@ EXPECTED = {
 def test_every_kill_point_of_the_package_is_exercised():
     package = os.path.dirname(fop.__file__)
     called = set()
-    for name in os.listdir(package):
-        if name.endswith(".py"):
-            with open(os.path.join(package, name)) as f:
-                called |= set(re.findall(r"kill_point\(\"([a-z_]+)\"\)", f.read()))
+    for root, _, names in os.walk(package):  # every wing of the package
+        for name in names:
+            if name.endswith(".py"):
+                with open(os.path.join(root, name)) as f:
+                    called |= set(re.findall(r"kill_point\(\"([a-z_]+)\"\)", f.read()))
     elsewhere = {"mid_replication": "test_tiers.py"}  # the persistent tier's own kill test
     assert called == set(PHASES) | set(elsewhere)
     for phase, test_file in elsewhere.items():
