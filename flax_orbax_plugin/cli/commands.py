@@ -1,173 +1,34 @@
-"""The ``flax-orbax`` command line (also ``python -m flax_orbax_plugin``).
-
-    flax-orbax list DIR                      steps, sizes, times, metrics
-    flax-orbax inspect PATH                  leaves: shapes, dtypes, shardings, bytes
-    flax-orbax verify PATH                   every checksum; exit 1 naming what is damaged
-    flax-orbax export PATH OUT --format safetensors [--dtype bfloat16]
-    flax-orbax gc DIR [--keep N]             retention; remove unfinished steps
+"""One function per ``flax-orbax`` command (``cmd_<name>(args) -> exit status``).
 
 PATH is a checkpoint directory (the latest step, or ``--step N``), one step
 (``DIR/<step>``), one checkpointable (``DIR/<step>/params``) or a core checkpoint, on
 local disk, ``s3://`` or ``gs://``: the CLI is a client of the library (the same
 layout, steps and verify modules), so it works wherever the library does.
-
-Progress bars go to stderr when it is a terminal; otherwise output is plain
-lines. Errors are one line on stderr and a non-zero exit status: 1 for damage
-found by ``verify``, 2 for everything else.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
-import os
 import sys
-import time
 from typing import Any
 
 from .._core import restore as _restore
 from .._core.verify import verify
 from .._errors import CheckpointError, CheckpointNotFoundError
-from .._format import layout as _layout
 from .._format import steps as _steps
-from .._format.layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
 from .._manager.manager import CheckpointManager
 from .._storage.location import Location
-
-__all__ = ["main"]
-
-EXIT_DAMAGED = 1
-EXIT_ERROR = 2
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
-
+from .output import EXIT_DAMAGED, CliError, Progress, human_bytes, make_table, one_line
+from .paths import describe_missing, dir_bytes, load_extras, read_json_item, resolve
 
 # -- output helpers -------------------------------------------------------------
 
 
-class Progress:
-    """A one-line progress bar on stderr when it is a terminal; silent otherwise."""
-
-    def __init__(self, total: int, label: str, *, stream=None, unit: str = ""):
-        self.stream = stream or sys.stderr
-        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)()) and total > 0
-        self.total, self.done, self.label, self.unit = total, 0, label, unit
-        self._last = 0.0
-
-    def advance(self, amount: int = 1, note: str = "") -> None:
-        self.done += amount
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self._last < 0.05 and self.done < self.total:
-            return
-        self._last = now
-        width = 30
-        filled = int(width * min(self.done, self.total) / self.total)
-        bar = "#" * filled + "." * (width - filled)
-        pct = 100.0 * self.done / self.total
-        self.stream.write(f"\r{self.label} [{bar}] {pct:5.1f}% {note[:40]:<40}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\r" + " " * 100 + "\r")
-            self.stream.flush()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def make_table(rows: list[Any]) -> str:
-    from clu import parameter_overview
-
-    return parameter_overview.make_table(rows)
-
-
 # -- locating checkpoints ---------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Item:
-    name: str
-    loc: Location
-    kind: str  # "pytree", "json", "step", "data_iterator", ...
-
-
-def resolve(path: str, step: int | None) -> tuple[str, list[_Item]]:
-    """(label, items) for PATH: a core checkpoint, a step, an item, or a directory."""
-    loc = Location.from_path(path)
-    if loc.exists(COMMIT_FILE):
-        return str(loc), [_Item(loc.name, loc, "pytree")]
-    if loc.exists(MANIFEST_FILE):
-        return str(loc), _step_items(loc)
-    manifest = _steps.manifest_for_item(loc)
-    if manifest is not None:
-        name, entry = next((n, e) for n, e in manifest.items.items() if e.dir == loc.name)
-        return str(loc.parent), [_Item(name, loc, entry.kind)]
-    listing = _steps.list_directory(loc)
-    if not listing.committed:
-        raise CliError(_describe_missing(loc, listing))
-    chosen = _steps.choose_step(loc, listing.committed, step)
-    step_loc = _steps.step_location(loc, chosen)
-    return str(step_loc), _step_items(step_loc)
-
-
-def _describe_missing(loc: Location, listing: _steps.Listing) -> str:
-    hint = _steps.foreign_format_hint(loc)
-    if hint:
-        return f"no checkpoint of this library at {loc}{hint}"
-    if loc.is_local and os.path.isfile(loc.path.rstrip("/")):
-        return f"{loc} is a file, not a checkpoint directory"
-    if not loc.is_dir():
-        return f"{loc}: the path does not exist"
-    if loc.exists(METADATA_FILE):
-        return f"{loc} is a core checkpoint that was never committed (its save died)"
-    return f"{loc}: no committed steps" + (
-        f" (unfinished: {', '.join(listing.unfinished)})" if listing.unfinished else ""
-    )
-
-
-def _step_items(step_loc: Location) -> list[_Item]:
-    manifest = _steps.read_manifest(step_loc)
-    return [_Item(n, step_loc.child(e.dir), e.kind) for n, e in sorted(manifest.items.items())]
-
-
-def _dir_bytes(loc: Location) -> int | None:
-    return loc.size_bytes() if loc.is_local else None
-
-
-def _read_json_item(item: _Item) -> Any:
-    name = "process_0.json" if item.kind == "data_iterator" else _layout.JSON_VALUE_FILE
-    return _steps.read_item_json(item.loc, name)
-
-
-def _load_extras(step_loc: Location) -> dict[str, Any]:
-    try:
-        entry = _steps.read_manifest(step_loc).items.get("extras")
-        if entry is None:
-            return {}
-        value = _steps.read_item_json(step_loc.child(entry.dir), _layout.JSON_VALUE_FILE)
-    except CheckpointError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 # -- commands ---------------------------------------------------------------------
@@ -177,7 +38,7 @@ def cmd_list(args) -> int:
     loc = Location.from_path(args.directory)
     listing = _steps.list_directory(loc)
     if not loc.is_dir() or _steps.foreign_format_hint(loc):
-        raise CliError(_describe_missing(loc, listing))
+        raise CliError(describe_missing(loc, listing))
     if not listing.committed:
         print(f"{loc}: no committed steps")
     else:
@@ -197,14 +58,14 @@ def cmd_list(args) -> int:
 
 def _list_row(loc: Location, step: int) -> _ListRow:
     step_loc = _steps.step_location(loc, step)
-    size = _dir_bytes(step_loc)
+    size = dir_bytes(step_loc)
     try:
         manifest = _steps.read_manifest(step_loc)
     except CheckpointError as e:
-        return _ListRow(str(step), "?", "?", "?", "?", f"DAMAGED: {_one_line(e)}", "-")
+        return _ListRow(str(step), "?", "?", "?", "?", f"DAMAGED: {one_line(e)}", "-")
     metrics = {
         k: v
-        for k, v in _load_extras(step_loc).items()
+        for k, v in load_extras(step_loc).items()
         if isinstance(v, (int, float)) and not isinstance(v, bool)
     }
     return _ListRow(
@@ -266,7 +127,7 @@ def cmd_inspect(args) -> int:
     grand_total = 0
     for item in items:
         if item.kind != "pytree":
-            text = json.dumps(_read_json_item(item), sort_keys=True)
+            text = json.dumps(read_json_item(item), sort_keys=True)
             print(f"\n{item.name}: JSON {text if len(text) <= 200 else text[:197] + '...'}")
             continue
         meta = _restore.metadata(item.loc)
@@ -310,26 +171,22 @@ def cmd_verify(args) -> int:
         # Nothing checkable at PATH: a usage error, unless something is there but broken.
         loc = Location.from_path(args.path)
         if loc.is_dir() and not isinstance(e, CheckpointNotFoundError):
-            print(f"DAMAGED  {loc}: {_one_line(e)}")
+            print(f"DAMAGED  {loc}: {one_line(e)}")
             return EXIT_DAMAGED
-        raise CliError(_one_line(e)) from None
+        raise CliError(one_line(e)) from None
     damaged = [r for r in results if not r.ok]
     for r in results:
         label = r.path if r.step is None else f"step {r.step}" + (f"/{r.item}" if r.item else "")
         if r.ok:
             print(f"ok       {label}")
         else:
-            print(f"DAMAGED  {label}: {_one_line(r.error or '')}")
+            print(f"DAMAGED  {label}: {one_line(r.error or '')}")
     if damaged:
         names = ", ".join(f"{r.step}/{r.item}" if r.step is not None else r.path for r in damaged)
         print(f"verify: {len(damaged)} damaged: {names}", file=sys.stderr)
         return EXIT_DAMAGED
     print(f"verify: all {len(results)} checkpointable(s) ok")
     return 0
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 # -- export --------------------------------------------------------------------------
@@ -422,73 +279,3 @@ def cmd_gc(args) -> int:
 
 
 # -- entry point -------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="flax-orbax",
-        description="Inspect, verify, export and clean flax_orbax_plugin checkpoints.",
-    )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    s = sub.add_parser("list", help="steps in a checkpoint directory: sizes, times, metrics")
-    s.add_argument("directory")
-    s.set_defaults(fn=cmd_list)
-
-    s = sub.add_parser("inspect", help="leaves with shapes, dtypes, shardings and bytes")
-    s.add_argument("path")
-    s.add_argument("--step", type=int, default=None)
-    s.add_argument("--item", default=None, help="only this checkpointable, e.g. params")
-    s.add_argument("--summary", action="store_true", help="one line per item, no leaf table")
-    s.set_defaults(fn=cmd_inspect)
-
-    s = sub.add_parser("verify", help="read everything and check every checksum")
-    s.add_argument("path")
-    s.add_argument("--step", type=int, default=None)
-    s.add_argument("--all", action="store_true", help="every step, not only the latest")
-    s.set_defaults(fn=cmd_verify)
-
-    s = sub.add_parser("export", help="write params to a safetensors file")
-    s.add_argument("path")
-    s.add_argument("out")
-    s.add_argument("--format", default="safetensors", choices=["safetensors"])
-    s.add_argument("--dtype", default=None, help="cast floating leaves, e.g. bfloat16")
-    s.add_argument("--item", default="params", help="which checkpointable (default: params)")
-    s.add_argument("--step", type=int, default=None)
-    s.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB (10^9), 2GiB (2^30)")
-    s.add_argument("--transpose-kernels", action="store_true", help="PyTorch kernel layout")
-    s.add_argument("--key-map", default=None, help="JSON file: {leaf path: tensor name|null}")
-    s.add_argument("--force", action="store_true", help="replace an existing export")
-    s.set_defaults(fn=cmd_export)
-
-    s = sub.add_parser("import", help="an Orbax directory or Flax msgpack file(s) as steps")
-    s.add_argument("source", help="Orbax manager/step/item directory, msgpack file or dir")
-    s.add_argument("out", help="a CheckpointManager directory (created if missing)")
-    s.add_argument("--step", type=int, default=None, help="only this step / write as this step")
-    s.add_argument("--force", action="store_true", help="replace steps that exist in OUT")
-    s.set_defaults(fn=cmd_import)
-
-    s = sub.add_parser("gc", help="apply retention and remove unfinished steps")
-    s.add_argument("directory")
-    s.add_argument("--keep", type=int, default=None, help="keep the last N steps")
-    s.add_argument("--keep-every", type=int, default=None, help="and every step divisible by K")
-    s.set_defaults(fn=cmd_gc)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except CliError as e:
-        print(f"flax-orbax {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print(f"flax-orbax {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        kind = "" if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: "
-        print(f"flax-orbax {args.command}: error: {kind}{_one_line(e)}", file=sys.stderr)
-        if os.environ.get("FLAX_ORBAX_DEBUG"):
-            raise
-        return EXIT_ERROR

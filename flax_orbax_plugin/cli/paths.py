@@ -1,0 +1,82 @@
+"""Path resolution: what a PATH argument names (a directory of steps, one step, one
+checkpointable, a core checkpoint) on any store, and the items found there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from .._errors import CheckpointError
+from .._format import layout as _layout
+from .._format import steps as _steps
+from .._format.layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
+from .._storage.location import Location
+from .output import CliError
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    name: str
+    loc: Location
+    kind: str  # "pytree", "json", "step", "data_iterator", ...
+
+
+def resolve(path: str, step: int | None) -> tuple[str, list[Item]]:
+    """(label, items) for PATH: a core checkpoint, a step, an item, or a directory."""
+    loc = Location.from_path(path)
+    if loc.exists(COMMIT_FILE):
+        return str(loc), [Item(loc.name, loc, "pytree")]
+    if loc.exists(MANIFEST_FILE):
+        return str(loc), step_items(loc)
+    manifest = _steps.manifest_for_item(loc)
+    if manifest is not None:
+        name, entry = next((n, e) for n, e in manifest.items.items() if e.dir == loc.name)
+        return str(loc.parent), [Item(name, loc, entry.kind)]
+    listing = _steps.list_directory(loc)
+    if not listing.committed:
+        raise CliError(describe_missing(loc, listing))
+    chosen = _steps.choose_step(loc, listing.committed, step)
+    step_loc = _steps.step_location(loc, chosen)
+    return str(step_loc), step_items(step_loc)
+
+
+def describe_missing(loc: Location, listing: _steps.Listing) -> str:
+    hint = _steps.foreign_format_hint(loc)
+    if hint:
+        return f"no checkpoint of this library at {loc}{hint}"
+    if loc.is_local and os.path.isfile(loc.path.rstrip("/")):
+        return f"{loc} is a file, not a checkpoint directory"
+    if not loc.is_dir():
+        return f"{loc}: the path does not exist"
+    if loc.exists(METADATA_FILE):
+        return f"{loc} is a core checkpoint that was never committed (its save died)"
+    return f"{loc}: no committed steps" + (
+        f" (unfinished: {', '.join(listing.unfinished)})" if listing.unfinished else ""
+    )
+
+
+def step_items(step_loc: Location) -> list[Item]:
+    manifest = _steps.read_manifest(step_loc)
+    return [Item(n, step_loc.child(e.dir), e.kind) for n, e in sorted(manifest.items.items())]
+
+
+def dir_bytes(loc: Location) -> int | None:
+    return loc.size_bytes() if loc.is_local else None
+
+
+def read_json_item(item: Item) -> Any:
+    name = "process_0.json" if item.kind == "data_iterator" else _layout.JSON_VALUE_FILE
+    return _steps.read_item_json(item.loc, name)
+
+
+def load_extras(step_loc: Location) -> dict[str, Any]:
+    try:
+        entry = _steps.read_manifest(step_loc).items.get("extras")
+        if entry is None:
+            return {}
+        value = _steps.read_item_json(step_loc.child(entry.dir), _layout.JSON_VALUE_FILE)
+    except CheckpointError:
+        return {}
+    return value if isinstance(value, dict) else {}
