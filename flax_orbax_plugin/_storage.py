@@ -37,6 +37,7 @@ from urllib.parse import urlparse
 
 import tensorstore as ts
 
+from . import _faults
 from ._errors import CorruptCheckpointError, ForeignEntryError
 
 # Largest small file (JSON metadata, manifest, JSON items, markers) read into memory.
@@ -515,6 +516,7 @@ def _read_local(root: str, name: str, max_bytes: int | None) -> bytes | None:
 
 
 def _write_local(root: str, name: str, data: bytes, *, durable: bool = True) -> None:
+    _faults.fail_point("write_small")
     parts = name.split("/")
     os.makedirs(root, exist_ok=True)
     dfd = _open_dirs(root, parts[:-1], create=True)
