@@ -151,7 +151,14 @@ class CheckpointCallback:
     # -- the three hooks --------------------------------------------------------
 
     def on_train_start(
-        self, state: Any, data_iterator: Any = None, *, reset: tuple[str, ...] = ()
+        self,
+        state: Any,
+        data_iterator: Any = None,
+        *,
+        reset: tuple[str, ...] = (),
+        partial: bool = False,
+        missing: str = "error",
+        transform: Any = None,
     ) -> Any:
         """Returns ``state`` resumed from the latest good step (per ``resume``), or
         unchanged. With ``resume=False`` a directory holding steps is refused (or, with
@@ -160,13 +167,19 @@ class CheckpointCallback:
         ``reset`` names items kept from ``state`` instead of restored, e.g.
         ``reset=("opt_state",)`` after changing the optimizer: params, step, other
         items and the data position are resumed, the optimizer starts fresh.
+
+        ``partial``, ``missing`` and ``transform`` resume into a changed model, as in
+        :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
+        grew layers: the new ones keep their values from ``state``).
         """
         from flax_orbax_plugin._resume import items_to_restore
         from flax_orbax_plugin._train_state import merge_state
+        from flax_orbax_plugin._transform import changes as check_changes
 
         if data_iterator is not None:
             self._data_iterator = data_iterator
         names = items_to_restore(state, reset=reset) if reset else None
+        opts = check_changes(partial=partial, missing=missing, transform=transform).kwargs()
         mngr = self.manager
         latest = mngr.latest_step(include_persistent=True)
         if not self.resume:
@@ -189,9 +202,11 @@ class CheckpointCallback:
             return state
         t0 = time.perf_counter()
         if names is None:
-            restored = mngr.restore(like=state, data_iterator=self._data_iterator)
+            restored = mngr.restore(like=state, data_iterator=self._data_iterator, **opts)
         else:
-            subset = mngr.restore(like=state, items=names, data_iterator=self._data_iterator)
+            subset = mngr.restore(
+                like=state, items=names, data_iterator=self._data_iterator, **opts
+            )
             restored = merge_state(state, subset)
         latest = mngr.restored_step
         self.resumed_step = self._last_saved_step = self._last_step = latest

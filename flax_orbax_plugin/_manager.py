@@ -56,6 +56,7 @@ from . import (
     _ownership,
     _shared_dir,
     _steps,
+    _transform,
 )
 from ._checkpointables import Checkpointable, Pending, PytreeCheckpointable, checkpointable_for
 from ._commit import Staging, Written
@@ -730,6 +731,9 @@ class CheckpointManager:
         step: int | None = None,
         items: str | Iterable[str] | None = None,
         data_iterator: Any = None,
+        partial: bool = False,
+        missing: str = "error",
+        transform: Any = None,
     ) -> Any:
         """Restore a step (the latest that verifies, by default).
 
@@ -740,6 +744,12 @@ class CheckpointManager:
         * ``items="params"``: that one item's value; ``items=("params", "extras")``:
           a dict ``{name: value}``. ``like`` then only supplies templates.
         * ``data_iterator``: its state is set to the saved one (this process's).
+        * A changed model (see ``_transform``): ``partial=True`` leaves out saved
+          leaves (and items) ``like`` does not have; ``missing="keep"`` keeps
+          ``like``'s own value for a leaf, or a whole item, the step lacks;
+          ``transform`` maps saved leaf paths within each pytree item
+          (``Dense_0/kernel``) to ``like``'s: ``{regex: replacement}`` or a callable
+          ``path -> path | None``. Without them a StructureError lists every difference.
 
         Without ``step``, a latest step that is damaged (a checksum fails, a file is
         missing) is skipped with a warning and, by a writer, moved aside to
@@ -747,9 +757,10 @@ class CheckpointManager:
         With ``step``, damage raises. Waits for this manager's in-flight save first.
         A step being read is never deleted by this manager's retention.
         """
+        changes = _transform.changes(partial=partial, missing=missing, transform=transform)
         self._check_open()
         self._wait_inflight()
-        fn = lambda s: self._restore_step(s, like, items, data_iterator)
+        fn = lambda s: self._restore_step(s, like, items, data_iterator, changes)
         if step is not None:
             if self._tier is not None:
                 self._tier.ensure_local(step)
@@ -831,12 +842,15 @@ class CheckpointManager:
             f"retention policy removes old steps; restore a newer step, or keep more): {error}"
         )
 
-    def _restore_step(self, step: int, like: Any, items: Any, data_iterator: Any) -> Any:
+    def _restore_step(
+        self, step: int, like: Any, items: Any, data_iterator: Any, changes: Any = None
+    ) -> Any:
+        changes = changes or _transform.Changes()
         step_loc = _steps.step_location(self._loc, step)
         saved = _steps.read_manifest(step_loc).items
         like_items = split_state(like) if like is not None else {}
         single = isinstance(items, str)
-        names = self._names_to_restore(step, saved, items, like, like_items)
+        names = self._names_to_restore(step, saved, items, like, like_items, changes)
         if data_iterator is not None and "data_iterator" not in saved:
             raise UnknownItemError(
                 f"step {step} of {self._loc} holds no data_iterator state; items: {sorted(saved)}"
@@ -844,7 +858,7 @@ class CheckpointManager:
         restored = {}
         for name in names:
             restored[name] = self._restore_item(
-                step, step_loc, saved[name], name, like_items.get(name)
+                step, step_loc, saved[name], name, like_items.get(name), changes
             )
         if data_iterator is not None:
             self._restore_item(
@@ -854,7 +868,7 @@ class CheckpointManager:
             return restored[names[0]] if single else restored
         return merge_state(like, restored)
 
-    def _names_to_restore(self, step, saved, items, like, like_items) -> list[str]:
+    def _names_to_restore(self, step, saved, items, like, like_items, changes) -> list[str]:
         if items is not None:
             names = [items] if isinstance(items, str) else list(items)
             for n in names:
@@ -865,6 +879,11 @@ class CheckpointManager:
             return names
         if like is not None:
             names = list(like_items)
+            if changes.keep_missing:  # an item the step lacks keeps like's value
+                for n in names:
+                    if n not in saved:
+                        _transform.check_item_keepable(n, like_items[n])
+                names = [n for n in names if n in saved]
             for n in names:
                 if n not in saved:
                     raise StructureError(
@@ -875,10 +894,18 @@ class CheckpointManager:
         return [n for n in saved if n != "data_iterator"]
 
     def _restore_item(
-        self, step: int, step_loc: Location, entry: ItemEntry, name: str, like: Any
+        self,
+        step: int,
+        step_loc: Location,
+        entry: ItemEntry,
+        name: str,
+        like: Any,
+        changes: Any = None,
     ) -> Any:
         try:
             handler = checkpointable_for(name, self._overrides)
+            if isinstance(handler, PytreeCheckpointable) and changes is not None:
+                return handler.restore(step_loc.child(entry.dir), like, **changes.kwargs())
             return handler.restore(step_loc.child(entry.dir), like)
         except StructureError as e:
             from flax_orbax_plugin._resume import item_mismatch

@@ -44,6 +44,7 @@ from . import (
     _onto_like,
     _save,
     _steps,
+    _transform,
     _tree,
 )
 from ._errors import (
@@ -687,6 +688,8 @@ def restore(
     like: Any = None,
     *,
     partial: bool = False,
+    missing: str = "error",
+    transform: Any = None,
     memory_limit_bytes: int | None = None,
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
@@ -706,6 +709,13 @@ def restore(
     300 to int8, 16777217 to float32, float to int or bool raise StructureError);
     ``"unsafe"`` casts as numpy does.
 
+    Restoring into a changed model (see ``_transform``): ``partial=True`` leaves out
+    saved leaves ``like`` does not have; ``missing="keep"`` keeps ``like``'s own value
+    for a leaf the checkpoint lacks (a ShapeDtypeStruct there raises, naming it);
+    ``transform`` maps saved leaf paths to ``like``'s: ``{regex: replacement}``
+    applied with ``re.sub`` in order, or a callable ``path -> path | None`` (None
+    drops the leaf). Without them every difference is listed in one StructureError.
+
     Raises:
       CheckpointNotFoundError: nothing at ``path``.
       NotCommittedError: a save to ``path`` never committed.
@@ -714,6 +724,7 @@ def restore(
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
+    opts = _transform.changes(partial=partial, missing=missing, transform=transform)
     location = Location.from_path(path)
     _save.wait_for_pending_save(location)
     limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
@@ -721,7 +732,7 @@ def restore(
     token = _SHARE_READS.set(_distributed.process_count() > 1 if share is None else bool(share))
     try:
         with _tree.paused_gc(), _casting.policy(cast):
-            return _restore(location, like, partial, limit)
+            return _restore(location, like, opts, limit)
     except (CheckpointNotFoundError, NotCommittedError):
         # Not one of ours: an Orbax directory is read through tensorstore (issue 16);
         # looked for only here, so restoring our own checkpoints costs no extra listing.
@@ -731,37 +742,49 @@ def restore(
             raise
     finally:
         _SHARE_READS.reset(token)
+    if opts.keep_missing or opts.transform is not None:
+        raise CheckpointError(
+            f"{location} is an Orbax checkpoint: missing= and transform= apply to this "
+            f"library's checkpoints; convert it first (fop.import_orbax(src, dst)) and "
+            f"restore the converted step"
+        )
     return _orbax_import.restore_orbax(location, like, partial=partial)
 
 
-def _restore(location: Location, like: Any, partial: bool, limit: int) -> Any:
+def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
+    """With ``like=None`` a transform may only drop leaves (False): there is no
+    structure to place a renamed one in."""
+    new = opts.rename(path)
+    if new is not None and new != path:
+        raise ValueError(
+            f"transform renames the saved leaf {path!r} to {new!r}, which needs like (the "
+            f"tree to place it in); with like=None a transform may only drop leaves (None)"
+        )
+    return new is not None
+
+
+def _restore(location: Location, like: Any, opts: _transform.Changes, limit: int) -> Any:
     doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
     records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
     if like is None:
-        targets = [_make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
+        leaves = list(enumerate(doc.leaves))
+        if opts.transform is not None:
+            leaves = [(i, rec) for i, rec in leaves if _dropped_or_same(opts, rec.path)]
+        targets = [_make_target(i, rec, None) for i, rec in leaves]
         _read_targets(location, doc, targets, limit)
         items = [(list(t.record.keys), t.result) for t in targets]
         return _tree.rebuild(items)
     flat, treedef = _tree.flatten(like)
+    records = _transform.rename_records(records, opts, str(location))
     _add_missing_empties(flat, records)
-    missing = [p for p, _, _ in flat if p not in records]
-    if missing:
-        raise StructureError(
-            f"leaf {missing[0]!r}: expected by like, found no such key in the checkpoint "
-            f"at {location}" + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else "")
-        )
-    if not partial:
-        wanted = {p for p, _, _ in flat}
-        empty = _layout.EMPTY_KINDS  # an empty node like lacks loses no data
-        unexpected = [p for p in records if p not in wanted and records[p][1].kind not in empty]
-        if unexpected:
-            raise StructureError(
-                f"leaf {unexpected[0]!r}: unexpected key: found in the checkpoint at {location} "
-                f"but not in like"
-                + (f" ({len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-                + "; pass partial=True to restore a subtree"
-            )
-    targets = [_make_target(*records[p], leaf) for p, _, leaf in flat]
+    plan = _transform.match(
+        flat, records, opts, where=str(location), make=_make_target, empty_kinds=_layout.EMPTY_KINDS
+    )
+    targets = [t for t in plan if t is not _transform.KEEP]
     _read_targets(location, doc, targets, limit)
-    return _tree.unflatten(treedef, [t.result for t in targets])
+    results = [
+        leaf if t is _transform.KEEP else t.result
+        for t, (_, _, leaf) in zip(plan, flat, strict=True)
+    ]
+    return _tree.unflatten(treedef, results)

@@ -51,10 +51,15 @@ def item_mismatch(error: StructureError, *, name: str, step: int, location: Any)
     Keeps the core's message (the leaf, what was expected, what was found) and says
     how to start that item fresh instead.
     """
+    from flax_orbax_plugin._transform import HINT
+
     detail = str(error).removesuffix("; pass partial=True to restore a subtree")
+    detail = detail.removesuffix("\n" + HINT)
     return StructureError(
-        f"item {name!r} of step {step} in {location} does not fit the given state: {detail}. "
+        f"item {name!r} of step {step} in {location} does not fit the given state: {detail}\n"
         f"If it changed on purpose (a new optimizer, say), keep the given state's {name} "
         f"and restore the rest: CheckpointCallback.on_train_start(state, reset=({name!r},)), "
-        f"or CheckpointManager.restore(like=state, items=[...every item but {name!r}])"
+        f"or CheckpointManager.restore(like=state, items=[...every item but {name!r}]). "
+        f"If the model changed (layers added, dropped or renamed), pass partial=True, "
+        f"missing='keep' or transform= to on_train_start or CheckpointManager.restore"
     )

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _casting, _restore, _steps
-from ._errors import CheckpointNotFoundError
+from . import _casting, _restore, _steps, _transform
+from ._errors import CheckpointError, CheckpointNotFoundError
 from ._storage import Location
 from ._train_state import split_state
 
@@ -66,6 +66,9 @@ def restore_params(
     step: int | None = None,
     dtype: Any = None,
     sharding: Any = None,
+    partial: bool = False,
+    missing: str = "error",
+    transform: Any = None,
 ) -> Any:
     """Restore only the params of a step (the latest by default), for serving.
 
@@ -75,13 +78,24 @@ def restore_params(
     whose params are taken, or None (numpy on the host). ``dtype`` casts the
     floating-point leaves; ``sharding`` is one Sharding for every leaf or a pytree
     of them. Safe to call from any thread, even while a manager writes.
+
+    ``partial``, ``missing`` and ``transform`` restore into changed params, as
+    ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
+    ``partial=True`` with ``like`` a subset of the saved params.
     """
+    changes = _transform.changes(partial=partial, missing=missing, transform=transform)
     loc = Location.from_path(directory)
     steps = _steps.committed_steps(loc)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
         from . import _orbax_import
 
         if _orbax_import.is_orbax_checkpoint(directory):
+            if changes.keep_missing or changes.transform is not None or partial:
+                raise CheckpointError(
+                    f"{directory} is an Orbax checkpoint: partial=, missing= and transform= "
+                    f"apply to this library's checkpoints; convert it first with "
+                    f"fop.import_orbax(src, dst)"
+                )
             return _orbax_import.restore_orbax_params(
                 directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
             )
@@ -93,7 +107,7 @@ def restore_params(
     params_loc = step_loc.child(entry.dir)
     target = _params_like(like)
     if target is None and (dtype is not None or sharding is not None):
-        host = _restore.restore(params_loc, None)
+        host = _restore.restore(params_loc, None, **changes.kwargs())
         target = retarget(host, dtype, sharding)
         _casting.check_tree(host, target)  # float narrowing rounds; overflow to inf raises
         return jax.tree_util.tree_map(
@@ -107,4 +121,4 @@ def restore_params(
         )
     if target is not None and (dtype is not None or sharding is not None):
         target = retarget(target, dtype, sharding)
-    return _restore.restore(params_loc, target)
+    return _restore.restore(params_loc, target, **changes.kwargs())
