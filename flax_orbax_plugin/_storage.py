@@ -326,6 +326,9 @@ class Location:
     def remove(self) -> None:
         """Removes everything under this location (no error if nothing is there).
 
+        Proves nothing: the package removes only through ``_ownership`` (which proves
+        a place ours first); this primitive is left for tests that clean up by hand.
+
         Local: only a real directory is removed; symlinks inside it are unlinked, never
         followed. A location that is itself a symlink or not a directory is refused
         with ForeignEntryError (what it points to is left alone).
