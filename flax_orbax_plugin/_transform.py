@@ -220,12 +220,12 @@ def match(
         try:
             out.append(make(found[0], found[1], leaf))
         except StructureError as e:
-            problems.append(str(e))
+            problems.append(_renamed(str(e), found[1].path, path))
             out.append(None)
             continue
-        why = _cast_problem(path, found[1], leaf)
+        why = _cast_problem(found[1].path, found[1], leaf)
         if why is not None:
-            casts.append(why)
+            casts.append(_renamed(why, found[1].path, path))
     if not opts.partial:
         for path, (_, record) in records.items():
             if path not in wanted and record.kind not in empty_kinds:
@@ -236,6 +236,15 @@ def match(
     if problems:  # casts alone are refused by the read itself, naming a value
         raise mismatch(problems + casts, where)
     return out
+
+
+def _renamed(message: str, saved: str, path: str) -> str:
+    """``message`` about saved leaf ``saved`` naming like's ``path`` too, when a
+    transform renamed it."""
+    prefix = f"leaf {saved!r}"
+    if saved == path or not message.startswith(prefix):
+        return message
+    return f"leaf {path!r} (saved as {saved!r})" + message[len(prefix) :]
 
 
 def mismatch(problems: list[str], where: str) -> StructureError:

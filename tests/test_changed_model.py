@@ -205,3 +205,109 @@ def test_restore_params_subset_and_transform(run):
     )
     assert out["block2"]["w"].dtype == np.float16
     np.testing.assert_array_equal(np.asarray(out["block2"]["w"]), tree["params"]["layers_2"]["w"])
+
+
+# -- the README recipe ----------------------------------------------------------------
+
+
+def readme_recipe() -> str:
+    """The python block under "### Restoring into a changed model" in README.md."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = text.split("### Restoring into a changed model", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_recipe(tmp_path):
+    import optax
+    from flax import linen, nnx
+    from flax.training import train_state
+
+    class LinenMLP(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            hidden = linen.relu(linen.Dense(8)(x))  # Dense_0
+            return linen.Dense(2)(hidden)  # Dense_1
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(4, 8, rngs=rngs)
+            self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    class Stack(linen.Module):
+        num_layers: int
+
+        @linen.compact
+        def __call__(self, x):
+            for i in range(self.num_layers):
+                x = linen.Dense(4, name=f"layers_{i}")(x)
+            return x
+
+    x = jnp_ones((1, 4))
+
+    def create_train_state(num_layers, seed=0):
+        model = Stack(num_layers)
+        params = model.init(jax.random.key(seed), x)["params"]
+        return train_state.TrainState.create(
+            apply_fn=model.apply, params=params, tx=optax.adam(1e-2)
+        )
+
+    def trained(state, steps):  # a few real Adam steps: moments and step are not zero
+        grad = jax.tree.map(lambda p: np.ones_like(p) * 0.5, state.params)
+        for _ in range(steps):
+            state = state.apply_gradients(grads=grad)
+        return state
+
+    linen_model = LinenMLP()
+    linen_state = train_state.TrainState.create(
+        apply_fn=linen_model.apply,
+        params=linen_model.init(jax.random.key(1), x)["params"],
+        tx=optax.adam(1e-3),
+    )
+    linen_state = trained(linen_state, 2)
+    linen_directory = tmp_path / "linen"
+    with fop.CheckpointManager(linen_directory, async_save=False) as mngr:
+        mngr.save(2, linen_state)
+    saved3 = trained(create_train_state(3, seed=2), 3)
+    directory = tmp_path / "run"
+    with fop.CheckpointManager(directory, async_save=False) as mngr:
+        mngr.save(3, saved3)
+    without_head = jax.eval_shape(lambda: {k: saved3.params[k] for k in ("layers_0", "layers_1")})
+
+    names = {"fop": fop, "nnx": nnx, "optax": optax, "MLP": MLP}
+    names.update(linen_directory=linen_directory, directory=directory)
+    names.update(create_train_state=create_train_state, without_head=without_head)
+    exec(compile(readme_recipe(), "README.md", "exec"), names)
+    names["cb"].close()
+
+    # case 1: every NNX value is the Linen one under its new name
+    model, optimizer = names["model"], names["optimizer"]
+    assert int(optimizer.step[...]) == 2
+    for new, old in (("hidden", "Dense_0"), ("out", "Dense_1")):
+        for leaf in ("kernel", "bias"):
+            want = linen_state.params[old][leaf]
+            assert_tree_equal(getattr(getattr(model, new), leaf)[...], want)
+            assert_tree_equal(
+                optimizer.opt_state[0].mu[new][leaf][...], linen_state.opt_state[0].mu[old][leaf]
+            )
+            assert_tree_equal(
+                optimizer.opt_state[0].nu[new][leaf][...], linen_state.opt_state[0].nu[old][leaf]
+            )
+    # case 2: layers 0..2 and their moments resumed; layer 3 as initialised
+    state, fresh = names["state"], create_train_state(4)
+    assert int(state.step) == 3
+    for i in range(3):
+        assert_tree_equal(state.params[f"layers_{i}"], saved3.params[f"layers_{i}"])
+        assert_tree_equal(
+            state.opt_state[0].mu[f"layers_{i}"], saved3.opt_state[0].mu[f"layers_{i}"]
+        )
+    assert_tree_equal(state.params["layers_3"], fresh.params["layers_3"])
+    assert_tree_equal(state.opt_state[0].nu["layers_3"], fresh.opt_state[0].nu["layers_3"])
+    # case 3: the served subset
+    assert set(names["params"]) == {"layers_0", "layers_1"}
+    assert_tree_equal(names["params"]["layers_1"], saved3.params["layers_1"])
+
+
+def jnp_ones(shape):
+    return np.ones(shape, np.float32)
