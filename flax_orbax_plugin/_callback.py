@@ -37,9 +37,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from . import _steps
+from . import _options, _steps
 from ._errors import CheckpointError, CheckpointNotFoundError
-from ._manager import CheckpointManager, remove_step
+from ._manager import CheckpointManager, _manager_option_names, remove_step
 from ._save import SaveResult
 from ._storage import Location
 
@@ -99,13 +99,30 @@ class CheckpointCallback:
         extras_fn: Callable[[int, Any], Mapping[str, Any]] | None = None,
         writer: ScalarWriter | None = None,
         manager_options: Mapping[str, Any] | None = None,
+        **unknown: Any,
     ):
+        _options.check_unknown(
+            "CheckpointCallback",
+            unknown,
+            _callback_option_names(),
+            elsewhere=("manager_options", _manager_option_names()),
+        )
         if not (resume is True or resume is False or resume == "required"):
             raise ValueError(f"resume must be False, True or 'required', found {resume!r}")
-        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
-            raise ValueError(f"every_steps must be a positive int or None, found {every_steps!r}")
-        if every_seconds is not None and not every_seconds > 0:
-            raise ValueError(f"every_seconds must be > 0 or None, found {every_seconds!r}")
+        _options.positive_int("every_steps", every_steps)
+        _options.positive_number("every_seconds", every_seconds)
+        _options.positive_int("keep", keep)
+        _options.flag("overwrite", overwrite)
+        _options.flag("async_save", async_save)
+        if manager_options is not None and not isinstance(manager_options, Mapping):
+            raise TypeError(f"manager_options must be a dict, found {manager_options!r}")
+        names = _manager_option_names()
+        _options.check_unknown(
+            "CheckpointManager (through manager_options)",
+            {k: v for k, v in (manager_options or {}).items() if k not in names},
+            names,
+        )
+
         self.directory = directory
         self.every_steps = every_steps
         self.every_seconds = every_seconds
@@ -355,6 +372,14 @@ class CheckpointCallback:
         self.history.append(figures)
         if self._writer is not None:
             self._writer.write_scalars(step, figures.as_scalars())
+
+
+def _callback_option_names() -> list[str]:
+    import inspect
+
+    params = inspect.signature(CheckpointCallback.__init__).parameters.values()
+    own = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return own
 
 
 def _step_of(state: Any, default: int | None) -> int | None:

@@ -53,6 +53,7 @@ from . import (
     _host,
     _incremental,
     _layout,
+    _options,
     _ownership,
     _shared_dir,
     _steps,
@@ -92,6 +93,13 @@ def _check_item_name(name: Any) -> str:
             "and do not start with '_' or '.'"
         )
     return name
+
+
+def _manager_option_names() -> tuple[str, ...]:
+    import inspect
+
+    params = inspect.signature(CheckpointManager.__init__).parameters.values()
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 class CheckpointManager:
@@ -181,7 +189,11 @@ class CheckpointManager:
         persistent_grace_seconds: float = 30.0,
         persistent_lease_seconds: float = 60.0,
         reuse_host_buffers: bool = False,
+        **unknown: Any,
     ):
+        _options.check_unknown("CheckpointManager", unknown, _MANAGER_OPTIONS)
+        _options.check_manager(locals())
+        steps = _options.steps_list("steps", steps)
         self._loc = Location.from_path(directory)
         self._retention = RetentionPolicy(
             keep_last=keep,
@@ -1033,3 +1045,6 @@ def _as_metric(value: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
+
+
+_MANAGER_OPTIONS = _manager_option_names()
