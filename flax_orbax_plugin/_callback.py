@@ -183,7 +183,10 @@ class CheckpointCallback:
 
         ``reset`` names items kept from ``state`` instead of restored, e.g.
         ``reset=("opt_state",)`` after changing the optimizer: params, step, other
-        items and the data position are resumed, the optimizer starts fresh.
+        items and the data position are resumed, the optimizer starts fresh;
+        ``reset=("data_iterator",)`` starts the data afresh on purpose. Resuming a step
+        that holds a data position without a ``data_iterator`` warns once (the run would
+        replay its data).
 
         ``partial``, ``missing`` and ``transform`` resume into a changed model, as in
         :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
@@ -221,9 +224,8 @@ class CheckpointCallback:
         if names is None:
             restored = mngr.restore(like=state, data_iterator=self._data_iterator, **opts)
         else:
-            subset = mngr.restore(
-                like=state, items=names, data_iterator=self._data_iterator, **opts
-            )
+            it = None if "data_iterator" in reset else self._data_iterator
+            subset = mngr.restore(like=state, items=names, data_iterator=it, **opts)
             restored = merge_state(state, subset)
         latest = mngr.restored_step
         self.resumed_step = self._last_saved_step = self._last_step = latest

@@ -42,6 +42,7 @@ import secrets
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -93,6 +94,20 @@ def _check_item_name(name: Any) -> str:
             "and do not start with '_' or '.'"
         )
     return name
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of warnings.warn (called from this module) that names the
+    first frame outside this package: the user's call."""
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while (
+        frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _manager_option_names() -> tuple[str, ...]:
@@ -227,6 +242,7 @@ class CheckpointManager:
         self._closed = False
         self._preemption: Preemption | None = None  # handle_sigterm (see _preemption)
         self.restored_step: int | None = None  # the step the last restore() read
+        self._warned_replay = False  # warned that a resume left the data position out
         # The one line logged per committed step (a callback with a metric writer, which
         # reports the same figures, lowers it to DEBUG: one line per save).
         self.commit_log_level = logging.INFO
@@ -878,7 +894,27 @@ class CheckpointManager:
             )
         if items is not None:
             return restored[names[0]] if single else restored
-        return merge_state(like, restored)
+        merged = merge_state(like, restored)
+        if data_iterator is None and "data_iterator" in saved:
+            self._warn_replay(step)
+        return merged
+
+    def _warn_replay(self, step: int) -> None:
+        """Once per manager: a resume that leaves the saved data position out replays
+        the data from wherever the new iterator starts."""
+        if self._warned_replay:
+            return
+        self._warned_replay = True
+        warnings.warn(
+            f"step {step} of {self._loc} holds a 'data_iterator' item (the data position) "
+            f"but no data_iterator was given, so it is not restored and the run reads its "
+            f"data again from wherever the new iterator starts. Pass data_iterator=it "
+            f"(CheckpointManager.restore, CheckpointCallback.on_train_start); to start the "
+            f"data afresh on purpose, name the items to restore (restore(items=[...])) or "
+            f"on_train_start(state, reset=('data_iterator',))",
+            UserWarning,
+            stacklevel=_caller_stacklevel(),
+        )
 
     def _names_to_restore(self, step, saved, items, like, like_items, changes) -> list[str]:
         if items is not None:

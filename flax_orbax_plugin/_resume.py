@@ -37,7 +37,8 @@ def items_to_restore(state: Any, *, reset: Iterable[str]) -> list[str]:
         raise ValueError(f"reset must be a tuple of item names, e.g. ({reset!r},), found {reset!r}")
     reset = list(reset)
     names = list(split_state(state))
-    unknown = [n for n in reset if n not in names]
+    # "data_iterator" is no item of the state: resetting it starts the data afresh
+    unknown = [n for n in reset if n not in names and n != "data_iterator"]
     if unknown:
         raise ValueError(
             f"reset names item {unknown[0]!r}, which the state does not have; its items: {names}"
