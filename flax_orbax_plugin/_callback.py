@@ -243,7 +243,10 @@ class CheckpointCallback:
             raise CheckpointError(
                 f"{self.directory}{where} already holds steps of a run (latest: {latest}) and "
                 f"resume=False: refusing to mix two runs. Resume it (resume=True), use a "
-                f"new directory, or pass overwrite=True to remove its steps first"
+                f"new directory, or pass overwrite=True to remove its steps first. A job "
+                f"restarted with the same command (preemptible, or rescheduled) should run "
+                f"with resume=True from its first start: it starts fresh while the directory "
+                f"holds no step and resumes the latest good step after every restart"
             )
         for step in mngr.steps():
             remove_step(Location.from_path(self.directory), step)
