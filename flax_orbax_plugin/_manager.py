@@ -932,12 +932,15 @@ class CheckpointManager:
                     if n not in saved:
                         _transform.check_item_keepable(n, like_items[n])
                 names = [n for n in names if n in saved]
-            for n in names:
-                if n not in saved:
-                    raise StructureError(
-                        f"like has item {n!r} but step {step} of {self._loc} does not; "
-                        f"saved items: {sorted(saved)}"
-                    )
+            absent = [n for n in names if n not in saved]
+            if absent:
+                shown = ", ".join(repr(n) for n in absent)
+                raise StructureError(
+                    f"like has item{'s' if len(absent) > 1 else ''} {shown} but step {step} "
+                    f"of {self._loc} does not; saved items: {sorted(saved)}. To keep like's "
+                    f"value for {'them' if len(absent) > 1 else 'it'} (a part added to the "
+                    f"model), pass missing='keep'"
+                )
             return names
         return [n for n in saved if n != "data_iterator"]
 

@@ -311,3 +311,37 @@ def test_readme_recipe(tmp_path):
 
 def jnp_ones(shape):
     return np.ones(shape, np.float32)
+
+
+def test_manager_names_every_absent_item(run):
+    directory, _ = run
+    like = {"params": layers(3), "opt_state": {"mu": layers(3)}, "ema": {}, "teacher": {"w": 1.0}}
+    with fop.CheckpointManager(directory, read_only=True) as mngr:
+        with pytest.raises(fop.StructureError, match=r"items 'ema', 'teacher' but step 5.*'keep'"):
+            mngr.restore(like=like)
+
+
+def test_nnx_model_that_grew_keeps_its_new_layer(tmp_path):
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, n, rngs):
+            self.layers = nnx.List([nnx.Linear(3, 3, rngs=rngs) for _ in range(n)])
+
+    small = Net(2, nnx.Rngs(0))
+    with fop.CheckpointManager(tmp_path / "run", async_save=False) as mngr:
+        mngr.save(1, small)
+    big = Net(3, nnx.Rngs(1))
+    new_kernel = np.asarray(big.layers[2].kernel[...]).copy()
+    with fop.CheckpointManager(tmp_path / "run", read_only=True) as mngr:
+        with pytest.raises(fop.StructureError, match=r"layers/2/kernel.*missing='keep'"):
+            mngr.restore(like=big)
+        assert mngr.restore(like=big, missing="keep") is big  # updated in place
+        abstract = nnx.eval_shape(lambda: Net(3, nnx.Rngs(2)))
+        with pytest.raises(fop.StructureError, match="layers/2/.*no value to keep"):
+            mngr.restore(like=abstract, missing="keep")
+    for i in range(2):
+        np.testing.assert_array_equal(big.layers[i].kernel[...], small.layers[i].kernel[...])
+    np.testing.assert_array_equal(big.layers[2].kernel[...], new_kernel)
+    params = fop.restore_params(tmp_path / "run", Net(1, nnx.Rngs(3)), partial=True)
+    np.testing.assert_array_equal(params["layers"][0]["kernel"], small.layers[0].kernel[...])
