@@ -224,6 +224,8 @@ def _make_target(index: int, record: LeafRecord, like: Any) -> _Target:
     target = _Target(index, record, like)
     if record.kind in _layout.EMPTY_KINDS:
         return _empty_target(target)
+    if record.kind in _layout.TEXT_KINDS:
+        return _text_target(target)
     if record.kind == "none":
         if like is not None:
             raise StructureError(
@@ -250,6 +252,19 @@ def _make_target(index: int, record: LeafRecord, like: Any) -> _Target:
             f"found {saved_shape} in the checkpoint"
         )
     target.out_dtype = np.dtype(like_dtype)
+    return target
+
+
+def _text_target(target: _Target) -> _Target:
+    """A str or bytes leaf: its value is in the record; ``like`` None or of its type."""
+    value = _layout.text_value(target.record)
+    like = target.like
+    if like is not None and type(like) is not type(value):
+        raise StructureError(
+            f"leaf {target.record.path!r}: expected {_describe(like)} (from like), found a "
+            f"{type(value).__name__} in the checkpoint"
+        )
+    target.result = value
     return target
 
 
