@@ -27,7 +27,10 @@ _HITS: collections.Counter[str] = collections.Counter()
 
 
 class InjectedFault(OSError):
-    """The failure ``FOP_FAIL_AT`` asked for."""
+    """The failure ``FOP_FAIL_AT`` asked for (its ``errno`` as asked, EIO by default)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def _reached(variable: str, phase: str, key: str) -> str | None:

@@ -521,7 +521,7 @@ class CheckpointManager:
         except BaseException:
             _wait_all(pendings.values())
             if staging.renames:
-                _ownership.remove_if_ours(staging.location, what="staging")
+                _ownership.remove_staging(staging.location, staging.nonce)
             raise
         entries = {n: ItemEntry(getattr(h, "kind", "custom"), dirs[n]) for n, h in handlers.items()}
         digest = _layout.sha256(
@@ -599,7 +599,7 @@ class CheckpointManager:
 
         def abort() -> None:
             if staging.renames:
-                _ownership.remove_if_ours(staging.location, what="staging")
+                _ownership.remove_staging(staging.location, staging.nonce)
             elif not replace:  # a new step written in place: no manifest, all of it goes
                 _ownership.remove_if_ours(staging.final, what="uncommitted step")
             else:  # the old step stays whole: only the new items' fresh directories go

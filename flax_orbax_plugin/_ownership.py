@@ -177,6 +177,20 @@ def remove_if_ours(loc: Location, *, what: str) -> bool:
     return True
 
 
+def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
+    """Removes the staging place of a save of this process (``nonce`` is that save's:
+    drawn from this run's session nonce, a name nobody else creates). Proven by our
+    marker, or on local disk by the name itself: only the primary claims, and the
+    others' staging of a step the primary did not save carries no marker."""
+    if proof(loc) is None and loc.is_local and loc.name.endswith(f".partial-{nonce}"):
+        if _exists(loc):
+            logger.info("checkpoint: removing this save's %s %s", what, loc)
+            _remove_proven(loc)
+            return True
+        return False
+    return remove_if_ours(loc, what=what)
+
+
 def remove_step(directory: Location, step: int) -> None:
     """Deletes a committed step of ``directory`` so that it disappears from listings
     at once: on local disk a rename to ``<step>.deleting-<nonce>``; on object stores
