@@ -465,9 +465,7 @@ class CheckpointManager:
         returns the committed local steps (from memory: no listing per save)."""
         local = self._known_steps()
         if step not in local:  # a foreign entry with the step's name is never replaced
-            slot = _steps.step_location(self._loc, step)
-            if _ownership.check_slot(slot, what=f"step {step}", replace=False):
-                _ownership.remove(slot, action="clear the remains of a dead save at")
+            self._check_slot(step)
         # Steps increase across both tiers (the persistent one as known, not listed).
         steps = sorted(set(local) | self._tier.known_steps()) if self._tier else local
         if steps and step <= steps[-1] and not overwrite:
@@ -479,6 +477,36 @@ class CheckpointManager:
                 f"overwrite=True to replace steps"
             )
         return local
+
+    def _check_slot(self, step: int) -> None:
+        """Refuses a step whose name a foreign entry holds; clears a dead save's remains.
+
+        On an object store with several processes, every process writes into the step's
+        own prefix (no staging name), so a fast process's data could land before a
+        slower primary looks: the primary alone looks, before anyone writes, and every
+        process waits for its verdict (one key-value round, only for a new step)."""
+        slot = _steps.step_location(self._loc, step)
+
+        def look() -> None:
+            if _ownership.check_slot(slot, what=f"step {step}", replace=False):
+                _ownership.remove(slot, action="clear the remains of a dead save at")
+
+        if self._loc.supports_rename or _distributed.process_count() == 1:
+            look()
+            return
+        op = _distributed.next_operation_id("manager-slot")
+        verdict = ""
+        if _distributed.is_primary():
+            try:
+                look()
+            except CheckpointError as e:
+                verdict = f"{type(e).__name__}: {e}"
+        verdict = _distributed.broadcast_str(op, verdict)
+        if verdict:
+            kind, _, message = verdict.partition(": ")
+            raise (ForeignEntryError if kind == "ForeignEntryError" else CheckpointError)(
+                f"{message} (checked by process 0)"
+            )
 
     def _collect_items(self, state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]:
         items = split_state(state)
