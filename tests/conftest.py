@@ -8,7 +8,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import pytest
 
-
 _SERVER_FIXTURES = {"s3": ("s3_server", "s3_location"), "gcs": ("gcs_server", "gcs_location")}
 
 
