@@ -48,7 +48,8 @@ few operations otherwise); no ``<step>.corrupt-*`` appears (the test damages
 nothing); after a successful close no ``*.partial-*``, ``*.deleting-*`` or
 ``_PENDING.json`` lingers.
 
-Settings: derandomized; 20 examples on local disk, 6 on S3, 4 on GCS, of
+Settings: derandomized; 20 examples on local disk, 6 on S3, 2 on GCS (its emulator
+answers about 10x slower than moto), of
 ``FOP_PROPERTY_STEPS`` (default 14) operations each, about two minutes for the three
 stores on 2 cores; ``FOP_PROPERTY_EXAMPLES`` sets the count for every store. A longer
 local run:
@@ -88,7 +89,7 @@ pytest_plugins = ["_servers"]
 
 # Examples per store in CI (the object stores cost ~5 ms a request, the invariants
 # read every foreign key after each operation); FOP_PROPERTY_EXAMPLES sets all three.
-EXAMPLES = {"local": 20, "s3": 6, "gs": 4}
+EXAMPLES = {"local": 20, "s3": 6, "gs": 2}
 if os.environ.get("FOP_PROPERTY_EXAMPLES"):
     EXAMPLES = dict.fromkeys(EXAMPLES, int(os.environ["FOP_PROPERTY_EXAMPLES"]))
 STEPS = int(os.environ.get("FOP_PROPERTY_STEPS", "14"))
