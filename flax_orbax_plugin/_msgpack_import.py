@@ -46,7 +46,8 @@ from ._errors import (
     ForeignEntryError,
     StructureError,
 )
-from ._importing import entry_kind, open_regular
+from ._importing import open_regular
+from ._storage import entry_kind
 
 __all__ = ["import_msgpack", "is_msgpack_checkpoint", "read_msgpack", "restore_msgpack"]
 

@@ -60,9 +60,9 @@ from ._errors import (
     ForeignEntryError,
     StructureError,
 )
-from ._importing import entry_kind, loads_json
+from ._importing import loads_json
 from ._serving import retarget
-from ._storage import Location, context
+from ._storage import Location, context, entry_kind
 
 __all__ = [
     "OrbaxItem",

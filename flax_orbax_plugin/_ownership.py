@@ -36,7 +36,7 @@ import tensorstore as ts
 from . import _faults
 from ._errors import CheckpointError, ForeignEntryError
 from ._layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
-from ._storage import Location, context
+from ._storage import Location, context, entry_kind
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -85,8 +85,7 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
             return None
         if not stat.S_ISDIR(st.st_mode):
             raise ForeignEntryError(
-                f"{path}: expected a directory this library created, found "
-                f"{'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'a non-directory'}"
+                f"{path}: expected a directory this library created, found {entry_kind(st.st_mode)}"
             )
     try:
         if _is_pending_marker(loc.read_bytes(PENDING_FILE)):

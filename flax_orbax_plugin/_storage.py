@@ -280,19 +280,9 @@ class Location:
         file driver follows symlinks."""
         if not self.is_local:
             return
-        stack = [self.path.rstrip("/") or "/"]
-        while stack:
-            top = stack.pop()
-            try:
-                it = os.scandir(top)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            with it:
-                for entry in it:
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-                    elif not entry.is_file(follow_symlinks=False):
-                        _require_regular(entry.stat(follow_symlinks=False), entry.path)
+        for entry in walk_entries(self.path.rstrip("/") or "/"):
+            if not entry.is_file(follow_symlinks=False):
+                _require_regular(entry.stat(follow_symlinks=False), entry.path)
 
     def list_children(self) -> list[str]:
         """Names of the immediate children (files and directories), sorted."""
@@ -413,8 +403,31 @@ class Location:
             fsync_dir(root)
 
 
+def walk_entries(top: str):
+    """Every entry under the local directory ``top`` that is not a directory (files,
+    links, FIFOs ...), walked without following any link, opening no file; nothing
+    when ``top`` is missing."""
+    stack = [top]
+    while stack:
+        where = stack.pop()
+        try:
+            it = os.scandir(where)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                else:
+                    yield entry
+
+
 def _kind(st: os.stat_result) -> str:
-    mode = st.st_mode
+    return entry_kind(st.st_mode)
+
+
+def entry_kind(mode: int) -> str:
+    """'a FIFO', 'a symbolic link', 'a directory' ... for an ``st_mode``."""
     if stat.S_ISLNK(mode):
         return "a symbolic link"
     if stat.S_ISDIR(mode):
