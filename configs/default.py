@@ -28,6 +28,10 @@ def get_config() -> ml_collections.ConfigDict:
     # True: continue from the latest good step when one exists (start fresh otherwise).
     # False on a directory that already holds steps is refused, unless `overwrite`
     # (which removes them first): two runs never mix in one directory.
+    # A preemptible job (restarted by its scheduler with the same command) runs with
+    # --config.checkpoint.resume=True from its very first start: the first start finds
+    # no step and starts fresh, every restart resumes. "required" refuses to start
+    # fresh (an evaluation or fine-tune that must find a checkpoint).
     config.checkpoint.resume = False
     config.checkpoint.overwrite = False
     # Save in the background while training continues (the blocking phase only

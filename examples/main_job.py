@@ -1,9 +1,11 @@
 """The main job (`make demo`): train, get SIGKILLed mid-run, resume, serve, compare.
 
 1. An uninterrupted reference run trains to the end.
-2. The same run is started again with checkpoints; once it has logged step
-   `--kill-at`, this script sends it SIGKILL (a real kill of the real process).
-3. It is restarted with `--config.checkpoint.resume=True` and finishes.
+2. The same run is started again with checkpoints and
+   `--config.checkpoint.resume=True` (the preemptible-job idiom: resume when steps
+   exist, start fresh when none); once it has logged step `--kill-at`, this script
+   sends it SIGKILL (a real kill of the real process).
+3. It is restarted with the very same command and finishes from its latest step.
 4. examples/serve.py restores the params alone and scores held-out data.
 5. The final params of the resumed run, of the served checkpoint and of the
    reference run must be equal bit for bit (sha256 over every leaf's bytes).
@@ -95,17 +97,21 @@ def main() -> None:
         _fail(f"the reference run failed (exit {rc})")
 
     _banner(f"2/5 the same run, SIGKILLed once it logs step {args.kill_at}")
-    rc, lines = _run(
-        "train", [*train, f"--config.checkpoint.directory={ckpt_dir}"], kill_at=args.kill_at
-    )
+    # One command for the first start and every restart: resume=True starts fresh
+    # when the directory holds no step yet.
+    job_cmd = [
+        *train,
+        f"--config.checkpoint.directory={ckpt_dir}",
+        "--config.checkpoint.resume=True",
+    ]
+    rc, lines = _run("train", job_cmd, kill_at=args.kill_at)
     if rc != -signal.SIGKILL:
         _fail(f"the run was meant to die by SIGKILL but exited with {rc}; lower --kill-at")
     print(f"killed: exit status {rc} (SIGKILL). What survived on disk:")
     subprocess.run([*cli, "list", ckpt_dir], cwd=ROOT, check=False)
 
-    _banner("3/5 resume from the config flag: --config.checkpoint.resume=True")
-    resumed_cmd = [*train, f"--config.checkpoint.directory={ckpt_dir}"]
-    rc, lines = _run("resume", [*resumed_cmd, "--config.checkpoint.resume=True"])
+    _banner("3/5 the same command again: --config.checkpoint.resume=True resumes")
+    rc, lines = _run("resume", job_cmd)
     final = _digest(lines, "final")
     resumed_from = [
         int(m.group(1)) for m in map(re.compile(r"resumed from step (\d+)").search, lines) if m

@@ -20,7 +20,6 @@ Coming from elsewhere, going elsewhere:
     params = fop.from_safetensors(index_or_files, like)
 """
 
-from ._core.restore import metadata
 from ._core.save import SaveHandle, SaveResult, is_committed, save, save_async
 from ._core.verify import VerifyResult, verify
 from ._errors import (
@@ -44,7 +43,7 @@ from ._interop.safetensors import from_safetensors, to_safetensors
 from ._manager.callback import CheckpointCallback
 from ._manager.checkpointables import Checkpointable, Pending, Written
 from ._manager.manager import CheckpointManager
-from ._reading.restore import restore
+from ._reading.restore import metadata, restore
 from ._reading.serving import restore_params
 from ._state.iterators import StepIndexedIterator
 from ._storage.location import Location

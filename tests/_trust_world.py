@@ -175,6 +175,10 @@ class LocalWorld(_LocalSide):
         p = self.dir / name
         return fingerprint_path(str(p)) if os.path.lexists(p) else None
 
+    def snapshot(self, foreign) -> tuple[list[str], dict, dict]:
+        """(names in dir, fingerprints of the ``foreign`` names, outside fingerprint)."""
+        return self.names(), {n: self.fingerprint(n) for n in foreign}, self.outside_fingerprint()
+
     def outside_fingerprint(self) -> dict:
         fp = self.local_outside()
         fp["run-sibling"] = fingerprint_path(str(self.root / "run-sibling"))
@@ -225,24 +229,40 @@ class ObjectWorld(_LocalSide):
         r = self._kv.read(key).result()
         return r.value if r.state == "value" else b"<missing>"
 
+    @staticmethod
+    def _top(key: str) -> str | None:
+        return key[4:].split("/", 1)[0] if key.startswith("run/") else None
+
     def names(self) -> list[str]:
-        return sorted({k[4:].split("/", 1)[0] for k in self._keys() if k.startswith("run/")})
+        return sorted({t for k in self._keys() if (t := self._top(k)) is not None})
 
     def fingerprint(self, name: str):
-        prefix = f"run/{name}"
-        found = tuple(
-            (k, _sha(self._read(k)))
-            for k in self._keys()
-            if k == prefix or k.startswith(prefix + "/")
-        )
-        return found or None
+        return self.snapshot([name])[1][name]
 
     def outside_fingerprint(self) -> dict:
-        fp = self.local_outside()
-        fp["keys"] = tuple(
-            (k, _sha(self._read(k))) for k in self._keys() if not k.startswith("run/")
-        )
-        return fp
+        return self.snapshot([])[2]
+
+    def snapshot(self, foreign) -> tuple[list[str], dict, dict]:
+        """One listing, then every key of the ``foreign`` names and every key outside
+        ``run/`` read concurrently: (names in dir, {name: ((key, sha256), ...) or None},
+        outside fingerprint)."""
+        keys = self._keys()
+        wanted = set(foreign)
+        chosen = [k for k in keys if self._top(k) is None or self._top(k) in wanted]
+        reads = [(k, self._kv.read(k)) for k in chosen]
+        shas = {}
+        for k, fut in reads:
+            r = fut.result()
+            shas[k] = _sha(r.value) if r.state == "value" else "<missing>"
+        per_name = {n: [] for n in wanted}
+        for k in chosen:
+            if (t := self._top(k)) is not None:
+                per_name[t].append((k, shas[k]))
+        fps = {n: tuple(v) or None for n, v in per_name.items()}
+        outside = self.local_outside()
+        outside["keys"] = tuple((k, shas[k]) for k in chosen if self._top(k) is None)
+        names = sorted({t for k in keys if (t := self._top(k)) is not None})
+        return names, fps, outside
 
 
 class OsFault:

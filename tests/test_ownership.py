@@ -14,6 +14,7 @@ import tensorstore as ts
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
+from flax_orbax_plugin._base import faults as _faults
 from flax_orbax_plugin._core import ownership as _ownership
 from flax_orbax_plugin._storage import location as _storage
 from flax_orbax_plugin._storage.location import Location
@@ -174,3 +175,24 @@ def test_removal_refuses_without_proof_and_never_follows_links(tmp_path):
     (run / "6" / "f").write_text("user")
     assert not _ownership.remove_if_ours(loc.child("6"), what="test")
     assert (run / "6" / "f").read_text() == "user"
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EIO", "EMFILE"])
+def test_a_failed_save_leaves_nothing_and_touches_no_earlier_step(tmp_path, monkeypatch, code):
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run) as mngr:
+        mngr.save(1, tiny(1))
+        mngr.wait()
+        monkeypatch.setattr(_faults, "_HITS", _faults._HITS.__class__())
+        monkeypatch.setenv("FOP_FAIL_AT", f"write_small:1:{code}")
+        with pytest.raises(OSError) as raised:
+            mngr.save(2, tiny(2))
+            mngr.wait()
+        assert raised.value.errno == getattr(__import__("errno"), code)
+        monkeypatch.delenv("FOP_FAIL_AT")
+        assert mngr.steps() == [1]
+        assert sorted(os.listdir(run)) == [".writer.lock", "1"]  # no staging left behind
+        assert mngr.restore(step=1, items="params")["w"][0] == 1
+        assert mngr.save(2, tiny(2))  # the failure does not block the next save
+    assert fop.restore_params(run)["w"][0] == 2
+    assert not list(run.glob("*.corrupt-*"))

@@ -60,7 +60,8 @@ def test_changed_optimizer_error_points_to_reset(tmp_path):
     message = str(info.value)
     assert "item 'opt_state' of step 6" in message
     assert "reset=('opt_state',)" in message
-    assert "partial=True" not in message  # no option neither the callback nor the manager takes
+    # every option named is one the callback and the manager take (issue 25)
+    assert "pass partial=True, missing='keep' or transform= to on_train_start" in message
 
 
 def test_reset_opt_state_resumes_everything_else(tmp_path):

@@ -8,14 +8,18 @@ Costs one dictionary lookup when the variable is unset. Phases of a save, in ord
 after each file copied to (or down from) a persistent tier (``_tiers``).
 
 ``fail_point(phase)`` raises :class:`InjectedFault` (an ``OSError``) instead, from the
-N-th hit on, when ``FOP_FAIL_AT`` names ``phase`` (same syntax): a process keeps
-running and reports the error as a real I/O failure would. Phases: ``replicate_file``
-before each file a process copies to a persistent tier.
+N-th hit on, when ``FOP_FAIL_AT`` names ``phase`` (same syntax, plus an optional errno
+name: ``read_chunk:1:EMFILE``; EIO by default): a process keeps running and reports
+the error as a real I/O failure would. Phases: ``replicate_file`` before each file a
+process copies to a persistent tier, ``copy_down_file`` before each file copied down
+from it, ``read_chunk`` before each chunk file the direct reader opens, ``write_small``
+before each small file (JSON, markers) written on local disk.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import signal
 
@@ -23,7 +27,10 @@ _HITS: collections.Counter[str] = collections.Counter()
 
 
 class InjectedFault(OSError):
-    """The failure ``FOP_FAIL_AT`` asked for."""
+    """The failure ``FOP_FAIL_AT`` asked for (its ``errno`` as asked, EIO by default)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def _reached(variable: str, phase: str, key: str) -> str | None:
@@ -32,6 +39,7 @@ def _reached(variable: str, phase: str, key: str) -> str | None:
     if not spec:
         return None
     name, _, nth = spec.partition(":")
+    nth = nth.split(":", 1)[0]
     if name != phase:
         return None
     _HITS[key] += 1
@@ -46,4 +54,6 @@ def kill_point(phase: str) -> None:
 def fail_point(phase: str) -> None:
     spec = _reached("FOP_FAIL_AT", phase, f"fail:{phase}")
     if spec:
-        raise InjectedFault(f"injected fault at {phase} (FOP_FAIL_AT={spec})")
+        parts = spec.split(":")
+        code = getattr(errno, parts[2], errno.EIO) if len(parts) > 2 else errno.EIO
+        raise InjectedFault(code, f"injected fault at {phase} (FOP_FAIL_AT={spec})")

@@ -141,7 +141,7 @@ class Staging:
     def abort(self) -> None:
         """Primary only: removes what this commit staged (renaming strategy)."""
         if self.renames:
-            _ownership.remove_if_ours(self.location, what="staging")
+            _ownership.remove_staging(self.location, self.nonce)
 
 
 @dataclasses.dataclass(frozen=True)

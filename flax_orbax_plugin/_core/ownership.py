@@ -36,7 +36,7 @@ import tensorstore as ts
 from .._base import faults as _faults
 from .._errors import CheckpointError, ForeignEntryError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
-from .._storage.location import Location, context
+from .._storage.location import Location, context, entry_kind
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -85,8 +85,7 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
             return None
         if not stat.S_ISDIR(st.st_mode):
             raise ForeignEntryError(
-                f"{path}: expected a directory this library created, found "
-                f"{'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'a non-directory'}"
+                f"{path}: expected a directory this library created, found {entry_kind(st.st_mode)}"
             )
     try:
         if _is_pending_marker(loc.read_bytes(PENDING_FILE)):
@@ -175,6 +174,20 @@ def remove_if_ours(loc: Location, *, what: str) -> bool:
     logger.info("checkpoint: removing %s %s", what, loc)
     _remove_proven(loc)
     return True
+
+
+def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
+    """Removes the staging place of a save of this process (``nonce`` is that save's:
+    drawn from this run's session nonce, a name nobody else creates). Proven by our
+    marker, or on local disk by the name itself: only the primary claims, and the
+    others' staging of a step the primary did not save carries no marker."""
+    if proof(loc) is None and loc.is_local and loc.name.endswith(f".partial-{nonce}"):
+        if _exists(loc):
+            logger.info("checkpoint: removing this save's %s %s", what, loc)
+            _remove_proven(loc)
+            return True
+        return False
+    return remove_if_ours(loc, what=what)
 
 
 def remove_step(directory: Location, step: int) -> None:

@@ -54,6 +54,7 @@ from .._format.layout import (
 )
 from .._like import casting as _casting
 from .._like import onto_like as _onto_like
+from .._like import transform as _transform
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
@@ -66,7 +67,9 @@ DEFAULT_MEMORY_LIMIT_BYTES = 64 << 20
 
 
 def metadata(path: Any) -> _metadata.CheckpointMetadata:
-    """Leaf paths, shapes, dtypes and shardings of a checkpoint; reads no array data."""
+    """Leaf paths, shapes, dtypes and shardings of this library's checkpoint at
+    ``path``; reads no array data (``_reading.restore.metadata`` adds what a foreign
+    checkpoint there is)."""
     location = Location.from_path(path)
     _save.wait_for_pending_save(location)
     return _metadata.to_public(read_document(location), str(location))
@@ -100,6 +103,8 @@ def _make_target(index: int, record: LeafRecord, like: Any) -> _Target:
     target = _Target(index, record, like)
     if record.kind in _layout.EMPTY_KINDS:
         return _empty_target(target)
+    if record.kind in _layout.TEXT_KINDS:
+        return _text_target(target)
     if record.kind == "none":
         if like is not None:
             raise StructureError(
@@ -126,6 +131,19 @@ def _make_target(index: int, record: LeafRecord, like: Any) -> _Target:
             f"found {saved_shape} in the checkpoint"
         )
     target.out_dtype = np.dtype(like_dtype)
+    return target
+
+
+def _text_target(target: _Target) -> _Target:
+    """A str or bytes leaf: its value is in the record; ``like`` None or of its type."""
+    value = _layout.text_value(target.record)
+    like = target.like
+    if like is not None and type(like) is not type(value):
+        raise StructureError(
+            f"leaf {target.record.path!r}: expected {_describe(like)} (from like), found a "
+            f"{type(value).__name__} in the checkpoint"
+        )
+    target.result = value
     return target
 
 
@@ -625,6 +643,8 @@ def restore(
     like: Any = None,
     *,
     partial: bool = False,
+    missing: str = "error",
+    transform: Any = None,
     memory_limit_bytes: int | None = None,
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
@@ -635,7 +655,15 @@ def restore(
     which documents the arguments and errors and adds the fallback to foreign formats;
     internal callers that read only native checkpoints (items of a step, serving,
     export) call this one. Threading as in the module doc.
+
+    Restoring into a changed model (see ``_like.transform``): ``partial=True`` leaves out
+    saved leaves ``like`` does not have; ``missing="keep"`` keeps ``like``'s own value
+    for a leaf the checkpoint lacks (a ShapeDtypeStruct there raises, naming it);
+    ``transform`` maps saved leaf paths to ``like``'s: ``{regex: replacement}``
+    applied with ``re.sub`` in order, or a callable ``path -> path | None`` (None
+    drops the leaf). Without them every difference is listed in one StructureError.
     """
+    opts = _transform.changes(partial=partial, missing=missing, transform=transform)
     location = Location.from_path(path)
     _save.wait_for_pending_save(location)
     limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
@@ -643,39 +671,45 @@ def restore(
     token = _SHARE_READS.set(_distributed.process_count() > 1 if share is None else bool(share))
     try:
         with _tree.paused_gc(), _casting.policy(cast):
-            return _restore(location, like, partial, limit)
+            return _restore(location, like, opts, limit)
     finally:
         _SHARE_READS.reset(token)
 
 
-def _restore(location: Location, like: Any, partial: bool, limit: int) -> Any:
+def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
+    """With ``like=None`` a transform may only drop leaves (False): there is no
+    structure to place a renamed one in."""
+    new = opts.rename(path)
+    if new is not None and new != path:
+        raise ValueError(
+            f"transform renames the saved leaf {path!r} to {new!r}, which needs like (the "
+            f"tree to place it in); with like=None a transform may only drop leaves (None)"
+        )
+    return new is not None
+
+
+def _restore(location: Location, like: Any, opts: _transform.Changes, limit: int) -> Any:
     doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
     records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
     if like is None:
-        targets = [_make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
+        leaves = list(enumerate(doc.leaves))
+        if opts.transform is not None:
+            leaves = [(i, rec) for i, rec in leaves if _dropped_or_same(opts, rec.path)]
+        targets = [_make_target(i, rec, None) for i, rec in leaves]
         _read_targets(location, doc, targets, limit)
         items = [(list(t.record.keys), t.result) for t in targets]
         return _tree.rebuild(items)
     flat, treedef = _tree.flatten(like)
+    records = _transform.rename_records(records, opts, str(location))
     _add_missing_empties(flat, records)
-    missing = [p for p, _, _ in flat if p not in records]
-    if missing:
-        raise StructureError(
-            f"leaf {missing[0]!r}: expected by like, found no such key in the checkpoint "
-            f"at {location}" + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else "")
-        )
-    if not partial:
-        wanted = {p for p, _, _ in flat}
-        empty = _layout.EMPTY_KINDS  # an empty node like lacks loses no data
-        unexpected = [p for p in records if p not in wanted and records[p][1].kind not in empty]
-        if unexpected:
-            raise StructureError(
-                f"leaf {unexpected[0]!r}: unexpected key: found in the checkpoint at {location} "
-                f"but not in like"
-                + (f" ({len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-                + "; pass partial=True to restore a subtree"
-            )
-    targets = [_make_target(*records[p], leaf) for p, _, leaf in flat]
+    plan = _transform.match(
+        flat, records, opts, where=str(location), make=_make_target, empty_kinds=_layout.EMPTY_KINDS
+    )
+    targets = [t for t in plan if t is not _transform.KEEP]
     _read_targets(location, doc, targets, limit)
-    return _tree.unflatten(treedef, [t.result for t in targets])
+    results = [
+        leaf if t is _transform.KEEP else t.result
+        for t, (_, _, leaf) in zip(plan, flat, strict=True)
+    ]
+    return _tree.unflatten(treedef, results)

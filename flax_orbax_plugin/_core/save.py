@@ -292,6 +292,20 @@ class _Leaf:
     writes: list[tuple[tuple[slice, ...], np.ndarray]] = dataclasses.field(default_factory=list)
 
 
+def _text(path: str, leaf: str | bytes) -> str:
+    """A str or bytes leaf as the record's JSON string (bytes base64), bounded."""
+    import base64
+
+    raw = leaf.encode("utf-8") if isinstance(leaf, str) else leaf
+    if len(raw) > _layout.MAX_TEXT_BYTES:
+        raise StructureError(
+            f"leaf {path!r}: a {type(leaf).__name__} of {len(raw)} bytes; str and bytes "
+            f"leaves are kept in the metadata, at most {_layout.MAX_TEXT_BYTES} bytes each "
+            f"(store larger data as a numpy uint8 array)"
+        )
+    return leaf if isinstance(leaf, str) else base64.b64encode(raw).decode("ascii")
+
+
 def _classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
     """(kind, array-like value, PRNG impl) for one leaf; errors name the path."""
     if leaf is None:
@@ -315,10 +329,12 @@ def _classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
         return "np_scalar", np.asarray(leaf), None
     if isinstance(leaf, np.ndarray):
         return "array", leaf, None
+    if isinstance(leaf, str | bytes):
+        return "py_str" if isinstance(leaf, str) else "py_bytes", _text(path, leaf), None
     if _tree.is_empty_node(leaf):
         return _tree.empty_kind(leaf), None, None
     raise StructureError(
-        f"leaf {path!r}: expected a jax.Array, numpy array, scalar or None, "
+        f"leaf {path!r}: expected a jax.Array, numpy array, scalar, str, bytes or None, "
         f"found {type(leaf).__module__}.{type(leaf).__qualname__}"
     )
 
@@ -390,6 +406,9 @@ class _Plan:
         for index, (path, keys, raw) in enumerate(flat):
             kind, value, impl = _classify(path, raw)
             keys = tuple(keys)
+            if kind in _layout.TEXT_KINDS:
+                leaves.append(_Leaf(index, None, LeafRecord(path, keys, kind, value=value)))
+                continue
             if kind in _layout.NO_DATA_KINDS:
                 leaves.append(_Leaf(index, None, LeafRecord(path, keys, kind)))
                 continue
@@ -651,6 +670,8 @@ def _digest(leaves: list[_Leaf]) -> str:
     for leaf in leaves:
         r = leaf.record
         h.update(f"{r.path}\0{r.kind}\0{r.shape}\0{r.dtype}\n".encode())
+        if r.value is not None:  # a str or bytes leaf: every process saves the same
+            h.update(hashlib.sha256(r.value.encode("utf-8")).digest())
     return h.hexdigest()
 
 

@@ -59,7 +59,10 @@ SUPPORTED_DTYPES = frozenset(
 )
 PRNG_IMPLS = frozenset({"threefry2x32", "rbg", "unsafe_rbg"})
 EMPTY_KINDS = ("empty_dict", "empty_list")  # {} (or a field-less node); [] or ()
-NO_DATA_KINDS = ("none", *EMPTY_KINDS)  # records without shape, dtype or storage
+# A str or bytes leaf: its value is JSON in the record ("value"; bytes as base64).
+TEXT_KINDS = ("py_str", "py_bytes")
+MAX_TEXT_BYTES = 64 << 10  # per str (UTF-8) or bytes leaf: larger belongs in an array
+NO_DATA_KINDS = ("none", *EMPTY_KINDS, *TEXT_KINDS)  # no shape, dtype, storage or files
 LEAF_KINDS = frozenset(
     {"array", "py_int", "py_float", "py_bool", "py_complex", "np_scalar", "prng_key"}
     | set(NO_DATA_KINDS)
@@ -347,6 +350,7 @@ class LeafRecord:
     # "xxh3_128r:<hex>" over the leaf's regions and their bytes (optional; incremental
     # manager steps; FORMAT.md)
     digest: str | None = None
+    value: str | None = None  # TEXT_KINDS: the str, or the bytes as base64
 
     @property
     def size(self) -> int:
@@ -361,6 +365,8 @@ class LeafRecord:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path, "keys": [list(k) for k in self.keys]}
         out["kind"] = self.kind
+        if self.kind in TEXT_KINDS:
+            out["value"] = self.value
         if self.kind in NO_DATA_KINDS:
             return out
         out["shape"] = list(self.shape)
@@ -395,6 +401,15 @@ class LeafRecord:
         if not _one_of(kind, LEAF_KINDS):
             bad("kind", f"one of {sorted(LEAF_KINDS)}", kind)
         keys = _keys(obj.get("keys"), bad)
+        if kind in TEXT_KINDS:
+            value = obj.get("value")
+            if not (isinstance(value, str) and len(value) <= 2 * MAX_TEXT_BYTES):
+                bad("value", f"a string of at most {2 * MAX_TEXT_BYTES} characters", value)
+            if kind == "py_bytes":
+                text_bytes(value, lambda: bad("value", "base64 text", value))
+            elif not _utf8_within(value, MAX_TEXT_BYTES):
+                bad("value", f"text of at most {MAX_TEXT_BYTES} bytes in UTF-8", value)
+            return cls(path, keys, kind, value=value)
         if kind in NO_DATA_KINDS:
             return cls(path, keys, kind)
         shape = obj.get("shape")
@@ -461,6 +476,36 @@ class LeafRecord:
         if not (digest is None or (isinstance(digest, str) and _LEAF_DIGEST.match(digest))):
             bad("digest", "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex)", digest)
         return cls(path, keys, kind, shape, dtype, sharding, storage, impl, digest)
+
+
+def _utf8_within(text: str, limit: int) -> bool:
+    try:
+        return len(text.encode("utf-8")) <= limit
+    except UnicodeEncodeError:  # a lone surrogate: no str this library writes
+        return False
+
+
+def text_value(record: LeafRecord) -> str | bytes:
+    """The str or bytes a record of a TEXT_KINDS kind holds (checked when parsed)."""
+    if record.kind == "py_bytes":
+        return text_bytes(record.value or "", lambda: None)
+    return record.value or ""
+
+
+def text_bytes(value: str, on_error) -> bytes:
+    """``value`` (base64) decoded; ``on_error()`` is called (and must raise) if it is not
+    base64 of at most MAX_TEXT_BYTES bytes."""
+    import base64
+    import binascii
+
+    try:
+        data = base64.b64decode(value.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        on_error()
+        raise
+    if len(data) > MAX_TEXT_BYTES:
+        on_error()
+    return data
 
 
 def _shallow(value: Any, *, depth: int = 4, values: int = 1000) -> bool:

@@ -63,7 +63,7 @@ def list_directory(loc: Location) -> Listing:
     committed, unfinished, corrupt, foreign = [], [], [], []
     kinds = loc.child_kinds() if loc.is_local else None  # from the entries: no link followed
     for name in loc.list_children():
-        if name in RECORD_NAMES:
+        if name in RECORD_NAMES or name.startswith(".fop-visible-"):  # _shared_dir's probe
             continue
         if kinds is not None and kinds.get(name) != "dir":
             foreign.append(name)  # a symlink, a file, a device: never ours to follow

@@ -40,10 +40,12 @@ from typing import Any, Protocol
 from .._core.save import SaveResult
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
+from .._like.transform import changes as check_changes
 from .._state.resume import items_to_restore
 from .._state.train_state import merge_state
 from .._storage.location import Location
-from .manager import CheckpointManager, remove_step
+from . import options as _options
+from .manager import CheckpointManager, _manager_option_names, remove_step
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -101,13 +103,30 @@ class CheckpointCallback:
         extras_fn: Callable[[int, Any], Mapping[str, Any]] | None = None,
         writer: ScalarWriter | None = None,
         manager_options: Mapping[str, Any] | None = None,
+        **unknown: Any,
     ):
+        _options.check_unknown(
+            "CheckpointCallback",
+            unknown,
+            _callback_option_names(),
+            elsewhere=("manager_options", _manager_option_names()),
+        )
         if not (resume is True or resume is False or resume == "required"):
             raise ValueError(f"resume must be False, True or 'required', found {resume!r}")
-        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
-            raise ValueError(f"every_steps must be a positive int or None, found {every_steps!r}")
-        if every_seconds is not None and not every_seconds > 0:
-            raise ValueError(f"every_seconds must be > 0 or None, found {every_seconds!r}")
+        _options.positive_int("every_steps", every_steps)
+        _options.positive_number("every_seconds", every_seconds)
+        _options.positive_int("keep", keep)
+        _options.flag("overwrite", overwrite)
+        _options.flag("async_save", async_save)
+        if manager_options is not None and not isinstance(manager_options, Mapping):
+            raise TypeError(f"manager_options must be a dict, found {manager_options!r}")
+        names = _manager_option_names()
+        _options.check_unknown(
+            "CheckpointManager (through manager_options)",
+            {k: v for k, v in (manager_options or {}).items() if k not in names},
+            names,
+        )
+
         self.directory = directory
         self.every_steps = every_steps
         self.every_seconds = every_seconds
@@ -153,7 +172,14 @@ class CheckpointCallback:
     # -- the three hooks --------------------------------------------------------
 
     def on_train_start(
-        self, state: Any, data_iterator: Any = None, *, reset: tuple[str, ...] = ()
+        self,
+        state: Any,
+        data_iterator: Any = None,
+        *,
+        reset: tuple[str, ...] = (),
+        partial: bool = False,
+        missing: str = "error",
+        transform: Any = None,
     ) -> Any:
         """Returns ``state`` resumed from the latest good step (per ``resume``), or
         unchanged. With ``resume=False`` a directory holding steps is refused (or, with
@@ -161,11 +187,19 @@ class CheckpointCallback:
 
         ``reset`` names items kept from ``state`` instead of restored, e.g.
         ``reset=("opt_state",)`` after changing the optimizer: params, step, other
-        items and the data position are resumed, the optimizer starts fresh.
+        items and the data position are resumed, the optimizer starts fresh;
+        ``reset=("data_iterator",)`` starts the data afresh on purpose. Resuming a step
+        that holds a data position without a ``data_iterator`` warns once (the run would
+        replay its data).
+
+        ``partial``, ``missing`` and ``transform`` resume into a changed model, as in
+        :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
+        grew layers: the new ones keep their values from ``state``).
         """
         if data_iterator is not None:
             self._data_iterator = data_iterator
         names = items_to_restore(state, reset=reset) if reset else None
+        opts = check_changes(partial=partial, missing=missing, transform=transform).kwargs()
         mngr = self.manager
         latest = mngr.latest_step(include_persistent=True)
         if not self.resume:
@@ -188,9 +222,10 @@ class CheckpointCallback:
             return state
         t0 = time.perf_counter()
         if names is None:
-            restored = mngr.restore(like=state, data_iterator=self._data_iterator)
+            restored = mngr.restore(like=state, data_iterator=self._data_iterator, **opts)
         else:
-            subset = mngr.restore(like=state, items=names, data_iterator=self._data_iterator)
+            it = None if "data_iterator" in reset else self._data_iterator
+            subset = mngr.restore(like=state, items=names, data_iterator=it, **opts)
             restored = merge_state(state, subset)
         latest = mngr.restored_step
         self.resumed_step = self._last_saved_step = self._last_step = latest
@@ -208,7 +243,10 @@ class CheckpointCallback:
             raise CheckpointError(
                 f"{self.directory}{where} already holds steps of a run (latest: {latest}) and "
                 f"resume=False: refusing to mix two runs. Resume it (resume=True), use a "
-                f"new directory, or pass overwrite=True to remove its steps first"
+                f"new directory, or pass overwrite=True to remove its steps first. A job "
+                f"restarted with the same command (preemptible, or rescheduled) should run "
+                f"with resume=True from its first start: it starts fresh while the directory "
+                f"holds no step and resumes the latest good step after every restart"
             )
         for step in mngr.steps():
             remove_step(Location.from_path(self.directory), step)
@@ -339,6 +377,14 @@ class CheckpointCallback:
         self.history.append(figures)
         if self._writer is not None:
             self._writer.write_scalars(step, figures.as_scalars())
+
+
+def _callback_option_names() -> list[str]:
+    import inspect
+
+    params = inspect.signature(CheckpointCallback.__init__).parameters.values()
+    own = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return own
 
 
 def _step_of(state: Any, default: int | None) -> int | None:

@@ -196,8 +196,10 @@ class PytreeCheckpointable:
             lambda: snap.write(directory, limit=limit, durable=False, reuse=reuse), snap.digest
         )
 
-    def restore(self, directory: Location, like: Any) -> Any:
-        return _restore.restore(directory, like)
+    def restore(self, directory: Location, like: Any, **changes: Any) -> Any:
+        """``changes``: ``partial``, ``missing``, ``transform`` of ``fop.restore`` (the
+        manager passes them for a restore into a changed model)."""
+        return _restore.restore(directory, like, **changes)
 
 
 class JsonCheckpointable:

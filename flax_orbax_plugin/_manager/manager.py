@@ -42,6 +42,7 @@ import secrets
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -67,11 +68,13 @@ from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE, ItemEntry, StepManifest
 from .._incremental import reuse as _incremental
 from .._incremental.reuse import Reuse
+from .._like import transform as _transform
 from .._state.resume import item_mismatch
 from .._state.train_state import merge_state, split_state
 from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location
 from .._storage.lock import DirectoryLock
+from . import options as _options
 from .checkpointables import Checkpointable, Pending, PytreeCheckpointable, checkpointable_for
 from .policy import SavePolicy
 from .preemption import Preemption
@@ -90,6 +93,27 @@ def _check_item_name(name: Any) -> str:
             "and do not start with '_' or '.'"
         )
     return name
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of warnings.warn (called from this module) that names the
+    first frame outside this package: the user's call."""
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while (
+        frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _manager_option_names() -> tuple[str, ...]:
+    import inspect
+
+    params = inspect.signature(CheckpointManager.__init__).parameters.values()
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 class CheckpointManager:
@@ -179,7 +203,11 @@ class CheckpointManager:
         persistent_grace_seconds: float = 30.0,
         persistent_lease_seconds: float = 60.0,
         reuse_host_buffers: bool = False,
+        **unknown: Any,
     ):
+        _options.check_unknown("CheckpointManager", unknown, _MANAGER_OPTIONS)
+        _options.check_manager(locals())
+        steps = _options.steps_list("steps", steps)
         self._loc = Location.from_path(directory)
         self._retention = RetentionPolicy(
             keep_last=keep,
@@ -213,6 +241,7 @@ class CheckpointManager:
         self._closed = False
         self._preemption: Preemption | None = None  # handle_sigterm (see _preemption)
         self.restored_step: int | None = None  # the step the last restore() read
+        self._warned_replay = False  # warned that a resume left the data position out
         # The one line logged per committed step (a callback with a metric writer, which
         # reports the same figures, lowers it to DEBUG: one line per save).
         self.commit_log_level = logging.INFO
@@ -435,9 +464,7 @@ class CheckpointManager:
         returns the committed local steps (from memory: no listing per save)."""
         local = self._known_steps()
         if step not in local:  # a foreign entry with the step's name is never replaced
-            slot = _steps.step_location(self._loc, step)
-            if _ownership.check_slot(slot, what=f"step {step}", replace=False):
-                _ownership.remove(slot, action="clear the remains of a dead save at")
+            self._check_slot(step)
         # Steps increase across both tiers (the persistent one as known, not listed).
         steps = sorted(set(local) | self._tier.known_steps()) if self._tier else local
         if steps and step <= steps[-1] and not overwrite:
@@ -449,6 +476,36 @@ class CheckpointManager:
                 f"overwrite=True to replace steps"
             )
         return local
+
+    def _check_slot(self, step: int) -> None:
+        """Refuses a step whose name a foreign entry holds; clears a dead save's remains.
+
+        On an object store with several processes, every process writes into the step's
+        own prefix (no staging name), so a fast process's data could land before a
+        slower primary looks: the primary alone looks, before anyone writes, and every
+        process waits for its verdict (one key-value round, only for a new step)."""
+        slot = _steps.step_location(self._loc, step)
+
+        def look() -> None:
+            if _ownership.check_slot(slot, what=f"step {step}", replace=False):
+                _ownership.remove(slot, action="clear the remains of a dead save at")
+
+        if self._loc.supports_rename or _distributed.process_count() == 1:
+            look()
+            return
+        op = _distributed.next_operation_id("manager-slot")
+        verdict = ""
+        if _distributed.is_primary():
+            try:
+                look()
+            except CheckpointError as e:
+                verdict = f"{type(e).__name__}: {e}"
+        verdict = _distributed.broadcast_str(op, verdict)
+        if verdict:
+            kind, _, message = verdict.partition(": ")
+            raise (ForeignEntryError if kind == "ForeignEntryError" else CheckpointError)(
+                f"{message} (checked by process 0)"
+            )
 
     def _collect_items(self, state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]:
         items = split_state(state)
@@ -491,7 +548,7 @@ class CheckpointManager:
         except BaseException:
             _wait_all(pendings.values())
             if staging.renames:
-                _ownership.remove_if_ours(staging.location, what="staging")
+                _ownership.remove_staging(staging.location, staging.nonce)
             raise
         entries = {n: ItemEntry(getattr(h, "kind", "custom"), dirs[n]) for n, h in handlers.items()}
         digest = _layout.sha256(
@@ -569,7 +626,7 @@ class CheckpointManager:
 
         def abort() -> None:
             if staging.renames:
-                _ownership.remove_if_ours(staging.location, what="staging")
+                _ownership.remove_staging(staging.location, staging.nonce)
             elif not replace:  # a new step written in place: no manifest, all of it goes
                 _ownership.remove_if_ours(staging.final, what="uncommitted step")
             else:  # the old step stays whole: only the new items' fresh directories go
@@ -729,6 +786,9 @@ class CheckpointManager:
         step: int | None = None,
         items: str | Iterable[str] | None = None,
         data_iterator: Any = None,
+        partial: bool = False,
+        missing: str = "error",
+        transform: Any = None,
     ) -> Any:
         """Restore a step (the latest that verifies, by default).
 
@@ -739,6 +799,12 @@ class CheckpointManager:
         * ``items="params"``: that one item's value; ``items=("params", "extras")``:
           a dict ``{name: value}``. ``like`` then only supplies templates.
         * ``data_iterator``: its state is set to the saved one (this process's).
+        * A changed model (see ``_transform``): ``partial=True`` leaves out saved
+          leaves (and items) ``like`` does not have; ``missing="keep"`` keeps
+          ``like``'s own value for a leaf, or a whole item, the step lacks;
+          ``transform`` maps saved leaf paths within each pytree item
+          (``Dense_0/kernel``) to ``like``'s: ``{regex: replacement}`` or a callable
+          ``path -> path | None``. Without them a StructureError lists every difference.
 
         Without ``step``, a latest step that is damaged (a checksum fails, a file is
         missing) is skipped with a warning and, by a writer, moved aside to
@@ -746,9 +812,10 @@ class CheckpointManager:
         With ``step``, damage raises. Waits for this manager's in-flight save first.
         A step being read is never deleted by this manager's retention.
         """
+        changes = _transform.changes(partial=partial, missing=missing, transform=transform)
         self._check_open()
         self._wait_inflight()
-        fn = lambda s: self._restore_step(s, like, items, data_iterator)
+        fn = lambda s: self._restore_step(s, like, items, data_iterator, changes)
         if step is not None:
             if self._tier is not None:
                 self._tier.ensure_local(step)
@@ -830,12 +897,15 @@ class CheckpointManager:
             f"retention policy removes old steps; restore a newer step, or keep more): {error}"
         )
 
-    def _restore_step(self, step: int, like: Any, items: Any, data_iterator: Any) -> Any:
+    def _restore_step(
+        self, step: int, like: Any, items: Any, data_iterator: Any, changes: Any = None
+    ) -> Any:
+        changes = changes or _transform.Changes()
         step_loc = _steps.step_location(self._loc, step)
         saved = _steps.read_manifest(step_loc).items
         like_items = split_state(like) if like is not None else {}
         single = isinstance(items, str)
-        names = self._names_to_restore(step, saved, items, like, like_items)
+        names = self._names_to_restore(step, saved, items, like, like_items, changes)
         if data_iterator is not None and "data_iterator" not in saved:
             raise UnknownItemError(
                 f"step {step} of {self._loc} holds no data_iterator state; items: {sorted(saved)}"
@@ -843,7 +913,7 @@ class CheckpointManager:
         restored = {}
         for name in names:
             restored[name] = self._restore_item(
-                step, step_loc, saved[name], name, like_items.get(name)
+                step, step_loc, saved[name], name, like_items.get(name), changes
             )
         if data_iterator is not None:
             self._restore_item(
@@ -851,9 +921,29 @@ class CheckpointManager:
             )
         if items is not None:
             return restored[names[0]] if single else restored
-        return merge_state(like, restored)
+        merged = merge_state(like, restored)
+        if data_iterator is None and "data_iterator" in saved:
+            self._warn_replay(step)
+        return merged
 
-    def _names_to_restore(self, step, saved, items, like, like_items) -> list[str]:
+    def _warn_replay(self, step: int) -> None:
+        """Once per manager: a resume that leaves the saved data position out replays
+        the data from wherever the new iterator starts."""
+        if self._warned_replay:
+            return
+        self._warned_replay = True
+        warnings.warn(
+            f"step {step} of {self._loc} holds a 'data_iterator' item (the data position) "
+            f"but no data_iterator was given, so it is not restored and the run reads its "
+            f"data again from wherever the new iterator starts. Pass data_iterator=it "
+            f"(CheckpointManager.restore, CheckpointCallback.on_train_start); to start the "
+            f"data afresh on purpose, name the items to restore (restore(items=[...])) or "
+            f"on_train_start(state, reset=('data_iterator',))",
+            UserWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+
+    def _names_to_restore(self, step, saved, items, like, like_items, changes) -> list[str]:
         if items is not None:
             names = [items] if isinstance(items, str) else list(items)
             for n in names:
@@ -864,20 +954,36 @@ class CheckpointManager:
             return names
         if like is not None:
             names = list(like_items)
-            for n in names:
-                if n not in saved:
-                    raise StructureError(
-                        f"like has item {n!r} but step {step} of {self._loc} does not; "
-                        f"saved items: {sorted(saved)}"
-                    )
+            if changes.keep_missing:  # an item the step lacks keeps like's value
+                for n in names:
+                    if n not in saved:
+                        _transform.check_item_keepable(n, like_items[n])
+                names = [n for n in names if n in saved]
+            absent = [n for n in names if n not in saved]
+            if absent:
+                shown = ", ".join(repr(n) for n in absent)
+                raise StructureError(
+                    f"like has item{'s' if len(absent) > 1 else ''} {shown} but step {step} "
+                    f"of {self._loc} does not; saved items: {sorted(saved)}. To keep like's "
+                    f"value for {'them' if len(absent) > 1 else 'it'} (a part added to the "
+                    f"model), pass missing='keep'"
+                )
             return names
         return [n for n in saved if n != "data_iterator"]
 
     def _restore_item(
-        self, step: int, step_loc: Location, entry: ItemEntry, name: str, like: Any
+        self,
+        step: int,
+        step_loc: Location,
+        entry: ItemEntry,
+        name: str,
+        like: Any,
+        changes: Any = None,
     ) -> Any:
         try:
             handler = checkpointable_for(name, self._overrides)
+            if isinstance(handler, PytreeCheckpointable) and changes is not None:
+                return handler.restore(step_loc.child(entry.dir), like, **changes.kwargs())
             return handler.restore(step_loc.child(entry.dir), like)
         except StructureError as e:
             raise item_mismatch(e, name=name, step=step, location=self._loc) from e
@@ -1003,3 +1109,6 @@ def _as_metric(value: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
+
+
+_MANAGER_OPTIONS = _manager_option_names()

@@ -510,6 +510,7 @@ class PersistentTier:
     def _replicate_with_retries(self, step: int) -> None:
         for attempt in range(RETRIES + 1):
             rnd = _Round(self._next_round_key(), step) if self._multi else None
+            before = _steps.step_location(self.local, step).read_bytes(MANIFEST_FILE)
             try:
                 committed = self._replicate(step, rnd)
                 self._finish(rnd, "committed" if committed else "skipped")
@@ -520,6 +521,17 @@ class PersistentTier:
                 self._finish(rnd, "abandoned")
                 return
             except Exception as e:  # noqa: BLE001  (kept and raised by wait/close)
+                if self._replaced_meanwhile(step, before):
+                    # overwrite=True replaced the local step mid-copy: what was read is a
+                    # mix of two versions, no damage; the new version was queued itself.
+                    logger.info(
+                        "checkpoint: step %d was replaced locally while being copied; the "
+                        "new version is copied instead (%s)",
+                        step,
+                        e,
+                    )
+                    self._finish(rnd, "skipped")
+                    return
                 retry = attempt < RETRIES and not isinstance(
                     e, (CorruptCheckpointError, CoordinationError, DirectoryLockedError)
                 )
@@ -540,6 +552,14 @@ class PersistentTier:
                     self._error = error
                 self._finish(rnd, f"failed: {error}")
                 return
+
+    def _replaced_meanwhile(self, step: int, before: bytes | None) -> bool:
+        """Whether the local step's manifest changed since ``before`` was read."""
+        try:
+            now = _steps.step_location(self.local, step).read_bytes(MANIFEST_FILE)
+        except Exception:  # noqa: BLE001  (unknown: the error stands as it is)
+            return False
+        return before is not None and now != before
 
     def _replicate(self, step: int, rnd: _Round | None) -> bool:
         """Copies one committed local step; returns False when there was nothing to do.

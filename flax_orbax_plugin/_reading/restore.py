@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from .._core import restore as _native
-from .._errors import CheckpointNotFoundError, NotCommittedError
+from .._errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
+from .._format import metadata as _metadata
 from .._format.foreign import is_orbax_checkpoint
-from .._interop.orbax_reader import restore_orbax
+from .._interop.orbax_reader import open_orbax, restore_orbax
 from .._storage.location import Location
 
-__all__ = ["restore"]
+__all__ = ["metadata", "restore"]
 
 
 def restore(
@@ -24,6 +25,8 @@ def restore(
     like: Any = None,
     *,
     partial: bool = False,
+    missing: str = "error",
+    transform: Any = None,
     memory_limit_bytes: int | None = None,
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
@@ -48,6 +51,13 @@ def restore(
     300 to int8, 16777217 to float32, float to int or bool raise StructureError);
     ``"unsafe"`` casts as numpy does.
 
+    Restoring into a changed model (see ``_like.transform``): ``partial=True`` leaves out
+    saved leaves ``like`` does not have; ``missing="keep"`` keeps ``like``'s own value
+    for a leaf the checkpoint lacks (a ShapeDtypeStruct there raises, naming it);
+    ``transform`` maps saved leaf paths to ``like``'s: ``{regex: replacement}``
+    applied with ``re.sub`` in order, or a callable ``path -> path | None`` (None
+    drops the leaf). Without them every difference is listed in one StructureError.
+
     Raises:
       CheckpointNotFoundError: nothing at ``path``.
       NotCommittedError: a save to ``path`` never committed.
@@ -62,12 +72,53 @@ def restore(
             location,
             like,
             partial=partial,
+            missing=missing,
+            transform=transform,
             memory_limit_bytes=memory_limit_bytes,
             cast=cast,
             share_replicated_reads=share_replicated_reads,
         )
     except (CheckpointNotFoundError, NotCommittedError):
         # Not one of ours: an Orbax directory is read through tensorstore (issue 16).
+        # Looked for only here, so restoring our own checkpoints costs no extra listing.
         if not is_orbax_checkpoint(location):
             raise
+    if missing != "error" or transform is not None:
+        raise CheckpointError(
+            f"{location} is an Orbax checkpoint: missing= and transform= apply to this "
+            f"library's checkpoints; convert it first (fop.import_orbax(src, dst)) and "
+            f"restore the converted step"
+        )
     return restore_orbax(location, like, partial=partial)
+
+
+def metadata(path: Any) -> _metadata.CheckpointMetadata:
+    """Leaf paths, shapes, dtypes and shardings of a checkpoint; reads no array data.
+    On an Orbax checkpoint the error says what it holds and how to read it."""
+    location = Location.from_path(path)
+    try:
+        return _native.metadata(location)
+    except (CheckpointNotFoundError, NotCommittedError) as e:
+        orbax = _orbax_message(location)
+        if orbax is None:
+            raise
+        raise CheckpointNotFoundError(orbax) from e
+
+
+def _orbax_message(location: Location) -> str | None:
+    """What an Orbax checkpoint at ``location`` is and how to read it; None when it is
+    no Orbax checkpoint."""
+    if not is_orbax_checkpoint(location):
+        return None
+    try:
+        step, items = open_orbax(location)
+        what = f"step {step}, " if step is not None else ""
+        what += f"items {sorted(items)}"
+    except (CheckpointError, OSError) as e:
+        what = f"unreadable: {e}"
+    return (
+        f"{location} is an Orbax checkpoint ({what}), not one of this library's: "
+        f"fop.metadata describes this library's checkpoints. Read it as it is with "
+        f"fop.restore(path, like) or fop.restore_params, or convert it with "
+        f"fop.import_orbax(path, out_dir) and inspect the converted steps"
+    )

@@ -13,11 +13,12 @@ from typing import Any
 import jax
 
 from .._core import restore as _restore
-from .._errors import CheckpointNotFoundError
+from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
 from .._interop import orbax_reader as _orbax_import
 from .._like import casting as _casting
+from .._like import transform as _transform
 from .._like.retarget import retarget
 from .._state.train_state import holds_nnx_objects, split_state
 from .._storage.location import Location
@@ -44,6 +45,9 @@ def restore_params(
     step: int | None = None,
     dtype: Any = None,
     sharding: Any = None,
+    partial: bool = False,
+    missing: str = "error",
+    transform: Any = None,
 ) -> Any:
     """Restore only the params of a step (the latest by default), for serving.
 
@@ -53,11 +57,22 @@ def restore_params(
     whose params are taken, or None (numpy on the host). ``dtype`` casts the
     floating-point leaves; ``sharding`` is one Sharding for every leaf or a pytree
     of them. Safe to call from any thread, even while a manager writes.
+
+    ``partial``, ``missing`` and ``transform`` restore into changed params, as
+    ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
+    ``partial=True`` with ``like`` a subset of the saved params.
     """
+    changes = _transform.changes(partial=partial, missing=missing, transform=transform)
     loc = Location.from_path(directory)
     steps = _steps.committed_steps(loc)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
         if is_orbax_checkpoint(directory):
+            if changes.keep_missing or changes.transform is not None or partial:
+                raise CheckpointError(
+                    f"{directory} is an Orbax checkpoint: partial=, missing= and transform= "
+                    f"apply to this library's checkpoints; convert it first with "
+                    f"fop.import_orbax(src, dst)"
+                )
             return _orbax_import.restore_orbax_params(
                 directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
             )
@@ -69,7 +84,7 @@ def restore_params(
     params_loc = step_loc.child(entry.dir)
     target = _params_like(like)
     if target is None and (dtype is not None or sharding is not None):
-        host = _restore.restore(params_loc, None)
+        host = _restore.restore(params_loc, None, **changes.kwargs())
         target = retarget(host, dtype, sharding)
         _casting.check_tree(host, target)  # float narrowing rounds; overflow to inf raises
         return jax.tree_util.tree_map(
@@ -83,4 +98,4 @@ def restore_params(
         )
     if target is not None and (dtype is not None or sharding is not None):
         target = retarget(target, dtype, sharding)
-    return _restore.restore(params_loc, target)
+    return _restore.restore(params_loc, target, **changes.kwargs())

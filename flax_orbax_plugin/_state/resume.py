@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from flax_orbax_plugin._errors import StructureError
-from flax_orbax_plugin._state.train_state import split_state
+from .._errors import StructureError
+from .._like.transform import HINT
+from .train_state import split_state
 
 __all__ = ["items_to_restore", "item_mismatch"]
 
@@ -37,7 +38,8 @@ def items_to_restore(state: Any, *, reset: Iterable[str]) -> list[str]:
         raise ValueError(f"reset must be a tuple of item names, e.g. ({reset!r},), found {reset!r}")
     reset = list(reset)
     names = list(split_state(state))
-    unknown = [n for n in reset if n not in names]
+    # "data_iterator" is no item of the state: resetting it starts the data afresh
+    unknown = [n for n in reset if n not in names and n != "data_iterator"]
     if unknown:
         raise ValueError(
             f"reset names item {unknown[0]!r}, which the state does not have; its items: {names}"
@@ -52,9 +54,12 @@ def item_mismatch(error: StructureError, *, name: str, step: int, location: Any)
     how to start that item fresh instead.
     """
     detail = str(error).removesuffix("; pass partial=True to restore a subtree")
+    detail = detail.removesuffix("\n" + HINT)
     return StructureError(
-        f"item {name!r} of step {step} in {location} does not fit the given state: {detail}. "
+        f"item {name!r} of step {step} in {location} does not fit the given state: {detail}\n"
         f"If it changed on purpose (a new optimizer, say), keep the given state's {name} "
         f"and restore the rest: CheckpointCallback.on_train_start(state, reset=({name!r},)), "
-        f"or CheckpointManager.restore(like=state, items=[...every item but {name!r}])"
+        f"or CheckpointManager.restore(like=state, items=[...every item but {name!r}]). "
+        f"If the model changed (layers added, dropped or renamed), pass partial=True, "
+        f"missing='keep' or transform= to on_train_start or CheckpointManager.restore"
     )

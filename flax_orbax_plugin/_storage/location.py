@@ -37,6 +37,7 @@ from urllib.parse import urlparse
 
 import tensorstore as ts
 
+from .._base import faults as _faults
 from .._errors import CorruptCheckpointError, ForeignEntryError
 
 # Largest small file (JSON metadata, manifest, JSON items, markers) read into memory.
@@ -279,19 +280,9 @@ class Location:
         file driver follows symlinks."""
         if not self.is_local:
             return
-        stack = [self.path.rstrip("/") or "/"]
-        while stack:
-            top = stack.pop()
-            try:
-                it = os.scandir(top)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            with it:
-                for entry in it:
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-                    elif not entry.is_file(follow_symlinks=False):
-                        _require_regular(entry.stat(follow_symlinks=False), entry.path)
+        for entry in walk_entries(self.path.rstrip("/") or "/"):
+            if not entry.is_file(follow_symlinks=False):
+                _require_regular(entry.stat(follow_symlinks=False), entry.path)
 
     def list_children(self) -> list[str]:
         """Names of the immediate children (files and directories), sorted."""
@@ -324,6 +315,9 @@ class Location:
 
     def remove(self) -> None:
         """Removes everything under this location (no error if nothing is there).
+
+        Proves nothing: the package removes only through ``_ownership`` (which proves
+        a place ours first); this primitive is left for tests that clean up by hand.
 
         Local: only a real directory is removed; symlinks inside it are unlinked, never
         followed. A location that is itself a symlink or not a directory is refused
@@ -409,8 +403,31 @@ class Location:
             fsync_dir(root)
 
 
+def walk_entries(top: str):
+    """Every entry under the local directory ``top`` that is not a directory (files,
+    links, FIFOs ...), walked without following any link, opening no file; nothing
+    when ``top`` is missing."""
+    stack = [top]
+    while stack:
+        where = stack.pop()
+        try:
+            it = os.scandir(where)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                else:
+                    yield entry
+
+
 def _kind(st: os.stat_result) -> str:
-    mode = st.st_mode
+    return entry_kind(st.st_mode)
+
+
+def entry_kind(mode: int) -> str:
+    """'a FIFO', 'a symbolic link', 'a directory' ... for an ``st_mode``."""
     if stat.S_ISLNK(mode):
         return "a symbolic link"
     if stat.S_ISDIR(mode):
@@ -515,6 +532,7 @@ def _read_local(root: str, name: str, max_bytes: int | None) -> bytes | None:
 
 
 def _write_local(root: str, name: str, data: bytes, *, durable: bool = True) -> None:
+    _faults.fail_point("write_small")
     parts = name.split("/")
     os.makedirs(root, exist_ok=True)
     dfd = _open_dirs(root, parts[:-1], create=True)

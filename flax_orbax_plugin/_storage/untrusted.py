@@ -18,26 +18,10 @@ import stat
 from typing import Any
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
+from .location import entry_kind
 
 # Largest JSON document (an index, a header, Orbax metadata) read into memory.
 MAX_JSON_BYTES = 64 << 20
-
-
-def entry_kind(mode: int) -> str:
-    """'a FIFO', 'a symbolic link', 'a directory' ... for an ``st_mode``."""
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a special file"
 
 
 def open_regular(path: str, *, follow_links: bool, what: str) -> tuple[int, os.stat_result]:

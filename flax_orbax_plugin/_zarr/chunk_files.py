@@ -46,7 +46,7 @@ import numpy as np
 
 from .._base import faults as _faults
 from .._base import host as _host
-from .._storage.location import check_name
+from .._storage.location import check_name, walk_entries
 
 THREADS = 8  # as tensorstore's file_io_concurrency for local disks (_storage.context)
 _IOV_MAX = 1000  # below the kernel's 1024 buffers per writev
@@ -200,20 +200,10 @@ def stored_files(root: str, sub: str) -> tuple[int, int]:
     walked without following any link; (0, 0) when there is no such directory. Costs
     one ``stat`` per file that exists, whatever the metadata claims."""
     count = total = 0
-    stack = [os.path.join(root, check_name(sub), "c")]
-    while stack:
-        top = stack.pop()
-        try:
-            it = os.scandir(top)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        with it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-                elif entry.is_file(follow_symlinks=False):
-                    count += 1
-                    total += entry.stat(follow_symlinks=False).st_size
+    for entry in walk_entries(os.path.join(root, check_name(sub), "c")):
+        if entry.is_file(follow_symlinks=False):
+            count += 1
+            total += entry.stat(follow_symlinks=False).st_size
     return count, total
 
 

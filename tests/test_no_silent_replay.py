@@ -1,0 +1,79 @@
+"""Resuming without the data iterator a step holds warns once (issue 25)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import flax_orbax_plugin as fop
+
+
+def batch_at(index):
+    return {"x": np.full(2, index, np.float32)}
+
+
+def saved_run(directory):
+    it = fop.StepIndexedIterator(batch_at)
+    state = {"params": {"w": np.zeros(2, np.float32)}}
+    with fop.CheckpointManager(directory, async_save=False) as mngr:
+        for step in (1, 2):
+            next(it)
+            mngr.save(step, state, data_iterator=it)
+    return state
+
+
+def replay_warnings(record):
+    return [w for w in record if "holds a 'data_iterator' item" in str(w.message)]
+
+
+def test_manager_restore_without_iterator_warns_once(tmp_path):
+    state = saved_run(tmp_path / "run")
+    with fop.CheckpointManager(tmp_path / "run", read_only=True) as mngr:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            mngr.restore(like=state)
+            mngr.restore()  # no arguments: a dict of every item but the position
+            mngr.restore(like=state)
+        (warning,) = replay_warnings(record)
+        message = str(warning.message)
+        assert "step 2 of" in message and "data_iterator=" in message
+        assert "items=" in message and "reset=('data_iterator',)" in message
+        # silenced: the iterator given, or the items named
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            it = fop.StepIndexedIterator(batch_at)
+            mngr.restore(like=state, data_iterator=it)
+            mngr.restore(like=state, items=["params"])
+        assert not replay_warnings(record)
+        assert next(it)["x"][0] == 2  # the position was restored
+
+
+def test_callback_without_iterator_warns_and_reset_silences(tmp_path):
+    state = saved_run(tmp_path / "run")
+    cb = fop.CheckpointCallback(tmp_path / "run", resume=True)
+    with pytest.warns(UserWarning, match=r"holds a 'data_iterator' item.*on_train_start"):
+        cb.on_train_start(state)
+    cb.close()
+    for kwargs in ({"data_iterator": fop.StepIndexedIterator(batch_at)}, {}):
+        cb = fop.CheckpointCallback(tmp_path / "run", resume=True)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            if kwargs:
+                cb.on_train_start(state, **kwargs)
+            else:
+                cb.on_train_start(state, reset=("data_iterator",))
+        cb.close()
+        assert not replay_warnings(record), kwargs
+        assert cb.resumed_step == 2
+
+
+def test_no_warning_when_the_step_holds_no_position(tmp_path):
+    with fop.CheckpointManager(tmp_path / "run", async_save=False) as mngr:
+        mngr.save(1, {"params": {"w": np.zeros(2)}})
+    with fop.CheckpointManager(tmp_path / "run", read_only=True) as mngr:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            mngr.restore()
+        assert not replay_warnings(record)
