@@ -18,7 +18,7 @@ moments); ``--peers``: orbax-checkpoint and DCP save the same step 2 (in full: n
 has incremental steps), timed until durable, with the bytes they put on disk.
 
 ``--store s3`` starts moto's S3 server as a child process on 127.0.0.1
-(``tests/_s3_server.py``); incremental steps there copy the unchanged chunk objects on
+(``tests/support/_s3_server.py``); incremental steps there copy the unchanged chunk objects on
 the server (CopyObject), so "written" is what crossed from this host to the store.
 """
 
@@ -37,7 +37,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
 
 import flax_orbax_plugin as fop  # noqa: E402
 

@@ -56,7 +56,7 @@ NOTES = [
     "zero-copy numpy views of the jax CPU buffers, and jax neither donates nor frees a "
     "buffer while such a view lives (a donating step allocates a new output instead), so "
     "the views are snapshots (the plugin checks this at run time and copies otherwise; "
-    "tests/test_save.py). On a GPU the device-to-host copy is a real transfer "
+    "tests/core/test_save.py). On a GPU the device-to-host copy is a real transfer "
     "(gpu_check.sh).",
     "The disk is a virtual disk: drop_caches empties this machine's page cache, but the "
     "host under it may still cache the file, so 'cold' reads can run faster than the "

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_preemption_check.py [--processes 2] [--steps 20000]
 
-In ``--processes`` real ``jax.distributed`` processes (``tests/_multiprocess.py``; 1:
+In ``--processes`` real ``jax.distributed`` processes (``tests/support/_multiprocess.py``; 1:
 no jax.distributed, the SIGTERM-handler way), a ``CheckpointCallback`` with a policy
 that never saves receives ``--steps`` ``on_step_end`` calls, with
 ``handle_sigterm=True`` (several processes: jax's ``reached_preemption_sync_point``
@@ -22,7 +22,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]
+sys.path[:0] = [os.path.join(ROOT, "tests", "support"), ROOT]
 
 
 def measure(ctx, directory, steps=20000, rounds=5):

@@ -3,13 +3,13 @@
     python benchmarks/bench_save_requests.py [--kept 2 60 200] [--processes 1]
 
 A tiny state (two float32 leaves, 4 KiB) is saved by ``CheckpointManager`` with
-``keep=None`` into a moto S3 server running in this process (``tests/_s3_server.py``,
+``keep=None`` into a moto S3 server running in this process (``tests/support/_s3_server.py``,
 thread mode); the requests the server answers are counted by kind with
-``tests/_s3_requests.py``. For each figure in ``--kept``, saves go on until that many
+``tests/support/_s3_requests.py``. For each figure in ``--kept``, saves go on until that many
 steps are kept; the next 5 saves are measured: requests per save (LIST, GET, HEAD,
 PUT, DELETE, from ``save`` until ``wait`` returns) and the blocking ``save`` time
 (median). ``--processes N`` (N > 1) runs the same in N ``jax.distributed`` processes
-(``tests/_multiprocess.py``); the counts are then of all processes together.
+(``tests/support/_multiprocess.py``); the counts are then of all processes together.
 
 Prints one JSON line per figure.
 """
@@ -25,7 +25,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]
+sys.path[:0] = [os.path.join(ROOT, "tests", "support"), ROOT]
 
 
 def saves(ctx, url, kept, measured=5, counter=None):

@@ -7,9 +7,9 @@ One global state of ``--mib`` MiB (float32, two leaves sharded by rows over 4 CP
 devices, plus one small replicated leaf) is saved and restored by 1 process with 4
 devices, 2 processes with 2 devices and 4 processes with 1 device: the same global
 mesh and shards, spread over more processes. Processes are real
-``jax.distributed`` processes on 127.0.0.1 (``tests/_multiprocess.py``); each builds
+``jax.distributed`` processes on 127.0.0.1 (``tests/support/_multiprocess.py``); each builds
 only its own shards. Storage: the local disk (``benchmarks/results/tmp``) and a moto
-S3 server in its own process on 127.0.0.1 (``tests/_s3_server.py``).
+S3 server in its own process on 127.0.0.1 (``tests/support/_s3_server.py``).
 
 Timing (process 0's clock; every process meets at a barrier before and after):
 **save** is ``fop.save`` until durable and committed on every process; **restore**
@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 TMP = os.path.join(RESULTS, "tmp", "scale")
-sys.path[:0] = [os.path.join(ROOT, "tests"), HERE]
+sys.path[:0] = [os.path.join(ROOT, "tests", "support"), HERE]
 
 DEVICES = 4  # global devices in every configuration
 COLS = 4096

@@ -3,7 +3,7 @@
     python benchmarks/bench_tiers.py [--mib 64] [--steps 20] [--every 5] [--step-ms 100]
                                      [--reps 3]
 
-Starts moto's S3 server as a child process on 127.0.0.1 (``tests/_s3_server.py``),
+Starts moto's S3 server as a child process on 127.0.0.1 (``tests/support/_s3_server.py``),
 then runs the same loop in two configurations, alternating them so machine noise hits
 both alike, each repetition in a fresh bucket prefix and local directory:
 
@@ -35,7 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 
 import numpy as np  # noqa: E402
 from _s3_server import S3Server  # noqa: E402

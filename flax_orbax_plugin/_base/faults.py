@@ -1,19 +1,6 @@
 """Deterministic kill points for crash tests.
 
-``kill_point(phase)`` SIGKILLs the current process when the environment variable
-``FOP_KILL_AT`` names ``phase`` (``phase`` or ``phase:N`` for its N-th hit, 1-based).
-Costs one dictionary lookup when the variable is unset. Phases of a save, in order:
-``after_snapshot``, ``mid_write``, ``after_sync``, ``after_metadata``, ``after_marker``,
-``mid_rename``; ``mid_retention`` while a step is being deleted; ``mid_replication``
-after each file copied to (or down from) a persistent tier (``_tiers``).
-
-``fail_point(phase)`` raises :class:`InjectedFault` (an ``OSError``) instead, from the
-N-th hit on, when ``FOP_FAIL_AT`` names ``phase`` (same syntax, plus an optional errno
-name: ``read_chunk:1:EMFILE``; EIO by default): a process keeps running and reports
-the error as a real I/O failure would. Phases: ``replicate_file`` before each file a
-process copies to a persistent tier, ``copy_down_file`` before each file copied down
-from it, ``read_chunk`` before each chunk file the direct reader opens, ``write_small``
-before each small file (JSON, markers) written on local disk.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.faults``.
 """
 
 from __future__ import annotations

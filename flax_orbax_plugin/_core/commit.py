@@ -2,34 +2,11 @@
 whole or not at all. Used once per commit: items inside a manager step have no commit
 of their own.
 
-Two strategies, chosen by the store:
+Two strategies (rename on filesystems, a marker written last on object stores) and one
+collective protocol (:func:`commit_collectively`: no barrier, two key-value rounds),
+run on the background save thread of every process, in the same order on each.
 
-* **rename** (local filesystems): everything is written under a temporary sibling
-  ``<name>.partial-<nonce>/``; the primary writes the marker (manifest) into it, then
-  renames it to ``<name>``. A replacement swaps the two directories in one atomic
-  ``renameat2(RENAME_EXCHANGE)`` and then removes the old one, so a reader never
-  finds the step missing; where the filesystem cannot exchange, the old one is
-  renamed away first, and a crash between the two renames leaves a complete
-  ``.partial-`` that the next writer rolls forward.
-* **marker** (object stores, no rename): data is written in place; the marker written
-  last by the primary is the commit. A manager step being replaced writes its items
-  under fresh directory names, so the old step stays whole until the new manifest
-  (one object, replaced atomically) points at the new items.
-
-The collective protocol (:func:`commit_collectively`), run on the background thread of
-every process, in the same order on every process:
-
-1. each process writes its own files and makes them durable (one ``syncfs``);
-2. each process publishes one status (step, tree digest, error or the sha256 of the
-   JSON files it wrote): one key-value set;
-3. the primary reads every status; if all agree on step and digest and none failed it
-   commits (marker or manifest, rename), otherwise it removes what was staged;
-4. the primary publishes the outcome; the others read it and raise if it failed.
-
-That is **no barrier and two key-value rounds per commit** (status, outcome); a lost
-process turns into a :class:`CoordinationError` after the coordination timeout on
-every process, and nothing commits. The nonce used for staging names is derived
-without coordination (:func:`_distributed.unique_name`).
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.commit``.
 """
 
 from __future__ import annotations

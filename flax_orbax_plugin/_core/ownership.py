@@ -1,22 +1,7 @@
 """The one owner of removal: every delete, clear, swap and overwrite of a checkpoint,
 a step or a staging place goes through this module, on every store.
 
-Nothing is removed, replaced or cleared before it is *proven ours*. A place is ours
-when it holds (read through :class:`~flax_orbax_plugin._storage.location.Location`, which never
-follows a link below the location):
-
-* a step manifest (``_CHECKPOINT.json``) that parses and names the step its
-  directory is named after, or
-* a core commit marker (``_COMMITTED``) that parses, or
-* our pending marker (:data:`PENDING_FILE`): written first into every staging place
-  (:func:`claim`, called by ``Staging.begin``) and into every place about to be
-  removed, deleted last. A save or removal that dies midway therefore always leaves
-  something that proves the remains ours, on local disk and on object stores alike.
-
-A damaged manifest proves nothing: such a step is left where it is (a verified read
-moves a damaged step aside, see the manager; this module never guesses). On local
-disks the location itself must be a real directory (a symlink is refused, never
-followed) and removal unlinks links found inside, never their targets.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.ownership``.
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).

@@ -1,21 +1,6 @@
 """``verify``: check everything restore depends on, and report every damaged piece.
 
-For a directory of steps, every committed step (or one) is checked item by item and a
-damaged step never stops the others: its manifest (checksum, fields), every JSON file
-it lists (present, checksum), every file each item kind needs (``value.json`` of
-``step``/``extras``, one iterator state per saving process), and every pytree item
-read in full (metadata checksum and fields, ``zarr.json`` agreement, every chunk's
-crc32c). A standalone core checkpoint is checked the same way.
-
-Memory: bounded by :data:`VERIFY_BUDGET_BYTES` (plus one stored chunk or batch file)
-whatever the checkpoint's size: each array is read a few whole chunks at a time, each
-batch a few files at a time, through the same readers restore uses (the direct chunk
-file reader on local disks, else tensorstore), and each part is dropped once checked.
-The sizes the metadata claims are checked against the files on disk first.
-
-Environmental errors (EMFILE, EIO, EACCES, timeouts: OSError) are raised, not reported
-as damage. Safe to call while a writer works on the directory (it writes nothing);
-call from one thread per checkpoint.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.verify``.
 """
 
 from __future__ import annotations

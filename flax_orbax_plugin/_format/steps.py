@@ -1,20 +1,6 @@
 """Steps of a checkpoint directory: names, listing, manifests, the latest step.
 
-One implementation for the manager, the serving path and the CLI, on every store.
-
-Names directly under a directory:
-
-* ``<step>``: ASCII digits, canonical (``0`` or no leading zero: ``007`` is foreign).
-  *Committed* when it holds a step manifest (``_CHECKPOINT.json``); without one it is
-  *foreign* (a user's folder named ``2024``, a core checkpoint saved with
-  ``fop.save(f"{d}/{step}")``) and is left alone.
-* ``<step>.partial-<nonce>``, ``<step>.deleting-<nonce>``: *unfinished*: temporary names
-  this library writes; removed by a writer when it opens (only when they are real
-  directories, never through a symlink).
-* ``<step>.corrupt-<nonce>``: a step that failed verification on resume, moved aside;
-  never removed automatically.
-* anything else (``.writer.lock`` aside), and on local disks anything that is not a
-  real directory (a symlink, even to a step), is *foreign*.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.steps``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """When restore may cast a saved leaf to another dtype: never when a value changes.
 
-Restore casts when the ``like`` template asks for a dtype other than the saved one.
-The rule, checked on the actual host data before the cast:
-
-* same dtype: nothing to check;
-* widening (int8 to int32, float16 to float32, bool to anything numeric): exact;
-* float narrowing (float32 to bfloat16 or float16, float64 to float32, complex128
-  to complex64): allowed, and documented as **rounding** (this is how params are
-  served in half precision); a finite value that would become inf or NaN, or an
-  inf that the target cannot hold, is an error;
-* integer to a narrower integer (or signed/unsigned): allowed only when every value
-  fits, never wraps around;
-* integer to float: allowed only when every value comes back exactly (int32
-  16777217 is not a float32);
-* float to integer, anything to bool (except bool to bool), complex to real: always
-  an error, whatever the values.
-
-An error is a :class:`StructureError` naming the leaf path, the saved and requested
-dtypes and an offending value. ``fop.restore(..., cast="unsafe")`` skips the checks
-and casts as numpy does.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.casting``.
 
 Threading: the policy is a context variable, set by ``restore`` around its reads
 (which finish on the calling thread).

@@ -1,20 +1,6 @@
 """Placing foreign array data onto a ``like`` leaf: checks, lossless casts, shards.
 
-The importers (Orbax, safetensors) know where a leaf's bytes are; this module
-decides what the caller gets, with the same rules as :func:`flax_orbax_plugin.restore`:
-
-* ``like`` None: a numpy array (Python scalars stay Python scalars when the
-  source says so);
-* a ``jax.Array`` or ``jax.ShapeDtypeStruct`` with a sharding: a jax.Array on
-  that sharding, reading only the regions this process's devices need;
-* a ``ShapeDtypeStruct`` without a sharding: a jax.Array on the default device;
-* a numpy array or scalar, a Python scalar: the same kind of value.
-
-Unlike a restore of this plugin's own checkpoints, a dtype change must not change
-a value: a widening cast (``float16 -> float32``, ``int8 -> int32``) always passes;
-a narrowing one (``int64 -> int32``, ``float32 -> bfloat16``) passes only when every
-value read survives it exactly, else StructureError; ``allow_cast=True`` casts
-anyway. A shape mismatch is always an error.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.onto_like``.
 
 Who calls what: an importer calls :func:`plan` once per leaf (it raises before
 anything is read), then :func:`materialize` with a ``read(index)`` function that

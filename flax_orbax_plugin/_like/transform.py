@@ -1,25 +1,6 @@
 """Restoring into a changed model: matching a saved tree against ``like``.
 
-One matcher serves every entry point (``fop.restore``, ``CheckpointManager.restore``,
-``CheckpointCallback.on_train_start``, ``restore_params``). Three keyword-only options,
-all off by default:
-
-* ``partial=True``: saved leaves that ``like`` does not have are left out (a model
-  that dropped a layer, a subtree restored alone);
-* ``missing="keep"``: a leaf of ``like`` the checkpoint lacks keeps ``like``'s own
-  value (a model that grew a layer: the new layer keeps its fresh initialisation).
-  A ``jax.ShapeDtypeStruct`` there is an error naming the leaf: it holds no value;
-* ``transform=``: maps each saved leaf path (as ``fop.metadata`` lists it, within
-  its pytree: ``Dense_0/kernel``) to the path it has in ``like``: a dict
-  ``{regex: replacement}`` applied with ``re.sub`` in order, or a callable
-  ``path -> path | None``; None drops the saved leaf. Two saved leaves mapped to one
-  path is an error naming both.
-
-Without them a mismatch is one :class:`StructureError` listing every difference at
-once (missing and unexpected leaves, shapes, dtypes that no checked cast reaches),
-each on its own line with the option that would accept it.
-
-Pure functions; safe from any thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.transform``.
 """
 
 from __future__ import annotations

@@ -1,54 +1,6 @@
 """Data position for input pipelines without grain: :class:`StepIndexedIterator`.
 
-The manager saves a data iterator's position through ``get_state()`` /
-``set_state()`` (as grain's iterators have). A pipeline that can rebuild any
-batch from its position needs no more than a counter, and this adapter is that
-counter, in one of two forms:
-
-* ``StepIndexedIterator(make_batch)``: ``make_batch(index)`` returns batch
-  ``index`` (0, 1, 2 ...) as a pure function of it, e.g. an in-memory dataset
-  shuffled with a permutation seeded by the epoch::
-
-      def make_batch(index):
-          epoch, i = divmod(index, steps_per_epoch)
-          order = np.random.default_rng([seed, epoch]).permutation(len(x))
-          rows = order[i * batch_size:(i + 1) * batch_size]
-          return {"x": x[rows], "y": y[rows]}
-
-* ``StepIndexedIterator(make_epoch=...)``: ``make_epoch(epoch)`` returns the
-  batches of one epoch, the same ones every time it is called with that epoch,
-  e.g. a tf.data pipeline whose shuffle is seeded by the epoch::
-
-      def make_epoch(epoch):
-          return (tf.data.Dataset.from_tensor_slices(data)
-                  .shuffle(len(x), seed=epoch).batch(32, drop_remainder=True))
-
-  Resuming in the middle of an epoch rebuilds that epoch and skips the batches
-  already consumed: with ``Dataset.skip`` when the returned object has one,
-  otherwise by drawing and dropping them. ``skip`` still runs the pipeline for
-  the skipped elements (tf.data 2.21 ran every map function: 100 batches skipped
-  took about as long as drawing them), so a long epoch resumed late costs that
-  much time at start. A tf.data dataset is read with
-  ``as_numpy_iterator()``, so batches are numpy arrays.
-
-The state is JSON (``{"index": n}``, plus ``"epoch"`` and ``"offset"`` in the
-epoch form), so it is stored like any other iterator state.
-
-Iterators that run ahead. A prefetcher (``flax.jax_utils.prefetch_to_device``,
-``tf.data``'s ``prefetch`` wrapped *around* this adapter, a background thread)
-has drawn more batches from the adapter than training consumed, so the
-adapter's ``get_state()`` is ahead of the step being saved. Then do not give
-the adapter to the checkpoint callback; after resuming, position it from the
-step instead, as batches consumed equal steps done::
-
-    state = cb.on_train_start(state)                  # no data_iterator
-    it = StepIndexedIterator(make_batch)
-    it.seek(int(state.step))                          # batches 0..step-1 were used
-    batches = prefetch_to_device(it, 2)
-
-(``seek`` in the epoch form needs ``steps_per_epoch``.) A prefetch inside the
-dataset that ``make_epoch`` returns is harmless: the adapter counts the
-batches it hands out.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._state.iterators``.
 
 Call order: one thread (the training loop's) calls ``next``, ``get_state``,
 ``set_state`` and ``seek``.

@@ -1,19 +1,6 @@
 """Resuming part of a training state: keep some items fresh, restore the rest.
 
-After a change of optimizer (Adam to SGD, a new schedule with other state) the
-saved ``opt_state`` no longer fits the new one. The way on is to restore every
-other item (params, step, batch statistics, RNG streams, the data position)
-and keep the fresh ``opt_state`` of the given state::
-
-    state = cb.on_train_start(state, reset=("opt_state",))
-
-or, with a manager, restore a subset and merge it::
-
-    names = items_to_restore(state, reset=("opt_state",))
-    state = merge_state(state, mngr.restore(like=state, items=names))
-
-:func:`item_mismatch` turns the core's structure error for one item into one
-that says so.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._state.resume``.
 """
 
 from __future__ import annotations

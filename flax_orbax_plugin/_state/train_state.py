@@ -1,41 +1,6 @@
 """Split a training state into checkpointables and merge them back.
 
-:func:`split_state` turns a training state into ``{item name: value}`` without
-the user listing fields; :func:`merge_state` puts restored items back into a
-``like`` of the same kind. Supported states:
-
-* Flax Linen ``TrainState`` and any ``flax.struct`` dataclass (subclasses with
-  extra pytree fields such as ``batch_stats``, ``dynamic_scale`` or
-  ``ema_params`` included): every pytree field becomes an item named after the
-  field (``step``, ``params``, ``opt_state``, ``batch_stats`` ...), even one
-  holding no arrays (``None``, optax's ``EmptyState``). Static fields
-  (``apply_fn``, ``tx``, any ``pytree_node=False`` field) are never written; on
-  restore they come from ``like`` unchanged.
-* Flax NNX objects, written as pure dicts:
-
-  - an ``nnx.Module``: items ``params`` (``nnx.Param`` variables), ``rng`` (RNG
-    streams the module carries, e.g. a ``Dropout(rngs=...)``) and
-    ``model_state`` (every other variable, e.g. batch statistics); an empty
-    part is not written;
-  - an ``nnx.Optimizer``: items ``step`` and ``opt_state`` (written even when
-    the optimizer, e.g. ``optax.sgd``, holds no arrays);
-  - an ``nnx.ModelAndOptimizer``: the items of its model and of its optimizer;
-  - an ``nnx.Rngs`` passed at call time: item ``rngs`` (keys and counts of
-    every stream), so a resumed run draws the same random numbers;
-  - an ``nnx.State`` such as ``nnx.state(model)``: split like a module.
-
-  A tuple or list of these (and of Linen states), e.g. ``(model, optimizer,
-  rngs)``, gives the items of every element; two elements giving the same item
-  is an error naming both.
-* A mapping ``{name: value}``: an NNX module, optimizer or Rngs value is split
-  as above (so ``{"model": model, "optimizer": opt}`` writes ``params``); any
-  other value is one item named by its key (``{"ema": nnx.state(ema)}`` keeps
-  a second model's state apart from ``params``).
-
-Merging updates NNX modules, optimizers and Rngs of ``like`` in place (as
-``nnx.update`` does) and returns ``like``; Linen states and ``nnx.State`` get
-new objects. Both functions are pure on Linen states, cheap, and safe to call
-on abstract Linen states built with ``jax.eval_shape``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._state.train_state``.
 """
 
 from __future__ import annotations

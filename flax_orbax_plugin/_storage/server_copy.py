@@ -1,28 +1,6 @@
 """Server-side copies of objects inside one bucket: the bytes never pass through this host.
 
-Incremental manager steps on object stores (``_incremental.copy_leaf``) copy the chunk
-objects of an unchanged leaf from the previous step this way, so every step stays a
-self-contained prefix (retention, ``verify``, ``gc``, export and the tiers need nothing
-new).
-
-* S3 (``s3://``, the tensorstore ``s3`` driver): ``CopyObject`` through botocore
-  (``pip install flax_orbax_plugin[s3]``; imported lazily, not a hard dependency). The
-  client uses the location's ``endpoint`` and ``aws_region`` (as the tensorstore spec
-  does; :meth:`Location.from_path` fills them in from ``AWS_ENDPOINT_URL*`` and
-  ``AWS_REGION``) and the credentials botocore finds in the environment (variables,
-  shared files, profile, instance metadata).
-* GCS (``gs://``, the tensorstore ``gcs`` driver): the JSON API ``rewriteTo`` over
-  urllib, at ``TENSORSTORE_GCS_HTTP_URL`` when set (an emulator, as for tensorstore;
-  ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` is sent as the bearer token when set), else at
-  ``https://storage.googleapis.com`` with a token from ``google.auth.default()`` (needs
-  google-auth and its ``requests`` transport).
-
-:func:`copier_for` returns the copier of a location, or None and the reason (another
-driver, botocore or google-auth missing, no credentials); callers then write the
-bytes themselves. Each copier is built once per store and settings (cached) and is
-thread-safe: :meth:`Copier.list`, :meth:`Copier.copy`, :meth:`Copier.delete` and
-:meth:`Copier.read_range` (a few bytes of one object: ``_incremental`` reads a source
-chunk's crc32c trailer with it) may be called from any number of threads at once.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.server_copy``.
 """
 
 from __future__ import annotations

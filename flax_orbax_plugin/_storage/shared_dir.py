@@ -1,30 +1,6 @@
 """Every process sees one directory: checked when a writer opens a local path.
 
-With several processes the primary commits what every process wrote into one
-directory, so that directory must be the same one on every host: a shared
-filesystem (NFS, Lustre, a FUSE-mounted bucket) or an object store. A local path on
-hosts without a shared disk is a directory per host: each process would write its own
-shards into a directory only its own host sees, and the primary would commit steps
-whose other shards are elsewhere. Refused at open instead (per-host directories are
-not supported yet).
-
-The check (:func:`check_visible`, collective, once per writer open, local paths and
-several processes only):
-
-1. the primary creates ``.fop-visible-<random>`` in the directory, exclusively
-   (``O_CREAT | O_EXCL | O_NOFOLLOW``, never through a link) and writes a random
-   nonce into it;
-2. the primary shares the name and nonce (one key-value round);
-3. every other process opens that name (a regular file only, never following a
-   link, non-blocking) and compares the nonce; it publishes what it found, with its
-   host name;
-4. the primary reads every report, then removes its file (by name, only while the
-   name is still the file it created), and shares the verdict;
-5. every process raises the same :class:`~flax_orbax_plugin._errors.CheckpointError`
-   naming the processes and hosts that do not see the file, or returns.
-
-Cost: two key-value rounds and one small file, once per open.
-Threading: the training thread, during ``CheckpointManager.__init__``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.shared_dir``.
 """
 
 from __future__ import annotations

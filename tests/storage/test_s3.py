@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 
+import _paths
 import _proc
 import jax
 import jax.numpy as jnp
@@ -103,7 +104,7 @@ class TestServerWithRawTensorstore:
 # ---------------------------------------------------------------- the core and manager on s3
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = _paths.REPO
 
 
 def _mesh(shape, names):

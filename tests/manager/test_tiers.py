@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import _paths
 import _proc
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from flax_orbax_plugin._format.layout import MANIFEST_FILE
 
 pytest_plugins = ["_servers"]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = _paths.REPO
 WAIT_S = 60
 # The files of ours at the top of a place that are no step: the run's owner record and,
 # on filesystems, the writer lock.
@@ -157,9 +158,7 @@ KILLED = textwrap.dedent(
 def test_kill_during_replication_lists_nothing_partial_and_restart_finishes(remote, tmp_path):
     loc = remote
     local = tmp_path / "local"
-    script = KILLED.format(
-        repo=REPO, tests=os.path.join(REPO, "tests"), local=str(local), url=loc.url
-    )
+    script = KILLED.format(repo=REPO, tests=_paths.SUPPORT, local=str(local), url=loc.url)
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
@@ -432,9 +431,7 @@ PREEMPTED = textwrap.dedent(
 
 def test_sigterm_saves_locally_then_replicates_before_exiting(s3, tmp_path):
     local = tmp_path / "local"
-    script = PREEMPTED.format(
-        repo=REPO, tests=os.path.join(REPO, "tests"), local=str(local), url=s3.url
-    )
+    script = PREEMPTED.format(repo=REPO, tests=_paths.SUPPORT, local=str(local), url=s3.url)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     out = _proc.sigterm_after(proc, 3)
     assert proc.returncode == 143

@@ -1,4 +1,5 @@
-"""Targets for tests/test_safetensors.py run in several jax processes (see _multiprocess)."""
+"""Targets for tests/interop/test_safetensors.py run in several jax processes
+(see _multiprocess)."""
 
 import numpy as np
 

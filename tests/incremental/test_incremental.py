@@ -9,6 +9,7 @@ import logging
 import math
 import os
 
+import _paths
 import jax
 import numpy as np
 import pytest
@@ -735,12 +736,12 @@ def _killed_step_2(directory: str, phase: str, env: dict | None = None) -> None:
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = _paths.REPO
     child_env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", FOP_KILL_AT=phase)
     child_env.update(env or {})
     keep = "1" if phase == "mid_retention" else "0"
     proc = subprocess.run(
-        [sys.executable, "-c", KILLED_CHILD, directory, os.path.dirname(__file__), keep],
+        [sys.executable, "-c", KILLED_CHILD, directory, _paths.SUPPORT, keep],
         env=child_env,
         capture_output=True,
         text=True,
@@ -976,7 +977,7 @@ def test_without_botocore_s3_steps_are_written_in_full(s3_location):
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = _paths.REPO
     env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", **s3_location.env)
     proc = subprocess.run(
         [sys.executable, "-c", NO_BOTOCORE_CHILD, s3_location.url],

@@ -240,7 +240,7 @@ def _apply_env(env: dict):
 
 
 if __name__ == "__main__":
-    # Manual use: `python tests/_s3_server.py` runs a server until Ctrl-C.
+    # Manual use: `python tests/support/_s3_server.py` runs a server until Ctrl-C.
     with S3Server(mode="thread") as srv:
         bucket = srv.create_bucket("scratch")
         print("endpoint", srv.endpoint, "bucket", bucket, flush=True)

@@ -21,6 +21,8 @@ import numpy as np
 
 STEPS_BEFORE = (1, 2)
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def state(step: int, version: int = 0) -> dict:
     """The items saved as ``step``: big leaves (several chunks), small ones, JSON."""
@@ -101,10 +103,11 @@ def test_every_kill_point_of_the_package_is_exercised():
             if name.endswith(".py"):
                 with open(os.path.join(root, name)) as f:
                     called |= set(re.findall(r"kill_point\(\"([a-z_]+)\"\)", f.read()))
-    elsewhere = {"mid_replication": "test_tiers.py"}  # the persistent tier's own kill test
+    # the persistent tier's own kill test
+    elsewhere = {"mid_replication": "manager/test_tiers.py"}
     assert called == set(PHASES) | set(elsewhere)
     for phase, test_file in elsewhere.items():
-        with open(os.path.join(os.path.dirname(__file__), test_file)) as f:
+        with open(os.path.join(TESTS, test_file)) as f:
             assert f'FOP_KILL_AT"] = "{phase}' in f.read(), (phase, test_file)
 
 

@@ -2,11 +2,11 @@
 
 A hypothesis ``RuleBasedStateMachine`` runs random sequences of operations over a
 checkpoint directory seeded with entries the library did not create (see
-``tests/_trust_world.py`` for the seeds: a user file and folder, digits-named and
+``tests/support/_trust_world.py`` for the seeds: a user file and folder, digits-named and
 zero-padded folders, an Orbax run and an Orbax step named like one of ours, a core
 checkpoint; on local disk also symlinks in and out, a digits-named symlink and a
 FIFO), on three stores: local disk, the S3 server (moto) and the GCS emulator of
-``tests/_servers.py``, a fresh prefix per example.
+``tests/support/_servers.py``, a fresh prefix per example.
 
 Each example is one of two modes, drawn first:
 
@@ -53,7 +53,8 @@ answers about 10x slower than moto), of
 ``FOP_PROPERTY_STEPS`` (default 14) operations each, about two minutes for the three
 stores on 2 cores; ``FOP_PROPERTY_EXAMPLES`` sets the count for every store. A longer
 local run:
-``FOP_PROPERTY_EXAMPLES=500 FOP_PROPERTY_STEPS=30 pytest tests/test_trust_properties.py``.
+``FOP_PROPERTY_EXAMPLES=500 FOP_PROPERTY_STEPS=30 pytest
+tests/end_to_end/test_trust_properties.py``.
 """
 
 from __future__ import annotations

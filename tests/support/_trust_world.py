@@ -6,7 +6,7 @@ A world is a fresh place per hypothesis example:
 
 * ``LocalWorld``: ``<root>/run`` on local disk;
 * ``ObjectWorld``: ``<bucket>/<prefix>/exN/run`` on the S3 server or the GCS emulator
-  (``tests/_servers.py``), plus a local ``<root>`` for what lives on disk whatever the
+  (``tests/support/_servers.py``), plus a local ``<root>`` for what lives on disk whatever the
   store (the export target, msgpack sources, the local tier of a two-tier manager).
 
 What a world holds beside the directory under test (``dir``), all "outside" it:
@@ -187,7 +187,7 @@ class LocalWorld(_LocalSide):
 
 
 class ObjectWorld(_LocalSide):
-    """A prefix on an object store (an ``ObjectStoreLocation`` of tests/_s3_server.py)."""
+    """A prefix on an object store (an ``ObjectStoreLocation`` of tests/support/_s3_server.py)."""
 
     supports_links = False
 

@@ -1,8 +1,8 @@
 """Several real JAX processes on 127.0.0.1 saving and restoring one sharded state.
 
 Each test starts 2, 3 or 4 processes with ``jax.distributed.initialize`` (CPU, gloo
-collectives, 2 devices each, one global mesh) through ``tests/_multiprocess.py``; the
-functions they run are in ``tests/_mp_workers.py``. Select with ``-m distributed``.
+collectives, 2 devices each, one global mesh) through ``tests/support/_multiprocess.py``; the
+functions they run are in ``tests/support/_mp_workers.py``. Select with ``-m distributed``.
 
 What they show:
 

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import _paths
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -20,7 +21,7 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._core import ownership as _ownership
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = _paths.REPO
 STEPS = (10, 20, 30)
 
 

@@ -2,7 +2,7 @@
 
 A writer keeps its committed steps in memory (listed once, at its first need): the
 save of a new step then lists nothing per step and reads no manifest. Counted on a
-real S3 server (moto, in this process) by kind of request (``tests/_s3_requests.py``):
+real S3 server (moto, in this process) by kind of request (``tests/support/_s3_requests.py``):
 the second save of a manager opened on a directory holding 2 steps and one holding
 200 cost exactly the same LIST, GET, HEAD, PUT and DELETE requests. The 198 extra
 steps are planted as manifests of a real step (renumbered), so the test takes no 200

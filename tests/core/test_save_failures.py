@@ -12,11 +12,12 @@ import subprocess
 import sys
 import textwrap
 
+import _paths
 import numpy as np
 
 import flax_orbax_plugin as fop
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = _paths.REPO
 
 CHILD = textwrap.dedent(
     """

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import _paths
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -22,7 +23,7 @@ from flax_orbax_plugin._format import foreign as _foreign
 from flax_orbax_plugin._interop import importing as _importing
 from flax_orbax_plugin._interop import orbax_reader as _orbax_import
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = _paths.REPO
 
 
 def _params(seed):

@@ -4,7 +4,7 @@ Who calls what, in which order:
 
 * The test (parent) calls :func:`run_processes` with a target ``"module:function"``
   importable from ``tests/`` (or the repository root). It picks a free coordinator
-  port and starts N children with ``python tests/_multiprocess.py``; each child's
+  port and starts N children with ``python tests/support/_multiprocess.py``; each child's
   environment carries ``XLA_FLAGS=--xla_force_host_platform_device_count=K``,
   ``JAX_PLATFORMS=cpu`` and a JSON job description.
 * Each child sets ``jax_cpu_collectives_implementation=gloo``, calls
@@ -74,7 +74,7 @@ import traceback
 from collections.abc import Callable
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
+REPO_ROOT = os.path.dirname(os.path.dirname(TESTS_DIR))
 _SPEC_ENV = "FOP_MP_JOB"
 
 

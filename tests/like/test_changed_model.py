@@ -4,6 +4,7 @@ callback and restore_params."""
 
 from __future__ import annotations
 
+import _paths
 import jax
 import numpy as np
 import pytest
@@ -214,7 +215,7 @@ def readme_recipe() -> str:
     """The python block under "### Restoring into a changed model" in README.md."""
     import pathlib
 
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    text = (pathlib.Path(_paths.REPO) / "README.md").read_text()
     section = text.split("### Restoring into a changed model", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 

@@ -1,8 +1,8 @@
-"""Small real training programs, run as a subprocess by tests/test_training_loops.py.
+"""Small real training programs, run as a subprocess by tests/end_to_end/test_training_loops.py.
 
 Usage::
 
-    python tests/_training_programs.py DIRECTORY FORM[,FORM...] [--resume] [--hang-at STEP]
+    python tests/support/_training_programs.py DIRECTORY FORM[,FORM...] [--resume] [--hang-at STEP]
 
 Trains every named form of training state in lockstep for ``NUM_STEPS`` steps,
 each with its own CheckpointCallback (``DIRECTORY/FORM``, a save every
@@ -32,7 +32,7 @@ from flax import nnx
 from flax.training import dynamic_scale as dynamic_scale_lib
 from flax.training import train_state
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._state.train_state import split_state

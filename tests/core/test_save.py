@@ -291,7 +291,7 @@ def test_refuses_to_overwrite_without_force(tmp_path):
 
 
 def test_unsupported_leaf_names_path(tmp_path):
-    # (str and bytes are leaves since issue 25: tests/test_text_leaves.py)
+    # (str and bytes are leaves since issue 25: tests/format/test_text_leaves.py)
     with pytest.raises(fop.StructureError, match=r"leaf 'a/b'.*found builtins.object"):
         fop.save(tmp_path / "c", {"a": {"b": object()}})
     assert not os.path.exists(tmp_path / "c")

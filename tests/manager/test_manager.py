@@ -13,6 +13,7 @@ import textwrap
 import threading
 from typing import Any
 
+import _paths
 import _proc
 import grain
 import jax
@@ -32,7 +33,7 @@ from flax_orbax_plugin._format.layout import MANIFEST_FILE
 from flax_orbax_plugin._manager.checkpointables import JsonCheckpointable
 from flax_orbax_plugin._storage.lock import DirectoryLockedError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = _paths.REPO
 
 
 def assert_trees_equal(a, b):

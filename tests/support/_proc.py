@@ -19,7 +19,9 @@ import signal
 import subprocess
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import _paths
+
+REPO = _paths.REPO
 
 
 def child_env(**extra: str) -> dict[str, str]:

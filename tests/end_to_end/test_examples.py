@@ -10,12 +10,13 @@ import shutil
 import subprocess
 import sys
 
+import _paths
 import pytest
 
 # Each example run has its own subprocess timeout; these add up past the global 300 s.
 pytestmark = pytest.mark.timeout(600)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = _paths.REPO
 CONFIG = os.path.join(REPO, "configs", "default.py")
 SMALL = [
     "--config.num_train_steps=300",

@@ -1,5 +1,5 @@
-"""Format version 1 is frozen: the golden checkpoints committed under tests/data/golden
-(written by ``tests/golden.py``) restore bit for bit, verify clean, and keep the fields
+"""Format version 1 is frozen: the golden checkpoints committed under tests/support/data/golden
+(written by ``tests/support/golden.py``) restore bit for bit, verify clean, and keep the fields
 FORMAT.md specifies. A change that breaks reading them fails here."""
 
 import json

@@ -1,6 +1,6 @@
 """Real training programs SIGKILLed mid-run and resumed: bit-exact with an uninterrupted run.
 
-Each test runs tests/_training_programs.py three times in subprocesses: once
+Each test runs tests/support/_training_programs.py three times in subprocesses: once
 uninterrupted, once SIGKILLed while it is stuck in a slow step after a committed
 save, and once resumed with ``resume=True``. Every form of training state trains
 in lockstep within one program, so the whole file costs three program starts
@@ -16,10 +16,11 @@ import sys
 import threading
 import time
 
+import _paths
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROGRAM = os.path.join(REPO, "tests", "_training_programs.py")
+REPO = _paths.REPO
+PROGRAM = os.path.join(_paths.SUPPORT, "_training_programs.py")
 HANG_AT = 6  # the kill comes during step 6: step 4 is saved, steps 5 and 6 are not
 SAVED = 4
 DEADLINE = 120  # seconds for any one program run

@@ -1,6 +1,7 @@
-"""Golden checkpoints of format version 1 (``tests/data/golden/``).
+"""Golden checkpoints of format version 1 (``tests/support/data/golden/``).
 
-``python tests/golden.py`` (re)writes them; ``tests/test_format.py`` restores them and
+``python tests/support/golden.py`` (re)writes them; ``tests/format/test_format.py``
+restores them and
 compares bit for bit with the trees built here. They are committed: a change of the
 on-disk format that older checkpoints cannot be read with fails that test. Regenerate
 only for a deliberate, compatible change, and never to make the test pass.

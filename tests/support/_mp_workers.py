@@ -1,4 +1,4 @@
-"""Target functions for tests/_multiprocess.py (run inside each JAX process)."""
+"""Target functions for tests/support/_multiprocess.py (run inside each JAX process)."""
 
 from __future__ import annotations
 
@@ -377,7 +377,7 @@ def core_save_killed(ctx, directory, victim_after_opens=1):
     return out
 
 
-# -- one step, one commit (tests/test_commit.py) -------------------------------------------
+# -- one step, one commit (tests/core/test_commit.py) -------------------------------------------
 
 
 def replicated_state(ctx, step: int, rows: int = 4096):
