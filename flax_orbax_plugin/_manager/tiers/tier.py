@@ -1,11 +1,12 @@
 """PersistentTier: a manager's local directory of steps, replicated to a persistent one.
 
 The façade the manager calls (open, submit, wait, close, steps, ensure_local) over its
-collaborators: :class:`~.replicator.Replicator` (the primary's replicator thread),
-:class:`~.rounds.Rounds` (the rounds of several processes), :class:`~.copy_down.CopyDown`
-(restore's copy down) and :class:`~.damaged.DamagedSteps`, sharing one
-:class:`~.state.TierState`. Who calls what, from which thread, the multi-process
-protocol and the rules on ownership and damage: ``docs/tiers.md``.
+collaborators: ``opening`` (the collective open), :class:`~.replicator.Replicator`
+(the primary's replicator thread), :class:`~.rounds.Rounds` (the rounds of several
+processes), :class:`~.copy_down.CopyDown` (restore's copy down) and
+:class:`~.damaged.DamagedSteps`, sharing one :class:`~.state.TierState`. Who calls
+what, from which thread, the multi-process protocol and the rules on ownership and
+damage: ``docs/tiers.md``.
 """
 
 from __future__ import annotations
@@ -13,20 +14,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..._base import distributed as _distributed
-from ..._errors import CheckpointError, DirectoryLockedError, ReplicationError
+from ..._errors import ReplicationError
 from ..._storage import run_owner as _run_owner
 from ..._storage.location import Location
 from ..retention import RetentionPolicy
 from .copy_down import CopyDown
 from .damaged import DamagedSteps
-from .replicator import Replicator, remove_unfinished
+from .opening import open_primary, share_open
+from .replicator import Replicator
 from .rounds import Rounds
 from .state import Places, TierState, Yielding
 
@@ -123,9 +124,13 @@ class PersistentTier:
         missing: list[int] = []
         failure: BaseException | None = None
         if self._places.primary:
-            remote_steps, missing, failure = self._open_primary(local_steps)
+            remote_steps, missing, failure = open_primary(
+                self._places, self._state, self._damaged, local_steps, self._lease_seconds
+            )
         if self._places.multi:
-            remote_steps, missing = self._share_open(remote_steps, missing, failure)
+            remote_steps, missing = share_open(
+                self._damaged, self._rounds, remote_steps, missing, failure
+            )
         state = self._state
         with state.cond:
             state.known = set(remote_steps)
@@ -136,61 +141,6 @@ class PersistentTier:
         target = self._replicator.run if self._places.primary else self._rounds.follow
         self._thread = threading.Thread(target=target, name="fop-replicate", daemon=True)
         self._thread.start()
-
-    def _open_primary(
-        self, local_steps: Iterable[int]
-    ) -> tuple[list[int], list[int], BaseException | None]:
-        """Primary, in :meth:`open`: takes both places for this run, reads the damage
-        record, removes unfinished copies and lists; returns the persistent steps, the
-        local steps to queue and (several processes) the failure to share."""
-        remote_steps: list[int] = []
-        failure: BaseException | None = None
-        try:
-            self._state.owner = _run_owner.RunOwner(
-                self.local, self.remote, lease_seconds=self._lease_seconds
-            )
-            self._state.owner.open()  # this run's place, or DirectoryLockedError/CheckpointError
-            self._damaged.steps = self._damaged.read()
-            remove_unfinished(self.remote)
-            remote_steps = self.steps()
-        except BaseException as e:
-            if self._state.owner is not None:
-                self._state.owner.close()
-            if not self._places.multi:
-                raise
-            failure = e
-        latest = remote_steps[-1] if remote_steps else -1
-        every = self.retention.keep_every
-        missing = [
-            s
-            for s in local_steps
-            if s not in remote_steps and (s > latest or (every is not None and s % every == 0))
-        ]
-        return remote_steps, missing, failure
-
-    def _share_open(
-        self, remote_steps: list[int], missing: list[int], failure: BaseException | None
-    ) -> tuple[list[int], list[int]]:
-        """Several processes, in :meth:`open`: the primary's steps, damage record, round
-        prefix and error, on every process (which all raise the primary's error)."""
-        op = _distributed.next_operation_id("tiers-open")
-        mine = {
-            "remote": remote_steps,
-            "missing": missing,
-            "damaged": {str(k): v for k, v in self._damaged.steps.items()},
-            "rounds": secrets.token_hex(6),
-            "error": None if failure is None else [type(failure).__name__, str(failure)],
-        }
-        shared = json.loads(_distributed.broadcast_str(op, json.dumps(mine)))
-        if shared["error"] is not None:  # every process raises the primary's error
-            if failure is not None:
-                raise failure
-            kind, text = shared["error"]
-            cls = DirectoryLockedError if kind == "DirectoryLockedError" else CheckpointError
-            raise cls(f"opening the persistent tier failed on the primary: {text}")
-        self._damaged.steps = {int(k): v for k, v in shared["damaged"].items()}
-        self._rounds.prefix = f"fop/{shared['rounds']}/replicate"
-        return shared["remote"], shared["missing"]
 
     def submit(self, step: int) -> None:
         """Queues a step just committed locally (called after each local commit, on
