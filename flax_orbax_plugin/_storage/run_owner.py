@@ -1,157 +1,38 @@
 """A run owns its places: the local directory and the persistent path of a tiered
-manager each record the run that owns them, and one live run holds them at a time.
+manager each record the run that owns them (:mod:`.run_record`), and one live run
+holds them at a time: a lock on filesystems, a lease renewed every third of
+:data:`LEASE_SECONDS` on object stores (conditional writes, so two opens cannot both
+win). Both places must name the same run. Only the primary process creates a
+:class:`RunOwner`.
 
-The record is a small JSON file of ours at the top of each place, :data:`RUN_FILE`
-(``_RUN.json``)::
-
-    {"library": "flax_orbax_plugin", "kind": "run", "run": "<32 hex>", "host": "...",
-     "pid": 1234, "holder": "<16 hex>", "lease_expires": 1733050000.0}
-
-* ``run``: drawn at random when a place is first used, then kept: a restart (a new
-  process, a new host, an empty local disk) continues the run of its places.
-* ``holder``: drawn by each open; who holds the place now.
-* ``lease_expires`` (object stores only): wall-clock time (seconds since the epoch, as
-  ``time.time()``) until which the holder owns the place; ``0`` once it closed;
-  ``null`` on local paths, which are guarded by a lock instead.
-
-**One live run per place.** On a local (or shared) filesystem the persistent path is
-locked with :class:`~flax_orbax_plugin._storage.lock.DirectoryLock` (``.writer.lock``, an
-``flock`` the kernel drops when the process dies); the manager's own directory already
-holds one. Object stores cannot lock: an open reads the record and, when another
-holder's lease has not expired, raises :class:`DirectoryLockedError` naming the run,
-its host and pid and the expiry. An expired lease is taken over with a warning (its
-holder died or hung), and so is one whose holder ran on this host and whose process is
-gone (a restart after SIGKILL need not wait out the lease). Every write of the record
-is conditional on the generation read just before (``if_equal``: a compare-and-swap on
-S3 and GCS), so two opens racing for one place cannot both win, and a holder that
-lost its place (a takeover after it hung past its lease) finds out at its next renewal.
-
-**Lease length.** :data:`LEASE_SECONDS` = 60 s (``persistent_lease_seconds`` of the
-manager), renewed every third of it (20 s) by a daemon thread of the primary process.
-A killed run's persistent path can therefore be opened again at most 60 s after its
-death; a holder stalled for longer than its lease (a stopped process, a host whose
-clock jumped) loses the place, logs it, and its tier refuses to commit anything more
-(:meth:`RunOwner.raise_if_lost`). Hosts' clocks must agree to well within the lease
-(NTP does).
-
-**Agreement.** A manager's local directory and its persistent path belong to one run:
-a local directory without a record (a restart on a new disk) adopts the persistent
-path's run; a persistent path without one adopts the local directory's; when both
-have records naming different runs the open raises :class:`CheckpointError` saying
-so (two runs would otherwise mix their steps, or one restore the other's weights).
-Before a step is copied down, :meth:`RunOwner.check` reads the persistent record
-again: it must still name this run and holder.
-
-Several processes (jax.distributed): only the primary process creates a
-:class:`RunOwner` (takes the lock or lease, renews it, writes the records); the other
-processes of the same run never touch the records and are never refused.
-
-Threading: :meth:`open` and :meth:`close` from the thread that owns the tier (the
-training thread); :meth:`check` and :meth:`raise_if_lost` from any thread; renewal
-runs on its own daemon thread.
+Threading: :meth:`RunOwner.open` and :meth:`RunOwner.close` from the thread that owns
+the tier (the training thread); :meth:`RunOwner.check` and
+:meth:`RunOwner.raise_if_lost` from any thread; renewal runs on its own daemon
+thread. The design: ``docs/run_owner.md``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import json
 import logging
 import math
 import os
-import re
 import secrets
 import socket
 import threading
 import time
 from typing import Any
 
-from .._errors import CheckpointError, CorruptCheckpointError, DirectoryLockedError
+from .._errors import CheckpointError, DirectoryLockedError
 from .location import Location
 from .lock import DirectoryLock
+from .run_record import RUN_FILE, RunRecord, read_record, read_versioned, write_if
 
-__all__ = ["LEASE_SECONDS", "RUN_FILE", "RunOwner", "RunRecord", "read_record"]
+__all__ = ["LEASE_SECONDS", "RunOwner", "check_lease"]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-RUN_FILE = "_RUN.json"
 LEASE_SECONDS = 60.0
-MAX_RECORD_BYTES = 4096
-_LIBRARY = "flax_orbax_plugin"
-_HEX = re.compile(r"^[0-9a-f]{8,64}$", re.ASCII)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunRecord:
-    """The owner record of one place (see the module docstring)."""
-
-    run: str
-    host: str
-    pid: int
-    holder: str
-    lease_expires: float | None = None
-
-    def to_bytes(self) -> bytes:
-        doc = {"library": _LIBRARY, "kind": "run", **dataclasses.asdict(self)}
-        return json.dumps(doc, sort_keys=True).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, where: str) -> RunRecord:
-        """Parses and checks a record; CorruptCheckpointError naming the field."""
-        try:
-            doc = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise CorruptCheckpointError(
-                f"{where}: expected a run record of this library (JSON), found {e}"
-            ) from None
-        if not isinstance(doc, dict):
-            raise CorruptCheckpointError(f"{where}: expected a JSON object, found {_kind(doc)}")
-        for field, want in (("library", _LIBRARY), ("kind", "run")):
-            if doc.get(field) != want:
-                raise CorruptCheckpointError(
-                    f"{where}: field {field}: expected {want!r}, found {doc.get(field)!r}"
-                )
-        for field in ("run", "holder"):
-            value = doc.get(field)
-            if not isinstance(value, str) or not _HEX.match(value):
-                raise CorruptCheckpointError(
-                    f"{where}: field {field}: expected 8 to 64 lowercase hex digits, "
-                    f"found {_short(value)}"
-                )
-        host, pid, expires = doc.get("host"), doc.get("pid"), doc.get("lease_expires")
-        if not isinstance(host, str) or len(host) > 255:
-            raise CorruptCheckpointError(
-                f"{where}: field host: expected a host name, found {_short(host)}"
-            )
-        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < 1 << 32:
-            raise CorruptCheckpointError(
-                f"{where}: field pid: expected a process id, found {_short(pid)}"
-            )
-        if expires is not None and (
-            not isinstance(expires, (int, float))
-            or isinstance(expires, bool)
-            or not math.isfinite(expires)
-            or expires < 0
-        ):
-            raise CorruptCheckpointError(
-                f"{where}: field lease_expires: expected null or a time in seconds, "
-                f"found {_short(expires)}"
-            )
-        return cls(
-            doc["run"], host, pid, doc["holder"], None if expires is None else float(expires)
-        )
-
-    def describe(self) -> str:
-        return f"run {self.run} (pid {self.pid} on {self.host})"
-
-
-def _kind(value: Any) -> str:
-    return type(value).__name__
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _when(t: float) -> str:
@@ -183,42 +64,13 @@ def _dead_here(rec: RunRecord) -> bool:
     return False
 
 
-def read_record(loc: Location) -> RunRecord | None:
-    """The record of ``loc``, or None when it has none. Never follows a link (a link
-    or special file at its name is a ForeignEntryError); a malformed record is a
-    CorruptCheckpointError naming the file and field."""
-    raw = loc.read_bytes(RUN_FILE, max_bytes=MAX_RECORD_BYTES)
-    return None if raw is None else RunRecord.from_bytes(raw, f"{loc}/{RUN_FILE}")
-
-
-def _read_versioned(loc: Location) -> tuple[RunRecord | None, Any]:
-    """Object stores: the record and the storage generation it was read at."""
-    result = loc._kv().read(RUN_FILE).result()
-    if result.state != "value":
-        return None, result.stamp.generation
-    raw = bytes(result.value)
-    if len(raw) > MAX_RECORD_BYTES:
-        raise CorruptCheckpointError(
-            f"{loc}/{RUN_FILE}: expected a run record of at most {MAX_RECORD_BYTES} bytes, "
-            f"found {len(raw)}"
-        )
-    return RunRecord.from_bytes(raw, f"{loc}/{RUN_FILE}"), result.stamp.generation
-
-
-def _write_if(loc: Location, record: RunRecord, generation: Any) -> Any | None:
-    """Object stores: writes ``record`` only if the stored generation is still
-    ``generation``; returns the new generation, or None when someone wrote meanwhile."""
-    stamp = loc._kv().write(RUN_FILE, record.to_bytes(), if_equal=generation).result()
-    return stamp.generation or None
-
-
 class RunOwner:
     """The run owning a tiered manager's two places; primary process only.
 
     Args:
       local: the manager's directory (already locked by the manager).
       remote: the persistent path.
-      lease_seconds: the lease on object stores (see the module docstring).
+      lease_seconds: the lease on object stores (see ``docs/run_owner.md``).
       clock: wall-clock time source (``time.time``).
     """
 
@@ -270,7 +122,7 @@ class RunOwner:
             self._lock.acquire()  # DirectoryLockedError: another live writer
             remote_rec, generation = read_record(self.remote), None
         else:
-            remote_rec, generation = _read_versioned(self.remote)
+            remote_rec, generation = read_versioned(self.remote)
             self._refuse_live_lease(remote_rec)
         if local_rec is not None and remote_rec is not None and local_rec.run != remote_rec.run:
             raise CheckpointError(
@@ -298,9 +150,9 @@ class RunOwner:
             if remote_rec is None or remote_rec != mine:
                 self.remote.write_bytes(RUN_FILE, mine.to_bytes())
         else:
-            new = _write_if(self.remote, mine, generation)
+            new = write_if(self.remote, mine, generation)
             if new is None:  # another open wrote the record between our read and write
-                theirs, _ = _read_versioned(self.remote)
+                theirs, _ = read_versioned(self.remote)
                 raise DirectoryLockedError(
                     f"{self.remote} was taken by "
                     + (theirs.describe() if theirs else "another run")
@@ -358,7 +210,7 @@ class RunOwner:
             lost = self._lost
         if generation is not None and lost is None:
             try:
-                _write_if(self.remote, self._record(local=False, expires=0.0), generation)
+                write_if(self.remote, self._record(local=False, expires=0.0), generation)
             except Exception as e:  # noqa: BLE001  (the lease then expires by itself)
                 logger.warning("checkpoint: could not release the lease on %s: %s", self.remote, e)
         if self._lock is not None:
@@ -386,13 +238,13 @@ class RunOwner:
             generation = self._generation
             if generation is None:
                 return
-            new = _write_if(self.remote, self._record(local=False), generation)
+            new = write_if(self.remote, self._record(local=False), generation)
             if new is not None:
                 self._generation = new
                 return
         theirs = None
         try:
-            theirs, _ = _read_versioned(self.remote)
+            theirs, _ = read_versioned(self.remote)
         except Exception:  # noqa: BLE001  (the error below says what is known)
             pass
         lost = DirectoryLockedError(

@@ -515,7 +515,8 @@ def step_files(directory, step) -> set[str]:
 
 
 def test_the_partition_of_a_step_is_whole_disjoint_balanced_and_order_free():
-    from flax_orbax_plugin._manager.tiers import FILE_COST_BYTES, _partition
+    from flax_orbax_plugin._manager.tiers.files import FILE_COST_BYTES
+    from flax_orbax_plugin._manager.tiers.files import partition as _partition
 
     sizes = {"big": 10_000_000, "a/1": 4_000_000, "a/2": 4_000_000, "m.json": 300}
     sizes |= {f"small/{i}": 1000 for i in range(40)}

@@ -1,0 +1,172 @@
+"""Copy-down: a persistent step made a committed local one (see ``docs/tiers.md``).
+
+The step is copied into local staging, **verified there in full** (every JSON
+checksum, every chunk's crc32c), then committed; proven damage sets the persistent
+copy aside (:class:`~.damaged.DamagedSteps`), environmental errors raise and set
+nothing aside. Called on restore, from the training thread; collective with several
+processes (the primary copies, every process gets its outcome).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+from ..._base import distributed as _distributed
+from ..._base import faults as _faults
+from ..._core import ownership as _ownership
+from ..._core.commit import Staging
+from ..._core.verify import verify_step
+from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
+from ..._format import steps as _steps
+from ..._format.layout import MANIFEST_FILE
+from ..._storage.location import Location
+from . import files as _files
+from .damaged import DamagedSteps
+from .state import Places, TierState
+
+__all__ = ["CopyDown"]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+class CopyDown:
+    """Copies persistent steps down into the local tier, for restore.
+
+    Args:
+      places: the tier's two places.
+      state: the tier's shared state (``reading`` protects a step being copied down
+        from the persistent retention; ``owner`` is checked before each copy).
+      damaged: the persistent steps proven damaged (never copied down again).
+    """
+
+    def __init__(self, places: Places, state: TierState, damaged: DamagedSteps):
+        self._places = places
+        self._state = state
+        self._damaged = damaged
+
+    def ensure_local(self, step: int) -> bool:
+        """Training thread, on restore: makes ``step`` a committed local step, copying it
+        down from the persistent tier when the local tier lacks it. Returns False when
+        neither tier has it. Raises CorruptCheckpointError (naming the file) when the
+        persistent copy fails its checks; nothing is then left in the local tier.
+
+        Collective with several processes: the primary copies, then tells the others
+        the outcome (one key-value round), so all restore the same step or all raise."""
+        if not self._places.multi:
+            return self._ensure_local(step)
+        outcome = "absent"
+        if self._places.primary:
+            try:
+                outcome = "present" if self._ensure_local(step) else "absent"
+            except Exception as e:  # noqa: BLE001  (every process raises it below)
+                kind = "corrupt" if isinstance(e, CorruptCheckpointError) else "failed"
+                outcome = f"{kind}: {type(e).__name__}: {e}"
+                error = e
+        op = _distributed.next_operation_id("tiers-copy-down")
+        outcome = _distributed.broadcast_str(op, outcome)
+        if outcome.startswith(("corrupt", "failed")):
+            if self._places.primary:
+                raise error
+            cls = CorruptCheckpointError if outcome.startswith("corrupt") else CheckpointError
+            raise cls(
+                f"copying step {step} down from {self._places.remote} failed on the primary: "
+                + outcome.split(": ", 1)[1]
+            )
+        return outcome == "present"
+
+    def _ensure_local(self, step: int) -> bool:
+        """Copies ``step`` down (see :meth:`ensure_local`): listed, copied into local
+        staging, **verified there in full** (every JSON checksum, every chunk's crc32c:
+        ``verify_step``), then committed. Proven damage (a checksum or format
+        mismatch) sets the persistent copy aside (:meth:`DamagedSteps.set_aside`): it is
+        never listed, copied down or counted again, and the step's number is free for the
+        next save. Environmental errors (EMFILE, EIO, a timeout, a refused connection)
+        raise and set nothing aside. A link or special file in it is no damage of its
+        data: ForeignEntryError, nothing set aside."""
+        local, remote, state = self._places.local, self._places.remote, self._state
+        local_final = _steps.step_location(local, step)
+        if local_final.exists(MANIFEST_FILE):
+            return True
+        if step in self._damaged:
+            raise CorruptCheckpointError(
+                f"step {step} of {remote} was proven damaged when it was first copied "
+                f"down, and is never copied down again: {self._damaged.steps[step]}"
+            )
+        src = _steps.step_location(remote, step)
+        with state.cond:
+            state.reading.add(step)
+        try:
+            raw = src.read_bytes(MANIFEST_FILE)
+            if raw is None:
+                return False
+            if state.owner is not None:  # the persistent path is still this run's
+                state.owner.check(f"copying step {step} down from {remote}")
+            # Our own dead remains there are cleared; a foreign entry raises, naming it.
+            if _ownership.check_slot(local_final, what=f"step {step}", replace=False):
+                _ownership.remove(local_final, action="clear the remains of a dead copy at")
+            state.copied_down.append(step)
+            try:
+                nbytes, t0 = self._copy(step, src, raw, local_final)
+            except ForeignEntryError:
+                raise  # a planted link or FIFO: no damage of ours, nothing set aside
+            except CorruptCheckpointError as e:
+                with state.cond:
+                    state.known.discard(step)
+                self._damaged.set_aside(step, raw, e)
+                raise
+        finally:
+            with state.cond:
+                state.reading.discard(step)
+        logger.warning(
+            "checkpoint: copied step %d down from %s to %s: %d bytes, %.3f s",
+            step,
+            remote,
+            local,
+            nbytes,
+            time.perf_counter() - t0,
+        )
+        return True
+
+    def _copy(
+        self, step: int, src: Location, raw: bytes, local_final: Location
+    ) -> tuple[int, float]:
+        """The copy into local staging, verified and committed; returns the bytes
+        copied and when the copy started (``time.perf_counter``)."""
+        manifest = _files.parse_manifest(raw, src, step)
+        files = [f for f in _files.remote_files(src) if f != MANIFEST_FILE]
+        _files.check_listed(manifest, files, str(src))
+        t0 = time.perf_counter()
+        staging = Staging.begin(local_final, secrets.token_hex(6))
+        try:
+            nbytes = _files.copy_files(
+                lambda rel: _files.read_remote_file(src, rel),
+                staging.location,
+                files,
+                manifest,
+                str(src),
+                before_file=lambda: _faults.fail_point("copy_down_file"),
+                stopped=lambda: self._state.stop,
+            )
+            _verify_copy(staging.location, raw, step, src)
+            staging.location.sync()
+            staging.publish(MANIFEST_FILE, raw, replace=False)
+        except BaseException:
+            staging.abort()
+            raise
+        return nbytes, t0
+
+
+def _verify_copy(staging: Location, raw: bytes, step: int, src: Location) -> None:
+    """Verifies a step copied into local staging before it is committed: the manifest
+    is written there first (the pending marker still claims the place), then every
+    item is read in full. CorruptCheckpointError naming the persistent file on damage;
+    environmental errors propagate."""
+    staging.write_bytes(MANIFEST_FILE, raw, durable=False)
+    bad = [r for r in verify_step(staging, step) if not r.ok]
+    if bad:
+        raise CorruptCheckpointError(
+            f"step {step} of {src} failed verification after its copy down (nothing was "
+            f"committed locally): " + "; ".join(f"{r.item or 'manifest'}: {r.error}" for r in bad)
+        )

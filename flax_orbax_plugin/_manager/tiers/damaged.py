@@ -1,0 +1,146 @@
+"""Persistent steps a verified copy-down proved damaged (see ``docs/tiers.md``).
+
+On filesystems such a step is renamed ``<step>.corrupt-<nonce>``; object stores,
+which cannot rename, keep it and record it in :data:`DAMAGED_FILE` with the sha256
+of the manifest found damaged. Either way it is never listed, copied down or counted
+again, and a good copy replicated later replaces it. The primary reads the record at
+open, sets steps aside (copy-down, training thread) and forgets them (replicator
+thread); :attr:`DamagedSteps.steps` is replaced, never mutated, so readers on other
+threads see a whole dict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+
+from ..._errors import CorruptCheckpointError
+from ..._format import steps as _steps
+from ..._format.layout import MANIFEST_FILE
+from ..._storage.location import Location
+
+__all__ = ["DAMAGED_FILE", "DamagedSteps"]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+# Object stores: the persistent steps a verified copy-down proved damaged (they cannot
+# be renamed aside), with the sha256 of the manifest found damaged.
+DAMAGED_FILE = "_DAMAGED.json"
+
+
+class DamagedSteps:
+    """The damaged steps of one persistent location: ``steps`` is ``{step: what
+    failed}``; the other processes get the primary's at open."""
+
+    def __init__(self, remote: Location):
+        self.remote = remote
+        self.steps: dict[int, str] = {}
+
+    def __contains__(self, step: int) -> bool:
+        return step in self.steps
+
+    def committed_steps(self) -> list[int]:
+        """Steps committed in the persistent tier now (lists the store), less the
+        damaged ones (never listed again)."""
+        damaged = self.steps
+        return [s for s in _steps.committed_steps(self.remote) if s not in damaged]
+
+    def read(self) -> dict[int, str]:
+        """Primary, at open: the damaged steps recorded in :data:`DAMAGED_FILE` (object
+        stores) whose manifest is still the one found damaged."""
+        if self.remote.is_local:
+            return {}
+        raw = self.remote.read_bytes(DAMAGED_FILE)
+        if raw is None:
+            return {}
+        where = f"{self.remote}/{DAMAGED_FILE}"
+        try:
+            doc = json.loads(raw)
+            steps = doc["steps"]
+            if doc.get("library") != "flax_orbax_plugin" or not isinstance(steps, dict):
+                raise ValueError("not a damage record of this library")
+            out = {}
+            for name, info in steps.items():
+                if not _steps.is_step_name(name) or not isinstance(info, dict):
+                    raise ValueError(f"field steps: entry {name!r} is no step record")
+                current = self.remote.child(name).read_bytes(MANIFEST_FILE)
+                if current is not None and hashlib.sha256(current).hexdigest() == info.get(
+                    "manifest_sha256"
+                ):
+                    out[int(name)] = str(info.get("error", ""))
+            return out
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CorruptCheckpointError(
+                f"{where}: expected this library's record of damaged steps, found {e}"
+            ) from None
+
+    def _write(self, damaged: dict[int, str], shas: dict[int, str]) -> None:
+        doc = {
+            "library": "flax_orbax_plugin",
+            "kind": "damaged steps",
+            "steps": {
+                str(s): {"manifest_sha256": shas[s], "error": damaged[s][:2000]}
+                for s in sorted(damaged)
+                if s in shas
+            },
+        }
+        self.remote.write_bytes(DAMAGED_FILE, json.dumps(doc, sort_keys=True).encode())
+
+    def set_aside(self, step: int, raw: bytes, error: Exception) -> None:
+        """Primary, after a verified copy-down proved the persistent copy damaged: on
+        filesystems it is renamed to ``<step>.corrupt-<nonce>`` (never removed); on object
+        stores, which cannot rename, it stays and is recorded in :data:`DAMAGED_FILE`
+        (with its manifest's sha256). Either way it is never listed, copied down or
+        counted again, and a new save of the step replaces it. Failing to set it aside
+        is logged: the error raised is the damage."""
+        text = str(error)
+        try:
+            if self.remote.supports_rename:
+                name = f"{step}.corrupt-{secrets.token_hex(6)}"
+                _steps.step_location(self.remote, step).rename(self.remote.child(name))
+                logger.warning(
+                    "checkpoint: step %d of %s is damaged (%s); moved aside to %s",
+                    step,
+                    self.remote,
+                    text,
+                    name,
+                )
+                return
+            self.steps = {**self.steps, step: text}
+            shas = self._shas()
+            shas[step] = hashlib.sha256(raw).hexdigest()
+            self._write(self.steps, shas)
+            logger.warning(
+                "checkpoint: step %d of %s is damaged (%s); recorded in %s, never copied "
+                "down again",
+                step,
+                self.remote,
+                text,
+                DAMAGED_FILE,
+            )
+        except Exception as e:  # noqa: BLE001  (the damage is what gets raised)
+            self.steps = {**self.steps, step: text}  # this process skips it anyway
+            logger.warning(
+                "checkpoint: could not set step %d of %s aside: %s", step, self.remote, e
+            )
+
+    def _shas(self) -> dict[int, str]:
+        """The manifest sha256 of every damaged step recorded (object stores)."""
+        out = {}
+        for s in self.steps:
+            current = self.remote.child(str(s)).read_bytes(MANIFEST_FILE)
+            if current is not None:
+                out[s] = hashlib.sha256(current).hexdigest()
+        return out
+
+    def forget(self, step: int) -> None:
+        """Replicator, after committing ``step``: a damaged copy it replaced is gone."""
+        if step not in self.steps:
+            return
+        self.steps = {s: e for s, e in self.steps.items() if s != step}
+        try:
+            self._write(self.steps, self._shas())
+        except Exception as e:  # noqa: BLE001  (the stale entry no longer matches anyway)
+            logger.warning("checkpoint: could not update %s/%s: %s", self.remote, DAMAGED_FILE, e)

@@ -1,0 +1,190 @@
+"""The files of a step, for the persistent tier (see ``docs/tiers.md``).
+
+Local and remote listing and reading (never through a link), the deterministic
+partition of a step's files among processes, listing digests, parsing and checking
+the step manifest, and :func:`copy_files`: files copied with the sha256 of each JSON
+file the manifest lists checked. Functions of their arguments only; thread-safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from ..._base import faults as _faults
+from ..._core import ownership as _ownership
+from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
+from ..._format.layout import MANIFEST_FILE, StepManifest
+from ..._storage.location import Location
+from .state import Stopped
+
+__all__ = [
+    "COPY_THREADS",
+    "FILE_COST_BYTES",
+    "check_listed",
+    "copy_files",
+    "listing_digest",
+    "local_file_sizes",
+    "local_files",
+    "parse_manifest",
+    "partition",
+    "read_local_file",
+    "read_remote_file",
+    "remote_files",
+]
+
+COPY_THREADS = 16  # files copied at once (object stores are latency-bound)
+# A file costs this much beyond its bytes when shares are balanced (object stores are
+# latency-bound: a thousand small files are not free).
+FILE_COST_BYTES = 1 << 16
+
+
+def copy_files(
+    read: Callable[[str], bytes],
+    dst: Location,
+    files: list[str],
+    manifest: StepManifest,
+    src: str,
+    *,
+    before_file: Callable[[], None],
+    stopped: Callable[[], bool],
+) -> int:
+    """Copies ``files`` (relative paths) into ``dst``, checking the sha256 of each
+    JSON file the manifest lists; the manifest itself is not among them. Before each
+    file ``before_file()`` runs (a copy up yields to local saves there), then
+    :class:`Stopped` is raised if ``stopped()``. Returns the bytes copied."""
+
+    def one(rel: str) -> int:
+        before_file()
+        if stopped():
+            raise Stopped()
+        data = read(rel)
+        expected = manifest.files.get(rel)
+        if expected is not None:
+            found = hashlib.sha256(data).hexdigest()
+            if found != expected:
+                raise CorruptCheckpointError(
+                    f"{src}/{rel}: sha256 expected {expected} (the step manifest), "
+                    f"found {found}; not copied"
+                )
+        dst.write_bytes(rel, data, durable=False)
+        return len(data)
+
+    total = 0
+    with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="fop-copy") as pool:
+        futures = [pool.submit(one, rel) for rel in files]
+        try:
+            for fut in futures:
+                total += fut.result()
+                _faults.kill_point("mid_replication")
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return total
+
+
+def local_files(root: str, step: int) -> list[str]:
+    """Relative paths of the regular files under a local step directory, manifest and
+    pending marker excluded (a crash window can leave the marker beside a committed
+    manifest). A symlink or special file anywhere in it is a ForeignEntryError."""
+    return sorted(local_file_sizes(root, step))
+
+
+def local_file_sizes(root: str, step: int) -> dict[str, int]:
+    """``{relative path: size}`` of :func:`local_files`."""
+    out: dict[str, int] = {}
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        top = os.path.join(root, rel_dir) if rel_dir else root.rstrip("/")
+        try:
+            with os.scandir(top) as it:
+                entries = list(it)
+        except FileNotFoundError:
+            raise CheckpointError(f"step {step}: {top} vanished while being replicated") from None
+        for entry in entries:
+            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(rel)
+            elif stat.S_ISREG(st.st_mode):
+                if rel not in (MANIFEST_FILE, _ownership.PENDING_FILE):
+                    out[rel] = st.st_size
+            else:
+                found = "a symbolic link" if entry.is_symlink() else "a special file"
+                raise ForeignEntryError(
+                    f"step {step}: {entry.path}: expected a regular file or directory written "
+                    f"by this library, found {found} (never followed or copied)"
+                )
+    return out
+
+
+def listing_digest(sizes: dict[str, int]) -> str:
+    """sha256 of the sorted names and sizes: processes that saw the same files agree."""
+    text = "".join(f"{rel}\t{sizes[rel]}\n" for rel in sorted(sizes))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def partition(sizes: dict[str, int], n: int) -> list[list[str]]:
+    """The files of a step split among ``n`` processes, the same on every process:
+    largest first (ties by path), each to the least-loaded process (ties by index),
+    a file weighing its size plus :data:`FILE_COST_BYTES`. Each share is sorted."""
+    loads = [0] * n
+    shares: list[list[str]] = [[] for _ in range(n)]
+    for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
+        p = min(range(n), key=lambda i: (loads[i], i))
+        shares[p].append(rel)
+        loads[p] += sizes[rel] + FILE_COST_BYTES
+    return [sorted(share) for share in shares]
+
+
+def read_local_file(root: str, rel: str, step: int) -> bytes:
+    """A file under a local step, of any size, never through a link (``read_bytes``)."""
+    data = Location.from_path(root).read_bytes(rel, max_bytes=None)
+    if data is None:
+        raise CheckpointError(f"step {step}: {root}/{rel} vanished while being replicated")
+    return data
+
+
+def remote_files(step_loc: Location) -> list[str]:
+    """Relative paths of the files under a persistent step, pending marker excluded."""
+    if step_loc.is_local:
+        return local_files(step_loc.path, int(step_loc.name))
+    keys = step_loc._kv().list().result()
+    return sorted(k.decode("utf-8") for k in keys if k != _ownership.PENDING_FILE.encode())
+
+
+def read_remote_file(step_loc: Location, rel: str) -> bytes:
+    """A file under a persistent step; CorruptCheckpointError when it is missing."""
+    if step_loc.is_local:
+        return read_local_file(step_loc.path, rel, int(step_loc.name))
+    result = step_loc._kv().read(rel).result()
+    if result.state != "value":
+        raise CorruptCheckpointError(f"{step_loc}/{rel} is missing (it was listed a moment ago)")
+    return bytes(result.value)
+
+
+def parse_manifest(raw: bytes, step_loc: Location, step: int) -> StepManifest:
+    """The step manifest read from ``step_loc``, which must name ``step``."""
+    where = f"{step_loc}/{MANIFEST_FILE}"
+    manifest = StepManifest.from_bytes(raw, where)
+    if manifest.step != step:
+        raise CorruptCheckpointError(
+            f"{where}: field step: expected {step} (the directory's name), found {manifest.step}"
+        )
+    return manifest
+
+
+def check_listed(manifest: StepManifest, files: list[str], where: str) -> None:
+    """Every JSON file the manifest lists is present (else the copy would be partial)."""
+    present = set(files)
+    missing = [f for f in manifest.files if f not in present]
+    if missing:
+        raise CorruptCheckpointError(
+            f"{where}: files listed in {MANIFEST_FILE} are missing: "
+            + ", ".join(sorted(missing)[:5])
+        )

@@ -1,0 +1,89 @@
+"""Opening the persistent tier (see ``docs/tiers.md``), called by ``PersistentTier.open``
+on the training thread before the replicator starts.
+
+:func:`open_primary` takes both places for this run, reads the damage record, removes
+the unfinished copies and decides which local steps to queue; :func:`share_open`
+(several processes) hands the primary's outcome, damage record, round prefix and
+error to every process in one key-value round, so all open alike or all raise.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterable
+
+from ..._base import distributed as _distributed
+from ..._errors import CheckpointError, DirectoryLockedError
+from ..._storage import run_owner as _run_owner
+from .damaged import DamagedSteps
+from .replicator import remove_unfinished
+from .rounds import Rounds
+from .state import Places, TierState
+
+__all__ = ["open_primary", "share_open"]
+
+
+def open_primary(
+    places: Places,
+    state: TierState,
+    damaged: DamagedSteps,
+    local_steps: Iterable[int],
+    lease_seconds: float,
+) -> tuple[list[int], list[int], BaseException | None]:
+    """Primary: takes both places for this run (``state.owner``), reads the damage
+    record, removes unfinished copies and lists; returns the persistent steps, the
+    local steps to queue and, with several processes, the failure to share (with one
+    process it raises)."""
+    remote_steps: list[int] = []
+    failure: BaseException | None = None
+    try:
+        state.owner = _run_owner.RunOwner(places.local, places.remote, lease_seconds=lease_seconds)
+        state.owner.open()  # this run's place, or DirectoryLockedError/CheckpointError
+        damaged.steps = damaged.read()
+        remove_unfinished(places.remote)
+        remote_steps = damaged.committed_steps()
+    except BaseException as e:
+        if state.owner is not None:
+            state.owner.close()
+        if not places.multi:
+            raise
+        failure = e
+    latest = remote_steps[-1] if remote_steps else -1
+    every = places.retention.keep_every
+    missing = [
+        s
+        for s in local_steps
+        if s not in remote_steps and (s > latest or (every is not None and s % every == 0))
+    ]
+    return remote_steps, missing, failure
+
+
+def share_open(
+    damaged: DamagedSteps,
+    rounds: Rounds,
+    remote_steps: list[int],
+    missing: list[int],
+    failure: BaseException | None,
+) -> tuple[list[int], list[int]]:
+    """Several processes, every one: the primary's persistent steps and steps to queue
+    (returned), its damage record (into ``damaged``) and round prefix (into
+    ``rounds``); every process raises the primary's error."""
+    op = _distributed.next_operation_id("tiers-open")
+    mine = {
+        "remote": remote_steps,
+        "missing": missing,
+        "damaged": {str(k): v for k, v in damaged.steps.items()},
+        "rounds": secrets.token_hex(6),
+        "error": None if failure is None else [type(failure).__name__, str(failure)],
+    }
+    shared = json.loads(_distributed.broadcast_str(op, json.dumps(mine)))
+    if shared["error"] is not None:  # every process raises the primary's error
+        if failure is not None:
+            raise failure
+        kind, text = shared["error"]
+        cls = DirectoryLockedError if kind == "DirectoryLockedError" else CheckpointError
+        raise cls(f"opening the persistent tier failed on the primary: {text}")
+    damaged.steps = {int(k): v for k, v in shared["damaged"].items()}
+    rounds.prefix = f"fop/{shared['rounds']}/replicate"
+    return shared["remote"], shared["missing"]

@@ -1,0 +1,256 @@
+"""The replication rounds of several processes (see ``docs/tiers.md``).
+
+The primary announces a round (a step to copy, or its outcome, or ``stop``), every
+process copies its share of the step's files and reports a status, the primary
+checks the statuses, commits or not, and publishes the round's outcome; the other
+processes follow the rounds in order and settle each outcome. The processes meet
+through the jax.distributed key-value store only. Every method runs on a replicator
+thread (the primary's :meth:`Rounds.lead`, the others' :meth:`Rounds.follow`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+
+from ..._base import distributed as _distributed
+from ..._core.commit import Staging
+from ..._errors import CheckpointError, ReplicationError
+from ..._format import steps as _steps
+from ..._format.layout import MANIFEST_FILE
+from . import files as _files
+from .state import Places, Stopped, TierState, Yielding
+
+__all__ = ["POLL_S", "Round", "RoundFailed", "Rounds", "check_statuses"]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+POLL_S = 0.5  # other processes: how long one wait for the primary's next round lasts
+
+
+class RoundFailed(CheckpointError):
+    """A round in which some process failed, or the processes saw different files."""
+
+
+@dataclasses.dataclass
+class Round:
+    """One replication round (several processes): its key-value name and step, and
+    whether the primary has announced it yet."""
+
+    key: str
+    step: int
+    announced: bool = False
+
+
+class Rounds:
+    """The rounds of one tier: their key-value prefix (:attr:`prefix`, agreed at open
+    and set before the replicator thread starts) and the next round's number (the
+    same sequence on every process; replicator thread only).
+
+    Args:
+      places: the tier's two places.
+      state: the tier's shared state.
+      yielding: how a copy up yields to the manager's own save.
+    """
+
+    def __init__(self, places: Places, state: TierState, yielding: Yielding):
+        self._places = places
+        self._state = state
+        self._yielding = yielding
+        self.prefix = ""
+        self._round = 0
+
+    def next_key(self) -> str:
+        """Replicator thread: the key of this tier's next round."""
+        key = f"{self.prefix}/{self._round}"
+        self._round += 1
+        return key
+
+    # ------------------------------------------------------------------ the primary
+
+    def announce(self, rnd: Round, decision: str) -> None:
+        """Primary: publishes a round's decision (a JSON object, or ``stop``)."""
+        _distributed.broadcast_str(rnd.key, decision)
+        rnd.announced = True
+
+    def finish(self, rnd: Round | None, outcome: str) -> None:
+        """Primary: publishes a round's outcome; a round that never got to copying is
+        announced with its outcome in it (the others then copy nothing)."""
+        if rnd is None:
+            return
+        try:
+            if rnd.announced:
+                _distributed.broadcast_str(f"{rnd.key}/outcome", outcome)
+            else:
+                self.announce(rnd, json.dumps({"step": rnd.step, "outcome": outcome}))
+        except Exception as e:  # noqa: BLE001  (the others time out and say so)
+            logger.warning("checkpoint: could not publish round %s: %s", rnd.key, e)
+
+    def lead(self, rnd: Round, step: int, nonce: str, raw: bytes, nfiles: int) -> int:
+        """Primary: announces ``step`` (staging ``nonce``, manifest ``raw``), copies its
+        own share, gathers every process's status; returns the bytes copied, or raises
+        as :func:`check_statuses`."""
+        sha = hashlib.sha256(raw).hexdigest()
+        self.announce(rnd, json.dumps({"step": step, "staging": nonce, "manifest": sha}))
+        statuses = [self.copy_share(step, nonce, sha)]
+        for p in range(1, _distributed.process_count()):
+            statuses.append(json.loads(_distributed.get_from(f"{rnd.key}/status", p)))
+        return check_statuses(statuses, nfiles)
+
+    # ------------------------------------------------------------------ every process
+
+    def copy_share(self, step: int, nonce: str, manifest_sha: str) -> dict[str, Any]:
+        """Every process, in a round: lists the local step, takes its share of the files
+        (:func:`~.files.partition`, the same on every process) and copies it into the
+        step's remote staging; returns this process's status (never raises but
+        :class:`Stopped` on the primary)."""
+        listing = None
+        try:
+            src = _steps.step_location(self._places.local, step)
+            raw = src.read_bytes(MANIFEST_FILE)
+            if raw is None:
+                raise CheckpointError(f"step {step}: {src}/{MANIFEST_FILE} vanished")
+            if hashlib.sha256(raw).hexdigest() != manifest_sha:
+                raise CheckpointError(
+                    f"step {step}: {src}/{MANIFEST_FILE} differs from the one the primary read"
+                )
+            manifest = _files.parse_manifest(raw, src, step)
+            sizes = _files.local_file_sizes(src.path, step)
+            listing = _files.listing_digest(sizes)
+            count, index = _distributed.process_count(), _distributed.process_index()
+            share = _files.partition(sizes, count)[index]
+            staging = Staging.begin(_steps.step_location(self._places.remote, step), nonce)
+            nbytes = _files.copy_files(
+                lambda rel: _files.read_local_file(src.path, rel, step),
+                staging.location,
+                share,
+                manifest,
+                str(src),
+                before_file=self._yielding.before_file,
+                stopped=lambda: self._state.stop,
+            )
+            staging.location.sync()  # this process's files: durable before it reports
+        except Stopped:
+            if self._places.primary:
+                raise
+            return {"ok": False, "stopped": True, "listing": listing, "error": "closed"}
+        except Exception as e:  # noqa: BLE001  (reported to the primary)
+            return {"ok": False, "listing": listing, "error": f"{type(e).__name__}: {e}"}
+        self._state.copied_files[step] = share
+        return {"ok": True, "listing": listing, "bytes": nbytes, "files": len(share)}
+
+    # ------------------------------------------------------------------ the others
+
+    def follow(self) -> None:
+        """The replicator thread of a process other than the primary: takes part in the
+        primary's rounds, in order, until it announces ``stop``."""
+        state = self._state
+        try:
+            while True:
+                key = self.next_key()
+                decision = self._await_round(key)
+                if decision is None or decision == "stop":
+                    return
+                info = json.loads(decision)
+                step = int(info["step"])
+                with state.cond:
+                    state.round_steps.add(step)
+                    state.drop_older(step, self._places.kept_forever)
+                    state.queue.discard(step)
+                    state.current = step
+                try:
+                    self._take_part(key, step, info)
+                finally:
+                    with state.cond:
+                        state.current = None
+                        state.cond.notify_all()
+        except Exception as e:  # noqa: BLE001  (the primary is gone or late)
+            error = ReplicationError(
+                f"process {_distributed.process_index()} lost the primary's replication "
+                f"rounds of {self._places.local} to {self._places.remote}: "
+                f"{type(e).__name__}: {e}"
+            )
+            error.__cause__ = e
+            logger.error("checkpoint: %s", error)
+            with state.cond:
+                state.error = error
+                state.cond.notify_all()
+
+    def _take_part(self, key: str, step: int, info: dict[str, Any]) -> None:
+        """Follower: copies this process's share of the round ``key`` (unless the round
+        carries its outcome already), reports it and settles the outcome."""
+        outcome = info.get("outcome")
+        if outcome is None:
+            self._yielding.start()
+            status = self.copy_share(step, info["staging"], info["manifest"])
+            _distributed.publish(f"{key}/status", json.dumps(status))
+            # The primary may spend up to one timeout gathering statuses.
+            wait = 2 * _distributed.DEFAULT_TIMEOUT_S
+            outcome = _distributed.broadcast_str(f"{key}/outcome", None, timeout_s=wait)
+        self._settle(step, outcome)
+
+    def _await_round(self, key: str) -> str | None:
+        """Follower: the primary's decision under ``key``; None when this tier stops (or
+        its close found no round announced within the coordination timeout)."""
+        start = time.monotonic()
+        while True:
+            with self._state.cond:
+                if self._state.stop:
+                    return None
+                since = self._state.closing_since
+            waited = None if since is None else time.monotonic() - max(since, start)
+            if waited is not None and waited > _distributed.DEFAULT_TIMEOUT_S:
+                logger.warning(
+                    "checkpoint: the primary announced no replication round (%s) within %.0f s "
+                    "of close; not following it further",
+                    key,
+                    _distributed.DEFAULT_TIMEOUT_S,
+                )
+                return None
+            decision = _distributed.poll(key, wait_s=POLL_S)
+            if decision is not None:
+                return decision
+
+    def _settle(self, step: int, outcome: str) -> None:
+        """Follower: applies the outcome of the primary's round for ``step``."""
+        state = self._state
+        with state.cond:
+            if outcome == "committed":
+                state.known.add(step)
+                state.replicated.append(step)
+            elif outcome.startswith("retry:"):
+                state.queue.add(step)  # the primary runs another round of it
+            elif outcome.startswith("failed:"):
+                state.error = ReplicationError(outcome.split(": ", 1)[1])
+            # skipped, abandoned: nothing committed, no error (the next open retries)
+            if outcome != "committed":
+                state.copied_files.pop(step, None)
+
+
+def check_statuses(statuses: list[dict[str, Any]], nfiles: int) -> int:
+    """Primary: every process's status of a round, by index; returns the bytes copied,
+    or raises :class:`Stopped` (a process's tier closed meanwhile) or
+    :class:`RoundFailed` naming the processes that failed or saw other files, or when
+    the shares together are not the ``nfiles`` files the primary listed."""
+    if any(s.get("stopped") for s in statuses):
+        raise Stopped()
+    failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if not s["ok"]]
+    if failed:
+        raise RoundFailed("; ".join(failed))
+    first = statuses[0]["listing"]
+    other = [p for p, s in enumerate(statuses) if s["listing"] != first]
+    if other:
+        raise RoundFailed(
+            f"process(es) {', '.join(map(str, other))} listed other files under the local "
+            f"step than process 0 (listing digests "
+            + ", ".join(f"{p}: {s['listing'][:12]}" for p, s in enumerate(statuses))
+            + "); is the local directory shared by every host?"
+        )
+    copied = sum(int(s["files"]) for s in statuses)
+    if copied != nfiles:
+        raise RoundFailed(f"the processes copied {copied} files of the {nfiles} in the step")
+    return sum(int(s["bytes"]) for s in statuses)

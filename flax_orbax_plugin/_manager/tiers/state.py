@@ -1,0 +1,119 @@
+"""What the persistent tier's collaborators share (see ``docs/tiers.md``).
+
+:class:`Places` is fixed at construction: the two places, the persistent retention
+and the manager's step removal. :class:`TierState` holds the replication queue and
+flags, every field guarded by its one condition (the training thread, the manager's
+save thread and the replicator thread all touch it). :class:`Yielding` is how a copy
+up waits for the manager's own save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+from ..._base import faults as _faults
+from ..._errors import ReplicationError
+from ..._storage.location import Location
+from ..._storage.run_owner import RunOwner
+from ..retention import RetentionPolicy
+
+__all__ = ["MAX_DEFER_S", "Places", "Stopped", "TierState", "Yielding"]
+
+# A copy yields to the training loop's own save: it waits while a local save is in
+# flight (before each step and each file), but no longer than this per step, so a
+# loop that saves all the time still gets its steps replicated.
+MAX_DEFER_S = 10.0
+
+
+class Stopped(Exception):
+    """The tier is closing: the copy in progress was abandoned (uncommitted)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Places:
+    """The two places of a tier and what is fixed about them.
+
+    ``remove_step(location, step)`` deletes a committed step (the manager's, so both
+    tiers delete alike); ``primary`` and ``multi``: this process is the primary, and
+    there are several processes.
+    """
+
+    local: Location
+    remote: Location
+    retention: RetentionPolicy
+    remove_step: Callable[[Location, int], None]
+    primary: bool
+    multi: bool
+
+    def kept_forever(self, step: int) -> bool:
+        every = self.retention.keep_every
+        return every is not None and step % every == 0
+
+
+@dataclasses.dataclass
+class TierState:
+    """The replication queue and flags; every field is guarded by :attr:`cond`, but
+    :attr:`owner` (set by ``open`` before the replicator starts, then only read) and
+    the lists kept for tests (``replicated``, ``copied_files``, ``copied_down``)."""
+
+    cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+    queue: set[int] = dataclasses.field(default_factory=set)
+    current: int | None = None
+    reading: set[int] = dataclasses.field(default_factory=set)  # being copied down
+    known: set[int] = dataclasses.field(default_factory=set)  # committed remotely
+    stop: bool = False
+    closing_since: float | None = None  # other processes: close() was called
+    error: ReplicationError | None = None
+    # Other processes: the steps the primary has started rounds for.
+    round_steps: set[int] = dataclasses.field(default_factory=set)
+    owner: RunOwner | None = None  # the primary's, from open()
+    replicated: list[int] = dataclasses.field(default_factory=list)  # committed, in order
+    # This process's share of each step it helped commit: relative paths (for tests).
+    copied_files: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    copied_down: list[int] = dataclasses.field(default_factory=list)  # tried, in order
+
+    def drop_older(self, step: int, kept_forever: Callable[[int], bool]) -> None:
+        """Under ``cond``: drop queued steps older than ``step`` that the persistent
+        retention would not keep forever (``step`` supersedes them)."""
+        self.queue = {s for s in self.queue if s > step or kept_forever(s)}
+
+    def enqueue(self, step: int, kept_forever: Callable[[int], bool]) -> None:
+        """Under ``cond``: queue ``step``, dropping the older steps it supersedes."""
+        self.drop_older(step, kept_forever)
+        self.queue.add(step)
+
+    def pending(self) -> set[int]:
+        """Under ``cond``: the steps queued or being copied."""
+        return self.queue | ({self.current} - {None})
+
+    def take_error(self) -> ReplicationError | None:
+        """The error kept, cleared (raised once)."""
+        with self.cond:
+            error, self.error = self.error, None
+        return error
+
+
+class Yielding:
+    """A copy up yields to the manager's own save: :meth:`start` opens a step's
+    window of :data:`MAX_DEFER_S`; :meth:`wait` (before the step and before each
+    file, replicator threads) sleeps while ``busy()`` and the window is open."""
+
+    def __init__(self, busy: Callable[[], bool], state: TierState):
+        self._busy = busy
+        self._state = state
+        self._defer_until = 0.0
+
+    def start(self) -> None:
+        self._defer_until = time.monotonic() + MAX_DEFER_S
+
+    def wait(self) -> None:
+        while not self._state.stop and time.monotonic() < self._defer_until and self._busy():
+            time.sleep(0.005)
+
+    def before_file(self) -> None:
+        """Before each file copied up: yield, then the fault point of the tests."""
+        self.wait()
+        _faults.fail_point("replicate_file")

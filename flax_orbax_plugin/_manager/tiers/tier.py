@@ -1,0 +1,295 @@
+"""PersistentTier: a manager's local directory of steps, replicated to a persistent one.
+
+The façade the manager calls (open, submit, wait, close, steps, ensure_local) over its
+collaborators: ``opening`` (the collective open), :class:`~.replicator.Replicator`
+(the primary's replicator thread), :class:`~.rounds.Rounds` (the rounds of several
+processes), :class:`~.copy_down.CopyDown` (restore's copy down) and
+:class:`~.damaged.DamagedSteps`, sharing one :class:`~.state.TierState`. Who calls
+what, from which thread, the multi-process protocol and the rules on ownership and
+damage: ``docs/tiers.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..._base import distributed as _distributed
+from ..._errors import ReplicationError
+from ..._storage import run_owner as _run_owner
+from ..._storage.location import Location
+from ..retention import RetentionPolicy
+from .copy_down import CopyDown
+from .damaged import DamagedSteps
+from .opening import open_primary, share_open
+from .replicator import Replicator
+from .rounds import Rounds
+from .state import Places, TierState, Yielding
+
+__all__ = ["PersistentTier"]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+class PersistentTier:
+    """The persistent copy of a manager's local directory; see ``docs/tiers.md``.
+
+    Args:
+      local: the manager's directory (a local filesystem).
+      remote: the persistent location (any store).
+      keep, keep_every: the persistent tier's retention (as the manager's ``keep`` and
+        ``keep_every``): ``keep=None`` keeps every replicated step.
+      grace_seconds: how long a close after SIGTERM waits for the replication.
+      remove_step: ``remove_step(location, step)`` deletes a committed step (the
+        manager's, so both tiers delete alike).
+      busy: returns True while the manager's own save is in flight; the copy waits
+        meanwhile (at most :data:`~.state.MAX_DEFER_S` per step): the local save comes
+        first.
+      lease_seconds: the lease on an object-store persistent path (see ``_run_owner``).
+    """
+
+    def __init__(
+        self,
+        local: Location,
+        remote: Any,
+        *,
+        keep: int | None = None,
+        keep_every: int | None = None,
+        grace_seconds: float = 30.0,
+        remove_step: Callable[[Location, int], None],
+        busy: Callable[[], bool] = lambda: False,
+        lease_seconds: float = _run_owner.LEASE_SECONDS,
+    ):
+        self.local = local
+        self.remote = Location.from_path(remote)
+        if not local.is_local:
+            raise ValueError(
+                f"the local tier must be a local directory, found {local}; give the bucket "
+                f"as persistent= and a local path as the manager's directory"
+            )
+        if self.remote == local or (
+            self.remote.is_local
+            and os.path.realpath(self.remote.path) == os.path.realpath(local.path)
+        ):
+            raise ValueError(f"persistent location {self.remote} is the local directory itself")
+        # With several processes the local directory is one every host mounts (as for
+        # any manager directory): each process copies its share of every step, the
+        # primary decides the rounds and commits; see docs/tiers.md.
+        primary = _distributed.is_primary()
+        multi = _distributed.process_count() > 1
+        if not grace_seconds >= 0:
+            raise ValueError(f"persistent_grace_seconds must be >= 0, found {grace_seconds!r}")
+        self.retention = RetentionPolicy(keep_last=keep, keep_every=keep_every)
+        self.grace_seconds = float(grace_seconds)
+        self._lease_seconds = _run_owner.check_lease(lease_seconds)
+        self._places = Places(local, self.remote, self.retention, remove_step, primary, multi)
+        self._state = TierState()
+        self._damaged = DamagedSteps(self.remote)
+        yielding = Yielding(busy, self._state)
+        self._rounds = Rounds(self._places, self._state, yielding)
+        self._replicator = Replicator(
+            self._places, self._state, yielding, self._rounds, self._damaged
+        )
+        self._copy_down = CopyDown(self._places, self._state, self._damaged)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def replicated(self) -> list[int]:
+        """Steps committed by this tier's rounds, in order."""
+        return self._state.replicated
+
+    @property
+    def copied_files(self) -> dict[int, list[str]]:
+        """This process's share of each step it helped commit: relative paths."""
+        return self._state.copied_files
+
+    @property
+    def copied_down(self) -> list[int]:
+        """Steps this tier tried to copy down, in order."""
+        return self._state.copied_down
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self, local_steps: Iterable[int]) -> None:
+        """Cleans the persistent tier's unfinished copies, queues the local steps it lacks
+        (see ``docs/tiers.md``) and starts the replicator thread. Collective: every
+        process calls it; the primary lists, decides what is missing and shares both
+        (one key-value round), with the name of this tier's replication rounds."""
+        remote_steps: list[int] = []
+        missing: list[int] = []
+        failure: BaseException | None = None
+        if self._places.primary:
+            remote_steps, missing, failure = open_primary(
+                self._places, self._state, self._damaged, local_steps, self._lease_seconds
+            )
+        if self._places.multi:
+            remote_steps, missing = share_open(
+                self._damaged, self._rounds, remote_steps, missing, failure
+            )
+        state = self._state
+        with state.cond:
+            state.known = set(remote_steps)
+            for s in missing:
+                state.enqueue(s, self._places.kept_forever)
+        if missing and self._places.primary:
+            logger.info("checkpoint: replicating local steps %s to %s", missing, self.remote)
+        target = self._replicator.run if self._places.primary else self._rounds.follow
+        self._thread = threading.Thread(target=target, name="fop-replicate", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int) -> None:
+        """Queues a step just committed locally (called after each local commit, on
+        every process). With several processes the primary's queue decides what is
+        copied; the others' queues only tell their :meth:`wait` what to wait for."""
+        state = self._state
+        with state.cond:
+            if not self._places.primary and self._already_decided(step):
+                return
+            state.enqueue(step, self._places.kept_forever)
+            state.cond.notify_all()
+
+    def _already_decided(self, step: int) -> bool:
+        """Under ``cond``, not on the primary: the primary already started a round for
+        ``step`` or for a newer step that supersedes it (a late submit)."""
+        rounds = self._state.round_steps
+        newest = max(rounds, default=-1)
+        return step in rounds or (step < newest and not self._places.kept_forever(step))
+
+    def pending_steps(self) -> set[int]:
+        """Local steps queued or being copied: local retention keeps them."""
+        with self._state.cond:
+            return set(self._state.pending())
+
+    def known_steps(self) -> set[int]:
+        """Steps committed in the persistent tier as of open plus those replicated since
+        (no listing of the store)."""
+        with self._state.cond:
+            return set(self._state.known)
+
+    def steps(self) -> list[int]:
+        """Steps committed in the persistent tier now (lists the store), less those a
+        verified copy-down proved damaged (never listed again)."""
+        return self._damaged.committed_steps()
+
+    @property
+    def run_id(self) -> str | None:
+        """The run owning both places (the primary's; None elsewhere, or before open)."""
+        owner = self._state.owner
+        return None if owner is None else owner.run_id
+
+    def agreed_steps(self) -> list[int] | None:
+        """Collective: the primary's :meth:`steps`, on every process; None (logged) when
+        the store cannot be listed."""
+        steps = None
+        if self._places.primary:
+            try:
+                steps = self.steps()
+            except Exception as e:  # noqa: BLE001  (an unreachable store: the local tier)
+                logger.warning("checkpoint: cannot list %s: %s", self.remote, e)
+        if self._places.multi:
+            op = _distributed.next_operation_id("tiers-steps")
+            steps = json.loads(_distributed.broadcast_str(op, json.dumps(steps)))
+        return steps
+
+    def remove(self, step: int) -> None:
+        """Deletes a committed step of the persistent tier (callback ``overwrite=True``);
+        on the primary only, as the manager's retention."""
+        with self._state.cond:
+            self._state.known.discard(step)
+        if self._places.primary:
+            self._places.remove_step(self.remote, step)
+
+    def ensure_local(self, step: int) -> bool:
+        """Training thread, on restore: makes ``step`` a committed local step, copying it
+        down when the local tier lacks it; collective (see :meth:`CopyDown.ensure_local`)."""
+        return self._copy_down.ensure_local(step)
+
+    @property
+    def error(self) -> ReplicationError | None:
+        return self._state.error
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until nothing is queued or being copied (or ``timeout`` passed);
+        returns whether everything was replicated. Raises the error of a failed copy
+        (once). On a process other than the primary it waits for the rounds of the
+        steps it submitted (or newer ones that superseded them) to end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        state = self._state
+        with state.cond:
+            while state.queue or state.current is not None:
+                if self._thread is None or not self._thread.is_alive():
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                state.cond.wait(left)
+            idle = not state.queue and state.current is None
+        self._raise_error()
+        return idle
+
+    def close(self, timeout: float | None = None, *, raise_errors: bool = True) -> None:
+        """Waits up to ``timeout`` for the queue to drain, then stops the replicator (a
+        copy still running is abandoned uncommitted). Idempotent.
+
+        Several processes: every process calls it (the manager's ``close`` does). The
+        primary then announces the end of its rounds; the others follow the primary's
+        rounds until that announcement, up to ``timeout`` (with None, up to the
+        coordination timeout once the primary stops starting rounds)."""
+        state = self._state
+        if state.stop and (self._thread is None or not self._thread.is_alive()):
+            self._release_owner()
+            return
+        follower = self._places.multi and not self._places.primary
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            done = self.wait(timeout) if raise_errors else self._wait_quietly(timeout)
+        finally:
+            with state.cond:
+                if follower:
+                    if state.closing_since is None:
+                        state.closing_since = time.monotonic()
+                else:
+                    state.stop = True
+                left = sorted(state.pending())
+                state.cond.notify_all()
+            if self._thread is not None and follower:  # until the primary's "stop"
+                self._thread.join(None if deadline is None else deadline - time.monotonic())
+            with state.cond:
+                state.stop = True
+                state.cond.notify_all()
+            if self._thread is not None:
+                self._thread.join(60)
+            if self._thread is None or not self._thread.is_alive():
+                self._release_owner()  # no copy runs any more: the place is free
+        if follower and raise_errors:
+            self._raise_error()  # a last round's failure, seen while following
+        if not done and left:
+            logger.warning(
+                "checkpoint: steps %s not yet replicated to %s (within %s s); they will be "
+                "replicated when a manager next opens %s",
+                left,
+                self.remote,
+                timeout,
+                self.local,
+            )
+
+    def _release_owner(self) -> None:
+        if self._state.owner is not None:
+            self._state.owner.close()  # idempotent
+
+    def _wait_quietly(self, timeout: float | None) -> bool:
+        try:
+            return self.wait(timeout)
+        except ReplicationError as e:
+            logger.error("checkpoint: %s", e)
+            return False
+
+    def _raise_error(self) -> None:
+        error = self._state.take_error()
+        if error is not None:
+            raise error

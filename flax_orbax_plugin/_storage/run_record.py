@@ -1,0 +1,128 @@
+"""The run record of a place (``_RUN.json``): which run owns it, and who holds it.
+
+:class:`RunRecord` parses and checks the record (CorruptCheckpointError naming the
+field); :func:`read_record` reads it never through a link; on object stores
+:func:`read_versioned` and :func:`write_if` read it with its storage generation and
+write it only if that generation is still current (a compare-and-swap). The owner
+that uses them is :mod:`.run_owner`; the design: ``docs/run_owner.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Any
+
+from .._errors import CorruptCheckpointError
+from .location import Location
+
+__all__ = ["MAX_RECORD_BYTES", "RUN_FILE", "RunRecord", "read_record", "read_versioned", "write_if"]
+
+RUN_FILE = "_RUN.json"
+MAX_RECORD_BYTES = 4096
+_LIBRARY = "flax_orbax_plugin"
+_HEX = re.compile(r"^[0-9a-f]{8,64}$", re.ASCII)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """The owner record of one place (see ``docs/run_owner.md``)."""
+
+    run: str
+    host: str
+    pid: int
+    holder: str
+    lease_expires: float | None = None
+
+    def to_bytes(self) -> bytes:
+        doc = {"library": _LIBRARY, "kind": "run", **dataclasses.asdict(self)}
+        return json.dumps(doc, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> RunRecord:
+        """Parses and checks a record; CorruptCheckpointError naming the field."""
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(
+                f"{where}: expected a run record of this library (JSON), found {e}"
+            ) from None
+        if not isinstance(doc, dict):
+            raise CorruptCheckpointError(f"{where}: expected a JSON object, found {_kind(doc)}")
+        for field, want in (("library", _LIBRARY), ("kind", "run")):
+            if doc.get(field) != want:
+                raise CorruptCheckpointError(
+                    f"{where}: field {field}: expected {want!r}, found {doc.get(field)!r}"
+                )
+        for field in ("run", "holder"):
+            value = doc.get(field)
+            if not isinstance(value, str) or not _HEX.match(value):
+                raise CorruptCheckpointError(
+                    f"{where}: field {field}: expected 8 to 64 lowercase hex digits, "
+                    f"found {_short(value)}"
+                )
+        host, pid, expires = doc.get("host"), doc.get("pid"), doc.get("lease_expires")
+        if not isinstance(host, str) or len(host) > 255:
+            raise CorruptCheckpointError(
+                f"{where}: field host: expected a host name, found {_short(host)}"
+            )
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < 1 << 32:
+            raise CorruptCheckpointError(
+                f"{where}: field pid: expected a process id, found {_short(pid)}"
+            )
+        if expires is not None and (
+            not isinstance(expires, (int, float))
+            or isinstance(expires, bool)
+            or not math.isfinite(expires)
+            or expires < 0
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: field lease_expires: expected null or a time in seconds, "
+                f"found {_short(expires)}"
+            )
+        return cls(
+            doc["run"], host, pid, doc["holder"], None if expires is None else float(expires)
+        )
+
+    def describe(self) -> str:
+        return f"run {self.run} (pid {self.pid} on {self.host})"
+
+
+def _kind(value: Any) -> str:
+    return type(value).__name__
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def read_record(loc: Location) -> RunRecord | None:
+    """The record of ``loc``, or None when it has none. Never follows a link (a link
+    or special file at its name is a ForeignEntryError); a malformed record is a
+    CorruptCheckpointError naming the file and field."""
+    raw = loc.read_bytes(RUN_FILE, max_bytes=MAX_RECORD_BYTES)
+    return None if raw is None else RunRecord.from_bytes(raw, f"{loc}/{RUN_FILE}")
+
+
+def read_versioned(loc: Location) -> tuple[RunRecord | None, Any]:
+    """Object stores: the record and the storage generation it was read at."""
+    result = loc._kv().read(RUN_FILE).result()
+    if result.state != "value":
+        return None, result.stamp.generation
+    raw = bytes(result.value)
+    if len(raw) > MAX_RECORD_BYTES:
+        raise CorruptCheckpointError(
+            f"{loc}/{RUN_FILE}: expected a run record of at most {MAX_RECORD_BYTES} bytes, "
+            f"found {len(raw)}"
+        )
+    return RunRecord.from_bytes(raw, f"{loc}/{RUN_FILE}"), result.stamp.generation
+
+
+def write_if(loc: Location, record: RunRecord, generation: Any) -> Any | None:
+    """Object stores: writes ``record`` only if the stored generation is still
+    ``generation``; returns the new generation, or None when someone wrote meanwhile."""
+    stamp = loc._kv().write(RUN_FILE, record.to_bytes(), if_equal=generation).result()
+    return stamp.generation or None
