@@ -50,7 +50,7 @@ class PersistentTier:
       busy: returns True while the manager's own save is in flight; the copy waits
         meanwhile (at most :data:`~.state.MAX_DEFER_S` per step): the local save comes
         first.
-      lease_seconds: the lease on an object-store persistent path (see ``_run_owner``).
+      lease_seconds: the lease on an object-store persistent path (see docs/run_owner.md).
     """
 
     def __init__(
