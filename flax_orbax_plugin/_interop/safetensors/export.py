@@ -156,10 +156,7 @@ def to_safetensors(
     finals = [os.path.join(directory, n) for n in names]
     index_path = os.path.join(directory, index_name) if len(shards) > 1 else None
     check_outputs(directory, names, index_name, force)
-    if metadata is None:
-        metadata = {"format": "pt" if transpose_kernels else "flax"}
-    meta = {str(k): str(v) for k, v in metadata.items()}
-    meta[MARKER_KEY] = MARKER_VALUE  # proves, to a later --force, that we wrote the file
+    meta = _file_metadata(metadata, transpose_kernels)
     total = sum(t.nbytes for t in tensors)
     os.makedirs(directory, exist_ok=True)
     staged = _Staged(directory, names, shards, meta)
@@ -170,17 +167,22 @@ def to_safetensors(
         for tmp, final in zip(staged.shard_tmps, finals, strict=True):
             os.replace(tmp, final)  # replaces a name, never writes through a link
         if index_path is not None:
-            index = {
-                "metadata": {"total_size": total, MARKER_KEY: MARKER_VALUE},
-                "weight_map": {t.name: names[staged.shard_of[t.path]] for t in tensors},
-            }
-            staged.write_index(index, index_name, index_path)
+            staged.write_index(tensors, total, index_name, index_path)
         remove_stale(directory, index_name, names, old, force=force, sharded=bool(index_path))
         fsync_dir(directory)
     except BaseException:
         staged.discard()
         raise
     return ExportResult(tuple(finals), index_path, len(tensors), total)
+
+
+def _file_metadata(metadata: dict[str, str] | None, transpose_kernels: bool) -> dict[str, str]:
+    """The header's ``__metadata__``: ``metadata`` (default: the layout) and our marker."""
+    if metadata is None:
+        metadata = {"format": "pt" if transpose_kernels else "flax"}
+    meta = {str(k): str(v) for k, v in metadata.items()}
+    meta[MARKER_KEY] = MARKER_VALUE  # proves, to a later --force, that we wrote the file
+    return meta
 
 
 class _Staged:
@@ -227,7 +229,14 @@ class _Staged:
                 files[i] = self._start(i)
                 close_shard(files, i)
 
-    def write_index(self, index: dict[str, Any], index_name: str, index_path: str) -> None:
+    def write_index(
+        self, tensors: list[Tensor], total: int, index_name: str, index_path: str
+    ) -> None:
+        """The index, durable, renamed into place once the shards are."""
+        index = {
+            "metadata": {"total_size": total, MARKER_KEY: MARKER_VALUE},
+            "weight_map": {t.name: self.names[self.shard_of[t.path]] for t in tensors},
+        }
         tmp, f = create_temp(self.directory, index_name)
         self.tmps.append(tmp)
         with f:
