@@ -14,7 +14,8 @@ from .._core import restore as _native
 from .._errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
 from .._format import metadata as _metadata
 from .._format.foreign import is_orbax_checkpoint
-from .._interop.orbax_reader import open_orbax, restore_orbax
+from .._interop.orbax_layout import open_orbax
+from .._interop.orbax_reader import restore_orbax
 from .._storage.location import Location
 
 __all__ = ["metadata", "restore"]
