@@ -19,7 +19,8 @@ import google_crc32c
 
 from .._errors import CheckpointError
 from .._format.layout import LeafRecord
-from .._storage.location import Location, _open_dirs
+from .._storage.local_files import open_dirs as _open_dirs
+from .._storage.location import Location
 from .chunks import (
     CRC_BYTES,
     Refused,

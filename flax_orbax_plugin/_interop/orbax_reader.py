@@ -25,7 +25,8 @@ from .._errors import CheckpointNotFoundError, CorruptCheckpointError, Structure
 from .._format.foreign import ITEM_METADATA, STEP_METADATA, is_step
 from .._like import onto_like as _onto_like
 from .._like.retarget import retarget
-from .._storage.location import Location, context
+from .._storage.kvstore import context
+from .._storage.location import Location
 from .orbax_layout import (
     JSON_ITEM_FILE,
     STRINGS_FILE,
