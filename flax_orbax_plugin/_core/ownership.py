@@ -21,7 +21,9 @@ import tensorstore as ts
 from .._base import faults as _faults
 from .._errors import CheckpointError, ForeignEntryError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
-from .._storage.location import Location, context, entry_kind
+from .._storage.kvstore import context
+from .._storage.local_files import entry_kind
+from .._storage.location import Location
 
 logger = logging.getLogger("flax_orbax_plugin")
 

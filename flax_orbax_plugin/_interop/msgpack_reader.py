@@ -47,7 +47,7 @@ from .._errors import (
 )
 from .._format.foreign import is_msgpack_checkpoint
 from .._like import onto_like as _onto_like
-from .._storage.location import entry_kind
+from .._storage.local_files import entry_kind
 from .._storage.untrusted import open_regular
 
 __all__ = ["files_to_import", "read_msgpack", "restore_msgpack"]

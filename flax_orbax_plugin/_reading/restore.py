@@ -14,7 +14,8 @@ from .._core import restore as _native
 from .._errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
 from .._format import metadata as _metadata
 from .._format.foreign import is_orbax_checkpoint
-from .._interop.orbax_reader import open_orbax, restore_orbax
+from .._interop.orbax_layout import open_orbax
+from .._interop.orbax_reader import restore_orbax
 from .._storage.location import Location
 
 __all__ = ["metadata", "restore"]
@@ -38,13 +39,12 @@ def restore(
     ``path`` and it holds an Orbax checkpoint, that is read instead (through
     tensorstore, without orbax).
 
-    ``share_replicated_reads``: with several processes, a leaf that ``like`` replicates
-    over all of them is read once in all (each process reads ``1/P`` of its rows) and
-    the parts are all-gathered over jax's collectives, instead of every process reading
-    all of it (measured here: 3x faster with 2 processes, 9-10x with 4, on local disk
-    and S3; docs/scaling.md). ``None`` (default): on whenever there are several
-    processes; False reads everything on every process. Collective: every process must
-    pass the same value.
+    ``share_replicated_reads``: with several processes, a leaf that ``like`` replicates over all
+    of them is read once in all (each process reads ``1/P`` of its rows) and the parts are
+    all-gathered over jax's collectives, instead of every process reading all of it (measured
+    here: 3x faster with 2 processes, 9-10x with 4, on local disk and S3; docs/scaling.md).
+    ``None`` (default): on whenever there are several processes; False reads everything on every
+    process. Collective: every process must pass the same value.
 
     ``cast``: ``"safe"`` (default) casts a leaf to the dtype of ``like`` only when no
     value changes beyond float rounding (float32 to bfloat16 rounds; 1e5 to float16,
@@ -67,22 +67,26 @@ def restore(
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
     location = Location.from_path(path)
+    changes = {"partial": partial, "missing": missing, "transform": transform}
     try:
         return _native.restore(
             location,
             like,
-            partial=partial,
-            missing=missing,
-            transform=transform,
             memory_limit_bytes=memory_limit_bytes,
             cast=cast,
             share_replicated_reads=share_replicated_reads,
+            **changes,
         )
     except (CheckpointNotFoundError, NotCommittedError):
-        # Not one of ours: an Orbax directory is read through tensorstore (issue 16).
-        # Looked for only here, so restoring our own checkpoints costs no extra listing.
-        if not is_orbax_checkpoint(location):
+        if not is_orbax_checkpoint(location):  # looked for only when none of ours is there
             raise
+    return _restore_orbax(location, like, **changes)
+
+
+def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str, transform: Any):
+    """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
+    (issue 16). Looked for only after the native reader found none, so restoring our
+    own checkpoints costs no extra listing."""
     if missing != "error" or transform is not None:
         raise CheckpointError(
             f"{location} is an Orbax checkpoint: missing= and transform= apply to this "

@@ -67,15 +67,7 @@ def restore_params(
     steps = _steps.committed_steps(loc)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
         if is_orbax_checkpoint(directory):
-            if changes.keep_missing or changes.transform is not None or partial:
-                raise CheckpointError(
-                    f"{directory} is an Orbax checkpoint: partial=, missing= and transform= "
-                    f"apply to this library's checkpoints; convert it first with "
-                    f"fop.import_orbax(src, dst)"
-                )
-            return _orbax_import.restore_orbax_params(
-                directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
-            )
+            return _orbax_params(directory, like, step, dtype, sharding, changes, partial)
     step = _steps.choose_step(loc, steps, step)
     step_loc = _steps.step_location(loc, step)
     entry = _steps.read_manifest(step_loc).items.get("params")
@@ -84,18 +76,36 @@ def restore_params(
     params_loc = step_loc.child(entry.dir)
     target = _params_like(like)
     if target is None and (dtype is not None or sharding is not None):
-        host = _restore.restore(params_loc, None, **changes.kwargs())
-        target = retarget(host, dtype, sharding)
-        _casting.check_tree(host, target)  # float narrowing rounds; overflow to inf raises
-        return jax.tree_util.tree_map(
-            lambda x, t: (
-                jax.device_put(x.astype(t.dtype), t.sharding)
-                if t.sharding is not None
-                else x.astype(t.dtype)
-            ),
-            host,
-            target,
-        )
+        return _host_then_placed(params_loc, dtype, sharding, changes)
     if target is not None and (dtype is not None or sharding is not None):
         target = retarget(target, dtype, sharding)
     return _restore.restore(params_loc, target, **changes.kwargs())
+
+
+def _orbax_params(directory, like, step, dtype, sharding, changes, partial) -> Any:
+    """The params of the Orbax checkpoint at ``directory`` (none of ours is there)."""
+    if changes.keep_missing or changes.transform is not None or partial:
+        raise CheckpointError(
+            f"{directory} is an Orbax checkpoint: partial=, missing= and transform= "
+            f"apply to this library's checkpoints; convert it first with "
+            f"fop.import_orbax(src, dst)"
+        )
+    return _orbax_import.restore_orbax_params(
+        directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
+    )
+
+
+def _host_then_placed(params_loc: Location, dtype: Any, sharding: Any, changes: Any) -> Any:
+    """Without ``like``: the params read to the host, then cast and placed."""
+    host = _restore.restore(params_loc, None, **changes.kwargs())
+    target = retarget(host, dtype, sharding)
+    _casting.check_tree(host, target)  # float narrowing rounds; overflow to inf raises
+    return jax.tree_util.tree_map(
+        lambda x, t: (
+            jax.device_put(x.astype(t.dtype), t.sharding)
+            if t.sharding is not None
+            else x.astype(t.dtype)
+        ),
+        host,
+        target,
+    )

@@ -18,7 +18,7 @@ import stat
 from typing import Any
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
-from .location import entry_kind
+from .local_files import entry_kind
 
 # Largest JSON document (an index, a header, Orbax metadata) read into memory.
 MAX_JSON_BYTES = 64 << 20

@@ -20,6 +20,7 @@ from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
+from .._interop.safetensors import DTYPE_NAMES as _SAFETENSORS_DTYPES
 from .._manager.manager import CheckpointManager
 from .._storage.location import Location
 from .output import EXIT_DAMAGED, CliError, Progress, human_bytes, make_table, one_line
@@ -190,25 +191,6 @@ def cmd_verify(args) -> int:
 
 
 # -- export --------------------------------------------------------------------------
-
-# numpy dtype name -> safetensors dtype tag
-_SAFETENSORS_DTYPES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint64": "U64",
-    "uint32": "U32",
-    "uint16": "U16",
-    "uint8": "U8",
-    "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-}
 
 
 def cmd_export(args) -> int:

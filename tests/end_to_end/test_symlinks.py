@@ -12,7 +12,8 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
-from flax_orbax_plugin._storage.location import MAX_SMALL_FILE_BYTES, Location
+from flax_orbax_plugin._storage.local_files import MAX_SMALL_FILE_BYTES
+from flax_orbax_plugin._storage.location import Location
 from flax_orbax_plugin._storage.lock import DirectoryLock
 
 

@@ -20,6 +20,7 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CorruptCheckpointError
 from flax_orbax_plugin._format import layout as _layout
+from flax_orbax_plugin._incremental import copies as _copies
 from flax_orbax_plugin._incremental import reuse as _incremental
 from flax_orbax_plugin._zarr import arrays as _arrays
 
@@ -930,7 +931,7 @@ def test_an_edited_and_resealed_previous_chunk_object_is_not_copied(bucket, capl
 def test_copy_check_compares_tags_only_where_they_hash_the_bytes():
     from flax_orbax_plugin._storage.server_copy import ObjectInfo as Info
 
-    same = _incremental._same_copy
+    same = _copies._same_copy
     src = Info(10, "a", "a")
     assert same(src, Info(10, "a"), Info(10, "a"))
     assert not same(src, Info(10, "b"), Info(10, "b"))  # other bytes than the source's

@@ -17,6 +17,7 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CorruptCheckpointError, StructureError
 from flax_orbax_plugin._interop import safetensors as _safetensors
+from flax_orbax_plugin._interop.safetensors import reader as _safetensors_reader
 
 
 def _params():
@@ -286,7 +287,7 @@ def test_a_region_read_reads_only_its_bytes(tmp_path):
     path = tmp_path / "big.safetensors"
     safetensors.numpy.save_file({"x": full}, str(path))
     (stored,) = _safetensors.read_safetensors_index(path).values()
-    files = _safetensors._Files()
+    files = _safetensors_reader._Files()
     try:
         read = files.reader(stored, None)
         for index in [

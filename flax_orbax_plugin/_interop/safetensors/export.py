@@ -1,0 +1,296 @@
+"""Export: :func:`to_safetensors` (and the CLI's :func:`export_checkpoint`).
+
+A checkpoint is read a group of leaves at a time (never the whole tree), each leaf
+written through :mod:`.plan`'s tensor into a shard created under a temporary name
+(:mod:`.outputs`), renamed into place once durable; the index is written last.
+Single process (run it on one host), one thread. Layout and rules:
+``docs/safetensors.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ..._base import tree as _tree
+from ..._core import restore as _restore
+from ..._errors import CorruptCheckpointError, StructureError
+from ..._storage.location import Location
+from ..._storage.untrusted import loads_json, read_capped
+from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES, default_name
+from .outputs import (
+    check_outputs,
+    close_shard,
+    create_temp,
+    fsync_dir,
+    old_outputs,
+    output_names,
+    remove_stale,
+)
+from .plan import Tensor, encode_header, parse_size, plan_tensors, split_shards, tensor_bytes
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """What :func:`to_safetensors` wrote."""
+
+    files: tuple[str, ...]  # the safetensors files, in order
+    index: str | None  # model.safetensors.index.json, when sharded
+    tensors: int
+    total_bytes: int  # tensor bytes, as the index's total_size
+
+
+def _unescape(part: str) -> str:
+    return part.replace("%2F", "/").replace("%25", "%")
+
+
+def _checkpoint_leaves(src: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
+    """Leaves of one of this plugin's checkpoints and a reader of a group of them."""
+    meta = _restore.metadata(src)
+    keys = [leaf.path for leaf in meta.leaves.values() if leaf.kind == "prng_key"]
+    if keys:
+        raise StructureError(
+            f"leaf {keys[0]!r}: a PRNG key array has no safetensors equivalent (expected "
+            f"numeric arrays, found a typed key); keep keys out of the exported item, "
+            f"or save jax.random.key_data(key) there instead"
+        )
+    leaves = [
+        (leaf.path, _dtype_of(leaf.dtype), tuple(leaf.shape))
+        for leaf in meta.leaves.values()
+        if leaf.dtype is not None
+    ]
+
+    def read(paths: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+        template: dict[str, Any] = {}
+        for path in paths:
+            node = template
+            parts = [_unescape(p) for p in path.split("/")]
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = None
+        flat, _ = _tree.flatten(_restore.restore(src, template, partial=True))
+        values = {p: v for p, _, v in flat}
+        for path in paths:
+            yield path, np.asarray(values.pop(path))
+
+    return leaves, read
+
+
+def _dtype_of(name: str) -> np.dtype:
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
+    flat, _ = _tree.flatten(tree)
+    values = {p: v for p, _, v in flat if v is not None}
+    leaves = [(p, np.dtype(np.asarray(v).dtype), tuple(np.shape(v))) for p, v in values.items()]
+
+    def read(paths):
+        for path in paths:
+            yield path, np.asarray(values[path])
+
+    return leaves, read
+
+
+def _source_leaves(source: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
+    """A checkpoint's leaves (a path, a Location or a kvstore spec) or a tree's."""
+    if isinstance(source, (str, os.PathLike, Location)) or (
+        isinstance(source, dict) and "driver" in source
+    ):
+        return _checkpoint_leaves(source)
+    return _tree_leaves(source)
+
+
+def _groups(tensors: list[Tensor]) -> list[list[Tensor]]:
+    """Leaves read per partial restore: the same greedy split as the shards."""
+    return [g for g in split_shards(tensors, _GROUP_BYTES) if g]
+
+
+def to_safetensors(
+    source: Any,
+    out: Any,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    key_map: Callable[[str], str | None] | None = None,
+    transpose_kernels: bool = False,
+    dtype: Any = None,
+    metadata: dict[str, str] | None = None,
+    force: bool = False,
+    progress: Callable[[int], Any] | None = None,
+) -> ExportResult:
+    """Writes ``source`` as safetensors, sharded above ``max_shard_size``.
+
+    Args:
+      source: a checkpoint of this plugin holding one pytree (e.g. ``DIR/<step>/params``),
+        read a group of leaves at a time; or an in-memory pytree of arrays.
+      out: ``path/name.safetensors`` (shards are ``name-00001-of-0000N.safetensors``
+        with ``name.safetensors.index.json``) or a directory (``model.safetensors``...).
+      max_shard_size: bytes or a size such as ``"5GB"`` (10**9) or ``"2GiB"`` (2**30).
+      key_map: leaf path (``Dense_0/kernel``) -> tensor name, or None to leave the leaf
+        out. Default: '/' replaced by '.'.
+      transpose_kernels: write leaves named ``kernel`` in PyTorch's layout: a Dense
+        kernel ``(in, out)`` as ``(out, in)``, a conv kernel ``(*spatial, in, out)``
+        as ``(out, in, *spatial)``.
+      dtype: cast floating leaves (e.g. ``"bfloat16"``); an explicit, lossy opt-in.
+      metadata: the header's ``__metadata__`` (strings); default ``{"format": "flax"}``,
+        ``{"format": "pt"}`` with ``transpose_kernels``.
+      force: replace existing output files (and the shards an old index listed);
+        without it an existing output is a FileExistsError.
+      progress: ``progress(total_bytes)`` returns a context manager with
+        ``advance(nbytes, note)`` (the CLI's progress bar).
+    """
+    limit = parse_size(max_shard_size)
+    leaves, read = _source_leaves(source)
+    tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype)
+    shards = split_shards(tensors, limit)
+    directory, names, index_name = output_names(os.fspath(out), len(shards))
+    finals = [os.path.join(directory, n) for n in names]
+    index_path = os.path.join(directory, index_name) if len(shards) > 1 else None
+    check_outputs(directory, names, index_name, force)
+    meta = _file_metadata(metadata, transpose_kernels)
+    total = sum(t.nbytes for t in tensors)
+    os.makedirs(directory, exist_ok=True)
+    staged = _Staged(directory, names, shards, meta)
+    try:
+        with _progress(progress, total) as bar:
+            staged.write(tensors, read, bar)
+        old = old_outputs(directory, index_name) if force else set()
+        for tmp, final in zip(staged.shard_tmps, finals, strict=True):
+            os.replace(tmp, final)  # replaces a name, never writes through a link
+        if index_path is not None:
+            staged.write_index(tensors, total, index_name, index_path)
+        remove_stale(directory, index_name, names, old, force=force, sharded=bool(index_path))
+        fsync_dir(directory)
+    except BaseException:
+        staged.discard()
+        raise
+    return ExportResult(tuple(finals), index_path, len(tensors), total)
+
+
+def _file_metadata(metadata: dict[str, str] | None, transpose_kernels: bool) -> dict[str, str]:
+    """The header's ``__metadata__``: ``metadata`` (default: the layout) and our marker."""
+    if metadata is None:
+        metadata = {"format": "pt" if transpose_kernels else "flax"}
+    meta = {str(k): str(v) for k, v in metadata.items()}
+    meta[MARKER_KEY] = MARKER_VALUE  # proves, to a later --force, that we wrote the file
+    return meta
+
+
+class _Staged:
+    """The temporary files of one export, each created under an unpredictable name
+    (:func:`.outputs.create_temp`): the shards, written in order by :meth:`write`,
+    then the index (:meth:`write_index`); :meth:`discard` closes and removes every
+    one of them (and only those) when the export fails. One thread."""
+
+    def __init__(
+        self, directory: str, names: list[str], shards: list[list[Tensor]], meta: dict[str, str]
+    ):
+        self.directory, self.names, self.shards, self.meta = directory, names, shards, meta
+        self.tmps: list[str] = []  # every temporary file this call created (and only those)
+        self.shard_of = {t.path: i for i, shard in enumerate(shards) for t in shard}
+        self.files: list[Any] = [None] * len(shards)
+        self.shard_tmps: list[str | None] = [None] * len(shards)
+
+    def _start(self, i: int) -> Any:
+        tmp, f = create_temp(self.directory, self.names[i])
+        self.tmps.append(tmp)
+        self.shard_tmps[i] = tmp
+        f.write(encode_header(self.shards[i], self.meta))
+        return f
+
+    def write(self, tensors: list[Tensor], read: Callable[[list[str]], Iterator], bar) -> None:
+        """Every shard, durable and closed: the tensors read a group at a time."""
+        by_path = {t.path: t for t in tensors}
+        files, current = self.files, -1
+        for group in _groups(tensors):
+            for path, value in read([t.path for t in group]):
+                i = self.shard_of[path]
+                if i != current:
+                    close_shard(files, current)
+                    files[i] = self._start(i)
+                    current = i
+                t = by_path[path]
+                data = tensor_bytes(t, value)
+                files[i].write(memoryview(data))
+                bar.advance(data.nbytes, path)
+                del data, value  # one leaf (or one group) in memory at a time
+        close_shard(files, current)
+        for i in range(len(self.shards)):
+            if files[i] is None:  # a shard of empty tensors only
+                files[i] = self._start(i)
+                close_shard(files, i)
+
+    def write_index(
+        self, tensors: list[Tensor], total: int, index_name: str, index_path: str
+    ) -> None:
+        """The index, durable, renamed into place once the shards are."""
+        index = {
+            "metadata": {"total_size": total, MARKER_KEY: MARKER_VALUE},
+            "weight_map": {t.name: self.names[self.shard_of[t.path]] for t in tensors},
+        }
+        tmp, f = create_temp(self.directory, index_name)
+        self.tmps.append(tmp)
+        with f:
+            f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, index_path)
+
+    def discard(self) -> None:
+        for f in self.files:
+            if f is not None and not f.closed:
+                f.close()
+        for tmp in self.tmps:  # ours: created exclusively under an unpredictable name
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+
+class _NoProgress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def advance(self, amount: int = 1, note: str = "") -> None:
+        pass
+
+
+def _progress(factory, total):
+    return factory(total) if factory is not None else _NoProgress()
+
+
+def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:
+    """``flax-orbax export``: :func:`to_safetensors` of one of this plugin's checkpoints."""
+    src = Location.from_path(src)
+    fmt = "pt" if options.get("transpose_kernels") else "flax"
+    options.setdefault("metadata", {"format": fmt, "source": str(src), "exported_by": "flax-orbax"})
+    return to_safetensors(src, out, **options)
+
+
+def key_map_from_file(path: str) -> Callable[[str], str | None]:
+    """A key_map from a JSON object ``{leaf path: tensor name or null}``; leaves not
+    listed keep their default name."""
+    raw = read_capped(
+        os.fspath(path), follow_links=True, what="key map file", max_bytes=MAX_INDEX_BYTES
+    )
+    try:
+        mapping = loads_json(raw, os.fspath(path))
+    except CorruptCheckpointError as e:
+        raise ValueError(str(e)) from None
+    if not isinstance(mapping, dict) or not all(
+        isinstance(v, str) or v is None for v in mapping.values()
+    ):
+        raise ValueError(f"{path}: expected a JSON object of leaf path -> tensor name or null")
+    return lambda leaf: mapping.get(leaf, default_name(leaf))

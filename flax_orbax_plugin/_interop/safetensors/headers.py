@@ -1,0 +1,239 @@
+"""The safetensors layout, read with trust checks: dtype table, names, headers, index.
+
+A file is an 8-byte header length, a JSON header of ``{name: {dtype, shape,
+data_offsets}}`` and the tensors' bytes; a sharded export adds an index naming each
+tensor's file. Every header and index is checked against the real file (size, caps,
+overlaps) before anything sized by it is allocated; files are opened with
+``O_NONBLOCK`` and must be regular files (a symlink is followed: the Hugging Face
+cache links each file to its blob). Layout and trust rules: ``docs/safetensors.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ..._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..._storage.untrusted import loads_json, open_regular, read_capped
+
+INDEX_SUFFIX = ".safetensors.index.json"
+DEFAULT_STEM = "model"
+_MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+MAX_INDEX_BYTES = 64 << 20  # an index.json read into memory
+# In every header's __metadata__ and every index's metadata this library writes: only
+# a regular file carrying it (and named like our shards) is ever replaced or removed.
+MARKER_KEY = "flax_orbax_plugin"
+MARKER_VALUE = "1"
+SHARD_NAME_RE = r"{stem}(?:(?:-[0-9]{{5}}-of-[0-9]{{5}})?\.safetensors|\.safetensors\.index\.json)"
+_MAX_NDIM = 64
+
+# safetensors dtype tag <-> numpy dtype: the package's one table (the CLI's --dtype too)
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+TAGS = {dtype: tag for tag, dtype in DTYPES.items()}
+DTYPE_NAMES = frozenset(str(dtype) for dtype in DTYPES.values())  # 'bfloat16', 'bool' ...
+
+
+def default_name(path: str) -> str:
+    """The default tensor name of a leaf path: ``params/Dense_0/kernel`` -> ``Dense_0.kernel``
+    (relative to the exported checkpoint, so ``'/'`` becomes ``'.'``)."""
+    return path.replace("/", ".")
+
+
+def kernel_axes(path: str, ndim: int, transpose: bool) -> tuple[int, ...] | None:
+    """The permutation from Flax's kernel layout (..., in, out) to PyTorch's (out, in, ...)."""
+    if not transpose or ndim < 2 or path.rsplit("/", 1)[-1] != "kernel":
+        return None
+    return (ndim - 1, ndim - 2, *range(ndim - 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """One tensor of a file whose header was checked: where its bytes are."""
+
+    name: str
+    file: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute offset of the first byte in the file
+    identity: tuple[int, int, int] = (0, 0, 0)  # (st_dev, st_ino, size) when the header was read
+
+
+def plain_name(name: str) -> bool:
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and not os.path.isabs(name)
+    )
+
+
+def pread_exact(fd: int, n: int, offset: int, path: str, what: str) -> bytes:
+    parts, done = [], 0
+    while done < n:
+        chunk = os.pread(fd, n - done, offset + done)
+        if not chunk:
+            raise CorruptCheckpointError(f"{path}: file ended {n - done} bytes early in its {what}")
+        parts.append(chunk)
+        done += len(chunk)
+    return b"".join(parts)
+
+
+def header_json(fd: int, size: int, path: str) -> tuple[int, Any]:
+    """(header length, parsed header) of an open safetensors file of ``size`` bytes; the
+    claimed length is checked against the file and the cap before it is read."""
+    if size < 8:
+        raise CorruptCheckpointError(f"{path}: {size} bytes, too short for a safetensors file")
+    n = int.from_bytes(pread_exact(fd, 8, 0, path, "header length"), "little")
+    if n > min(_MAX_HEADER_BYTES, size - 8):
+        raise CorruptCheckpointError(
+            f"{path}: header length {n} exceeds the file ({size} bytes) or the "
+            f"{_MAX_HEADER_BYTES}-byte limit"
+        )
+    header = loads_json(pread_exact(fd, n, 8, path, "header"), f"{path}: header")
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: header is not a JSON object")
+    return n, header
+
+
+def _read_header(path: str) -> dict[str, Stored]:
+    # A symlink is followed here (Hugging Face cache snapshots link each file to its
+    # blob); it must resolve to a regular file, and a FIFO never blocks.
+    fd, st = open_regular(path, follow_links=True, what="safetensors file")
+    try:
+        size = st.st_size
+        n, header = header_json(fd, size, path)
+    finally:
+        os.close(fd)
+    identity = (st.st_dev, st.st_ino, size)
+    data_len = size - 8 - n
+    out: dict[str, Stored] = {}
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise CorruptCheckpointError(f"{where}: expected an object, found {entry!r}")
+        tag, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(tag, str) or tag not in DTYPES:
+            raise CorruptCheckpointError(
+                f"{where}: dtype {str(tag)[:100]!r} not supported (expected one of "
+                f"{sorted(DTYPES)})"
+            )
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_NDIM
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: shape {str(shape)[:200]} is not a list of at most {_MAX_NDIM} sizes"
+            )
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_len
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: data_offsets {str(offsets)[:200]} outside the {data_len} data bytes"
+            )
+        dtype = DTYPES[tag]
+        need = math.prod(shape) * dtype.itemsize  # Python ints: never overflows
+        if offsets[1] - offsets[0] != need:
+            raise CorruptCheckpointError(
+                f"{where}: {tag}{shape} needs {need} bytes, data_offsets span "
+                f"{offsets[1] - offsets[0]}"
+            )
+        spans.append((offsets[0], offsets[1], name))
+        out[name] = Stored(name, path, dtype, tuple(shape), 8 + n + offsets[0], identity)
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise CorruptCheckpointError(f"{path}: tensors {a!r} and {b!r} overlap")
+    return out
+
+
+def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:
+    """Every tensor of one file, several files, an index or a directory; validated.
+
+    A directory means its ``model.safetensors.index.json``, else its
+    ``model.safetensors``. Files an index names must lie beside it (plain names).
+    """
+    if isinstance(paths_or_index, (list, tuple)):
+        files = [os.fspath(p) for p in paths_or_index]
+        index = None
+    else:
+        path = os.fspath(paths_or_index)
+        if os.path.isdir(path):
+            candidate = os.path.join(path, DEFAULT_STEM + INDEX_SUFFIX)
+            single = os.path.join(path, DEFAULT_STEM + ".safetensors")
+            if os.path.isfile(candidate):
+                path = candidate
+            elif os.path.isfile(single):
+                path = single
+            else:
+                raise CheckpointNotFoundError(
+                    f"{path}: no {DEFAULT_STEM}{INDEX_SUFFIX} or {DEFAULT_STEM}.safetensors in it"
+                )
+        if path.endswith(".json"):
+            index = _read_index(path)
+            directory = os.path.dirname(os.path.abspath(path))
+            files = sorted({os.path.join(directory, f) for f in index.values()})
+        else:
+            files, index = [path], None
+    stored: dict[str, Stored] = {}
+    for f in files:
+        for name, t in _read_header(f).items():
+            if name in stored:
+                raise CorruptCheckpointError(
+                    f"tensor {name!r} is in both {stored[name].file} and {f}"
+                )
+            stored[name] = t
+    if index is not None:
+        for name, f in index.items():
+            t = stored.get(name)
+            if t is None or os.path.basename(t.file) != f:
+                raise CorruptCheckpointError(
+                    f"{paths_or_index}: index puts tensor {name!r} in {f}, which does not hold it"
+                )
+    return stored
+
+
+def _read_index(path: str) -> dict[str, str]:
+    # Like the shards, the index the user names may be a symlink to a regular file.
+    raw = read_capped(
+        path, follow_links=True, what="safetensors index file", max_bytes=MAX_INDEX_BYTES
+    )
+    doc = loads_json(raw, path)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CorruptCheckpointError(f"{path}: expected an object with a 'weight_map'")
+    for name, f in weight_map.items():
+        if not isinstance(f, str) or not plain_name(f):
+            raise CorruptCheckpointError(
+                f"{path}: weight_map: tensor {name!r} maps to {str(f)[:100]!r}; expected a "
+                f"file name beside the index"
+            )
+    return weight_map

@@ -1,0 +1,173 @@
+"""What an export writes and replaces, on local disk: output names, temporary files,
+and the proof that an existing file is ours.
+
+Nothing is ever written through a link: each file is created under a new,
+unpredictable name (``O_CREAT | O_EXCL | O_NOFOLLOW``) and renamed over its final
+name. ``force`` replaces or removes only files proven ours: regular files (not links)
+carrying this library's marker and, for stale files an old index lists, also named
+like our shards; anything else is left alone with a warning, or refused. Single
+process, one thread. Rules in full: ``docs/safetensors.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+from typing import Any
+
+from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
+from ..._storage.untrusted import loads_json, open_regular, read_capped
+from .headers import (
+    DEFAULT_STEM,
+    INDEX_SUFFIX,
+    MARKER_KEY,
+    MARKER_VALUE,
+    MAX_INDEX_BYTES,
+    SHARD_NAME_RE,
+    header_json,
+    plain_name,
+    pread_exact,
+)
+
+_log = logging.getLogger(__package__)  # flax_orbax_plugin._interop.safetensors, as before
+
+
+def output_names(out: str, count: int) -> tuple[str, list[str], str]:
+    """(directory, file names, index name) for ``out``: a ``*.safetensors`` file path
+    (its stem names the shards) or a directory (``model*.safetensors`` inside)."""
+    if out.endswith(".safetensors"):
+        directory, stem = os.path.dirname(os.path.abspath(out)), os.path.basename(out)[:-12]
+    else:
+        directory, stem = os.path.abspath(out), DEFAULT_STEM
+    if count == 1:
+        return directory, [f"{stem}.safetensors"], f"{stem}{INDEX_SUFFIX}"
+    names = [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    return directory, names, f"{stem}{INDEX_SUFFIX}"
+
+
+def close_shard(files: list, i: int) -> None:
+    if i >= 0 and files[i] is not None and not files[i].closed:
+        files[i].flush()
+        os.fsync(files[i].fileno())
+        files[i].close()
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def create_temp(directory: str, final_name: str) -> tuple[str, Any]:
+    """A new file beside ``final_name`` under an unpredictable name, created exclusively
+    (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0o644): a planted file or symlink is never
+    opened, followed or truncated. Returns (path, binary file object)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        path = os.path.join(directory, f".{final_name}.tmp-{secrets.token_hex(8)}")
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileExistsError:
+            continue  # vanishingly unlikely: draw another name
+        return path, os.fdopen(fd, "wb")
+    raise FileExistsError(f"{directory}: could not create a temporary file for {final_name}")
+
+
+def proven_ours(path: str) -> tuple[bool, str]:
+    """(True, "") when ``path`` is a regular file (not a link) this library wrote: a
+    safetensors file whose header metadata, or an index whose metadata, carries our
+    marker; else (False, what was found). Opens without following or blocking."""
+    try:
+        fd, st = open_regular(path, follow_links=False, what="file")
+    except CheckpointNotFoundError:
+        return False, "nothing"
+    except (ForeignEntryError, OSError) as e:
+        return False, str(e)
+    try:
+        if path.endswith(INDEX_SUFFIX):
+            if st.st_size > MAX_INDEX_BYTES:
+                return False, f"an index of {st.st_size} bytes"
+            doc = loads_json(pread_exact(fd, st.st_size, 0, path, "index"), path)
+            meta = doc.get("metadata") if isinstance(doc, dict) else None
+        else:
+            _, header = header_json(fd, st.st_size, path)
+            meta = header.get("__metadata__")
+    except (CorruptCheckpointError, OSError) as e:
+        return False, f"a file that is not one of our exports ({e})"
+    finally:
+        os.close(fd)
+    if isinstance(meta, dict) and meta.get(MARKER_KEY) == MARKER_VALUE:
+        return True, ""
+    return False, f"a file without the {MARKER_KEY!r} marker this library writes"
+
+
+def remove_if_ours(directory: str, name: str, stem: str) -> None:
+    """Removes ``directory/name`` only when it is named like our shards of ``stem`` and
+    proven ours (:func:`proven_ours`); anything else is left alone with a warning."""
+    path = os.path.join(directory, name)
+    if not re.fullmatch(SHARD_NAME_RE.format(stem=re.escape(stem)), name):
+        _log.warning("%s: listed by the old index but not named like our shards; left alone", path)
+        return
+    ours, found = proven_ours(path)
+    if not ours:
+        if found != "nothing":
+            _log.warning("%s: listed by the old index, but %s; left alone", path, found)
+        return
+    os.unlink(path)  # the name itself: a link put there since would be unlinked, not followed
+
+
+def old_outputs(directory: str, index_name: str) -> set[str]:
+    """Files listed by an index of ours already in ``directory``, plus the index itself
+    (empty when there is none, or it is not proven ours)."""
+    path = os.path.join(directory, index_name)
+    if not proven_ours(path)[0]:
+        return set()
+    try:
+        raw = read_capped(path, follow_links=False, what="index", max_bytes=MAX_INDEX_BYTES)
+        weight_map = loads_json(raw, path).get("weight_map", {})
+        listed = {v for v in weight_map.values() if isinstance(v, str) and plain_name(v)}
+    except (OSError, CorruptCheckpointError, AttributeError):
+        return set()
+    return listed | {index_name}
+
+
+def check_outputs(directory: str, names: list[str], index_name: str, force: bool) -> None:
+    """Without ``force`` any existing output name is a FileExistsError; with it, each
+    existing one must be proven ours (a regular file carrying our marker), else a
+    ForeignEntryError: what this library did not write is never replaced."""
+    single = names[0] if len(names) == 1 else index_name.replace(INDEX_SUFFIX, ".safetensors")
+    targets = sorted({*names, index_name, single})
+    clash = [n for n in targets if os.path.lexists(os.path.join(directory, n))]
+    if not clash:
+        return
+    if not force:
+        raise FileExistsError(
+            f"{os.path.join(directory, clash[0])} exists; pass force=True (--force) "
+            f"to replace the export"
+        )
+    for name in clash:
+        ours, found = proven_ours(os.path.join(directory, name))
+        if not ours and found != "nothing":
+            raise ForeignEntryError(
+                f"{os.path.join(directory, name)}: expected an earlier export of this library "
+                f"to replace, found {found}; it is left alone (nothing was written). Remove it "
+                f"yourself or export elsewhere"
+            )
+
+
+def remove_stale(
+    directory: str, index_name: str, names: list[str], old: set[str], *, force: bool, sharded: bool
+) -> None:
+    """After the new files are in place: removes, when proven ours, the files an old
+    index listed that this export did not write, and with ``force`` an unsharded
+    export's file that a sharded one replaces (:func:`remove_if_ours`)."""
+    stem = index_name[: -len(INDEX_SUFFIX)]
+    for stale in sorted(old - set(names) - ({index_name} if sharded else set())):
+        remove_if_ours(directory, stale, stem)  # only files an old index listed
+    single = os.path.join(directory, index_name.replace(INDEX_SUFFIX, ".safetensors"))
+    if force and sharded and os.path.lexists(single):
+        remove_if_ours(directory, os.path.basename(single), stem)  # an unsharded export

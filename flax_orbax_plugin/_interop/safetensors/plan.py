@@ -1,0 +1,153 @@
+"""An export's plan: each leaf's tensor (name, dtype, layout), its bytes, its shard.
+
+Pure functions of the leaves' paths, dtypes and shapes (no file is touched):
+``key_map`` names each tensor (default: the path with '/' replaced by '.'),
+``transpose_kernels`` writes Flax kernels in PyTorch's layout, ``dtype`` casts the
+floating leaves, and :func:`shards` splits the tensors greedily, in order, under the
+size limit (:func:`parse_size`), as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..._errors import StructureError
+from ..._like import onto_like as _onto_like
+from .headers import TAGS, default_name, kernel_axes
+
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in a size such as ``5GB`` (10**9 bytes a GB, as Hugging Face counts),
+    ``2MiB`` (2**20), ``500KB`` or a plain number of bytes."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    elif isinstance(size, str) and (m := _SIZE_RE.match(size)):
+        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    else:
+        raise ValueError(
+            f"max shard size: expected bytes or a size such as '5GB', '500MB', '2GiB', "
+            f"found {size!r}"
+        )
+    if value <= 0:
+        raise ValueError(f"max shard size: expected a positive size, found {size!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One tensor to write: a leaf of the source as it goes into the files."""
+
+    path: str  # leaf path in the source
+    name: str  # tensor name in the files
+    dtype: np.dtype  # written dtype
+    shape: tuple[int, ...]  # written shape (after any transpose)
+    axes: tuple[int, ...] | None  # transpose applied on write
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def encode_header(tensors: Sequence[Tensor], metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {
+            "dtype": TAGS[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    body += b" " * (-len(body) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+def split_shards(tensors: list[Tensor], limit: int) -> list[list[Tensor]]:
+    """Greedy, in order, as Hugging Face does: a tensor larger than the limit gets a
+    file of its own."""
+    shards: list[list[Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def plan_tensors(
+    leaves: list[tuple[str, np.dtype, tuple[int, ...]]],
+    key_map: Callable[[str], str | None] | None,
+    transpose_kernels: bool,
+    dtype: Any,
+) -> list[Tensor]:
+    names = {}
+    for path, _, _ in leaves:
+        name = (key_map or default_name)(path)
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"key_map: leaf {path!r}: expected a tensor name, found {name!r}")
+            names[path] = name
+    if key_map is None and len(set(names.values())) != len(names):
+        names = {p: p for p in names}  # 'a.b' and 'a/b' collide: keep the full paths
+    seen: dict[str, str] = {}
+    tensors = []
+    for path, leaf_dtype, shape in leaves:
+        if path not in names:
+            continue
+        name = names[path]
+        if name in seen:
+            raise ValueError(f"key_map: leaves {seen[name]!r} and {path!r} both map to {name!r}")
+        seen[name] = path
+        out_dtype = np.dtype(leaf_dtype)
+        if dtype is not None and _onto_like._is_float(out_dtype):
+            out_dtype = np.dtype(dtype)
+        if out_dtype not in TAGS:
+            raise StructureError(
+                f"leaf {path!r}: dtype {out_dtype} has no safetensors equivalent "
+                f"(expected one of {sorted(str(d) for d in TAGS)})"
+            )
+        axes = kernel_axes(path, len(shape), transpose_kernels)
+        out_shape = tuple(shape[a] for a in axes) if axes else tuple(shape)
+        tensors.append(Tensor(path, name, out_dtype, out_shape, axes))
+    return tensors
+
+
+def tensor_bytes(t: Tensor, value: Any) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype != t.dtype:
+        arr = arr.astype(t.dtype)
+    if t.axes is not None:
+        arr = arr.transpose(t.axes)
+    if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar 1-D)
+        arr = arr.copy(order="C")
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    if tuple(arr.shape) != t.shape:
+        raise StructureError(
+            f"leaf {t.path!r}: expected shape {t.shape} for tensor {t.name!r}, found {arr.shape}"
+        )
+    return arr.reshape(-1).view(np.uint8)

@@ -1,0 +1,172 @@
+"""Reading safetensors straight onto ``like``: :func:`from_safetensors`.
+
+Every header is validated first (:mod:`.headers`); then each leaf of ``like`` is read
+onto its sharding, each process reading only the regions its devices hold (one
+``pread`` per contiguous run of bytes, straight into the destination buffer). Each
+file is checked to be the same one (device, inode, size) when its data is read as when
+its header was. Collective-free: works on every process of a multi-process job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..._base import tree as _tree
+from ..._errors import CorruptCheckpointError, StructureError
+from ..._like import onto_like as _onto_like
+from ..._storage.untrusted import open_regular
+from .headers import Stored, default_name, kernel_axes, read_safetensors_index
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, where: str) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{where}: file ended {len(buf) - done} bytes early")
+        done += n
+
+
+def _read_region(fd: int, t: Stored, index: tuple[slice, ...]) -> np.ndarray:
+    """The region ``index`` (unit-step slices) of a stored tensor, read with one
+    ``pread`` per contiguous run of bytes: nothing outside the region is read."""
+    shape = t.shape
+    starts = [s.indices(d)[0] for s, d in zip(index, shape, strict=True)]
+    stops = [s.indices(d)[1] for s, d in zip(index, shape, strict=True)]
+    out = np.empty([max(0, b - a) for a, b in zip(starts, stops, strict=True)], t.dtype)
+    if out.size == 0:
+        return out
+    buf = memoryview(out.reshape(-1).view(np.uint8))
+    where = f"{t.file} ({t.name})"
+    if not shape:
+        _pread_into(fd, buf, t.offset, where)
+        return out
+    itemsize = t.dtype.itemsize
+    strides = [int(np.prod(shape[i + 1 :], dtype=np.int64)) * itemsize for i in range(len(shape))]
+    k = len(shape) - 1  # axes after k are whole: a run spans axis k's slice
+    while k > 0 and starts[k] == 0 and stops[k] == shape[k]:
+        k -= 1
+    run = (stops[k] - starts[k]) * strides[k]
+    pos = 0
+    for outer in np.ndindex(*[stops[i] - starts[i] for i in range(k)]):
+        offset = t.offset + starts[k] * strides[k]
+        offset += sum((starts[i] + o) * strides[i] for i, o in enumerate(outer))
+        _pread_into(fd, buf[pos : pos + run], offset, where)
+        pos += run
+    return out
+
+
+class _Files:
+    """Open file descriptors of the tensors' files, closed together."""
+
+    def __init__(self):
+        self.fds: dict[str, int] = {}
+
+    def reader(self, t: Stored, axes: tuple[int, ...] | None) -> Callable:
+        """read(index) in the leaf's layout (transposed back from PyTorch's if ``axes``)."""
+        if t.file not in self.fds:
+            fd, st = open_regular(t.file, follow_links=True, what="safetensors file")
+            if (st.st_dev, st.st_ino, st.st_size) != t.identity:
+                os.close(fd)
+                raise CorruptCheckpointError(
+                    f"{t.file}: changed (replaced or resized) after its header was read; "
+                    f"read it again"
+                )
+            self.fds[t.file] = fd
+        fd = self.fds[t.file]
+        if axes is None:
+            return lambda index: _read_region(fd, t, tuple(index))
+        perm = [int(i) for i in np.argsort(axes)]  # leaf axis j is stored axis perm[j]
+
+        def read(index):
+            stored = [slice(None)] * len(index)
+            for j, s in enumerate(index):
+                stored[perm[j]] = s
+            return _read_region(fd, t, tuple(stored)).transpose(perm)
+
+        return read
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def from_safetensors(
+    paths_or_index: Any,
+    like: Any = None,
+    *,
+    key_map: Callable[[str], str | None] | None = None,
+    transpose_kernels: bool = False,
+    partial: bool = False,
+    allow_cast: bool = False,
+) -> Any:
+    """Reads safetensors straight onto the shardings of ``like``.
+
+    Args:
+      paths_or_index: a ``.safetensors`` file, a list of them, a
+        ``*.safetensors.index.json`` or a directory holding ``model.safetensors``
+        or ``model.safetensors.index.json``.
+      like: a pytree of arrays / ``jax.ShapeDtypeStruct`` (with shardings: each
+        process reads only the regions its devices hold), numpy arrays or scalars;
+        None gives ``{tensor name: numpy array}``.
+      key_map: leaf path -> tensor name, the same function as for export (default:
+        '/' replaced by '.').
+      transpose_kernels: the files hold kernels in PyTorch's layout (see export).
+      partial: allow tensors in the files that ``like`` does not use.
+      allow_cast: cast even when a value would change (otherwise StructureError).
+
+    Raises:
+      StructureError: a leaf of ``like`` has no tensor, a shape differs, a cast would
+        change a value, or (without ``partial``) a tensor is left unused.
+      CorruptCheckpointError: a header or index is malformed (names the file).
+    """
+    stored = read_safetensors_index(paths_or_index)
+    files = _Files()
+    try:
+        return _read_onto(
+            stored, paths_or_index, like, files, key_map, transpose_kernels, partial, allow_cast
+        )
+    finally:
+        files.close()
+
+
+def _read_onto(
+    stored, paths_or_index, like, files, key_map, transpose_kernels, partial, allow_cast
+):
+    if like is None:
+        return {
+            name: files.reader(t, None)(tuple(slice(None) for _ in t.shape))
+            for name, t in stored.items()
+        }
+    flat, treedef = _tree.flatten(like)
+    used: set[str] = set()
+    plans = []
+    for path, _, leaf_like in flat:
+        name = (key_map or default_name)(path)
+        t = stored.get(name) if name is not None else None
+        if t is None:
+            raise StructureError(
+                f"leaf {path!r}: expected tensor {name!r}, found no such tensor in {paths_or_index}"
+            )
+        used.add(name)
+        axes = kernel_axes(path, len(t.shape), transpose_kernels)
+        shape = tuple(t.shape[i] for i in np.argsort(axes)) if axes else t.shape
+        plan = _onto_like.plan(
+            path, shape, t.dtype, leaf_like, source=f"{t.file} ({name})", allow_cast=allow_cast
+        )
+        plans.append((plan, t, axes))
+    unused = sorted(set(stored) - used)
+    if unused and not partial:
+        raise StructureError(
+            f"tensor {unused[0]!r}: found in {paths_or_index} but no leaf of like maps to it"
+            + (f" ({len(unused) - 1} more)" if len(unused) > 1 else "")
+            + "; pass partial=True to read a subset"
+        )
+    values = [_onto_like.materialize(plan, files.reader(t, axes)) for plan, t, axes in plans]
+    return jax.tree_util.tree_unflatten(treedef, values)
