@@ -108,7 +108,6 @@ import stat
 import threading
 from collections.abc import Callable, Iterable
 
-import google_crc32c
 import numpy as np
 import xxhash
 
@@ -116,16 +115,22 @@ from .._base import distributed as _distributed
 from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._format.documents import read_document
-from .._format.layout import ArrayStorage, CheckpointDocument, LeafRecord, dtype_from_name
+from .._format.layout import (
+    ArrayStorage,
+    CheckpointDocument,
+    LeafRecord,
+    array_dir,
+    dtype_from_name,
+)
 from .._storage import server_copy as _server_copy
 from .._storage.location import Location, _open_dirs
-from .._zarr import chunk_files as _chunk_files
+from .._zarr import chunks as _chunks
 
 logger = logging.getLogger("flax_orbax_plugin")
 
 DIGEST_ALGORITHM = "xxh3_128r"  # a hash over (region bounds, xxh3_128 of its bytes)
-_CRC32C_RESIDUE = 0x48674BC7  # crc32c of any message followed by its own crc32c (LE)
-_CRC_BYTES = 4
+_CRC32C_RESIDUE = _chunks.CRC32C_RESIDUE
+_CRC_BYTES = _chunks.CRC_BYTES
 _READ_BLOCK = 8 << 20
 
 
@@ -318,7 +323,7 @@ def chunk_names(record: LeafRecord) -> list[tuple[str, ...]]:
     chunk key encoding: ``c/<i0>/<i1>/...``)."""
     chunk = record.storage.chunk_shape
     grid = [max(1, -(-s // c)) for s, c in zip(record.shape, chunk, strict=True)]
-    return [("c", *map(str, idx)) for idx in itertools.product(*(range(g) for g in grid))]
+    return [_chunks.chunk_parts(idx) for idx in itertools.product(*(range(g) for g in grid))]
 
 
 def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, ...]] | None:
@@ -333,7 +338,7 @@ def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, 
             if a % c or (b % c and b != n):
                 return None
             ranges.append(range(a // c, -(-b // c)))
-        out.update(("c", *map(str, idx)) for idx in itertools.product(*ranges))
+        out.update(_chunks.chunk_parts(idx) for idx in itertools.product(*ranges))
     return sorted(out)
 
 
@@ -387,9 +392,9 @@ def link_leaf(
             os.makedirs(dst_root, exist_ok=True)
         for parts in names:
             *dirs, name = parts
-            shown = f"{source}/d/{j}/{'/'.join(parts)}"
-            sfd = dir_fd(src_root, ("d", str(j), *dirs), False)
-            dfd = dir_fd(dst_root, ("d", str(i), *dirs), True)
+            shown = f"{source}/{array_dir(j)}/{'/'.join(parts)}"
+            sfd = dir_fd(src_root, (*array_dir(j).split("/"), *dirs), False)
+            dfd = dir_fd(dst_root, (*array_dir(i).split("/"), *dirs), True)
             st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode):
                 raise _Refused(f"{shown}: expected a regular file, found mode {st.st_mode:o}")
@@ -432,7 +437,7 @@ def _check_linked(dfd: int, name: str, shown: str, size: int, expected: int) -> 
         crc, seen = 0, 0
         with os.fdopen(os.dup(fd), "rb") as f:
             while block := f.read(_READ_BLOCK):  # streamed: a chunk may be large
-                crc = google_crc32c.extend(crc, block)
+                crc = _chunks.extend_crc(crc, block)
                 seen += len(block)
         if seen != size or crc != _CRC32C_RESIDUE:
             raise _Refused(f"{shown}: its crc32c does not match its bytes (damaged or changed)")
@@ -454,7 +459,7 @@ def snapshot_crcs(
     record: LeafRecord, writes: Writes, names: Iterable[tuple[str, ...]]
 ) -> dict[tuple[str, ...], int]:
     """``{chunk name: crc32c}`` for ``names`` (as :func:`chunk_names`): the crc32c trailer
-    each chunk file would get if written from ``writes`` (``_chunk_files.chunk_crcs``:
+    each chunk file would get if written from ``writes`` (``_chunks.chunk_crcs``:
     the stored encoding, edge chunks zero-padded). Raises :class:`_Refused` for a name
     that no region of ``writes`` covers whole (nothing to compare it with)."""
     shape, chunk = tuple(record.shape), tuple(record.storage.chunk_shape)
@@ -464,12 +469,12 @@ def snapshot_crcs(
         if not data.size:
             continue
         try:
-            crcs = _chunk_files.chunk_crcs(shape, chunk, region, data)
+            crcs = _chunks.chunk_crcs(shape, chunk, region, data)
         except (ValueError, TypeError) as e:  # a region this function cannot encode
             raise _Refused(f"the snapshot's crc32c per chunk: {type(e).__name__}: {e}") from e
         for cell, crc in (crcs or {}).items():
-            if ("c", *map(str, cell)) in wanted:
-                out["c", *map(str, cell)] = crc
+            if _chunks.chunk_parts(cell) in wanted:
+                out[_chunks.chunk_parts(cell)] = crc
     missing = sorted(wanted - set(out))
     if missing:
         raise _Refused(
@@ -518,14 +523,17 @@ def copy_leaf(
     size = chunk_file_bytes(record)
     if size is None or source.spec | {"path": ""} != target.spec | {"path": ""}:
         return None
-    src_prefix, dst_prefix = f"{source.path}d/{j}/c/", f"{target.path}d/{i}/c/"
+    src_prefix = f"{source.path}{array_dir(j)}/{_chunks.CHUNK_DIR}/"
+    dst_prefix = f"{target.path}{array_dir(i)}/{_chunks.CHUNK_DIR}/"
     every = {"/".join(parts[1:]) for parts in chunk_names(record)}
     wanted = sorted(every if chunks is None else ("/".join(p[1:]) for p in chunks))
     if not wanted:
         return 0 if nbytes is None else nbytes
     started = False
     try:
-        crcs = snapshot_crcs(record, writes, [("c", *name.split("/")) for name in wanted])
+        crcs = snapshot_crcs(
+            record, writes, [(_chunks.CHUNK_DIR, *name.split("/")) for name in wanted]
+        )
         expected = {"/".join(parts[1:]): crc for parts, crc in crcs.items()}
         listed = {k[len(src_prefix) :]: v for k, v in copier.list(src_prefix).items()}
         for name in wanted:
