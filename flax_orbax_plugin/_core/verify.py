@@ -22,11 +22,16 @@ from .._format.layout import (
     METADATA_FILE,
     ArrayStorage,
     StepManifest,
+    batch_dir,
+    iterator_state_file,
 )
 from .._storage.location import Location
+from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
-from . import restore as _restore
+from . import read_data as _read_data
 from . import save as _save
+from .claims import check_claims
+from .targets import make_target
 
 # Bytes of array data read but not yet checked, at most (plus one chunk or file).
 VERIFY_BUDGET_BYTES = 16 << 20
@@ -100,7 +105,7 @@ def _required_files(kind: str, manifest: StepManifest) -> list[str]:
     if kind in ("json", "step"):
         return [JSON_VALUE_FILE]
     if kind == "data_iterator":
-        return [f"process_{p}.json" for p in range(manifest.process_count)]
+        return [iterator_state_file(p) for p in range(manifest.process_count)]
     return []
 
 
@@ -135,8 +140,8 @@ def check_pytree(location: Location, *, budget: int = VERIFY_BUDGET_BYTES) -> No
     _save.wait_for_pending_save(location)
     doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
-    targets = [_restore._make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
-    _restore.check_claims(location, doc, targets)
+    targets = [make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
+    check_claims(location, doc, targets)
     direct = _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
     window = _Window(location, budget)
     try:
@@ -144,12 +149,12 @@ def check_pytree(location: Location, *, budget: int = VERIFY_BUDGET_BYTES) -> No
             record = target.record
             if not isinstance(record.storage, ArrayStorage):
                 continue
-            spec = _save._array_spec(location, target.index, record)
-            store = _restore._open(spec, location, [record.path])
+            spec = _arrays.leaf_spec(location, target.index, record)
+            store = _read_data.open_array(spec, location, [record.path])
             itemsize = target.dtype.itemsize
             for region in _regions(record.shape, record.storage.chunk_shape, itemsize, budget):
                 nbytes = _region_bytes(region, record.shape, itemsize)
-                read = _restore._read_region(store, target, direct, region)
+                read = _read_data.read_region(store, target, direct, region)
                 window.submit(read, nbytes, [record.path])
         for batch in doc.batches.values():
             _check_batch(location, doc, batch, direct, window, budget)
@@ -183,9 +188,9 @@ class _Window:
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001  (tensorstore: ValueError with a status text)
-                _restore._raise_environmental(e)
+                _read_data.raise_environmental(e)
                 damaged = (locate() if locate is not None else None) or paths
-                raise _restore._corrupt(damaged, self.location, e) from None
+                raise _read_data.corrupt(damaged, self.location, e) from None
 
 
 def _damaged_leaves(store, members: list) -> list[str]:
@@ -195,9 +200,9 @@ def _damaged_leaves(store, members: list) -> list[str]:
     for rec in members:
         off, size = rec.storage.offset, rec.storage.size
         try:
-            _restore._ReadInto(store[off : off + size]).result()
+            _read_data.ReadInto(store[off : off + size]).result()
         except Exception as e:  # noqa: BLE001 - damage is collected, the rest raised
-            _restore._raise_environmental(e)
+            _read_data.raise_environmental(e)
             bad.append(rec.path)
     return bad
 
@@ -241,21 +246,23 @@ def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> 
         for rec in doc.leaves
         if isinstance(rec.storage, _layout.BatchStorage) and rec.storage.batch == batch.name
     ]
-    store = _restore._open(_save._batch_spec(location, batch), location, [r.path for r in members])
+    store = _read_data.open_array(
+        _arrays.batch_spec(location, batch), location, [r.path for r in members]
+    )
     itemsize = _layout.dtype_from_name(batch.dtype).itemsize
     chunk = int(batch.chunk)
     files = -(-batch.size // chunk)
     per_group = max(1, budget // (chunk * itemsize))
-    inner = _save._batch_inner(batch)
+    inner = _arrays.batch_inner(batch)
     for first in range(0, files, per_group):
         group = range(first, min(files, first + per_group))
         lo, hi = group.start * chunk, min(batch.size, group.stop * chunk)
         if direct is not None and batch.codec is None:
             read = direct.read_batch(
-                f"b/{batch.name}", batch.size, chunk, inner, store.dtype.numpy_dtype, group
+                batch_dir(batch.name), batch.size, chunk, inner, store.dtype.numpy_dtype, group
             )
         else:
-            read = _restore._ReadInto(store[lo:hi])
+            read = _read_data.ReadInto(store[lo:hi])
         inside = [
             r for r in members if r.storage.offset < hi and r.storage.offset + r.storage.size > lo
         ]

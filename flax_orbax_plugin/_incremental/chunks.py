@@ -15,9 +15,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from .._format.layout import LeafRecord, dtype_from_name
-from .._zarr import chunk_files as _chunk_files
+from .._zarr import chunks as _chunks
 
-CRC_BYTES = 4
+CRC_BYTES = _chunks.CRC_BYTES
 Writes = list[tuple[tuple[slice, ...], np.ndarray]]  # a leaf's (region, data) to write
 
 
@@ -30,7 +30,7 @@ def chunk_names(record: LeafRecord) -> list[tuple[str, ...]]:
     chunk key encoding: ``c/<i0>/<i1>/...``)."""
     chunk = record.storage.chunk_shape
     grid = [max(1, -(-s // c)) for s, c in zip(record.shape, chunk, strict=True)]
-    return [("c", *map(str, idx)) for idx in itertools.product(*(range(g) for g in grid))]
+    return [_chunks.chunk_parts(idx) for idx in itertools.product(*(range(g) for g in grid))]
 
 
 def chunk_file_bytes(record: LeafRecord) -> int | None:
@@ -53,7 +53,7 @@ def snapshot_crcs(
     record: LeafRecord, writes: Writes, names: Iterable[tuple[str, ...]]
 ) -> dict[tuple[str, ...], int]:
     """``{chunk name: crc32c}`` for ``names`` (as :func:`chunk_names`): the crc32c trailer
-    each chunk file would get if written from ``writes`` (``_chunk_files.chunk_crcs``:
+    each chunk file would get if written from ``writes`` (``_zarr.chunks.chunk_crcs``:
     the stored encoding, edge chunks zero-padded). Raises :class:`Refused` for a name
     that no region of ``writes`` covers whole (nothing to compare it with)."""
     shape, chunk = tuple(record.shape), tuple(record.storage.chunk_shape)
@@ -63,12 +63,12 @@ def snapshot_crcs(
         if not data.size:
             continue
         try:
-            crcs = _chunk_files.chunk_crcs(shape, chunk, region, data)
+            crcs = _chunks.chunk_crcs(shape, chunk, region, data)
         except (ValueError, TypeError) as e:  # a region this function cannot encode
             raise Refused(f"the snapshot's crc32c per chunk: {type(e).__name__}: {e}") from e
         for cell, crc in (crcs or {}).items():
-            if ("c", *map(str, cell)) in wanted:
-                out["c", *map(str, cell)] = crc
+            if _chunks.chunk_parts(cell) in wanted:
+                out[_chunks.chunk_parts(cell)] = crc
     missing = sorted(wanted - set(out))
     if missing:
         raise Refused(

@@ -15,9 +15,10 @@ import concurrent.futures
 import dataclasses
 import logging
 
-from .._format.layout import LeafRecord
+from .._format.layout import LeafRecord, array_dir
 from .._storage import server_copy as _server_copy
 from .._storage.location import Location
+from .._zarr import chunks as _chunks
 from .chunks import (
     CRC_BYTES,
     Refused,
@@ -60,7 +61,9 @@ def copy_leaf(
         return 0 if nbytes is None else nbytes
     started = False
     try:
-        crcs = snapshot_crcs(record, writes, [("c", *name.split("/")) for name in wanted])
+        crcs = snapshot_crcs(
+            record, writes, [(_chunks.CHUNK_DIR, *name.split("/")) for name in wanted]
+        )
         expected = {"/".join(parts[1:]): crc for parts, crc in crcs.items()}
         listed = leaf.check_listing(wanted, every)
         started = True
@@ -109,11 +112,11 @@ class _LeafCopy:
 
     @property
     def src_prefix(self) -> str:
-        return f"{self.source.path}d/{self.j}/c/"
+        return f"{self.source.path}{array_dir(self.j)}/{_chunks.CHUNK_DIR}/"
 
     @property
     def dst_prefix(self) -> str:
-        return f"{self.target.path}d/{self.i}/c/"
+        return f"{self.target.path}{array_dir(self.i)}/{_chunks.CHUNK_DIR}/"
 
     def check_listing(
         self, wanted: list[str], every: set[str]

@@ -15,12 +15,11 @@ import logging
 import os
 import stat
 
-import google_crc32c
-
 from .._errors import CheckpointError
-from .._format.layout import LeafRecord
+from .._format.layout import LeafRecord, array_dir
 from .._storage.local_files import open_dirs as _open_dirs
 from .._storage.location import Location
+from .._zarr import chunks as _chunks
 from .chunks import (
     CRC_BYTES,
     Refused,
@@ -33,7 +32,7 @@ from .chunks import (
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-_CRC32C_RESIDUE = 0x48674BC7  # crc32c of any message followed by its own crc32c (LE)
+_CRC32C_RESIDUE = _chunks.CRC32C_RESIDUE
 _READ_BLOCK = 8 << 20
 
 
@@ -64,7 +63,7 @@ def link_leaf(
         if names:  # another process may not have created the staging item yet
             os.makedirs(links.dst_root, exist_ok=True)
         for parts in names:
-            shown = f"{source}/d/{j}/{'/'.join(parts)}"
+            shown = f"{source}/{array_dir(j)}/{'/'.join(parts)}"
             dfd, name = links.link(parts, j, i, shown)
             _check_linked(dfd, name, shown, size, expected[parts])
         return record.nbytes if nbytes is None else nbytes
@@ -103,8 +102,8 @@ class _Links:
         """Links chunk ``parts`` of leaf ``j`` (a regular file, never followed) as the same
         chunk of leaf ``i``; returns (the new name's directory fd, the name)."""
         *dirs, name = parts
-        sfd = self._dir_fd(self.src_root, ("d", str(j), *dirs), False)
-        dfd = self._dir_fd(self.dst_root, ("d", str(i), *dirs), True)
+        sfd = self._dir_fd(self.src_root, (*array_dir(j).split("/"), *dirs), False)
+        dfd = self._dir_fd(self.dst_root, (*array_dir(i).split("/"), *dirs), True)
         st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode):
             raise Refused(f"{shown}: expected a regular file, found mode {st.st_mode:o}")
@@ -139,7 +138,7 @@ def _check_linked(dfd: int, name: str, shown: str, size: int, expected: int) -> 
         crc, seen = 0, 0
         with os.fdopen(os.dup(fd), "rb") as f:
             while block := f.read(_READ_BLOCK):  # streamed: a chunk may be large
-                crc = google_crc32c.extend(crc, block)
+                crc = _chunks.extend_crc(crc, block)
                 seen += len(block)
         if seen != size or crc != _CRC32C_RESIDUE:
             raise Refused(f"{shown}: its crc32c does not match its bytes (damaged or changed)")

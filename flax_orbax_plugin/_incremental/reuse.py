@@ -30,6 +30,7 @@ from .._format.documents import read_document
 from .._format.layout import ArrayStorage, CheckpointDocument, LeafRecord
 from .._storage import server_copy as _server_copy
 from .._storage.location import Location
+from .._zarr import chunks as _chunks
 from .copies import copy_leaf
 from .links import link_leaf
 
@@ -233,5 +234,5 @@ def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, 
             if a % c or (b % c and b != n):
                 return None
             ranges.append(range(a // c, -(-b // c)))
-        out.update(("c", *map(str, idx)) for idx in itertools.product(*ranges))
+        out.update(_chunks.chunk_parts(idx) for idx in itertools.product(*ranges))
     return sorted(out)

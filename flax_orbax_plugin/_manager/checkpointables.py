@@ -309,7 +309,7 @@ class DataIteratorCheckpointable:
 
     @staticmethod
     def filename(process_index: int) -> str:
-        return f"process_{process_index}.json"
+        return _layout.iterator_state_file(process_index)
 
     def save(self, directory: Location, value: Any) -> Pending:
         state = _to_json(_iterator_state(value), "data_iterator")

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from .._format.layout import BatchRecord, LeafRecord, array_dir, batch_dir, dtype_from_name
 from .._storage.location import Location, context
 
 CHUNK_TARGET_BYTES = 4 << 20  # large leaves: chunks of at most ~4 MiB (restore peak memory)
@@ -178,3 +179,44 @@ def environmental(error: BaseException) -> OSError | None:
         return None
     shown = text.split(" [tensorstore_spec=", 1)[0]
     return OSError(os_errno or _STATUS_ERRNO.get(status.group(1), errno.EIO), shown)
+
+
+# -- the arrays of a checkpoint's records ------------------------------------------------
+
+
+def leaf_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any]:
+    """The spec of leaf number ``index``'s own array (``d/<index>``) under ``root``."""
+    dtype = dtype_from_name(record.dtype, path=record.path)
+    return spec(
+        root,
+        array_dir(index),
+        record.shape,
+        record.dtype,
+        record.storage.chunk_shape,
+        dtype.itemsize,
+        codec=record.storage.codec,
+    )
+
+
+def batch_inner(batch: BatchRecord) -> int:
+    """Elements per checksummed inner chunk of a batch's files (divides its chunk)."""
+    itemsize = dtype_from_name(batch.dtype).itemsize
+    chunk = int(batch.chunk)
+    inner = max(1, min(BATCH_INNER_CHUNK_BYTES // itemsize, chunk))
+    while chunk % inner:
+        inner -= 1
+    return inner
+
+
+def batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
+    """The spec of the batch array ``b/<name>`` under ``root``."""
+    return spec(
+        root,
+        batch_dir(batch.name),
+        [batch.size],
+        batch.dtype,
+        [int(batch.chunk)],
+        dtype_from_name(batch.dtype).itemsize,
+        inner_chunk=[batch_inner(batch)],
+        codec=batch.codec,
+    )

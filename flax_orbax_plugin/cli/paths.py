@@ -67,7 +67,8 @@ def dir_bytes(loc: Location) -> int | None:
 
 
 def read_json_item(item: Item) -> Any:
-    name = "process_0.json" if item.kind == "data_iterator" else _layout.JSON_VALUE_FILE
+    data_iterator = item.kind == "data_iterator"
+    name = _layout.iterator_state_file(0) if data_iterator else _layout.JSON_VALUE_FILE
     return _steps.read_item_json(item.loc, name)
 
 

@@ -216,9 +216,9 @@ def test_cpu_views_are_snapshots_on_this_jax():
     """The fact the zero-copy blocking phase rests on (checked again at run time: where
     it fails, the blocking phase copies). jax versions this was checked on: the one in
     setup.cfg's range installed by CI."""
-    from flax_orbax_plugin._core import save as _save
+    from flax_orbax_plugin._core import host_snapshot as _host_snapshot
 
-    assert _save.cpu_views_are_snapshots(), jax.__version__
+    assert _host_snapshot.cpu_views_are_snapshots(), jax.__version__
 
 
 def test_zero_copy_snapshot_survives_donation_deletion_and_reuse(tmp_path, devices):

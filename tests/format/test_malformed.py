@@ -26,7 +26,6 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin._base import tree as _tree
 from flax_orbax_plugin._base.tree import path_string
 from flax_orbax_plugin._core import restore as _restore
-from flax_orbax_plugin._core import save as _save
 from flax_orbax_plugin._errors import CheckpointError, CorruptCheckpointError
 from flax_orbax_plugin._format import layout as _layout
 from flax_orbax_plugin._storage.location import Location
@@ -282,7 +281,7 @@ def test_tensorstore_errors_are_classified_from_real_failures(tmp_path):
     fop.save(path, {"w": np.arange(1_000_000, dtype=np.float32)}, compression="zstd")
     loc = Location.from_path(path)
     record = _restore.read_document(loc).leaves[0]
-    store = _arrays.open_for_read(_save._array_spec(loc, 0, record)).result()
+    store = _arrays.open_for_read(_arrays.leaf_spec(loc, 0, record)).result()
     fds = []
     try:
         while True:

@@ -304,7 +304,7 @@ def _kill_mid_write(ctx, after: int) -> None:
     the direct chunk writer on local disk): some of its chunks are then written or in
     flight, the others not yet."""
     from flax_orbax_plugin._zarr import arrays as _arrays
-    from flax_orbax_plugin._zarr import chunk_files as _chunk_files
+    from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
 
     started = {"n": 0}
 
@@ -318,8 +318,8 @@ def _kill_mid_write(ctx, after: int) -> None:
         return wrapper
 
     _arrays.open_for_write = counting(_arrays.open_for_write)
-    _chunk_files.ChunkWriter.array = counting(_chunk_files.ChunkWriter.array)
-    _chunk_files.ChunkWriter.batch = counting(_chunk_files.ChunkWriter.batch)
+    _chunk_writer.ChunkWriter.array = counting(_chunk_writer.ChunkWriter.array)
+    _chunk_writer.ChunkWriter.batch = counting(_chunk_writer.ChunkWriter.batch)
 
 
 def manager_save_killed(ctx, directory, victim_after_opens=2):

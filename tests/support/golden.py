@@ -104,9 +104,9 @@ def two_process_worker(ctx, directory):
 
 def write_all() -> None:
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin._core import save as _save
+    from flax_orbax_plugin._core import plan as _plan
 
-    _save.SMALL_LEAF_BYTES = 256  # leaves above 256 bytes get arrays of their own: both
+    _plan.SMALL_LEAF_BYTES = 256  # leaves above 256 bytes get arrays of their own: both
     # storage kinds in a few KiB (the threshold is a writer's choice, not the format's)
 
     shutil.rmtree(GOLDEN, ignore_errors=True)

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._core import save as _save
 from flax_orbax_plugin._errors import CheckpointError
 from flax_orbax_plugin._format import layout as _layout
 from flax_orbax_plugin._format.layout import BatchRecord
 from flax_orbax_plugin._storage import location as _storage
 from flax_orbax_plugin._zarr import arrays as _arrays
 from flax_orbax_plugin._zarr import chunk_files as _chunk_files
+from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
 
 
 def _files(root):
@@ -54,7 +54,7 @@ def _both(tmp_path, make_spec, write_direct, values):
         if who == "tensorstore":
             _arrays.open_for_write(spec)[...].write(values).result()
         else:
-            with _chunk_files.ChunkWriter(str(root)) as writer:
+            with _chunk_writer.ChunkWriter(str(root)) as writer:
                 futures = write_direct(writer)
                 assert futures is not None
                 for future in futures:
@@ -95,10 +95,10 @@ def test_batch_shards_are_the_bytes_tensorstore_writes(tmp_path, dtype_name, siz
     chunk = min(1 << 17, 1 << (size - 1).bit_length())
     record = BatchRecord("b", dtype_name, 0, size, chunk, None)
     values = _values(dtype_name, (size,))
-    inner = _save._batch_inner(record)
+    inner = _arrays.batch_inner(record)
     ts_files, direct_files = _both(
         tmp_path,
-        lambda loc: _save._batch_spec(loc, record),
+        lambda loc: _arrays.batch_spec(loc, record),
         lambda writer: writer.batch("b/b", record.chunk, inner, values),
         values,
     )
@@ -107,7 +107,7 @@ def test_batch_shards_are_the_bytes_tensorstore_writes(tmp_path, dtype_name, siz
 
 def test_a_region_of_partial_chunks_is_declined_and_nothing_written(tmp_path):
     values = np.ones((6, 4), np.float32)
-    with _chunk_files.ChunkWriter(str(tmp_path)) as writer:
+    with _chunk_writer.ChunkWriter(str(tmp_path)) as writer:
         # starts inside a chunk / stops inside one before the array's end
         assert writer.array("x", (12, 4), (4, 4), (slice(2, 8), slice(None)), values) is None
         assert writer.array("x", (12, 4), (4, 4), (slice(0, 6), slice(None)), values) is None
@@ -140,7 +140,7 @@ def test_an_existing_file_or_symlink_is_never_written_through(tmp_path):
     (root / "x" / "c").mkdir(parents=True)
     os.symlink(outside, root / "x" / "c" / "0")
     values = np.ones((4,), np.float32)
-    with _chunk_files.ChunkWriter(str(root)) as writer:
+    with _chunk_writer.ChunkWriter(str(root)) as writer:
         (future,) = writer.array("x", (4,), (4,), (slice(None),), values)
         with pytest.raises(OSError) as info:
             future.result()
@@ -292,12 +292,12 @@ def test_batches_written_by_tensorstore_are_read_back_directly(tmp_path, dtype_n
     chunk = min(1 << 17, 1 << (size - 1).bit_length())
     record = BatchRecord("b", dtype_name, 0, size, chunk, None)
     values = _values(dtype_name, (size,))
-    spec = _save._batch_spec(_storage.Location.from_path(tmp_path), record)
+    spec = _arrays.batch_spec(_storage.Location.from_path(tmp_path), record)
     _arrays.create(spec).result()
     _arrays.open_for_write(spec)[...].write(values).result()
     reader = _chunk_files.ChunkReader(str(tmp_path))
     try:
-        read = reader.read_batch("b/b", size, chunk, _save._batch_inner(record), values.dtype)
+        read = reader.read_batch("b/b", size, chunk, _arrays.batch_inner(record), values.dtype)
         out = read.result()
     finally:
         reader.close()
@@ -431,7 +431,7 @@ def test_names_that_leave_the_checkpoint_are_refused(tmp_path):
                 reader.read_batch(sub, 4, 4, 4, np.float32)
     finally:
         reader.close()
-    with _chunk_files.ChunkWriter(str(tmp_path / "w")) as writer:
+    with _chunk_writer.ChunkWriter(str(tmp_path / "w")) as writer:
         (future,) = writer.array("../x", (4,), (4,), (slice(None),), values)
         with pytest.raises(ValueError, match="invalid storage name"):
             future.result()

@@ -1,0 +1,78 @@
+"""What a checkpoint's metadata claims, checked against its chunk files before
+anything sized by a claim is allocated (local disks; see :func:`check_claims`)."""
+
+from __future__ import annotations
+
+import collections
+
+from .._errors import CorruptCheckpointError
+from .._format import layout as _layout
+from .._format.layout import (
+    METADATA_FILE,
+    ArrayStorage,
+    BatchStorage,
+    CheckpointDocument,
+    array_dir,
+    batch_dir,
+)
+from .._format.layout.checked import show
+from .._storage.location import Location
+from .._zarr import arrays as _arrays
+from .._zarr import chunk_files as _chunk_files
+from .._zarr.chunks import CHUNK_DIR
+
+
+def check_claims(location: Location, doc: CheckpointDocument, targets: list) -> None:
+    """Checks that the chunk files of every array and batch that ``targets`` read hold
+    at least the bytes their metadata claims, before anything sized by a claim is
+    allocated (a resealed, checksum-valid ``_METADATA.json`` may claim any shape):
+    a CorruptCheckpointError naming the file, the field and what is on disk otherwise.
+    Local disks only (object stores list no sizes: a read there is bounded by the
+    ``zarr.json`` agreement and tensorstore's own per-chunk checks). One ``stat`` per
+    existing chunk file; nothing per claimed element or chunk."""
+    if not location.is_local:
+        return
+    where = f"{location}/{METADATA_FILE}"
+    batches: dict[str, list[str]] = collections.defaultdict(list)
+    for target in targets:
+        record = target.record
+        storage = record.storage
+        if isinstance(storage, BatchStorage):
+            batches[storage.batch].append(record.path)
+        if not isinstance(storage, ArrayStorage):
+            continue
+        itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
+        needed = _chunk_files.array_claim(
+            record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None
+        )
+        field = f"leaves[{target.index}] ({record.path!r}).shape"
+        sub = array_dir(target.index)
+        _check_claim(location, sub, needed, where, field, record.shape)
+    for name, paths in sorted(batches.items()):
+        batch = doc.batches[name]
+        itemsize = _layout.dtype_from_name(batch.dtype).itemsize
+        needed = _chunk_files.batch_claim(
+            batch.size,
+            int(batch.chunk),
+            _arrays.batch_inner(batch),
+            itemsize,
+            compressed=batch.codec is not None,
+        )
+        shown = ", ".join(repr(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
+        field = f"batches[{name!r}].size (holding leaves {shown})"
+        _check_claim(location, batch_dir(name), needed, where, field, batch.size)
+
+
+def _check_claim(location, sub: str, needed, where: str, field: str, claim) -> None:
+    files, nbytes = needed
+    if files == 0:
+        return
+    found_files, found_bytes = _chunk_files.stored_files(location.path, sub)
+    if found_files < files or found_bytes < nbytes:
+        raise CorruptCheckpointError(
+            f"{where}: field {field}: {show(claim)} needs {files} chunk files of "
+            f"{nbytes} bytes in all under {location}/{sub}/{CHUNK_DIR}, "
+            f"found {found_files} files of "
+            f"{found_bytes} bytes (stored data is damaged or missing, or the metadata "
+            f"claims more than was stored)"
+        )

@@ -1,0 +1,222 @@
+"""The blocking phase's host copy: every byte this process writes, copied off device.
+
+Who writes what: a partitioned array's shards are written by the processes that hold
+them; the replicas of a shard (or of a whole replicated array) split its chunk rows
+among the processes holding them (replica-parallel); a batch of small leaves is
+written by the process holding replica 0 of them. :func:`take` starts every
+device-to-host copy before waiting on any. On CPU a numpy view of a jax.Array is the
+snapshot itself (:func:`cpu_views_are_snapshots`), so nothing is copied there.
+Called on the saving thread, once per save.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base import distributed as _distributed
+from .._base import host as _host
+from .._format import layout as _layout
+from .._format.layout import BatchRecord, BatchStorage
+from .._zarr import chunk_writer as _chunk_writer
+
+
+def take(leaves: list, batches: dict[str, BatchRecord], pool: _host.BufferPool | None):
+    """Copies every byte this process writes (``leaves``: the plan's, each gets its
+    ``writes``) to host memory; with ``pool``, into its buffers. Returns (batch name ->
+    its data, the pooled buffers to give back once written)."""
+    me = _distributed.process_index()
+    pooled: list[np.ndarray] = []
+
+    def keep(buffer: np.ndarray) -> np.ndarray:  # given back after the write
+        if pool is not None:
+            pooled.append(buffer)
+        return buffer
+
+    owned = _owned(leaves, batches, me)
+    for _, source, _ in owned:  # start all device-to-host copies before waiting on any
+        data = source[0] if isinstance(source, tuple) else source
+        if isinstance(data, jax.Array) and next(iter(data.devices())).platform != "cpu":
+            data.copy_to_host_async()
+    # Small leaves: with a pool, copied into one pooled buffer per batch; otherwise
+    # each leaf's own host snapshot (a zero-copy view on CPU, see _host_copy), and
+    # the batch is written from those pieces (gathered, never copied on this thread).
+    batch_data: dict[str, Any] = {}
+    ends: dict[str, int] = {}  # end of the last leaf written into each batch
+    pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for name, batch in batches.items():
+        if batch.process == me:
+            dtype = _layout.dtype_from_name(batch.dtype)
+            if pool is None:
+                pieces[name] = []
+            else:
+                batch_data[name] = keep(pool.empty((batch.size,), dtype))
+            ends[name] = 0
+    for leaf, source, rows in owned:
+        storage = leaf.record.storage
+        if isinstance(storage, BatchStorage):
+            _copy_small(storage, source, batch_data, pieces, ends, pool)
+        else:
+            leaf.writes.append((rows, _copy_region(source, rows, pool, keep)))
+    for name, end in ends.items():
+        if name in pieces:
+            batch = batches[name]
+            dtype = _layout.dtype_from_name(batch.dtype)
+            batch_data[name] = _chunk_writer.Gathered(pieces[name], dtype, batch.size)
+        else:
+            batch_data[name][end:] = 0
+    for leaf in leaves:
+        leaf.value = None  # the snapshot is all the background phase needs
+    return batch_data, pooled
+
+
+def _owned(leaves: list, batches: dict[str, BatchRecord], me: int) -> list:
+    """(leaf, what to read it from, region) for every piece this process writes; each
+    source is resolved once, so the object whose device-to-host copy is started is the
+    one read afterwards (jax caches the copy per object)."""
+    owned: list[tuple[Any, Any, tuple | None]] = []
+    for leaf in leaves:
+        value, storage = leaf.value, leaf.record.storage
+        if storage is None:
+            continue
+        if isinstance(storage, BatchStorage):
+            if batches[storage.batch].process == me:
+                if isinstance(value, jax.Array):
+                    value = _local_replica(value, None)
+                owned.append((leaf, value, None))
+        elif isinstance(value, jax.Array):
+            shape, chunk = leaf.record.shape, storage.chunk_shape
+            for index, holders in _replica_groups(value.sharding, shape):
+                rows = _my_rows(index, shape, chunk, holders, me)
+                if rows is not None:
+                    owned.append((leaf, (_local_replica(value, index), index), rows))
+        elif me == 0:
+            owned.append((leaf, value, tuple(slice(None) for _ in value.shape)))
+    return owned
+
+
+def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -> None:
+    """A small leaf's host copy: a piece of its batch, or copied into the pooled one."""
+    name = storage.batch
+    off, size = storage.offset, storage.size
+    if pool is None:
+        if isinstance(source, jax.Array):
+            host = _host_copy(source, None)
+        else:  # numpy or scalar: the caller may change it after we return
+            host = _host.copy(np.asarray(source))
+        pieces[name].append((off * host.dtype.itemsize, host))
+        return
+    buf = batch_data[name]
+    buf[ends[name] : off] = 0  # alignment padding: never uninitialised memory
+    buf[off : off + size] = np.asarray(source).reshape(-1)
+    ends[name] = off + size
+
+
+def _copy_region(source, rows, pool, keep) -> np.ndarray:
+    """The host copy of the region ``rows`` of a leaf stored as its own array."""
+    if isinstance(source, tuple):
+        data, index = source
+        part = _relative(rows, index)
+        if pool is not None and data.device.platform == "cpu":
+            host = np.asarray(data)
+            return keep(pool.copy(host if part is None else host[part]))
+        return _host_copy(data, part)
+    alloc = _host if pool is None else pool
+    return keep(alloc.copy(np.asarray(source)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _replica_groups(sharding: jax.sharding.Sharding, shape: tuple[int, ...]):
+    """``[(index, holder processes sorted), ...]``, one entry per distinct shard region."""
+    groups: dict[tuple, tuple[tuple[slice, ...], set[int]]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop) for s in index)
+        groups.setdefault(key, (index, set()))[1].add(device.process_index)
+    return [(index, sorted(procs)) for index, procs in groups.values()]
+
+
+def _my_rows(index: tuple[slice, ...], shape, chunk, holders: list[int], me: int):
+    """The part of shard ``index`` that process ``me`` writes: a contiguous range of whole
+    chunk rows (axis 0), split evenly over the processes holding a replica of it."""
+    if me not in holders:
+        return None
+    k, m = holders.index(me), len(holders)
+    if not shape or m == 1:
+        return index if k == 0 else None
+    start = index[0].start or 0
+    stop = shape[0] if index[0].stop is None else index[0].stop
+    rows = chunk[0]
+    n = -(-(stop - start) // rows)
+    lo, hi = k * n // m, (k + 1) * n // m
+    if lo >= hi:
+        return None
+    return (slice(start + lo * rows, min(start + hi * rows, stop)),) + tuple(index[1:])
+
+
+def _local_replica(value: jax.Array, index: tuple[slice, ...] | None) -> jax.Array:
+    """A single-device array on this process holding region ``index`` (None: the whole
+    unpartitioned value)."""
+    if len(value.sharding.device_set) == 1:
+        return value
+    want = None if index is None else tuple((s.start, s.stop) for s in index)
+    best = None
+    for shard in value.addressable_shards:
+        if want is None or tuple((s.start, s.stop) for s in shard.index) == want:
+            if best is None or shard.replica_id < best.replica_id:
+                best = shard
+    if best is None:
+        raise AssertionError("this process holds no replica of the region it writes")
+    return best.data
+
+
+def _relative(rows: tuple[slice, ...], index: tuple[slice, ...]) -> tuple[slice, ...] | None:
+    """``rows`` (global) relative to the shard region ``index``; None when equal."""
+    if not rows or rows[0] == index[0]:
+        return None
+    start = index[0].start or 0
+    return (slice(rows[0].start - start, rows[0].stop - start),)
+
+
+def _host_copy(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
+    """Host bytes of ``data`` that no later donation, deletion or update can change.
+
+    On CPU, ``np.asarray`` is a zero-copy view of the device buffer, and jax does not
+    donate or free a buffer while such a view is alive (a donating step then allocates
+    a new output): the view *is* a snapshot, held until its chunks are written, and the
+    blocking phase copies nothing. That is checked once per process
+    (:func:`cpu_views_are_snapshots`); where it does not hold, the bytes are copied.
+    Elsewhere ``np.asarray`` is a fresh device-to-host copy already.
+    """
+    host = np.asarray(data)
+    if part is not None:
+        host = host[part]
+    if data.device.platform == "cpu":
+        return host if cpu_views_are_snapshots() else _host.copy(host)
+    return _host.copy(host) if part is not None else host
+
+
+@functools.cache
+def cpu_views_are_snapshots() -> bool:
+    """Whether a numpy view of a CPU jax.Array keeps its bytes through a donation of the
+    array, its deletion and the donating step's output (checked on this jax, once)."""
+    cpu = jax.devices("cpu")[0]
+    base = np.arange(4096, dtype=np.float32)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "donated buffers were not usable"
+            x = jax.device_put(base, cpu)
+            view = np.asarray(x)
+            y = jax.jit(lambda a: a * 3 + 1, donate_argnums=0)(x)
+            y.block_until_ready()
+            z = jax.device_put(base + 1, cpu)
+            view_z = np.asarray(z)
+            z.delete()
+            filler = [jax.device_put(base * 7, cpu) for _ in range(4)]  # reuse freed memory
+            jax.block_until_ready(filler)
+            return bool(np.array_equal(view, base) and np.array_equal(view_z, base + 1))
+    except Exception:  # noqa: BLE001  (any doubt: copy)
+        return False

@@ -1,0 +1,351 @@
+"""The layout of one save: a record per leaf and the batches of small leaves.
+
+:meth:`Plan.build` classifies every leaf and decides its storage (its own array, or
+a slot in the batch of its writer process and dtype), identically on every process;
+:meth:`Plan.snapshot` takes this process's host copy (``host_snapshot``) and
+:meth:`Plan.write` is the background phase (``write_data``). Call order: build and
+snapshot on the caller's thread, then write on one background thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base import distributed as _distributed
+from .._base import faults as _faults
+from .._base import host as _host
+from .._base import tree as _tree
+from .._errors import StructureError
+from .._format import layout as _layout
+from .._format import metadata as _metadata
+from .._format.layout import (
+    METADATA_FILE,
+    ArrayStorage,
+    BatchRecord,
+    BatchStorage,
+    CheckpointDocument,
+    LeafRecord,
+)
+from .._incremental import reuse as _incremental
+from .._storage.location import Location
+from .._zarr import arrays as _arrays
+from .._zarr import chunk_writer as _chunk_writer
+from . import commit as _commit
+from . import host_snapshot as _host_snapshot
+from .write_data import write_data
+
+SMALL_LEAF_BYTES = 1 << 20  # unpartitioned leaves up to this size are batched
+
+
+@dataclasses.dataclass
+class Leaf:
+    index: int
+    value: Any  # jax.Array / np.ndarray / None, after scalar and key conversion
+    record: LeafRecord
+    writes: list[tuple[tuple[slice, ...], np.ndarray]] = dataclasses.field(default_factory=list)
+
+
+def _text(path: str, leaf: str | bytes) -> str:
+    """A str or bytes leaf as the record's JSON string (bytes base64), bounded."""
+    raw = leaf.encode("utf-8") if isinstance(leaf, str) else leaf
+    if len(raw) > _layout.MAX_TEXT_BYTES:
+        raise StructureError(
+            f"leaf {path!r}: a {type(leaf).__name__} of {len(raw)} bytes; str and bytes "
+            f"leaves are kept in the metadata, at most {_layout.MAX_TEXT_BYTES} bytes each "
+            f"(store larger data as a numpy uint8 array)"
+        )
+    return leaf if isinstance(leaf, str) else base64.b64encode(raw).decode("ascii")
+
+
+def _classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
+    """(kind, array-like value, PRNG impl) for one leaf; errors name the path."""
+    if leaf is None:
+        return "none", None, None
+    if isinstance(leaf, jax.Array):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            impl = str(jax.random.key_impl(leaf))
+            return "prng_key", jax.random.key_data(leaf), impl
+        return "array", leaf, None
+    if isinstance(leaf, bool):
+        return "py_bool", np.asarray(leaf, dtype=np.bool_), None
+    if isinstance(leaf, int):
+        if not -(2**63) <= leaf < 2**63:
+            raise StructureError(f"leaf {path!r}: expected an int that fits int64, found {leaf}")
+        return "py_int", np.asarray(leaf, dtype=np.int64), None
+    if isinstance(leaf, float):
+        return "py_float", np.asarray(leaf, dtype=np.float64), None
+    if isinstance(leaf, complex):
+        return "py_complex", np.asarray(leaf, dtype=np.complex128), None
+    if isinstance(leaf, np.generic):
+        return "np_scalar", np.asarray(leaf), None
+    if isinstance(leaf, np.ndarray):
+        return "array", leaf, None
+    if isinstance(leaf, str | bytes):
+        return "py_str" if isinstance(leaf, str) else "py_bytes", _text(path, leaf), None
+    if _tree.is_empty_node(leaf):
+        return _tree.empty_kind(leaf), None, None
+    raise StructureError(
+        f"leaf {path!r}: expected a jax.Array, numpy array, scalar, str, bytes or None, "
+        f"found {type(leaf).__module__}.{type(leaf).__qualname__}"
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_device(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> jax.Device:
+    return next(iter(sharding.devices_indices_map(shape)))
+
+
+def _writer_process(value: Any) -> int:
+    """Process that writes an unpartitioned leaf: the owner of replica 0."""
+    if isinstance(value, jax.Array):
+        return _first_device(value.sharding, value.shape).process_index
+    return 0
+
+
+def _is_partitioned(value: Any) -> bool:
+    return isinstance(value, jax.Array) and not value.sharding.is_fully_replicated
+
+
+class _Batching:
+    """The batches of small leaves being planned: each leaf's aligned slot."""
+
+    def __init__(self):
+        self.sizes: dict[str, int] = {}  # batch name -> elements used so far
+        self.kinds: dict[str, tuple[str, int, int]] = {}  # batch name -> (dtype, process, chunk)
+
+    def slot(self, process: int, name: str, dtype: np.dtype, nbytes: int) -> BatchStorage:
+        batch = _layout.batch_name(process, name)
+        self.kinds.setdefault(
+            batch, (name, process, max(1, _arrays.BATCH_CHUNK_BYTES // dtype.itemsize))
+        )
+        size = nbytes // dtype.itemsize
+        align = max(1, _host.ALIGNMENT // dtype.itemsize)  # zero-copy on restore
+        offset = -(-self.sizes.get(batch, 0) // align) * align
+        self.sizes[batch] = offset + size
+        return BatchStorage(batch, offset, size)
+
+    def records(self, codec: str | None) -> dict[str, BatchRecord]:
+        batches = {}
+        for batch, (dtype, process, chunk) in self.kinds.items():
+            size = max(1, self.sizes.get(batch, 0))
+            # A small batch gets a chunk just big enough (a power of two): a full inner
+            # chunk is stored even when the batch uses a few bytes of it.
+            chunk = min(chunk, 1 << (size - 1).bit_length())
+            batches[batch] = BatchRecord(batch, dtype, process, size, chunk, codec)
+        return batches
+
+
+def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> LeafRecord:
+    """The record of a leaf with array data: a batch slot when small and unpartitioned,
+    else an array of its own."""
+    dtype = np.dtype(value.dtype)
+    name = _layout.dtype_name(dtype)
+    if name not in _layout.SUPPORTED_DTYPES:
+        raise StructureError(
+            f"leaf {path!r}: expected a dtype in {sorted(_layout.SUPPORTED_DTYPES)}, found {dtype}"
+        )
+    shape = tuple(int(s) for s in value.shape)
+    sharding = value.sharding if isinstance(value, jax.Array) else None
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes <= SMALL_LEAF_BYTES and not _is_partitioned(value):
+        storage: Any = batching.slot(_writer_process(value), name, dtype, nbytes)
+    else:
+        shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
+        chunk = _arrays.chunk_shape(shard_shape, dtype.itemsize, must_divide=_is_partitioned(value))
+        storage = ArrayStorage(tuple(chunk), codec)
+    return LeafRecord(
+        path, keys, kind, shape, name, _metadata.describe_sharding(sharding), storage, impl
+    )
+
+
+class Plan:
+    """The layout of one save, identical on every process, plus this process's snapshot.
+
+    After :meth:`snapshot` it is the :class:`Snapshot` handed to the background phase.
+    """
+
+    def __init__(self, leaves: list[Leaf], batches: dict[str, BatchRecord]):
+        self.leaves = leaves
+        self.batches = batches
+        self.batch_data: dict[str, np.ndarray | _chunk_writer.Gathered] = {}
+        self.digest = _digest(leaves)
+        self._pool: _host.BufferPool | None = None
+        self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
+
+    @classmethod
+    def build(cls, tree: Any, *, codec: str | None = None) -> Plan:
+        flat, _ = _tree.flatten(tree)
+        leaves: list[Leaf] = []
+        batching = _Batching()
+        for index, (path, keys, raw) in enumerate(flat):
+            kind, value, impl = _classify(path, raw)
+            keys = tuple(keys)
+            if kind in _layout.TEXT_KINDS:
+                leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=value)))
+                continue
+            if kind in _layout.NO_DATA_KINDS:
+                leaves.append(Leaf(index, None, LeafRecord(path, keys, kind)))
+                continue
+            record = _data_record(path, keys, kind, value, impl, codec, batching)
+            leaves.append(Leaf(index, value, record))
+        return cls(leaves, batching.records(codec))
+
+    def snapshot(self, pool: _host.BufferPool | None = None) -> None:
+        """Copies every byte this process writes to host memory (blocking phase); with
+        ``pool``, into its buffers (given back by :meth:`write`)."""
+        self._pool = pool
+        self.batch_data, self._pooled = _host_snapshot.take(self.leaves, self.batches, pool)
+
+    def document(self) -> CheckpointDocument:
+        return CheckpointDocument(
+            tuple(leaf.record for leaf in self.leaves),
+            self.batches,
+            _distributed.process_count(),
+            time.time(),
+            jax.__version__,
+        )
+
+    def write(
+        self,
+        location: Location,
+        *,
+        limit: int,
+        durable: bool = True,
+        reuse: _incremental.Reuse | None = None,
+    ) -> _commit.Written:
+        """Background phase: this process's chunks (and, on the primary, every zarr.json
+        and ``_METADATA.json``); with ``durable``, made durable (one syncfs; a manager
+        step syncs once for all its items instead). Commits nothing.
+
+        ``reuse`` (a manager step with ``incremental=True``; local disk, or S3/GCS with
+        a server-side copier; any number of processes, each calling this in the same
+        order): every leaf stored as its own array gets a digest in ``_METADATA.json``
+        (over every process's region hashes, exchanged first), and of one whose digest
+        and layout equal the previous step's each process hard-links (local) or copies
+        on the server (object stores) the chunks of its regions rather than writing
+        them (see ``_incremental``)."""
+        try:
+            return self._write(location, limit=limit, durable=durable, reuse=reuse)
+        finally:
+            if self._pool is not None:  # tensorstore reads none of them any more
+                self._pool.give_back(self._pooled)
+            self._pooled = []
+
+    def _write(self, location, *, limit, durable, reuse) -> _commit.Written:
+        primary = _distributed.is_primary()
+        files = {}
+        links = {}
+        if reuse is not None:
+            links = self._plan_links(location, reuse)
+        encoded: concurrent.futures.Future = concurrent.futures.Future()
+        if primary:  # encoded while tensorstore's threads write the data
+            threading.Thread(target=self._encode, args=(encoded,), daemon=True).start()
+        written, reused = write_data(
+            location,
+            self.leaves,
+            self.batches,
+            self.batch_data,
+            primary=primary,
+            limit=limit,
+            links=links,
+        )
+        if primary:
+            encoded = encoded.result()
+            location.write_bytes(METADATA_FILE, encoded, durable=False)
+            files[METADATA_FILE] = _layout.sha256(encoded)
+            _faults.kill_point("after_metadata")
+        if durable:
+            location.sync()
+            _faults.kill_point("after_sync")
+        return _commit.Written(written, files, reused)
+
+    def _encode(self, out: concurrent.futures.Future) -> None:
+        """``_METADATA.json``'s bytes (compact; the checksum is of these bytes)."""
+        try:
+            doc = self.document().to_json()
+            out.set_result(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+        except BaseException as e:  # noqa: BLE001  (raised by the write that needs it)
+            out.set_exception(e)
+
+    def _plan_links(self, location: Location, reuse: _incremental.Reuse) -> dict[int, Any]:
+        """Records the digest of every array leaf (every process's region hashes, through
+        the key-value store with several processes: every process calls this, in the
+        same order); returns ``{leaf index: link()}`` for the leaves the previous step
+        holds unchanged and of which this process writes regions (``link()`` links or
+        copies this process's chunks of the leaf and returns the bytes reused, or None
+        when it must write its regions after all); ``{}`` where this process reuses
+        nothing (see :func:`_incremental.reuser`)."""
+        reuse_leaf = _incremental.reuser(location)
+        if reuse_leaf is None and _distributed.process_count() == 1:
+            return {}
+        arrays = [leaf for leaf in self.leaves if isinstance(leaf.record.storage, ArrayStorage)]
+        mine: dict[int, list] | None = None
+        try:
+            mine = {
+                leaf.index: _incremental.region_digests(leaf.record, leaf.writes)
+                for leaf in arrays
+                if leaf.writes
+            }
+        except Exception as e:  # noqa: BLE001  (no digest, no reuse; the save goes on)
+            _incremental.logger.warning("incremental save: no digests recorded: %s", e)
+        everyone = _incremental.exchange(reuse.op, mine)
+        if everyone is None or mine is None:
+            return {}
+        for leaf in arrays:
+            if everyone.get(leaf.index):
+                digest = _incremental.leaf_digest(everyone[leaf.index])
+                leaf.record = dataclasses.replace(leaf.record, digest=digest)
+        if reuse_leaf is None:
+            return {}
+        previous = _incremental.previous_document(reuse)
+        if previous is None:
+            return {}
+        source, doc = previous
+        by_index = {leaf.index: leaf for leaf in self.leaves}
+        records = {i: leaf.record for i, leaf in by_index.items()}
+        links = {}
+        for i, j in _incremental.plan_reuse(records, doc).items():
+            leaf = by_index[i]
+            chunks = _incremental.chunks_of(leaf.record, [b for b, _ in mine.get(i, ())])
+            if not leaf.writes or chunks is None:
+                continue
+            nbytes = sum(data.nbytes for _, data in leaf.writes)
+            links[i] = functools.partial(
+                reuse_leaf,
+                source,
+                j,
+                location,
+                i,
+                leaf.record,
+                chunks=chunks,
+                nbytes=nbytes,
+                writes=leaf.writes,  # the snapshot, which each reused chunk must equal
+            )
+        return links
+
+
+Snapshot = Plan
+
+
+def _digest(leaves: list[Leaf]) -> str:
+    """A digest of the tree's structure (paths, kinds, shapes, dtypes): equal on every
+    process that saves the same tree."""
+    h = hashlib.sha256()
+    for leaf in leaves:
+        r = leaf.record
+        h.update(f"{r.path}\0{r.kind}\0{r.shape}\0{r.dtype}\n".encode())
+        if r.value is not None:  # a str or bytes leaf: every process saves the same
+            h.update(hashlib.sha256(r.value.encode("utf-8")).digest())
+    return h.hexdigest()

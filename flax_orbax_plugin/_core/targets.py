@@ -1,0 +1,204 @@
+"""The targets of a restore: one per leaf read, checked against ``like``, and the
+leaf's final form once its bytes are on the host.
+
+:func:`make_target` checks a saved record against its ``like`` leaf (kind, shape,
+dtype) before anything is read; :func:`finish` casts and converts the host data,
+and :class:`Placer` batches the host-to-device transfers. All on the restoring thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base import tree as _tree
+from .._errors import StructureError
+from .._format import layout as _layout
+from .._format.layout import LeafRecord
+from .._like import casting as _casting
+from .._like import onto_like as _onto_like
+
+
+@dataclasses.dataclass
+class Target:
+    index: int  # leaf number in the checkpoint
+    record: LeafRecord
+    like: Any
+    dtype: np.dtype | None = None  # saved dtype
+    out_dtype: Any = None
+    result: Any = None
+
+
+def _describe(x: Any) -> str:
+    if x is None:
+        return "None"
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is not None:
+        return f"{type(x).__name__}(shape={tuple(shape)}, dtype={dtype})"
+    return type(x).__name__
+
+
+def make_target(index: int, record: LeafRecord, like: Any) -> Target:
+    path = record.path
+    target = Target(index, record, like)
+    if record.kind in _layout.EMPTY_KINDS:
+        return _empty_target(target)
+    if record.kind in _layout.TEXT_KINDS:
+        return _text_target(target)
+    if record.kind == "none":
+        if like is not None:
+            raise StructureError(
+                f"leaf {path!r}: expected {_describe(like)} (from like), "
+                f"found None in the checkpoint"
+            )
+        return target
+    target.dtype = _layout.dtype_from_name(record.dtype, path=path)
+    saved_shape = record.shape
+    if record.kind == "prng_key":
+        return target  # shape and dtype checked after wrapping
+    if like is None:
+        target.out_dtype = target.dtype
+        return target
+    like_shape, like_dtype = _onto_like.template_of(path, like)
+    if jax.dtypes.issubdtype(like_dtype, jax.dtypes.prng_key):
+        raise StructureError(
+            f"leaf {path!r}: expected a PRNG key array (from like), "
+            f"found {record.dtype}{list(saved_shape)} in the checkpoint"
+        )
+    if like_shape != saved_shape:
+        raise StructureError(
+            f"leaf {path!r}: shape mismatch: expected {like_shape} (from like), "
+            f"found {saved_shape} in the checkpoint"
+        )
+    target.out_dtype = np.dtype(like_dtype)
+    return target
+
+
+def _text_target(target: Target) -> Target:
+    """A str or bytes leaf: its value is in the record; ``like`` None or of its type."""
+    value = _layout.text_value(target.record)
+    like = target.like
+    if like is not None and type(like) is not type(value):
+        raise StructureError(
+            f"leaf {target.record.path!r}: expected {_describe(like)} (from like), found a "
+            f"{type(value).__name__} in the checkpoint"
+        )
+    target.result = value
+    return target
+
+
+def _empty_target(target: Target) -> Target:
+    """An empty node ({}, [], EmptyState()): no data; the result is ``like`` itself."""
+    like, kind = target.like, target.record.kind
+    if like is not None and not _tree.is_empty_node(like):
+        raise StructureError(
+            f"leaf {target.record.path!r}: expected {_describe(like)} (from like), found an "
+            f"empty {'list' if kind == 'empty_list' else 'node'} in the checkpoint"
+        )
+    target.result = _tree.empty_value(kind) if like is None else like
+    return target
+
+
+def add_missing_empties(flat: list, records: dict[str, tuple[int, LeafRecord]]) -> None:
+    """Empty nodes of ``like`` that a checkpoint does not record (written before empty
+    nodes were recorded) hold no data: they are restored as they are in ``like``."""
+    for path, keys, leaf in flat:
+        if path not in records and _tree.is_empty_node(leaf):
+            kind = _tree.empty_kind(leaf)
+            records[path] = (-1, LeafRecord(path, tuple(tuple(k) for k in keys), kind))
+
+
+def finish(target: Target, host: np.ndarray, placer: Placer) -> None:
+    """Turns host data into the leaf's final form (cast, scalar) in ``target.result``;
+    device placement goes through ``placer``."""
+    value = _final_value(target, host)
+    if isinstance(value, tuple):  # (host, sharding): batched device_put
+        placer.add(target, *value)
+    else:
+        target.result = value
+
+
+def _final_value(target: Target, host: np.ndarray) -> Any:
+    record, like = target.record, target.like
+    kind = record.kind
+    host = host.reshape(record.shape)
+    if kind == "prng_key":
+        keys = jax.random.wrap_key_data(host, impl=record.impl)
+        if like is not None:
+            if tuple(like.shape) != keys.shape:
+                raise StructureError(
+                    f"leaf {record.path!r}: shape mismatch: expected {tuple(like.shape)} "
+                    f"(from like), found {keys.shape} in the checkpoint"
+                )
+            sharding = getattr(like, "sharding", None)
+            if sharding is not None:
+                keys = jax.device_put(keys, sharding)
+        return keys
+    if host.dtype != target.out_dtype:
+        _casting.check(record.path, host, target.out_dtype)
+        host = host.astype(target.out_dtype)
+    if like is None:
+        return _python_value(kind, host)
+    if isinstance(like, (bool, int, float, complex)):
+        return type(like)(host[()])
+    if isinstance(like, np.generic):
+        return host[()]
+    if isinstance(like, np.ndarray):
+        return host
+    sharding = like.sharding if isinstance(like, jax.Array) else getattr(like, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return (host, sharding)
+
+
+class Placer:
+    """Batches host-to-device transfers: one ``jax.device_put`` call per ``flush_bytes``
+    (per-leaf calls dominate restores of thousands of small leaves)."""
+
+    def __init__(self, flush_bytes: int):
+        self.flush_bytes = flush_bytes
+        self.pending: list[tuple[Target, np.ndarray, Any]] = []
+        self.nbytes = 0
+
+    def add(self, target: Target, host: np.ndarray, sharding: Any) -> None:
+        self.pending.append((target, host, sharding))
+        self.nbytes += host.nbytes
+        if self.nbytes >= self.flush_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        targets, hosts, shardings = zip(*self.pending, strict=True)
+        self.pending, self.nbytes = [], 0
+        for target, array in zip(
+            targets, jax.device_put(list(hosts), list(shardings)), strict=True
+        ):
+            target.result = array
+
+
+def _python_value(kind: str, host: np.ndarray) -> Any:
+    if kind == "py_int":
+        return int(host[()])
+    if kind == "py_float":
+        return float(host[()])
+    if kind == "py_bool":
+        return bool(host[()])
+    if kind == "py_complex":
+        return complex(host[()])
+    if kind == "np_scalar":
+        return host[()]
+    return host
+
+
+def sharding_of(target: Target) -> Any:
+    like = target.like
+    if target.record.kind == "prng_key" or like is None:
+        return None
+    if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
+        return getattr(like, "sharding", None)
+    return None

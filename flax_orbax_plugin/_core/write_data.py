@@ -1,0 +1,210 @@
+"""The background phase's data: every zarr.json (primary) and this process's chunks.
+
+:func:`write_data` creates the arrays, starts the links or server-side copies of
+unchanged leaves on helper threads, and writes every other region: plain arrays and
+batches on local disk through ``_zarr.chunk_writer`` (no chunk-buffer copy), the rest
+through tensorstore, each write one pending future drained to the memory limit. On
+any failure no write is left in flight. Called on the save's background thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from typing import Any
+
+from .._base import faults as _faults
+from .._errors import CheckpointError
+from .._format.layout import ArrayStorage, BatchRecord, array_dir, batch_dir
+from .._storage.location import Location
+from .._zarr import arrays as _arrays
+from .._zarr import chunk_files as _chunk_files
+from .._zarr import chunk_writer as _chunk_writer
+
+_LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied concurrently
+
+
+def write_data(
+    staging: Location,
+    leaves: list,
+    batches: dict[str, BatchRecord],
+    batch_data: dict[str, Any],
+    *,
+    primary: bool,
+    limit: int,
+    links: dict[int, Any],
+) -> tuple[int, int]:
+    """Writes this process's chunks (and, on the primary, every zarr.json), linking or
+    copying the leaves in ``links`` instead where it can; returns (bytes written, bytes
+    reused). Takes the batches it writes out of ``batch_data``."""
+    arrays = [
+        (leaf, _arrays.leaf_spec(staging, leaf.index, leaf.record))
+        for leaf in leaves
+        if isinstance(leaf.record.storage, ArrayStorage)
+    ]
+    batch_specs = [(name, _arrays.batch_spec(staging, b)) for name, b in batches.items()]
+    if primary:
+        _create(arrays + batch_specs)
+    # Links or server-side copies (after the zarr.json files exist: they go beside
+    # them) run on helper threads (one on local disk; a few leaves at once on object
+    # stores, where each waits on requests) while the changed leaves are written; a
+    # leaf whose link or copy fails is written after them.
+    linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
+    linker, linked = _start_links(staging, linking, links)
+    skip = {leaf.index for leaf, _ in linking}
+    # Plain arrays and batches on local disk are written by ChunkWriter (no chunk-buffer
+    # copy, writeback started per file); the rest, and any region it declines, by
+    # tensorstore. Either way each write is one pending future, drained to ``limit``.
+    writer = None
+    if _chunk_files.usable(staging):
+        writer = _chunk_writer.ChunkWriter(staging.path)
+    jobs = [
+        _array_job(leaf, spec, writer)
+        for leaf, spec in arrays
+        if leaf.writes and leaf.index not in skip
+    ]
+    jobs += _batch_jobs(batch_specs, batches, batch_data, writer)
+    pending = _Pending(limit)
+    reused = 0
+    try:
+        pending.write_all(jobs)
+        if linker is not None:  # the leaves whose links failed
+            jobs = []
+            for (leaf, spec), future in zip(linking, linked, strict=True):
+                nbytes = future.result()
+                if nbytes is None:
+                    jobs.append(_array_job(leaf, spec, writer))
+                else:
+                    reused += nbytes
+                    leaf.writes.clear()  # drop the snapshot: the previous step has it
+            pending.write_all(jobs)
+        pending.drain(0)
+    except BaseException as e:
+        _settle(pending.futures)  # never leave writes in flight that recreate files
+        _raise_as_checkpoint_error(e, staging, direct=writer is not None)
+        raise
+    finally:
+        if writer is not None:
+            writer.close()
+        if linker is not None:
+            # No link or copy is made after a failure's cleanup: queued ones never start.
+            linker.shutdown(wait=True, cancel_futures=True)
+    return pending.written, reused
+
+
+def _start_links(staging: Location, linking: list, links: dict[int, Any]):
+    """(the helper pool, one future per leaf of ``linking``), or (None, []) for none."""
+    if not linking:
+        return None, []
+    workers = 1 if staging.is_local else _LEAVES_COPIED_AT_ONCE
+    linker = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fop-link")
+    return linker, [linker.submit(links[leaf.index]) for leaf, _ in linking]
+
+
+def _raise_as_checkpoint_error(e: BaseException, staging: Location, *, direct: bool) -> None:
+    """Raises a failed write's error as a CheckpointError where it is one (tensorstore's
+    ValueError; an OSError of the direct writer); returns for any other."""
+    if isinstance(e, ValueError):  # tensorstore's status text, with its whole spec
+        text = str(e).split(" [tensorstore_spec=", 1)[0]
+        raise CheckpointError(f"writing array data to {staging} failed: {text}") from e
+    if isinstance(e, OSError) and direct:
+        raise CheckpointError(f"writing array data to {staging} failed: {e}") from e
+
+
+def _create(specs: list) -> None:
+    """Creates every array's zarr.json (the primary, before any chunk is written)."""
+    creates = [_arrays.create(spec) for _, spec in specs]
+    try:
+        for future in creates:
+            future.result()
+    except BaseException:
+        _settle((f, 0) for f in creates)  # none may recreate files after a cleanup
+        raise
+
+
+def _array_job(leaf, spec, writer: _chunk_writer.ChunkWriter | None):
+    """(spec, writes, direct write or None) of a leaf stored as its own array."""
+    record = leaf.record
+    if writer is None or record.storage.codec is not None:
+        return spec, leaf.writes, None
+
+    def direct(index, data):
+        return writer.array(
+            array_dir(leaf.index), record.shape, record.storage.chunk_shape, index, data
+        )
+
+    return spec, leaf.writes, direct
+
+
+def _batch_jobs(batch_specs, batches, batch_data, writer) -> list:
+    """The jobs of the batches this process writes (those in ``batch_data``)."""
+    jobs = []
+    for name, spec in batch_specs:
+        if name in batch_data:
+            data = batch_data.pop(name)
+            if writer is not None and batches[name].codec is None:
+                jobs.append((spec, [((slice(None),), data)], _direct_batch(writer, name, batches)))
+            else:
+                if isinstance(data, _chunk_writer.Gathered):
+                    data = data.assemble()
+                jobs.append((spec, [((slice(None),), data)], None))
+    return jobs
+
+
+def _direct_batch(writer: _chunk_writer.ChunkWriter, name: str, batches):
+    batch = batches[name]
+    return lambda index, data: writer.batch(
+        batch_dir(name), batch.chunk, _arrays.batch_inner(batch), data
+    )
+
+
+class _Pending:
+    """Writes in flight (future, bytes), drained whenever more than ``limit`` bytes are
+    (the host-memory budget); ``written`` counts the bytes handed out."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.futures: collections.deque = collections.deque()
+        self.in_flight = 0
+        self.written = 0
+
+    def drain(self, to: int) -> None:
+        while self.futures and self.in_flight > to:
+            future, nbytes = self.futures.popleft()
+            future.result()
+            self.in_flight -= nbytes
+
+    def write_all(self, jobs: list) -> None:
+        for spec, writes, direct in jobs:
+            self._write(spec, writes, direct)
+
+    def _write(self, spec, writes: list, direct) -> None:
+        """Writes every region of one job (popped from ``writes``: each snapshot buffer
+        is released once its write is done)."""
+        store = None
+        while writes:
+            index, data = writes.pop()
+            if data.size:
+                futures = direct(index, data) if direct is not None else None
+                if futures is None:
+                    if store is None:
+                        store = _arrays.open_for_write(spec)
+                    write = store[index].write(data, can_reference_source_data_indefinitely=True)
+                    futures = [write.commit]
+                share = data.nbytes // max(1, len(futures))
+                self.futures.extend((future, share) for future in futures)
+                self.in_flight += share * len(futures)
+                self.written += data.nbytes
+                if self.written == data.nbytes:
+                    _faults.kill_point("mid_write")
+            del data
+            self.drain(self.limit)
+
+
+def _settle(pending) -> None:
+    """Waits for every future, ignoring their errors (the first error is the one raised)."""
+    for future, _ in pending:
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,219 @@
+"""Checked JSON: checksums, canonical bytes, bounded parsing and field validators.
+
+Every record's ``from_json`` validates its fields with the helpers here and raises
+:class:`CorruptCheckpointError` naming the file and the field; :func:`decode` bounds
+what an untrusted file may hold, :func:`decode_checked` and :func:`parse_sealed`
+check the sha256 recorded at commit and a sealed file's own checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import reprlib
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+from ..._errors import CorruptCheckpointError
+from .dtypes import MAX_JSON_BYTES
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", re.ASCII)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$", re.ASCII)
+
+
+def is_safe_name(name: Any) -> bool:
+    """A name usable as one path component: letters, digits, '_', '-', '.'; no '..'."""
+    return isinstance(name, str) and bool(_SAFE_NAME.match(name)) and ".." not in name
+
+
+# -- checksums and JSON -------------------------------------------------------------------
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode(obj: Any) -> bytes:
+    """Compact, deterministic JSON bytes."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode(raw: bytes, where: str) -> Any:
+    """Parses JSON bytes read from an untrusted store; errors name the file."""
+    if len(raw) > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(f"{where}: {len(raw)} bytes, larger than any valid file")
+    try:
+        return json.loads(
+            raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float
+        )
+    except _NonFinite as e:
+        raise CorruptCheckpointError(
+            f"malformed {where}: field {_field_before(raw, e.text)}: expected a finite "
+            f"number, found {e.text[:40]}"
+        ) from None
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
+        # RecursionError: nesting deeper than the interpreter's stack (e.g. '[' * 100000)
+        raise CorruptCheckpointError(f"{where} is not valid JSON: {_brief(e)}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+class _NonFinite(ValueError):
+    def __init__(self, text: str):
+        super().__init__(f"the number {text[:40]} is not finite")
+        self.text = text
+
+
+def _finite_float(text: str) -> float:
+    """JSON numbers that overflow to infinity (``1e999``) are refused like ``Infinity``."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NonFinite(text)
+    return value
+
+
+_KEY_BEFORE = re.compile(rb'"([^"\\]{1,64})"\s*:\s*[\[\s]*$')
+
+
+def _field_before(raw: bytes, text: str) -> str:
+    """The key under which the number ``text`` first appears in ``raw`` (for the error
+    message), else its byte offset."""
+    at = raw.find(text.encode())
+    if at < 0:
+        return "?"
+    match = _KEY_BEFORE.search(raw[max(0, at - 200) : at])
+    return match.group(1).decode(errors="replace") if match else f"at byte {at}"
+
+
+def _brief(error: BaseException) -> str:
+    text = str(error)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def decode_checked(raw: bytes, where: str, expected_sha256: str) -> Any:
+    """Parses ``raw`` after checking it against the checksum recorded at commit."""
+    found = sha256(raw)
+    if found != expected_sha256:
+        raise CorruptCheckpointError(
+            f"{where}: checksum mismatch: expected sha256 {expected_sha256[:16]}... "
+            f"(recorded at commit), found {found[:16]}...; the file was changed or damaged"
+        )
+    return decode(raw, where)
+
+
+def seal(body: dict[str, Any]) -> bytes:
+    """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form."""
+    return encode(dict(body, checksum=sha256(encode(body))))
+
+
+def parse_sealed(raw: bytes, where: str) -> dict[str, Any]:
+    obj = decode(raw, where)
+    need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
+    body = dict(obj)
+    checksum = body.pop("checksum", None)
+    need(isinstance(checksum, str), where, "checksum", "a sha256 string", checksum)
+    try:
+        canonical = encode(body)
+    except RecursionError:  # parsed, but nested too deep to encode again
+        raise CorruptCheckpointError(f"{where}: nested too deeply to be a valid file") from None
+    if sha256(canonical) != checksum:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch: the file was changed or damaged")
+    return body
+
+
+# -- validation helpers ------------------------------------------------------------------
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 6, 6, 60, 60
+
+
+def show(value: Any) -> str:
+    """A short repr of an untrusted value: bounded in time, size and depth (a deeply
+    nested or huge value never recurses or builds its whole repr)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def fail(where: str, field: str, expected: str, found: Any) -> NoReturn:
+    raise CorruptCheckpointError(
+        f"malformed {where}: field {field}: expected {expected}, found {show(found)}"
+    )
+
+
+def need(cond: bool, where: str, field: str, expected: str, found: Any) -> None:
+    if not cond:
+        fail(where, field, expected, found)
+
+
+def one_of(x: Any, names: frozenset[str]) -> bool:
+    return isinstance(x, str) and x in names
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def int_field(obj: Mapping, key: str, where: str, field: str, *, lo: int = 0, hi: int = 1 << 62):
+    value = obj.get(key)
+    need(is_int(value) and lo <= value <= hi, where, field, f"an int in [{lo}, {hi}]", value)
+    return value
+
+
+def num_field(obj: Mapping, key: str, where: str, field: str) -> float:
+    value = obj.get(key, 0.0)
+    ok = (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    need(ok, where, field, "a finite number", value)
+    return float(value)
+
+
+def str_field(obj: Mapping, key: str, where: str, field: str) -> str:
+    value = obj.get(key)
+    need(isinstance(value, str), where, field, "a string", value)
+    return value
+
+
+def opt_str(obj: Mapping, key: str, where: str, *, limit: int = 1000) -> str:
+    """An optional, informational string field ("" when absent)."""
+    value = obj.get(key, "")
+    need(isinstance(value, str) and len(value) <= limit, where, key, "a short string", value)
+    return value
+
+
+def check_format_version(obj: Mapping, where: str, name: str, key: str, known: int) -> int:
+    """Checks the ``format`` name and returns the version under ``key``; a version this
+    library does not know yet is refused with the way out (upgrade)."""
+    need(obj.get("format") == name, where, "format", repr(name), obj.get("format"))
+    version = int_field(obj, key, where, key, lo=1, hi=1 << 30)
+    if version > known:
+        raise CorruptCheckpointError(
+            f"{where} has {key} {version}; this version of flax_orbax_plugin reads up to "
+            f"{known}: upgrade flax_orbax_plugin"
+        )
+    return version
+
+
+def files_field(obj: Mapping, where: str) -> dict[str, str]:
+    files = obj.get("files")
+    need(isinstance(files, dict), where, "files", "an object {file: sha256}", files)
+    for name, digest in files.items():
+        parts = name.split("/")
+        need(
+            all(is_safe_name(p) or p.startswith("_") and is_safe_name(p[1:]) for p in parts),
+            where,
+            f"files[{name!r}]",
+            "a relative path of safe names",
+            name,
+        )
+        need(
+            isinstance(digest, str) and bool(_SHA256.match(digest)),
+            where,
+            f"files[{name!r}]",
+            "a sha256 hex digest",
+            digest,
+        )
+    return dict(files)

@@ -1,0 +1,135 @@
+"""``_METADATA.json``: the document of one checkpoint, and the checks across its leaves
+(unique paths, one consistent pytree, batch slots inside their batches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NoReturn
+
+from ..._base.tree import path_string
+from .checked import check_format_version, fail, int_field, need, num_field, opt_str
+from .dtypes import MAX_PROCESSES
+from .names import FORMAT_NAME, FORMAT_VERSION
+from .records import BatchRecord, BatchStorage, LeafRecord
+
+# -- a checkpoint's metadata ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointDocument:
+    """``_METADATA.json``: every leaf of one pytree and the batches of small leaves."""
+
+    leaves: tuple[LeafRecord, ...]
+    batches: dict[str, BatchRecord]
+    process_count: int = 1
+    created_at: float = 0.0
+    jax_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "created_at": self.created_at,
+            "process_count": self.process_count,
+            "jax_version": self.jax_version,
+            "leaves": [leaf.to_json() for leaf in self.leaves],
+            "batches": {name: b.to_json() for name, b in self.batches.items()},
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> CheckpointDocument:
+        need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
+        version = check_format_version(obj, where, FORMAT_NAME, "format_version", FORMAT_VERSION)
+        process_count = int_field(
+            obj, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES
+        )
+        raw_leaves = obj.get("leaves")
+        need(isinstance(raw_leaves, list), where, "leaves", "a list", raw_leaves)
+        raw_batches = obj.get("batches")
+        need(isinstance(raw_batches, dict), where, "batches", "an object", raw_batches)
+        batches = {
+            name: BatchRecord.from_json(name, b, where, process_count)
+            for name, b in raw_batches.items()
+        }
+        leaves = tuple(LeafRecord.from_json(r, where, i) for i, r in enumerate(raw_leaves))
+        _check_leaves(leaves, batches, where)
+        return cls(
+            leaves,
+            batches,
+            process_count,
+            num_field(obj, "created_at", where, "created_at"),
+            opt_str(obj, "jax_version", where),
+            version,
+        )
+
+
+def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord], where: str):
+    seen: set[str] = set()
+    limit = 2 * len(leaves)
+    tree = _TreeShape()
+    for i, leaf in enumerate(leaves):
+
+        def bad(field: str, expected: str, found: Any, leaf=leaf, i=i) -> NoReturn:
+            fail(where, f"leaves[{i}] ({leaf.path!r}).{field}", expected, found)
+
+        if leaf.path in seen:
+            bad("path", "a path no other leaf has", leaf.path)
+        seen.add(leaf.path)
+        expected_path = path_string(leaf.keys)
+        if leaf.path != expected_path:
+            bad("path", f"{expected_path!r} (from its keys)", leaf.path)
+        if not leaf.keys and len(leaves) != 1:
+            bad("keys", "a key path (only a lone leaf may be the root)", [])
+        for kind, key in leaf.keys:
+            if kind in ("seq", "flat") and key > limit:
+                bad("keys", "indices below the leaf count", key)
+        conflict = tree.add(leaf.keys)
+        if conflict:
+            bad("keys", *conflict)
+        storage = leaf.storage
+        if isinstance(storage, BatchStorage):
+            batch = batches.get(storage.batch)
+            if batch is None:
+                bad("storage.batch", f"one of {sorted(batches)}", storage.batch)
+            if batch.dtype != leaf.dtype:
+                bad("storage.batch", f"a batch of dtype {leaf.dtype}", batch.dtype)
+            if storage.offset + storage.size > batch.size:
+                bad("storage.offset", f"offset + size <= {batch.size}", storage.offset)
+
+
+class _TreeShape:
+    """The nodes that the leaves' key paths make, checked to form one pytree as restore
+    rebuilds it: a node's children are all list entries (``seq``/``flat``) or all
+    mapping entries (``dict``/``attr``), the keys of one mapping are all ``str`` or all
+    ``int`` (jax cannot order mixed keys), and no leaf is also a node. Memory: one
+    entry per distinct key path prefix (bounded by the metadata's size)."""
+
+    def __init__(self):
+        self._child: dict[tuple[int, str, Any], int] = {}
+        self._form: list[Any] = [None]  # per node: None (unseen), "leaf", or (kind, key type)
+
+    def add(self, keys: tuple[tuple[str, Any], ...]) -> tuple[str, Any] | None:
+        """Adds one leaf; (expected, found) describing the first conflict, else None."""
+        node = 0
+        for kind, key in keys:
+            form = ("list", int) if kind in ("seq", "flat") else ("map", type(key))
+            known = self._form[node]
+            if known == "leaf":
+                return "a key path under no other leaf", [kind, key]
+            if known is None:
+                self._form[node] = form
+            elif known != form:
+                expected = "list entries" if known[0] == "list" else f"{known[1].__name__} keys"
+                return f"{expected} like its siblings'", [kind, key]
+            slot = (node, form[0], key)
+            child = self._child.get(slot)
+            if child is None:
+                child = self._child[slot] = len(self._form)
+                self._form.append(None)
+            node = child
+        if self._form[node] is not None:
+            return "a leaf with no other leaf under it", list(keys[-1]) if keys else []
+        self._form[node] = "leaf"
+        return None

@@ -1,0 +1,346 @@
+"""The records of one leaf and one batch of small leaves (``_METADATA.json`` entries).
+
+``from_json`` validates every field (types, ranges, safe names, shapes bounded and
+consistent with the dtype and kind) before anything sized by them is allocated.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import math
+import re
+from typing import Any, NoReturn
+
+from .checked import fail, int_field, is_int, need, one_of
+from .dtypes import (
+    KEY_KINDS,
+    LEAF_KINDS,
+    MAX_ARRAY_BYTES,
+    MAX_NDIM,
+    MAX_TEXT_BYTES,
+    NO_DATA_KINDS,
+    PRNG_IMPLS,
+    PRNG_KEY_WORDS,
+    SCALAR_KINDS,
+    SUPPORTED_DTYPES,
+    TEXT_KINDS,
+    dtype_from_name,
+)
+from .names import batch_name
+
+# A leaf's optional content digest: "<algorithm>:<hex>" (this version writes xxh3_128r;
+# earlier ones wrote xxh3_128, still valid to read).
+_LEAF_DIGEST = re.compile(r"^[a-z0-9_]{1,32}:[0-9a-f]{16,128}$", re.ASCII)
+# -- leaves and batches -----------------------------------------------------------------
+
+
+_CODEC = re.compile(r"^zstd:(?:[1-9]|1[0-9]|2[0-2])$", re.ASCII)
+
+
+def check_codec(codec: Any, *, where: str = "compression") -> str | None:
+    """``None`` or ``"zstd:<level 1-22>"`` (``"zstd"`` means level 3)."""
+    if codec is None:
+        return None
+    if codec == "zstd":
+        return "zstd:3"
+    if not (isinstance(codec, str) and _CODEC.match(codec)):
+        raise ValueError(f"{where}: expected None, 'zstd' or 'zstd:<1-22>', found {codec!r}")
+    return codec
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArrayStorage:
+    """A leaf stored as its own zarr3 array ``d/<index>/``; ``codec`` compresses it."""
+
+    chunk_shape: tuple[int, ...]
+    codec: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchStorage:
+    """A small leaf stored at ``offset`` (elements) in the 1-D batch array ``b/<batch>/``."""
+
+    batch: str
+    offset: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafRecord:
+    """One leaf: its key path, kind, shape, dtype and where its bytes are."""
+
+    path: str
+    keys: tuple[tuple[str, Any], ...]
+    kind: str
+    shape: tuple[int, ...] = ()
+    dtype: str | None = None
+    sharding: dict[str, Any] | None = None
+    storage: ArrayStorage | BatchStorage | None = None
+    impl: str | None = None  # PRNG key implementation (kind "prng_key")
+    # "xxh3_128r:<hex>" over the leaf's regions and their bytes (optional; incremental
+    # manager steps; FORMAT.md)
+    digest: str | None = None
+    value: str | None = None  # TEXT_KINDS: the str, or the bytes as base64
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype is None:
+            return 0
+        return self.size * dtype_from_name(self.dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "keys": [list(k) for k in self.keys]}
+        out["kind"] = self.kind
+        if self.kind in TEXT_KINDS:
+            out["value"] = self.value
+        if self.kind in NO_DATA_KINDS:
+            return out
+        out["shape"] = list(self.shape)
+        out["dtype"] = self.dtype
+        out["sharding"] = self.sharding
+        if self.impl is not None:
+            out["impl"] = self.impl
+        if isinstance(self.storage, ArrayStorage):
+            out["storage"] = {"type": "array", "chunk_shape": list(self.storage.chunk_shape)}
+            if self.storage.codec is not None:
+                out["storage"]["codec"] = self.storage.codec
+        elif isinstance(self.storage, BatchStorage):
+            s = self.storage
+            out["storage"] = {"type": "batch", "batch": s.batch, "offset": s.offset, "size": s.size}
+        if self.digest is not None:
+            out["digest"] = self.digest
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str, index: int) -> LeafRecord:
+        # Hot path (thousands of leaves): conditions first, messages only on failure.
+        if not isinstance(obj, dict):
+            fail(where, f"leaves[{index}]", "an object", obj)
+        path = obj.get("path")
+        if not isinstance(path, str):
+            fail(where, f"leaves[{index}].path", "a string", path)
+
+        def bad(field: str, expected: str, found: Any) -> NoReturn:
+            fail(where, f"leaves[{index}] ({path!r}).{field}", expected, found)
+
+        kind = obj.get("kind")
+        if not one_of(kind, LEAF_KINDS):
+            bad("kind", f"one of {sorted(LEAF_KINDS)}", kind)
+        keys = _keys(obj.get("keys"), bad)
+        if kind in TEXT_KINDS:
+            return cls(path, keys, kind, value=_text_field(obj, kind, bad))
+        if kind in NO_DATA_KINDS:
+            return cls(path, keys, kind)
+        shape, dtype, size = _shape_and_dtype(obj, kind, bad)
+        sharding = obj.get("sharding")
+        if not (sharding is None or (isinstance(sharding, dict) and _shallow(sharding))):
+            bad("sharding", "an object of at most 4 levels and 1000 values, or null", sharding)
+        impl = _prng_impl(obj, dtype, shape, bad) if kind == "prng_key" else None
+        storage = _storage_field(obj.get("storage"), shape, size, bad)
+        digest = obj.get("digest")
+        if not (digest is None or (isinstance(digest, str) and _LEAF_DIGEST.match(digest))):
+            bad("digest", "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex)", digest)
+        return cls(path, keys, kind, shape, dtype, sharding, storage, impl, digest)
+
+
+# The parts of LeafRecord.from_json; ``bad(field, expected, found)`` raises.
+
+
+def _text_field(obj: dict, kind: str, bad) -> str:
+    """The ``value`` of a str or bytes leaf: bounded text (bytes: base64)."""
+    value = obj.get("value")
+    if not (isinstance(value, str) and len(value) <= 2 * MAX_TEXT_BYTES):
+        bad("value", f"a string of at most {2 * MAX_TEXT_BYTES} characters", value)
+    if kind == "py_bytes":
+        text_bytes(value, lambda: bad("value", "base64 text", value))
+    elif not _utf8_within(value, MAX_TEXT_BYTES):
+        bad("value", f"text of at most {MAX_TEXT_BYTES} bytes in UTF-8", value)
+    return value
+
+
+def _shape_and_dtype(obj: dict, kind: str, bad) -> tuple[tuple[int, ...], str, int]:
+    """(shape, dtype name, element count): bounded, and a scalar's for a scalar kind."""
+    shape = obj.get("shape")
+    if not (
+        type(shape) is list
+        and len(shape) <= MAX_NDIM
+        and all(type(d) is int and 0 <= d < (1 << 50) for d in shape)
+    ):
+        bad("shape", f"a list of at most {MAX_NDIM} non-negative ints", shape)
+    shape = tuple(shape)
+    dtype = obj.get("dtype")
+    if not one_of(dtype, SUPPORTED_DTYPES):
+        bad("dtype", "a supported dtype name", dtype)
+    size = math.prod(shape)  # Python ints: never overflows
+    if size * dtype_from_name(dtype).itemsize > MAX_ARRAY_BYTES:
+        bad("shape", f"at most {MAX_ARRAY_BYTES} bytes", shape)
+    if kind in SCALAR_KINDS:
+        if shape:
+            bad("shape", f"[] (a {kind} is a scalar)", shape)
+        if dtype not in SCALAR_KINDS[kind]:
+            bad("dtype", f"one of {sorted(SCALAR_KINDS[kind])} (for a {kind})", dtype)
+    return shape, dtype, size
+
+
+def _prng_impl(obj: dict, dtype: str, shape: tuple[int, ...], bad) -> str:
+    """A PRNG key leaf's ``impl``, and its key data's shape for that implementation."""
+    impl = obj.get("impl")
+    if not one_of(impl, PRNG_IMPLS):
+        bad("impl", f"one of {sorted(PRNG_IMPLS)}", impl)
+    if dtype != "uint32" or not shape or shape[-1] != PRNG_KEY_WORDS[impl]:
+        bad("shape", f"uint32[..., {PRNG_KEY_WORDS[impl]}] (key data of {impl})", shape)
+    return impl
+
+
+def _storage_field(raw: Any, shape: tuple[int, ...], size: int, bad) -> ArrayStorage | BatchStorage:
+    """A data leaf's ``storage``: a slot in a batch, or an array of its own."""
+    if not isinstance(raw, dict):
+        bad("storage", "an object", raw)
+    stype = raw.get("type")
+    if stype == "batch":
+        batch, offset, n = raw.get("batch"), raw.get("offset"), raw.get("size")
+        if not isinstance(batch, str):
+            bad("storage.batch", "a string", batch)
+        if not (type(offset) is int and 0 <= offset <= 1 << 62):
+            bad("storage.offset", "an int in [0, 2**62]", offset)
+        if n != size or type(n) is not int:
+            bad("storage.size", f"{size} (the shape's element count)", n)
+        return BatchStorage(batch, offset, n)
+    if stype == "array":
+        chunk = raw.get("chunk_shape")
+        if not (
+            type(chunk) is list
+            and len(chunk) == len(shape)
+            and all(
+                type(c) is int and 1 <= c <= max(1, d) for c, d in zip(chunk, shape, strict=True)
+            )
+        ):
+            bad("storage.chunk_shape", f"{len(shape)} ints in [1, shape]", chunk)
+        codec = raw.get("codec")
+        if not (codec is None or (isinstance(codec, str) and _CODEC.match(codec))):
+            bad("storage.codec", "absent or 'zstd:<1-22>'", codec)
+        return ArrayStorage(tuple(chunk), codec)
+    bad("storage.type", "'array' or 'batch'", stype)
+
+
+def _utf8_within(text: str, limit: int) -> bool:
+    try:
+        return len(text.encode("utf-8")) <= limit
+    except UnicodeEncodeError:  # a lone surrogate: no str this library writes
+        return False
+
+
+def text_value(record: LeafRecord) -> str | bytes:
+    """The str or bytes a record of a TEXT_KINDS kind holds (checked when parsed)."""
+    if record.kind == "py_bytes":
+        return text_bytes(record.value or "", lambda: None)
+    return record.value or ""
+
+
+def text_bytes(value: str, on_error) -> bytes:
+    """``value`` (base64) decoded; ``on_error()`` is called (and must raise) if it is not
+    base64 of at most MAX_TEXT_BYTES bytes."""
+    try:
+        data = base64.b64decode(value.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        on_error()
+        raise
+    if len(data) > MAX_TEXT_BYTES:
+        on_error()
+    return data
+
+
+def _shallow(value: Any, *, depth: int = 4, values: int = 1000) -> bool:
+    """Whether a JSON value nests at most ``depth`` levels and holds at most ``values``
+    values (a sharding description is small; walked without recursion)."""
+    stack, seen = [(value, 0)], 0
+    while stack:
+        x, level = stack.pop()
+        seen += 1
+        if seen > values or level > depth:
+            return False
+        if isinstance(x, dict):
+            stack.extend((v, level + 1) for v in x.values())
+        elif isinstance(x, list):
+            stack.extend((v, level + 1) for v in x)
+    return True
+
+
+def _keys(keys: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
+    """``[[kind, key], ...]`` as a tuple of pairs; ``bad(field, expected, found)`` raises."""
+    if not (type(keys) is list and len(keys) <= 1000):
+        bad("keys", "a list of [kind, key]", keys)
+    out = []
+    for k in keys:
+        if not (
+            type(k) is list
+            and len(k) == 2
+            and one_of(k[0], KEY_KINDS)
+            and (
+                (k[0] in ("seq", "flat") and is_int(k[1]) and 0 <= k[1] < (1 << 31))
+                or (k[0] == "attr" and isinstance(k[1], str))
+                or (k[0] == "dict" and (isinstance(k[1], str) or is_int(k[1])))
+            )
+        ):
+            bad("keys", "[kind, key] pairs", k)
+        out.append((k[0], k[1]))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchRecord:
+    """A 1-D zarr3 array ``b/<name>/`` holding small leaves of one dtype, written by one
+    process; ``chunk`` elements per stored file."""
+
+    name: str
+    dtype: str
+    process: int
+    size: int
+    chunk: int
+    codec: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.codec is not None:
+            return {**self._fields(), "codec": self.codec}
+        return self._fields()
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "process": self.process,
+            "size": self.size,
+            "chunk": self.chunk,
+        }
+
+    @classmethod
+    def from_json(cls, name: str, obj: Any, where: str, process_count: int) -> BatchRecord:
+        at = f"batches[{name!r}]"
+        need(isinstance(obj, dict), where, at, "an object", obj)
+        dtype = obj.get("dtype")
+        need(one_of(dtype, SUPPORTED_DTYPES), where, f"{at}.dtype", "a supported dtype name", dtype)
+        process = int_field(obj, "process", where, f"{at}.process", hi=process_count - 1)
+        itemsize = dtype_from_name(dtype).itemsize
+        size = int_field(obj, "size", where, f"{at}.size", lo=1, hi=MAX_ARRAY_BYTES // itemsize)
+        chunk = int_field(obj, "chunk", where, f"{at}.chunk", lo=1, hi=MAX_ARRAY_BYTES // itemsize)
+        need(
+            name == batch_name(process, dtype),
+            where,
+            at,
+            f"name {batch_name(process, dtype)!r}",
+            name,
+        )
+        codec = obj.get("codec")
+        need(
+            codec is None or (isinstance(codec, str) and bool(_CODEC.match(codec))),
+            where,
+            f"{at}.codec",
+            "absent or 'zstd:<1-22>'",
+            codec,
+        )
+        return cls(name, dtype, process, size, chunk, codec)

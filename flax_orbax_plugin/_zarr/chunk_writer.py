@@ -1,0 +1,222 @@
+"""Writing zarr3 chunk files straight from host memory on a local disk.
+
+:class:`ChunkWriter` writes whole chunks of arrays and whole batch arrays (the
+``sharding_indexed`` codec) byte for byte as tensorstore writes them for the specs of
+``_arrays``; :class:`Gathered` is a batch given as its leaves' own buffers. Why, and
+what it measured: docs/chunk_files.md.
+
+Threading and call order: one :class:`ChunkWriter` per save, used by the save's
+background thread only; its :meth:`~ChunkWriter.array`/:meth:`~ChunkWriter.batch`
+return futures completed by the writer's own threads, each holding a reference to the
+bytes it writes until it is done. Files are created with ``O_EXCL | O_NOFOLLOW`` inside
+the save's fresh staging directory: nothing existing is overwritten or followed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import ctypes
+import os
+import sys
+
+import numpy as np
+
+from .._base import host as _host
+from .._storage.location import check_name
+from . import chunks as _chunks
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class ChunkWriter:
+    """Writes whole zarr3 chunks of arrays under ``root`` (a local directory path)."""
+
+    def __init__(self, root: str, *, threads: int = _chunks.THREADS):
+        self._root = root
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fop-chunk")
+        self._dirs: set[str] = set()
+
+    def close(self) -> None:
+        """Waits for every submitted write (their errors are raised by their futures)."""
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> ChunkWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- arrays ------------------------------------------------------------------------
+
+    def array(
+        self,
+        sub: str,
+        shape: tuple[int, ...],
+        chunk: tuple[int, ...],
+        index: tuple[slice, ...],
+        data: np.ndarray,
+    ) -> list[concurrent.futures.Future] | None:
+        """Starts writing every chunk of the region ``index`` (global) of the array
+        ``sub`` from ``data`` (that region's values); None, writing nothing, when the
+        region does not consist of whole chunks (chunks cut by the array's end are
+        whole: they are padded with zeros, the fill value, as tensorstore pads them)."""
+        region = _chunks.whole_chunks(shape, chunk, index)
+        if region is None or data.shape != region[0]:
+            return None
+        return [
+            self._pool.submit(
+                self._write_chunk,
+                f"{sub}/{_chunks.chunk_key(cell)}",
+                data[at],
+                tuple(chunk),
+            )
+            for cell, at in region[1]
+        ]
+
+    def _write_chunk(self, name: str, view: np.ndarray, chunk: tuple[int, ...]) -> None:
+        payload = _chunks.chunk_payload(view, chunk)
+        self._write_file(name, [payload, _chunks.crc_trailer([payload])])
+
+    # -- batches (sharding_indexed) -----------------------------------------------------
+
+    def batch(
+        self, sub: str, chunk: int, inner: int, data: np.ndarray | Gathered
+    ) -> list[concurrent.futures.Future]:
+        """Starts writing the whole batch array ``sub`` (1-D) from ``data`` (its values,
+        or its leaves as :class:`Gathered` pieces): one file per ``chunk`` elements, each
+        a zarr3 shard of checksummed ``inner``-element chunks followed by its checksummed
+        index."""
+        if isinstance(data, np.ndarray):
+            data = Gathered([(0, data)], data.dtype, data.size)
+        size, itemsize = data.size, data.dtype.itemsize
+        return [
+            self._pool.submit(
+                self._write_shard,
+                f"{sub}/{_chunks.chunk_key((s,))}",
+                data,
+                s,
+                size * itemsize,
+                chunk * itemsize,
+                inner * itemsize,
+            )
+            for s in range(-(-size // chunk))
+        ]
+
+    def _write_shard(
+        self, name: str, data: Gathered, s: int, size: int, chunk: int, inner: int
+    ) -> None:
+        """Sizes in bytes. Inner chunks past ``size`` are not stored (index: missing)."""
+        pieces: list[np.ndarray] = []
+        entries = np.full(2 * (chunk // inner), _chunks.MISSING_ENTRY, dtype="<u8")
+        offset = 0
+        for j in range(chunk // inner):
+            start = s * chunk + j * inner
+            if start >= size:
+                break
+            segments = data.segments(start, start + inner, size)
+            pieces += segments + [_chunks.crc_trailer(segments)]
+            entries[2 * j] = offset
+            entries[2 * j + 1] = inner + _chunks.CRC_BYTES
+            offset += inner + _chunks.CRC_BYTES
+        index = _chunks.as_bytes(entries)
+        pieces += [index, _chunks.crc_trailer([index])]
+        self._write_file(name, pieces)
+
+    # -- files ---------------------------------------------------------------------------
+
+    def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
+        path = os.path.join(self._root, check_name(name))
+        parent = os.path.dirname(path)
+        if parent not in self._dirs:
+            os.makedirs(parent, exist_ok=True)
+            self._dirs.add(parent)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o644)
+        try:
+            views = [memoryview(p) for p in pieces if p.size]
+            while views:
+                _chunks.advance(views, os.writev(fd, views[: _chunks.IOV_MAX]))
+            if _sync_file_range is not None:  # start writeback now; never waits for it
+                _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+        finally:
+            os.close(fd)
+
+
+_ZEROS = np.zeros(1 << 17, np.uint8)
+_ZEROS.flags.writeable = False
+
+
+def _zeros(nbytes: int) -> np.ndarray:
+    return _ZEROS[:nbytes] if nbytes <= _ZEROS.size else np.zeros(nbytes, np.uint8)
+
+
+class Gathered:
+    """A 1-D array's bytes given as pieces at byte offsets, zeros between and after
+    them: a batch of small leaves written straight from the leaves' own (snapshot)
+    buffers, never copied into one batch buffer first.
+
+    ``pieces``: (byte offset, C-contiguous array), non-overlapping, any order; ``dtype``
+    and ``size`` (elements): the array's.
+    """
+
+    def __init__(self, pieces: list[tuple[int, np.ndarray]], dtype, size: int):
+        ordered = sorted(((int(o), _chunks.as_bytes(a)) for o, a in pieces), key=lambda p: p[0])
+        self._offsets = [o for o, _ in ordered]
+        self._pieces = [a for _, a in ordered]
+        self.dtype = np.dtype(dtype)
+        self.size = int(size)
+        self.nbytes = self.size * self.dtype.itemsize
+
+    def segments(self, start: int, stop: int, size: int) -> list[np.ndarray]:
+        """Read-only uint8 arrays that together are bytes ``[start, stop)`` (zeros where
+        no piece is, and past ``size``)."""
+        out: list[np.ndarray] = []
+        at = start
+        i = max(0, bisect.bisect_right(self._offsets, start) - 1)
+        end = min(stop, size)
+        while at < end and i < len(self._pieces):
+            lo, piece = self._offsets[i], self._pieces[i]
+            hi = lo + piece.size
+            if hi <= at:
+                i += 1
+                continue
+            if lo >= end:
+                break
+            if lo > at:
+                out.append(_zeros(lo - at))
+                at = lo
+            take = min(hi, end)
+            out.append(piece[at - lo : take - lo])
+            at = take
+            i += 1
+        if at < stop:
+            out.append(_zeros(stop - at))
+        return out
+
+    def assemble(self) -> np.ndarray:
+        """The whole array in one aligned buffer (for tensorstore's writes)."""
+        out = _host.empty((self.size,), self.dtype)
+        flat = out.view(np.uint8)
+        at = 0
+        for lo, piece in zip(self._offsets, self._pieces, strict=True):
+            flat[at:lo] = 0
+            flat[lo : lo + piece.size] = piece
+            at = lo + piece.size
+        flat[at:] = 0
+        return out

@@ -1,0 +1,138 @@
+"""One zarr3 chunk on disk: its name, its stored bytes and its crc32c trailer.
+
+The only place that knows the chunk key encoding (``c/<i0>/<i1>/...`` under an
+array's directory), the ``crc32c`` codec's 4-byte little-endian trailer and the
+``sharding_indexed`` index entry of a chunk that is not stored. The writer
+(``chunk_writer``), the reader (``chunk_files``) and incremental reuse
+(``_incremental.reuse``) compute names and checksums through it. Design notes:
+docs/chunk_files.md. Pure functions: any thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import google_crc32c
+import numpy as np
+
+THREADS = 8  # as tensorstore's file_io_concurrency for local disks (_storage.context)
+CHUNK_DIR = "c"  # zarr3 default chunk key encoding: c/<i0>/<i1>/...
+CRC_BYTES = 4  # the crc32c codec's trailer, little endian
+CRC32C_RESIDUE = 0x48674BC7  # crc32c of any message followed by its own crc32c (LE)
+MISSING_ENTRY = (1 << 64) - 1  # a shard index entry for an inner chunk that is not stored
+IOV_MAX = 1000  # below the kernel's 1024 buffers per writev
+
+
+def chunk_parts(cell) -> tuple[str, ...]:
+    """The path parts of chunk grid cell ``cell`` under its array's directory."""
+    return (CHUNK_DIR, *map(str, cell))
+
+
+def chunk_key(cell) -> str:
+    """``c/<i0>/<i1>/...``: the key of chunk grid cell ``cell`` under its array."""
+    return "/".join(chunk_parts(cell))
+
+
+def extend_crc(crc: int, data) -> int:
+    """crc32c of the bytes so far (``crc``) followed by ``data``."""
+    return google_crc32c.extend(crc, data)
+
+
+def whole_chunks(shape, chunk, index):
+    """For the region ``index`` (global) of an array of ``shape``: (the region's shape,
+    [(chunk grid cell, the cell's part of the region, relative to it), ...]); None when
+    the region is empty or not whole chunks (a chunk cut by the array's end counts as
+    whole)."""
+    if not shape:
+        return None
+    starts, stops = [], []
+    for s, n, c in zip(index, shape, chunk, strict=True):
+        start, stop, step = s.indices(n)
+        if step != 1 or start >= stop or start % c or (stop % c and stop != n):
+            return None
+        starts.append(start)
+        stops.append(stop)
+    cells = []
+    ranges = [range(a // c, -(-b // c)) for a, b, c in zip(starts, stops, chunk, strict=True)]
+    for cell in itertools.product(*ranges):
+        at = []
+        for i, c, n, start in zip(cell, chunk, shape, starts, strict=True):
+            at.append(slice(i * c - start, min(i * c + c, n) - start))
+        cells.append((cell, tuple(at)))
+    return tuple(b - a for a, b in zip(starts, stops, strict=True)), cells
+
+
+def crc_trailer(parts: list[np.ndarray]) -> np.ndarray:
+    """The zarr3 ``crc32c`` codec's trailer of the bytes of ``parts`` one after another
+    (C-contiguous arrays), as 4 uint8."""
+    crc = 0
+    for part in parts:
+        crc = google_crc32c.extend(crc, as_bytes(part))
+    return np.frombuffer(crc.to_bytes(CRC_BYTES, "little"), np.uint8)
+
+
+def crc_matches(parts: list[np.ndarray], trailer: np.ndarray) -> bool:
+    return np.array_equal(crc_trailer(parts), trailer)
+
+
+def chunk_payload(view: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
+    """The stored bytes of one chunk (before its crc32c) from ``view``, the chunk's
+    part of the array: zero-padded to the full ``chunk`` where the array's end cuts
+    it, as tensorstore pads it."""
+    if view.shape != chunk:  # cut by the array's end: zero-padded to the full chunk
+        full = np.zeros(chunk, view.dtype)
+        full[tuple(slice(0, n) for n in view.shape)] = view
+        view = full
+    elif not view.flags.c_contiguous:
+        view = np.ascontiguousarray(view)
+    return as_bytes(view)
+
+
+def chunk_crcs(
+    shape: tuple[int, ...], chunk: tuple[int, ...], index: tuple[slice, ...], data: np.ndarray
+) -> dict[tuple[int, ...], int] | None:
+    """``{chunk grid cell: crc32c}`` of every chunk of the region ``index`` (global) of
+    an array of ``shape`` holding ``data`` (that region's values): the value the
+    zarr3 ``crc32c`` codec stores as the trailer of each chunk file that
+    :meth:`ChunkWriter.array` (or tensorstore) writes for it, computed over the same
+    bytes (little endian, edge chunks zero-padded). None when the region is not whole
+    chunks. A 0-d array is one chunk, cell ``()``. Any thread; reads ``data`` only."""
+    if data.dtype.byteorder == ">":  # the stored encoding is little endian
+        data = data.astype(data.dtype.newbyteorder("<"))
+    if not shape:
+        if data.shape != ():
+            return None
+        return {
+            (): int.from_bytes(
+                crc_trailer([as_bytes(np.ascontiguousarray(data))]).tobytes(), "little"
+            )
+        }
+    region = whole_chunks(shape, chunk, index)
+    if region is None or data.shape != region[0]:
+        return None
+    return {
+        cell: int.from_bytes(
+            crc_trailer([chunk_payload(data[at], tuple(chunk))]).tobytes(), "little"
+        )
+        for cell, at in region[1]
+    }
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array as a flat, read-only uint8 view (any dtype,
+    ml_dtypes ones too; google_crc32c takes read-only buffers only)."""
+    out = array.reshape(-1).view(np.uint8)
+    out.flags.writeable = False
+    return out
+
+
+def advance(views: list[memoryview], done: int) -> None:
+    """Drops ``done`` bytes from the front of ``views`` (a short read or write resumes
+    mid-buffer)."""
+    while done:
+        if done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][done:]
+            done = 0
