@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from .._core.ownership import remove_step
 from .._core.save import SaveResult
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
@@ -45,7 +46,7 @@ from .._state.resume import items_to_restore
 from .._state.train_state import merge_state
 from .._storage.location import Location
 from . import options as _options
-from .manager import CheckpointManager, _manager_option_names, remove_step
+from .manager import CheckpointManager, _manager_option_names
 
 logger = logging.getLogger("flax_orbax_plugin")
 
