@@ -46,6 +46,13 @@ class StepBook:
         with self.lock:
             return [s for s in steps if s not in self._deleting]
 
+    def latest(self, *, include_persistent: bool) -> int | None:
+        """The highest listed step; with ``include_persistent``, of either tier."""
+        steps = self.listed()
+        if include_persistent and self.tier is not None:
+            steps = sorted(set(steps) | set(self.tier.steps()))
+        return steps[-1] if steps else None
+
     def known(self) -> list[int]:
         """A writer's committed steps, from its list in memory (steps being deleted left
         out): what ``save`` and retention use, so that a save costs the same whatever

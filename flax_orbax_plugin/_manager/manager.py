@@ -1,18 +1,16 @@
 """CheckpointManager: a directory of training steps (the façade).
 
-One training thread owns a manager: it calls ``save`` / ``restore`` / ``wait`` /
-``close``; a save's writes and its one commit run on a background thread, retention
-on a deletion thread; a background error is re-raised by the next call. With
-several processes every process makes the same calls in the same order. The work is
-done by collaborators, each given what it needs: ``options`` (checked once),
-``book`` (the step records, one lock), ``saving`` and ``step_commit``,
-``restoring``, ``retaining`` (the retention runner) and ``housekeeping``. The layout,
-the commit and the threading in full: docs/manager.md.
+One training thread owns a manager (``save`` / ``restore`` / ``wait`` / ``close``); a
+save's writes and commit run on a background thread, retention on a deletion thread;
+a background error is re-raised by the next call. With several processes every
+process makes the same calls in the same order. The work is done by collaborators
+given what they need (``options``, ``book``, ``schedule``, ``saving``, ``step_commit``,
+``restoring``, ``retaining``, ``housekeeping``): docs/manager.md, with the layout and
+the threading in full.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import operator
 import signal
@@ -39,14 +37,9 @@ from .saving import Saver, collect_items
 from .schedule import SaveSchedule
 from .tiers import PersistentTier
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "MANAGER_OPTIONS"]
 
 logger = logging.getLogger("flax_orbax_plugin")
-
-
-def _manager_option_names() -> tuple[str, ...]:
-    params = inspect.signature(CheckpointManager.__init__).parameters.values()
-    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 class CheckpointManager:
@@ -65,19 +58,12 @@ class CheckpointManager:
         reading a directory while training writes to it.
       handle_sigterm: on SIGTERM, the next ``save`` call saves its step whatever
         the policy, waits for it, closes the manager and raises SystemExit(143).
-        One process: a handler installed from the main thread. Several processes
-        (jax.distributed): jax's own notifier is kept, a notice on any host reaches
-        every host, and every process saves the same agreed step (at most a step or
-        so after the notice); call ``save`` (or ``should_save``) at every step, on
-        every process, for it to be found. See ``_preemption``.
+        Call ``save`` (or ``should_save``) at every step, on every process (several
+        processes: docs/manager.md, "Options in depth").
       checkpointables: overrides of the checkpointable used per item name.
-      incremental: a pytree leaf unchanged since the previous committed step (equal
-        layout, and equal bytes in an equal split into the regions each process
-        writes: any sharding, any number of processes) is hard-linked from it (local
-        disk) or copied on the server (S3, GCS), not written; each process reuses
-        the chunks of its own regions. With several processes the region hashes go
-        through the jax.distributed key-value store first (one value per process and
-        item, deleted after the commit). See _incremental.
+      incremental: a pytree leaf unchanged since the previous committed step is
+        hard-linked from it (local disk) or copied on the server (S3, GCS), not
+        written (what "unchanged" means: docs/manager.md). See _incremental.
       compression: per pytree item, ``"zstd"`` or ``"zstd:<level>"``, e.g.
         ``{"opt_state": "zstd"}``; restore reads the codec from the checkpoint.
       clock: time source for ``every_seconds`` (tests pass one in).
@@ -95,12 +81,7 @@ class CheckpointManager:
       reuse_host_buffers: copy the state in the blocking phase into host buffers kept
         from the previous save (one host copy of the saved state then stays allocated
         between saves, until ``close``). Off (the default): CPU arrays are held as
-        zero-copy views until written (a blocking phase of milliseconds), and a step
-        that donates its state meanwhile allocates fresh outputs. On helps where fresh
-        memory is dear (first touch of a VM's memory was measured 10x costlier than
-        memory freed earlier: the step after a save took 2.7 s against 1.0 s pooled);
-        in the steady state of a loop whose retention deletes old steps both measured
-        alike here (``benchmarks/train_loop.py``).
+        zero-copy views until written. When on helps: docs/manager.md.
 
     ``wait()`` is for the local tier; ``persistent.wait()`` waits for the replication
     (``close()`` waits for both).
@@ -138,27 +119,19 @@ class CheckpointManager:
         reuse_host_buffers: bool = False,
         **unknown: Any,
     ):
-        _options.check_unknown("CheckpointManager", unknown, _MANAGER_OPTIONS)
+        _options.check_unknown("CheckpointManager", unknown, MANAGER_OPTIONS)
         opts = _options.ManagerOptions.build(directory, locals())
         self._loc = opts.location
         self._schedule = SaveSchedule(opts.save_policy(), opts.clock)
-        self._async = opts.async_save
-        self._read_only = opts.read_only
+        self._async, self._read_only = opts.async_save, opts.read_only
         # Snapshot memory kept from one save to the next (see _host.BufferPool).
         self._buffers = _host.BufferPool() if opts.reuse_host_buffers else None
         self._book = StepBook(self._loc)
         self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
         self._saver = Saver(
-            self._loc,
-            opts.overrides,
-            incremental=opts.incremental,
-            buffers=self._buffers,
-            book=self._book,
-            retention=self._retainer,
+            self._loc, opts.overrides, self._book, self._retainer, opts.incremental, self._buffers
         )
-        self._restorer = Restorer(
-            self._loc, opts.overrides, book=self._book, read_only=opts.read_only
-        )
+        self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
         self._closed = False
         self._dir_lock: DirectoryLock | None = None
         _housekeeping.refuse_step_directory(self._loc)
@@ -176,12 +149,9 @@ class CheckpointManager:
                 self._book.tier = PersistentTier(
                     self._loc,
                     opts.persistent,
-                    keep=opts.persistent_keep,
-                    keep_every=opts.persistent_keep_every,
-                    grace_seconds=opts.persistent_grace_seconds,
                     remove_step=_ownership.remove_step,
                     busy=lambda: self.save_in_flight,
-                    lease_seconds=opts.persistent_lease_seconds,
+                    **opts.tier_options(),
                 )
                 self._book.tier.open(self.steps())
             if opts.handle_sigterm:
@@ -189,8 +159,6 @@ class CheckpointManager:
         except BaseException:
             self.close()
             raise
-
-    # ------------------------------------------------------------------ listing
 
     @property
     def directory(self) -> str:
@@ -202,17 +170,13 @@ class CheckpointManager:
         return self._book.listed()
 
     def _forget_steps(self) -> None:
-        """The steps known in memory may be wrong (removed behind the manager's back):
-        the next need lists the store."""
+        """Steps were removed behind the manager's back: the next need lists the store."""
         self._book.forget()
 
     def latest_step(self, *, include_persistent: bool = False) -> int | None:
         """The highest committed step, or None when there is none; with
         ``include_persistent``, of either tier (what ``restore()`` starts from)."""
-        steps = self.steps()
-        if include_persistent and self._book.tier is not None:
-            steps = sorted(set(steps) | set(self._book.tier.steps()))
-        return steps[-1] if steps else None
+        return self._book.latest(include_persistent=include_persistent)
 
     @property
     def persistent(self) -> PersistentTier | None:
@@ -235,15 +199,12 @@ class CheckpointManager:
 
     @property
     def commit_log_level(self) -> int:
-        """The level of the one line logged per committed step (INFO; a callback with
-        a metric writer, which reports the same figures, lowers it to DEBUG)."""
+        """The level of the line logged per commit (a callback with a writer: DEBUG)."""
         return self._saver.log_level
 
     @commit_log_level.setter
     def commit_log_level(self, level: int) -> None:
         self._saver.log_level = level
-
-    # ------------------------------------------------------------------ save
 
     def should_save(self, step: int, *, t: float | None = None) -> bool:
         """Whether the policy asks for ``step`` (this process's view; ``save`` shares the
@@ -297,8 +258,6 @@ class CheckpointManager:
             raise SystemExit(128 + signal.SIGTERM)
         return True
 
-    # ------------------------------------------------------------------ retention
-
     def gc(self) -> list[int]:
         """Removes unfinished steps and applies retention now; returns the removed steps.
 
@@ -310,8 +269,6 @@ class CheckpointManager:
         if _distributed.is_primary():
             _housekeeping.remove_unfinished(self._loc)
         return self._retainer.apply(None)
-
-    # ------------------------------------------------------------------ restore
 
     def restore(
         self,
@@ -356,8 +313,6 @@ class CheckpointManager:
         """The step the last ``restore()`` read (None before one succeeded)."""
         return self._restorer.restored_step
 
-    # ------------------------------------------------------------------ lifecycle
-
     @property
     def save_in_flight(self) -> bool:
         """True while a save's background phase runs (not yet committed or failed)."""
@@ -397,8 +352,7 @@ class CheckpointManager:
             if self._buffers is not None:
                 self._buffers.clear()
             self._retainer.shutdown()
-            if self._schedule.preemption is not None:
-                self._schedule.preemption.uninstall()
+            self._schedule.uninstall()
             self._release_lock()
 
     def __enter__(self) -> CheckpointManager:
@@ -419,8 +373,6 @@ class CheckpointManager:
                 self._release_lock()
         except Exception:  # noqa: BLE001
             pass
-
-    # ------------------------------------------------------------------ internals
 
     def _release_lock(self) -> None:
         if self._dir_lock is not None:
@@ -444,4 +396,4 @@ class CheckpointManager:
         self._saver.wait()
 
 
-_MANAGER_OPTIONS = _manager_option_names()
+MANAGER_OPTIONS = _options.keyword_names(CheckpointManager.__init__)

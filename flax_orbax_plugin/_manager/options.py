@@ -13,6 +13,7 @@ Pure functions; called on the constructing thread.
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ __all__ = [
     "ManagerOptions",
     "check_item_name",
     "check_unknown",
+    "keyword_names",
     "positive_int",
     "positive_number",
     "flag",
@@ -70,6 +72,12 @@ KNOWN_NAMES: Mapping[str, str] = {
     "handler_registry": "checkpointables=",
     "create": "nothing: the directory is created when needed",
 }
+
+
+def keyword_names(function: Callable) -> tuple[str, ...]:
+    """The names of ``function``'s keyword-only parameters (its options), in order."""
+    params = inspect.signature(function).parameters.values()
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def check_unknown(
@@ -243,6 +251,15 @@ class ManagerOptions:
         """A fresh policy (it keeps the time of the last save: one per manager)."""
         return SavePolicy(
             every_steps=self.every_steps, every_seconds=self.every_seconds, steps=self.steps
+        )
+
+    def tier_options(self) -> dict[str, Any]:
+        """The keyword arguments of PersistentTier that come from options."""
+        return dict(
+            keep=self.persistent_keep,
+            keep_every=self.persistent_keep_every,
+            grace_seconds=self.persistent_grace_seconds,
+            lease_seconds=self.persistent_lease_seconds,
         )
 
     def check_reader(self) -> None:

@@ -69,7 +69,6 @@ class Restorer:
         self,
         location: Location,
         overrides: Mapping[str, Checkpointable],
-        *,
         book: StepBook,
         read_only: bool,
     ):

@@ -60,20 +60,19 @@ def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]
 class Saver:
     """Saves steps into ``location`` (see the module docstring).
 
-    ``overrides``: the checkpointable per item name; ``incremental``: reuse the
-    previous step's unchanged leaves; ``buffers``: host memory kept between saves
-    (or None); ``book``: the manager's step records; ``retention``: told of each
-    commit. ``log_level``: of the one line logged per committed step."""
+    ``overrides``: the checkpointable per item name; ``book``: the manager's step
+    records; ``retention``: told of each commit; ``incremental``: reuse the previous
+    step's unchanged leaves; ``buffers``: host memory kept between saves (or None).
+    ``log_level``: of the one line logged per committed step."""
 
     def __init__(
         self,
         location: Location,
         overrides: Mapping[str, Checkpointable],
-        *,
-        incremental: bool,
-        buffers: _host.BufferPool | None,
         book: StepBook,
         retention: RetentionRunner,
+        incremental: bool,
+        buffers: _host.BufferPool | None,
     ):
         self._loc = location
         self._overrides = overrides

@@ -27,6 +27,11 @@ class SaveSchedule:
         self._clock = clock
         self.preemption: Preemption | None = None  # handle_sigterm (see _preemption)
 
+    def uninstall(self) -> None:
+        """The manager's close: the previous SIGTERM handler back (``handle_sigterm``)."""
+        if self.preemption is not None:
+            self.preemption.uninstall()
+
     def now(self, t: float | None) -> float:
         return self._clock() if t is None else float(t)
 
