@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from .._core.ownership import remove_step
 from .._core.save import SaveResult
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
@@ -45,7 +46,7 @@ from .._state.resume import items_to_restore
 from .._state.train_state import merge_state
 from .._storage.location import Location
 from . import options as _options
-from .manager import CheckpointManager, _manager_option_names, remove_step
+from .manager import MANAGER_OPTIONS, CheckpointManager
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -108,8 +109,8 @@ class CheckpointCallback:
         _options.check_unknown(
             "CheckpointCallback",
             unknown,
-            _callback_option_names(),
-            elsewhere=("manager_options", _manager_option_names()),
+            _options.keyword_names(CheckpointCallback.__init__),
+            elsewhere=("manager_options", MANAGER_OPTIONS),
         )
         if not (resume is True or resume is False or resume == "required"):
             raise ValueError(f"resume must be False, True or 'required', found {resume!r}")
@@ -120,7 +121,7 @@ class CheckpointCallback:
         _options.flag("async_save", async_save)
         if manager_options is not None and not isinstance(manager_options, Mapping):
             raise TypeError(f"manager_options must be a dict, found {manager_options!r}")
-        names = _manager_option_names()
+        names = MANAGER_OPTIONS
         _options.check_unknown(
             "CheckpointManager (through manager_options)",
             {k: v for k, v in (manager_options or {}).items() if k not in names},
@@ -377,14 +378,6 @@ class CheckpointCallback:
         self.history.append(figures)
         if self._writer is not None:
             self._writer.write_scalars(step, figures.as_scalars())
-
-
-def _callback_option_names() -> list[str]:
-    import inspect
-
-    params = inspect.signature(CheckpointCallback.__init__).parameters.values()
-    own = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    return own
 
 
 def _step_of(state: Any, default: int | None) -> int | None:

@@ -4,7 +4,8 @@ Each option is checked by its public name and type (``keep="3"`` is a TypeError
 naming ``keep``, not an error about an internal field when retention first runs).
 A keyword that is not an option gets the one it most likely stands for: the names
 of Orbax's ``CheckpointManagerOptions``, of ``flax.training.checkpoints`` and of
-earlier versions of this library, then close spellings.
+earlier versions of this library, then close spellings. :class:`ManagerOptions` is
+the manager's options checked once, as one frozen record.
 
 Pure functions; called on the constructing thread.
 """
@@ -12,11 +13,27 @@ Pure functions; called on the constructing thread.
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["check_unknown", "positive_int", "positive_number", "flag"]
+from .._format import layout as _layout
+from .._storage.location import Location
+from .checkpointables import Checkpointable, PytreeCheckpointable
+from .policy import SavePolicy
+from .retention import RetentionPolicy
+
+__all__ = [
+    "ManagerOptions",
+    "check_item_name",
+    "check_unknown",
+    "keyword_names",
+    "positive_int",
+    "positive_number",
+    "flag",
+]
 
 # Names users bring from elsewhere -> what to write here.
 KNOWN_NAMES: Mapping[str, str] = {
@@ -55,6 +72,12 @@ KNOWN_NAMES: Mapping[str, str] = {
     "handler_registry": "checkpointables=",
     "create": "nothing: the directory is created when needed",
 }
+
+
+def keyword_names(function: Callable) -> tuple[str, ...]:
+    """The names of ``function``'s keyword-only parameters (its options), in order."""
+    params = inspect.signature(function).parameters.values()
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def check_unknown(
@@ -153,3 +176,118 @@ def check_manager(options: Mapping[str, Any]) -> None:
     metric = options["best_metric"]
     if metric is not None and not isinstance(metric, str):
         raise TypeError(f"best_metric must be a key of the extras (a str), found {metric!r}")
+
+
+def check_item_name(name: Any) -> str:
+    """``name`` if it is a safe checkpointable name, else ValueError."""
+    if not _layout.is_safe_name(name):
+        raise ValueError(
+            f"invalid checkpointable name {name!r}: use letters, digits, '_', '-', '.' "
+            "and do not start with '_' or '.'"
+        )
+    return name
+
+
+def _overrides(
+    checkpointables: Mapping[str, Checkpointable] | None, compression: Mapping[str, str] | None
+) -> dict[str, Checkpointable]:
+    """The checkpointable per item name: ``checkpointables``, then ``compression``'s."""
+    overrides = dict(checkpointables or {})
+    for name, codec in (compression or {}).items():
+        if name in overrides:
+            raise ValueError(f"compression[{name!r}]: item {name!r} has its own checkpointable")
+        overrides[check_item_name(name)] = PytreeCheckpointable(
+            compression=_layout.check_codec(codec, where=f"compression[{name!r}]")
+        )
+    return overrides
+
+
+@dataclass(frozen=True)
+class ManagerOptions:
+    """CheckpointManager's constructor arguments, checked once (see :meth:`build`).
+
+    The fields are the keyword options of the same names (see CheckpointManager),
+    except ``location`` (from ``directory``), ``retention`` (from ``keep``,
+    ``keep_every``, ``keep_best``, ``best_metric``, ``best_mode``) and ``overrides``
+    (from ``checkpointables`` and ``compression``)."""
+
+    location: Location
+    retention: RetentionPolicy
+    every_steps: int | None
+    every_seconds: float | None
+    steps: list[int] | None
+    async_save: bool
+    read_only: bool
+    handle_sigterm: bool
+    overrides: Mapping[str, Checkpointable]
+    clock: Callable[[], float]
+    incremental: bool
+    persistent: Any
+    persistent_keep: int | None
+    persistent_keep_every: int | None
+    persistent_grace_seconds: float
+    persistent_lease_seconds: float
+    reuse_host_buffers: bool
+
+    @classmethod
+    def build(cls, directory: Any, options: Mapping[str, Any]) -> ManagerOptions:
+        """Checks ``options`` (every keyword option, by its public name) and
+        ``directory``; raises TypeError / ValueError naming the option."""
+        check_manager(options)
+        steps = steps_list("steps", options["steps"])
+        location = Location.from_path(directory)
+        retention = RetentionPolicy(
+            keep_last=options["keep"],
+            keep_every=options["keep_every"],
+            keep_best=options["keep_best"],
+            best_metric=options["best_metric"],
+            best_mode=options["best_mode"],
+        )
+        overrides = _overrides(options["checkpointables"], options["compression"])
+        plain = {k: options[k] for k in _PLAIN}
+        return cls(location, retention, steps=steps, overrides=overrides, **plain)
+
+    def save_policy(self) -> SavePolicy:
+        """A fresh policy (it keeps the time of the last save: one per manager)."""
+        return SavePolicy(
+            every_steps=self.every_steps, every_seconds=self.every_seconds, steps=self.steps
+        )
+
+    def tier_options(self) -> dict[str, Any]:
+        """The keyword arguments of PersistentTier that come from options."""
+        return dict(
+            keep=self.persistent_keep,
+            keep_every=self.persistent_keep_every,
+            grace_seconds=self.persistent_grace_seconds,
+            lease_seconds=self.persistent_lease_seconds,
+        )
+
+    def check_reader(self) -> None:
+        """Options that need a writer, refused with ``read_only=True``."""
+        if not self.read_only:
+            return
+        if self.handle_sigterm:
+            raise ValueError("handle_sigterm needs a writer (read_only=False)")
+        if self.persistent is not None:
+            raise ValueError(
+                "persistent= needs a writer; to read the persistent tier, open it "
+                "directly: CheckpointManager(<persistent location>, read_only=True)"
+            )
+
+
+# The fields of ManagerOptions taken from the keyword of the same name as given.
+_PLAIN = (
+    "every_steps",
+    "every_seconds",
+    "async_save",
+    "read_only",
+    "handle_sigterm",
+    "clock",
+    "incremental",
+    "persistent",
+    "persistent_keep",
+    "persistent_keep_every",
+    "persistent_grace_seconds",
+    "persistent_lease_seconds",
+    "reuse_host_buffers",
+)

@@ -1,0 +1,110 @@
+"""Housekeeping of a directory of steps: what a manager checks and clears at open.
+
+A directory that is a file, a step or a core checkpoint is refused
+(:func:`refuse_step_directory`). A writer takes the directory's lock and, on the
+primary, removes what dead saves of ours left (:func:`open_writer`,
+:func:`remove_unfinished`: proven ours, see ``_ownership``), finishing a replacement
+that was committed but not yet renamed (:func:`roll_forward`). Everything else is
+left alone, and named in a warning.
+
+Functions of a Location; called on the training thread (at open and in ``gc``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .._base import distributed as _distributed
+from .._core import ownership as _ownership
+from .._errors import CheckpointError
+from .._format import layout as _layout
+from .._format import steps as _steps
+from .._format.layout import MANIFEST_FILE
+from .._storage.location import Location
+from .._storage.lock import DirectoryLock
+
+__all__ = ["open_writer", "refuse_step_directory", "remove_unfinished", "roll_forward"]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+def refuse_step_directory(loc: Location) -> None:
+    """Raises CheckpointError when ``loc`` is a file, a step or a core checkpoint."""
+    path = loc.path.rstrip("/")
+    if loc.is_local and os.path.lexists(path) and not os.path.isdir(path):
+        raise CheckpointError(
+            f"{loc} is a file, not a directory of steps" + _steps.foreign_format_hint(loc)
+        )
+    for marker, what in (
+        (MANIFEST_FILE, "a committed step"),
+        (_layout.COMMIT_FILE, "a core checkpoint"),
+        (_layout.METADATA_FILE, "a core checkpoint"),
+    ):
+        if loc.exists(marker):
+            raise CheckpointError(
+                f"{loc} is itself {what} (it holds {marker}), not a directory of "
+                f"steps; give the directory that holds the steps"
+            )
+
+
+def open_writer(loc: Location) -> DirectoryLock | None:
+    """A writer's open, on every process: the lock (the primary, local paths), the
+    dead saves' remains removed (the primary), then one meeting of all processes.
+    Returns the lock held (released again if anything after it fails)."""
+    dir_lock = None
+    if loc.is_local and _distributed.is_primary():
+        # One writer per directory: the primary holds the lock for all processes
+        # of a run (the others write only through the primary's commit protocol).
+        loc.makedirs()
+        dir_lock = DirectoryLock(loc.path)
+        dir_lock.acquire()
+    try:
+        if _distributed.is_primary():
+            remove_unfinished(loc)
+        _distributed.session_nonce()  # collective once; later staging names need none
+        _distributed.barrier(_distributed.next_operation_id("manager-open"))
+    except BaseException:
+        if dir_lock is not None:
+            dir_lock.release()
+        raise
+    return dir_lock
+
+
+def remove_unfinished(loc: Location) -> None:
+    """Primary, at open and in ``gc``: removes what dead saves of ours left (proven
+    ours: see ``_ownership``); everything else is left alone."""
+    listing = _steps.list_directory(loc)
+    for name in listing.unfinished:
+        if not roll_forward(loc, name, listing):
+            _ownership.remove_if_ours(loc.child(name), what="unfinished step")
+    foreign = list(listing.foreign)
+    if not loc.is_local:  # object stores: a step written in place, never committed
+        for name in listing.foreign:
+            if _steps.is_step_name(name) and _ownership.remove_if_ours(
+                loc.child(name), what="uncommitted step"
+            ):
+                foreign.remove(name)
+    if foreign:
+        logger.warning(
+            "%s holds entries that are not steps of this library, left alone: %s",
+            loc,
+            ", ".join(foreign[:10]),
+        )
+
+
+def roll_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
+    """A ``.partial-`` holding a valid manifest whose step is missing was committed
+    but not yet renamed (a crash between the renames of a replacement): finish it."""
+    step_name, kind = name.split(".", 1)
+    if not kind.startswith("partial-") or int(step_name) in listing.committed:
+        return False
+    src = loc.child(name)
+    try:
+        _steps.read_manifest(src)
+    except CheckpointError:
+        return False
+    src.rename(loc.child(step_name))
+    _ownership.unclaim(loc.child(step_name))  # killed before its own unclaim
+    logger.warning("finished the commit of step %s in %s (was %s)", step_name, loc, name)
+    return True

@@ -1,0 +1,259 @@
+"""Restorer: reads a step of a manager's directory back.
+
+:meth:`Restorer.restore` tries the candidates newest first (both tiers: a step of
+the persistent one is copied down first), sets a damaged step aside and goes on to
+the next; :meth:`Restorer.with_step` marks the step as being read (never deleted
+meanwhile by this manager's retention) and turns an error about a step deleted by
+another process into a StepDeletedError; then the names to restore are chosen
+(``items``, ``like``'s items, or all), each item is read by its checkpointable, and
+a resume that leaves the saved data position out is warned about once.
+
+Threading: the training thread (``CheckpointManager.restore``), after the
+in-flight save was waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._base import distributed as _distributed
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignEntryError,
+    StepDeletedError,
+    StructureError,
+    UnknownItemError,
+)
+from .._format import steps as _steps
+from .._format.layout import ItemEntry
+from .._like import transform as _transform
+from .._state.resume import item_mismatch
+from .._state.train_state import merge_state, split_state
+from .._storage.location import Location
+from .book import StepBook
+from .checkpointables import Checkpointable, PytreeCheckpointable, checkpointable_for
+
+__all__ = ["Restorer"]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of warnings.warn (called from this module) that names the
+    first frame outside this package: the user's call."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while (
+        frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class Restorer:
+    """Restores steps of ``location`` (see the module docstring).
+
+    ``overrides``: the checkpointable per item name; ``book``: the manager's step
+    records; ``read_only``: a reader never moves a damaged step aside.
+    ``restored_step``: the step the last successful restore read."""
+
+    def __init__(
+        self,
+        location: Location,
+        overrides: Mapping[str, Checkpointable],
+        book: StepBook,
+        read_only: bool,
+    ):
+        self._loc = location
+        self._overrides = overrides
+        self._book = book
+        self._read_only = read_only
+        self.restored_step: int | None = None
+        self._warned_replay = False  # warned that a resume left the data position out
+
+    def restore(
+        self, like: Any, step: int | None, items: Any, data_iterator: Any, changes: Any
+    ) -> Any:
+        """``step`` (the latest that restores when None); see CheckpointManager.restore."""
+        tier = self._book.tier
+        fn = lambda s: self._restore_step(s, like, items, data_iterator, changes)
+        if step is not None:
+            if tier is not None:
+                tier.ensure_local(step)
+                self._book.forget()  # it may have copied the step here
+            return self.with_step(step, fn)
+        skipped: list[tuple[int, CorruptCheckpointError]] = []
+        for candidate in reversed(self.candidates()):
+            for _ in range(2 if tier is not None else 1):  # local, then persistent
+                try:
+                    if tier is not None:
+                        if not tier.ensure_local(candidate):
+                            break
+                        self._book.forget()  # it may have copied the step here
+                    return self.with_step(candidate, fn)
+                except CorruptCheckpointError as e:
+                    skipped.append((candidate, e))
+                    if tier is not None and not self._loc.child(str(candidate)).is_dir():
+                        break  # the copy down from the persistent tier failed its checks
+                    self._set_aside(candidate, e)
+        if skipped:
+            error = skipped[0][1]  # the latest step's own error, naming its file
+            error.add_note(
+                f"no step of {self._loc} restores; skipped: "
+                + "; ".join(f"step {s}: {e}" for s, e in skipped)
+            )
+            raise error
+        raise CheckpointNotFoundError(f"no committed steps in {self._loc}")
+
+    def candidates(self) -> list[int]:
+        """Committed steps of both tiers, ascending (a step in both is read locally)."""
+        steps = self._book.listed()
+        tier = self._book.tier
+        if tier is not None:  # None: the store cannot be listed (logged)
+            steps = sorted(set(steps) | set(tier.agreed_steps() or ()))
+        return steps
+
+    def _set_aside(self, step: int, error: Exception) -> None:
+        """Moves a step whose verified read proved damage (a checksum, size or format
+        mismatch) aside. A link or special file planted in it is no damage of the step's
+        own data: it is skipped, never moved. Environmental errors never get here."""
+        logger.warning("checkpoint: skipping damaged step %d of %s: %s", step, self._loc, error)
+        if isinstance(error, ForeignEntryError):
+            return
+        if self._read_only or not _distributed.is_primary() or not self._loc.supports_rename:
+            return
+        name = f"{step}.corrupt-{secrets.token_hex(6)}"
+        try:
+            _steps.step_location(self._loc, step).rename(self._loc.child(name))
+            self._book.removed(step)
+            logger.warning("checkpoint: moved step %d aside to %s/%s", step, self._loc, name)
+        except OSError as e:
+            logger.warning("checkpoint: could not move step %d aside: %s", step, e)
+
+    def with_step(self, step: int, fn: Callable[[int], Any]) -> Any:
+        """``fn(step)`` with ``step`` chosen and marked as being read."""
+        step = _steps.choose_step(self._loc, self._book.listed(), step)
+        self._book.begin_read(step)
+        try:
+            result = fn(step)
+            self.restored_step = step
+            return result
+        except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+            raise self._deleted_step_error(step, e) from e
+        finally:
+            self._book.end_read(step)
+
+    def _deleted_step_error(self, step: int, error: Exception) -> Exception:
+        """``error``, or a StepDeletedError when ``step`` is no longer listed (another
+        process's retention deleted it while this one read it)."""
+        try:  # listed afresh: another process may have deleted it
+            if isinstance(error, StepDeletedError) or step in _steps.committed_steps(self._loc):
+                return error
+        except CheckpointError:
+            return error
+        return StepDeletedError(
+            f"step {step} of {self._loc} was deleted while it was being read (a writer's "
+            f"retention policy removes old steps; restore a newer step, or keep more): {error}"
+        )
+
+    def _restore_step(
+        self, step: int, like: Any, items: Any, data_iterator: Any, changes: Any = None
+    ) -> Any:
+        changes = changes or _transform.Changes()
+        step_loc = _steps.step_location(self._loc, step)
+        saved = _steps.read_manifest(step_loc).items
+        like_items = split_state(like) if like is not None else {}
+        single = isinstance(items, str)
+        names = self._names_to_restore(step, saved, items, like, like_items, changes)
+        if data_iterator is not None and "data_iterator" not in saved:
+            raise UnknownItemError(
+                f"step {step} of {self._loc} holds no data_iterator state; items: {sorted(saved)}"
+            )
+        restored = {}
+        for name in names:
+            restored[name] = self._restore_item(
+                step, step_loc, saved[name], name, like_items.get(name), changes
+            )
+        if data_iterator is not None:
+            self._restore_item(
+                step, step_loc, saved["data_iterator"], "data_iterator", data_iterator
+            )
+        if items is not None:
+            return restored[names[0]] if single else restored
+        merged = merge_state(like, restored)
+        if data_iterator is None and "data_iterator" in saved:
+            self._warn_replay(step)
+        return merged
+
+    def _warn_replay(self, step: int) -> None:
+        """Once per manager: a resume that leaves the saved data position out replays
+        the data from wherever the new iterator starts."""
+        if self._warned_replay:
+            return
+        self._warned_replay = True
+        warnings.warn(
+            f"step {step} of {self._loc} holds a 'data_iterator' item (the data position) "
+            f"but no data_iterator was given, so it is not restored and the run reads its "
+            f"data again from wherever the new iterator starts. Pass data_iterator=it "
+            f"(CheckpointManager.restore, CheckpointCallback.on_train_start); to start the "
+            f"data afresh on purpose, name the items to restore (restore(items=[...])) or "
+            f"on_train_start(state, reset=('data_iterator',))",
+            UserWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+
+    def _names_to_restore(self, step, saved, items, like, like_items, changes) -> list[str]:
+        if items is not None:
+            names = [items] if isinstance(items, str) else list(items)
+            for n in names:
+                if n not in saved:
+                    raise UnknownItemError(
+                        f"step {step} of {self._loc} has no item {n!r}; items: {sorted(saved)}"
+                    )
+            return names
+        if like is not None:
+            names = list(like_items)
+            if changes.keep_missing:  # an item the step lacks keeps like's value
+                for n in names:
+                    if n not in saved:
+                        _transform.check_item_keepable(n, like_items[n])
+                names = [n for n in names if n in saved]
+            absent = [n for n in names if n not in saved]
+            if absent:
+                shown = ", ".join(repr(n) for n in absent)
+                raise StructureError(
+                    f"like has item{'s' if len(absent) > 1 else ''} {shown} but step {step} "
+                    f"of {self._loc} does not; saved items: {sorted(saved)}. To keep like's "
+                    f"value for {'them' if len(absent) > 1 else 'it'} (a part added to the "
+                    f"model), pass missing='keep'"
+                )
+            return names
+        return [n for n in saved if n != "data_iterator"]
+
+    def _restore_item(
+        self,
+        step: int,
+        step_loc: Location,
+        entry: ItemEntry,
+        name: str,
+        like: Any,
+        changes: Any = None,
+    ) -> Any:
+        try:
+            handler = checkpointable_for(name, self._overrides)
+            if isinstance(handler, PytreeCheckpointable) and changes is not None:
+                return handler.restore(step_loc.child(entry.dir), like, **changes.kwargs())
+            return handler.restore(step_loc.child(entry.dir), like)
+        except StructureError as e:
+            raise item_mismatch(e, name=name, step=step, location=self._loc) from e
+        except CheckpointError as e:
+            e.add_note(f"while restoring item {name!r} of step {step} from {self._loc}")
+            raise

@@ -1,0 +1,250 @@
+"""Saver: one step of a manager's directory, from its items to its commit.
+
+``CheckpointManager.save`` calls, in order, on the training thread:
+:meth:`Saver.check_new_step` (steps increase; a foreign entry's name is never
+taken), :func:`collect_items`, then :meth:`Saver.start`: the blocking phase of
+every item (device-to-host snapshot, iterator state, JSON), then one background
+thread (a :class:`SaveHandle`) that writes, commits (``step_commit``) and does the
+bookkeeping after the commit: the step joins the book, the commit is logged, the
+persistent tier and retention are told. At most one save is in flight
+(:attr:`Saver.inflight`); its error is re-raised once, by :meth:`Saver.wait`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .._base import distributed as _distributed
+from .._base import host as _host
+from .._core import ownership as _ownership
+from .._core.commit import Staging
+from .._core.save import SaveHandle, SaveResult
+from .._errors import CheckpointError, ForeignEntryError
+from .._format import layout as _layout
+from .._format import steps as _steps
+from .._format.layout import ItemEntry
+from .._incremental import reuse as _incremental
+from .._incremental.reuse import Reuse
+from .._state.train_state import split_state
+from .._storage.location import Location
+from .book import StepBook
+from .checkpointables import Checkpointable, Pending, PytreeCheckpointable, checkpointable_for
+from .options import check_item_name
+from .retaining import RetentionRunner
+from .step_commit import StepCommit, wait_all
+
+__all__ = ["Saver", "collect_items"]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]:
+    """The items of one save: ``state`` split into checkpointables, then the data
+    iterator and the extras."""
+    items = split_state(state)
+    for name, value in (("data_iterator", data_iterator), ("extras", extras)):
+        if value is not None:
+            if name in items:
+                raise ValueError(f"{name} given twice: in state and as an argument")
+            items[name] = value
+    if not items:
+        raise ValueError("nothing to save: state, data_iterator and extras are all empty")
+    for name in items:
+        check_item_name(name)
+    return items
+
+
+class Saver:
+    """Saves steps into ``location`` (see the module docstring).
+
+    ``overrides``: the checkpointable per item name; ``book``: the manager's step
+    records; ``retention``: told of each commit; ``incremental``: reuse the previous
+    step's unchanged leaves; ``buffers``: host memory kept between saves (or None).
+    ``log_level``: of the one line logged per committed step."""
+
+    def __init__(
+        self,
+        location: Location,
+        overrides: Mapping[str, Checkpointable],
+        book: StepBook,
+        retention: RetentionRunner,
+        incremental: bool,
+        buffers: _host.BufferPool | None,
+    ):
+        self._loc = location
+        self._overrides = overrides
+        self._incremental = incremental
+        self._buffers = buffers
+        self._book = book
+        self._retention = retention
+        self.log_level = logging.INFO
+        self.inflight: SaveHandle | None = None  # the save in flight, if any
+
+    # -- the save in flight (training thread)
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a save's background phase runs (not yet committed or failed)."""
+        handle = self.inflight
+        return handle is not None and not handle.done()
+
+    def raise_background_error(self) -> None:
+        """Re-raises the error of a save that failed in the background, if any."""
+        handle = self.inflight
+        if handle is not None and handle.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Waits for the save in flight; re-raises its error (once)."""
+        handle, self.inflight = self.inflight, None
+        if handle is not None:
+            handle.wait()
+
+    # -- before: the slot
+
+    def check_new_step(self, step: int, overwrite: bool) -> list[int]:
+        """Refuses a step at or below the latest committed one unless ``overwrite``;
+        returns the committed local steps (from memory: no listing per save)."""
+        local = self._book.known()
+        if step not in local:  # a foreign entry with the step's name is never replaced
+            self._check_slot(step)
+        # Steps increase across both tiers (the persistent one as known, not listed).
+        tier = self._book.tier
+        steps = sorted(set(local) | tier.known_steps()) if tier else local
+        if steps and step <= steps[-1] and not overwrite:
+            what = "already exists" if step in steps else "is below the latest committed step"
+            where = self._loc if steps == local else f"{self._loc} + {tier.remote}"
+            raise CheckpointError(
+                f"step {step} {what} in {where} (latest: {steps[-1]}); steps must "
+                f"increase. Resume from it (resume=True), use a new directory, or pass "
+                f"overwrite=True to replace steps"
+            )
+        return local
+
+    def _check_slot(self, step: int) -> None:
+        """Refuses a step whose name a foreign entry holds; clears a dead save's remains.
+
+        On an object store with several processes, every process writes into the step's
+        own prefix (no staging name), so a fast process's data could land before a
+        slower primary looks: the primary alone looks, before anyone writes, and every
+        process waits for its verdict (one key-value round, only for a new step)."""
+        slot = _steps.step_location(self._loc, step)
+
+        def look() -> None:
+            if _ownership.check_slot(slot, what=f"step {step}", replace=False):
+                _ownership.remove(slot, action="clear the remains of a dead save at")
+
+        if self._loc.supports_rename or _distributed.process_count() == 1:
+            look()
+            return
+        op = _distributed.next_operation_id("manager-slot")
+        verdict = ""
+        if _distributed.is_primary():
+            try:
+                look()
+            except CheckpointError as e:
+                verdict = f"{type(e).__name__}: {e}"
+        verdict = _distributed.broadcast_str(op, verdict)
+        if verdict:
+            kind, _, message = verdict.partition(": ")
+            raise (ForeignEntryError if kind == "ForeignEntryError" else CheckpointError)(
+                f"{message} (checked by process 0)"
+            )
+
+    # -- the save
+
+    def start(self, step: int, items: dict, extras: Any, local: list[int]) -> None:
+        """Blocking phase of every item, then the background write and commit (the
+        save in flight). ``local``: the committed local steps (``step`` among them: it
+        is replaced). The previous save must have been waited for."""
+        started = time.perf_counter()
+        replace = step in local
+        final = _steps.step_location(self._loc, step)
+        staging = Staging.begin(final, _distributed.unique_name())
+        # On object stores a replaced step's items go under fresh names (old step intact).
+        dirs = {n: n if staging.renames or not replace else f"{n}.{staging.nonce}" for n in items}
+        handlers = {name: checkpointable_for(name, self._overrides) for name in items}
+        prev = max((s for s in local if s < step), default=None) if self._incremental else None
+        prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
+        pendings, reuses = self._save_items(staging, items, dirs, handlers, prev_loc)
+        entries = {n: ItemEntry(getattr(h, "kind", "custom"), dirs[n]) for n, h in handlers.items()}
+        digest = _layout.sha256(
+            _layout.encode(
+                [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
+            )
+        )
+        metric = self._retention.metric_of(extras)
+        blocking = time.perf_counter() - started
+        op = _distributed.next_operation_id("manager-commit")
+        commit = StepCommit(self._loc, step, staging, pendings, entries, digest, replace)
+
+        def background() -> SaveResult:
+            try:
+                written = commit.run(op)
+            except BaseException:
+                self._book.forget()  # a failed commit never enters the list; re-read
+                raise
+            finally:  # every process has read every exchanged value by now
+                _incremental.release(reuses)
+            result = SaveResult(
+                str(final),
+                blocking,
+                time.perf_counter() - started,
+                written.bytes_written,
+                step,
+                written.bytes_reused,
+            )
+            self._after_commit(step, result, metric)
+            return result
+
+        self.inflight = SaveHandle(str(final), background).start()
+
+    def _save_items(
+        self,
+        staging: Staging,
+        items: dict,
+        dirs: dict[str, str],
+        handlers: dict[str, Checkpointable],
+        prev_loc: Location | None,
+    ) -> tuple[dict[str, Pending], list[Reuse]]:
+        """The blocking phase of each item, in order; on an error every started write
+        is waited for and the staging directory removed."""
+        pendings: dict[str, Pending] = {}
+        reuses: list[Reuse] = []  # their key-value values are deleted after the commit
+        try:
+            for name, value in items.items():
+                kw = {}  # incremental: the same item of the previous step, to reuse from
+                if isinstance(handlers[name], PytreeCheckpointable):
+                    kw = {"buffers": self._buffers}
+                    if self._incremental:  # the exchange's name: drawn here, in item order
+                        reuse_op = _distributed.next_operation_id("reuse")
+                        kw["reuse"] = Reuse(prev_loc, name, reuse_op)
+                        reuses.append(kw["reuse"])
+                target = staging.location.child(dirs[name])
+                pendings[name] = handlers[name].save(target, value, **kw)
+        except BaseException:
+            wait_all(pendings.values())
+            if staging.renames:
+                _ownership.remove_staging(staging.location, staging.nonce)
+            raise
+        return pendings, reuses
+
+    def _after_commit(self, step: int, result: SaveResult, metric: float | None) -> None:
+        """Background thread, once ``step`` committed."""
+        self._book.committed(step, result, metric)
+        logger.log(
+            self.log_level,
+            "checkpoint: committed step %d: blocking %.4f s, total %.4f s, %d bytes, %.3f GB/s",
+            step,
+            result.blocking_seconds,
+            result.total_seconds,
+            result.bytes_written,
+            result.gigabytes_per_second,
+        )
+        tier = self._book.tier
+        if tier is not None:
+            tier.submit(step)
+        self._retention.submit(step)
