@@ -24,6 +24,8 @@ from flax_orbax_plugin._incremental import copies as _copies
 from flax_orbax_plugin._incremental import reuse as _incremental
 from flax_orbax_plugin._zarr import arrays as _arrays
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # this test module, for child processes
+
 MiB = 1 << 20
 W1, W2, ADAPTER = 768 * 1024 * 4, 512 * 1024 * 4, 512 * 1024 * 4  # bytes
 
@@ -743,7 +745,7 @@ def _killed_step_2(directory: str, phase: str, env: dict | None = None) -> None:
     child_env.update(env or {})
     keep = "1" if phase == "mid_retention" else "0"
     proc = subprocess.run(
-        [sys.executable, "-c", KILLED_CHILD, directory, _paths.SUPPORT, keep],
+        [sys.executable, "-c", KILLED_CHILD, directory, HERE, keep],
         env=child_env,
         capture_output=True,
         text=True,

@@ -17,6 +17,8 @@ import pytest
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._format.layout import MANIFEST_FILE
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # this test module, for child processes
+
 pytest_plugins = ["_servers"]
 
 REPO = _paths.REPO
@@ -158,7 +160,7 @@ KILLED = textwrap.dedent(
 def test_kill_during_replication_lists_nothing_partial_and_restart_finishes(remote, tmp_path):
     loc = remote
     local = tmp_path / "local"
-    script = KILLED.format(repo=REPO, tests=_paths.SUPPORT, local=str(local), url=loc.url)
+    script = KILLED.format(repo=REPO, tests=HERE, local=str(local), url=loc.url)
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
@@ -431,7 +433,7 @@ PREEMPTED = textwrap.dedent(
 
 def test_sigterm_saves_locally_then_replicates_before_exiting(s3, tmp_path):
     local = tmp_path / "local"
-    script = PREEMPTED.format(repo=REPO, tests=_paths.SUPPORT, local=str(local), url=s3.url)
+    script = PREEMPTED.format(repo=REPO, tests=HERE, local=str(local), url=s3.url)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     out = _proc.sigterm_after(proc, 3)
     assert proc.returncode == 143

@@ -182,7 +182,12 @@ def run_processes(
     child_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
     child_env["JAX_PLATFORMS"] = "cpu"
     extra_path = (env or {}).get("PYTHONPATH") or os.environ.get("PYTHONPATH")
-    child_env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, REPO_ROOT, *filter(None, [extra_path])])
+    # A target "module:function" may live in the helpers or in any test wing's module.
+    wings = sorted(
+        d.path for d in os.scandir(os.path.dirname(TESTS_DIR)) if d.is_dir() and d.path != TESTS_DIR
+    )
+    paths = [TESTS_DIR, *wings, REPO_ROOT, *filter(None, [extra_path])]
+    child_env["PYTHONPATH"] = os.pathsep.join(paths)
     child_env["PYTHONUNBUFFERED"] = "1"
     procs, outs = [], []
     t0 = time.monotonic()
