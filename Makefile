@@ -25,6 +25,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/python tools/import_graph.py --check > /dev/null
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,6 +1,10 @@
 """The package's shape, read from its AST: internal imports, cycles, big modules and functions.
 
-    python tools/import_graph.py [package_dir] [--edges]
+    python tools/import_graph.py [package_dir] [--edges] [--check]
+
+``--check`` (run by ``make lint``, so by CI) exits 1 when a rule of the wings breaks:
+an import cycle, an import back up, more than two function-level internal imports,
+a module over 400 lines.
 
 Reports, for the package under ``package_dir`` (default ``flax_orbax_plugin``):
 
@@ -159,7 +163,8 @@ def _wing(name: str, top: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    show_edges = "--edges" in argv
+    show_edges = "--edges" in argv  # --check: exit 1 when a rule of the wings is broken
+    check = "--check" in argv
     args = [a for a in argv if not a.startswith("--")]
     root = Path(args[0] if args else "flax_orbax_plugin").resolve()
     top = root.name
@@ -213,8 +218,10 @@ def main(argv: list[str]) -> int:
     print(f"function-level internal imports: {len(function_level)} (edges {n_fn_edges})")
     for a, line, t in sorted(function_level):
         print(f"  {a}:{line} -> {t}")
+    n_cycles = 0
     for label, graph in (("module-level only", module_level), ("counting function-level", edges)):
         comps = _sccs(graph)
+        n_cycles += len(comps)
         print(f"cycles ({label}): {len(comps)}")
         for comp in comps:
             print(f"  {len(comp)} modules: {', '.join(comp)}")
@@ -245,6 +252,20 @@ def main(argv: list[str]) -> int:
         for a in sorted(edges):
             for t in sorted(edges[a]):
                 print(f"  {a} -> {t}")
+    if check:  # the rules of docs/architecture.md, as CI runs them (make lint)
+        broken = [
+            f"{what}: {n} (at most {most})"
+            for what, n, most in (
+                ("import cycles", n_cycles, 0),
+                ("imports back up the wings", len(back_up), 0),
+                ("function-level internal imports", len(function_level), 2),
+                (f"modules over {MODULE_LINES} lines", len(big_modules), 0),
+            )
+            if n > most
+        ]
+        for line in broken:
+            print(f"import_graph --check: {line}", file=sys.stderr)
+        return 1 if broken else 0
     return 0
 
 

@@ -5,7 +5,7 @@ copied on the server on S3 and GCS (:mod:`.copies`); every step stays
 self-contained. This module is the way per store (:func:`reuser`), the digests
 (:func:`region_digests`, :func:`exchange`, :func:`leaf_digest`, :func:`release`), the
 previous step (:func:`previous_document`) and the plan (:func:`plan_reuse`,
-:func:`chunks_of`). All on the background thread of :meth:`_save.Snapshot.write`, on
+:func:`chunks_of`). All on the background thread of the save (``_core.save``), on
 every process, only with :class:`Reuse` given (``CheckpointManager(incremental=True)``).
 Who calls what, the checks and what is not protected: ``docs/incremental.md``.
 """

@@ -726,7 +726,7 @@ import numpy as np
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._zarr import arrays as _arrays
 _arrays.CHUNK_TARGET_BYTES = 1 << 20
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = sys.argv[2].split(':')  # this test's wing and tests/support
 from test_incremental import _state
 with fop.CheckpointManager(sys.argv[1], incremental=True, keep=int(sys.argv[3]) or None) as m:
     m.save(2, _state(2.0))
@@ -745,7 +745,7 @@ def _killed_step_2(directory: str, phase: str, env: dict | None = None) -> None:
     child_env.update(env or {})
     keep = "1" if phase == "mid_retention" else "0"
     proc = subprocess.run(
-        [sys.executable, "-c", KILLED_CHILD, directory, HERE, keep],
+        [sys.executable, "-c", KILLED_CHILD, directory, f"{HERE}:{_paths.SUPPORT}", keep],
         env=child_env,
         capture_output=True,
         text=True,
