@@ -115,7 +115,8 @@ def _owned(leaves: list, writers: dict[str, int], me: int, own_copy: bool) -> li
         elif isinstance(value, jax.Array):
             shape, chunk = leaf.record.shape, storage.chunk_shape
             for index, holders in _replica_groups(value.sharding, shape):
-                rows = _my_rows(index, shape, chunk, [me] if own_copy else holders, me)
+                mine = [me] if own_copy and me in holders else holders  # own copy: whole shards
+                rows = _my_rows(index, shape, chunk, mine, me)
                 if rows is not None:
                     owned.append((leaf, (_local_replica(value, index), index), rows))
         elif me == 0 or own_copy:

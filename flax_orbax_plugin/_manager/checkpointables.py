@@ -41,6 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .._core import claims as _claims
 from .._core import restore as _restore
 from .._core import save as _save
 from .._core.commit import Written
@@ -209,9 +210,13 @@ class PytreeCheckpointable:
         manager passes them for a restore into a changed model). Each host's own
         directory (per-host restore): every process reads what it needs itself, no
         collective (a process whose read fails never leaves the others waiting)."""
-        if OWN_COPY.get() is not None:
-            changes = {**changes, "share_replicated_reads": False}
-        return _restore.restore(directory, like, **changes)
+        if OWN_COPY.get() is None:
+            return _restore.restore(directory, like, **changes)
+        token = _claims.HOST_COPY.set(True)
+        try:
+            return _restore.restore(directory, like, share_replicated_reads=False, **changes)
+        finally:
+            _claims.HOST_COPY.reset(token)
 
 
 class JsonCheckpointable:

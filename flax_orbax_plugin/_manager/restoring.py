@@ -172,15 +172,13 @@ class Restorer:
 
     def _attempt(self, step: int, fn: Callable[[int], Any]) -> tuple[Any, list[str]]:
         """Collective: every host reads ``step`` from its own directory; returns this
-        host's result and every host's error (none: all read it). A damaged copy of
-        this host's is set aside."""
+        host's result and every host's error (none: all read it)."""
         result, error = None, None
         try:
             result = self.with_step(step, fn)
         except CheckpointError as e:
-            error = f"{type(e).__name__}: {e}"
-            if isinstance(e, CorruptCheckpointError):
-                self._set_aside(step, e)
+            error = f"{type(e).__name__}: {e}"  # nothing set aside: a host's copy
+            # lacking what a changed layout reads looks damaged; way (c) replaces it
         views = _per_host.gather("restore-read", error)
         return result, [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
 
