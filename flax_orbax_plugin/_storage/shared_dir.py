@@ -189,5 +189,5 @@ def _verdict(loc: Location, primary_host: str, reports: list) -> str:
         f"own directory under this path; the primary would commit steps whose other "
         f"shards are on other hosts. Use a filesystem every host mounts (NFS, Lustre, "
         f"a FUSE-mounted bucket) or an object store (s3://..., gs://...); per-host "
-        f"local directories are not supported yet"
+        f"local directories need a persistent tier (persistent=...)"
     )
