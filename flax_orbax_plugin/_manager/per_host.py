@@ -12,7 +12,8 @@ What differs from one shared directory (``docs/tiers.md``, "Per-host directories
   files (each file once), the primary commits the bucket's manifest;
 * restore (``restore_way``): way (a), every process holds the step with a valid marker
   and reads its own files; else way (c), every process copies the bucket's step down
-  to its own directory. Peers over jax collectives (way b) are not done.
+  to its own directory, committed with this host's marker (today's map), so the next
+  restore takes way (a). Peers over jax collectives (way b) are not done.
 
 Functions here are collective where they say so (every process calls them in the same
 order, on the training thread).
@@ -51,6 +52,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 HOST_FILE = "_HOST.json"  # in each host's copy of a step; never uploaded
 _FORMAT = "flax_orbax_plugin/host-copy"
+COPY_LAYOUT = "copied down: every region"  # the marker's layout of a bucket's step
 
 # Set by the manager around a per-host save's blocking phase (the agreed time of the
 # step's ``_METADATA.json``) and around a per-host restore (True): the built-in
@@ -185,3 +187,5 @@ def open_tier(book: Any, local_steps: list[int]) -> None:
         op = _distributed.next_operation_id("per-host-run")
         book.run = _distributed.broadcast_str(op, json.dumps(book.tier.run_id))
         book.run = json.loads(book.run)
+        # A full copy from the bucket holds every region: readable with any layout.
+        book.tier.mark_copies(lambda step: host_marker(step, book.run, COPY_LAYOUT))

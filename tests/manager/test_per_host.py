@@ -119,6 +119,9 @@ def per_host_run(ctx, base, url):
     ctx.client.wait_at_barrier("wiped-one-done", 30_000)
     r = _restore(ctx, local, url, like)
     out["one_wiped"] = {"ways": r["ways"], "step": r["step"], "exact": r["values"] == want}
+    # The copy down was committed with each host's marker: the next restore reads there.
+    r = _restore(ctx, local, url, like)
+    out["after_c"] = {"ways": r["ways"], "step": r["step"], "exact": r["values"] == want}
     # A changed mesh (devices in reverse order): host copies do not hold the new
     # shards; the bucket's step, resharded.
     mesh = Mesh(np.array(ctx.devices[::-1]), ctx.mesh.axis_names)
@@ -164,6 +167,7 @@ def test_per_host_directories_save_replicate_and_restore_by_way(tmp_path):
         assert "_HOST.json" in r["files"] and MANIFEST_FILE in r["files"]
         assert r["a"] == {"ways": ["way a"], "step": 3, "exact": True}
         assert r["one_wiped"] == {"ways": ["way c"], "step": 3, "exact": True}
+        assert r["after_c"] == {"ways": ["way a"], "step": 3, "exact": True}
         assert r["mesh"] == {"ways": ["way c"], "step": 4, "exact": True}
         assert r["all_wiped"] == {"ways": ["way c"], "step": 4, "exact": True}
     # Each host holds its own shards (not the other's) and the replicated leaves.

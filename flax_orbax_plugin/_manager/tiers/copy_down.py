@@ -22,6 +22,7 @@ from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryErro
 from ..._format import steps as _steps
 from ..._format.layout import MANIFEST_FILE
 from ..._storage.location import Location
+from ..per_host import HOST_FILE
 from . import files as _files
 from .damaged import DamagedSteps
 from .state import Places, TierState
@@ -177,6 +178,9 @@ class CopyDown:
                 stopped=lambda: self._state.stop,
             )
             _verify_copy(staging.location, raw, step, src)
+            marker = self._state.marker
+            if self._places.per_host and marker is not None:  # this host's, with the step
+                staging.location.write_bytes(HOST_FILE, marker(step), durable=False)
             staging.location.sync()
             staging.publish(MANIFEST_FILE, raw, replace=False)
         except BaseException:

@@ -76,6 +76,9 @@ class TierState:
     # This process's share of each step it helped commit: relative paths (for tests).
     copied_files: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     copied_down: list[int] = dataclasses.field(default_factory=list)  # tried, in order
+    # Each host's own directory: ``marker(step)``, the bytes of the host's marker a
+    # step copied down gets (set once by the manager's open, then only read).
+    marker: Callable[[int], bytes] | None = None
 
     def drop_older(self, step: int, kept_forever: Callable[[int], bool]) -> None:
         """Under ``cond``: drop queued steps older than ``step`` that the persistent

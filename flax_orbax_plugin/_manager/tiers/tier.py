@@ -180,6 +180,11 @@ class PersistentTier:
         verified copy-down proved damaged (never listed again)."""
         return self._damaged.committed_steps()
 
+    def mark_copies(self, marker: Callable[[int], bytes]) -> None:
+        """Each host's own directory: a step copied down gets ``marker(step)`` as its
+        host marker (committed with it), so the next restore reads it there (way a)."""
+        self._state.marker = marker
+
     @property
     def run_id(self) -> str | None:
         """The run owning both places (the primary's; None elsewhere, or before open)."""
