@@ -13,7 +13,8 @@ What differs from one shared directory (``docs/tiers.md``, "Per-host directories
 * restore (``restore_way``): way (a), every process holds the step with a valid marker
   and reads its own files; else way (c), every process copies the bucket's step down
   to its own directory, committed with this host's marker (today's map), so the next
-  restore takes way (a). Peers over jax collectives (way b) are not done.
+  restore takes way (a); way (b), hosts lacking the step get it from a peer over jax
+  collectives, is ``peers.py``.
 
 Functions here are collective where they say so (every process calls them in the same
 order, on the training thread).
@@ -65,10 +66,8 @@ def device_map() -> list[list[int]]:
     return sorted([d.id, d.process_index] for d in jax.devices())
 
 
-def layout_digest(items: Mapping[str, Any]) -> str:
-    """sha256 over every jax.Array leaf's path, shape, dtype and device -> region map:
-    what a host's copy holds for its devices (informational, in the marker)."""
-    h = hashlib.sha256()
+def _array_leaves(items: Mapping[str, Any]):
+    """``(name, path, leaf)`` of every jax.Array leaf of ``items``, in a fixed order."""
     for name in sorted(items):
         value = items[name]
         if isinstance(value, str | bytes | int | float) or value is None:
@@ -79,16 +78,41 @@ def layout_digest(items: Mapping[str, Any]) -> str:
             continue
         for path, _keys, leaf in flat:
             if isinstance(leaf, jax.Array):
-                regions = sorted(
-                    (d.id, tuple((s.start, s.stop) for s in index))
-                    for d, index in leaf.sharding.devices_indices_map(leaf.shape).items()
-                )
-                h.update(repr((name, path, leaf.shape, str(leaf.dtype), regions)).encode())
+                yield name, path, leaf
+
+
+def layout_digest(items: Mapping[str, Any]) -> str:
+    """sha256 over every jax.Array leaf's path, shape, dtype and device -> region map:
+    what a host's copy holds for its devices (informational, in the marker)."""
+    h = hashlib.sha256()
+    for name, path, leaf in _array_leaves(items):
+        regions = sorted(
+            (d.id, tuple((s.start, s.stop) for s in index))
+            for d, index in leaf.sharding.devices_indices_map(leaf.shape).items()
+        )
+        h.update(repr((name, path, leaf.shape, str(leaf.dtype), regions)).encode())
     return h.hexdigest()
 
 
-def host_marker(step: int, run: str | None, layout: str) -> bytes:
-    """The bytes of this host's :data:`HOST_FILE` for ``step``."""
+def host_regions(items: Mapping[str, Any]) -> list[str]:
+    """Per process index, a sha256 over the regions its devices hold of every jax.Array
+    leaf (no device ids): two processes with the same digest hold the same regions, so
+    one's copy of a step is the other's (way b of a restore, ``_manager/peers.py``)."""
+    count = _distributed.process_count()
+    hashes = [hashlib.sha256() for _ in range(count)]
+    for name, path, leaf in _array_leaves(items):
+        held: list[set] = [set() for _ in range(count)]
+        for d, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+            held[d.process_index].add(tuple((s.start, s.stop) for s in index))
+        for p in range(count):
+            what = (name, path, leaf.shape, str(leaf.dtype), sorted(held[p]))
+            hashes[p].update(repr(what).encode())
+    return [h.hexdigest() for h in hashes]
+
+
+def host_marker(step: int, run: str | None, layout: str, hosts: list | None = None) -> bytes:
+    """The bytes of this host's :data:`HOST_FILE` for ``step``; ``hosts``: the
+    :func:`host_regions` of the saved items (None for a copy holding every region)."""
     doc = {
         "format": _FORMAT,
         "step": step,
@@ -97,25 +121,34 @@ def host_marker(step: int, run: str | None, layout: str) -> bytes:
         "process_count": _distributed.process_count(),
         "devices": device_map(),
         "layout": layout,
+        "hosts": hosts,
     }
     return json.dumps(doc, sort_keys=True).encode()
+
+
+def read_marker(loc: Location, step: int) -> tuple[dict | None, str | None]:
+    """This host's :data:`HOST_FILE` of ``step`` as a JSON object, or what is wrong."""
+    try:
+        raw = _steps.step_location(loc, step).read_bytes(HOST_FILE, max_bytes=1 << 20)
+    except CheckpointError as e:
+        return None, str(e)
+    if raw is None:
+        return None, f"no {HOST_FILE}"
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None, f"{HOST_FILE} is not JSON"
+    if not isinstance(doc, dict):
+        return None, f"{HOST_FILE} is not an object"
+    return doc, None
 
 
 def _marker_problem(loc: Location, step: int, run: Any) -> str | None:
     """None when this host's copy of ``step`` was written by this process of this run
     (``run=None``: of any run) with today's process->device map; else what differs."""
-    try:
-        raw = _steps.step_location(loc, step).read_bytes(HOST_FILE, max_bytes=1 << 20)
-    except CheckpointError as e:
-        return str(e)
-    if raw is None:
-        return f"no {HOST_FILE}"
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return f"{HOST_FILE} is not JSON"
-    if not isinstance(doc, dict):
-        return f"{HOST_FILE} is not an object"
+    doc, problem = read_marker(loc, step)
+    if doc is None:
+        return problem
     want = {
         "format": _FORMAT,
         "step": step,

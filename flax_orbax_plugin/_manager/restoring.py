@@ -39,6 +39,7 @@ from .._like import transform as _transform
 from .._state.resume import item_mismatch
 from .._state.train_state import merge_state, split_state
 from .._storage.location import Location
+from . import peers as _peers
 from . import per_host as _per_host
 from .book import StepBook
 from .checkpointables import Checkpointable, PytreeCheckpointable, checkpointable_for
@@ -124,20 +125,27 @@ class Restorer:
     def _restore_per_host(self, step: int | None, fn: Callable[[int], Any]) -> Any:
         """Each host's own directory (collective; docs/tiers.md): way (a) when every
         host holds the step with its marker valid and every host's read of its own
-        files succeeds; else way (c): the bucket's step (the newest, without ``step``)
-        copied down by every host into its own directory, then read. Logged either way."""
+        files succeeds; way (b) when the hosts lacking it get it from peers holding the
+        same regions (``_manager/peers.py``), then as (a); else way (c): the bucket's
+        step (the newest, without ``step``) copied down by every host into its own
+        directory, then read. Logged either way."""
         tier = self._book.tier
         mine = _per_host.valid_steps(self._loc, self._book.listed(), self._book.run)
         common = set.intersection(*(set(v) for v in _per_host.gather("restore-local", mine)))
         remote = set(tier.agreed_steps() or ())
         target = step if step is not None else max(common | remote, default=None)
+        way = "a"
+        if target is not None and target not in common and self._from_peers(target, mine):
+            common.add(target)
+            way = "b"
         if target in common:
             result, errors = self._attempt(target, fn)
             if not errors:
                 logger.info(
-                    "checkpoint: restored step %d from each host's own directory %s (way a)",
+                    "checkpoint: restored step %d from each host's own directory %s (way %s)",
                     target,
                     self._loc,
+                    way,
                 )
                 return result
             logger.warning(
@@ -169,6 +177,16 @@ class Restorer:
         result = self.with_step(target, fn)
         logger.info("checkpoint: restored step %d from %s (way c)", target, tier.remote)
         return result
+
+    def _from_peers(self, target: int, mine: list[int]) -> bool:
+        """Collective: way (b), ``target`` sent to the processes lacking it from peers
+        holding the same regions (``_manager/peers.py``); True when all now hold it."""
+        if target in self._book.listed() and target not in mine:  # not this host's
+            _ownership.remove_step(self._loc, target)  # (an old map): a peer's replaces it
+            self._book.removed(target)
+        done = _peers.fetch(self._loc, target, self._book.run, target in mine)
+        self._book.forget()
+        return done
 
     def _attempt(self, step: int, fn: Callable[[int], Any]) -> tuple[Any, list[str]]:
         """Collective: every host reads ``step`` from its own directory; returns this

@@ -178,7 +178,8 @@ class Saver:
         finally:
             _per_host.OWN_COPY.reset(token)
         if own:
-            marker = _per_host.host_marker(step, self._book.run, _per_host.layout_digest(items))
+            layout, hosts = _per_host.layout_digest(items), _per_host.host_regions(items)
+            marker = _per_host.host_marker(step, self._book.run, layout, hosts)
         entries = {n: ItemEntry(getattr(h, "kind", "custom"), dirs[n]) for n, h in handlers.items()}
         digest = _layout.sha256(
             _layout.encode(

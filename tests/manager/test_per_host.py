@@ -1,7 +1,8 @@
 """Each host its own local directory (a manager with ``persistent=``): every process
 writes all it holds, commits its own copy, the bucket gets the hosts' parts once, and
-restore reads each host's own files (way a) or the bucket (way c). Real processes,
-separate directories, a shared directory as the persistent tier."""
+restore reads each host's own files (way a), a peer's over jax collectives (way b) or
+the bucket (way c). Real processes, separate directories, the moto S3 server as the
+bucket (the bytes each restore reads from it are counted by tensorstore's metrics)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._format.layout import MANIFEST_FILE
+
+pytest_plugins = ["_servers"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # this module, for child processes
 WAIT_S = 60
@@ -30,7 +33,7 @@ class _Ways(logging.Handler):
     def emit(self, record):
         text = record.getMessage()
         self.all.append(text)
-        for way in ("(way a)", "(way c)"):
+        for way in ("(way a)", "(way b)", "(way c)"):
             if way in text:
                 self.ways.append(way[1:-1])
 
@@ -47,8 +50,16 @@ def _wipe(directory: str) -> None:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
+def _bucket_bytes_read() -> int:
+    import tensorstore as ts
+
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/s3/bytes_read")
+    return sum(v.get("value", 0) for m in found for v in m["values"])
+
+
 def _restore(ctx, local, url, like):
-    """Opens a manager on this host's directory, restores, returns (values, way, step)."""
+    """Opens a manager on this host's directory, restores, returns (values, way, step,
+    bytes read from the bucket)."""
     import jax
 
     ways = _Ways()
@@ -57,7 +68,9 @@ def _restore(ctx, local, url, like):
     logger.setLevel(logging.INFO)
     try:
         with fop.CheckpointManager(local, persistent=url) as mngr:
+            before = _bucket_bytes_read()  # the open reads the run's owner record there
             got = mngr.restore(like=like)
+            read = _bucket_bytes_read() - before
             step = mngr.restored_step
     finally:
         logger.removeHandler(ways)
@@ -68,13 +81,13 @@ def _restore(ctx, local, url, like):
             mine[f"{item}/{k}"] = [np.asarray(s.data).tolist() for s in shards]
             assert v.sharding == like[item][k].sharding
     jax.block_until_ready(got)
-    return {"values": mine, "ways": ways.ways, "step": step}
+    return {"values": mine, "ways": ways.ways, "step": step, "bucket_read": read}
 
 
-def _expected(ctx, step, like):
+def _expected(ctx, step, like, make=None):
     import _mp_workers as W
 
-    state = W.make_state(ctx, step)
+    state = (make or W.make_state)(ctx, step)
     out = {}
     for item, leaves in state.items():
         for k, v in leaves.items():
@@ -90,7 +103,49 @@ def jax_gather(v):
     return multihost_utils.process_allgather(v, tiled=True)
 
 
-def per_host_run(ctx, base, url):
+def _replicated(ctx, step):
+    """A state each host holds whole: sharded over its own devices, replicated across
+    the hosts (mesh rows are processes)."""
+    import _mp_workers as W
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = sorted(ctx.devices, key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices).reshape(ctx.num_processes, -1), ("replica", "data"))
+    full = W.expected_w(len(devices)) + step
+    w = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("data")), lambda i: full[i])
+    b_host = np.full((8,), float(step), np.float32)
+    b = jax.make_array_from_callback(b_host.shape, NamedSharding(mesh, P()), lambda i: b_host[i])
+    return {"params": {"w": w, "b": b}}
+
+
+def _outcome(r, want):
+    return {"ways": r["ways"], "step": r["step"], "exact": r["values"] == want}
+
+
+def _from_peers(ctx, base, url):
+    """A replicated state, one host wiped: its copy from the peer (way b), then way a."""
+    local = os.path.join(base, f"rep{ctx.process_id}")
+    with fop.CheckpointManager(local, persistent=url) as mngr:
+        mngr.save(7, _replicated(ctx, 7), extras={"step": 7})
+        mngr.wait()
+        assert mngr.persistent.wait(WAIT_S)
+    ctx.client.wait_at_barrier("wiped-rep", 30_000)
+    if ctx.process_id == 1:
+        _wipe(local)
+    ctx.client.wait_at_barrier("wiped-rep-done", 30_000)
+    like = _replicated(ctx, 0)
+    want = _expected(ctx, 7, like, _replicated)
+    r = _restore(ctx, local, url, like)
+    out = {"b": {**_outcome(r, want), "bucket_read": r["bucket_read"]}}
+    r = _restore(ctx, local, url, like)
+    out["after_b"] = {**_outcome(r, want), "bucket_read": r["bucket_read"]}
+    out["b_files"] = _files(local, 7)
+    return out
+
+
+def per_host_run(ctx, base, url, url2):
     """Every case in one job of 2 processes, each on ``base/host<i>``."""
     import _mp_workers as W
     import jax
@@ -118,7 +173,7 @@ def per_host_run(ctx, base, url):
         _wipe(local)
     ctx.client.wait_at_barrier("wiped-one-done", 30_000)
     r = _restore(ctx, local, url, like)
-    out["one_wiped"] = {"ways": r["ways"], "step": r["step"], "exact": r["values"] == want}
+    out["one_wiped"] = {**_outcome(r, want), "bucket_read": r["bucket_read"] > 0}
     # The copy down was committed with each host's marker: the next restore reads there.
     r = _restore(ctx, local, url, like)
     out["after_c"] = {"ways": r["ways"], "step": r["step"], "exact": r["values"] == want}
@@ -143,19 +198,20 @@ def per_host_run(ctx, base, url):
         "step": r["step"],
         "exact": r["values"] == _expected(ctx, 4, like),
     }
+    out.update(_from_peers(ctx, base, url2))
     return out
 
 
 @pytest.mark.distributed
-def test_per_host_directories_save_replicate_and_restore_by_way(tmp_path):
+def test_per_host_directories_save_replicate_and_restore_by_way(tmp_path, s3_location):
     from _multiprocess import run_processes
 
-    base, url = str(tmp_path / "hosts"), str(tmp_path / "bucket")
+    base, url, url2 = str(tmp_path / "hosts"), s3_location.url, s3_location.join("rep").url
     run = run_processes(
         "test_per_host:per_host_run",
         2,
         devices_per_process=2,
-        args={"base": base, "url": url},
+        args={"base": base, "url": url, "url2": url2},
         env={"FOP_COORDINATION_TIMEOUT_S": "20", "PYTHONPATH": HERE},
         heartbeat_timeout_s=30,
         timeout_s=150,
@@ -163,13 +219,23 @@ def test_per_host_directories_save_replicate_and_restore_by_way(tmp_path):
     r0, r1 = run[0].result, run[1].result
     for r in (r0, r1):
         assert r["per_host"] and r["replicated"]
-        assert r["local_steps"] == [2, 3]
+        assert r["local_steps"][-2:] == [2, 3]  # 1 too while the bucket lacked a newer
         assert "_HOST.json" in r["files"] and MANIFEST_FILE in r["files"]
         assert r["a"] == {"ways": ["way a"], "step": 3, "exact": True}
-        assert r["one_wiped"] == {"ways": ["way c"], "step": 3, "exact": True}
+        # Fully sharded, no replica across hosts: no peer holds the wiped host's part.
+        assert r["one_wiped"] == {"ways": ["way c"], "step": 3, "exact": True, "bucket_read": True}
         assert r["after_c"] == {"ways": ["way a"], "step": 3, "exact": True}
         assert r["mesh"] == {"ways": ["way c"], "step": 4, "exact": True}
         assert r["all_wiped"] == {"ways": ["way c"], "step": 4, "exact": True}
+    # Replicated across hosts: the wiped host's copy from its peer, bit-exact, and
+    # nothing read from the bucket but the primary's listing of its steps (an object
+    # store's listing reads each step's manifest), as by way (a); the copy is then the
+    # host's own (way a).
+    listed = len(s3_location.join("rep").read(f"7/{MANIFEST_FILE}"))
+    for r, read in ((r0, listed), (r1, 0)):
+        assert r["b"] == {"ways": ["way b"], "step": 7, "exact": True, "bucket_read": read}
+        assert r["after_b"] == {"ways": ["way a"], "step": 7, "exact": True, "bucket_read": read}
+    assert r0["b_files"] == r1["b_files"]  # the same files, its marker among them
     # Each host holds its own shards (not the other's) and the replicated leaves.
     assert r0["files"] != r1["files"]
     # The bucket holds each file once: the hosts' shares are disjoint.

@@ -166,7 +166,7 @@ class CopyDown:
         files = [f for f in _files.remote_files(src) if f != MANIFEST_FILE]
         _files.check_listed(manifest, files, str(src))
         t0 = time.perf_counter()
-        staging = Staging.begin(local_final, secrets.token_hex(6))
+        staging = Staging.begin(local_final, secrets.token_hex(6), own=self._places.per_host)
         try:
             nbytes = _files.copy_files(
                 lambda rel: _files.read_remote_file(src, rel),
