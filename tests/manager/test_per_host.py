@@ -244,3 +244,98 @@ def test_per_host_directories_save_replicate_and_restore_by_way(tmp_path, s3_loc
     with fop.CheckpointManager(url, read_only=True) as reader:
         assert reader.steps()[-1] == 4
         assert reader.restore(step=3, items="extras") == {"step": 3}
+
+
+def _preempt_state(ctx, step):
+    """The state ``_mp_workers.preempted_training`` holds after ``step`` steps."""
+    import _mp_workers as W
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    host = W.preempt_expected(step, len(ctx.devices))
+    sharded = NamedSharding(ctx.mesh, P(ctx.mesh.axis_names[0]))
+    w = jax.make_array_from_callback(host["w"].shape, sharded, lambda i: host["w"][i])
+    b = jax.make_array_from_callback((), NamedSharding(ctx.mesh, P()), lambda i: host["b"])
+    return {"params": {"w": w, "b": b}}
+
+
+def killed_mid_save(ctx, base, url):
+    """Step 5 saved (and in the bucket), then process 1 dies mid-write of step 10."""
+    import _mp_workers as W
+
+    local = os.path.join(base, f"host{ctx.process_id}")
+    out = {}
+    mngr = fop.CheckpointManager(local, keep=2, persistent=url)
+    mngr.save(5, _preempt_state(ctx, 5))
+    mngr.wait()
+    out["replicated"] = mngr.persistent.wait(WAIT_S)
+    W._kill_mid_write(ctx, 1)
+    try:
+        mngr.save(10, _preempt_state(ctx, 10))
+        mngr.wait()
+        out["save"] = "returned"
+    except Exception as e:  # noqa: BLE001
+        out["save"] = type(e).__name__
+    ctx.note("partial_out", out)
+    ctx.flush()
+    return out
+
+
+@pytest.mark.distributed
+def test_per_host_a_host_killed_mid_save_then_a_sigterm_on_resume(tmp_path, s3_location):
+    """A host killed mid-save commits nothing anywhere; the restart resumes from each
+    host's own copy, then a SIGTERM on every process: the agreed step is committed on
+    every host and in the bucket, bit-exact."""
+    import _mp_workers as W
+    from _multiprocess import Kill, Signal, run_processes
+
+    base, url = str(tmp_path / "hosts"), s3_location.join("kill").url
+    env = {"FOP_COORDINATION_TIMEOUT_S": "5", "PYTHONPATH": HERE}
+    run = run_processes(
+        "test_per_host:killed_mid_save",
+        2,
+        devices_per_process=2,
+        args={"base": base, "url": url},
+        kill=Kill(process=1, at="mid_save"),
+        env=env,
+        heartbeat_timeout_s=60,
+        done_timeout_s=2,
+        timeout_s=60,
+    )
+    assert run[1].killed, run[1].describe()
+    survivor = run[0].record.get("partial_out")
+    assert survivor == {"replicated": True, "save": "CoordinationError"}, run[0].describe()
+    for i in (0, 1):  # nothing half-committed on either host, nor in the bucket
+        with fop.CheckpointManager(os.path.join(base, f"host{i}"), read_only=True) as r:
+            assert r.steps() == [5]
+    with fop.CheckpointManager(url, read_only=True) as r:
+        assert r.steps() == [5]
+    workdir = str(tmp_path / "resume")
+    at = 8
+    signals = [Signal(p, lambda p=p: W.progress(workdir, p) >= at) for p in (0, 1)]
+    run = run_processes(
+        "_mp_workers:preempted_training",
+        2,
+        devices_per_process=2,
+        args={"directory": base, "resume": True, "persistent": url},
+        workdir=workdir,
+        signals=signals,
+        env={**env, "FOP_COORDINATION_TIMEOUT_S": "20"},
+        heartbeat_timeout_s=30,
+        timeout_s=60,
+    )
+    stories = "\n\n".join(p.describe() for p in run.procs)
+    assert [p.returncode for p in run.procs] == [143, 143], stories
+    assert {p.record["resumed"] for p in run.procs} == {5}, stories
+    assert all(p.record["resumed_exact"] for p in run.procs), stories
+    (step,) = {p.record["last_step"] for p in run.procs}
+    assert step > at, stories
+    for i in (0, 1):
+        with fop.CheckpointManager(os.path.join(base, f"host{i}"), read_only=True) as r:
+            assert r.latest_step() == step
+    with fop.CheckpointManager(url, read_only=True) as r:
+        assert r.latest_step() == step
+        got = r.restore(step=step)
+    want = W.preempt_expected(step, 4)
+    assert np.array_equal(got["params"]["w"], want["w"]) and int(got["params"]["b"]) == step
