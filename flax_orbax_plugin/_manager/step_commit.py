@@ -134,11 +134,27 @@ class StepCommit:
                 d = self._entries[name].dir
                 files.update({f"{d}/{f}": h for f, h in result.files.items()})
         if self._host_marker is not None:
+            self._check_own_items()
             self._staging.location.write_bytes(HOST_FILE, self._host_marker, durable=False)
         self._staging.location.sync()
         _faults.kill_point("after_sync")
         self._sizes.append(Written(total, files, reused))
         return self._sizes[-1]
+
+    def _check_own_items(self) -> None:
+        """Each host's own directory: every item wrote something into this host's copy
+        (a custom checkpointable that writes only on process 0 would leave the other
+        hosts' copies without it: they could not restore the step on their own)."""
+        where = self._staging.location
+        empty = [n for n, e in self._entries.items() if not where.child(e.dir).list_children()]
+        if empty:
+            names = ", ".join(repr(n) for n in sorted(empty))
+            raise CheckpointError(
+                f"step {self._step} of {self._loc}: checkpointable {names} wrote nothing into "
+                f"process {_distributed.process_index()}'s own directory; with a directory "
+                f"per host every process must write every item (write on every process, "
+                f"not only on process 0), or use a directory every host shares"
+            )
 
     def _publish(self, files: dict[str, str]) -> None:
         count = _distributed.process_count()

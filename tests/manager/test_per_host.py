@@ -120,6 +120,40 @@ def _replicated(ctx, step):
     return {"params": {"w": w, "b": b}}
 
 
+class _PrimaryOnly:
+    """A custom checkpointable written as for a shared directory: by process 0 only."""
+
+    kind = "notes"
+
+    def save(self, directory, value):
+        import jax
+
+        class Done:
+            def wait(self):
+                if jax.process_index() == 0:
+                    directory.write_bytes("notes.txt", value.encode())
+
+        return Done()
+
+    def restore(self, directory, like):
+        return directory.read_bytes("notes.txt").decode()
+
+
+def _primary_only_refused(ctx, base, url):
+    """Each host its own directory: an item written on process 0 only is refused."""
+    local = os.path.join(base, f"custom{ctx.process_id}")
+    with fop.CheckpointManager(
+        local, persistent=url, checkpointables={"notes": _PrimaryOnly()}
+    ) as m:
+        try:
+            m.save(1, {"notes": "hello"})
+            m.wait()
+            error = None
+        except fop.CheckpointError as e:
+            error = str(e)
+        return {"custom_error": error, "custom_steps": m.steps()}
+
+
 def _outcome(r, want):
     return {"ways": r["ways"], "step": r["step"], "exact": r["values"] == want}
 
@@ -199,6 +233,7 @@ def per_host_run(ctx, base, url, url2):
         "exact": r["values"] == _expected(ctx, 4, like),
     }
     out.update(_from_peers(ctx, base, url2))
+    out.update(_primary_only_refused(ctx, base, url2 + "-custom"))
     return out
 
 
@@ -235,6 +270,11 @@ def test_per_host_directories_save_replicate_and_restore_by_way(tmp_path, s3_loc
     for r, read in ((r0, listed), (r1, 0)):
         assert r["b"] == {"ways": ["way b"], "step": 7, "exact": True, "bucket_read": read}
         assert r["after_b"] == {"ways": ["way a"], "step": 7, "exact": True, "bucket_read": read}
+    # A custom item only process 0 writes: refused on both, naming it; nothing committed.
+    assert "process 1's own directory" in r0["custom_error"] + r1["custom_error"]
+    for r in (r0, r1):
+        assert "checkpointable 'notes' wrote nothing" in r["custom_error"], r["custom_error"]
+        assert r["custom_steps"] == []
     assert r0["b_files"] == r1["b_files"]  # the same files, its marker among them
     # Each host holds its own shards (not the other's) and the replicated leaves.
     assert r0["files"] != r1["files"]
