@@ -34,21 +34,25 @@ class Staging:
     final: Location
     location: Location
     nonce: str
+    own: bool = False  # this process's own copy (a host's own directory): it claims it
 
     @property
     def renames(self) -> bool:
         return self.location != self.final
 
     @classmethod
-    def begin(cls, final: Location, nonce: str, *, claim: bool = True) -> Staging:
+    def begin(
+        cls, final: Location, nonce: str, *, claim: bool = True, own: bool = False
+    ) -> Staging:
         """The staging place of a commit of ``final``, claimed (pending marker written)
         before anything else is written there (by the primary). Every process calls it
         with the same ``nonce``. With ``claim=False`` the caller calls :meth:`claim` itself, before
-        its first write (the core save: in its background phase)."""
+        its first write (the core save: in its background phase). ``own``: a place only this
+        process sees (each host's own directory): every process claims and commits its own."""
         if final.supports_rename:
-            staging = cls(final, final.sibling(f"{final.name}.partial-{nonce}"), nonce)
+            staging = cls(final, final.sibling(f"{final.name}.partial-{nonce}"), nonce, own)
         else:
-            staging = cls(final, final, nonce)
+            staging = cls(final, final, nonce, own)
         if claim:
             staging.claim()
         return staging
@@ -57,7 +61,7 @@ class Staging:
         """Primary only (a no-op elsewhere): the others share the place and its claim.
         A process that writes before the claim lands can at worst leave remains
         nothing proves ours: left alone, never a foreign place removed."""
-        if _distributed.is_primary():
+        if self.own or _distributed.is_primary():
             _ownership.claim(self.location, self.nonce)
 
     def publish(self, marker: str, data: bytes, *, replace: bool) -> None:

@@ -25,19 +25,32 @@ from .._format.layout import BatchRecord, BatchStorage
 from .._zarr import chunk_writer as _chunk_writer
 
 
-def take(leaves: list, batches: dict[str, BatchRecord], pool: _host.BufferPool | None):
+def take(
+    leaves: list,
+    batches: dict[str, BatchRecord],
+    pool: _host.BufferPool | None,
+    own_copy: bool = False,
+):
     """Copies every byte this process writes (``leaves``: the plan's, each gets its
     ``writes``) to host memory; with ``pool``, into its buffers. Returns (batch name ->
-    its data, the pooled buffers to give back once written)."""
+    its data, the pooled buffers to give back once written).
+
+    ``own_copy`` (a host's own local directory): this process writes every region it
+    holds, replicas included (whole shards, not a replica-parallel part), every batch
+    all of whose leaves it holds and every host (numpy) leaf, under the names of the
+    shared layout; its directory then restores on it alone."""
     me = _distributed.process_index()
     pooled: list[np.ndarray] = []
+    writers = {n: b.process for n, b in batches.items()}
+    if own_copy:
+        writers = _held_batches(leaves, batches, me)
 
     def keep(buffer: np.ndarray) -> np.ndarray:  # given back after the write
         if pool is not None:
             pooled.append(buffer)
         return buffer
 
-    owned = _owned(leaves, batches, me)
+    owned = _owned(leaves, writers, me, own_copy)
     for _, source, _ in owned:  # start all device-to-host copies before waiting on any
         data = source[0] if isinstance(source, tuple) else source
         if isinstance(data, jax.Array) and next(iter(data.devices())).platform != "cpu":
@@ -49,7 +62,7 @@ def take(leaves: list, batches: dict[str, BatchRecord], pool: _host.BufferPool |
     ends: dict[str, int] = {}  # end of the last leaf written into each batch
     pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
     for name, batch in batches.items():
-        if batch.process == me:
+        if writers[name] == me:
             dtype = _layout.dtype_from_name(batch.dtype)
             if pool is None:
                 pieces[name] = []
@@ -74,7 +87,18 @@ def take(leaves: list, batches: dict[str, BatchRecord], pool: _host.BufferPool |
     return batch_data, pooled
 
 
-def _owned(leaves: list, batches: dict[str, BatchRecord], me: int) -> list:
+def _held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dict[str, int]:
+    """``{batch: me}`` for each batch every leaf of which this process holds (own copy)."""
+    held = dict.fromkeys(batches, me)
+    for leaf in leaves:
+        storage = leaf.record.storage
+        if isinstance(storage, BatchStorage) and isinstance(leaf.value, jax.Array):
+            if me not in {d.process_index for d in leaf.value.sharding.device_set}:
+                held[storage.batch] = -1
+    return held
+
+
+def _owned(leaves: list, writers: dict[str, int], me: int, own_copy: bool) -> list:
     """(leaf, what to read it from, region) for every piece this process writes; each
     source is resolved once, so the object whose device-to-host copy is started is the
     one read afterwards (jax caches the copy per object)."""
@@ -84,17 +108,18 @@ def _owned(leaves: list, batches: dict[str, BatchRecord], me: int) -> list:
         if storage is None:
             continue
         if isinstance(storage, BatchStorage):
-            if batches[storage.batch].process == me:
+            if writers[storage.batch] == me:
                 if isinstance(value, jax.Array):
                     value = _local_replica(value, None)
                 owned.append((leaf, value, None))
         elif isinstance(value, jax.Array):
             shape, chunk = leaf.record.shape, storage.chunk_shape
             for index, holders in _replica_groups(value.sharding, shape):
-                rows = _my_rows(index, shape, chunk, holders, me)
+                mine = [me] if own_copy and me in holders else holders  # own copy: whole shards
+                rows = _my_rows(index, shape, chunk, mine, me)
                 if rows is not None:
                     owned.append((leaf, (_local_replica(value, index), index), rows))
-        elif me == 0:
+        elif me == 0 or own_copy:
             owned.append((leaf, value, tuple(slice(None) for _ in value.shape)))
     return owned
 

@@ -183,6 +183,8 @@ class Plan:
         self.digest = _digest(leaves)
         self._pool: _host.BufferPool | None = None
         self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
+        self.own_copy = False  # every process writes all it holds (see host_snapshot.take)
+        self.created_at: float | None = None  # the document's time (None: at writing)
 
     @classmethod
     def build(cls, tree: Any, *, codec: str | None = None) -> Plan:
@@ -202,18 +204,22 @@ class Plan:
             leaves.append(Leaf(index, value, record))
         return cls(leaves, batching.records(codec))
 
-    def snapshot(self, pool: _host.BufferPool | None = None) -> None:
+    def snapshot(self, pool: _host.BufferPool | None = None, own_copy: bool = False) -> None:
         """Copies every byte this process writes to host memory (blocking phase); with
-        ``pool``, into its buffers (given back by :meth:`write`)."""
+        ``pool``, into its buffers (given back by :meth:`write`). ``own_copy``: a host's
+        own directory (every process writes all it holds, and every JSON file)."""
         self._pool = pool
-        self.batch_data, self._pooled = _host_snapshot.take(self.leaves, self.batches, pool)
+        self.own_copy = own_copy
+        self.batch_data, self._pooled = _host_snapshot.take(
+            self.leaves, self.batches, pool, own_copy
+        )
 
     def document(self) -> CheckpointDocument:
         return CheckpointDocument(
             tuple(leaf.record for leaf in self.leaves),
             self.batches,
             _distributed.process_count(),
-            time.time(),
+            time.time() if self.created_at is None else self.created_at,
             jax.__version__,
         )
 
@@ -244,7 +250,7 @@ class Plan:
             self._pooled = []
 
     def _write(self, location, *, limit, durable, reuse) -> _commit.Written:
-        primary = _distributed.is_primary()
+        primary = _distributed.is_primary() or self.own_copy
         files = {}
         links = {}
         if reuse is not None:

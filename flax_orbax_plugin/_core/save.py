@@ -254,17 +254,26 @@ def _check_target(location: Location, force: bool) -> None:
 
 
 def snapshot(
-    tree: Any, *, compression: str | None = None, buffers: _host.BufferPool | None = None
+    tree: Any,
+    *,
+    compression: str | None = None,
+    buffers: _host.BufferPool | None = None,
+    own_copy: bool = False,
+    created_at: float | None = None,
 ) -> Snapshot:
     """The blocking phase: plan ``tree``'s layout and copy this process's bytes to host.
 
     ``buffers`` (a manager's pool): every host byte is copied into buffers taken from
     it, CPU arrays included, and given back once written; without it, CPU arrays are
     held as zero-copy views (see :func:`_host_copy`) and other bytes go to fresh memory.
+    ``own_copy`` (a manager step in each host's own directory): this process writes
+    everything it holds and every JSON file, ``_METADATA.json`` dated ``created_at``
+    (the same bytes on every process).
     """
     codec = _layout.check_codec(compression)
     with _tree.paused_gc():
         plan = Plan.build(tree, codec=codec)
-    plan.snapshot(buffers)
+    plan.created_at = created_at
+    plan.snapshot(buffers, own_copy)
     _faults.kill_point("after_snapshot")
     return plan

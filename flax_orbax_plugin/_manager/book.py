@@ -30,6 +30,10 @@ class StepBook:
     def __init__(self, location: Location):
         self.location = location
         self.tier: PersistentTier | None = None  # set once, when the manager opens it
+        # Set once at open: each host has its own directory (see per_host), and the run
+        # owning the places (the primary's, shared), which each host's marker names.
+        self.per_host = False
+        self.run: str | None = None
         self.lock = threading.Lock()  # guards the fields below
         self._reading: collections.Counter[int] = collections.Counter()
         self._deleting: set[int] = set()

@@ -41,6 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .._core import claims as _claims
 from .._core import restore as _restore
 from .._core import save as _save
 from .._core.commit import Written
@@ -48,6 +49,7 @@ from .._errors import CorruptCheckpointError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._storage.location import Location
+from .per_host import OWN_COPY
 
 __all__ = [
     "Checkpointable",
@@ -190,7 +192,14 @@ class PytreeCheckpointable:
     ) -> Pending:
         """``reuse``: an ``_incremental.Reuse`` from a manager with ``incremental=True``;
         ``buffers``: the manager's ``_host.BufferPool`` (snapshot memory reused)."""
-        snap = _save.snapshot(value, compression=self.compression, buffers=buffers)
+        created_at = OWN_COPY.get()  # a host's own directory: all it holds, every file
+        snap = _save.snapshot(
+            value,
+            compression=self.compression,
+            buffers=buffers,
+            own_copy=created_at is not None,
+            created_at=created_at,
+        )
         limit = _save.DEFAULT_MEMORY_LIMIT_BYTES
         return _Done(
             lambda: snap.write(directory, limit=limit, durable=False, reuse=reuse), snap.digest
@@ -198,12 +207,21 @@ class PytreeCheckpointable:
 
     def restore(self, directory: Location, like: Any, **changes: Any) -> Any:
         """``changes``: ``partial``, ``missing``, ``transform`` of ``fop.restore`` (the
-        manager passes them for a restore into a changed model)."""
-        return _restore.restore(directory, like, **changes)
+        manager passes them for a restore into a changed model). Each host's own
+        directory (per-host restore): every process reads what it needs itself, no
+        collective (a process whose read fails never leaves the others waiting)."""
+        if OWN_COPY.get() is None:
+            return _restore.restore(directory, like, **changes)
+        token = _claims.HOST_COPY.set(True)
+        try:
+            return _restore.restore(directory, like, share_replicated_reads=False, **changes)
+        finally:
+            _claims.HOST_COPY.reset(token)
 
 
 class JsonCheckpointable:
-    """A small JSON value, written by the primary process only (``extras``)."""
+    """A small JSON value, written by the primary process only (``extras``; by every
+    process into each host's own directory)."""
 
     kind = "json"
 
@@ -215,7 +233,7 @@ class JsonCheckpointable:
 
     def save(self, directory: Location, value: Any) -> Pending:
         data = self._encode(value)  # snapshot now, on the caller's thread
-        primary = _process_index() == 0
+        primary = _process_index() == 0 or OWN_COPY.get() is not None
 
         def write() -> Written:
             return write_json(directory, JSON_FILE, data) if primary else Written()

@@ -48,19 +48,20 @@ def refuse_step_directory(loc: Location) -> None:
             )
 
 
-def open_writer(loc: Location) -> DirectoryLock | None:
+def open_writer(loc: Location, *, own: bool = False) -> DirectoryLock | None:
     """A writer's open, on every process: the lock (the primary, local paths), the
     dead saves' remains removed (the primary), then one meeting of all processes.
-    Returns the lock held (released again if anything after it fails)."""
+    Returns the lock held (released again if anything after it fails). ``own``: each
+    host's own directory: every process locks and cleans its own."""
     dir_lock = None
-    if loc.is_local and _distributed.is_primary():
+    if loc.is_local and (own or _distributed.is_primary()):
         # One writer per directory: the primary holds the lock for all processes
         # of a run (the others write only through the primary's commit protocol).
         loc.makedirs()
         dir_lock = DirectoryLock(loc.path)
         dir_lock.acquire()
     try:
-        if _distributed.is_primary():
+        if own or _distributed.is_primary():
             remove_unfinished(loc)
         _distributed.session_nonce()  # collective once; later staging names need none
         _distributed.barrier(_distributed.next_operation_id("manager-open"))

@@ -21,13 +21,14 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base import host as _host
 from .._core import ownership as _ownership
-from .._core.save import SaveHandle, SaveResult
+from .._core.save import SaveResult
 from .._errors import CheckpointError
 from .._like import transform as _transform
 from .._storage import shared_dir as _shared_dir
 from .._storage.lock import DirectoryLock
 from . import housekeeping as _housekeeping
 from . import options as _options
+from . import per_host as _per_host
 from .book import StepBook
 from .checkpointables import Checkpointable
 from .preemption import Preemption
@@ -69,8 +70,9 @@ class CheckpointManager:
       clock: time source for ``every_seconds`` (tests pass one in).
       persistent: a second, persistent tier (``s3://``, ``gs://``, a shared
         filesystem path) to which every step committed in ``directory`` (then a
-        local disk) is replicated in the background, with its own commit; restore
-        takes the newest good step of either tier. See ``_tiers``.
+        local disk, shared or each host's own) is replicated in the background, with
+        its own commit; restore takes the newest good step of either tier. See
+        docs/tiers.md.
       persistent_keep, persistent_keep_every: the persistent tier's retention (as
         ``keep`` and ``keep_every``; ``persistent_keep=None`` keeps every step there).
       persistent_grace_seconds: after SIGTERM, how long the exit waits for the
@@ -141,19 +143,23 @@ class CheckpointManager:
 
     def _open(self, opts: _options.ManagerOptions) -> None:
         """A writer's open: lock, housekeeping, deletion thread, tier, SIGTERM."""
-        self._dir_lock = _housekeeping.open_writer(self._loc)
+        own = _per_host.detect(self._loc, opts.persistent, opts.incremental)
+        self._book.per_host = own  # each host's own directory (docs/tiers.md)
+        self._dir_lock = _housekeeping.open_writer(self._loc, own=own)
         self._retainer.start()
         try:  # several processes on a local path: the same directory on every host
-            _shared_dir.check_visible(self._loc)
-            if opts.persistent is not None:
+            if opts.persistent is None:
+                _shared_dir.check_visible(self._loc)
+            else:
                 self._book.tier = PersistentTier(
                     self._loc,
                     opts.persistent,
                     remove_step=_ownership.remove_step,
                     busy=lambda: self.save_in_flight,
+                    per_host=own,
                     **opts.tier_options(),
                 )
-                self._book.tier.open(self.steps())
+                _per_host.open_tier(self._book, self.steps())
             if opts.handle_sigterm:
                 self._schedule.preemption = Preemption.install()
         except BaseException:
@@ -189,12 +195,9 @@ class CheckpointManager:
         processes, once the step every process saves before stopping was reached."""
         return self._schedule.preempted
 
-    @property
-    def _preemption(self) -> Preemption | None:
-        return self._schedule.preemption
+    _preemption = property(lambda self: self._schedule.preemption)
 
-    def _preempted_at(self, step: int) -> bool:
-        """Whether ``step`` is to be saved before stopping (see SaveSchedule)."""
+    def _preempted_at(self, step: int) -> bool:  # to be saved before stopping?
         return self._schedule.preempted_at(step)
 
     @property
@@ -266,7 +269,7 @@ class CheckpointManager:
         self._check_writable()
         self.wait()
         self._book.forget()  # gc looks at the store itself
-        if _distributed.is_primary():
+        if _distributed.is_primary() or self._book.per_host:
             _housekeeping.remove_unfinished(self._loc)
         return self._retainer.apply(None)
 
@@ -369,14 +372,12 @@ class CheckpointManager:
 
     def __del__(self):
         try:
-            if not self._closed:
-                self._release_lock()
+            self._closed or self._release_lock()
         except Exception:  # noqa: BLE001
             pass
 
     def _release_lock(self) -> None:
-        if self._dir_lock is not None:
-            self._dir_lock.release()
+        self._dir_lock is not None and self._dir_lock.release()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -387,10 +388,7 @@ class CheckpointManager:
         if self._read_only:
             raise CheckpointError(f"manager on {self._loc} is read-only")
 
-    @property
-    def _inflight(self) -> SaveHandle | None:
-        """The save in flight (the callback matches its handle)."""
-        return self._saver.inflight
+    _inflight = property(lambda self: self._saver.inflight)  # the callback matches it
 
     def _wait_inflight(self) -> None:
         self._saver.wait()

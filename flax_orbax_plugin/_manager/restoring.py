@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._core import ownership as _ownership
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -38,6 +39,8 @@ from .._like import transform as _transform
 from .._state.resume import item_mismatch
 from .._state.train_state import merge_state, split_state
 from .._storage.location import Location
+from . import peers as _peers
+from . import per_host as _per_host
 from .book import StepBook
 from .checkpointables import Checkpointable, PytreeCheckpointable, checkpointable_for
 
@@ -85,6 +88,12 @@ class Restorer:
         """``step`` (the latest that restores when None); see CheckpointManager.restore."""
         tier = self._book.tier
         fn = lambda s: self._restore_step(s, like, items, data_iterator, changes)
+        if self._book.per_host:
+            token = _per_host.OWN_COPY.set(True)  # each reads its own files, no collective
+            try:
+                return self._restore_per_host(step, fn)
+            finally:
+                _per_host.OWN_COPY.reset(token)
         if step is not None:
             if tier is not None:
                 tier.ensure_local(step)
@@ -113,6 +122,84 @@ class Restorer:
             raise error
         raise CheckpointNotFoundError(f"no committed steps in {self._loc}")
 
+    def _restore_per_host(self, step: int | None, fn: Callable[[int], Any]) -> Any:
+        """Each host's own directory (collective; docs/tiers.md): way (a) when every
+        host holds the step with its marker valid and every host's read of its own
+        files succeeds; way (b) when the hosts lacking it get it from peers holding the
+        same regions (``_manager/peers.py``), then as (a); else way (c): the bucket's
+        step (the newest, without ``step``) copied down by every host into its own
+        directory, then read. Logged either way."""
+        tier = self._book.tier
+        mine = _per_host.valid_steps(self._loc, self._book.listed(), self._book.run)
+        common = set.intersection(*(set(v) for v in _per_host.gather("restore-local", mine)))
+        remote = set(tier.agreed_steps() or ())
+        target = step if step is not None else max(common | remote, default=None)
+        way = "a"
+        if target is not None and target not in common and self._from_peers(target, mine):
+            common.add(target)
+            way = "b"
+        if target in common:
+            result, errors = self._attempt(target, fn)
+            if not errors:
+                logger.info(
+                    "checkpoint: restored step %d from each host's own directory %s (way %s)",
+                    target,
+                    self._loc,
+                    way,
+                )
+                return result
+            logger.warning(
+                "checkpoint: step %d does not restore from every host's own directory (%s); "
+                "reading the persistent tier %s",
+                target,
+                "; ".join(errors),
+                tier.remote,
+            )
+            if step is None:
+                target = max(remote, default=None)
+        elif target is not None:
+            logger.info(
+                "checkpoint: step %d is not in every host's own directory (all hold: %s); "
+                "reading it from %s",
+                target,
+                sorted(common),
+                tier.remote,
+            )
+        if target is None or target not in remote:
+            where = f"every host's own {self._loc} nor {tier.remote}"
+            what = "no committed steps" if target is None else f"step {target} is in neither"
+            raise CheckpointNotFoundError(f"{what}: {where}")
+        if target in self._book.listed():  # this host's part: the full copy replaces it
+            _ownership.remove_step(self._loc, target)
+            self._book.removed(target)
+        tier.ensure_local(target)
+        self._book.forget()
+        result = self.with_step(target, fn)
+        logger.info("checkpoint: restored step %d from %s (way c)", target, tier.remote)
+        return result
+
+    def _from_peers(self, target: int, mine: list[int]) -> bool:
+        """Collective: way (b), ``target`` sent to the processes lacking it from peers
+        holding the same regions (``_manager/peers.py``); True when all now hold it."""
+        if target in self._book.listed() and target not in mine:  # not this host's
+            _ownership.remove_step(self._loc, target)  # (an old map): a peer's replaces it
+            self._book.removed(target)
+        done = _peers.fetch(self._loc, target, self._book.run, target in mine)
+        self._book.forget()
+        return done
+
+    def _attempt(self, step: int, fn: Callable[[int], Any]) -> tuple[Any, list[str]]:
+        """Collective: every host reads ``step`` from its own directory; returns this
+        host's result and every host's error (none: all read it)."""
+        result, error = None, None
+        try:
+            result = self.with_step(step, fn)
+        except CheckpointError as e:
+            error = f"{type(e).__name__}: {e}"  # nothing set aside: a host's copy
+            # lacking what a changed layout reads looks damaged; way (c) replaces it
+        views = _per_host.gather("restore-read", error)
+        return result, [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
+
     def candidates(self) -> list[int]:
         """Committed steps of both tiers, ascending (a step in both is read locally)."""
         steps = self._book.listed()
@@ -128,7 +215,8 @@ class Restorer:
         logger.warning("checkpoint: skipping damaged step %d of %s: %s", step, self._loc, error)
         if isinstance(error, ForeignEntryError):
             return
-        if self._read_only or not _distributed.is_primary() or not self._loc.supports_rename:
+        owner = _distributed.is_primary() or self._book.per_host
+        if self._read_only or not owner or not self._loc.supports_rename:
             return
         name = f"{step}.corrupt-{secrets.token_hex(6)}"
         try:

@@ -118,7 +118,7 @@ class RetentionRunner:
             if not self.policy.deletes_anything:
                 return removed
             doomed = self._doomed(just_written)
-            if not _distributed.is_primary():  # the primary deletes them
+            if not (_distributed.is_primary() or self._book.per_host):  # the primary deletes
                 for s in doomed:
                     self._book.removed(s)
                 return removed
@@ -145,4 +145,7 @@ class RetentionRunner:
         tier = self._book.tier
         if tier is not None:  # not yet replicated: kept locally
             protected |= tier.pending_steps()
+            if self._book.per_host:  # each host's copy: nothing newer than the bucket goes
+                newest = max(tier.known_steps(), default=-1)
+                protected |= {s for s in steps if s > newest}
         return steps_to_delete(steps, self.policy, metrics=metrics, protected=protected)

@@ -30,6 +30,7 @@ from .._incremental import reuse as _incremental
 from .._incremental.reuse import Reuse
 from .._state.train_state import split_state
 from .._storage.location import Location
+from . import per_host as _per_host
 from .book import StepBook
 from .checkpointables import Checkpointable, Pending, PytreeCheckpointable, checkpointable_for
 from .options import check_item_name
@@ -163,13 +164,22 @@ class Saver:
         started = time.perf_counter()
         replace = step in local
         final = _steps.step_location(self._loc, step)
-        staging = Staging.begin(final, _distributed.unique_name())
+        own = self._book.per_host  # each host's own directory: see per_host
+        staging = Staging.begin(final, _distributed.unique_name(), own=own)
         # On object stores a replaced step's items go under fresh names (old step intact).
         dirs = {n: n if staging.renames or not replace else f"{n}.{staging.nonce}" for n in items}
         handlers = {name: checkpointable_for(name, self._overrides) for name in items}
         prev = max((s for s in local if s < step), default=None) if self._incremental else None
         prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
-        pendings, reuses = self._save_items(staging, items, dirs, handlers, prev_loc)
+        marker = None
+        token = _per_host.OWN_COPY.set(_per_host.agreed_time() if own else None)
+        try:
+            pendings, reuses = self._save_items(staging, items, dirs, handlers, prev_loc)
+        finally:
+            _per_host.OWN_COPY.reset(token)
+        if own:
+            layout, hosts = _per_host.layout_digest(items), _per_host.host_regions(items)
+            marker = _per_host.host_marker(step, self._book.run, layout, hosts)
         entries = {n: ItemEntry(getattr(h, "kind", "custom"), dirs[n]) for n, h in handlers.items()}
         digest = _layout.sha256(
             _layout.encode(
@@ -179,7 +189,9 @@ class Saver:
         metric = self._retention.metric_of(extras)
         blocking = time.perf_counter() - started
         op = _distributed.next_operation_id("manager-commit")
-        commit = StepCommit(self._loc, step, staging, pendings, entries, digest, replace)
+        commit = StepCommit(
+            self._loc, step, staging, pendings, entries, digest, replace, host_marker=marker
+        )
 
         def background() -> SaveResult:
             try:

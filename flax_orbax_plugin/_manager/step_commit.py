@@ -22,10 +22,12 @@ from .._base import faults as _faults
 from .._core import commit as _commit
 from .._core import ownership as _ownership
 from .._core.commit import Staging, Written
+from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE, ItemEntry, StepManifest
 from .._storage.location import Location
 from .checkpointables import Pending
+from .per_host import HOST_FILE
 
 __all__ = ["StepCommit", "wait_all"]
 
@@ -59,6 +61,8 @@ class StepCommit:
         entries: Mapping[str, ItemEntry],
         digest: str,
         replace: bool,
+        *,
+        host_marker: bytes | None = None,
     ):
         self._loc = location
         self._step = step
@@ -67,6 +71,10 @@ class StepCommit:
         self._entries = entries
         self._digest = digest
         self._replace = replace
+        # Each host's own directory: this host's marker, written before the sync; every
+        # process commits its own copy with the primary's manifest (see per_host).
+        self._host_marker = host_marker
+        self._op = ""
         self._sizes: list[Written] = []  # this process's totals, for the manifest
         self._old_dirs: set[str] = set()  # object stores: the replaced step's item dirs
 
@@ -76,7 +84,8 @@ class StepCommit:
         if self._replace and not staging.renames and _distributed.is_primary():
             old = _steps.read_manifest(staging.final)
             self._old_dirs = {e.dir for e in old.items.values()}
-        return _commit.commit_collectively(
+        self._op = op
+        written = _commit.commit_collectively(
             op,
             what=f"step {self._step} of {self._loc}",
             step=self._step,
@@ -85,6 +94,35 @@ class StepCommit:
             publish=self._publish,
             abort=self._abort,
         )
+        if self._host_marker is not None and _distributed.process_count() > 1:
+            self._commit_own_copies(op)
+        return written
+
+    def _commit_own_copies(self, op: str) -> None:
+        """Each host's own directory, once the primary committed its copy: every other
+        process commits its own with the primary's manifest and reports it; the primary
+        returns (and the tier replicates the step) only once every host's copy is
+        committed, else raises naming the hosts."""
+        if _distributed.is_primary():
+            failed = []
+            for p in range(1, _distributed.process_count()):
+                report = _distributed.get_from(f"{op}/local", p)
+                if report != "ok":
+                    failed.append(f"process {p}: {report}")
+            if failed:
+                raise CheckpointError(
+                    f"step {self._step} of {self._loc} is committed on process 0 but not "
+                    f"in every host's own directory: " + "; ".join(failed)
+                )
+            return
+        raw = _distributed.broadcast_str(f"{op}/manifest", None)
+        try:  # the primary committed its copy: this host commits its own
+            self._staging.publish(MANIFEST_FILE, raw.encode(), replace=True)
+        except BaseException as e:
+            _distributed.publish(f"{op}/local", f"{type(e).__name__}: {e}")
+            self._abort()
+            raise
+        _distributed.publish(f"{op}/local", "ok")
 
     def _write(self) -> Written:
         total, files, reused = 0, {}, 0
@@ -95,10 +133,28 @@ class StepCommit:
                 reused += result.bytes_reused
                 d = self._entries[name].dir
                 files.update({f"{d}/{f}": h for f, h in result.files.items()})
+        if self._host_marker is not None:
+            self._check_own_items()
+            self._staging.location.write_bytes(HOST_FILE, self._host_marker, durable=False)
         self._staging.location.sync()
         _faults.kill_point("after_sync")
         self._sizes.append(Written(total, files, reused))
         return self._sizes[-1]
+
+    def _check_own_items(self) -> None:
+        """Each host's own directory: every item wrote something into this host's copy
+        (a custom checkpointable that writes only on process 0 would leave the other
+        hosts' copies without it: they could not restore the step on their own)."""
+        where = self._staging.location
+        empty = [n for n, e in self._entries.items() if not where.child(e.dir).list_children()]
+        if empty:
+            names = ", ".join(repr(n) for n in sorted(empty))
+            raise CheckpointError(
+                f"step {self._step} of {self._loc}: checkpointable {names} wrote nothing into "
+                f"process {_distributed.process_index()}'s own directory; with a directory "
+                f"per host every process must write every item (write on every process, "
+                f"not only on process 0), or use a directory every host shares"
+            )
 
     def _publish(self, files: dict[str, str]) -> None:
         count = _distributed.process_count()
@@ -115,7 +171,10 @@ class StepCommit:
             None if mine is None else mine.bytes_reused,
         )
         staging = self._staging
-        staging.publish(MANIFEST_FILE, manifest.to_bytes(), replace=True)
+        raw = manifest.to_bytes()
+        if self._host_marker is not None and _distributed.process_count() > 1:
+            _distributed.broadcast_str(f"{self._op}/manifest", raw.decode())
+        staging.publish(MANIFEST_FILE, raw, replace=True)
         if not staging.renames and self._old_dirs:
             fresh = {e.dir for e in self._entries.values()}
             _ownership.remove_children(  # the replaced step's own item directories

@@ -19,11 +19,17 @@ PREFIX = ".fop-visible-"
 _MAX = 256  # bytes read back: the nonce is 32
 
 
-def check_visible(loc: Location) -> None:
+def check_visible(loc: Location, *, per_host_ok: bool = False) -> bool:
     """Raises CheckpointError on every process when some process does not see what the
-    primary wrote in ``loc`` (see the module docstring). Every process calls it."""
+    primary wrote in ``loc`` (see the module docstring). Every process calls it.
+
+    With ``per_host_ok`` (a manager with a persistent tier), directories that no other
+    process sees (each host its own disk) are accepted: returns True then, on every
+    process. A mix (some processes share a directory, others do not) is refused."""
     if _distributed.process_count() == 1 or not loc.is_local:
-        return
+        return False
+    if per_host_ok:
+        return _per_host(loc)
     directory = loc.path.rstrip("/")
     op = _distributed.next_operation_id("visible")
     created = None
@@ -61,6 +67,52 @@ def check_visible(loc: Location) -> None:
     _distributed.forget(f"{op}/report")
     if verdict:
         raise CheckpointError(verdict)
+    return False
+
+
+def _per_host(loc: Location) -> bool:
+    """Every process writes a file of its own and looks for every other's: all seen, one
+    shared directory (False); none, a directory per host (True); else CheckpointError."""
+    directory = loc.path.rstrip("/")
+    op = _distributed.next_operation_id("visible")
+    me, count = _distributed.process_index(), _distributed.process_count()
+    name, nonce = f"{PREFIX}{secrets.token_hex(8)}", secrets.token_hex(16)
+    created = None
+    try:
+        try:
+            created = _create(directory, name, nonce.encode())
+            mine = {"name": name, "nonce": nonce, "host": socket.gethostname()}
+        except OSError as e:
+            mine = {"error": f"{type(e).__name__}: {e}"}
+        _distributed.publish(f"{op}/file", json.dumps(mine))
+        files = [json.loads(v) for v in _distributed.gather_str(f"{op}/file")]
+        seen = [
+            "yes" if p == me else _read(directory, f["name"], f["nonce"].encode())
+            for p, f in enumerate(files)
+            if "error" not in f
+        ]
+        _distributed.publish(f"{op}/seen", json.dumps(seen))
+        views = [json.loads(v) for v in _distributed.gather_str(f"{op}/seen")]
+    finally:
+        if created is not None:
+            _remove(directory, *created)
+    failed = [f"process {p}: {f['error']}" for p, f in enumerate(files) if "error" in f]
+    if failed:
+        raise CheckpointError(
+            f"{loc}: not every process could create the file that shows who sees this "
+            f"directory: " + "; ".join(failed)
+        )
+    yes = sum(v == "yes" for view in views for v in view)
+    if yes == count * count:
+        return False
+    if yes == count:
+        return True
+    hosts = ", ".join(f"process {p} on {f['host']!r}" for p, f in enumerate(files))
+    raise CheckpointError(
+        f"{loc}: some processes share this directory and others do not ({hosts}; "
+        f"{yes - count} of {count * (count - 1)} cross checks saw the other's file). Give "
+        f"every process either one directory every host mounts, or one only it sees"
+    )
 
 
 def _create(directory: str, name: str, data: bytes) -> tuple[str, tuple[int, int]]:
@@ -137,5 +189,5 @@ def _verdict(loc: Location, primary_host: str, reports: list) -> str:
         f"own directory under this path; the primary would commit steps whose other "
         f"shards are on other hosts. Use a filesystem every host mounts (NFS, Lustre, "
         f"a FUSE-mounted bucket) or an object store (s3://..., gs://...); per-host "
-        f"local directories are not supported yet"
+        f"local directories need a persistent tier (persistent=...)"
     )

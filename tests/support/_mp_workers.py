@@ -574,13 +574,21 @@ def progress(workdir: str, process: int) -> int:
 
 
 def preempted_training(
-    ctx, directory, via="manager", steps=300, every_steps=5, step_s=0.1, resume=False
+    ctx,
+    directory,
+    via="manager",
+    steps=300,
+    every_steps=5,
+    step_s=0.1,
+    resume=False,
+    persistent=None,
 ):
     """A training loop (a cross-process all-reduce per step) saving every ``every_steps``
     with ``handle_sigterm=True``, through the manager or the callback; each finished step
     is appended to ``progress_<process>`` so the parent can signal at a chosen step.
     Leaves with the manager's SystemExit(143) once preempted (``last_step``: the step
-    whose save raised it). With ``resume``: checks the restored shards bit-exact."""
+    whose save raised it). With ``resume``: checks the restored shards bit-exact. With
+    ``persistent`` (manager only): each process on its own ``directory/host<i>``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -609,8 +617,10 @@ def preempted_training(
     )
     state = state_of(preempt_expected(0, n_dev))
     if via == "manager":
+        if persistent is not None:
+            directory = os.path.join(directory, f"host{ctx.process_id}")
         mngr = fop.CheckpointManager(
-            directory, every_steps=every_steps, keep=2, handle_sigterm=True
+            directory, every_steps=every_steps, keep=2, handle_sigterm=True, persistent=persistent
         )
         if resume:
             state = mngr.restore(like=state)

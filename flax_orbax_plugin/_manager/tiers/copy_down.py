@@ -22,6 +22,7 @@ from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryErro
 from ..._format import steps as _steps
 from ..._format.layout import MANIFEST_FILE
 from ..._storage.location import Location
+from ..per_host import HOST_FILE
 from . import files as _files
 from .damaged import DamagedSteps
 from .state import Places, TierState
@@ -56,6 +57,8 @@ class CopyDown:
         the outcome (one key-value round), so all restore the same step or all raise."""
         if not self._places.multi:
             return self._ensure_local(step)
+        if self._places.per_host:
+            return self._each_ensure_local(step)
         outcome = "absent"
         if self._places.primary:
             try:
@@ -75,6 +78,30 @@ class CopyDown:
                 + outcome.split(": ", 1)[1]
             )
         return outcome == "present"
+
+    def _each_ensure_local(self, step: int) -> bool:
+        """Each host's own directory: every process copies the step down into its own
+        (verified in full), then the outcomes are shared (one key-value round): all
+        restore it, or all raise, naming the processes that failed."""
+        error: Exception | None = None
+        try:
+            outcome = "present" if self._ensure_local(step) else "absent"
+        except Exception as e:  # noqa: BLE001  (every process raises below)
+            kind = "corrupt" if isinstance(e, CorruptCheckpointError) else "failed"
+            outcome, error = f"{kind}: {type(e).__name__}: {e}", e
+        op = _distributed.next_operation_id("tiers-copy-down")
+        _distributed.publish(op, outcome)
+        outcomes = _distributed.gather_str(op)
+        if error is not None:
+            raise error
+        bad = [(p, o) for p, o in enumerate(outcomes) if o.startswith(("corrupt", "failed"))]
+        if bad:
+            cls = CorruptCheckpointError if bad[0][1].startswith("corrupt") else CheckpointError
+            raise cls(
+                f"copying step {step} down from {self._places.remote} failed on "
+                + "; ".join(f"process {p}: {o.split(': ', 1)[1]}" for p, o in bad)
+            )
+        return all(o == "present" for o in outcomes)
 
     def _ensure_local(self, step: int) -> bool:
         """Copies ``step`` down (see :meth:`ensure_local`): listed, copied into local
@@ -114,7 +141,8 @@ class CopyDown:
             except CorruptCheckpointError as e:
                 with state.cond:
                     state.known.discard(step)
-                self._damaged.set_aside(step, raw, e)
+                if self._places.primary:  # one process sets a shared copy aside
+                    self._damaged.set_aside(step, raw, e)
                 raise
         finally:
             with state.cond:
@@ -138,7 +166,7 @@ class CopyDown:
         files = [f for f in _files.remote_files(src) if f != MANIFEST_FILE]
         _files.check_listed(manifest, files, str(src))
         t0 = time.perf_counter()
-        staging = Staging.begin(local_final, secrets.token_hex(6))
+        staging = Staging.begin(local_final, secrets.token_hex(6), own=self._places.per_host)
         try:
             nbytes = _files.copy_files(
                 lambda rel: _files.read_remote_file(src, rel),
@@ -150,6 +178,9 @@ class CopyDown:
                 stopped=lambda: self._state.stop,
             )
             _verify_copy(staging.location, raw, step, src)
+            marker = self._state.marker
+            if self._places.per_host and marker is not None:  # this host's, with the step
+                staging.location.write_bytes(HOST_FILE, marker(step), durable=False)
             staging.location.sync()
             staging.publish(MANIFEST_FILE, raw, replace=False)
         except BaseException:

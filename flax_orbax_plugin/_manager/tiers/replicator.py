@@ -171,7 +171,8 @@ class Replicator:
                 state.known.add(step)
             return False  # already there (a restart after the commit, or copied down)
         files = _files.local_files(src.path, step)
-        _files.check_listed(manifest, files, str(src))
+        if not places.per_host:  # each host's own: the round checks the hosts' union
+            _files.check_listed(manifest, files, str(src))
         if state.owner is not None:
             state.owner.renew()  # at each step too; raises if another run took the path
         # A foreign entry with the step's name is never written into nor replaced.
@@ -227,7 +228,8 @@ class Replicator:
                 )
                 self._state.copied_files[step] = files
             else:
-                nbytes = self._rounds.lead(rnd, step, nonce, raw, len(files))
+                nfiles = None if self._places.per_host else len(files)
+                nbytes = self._rounds.lead(rnd, step, nonce, raw, nfiles)
             staging.location.sync()
             if self._state.owner is not None:
                 self._state.owner.raise_if_lost()

@@ -22,6 +22,7 @@ from ..._core.commit import Staging
 from ..._errors import CheckpointError, ReplicationError
 from ..._format import steps as _steps
 from ..._format.layout import MANIFEST_FILE
+from ..per_host import HOST_FILE
 from . import files as _files
 from .state import Places, Stopped, TierState, Yielding
 
@@ -90,39 +91,42 @@ class Rounds:
         except Exception as e:  # noqa: BLE001  (the others time out and say so)
             logger.warning("checkpoint: could not publish round %s: %s", rnd.key, e)
 
-    def lead(self, rnd: Round, step: int, nonce: str, raw: bytes, nfiles: int) -> int:
+    def lead(self, rnd: Round, step: int, nonce: str, raw: bytes, nfiles: int | None) -> int:
         """Primary: announces ``step`` (staging ``nonce``, manifest ``raw``), copies its
         own share, gathers every process's status; returns the bytes copied, or raises
-        as :func:`check_statuses`."""
+        as :func:`check_statuses`. ``nfiles``: the files in the step (None: each host's
+        own directory, where the union of the hosts' listings counts)."""
         sha = hashlib.sha256(raw).hexdigest()
         self.announce(rnd, json.dumps({"step": step, "staging": nonce, "manifest": sha}))
-        statuses = [self.copy_share(step, nonce, sha)]
+        statuses = [self.copy_share(step, nonce, sha, rnd.key)]
         for p in range(1, _distributed.process_count()):
             statuses.append(json.loads(_distributed.get_from(f"{rnd.key}/status", p)))
         return check_statuses(statuses, nfiles)
 
     # ------------------------------------------------------------------ every process
 
-    def copy_share(self, step: int, nonce: str, manifest_sha: str) -> dict[str, Any]:
+    def copy_share(self, step: int, nonce: str, manifest_sha: str, key: str) -> dict[str, Any]:
         """Every process, in a round: lists the local step, takes its share of the files
-        (:func:`~.files.partition`, the same on every process) and copies it into the
-        step's remote staging; returns this process's status (never raises but
-        :class:`Stopped` on the primary)."""
-        listing = None
+        (:func:`~.files.partition`, the same on every process; each host's own
+        directory: :func:`share_of_hosts`) and copies it into the step's remote staging;
+        returns this process's status (never raises but :class:`Stopped` on the
+        primary)."""
+        listing, total = None, None
+        per_host = self._places.per_host
         try:
             src = _steps.step_location(self._places.local, step)
-            raw = src.read_bytes(MANIFEST_FILE)
-            if raw is None:
-                raise CheckpointError(f"step {step}: {src}/{MANIFEST_FILE} vanished")
-            if hashlib.sha256(raw).hexdigest() != manifest_sha:
-                raise CheckpointError(
-                    f"step {step}: {src}/{MANIFEST_FILE} differs from the one the primary read"
-                )
-            manifest = _files.parse_manifest(raw, src, step)
-            sizes = _files.local_file_sizes(src.path, step)
-            listing = _files.listing_digest(sizes)
-            count, index = _distributed.process_count(), _distributed.process_index()
-            share = _files.partition(sizes, count)[index]
+            try:
+                manifest, sizes = self._list(src, step, manifest_sha)
+            except Exception as e:
+                if per_host:  # the others wait for this listing: they get the error
+                    share_of_hosts(f"{key}/listing", None, None, e)
+                raise
+            if per_host:
+                share, listing, total = share_of_hosts(f"{key}/listing", sizes, manifest)
+            else:
+                listing = _files.listing_digest(sizes)
+                count, index = _distributed.process_count(), _distributed.process_index()
+                share = _files.partition(sizes, count)[index]
             staging = Staging.begin(_steps.step_location(self._places.remote, step), nonce)
             nbytes = _files.copy_files(
                 lambda rel: _files.read_local_file(src.path, rel, step),
@@ -141,7 +145,28 @@ class Rounds:
         except Exception as e:  # noqa: BLE001  (reported to the primary)
             return {"ok": False, "listing": listing, "error": f"{type(e).__name__}: {e}"}
         self._state.copied_files[step] = share
-        return {"ok": True, "listing": listing, "bytes": nbytes, "files": len(share)}
+        return {
+            "ok": True,
+            "listing": listing,
+            "bytes": nbytes,
+            "files": len(share),
+            "total": total,
+        }
+
+    def _list(self, src, step: int, manifest_sha: str):
+        """The local step's manifest (as the primary read it) and ``{file: size}``."""
+        raw = src.read_bytes(MANIFEST_FILE)
+        if raw is None:
+            raise CheckpointError(f"step {step}: {src}/{MANIFEST_FILE} vanished")
+        if hashlib.sha256(raw).hexdigest() != manifest_sha:
+            raise CheckpointError(
+                f"step {step}: {src}/{MANIFEST_FILE} differs from the one the primary read"
+            )
+        manifest = _files.parse_manifest(raw, src, step)
+        sizes = _files.local_file_sizes(src.path, step)
+        if self._places.per_host:
+            sizes.pop(HOST_FILE, None)  # this host's marker stays here
+        return manifest, sizes
 
     # ------------------------------------------------------------------ the others
 
@@ -186,7 +211,7 @@ class Rounds:
         outcome = info.get("outcome")
         if outcome is None:
             self._yielding.start()
-            status = self.copy_share(step, info["staging"], info["manifest"])
+            status = self.copy_share(step, info["staging"], info["manifest"], key)
             _distributed.publish(f"{key}/status", json.dumps(status))
             # The primary may spend up to one timeout gathering statuses.
             wait = 2 * _distributed.DEFAULT_TIMEOUT_S
@@ -231,7 +256,7 @@ class Rounds:
                 state.copied_files.pop(step, None)
 
 
-def check_statuses(statuses: list[dict[str, Any]], nfiles: int) -> int:
+def check_statuses(statuses: list[dict[str, Any]], nfiles: int | None) -> int:
     """Primary: every process's status of a round, by index; returns the bytes copied,
     or raises :class:`Stopped` (a process's tier closed meanwhile) or
     :class:`RoundFailed` naming the processes that failed or saw other files, or when
@@ -251,6 +276,44 @@ def check_statuses(statuses: list[dict[str, Any]], nfiles: int) -> int:
             + "); is the local directory shared by every host?"
         )
     copied = sum(int(s["files"]) for s in statuses)
+    if nfiles is None:  # each host's own directory: the union of their listings
+        nfiles = int(statuses[0]["total"])
     if copied != nfiles:
         raise RoundFailed(f"the processes copied {copied} files of the {nfiles} in the step")
     return sum(int(s["bytes"]) for s in statuses)
+
+
+def share_of_hosts(key: str, sizes, manifest, error: BaseException | None = None):
+    """Each host's own directory, every process in a round: publishes its listing (or
+    its ``error``), gathers every host's, and returns (its share: each file of the
+    union copied once, by the least-loaded host holding it, largest first; the union's
+    listing digest; the files in the union). Raises CheckpointError when a host could
+    not list, two hosts hold a file in different sizes, or a file the manifest lists
+    is on no host."""
+    mine = {"error": f"{type(error).__name__}: {error}"} if error else {"sizes": sizes}
+    _distributed.publish(key, json.dumps(mine))
+    listings = [json.loads(v) for v in _distributed.gather_str(key)]
+    if error is not None:
+        return [], None, None
+    failed = [f"process {p}: {v['error']}" for p, v in enumerate(listings) if "error" in v]
+    if failed:
+        raise CheckpointError("a host could not list its copy: " + "; ".join(failed))
+    union: dict[str, int] = {}
+    holders: dict[str, list[int]] = {}
+    for p, v in enumerate(listings):
+        for rel, size in v["sizes"].items():
+            if union.setdefault(rel, size) != size:
+                raise CheckpointError(
+                    f"{rel}: process {holders[rel][0]} holds {union[rel]} bytes, process "
+                    f"{p} {size}: the hosts' copies of the step differ"
+                )
+            holders.setdefault(rel, []).append(p)
+    _files.check_listed(manifest, list(union), "the hosts' copies together")
+    loads = [0] * len(listings)
+    me, share = _distributed.process_index(), []
+    for rel in sorted(union, key=lambda r: (-union[r], r)):
+        p = min(holders[rel], key=lambda i: (loads[i], i))
+        loads[p] += union[rel] + _files.FILE_COST_BYTES
+        if p == me:
+            share.append(rel)
+    return sorted(share), _files.listing_digest(union), len(union)

@@ -38,7 +38,8 @@ class Places:
 
     ``remove_step(location, step)`` deletes a committed step (the manager's, so both
     tiers delete alike); ``primary`` and ``multi``: this process is the primary, and
-    there are several processes.
+    there are several processes; ``per_host``: each process sees only its own local
+    directory (the hosts' copies of a step together hold every file).
     """
 
     local: Location
@@ -47,6 +48,7 @@ class Places:
     remove_step: Callable[[Location, int], None]
     primary: bool
     multi: bool
+    per_host: bool = False  # each host's own local directory (see _manager/per_host.py)
 
     def kept_forever(self, step: int) -> bool:
         every = self.retention.keep_every
@@ -74,6 +76,9 @@ class TierState:
     # This process's share of each step it helped commit: relative paths (for tests).
     copied_files: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     copied_down: list[int] = dataclasses.field(default_factory=list)  # tried, in order
+    # Each host's own directory: ``marker(step)``, the bytes of the host's marker a
+    # step copied down gets (set once by the manager's open, then only read).
+    marker: Callable[[int], bytes] | None = None
 
     def drop_older(self, step: int, kept_forever: Callable[[int], bool]) -> None:
         """Under ``cond``: drop queued steps older than ``step`` that the persistent

@@ -51,6 +51,7 @@ class PersistentTier:
         meanwhile (at most :data:`~.state.MAX_DEFER_S` per step): the local save comes
         first.
       lease_seconds: the lease on an object-store persistent path (see docs/run_owner.md).
+      per_host: each process has its own local directory (see docs/tiers.md).
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class PersistentTier:
         remove_step: Callable[[Location, int], None],
         busy: Callable[[], bool] = lambda: False,
         lease_seconds: float = _run_owner.LEASE_SECONDS,
+        per_host: bool = False,
     ):
         self.local = local
         self.remote = Location.from_path(remote)
@@ -87,7 +89,9 @@ class PersistentTier:
         self.retention = RetentionPolicy(keep_last=keep, keep_every=keep_every)
         self.grace_seconds = float(grace_seconds)
         self._lease_seconds = _run_owner.check_lease(lease_seconds)
-        self._places = Places(local, self.remote, self.retention, remove_step, primary, multi)
+        self._places = Places(
+            local, self.remote, self.retention, remove_step, primary, multi, per_host
+        )
         self._state = TierState()
         self._damaged = DamagedSteps(self.remote)
         yielding = Yielding(busy, self._state)
@@ -175,6 +179,11 @@ class PersistentTier:
         """Steps committed in the persistent tier now (lists the store), less those a
         verified copy-down proved damaged (never listed again)."""
         return self._damaged.committed_steps()
+
+    def mark_copies(self, marker: Callable[[int], bytes]) -> None:
+        """Each host's own directory: a step copied down gets ``marker(step)`` as its
+        host marker (committed with it), so the next restore reads it there (way a)."""
+        self._state.marker = marker
 
     @property
     def run_id(self) -> str | None:

@@ -1,0 +1,224 @@
+"""Each host's own local directory (a manager with ``persistent=`` whose processes each
+see a directory no other process sees: the host's NVMe or ``/dev/shm``).
+
+What differs from one shared directory (``docs/tiers.md``, "Per-host directories"):
+
+* saving: every process writes every region its devices hold (replicas included) and
+  every JSON file into its own staging directory, plus :data:`HOST_FILE`, the host's
+  marker naming the step, the run, the process->device map and the saved layout; the
+  primary gathers every process's status as for any step (``_core.commit``), builds the
+  one manifest and shares its bytes; every process then commits its own copy;
+* the persistent tier: each process uploads its share of the union of the hosts'
+  files (each file once), the primary commits the bucket's manifest;
+* restore (``restore_way``): way (a), every process holds the step with a valid marker
+  and reads its own files; else way (c), every process copies the bucket's step down
+  to its own directory, committed with this host's marker (today's map), so the next
+  restore takes way (a); way (b), hosts lacking the step get it from a peer over jax
+  collectives, is ``peers.py``.
+
+Functions here are collective where they say so (every process calls them in the same
+order, on the training thread).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from .._base import distributed as _distributed
+from .._base import tree as _tree
+from .._errors import CheckpointError
+from .._format import steps as _steps
+from .._storage import shared_dir as _shared_dir
+from .._storage.location import Location
+
+__all__ = [
+    "HOST_FILE",
+    "OWN_COPY",
+    "agreed_time",
+    "gather",
+    "host_marker",
+    "layout_digest",
+    "valid_steps",
+]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+HOST_FILE = "_HOST.json"  # in each host's copy of a step; never uploaded
+_FORMAT = "flax_orbax_plugin/host-copy"
+COPY_LAYOUT = "copied down: every region"  # the marker's layout of a bucket's step
+
+# Set by the manager around a per-host save's blocking phase (the agreed time of the
+# step's ``_METADATA.json``) and around a per-host restore (True): the built-in
+# checkpointables then write every file on every process / read without collectives.
+OWN_COPY: contextvars.ContextVar[Any] = contextvars.ContextVar("own_copy", default=None)
+
+
+def device_map() -> list[list[int]]:
+    """``[[device id, process index], ...]`` of every device, sorted."""
+    return sorted([d.id, d.process_index] for d in jax.devices())
+
+
+def _array_leaves(items: Mapping[str, Any]):
+    """``(name, path, leaf)`` of every jax.Array leaf of ``items``, in a fixed order."""
+    for name in sorted(items):
+        value = items[name]
+        if isinstance(value, str | bytes | int | float) or value is None:
+            continue
+        try:
+            flat, _ = _tree.flatten(value)
+        except Exception:  # noqa: BLE001  (a custom item: not a pytree of arrays)
+            continue
+        for path, _keys, leaf in flat:
+            if isinstance(leaf, jax.Array):
+                yield name, path, leaf
+
+
+def layout_digest(items: Mapping[str, Any]) -> str:
+    """sha256 over every jax.Array leaf's path, shape, dtype and device -> region map:
+    what a host's copy holds for its devices (informational, in the marker)."""
+    h = hashlib.sha256()
+    for name, path, leaf in _array_leaves(items):
+        regions = sorted(
+            (d.id, tuple((s.start, s.stop) for s in index))
+            for d, index in leaf.sharding.devices_indices_map(leaf.shape).items()
+        )
+        h.update(repr((name, path, leaf.shape, str(leaf.dtype), regions)).encode())
+    return h.hexdigest()
+
+
+def host_regions(items: Mapping[str, Any]) -> list[str]:
+    """Per process index, a sha256 over the regions its devices hold of every jax.Array
+    leaf (no device ids): two processes with the same digest hold the same regions, so
+    one's copy of a step is the other's (way b of a restore, ``_manager/peers.py``)."""
+    count = _distributed.process_count()
+    hashes = [hashlib.sha256() for _ in range(count)]
+    for name, path, leaf in _array_leaves(items):
+        held: list[set] = [set() for _ in range(count)]
+        for d, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+            held[d.process_index].add(tuple((s.start, s.stop) for s in index))
+        for p in range(count):
+            what = (name, path, leaf.shape, str(leaf.dtype), sorted(held[p]))
+            hashes[p].update(repr(what).encode())
+    return [h.hexdigest() for h in hashes]
+
+
+def host_marker(step: int, run: str | None, layout: str, hosts: list | None = None) -> bytes:
+    """The bytes of this host's :data:`HOST_FILE` for ``step``; ``hosts``: the
+    :func:`host_regions` of the saved items (None for a copy holding every region)."""
+    doc = {
+        "format": _FORMAT,
+        "step": step,
+        "run": run,
+        "process_index": _distributed.process_index(),
+        "process_count": _distributed.process_count(),
+        "devices": device_map(),
+        "layout": layout,
+        "hosts": hosts,
+    }
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def read_marker(loc: Location, step: int) -> tuple[dict | None, str | None]:
+    """This host's :data:`HOST_FILE` of ``step`` as a JSON object, or what is wrong."""
+    try:
+        raw = _steps.step_location(loc, step).read_bytes(HOST_FILE, max_bytes=1 << 20)
+    except CheckpointError as e:
+        return None, str(e)
+    if raw is None:
+        return None, f"no {HOST_FILE}"
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None, f"{HOST_FILE} is not JSON"
+    if not isinstance(doc, dict):
+        return None, f"{HOST_FILE} is not an object"
+    return doc, None
+
+
+def _marker_problem(loc: Location, step: int, run: Any) -> str | None:
+    """None when this host's copy of ``step`` was written by this process of this run
+    (``run=None``: of any run) with today's process->device map; else what differs."""
+    doc, problem = read_marker(loc, step)
+    if doc is None:
+        return problem
+    want = {
+        "format": _FORMAT,
+        "step": step,
+        "run": doc.get("run") if run is None else run,
+        "process_index": _distributed.process_index(),
+        "process_count": _distributed.process_count(),
+        "devices": device_map(),
+    }
+    bad = [k for k, v in want.items() if doc.get(k) != v]
+    return f"{HOST_FILE} differs in {', '.join(bad)}" if bad else None
+
+
+def valid_steps(loc: Location, steps: list[int], run: Any, *, quiet: bool = False) -> list[int]:
+    """This host's committed steps whose marker matches (see :func:`_marker_problem`);
+    the others are logged (unless ``quiet``)."""
+    out = []
+    for s in steps:
+        problem = _marker_problem(loc, s, run)
+        if problem is None:
+            out.append(s)
+        elif not quiet:
+            logger.info("checkpoint: local step %d of %s is not this host's: %s", s, loc, problem)
+    return out
+
+
+def gather(kind: str, value: Any) -> list[Any]:
+    """Collective: every process's JSON ``value``, by process index (one key-value
+    round; with one process, ``[value]``)."""
+    if _distributed.process_count() == 1:
+        return [value]
+    op = _distributed.next_operation_id(kind)
+    _distributed.publish(op, json.dumps(value))
+    return [json.loads(v) for v in _distributed.gather_str(op)]
+
+
+def agreed_time() -> float:
+    """Collective: the primary's clock, on every process (one key-value round): the
+    ``created_at`` of a per-host step's documents, so every host writes the same bytes."""
+    op = _distributed.next_operation_id("per-host-time")
+    return float(_distributed.broadcast_str(op, repr(time.time())))
+
+
+def detect(loc: Location, persistent: Any, incremental: bool) -> bool:
+    """Collective, at a writer's open: whether each process has its own directory
+    (accepted only with a persistent tier; without one the shared-directory check
+    refuses it later). Creates this process's directory first."""
+    if persistent is None or not loc.is_local or _distributed.process_count() == 1:
+        return False
+    loc.makedirs()
+    own = _shared_dir.check_visible(loc, per_host_ok=True)
+    if own and incremental:
+        raise CheckpointError(
+            f"{loc}: incremental=True is not supported with a directory per host (each "
+            f"process sees its own {loc.path}); use a shared directory or incremental=False"
+        )
+    if own:
+        logger.info("checkpoint: %s is this host's own directory (one per host)", loc)
+    return own
+
+
+def open_tier(book: Any, local_steps: list[int]) -> None:
+    """Collective: opens ``book.tier`` with the local steps (each host's own directory:
+    those every host holds) and shares the run owning the places."""
+    if book.per_host:
+        mine = valid_steps(book.location, local_steps, None, quiet=True)
+        local_steps = sorted(set.intersection(*(set(v) for v in gather("per-host-open", mine))))
+    book.tier.open(local_steps)
+    if book.per_host:
+        op = _distributed.next_operation_id("per-host-run")
+        book.run = _distributed.broadcast_str(op, json.dumps(book.tier.run_id))
+        book.run = json.loads(book.run)
+        # A full copy from the bucket holds every region: readable with any layout.
+        book.tier.mark_copies(lambda step: host_marker(step, book.run, COPY_LAYOUT))

@@ -1,0 +1,381 @@
+"""Each host its own local directory (a manager with ``persistent=``): every process
+writes all it holds, commits its own copy, the bucket gets the hosts' parts once, and
+restore reads each host's own files (way a), a peer's over jax collectives (way b) or
+the bucket (way c). Real processes, separate directories, the moto S3 server as the
+bucket (the bytes each restore reads from it are counted by tensorstore's metrics)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin._format.layout import MANIFEST_FILE
+
+pytest_plugins = ["_servers"]
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # this module, for child processes
+WAIT_S = 60
+
+
+class _Ways(logging.Handler):
+    """The restore ways the manager logged."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.ways: list[str] = []
+        self.all: list[str] = []
+
+    def emit(self, record):
+        text = record.getMessage()
+        self.all.append(text)
+        for way in ("(way a)", "(way b)", "(way c)"):
+            if way in text:
+                self.ways.append(way[1:-1])
+
+
+def _files(directory: str, step: int) -> list[str]:
+    root = os.path.join(directory, str(step))
+    found = (os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+    return sorted(os.path.relpath(p, root) for p in found)
+
+
+def _wipe(directory: str) -> None:
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def _bucket_bytes_read() -> int:
+    import tensorstore as ts
+
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/s3/bytes_read")
+    return sum(v.get("value", 0) for m in found for v in m["values"])
+
+
+def _restore(ctx, local, url, like):
+    """Opens a manager on this host's directory, restores, returns (values, way, step,
+    bytes read from the bucket)."""
+    import jax
+
+    ways = _Ways()
+    logger = logging.getLogger("flax_orbax_plugin")
+    logger.addHandler(ways)
+    logger.setLevel(logging.INFO)
+    try:
+        with fop.CheckpointManager(local, persistent=url) as mngr:
+            before = _bucket_bytes_read()  # the open reads the run's owner record there
+            got = mngr.restore(like=like)
+            read = _bucket_bytes_read() - before
+            step = mngr.restored_step
+    finally:
+        logger.removeHandler(ways)
+    mine = {}
+    for item, leaves in got.items():
+        for k, v in leaves.items():  # this process's shards, compared by the test
+            shards = sorted(v.addressable_shards, key=lambda s: s.device.id)
+            mine[f"{item}/{k}"] = [np.asarray(s.data).tolist() for s in shards]
+            assert v.sharding == like[item][k].sharding
+    jax.block_until_ready(got)
+    return {"values": mine, "ways": ways.ways, "step": step, "bucket_read": read}
+
+
+def _expected(ctx, step, like, make=None):
+    import _mp_workers as W
+
+    state = (make or W.make_state)(ctx, step)
+    out = {}
+    for item, leaves in state.items():
+        for k, v in leaves.items():
+            host = np.asarray(jax_gather(v))
+            shards = sorted(like[item][k].addressable_shards, key=lambda s: s.device.id)
+            out[f"{item}/{k}"] = [host[s.index].tolist() for s in shards]
+    return out
+
+
+def jax_gather(v):
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(v, tiled=True)
+
+
+def _replicated(ctx, step):
+    """A state each host holds whole: sharded over its own devices, replicated across
+    the hosts (mesh rows are processes)."""
+    import _mp_workers as W
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = sorted(ctx.devices, key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices).reshape(ctx.num_processes, -1), ("replica", "data"))
+    full = W.expected_w(len(devices)) + step
+    w = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("data")), lambda i: full[i])
+    b_host = np.full((8,), float(step), np.float32)
+    b = jax.make_array_from_callback(b_host.shape, NamedSharding(mesh, P()), lambda i: b_host[i])
+    return {"params": {"w": w, "b": b}}
+
+
+class _PrimaryOnly:
+    """A custom checkpointable written as for a shared directory: by process 0 only."""
+
+    kind = "notes"
+
+    def save(self, directory, value):
+        import jax
+
+        class Done:
+            def wait(self):
+                if jax.process_index() == 0:
+                    directory.write_bytes("notes.txt", value.encode())
+
+        return Done()
+
+    def restore(self, directory, like):
+        return directory.read_bytes("notes.txt").decode()
+
+
+def _primary_only_refused(ctx, base, url):
+    """Each host its own directory: an item written on process 0 only is refused."""
+    local = os.path.join(base, f"custom{ctx.process_id}")
+    with fop.CheckpointManager(
+        local, persistent=url, checkpointables={"notes": _PrimaryOnly()}
+    ) as m:
+        try:
+            m.save(1, {"notes": "hello"})
+            m.wait()
+            error = None
+        except fop.CheckpointError as e:
+            error = str(e)
+        return {"custom_error": error, "custom_steps": m.steps()}
+
+
+def _outcome(r, want):
+    return {"ways": r["ways"], "step": r["step"], "exact": r["values"] == want}
+
+
+def _from_peers(ctx, base, url):
+    """A replicated state, one host wiped: its copy from the peer (way b), then way a."""
+    local = os.path.join(base, f"rep{ctx.process_id}")
+    with fop.CheckpointManager(local, persistent=url) as mngr:
+        mngr.save(7, _replicated(ctx, 7), extras={"step": 7})
+        mngr.wait()
+        assert mngr.persistent.wait(WAIT_S)
+    ctx.client.wait_at_barrier("wiped-rep", 30_000)
+    if ctx.process_id == 1:
+        _wipe(local)
+    ctx.client.wait_at_barrier("wiped-rep-done", 30_000)
+    like = _replicated(ctx, 0)
+    want = _expected(ctx, 7, like, _replicated)
+    r = _restore(ctx, local, url, like)
+    out = {"b": {**_outcome(r, want), "bucket_read": r["bucket_read"]}}
+    r = _restore(ctx, local, url, like)
+    out["after_b"] = {**_outcome(r, want), "bucket_read": r["bucket_read"]}
+    out["b_files"] = _files(local, 7)
+    return out
+
+
+def per_host_run(ctx, base, url, url2):
+    """Every case in one job of 2 processes, each on ``base/host<i>``."""
+    import _mp_workers as W
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+
+    local = os.path.join(base, f"host{ctx.process_id}")
+    out = {}
+    with fop.CheckpointManager(local, keep=2, persistent=url) as mngr:
+        out["per_host"] = mngr._book.per_host
+        for step in (1, 2, 3):
+            mngr.save(step, W.make_state(ctx, step), extras={"step": step})
+        mngr.wait()
+        out["replicated"] = mngr.persistent.wait(WAIT_S)
+        out["shares"] = {str(k): v for k, v in mngr.persistent.copied_files.items()}
+    out["local_steps"] = sorted(int(n) for n in os.listdir(local) if n.isdigit())
+    out["files"] = _files(local, 3)
+    like = W.make_state(ctx, 0)
+    want = _expected(ctx, 3, like)
+    # (a) every host holds step 3: each reads its own files.
+    r = _restore(ctx, local, url, like)
+    out["a"] = {"ways": r["ways"], "step": r["step"], "exact": r["values"] == want}
+    # One host's directory wiped (a replaced host): every host reads the bucket's step.
+    ctx.client.wait_at_barrier("wiped-one", 30_000)
+    if ctx.process_id == 1:
+        _wipe(local)
+    ctx.client.wait_at_barrier("wiped-one-done", 30_000)
+    r = _restore(ctx, local, url, like)
+    out["one_wiped"] = {**_outcome(r, want), "bucket_read": r["bucket_read"] > 0}
+    # The copy down was committed with each host's marker: the next restore reads there.
+    r = _restore(ctx, local, url, like)
+    out["after_c"] = {"ways": r["ways"], "step": r["step"], "exact": r["values"] == want}
+    # A changed mesh (devices in reverse order): host copies do not hold the new
+    # shards; the bucket's step, resharded.
+    mesh = Mesh(np.array(ctx.devices[::-1]), ctx.mesh.axis_names)
+    like2 = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, a.sharding.spec)), like)
+    # Make every host hold its own copy again (way a would be possible on the old mesh).
+    with fop.CheckpointManager(local, keep=2, persistent=url) as mngr:
+        mngr.save(4, W.make_state(ctx, 4), extras={"step": 4})
+        mngr.wait()
+        assert mngr.persistent.wait(WAIT_S)
+    r = _restore(ctx, local, url, like2)
+    want4 = _expected(ctx, 4, like2)
+    out["mesh"] = {"ways": r["ways"], "step": r["step"], "exact": r["values"] == want4}
+    # Every directory wiped: the bucket.
+    ctx.client.wait_at_barrier("wiped-all", 30_000)
+    _wipe(local)
+    r = _restore(ctx, local, url, like)
+    out["all_wiped"] = {
+        "ways": r["ways"],
+        "step": r["step"],
+        "exact": r["values"] == _expected(ctx, 4, like),
+    }
+    out.update(_from_peers(ctx, base, url2))
+    out.update(_primary_only_refused(ctx, base, url2 + "-custom"))
+    return out
+
+
+@pytest.mark.distributed
+def test_per_host_directories_save_replicate_and_restore_by_way(tmp_path, s3_location):
+    from _multiprocess import run_processes
+
+    base, url, url2 = str(tmp_path / "hosts"), s3_location.url, s3_location.join("rep").url
+    run = run_processes(
+        "test_per_host:per_host_run",
+        2,
+        devices_per_process=2,
+        args={"base": base, "url": url, "url2": url2},
+        env={"FOP_COORDINATION_TIMEOUT_S": "20", "PYTHONPATH": HERE},
+        heartbeat_timeout_s=30,
+        timeout_s=150,
+    ).check()
+    r0, r1 = run[0].result, run[1].result
+    for r in (r0, r1):
+        assert r["per_host"] and r["replicated"]
+        assert r["local_steps"][-2:] == [2, 3]  # 1 too while the bucket lacked a newer
+        assert "_HOST.json" in r["files"] and MANIFEST_FILE in r["files"]
+        assert r["a"] == {"ways": ["way a"], "step": 3, "exact": True}
+        # Fully sharded, no replica across hosts: no peer holds the wiped host's part.
+        assert r["one_wiped"] == {"ways": ["way c"], "step": 3, "exact": True, "bucket_read": True}
+        assert r["after_c"] == {"ways": ["way a"], "step": 3, "exact": True}
+        assert r["mesh"] == {"ways": ["way c"], "step": 4, "exact": True}
+        assert r["all_wiped"] == {"ways": ["way c"], "step": 4, "exact": True}
+    # Replicated across hosts: the wiped host's copy from its peer, bit-exact, and
+    # nothing read from the bucket but the primary's listing of its steps (an object
+    # store's listing reads each step's manifest), as by way (a); the copy is then the
+    # host's own (way a).
+    listed = len(s3_location.join("rep").read(f"7/{MANIFEST_FILE}"))
+    for r, read in ((r0, listed), (r1, 0)):
+        assert r["b"] == {"ways": ["way b"], "step": 7, "exact": True, "bucket_read": read}
+        assert r["after_b"] == {"ways": ["way a"], "step": 7, "exact": True, "bucket_read": read}
+    # A custom item only process 0 writes: refused on both, naming it; nothing committed.
+    assert "process 1's own directory" in r0["custom_error"] + r1["custom_error"]
+    for r in (r0, r1):
+        assert "checkpointable 'notes' wrote nothing" in r["custom_error"], r["custom_error"]
+        assert r["custom_steps"] == []
+    assert r0["b_files"] == r1["b_files"]  # the same files, its marker among them
+    # Each host holds its own shards (not the other's) and the replicated leaves.
+    assert r0["files"] != r1["files"]
+    # The bucket holds each file once: the hosts' shares are disjoint.
+    shares = [set(r0["shares"]["3"]), set(r1["shares"]["3"])]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    with fop.CheckpointManager(url, read_only=True) as reader:
+        assert reader.steps()[-1] == 4
+        assert reader.restore(step=3, items="extras") == {"step": 3}
+
+
+def _preempt_state(ctx, step):
+    """The state ``_mp_workers.preempted_training`` holds after ``step`` steps."""
+    import _mp_workers as W
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    host = W.preempt_expected(step, len(ctx.devices))
+    sharded = NamedSharding(ctx.mesh, P(ctx.mesh.axis_names[0]))
+    w = jax.make_array_from_callback(host["w"].shape, sharded, lambda i: host["w"][i])
+    b = jax.make_array_from_callback((), NamedSharding(ctx.mesh, P()), lambda i: host["b"])
+    return {"params": {"w": w, "b": b}}
+
+
+def killed_mid_save(ctx, base, url):
+    """Step 5 saved (and in the bucket), then process 1 dies mid-write of step 10."""
+    import _mp_workers as W
+
+    local = os.path.join(base, f"host{ctx.process_id}")
+    out = {}
+    mngr = fop.CheckpointManager(local, keep=2, persistent=url)
+    mngr.save(5, _preempt_state(ctx, 5))
+    mngr.wait()
+    out["replicated"] = mngr.persistent.wait(WAIT_S)
+    W._kill_mid_write(ctx, 1)
+    try:
+        mngr.save(10, _preempt_state(ctx, 10))
+        mngr.wait()
+        out["save"] = "returned"
+    except Exception as e:  # noqa: BLE001
+        out["save"] = type(e).__name__
+    ctx.note("partial_out", out)
+    ctx.flush()
+    return out
+
+
+@pytest.mark.distributed
+def test_per_host_a_host_killed_mid_save_then_a_sigterm_on_resume(tmp_path, s3_location):
+    """A host killed mid-save commits nothing anywhere; the restart resumes from each
+    host's own copy, then a SIGTERM on every process: the agreed step is committed on
+    every host and in the bucket, bit-exact."""
+    import _mp_workers as W
+    from _multiprocess import Kill, Signal, run_processes
+
+    base, url = str(tmp_path / "hosts"), s3_location.join("kill").url
+    env = {"FOP_COORDINATION_TIMEOUT_S": "5", "PYTHONPATH": HERE}
+    run = run_processes(
+        "test_per_host:killed_mid_save",
+        2,
+        devices_per_process=2,
+        args={"base": base, "url": url},
+        kill=Kill(process=1, at="mid_save"),
+        env=env,
+        heartbeat_timeout_s=60,
+        done_timeout_s=2,
+        timeout_s=60,
+    )
+    assert run[1].killed, run[1].describe()
+    survivor = run[0].record.get("partial_out")
+    assert survivor == {"replicated": True, "save": "CoordinationError"}, run[0].describe()
+    for i in (0, 1):  # nothing half-committed on either host, nor in the bucket
+        with fop.CheckpointManager(os.path.join(base, f"host{i}"), read_only=True) as r:
+            assert r.steps() == [5]
+    with fop.CheckpointManager(url, read_only=True) as r:
+        assert r.steps() == [5]
+    workdir = str(tmp_path / "resume")
+    at = 8
+    signals = [Signal(p, lambda p=p: W.progress(workdir, p) >= at) for p in (0, 1)]
+    run = run_processes(
+        "_mp_workers:preempted_training",
+        2,
+        devices_per_process=2,
+        args={"directory": base, "resume": True, "persistent": url},
+        workdir=workdir,
+        signals=signals,
+        env={**env, "FOP_COORDINATION_TIMEOUT_S": "20"},
+        heartbeat_timeout_s=30,
+        timeout_s=60,
+    )
+    stories = "\n\n".join(p.describe() for p in run.procs)
+    assert [p.returncode for p in run.procs] == [143, 143], stories
+    assert {p.record["resumed"] for p in run.procs} == {5}, stories
+    assert all(p.record["resumed_exact"] for p in run.procs), stories
+    (step,) = {p.record["last_step"] for p in run.procs}
+    assert step > at, stories
+    for i in (0, 1):
+        with fop.CheckpointManager(os.path.join(base, f"host{i}"), read_only=True) as r:
+            assert r.latest_step() == step
+    with fop.CheckpointManager(url, read_only=True) as r:
+        assert r.latest_step() == step
+        got = r.restore(step=step)
+    want = W.preempt_expected(step, 4)
+    assert np.array_equal(got["params"]["w"], want["w"]) and int(got["params"]["b"]) == step
