@@ -186,11 +186,20 @@ class PytreeCheckpointable:
         self.compression = _layout.check_codec(compression)
 
     def save(
-        self, directory: Location, value: Any, *, reuse: Any = None, buffers: Any = None
+        self,
+        directory: Location,
+        value: Any,
+        *,
+        reuse: Any = None,
+        buffers: Any = None,
+        format_version: int = 1,
     ) -> Pending:
         """``reuse``: an ``_incremental.Reuse`` from a manager with ``incremental=True``;
-        ``buffers``: the manager's ``_host.BufferPool`` (snapshot memory reused)."""
-        snap = _save.snapshot(value, compression=self.compression, buffers=buffers)
+        ``buffers``: the manager's ``_host.BufferPool`` (snapshot memory reused);
+        ``format_version``: the manager's (1, or 2: data files per process)."""
+        snap = _save.snapshot(
+            value, compression=self.compression, buffers=buffers, format_version=format_version
+        )
         limit = _save.DEFAULT_MEMORY_LIMIT_BYTES
         return _Done(
             lambda: snap.write(directory, limit=limit, durable=False, reuse=reuse), snap.digest

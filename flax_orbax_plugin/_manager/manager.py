@@ -82,6 +82,9 @@ class CheckpointManager:
         from the previous save (one host copy of the saved state then stays allocated
         between saves, until ``close``). Off (the default): CPU arrays are held as
         zero-copy views until written. When on helps: docs/manager.md.
+      format_version: 1 (default) or 2: the pytree items' data packed into a few
+        data files per process (FORMAT.md, "Version 2"); incremental steps write
+        every leaf in version 2.
 
     ``wait()`` is for the local tier; ``persistent.wait()`` waits for the replication
     (``close()`` waits for both).
@@ -117,6 +120,7 @@ class CheckpointManager:
         persistent_grace_seconds: float = 30.0,
         persistent_lease_seconds: float = 60.0,
         reuse_host_buffers: bool = False,
+        format_version: int = 1,
         **unknown: Any,
     ):
         _options.check_unknown("CheckpointManager", unknown, MANAGER_OPTIONS)
@@ -129,7 +133,13 @@ class CheckpointManager:
         self._book = StepBook(self._loc)
         self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
         self._saver = Saver(
-            self._loc, opts.overrides, self._book, self._retainer, opts.incremental, self._buffers
+            self._loc,
+            opts.overrides,
+            self._book,
+            self._retainer,
+            opts.incremental,
+            self._buffers,
+            format_version=opts.format_version,
         )
         self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
         self._closed = False

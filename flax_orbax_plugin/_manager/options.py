@@ -173,6 +173,8 @@ def check_manager(options: Mapping[str, Any]) -> None:
         raise TypeError(f"persistent_grace_seconds must be a number >= 0, found {grace!r}")
     for name in ("async_save", "read_only", "handle_sigterm", "incremental", "reuse_host_buffers"):
         flag(name, options[name])
+    if options["format_version"] not in (1, 2) or isinstance(options["format_version"], bool):
+        raise ValueError(f"format_version: expected 1 or 2, found {options['format_version']!r}")
     metric = options["best_metric"]
     if metric is not None and not isinstance(metric, str):
         raise TypeError(f"best_metric must be a key of the extras (a str), found {metric!r}")
@@ -228,6 +230,7 @@ class ManagerOptions:
     persistent_grace_seconds: float
     persistent_lease_seconds: float
     reuse_host_buffers: bool
+    format_version: int
 
     @classmethod
     def build(cls, directory: Any, options: Mapping[str, Any]) -> ManagerOptions:
@@ -290,4 +293,5 @@ _PLAIN = (
     "persistent_grace_seconds",
     "persistent_lease_seconds",
     "reuse_host_buffers",
+    "format_version",
 )

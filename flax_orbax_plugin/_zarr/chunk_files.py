@@ -110,6 +110,10 @@ class ChunkReader:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def _fill_kw(self) -> dict:
+        """The reading functions' ``fill`` argument where a subclass reads elsewhere."""
+        return {} if self._fill is _read_file else {"fill": self._fill}
+
     def read(
         self,
         sub: str,
@@ -139,7 +143,7 @@ class ChunkReader:
                 job = (_read_chunk, path, _as_writable_bytes(dest), chunk_bytes)
             else:
                 job = (_read_chunk_copy, path, dest, tuple(chunk))
-            read.futures.append(self._pool.submit(*job, fill=self._fill))
+            read.futures.append(self._pool.submit(*job, **self._fill_kw()))
         return read
 
     def read_batch(
@@ -166,7 +170,7 @@ class ChunkReader:
                 chunk * itemsize,
                 inner * itemsize,
                 first * itemsize,
-                fill=self._fill,
+                **self._fill_kw(),
             )
             for s in files
         ]
