@@ -66,6 +66,7 @@ class CheckpointManager:
         written (what "unchanged" means: docs/manager.md). See _incremental.
       compression: per pytree item, ``"zstd"`` or ``"zstd:<level>"``, e.g.
         ``{"opt_state": "zstd"}``; restore reads the codec from the checkpoint.
+      format_version: 1, or 2 (data files per process: FORMAT.md, "Version 2").
       clock: time source for ``every_seconds`` (tests pass one in).
       persistent: a second, persistent tier (``s3://``, ``gs://``, a shared
         filesystem path) to which every step committed in ``directory`` (then a
@@ -82,9 +83,6 @@ class CheckpointManager:
         from the previous save (one host copy of the saved state then stays allocated
         between saves, until ``close``). Off (the default): CPU arrays are held as
         zero-copy views until written. When on helps: docs/manager.md.
-      format_version: 1 (default) or 2: the pytree items' data packed into a few
-        data files per process (FORMAT.md, "Version 2"); incremental steps write
-        every leaf in version 2.
 
     ``wait()`` is for the local tier; ``persistent.wait()`` waits for the replication
     (``close()`` waits for both).
@@ -128,18 +126,11 @@ class CheckpointManager:
         self._loc = opts.location
         self._schedule = SaveSchedule(opts.save_policy(), opts.clock)
         self._async, self._read_only = opts.async_save, opts.read_only
-        # Snapshot memory kept from one save to the next (see _host.BufferPool).
         self._buffers = _host.BufferPool() if opts.reuse_host_buffers else None
         self._book = StepBook(self._loc)
         self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
         self._saver = Saver(
-            self._loc,
-            opts.overrides,
-            self._book,
-            self._retainer,
-            opts.incremental,
-            self._buffers,
-            format_version=opts.format_version,
+            self._loc, opts.overrides, self._book, self._retainer, opts.incremental, self._buffers
         )
         self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
         self._closed = False

@@ -73,11 +73,8 @@ class Saver:
         retention: RetentionRunner,
         incremental: bool,
         buffers: _host.BufferPool | None,
-        *,
-        format_version: int = 1,
     ):
         self._loc = location
-        self._format_version = format_version
         self._overrides = overrides
         self._incremental = incremental
         self._buffers = buffers
@@ -222,8 +219,6 @@ class Saver:
                 kw = {}  # incremental: the same item of the previous step, to reuse from
                 if isinstance(handlers[name], PytreeCheckpointable):
                     kw = {"buffers": self._buffers}
-                    if self._format_version != 1:
-                        kw["format_version"] = self._format_version
                     if self._incremental:  # the exchange's name: drawn here, in item order
                         reuse_op = _distributed.next_operation_id("reuse")
                         kw["reuse"] = Reuse(prev_loc, name, reuse_op)

@@ -1,7 +1,8 @@
 """Golden checkpoints of format versions 1 and 2 (``tests/support/data/golden/``; the
 version-2 ones are named ``v2_*``).
 
-``python tests/support/golden.py`` (re)writes them (``--v2``: only the version-2 ones); ``tests/format/test_format.py``
+``python tests/support/golden.py`` (re)writes them (``--v2``: only the version-2 ones);
+``tests/format/test_format.py``
 restores them and
 compares bit for bit with the trees built here. They are committed: a change of the
 on-disk format that older checkpoints cannot be read with fails that test. Regenerate
