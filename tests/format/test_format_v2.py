@@ -162,3 +162,22 @@ def test_s3_save_writes_a_few_objects_and_restores_with_range_reads(s3_location,
     _same(tree, fop.restore_params(persistent))
     keys = [k for k in bucket.join("p").keys() if k.startswith("1/params/")]
     assert keys == ["1/params/_METADATA.json", "1/params/data/0-0.bin", "1/params/data/0.json"]
+
+
+def test_incremental_manager_steps_of_version_2_write_every_leaf_and_restore(tmp_path, caplog):
+    import logging
+
+    tree = {"w": np.arange(300_000, dtype=np.float32), "b": np.ones(3, np.float32)}
+    with caplog.at_level(logging.INFO, logger="flax_orbax_plugin"):
+        with fop.CheckpointManager(tmp_path / "run", format_version=2, incremental=True) as m:
+            m.save(1, {"params": tree})
+            m.wait()
+            m.save(2, {"params": tree})
+            m.wait()
+            second = m.last_save
+    assert second.bytes_reused == 0 and second.bytes_written >= tree["w"].nbytes
+    assert "format version 2 writes every leaf" in caplog.text
+    for step in (1, 2):
+        path = tmp_path / "run" / str(step) / "params"
+        assert os.stat(path / "data" / "0-0.bin").st_nlink == 1  # no file shared
+    _same(tree, fop.restore_params(tmp_path / "run"))
