@@ -50,7 +50,7 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         self._lock = threading.Lock()
         self._files: dict[str, int] = {}  # name -> bytes handed out
         self._fds: dict[str, int] = {}
-        self._buffer: bytearray | None = None  # object stores: the current file's bytes
+        self._buffer: list[np.ndarray] | None = None  # object stores: the current file's
         self._current: str | None = None
         self._chunks: dict[str, _index.Segment] = {}
 
@@ -100,8 +100,9 @@ class PackedWriter(_chunk_writer.ChunkWriter):
             return name, offset, self._fds[name]
 
     def _append(self, pieces, length: int):
-        """Object stores: copies the segment into the current file's buffer; returns
-        (file, offset, the finished file's (name, bytes) to upload, or None)."""
+        """Object stores: adds the segment's pieces (views of the snapshot, kept until
+        the file is written: joined once, no other copy) to the current file; returns
+        (file, offset, the finished file's (name, pieces) to upload, or None)."""
         full = None
         with self._lock:
             name = self._current
@@ -109,15 +110,16 @@ class PackedWriter(_chunk_writer.ChunkWriter):
                 if name is not None:
                     full = (name, self._buffer)
                 name = self._next_file()
-                self._buffer = bytearray()
+                self._buffer = []
             offset = self._files[name]
-            for p in pieces:
-                self._buffer += memoryview(p)
+            self._buffer.extend(pieces)
             self._files[name] = offset + length
         return name, offset, full
 
-    def _upload(self, name: str, data: bytearray) -> None:
-        self._location.write_bytes(f"{_index.DATA_DIR}/{name}", bytes(data))
+    def _upload(self, name: str, pieces: list[np.ndarray]) -> None:
+        data = b"".join(memoryview(p) for p in pieces)
+        pieces.clear()
+        self._location.write_bytes(f"{_index.DATA_DIR}/{name}", data)
 
     def close(self) -> None:
         """Waits for every chunk, writes the last object (object stores) and closes the

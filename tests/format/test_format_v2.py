@@ -181,3 +181,12 @@ def test_incremental_manager_steps_of_version_2_write_every_leaf_and_restore(tmp
         path = tmp_path / "run" / str(step) / "params"
         assert os.stat(path / "data" / "0-0.bin").st_nlink == 1  # no file shared
     _same(tree, fop.restore_params(tmp_path / "run"))
+
+
+def test_gcs_save_restores_and_verifies_from_a_few_objects(gcs_location):
+    tree = _tree()
+    fop.save(gcs_location.url, tree, format_version=2, data_file_bytes=5 << 20)
+    keys = gcs_location.keys()
+    assert keys[:2] == ["_COMMITTED", "_METADATA.json"] and len(keys) <= 7, keys
+    _same(tree, fop.restore(gcs_location.url))
+    assert all(r.ok for r in fop.verify(gcs_location.url))
