@@ -33,7 +33,9 @@ def write_packed(
     written, {index file: sha256}). Takes the batches it writes out of ``batch_data``."""
     if sys.byteorder != "little":
         raise CheckpointError("format_version=2 is written on little-endian hosts only")
-    writer = _packed_writer.PackedWriter(staging, process, data_file_bytes)
+    total = sum(data.nbytes for leaf in leaves for _, data in leaf.writes)
+    total += sum(data.nbytes for data in batch_data.values())
+    writer = _packed_writer.PackedWriter(staging, process, data_file_bytes, total)
     jobs = [
         (None, leaf.writes, _direct(writer, leaf))
         for leaf in leaves

@@ -15,6 +15,7 @@ segments are written by the writer's threads (offsets handed out under a lock).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import threading
@@ -29,6 +30,8 @@ from . import packed_index as _index
 
 LOCAL_DATA_FILE_BYTES = 1 << 30  # a data file on a local or shared filesystem
 OBJECT_DATA_FILE_BYTES = 256 << 20  # an object (written whole from memory)
+MAX_LANES = 4  # object stores: data files filled (and uploaded) at once
+LANE_BYTES = 64 << 20  # object stores: one more lane per this many bytes to write
 
 
 def default_data_file_bytes(location: Location) -> int:
@@ -38,9 +41,17 @@ def default_data_file_bytes(location: Location) -> int:
 class PackedWriter(_chunk_writer.ChunkWriter):
     """Writes whole chunks of arrays and batches of one process into data files under
     ``location`` (its ``data/``); ``target_bytes``: a data file's size it does not pass
-    unless one chunk is larger."""
+    unless one chunk is larger. On an object store, up to :data:`MAX_LANES` data files
+    are filled side by side (one per :data:`LANE_BYTES` of ``total_bytes``, what this
+    process writes), so that their uploads overlap: a single PUT is one stream."""
 
-    def __init__(self, location: Location, process: int, target_bytes: int | None = None):
+    def __init__(
+        self,
+        location: Location,
+        process: int,
+        target_bytes: int | None = None,
+        total_bytes: int = 0,
+    ):
         super().__init__(location.path if location.is_local else "")
         self._location = location
         self._process = int(process)
@@ -50,8 +61,10 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         self._lock = threading.Lock()
         self._files: dict[str, int] = {}  # name -> bytes handed out
         self._fds: dict[str, int] = {}
-        self._buffer: list[np.ndarray] | None = None  # object stores: the current file's
-        self._current: str | None = None
+        self._current: str | None = None  # local: the file being filled
+        lanes = 1 if location.is_local else min(MAX_LANES, max(1, -(-total_bytes // LANE_BYTES)))
+        self._lanes: list[list] = [[None, []] for _ in range(lanes)]  # [file, its pieces]
+        self._turn = 0
         self._chunks: dict[str, _index.Segment] = {}
 
     def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
@@ -105,14 +118,16 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         (file, offset, the finished file's (name, pieces) to upload, or None)."""
         full = None
         with self._lock:
-            name = self._current
+            lane = self._lanes[self._turn % len(self._lanes)]
+            self._turn += 1
+            name = lane[0]
             if name is None or (self._files[name] and self._files[name] + length > self._target):
                 if name is not None:
-                    full = (name, self._buffer)
-                name = self._next_file()
-                self._buffer = []
+                    full = (name, lane[1])
+                lane[0], lane[1] = self._next_file(), []
+                name = lane[0]
             offset = self._files[name]
-            self._buffer.extend(pieces)
+            lane[1].extend(pieces)
             self._files[name] = offset + length
         return name, offset, full
 
@@ -126,10 +141,12 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         data files (local; made durable by the save's sync)."""
         try:
             super().close()
-            if not self._location.is_local and self._current is not None:
-                data, self._buffer = self._buffer, None
-                if data is not None:
-                    self._upload(self._current, data)
+            last = [(name, pieces) for name, pieces in self._lanes if name is not None]
+            self._lanes = []
+            if last:  # the lanes' last files, uploaded side by side
+                with concurrent.futures.ThreadPoolExecutor(len(last)) as pool:
+                    for future in [pool.submit(self._upload, *item) for item in last]:
+                        future.result()
         finally:
             for fd in self._fds.values():
                 os.close(fd)
