@@ -27,6 +27,7 @@ from .._storage.location import Location
 from . import chunk_files as _chunk_files
 from . import chunks as _chunks
 from . import packed_index as _index
+from . import packed_ranges as _ranges
 
 
 class PackedReader(_chunk_files.ChunkReader):
@@ -42,6 +43,7 @@ class PackedReader(_chunk_files.ChunkReader):
         self._chunks = chunks
         self._fds: dict[str, int] = {}
         self._kv = None
+        self._ranges: _ranges.RangeReads | None = None
         self._claimed: dict[str, tuple[int, int]] | None = None
         if location.is_local:
             try:
@@ -53,6 +55,7 @@ class PackedReader(_chunk_files.ChunkReader):
         else:
             spec = location.kvstore(_index.DATA_DIR)
             self._kv = ts.KvStore.open(spec, context=_kvstore.context(local=False)).result()
+            self._ranges = _ranges.RangeReads(self._kv, chunks)
 
     def _open(self, name: str, chunks) -> int:
         path = os.path.join(self._location.path, _index.DATA_DIR, name)
@@ -73,6 +76,14 @@ class PackedReader(_chunk_files.ChunkReader):
                 f"{end} bytes, found {st.st_size}"
             )
         return fd
+
+    def read_batch(self, sub, size, chunk, inner, dtype, files=None):
+        """As ``ChunkReader.read_batch``; on an object store its files' segments are
+        fetched by runs first."""
+        if self._kv is not None:
+            numbers = range(-(-size // chunk)) if files is None else files
+            self._ranges.prefetch(_key(sub, (s,)) for s in numbers)
+        return super().read_batch(sub, size, chunk, inner, dtype, files)
 
     def close(self) -> None:
         super().close()
@@ -102,12 +113,15 @@ class PackedReader(_chunk_files.ChunkReader):
             )
         where = f"{path} ({_index.DATA_DIR}/{segment.file} at {segment.offset})"
         if self._kv is not None:
-            result = self._kv.read(
-                segment.file, byte_range=slice(segment.offset, segment.offset + segment.length)
-            ).result()
-            if result.state != "value" or len(result.value) != expected:
-                raise ValueError(f"chunk {where}: missing or short")
-            raw = np.frombuffer(result.value, np.uint8)
+            value = self._ranges.take(path, segment)
+            if value is None:
+                result = self._kv.read(
+                    segment.file, byte_range=slice(segment.offset, segment.offset + segment.length)
+                ).result()
+                if result.state != "value" or len(result.value) != expected:
+                    raise ValueError(f"chunk {where}: missing or short")
+                value = result.value
+            raw = np.frombuffer(value, np.uint8)
             at = 0
             for p in parts:
                 p[...] = raw[at : at + p.size]
@@ -126,25 +140,38 @@ class PackedReader(_chunk_files.ChunkReader):
 
     def read(self, sub, shape, chunk, dtype, region=None) -> _chunk_files.PendingRead:
         """Starts reading ``region`` (global; None: all) of array ``sub``, any region."""
-        whole = super().read(sub, shape, chunk, dtype, region)
-        if whole is not None:
-            return whole
         bounds = [
             s.indices(n)[:2]
             for s, n in zip(region or [slice(None)] * len(shape), shape, strict=True)
         ]
-        read = _chunk_files.PendingRead(tuple(b - a for a, b in bounds), dtype)
         ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(bounds, chunk, strict=True)]
+        if self._kv is not None:  # one GET per run of adjacent chunks
+            cells = itertools.product(*ranges)
+            self._ranges.prefetch(_key(sub, cell) for cell in cells)
+        whole = super().read(sub, shape, chunk, dtype, region)
+        if whole is not None:
+            return whole
+        read = _chunk_files.PendingRead(tuple(b - a for a, b in bounds), dtype)
         for cell in itertools.product(*ranges):
             src, dst = [], []
             for i, c, (a, b) in zip(cell, chunk, bounds, strict=True):
                 lo, hi = max(a, i * c), min(b, i * c + c)
                 src.append(slice(lo - i * c, hi - i * c))
                 dst.append(slice(lo - a, hi - a))
-            key = "/".join([sub, *_chunks.chunk_parts(cell)]) if cell else f"{sub}/c"
-            job = (_read_part, key, read.out[tuple(dst)], tuple(chunk), tuple(src), self._fill)
+            job = (
+                _read_part,
+                _key(sub, cell),
+                read.out[tuple(dst)],
+                tuple(chunk),
+                tuple(src),
+                self._fill,
+            )
             read.futures.append(self._pool.submit(*job))
         return read
+
+
+def _key(sub: str, cell) -> str:
+    return "/".join([sub, *_chunks.chunk_parts(cell)]) if cell else f"{sub}/c"
 
 
 def _read_part(key: str, dest: np.ndarray, chunk, src, fill) -> None:

@@ -64,7 +64,7 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         self._current: str | None = None  # local: the file being filled
         lanes = 1 if location.is_local else min(MAX_LANES, max(1, -(-total_bytes // LANE_BYTES)))
         self._lanes: list[list] = [[None, []] for _ in range(lanes)]  # [file, its pieces]
-        self._turn = 0
+        self._lane_of: dict[str, int] = {}  # array (d/<i>, b/<batch>) -> its lane
         self._chunks: dict[str, _index.Segment] = {}
 
     def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
@@ -86,7 +86,7 @@ class PackedWriter(_chunk_writer.ChunkWriter):
                     fd, offset, length, _chunk_writer._SYNC_FILE_RANGE_WRITE
                 )
         else:
-            file, offset, full = self._append(pieces, length)
+            file, offset, full = self._append(_index.array_prefix(name), pieces, length)
             if full is not None:
                 self._upload(*full)
         with self._lock:
@@ -112,14 +112,15 @@ class PackedWriter(_chunk_writer.ChunkWriter):
             self._files[name] = offset + length
             return name, offset, self._fds[name]
 
-    def _append(self, pieces, length: int):
+    def _append(self, array: str, pieces, length: int):
         """Object stores: adds the segment's pieces (views of the snapshot, kept until
         the file is written: joined once, no other copy) to the current file; returns
         (file, offset, the finished file's (name, pieces) to upload, or None)."""
         full = None
         with self._lock:
-            lane = self._lanes[self._turn % len(self._lanes)]
-            self._turn += 1
+            # an array's chunks go to one lane: side by side, read back by few GETs
+            number = self._lane_of.setdefault(array, len(self._lane_of) % len(self._lanes))
+            lane = self._lanes[number]
             name = lane[0]
             if name is None or (self._files[name] and self._files[name] + length > self._target):
                 if name is not None:
