@@ -30,7 +30,7 @@ from . import packed_index as _index
 
 LOCAL_DATA_FILE_BYTES = 1 << 30  # a data file on a local or shared filesystem
 OBJECT_DATA_FILE_BYTES = 256 << 20  # an object (written whole from memory)
-MAX_LANES = 8  # object stores: data files filled (and uploaded) at once
+MAX_LANES = 4  # object stores: data files filled (and uploaded) at once
 LANE_BYTES = 64 << 20  # object stores: one more lane per this many bytes to write
 
 
