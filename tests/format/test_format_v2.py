@@ -126,7 +126,7 @@ def test_data_files_roll_over_at_their_target_and_resharding_reads_only_needed_c
         fop.save(tmp_path / "z", tree, format_version=2, compression="zstd")
 
 
-def test_golden_v2_checkpoint_restores_bit_exact_and_verifies():
+def test_golden_v2_checkpoint_restores_bit_exact_verifies_and_exports(tmp_path):
     want = golden.every_leaf_kind()
     path = os.path.join(G, "v2_leaf_kinds")
     assert json.load(open(os.path.join(path, "_METADATA.json")))["format_version"] == 2
@@ -135,6 +135,11 @@ def test_golden_v2_checkpoint_restores_bit_exact_and_verifies():
         assert np.asarray(out[k]).tobytes() == np.asarray(want[k]).tobytes(), k
     assert out["py_int"] == want["py_int"] and out["none"] is None
     assert all(r.ok for r in fop.verify(path))
+    # Export reads version 2 like version 1.
+    arrays = {"big": want["big"], "f32": want["f32"]}
+    fop.save(tmp_path / "c", arrays, format_version=2)
+    fop.to_safetensors(tmp_path / "c", tmp_path / "out")
+    _same(arrays, fop.from_safetensors(tmp_path / "out", like=arrays))
 
 
 def test_s3_save_writes_a_few_objects_and_restores_with_range_reads(s3_location, tmp_path):
