@@ -46,5 +46,5 @@ def save_and_reshard(ctx, directory):
         os.path.relpath(os.path.join(root, f), path)
         for root, _, names in os.walk(path)
         for f in names
-    )
+    )  # none on an object store
     return {"files": files, "process": ctx.process_id}

@@ -81,6 +81,29 @@ def test_two_processes_save_reshard_and_one_process_restores_and_verifies(tmp_pa
         fop.restore(path)
 
 
+@pytest.mark.distributed
+def test_two_processes_on_s3_write_their_own_objects_and_reshard(s3_location):
+    result = run_processes(
+        "_v2_workers:save_and_reshard",
+        2,
+        devices_per_process=2,
+        args={"directory": s3_location.url},
+        env=s3_location.env,
+    )
+    assert all(p.ok for p in result.procs), [p.describe() for p in result.procs]
+    assert s3_location.join("1").keys() == [
+        "_COMMITTED",
+        "_METADATA.json",
+        "data/0-0.bin",
+        "data/0.json",
+        "data/1-0.bin",
+        "data/1.json",
+    ]
+    np.testing.assert_array_equal(
+        fop.restore(s3_location.url + "/1")["params"]["w"], _mp_workers.expected_w(4) + 1
+    )
+
+
 def test_data_files_roll_over_at_their_target_and_resharding_reads_only_needed_chunks(
     tmp_path,
 ):
