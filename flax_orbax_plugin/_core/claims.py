@@ -84,3 +84,42 @@ def _check_claim(location, sub: str, needed, where: str, field: str, claim) -> N
             f"{found_bytes} bytes (stored data is damaged or missing, or the metadata "
             f"claims more than was stored)"
         )
+
+
+def check_packed_claims(location: Location, doc: CheckpointDocument, targets: list, packed) -> None:
+    """Format version 2: the data indexes list at least the chunks and bytes that every
+    array and batch ``targets`` read claims (each listed segment lies inside its data
+    file, checked when the reader opened them on a local disk), before anything sized
+    by a claim is allocated."""
+    where = f"{location}/{METADATA_FILE}"
+    seen: set[str] = set()
+    for target in targets:
+        record = target.record
+        storage = record.storage
+        if isinstance(storage, BatchStorage) and storage.batch not in seen:
+            seen.add(storage.batch)
+            batch = doc.batches[storage.batch]
+            itemsize = _layout.dtype_from_name(batch.dtype).itemsize
+            needed = _chunk_files.batch_claim(
+                batch.size, int(batch.chunk), _arrays.batch_inner(batch), itemsize, compressed=False
+            )
+            field = f"batches[{storage.batch!r}].size"
+            _check_listed(packed, batch_dir(storage.batch), needed, where, field, batch.size)
+        if isinstance(storage, ArrayStorage):
+            itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
+            needed = _chunk_files.array_claim(
+                record.shape, storage.chunk_shape, itemsize, compressed=False
+            )
+            field = f"leaves[{target.index}] ({record.path!r}).shape"
+            _check_listed(packed, array_dir(target.index), needed, where, field, record.shape)
+
+
+def _check_listed(packed, sub: str, needed, where: str, field: str, claim) -> None:
+    files, nbytes = needed
+    found, found_bytes = packed.claimed(sub)
+    if files and (found < files or found_bytes < nbytes):
+        raise CorruptCheckpointError(
+            f"{where}: field {field}: {show(claim)} needs {files} chunks of {nbytes} bytes "
+            f"in all under {sub}, the data indexes list {found} of {found_bytes} bytes "
+            f"(stored data is damaged or missing, or the metadata claims more than was stored)"
+        )

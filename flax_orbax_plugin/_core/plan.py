@@ -45,6 +45,7 @@ from .._zarr import chunk_writer as _chunk_writer
 from . import commit as _commit
 from . import host_snapshot as _host_snapshot
 from .write_data import write_data
+from .write_packed import write_packed
 
 SMALL_LEAF_BYTES = 1 << 20  # unpartitioned leaves up to this size are batched
 
@@ -176,9 +177,13 @@ class Plan:
     After :meth:`snapshot` it is the :class:`Snapshot` handed to the background phase.
     """
 
-    def __init__(self, leaves: list[Leaf], batches: dict[str, BatchRecord]):
+    def __init__(
+        self, leaves: list[Leaf], batches: dict[str, BatchRecord], format_version: int = 1
+    ):
         self.leaves = leaves
         self.batches = batches
+        self.format_version = format_version
+        self.data_file_bytes: int | None = None  # version 2: a data file's target size
         self.batch_data: dict[str, np.ndarray | _chunk_writer.Gathered] = {}
         self.digest = _digest(leaves)
         self._pool: _host.BufferPool | None = None
@@ -187,7 +192,7 @@ class Plan:
         self.created_at: float | None = None  # the document's time (None: at writing)
 
     @classmethod
-    def build(cls, tree: Any, *, codec: str | None = None) -> Plan:
+    def build(cls, tree: Any, *, codec: str | None = None, format_version: int = 1) -> Plan:
         flat, _ = _tree.flatten(tree)
         leaves: list[Leaf] = []
         batching = _Batching()
@@ -202,7 +207,7 @@ class Plan:
                 continue
             record = _data_record(path, keys, kind, value, impl, codec, batching)
             leaves.append(Leaf(index, value, record))
-        return cls(leaves, batching.records(codec))
+        return cls(leaves, batching.records(codec), format_version)
 
     def snapshot(self, pool: _host.BufferPool | None = None, own_copy: bool = False) -> None:
         """Copies every byte this process writes to host memory (blocking phase); with
@@ -221,6 +226,7 @@ class Plan:
             _distributed.process_count(),
             time.time() if self.created_at is None else self.created_at,
             jax.__version__,
+            self.format_version,
         )
 
     def write(
@@ -253,20 +259,34 @@ class Plan:
         primary = _distributed.is_primary() or self.own_copy
         files = {}
         links = {}
-        if reuse is not None:
+        if self.format_version == 2 and reuse is not None:
+            _incremental.logger.info("incremental save: format version 2 writes every leaf")
+        elif reuse is not None:
             links = self._plan_links(location, reuse)
         encoded: concurrent.futures.Future = concurrent.futures.Future()
         if primary:  # encoded while tensorstore's threads write the data
             threading.Thread(target=self._encode, args=(encoded,), daemon=True).start()
-        written, reused = write_data(
-            location,
-            self.leaves,
-            self.batches,
-            self.batch_data,
-            primary=primary,
-            limit=limit,
-            links=links,
-        )
+        if self.format_version == 2:
+            written, files = write_packed(
+                location,
+                self.leaves,
+                self.batches,
+                self.batch_data,
+                process=_distributed.process_index(),
+                limit=limit,
+                data_file_bytes=self.data_file_bytes,
+            )
+            reused = 0
+        else:
+            written, reused = write_data(
+                location,
+                self.leaves,
+                self.batches,
+                self.batch_data,
+                primary=primary,
+                limit=limit,
+                links=links,
+            )
         if primary:
             encoded = encoded.result()
             location.write_bytes(METADATA_FILE, encoded, durable=False)

@@ -39,7 +39,7 @@ from .._like import casting as _casting
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
-from .claims import check_claims
+from .direct import open_direct, read_slice
 from .targets import Placer, Target, finish, sharding_of
 
 
@@ -127,8 +127,7 @@ def read_targets(location: Location, doc: CheckpointDocument, targets: list, lim
 
 
 def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: list, limit: int):
-    check_claims(location, doc, targets)
-    direct = _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
+    direct = open_direct(location, doc, targets)
     try:
         _read_targets_with(location, doc, targets, limit, direct)
     finally:
@@ -159,10 +158,11 @@ def _read_targets_with(location, doc, targets, limit, direct):
     def fail(paths):
         return lambda e: errors.append(corrupt(paths, location, e))
 
-    opening = {}  # every array's zarr.json read at once
+    opening = {}  # every array's zarr.json read at once (version 1)
+    packed = doc.format_version == 2
     for target in targets:
         record = target.record
-        if isinstance(record.storage, ArrayStorage):
+        if isinstance(record.storage, ArrayStorage) and not packed:
             spec = _arrays.leaf_spec(location, target.index, record)
             opening[target.index] = _arrays.open_for_read(spec)
     for target in targets:
@@ -172,7 +172,7 @@ def _read_targets_with(location, doc, targets, limit, direct):
         if isinstance(record.storage, BatchStorage):
             by_batch[record.storage.batch].append(target)
             continue
-        store = _opened(opening.pop(target.index), location, [record.path])
+        store = None if packed else _opened(opening.pop(target.index), location, [record.path])
         nbytes = record.nbytes
         sharding = sharding_of(target)
         rows = _shared_read_sharding(sharding, record.shape) if SHARE_READS.get() else None
@@ -318,7 +318,8 @@ def _read_batch(reader, location, batch: BatchRecord, members, fail, errors, dir
     files where ``direct`` can), else leaf by leaf."""
     dtype = _layout.dtype_from_name(batch.dtype)
     paths = [t.record.path for t in members]
-    store = open_array(_arrays.batch_spec(location, batch), location, paths)
+    packed = direct is not None and direct.packed
+    store = None if packed else open_array(_arrays.batch_spec(location, batch), location, paths)
     needed = sum(t.record.storage.size for t in members)
 
     def read_each(targets):
@@ -329,7 +330,9 @@ def _read_batch(reader, location, batch: BatchRecord, members, fail, errors, dir
                 finish(target, data, reader.placer)
 
             reader.submit(
-                ReadInto(store[off : off + size]),
+                ReadInto(store[off : off + size])
+                if store is not None
+                else read_slice(direct, batch, off, size),
                 size * dtype.itemsize,
                 done,
                 fail([target.record.path]),

@@ -138,13 +138,21 @@ def save(
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,
+    format_version: int = 1,
+    data_file_bytes: int | None = None,
 ):
     """Saves ``tree`` to ``path``; durable and committed on return.
 
     See :func:`save_async` for the arguments.
     """
     return save_async(
-        path, tree, force=force, memory_limit_bytes=memory_limit_bytes, compression=compression
+        path,
+        tree,
+        force=force,
+        memory_limit_bytes=memory_limit_bytes,
+        compression=compression,
+        format_version=format_version,
+        data_file_bytes=data_file_bytes,
     ).wait()
 
 
@@ -155,6 +163,8 @@ def save_async(
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,
+    format_version: int = 1,
+    data_file_bytes: int | None = None,
 ) -> SaveHandle:
     """Starts saving ``tree`` to ``path``; returns once the tree is snapshotted to host.
 
@@ -169,6 +179,10 @@ def save_async(
       compression: None, or ``"zstd"`` / ``"zstd:<level 1-22>"``: every chunk is
         compressed before its checksum (zarr3 ``zstd`` codec; recorded per array, so
         restore needs no option).
+      format_version: 1 (default: one file per chunk) or 2 (each process packs its
+        chunks into a few data files, see FORMAT.md; no compression yet).
+      data_file_bytes: version 2: the size a data file does not pass unless one chunk
+        is larger (default 1 GiB on a filesystem, 256 MiB on an object store).
 
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
@@ -177,7 +191,8 @@ def save_async(
         wait_for_pending_save()
         start = time.perf_counter()
         location = Location.from_path(path)
-        snap = snapshot(tree, compression=compression)
+        snap = snapshot(tree, compression=compression, format_version=format_version)
+        snap.data_file_bytes = check_data_file_bytes(data_file_bytes)
         _check_target(location, force)
         # Object stores write in place: remains of a dead save, or with ``force`` a
         # checkpoint of ours, are cleared first (proven ours by _check_target).
@@ -253,6 +268,21 @@ def _check_target(location: Location, force: bool) -> None:
     _ownership.check_slot(location, what="a checkpoint", replace=force)
 
 
+def check_format_version(format_version: Any, compression: str | None) -> int:
+    """``format_version`` if this library writes it (1 or 2); ValueError otherwise."""
+    if format_version not in (1, 2) or isinstance(format_version, bool):
+        raise ValueError(f"format_version: expected 1 or 2, found {format_version!r}")
+    if format_version == 2 and compression is not None:
+        raise ValueError("format_version=2 does not compress yet: use compression=None")
+    return int(format_version)
+
+
+def check_data_file_bytes(value: Any) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"data_file_bytes: expected a positive int or None, found {value!r}")
+    return value
+
+
 def snapshot(
     tree: Any,
     *,
@@ -260,6 +290,7 @@ def snapshot(
     buffers: _host.BufferPool | None = None,
     own_copy: bool = False,
     created_at: float | None = None,
+    format_version: int = 1,
 ) -> Snapshot:
     """The blocking phase: plan ``tree``'s layout and copy this process's bytes to host.
 
@@ -271,8 +302,9 @@ def snapshot(
     (the same bytes on every process).
     """
     codec = _layout.check_codec(compression)
+    version = check_format_version(format_version, codec)
     with _tree.paused_gc():
-        plan = Plan.build(tree, codec=codec)
+        plan = Plan.build(tree, codec=codec, format_version=version)
     plan.created_at = created_at
     plan.snapshot(buffers, own_copy)
     _faults.kill_point("after_snapshot")

@@ -27,10 +27,9 @@ from .._format.layout import (
 )
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
-from .._zarr import chunk_files as _chunk_files
 from . import read_data as _read_data
 from . import save as _save
-from .claims import check_claims
+from .direct import open_direct
 from .targets import make_target
 
 # Bytes of array data read but not yet checked, at most (plus one chunk or file).
@@ -141,16 +140,17 @@ def check_pytree(location: Location, *, budget: int = VERIFY_BUDGET_BYTES) -> No
     doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
     targets = [make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
-    check_claims(location, doc, targets)
-    direct = _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
+    direct = open_direct(location, doc, targets)  # claims checked first
     window = _Window(location, budget)
     try:
         for target in targets:
             record = target.record
             if not isinstance(record.storage, ArrayStorage):
                 continue
-            spec = _arrays.leaf_spec(location, target.index, record)
-            store = _read_data.open_array(spec, location, [record.path])
+            store = None
+            if not (direct is not None and direct.packed):  # version 1: its zarr.json
+                spec = _arrays.leaf_spec(location, target.index, record)
+                store = _read_data.open_array(spec, location, [record.path])
             itemsize = target.dtype.itemsize
             for region in _regions(record.shape, record.storage.chunk_shape, itemsize, budget):
                 nbytes = _region_bytes(region, record.shape, itemsize)
@@ -246,10 +246,13 @@ def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> 
         for rec in doc.leaves
         if isinstance(rec.storage, _layout.BatchStorage) and rec.storage.batch == batch.name
     ]
-    store = _read_data.open_array(
-        _arrays.batch_spec(location, batch), location, [r.path for r in members]
-    )
-    itemsize = _layout.dtype_from_name(batch.dtype).itemsize
+    store = None
+    if not (direct is not None and direct.packed):  # version 1: its zarr.json
+        store = _read_data.open_array(
+            _arrays.batch_spec(location, batch), location, [r.path for r in members]
+        )
+    dtype = _layout.dtype_from_name(batch.dtype)
+    itemsize = dtype.itemsize
     chunk = int(batch.chunk)
     files = -(-batch.size // chunk)
     per_group = max(1, budget // (chunk * itemsize))
@@ -258,14 +261,12 @@ def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> 
         group = range(first, min(files, first + per_group))
         lo, hi = group.start * chunk, min(batch.size, group.stop * chunk)
         if direct is not None and batch.codec is None:
-            read = direct.read_batch(
-                batch_dir(batch.name), batch.size, chunk, inner, store.dtype.numpy_dtype, group
-            )
+            read = direct.read_batch(batch_dir(batch.name), batch.size, chunk, inner, dtype, group)
         else:
             read = _read_data.ReadInto(store[lo:hi])
         inside = [
             r for r in members if r.storage.offset < hi and r.storage.offset + r.storage.size > lo
         ]
         paths = [r.path for r in inside] or [f"batch {batch.name}"]
-        locate = lambda inside=inside: _damaged_leaves(store, inside)
+        locate = None if store is None else (lambda inside=inside: _damaged_leaves(store, inside))
         window.submit(read, (hi - lo) * itemsize, paths, locate)

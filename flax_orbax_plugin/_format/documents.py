@@ -29,25 +29,36 @@ def read_document(location: Location) -> CheckpointDocument:
     """The validated metadata of a committed checkpoint (a standalone one, or an item of
     a committed manager step), checked against the checksum recorded at its commit."""
     where = f"{location}/{METADATA_FILE}"
+    raw = read_listed(location, METADATA_FILE)
+    return CheckpointDocument.from_json(_layout.decode(raw, where), where)
+
+
+def read_listed(location: Location, name: str) -> bytes:
+    """The bytes of the JSON file ``name`` of a committed checkpoint, checked against
+    the sha256 its commit recorded (the commit marker's, or the step manifest's, file
+    list); CorruptCheckpointError when it is unlisted, missing or changed."""
+    where = f"{location}/{name}"
     raw_marker = location.read_bytes(COMMIT_FILE)
     if raw_marker is not None:
-        expected = CommitMarker.from_bytes(raw_marker, f"{location}/{COMMIT_FILE}").files[
-            METADATA_FILE
-        ]
+        marker = CommitMarker.from_bytes(raw_marker, f"{location}/{COMMIT_FILE}")
+        expected = marker.files.get(name)
     else:
         manifest = _steps.manifest_for_item(location)
         if manifest is None:
             raise _not_a_checkpoint(location)
-        expected = manifest.file_checksum(location.name, METADATA_FILE)
-        if expected is None:
-            raise CorruptCheckpointError(
-                f"{where}: the step manifest records no checksum for it (the item is not a "
-                f"pytree, or the file list was damaged)"
-            )
-    raw = location.read_bytes(METADATA_FILE)
+        expected = manifest.file_checksum(location.name, name)
+    if expected is None:
+        raise CorruptCheckpointError(
+            f"{where}: the commit records no checksum for it (the item is not a "
+            f"pytree, or the file list was damaged)"
+        )
+    raw = location.read_bytes(name)
     if raw is None:
-        raise CorruptCheckpointError(f"{location} is committed but {METADATA_FILE} is missing")
-    return CheckpointDocument.from_json(_layout.decode_checked(raw, where, expected), where)
+        raise CorruptCheckpointError(f"{location} is committed but {name} is missing")
+    found = _layout.sha256(raw)
+    if found != expected:
+        _layout.decode_checked(raw, where, expected)  # raises, naming both checksums
+    return raw
 
 
 def _not_a_checkpoint(location: Location) -> CheckpointError:

@@ -184,11 +184,17 @@ class PytreeCheckpointable:
 
     kind = "pytree"
 
-    def __init__(self, *, compression: str | None = None):
+    def __init__(self, *, compression: str | None = None, format_version: int = 1):
         self.compression = _layout.check_codec(compression)
+        self.format_version = _save.check_format_version(format_version, self.compression)
 
     def save(
-        self, directory: Location, value: Any, *, reuse: Any = None, buffers: Any = None
+        self,
+        directory: Location,
+        value: Any,
+        *,
+        reuse: Any = None,
+        buffers: Any = None,
     ) -> Pending:
         """``reuse``: an ``_incremental.Reuse`` from a manager with ``incremental=True``;
         ``buffers``: the manager's ``_host.BufferPool`` (snapshot memory reused)."""
@@ -199,6 +205,7 @@ class PytreeCheckpointable:
             buffers=buffers,
             own_copy=created_at is not None,
             created_at=created_at,
+            format_version=self.format_version,
         )
         limit = _save.DEFAULT_MEMORY_LIMIT_BYTES
         return _Done(
@@ -378,4 +385,8 @@ def checkpointable_for(
     """The checkpointable that handles item ``name``: an override, a built-in, or a pytree."""
     if overrides and name in overrides:
         return overrides[name]
-    return BUILTIN_CHECKPOINTABLES.get(name, _DEFAULT)
+    found = BUILTIN_CHECKPOINTABLES.get(name, _DEFAULT)
+    default = getattr(overrides, "pytree", None)  # a manager's format_version=2
+    if default is not None and isinstance(found, PytreeCheckpointable):
+        return default
+    return found

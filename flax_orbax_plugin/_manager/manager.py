@@ -67,6 +67,7 @@ class CheckpointManager:
         written (what "unchanged" means: docs/manager.md). See _incremental.
       compression: per pytree item, ``"zstd"`` or ``"zstd:<level>"``, e.g.
         ``{"opt_state": "zstd"}``; restore reads the codec from the checkpoint.
+      format_version: 1, or 2 (data files per process: FORMAT.md, "Version 2").
       clock: time source for ``every_seconds`` (tests pass one in).
       persistent: a second, persistent tier (``s3://``, ``gs://``, a shared
         filesystem path) to which every step committed in ``directory`` (then a
@@ -119,6 +120,7 @@ class CheckpointManager:
         persistent_grace_seconds: float = 30.0,
         persistent_lease_seconds: float = 60.0,
         reuse_host_buffers: bool = False,
+        format_version: int = 1,
         **unknown: Any,
     ):
         _options.check_unknown("CheckpointManager", unknown, MANAGER_OPTIONS)
@@ -126,7 +128,6 @@ class CheckpointManager:
         self._loc = opts.location
         self._schedule = SaveSchedule(opts.save_policy(), opts.clock)
         self._async, self._read_only = opts.async_save, opts.read_only
-        # Snapshot memory kept from one save to the next (see _host.BufferPool).
         self._buffers = _host.BufferPool() if opts.reuse_host_buffers else None
         self._book = StepBook(self._loc)
         self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
@@ -143,7 +144,7 @@ class CheckpointManager:
 
     def _open(self, opts: _options.ManagerOptions) -> None:
         """A writer's open: lock, housekeeping, deletion thread, tier, SIGTERM."""
-        own = _per_host.detect(self._loc, opts.persistent, opts.incremental)
+        own = _per_host.detect(self._loc, opts.persistent, opts.incremental, opts.format_version)
         self._book.per_host = own  # each host's own directory (docs/tiers.md)
         self._dir_lock = _housekeeping.open_writer(self._loc, own=own)
         self._retainer.start()

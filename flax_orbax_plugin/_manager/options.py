@@ -173,6 +173,8 @@ def check_manager(options: Mapping[str, Any]) -> None:
         raise TypeError(f"persistent_grace_seconds must be a number >= 0, found {grace!r}")
     for name in ("async_save", "read_only", "handle_sigterm", "incremental", "reuse_host_buffers"):
         flag(name, options[name])
+    if options["format_version"] not in (1, 2) or isinstance(options["format_version"], bool):
+        raise ValueError(f"format_version: expected 1 or 2, found {options['format_version']!r}")
     metric = options["best_metric"]
     if metric is not None and not isinstance(metric, str):
         raise TypeError(f"best_metric must be a key of the extras (a str), found {metric!r}")
@@ -188,16 +190,28 @@ def check_item_name(name: Any) -> str:
     return name
 
 
+class Overrides(dict):
+    """The checkpointable per item name; ``pytree``: the one of every other pytree item
+    (a manager's ``format_version=2``), or None for the built-in."""
+
+    pytree: Checkpointable | None = None
+
+
 def _overrides(
-    checkpointables: Mapping[str, Checkpointable] | None, compression: Mapping[str, str] | None
+    checkpointables: Mapping[str, Checkpointable] | None,
+    compression: Mapping[str, str] | None,
+    format_version: int = 1,
 ) -> dict[str, Checkpointable]:
     """The checkpointable per item name: ``checkpointables``, then ``compression``'s."""
-    overrides = dict(checkpointables or {})
+    overrides = Overrides(checkpointables or {})
+    if format_version != 1:
+        overrides.pytree = PytreeCheckpointable(format_version=format_version)
     for name, codec in (compression or {}).items():
         if name in overrides:
             raise ValueError(f"compression[{name!r}]: item {name!r} has its own checkpointable")
         overrides[check_item_name(name)] = PytreeCheckpointable(
-            compression=_layout.check_codec(codec, where=f"compression[{name!r}]")
+            compression=_layout.check_codec(codec, where=f"compression[{name!r}]"),
+            format_version=format_version,
         )
     return overrides
 
@@ -228,6 +242,7 @@ class ManagerOptions:
     persistent_grace_seconds: float
     persistent_lease_seconds: float
     reuse_host_buffers: bool
+    format_version: int
 
     @classmethod
     def build(cls, directory: Any, options: Mapping[str, Any]) -> ManagerOptions:
@@ -243,7 +258,9 @@ class ManagerOptions:
             best_metric=options["best_metric"],
             best_mode=options["best_mode"],
         )
-        overrides = _overrides(options["checkpointables"], options["compression"])
+        overrides = _overrides(
+            options["checkpointables"], options["compression"], options["format_version"]
+        )
         plain = {k: options[k] for k in _PLAIN}
         return cls(location, retention, steps=steps, overrides=overrides, **plain)
 
@@ -290,4 +307,5 @@ _PLAIN = (
     "persistent_grace_seconds",
     "persistent_lease_seconds",
     "reuse_host_buffers",
+    "format_version",
 )

@@ -191,7 +191,7 @@ def agreed_time() -> float:
     return float(_distributed.broadcast_str(op, repr(time.time())))
 
 
-def detect(loc: Location, persistent: Any, incremental: bool) -> bool:
+def detect(loc: Location, persistent: Any, incremental: bool, format_version: int = 1) -> bool:
     """Collective, at a writer's open: whether each process has its own directory
     (accepted only with a persistent tier; without one the shared-directory check
     refuses it later). Creates this process's directory first."""
@@ -203,6 +203,12 @@ def detect(loc: Location, persistent: Any, incremental: bool) -> bool:
         raise CheckpointError(
             f"{loc}: incremental=True is not supported with a directory per host (each "
             f"process sees its own {loc.path}); use a shared directory or incremental=False"
+        )
+    if own and format_version != 1:
+        raise CheckpointError(
+            f"{loc}: format_version={format_version} is not supported yet with a directory "
+            f"per host (each process sees its own {loc.path}); use format_version=1 or a "
+            f"shared directory"
         )
     if own:
         logger.info("checkpoint: %s is this host's own directory (one per host)", loc)

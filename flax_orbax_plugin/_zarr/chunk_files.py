@@ -100,12 +100,19 @@ class ChunkReader:
     restore's); the reads run on the reader's threads; :meth:`close` waits for them.
     """
 
+    packed = False  # format version 2's reader (a subclass) reads every array and batch
+
     def __init__(self, root: str, *, threads: int = _chunks.THREADS):
         self._root = root
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fop-read")
+        self._fill = _read_file  # (path, name, parts): a subclass reads from elsewhere
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _fill_kw(self) -> dict:
+        """The reading functions' ``fill`` argument where a subclass reads elsewhere."""
+        return {} if self._fill is _read_file else {"fill": self._fill}
 
     def read(
         self,
@@ -136,7 +143,7 @@ class ChunkReader:
                 job = (_read_chunk, path, _as_writable_bytes(dest), chunk_bytes)
             else:
                 job = (_read_chunk_copy, path, dest, tuple(chunk))
-            read.futures.append(self._pool.submit(*job))
+            read.futures.append(self._pool.submit(*job, **self._fill_kw()))
         return read
 
     def read_batch(
@@ -163,6 +170,7 @@ class ChunkReader:
                 chunk * itemsize,
                 inner * itemsize,
                 first * itemsize,
+                **self._fill_kw(),
             )
             for s in files
         ]
@@ -194,7 +202,7 @@ def bytes_read() -> int:
         return _read_total
 
 
-def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int) -> None:
+def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None) -> None:
     """Reads one chunk file: its first ``dest.size`` bytes into ``dest``, the zero
     padding of a chunk cut by the array's end into scratch, then checks its crc32c."""
     name = _name(path)
@@ -202,7 +210,7 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int) -> None:
     if chunk_bytes > dest.size:
         parts.append(np.empty(chunk_bytes - dest.size, np.uint8))
     trailer = np.empty(_chunks.CRC_BYTES, np.uint8)
-    _read_file(path, name, parts + [trailer])
+    (fill or _read_file)(path, name, parts + [trailer])
     if not _chunks.crc_matches(parts, trailer):
         raise ValueError(f"chunk {name}: crc32c checksum mismatch")
 
@@ -210,7 +218,7 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int) -> None:
 _scratch = threading.local()  # per reader thread: one chunk's bytes, reused
 
 
-def _read_chunk_copy(path: str, dest: np.ndarray, chunk: tuple[int, ...]) -> None:
+def _read_chunk_copy(path: str, dest: np.ndarray, chunk: tuple[int, ...], *, fill=None) -> None:
     """Reads one chunk file whole into scratch, checks it, then copies the part that
     lies in the array (``dest``'s shape, from the chunk's origin) into ``dest``.
 
@@ -221,7 +229,7 @@ def _read_chunk_copy(path: str, dest: np.ndarray, chunk: tuple[int, ...]) -> Non
     if buffer is None or buffer.size < nbytes:
         buffer = _scratch.buffer = np.empty(nbytes, np.uint8)
     raw = buffer[:nbytes]
-    _read_chunk(path, raw, nbytes)
+    _read_chunk(path, raw, nbytes, fill=fill)
     dest[...] = raw.view(dest.dtype).reshape(chunk)[tuple(slice(0, n) for n in dest.shape)]
 
 
@@ -231,7 +239,15 @@ def _as_writable_bytes(array: np.ndarray) -> np.ndarray:
 
 
 def _read_shard(
-    path: str, flat: np.ndarray, s: int, size: int, chunk: int, inner: int, base: int = 0
+    path: str,
+    flat: np.ndarray,
+    s: int,
+    size: int,
+    chunk: int,
+    inner: int,
+    base: int = 0,
+    *,
+    fill=None,
 ) -> None:
     """Reads one batch file (a zarr3 shard, sizes in bytes) into ``flat`` (the batch's
     bytes from byte ``base`` on): every stored inner chunk straight to its place, then
@@ -252,7 +268,7 @@ def _read_shard(
         checks.append((data, trailer))
     index = np.empty(2 * count, "<u8")
     index_trailer = np.empty(_chunks.CRC_BYTES, np.uint8)
-    _read_file(path, name, parts + [index.view(np.uint8), index_trailer])
+    (fill or _read_file)(path, name, parts + [index.view(np.uint8), index_trailer])
     if not _chunks.crc_matches([index.view(np.uint8)], index_trailer):
         raise ValueError(f"batch file {name}: crc32c checksum mismatch in its index")
     expected = np.full(2 * count, _chunks.MISSING_ENTRY, "<u8")

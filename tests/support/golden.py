@@ -1,6 +1,8 @@
-"""Golden checkpoints of format version 1 (``tests/support/data/golden/``).
+"""Golden checkpoints of format versions 1 and 2 (``tests/support/data/golden/``; the
+version-2 ones are named ``v2_*``).
 
-``python tests/support/golden.py`` (re)writes them; ``tests/format/test_format.py``
+``python tests/support/golden.py`` (re)writes them (``--v2``: only the version-2 ones);
+``tests/format/test_format.py``
 restores them and
 compares bit for bit with the trees built here. They are committed: a change of the
 on-disk format that older checkpoints cannot be read with fails that test. Regenerate
@@ -102,6 +104,20 @@ def two_process_worker(ctx, directory):
     return True
 
 
+def write_v2() -> None:
+    """The version-2 fixtures: every leaf kind, both storage kinds (arrays and batches)."""
+    import flax_orbax_plugin as fop
+    from flax_orbax_plugin._core import plan as _plan
+
+    saved, _plan.SMALL_LEAF_BYTES = _plan.SMALL_LEAF_BYTES, 256
+    try:
+        path = os.path.join(GOLDEN, "v2_leaf_kinds")
+        shutil.rmtree(path, ignore_errors=True)
+        fop.save(path, every_leaf_kind(), format_version=2)
+    finally:
+        _plan.SMALL_LEAF_BYTES = saved
+
+
 def write_all() -> None:
     import flax_orbax_plugin as fop
     from flax_orbax_plugin._core import plan as _plan
@@ -135,9 +151,13 @@ def write_all() -> None:
         for f in files:
             if f == ".writer.lock":
                 os.remove(os.path.join(root, f))
+    write_v2()
 
 
 if __name__ == "__main__":
-    write_all()
+    if sys.argv[1:] == ["--v2"]:
+        write_v2()
+    else:
+        write_all()
     total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(GOLDEN) for f in fs)
     print(f"wrote {GOLDEN}: {total} bytes")

@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 from ..._base.tree import path_string
 from .checked import check_format_version, fail, int_field, need, num_field, opt_str
 from .dtypes import MAX_PROCESSES
-from .names import FORMAT_NAME, FORMAT_VERSION
+from .names import FORMAT_NAME, FORMAT_VERSION, LATEST_FORMAT_VERSION
 from .records import BatchRecord, BatchStorage, LeafRecord
 
 # -- a checkpoint's metadata ---------------------------------------------------------------
@@ -41,7 +41,9 @@ class CheckpointDocument:
     @classmethod
     def from_json(cls, obj: Any, where: str) -> CheckpointDocument:
         need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
-        version = check_format_version(obj, where, FORMAT_NAME, "format_version", FORMAT_VERSION)
+        version = check_format_version(
+            obj, where, FORMAT_NAME, "format_version", LATEST_FORMAT_VERSION
+        )
         process_count = int_field(
             obj, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES
         )
@@ -55,6 +57,8 @@ class CheckpointDocument:
         }
         leaves = tuple(LeafRecord.from_json(r, where, i) for i, r in enumerate(raw_leaves))
         _check_leaves(leaves, batches, where)
+        if version == 2:
+            _check_uncompressed(leaves, batches, where)
         return cls(
             leaves,
             batches,
@@ -63,6 +67,18 @@ class CheckpointDocument:
             opt_str(obj, "jax_version", where),
             version,
         )
+
+
+def _check_uncompressed(leaves, batches, where: str) -> None:
+    """Version 2 stores no compressed chunk (its readers read none)."""
+    for i, leaf in enumerate(leaves):
+        if getattr(leaf.storage, "codec", None) is not None:
+            fail(
+                where, f"leaves[{i}].storage.codec", "none in format_version 2", leaf.storage.codec
+            )
+    for name, batch in batches.items():
+        if batch.codec is not None:
+            fail(where, f"batches[{name!r}].codec", "none in format_version 2", batch.codec)
 
 
 def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord], where: str):

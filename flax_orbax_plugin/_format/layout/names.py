@@ -10,6 +10,7 @@ from __future__ import annotations
 
 FORMAT_NAME = "flax_orbax_plugin"
 FORMAT_VERSION = 1
+LATEST_FORMAT_VERSION = 2  # _METADATA.json: 1 (a file per chunk) or 2 (data files)
 STEP_FORMAT = "flax_orbax_plugin/step"
 STEP_VERSION = 1
 

@@ -1,0 +1,74 @@
+"""The background phase's data in format version 2: this process's chunks packed into a
+few data files of its item, and their index (``_zarr.packed_writer``).
+
+No ``zarr.json`` is written and nothing goes through tensorstore's zarr driver: every
+region is whole chunks (the plan aligns them), written by one :class:`PackedWriter`,
+each write one pending future drained to the memory limit as in version 1. Incremental
+reuse does not apply (every leaf is written). Called on the save's background thread.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .._errors import CheckpointError
+from .._format.layout import ArrayStorage, BatchRecord, array_dir, sha256
+from .._storage.location import Location
+from .._zarr import packed_writer as _packed_writer
+from .write_data import _batch_jobs, _Pending, _raise_as_checkpoint_error, _settle
+
+
+def write_packed(
+    staging: Location,
+    leaves: list,
+    batches: dict[str, BatchRecord],
+    batch_data: dict[str, Any],
+    *,
+    process: int,
+    limit: int,
+    data_file_bytes: int | None = None,
+) -> tuple[int, dict[str, str]]:
+    """Writes this process's chunks into its data files and its index; returns (bytes
+    written, {index file: sha256}). Takes the batches it writes out of ``batch_data``."""
+    if sys.byteorder != "little":
+        raise CheckpointError("format_version=2 is written on little-endian hosts only")
+    total = sum(data.nbytes for leaf in leaves for _, data in leaf.writes)
+    total += sum(data.nbytes for data in batch_data.values())
+    writer = _packed_writer.PackedWriter(staging, process, data_file_bytes, total)
+    jobs = [
+        (None, leaf.writes, _direct(writer, leaf))
+        for leaf in leaves
+        if isinstance(leaf.record.storage, ArrayStorage) and leaf.writes
+    ]
+    jobs += _batch_jobs([(name, None) for name in batches], batches, batch_data, writer)
+    pending = _Pending(limit)
+    try:
+        try:
+            pending.write_all(jobs)
+            pending.drain(0)
+        finally:
+            writer.close()
+    except BaseException as e:
+        _settle(pending.futures)
+        _raise_as_checkpoint_error(e, staging, direct=True)
+        raise
+    name, raw = writer.write_index()
+    return pending.written, {name: sha256(raw)}
+
+
+def _direct(writer: _packed_writer.PackedWriter, leaf):
+    record = leaf.record
+
+    def write(index, data):
+        futures = writer.array(
+            array_dir(leaf.index), record.shape, record.storage.chunk_shape, index, data
+        )
+        if futures is None:
+            raise CheckpointError(
+                f"leaf {record.path!r}: a region {index} that is not whole chunks of "
+                f"{record.storage.chunk_shape}; format_version=2 stores whole chunks only"
+            )
+        return futures
+
+    return write

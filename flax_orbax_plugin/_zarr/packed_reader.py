@@ -1,0 +1,194 @@
+"""Reading format version 2: chunks at known offsets in the data files of every process.
+
+:class:`PackedReader` is a :class:`~chunk_files.ChunkReader` whose chunk "files" are
+segments of the data files the merged indexes (``packed_index``) list: one ``preadv``
+at the segment's offset on a local disk, one byte-range read on an object store. Every
+check of version 1 holds (the segment's exact length, each crc32c trailer, a batch
+shard's index) plus the index's own copy of the trailer. Unlike ``ChunkReader`` it
+reads any region, whole chunks or not: a chunk that the region cuts is read whole into
+scratch, checked, and only its part in the region is copied (resharding reads only the
+chunks each target shard touches). Threading: as ``ChunkReader``.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import stat
+
+import numpy as np
+import tensorstore as ts
+
+from .._format import documents as _documents
+from .._format import layout as _layout
+from .._storage import kvstore as _kvstore
+from .._storage.location import Location
+from . import chunk_files as _chunk_files
+from . import chunks as _chunks
+from . import packed_index as _index
+from . import packed_ranges as _ranges
+
+
+class PackedReader(_chunk_files.ChunkReader):
+    """Reads chunks listed in ``chunks`` (every process's merged index) from the data
+    files of ``location``."""
+
+    packed = True
+
+    def __init__(self, location: Location, chunks: dict[str, _index.Segment]):
+        super().__init__("")
+        self._fill = self._fill_segment
+        self._location = location
+        self._chunks = chunks
+        self._fds: dict[str, int] = {}
+        self._kv = None
+        self._ranges: _ranges.RangeReads | None = None
+        self._claimed: dict[str, tuple[int, int]] | None = None
+        if location.is_local:
+            try:
+                for name in sorted({s.file for s in chunks.values()}):
+                    self._fds[name] = self._open(name, chunks)
+            except BaseException:
+                self.close()
+                raise
+        else:
+            spec = location.kvstore(_index.DATA_DIR)
+            self._kv = ts.KvStore.open(spec, context=_kvstore.context(local=False)).result()
+            self._ranges = _ranges.RangeReads(self._kv, chunks)
+
+    def _open(self, name: str, chunks) -> int:
+        path = os.path.join(self._location.path, _index.DATA_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                raise ValueError(
+                    f"data file {_index.DATA_DIR}/{name} cannot be opened: {e}"
+                ) from None
+            raise
+        st = os.fstat(fd)
+        end = max(s.offset + s.length for s in chunks.values() if s.file == name)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < end:
+            os.close(fd)
+            raise ValueError(
+                f"data file {_index.DATA_DIR}/{name}: expected a regular file of at least "
+                f"{end} bytes, found {st.st_size}"
+            )
+        return fd
+
+    def read_batch(self, sub, size, chunk, inner, dtype, files=None):
+        """As ``ChunkReader.read_batch``; on an object store its files' segments are
+        fetched by runs first."""
+        if self._kv is not None:
+            numbers = range(-(-size // chunk)) if files is None else files
+            self._ranges.prefetch(_key(sub, (s,)) for s in numbers)
+        return super().read_batch(sub, size, chunk, inner, dtype, files)
+
+    def close(self) -> None:
+        super().close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def claimed(self, prefix: str) -> tuple[int, int]:
+        """(chunks, bytes) the indexes list under the array ``prefix`` (``d/<i>``)."""
+        if self._claimed is None:
+            totals: dict[str, list[int]] = {}
+            for key, segment in self._chunks.items():
+                entry = totals.setdefault(_index.array_prefix(key), [0, 0])
+                entry[0] += 1
+                entry[1] += segment.length
+            self._claimed = {k: (n, b) for k, (n, b) in totals.items()}
+        return self._claimed.get(prefix, (0, 0))
+
+    def _fill_segment(self, path: str, name: str, parts: list[np.ndarray]) -> None:
+        segment = self._chunks.get(path)
+        if segment is None:
+            raise ValueError(f"chunk {path} is missing (no data index lists it)")
+        expected = sum(p.size for p in parts)
+        if segment.length != expected:
+            raise ValueError(
+                f"chunk {path}: expected {expected} bytes, its data index lists {segment.length}"
+            )
+        where = f"{path} ({_index.DATA_DIR}/{segment.file} at {segment.offset})"
+        if self._kv is not None:
+            value = self._ranges.take(path, segment)
+            if value is None:
+                result = self._kv.read(
+                    segment.file, byte_range=slice(segment.offset, segment.offset + segment.length)
+                ).result()
+                if result.state != "value" or len(result.value) != expected:
+                    raise ValueError(f"chunk {where}: missing or short")
+                value = result.value
+            raw = np.frombuffer(value, np.uint8)
+            at = 0
+            for p in parts:
+                p[...] = raw[at : at + p.size]
+                at += p.size
+        else:
+            views = [memoryview(p) for p in parts if p.size]
+            at = segment.offset
+            while views:
+                got = os.preadv(self._fds[segment.file], views[: _chunks.IOV_MAX], at)
+                if got == 0:
+                    raise ValueError(f"chunk {where}: ended early")
+                at += got
+                _chunks.advance(views, got)
+        if int.from_bytes(parts[-1].tobytes(), "little") != segment.crc32c:
+            raise ValueError(f"chunk {where}: its crc32c differs from its data index's")
+
+    def read(self, sub, shape, chunk, dtype, region=None) -> _chunk_files.PendingRead:
+        """Starts reading ``region`` (global; None: all) of array ``sub``, any region."""
+        bounds = [
+            s.indices(n)[:2]
+            for s, n in zip(region or [slice(None)] * len(shape), shape, strict=True)
+        ]
+        ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(bounds, chunk, strict=True)]
+        if self._kv is not None:  # one GET per run of adjacent chunks
+            cells = itertools.product(*ranges)
+            self._ranges.prefetch(_key(sub, cell) for cell in cells)
+        whole = super().read(sub, shape, chunk, dtype, region)
+        if whole is not None:
+            return whole
+        read = _chunk_files.PendingRead(tuple(b - a for a, b in bounds), dtype)
+        for cell in itertools.product(*ranges):
+            src, dst = [], []
+            for i, c, (a, b) in zip(cell, chunk, bounds, strict=True):
+                lo, hi = max(a, i * c), min(b, i * c + c)
+                src.append(slice(lo - i * c, hi - i * c))
+                dst.append(slice(lo - a, hi - a))
+            job = (
+                _read_part,
+                _key(sub, cell),
+                read.out[tuple(dst)],
+                tuple(chunk),
+                tuple(src),
+                self._fill,
+            )
+            read.futures.append(self._pool.submit(*job))
+        return read
+
+
+def _key(sub: str, cell) -> str:
+    return "/".join([sub, *_chunks.chunk_parts(cell)]) if cell else f"{sub}/c"
+
+
+def _read_part(key: str, dest: np.ndarray, chunk, src, fill) -> None:
+    """Reads chunk ``key`` whole, checks it, copies its part ``src`` into ``dest``."""
+    nbytes = int(np.prod(chunk, dtype=np.int64)) * dest.dtype.itemsize
+    raw = np.empty(nbytes, np.uint8)
+    _chunk_files._read_chunk(key, raw, nbytes, fill=fill)
+    dest[...] = raw.view(dest.dtype).reshape(chunk)[src]
+
+
+def open_packed(location: Location, process_count: int) -> PackedReader:
+    """A reader of the version-2 checkpoint at ``location``: every process's data
+    index read, checked against the sha256 its commit recorded, and validated."""
+    indexes = []
+    for process in range(process_count):
+        name = _index.index_name(process)
+        where = f"{location}/{name}"
+        raw = _documents.read_listed(location, name)
+        indexes.append(_index.DataIndex.from_json(_layout.decode(raw, where), where, process))
+    return PackedReader(location, _index.merge(indexes, str(location)))

@@ -1,0 +1,169 @@
+"""Writing format version 2: this process's chunks packed into a few large data files.
+
+:class:`PackedWriter` is a :class:`~chunk_writer.ChunkWriter` whose chunk "files" are
+segments of data files ``data/<process>-<n>.bin``: each chunk gets the next offset of
+the current data file (a new file once ``target_bytes`` would be passed) and is written
+there with one ``pwritev`` on a local disk; on an object store the segments are
+gathered in memory and each data file is written as one object when it is full (or
+at :meth:`close`). :meth:`index` is the ``data/<process>.json`` that lists them
+(``packed_index``). Files are created with ``O_EXCL | O_NOFOLLOW`` in the save's fresh
+staging directory.
+
+Threading: as ``ChunkWriter``: one per save, driven by the save's background thread;
+segments are written by the writer's threads (offsets handed out under a lock).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from .._storage.location import Location, check_name
+from . import chunk_writer as _chunk_writer
+from . import chunks as _chunks
+from . import packed_index as _index
+
+LOCAL_DATA_FILE_BYTES = 1 << 30  # a data file on a local or shared filesystem
+OBJECT_DATA_FILE_BYTES = 256 << 20  # an object (written whole from memory)
+MAX_LANES = 4  # object stores: data files filled (and uploaded) at once
+LANE_BYTES = 64 << 20  # object stores: one more lane per this many bytes to write
+
+
+def default_data_file_bytes(location: Location) -> int:
+    return LOCAL_DATA_FILE_BYTES if location.is_local else OBJECT_DATA_FILE_BYTES
+
+
+class PackedWriter(_chunk_writer.ChunkWriter):
+    """Writes whole chunks of arrays and batches of one process into data files under
+    ``location`` (its ``data/``); ``target_bytes``: a data file's size it does not pass
+    unless one chunk is larger. On an object store, up to :data:`MAX_LANES` data files
+    are filled side by side (one per :data:`LANE_BYTES` of ``total_bytes``, what this
+    process writes), so that their uploads overlap: a single PUT is one stream."""
+
+    def __init__(
+        self,
+        location: Location,
+        process: int,
+        target_bytes: int | None = None,
+        total_bytes: int = 0,
+    ):
+        super().__init__(location.path if location.is_local else "")
+        self._location = location
+        self._process = int(process)
+        self._target = int(target_bytes or default_data_file_bytes(location))
+        if self._target < 1:
+            raise ValueError(f"data_file_bytes: expected a positive size, found {self._target}")
+        self._lock = threading.Lock()
+        self._files: dict[str, int] = {}  # name -> bytes handed out
+        self._fds: dict[str, int] = {}
+        self._current: str | None = None  # local: the file being filled
+        lanes = 1 if location.is_local else min(MAX_LANES, max(1, -(-total_bytes // LANE_BYTES)))
+        self._lanes: list[list] = [[None, []] for _ in range(lanes)]  # [file, its pieces]
+        self._lane_of: dict[str, int] = {}  # array (d/<i>, b/<batch>) -> its lane
+        self._chunks: dict[str, _index.Segment] = {}
+
+    def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
+        """Called by the writer's threads for one chunk (``name``: its version-1 key)."""
+        check_name(name)
+        pieces = [p for p in pieces if p.size]
+        length = sum(p.size for p in pieces)
+        crc = int.from_bytes(pieces[-1].tobytes(), "little")
+        if self._location.is_local:
+            file, offset, fd = self._allocate_local(length)
+            views = [memoryview(p) for p in pieces]
+            at = offset
+            while views:
+                done = os.pwritev(fd, views[: _chunks.IOV_MAX], at)
+                at += done
+                _chunks.advance(views, done)
+            if _chunk_writer._sync_file_range is not None:  # start writeback; no wait
+                _chunk_writer._sync_file_range(
+                    fd, offset, length, _chunk_writer._SYNC_FILE_RANGE_WRITE
+                )
+        else:
+            file, offset, full = self._append(_index.array_prefix(name), pieces, length)
+            if full is not None:
+                self._upload(*full)
+        with self._lock:
+            self._chunks[name] = _index.Segment(file, offset, length, crc)
+
+    def _next_file(self) -> str:
+        """Under the lock: starts data file number len(files)."""
+        name = _index.data_file_name(self._process, len(self._files))
+        self._files[name] = 0
+        self._current = name
+        return name
+
+    def _allocate_local(self, length: int) -> tuple[str, int, int]:
+        with self._lock:
+            name = self._current
+            if name is None or (self._files[name] and self._files[name] + length > self._target):
+                name = self._next_file()
+                directory = os.path.join(self._location.path, _index.DATA_DIR)
+                os.makedirs(directory, exist_ok=True)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                self._fds[name] = os.open(os.path.join(directory, name), flags, 0o644)
+            offset = self._files[name]
+            self._files[name] = offset + length
+            return name, offset, self._fds[name]
+
+    def _append(self, array: str, pieces, length: int):
+        """Object stores: adds the segment's pieces (views of the snapshot, kept until
+        the file is written: joined once, no other copy) to the current file; returns
+        (file, offset, the finished file's (name, pieces) to upload, or None)."""
+        full = None
+        with self._lock:
+            # an array's chunks go to one lane: side by side, read back by few GETs
+            number = self._lane_of.setdefault(array, len(self._lane_of) % len(self._lanes))
+            lane = self._lanes[number]
+            name = lane[0]
+            if name is None or (self._files[name] and self._files[name] + length > self._target):
+                if name is not None:
+                    full = (name, lane[1])
+                lane[0], lane[1] = self._next_file(), []
+                name = lane[0]
+            offset = self._files[name]
+            lane[1].extend(pieces)
+            self._files[name] = offset + length
+        return name, offset, full
+
+    def _upload(self, name: str, pieces: list[np.ndarray]) -> None:
+        data = b"".join(memoryview(p) for p in pieces)
+        pieces.clear()
+        self._location.write_bytes(f"{_index.DATA_DIR}/{name}", data)
+
+    def close(self) -> None:
+        """Waits for every chunk, writes the last object (object stores) and closes the
+        data files (local; made durable by the save's sync)."""
+        try:
+            super().close()
+            last = [(name, pieces) for name, pieces in self._lanes if name is not None]
+            self._lanes = []
+            if last:  # the lanes' last files, uploaded side by side
+                with concurrent.futures.ThreadPoolExecutor(len(last)) as pool:
+                    for future in [pool.submit(self._upload, *item) for item in last]:
+                        future.result()
+        finally:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}
+
+    def index(self) -> _index.DataIndex:
+        """The index of everything written (call after :meth:`close`)."""
+        return _index.DataIndex(self._process, dict(self._files), dict(self._chunks))
+
+    def write_index(self) -> tuple[str, bytes]:
+        """Writes ``data/<process>.json`` (not yet durable); returns (its name, bytes)."""
+        raw = _encode(self.index().to_json())
+        name = _index.index_name(self._process)
+        self._location.write_bytes(name, raw, durable=False)
+        return name, raw
+
+
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
