@@ -76,6 +76,9 @@ class CheckpointManager:
         docs/tiers.md.
       persistent_keep, persistent_keep_every: the persistent tier's retention (as
         ``keep`` and ``keep_every``; ``persistent_keep=None`` keeps every step there).
+      persistent_every: only committed steps divisible by it (as ``keep_every``) and
+        the step saved on SIGTERM are replicated (1: every step); local retention keeps
+        those until replicated, the others it deletes as usual. See docs/tiers.md.
       persistent_grace_seconds: after SIGTERM, how long the exit waits for the
         replication of the step it saved.
       persistent_lease_seconds: one run owns its places: a second live manager on the
@@ -117,6 +120,7 @@ class CheckpointManager:
         persistent: Any = None,
         persistent_keep: int | None = None,
         persistent_keep_every: int | None = None,
+        persistent_every: int = 1,
         persistent_grace_seconds: float = 30.0,
         persistent_lease_seconds: float = 60.0,
         reuse_host_buffers: bool = False,
@@ -253,7 +257,7 @@ class CheckpointManager:
         if callable(extras):  # computed only for a step that is saved
             extras = extras()
         items = collect_items(state, data_iterator, extras)
-        self._saver.start(step, items, extras, local)
+        self._saver.start(step, items, extras, local, replicate=preempted)
         self._schedule.record_save(t)
         if not self._async or preempted:
             self._wait_inflight()
@@ -264,9 +268,7 @@ class CheckpointManager:
 
     def gc(self) -> list[int]:
         """Removes unfinished steps and applies retention now; returns the removed steps.
-
-        Call from the training thread (waits for the in-flight save first).
-        """
+        Call from the training thread (waits for the in-flight save first)."""
         self._check_writable()
         self.wait()
         self._book.forget()  # gc looks at the store itself

@@ -166,6 +166,12 @@ def check_manager(options: Mapping[str, Any]) -> None:
         positive_int(name, options[name])
     for name in ("persistent_keep", "persistent_keep_every"):
         positive_int(name, options[name])
+    positive_int("persistent_every", options["persistent_every"], none_ok=False)
+    if options["persistent"] is None and options["persistent_every"] != 1:
+        raise ValueError(
+            f"persistent_every={options['persistent_every']!r} needs persistent= (the "
+            "persistent tier it thins out); without one every step stays local"
+        )
     positive_number("every_seconds", options["every_seconds"])
     positive_number("persistent_lease_seconds", options["persistent_lease_seconds"], none_ok=False)
     grace = options["persistent_grace_seconds"]
@@ -239,6 +245,7 @@ class ManagerOptions:
     persistent: Any
     persistent_keep: int | None
     persistent_keep_every: int | None
+    persistent_every: int
     persistent_grace_seconds: float
     persistent_lease_seconds: float
     reuse_host_buffers: bool
@@ -275,6 +282,7 @@ class ManagerOptions:
         return dict(
             keep=self.persistent_keep,
             keep_every=self.persistent_keep_every,
+            every=self.persistent_every,
             grace_seconds=self.persistent_grace_seconds,
             lease_seconds=self.persistent_lease_seconds,
         )
@@ -304,6 +312,7 @@ _PLAIN = (
     "persistent",
     "persistent_keep",
     "persistent_keep_every",
+    "persistent_every",
     "persistent_grace_seconds",
     "persistent_lease_seconds",
     "reuse_host_buffers",

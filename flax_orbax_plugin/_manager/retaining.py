@@ -145,7 +145,7 @@ class RetentionRunner:
         tier = self._book.tier
         if tier is not None:  # not yet replicated: kept locally
             protected |= tier.pending_steps()
-            if self._book.per_host:  # each host's copy: nothing newer than the bucket goes
+            if self._book.per_host:  # each host's copy: no due step newer than the bucket
                 newest = max(tier.known_steps(), default=-1)
-                protected |= {s for s in steps if s > newest}
+                protected |= {s for s in steps if s > newest and tier.due(s)}
         return steps_to_delete(steps, self.policy, metrics=metrics, protected=protected)

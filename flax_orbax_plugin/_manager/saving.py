@@ -157,10 +157,13 @@ class Saver:
 
     # -- the save
 
-    def start(self, step: int, items: dict, extras: Any, local: list[int]) -> None:
-        """Blocking phase of every item, then the background write and commit (the
-        save in flight). ``local``: the committed local steps (``step`` among them: it
-        is replaced). The previous save must have been waited for."""
+    def start(
+        self, step: int, items: dict, extras: Any, local: list[int], *, replicate: bool = False
+    ) -> None:
+        """Blocking phase of every item, then the background write and commit (the save
+        in flight), after the previous one. ``local``: the committed local steps (``step``
+        among them: replaced); ``replicate``: to the persistent tier anyway (SIGTERM)."""
+        replicate and self._book.tier is not None and self._book.tier.force(step)
         started = time.perf_counter()
         replace = step in local
         final = _steps.step_location(self._loc, step)

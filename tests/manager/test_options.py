@@ -68,3 +68,20 @@ def test_valid_options_still_work(tmp_path):
         tmp_path / "run", keep=2, every_steps=2, steps=iter([3]), keep_every=4
     ) as mngr:
         assert mngr.should_save(3) and mngr.should_save(4) and not mngr.should_save(5)
+
+
+@pytest.mark.parametrize(
+    "value, error", [(0, ValueError), ("5", TypeError), (2.0, TypeError), (True, TypeError)]
+)
+def test_persistent_every_is_checked_by_its_name(tmp_path, value, error):
+    with pytest.raises(error, match=r"^persistent_every must be a positive int"):
+        fop.CheckpointManager(
+            tmp_path / "run", persistent=str(tmp_path / "p"), persistent_every=value
+        )
+    with pytest.raises(ValueError, match=r"^persistent_every=5 needs persistent="):
+        fop.CheckpointManager(tmp_path / "run", persistent_every=5)
+    assert not (tmp_path / "run").exists()
+    # The callback takes it among its manager's options (a misspelling is named there).
+    fop.CheckpointCallback(tmp_path / "run", manager_options={"persistent_every": 5})
+    with pytest.raises(TypeError, match=r"did you mean persistent_every="):
+        fop.CheckpointCallback(tmp_path / "run", manager_options={"persistent_evry": 5})

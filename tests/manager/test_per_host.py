@@ -286,6 +286,45 @@ def test_per_host_directories_save_replicate_and_restore_by_way(tmp_path, s3_loc
         assert reader.restore(step=3, items="extras") == {"step": 3}
 
 
+def four_hosts_one_wiped(ctx, base, url):
+    """4 hosts, a state every host holds whole; host 2's directory wiped."""
+    local = os.path.join(base, f"host{ctx.process_id}")
+    with fop.CheckpointManager(local, persistent=url) as mngr:
+        mngr.save(7, _replicated(ctx, 7), extras={"step": 7})
+        mngr.wait()
+        assert mngr.persistent.wait(WAIT_S)
+    ctx.client.wait_at_barrier("wiped-4", 30_000)
+    if ctx.process_id == 2:
+        _wipe(local)
+    ctx.client.wait_at_barrier("wiped-4-done", 30_000)
+    like = _replicated(ctx, 0)
+    r = _restore(ctx, local, url, like)
+    return {**_outcome(r, _expected(ctx, 7, like, _replicated)), "bucket_read": r["bucket_read"]}
+
+
+@pytest.mark.distributed
+def test_four_hosts_one_wiped_restores_from_a_peer(tmp_path, s3_location):
+    """4 real processes, each its own directory: the wiped host gets its copy from a
+    peer over jax collectives (way b) on every host, bit-exact; only the primary reads
+    the bucket (its listing)."""
+    from _multiprocess import run_processes
+
+    url = s3_location.join("four").url
+    run = run_processes(
+        "test_per_host:four_hosts_one_wiped",
+        4,
+        devices_per_process=1,
+        args={"base": str(tmp_path / "hosts"), "url": url},
+        env={"FOP_COORDINATION_TIMEOUT_S": "20", "PYTHONPATH": HERE},
+        heartbeat_timeout_s=30,
+        timeout_s=120,
+    ).check()
+    listed = len(s3_location.join("four").read(f"7/{MANIFEST_FILE}"))
+    for i, p in enumerate(run.procs):
+        read = listed if i == 0 else 0
+        assert p.result == {"ways": ["way b"], "step": 7, "exact": True, "bucket_read": read}
+
+
 def _preempt_state(ctx, step):
     """The state ``_mp_workers.preempted_training`` holds after ``step`` steps."""
     import _mp_workers as W

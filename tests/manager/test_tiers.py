@@ -358,6 +358,47 @@ def test_local_retention_keeps_the_steps_waiting_for_a_stalled_bucket(tmp_path, 
         assert fop.CheckpointManager(spec, read_only=True).steps() == [3]
 
 
+def test_persistent_every_replicates_only_due_steps_and_keeps_them_until_there(
+    tmp_path, monkeypatch
+):
+    """``persistent_every=3``: steps 3 and 6 reach the persistent path, no other step
+    ever does; while the copy of 3 is held back (the replicator yields as to a save
+    in flight), local retention (``keep=1``) deletes the steps not due but keeps 3."""
+    import threading
+
+    from flax_orbax_plugin._manager.tiers import state as tier_state
+
+    monkeypatch.setattr(tier_state, "MAX_DEFER_S", 600.0)
+    remote, local = tmp_path / "persistent", tmp_path / "local"
+    seen: set[str] = set()  # every name the persistent path ever held
+    hold = threading.Event()
+    hold.set()
+    with fop.CheckpointManager(local, keep=1, persistent=str(remote), persistent_every=3) as mngr:
+        mngr.persistent._replicator._yielding._busy = hold.is_set
+        for s in range(1, 6):
+            mngr.save(s, state(s))
+            mngr.wait()
+            seen |= set(os.listdir(remote)) if remote.exists() else set()
+        assert mngr.steps() == [3, 5]  # 1, 2, 4 deleted; 3 waits for the bucket
+        assert remote_steps(str(remote)) == []
+        hold.clear()
+        assert mngr.persistent.wait(WAIT_S)
+        for s in (6, 7):
+            mngr.save(s, state(s))
+            mngr.wait()
+            assert mngr.persistent.wait(WAIT_S)
+            seen |= set(os.listdir(remote))
+        mngr.gc()
+        assert mngr.steps() == [7]
+        assert mngr.persistent.replicated == [3, 6]
+    seen |= set(os.listdir(remote))
+    assert {n.split(".")[0] for n in seen if not n.startswith(("_", "."))} == {"3", "6"}
+    assert remote_steps(str(remote)) == [3, 6]
+    with fop.CheckpointManager(str(remote), read_only=True) as reader:
+        for s in (3, 6):
+            assert_step(reader.restore(step=s), s)
+
+
 # ------------------------------------------------------------------ restore choice
 
 

@@ -54,7 +54,9 @@ def open_primary(
     missing = [
         s
         for s in local_steps
-        if s not in remote_steps and (s > latest or (every is not None and s % every == 0))
+        if places.due(s)
+        and s not in remote_steps
+        and (s > latest or (every is not None and s % every == 0))
     ]
     return remote_steps, missing, failure
 

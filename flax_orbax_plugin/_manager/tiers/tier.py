@@ -52,6 +52,8 @@ class PersistentTier:
         first.
       lease_seconds: the lease on an object-store persistent path (see docs/run_owner.md).
       per_host: each process has its own local directory (see docs/tiers.md).
+      every: only the steps divisible by it are replicated (the manager's
+        ``persistent_every``), and those :meth:`force` names.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class PersistentTier:
         busy: Callable[[], bool] = lambda: False,
         lease_seconds: float = _run_owner.LEASE_SECONDS,
         per_host: bool = False,
+        every: int = 1,
     ):
         self.local = local
         self.remote = Location.from_path(remote)
@@ -90,7 +93,7 @@ class PersistentTier:
         self.grace_seconds = float(grace_seconds)
         self._lease_seconds = _run_owner.check_lease(lease_seconds)
         self._places = Places(
-            local, self.remote, self.retention, remove_step, primary, multi, per_host
+            local, self.remote, self.retention, remove_step, primary, multi, per_host, every
         )
         self._state = TierState()
         self._damaged = DamagedSteps(self.remote)
@@ -152,10 +155,26 @@ class PersistentTier:
         copied; the others' queues only tell their :meth:`wait` what to wait for."""
         state = self._state
         with state.cond:
+            if not self._due(step):  # persistent_every: this step stays local
+                return
             if not self._places.primary and self._already_decided(step):
                 return
             state.enqueue(step, self._places.kept_forever)
             state.cond.notify_all()
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` goes to this tier (``persistent_every``, or :meth:`force`)."""
+        with self._state.cond:
+            return self._due(step)
+
+    def _due(self, step: int) -> bool:
+        return self._places.due(step) or step in self._state.forced
+
+    def force(self, step: int) -> None:
+        """``step`` goes to this tier whatever ``persistent_every`` says (the step saved
+        on SIGTERM); called before its save starts, alike on every process."""
+        with self._state.cond:
+            self._state.forced.add(step)
 
     def _already_decided(self, step: int) -> bool:
         """Under ``cond``, not on the primary: the primary already started a round for
