@@ -14,9 +14,10 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
-# Lint first (ruff check and format), then the suite: CI runs exactly this.
+# Lint first (ruff check and format, the wing rules), then the suite on two workers
+# (pytest-xdist; many tests wait on child processes and servers): CI runs exactly this.
 test: lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 tests
 
 # The main job: train, SIGKILL mid-run, resume from the config flag, serve, and
 # check the final params equal an uninterrupted run's bit for bit.
