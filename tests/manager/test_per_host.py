@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -286,27 +287,53 @@ def test_per_host_directories_save_replicate_and_restore_by_way(tmp_path, s3_loc
         assert reader.restore(step=3, items="extras") == {"step": 3}
 
 
+def _memory_taken(directory: str) -> dict:
+    """Bytes of the files under ``directory`` and the memory they take (allocated
+    blocks: on tmpfs, the pages they hold), with the number of files."""
+    size = taken = files = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            st = os.lstat(os.path.join(root, name))
+            size, taken, files = size + st.st_size, taken + st.st_blocks * 512, files + 1
+    return {"size": size, "taken": taken, "files": files}
+
+
 def four_hosts_one_wiped(ctx, base, url):
     """4 hosts, a state every host holds whole; host 2's directory wiped."""
     local = os.path.join(base, f"host{ctx.process_id}")
     with fop.CheckpointManager(local, persistent=url) as mngr:
-        mngr.save(7, _replicated(ctx, 7), extras={"step": 7})
+        state = _replicated(ctx, 7)
+        mngr.save(7, state, extras={"step": 7})
         mngr.wait()
         assert mngr.persistent.wait(WAIT_S)
+    memory = {**_memory_taken(local), "state": sum(int(x.nbytes) for x in state["params"].values())}
     ctx.client.wait_at_barrier("wiped-4", 30_000)
     if ctx.process_id == 2:
         _wipe(local)
     ctx.client.wait_at_barrier("wiped-4-done", 30_000)
     like = _replicated(ctx, 0)
     r = _restore(ctx, local, url, like)
-    return {**_outcome(r, _expected(ctx, 7, like, _replicated)), "bucket_read": r["bucket_read"]}
+    out = _outcome(r, _expected(ctx, 7, like, _replicated))
+    return {**out, "bucket_read": r["bucket_read"], "memory": memory}
+
+
+@pytest.fixture
+def ram_disk():
+    """A directory on ``/dev/shm`` (a RAM disk, tmpfs), removed afterwards."""
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm on this machine")
+    path = tempfile.mkdtemp(prefix="fop-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.distributed
-def test_four_hosts_one_wiped_restores_from_a_peer(tmp_path, s3_location):
-    """4 real processes, each its own directory: the wiped host gets its copy from a
-    peer over jax collectives (way b) on every host, bit-exact; only the primary reads
-    the bucket (its listing)."""
+def test_four_hosts_one_wiped_restores_from_a_peer(ram_disk, s3_location):
+    """4 real processes, each its own directory on a RAM disk (/dev/shm): the wiped
+    host gets its copy from a peer over jax collectives (way b) on every host,
+    bit-exact; only the primary reads the bucket (its listing). A host's step takes
+    the memory of its files, each rounded up to whole pages: the state it holds
+    (replicas included) plus its JSON files."""
     from _multiprocess import run_processes
 
     url = s3_location.join("four").url
@@ -314,15 +341,19 @@ def test_four_hosts_one_wiped_restores_from_a_peer(tmp_path, s3_location):
         "test_per_host:four_hosts_one_wiped",
         4,
         devices_per_process=1,
-        args={"base": str(tmp_path / "hosts"), "url": url},
+        args={"base": os.path.join(ram_disk, "hosts"), "url": url},
         env={"FOP_COORDINATION_TIMEOUT_S": "20", "PYTHONPATH": HERE},
         heartbeat_timeout_s=30,
         timeout_s=120,
     ).check()
     listed = len(s3_location.join("four").read(f"7/{MANIFEST_FILE}"))
+    page = os.sysconf("SC_PAGE_SIZE")
     for i, p in enumerate(run.procs):
+        memory = p.result.pop("memory")
         read = listed if i == 0 else 0
         assert p.result == {"ways": ["way b"], "step": 7, "exact": True, "bucket_read": read}
+        assert memory["size"] >= memory["state"] > 0, memory  # every shard it holds
+        assert memory["size"] <= memory["taken"] <= memory["size"] + page * memory["files"]
 
 
 def _preempt_state(ctx, step):
