@@ -65,14 +65,8 @@ def restore(
     The native reader behind :func:`flax_orbax_plugin.restore` (``_reading.restore``),
     which documents the arguments and errors and adds the fallback to foreign formats;
     internal callers that read only native checkpoints (items of a step, serving,
-    export) call this one. Threading as in the module doc.
-
-    Restoring into a changed model (see ``_like.transform``): ``partial=True`` leaves out
-    saved leaves ``like`` does not have; ``missing="keep"`` keeps ``like``'s own value
-    for a leaf the checkpoint lacks (a ShapeDtypeStruct there raises, naming it);
-    ``transform`` maps saved leaf paths to ``like``'s: ``{regex: replacement}``
-    applied with ``re.sub`` in order, or a callable ``path -> path | None`` (None
-    drops the leaf). Without them every difference is listed in one StructureError.
+    export) call this one. Threading as in the module doc; ``partial``, ``missing`` and
+    ``transform`` restore into a changed model (``_like.transform``).
     """
     opts = _transform.changes(partial=partial, missing=missing, transform=transform)
     location = Location.from_path(path)
