@@ -10,6 +10,7 @@ import math
 import os
 
 import _paths
+import _proc
 import jax
 import numpy as np
 import pytest
@@ -726,7 +727,7 @@ import numpy as np
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._zarr import arrays as _arrays
 _arrays.CHUNK_TARGET_BYTES = 1 << 20
-sys.path[:0] = sys.argv[2].split(':')  # this test's wing and tests/support
+sys.path.insert(0, sys.argv[2])  # this test's wing (tests/support: child_env)
 from test_incremental import _state
 with fop.CheckpointManager(sys.argv[1], incremental=True, keep=int(sys.argv[3]) or None) as m:
     m.save(2, _state(2.0))
@@ -740,12 +741,10 @@ def _killed_step_2(directory: str, phase: str, env: dict | None = None) -> None:
     import subprocess
     import sys
 
-    repo = _paths.REPO
-    child_env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", FOP_KILL_AT=phase)
-    child_env.update(env or {})
+    child_env = _proc.child_env(JAX_PLATFORMS="cpu", FOP_KILL_AT=phase, **(env or {}))
     keep = "1" if phase == "mid_retention" else "0"
     proc = subprocess.run(
-        [sys.executable, "-c", KILLED_CHILD, directory, f"{HERE}:{_paths.SUPPORT}", keep],
+        [sys.executable, "-c", KILLED_CHILD, directory, HERE, keep],
         env=child_env,
         capture_output=True,
         text=True,

@@ -140,7 +140,7 @@ KILLED = textwrap.dedent(
     """
     import os, sys
     sys.path.insert(0, {repo!r})
-    sys.path[:0] = [{tests!r}, {support!r}]
+    sys.path.insert(0, {tests!r})
     import flax_orbax_plugin as fop
     from test_tiers import state
     with fop.CheckpointManager({local!r}, persistent={url!r}) as m:
@@ -160,10 +160,13 @@ KILLED = textwrap.dedent(
 def test_kill_during_replication_lists_nothing_partial_and_restart_finishes(remote, tmp_path):
     loc = remote
     local = tmp_path / "local"
-    paths = dict(repo=REPO, tests=HERE, support=_paths.SUPPORT)
-    script = KILLED.format(**paths, local=str(local), url=loc.url)
+    script = KILLED.format(repo=REPO, tests=HERE, local=str(local), url=loc.url)
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script],
+        env=_proc.child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     assert "replicated 1" in proc.stdout and "not killed" not in proc.stdout
@@ -460,7 +463,7 @@ PREEMPTED = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, {repo!r})
-    sys.path[:0] = [{tests!r}, {support!r}]
+    sys.path.insert(0, {tests!r})
     import flax_orbax_plugin as fop
     from test_tiers import state
     with fop.CheckpointManager({local!r}, every_steps=1000, handle_sigterm=True,
@@ -475,9 +478,10 @@ PREEMPTED = textwrap.dedent(
 
 def test_sigterm_saves_locally_then_replicates_before_exiting(s3, tmp_path):
     local = tmp_path / "local"
-    paths = dict(repo=REPO, tests=HERE, support=_paths.SUPPORT)
-    script = PREEMPTED.format(**paths, local=str(local), url=s3.url)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    script = PREEMPTED.format(repo=REPO, tests=HERE, local=str(local), url=s3.url)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=_proc.child_env()
+    )
     out = _proc.sigterm_after(proc, 3)
     assert proc.returncode == 143
     (step,) = fop.CheckpointManager(local, read_only=True).steps()

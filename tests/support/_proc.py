@@ -25,8 +25,11 @@ REPO = _paths.REPO
 
 
 def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a test's child process: this checkout's package and the shared
+    test helpers (tests/support) importable, unbuffered output, plus ``extra``."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    paths = [REPO, _paths.SUPPORT, os.environ.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     env.update(extra)
     return env
 
