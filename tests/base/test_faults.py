@@ -21,8 +21,6 @@ import numpy as np
 
 STEPS_BEFORE = (1, 2)
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def state(step: int, version: int = 0) -> dict:
     """The items saved as ``step``: big leaves (several chunks), small ones, JSON."""
@@ -60,6 +58,7 @@ if __name__ == "__main__":
     sys.exit(0)
 
 
+import _paths  # noqa: E402
 import _proc  # noqa: E402
 import pytest  # noqa: E402
 
@@ -107,7 +106,7 @@ def test_every_kill_point_of_the_package_is_exercised():
     elsewhere = {"mid_replication": "manager/test_tiers.py"}
     assert called == set(PHASES) | set(elsewhere)
     for phase, test_file in elsewhere.items():
-        with open(os.path.join(TESTS, test_file)) as f:
+        with open(os.path.join(_paths.TESTS, test_file)) as f:
             assert f'FOP_KILL_AT"] = "{phase}' in f.read(), (phase, test_file)
 
 
