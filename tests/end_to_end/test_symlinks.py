@@ -9,23 +9,13 @@ import threading
 
 import numpy as np
 import pytest
+from _trust_world import files_under as snapshot
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._storage.local_files import MAX_SMALL_FILE_BYTES
 from flax_orbax_plugin._storage.location import Location
 from flax_orbax_plugin._storage.lock import DirectoryLock
-
-
-def snapshot(root):
-    """{relative path: bytes} of every file under ``root`` (to prove it is untouched)."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            full = os.path.join(dirpath, name)
-            with open(full, "rb") as f:
-                out[os.path.relpath(full, root)] = f.read()
-    return out
 
 
 @pytest.fixture

@@ -90,7 +90,8 @@ def orbax_template() -> str:
     return _ORBAX_TEMPLATE
 
 
-def _files_under(root: str) -> dict[str, bytes]:
+def files_under(root: str) -> dict[str, bytes]:
+    """{relative path: bytes} of every file under ``root`` (to prove it is untouched)."""
     out = {}
     for dirpath, _, files in os.walk(root):
         for name in files:
@@ -216,7 +217,7 @@ class ObjectWorld(_LocalSide):
         self._put("run/data/file.bin", b"\x00user data\xff")
         self._put("run/2024/results.csv", b"a,b\n1,2\n")
         self._put("run/007/bond.txt", b"shaken\n")
-        for rel, data in _files_under(orbax_template()).items():
+        for rel, data in files_under(orbax_template()).items():
             self._put(f"run/orbax_run/{rel}", data)
             if rel.startswith("1/"):
                 self._put(f"run/4/{rel[2:]}", data)
