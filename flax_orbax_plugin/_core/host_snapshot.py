@@ -50,6 +50,7 @@ def take(
             pooled.append(buffer)
         return buffer
 
+    later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
     owned = _owned(leaves, writers, me, own_copy)
     for _, source, _ in owned:  # start all device-to-host copies before waiting on any
         data = source[0] if isinstance(source, tuple) else source
@@ -74,7 +75,9 @@ def take(
         if isinstance(storage, BatchStorage):
             _copy_small(storage, source, batch_data, pieces, ends, pool)
         else:
-            leaf.writes.append((rows, _copy_region(source, rows, pool, keep)))
+            leaf.writes.append((rows, _copy_region(source, rows, pool, keep, later)))
+    _host.copy_all(later)  # on a few threads: the training thread waits for them anyway
+    later.clear()  # its views of the state would stop the next step's donation
     for name, end in ends.items():
         if name in pieces:
             batch = batches[name]
@@ -141,17 +144,18 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
     ends[name] = off + size
 
 
-def _copy_region(source, rows, pool, keep) -> np.ndarray:
+def _copy_region(source, rows, pool, keep, later: list) -> np.ndarray:
     """The host copy of the region ``rows`` of a leaf stored as its own array."""
     if isinstance(source, tuple):
         data, index = source
         part = _relative(rows, index)
         if pool is not None and data.device.platform == "cpu":
             host = np.asarray(data)
-            return keep(pool.copy(host if part is None else host[part]))
+            return keep(pool.copy(host if part is None else host[part], later))
         return _host_copy(data, part)
-    alloc = _host if pool is None else pool
-    return keep(alloc.copy(np.asarray(source)))
+    if pool is None:
+        return _host.copy(np.asarray(source))
+    return keep(pool.copy(np.asarray(source), later))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -123,7 +123,7 @@ class CheckpointManager:
         persistent_every: int = 1,
         persistent_grace_seconds: float = 30.0,
         persistent_lease_seconds: float = 60.0,
-        reuse_host_buffers: bool = False,
+        reuse_host_buffers: bool = True,
         format_version: int = 1,
         **unknown: Any,
     ):
