@@ -43,6 +43,7 @@ from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_writer as _chunk_writer
 from . import commit as _commit
+from . import device_copy as _device_copy
 from . import host_snapshot as _host_snapshot
 from .write_data import write_data
 from .write_packed import write_packed
@@ -189,6 +190,8 @@ class Plan:
         self._pool: _host.BufferPool | None = None
         self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
         self.own_copy = False  # every process writes all it holds (see host_snapshot.take)
+        self.write_first = False  # the save returns only once its data is written
+        self.data_written = threading.Event()  # this process's data written (or failed)
         self.created_at: float | None = None  # the document's time (None: at writing)
 
     @classmethod
@@ -209,14 +212,20 @@ class Plan:
             leaves.append(Leaf(index, value, record))
         return cls(leaves, batching.records(codec), format_version)
 
-    def snapshot(self, pool: _host.BufferPool | None = None, own_copy: bool = False) -> None:
+    def snapshot(
+        self,
+        pool: _host.BufferPool | None = None,
+        own_copy: bool = False,
+        budget: int | None = None,
+    ) -> None:
         """Copies every byte this process writes to host memory (blocking phase); with
         ``pool``, into its buffers (given back by :meth:`write`). ``own_copy``: a host's
-        own directory (every process writes all it holds, and every JSON file)."""
+        own directory (every process writes all it holds, and every JSON file).
+        ``budget``: the host memory a save may hold (``host_memory_budget``)."""
         self._pool = pool
         self.own_copy = own_copy
-        self.batch_data, self._pooled = _host_snapshot.take(
-            self.leaves, self.batches, pool, own_copy
+        self.batch_data, self._pooled, self.write_first = _host_snapshot.take(
+            self.leaves, self.batches, pool, own_copy, budget
         )
 
     def document(self) -> CheckpointDocument:
@@ -251,6 +260,7 @@ class Plan:
         try:
             return self._write(location, limit=limit, durable=durable, reuse=reuse)
         finally:
+            self.data_written.set()
             if self._pool is not None:  # tensorstore reads none of them any more
                 self._pool.give_back(self._pooled)
             self._pooled = []
@@ -259,6 +269,8 @@ class Plan:
         primary = _distributed.is_primary() or self.own_copy
         files = {}
         links = {}
+        if self.format_version == 2 or reuse is not None:  # these read every region first
+            _device_copy.materialize_all(self.leaves)
         if self.format_version == 2 and reuse is not None:
             _incremental.logger.info("incremental save: format version 2 writes every leaf")
         elif reuse is not None:
@@ -287,6 +299,7 @@ class Plan:
                 limit=limit,
                 links=links,
             )
+        self.data_written.set()  # a save under a budget may return now
         if primary:
             encoded = encoded.result()
             location.write_bytes(METADATA_FILE, encoded, durable=False)

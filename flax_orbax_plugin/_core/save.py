@@ -142,6 +142,7 @@ def save(
     compression: str | None = None,
     format_version: int = 1,
     data_file_bytes: int | None = None,
+    host_memory_budget: int | None = None,
 ):
     """Saves ``tree`` to ``path``; durable and committed on return.
 
@@ -155,6 +156,7 @@ def save(
         compression=compression,
         format_version=format_version,
         data_file_bytes=data_file_bytes,
+        host_memory_budget=host_memory_budget,
     ).wait()
 
 
@@ -167,6 +169,7 @@ def save_async(
     compression: str | None = None,
     format_version: int = 1,
     data_file_bytes: int | None = None,
+    host_memory_budget: int | None = None,
 ) -> SaveHandle:
     """Starts saving ``tree`` to ``path``; returns once the tree is snapshotted to host.
 
@@ -185,6 +188,14 @@ def save_async(
         chunks into a few data files, see FORMAT.md; no compression yet).
       data_file_bytes: version 2: the size a data file does not pass unless one chunk
         is larger (default 1 GiB on a filesystem, 256 MiB on an object store).
+      host_memory_budget: bytes of host memory the save may hold beyond the state
+        itself (None: no bound). Accelerator arrays stay on their devices and are
+        copied to host in pieces as the writes complete (the blocking phase copies
+        nothing; the next step's donation of them allocates fresh device memory
+        instead). CPU arrays are written from their own memory before this returns
+        (no copy at all; the blocking phase is then the data write). Small leaves
+        (batched) are copied as usual. Format version 2 and incremental steps copy
+        every region before writing: the budget bounds only version 1 saves.
 
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
@@ -193,7 +204,8 @@ def save_async(
         wait_for_pending_save()
         start = time.perf_counter()
         location = Location.from_path(path)
-        snap = snapshot(tree, compression=compression, format_version=format_version)
+        budget = check_host_memory_budget(host_memory_budget)
+        snap = snapshot(tree, compression=compression, format_version=format_version, budget=budget)
         snap.data_file_bytes = check_data_file_bytes(data_file_bytes)
         _check_target(location, force)
         # Object stores write in place: remains of a dead save, or with ``force`` a
@@ -207,13 +219,15 @@ def save_async(
             op=_distributed.next_operation_id("save"),
             clear_first=clear_first,
             force=force,
-            limit=memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES,
+            limit=bounded_limit(memory_limit_bytes, budget),
             start=start,
             blocking=time.perf_counter() - start,
         )
         handle = SaveHandle(str(location), job.run)
         _IN_FLIGHT[:] = [handle]
-        return handle.start()
+        handle.start()
+        wait_for_data(snap, handle)
+        return handle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +293,30 @@ def check_format_version(format_version: Any, compression: str | None) -> int:
     return int(format_version)
 
 
+def check_host_memory_budget(value: Any) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"host_memory_budget: expected a positive int or None, found {value!r}")
+    return value
+
+
+def bounded_limit(memory_limit_bytes: int | None, budget: int | None) -> int:
+    """The bytes of writes in flight a save allows: ``memory_limit_bytes`` (default
+    :data:`DEFAULT_MEMORY_LIMIT_BYTES`), at most half the host memory budget."""
+    limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
+    return limit if budget is None else max(1, min(limit, budget // 2))
+
+
+def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:
+    """Blocks, for a save that holds views of the state under a host memory budget,
+    until its data is written (or its background phase ended); returns at once for
+    any other."""
+    if snap is None or not snap.write_first:
+        return
+    while not snap.data_written.wait(0.05):
+        if handle.done():
+            return
+
+
 def check_data_file_bytes(value: Any) -> int | None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"data_file_bytes: expected a positive int or None, found {value!r}")
@@ -293,6 +331,7 @@ def snapshot(
     own_copy: bool = False,
     created_at: float | None = None,
     format_version: int = 1,
+    budget: int | None = None,
 ) -> Snapshot:
     """The blocking phase: plan ``tree``'s layout and copy this process's bytes to host.
 
@@ -308,6 +347,6 @@ def snapshot(
     with _tree.paused_gc():
         plan = Plan.build(tree, codec=codec, format_version=version)
     plan.created_at = created_at
-    plan.snapshot(buffers, own_copy)
+    plan.snapshot(None if budget is not None else buffers, own_copy, budget)
     _faults.kill_point("after_snapshot")
     return plan

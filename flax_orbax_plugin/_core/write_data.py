@@ -20,6 +20,7 @@ from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunk_writer as _chunk_writer
+from . import device_copy as _device_copy
 
 _LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied concurrently
 
@@ -184,6 +185,7 @@ class _Pending:
         store = None
         while writes:
             index, data = writes.pop()
+            data = _device_copy.materialize(data)  # a region still on its device: copied now
             if data.size:
                 futures = direct(index, data) if direct is not None else None
                 if futures is None:
