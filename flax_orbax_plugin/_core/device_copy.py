@@ -97,13 +97,17 @@ def materialize_all(leaves: list) -> None:
             leaf.writes = [(rows, materialize(data)) for rows, data in writes]
 
 
-def pieces(rows: tuple[slice, ...], chunk_rows: int, row_bytes: int, most: int) -> list:
-    """``rows`` (a region of whole chunk rows along axis 0) cut into consecutive regions
-    of whole chunk rows of at most ``most`` bytes each (at least one chunk row)."""
+def pieces(
+    rows: tuple[slice, ...], length: int, chunk_rows: int, row_bytes: int, most: int
+) -> list:
+    """``rows`` (a region of whole chunk rows along axis 0 of an array of ``length``
+    rows) cut into consecutive regions of whole chunk rows of at most ``most`` bytes
+    each (at least one chunk row)."""
     if not rows or row_bytes <= 0:
         return [rows]
-    start, stop = rows[0].start or 0, rows[0].stop
+    start = rows[0].start or 0
+    stop = length if rows[0].stop is None else rows[0].stop
     step = max(1, most // (row_bytes * chunk_rows)) * chunk_rows
-    if stop is None or stop - start <= step:
+    if stop - start <= step:
         return [rows]
     return [(slice(lo, min(lo + step, stop)),) + tuple(rows[1:]) for lo in range(start, stop, step)]

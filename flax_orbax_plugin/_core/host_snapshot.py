@@ -111,7 +111,8 @@ def _pieces(leaf, source, rows, budget: int | None) -> list:
     data = source[0]
     row_bytes = math.prod(data.shape[1:]) * np.dtype(data.dtype).itemsize
     chunk_rows = leaf.record.storage.chunk_shape[0] if data.ndim else 1
-    return _device_copy.pieces(rows, chunk_rows, row_bytes, max(1, budget // 4))
+    length = leaf.record.shape[0] if data.ndim else 1
+    return _device_copy.pieces(rows, length, chunk_rows, row_bytes, max(1, budget // 4))
 
 
 def _held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dict[str, int]:
