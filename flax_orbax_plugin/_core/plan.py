@@ -38,6 +38,7 @@ from .._format.layout import (
     CheckpointDocument,
     LeafRecord,
 )
+from .._incremental import packed as _packed_reuse
 from .._incremental import reuse as _incremental
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
@@ -258,16 +259,13 @@ class Plan:
     def _write(self, location, *, limit, durable, reuse) -> _commit.Written:
         primary = _distributed.is_primary() or self.own_copy
         files = {}
-        links = {}
-        if self.format_version == 2 and reuse is not None:
-            _incremental.logger.info("incremental save: format version 2 writes every leaf")
-        elif reuse is not None:
-            links = self._plan_links(location, reuse)
+        links: dict[int, Any] = {}
+        found = None if reuse is None else self._unchanged(location, reuse)
         encoded: concurrent.futures.Future = concurrent.futures.Future()
         if primary:  # encoded while tensorstore's threads write the data
             threading.Thread(target=self._encode, args=(encoded,), daemon=True).start()
         if self.format_version == 2:
-            written, files = write_packed(
+            written, files, reused = write_packed(
                 location,
                 self.leaves,
                 self.batches,
@@ -275,9 +273,11 @@ class Plan:
                 process=_distributed.process_index(),
                 limit=limit,
                 data_file_bytes=self.data_file_bytes,
+                reuse=None if found is None else self._packed_reuse(location, *found),
             )
-            reused = 0
         else:
+            if found is not None:
+                links = self._links(location, *found)
             written, reused = write_data(
                 location,
                 self.leaves,
@@ -305,17 +305,17 @@ class Plan:
         except BaseException as e:  # noqa: BLE001  (raised by the write that needs it)
             out.set_exception(e)
 
-    def _plan_links(self, location: Location, reuse: _incremental.Reuse) -> dict[int, Any]:
+    def _unchanged(self, location: Location, reuse: _incremental.Reuse):
         """Records the digest of every array leaf (every process's region hashes, through
         the key-value store with several processes: every process calls this, in the
-        same order); returns ``{leaf index: link()}`` for the leaves the previous step
-        holds unchanged and of which this process writes regions (``link()`` links or
-        copies this process's chunks of the leaf and returns the bytes reused, or None
-        when it must write its regions after all); ``{}`` where this process reuses
-        nothing (see :func:`_incremental.reuser`)."""
-        reuse_leaf = _incremental.reuser(location)
-        if reuse_leaf is None and _distributed.process_count() == 1:
-            return {}
+        same order); returns (the way to reuse, the previous step's item, [(leaf, its
+        previous number, the chunks of this process's regions)] for the leaves the
+        previous step holds unchanged and of which this process writes regions), or
+        None where this process reuses nothing (see :func:`_incremental.reuser`)."""
+        packed = self.format_version == 2
+        way = _incremental.reuser(location, packed=packed)
+        if way is None and _distributed.process_count() == 1:
+            return None
         arrays = [leaf for leaf in self.leaves if isinstance(leaf.record.storage, ArrayStorage)]
         mine: dict[int, list] | None = None
         try:
@@ -328,38 +328,59 @@ class Plan:
             _incremental.logger.warning("incremental save: no digests recorded: %s", e)
         everyone = _incremental.exchange(reuse.op, mine)
         if everyone is None or mine is None:
-            return {}
+            return None
         for leaf in arrays:
             if everyone.get(leaf.index):
                 digest = _incremental.leaf_digest(everyone[leaf.index])
                 leaf.record = dataclasses.replace(leaf.record, digest=digest)
-        if reuse_leaf is None:
-            return {}
-        previous = _incremental.previous_document(reuse)
-        if previous is None:
-            return {}
+        previous = None if way is None else _incremental.previous_document(reuse)
+        if previous is None or previous[1].format_version != self.format_version:
+            return None  # (a step of the other version: its chunks are stored elsewhere)
         source, doc = previous
         by_index = {leaf.index: leaf for leaf in self.leaves}
         records = {i: leaf.record for i, leaf in by_index.items()}
-        links = {}
+        unchanged = []
         for i, j in _incremental.plan_reuse(records, doc).items():
             leaf = by_index[i]
             chunks = _incremental.chunks_of(leaf.record, [b for b, _ in mine.get(i, ())])
-            if not leaf.writes or chunks is None:
-                continue
-            nbytes = sum(data.nbytes for _, data in leaf.writes)
-            links[i] = functools.partial(
-                reuse_leaf,
+            if leaf.writes and chunks is not None:
+                unchanged.append((leaf, j, chunks))
+        return way, source, unchanged
+
+    @staticmethod
+    def _links(location: Location, way, source: Location, unchanged: list) -> dict[int, Any]:
+        """``{leaf index: link()}`` (version 1): ``link()`` links or copies this process's
+        chunks of the leaf and returns the bytes reused, or None when it must write its
+        regions after all."""
+        return {
+            leaf.index: functools.partial(
+                way,
                 source,
                 j,
                 location,
-                i,
+                leaf.index,
                 leaf.record,
                 chunks=chunks,
-                nbytes=nbytes,
+                nbytes=sum(data.nbytes for _, data in leaf.writes),
                 writes=leaf.writes,  # the snapshot, which each reused chunk must equal
             )
-        return links
+            for leaf, j, chunks in unchanged
+        }
+
+    @staticmethod
+    def _packed_reuse(location: Location, way, source: Location, unchanged: list):
+        """Version 2: ``reuse()`` takes this process's previous data files that hold
+        mostly unchanged leaves (``_incremental.packed.reuse_files``)."""
+        if not unchanged:
+            return None
+        leaves = {
+            leaf.index: _packed_reuse.Unchanged(
+                j, leaf.record, chunks, leaf.writes, sum(d.nbytes for _, d in leaf.writes)
+            )
+            for leaf, j, chunks in unchanged
+        }
+        process = _distributed.process_index()
+        return functools.partial(_packed_reuse.reuse_files, way, source, location, process, leaves)
 
 
 Snapshot = Plan

@@ -3,13 +3,16 @@ few data files of its item, and their index (``_zarr.packed_writer``).
 
 No ``zarr.json`` is written and nothing goes through tensorstore's zarr driver: every
 region is whole chunks (the plan aligns them), written by one :class:`PackedWriter`,
-each write one pending future drained to the memory limit as in version 1. Incremental
-reuse does not apply (every leaf is written). Called on the save's background thread.
+each write one pending future drained to the memory limit as in version 1. An
+incremental step first takes the previous step's data files that hold mostly unchanged
+leaves (``_incremental.packed``) and writes the other leaves after them. Called on the
+save's background thread.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import CheckpointError
@@ -28,14 +31,23 @@ def write_packed(
     process: int,
     limit: int,
     data_file_bytes: int | None = None,
-) -> tuple[int, dict[str, str]]:
+    reuse: Callable[[], Any] | None = None,
+) -> tuple[int, dict[str, str], int]:
     """Writes this process's chunks into its data files and its index; returns (bytes
-    written, {index file: sha256}). Takes the batches it writes out of ``batch_data``."""
+    written, {index file: sha256}, bytes reused). Takes the batches it writes out of
+    ``batch_data``. ``reuse()``: the previous data files taken (a ``Taken``) or None."""
     if sys.byteorder != "little":
         raise CheckpointError("format_version=2 is written on little-endian hosts only")
     total = sum(data.nbytes for leaf in leaves for _, data in leaf.writes)
     total += sum(data.nbytes for data in batch_data.values())
+    taken = None if reuse is None else reuse()
+    skip = set() if taken is None else taken.leaves
     writer = _packed_writer.PackedWriter(staging, process, data_file_bytes, total)
+    if taken is not None:
+        writer.adopt(taken.files, taken.chunks)
+    for leaf in leaves:
+        if leaf.index in skip:
+            leaf.writes.clear()  # drop the snapshot: the data file taken holds it
     jobs = [
         (None, leaf.writes, _direct(writer, leaf))
         for leaf in leaves
@@ -54,7 +66,7 @@ def write_packed(
         _raise_as_checkpoint_error(e, staging, direct=True)
         raise
     name, raw = writer.write_index()
-    return pending.written, {name: sha256(raw)}
+    return pending.written, {name: sha256(raw)}, 0 if taken is None else taken.nbytes
 
 
 def _direct(writer: _packed_writer.PackedWriter, leaf):

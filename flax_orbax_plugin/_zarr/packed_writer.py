@@ -67,6 +67,16 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         self._lane_of: dict[str, int] = {}  # array (d/<i>, b/<batch>) -> its lane
         self._chunks: dict[str, _index.Segment] = {}
 
+    def adopt(self, files: dict[str, int], chunks: dict[str, _index.Segment]) -> None:
+        """Lists data files already in place (an incremental step's files taken from the
+        previous step, named by this process's first numbers: name -> size) and their
+        segments; call before any write. New chunks go to new files after them."""
+        with self._lock:
+            if self._files:
+                raise ValueError("adopt() comes before the first chunk")
+            self._files.update(files)
+            self._chunks.update(chunks)
+
     def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
         """Called by the writer's threads for one chunk (``name``: its version-1 key)."""
         check_name(name)
