@@ -16,8 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import CheckpointError
-from .._format.layout import ArrayStorage, BatchRecord, array_dir, sha256
+from .._format.layout import ArrayStorage, BatchRecord, array_dir, batch_dir, sha256
 from .._storage.location import Location
+from .._zarr import arrays as _arrays
+from .._zarr import chunk_writer as _chunk_writer
+from .._zarr import chunks as _chunks
+from .._zarr import packed_codec as _codec
 from .._zarr import packed_writer as _packed_writer
 from .write_data import _batch_jobs, _Pending, _raise_as_checkpoint_error, _settle
 
@@ -53,7 +57,9 @@ def write_packed(
         for leaf in leaves
         if isinstance(leaf.record.storage, ArrayStorage) and leaf.writes
     ]
-    jobs += _batch_jobs([(name, None) for name in batches], batches, batch_data, writer)
+    plain = [(name, None) for name, b in batches.items() if b.codec is None]
+    jobs += _batch_jobs(plain, batches, batch_data, writer)
+    jobs += _compressed_batch_jobs(batches, batch_data, writer)
     pending = _Pending(limit)
     try:
         try:
@@ -69,13 +75,38 @@ def write_packed(
     return pending.written, {name: sha256(raw)}, 0 if taken is None else taken.nbytes
 
 
+def _compressed_batch_jobs(batches: dict[str, BatchRecord], batch_data, writer) -> list:
+    """The jobs of this process's compressed batches (each encoded whole in memory)."""
+    jobs = []
+    for name, batch in batches.items():
+        if batch.codec is not None and name in batch_data:
+            data = batch_data.pop(name)
+            if isinstance(data, _chunk_writer.Gathered):
+                data = data.assemble()
+            spec = _arrays.batch_spec(_codec.MEMORY, batch)
+            sub = batch_dir(name)
+            write = lambda index, data, sub=sub, spec=spec: [
+                writer.encoded(sub, spec, [(index, data)])
+            ]
+            jobs.append((None, [((slice(None),), data)], write))
+    return jobs
+
+
 def _direct(writer: _packed_writer.PackedWriter, leaf):
     record = leaf.record
+    chunk = record.storage.chunk_shape
+    spec = None
+    if record.storage.codec is not None:
+        spec = _arrays.leaf_spec(_codec.MEMORY, leaf.index, record)
 
     def write(index, data):
-        futures = writer.array(
-            array_dir(leaf.index), record.shape, record.storage.chunk_shape, index, data
-        )
+        sub = array_dir(leaf.index)
+        if spec is None:
+            futures = writer.array(sub, record.shape, chunk, index, data)
+        else:
+            whole = _chunks.whole_chunks(record.shape, chunk, index)
+            ok = whole is not None and data.shape == whole[0]
+            futures = [writer.encoded(sub, spec, [(index, data)])] if ok else None
         if futures is None:
             raise CheckpointError(
                 f"leaf {record.path!r}: a region {index} that is not whole chunks of "

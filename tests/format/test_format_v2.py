@@ -145,8 +145,6 @@ def test_data_files_roll_over_at_their_target_and_resharding_reads_only_needed_c
     leaves = json.load(open(path / "_METADATA.json"))["leaves"]
     (emb,) = [i for i, leaf in enumerate(leaves) if leaf["path"] == "emb"]
     assert read and all(k.startswith(f"d/{emb}/c/") for k in read), read
-    with pytest.raises(ValueError, match="format_version"):
-        fop.save(tmp_path / "z", tree, format_version=2, compression="zstd")
 
 
 def test_golden_v2_checkpoint_restores_bit_exact_verifies_and_exports(tmp_path):
