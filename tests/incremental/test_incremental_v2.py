@@ -1,10 +1,11 @@
 """Incremental steps of format version 2: whole data files of the previous step reused.
 
 A manager with ``format_version=2, incremental=True`` hard-links (local disk) or copies
-on the server (the real moto S3 server) each previous data file of which most bytes
-are unchanged leaves; the rest is written. Each test counts what was written, deletes
-the previous step through retention and restores bit for bit, and damages a data file
-to see restore and ``verify`` name the leaf."""
+on the server (the real moto S3 server, the GCS emulator) each previous data file of
+which most bytes are unchanged leaves; the rest is written. The tests count what was
+written, delete the previous step through retention and restore bit for bit, damage a
+data file to see restore and ``verify`` name the leaf, and run two real processes that
+each link their own data file."""
 
 import json
 import logging
@@ -168,3 +169,93 @@ def test_s3_v2_steps_copy_data_files_on_the_server(s3_location):
     assert not result.ok and "base/w1" in result.error
     with pytest.raises(CorruptCheckpointError, match="base/w1"):
         fop.restore_params(url)
+
+
+# -- several processes ---------------------------------------------------------------------
+
+BASE_SHAPE = (1024, 2048)  # 8 MiB; on 4 devices along axis 1: 1024 x 512 shards, 2 chunks each
+
+
+def _mp_base():
+    return np.random.default_rng(7).standard_normal(BASE_SHAPE, dtype=np.float32)
+
+
+def mp_frozen_base_v2(ctx, directory, steps, keep=None):
+    """Run in each of 2 real JAX processes (2 CPU devices each): format-version-2 steps
+    of a frozen base sharded along axis 1 and an adapter replicated everywhere (its
+    chunk rows split between the processes); returns this process's bytes per step."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    _arrays.CHUNK_TARGET_BYTES = 1 * MiB
+    base = _mp_base()
+    cols = NamedSharding(ctx.mesh, P(None, "data"))
+    everywhere = NamedSharding(ctx.mesh, P())
+    out = {}
+    with fop.CheckpointManager(directory, format_version=2, incremental=True, keep=keep) as m:
+        for step in steps:
+            adapter = np.full((512, 1024), float(step), np.float32)
+            state = {
+                "params": {
+                    "base": jax.make_array_from_callback(base.shape, cols, lambda i: base[i]),
+                    "adapter": jax.make_array_from_callback(
+                        adapter.shape, everywhere, lambda i, a=adapter: a[i]
+                    ),
+                }
+            }
+            r = _save(m, step, state)
+            out[str(step)] = [r.bytes_written, r.bytes_reused]
+        out["steps"] = m.steps()
+    return out
+
+
+@pytest.mark.distributed
+def test_two_processes_each_link_their_own_data_file_of_a_frozen_base(tmp_path):
+    from _multiprocess import run_processes
+
+    d = str(tmp_path / "steps")
+    run = run_processes(
+        "test_incremental_v2:mp_frozen_base_v2",
+        2,
+        devices_per_process=2,
+        args={"directory": d, "steps": [1, 2, 3], "keep": 2},
+        env={"FOP_COORDINATION_TIMEOUT_S": "20"},
+        heartbeat_timeout_s=30,
+        timeout_s=120,
+    ).check()
+    base = BASE_SHAPE[0] * BASE_SHAPE[1] * 4
+    for r in run.results:  # each process: half the base (2 of 4 shards), half the adapter
+        assert r["1"] == [(base + ADAPTER) // 2, 0]
+        assert r["2"] == r["3"] == [ADAPTER // 2, base // 2]
+        assert r["steps"] == [2, 3]  # step 1 deleted by retention
+    two, three = _data(d, 2), _data(d, 3)
+    assert sorted(three) == ["0-0.bin", "0-1.bin", "1-0.bin", "1-1.bin"]
+    for name in ("0-0.bin", "1-0.bin"):  # each process's frozen-base file, linked
+        assert three[name].st_ino == two[name].st_ino and three[name].st_nlink == 2
+    with fop.CheckpointManager(d, read_only=True) as reader:
+        for step in (2, 3):
+            got = reader.restore(step=step)["params"]
+            assert got["base"].tobytes() == _mp_base().tobytes()
+            want = np.full((512, 1024), float(step), np.float32)
+            assert got["adapter"].tobytes() == want.tobytes()
+    assert all(r.ok for r in fop.verify(d, all_steps=True))
+
+
+def test_gcs_v2_steps_rewrite_data_files_on_the_server(gcs_location, caplog):
+    url = gcs_location.url
+    states = [_state(1.0), _state(2.0)]
+    with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
+        with fop.CheckpointManager(url, format_version=2, incremental=True, keep=1) as m:
+            _save(m, 1, states[0])
+            second = _save(m, 2, states[1])
+            assert m.steps() == [2]
+    assert "incremental save" not in caplog.text  # nothing fell back to a write
+    assert second.bytes_reused == W1 + W2 and second.bytes_written == ADAPTER + SMALL
+    assert [k for k in gcs_location.keys() if k.startswith("2/params/data/")] == [
+        "2/params/data/0-0.bin",
+        "2/params/data/0-1.bin",
+        "2/params/data/0.json",
+    ]
+    _equal(states[1]["params"], fop.restore_params(url))
+    assert all(r.ok for r in fop.verify(url))
