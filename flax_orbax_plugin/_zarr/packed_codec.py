@@ -58,10 +58,8 @@ class Decoder:
 
     def __init__(self, spec: dict[str, Any]):
         self._context = ts.Context()
-        ts.open(spec, create=True, open=True, context=self._context).result()
-        self.store = ts.open(
-            dict(spec, fill_missing_data_reads=False), open=True, context=self._context
-        ).result()
+        spec = dict(spec, fill_missing_data_reads=False)
+        self.store = ts.open(spec, create=True, context=self._context).result()
         self._kv = ts.KvStore.open(spec["kvstore"], context=self._context).result()
 
     def put(self, key: str, data: Any) -> None:
