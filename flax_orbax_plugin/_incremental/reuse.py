@@ -1,7 +1,8 @@
 """Incremental steps: a leaf unchanged since the previous committed step is reused.
 
 Its chunks are hard-linked from that step on a local filesystem (:mod:`.links`) or
-copied on the server on S3 and GCS (:mod:`.copies`); every step stays
+copied on the server on S3 and GCS (:mod:`.copies`); in format version 2, whole data
+files holding mostly unchanged leaves (:mod:`.packed`); every step stays
 self-contained. This module is the way per store (:func:`reuser`), the digests
 (:func:`region_digests`, :func:`exchange`, :func:`leaf_digest`, :func:`release`), the
 previous step (:func:`previous_document`) and the plan (:func:`plan_reuse`,

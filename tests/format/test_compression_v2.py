@@ -1,4 +1,5 @@
-"""Compression in format version 2: zstd segments in the data files, on disk and on S3.
+"""Compression in format version 2: zstd segments in the data files, on disk and on S3,
+and the compressed golden checkpoint ``v2_zstd_leaf_kinds``.
 
 Each test saves compressible arrays and a batch of small leaves with
 ``compression="zstd"``, checks the index lists segments shorter than the raw chunks,
@@ -8,6 +9,7 @@ then damages one compressed segment and sees restore and ``verify`` name the lea
 import json
 import os
 
+import golden
 import jax
 import numpy as np
 import pytest
@@ -124,3 +126,18 @@ def test_manager_steps_of_version_2_compress_per_item(tmp_path):
         got = m.restore()
     _same(tree, got["opt"])
     _same(tree, got["params"])
+
+
+def test_golden_compressed_v2_checkpoint_restores_bit_exact_and_verifies():
+    want = golden.every_leaf_kind()
+    path = os.path.join(golden.GOLDEN, "v2_zstd_leaf_kinds")
+    meta = json.load(open(os.path.join(path, "_METADATA.json")))
+    assert meta["format_version"] == 2
+    arrays = [r for r in meta["leaves"] if r.get("storage", {}).get("type") == "array"]
+    codecs = {r["storage"]["codec"] for r in arrays}
+    assert codecs == {"zstd:3"} and {b["codec"] for b in meta["batches"].values()} == {"zstd:3"}
+    out = fop.restore(path, like=want)
+    for k in ("f32", "bf16", "u64", "c64", "big", "zero_size"):
+        assert np.asarray(out[k]).tobytes() == np.asarray(want[k]).tobytes(), k
+    assert out["py_int"] == want["py_int"] and out["none"] is None
+    assert all(r.ok for r in fop.verify(path))
