@@ -139,6 +139,32 @@ def test_local_v2_damage_in_a_reused_data_file(tmp_path, caplog):
         fop.restore_params(root)
 
 
+@pytest.mark.parametrize("damage", ["truncate", "symlink"])
+def test_local_v2_a_short_or_symlinked_previous_data_file_means_write(tmp_path, damage, caplog):
+    root = tmp_path / "run"
+    states = [_state(1.0), _state(2.0)]
+    outside = tmp_path / "outside.bin"
+    with fop.CheckpointManager(root, format_version=2, incremental=True, keep=2) as m:
+        _save(m, 1, states[0])
+        victim = root / "1" / "params" / "data" / "0-0.bin"
+        data = victim.read_bytes()
+        victim.unlink()
+        if damage == "truncate":
+            victim.write_bytes(data[:-100])
+        else:
+            outside.write_bytes(data)
+            os.symlink(outside, victim)
+        with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
+            second = _save(m, 2, states[1])
+    assert "data files are written, not reused" in caplog.text
+    assert second.bytes_reused == 0 and second.bytes_written == W1 + W2 + ADAPTER + SMALL
+    files = _data(root, 2)
+    assert list(files) == ["0-0.bin"] and files["0-0.bin"].st_nlink == 1
+    if damage == "symlink":
+        assert outside.read_bytes() == data and os.stat(outside).st_nlink == 1
+    _equal(states[1]["params"], fop.restore_params(root))
+
+
 def test_s3_v2_steps_copy_data_files_on_the_server(s3_location):
     url = s3_location.url
     states = [_state(1.0), _state(2.0)]
