@@ -39,22 +39,25 @@ def write_packed(
 ) -> tuple[int, dict[str, str], int]:
     """Writes this process's chunks into its data files and its index; returns (bytes
     written, {index file: sha256}, bytes reused). Takes the batches it writes out of
-    ``batch_data``. ``reuse()``: the previous data files taken (a ``Taken``) or None."""
+    ``batch_data``. ``reuse()``: the previous data files taken (a ``Taken``)."""
     if sys.byteorder != "little":
         raise CheckpointError("format_version=2 is written on little-endian hosts only")
     total = sum(data.nbytes for leaf in leaves for _, data in leaf.writes)
     total += sum(data.nbytes for data in batch_data.values())
     taken = None if reuse is None else reuse()
-    skip = set() if taken is None else taken.leaves
     writer = _packed_writer.PackedWriter(staging, process, data_file_bytes, total)
+    stable: frozenset[int] = frozenset()
     if taken is not None:
         writer.adopt(taken.files, taken.chunks)
-    for leaf in leaves:
-        if leaf.index in skip:
-            leaf.writes.clear()  # drop the snapshot: the data file taken holds it
+        stable = taken.unchanged - taken.leaves
+        for leaf in leaves:
+            if leaf.index in taken.leaves:
+                leaf.writes.clear()  # drop the snapshot: the data file taken holds it
+    # Unchanged leaves not taken first, side by side: their files can be taken next time.
+    ordered = sorted(leaves, key=lambda leaf: leaf.index not in stable)
     jobs = [
         (None, leaf.writes, _direct(writer, leaf))
-        for leaf in leaves
+        for leaf in ordered
         if isinstance(leaf.record.storage, ArrayStorage) and leaf.writes
     ]
     plain = [(name, None) for name, b in batches.items() if b.codec is None]

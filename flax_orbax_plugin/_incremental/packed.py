@@ -62,12 +62,14 @@ class Unchanged:
 class Taken:
     """What :func:`reuse_files` took: the data files (name -> size, in number order),
     their reused segments under this step's keys, the leaves they hold whole and
-    their bytes."""
+    their bytes; ``unchanged``: every unchanged leaf asked about (those not taken are
+    written first, side by side, so that the next step can take their files whole)."""
 
     files: dict[str, int]
     chunks: dict[str, _index.Segment]
     leaves: frozenset[int]
     nbytes: int
+    unchanged: frozenset[int] = frozenset()
 
 
 def reuse_files(
@@ -76,22 +78,23 @@ def reuse_files(
     target: Location,
     process: int,
     unchanged: dict[int, Unchanged],
-) -> Taken | None:
+) -> Taken:
     """Takes the previous data files of ``process`` (under ``source``, the previous
     step's item) that hold mostly ``unchanged`` leaves into ``target`` (the staging
-    item) with ``take`` (:func:`link_file` or a :func:`copy_file` partial); None when
-    nothing is taken (logged where something was refused)."""
+    item) with ``take`` (:func:`link_file` or a :func:`copy_file` partial); nothing
+    taken (logged where something was refused): a :class:`Taken` without files."""
+    none = Taken({}, {}, frozenset(), 0, frozenset(unchanged))
     try:
         raw = _documents.read_listed(source, _index.index_name(process))
         where = f"{source}/{_index.index_name(process)}"
         previous = _index.DataIndex.from_json(_layout.decode(raw, where), where, process)
     except (CheckpointError, OSError) as e:
         logger.warning("incremental save: not reusing data files of %s: %s", source, e)
-        return None
+        return none
     segments = _reusable_segments(previous, unchanged)
     files = _files_to_take(previous, segments, unchanged)
     if not files:
-        return None
+        return none
     names = {old: _index.data_file_name(process, n) for n, old in enumerate(files)}
     leaves = frozenset(_whole(segments, files, unchanged))
     segments = {key: (i, seg) for key, (i, seg) in segments.items() if i in leaves}
@@ -105,12 +108,13 @@ def reuse_files(
         why = str(e) if isinstance(e, Refused) else f"{type(e).__name__}: {e}"
         logger.warning("incremental save: data files are written, not reused: %s", why)
         _undo(target, done)
-        return None
+        return none
     chunks = {
         key: dataclasses.replace(seg, file=names[seg.file]) for key, (_, seg) in segments.items()
     }
     nbytes = sum(unchanged[i].nbytes for i in leaves)
-    return Taken({names[f]: previous.files[f] for f in files}, chunks, leaves, nbytes)
+    files_taken = {names[f]: previous.files[f] for f in files}
+    return Taken(files_taken, chunks, leaves, nbytes, frozenset(unchanged))
 
 
 def _reusable_segments(

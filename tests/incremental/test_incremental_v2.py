@@ -139,6 +139,38 @@ def test_local_v2_damage_in_a_reused_data_file(tmp_path, caplog):
         fop.restore_params(root)
 
 
+def test_unchanged_leaves_not_taken_are_grouped_so_the_next_step_takes_them(tmp_path, monkeypatch):
+    from flax_orbax_plugin._zarr import packed_writer
+
+    monkeypatch.setattr(_arrays, "CHUNK_TARGET_BYTES", 2 * MiB)
+    monkeypatch.setattr(packed_writer, "LOCAL_DATA_FILE_BYTES", 6 * MiB)
+    rng = np.random.default_rng(3)
+    frozen = [rng.standard_normal((384, 1024), np.float32) for _ in range(4)]  # 1 chunk
+
+    def state(step):  # frozen leaves between changing ones (6 MiB, 3 chunks each)
+        out = {}
+        for i, f in enumerate(frozen):
+            out[f"l{2 * i}"] = f
+            out[f"l{2 * i + 1}"] = np.full((1536, 1024), float(step + i), np.float32)
+        return {"params": out}
+
+    root = tmp_path / "run"
+    with fop.CheckpointManager(root, format_version=2, incremental=True) as m:
+        _save(m, 1, state(1))
+        # Step 1's 6 MiB files are about a quarter frozen: step 2 takes few or none, and
+        # writes the frozen leaves it did not take first, side by side, which step 3
+        # then takes (at least 3 of the 4, whatever order the writer's threads chose).
+        second = _save(m, 2, state(2))
+        third = _save(m, 3, state(3))
+    assert second.bytes_reused <= 2 * frozen[0].nbytes, second
+    assert third.bytes_reused >= 3 * frozen[0].nbytes, third
+    total = second.bytes_written + second.bytes_reused
+    assert third.bytes_written + third.bytes_reused == total
+    with fop.CheckpointManager(root, read_only=True) as m:
+        for step in (2, 3):
+            _equal(state(step), m.restore(step=step))
+
+
 @pytest.mark.parametrize("damage", ["truncate", "symlink"])
 def test_local_v2_a_short_or_symlinked_previous_data_file_means_write(tmp_path, damage, caplog):
     root = tmp_path / "run"
