@@ -317,3 +317,53 @@ def test_gcs_v2_steps_rewrite_data_files_on_the_server(gcs_location, caplog):
     ]
     _equal(states[1]["params"], fop.restore_params(url))
     assert all(r.ok for r in fop.verify(url))
+
+
+KILLED_CHILD = """
+import sys
+import flax_orbax_plugin as fop
+from flax_orbax_plugin._zarr import arrays as _arrays
+_arrays.CHUNK_TARGET_BYTES = 1 << 20
+sys.path.insert(0, sys.argv[2])  # this test's wing (tests/support: child_env)
+from test_incremental_v2 import _state
+with fop.CheckpointManager(
+    sys.argv[1], format_version=2, incremental=True, keep=int(sys.argv[3]) or None
+) as m:
+    m.save(2, _state(2.0))
+    m.wait()
+"""
+
+
+@pytest.mark.parametrize("phase", ["mid_write", "mid_retention"])
+def test_a_kill_during_an_incremental_v2_step_leaves_a_whole_step(tmp_path, phase):
+    """Killed after the data file was taken (mid_write: the first chunk write follows),
+    or while retention deletes step 1 whose data file step 2 shares: the next writer
+    restores a whole step, lists nothing partial, and reuses again."""
+    import subprocess
+    import sys
+
+    import _proc
+
+    d = str(tmp_path)
+    with fop.CheckpointManager(d, format_version=2, incremental=True) as m:
+        _save(m, 1, _state(1.0))
+    env = _proc.child_env(JAX_PLATFORMS="cpu", FOP_KILL_AT=phase)
+    keep = "1" if phase == "mid_retention" else "0"
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_CHILD, d, here, keep],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    with fop.CheckpointManager(d, format_version=2, incremental=True) as m:
+        steps = m.steps()
+        assert steps == {"mid_write": [1], "mid_retention": [2]}[phase]
+        assert sorted(os.listdir(d)) == sorted([".writer.lock", *map(str, steps)])
+        assert all(s.st_nlink == 1 for s in _data(d, steps[0]).values())  # nothing left over
+        for s in steps:
+            _equal(_state(float(s)), m.restore(step=s))
+        assert _save(m, 3, _state(3.0)).bytes_reused == W1 + W2
+    assert all(r.ok for r in fop.verify(d, all_steps=True))
