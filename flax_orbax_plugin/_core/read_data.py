@@ -39,7 +39,6 @@ from .._like import casting as _casting
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
-from .._zarr import packed_codec as _packed_codec
 from .direct import open_direct, read_slice
 from .targets import Placer, Target, finish, sharding_of
 
@@ -148,9 +147,7 @@ def read_region(store, target: Target, direct: _chunk_files.ChunkReader | None, 
         if read is not None:
             return read
     if direct is not None and direct.packed:  # compressed segments of version 2
-        spec = _arrays.leaf_spec(_packed_codec.MEMORY, target.index, record)
-        sub, chunk = array_dir(target.index), record.storage.chunk_shape
-        return direct.read_compressed(sub, spec, record.shape, chunk, region)
+        return direct.read_compressed(target.index, record, region)
     return ReadInto(store if region is None else store[region])
 
 
@@ -318,20 +315,6 @@ def _bounding_box(
     return box if volume(box) <= needed * 1.125 else None
 
 
-def compressed_batch(direct, batch: BatchRecord):
-    """A version-2 compressed batch as a tensorstore array (its shards fetched, checked
-    against their index entries); None for an uncompressed one (read directly)."""
-    if batch.codec is None:
-        return None
-    itemsize = _layout.dtype_from_name(batch.dtype).itemsize
-    chunk, inner = int(batch.chunk), _arrays.batch_inner(batch)
-    spec = _arrays.batch_spec(_packed_codec.MEMORY, batch)
-    files = -(-batch.size // chunk)
-    return direct.compressed_batch(
-        batch_dir(batch.name), spec, files, chunk * itemsize, chunk // inner
-    )
-
-
 def _read_batch(reader, location, batch: BatchRecord, members, fail, errors, direct) -> None:
     """Reads a batch of small leaves whole when most of it is needed (straight from its
     files where ``direct`` can), else leaf by leaf."""
@@ -339,7 +322,7 @@ def _read_batch(reader, location, batch: BatchRecord, members, fail, errors, dir
     paths = [t.record.path for t in members]
     packed = direct is not None and direct.packed
     try:
-        store = compressed_batch(direct, batch) if packed else None
+        store = direct.compressed_batch(batch) if packed else None
     except ValueError as e:  # a shard missing, too long or not its index's (damage)
         errors.append(corrupt(paths, location, e))
         return

@@ -253,7 +253,7 @@ def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> 
         )
     else:
         try:  # version 2: compressed, its shards fetched (uncompressed: None)
-            store = _read_data.compressed_batch(direct, batch)
+            store = direct.compressed_batch(batch)
         except ValueError as e:
             raise _read_data.corrupt([r.path for r in members], location, e) from None
     dtype = _layout.dtype_from_name(batch.dtype)

@@ -25,6 +25,7 @@ from .._format import documents as _documents
 from .._format import layout as _layout
 from .._storage import kvstore as _kvstore
 from .._storage.location import Location
+from . import arrays as _arrays
 from . import chunk_files as _chunk_files
 from . import chunks as _chunks
 from . import packed_codec as _codec
@@ -171,28 +172,35 @@ class PackedReader(_chunk_files.ChunkReader):
             read.futures.append(self._pool.submit(*job))
         return read
 
-    def read_compressed(self, sub, spec, shape, chunk, region=None) -> CompressedRead:
-        """Starts reading ``region`` (global; None: all) of the compressed array ``sub``
-        (``spec`` built under ``packed_codec.MEMORY``): only the segments of the chunks
-        it touches are fetched (each checked against its index entry, and bounded),
-        then decoded and checked by tensorstore."""
+    def read_compressed(self, index: int, record, region=None) -> CompressedRead:
+        """Starts reading ``region`` (global; None: all) of leaf ``index``'s compressed
+        array (its ``record``): only the segments of the chunks it touches are fetched
+        (each checked against its index entry, and bounded), then decoded and checked
+        by tensorstore."""
+        sub, shape, chunk = _layout.array_dir(index), record.shape, record.storage.chunk_shape
         bounds = [
             s.indices(n)[:2]
             for s, n in zip(region or [slice(None)] * len(shape), shape, strict=True)
         ]
         ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(bounds, chunk, strict=True)]
         keys = [_key(sub, cell) for cell in itertools.product(*ranges)]
-        decoder = _codec.Decoder(spec)
+        decoder = _codec.Decoder(_arrays.leaf_spec(_codec.MEMORY, index, record))
         raw = int(np.prod(chunk, dtype=np.int64)) * decoder.store.dtype.numpy_dtype.itemsize
         view = decoder.store if region is None else decoder.store[tuple(region)]
         return CompressedRead(self._load_all(sub, keys, decoder, raw, 1), view)
 
-    def compressed_batch(self, sub, spec, files: int, raw: int, inners: int):
-        """The compressed batch ``sub`` (``files`` shards of ``raw`` decoded bytes in
-        ``inners`` inner chunks each) as a tensorstore array, every shard fetched."""
-        decoder = _codec.Decoder(spec)
-        keys = [_key(sub, (s,)) for s in range(files)]
-        for future in self._load_all(sub, keys, decoder, raw, inners):
+    def compressed_batch(self, batch):
+        """The compressed batch of ``batch`` (its record) as a tensorstore array, every
+        shard fetched and checked against its index entry; None for an uncompressed
+        batch (read by :meth:`read_batch`). Raises ValueError for a damaged shard."""
+        if batch.codec is None:
+            return None
+        chunk, inner = int(batch.chunk), _arrays.batch_inner(batch)
+        raw = chunk * _layout.dtype_from_name(batch.dtype).itemsize
+        sub = _layout.batch_dir(batch.name)
+        decoder = _codec.Decoder(_arrays.batch_spec(_codec.MEMORY, batch))
+        keys = [_key(sub, (s,)) for s in range(-(-batch.size // chunk))]
+        for future in self._load_all(sub, keys, decoder, raw, chunk // inner):
             future.result()
         return decoder.store
 
