@@ -146,6 +146,8 @@ def read_region(store, target: Target, direct: _chunk_files.ChunkReader | None, 
         read = direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
         if read is not None:
             return read
+    if direct is not None and direct.packed:  # compressed segments of version 2
+        return direct.read_compressed(target.index, record, region)
     return ReadInto(store if region is None else store[region])
 
 
@@ -319,7 +321,13 @@ def _read_batch(reader, location, batch: BatchRecord, members, fail, errors, dir
     dtype = _layout.dtype_from_name(batch.dtype)
     paths = [t.record.path for t in members]
     packed = direct is not None and direct.packed
-    store = None if packed else open_array(_arrays.batch_spec(location, batch), location, paths)
+    try:
+        store = direct.compressed_batch(batch) if packed else None
+    except ValueError as e:  # a shard missing, too long or not its index's (damage)
+        errors.append(corrupt(paths, location, e))
+        return
+    if not packed:
+        store = open_array(_arrays.batch_spec(location, batch), location, paths)
     needed = sum(t.record.storage.size for t in members)
 
     def read_each(targets):

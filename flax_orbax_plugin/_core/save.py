@@ -185,7 +185,7 @@ def save_async(
         compressed before its checksum (zarr3 ``zstd`` codec; recorded per array, so
         restore needs no option).
       format_version: 1 (default: one file per chunk) or 2 (each process packs its
-        chunks into a few data files, see FORMAT.md; no compression yet).
+        chunks into a few data files, see FORMAT.md).
       data_file_bytes: version 2: the size a data file does not pass unless one chunk
         is larger (default 1 GiB on a filesystem, 256 MiB on an object store).
       host_memory_budget: bytes of host memory the save may hold beyond the state
@@ -288,8 +288,6 @@ def check_format_version(format_version: Any, compression: str | None) -> int:
     """``format_version`` if this library writes it (1 or 2); ValueError otherwise."""
     if format_version not in (1, 2) or isinstance(format_version, bool):
         raise ValueError(f"format_version: expected 1 or 2, found {format_version!r}")
-    if format_version == 2 and compression is not None:
-        raise ValueError("format_version=2 does not compress yet: use compression=None")
     return int(format_version)
 
 

@@ -251,6 +251,11 @@ def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> 
         store = _read_data.open_array(
             _arrays.batch_spec(location, batch), location, [r.path for r in members]
         )
+    else:
+        try:  # version 2: compressed, its shards fetched (uncompressed: None)
+            store = direct.compressed_batch(batch)
+        except ValueError as e:
+            raise _read_data.corrupt([r.path for r in members], location, e) from None
     dtype = _layout.dtype_from_name(batch.dtype)
     itemsize = dtype.itemsize
     chunk = int(batch.chunk)
