@@ -33,7 +33,9 @@ def run_one(entry: str, a) -> dict:
     args += ["--every", str(a.every), "--keep", str(a.keep), "--batch", str(a.batch)]
     if options:
         args += ["--saver-options", options]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    if a.cpu_as_device:
+        args += ["--cpu-as-device"]
+    env = dict(os.environ, JAX_PLATFORMS=a.platform, PYTHONUNBUFFERED="1")
     load = os.getloadavg()[0]
     p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1800)
     for line in reversed(p.stdout.splitlines()):
@@ -65,6 +67,9 @@ def summarize(entries: list[str], runs: list[dict]) -> list[dict]:
             row["after_save_median_s"] = statistics.median(after)
             row["final_wait_median_s"] = statistics.median(r["final_wait_s"] for r in ok)
         row["peak_rss_mib"] = statistics.median(r["peak_rss_mib"] for r in ok)
+        links = [r["pinned_host_gbps"] for r in ok if r.get("pinned_host_gbps")]
+        if links:
+            row["pinned_host_gbps"] = statistics.median(links)
         rows.append(row)
     base = next((r for r in rows if r["entry"] == "none" and "total_median_s" in r), None)
     for r in rows:
@@ -112,6 +117,8 @@ def main(argv=None):
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--dir", default=C.TMP)
+    p.add_argument("--platform", default="cpu", help="JAX_PLATFORMS of the runs (cuda: GPU)")
+    p.add_argument("--cpu-as-device", action="store_true", help="see train_loop.py")
     p.add_argument("--out", default=os.path.join(HERE, "results", "train"))
     a = p.parse_args(argv)
     runs, loads = [], []

@@ -66,6 +66,24 @@ def as_tree(state):
     return {"params": params, "opt_state": {"mu": adam.mu, "nu": adam.nu, "count": adam.count}}
 
 
+def _pinned_gbps(tree) -> float | None:
+    """GB/s of one copy of ``tree`` into pinned host memory (the host link), or None."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(tree)
+    try:
+        dev = leaves[0].devices().pop()
+        target = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        t0 = time.perf_counter()
+        copies = [jax.device_put(x, target) for x in leaves]
+        jax.block_until_ready(copies)
+        seconds = time.perf_counter() - t0
+    except Exception:  # noqa: BLE001  (a platform without pinned_host memory)
+        return None
+    del copies
+    return sum(x.nbytes for x in leaves) / seconds / 1e9
+
+
 def main(argv=None):
     import jax
     import numpy as np
@@ -79,7 +97,16 @@ def main(argv=None):
     p.add_argument("--keep", type=int, default=2, help="saves kept by retention (0: all)")
     p.add_argument("--batch", type=int, default=12, help="rows of the step's input")
     p.add_argument("--saver-options", default="{}", help="JSON options for the library's saver")
+    p.add_argument(
+        "--cpu-as-device",
+        action="store_true",
+        help="the plugin treats CPU arrays as accelerator arrays (its GPU path, on CPU)",
+    )
     a = p.parse_args(argv)
+    if a.cpu_as_device:
+        from flax_orbax_plugin._core import device_copy
+
+        device_copy.CPU_AS_DEVICE = True
     a.dir = os.path.abspath(a.dir)
     C.rmtree(a.dir)
     os.makedirs(a.dir)
@@ -98,6 +125,7 @@ def main(argv=None):
         state, loss = step(state, x)
         loss.block_until_ready()
 
+    link_gbps = _pinned_gbps(as_tree(state))
     times, blocking, after, pending, saves = [], [], [], None, 0
     t_run = time.perf_counter()
     for i in range(a.steps):
@@ -140,6 +168,8 @@ def main(argv=None):
         "after_save_s": after,
         "final_wait_s": final_wait,
         "peak_rss_mib": C.peak_rss_bytes() / 2**20,
+        "platform": jax.devices()[0].platform,
+        "pinned_host_gbps": link_gbps,
     }
     print("RESULT " + json.dumps(res), flush=True)
 

@@ -9,12 +9,14 @@ Two ways, chosen per save by :func:`start` (blocking phase, training thread):
   step that donates the state waits only for the copies that read it (jax orders a
   donation after the buffer's pending reads). Where a device has no ``pinned_host``
   memory, ``copy_to_host_async`` into ordinary host memory is started instead.
-* **streamed** (a save with ``host_memory_budget``): nothing is copied in the blocking
-  phase; the regions stay on the device, held (so the next step's donation of them
-  allocates fresh device memory instead), and the background writer copies each when
-  it gets to it, never holding more than the budget in host memory at once
-  (``write_data``'s in-flight bound). Regions larger than a fraction of the budget are
-  split into pieces of whole chunk rows (:func:`pieces`).
+* **streamed** (a save with ``host_memory_budget``): nothing is copied to host in the
+  blocking phase. Each region is copied on its device instead (a device-side copy at
+  the device's memory bandwidth, enqueued; it costs one more state of device memory
+  until written): holding the array itself would not do, since a donating step
+  invalidates a donated array whoever holds it. The background writer copies each
+  region to host when it gets to it, never holding more than the budget in host
+  memory at once (``write_data``'s in-flight bound). Regions larger than a fraction of
+  the budget are split into pieces of whole chunk rows (:func:`pieces`).
 
 Either way the save's writes hold a :class:`Deferred` where they would hold host bytes,
 and the background phase calls :func:`materialize` (on its own thread) when it needs
@@ -29,6 +31,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 CPU_AS_DEVICE = False  # treat CPU arrays as device arrays (exercises this path on CPU)
@@ -68,10 +71,10 @@ def on_device(data: Any) -> bool:
 
 def start(data: jax.Array, part: tuple[slice, ...] | None, *, streamed: bool) -> Deferred:
     """The region ``part`` (None: all) of the single-device array ``data``, staged into
-    pinned host memory (copy enqueued) or, ``streamed``, left on the device."""
+    pinned host memory (copy enqueued) or, ``streamed``, copied on the device."""
+    if streamed:  # a copy on the device, which no donation of ``data`` invalidates
+        return Deferred(jnp.copy(data) if part is None else data[part])
     region = data if part is None else data[part]
-    if streamed:
-        return Deferred(region)
     device = next(iter(region.devices()))
     kinds = {m.kind for m in device.addressable_memories()}
     if "pinned_host" in kinds:

@@ -189,13 +189,13 @@ def save_async(
       data_file_bytes: version 2: the size a data file does not pass unless one chunk
         is larger (default 1 GiB on a filesystem, 256 MiB on an object store).
       host_memory_budget: bytes of host memory the save may hold beyond the state
-        itself (None: no bound). Accelerator arrays stay on their devices and are
-        copied to host in pieces as the writes complete (the blocking phase copies
-        nothing; the next step's donation of them allocates fresh device memory
-        instead). CPU arrays are written from their own memory before this returns
-        (no copy at all; the blocking phase is then the data write). Small leaves
-        (batched) are copied as usual. Format version 2 and incremental steps copy
-        every region before writing: the budget bounds only version 1 saves.
+        itself (None: no bound). Accelerator arrays are copied on their devices (one
+        more state of device memory until written) and to host in pieces as the
+        writes complete (the blocking phase enqueues the device copies only). CPU
+        arrays are written from their own memory before this returns (no copy at
+        all; the blocking phase is then the data write). Small leaves (batched) are
+        copied as usual. Format version 2 and incremental steps copy every region
+        before writing: the budget bounds only version 1 saves.
 
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
