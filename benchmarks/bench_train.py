@@ -59,6 +59,8 @@ def summarize(entries: list[str], runs: list[dict]) -> list[dict]:
             "total_median_s": statistics.median(r["total_s"] for r in ok),
             "totals_s": [round(r["total_s"], 3) for r in ok],
             "step_median_s": statistics.median(r["step_median_s"] for r in ok),
+            "cpu_user_median_s": statistics.median(r["cpu_user_s"] for r in ok),
+            "cpu_sys_median_s": statistics.median(r["cpu_sys_s"] for r in ok),
         }
         blocking = [b for r in ok for b in r.get("blocking_s", [])]
         after = [b for r in ok for b in r.get("after_save_s", [])]
@@ -89,12 +91,12 @@ def markdown(rows: list[dict], a, loads: list[float], machine: dict) -> str:
         "process, orders rotated; medians.",
         "",
         "| entry | total s (median) | ratio to none | step median s | blocking median s "
-        "| step after save s | final wait s | peak RSS MiB | totals |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| step after save s | final wait s | CPU user/sys s | peak RSS MiB | totals |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "total_median_s" not in r:
-            out.append(f"| {r['entry']} | error | | | | | | | |")
+            out.append(f"| {r['entry']} | error | | | | | | | | |")
             continue
 
         def f(k, fmt="{:.3f}", r=r):
@@ -103,7 +105,8 @@ def markdown(rows: list[dict], a, loads: list[float], machine: dict) -> str:
         out.append(
             f"| {r['entry']} | {f('total_median_s')} | {f('ratio', '{:.3f}x')} | "
             f"{f('step_median_s')} | {f('blocking_median_s')} | {f('after_save_median_s')} | "
-            f"{f('final_wait_median_s')} | {f('peak_rss_mib', '{:.0f}')} | {r['totals_s']} |"
+            f"{f('final_wait_median_s')} | {f('cpu_user_median_s', '{:.1f}')}/"
+            f"{f('cpu_sys_median_s', '{:.1f}')} | {f('peak_rss_mib', '{:.0f}')} | {r['totals_s']} |"
         )
     return "\n".join(out) + "\n"
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -127,6 +128,7 @@ def main(argv=None):
 
     link_gbps = _pinned_gbps(as_tree(state))
     times, blocking, after, pending, saves = [], [], [], None, 0
+    r_run = resource.getrusage(resource.RUSAGE_SELF)
     t_run = time.perf_counter()
     for i in range(a.steps):
         t0 = time.perf_counter()
@@ -150,6 +152,7 @@ def main(argv=None):
         pending.wait()
     final_wait = time.perf_counter() - tw
     total = time.perf_counter() - t_run
+    r_end = resource.getrusage(resource.RUSAGE_SELF)
     if saver is not None and saver is not adapter:
         saver.close()
     C.rmtree(a.dir)
@@ -161,6 +164,8 @@ def main(argv=None):
         "every": a.every,
         "keep": a.keep,
         "total_s": total,
+        "cpu_user_s": r_end.ru_utime - r_run.ru_utime,  # every thread of the process
+        "cpu_sys_s": r_end.ru_stime - r_run.ru_stime,
         "step_median_s": statistics.median(times),
         "steps_s": times,
         "n_saves": saves,
