@@ -11,7 +11,8 @@ waits (for a save, a restore, the final wait, a SIGTERM step).
 
 ``FOP_BACKGROUND_NICE`` (an integer 0-19; default 19) sets the value; 0 leaves the
 threads at the process's priority. Only threads the library creates for one save or
-restore call :func:`lower`: none of them ever runs user code.
+restore call :func:`lower` (the save's thread and chunk writers, links, retention,
+the persistent tier's replication and copies): none of them ever runs user code.
 """
 
 from __future__ import annotations
@@ -39,3 +40,13 @@ def lower() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
     except OSError:
         pass
+
+
+def in_background(fn):
+    """``fn`` run after :func:`lower` (a thread's target)."""
+
+    def run(*args, **kwargs):
+        lower()
+        return fn(*args, **kwargs)
+
+    return run

@@ -14,6 +14,7 @@ import concurrent.futures
 from typing import Any
 
 from .._base import faults as _faults
+from .._base import priority as _priority
 from .._errors import CheckpointError
 from .._format.layout import ArrayStorage, BatchRecord, array_dir, batch_dir
 from .._storage.location import Location
@@ -98,7 +99,9 @@ def _start_links(staging: Location, linking: list, links: dict[int, Any]):
     if not linking:
         return None, []
     workers = 1 if staging.is_local else _LEAVES_COPIED_AT_ONCE
-    linker = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fop-link")
+    linker = concurrent.futures.ThreadPoolExecutor(
+        workers, thread_name_prefix="fop-link", initializer=_priority.lower
+    )
     return linker, [linker.submit(links[leaf.index]) for leaf, _ in linking]
 
 
