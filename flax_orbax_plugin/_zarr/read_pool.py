@@ -1,0 +1,59 @@
+"""The process's shared reader threads of :class:`~chunk_files.ChunkReader`: started
+once, not on every restore, and forgotten in a forked child (where they do not run).
+Threading: any thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+
+
+class Jobs:
+    """This reader's jobs on the process's shared pool of ``threads`` reader threads:
+    started once, not on every restore (starting 8 threads cost 0.1 s of a 0.5 s
+    restore of 6,000 small leaves on a busy machine). :meth:`shutdown` cancels this
+    reader's jobs not started yet and waits for the rest, leaving others' jobs alone."""
+
+    def __init__(self, threads: int):
+        self._pool = _shared_pool(threads)
+        self._futures: list[concurrent.futures.Future] = []
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future = self._pool.submit(fn, *args, **kwargs)
+        self._futures.append(future)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        futures, self._futures = self._futures, []
+        if cancel_futures:
+            for future in futures:
+                future.cancel()
+        if wait:
+            concurrent.futures.wait(futures)
+
+
+_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _shared_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = concurrent.futures.ThreadPoolExecutor(
+                threads, thread_name_prefix="fop-read"
+            )
+        return pool
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's reader threads do not exist there."""
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
