@@ -64,7 +64,7 @@ def make_target(index: int, record: LeafRecord, like: Any) -> Target:
         target.out_dtype = target.dtype
         return target
     like_shape, like_dtype = _onto_like.template_of(path, like)
-    if jax.dtypes.issubdtype(like_dtype, jax.dtypes.prng_key):
+    if _onto_like.is_key_dtype(like_dtype):
         raise StructureError(
             f"leaf {path!r}: expected a PRNG key array (from like), "
             f"found {record.dtype}{list(saved_shape)} in the checkpoint"

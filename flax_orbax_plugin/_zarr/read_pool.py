@@ -57,3 +57,43 @@ def _forget_pools() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools)
+
+
+def prefetch_batches(root: str, threads: int) -> concurrent.futures.Future | None:
+    """Asks the kernel to start reading every batch file under ``root/b`` (a hint:
+    ``POSIX_FADV_WILLNEED``), on one of the shared reader threads, so that the disk
+    works while the restoring thread parses the metadata; None where there is no such
+    hint. For a restore that reads every batch whole: the later reads check every
+    byte as before; only the regular files under ``b/*/c`` are opened (never through
+    a link). Nothing is allocated or kept; a failure is the later read's to report."""
+    if not hasattr(os, "posix_fadvise"):
+        return None
+    return _shared_pool(threads).submit(_advise_batches, os.path.join(root, "b"))
+
+
+def _advise_batches(top: str) -> None:
+    try:
+        batches = [e for e in os.scandir(top) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for batch in sorted(batches, key=lambda e: e.name):
+        try:
+            files = [e for e in os.scandir(os.path.join(batch.path, "c"))]
+        except OSError:
+            continue
+        for entry in sorted(files, key=lambda e: (len(e.name), e.name)):  # 0, 1, ..., 10
+            if entry.is_file(follow_symlinks=False):
+                _advise(entry.path)
+
+
+def _advise(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
