@@ -56,7 +56,8 @@ class Reader:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.placer = Placer(flush_bytes=min(limit, 256 << 20))
+        # a batch file's leaves at a time: placed while the next files are read
+        self.placer = Placer(flush_bytes=min(limit, 16 << 20))
         self.pending: collections.deque = collections.deque()
         self.in_flight = 0
 
