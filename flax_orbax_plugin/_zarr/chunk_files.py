@@ -109,6 +109,9 @@ class ChunkReader:
     def __init__(self, root: str, *, threads: int = _chunks.THREADS):
         self._root = root
         self._pool = _read_pool.Jobs(threads)
+        # per thread, one chunk's bytes reused (see _read_chunk_copy); this reader's, so
+        # freed with it (the pool's threads outlive every restore)
+        self._scratch = threading.local()
         # Ranged batch reads, in file order on fewer threads: the first files are done
         # early, so their leaves are placed while the rest are read (8 threads at once
         # finished the first of 12 batch files after most of the reading).
@@ -151,7 +154,7 @@ class ChunkReader:
                 # in place; a chunk cut along the first axis only has its padding last
                 job = (_read_chunk, path, _as_writable_bytes(dest), chunk_bytes)
             else:
-                job = (_read_chunk_copy, path, dest, tuple(chunk))
+                job = (_read_chunk_copy, path, dest, tuple(chunk), self._scratch)
             read.futures.append(self._pool.submit(*job, **self._fill_kw()))
         return read
 
@@ -254,19 +257,19 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None) -> 
         raise ValueError(f"chunk {name}: crc32c checksum mismatch")
 
 
-_scratch = threading.local()  # per reader thread: one chunk's bytes, reused
-
-
-def _read_chunk_copy(path: str, dest: np.ndarray, chunk: tuple[int, ...], *, fill=None) -> None:
+def _read_chunk_copy(
+    path: str, dest: np.ndarray, chunk: tuple[int, ...], scratch: threading.local, *, fill=None
+) -> None:
     """Reads one chunk file whole into scratch, checks it, then copies the part that
     lies in the array (``dest``'s shape, from the chunk's origin) into ``dest``.
 
-    The scratch is the thread's own, kept between chunks: fresh memory for every
-    chunk would cost its first touch each time (about 0.6 s per GB on this machine)."""
+    The scratch is the thread's own in ``scratch`` (the reader's), kept between chunks:
+    fresh memory for every chunk would cost its first touch each time (about 0.6 s per
+    GB on this machine)."""
     nbytes = int(np.prod(chunk, dtype=np.int64)) * dest.dtype.itemsize
-    buffer = getattr(_scratch, "buffer", None)
+    buffer = getattr(scratch, "buffer", None)
     if buffer is None or buffer.size < nbytes:
-        buffer = _scratch.buffer = np.empty(nbytes, np.uint8)
+        buffer = scratch.buffer = np.empty(nbytes, np.uint8)
     raw = buffer[:nbytes]
     _read_chunk(path, raw, nbytes, fill=fill)
     dest[...] = raw.view(dest.dtype).reshape(chunk)[tuple(slice(0, n) for n in dest.shape)]
