@@ -59,13 +59,19 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools)
 
 
+# What the kernel is asked to read ahead: about what a disk reads while the metadata
+# of a large tree is parsed, and never a checkpoint's worth of page cache at once.
+PREFETCH_BYTES = 256 << 20
+
+
 def prefetch_batches(root: str, threads: int) -> concurrent.futures.Future | None:
-    """Asks the kernel to start reading every batch file under ``root/b`` (a hint:
-    ``POSIX_FADV_WILLNEED``), on one of the shared reader threads, so that the disk
-    works while the restoring thread parses the metadata; None where there is no such
-    hint. For a restore that reads every batch whole: the later reads check every
-    byte as before; only the regular files under ``b/*/c`` are opened (never through
-    a link). Nothing is allocated or kept; a failure is the later read's to report."""
+    """Asks the kernel to start reading the batch files under ``root/b`` (a hint:
+    ``POSIX_FADV_WILLNEED``; the first :data:`PREFETCH_BYTES` of them), on one of the
+    shared reader threads, so that the disk works while the restoring thread parses
+    the metadata; None where there is no such hint. For a restore that reads every
+    batch whole: the later reads check every byte as before; only the regular files
+    under ``b/*/c`` are opened (never through a link). Nothing is allocated or kept;
+    a failure is the later read's to report."""
     if not hasattr(os, "posix_fadvise"):
         return None
     return _shared_pool(threads).submit(_advise_batches, os.path.join(root, "b"))
@@ -76,13 +82,15 @@ def _advise_batches(top: str) -> None:
         batches = [e for e in os.scandir(top) if e.is_dir(follow_symlinks=False)]
     except OSError:
         return
+    budget = PREFETCH_BYTES
     for batch in sorted(batches, key=lambda e: e.name):
         try:
             files = [e for e in os.scandir(os.path.join(batch.path, "c"))]
         except OSError:
             continue
         for entry in sorted(files, key=lambda e: (len(e.name), e.name)):  # 0, 1, ..., 10
-            if entry.is_file(follow_symlinks=False):
+            if entry.is_file(follow_symlinks=False) and budget > 0:
+                budget -= entry.stat(follow_symlinks=False).st_size
                 _advise(entry.path)
 
 
