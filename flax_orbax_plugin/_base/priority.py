@@ -1,18 +1,21 @@
-"""CPU priority of the library's background threads: below the training loop's.
+"""CPU priority of the library's bulk background threads: below the training loop's.
 
-A save's background phase (checksums, copies into the page cache, writeback, fsync)
-runs on threads of its own while the training steps run. At the same priority, a
-pool of writer threads takes a share of the CPUs per thread: on a 2-core machine,
-8 writers left the 2 threads of a jitted step a fifth of the CPU and the step after a
-save ran 4-5x slower. Each background thread therefore lowers its own priority
-(``nice`` 19 on Linux, where nice values are per thread) as its first act: it then
-runs in the gaps the training threads leave and at full speed whenever the loop
-waits (for a save, a restore, the final wait, a SIGTERM step).
+A save's background phase writes its chunks (checksums, writes, links, copies) on a
+pool of threads while the training steps run. At the same priority a pool of 8 such
+threads takes a share of the CPUs per thread: on a 2-core machine they left the 2
+threads of a jitted step a fifth of the CPU while they were runnable. Each bulk thread
+therefore lowers its own priority (``nice`` 10 on Linux, where nice values are per
+thread; a tenth of a normal thread's share under contention) as its first act.
 
-``FOP_BACKGROUND_NICE`` (an integer 0-19; default 19) sets the value; 0 leaves the
-threads at the process's priority. Only threads the library creates for one save or
-restore call :func:`lower` (the save's thread and chunk writers, links, retention,
-the persistent tier's replication and copies): none of them ever runs user code.
+Only the bulk pools do (the chunk writers, links and server-side copies, the
+persistent tier's file copies): the threads that run a save's commit protocol,
+retention and replication keep the process's priority. A lower priority there was
+measured to starve them, and with them the main thread at the GIL: at nice 19 a save
+of a few KiB did not commit within 100 steps of a Python-bound loop, and a 1.2 GB save
+was not done 10 steps later, so the loop waited for it at the next save.
+
+``FOP_BACKGROUND_NICE`` (an integer 0-19; default 10) sets the value; 0 leaves the
+threads at the process's priority. None of these threads ever runs user code.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import os
 import threading
 
-_DEFAULT = 19
+_DEFAULT = 10
 
 
 def _nice() -> int:
@@ -40,13 +43,3 @@ def lower() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
     except OSError:
         pass
-
-
-def in_background(fn):
-    """``fn`` run after :func:`lower` (a thread's target)."""
-
-    def run(*args, **kwargs):
-        lower()
-        return fn(*args, **kwargs)
-
-    return run

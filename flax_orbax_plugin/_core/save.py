@@ -20,7 +20,6 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base import faults as _faults
 from .._base import host as _host
-from .._base import priority as _priority
 from .._base import tree as _tree
 from .._format import layout as _layout
 from .._format.layout import COMMIT_FILE, CommitMarker
@@ -90,7 +89,6 @@ class SaveHandle:
         return self
 
     def _run(self) -> None:
-        _priority.lower()
         try:
             self._result = self._target()
         except BaseException as e:  # noqa: BLE001  (re-raised on wait)
