@@ -40,6 +40,17 @@ class _Range:
         self.stop = whole if whole is not None else items[-1][0] + items[-1][1]
         self.future = None
         self.left = 0  # takes to come before its bytes are dropped
+        self.value: memoryview | None = None  # the fetched bytes, once (see ``bytes``)
+        self.lock = threading.Lock()
+
+    def bytes(self) -> memoryview:
+        """The fetched bytes (empty when the object is missing). Taken from the result
+        once: every ``ReadResult.value`` is a fresh copy of the whole range."""
+        with self.lock:
+            if self.value is None:
+                result = self.future.result()
+                self.value = memoryview(result.value if result.state == "value" else b"")
+            return self.value
 
     @property
     def nbytes(self) -> int:
@@ -121,15 +132,11 @@ class RangeReads:
             self._left[key] -= 1
             if self._left[key] == 0:
                 del self._range_of[key], self._left[key]
-            future = entry.future
             entry.left -= 1
             if entry.left == 0:  # the last take: nothing more keeps its bytes
                 self._held_bytes -= entry.nbytes
-        result = future.result()
-        if result.state != "value":
-            return None
         lo = segment.offset - entry.start
-        value = memoryview(result.value)[lo : lo + segment.length]
+        value = entry.bytes()[lo : lo + segment.length]
         return value if len(value) == segment.length else None
 
     def _start(self, entry: _Range, key: str) -> _Range:
