@@ -148,22 +148,35 @@ def _ts_restore(kind: str, store, leaves: list[np.ndarray]) -> list[np.ndarray]:
     return [r.result() for r in reads]
 
 
-def _one(fop, kind: str, store, tree, leaves, url, path0) -> dict:
+def _one(fop, kind: str, store, tree, leaves, url, path0, requests=None) -> dict:
+    if requests is not None:
+        requests.take()
     t = time.perf_counter()
     if kind == "v2":
         fop.save(url, tree, format_version=2)
     else:
         _ts_save(kind, store, leaves)
     save_s = time.perf_counter() - t
+    saved = requests.take() if requests is not None else {}
     objects, nbytes = _count(store)
+    if requests is not None:
+        requests.take()
     t = time.perf_counter()
     if kind == "v2":
         first = np.asarray(common.get_path(fop.restore(url), path0))
     else:
         first = _ts_restore(kind, store, leaves)[0]
     restore_s = time.perf_counter() - t
+    restored = requests.take() if requests is not None else {}
     np.testing.assert_array_equal(first.reshape(-1), leaves[0].reshape(-1), err_msg=kind)
-    return {"save_s": save_s, "restore_s": restore_s, "objects": objects, "bytes": nbytes}
+    return {
+        "save_s": save_s,
+        "restore_s": restore_s,
+        "objects": objects,
+        "bytes": nbytes,
+        "save_requests": saved,
+        "restore_requests": restored,
+    }
 
 
 def _clear(store) -> None:
@@ -175,7 +188,7 @@ def _clear(store) -> None:
             kv.write(key, None).result()
 
 
-def _measure(fop, workload, specs, stores, repeats) -> list[dict]:
+def _measure(fop, workload, specs, stores, repeats, requests) -> list[dict]:
     tree = common.nest((s.path, s.make()) for s in specs)
     leaves = [common.get_path(tree, s.path) for s in specs]
     leaves = [np.asarray(a) for a in leaves]
@@ -186,7 +199,9 @@ def _measure(fop, workload, specs, stores, repeats) -> list[dict]:
             for kind in CANDIDATES:
                 store, url = make(f"{workload}-{kind}-{r}")
                 try:
-                    runs[kind].append(_one(fop, kind, store, tree, leaves, url, specs[0].path))
+                    counter = requests if store_name == "s3" else None
+                    one = _one(fop, kind, store, tree, leaves, url, specs[0].path, counter)
+                    runs[kind].append(one)
                 finally:
                     _clear(store)
         for kind in CANDIDATES:
@@ -202,6 +217,9 @@ def _measure(fop, workload, specs, stores, repeats) -> list[dict]:
                 "save_s": statistics.median(x["save_s"] for x in got),
                 "restore_s": statistics.median(x["restore_s"] for x in got),
             }
+            if store_name == "s3":
+                row["save_requests"] = got[0]["save_requests"]
+                row["restore_requests"] = got[0]["restore_requests"]
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -226,11 +244,13 @@ def main() -> None:
         return path, path
 
     stores = [("local", local)]
-    server = undo = None
+    server = undo = requests = None
     if not args.no_s3:
+        from _s3_requests import S3Requests
         from _s3_server import S3Server
 
         server = S3Server(mode="thread").start()
+        requests = S3Requests().__enter__()
         undo = server.apply_env()
         bucket = server.create_bucket()
 
@@ -243,21 +263,26 @@ def main() -> None:
     rows = []
     try:
         for workload in args.workloads:
-            rows += _measure(fop, workload, _specs(workload, args.size), stores, args.repeats)
+            specs = _specs(workload, args.size)
+            rows += _measure(fop, workload, specs, stores, args.repeats, requests)
     finally:
         if server is not None:
+            requests.__exit__(None, None, None)
             undo()
             server.stop()
         shutil.rmtree(directory, ignore_errors=True)
     print(json.dumps({"loadavg_after": os.getloadavg()}), flush=True)
     print()
-    print("| workload | store | candidate | objects | save s | restore s |")
-    print("|---|---|---|---:|---:|---:|")
+    print("| workload | store | candidate | objects | save s | restore s | PUTs | GETs |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
+        puts = sum(v for k, v in r.get("save_requests", {}).items() if k.startswith("PUT"))
+        gets = sum(v for k, v in r.get("restore_requests", {}).items() if k.startswith("GET"))
         print(
             f"| {r['workload']} ({r['leaves']} leaves, {r['state_bytes'] / 1e6:.0f} MB) | "
             f"{r['store']} | {r['candidate']} | {r['objects']} | {r['save_s']:.2f} | "
-            f"{r['restore_s']:.2f} |"
+            f"{r['restore_s']:.2f} | {puts if 'save_requests' in r else ''} | "
+            f"{gets if 'restore_requests' in r else ''} |"
         )
 
 

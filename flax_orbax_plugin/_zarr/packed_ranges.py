@@ -5,13 +5,14 @@ reads it issues); the first chunk it waits for plans them all (:meth:`RangeReads
 per data file, the wanted segments sorted by offset are merged into ranges wherever the
 gap between two is under :data:`GAP_BYTES` (fetching a small gap is cheaper than a
 request), and a file whose wanted bytes are at least :data:`WHOLE_FRACTION` of it is
-fetched whole with one plain GET. A range is fetched when the first chunk job that
-needs it runs (:meth:`RangeReads.take`, on the reader's threads), so the ranges of
-different files are fetched side by side as the jobs go; the bytes of a range are
-dropped once every chunk wanted from it was taken. Fetched ranges held at once stay
-under :data:`FETCH_BYTES` (one range may pass it when none is held): a range that does
-not fit is split, and only a run of at most :data:`PIECE_BYTES` from the chunk that
-asked is fetched. Only wanted segments are ever handed out (and each is checked by the
+fetched whole with one plain GET. The plan starts the ranges' GETs at once, in the
+order the reads need them, side by side (several files at a time), while the fetched
+bytes held stay under :data:`FETCH_BYTES` (one range may pass it when none is held);
+a range's bytes are dropped once every chunk wanted from it was taken
+(:meth:`RangeReads.take`, on the reader's threads), which starts the next ones. A
+chunk job that needs a range not yet started starts it; if it does not fit the bound,
+it is split and only a run of at most :data:`PIECE_BYTES` from the chunk that asked is
+fetched. Only wanted segments are ever handed out (and each is checked by the
 caller: length and crc32c); a resharding restore wants only its shards' chunks.
 Thread-safe (one lock guards the plan and the ranges).
 """
@@ -87,6 +88,8 @@ class RangeReads:
         self._wanted: collections.Counter[str] = collections.Counter()  # not yet planned
         self._range_of: dict[str, _Range] = {}  # planned key -> its range
         self._left: collections.Counter[str] = collections.Counter()  # takes to come per key
+        self._seq: dict[str, int] = {}  # key -> the order it was first wanted in
+        self._queue: collections.deque[_Range] = collections.deque()  # planned, unstarted
         self._held_bytes = 0
         self.gets = 0  # GETs issued (a figure for tests and benchmarks)
 
@@ -96,9 +99,11 @@ class RangeReads:
             for key in keys:
                 if key in self._chunks:
                     self._wanted[key] += 1
+                    self._seq.setdefault(key, len(self._seq))
 
     def plan(self) -> None:
-        """Plans every key wanted since the last plan (its ranges start when taken)."""
+        """Plans every key wanted since the last plan, and starts the fetches of its
+        ranges in the order they are needed, as many as :data:`FETCH_BYTES` allows."""
         with self._lock:
             wanted, self._wanted = self._wanted, collections.Counter()
             by_file: dict[str, list] = collections.defaultdict(list)
@@ -109,10 +114,26 @@ class RangeReads:
                     continue
                 segment = self._chunks[key]
                 by_file[segment.file].append((segment.offset, segment.length, key))
+            planned = []
             for file, items in by_file.items():
                 items.sort()
-                for entry in plan_file(file, items, self._file_bytes.get(file, 0)):
-                    self._add(entry)
+                planned += plan_file(file, items, self._file_bytes.get(file, 0))
+            planned.sort(key=lambda e: min(self._seq[key] for _, _, key in e.items))
+            for entry in planned:
+                self._add(entry)
+            self._queue.extend(planned)
+            self._start_ahead()
+
+    def _start_ahead(self) -> None:
+        """Starts queued ranges in order while they fit the bound. Under the lock."""
+        while self._queue:
+            entry = self._queue[0]
+            if entry.future is not None or entry.left == 0:  # started, or split
+                self._queue.popleft()
+            elif not self._held_bytes or self._held_bytes + entry.nbytes <= FETCH_BYTES:
+                self._issue(self._queue.popleft())
+            else:
+                break
 
     def _add(self, entry: _Range) -> None:
         entry.left = sum(self._left[key] for _, _, key in entry.items)
@@ -135,6 +156,7 @@ class RangeReads:
             entry.left -= 1
             if entry.left == 0:  # the last take: nothing more keeps its bytes
                 self._held_bytes -= entry.nbytes
+                self._start_ahead()
         lo = segment.offset - entry.start
         value = entry.bytes()[lo : lo + segment.length]
         return value if len(value) == segment.length else None
@@ -144,13 +166,16 @@ class RangeReads:
         ``key`` on (the rest stays planned). Under the lock."""
         if self._held_bytes and self._held_bytes + entry.nbytes > FETCH_BYTES:
             entry = self._split(entry, key)
+        self._issue(entry)
+        return entry
+
+    def _issue(self, entry: _Range) -> None:
         if entry.whole is not None:
             entry.future = self._kv.read(entry.file)
         else:
             entry.future = self._kv.read(entry.file, byte_range=slice(entry.start, entry.stop))
         self._held_bytes += entry.nbytes
         self.gets += 1
-        return entry
 
     def _split(self, entry: _Range, key: str) -> _Range:
         keep = [item for item in entry.items if item[2] in self._range_of]
@@ -160,7 +185,9 @@ class RangeReads:
             if item[0] + item[1] - piece[0][0] > PIECE_BYTES or item[0] != sum(piece[-1][:2]):
                 break
             piece.append(item)
-        rest = keep[:at] + keep[at + len(piece) :]
-        for part in [_Range(entry.file, piece)] + plan_file(entry.file, rest, 0):
+        rest = plan_file(entry.file, keep[:at] + keep[at + len(piece) :], 0)
+        entry.left = 0  # replaced by its parts: the queue drops it
+        for part in [_Range(entry.file, piece), *rest]:
             self._add(part)
+        self._queue.extendleft(reversed(rest))  # needed soon: first in line
         return self._range_of[key]

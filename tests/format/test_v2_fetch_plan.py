@@ -145,14 +145,15 @@ def test_a_range_that_would_pass_the_memory_bound_is_fetched_in_pieces(monkeypat
     reads = packed_ranges.RangeReads(kv, chunks, {"0-0.bin": 16 * mib, "0-1.bin": 16 * mib})
     reads.want(list(chunks))
     reads.plan()
-    first = reads.take("d/0/c/0", chunks["d/0/c/0"])  # 0-0 whole: 16 MiB held
+    assert reads.gets == 1  # the plan started 0-0 (whole: 16 MiB); 0-1 does not fit
+    first = reads.take("d/0/c/0", chunks["d/0/c/0"])
     assert reads.gets == 1 and bytes(first[:3]) == bytes([0, 1, 2])
     # 0-1 whole would hold 32 MiB: 4 MiB from the chunk that asked, then the rest.
     for i in (5, 6, 7, 8):
         value = reads.take(f"d/1/c/{i}", chunks[f"d/1/c/{i}"])
         assert len(value) == mib and bytes(value[:2]) == bytes([0, 1])
     assert reads.gets == 2
-    for i in range(1, 16):  # 0-0 done: its 16 MiB no longer count
+    for i in range(1, 16):  # 0-0 done: its 16 MiB released, the rest of 0-1 starts
         reads.take(f"d/0/c/{i}", chunks[f"d/0/c/{i}"])
     rest = [i for i in range(16) if i not in (5, 6, 7, 8)]
     for i in rest:
