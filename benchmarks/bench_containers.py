@@ -13,7 +13,7 @@ The same state is saved and restored by three containers:
 * ``ocdbt``: zarr3 arrays (the same chunks and crc32c, no sharding codec) as keys of
   one tensorstore OCDBT database per process (the layout Orbax writes; data files of
   tensorstore's default target size), all written under one shared context and one
-  transaction (one commit).
+  transaction (one commit), read with Orbax's read-coalescing options.
 
 (ii) and (iii) are written directly with tensorstore here (no metadata of ours, no
 commit marker; a rank-0 leaf is stored as shape (1,)). Workloads: "a", a
@@ -45,6 +45,12 @@ import common  # noqa: E402
 import numpy as np  # noqa: E402
 
 CANDIDATES = ("v2", "zarr3-shard", "ocdbt")
+# Orbax's OCDBT read options (its ts_utils): neighbouring chunk reads merged into one
+READ_COALESCING = {
+    "experimental_read_coalescing_threshold_bytes": 1_000_000,
+    "experimental_read_coalescing_merged_bytes": 500_000_000_000,
+    "experimental_read_coalescing_interval": "1ms",
+}
 CRC = {"name": "crc32c"}
 BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 
@@ -137,7 +143,7 @@ def _ts_restore(kind: str, store, leaves: list[np.ndarray]) -> list[np.ndarray]:
     specs = []
     for i, array in enumerate(leaves):
         if kind == "ocdbt":
-            kvstore = {"driver": "ocdbt", "base": _kv(store), "path": f"{i}/"}
+            kvstore = {"driver": "ocdbt", "base": _kv(store), "path": f"{i}/", **READ_COALESCING}
         else:
             kvstore = _kv(store, str(i))
         spec = _zarr_spec(kvstore, array, sharded=kind == "zarr3-shard")
