@@ -1,7 +1,7 @@
 """Container candidates for format version 2 (issue 27), measured side by side in one run.
 
-    python benchmarks/bench_containers.py [--size tiny|medium] [--repeats 3] [--no-s3]
-                                          [--workloads a b]
+    python benchmarks/bench_containers.py [--size tiny|medium] [--repeats 3]
+                                          [--s3-repeats 1] [--no-s3] [--workloads a b]
 
 The same state is saved and restored by three containers:
 
@@ -22,9 +22,13 @@ d=512, 6 layers, vocab 16384, ~330 MB; ``tiny``: common.py's tiny shapes); "b", 
 6,000-leaf small tree of common.py (~200 MB; tiny: 600 leaves). Stores: the local disk
 (``benchmarks/results/tmp``) and, unless ``--no-s3``, a moto S3 server in this process.
 Reported per candidate and store: objects (files) per save, bytes stored, save time,
-restore time with a fresh tensorstore context (cold caches of ours and tensorstore's;
-the page cache is not dropped, for all alike): medians of ``--repeats``, the
-candidates alternating within each repeat. Prints one JSON line per row, then a table.
+restore time (cold-ish: the tensorstore candidates open with a fresh context, so no
+cache of theirs survives, and ``fop.restore`` keeps no chunk cache; the page cache is
+not dropped, for all alike): medians of ``--repeats`` (on S3 of
+``--s3-repeats``: 1 by default, to stay near 3 minutes a run; the zarr3 save of the
+small tree alone is 12,000 PUTs), the candidates alternating within each repeat;
+on S3 also the requests of the first save and restore, by kind. Prints one JSON line
+per row, then a table.
 """
 
 from __future__ import annotations
@@ -194,12 +198,12 @@ def _clear(store) -> None:
             kv.write(key, None).result()
 
 
-def _measure(fop, workload, specs, stores, repeats, requests) -> list[dict]:
+def _measure(fop, workload, specs, stores, requests) -> list[dict]:
     tree = common.nest((s.path, s.make()) for s in specs)
     leaves = [common.get_path(tree, s.path) for s in specs]
     leaves = [np.asarray(a) for a in leaves]
     rows = []
-    for store_name, make in stores:
+    for store_name, make, repeats in stores:
         runs: dict[str, list[dict]] = {k: [] for k in CANDIDATES}
         for r in range(repeats):
             for kind in CANDIDATES:
@@ -208,6 +212,8 @@ def _measure(fop, workload, specs, stores, repeats, requests) -> list[dict]:
                     counter = requests if store_name == "s3" else None
                     one = _one(fop, kind, store, tree, leaves, url, specs[0].path, counter)
                     runs[kind].append(one)
+                    run = {"workload": workload, "store": store_name, "candidate": kind}
+                    print(json.dumps({"run": r, **run, **one}), flush=True)
                 finally:
                     _clear(store)
         for kind in CANDIDATES:
@@ -235,6 +241,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=["tiny", "medium"], default="medium")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--s3-repeats", type=int, default=1)
     p.add_argument("--no-s3", action="store_true")
     p.add_argument("--workloads", nargs="+", default=["a", "b"], choices=["a", "b"])
     args = p.parse_args()
@@ -249,7 +256,7 @@ def main() -> None:
         path = os.path.join(directory, name)
         return path, path
 
-    stores = [("local", local)]
+    stores = [("local", local, args.repeats)]
     server = undo = requests = None
     if not args.no_s3:
         from _s3_requests import S3Requests
@@ -264,13 +271,13 @@ def main() -> None:
             where = server.location(bucket, name)
             return where, where.url
 
-        stores.append(("s3", s3))
+        stores.append(("s3", s3, args.s3_repeats))
     print(json.dumps({"loadavg_before": os.getloadavg()}), flush=True)
     rows = []
     try:
         for workload in args.workloads:
             specs = _specs(workload, args.size)
-            rows += _measure(fop, workload, specs, stores, args.repeats, requests)
+            rows += _measure(fop, workload, specs, stores, requests)
     finally:
         if server is not None:
             requests.__exit__(None, None, None)
