@@ -101,6 +101,11 @@ class RangeReads:
                     self._wanted[key] += 1
                     self._seq.setdefault(key, len(self._seq))
 
+    def prefetch(self, keys) -> None:
+        """As :meth:`want` (the name earlier callers use; their reads then wait through
+        the deferred pool, which plans)."""
+        self.want(keys)
+
     def plan(self) -> None:
         """Plans every key wanted since the last plan, and starts the fetches of its
         ranges in the order they are needed, as many as :data:`FETCH_BYTES` allows."""
