@@ -1,7 +1,7 @@
 """Issue 16, point 4: what per-item zstd compression costs and saves, through the library.
 
     python benchmarks/bench_compression.py [--max-mb 150] [--codecs none,zstd:1,zstd:3]
-        [--workloads ab] [--repeats 3]
+        [--workloads ab] [--repeats 3] [--format-versions 1,2]
 
 For each workload (see common.py: (a) transformer-shaped training state, (b) ~6,000
 small arrays; ``--max-mb`` takes a prefix of its leaves, in order: params, then mu,
@@ -14,7 +14,9 @@ each repeat so machine noise hits them alike. The benchmarks' values are random
 floats, about the worst case for compression; optimizer moments of a real run and
 integer or low-precision leaves compress better.
 
-Writes benchmarks/results/compression.{json,md}.
+``--format-versions``: the on-disk format versions to compare (FORMAT.md; default 1),
+alternated like the codecs. Writes benchmarks/results/compression.{json,md}
+(compression_v2.{json,md} when more than version 1 is measured).
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ def _disk_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
-def measure(tree: dict, codec: str | None, workdir: str) -> dict:
-    path = os.path.join(workdir, f"c-{codec or 'none'}")
+def measure(tree: dict, codec: str | None, workdir: str, version: int = 1) -> dict:
+    path = os.path.join(workdir, f"c-{codec or 'none'}-v{version}")
     shutil.rmtree(path, ignore_errors=True)
     t = time.perf_counter()
-    fop.save(path, tree, compression=codec)
+    fop.save(path, tree, compression=codec, format_version=version)
     save_s = time.perf_counter() - t
     t = time.perf_counter()
     back = fop.restore(path)
@@ -72,8 +74,10 @@ def main(argv=None) -> int:
     ap.add_argument("--codecs", default="none,zstd:1,zstd:3")
     ap.add_argument("--workloads", default="ab")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--format-versions", default="1")
     a = ap.parse_args(argv)
-    codecs = [None if c == "none" else c for c in a.codecs.split(",")]
+    versions = [int(v) for v in a.format_versions.split(",")]
+    codecs = [(None if c == "none" else c, v) for c in a.codecs.split(",") for v in versions]
     rows = []
     workdir = tempfile.mkdtemp(prefix="fop-compression-", dir=os.environ.get("FOP_BENCH_TMP"))
     try:
@@ -83,13 +87,14 @@ def main(argv=None) -> int:
             runs: dict = {c: [] for c in codecs}
             for _ in range(a.repeats):
                 for c in codecs:
-                    runs[c].append(measure(tree, c, workdir))
+                    runs[c].append(measure(tree, c[0], workdir, c[1]))
             for c in codecs:
                 rs = runs[c]
                 rows.append(
                     {
                         "workload": w,
-                        "codec": c or "none",
+                        "codec": c[0] or "none",
+                        "format": c[1],
                         "leaves": len(tree),
                         "bytes": nbytes,
                         "disk": rs[0]["disk"],
@@ -102,7 +107,8 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(common.RESULTS, exist_ok=True)
-    with open(os.path.join(common.RESULTS, "compression.json"), "w") as f:
+    name = "compression" if versions == [1] else "compression_v2"
+    with open(os.path.join(common.RESULTS, f"{name}.json"), "w") as f:
         json.dump({"rows": rows, "machine": common.machine_description()}, f, indent=1)
     lines = [
         "# Per-item zstd compression (issue 16), through `fop.save(compression=...)`",
@@ -111,19 +117,22 @@ def main(argv=None) -> int:
         "restores warm (decompression and checksums, not the disk); every restore checked "
         "bit for bit. Random float values: near the worst case for compression.",
         "",
-        "| workload | codec | leaves | MB | on disk | vs none | save s | restore s | checked |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | codec | format | leaves | MB | on disk | vs none | save s | restore s "
+        "| checked |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {r["workload"]: r["disk"] for r in rows if r["codec"] == "none"}
+    base = {(r["workload"], r["format"]): r["disk"] for r in rows if r["codec"] == "none"}
     for r in rows:
-        ratio = r["disk"] / base[r["workload"]] if r["workload"] in base else float("nan")
+        key = (r["workload"], r["format"])
+        ratio = r["disk"] / base[key] if key in base else float("nan")
         lines.append(
-            f"| {r['workload']} | {r['codec']} | {r['leaves']} | {r['bytes'] / 1e6:.0f} | "
+            f"| {r['workload']} | {r['codec']} | {r['format']} | {r['leaves']} | "
+            f"{r['bytes'] / 1e6:.0f} | "
             f"{r['disk'] / 1e6:.1f} MB | {ratio:.3f}x | {r['save_s']:.3f} | "
             f"{r['restore_s']:.3f} | {'ok' if r['ok'] else 'MISMATCH'} |"
         )
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(common.RESULTS, "compression.md"), "w") as f:
+    with open(os.path.join(common.RESULTS, f"{name}.md"), "w") as f:
         f.write(text)
     print(text)
     return 0 if all(r["ok"] for r in rows) else 1

@@ -3,7 +3,7 @@ reuse, side by side, on the local disk and on an S3 server.
 
     python benchmarks/bench_incremental.py [--mib 256] [--frozen 0.9] [--reps 3]
                                            [--store local|s3|both] [--dir DIR]
-                                           [--lora] [--peers]
+                                           [--lora] [--peers] [--format-versions 1,2]
 
 The state (``--mib`` MiB of float32 jax.Arrays on the default device): ``params`` = a
 frozen base (``--frozen`` of it: 8 equal leaves) plus an adapter (the rest) that changes
@@ -16,6 +16,8 @@ both alike. A third line, the floor: a full save of a state holding only what ch
 ``--lora``: the issue's state (1200 MiB frozen base, 20 MiB adapter plus its Adam
 moments); ``--peers``: orbax-checkpoint and DCP save the same step 2 (in full: neither
 has incremental steps), timed until durable, with the bytes they put on disk.
+``--format-versions``: the on-disk format versions (FORMAT.md; default 1), each mode of
+each version alternated within every repetition (version 2 reuses whole data files).
 
 ``--store s3`` starts moto's S3 server as a child process on 127.0.0.1
 (``tests/support/_s3_server.py``); incremental steps there copy the unchanged chunk objects on
@@ -68,12 +70,16 @@ def make_state(total_mib: int, step: int, frozen: float, adam: bool = False) -> 
     return jax.device_put(state)
 
 
-def one(directory: str, incremental: bool | None, states) -> tuple[float, int, int]:
+def one(
+    directory: str, incremental: bool | None, states, version: int = 1
+) -> tuple[float, int, int]:
     """Step 2's (seconds, bytes written, bytes reused) in a fresh ``directory``."""
     _remove(directory)
     if incremental is None:  # the floor: what changes (adapter, its moments), in full
         states = [_changing(s) for s in states]
-    with fop.CheckpointManager(directory, incremental=bool(incremental), async_save=False) as m:
+    with fop.CheckpointManager(
+        directory, incremental=bool(incremental), async_save=False, format_version=version
+    ) as m:
         m.save(1, states[0])
         t0 = time.perf_counter()
         m.save(2, states[1])
@@ -129,14 +135,20 @@ def _remove(directory: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def run_store(store: str, root: str, states, reps: int, frozen: float) -> None:
+def run_store(store: str, root: str, states, reps: int, frozen: float, versions=(1,)) -> None:
     total = sum(a.nbytes for a in _leaves(states[0]))
-    modes = (False, True, None)
+    modes = [(v, mode) for v in versions for mode in (False, True, None)]
     runs: dict = {mode: [] for mode in modes}
     for rep in range(reps):
-        for mode in modes if rep % 2 == 0 else modes[::-1]:
-            runs[mode].append(one(f"{root}/inc-{mode}-{rep}", mode, states))
+        for v, mode in modes if rep % 2 == 0 else modes[::-1]:
+            runs[(v, mode)].append(one(f"{root}/inc-{v}-{mode}-{rep}", mode, states, v))
     print(f"{store}: state {total / MiB:.0f} MiB ({frozen:.0%} frozen), step 2, medians of {reps}:")
+    for v in versions:
+        _report(v, {mode: runs[(v, mode)] for mode in (False, True, None)})
+
+
+def _report(version: int, runs: dict) -> None:
+    print(f"format version {version}")
     print(f"{'mode':<14} {'save s':>8} {'MiB written':>12} {'MiB reused':>11}")
     for mode, label in ((False, "full"), (True, "incremental"), (None, "adapter only")):
         secs = statistics.median(r[0] for r in runs[mode])
@@ -170,13 +182,15 @@ def main() -> None:
     ap.add_argument(
         "--peers", action="store_true", help="local store: also orbax-checkpoint and DCP"
     )
+    ap.add_argument("--format-versions", default="1", help="e.g. 1,2")
     args = ap.parse_args()
+    versions = tuple(int(v) for v in args.format_versions.split(","))
     if args.lora:
         args.mib, args.frozen = 1220, 1200 / 1220
     states = [make_state(args.mib, s, args.frozen, adam=args.lora) for s in (1, 2)]
     if args.store in ("local", "both"):
         root = args.dir or tempfile.mkdtemp(prefix="fop-bench-incremental-")
-        run_store("local", root, states, args.reps, args.frozen)
+        run_store("local", root, states, args.reps, args.frozen, versions)
         if args.peers:
             run_peers(root, states, args.reps)
         if not args.dir:
@@ -188,7 +202,7 @@ def main() -> None:
         undo = server.apply_env()
         try:
             bucket = server.create_bucket()
-            run_store("s3 (moto)", f"s3://{bucket}", states, args.reps, args.frozen)
+            run_store("s3 (moto)", f"s3://{bucket}", states, args.reps, args.frozen, versions)
         finally:
             undo()
             server.stop()

@@ -77,9 +77,9 @@ def main(argv=None):
     C.add_raw_and_tiny_options(p)
     p.add_argument("--workloads", default="abc")
     p.add_argument("--libs", default=",".join(LIBRARIES))
-    p.add_argument("--train-steps", type=int, default=20)
+    p.add_argument("--train-steps", type=int, default=60)
     p.add_argument("--train-every", type=int, default=10)
-    p.add_argument("--train-rounds", type=int, default=2)
+    p.add_argument("--train-rounds", type=int, default=2, help="repeats")
     p.add_argument("--no-train", action="store_true")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument(

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Workload (a) on one NVIDIA GPU: this plugin vs orbax-checkpoint (blocking D2H time,
-# durable save, cold restore; median of 3). For the device machine; about 1-2 minutes.
+# durable save, cold restore; median of 3), then the training loop on the GPU
+# (bench_train.py: none / plugin / plugin with host_memory_budget / orbax, 2 repeats).
+# For the device machine; about 5-8 minutes.
 #
 # The H200 image already has jax (CUDA), orbax-checkpoint, tensorstore, numpy and
 # ml_dtypes; the plugin needs tensorstore >= 0.1.86. If the image's is older, the
@@ -42,4 +44,12 @@ out="${OUT:-$PWD/benchmarks/results}"
 timeout 300 "$PY" benchmarks/gpu_check.py --repeats "${REPEATS:-3}" --out "$out"
 rc=$?
 echo "gpu_check exit $rc"
-exit $rc
+# Issue 26, point 5: the training loop with the state on the GPU. Blocking time (the
+# pinned_host copies enqueued), the step after each save, the whole run against the
+# run without saves, and the host link's GB/s (one copy of the state to pinned_host).
+timeout 360 "$PY" benchmarks/bench_train.py --platform cuda --repeats 2 --steps 40 \
+  --batch "${TRAIN_BATCH:-8192}" --dir /tmp/fop_gpu_train --out "$out/gpu_train" \
+  --libs none fop 'fop:{"host_memory_budget": 268435456}' orbax
+rc2=$?
+echo "gpu_train exit $rc2"
+[ "$rc" -eq 0 ] && [ "$rc2" -eq 0 ]

@@ -103,46 +103,50 @@ def run_matrix(
 
 
 def run_train(libs, steps, every, rounds=2) -> list[dict]:
-    """One train_loop.py process per library; the target is on total time."""
+    """The training loop of ``bench_train.py``: each library and the run without saves
+    (``none``) in a fresh process per repeat (``rounds``), orders rotated; a row per
+    library with its whole-run time over the run without (medians), the target."""
+    import argparse
+
+    import bench_train as BT
+
+    entries = ["none", *libs]
+    a = argparse.Namespace(
+        steps=steps, every=every, keep=2, batch=12, dir=C.TMP, cpu_as_device=False, platform="cpu"
+    )
+    runs = []
+    for k in range(rounds):
+        for entry in entries[k % len(entries) :] + entries[: k % len(entries)]:
+            t0 = time.perf_counter()
+            runs.append(BT.run_one(entry, a))
+            took = time.perf_counter() - t0
+            log(f"train {entry} repeat {k}: {runs[-1].get('total_s')} ({took:.0f}s)")
+    summary = {r["entry"]: r for r in BT.summarize(entries, runs)}
+    base = summary.get("none", {})
     rows = []
     for lib in libs:
-        t0 = time.perf_counter()
-        args = [
-            os.path.join(C.HERE, "train_loop.py"),
-            "--lib",
-            lib,
-            "--dir",
-            os.path.join(C.TMP, "train"),
-            "--steps",
-            str(steps),
-            "--every",
-            str(every),
-            "--rounds",
-            str(rounds),
-        ]
-        import subprocess
-
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-        p = subprocess.run(
-            [sys.executable, *args], capture_output=True, text=True, env=env, timeout=1800
-        )
-        r = None
-        for line in reversed(p.stdout.splitlines()):
-            if line.startswith("RESULT "):
-                r = json.loads(line[7:])
-                break
-        if r is None:
-            r = {
+        r = summary.get(lib, {})
+        if "total_median_s" not in r or "total_median_s" not in base:
+            rows.append({"op": "train", "lib": lib, "error": "no run", "tail": str(r)[-2000:]})
+            continue
+        rows.append(
+            {
                 "op": "train",
                 "lib": lib,
-                "error": f"exit {p.returncode}",
-                "tail": p.stderr[-2000:],
+                "steps": steps,
+                "every": every,
+                "rounds": r["n"],
+                "slowdown_total": r["ratio"],
+                "slowdown_median": r["step_median_s"] / base["step_median_s"],
+                "base_median_s": base["step_median_s"],
+                "save_median_s": r["step_median_s"],
+                "blocking_median_s": r.get("blocking_median_s"),
+                "after_save_median_s": r.get("after_save_median_s"),
+                "total_median_s": r["total_median_s"],
+                "base_total_median_s": base["total_median_s"],
             }
-        rows.append(r)
-        log(
-            f"train {lib}: total time {_slowdown_total(r)} (median step "
-            f"{r.get('slowdown_median')}) ({time.perf_counter() - t0:.0f}s wall)"
         )
+        log(f"train {lib}: total time {r['ratio']:.3f}x the run without saves")
     return rows
 
 
@@ -395,8 +399,9 @@ def peer_targets(s: dict, train: list[dict]) -> list[dict]:
             }
             t.append(
                 _target(
-                    "training loop with background saves: total time <= 1.10x without",
-                    sd <= 1.10,
+                    "training loop with background saves: total time <= 1.10x without, "
+                    "below every peer",
+                    sd <= 1.10 and all(sd < v for v in others.values()),
                     sd,
                     f"total {sd:.2f}x (blocking, overlap and final wait included); "
                     f"median step {r['slowdown_median']:.2f}x; peers' total: "
@@ -502,14 +507,15 @@ def markdown(summary, rat, targets, train, machine, title, notes=()) -> str:
         lines.append("## Training loop: total time with background saves vs none")
         lines.append("")
         lines.append(
-            "Total time: every step of the saving phases (blocking included) plus the "
-            "final wait, over the same steps without saves; the median step, which by "
-            "construction leaves out the steps that carry the blocking time, is the "
+            "Total time: the whole run (every step, every save from the first, blocking "
+            "and retention included, the final save waited for) over the same run "
+            "without saves, each library and the run without in a fresh process per "
+            "repeat, orders rotated, medians (bench_train.py); the median step is the "
             "second figure."
         )
         lines.append("")
         lines.append(
-            "| library | steps/phase x rounds | save every | slowdown (total time) | "
+            "| library | steps x repeats | save every | slowdown (total time) | "
             "slowdown (median step) | base median s | with saves median s | "
             "blocking median s |"
         )

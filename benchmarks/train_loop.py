@@ -1,24 +1,20 @@
-"""Training-loop slowdown: total time with background saves vs without (the target),
-and the median step time as a second figure.
+"""Training-loop cost of checkpointing: the whole run's wall time with saves against
+the same run without (issue 26's shape).
 
-Run in a fresh process per library (``bench_peers.py`` does that). The state is
-workload (a): transformer-shaped float32 params plus Adam moments (~1.2 GB). The
-step is a jitted forward/backward over every weight matrix plus ``optax.adam``,
-with the state donated (as real loops do), so a library must have copied what it
-saves before ``save_async`` returns.
+One process runs one library once (``bench_train.py`` runs them, each library and the
+no-save baseline in a fresh process per repeat, orders alternated). The state is
+workload (a): transformer-shaped float32 params plus Adam moments (~1.2 GB). The step
+is a jitted forward/backward over every weight matrix plus ``optax.adam`` with the
+state donated, as real loops do, so a library must have copied what it saves (or kept
+it alive) before ``save_async`` returns.
 
-Saves are kept as a loop's retention keeps them (``--keep``, the last 2): besides being
-what real loops do, it matters on a VM, where writing into memory the guest never
-touched (a page cache that only grows) was measured 10x costlier in system time
-than writing into memory freed by deleted files (1.2 GB: 3.0 s against 0.3 s).
-
-Phases, in one process: ``--warmup`` steps (compile), ``keep + 1`` saves that are not
-measured (the steady state of a long run: retention deleting, the memory a library
-keeps between saves filled), then ``--rounds`` times:
-``--steps`` steps without saves, then ``--steps`` steps with an async save at the
-start of every ``--every`` steps (the previous one waited for first, as a loop with
-one writer does) and a final wait. Medians are over all rounds of each phase.
-Prints ``RESULT {json}``.
+After ``--warmup`` steps (compile; not timed), ``--steps`` steps are timed as one whole
+run: an async save at the start of every ``--every``-th step, the first one included
+(the previous save waited for first, as a loop with one writer does), retention keeping
+the last ``--keep`` (the library's own manager where it has one, else the loop deletes
+the oldest directory, timed), and the final save waited for. Prints ``RESULT {json}``
+with the total, every step's time, each save's blocking time and the steps right after
+each save.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -70,105 +67,115 @@ def as_tree(state):
     return {"params": params, "opt_state": {"mu": adam.mu, "nu": adam.nu, "count": adam.count}}
 
 
+def _pinned_gbps(tree) -> float | None:
+    """GB/s of one copy of ``tree`` into pinned host memory (the host link), or None."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(tree)
+    try:
+        dev = leaves[0].devices().pop()
+        target = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        t0 = time.perf_counter()
+        copies = [jax.device_put(x, target) for x in leaves]
+        jax.block_until_ready(copies)
+        seconds = time.perf_counter() - t0
+    except Exception:  # noqa: BLE001  (a platform without pinned_host memory)
+        return None
+    del copies
+    return sum(x.nbytes for x in leaves) / seconds / 1e9
+
+
 def main(argv=None):
     import jax
     import numpy as np
 
     p = argparse.ArgumentParser()
-    p.add_argument("--lib", required=True, help="'none' for the no-save baseline only")
+    p.add_argument("--lib", required=True, help="'none': the run without saves")
     p.add_argument("--dir", required=True)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2, help="alternations of the two phases")
+    p.add_argument("--keep", type=int, default=2, help="saves kept by retention (0: all)")
+    p.add_argument("--batch", type=int, default=12, help="rows of the step's input")
+    p.add_argument("--saver-options", default="{}", help="JSON options for the library's saver")
     p.add_argument(
-        "--keep",
-        type=int,
-        default=2,
-        help="saves kept, as a loop's retention does (0: all); older ones are deleted "
-        "before each save, outside the timed steps (a manager deletes them itself)",
+        "--cpu-as-device",
+        action="store_true",
+        help="the plugin treats CPU arrays as accelerator arrays (its GPU path, on CPU)",
     )
     a = p.parse_args(argv)
+    if a.cpu_as_device:
+        from flax_orbax_plugin._core import device_copy
+
+        device_copy.CPU_AS_DEVICE = True
     a.dir = os.path.abspath(a.dir)
     C.rmtree(a.dir)
     os.makedirs(a.dir)
 
-    adapter = None
+    adapter = saver = None
     if a.lib != "none":
         from peers import get_adapter
 
-        adapter = get_adapter(a.lib)
-    # A library whose loops save through a manager says so (train_saver); else each
-    # save goes to a directory of its own through save_async.
-    saver = adapter
-    if hasattr(adapter, "train_saver"):
-        saver = adapter.train_saver(os.path.join(a.dir, "run"), keep=a.keep)
+        adapter = saver = get_adapter(a.lib)
+        if hasattr(adapter, "train_saver"):  # the library's own manager, with retention
+            options = json.loads(a.saver_options)
+            saver = adapter.train_saver(os.path.join(a.dir, "run"), keep=a.keep, **options)
     state, step = build(C.tree_specs("a"))
-    x = jax.device_put(np.random.default_rng(0).random((8, 25600), dtype=np.float32))
+    x = jax.device_put(np.random.default_rng(0).random((a.batch, 25600), dtype=np.float32))
+    for _ in range(a.warmup):
+        state, loss = step(state, x)
+        loss.block_until_ready()
 
-    saves = [0]
-
-    def run(n, save_every=0):
-        nonlocal state
-        times, blocking, pending = [], [], None
-        for i in range(n):
-            t0 = time.perf_counter()
-            if save_every and i % save_every == 0:  # the steps after it overlap the save
-                if pending is not None:
-                    pending.wait()
-                if saver is adapter and a.keep:  # the loop's retention, not timed
-                    td = time.perf_counter()
-                    C.rmtree(os.path.join(a.dir, f"save_{saves[0] + 1 - a.keep}"))
-                    t0 += time.perf_counter() - td
-                tb = time.perf_counter()
-                saves[0] += 1
-                path = os.path.join(a.dir, f"save_{saves[0]}")
-                pending = saver.save_async(path, as_tree(state))
-                blocking.append(time.perf_counter() - tb)
-            state, loss = step(state, x)
-            loss.block_until_ready()
-            times.append(time.perf_counter() - t0)
+    link_gbps = _pinned_gbps(as_tree(state))
+    times, blocking, after, pending, saves = [], [], [], None, 0
+    r_run = resource.getrusage(resource.RUSAGE_SELF)
+    t_run = time.perf_counter()
+    for i in range(a.steps):
         t0 = time.perf_counter()
-        if pending is not None:
-            pending.wait()
-        return times, blocking, time.perf_counter() - t0
-
-    run(a.warmup)
-    if adapter is not None:  # steady state of a long run: retention deleting, caches
-        run(a.every * (a.keep + 1), a.every)  # filled; measured from here on
-    base, saving, blocking, tail = [], [], [], 0.0
-    for _ in range(a.rounds):  # alternate, so drift on a shared machine hits both alike
-        base += run(a.steps)[0]
-        if adapter is not None:
-            s, b, t = run(a.steps, a.every)
-            saving += s
-            blocking += b
-            tail += t
-    if saver is not adapter:
+        saving = saver is not None and i % a.every == 0
+        if saving:
+            if pending is not None:
+                pending.wait()
+            if saver is adapter and a.keep and saves >= a.keep:  # the loop's retention
+                C.rmtree(os.path.join(a.dir, f"save_{saves - a.keep}"))
+            tb = time.perf_counter()
+            pending = saver.save_async(os.path.join(a.dir, f"save_{saves}"), as_tree(state))
+            blocking.append(time.perf_counter() - tb)
+            saves += 1
+        state, loss = step(state, x)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - t0)
+        if saver is not None and i % a.every == 1:
+            after.append(times[-1])
+    tw = time.perf_counter()
+    if pending is not None:
+        pending.wait()
+    final_wait = time.perf_counter() - tw
+    total = time.perf_counter() - t_run
+    r_end = resource.getrusage(resource.RUSAGE_SELF)
+    if saver is not None and saver is not adapter:
         saver.close()
+    C.rmtree(a.dir)
     res = {
-        "op": "train",
+        "op": "train_run",
         "lib": a.lib,
+        "options": json.loads(a.saver_options),
         "steps": a.steps,
         "every": a.every,
-        "rounds": a.rounds,
-        "base_median_s": statistics.median(base),
-        "base_mean_s": statistics.mean(base),
+        "keep": a.keep,
+        "total_s": total,
+        "cpu_user_s": r_end.ru_utime - r_run.ru_utime,  # every thread of the process
+        "cpu_sys_s": r_end.ru_stime - r_run.ru_stime,
+        "step_median_s": statistics.median(times),
+        "steps_s": times,
+        "n_saves": saves,
+        "blocking_s": blocking,
+        "after_save_s": after,
+        "final_wait_s": final_wait,
+        "peak_rss_mib": C.peak_rss_bytes() / 2**20,
+        "platform": jax.devices()[0].platform,
+        "pinned_host_gbps": link_gbps,
     }
-    if adapter is not None:
-        res.update(
-            save_median_s=statistics.median(saving),
-            save_mean_s=statistics.mean(saving),
-            final_wait_s=tail,
-            blocking_median_s=statistics.median(blocking),
-            n_saves=len(blocking),
-            slowdown_median=statistics.median(saving) / statistics.median(base),
-            # the target: total time of the saving phases (every step, blocking
-            # included, plus the final wait) over the same number of steps without
-            slowdown_total=(sum(saving) + tail) / sum(base),
-            slowdown_mean=(sum(saving) + tail) / sum(base),  # older name, same figure
-        )
-    C.rmtree(a.dir)
     print("RESULT " + json.dumps(res), flush=True)
 
 

@@ -46,10 +46,10 @@ class Adapter:
     def save_async(self, path, tree):
         return _Wait(self.fop.save_async(path, tree))
 
-    def train_saver(self, directory, *, keep=None):
-        """The training loop saves through a CheckpointManager with its defaults, as a
-        real loop does (its retention deletes old steps)."""
-        return _ManagerSaver(self.fop.CheckpointManager(directory, keep=keep or None))
+    def train_saver(self, directory, *, keep=None, **options):
+        """The training loop saves through a CheckpointManager with its defaults (or the
+        manager ``options`` given), as a real loop does (its retention deletes old steps)."""
+        return _ManagerSaver(self.fop.CheckpointManager(directory, keep=keep or None, **options))
 
     def restore(self, path, like):
         return self.fop.restore(path, like)

@@ -15,12 +15,15 @@ the allocation itself, which merely changes a hint for other threads' allocation
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import os
 import threading
 
 import numpy as np
 
 ALIGNMENT = 64
+PAGE = 4096  # the alignment of pooled buffers: O_DIRECT writes straight from them
 
 try:
     from numpy._core.multiarray import _set_madvise_hugepage
@@ -29,16 +32,18 @@ except ImportError:  # pragma: no cover - other numpy layouts
 
 
 def empty(shape, dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary, and
+    on a page (4096 bytes) from 64 KiB on: direct I/O reads and writes it in place."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
+    align = PAGE if nbytes >= 1 << 16 else ALIGNMENT
     previous = _set_madvise_hugepage(False) if _set_madvise_hugepage else None
     try:
-        raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+        raw = np.empty(nbytes + align, dtype=np.uint8)
     finally:
         if previous is not None:
             _set_madvise_hugepage(previous)
-    start = -raw.ctypes.data % ALIGNMENT
+    start = -raw.ctypes.data % align
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
@@ -47,6 +52,32 @@ def copy(array: np.ndarray) -> np.ndarray:
     out = empty(array.shape, array.dtype)
     np.copyto(out, array)
     return out
+
+
+COPY_PIECE = 32 << 20  # bytes per copy job of :func:`copy_all`
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``np.copyto(dst, src)`` for every (dst, src) of ``pairs`` (C-contiguous ``dst``),
+    split into pieces of at most :data:`COPY_PIECE` bytes and run on up to
+    :data:`COPY_THREADS` threads (numpy releases the GIL while copying): a blocking
+    phase's memory copies at the machine's memory bandwidth rather than one core's.
+    Returns when every copy is done; the first error is raised."""
+    jobs: list[tuple[np.ndarray, np.ndarray]] = []
+    for dst, src in pairs:
+        if dst.nbytes <= COPY_PIECE or src.ndim == 0 or src.shape[0] < 2:
+            jobs.append((dst, src))
+            continue
+        rows = max(1, COPY_PIECE // max(1, dst.nbytes // dst.shape[0]))
+        jobs += [(dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
+    if len(jobs) < 2 or COPY_THREADS == 1 or sum(d.nbytes for d, _ in jobs) < 2 * COPY_PIECE:
+        for dst, src in jobs:
+            np.copyto(dst, src)
+        return
+    with concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="fop-copy") as ex:
+        for future in [ex.submit(np.copyto, dst, src) for dst, src in jobs]:
+            future.result()
 
 
 class BufferPool:
@@ -86,9 +117,14 @@ class BufferPool:
             raw = empty((nbytes,), np.uint8)
         return raw.view(dtype).reshape(shape)
 
-    def copy(self, array: np.ndarray) -> np.ndarray:
+    def copy(self, array: np.ndarray, later: list | None = None) -> np.ndarray:
+        """A pooled copy of ``array``; with ``later``, the copy is only appended to it as
+        (buffer, array), for :func:`copy_all` to make."""
         out = self.empty(array.shape, array.dtype)
-        np.copyto(out, array)
+        if later is None:
+            np.copyto(out, array)
+        else:
+            later.append((out, array))
         return out
 
     def give_back(self, arrays) -> None:

@@ -101,14 +101,18 @@ def check_packed_claims(location: Location, doc: CheckpointDocument, targets: li
             batch = doc.batches[storage.batch]
             itemsize = _layout.dtype_from_name(batch.dtype).itemsize
             needed = _chunk_files.batch_claim(
-                batch.size, int(batch.chunk), _arrays.batch_inner(batch), itemsize, compressed=False
+                batch.size,
+                int(batch.chunk),
+                _arrays.batch_inner(batch),
+                itemsize,
+                compressed=batch.codec is not None,
             )
             field = f"batches[{storage.batch!r}].size"
             _check_listed(packed, batch_dir(storage.batch), needed, where, field, batch.size)
         if isinstance(storage, ArrayStorage):
             itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
             needed = _chunk_files.array_claim(
-                record.shape, storage.chunk_shape, itemsize, compressed=False
+                record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None
             )
             field = f"leaves[{target.index}] ({record.path!r}).shape"
             _check_listed(packed, array_dir(target.index), needed, where, field, record.shape)

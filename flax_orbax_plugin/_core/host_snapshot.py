@@ -12,6 +12,7 @@ Called on the saving thread, once per save.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Any
 
@@ -23,6 +24,7 @@ from .._base import host as _host
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, BatchStorage
 from .._zarr import chunk_writer as _chunk_writer
+from . import device_copy as _device_copy
 
 
 def take(
@@ -30,10 +32,17 @@ def take(
     batches: dict[str, BatchRecord],
     pool: _host.BufferPool | None,
     own_copy: bool = False,
+    budget: int | None = None,
 ):
     """Copies every byte this process writes (``leaves``: the plan's, each gets its
     ``writes``) to host memory; with ``pool``, into its buffers. Returns (batch name ->
-    its data, the pooled buffers to give back once written).
+    its data, the pooled buffers to give back once written, whether the save must wait
+    for its writes before returning).
+
+    Regions of accelerator arrays are staged or streamed (``_device_copy``; streamed
+    with a ``budget``, in pieces of at most a quarter of it). With a ``budget``, CPU
+    arrays are held as zero-copy views and nothing is copied: the save then returns
+    only once they are written (the third value), so no copy of the state is ever made.
 
     ``own_copy`` (a host's own local directory): this process writes every region it
     holds, replicas included (whole shards, not a replica-parallel part), every batch
@@ -50,11 +59,13 @@ def take(
             pooled.append(buffer)
         return buffer
 
+    later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
     owned = _owned(leaves, writers, me, own_copy)
-    for _, source, _ in owned:  # start all device-to-host copies before waiting on any
-        data = source[0] if isinstance(source, tuple) else source
-        if isinstance(data, jax.Array) and next(iter(data.devices())).platform != "cpu":
-            data.copy_to_host_async()
+    for _, source, _ in owned:  # small leaves: all device-to-host copies started first
+        if not isinstance(source, tuple) and _device_copy.on_device(source):
+            source.copy_to_host_async()
+    streamed = budget is not None
+    views_held = False
     # Small leaves: with a pool, copied into one pooled buffer per batch; otherwise
     # each leaf's own host snapshot (a zero-copy view on CPU, see _host_copy), and
     # the batch is written from those pieces (gathered, never copied on this thread).
@@ -74,7 +85,12 @@ def take(
         if isinstance(storage, BatchStorage):
             _copy_small(storage, source, batch_data, pieces, ends, pool)
         else:
-            leaf.writes.append((rows, _copy_region(source, rows, pool, keep)))
+            for part in _pieces(leaf, source, rows, budget):
+                data = _copy_region(source, part, pool, keep, later, streamed)
+                views_held |= streamed and isinstance(data, np.ndarray)
+                leaf.writes.append((part, data))
+    _host.copy_all(later)  # on a few threads: the training thread waits for them anyway
+    later.clear()  # its views of the state would stop the next step's donation
     for name, end in ends.items():
         if name in pieces:
             batch = batches[name]
@@ -84,7 +100,19 @@ def take(
             batch_data[name][end:] = 0
     for leaf in leaves:
         leaf.value = None  # the snapshot is all the background phase needs
-    return batch_data, pooled
+    return batch_data, pooled, views_held
+
+
+def _pieces(leaf, source, rows, budget: int | None) -> list:
+    """``[rows]``, or with a ``budget`` a device region cut into pieces of whole chunk
+    rows of at most a quarter of it (each copied to host on its own)."""
+    if budget is None or not isinstance(source, tuple) or not _device_copy.on_device(source[0]):
+        return [rows]
+    data = source[0]
+    row_bytes = math.prod(data.shape[1:]) * np.dtype(data.dtype).itemsize
+    chunk_rows = leaf.record.storage.chunk_shape[0] if data.ndim else 1
+    length = leaf.record.shape[0] if data.ndim else 1
+    return _device_copy.pieces(rows, length, chunk_rows, row_bytes, max(1, budget // 4))
 
 
 def _held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dict[str, int]:
@@ -141,17 +169,26 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
     ends[name] = off + size
 
 
-def _copy_region(source, rows, pool, keep) -> np.ndarray:
-    """The host copy of the region ``rows`` of a leaf stored as its own array."""
+def _copy_region(source, rows, pool, keep, later: list, streamed: bool):
+    """The host copy of the region ``rows`` of a leaf stored as its own array (of an
+    accelerator array: a ``_device_copy.Deferred``)."""
     if isinstance(source, tuple):
         data, index = source
         part = _relative(rows, index)
+        if _device_copy.on_device(data):
+            return _device_copy.start(data, part, streamed=streamed)
+        if streamed:  # a budget: the save waits for the views to be written
+            host = np.asarray(data)
+            return host if part is None else host[part]
         if pool is not None and data.device.platform == "cpu":
             host = np.asarray(data)
-            return keep(pool.copy(host if part is None else host[part]))
+            return keep(pool.copy(host if part is None else host[part], later))
         return _host_copy(data, part)
-    alloc = _host if pool is None else pool
-    return keep(alloc.copy(np.asarray(source)))
+    if streamed:  # a numpy leaf under a budget: written before the save returns
+        return np.asarray(source)
+    if pool is None:
+        return _host.copy(np.asarray(source))
+    return keep(pool.copy(np.asarray(source), later))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -9,7 +9,6 @@ snapshot on the caller's thread, then write on one background thread.
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import dataclasses
 import functools
@@ -38,12 +37,15 @@ from .._format.layout import (
     CheckpointDocument,
     LeafRecord,
 )
+from .._incremental import packed as _packed_reuse
 from .._incremental import reuse as _incremental
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_writer as _chunk_writer
 from . import commit as _commit
+from . import device_copy as _device_copy
 from . import host_snapshot as _host_snapshot
+from . import leaf_kinds as _kinds
 from .write_data import write_data
 from .write_packed import write_packed
 
@@ -56,67 +58,6 @@ class Leaf:
     value: Any  # jax.Array / np.ndarray / None, after scalar and key conversion
     record: LeafRecord
     writes: list[tuple[tuple[slice, ...], np.ndarray]] = dataclasses.field(default_factory=list)
-
-
-def _text(path: str, leaf: str | bytes) -> str:
-    """A str or bytes leaf as the record's JSON string (bytes base64), bounded."""
-    raw = leaf.encode("utf-8") if isinstance(leaf, str) else leaf
-    if len(raw) > _layout.MAX_TEXT_BYTES:
-        raise StructureError(
-            f"leaf {path!r}: a {type(leaf).__name__} of {len(raw)} bytes; str and bytes "
-            f"leaves are kept in the metadata, at most {_layout.MAX_TEXT_BYTES} bytes each "
-            f"(store larger data as a numpy uint8 array)"
-        )
-    return leaf if isinstance(leaf, str) else base64.b64encode(raw).decode("ascii")
-
-
-def _classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
-    """(kind, array-like value, PRNG impl) for one leaf; errors name the path."""
-    if leaf is None:
-        return "none", None, None
-    if isinstance(leaf, jax.Array):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            impl = str(jax.random.key_impl(leaf))
-            return "prng_key", jax.random.key_data(leaf), impl
-        return "array", leaf, None
-    if isinstance(leaf, bool):
-        return "py_bool", np.asarray(leaf, dtype=np.bool_), None
-    if isinstance(leaf, int):
-        if not -(2**63) <= leaf < 2**63:
-            raise StructureError(f"leaf {path!r}: expected an int that fits int64, found {leaf}")
-        return "py_int", np.asarray(leaf, dtype=np.int64), None
-    if isinstance(leaf, float):
-        return "py_float", np.asarray(leaf, dtype=np.float64), None
-    if isinstance(leaf, complex):
-        return "py_complex", np.asarray(leaf, dtype=np.complex128), None
-    if isinstance(leaf, np.generic):
-        return "np_scalar", np.asarray(leaf), None
-    if isinstance(leaf, np.ndarray):
-        return "array", leaf, None
-    if isinstance(leaf, str | bytes):
-        return "py_str" if isinstance(leaf, str) else "py_bytes", _text(path, leaf), None
-    if _tree.is_empty_node(leaf):
-        return _tree.empty_kind(leaf), None, None
-    raise StructureError(
-        f"leaf {path!r}: expected a jax.Array, numpy array, scalar, str, bytes or None, "
-        f"found {type(leaf).__module__}.{type(leaf).__qualname__}"
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def _first_device(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> jax.Device:
-    return next(iter(sharding.devices_indices_map(shape)))
-
-
-def _writer_process(value: Any) -> int:
-    """Process that writes an unpartitioned leaf: the owner of replica 0."""
-    if isinstance(value, jax.Array):
-        return _first_device(value.sharding, value.shape).process_index
-    return 0
-
-
-def _is_partitioned(value: Any) -> bool:
-    return isinstance(value, jax.Array) and not value.sharding.is_fully_replicated
 
 
 class _Batching:
@@ -160,11 +101,13 @@ def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> L
     shape = tuple(int(s) for s in value.shape)
     sharding = value.sharding if isinstance(value, jax.Array) else None
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes <= SMALL_LEAF_BYTES and not _is_partitioned(value):
-        storage: Any = batching.slot(_writer_process(value), name, dtype, nbytes)
+    if nbytes <= SMALL_LEAF_BYTES and not _kinds.is_partitioned(value):
+        storage: Any = batching.slot(_kinds.writer_process(value), name, dtype, nbytes)
     else:
         shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
-        chunk = _arrays.chunk_shape(shard_shape, dtype.itemsize, must_divide=_is_partitioned(value))
+        chunk = _arrays.chunk_shape(
+            shard_shape, dtype.itemsize, must_divide=_kinds.is_partitioned(value)
+        )
         storage = ArrayStorage(tuple(chunk), codec)
     return LeafRecord(
         path, keys, kind, shape, name, _metadata.describe_sharding(sharding), storage, impl
@@ -189,6 +132,8 @@ class Plan:
         self._pool: _host.BufferPool | None = None
         self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
         self.own_copy = False  # every process writes all it holds (see host_snapshot.take)
+        self.write_first = False  # the save returns only once its data is written
+        self.data_written = threading.Event()  # this process's data written (or failed)
         self.created_at: float | None = None  # the document's time (None: at writing)
 
     @classmethod
@@ -197,7 +142,7 @@ class Plan:
         leaves: list[Leaf] = []
         batching = _Batching()
         for index, (path, keys, raw) in enumerate(flat):
-            kind, value, impl = _classify(path, raw)
+            kind, value, impl = _kinds.classify(path, raw)
             keys = tuple(keys)
             if kind in _layout.TEXT_KINDS:
                 leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=value)))
@@ -209,14 +154,20 @@ class Plan:
             leaves.append(Leaf(index, value, record))
         return cls(leaves, batching.records(codec), format_version)
 
-    def snapshot(self, pool: _host.BufferPool | None = None, own_copy: bool = False) -> None:
+    def snapshot(
+        self,
+        pool: _host.BufferPool | None = None,
+        own_copy: bool = False,
+        budget: int | None = None,
+    ) -> None:
         """Copies every byte this process writes to host memory (blocking phase); with
         ``pool``, into its buffers (given back by :meth:`write`). ``own_copy``: a host's
-        own directory (every process writes all it holds, and every JSON file)."""
+        own directory (every process writes all it holds, and every JSON file).
+        ``budget``: the host memory a save may hold (``host_memory_budget``)."""
         self._pool = pool
         self.own_copy = own_copy
-        self.batch_data, self._pooled = _host_snapshot.take(
-            self.leaves, self.batches, pool, own_copy
+        self.batch_data, self._pooled, self.write_first = _host_snapshot.take(
+            self.leaves, self.batches, pool, own_copy, budget
         )
 
     def document(self) -> CheckpointDocument:
@@ -251,6 +202,7 @@ class Plan:
         try:
             return self._write(location, limit=limit, durable=durable, reuse=reuse)
         finally:
+            self.data_written.set()
             if self._pool is not None:  # tensorstore reads none of them any more
                 self._pool.give_back(self._pooled)
             self._pooled = []
@@ -258,16 +210,15 @@ class Plan:
     def _write(self, location, *, limit, durable, reuse) -> _commit.Written:
         primary = _distributed.is_primary() or self.own_copy
         files = {}
-        links = {}
-        if self.format_version == 2 and reuse is not None:
-            _incremental.logger.info("incremental save: format version 2 writes every leaf")
-        elif reuse is not None:
-            links = self._plan_links(location, reuse)
+        links: dict[int, Any] = {}
+        if self.format_version == 2 or reuse is not None:  # these read every region first
+            _device_copy.materialize_all(self.leaves)
+        found = None if reuse is None else self._unchanged(location, reuse)
         encoded: concurrent.futures.Future = concurrent.futures.Future()
         if primary:  # encoded while tensorstore's threads write the data
             threading.Thread(target=self._encode, args=(encoded,), daemon=True).start()
         if self.format_version == 2:
-            written, files = write_packed(
+            written, files, reused = write_packed(
                 location,
                 self.leaves,
                 self.batches,
@@ -275,9 +226,11 @@ class Plan:
                 process=_distributed.process_index(),
                 limit=limit,
                 data_file_bytes=self.data_file_bytes,
+                reuse=None if found is None else self._packed_reuse(location, *found),
             )
-            reused = 0
         else:
+            if found is not None:
+                links = self._links(location, *found)
             written, reused = write_data(
                 location,
                 self.leaves,
@@ -287,6 +240,7 @@ class Plan:
                 limit=limit,
                 links=links,
             )
+        self.data_written.set()  # a save under a budget may return now
         if primary:
             encoded = encoded.result()
             location.write_bytes(METADATA_FILE, encoded, durable=False)
@@ -305,17 +259,17 @@ class Plan:
         except BaseException as e:  # noqa: BLE001  (raised by the write that needs it)
             out.set_exception(e)
 
-    def _plan_links(self, location: Location, reuse: _incremental.Reuse) -> dict[int, Any]:
+    def _unchanged(self, location: Location, reuse: _incremental.Reuse):
         """Records the digest of every array leaf (every process's region hashes, through
         the key-value store with several processes: every process calls this, in the
-        same order); returns ``{leaf index: link()}`` for the leaves the previous step
-        holds unchanged and of which this process writes regions (``link()`` links or
-        copies this process's chunks of the leaf and returns the bytes reused, or None
-        when it must write its regions after all); ``{}`` where this process reuses
-        nothing (see :func:`_incremental.reuser`)."""
-        reuse_leaf = _incremental.reuser(location)
-        if reuse_leaf is None and _distributed.process_count() == 1:
-            return {}
+        same order); returns (the way to reuse, the previous step's item, [(leaf, its
+        previous number, the chunks of this process's regions)] for the leaves the
+        previous step holds unchanged and of which this process writes regions), or
+        None where this process reuses nothing (see :func:`_incremental.reuser`)."""
+        packed = self.format_version == 2
+        way = _incremental.reuser(location, packed=packed)
+        if way is None and _distributed.process_count() == 1:
+            return None
         arrays = [leaf for leaf in self.leaves if isinstance(leaf.record.storage, ArrayStorage)]
         mine: dict[int, list] | None = None
         try:
@@ -328,38 +282,59 @@ class Plan:
             _incremental.logger.warning("incremental save: no digests recorded: %s", e)
         everyone = _incremental.exchange(reuse.op, mine)
         if everyone is None or mine is None:
-            return {}
+            return None
         for leaf in arrays:
             if everyone.get(leaf.index):
                 digest = _incremental.leaf_digest(everyone[leaf.index])
                 leaf.record = dataclasses.replace(leaf.record, digest=digest)
-        if reuse_leaf is None:
-            return {}
-        previous = _incremental.previous_document(reuse)
-        if previous is None:
-            return {}
+        previous = None if way is None else _incremental.previous_document(reuse)
+        if previous is None or previous[1].format_version != self.format_version:
+            return None  # (a step of the other version: its chunks are stored elsewhere)
         source, doc = previous
         by_index = {leaf.index: leaf for leaf in self.leaves}
         records = {i: leaf.record for i, leaf in by_index.items()}
-        links = {}
+        unchanged = []
         for i, j in _incremental.plan_reuse(records, doc).items():
             leaf = by_index[i]
             chunks = _incremental.chunks_of(leaf.record, [b for b, _ in mine.get(i, ())])
-            if not leaf.writes or chunks is None:
-                continue
-            nbytes = sum(data.nbytes for _, data in leaf.writes)
-            links[i] = functools.partial(
-                reuse_leaf,
+            if leaf.writes and chunks is not None:
+                unchanged.append((leaf, j, chunks))
+        return way, source, unchanged
+
+    @staticmethod
+    def _links(location: Location, way, source: Location, unchanged: list) -> dict[int, Any]:
+        """``{leaf index: link()}`` (version 1): ``link()`` links or copies this process's
+        chunks of the leaf and returns the bytes reused, or None when it must write its
+        regions after all."""
+        return {
+            leaf.index: functools.partial(
+                way,
                 source,
                 j,
                 location,
-                i,
+                leaf.index,
                 leaf.record,
                 chunks=chunks,
-                nbytes=nbytes,
+                nbytes=sum(data.nbytes for _, data in leaf.writes),
                 writes=leaf.writes,  # the snapshot, which each reused chunk must equal
             )
-        return links
+            for leaf, j, chunks in unchanged
+        }
+
+    @staticmethod
+    def _packed_reuse(location: Location, way, source: Location, unchanged: list):
+        """Version 2: ``reuse()`` takes this process's previous data files that hold
+        mostly unchanged leaves (``_incremental.packed.reuse_files``)."""
+        if not unchanged:
+            return None
+        leaves = {
+            leaf.index: _packed_reuse.Unchanged(
+                j, leaf.record, chunks, leaf.writes, sum(d.nbytes for _, d in leaf.writes)
+            )
+            for leaf, j, chunks in unchanged
+        }
+        process = _distributed.process_index()
+        return functools.partial(_packed_reuse.reuse_files, way, source, location, process, leaves)
 
 
 Snapshot = Plan

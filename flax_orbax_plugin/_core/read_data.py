@@ -20,105 +20,19 @@ from typing import Any
 
 import jax
 import numpy as np
-import tensorstore as ts
 
 from .._base import distributed as _distributed
-from .._base import host as _host
-from .._errors import CheckpointError, CorruptCheckpointError, StepDeletedError
+from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
-from .._format.layout import (
-    COMMIT_FILE,
-    ArrayStorage,
-    BatchRecord,
-    BatchStorage,
-    CheckpointDocument,
-    array_dir,
-    batch_dir,
-)
+from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument, array_dir
 from .._like import casting as _casting
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
-from .direct import open_direct, read_slice
-from .targets import Placer, Target, finish, sharding_of
-
-
-def deleted_or(location: Location, error: Exception) -> Exception:
-    """``error``, or a StepDeletedError when the checkpoint's commit marker is gone (the
-    writer's retention removed it while this process was reading)."""
-    try:
-        if location.exists(COMMIT_FILE) or location.parent.exists(_layout.MANIFEST_FILE):
-            return error
-    except (CheckpointError, OSError):  # a foreign marker, or unknown: not a deletion
-        return error
-    deleted = StepDeletedError(
-        f"{location} was deleted while it was being read (a writer's retention policy "
-        f"removes old steps; restore a newer step, or keep more): {error}"
-    )
-    deleted.__cause__ = error
-    return deleted
-
-
-class ReadInto:
-    """A read straight into a new numpy array (tensorstore copies chunk by chunk into it,
-    without a second whole-array buffer)."""
-
-    def __init__(self, view):
-        self.out = _host.empty(view.shape, view.dtype.numpy_dtype)  # adopted by jax on CPU
-        self.future = ts.array(self.out, copy=False).write(view)
-
-    def result(self) -> np.ndarray:
-        self.future.result()
-        return self.out
-
-
-class _Reader:
-    """Issues tensorstore reads in order, keeping at most ``limit`` bytes in flight."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.placer = Placer(flush_bytes=min(limit, 256 << 20))
-        self.pending: collections.deque = collections.deque()
-        self.in_flight = 0
-
-    def submit(self, future, nbytes: int, on_done, on_error) -> None:
-        if getattr(future, "deferred", False):  # starts when waited for: holds nothing yet
-            nbytes = 0
-        self.pending.append((future, nbytes, on_done, on_error))
-        self.in_flight += nbytes
-        self.drain(self.limit)
-
-    def drain(self, to: int = 0) -> None:
-        while self.pending and (self.in_flight > to or to == 0):  # zero-byte reads too
-            future, nbytes, on_done, on_error = self.pending.popleft()
-            self.in_flight -= nbytes
-            try:
-                data = future.result()
-            except Exception as e:  # noqa: BLE001  (tensorstore: ValueError with a status text)
-                raise_environmental(e)
-                on_error(e)
-                continue
-            on_done(data)
-
-
-def raise_environmental(error: Exception) -> None:
-    """Raises the OSError ``error`` stands for when it is no proof of damage (EMFILE,
-    EIO, EACCES, a timeout, a refused connection: see ``_arrays.environmental``), so
-    that no intact checkpoint is reported (and set aside) as damaged."""
-    env = _arrays.environmental(error)
-    if env is error:
-        raise error
-    if env is not None:
-        raise env from error
-
-
-def corrupt(paths: list[str], location: Location, error: Exception) -> CorruptCheckpointError:
-    shown = ", ".join(repr(p) for p in paths[:20]) + (" ..." if len(paths) > 20 else "")
-    noun = "leaf" if len(paths) == 1 else "leaves"
-    error = str(error).split(" [tensorstore_spec=", 1)[0]
-    return CorruptCheckpointError(
-        f"{noun} {shown} in {location}: stored data is damaged or missing ({error})"
-    )
+from .batch_reads import read_batch
+from .direct import open_direct
+from .reads import Reader, ReadInto, corrupt, deleted_or, opened
+from .targets import Target, finish, sharding_of
 
 
 def read_targets(location: Location, doc: CheckpointDocument, targets: list, limit: int):
@@ -148,11 +62,13 @@ def read_region(store, target: Target, direct: _chunk_files.ChunkReader | None, 
         read = direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
         if read is not None:
             return read
+    if direct is not None and direct.packed:  # compressed segments of version 2
+        return direct.read_compressed(target.index, record, region)
     return ReadInto(store if region is None else store[region])
 
 
 def _read_targets_with(location, doc, targets, limit, direct):
-    reader = _Reader(limit)
+    reader = Reader(limit)
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[Target]] = collections.defaultdict(list)
     shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)
@@ -174,7 +90,7 @@ def _read_targets_with(location, doc, targets, limit, direct):
         if isinstance(record.storage, BatchStorage):
             by_batch[record.storage.batch].append(target)
             continue
-        store = None if packed else _opened(opening.pop(target.index), location, [record.path])
+        store = None if packed else opened(opening.pop(target.index), location, [record.path])
         nbytes = record.nbytes
         sharding = sharding_of(target)
         rows = _shared_read_sharding(sharding, record.shape) if SHARE_READS.get() else None
@@ -190,7 +106,7 @@ def _read_targets_with(location, doc, targets, limit, direct):
         else:
             _read_shards(reader, store, target, sharding, fail([record.path]), direct)
     for name, members in by_batch.items():
-        _read_batch(reader, location, doc.batches[name], members, fail, errors, direct)
+        read_batch(reader, location, doc.batches[name], members, fail, errors, direct)
     reader.drain(0)
     reader.placer.flush()
     if errors:
@@ -226,21 +142,7 @@ def _replicate(sharding: Any):
     return jax.jit(lambda x: x, out_shardings=sharding)
 
 
-def open_array(spec: dict[str, Any], location: Location, paths: list[str]):
-    """Opens a stored array, checking its ``zarr.json`` agrees with the metadata (shape,
-    dtype, chunks, codecs); a mismatch names the leaves."""
-    return _opened(_arrays.open_for_read(spec), location, paths)
-
-
-def _opened(future, location: Location, paths: list[str]):
-    try:
-        return future.result()
-    except ValueError as e:
-        raise_environmental(e)
-        raise corrupt(paths, location, e) from None
-
-
-def _read_shards(reader: _Reader, store, target: Target, sharding, on_error, direct) -> None:
+def _read_shards(reader: Reader, store, target: Target, sharding, on_error, direct) -> None:
     """Reads only the regions this process's devices need; assembles a global jax.Array."""
     shape = target.record.shape
     by_index: dict[tuple, list] = collections.defaultdict(list)
@@ -313,58 +215,3 @@ def _bounding_box(
     volume = lambda b: int(np.prod([hi - lo for lo, hi in b], dtype=np.int64))
     needed = sum(volume(r) for r in regions)
     return box if volume(box) <= needed * 1.125 else None
-
-
-def _read_batch(reader, location, batch: BatchRecord, members, fail, errors, direct) -> None:
-    """Reads a batch of small leaves whole when most of it is needed (straight from its
-    files where ``direct`` can), else leaf by leaf."""
-    dtype = _layout.dtype_from_name(batch.dtype)
-    paths = [t.record.path for t in members]
-    packed = direct is not None and direct.packed
-    store = None if packed else open_array(_arrays.batch_spec(location, batch), location, paths)
-    needed = sum(t.record.storage.size for t in members)
-
-    def read_each(targets):
-        for target in targets:
-            off, size = target.record.storage.offset, target.record.storage.size
-
-            def done(data, target=target):
-                finish(target, data, reader.placer)
-
-            reader.submit(
-                ReadInto(store[off : off + size])
-                if store is not None
-                else read_slice(direct, batch, off, size),
-                size * dtype.itemsize,
-                done,
-                fail([target.record.path]),
-            )
-
-    if needed * 2 < batch.size:
-        read_each(members)
-        return
-
-    def done_all(data):
-        for target in members:
-            off, size = target.record.storage.offset, target.record.storage.size
-            finish(target, data[off : off + size], reader.placer)
-
-    def failed_all(error):
-        # Find which leaves sit in the damaged chunk(s): read them one by one.
-        before = len(errors)
-        read_each(members)
-        reader.drain(0)
-        if len(errors) == before:
-            errors.append(corrupt([t.record.path for t in members], location, error))
-        else:
-            bad = [str(e) for e in errors[before:]]
-            del errors[before:]
-            paths = [t.record.path for t in members if any(repr(t.record.path) in b for b in bad)]
-            errors.append(corrupt(paths, location, error))
-
-    if direct is not None and batch.codec is None:
-        sub, inner = batch_dir(batch.name), _arrays.batch_inner(batch)
-        whole = direct.read_batch(sub, batch.size, int(batch.chunk), inner, dtype)
-    else:
-        whole = ReadInto(store)
-    reader.submit(whole, batch.size * dtype.itemsize, done_all, failed_all)

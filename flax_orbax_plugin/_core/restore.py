@@ -30,6 +30,8 @@ from .._format.documents import read_document
 from .._like import casting as _casting
 from .._like import transform as _transform
 from .._storage.location import Location
+from .._zarr import chunks as _chunks
+from .._zarr import read_pool as _read_pool
 from . import save as _save
 from .read_data import SHARE_READS, read_targets
 from .targets import add_missing_empties, make_target
@@ -94,6 +96,9 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
 
 
 def _restore(location: Location, like: Any, opts: _transform.Changes, limit: int) -> Any:
+    if location.is_local and not opts.partial and opts.transform is None:
+        # every batch is read whole: the disk starts on it while the metadata is parsed
+        _read_pool.prefetch_batches(location.path, _chunks.THREADS)
     doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
     records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}

@@ -20,6 +20,7 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base import faults as _faults
 from .._base import host as _host
+from .._base import priority as _priority
 from .._base import tree as _tree
 from .._format import layout as _layout
 from .._format.layout import COMMIT_FILE, CommitMarker
@@ -89,6 +90,7 @@ class SaveHandle:
         return self
 
     def _run(self) -> None:
+        _priority.lower()
         try:
             self._result = self._target()
         except BaseException as e:  # noqa: BLE001  (re-raised on wait)
@@ -140,6 +142,7 @@ def save(
     compression: str | None = None,
     format_version: int = 1,
     data_file_bytes: int | None = None,
+    host_memory_budget: int | None = None,
 ):
     """Saves ``tree`` to ``path``; durable and committed on return.
 
@@ -153,6 +156,7 @@ def save(
         compression=compression,
         format_version=format_version,
         data_file_bytes=data_file_bytes,
+        host_memory_budget=host_memory_budget,
     ).wait()
 
 
@@ -165,6 +169,7 @@ def save_async(
     compression: str | None = None,
     format_version: int = 1,
     data_file_bytes: int | None = None,
+    host_memory_budget: int | None = None,
 ) -> SaveHandle:
     """Starts saving ``tree`` to ``path``; returns once the tree is snapshotted to host.
 
@@ -180,9 +185,17 @@ def save_async(
         compressed before its checksum (zarr3 ``zstd`` codec; recorded per array, so
         restore needs no option).
       format_version: 1 (default: one file per chunk) or 2 (each process packs its
-        chunks into a few data files, see FORMAT.md; no compression yet).
+        chunks into a few data files, see FORMAT.md).
       data_file_bytes: version 2: the size a data file does not pass unless one chunk
         is larger (default 1 GiB on a filesystem, 256 MiB on an object store).
+      host_memory_budget: bytes of host memory the save may hold beyond the state
+        itself (None: no bound). Accelerator arrays are copied on their devices (one
+        more state of device memory until written) and to host in pieces as the
+        writes complete (the blocking phase enqueues the device copies only). CPU
+        arrays are written from their own memory before this returns (no copy at
+        all; the blocking phase is then the data write). Small leaves (batched) are
+        copied as usual. Format version 2 and incremental steps copy every region
+        before writing: the budget bounds only version 1 saves.
 
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
@@ -191,7 +204,8 @@ def save_async(
         wait_for_pending_save()
         start = time.perf_counter()
         location = Location.from_path(path)
-        snap = snapshot(tree, compression=compression, format_version=format_version)
+        budget = check_host_memory_budget(host_memory_budget)
+        snap = snapshot(tree, compression=compression, format_version=format_version, budget=budget)
         snap.data_file_bytes = check_data_file_bytes(data_file_bytes)
         _check_target(location, force)
         # Object stores write in place: remains of a dead save, or with ``force`` a
@@ -205,13 +219,15 @@ def save_async(
             op=_distributed.next_operation_id("save"),
             clear_first=clear_first,
             force=force,
-            limit=memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES,
+            limit=bounded_limit(memory_limit_bytes, budget),
             start=start,
             blocking=time.perf_counter() - start,
         )
         handle = SaveHandle(str(location), job.run)
         _IN_FLIGHT[:] = [handle]
-        return handle.start()
+        handle.start()
+        wait_for_data(snap, handle)
+        return handle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,9 +288,31 @@ def check_format_version(format_version: Any, compression: str | None) -> int:
     """``format_version`` if this library writes it (1 or 2); ValueError otherwise."""
     if format_version not in (1, 2) or isinstance(format_version, bool):
         raise ValueError(f"format_version: expected 1 or 2, found {format_version!r}")
-    if format_version == 2 and compression is not None:
-        raise ValueError("format_version=2 does not compress yet: use compression=None")
     return int(format_version)
+
+
+def check_host_memory_budget(value: Any) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"host_memory_budget: expected a positive int or None, found {value!r}")
+    return value
+
+
+def bounded_limit(memory_limit_bytes: int | None, budget: int | None) -> int:
+    """The bytes of writes in flight a save allows: ``memory_limit_bytes`` (default
+    :data:`DEFAULT_MEMORY_LIMIT_BYTES`), at most half the host memory budget."""
+    limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
+    return limit if budget is None else max(1, min(limit, budget // 2))
+
+
+def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:
+    """Blocks, for a save that holds views of the state under a host memory budget,
+    until its data is written (or its background phase ended); returns at once for
+    any other."""
+    if snap is None or not snap.write_first:
+        return
+    while not snap.data_written.wait(0.05):
+        if handle.done():
+            return
 
 
 def check_data_file_bytes(value: Any) -> int | None:
@@ -291,6 +329,7 @@ def snapshot(
     own_copy: bool = False,
     created_at: float | None = None,
     format_version: int = 1,
+    budget: int | None = None,
 ) -> Snapshot:
     """The blocking phase: plan ``tree``'s layout and copy this process's bytes to host.
 
@@ -306,6 +345,6 @@ def snapshot(
     with _tree.paused_gc():
         plan = Plan.build(tree, codec=codec, format_version=version)
     plan.created_at = created_at
-    plan.snapshot(buffers, own_copy)
+    plan.snapshot(None if budget is not None else buffers, own_copy, budget)
     _faults.kill_point("after_snapshot")
     return plan

@@ -28,6 +28,7 @@ from .._format.layout import (
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from . import read_data as _read_data
+from . import reads as _reads
 from . import save as _save
 from .direct import open_direct
 from .targets import make_target
@@ -150,7 +151,7 @@ def check_pytree(location: Location, *, budget: int = VERIFY_BUDGET_BYTES) -> No
             store = None
             if not (direct is not None and direct.packed):  # version 1: its zarr.json
                 spec = _arrays.leaf_spec(location, target.index, record)
-                store = _read_data.open_array(spec, location, [record.path])
+                store = _reads.open_array(spec, location, [record.path])
             itemsize = target.dtype.itemsize
             for region in _regions(record.shape, record.storage.chunk_shape, itemsize, budget):
                 nbytes = _region_bytes(region, record.shape, itemsize)
@@ -188,9 +189,9 @@ class _Window:
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001  (tensorstore: ValueError with a status text)
-                _read_data.raise_environmental(e)
+                _reads.raise_environmental(e)
                 damaged = (locate() if locate is not None else None) or paths
-                raise _read_data.corrupt(damaged, self.location, e) from None
+                raise _reads.corrupt(damaged, self.location, e) from None
 
 
 def _damaged_leaves(store, members: list) -> list[str]:
@@ -200,9 +201,9 @@ def _damaged_leaves(store, members: list) -> list[str]:
     for rec in members:
         off, size = rec.storage.offset, rec.storage.size
         try:
-            _read_data.ReadInto(store[off : off + size]).result()
+            _reads.ReadInto(store[off : off + size]).result()
         except Exception as e:  # noqa: BLE001 - damage is collected, the rest raised
-            _read_data.raise_environmental(e)
+            _reads.raise_environmental(e)
             bad.append(rec.path)
     return bad
 
@@ -248,9 +249,14 @@ def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> 
     ]
     store = None
     if not (direct is not None and direct.packed):  # version 1: its zarr.json
-        store = _read_data.open_array(
+        store = _reads.open_array(
             _arrays.batch_spec(location, batch), location, [r.path for r in members]
         )
+    else:
+        try:  # version 2: compressed, its shards fetched (uncompressed: None)
+            store = direct.compressed_batch(batch)
+        except ValueError as e:
+            raise _read_data.corrupt([r.path for r in members], location, e) from None
     dtype = _layout.dtype_from_name(batch.dtype)
     itemsize = dtype.itemsize
     chunk = int(batch.chunk)
@@ -263,7 +269,7 @@ def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> 
         if direct is not None and batch.codec is None:
             read = direct.read_batch(batch_dir(batch.name), batch.size, chunk, inner, dtype, group)
         else:
-            read = _read_data.ReadInto(store[lo:hi])
+            read = _reads.ReadInto(store[lo:hi])
         inside = [
             r for r in members if r.storage.offset < hi and r.storage.offset + r.storage.size > lo
         ]

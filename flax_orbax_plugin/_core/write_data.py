@@ -14,12 +14,14 @@ import concurrent.futures
 from typing import Any
 
 from .._base import faults as _faults
+from .._base import priority as _priority
 from .._errors import CheckpointError
 from .._format.layout import ArrayStorage, BatchRecord, array_dir, batch_dir
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunk_writer as _chunk_writer
+from . import device_copy as _device_copy
 
 _LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied concurrently
 
@@ -97,7 +99,9 @@ def _start_links(staging: Location, linking: list, links: dict[int, Any]):
     if not linking:
         return None, []
     workers = 1 if staging.is_local else _LEAVES_COPIED_AT_ONCE
-    linker = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fop-link")
+    linker = concurrent.futures.ThreadPoolExecutor(
+        workers, thread_name_prefix="fop-link", initializer=_priority.lower
+    )
     return linker, [linker.submit(links[leaf.index]) for leaf, _ in linking]
 
 
@@ -184,6 +188,7 @@ class _Pending:
         store = None
         while writes:
             index, data = writes.pop()
+            data = _device_copy.materialize(data)  # a region still on its device: copied now
             if data.size:
                 futures = direct(index, data) if direct is not None else None
                 if futures is None:

@@ -1,7 +1,8 @@
 """Incremental steps: a leaf unchanged since the previous committed step is reused.
 
 Its chunks are hard-linked from that step on a local filesystem (:mod:`.links`) or
-copied on the server on S3 and GCS (:mod:`.copies`); every step stays
+copied on the server on S3 and GCS (:mod:`.copies`); in format version 2, whole data
+files holding mostly unchanged leaves (:mod:`.packed`); every step stays
 self-contained. This module is the way per store (:func:`reuser`), the digests
 (:func:`region_digests`, :func:`exchange`, :func:`leaf_digest`, :func:`release`), the
 previous step (:func:`previous_document`) and the plan (:func:`plan_reuse`,
@@ -31,6 +32,7 @@ from .._format.layout import ArrayStorage, CheckpointDocument, LeafRecord
 from .._storage import server_copy as _server_copy
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
+from . import packed as _packed
 from .copies import copy_leaf
 from .links import link_leaf
 
@@ -60,13 +62,14 @@ _LOGGED: set[tuple[str, str]] = set()
 _LOGGED_LOCK = threading.Lock()
 
 
-def reuser(location: Location) -> Callable[..., int | None] | None:
+def reuser(location: Location, *, packed: bool = False) -> Callable[..., int | None] | None:
     """How this process reuses its chunks of unchanged leaves under ``location``:
     :func:`link_leaf` on a local filesystem, :func:`copy_leaf` with the store's
     server-side copier on S3 and GCS; None (it writes every leaf) where no copier is
-    available (logged once per store and reason)."""
+    available (logged once per store and reason). ``packed`` (format version 2): the
+    whole-data-file ways of :mod:`.packed` instead (``link_file``, ``copy_file``)."""
     if location.is_local:
-        return link_leaf
+        return _packed.link_file if packed else link_leaf
     copier, why = _server_copy.copier_for(location)
     if copier is None:
         store = str(location.parent.parent)  # the manager directory, not the step
@@ -78,7 +81,7 @@ def reuser(location: Location) -> Callable[..., int | None] | None:
                 "incremental save: every leaf is written under %s (no reuse): %s", store, why
             )
         return None
-    return functools.partial(copy_leaf, copier)
+    return functools.partial(_packed.copy_file if packed else copy_leaf, copier)
 
 
 # -- 1. digests ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,12 @@ class LeafPlan:
         return out
 
 
+@functools.lru_cache(maxsize=256)
+def is_key_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a jax PRNG key dtype (asked once per dtype, not per leaf)."""
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
 def template_of(path: str, like: Any) -> tuple[tuple[int, ...], Any]:
     """(shape, dtype) a leaf of ``like`` asks for: an array, a ShapeDtypeStruct or a
     scalar; StructureError naming the leaf for anything else."""
@@ -127,7 +134,7 @@ def plan(
     if like is None:
         return LeafPlan(path, shape, dtype, dtype, None, python_scalar)
     like_shape, like_dtype = template_of(path, like)
-    if jax.dtypes.issubdtype(like_dtype, jax.dtypes.prng_key):
+    if is_key_dtype(like_dtype):
         impl = getattr(like_dtype, "_impl", None)
         key_shape = like_shape + tuple(getattr(impl, "key_shape", ()))
         if impl is None or key_shape != shape or dtype != np.uint32:

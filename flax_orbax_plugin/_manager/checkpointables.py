@@ -97,6 +97,7 @@ class _Done:
         self._fn = fn
         self._result: Any = None
         self.digest = digest  # of the saved structure, compared across processes
+        self.snap: Any = None  # a pytree item's snapshot (see PytreeCheckpointable.save)
 
     def wait(self) -> Any:
         if self._fn is not None:
@@ -195,9 +196,11 @@ class PytreeCheckpointable:
         *,
         reuse: Any = None,
         buffers: Any = None,
+        budget: int | None = None,
     ) -> Pending:
         """``reuse``: an ``_incremental.Reuse`` from a manager with ``incremental=True``;
-        ``buffers``: the manager's ``_host.BufferPool`` (snapshot memory reused)."""
+        ``buffers``: the manager's ``_host.BufferPool`` (snapshot memory reused);
+        ``budget``: its ``host_memory_budget`` (see ``fop.save_async``)."""
         created_at = OWN_COPY.get()  # a host's own directory: all it holds, every file
         snap = _save.snapshot(
             value,
@@ -206,11 +209,14 @@ class PytreeCheckpointable:
             own_copy=created_at is not None,
             created_at=created_at,
             format_version=self.format_version,
+            budget=budget,
         )
-        limit = _save.DEFAULT_MEMORY_LIMIT_BYTES
-        return _Done(
+        limit = _save.bounded_limit(None, budget)
+        done = _Done(
             lambda: snap.write(directory, limit=limit, durable=False, reuse=reuse), snap.digest
         )
+        done.snap = snap  # the manager waits for its data under a budget (write_first)
+        return done
 
     def restore(self, directory: Location, like: Any, **changes: Any) -> Any:
         """``changes``: ``partial``, ``missing``, ``transform`` of ``fop.restore`` (the

@@ -79,23 +79,20 @@ class CheckpointManager:
       persistent_every: only committed steps divisible by it (as ``keep_every``) and
         the step saved on SIGTERM are replicated (1: every step); local retention keeps
         those until replicated, the others it deletes as usual. See docs/tiers.md.
-      persistent_grace_seconds: after SIGTERM, how long the exit waits for the
-        replication of the step it saved.
+      persistent_grace_seconds: after SIGTERM, how long the exit waits for its step.
       persistent_lease_seconds: one run owns its places: a second live manager on the
         persistent path is refused (a lock on filesystems; on object stores a lease of
         this many seconds, renewed every third of it). See ``_run_owner``.
-      reuse_host_buffers: copy the state in the blocking phase into host buffers kept
-        from the previous save (one host copy of the saved state then stays allocated
-        between saves, until ``close``). Off (the default): CPU arrays are held as
-        zero-copy views until written. When on helps: docs/manager.md.
+      reuse_host_buffers: (default) copy the state in the blocking phase into host
+        buffers kept from the previous save, until ``close``; off: hold CPU arrays as
+        zero-copy views until written. See docs/manager.md.
+      host_memory_budget: host bytes a save may hold beyond the state (None: no
+        bound; set, nothing is pooled). See ``fop.save_async``.
 
-    ``wait()`` is for the local tier; ``persistent.wait()`` waits for the replication
-    (``close()`` waits for both).
-
-    A writer (``read_only=False``) takes an exclusive lock on a local directory
-    (a second live writer gets DirectoryLockedError; a SIGKILLed writer's lock is
-    released by the kernel) and removes unfinished temporary steps. A directory that
-    is itself a step or a core checkpoint is refused.
+    ``wait()`` is for the local tier, ``persistent.wait()`` for the replication,
+    ``close()`` for both. A writer locks a local directory (a second live writer gets
+    DirectoryLockedError) and removes unfinished temporary steps; a directory that is
+    itself a step or a core checkpoint is refused.
     """
 
     def __init__(
@@ -123,8 +120,9 @@ class CheckpointManager:
         persistent_every: int = 1,
         persistent_grace_seconds: float = 30.0,
         persistent_lease_seconds: float = 60.0,
-        reuse_host_buffers: bool = False,
+        reuse_host_buffers: bool = True,
         format_version: int = 1,
+        host_memory_budget: int | None = None,
         **unknown: Any,
     ):
         _options.check_unknown("CheckpointManager", unknown, MANAGER_OPTIONS)
@@ -132,12 +130,14 @@ class CheckpointManager:
         self._loc = opts.location
         self._schedule = SaveSchedule(opts.save_policy(), opts.clock)
         self._async, self._read_only = opts.async_save, opts.read_only
-        self._buffers = _host.BufferPool() if opts.reuse_host_buffers else None
+        pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
+        self._buffers = _host.BufferPool() if pooled else None
         self._book = StepBook(self._loc)
         self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
         self._saver = Saver(
-            self._loc, opts.overrides, self._book, self._retainer, opts.incremental, self._buffers
-        )
+            self._loc, opts.overrides, self._book, self._retainer, opts.incremental,
+            self._buffers, opts.host_memory_budget,
+        )  # fmt: skip
         self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
         self._closed = False
         self._dir_lock: DirectoryLock | None = None

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._core import save as _save
 from .._format import layout as _layout
 from .._storage.location import Location
 from .checkpointables import Checkpointable, PytreeCheckpointable
@@ -181,6 +182,7 @@ def check_manager(options: Mapping[str, Any]) -> None:
         flag(name, options[name])
     if options["format_version"] not in (1, 2) or isinstance(options["format_version"], bool):
         raise ValueError(f"format_version: expected 1 or 2, found {options['format_version']!r}")
+    _save.check_host_memory_budget(options["host_memory_budget"])
     metric = options["best_metric"]
     if metric is not None and not isinstance(metric, str):
         raise TypeError(f"best_metric must be a key of the extras (a str), found {metric!r}")
@@ -250,6 +252,7 @@ class ManagerOptions:
     persistent_lease_seconds: float
     reuse_host_buffers: bool
     format_version: int
+    host_memory_budget: int | None
 
     @classmethod
     def build(cls, directory: Any, options: Mapping[str, Any]) -> ManagerOptions:
@@ -317,4 +320,5 @@ _PLAIN = (
     "persistent_lease_seconds",
     "reuse_host_buffers",
     "format_version",
+    "host_memory_budget",
 )

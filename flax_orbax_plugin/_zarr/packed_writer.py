@@ -26,6 +26,7 @@ import numpy as np
 from .._storage.location import Location, check_name
 from . import chunk_writer as _chunk_writer
 from . import chunks as _chunks
+from . import packed_codec as _codec
 from . import packed_index as _index
 
 LOCAL_DATA_FILE_BYTES = 1 << 30  # a data file on a local or shared filesystem
@@ -66,6 +67,29 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         self._lanes: list[list] = [[None, []] for _ in range(lanes)]  # [file, its pieces]
         self._lane_of: dict[str, int] = {}  # array (d/<i>, b/<batch>) -> its lane
         self._chunks: dict[str, _index.Segment] = {}
+
+    def adopt(self, files: dict[str, int], chunks: dict[str, _index.Segment]) -> None:
+        """Lists data files already in place (an incremental step's files taken from the
+        previous step, named by this process's first numbers: name -> size) and their
+        segments; call before any write. New chunks go to new files after them."""
+        with self._lock:
+            if self._files:
+                raise ValueError("adopt() comes before the first chunk")
+            self._files.update(files)
+            self._chunks.update(chunks)
+
+    def encoded(self, sub: str, spec: dict[str, Any], writes: list) -> concurrent.futures.Future:
+        """Starts writing the chunks of ``writes`` (regions of whole chunks of the array
+        ``sub``, and their values) compressed as ``spec`` (built under
+        ``packed_codec.MEMORY``) says: one segment per chunk, its stored bytes."""
+        return self._pool.submit(self._write_encoded, sub, spec, writes)
+
+    def _write_encoded(self, sub: str, spec: dict[str, Any], writes: list) -> None:
+        for key, value in _codec.encode(spec, writes):
+            raw = np.frombuffer(value, np.uint8)
+            if raw.size <= _chunks.CRC_BYTES:
+                raise ValueError(f"{sub}/{key}: an encoded chunk of {raw.size} bytes")
+            self._write_file(f"{sub}/{key}", [raw[: -_chunks.CRC_BYTES], raw[-_chunks.CRC_BYTES :]])
 
     def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
         """Called by the writer's threads for one chunk (``name``: its version-1 key)."""

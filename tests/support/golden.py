@@ -1,7 +1,8 @@
 """Golden checkpoints of format versions 1 and 2 (``tests/support/data/golden/``; the
 version-2 ones are named ``v2_*``).
 
-``python tests/support/golden.py`` (re)writes them (``--v2``: only the version-2 ones);
+``python tests/support/golden.py`` (re)writes them (``--v2``: only the version-2 ones,
+``--v2-zstd``: only the compressed version-2 one);
 ``tests/format/test_format.py``
 restores them and
 compares bit for bit with the trees built here. They are committed: a change of the
@@ -105,7 +106,8 @@ def two_process_worker(ctx, directory):
 
 
 def write_v2() -> None:
-    """The version-2 fixtures: every leaf kind, both storage kinds (arrays and batches)."""
+    """The version-2 fixtures: every leaf kind, both storage kinds (arrays and batches),
+    uncompressed and (``v2_zstd_leaf_kinds``) compressed with zstd level 3."""
     import flax_orbax_plugin as fop
     from flax_orbax_plugin._core import plan as _plan
 
@@ -114,6 +116,21 @@ def write_v2() -> None:
         path = os.path.join(GOLDEN, "v2_leaf_kinds")
         shutil.rmtree(path, ignore_errors=True)
         fop.save(path, every_leaf_kind(), format_version=2)
+    finally:
+        _plan.SMALL_LEAF_BYTES = saved
+    write_v2_zstd()
+
+
+def write_v2_zstd() -> None:
+    """``v2_zstd_leaf_kinds``: the compressed version-2 fixture (``--v2-zstd``: only it)."""
+    import flax_orbax_plugin as fop
+    from flax_orbax_plugin._core import plan as _plan
+
+    saved, _plan.SMALL_LEAF_BYTES = _plan.SMALL_LEAF_BYTES, 256
+    try:
+        path = os.path.join(GOLDEN, "v2_zstd_leaf_kinds")
+        shutil.rmtree(path, ignore_errors=True)
+        fop.save(path, every_leaf_kind(), format_version=2, compression="zstd")
     finally:
         _plan.SMALL_LEAF_BYTES = saved
 
@@ -157,6 +174,8 @@ def write_all() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--v2"]:
         write_v2()
+    elif sys.argv[1:] == ["--v2-zstd"]:
+        write_v2_zstd()
     else:
         write_all()
     total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(GOLDEN) for f in fs)

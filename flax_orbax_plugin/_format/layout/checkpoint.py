@@ -57,8 +57,6 @@ class CheckpointDocument:
         }
         leaves = tuple(LeafRecord.from_json(r, where, i) for i, r in enumerate(raw_leaves))
         _check_leaves(leaves, batches, where)
-        if version == 2:
-            _check_uncompressed(leaves, batches, where)
         return cls(
             leaves,
             batches,
@@ -67,18 +65,6 @@ class CheckpointDocument:
             opt_str(obj, "jax_version", where),
             version,
         )
-
-
-def _check_uncompressed(leaves, batches, where: str) -> None:
-    """Version 2 stores no compressed chunk (its readers read none)."""
-    for i, leaf in enumerate(leaves):
-        if getattr(leaf.storage, "codec", None) is not None:
-            fail(
-                where, f"leaves[{i}].storage.codec", "none in format_version 2", leaf.storage.codec
-            )
-    for name, batch in batches.items():
-        if batch.codec is not None:
-            fail(where, f"batches[{name!r}].codec", "none in format_version 2", batch.codec)
 
 
 def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord], where: str):

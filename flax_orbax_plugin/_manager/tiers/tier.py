@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..._base import distributed as _distributed
+from ..._base import priority as _priority
 from ..._errors import ReplicationError
 from ..._storage import run_owner as _run_owner
 from ..._storage.location import Location
@@ -146,7 +147,9 @@ class PersistentTier:
         if missing and self._places.primary:
             logger.info("checkpoint: replicating local steps %s to %s", missing, self.remote)
         target = self._replicator.run if self._places.primary else self._rounds.follow
-        self._thread = threading.Thread(target=target, name="fop-replicate", daemon=True)
+        self._thread = threading.Thread(
+            target=_priority.in_background(target), name="fop-replicate", daemon=True
+        )
         self._thread.start()
 
     def submit(self, step: int) -> None:

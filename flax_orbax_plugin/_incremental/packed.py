@@ -1,0 +1,273 @@
+"""Reuse in format version 2: whole data files of the previous step, linked or copied.
+
+A version-2 process packs its chunks into a few large data files, so the unit of reuse
+is a data file, not a chunk. :func:`reuse_files` reads this process's data index of the
+previous step (checked against its step's manifest), finds the segments of the
+unchanged leaves it writes now (``plan_reuse``, ``chunks_of``) and takes every data
+file of which at least :data:`LIVE_FRACTION` of the bytes are such segments: a hard
+link (local filesystem) or a server-side copy (S3 ``CopyObject``, GCS ``rewriteTo``)
+under this step's next data file name. Its other segments (changed or gone leaves)
+become bytes no index lists. A leaf is reused only when every chunk of its regions lies
+in a file taken; the rest is written. Every step stays self-contained: nothing refers
+to another step, so deleting one never affects another (``docs/incremental.md``).
+
+Checks, before a file is taken: each reused segment has a chunk's size and its index
+crc32c equals the crc32c of the snapshot's bytes for that chunk; after the link, each
+reused segment's bytes match that crc32c (local disk: read back, as version 1 reads a
+linked chunk file); after a copy, the copy is the object listed (size and content tag,
+as :mod:`.copies`). Any failure removes what this call took and the leaves are written.
+Called on the background thread of a save, on every process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+from collections.abc import Callable
+
+from .._errors import CheckpointError
+from .._format import documents as _documents
+from .._format import layout as _layout
+from .._format.layout import LeafRecord, array_dir
+from .._storage import server_copy as _server_copy
+from .._storage.local_files import open_dirs as _open_dirs
+from .._storage.location import Location
+from .._zarr import chunks as _chunks
+from .._zarr import packed_index as _index
+from .chunks import Refused, Writes, chunk_file_bytes, not_the_snapshot, snapshot_crcs
+from .copies import _same_copy
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+LIVE_FRACTION = 0.5  # a previous data file is taken when this share of it is reused
+_READ_BLOCK = 8 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Unchanged:
+    """An unchanged leaf this process writes: ``j`` its number in the previous step,
+    ``chunks`` the chunk names (as ``chunk_names``) of its regions, ``writes`` its
+    snapshot (``(region, data)`` pairs), ``nbytes`` the bytes of those regions."""
+
+    j: int
+    record: LeafRecord
+    chunks: list[tuple[str, ...]]
+    writes: Writes
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    """What :func:`reuse_files` took: the data files (name -> size, in number order),
+    their reused segments under this step's keys, the leaves they hold whole and
+    their bytes; ``unchanged``: every unchanged leaf asked about (those not taken are
+    written first, side by side, so that the next step can take their files whole)."""
+
+    files: dict[str, int]
+    chunks: dict[str, _index.Segment]
+    leaves: frozenset[int]
+    nbytes: int
+    unchanged: frozenset[int] = frozenset()
+
+
+def reuse_files(
+    take: Callable[..., None],
+    source: Location,
+    target: Location,
+    process: int,
+    unchanged: dict[int, Unchanged],
+) -> Taken:
+    """Takes the previous data files of ``process`` (under ``source``, the previous
+    step's item) that hold mostly ``unchanged`` leaves into ``target`` (the staging
+    item) with ``take`` (:func:`link_file` or a :func:`copy_file` partial); nothing
+    taken (logged where something was refused): a :class:`Taken` without files."""
+    none = Taken({}, {}, frozenset(), 0, frozenset(unchanged))
+    try:
+        raw = _documents.read_listed(source, _index.index_name(process))
+        where = f"{source}/{_index.index_name(process)}"
+        previous = _index.DataIndex.from_json(_layout.decode(raw, where), where, process)
+    except (CheckpointError, OSError) as e:
+        logger.warning("incremental save: not reusing data files of %s: %s", source, e)
+        return none
+    segments = _reusable_segments(previous, unchanged)
+    files = _files_to_take(previous, segments, unchanged)
+    if not files:
+        return none
+    names = {old: _index.data_file_name(process, n) for n, old in enumerate(files)}
+    leaves = frozenset(_whole(segments, files, unchanged))
+    segments = {key: (i, seg) for key, (i, seg) in segments.items() if i in leaves}
+    done: list[str] = []
+    try:
+        for old, new in names.items():
+            live = [s for s in segments.values() if s[1].file == old]
+            take(source, target, old, new, previous.files[old], [seg for _, seg in live])
+            done.append(new)
+    except Exception as e:  # noqa: BLE001  (a failed link or copy never fails the save)
+        why = str(e) if isinstance(e, Refused) else f"{type(e).__name__}: {e}"
+        logger.warning("incremental save: data files are written, not reused: %s", why)
+        _undo(target, done)
+        return none
+    chunks = {
+        key: dataclasses.replace(seg, file=names[seg.file]) for key, (_, seg) in segments.items()
+    }
+    nbytes = sum(unchanged[i].nbytes for i in leaves)
+    files_taken = {names[f]: previous.files[f] for f in files}
+    return Taken(files_taken, chunks, leaves, nbytes, frozenset(unchanged))
+
+
+def _reusable_segments(
+    previous: _index.DataIndex, unchanged: dict[int, Unchanged]
+) -> dict[str, tuple[int, _index.Segment]]:
+    """``{new key: (leaf, previous segment)}`` for every chunk of the leaves whose every
+    chunk the previous index lists with a chunk's size and the snapshot's crc32c."""
+    out: dict[str, tuple[int, _index.Segment]] = {}
+    for i, leaf in unchanged.items():
+        size = chunk_file_bytes(leaf.record)
+        try:
+            crcs = snapshot_crcs(leaf.record, leaf.writes, leaf.chunks) if size else {}
+        except Refused:
+            continue
+        mine = {}
+        for parts in leaf.chunks:
+            name = "/".join(parts)
+            seg = previous.chunks.get(f"{array_dir(leaf.j)}/{name}")
+            if seg is None or seg.length != size:
+                break
+            if seg.crc32c != crcs[parts]:
+                shown = f"{array_dir(leaf.j)}/{name} ({_index.DATA_DIR}/{seg.file})"
+                logger.warning(
+                    "incremental save: leaf %r is written: %s",
+                    leaf.record.path,
+                    not_the_snapshot(shown, seg.crc32c, crcs[parts]),
+                )
+                break
+            mine[f"{array_dir(i)}/{name}"] = (i, seg)
+        else:
+            if leaf.chunks:
+                out.update(mine)
+    return out
+
+
+def _whole(segments, files: list[str], unchanged: dict[int, Unchanged]) -> set[int]:
+    """The leaves whose every chunk lies in one of ``files``."""
+    out = {i for i, _ in segments.values()}
+    for i, seg in segments.values():
+        if seg.file not in files:
+            out.discard(i)
+    return out & set(unchanged)
+
+
+def _files_to_take(previous: _index.DataIndex, segments, unchanged) -> list[str]:
+    """The previous data files (in their order) of which at least LIVE_FRACTION of the
+    bytes are chunks of leaves held whole by the files taken (a fixed point: dropping
+    a file may drop a leaf it shares with another)."""
+    files = list(previous.files)
+    while True:
+        whole = _whole(segments, files, unchanged)
+        live: dict[str, int] = {}
+        for i, seg in segments.values():
+            if i in whole:
+                live[seg.file] = live.get(seg.file, 0) + seg.length
+        kept = [f for f in files if live.get(f, 0) and live[f] >= LIVE_FRACTION * previous.files[f]]
+        if kept == files:
+            return files
+        files = kept
+
+
+def link_file(
+    source: Location,
+    target: Location,
+    old: str,
+    new: str,
+    size: int,
+    live: list[_index.Segment],
+) -> None:
+    """Hard-links ``data/<old>`` of ``source`` as ``data/<new>`` of ``target`` (never
+    following a symlink), then checks the new name: a regular file of ``size`` bytes in
+    which every ``live`` segment's bytes match its crc32c trailer, equal to the index's.
+    Raises (after unlinking it) on any failure."""
+    os.makedirs(target.path, exist_ok=True)  # another process may not have yet
+    sfd = _open_dirs(source.path, [_index.DATA_DIR])
+    try:
+        dfd = _open_dirs(target.path, [_index.DATA_DIR], create=True)
+        try:
+            st = os.stat(old, dir_fd=sfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise Refused(f"{source}/data/{old}: expected a regular file")
+            os.link(old, new, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+            try:
+                _check_linked(dfd, new, f"{source}/data/{old}", size, live)
+            except BaseException:
+                os.unlink(new, dir_fd=dfd)
+                raise
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+
+
+def _check_linked(dfd: int, name: str, shown: str, size: int, live) -> None:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise Refused(f"{shown}: expected a regular file of {size} bytes, found {st.st_size}")
+        for seg in live:
+            crc, at, stop = 0, seg.offset, seg.offset + seg.length
+            while at < stop:
+                block = os.pread(fd, min(_READ_BLOCK, stop - at), at)
+                if not block:
+                    break
+                crc = _chunks.extend_crc(crc, block)
+                at += len(block)
+            tail = os.pread(fd, _chunks.CRC_BYTES, stop - _chunks.CRC_BYTES)
+            if at != stop or crc != _chunks.CRC32C_RESIDUE:
+                raise Refused(f"{shown} at {seg.offset}: its crc32c does not match its bytes")
+            if int.from_bytes(tail, "little") != seg.crc32c:
+                raise Refused(f"{shown} at {seg.offset}: its crc32c differs from its index's")
+    finally:
+        os.close(fd)
+
+
+def copy_file(
+    copier: _server_copy.Copier,
+    source: Location,
+    target: Location,
+    old: str,
+    new: str,
+    size: int,
+    live: list[_index.Segment],
+) -> None:
+    """Copies ``data/<old>`` of ``source`` to ``data/<new>`` of ``target`` on the server,
+    only from the object listed (of ``size`` bytes), and checks the copy (size and
+    content tag, as ``copies._same_copy``). The segments' crc32c were checked against
+    the snapshot before; the bytes are not read here (restore and ``verify`` check each
+    segment's trailer against the index). Raises (after deleting it) on any failure."""
+    if source.spec | {"path": ""} != target.spec | {"path": ""}:
+        raise Refused(f"{target}: not in the bucket of {source}")
+    src = f"{source.path}{_index.DATA_DIR}/{old}"
+    dst = f"{target.path}{_index.DATA_DIR}/{new}"
+    info = copier.list(src).get(src)
+    if info is None or info.size != size:
+        raise Refused(f"{source}/data/{old}: expected {size} bytes, found {info}")
+    try:
+        answer = copier.copy(src, dst, info)
+        if not _same_copy(info, answer, copier.list(dst).get(dst)):
+            raise Refused(f"{target}/data/{new}: the copy is not the object {src} listed")
+    except BaseException:
+        try:
+            copier.delete(dst)
+        except OSError:
+            pass
+        raise
+
+
+def _undo(target: Location, names: list[str]) -> None:
+    """Removes the data files this call took (its own names in the staging item)."""
+    for name in names:
+        try:
+            target.delete(f"{_index.DATA_DIR}/{name}")
+        except (OSError, CheckpointError):
+            pass

@@ -1,0 +1,76 @@
+"""Restoring part of a batch of small leaves from local chunk files: only the inner
+chunks under the leaves asked for are read, and damage there still names the leaf."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin._errors import CorruptCheckpointError
+from flax_orbax_plugin._zarr import arrays as _arrays
+from flax_orbax_plugin._zarr import chunk_files as _chunk_files
+
+INNER = 4 << 10  # bytes per inner chunk; files of 16 of them
+
+
+def _tree():
+    rng = np.random.default_rng(3)
+    leaf = lambda: rng.standard_normal(256, dtype=np.float32)  # 1 KiB
+    return {"a": [leaf() for _ in range(300)], "params": [leaf() for _ in range(60)]}
+
+
+@pytest.fixture
+def saved(tmp_path, monkeypatch):
+    """A batch of 360 leaves in ~6 files of 64 KiB (the sizes scaled down 256x)."""
+    monkeypatch.setattr(_arrays, "BATCH_CHUNK_BYTES", 16 * INNER)
+    monkeypatch.setattr(_arrays, "BATCH_INNER_CHUNK_BYTES", INNER)
+    tree = _tree()
+    fop.save(tmp_path / "c", tree)
+    return tmp_path / "c", tree
+
+
+def _flip_byte_of(root, index: int) -> str:
+    """Flips a byte inside the stored data of leaf ``params/<index>``; its path."""
+    doc = json.loads((root / "_METADATA.json").read_text())
+    path = f"params/{index}"
+    storage = next(r for r in doc["leaves"] if r["path"] == path)["storage"]
+    batch = doc["batches"][storage["batch"]]
+    off = storage["offset"] + 3  # elements
+    inner = INNER // 4
+    file, at = divmod(off, batch["chunk"])
+    position = (at // inner) * (INNER + 4) + (at % inner) * 4
+    name = root / "b" / storage["batch"] / "c" / str(file)
+    data = bytearray(name.read_bytes())
+    data[position] ^= 0x10
+    name.write_bytes(bytes(data))
+    return path
+
+
+def test_part_of_a_batch_reads_about_its_own_bytes(saved):
+    root, tree = saved
+    before = _chunk_files.bytes_read()
+    out = fop.restore(root, {"params": tree["params"]}, partial=True)
+    read = _chunk_files.bytes_read() - before
+    wanted = sum(x.nbytes for x in tree["params"])
+    # the leaves' inner chunks (one more at each end at most) and two files' indexes
+    assert wanted <= read <= wanted + 2 * (INNER + 4) + 2 * (16 * 16 + 4), (read, wanted)
+    for got, value in zip(out["params"], tree["params"], strict=True):
+        np.testing.assert_array_equal(got, value)
+    whole = fop.restore(root, tree)  # the whole batch, file by file
+    for got, value in zip(whole["a"] + whole["params"], tree["a"] + tree["params"], strict=True):
+        np.testing.assert_array_equal(got, value)
+
+
+def test_damage_under_the_leaves_asked_for_names_the_leaf_and_only_there(saved):
+    root, tree = saved
+    damaged = _flip_byte_of(root, 37)
+    with pytest.raises(CorruptCheckpointError, match=f"'{damaged}'") as info:
+        fop.restore(root, {"params": tree["params"]}, partial=True)
+    assert "'params/5'" not in str(info.value)  # in another inner chunk: not named
+    with pytest.raises(CorruptCheckpointError, match=f"'{damaged}'"):
+        fop.restore(root, tree)
+    out = fop.restore(root, {"a": tree["a"]}, partial=True)  # reads no damaged chunk
+    np.testing.assert_array_equal(out["a"][299], tree["a"][299])

@@ -1,0 +1,181 @@
+"""The blocking phase's ways to snapshot (issue 26): the device path (pinned_host
+staging, streaming under a host memory budget) exercised on CPU through
+``_device_copy.CPU_AS_DEVICE``, CPU arrays under a budget, direct I/O and the
+background threads' priority."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin._base import priority as _priority
+from flax_orbax_plugin._core import device_copy as _device_copy
+from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
+
+
+def _state(devices, v: float):
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("x", "y"))
+    w = np.arange(512 * 2048, dtype=np.float32).reshape(512, 2048) + v  # 4 MiB
+    r = np.arange(2048 * 1024, dtype=np.float32).reshape(2048, 1024) - v  # 8 MiB: 2 chunks
+    return {
+        "w": jax.device_put(w, NamedSharding(mesh, P("x", "y"))),  # 8 shards of 512 KiB
+        "r": jax.device_put(r, NamedSharding(mesh, P())),  # replicated
+        "b": jax.device_put(jnp.full((8,), v)),  # small: batched
+        "n": np.full((1024, 1024), v, np.float32),  # numpy, 4 MiB: an array of its own
+    }
+
+
+_donate = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x * 0 - 7, s), donate_argnums=0)
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """CPU arrays take the accelerator path; records every region it starts and every
+    one it materializes (their sizes), calling the real functions."""
+    monkeypatch.setattr(_device_copy, "CPU_AS_DEVICE", True)
+    seen = {"started": [], "materialized": []}
+    start, materialize = _device_copy.start, _device_copy.materialize
+
+    def spy_start(data, part, *, streamed):
+        out = start(data, part, streamed=streamed)
+        seen["started"].append((streamed, out.array.sharding.memory_kind, out.nbytes))
+        return out
+
+    def spy_materialize(data):
+        if isinstance(data, _device_copy.Deferred):
+            seen["materialized"].append(data.nbytes)
+        return materialize(data)
+
+    monkeypatch.setattr(_device_copy, "start", spy_start)
+    monkeypatch.setattr(_device_copy, "materialize", spy_materialize)
+    return seen
+
+
+def _expected(state):
+    return jax.tree_util.tree_map(np.array, state)
+
+
+def test_staged_copies_go_to_pinned_host_and_survive_donation(tmp_path, devices, device_path):
+    state = _state(devices, 1.0)
+    expected = _expected(state)
+    handle = fop.save_async(tmp_path / "ck", state)
+    junk = _donate({"w": state["w"], "r": state["r"]})  # the next step, at once
+    jax.block_until_ready(junk)
+    state["n"][:] = -1  # the caller's numpy array changed after save_async returned
+    handle.wait()
+    assert device_path["started"], "no region took the device path"
+    assert {(s, k) for s, k, _ in device_path["started"]} == {(False, "pinned_host")}
+    got = fop.restore(tmp_path / "ck", expected)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, expected)
+
+
+def test_a_budget_streams_device_regions_in_pieces(tmp_path, devices, device_path):
+    budget = 16 << 20  # pieces of at most 4 MiB: the replicated 8 MiB array in two
+    state = _state(devices, 2.0)
+    expected = _expected(state)
+    with fop.CheckpointManager(tmp_path / "run", host_memory_budget=budget) as mngr:
+        mngr.save(1, {"params": state})
+        jax.block_until_ready(_donate({"w": state["w"], "r": state["r"]}))  # the next step
+        assert state["w"].is_deleted()  # donated: the save holds copies of its own
+        mngr.wait()
+        got = mngr.restore(step=1)["params"]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, expected)
+    started = device_path["started"]
+    assert started and all(streamed for streamed, _, _ in started)
+    assert all(k == "device" for _, k, _ in started)  # nothing copied to host while blocking
+    pieces = device_path["materialized"]
+    assert sum(pieces) == 4 * 512 * 2048 + 4 * 2048 * 1024  # every region went through it
+    assert max(pieces) <= budget // 4  # each copied on its own, a quarter of the budget
+    assert len(pieces) == 8 + 2  # w's 8 shards; r cut in two
+
+
+def test_cpu_arrays_under_a_budget_are_written_before_the_save_returns(
+    tmp_path, devices, monkeypatch
+):
+    state = _state(devices, 3.0)
+    expected = _expected(state)
+    real = _chunk_writer.ChunkWriter._write_file
+
+    def slow(self, name, pieces):  # every file written late: a save that returned
+        time.sleep(0.05)  # before its writes would see the changes below
+        return real(self, name, pieces)
+
+    monkeypatch.setattr(_chunk_writer.ChunkWriter, "_write_file", slow)
+    handle = fop.save_async(tmp_path / "ck", state, host_memory_budget=1 << 20)
+    state["n"][:] = -1  # the views' memory changed right after the return
+    for k in ("w", "r"):
+        state[k].delete()
+    handle.wait()
+    got = fop.restore(tmp_path / "ck", expected)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, expected)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True, "1G"])
+def test_a_bad_budget_is_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match="host_memory_budget"):
+        fop.save(tmp_path / "ck", {"w": np.zeros(4)}, host_memory_budget=bad)
+    with pytest.raises(ValueError, match="host_memory_budget"):
+        fop.CheckpointManager(tmp_path / "run", host_memory_budget=bad)
+
+
+def _chunk_bytes(root) -> dict[str, bytes]:
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), root)
+            if "/c/" in f"/{rel}":
+                with open(os.path.join(dirpath, f), "rb") as fh:
+                    out[rel] = fh.read()
+    return out
+
+
+def test_direct_io_writes_the_same_bytes_as_buffered_writes(tmp_path, devices, monkeypatch):
+    state = _state(devices, 4.0)
+    direct = []
+    real = _chunk_writer.ChunkWriter._write_direct
+
+    def spy(self, fd, first):
+        done = real(self, fd, first)
+        direct.append(done)
+        return done
+
+    monkeypatch.setattr(_chunk_writer.ChunkWriter, "_write_direct", spy)
+    with fop.CheckpointManager(tmp_path / "a") as mngr:  # pooled, page-aligned buffers
+        mngr.save(1, {"params": state})
+    assert any(direct), "no chunk was written with O_DIRECT"
+    monkeypatch.setenv("FOP_DIRECT_IO", "0")
+    direct.clear()
+    with fop.CheckpointManager(tmp_path / "b") as mngr:
+        mngr.save(1, {"params": state})
+    assert not direct
+    a, b = _chunk_bytes(tmp_path / "a" / "1"), _chunk_bytes(tmp_path / "b" / "1")
+    assert a and a == b
+    got = fop.CheckpointManager(tmp_path / "a", read_only=True).restore(step=1)["params"]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, _expected(state))
+
+
+def test_background_threads_run_below_the_training_threads(tmp_path, devices, monkeypatch):
+    niceness = {}
+    real = _priority.lower
+
+    def spy():
+        real()
+        niceness[threading.current_thread().name] = os.getpriority(
+            os.PRIO_PROCESS, threading.get_native_id()
+        )
+
+    monkeypatch.setattr(_priority, "lower", spy)
+    fop.save(tmp_path / "ck", _state(devices, 5.0))
+    assert niceness and all(v == 19 for v in niceness.values()), niceness
+    assert any(name.startswith("fop-save") for name in niceness)
+    assert any(name.startswith("fop-chunk") for name in niceness)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # caller's own
