@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -60,21 +59,10 @@ def _local(fop, tree, version: int, directory: str) -> dict:
     return {"save_s": save_s, "restore_s": restore_s, "files": files, "bytes": nbytes}
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
 def _counter():
-    """``_s3_requests.S3Requests``, also counting the lines werkzeug colours (it wraps
-    the request of a 206 answer, a byte-range GET, in ANSI escapes, which that
-    helper's pattern does not match)."""
     from _s3_requests import S3Requests
 
-    class Requests(S3Requests):
-        def emit(self, record):
-            record.msg, record.args = _ANSI.sub("", record.getMessage()), ()
-            super().emit(record)
-
-    return Requests()
+    return S3Requests()
 
 
 def _s3(fop, tree, version: int, server, requests) -> dict:

@@ -62,6 +62,8 @@ class Reader:
         self.in_flight = 0
 
     def submit(self, future, nbytes: int, on_done, on_error) -> None:
+        if getattr(future, "deferred", False):  # starts when waited for: holds nothing yet
+            nbytes = 0
         self.pending.append((future, nbytes, on_done, on_error))
         self.in_flight += nbytes
         self.drain(self.limit)

@@ -217,7 +217,10 @@ class ChunkReader:
 
 
 class PendingRead:
-    """One array being read by a :class:`ChunkReader`; :meth:`result` is its values."""
+    """One array being read by a :class:`ChunkReader`; :meth:`result` is its values.
+    ``deferred``: its jobs start only once it is waited for (``packed_reader``)."""
+
+    deferred = False
 
     def __init__(self, shape, dtype):
         self.out = _host.empty(tuple(shape), dtype)  # adopted by jax on CPU without a copy

@@ -12,6 +12,7 @@ chunks each target shard touches). Threading: as ``ChunkReader``.
 
 from __future__ import annotations
 
+import collections
 import errno
 import itertools
 import os
@@ -39,7 +40,12 @@ class PackedReader(_chunk_files.ChunkReader):
 
     packed = True
 
-    def __init__(self, location: Location, chunks: dict[str, _index.Segment]):
+    def __init__(
+        self,
+        location: Location,
+        chunks: dict[str, _index.Segment],
+        file_bytes: dict[str, int] | None = None,
+    ):
         super().__init__("")
         self._fill = self._fill_segment
         self._location = location
@@ -58,7 +64,9 @@ class PackedReader(_chunk_files.ChunkReader):
         else:
             spec = location.kvstore(_index.DATA_DIR)
             self._kv = ts.KvStore.open(spec, context=_kvstore.context(local=False)).result()
-            self._ranges = _ranges.RangeReads(self._kv, chunks)
+            self._ranges = _ranges.RangeReads(self._kv, chunks, file_bytes or {})
+            self._pool = _DeferredPool(self._pool, self._ranges, chunks)
+            self._batch_pool = _DeferredPool(self._batch_pool, self._ranges, chunks)
 
     def _open(self, name: str, chunks) -> int:
         path = os.path.join(self._location.path, _index.DATA_DIR, name)
@@ -81,12 +89,14 @@ class PackedReader(_chunk_files.ChunkReader):
         return fd
 
     def read_batch(self, sub, size, chunk, inner, dtype, files=None):
-        """As ``ChunkReader.read_batch``; on an object store its files' segments are
-        fetched by runs first."""
-        if self._kv is not None:
-            numbers = range(-(-size // chunk)) if files is None else files
-            self._ranges.prefetch(_key(sub, (s,)) for s in numbers)
-        return super().read_batch(sub, size, chunk, inner, dtype, files)
+        """As ``ChunkReader.read_batch``; on an object store, deferred (see ``read``)."""
+        if self._kv is None:
+            return super().read_batch(sub, size, chunk, inner, dtype, files)
+        numbers = range(-(-size // chunk)) if files is None else files
+        self._ranges.want(_key(sub, (s,)) for s in numbers)
+        read = super().read_batch(sub, size, chunk, inner, dtype, files)
+        read.deferred = True
+        return read
 
     def close(self) -> None:
         super().close()
@@ -142,18 +152,27 @@ class PackedReader(_chunk_files.ChunkReader):
             raise ValueError(f"chunk {where}: its crc32c differs from its data index's")
 
     def read(self, sub, shape, chunk, dtype, region=None) -> _chunk_files.PendingRead:
-        """Starts reading ``region`` (global; None: all) of array ``sub``, any region."""
+        """Starts reading ``region`` (global; None: all) of array ``sub``, any region.
+
+        On an object store the read is deferred (``deferred`` set): its chunks are
+        declared to the fetch plan (``packed_ranges``) and its jobs start only when a
+        result is waited for, with at most :data:`AHEAD_BYTES` of later jobs, so that
+        the plan knows every read issued before the first wait."""
         bounds = [
             s.indices(n)[:2]
             for s, n in zip(region or [slice(None)] * len(shape), shape, strict=True)
         ]
         ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(bounds, chunk, strict=True)]
-        if self._kv is not None:  # one GET per run of adjacent chunks
-            cells = itertools.product(*ranges)
-            self._ranges.prefetch(_key(sub, cell) for cell in cells)
-        whole = super().read(sub, shape, chunk, dtype, region)
-        if whole is not None:
-            return whole
+        if self._kv is not None:
+            self._ranges.want(_key(sub, cell) for cell in itertools.product(*ranges))
+        read = super().read(sub, shape, chunk, dtype, region)
+        if read is None:
+            read = self._read_cut(sub, chunk, dtype, bounds, ranges)
+        read.deferred = self._kv is not None
+        return read
+
+    def _read_cut(self, sub, chunk, dtype, bounds, ranges) -> _chunk_files.PendingRead:
+        """A read of a region that cuts chunks: each read whole, its part copied."""
         read = _chunk_files.PendingRead(tuple(b - a for a, b in bounds), dtype)
         for cell in itertools.product(*ranges):
             src, dst = [], []
@@ -260,4 +279,57 @@ def open_packed(location: Location, process_count: int) -> PackedReader:
         where = f"{location}/{name}"
         raw = _documents.read_listed(location, name)
         indexes.append(_index.DataIndex.from_json(_layout.decode(raw, where), where, process))
-    return PackedReader(location, _index.merge(indexes, str(location)))
+    sizes = {name: size for index in indexes for name, size in index.files.items()}
+    return PackedReader(location, _index.merge(indexes, str(location)), sizes)
+
+
+AHEAD_BYTES = 64 << 20  # object stores: chunk jobs started ahead of the one waited for
+
+
+class _Job:
+    """A chunk job of a read on an object store, started (on the reader's threads)
+    when its result, or an earlier job's, is first waited for."""
+
+    def __init__(self, pool: _DeferredPool, call: tuple, kwargs: dict):
+        self._pool = pool
+        self.call = call
+        self.kwargs = kwargs
+        self.future = None
+
+    def result(self):
+        if self.future is None:
+            self._pool.start_through(self)
+        return self.future.result()
+
+
+class _DeferredPool:
+    """The reader's pool on an object store: jobs queue until one is waited for; the
+    fetch plan is made then (``RangeReads.plan``), and the jobs up to that one, and
+    :data:`AHEAD_BYTES` of chunks after it, start in order. Calling thread only."""
+
+    def __init__(self, pool, ranges: _ranges.RangeReads, chunks: dict[str, _index.Segment]):
+        self._pool = pool
+        self._ranges = ranges
+        self._chunks = chunks
+        self._queue: collections.deque[_Job] = collections.deque()
+
+    def submit(self, fn, *args, **kwargs) -> _Job:
+        job = _Job(self, (fn, *args), kwargs)
+        self._queue.append(job)
+        return job
+
+    def start_through(self, job: _Job) -> None:
+        self._ranges.plan()
+        ahead = 0
+        while self._queue:
+            if job.future is not None:  # past the one waited for: read ahead, bounded
+                segment = self._chunks.get(self._queue[0].call[1])
+                ahead += segment.length if segment is not None else 0
+                if ahead > AHEAD_BYTES:
+                    break
+            nxt = self._queue.popleft()
+            nxt.future = self._pool.submit(*nxt.call, **nxt.kwargs)
+
+    def shutdown(self, **kwargs) -> None:
+        self._queue.clear()
+        self._pool.shutdown(**kwargs)
