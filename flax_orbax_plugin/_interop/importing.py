@@ -128,6 +128,7 @@ def save_steps(
     *,
     force: bool,
     planned: Iterable[int] = (),
+    format_version: int = 1,
 ) -> list[int]:
     """Saves each ``(step, (_, items, extras))`` as a committed step of ``out_dir``.
 
@@ -135,11 +136,12 @@ def save_steps(
     an entry named like the step that is not a committed step of ours is always an
     error (ForeignEntryError), checked for every ``planned`` step before anything is
     written and again before each step. ``steps`` is consumed lazily: one step's trees
-    are in memory at a time. Returns the steps written, in order.
+    are in memory at a time. Returns the steps written, in order. ``format_version``:
+    of the steps written (1 or 2).
     """
     refuse_foreign_targets(out_dir, list(planned))
     written = []
-    with CheckpointManager(out_dir, async_save=False) as mngr:
+    with CheckpointManager(out_dir, async_save=False, format_version=format_version) as mngr:
         for number, (_, items, extras) in steps:
             refuse_foreign_targets(out_dir, [number])
             if not force and number in mngr.steps():
@@ -156,7 +158,12 @@ def save_steps(
 
 
 def import_checkpoint(
-    src: Any, out_dir: Any, *, step: int | None = None, force: bool = False
+    src: Any,
+    out_dir: Any,
+    *,
+    step: int | None = None,
+    force: bool = False,
+    format_version: int = 1,
 ) -> list[int]:
     """``flax-orbax import``: an Orbax directory or Flax msgpack file(s) into ``out_dir``.
 
@@ -165,9 +172,9 @@ def import_checkpoint(
     through :func:`import_msgpack`. Returns the steps written.
     """
     if is_orbax_checkpoint(src):
-        return import_orbax(src, out_dir, step=step, force=force)
+        return import_orbax(src, out_dir, step=step, force=force, format_version=format_version)
     if os.path.exists(os.fspath(src)):
-        return import_msgpack(src, out_dir, step=step, force=force)
+        return import_msgpack(src, out_dir, step=step, force=force, format_version=format_version)
     raise CheckpointNotFoundError(f"{src}: no such file or directory")
 
 
@@ -177,6 +184,7 @@ def import_orbax(
     *,
     step: int | None = None,
     force: bool = False,
+    format_version: int = 1,
 ) -> list[int]:
     """Writes Orbax checkpoints as steps of a ``CheckpointManager`` directory.
 
@@ -194,10 +202,20 @@ def import_orbax(
             trees, kinds = orbax_reader.read_step(step_loc)
             yield number, step_items(trees, kinds, source=str(step_loc))
 
-    return save_steps(out_dir, states(), force=force, planned=[n for n, _ in targets])
+    planned = [n for n, _ in targets]
+    return save_steps(
+        out_dir, states(), force=force, planned=planned, format_version=format_version
+    )
 
 
-def import_msgpack(src: Any, out_dir: Any, *, step: int | None = None, force: bool = False):
+def import_msgpack(
+    src: Any,
+    out_dir: Any,
+    *,
+    step: int | None = None,
+    force: bool = False,
+    format_version: int = 1,
+):
     """Writes Flax msgpack checkpoints as steps of a ``CheckpointManager`` directory.
 
     ``src`` is one msgpack file (written as ``step``; default: the number its name
@@ -213,4 +231,7 @@ def import_msgpack(src: Any, out_dir: Any, *, step: int | None = None, force: bo
             tree = msgpack_reader.read_msgpack(path)
             yield number, step_items({"state": tree}, {"state": "pytree"}, source=path)
 
-    return save_steps(out_dir, states(), force=force, planned=[n for n, _ in numbered])
+    planned = [n for n, _ in numbered]
+    return save_steps(
+        out_dir, states(), force=force, planned=planned, format_version=format_version
+    )

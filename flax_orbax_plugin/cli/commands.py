@@ -230,7 +230,13 @@ def cmd_export(args) -> int:
 
 
 def cmd_import(args) -> int:
-    steps = import_checkpoint(args.source, args.out, step=args.step, force=args.force)
+    steps = import_checkpoint(
+        args.source,
+        args.out,
+        step=args.step,
+        force=args.force,
+        format_version=args.format_version,
+    )
     print(f"imported step(s) {', '.join(map(str, steps))} from {args.source} into {args.out}")
     return 0
 

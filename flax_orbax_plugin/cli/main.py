@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="a CheckpointManager directory (created if missing)")
     s.add_argument("--step", type=int, default=None, help="only this step / write as this step")
     s.add_argument("--force", action="store_true", help="replace steps that exist in OUT")
+    s.add_argument(
+        "--format-version", type=int, choices=(1, 2), default=1, help="of the steps written"
+    )
     s.set_defaults(fn=cmd_import)
 
     s = sub.add_parser("gc", help="apply retention and remove unfinished steps")

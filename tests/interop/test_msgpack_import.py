@@ -1,5 +1,6 @@
 """_msgpack_import: files written by flax.serialization and flax.training.checkpoints."""
 
+import json
 import os
 
 import flax
@@ -150,3 +151,19 @@ def test_malformed_files_are_clear_errors(tmp_path):
         _msgpack_import.read_msgpack(unknown)
     rc = cli.main(["import", str(tmp_path / "missing"), str(tmp_path / "o")])
     assert rc == cli.EXIT_ERROR
+
+
+def test_import_writes_format_version_2_steps_on_request(tmp_path, capsys):
+    state = _state(7)
+    path = tmp_path / "state.msgpack"
+    path.write_bytes(serialization.to_bytes(state))
+    out = tmp_path / "ckpts"
+    rc = cli.main(["import", str(path), str(out), "--step", "7", "--format-version", "2"])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    meta = json.loads((out / "7" / "params" / "_METADATA.json").read_text())
+    assert meta["format_version"] == 2
+    assert (out / "7" / "params" / "data" / "0.json").is_file()
+    assert not (out / "7" / "params" / "d").exists()  # no version-1 chunk files
+    _assert_bit_exact(fop.restore_params(out), state.params)
+    assert all(r.ok for r in fop.verify(out))
