@@ -29,14 +29,14 @@ from .._storage.location import check_name
 from . import chunks as _chunks
 
 _SYNC_FILE_RANGE_WRITE = 2
-_DIRECT_ALIGN = 4096  # address, length and file offset of an O_DIRECT write
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+DIRECT_ALIGN = 4096  # address, length and file offset of an O_DIRECT write
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def direct_io_enabled() -> bool:
     """Whether chunk payloads may be written with ``O_DIRECT`` (``FOP_DIRECT_IO=0``
     turns it off; so does a filesystem that refuses it, found at the first file)."""
-    return bool(_O_DIRECT) and os.environ.get("FOP_DIRECT_IO", "1") != "0"
+    return bool(O_DIRECT) and os.environ.get("FOP_DIRECT_IO", "1") != "0"
 
 
 def _load_sync_file_range():
@@ -181,12 +181,12 @@ class ChunkWriter:
         a buffered write). Returns the bytes written (0: nothing was, the caller writes
         it all); the file is left in buffered mode for the rest. A filesystem that
         refuses ``O_DIRECT`` turns it off for this writer."""
-        head = first.nbytes - first.nbytes % _DIRECT_ALIGN
-        if head == 0 or first.ctypes.data % _DIRECT_ALIGN or not first.flags.c_contiguous:
+        head = first.nbytes - first.nbytes % DIRECT_ALIGN
+        if head == 0 or first.ctypes.data % DIRECT_ALIGN or not first.flags.c_contiguous:
             return 0
         mode = fcntl.fcntl(fd, fcntl.F_GETFL)
         try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, mode | _O_DIRECT)
+            fcntl.fcntl(fd, fcntl.F_SETFL, mode | O_DIRECT)
         except OSError:
             self._direct = False
             return 0
@@ -200,7 +200,7 @@ class ChunkWriter:
                 self._direct = False
         finally:
             fcntl.fcntl(fd, fcntl.F_SETFL, mode)
-        return done - done % _DIRECT_ALIGN if done < head else done
+        return done - done % DIRECT_ALIGN if done < head else done
 
 
 _ZEROS = np.zeros(1 << 17, np.uint8)

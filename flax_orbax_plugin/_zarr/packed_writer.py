@@ -62,6 +62,7 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         self._lock = threading.Lock()
         self._files: dict[str, int] = {}  # name -> bytes handed out
         self._fds: dict[str, int] = {}
+        self._direct_fds: dict[str, int] = {}  # local: the same files opened O_DIRECT
         self._current: str | None = None  # local: the file being filled
         lanes = 1 if location.is_local else min(MAX_LANES, max(1, -(-total_bytes // LANE_BYTES)))
         self._lanes: list[list] = [[None, []] for _ in range(lanes)]  # [file, its pieces]
@@ -98,9 +99,13 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         length = sum(p.size for p in pieces)
         crc = int.from_bytes(pieces[-1].tobytes(), "little")
         if self._location.is_local:
-            file, offset, fd = self._allocate_local(length)
+            head = _direct_head(pieces[0]) if self._direct else 0
+            file, offset, fd = self._allocate_local(length, aligned=head > 0)
             views = [memoryview(p) for p in pieces]
             at = offset
+            if head and self._write_direct_at(file, pieces[0], head, offset):
+                at += head
+                _chunks.advance(views, head)
             while views:
                 done = os.pwritev(fd, views[: _chunks.IOV_MAX], at)
                 at += done
@@ -123,7 +128,9 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         self._current = name
         return name
 
-    def _allocate_local(self, length: int) -> tuple[str, int, int]:
+    def _allocate_local(self, length: int, aligned: bool = False) -> tuple[str, int, int]:
+        """(file, offset, its fd) for a segment of ``length`` bytes; ``aligned``: at a
+        page boundary (the bytes skipped mean nothing, FORMAT.md), for a direct write."""
         with self._lock:
             name = self._current
             if name is None or (self._files[name] and self._files[name] + length > self._target):
@@ -133,8 +140,31 @@ class PackedWriter(_chunk_writer.ChunkWriter):
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                 self._fds[name] = os.open(os.path.join(directory, name), flags, 0o644)
             offset = self._files[name]
+            if aligned:
+                offset += -offset % _chunk_writer.DIRECT_ALIGN
             self._files[name] = offset + length
             return name, offset, self._fds[name]
+
+    def _write_direct_at(self, file: str, first: np.ndarray, head: int, offset: int) -> bool:
+        """Writes the first ``head`` bytes of ``first`` at ``offset`` (page-aligned) of
+        data file ``file`` with ``O_DIRECT``, through a second descriptor of the file
+        (the shared one stays buffered for the other threads' tails); False, having
+        written nothing that counts, where the filesystem refuses it (then off)."""
+        try:
+            with self._lock:
+                fd = self._direct_fds.get(file)
+                if fd is None:
+                    path = os.path.join(self._location.path, _index.DATA_DIR, file)
+                    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | _chunk_writer.O_DIRECT
+                    fd = self._direct_fds[file] = os.open(path, flags)
+            view = memoryview(first.reshape(-1).view(np.uint8))[:head]
+            done = 0
+            while done < head:
+                done += os.pwrite(fd, view[done:], offset + done)
+            return True
+        except OSError:
+            self._direct = False
+            return False
 
     def _append(self, array: str, pieces, length: int):
         """Object stores: adds the segment's pieces (views of the snapshot, kept until
@@ -173,9 +203,9 @@ class PackedWriter(_chunk_writer.ChunkWriter):
                     for future in [pool.submit(self._upload, *item) for item in last]:
                         future.result()
         finally:
-            for fd in self._fds.values():
+            for fd in [*self._fds.values(), *self._direct_fds.values()]:
                 os.close(fd)
-            self._fds = {}
+            self._fds, self._direct_fds = {}, {}
 
     def index(self) -> _index.DataIndex:
         """The index of everything written (call after :meth:`close`)."""
@@ -191,3 +221,13 @@ class PackedWriter(_chunk_writer.ChunkWriter):
 
 def _encode(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _direct_head(first: np.ndarray) -> int:
+    """The bytes of a segment's first piece an ``O_DIRECT`` write can take: its whole
+    pages, when it starts on a page and is at least 64 KiB (0: none)."""
+    if first.nbytes < 1 << 16 or not first.flags.c_contiguous:
+        return 0
+    if first.ctypes.data % _chunk_writer.DIRECT_ALIGN:
+        return 0
+    return first.nbytes - first.nbytes % _chunk_writer.DIRECT_ALIGN

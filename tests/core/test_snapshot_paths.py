@@ -178,3 +178,25 @@ def test_bulk_threads_run_below_the_training_threads(tmp_path, devices, monkeypa
     assert niceness and all(v == 10 for v in niceness.values()), niceness
     assert all(name.startswith("fop-chunk") for name in niceness)  # the commit's: not lowered
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 10  # caller's own
+
+
+def test_version_2_data_files_take_direct_writes_at_page_boundaries(tmp_path, devices, monkeypatch):
+    from flax_orbax_plugin._zarr import packed_writer as _packed_writer
+
+    state = _state(devices, 6.0)
+    direct = []
+    real = _packed_writer.PackedWriter._write_direct_at
+
+    def spy(self, file, first, head, offset):
+        done = real(self, file, first, head, offset)
+        direct.append((done, offset % 4096))
+        return done
+
+    monkeypatch.setattr(_packed_writer.PackedWriter, "_write_direct_at", spy)
+    with fop.CheckpointManager(tmp_path / "run", format_version=2) as mngr:
+        mngr.save(1, {"params": state})
+        mngr.wait()
+        got = mngr.restore(step=1)["params"]
+    assert direct and all(done and at == 0 for done, at in direct)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, _expected(state))
+    assert all(r.ok for r in fop.verify(tmp_path / "run"))
