@@ -3,7 +3,9 @@
 :class:`ChunkWriter` writes whole chunks of arrays and whole batch arrays (the
 ``sharding_indexed`` codec) byte for byte as tensorstore writes them for the specs of
 ``_arrays``; :class:`Gathered` is a batch given as its leaves' own buffers. Why, and
-what it measured: docs/chunk_files.md.
+what it measured: docs/chunk_files.md. A chunk's page-aligned payload is written with
+``O_DIRECT`` (no copy into the page cache), the rest buffered: docs/saving.md. The
+writer's threads run at a lower CPU priority (``_base.priority``).
 
 Threading and call order: one :class:`ChunkWriter` per save, used by the save's
 background thread only; its :meth:`~ChunkWriter.array`/:meth:`~ChunkWriter.batch`
