@@ -174,6 +174,10 @@ def test_bulk_threads_run_below_the_training_threads(tmp_path, devices, monkeypa
         )
 
     monkeypatch.setattr(_priority, "lower", spy)
+    fop.save(tmp_path / "ck1", _state(devices, 5.0))  # default: the process's priority
+    assert niceness and all(v == 0 for v in niceness.values()), niceness
+    niceness.clear()
+    monkeypatch.setenv("FOP_BACKGROUND_NICE", "10")
     fop.save(tmp_path / "ck", _state(devices, 5.0))
     assert niceness and all(v == 10 for v in niceness.values()), niceness
     assert all(name.startswith("fop-chunk") for name in niceness)  # the commit's: not lowered
