@@ -5,7 +5,7 @@
 ``_arrays``; :class:`Gathered` is a batch given as its leaves' own buffers. Why, and
 what it measured: docs/chunk_files.md. A chunk's page-aligned payload is written with
 ``O_DIRECT`` (no copy into the page cache), the rest buffered: docs/saving.md. The
-writer's threads run at a lower CPU priority (``_base.priority``).
+writer's threads can run at a lower CPU priority (opt-in: ``_base.priority``).
 
 Threading and call order: one :class:`ChunkWriter` per save, used by the save's
 background thread only; its :meth:`~ChunkWriter.array`/:meth:`~ChunkWriter.batch`
