@@ -46,6 +46,27 @@ def run_one(entry: str, a) -> dict:
     return {"entry": entry, "error": f"exit {p.returncode}", "tail": p.stderr[-3000:]}
 
 
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_rotated(entries: list[str], repeats: int, a, log=_print) -> tuple[list, list]:
+    """Every entry once per repeat, each in a fresh process, the order rotated each
+    repeat (drift on a shared machine then hits all alike); (runs, load averages)."""
+    runs, loads = [], []
+    for k in range(repeats):
+        for entry in entries[k % len(entries) :] + entries[: k % len(entries)]:
+            t0 = time.perf_counter()
+            r = run_one(entry, a)
+            loads.append(os.getloadavg()[0])
+            runs.append(r)
+            log(
+                f"repeat {k} {entry}: total {r.get('total_s', r.get('error'))} "
+                f"({time.perf_counter() - t0:.0f} s wall, load {loads[-1]:.1f})"
+            )
+    return runs, loads
+
+
 def summarize(entries: list[str], runs: list[dict]) -> list[dict]:
     rows = []
     for e in entries:
@@ -124,19 +145,7 @@ def main(argv=None):
     p.add_argument("--cpu-as-device", action="store_true", help="see train_loop.py")
     p.add_argument("--out", default=os.path.join(HERE, "results", "train"))
     a = p.parse_args(argv)
-    runs, loads = [], []
-    for k in range(a.repeats):
-        order = a.libs[k % len(a.libs) :] + a.libs[: k % len(a.libs)]
-        for entry in order:
-            t0 = time.perf_counter()
-            r = run_one(entry, a)
-            loads.append(os.getloadavg()[0])
-            runs.append(r)
-            print(
-                f"repeat {k} {entry}: total {r.get('total_s', r.get('error'))} "
-                f"({time.perf_counter() - t0:.0f} s wall, load {loads[-1]:.1f})",
-                flush=True,
-            )
+    runs, loads = run_rotated(a.libs, a.repeats, a)
     rows = summarize(a.libs, runs)
     machine = C.machine_description()
     with open(a.out + ".json", "w") as f:

@@ -114,13 +114,7 @@ def run_train(libs, steps, every, rounds=2) -> list[dict]:
     a = argparse.Namespace(
         steps=steps, every=every, keep=2, batch=12, dir=C.TMP, cpu_as_device=False, platform="cpu"
     )
-    runs = []
-    for k in range(rounds):
-        for entry in entries[k % len(entries) :] + entries[: k % len(entries)]:
-            t0 = time.perf_counter()
-            runs.append(BT.run_one(entry, a))
-            took = time.perf_counter() - t0
-            log(f"train {entry} repeat {k}: {runs[-1].get('total_s')} ({took:.0f}s)")
+    runs, _ = BT.run_rotated(entries, rounds, a, log=lambda line: log(f"train {line}"))
     summary = {r["entry"]: r for r in BT.summarize(entries, runs)}
     base = summary.get("none", {})
     rows = []

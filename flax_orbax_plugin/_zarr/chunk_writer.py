@@ -56,6 +56,17 @@ def _load_sync_file_range():
 _sync_file_range = _load_sync_file_range()
 
 
+def direct_head(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> int:
+    """The bytes of ``first`` (a file's or segment's first piece) an ``O_DIRECT`` write
+    can take: its whole pages, when it is C-contiguous, starts on a page and is at
+    least ``minimum`` bytes (0: none)."""
+    if first.nbytes < minimum or not first.flags.c_contiguous:
+        return 0
+    if first.ctypes.data % DIRECT_ALIGN:
+        return 0
+    return first.nbytes - first.nbytes % DIRECT_ALIGN
+
+
 class ChunkWriter:
     """Writes whole zarr3 chunks of arrays under ``root`` (a local directory path)."""
 
@@ -183,8 +194,8 @@ class ChunkWriter:
         a buffered write). Returns the bytes written (0: nothing was, the caller writes
         it all); the file is left in buffered mode for the rest. A filesystem that
         refuses ``O_DIRECT`` turns it off for this writer."""
-        head = first.nbytes - first.nbytes % DIRECT_ALIGN
-        if head == 0 or first.ctypes.data % DIRECT_ALIGN or not first.flags.c_contiguous:
+        head = direct_head(first)
+        if head == 0:
             return 0
         mode = fcntl.fcntl(fd, fcntl.F_GETFL)
         try:

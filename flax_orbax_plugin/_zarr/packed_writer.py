@@ -99,7 +99,7 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         length = sum(p.size for p in pieces)
         crc = int.from_bytes(pieces[-1].tobytes(), "little")
         if self._location.is_local:
-            head = _direct_head(pieces[0]) if self._direct else 0
+            head = _chunk_writer.direct_head(pieces[0], 1 << 16) if self._direct else 0
             file, offset, fd = self._allocate_local(length, aligned=head > 0)
             views = [memoryview(p) for p in pieces]
             at = offset
@@ -221,13 +221,3 @@ class PackedWriter(_chunk_writer.ChunkWriter):
 
 def _encode(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _direct_head(first: np.ndarray) -> int:
-    """The bytes of a segment's first piece an ``O_DIRECT`` write can take: its whole
-    pages, when it starts on a page and is at least 64 KiB (0: none)."""
-    if first.nbytes < 1 << 16 or not first.flags.c_contiguous:
-        return 0
-    if first.ctypes.data % _chunk_writer.DIRECT_ALIGN:
-        return 0
-    return first.nbytes - first.nbytes % _chunk_writer.DIRECT_ALIGN
