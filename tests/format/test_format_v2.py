@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from _multiprocess import run_processes
 from _s3_requests import S3Requests
+from _trees import assert_same_tree
 
 import flax_orbax_plugin as fop
 
@@ -36,15 +37,6 @@ def _files(path):
     return sorted(
         os.path.relpath(os.path.join(r, f), path) for r, _, fs in os.walk(path) for f in fs
     )
-
-
-def _same(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], dict):
-            _same(a[k], b[k])
-        else:
-            np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
 
 
 @pytest.mark.distributed
@@ -124,7 +116,7 @@ def test_data_files_roll_over_at_their_target_and_resharding_reads_only_needed_c
         "_METADATA.json",
         "data/0.json",
     ]
-    _same(tree, fop.restore(path))
+    assert_same_tree(tree, fop.restore(path))
     # Rows 100..199 of "emb" onto one device: only the chunks holding them are read.
     read = []
     real = packed_reader.PackedReader._fill_segment
@@ -160,7 +152,7 @@ def test_golden_v2_checkpoint_restores_bit_exact_verifies_and_exports(tmp_path):
     arrays = {"big": want["big"], "f32": want["f32"]}
     fop.save(tmp_path / "c", arrays, format_version=2)
     fop.to_safetensors(tmp_path / "c", tmp_path / "out")
-    _same(arrays, fop.from_safetensors(tmp_path / "out", like=arrays))
+    assert_same_tree(arrays, fop.from_safetensors(tmp_path / "out", like=arrays))
 
 
 def test_s3_save_writes_a_few_objects_and_restores_with_range_reads(s3_location, tmp_path):
@@ -174,7 +166,7 @@ def test_s3_save_writes_a_few_objects_and_restores_with_range_reads(s3_location,
     assert len([k for k in keys if k.endswith(".bin")]) <= 5, keys
     assert len(keys) <= 8, keys
     assert put_v2 <= 12
-    _same(tree, fop.restore(s3_location.url))
+    assert_same_tree(tree, fop.restore(s3_location.url))
     assert all(r.ok for r in fop.verify(s3_location.url))
     # A manager step of version 2, replicated file for file to a persistent tier on S3.
     persistent = bucket.join("p").url
@@ -185,7 +177,7 @@ def test_s3_save_writes_a_few_objects_and_restores_with_range_reads(s3_location,
         "params/data/0-0.bin",
         "params/data/0.json",
     ]
-    _same(tree, fop.restore_params(persistent))
+    assert_same_tree(tree, fop.restore_params(persistent))
     keys = [k for k in bucket.join("p").keys() if k.startswith("1/params/")]
     assert keys == ["1/params/_METADATA.json", "1/params/data/0-0.bin", "1/params/data/0.json"]
 
@@ -202,7 +194,7 @@ def test_incremental_manager_steps_of_version_2_link_the_unchanged_data_file(tmp
     for step in (1, 2):  # one file, shared (tests/incremental/test_incremental_v2.py)
         path = tmp_path / "run" / str(step) / "params"
         assert os.stat(path / "data" / "0-0.bin").st_nlink == 2
-    _same(tree, fop.restore_params(tmp_path / "run"))
+    assert_same_tree(tree, fop.restore_params(tmp_path / "run"))
 
 
 def test_gcs_save_restores_and_verifies_from_a_few_objects(gcs_location):
@@ -210,5 +202,5 @@ def test_gcs_save_restores_and_verifies_from_a_few_objects(gcs_location):
     fop.save(gcs_location.url, tree, format_version=2, data_file_bytes=5 << 20)
     keys = gcs_location.keys()
     assert keys[:2] == ["_COMMITTED", "_METADATA.json"] and len(keys) <= 7, keys
-    _same(tree, fop.restore(gcs_location.url))
+    assert_same_tree(tree, fop.restore(gcs_location.url))
     assert all(r.ok for r in fop.verify(gcs_location.url))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 from _s3_requests import S3Requests
+from _trees import assert_same_tree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,15 +31,6 @@ def _tree():
         "emb": rng.random((3000, 512)).astype(np.float32),  # 6 MiB
         "small": {f"l{i}": np.full((i + 1,), i, np.int32) for i in range(50)},
     }
-
-
-def _same(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], dict):
-            _same(a[k], b[k])
-        else:
-            np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
 
 
 def _data_gets(lines):
@@ -61,9 +53,9 @@ def test_s3_restore_fetches_each_data_file_once_and_a_partial_one_only_its_range
     assert len(bins) >= 3, bins
     with S3Requests() as requests:
         requests.take()
-        _same(tree, fop.restore(v1.url))
+        assert_same_tree(tree, fop.restore(v1.url))
         gets_v1 = requests.take().get("GET", 0)
-        _same(tree, fop.restore(v2.url))
+        assert_same_tree(tree, fop.restore(v2.url))
         lines = requests.take_lines()
         # Only the emb leaf, replicated over two devices: none of the other leaves' bytes.
         mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
@@ -103,7 +95,7 @@ def test_a_memory_bound_under_a_data_file_still_restores_and_damage_is_still_fou
     monkeypatch.setattr(packed_ranges, "PIECE_BYTES", 1 << 20)
     with S3Requests() as requests:
         requests.take()
-        _same(tree, fop.restore(s3_location.url))
+        assert_same_tree(tree, fop.restore(s3_location.url))
         split = _data_gets(requests.take_lines())
     assert {s for statuses in split.values() for s in statuses} <= {200, 206}, split
     monkeypatch.undo()
