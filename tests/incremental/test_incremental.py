@@ -451,12 +451,13 @@ def _mp_base():
     return np.random.default_rng(7).standard_normal(BASE_SHAPE, dtype=np.float32)
 
 
-def mp_frozen_base(ctx, directory, steps, keep=None):
+def mp_frozen_base(ctx, directory, steps, keep=None, format_version=1):
     """Run in each of 2 real JAX processes (2 CPU devices each): saves ``steps`` of a
     frozen base sharded along axis 1 over the 4 devices and an adapter replicated on
     all of them (its chunk rows split between the processes), through one incremental
-    manager on a directory both share; returns this process's bytes per step and the
-    key-value names left under ``fop/reuse/`` once every process is done."""
+    manager (of ``format_version``) on a directory both share; returns this process's
+    bytes per step and the key-value names left under ``fop/reuse/`` once every
+    process is done."""
     from flax_orbax_plugin._zarr import arrays as _arrays
 
     _arrays.CHUNK_TARGET_BYTES = 1 * MiB
@@ -464,7 +465,10 @@ def mp_frozen_base(ctx, directory, steps, keep=None):
     cols = NamedSharding(ctx.mesh, P(None, "data"))
     everywhere = NamedSharding(ctx.mesh, P())
     out = {}
-    with fop.CheckpointManager(directory, incremental=True, keep=keep) as mngr:
+    manager = fop.CheckpointManager(
+        directory, incremental=True, keep=keep, format_version=format_version
+    )
+    with manager as mngr:
         for step in steps:
             adapter = np.full((512, 1024), float(step), np.float32)
             state = {

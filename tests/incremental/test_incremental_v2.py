@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 from _s3_requests import S3Requests
+from test_incremental import BASE_SHAPE, _mp_base
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._errors import CorruptCheckpointError
@@ -231,42 +232,6 @@ def test_s3_v2_steps_copy_data_files_on_the_server(s3_location):
 
 # -- several processes ---------------------------------------------------------------------
 
-BASE_SHAPE = (1024, 2048)  # 8 MiB; on 4 devices along axis 1: 1024 x 512 shards, 2 chunks each
-
-
-def _mp_base():
-    return np.random.default_rng(7).standard_normal(BASE_SHAPE, dtype=np.float32)
-
-
-def mp_frozen_base_v2(ctx, directory, steps, keep=None):
-    """Run in each of 2 real JAX processes (2 CPU devices each): format-version-2 steps
-    of a frozen base sharded along axis 1 and an adapter replicated everywhere (its
-    chunk rows split between the processes); returns this process's bytes per step."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    _arrays.CHUNK_TARGET_BYTES = 1 * MiB
-    base = _mp_base()
-    cols = NamedSharding(ctx.mesh, P(None, "data"))
-    everywhere = NamedSharding(ctx.mesh, P())
-    out = {}
-    with fop.CheckpointManager(directory, format_version=2, incremental=True, keep=keep) as m:
-        for step in steps:
-            adapter = np.full((512, 1024), float(step), np.float32)
-            state = {
-                "params": {
-                    "base": jax.make_array_from_callback(base.shape, cols, lambda i: base[i]),
-                    "adapter": jax.make_array_from_callback(
-                        adapter.shape, everywhere, lambda i, a=adapter: a[i]
-                    ),
-                }
-            }
-            r = _save(m, step, state)
-            out[str(step)] = [r.bytes_written, r.bytes_reused]
-        out["steps"] = m.steps()
-    return out
-
 
 @pytest.mark.distributed
 def test_two_processes_each_link_their_own_data_file_of_a_frozen_base(tmp_path):
@@ -274,10 +239,10 @@ def test_two_processes_each_link_their_own_data_file_of_a_frozen_base(tmp_path):
 
     d = str(tmp_path / "steps")
     run = run_processes(
-        "test_incremental_v2:mp_frozen_base_v2",
+        "test_incremental:mp_frozen_base",  # the version-1 test's worker, format 2
         2,
         devices_per_process=2,
-        args={"directory": d, "steps": [1, 2, 3], "keep": 2},
+        args={"directory": d, "steps": [1, 2, 3], "keep": 2, "format_version": 2},
         env={"FOP_COORDINATION_TIMEOUT_S": "20"},
         heartbeat_timeout_s=30,
         timeout_s=120,
