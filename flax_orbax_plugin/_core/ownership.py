@@ -18,6 +18,7 @@ import stat
 
 import tensorstore as ts
 
+from .._base import distributed as _distributed
 from .._base import faults as _faults
 from .._errors import CheckpointError, ForeignEntryError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
@@ -279,3 +280,39 @@ def _remove_tree(loc: Location) -> None:
         return
     kv = ts.KvStore.open(loc.spec, context=context(local=False)).result()
     kv.delete_range(ts.KvStore.KeyRange()).result()
+
+
+def prepare_slot(loc: Location, *, what: str, replace: bool, clear: bool = True) -> bool:
+    """:func:`check_slot` for a save about to write at ``loc``, agreed by every process;
+    with ``clear`` a dead save's remains (or, with ``replace``, a committed checkpoint)
+    are removed too. Returns whether ``loc`` held something of ours (with ``clear=False``:
+    what the caller must clear before anyone writes). Collective on several processes.
+
+    On an object store every process writes into ``loc`` itself (no staging name), so a
+    fast process's first object could land before a slower one looks, and two processes
+    would then decide differently (one clears and waits for the others, which write: a
+    hang, or the others' data deleted). So the primary alone looks, before anyone writes,
+    and every process waits for its verdict (one key-value round). Local stores stage
+    under names of their own and every process may look there.
+    """
+
+    def look() -> bool:
+        held = check_slot(loc, what=what, replace=replace) is not None
+        if held and clear:
+            remove(loc, action="clear the remains of a dead save at")
+        return held
+
+    if loc.supports_rename or _distributed.process_count() == 1:
+        return look()
+    verdict = {"held": False, "error": None, "kind": None}
+    op = _distributed.next_operation_id("slot")
+    if _distributed.is_primary():
+        try:
+            verdict["held"] = look()
+        except CheckpointError as e:
+            verdict.update(error=str(e), kind=type(e).__name__)
+    verdict = json.loads(_distributed.broadcast_str(op, json.dumps(verdict)))
+    if verdict["error"] is not None:
+        kind = ForeignEntryError if verdict["kind"] == "ForeignEntryError" else CheckpointError
+        raise kind(f"{verdict['error']} (checked by process 0)")
+    return bool(verdict["held"])

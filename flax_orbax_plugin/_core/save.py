@@ -205,10 +205,11 @@ def save_async(
         budget = check_host_memory_budget(host_memory_budget)
         snap = snapshot(tree, compression=compression, format_version=format_version, budget=budget)
         snap.data_file_bytes = check_data_file_bytes(data_file_bytes)
-        _check_target(location, force)
-        # Object stores write in place: remains of a dead save, or with ``force`` a
-        # checkpoint of ours, are cleared first (proven ours by _check_target).
-        clear_first = not location.supports_rename and not _ownership.is_empty(location)
+        # Refuses a foreign or (without ``force``) committed target. Object stores write
+        # in place: remains of a dead save, or with ``force`` a checkpoint of ours, are
+        # cleared first, in the background phase (the decision is the primary's).
+        held = _ownership.prepare_slot(location, what="a checkpoint", replace=force, clear=False)
+        clear_first = held and not location.supports_rename
         staging = _commit.Staging.begin(location, _distributed.unique_name(), claim=False)
         job = _Background(
             location=location,
@@ -272,14 +273,6 @@ class _Background:
 def is_committed(path: Any) -> bool:
     """True when ``path`` holds a committed standalone checkpoint."""
     return Location.from_path(path).exists(COMMIT_FILE)
-
-
-def _check_target(location: Location, force: bool) -> None:
-    """Refuses a target held by anything foreign (ForeignEntryError, even with
-    ``force``) and a committed checkpoint of ours without ``force``. Every process
-    looks (they share the store), so all refuse together rather than the others
-    waiting for a primary that raised."""
-    _ownership.check_slot(location, what="a checkpoint", replace=force)
 
 
 def check_format_version(format_version: Any, compression: str | None) -> int:

@@ -22,7 +22,7 @@ from .._base import host as _host
 from .._core import ownership as _ownership
 from .._core.commit import Staging
 from .._core.save import SaveHandle, SaveResult, wait_for_data
-from .._errors import CheckpointError, ForeignEntryError
+from .._errors import CheckpointError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import ItemEntry
@@ -128,34 +128,10 @@ class Saver:
         return local
 
     def _check_slot(self, step: int) -> None:
-        """Refuses a step whose name a foreign entry holds; clears a dead save's remains.
-
-        On an object store with several processes, every process writes into the step's
-        own prefix (no staging name), so a fast process's data could land before a
-        slower primary looks: the primary alone looks, before anyone writes, and every
-        process waits for its verdict (one key-value round, only for a new step)."""
+        """Refuses a step whose name a foreign entry holds; clears a dead save's remains
+        (agreed by every process: :func:`ownership.prepare_slot`)."""
         slot = _steps.step_location(self._loc, step)
-
-        def look() -> None:
-            if _ownership.check_slot(slot, what=f"step {step}", replace=False):
-                _ownership.remove(slot, action="clear the remains of a dead save at")
-
-        if self._loc.supports_rename or _distributed.process_count() == 1:
-            look()
-            return
-        op = _distributed.next_operation_id("manager-slot")
-        verdict = ""
-        if _distributed.is_primary():
-            try:
-                look()
-            except CheckpointError as e:
-                verdict = f"{type(e).__name__}: {e}"
-        verdict = _distributed.broadcast_str(op, verdict)
-        if verdict:
-            kind, _, message = verdict.partition(": ")
-            raise (ForeignEntryError if kind == "ForeignEntryError" else CheckpointError)(
-                f"{message} (checked by process 0)"
-            )
+        _ownership.prepare_slot(slot, what=f"step {step}", replace=False)
 
     # -- the save
 

@@ -322,6 +322,38 @@ def test_processes_save_to_s3_and_manager_commits(s3_location):
     np.testing.assert_array_equal(host["w"], W.expected_w(4) + 3)
 
 
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        ("_mp_workers:core_save", {"format_version": 2}),
+        ("_mp_workers:core_save", {"async_save": True}),
+        ("_mp_workers:manager_save", {"steps": [1, 2]}),
+    ],
+    ids=["save-v2", "save_async-v1", "manager"],
+)
+def test_a_late_process_on_an_object_store_follows_the_primarys_look_at_the_target(
+    store, entry, request
+):
+    """On an object store every process writes into the target itself, so a process that
+    starts its save late finds the others' objects already there. The target's check and
+    clearing are the primary's alone, before anyone writes: the late process must neither
+    clear them nor wait for a clearing the others skipped (which hung), on every store and
+    entry point that saves."""
+    loc = request.getfixturevalue(f"{store}_location").join("late")
+    target, args = entry
+    args = {"steps": [1], **args, "directory": loc.spec, "late_s": 2.0}
+    run = _run(target, 2, args=args, env={**FAST_FAIL, **loc.env}, timeout_s=60).check()
+    steps = args["steps"]
+    if target.endswith("core_save"):
+        assert [p.result["committed"] for p in run.procs] == [[True] * len(steps)] * 2
+        w = fop.restore(W.step_path(loc.spec, steps[-1]))["params"]["w"]
+    else:
+        assert [p.result["steps"] for p in run.procs] == [steps, steps]
+        w = fop.restore_params(loc.spec)["w"]
+    np.testing.assert_array_equal(w, W.expected_w(4) + steps[-1])
+
+
 def test_manager_on_s3_process_killed_mid_save(s3_location):
     """Through the manager, on a bucket: process 1 of 3 dies while writing step 2."""
     loc = s3_location.join("run")

@@ -150,8 +150,12 @@ def step_path(directory, step):
     return f"{directory}/{step}"
 
 
-def core_save(ctx, directory, steps=(1,), async_save=False, work_between=False):
-    """Every process saves the same sharded state with fop.save / fop.save_async."""
+def core_save(
+    ctx, directory, steps=(1,), async_save=False, work_between=False, late_s=0.0, format_version=1
+):
+    """Every process saves the same sharded state with fop.save / fop.save_async.
+    ``late_s``: the last process starts each save that much later than the others (the
+    others' data lands before it looks at the target)."""
     import jax
     import jax.numpy as jnp
 
@@ -164,11 +168,14 @@ def core_save(ctx, directory, steps=(1,), async_save=False, work_between=False):
         state = make_state(ctx, step)
         mine = shard_bytes_of_this_process(state)
         before = ctx.io()
+        if late_s and ctx.process_id == ctx.num_processes - 1:
+            time.sleep(late_s)
         t = time.perf_counter()
+        path = step_path(directory, step)
         if async_save:
-            handles.append(fop.save_async(step_path(directory, step), state))
+            handles.append(fop.save_async(path, state, format_version=format_version))
         else:
-            fop.save(step_path(directory, step), state)
+            fop.save(path, state, format_version=format_version)
         elapsed = time.perf_counter() - t
         if work_between:  # a "train step" that replaces the saved buffers
             state = jax.tree.map(jnp.zeros_like, state)
@@ -252,8 +259,11 @@ def check_state(state, rows, step) -> dict:
     return {"checked_shards": checked, "sharding": str(state["params"]["w"].sharding.spec)}
 
 
-def manager_save(ctx, directory, steps=(1,), async_save=False, keep=None, work_between=False):
-    """Every process saves the same steps through the manager; reports bytes it wrote."""
+def manager_save(
+    ctx, directory, steps=(1,), async_save=False, keep=None, work_between=False, late_s=0.0
+):
+    """Every process saves the same steps through the manager; reports bytes it wrote.
+    ``late_s``: the last process starts each save that much later than the others."""
     import jax
     import jax.numpy as jnp
 
@@ -265,6 +275,8 @@ def manager_save(ctx, directory, steps=(1,), async_save=False, keep=None, work_b
             state = make_state(ctx, step)
             mine = shard_bytes_of_this_process(state)
             before = ctx.io()
+            if late_s and ctx.process_id == ctx.num_processes - 1:
+                time.sleep(late_s)
             t = time.perf_counter()
             mngr.save(step, state, extras={"step": step})
             blocking = time.perf_counter() - t

@@ -62,6 +62,7 @@ this helper; 3 processes x 2 CPU devices):
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import importlib
 import json
 import os
@@ -125,7 +126,9 @@ class ProcResult:
         return self.record.get("error")
 
     def describe(self) -> str:
-        tail = "\n".join((self.stderr or "").splitlines()[-25:])
+        lines = (self.stderr or "").splitlines()
+        # A hung child's stack dump (see dump_stacks_after_s) is worth reading whole.
+        tail = "\n".join(lines[-400:] if self.timed_out else lines[-25:])
         return (
             f"process {self.process_id}: rc={self.returncode} killed={self.killed} "
             f"timed_out={self.timed_out} wall={self.wall_s:.1f}s error={self.error!r}\n"
@@ -209,6 +212,9 @@ def run_processes(
             "t0_wall": time.time(),
             "recoverable": recoverable,
             "done_timeout_s": done_timeout_s,
+            # A child still running then prints every thread's stack to its stderr,
+            # so that a hang the parent kills at timeout_s says where it hung.
+            "dump_stacks_after_s": max(1.0, timeout_s - 3.0),
         }
         out = open(os.path.join(workdir, f"stdout_{i}.txt"), "w+")
         err = open(os.path.join(workdir, f"stderr_{i}.txt"), "w+")
@@ -346,6 +352,7 @@ def _resolve(target: str):
 def _child_main() -> int:
     job = json.loads(os.environ[_SPEC_ENV])
     t_start = time.time()
+    faulthandler.dump_traceback_later(job["dump_stacks_after_s"], exit=False)
     ctx = None
     try:
         import jax
