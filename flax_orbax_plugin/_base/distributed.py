@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import os
 import re
 import secrets
@@ -22,7 +23,8 @@ import threading
 
 import jax
 
-from .._errors import CoordinationError
+from .. import _errors
+from .._errors import CheckpointError, CoordinationError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FOP_COORDINATION_TIMEOUT_S", "300"))
 _COUNTER = itertools.count()
@@ -189,3 +191,32 @@ def get_from(name: str, process: int, *, timeout_s: float | None = None) -> str:
         raise CoordinationError(
             f"no value {name!r} from process {process} within {timeout:.0f}s ({e})"
         ) from e
+
+
+def agree(kind: str, error: BaseException | None, *, what: str) -> None:
+    """Collective: every process learns whether any process failed at this point.
+
+    Re-raises ``error`` (this process's own, once every process has learned of it); else
+    raises, on every process that succeeded, an error of the failed process's class (a
+    :class:`CheckpointError` subclass, else CheckpointError itself) naming that process;
+    returns when every process succeeded. One key-value round. So a restore that fails
+    on one process (a damaged chunk only it reads) fails on all of them, together and
+    at once: none goes on with a state the others did not restore, none waits in a
+    collective the failed one never enters.
+    """
+    if process_count() == 1:
+        if error is not None:
+            raise error
+        return
+    op = next_operation_id(kind)
+    mine = None if error is None else {"type": type(error).__name__, "message": str(error)}
+    publish(op, json.dumps(mine))
+    views = [json.loads(v) for v in gather_str(op)]  # kept: a peer may not have read ours
+    if error is not None:
+        raise error
+    for p, view in enumerate(views):
+        if view is not None:
+            cls = getattr(_errors, view["type"], None)
+            if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+                cls = CheckpointError
+            raise cls(f"{what}: process {p} failed: {view['type']}: {view['message']}")

@@ -36,16 +36,33 @@ from .targets import Target, finish, sharding_of
 
 
 def read_targets(location: Location, doc: CheckpointDocument, targets: list, limit: int):
+    """Reads every target's data into ``target.result``.
+
+    With shared reads (several processes restoring together, :data:`SHARE_READS`) this
+    is collective: the processes agree on the outcome of their reads before any
+    all-gather, so a read that fails on one process (damage in a region only it reads,
+    an I/O error) raises on every process, naming it, rather than one process going
+    on with data the others did not read or waiting in a collective."""
+    error = None
+    shared: list = []
     try:
-        _read_targets_inner(location, doc, targets, limit)
+        shared = _read_targets_inner(location, doc, targets, limit)
     except CorruptCheckpointError as e:
-        raise deleted_or(location, e) from None
+        error = deleted_or(location, e)
+    except Exception as e:  # noqa: BLE001  (re-raised below, after the agreement)
+        error = e
+    if SHARE_READS.get():
+        _distributed.agree("restore-read", error, what=f"restore of {location}")
+    elif error is not None:
+        raise error
+    for target, sharding in shared:  # collective, in the same order on every process
+        target.result = _replicate(sharding)(target.result)
 
 
 def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: list, limit: int):
     direct = open_direct(location, doc, targets)
     try:
-        _read_targets_with(location, doc, targets, limit, direct)
+        return _read_targets_with(location, doc, targets, limit, direct)
     finally:
         if direct is not None:
             direct.close()
@@ -111,8 +128,7 @@ def _read_targets_with(location, doc, targets, limit, direct):
     reader.placer.flush()
     if errors:
         raise deleted_or(location, errors[0])
-    for target, sharding in shared:  # collective, in the same order on every process
-        target.result = _replicate(sharding)(target.result)
+    return shared  # the all-gathers are read_targets', after the agreement
 
 
 SHARE_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("share_reads", default=False)

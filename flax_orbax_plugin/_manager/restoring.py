@@ -98,7 +98,7 @@ class Restorer:
             if tier is not None:
                 tier.ensure_local(step)
                 self._book.forget()  # it may have copied the step here
-            return self.with_step(step, fn)
+            return self._agreed(step, fn)
         skipped: list[tuple[int, CorruptCheckpointError]] = []
         for candidate in reversed(self.candidates()):
             for _ in range(2 if tier is not None else 1):  # local, then persistent
@@ -107,7 +107,7 @@ class Restorer:
                         if not tier.ensure_local(candidate):
                             break
                         self._book.forget()  # it may have copied the step here
-                    return self.with_step(candidate, fn)
+                    return self._agreed(candidate, fn)
                 except CorruptCheckpointError as e:
                     skipped.append((candidate, e))
                     if tier is not None and not self._loc.child(str(candidate)).is_dir():
@@ -225,6 +225,22 @@ class Restorer:
             logger.warning("checkpoint: moved step %d aside to %s/%s", step, self._loc, name)
         except OSError as e:
             logger.warning("checkpoint: could not move step %d aside: %s", step, e)
+
+    def _agreed(self, step: int, fn: Callable[[int], Any]) -> Any:
+        """:meth:`with_step` on every process together (one shared directory): when it
+        fails on any process, it fails on all of them (``_distributed.agree``), so every
+        process goes on to the same next step or raises; none resumes from a step the
+        others did not restore (a damaged chunk, or data-iterator file, that only one
+        process reads). One key-value round per step tried, with several processes."""
+        if _distributed.process_count() == 1:
+            return self.with_step(step, fn)
+        result, error = None, None
+        try:
+            result = self.with_step(step, fn)
+        except Exception as e:  # noqa: BLE001  (re-raised by the agreement)
+            error = e
+        _distributed.agree("restore-step", error, what=f"restore of step {step} of {self._loc}")
+        return result
 
     def with_step(self, step: int, fn: Callable[[int], Any]) -> Any:
         """``fn(step)`` with ``step`` chosen and marked as being read."""

@@ -354,6 +354,34 @@ def test_a_late_process_on_an_object_store_follows_the_primarys_look_at_the_targ
     np.testing.assert_array_equal(w, W.expected_w(4) + steps[-1])
 
 
+@pytest.mark.parametrize("leaf", ["w", "r"], ids=["sharded", "replicated-shared-read"])
+def test_damage_only_one_process_reads_fails_on_every_process_and_all_resume_one_step(
+    tmp_path, leaf
+):
+    """A damaged chunk of step 2 that only the last process reads (a row block of a
+    sharded leaf, or of a replicated one read shared and all-gathered): ``fop.restore``
+    raises CorruptCheckpointError on every process, the one that read it naming the file
+    and the others naming that process, promptly (no collective waits for the failed
+    one); the manager's restore of the latest brings every process back to step 1 (was:
+    process 0 resumed step 2 and process 1 step 1, without an error), and the step is
+    set aside."""
+    run = _run(
+        "_mp_workers:damaged_where_one_process_reads",
+        2,
+        args={"directory": str(tmp_path), "leaf": leaf},
+    ).check()
+    last = run.procs[-1].result
+    assert "crc32c" in last["core"] or "checksum" in last["core"], last["core"]
+    for p in run.procs:
+        assert p.result["core"].startswith("CorruptCheckpointError"), p.result["core"]
+        assert p.result["core_s"] < 15, p.result
+        assert p.result["restored_step"] == 1, p.result
+        assert p.result["steps_after"] == [1], p.result
+    assert "process 1 failed" in run.procs[0].result["core"]
+    assert [p.result["values_of_step"] for p in run.procs] == [1, 1]
+    assert any(n.startswith("2.corrupt-") for n in os.listdir(tmp_path))
+
+
 def test_manager_on_s3_process_killed_mid_save(s3_location):
     """Through the manager, on a bucket: process 1 of 3 dies while writing step 2."""
     loc = s3_location.join("run")

@@ -16,12 +16,13 @@ Each example is one of two modes, drawn first:
   replication, copy-down, and the local directory wiped between runs.
 
 Operations (rules): open a manager (``keep`` 2 or None, ``keep_best`` on ``loss``
-with finite and non-finite losses, ``persistent_keep`` in tiered mode); save the next
+with finite and non-finite losses, ``persistent_keep`` in tiered mode, format version
+1 or 2, incremental or not: steps of both versions mix in one run); save the next
 step (the step numbers run into the foreign ``4``, ``9`` and ``2024``: a save there
 must raise); overwrite an existing step; restore the latest and a given step;
 ``restore_params``; ``gc``; close; wipe the local tier; core ``fop.save`` /
-``fop.save(force=True)`` / ``fop.restore`` into a sub-path (a new one, the seeded
-core checkpoint, a user folder, a user file); ``fop.verify``; the CLI in process
+``fop.save(force=True)`` (format version 1 or 2) / ``fop.restore`` into a sub-path (a
+new one, the seeded core checkpoint, a user folder, a user file); ``fop.verify``; the CLI in process
 (``flax_orbax_plugin.cli.commands.main``): ``list`` (its step column), ``verify [--all]``,
 ``gc [--keep N]``, ``export`` to safetensors (sharded or not, ``--force``, with an
 index edited to name ``config.json``) into a folder holding a user's files; import of
@@ -298,9 +299,13 @@ class TrustMachine(RuleBasedStateMachine):
         keep=st.sampled_from([None, 2]),
         keep_best=st.sampled_from([None, 1]),
         persistent_keep=st.sampled_from([None, 3]),
+        format_version=st.sampled_from([1, 2]),
+        incremental=st.booleans(),
     )
-    def open_manager(self, keep, keep_best, persistent_keep):
-        options = {"keep": keep}
+    def open_manager(self, keep, keep_best, persistent_keep, format_version, incremental):
+        # Both format versions and incremental steps (which reuse the previous step's
+        # chunks or data files) must keep every rule: the rules travel with the features.
+        options = {"keep": keep, "format_version": format_version, "incremental": incremental}
         if keep_best is not None:
             options.update(keep_best=keep_best, best_metric="loss")
         if self.tiered:
@@ -322,10 +327,12 @@ class TrustMachine(RuleBasedStateMachine):
         skip=st.integers(0, 2),
         keep=st.sampled_from([None, 2]),
         keep_best=st.sampled_from([None, 1]),
+        format_version=st.sampled_from([1, 2]),
+        incremental=st.booleans(),
     )
-    def save_next(self, loss, skip, keep, keep_best):
+    def save_next(self, loss, skip, keep, keep_best, format_version, incremental):
         if self.mngr is None:  # saving is the point: open one rather than wait for open_manager
-            self.open_manager(keep, keep_best, None)
+            self.open_manager(keep, keep_best, None, format_version, incremental)
         self.next_step += skip
         step = self._step_numbers()
         while self.tiered and self._held_by_foreign(step):
@@ -430,8 +437,9 @@ class TrustMachine(RuleBasedStateMachine):
         force=st.booleans(),
         version=st.integers(0, 3),
         restore=st.booleans(),
+        format_version=st.sampled_from([1, 2]),
     )
-    def core(self, name, force, version, restore):
+    def core(self, name, force, version, restore, format_version):
         """A core checkpoint in a sub-path: ``fop.restore`` of one of ours, or
         ``fop.save`` (``force`` or not) over a new name, ours, or a user's entry."""
         if restore and name in self.cores:
@@ -448,7 +456,7 @@ class TrustMachine(RuleBasedStateMachine):
         before = self.foreign.get(target)
         error = None
         try:
-            fop.save(self.world.child(target), tree, force=force)
+            fop.save(self.world.child(target), tree, force=force, format_version=format_version)
         except Exception as e:  # noqa: BLE001
             error = e
         if absent or (ours and force):

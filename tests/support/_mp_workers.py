@@ -739,3 +739,87 @@ def per_host_directories(ctx, base, shared=False):
         error = str(e)
     left = sorted(os.listdir(directory)) if os.path.isdir(directory) else None
     return {"error": error, "left": left}
+
+
+def _damage_last_chunk(step_dir: str, shape: list[int]) -> str:
+    """Flips a byte in the last chunk file of the array of ``shape`` under ``step_dir``
+    (a row block that only the last process reads); returns the file's path."""
+    import glob
+    import json
+
+    for meta in glob.glob(f"{step_dir}/**/zarr.json", recursive=True):
+        with open(meta) as f:
+            if json.load(f).get("shape") == shape:
+                chunks = sorted(glob.glob(f"{os.path.dirname(meta)}/c/**", recursive=True))
+                victim = [c for c in chunks if os.path.isfile(c)][-1]
+                with open(victim, "r+b") as f:
+                    f.seek(os.path.getsize(victim) // 2)
+                    byte = f.read(1)
+                    f.seek(-1, 1)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+                return victim
+    raise AssertionError(f"no array of shape {shape} under {step_dir}")
+
+
+def damaged_where_one_process_reads(ctx, directory, leaf):
+    """Steps 1 and 2 through the manager; the primary damages a chunk of step 2's
+    ``leaf`` ("w": sharded by rows; "r": replicated, read shared: each process reads
+    its rows and the parts are all-gathered) that only the last process reads. Then
+    ``fop.restore`` of step 2 and the manager's restore of the latest, on every process."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flax_orbax_plugin as fop
+
+    rows = 4096 * ctx.num_processes
+    axis = ctx.mesh.axis_names[0]
+
+    def full(step):
+        w = np.arange(rows * 256, dtype=np.float32).reshape(rows, 256) + step
+        r = np.arange(rows * 512, dtype=np.float32).reshape(rows, 512) - step
+        return {"w": w, "r": r}
+
+    def state(step):
+        put = lambda x, spec: jax.make_array_from_callback(
+            x.shape, NamedSharding(ctx.mesh, spec), lambda i: x[i]
+        )
+        host = full(step)
+        return {"params": {"w": put(host["w"], P(axis)), "r": put(host["r"], P())}}
+
+    def step_of(tree):
+        """The step whose values every local shard holds (None: no one step's)."""
+        for step in (1, 2):
+            want = full(step)
+            if all(
+                np.array_equal(np.asarray(s.data), want[name][s.index])
+                for name, arr in tree["params"].items()
+                for s in arr.addressable_shards
+            ):
+                return step
+        return None
+
+    out = {}
+    with fop.CheckpointManager(directory) as mngr:
+        for step in (1, 2):
+            mngr.save(step, state(step))
+        mngr.wait()
+    ctx.client.wait_at_barrier("fop_test/saved", 60_000)
+    if ctx.process_id == 0:
+        shape = [rows, 256] if leaf == "w" else [rows, 512]
+        out["victim"] = _damage_last_chunk(os.path.join(directory, "2"), shape)
+    ctx.client.wait_at_barrier("fop_test/damaged", 60_000)
+    t = time.perf_counter()
+    try:
+        fop.restore(os.path.join(directory, "2", "params"), state(0)["params"])
+        out["core"] = "returned"
+    except fop.CheckpointError as e:
+        out["core"] = f"{type(e).__name__}: {e}"
+    out["core_s"] = time.perf_counter() - t
+    with fop.CheckpointManager(directory) as mngr:
+        restored = mngr.restore(like=state(0))
+        out["restored_step"] = mngr.restored_step
+        out["values_of_step"] = step_of(restored)
+        out["steps_after"] = mngr.steps()
+    return out
