@@ -3,8 +3,10 @@
 1. An uninterrupted reference run trains to the end.
 2. The same run is started again with checkpoints and
    `--config.checkpoint.resume=True` (the preemptible-job idiom: resume when steps
-   exist, start fresh when none); once it has logged step `--kill-at`, this script
-   sends it SIGKILL (a real kill of the real process).
+   exist, start fresh when none); once it has logged step `--kill-at` and a step
+   is committed on disk, this script sends it SIGKILL (a real kill of the real
+   process; waiting for a commit keeps a slow machine's demo from killing a run
+   that has nothing to resume yet).
 3. It is restarted with the very same command and finishes from its latest step.
 4. examples/serve.py restores the params alone and scores held-out data.
 5. The final params of the resumed run, of the served checkpoint and of the
@@ -32,10 +34,26 @@ def _banner(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
 
-def _run(name, cmd, *, kill_at=None):
-    """Runs `cmd`, echoing its output prefixed with [name]; returns (returncode, lines).
+def _committed_steps(directory):
+    """The steps of `directory` that hold their manifest (FORMAT.md: a step is committed
+    once its `_CHECKPOINT.json` exists), without importing the library here."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(
+        int(n)
+        for n in names
+        if n.isdigit() and os.path.isfile(os.path.join(directory, n, "_CHECKPOINT.json"))
+    )
 
-    With `kill_at`, SIGKILLs the process as soon as it logs a step >= kill_at.
+
+def _run(name, cmd, *, kill_at=None, committed_in=None):
+    """Runs `cmd`, echoing its output prefixed with [name]; returns (returncode, lines,
+    the step after which it was killed or None).
+
+    With `kill_at`, SIGKILLs the process as soon as it logs a step >= kill_at and (with
+    `committed_in`) that directory holds a committed step.
     """
     shown = [os.path.relpath(cmd[0]) if os.path.isabs(cmd[0]) else cmd[0]] + cmd[1:]
     print("$ " + " ".join(shown).replace(ROOT + os.sep, ""), flush=True)
@@ -44,17 +62,18 @@ def _run(name, cmd, *, kill_at=None):
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    lines, killed = [], False
+    lines, killed = [], None
     for line in proc.stdout:
         line = line.rstrip("\n")
         lines.append(line)
         print(f"[{name}] {line}", flush=True)
         m = STEP_LINE.match(line)
-        if kill_at is not None and not killed and m and int(m.group(1)) >= kill_at:
+        due = kill_at is not None and killed is None and m and int(m.group(1)) >= kill_at
+        if due and (committed_in is None or _committed_steps(committed_in)):
             os.kill(proc.pid, signal.SIGKILL)
-            killed = True
+            killed = int(m.group(1))
             print(f"[{name}] >>> sent SIGKILL to pid {proc.pid} after step {m.group(1)}")
-    return proc.wait(), lines
+    return proc.wait(), lines, killed
 
 
 def _digest(lines, kind):
@@ -91,7 +110,7 @@ def main() -> None:
     cli = [sys.executable, "-m", "flax_orbax_plugin"]
 
     _banner("1/5 reference: an uninterrupted run")
-    rc, lines = _run("reference", [*train, f"--config.checkpoint.directory={reference_dir}"])
+    rc, lines, _ = _run("reference", [*train, f"--config.checkpoint.directory={reference_dir}"])
     reference = _digest(lines, "final")
     if rc != 0 or reference is None:
         _fail(f"the reference run failed (exit {rc})")
@@ -104,26 +123,26 @@ def main() -> None:
         f"--config.checkpoint.directory={ckpt_dir}",
         "--config.checkpoint.resume=True",
     ]
-    rc, lines = _run("train", job_cmd, kill_at=args.kill_at)
+    rc, lines, killed_at = _run("train", job_cmd, kill_at=args.kill_at, committed_in=ckpt_dir)
     if rc != -signal.SIGKILL:
         _fail(f"the run was meant to die by SIGKILL but exited with {rc}; lower --kill-at")
     print(f"killed: exit status {rc} (SIGKILL). What survived on disk:")
     subprocess.run([*cli, "list", ckpt_dir], cwd=ROOT, check=False)
 
     _banner("3/5 the same command again: --config.checkpoint.resume=True resumes")
-    rc, lines = _run("resume", job_cmd)
+    rc, lines, _ = _run("resume", job_cmd)
     final = _digest(lines, "final")
     resumed_from = [
         int(m.group(1)) for m in map(re.compile(r"resumed from step (\d+)").search, lines) if m
     ]
     if rc != 0 or final is None:
         _fail(f"the resumed run failed (exit {rc})")
-    if not resumed_from or not 0 < resumed_from[0] <= args.kill_at:
+    if not resumed_from or not 0 < resumed_from[0] <= killed_at:
         _fail("the resumed run did not resume from a checkpoint written before the kill")
 
     _banner("4/5 serve: restore the params alone, score held-out data")
     serve = [sys.executable, os.path.join(ROOT, "examples", "serve.py"), f"--config={CONFIG}"]
-    rc, lines = _run(
+    rc, lines, _ = _run(
         "serve", [*serve, *args.overrides, f"--config.checkpoint.directory={ckpt_dir}"]
     )
     served = _digest(lines, "served")
@@ -132,7 +151,7 @@ def main() -> None:
 
     _banner("5/5 compare final params, bit for bit")
     print(f"reference run (never interrupted)  sha256 {reference}")
-    print(f"killed at step >= {args.kill_at}, resumed from {resumed_from[0]}  sha256 {final}")
+    print(f"killed after step {killed_at}, resumed from {resumed_from[0]}  sha256 {final}")
     print(f"served from the checkpoint         sha256 {served}")
     if not reference == final == served:
         _fail("the params differ")

@@ -322,15 +322,15 @@ def test_processes_save_to_s3_and_manager_commits(s3_location):
     np.testing.assert_array_equal(host["w"], W.expected_w(4) + 3)
 
 
-@pytest.mark.parametrize("store", ["s3", "gcs"])
+_SAVE_V2 = ("_mp_workers:core_save", {"format_version": 2})
+_SAVE_ASYNC = ("_mp_workers:core_save", {"async_save": True})
+_MANAGER = ("_mp_workers:manager_save", {"steps": [1, 2]})
+
+
 @pytest.mark.parametrize(
-    "entry",
-    [
-        ("_mp_workers:core_save", {"format_version": 2}),
-        ("_mp_workers:core_save", {"async_save": True}),
-        ("_mp_workers:manager_save", {"steps": [1, 2]}),
-    ],
-    ids=["save-v2", "save_async-v1", "manager"],
+    "store, entry",
+    [("s3", _SAVE_V2), ("s3", _MANAGER), ("gcs", _SAVE_ASYNC), ("gcs", _MANAGER)],
+    ids=["s3-save-v2", "s3-manager", "gcs-save_async-v1", "gcs-manager"],
 )
 def test_a_late_process_on_an_object_store_follows_the_primarys_look_at_the_target(
     store, entry, request

@@ -93,5 +93,6 @@ def test_main_job_kills_resumes_and_matches(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "sent SIGKILL" in p.stdout and "exit status -9" in p.stdout
     resumed = int(re.search(r"resumed from step (\d+)", p.stdout).group(1))
-    assert 0 < resumed <= 200
+    killed = int(re.search(r"sent SIGKILL to pid \d+ after step (\d+)", p.stdout).group(1))
+    assert 200 <= killed < 400 and 0 < resumed <= killed and resumed % 100 == 0
     assert "PASS" in p.stdout

@@ -100,10 +100,14 @@ def remote_steps(url):
 # ------------------------------------------------------------------ replication
 
 
-def test_every_item_is_replicated_whole_and_restores_bit_exact(remote, tmp_path):
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_every_item_is_replicated_whole_and_restores_bit_exact(remote, tmp_path, format_version):
+    """In both format versions the tier copies the step's files as they are: in version
+    2 a few data files per item and process, not one object per chunk."""
     local = tmp_path / "local"
     it = make_iterator()
-    with fop.CheckpointManager(local, persistent=remote.url) as mngr:
+    options = {"persistent": remote.url, "format_version": format_version}
+    with fop.CheckpointManager(local, **options) as mngr:
         save_steps(mngr, [1, 2], it)
         assert mngr.persistent.replicated == [1, 2]
     assert remote_steps(remote.url) == [1, 2]
@@ -115,6 +119,14 @@ def test_every_item_is_replicated_whole_and_restores_bit_exact(remote, tmp_path)
     )
     assert sorted(k[2:] for k in remote.keys() if k.startswith("2/")) == local_files
     assert "data_iterator/process_0.json" in local_files
+    if format_version == 2:  # no chunk files, a data file and its index per item
+        assert not [f for f in local_files if "/c/" in f], local_files
+        assert {f for f in local_files if "/data/" in f} == {
+            "params/data/0-0.bin",
+            "params/data/0.json",
+            "opt_state/data/0-0.bin",
+            "opt_state/data/0.json",
+        }
     # The persistent tier alone restores it: arrays, extras, the data position.
     with fop.CheckpointManager(remote.url, read_only=True) as reader:
         it2 = make_iterator()
