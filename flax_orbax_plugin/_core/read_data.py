@@ -38,11 +38,14 @@ from .targets import Target, finish, sharding_of
 def read_targets(location: Location, doc: CheckpointDocument, targets: list, limit: int):
     """Reads every target's data into ``target.result``.
 
-    With shared reads (several processes restoring together, :data:`SHARE_READS`) this
-    is collective: the processes agree on the outcome of their reads before any
-    all-gather, so a read that fails on one process (damage in a region only it reads,
-    an I/O error) raises on every process, naming it, rather than one process going
-    on with data the others did not read or waiting in a collective."""
+    When a leaf is read shared (:data:`SHARE_READS`, a leaf replicated over several
+    processes: each reads its rows, then an all-gather) this is collective: the
+    processes agree on the outcome of their reads before any all-gather, so a read
+    that fails on one process (damage in a region only it reads, an I/O error) raises
+    on every process, naming it, rather than the others waiting in the all-gather.
+    Without such a leaf nothing here is collective (one process may read alone); the
+    manager's restore agrees per step (``Restorer._agreed``)."""
+    collective = _shares(targets)  # from the targets alone: the same on every process
     error = None
     shared: list = []
     try:
@@ -51,12 +54,22 @@ def read_targets(location: Location, doc: CheckpointDocument, targets: list, lim
         error = deleted_or(location, e)
     except Exception as e:  # noqa: BLE001  (re-raised below, after the agreement)
         error = e
-    if SHARE_READS.get():
+    if collective:
         _distributed.agree("restore-read", error, what=f"restore of {location}")
     elif error is not None:
         raise error
     for target, sharding in shared:  # collective, in the same order on every process
         target.result = _replicate(sharding)(target.result)
+
+
+def _shares(targets: list) -> bool:
+    """Whether reading ``targets`` all-gathers a leaf read shared (see read_targets)."""
+    return SHARE_READS.get() and any(
+        t.record.kind not in _layout.NO_DATA_KINDS
+        and not isinstance(t.record.storage, BatchStorage)
+        and _shared_read_sharding(sharding_of(t), t.record.shape) is not None
+        for t in targets
+    )
 
 
 def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: list, limit: int):

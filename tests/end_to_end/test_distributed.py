@@ -382,6 +382,14 @@ def test_damage_only_one_process_reads_fails_on_every_process_and_all_resume_one
     assert any(n.startswith("2.corrupt-") for n in os.listdir(tmp_path))
 
 
+def test_the_primary_may_restore_alone_when_nothing_is_read_shared(tmp_path):
+    """Restores agree on their outcome only around a collective: a restore by one process
+    alone (host arrays, nothing replicated over processes) returns at once."""
+    run = _run("_mp_workers:primary_restores_alone", 2, args={"directory": str(tmp_path)})
+    result = run.check().procs[0].result
+    assert result["w_ok"] and result["restore_s"] < 10, result
+
+
 def test_manager_on_s3_process_killed_mid_save(s3_location):
     """Through the manager, on a bucket: process 1 of 3 dies while writing step 2."""
     loc = s3_location.join("run")

@@ -823,3 +823,20 @@ def damaged_where_one_process_reads(ctx, directory, leaf):
         out["values_of_step"] = step_of(restored)
         out["steps_after"] = mngr.steps()
     return out
+
+
+def primary_restores_alone(ctx, directory):
+    """Every process saves; then the primary alone restores it as host arrays (no
+    like: nothing shared, so nothing collective), while the others wait at a barrier."""
+    import flax_orbax_plugin as fop
+
+    path = os.path.join(directory, "1")
+    fop.save(path, make_state(ctx, 1))
+    out = {}
+    if ctx.process_id == 0:
+        t = time.perf_counter()
+        host = fop.restore(path)
+        out["restore_s"] = time.perf_counter() - t
+        out["w_ok"] = bool((host["params"]["w"] == expected_w(len(ctx.devices)) + 1).all())
+    ctx.client.wait_at_barrier("fop_test/read-alone", 60_000)
+    return out
