@@ -306,12 +306,16 @@ def prepare_slot(loc: Location, *, what: str, replace: bool, clear: bool = True)
         return look()
     verdict = {"held": False, "error": None, "kind": None}
     op = _distributed.next_operation_id("slot")
+    own_error = None
     if _distributed.is_primary():
         try:
             verdict["held"] = look()
-        except CheckpointError as e:
+        except Exception as e:  # noqa: BLE001  (every process learns of it, then raises)
+            own_error = e
             verdict.update(error=str(e), kind=type(e).__name__)
     verdict = json.loads(_distributed.broadcast_str(op, json.dumps(verdict)))
+    if own_error is not None:
+        raise own_error
     if verdict["error"] is not None:
         kind = ForeignEntryError if verdict["kind"] == "ForeignEntryError" else CheckpointError
         raise kind(f"{verdict['error']} (checked by process 0)")
