@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from .._base import distributed as _distributed
 from .._core import restore as _restore
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
@@ -56,7 +57,9 @@ def restore_params(
     ShapeDtypeStructs, e.g. from ``jax.eval_shape``), a TrainState / NNX module
     whose params are taken, or None (numpy on the host). ``dtype`` casts the
     floating-point leaves; ``sharding`` is one Sharding for every leaf or a pytree
-    of them. Safe to call from any thread, even while a manager writes.
+    of them. Safe to call from any thread, even while a manager writes. With several
+    processes and a ``like`` or ``sharding`` that spans them, the call is collective
+    and every process reads the primary's latest step (one key-value round).
 
     ``partial``, ``missing`` and ``transform`` restore into changed params, as
     ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
@@ -65,6 +68,8 @@ def restore_params(
     changes = _transform.changes(partial=partial, missing=missing, transform=transform)
     loc = Location.from_path(directory)
     steps = _steps.committed_steps(loc)
+    if step is None and _spans_processes(_params_like(like), sharding):
+        step, steps = _agreed_latest(loc, steps)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
         if is_orbax_checkpoint(directory):
             return _orbax_params(directory, like, step, dtype, sharding, changes, partial)
@@ -80,6 +85,32 @@ def restore_params(
     if target is not None and (dtype is not None or sharding is not None):
         target = retarget(target, dtype, sharding)
     return _restore.restore(params_loc, target, **changes.kwargs())
+
+
+def _spans_processes(*trees: Any) -> bool:
+    """Whether a sharding in ``trees`` (``like``'s leaves, the ``sharding`` argument)
+    places data on devices of other processes: the read is then collective."""
+    if jax.process_count() == 1:
+        return False
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
+    for leaf in jax.tree_util.tree_leaves(trees, is_leaf=is_sharding):
+        found = leaf if is_sharding(leaf) else getattr(leaf, "sharding", None)
+        if is_sharding(found) and not found.is_fully_addressable:
+            return True
+    return False
+
+
+def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[int]]:
+    """Collective: the primary's latest step, on every process, and this process's
+    listing (listed again when it lacks that step). Processes that list the directory at
+    different moments while a manager commits would otherwise each read their own
+    latest step: params of two steps in one model, without an error."""
+    op = _distributed.next_operation_id("serve-step")
+    agreed = _distributed.broadcast_str(op, str(steps[-1]) if steps else "")
+    if not agreed:
+        return None, steps
+    step = int(agreed)
+    return step, steps if step in steps else _steps.committed_steps(loc)
 
 
 def _orbax_params(directory, like, step, dtype, sharding, changes, partial) -> Any:

@@ -390,6 +390,14 @@ def test_the_primary_may_restore_alone_when_nothing_is_read_shared(tmp_path):
     assert result["w_ok"] and result["restore_s"] < 10, result
 
 
+def test_serving_processes_read_one_step_while_another_lands(tmp_path):
+    """``restore_params`` with a like sharded over the processes: a process that lists
+    the directory before a new step lands reads the primary's latest step, not its own
+    (was: one process served step 1's shards and the other step 2's, without an error)."""
+    run = _run("_mp_workers:serving_while_a_step_lands", 2, args={"directory": str(tmp_path)})
+    assert [p.result["held"] for p in run.check().procs] == [[2], [2]]
+
+
 def test_manager_on_s3_process_killed_mid_save(s3_location):
     """Through the manager, on a bucket: process 1 of 3 dies while writing step 2."""
     loc = s3_location.join("run")

@@ -840,3 +840,40 @@ def primary_restores_alone(ctx, directory):
         out["w_ok"] = bool((host["params"]["w"] == expected_w(len(ctx.devices)) + 1).all())
     ctx.client.wait_at_barrier("fop_test/read-alone", 60_000)
     return out
+
+
+def serving_while_a_step_lands(ctx, directory):
+    """Steps 1 and 2 through the manager; step 2 is then hidden and put back by the
+    primary while the last process already lists the directory: both call
+    ``restore_params`` with a sharded ``like`` (a collective read). Reports the step
+    whose values this process's shards hold."""
+    import jax
+    import numpy as np
+
+    import flax_orbax_plugin as fop
+
+    with fop.CheckpointManager(directory) as mngr:
+        for step in (1, 2):
+            mngr.save(step, make_state(ctx, step))
+    hidden = os.path.join(directory, "hidden-2")
+    if ctx.process_id == 0:
+        os.rename(os.path.join(directory, "2"), hidden)
+    ctx.client.wait_at_barrier("fop_test/hidden", 60_000)
+    if ctx.process_id == 0:
+        time.sleep(1.5)  # the other process lists now, seeing step 1 only
+        os.rename(hidden, os.path.join(directory, "2"))
+    like = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+        make_state(ctx, 0)["params"],
+    )
+    params = fop.restore_params(directory, like)
+    full = expected_w(len(ctx.devices))
+    held = [
+        step
+        for step in (1, 2)
+        if all(
+            np.array_equal(np.asarray(s.data), (full + step)[s.index])
+            for s in params["w"].addressable_shards
+        )
+    ]
+    return {"held": held}
