@@ -5,8 +5,9 @@ checkpoint directory seeded with entries the library did not create (see
 ``tests/support/_trust_world.py`` for the seeds: a user file and folder, digits-named and
 zero-padded folders, an Orbax run and an Orbax step named like one of ours, a core
 checkpoint; on local disk also symlinks in and out, a digits-named symlink and a
-FIFO), on three stores: local disk, the S3 server (moto) and the GCS emulator of
-``tests/support/_servers.py``, a fresh prefix per example.
+FIFO), on four stores: local disk, the S3 server (moto), the GCS emulator of
+``tests/support/_servers.py`` and the in-process ``memory://`` store, a fresh prefix
+per example.
 
 Each example is one of two modes, drawn first:
 
@@ -49,8 +50,8 @@ few operations otherwise); no ``<step>.corrupt-*`` appears (the test damages
 nothing); after a successful close no ``*.partial-*``, ``*.deleting-*`` or
 ``_PENDING.json`` lingers.
 
-Settings: derandomized; 20 examples on local disk, 6 on S3, 2 on GCS (its emulator
-answers about 10x slower than moto), of
+Settings: derandomized; 20 examples on local disk, 6 on S3 and on ``memory://``, 2 on
+GCS (its emulator answers about 10x slower than moto), of
 ``FOP_PROPERTY_STEPS`` (default 14) operations each, about two minutes for the three
 stores on 2 cores; ``FOP_PROPERTY_EXAMPLES`` sets the count for every store. A longer
 local run:
@@ -72,7 +73,14 @@ import shutil
 import _trust_world
 import numpy as np
 import pytest
-from _trust_world import CORE_TREE, EXPORT_FOREIGN, LocalWorld, ObjectWorld, OsFault
+from _trust_world import (
+    CORE_TREE,
+    EXPORT_FOREIGN,
+    LocalWorld,
+    MemoryLocation,
+    ObjectWorld,
+    OsFault,
+)
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -90,8 +98,8 @@ from flax_orbax_plugin import cli
 pytest_plugins = ["_servers"]
 
 # Examples per store in CI (the object stores cost ~5 ms a request, the invariants
-# read every foreign key after each operation); FOP_PROPERTY_EXAMPLES sets all three.
-EXAMPLES = {"local": 20, "s3": 6, "gs": 2}
+# read every foreign key after each operation); FOP_PROPERTY_EXAMPLES sets every store's.
+EXAMPLES = {"local": 20, "s3": 6, "gs": 2, "memory": 6}
 if os.environ.get("FOP_PROPERTY_EXAMPLES"):
     EXAMPLES = dict.fromkeys(EXAMPLES, int(os.environ["FOP_PROPERTY_EXAMPLES"]))
 STEPS = int(os.environ.get("FOP_PROPERTY_STEPS", "14"))
@@ -834,6 +842,11 @@ def test_trust_rules_local_disk(tmp_path):
 @pytest.mark.timeout(600)
 def test_trust_rules_s3(tmp_path, s3_location):
     _run(_worlds(tmp_path, lambda root: ObjectWorld(root, s3_location)), "s3")
+
+
+@pytest.mark.timeout(600)
+def test_trust_rules_memory(tmp_path):
+    _run(_worlds(tmp_path, lambda root: ObjectWorld(root, MemoryLocation())), "memory")
 
 
 @pytest.mark.timeout(600)

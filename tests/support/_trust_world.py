@@ -187,6 +187,34 @@ class LocalWorld(_LocalSide):
         return fp
 
 
+class MemoryLocation:
+    """A prefix of the in-process ``memory://`` store, shaped like the servers'
+    ``ObjectStoreLocation`` (``scheme``, ``url``, ``join``, ``kvstore``). Its kvstore
+    shares the library's tensorstore context, which is where ``memory://`` data lives."""
+
+    def __init__(self, bucket: str | None = None, prefix: str = ""):
+        self.scheme = "memory"
+        self.bucket = bucket or f"trust-{uuid.uuid4().hex[:10]}"
+        self.prefix = prefix.strip("/")
+
+    @property
+    def url(self) -> str:
+        return f"memory://{self.bucket}/{self.prefix}"
+
+    def join(self, *parts: str) -> MemoryLocation:
+        prefix = "/".join(p.strip("/") for p in (self.prefix, *parts) if p.strip("/"))
+        return MemoryLocation(self.bucket, prefix)
+
+    def kvstore(self):
+        import tensorstore as ts
+
+        from flax_orbax_plugin._storage.kvstore import context
+
+        path = f"{self.bucket}/{self.prefix}/" if self.prefix else f"{self.bucket}/"
+        spec = {"driver": "memory", "path": path}
+        return ts.KvStore.open(spec, context=context(local=False)).result()
+
+
 class ObjectWorld(_LocalSide):
     """A prefix on an object store (an ``ObjectStoreLocation`` of tests/support/_s3_server.py)."""
 
