@@ -52,7 +52,7 @@ nothing); after a successful close no ``*.partial-*``, ``*.deleting-*`` or
 
 Settings: derandomized; 20 examples on local disk, 6 on S3 and on ``memory://``, 2 on
 GCS (its emulator answers about 10x slower than moto), of
-``FOP_PROPERTY_STEPS`` (default 14) operations each, about two minutes for the three
+``FOP_PROPERTY_STEPS`` (default 14) operations each, about two minutes for the four
 stores on 2 cores; ``FOP_PROPERTY_EXAMPLES`` sets the count for every store. A longer
 local run:
 ``FOP_PROPERTY_EXAMPLES=500 FOP_PROPERTY_STEPS=30 pytest
