@@ -15,7 +15,11 @@ What they show:
 * a process SIGKILLed in the middle of a save: no step is committed, the survivors
   fail within a bounded time with an error naming the missing process;
 * the same on a bucket (moto S3 on 127.0.0.1), through the manager: several
-  processes write one step, retention, and a process killed mid-save.
+  processes write one step, retention, and a process killed mid-save;
+* decisions about the store are the primary's (a late process on S3 and GCS, through
+  fop.save, save_async and the manager), and restores are agreed: damage only one
+  process reads fails on all and every process resumes the same step; serving
+  processes read one step while another lands; a process may still restore alone.
 
 What a dead process looks like to the others (jax 0.10.2): a barrier that times
 out first raises "DEADLINE_EXCEEDED: Barrier timed out ... Some timed out task
