@@ -38,14 +38,15 @@ from .targets import Target, finish, sharding_of
 def read_targets(location: Location, doc: CheckpointDocument, targets: list, limit: int):
     """Reads every target's data into ``target.result``.
 
-    When a leaf is read shared (:data:`SHARE_READS`, a leaf replicated over several
-    processes: each reads its rows, then an all-gather) this is collective: the
-    processes agree on the outcome of their reads before any all-gather, so a read
-    that fails on one process (damage in a region only it reads, an I/O error) raises
-    on every process, naming it, rather than the others waiting in the all-gather.
-    Without such a leaf nothing here is collective (one process may read alone); the
-    manager's restore agrees per step (``Restorer._agreed``)."""
-    collective = _shares(targets)  # from the targets alone: the same on every process
+    When the processes read together (a target placed on devices of several processes,
+    or a leaf read shared, :data:`SHARE_READS`: each process reads its rows, then an
+    all-gather) this is collective: the processes agree on the outcome of their reads
+    before any all-gather, so a read that fails on one process (damage in a region only
+    it reads, an I/O error) raises on every process, naming it, rather than the others
+    going on with a state that process lacks, or waiting in the all-gather. Host arrays
+    alone are no collective (one process may read alone); the manager's restore also
+    agrees per step (``Restorer._agreed``)."""
+    collective = _collective(targets)  # from the targets alone: the same on every process
     error = None
     shared: list = []
     try:
@@ -62,14 +63,23 @@ def read_targets(location: Location, doc: CheckpointDocument, targets: list, lim
         target.result = _replicate(sharding)(target.result)
 
 
-def _shares(targets: list) -> bool:
-    """Whether reading ``targets`` all-gathers a leaf read shared (see read_targets)."""
-    return SHARE_READS.get() and any(
-        t.record.kind not in _layout.NO_DATA_KINDS
-        and not isinstance(t.record.storage, BatchStorage)
-        and _shared_read_sharding(sharding_of(t), t.record.shape) is not None
-        for t in targets
-    )
+def _collective(targets: list) -> bool:
+    """Whether reading ``targets`` is a read by several processes together (see
+    read_targets): a leaf read shared (then all-gathered), or placed on devices of
+    other processes. Not for each host's own directory (``SHARE_READS`` off), where
+    every process reads alone and the manager agrees per step."""
+    if not SHARE_READS.get() or _distributed.process_count() == 1:
+        return False
+    for t in targets:
+        if t.record.kind in _layout.NO_DATA_KINDS:
+            continue
+        sharding = sharding_of(t)
+        if sharding is not None and not sharding.is_fully_addressable:
+            return True
+        batched = isinstance(t.record.storage, BatchStorage)
+        if not batched and _shared_read_sharding(sharding, t.record.shape) is not None:
+            return True
+    return False
 
 
 def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: list, limit: int):

@@ -363,12 +363,12 @@ def test_damage_only_one_process_reads_fails_on_every_process_and_all_resume_one
     tmp_path, leaf
 ):
     """A damaged chunk of step 2 that only the last process reads (a row block of a
-    sharded leaf, or of a replicated one read shared and all-gathered): ``fop.restore``
-    raises CorruptCheckpointError on every process, the one that read it naming the file
-    and the others naming that process, promptly (no collective waits for the failed
-    one); the manager's restore of the latest brings every process back to step 1 (was:
-    process 0 resumed step 2 and process 1 step 1, without an error), and the step is
-    set aside."""
+    sharded leaf or of a replicated one): ``fop.restore`` onto a sharding over the
+    processes raises CorruptCheckpointError on every process, the one that read it
+    naming the file and the others naming that process, promptly (was: the others
+    returned); the manager's restore of the latest (the replicated leaf read shared and
+    all-gathered) brings every process back to step 1 (was: process 0 resumed step 2
+    and process 1 step 1, without an error), and the step is set aside."""
     run = _run(
         "_mp_workers:damaged_where_one_process_reads",
         2,

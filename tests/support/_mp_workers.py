@@ -763,9 +763,10 @@ def _damage_last_chunk(step_dir: str, shape: list[int]) -> str:
 
 def damaged_where_one_process_reads(ctx, directory, leaf):
     """Steps 1 and 2 through the manager; the primary damages a chunk of step 2's
-    ``leaf`` ("w": sharded by rows; "r": replicated, read shared: each process reads
-    its rows and the parts are all-gathered) that only the last process reads. Then
-    ``fop.restore`` of step 2 and the manager's restore of the latest, on every process."""
+    ``leaf`` ("w": sharded by rows; "r": replicated) that only the last process reads.
+    Then ``fop.restore`` of step 2 with both leaves sharded by rows, and the manager's
+    restore of the latest (``r`` replicated again: read shared, each process reads its
+    rows and the parts are all-gathered), on every process."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
@@ -810,9 +811,15 @@ def damaged_where_one_process_reads(ctx, directory, leaf):
         shape = [rows, 256] if leaf == "w" else [rows, 512]
         out["victim"] = _damage_last_chunk(os.path.join(directory, "2"), shape)
     ctx.client.wait_at_barrier("fop_test/damaged", 60_000)
+    # The core restore places both leaves by rows over the processes (no shared read):
+    # the one whose rows hold the damage fails, and so must every other.
+    rows_like = {
+        name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(ctx.mesh, P(axis)))
+        for name, a in state(0)["params"].items()
+    }
     t = time.perf_counter()
     try:
-        fop.restore(os.path.join(directory, "2", "params"), state(0)["params"])
+        fop.restore(os.path.join(directory, "2", "params"), rows_like)
         out["core"] = "returned"
     except fop.CheckpointError as e:
         out["core"] = f"{type(e).__name__}: {e}"
