@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import threading
+from typing import Any
 
 import jax
 
@@ -193,6 +194,16 @@ def get_from(name: str, process: int, *, timeout_s: float | None = None) -> str:
         ) from e
 
 
+def gather_json(kind: str, value: Any) -> list[Any]:
+    """Collective: every process's JSON ``value``, by process index (one key-value
+    round; with one process, ``[value]``)."""
+    if process_count() == 1:
+        return [value]
+    op = next_operation_id(kind)
+    publish(op, json.dumps(value))
+    return [json.loads(v) for v in gather_str(op)]  # kept: a peer may not have read ours
+
+
 def agree(kind: str, error: BaseException | None, *, what: str) -> None:
     """Collective: every process learns whether any process failed at this point.
 
@@ -208,10 +219,8 @@ def agree(kind: str, error: BaseException | None, *, what: str) -> None:
         if error is not None:
             raise error
         return
-    op = next_operation_id(kind)
     mine = None if error is None else {"type": type(error).__name__, "message": str(error)}
-    publish(op, json.dumps(mine))
-    views = [json.loads(v) for v in gather_str(op)]  # kept: a peer may not have read ours
+    views = gather_json(kind, mine)
     if error is not None:
         raise error
     for p, view in enumerate(views):

@@ -88,7 +88,7 @@ def fetch(loc: Location, step: int, run: Any, holds: bool) -> bool:
     now holds it committed in its own directory; False (logged) on every process
     otherwise."""
     doc = _per_host.read_marker(loc, step)[0] if holds else None
-    offers = _per_host.gather("peer-offer", _offer(doc))
+    offers = _distributed.gather_json("peer-offer", _offer(doc))
     chosen = plan(offers)
     if isinstance(chosen, str):
         logger.info("checkpoint: step %d cannot come from the peers, no way b: %s", step, chosen)
@@ -99,7 +99,7 @@ def fetch(loc: Location, step: int, run: Any, holds: bool) -> bool:
         error = _from_donor(loc, step, run, donor, me in takers, doc if me == donor else None)
         errors.append(error)
     error = next((e for e in errors if e is not None), None)
-    views = _per_host.gather("peer-commit", error)
+    views = _distributed.gather_json("peer-commit", error)
     bad = [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
     if bad:
         logger.warning(
@@ -137,7 +137,7 @@ def _from_donor(
                 "hosts": doc.get("hosts"),
             }
         )
-    listing = _per_host.gather("peer-listing", listing)[donor]
+    listing = _distributed.gather_json("peer-listing", listing)[donor]
     if "error" in listing:
         return f"process {donor} could not read its copy: {listing['error']}" if take else None
     total = sum(size for _, size, _ in listing["files"])

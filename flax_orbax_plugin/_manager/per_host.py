@@ -43,7 +43,6 @@ __all__ = [
     "HOST_FILE",
     "OWN_COPY",
     "agreed_time",
-    "gather",
     "host_marker",
     "layout_digest",
     "valid_steps",
@@ -174,16 +173,6 @@ def valid_steps(loc: Location, steps: list[int], run: Any, *, quiet: bool = Fals
     return out
 
 
-def gather(kind: str, value: Any) -> list[Any]:
-    """Collective: every process's JSON ``value``, by process index (one key-value
-    round; with one process, ``[value]``)."""
-    if _distributed.process_count() == 1:
-        return [value]
-    op = _distributed.next_operation_id(kind)
-    _distributed.publish(op, json.dumps(value))
-    return [json.loads(v) for v in _distributed.gather_str(op)]
-
-
 def agreed_time() -> float:
     """Collective: the primary's clock, on every process (one key-value round): the
     ``created_at`` of a per-host step's documents, so every host writes the same bytes."""
@@ -220,7 +209,8 @@ def open_tier(book: Any, local_steps: list[int]) -> None:
     those every host holds) and shares the run owning the places."""
     if book.per_host:
         mine = valid_steps(book.location, local_steps, None, quiet=True)
-        local_steps = sorted(set.intersection(*(set(v) for v in gather("per-host-open", mine))))
+        views = _distributed.gather_json("per-host-open", mine)
+        local_steps = sorted(set.intersection(*(set(v) for v in views)))
     book.tier.open(local_steps)
     if book.per_host:
         op = _distributed.next_operation_id("per-host-run")

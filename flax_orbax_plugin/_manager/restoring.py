@@ -131,7 +131,8 @@ class Restorer:
         directory, then read. Logged either way."""
         tier = self._book.tier
         mine = _per_host.valid_steps(self._loc, self._book.listed(), self._book.run)
-        common = set.intersection(*(set(v) for v in _per_host.gather("restore-local", mine)))
+        views = _distributed.gather_json("restore-local", mine)
+        common = set.intersection(*(set(v) for v in views))
         remote = set(tier.agreed_steps() or ())
         target = step if step is not None else max(common | remote, default=None)
         way = "a"
@@ -197,7 +198,7 @@ class Restorer:
         except CheckpointError as e:
             error = f"{type(e).__name__}: {e}"  # nothing set aside: a host's copy
             # lacking what a changed layout reads looks damaged; way (c) replaces it
-        views = _per_host.gather("restore-read", error)
+        views = _distributed.gather_json("restore-read", error)
         return result, [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
 
     def candidates(self) -> list[int]:
