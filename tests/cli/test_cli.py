@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import _files
 import _paths
 import jax
 import jax.numpy as jnp
@@ -64,11 +65,7 @@ def flip_byte(directory, item):
         if not f.endswith(".json") and not f.startswith("_")
     ]
     target = max(files, key=os.path.getsize)
-    with open(target, "r+b") as f:
-        f.seek(os.path.getsize(target) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
+    _files.flip_byte(target)
     return target
 
 
@@ -254,12 +251,7 @@ def test_export_and_verify_read_a_group_of_leaves_at_a_time(
     fop.save(lone, tree)
     files = [os.path.join(d, f) for d, _, fs in os.walk(lone) for f in fs]
     target = max(files, key=os.path.getsize)  # the data, leaf after leaf
-    offset = os.path.getsize(target) * 3 // 8  # inside the second leaf's bytes
-    with open(target, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
+    _files.flip_byte(target, os.path.getsize(target) * 3 // 8)  # in the second leaf's bytes
     rc, out, _ = run_cli(capsys, "verify", lone)
     assert rc == cli.EXIT_DAMAGED
     line = next(line for line in out.splitlines() if line.startswith("DAMAGED"))

@@ -12,6 +12,7 @@ import _mp_workers
 import golden
 import numpy as np
 import pytest
+from _files import flip_byte
 from _multiprocess import run_processes
 from _s3_requests import S3Requests
 from _trees import assert_same_tree
@@ -58,11 +59,7 @@ def test_two_processes_save_reshard_and_one_process_restores_and_verifies(tmp_pa
     assert [r.ok for r in fop.verify(path)] == [True]
     # One flipped byte inside process 1's data file: restore names the leaf, verify
     # reports it, and the data index's own checksum guards the index.
-    with open(f"{path}/data/1-0.bin", "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(f"{path}/data/1-0.bin", 100)
     with pytest.raises(fop.CorruptCheckpointError, match="crc32c"):
         fop.restore(path)
     (bad,) = fop.verify(path)

@@ -14,6 +14,7 @@ import _proc
 import jax
 import numpy as np
 import pytest
+from _files import flip_byte
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -171,11 +172,7 @@ def test_a_damaged_previous_chunk_is_not_propagated(tmp_path, caplog):
         item = os.path.join(d, "1", "params")
         i = json.load(open(os.path.join(item, "_METADATA.json")))["leaves"].index(record)
         victim = os.path.join(item, "d", str(i), name)
-        with open(victim, "r+b") as f:  # same size, one byte changed
-            f.seek(100)
-            byte = f.read(1)
-            f.seek(100)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte(victim, 100)  # same size, one byte changed
         with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
             r = _save(mngr, 2, _state())
         assert r.bytes_reused == W2 + ADAPTER  # w1 written from the snapshot

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _files import flip_byte
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
@@ -665,12 +666,7 @@ def _damage_params(directory, step):
     """Flips one byte in the largest data file of the step's params."""
     root = os.path.join(directory, str(step), "params")
     files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f != "zarr.json"]
-    victim = max(files, key=os.path.getsize)
-    with open(victim, "r+b") as f:
-        f.seek(os.path.getsize(victim) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(max(files, key=os.path.getsize))
 
 
 def test_resume_skips_a_damaged_latest_step_loudly_and_sets_it_aside(tmp_path, caplog):

@@ -6,6 +6,8 @@ import json
 import os
 import time
 
+from _files import flip_byte
+
 
 def probe(ctx):
     """Global array across processes, a collective, barrier and key-value store."""
@@ -741,6 +743,23 @@ def per_host_directories(ctx, base, shared=False):
     return {"error": error, "left": left}
 
 
+def steps_held(arrays: dict, full_of, steps=(1, 2)) -> list[int]:
+    """The steps (of ``steps``) whose values every local shard of ``arrays`` holds;
+    ``full_of(step)``: each name's whole array at that step."""
+    import numpy as np
+
+    held = []
+    for step in steps:
+        want = full_of(step)
+        if all(
+            np.array_equal(np.asarray(s.data), want[name][s.index])
+            for name, arr in arrays.items()
+            for s in arr.addressable_shards
+        ):
+            held.append(step)
+    return held
+
+
 def _damage_last_chunk(step_dir: str, shape: list[int]) -> str:
     """Flips a byte in the last chunk file of the array of ``shape`` under ``step_dir``
     (a row block that only the last process reads); returns the file's path."""
@@ -752,11 +771,7 @@ def _damage_last_chunk(step_dir: str, shape: list[int]) -> str:
             if json.load(f).get("shape") == shape:
                 chunks = sorted(glob.glob(f"{os.path.dirname(meta)}/c/**", recursive=True))
                 victim = [c for c in chunks if os.path.isfile(c)][-1]
-                with open(victim, "r+b") as f:
-                    f.seek(os.path.getsize(victim) // 2)
-                    byte = f.read(1)
-                    f.seek(-1, 1)
-                    f.write(bytes([byte[0] ^ 0xFF]))
+                flip_byte(victim)
                 return victim
     raise AssertionError(f"no array of shape {shape} under {step_dir}")
 
@@ -789,18 +804,6 @@ def damaged_where_one_process_reads(ctx, directory, leaf):
         host = full(step)
         return {"params": {"w": put(host["w"], P(axis)), "r": put(host["r"], P())}}
 
-    def step_of(tree):
-        """The step whose values every local shard holds (None: no one step's)."""
-        for step in (1, 2):
-            want = full(step)
-            if all(
-                np.array_equal(np.asarray(s.data), want[name][s.index])
-                for name, arr in tree["params"].items()
-                for s in arr.addressable_shards
-            ):
-                return step
-        return None
-
     out = {}
     with fop.CheckpointManager(directory) as mngr:
         for step in (1, 2):
@@ -827,7 +830,7 @@ def damaged_where_one_process_reads(ctx, directory, leaf):
     with fop.CheckpointManager(directory) as mngr:
         restored = mngr.restore(like=state(0))
         out["restored_step"] = mngr.restored_step
-        out["values_of_step"] = step_of(restored)
+        out["values_of_step"] = steps_held(restored["params"], full)
         out["steps_after"] = mngr.steps()
     return out
 
@@ -855,7 +858,6 @@ def serving_while_a_step_lands(ctx, directory):
     ``restore_params`` with a sharded ``like`` (a collective read). Reports the step
     whose values this process's shards hold."""
     import jax
-    import numpy as np
 
     import flax_orbax_plugin as fop
 
@@ -875,12 +877,4 @@ def serving_while_a_step_lands(ctx, directory):
     )
     params = fop.restore_params(directory, like)
     full = expected_w(len(ctx.devices))
-    held = [
-        step
-        for step in (1, 2)
-        if all(
-            np.array_equal(np.asarray(s.data), (full + step)[s.index])
-            for s in params["w"].addressable_shards
-        )
-    ]
-    return {"held": held}
+    return {"held": steps_held({"w": params["w"]}, lambda step: {"w": full + step})}
