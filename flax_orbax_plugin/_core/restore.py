@@ -102,10 +102,13 @@ def _restore(location: Location, like: Any, opts: _transform.Changes, limit: int
     doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
     records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
+    saved = [rec.path for rec in doc.leaves if rec.kind not in _transform.NO_DATA]
     if like is None:
         leaves = list(enumerate(doc.leaves))
         if opts.transform is not None:
             leaves = [(i, rec) for i, rec in leaves if _dropped_or_same(opts, rec.path)]
+            if all(rec.kind in _transform.NO_DATA for _, rec in leaves):
+                _transform.check_matched(saved, None, [], opts, str(location))
         targets = [make_target(i, rec, None) for i, rec in leaves]
         read_targets(location, doc, targets, limit)
         items = [(list(t.record.keys), t.result) for t in targets]
@@ -114,7 +117,13 @@ def _restore(location: Location, like: Any, opts: _transform.Changes, limit: int
     records = _transform.rename_records(records, opts, str(location))
     add_missing_empties(flat, records)
     plan = _transform.match(
-        flat, records, opts, where=str(location), make=make_target, empty_kinds=_layout.EMPTY_KINDS
+        flat,
+        records,
+        opts,
+        where=str(location),
+        make=make_target,
+        empty_kinds=_layout.EMPTY_KINDS,
+        saved=saved,
     )
     targets = [t for t in plan if t is not _transform.KEEP]
     read_targets(location, doc, targets, limit)

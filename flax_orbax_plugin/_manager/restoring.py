@@ -331,6 +331,10 @@ class Restorer:
                     if n not in saved:
                         _transform.check_item_keepable(n, like_items[n])
                 names = [n for n in names if n in saved]
+            if not names:  # every item of like would keep its own value
+                held = sorted(n for n in saved if n != "data_iterator")
+                where = f"step {step} of {self._loc}"
+                _transform.check_matched(held, list(like_items), [], changes, where, "item")
             absent = [n for n in names if n not in saved]
             if absent:
                 shown = ", ".join(repr(n) for n in absent)
