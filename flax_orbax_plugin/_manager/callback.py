@@ -228,6 +228,8 @@ class CheckpointCallback:
             it = None if "data_iterator" in reset else self._data_iterator
             subset = mngr.restore(like=state, items=names, data_iterator=it, **opts)
             restored = merge_state(state, subset)
+        if self._data_iterator is None and "data_iterator" not in reset:
+            mngr._restorer.warn_replay(mngr.restored_step)  # a resume that replays data
         latest = mngr.restored_step
         self.resumed_step = self._last_saved_step = self._last_step = latest
         logger.info(
