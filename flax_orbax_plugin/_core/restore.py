@@ -24,6 +24,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import tree as _tree
+from .._errors import TransformError
 from .._format import layout as _layout
 from .._format import metadata as _metadata
 from .._format.documents import read_document
@@ -88,7 +89,7 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
     structure to place a renamed one in."""
     new = opts.rename(path)
     if new is not None and new != path:
-        raise ValueError(
+        raise TransformError(
             f"transform renames the saved leaf {path!r} to {new!r}, which needs like (the "
             f"tree to place it in); with like=None a transform may only drop leaves (None)"
         )
