@@ -30,9 +30,11 @@ from ._errors import (
     DirectoryLockedError,
     ForeignEntryError,
     NotCommittedError,
+    NothingMatchedError,
     ReplicationError,
     StepDeletedError,
     StructureError,
+    TransformError,
     UnknownItemError,
 )
 from ._format.metadata import CheckpointMetadata, LeafMetadata
@@ -62,6 +64,7 @@ __all__ = [
     "LeafMetadata",
     "Location",
     "NotCommittedError",
+    "NothingMatchedError",
     "Pending",
     "ReplicationError",
     "SaveHandle",
@@ -69,6 +72,7 @@ __all__ = [
     "StepIndexedIterator",
     "StepDeletedError",
     "StructureError",
+    "TransformError",
     "UnknownItemError",
     "VerifyResult",
     "Written",

@@ -62,6 +62,9 @@ def restore(
       CheckpointNotFoundError: nothing at ``path``.
       NotCommittedError: a save to ``path`` never committed.
       StructureError: ``like`` does not fit (missing or unexpected key, shape, dtype).
+        NothingMatchedError (a subclass): no saved leaf matched ``like`` (with
+        ``partial``/``missing``/``transform``); ``missing="keep_all"`` accepts it.
+      TransformError: ``transform`` is malformed (checked before anything is read).
       CorruptCheckpointError: a checksum failed or data is missing; names the leaf.
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
