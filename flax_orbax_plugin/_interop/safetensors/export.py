@@ -21,6 +21,7 @@ import numpy as np
 from ..._base import tree as _tree
 from ..._core import restore as _restore
 from ..._errors import CorruptCheckpointError, StructureError
+from ..._format.steps import manifest_for_item
 from ..._storage.location import Location
 from ..._storage.untrusted import loads_json, read_capped
 from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES, default_name
@@ -272,11 +273,25 @@ def _progress(factory, total):
 
 
 def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:
-    """``flax-orbax export``: :func:`to_safetensors` of one of this plugin's checkpoints."""
+    """``flax-orbax export``: :func:`to_safetensors` of one of this plugin's checkpoints.
+
+    The header's metadata says nothing about the machine (files are published): at
+    most the step number and the item's name within it, never a path."""
     src = Location.from_path(src)
     fmt = "pt" if options.get("transpose_kernels") else "flax"
-    options.setdefault("metadata", {"format": fmt, "source": str(src), "exported_by": "flax-orbax"})
+    meta = {"format": fmt, **_provenance(src), "exported_by": "flax-orbax"}
+    options.setdefault("metadata", meta)
     return to_safetensors(src, out, **options)
+
+
+def _provenance(src: Location) -> dict[str, str]:
+    """``{"step": "<n>", "item": "<name>"}`` for an item of a committed step, else
+    nothing: the source's path is the exporting machine's, not the model's."""
+    manifest = manifest_for_item(src)
+    if manifest is None:
+        return {}
+    name = next(n for n, e in manifest.items.items() if e.dir == src.name)
+    return {"step": str(manifest.step), "item": name}
 
 
 def key_map_from_file(path: str) -> Callable[[str], str | None]:
