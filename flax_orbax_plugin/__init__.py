@@ -34,6 +34,7 @@ from ._errors import (
     StepDeletedError,
     StructureError,
     UnknownItemError,
+    UnsupportedLocationError,
 )
 from ._format.metadata import CheckpointMetadata, LeafMetadata
 from ._interop.importing import import_msgpack, import_orbax
@@ -70,6 +71,7 @@ __all__ = [
     "StepDeletedError",
     "StructureError",
     "UnknownItemError",
+    "UnsupportedLocationError",
     "VerifyResult",
     "Written",
     "from_safetensors",

@@ -23,6 +23,12 @@ class StructureError(CheckpointError, ValueError):
     """The tree to save, or the ``like`` template, does not fit: names the leaf path."""
 
 
+class UnsupportedLocationError(CheckpointError, ValueError):
+    """A path argument names no place that argument may be: an unknown ``scheme:``, a
+    malformed store URL, or an object store where only local files are supported.
+    Names the argument, what it was given and what is supported."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """Stored data failed its checksum, is missing, or metadata is malformed."""
 

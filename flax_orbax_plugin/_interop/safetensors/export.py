@@ -22,6 +22,7 @@ from ..._base import tree as _tree
 from ..._core import restore as _restore
 from ..._errors import CorruptCheckpointError, StructureError
 from ..._format.steps import manifest_for_item
+from ..._storage.kvstore import local_path
 from ..._storage.location import Location
 from ..._storage.untrusted import loads_json, read_capped
 from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES, default_name
@@ -38,6 +39,8 @@ from .plan import Tensor, encode_header, parse_size, plan_tensors, split_shards,
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a checkpoint
+# Why an object-store ``out`` is refused: files are staged, fsynced and renamed in place.
+_LOCAL_ONLY = "safetensors files are written to local disk; export there, then copy them"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +152,12 @@ def to_safetensors(
       progress: ``progress(total_bytes)`` returns a context manager with
         ``advance(nbytes, note)`` (the CLI's progress bar).
     """
+    out = local_path(out, what="safetensors output", note=_LOCAL_ONLY)
     limit = parse_size(max_shard_size)
     leaves, read = _source_leaves(source)
     tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype)
     shards = split_shards(tensors, limit)
-    directory, names, index_name = output_names(os.fspath(out), len(shards))
+    directory, names, index_name = output_names(out, len(shards))
     finals = [os.path.join(directory, n) for n in names]
     index_path = os.path.join(directory, index_name) if len(shards) > 1 else None
     check_outputs(directory, names, index_name, force)
@@ -297,11 +301,10 @@ def _provenance(src: Location) -> dict[str, str]:
 def key_map_from_file(path: str) -> Callable[[str], str | None]:
     """A key_map from a JSON object ``{leaf path: tensor name or null}``; leaves not
     listed keep their default name."""
-    raw = read_capped(
-        os.fspath(path), follow_links=True, what="key map file", max_bytes=MAX_INDEX_BYTES
-    )
+    path = local_path(path, what="key map file")
+    raw = read_capped(path, follow_links=True, what="key map file", max_bytes=MAX_INDEX_BYTES)
     try:
-        mapping = loads_json(raw, os.fspath(path))
+        mapping = loads_json(raw, path)
     except CorruptCheckpointError as e:
         raise ValueError(str(e)) from None
     if not isinstance(mapping, dict) or not all(
