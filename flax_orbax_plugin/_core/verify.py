@@ -11,8 +11,9 @@ import itertools
 import math
 from typing import Any
 
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointError
 from .._format import layout as _layout
+from .._format import places as _places
 from .._format import steps as _steps
 from .._format.documents import read_document
 from .._format.layout import (
@@ -70,7 +71,7 @@ def verify(path: Any, *, step: int | None = None, all_steps: bool = False) -> li
         return [_verify_pytree(loc, _step_number(loc.parent), loc.name)]
     listing = _steps.list_directory(loc)
     if not listing.committed:
-        raise CheckpointNotFoundError(f"nothing to verify at {loc}: no committed checkpoint")
+        raise _places.no_steps(loc, listing)  # says what is there instead
     chosen = listing.committed if all_steps else [_steps.choose_step(loc, listing.committed, step)]
     out: list[VerifyResult] = []
     for s in chosen:

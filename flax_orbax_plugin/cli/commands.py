@@ -45,7 +45,7 @@ def cmd_list(args) -> int:
     if not loc.is_dir() or _steps.foreign_format_hint(loc):
         raise CliError(describe_missing(loc, listing))
     if not listing.committed:
-        print(f"{loc}: no committed steps")
+        print(describe_missing(loc, listing))
     else:
         print(f"{loc}: {len(listing.committed)} step(s)")
         rows = [_list_row(loc, step) for step in listing.committed]
