@@ -131,6 +131,10 @@ def _url_spec(text: str, what: str) -> dict[str, Any]:
     if scheme == "memory":
         return {"driver": "memory", "path": (url.netloc + url.path).lstrip("/")}
     if scheme == "file":
+        if url.netloc not in ("", "localhost"):  # file://rel/x would silently name /x
+            raise UnsupportedLocationError(
+                f"{what} {text!r}: expected file:///<absolute path>, found the host {url.netloc!r}"
+            )
         return {"driver": "file", "path": os.path.abspath(url.path)}
     spec = {"driver": _STORES[scheme], "bucket": url.netloc, "path": url.path.lstrip("/")}
     if scheme == "s3":

@@ -168,3 +168,13 @@ def test_every_path_argument_names_itself_when_it_names_no_store(
     assert f"{name} {url!r}" in err, err
     assert "ValueError" not in err and len(err.splitlines()) == 1
     _no_local_name_made(tmp_path)
+
+
+def test_a_file_url_with_a_host_is_refused_not_read_as_another_path(capsys, tmp_path):
+    """``file://ckpts/run`` would name ``/run``: refused, naming the argument."""
+    rc, _, err = run(capsys, "list", "file://ckpts/run")
+    assert rc == cli.EXIT_ERROR and "DIRECTORY 'file://ckpts/run'" in err and "file:///" in err
+    with pytest.raises(fop.UnsupportedLocationError, match="expected file:///"):
+        fop.restore("file://ckpts/run")
+    fop.save(f"file://{tmp_path}/ckpt", {"w": np.ones(2, np.float32)})  # file:///abs works
+    np.testing.assert_array_equal(fop.restore(tmp_path / "ckpt")["w"], np.ones(2))
