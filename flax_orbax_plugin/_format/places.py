@@ -94,13 +94,16 @@ def _nothing_here(location: Location, none: str) -> str:
     hint = foreign_format_hint(location)
     if hint:
         return f"no checkpoint of this library at {location}{hint}"
-    if location.is_local and os.path.lexists(location.path.rstrip("/")):
-        if not os.path.isdir(location.path.rstrip("/")):
-            return f"{location} is a file, not a checkpoint directory"
-    elif not location.is_dir():
+    path = location.path.rstrip("/")
+    if location.is_local and os.path.lexists(path) and not os.path.isdir(path):
+        return f"{location} is a file, not a checkpoint directory"
+    if not location.is_dir():
         return f"{none} at {location}: the path does not exist" + (
             "" if location.is_local else " (nothing is stored under it)"
         )
+    inside = _inside(location)
+    if inside is not None:
+        return f"{none} at {location}: it is a folder inside {inside}; point at that instead"
     names = [n for n in location.list_children() if not n.startswith(".fop-visible-")]
     if not names:
         return f"{none} at {location}: an empty directory (nothing was ever saved here)"
@@ -112,6 +115,21 @@ def _nothing_here(location: Location, none: str) -> str:
         )
     shown = ", ".join(names[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "")
     return f"{none} at {location}: it holds no checkpoint of this library (it holds: {shown})"
+
+
+def _inside(location: Location) -> str | None:
+    """What of ours ``location`` is a folder inside (a checkpoint, a step, an item)."""
+    try:
+        parent = location.parent
+        if parent.exists(COMMIT_FILE):
+            return f"the checkpoint {parent}"
+        if parent.exists(MANIFEST_FILE):
+            return f"step {parent.name} ({parent})"
+        if _steps.manifest_for_item(parent) is not None:
+            return f"the item {parent} of a step"
+    except (CheckpointError, OSError, ValueError):
+        pass
+    return None
 
 
 def _one_level_down(location: Location, names: list[str]) -> list[str]:

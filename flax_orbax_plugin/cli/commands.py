@@ -233,7 +233,11 @@ def cmd_export(args) -> int:
     if args.item not in found:
         raise CliError(f"{label} has no {args.item!r} (it has: {', '.join(found)})")
     if found[args.item].kind != "pytree":
-        raise CliError(f"{found[args.item].loc}: not an array checkpoint")
+        chosen = found[args.item]
+        raise CliError(
+            f"{chosen.loc}: item {chosen.name!r} holds a JSON value ({chosen.kind}), not "
+            f"arrays; export takes a pytree item (--item params, the default)"
+        )
     src = found[args.item].loc
     key_map = _safetensors.key_map_from_file(args.key_map) if args.key_map else None
     result = _safetensors.export_checkpoint(

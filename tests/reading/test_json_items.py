@@ -111,3 +111,12 @@ def test_changes_meant_for_pytrees_are_refused_for_a_json_item(tmp_path):
     _save(tmp_path / "run")
     with pytest.raises(fop.CheckpointError, match="partial= apply to pytrees"):
         fop.restore(tmp_path / "run" / "3" / "extras", partial=True)
+
+
+def test_export_of_a_json_item_says_it_holds_no_arrays(tmp_path, capsys):
+    _save(tmp_path / "run")
+    rc, _, err = run(
+        capsys, "export", tmp_path / "run", tmp_path / "x.safetensors", "--item", "extras"
+    )
+    assert rc == cli.EXIT_ERROR and "item 'extras' holds a JSON value (json)" in err
+    assert not (tmp_path / "x.safetensors").exists()

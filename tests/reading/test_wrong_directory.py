@@ -165,3 +165,10 @@ def test_metadata_on_an_orbax_checkpoint_says_what_it_is(tmp_path):
     assert "is an Orbax checkpoint" in message and "fop.import_orbax" in message
     assert "interrupted" not in message
     np.testing.assert_array_equal(fop.restore(path)["w"], np.arange(4, dtype=np.float32))
+
+
+def test_a_folder_inside_a_checkpoint_names_the_checkpoint(run, tmp_path):
+    inner = next(p for p in (run / "2" / "params").iterdir() if p.is_dir())
+    for where, message in _entry_points(inner, tmp_path):
+        assert f"a folder inside the item {run}/2/params" in message, (where, message)
+        assert "interrupted" not in message, where
