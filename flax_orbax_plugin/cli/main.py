@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Every path argument, by command: (attribute, its name in messages, where it may be).
-# "store": any location the library reads and writes (local, s3://, gs://, memory://);
+# "store": any location the library reads and writes (local, s3://, gs://; memory:// is
+# one process's own, so never one a command line can name);
 # "local": a file only the local filesystem can serve. Checked before a command runs,
 # by the library's one checker of what a path names: a URL is never made a local name.
 _NOTE = {"out": "safetensors files are written to local disk; export there, then copy them"}
@@ -97,8 +98,12 @@ def check_paths(args: argparse.Namespace) -> None:
         try:
             if where == "local":
                 local_path(value, what=name, note=_NOTE.get(attr, ""))
-            else:
-                spec_from_path(value, what=name)
+            elif spec_from_path(value, what=name)["driver"] == "memory":
+                raise CliError(
+                    f"{name} {value!r}: memory:// lives inside one process, and each "
+                    f"flax-orbax command is a new one: nothing is there, and what it wrote "
+                    f"would be lost; use a local path, s3:// or gs://"
+                )
         except ValueError as e:
             raise CliError(one_line(e)) from None
 

@@ -178,3 +178,14 @@ def test_a_file_url_with_a_host_is_refused_not_read_as_another_path(capsys, tmp_
         fop.restore("file://ckpts/run")
     fop.save(f"file://{tmp_path}/ckpt", {"w": np.ones(2, np.float32)})  # file:///abs works
     np.testing.assert_array_equal(fop.restore(tmp_path / "ckpt")["w"], np.ones(2))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["import", "{t}/ckpt", "memory://run"], ["list", "memory://run"], ["gc", "memory://run"]],
+)
+def test_memory_urls_are_refused_on_the_command_line(argv, capsys, tmp_path):
+    """A memory:// store lives in one process: an import there exited 0 and lost it all."""
+    fop.save(tmp_path / "ckpt", {"w": np.zeros(2, np.float32)})
+    rc, out, err = run(capsys, *[a.format(t=tmp_path) for a in argv])
+    assert rc == cli.EXIT_ERROR and "memory:// lives inside one process" in err, out + err
