@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Every path argument, by command: (attribute, its name in messages, where it may be).
-# "store": any location the library reads and writes (local, s3://, gs://; memory:// is
-# one process's own, so never one a command line can name);
+# "store": any location the library reads and writes (local, s3://, gs://, memory://:
+# one process's own, so a command started from a shell is warned);
 # "local": a file only the local filesystem can serve. Checked before a command runs,
 # by the library's one checker of what a path names: a URL is never made a local name.
 _NOTE = {"out": "safetensors files are written to local disk; export there, then copy them"}
@@ -90,7 +90,8 @@ PATH_ARGUMENTS = {
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """CliError naming the first path argument that names no place it may be."""
+    """CliError naming the first path argument that names no place it may be; a
+    warning on stderr for each memory:// one."""
     for attr, name, where in PATH_ARGUMENTS[args.command]:
         value = getattr(args, attr)
         if value is None:
@@ -99,10 +100,11 @@ def check_paths(args: argparse.Namespace) -> None:
             if where == "local":
                 local_path(value, what=name, note=_NOTE.get(attr, ""))
             elif spec_from_path(value, what=name)["driver"] == "memory":
-                raise CliError(
-                    f"{name} {value!r}: memory:// lives inside one process, and each "
-                    f"flax-orbax command is a new one: nothing is there, and what it wrote "
-                    f"would be lost; use a local path, s3:// or gs://"
+                print(  # main() called in-process (tests) shares its memory:// store
+                    f"flax-orbax {args.command}: warning: {name} {value!r}: memory:// lives "
+                    f"inside one process; from a shell nothing is there, and what this "
+                    f"command writes is lost when it exits (use a local path, s3:// or gs://)",
+                    file=sys.stderr,
                 )
         except ValueError as e:
             raise CliError(one_line(e)) from None
