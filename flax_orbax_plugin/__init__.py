@@ -36,6 +36,7 @@ from ._errors import (
     StructureError,
     TransformError,
     UnknownItemError,
+    UnsupportedLocationError,
 )
 from ._format.metadata import CheckpointMetadata, LeafMetadata
 from ._interop.importing import import_msgpack, import_orbax
@@ -74,6 +75,7 @@ __all__ = [
     "StructureError",
     "TransformError",
     "UnknownItemError",
+    "UnsupportedLocationError",
     "VerifyResult",
     "Written",
     "from_safetensors",

@@ -35,6 +35,12 @@ class TransformError(CheckpointError, ValueError, TypeError):
     was expected and what was found. Raised before anything is read."""
 
 
+class UnsupportedLocationError(CheckpointError, ValueError):
+    """A path argument names no place that argument may be: an unknown ``scheme:``, a
+    malformed store URL, or an object store where only local files are supported.
+    Names the argument, what it was given and what is supported."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """Stored data failed its checksum, is missing, or metadata is malformed."""
 
