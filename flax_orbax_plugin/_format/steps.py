@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._storage.location import Location
@@ -127,4 +129,32 @@ def read_item_json(item_loc: Location, name: str) -> object:
     raw = item_loc.read_bytes(name)
     if raw is None:
         raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
-    return decode_checked(raw, where, expected)
+    value = decode_checked(raw, where, expected)
+    if json_too_deep(value):
+        raise CorruptCheckpointError(
+            f"{where}: a JSON value nested more than {MAX_JSON_DEPTH} levels of lists and "
+            f"objects, deeper than the writer ever commits"
+        )
+    return value
+
+
+MAX_JSON_DEPTH = 100  # lists/objects in an item's JSON value: checked on write and on read
+
+
+def json_too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` nests lists, tuples and mappings more than ``limit`` levels.
+    Iterative, depth first, stopping at the limit: never a RecursionError, and a value
+    that holds itself (a cycle) counts as too deep."""
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if level > limit:
+            return True
+        stack.extend((child, level + 1) for child in children)
+    return False

@@ -34,8 +34,6 @@ Nothing here ever unpickles: every non-array file is JSON.
 
 from __future__ import annotations
 
-import base64
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -49,6 +47,8 @@ from .._errors import CorruptCheckpointError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._storage.location import Location
+from .json_values import from_json as _from_json
+from .json_values import to_json as _to_json
 from .per_host import OWN_COPY
 
 __all__ = [
@@ -107,51 +107,6 @@ class _Done:
 
 
 # ----------------------------------------------------------------------------- JSON helpers
-
-
-def _to_json(value: Any, where: str) -> Any:
-    """Encode ``value`` as JSON-compatible data; bytes become ``{"__bytes__": b64}``,
-    NaN and infinities ``{"__float__": "nan" | "inf" | "-inf"}``."""
-    if value is None or isinstance(value, bool | str):
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):  # NaN and infinities are not JSON: tagged, exactly
-        return value if math.isfinite(value) else {"__float__": repr(value)}
-    if isinstance(value, bytes | bytearray):
-        return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
-    if isinstance(value, np.generic) or (hasattr(value, "shape") and hasattr(value, "dtype")):
-        arr = np.asarray(value)
-        if arr.ndim == 0:
-            return _to_json(arr.item(), where)
-        return [_to_json(x, where) for x in arr.tolist()]
-    if isinstance(value, Mapping):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise TypeError(f"{where}: JSON keys must be str, found {k!r}")
-            if k in ("__bytes__", "__float__"):
-                raise ValueError(f"{where}: the key {k!r} is reserved")
-            out[k] = _to_json(v, f"{where}/{k}")
-        return out
-    if isinstance(value, list | tuple):
-        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    raise TypeError(
-        f"{where}: cannot store a {type(value).__name__} as JSON; extras and iterator "
-        "states must be JSON values (dict, list, str, int, float, bool, None, bytes)"
-    )
-
-
-def _from_json(value: Any) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {"__bytes__"}:
-            return base64.b64decode(value["__bytes__"])
-        if set(value) == {"__float__"} and value["__float__"] in ("nan", "inf", "-inf"):
-            return float(value["__float__"])
-        return {k: _from_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    return value
 
 
 def read_json(directory: Location, name: str) -> Any:
@@ -343,7 +298,7 @@ class DataIteratorCheckpointable:
         return _layout.iterator_state_file(process_index)
 
     def save(self, directory: Location, value: Any) -> Pending:
-        state = _to_json(_iterator_state(value), "data_iterator")
+        state = _to_json(_iterator_state(value), "data_iterator", wrapped=1)  # {"state": .}
         name = self.filename(_process_index())
 
         def write() -> Written:

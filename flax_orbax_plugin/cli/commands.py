@@ -104,8 +104,17 @@ def _list_row(loc: Location, step: int, *, step_loc: Location | None = None) -> 
         reused="-" if manifest.bytes_reused is None else human_bytes(manifest.bytes_reused),
         saved=datetime.datetime.fromtimestamp(manifest.time).strftime("%Y-%m-%d %H:%M:%S"),
         items=",".join(sorted(manifest.items)),
-        metrics=" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())) or "-",
+        metrics=" ".join(f"{k}={_metric(v)}" for k, v in sorted(metrics.items())) or "-",
     )
+
+
+def _metric(value: int | float) -> str:
+    """A metric in 4 significant digits; an int past a float's range too (no OverflowError)."""
+    try:
+        return f"{value:.4g}"
+    except OverflowError:
+        digits, sign = str(abs(value)), "-" if value < 0 else ""
+        return f"{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
 
 
 @dataclasses.dataclass

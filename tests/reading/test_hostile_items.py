@@ -1,0 +1,136 @@
+"""Hostile JSON items (issue 32, the red-team pass over JSON items pointed at on their
+own): a value nested deeper than the one JSON depth limit, or holding itself, is
+refused at save time with an error naming the item (it raised a raw RecursionError, or
+committed a step whose ``fop.restore(DIR/<step>/extras)`` raised RecursionError while
+``verify`` called it ok); a committed file past that limit (a crafted one) is damage in
+every reader and in verify; ``flax-orbax list`` of a step whose extras hold an int past
+a float's range shows it (it died on an OverflowError)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin import cli
+from flax_orbax_plugin._format import layout as _layout
+from flax_orbax_plugin._format import steps as _steps
+from flax_orbax_plugin._storage.location import Location
+
+LIMIT = 100  # the documented limit (FORMAT.md, _format.steps.MAX_JSON_DEPTH)
+TREE = {"params": {"w": np.ones(2, np.float32)}}
+
+
+def nested(levels, leaf=0):
+    value = leaf
+    for _ in range(levels):  # ``levels`` objects around ``leaf``
+        value = {"a": value}
+    return value
+
+
+def cyclic():
+    value: dict = {"loss": 1.0}
+    value["self"] = value
+    return value
+
+
+class DeepIterator:
+    def __init__(self, state):
+        self.state = state
+
+    def get_state(self):
+        return self.state
+
+    def set_state(self, state):
+        self.state = state
+
+
+TOO_DEEP = [
+    ("extras", lambda: {"extras": nested(LIMIT + 1)}),
+    ("extras", lambda: {"extras": nested(500)}),
+    ("extras", lambda: {"extras": nested(5000)}),
+    ("extras", lambda: {"extras": cyclic()}),
+    ("extras", lambda: {"extras": nested(LIMIT, b"bytes")}),  # its tag is one level more
+    ("extras", lambda: {"extras": nested(LIMIT - 1, np.ones((2, 2)))}),  # rows nest too
+    ("data_iterator", lambda: {"data_iterator": DeepIterator(nested(LIMIT))}),  # {"state":}
+]
+IDS = ["limit+1", "500", "5000", "cycle", "bytes-at-limit", "array-at-limit", "iterator"]
+
+
+@pytest.fixture(params=["local", "memory"])
+def directory(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "run")
+    return f"memory://hostile-items/{tmp_path.name}"
+
+
+@pytest.mark.parametrize("item,kwargs", TOO_DEEP, ids=IDS)
+def test_too_deep_is_refused_at_save_and_nothing_commits(directory, item, kwargs):
+    with fop.CheckpointManager(directory, async_save=False) as mngr:
+        with pytest.raises(ValueError, match=rf"{item}: nested more than \d+ levels"):
+            mngr.save(1, TREE, **kwargs())
+        assert mngr.latest_step() is None
+
+
+def test_the_limit_itself_round_trips_through_every_reader(directory, capsys):
+    value = nested(LIMIT, "leaf")
+    it = DeepIterator(nested(LIMIT - 1, "leaf"))
+    with fop.CheckpointManager(directory, async_save=False) as mngr:
+        mngr.save(1, TREE, extras=value, data_iterator=it)
+    assert fop.restore(f"{directory}/1/extras") == value
+    with fop.CheckpointManager(directory, read_only=True) as mngr:
+        assert mngr.restore(items=("extras",)) == {"extras": value}
+        back = DeepIterator(None)
+        mngr.restore(like=None, items=("data_iterator",), data_iterator=back)
+        assert back.state == it.state
+    assert cli.main(["verify", directory]) == 0
+    assert cli.main(["inspect", f"{directory}/1/extras"]) == 0
+    capsys.readouterr()
+
+
+def _craft(run, levels):
+    """A committed step whose extras file nests ``levels`` deep, its manifest re-sealed
+    with the file's checksum (what only a hand or another writer makes)."""
+    with fop.CheckpointManager(run, async_save=False) as mngr:
+        mngr.save(1, TREE, extras={"loss": 1.0})
+    step = Location.from_path(run).child("1")
+    raw = json.dumps(nested(levels)).encode()
+    (run / "1" / "extras" / _layout.JSON_VALUE_FILE).write_bytes(raw)
+    manifest = _steps.read_manifest(step)
+    files = dict(manifest.files, **{f"extras/{_layout.JSON_VALUE_FILE}": _layout.sha256(raw)})
+    _steps.write_manifest(step, dataclasses.replace(manifest, files=files))
+
+
+READERS = {
+    "restore": lambda run: fop.restore(run / "1" / "extras"),
+    "manager": lambda run: fop.CheckpointManager(run, read_only=True).restore(items=("extras",)),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(READERS))
+@pytest.mark.parametrize("levels", [LIMIT + 1, 600])
+def test_a_crafted_deep_file_is_damage_for_every_reader(tmp_path, reader, levels):
+    run = tmp_path / "run"
+    _craft(run, levels)
+    with pytest.raises(fop.CorruptCheckpointError, match=r"extras/value.json: .*nested more"):
+        READERS[reader](run)
+
+
+def test_a_crafted_deep_file_is_damaged_in_verify(tmp_path, capsys):
+    run = tmp_path / "run"
+    _craft(run, 600)
+    assert cli.main(["verify", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "nested more than 100 levels" in out
+
+
+def test_list_shows_an_int_metric_past_a_floats_range(tmp_path, capsys):
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run, async_save=False) as mngr:
+        mngr.save(1, TREE, extras={"tokens": 10**400, "loss": 0.5})
+    assert cli.main(["list", str(run)]) == 0
+    out = capsys.readouterr()
+    assert "tokens=1.000e+400" in out.out and "loss=0.5" in out.out, out
