@@ -134,3 +134,17 @@ def test_list_shows_an_int_metric_past_a_floats_range(tmp_path, capsys):
     assert cli.main(["list", str(run)]) == 0
     out = capsys.readouterr()
     assert "tokens=1.000e+400" in out.out and "loss=0.5" in out.out, out
+
+
+@pytest.mark.parametrize("reader", [fop.restore, fop.metadata], ids=["restore", "metadata"])
+def test_a_step_of_json_items_only_names_items_it_has(tmp_path, reader):
+    """It pointed at DIR/<step>/params, which such a step does not have."""
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run, async_save=False) as mngr:
+        mngr.save(1, {"step": 1, "meta": {"a": 1}}, extras={"x": 1})
+    with pytest.raises(fop.CheckpointError, match="not one pytree") as info:
+        reader(run / "1")
+    message = str(info.value)
+    assert f"{run}/1/meta" in message and f"{run}/1/extras" in message
+    assert "/params" not in message
+    assert fop.restore(run / "1" / "meta") == {"a": 1}  # a path it names reads
