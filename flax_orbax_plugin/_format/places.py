@@ -24,7 +24,7 @@ from . import steps as _steps
 from .foreign import foreign_format_hint
 from .layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
 
-__all__ = ["MAX_PROBED", "no_steps", "not_a_checkpoint"]
+__all__ = ["MAX_PROBED", "holding_checkpoint", "no_steps", "not_a_checkpoint"]
 
 MAX_PROBED = 16  # children looked into for a run or checkpoint one level down
 PATHS_NAMED = 4  # items of a step named when pointing at them
@@ -51,6 +51,28 @@ def not_a_checkpoint(location: Location) -> CheckpointError:
             f"still running"
         )
     return CheckpointNotFoundError(_nothing_here(location, "no checkpoint"))
+
+
+def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
+    """The committed checkpoint of this library that ``location`` is (or lies inside),
+    in words: a step (or a place inside one of its items), a core checkpoint, or, for
+    ``location`` and its first ``runs - 1`` parents, a run directory holding committed
+    steps. None when there is none. For writers whose output must stay outside every
+    checkpoint (an export, an import's run): a committed checkpoint never changes.
+
+    Probes one marker per parent (and lists ``runs`` directories); a local
+    ``location`` should be a real path (no link on the way). Safe from any thread."""
+    here, level = location, 0
+    while True:
+        if here.exists(MANIFEST_FILE):
+            return f"step {here.name} of the run directory {here.parent}"
+        if here.exists(COMMIT_FILE):
+            return f"the checkpoint {here} (written by fop.save)"
+        if level < runs and _steps.list_directory(here).committed:
+            return f"the run directory {here} (it holds committed steps)"
+        if here.parent == here:
+            return None
+        here, level = here.parent, level + 1
 
 
 def _step_items(step: Location) -> str:

@@ -25,8 +25,10 @@ from .._errors import (
     CheckpointNotFoundError,
     ForeignEntryError,
     StructureError,
+    UnsupportedLocationError,
 )
 from .._format.foreign import is_orbax_checkpoint
+from .._format.places import holding_checkpoint
 from .._format.steps import list_directory
 from .._manager.manager import CheckpointManager
 from .._storage.kvstore import local_path
@@ -124,6 +126,21 @@ def refuse_foreign_targets(out_dir: Any, numbers: Iterable[int]) -> None:
             )
 
 
+def refuse_inside_checkpoint(out_dir: Any) -> None:
+    """UnsupportedLocationError when ``out_dir`` is a step, lies inside a committed
+    checkpoint, or inside a run directory (its steps would gain a run of their own, or
+    a folder named like a step): a committed checkpoint never changes."""
+    loc = Location.from_path(out_dir)
+    if loc.is_local:  # a link on the way is resolved: the checkpoint it leads into counts
+        loc = Location.from_path(os.path.realpath(loc.path))
+    held = holding_checkpoint(loc.parent, runs=1)
+    if held is not None:
+        raise UnsupportedLocationError(
+            f"import output {out_dir}: lies inside {held}; a committed checkpoint never "
+            f"changes: import into a directory of its own"
+        )
+
+
 def save_steps(
     out_dir: Any,
     steps: Iterable[tuple[int, ImportedStep]],
@@ -141,6 +158,7 @@ def save_steps(
     are in memory at a time. Returns the steps written, in order. ``format_version``:
     of the steps written (1 or 2).
     """
+    refuse_inside_checkpoint(out_dir)
     refuse_foreign_targets(out_dir, list(planned))
     written = []
     with CheckpointManager(out_dir, async_save=False, format_version=format_version) as mngr:

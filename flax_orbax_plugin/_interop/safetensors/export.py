@@ -20,7 +20,8 @@ import numpy as np
 
 from ..._base import tree as _tree
 from ..._core import restore as _restore
-from ..._errors import CorruptCheckpointError, StructureError
+from ..._errors import CorruptCheckpointError, StructureError, UnsupportedLocationError
+from ..._format.places import holding_checkpoint
 from ..._format.steps import manifest_for_item
 from ..._storage.kvstore import local_path
 from ..._storage.location import Location
@@ -158,6 +159,7 @@ def to_safetensors(
     tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype)
     shards = split_shards(tensors, limit)
     directory, names, index_name = output_names(out, len(shards))
+    _refuse_inside_checkpoint(directory)
     finals = [os.path.join(directory, n) for n in names]
     index_path = os.path.join(directory, index_name) if len(shards) > 1 else None
     check_outputs(directory, names, index_name, force)
@@ -179,6 +181,17 @@ def to_safetensors(
         staged.discard()
         raise
     return ExportResult(tuple(finals), index_path, len(tensors), total)
+
+
+def _refuse_inside_checkpoint(directory: str) -> None:
+    """The export's directory is no part of a committed checkpoint (a step, an item, a
+    core checkpoint) nor a run directory or a folder of one: those never change."""
+    held = holding_checkpoint(Location.from_path(os.path.realpath(directory)), runs=2)
+    if held is not None:
+        raise UnsupportedLocationError(
+            f"safetensors output {directory}: lies inside {held}; a committed checkpoint "
+            f"never changes: write the export elsewhere"
+        )
 
 
 def _file_metadata(metadata: dict[str, str] | None, transpose_kernels: bool) -> dict[str, str]:
