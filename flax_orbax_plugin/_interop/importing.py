@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     ForeignEntryError,
     StructureError,
@@ -194,6 +195,15 @@ def import_checkpoint(
     if is_orbax_checkpoint(src):
         return import_orbax(src, out_dir, step=step, force=force, format_version=format_version)
     local = local_path(src, what="import source", note=_NOT_ORBAX)
+    ours = None
+    if os.path.isdir(local):
+        ours = holding_checkpoint(Location.from_path(os.path.realpath(local)), runs=1)
+    if ours is not None:  # else: "no flax.training.checkpoints files in it"
+        raise CheckpointError(
+            f"import source {src}: is (or lies inside) {ours}, a checkpoint of this "
+            f"library already: nothing to import (read it with fop.restore / "
+            f"CheckpointManager, or copy the directory)"
+        )
     if os.path.exists(local):
         return import_msgpack(src, out_dir, step=step, force=force, format_version=format_version)
     raise CheckpointNotFoundError(f"{src}: no such file or directory")

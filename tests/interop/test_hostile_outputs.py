@@ -9,6 +9,7 @@ export RUN RUN/1/params`` wrote model.safetensors into the committed params item
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -85,3 +86,23 @@ def test_exports_and_imports_beside_the_checkpoint_still_work(world):
     assert os.path.exists(world / "export" / "model.safetensors")
     assert fop.import_msgpack(world / "state.msgpack", world / "imported", step=3) == [3]
     assert fop.import_msgpack(world / "state.msgpack", world / "imported", step=4) == [4]
+
+
+SOURCES_OF_OURS = [
+    ("run", r"the run directory .*run \(it holds committed steps\)"),
+    ("run/1", r"step 1 of the run directory"),
+    ("run/1/params", r"step 1 of the run directory"),
+    ("core", r"the checkpoint .*core"),
+]
+
+
+@pytest.mark.parametrize("src,message", SOURCES_OF_OURS, ids=[s for s, _ in SOURCES_OF_OURS])
+def test_importing_a_checkpoint_of_ours_says_so(world, capsys, src, message):
+    """It said "no flax.training.checkpoints files (checkpoint_<step>) in it"."""
+    before = snapshot(world)
+    assert cli.main(["import", str(world / src), str(world / "out")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"import source .*: is \(or lies inside\) {message}", err), err
+    assert "a checkpoint of this library already: nothing to import" in err
+    assert "flax.training.checkpoints" not in err
+    assert snapshot(world) == before
