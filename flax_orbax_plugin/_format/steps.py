@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
 from .._storage.location import Location
 from .foreign import foreign_format_hint
 from .layout import MANIFEST_FILE, StepManifest, decode_checked
@@ -99,7 +99,25 @@ def read_manifest(step_loc: Location) -> StepManifest:
             f"{where}: field step: expected {int(step_loc.name)} (the directory's name), "
             f"found {manifest.step}"
         )
+    _check_item_folders(step_loc, manifest)
     return manifest
+
+
+def _check_item_folders(step_loc: Location, manifest: StepManifest) -> None:
+    """On local disk, every item folder the manifest names is a directory of the step
+    itself: a symlink there (to a folder outside the step) is never followed, by any
+    reader of the step or of the item. A missing folder is left to the item's reader."""
+    if not step_loc.is_local:
+        return
+    kinds = step_loc.child_kinds()
+    for name, entry in manifest.items.items():
+        kind = kinds.get(entry.dir, "dir")
+        if kind != "dir":
+            raise ForeignEntryError(
+                f"{step_loc.child(entry.dir)}: the folder of item {name!r} of step "
+                f"{manifest.step}: expected a directory written by this library, found a "
+                f"{'symbolic link' if kind == 'symlink' else kind} (never followed or read)"
+            )
 
 
 def write_manifest(step_loc: Location, manifest: StepManifest) -> None:

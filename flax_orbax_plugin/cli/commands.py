@@ -220,7 +220,10 @@ def cmd_verify(args) -> int:
         else:
             print(f"DAMAGED  {label}: {one_line(r.error or '')}")
     if damaged:
-        names = ", ".join(f"{r.step}/{r.item}" if r.step is not None else r.path for r in damaged)
+        names = ", ".join(
+            r.path if r.step is None else f"{r.step}" + (f"/{r.item}" if r.item else "")
+            for r in damaged
+        )  # a step whose manifest fails has no item: it read "1/None"
         print(f"verify: {len(damaged)} damaged: {names}", file=sys.stderr)
         return EXIT_DAMAGED
     print(f"verify: all {len(results)} checkpointable(s) ok")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -148,3 +150,39 @@ def test_a_step_of_json_items_only_names_items_it_has(tmp_path, reader):
     assert f"{run}/1/meta" in message and f"{run}/1/extras" in message
     assert "/params" not in message
     assert fop.restore(run / "1" / "meta") == {"a": 1}  # a path it names reads
+
+
+def _with_item_linked_out(tmp_path):
+    """A committed step whose extras folder was replaced by a symlink to a folder outside
+    holding the very same value.json (so no checksum can tell)."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    with fop.CheckpointManager(run, async_save=False) as mngr:
+        mngr.save(1, TREE, extras={"loss": 1.0})
+    shutil.copytree(run / "1" / "extras", outside)
+    shutil.rmtree(run / "1" / "extras")
+    os.symlink(outside, run / "1" / "extras")
+    return run
+
+
+LINKED_READERS = {
+    "restore": lambda run: fop.restore(run / "1" / "extras"),
+    "metadata": lambda run: fop.metadata(run / "1" / "extras"),
+    "manager": lambda run: fop.CheckpointManager(run, read_only=True).restore(items=("extras",)),
+    "restore_params": lambda run: fop.restore_params(run),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(LINKED_READERS))
+def test_an_item_folder_that_is_a_symlink_is_never_followed(tmp_path, reader):
+    """The readers followed the link and returned the outside folder's value."""
+    run = _with_item_linked_out(tmp_path)
+    with pytest.raises(fop.ForeignEntryError, match=r"folder of item 'extras'.*symbolic link"):
+        LINKED_READERS[reader](run)
+
+
+def test_verify_calls_a_symlinked_item_folder_damaged(tmp_path, capsys):
+    run = _with_item_linked_out(tmp_path)
+    assert cli.main(["verify", str(run)]) == 1
+    out = capsys.readouterr()
+    assert "symbolic link (never followed or read)" in out.out
+    assert "damaged: 1\n" in out.err  # the step, not "1/None"
