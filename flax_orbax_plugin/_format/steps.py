@@ -77,10 +77,25 @@ def choose_step(loc: Location, steps: list[int] | tuple[int, ...], step: int | N
         raise CheckpointNotFoundError(f"no committed steps in {loc}{foreign_format_hint(loc)}")
     if step is None:
         return steps[-1]
-    step = operator.index(step)
+    step = checked_step(step)
     if step not in steps:
         raise CheckpointNotFoundError(f"step {step} does not exist in {loc}; steps: {list(steps)}")
     return step
+
+
+def checked_step(step: Any) -> int:
+    """``step`` as an int: an int or numpy integer, never a bool (True read as step 1)
+    nor a str, float or list (a raw "cannot be interpreted as an integer");
+    TypeError naming the option otherwise."""
+    if not isinstance(step, bool):
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise TypeError(
+        f"step: expected an int (a committed step number) or None for the latest, found "
+        f"{type(step).__name__} {step!r:.60}"
+    )
 
 
 def step_location(loc: Location, step: int) -> Location:
