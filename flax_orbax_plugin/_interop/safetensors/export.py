@@ -26,7 +26,7 @@ from ..._format.steps import manifest_for_item
 from ..._storage.kvstore import local_path
 from ..._storage.location import Location
 from ..._storage.untrusted import loads_json, read_capped
-from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES, default_name
+from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES
 from .outputs import (
     check_outputs,
     close_shard,
@@ -36,7 +36,15 @@ from .outputs import (
     output_names,
     remove_stale,
 )
-from .plan import Tensor, encode_header, parse_size, plan_tensors, split_shards, tensor_bytes
+from .plan import (
+    ListedKeyMap,
+    Tensor,
+    encode_header,
+    parse_size,
+    plan_tensors,
+    split_shards,
+    tensor_bytes,
+)
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a checkpoint
@@ -324,4 +332,4 @@ def key_map_from_file(path: str) -> Callable[[str], str | None]:
         isinstance(v, str) or v is None for v in mapping.values()
     ):
         raise ValueError(f"{path}: expected a JSON object of leaf path -> tensor name or null")
-    return lambda leaf: mapping.get(leaf, default_name(leaf))
+    return ListedKeyMap(mapping, f"key map file {path}")
