@@ -115,6 +115,17 @@ def _path_text(path: Any, what: str) -> str:
     return text
 
 
+def _local_abspath(text: str, what: str) -> str:
+    """The absolute form of a local path; a backslash is refused here, where it enters
+    (no name below it could be made: it was a raw "invalid storage name" at save)."""
+    if "\\" in text:
+        raise UnsupportedLocationError(
+            f"{what} {text!r}: holds a backslash (a Windows path?); expected a POSIX path, "
+            f"'/' between folders"
+        )
+    return os.path.abspath(text)
+
+
 def _dict_spec(path: dict[str, Any], what: str) -> dict[str, Any]:
     spec = dict(path)
     if not isinstance(spec.get("driver"), str):
@@ -130,7 +141,7 @@ def _dict_spec(path: dict[str, Any], what: str) -> dict[str, Any]:
                 f"{what}: the file kvstore spec {path!r} names no 'path' (it would be the "
                 f"current directory)"
             )
-        spec["path"] = os.path.abspath(_path_text(spec["path"], what))
+        spec["path"] = _local_abspath(_path_text(spec["path"], what), what)
     return spec
 
 
@@ -188,7 +199,7 @@ def _shown(path: Any) -> str:
 def _url_spec(text: str, what: str) -> dict[str, Any]:
     found = _SCHEME.match(text)
     if found is None:  # a plain (or Windows-like) path
-        return {"driver": "file", "path": os.path.abspath(text)}
+        return {"driver": "file", "path": _local_abspath(text, what)}
     scheme = found.group(1).lower()
     if scheme not in _STORES:
         raise UnsupportedLocationError(
@@ -219,7 +230,7 @@ def _url_spec(text: str, what: str) -> dict[str, Any]:
             raise UnsupportedLocationError(
                 f"{what} {text!r}: expected file:///<absolute path>, found no path"
             )
-        return {"driver": "file", "path": os.path.abspath(_path_text(url.path, what))}
+        return {"driver": "file", "path": _local_abspath(_path_text(url.path, what), what)}
     spec = {"driver": _STORES[scheme], "bucket": url.netloc, "path": url.path.lstrip("/")}
     if scheme == "s3":
         spec.update(_s3_settings_from_env())

@@ -42,6 +42,8 @@ HOSTILE = [
     ({"driver": "file", "path": 3}, r"'path' must be a str, found int 3"),
     (3, r"expected a path \(str or os.PathLike\), a URL or a kvstore spec dict, found int"),
     (None, r"found NoneType None"),
+    ("C:\\ckpts\\run", r"holds a backslash \(a Windows path\?\)"),
+    ("file:///tmp/a\\b", r"holds a backslash"),
 ]
 IDS = [
     "empty",
@@ -65,6 +67,8 @@ IDS = [
     "spec-path-int",
     "int",
     "none",
+    "windows",
+    "file-backslash",
 ]
 
 TREE = {"params": {"w": np.ones(2, np.float32)}}
@@ -160,7 +164,8 @@ def test_root_is_named_as_root(tmp_path):
 
 
 def test_a_dot_still_names_the_current_directory(tmp_path, monkeypatch):
-    """What stays allowed: '.', './~' (a folder named '~'), spaces and unicode."""
+    """What stays allowed: '.', './~' (a folder named '~'), spaces, unicode, 'C:' as a
+    folder name."""
     monkeypatch.chdir(tmp_path)
-    for path in [".", "./~/x", "sp ace ü/run", "C:\\x"]:
+    for path in [".", "./~/x", "sp ace ü/run", "C:/x"]:
         assert str(fop.Location.from_path(path)) == os.path.abspath(path)
