@@ -9,6 +9,7 @@ import collections
 import errno
 import os
 import signal
+import time
 
 _HITS: collections.Counter[str] = collections.Counter()
 
@@ -44,3 +45,12 @@ def fail_point(phase: str) -> None:
         parts = spec.split(":")
         code = getattr(errno, parts[2], errno.EIO) if len(parts) > 2 else errno.EIO
         raise InjectedFault(code, f"injected fault at {phase} (FOP_FAIL_AT={spec})")
+
+
+def pause_point(phase: str) -> None:
+    """``FOP_PAUSE_AT=<phase>[:<nth>]``: at the Nth pass, writes ``FOP_PAUSED <phase>``
+    to stderr and sleeps ``FOP_PAUSE_S`` seconds (default 2), so a test can send a real
+    signal while a save is exactly there."""
+    if _reached("FOP_PAUSE_AT", phase, f"pause:{phase}"):
+        os.write(2, f"FOP_PAUSED {phase}\n".encode())
+        time.sleep(float(os.environ.get("FOP_PAUSE_S", "2")))

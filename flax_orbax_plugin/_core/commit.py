@@ -210,6 +210,7 @@ def _decide_and_commit(op, own_status, what, publish, abort) -> str:
             files: dict[str, str] = {}
             for s in statuses:
                 files.update(s["files"])
+            _faults.pause_point("before_commit")
             publish(files)
             return "committed"
     except CoordinationError as e:  # a process is gone or late: nothing commits

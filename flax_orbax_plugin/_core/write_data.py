@@ -202,6 +202,7 @@ class _Pending:
                 self.written += data.nbytes
                 if self.written == data.nbytes:
                     _faults.kill_point("mid_write")
+                    _faults.pause_point("mid_write")
             del data
             self.drain(self.limit)
 
