@@ -18,6 +18,7 @@ spends most of its time importing jax).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import selectors
@@ -38,6 +39,9 @@ from flax_orbax_plugin._core import ownership as _ownership
 
 PARALLEL = 5  # children at once (each is mostly jax's import: CPU-bound)
 PAUSE_S = "1.5"  # how long a child waits at its pause point for the test's signal
+# From the pause to the signal: the main thread gets there meanwhile (into the wait for
+# a background phase that is paused, or the user's loop), whatever the machine's load.
+SIGNAL_DELAY_S = 0.3
 DEADLINE_S = 150.0  # for every child of one test together (a loaded 2-core machine)
 STAGING = re.compile(r"\.(partial|deleting)-|\.tmp-")
 
@@ -78,7 +82,6 @@ elif mode == "callback":
     state = cb.on_train_start({"params": tree})
     for step in range(1, 40):
         cb.on_step_end(step, state)
-        train(0.02)
     cb.on_train_end(state)
 print("ran to the end", flush=True)
 """
@@ -95,11 +98,21 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "flax_orbax_plugin", *args]
 
 
+@dataclasses.dataclass
+class _Child:
+    proc: subprocess.Popen
+    out: bytes = b""
+    err: bytes = b""
+    signal_at: float | None = None  # when to send SIGINT (set once it paused)
+    signalled: bool = False
+    pipes: int = 2  # still open
+
+
 def _interrupt_all(cases: dict[str, tuple[list[str], str]]) -> dict[str, tuple[int, str, str]]:
     """Runs every ``{name: (argv, pause point)}`` child, ``PARALLEL`` at a time; sends
-    each one SIGINT as soon as it reports its pause; returns ``{name: (exit code,
-    stdout, stderr)}``. A child that never pauses, or runs past the deadline, is killed
-    and fails the test."""
+    each one SIGINT ``SIGNAL_DELAY_S`` after it reports its pause; returns ``{name:
+    (exit code, stdout, stderr)}``. A child that never pauses, or runs past the
+    deadline, is killed and fails the test."""
     waiting, live, done = list(cases), {}, {}
     deadline = time.monotonic() + DEADLINE_S
     with selectors.DefaultSelector() as sel:
@@ -110,32 +123,37 @@ def _interrupt_all(cases: dict[str, tuple[list[str], str]]) -> dict[str, tuple[i
                     argv, point = cases[name]
                     env = _proc.child_env(FOP_PAUSE_AT=point, FOP_PAUSE_S=PAUSE_S)
                     env["JAX_PLATFORMS"] = "cpu"
-                    p = subprocess.Popen(argv, env=env, stdout=PIPE, stderr=PIPE)
-                    live[name] = [p, b"", b"", False, 2]  # out, err, signalled, pipes open
-                    sel.register(p.stdout, selectors.EVENT_READ, (name, 1))
-                    sel.register(p.stderr, selectors.EVENT_READ, (name, 2))
-                left = deadline - time.monotonic()
-                assert left > 0, f"children still running after {DEADLINE_S} s: {list(live)}"
-                for key, _ in sel.select(left):
+                    child = live[name] = _Child(
+                        subprocess.Popen(argv, env=env, stdout=PIPE, stderr=PIPE)
+                    )
+                    sel.register(child.proc.stdout, selectors.EVENT_READ, (name, "out"))
+                    sel.register(child.proc.stderr, selectors.EVENT_READ, (name, "err"))
+                now = time.monotonic()
+                assert now < deadline, f"children still running after {DEADLINE_S} s: {list(live)}"
+                for child in live.values():
+                    if not child.signalled and child.signal_at and now >= child.signal_at:
+                        os.kill(child.proc.pid, signal.SIGINT)  # a real Ctrl-C
+                        child.signalled = True
+                for key, _ in sel.select(0.02):
                     name, which = key.data
-                    state = live[name]
+                    child = live[name]
                     chunk = os.read(key.fd, 65536)
-                    state[which] += chunk
+                    setattr(child, which, getattr(child, which) + chunk)
                     if not chunk:
                         sel.unregister(key.fileobj)
-                        state[4] -= 1
-                    elif not state[3] and b"FOP_PAUSED" in state[2]:
-                        os.kill(state[0].pid, signal.SIGINT)  # a real Ctrl-C, now
-                        state[3] = True
-                    if state[4] == 0:
-                        p, out, err, signalled, _ = live.pop(name)
-                        code = p.wait(timeout=30)
-                        assert signalled, f"{name}: never reached its pause point: {out}{err}"
-                        done[name] = (code, out.decode(), err.decode())
+                        child.pipes -= 1
+                    elif child.signal_at is None and b"FOP_PAUSED" in child.err:
+                        child.signal_at = time.monotonic() + SIGNAL_DELAY_S
+                    if child.pipes == 0:
+                        del live[name]
+                        code = child.proc.wait(timeout=30)
+                        what = f"{name}: never paused, or not signalled: {child.out}{child.err}"
+                        assert child.signalled, what
+                        done[name] = (code, child.out.decode(), child.err.decode())
         finally:
-            for p, *_ in live.values():
-                p.kill()
-                p.wait()
+            for child in live.values():
+                child.proc.kill()
+                child.proc.wait()
     return done
 
 
