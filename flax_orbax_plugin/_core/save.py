@@ -221,10 +221,20 @@ class _Background:
             digest=self.snap.digest,
             write=write,
             publish=publish,
-            abort=staging.abort,
+            abort=self.abort,
         )
         total = time.perf_counter() - self.start
         return SaveResult(str(location), self.blocking, total, written.bytes_written)
+
+    def abort(self) -> None:
+        """What the failed save wrote goes: its staging directory or, written in place
+        on an object store, what it wrote there while our pending marker alone proves
+        it (nothing committed; the primary, once every process stopped writing)."""
+        self.staging.abort()
+        if self.staging.renames or not _distributed.is_primary():
+            return
+        if _ownership.proof(self.location) == "pending marker":
+            _ownership.remove(self.location, action="remove the remains of the failed save at")
 
 
 def is_committed(path: Any) -> bool:

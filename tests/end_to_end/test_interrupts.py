@@ -37,6 +37,8 @@ from flax import serialization
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._core import ownership as _ownership
 
+pytest_plugins = ["_servers"]
+
 PARALLEL = 5  # children at once (each is mostly jax's import: CPU-bound)
 PAUSE_S = "1.5"  # how long a child waits at its pause point for the test's signal
 # From the pause to the signal: the main thread gets there meanwhile (into the wait for
@@ -275,6 +277,27 @@ def test_ctrl_c_during_import_and_export_leaves_nothing(interrupted):
         assert not d.exists(), (name, [(p, f) for p, _, f in os.walk(d)])
     exported = fop.restore(interrupted["root"] / "ckpt")  # the export's source: untouched
     np.testing.assert_array_equal(exported["l2"], TREE["l2"])
+
+
+def test_ctrl_c_during_saves_to_s3_leaves_nothing(s3_location):
+    """On an object store a save writes in place (no staging name): an interrupted core
+    save removes what it wrote there, a manager its uncommitted step; earlier data stays."""
+    fop.save(s3_location.join("earlier").url, EARLIER)
+    with fop.CheckpointManager(s3_location.join("run").url) as mngr:
+        mngr.save(1, {"params": EARLIER}, force=True)
+    before = sorted(s3_location.keys())
+    results = _interrupt_all(
+        {
+            "s3 save@mid_write": (_python("save", s3_location.url), "mid_write"),
+            "s3 manager@mid_write": (_python("manager_wait", s3_location.url), "mid_write"),
+        }
+    )
+    for name, result in results.items():
+        _died_of_ctrl_c(result, name)
+    assert sorted(s3_location.keys()) == before
+    _earlier_intact(s3_location.join("earlier").url)
+    with fop.CheckpointManager(s3_location.join("run").url, read_only=True) as mngr:
+        assert mngr.steps() == [1]
 
 
 def test_a_killed_save_is_removed_as_ours_by_the_next_save_and_by_gc(tmp_path):
