@@ -157,7 +157,7 @@ def _start(path, tree, started: list[SaveHandle], **options) -> SaveHandle:
         held = _ownership.prepare_slot(location, what="a checkpoint", replace=force, clear=False)
         clear_first = held and not location.supports_rename
         staging = _commit.Staging.begin(location, _distributed.unique_name(), claim=False)
-        cancelled = threading.Event()
+        cancelled = snap.cancelled = threading.Event()  # the writes stop once it is set
         job = _Background(
             location=location,
             snap=snap,

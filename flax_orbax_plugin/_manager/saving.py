@@ -188,6 +188,9 @@ class Saver:
         blocking = time.perf_counter() - started
         op = _distributed.next_operation_id("manager-commit")
         cancelled = threading.Event()
+        for pending in pendings.values():  # a pytree item's writes stop once it is set
+            if getattr(pending, "snap", None) is not None:
+                pending.snap.cancelled = cancelled
         commit = StepCommit(
             self._loc,
             step,
