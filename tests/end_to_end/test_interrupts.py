@@ -279,25 +279,31 @@ def test_ctrl_c_during_import_and_export_leaves_nothing(interrupted):
     np.testing.assert_array_equal(exported["l2"], TREE["l2"])
 
 
-def test_ctrl_c_during_saves_to_s3_leaves_nothing(s3_location):
+def _object_store_case(store, scheme: str) -> None:
     """On an object store a save writes in place (no staging name): an interrupted core
     save removes what it wrote there, a manager its uncommitted step; earlier data stays."""
-    fop.save(s3_location.join("earlier").url, EARLIER)
-    with fop.CheckpointManager(s3_location.join("run").url) as mngr:
+    fop.save(store.join("earlier").url, EARLIER)
+    with fop.CheckpointManager(store.join("run").url) as mngr:
         mngr.save(1, {"params": EARLIER}, force=True)
-    before = sorted(s3_location.keys())
-    results = _interrupt_all(
-        {
-            "s3 save@mid_write": (_python("save", s3_location.url), "mid_write"),
-            "s3 manager@mid_write": (_python("manager_wait", s3_location.url), "mid_write"),
-        }
-    )
-    for name, result in results.items():
+    before = sorted(store.keys())
+    cases = {
+        f"{scheme} save@mid_write": (_python("save", store.url), "mid_write"),
+        f"{scheme} manager@mid_write": (_python("manager_wait", store.url), "mid_write"),
+    }
+    for name, result in _interrupt_all(cases).items():
         _died_of_ctrl_c(result, name)
-    assert sorted(s3_location.keys()) == before
-    _earlier_intact(s3_location.join("earlier").url)
-    with fop.CheckpointManager(s3_location.join("run").url, read_only=True) as mngr:
+    assert sorted(store.keys()) == before
+    _earlier_intact(store.join("earlier").url)
+    with fop.CheckpointManager(store.join("run").url, read_only=True) as mngr:
         assert mngr.steps() == [1]
+
+
+def test_ctrl_c_during_saves_to_s3_leaves_nothing(s3_location):
+    _object_store_case(s3_location, "s3")
+
+
+def test_ctrl_c_during_saves_to_gcs_leaves_nothing(gcs_location):
+    _object_store_case(gcs_location, "gs")
 
 
 def test_a_killed_save_is_removed_as_ours_by_the_next_save_and_by_gc(tmp_path):
