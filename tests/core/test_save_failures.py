@@ -109,3 +109,22 @@ def test_any_exception_raised_into_a_waiting_save_removes_its_staging(tmp_path):
     assert "save succeeded" not in out
     assert sorted(os.listdir(tmp_path)) == ["1"]  # no 2.partial-*, no 2
     assert fop.restore(tmp_path / "1")["step"] == 1
+
+
+def test_a_cancelled_save_leaves_nothing_on_memory_and_local_disk(tmp_path, monkeypatch):
+    """``SaveHandle.cancel`` (what a Ctrl-C in the caller's wait does) while the background
+    phase writes (held there: FOP_PAUSE_AT): nothing stays on ``memory://`` (written in
+    place, removed as ours) nor on local disk (the staging directory), and the earlier
+    checkpoint beside it is untouched."""
+    from flax_orbax_plugin._storage.location import Location
+
+    monkeypatch.setenv("FOP_PAUSE_AT", "mid_write")
+    monkeypatch.setenv("FOP_PAUSE_S", "0.3")
+    tree = {f"l{i}": np.full((20_000,), i, np.float32) for i in range(4)}
+    for root in ("memory://cancelled", str(tmp_path)):
+        fop.save(f"{root}/1", {"w": np.arange(10.0)})
+        handle = fop.save_async(f"{root}/2", tree)
+        handle.cancel()
+        assert handle.done()
+        assert Location.from_path(root).list_children() == ["1"], root
+        np.testing.assert_array_equal(fop.restore(f"{root}/1")["w"], np.arange(10.0))
