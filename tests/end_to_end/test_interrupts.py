@@ -19,6 +19,7 @@ spends most of its time importing jax).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import selectors
@@ -36,6 +37,7 @@ from flax import serialization
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._core import ownership as _ownership
+from flax_orbax_plugin.cli.main import main as cli_main
 
 pytest_plugins = ["_servers"]
 
@@ -306,11 +308,11 @@ def test_ctrl_c_during_saves_to_gcs_leaves_nothing(gcs_location):
     _object_store_case(gcs_location, "gs")
 
 
-def test_a_killed_save_is_removed_as_ours_by_the_next_save_and_by_gc(tmp_path):
+def test_a_killed_save_is_removed_as_ours_by_the_next_save_and_by_gc(tmp_path, capsys):
     """Where the interrupted save cannot clean up (SIGKILL in its write), its staging
     carries our marker naming the dead writer: the next save of that path removes it
-    at once, and ``gc`` (here the CLI; the Python ``gc`` runs the same housekeeping)
-    removes one of another name; a staging whose writer still runs is left alone."""
+    at once, and ``gc`` (the CLI, and the Python ``gc``) removes copies of it under
+    other names; a staging whose writer still runs (another live process) stays."""
     fop.save(tmp_path / "earlier", EARLIER)
     env = _proc.child_env(FOP_KILL_AT="mid_write", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
@@ -318,11 +320,14 @@ def test_a_killed_save_is_removed_as_ours_by_the_next_save_and_by_gc(tmp_path):
     )
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     (dead,) = [n for n in os.listdir(tmp_path) if n.startswith("ckpt.partial-")]
+    dead_pid = json.loads((tmp_path / dead / _ownership.PENDING_FILE).read_bytes())["pid"]
+    assert dead_pid != os.getpid()  # the marker names the killed child
     shutil.copytree(tmp_path / dead, tmp_path / "other.partial-dead02")  # same dead writer
     live = tmp_path / "live.partial-live03"
     live.mkdir()
-    # What a save of this (running) process writes:
-    (live / _ownership.PENDING_FILE).write_bytes(_ownership._pending_bytes("live03"))
+    marker = json.loads(_ownership._pending_bytes("live03"))
+    marker["pid"] = os.getppid()  # a save of another process that still runs
+    (live / _ownership.PENDING_FILE).write_text(json.dumps(marker))
     fop.save(tmp_path / "ckpt", TREE)  # the next save of that path
     assert sorted(os.listdir(tmp_path)) == [
         "ckpt",
@@ -330,15 +335,14 @@ def test_a_killed_save_is_removed_as_ours_by_the_next_save_and_by_gc(tmp_path):
         "live.partial-live03",
         "other.partial-dead02",
     ]
-    gc = subprocess.run(
-        _cli("gc", str(tmp_path)),
-        env=_proc.child_env(JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert gc.returncode == 0, gc.stdout + gc.stderr
-    assert "removed unfinished: other.partial-dead02" in gc.stdout, gc.stdout
+    assert cli_main(["gc", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "removed unfinished: other.partial-dead02" in out, out
+    third = tmp_path / "third.partial-dead04"  # the killed child's, for the Python gc
+    shutil.copytree(live, third)
+    (third / _ownership.PENDING_FILE).write_text(json.dumps({**marker, "pid": dead_pid}))
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.gc()
     left = sorted(n for n in os.listdir(tmp_path) if not n.startswith("."))
     assert left == ["ckpt", "earlier", "live.partial-live03"]
     _earlier_intact(tmp_path / "earlier")
