@@ -11,6 +11,8 @@ import dataclasses
 import threading
 from typing import Any
 
+from .._base import distributed as _distributed
+
 
 @dataclasses.dataclass(frozen=True)
 class SaveResult:
@@ -133,4 +135,5 @@ def raise_if_cancelled(cancelled: threading.Event, what: str) -> None:
     KeyboardInterrupt on the caller's thread); the commit protocol then removes what was
     staged and tells every other process."""
     if cancelled.is_set():
-        raise KeyboardInterrupt(f"{what} cancelled: interrupted on the main thread")
+        where = f"process {_distributed.process_index()}"
+        raise KeyboardInterrupt(f"{what} cancelled: interrupted on {where}'s main thread")

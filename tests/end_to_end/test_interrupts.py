@@ -30,6 +30,7 @@ import sys
 import time
 from subprocess import PIPE
 
+import _multiprocess
 import _proc
 import numpy as np
 import pytest
@@ -306,6 +307,53 @@ def test_ctrl_c_during_saves_to_s3_leaves_nothing(s3_location):
 
 def test_ctrl_c_during_saves_to_gcs_leaves_nothing(gcs_location):
     _object_store_case(gcs_location, "gs")
+
+
+def save_with_one_process_interrupted(ctx, directory: str) -> dict:
+    """Two-process target: both save one checkpoint; process 0 is sent SIGINT while it
+    is about to commit. Returns what each saw, and how long its save took."""
+    start = time.monotonic()
+    try:
+        fop.save(f"{directory}/ckpt", TREE)
+        outcome = "saved"
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    except fop.CheckpointError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    return {"outcome": outcome, "seconds": time.monotonic() - start}
+
+
+def test_ctrl_c_on_one_of_two_processes_fails_the_save_on_both_and_leaves_nothing(tmp_path):
+    """The interrupted process's commit fails, every other process learns it at once
+    from the commit protocol (not after a timeout), and nothing is left."""
+    fop.save(tmp_path / "earlier", EARLIER)
+    work = tmp_path / "mp"
+    work.mkdir()
+    stderr_0 = work / "stderr_0.txt"
+    run = _multiprocess.run_processes(
+        "test_interrupts:save_with_one_process_interrupted",
+        n=2,
+        args={"directory": str(tmp_path)},
+        env={"FOP_PAUSE_AT": "before_commit", "FOP_PAUSE_S": PAUSE_S},
+        workdir=str(work),
+        signals=[
+            _multiprocess.Signal(
+                process=0,
+                when=lambda: stderr_0.exists() and "FOP_PAUSED" in stderr_0.read_text(),
+                signum=signal.SIGINT,
+            )
+        ],
+        timeout_s=120,
+    )
+    assert run.signals_sent, "\n".join(p.describe() for p in run.procs)
+    assert run[0].result["outcome"] == "KeyboardInterrupt", run[0].describe()
+    other = run[1].result
+    assert other["outcome"].startswith("CheckpointError") and "process 0" in other["outcome"], run[
+        1
+    ].describe()
+    assert other["seconds"] < 30, other  # told by the commit protocol, not by a timeout
+    assert sorted(os.listdir(tmp_path)) == ["earlier", "mp"]
+    _earlier_intact(tmp_path / "earlier")
 
 
 def test_a_killed_save_is_removed_as_ours_by_the_next_save_and_by_gc(tmp_path, capsys):
