@@ -88,7 +88,7 @@ def test_any_exception_raised_into_a_waiting_save_removes_its_staging(tmp_path):
     cut-short wait marked the save's thread finished and the interpreter exited under
     it, leaving the directory behind."""
     fop.save(tmp_path / "1", {"w": np.arange(1000, dtype=np.float32), "step": 1})
-    env = _proc.child_env(FOP_PAUSE_AT="mid_write", FOP_PAUSE_S="1.5", JAX_PLATFORMS="cpu")
+    env = _proc.child_env(FOP_PAUSE_AT="mid_write", FOP_PAUSE_S="3", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(
         [sys.executable, "-c", SIGTERM_CHILD, str(tmp_path)],
         env=env,

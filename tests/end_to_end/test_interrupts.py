@@ -43,7 +43,7 @@ from flax_orbax_plugin.cli.main import main as cli_main
 pytest_plugins = ["_servers"]
 
 PARALLEL = 5  # children at once (each is mostly jax's import: CPU-bound)
-PAUSE_S = "1.5"  # how long a child waits at its pause point for the test's signal
+PAUSE_S = "3"  # how long a child waits at its pause point for the test's signal
 # From the pause to the signal: the main thread gets there meanwhile (into the wait for
 # a background phase that is paused, or the user's loop), whatever the machine's load.
 SIGNAL_DELAY_S = 0.3
@@ -266,8 +266,12 @@ def test_ctrl_c_during_manager_and_callback_saves_leaves_nothing(interrupted):
             np.testing.assert_array_equal(mngr.restore(step=2)["params"]["l3"], TREE["l3"])
     for name in ("callback@snapshot", "callback@mid_write"):
         with fop.CheckpointManager(interrupted[name][0] / "run", read_only=True) as mngr:
-            assert mngr.steps() == [1, 2], (name, mngr.steps())
-            np.testing.assert_array_equal(mngr.restore(step=2)["params"]["l1"], TREE["l1"])
+            steps = mngr.steps()
+            # The third step's save was cancelled (mid_write: a Ctrl-C that a starved
+            # machine delivers before step 4 waits on it leaves step 3 to commit whole).
+            assert steps == [1, 2] or (name.endswith("mid_write") and steps == [1, 2, 3])
+            for step in steps:
+                np.testing.assert_array_equal(mngr.restore(step=step)["params"]["l1"], TREE["l1"])
 
 
 def test_ctrl_c_during_import_and_export_leaves_nothing(interrupted):
