@@ -112,23 +112,21 @@ def save_async(
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
     """
-    # Ctrl-C during the blocking phase is held until its end (never raised inside a
-    # callback of JAX or tensorstore, which would drop it); then the save is cancelled
-    # (nothing staged is left) and the KeyboardInterrupt raised.
+    # Interrupted (Ctrl-C: held until the end of the blocking phase, see _start), the
+    # save is cancelled: nothing staged is left, and the KeyboardInterrupt raised.
     started: list[SaveHandle] = []
     try:
-        with _interrupts.deferred_sigint():
-            return _start(
-                path,
-                tree,
-                started,
-                force=force,
-                memory_limit_bytes=memory_limit_bytes,
-                compression=compression,
-                format_version=format_version,
-                data_file_bytes=data_file_bytes,
-                host_memory_budget=host_memory_budget,
-            )
+        return _start(
+            path,
+            tree,
+            started,
+            force=force,
+            memory_limit_bytes=memory_limit_bytes,
+            compression=compression,
+            format_version=format_version,
+            data_file_bytes=data_file_bytes,
+            host_memory_budget=host_memory_budget,
+        )
     except BaseException:
         for handle in started:
             handle.cancel()
@@ -139,42 +137,47 @@ def _start(path, tree, started: list[SaveHandle], **options) -> SaveHandle:
     """The blocking phase of :func:`save_async` (its arguments); appends the handle to
     ``started`` as soon as its background phase runs."""
     with _IN_FLIGHT_LOCK:
-        wait_for_pending_save()
-        start = time.perf_counter()
-        location = Location.from_path(path)
-        budget = check_host_memory_budget(options["host_memory_budget"])
-        snap = snapshot(
-            tree,
-            compression=options["compression"],
-            format_version=options["format_version"],
-            budget=budget,
-        )
-        snap.data_file_bytes = check_data_file_bytes(options["data_file_bytes"])
-        force = options["force"]
-        # Refuses a foreign or (without ``force``) committed target. Object stores write
-        # in place: remains of a dead save, or with ``force`` a checkpoint of ours, are
-        # cleared first, in the background phase (the decision is the primary's).
-        held = _ownership.prepare_slot(location, what="a checkpoint", replace=force, clear=False)
-        clear_first = held and not location.supports_rename
-        staging = _commit.Staging.begin(location, _distributed.unique_name(), claim=False)
-        cancelled = snap.cancelled = threading.Event()  # the writes stop once it is set
-        job = _Background(
-            location=location,
-            snap=snap,
-            staging=staging,
-            op=_distributed.next_operation_id("save"),
-            clear_first=clear_first,
-            force=force,
-            limit=bounded_limit(options["memory_limit_bytes"], budget),
-            start=start,
-            blocking=time.perf_counter() - start,
-            cancelled=cancelled,
-        )
-        handle = SaveHandle(str(location), job.run, cancelled=cancelled)
-        _IN_FLIGHT[:] = [handle]
-        handle.start()
-        started.append(handle)
-        wait_for_data(snap, handle)
+        wait_for_pending_save()  # interruptible: nothing of this save exists yet
+        # Ctrl-C is held over the blocking phase proper (never raised inside a callback
+        # of JAX or tensorstore, which would drop it) and raised at its end.
+        with _interrupts.deferred_sigint():
+            start = time.perf_counter()
+            location = Location.from_path(path)
+            budget = check_host_memory_budget(options["host_memory_budget"])
+            snap = snapshot(
+                tree,
+                compression=options["compression"],
+                format_version=options["format_version"],
+                budget=budget,
+            )
+            snap.data_file_bytes = check_data_file_bytes(options["data_file_bytes"])
+            force = options["force"]
+            # Refuses a foreign or (without ``force``) committed target. Object stores
+            # write in place: remains of a dead save, or with ``force`` a checkpoint of
+            # ours, are cleared first, in the background phase (the primary decides).
+            held = _ownership.prepare_slot(
+                location, what="a checkpoint", replace=force, clear=False
+            )
+            clear_first = held and not location.supports_rename
+            staging = _commit.Staging.begin(location, _distributed.unique_name(), claim=False)
+            cancelled = snap.cancelled = threading.Event()  # the writes stop once it is set
+            job = _Background(
+                location=location,
+                snap=snap,
+                staging=staging,
+                op=_distributed.next_operation_id("save"),
+                clear_first=clear_first,
+                force=force,
+                limit=bounded_limit(options["memory_limit_bytes"], budget),
+                start=start,
+                blocking=time.perf_counter() - start,
+                cancelled=cancelled,
+            )
+            handle = SaveHandle(str(location), job.run, cancelled=cancelled)
+            _IN_FLIGHT[:] = [handle]
+            handle.start()
+            started.append(handle)
+        wait_for_data(snap, handle)  # interruptible: the caller's except cancels
         return handle
 
 

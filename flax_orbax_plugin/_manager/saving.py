@@ -150,14 +150,18 @@ class Saver:
         KeyboardInterrupt raised. Call with no save in flight (after :meth:`wait`)."""
         try:
             with _interrupts.deferred_sigint():
-                self._start(step, items, extras, local, replicate)
+                pendings = self._start(step, items, extras, local, replicate)
+            for pending in pendings.values():  # views under a budget: written before returning
+                wait_for_data(getattr(pending, "snap", None), self.inflight)  # interruptible
         except BaseException:
             handle, self.inflight = self.inflight, None
             if handle is not None:
                 handle.cancel()
             raise
 
-    def _start(self, step: int, items: dict, extras: Any, local: list[int], replicate: bool):
+    def _start(
+        self, step: int, items: dict, extras: Any, local: list[int], replicate: bool
+    ) -> dict[str, Pending]:
         replicate and self._book.tier is not None and self._book.tier.force(step)
         started = time.perf_counter()
         replace = step in local
@@ -223,8 +227,7 @@ class Saver:
             return result
 
         self.inflight = SaveHandle(str(final), background, cancelled=cancelled).start()
-        for pending in pendings.values():  # views under a budget: written before returning
-            wait_for_data(getattr(pending, "snap", None), self.inflight)
+        return pendings
 
     def _save_items(
         self,
