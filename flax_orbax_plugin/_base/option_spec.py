@@ -85,6 +85,8 @@ class Option:
         if value is None and self.none_ok:
             return None
         getattr(self, f"_check_{self.kind}", lambda v: None)(value)
+        if self.kind in _PLAIN:  # numpy scalars as Python's
+            value = _PLAIN[self.kind](value)
         if self.convert is None:
             return value
         try:
@@ -143,6 +145,9 @@ class Option:
             close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
         self._fail(value, wrong_type=False, hint=hint)
+
+
+_PLAIN = {"int": int, "number": float}
 
 
 def check(declared: Iterable[Option], values: Mapping[str, Any]) -> dict[str, Any]:
