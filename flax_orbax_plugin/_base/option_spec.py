@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +39,7 @@ def found(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Option:
-    """One option: ``kind`` is ``"int"`` (an int, not a bool), ``"number"`` (an int or
+    """One option: ``kind`` is ``"int"`` (an integer scalar, not a bool), ``"number"`` (an int or
     a float, not a bool; never NaN or infinite), ``"flag"`` (True or False),
     ``"choice"`` (one of ``choices``), ``"str"`` (a non-empty str), ``"callable"``,
     or ``"custom"`` (``convert`` alone decides). ``low`` / ``high`` bound numbers
@@ -103,9 +104,14 @@ class Option:
         raise cls(f"{self.name} must be {self.words}, found {found(value)}{hint}")
 
     def _check_int(self, value: Any) -> None:
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        """An int, or an integer scalar with ``__index__`` (numpy, a jax array)."""
+        if isinstance(value, bool):
             self._fail(value, wrong_type=True)
-        self._check_range(value)
+        try:
+            number = operator.index(value)
+        except TypeError:
+            self._fail(value, wrong_type=True)
+        self._check_range(number)
 
     def _check_number(self, value: Any) -> None:
         if not isinstance(value, numbers.Real) or isinstance(value, bool):
@@ -147,7 +153,7 @@ class Option:
         self._fail(value, wrong_type=False, hint=hint)
 
 
-_PLAIN = {"int": int, "number": float}
+_PLAIN = {"int": operator.index, "number": float}
 
 
 def check(declared: Iterable[Option], values: Mapping[str, Any]) -> dict[str, Any]:

@@ -244,9 +244,7 @@ class CheckpointManager:
         Call from the training thread only; with several processes, on every process.
         """
         self._check_writable()
-        step = operator.index(step)
-        if step < 0:
-            raise ValueError(f"step must be >= 0, found {step}")
+        step = _options.check_save_call(step=step, force=force, overwrite=overwrite, t=t)
         preempted = self._preempted_at(step)  # first: asked at every step, in order
         self._saver.raise_background_error()
         if not (force or preempted or self._schedule.decide(step, t)):

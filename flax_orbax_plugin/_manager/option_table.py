@@ -25,7 +25,7 @@ from .._errors import OptionError
 from .._format import layout as _layout
 from .._storage.location import Location
 
-__all__ = ["CALLBACK", "MANAGER", "check_callback", "check_manager"]
+__all__ = ["CALLBACK", "MANAGER", "SAVE_CALL", "check_callback", "check_manager", "check_save_call"]
 
 LEASE_MAX_SECONDS = 366 * 86400.0  # a lease renewed every third of it; a year at most
 
@@ -215,6 +215,20 @@ class _Idle:
 
     def refuse(self, name: str, needs: str) -> None:
         refuse_without(name, self._values[name], needs, default=self._defaults[name])
+
+
+SAVE_CALL: tuple[Option, ...] = (
+    Option("step", "int", low=0),
+    Option("force", "flag"),
+    Option("overwrite", "flag"),
+    Option("t", "number", none_ok=True, expected="a time in seconds (a finite number) or None"),
+)
+"""The keyword options of ``CheckpointManager.save`` (and its step)."""
+
+
+def check_save_call(**options: Any) -> int:
+    """``CheckpointManager.save``'s step and options checked; returns the step."""
+    return check(SAVE_CALL, options)["step"]
 
 
 SHARED_WITH_MANAGER = ("keep", "every_steps", "every_seconds", "async_save")

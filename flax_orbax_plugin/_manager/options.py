@@ -31,6 +31,7 @@ __all__ = [
     "ManagerOptions",
     "check_callback",
     "check_item_name",
+    "check_save_call",
     "check_unknown",
     "keyword_defaults",
     "keyword_names",
@@ -136,6 +137,9 @@ def check_callback(
         manager_defaults,
     )
     _table.check_callback(options, manager_options, manager_defaults)
+
+
+check_save_call = _table.check_save_call
 
 
 def check_item_name(name: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -331,3 +332,27 @@ def test_callback_options_that_do_nothing_or_collide_are_refused(tmp_path):
     with pytest.raises(fop.OptionError, match=r"manager_options\['keep'\]: keep is an option of"):
         fop.CheckpointCallback(tmp_path / "run", keep=2, manager_options={"keep": 5})
     fop.CheckpointCallback(tmp_path / "run", resume=False, overwrite=True)  # taken
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"force": "yes"}, "force must be True or False, found str 'yes'"),  # was: taken
+        ({"overwrite": "x"}, "overwrite must be True or False, found str 'x'"),  # was: taken
+        ({"t": NAN}, "t must be a time in seconds (a finite number) or None, found float nan"),
+        ({"t": "now"}, "t must be a time in seconds (a finite number) or None, found str 'now'"),
+        ({"step": 1.5}, "step must be an int >= 0, found float 1.5"),
+        ({"step": -1}, "step must be an int >= 0, found int -1"),
+        ({"step": "7"}, "step must be an int >= 0, found str '7'"),
+    ],
+)
+def test_manager_save_refuses_a_hostile_keyword(tmp_path, kwargs, words):
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        step = kwargs.pop("step", 1)
+        with pytest.raises(fop.OptionError, match="^" + re.escape(words)):
+            mngr.save(step, {"params": {"w": np.zeros(4)}}, **kwargs)
+        assert mngr.steps() == []
+        assert mngr.save(np.int64(2), {"params": {"w": np.zeros(4)}})  # integer scalars
+        assert mngr.save(jnp.asarray(3), {"params": {"w": np.zeros(4)}})
+        mngr.wait()
+        assert mngr.steps() == [2, 3]
