@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import urlparse
 
 from .._base.option_spec import Option, check, found, refuse_without
 from .._errors import OptionError
@@ -85,7 +86,21 @@ def _place(value: Any) -> Any:
         raise TypeError(
             f"expected a path, an s3:// / gs:// URL or a kvstore dict, found {found(value)}"
         )
+    if (
+        isinstance(value, str)
+        and value.startswith(("s3://", "gs://"))
+        and not urlparse(value).netloc
+    ):
+        raise ValueError(f"expected {value[:5]}<bucket>/<path>, found {found(value)}")
+    try:
+        Location.from_path(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"not a place to keep steps ({e}), found {found(value)}") from None
     return value
+
+
+DIRECTORY = Option("directory", "custom", convert=_place)
+"""The manager's ``directory`` (positional), checked as ``persistent`` is."""
 
 
 def _writer(value: Any) -> Any:

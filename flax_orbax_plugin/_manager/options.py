@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import OptionError, OptionTypeError
+from .._errors import OptionTypeError
 from .._format import layout as _layout
 from .._storage.location import Location
 from . import option_table as _table
@@ -217,9 +217,7 @@ class ManagerOptions:
         OptionError (OptionTypeError: a TypeError) naming the option."""
         options = _table.check_manager({k: options[k] for k in defaults}, defaults)
         steps = options["steps"]
-        if isinstance(directory, str) and not directory.strip():
-            raise OptionError(f"directory must be a path or URL, found {directory!r}")
-        location = Location.from_path(directory)
+        location = Location.from_path(_table.DIRECTORY.check(directory))
         retention = RetentionPolicy(
             keep_last=options["keep"],
             keep_every=options["keep_every"],

@@ -167,6 +167,8 @@ MANAGER_CASES = [
     ("host_memory_budget", NAN, None, "found float nan"),
     ("persistent", "", None, "expected a path or URL, found str ''"),
     ("persistent", 5, None, "kvstore dict, found int 5"),
+    ("persistent", "gs://", None, "expected gs://<bucket>/<path>, found str 'gs://'"),
+    ("persistent", {"path": "x"}, None, "needs a 'driver'"),
     ("persistent_keep", 0, _p, "a positive int or None"),
     ("persistent_keep_every", "x", _p, "found str 'x'"),
     ("persistent_every", -1, _p, "a positive int, found int -1"),
@@ -356,3 +358,17 @@ def test_manager_save_refuses_a_hostile_keyword(tmp_path, kwargs, words):
         assert mngr.save(jnp.asarray(3), {"params": {"w": np.zeros(4)}})
         mngr.wait()
         assert mngr.steps() == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "directory, words",
+    [
+        ("", "directory: expected a path or URL, found str ''"),  # was: the working directory
+        (5, "directory: expected a path, an s3:// / gs:// URL or a kvstore dict, found int 5"),
+        ("s3://", "directory: expected s3://<bucket>/<path>, found str 's3://'"),
+        ({"path": "x"}, "directory: not a place to keep steps (kvstore spec needs a 'driver'"),
+    ],
+)
+def test_the_manager_directory_is_checked_as_an_option(directory, words):
+    with pytest.raises(fop.OptionError, match="^" + re.escape(words)):
+        fop.CheckpointManager(directory)
