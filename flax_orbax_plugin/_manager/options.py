@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import OptionTypeError
+from .._errors import OptionError, OptionTypeError
 from .._format import layout as _layout
 from .._storage.location import Location
 from . import option_table as _table
@@ -170,7 +170,10 @@ def _overrides(
         overrides.pytree = PytreeCheckpointable(format_version=format_version)
     for name, codec in (compression or {}).items():
         if name in overrides:
-            raise ValueError(f"compression[{name!r}]: item {name!r} has its own checkpointable")
+            raise OptionError(
+                f"compression[{name!r}] does nothing: item {name!r} has its own checkpointable "
+                "(checkpointables=), which decides how it is stored"
+            )
         overrides[check_item_name(name)] = PytreeCheckpointable(
             compression=_layout.check_codec(codec, where=f"compression[{name!r}]"),
             format_version=format_version,

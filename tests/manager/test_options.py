@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin._manager.checkpointables import PytreeCheckpointable
 
 BOTH = [fop.CheckpointManager, fop.CheckpointCallback]
 
@@ -372,3 +373,12 @@ def test_manager_save_refuses_a_hostile_keyword(tmp_path, kwargs, words):
 def test_the_manager_directory_is_checked_as_an_option(directory, words):
     with pytest.raises(fop.OptionError, match="^" + re.escape(words)):
         fop.CheckpointManager(directory)
+
+
+def test_compression_of_an_item_with_its_own_checkpointable_is_refused(tmp_path):
+    with pytest.raises(fop.OptionError, match=r"^compression\['params'\] does nothing: item 'p"):
+        fop.CheckpointManager(
+            tmp_path / "run",
+            checkpointables={"params": PytreeCheckpointable()},
+            compression={"params": "zstd"},
+        )
