@@ -234,34 +234,6 @@ def test_every_callback_option_refuses_a_hostile_value(tmp_path, name, value, wo
     assert str(info.value).startswith(name) and words in str(info.value), info.value
 
 
-SAVE_CASES = [
-    ("force", "yes", {}, "True or False, found str 'yes'"),
-    ("memory_limit_bytes", 0, {}, "a positive int"),
-    ("memory_limit_bytes", 10**30, {}, "<= 9223372036854775807"),
-    ("memory_limit_bytes", "1G", {}, "found str '1G'"),
-    ("compression", "lz4", {}, "expected None, 'zstd' or 'zstd:<1-22>', found 'lz4'"),
-    ("compression", "", {}, "found str ''"),
-    ("compression", "zstd:99", {}, "found 'zstd:99'"),
-    ("compression", 3, {}, "found int 3"),
-    ("format_version", 3, {}, "one of 1, 2"),
-    ("format_version", "1", {}, "found str '1'"),
-    ("data_file_bytes", -1, {"format_version": 2}, "a positive int"),
-    ("data_file_bytes", 10**30, {"format_version": 2}, "<= 9223372036854775807"),
-    ("data_file_bytes", NAN, {"format_version": 2}, "found float nan"),
-    ("host_memory_budget", NAN, {}, "found float nan"),
-    ("host_memory_budget", "x", {}, "found str 'x'"),
-]
-
-
-@pytest.mark.parametrize("entry", ["save", "save_async"])
-@pytest.mark.parametrize("name, value, extra, words", SAVE_CASES, ids=map(_case_id, SAVE_CASES))
-def test_every_save_keyword_refuses_a_hostile_value(tmp_path, entry, name, value, extra, words):
-    with pytest.raises(fop.OptionError) as info:
-        getattr(fop, entry)(tmp_path / "c", {"w": np.zeros(4)}, **extra, **{name: value})
-    assert str(info.value).startswith(name) and words in str(info.value), info.value
-    assert not (tmp_path / "c").exists()
-
-
 # -- issue 32: an option that does nothing in the chosen mode is refused ------------------
 
 IDLE_MANAGER = [
@@ -317,15 +289,6 @@ def test_the_modes_that_use_those_options_still_take_them(tmp_path):
     with fop.CheckpointManager(tmp_path / "b", keep_best=1, best_metric="loss", best_mode="max"):
         pass
     fop.CheckpointManager(tmp_path / "a", read_only=True, checkpointables={})
-    fop.save(tmp_path / "c", {"w": np.zeros(4)}, format_version=2, data_file_bytes=1 << 20)
-
-
-@pytest.mark.parametrize("entry", ["save", "save_async"])
-def test_data_file_bytes_with_format_version_1_is_refused(tmp_path, entry):
-    # Was silently ignored: version 1 writes one file per chunk.
-    with pytest.raises(fop.OptionError, match=r"^data_file_bytes=1048576 does nothing without "):
-        getattr(fop, entry)(tmp_path / "c", {"w": np.zeros(4)}, data_file_bytes=1 << 20)
-    assert not (tmp_path / "c").exists()
 
 
 def test_callback_options_that_do_nothing_or_collide_are_refused(tmp_path):
