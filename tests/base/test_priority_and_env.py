@@ -38,6 +38,10 @@ tree["small"] = np.ones(3)
 fop.save(root + "/v2z", tree, format_version=2, compression="zstd")
 fop.save(root + "/v1", tree)
 fop.save(root + "/v1z", tree, compression="zstd")
+fop.save(root + "/v2", tree, format_version=2)
+with fop.CheckpointManager(root + "/m2", incremental=True, format_version=2) as m:
+    m.save(1, {"params": tree})
+    m.save(2, {"params": tree})
 with fop.CheckpointManager(root + "/m", incremental=True, persistent=root + "/p") as m:
     m.save(1, {"params": tree})
     m.save(2, {"params": tree})
