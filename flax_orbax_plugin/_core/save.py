@@ -195,7 +195,7 @@ def save_async(
         arrays are written from their own memory before this returns (no copy at
         all; the blocking phase is then the data write). Small leaves (batched) are
         copied as usual. Format version 2 and incremental steps copy every region
-        before writing: the budget bounds only version 1 saves.
+        before writing: the budget bounds only version 1 saves (refused with 2).
 
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.

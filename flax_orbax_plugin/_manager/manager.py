@@ -86,8 +86,8 @@ class CheckpointManager:
         this many seconds, renewed every third of it). See ``_run_owner``.
       reuse_host_buffers: (default) copy the state into host buffers kept from the
         previous save until ``close``; off: hold CPU arrays as views (docs/manager.md).
-      host_memory_budget: host bytes a save may hold beyond the state (None: no
-        bound; set, nothing is pooled). See ``fop.save_async``.
+      host_memory_budget: host bytes a version 1 step (not incremental) may hold
+        beyond the state (None: no bound; set, nothing is pooled). ``fop.save_async``.
 
     ``wait()``: the local tier, ``persistent.wait()``: the replication, ``close()``:
     both. A writer locks a local directory (a second live writer: DirectoryLockedError)

@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from .._base.option_spec import Option, check, found, refuse_without
+from .._core import save_options as _save_options
 from .._errors import OptionError
 from .._format import layout as _layout
 from .._storage.location import Location
@@ -216,6 +217,13 @@ def check_manager(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> di
         idle.refuse("best_mode", "keep_best= and best_metric=")
     if out["every_seconds"] is None:
         idle.refuse("clock", "every_seconds= (the time it measures)")
+    if out["format_version"] == 2:
+        idle.refuse("host_memory_budget", _save_options.BUDGET_NEEDS_V1)
+    if out["incremental"]:
+        idle.refuse(
+            "host_memory_budget",
+            "incremental=False (an incremental step copies every region to host first)",
+        )
     if out["read_only"]:
         for name in _WRITER:
             idle.refuse(name, "a writer (read_only=False)")

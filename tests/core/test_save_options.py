@@ -55,3 +55,13 @@ def test_data_file_bytes_with_format_version_1_is_refused(tmp_path, entry):
 def test_data_file_bytes_with_format_version_2_is_taken(tmp_path):
     fop.save(tmp_path / "c", {"w": np.zeros(4)}, format_version=2, data_file_bytes=1 << 20)
     assert fop.is_committed(tmp_path / "c")
+
+
+@pytest.mark.parametrize("entry", ["save", "save_async"])
+def test_a_host_memory_budget_with_format_version_2_is_refused(tmp_path, entry):
+    # Was taken and bounded nothing: version 2 copies every region to host first.
+    with pytest.raises(fop.OptionError, match=r"^host_memory_budget=1048576 does nothing without "):
+        getattr(fop, entry)(
+            tmp_path / "c", {"w": np.zeros(4)}, format_version=2, host_memory_budget=1 << 20
+        )
+    assert not (tmp_path / "c").exists()

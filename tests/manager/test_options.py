@@ -250,6 +250,14 @@ IDLE_MANAGER = [
         "persistent_keep_every=10 does nothing without persistent_keep=",
     ),
     ({"keep_every": 10}, "keep_every=10 does nothing without keep= or keep_best="),
+    (
+        {"format_version": 2, "host_memory_budget": 1 << 20},
+        "host_memory_budget=1048576 does nothing without format_version=1 (version 2 copies",
+    ),
+    (
+        {"incremental": True, "host_memory_budget": 1 << 20},
+        "host_memory_budget=1048576 does nothing without incremental=False",
+    ),
     ({"best_mode": "max"}, "best_mode='max' does nothing without keep_best= and best_metric="),
     ({"clock": lambda: 0.0}, "does nothing without every_seconds="),
     ({"read_only": True, "keep": 2}, "keep=2 does nothing without a writer (read_only=False)"),
