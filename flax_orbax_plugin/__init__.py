@@ -30,12 +30,15 @@ from ._errors import (
     DirectoryLockedError,
     ForeignEntryError,
     NotCommittedError,
+    NothingMatchedError,
     OptionError,
     OptionTypeError,
     ReplicationError,
     StepDeletedError,
     StructureError,
+    TransformError,
     UnknownItemError,
+    UnsupportedLocationError,
 )
 from ._format.metadata import CheckpointMetadata, LeafMetadata
 from ._interop.importing import import_msgpack, import_orbax
@@ -64,6 +67,7 @@ __all__ = [
     "LeafMetadata",
     "Location",
     "NotCommittedError",
+    "NothingMatchedError",
     "OptionError",
     "OptionTypeError",
     "Pending",
@@ -73,7 +77,9 @@ __all__ = [
     "StepIndexedIterator",
     "StepDeletedError",
     "StructureError",
+    "TransformError",
     "UnknownItemError",
+    "UnsupportedLocationError",
     "VerifyResult",
     "Written",
     "from_safetensors",
