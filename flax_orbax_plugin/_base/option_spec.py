@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import OptionError, OptionTypeError
+from .._errors import CheckpointError, OptionError, OptionTypeError
 
 __all__ = ["Option", "check", "found", "refuse_without", "INT64_MAX"]
 
@@ -92,7 +92,7 @@ class Option:
             return value
         try:
             return self.convert(value)
-        except OptionError:
+        except CheckpointError:  # the library's own (OptionError, a path checker's): as is
             raise
         except TypeError as e:
             raise OptionTypeError(f"{self.name}: {e}") from None

@@ -16,15 +16,16 @@ Pure functions; called on the constructing thread.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
-from urllib.parse import urlparse
 
 from .._base.option_spec import Option, check, found, refuse_without
 from .._core import save_options as _save_options
 from .._errors import OptionError
 from .._format import layout as _layout
+from .._storage.kvstore import spec_from_path
 from .._storage.location import Location
 
 __all__ = ["CALLBACK", "MANAGER", "SAVE_CALL", "check_callback", "check_manager", "check_save_call"]
@@ -80,27 +81,21 @@ def _checkpointables(value: Any) -> Mapping[str, Any]:
     return value
 
 
-def _place(value: Any) -> Any:
+def _place(name: str, value: Any) -> Any:
+    """A path option: its type here; what it names is the one path checker's
+    (``kvstore.spec_from_path``: an UnsupportedLocationError naming ``name``)."""
     if isinstance(value, str) and not value.strip():
         raise ValueError(f"expected a path or URL, found {found(value)}")
     if not isinstance(value, str | Location | dict) and not hasattr(value, "__fspath__"):
         raise TypeError(
             f"expected a path, an s3:// / gs:// URL or a kvstore dict, found {found(value)}"
         )
-    if (
-        isinstance(value, str)
-        and value.startswith(("s3://", "gs://"))
-        and not urlparse(value).netloc
-    ):
-        raise ValueError(f"expected {value[:5]}<bucket>/<path>, found {found(value)}")
-    try:
-        Location.from_path(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"not a place to keep steps ({e}), found {found(value)}") from None
+    if not isinstance(value, Location):
+        spec_from_path(value, what=name)
     return value
 
 
-DIRECTORY = Option("directory", "custom", convert=_place)
+DIRECTORY = Option("directory", "custom", convert=functools.partial(_place, "directory"))
 """The manager's ``directory`` (positional), checked as ``persistent`` is."""
 
 
@@ -142,7 +137,7 @@ MANAGER: tuple[Option, ...] = (
     Option("compression", "custom", none_ok=True, convert=_compression),
     Option("format_version", "choice", choices=(1, 2)),
     Option("host_memory_budget", "int", none_ok=True, low=1, expected="a positive int or None"),
-    Option("persistent", "custom", none_ok=True, convert=_place),
+    Option("persistent", "custom", none_ok=True, convert=functools.partial(_place, "persistent")),
     _int("persistent_keep", none_ok=True),
     _int("persistent_keep_every", none_ok=True),
     _int("persistent_every"),

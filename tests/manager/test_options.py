@@ -168,8 +168,6 @@ MANAGER_CASES = [
     ("host_memory_budget", NAN, None, "found float nan"),
     ("persistent", "", None, "expected a path or URL, found str ''"),
     ("persistent", 5, None, "kvstore dict, found int 5"),
-    ("persistent", "gs://", None, "expected gs://<bucket>/<path>, found str 'gs://'"),
-    ("persistent", {"path": "x"}, None, "needs a 'driver'"),
     ("persistent_keep", 0, _p, "a positive int or None"),
     ("persistent_keep_every", "x", _p, "found str 'x'"),
     ("persistent_every", -1, _p, "a positive int, found int -1"),
@@ -337,8 +335,6 @@ def test_manager_save_refuses_a_hostile_keyword(tmp_path, kwargs, words):
     [
         ("", "directory: expected a path or URL, found str ''"),  # was: the working directory
         (5, "directory: expected a path, an s3:// / gs:// URL or a kvstore dict, found int 5"),
-        ("s3://", "directory: expected s3://<bucket>/<path>, found str 's3://'"),
-        ({"path": "x"}, "directory: not a place to keep steps (kvstore spec needs a 'driver'"),
     ],
 )
 def test_the_manager_directory_is_checked_as_an_option(directory, words):
@@ -353,3 +349,21 @@ def test_compression_of_an_item_with_its_own_checkpointable_is_refused(tmp_path)
             checkpointables={"params": PytreeCheckpointable()},
             compression={"params": "zstd"},
         )
+
+
+@pytest.mark.parametrize("name", ["directory", "persistent"])
+@pytest.mark.parametrize(
+    "place, words",
+    [
+        ("gs://", "{name} 'gs://': expected gs://<bucket>/<path>, found no bucket"),
+        ({"path": "x"}, "{name}: a kvstore spec needs a 'driver'"),
+    ],
+)
+def test_what_a_path_option_names_is_checked_by_the_path_checker(tmp_path, name, place, words):
+    # Refused with the option's name where it enters (a persistent= was only opened later).
+    options = {"directory": tmp_path / "run", name: place}
+    with pytest.raises(
+        fop.UnsupportedLocationError, match="^" + re.escape(words.format(name=name))
+    ):
+        fop.CheckpointManager(options.pop("directory"), **options)
+    assert not (tmp_path / "run").exists()
