@@ -28,7 +28,16 @@ from .._format import layout as _layout
 from .._storage.kvstore import spec_from_path
 from .._storage.location import Location
 
-__all__ = ["CALLBACK", "MANAGER", "SAVE_CALL", "check_callback", "check_manager", "check_save_call"]
+__all__ = [
+    "CALLBACK",
+    "IMPORT",
+    "MANAGER",
+    "SAVE_CALL",
+    "check_callback",
+    "check_import",
+    "check_manager",
+    "check_save_call",
+]
 
 LEASE_MAX_SECONDS = 366 * 86400.0  # a lease renewed every third of it; a year at most
 
@@ -247,6 +256,19 @@ SAVE_CALL: tuple[Option, ...] = (
 def check_save_call(**options: Any) -> int:
     """``CheckpointManager.save``'s step and options checked; returns the step."""
     return check(SAVE_CALL, options)["step"]
+
+
+IMPORT: tuple[Option, ...] = (
+    Option("step", "int", none_ok=True, low=0, expected="an int step >= 0 or None"),
+    Option("force", "flag"),
+    Option("format_version", "choice", choices=(1, 2)),
+)
+"""The keyword options of ``fop.import_orbax`` / ``fop.import_msgpack``."""
+
+
+def check_import(**options: Any) -> dict[str, Any]:
+    """An importer's options checked (before its source is read)."""
+    return check(IMPORT, options)
 
 
 SHARED_WITH_MANAGER = ("keep", "every_steps", "every_seconds", "async_save")
