@@ -159,7 +159,7 @@ MANAGER: tuple[Option, ...] = (
     ),
     _seconds("persistent_lease_seconds", high=LEASE_MAX_SECONDS),
 )
-"""Every keyword option of CheckpointManager but ``steps``' own iterable (a list)."""
+"""Every keyword option of CheckpointManager (``steps`` comes back as a list)."""
 
 CALLBACK: tuple[Option, ...] = (
     *_SHARED,
