@@ -10,7 +10,7 @@ default. Read at each use (the fault specs and the thread priority) or once at i
 Variables: ``FOP_BACKGROUND_NICE`` (``_base.priority``), ``FOP_COORDINATION_TIMEOUT_S``
 (``_base.distributed``), ``FOP_DIRECT_IO`` (``_zarr.chunk_writer``), ``FOP_KILL_AT`` and
 ``FOP_FAIL_AT`` (``_base.faults``: ``phase``, ``phase:N``, and for ``FOP_FAIL_AT``
-``phase:N:ERRNO``).
+``phase:N:ERRNO``), ``FOP_PAUSE_AT`` and ``FOP_PAUSE_S`` (test pause points).
 """
 
 from __future__ import annotations
@@ -75,6 +75,19 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
             expected="a kill point: 'phase' or 'phase:N' (its N-th hit, N >= 1)",
         ),
         None,
+    ),
+    "FOP_PAUSE_AT": (  # test pause points (another branch's _faults.pause_point)
+        Option(
+            "FOP_PAUSE_AT",
+            "custom",
+            convert=lambda t: _fault_spec(t, with_errno=False),
+            expected="a pause point: 'phase' or 'phase:N' (its N-th hit, N >= 1)",
+        ),
+        None,
+    ),
+    "FOP_PAUSE_S": (
+        Option("FOP_PAUSE_S", "number", low=0, high=3600, expected="seconds >= 0 and <= 3600"),
+        2.0,
     ),
     "FOP_FAIL_AT": (
         Option(
