@@ -72,3 +72,13 @@ class DirectoryLockedError(CheckpointError):
 class ReplicationError(CheckpointError):
     """A committed local step could not be copied to the persistent tier (names the
     step, both locations and the cause)."""
+
+
+class OptionError(CheckpointError, ValueError):
+    """An option (a keyword of the public API) or a ``FOP_*`` environment variable with
+    a value it does not take, or one that does nothing in the chosen mode: names the
+    option, what was expected and what was found."""
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An :class:`OptionError` for a value of the wrong type."""

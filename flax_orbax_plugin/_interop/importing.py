@@ -28,6 +28,7 @@ from .._errors import (
 )
 from .._format.foreign import is_orbax_checkpoint
 from .._format.steps import list_directory
+from .._manager import option_table as _option_table
 from .._manager.manager import CheckpointManager
 from .._storage.kvstore import local_path
 from .._storage.location import Location
@@ -198,6 +199,7 @@ def import_orbax(
     the peak is about twice the step's bytes (the tree, then the save's own host
     snapshot). Returns the steps written. Items map as :func:`step_items` says.
     """
+    _option_table.check_import(step=step, force=force, format_version=format_version)
     targets = orbax_reader.steps_to_import(src, step)
 
     def states():
@@ -227,6 +229,7 @@ def import_msgpack(
     split into items (``params``, ``opt_state``, ``step`` ...), any other tree is
     saved as ``params``. Returns the steps written.
     """
+    _option_table.check_import(step=step, force=force, format_version=format_version)
     numbered = msgpack_reader.files_to_import(src, step)
 
     def states():  # one file's tree in memory at a time

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._core import read_options as _read_options
 from .._core import restore as _native
 from .._errors import (
     CheckpointError,
@@ -77,6 +78,9 @@ def restore(
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
+    _read_options.check_restore(  # by their declarations, before anything is read
+        memory_limit_bytes=memory_limit_bytes, share_replicated_reads=share_replicated_reads
+    )
     location = Location.from_path(path)
     changes = {"partial": partial, "missing": missing, "transform": transform}
     try:

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from .._base import distributed as _distributed
+from .._core import read_options as _read_options
 from .._core import restore as _restore
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import places as _places
@@ -66,6 +67,7 @@ def restore_params(
     ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
     ``partial=True`` with ``like`` a subset of the saved params.
     """
+    _read_options.check_serving(step=step)  # OptionError naming it, before any read
     changes = _transform.changes(partial=partial, missing=missing, transform=transform)
     loc = Location.from_path(directory)
     steps = _steps.committed_steps(loc)
