@@ -61,11 +61,14 @@ def is_orbax_checkpoint(path: Any) -> bool:
     for _, _, name in sorted(numbered_children(loc), reverse=True):  # newest first
         try:
             child = subdir(loc, name, "step")
-            if child is None or not child.list_children():
-                continue  # a file or an empty folder: no step of anyone's
+            if child is None:
+                continue  # a file: no step of anyone's
             if any(child.exists(n) for n in OWN_FILES):
                 return False  # a directory of this library's steps
-            return child.exists(STEP_METADATA)  # else a folder of the user's: not a run
+            if child.exists(STEP_METADATA):
+                return True
+            if child.list_children():
+                return False  # a folder of the user's (no record): not an Orbax run
         except CheckpointError:
             continue  # a link or special file: never followed; the reader names it
     return False

@@ -1,12 +1,14 @@
 """The layout of an Orbax checkpoint, read as data: manager, step and item directories.
 
-A manager directory holds numbered step directories; a step holds
-``_CHECKPOINT_METADATA`` and one directory per item; an item holds ``_METADATA``
-(each leaf's key path and value type, OCDBT and zarr3 flags) or a JSON item's
-``metadata``. :func:`open_orbax` resolves any of them into :class:`OrbaxItem`s, every
-metadata field checked (a :class:`CorruptCheckpointError` names the file and field);
-nothing below the named path is followed (a link is a :class:`ForeignEntryError`).
-Arrays are read by :mod:`.orbax_reader`. Layout and trust rules: ``docs/orbax.md``.
+A manager directory holds numbered step directories (which of them are steps:
+:mod:`.orbax_steps`); a step holds ``_CHECKPOINT_METADATA`` (naming each item's
+handler) and one directory per item; an item holds ``_METADATA`` (a pytree: each
+leaf's key path and value type, OCDBT and zarr3 flags), one JSON file (``JsonSave``,
+the manager's ``metrics``), a proto as text, or a random key's folders.
+:func:`open_orbax` resolves any of them into :class:`OrbaxItem`s, every metadata field
+checked (a :class:`CorruptCheckpointError` names the file and field); nothing below
+the named path is followed (a link is a :class:`ForeignEntryError`). Arrays are read
+by :mod:`.orbax_reader`. Layout, trust rules and what is refused: ``docs/orbax.md``.
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ def _small_value(item: OrbaxItem) -> Any:
             raise CorruptCheckpointError(f"{item}/{item.file}: not UTF-8 text ({e})") from None
     raise CheckpointError(
         f"item {item.name!r} of the Orbax checkpoint {item.location.parent}: {item.unreadable}; "
-        f"leave it out (like={{...}} naming the other items), or restore it with orbax"
+        f"restore the other items (like={{...}} naming them) and this one with orbax"
     )
 
 
@@ -300,8 +300,9 @@ def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, .
             return item, ("params",)
     if len(pytrees) == 1:
         return pytrees[0], ()
+    where = next(iter(items.values())).location.parent if items else ""
     raise CheckpointNotFoundError(
-        f"no params in the Orbax checkpoint {pytrees[0].location.parent if pytrees else ''}: "
+        f"no params in the Orbax checkpoint {where}: "
         f"no item named 'params' and no item with a top-level 'params' key "
         f"(items: {sorted(items)})"
     )
