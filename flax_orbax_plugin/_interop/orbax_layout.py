@@ -90,6 +90,23 @@ def read_json(loc: Location, name: str) -> Any:
     return loads_json(raw, f"{loc}/{name}")
 
 
+def custom_metadata(loc: Location) -> dict[str, Any]:
+    """The ``custom_metadata`` the record of the step (or lone item) at ``loc`` holds
+    (``CheckpointManager.save(..., custom_metadata=)``); {} when it holds none."""
+    if not loc.exists(STEP_METADATA):
+        return {}
+    record = read_json(loc, STEP_METADATA)
+    value = record.get("custom_metadata") if isinstance(record, dict) else None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(
+            f"{loc}/{STEP_METADATA}: field 'custom_metadata': expected an object, found "
+            f"{str(value)[:100]}"
+        )
+    return value
+
+
 def _parse_keys(entry: Any, where: str, max_index: int) -> tuple[tuple[tuple[str, Any], ...], str]:
     keys_meta = entry.get("key_metadata") if isinstance(entry, dict) else None
     if not isinstance(keys_meta, list) or not keys_meta:

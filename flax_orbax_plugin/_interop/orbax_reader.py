@@ -37,6 +37,7 @@ from .orbax_layout import (
     STRINGS_FILE,
     OrbaxItem,
     OrbaxLeaf,
+    custom_metadata,
     open_orbax,
     read_json,
 )
@@ -53,6 +54,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _MAX_LEAF_BYTES = 1 << 40  # a leaf claiming more is malformed metadata, never allocated
+CUSTOM_METADATA = "custom_metadata"  # the extras key import gives a step's custom_metadata
 _ARRAY_LEAF = "checkpoint"  # the one leaf of an ArraySave item (and of a random key)
 
 
@@ -380,8 +382,17 @@ def steps_to_import(src: Any, step: int | None) -> list[tuple[int, Location]]:
 
 def read_step(step_loc: Location) -> tuple[dict[str, Any], dict[str, str]]:
     """``({item: tree or JSON value}, {item: kind})`` of one Orbax step, every leaf read
-    to host memory (one leaf at a time)."""
+    to host memory (one leaf at a time). The step's ``custom_metadata`` (from its
+    record), when there is any, comes as one more JSON item of that name."""
     _, items = open_orbax(step_loc)
     trees = {name: _restore_item(item, None, False, False) for name, item in items.items()}
     kinds = {name: "pytree" if item.kind == "pytree" else "json" for name, item in items.items()}
+    custom = custom_metadata(step_loc)
+    if custom:
+        if CUSTOM_METADATA in items:
+            raise StructureError(
+                f"{step_loc}: an item named {CUSTOM_METADATA!r} beside the step's own "
+                f"custom_metadata; import one of them only"
+            )
+        trees[CUSTOM_METADATA], kinds[CUSTOM_METADATA] = custom, "json"
     return trees, kinds

@@ -55,7 +55,7 @@ def _same(got, want):
 @pytest.fixture(scope="module")
 def best_run(tmp_path_factory):
     """A CheckpointManager keeping its 2 best steps (best_fn), a JSON ``metrics`` item
-    in each, and a Composite of a StandardSave and a JsonSave."""
+    in each, a Composite of a StandardSave and a JsonSave, and custom_metadata."""
     path = tmp_path_factory.mktemp("orbax") / "best"
     options = ocp.CheckpointManagerOptions(
         max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min"
@@ -69,6 +69,7 @@ def best_run(tmp_path_factory):
                     config=ocp.args.JsonSave({"lr": 0.1, "schedule": "cosine"}),
                 ),
                 metrics={"loss": loss},
+                custom_metadata={"commit": f"abc{step}"},
             )
         mngr.wait_until_finished()
     assert sorted(os.listdir(path)) == ["1", "2"]  # step 3 was the worst: deleted
@@ -97,14 +98,18 @@ def test_best_fn_run_is_served_ignoring_its_json_items(best_run):
     _same(fop.restore_params(best_run, like, step=1), _params(1))
 
 
-def test_best_fn_run_imports_metrics_as_extras(best_run, tmp_path, capsys):
+def test_best_fn_run_imports_metrics_and_custom_metadata_as_extras(best_run, tmp_path, capsys):
     out = tmp_path / "ours"
     assert cli.main(["import", str(best_run), str(out)]) == 0
     stdout, _ = capsys.readouterr()
     assert "1, 2" in stdout
     for step, loss in ((1, 0.5), (2, 0.25)):
         extras = _extras(out, step)
-        assert extras == {"loss": loss, "config": {"lr": 0.1, "schedule": "cosine"}}
+        assert extras == {
+            "loss": loss,
+            "config": {"lr": 0.1, "schedule": "cosine"},
+            "custom_metadata": {"commit": f"abc{step}"},
+        }
         _same(fop.restore_params(out, step=step), _params(step))
     assert cli.main(["list", str(out)]) == 0
     listing, _ = capsys.readouterr()
