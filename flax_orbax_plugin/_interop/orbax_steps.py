@@ -19,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError
+from .._base import distributed as _distributed
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format.foreign import OURS, TMP_MARK, not_finalized, numbered_children, subdir
 from .._storage.location import Location
 
-__all__ = ["OrbaxSteps", "list_steps"]
+__all__ = ["OrbaxSteps", "agreed_latest", "list_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,3 +125,19 @@ def list_steps(loc: Location) -> OrbaxSteps:
         )
     skipped += [(n, "an unfinished Orbax save") for n in loc.list_children() if TMP_MARK in n]
     return OrbaxSteps(loc, {s: found[s][1] for s in sorted(found)}, tuple(skipped))
+
+
+def agreed_latest(loc: Location) -> int | None:
+    """Collective (every process calls it): the primary's latest finalized step, on
+    every process, so that processes listing the run while Orbax finalizes a step never
+    read two steps into one tree. None when the primary found none or could not list
+    the run: every process then lists it itself and raises the same error."""
+    op = _distributed.next_operation_id("orbax-latest-step")
+    latest = ""
+    if _distributed.is_primary():
+        try:
+            latest = str(max(list_steps(loc).steps, default=""))
+        except CheckpointError:
+            pass  # raised by every process's own listing next, never left to a timeout
+    agreed = _distributed.broadcast_str(op, latest)
+    return int(agreed) if agreed else None

@@ -13,10 +13,12 @@ from typing import Any
 from .._core import restore as _native
 from .._errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
 from .._format import metadata as _metadata
-from .._format.foreign import is_orbax_checkpoint
+from .._format.foreign import is_orbax_checkpoint, is_step
 from .._interop.orbax_layout import open_orbax
 from .._interop.orbax_reader import restore_orbax
+from .._interop.orbax_steps import agreed_latest
 from .._storage.location import Location
+from .serving import _spans_processes
 
 __all__ = ["metadata", "restore"]
 
@@ -93,7 +95,10 @@ def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str
             f"library's checkpoints; convert it first (fop.import_orbax(src, dst)) and "
             f"restore the converted step"
         )
-    return restore_orbax(location, like, partial=partial)
+    step = None
+    if _spans_processes(like):  # every process reads the primary's latest step
+        step = agreed_latest(location) if not is_step(location) else None
+    return restore_orbax(location, like, step=step, partial=partial)
 
 
 def metadata(path: Any) -> _metadata.CheckpointMetadata:

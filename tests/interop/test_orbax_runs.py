@@ -358,3 +358,29 @@ def test_s3_run_with_stray_entries(plain_run, s3_location):
         kv.write(key, b"").result()
     _same(fop.restore(s3_location.url)["default"], _params(20))
     _same(fop.restore_params(s3_location.url), _params(20))
+
+
+@pytest.mark.distributed
+def test_processes_read_one_orbax_step_while_another_lands(tmp_path):
+    """restore_params and fop.restore of an Orbax run with a like sharded over 2
+    processes: a process that lists the run before a new step lands reads the primary's
+    latest step (was: process 0 read step 2's shards and process 1 step 1's, no error)."""
+    from _mp_workers import expected_w
+    from _multiprocess import run_processes
+
+    path = tmp_path / "run"
+    with ocp.CheckpointManager(path) as mngr:
+        for step in (1, 2):
+            mngr.save(step, args=ocp.args.StandardSave({"w": expected_w(4) + step}))
+        mngr.wait_until_finished()
+    run = run_processes(
+        "_orbax_workers:reading_an_orbax_run_while_a_step_lands",
+        2,
+        devices_per_process=2,
+        args={"directory": str(path)},
+        env={"FOP_COORDINATION_TIMEOUT_S": "20"},
+        heartbeat_timeout_s=30,
+        timeout_s=120,
+    )
+    for proc in run.check().procs:
+        assert proc.result == {"restore_params": [2], "restore": [2]}
