@@ -340,7 +340,7 @@ def _upload(local, location):
                 kv.write(os.path.relpath(full, local), f.read()).result()
 
 
-def test_gcs_step_without_its_commit_file_is_passed_over(plain_run, gcs_location, caplog):
+def test_gcs_step_without_its_commit_file_is_passed_over(plain_run, gcs_location, caplog, tmp_path):
     """On GCS orbax finalizes a step by writing commit_success.txt last (no rename)."""
     _upload(plain_run, gcs_location)
     gcs_location.delete("20/commit_success.txt")  # step 20: still being written
@@ -348,9 +348,10 @@ def test_gcs_step_without_its_commit_file_is_passed_over(plain_run, gcs_location
         _same(fop.restore(gcs_location.url)["default"], _params(10))
     assert "'20' (no commit_success.txt" in caplog.text
     _same(fop.restore_params(gcs_location.url), _params(10))
+    assert _importing.import_orbax(gcs_location.url, tmp_path / "ours") == [10]
 
 
-def test_s3_run_with_stray_entries(plain_run, s3_location):
+def test_s3_run_with_stray_entries(plain_run, s3_location, tmp_path):
     """An S3 console's empty "folder" (a key ending in '/'), a file named like a step."""
     _upload(plain_run, s3_location)
     kv = s3_location.kvstore()
@@ -358,6 +359,8 @@ def test_s3_run_with_stray_entries(plain_run, s3_location):
         kv.write(key, b"").result()
     _same(fop.restore(s3_location.url)["default"], _params(20))
     _same(fop.restore_params(s3_location.url), _params(20))
+    assert cli.main(["import", s3_location.url, str(tmp_path / "ours")]) == 0
+    _same(fop.restore_params(tmp_path / "ours", step=10), _params(10))
 
 
 @pytest.mark.distributed
