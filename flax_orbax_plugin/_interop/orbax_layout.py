@@ -181,12 +181,12 @@ def _item(loc: Location, name: str, handler: str | None = None) -> OrbaxItem:
 
 def _only_file(loc: Location, what: str) -> str:
     """The one file a JSON or proto item holds besides orbax's commit mark (and, saved
-    alone, its record)."""
+    alone, its record); hidden files (a copy's ``.DS_Store``) are no part of it."""
     if loc.is_local:  # no link or special file is left: check_no_links ran
         files = [n for n, k in loc.child_kinds().items() if k == "file"]
     else:  # a key, not a prefix of keys
         files = [n for n in loc.list_children() if loc.exists(n)]
-    files = sorted(n for n in files if n not in (COMMIT_FILE, STEP_METADATA))
+    files = sorted(n for n in files if n not in (COMMIT_FILE, STEP_METADATA) and n[:1] != ".")
     if len(files) != 1:
         raise CorruptCheckpointError(
             f"{loc}: a {what}: expected one file besides {COMMIT_FILE}, found "

@@ -88,7 +88,8 @@ def restore(
 def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str, transform: Any):
     """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
     (issue 16). Looked for only after the native reader found none, so restoring our
-    own checkpoints costs no extra listing."""
+    own checkpoints costs no extra listing. Collective when ``like`` spans several
+    processes and ``location`` is a run: all read the primary's latest step."""
     if missing != "error" or transform is not None:
         raise CheckpointError(
             f"{location} is an Orbax checkpoint: missing= and transform= apply to this "

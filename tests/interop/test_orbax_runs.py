@@ -141,6 +141,8 @@ def test_json_items_with_their_own_file_names(tmp_path):
         )
         mngr.wait_until_finished()
     assert "config.json" in os.listdir(path / "4" / "config")
+    for where in (path, path / "4", path / "4" / "config"):  # copied on a Mac
+        (where / ".DS_Store").write_bytes(b"\0")
     got = fop.restore(path)
     assert got["config"] == {"layers": [1, 2], "clip": float("inf")}
     _same(got["state"], _params(4))
