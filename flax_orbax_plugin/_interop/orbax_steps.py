@@ -48,9 +48,10 @@ class OrbaxSteps:
         return out
 
     def choose(self, step: int | None) -> int:
-        """``step`` when it is a finalized step, else the latest one; a clear error
-        naming what was found otherwise. Logs a warning when the latest step is taken
-        and entries named like newer steps were passed over."""
+        """``step`` (None: the latest finalized step); CheckpointNotFoundError naming
+        what was found when there is no such step, saying what an entry named like it
+        is. Logs a warning when the latest step is taken and entries named like newer
+        steps were passed over."""
         if not self.steps:
             passed = self.skipped_above(None)
             raise CheckpointNotFoundError(
