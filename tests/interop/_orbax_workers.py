@@ -62,3 +62,32 @@ def reading_an_orbax_run_while_a_step_lands(ctx, directory):
             os.remove(os.path.join(os.path.dirname(directory), "listed-by-1"))
         ctx.client.wait_at_barrier(f"fop_test/orbax-reset-{name}", 60_000)
     return out
+
+
+def orbax_saves_a_run(ctx, directory):
+    """Orbax itself (its CheckpointManager, every process writing its own shards)
+    saves steps 1 and 2 of ``w`` (expected_w + step, rows sharded over the processes)
+    and a JSON ``metrics`` item (best_fn: loss 1/step)."""
+    import jax
+    import orbax.checkpoint as ocp
+    from _mp_workers import expected_w
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    full = expected_w(len(ctx.devices))
+    sharding = NamedSharding(ctx.mesh, P(ctx.mesh.axis_names[0]))
+    options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+    with ocp.CheckpointManager(directory, options=options) as mngr:
+        for step in (1, 2):
+            values = full + step
+            w = jax.make_array_from_callback(full.shape, sharding, lambda i, v=values: v[i])
+            mngr.save(step, args=ocp.args.StandardSave({"w": w}), metrics={"loss": 1 / step})
+        mngr.wait_until_finished()
+
+
+def orbax_saves_then_reads_while_a_step_lands(ctx, directory):
+    """:func:`orbax_saves_a_run`, then :func:`reading_an_orbax_run_while_a_step_lands`
+    on that run (one start of the processes for both)."""
+    orbax_saves_a_run(ctx, directory)
+    ctx.client.wait_at_barrier("fop_test/orbax-saved", 60_000)
+    return reading_an_orbax_run_while_a_step_lands(ctx, directory)

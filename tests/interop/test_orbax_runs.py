@@ -366,26 +366,32 @@ def test_s3_run_with_stray_entries(plain_run, s3_location, tmp_path):
 
 
 @pytest.mark.distributed
-def test_processes_read_one_orbax_step_while_another_lands(tmp_path):
-    """restore_params and fop.restore of an Orbax run with a like sharded over 2
-    processes: a process that lists the run before a new step lands reads the primary's
-    latest step (was: process 0 read step 2's shards and process 1 step 1's, no error)."""
+def test_a_run_two_orbax_processes_wrote_is_read_by_processes_and_alone(tmp_path):
+    """Two real processes: Orbax's own CheckpointManager writes steps 1 and 2 (each
+    process its shards; best_fn metrics), then restore_params and fop.restore read
+    the run with a like sharded over both while step 2 is hidden from the last process
+    until it listed: both read the primary's latest step (was: process 1 read step 1's
+    shards beside process 0's step 2, no error). Then one process reads and imports it."""
     from _mp_workers import expected_w
     from _multiprocess import run_processes
 
     path = tmp_path / "run"
-    with ocp.CheckpointManager(path) as mngr:
-        for step in (1, 2):
-            mngr.save(step, args=ocp.args.StandardSave({"w": expected_w(4) + step}))
-        mngr.wait_until_finished()
     run = run_processes(
-        "_orbax_workers:reading_an_orbax_run_while_a_step_lands",
+        "_orbax_workers:orbax_saves_then_reads_while_a_step_lands",
         2,
         devices_per_process=2,
         args={"directory": str(path)},
         env={"FOP_COORDINATION_TIMEOUT_S": "20"},
         heartbeat_timeout_s=30,
-        timeout_s=120,
+        timeout_s=150,
     )
     for proc in run.check().procs:
         assert proc.result == {"restore_params": [2], "restore": [2]}
+    assert sorted(os.listdir(path / "2" / "default")).count("ocdbt.process_1") == 1
+    got = fop.restore(path)
+    assert got["metrics"] == {"loss": 0.5}
+    np.testing.assert_array_equal(got["default"]["w"], expected_w(4) + 2)
+    np.testing.assert_array_equal(fop.restore_params(path, step=1)["w"], expected_w(4) + 1)
+    out = tmp_path / "ours"
+    assert _importing.import_orbax(path, out) == [1, 2]
+    assert _extras(out, 1) == {"loss": 1.0}
