@@ -8,7 +8,7 @@ import time
 def _listing_in_order(ctx, directory, hidden):
     """Wraps the real Orbax step listing (every caller's copy of the name) so that the
     race is not left to chance: the last process lists first and says so; the primary
-    waits for that (3 s at most), puts the hidden step back, then lists."""
+    waits for that (1.5 s at most), puts the hidden step back, then lists."""
     from flax_orbax_plugin._interop import orbax_layout, orbax_reader, orbax_steps
 
     real = getattr(orbax_steps.list_steps, "real", orbax_steps.list_steps)
@@ -16,7 +16,7 @@ def _listing_in_order(ctx, directory, hidden):
 
     def listing(loc):
         if ctx.process_id == 0:
-            deadline = time.monotonic() + 3
+            deadline = time.monotonic() + 1.5
             while not os.path.exists(mark) and time.monotonic() < deadline:
                 time.sleep(0.01)
             if os.path.exists(hidden):
