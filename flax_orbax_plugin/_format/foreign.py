@@ -47,7 +47,8 @@ def is_orbax_checkpoint(path: Any) -> bool:
     (``_CHECKPOINT_METADATA``); what is no step of anyone's is passed over to find it
     (an empty ``999/``, a file, a save Orbax left unfinished, a link), so the cost is
     a few lookups, not one per step. A folder of the user's (``2024/`` with files but
-    no record) or a step of this library there says it is no Orbax run."""
+    no record) or a step of this library there says it is no Orbax run; a directory
+    holding no step but an unfinished Orbax save is one (its reader says what it holds)."""
     try:
         loc = Location.from_path(path)
     except (TypeError, ValueError):
@@ -71,7 +72,8 @@ def is_orbax_checkpoint(path: Any) -> bool:
                 return False  # a folder of the user's (no record): not an Orbax run
         except CheckpointError:
             continue  # a link or special file: never followed; the reader names it
-    return False
+    # no step at all, but a save Orbax left unfinished: the reader says so
+    return any(TMP_MARK in name for name in loc.list_children())
 
 
 def numbered_children(loc: Location) -> list[tuple[int, str, str]]:

@@ -274,13 +274,20 @@ def test_stray_entries_are_passed_over_by_every_entry_point(plain_run, tmp_path,
         assert mngr.steps() == [10, 20]
 
 
-def test_a_run_with_only_unfinished_saves_says_so(plain_run, tmp_path):
+def test_a_run_with_only_unfinished_saves_says_so(plain_run, tmp_path, capsys):
     path = tmp_path / "run"
     path.mkdir()
     shutil.copytree(plain_run / "20", path / "20.orbax-checkpoint-tmp-17961")
     (path / "999").mkdir()
-    with pytest.raises(CheckpointNotFoundError, match=r"no finalized steps.*999.*tmp-17961"):
-        _importing.import_orbax(path, tmp_path / "out")
+    for call in (
+        lambda: _importing.import_orbax(path, tmp_path / "out"),
+        lambda: fop.restore(path),
+        lambda: fop.restore_params(path),
+    ):
+        with pytest.raises(CheckpointNotFoundError, match=r"no finalized steps.*999.*tmp-17961"):
+            call()
+    assert cli.main(["import", str(path), str(tmp_path / "out")]) == cli.EXIT_ERROR
+    assert "an unfinished Orbax save" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
