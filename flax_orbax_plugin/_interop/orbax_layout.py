@@ -170,7 +170,7 @@ def _item(loc: Location, name: str, handler: str | None = None) -> OrbaxItem:
             loc,
             name,
             "unreadable",
-            unreadable=f"written by {short}, which this reader "
+            unreadable=f"written by {short[:100]}, which this reader "
             f"does not know (docs/orbax.md lists what it reads)",
         )
     raise CheckpointNotFoundError(
