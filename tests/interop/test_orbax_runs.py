@@ -20,6 +20,7 @@ from flax_orbax_plugin._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    StructureError,
 )
 from flax_orbax_plugin._format import foreign as _foreign
 from flax_orbax_plugin._interop import importing as _importing
@@ -121,6 +122,24 @@ def test_best_fn_run_imports_metrics_and_custom_metadata_as_extras(best_run, tmp
         mngr.save(3, {"params": _params(3)}, extras={"loss": 0.9})
         mngr.wait()
         assert mngr.steps() == [2, 3]
+
+
+def test_a_metric_named_like_a_json_item_is_refused_on_import(tmp_path):
+    path = tmp_path / "clash"
+    options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"])
+    with ocp.CheckpointManager(path, options=options) as mngr:
+        mngr.save(
+            1,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(_params(1)), loss=ocp.args.JsonSave([0.5])
+            ),
+            metrics={"loss": 0.5},
+        )
+        mngr.wait_until_finished()
+    assert fop.restore(path)["loss"] == [0.5]  # read as it is
+    with pytest.raises(StructureError, match=r"metric 'loss'.*also the name of a JSON item"):
+        _importing.import_orbax(path, tmp_path / "out")
+    assert not (tmp_path / "out" / "1").exists()
 
 
 def test_json_items_with_their_own_file_names(tmp_path):
