@@ -66,7 +66,7 @@ def is_orbax_checkpoint(path: Any) -> bool:
                 continue  # a file: no step of anyone's
             if any(child.exists(n) for n in OWN_FILES):
                 return False  # a directory of this library's steps
-            if child.exists(STEP_METADATA):
+            if child.exists(STEP_METADATA) or legacy_step(child):
                 return True
             if child.list_children():
                 return False  # a folder of the user's (no record): not an Orbax run
@@ -88,6 +88,20 @@ def numbered_children(loc: Location) -> list[tuple[int, str, str]]:
 
 
 OURS = "a step of this library, not of Orbax"
+_MAX_LEGACY_PROBES = 16  # item folders looked into for a step without a record
+
+
+def legacy_step(step_loc: Location) -> bool:
+    """Whether ``step_loc`` (named like a step, no ``_CHECKPOINT_METADATA``) is a step
+    of an older orbax, which wrote no step record: a folder in it holds ``_METADATA``."""
+    for name in [n for n in step_loc.list_children() if n[:1] not in "._"][:_MAX_LEGACY_PROBES]:
+        try:
+            child = subdir(step_loc, name, "item")
+            if child is not None and child.exists(ITEM_METADATA):
+                return True
+        except CheckpointError:
+            continue  # a link: never followed here; the reader names it
+    return False
 
 
 def not_finalized(step_loc: Location) -> str | None:
@@ -97,10 +111,10 @@ def not_finalized(step_loc: Location) -> str | None:
     ``commit_success.txt`` last."""
     if any(step_loc.exists(n) for n in OWN_FILES):
         return OURS
-    if not step_loc.exists(STEP_METADATA):
+    if not step_loc.exists(STEP_METADATA) and not legacy_step(step_loc):
         if not step_loc.list_children():
             return "an empty folder"
-        return f"no {STEP_METADATA} (not an Orbax step, or one Orbax never finished)"
+        return f"no {STEP_METADATA} and no item holding {ITEM_METADATA} (not an Orbax step)"
     if step_loc.spec.get("driver") == "gcs" and not step_loc.exists(COMMIT_FILE):
         return f"no {COMMIT_FILE}: a save Orbax never finished on GCS"
     return None

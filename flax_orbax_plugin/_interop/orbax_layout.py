@@ -24,6 +24,7 @@ from .._format.foreign import (
     STEP_METADATA,
     STEP_RE,
     is_step,
+    legacy_step,
     subdir,
 )
 from .._storage.location import Location
@@ -323,11 +324,11 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
     directory). The step is None when ``path`` is not inside a manager directory.
     """
     loc = Location.from_path(path)
-    if not is_step(loc):
-        listing = list_steps(loc)
+    listing = None if is_step(loc) else list_steps(loc)
+    if listing is not None and (listing.steps or not legacy_step(loc)):
         step = listing.choose(step)
         loc = listing.steps[step]
-    elif step is not None:
+    elif step is not None:  # one step (an older orbax's has no record) or item
         raise ValueError(f"{loc} is one Orbax checkpoint; step={step} does not apply")
     else:
         m = STEP_RE.match(loc.name)

@@ -310,6 +310,21 @@ def test_a_run_with_only_unfinished_saves_says_so(plain_run, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_steps_of_an_older_orbax_without_a_step_record(plain_run, tmp_path):
+    """Orbax before _CHECKPOINT_METADATA: a step is its item folders (with _METADATA)."""
+    path = tmp_path / "old"
+    shutil.copytree(plain_run, path)
+    for step in ("10", "20"):
+        os.remove(path / step / "_CHECKPOINT_METADATA")
+    (path / "5").mkdir()  # a folder of the user's beside them: no step
+    (path / "5" / "results.csv").write_text("a,b\n")
+    assert _foreign.is_orbax_checkpoint(path)
+    assert _orbax_reader.orbax_steps(path) == [10, 20]
+    _same(fop.restore(path)["default"], _params(20))
+    _same(fop.restore_params(path, step=10), _params(10))
+    assert _importing.import_orbax(path, tmp_path / "ours") == [10, 20]
+
+
 def test_step_names_orbax_options_give(tmp_path):
     """step_prefix (with an underscore in it) and step_format_fixed_length."""
     path = tmp_path / "prefixed"
