@@ -113,7 +113,7 @@ def not_finalized(step_loc: Location) -> str | None:
         return OURS
     if not step_loc.exists(STEP_METADATA) and not legacy_step(step_loc):
         if not step_loc.list_children():
-            return "an empty folder"
+            return "an empty folder" if step_loc.is_local else "nothing stored under it"
         return f"no {STEP_METADATA} and no item holding {ITEM_METADATA} (not an Orbax step)"
     if step_loc.spec.get("driver") == "gcs" and not step_loc.exists(COMMIT_FILE):
         return f"no {COMMIT_FILE}: a save Orbax never finished on GCS"

@@ -394,13 +394,15 @@ def test_gcs_step_without_its_commit_file_is_passed_over(plain_run, gcs_location
     assert _importing.import_orbax(gcs_location.url, tmp_path / "ours") == [10]
 
 
-def test_s3_run_with_stray_entries(plain_run, s3_location, tmp_path):
+def test_s3_run_with_stray_entries(plain_run, s3_location, tmp_path, caplog):
     """An S3 console's empty "folder" (a key ending in '/'), a file named like a step."""
     _upload(plain_run, s3_location)
     kv = s3_location.kvstore()
     for key in ("999/", "1000", ".DS_Store"):
         kv.write(key, b"").result()
-    _same(fop.restore(s3_location.url)["default"], _params(20))
+    with caplog.at_level(logging.WARNING, logger=READER_LOG):
+        _same(fop.restore(s3_location.url)["default"], _params(20))
+    assert "'999' (nothing stored under it)" in caplog.text
     _same(fop.restore_params(s3_location.url), _params(20))
     assert cli.main(["import", s3_location.url, str(tmp_path / "ours")]) == 0
     _same(fop.restore_params(tmp_path / "ours", step=10), _params(10))
