@@ -1,5 +1,6 @@
 """Multi-process workers for the Orbax reader (run by ``_multiprocess.run_processes``;
-importable in the children, whose path holds every test wing)."""
+importable in the children, whose path holds every test wing). Imports are made in
+the workers, as in ``_mp_workers``: jax is set up by the child before they run."""
 
 import os
 import time
@@ -31,7 +32,7 @@ def _listing_in_order(ctx, directory, hidden):
 
 
 def reading_an_orbax_run_while_a_step_lands(ctx, directory):
-    """The parent wrote Orbax steps 1 and 2 (``w`` = expected_w + step). Twice (through
+    """An Orbax run holds steps 1 and 2 (``w`` = expected_w + step). Twice (through
     ``restore_params``, then ``fop.restore``), step 2 is hidden until the last process
     has listed the run, and both processes read it with a ``like`` sharded over them.
     Reports, per entry point, the steps whose values this process's shards hold."""
