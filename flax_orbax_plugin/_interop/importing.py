@@ -79,12 +79,26 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
       ``opt_state``, ``step`` ...); any other tree becomes ``params``;
     * several items: an item named like one of ours is kept by name; a pytree item
       holding a training state is split as above; any other pytree is kept by name;
-    * JSON items go into ``extras`` under their item name.
+    * JSON items go into ``extras`` under their item name, but for the ``metrics``
+      item that Orbax's ``CheckpointManager`` writes beside each step (``best_fn``):
+      its entries become top-level extras, where this library's ``keep_best`` and
+      ``flax-orbax list`` look for a step's metrics.
 
     Returns ``(step, items, extras)`` with step left as -1 (the caller decides).
     """
     pytrees = {n: t for n, t in trees.items() if kinds[n] == "pytree" and t is not None}
-    extras = {n: t for n, t in trees.items() if kinds[n] == "json"}
+    extras = {n: t for n, t in trees.items() if kinds[n] == "json" and n != "metrics"}
+    metrics = trees.get("metrics") if kinds.get("metrics") == "json" else None
+    if isinstance(metrics, Mapping):
+        clash = sorted(set(metrics) & set(extras))
+        if clash:
+            raise StructureError(
+                f"metric {clash[0]!r} of {source}: also the name of a JSON item; import "
+                f"one of them only"
+            )
+        extras.update(metrics)
+    elif metrics is not None:
+        extras["metrics"] = metrics
     items: dict[str, Any] = {}
     if len(pytrees) == 1:
         ((name, tree),) = pytrees.items()

@@ -19,11 +19,13 @@ from .._errors import (
     NotCommittedError,
 )
 from .._format import metadata as _metadata
-from .._format.foreign import is_orbax_checkpoint
+from .._format.foreign import is_orbax_checkpoint, is_step
 from .._interop.orbax_layout import open_orbax
 from .._interop.orbax_reader import restore_orbax
+from .._interop.orbax_steps import agreed_latest
 from .._storage.location import Location
 from . import items as _items
+from .serving import _spans_processes
 
 __all__ = ["metadata", "restore"]
 
@@ -116,14 +118,18 @@ def _json_item(location: Location) -> _items.StepItem | None:
 def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str, transform: Any):
     """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
     (issue 16). Looked for only after the native reader found none, so restoring our
-    own checkpoints costs no extra listing."""
+    own checkpoints costs no extra listing. Collective when ``like`` spans several
+    processes and ``location`` is a run: all read the primary's latest step."""
     if missing != "error" or transform is not None:
         raise CheckpointError(
             f"{location} is an Orbax checkpoint: missing= and transform= apply to this "
             f"library's checkpoints; convert it first (fop.import_orbax(src, dst)) and "
             f"restore the converted step"
         )
-    return restore_orbax(location, like, partial=partial)
+    step = None
+    if _spans_processes(like):  # every process reads the primary's latest step
+        step = agreed_latest(location) if not is_step(location) else None
+    return restore_orbax(location, like, step=step, partial=partial)
 
 
 def metadata(path: Any) -> _metadata.CheckpointMetadata:

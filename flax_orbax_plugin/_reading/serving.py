@@ -20,6 +20,7 @@ from .._format import places as _places
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
 from .._interop import orbax_reader as _orbax_import
+from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
 from .._like import transform as _transform
 from .._like.retarget import retarget
@@ -125,6 +126,8 @@ def _orbax_params(directory, like, step, dtype, sharding, changes, partial) -> A
             f"apply to this library's checkpoints; convert it first with "
             f"fop.import_orbax(src, dst)"
         )
+    if step is None and _spans_processes(_params_like(like), sharding):
+        step = agreed_latest(Location.from_path(directory))
     return _orbax_import.restore_orbax_params(
         directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
     )
