@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import os
 import re
 import secrets
 import threading
@@ -26,8 +25,9 @@ import jax
 
 from .. import _errors
 from .._errors import CheckpointError, CoordinationError
+from . import env as _env
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("FOP_COORDINATION_TIMEOUT_S", "300"))
+DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")
 _COUNTER = itertools.count()
 
 # Coordination calls made by this process, by kind ("barrier", "kv_set", "kv_get",

@@ -294,6 +294,9 @@ class Plan:
         if previous is None or previous[1].format_version != self.format_version:
             return None  # (a step of the other version: its chunks are stored elsewhere)
         source, doc = previous
+        if _distributed.is_primary():  # what reuse never takes, said once (INFO)
+            records = [leaf.record for leaf in self.leaves]
+            _incremental.report_batched(location.parent.parent, reuse.item, records)
         by_index = {leaf.index: leaf for leaf in self.leaves}
         records = {i: leaf.record for i, leaf in by_index.items()}
         unchanged = []

@@ -27,6 +27,7 @@ from .._format.layout import COMMIT_FILE, CommitMarker
 from .._storage.location import Location
 from . import commit as _commit
 from . import ownership as _ownership
+from . import save_options as _save_options
 from .handle import SaveHandle, SaveResult, raise_if_cancelled
 from .plan import Plan, Snapshot
 
@@ -99,7 +100,8 @@ def save_async(
       format_version: 1 (default: one file per chunk) or 2 (each process packs its
         chunks into a few data files, see FORMAT.md).
       data_file_bytes: version 2: the size a data file does not pass unless one chunk
-        is larger (default 1 GiB on a filesystem, 256 MiB on an object store).
+        is larger (default 1 GiB on a filesystem, 256 MiB on an object store);
+        refused with version 1.
       host_memory_budget: bytes of host memory the save may hold beyond the state
         itself (None: no bound). Accelerator arrays are copied on their devices (one
         more state of device memory until written) and to host in pieces as the
@@ -107,11 +109,13 @@ def save_async(
         arrays are written from their own memory before this returns (no copy at
         all; the blocking phase is then the data write). Small leaves (batched) are
         copied as usual. Format version 2 and incremental steps copy every region
-        before writing: the budget bounds only version 1 saves.
+        before writing: the budget bounds only version 1 saves (refused with 2).
 
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
     """
+    # Every keyword option checked by its name, before anything waits or is written.
+    _save_options.check_save(**{k: v for k, v in locals().items() if k not in ("path", "tree")})
     # Interrupted (Ctrl-C: held until the end of the blocking phase, see _start), the
     # save is cancelled: nothing staged is left, and the KeyboardInterrupt raised.
     started: list[SaveHandle] = []

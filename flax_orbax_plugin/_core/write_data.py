@@ -102,8 +102,10 @@ def _start_links(staging: Location, linking: list, links: dict[int, Any]):
     if not linking:
         return None, []
     workers = 1 if staging.is_local else _LEAVES_COPIED_AT_ONCE
-    linker = concurrent.futures.ThreadPoolExecutor(
-        workers, thread_name_prefix="fop-link", initializer=_priority.lower
+    linker = concurrent.futures.ThreadPoolExecutor(  # hard links alone may be lowered
+        workers,
+        thread_name_prefix="fop-link",
+        initializer=_priority.initializer(local_only=staging.is_local),
     )
     return linker, [linker.submit(links[leaf.index]) for leaf, _ in linking]
 

@@ -29,7 +29,9 @@ from .._errors import (
 )
 from .._format.foreign import is_orbax_checkpoint
 from .._format.steps import list_directory
+from .._manager import option_table as _option_table
 from .._manager.manager import CheckpointManager
+from .._storage.kvstore import local_path
 from .._storage.location import Location
 from .._storage.lock import LOCK_FILE
 from . import msgpack_reader, orbax_reader
@@ -46,6 +48,7 @@ __all__ = [
 
 
 ImportedStep = tuple[int, dict[str, Any], dict[str, Any] | None]  # (step, items, extras)
+_NOT_ORBAX = "it holds no Orbax checkpoint, and Flax msgpack files are read from local disk only"
 
 
 def _to_step_int(value: Any, source: str) -> int:
@@ -78,12 +81,26 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
       ``opt_state``, ``step`` ...); any other tree becomes ``params``;
     * several items: an item named like one of ours is kept by name; a pytree item
       holding a training state is split as above; any other pytree is kept by name;
-    * JSON items go into ``extras`` under their item name.
+    * JSON items go into ``extras`` under their item name, but for the ``metrics``
+      item that Orbax's ``CheckpointManager`` writes beside each step (``best_fn``):
+      its entries become top-level extras, where this library's ``keep_best`` and
+      ``flax-orbax list`` look for a step's metrics.
 
     Returns ``(step, items, extras)`` with step left as -1 (the caller decides).
     """
     pytrees = {n: t for n, t in trees.items() if kinds[n] == "pytree" and t is not None}
-    extras = {n: t for n, t in trees.items() if kinds[n] == "json"}
+    extras = {n: t for n, t in trees.items() if kinds[n] == "json" and n != "metrics"}
+    metrics = trees.get("metrics") if kinds.get("metrics") == "json" else None
+    if isinstance(metrics, Mapping):
+        clash = sorted(set(metrics) & set(extras))
+        if clash:
+            raise StructureError(
+                f"metric {clash[0]!r} of {source}: also the name of a JSON item; import "
+                f"one of them only"
+            )
+        extras.update(metrics)
+    elif metrics is not None:
+        extras["metrics"] = metrics
     items: dict[str, Any] = {}
     if len(pytrees) == 1:
         ((name, tree),) = pytrees.items()
@@ -184,7 +201,8 @@ def import_checkpoint(
     """
     if is_orbax_checkpoint(src):
         return import_orbax(src, out_dir, step=step, force=force, format_version=format_version)
-    if os.path.exists(os.fspath(src)):
+    local = local_path(src, what="import source", note=_NOT_ORBAX)
+    if os.path.exists(local):
         return import_msgpack(src, out_dir, step=step, force=force, format_version=format_version)
     raise CheckpointNotFoundError(f"{src}: no such file or directory")
 
@@ -206,6 +224,7 @@ def import_orbax(
     the peak is about twice the step's bytes (the tree, then the save's own host
     snapshot). Returns the steps written. Items map as :func:`step_items` says.
     """
+    _option_table.check_import(step=step, force=force, format_version=format_version)
     targets = orbax_reader.steps_to_import(src, step)
 
     def states():
@@ -235,6 +254,7 @@ def import_msgpack(
     split into items (``params``, ``opt_state``, ``step`` ...), any other tree is
     saved as ``params``. Returns the steps written.
     """
+    _option_table.check_import(step=step, force=force, format_version=format_version)
     numbered = msgpack_reader.files_to_import(src, step)
 
     def states():  # one file's tree in memory at a time

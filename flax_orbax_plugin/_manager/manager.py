@@ -38,7 +38,7 @@ from .saving import Saver, collect_items
 from .schedule import SaveSchedule
 from .tiers import PersistentTier
 
-__all__ = ["CheckpointManager", "MANAGER_OPTIONS"]
+__all__ = ["CheckpointManager", "MANAGER_DEFAULTS", "MANAGER_OPTIONS"]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -46,7 +46,8 @@ logger = logging.getLogger("flax_orbax_plugin")
 class CheckpointManager:
     """A directory of training steps: save policy, retention, async saves, restore.
 
-    Args (all keyword-only after ``directory``):
+    Args (keyword-only after ``directory``; each checked when the manager is made, and
+    one that does nothing in the chosen mode refused: OptionError naming it):
       directory: local path, ``s3://`` / ``gs://`` URL, or tensorstore kvstore spec.
       keep: keep the last ``keep`` steps (None: no limit from this rule).
       keep_every: also keep every step divisible by ``keep_every``, forever.
@@ -83,16 +84,14 @@ class CheckpointManager:
       persistent_lease_seconds: one run owns its places: a second live manager on the
         persistent path is refused (a lock on filesystems; on object stores a lease of
         this many seconds, renewed every third of it). See ``_run_owner``.
-      reuse_host_buffers: (default) copy the state in the blocking phase into host
-        buffers kept from the previous save, until ``close``; off: hold CPU arrays as
-        zero-copy views until written. See docs/manager.md.
-      host_memory_budget: host bytes a save may hold beyond the state (None: no
-        bound; set, nothing is pooled). See ``fop.save_async``.
+      reuse_host_buffers: (default) copy the state into host buffers kept from the
+        previous save until ``close``; off: hold CPU arrays as views (docs/manager.md).
+      host_memory_budget: host bytes a version 1 step (not incremental) may hold
+        beyond the state (None: no bound; set, nothing is pooled). ``fop.save_async``.
 
-    ``wait()`` is for the local tier, ``persistent.wait()`` for the replication,
-    ``close()`` for both. A writer locks a local directory (a second live writer gets
-    DirectoryLockedError) and removes unfinished temporary steps; a directory that is
-    itself a step or a core checkpoint is refused.
+    ``wait()``: the local tier, ``persistent.wait()``: the replication, ``close()``:
+    both. A writer locks a local directory (a second live writer: DirectoryLockedError)
+    and removes unfinished temporary steps; a step or core checkpoint is refused.
     """
 
     def __init__(
@@ -126,7 +125,7 @@ class CheckpointManager:
         **unknown: Any,
     ):
         _options.check_unknown("CheckpointManager", unknown, MANAGER_OPTIONS)
-        opts = _options.ManagerOptions.build(directory, locals())
+        opts = _options.ManagerOptions.build(directory, locals(), MANAGER_DEFAULTS)
         self._loc = opts.location
         self._schedule = SaveSchedule(opts.save_policy(), opts.clock)
         self._async, self._read_only = opts.async_save, opts.read_only
@@ -245,9 +244,7 @@ class CheckpointManager:
         Call from the training thread only; with several processes, on every process.
         """
         self._check_writable()
-        step = operator.index(step)
-        if step < 0:
-            raise ValueError(f"step must be >= 0, found {step}")
+        step = _options.check_save_call(step=step, force=force, overwrite=overwrite, t=t)
         preempted = self._preempted_at(step)  # first: asked at every step, in order
         self._saver.raise_background_error()
         if not (force or preempted or self._schedule.decide(step, t)):
@@ -397,4 +394,5 @@ class CheckpointManager:
         self._saver.wait()
 
 
-MANAGER_OPTIONS = _options.keyword_names(CheckpointManager.__init__)
+MANAGER_DEFAULTS = _options.keyword_defaults(CheckpointManager.__init__)
+MANAGER_OPTIONS = tuple(MANAGER_DEFAULTS)

@@ -13,11 +13,14 @@ from typing import Any
 import jax
 
 from .._base import distributed as _distributed
+from .._core import read_options as _read_options
 from .._core import restore as _restore
 from .._errors import CheckpointError, CheckpointNotFoundError
+from .._format import places as _places
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
 from .._interop import orbax_reader as _orbax_import
+from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
 from .._like import transform as _transform
 from .._like.retarget import retarget
@@ -65,6 +68,7 @@ def restore_params(
     ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
     ``partial=True`` with ``like`` a subset of the saved params.
     """
+    _read_options.check_serving(step=step)  # OptionError naming it, before any read
     changes = _transform.changes(partial=partial, missing=missing, transform=transform)
     loc = Location.from_path(directory)
     steps = _steps.committed_steps(loc)
@@ -73,6 +77,7 @@ def restore_params(
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
         if is_orbax_checkpoint(directory):
             return _orbax_params(directory, like, step, dtype, sharding, changes, partial)
+        raise _places.no_steps(loc)  # what is there instead (a step, a run below, ...)
     step = _steps.choose_step(loc, steps, step)
     step_loc = _steps.step_location(loc, step)
     entry = _steps.read_manifest(step_loc).items.get("params")
@@ -121,6 +126,8 @@ def _orbax_params(directory, like, step, dtype, sharding, changes, partial) -> A
             f"apply to this library's checkpoints; convert it first with "
             f"fop.import_orbax(src, dst)"
         )
+    if step is None and _spans_processes(_params_like(like), sharding):
+        step = agreed_latest(Location.from_path(directory))
     return _orbax_import.restore_orbax_params(
         directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
     )
