@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._base import distributed as _distributed
 from .._core import restore as _native
 from .._errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
 from .._format import metadata as _metadata
@@ -66,21 +67,24 @@ def restore(
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
-    location = Location.from_path(path)
-    changes = {"partial": partial, "missing": missing, "transform": transform}
-    try:
-        return _native.restore(
-            location,
-            like,
-            memory_limit_bytes=memory_limit_bytes,
-            cast=cast,
-            share_replicated_reads=share_replicated_reads,
-            **changes,
-        )
-    except (CheckpointNotFoundError, NotCommittedError):
-        if not is_orbax_checkpoint(location):  # looked for only when none of ours is there
-            raise
-    return _restore_orbax(location, like, **changes)
+    # Onto devices of several processes the restore is collective: a failure on one
+    # process reaches the others at once (``_base.regions``); alone, it is not.
+    with _distributed.collective("restore", spans=_distributed.spans_processes(like)):
+        location = Location.from_path(path)
+        changes = {"partial": partial, "missing": missing, "transform": transform}
+        try:
+            return _native.restore(
+                location,
+                like,
+                memory_limit_bytes=memory_limit_bytes,
+                cast=cast,
+                share_replicated_reads=share_replicated_reads,
+                **changes,
+            )
+        except (CheckpointNotFoundError, NotCommittedError):
+            if not is_orbax_checkpoint(location):  # looked for only when none of ours is
+                raise
+        return _restore_orbax(location, like, **changes)
 
 
 def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str, transform: Any):

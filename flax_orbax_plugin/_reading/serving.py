@@ -14,6 +14,7 @@ import jax
 
 from .._base import distributed as _distributed
 from .._core import restore as _restore
+from .._core.targets import place
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
@@ -65,39 +66,28 @@ def restore_params(
     ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
     ``partial=True`` with ``like`` a subset of the saved params.
     """
-    changes = _transform.changes(partial=partial, missing=missing, transform=transform)
-    loc = Location.from_path(directory)
-    steps = _steps.committed_steps(loc)
-    if step is None and _spans_processes(_params_like(like), sharding):
-        step, steps = _agreed_latest(loc, steps)
-    if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
-        if is_orbax_checkpoint(directory):
-            return _orbax_params(directory, like, step, dtype, sharding, changes, partial)
-    step = _steps.choose_step(loc, steps, step)
-    step_loc = _steps.step_location(loc, step)
-    entry = _steps.read_manifest(step_loc).items.get("params")
-    if entry is None:
-        raise CheckpointNotFoundError(f"step {step} of {loc} holds no params item")
-    params_loc = step_loc.child(entry.dir)
-    target = _params_like(like)
-    if target is None and (dtype is not None or sharding is not None):
-        return _host_then_placed(params_loc, dtype, sharding, changes)
-    if target is not None and (dtype is not None or sharding is not None):
-        target = retarget(target, dtype, sharding)
-    return _restore.restore(params_loc, target, **changes.kwargs())
-
-
-def _spans_processes(*trees: Any) -> bool:
-    """Whether a sharding in ``trees`` (``like``'s leaves, the ``sharding`` argument)
-    places data on devices of other processes: the read is then collective."""
-    if jax.process_count() == 1:
-        return False
-    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
-    for leaf in jax.tree_util.tree_leaves(trees, is_leaf=is_sharding):
-        found = leaf if is_sharding(leaf) else getattr(leaf, "sharding", None)
-        if is_sharding(found) and not found.is_fully_addressable:
-            return True
-    return False
+    spans = _distributed.spans_processes(_params_like(like), sharding)
+    with _distributed.collective("restore-params", spans=spans):  # see ``_base.regions``
+        changes = _transform.changes(partial=partial, missing=missing, transform=transform)
+        loc = Location.from_path(directory)
+        steps = _steps.committed_steps(loc)
+        if step is None and spans:
+            step, steps = _agreed_latest(loc, steps)
+        if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
+            if is_orbax_checkpoint(directory):
+                return _orbax_params(directory, like, step, dtype, sharding, changes, partial)
+        step = _steps.choose_step(loc, steps, step)
+        step_loc = _steps.step_location(loc, step)
+        entry = _steps.read_manifest(step_loc).items.get("params")
+        if entry is None:
+            raise CheckpointNotFoundError(f"step {step} of {loc} holds no params item")
+        params_loc = step_loc.child(entry.dir)
+        target = _params_like(like)
+        if target is None and (dtype is not None or sharding is not None):
+            return _host_then_placed(params_loc, dtype, sharding, changes)
+        if target is not None and (dtype is not None or sharding is not None):
+            target = retarget(target, dtype, sharding)
+        return _restore.restore(params_loc, target, **changes.kwargs())
 
 
 def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[int]]:
@@ -133,9 +123,7 @@ def _host_then_placed(params_loc: Location, dtype: Any, sharding: Any, changes: 
     _casting.check_tree(host, target)  # float narrowing rounds; overflow to inf raises
     return jax.tree_util.tree_map(
         lambda x, t: (
-            jax.device_put(x.astype(t.dtype), t.sharding)
-            if t.sharding is not None
-            else x.astype(t.dtype)
+            place(x.astype(t.dtype), t.sharding) if t.sharding is not None else x.astype(t.dtype)
         ),
         host,
         target,
