@@ -19,7 +19,10 @@ What they show:
 * decisions about the store are the primary's (a late process on S3 and GCS, through
   fop.save, save_async and the manager), and restores are agreed: damage only one
   process reads fails on all and every process resumes the same step; serving
-  processes read one step while another lands; a process may still restore alone.
+  processes read one step while another lands; a process may still restore alone;
+* one process failing inside each collective operation (a manager's open, save, restore
+  and wait, fop.save / save_async / restore, restore_params, the tier's replication
+  rounds) raises on every process within seconds, naming it (not after the timeout).
 
 What a dead process looks like to the others (jax 0.10.2): a barrier that times
 out first raises "DEADLINE_EXCEEDED: Barrier timed out ... Some timed out task

@@ -32,6 +32,7 @@ FAULTS = {
     "save_async": "collective-save:1",
     "restore": "collective-restore:1",
     "restore_params": "collective-restore-params:1",
+    "tier-rounds": "collective-tier-rounds:1",
 }
 
 
@@ -76,6 +77,8 @@ def _operation(ctx, name: str, directory: str, victim: bool):
         with fop.CheckpointManager(d) as mngr:
             mngr.save(1, state)
         return lambda: fop.restore_params(d, params_like), None
+    if name == "tier-rounds":  # the replication of step 1 to a persistent tier
+        return lambda: _replicate(d, state), None
     mngr = fop.CheckpointManager(d, async_save=False, keep=1)
     if name == "manager-save":
         return lambda: mngr.save(1, state), mngr.close
@@ -97,6 +100,22 @@ def _operation(ctx, name: str, directory: str, victim: bool):
     raise ValueError(name)
 
 
+def _replicate(d: str, state) -> None:
+    import flax_orbax_plugin as fop
+
+    mngr = fop.CheckpointManager(
+        os.path.join(d, "local"), persistent=os.path.join(d, "remote"), async_save=False
+    )
+    try:
+        mngr.save(1, state)
+        mngr.persistent.wait()
+    finally:
+        try:
+            mngr.close()
+        except fop.CheckpointError:
+            pass  # the replication's error again: raised by wait above
+
+
 def one_fails_in_each(ctx, directory, names, victim=1):
     """Runs each operation of ``names`` with process ``victim`` failing in it; returns,
     per operation and for this process, the error raised (or "returned") and when."""
@@ -105,7 +124,7 @@ def one_fails_in_each(ctx, directory, names, victim=1):
     me_victim = ctx.process_id == victim
     out = []
     for i, name in enumerate(names):
-        call, after = _operation(ctx, name, directory, me_victim)
+        call, after = _operation(ctx, name, os.path.join(directory, str(i)), me_victim)
         ctx.client.wait_at_barrier(f"fop_failure/{i}", 60_000)
         t0 = time.time()
         error = "returned"
