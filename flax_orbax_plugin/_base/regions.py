@@ -107,13 +107,13 @@ def resumed(region: Region | None) -> Iterator[None]:
     except (SystemExit, GeneratorExit):  # a preempted run leaves together, on purpose
         raise
     except BaseException as e:
-        _publish_failure(region, e)
+        publish_failure(region, e)
         raise
     finally:
         stack.pop()
 
 
-def _publish_failure(region: Region, error: BaseException) -> None:
+def publish_failure(region: Region, error: BaseException) -> None:
     """Publishes ``error`` as this process's failure in ``region`` (once more with a
     later error: the last one stays). A service already gone is no news to the others."""
     record = _record(region, error)

@@ -101,8 +101,10 @@ class Rounds:
                 _distributed.broadcast_str(f"{rnd.key}/outcome", outcome)
             else:
                 self.announce(rnd, json.dumps({"step": rnd.step, "outcome": outcome}))
-        except Exception as e:  # noqa: BLE001  (the others time out and say so)
+        except Exception as e:  # noqa: BLE001  (the others learn it from the region)
             logger.warning("checkpoint: could not publish round %s: %s", rnd.key, e)
+            if self.region is not None:  # they would wait for it: the rounds end here
+                _distributed.publish_failure(self.region, e)
 
     def lead(self, rnd: Round, step: int, nonce: str, raw: bytes, nfiles: int | None) -> int:
         """Primary: announces ``step`` (staging ``nonce``, manifest ``raw``), copies its
