@@ -43,7 +43,7 @@ from .regions import current_region, raise_published_failure
 
 # The regions of collective operations (see the module docstring), for the callers.
 collective, resumed, Region = _regions.collective, _regions.resumed, _regions.Region
-publish_failure = _regions.publish_failure
+publish_failure, collective_call = _regions.publish_failure, _regions.collective_call
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FOP_COORDINATION_TIMEOUT_S", "300"))
 POLL_S = 0.25  # the longest slice of a wait in a region between looks at its failures

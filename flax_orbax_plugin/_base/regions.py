@@ -20,10 +20,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -90,6 +91,21 @@ def collective(kind: str, *, spans: bool = True) -> Iterator[None]:
         return
     with resumed(Region(kind, str(next(_REGIONS)))):
         yield
+
+
+def collective_call(kind: str, *, spans: Callable[..., bool]) -> Callable:
+    """A decorator: each call is :func:`collective` when ``spans(*args, **kwargs)`` (whether
+    this call is collective, from its arguments: e.g. a like on devices of other processes)."""
+
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with collective(kind, spans=spans(*args, **kwargs)):
+                return function(*args, **kwargs)
+
+        return call
+
+    return decorate
 
 
 @contextlib.contextmanager

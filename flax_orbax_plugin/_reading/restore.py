@@ -22,6 +22,11 @@ from .._storage.location import Location
 __all__ = ["metadata", "restore"]
 
 
+# Onto devices of several processes the restore is collective: a failure on one process
+# reaches the others at once (``_base.regions``); onto host arrays one may read alone.
+@_distributed.collective_call(
+    "restore", spans=lambda path, like=None, **_: _distributed.spans_processes(like)
+)
 def restore(
     path: Any,
     like: Any = None,
@@ -67,24 +72,21 @@ def restore(
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
-    # Onto devices of several processes the restore is collective: a failure on one
-    # process reaches the others at once (``_base.regions``); alone, it is not.
-    with _distributed.collective("restore", spans=_distributed.spans_processes(like)):
-        location = Location.from_path(path)
-        changes = {"partial": partial, "missing": missing, "transform": transform}
-        try:
-            return _native.restore(
-                location,
-                like,
-                memory_limit_bytes=memory_limit_bytes,
-                cast=cast,
-                share_replicated_reads=share_replicated_reads,
-                **changes,
-            )
-        except (CheckpointNotFoundError, NotCommittedError):
-            if not is_orbax_checkpoint(location):  # looked for only when none of ours is
-                raise
-        return _restore_orbax(location, like, **changes)
+    location = Location.from_path(path)
+    changes = {"partial": partial, "missing": missing, "transform": transform}
+    try:
+        return _native.restore(
+            location,
+            like,
+            memory_limit_bytes=memory_limit_bytes,
+            cast=cast,
+            share_replicated_reads=share_replicated_reads,
+            **changes,
+        )
+    except (CheckpointNotFoundError, NotCommittedError):
+        if not is_orbax_checkpoint(location):  # looked for only when none of ours is there
+            raise
+    return _restore_orbax(location, like, **changes)
 
 
 def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str, transform: Any):

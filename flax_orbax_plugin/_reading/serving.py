@@ -40,6 +40,13 @@ def _params_like(like: Any) -> Any:
     return items["params"]
 
 
+def _spans(directory: Any, like: Any = None, *, sharding: Any = None, **_: Any) -> bool:
+    """Whether a ``restore_params`` call is collective: ``like`` or ``sharding`` places
+    data on devices of other processes."""
+    return _distributed.spans_processes(_params_like(like), sharding)
+
+
+@_distributed.collective_call("restore-params", spans=_spans)  # see ``_base.regions``
 def restore_params(
     directory: Any,
     like: Any = None,
@@ -66,28 +73,26 @@ def restore_params(
     ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
     ``partial=True`` with ``like`` a subset of the saved params.
     """
-    spans = _distributed.spans_processes(_params_like(like), sharding)
-    with _distributed.collective("restore-params", spans=spans):  # see ``_base.regions``
-        changes = _transform.changes(partial=partial, missing=missing, transform=transform)
-        loc = Location.from_path(directory)
-        steps = _steps.committed_steps(loc)
-        if step is None and spans:
-            step, steps = _agreed_latest(loc, steps)
-        if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
-            if is_orbax_checkpoint(directory):
-                return _orbax_params(directory, like, step, dtype, sharding, changes, partial)
-        step = _steps.choose_step(loc, steps, step)
-        step_loc = _steps.step_location(loc, step)
-        entry = _steps.read_manifest(step_loc).items.get("params")
-        if entry is None:
-            raise CheckpointNotFoundError(f"step {step} of {loc} holds no params item")
-        params_loc = step_loc.child(entry.dir)
-        target = _params_like(like)
-        if target is None and (dtype is not None or sharding is not None):
-            return _host_then_placed(params_loc, dtype, sharding, changes)
-        if target is not None and (dtype is not None or sharding is not None):
-            target = retarget(target, dtype, sharding)
-        return _restore.restore(params_loc, target, **changes.kwargs())
+    changes = _transform.changes(partial=partial, missing=missing, transform=transform)
+    loc = Location.from_path(directory)
+    steps = _steps.committed_steps(loc)
+    if step is None and _spans(directory, like, sharding=sharding):
+        step, steps = _agreed_latest(loc, steps)
+    if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
+        if is_orbax_checkpoint(directory):
+            return _orbax_params(directory, like, step, dtype, sharding, changes, partial)
+    step = _steps.choose_step(loc, steps, step)
+    step_loc = _steps.step_location(loc, step)
+    entry = _steps.read_manifest(step_loc).items.get("params")
+    if entry is None:
+        raise CheckpointNotFoundError(f"step {step} of {loc} holds no params item")
+    params_loc = step_loc.child(entry.dir)
+    target = _params_like(like)
+    if target is None and (dtype is not None or sharding is not None):
+        return _host_then_placed(params_loc, dtype, sharding, changes)
+    if target is not None and (dtype is not None or sharding is not None):
+        target = retarget(target, dtype, sharding)
+    return _restore.restore(params_loc, target, **changes.kwargs())
 
 
 def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[int]]:
