@@ -30,11 +30,14 @@ from ._errors import (
     DirectoryLockedError,
     ForeignEntryError,
     NotCommittedError,
+    NothingMatchedError,
     ProcessFailedError,
     ReplicationError,
     StepDeletedError,
     StructureError,
+    TransformError,
     UnknownItemError,
+    UnsupportedLocationError,
 )
 from ._format.metadata import CheckpointMetadata, LeafMetadata
 from ._interop.importing import import_msgpack, import_orbax
@@ -63,6 +66,7 @@ __all__ = [
     "LeafMetadata",
     "Location",
     "NotCommittedError",
+    "NothingMatchedError",
     "Pending",
     "ProcessFailedError",
     "ReplicationError",
@@ -71,7 +75,9 @@ __all__ = [
     "StepIndexedIterator",
     "StepDeletedError",
     "StructureError",
+    "TransformError",
     "UnknownItemError",
+    "UnsupportedLocationError",
     "VerifyResult",
     "Written",
     "from_safetensors",
