@@ -22,7 +22,8 @@ What they show:
   processes read one step while another lands; a process may still restore alone;
 * one process failing inside each collective operation (a manager's open, save, restore
   and wait, fop.save / save_async / restore, restore_params, the tier's replication
-  rounds) raises on every process within seconds, naming it (not after the timeout).
+  rounds) raises on every process within seconds, naming it (not after the timeout),
+  on a local directory, S3 and GCS.
 
 What a dead process looks like to the others (jax 0.10.2): a barrier that times
 out first raises "DEADLINE_EXCEEDED: Barrier timed out ... Some timed out task
@@ -468,3 +469,24 @@ def test_a_failure_inside_each_collective_operation_reaches_every_process_at_onc
         assert mine["error"].split(":")[0] in theirs["error"], (mine["error"], theirs["error"])
         spread = max(mine["t_raised"], theirs["t_raised"]) - mine["t0"]
         assert spread < 15, (name, spread, mine, theirs)
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_a_failure_inside_collective_operations_on_an_object_store(store, request):
+    """The same on a bucket (the primary's look at the target is one more wait there):
+    a manager's open, save (a fault, and a state it cannot save) and restore, fop.save
+    and fop.restore, process 1 failing in each; every process raises within seconds."""
+    loc = request.getfixturevalue(f"{store}_location").join("failing")
+    names = ["manager-open", "manager-save", "manager-save-bad-state", "manager-restore"]
+    names += ["save", "restore"]
+    run = _run(
+        "_failure_workers:one_fails_in_each",
+        2,
+        args={"directory": loc.spec, "names": names},
+        env={"FOP_COORDINATION_TIMEOUT_S": "120", **loc.env},
+        timeout_s=100,
+    ).check()
+    for mine, theirs in zip(run.procs[1].result, run.procs[0].result, strict=True):
+        assert mine["error"] != "returned", mine
+        assert "process 1 failed" in theirs["error"], (mine["name"], theirs["error"])
+        assert max(mine["t_raised"], theirs["t_raised"]) - mine["t0"] < 15, (mine, theirs)

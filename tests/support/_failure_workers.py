@@ -18,7 +18,7 @@ import contextlib
 import os
 import time
 
-from _mp_workers import make_state
+from _mp_workers import make_state, step_path
 
 # name -> the fault the victim gets (None: a real bad input, see _operation)
 FAULTS = {
@@ -61,18 +61,18 @@ def _operation(ctx, name: str, directory: str, victim: bool):
 
     import flax_orbax_plugin as fop
 
-    d = os.path.join(directory, name)
+    d = step_path(directory, name)  # a local path, or a kvstore spec one level down
     state = make_state(ctx, 1)
     if name == "manager-open":
         return lambda: fop.CheckpointManager(d, async_save=False).close(), None
     if name in ("save", "save_async"):
         if name == "save":
-            return lambda: fop.save(os.path.join(d, "1"), state), None
-        return lambda: fop.save_async(os.path.join(d, "1"), state).wait(), None
+            return lambda: fop.save(step_path(d, 1), state), None
+        return lambda: fop.save_async(step_path(d, 1), state).wait(), None
     params_like = _like(ctx, state["params"])
     if name == "restore":
-        fop.save(os.path.join(d, "1"), state["params"])
-        return lambda: fop.restore(os.path.join(d, "1"), params_like), None
+        fop.save(step_path(d, 1), state["params"])
+        return lambda: fop.restore(step_path(d, 1), params_like), None
     if name == "restore_params":
         with fop.CheckpointManager(d) as mngr:
             mngr.save(1, state)
@@ -121,7 +121,7 @@ def one_fails_in_each(ctx, directory, names, victim=1):
     me_victim = ctx.process_id == victim
     out = []
     for i, name in enumerate(names):
-        call, after = _operation(ctx, name, os.path.join(directory, str(i)), me_victim)
+        call, after = _operation(ctx, name, step_path(directory, i), me_victim)
         ctx.client.wait_at_barrier(f"fop_failure/{i}", 60_000)
         t0 = time.time()
         error = "returned"
