@@ -7,7 +7,8 @@ commits. Waits carry a timeout so that a dead process turns into a
 :class:`CoordinationError` naming the wait instead of a hang.
 
 Collective operations (:func:`collective`: a manager's open, save, restore and wait, a
-core save or restore, ``restore_params``) are regions: one waiting on other processes
+core save or restore, ``restore_params``, a tier's replication rounds) are regions (see
+``_base/regions.py``): one waiting on other processes
 (:func:`_wait`, the one place that waits: key-value gets, barriers, gathers, agreements)
 looks at the failures published in its region between short slices, and an error
 leaving a region is published (``fop/failed/<region>/<process>``), so one process's
