@@ -74,12 +74,15 @@ class SaveHandle:
     :class:`SaveResult` or re-raises its error (an error is never dropped: a handle
     nobody waited on raises at the next save).
 
-    Thread-safety: ``wait`` and ``done`` may be called from any thread.
+    Thread-safety: ``wait`` and ``done`` may be called from any thread. Made in a
+    collective operation (``_base.regions``), the background phase runs in its region:
+    a failure there reaches the other processes at once, as one in the blocking phase.
     """
 
     def __init__(self, path: str, target: Any):
         self.path = path
         self._target = target
+        self._region = _distributed.current_region()
         self._thread = threading.Thread(target=self._run, name="fop-save", daemon=False)
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
@@ -91,7 +94,8 @@ class SaveHandle:
 
     def _run(self) -> None:
         try:
-            self._result = self._target()
+            with _distributed.resumed(self._region):
+                self._result = self._target()
         except BaseException as e:  # noqa: BLE001  (re-raised on wait)
             e.add_note(f"raised by the background phase of the save to {self.path}")
             self._error = e
@@ -132,6 +136,7 @@ def wait_for_pending_save(location: Location | None = None) -> None:
             handle.raise_unreported()
 
 
+@_distributed.collective("save")
 def save(
     path: Any,
     tree: Any,
@@ -159,6 +164,7 @@ def save(
     ).wait()
 
 
+@_distributed.collective("save")
 def save_async(
     path: Any,
     tree: Any,
