@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any, NoReturn
 
 from ..._base.tree import path_string
-from .checked import check_format_version, fail, int_field, need, num_field, opt_str
+from .checked import check_format_version, fail, int_field, need, opt_str, time_field
 from .dtypes import MAX_PROCESSES
 from .names import FORMAT_NAME, FORMAT_VERSION, LATEST_FORMAT_VERSION
 from .records import BatchRecord, BatchStorage, LeafRecord
@@ -61,7 +61,7 @@ class CheckpointDocument:
             leaves,
             batches,
             process_count,
-            num_field(obj, "created_at", where, "created_at"),
+            time_field(obj, "created_at", where, "created_at"),
             opt_str(obj, "jax_version", where),
             version,
         )

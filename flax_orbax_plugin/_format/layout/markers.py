@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..._errors import CorruptCheckpointError
+from ..._storage import json_docs as _docs
 from .checked import (
     check_format_version,
     decode,
@@ -15,11 +16,11 @@ from .checked import (
     int_field,
     is_safe_name,
     need,
-    num_field,
     opt_str,
     parse_sealed,
     seal,
     str_field,
+    time_field,
 )
 from .dtypes import MAX_PROCESSES
 from .names import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, STEP_FORMAT, STEP_VERSION
@@ -47,17 +48,17 @@ class CommitMarker:
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> CommitMarker:
-        obj = decode(raw, where)
+        obj = decode(raw, where, _docs.COMMIT_MARKER)
         if isinstance(obj, dict) and "checksum" not in obj and "files" not in obj:
             raise CorruptCheckpointError(
                 f"{where}: a commit marker without checksums (written before format version "
                 f"1 was fixed); re-save it with this version"
             )
-        body = parse_sealed(raw, where)
+        body = parse_sealed(raw, where, _docs.COMMIT_MARKER)
         check_format_version(body, where, FORMAT_NAME, "format_version", FORMAT_VERSION)
         files = files_field(body, where)
         need(METADATA_FILE in files, where, "files", f"an entry for {METADATA_FILE}", files)
-        return cls(files, num_field(body, "committed_at", where, "committed_at"))
+        return cls(files, time_field(body, "committed_at", where, "committed_at"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +106,7 @@ class StepManifest:
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> StepManifest:
-        body = parse_sealed(raw, where)
+        body = parse_sealed(raw, where, _docs.STEP_MANIFEST)
         check_format_version(body, where, STEP_FORMAT, "version", STEP_VERSION)
         step = int_field(body, "step", where, "step")
         raw_items = body.get("items")
@@ -131,7 +132,7 @@ class StepManifest:
             items,
             files_field(body, where),
             int_field(body, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES),
-            num_field(body, "time", where, "time"),
+            time_field(body, "time", where, "time"),
             opt_str(body, "tree_digest", where),
             written,
             reused,
