@@ -35,6 +35,7 @@ __all__ = [
     "DocKind",
     "HOST_MARKER",
     "JSON_ITEM",
+    "MAX_DOCUMENT_BYTES",
     "MAX_TIME",
     "METADATA",
     "PENDING_MARKER",
@@ -70,6 +71,10 @@ HOST_MARKER = DocKind("per-host marker (_HOST.json)", 1 << 20, 8)
 RUN_RECORD = DocKind("run record (_RUN.json)", 4096, 4)
 TIER_RECORD = DocKind("record of damaged steps (_DAMAGED.json)", 16 << 20, 8)
 JSON_ITEM = DocKind("JSON item (extras, iterator state, value.json)", 64 << 20, 100)
+# The most any small file of this library holds (a read of one is capped at this).
+MAX_DOCUMENT_BYTES = max(
+    k.max_bytes for k in (METADATA, DATA_INDEX, STEP_MANIFEST, COMMIT_MARKER, JSON_ITEM)
+)
 
 # The latest time a record may carry: 9999-12-31T23:59:59 UTC (datetime's last year).
 MAX_TIME = float(datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC).timestamp())

@@ -58,9 +58,13 @@ def decode_checked(
     return decode(raw, where, kind)
 
 
-def seal(body: dict[str, Any]) -> bytes:
-    """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form."""
-    return encode(dict(body, checksum=sha256(encode(body))))
+def seal(body: dict[str, Any], kind: _docs.DocKind | None = None) -> bytes:
+    """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form; with
+    ``kind``, refused (StructureError) past what a reader of that kind accepts."""
+    sealed = dict(body, checksum=sha256(encode(body)))
+    if kind is None:
+        return encode(sealed)
+    return _docs.encode(sealed, kind.what, kind, sort_keys=True)
 
 
 def parse_sealed(raw: bytes, where: str, kind: _docs.DocKind) -> dict[str, Any]:

@@ -43,7 +43,8 @@ class CommitMarker:
                 "format_version": FORMAT_VERSION,
                 "committed_at": self.committed_at,
                 "files": self.files,
-            }
+            },
+            _docs.COMMIT_MARKER,
         )
 
     @classmethod
@@ -102,7 +103,7 @@ class StepManifest:
         }
         if self.bytes_written is not None and self.bytes_reused is not None:
             body["bytes"] = {"written": self.bytes_written, "reused": self.bytes_reused}
-        return seal(body)
+        return seal(body, _docs.STEP_MANIFEST)
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> StepManifest:
