@@ -218,20 +218,31 @@ def import_msgpack(
 ):
     """Writes Flax msgpack checkpoints as steps of a ``CheckpointManager`` directory.
 
-    ``src`` is one msgpack file (written as ``step``; default: the number its name
-    ends with, else 0) or a ``flax.training.checkpoints`` directory (every
-    ``<prefix><step>`` file, or only ``step``). A state dict with ``params`` is
-    split into items (``params``, ``opt_state``, ``step`` ...), any other tree is
-    saved as ``params``. Returns the steps written.
+    ``src`` is one msgpack file or a ``flax.training.checkpoints`` directory (every
+    ``<prefix><step>`` file, or only ``step``). Each is written as ``step`` when given
+    (refused unless it equals the state's ``step`` leaf, a Flax ``TrainState``'s,
+    where the state has one), else as the state's step, else as the number its name
+    ends with; a file with none of them is refused (``msgpack_reader.choose_step``),
+    the first before anything is written. A state dict with ``params`` is split into
+    items (``params``, ``opt_state``, ``step`` ...), any other tree is saved as
+    ``params``. Returns the steps written.
     """
     numbered = msgpack_reader.files_to_import(src, step)
 
-    def states():  # one file's tree in memory at a time
-        for number, path in numbered:
-            tree = msgpack_reader.read_msgpack(path)
-            yield number, step_items({"state": tree}, {"state": "pytree"}, source=path)
+    def read(named: int | None, path: str) -> tuple[int, ImportedStep]:
+        tree = msgpack_reader.read_msgpack(path)
+        stored = msgpack_reader.state_step(tree, path)
+        number = msgpack_reader.choose_step(path, given=step, named=named, stored=stored)
+        return number, step_items({"state": tree}, {"state": "pytree"}, source=path)
 
-    planned = [n for n, _ in numbered]
+    first = [read(*numbered[0])]  # its step decided (or refused) before anything is written
+    planned = [first[0][0], *(n for n, _ in numbered[1:] if n is not None)]
+
+    def states():  # one file's tree in memory at a time
+        yield first.pop()
+        for named, path in numbered[1:]:
+            yield read(named, path)
+
     return save_steps(
         out_dir, states(), force=force, planned=planned, format_version=format_version
     )

@@ -76,8 +76,9 @@ MAX_DOCUMENT_BYTES = max(
     k.max_bytes for k in (METADATA, DATA_INDEX, STEP_MANIFEST, COMMIT_MARKER, JSON_ITEM)
 )
 
-# The latest time a record may carry: 9999-12-31T23:59:59 UTC (datetime's last year).
-MAX_TIME = float(datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC).timestamp())
+# The latest time a record may carry: 9999-12-30 UTC, a day before datetime's end, so
+# that it formats as a date in every time zone.
+MAX_TIME = float(datetime.datetime(9999, 12, 30, tzinfo=datetime.UTC).timestamp())
 
 _ESCAPE = re.compile(rb"\\.", re.DOTALL)
 _QUOTE, _OPEN, _CLOSE = ord('"'), ord("{"), ord("}")  # '[' | 32 == '{', ']' | 32 == '}'
