@@ -39,23 +39,27 @@ def encode(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def decode(raw: bytes, where: str, kind: _docs.DocKind = _docs.METADATA) -> Any:
+def decode(raw: bytes, where: str, kind: _docs.DocKind) -> Any:
     """Parses JSON bytes read from an untrusted store as a document of ``kind`` (its
     size, depth and key limits: ``_storage/json_docs.py``); errors name the file."""
     return _docs.parse(raw, where, kind)
 
 
-def decode_checked(
-    raw: bytes, where: str, expected_sha256: str, kind: _docs.DocKind = _docs.METADATA
-) -> Any:
+def decode_checked(raw: bytes, where: str, expected_sha256: str, kind: _docs.DocKind) -> Any:
     """Parses ``raw`` after checking it against the checksum recorded at commit."""
     found = sha256(raw)
     if found != expected_sha256:
-        raise CorruptCheckpointError(
-            f"{where}: checksum mismatch: expected sha256 {expected_sha256[:16]}... "
-            f"(recorded at commit), found {found[:16]}...; the file was changed or damaged"
-        )
+        sha256_mismatch(where, expected_sha256, found)
     return decode(raw, where, kind)
+
+
+def sha256_mismatch(where: str, expected: str, found: str) -> NoReturn:
+    """Raises the CorruptCheckpointError of a JSON file whose sha256 differs from the
+    one recorded at commit."""
+    raise CorruptCheckpointError(
+        f"{where}: checksum mismatch: expected sha256 {expected[:16]}... "
+        f"(recorded at commit), found {found[:16]}...; the file was changed or damaged"
+    )
 
 
 def seal(body: dict[str, Any], kind: _docs.DocKind | None = None) -> bytes:
