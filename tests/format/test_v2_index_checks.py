@@ -4,7 +4,7 @@ The index is crafted and resealed (its sha256 recorded in the commit record agai
 only the index checker can catch it: overlapping segments (two keys sharing bytes,
 each passing its crc32c) or a key listed twice. Restore, ``verify`` and the next
 incremental step (which must not reuse the data files it lists) all see it, on a core
-checkpoint and on a manager step."""
+checkpoint, on a manager step and on a persistent tier's copy (S3 server)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._format import layout as _layout
+
+pytest_plugins = ["_servers"]
 
 N = 300_000  # float32: 1.2 MB, one chunk of its own (not batched)
 
@@ -105,3 +107,26 @@ def test_a_manager_step_with_such_an_index_is_damage_and_never_reused(tmp_path, 
         with pytest.raises(fop.CorruptCheckpointError, match="data/0.json"):
             mngr.restore(step=1)
     assert all(r.ok for r in fop.verify(d, step=2))
+
+
+def test_a_persistent_copy_with_such_an_index_is_never_copied_down(s3_location, tmp_path):
+    """The tier's copy-down verifies with the same index checker: the bucket's step 2,
+    its index resealed to overlap, is refused and step 1 restored instead."""
+    with fop.CheckpointManager(tmp_path / "a", persistent=s3_location.url, format_version=2) as m:
+        for step in (1, 2):
+            m.save(step, {"params": {k: v + step for k, v in _tree().items()}})
+            m.wait()
+        assert m.persistent.wait(60)
+    kv = s3_location.kvstore()
+    doc = json.loads(bytes(kv.read("2/params/data/0.json").result().value))
+    doc["chunks"]["d/1/c/0"] = list(doc["chunks"]["d/0/c/0"])
+    raw = json.dumps(doc).encode()
+    manifest = json.loads(bytes(kv.read(f"2/{_layout.MANIFEST_FILE}").result().value))
+    manifest.pop("checksum")
+    manifest["files"]["params/data/0.json"] = _layout.sha256(raw)
+    kv.write("2/params/data/0.json", raw).result()
+    kv.write(f"2/{_layout.MANIFEST_FILE}", _layout.seal(manifest)).result()
+    with fop.CheckpointManager(tmp_path / "b", persistent=s3_location.url) as m:
+        restored = m.restore()
+        assert m.restored_step == 1
+        np.testing.assert_array_equal(restored["params"]["b"], _tree()["b"] + 1)
