@@ -65,7 +65,7 @@ class DocKind:
 METADATA = DocKind("metadata document (_METADATA.json)", 64 << 20, 64, unique_keys=False)
 DATA_INDEX = DocKind("data index (data/<p>.json)", 64 << 20, 8)
 STEP_MANIFEST = DocKind("step manifest (_CHECKPOINT.json)", 64 << 20, 8)
-COMMIT_MARKER = DocKind("commit marker (_COMMITTED)", 1 << 20, 8)
+COMMIT_MARKER = DocKind("commit marker (_COMMITTED)", 64 << 20, 8)  # one entry per process
 PENDING_MARKER = DocKind("pending marker (_PENDING.json)", 4096, 4)
 HOST_MARKER = DocKind("per-host marker (_HOST.json)", 1 << 20, 8)
 RUN_RECORD = DocKind("run record (_RUN.json)", 4096, 4)
