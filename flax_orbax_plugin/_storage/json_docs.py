@@ -5,13 +5,13 @@ indexes, step manifests, commit, pending and per-host markers, run records, JSON
 items and iterator states) has a :class:`DocKind`: the most bytes and the deepest
 nesting a reader accepts, and whether an object may repeat a key. Readers parse with
 :func:`parse`: the size is checked first, then the nesting depth by a scan of the bytes
-(so the parser never recurses past it), then JSON with every non-finite number and,
-where the kind says so, every repeated key refused; CorruptCheckpointError naming the
-file. Writers encode with :func:`encode`, which refuses with a StructureError naming
-the document, what was found and the limit, everything :func:`parse` would refuse
-(too large, too deep, text that is not UTF-8 encodable such as a lone surrogate, a
-NaN): a writer never commits what a reader refuses. Times a record carries are
-checked by :func:`check_time` on both sides (the range the platform can format).
+(so the parser never recurses past it), then JSON, refusing every non-finite number,
+text that is not UTF-8 (an escaped lone surrogate) and, where the kind says so, every
+repeated key; CorruptCheckpointError naming the file. Writers encode with
+:func:`encode`, which refuses with a StructureError naming the document, what was
+found and the limit, everything :func:`parse` would refuse: a writer never commits
+what a reader refuses. Times a record carries are checked by :func:`check_time` on
+both sides (the range the platform can format as a date).
 
 Pure functions, no state: safe from any thread.
 """
@@ -137,8 +137,8 @@ def _constant(name: str) -> Any:
 def parse(raw: bytes, where: str, kind: DocKind) -> Any:
     """The JSON value of ``raw``, read from storage as a document of ``kind``;
     CorruptCheckpointError naming ``where`` when it is larger or deeper than ``kind``
-    allows, not UTF-8 JSON, holds a non-finite number or (if ``kind.unique_keys``)
-    an object with a repeated key."""
+    allows, not UTF-8 JSON, holds a non-finite number, a lone surrogate or (if
+    ``kind.unique_keys``) an object with a repeated key."""
     if len(raw) > kind.max_bytes:
         raise CorruptCheckpointError(
             f"{where}: {len(raw)} bytes, more than a {kind.what} may hold ({kind.max_bytes})"
@@ -151,7 +151,7 @@ def parse(raw: bytes, where: str, kind: DocKind) -> Any:
         )
     hook = _unique if kind.unique_keys else None
     try:
-        return json.loads(
+        value = json.loads(
             raw.decode("utf-8"),
             parse_constant=_constant,
             parse_float=_finite,
@@ -170,6 +170,14 @@ def parse(raw: bytes, where: str, kind: DocKind) -> Any:
         text = str(e)
         text = text if len(text) <= 200 else text[:197] + "..."
         raise CorruptCheckpointError(f"{where} is not valid JSON: {text}") from None
+    if b"\\ud" in raw or b"\\uD" in raw:  # a surrogate escaped: a pair, or a lone one
+        bad = unencodable(value)
+        if bad is not None:
+            raise CorruptCheckpointError(
+                f"malformed {where}: {bad[0]}: expected UTF-8 text, found a lone "
+                f"surrogate in {bad[1]!r}"
+            )
+    return value
 
 
 _KEY_BEFORE = re.compile(rb'"([^"\\]{1,64})"\s*:\s*[\[\s]*$')
