@@ -118,3 +118,31 @@ def test_a_resealed_manifest_time_past_year_9999_is_damage_named(tmp_path, capsy
     cli.main(["list", str(d)])  # names the damage; no OverflowError from formatting it
     out, err = capsys.readouterr()
     assert "OverflowError" not in out + err and "Traceback" not in out + err
+
+
+class _Iterator:
+    def __init__(self, state):
+        self.state = state
+
+    def get_state(self):
+        return self.state
+
+    def set_state(self, state):
+        self.state = state
+
+
+@pytest.mark.parametrize(
+    "state, named",
+    [
+        ({"pos": "x\udc80"}, r"data_iterator/pos: text that UTF-8 cannot encode"),
+        ({"pos": _deep(3000)}, r"data_iterator/pos.*nested more than 100 levels"),
+        ({"seen": "y" * (64 << 20)}, r"process_0.json: a JSON item .* more than a reader"),
+    ],
+)
+def test_an_iterator_state_no_reader_accepts_is_refused_at_save_time(tmp_path, state, named):
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        with pytest.raises(fop.StructureError, match=named):
+            mngr.save(1, {"params": {"w": np.ones(3)}}, data_iterator=_Iterator(state))
+        mngr.wait()
+        assert mngr.steps() == []
+    _nothing_left(tmp_path / "run")
