@@ -30,10 +30,13 @@ from ._errors import (
     DirectoryLockedError,
     ForeignEntryError,
     NotCommittedError,
+    NothingMatchedError,
     ReplicationError,
     StepDeletedError,
     StructureError,
+    TransformError,
     UnknownItemError,
+    UnsupportedLocationError,
 )
 from ._format.metadata import CheckpointMetadata, LeafMetadata
 from ._interop.importing import import_msgpack, import_orbax
@@ -62,6 +65,7 @@ __all__ = [
     "LeafMetadata",
     "Location",
     "NotCommittedError",
+    "NothingMatchedError",
     "Pending",
     "ReplicationError",
     "SaveHandle",
@@ -69,7 +73,9 @@ __all__ = [
     "StepIndexedIterator",
     "StepDeletedError",
     "StructureError",
+    "TransformError",
     "UnknownItemError",
+    "UnsupportedLocationError",
     "VerifyResult",
     "Written",
     "from_safetensors",

@@ -23,6 +23,24 @@ class StructureError(CheckpointError, ValueError):
     """The tree to save, or the ``like`` template, does not fit: names the leaf path."""
 
 
+class NothingMatchedError(StructureError):
+    """A restore matched no saved leaf to the template (``partial=``, ``missing=``,
+    ``transform=`` left nothing to read): names the options and some paths of both
+    sides. ``missing="keep_all"`` accepts it, with a warning."""
+
+
+class TransformError(CheckpointError, ValueError, TypeError):
+    """A ``transform=`` option is malformed (a pattern that is no regex, a replacement
+    naming a group its pattern lacks, a value of the wrong type): names the entry, what
+    was expected and what was found. Raised before anything is read."""
+
+
+class UnsupportedLocationError(CheckpointError, ValueError):
+    """A path argument names no place that argument may be: an unknown ``scheme:``, a
+    malformed store URL, or an object store where only local files are supported.
+    Names the argument, what it was given and what is supported."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """Stored data failed its checksum, is missing, or metadata is malformed."""
 

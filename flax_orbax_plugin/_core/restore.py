@@ -24,6 +24,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import tree as _tree
+from .._errors import TransformError
 from .._format import layout as _layout
 from .._format import metadata as _metadata
 from .._format.documents import read_document
@@ -88,7 +89,7 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
     structure to place a renamed one in."""
     new = opts.rename(path)
     if new is not None and new != path:
-        raise ValueError(
+        raise TransformError(
             f"transform renames the saved leaf {path!r} to {new!r}, which needs like (the "
             f"tree to place it in); with like=None a transform may only drop leaves (None)"
         )
@@ -102,10 +103,13 @@ def _restore(location: Location, like: Any, opts: _transform.Changes, limit: int
     doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
     records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
+    saved = [rec.path for rec in doc.leaves if rec.kind not in _transform.NO_DATA]
     if like is None:
         leaves = list(enumerate(doc.leaves))
         if opts.transform is not None:
             leaves = [(i, rec) for i, rec in leaves if _dropped_or_same(opts, rec.path)]
+            if all(rec.kind in _transform.NO_DATA for _, rec in leaves):
+                _transform.check_matched(saved, None, [], opts, str(location))
         targets = [make_target(i, rec, None) for i, rec in leaves]
         read_targets(location, doc, targets, limit)
         items = [(list(t.record.keys), t.result) for t in targets]
@@ -114,7 +118,13 @@ def _restore(location: Location, like: Any, opts: _transform.Changes, limit: int
     records = _transform.rename_records(records, opts, str(location))
     add_missing_empties(flat, records)
     plan = _transform.match(
-        flat, records, opts, where=str(location), make=make_target, empty_kinds=_layout.EMPTY_KINDS
+        flat,
+        records,
+        opts,
+        where=str(location),
+        make=make_target,
+        empty_kinds=_layout.EMPTY_KINDS,
+        saved=saved,
     )
     targets = [t for t in plan if t is not _transform.KEEP]
     read_targets(location, doc, targets, limit)

@@ -11,8 +11,9 @@ import itertools
 import math
 from typing import Any
 
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointError
 from .._format import layout as _layout
+from .._format import places as _places
 from .._format import steps as _steps
 from .._format.documents import read_document
 from .._format.layout import (
@@ -62,11 +63,15 @@ def verify(path: Any, *, step: int | None = None, all_steps: bool = False) -> li
         return [_verify_pytree(loc, None, None)]
     if loc.exists(MANIFEST_FILE):
         return verify_step(loc, _step_number(loc))
-    if loc.exists(METADATA_FILE) or _steps.manifest_for_item(loc) is not None:
+    manifest = _steps.manifest_for_item(loc)
+    if manifest is not None:  # an item of a step: checked as its kind is, as the step's are
+        name = next(n for n, e in manifest.items.items() if e.dir == loc.name)
+        return [_verify_item(loc.parent, manifest, name, _step_number(loc.parent))]
+    if loc.exists(METADATA_FILE):
         return [_verify_pytree(loc, _step_number(loc.parent), loc.name)]
     listing = _steps.list_directory(loc)
     if not listing.committed:
-        raise CheckpointNotFoundError(f"nothing to verify at {loc}: no committed checkpoint")
+        raise _places.no_steps(loc, listing)  # says what is there instead
     chosen = listing.committed if all_steps else [_steps.choose_step(loc, listing.committed, step)]
     out: list[VerifyResult] = []
     for s in chosen:
@@ -84,19 +89,23 @@ def verify_step(step_loc: Location, step: int | None) -> list[VerifyResult]:
         manifest = _steps.read_manifest(step_loc)
     except CheckpointError as e:
         return [VerifyResult(str(step_loc), step, None, False, str(e))]
-    out = []
-    for name, entry in manifest.items.items():
-        item_loc = step_loc.child(entry.dir)
-        try:
-            _check_item_files(item_loc, name, entry.kind, manifest)
-        except CheckpointError as e:
-            out.append(VerifyResult(str(item_loc), step, name, False, str(e)))
-            continue
-        if entry.kind == "pytree":
-            out.append(_verify_pytree(item_loc, step, name))
-        else:
-            out.append(VerifyResult(str(item_loc), step, name, True))
-    return out
+    return [_verify_item(step_loc, manifest, name, step) for name in manifest.items]
+
+
+def _verify_item(
+    step_loc: Location, manifest: StepManifest, name: str, step: int | None
+) -> VerifyResult:
+    """One item of a committed step: the files its kind needs, every JSON file it
+    holds against the manifest's checksum, and a pytree's data."""
+    entry = manifest.items[name]
+    item_loc = step_loc.child(entry.dir)
+    try:
+        _check_item_files(item_loc, name, entry.kind, manifest)
+    except CheckpointError as e:
+        return VerifyResult(str(item_loc), step, name, False, str(e))
+    if entry.kind == "pytree":
+        return _verify_pytree(item_loc, step, name)
+    return VerifyResult(str(item_loc), step, name, True)
 
 
 def _required_files(kind: str, manifest: StepManifest) -> list[str]:

@@ -60,13 +60,18 @@ class LeafMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointMetadata:
-    """Result of :func:`flax_orbax_plugin.metadata`: the leaves of a checkpoint."""
+    """Result of :func:`flax_orbax_plugin.metadata`: the leaves of a checkpoint.
+
+    ``kind``: ``"pytree"``, or the kind of a step's item that holds a JSON value
+    (``"json"``, ``"step"``, ``"data_iterator"``): no leaves, ``fop.restore`` returns
+    the value (``format_version`` is then the step manifest's)."""
 
     path: str
     format_version: int
     created_at: float
     process_count: int
     leaves: dict[str, LeafMetadata]
+    kind: str = "pytree"
 
     @property
     def total_bytes(self) -> int:

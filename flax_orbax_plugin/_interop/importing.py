@@ -29,6 +29,7 @@ from .._errors import (
 from .._format.foreign import is_orbax_checkpoint
 from .._format.steps import list_directory
 from .._manager.manager import CheckpointManager
+from .._storage.kvstore import local_path
 from .._storage.location import Location
 from . import msgpack_reader, orbax_reader
 
@@ -44,6 +45,7 @@ __all__ = [
 
 
 ImportedStep = tuple[int, dict[str, Any], dict[str, Any] | None]  # (step, items, extras)
+_NOT_ORBAX = "it holds no Orbax checkpoint, and Flax msgpack files are read from local disk only"
 
 
 def _to_step_int(value: Any, source: str) -> int:
@@ -173,7 +175,8 @@ def import_checkpoint(
     """
     if is_orbax_checkpoint(src):
         return import_orbax(src, out_dir, step=step, force=force, format_version=format_version)
-    if os.path.exists(os.fspath(src)):
+    local = local_path(src, what="import source", note=_NOT_ORBAX)
+    if os.path.exists(local):
         return import_msgpack(src, out_dir, step=step, force=force, format_version=format_version)
     raise CheckpointNotFoundError(f"{src}: no such file or directory")
 

@@ -48,6 +48,7 @@ from .._errors import (
 )
 from .._format.foreign import is_msgpack_checkpoint
 from .._like import onto_like as _onto_like
+from .._storage.kvstore import local_path
 from .._storage.local_files import entry_kind
 from .._storage.untrusted import open_regular
 
@@ -186,7 +187,7 @@ def _unchunk(tree: Any, where: str, keys: list[Any] | None = None) -> Any:
 
 def read_msgpack(path: Any) -> Any:
     """The state dict in a Flax msgpack file: nested dicts of numpy arrays and scalars."""
-    path = os.fspath(path)
+    path = local_path(path, what="msgpack checkpoint")
     where = str(path)
     if os.path.isdir(path):
         raise CheckpointNotFoundError(f"{where}: a directory, not a msgpack file")
@@ -286,7 +287,7 @@ def files_to_import(src: Any, step: int | None) -> list[tuple[int | None, str]]:
     ``<prefix><step>`` file of a ``flax.training.checkpoints`` directory (or only
     ``step``). Reads names and one byte of each file; the step each is written as is
     :func:`choose_step`'s, once its state is read."""
-    src = os.fspath(src)
+    src = local_path(src, what="msgpack source")
 
     def number_of(number: int | None, path: str) -> int | None:
         if number is not None:

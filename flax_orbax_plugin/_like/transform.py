@@ -6,23 +6,28 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.transform
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from .._base.tree import flatten
-from .._errors import StructureError
+from .._errors import NothingMatchedError, StructureError
 from .._format import layout as _layout
 from . import casting as _casting
 from . import onto_like as _onto_like
+from .transform_rules import compile_transform, describe
+
+logger = logging.getLogger("flax_orbax_plugin")
 
 __all__ = ["Changes", "changes", "KEEP"]
 
-MISSING_CHOICES = ("error", "keep")
+MISSING_CHOICES = ("error", "keep", "keep_all")
 MAX_LISTED = 40  # differences shown in one message; the rest are counted
+PATHS_SHOWN = 4  # paths of each side named when nothing matched
+NO_DATA = ("none", *_layout.EMPTY_KINDS)  # records that match without holding a value
 
 KEEP = object()  # a leaf of like restored as like's own value
 
@@ -44,7 +49,16 @@ class Changes:
 
     @property
     def keep_missing(self) -> bool:
-        return self.missing == "keep"
+        return self.missing in ("keep", "keep_all")
+
+    @property
+    def nothing_may_match(self) -> bool:
+        """``missing="keep_all"``: a restore that matches no saved leaf only warns."""
+        return self.missing == "keep_all"
+
+    def describe(self) -> str:
+        """The options as given, for messages."""
+        return f"partial={self.partial}, missing={self.missing!r}, {describe(self.transform)}"
 
     def kwargs(self) -> dict[str, Any]:
         """The options as ``restore`` keywords (``transform`` already compiled)."""
@@ -55,54 +69,14 @@ class Changes:
 
 
 def changes(*, partial: Any = False, missing: Any = "error", transform: Any = None) -> Changes:
-    """Validates the options (TypeError / ValueError naming the option) and compiles
-    ``transform`` once."""
+    """Validates the options (TypeError / ValueError naming the option; TransformError
+    for ``transform``, see ``transform_rules``) and compiles ``transform`` once. Called
+    by every restore entry point before anything is read."""
     if not isinstance(partial, bool):
         raise TypeError(f"partial must be True or False, found {partial!r}")
     if missing not in MISSING_CHOICES:
         raise ValueError(f"missing must be one of {MISSING_CHOICES}, found {missing!r}")
     return Changes(partial, missing, compile_transform(transform))
-
-
-def compile_transform(transform: Any) -> Callable[[str], str | None] | None:
-    """``transform`` as one function ``saved path -> like path | None``."""
-    if transform is None:
-        return None
-    if isinstance(transform, Mapping):
-        rules = []
-        for pattern, replacement in transform.items():
-            if not isinstance(pattern, str) or not isinstance(replacement, str):
-                raise TypeError(
-                    f"transform: expected {{regex: replacement}} of str, found "
-                    f"{pattern!r}: {replacement!r}"
-                )
-            try:
-                rules.append((re.compile(pattern), replacement))
-            except re.error as e:
-                raise ValueError(f"transform: the pattern {pattern!r} is not a regex: {e}") from e
-
-        def by_rules(path: str) -> str:
-            for regex, replacement in rules:
-                path = regex.sub(replacement, path)
-            return path
-
-        return by_rules
-    if callable(transform):
-
-        def by_call(path: str) -> str | None:
-            out = transform(path)
-            if out is not None and not isinstance(out, str):
-                raise TypeError(
-                    f"transform({path!r}) returned {out!r}; expected a str path or None"
-                )
-            return out
-
-        by_call.__wrapped__ = transform  # type: ignore[attr-defined]
-        return by_call
-    raise TypeError(
-        f"transform must be a dict {{regex: replacement}} or a callable path -> path | None, "
-        f"found {type(transform).__name__}"
-    )
 
 
 def rename_records(records: dict[str, Any], opts: Changes, where: str) -> dict[str, Any]:
@@ -172,20 +146,27 @@ def match(
     where: str,
     make: Callable[[int, Any, Any], Any],
     empty_kinds: tuple[str, ...] = (),
+    saved: list[str],
 ) -> list[Any]:
     """One entry per leaf of ``flat`` (like's ``(path, keys, leaf)``): ``make(index,
     record, leaf)`` for a leaf the checkpoint holds, :data:`KEEP` for one kept from like.
 
-    ``records``: ``{like path: (index, record)}`` (after :func:`rename_records`).
-    Every difference is collected first; then one StructureError lists them all.
+    ``records``: ``{like path: (index, record)}`` (after :func:`rename_records`);
+    ``saved``: the checkpoint's own paths of leaves holding a value (before any
+    transform). Every difference is collected first; then one StructureError lists
+    them all. A plan that reads none of ``saved`` raises NothingMatchedError (see
+    :func:`check_matched`).
     """
     problems: list[str] = []
     casts: list[str] = []  # dtypes no checked cast reaches
     out: list[Any] = []
     wanted = set()
+    matched = 0  # leaves of like read from a saved value
     for path, _, leaf in flat:
         wanted.add(path)
         found = records.get(path)
+        if found is not None and found[0] >= 0 and found[1].kind not in NO_DATA:
+            matched += 1
         if found is None:
             if opts.keep_missing:
                 try:
@@ -218,7 +199,61 @@ def match(
                 )
     if problems:  # casts alone are refused by the read itself, naming a value
         raise mismatch(problems + casts, where)
+    if not matched:
+        like_paths = [p for p, _, leaf in flat if not _is_empty(p, records)]
+        check_matched(saved, like_paths, sorted(records), opts, where)
     return out
+
+
+def _is_empty(path: str, records: dict[str, tuple[int, Any]]) -> bool:
+    found = records.get(path)
+    return found is not None and found[1].kind in NO_DATA
+
+
+def check_matched(
+    saved: list[str],
+    like_paths: list[str] | None,
+    renamed: list[str],
+    opts: Changes,
+    where: str,
+    unit: str = "leaf",
+) -> None:
+    """Called when a restore reads no saved leaf (or, ``unit="item"``, a manager's
+    restore no saved item): raises NothingMatchedError when the checkpoint at ``where``
+    holds values (``saved``), since every leaf would come back as like's own; with
+    ``missing="keep_all"`` (nothing may match, on purpose) it logs a WARNING instead.
+    ``like_paths``: like's leaves (None: no like); ``renamed``: the saved paths as the
+    transform maps them."""
+    if not saved:
+        return  # an empty checkpoint: nothing to match
+    what = f"restore of {where} matched no saved {unit} ({opts.describe()})"
+    if opts.nothing_may_match:
+        logger.warning(
+            "checkpoint: %s; missing='keep_all' accepts it: every leaf of like keeps its "
+            "own value and nothing is read",
+            what,
+        )
+        return
+    units = "leaves" if unit == "leaf" else f"{unit}s"
+    sides = [f"The checkpoint's {units}: {_some(saved)}"]
+    if opts.transform is not None and unit == "leaf":
+        sides.append(f"after transform: {_some(renamed)}")
+    if like_paths is not None:
+        sides.append(f"like's {units}: {_some(like_paths)}")
+    result = "nothing" if like_paths is None else "like itself, untouched"
+    raise NothingMatchedError(
+        f"{what}: it would return {result}. " + "; ".join(sides) + ". Make like's paths "
+        "(or transform=) meet the saved ones (fop.metadata lists them); to accept a "
+        "restore that matches nothing on purpose, pass missing='keep_all'"
+    )
+
+
+def _some(paths: list[str]) -> str:
+    if not paths:
+        return "none"
+    shown = ", ".join(repr(p) for p in paths[:PATHS_SHOWN])
+    more = len(paths) - PATHS_SHOWN
+    return shown + (f" ... ({len(paths)} in all)" if more > 0 else "")
 
 
 def _renamed(message: str, saved: str, path: str) -> str:

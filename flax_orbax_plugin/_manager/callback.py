@@ -37,15 +37,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from .._core.ownership import remove_step
 from .._core.save import SaveResult
-from .._errors import CheckpointError, CheckpointNotFoundError
-from .._format import steps as _steps
 from .._like.transform import changes as check_changes
 from .._state.resume import items_to_restore
 from .._state.train_state import merge_state
-from .._storage.location import Location
 from . import options as _options
+from . import resuming as _resuming
 from .manager import MANAGER_OPTIONS, CheckpointManager
 
 logger = logging.getLogger("flax_orbax_plugin")
@@ -69,7 +66,8 @@ class CheckpointCallback:
       keep: how many of the most recent steps to keep (None keeps all).
       resume: False starts fresh and refuses a directory that already holds steps;
         True resumes from the latest good step when one exists and starts fresh
-        otherwise; ``"required"`` raises :class:`CheckpointNotFoundError` when there
+        otherwise (with a WARNING naming the directory: a mistyped path starts a new
+        run); ``"required"`` raises :class:`CheckpointNotFoundError` when there
         is nothing to resume.
       overwrite: with ``resume=False``, remove the steps already in the directory at
         train start instead of refusing.
@@ -201,25 +199,15 @@ class CheckpointCallback:
             self._data_iterator = data_iterator
         names = items_to_restore(state, reset=reset) if reset else None
         opts = check_changes(partial=partial, missing=missing, transform=transform).kwargs()
+        existed = self._manager is not None or _resuming.place_exists(self.directory)
         mngr = self.manager
         latest = mngr.latest_step(include_persistent=True)
         if not self.resume:
             if latest is not None:
-                self._refuse_or_clear(mngr, latest)
+                _resuming.refuse_or_clear(self.directory, mngr, latest, self.overwrite)
             return state
         if latest is None:
-            aside = _steps.list_directory(Location.from_path(self.directory)).corrupt
-            if aside:  # steps existed but none restored: never silently start from step 0
-                raise CheckpointError(
-                    f"resume=True but every step of {self.directory} was set aside as damaged "
-                    f"({', '.join(aside)}); nothing was restored. Inspect them with "
-                    f"`flax-orbax verify`, or start fresh in a new directory"
-                )
-            if self.resume == "required":
-                raise CheckpointNotFoundError(
-                    f"resume='required' but {self.directory} holds no committed checkpoint"
-                )
-            logger.info("checkpoint: nothing to resume in %s; starting fresh", self.directory)
+            _resuming.no_run_to_resume(self.directory, mngr, self.resume, existed)
             return state
         t0 = time.perf_counter()
         if names is None:
@@ -228,6 +216,8 @@ class CheckpointCallback:
             it = None if "data_iterator" in reset else self._data_iterator
             subset = mngr.restore(like=state, items=names, data_iterator=it, **opts)
             restored = merge_state(state, subset)
+        if self._data_iterator is None and "data_iterator" not in reset:
+            mngr._restorer.warn_replay(mngr.restored_step)  # a resume that replays data
         latest = mngr.restored_step
         self.resumed_step = self._last_saved_step = self._last_step = latest
         logger.info(
@@ -237,25 +227,6 @@ class CheckpointCallback:
             time.perf_counter() - t0,
         )
         return restored
-
-    def _refuse_or_clear(self, mngr: CheckpointManager, latest: int) -> None:
-        if not self.overwrite:
-            where = "" if mngr.persistent is None else f" (or its tier {mngr.persistent.remote})"
-            raise CheckpointError(
-                f"{self.directory}{where} already holds steps of a run (latest: {latest}) and "
-                f"resume=False: refusing to mix two runs. Resume it (resume=True), use a "
-                f"new directory, or pass overwrite=True to remove its steps first. A job "
-                f"restarted with the same command (preemptible, or rescheduled) should run "
-                f"with resume=True from its first start: it starts fresh while the directory "
-                f"holds no step and resumes the latest good step after every restart"
-            )
-        for step in mngr.steps():
-            remove_step(Location.from_path(self.directory), step)
-        mngr._forget_steps()  # removed behind the manager's back: it lists again
-        if mngr.persistent is not None:
-            for step in mngr.persistent.steps():
-                mngr.persistent.remove(step)
-        logger.warning("checkpoint: overwrite=True: removed the steps in %s", self.directory)
 
     def on_step_end(self, step: int, state: Any, *, t: float | None = None) -> bool:
         """Saves ``state`` as ``step`` if the policy says so; returns whether it did."""

@@ -6,7 +6,8 @@ the next; :meth:`Restorer.with_step` marks the step as being read (never deleted
 meanwhile by this manager's retention) and turns an error about a step deleted by
 another process into a StepDeletedError; then the names to restore are chosen
 (``items``, ``like``'s items, or all), each item is read by its checkpointable, and
-a resume that leaves the saved data position out is warned about once.
+a training resume (a writer's whole state, or the callback's) that leaves the saved
+data position out is warned about once.
 
 Threading: the training thread (``CheckpointManager.restore``), after the
 in-flight save was waited for.
@@ -81,6 +82,7 @@ class Restorer:
         self._read_only = read_only
         self.restored_step: int | None = None
         self._warned_replay = False  # warned that a resume left the data position out
+        self.restored_items: tuple[str, ...] = ()  # the items the step last read holds
 
     def restore(
         self, like: Any, step: int | None, items: Any, data_iterator: Any, changes: Any
@@ -291,17 +293,21 @@ class Restorer:
             self._restore_item(
                 step, step_loc, saved["data_iterator"], "data_iterator", data_iterator
             )
+        self.restored_items = tuple(saved)
         if items is not None:
             return restored[names[0]] if single else restored
         merged = merge_state(like, restored)
-        if data_iterator is None and "data_iterator" in saved:
-            self._warn_replay(step)
+        if data_iterator is None and not self._read_only:  # a writer's whole state: a resume
+            self.warn_replay(step)
         return merged
 
-    def _warn_replay(self, step: int) -> None:
-        """Once per manager: a resume that leaves the saved data position out replays
-        the data from wherever the new iterator starts."""
-        if self._warned_replay:
+    def warn_replay(self, step: int) -> None:
+        """Once per manager, when ``step`` (just restored) holds a data position: a
+        training resume that leaves it out replays the data from wherever the new
+        iterator starts. Called for a writer's restore of the whole state without a
+        ``data_iterator`` and by the callback's resume (``reset=`` of other items
+        too); never for a read-only manager, named ``items`` or ``restore_params``."""
+        if self._warned_replay or "data_iterator" not in self.restored_items:
             return
         self._warned_replay = True
         warnings.warn(
@@ -331,6 +337,10 @@ class Restorer:
                     if n not in saved:
                         _transform.check_item_keepable(n, like_items[n])
                 names = [n for n in names if n in saved]
+            if not names:  # every item of like would keep its own value
+                held = sorted(n for n in saved if n != "data_iterator")
+                where = f"step {step} of {self._loc}"
+                _transform.check_matched(held, list(like_items), [], changes, where, "item")
             absent = [n for n in names if n not in saved]
             if absent:
                 shown = ", ".join(repr(n) for n in absent)

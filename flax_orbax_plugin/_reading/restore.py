@@ -11,12 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from .._core import restore as _native
-from .._errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotCommittedError,
+)
 from .._format import metadata as _metadata
 from .._format.foreign import is_orbax_checkpoint
 from .._interop.orbax_layout import open_orbax
 from .._interop.orbax_reader import restore_orbax
 from .._storage.location import Location
+from . import items as _items
 
 __all__ = ["metadata", "restore"]
 
@@ -33,7 +39,9 @@ def restore(
     share_replicated_reads: bool | None = None,
 ) -> Any:
     """Restores the checkpoint at ``path`` in the form of ``like`` (see
-    :mod:`flax_orbax_plugin._core.restore` for what ``like`` decides).
+    :mod:`flax_orbax_plugin._core.restore` for what ``like`` decides). ``path`` may
+    also be a step's JSON item (``DIR/<step>/extras``, ``.../step``,
+    ``.../data_iterator``): its value is returned (see ``_reading.items``).
 
     A checkpoint of this library is read by the native reader; when there is none at
     ``path`` and it holds an Orbax checkpoint, that is read instead (through
@@ -62,6 +70,9 @@ def restore(
       CheckpointNotFoundError: nothing at ``path``.
       NotCommittedError: a save to ``path`` never committed.
       StructureError: ``like`` does not fit (missing or unexpected key, shape, dtype).
+        NothingMatchedError (a subclass): no saved leaf matched ``like`` (with
+        ``partial``/``missing``/``transform``); ``missing="keep_all"`` accepts it.
+      TransformError: ``transform`` is malformed (checked before anything is read).
       CorruptCheckpointError: a checksum failed or data is missing; names the leaf.
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
@@ -80,7 +91,22 @@ def restore(
     except (CheckpointNotFoundError, NotCommittedError):
         if not is_orbax_checkpoint(location):  # looked for only when none of ours is there
             raise
+    except CorruptCheckpointError:
+        item = _json_item(location)  # no pytree there: a step's JSON item, or damage
+        if item is None:
+            raise
+        return _items.read(item, like, changes=changes)
     return _restore_orbax(location, like, **changes)
+
+
+def _json_item(location: Location) -> _items.StepItem | None:
+    """The item of a committed step at ``location`` when it holds a JSON value (no
+    pytree), else None: called only once the native reader found no pytree there."""
+    try:
+        item = _items.step_item(location)
+    except CheckpointError:
+        return None  # the native reader's error says what is wrong
+    return item if item is not None and not item.is_pytree else None
 
 
 def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str, transform: Any):
@@ -107,6 +133,11 @@ def metadata(path: Any) -> _metadata.CheckpointMetadata:
         if orbax is None:
             raise
         raise CheckpointNotFoundError(orbax) from e
+    except CorruptCheckpointError:
+        item = _json_item(location)
+        if item is None:
+            raise
+        return _items.describe(item)
 
 
 def _orbax_message(location: Location) -> str | None:

@@ -15,6 +15,7 @@ import jax
 from .._base import distributed as _distributed
 from .._core import restore as _restore
 from .._errors import CheckpointError, CheckpointNotFoundError
+from .._format import places as _places
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
 from .._interop import orbax_reader as _orbax_import
@@ -73,6 +74,7 @@ def restore_params(
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
         if is_orbax_checkpoint(directory):
             return _orbax_params(directory, like, step, dtype, sharding, changes, partial)
+        raise _places.no_steps(loc)  # what is there instead (a step, a run below, ...)
     step = _steps.choose_step(loc, steps, step)
     step_loc = _steps.step_location(loc, step)
     entry = _steps.read_manifest(step_loc).items.get("params")

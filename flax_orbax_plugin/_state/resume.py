@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .._errors import StructureError
+from .._errors import NothingMatchedError, StructureError
 from .._like.transform import HINT
 from .train_state import split_state
 
@@ -35,13 +35,21 @@ def items_to_restore(state: Any, *, reset: Iterable[str]) -> list[str]:
 
 
 def item_mismatch(error: StructureError, *, name: str, step: int, location: Any) -> StructureError:
-    """A StructureError for item ``name`` of a step that does not fit the given state.
+    """A StructureError for item ``name`` of a step that does not fit the given state
+    (a NothingMatchedError stays one).
 
     Keeps the core's message (the leaf, what was expected, what was found) and says
     how to start that item fresh instead.
     """
     detail = str(error).removesuffix("; pass partial=True to restore a subtree")
     detail = detail.removesuffix("\n" + HINT)
+    if isinstance(error, NothingMatchedError):
+        return NothingMatchedError(
+            f"item {name!r} of step {step} in {location}: {detail}. To start that item "
+            f"fresh on purpose instead: CheckpointCallback.on_train_start(state, "
+            f"reset=({name!r},)), or CheckpointManager.restore(like=state, "
+            f"items=[...every item but {name!r}])"
+        )
     return StructureError(
         f"item {name!r} of step {step} in {location} does not fit the given state: {detail}\n"
         f"If it changed on purpose (a new optimizer, say), keep the given state's {name} "

@@ -2,18 +2,23 @@
 
 A location is named by a path, an ``s3://``, ``gs://``, ``memory://`` or ``file://``
 URL, or a tensorstore kvstore spec given as a dict; :func:`spec_from_path` turns any of
-them into the canonical spec a :class:`~.location.Location` holds. :func:`context` is
+them into the canonical spec a :class:`~.location.Location` holds, and is the one
+checker of what a path argument names (:func:`local_path` for the inputs only local
+files can serve: anything else is refused, never made a local name). :func:`context` is
 created once per kind of store, lazily, under a lock: safe from any thread.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Any
 from urllib.parse import urlparse
 
 import tensorstore as ts
+
+from .._errors import UnsupportedLocationError
 
 _CONTEXTS: dict[bool, ts.Context] = {}
 _CONTEXT_LOCK = threading.Lock()
@@ -49,41 +54,91 @@ def check_name(name: str) -> str:
     return name
 
 
-def spec_from_path(path: Any) -> dict[str, Any]:
+# What a path argument may name, in the words of the errors below.
+SUPPORTED = "a local path, file://, s3://<bucket>/, gs://<bucket>/ or memory://"
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: 'C:' is a drive
+_STORES = {"s3": "s3", "gs": "gcs", "memory": "memory", "file": "file"}
+
+
+def spec_from_path(path: Any, *, what: str = "checkpoint location") -> dict[str, Any]:
     """The kvstore spec, its path ending in '/', of an os.PathLike/str path, an
-    s3/gs/memory/file URL or a kvstore dict."""
+    s3/gs/memory/file URL or a kvstore dict. The one checker of "where is this path":
+    any other ``scheme:`` (and a store URL without ``//`` or without a bucket) is a
+    UnsupportedLocationError naming ``what`` and what is supported, never read as a
+    local name."""
     if isinstance(path, dict):
         spec = dict(path)
         if "driver" not in spec:
-            raise ValueError(f"kvstore spec needs a 'driver': {path!r}")
+            raise UnsupportedLocationError(
+                f"{what}: a kvstore spec needs a 'driver', found {path!r}"
+            )
         if spec["driver"] == "file":
             spec["path"] = os.path.abspath(spec.get("path", "."))
     else:
-        spec = _url_spec(os.fspath(path))
+        spec = _url_spec(os.fsdecode(path), what)
     spec["path"] = spec.get("path", "").rstrip("/") + "/"
     if spec["driver"] != "file" and spec["path"] == "/":
         spec["path"] = ""
     return spec
 
 
-def _url_spec(text: str) -> dict[str, Any]:
+def local_path(path: Any, *, what: str, note: str = "") -> str:
+    """The local filesystem path ``path`` names (a plain path as given, a ``file://``
+    URL's path), for inputs only local files can serve (safetensors files, msgpack
+    files, a key map). An object-store URL (or a kvstore spec of one) is refused with
+    an UnsupportedLocationError naming ``what`` and the store, plus ``note`` (what to do instead):
+    never turned into a local name such as ``./s3:/bucket``."""
+    text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else None
+    scheme = _SCHEME.match(text) if text is not None else None
+    if scheme is not None and scheme.group(1).lower() not in _STORES:
+        raise UnsupportedLocationError(
+            f"{what} {text!r}: a {scheme.group(1) + ':'!r} URL, but {what} must be a local "
+            f"path (or file://){': ' + note if note else ''}"
+        )
+    spec = spec_from_path(path, what=what)
+    if spec["driver"] == "file":
+        if text is not None and not _SCHEME.match(text):
+            return text
+        return spec["path"].rstrip("/") or "/"
+    raise UnsupportedLocationError(
+        f"{what} {_shown(path)}: names an object store ({spec['driver']}), but {what} must "
+        f"be a local path (or file://){': ' + note if note else ''}"
+    )
+
+
+def _shown(path: Any) -> str:
+    return repr(os.fspath(path) if isinstance(path, (str, os.PathLike)) else path)
+
+
+def _url_spec(text: str, what: str) -> dict[str, Any]:
+    found = _SCHEME.match(text)
+    if found is None:  # a plain (or Windows-like) path
+        return {"driver": "file", "path": os.path.abspath(text)}
+    scheme = found.group(1).lower()
+    if scheme not in _STORES:
+        raise UnsupportedLocationError(
+            f"{what} {text!r}: unsupported store {scheme + ':'!r}; supported: {SUPPORTED}"
+        )
     url = urlparse(text)
-    if url.scheme in ("s3", "gs"):
-        spec = {
-            "driver": "s3" if url.scheme == "s3" else "gcs",
-            "bucket": url.netloc,
-            "path": url.path.lstrip("/"),
-        }
-        if url.scheme == "s3":
-            spec.update(_s3_settings_from_env())
-    elif url.scheme == "memory":
-        spec = {"driver": "memory", "path": (url.netloc + url.path).lstrip("/")}
-    elif url.scheme == "file":
-        spec = {"driver": "file", "path": os.path.abspath(url.path)}
-    elif url.scheme in ("",) or len(url.scheme) == 1:  # plain or Windows-like path
-        spec = {"driver": "file", "path": os.path.abspath(text)}
-    else:
-        raise ValueError(f"unsupported checkpoint location {text!r}")
+    if not text[found.end() :].startswith("//"):
+        raise UnsupportedLocationError(
+            f"{what} {text!r}: expected {scheme}://..., found no '//' after {scheme}:"
+        )
+    if scheme in ("s3", "gs") and not url.netloc:
+        raise UnsupportedLocationError(
+            f"{what} {text!r}: expected {scheme}://<bucket>/<path>, found no bucket"
+        )
+    if scheme == "memory":
+        return {"driver": "memory", "path": (url.netloc + url.path).lstrip("/")}
+    if scheme == "file":
+        if url.netloc not in ("", "localhost"):  # file://rel/x would silently name /x
+            raise UnsupportedLocationError(
+                f"{what} {text!r}: expected file:///<absolute path>, found the host {url.netloc!r}"
+            )
+        return {"driver": "file", "path": os.path.abspath(url.path)}
+    spec = {"driver": _STORES[scheme], "bucket": url.netloc, "path": url.path.lstrip("/")}
+    if scheme == "s3":
+        spec.update(_s3_settings_from_env())
     return spec
 
 

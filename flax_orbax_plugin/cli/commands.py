@@ -18,10 +18,12 @@ from .._core import restore as _restore
 from .._core.verify import verify
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
+from .._format.layout import COMMIT_FILE, MANIFEST_FILE
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
 from .._interop.safetensors import DTYPE_NAMES as _SAFETENSORS_DTYPES
 from .._manager.manager import CheckpointManager
+from .._reading import items as _items
 from .._storage.location import Location
 from .output import EXIT_DAMAGED, CliError, Progress, human_bytes, make_table, one_line
 from .paths import describe_missing, dir_bytes, load_extras, read_json_item, resolve
@@ -37,11 +39,13 @@ from .paths import describe_missing, dir_bytes, load_extras, read_json_item, res
 
 def cmd_list(args) -> int:
     loc = Location.from_path(args.directory)
+    if _list_one_checkpoint(loc):
+        return 0
     listing = _steps.list_directory(loc)
     if not loc.is_dir() or _steps.foreign_format_hint(loc):
         raise CliError(describe_missing(loc, listing))
     if not listing.committed:
-        print(f"{loc}: no committed steps")
+        print(describe_missing(loc, listing))
     else:
         print(f"{loc}: {len(listing.committed)} step(s)")
         rows = [_list_row(loc, step) for step in listing.committed]
@@ -57,8 +61,32 @@ def cmd_list(args) -> int:
     return 0
 
 
-def _list_row(loc: Location, step: int) -> _ListRow:
-    step_loc = _steps.step_location(loc, step)
+def _list_one_checkpoint(loc: Location) -> bool:
+    """``list`` of a step, of a step's item or of a core checkpoint: what it is (and a
+    step's row and items), instead of calling its contents "not steps"; False for
+    anything else (a directory of steps, or nothing of ours)."""
+    if loc.exists(MANIFEST_FILE):
+        manifest = _steps.read_manifest(loc)
+        print(f"{loc}: step {manifest.step} of the run directory {loc.parent}")
+        print(make_table([_list_row(loc.parent, manifest.step, step_loc=loc)]))
+        kinds = ", ".join(f"{n} ({e.kind})" for n, e in sorted(manifest.items.items()))
+        print(f"items: {kinds}")
+        return True
+    item = _items.step_item(loc)
+    if item is not None:
+        what = "its leaves" if item.is_pytree else "its value"
+        print(f"{loc}: {item.label} of the run directory {loc.parent.parent}")
+        print(f"`flax-orbax inspect {loc}` shows {what}, `flax-orbax verify {loc}` checks it")
+        return True
+    if loc.exists(COMMIT_FILE):
+        print(f"{loc}: a checkpoint of one pytree (fop.save), not a directory of steps")
+        print(f"`flax-orbax inspect {loc}` shows its leaves, `flax-orbax verify {loc}` checks it")
+        return True
+    return False
+
+
+def _list_row(loc: Location, step: int, *, step_loc: Location | None = None) -> _ListRow:
+    step_loc = step_loc or _steps.step_location(loc, step)
     size = dir_bytes(step_loc)
     try:
         manifest = _steps.read_manifest(step_loc)
@@ -205,7 +233,11 @@ def cmd_export(args) -> int:
     if args.item not in found:
         raise CliError(f"{label} has no {args.item!r} (it has: {', '.join(found)})")
     if found[args.item].kind != "pytree":
-        raise CliError(f"{found[args.item].loc}: not an array checkpoint")
+        chosen = found[args.item]
+        raise CliError(
+            f"{chosen.loc}: item {chosen.name!r} holds a JSON value ({chosen.kind}), not "
+            f"arrays; export takes a pytree item (--item params, the default)"
+        )
     src = found[args.item].loc
     key_map = _safetensors.key_map_from_file(args.key_map) if args.key_map else None
     result = _safetensors.export_checkpoint(

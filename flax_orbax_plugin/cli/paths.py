@@ -5,15 +5,15 @@ checkpointable, a core checkpoint) on any store, and the items found there.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from .._errors import CheckpointError
 from .._format import layout as _layout
+from .._format import places as _places
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
 from .._storage.location import Location
-from .output import CliError
+from .output import CliError, one_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,18 +43,10 @@ def resolve(path: str, step: int | None) -> tuple[str, list[Item]]:
 
 
 def describe_missing(loc: Location, listing: _steps.Listing) -> str:
-    hint = _steps.foreign_format_hint(loc)
-    if hint:
-        return f"no checkpoint of this library at {loc}{hint}"
-    if loc.is_local and os.path.isfile(loc.path.rstrip("/")):
-        return f"{loc} is a file, not a checkpoint directory"
-    if not loc.is_dir():
-        return f"{loc}: the path does not exist"
-    if loc.exists(METADATA_FILE):
+    """What ``loc`` holds instead of committed steps, in the library's words."""
+    if loc.exists(METADATA_FILE) and not loc.exists(COMMIT_FILE):
         return f"{loc} is a core checkpoint that was never committed (its save died)"
-    return f"{loc}: no committed steps" + (
-        f" (unfinished: {', '.join(listing.unfinished)})" if listing.unfinished else ""
-    )
+    return one_line(_places.no_steps(loc, listing))
 
 
 def step_items(step_loc: Location) -> list[Item]:

@@ -344,3 +344,39 @@ def test_scalar_leaves_of_a_checkpoint_export_as_0d_tensors(tmp_path):
     got = safetensors.numpy.load_file(str(out))
     assert got["n"].shape == () and got["n"] == np.float32(0.5)
     assert _safetensors.from_safetensors(out)["n"].shape == ()
+
+
+def _header_bytes(path) -> bytes:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return f.read(size)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_an_export_writes_nothing_machine_specific(tmp_path, capsys, sharded):
+    """The header (a file people publish) names at most the step and the item, never
+    the exporting machine's path to the checkpoint (issue 32)."""
+    directory = tmp_path / "secret-home" / "ckpts"
+    with fop.CheckpointManager(directory) as mngr:
+        mngr.save(5, {"params": _params()})
+    out = tmp_path / "published"
+    argv = ["export", str(directory), str(out)] + (["--max-shard-size", "4KB"] if sharded else [])
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    files = sorted(out.iterdir())
+    assert len(files) > 2 if sharded else len(files) == 1
+    for file in files:
+        raw = file.read_bytes() if file.name.endswith(".json") else _header_bytes(file)
+        assert b"secret-home" not in raw and str(tmp_path).encode() not in raw, file.name
+    with safetensors.safe_open(str(files[0]), framework="numpy") as f:
+        meta = f.metadata()
+    assert meta == {
+        "format": "flax",
+        "step": "5",
+        "item": "params",
+        "exported_by": "flax-orbax",
+        "flax_orbax_plugin": "1",
+    }
+    # a standalone core checkpoint: no step, no item, still no path
+    fop.save(tmp_path / "secret-home" / "core", _params())
+    _safetensors.export_checkpoint(tmp_path / "secret-home" / "core", tmp_path / "c.safetensors")
+    assert b"secret-home" not in _header_bytes(tmp_path / "c.safetensors")

@@ -131,9 +131,9 @@ def test_options_checked_by_name(saved):
     path, _ = saved
     with pytest.raises(ValueError, match="missing must be one of"):
         fop.restore(path, None, missing="skip")
-    with pytest.raises(TypeError, match="transform must be"):
+    with pytest.raises(fop.TransformError, match="transform: expected a dict"):
         fop.restore(path, None, transform=3)
-    with pytest.raises(ValueError, match="needs like"):
+    with pytest.raises(fop.TransformError, match="needs like"):
         fop.restore(path, None, transform={"layers": "blocks"})
     out = fop.restore(path, None, transform=lambda p: None if "layers_1" in p else p)
     assert set(out["params"]) == {"layers_0", "layers_2"}

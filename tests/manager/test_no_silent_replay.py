@@ -1,4 +1,5 @@
-"""Resuming without the data iterator a step holds warns once (issue 25)."""
+"""Resuming without the data iterator a step holds warns once (issue 25), and only a
+training resume does: never a read-only or serving restore (issue 32)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def replay_warnings(record):
 
 def test_manager_restore_without_iterator_warns_once(tmp_path):
     state = saved_run(tmp_path / "run")
-    with fop.CheckpointManager(tmp_path / "run", read_only=True) as mngr:
+    with fop.CheckpointManager(tmp_path / "run") as mngr:  # a writer: a training resume
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             mngr.restore(like=state)
@@ -67,6 +68,40 @@ def test_callback_without_iterator_warns_and_reset_silences(tmp_path):
         cb.close()
         assert not replay_warnings(record), kwargs
         assert cb.resumed_step == 2
+
+
+def test_read_only_and_serving_restores_never_warn(tmp_path):
+    state = saved_run(tmp_path / "run")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with fop.CheckpointManager(tmp_path / "run", read_only=True) as mngr:
+            mngr.restore(like=state)  # reading a run (evaluation, serving, inspection)
+            mngr.restore()
+        with fop.CheckpointManager(tmp_path / "run") as mngr:
+            mngr.restore(like=state, items=("params",))
+            mngr.restore(items="params")
+        fop.restore_params(tmp_path / "run", like=state["params"])
+        fop.restore_params(tmp_path / "run")
+    assert not replay_warnings(record), [str(w.message) for w in record]
+
+
+def test_callback_resetting_another_item_still_warns(tmp_path):
+    """reset=("opt_state",) restores the rest of the state through named items: the
+    data position is still left out, so the resume would replay the data."""
+    state = {**saved_run(tmp_path / "run"), "opt_state": {"mu": np.zeros(2, np.float32)}}
+    with fop.CheckpointManager(tmp_path / "run", async_save=False) as mngr:
+        it = fop.StepIndexedIterator(batch_at)
+        mngr.save(3, state, data_iterator=it)
+    cb = fop.CheckpointCallback(tmp_path / "run", resume=True)
+    with pytest.warns(UserWarning, match=r"step 3 of .*holds a 'data_iterator' item"):
+        cb.on_train_start(state, reset=("opt_state",))
+    cb.close()
+    cb = fop.CheckpointCallback(tmp_path / "run", resume=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cb.on_train_start(state, reset=("opt_state", "data_iterator"))
+    cb.close()
+    assert not replay_warnings(record)
 
 
 def test_no_warning_when_the_step_holds_no_position(tmp_path):

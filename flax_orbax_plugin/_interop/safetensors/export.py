@@ -21,6 +21,8 @@ import numpy as np
 from ..._base import tree as _tree
 from ..._core import restore as _restore
 from ..._errors import CorruptCheckpointError, StructureError
+from ..._format.steps import manifest_for_item
+from ..._storage.kvstore import local_path
 from ..._storage.location import Location
 from ..._storage.untrusted import loads_json, read_capped
 from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES, default_name
@@ -37,6 +39,8 @@ from .plan import Tensor, encode_header, parse_size, plan_tensors, split_shards,
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a checkpoint
+# Why an object-store ``out`` is refused: files are staged, fsynced and renamed in place.
+_LOCAL_ONLY = "safetensors files are written to local disk; export there, then copy them"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,11 +152,12 @@ def to_safetensors(
       progress: ``progress(total_bytes)`` returns a context manager with
         ``advance(nbytes, note)`` (the CLI's progress bar).
     """
+    out = local_path(out, what="safetensors output", note=_LOCAL_ONLY)
     limit = parse_size(max_shard_size)
     leaves, read = _source_leaves(source)
     tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype)
     shards = split_shards(tensors, limit)
-    directory, names, index_name = output_names(os.fspath(out), len(shards))
+    directory, names, index_name = output_names(out, len(shards))
     finals = [os.path.join(directory, n) for n in names]
     index_path = os.path.join(directory, index_name) if len(shards) > 1 else None
     check_outputs(directory, names, index_name, force)
@@ -272,21 +277,34 @@ def _progress(factory, total):
 
 
 def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:
-    """``flax-orbax export``: :func:`to_safetensors` of one of this plugin's checkpoints."""
+    """``flax-orbax export``: :func:`to_safetensors` of one of this plugin's checkpoints.
+
+    The header's metadata says nothing about the machine (files are published): at
+    most the step number and the item's name within it, never a path."""
     src = Location.from_path(src)
     fmt = "pt" if options.get("transpose_kernels") else "flax"
-    options.setdefault("metadata", {"format": fmt, "source": str(src), "exported_by": "flax-orbax"})
+    meta = {"format": fmt, **_provenance(src), "exported_by": "flax-orbax"}
+    options.setdefault("metadata", meta)
     return to_safetensors(src, out, **options)
+
+
+def _provenance(src: Location) -> dict[str, str]:
+    """``{"step": "<n>", "item": "<name>"}`` for an item of a committed step, else
+    nothing: the source's path is the exporting machine's, not the model's."""
+    manifest = manifest_for_item(src)
+    if manifest is None:
+        return {}
+    name = next(n for n, e in manifest.items.items() if e.dir == src.name)
+    return {"step": str(manifest.step), "item": name}
 
 
 def key_map_from_file(path: str) -> Callable[[str], str | None]:
     """A key_map from a JSON object ``{leaf path: tensor name or null}``; leaves not
     listed keep their default name."""
-    raw = read_capped(
-        os.fspath(path), follow_links=True, what="key map file", max_bytes=MAX_INDEX_BYTES
-    )
+    path = local_path(path, what="key map file")
+    raw = read_capped(path, follow_links=True, what="key map file", max_bytes=MAX_INDEX_BYTES)
     try:
-        mapping = loads_json(raw, os.fspath(path))
+        mapping = loads_json(raw, path)
     except CorruptCheckpointError as e:
         raise ValueError(str(e)) from None
     if not isinstance(mapping, dict) or not all(

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from ..._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..._storage.kvstore import local_path
 from ..._storage.untrusted import loads_json, open_regular, read_capped
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -182,10 +183,10 @@ def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:
     ``model.safetensors``. Files an index names must lie beside it (plain names).
     """
     if isinstance(paths_or_index, (list, tuple)):
-        files = [os.fspath(p) for p in paths_or_index]
+        files = [local_path(p, what="safetensors file") for p in paths_or_index]
         index = None
     else:
-        path = os.fspath(paths_or_index)
+        path = local_path(paths_or_index, what="safetensors source")
         if os.path.isdir(path):
             candidate = os.path.join(path, DEFAULT_STEM + INDEX_SUFFIX)
             single = os.path.join(path, DEFAULT_STEM + ".safetensors")

@@ -1,0 +1,133 @@
+"""The ``transform=`` option of a restore, checked and compiled once where it enters.
+
+Every restore entry point (``fop.restore``, ``CheckpointManager.restore``,
+``CheckpointCallback.on_train_start``, ``restore_params``) hands its ``transform``
+to :func:`compile_transform` before anything is read. A ``{regex: replacement}``
+dict is checked whole: each key must be a str that compiles, each value a str that
+is a valid ``re.sub`` template for its own pattern (every ``\\1`` / ``\\g<name>`` a
+group the pattern has, no bad escape). The check expands the replacement against a
+match with the pattern's groups, as ``re.sub`` will, so no rule can fail later on a
+saved path. Any fault is a :class:`TransformError` naming the entry, what was
+expected and what was found.
+
+Pure functions; safe from any thread.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._errors import TransformError
+
+__all__ = ["compile_transform", "describe"]
+
+EXPECTED = "a dict {regex: replacement} of str, or a callable path -> path | None"
+SOURCE = "_fop_transform_source"  # the option as given, on the compiled function
+
+
+def compile_transform(transform: Any) -> Callable[[str], str | None] | None:
+    """``transform`` as one function ``saved path -> like path | None`` (None: none).
+
+    Raises TransformError for a malformed option. A function this returned is returned
+    as it is (an option checked once, handed on by an entry point to another)."""
+    if transform is None:
+        return None
+    if callable(transform) and hasattr(transform, SOURCE):
+        return transform
+    if isinstance(transform, Mapping):
+        rules = [_rule(pattern, replacement) for pattern, replacement in transform.items()]
+        compiled = _by_rules(rules)
+    elif callable(transform):
+        compiled = _by_call(transform)
+    else:
+        raise TransformError(
+            f"transform: expected {EXPECTED}, found {type(transform).__name__} {_short(transform)}"
+        )
+    setattr(compiled, SOURCE, transform)
+    return compiled
+
+
+def describe(compiled: Callable[[str], str | None] | None) -> str:
+    """The option as given, for messages: ``transform={...}``."""
+    if compiled is None:
+        return "transform=None"
+    source = getattr(compiled, SOURCE, compiled)
+    if isinstance(source, Mapping):
+        return f"transform={_short(dict(source))}"
+    return f"transform={getattr(source, '__qualname__', type(source).__name__)}"
+
+
+def _rule(pattern: Any, replacement: Any) -> tuple[re.Pattern, str]:
+    if not isinstance(pattern, str):
+        raise TransformError(
+            f"transform: every key is a regex pattern (a str); found "
+            f"{type(pattern).__name__} {_short(pattern)}"
+        )
+    entry = f"transform[{pattern!r}]"
+    if not isinstance(replacement, str):
+        raise TransformError(
+            f"{entry}: expected a replacement str (an re.sub template such as "
+            f"r'block\\1'), found {type(replacement).__name__} {_short(replacement)}"
+        )
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise TransformError(f"{entry}: the pattern is not a regex: {e}") from None
+    _check_template(entry, regex, replacement)
+    return regex, replacement
+
+
+def _check_template(entry: str, regex: re.Pattern, replacement: str) -> None:
+    """Expands ``replacement`` against a match holding ``regex``'s groups (each empty):
+    the groups and escapes are resolved exactly as ``re.sub`` resolves them."""
+    names = {index: name for name, index in regex.groupindex.items()}
+    groups = "".join(
+        f"(?P<{names[i]}>)" if i in names else "()" for i in range(1, regex.groups + 1)
+    )
+    try:
+        re.compile(groups).fullmatch("").expand(replacement)
+    except (re.error, IndexError) as e:
+        raise TransformError(
+            f"{entry}: the replacement {replacement!r} is not a valid template for its "
+            f"pattern ({e}); the pattern has {_groups(regex)}. Expected references to "
+            f"those groups only (\\1, \\g<1>, \\g<name>), and \\\\ for a backslash"
+        ) from None
+
+
+def _groups(regex: re.Pattern) -> str:
+    if regex.groups == 0:
+        return "no groups"
+    noun = "group" if regex.groups == 1 else "groups"
+    numbered = ", ".join(f"\\{i}" for i in range(1, regex.groups + 1))
+    named = ", ".join(repr(n) for n in regex.groupindex)
+    return f"{regex.groups} {noun} ({numbered})" + (f", named {named}" if named else "")
+
+
+def _by_rules(rules: list[tuple[re.Pattern, str]]) -> Callable[[str], str]:
+    def by_rules(path: str) -> str:
+        for regex, replacement in rules:
+            path = regex.sub(replacement, path)
+        return path
+
+    return by_rules
+
+
+def _by_call(transform: Callable[[str], Any]) -> Callable[[str], str | None]:
+    def by_call(path: str) -> str | None:
+        out = transform(path)
+        if out is not None and not isinstance(out, str):
+            raise TransformError(
+                f"transform({path!r}) returned {type(out).__name__} {_short(out)}; "
+                f"expected a str path or None"
+            )
+        return out
+
+    by_call.__wrapped__ = transform  # type: ignore[attr-defined]
+    return by_call
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,80 @@
+"""The callback's decisions at train start when it does not restore: a run to refuse
+or clear (``resume=False``), or no run to resume (``resume=True`` / ``"required"``).
+
+Called by :meth:`CheckpointCallback.on_train_start` on the training thread, after
+the options were checked and the manager opened (``place_exists`` before that: the
+manager creates the directory).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .._core.ownership import remove_step
+from .._errors import CheckpointError, CheckpointNotFoundError
+from .._format import steps as _steps
+from .._storage.location import Location
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+__all__ = ["place_exists", "refuse_or_clear", "no_run_to_resume"]
+
+
+def place_exists(directory: Any) -> bool:
+    """Whether anything is stored at ``directory`` yet (before the manager opens it)."""
+    try:
+        return Location.from_path(directory).is_dir()
+    except (OSError, ValueError):
+        return True  # unknown: the warning then says "holds no committed step"
+
+
+def no_run_to_resume(directory: Any, mngr: Any, resume: bool | str, existed: bool) -> None:
+    """``resume`` is True or "required" and neither tier holds a committed step:
+    raises when steps were all set aside as damaged or ``resume="required"``; else
+    logs a WARNING naming the place (a mistyped path starts a new run there, and an
+    INFO line alone went unseen) and the caller starts fresh."""
+    aside = _steps.list_directory(Location.from_path(directory)).corrupt
+    if aside:  # steps existed but none restored: never silently start from step 0
+        raise CheckpointError(
+            f"resume=True but every step of {directory} was set aside as damaged "
+            f"({', '.join(aside)}); nothing was restored. Inspect them with "
+            f"`flax-orbax verify`, or start fresh in a new directory"
+        )
+    if resume == "required":
+        raise CheckpointNotFoundError(
+            f"resume='required' but {directory} holds no committed checkpoint"
+        )
+    where = str(directory)
+    if mngr.persistent is not None:
+        where += f" (nor its persistent tier {mngr.persistent.remote})"
+    what = "holds no committed step" if existed else "did not exist and was created"
+    logger.warning(
+        "checkpoint: resume=True but %s %s: nothing to resume, starting a new run there. "
+        "If this job was meant to resume, check the path; resume='required' refuses to "
+        "start fresh",
+        where,
+        what,
+    )
+
+
+def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> None:
+    """``resume=False`` on a place holding steps: refused, or with ``overwrite`` its
+    steps (both tiers) removed through the owner of removal."""
+    if not overwrite:
+        where = "" if mngr.persistent is None else f" (or its tier {mngr.persistent.remote})"
+        raise CheckpointError(
+            f"{directory}{where} already holds steps of a run (latest: {latest}) and "
+            f"resume=False: refusing to mix two runs. Resume it (resume=True), use a "
+            f"new directory, or pass overwrite=True to remove its steps first. A job "
+            f"restarted with the same command (preemptible, or rescheduled) should run "
+            f"with resume=True from its first start: it starts fresh while the directory "
+            f"holds no step and resumes the latest good step after every restart"
+        )
+    for step in mngr.steps():
+        remove_step(Location.from_path(directory), step)
+    mngr._forget_steps()  # removed behind the manager's back: it lists again
+    if mngr.persistent is not None:
+        for step in mngr.persistent.steps():
+            mngr.persistent.remove(step)
+    logger.warning("checkpoint: overwrite=True: removed the steps in %s", directory)

@@ -1,0 +1,96 @@
+"""A step's items that are not pytrees (``step``, ``extras``, ``data_iterator``, any JSON
+item), pointed at on their own: ``fop.restore(DIR/<step>/extras)`` returns the JSON
+value, ``fop.metadata`` describes the item, and the CLI lists, inspects and verifies it.
+
+They hold no ``_METADATA.json`` (that is a pytree's), so the native reader finds no
+checkpoint there; these functions are called on that error path only, and read one
+small file more (the step's manifest) to learn what the item is. Each item is read by
+the built-in checkpointable of its kind, exactly as ``CheckpointManager.restore``
+reads it, its JSON checked against the checksum in the step manifest. Safe from any
+thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .._errors import CheckpointError
+from .._format import metadata as _metadata
+from .._format import steps as _steps
+from .._format.layout import STEP_VERSION, ItemEntry, StepManifest
+from .._manager.checkpointables import BUILTIN_CHECKPOINTABLES
+from .._storage.location import Location
+
+__all__ = ["StepItem", "describe", "read", "step_item"]
+
+# The readers of the kinds that are not pytrees, by the kind the manifest records.
+_READERS = {c.kind: c for c in BUILTIN_CHECKPOINTABLES.values() if c.kind != "pytree"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepItem:
+    """An item of a committed step: its name, kind and the step's manifest."""
+
+    location: Location
+    name: str
+    entry: ItemEntry
+    manifest: StepManifest
+
+    @property
+    def is_pytree(self) -> bool:
+        return self.entry.kind == "pytree"
+
+    @property
+    def label(self) -> str:
+        return f"item {self.name!r} ({self.entry.kind}) of step {self.manifest.step}"
+
+
+def step_item(location: Location) -> StepItem | None:
+    """The item of a committed step at ``location``, or None when its parent is no
+    committed step listing it (a damaged manifest raises, naming it)."""
+    manifest = _steps.manifest_for_item(location)
+    if manifest is None:
+        return None
+    name, entry = next((n, e) for n, e in manifest.items.items() if e.dir == location.name)
+    return StepItem(location, name, entry, manifest)
+
+
+def read(item: StepItem, like: Any = None, *, changes: dict[str, Any] | None = None) -> Any:
+    """The value of a non-pytree item, read as the manager reads it (``like``: an int
+    or scalar template for ``step``, an iterator to set the state of for
+    ``data_iterator``). ``changes`` (partial, missing, transform) apply to pytrees
+    only: given for a JSON item, they are refused rather than silently ignored."""
+    reader = _reader(item)
+    asked = {k: v for k, v in (changes or {}).items() if v not in (None, False, "error")}
+    if asked:
+        raise CheckpointError(
+            f"{item.location} is {item.label}, a JSON value: {', '.join(sorted(asked))}= apply "
+            f"to pytrees (restore it without them)"
+        )
+    return reader.restore(item.location, like)
+
+
+def describe(item: StepItem) -> _metadata.CheckpointMetadata:
+    """``fop.metadata`` of a non-pytree item: its kind, the step's time and process
+    count, and no leaves (reads nothing but the step manifest)."""
+    _reader(item)
+    return _metadata.CheckpointMetadata(
+        path=str(item.location),
+        format_version=STEP_VERSION,
+        created_at=item.manifest.time,
+        process_count=item.manifest.process_count,
+        leaves={},
+        kind=item.entry.kind,
+    )
+
+
+def _reader(item: StepItem) -> Any:
+    reader = _READERS.get(item.entry.kind)
+    if reader is None:
+        raise CheckpointError(
+            f"{item.location} is {item.label}, written by a checkpointable of your own: "
+            f"read it with CheckpointManager(..., checkpointables={{{item.name!r}: ...}})"
+            f".restore(items=({item.name!r},))"
+        )
+    return reader
