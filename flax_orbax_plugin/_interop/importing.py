@@ -26,12 +26,12 @@ from .._errors import (
     ForeignEntryError,
     StructureError,
 )
-from .._format.foreign import is_orbax_checkpoint
+from .._format.foreign import STEP_RE, is_orbax_checkpoint
 from .._format.steps import list_directory
 from .._manager.manager import CheckpointManager
 from .._storage.kvstore import local_path
 from .._storage.location import Location
-from . import msgpack_reader, orbax_reader
+from . import import_step, msgpack_reader, orbax_reader
 
 __all__ = [
     "import_checkpoint",
@@ -192,18 +192,29 @@ def import_orbax(
     """Writes Orbax checkpoints as steps of a ``CheckpointManager`` directory.
 
     ``src`` is an Orbax manager directory (every committed step, or only ``step``),
-    a step directory or an item directory (written as ``step``, default: the
-    directory's own number, else 0). Leaves are read one at a time to host memory
-    and the assembled step is saved with the public ``CheckpointManager.save``, so
-    the peak is about twice the step's bytes (the tree, then the save's own host
-    snapshot). Returns the steps written. Items map as :func:`step_items` says.
+    a step directory or an item directory. Each is written as ``step`` when given
+    (refused unless it equals a training state's ``step`` leaf, where there is one),
+    else as that leaf, else as the step directory's number; with none of them it is
+    refused (``import_step.choose_step``). Leaves are read one at a
+    time to host memory and the assembled step is saved with the public
+    ``CheckpointManager.save``, so the peak is about twice the step's bytes (the tree,
+    then the save's own host snapshot). Returns the steps written. Items map as
+    :func:`step_items` says.
     """
     targets = orbax_reader.steps_to_import(src, step)
 
     def states():
-        for number, step_loc in targets:
+        for _, step_loc in targets:
             trees, kinds = orbax_reader.read_step(step_loc)
-            yield number, step_items(trees, kinds, source=str(step_loc))
+            imported = step_items(trees, kinds, source=str(step_loc))
+            stored = imported[1].get("step")  # a training state's step leaf, as an int
+            stored = stored if isinstance(stored, int) else None
+            named = STEP_RE.match(step_loc.name)  # an Orbax step directory's number
+            named = int(named.group(1)) if named else None
+            yield (
+                import_step.choose_step(str(step_loc), given=step, named=named, stored=stored),
+                imported,
+            )
 
     planned = [n for n, _ in targets]
     return save_steps(
@@ -225,7 +236,7 @@ def import_msgpack(
     ``<prefix><step>`` file, or only ``step``). Each is written as ``step`` when given
     (refused unless it equals the state's ``step`` leaf, a Flax ``TrainState``'s,
     where the state has one), else as the state's step, else as the number its name
-    ends with; a file with none of them is refused (``msgpack_reader.choose_step``),
+    ends with; a file with none of them is refused (``import_step.choose_step``),
     the first before anything is written. A state dict with ``params`` is split into
     items (``params``, ``opt_state``, ``step`` ...), any other tree is saved as
     ``params``. Returns the steps written.
@@ -234,8 +245,8 @@ def import_msgpack(
 
     def read(named: int | None, path: str) -> tuple[int, ImportedStep]:
         tree = msgpack_reader.read_msgpack(path)
-        stored = msgpack_reader.state_step(tree, path)
-        number = msgpack_reader.choose_step(path, given=step, named=named, stored=stored)
+        stored = import_step.state_step(tree, path)
+        number = import_step.choose_step(path, given=step, named=named, stored=stored)
         return number, step_items({"state": tree}, {"state": "pytree"}, source=path)
 
     first = [read(*numbered[0])]  # its step decided (or refused) before anything is written

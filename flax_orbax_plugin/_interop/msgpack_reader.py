@@ -27,7 +27,6 @@ a directory of those is imported one step per file.
 
 from __future__ import annotations
 
-import logging
 import math
 import mmap
 import os
@@ -52,9 +51,7 @@ from .._storage.kvstore import local_path
 from .._storage.local_files import entry_kind
 from .._storage.untrusted import open_regular
 
-__all__ = ["choose_step", "files_to_import", "read_msgpack", "restore_msgpack", "state_step"]
-
-logger = logging.getLogger("flax_orbax_plugin")
+__all__ = ["files_to_import", "read_msgpack", "restore_msgpack"]
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"
@@ -286,7 +283,7 @@ def files_to_import(src: Any, step: int | None) -> list[tuple[int | None, str]]:
     file (a name ending in digits gives its number, else None) or every
     ``<prefix><step>`` file of a ``flax.training.checkpoints`` directory (or only
     ``step``). Reads names and one byte of each file; the step each is written as is
-    :func:`choose_step`'s, once its state is read."""
+    ``import_step.choose_step``'s, once its state is read."""
     src = local_path(src, what="msgpack source")
 
     def number_of(number: int | None, path: str) -> int | None:
@@ -296,54 +293,3 @@ def files_to_import(src: Any, step: int | None) -> list[tuple[int | None, str]]:
         return int(m.group("step")) if m else None
 
     return [(number_of(n, p), p) for n, p in _files(src, step)]
-
-
-def state_step(tree: Any, path: str) -> int | None:
-    """The state's own step: its top-level ``step`` leaf (a Flax ``TrainState``'s),
-    an integer scalar; None when it has none. StructureError for a ``step`` leaf that
-    is a scalar but not an integer (a step cannot be guessed from it)."""
-    if not isinstance(tree, dict) or "step" not in tree:
-        return None
-    value = tree["step"]
-    if isinstance(value, dict | list | str | bytes) or value is None:
-        return None  # a subtree named step, not a step
-    arr = np.asarray(value)
-    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer) or int(arr) < 0:
-        raise StructureError(
-            f"leaf 'step' in {path}: expected a non-negative integer scalar (the state's "
-            f"step), found {arr.dtype}{list(arr.shape)}"
-        )
-    return int(arr)
-
-
-def choose_step(path: str, *, given: int | None, named: int | None, stored: int | None) -> int:
-    """The step a msgpack state is imported as: ``given`` by the caller (it must equal
-    the state's own, ``stored``, when the state has one), else the state's, else the
-    number its file name ends with (``named``); with none of them, an error asking for
-    it. A name whose number differs from the state's step is logged as a warning (the
-    state's is taken: ``flax.training.checkpoints`` names files by whatever was passed)."""
-    if given is not None:
-        if stored is not None and stored != given:
-            raise StructureError(
-                f"{path}: step {given} was asked for, but the state's step leaf says "
-                f"{stored}; import it as step {stored} (or leave the step out)"
-            )
-        return given
-    if stored is not None:
-        if named is not None and named != stored:
-            logger.warning(
-                "import: %s is named for step %d but its state's step leaf says %d: "
-                "imported as step %d (pass step= to choose)",
-                path,
-                named,
-                stored,
-                stored,
-            )
-        return stored
-    if named is not None:
-        return named
-    raise StructureError(
-        f"{path}: no step to import it as: the state has no top-level 'step' leaf and "
-        f"the file name no step number; give it (step= in Python, --step on the command "
-        f"line)"
-    )
