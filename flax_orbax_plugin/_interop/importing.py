@@ -210,7 +210,7 @@ def import_orbax(
             stored = imported[1].get("step")  # a training state's step leaf, as an int
             stored = stored if isinstance(stored, int) else None
             named = STEP_RE.match(step_loc.name)  # an Orbax step directory's number
-            named = int(named.group(1)) if named else None
+            named = int(named.groups()[-1]) if named else None  # the last group: digits
             yield (
                 import_step.choose_step(str(step_loc), given=step, named=named, stored=stored),
                 imported,
