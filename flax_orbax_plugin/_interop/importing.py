@@ -31,7 +31,8 @@ from .._format.steps import list_directory
 from .._manager.manager import CheckpointManager
 from .._storage.kvstore import local_path
 from .._storage.location import Location
-from . import import_step, msgpack_reader, orbax_reader
+from . import msgpack_reader, orbax_reader
+from .import_step import choose_step, state_step
 
 __all__ = [
     "import_checkpoint",
@@ -212,7 +213,7 @@ def import_orbax(
             named = STEP_RE.match(step_loc.name)  # an Orbax step directory's number
             named = int(named.groups()[-1]) if named else None  # the last group: digits
             yield (
-                import_step.choose_step(str(step_loc), given=step, named=named, stored=stored),
+                choose_step(str(step_loc), given=step, named=named, stored=stored),
                 imported,
             )
 
@@ -245,8 +246,8 @@ def import_msgpack(
 
     def read(named: int | None, path: str) -> tuple[int, ImportedStep]:
         tree = msgpack_reader.read_msgpack(path)
-        stored = import_step.state_step(tree, path)
-        number = import_step.choose_step(path, given=step, named=named, stored=stored)
+        stored = state_step(tree, path)
+        number = choose_step(path, given=step, named=named, stored=stored)
         return number, step_items({"state": tree}, {"state": "pytree"}, source=path)
 
     first = [read(*numbered[0])]  # its step decided (or refused) before anything is written
