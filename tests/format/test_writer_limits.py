@@ -146,3 +146,14 @@ def test_an_iterator_state_no_reader_accepts_is_refused_at_save_time(tmp_path, s
         mngr.wait()
         assert mngr.steps() == []
     _nothing_left(tmp_path / "run")
+
+
+def test_records_never_write_a_time_no_reader_could_format():
+    with pytest.raises(ValueError, match=r"_CHECKPOINT.json: field time: expected a time"):
+        _layout.StepManifest(1, {}, {}, time=1e20).to_bytes()
+    with pytest.raises(ValueError, match=r"_COMMITTED: field committed_at: expected a time"):
+        _layout.CommitMarker({_layout.METADATA_FILE: "0" * 64}, committed_at=-1.0).to_bytes()
+    with pytest.raises(ValueError, match=r"_METADATA.json: field created_at: expected a time"):
+        _layout.CheckpointDocument((), {}, created_at=float("nan")).to_json()
+    raw = _layout.StepManifest(1, {}, {}, time=json_docs.MAX_TIME).to_bytes()
+    assert _layout.StepManifest.from_bytes(raw, "m").time == json_docs.MAX_TIME

@@ -23,7 +23,15 @@ from .checked import (
     time_field,
 )
 from .dtypes import MAX_PROCESSES
-from .names import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, STEP_FORMAT, STEP_VERSION
+from .names import (
+    COMMIT_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    STEP_FORMAT,
+    STEP_VERSION,
+)
 
 # -- commit records -----------------------------------------------------------------------
 
@@ -37,6 +45,7 @@ class CommitMarker:
     committed_at: float = 0.0
 
     def to_bytes(self) -> bytes:
+        _docs.check_time(self.committed_at, COMMIT_FILE, "committed_at", stored=False)
         return seal(
             {
                 "format": FORMAT_NAME,
@@ -91,6 +100,7 @@ class StepManifest:
     bytes_reused: int | None = None
 
     def to_bytes(self) -> bytes:
+        _docs.check_time(self.time, MANIFEST_FILE, "time", stored=False)
         body = {
             "format": STEP_FORMAT,
             "version": STEP_VERSION,
