@@ -205,7 +205,7 @@ def encode(value: Any, where: str, kind: DocKind, **dumps: Any) -> bytes:
         raise StructureError(
             f"{where}: nested too deeply for a {kind.what} (at most {kind.max_depth} levels)"
         ) from None
-    except ValueError as e:  # NaN or infinity
+    except (ValueError, TypeError) as e:  # NaN or infinity; a value JSON has no type for
         raise StructureError(f"{where}: cannot be stored as a {kind.what}: {e}") from None
     if "\\ud" in text:  # a surrogate escaped: a pair (fine), or a lone one (refused)
         bad = unencodable(value)

@@ -81,3 +81,9 @@ def test_times_past_what_a_date_holds_are_refused_both_ways(value):
     with pytest.raises(ValueError, match="doc: field t: expected a time"):
         json_docs.check_time(value, "doc", "t", stored=False)
     assert json_docs.check_time(json_docs.MAX_TIME, "doc", "t", stored=True) == json_docs.MAX_TIME
+
+
+@pytest.mark.parametrize("value", [{"a": object()}, {"n": float("inf")}, {(1, 2): 3}])
+def test_a_value_json_cannot_hold_is_a_structure_error_naming_the_document(value):
+    with pytest.raises(StructureError, match="doc.json: cannot be stored as a test document"):
+        json_docs.encode(value, "doc.json", SMALL)
