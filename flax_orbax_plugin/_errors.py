@@ -58,6 +58,12 @@ class CoordinationError(CheckpointError):
     """Processes of a multi-process save or restore failed to meet in time."""
 
 
+class ProcessFailedError(CoordinationError):
+    """Another process failed inside the collective operation this one waited in (its
+    failure published through the coordination service): names that process, the
+    operation and its error."""
+
+
 class UnknownItemError(CheckpointError, KeyError):
     """An item name that the step does not hold; lists those it does."""
 

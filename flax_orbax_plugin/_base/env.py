@@ -37,7 +37,7 @@ class FaultSpec(NamedTuple):
     text: str
 
 
-_PHASE = re.compile(r"[a-z][a-z0-9_]*\Z")
+_PHASE = re.compile(r"[a-z][a-z0-9_-]*\Z")
 
 
 def _fault_spec(text: str, *, with_errno: bool) -> FaultSpec:

@@ -56,8 +56,10 @@ class SaveHandle:
     :class:`SaveResult` or re-raises its error (an error is never dropped: a handle
     nobody waited on raises at the next save).
 
-    Thread-safety: ``wait``, ``done`` and ``cancel`` may be called from any thread.
-    They wait on an event the background phase sets when it ends, never on
+    Thread-safety: ``wait``, ``done`` and ``cancel`` may be called from any thread. Made
+    in a collective operation (``_base.regions``), the background phase runs in its
+    region: a failure there reaches the other processes at once, as one in the blocking
+    phase. They wait on an event the background phase sets when it ends, never on
     ``Thread.join``: a join cut short by Ctrl-C marks the thread finished while it still
     runs (CPython 3.11), and the interpreter would then exit under a running save and
     leave its staging behind.
@@ -66,6 +68,7 @@ class SaveHandle:
     def __init__(self, path: str, target: Any, *, cancelled: threading.Event | None = None):
         self.path = path
         self._target = target
+        self._region = _distributed.current_region()
         # Set by :meth:`cancel`; the background phase checks it (see raise_if_cancelled).
         self.cancelled = cancelled if cancelled is not None else threading.Event()
         self._thread = threading.Thread(target=self._run, name="fop-save", daemon=False)
@@ -80,7 +83,8 @@ class SaveHandle:
 
     def _run(self) -> None:
         try:
-            self._result = self._target()
+            with _distributed.resumed(self._region):
+                self._result = self._target()
         except BaseException as e:  # noqa: BLE001  (re-raised on wait)
             e.add_note(f"raised by the background phase of the save to {self.path}")
             self._error = e

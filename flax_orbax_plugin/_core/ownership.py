@@ -23,6 +23,7 @@ from .._base import distributed as _distributed
 from .._base import faults as _faults
 from .._errors import CheckpointError, ForeignEntryError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
+from .._storage import json_docs as _docs
 from .._storage.kvstore import context
 from .._storage.local_files import entry_kind
 from .._storage.location import Location
@@ -60,8 +61,8 @@ def _is_pending_marker(raw: bytes | None) -> bool:
     if raw is None:
         return False
     try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
+        doc = _docs.parse(raw, PENDING_FILE, _docs.PENDING_MARKER)
+    except CheckpointError:
         return False
     return isinstance(doc, dict) and doc.get("library") == _LIBRARY and doc.get("kind") == "pending"
 

@@ -13,7 +13,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
-import json
 import math
 import threading
 import time
@@ -39,6 +38,7 @@ from .._format.layout import (
 )
 from .._incremental import packed as _packed_reuse
 from .._incremental import reuse as _incremental
+from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_writer as _chunk_writer
@@ -142,9 +142,11 @@ class Plan:
         flat, _ = _tree.flatten(tree)
         leaves: list[Leaf] = []
         batching = _Batching()
+        size = _kinds.DocumentSize()
         for index, (path, keys, raw) in enumerate(flat):
             kind, value, impl = _kinds.classify(path, raw)
             keys = tuple(keys)
+            size.add(path, value if kind in _layout.TEXT_KINDS else None)
             if kind in _layout.TEXT_KINDS:
                 leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=value)))
                 continue
@@ -153,6 +155,7 @@ class Plan:
                 continue
             record = _data_record(path, keys, kind, value, impl, codec, batching)
             leaves.append(Leaf(index, value, record))
+        size.check()
         return cls(leaves, batching.records(codec), format_version)
 
     def snapshot(
@@ -258,7 +261,7 @@ class Plan:
         """``_METADATA.json``'s bytes (compact; the checksum is of these bytes)."""
         try:
             doc = self.document().to_json()
-            out.set_result(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+            out.set_result(_docs.encode(doc, METADATA_FILE, _docs.METADATA))
         except BaseException as e:  # noqa: BLE001  (raised by the write that needs it)
             out.set_exception(e)
 

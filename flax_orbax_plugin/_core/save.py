@@ -46,6 +46,7 @@ def wait_for_pending_save(location: Location | None = None) -> None:
             handle.raise_unreported()
 
 
+@_distributed.collective("save")
 def save(
     path: Any,
     tree: Any,
@@ -73,6 +74,7 @@ def save(
     ).wait()
 
 
+@_distributed.collective("save")
 def save_async(
     path: Any,
     tree: Any,

@@ -10,6 +10,7 @@ import operator
 import re
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError
+from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .foreign import foreign_format_hint
 from .layout import MANIFEST_FILE, StepManifest, decode_checked
@@ -129,4 +130,4 @@ def read_item_json(item_loc: Location, name: str) -> object:
     raw = item_loc.read_bytes(name)
     if raw is None:
         raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
-    return decode_checked(raw, where, expected)
+    return decode_checked(raw, where, expected, _docs.JSON_ITEM)

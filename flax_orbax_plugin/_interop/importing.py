@@ -27,7 +27,7 @@ from .._errors import (
     ForeignEntryError,
     StructureError,
 )
-from .._format.foreign import is_orbax_checkpoint
+from .._format.foreign import STEP_RE, is_orbax_checkpoint
 from .._format.steps import list_directory
 from .._manager import option_table as _option_table
 from .._manager.manager import CheckpointManager
@@ -35,6 +35,7 @@ from .._storage.kvstore import local_path
 from .._storage.location import Location
 from .._storage.lock import LOCK_FILE
 from . import msgpack_reader, orbax_reader
+from .import_step import choose_step, state_step
 
 __all__ = [
     "import_checkpoint",
@@ -218,19 +219,30 @@ def import_orbax(
     """Writes Orbax checkpoints as steps of a ``CheckpointManager`` directory.
 
     ``src`` is an Orbax manager directory (every committed step, or only ``step``),
-    a step directory or an item directory (written as ``step``, default: the
-    directory's own number, else 0). Leaves are read one at a time to host memory
-    and the assembled step is saved with the public ``CheckpointManager.save``, so
-    the peak is about twice the step's bytes (the tree, then the save's own host
-    snapshot). Returns the steps written. Items map as :func:`step_items` says.
+    a step directory or an item directory. Each is written as ``step`` when given
+    (refused unless it equals a training state's ``step`` leaf, where there is one),
+    else as that leaf, else as the step directory's number; with none of them it is
+    refused (``import_step.choose_step``). Leaves are read one at a
+    time to host memory and the assembled step is saved with the public
+    ``CheckpointManager.save``, so the peak is about twice the step's bytes (the tree,
+    then the save's own host snapshot). Returns the steps written. Items map as
+    :func:`step_items` says.
     """
     _option_table.check_import(step=step, force=force, format_version=format_version)
     targets = orbax_reader.steps_to_import(src, step)
 
     def states():
-        for number, step_loc in targets:
+        for _, step_loc in targets:
             trees, kinds = orbax_reader.read_step(step_loc)
-            yield number, step_items(trees, kinds, source=str(step_loc))
+            imported = step_items(trees, kinds, source=str(step_loc))
+            stored = imported[1].get("step")  # a training state's step leaf, as an int
+            stored = stored if isinstance(stored, int) else None
+            named = STEP_RE.match(step_loc.name)  # an Orbax step directory's number
+            named = int(named.groups()[-1]) if named else None  # the last group: digits
+            yield (
+                choose_step(str(step_loc), given=step, named=named, stored=stored),
+                imported,
+            )
 
     planned = [n for n, _ in targets]
     return save_steps(
@@ -248,21 +260,32 @@ def import_msgpack(
 ):
     """Writes Flax msgpack checkpoints as steps of a ``CheckpointManager`` directory.
 
-    ``src`` is one msgpack file (written as ``step``; default: the number its name
-    ends with, else 0) or a ``flax.training.checkpoints`` directory (every
-    ``<prefix><step>`` file, or only ``step``). A state dict with ``params`` is
-    split into items (``params``, ``opt_state``, ``step`` ...), any other tree is
-    saved as ``params``. Returns the steps written.
+    ``src`` is one msgpack file or a ``flax.training.checkpoints`` directory (every
+    ``<prefix><step>`` file, or only ``step``). Each is written as ``step`` when given
+    (refused unless it equals the state's ``step`` leaf, a Flax ``TrainState``'s,
+    where the state has one), else as the state's step, else as the number its name
+    ends with; a file with none of them is refused (``import_step.choose_step``),
+    the first before anything is written. A state dict with ``params`` is split into
+    items (``params``, ``opt_state``, ``step`` ...), any other tree is saved as
+    ``params``. Returns the steps written.
     """
     _option_table.check_import(step=step, force=force, format_version=format_version)
     numbered = msgpack_reader.files_to_import(src, step)
 
-    def states():  # one file's tree in memory at a time
-        for number, path in numbered:
-            tree = msgpack_reader.read_msgpack(path)
-            yield number, step_items({"state": tree}, {"state": "pytree"}, source=path)
+    def read(named: int | None, path: str) -> tuple[int, ImportedStep]:
+        tree = msgpack_reader.read_msgpack(path)
+        stored = state_step(tree, path)
+        number = choose_step(path, given=step, named=named, stored=stored)
+        return number, step_items({"state": tree}, {"state": "pytree"}, source=path)
 
-    planned = [n for n, _ in numbered]
+    first = [read(*numbered[0])]  # its step decided (or refused) before anything is written
+    planned = [first[0][0], *(n for n, _ in numbered[1:] if n is not None)]
+
+    def states():  # one file's tree in memory at a time
+        yield first.pop()
+        for named, path in numbered[1:]:
+            yield read(named, path)
+
     return save_steps(
         out_dir, states(), force=force, planned=planned, format_version=format_version
     )

@@ -34,8 +34,6 @@ Nothing here ever unpickles: every non-array file is JSON.
 
 from __future__ import annotations
 
-import base64
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -49,6 +47,7 @@ from .._errors import CorruptCheckpointError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._storage.location import Location
+from .json_items import encode_json, from_json, read_json, to_json, write_json
 from .per_host import OWN_COPY
 
 __all__ = [
@@ -104,67 +103,6 @@ class _Done:
             fn, self._fn = self._fn, None
             self._result = fn()
         return self._result
-
-
-# ----------------------------------------------------------------------------- JSON helpers
-
-
-def _to_json(value: Any, where: str) -> Any:
-    """Encode ``value`` as JSON-compatible data; bytes become ``{"__bytes__": b64}``,
-    NaN and infinities ``{"__float__": "nan" | "inf" | "-inf"}``."""
-    if value is None or isinstance(value, bool | str):
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):  # NaN and infinities are not JSON: tagged, exactly
-        return value if math.isfinite(value) else {"__float__": repr(value)}
-    if isinstance(value, bytes | bytearray):
-        return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
-    if isinstance(value, np.generic) or (hasattr(value, "shape") and hasattr(value, "dtype")):
-        arr = np.asarray(value)
-        if arr.ndim == 0:
-            return _to_json(arr.item(), where)
-        return [_to_json(x, where) for x in arr.tolist()]
-    if isinstance(value, Mapping):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise TypeError(f"{where}: JSON keys must be str, found {k!r}")
-            if k in ("__bytes__", "__float__"):
-                raise ValueError(f"{where}: the key {k!r} is reserved")
-            out[k] = _to_json(v, f"{where}/{k}")
-        return out
-    if isinstance(value, list | tuple):
-        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    raise TypeError(
-        f"{where}: cannot store a {type(value).__name__} as JSON; extras and iterator "
-        "states must be JSON values (dict, list, str, int, float, bool, None, bytes)"
-    )
-
-
-def _from_json(value: Any) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {"__bytes__"}:
-            return base64.b64decode(value["__bytes__"])
-        if set(value) == {"__float__"} and value["__float__"] in ("nan", "inf", "-inf"):
-            return float(value["__float__"])
-        return {k: _from_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    return value
-
-
-def read_json(directory: Location, name: str) -> Any:
-    """JSON file ``name`` of an item of a committed step, checked against the checksum
-    its step manifest records."""
-    return _steps.read_item_json(directory, name)
-
-
-def write_json(directory: Location, name: str, value: Any) -> Written:
-    """Writes ``value`` as JSON (made durable by the step's sync); returns its checksum."""
-    data = _layout.encode(value)
-    directory.write_bytes(name, data, durable=False)
-    return Written(0, {name: _layout.sha256(data)})
 
 
 def _process_index() -> int:
@@ -239,13 +177,14 @@ class JsonCheckpointable:
     kind = "json"
 
     def _encode(self, value: Any) -> Any:
-        return _to_json(value, "extras")
+        return to_json(value, "extras")
 
     def _decode(self, data: Any, like: Any) -> Any:
-        return _from_json(data)
+        return from_json(data)
 
     def save(self, directory: Location, value: Any) -> Pending:
-        data = self._encode(value)  # snapshot now, on the caller's thread
+        # encoded now, on the caller's thread: refused before the step is committed
+        data = encode_json(self._encode(value), f"{directory}/{JSON_FILE}")
         primary = _process_index() == 0 or OWN_COPY.get() is not None
 
         def write() -> Written:
@@ -343,11 +282,12 @@ class DataIteratorCheckpointable:
         return _layout.iterator_state_file(process_index)
 
     def save(self, directory: Location, value: Any) -> Pending:
-        state = _to_json(_iterator_state(value), "data_iterator")
+        state = to_json(_iterator_state(value), "data_iterator")
         name = self.filename(_process_index())
+        data = encode_json({"state": state}, f"{directory}/{name}")
 
         def write() -> Written:
-            return write_json(directory, name, {"state": state})
+            return write_json(directory, name, data)
 
         return _Done(write)
 
@@ -366,7 +306,7 @@ class DataIteratorCheckpointable:
         data = read_json(directory, name)
         if not isinstance(data, dict) or "state" not in data:
             raise CorruptCheckpointError(f"{directory}/{name}: expected an object with 'state'")
-        state = _from_json(data["state"])
+        state = from_json(data["state"])
         if like is None:
             return state
         _set_iterator_state(like, state)

@@ -254,7 +254,10 @@ class Saver:
                 pendings[name] = handlers[name].save(target, value, **kw)
         except BaseException:
             wait_all(pendings.values())
-            if staging.renames:
+            # A directory other processes write into is theirs too: it is removed by the
+            # primary's abort once every process learnt of this failure (or by the next
+            # open); removing it under their writes failed (ENOTEMPTY) in place of this.
+            if staging.renames and (staging.own or _distributed.process_count() == 1):
                 _ownership.remove_staging(staging.location, staging.nonce)
             raise
         return pendings, reuses

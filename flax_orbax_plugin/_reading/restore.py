@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._base import distributed as _distributed
 from .._core import read_options as _read_options
 from .._core import restore as _native
 from .._errors import (
@@ -30,6 +31,11 @@ from .serving import _spans_processes
 __all__ = ["metadata", "restore"]
 
 
+# Onto devices of several processes the restore is collective: a failure on one process
+# reaches the others at once (``_base.regions``); onto host arrays one may read alone.
+@_distributed.collective_call(
+    "restore", spans=lambda path, like=None, **_: _distributed.spans_processes(like)
+)
 def restore(
     path: Any,
     like: Any = None,

@@ -19,13 +19,13 @@ of their own at the process's priority.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import threading
 from typing import Any
 
 import numpy as np
 
+from .._storage import json_docs as _docs
 from .._storage.location import Location, check_name
 from . import chunk_writer as _chunk_writer
 from . import chunks as _chunks
@@ -223,11 +223,7 @@ class PackedWriter(_chunk_writer.ChunkWriter):
 
     def write_index(self) -> tuple[str, bytes]:
         """Writes ``data/<process>.json`` (not yet durable); returns (its name, bytes)."""
-        raw = _encode(self.index().to_json())
         name = _index.index_name(self._process)
+        raw = _docs.encode(self.index().to_json(), name, _docs.DATA_INDEX)
         self._location.write_bytes(name, raw, durable=False)
         return name, raw
-
-
-def _encode(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
