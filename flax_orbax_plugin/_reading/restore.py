@@ -26,7 +26,6 @@ from .._interop.orbax_reader import restore_orbax
 from .._interop.orbax_steps import agreed_latest
 from .._storage.location import Location
 from . import items as _items
-from .serving import _spans_processes
 
 __all__ = ["metadata", "restore"]
 
@@ -133,7 +132,7 @@ def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str
             f"restore the converted step"
         )
     step = None
-    if _spans_processes(like):  # every process reads the primary's latest step
+    if _distributed.spans_processes(like):  # every process reads the primary's latest step
         step = agreed_latest(location) if not is_step(location) else None
     return restore_orbax(location, like, step=step, partial=partial)
 
