@@ -9,6 +9,7 @@ import collections
 import errno
 import os
 import signal
+import time
 
 from . import env as _env
 
@@ -42,3 +43,12 @@ def fail_point(phase: str) -> None:
     if spec:
         code = getattr(errno, spec.errno_name)
         raise InjectedFault(code, f"injected fault at {phase} (FOP_FAIL_AT={spec.text})")
+
+
+def pause_point(phase: str) -> None:
+    """``FOP_PAUSE_AT=<phase>[:<nth>]``: at the Nth pass, writes ``FOP_PAUSED <phase>``
+    to stderr and sleeps ``FOP_PAUSE_S`` seconds (default 2), so a test can send a real
+    signal while a save is exactly there."""
+    if _reached("FOP_PAUSE_AT", phase, f"pause:{phase}"):
+        os.write(2, f"FOP_PAUSED {phase}\n".encode())
+        time.sleep(_env.read("FOP_PAUSE_S"))

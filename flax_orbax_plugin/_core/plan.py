@@ -134,6 +134,7 @@ class Plan:
         self.own_copy = False  # every process writes all it holds (see host_snapshot.take)
         self.write_first = False  # the save returns only once its data is written
         self.data_written = threading.Event()  # this process's data written (or failed)
+        self.cancelled: threading.Event | None = None  # set: the save was cancelled (Ctrl-C)
         self.created_at: float | None = None  # the document's time (None: at writing)
 
     @classmethod
@@ -229,6 +230,7 @@ class Plan:
                 process=_distributed.process_index(),
                 limit=limit,
                 data_file_bytes=self.data_file_bytes,
+                cancelled=self.cancelled,
                 reuse=None if found is None else self._packed_reuse(location, *found),
             )
         else:
@@ -242,6 +244,7 @@ class Plan:
                 primary=primary,
                 limit=limit,
                 links=links,
+                cancelled=self.cancelled,
             )
         self.data_written.set()  # a save under a budget may return now
         if primary:

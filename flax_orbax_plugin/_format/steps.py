@@ -19,6 +19,8 @@ from .layout import MANIFEST_FILE, StepManifest, decode_checked
 _STEP = r"(0|[1-9][0-9]{0,17})"
 STEP_RE = re.compile(rf"^{_STEP}$", re.ASCII)
 TMP_RE = re.compile(rf"^{_STEP}\.(partial|deleting)-[0-9a-z]{{1,32}}$", re.ASCII)
+# The staging of a core save (``fop.save(<dir>/<name>)``), beside its target: not a step.
+SAVE_STAGING_RE = re.compile(r"^[^/]+\.(partial|deleting)-[0-9a-z]{1,32}$", re.ASCII)
 CORRUPT_RE = re.compile(rf"^{_STEP}\.corrupt-[0-9a-z]{{1,32}}$", re.ASCII)
 LOCK_NAME = ".writer.lock"
 # Records of ours at the top of a directory (run owner, damaged persistent copies):

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core import ownership as _ownership
 from .._errors import (
     CheckpointNotFoundError,
     ForeignEntryError,
@@ -32,6 +33,7 @@ from .._manager import option_table as _option_table
 from .._manager.manager import CheckpointManager
 from .._storage.kvstore import local_path
 from .._storage.location import Location
+from .._storage.lock import LOCK_FILE
 from . import msgpack_reader, orbax_reader
 from .import_step import choose_step, state_step
 
@@ -158,20 +160,29 @@ def save_steps(
     of the steps written (1 or 2).
     """
     refuse_foreign_targets(out_dir, list(planned))
-    written = []
-    with CheckpointManager(out_dir, async_save=False, format_version=format_version) as mngr:
-        for number, (_, items, extras) in steps:
-            refuse_foreign_targets(out_dir, [number])
-            if not force and number in mngr.steps():
-                raise FileExistsError(
-                    f"{out_dir}: step {number} exists already; pass force=True (--force) "
-                    f"to replace it"
-                )
-            # overwrite: an imported step may lie below the latest one (no training run
-            # is resumed here); an existing step was refused above unless force.
-            mngr.save(number, items, extras=extras, force=True, overwrite=True)
-            written.append(number)
-            del items, extras  # one step's trees at a time
+    loc = Location.from_path(out_dir)
+    created = _ownership.missing_directories(loc.path) if loc.is_local else []
+    written: list[int] = []
+    try:
+        with CheckpointManager(out_dir, async_save=False, format_version=format_version) as mngr:
+            for number, (_, items, extras) in steps:
+                refuse_foreign_targets(out_dir, [number])
+                if not force and number in mngr.steps():
+                    raise FileExistsError(
+                        f"{out_dir}: step {number} exists already; pass force=True (--force) "
+                        f"to replace it"
+                    )
+                # overwrite: an imported step may lie below the latest one (no training run
+                # is resumed here); an existing step was refused above unless force.
+                mngr.save(number, items, extras=extras, force=True, overwrite=True)
+                written.append(number)
+                del items, extras  # one step's trees at a time
+    except BaseException as e:  # Ctrl-C too: the manager removed the step in progress
+        if written:
+            e.add_note(f"the import committed step(s) {written} to {loc} before it failed")
+        else:  # a directory this import created holds only its lock file: both go
+            _ownership.remove_created(created, files=(LOCK_FILE,))
+        raise
     return written
 
 

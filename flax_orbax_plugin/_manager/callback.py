@@ -328,7 +328,7 @@ class CheckpointCallback:
         else:  # the manager waited for it when it started the next save
             try:
                 figures = handle.wait()
-            except BaseException:  # noqa: BLE001  (the manager has raised it already)
+            except Exception:  # noqa: BLE001  (the manager has raised it already; a Ctrl-C goes on)
                 return
         if figures is None or figures.step != step:
             return
