@@ -102,7 +102,8 @@ NAN, INF = float("nan"), float("inf")
 
 
 class _NoWriter:
-    pass
+    def __repr__(self):  # a stable test id (pytest-xdist workers must agree)
+        return "_NoWriter()"
 
 
 def _p(tmp_path):
