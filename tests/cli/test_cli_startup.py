@@ -124,12 +124,12 @@ def _actions(parser):
 def test_every_command_runs_and_every_argument_is_described():
     parser = build_parser()
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    undescribed = [name for name, help in _actions(parser) if not (help or "").strip()]
+    assert undescribed == []
     assert sorted(subs.choices) == COMMANDS  # a new command gets its help checked too
     # cli.dispatch runs exactly the commands parsed (imported here, it loads JAX: the
     # parent has it already)
     assert sorted(importlib.import_module("flax_orbax_plugin.cli.dispatch").COMMANDS) == COMMANDS
-    undescribed = [name for name, help in _actions(parser) if not (help or "").strip()]
-    assert undescribed == []
 
 
 def test_import_flax_orbax_plugin_is_light_and_loads_the_api_on_first_use():
