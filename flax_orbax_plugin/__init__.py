@@ -20,36 +20,47 @@ Coming from elsewhere, going elsewhere:
     params = fop.from_safetensors(index_or_files, like)
 """
 
-from ._core.save import SaveHandle, SaveResult, is_committed, save, save_async
-from ._core.verify import VerifyResult, verify
-from ._errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CoordinationError,
-    CorruptCheckpointError,
-    DirectoryLockedError,
-    ForeignEntryError,
-    NotCommittedError,
-    NothingMatchedError,
-    ReplicationError,
-    StepDeletedError,
-    StructureError,
-    TransformError,
-    UnknownItemError,
-    UnsupportedLocationError,
-)
-from ._format.metadata import CheckpointMetadata, LeafMetadata
-from ._interop.importing import import_msgpack, import_orbax
-from ._interop.msgpack_reader import restore_msgpack
-from ._interop.orbax_reader import restore_orbax
-from ._interop.safetensors import from_safetensors, to_safetensors
-from ._manager.callback import CheckpointCallback
-from ._manager.checkpointables import Checkpointable, Pending, Written
-from ._manager.manager import CheckpointManager
-from ._reading.restore import metadata, restore
-from ._reading.serving import restore_params
-from ._state.iterators import StepIndexedIterator
-from ._storage.location import Location
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._version import __version__ as __version__
+
+if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads them
+    # (the same statements as _api.py; tests/cli/test_cli_startup.py checks they agree)
+    from ._core.save import SaveHandle, SaveResult, is_committed, save, save_async
+    from ._core.verify import VerifyResult, verify
+    from ._errors import (
+        CheckpointError,
+        CheckpointNotFoundError,
+        CoordinationError,
+        CorruptCheckpointError,
+        DirectoryLockedError,
+        ForeignEntryError,
+        NotCommittedError,
+        NothingMatchedError,
+        OptionError,
+        OptionTypeError,
+        ProcessFailedError,
+        ReplicationError,
+        StepDeletedError,
+        StructureError,
+        TransformError,
+        UnknownItemError,
+        UnsupportedLocationError,
+    )
+    from ._format.metadata import CheckpointMetadata, LeafMetadata
+    from ._interop.importing import import_msgpack, import_orbax
+    from ._interop.msgpack_reader import restore_msgpack
+    from ._interop.orbax_reader import restore_orbax
+    from ._interop.safetensors import from_safetensors, to_safetensors
+    from ._manager.callback import CheckpointCallback
+    from ._manager.checkpointables import Checkpointable, Pending, Written
+    from ._manager.manager import CheckpointManager
+    from ._reading.restore import metadata, restore
+    from ._reading.serving import restore_params
+    from ._state.iterators import StepIndexedIterator
+    from ._storage.location import Location
 
 __all__ = [
     "CheckpointCallback",
@@ -66,7 +77,10 @@ __all__ = [
     "Location",
     "NotCommittedError",
     "NothingMatchedError",
+    "OptionError",
+    "OptionTypeError",
     "Pending",
+    "ProcessFailedError",
     "ReplicationError",
     "SaveHandle",
     "SaveResult",
@@ -92,3 +106,21 @@ __all__ = [
     "to_safetensors",
     "verify",
 ]
+
+
+def __getattr__(name: str):
+    """A public name, imported on its first use (PEP 562) with all the others."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Inside the function on purpose: ``_api`` imports JAX and tensorstore (seconds),
+    # which ``import flax_orbax_plugin`` and the CLI's --help/--version must not pay.
+    # Python's import lock makes a concurrent first use wait for the finished module.
+    from . import _api
+
+    value = getattr(_api, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

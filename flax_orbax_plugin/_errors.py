@@ -58,6 +58,12 @@ class CoordinationError(CheckpointError):
     """Processes of a multi-process save or restore failed to meet in time."""
 
 
+class ProcessFailedError(CoordinationError):
+    """Another process failed inside the collective operation this one waited in (its
+    failure published through the coordination service): names that process, the
+    operation and its error."""
+
+
 class UnknownItemError(CheckpointError, KeyError):
     """An item name that the step does not hold; lists those it does."""
 
@@ -72,3 +78,13 @@ class DirectoryLockedError(CheckpointError):
 class ReplicationError(CheckpointError):
     """A committed local step could not be copied to the persistent tier (names the
     step, both locations and the cause)."""
+
+
+class OptionError(CheckpointError, ValueError):
+    """An option (a keyword of the public API) or a ``FOP_*`` environment variable with
+    a value it does not take, or one that does nothing in the chosen mode: names the
+    option, what was expected and what was found."""
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An :class:`OptionError` for a value of the wrong type."""

@@ -3,37 +3,54 @@
 With one process every function here is a no-op. With several (after
 ``jax.distributed.initialize``), every process must call the same functions in
 the same order (SPMD); process 0 is the primary: it writes metadata and
-commits. Barriers carry a timeout so that a dead process turns into a
-:class:`CoordinationError` naming the barrier instead of a hang.
+commits. Waits carry a timeout so that a dead process turns into a
+:class:`CoordinationError` naming the wait instead of a hang.
+
+Collective operations (:func:`collective`: a manager's open, save, restore and wait, a
+core save or restore, ``restore_params``, a tier's replication rounds) are regions (see
+``_base/regions.py``): one waiting on other processes
+(:func:`_wait`, the one place that waits: key-value gets, barriers, gathers, agreements)
+looks at the failures published in its region between short slices, and an error
+leaving a region is published (``fop/failed/<region>/<process>``), so one process's
+failure raises :class:`ProcessFailedError` on every other within a slice, not after the
+timeout. Regions also name the operations drawn in them (``<region>.<n>``), so the
+processes meet on the same names again after a failure left them at different points.
 
 Thread-safety: the coordination client is thread-safe; barrier and key names
 are unique per save, so a background thread may call these while the
-training thread runs.
+training thread runs. Regions are entered on the thread that makes the SPMD calls (the
+training thread, in the same order on every process); a background phase of an
+operation resumes its region (:func:`resumed`, e.g. ``SaveHandle``).
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
-import os
-import re
 import secrets
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from .. import _errors
-from .._errors import CheckpointError, CoordinationError
+from .._errors import CheckpointError, CoordinationError, ProcessFailedError
+from . import env as _env
+from . import regions as _regions
+from .regions import client as _client
+from .regions import current_region, raise_published_failure
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("FOP_COORDINATION_TIMEOUT_S", "300"))
+# The regions of collective operations (see the module docstring), for the callers.
+collective, resumed, Region = _regions.collective, _regions.resumed, _regions.Region
+publish_failure, collective_call = _regions.publish_failure, _regions.collective_call
+
+DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")
+POLL_S = 0.25  # the longest slice of a wait in a region between looks at its failures
 _COUNTER = itertools.count()
 
-# Coordination calls made by this process, by kind ("barrier", "kv_set", "kv_get",
-# "kv_delete"):
-# tests assert how many one save costs.
-CALLS: collections.Counter[str] = collections.Counter()
+CALLS = _regions.CALLS  # coordination calls of this process, by kind: tests count them
 _SESSION: list[str] = []
 _SESSION_LOCK = threading.Lock()
 
@@ -50,48 +67,80 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def _client():
-    from jax._src.distributed import global_state
-
-    client = global_state.client
-    if client is None:
-        raise CoordinationError(
-            "several JAX processes but no coordination client: call jax.distributed.initialize()"
-        )
-    return client
-
-
 def next_operation_id(kind: str) -> str:
-    """A name every process derives identically for its n-th operation of this kind."""
-    return f"fop/{kind}/{next(_COUNTER)}"
+    """A name every process derives identically for its n-th operation of this kind (in
+    a region: its n-th of the region's)."""
+    region = current_region()
+    return f"fop/{kind}/{next(_COUNTER) if region is None else region.draw()}"
+
+
+def _timed_out(e: Exception) -> bool:
+    return "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e)
+
+
+def _wait(key: str, timeout: float, describe: Callable[[str], str], process: int) -> str:
+    """The value under ``key`` once ``process`` set it: the one wait on other processes.
+    In a region it waits in slices of at most :data:`POLL_S` and looks at the region's
+    failures between them; raises CoordinationError (``describe(jax's words)``) after
+    ``timeout``."""
+    client, region = _client(), current_region()
+    deadline = time.monotonic() + timeout
+    piece = timeout if region is None else 0.02
+    while True:
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            return client.blocking_key_value_get(key, max(1, int(min(piece, left) * 1000)))
+        except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
+            if not _timed_out(e) or time.monotonic() >= deadline:
+                raise CoordinationError(describe(str(e))) from e
+        raise_published_failure(process)
+        piece = min(2 * piece, POLL_S)
+
+
+def spans_processes(*trees: Any) -> bool:
+    """Whether a sharding in ``trees`` (leaves with a ``.sharding``, or shardings) places
+    data on devices of other processes: a read onto them is collective."""
+    if jax.process_count() == 1:
+        return False
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
+    for leaf in jax.tree_util.tree_leaves(trees, is_leaf=is_sharding):
+        found = leaf if is_sharding(leaf) else getattr(leaf, "sharding", None)
+        if is_sharding(found) and not found.is_fully_addressable:
+            return True
+    return False
 
 
 def barrier(name: str, *, timeout_s: float | None = None) -> None:
-    """Blocks until every process reached ``name``; raises CoordinationError on timeout."""
+    """Blocks until every process reached ``name``; raises CoordinationError naming the
+    missing processes on timeout (a key-value barrier: it waits through :func:`_wait`)."""
     if process_count() == 1:
         return
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     CALLS["barrier"] += 1
+    _regions.fault_point()
+    client, me = _client(), process_index()
+    client.key_value_set(f"{name}/at/{me}", "1")
+    deadline = time.monotonic() + timeout
+
+    def describe(said: str) -> str:
+        missing = [p for p in range(process_count()) if p != me and not _is_set(f"{name}/at/{p}")]
+        return (
+            f"process {me} of {process_count()}: not every process reached barrier {name!r} "
+            f"within {timeout:.0f}s (missing process(es): {', '.join(map(str, missing))}; "
+            f"{said})"
+        )
+
+    for p in range(process_count()):
+        if p != me:
+            _wait(f"{name}/at/{p}", max(deadline - time.monotonic(), 0.001), describe, p)
+
+
+def _is_set(key: str) -> bool:
     try:
-        _client().wait_at_barrier(name, int(timeout * 1000))
-    except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
-        missing = _missing_processes(str(e))
-        who = f"missing process(es): {', '.join(map(str, missing))}; " if missing else ""
-        raise CoordinationError(
-            f"process {process_index()} of {process_count()}: not every process reached "
-            f"barrier {name!r} within {timeout:.0f}s ({who}{e})"
-        ) from e
-
-
-def _missing_processes(text: str) -> list[int]:
-    """Process ids that jax's coordination service names as absent in an error text."""
-    found = set()
-    names = re.search(r"timed out task names:\s*([0-9][0-9,\s]*)", text)
-    if names:
-        found.update(int(n) for n in re.findall(r"[0-9]+", names.group(1)))
-    found.update(int(n) for n in re.findall(r"[Tt]ask (?:id )?([0-9]+) heartbeat timeout", text))
-    found.update(int(n) for n in re.findall(r"/task:([0-9]+)", text))
-    return sorted(found)
+        _client().key_value_try_get(key)
+        return True
+    except Exception:  # noqa: BLE001  (NOT_FOUND, or a service gone: not there either way)
+        return False
 
 
 def broadcast_str(name: str, value: str | None, *, timeout_s: float | None = None) -> str:
@@ -100,24 +149,27 @@ def broadcast_str(name: str, value: str | None, *, timeout_s: float | None = Non
         assert value is not None
         return value
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-    client = _client()
+    _regions.fault_point()
     if is_primary():
         CALLS["kv_set"] += 1
-        client.key_value_set(name, value)
+        _client().key_value_set(name, value)
         return value
     CALLS["kv_get"] += 1
-    try:
-        return client.blocking_key_value_get(name, int(timeout * 1000))
-    except Exception as e:
-        raise CoordinationError(
+    return _wait(
+        name,
+        timeout,
+        lambda e: (
             f"process {process_index()}: no value for {name!r} from the primary within "
             f"{timeout:.0f}s ({e})"
-        ) from e
+        ),
+        0,
+    )
 
 
 def publish(name: str, value: str) -> None:
     """Stores this process's ``value`` under ``name/<process>`` for :func:`gather_str`."""
     if process_count() > 1:
+        _regions.fault_point()
         CALLS["kv_set"] += 1
         _client().key_value_set(f"{name}/{process_index()}", value)
 
@@ -136,47 +188,41 @@ def forget(name: str) -> None:
 
 def gather_str(name: str, *, timeout_s: float | None = None) -> list[str]:
     """Values that every process published under ``name``, by process index."""
-    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-    client = _client()
-    out = []
-    for p in range(process_count()):
-        CALLS["kv_get"] += 1
-        try:
-            out.append(client.blocking_key_value_get(f"{name}/{p}", int(timeout * 1000)))
-        except Exception as e:
-            raise CoordinationError(
-                f"no value {name!r} from process {p} within {timeout:.0f}s ({e})"
-            ) from e
-    return out
+    return [get_from(name, p, timeout_s=timeout_s) for p in range(process_count())]
 
 
 def poll(name: str, *, wait_s: float) -> str | None:
     """The value under ``name``, waiting at most ``wait_s``; None when none was set by
     then. For a background thread that follows another process's decisions and must
     stay responsive to its own shutdown (a long wait is a loop of short polls)."""
+    _regions.fault_point()
     CALLS["kv_get"] += 1
     try:
         return _client().blocking_key_value_get(name, max(1, int(wait_s * 1000)))
     except Exception as e:
-        if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e):
+        if _timed_out(e):
+            raise_published_failure()
             return None
         raise CoordinationError(f"process {process_index()}: reading {name!r}: {e}") from e
 
 
 def session_nonce() -> str:
-    """A random name shared by every process, agreed once per process lifetime (the first
-    call is collective: one key-value round); later saves derive their staging names
-    from it and a counter, with no coordination."""
+    """A random name shared by every process, agreed once per process lifetime (the
+    primary's, under one fixed key: each process reads it at its first call, whenever
+    that is, so a process that failed before reading it meets the others again); later
+    saves derive their staging names from it and a counter, with no coordination."""
     with _SESSION_LOCK:
         if not _SESSION:
-            mine = secrets.token_hex(4)
-            _SESSION.append(broadcast_str(next_operation_id("session"), mine))
+            _SESSION.append(broadcast_str("fop/session", secrets.token_hex(4)))
         return _SESSION[0]
 
 
 def unique_name() -> str:
-    """``<session>x<n>``: identical on every process for its n-th call (SPMD order)."""
-    return f"{session_nonce()}x{next(_NAMES)}"
+    """``<session>x<n>``: identical on every process for its n-th call (SPMD order; in a
+    region ``<session>x<region>y<n>``, its n-th of the region's)."""
+    region = current_region()
+    drawn = next(_NAMES) if region is None else region.draw().replace(".", "y")
+    return f"{session_nonce()}x{drawn}"
 
 
 _NAMES = itertools.count()
@@ -185,13 +231,14 @@ _NAMES = itertools.count()
 def get_from(name: str, process: int, *, timeout_s: float | None = None) -> str:
     """The value ``process`` published under ``name`` (see :func:`publish`)."""
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    _regions.fault_point()
     CALLS["kv_get"] += 1
-    try:
-        return _client().blocking_key_value_get(f"{name}/{process}", int(timeout * 1000))
-    except Exception as e:
-        raise CoordinationError(
-            f"no value {name!r} from process {process} within {timeout:.0f}s ({e})"
-        ) from e
+    return _wait(
+        f"{name}/{process}",
+        timeout,
+        lambda e: f"no value {name!r} from process {process} within {timeout:.0f}s ({e})",
+        process,
+    )
 
 
 def gather_json(kind: str, value: Any) -> list[Any]:
@@ -220,7 +267,22 @@ def agree(kind: str, error: BaseException | None, *, what: str) -> None:
             raise error
         return
     mine = None if error is None else {"type": type(error).__name__, "message": str(error)}
-    views = gather_json(kind, mine)
+    op, region = next_operation_id(kind), current_region()
+    if error is not None:  # a process waiting elsewhere in the region must not wait for us
+        _regions.announce_agreement(op, error)
+    if region is not None:
+        region.agreeing = op
+    try:
+        publish(op, json.dumps(mine))
+        views = [json.loads(v) for v in gather_str(op)]
+    except ProcessFailedError:  # another left this path: this process's own error first
+        if error is not None:
+            raise error from None
+        raise
+    finally:
+        if region is not None:
+            region.agreeing = None
+            region.agreed.add(op)
     if error is not None:
         raise error
     for p, view in enumerate(views):

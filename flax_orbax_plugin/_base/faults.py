@@ -9,6 +9,9 @@ import collections
 import errno
 import os
 import signal
+import time
+
+from . import env as _env
 
 _HITS: collections.Counter[str] = collections.Counter()
 
@@ -20,17 +23,14 @@ class InjectedFault(OSError):
         return str(self.strerror)
 
 
-def _reached(variable: str, phase: str, key: str) -> str | None:
-    """The spec in ``variable`` when ``phase`` is named there and this is its Nth hit."""
-    spec = os.environ.get(variable)
-    if not spec:
-        return None
-    name, _, nth = spec.partition(":")
-    nth = nth.split(":", 1)[0]
-    if name != phase:
+def _reached(variable: str, phase: str, key: str) -> _env.FaultSpec | None:
+    """The spec in ``variable`` (checked by ``_env``) when ``phase`` is named there and
+    this is its Nth hit."""
+    spec = _env.read(variable)
+    if spec is None or spec.phase != phase:
         return None
     _HITS[key] += 1
-    return spec if _HITS[key] >= int(nth or 1) else None
+    return spec if _HITS[key] >= spec.nth else None
 
 
 def kill_point(phase: str) -> None:
@@ -41,6 +41,14 @@ def kill_point(phase: str) -> None:
 def fail_point(phase: str) -> None:
     spec = _reached("FOP_FAIL_AT", phase, f"fail:{phase}")
     if spec:
-        parts = spec.split(":")
-        code = getattr(errno, parts[2], errno.EIO) if len(parts) > 2 else errno.EIO
-        raise InjectedFault(code, f"injected fault at {phase} (FOP_FAIL_AT={spec})")
+        code = getattr(errno, spec.errno_name)
+        raise InjectedFault(code, f"injected fault at {phase} (FOP_FAIL_AT={spec.text})")
+
+
+def pause_point(phase: str) -> None:
+    """``FOP_PAUSE_AT=<phase>[:<nth>]``: at the Nth pass, writes ``FOP_PAUSED <phase>``
+    to stderr and sleeps ``FOP_PAUSE_S`` seconds (default 2), so a test can send a real
+    signal while a save is exactly there."""
+    if _reached("FOP_PAUSE_AT", phase, f"pause:{phase}"):
+        os.write(2, f"FOP_PAUSED {phase}\n".encode())
+        time.sleep(_env.read("FOP_PAUSE_S"))

@@ -109,20 +109,27 @@ class Staging:
     def _remove_stale_siblings(self) -> None:
         """After a commit: staging left by earlier saves of the same name that died
         (``<name>.partial-*``, ``<name>.deleting-*``; real directories only, never
-        through a link) is garbage. Only entries untouched for ``STALE_SECONDS`` go, so
-        a save of the same path still running in another job is never cut short."""
+        through a link) is garbage. Only dead ones go (:func:`is_dead`), so a save of the
+        same path still running in another job is never cut short."""
         parent = self.final.parent
         prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
-        now = time.time()
         for name, kind in parent.child_kinds().items():
-            if kind == "dir" and name.startswith(prefixes):
-                if now - parent.child(name).newest_mtime() > STALE_SECONDS:
-                    _ownership.remove_if_ours(parent.child(name), what="stale staging")
+            if kind == "dir" and name.startswith(prefixes) and is_dead(parent.child(name)):
+                _ownership.remove_if_ours(parent.child(name), what="stale staging")
 
     def abort(self) -> None:
         """Primary only: removes what this commit staged (renaming strategy)."""
         if self.renames:
             _ownership.remove_staging(self.location, self.nonce)
+
+
+def is_dead(staging: Location) -> bool:
+    """Staging (a real directory) of a save that no longer runs: the process named in
+    its pending marker is gone (this host: see ``ownership.writer_gone``), or nothing in
+    it was touched for ``STALE_SECONDS`` (a writer on another host)."""
+    if _ownership.writer_gone(staging):
+        return True
+    return time.time() - staging.newest_mtime() > STALE_SECONDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +217,7 @@ def _decide_and_commit(op, own_status, what, publish, abort) -> str:
             files: dict[str, str] = {}
             for s in statuses:
                 files.update(s["files"])
+            _faults.pause_point("before_commit")
             publish(files)
             return "committed"
     except CoordinationError as e:  # a process is gone or late: nothing commits

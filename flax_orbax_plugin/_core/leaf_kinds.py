@@ -3,14 +3,16 @@
 :func:`classify` turns a pytree leaf into (kind, the value to save, the PRNG key
 implementation or None), refusing what cannot be saved with a StructureError naming
 the leaf's path; :func:`writer_process` and :func:`is_partitioned` say who writes an
-unpartitioned leaf and whether a leaf is split over devices. Pure functions of the
-leaf, called by ``plan`` on the caller's thread.
+unpartitioned leaf and whether a leaf is split over devices; :class:`DocumentSize`
+bounds what the leaves put into ``_METADATA.json`` (and refuses a path no reader
+accepts). Pure functions of the leaf, called by ``plan`` on the caller's thread.
 """
 
 from __future__ import annotations
 
 import base64
 import functools
+import json
 from typing import Any
 
 import jax
@@ -19,11 +21,12 @@ import numpy as np
 from .._base import tree as _tree
 from .._errors import StructureError
 from .._format import layout as _layout
+from .._storage import json_docs as _docs
 
 
 def _text(path: str, leaf: str | bytes) -> str:
     """A str or bytes leaf as the record's JSON string (bytes base64), bounded."""
-    raw = leaf.encode("utf-8") if isinstance(leaf, str) else leaf
+    raw = _utf8(leaf, f"leaf {path!r}: a str") if isinstance(leaf, str) else leaf
     if len(raw) > _layout.MAX_TEXT_BYTES:
         raise StructureError(
             f"leaf {path!r}: a {type(leaf).__name__} of {len(raw)} bytes; str and bytes "
@@ -31,6 +34,51 @@ def _text(path: str, leaf: str | bytes) -> str:
             f"(store larger data as a numpy uint8 array)"
         )
     return leaf if isinstance(leaf, str) else base64.b64encode(raw).decode("ascii")
+
+
+def _utf8(text: str, what: str) -> bytes:
+    """``text`` in UTF-8; StructureError naming ``what`` for text no reader accepts
+    (a lone surrogate: no JSON document of the format can hold it)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise StructureError(
+            f"{what} that UTF-8 cannot encode: {e.reason} ({text[e.start : e.end]!r} at "
+            f"character {e.start}); a checkpoint's metadata holds UTF-8 text only"
+        ) from None
+
+
+class DocumentSize:
+    """A lower bound of the bytes of ``_METADATA.json`` while a plan is built, so a
+    tree whose metadata no reader accepts (``json_docs.METADATA``) is refused before
+    anything is staged; :meth:`add` also refuses a leaf path UTF-8 cannot encode (a
+    dict key with a lone surrogate). The exact size is checked when it is encoded."""
+
+    _PER_LEAF = len('{"path":"","keys":[],"kind":""}')
+
+    def __init__(self):
+        self.bytes = 0
+        self.leaves = 0
+        self.text_leaves = 0
+
+    def add(self, path: str, text: str | None) -> None:
+        if not path.isascii():
+            _utf8(path, f"leaf path {path!r}: a key")
+        self.leaves += 1
+        self.bytes += self._PER_LEAF + len(path)
+        if text is not None:
+            self.text_leaves += 1
+            self.bytes += len(json.dumps(text))  # as the record holds it (escaped)
+
+    def check(self) -> None:
+        limit = _docs.METADATA.max_bytes
+        if self.bytes > limit:
+            raise StructureError(
+                f"{_layout.METADATA_FILE} of this tree would hold more than {self.bytes} "
+                f"bytes ({self.leaves} leaves, {self.text_leaves} of them str or bytes, "
+                f"kept in it), more than a reader accepts ({limit}); store large text as "
+                f"numpy uint8 arrays, or save fewer leaves per checkpoint"
+            )
 
 
 def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:

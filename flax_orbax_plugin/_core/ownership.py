@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import stat
 
 import tensorstore as ts
@@ -22,6 +23,7 @@ from .._base import distributed as _distributed
 from .._base import faults as _faults
 from .._errors import CheckpointError, ForeignEntryError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
+from .._storage import json_docs as _docs
 from .._storage.kvstore import context
 from .._storage.local_files import entry_kind
 from .._storage.location import Location
@@ -33,13 +35,17 @@ _LIBRARY = "flax_orbax_plugin"
 
 
 def _pending_bytes(nonce: str) -> bytes:
-    return json.dumps({"library": _LIBRARY, "kind": "pending", "nonce": nonce}).encode()
+    """The pending marker: ours, with the writer (host name and process id) that lets a
+    later save or ``gc`` tell a save that died from one still running."""
+    doc = {"library": _LIBRARY, "kind": "pending", "nonce": nonce}
+    doc.update(host=socket.gethostname(), pid=os.getpid())
+    return json.dumps(doc).encode()
 
 
 def claim(loc: Location, nonce: str) -> None:
     """Marks ``loc`` as a place this library is writing (staging) or removing.
 
-    The content depends only on ``nonce``, so every process of a run may write it.
+    Written by one process per place (the primary, or each process in its own copy).
     Not fsynced on its own: a later ``sync`` of the staging place makes it durable.
     """
     loc.write_bytes(PENDING_FILE, _pending_bytes(nonce), durable=False)
@@ -55,10 +61,44 @@ def _is_pending_marker(raw: bytes | None) -> bool:
     if raw is None:
         return False
     try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
+        doc = _docs.parse(raw, PENDING_FILE, _docs.PENDING_MARKER)
+    except CheckpointError:
         return False
     return isinstance(doc, dict) and doc.get("library") == _LIBRARY and doc.get("kind") == "pending"
+
+
+def _pending_writer(raw: bytes | None) -> tuple[str, int] | None:
+    """The writer a pending marker names (host, pid), or None where it names none that
+    can be trusted (an older marker, a damaged or foreign one)."""
+    if not _is_pending_marker(raw):
+        return None
+    doc = json.loads(raw)
+    host, pid = doc.get("host"), doc.get("pid")
+    if not isinstance(host, str) or not 0 < len(host) <= 255:
+        return None
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31:
+        return None
+    return host, pid
+
+
+def writer_gone(loc: Location) -> bool:
+    """True when ``loc`` carries our pending marker and the process that wrote it ran on
+    this host and is no longer alive: a save (or removal) that was killed or interrupted
+    before it could clean up, and that nobody is still writing. False whenever that is
+    not certain (another host, this very process, a marker naming no writer)."""
+    try:
+        writer = _pending_writer(loc.read_bytes(PENDING_FILE))
+    except CheckpointError:
+        return False  # a link or a FIFO where our marker would be: not ours
+    if writer is None or writer[0] != socket.gethostname() or writer[1] == os.getpid():
+        return False
+    try:
+        os.kill(writer[1], 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
 
 
 def proof(loc: Location, *, step: int | None = None) -> str | None:
@@ -320,3 +360,29 @@ def prepare_slot(loc: Location, *, what: str, replace: bool, clear: bool = True)
         kind = ForeignEntryError if verdict["kind"] == "ForeignEntryError" else CheckpointError
         raise kind(f"{verdict['error']} (checked by process 0)")
     return bool(verdict["held"])
+
+
+def missing_directories(path: str) -> list[str]:
+    """The directories that creating local ``path`` (``os.makedirs``) would create, the
+    deepest first: what a failed import or export created, and so may remove."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_created(directories: list[str], files: tuple[str, ...] = ()) -> None:
+    """After a failed import or export: removes ``files`` (names inside the deepest of
+    ``directories`` that this call created: regular files, never through a link), then
+    each of ``directories`` that is empty, deepest first (``rmdir``: a directory that
+    holds anything else, someone else's included, stays)."""
+    for name in files if directories else ():
+        path = os.path.join(directories[0], name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.unlink(path)
+    for path in directories:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return  # not empty (or gone): it and its parents stay

@@ -13,7 +13,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
-import json
 import math
 import threading
 import time
@@ -39,6 +38,7 @@ from .._format.layout import (
 )
 from .._incremental import packed as _packed_reuse
 from .._incremental import reuse as _incremental
+from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_writer as _chunk_writer
@@ -134,6 +134,7 @@ class Plan:
         self.own_copy = False  # every process writes all it holds (see host_snapshot.take)
         self.write_first = False  # the save returns only once its data is written
         self.data_written = threading.Event()  # this process's data written (or failed)
+        self.cancelled: threading.Event | None = None  # set: the save was cancelled (Ctrl-C)
         self.created_at: float | None = None  # the document's time (None: at writing)
 
     @classmethod
@@ -141,9 +142,11 @@ class Plan:
         flat, _ = _tree.flatten(tree)
         leaves: list[Leaf] = []
         batching = _Batching()
+        size = _kinds.DocumentSize()
         for index, (path, keys, raw) in enumerate(flat):
             kind, value, impl = _kinds.classify(path, raw)
             keys = tuple(keys)
+            size.add(path, value if kind in _layout.TEXT_KINDS else None)
             if kind in _layout.TEXT_KINDS:
                 leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=value)))
                 continue
@@ -152,6 +155,7 @@ class Plan:
                 continue
             record = _data_record(path, keys, kind, value, impl, codec, batching)
             leaves.append(Leaf(index, value, record))
+        size.check()
         return cls(leaves, batching.records(codec), format_version)
 
     def snapshot(
@@ -226,6 +230,7 @@ class Plan:
                 process=_distributed.process_index(),
                 limit=limit,
                 data_file_bytes=self.data_file_bytes,
+                cancelled=self.cancelled,
                 reuse=None if found is None else self._packed_reuse(location, *found),
             )
         else:
@@ -239,6 +244,7 @@ class Plan:
                 primary=primary,
                 limit=limit,
                 links=links,
+                cancelled=self.cancelled,
             )
         self.data_written.set()  # a save under a budget may return now
         if primary:
@@ -255,7 +261,7 @@ class Plan:
         """``_METADATA.json``'s bytes (compact; the checksum is of these bytes)."""
         try:
             doc = self.document().to_json()
-            out.set_result(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+            out.set_result(_docs.encode(doc, METADATA_FILE, _docs.METADATA))
         except BaseException as e:  # noqa: BLE001  (raised by the write that needs it)
             out.set_exception(e)
 
@@ -291,6 +297,9 @@ class Plan:
         if previous is None or previous[1].format_version != self.format_version:
             return None  # (a step of the other version: its chunks are stored elsewhere)
         source, doc = previous
+        if _distributed.is_primary():  # what reuse never takes, said once (INFO)
+            records = [leaf.record for leaf in self.leaves]
+            _incremental.report_batched(location.parent.parent, reuse.item, records)
         by_index = {leaf.index: leaf for leaf in self.leaves}
         records = {i: leaf.record for i, leaf in by_index.items()}
         unchanged = []

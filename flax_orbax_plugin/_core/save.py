@@ -20,103 +20,18 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base import faults as _faults
 from .._base import host as _host
+from .._base import interrupts as _interrupts
 from .._base import tree as _tree
 from .._format import layout as _layout
 from .._format.layout import COMMIT_FILE, CommitMarker
 from .._storage.location import Location
 from . import commit as _commit
 from . import ownership as _ownership
+from . import save_options as _save_options
+from .handle import SaveHandle, SaveResult, raise_if_cancelled
 from .plan import Plan, Snapshot
 
 DEFAULT_MEMORY_LIMIT_BYTES = 1 << 30
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveResult:
-    """Figures of one finished save (a core checkpoint or a manager step), as seen by
-    this process.
-
-    ``blocking_seconds``: how long the caller waited; ``total_seconds``: from the start
-    of the save until it committed; ``bytes_written``: array bytes this process wrote;
-    ``bytes_reused``: array bytes of unchanged leaves hard-linked (local disk) or copied
-    on the server (S3, GCS) from the previous step instead of written (incremental
-    manager steps; not part of ``bytes_written``).
-    """
-
-    path: str
-    blocking_seconds: float
-    total_seconds: float
-    bytes_written: int
-    step: int | None = None
-    bytes_reused: int = 0
-
-    @property
-    def gigabytes_per_second(self) -> float:
-        return self.bytes_written / max(self.total_seconds, 1e-9) / 1e9
-
-    def as_scalars(self) -> dict[str, float]:
-        """For a metric writer: ``checkpoint/blocking_seconds`` and friends
-        (``checkpoint/bytes_reused`` only when a step reused bytes)."""
-        out = {
-            "checkpoint/blocking_seconds": self.blocking_seconds,
-            "checkpoint/total_seconds": self.total_seconds,
-            "checkpoint/bytes": float(self.bytes_written),
-            "checkpoint/gbytes_per_sec": self.gigabytes_per_second,
-        }
-        if self.bytes_reused:
-            out["checkpoint/bytes_reused"] = float(self.bytes_reused)
-        return out
-
-
-class SaveHandle:
-    """A save whose background phase may still run: ``wait()`` returns its
-    :class:`SaveResult` or re-raises its error (an error is never dropped: a handle
-    nobody waited on raises at the next save).
-
-    Thread-safety: ``wait`` and ``done`` may be called from any thread.
-    """
-
-    def __init__(self, path: str, target: Any):
-        self.path = path
-        self._target = target
-        self._thread = threading.Thread(target=self._run, name="fop-save", daemon=False)
-        self._result: SaveResult | None = None
-        self._error: BaseException | None = None
-        self._reported = False
-
-    def start(self) -> SaveHandle:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            self._result = self._target()
-        except BaseException as e:  # noqa: BLE001  (re-raised on wait)
-            e.add_note(f"raised by the background phase of the save to {self.path}")
-            self._error = e
-        finally:
-            self._target = None  # drop the host snapshot
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> SaveResult:
-        """Blocks until the save is committed; raises its error if it failed."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"save to {self.path} still running after {timeout}s")
-        if self._error is not None:
-            self._reported = True
-            raise self._error
-        assert self._result is not None
-        return self._result
-
-    def raise_unreported(self) -> None:
-        """Waits; re-raises the error only if no ``wait()`` has reported it yet."""
-        self._thread.join()
-        if self._error is not None and not self._reported:
-            self._reported = True
-            raise self._error
 
 
 _IN_FLIGHT: list[SaveHandle] = []  # the latest save_async
@@ -131,6 +46,7 @@ def wait_for_pending_save(location: Location | None = None) -> None:
             handle.raise_unreported()
 
 
+@_distributed.collective("save")
 def save(
     path: Any,
     tree: Any,
@@ -158,6 +74,7 @@ def save(
     ).wait()
 
 
+@_distributed.collective("save")
 def save_async(
     path: Any,
     tree: Any,
@@ -185,7 +102,8 @@ def save_async(
       format_version: 1 (default: one file per chunk) or 2 (each process packs its
         chunks into a few data files, see FORMAT.md).
       data_file_bytes: version 2: the size a data file does not pass unless one chunk
-        is larger (default 1 GiB on a filesystem, 256 MiB on an object store).
+        is larger (default 1 GiB on a filesystem, 256 MiB on an object store);
+        refused with version 1.
       host_memory_budget: bytes of host memory the save may hold beyond the state
         itself (None: no bound). Accelerator arrays are copied on their devices (one
         more state of device memory until written) and to host in pieces as the
@@ -193,39 +111,79 @@ def save_async(
         arrays are written from their own memory before this returns (no copy at
         all; the blocking phase is then the data write). Small leaves (batched) are
         copied as usual. Format version 2 and incremental steps copy every region
-        before writing: the budget bounds only version 1 saves.
+        before writing: the budget bounds only version 1 saves (refused with 2).
 
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
     """
-    with _IN_FLIGHT_LOCK:
-        wait_for_pending_save()
-        start = time.perf_counter()
-        location = Location.from_path(path)
-        budget = check_host_memory_budget(host_memory_budget)
-        snap = snapshot(tree, compression=compression, format_version=format_version, budget=budget)
-        snap.data_file_bytes = check_data_file_bytes(data_file_bytes)
-        # Refuses a foreign or (without ``force``) committed target. Object stores write
-        # in place: remains of a dead save, or with ``force`` a checkpoint of ours, are
-        # cleared first, in the background phase (the decision is the primary's).
-        held = _ownership.prepare_slot(location, what="a checkpoint", replace=force, clear=False)
-        clear_first = held and not location.supports_rename
-        staging = _commit.Staging.begin(location, _distributed.unique_name(), claim=False)
-        job = _Background(
-            location=location,
-            snap=snap,
-            staging=staging,
-            op=_distributed.next_operation_id("save"),
-            clear_first=clear_first,
+    # Every keyword option checked by its name, before anything waits or is written.
+    _save_options.check_save(**{k: v for k, v in locals().items() if k not in ("path", "tree")})
+    # Interrupted (Ctrl-C: held until the end of the blocking phase, see _start), the
+    # save is cancelled: nothing staged is left, and the KeyboardInterrupt raised.
+    started: list[SaveHandle] = []
+    try:
+        return _start(
+            path,
+            tree,
+            started,
             force=force,
-            limit=bounded_limit(memory_limit_bytes, budget),
-            start=start,
-            blocking=time.perf_counter() - start,
+            memory_limit_bytes=memory_limit_bytes,
+            compression=compression,
+            format_version=format_version,
+            data_file_bytes=data_file_bytes,
+            host_memory_budget=host_memory_budget,
         )
-        handle = SaveHandle(str(location), job.run)
-        _IN_FLIGHT[:] = [handle]
-        handle.start()
-        wait_for_data(snap, handle)
+    except BaseException:
+        for handle in started:
+            handle.cancel()
+        raise
+
+
+def _start(path, tree, started: list[SaveHandle], **options) -> SaveHandle:
+    """The blocking phase of :func:`save_async` (its arguments); appends the handle to
+    ``started`` as soon as its background phase runs."""
+    with _IN_FLIGHT_LOCK:
+        wait_for_pending_save()  # interruptible: nothing of this save exists yet
+        # Ctrl-C is held over the blocking phase proper (never raised inside a callback
+        # of JAX or tensorstore, which would drop it) and raised at its end.
+        with _interrupts.deferred_sigint():
+            start = time.perf_counter()
+            location = Location.from_path(path)
+            budget = check_host_memory_budget(options["host_memory_budget"])
+            snap = snapshot(
+                tree,
+                compression=options["compression"],
+                format_version=options["format_version"],
+                budget=budget,
+            )
+            snap.data_file_bytes = check_data_file_bytes(options["data_file_bytes"])
+            force = options["force"]
+            # Refuses a foreign or (without ``force``) committed target. Object stores
+            # write in place: remains of a dead save, or with ``force`` a checkpoint of
+            # ours, are cleared first, in the background phase (the primary decides).
+            held = _ownership.prepare_slot(
+                location, what="a checkpoint", replace=force, clear=False
+            )
+            clear_first = held and not location.supports_rename
+            staging = _commit.Staging.begin(location, _distributed.unique_name(), claim=False)
+            cancelled = snap.cancelled = threading.Event()  # the writes stop once it is set
+            job = _Background(
+                location=location,
+                snap=snap,
+                staging=staging,
+                op=_distributed.next_operation_id("save"),
+                clear_first=clear_first,
+                force=force,
+                limit=bounded_limit(options["memory_limit_bytes"], budget),
+                start=start,
+                blocking=time.perf_counter() - start,
+                cancelled=cancelled,
+            )
+            handle = SaveHandle(str(location), job.run, cancelled=cancelled)
+            _IN_FLIGHT[:] = [handle]
+            handle.start()
+            started.append(handle)
+        wait_for_data(snap, handle)  # interruptible: the caller's except cancels
         return handle
 
 
@@ -243,31 +201,49 @@ class _Background:
     limit: int
     start: float
     blocking: float
+    cancelled: threading.Event
 
     def run(self) -> SaveResult:
         location, staging = self.location, self.staging
+        what = f"save to {location}"
         if self.clear_first:  # object store, no rename: start from an empty prefix
             if _distributed.is_primary():
                 _ownership.remove(location, action="clear")
             _distributed.barrier(f"{self.op}/cleared")
 
         def write() -> _commit.Written:
+            raise_if_cancelled(self.cancelled, what)
             staging.claim()  # before any data: a dead save's remains are provably ours
-            return self.snap.write(staging.location, limit=self.limit)
+            written = self.snap.write(staging.location, limit=self.limit)
+            raise_if_cancelled(self.cancelled, what)
+            return written
+
+        def publish(files: dict[str, str]) -> None:
+            raise_if_cancelled(self.cancelled, what)
+            marker = CommitMarker(files, time.time()).to_bytes()
+            staging.publish(COMMIT_FILE, marker, replace=self.force)
 
         written = _commit.commit_collectively(
             self.op,
-            what=f"save to {location}",
+            what=what,
             step=None,
             digest=self.snap.digest,
             write=write,
-            publish=lambda files: staging.publish(
-                COMMIT_FILE, CommitMarker(files, time.time()).to_bytes(), replace=self.force
-            ),
-            abort=staging.abort,
+            publish=publish,
+            abort=self.abort,
         )
         total = time.perf_counter() - self.start
         return SaveResult(str(location), self.blocking, total, written.bytes_written)
+
+    def abort(self) -> None:
+        """What the failed save wrote goes: its staging directory or, written in place
+        on an object store, what it wrote there while our pending marker alone proves
+        it (nothing committed; the primary, once every process stopped writing)."""
+        self.staging.abort()
+        if self.staging.renames or not _distributed.is_primary():
+            return
+        if _ownership.proof(self.location) == "pending marker":
+            _ownership.remove(self.location, action="remove the remains of the failed save at")
 
 
 def is_committed(path: Any) -> bool:
@@ -335,6 +311,7 @@ def snapshot(
     version = check_format_version(format_version, codec)
     with _tree.paused_gc():
         plan = Plan.build(tree, codec=codec, format_version=version)
+    _faults.pause_point("snapshot")
     plan.created_at = created_at
     plan.snapshot(None if budget is not None else buffers, own_copy, budget)
     _faults.kill_point("after_snapshot")

@@ -181,9 +181,23 @@ class Placer:
             groups.setdefault(sharding, []).append((target, host))
         self.pending, self.nbytes = [], 0
         for sharding, items in groups.items():
-            placed = jax.device_put([host for _, host in items], sharding)
+            if sharding.is_fully_addressable:
+                placed = jax.device_put([host for _, host in items], sharding)
+            else:
+                placed = [place(host, sharding) for _, host in items]
             for (target, _), array in zip(items, placed, strict=True):
                 target.result = array
+
+
+def place(host: np.ndarray, sharding: Any) -> jax.Array:
+    """``host`` (the same on every process) onto ``sharding``, from this process's own
+    shards: no collective. ``jax.device_put`` onto devices of other processes checks that
+    every process holds the same value, an all-gather the others may never enter (one
+    that failed before it, to learn of at the restore's agreement): they would wait in
+    it, where no failure is seen (``_base.regions``)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _python_value(kind: str, host: np.ndarray) -> Any:

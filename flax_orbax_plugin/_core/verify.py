@@ -29,6 +29,7 @@ from .._format.layout import (
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from . import read_data as _read_data
+from . import read_options as _read_options
 from . import reads as _reads
 from . import save as _save
 from .direct import open_direct
@@ -58,6 +59,7 @@ def verify(path: Any, *, step: int | None = None, all_steps: bool = False) -> li
     core checkpoint. Returns one :class:`VerifyResult` per piece; never raises for
     damage (only :class:`CheckpointNotFoundError` when nothing checkable is there).
     """
+    _read_options.check_verify(step=step, all_steps=all_steps)  # OptionError naming one
     loc = Location.from_path(path)
     if loc.exists(COMMIT_FILE):
         return [_verify_pytree(loc, None, None)]

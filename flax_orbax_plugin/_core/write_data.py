@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import threading
 from typing import Any
 
 from .._base import faults as _faults
@@ -35,10 +36,12 @@ def write_data(
     primary: bool,
     limit: int,
     links: dict[int, Any],
+    cancelled: threading.Event | None = None,
 ) -> tuple[int, int]:
     """Writes this process's chunks (and, on the primary, every zarr.json), linking or
     copying the leaves in ``links`` instead where it can; returns (bytes written, bytes
-    reused). Takes the batches it writes out of ``batch_data``."""
+    reused). Takes the batches it writes out of ``batch_data``. Stops (KeyboardInterrupt)
+    at the next region once ``cancelled`` is set."""
     arrays = [
         (leaf, _arrays.leaf_spec(staging, leaf.index, leaf.record))
         for leaf in leaves
@@ -66,7 +69,7 @@ def write_data(
         if leaf.writes and leaf.index not in skip
     ]
     jobs += _batch_jobs(batch_specs, batches, batch_data, writer)
-    pending = _Pending(limit)
+    pending = _Pending(limit, cancelled)
     reused = 0
     try:
         pending.write_all(jobs)
@@ -99,8 +102,10 @@ def _start_links(staging: Location, linking: list, links: dict[int, Any]):
     if not linking:
         return None, []
     workers = 1 if staging.is_local else _LEAVES_COPIED_AT_ONCE
-    linker = concurrent.futures.ThreadPoolExecutor(
-        workers, thread_name_prefix="fop-link", initializer=_priority.lower
+    linker = concurrent.futures.ThreadPoolExecutor(  # hard links alone may be lowered
+        workers,
+        thread_name_prefix="fop-link",
+        initializer=_priority.initializer(local_only=staging.is_local),
     )
     return linker, [linker.submit(links[leaf.index]) for leaf, _ in linking]
 
@@ -166,8 +171,9 @@ class _Pending:
     """Writes in flight (future, bytes), drained whenever more than ``limit`` bytes are
     (the host-memory budget); ``written`` counts the bytes handed out."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, cancelled: threading.Event | None = None):
         self.limit = limit
+        self.cancelled = cancelled
         self.futures: collections.deque = collections.deque()
         self.in_flight = 0
         self.written = 0
@@ -187,6 +193,8 @@ class _Pending:
         is released once its write is done)."""
         store = None
         while writes:
+            if self.cancelled is not None and self.cancelled.is_set():
+                raise KeyboardInterrupt("the save was cancelled while writing its data")
             index, data = writes.pop()
             data = _device_copy.materialize(data)  # a region still on its device: copied now
             if data.size:
@@ -202,6 +210,7 @@ class _Pending:
                 self.written += data.nbytes
                 if self.written == data.nbytes:
                     _faults.kill_point("mid_write")
+                    _faults.pause_point("mid_write")
             del data
             self.drain(self.limit)
 

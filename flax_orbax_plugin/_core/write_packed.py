@@ -12,6 +12,7 @@ save's background thread.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ def write_packed(
     limit: int,
     data_file_bytes: int | None = None,
     reuse: Callable[[], Any] | None = None,
+    cancelled: threading.Event | None = None,
 ) -> tuple[int, dict[str, str], int]:
     """Writes this process's chunks into its data files and its index; returns (bytes
     written, {index file: sha256}, bytes reused). Takes the batches it writes out of
@@ -63,7 +65,7 @@ def write_packed(
     plain = [(name, None) for name, b in batches.items() if b.codec is None]
     jobs += _batch_jobs(plain, batches, batch_data, writer)
     jobs += _compressed_batch_jobs(batches, batch_data, writer)
-    pending = _Pending(limit)
+    pending = _Pending(limit, cancelled)
     try:
         try:
             pending.write_all(jobs)

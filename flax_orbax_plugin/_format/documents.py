@@ -10,6 +10,7 @@ checkpoint, a file, nothing). Reads two small JSON files; safe from any thread.
 from __future__ import annotations
 
 from .._errors import CorruptCheckpointError
+from .._storage import json_docs as _docs
 from .._storage.location import Location
 from . import layout as _layout
 from . import steps as _steps
@@ -22,7 +23,7 @@ def read_document(location: Location) -> CheckpointDocument:
     a committed manager step), checked against the checksum recorded at its commit."""
     where = f"{location}/{METADATA_FILE}"
     raw = read_listed(location, METADATA_FILE)
-    return CheckpointDocument.from_json(_layout.decode(raw, where), where)
+    return CheckpointDocument.from_json(_layout.decode(raw, where, _docs.METADATA), where)
 
 
 def read_listed(location: Location, name: str) -> bytes:
@@ -49,5 +50,5 @@ def read_listed(location: Location, name: str) -> bytes:
         raise CorruptCheckpointError(f"{location} is committed but {name} is missing")
     found = _layout.sha256(raw)
     if found != expected:
-        _layout.decode_checked(raw, where, expected)  # raises, naming both checksums
+        _layout.sha256_mismatch(where, expected, found)
     return raw

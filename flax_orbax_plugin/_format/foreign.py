@@ -17,7 +17,7 @@ import os
 import re
 from typing import Any
 
-from .._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
+from .._errors import CheckpointError, ForeignEntryError
 from .._storage.local_files import entry_kind
 from .._storage.location import Location
 from .._storage.untrusted import open_regular
@@ -27,10 +27,13 @@ from .layout import MANIFEST_FILE, METADATA_FILE
 
 STEP_METADATA = "_CHECKPOINT_METADATA"  # a step's (or a lone item's) handler record
 ITEM_METADATA = "_METADATA"  # a pytree item's tree metadata
+COMMIT_FILE = "commit_success.txt"  # orbax's commit mark where it cannot rename (GCS)
+TMP_MARK = ".orbax-checkpoint-tmp"  # in the name of every unfinished orbax save
 OWN_FILES = (METADATA_FILE, MANIFEST_FILE)  # this plugin's files: never Orbax
 # '<step>', or '<prefix>_<step>' as orbax's step_prefix and flax.training.checkpoints
-# ('checkpoint_100') name them; unfinished saves ('<name>.orbax-checkpoint-tmp-...') never match.
-STEP_RE = re.compile(r"^(?:[A-Za-z0-9-]+_)?([0-9]+)$")
+# ('checkpoint_100') name them (group 1: the prefix, group 2: the step); unfinished
+# saves ('<name>.orbax-checkpoint-tmp-...') and hidden entries never match.
+STEP_RE = re.compile(r"^(?:([A-Za-z0-9][A-Za-z0-9._-]*)_)?([0-9]+)$", re.ASCII)
 
 
 def is_step(loc: Location) -> bool:
@@ -38,7 +41,14 @@ def is_step(loc: Location) -> bool:
 
 
 def is_orbax_checkpoint(path: Any) -> bool:
-    """True when ``path`` is an Orbax item, step or manager directory (never one of ours)."""
+    """True when ``path`` is an Orbax item, step or manager directory (never one of ours).
+
+    A manager directory is one whose newest entry named like a step is an Orbax step
+    (``_CHECKPOINT_METADATA``); what is no step of anyone's is passed over to find it
+    (an empty ``999/``, a file, a save Orbax left unfinished, a link), so the cost is
+    a few lookups, not one per step. A folder of the user's (``2024/`` with files but
+    no record) or a step of this library there says it is no Orbax run; a directory
+    holding no step but an unfinished Orbax save is one (its reader says what it holds)."""
     try:
         loc = Location.from_path(path)
     except (TypeError, ValueError):
@@ -49,28 +59,65 @@ def is_orbax_checkpoint(path: Any) -> bool:
         return True
     if loc.is_local and not loc.is_dir():
         return False
-    numbered = numbered_children(loc)
-    if not numbered:
-        return False
-    latest = subdir(loc, numbered[max(numbered)], "step")  # one look, not one per step
-    if latest is None:
-        return False
-    return latest.exists(STEP_METADATA) and not any(latest.exists(n) for n in OWN_FILES)
+    for _, _, name in sorted(numbered_children(loc), reverse=True):  # newest first
+        try:
+            child = subdir(loc, name, "step")
+            if child is None:
+                continue  # a file: no step of anyone's
+            if any(child.exists(n) for n in OWN_FILES):
+                return False  # a directory of this library's steps
+            if child.exists(STEP_METADATA) or legacy_step(child):
+                return True
+            if child.list_children():
+                return False  # a folder of the user's (no record): not an Orbax run
+        except CheckpointError:
+            continue  # a link or special file: never followed; the reader names it
+    # no step at all, but a save Orbax left unfinished: the reader says so
+    return any(TMP_MARK in name for name in loc.list_children())
 
 
-def numbered_children(loc: Location) -> dict[int, str]:
-    """{step: child name} for the children named like steps (not checked further)."""
-    out: dict[int, str] = {}
+def numbered_children(loc: Location) -> list[tuple[int, str, str]]:
+    """``(step, prefix, name)`` of the children named like steps (not checked further;
+    two may name one step: the caller decides which of them is a step)."""
+    out = []
     for name in loc.list_children():
         m = STEP_RE.match(name)
-        if m:
-            step = int(m.group(1))
-            if step in out:
-                raise CorruptCheckpointError(
-                    f"{loc}: step {step} appears twice ({out[step]!r} and {name!r})"
-                )
-            out[step] = name
+        if m and TMP_MARK not in name:
+            out.append((int(m.group(2)), m.group(1) or "", name))
     return out
+
+
+OURS = "a step of this library, not of Orbax"
+_MAX_LEGACY_PROBES = 16  # item folders looked into for a step without a record
+
+
+def legacy_step(step_loc: Location) -> bool:
+    """Whether ``step_loc`` (named like a step, no ``_CHECKPOINT_METADATA``) is a step
+    of an older orbax, which wrote no step record: a folder in it holds ``_METADATA``."""
+    for name in [n for n in step_loc.list_children() if n[:1] not in "._"][:_MAX_LEGACY_PROBES]:
+        try:
+            child = subdir(step_loc, name, "item")
+            if child is not None and child.exists(ITEM_METADATA):
+                return True
+        except CheckpointError:
+            continue  # a link: never followed here; the reader names it
+    return False
+
+
+def not_finalized(step_loc: Location) -> str | None:
+    """Why the directory ``step_loc`` (named like a step) is no finalized Orbax step,
+    or None when it is one: orbax finalizes a step by renaming it into place after
+    writing its ``_CHECKPOINT_METADATA``, and on GCS (no rename) by writing
+    ``commit_success.txt`` last."""
+    if any(step_loc.exists(n) for n in OWN_FILES):
+        return OURS
+    if not step_loc.exists(STEP_METADATA) and not legacy_step(step_loc):
+        if not step_loc.list_children():
+            return "an empty folder" if step_loc.is_local else "nothing stored under it"
+        return f"no {STEP_METADATA} and no item holding {ITEM_METADATA} (not an Orbax step)"
+    if step_loc.spec.get("driver") == "gcs" and not step_loc.exists(COMMIT_FILE):
+        return f"no {COMMIT_FILE}: a save Orbax never finished on GCS"
+    return None
 
 
 def local_kind(loc: Location, name: str) -> str | None:

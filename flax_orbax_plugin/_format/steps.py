@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from collections.abc import Mapping
 from typing import Any
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
+from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .foreign import foreign_format_hint
 from .layout import MANIFEST_FILE, StepManifest, decode_checked
@@ -20,6 +20,8 @@ from .layout import MANIFEST_FILE, StepManifest, decode_checked
 _STEP = r"(0|[1-9][0-9]{0,17})"
 STEP_RE = re.compile(rf"^{_STEP}$", re.ASCII)
 TMP_RE = re.compile(rf"^{_STEP}\.(partial|deleting)-[0-9a-z]{{1,32}}$", re.ASCII)
+# The staging of a core save (``fop.save(<dir>/<name>)``), beside its target: not a step.
+SAVE_STAGING_RE = re.compile(r"^[^/]+\.(partial|deleting)-[0-9a-z]{1,32}$", re.ASCII)
 CORRUPT_RE = re.compile(rf"^{_STEP}\.corrupt-[0-9a-z]{{1,32}}$", re.ASCII)
 LOCK_NAME = ".writer.lock"
 # Records of ours at the top of a directory (run owner, damaged persistent copies):
@@ -162,32 +164,4 @@ def read_item_json(item_loc: Location, name: str) -> object:
     raw = item_loc.read_bytes(name)
     if raw is None:
         raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
-    value = decode_checked(raw, where, expected)
-    if json_too_deep(value):
-        raise CorruptCheckpointError(
-            f"{where}: a JSON value nested more than {MAX_JSON_DEPTH} levels of lists and "
-            f"objects, deeper than the writer ever commits"
-        )
-    return value
-
-
-MAX_JSON_DEPTH = 100  # lists/objects in an item's JSON value: checked on write and on read
-
-
-def json_too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether ``value`` nests lists, tuples and mappings more than ``limit`` levels.
-    Iterative, depth first, stopping at the limit: never a RecursionError, and a value
-    that holds itself (a cycle) counts as too deep."""
-    stack = [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, Mapping):
-            children: Any = item.values()
-        elif isinstance(item, list | tuple):
-            children = item
-        else:
-            continue
-        if level > limit:
-            return True
-        stack.extend((child, level + 1) for child in children)
-    return False
+    return decode_checked(raw, where, expected, _docs.JSON_ITEM)

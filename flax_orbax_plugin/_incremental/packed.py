@@ -28,8 +28,6 @@ import stat
 from collections.abc import Callable
 
 from .._errors import CheckpointError
-from .._format import documents as _documents
-from .._format import layout as _layout
 from .._format.layout import LeafRecord, array_dir
 from .._storage import server_copy as _server_copy
 from .._storage.local_files import open_dirs as _open_dirs
@@ -85,9 +83,7 @@ def reuse_files(
     taken (logged where something was refused): a :class:`Taken` without files."""
     none = Taken({}, {}, frozenset(), 0, frozenset(unchanged))
     try:
-        raw = _documents.read_listed(source, _index.index_name(process))
-        where = f"{source}/{_index.index_name(process)}"
-        previous = _index.DataIndex.from_json(_layout.decode(raw, where), where, process)
+        previous = _index.read_index(source, process)
     except (CheckpointError, OSError) as e:
         logger.warning("incremental save: not reusing data files of %s: %s", source, e)
         return none

@@ -28,7 +28,7 @@ from .._base import distributed as _distributed
 from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._format.documents import read_document
-from .._format.layout import ArrayStorage, CheckpointDocument, LeafRecord
+from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument, LeafRecord
 from .._storage import server_copy as _server_copy
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
@@ -220,6 +220,32 @@ def plan_reuse(records: dict[int, LeafRecord], previous: CheckpointDocument) -> 
         ):
             out[i] = j
     return out
+
+
+def report_batched(store: Location, item: str, records: Iterable[LeafRecord]) -> None:
+    """Says (INFO, once per store and item, in this process) which leaves of ``item``
+    are batched (``BatchStorage``: leaves of 1 MiB or less, packed together into
+    one array) and so written again at every incremental step, changed or not: reuse
+    takes only leaves stored as their own arrays. See docs/incremental.md."""
+    batched = [r for r in records if isinstance(r.storage, BatchStorage)]
+    if not batched:
+        return
+    key = (str(store), f"batched:{item}")
+    with _LOGGED_LOCK:
+        if key in _LOGGED:
+            return
+        _LOGGED.add(key)
+    nbytes = sum(r.nbytes for r in batched)
+    names = ", ".join(r.path for r in batched[:8]) + (", ..." if len(batched) > 8 else "")
+    logger.info(
+        "incremental save: %d small leaves of %s (%d bytes in all; batched, 1 MiB or less "
+        "each) are written again at every step, changed or not; only leaves stored as "
+        "their own arrays are reused: %s",
+        len(batched),
+        item,
+        nbytes,
+        names,
+    )
 
 
 # -- 4. the chunks a process reuses -----------------------------------------------------

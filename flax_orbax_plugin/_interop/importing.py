@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core import ownership as _ownership
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -28,13 +29,16 @@ from .._errors import (
     StructureError,
     UnsupportedLocationError,
 )
-from .._format.foreign import is_orbax_checkpoint
+from .._format.foreign import STEP_RE, is_orbax_checkpoint
 from .._format.places import holding_checkpoint
 from .._format.steps import list_directory
+from .._manager import option_table as _option_table
 from .._manager.manager import CheckpointManager
 from .._storage.kvstore import local_path
 from .._storage.location import Location
+from .._storage.lock import LOCK_FILE
 from . import msgpack_reader, orbax_reader
+from .import_step import choose_step, state_step
 
 __all__ = [
     "import_checkpoint",
@@ -81,12 +85,26 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
       ``opt_state``, ``step`` ...); any other tree becomes ``params``;
     * several items: an item named like one of ours is kept by name; a pytree item
       holding a training state is split as above; any other pytree is kept by name;
-    * JSON items go into ``extras`` under their item name.
+    * JSON items go into ``extras`` under their item name, but for the ``metrics``
+      item that Orbax's ``CheckpointManager`` writes beside each step (``best_fn``):
+      its entries become top-level extras, where this library's ``keep_best`` and
+      ``flax-orbax list`` look for a step's metrics.
 
     Returns ``(step, items, extras)`` with step left as -1 (the caller decides).
     """
     pytrees = {n: t for n, t in trees.items() if kinds[n] == "pytree" and t is not None}
-    extras = {n: t for n, t in trees.items() if kinds[n] == "json"}
+    extras = {n: t for n, t in trees.items() if kinds[n] == "json" and n != "metrics"}
+    metrics = trees.get("metrics") if kinds.get("metrics") == "json" else None
+    if isinstance(metrics, Mapping):
+        clash = sorted(set(metrics) & set(extras))
+        if clash:
+            raise StructureError(
+                f"metric {clash[0]!r} of {source}: also the name of a JSON item; import "
+                f"one of them only"
+            )
+        extras.update(metrics)
+    elif metrics is not None:
+        extras["metrics"] = metrics
     items: dict[str, Any] = {}
     if len(pytrees) == 1:
         ((name, tree),) = pytrees.items()
@@ -161,20 +179,29 @@ def save_steps(
     """
     refuse_inside_checkpoint(out_dir)
     refuse_foreign_targets(out_dir, list(planned))
-    written = []
-    with CheckpointManager(out_dir, async_save=False, format_version=format_version) as mngr:
-        for number, (_, items, extras) in steps:
-            refuse_foreign_targets(out_dir, [number])
-            if not force and number in mngr.steps():
-                raise FileExistsError(
-                    f"{out_dir}: step {number} exists already; pass force=True (--force) "
-                    f"to replace it"
-                )
-            # overwrite: an imported step may lie below the latest one (no training run
-            # is resumed here); an existing step was refused above unless force.
-            mngr.save(number, items, extras=extras, force=True, overwrite=True)
-            written.append(number)
-            del items, extras  # one step's trees at a time
+    loc = Location.from_path(out_dir)
+    created = _ownership.missing_directories(loc.path) if loc.is_local else []
+    written: list[int] = []
+    try:
+        with CheckpointManager(out_dir, async_save=False, format_version=format_version) as mngr:
+            for number, (_, items, extras) in steps:
+                refuse_foreign_targets(out_dir, [number])
+                if not force and number in mngr.steps():
+                    raise FileExistsError(
+                        f"{out_dir}: step {number} exists already; pass force=True (--force) "
+                        f"to replace it"
+                    )
+                # overwrite: an imported step may lie below the latest one (no training run
+                # is resumed here); an existing step was refused above unless force.
+                mngr.save(number, items, extras=extras, force=True, overwrite=True)
+                written.append(number)
+                del items, extras  # one step's trees at a time
+    except BaseException as e:  # Ctrl-C too: the manager removed the step in progress
+        if written:
+            e.add_note(f"the import committed step(s) {written} to {loc} before it failed")
+        else:  # a directory this import created holds only its lock file: both go
+            _ownership.remove_created(created, files=(LOCK_FILE,))
+        raise
     return written
 
 
@@ -220,18 +247,30 @@ def import_orbax(
     """Writes Orbax checkpoints as steps of a ``CheckpointManager`` directory.
 
     ``src`` is an Orbax manager directory (every committed step, or only ``step``),
-    a step directory or an item directory (written as ``step``, default: the
-    directory's own number, else 0). Leaves are read one at a time to host memory
-    and the assembled step is saved with the public ``CheckpointManager.save``, so
-    the peak is about twice the step's bytes (the tree, then the save's own host
-    snapshot). Returns the steps written. Items map as :func:`step_items` says.
+    a step directory or an item directory. Each is written as ``step`` when given
+    (refused unless it equals a training state's ``step`` leaf, where there is one),
+    else as that leaf, else as the step directory's number; with none of them it is
+    refused (``import_step.choose_step``). Leaves are read one at a
+    time to host memory and the assembled step is saved with the public
+    ``CheckpointManager.save``, so the peak is about twice the step's bytes (the tree,
+    then the save's own host snapshot). Returns the steps written. Items map as
+    :func:`step_items` says.
     """
+    _option_table.check_import(step=step, force=force, format_version=format_version)
     targets = orbax_reader.steps_to_import(src, step)
 
     def states():
-        for number, step_loc in targets:
+        for _, step_loc in targets:
             trees, kinds = orbax_reader.read_step(step_loc)
-            yield number, step_items(trees, kinds, source=str(step_loc))
+            imported = step_items(trees, kinds, source=str(step_loc))
+            stored = imported[1].get("step")  # a training state's step leaf, as an int
+            stored = stored if isinstance(stored, int) else None
+            named = STEP_RE.match(step_loc.name)  # an Orbax step directory's number
+            named = int(named.groups()[-1]) if named else None  # the last group: digits
+            yield (
+                choose_step(str(step_loc), given=step, named=named, stored=stored),
+                imported,
+            )
 
     planned = [n for n, _ in targets]
     return save_steps(
@@ -249,20 +288,32 @@ def import_msgpack(
 ):
     """Writes Flax msgpack checkpoints as steps of a ``CheckpointManager`` directory.
 
-    ``src`` is one msgpack file (written as ``step``; default: the number its name
-    ends with, else 0) or a ``flax.training.checkpoints`` directory (every
-    ``<prefix><step>`` file, or only ``step``). A state dict with ``params`` is
-    split into items (``params``, ``opt_state``, ``step`` ...), any other tree is
-    saved as ``params``. Returns the steps written.
+    ``src`` is one msgpack file or a ``flax.training.checkpoints`` directory (every
+    ``<prefix><step>`` file, or only ``step``). Each is written as ``step`` when given
+    (refused unless it equals the state's ``step`` leaf, a Flax ``TrainState``'s,
+    where the state has one), else as the state's step, else as the number its name
+    ends with; a file with none of them is refused (``import_step.choose_step``),
+    the first before anything is written. A state dict with ``params`` is split into
+    items (``params``, ``opt_state``, ``step`` ...), any other tree is saved as
+    ``params``. Returns the steps written.
     """
+    _option_table.check_import(step=step, force=force, format_version=format_version)
     numbered = msgpack_reader.files_to_import(src, step)
 
-    def states():  # one file's tree in memory at a time
-        for number, path in numbered:
-            tree = msgpack_reader.read_msgpack(path)
-            yield number, step_items({"state": tree}, {"state": "pytree"}, source=path)
+    def read(named: int | None, path: str) -> tuple[int, ImportedStep]:
+        tree = msgpack_reader.read_msgpack(path)
+        stored = state_step(tree, path)
+        number = choose_step(path, given=step, named=named, stored=stored)
+        return number, step_items({"state": tree}, {"state": "pytree"}, source=path)
 
-    planned = [n for n, _ in numbered]
+    first = [read(*numbered[0])]  # its step decided (or refused) before anything is written
+    planned = [first[0][0], *(n for n, _ in numbered[1:] if n is not None)]
+
+    def states():  # one file's tree in memory at a time
+        yield first.pop()
+        for named, path in numbered[1:]:
+            yield read(named, path)
+
     return save_steps(
         out_dir, states(), force=force, planned=planned, format_version=format_version
     )

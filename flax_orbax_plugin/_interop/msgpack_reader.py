@@ -278,17 +278,18 @@ def _files(src: str, step: int | None) -> list[tuple[int | None, str]]:
     return found
 
 
-def files_to_import(src: Any, step: int | None) -> list[tuple[int, str]]:
-    """``[(step number, file)]`` that importing ``src`` writes: one msgpack file (as
-    ``step``; default: the number its name ends with, else 0) or every
+def files_to_import(src: Any, step: int | None) -> list[tuple[int | None, str]]:
+    """``[(the step its name gives, file)]`` that importing ``src`` reads: one msgpack
+    file (a name ending in digits gives its number, else None) or every
     ``<prefix><step>`` file of a ``flax.training.checkpoints`` directory (or only
-    ``step``). Reads names and one byte of each file."""
+    ``step``). Reads names and one byte of each file; the step each is written as is
+    ``import_step.choose_step``'s, once its state is read."""
     src = local_path(src, what="msgpack source")
 
-    def number_of(number: int | None, path: str) -> int:
+    def number_of(number: int | None, path: str) -> int | None:
         if number is not None:
             return number
         m = _CHECKPOINT_RE.match(os.path.basename(path))
-        return step if step is not None else (int(m.group("step")) if m else 0)
+        return int(m.group("step")) if m else None
 
     return [(number_of(n, p), p) for n, p in _files(src, step)]

@@ -1,12 +1,14 @@
 """The layout of an Orbax checkpoint, read as data: manager, step and item directories.
 
-A manager directory holds numbered step directories; a step holds
-``_CHECKPOINT_METADATA`` and one directory per item; an item holds ``_METADATA``
-(each leaf's key path and value type, OCDBT and zarr3 flags) or a JSON item's
-``metadata``. :func:`open_orbax` resolves any of them into :class:`OrbaxItem`s, every
-metadata field checked (a :class:`CorruptCheckpointError` names the file and field);
-nothing below the named path is followed (a link is a :class:`ForeignEntryError`).
-Arrays are read by :mod:`.orbax_reader`. Layout and trust rules: ``docs/orbax.md``.
+A manager directory holds numbered step directories (which of them are steps:
+:mod:`.orbax_steps`); a step holds ``_CHECKPOINT_METADATA`` (naming each item's
+handler) and one directory per item; an item holds ``_METADATA`` (a pytree: each
+leaf's key path and value type, OCDBT and zarr3 flags), one JSON file (``JsonSave``,
+the manager's ``metrics``), a proto as text, or a random key's folders.
+:func:`open_orbax` resolves any of them into :class:`OrbaxItem`s, every metadata field
+checked (a :class:`CorruptCheckpointError` names the file and field); nothing below
+the named path is followed (a link is a :class:`ForeignEntryError`). Arrays are read
+by :mod:`.orbax_reader`. Layout, trust rules and what is refused: ``docs/orbax.md``.
 """
 
 from __future__ import annotations
@@ -17,16 +19,17 @@ from typing import Any
 from .._base import tree as _tree
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._format.foreign import (
+    COMMIT_FILE,
     ITEM_METADATA,
-    OWN_FILES,
     STEP_METADATA,
     STEP_RE,
     is_step,
-    numbered_children,
+    legacy_step,
     subdir,
 )
 from .._storage.location import Location
 from .._storage.untrusted import loads_json
+from .orbax_steps import list_steps
 
 JSON_ITEM_FILE = "metadata"  # what orbax's JsonSave writes
 STRINGS_FILE = "_strings.json"
@@ -47,15 +50,21 @@ class OrbaxLeaf:
 
 @dataclasses.dataclass(frozen=True)
 class OrbaxItem:
-    """One item of an Orbax checkpoint: a pytree (``leaves``) or a JSON value."""
+    """One item of an Orbax checkpoint: a pytree (``leaves``), a JSON value or a text
+    (``file``), or one this reader cannot read (``unreadable`` says why; an error only
+    when its value is asked for)."""
 
     location: Location
     name: str
-    kind: str  # 'pytree' or 'json'
+    kind: str  # 'pytree', 'json', 'text' or 'unreadable'
     leaves: tuple[OrbaxLeaf, ...] = ()
     use_ocdbt: bool = True
     use_zarr3: bool = False
     all_chunks_stored: bool = False
+    file: str = JSON_ITEM_FILE  # the JSON or text file of a 'json' or 'text' item
+    unwrap: bool = False  # one array saved alone (ArraySave, a random key): the leaf itself
+    as_tuple: bool = False  # numpy's legacy random state: a tuple, as get_state() gives it
+    unreadable: str = ""
 
     def __str__(self) -> str:
         return str(self.location)
@@ -64,20 +73,14 @@ class OrbaxItem:
 # -- recognizing and listing ----------------------------------------------------------
 
 
-def _is_item(loc: Location) -> bool:
-    return loc.exists(ITEM_METADATA) or loc.exists(JSON_ITEM_FILE)
+def _is_item(loc: Location, name: str) -> bool:
+    return loc.exists(ITEM_METADATA) or loc.exists(JSON_ITEM_FILE) or loc.exists(name)
 
 
 def step_dirs(loc: Location) -> dict[int, Location]:
-    """{step: directory} of the committed steps of an Orbax manager directory."""
-    out = {}
-    for step, name in sorted(numbered_children(loc).items()):
-        child = subdir(loc, name, "step")
-        if child is None:
-            continue
-        if child.exists(STEP_METADATA) and not any(child.exists(n) for n in OWN_FILES):
-            out[step] = child
-    return out
+    """{step: directory} of the finalized steps of an Orbax manager directory (see
+    :mod:`.orbax_steps`: entries that are no steps are passed over)."""
+    return list_steps(loc).steps
 
 
 def read_json(loc: Location, name: str) -> Any:
@@ -86,6 +89,23 @@ def read_json(loc: Location, name: str) -> Any:
     if raw is None:
         raise CorruptCheckpointError(f"{loc}/{name}: missing")
     return loads_json(raw, f"{loc}/{name}")
+
+
+def custom_metadata(loc: Location) -> dict[str, Any]:
+    """The ``custom_metadata`` the record of the step (or lone item) at ``loc`` holds
+    (``CheckpointManager.save(..., custom_metadata=)``); {} when it holds none."""
+    if not loc.exists(STEP_METADATA):
+        return {}
+    record = read_json(loc, STEP_METADATA)
+    value = record.get("custom_metadata") if isinstance(record, dict) else None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(
+            f"{loc}/{STEP_METADATA}: field 'custom_metadata': expected an object, found "
+            f"{str(value)[:100]}"
+        )
+    return value
 
 
 def _parse_keys(entry: Any, where: str, max_index: int) -> tuple[tuple[tuple[str, Any], ...], str]:
@@ -117,15 +137,89 @@ def _parse_keys(entry: Any, where: str, max_index: int) -> tuple[tuple[tuple[str
     return tuple(keys), param_name
 
 
-def _item(loc: Location, name: str) -> OrbaxItem:
+# Orbax's handlers by class name (the last part of the dotted name _CHECKPOINT_METADATA
+# records; never imported): what each writes in its item directory.
+_PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler", "PyTreeHandler")
+_JSON_HANDLERS = ("JsonCheckpointHandler", "JsonHandler", "MetricsHandler")
+_TEXT_HANDLERS = ("ProtoCheckpointHandler", "ProtoHandler")
+_KEY_HANDLERS = {  # a random key: an array item in a folder, beside a JSON flag
+    "JaxRandomKeyCheckpointHandler": "jax_random_key",
+    "NumpyRandomKeyCheckpointHandler": "np_random_key",
+}
+
+
+def _item(loc: Location, name: str, handler: str | None = None) -> OrbaxItem:
+    """The item at ``loc``, read as its ``handler`` (a class name from the step's
+    record) wrote it; without one, as its files say (``_METADATA``: a pytree; a
+    ``metadata`` file, or one named like the item as the manager's ``metrics``: JSON)."""
     loc.check_no_links()  # local: no symlink, FIFO or device anywhere in the item
-    if not loc.exists(ITEM_METADATA):
-        if loc.exists(JSON_ITEM_FILE):
-            return OrbaxItem(loc, name, "json")
-        raise CheckpointNotFoundError(
-            f"{loc}: not an Orbax checkpoint item (expected {ITEM_METADATA} or "
-            f"{JSON_ITEM_FILE}; found {', '.join(loc.list_children()) or 'nothing'})"
+    short = handler.rsplit(".", 1)[-1] if isinstance(handler, str) else None
+    if short in _KEY_HANDLERS:
+        return _key_item(loc, name, _KEY_HANDLERS[short])
+    if short == "ArrayCheckpointHandler":
+        return dataclasses.replace(_pytree_item(loc, name), unwrap=True)
+    if short in _JSON_HANDLERS or short in _TEXT_HANDLERS:
+        kind = "json" if short in _JSON_HANDLERS else "text"
+        return OrbaxItem(loc, name, kind, file=_only_file(loc, f"{short} item"))
+    if short in _PYTREE_HANDLERS or loc.exists(ITEM_METADATA):
+        return _pytree_item(loc, name)
+    for file in (JSON_ITEM_FILE, name):
+        if short is None and loc.exists(file):
+            return OrbaxItem(loc, name, "json", file=file)
+    if short is not None:
+        return OrbaxItem(
+            loc,
+            name,
+            "unreadable",
+            unreadable=f"written by {short[:100]}, which this reader "
+            f"does not know (docs/orbax.md lists what it reads)",
         )
+    raise CheckpointNotFoundError(
+        f"{loc}: not an Orbax checkpoint item (expected {ITEM_METADATA} or "
+        f"{JSON_ITEM_FILE}; found {', '.join(loc.list_children()) or 'nothing'})"
+    )
+
+
+def _only_file(loc: Location, what: str) -> str:
+    """The one file a JSON or proto item holds besides orbax's commit mark (and, saved
+    alone, its record); hidden files (a copy's ``.DS_Store``) are no part of it."""
+    if loc.is_local:  # no link or special file is left: check_no_links ran
+        files = [n for n, k in loc.child_kinds().items() if k == "file"]
+    else:  # a key, not a prefix of keys
+        files = [n for n in loc.list_children() if loc.exists(n)]
+    files = sorted(n for n in files if n not in (COMMIT_FILE, STEP_METADATA) and n[:1] != ".")
+    if len(files) != 1:
+        raise CorruptCheckpointError(
+            f"{loc}: a {what}: expected one file besides {COMMIT_FILE}, found "
+            f"{', '.join(files) or 'none'}"
+        )
+    return files[0]
+
+
+def _key_item(loc: Location, name: str, folder: str) -> OrbaxItem:
+    """A random key item: the key's array (or numpy's state tree) in ``folder``, and a
+    JSON flag in ``<folder>_metadata`` (numpy: ``legacy``, a ``get_state()`` tuple)."""
+    inner = subdir(loc, folder, "item")
+    if inner is None:
+        raise CorruptCheckpointError(f"{loc}: a random key item without its {folder}/ folder")
+    item = dataclasses.replace(_pytree_item(inner, name), location=inner)
+    if folder == "jax_random_key":
+        return dataclasses.replace(item, unwrap=True)
+    flags = subdir(loc, folder + "_metadata", "item")
+    doc = read_json(flags, JSON_ITEM_FILE) if flags is not None else {}
+    legacy = doc.get("legacy", False) if isinstance(doc, dict) else None
+    if not isinstance(legacy, bool):
+        raise CorruptCheckpointError(
+            f"{loc}/{folder}_metadata/{JSON_ITEM_FILE}: field 'legacy': expected true or "
+            f"false, found {str(legacy)[:100]}"
+        )
+    return dataclasses.replace(item, as_tuple=legacy)
+
+
+def _pytree_item(loc: Location, name: str) -> OrbaxItem:
+    """A pytree item: its ``_METADATA`` parsed, every field checked."""
+    if not loc.exists(ITEM_METADATA):
+        raise CorruptCheckpointError(f"{loc}: a pytree item without its {ITEM_METADATA}")
     doc = read_json(loc, ITEM_METADATA)
     where = f"{loc}/{ITEM_METADATA}"
     tree_meta = doc.get("tree_metadata") if isinstance(doc, dict) else None
@@ -230,43 +324,47 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
     directory). The step is None when ``path`` is not inside a manager directory.
     """
     loc = Location.from_path(path)
-    if not is_step(loc):
-        dirs = step_dirs(loc)
-        if not dirs:
-            raise CheckpointNotFoundError(f"{loc}: not an Orbax checkpoint (no steps, no items)")
-        if step is None:
-            step = max(dirs)
-        if step not in dirs:
-            raise CheckpointNotFoundError(f"{loc}: no Orbax step {step}; steps: {sorted(dirs)}")
-        loc = dirs[step]
-    elif step is not None:
+    listing = None if is_step(loc) else list_steps(loc)
+    if listing is not None and (listing.steps or not legacy_step(loc)):
+        step = listing.choose(step)
+        loc = listing.steps[step]
+    elif step is not None:  # one step (an older orbax's has no record) or item
         raise ValueError(f"{loc} is one Orbax checkpoint; step={step} does not apply")
     else:
         m = STEP_RE.match(loc.name)
-        step = int(m.group(1)) if m else None
-    if loc.exists(ITEM_METADATA) or loc.exists(JSON_ITEM_FILE):
-        return step, {loc.name: _item(loc, loc.name)}
-    record = read_json(loc, STEP_METADATA)
+        step = int(m.group(2)) if m else None
+    record = read_json(loc, STEP_METADATA) if loc.exists(STEP_METADATA) else None
     handlers = record.get("item_handlers") if isinstance(record, dict) else None
+    if isinstance(handlers, str) or (
+        not isinstance(handlers, dict) and (loc.exists(ITEM_METADATA) or loc.exists(JSON_ITEM_FILE))
+    ):  # a lone item: its own record names its handler (a str), or none does
+        return step, {loc.name: _item(loc, loc.name, handlers)}
+    return step, _step_items(loc, handlers)
+
+
+def _step_items(loc: Location, handlers: Any) -> dict[str, OrbaxItem]:
+    """The items of the step at ``loc``: those its record's ``item_handlers`` names,
+    else (an older orbax) every folder that looks like an item."""
     if isinstance(handlers, dict):
-        names = sorted(handlers)
-        for name in names:
+        for name in handlers:
             if not _plain(name):
                 raise CorruptCheckpointError(
                     f"{loc}/{STEP_METADATA}: item_handlers names item {name[:100]!r}; expected "
                     f"a plain directory name inside the step"
                 )
+        names = sorted(handlers)
     else:
         names = [n for n in loc.list_children() if not n.startswith((".", "_"))]
-        names = [n for n in names if (d := subdir(loc, n, "item")) is not None and _is_item(d)]
+        names = [n for n in names if (d := subdir(loc, n, "item")) is not None and _is_item(d, n)]
+        handlers = {}
     items = {}
     for name in names:
         child = subdir(loc, name, "item")
         if child is not None and child.is_dir():  # an item saved empty leaves no directory
-            items[name] = _item(child, name)
+            items[name] = _item(child, name, handlers.get(name))
     if not items:
         raise CheckpointNotFoundError(f"{loc}: an Orbax step without readable items")
-    return step, items
+    return items
 
 
 def _plain(name: Any) -> bool:

@@ -13,6 +13,7 @@ rules: ``docs/orbax.md``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -21,21 +22,26 @@ import jax
 import tensorstore as ts
 
 from .._base import tree as _tree
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureError
-from .._format.foreign import ITEM_METADATA, STEP_METADATA, is_step
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StructureError,
+)
+from .._format.foreign import ITEM_METADATA, is_step
 from .._like import onto_like as _onto_like
 from .._like.retarget import retarget
 from .._storage.kvstore import context
 from .._storage.location import Location
 from .orbax_layout import (
-    JSON_ITEM_FILE,
     STRINGS_FILE,
     OrbaxItem,
     OrbaxLeaf,
+    custom_metadata,
     open_orbax,
     read_json,
-    step_dirs,
 )
+from .orbax_steps import list_steps
 
 __all__ = [
     "orbax_steps",
@@ -45,13 +51,17 @@ __all__ = [
     "steps_to_import",
 ]
 
+logger = logging.getLogger(__name__)
+
 _MAX_LEAF_BYTES = 1 << 40  # a leaf claiming more is malformed metadata, never allocated
+CUSTOM_METADATA = "custom_metadata"  # the extras key import gives a step's custom_metadata
+_ARRAY_LEAF = "checkpoint"  # the one leaf of an ArraySave item (and of a random key)
 
 
 def orbax_steps(path: Any) -> list[int]:
     """Committed steps of an Orbax manager directory (``<step>`` or ``<prefix>_<step>``
     directories holding ``_CHECKPOINT_METADATA``)."""
-    return list(step_dirs(Location.from_path(path)))
+    return list(list_steps(Location.from_path(path)).steps)
 
 
 class _ItemReader:
@@ -187,13 +197,41 @@ def iter_leaves(
         yield leaf, reader.read(leaf, leaf_like, allow_cast=allow_cast)
 
 
-def _json_value(item: OrbaxItem) -> Any:
-    return read_json(item.location, JSON_ITEM_FILE)
+def _small_value(item: OrbaxItem) -> Any:
+    """The value of a JSON item (its one file, parsed) or a text item (a proto saved
+    as text: the text itself)."""
+    if item.kind == "json":
+        return read_json(item.location, item.file)
+    if item.kind == "text":
+        raw = item.location.read_bytes(item.file)
+        if raw is None:
+            raise CorruptCheckpointError(f"{item}/{item.file}: missing")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CorruptCheckpointError(f"{item}/{item.file}: not UTF-8 text ({e})") from None
+    raise CheckpointError(
+        f"item {item.name!r} of the Orbax checkpoint {item.location.parent}: {item.unreadable}; "
+        f"restore the other items (like={{...}} naming them) and this one with orbax"
+    )
 
 
 def _restore_item(item: OrbaxItem, like: Any, partial: bool, allow_cast: bool) -> Any:
-    if item.kind == "json":
-        return _json_value(item)
+    if item.kind != "pytree":
+        return _small_value(item)
+    if item.unwrap:  # one array saved alone: orbax names its only leaf 'checkpoint'
+        if [leaf.path for leaf in item.leaves] != [_ARRAY_LEAF]:
+            raise CorruptCheckpointError(
+                f"{item}/{ITEM_METADATA}: an array item: expected the one leaf "
+                f"{_ARRAY_LEAF!r}, found {[leaf.path for leaf in item.leaves][:5]}"
+            )
+        tree = _restore_tree(item, None if like is None else {_ARRAY_LEAF: like}, allow_cast)
+        return tree[_ARRAY_LEAF]
+    tree = _restore_tree(item, like, allow_cast, partial=partial)
+    return tuple(tree) if item.as_tuple and isinstance(tree, list) else tree
+
+
+def _restore_tree(item: OrbaxItem, like: Any, allow_cast: bool, *, partial: bool = False):
     if like is None:
         return _tree.rebuild(
             (list(leaf.keys), value) for leaf, value in iter_leaves(item, allow_cast=allow_cast)
@@ -218,14 +256,12 @@ def restore_orbax(
 
     An item directory gives its tree; a step or manager directory (latest step, or
     ``step``) gives ``{item name: tree or JSON value}``, and ``like`` is then a
-    dict of some of its items. Dtype changes must be lossless unless ``allow_cast``.
+    dict of its items (JSON and text items may be left out; pytree items only with
+    ``partial``). Dtype changes must be lossless unless ``allow_cast``.
     """
     loc = Location.from_path(path)
-    single = loc.exists(ITEM_METADATA) or (
-        loc.exists(JSON_ITEM_FILE) and not loc.exists(STEP_METADATA)
-    )
     _, items = open_orbax(loc, step=step)
-    if single:
+    if len(items) == 1 and str(next(iter(items.values())).location) == str(loc):  # an item
         (item,) = items.values()
         return _restore_item(item, like, partial, allow_cast)
     if like is None:
@@ -243,8 +279,10 @@ def restore_orbax(
             f"item {unknown[0]!r}: expected by like, found no such item in {loc} "
             f"(items: {sorted(items)})"
         )
-    if not partial and set(like) != set(items):
-        extra = sorted(set(items) - set(like))
+    # JSON, text and unreadable items (metrics, configs) may be left out of like:
+    # a tree of arrays is asked for, and they are not arrays
+    extra = sorted(n for n, item in items.items() if n not in like and item.kind == "pytree")
+    if not partial and extra:
         raise StructureError(
             f"item {extra[0]!r}: found in {loc} but not in like; pass partial=True"
         )
@@ -264,8 +302,9 @@ def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, .
             return item, ("params",)
     if len(pytrees) == 1:
         return pytrees[0], ()
+    where = next(iter(items.values())).location.parent if items else ""
     raise CheckpointNotFoundError(
-        f"no params in the Orbax checkpoint {pytrees[0].location.parent if pytrees else ''}: "
+        f"no params in the Orbax checkpoint {where}: "
         f"no item named 'params' and no item with a top-level 'params' key "
         f"(items: {sorted(items)})"
     )
@@ -325,18 +364,35 @@ def steps_to_import(src: Any, step: int | None) -> list[tuple[int, Location]]:
     if is_step(loc):
         own, _ = open_orbax(loc)
         return [(step if step is not None else (own if own is not None else 0), loc)]
-    dirs = step_dirs(loc)
-    if not dirs:
-        raise CheckpointNotFoundError(f"{loc}: not an Orbax checkpoint (no steps, no items)")
-    if step is not None and step not in dirs:
-        raise CheckpointNotFoundError(f"{loc}: no Orbax step {step}; steps: {sorted(dirs)}")
-    return [(s, dirs[s]) for s in (sorted(dirs) if step is None else [step])]
+    listing = list_steps(loc)
+    if step is not None:
+        return [(listing.choose(step), listing.steps[step])]
+    if not listing.steps:
+        listing.choose(None)  # an error naming what was passed over
+    passed = listing.skipped_above(None)
+    if passed:
+        logger.warning(
+            "%s: importing Orbax steps %s; passed over (not finalized steps): %s",
+            loc,
+            sorted(listing.steps),
+            ", ".join(passed),
+        )
+    return list(listing.steps.items())
 
 
 def read_step(step_loc: Location) -> tuple[dict[str, Any], dict[str, str]]:
     """``({item: tree or JSON value}, {item: kind})`` of one Orbax step, every leaf read
-    to host memory (one leaf at a time)."""
+    to host memory (one leaf at a time). The step's ``custom_metadata`` (from its
+    record), when there is any, comes as one more JSON item of that name."""
     _, items = open_orbax(step_loc)
     trees = {name: _restore_item(item, None, False, False) for name, item in items.items()}
-    kinds = {name: item.kind for name, item in items.items()}
+    kinds = {name: "pytree" if item.kind == "pytree" else "json" for name, item in items.items()}
+    custom = custom_metadata(step_loc)
+    if custom:
+        if CUSTOM_METADATA in items:
+            raise StructureError(
+                f"{step_loc}: an item named {CUSTOM_METADATA!r} beside the step's own "
+                f"custom_metadata; import one of them only"
+            )
+        trees[CUSTOM_METADATA], kinds[CUSTOM_METADATA] = custom, "json"
     return trees, kinds

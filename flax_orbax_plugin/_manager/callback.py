@@ -43,7 +43,7 @@ from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state
 from . import options as _options
 from . import resuming as _resuming
-from .manager import MANAGER_OPTIONS, CheckpointManager
+from .manager import MANAGER_DEFAULTS, MANAGER_OPTIONS, CheckpointManager
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -110,21 +110,7 @@ class CheckpointCallback:
             _options.keyword_names(CheckpointCallback.__init__),
             elsewhere=("manager_options", MANAGER_OPTIONS),
         )
-        if not (resume is True or resume is False or resume == "required"):
-            raise ValueError(f"resume must be False, True or 'required', found {resume!r}")
-        _options.positive_int("every_steps", every_steps)
-        _options.positive_number("every_seconds", every_seconds)
-        _options.positive_int("keep", keep)
-        _options.flag("overwrite", overwrite)
-        _options.flag("async_save", async_save)
-        if manager_options is not None and not isinstance(manager_options, Mapping):
-            raise TypeError(f"manager_options must be a dict, found {manager_options!r}")
-        names = MANAGER_OPTIONS
-        _options.check_unknown(
-            "CheckpointManager (through manager_options)",
-            {k: v for k, v in (manager_options or {}).items() if k not in names},
-            names,
-        )
+        _options.check_callback(locals(), manager_options, MANAGER_DEFAULTS)
 
         self.directory = directory
         self.every_steps = every_steps
@@ -343,7 +329,7 @@ class CheckpointCallback:
         else:  # the manager waited for it when it started the next save
             try:
                 figures = handle.wait()
-            except BaseException:  # noqa: BLE001  (the manager has raised it already)
+            except Exception:  # noqa: BLE001  (the manager has raised it already; a Ctrl-C goes on)
                 return
         if figures is None or figures.step != step:
             return

@@ -47,8 +47,7 @@ from .._errors import CorruptCheckpointError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._storage.location import Location
-from .json_values import from_json as _from_json
-from .json_values import to_json as _to_json
+from .json_items import encode_json, from_json, read_json, to_json, write_json
 from .per_host import OWN_COPY
 
 __all__ = [
@@ -104,22 +103,6 @@ class _Done:
             fn, self._fn = self._fn, None
             self._result = fn()
         return self._result
-
-
-# ----------------------------------------------------------------------------- JSON helpers
-
-
-def read_json(directory: Location, name: str) -> Any:
-    """JSON file ``name`` of an item of a committed step, checked against the checksum
-    its step manifest records."""
-    return _steps.read_item_json(directory, name)
-
-
-def write_json(directory: Location, name: str, value: Any) -> Written:
-    """Writes ``value`` as JSON (made durable by the step's sync); returns its checksum."""
-    data = _layout.encode(value)
-    directory.write_bytes(name, data, durable=False)
-    return Written(0, {name: _layout.sha256(data)})
 
 
 def _process_index() -> int:
@@ -194,13 +177,14 @@ class JsonCheckpointable:
     kind = "json"
 
     def _encode(self, value: Any) -> Any:
-        return _to_json(value, "extras")
+        return to_json(value, "extras")
 
     def _decode(self, data: Any, like: Any) -> Any:
-        return _from_json(data)
+        return from_json(data)
 
     def save(self, directory: Location, value: Any) -> Pending:
-        data = self._encode(value)  # snapshot now, on the caller's thread
+        # encoded now, on the caller's thread: refused before the step is committed
+        data = encode_json(self._encode(value), f"{directory}/{JSON_FILE}")
         primary = _process_index() == 0 or OWN_COPY.get() is not None
 
         def write() -> Written:
@@ -298,11 +282,12 @@ class DataIteratorCheckpointable:
         return _layout.iterator_state_file(process_index)
 
     def save(self, directory: Location, value: Any) -> Pending:
-        state = _to_json(_iterator_state(value), "data_iterator", wrapped=1)  # {"state": .}
+        state = to_json(_iterator_state(value), "data_iterator")
         name = self.filename(_process_index())
+        data = encode_json({"state": state}, f"{directory}/{name}")
 
         def write() -> Written:
-            return write_json(directory, name, {"state": state})
+            return write_json(directory, name, data)
 
         return _Done(write)
 
@@ -321,7 +306,7 @@ class DataIteratorCheckpointable:
         data = read_json(directory, name)
         if not isinstance(data, dict) or "state" not in data:
             raise CorruptCheckpointError(f"{directory}/{name}: expected an object with 'state'")
-        state = _from_json(data["state"])
+        state = from_json(data["state"])
         if like is None:
             return state
         _set_iterator_state(like, state)

@@ -16,6 +16,7 @@ import logging
 import os
 
 from .._base import distributed as _distributed
+from .._core import commit as _commit
 from .._core import ownership as _ownership
 from .._errors import CheckpointError
 from .._format import layout as _layout
@@ -80,7 +81,13 @@ def remove_unfinished(loc: Location) -> None:
         if not roll_forward(loc, name, listing):
             _ownership.remove_if_ours(loc.child(name), what="unfinished step")
     foreign = list(listing.foreign)
-    if not loc.is_local:  # object stores: a step written in place, never committed
+    if loc.is_local:  # a core save's staging beside its target (``<name>.partial-*``)
+        kinds = loc.child_kinds()
+        for name in listing.foreign:
+            if kinds.get(name) == "dir" and _steps.SAVE_STAGING_RE.match(name):
+                if _remove_dead_save_staging(loc.child(name)):
+                    foreign.remove(name)
+    else:  # object stores: a step written in place, never committed
         for name in listing.foreign:
             if _steps.is_step_name(name) and _ownership.remove_if_ours(
                 loc.child(name), what="uncommitted step"
@@ -92,6 +99,14 @@ def remove_unfinished(loc: Location) -> None:
             loc,
             ", ".join(foreign[:10]),
         )
+
+
+def _remove_dead_save_staging(staging: Location) -> bool:
+    """A core save's staging is not covered by the directory's lock (``fop.save`` takes
+    none): it goes only once its save is dead (``commit.is_dead``) and it is proven ours."""
+    if not _commit.is_dead(staging):
+        return False
+    return _ownership.remove_if_ours(staging, what="staging of an interrupted save")
 
 
 def roll_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:

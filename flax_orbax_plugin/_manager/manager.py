@@ -38,7 +38,7 @@ from .saving import Saver, collect_items
 from .schedule import SaveSchedule
 from .tiers import PersistentTier
 
-__all__ = ["CheckpointManager", "MANAGER_OPTIONS"]
+__all__ = ["CheckpointManager", "MANAGER_DEFAULTS", "MANAGER_OPTIONS"]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -46,7 +46,8 @@ logger = logging.getLogger("flax_orbax_plugin")
 class CheckpointManager:
     """A directory of training steps: save policy, retention, async saves, restore.
 
-    Args (all keyword-only after ``directory``):
+    Args (keyword-only after ``directory``; each checked when the manager is made, and
+    one that does nothing in the chosen mode refused: OptionError naming it):
       directory: local path, ``s3://`` / ``gs://`` URL, or tensorstore kvstore spec.
       keep: keep the last ``keep`` steps (None: no limit from this rule).
       keep_every: also keep every step divisible by ``keep_every``, forever.
@@ -83,16 +84,14 @@ class CheckpointManager:
       persistent_lease_seconds: one run owns its places: a second live manager on the
         persistent path is refused (a lock on filesystems; on object stores a lease of
         this many seconds, renewed every third of it). See ``_run_owner``.
-      reuse_host_buffers: (default) copy the state in the blocking phase into host
-        buffers kept from the previous save, until ``close``; off: hold CPU arrays as
-        zero-copy views until written. See docs/manager.md.
-      host_memory_budget: host bytes a save may hold beyond the state (None: no
-        bound; set, nothing is pooled). See ``fop.save_async``.
+      reuse_host_buffers: (default) copy the state into host buffers kept from the
+        previous save until ``close``; off: hold CPU arrays as views (docs/manager.md).
+      host_memory_budget: host bytes a version 1 step (not incremental) may hold
+        beyond the state (None: no bound; set, nothing is pooled). ``fop.save_async``.
 
-    ``wait()`` is for the local tier, ``persistent.wait()`` for the replication,
-    ``close()`` for both. A writer locks a local directory (a second live writer gets
-    DirectoryLockedError) and removes unfinished temporary steps; a directory that is
-    itself a step or a core checkpoint is refused.
+    ``wait()``: the local tier, ``persistent.wait()``: the replication, ``close()``:
+    both. A writer locks a local directory (a second live writer: DirectoryLockedError)
+    and removes unfinished temporary steps; a step or core checkpoint is refused.
     """
 
     def __init__(
@@ -125,26 +124,27 @@ class CheckpointManager:
         host_memory_budget: int | None = None,
         **unknown: Any,
     ):
-        _options.check_unknown("CheckpointManager", unknown, MANAGER_OPTIONS)
-        opts = _options.ManagerOptions.build(directory, locals())
-        self._loc = opts.location
-        self._schedule = SaveSchedule(opts.save_policy(), opts.clock)
-        self._async, self._read_only = opts.async_save, opts.read_only
-        pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
-        self._buffers = _host.BufferPool() if pooled else None
-        self._book = StepBook(self._loc)
-        self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
-        self._saver = Saver(
-            self._loc, opts.overrides, self._book, self._retainer, opts.incremental,
-            self._buffers, opts.host_memory_budget,
-        )  # fmt: skip
-        self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
-        self._closed = False
-        self._dir_lock: DirectoryLock | None = None
-        _housekeeping.refuse_step_directory(self._loc)
-        opts.check_reader()
-        if not opts.read_only:
-            self._open(opts)
+        with _distributed.collective("manager-open", spans=not read_only):  # _base.regions
+            _options.check_unknown("CheckpointManager", unknown, MANAGER_OPTIONS)
+            opts = _options.ManagerOptions.build(directory, locals(), MANAGER_DEFAULTS)
+            self._loc = opts.location
+            self._schedule = SaveSchedule(opts.save_policy(), opts.clock)
+            self._async, self._read_only = opts.async_save, opts.read_only
+            pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
+            self._buffers = _host.BufferPool() if pooled else None
+            self._book = StepBook(self._loc)
+            self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
+            self._saver = Saver(
+                self._loc, opts.overrides, self._book, self._retainer, opts.incremental,
+                self._buffers, opts.host_memory_budget,
+            )  # fmt: skip
+            self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
+            self._closed = False
+            self._dir_lock: DirectoryLock | None = None
+            _housekeeping.refuse_step_directory(self._loc)
+            opts.check_reader()
+            if not opts.read_only:
+                self._open(opts)
 
     def _open(self, opts: _options.ManagerOptions) -> None:
         """A writer's open: lock, housekeeping, deletion thread, tier, SIGTERM."""
@@ -167,13 +167,11 @@ class CheckpointManager:
                 _per_host.open_tier(self._book, self.steps())
             if opts.handle_sigterm:
                 self._schedule.preemption = Preemption.install()
-        except BaseException:
-            self.close()
+        except BaseException:  # the others learn of it at once: waits for none of them
+            self._shut()
             raise
 
-    @property
-    def directory(self) -> str:
-        return str(self._loc)
+    directory = property(lambda self: str(self._loc), doc="The directory, as a string.")
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (steps being deleted are left out), as listed in
@@ -205,20 +203,18 @@ class CheckpointManager:
     def _preempted_at(self, step: int) -> bool:  # to be saved before stopping?
         return self._schedule.preempted_at(step)
 
-    @property
-    def commit_log_level(self) -> int:
-        """The level of the line logged per commit (a callback with a writer: DEBUG)."""
-        return self._saver.log_level
-
-    @commit_log_level.setter
-    def commit_log_level(self, level: int) -> None:
-        self._saver.log_level = level
+    commit_log_level = property(
+        lambda self: self._saver.log_level,
+        lambda self, level: setattr(self._saver, "log_level", level),
+        doc="The level of the line logged per commit (a callback with a writer: DEBUG).",
+    )
 
     def should_save(self, step: int, *, t: float | None = None) -> bool:
         """Whether the policy asks for ``step`` (this process's view; ``save`` shares the
         primary's time-based decision with every process)."""
         return self._schedule.should_save(operator.index(step), t)
 
+    @_distributed.collective("manager-save")
     def save(
         self,
         step: int,
@@ -245,9 +241,7 @@ class CheckpointManager:
         Call from the training thread only; with several processes, on every process.
         """
         self._check_writable()
-        step = operator.index(step)
-        if step < 0:
-            raise ValueError(f"step must be >= 0, found {step}")
+        step = _options.check_save_call(step=step, force=force, overwrite=overwrite, t=t)
         preempted = self._preempted_at(step)  # first: asked at every step, in order
         self._saver.raise_background_error()
         if not (force or preempted or self._schedule.decide(step, t)):
@@ -276,6 +270,7 @@ class CheckpointManager:
             _housekeeping.remove_unfinished(self._loc)
         return self._retainer.apply(None)
 
+    @_distributed.collective("manager-restore")
     def restore(
         self,
         like: Any = None,
@@ -329,6 +324,7 @@ class CheckpointManager:
         """Figures of the most recently committed save of this manager, if any."""
         return self._book.last_save
 
+    @_distributed.collective("manager-wait")
     def wait(self) -> None:
         """Block until the in-flight save is committed and retention has run.
 
@@ -337,8 +333,7 @@ class CheckpointManager:
         """
         self._wait_inflight()
         self._retainer.wait()
-        # Retention runs on the primary only: meet so that every process lists the same
-        # steps afterwards (wait is collective, like save, with several processes).
+        # Retention runs on the primary only: meet so that every process lists the same steps.
         _distributed.barrier(_distributed.next_operation_id("manager-wait"))
 
     def close(self) -> None:
@@ -352,14 +347,16 @@ class CheckpointManager:
                 grace = tier.grace_seconds if self.preempted else None
                 tier.close(grace, raise_errors=not self.preempted)
         finally:
-            if self._book.tier is not None:
-                self._book.tier.close(0, raise_errors=False)
-            self._closed = True
-            if self._buffers is not None:
-                self._buffers.clear()
-            self._retainer.shutdown()
-            self._schedule.uninstall()
-            self._release_lock()
+            self._shut()
+
+    def _shut(self) -> None:
+        """Stops the threads and releases the lock (waits for no other process)."""
+        self._book.tier is not None and self._book.tier.close(0, raise_errors=False)
+        self._closed = True
+        self._buffers is not None and self._buffers.clear()
+        self._retainer.shutdown()
+        self._schedule.uninstall()
+        self._release_lock()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -397,4 +394,5 @@ class CheckpointManager:
         self._saver.wait()
 
 
-MANAGER_OPTIONS = _options.keyword_names(CheckpointManager.__init__)
+MANAGER_DEFAULTS = _options.keyword_defaults(CheckpointManager.__init__)
+MANAGER_OPTIONS = tuple(MANAGER_DEFAULTS)

@@ -1,7 +1,8 @@
 """Options of CheckpointManager and CheckpointCallback, checked when they are made.
 
-Each option is checked by its public name and type (``keep="3"`` is a TypeError
-naming ``keep``, not an error about an internal field when retention first runs).
+Each option is checked by its public name, type and range, as ``option_table``
+declares it (``keep="3"`` is an OptionTypeError naming ``keep``, not an error about
+an internal field when retention first runs).
 A keyword that is not an option gets the one it most likely stands for: the names
 of Orbax's ``CheckpointManagerOptions``, of ``flax.training.checkpoints`` and of
 earlier versions of this library, then close spellings. :class:`ManagerOptions` is
@@ -14,26 +15,26 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._core import save as _save
+from .._errors import OptionError, OptionTypeError
 from .._format import layout as _layout
 from .._storage.location import Location
+from . import option_table as _table
 from .checkpointables import Checkpointable, PytreeCheckpointable
 from .policy import SavePolicy
 from .retention import RetentionPolicy
 
 __all__ = [
     "ManagerOptions",
+    "check_callback",
     "check_item_name",
+    "check_save_call",
     "check_unknown",
+    "keyword_defaults",
     "keyword_names",
-    "positive_int",
-    "positive_number",
-    "flag",
 ]
 
 # Names users bring from elsewhere -> what to write here.
@@ -81,6 +82,12 @@ def keyword_names(function: Callable) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+def keyword_defaults(function: Callable) -> dict[str, Any]:
+    """``{name: default}`` of ``function``'s keyword-only parameters."""
+    params = inspect.signature(function).parameters.values()
+    return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
 def check_unknown(
     owner: str,
     unknown: Mapping[str, Any],
@@ -113,79 +120,26 @@ def check_unknown(
     raise TypeError("; ".join(lines) + f" (its options: {', '.join(valid)})")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def positive_int(name: str, value: Any, *, none_ok: bool = True) -> None:
-    """``value`` is None (if allowed) or an int >= 1; TypeError / ValueError naming it."""
-    if value is None and none_ok:
-        return
-    if not _is_int(value):
-        raise TypeError(
-            f"{name} must be a positive int{' or None' if none_ok else ''}, found "
-            f"{type(value).__name__} {value!r}"
+def check_callback(
+    options: Mapping[str, Any], manager_options: Any, manager_defaults: Mapping[str, Any]
+) -> None:
+    """CheckpointCallback's options (``option_table``) and its ``manager_options``
+    (a dict, each name a manager option, checked with the callback's): OptionError
+    (or TypeError for an unknown name) naming the option."""
+    if manager_options is not None and not isinstance(manager_options, Mapping):
+        raise OptionTypeError(
+            f"manager_options must be a dict of CheckpointManager options, found "
+            f"{type(manager_options).__name__} {manager_options!r}"
         )
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, found {value!r}")
+    check_unknown(
+        "CheckpointManager (through manager_options)",
+        {k: v for k, v in (manager_options or {}).items() if k not in manager_defaults},
+        manager_defaults,
+    )
+    _table.check_callback(options, manager_options, manager_defaults)
 
 
-def positive_number(name: str, value: Any, *, none_ok: bool = True) -> None:
-    """``value`` is None (if allowed) or a finite int/float > 0."""
-    if value is None and none_ok:
-        return
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise TypeError(
-            f"{name} must be a number of seconds > 0, found {type(value).__name__} {value!r}"
-        )
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number > 0, found {value!r}")
-
-
-def flag(name: str, value: Any) -> None:
-    """``value`` is True or False."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, found {type(value).__name__} {value!r}")
-
-
-def steps_list(name: str, value: Any) -> list[int] | None:
-    """``value`` (None or an iterable of ints, not a str, not one int) as a list."""
-    if value is None:
-        return None
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be an iterable of int steps, found {value!r}")
-    value = list(value)
-    for s in value:
-        if not _is_int(s) and not (hasattr(s, "__index__") and not isinstance(s, bool)):
-            raise TypeError(f"{name} must hold int steps, found {type(s).__name__} {s!r}")
-    return [int(s) for s in value]
-
-
-def check_manager(options: Mapping[str, Any]) -> None:
-    """The CheckpointManager options (by their public names) that have a fixed type."""
-    for name in ("keep", "keep_every", "keep_best", "every_steps"):
-        positive_int(name, options[name])
-    for name in ("persistent_keep", "persistent_keep_every"):
-        positive_int(name, options[name])
-    positive_int("persistent_every", options["persistent_every"], none_ok=False)
-    if options["persistent"] is None and options["persistent_every"] != 1:
-        raise ValueError(
-            f"persistent_every={options['persistent_every']!r} needs persistent= (the "
-            "persistent tier it thins out); without one every step stays local"
-        )
-    positive_number("every_seconds", options["every_seconds"])
-    positive_number("persistent_lease_seconds", options["persistent_lease_seconds"], none_ok=False)
-    grace = options["persistent_grace_seconds"]
-    if not isinstance(grace, int | float) or isinstance(grace, bool) or not grace >= 0:
-        raise TypeError(f"persistent_grace_seconds must be a number >= 0, found {grace!r}")
-    for name in ("async_save", "read_only", "handle_sigterm", "incremental", "reuse_host_buffers"):
-        flag(name, options[name])
-    if options["format_version"] not in (1, 2) or isinstance(options["format_version"], bool):
-        raise ValueError(f"format_version: expected 1 or 2, found {options['format_version']!r}")
-    _save.check_host_memory_budget(options["host_memory_budget"])
-    metric = options["best_metric"]
-    if metric is not None and not isinstance(metric, str):
-        raise TypeError(f"best_metric must be a key of the extras (a str), found {metric!r}")
+check_save_call = _table.check_save_call
 
 
 def check_item_name(name: Any) -> str:
@@ -216,7 +170,10 @@ def _overrides(
         overrides.pytree = PytreeCheckpointable(format_version=format_version)
     for name, codec in (compression or {}).items():
         if name in overrides:
-            raise ValueError(f"compression[{name!r}]: item {name!r} has its own checkpointable")
+            raise OptionError(
+                f"compression[{name!r}] does nothing: item {name!r} has its own checkpointable "
+                "(checkpointables=), which decides how it is stored"
+            )
         overrides[check_item_name(name)] = PytreeCheckpointable(
             compression=_layout.check_codec(codec, where=f"compression[{name!r}]"),
             format_version=format_version,
@@ -255,12 +212,15 @@ class ManagerOptions:
     host_memory_budget: int | None
 
     @classmethod
-    def build(cls, directory: Any, options: Mapping[str, Any]) -> ManagerOptions:
-        """Checks ``options`` (every keyword option, by its public name) and
-        ``directory``; raises TypeError / ValueError naming the option."""
-        check_manager(options)
-        steps = steps_list("steps", options["steps"])
-        location = Location.from_path(directory)
+    def build(
+        cls, directory: Any, options: Mapping[str, Any], defaults: Mapping[str, Any]
+    ) -> ManagerOptions:
+        """Checks ``options`` (every keyword option, by its public name: see
+        ``option_table``; ``defaults``: the constructor's) and ``directory``; raises
+        OptionError (OptionTypeError: a TypeError) naming the option."""
+        options = _table.check_manager({k: options[k] for k in defaults}, defaults)
+        steps = options["steps"]
+        location = Location.from_path(_table.DIRECTORY.check(directory))
         retention = RetentionPolicy(
             keep_last=options["keep"],
             keep_every=options["keep_every"],

@@ -36,6 +36,7 @@ from .._base import distributed as _distributed
 from .._base import tree as _tree
 from .._errors import CheckpointError
 from .._format import steps as _steps
+from .._storage import json_docs as _docs
 from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location
 
@@ -122,24 +123,61 @@ def host_marker(step: int, run: str | None, layout: str, hosts: list | None = No
         "layout": layout,
         "hosts": hosts,
     }
-    return json.dumps(doc, sort_keys=True).encode()
+    return _docs.encode(doc, HOST_FILE, _docs.HOST_MARKER, sort_keys=True, separators=None)
 
 
 def read_marker(loc: Location, step: int) -> tuple[dict | None, str | None]:
-    """This host's :data:`HOST_FILE` of ``step`` as a JSON object, or what is wrong."""
+    """This host's :data:`HOST_FILE` of ``step`` as a checked JSON object (bounded
+    parse, every field's type: :func:`_check_marker`), or what is wrong with it."""
+    step_loc = _steps.step_location(loc, step)
     try:
-        raw = _steps.step_location(loc, step).read_bytes(HOST_FILE, max_bytes=1 << 20)
+        raw = step_loc.read_bytes(HOST_FILE, max_bytes=_docs.HOST_MARKER.max_bytes)
+        if raw is None:
+            return None, f"no {HOST_FILE}"
+        doc = _docs.parse(raw, f"{step_loc}/{HOST_FILE}", _docs.HOST_MARKER)
     except CheckpointError as e:
         return None, str(e)
-    if raw is None:
-        return None, f"no {HOST_FILE}"
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return None, f"{HOST_FILE} is not JSON"
+    problem = _check_marker(doc)
+    return (None, f"{step_loc}/{HOST_FILE}: {problem}") if problem else (doc, None)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
+
+
+# field -> (expected, check) of a per-host marker (what host_marker writes)
+_MARKER_FIELDS = {
+    "format": (repr(_FORMAT), lambda v: v == _FORMAT),
+    "step": ("a step number", _is_int),
+    "run": ("a run id or null", lambda v: v is None or isinstance(v, str) and len(v) <= 64),
+    "process_index": ("a process index", _is_int),
+    "process_count": ("a process count", _is_int),
+    "devices": (
+        "[[device id, process index], ...]",
+        lambda v: (
+            isinstance(v, list)
+            and all(isinstance(d, list) and len(d) == 2 and all(map(_is_int, d)) for d in v)
+        ),
+    ),
+    "layout": (
+        "a layout description or null",
+        lambda v: v is None or isinstance(v, str) and len(v) <= 256,
+    ),
+    "hosts": (
+        "null or a list of digests",
+        lambda v: v is None or isinstance(v, list) and all(isinstance(h, str) for h in v),
+    ),
+}
+
+
+def _check_marker(doc: Any) -> str | None:
+    """What is wrong with a parsed marker (the first field), or None."""
     if not isinstance(doc, dict):
-        return None, f"{HOST_FILE} is not an object"
-    return doc, None
+        return f"expected a JSON object, found {type(doc).__name__}"
+    for field, (expected, ok) in _MARKER_FIELDS.items():
+        if not ok(doc.get(field)):
+            return f"field {field}: expected {expected}, found {repr(doc.get(field))[:80]}"
+    return None
 
 
 def _marker_problem(loc: Location, step: int, run: Any) -> str | None:

@@ -13,12 +13,14 @@ persistent tier and retention are told. At most one save is in flight
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import host as _host
+from .._base import interrupts as _interrupts
 from .._core import ownership as _ownership
 from .._core.commit import Staging
 from .._core.save import SaveHandle, SaveResult, wait_for_data
@@ -140,7 +142,26 @@ class Saver:
     ) -> None:
         """Blocking phase of every item, then the background write and commit (the save
         in flight), after the previous one. ``local``: the committed local steps (``step``
-        among them: replaced); ``replicate``: to the persistent tier anyway (SIGTERM)."""
+        among them: replaced); ``replicate``: to the persistent tier anyway (SIGTERM).
+
+        Main thread: a Ctrl-C during the blocking phase is held until its end (never
+        raised inside a callback of JAX or tensorstore, which would drop it); then this
+        step's save is cancelled (its staging removed, earlier steps untouched) and the
+        KeyboardInterrupt raised. Call with no save in flight (after :meth:`wait`)."""
+        try:
+            with _interrupts.deferred_sigint():
+                pendings = self._start(step, items, extras, local, replicate)
+            for pending in pendings.values():  # views under a budget: written before returning
+                wait_for_data(getattr(pending, "snap", None), self.inflight)  # interruptible
+        except BaseException:
+            handle, self.inflight = self.inflight, None
+            if handle is not None:
+                handle.cancel()
+            raise
+
+    def _start(
+        self, step: int, items: dict, extras: Any, local: list[int], replicate: bool
+    ) -> dict[str, Pending]:
         replicate and self._book.tier is not None and self._book.tier.force(step)
         started = time.perf_counter()
         replace = step in local
@@ -170,8 +191,20 @@ class Saver:
         metric = self._retention.metric_of(extras)
         blocking = time.perf_counter() - started
         op = _distributed.next_operation_id("manager-commit")
+        cancelled = threading.Event()
+        for pending in pendings.values():  # a pytree item's writes stop once it is set
+            if getattr(pending, "snap", None) is not None:
+                pending.snap.cancelled = cancelled
         commit = StepCommit(
-            self._loc, step, staging, pendings, entries, digest, replace, host_marker=marker
+            self._loc,
+            step,
+            staging,
+            pendings,
+            entries,
+            digest,
+            replace,
+            host_marker=marker,
+            cancelled=cancelled,
         )
 
         def background() -> SaveResult:
@@ -193,9 +226,8 @@ class Saver:
             self._after_commit(step, result, metric)
             return result
 
-        self.inflight = SaveHandle(str(final), background).start()
-        for pending in pendings.values():  # views under a budget: written before returning
-            wait_for_data(getattr(pending, "snap", None), self.inflight)
+        self.inflight = SaveHandle(str(final), background, cancelled=cancelled).start()
+        return pendings
 
     def _save_items(
         self,
@@ -222,7 +254,10 @@ class Saver:
                 pendings[name] = handlers[name].save(target, value, **kw)
         except BaseException:
             wait_all(pendings.values())
-            if staging.renames:
+            # A directory other processes write into is theirs too: it is removed by the
+            # primary's abort once every process learnt of this failure (or by the next
+            # open); removing it under their writes failed (ENOTEMPTY) in place of this.
+            if staging.renames and (staging.own or _distributed.process_count() == 1):
                 _ownership.remove_staging(staging.location, staging.nonce)
             raise
         return pendings, reuses

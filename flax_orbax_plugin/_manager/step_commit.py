@@ -13,6 +13,7 @@ background thread (every process runs it, with the same operation id).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from .._base import faults as _faults
 from .._core import commit as _commit
 from .._core import ownership as _ownership
 from .._core.commit import Staging, Written
+from .._core.handle import raise_if_cancelled
 from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE, ItemEntry, StepManifest
@@ -63,6 +65,7 @@ class StepCommit:
         replace: bool,
         *,
         host_marker: bytes | None = None,
+        cancelled: threading.Event | None = None,
     ):
         self._loc = location
         self._step = step
@@ -74,6 +77,7 @@ class StepCommit:
         # Each host's own directory: this host's marker, written before the sync; every
         # process commits its own copy with the primary's manifest (see per_host).
         self._host_marker = host_marker
+        self._cancelled = cancelled or threading.Event()  # set: the save was interrupted
         self._op = ""
         self._sizes: list[Written] = []  # this process's totals, for the manifest
         self._old_dirs: set[str] = set()  # object stores: the replaced step's item dirs
@@ -127,6 +131,7 @@ class StepCommit:
     def _write(self) -> Written:
         total, files, reused = 0, {}, 0
         results = wait_all(self._pendings.values(), raise_first=True)
+        raise_if_cancelled(self._cancelled, f"step {self._step} of {self._loc}")
         for name, result in zip(self._pendings, results, strict=True):
             if isinstance(result, Written):
                 total += result.bytes_written
@@ -157,6 +162,7 @@ class StepCommit:
             )
 
     def _publish(self, files: dict[str, str]) -> None:
+        raise_if_cancelled(self._cancelled, f"step {self._step} of {self._loc}")
         count = _distributed.process_count()
         # Sizes only where this process wrote it all (others' totals are not here).
         mine = self._sizes[0] if count == 1 and self._sizes else None

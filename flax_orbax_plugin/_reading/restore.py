@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._base import distributed as _distributed
+from .._core import read_options as _read_options
 from .._core import restore as _native
 from .._errors import (
     CheckpointError,
@@ -18,15 +20,21 @@ from .._errors import (
     NotCommittedError,
 )
 from .._format import metadata as _metadata
-from .._format.foreign import is_orbax_checkpoint
+from .._format.foreign import is_orbax_checkpoint, is_step
 from .._interop.orbax_layout import open_orbax
 from .._interop.orbax_reader import restore_orbax
+from .._interop.orbax_steps import agreed_latest
 from .._storage.location import Location
 from . import items as _items
 
 __all__ = ["metadata", "restore"]
 
 
+# Onto devices of several processes the restore is collective: a failure on one process
+# reaches the others at once (``_base.regions``); onto host arrays one may read alone.
+@_distributed.collective_call(
+    "restore", spans=lambda path, like=None, **_: _distributed.spans_processes(like)
+)
 def restore(
     path: Any,
     like: Any = None,
@@ -77,6 +85,9 @@ def restore(
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
+    _read_options.check_restore(  # by their declarations, before anything is read
+        memory_limit_bytes=memory_limit_bytes, share_replicated_reads=share_replicated_reads
+    )
     location = Location.from_path(path)
     changes = {"partial": partial, "missing": missing, "transform": transform}
     try:
@@ -112,14 +123,18 @@ def _json_item(location: Location) -> _items.StepItem | None:
 def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str, transform: Any):
     """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
     (issue 16). Looked for only after the native reader found none, so restoring our
-    own checkpoints costs no extra listing."""
+    own checkpoints costs no extra listing. Collective when ``like`` spans several
+    processes and ``location`` is a run: all read the primary's latest step."""
     if missing != "error" or transform is not None:
         raise CheckpointError(
             f"{location} is an Orbax checkpoint: missing= and transform= apply to this "
             f"library's checkpoints; convert it first (fop.import_orbax(src, dst)) and "
             f"restore the converted step"
         )
-    return restore_orbax(location, like, partial=partial)
+    step = None
+    if _distributed.spans_processes(like):  # every process reads the primary's latest step
+        step = agreed_latest(location) if not is_step(location) else None
+    return restore_orbax(location, like, step=step, partial=partial)
 
 
 def metadata(path: Any) -> _metadata.CheckpointMetadata:

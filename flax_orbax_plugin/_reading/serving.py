@@ -13,12 +13,15 @@ from typing import Any
 import jax
 
 from .._base import distributed as _distributed
+from .._core import read_options as _read_options
 from .._core import restore as _restore
+from .._core.targets import place
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import places as _places
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
 from .._interop import orbax_reader as _orbax_import
+from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
 from .._like import transform as _transform
 from .._like.retarget import retarget
@@ -40,6 +43,13 @@ def _params_like(like: Any) -> Any:
     return items["params"]
 
 
+def _spans(directory: Any, like: Any = None, *, sharding: Any = None, **_: Any) -> bool:
+    """Whether a ``restore_params`` call is collective: ``like`` or ``sharding`` places
+    data on devices of other processes."""
+    return _distributed.spans_processes(_params_like(like), sharding)
+
+
+@_distributed.collective_call("restore-params", spans=_spans)  # see ``_base.regions``
 def restore_params(
     directory: Any,
     like: Any = None,
@@ -66,10 +76,11 @@ def restore_params(
     ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
     ``partial=True`` with ``like`` a subset of the saved params.
     """
+    _read_options.check_serving(step=step)  # OptionError naming it, before any read
     changes = _transform.changes(partial=partial, missing=missing, transform=transform)
     loc = Location.from_path(directory)
     steps = _steps.committed_steps(loc)
-    if step is None and _spans_processes(_params_like(like), sharding):
+    if step is None and _spans(directory, like, sharding=sharding):
         step, steps = _agreed_latest(loc, steps)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
         if is_orbax_checkpoint(directory):
@@ -87,19 +98,6 @@ def restore_params(
     if target is not None and (dtype is not None or sharding is not None):
         target = retarget(target, dtype, sharding)
     return _restore.restore(params_loc, target, **changes.kwargs())
-
-
-def _spans_processes(*trees: Any) -> bool:
-    """Whether a sharding in ``trees`` (``like``'s leaves, the ``sharding`` argument)
-    places data on devices of other processes: the read is then collective."""
-    if jax.process_count() == 1:
-        return False
-    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
-    for leaf in jax.tree_util.tree_leaves(trees, is_leaf=is_sharding):
-        found = leaf if is_sharding(leaf) else getattr(leaf, "sharding", None)
-        if is_sharding(found) and not found.is_fully_addressable:
-            return True
-    return False
 
 
 def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[int]]:
@@ -123,6 +121,8 @@ def _orbax_params(directory, like, step, dtype, sharding, changes, partial) -> A
             f"apply to this library's checkpoints; convert it first with "
             f"fop.import_orbax(src, dst)"
         )
+    if step is None and _distributed.spans_processes(_params_like(like), sharding):
+        step = agreed_latest(Location.from_path(directory))
     return _orbax_import.restore_orbax_params(
         directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
     )
@@ -135,9 +135,7 @@ def _host_then_placed(params_loc: Location, dtype: Any, sharding: Any, changes: 
     _casting.check_tree(host, target)  # float narrowing rounds; overflow to inf raises
     return jax.tree_util.tree_map(
         lambda x, t: (
-            jax.device_put(x.astype(t.dtype), t.sharding)
-            if t.sharding is not None
-            else x.astype(t.dtype)
+            place(x.astype(t.dtype), t.sharding) if t.sharding is not None else x.astype(t.dtype)
         ),
         host,
         target,

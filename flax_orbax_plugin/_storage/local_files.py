@@ -20,9 +20,10 @@ import stat
 
 from .._base import faults as _faults
 from .._errors import CorruptCheckpointError, ForeignEntryError
+from .json_docs import MAX_DOCUMENT_BYTES
 
 # Largest small file (JSON metadata, manifest, JSON items, markers) read into memory.
-MAX_SMALL_FILE_BYTES = 64 << 20
+MAX_SMALL_FILE_BYTES = MAX_DOCUMENT_BYTES
 
 
 def walk_entries(top: str):

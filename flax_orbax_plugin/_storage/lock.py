@@ -7,9 +7,10 @@ holder's pid and host are written into the file only to make the error message
 useful; they are never trusted. flock locks an open file description, so a
 second lock in the same process is refused too. Local filesystems only.
 
-The lock file is opened with ``O_NOFOLLOW`` and must be a regular file: a symlink
-(or FIFO, device...) named ``.writer.lock`` is refused with ForeignEntryError, and
-what it points to is never truncated or written.
+The lock file is created with ``O_EXCL``, or (left by an earlier writer) opened with
+``O_NOFOLLOW``, and must be a regular file with one name: a symlink, a FIFO, a device
+or a hard link of another file named ``.writer.lock`` is refused with
+ForeignEntryError, and what it points to or links is never truncated or written.
 """
 
 from __future__ import annotations
@@ -35,30 +36,9 @@ class DirectoryLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = self._open()
         try:
-            fd = os.open(self.path, flags, 0o644)
-        except IsADirectoryError:
-            raise ForeignEntryError(
-                f"{self.path}: expected the writer lock file, found a directory; remove it "
-                "to write to this directory"
-            ) from None
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            raise ForeignEntryError(
-                f"{self.path}: expected the writer lock file, found a symbolic link; it is "
-                "never followed: remove the link to write to this directory"
-            ) from None
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            os.close(fd)
-            raise ForeignEntryError(
-                f"{self.path}: expected the writer lock file (a regular file), found "
-                f"{'a FIFO' if stat.S_ISFIFO(mode) else 'a special file'}; remove it to write "
-                "to this directory"
-            )
-        try:
+            self._check_own_file(fd)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             try:
@@ -69,9 +49,60 @@ class DirectoryLock:
                 f"{os.path.dirname(self.path)} already has a live writer ({holder}); "
                 "open it with read_only=True to read while it trains"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # checked again under the lock: a link made meanwhile is never written
+            self._check_own_file(fd)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        except BaseException:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise
         self._fd = fd
+
+    def _open(self) -> int:
+        """The lock file created exclusively, else the one in place (left by an earlier
+        writer) opened without following a link."""
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        for _ in range(3):  # an existing file removed between the two opens: again
+            try:
+                return os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                pass
+            except IsADirectoryError:
+                raise self._foreign("a directory") from None
+            try:
+                return os.open(self.path, flags)
+            except FileNotFoundError:
+                continue
+            except IsADirectoryError:
+                raise self._foreign("a directory") from None
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise self._foreign("a symbolic link (it is never followed)") from None
+        raise DirectoryLockedError(f"{self.path}: created and removed again while opened")
+
+    def _check_own_file(self, fd: int) -> None:
+        """Refuses (ForeignEntryError; the caller closes ``fd``, the file's bytes
+        untouched) a lock file that is not a regular file or has another name besides
+        this one (a hard link: writing it would write the file it links)."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise self._foreign("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a special file")
+        if st.st_nlink != 1:
+            raise self._foreign(
+                f"a file with {st.st_nlink} names (a hard link of another file; it is "
+                "never written)"
+            )
+
+    def _foreign(self, found: str) -> ForeignEntryError:
+        return ForeignEntryError(
+            f"{self.path}: expected the writer lock file (a regular file with one name), "
+            f"found {found}; remove it to write to this directory"
+        )
 
     def release(self) -> None:
         if self._fd is not None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import os
 import secrets
 import socket
@@ -33,6 +32,7 @@ __all__ = ["LEASE_SECONDS", "RunOwner", "check_lease"]
 logger = logging.getLogger("flax_orbax_plugin")
 
 LEASE_SECONDS = 60.0
+MAX_LEASE_SECONDS = 366 * 86400.0  # a lease is renewed every third of it: a year is plenty
 
 
 def _when(t: float) -> str:
@@ -40,12 +40,13 @@ def _when(t: float) -> str:
 
 
 def check_lease(lease_seconds: Any) -> float:
-    """``persistent_lease_seconds`` as a float; ValueError naming it otherwise."""
+    """``persistent_lease_seconds`` as a float; ValueError naming it otherwise (the
+    time a record states must stay one a reader can format: at most a year)."""
     ok = isinstance(lease_seconds, (int, float)) and not isinstance(lease_seconds, bool)
-    if not (ok and 0 < lease_seconds < math.inf):
+    if not (ok and 0 < lease_seconds <= MAX_LEASE_SECONDS):
         raise ValueError(
-            f"persistent_lease_seconds must be a positive number of seconds, found "
-            f"{lease_seconds!r}"
+            f"persistent_lease_seconds must be a positive number of seconds up to "
+            f"{MAX_LEASE_SECONDS:.0f} (a year), found {lease_seconds!r}"
         )
     return float(lease_seconds)
 

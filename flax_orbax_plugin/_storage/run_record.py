@@ -10,18 +10,17 @@ that uses them is :mod:`.run_owner`; the design: ``docs/run_owner.md``.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import re
 from typing import Any
 
 from .._errors import CorruptCheckpointError
+from . import json_docs as _docs
 from .location import Location
 
 __all__ = ["MAX_RECORD_BYTES", "RUN_FILE", "RunRecord", "read_record", "read_versioned", "write_if"]
 
 RUN_FILE = "_RUN.json"
-MAX_RECORD_BYTES = 4096
+MAX_RECORD_BYTES = _docs.RUN_RECORD.max_bytes
 _LIBRARY = "flax_orbax_plugin"
 _HEX = re.compile(r"^[0-9a-f]{8,64}$", re.ASCII)
 
@@ -37,18 +36,17 @@ class RunRecord:
     lease_expires: float | None = None
 
     def to_bytes(self) -> bytes:
+        """The record's JSON; ValueError for a lease time that could not be read back
+        (past year 9999), StructureError for one over the reader's limits."""
+        if self.lease_expires is not None:
+            _docs.check_time(self.lease_expires, RUN_FILE, "lease_expires", stored=False)
         doc = {"library": _LIBRARY, "kind": "run", **dataclasses.asdict(self)}
-        return json.dumps(doc, sort_keys=True).encode()
+        return _docs.encode(doc, RUN_FILE, _docs.RUN_RECORD, sort_keys=True, separators=None)
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> RunRecord:
         """Parses and checks a record; CorruptCheckpointError naming the field."""
-        try:
-            doc = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise CorruptCheckpointError(
-                f"{where}: expected a run record of this library (JSON), found {e}"
-            ) from None
+        doc = _docs.parse(raw, where, _docs.RUN_RECORD)
         if not isinstance(doc, dict):
             raise CorruptCheckpointError(f"{where}: expected a JSON object, found {_kind(doc)}")
         for field, want in (("library", _LIBRARY), ("kind", "run")):
@@ -72,19 +70,9 @@ class RunRecord:
             raise CorruptCheckpointError(
                 f"{where}: field pid: expected a process id, found {_short(pid)}"
             )
-        if expires is not None and (
-            not isinstance(expires, (int, float))
-            or isinstance(expires, bool)
-            or not math.isfinite(expires)
-            or expires < 0
-        ):
-            raise CorruptCheckpointError(
-                f"{where}: field lease_expires: expected null or a time in seconds, "
-                f"found {_short(expires)}"
-            )
-        return cls(
-            doc["run"], host, pid, doc["holder"], None if expires is None else float(expires)
-        )
+        if expires is not None:
+            expires = _docs.check_time(expires, where, "lease_expires", stored=True)
+        return cls(doc["run"], host, pid, doc["holder"], expires)
 
     def describe(self) -> str:
         return f"run {self.run} (pid {self.pid} on {self.host})"

@@ -5,7 +5,9 @@
 ``_arrays``; :class:`Gathered` is a batch given as its leaves' own buffers. Why, and
 what it measured: docs/chunk_files.md. A chunk's page-aligned payload is written with
 ``O_DIRECT`` (no copy into the page cache), the rest buffered: docs/saving.md. The
-writer's threads can run at a lower CPU priority (opt-in: ``_base.priority``).
+writer's threads can run at a lower CPU priority (opt-in: ``_base.priority``): they
+only checksum and write local files (a subclass whose tasks call a store's client
+passes ``local_only=False``).
 
 Threading and call order: one :class:`ChunkWriter` per save, used by the save's
 background thread only; its :meth:`~ChunkWriter.array`/:meth:`~ChunkWriter.batch`
@@ -25,6 +27,7 @@ import sys
 
 import numpy as np
 
+from .._base import env as _env
 from .._base import host as _host
 from .._base import priority as _priority
 from .._storage.location import check_name
@@ -38,7 +41,7 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 def direct_io_enabled() -> bool:
     """Whether chunk payloads may be written with ``O_DIRECT`` (``FOP_DIRECT_IO=0``
     turns it off; so does a filesystem that refuses it, found at the first file)."""
-    return bool(O_DIRECT) and os.environ.get("FOP_DIRECT_IO", "1") != "0"
+    return bool(O_DIRECT) and _env.read("FOP_DIRECT_IO") != "0"
 
 
 def _load_sync_file_range():
@@ -70,11 +73,13 @@ def direct_head(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> int:
 class ChunkWriter:
     """Writes whole zarr3 chunks of arrays under ``root`` (a local directory path)."""
 
-    def __init__(self, root: str, *, threads: int = _chunks.THREADS):
+    def __init__(self, root: str, *, threads: int = _chunks.THREADS, local_only: bool = True):
         self._root = root
         self._direct = direct_io_enabled()
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="fop-chunk", initializer=_priority.lower
+            threads,
+            thread_name_prefix="fop-chunk",
+            initializer=_priority.initializer(local_only=local_only),
         )
         self._dirs: set[str] = set()
 

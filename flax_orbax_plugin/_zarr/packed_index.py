@@ -17,6 +17,9 @@ import re
 from typing import Any
 
 from .._errors import CorruptCheckpointError
+from .._format import documents as _documents
+from .._storage import json_docs as _docs
+from .._storage.location import Location
 
 INDEX_FORMAT = "flax_orbax_plugin/data"
 DATA_DIR = "data"
@@ -113,7 +116,36 @@ class DataIndex:
             if offset + length > files[name]:
                 bad(f"chunks[{key!r}]", f"a segment inside {name} ({files[name]} bytes)", entry)
             chunks[key] = Segment(name, offset, length, crc)
+        _check_disjoint(chunks, where)
         return cls(process, files, chunks)
+
+
+def read_index(location: Location, process: int) -> DataIndex:
+    """The data index of ``process`` in the version-2 checkpoint at ``location``: its
+    bytes checked against the sha256 the commit recorded, parsed as a data index (no
+    key twice: ``json_docs``) and validated (:meth:`DataIndex.from_json`). Every reader
+    of an index (restore, verify, incremental reuse, the tier) reads it here."""
+    name = index_name(process)
+    where = f"{location}/{name}"
+    raw = _documents.read_listed(location, name)
+    return DataIndex.from_json(_docs.parse(raw, where, _docs.DATA_INDEX), where, process)
+
+
+def _check_disjoint(chunks: dict[str, Segment], where: str) -> None:
+    """Segments do not overlap (FORMAT.md): two keys sharing bytes would restore one
+    chunk's bytes as another's, each passing its crc32c."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for key, s in chunks.items():
+        by_file.setdefault(s.file, []).append((s.offset, s.offset + s.length, key))
+    for name, spans in by_file.items():
+        spans.sort()
+        for (a, b, k1), (c, d, k2) in zip(spans, spans[1:], strict=False):
+            if c < b:
+                raise CorruptCheckpointError(
+                    f"{where}: field chunks: segments of {k1!r} (bytes {a}..{b}) and "
+                    f"{k2!r} (bytes {c}..{d}) overlap in {DATA_DIR}/{name}; segments are "
+                    f"disjoint"
+                )
 
 
 def _files(raw: Any, process: int, bad) -> dict[str, int]:

@@ -22,7 +22,6 @@ import numpy as np
 import tensorstore as ts
 
 from .._base import host as _host
-from .._format import documents as _documents
 from .._format import layout as _layout
 from .._storage import kvstore as _kvstore
 from .._storage.location import Location
@@ -273,12 +272,7 @@ def _read_part(key: str, dest: np.ndarray, chunk, src, fill) -> None:
 def open_packed(location: Location, process_count: int) -> PackedReader:
     """A reader of the version-2 checkpoint at ``location``: every process's data
     index read, checked against the sha256 its commit recorded, and validated."""
-    indexes = []
-    for process in range(process_count):
-        name = _index.index_name(process)
-        where = f"{location}/{name}"
-        raw = _documents.read_listed(location, name)
-        indexes.append(_index.DataIndex.from_json(_layout.decode(raw, where), where, process))
+    indexes = [_index.read_index(location, process) for process in range(process_count)]
     sizes = {name: size for index in indexes for name, size in index.files.items()}
     return PackedReader(location, _index.merge(indexes, str(location)), sizes)
 

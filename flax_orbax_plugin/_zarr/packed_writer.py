@@ -10,19 +10,22 @@ at :meth:`close`). :meth:`index` is the ``data/<process>.json`` that lists them
 staging directory.
 
 Threading: as ``ChunkWriter``: one per save, driven by the save's background thread;
-segments are written by the writer's threads (offsets handed out under a lock).
+segments are written by the writer's threads (offsets handed out under a lock), which
+may run at a lower priority (``_base.priority``) only on a local disk; compressed
+chunks are encoded (tensorstore's codecs, which start threads of their own) on a pool
+of their own at the process's priority.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import threading
 from typing import Any
 
 import numpy as np
 
+from .._storage import json_docs as _docs
 from .._storage.location import Location, check_name
 from . import chunk_writer as _chunk_writer
 from . import chunks as _chunks
@@ -53,7 +56,8 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         target_bytes: int | None = None,
         total_bytes: int = 0,
     ):
-        super().__init__(location.path if location.is_local else "")
+        super().__init__(location.path if location.is_local else "", local_only=location.is_local)
+        self._encoder: concurrent.futures.ThreadPoolExecutor | None = None  # see encoded
         self._location = location
         self._process = int(process)
         self._target = int(target_bytes or default_data_file_bytes(location))
@@ -83,7 +87,11 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         """Starts writing the chunks of ``writes`` (regions of whole chunks of the array
         ``sub``, and their values) compressed as ``spec`` (built under
         ``packed_codec.MEMORY``) says: one segment per chunk, its stored bytes."""
-        return self._pool.submit(self._write_encoded, sub, spec, writes)
+        if self._encoder is None:  # the process's priority: the codecs start threads
+            self._encoder = concurrent.futures.ThreadPoolExecutor(
+                _chunks.THREADS, thread_name_prefix="fop-encode"
+            )
+        return self._encoder.submit(self._write_encoded, sub, spec, writes)
 
     def _write_encoded(self, sub: str, spec: dict[str, Any], writes: list) -> None:
         for key, value in _codec.encode(spec, writes):
@@ -195,6 +203,8 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         """Waits for every chunk, writes the last object (object stores) and closes the
         data files (local; made durable by the save's sync)."""
         try:
+            if self._encoder is not None:
+                self._encoder.shutdown(wait=True)
             super().close()
             last = [(name, pieces) for name, pieces in self._lanes if name is not None]
             self._lanes = []
@@ -213,11 +223,7 @@ class PackedWriter(_chunk_writer.ChunkWriter):
 
     def write_index(self) -> tuple[str, bytes]:
         """Writes ``data/<process>.json`` (not yet durable); returns (its name, bytes)."""
-        raw = _encode(self.index().to_json())
         name = _index.index_name(self._process)
+        raw = _docs.encode(self.index().to_json(), name, _docs.DATA_INDEX)
         self._location.write_bytes(name, raw, durable=False)
         return name, raw
-
-
-def _encode(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()

@@ -6,7 +6,9 @@
     flax-orbax export PATH OUT --format safetensors [--dtype bfloat16]
     flax-orbax gc DIR [--keep N]             retention; remove unfinished steps
 
-Modules: ``main`` (parser, entry point), ``commands`` (one function per command),
+Modules: ``main`` (parser, entry point: the standard library only, so ``--help`` and
+``--version`` are instant), ``dispatch`` (after parsing: path checks, then the command;
+it imports JAX and tensorstore), ``commands`` (one function per command),
 ``paths`` (what a PATH names), ``output`` (exit codes, tables, progress).
 """
 

@@ -298,7 +298,8 @@ def cmd_gc(args) -> int:
     with CheckpointManager(loc, keep=args.keep, keep_every=args.keep_every) as mngr:
         removed = mngr.gc()
     after = _steps.list_directory(loc)
-    gone = [n for n in before.unfinished if n not in after.unfinished]
+    left = set(after.unfinished) | set(after.foreign)  # a dead core save's staging is foreign
+    gone = [n for n in before.unfinished + before.foreign if n not in left]
     print(f"removed unfinished: {', '.join(gone) or 'none'}")
     if args.keep is None:
         print("removed steps: none (no --keep given)")

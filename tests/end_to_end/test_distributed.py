@@ -19,7 +19,11 @@ What they show:
 * decisions about the store are the primary's (a late process on S3 and GCS, through
   fop.save, save_async and the manager), and restores are agreed: damage only one
   process reads fails on all and every process resumes the same step; serving
-  processes read one step while another lands; a process may still restore alone.
+  processes read one step while another lands; a process may still restore alone;
+* one process failing inside each collective operation (a manager's open, save, restore
+  and wait, fop.save / save_async / restore, restore_params, the tier's replication
+  rounds) raises on every process within seconds, naming it (not after the timeout),
+  on a local directory, S3 and GCS.
 
 What a dead process looks like to the others (jax 0.10.2): a barrier that times
 out first raises "DEADLINE_EXCEEDED: Barrier timed out ... Some timed out task
@@ -430,3 +434,61 @@ def test_manager_on_s3_process_killed_mid_save(s3_location):
     with fop.CheckpointManager(loc.spec) as writer:  # a new writer clears the debris
         assert writer.steps() == [1]
     assert {k.split("/")[0] for k in loc.keys()} == {"1"}
+
+
+# ------------------------------------------------------------------ one process fails
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["process-1", "the-primary"])
+def test_a_failure_inside_each_collective_operation_reaches_every_process_at_once(tmp_path, victim):
+    """One process fails inside each collective operation in turn (a fault point before its
+    first coordination call there, or a bad input of its own: a state holding a leaf it
+    cannot save, a ``like`` of the wrong shape): every process raises within seconds, the
+    others naming that process and its error (was: they waited out the coordination
+    timeout, 120 s here, longer than this launch may take, and met at mismatched
+    barriers afterwards). One launch covers every operation: after each failure the
+    processes meet again on the same names."""
+    import _failure_workers as F
+
+    names = list(F.FAULTS)
+    run = _run(
+        "_failure_workers:one_fails_in_each",
+        2,
+        args={"directory": str(tmp_path), "names": names, "victim": victim},
+        env={"FOP_COORDINATION_TIMEOUT_S": "120"},
+        heartbeat_timeout_s=100,
+        timeout_s=100,
+    ).check()
+    failed, other = run.procs[victim].result, run.procs[1 - victim].result
+    for mine, theirs in zip(failed, other, strict=True):
+        name = mine["name"]
+        assert mine["error"] != "returned" and theirs["error"] != "returned", (mine, theirs)
+        if F.FAULTS[name] is not None:
+            assert "injected fault at collective-" in mine["error"], mine
+        assert f"process {victim} failed" in theirs["error"], (name, theirs["error"])
+        assert mine["error"].split(":")[0] in theirs["error"], (mine["error"], theirs["error"])
+        spread = max(mine["t_raised"], theirs["t_raised"]) - mine["t0"]
+        assert spread < 15, (name, spread, mine, theirs)
+
+
+@pytest.mark.parametrize("store, victim", [("s3", 0), ("gcs", 1)])
+def test_a_failure_inside_collective_operations_on_an_object_store(store, victim, request):
+    """The same on a bucket (the primary's look at the target is one more wait there):
+    a manager's open, save (a fault, and a state it cannot save) and restore, fop.save
+    and fop.restore, the primary (S3) or process 1 (GCS) failing in each; every process
+    raises within seconds, naming it."""
+    loc = request.getfixturevalue(f"{store}_location").join("failing")
+    names = ["manager-open", "manager-save", "manager-save-bad-state", "manager-restore"]
+    names += ["save", "restore"]
+    run = _run(
+        "_failure_workers:one_fails_in_each",
+        2,
+        args={"directory": loc.spec, "names": names, "victim": victim},
+        env={"FOP_COORDINATION_TIMEOUT_S": "120", **loc.env},
+        timeout_s=100,
+    ).check()
+    failed, other = run.procs[victim].result, run.procs[1 - victim].result
+    for mine, theirs in zip(failed, other, strict=True):
+        assert mine["error"] != "returned", mine
+        assert f"process {victim} failed" in theirs["error"], (mine["name"], theirs["error"])
+        assert max(mine["t_raised"], theirs["t_raised"]) - mine["t0"] < 15, (mine, theirs)

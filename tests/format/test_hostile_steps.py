@@ -39,7 +39,7 @@ HOSTILE += [([1], r"list \[1\]")]
 @pytest.mark.parametrize("reader", sorted(READERS))
 @pytest.mark.parametrize("step,found", HOSTILE, ids=["true", "false", "str", "float", "list"])
 def test_a_step_that_is_no_int_is_named(run, reader, step, found):
-    with pytest.raises(TypeError, match=rf"step: expected an int .*found {found}"):
+    with pytest.raises(TypeError, match=rf"step.*found {found}"):
         READERS[reader](run, step)
 
 

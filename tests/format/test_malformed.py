@@ -109,11 +109,16 @@ def _set_keys(doc, path, keys, new_path):
 
 CASES = {
     # (mutation of the parsed document, or raw bytes), text the error must contain
-    "nesting 100000 deep": (b"[" * 100_000, "not valid JSON"),
+    "nesting 100000 deep": (b"[" * 100_000, "nested 100000 levels deep"),
     "nesting in sharding": (
         lambda d: _leaf(d, "big").__setitem__("sharding", {"x": _deep(500)}),
+        "nested 505 levels deep",
+    ),
+    "nesting in sharding, within the document's depth": (
+        lambda d: _leaf(d, "big").__setitem__("sharding", {"x": _deep(20)}),
         "sharding",
     ),
+    "a time past year 9999": (lambda d: d.__setitem__("created_at", 1e300), "created_at"),
     "shape overflowing int64": (
         lambda d: (
             _leaf(d, "big").__setitem__("shape", [2**40] * 4),

@@ -1033,3 +1033,22 @@ def test_incremental_local_steps_replicate_whole_to_the_persistent_tier(s3_locat
     with fop.CheckpointManager(tmp_path / "b", persistent=url) as fresh:
         _assert_equal(states[2], fresh.restore())
         assert fresh.steps() == [3]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_small_frozen_leaves_rewritten_each_step_are_reported(tmp_path, caplog, version):
+    # A leaf of 1 MiB or less is batched and written again at every step, frozen or not
+    # (was: silently); one INFO line per manager directory and item says which and why.
+    state = _state()
+    state["params"]["norm"] = {"scale": np.ones((256,), np.float32)}  # frozen and small
+    with fop.CheckpointManager(tmp_path, incremental=True, format_version=version) as mngr:
+        with caplog.at_level(logging.INFO, logger="flax_orbax_plugin"):
+            _save(mngr, 1, state)
+            assert "small leaves" not in caplog.text  # nothing to reuse at a first step
+            second = _save(mngr, 2, state)
+            _save(mngr, 3, state)
+    lines = [r.getMessage() for r in caplog.records if "small leaves" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("incremental save: 2 small leaves of params (1088 bytes in all;")
+    assert "written again at every step" in lines[0] and lines[0].endswith("bias, norm/scale")
+    assert second.bytes_reused >= W1 + W2 + ADAPTER  # the big frozen leaves are reused

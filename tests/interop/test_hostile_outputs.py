@@ -75,8 +75,9 @@ def test_export_into_a_checkpoint_is_refused(world, capsys, out, message):
 def test_import_into_a_checkpoint_is_refused(world, capsys, out, message):
     before = snapshot(world)
     with pytest.raises(fop.UnsupportedLocationError, match=message):
-        fop.import_msgpack(world / "state.msgpack", world / out)
-    assert cli.main(["import", str(world / "state.msgpack"), str(world / out)]) == 2
+        fop.import_msgpack(world / "state.msgpack", world / out, step=1)
+    argv = ["import", str(world / "state.msgpack"), str(world / out), "--step", "1"]
+    assert cli.main(argv) == 2
     assert "import output" in capsys.readouterr().err
     assert snapshot(world) == before
 

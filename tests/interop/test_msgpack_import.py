@@ -1,6 +1,7 @@
 """_msgpack_import: files written by flax.serialization and flax.training.checkpoints."""
 
 import json
+import logging
 import os
 
 import flax
@@ -123,7 +124,10 @@ def test_a_plain_params_tree_becomes_params_and_chunked_arrays_join(tmp_path, mo
     raw = msgpack.unpackb(path.read_bytes(), strict_map_key=False, ext_hook=lambda c, d: None)
     assert raw["w"]["__msgpack_chunked_array__"] is True
     out = tmp_path / "ckpts"
-    assert _importing.import_msgpack(path, out) == [0]
+    with pytest.raises(StructureError, match=r"plain.msgpack: no step to import it as.*step="):
+        _importing.import_msgpack(path, out)  # no step leaf, no number in the name
+    assert not out.exists()
+    assert _importing.import_msgpack(path, out, step=0) == [0]
     got = fop.restore_params(out)
     np.testing.assert_array_equal(got["w"], tree["w"])
     assert got["b"] == np.float32(2.5)
@@ -167,3 +171,46 @@ def test_import_writes_format_version_2_steps_on_request(tmp_path, capsys):
     assert not (out / "7" / "params" / "d").exists()  # no version-1 chunk files
     _assert_bit_exact(fop.restore_params(out), state.params)
     assert all(r.ok for r in fop.verify(out))
+
+
+@pytest.mark.parametrize("entry", ["cli", "python"])
+def test_the_step_comes_from_the_state_and_a_given_one_must_agree(tmp_path, capsys, entry):
+    """A TrainState saved at step 7 imports as step 7 (was 0) without a step given; a
+    given step that disagrees is refused, naming both, before anything is written."""
+    path = tmp_path / "state.msgpack"
+    state = _state(7)
+    path.write_bytes(serialization.to_bytes(state))
+
+    def run(out, *step):
+        if entry == "python":
+            kwargs = {"step": int(step[0])} if step else {}
+            return _importing.import_msgpack(path, out, **kwargs)
+        rc = cli.main(["import", str(path), str(out), *(("--step", *step) if step else ())])
+        _, err = capsys.readouterr()
+        if rc != 0:
+            raise StructureError(err)
+        return None
+
+    run(tmp_path / "a")
+    with fop.CheckpointManager(tmp_path / "a", read_only=True) as mngr:
+        assert mngr.steps() == [7]
+        assert int(mngr.restore(like=_state(0)).step) == 7
+    run(tmp_path / "b", "7")
+    with pytest.raises(StructureError, match=r"state.msgpack: step 3 was asked for.*says 7"):
+        run(tmp_path / "c", "3")
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_file_named_for_another_step_than_its_state_imports_as_the_states(tmp_path, caplog):
+    ckpt_dir = tmp_path / "flax"
+    flax.config.update("flax_use_orbax_checkpointing", False)
+    try:
+        checkpoints.save_checkpoint(str(ckpt_dir), _state(5), 100, keep=5)
+    finally:
+        flax.config.update("flax_use_orbax_checkpointing", True)
+    out = tmp_path / "ckpts"
+    with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
+        assert _importing.import_msgpack(ckpt_dir, out) == [5]
+    assert "named for step 100 but its state's step leaf says 5" in caplog.text
+    with pytest.raises(StructureError, match="step 100 was asked for.*says 5"):
+        _importing.import_msgpack(ckpt_dir, tmp_path / "other", step=100)

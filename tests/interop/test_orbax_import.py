@@ -277,11 +277,17 @@ def test_cli_import_every_step_then_one(manager_dir, tmp_path, capsys):
 
 
 def test_import_lone_item_as_given_step(standard_dir, tmp_path):
+    """A lone item's training state says step 7: imported as 7 with no step given
+    (was 0), and a given step that disagrees is refused before anything is written."""
     path, state = standard_dir
+    with pytest.raises(StructureError, match=r"standard: step 5 was asked for.*says 7"):
+        _importing.import_orbax(path, tmp_path / "refused", step=5)
+    assert not (tmp_path / "refused" / "5").exists()
     out = tmp_path / "one"
-    assert _importing.import_orbax(path, out, step=5) == [5]
+    assert _importing.import_orbax(path, out) == [7]
+    assert _importing.import_orbax(path, tmp_path / "two", step=7) == [7]
     _assert_bit_exact(fop.restore_params(out), state["params"])
-    assert fop.restore(out / "5" / "opt_state") is not None
+    assert fop.restore(out / "7" / "opt_state") is not None
 
 
 def test_reading_does_not_import_orbax(standard_dir):

@@ -16,6 +16,8 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._format.layout import MANIFEST_FILE
+from flax_orbax_plugin._manager import per_host
+from flax_orbax_plugin._storage.location import Location
 
 pytest_plugins = ["_servers"]
 
@@ -449,3 +451,28 @@ def test_per_host_a_host_killed_mid_save_then_a_sigterm_on_resume(tmp_path, s3_l
         got = r.restore(step=step)
     want = W.preempt_expected(step, 4)
     assert np.array_equal(got["params"]["w"], want["w"]) and int(got["params"]["b"]) == step
+
+
+@pytest.mark.parametrize(
+    "raw, problem",
+    [
+        (b"[" * 100_000, "nested 100000 levels deep"),
+        (b'{"format": ' + b"[" * 900 + b"]" * 900 + b"}", "nested 901 levels deep"),
+        (b'{"format": "flax_orbax_plugin/host-copy", "step": "1"}', "field step: expected"),
+        (b'{"step": 1, "step": 2}', "field 'step': expected once"),
+        (b"\xff", "not valid JSON"),
+    ],
+)
+def test_a_malformed_host_marker_is_a_problem_named_never_a_raw_error(tmp_path, raw, problem):
+    """A marker read back is parsed within the per-host marker's limits and its fields
+    checked: a bad one makes the step not this host's (logged), never a RecursionError
+    (raised on one host inside the collective open, it stalled the others)."""
+    loc = Location.from_path(str(tmp_path))
+    os.makedirs(tmp_path / "1")
+    (tmp_path / "1" / per_host.HOST_FILE).write_bytes(raw)
+    doc, found = per_host.read_marker(loc, 1)
+    assert doc is None and problem in found and per_host.HOST_FILE in found, found
+    assert per_host.valid_steps(loc, [1], None) == []
+    good = per_host.host_marker(1, "ab" * 16, per_host.COPY_LAYOUT)
+    (tmp_path / "1" / per_host.HOST_FILE).write_bytes(good)
+    assert per_host.valid_steps(loc, [1], "ab" * 16) == [1]

@@ -4,6 +4,7 @@ open (a lock on filesystems, a lease on the S3 server, held by another real proc
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -195,3 +196,39 @@ def test_s3_an_expired_lease_is_taken_over_and_its_holder_commits_nothing_more(
         proc.send_signal(signal.SIGCONT)
         proc.kill()
     assert fop.CheckpointManager(s3_location.url, read_only=True).steps() == [1]
+
+
+@pytest.mark.parametrize(
+    "expires, found",
+    [(1e300, "1e+300"), (253402300800.0, "253402300800"), (-1, "-1"), (10**400, "1000")],
+)
+def test_s3_a_lease_time_no_date_can_hold_is_refused_naming_the_field(
+    s3_location, tmp_path, expires, found
+):
+    """A record's lease past year 9999 (or before 1970) is damage named at parse time,
+    not a raw OverflowError/ValueError when the open formats it."""
+    doc = {"library": "flax_orbax_plugin", "kind": "run", "run": "ab" * 16, "host": "h"}
+    doc.update(pid=1, holder="cd" * 8, lease_expires=expires)
+    Location.from_path(s3_location.url).write_bytes(RUN_FILE, json.dumps(doc).encode())
+    with pytest.raises(
+        fop.CorruptCheckpointError, match=rf"{RUN_FILE}: field lease_expires.*{re.escape(found)}"
+    ):
+        fop.CheckpointManager(tmp_path / "a", persistent=s3_location.url)
+
+
+def test_a_lease_no_reader_could_format_is_never_written(s3_location, tmp_path):
+    with pytest.raises(ValueError, match="persistent_lease_seconds"):
+        fop.CheckpointManager(
+            tmp_path / "a", persistent=s3_location.url, persistent_lease_seconds=1e300
+        )
+    assert Location.from_path(s3_location.url).read_bytes(RUN_FILE) is None
+    with pytest.raises(ValueError, match="lease_expires.*year 9999"):
+        RunRecord("ab" * 16, "h", 1, "cd" * 8, lease_expires=1e300).to_bytes()
+
+
+def test_a_record_nested_deeply_is_damage_naming_the_file(persistent, tmp_path):
+    loc = Location.from_path(persistent)
+    loc.makedirs()
+    loc.write_bytes(RUN_FILE, b'{"library": ' + b"[" * 1500 + b"]" * 1500 + b"}")
+    with pytest.raises(fop.CorruptCheckpointError, match=rf"{RUN_FILE}: nested 1501 levels"):
+        fop.CheckpointManager(tmp_path / "a", persistent=persistent)

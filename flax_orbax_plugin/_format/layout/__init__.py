@@ -20,6 +20,7 @@ from .checked import (
     parse_sealed,
     seal,
     sha256,
+    sha256_mismatch,
 )
 from .checkpoint import (
     CheckpointDocument,
@@ -120,6 +121,7 @@ __all__ = [
     "parse_sealed",
     "seal",
     "sha256",
+    "sha256_mismatch",
     "text_bytes",
     "text_value",
 ]

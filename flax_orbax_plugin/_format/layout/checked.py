@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import reprlib
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from ..._errors import CorruptCheckpointError
-from .dtypes import MAX_JSON_BYTES
+from ..._storage import json_docs as _docs
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", re.ASCII)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$", re.ASCII)
@@ -40,78 +39,40 @@ def encode(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def decode(raw: bytes, where: str) -> Any:
-    """Parses JSON bytes read from an untrusted store; errors name the file."""
-    if len(raw) > MAX_JSON_BYTES:
-        raise CorruptCheckpointError(f"{where}: {len(raw)} bytes, larger than any valid file")
-    try:
-        return json.loads(
-            raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float
-        )
-    except _NonFinite as e:
-        raise CorruptCheckpointError(
-            f"malformed {where}: field {_field_before(raw, e.text)}: expected a finite "
-            f"number, found {e.text[:40]}"
-        ) from None
-    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
-        # RecursionError: nesting deeper than the interpreter's stack (e.g. '[' * 100000)
-        raise CorruptCheckpointError(f"{where} is not valid JSON: {_brief(e)}") from None
+def decode(raw: bytes, where: str, kind: _docs.DocKind) -> Any:
+    """Parses JSON bytes read from an untrusted store as a document of ``kind`` (its
+    size, depth and key limits: ``_storage/json_docs.py``); errors name the file."""
+    return _docs.parse(raw, where, kind)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-class _NonFinite(ValueError):
-    def __init__(self, text: str):
-        super().__init__(f"the number {text[:40]} is not finite")
-        self.text = text
-
-
-def _finite_float(text: str) -> float:
-    """JSON numbers that overflow to infinity (``1e999``) are refused like ``Infinity``."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise _NonFinite(text)
-    return value
-
-
-_KEY_BEFORE = re.compile(rb'"([^"\\]{1,64})"\s*:\s*[\[\s]*$')
-
-
-def _field_before(raw: bytes, text: str) -> str:
-    """The key under which the number ``text`` first appears in ``raw`` (for the error
-    message), else its byte offset."""
-    at = raw.find(text.encode())
-    if at < 0:
-        return "?"
-    match = _KEY_BEFORE.search(raw[max(0, at - 200) : at])
-    return match.group(1).decode(errors="replace") if match else f"at byte {at}"
-
-
-def _brief(error: BaseException) -> str:
-    text = str(error)
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-def decode_checked(raw: bytes, where: str, expected_sha256: str) -> Any:
+def decode_checked(raw: bytes, where: str, expected_sha256: str, kind: _docs.DocKind) -> Any:
     """Parses ``raw`` after checking it against the checksum recorded at commit."""
     found = sha256(raw)
     if found != expected_sha256:
-        raise CorruptCheckpointError(
-            f"{where}: checksum mismatch: expected sha256 {expected_sha256[:16]}... "
-            f"(recorded at commit), found {found[:16]}...; the file was changed or damaged"
-        )
-    return decode(raw, where)
+        sha256_mismatch(where, expected_sha256, found)
+    return decode(raw, where, kind)
 
 
-def seal(body: dict[str, Any]) -> bytes:
-    """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form."""
-    return encode(dict(body, checksum=sha256(encode(body))))
+def sha256_mismatch(where: str, expected: str, found: str) -> NoReturn:
+    """Raises the CorruptCheckpointError of a JSON file whose sha256 differs from the
+    one recorded at commit."""
+    raise CorruptCheckpointError(
+        f"{where}: checksum mismatch: expected sha256 {expected[:16]}... "
+        f"(recorded at commit), found {found[:16]}...; the file was changed or damaged"
+    )
 
 
-def parse_sealed(raw: bytes, where: str) -> dict[str, Any]:
-    obj = decode(raw, where)
+def seal(body: dict[str, Any], kind: _docs.DocKind | None = None) -> bytes:
+    """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form; with
+    ``kind``, refused (StructureError) past what a reader of that kind accepts."""
+    sealed = dict(body, checksum=sha256(encode(body)))
+    if kind is None:
+        return encode(sealed)
+    return _docs.encode(sealed, kind.what, kind, sort_keys=True)
+
+
+def parse_sealed(raw: bytes, where: str, kind: _docs.DocKind) -> dict[str, Any]:
+    obj = decode(raw, where, kind)
     need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
     body = dict(obj)
     checksum = body.pop("checksum", None)
@@ -164,11 +125,10 @@ def int_field(obj: Mapping, key: str, where: str, field: str, *, lo: int = 0, hi
     return value
 
 
-def num_field(obj: Mapping, key: str, where: str, field: str) -> float:
-    value = obj.get(key, 0.0)
-    ok = (is_int(value) or isinstance(value, float)) and math.isfinite(value)
-    need(ok, where, field, "a finite number", value)
-    return float(value)
+def time_field(obj: Mapping, key: str, where: str, field: str) -> float:
+    """An optional time in seconds since the epoch (0.0 when absent), within what the
+    platform formats as a date (``json_docs.check_time``)."""
+    return _docs.check_time(obj.get(key, 0.0), where, field, stored=True)
 
 
 def str_field(obj: Mapping, key: str, where: str, field: str) -> str:

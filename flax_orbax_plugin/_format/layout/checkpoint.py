@@ -8,9 +8,10 @@ import dataclasses
 from typing import Any, NoReturn
 
 from ..._base.tree import path_string
-from .checked import check_format_version, fail, int_field, need, num_field, opt_str
+from ..._storage import json_docs as _docs
+from .checked import check_format_version, fail, int_field, need, opt_str, time_field
 from .dtypes import MAX_PROCESSES
-from .names import FORMAT_NAME, FORMAT_VERSION, LATEST_FORMAT_VERSION
+from .names import FORMAT_NAME, FORMAT_VERSION, LATEST_FORMAT_VERSION, METADATA_FILE
 from .records import BatchRecord, BatchStorage, LeafRecord
 
 # -- a checkpoint's metadata ---------------------------------------------------------------
@@ -28,6 +29,7 @@ class CheckpointDocument:
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
+        _docs.check_time(self.created_at, METADATA_FILE, "created_at", stored=False)
         return {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
@@ -61,7 +63,7 @@ class CheckpointDocument:
             leaves,
             batches,
             process_count,
-            num_field(obj, "created_at", where, "created_at"),
+            time_field(obj, "created_at", where, "created_at"),
             opt_str(obj, "jax_version", where),
             version,
         )

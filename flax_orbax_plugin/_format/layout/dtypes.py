@@ -12,8 +12,9 @@ import ml_dtypes
 import numpy as np
 
 from ..._errors import StructureError
+from ..._storage import json_docs as _docs
 
-MAX_JSON_BYTES = 64 << 20  # no metadata, manifest or JSON item is larger than this
+MAX_JSON_BYTES = _docs.METADATA.max_bytes  # the limits of every kind: _storage/json_docs.py
 MAX_NDIM = 64
 MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: larger "arrays" are damage, not data
 MAX_PROCESSES = 1 << 20

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..._errors import CorruptCheckpointError
+from ..._storage import json_docs as _docs
 from .checked import (
     check_format_version,
     decode,
@@ -15,14 +16,22 @@ from .checked import (
     int_field,
     is_safe_name,
     need,
-    num_field,
     opt_str,
     parse_sealed,
     seal,
     str_field,
+    time_field,
 )
 from .dtypes import MAX_PROCESSES
-from .names import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, STEP_FORMAT, STEP_VERSION
+from .names import (
+    COMMIT_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    STEP_FORMAT,
+    STEP_VERSION,
+)
 
 # -- commit records -----------------------------------------------------------------------
 
@@ -36,28 +45,30 @@ class CommitMarker:
     committed_at: float = 0.0
 
     def to_bytes(self) -> bytes:
+        _docs.check_time(self.committed_at, COMMIT_FILE, "committed_at", stored=False)
         return seal(
             {
                 "format": FORMAT_NAME,
                 "format_version": FORMAT_VERSION,
                 "committed_at": self.committed_at,
                 "files": self.files,
-            }
+            },
+            _docs.COMMIT_MARKER,
         )
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> CommitMarker:
-        obj = decode(raw, where)
+        obj = decode(raw, where, _docs.COMMIT_MARKER)
         if isinstance(obj, dict) and "checksum" not in obj and "files" not in obj:
             raise CorruptCheckpointError(
                 f"{where}: a commit marker without checksums (written before format version "
                 f"1 was fixed); re-save it with this version"
             )
-        body = parse_sealed(raw, where)
+        body = parse_sealed(raw, where, _docs.COMMIT_MARKER)
         check_format_version(body, where, FORMAT_NAME, "format_version", FORMAT_VERSION)
         files = files_field(body, where)
         need(METADATA_FILE in files, where, "files", f"an entry for {METADATA_FILE}", files)
-        return cls(files, num_field(body, "committed_at", where, "committed_at"))
+        return cls(files, time_field(body, "committed_at", where, "committed_at"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +100,7 @@ class StepManifest:
     bytes_reused: int | None = None
 
     def to_bytes(self) -> bytes:
+        _docs.check_time(self.time, MANIFEST_FILE, "time", stored=False)
         body = {
             "format": STEP_FORMAT,
             "version": STEP_VERSION,
@@ -101,11 +113,11 @@ class StepManifest:
         }
         if self.bytes_written is not None and self.bytes_reused is not None:
             body["bytes"] = {"written": self.bytes_written, "reused": self.bytes_reused}
-        return seal(body)
+        return seal(body, _docs.STEP_MANIFEST)
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> StepManifest:
-        body = parse_sealed(raw, where)
+        body = parse_sealed(raw, where, _docs.STEP_MANIFEST)
         check_format_version(body, where, STEP_FORMAT, "version", STEP_VERSION)
         step = int_field(body, "step", where, "step")
         raw_items = body.get("items")
@@ -131,7 +143,7 @@ class StepManifest:
             items,
             files_field(body, where),
             int_field(body, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES),
-            num_field(body, "time", where, "time"),
+            time_field(body, "time", where, "time"),
             opt_str(body, "tree_digest", where),
             written,
             reused,

@@ -18,7 +18,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ..._base import faults as _faults
 from ..._base import tree as _tree
+from ..._core import ownership as _ownership
 from ..._core import restore as _restore
 from ..._errors import CorruptCheckpointError, StructureError, UnsupportedLocationError
 from ..._format.places import holding_checkpoint
@@ -173,6 +175,7 @@ def to_safetensors(
     check_outputs(directory, names, index_name, force)
     meta = _file_metadata(metadata, transpose_kernels)
     total = sum(t.nbytes for t in tensors)
+    created = _ownership.missing_directories(directory)  # removed again on failure
     os.makedirs(directory, exist_ok=True)
     staged = _Staged(directory, names, shards, meta)
     try:
@@ -180,13 +183,14 @@ def to_safetensors(
             staged.write(tensors, read, bar)
         old = old_outputs(directory, index_name) if force else set()
         for tmp, final in zip(staged.shard_tmps, finals, strict=True):
-            os.replace(tmp, final)  # replaces a name, never writes through a link
+            staged.place(tmp, final)
         if index_path is not None:
             staged.write_index(tensors, total, index_name, index_path)
         remove_stale(directory, index_name, names, old, force=force, sharded=bool(index_path))
         fsync_dir(directory)
-    except BaseException:
+    except BaseException:  # Ctrl-C too: nothing of a failed export stays
         staged.discard()
+        _ownership.remove_created(created)
         raise
     return ExportResult(tuple(finals), index_path, len(tensors), total)
 
@@ -214,8 +218,9 @@ def _file_metadata(metadata: dict[str, str] | None, transpose_kernels: bool) -> 
 class _Staged:
     """The temporary files of one export, each created under an unpredictable name
     (:func:`.outputs.create_temp`): the shards, written in order by :meth:`write`,
-    then the index (:meth:`write_index`); :meth:`discard` closes and removes every
-    one of them (and only those) when the export fails. One thread."""
+    then the index (:meth:`write_index`), each renamed into place (:meth:`place`);
+    :meth:`discard` closes and removes every one of them (and only those, temporary or
+    placed) when the export fails. One thread."""
 
     def __init__(
         self, directory: str, names: list[str], shards: list[list[Tensor]], meta: dict[str, str]
@@ -225,6 +230,7 @@ class _Staged:
         self.shard_of = {t.path: i for i, shard in enumerate(shards) for t in shard}
         self.files: list[Any] = [None] * len(shards)
         self.shard_tmps: list[str | None] = [None] * len(shards)
+        self.placed: list[tuple[str, int]] = []  # (final path, inode) renamed into place
 
     def _start(self, i: int) -> Any:
         tmp, f = create_temp(self.directory, self.names[i])
@@ -247,6 +253,7 @@ class _Staged:
                 t = by_path[path]
                 data = tensor_bytes(t, value)
                 files[i].write(memoryview(data))
+                _faults.pause_point("export_write")
                 bar.advance(data.nbytes, path)
                 del data, value  # one leaf (or one group) in memory at a time
         close_shard(files, current)
@@ -269,7 +276,14 @@ class _Staged:
             f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8"))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, index_path)
+        self.place(tmp, index_path)
+
+    def place(self, tmp: str, final: str) -> None:
+        """Renames ``tmp`` over ``final`` (a name replaced, never written through a link)."""
+        inode = os.lstat(tmp).st_ino
+        os.replace(tmp, final)
+        self.placed.append((final, inode))
+        _faults.pause_point("export_placed")
 
     def discard(self) -> None:
         for f in self.files:
@@ -278,6 +292,12 @@ class _Staged:
         for tmp in self.tmps:  # ours: created exclusively under an unpredictable name
             try:
                 os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        for final, inode in self.placed:  # a file this export put in place: still ours
+            try:
+                if os.lstat(final).st_ino == inode:
+                    os.unlink(final)
             except FileNotFoundError:
                 pass
 

@@ -12,13 +12,13 @@ threads see a whole dict.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import secrets
 
 from ..._errors import CorruptCheckpointError
 from ..._format import steps as _steps
 from ..._format.layout import MANIFEST_FILE
+from ..._storage import json_docs as _docs
 from ..._storage.location import Location
 
 __all__ = ["DAMAGED_FILE", "DamagedSteps"]
@@ -57,7 +57,7 @@ class DamagedSteps:
             return {}
         where = f"{self.remote}/{DAMAGED_FILE}"
         try:
-            doc = json.loads(raw)
+            doc = _docs.parse(raw, where, _docs.TIER_RECORD)
             steps = doc["steps"]
             if doc.get("library") != "flax_orbax_plugin" or not isinstance(steps, dict):
                 raise ValueError("not a damage record of this library")
@@ -81,12 +81,13 @@ class DamagedSteps:
             "library": "flax_orbax_plugin",
             "kind": "damaged steps",
             "steps": {
-                str(s): {"manifest_sha256": shas[s], "error": damaged[s][:2000]}
+                str(s): {"manifest_sha256": shas[s], "error": _text(damaged[s][:2000])}
                 for s in sorted(damaged)
                 if s in shas
             },
         }
-        self.remote.write_bytes(DAMAGED_FILE, json.dumps(doc, sort_keys=True).encode())
+        raw = _docs.encode(doc, DAMAGED_FILE, _docs.TIER_RECORD, sort_keys=True, separators=None)
+        self.remote.write_bytes(DAMAGED_FILE, raw)
 
     def set_aside(self, step: int, raw: bytes, error: Exception) -> None:
         """Primary, after a verified copy-down proved the persistent copy damaged: on
@@ -144,3 +145,8 @@ class DamagedSteps:
             self._write(self.steps, self._shas())
         except Exception as e:  # noqa: BLE001  (the stale entry no longer matches anyway)
             logger.warning("checkpoint: could not update %s/%s: %s", self.remote, DAMAGED_FILE, e)
+
+
+def _text(message: str) -> str:
+    """An error message as text UTF-8 encodes (a lone surrogate escaped)."""
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")

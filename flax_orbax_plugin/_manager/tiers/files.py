@@ -15,7 +15,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..._base import faults as _faults
-from ..._base import priority as _priority
 from ..._core import ownership as _ownership
 from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
 from ..._format.layout import MANIFEST_FILE, StepManifest
@@ -75,9 +74,8 @@ def copy_files(
         return len(data)
 
     total = 0
-    with ThreadPoolExecutor(
-        COPY_THREADS, thread_name_prefix="fop-copy", initializer=_priority.lower
-    ) as pool:
+    # The process's priority (_base.priority): a copy may call a store's client.
+    with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="fop-copy") as pool:
         futures = [pool.submit(one, rel) for rel in files]
         try:
             for fut in futures:

@@ -64,6 +64,19 @@ class Rounds:
         self._yielding = yielding
         self.prefix = ""
         self._round = 0
+        # The rounds' region (several processes): a replicator thread that ends on an
+        # error publishes it there, so the others' waits in the rounds raise at once.
+        self.region: _distributed.Region | None = None
+
+    def start_region(self) -> None:
+        """At open, once :attr:`prefix` is agreed: the rounds' region (several processes)."""
+        if self._places.multi:
+            self.region = _distributed.Region("tier-rounds", f"tier{self.prefix}")
+
+    def in_region(self, run) -> None:
+        """Runs a replicator thread's ``run`` in the rounds' region."""
+        with _distributed.resumed(self.region):
+            run()
 
     def next_key(self) -> str:
         """Replicator thread: the key of this tier's next round."""
@@ -88,8 +101,10 @@ class Rounds:
                 _distributed.broadcast_str(f"{rnd.key}/outcome", outcome)
             else:
                 self.announce(rnd, json.dumps({"step": rnd.step, "outcome": outcome}))
-        except Exception as e:  # noqa: BLE001  (the others time out and say so)
+        except Exception as e:  # noqa: BLE001  (the others learn it from the region)
             logger.warning("checkpoint: could not publish round %s: %s", rnd.key, e)
+            if self.region is not None:  # they would wait for it: the rounds end here
+                _distributed.publish_failure(self.region, e)
 
     def lead(self, rnd: Round, step: int, nonce: str, raw: bytes, nfiles: int | None) -> int:
         """Primary: announces ``step`` (staging ``nonce``, manifest ``raw``), copies its
@@ -173,26 +188,8 @@ class Rounds:
     def follow(self) -> None:
         """The replicator thread of a process other than the primary: takes part in the
         primary's rounds, in order, until it announces ``stop``."""
-        state = self._state
         try:
-            while True:
-                key = self.next_key()
-                decision = self._await_round(key)
-                if decision is None or decision == "stop":
-                    return
-                info = json.loads(decision)
-                step = int(info["step"])
-                with state.cond:
-                    state.round_steps.add(step)
-                    state.drop_older(step, self._places.kept_forever)
-                    state.queue.discard(step)
-                    state.current = step
-                try:
-                    self._take_part(key, step, info)
-                finally:
-                    with state.cond:
-                        state.current = None
-                        state.cond.notify_all()
+            self.in_region(self._follow)
         except Exception as e:  # noqa: BLE001  (the primary is gone or late)
             error = ReplicationError(
                 f"process {_distributed.process_index()} lost the primary's replication "
@@ -201,9 +198,31 @@ class Rounds:
             )
             error.__cause__ = e
             logger.error("checkpoint: %s", error)
+            with self._state.cond:
+                self._state.error = error
+                self._state.cond.notify_all()
+
+    def _follow(self) -> None:
+        """:meth:`follow`'s rounds, in its region."""
+        state = self._state
+        while True:
+            key = self.next_key()
+            decision = self._await_round(key)
+            if decision is None or decision == "stop":
+                return
+            info = json.loads(decision)
+            step = int(info["step"])
             with state.cond:
-                state.error = error
-                state.cond.notify_all()
+                state.round_steps.add(step)
+                state.drop_older(step, self._places.kept_forever)
+                state.queue.discard(step)
+                state.current = step
+            try:
+                self._take_part(key, step, info)
+            finally:
+                with state.cond:
+                    state.current = None
+                    state.cond.notify_all()
 
     def _take_part(self, key: str, step: int, info: dict[str, Any]) -> None:
         """Follower: copies this process's share of the round ``key`` (unless the round

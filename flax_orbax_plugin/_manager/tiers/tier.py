@@ -11,6 +11,7 @@ damage: ``docs/tiers.md``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -145,7 +146,11 @@ class PersistentTier:
                 state.enqueue(s, self._places.kept_forever)
         if missing and self._places.primary:
             logger.info("checkpoint: replicating local steps %s to %s", missing, self.remote)
-        target = self._replicator.run if self._places.primary else self._rounds.follow
+        self._rounds.start_region()
+        if self._places.primary:
+            target = functools.partial(self._rounds.in_region, self._replicator.run)
+        else:
+            target = self._rounds.follow
         self._thread = threading.Thread(target=target, name="fop-replicate", daemon=True)
         self._thread.start()
 

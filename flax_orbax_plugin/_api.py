@@ -1,0 +1,43 @@
+"""The public names of ``flax_orbax_plugin``, imported eagerly (JAX, tensorstore and
+every wing come with them: seconds).
+
+The package's ``__init__`` loads this module on the first access of a public name
+(PEP 562), so that ``import flax_orbax_plugin`` and the command line's ``--help`` and
+``--version`` stay instant; nothing else imports it.
+"""
+
+# ruff: noqa: F401  (every import here is a re-export, through the package)
+
+from ._core.save import SaveHandle, SaveResult, is_committed, save, save_async
+from ._core.verify import VerifyResult, verify
+from ._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CoordinationError,
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    ForeignEntryError,
+    NotCommittedError,
+    NothingMatchedError,
+    OptionError,
+    OptionTypeError,
+    ProcessFailedError,
+    ReplicationError,
+    StepDeletedError,
+    StructureError,
+    TransformError,
+    UnknownItemError,
+    UnsupportedLocationError,
+)
+from ._format.metadata import CheckpointMetadata, LeafMetadata
+from ._interop.importing import import_msgpack, import_orbax
+from ._interop.msgpack_reader import restore_msgpack
+from ._interop.orbax_reader import restore_orbax
+from ._interop.safetensors import from_safetensors, to_safetensors
+from ._manager.callback import CheckpointCallback
+from ._manager.checkpointables import Checkpointable, Pending, Written
+from ._manager.manager import CheckpointManager
+from ._reading.restore import metadata, restore
+from ._reading.serving import restore_params
+from ._state.iterators import StepIndexedIterator
+from ._storage.location import Location

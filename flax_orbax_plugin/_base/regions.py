@@ -1,0 +1,234 @@
+"""Regions of collective operations, and the failures published in them.
+
+A region is one collective operation of every process (:func:`collective`); its tag is
+the same on every process (the n-th collective operation of each). An error leaving a
+region is published under ``fop/failed/<tag>/<process>`` in jax.distributed's key-value
+store; :func:`raise_published_failure`, called by the one wait on other processes
+(``distributed._wait``) between its short slices, raises :class:`ProcessFailedError`
+once another process published one in the waiting thread's region. So a process that
+fails anywhere inside an operation (before, between or after its coordination calls)
+reaches every other within a slice, not when a timeout runs out.
+
+Threading: a thread's regions are its own (a stack, innermost last). Regions are drawn on
+the thread that makes the SPMD calls (the training thread), in the same order on every
+process; a background phase of an operation resumes the region that drew it
+(:func:`resumed`, e.g. ``SaveHandle``), so its failures are published there too.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import itertools
+import json
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from .._errors import CoordinationError, ProcessFailedError
+from . import faults as _faults
+
+FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
+_REGIONS = itertools.count()
+_LOCAL = threading.local()  # .stack: the regions this thread is in, innermost last
+
+# Coordination calls made by this process, by kind ("barrier", "kv_set", "kv_get",
+# "kv_delete", "failure_check"): tests assert how many one save costs.
+CALLS: collections.Counter[str] = collections.Counter()
+
+
+def client():
+    """jax's coordination service client (raises CoordinationError without one)."""
+    from jax._src.distributed import global_state  # private: read when called, not at import
+
+    found = global_state.client
+    if found is None:
+        raise CoordinationError(
+            "several JAX processes but no coordination client: call jax.distributed.initialize()"
+        )
+    return found
+
+
+@dataclasses.dataclass
+class Region:
+    """One collective operation: its kind (``manager-save`` ...) and its tag, the same on
+    every process (the n-th collective operation of this process); the names drawn in it
+    so far (:attr:`drawn`), the agreement this thread is in and those it completed."""
+
+    kind: str
+    tag: str
+    drawn: int = 0
+    agreeing: str | None = None
+    agreed: set[str] = dataclasses.field(default_factory=set)
+
+    def draw(self) -> str:
+        """``<tag>.<n>``: the n-th name drawn in this region."""
+        self.drawn += 1
+        return f"{self.tag}.{self.drawn - 1}"
+
+
+def current_region() -> Region | None:
+    """The innermost region this thread is in (None: none)."""
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def collective(kind: str, *, spans: bool = True) -> Iterator[None]:
+    """A collective operation of every process (a context manager, or a decorator):
+    draws a region, in which waits raise :class:`ProcessFailedError` once another process
+    published a failure, and whose error, leaving it, is published for the others.
+
+    ``spans=False``: this call is not collective (e.g. a restore onto host arrays, which
+    one process may make alone); no region is drawn. Inside a region (nested calls, a
+    background phase) the outer region goes on. With one process: nothing."""
+    if not spans or current_region() is not None or jax.process_count() == 1:
+        yield
+        return
+    with resumed(Region(kind, str(next(_REGIONS)))):
+        yield
+
+
+def collective_call(kind: str, *, spans: Callable[..., bool]) -> Callable:
+    """A decorator: each call is :func:`collective` when ``spans(*args, **kwargs)`` (whether
+    this call is collective, from its arguments: e.g. a like on devices of other processes)."""
+
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with collective(kind, spans=spans(*args, **kwargs)):
+                return function(*args, **kwargs)
+
+        return call
+
+    return decorate
+
+
+@contextlib.contextmanager
+def resumed(region: Region | None) -> Iterator[None]:
+    """Runs the body in ``region`` on this thread (a background phase of the operation
+    that drew it, e.g. a save's write and commit); an error leaving the body is
+    published. ``None``: no region."""
+    if region is None:
+        yield
+        return
+    stack = _LOCAL.__dict__.setdefault("stack", [])
+    stack.append(region)
+    try:
+        yield
+    except (SystemExit, GeneratorExit):  # a preempted run leaves together, on purpose
+        raise
+    except BaseException as e:
+        publish_failure(region, e)
+        raise
+    finally:
+        stack.pop()
+
+
+def publish_failure(region: Region, error: BaseException) -> None:
+    """Publishes ``error`` as this process's failure in ``region`` (once more with a
+    later error: the last one stays). A service already gone is no news to the others."""
+    record = _record(region, error)
+    CALLS["kv_set"] += 1
+    key = f"{FAILED}/{region.tag}/{jax.process_index()}"
+    try:
+        client().key_value_set(key, json.dumps(record), allow_overwrite=True)
+    except Exception:  # noqa: BLE001  (the error itself is raised on this process)
+        pass
+
+
+def announce_agreement(op: str, error: BaseException) -> None:
+    """Before an agreement (``distributed.agree``) at which this process brings
+    ``error``: says so in the region, so that a process waiting elsewhere, which this
+    one will never meet there (it left the path where the others wait), raises rather
+    than waits; one at the same agreement, or past it, reads on (a recoverable failure:
+    the others learn it at the agreement)."""
+    region = current_region()
+    if region is not None and jax.process_count() > 1:
+        number = int(op.rsplit(".", 1)[1])
+        record = {**_record(region, error), "agreement": op, "number": number}
+        CALLS["kv_set"] += 1
+        key = f"{FAILED}/{region.tag}/{jax.process_index()}/at/{number}"
+        client().key_value_set(key, json.dumps(record), allow_overwrite=True)
+
+
+def _diverged(region: Region, r: dict[str, Any], waiting_for: int | None) -> bool:
+    """Whether a published record of another process ends this thread's waits: a failure
+    leaving the region, or an agreement this thread is not at and never went through,
+    of the process it waits for (which waits there instead), or past which this thread
+    has already drawn names."""
+    op = r["agreement"]
+    if op is None:
+        return True
+    if op == region.agreeing or op in region.agreed:
+        return False
+    return r["process"] == waiting_for or r["number"] < region.drawn
+
+
+def _record(region: Region, error: BaseException) -> dict[str, Any]:
+    return {
+        "process": jax.process_index(),
+        "kind": region.kind,
+        "type": type(error).__name__,
+        "message": str(error)[:4000],
+        "derived": isinstance(error, ProcessFailedError),
+        "agreement": None,
+        "number": -1,
+    }
+
+
+def raise_published_failure(waiting_for: int | None = None) -> None:
+    """Raises :class:`ProcessFailedError` when another process published a failure in
+    this thread's region (an own failure first, before one that was only learnt);
+    ``waiting_for``: the process whose value this thread waits for, if one."""
+    region = current_region()
+    if region is None or jax.process_count() == 1:
+        return
+    CALLS["failure_check"] += 1
+    try:
+        found = client().key_value_dir_get(f"{FAILED}/{region.tag}/")
+    except Exception:  # noqa: BLE001  (a service gone: the wait itself reports it)
+        return
+    records = [_failure_record(value) for _, value in found]
+    me = jax.process_index()
+    records = [r for r in records if r["process"] != me and _diverged(region, r, waiting_for)]
+    if records:
+        r = min(records, key=lambda r: (r["derived"], r["process"]))
+        error = ProcessFailedError(
+            f"process {jax.process_index()} of {jax.process_count()}, in {region.kind}: "
+            f"process {r['process']} failed in {r['kind']}: {r['type']}: {r['message']}"
+        )
+        error.process, error.error_type = r["process"], r["type"]
+        raise error
+
+
+def _failure_record(text: str) -> dict[str, Any]:
+    """A published failure (this module's own JSON), every field present."""
+    try:
+        raw = json.loads(text)
+        return {
+            "process": int(raw["process"]),
+            "kind": str(raw["kind"]),
+            "type": str(raw["type"]),
+            "message": str(raw["message"]),
+            "derived": bool(raw["derived"]),
+            "agreement": None if raw.get("agreement") is None else str(raw["agreement"]),
+            "number": int(raw.get("number", -1)),
+        }
+    except (ValueError, KeyError, TypeError):
+        return {
+            **{"process": -1, "kind": "?", "type": "?", "message": text[:4000]},
+            **{"derived": False, "agreement": None, "number": -1},
+        }
+
+
+def fault_point() -> None:
+    """Before each coordination call: the fault point of the region's kind
+    (``FOP_FAIL_AT=collective-<kind>[:N]``, see ``_base.faults``)."""
+    region = current_region()
+    if region is not None:
+        _faults.fail_point(f"collective-{region.kind}")

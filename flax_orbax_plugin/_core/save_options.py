@@ -1,0 +1,70 @@
+"""The keyword options of ``fop.save`` / ``fop.save_async``, each declared once.
+
+:func:`check_save` checks them by name where they enter (the first act of
+``save_async``, on the caller's thread, before anything is written or waited for):
+a value of the wrong type, out of range, NaN, empty or unknown is an OptionError
+naming the option, what it takes and what was found; ``data_file_bytes`` with format
+version 1 (one file per chunk: it does nothing there) and ``host_memory_budget`` with
+version 2 (which copies every region to host before writing: the budget bounds
+nothing) are refused naming both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._base.option_spec import INT64_MAX, Option, check, refuse_without
+from .._format import layout as _layout
+
+__all__ = ["SAVE", "check_save"]
+
+
+def _codec(value: Any) -> str | None:
+    return _layout.check_codec(value, where="compression")
+
+
+SAVE: tuple[Option, ...] = (
+    Option("force", "flag"),
+    Option(
+        "memory_limit_bytes",
+        "int",
+        none_ok=True,
+        low=1,
+        high=INT64_MAX,
+        expected=f"a positive int <= {INT64_MAX} or None",
+    ),
+    Option(
+        "compression",
+        "str",
+        none_ok=True,
+        convert=_codec,
+        expected="None, 'zstd' or 'zstd:<level 1-22>'",
+    ),
+    Option("format_version", "choice", choices=(1, 2)),
+    Option(
+        "data_file_bytes",
+        "int",
+        none_ok=True,
+        low=1,
+        high=INT64_MAX,
+        expected=f"a positive int <= {INT64_MAX} or None",
+    ),
+    Option("host_memory_budget", "int", none_ok=True, low=1, expected="a positive int or None"),
+)
+
+
+def check_save(**options: Any) -> dict[str, Any]:
+    """Every option of :data:`SAVE` given by name, checked; ``{name: checked value}``."""
+    out = check(SAVE, options)
+    if out["format_version"] == 1:
+        refuse_without(
+            "data_file_bytes",
+            out["data_file_bytes"],
+            "format_version=2 (version 1 writes one file per chunk)",
+        )
+    else:
+        refuse_without("host_memory_budget", out["host_memory_budget"], BUDGET_NEEDS_V1)
+    return out
+
+
+BUDGET_NEEDS_V1 = "format_version=1 (version 2 copies every region to host before writing)"

@@ -1,0 +1,144 @@
+"""Which entries of an Orbax manager directory are its steps, as Orbax itself decides.
+
+Orbax lists a step when a directory is named ``<step>`` or ``<prefix>_<step>`` and is
+*finalized*: renamed into place after its ``_CHECKPOINT_METADATA`` was written (on GCS,
+where nothing is renamed: holding ``commit_success.txt``). Everything else beside the
+steps is not a step and is passed over: hidden files, Orbax's unfinished
+``<step>.orbax-checkpoint-tmp-*`` folders, its ``metadata/`` and ``todelete_subdir``
+folders, and an entry named like a step that is not finalized (an empty ``999/``, a
+file ``999``). Those named like steps, and unfinished saves, are kept in
+:attr:`OrbaxSteps.skipped` so that a caller can say why the newest of them was not
+taken. A symbolic link named like a step is never followed (``ForeignEntryError``).
+
+Rules and what is refused: ``docs/orbax.md``. Reads names and at most a few small
+files per entry; safe from any thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from .._base import distributed as _distributed
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._format.foreign import OURS, TMP_MARK, not_finalized, numbered_children, subdir
+from .._storage.location import Location
+
+__all__ = ["OrbaxSteps", "agreed_latest", "list_steps"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxSteps:
+    """The finalized steps of one Orbax manager directory, and what was passed over."""
+
+    location: Location
+    steps: dict[int, Location]  # step -> its directory, in ascending order
+    skipped: tuple[tuple[str, str], ...] = ()  # (entry name, why it is no step)
+
+    def skipped_above(self, step: int | None) -> list[str]:
+        """``"name (why)"`` of the skipped entries that name a step above ``step``
+        (every one when ``step`` is None): what a reader of the latest step passed over."""
+        out = []
+        for name, why in self.skipped:
+            number = _number(name)
+            if step is None or number is None or number > step:
+                out.append(f"{name!r} ({why})")
+        return out
+
+    def choose(self, step: int | None) -> int:
+        """``step`` (None: the latest finalized step); CheckpointNotFoundError naming
+        what was found when there is no such step, saying what an entry named like it
+        is. Logs a warning when the latest step is taken and entries named like newer
+        steps were passed over."""
+        if not self.steps:
+            passed = self.skipped_above(None)
+            raise CheckpointNotFoundError(
+                f"{self.location}: not an Orbax checkpoint (no finalized steps, no items)"
+                + (f"; passed over: {', '.join(passed)}" if passed else "")
+            )
+        if step is None:
+            latest = max(self.steps)
+            passed = self.skipped_above(latest)
+            if passed:
+                logger.warning(
+                    "%s: reading Orbax step %d, the latest finalized one; passed over "
+                    "entries named like newer steps: %s",
+                    self.location,
+                    latest,
+                    ", ".join(passed),
+                )
+            return latest
+        if step not in self.steps:
+            why = [f"{n!r} is {w}" for n, w in self.skipped if _number(n) == step]
+            raise CheckpointNotFoundError(
+                f"{self.location}: no finalized Orbax step {step}"
+                + (f" ({'; '.join(why)})" if why else "")
+                + f"; steps: {sorted(self.steps)}"
+            )
+        return step
+
+
+def _number(name: str) -> int | None:
+    """The step an entry's name claims (an unfinished save's too), else None."""
+    head = name.split(TMP_MARK, 1)[0]
+    digits = head[len(head.rstrip("0123456789")) :]
+    return int(digits) if digits else None
+
+
+def list_steps(loc: Location) -> OrbaxSteps:
+    """Lists ``loc`` as Orbax would: one look per entry named like a step (two for a
+    non-finalized one). Raises CorruptCheckpointError when two finalized directories
+    name one step (``5`` and ``0005``), or finalized steps follow two naming schemes
+    (``30`` and ``backup_50``): which of them Orbax would read depends on options the
+    directory does not record, so nothing is guessed. ForeignEntryError for a symbolic
+    link or special file named like a step."""
+    found: dict[int, tuple[str, Location]] = {}
+    prefixes: dict[str, str] = {}
+    skipped = []
+    ours = []
+    for step, prefix, name in sorted(numbered_children(loc)):
+        child = subdir(loc, name, "step")
+        why = "a file, not a directory" if child is None else not_finalized(child)
+        if why == OURS:
+            ours.append(name)
+        if why is not None:
+            skipped.append((name, why))
+            continue
+        if step in found:
+            raise CorruptCheckpointError(
+                f"{loc}: Orbax step {step} appears twice ({found[step][0]!r} and {name!r}); "
+                f"read one of them by its own path"
+            )
+        found[step] = (name, child)
+        prefixes.setdefault(prefix, name)
+    if ours:  # never one run's steps beside another's
+        raise CheckpointNotFoundError(
+            f"{loc}: not an Orbax run: it holds steps of this library ({', '.join(ours)}); "
+            f"restore those with fop.CheckpointManager, or name one Orbax step by its path"
+        )
+    if len(prefixes) > 1:
+        examples = ", ".join(repr(n) for n in prefixes.values())
+        raise CorruptCheckpointError(
+            f"{loc}: finalized Orbax steps named in {len(prefixes)} ways ({examples}): "
+            f"expected one step_prefix; read a step by its own path"
+        )
+    skipped += [(n, "an unfinished Orbax save") for n in loc.list_children() if TMP_MARK in n]
+    return OrbaxSteps(loc, {s: found[s][1] for s in sorted(found)}, tuple(skipped))
+
+
+def agreed_latest(loc: Location) -> int | None:
+    """Collective (every process calls it): the primary's latest finalized step, on
+    every process, so that processes listing the run while Orbax finalizes a step never
+    read two steps into one tree. None when the primary found none or could not list
+    the run: every process then lists it itself and raises the same error."""
+    op = _distributed.next_operation_id("orbax-latest-step")
+    latest = ""
+    if _distributed.is_primary():
+        try:
+            latest = str(max(list_steps(loc).steps, default=""))
+        except CheckpointError:
+            pass  # raised by every process's own listing next, never left to a timeout
+    agreed = _distributed.broadcast_str(op, latest)
+    return int(agreed) if agreed else None

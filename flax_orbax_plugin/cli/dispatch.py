@@ -1,0 +1,69 @@
+"""What runs after the arguments parse: each path argument checked, then its command.
+
+Loaded by ``main`` only once the arguments parse (it imports every command, so JAX and
+tensorstore); errors propagate to ``main``, which prints them as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .._storage.kvstore import local_path, spec_from_path
+from .commands import cmd_export, cmd_gc, cmd_import, cmd_inspect, cmd_list, cmd_verify
+from .output import CliError, one_line
+
+COMMANDS = {
+    "list": cmd_list,
+    "inspect": cmd_inspect,
+    "verify": cmd_verify,
+    "export": cmd_export,
+    "import": cmd_import,
+    "gc": cmd_gc,
+}
+
+# Every path argument, by command: (attribute, its name in messages, where it may be).
+# "store": any location the library reads and writes (local, s3://, gs://, memory://:
+# one process's own, so a command started from a shell is warned);
+# "local": a file only the local filesystem can serve. Checked before a command runs,
+# by the library's one checker of what a path names: a URL is never made a local name.
+_NOTE = {"out": "safetensors files are written to local disk; export there, then copy them"}
+PATH_ARGUMENTS = {
+    "list": (("directory", "DIRECTORY", "store"),),
+    "inspect": (("path", "PATH", "store"),),
+    "verify": (("path", "PATH", "store"),),
+    "export": (
+        ("path", "PATH", "store"),
+        ("out", "OUT", "local"),
+        ("key_map", "--key-map", "local"),
+    ),
+    "import": (("source", "SOURCE", "store"), ("out", "OUT", "store")),
+    "gc": (("directory", "DIRECTORY", "store"),),
+}
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """CliError naming the first path argument that names no place it may be; a
+    warning on stderr for each memory:// one."""
+    for attr, name, where in PATH_ARGUMENTS[args.command]:
+        value = getattr(args, attr)
+        if value is None:
+            continue
+        try:
+            if where == "local":
+                local_path(value, what=name, note=_NOTE.get(attr, ""))
+            elif spec_from_path(value, what=name)["driver"] == "memory":
+                print(  # main() called in-process (tests) shares its memory:// store
+                    f"flax-orbax {args.command}: warning: {name} {value!r}: memory:// lives "
+                    f"inside one process; from a shell nothing is there, and what this "
+                    f"command writes is lost when it exits (use a local path, s3:// or gs://)",
+                    file=sys.stderr,
+                )
+        except ValueError as e:
+            raise CliError(one_line(e)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """The exit status of the command ``args.command``, its paths checked first."""
+    check_paths(args)
+    return COMMANDS[args.command](args)
