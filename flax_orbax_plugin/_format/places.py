@@ -24,9 +24,10 @@ from . import steps as _steps
 from .foreign import foreign_format_hint
 from .layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
 
-__all__ = ["MAX_PROBED", "no_steps", "not_a_checkpoint"]
+__all__ = ["MAX_PROBED", "holding_checkpoint", "no_steps", "not_a_checkpoint"]
 
 MAX_PROBED = 16  # children looked into for a run or checkpoint one level down
+PATHS_NAMED = 4  # items of a step named when pointing at them
 # What a save of ours leaves in its place before it commits: the pending marker (its
 # name is the removal owner's, ``_core.ownership``, a wing above: named here) and a
 # pytree's metadata written before its commit marker (object stores).
@@ -39,7 +40,7 @@ def not_a_checkpoint(location: Location) -> CheckpointError:
     if location.exists(MANIFEST_FILE):
         return CheckpointError(
             f"{location} is a step of a checkpoint directory, not one pytree: restore one of "
-            f"its items ({location}/params) or use CheckpointManager / restore_params"
+            f"its items ({_step_items(location)}) or use CheckpointManager / restore_params"
         )
     run = _run_directory_message(location)
     if run is not None:
@@ -50,6 +51,41 @@ def not_a_checkpoint(location: Location) -> CheckpointError:
             f"still running"
         )
     return CheckpointNotFoundError(_nothing_here(location, "no checkpoint"))
+
+
+def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
+    """The committed checkpoint of this library that ``location`` is (or lies inside),
+    in words: a step (or a place inside one of its items), a core checkpoint, or, for
+    ``location`` and its first ``runs - 1`` parents, a run directory holding committed
+    steps. None when there is none. For writers whose output must stay outside every
+    checkpoint (an export, an import's run): a committed checkpoint never changes.
+
+    Probes one marker per parent (and lists ``runs`` directories); a local
+    ``location`` should be a real path (no link on the way). Safe from any thread."""
+    here, level = location, 0
+    while True:
+        if here.exists(MANIFEST_FILE):
+            return f"step {here.name} of the run directory {here.parent}"
+        if here.exists(COMMIT_FILE):
+            return f"the checkpoint {here} (written by fop.save)"
+        if level < runs and _steps.list_directory(here).committed:
+            return f"the run directory {here} (it holds committed steps)"
+        if here.parent == here:
+            return None
+        here, level = here.parent, level + 1
+
+
+def _step_items(step: Location) -> str:
+    """The items of the step at ``step`` as paths, pytrees first (it named a ``params``
+    item also where the step has none)."""
+    try:
+        items = _steps.read_manifest(step).items
+    except CheckpointError as e:  # a damaged manifest: say so, name no item
+        return f"its manifest is damaged: {e}"
+    ordered = sorted(items.items(), key=lambda kv: (kv[1].kind != "pytree", kv[0]))
+    shown = [str(step.child(entry.dir)) for _, entry in ordered[:PATHS_NAMED]]
+    more = len(ordered) - len(shown)
+    return (", ".join(shown) or "none") + (f" and {more} more" if more > 0 else "")
 
 
 def no_steps(location: Location, listing: _steps.Listing | None = None) -> CheckpointError:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+from typing import Any
 
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
 from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .foreign import foreign_format_hint
@@ -78,10 +79,25 @@ def choose_step(loc: Location, steps: list[int] | tuple[int, ...], step: int | N
         raise CheckpointNotFoundError(f"no committed steps in {loc}{foreign_format_hint(loc)}")
     if step is None:
         return steps[-1]
-    step = operator.index(step)
+    step = checked_step(step)
     if step not in steps:
         raise CheckpointNotFoundError(f"step {step} does not exist in {loc}; steps: {list(steps)}")
     return step
+
+
+def checked_step(step: Any) -> int:
+    """``step`` as an int: an int or numpy integer, never a bool (True read as step 1)
+    nor a str, float or list (a raw "cannot be interpreted as an integer");
+    TypeError naming the option otherwise."""
+    if not isinstance(step, bool):
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise TypeError(
+        f"step: expected an int (a committed step number) or None for the latest, found "
+        f"{type(step).__name__} {step!r:.60}"
+    )
 
 
 def step_location(loc: Location, step: int) -> Location:
@@ -100,7 +116,25 @@ def read_manifest(step_loc: Location) -> StepManifest:
             f"{where}: field step: expected {int(step_loc.name)} (the directory's name), "
             f"found {manifest.step}"
         )
+    _check_item_folders(step_loc, manifest)
     return manifest
+
+
+def _check_item_folders(step_loc: Location, manifest: StepManifest) -> None:
+    """On local disk, every item folder the manifest names is a directory of the step
+    itself: a symlink there (to a folder outside the step) is never followed, by any
+    reader of the step or of the item. A missing folder is left to the item's reader."""
+    if not step_loc.is_local:
+        return
+    kinds = step_loc.child_kinds()
+    for name, entry in manifest.items.items():
+        kind = kinds.get(entry.dir, "dir")
+        if kind != "dir":
+            raise ForeignEntryError(
+                f"{step_loc.child(entry.dir)}: the folder of item {name!r} of step "
+                f"{manifest.step}: expected a directory written by this library, found a "
+                f"{'symbolic link' if kind == 'symlink' else kind} (never followed or read)"
+            )
 
 
 def write_manifest(step_loc: Location, manifest: StepManifest) -> None:

@@ -23,11 +23,14 @@ import numpy as np
 
 from .._core import ownership as _ownership
 from .._errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     ForeignEntryError,
     StructureError,
+    UnsupportedLocationError,
 )
 from .._format.foreign import STEP_RE, is_orbax_checkpoint
+from .._format.places import holding_checkpoint
 from .._format.steps import list_directory
 from .._manager import option_table as _option_table
 from .._manager.manager import CheckpointManager
@@ -142,6 +145,21 @@ def refuse_foreign_targets(out_dir: Any, numbers: Iterable[int]) -> None:
             )
 
 
+def refuse_inside_checkpoint(out_dir: Any) -> None:
+    """UnsupportedLocationError when ``out_dir`` is a step, lies inside a committed
+    checkpoint, or inside a run directory (its steps would gain a run of their own, or
+    a folder named like a step): a committed checkpoint never changes."""
+    loc = Location.from_path(out_dir)
+    if loc.is_local:  # a link on the way is resolved: the checkpoint it leads into counts
+        loc = Location.from_path(os.path.realpath(loc.path))
+    held = holding_checkpoint(loc.parent, runs=1)
+    if held is not None:
+        raise UnsupportedLocationError(
+            f"import output {out_dir}: lies inside {held}; a committed checkpoint never "
+            f"changes: import into a directory of its own"
+        )
+
+
 def save_steps(
     out_dir: Any,
     steps: Iterable[tuple[int, ImportedStep]],
@@ -159,6 +177,7 @@ def save_steps(
     are in memory at a time. Returns the steps written, in order. ``format_version``:
     of the steps written (1 or 2).
     """
+    refuse_inside_checkpoint(out_dir)
     refuse_foreign_targets(out_dir, list(planned))
     loc = Location.from_path(out_dir)
     created = _ownership.missing_directories(loc.path) if loc.is_local else []
@@ -203,6 +222,15 @@ def import_checkpoint(
     if is_orbax_checkpoint(src):
         return import_orbax(src, out_dir, step=step, force=force, format_version=format_version)
     local = local_path(src, what="import source", note=_NOT_ORBAX)
+    ours = None
+    if os.path.isdir(local):
+        ours = holding_checkpoint(Location.from_path(os.path.realpath(local)), runs=1)
+    if ours is not None:  # else: "no flax.training.checkpoints files in it"
+        raise CheckpointError(
+            f"import source {src}: is (or lies inside) {ours}, a checkpoint of this "
+            f"library already: nothing to import (read it with fop.restore / "
+            f"CheckpointManager, or copy the directory)"
+        )
     if os.path.exists(local):
         return import_msgpack(src, out_dir, step=step, force=force, format_version=format_version)
     raise CheckpointNotFoundError(f"{src}: no such file or directory")

@@ -8,7 +8,8 @@ is a valid ``re.sub`` template for its own pattern (every ``\\1`` / ``\\g<name>`
 group the pattern has, no bad escape). The check expands the replacement against a
 match with the pattern's groups, as ``re.sub`` will, so no rule can fail later on a
 saved path. Any fault is a :class:`TransformError` naming the entry, what was
-expected and what was found.
+expected and what was found; so is a callable's own exception on a saved path (the
+path named, the exception chained), and a result that is not a str or None.
 
 Pure functions; safe from any thread.
 """
@@ -116,7 +117,15 @@ def _by_rules(rules: list[tuple[re.Pattern, str]]) -> Callable[[str], str]:
 
 def _by_call(transform: Callable[[str], Any]) -> Callable[[str], str | None]:
     def by_call(path: str) -> str | None:
-        out = transform(path)
+        try:
+            out = transform(path)
+        except TransformError:
+            raise
+        except Exception as e:  # the caller's code: named, its error chained
+            raise TransformError(
+                f"transform({path!r}) raised {type(e).__name__}: {e}; expected a str path "
+                f"or None for every saved leaf path"
+            ) from e
         if out is not None and not isinstance(out, str):
             raise TransformError(
                 f"transform({path!r}) returned {type(out).__name__} {_short(out)}; "

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from .._core.save import SaveResult
 from .._like.transform import changes as check_changes
-from .._state.resume import items_to_restore
+from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state
 from . import options as _options
 from . import resuming as _resuming
@@ -183,6 +183,7 @@ class CheckpointCallback:
         """
         if data_iterator is not None:
             self._data_iterator = data_iterator
+        reset = check_reset(reset)
         names = items_to_restore(state, reset=reset) if reset else None
         opts = check_changes(partial=partial, missing=missing, transform=transform).kwargs()
         existed = self._manager is not None or _resuming.place_exists(self.directory)

@@ -37,7 +37,7 @@ from .._errors import (
 from .._format import steps as _steps
 from .._format.layout import ItemEntry
 from .._like import transform as _transform
-from .._state.resume import item_mismatch
+from .._state.resume import check_items, item_mismatch
 from .._state.train_state import merge_state, split_state
 from .._storage.location import Location
 from . import peers as _peers
@@ -323,7 +323,7 @@ class Restorer:
 
     def _names_to_restore(self, step, saved, items, like, like_items, changes) -> list[str]:
         if items is not None:
-            names = [items] if isinstance(items, str) else list(items)
+            names = list(check_items(items))
             for n in names:
                 if n not in saved:
                     raise UnknownItemError(

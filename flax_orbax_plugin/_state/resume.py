@@ -12,7 +12,40 @@ from .._errors import NothingMatchedError, StructureError
 from .._like.transform import HINT
 from .train_state import split_state
 
-__all__ = ["items_to_restore", "item_mismatch"]
+__all__ = ["check_items", "check_reset", "items_to_restore", "item_mismatch"]
+
+
+def check_reset(reset: Any) -> tuple[str, ...]:
+    """``reset=`` of a resume checked where it enters: a tuple (list, set) of item names;
+    None is (). ValueError for a bare str, TypeError for anything else that is not a
+    collection of str (it raised "'int' object is not iterable")."""
+    if isinstance(reset, str):
+        raise ValueError(f"reset must be a tuple of item names, e.g. ({reset!r},), found {reset!r}")
+    return () if reset is None else _names(reset, "reset", "e.g. ('opt_state',)")
+
+
+def check_items(items: Any) -> tuple[str, ...] | None:
+    """``items=`` of a restore checked where it enters: None (like's items, or all),
+    one item name, or a collection of them; TypeError naming the option otherwise."""
+    if items is None or isinstance(items, str):
+        return items if items is None else (items,)
+    return _names(items, "items", "e.g. 'params' or ('params', 'extras')")
+
+
+def _names(value: Any, option: str, example: str) -> tuple[str, ...]:
+    if not isinstance(value, Iterable) or isinstance(value, bytes | bytearray):
+        raise TypeError(
+            f"{option} must be a tuple of item names ({example}), found "
+            f"{type(value).__name__} {value!r:.60}"
+        )
+    names = tuple(value)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{option}: every entry is an item name (a str), found "
+                f"{type(name).__name__} {name!r:.60}"
+            )
+    return names
 
 
 def items_to_restore(state: Any, *, reset: Iterable[str]) -> list[str]:
@@ -21,9 +54,7 @@ def items_to_restore(state: Any, *, reset: Iterable[str]) -> list[str]:
     Raises ValueError when ``reset`` is a bare string or names an item that
     ``state`` does not have (listing the ones it has).
     """
-    if isinstance(reset, str):
-        raise ValueError(f"reset must be a tuple of item names, e.g. ({reset!r},), found {reset!r}")
-    reset = list(reset)
+    reset = list(check_reset(reset))
     names = list(split_state(state))
     # "data_iterator" is no item of the state: resetting it starts the data afresh
     unknown = [n for n in reset if n not in names and n != "data_iterator"]

@@ -56,7 +56,7 @@ class Location:
     def __str__(self) -> str:
         spec = self.spec
         if spec["driver"] == "file":
-            return spec["path"].rstrip("/")
+            return spec["path"].rstrip("/") or "/"
         if spec["driver"] in ("s3", "gcs"):
             scheme = "s3" if spec["driver"] == "s3" else "gs"
             return f"{scheme}://{spec['bucket']}/{spec['path'].rstrip('/')}"

@@ -104,8 +104,17 @@ def _list_row(loc: Location, step: int, *, step_loc: Location | None = None) -> 
         reused="-" if manifest.bytes_reused is None else human_bytes(manifest.bytes_reused),
         saved=datetime.datetime.fromtimestamp(manifest.time).strftime("%Y-%m-%d %H:%M:%S"),
         items=",".join(sorted(manifest.items)),
-        metrics=" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())) or "-",
+        metrics=" ".join(f"{k}={_metric(v)}" for k, v in sorted(metrics.items())) or "-",
     )
+
+
+def _metric(value: int | float) -> str:
+    """A metric in 4 significant digits; an int past a float's range too (no OverflowError)."""
+    try:
+        return f"{value:.4g}"
+    except OverflowError:
+        digits, sign = str(abs(value)), "-" if value < 0 else ""
+        return f"{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
 
 
 @dataclasses.dataclass
@@ -211,7 +220,10 @@ def cmd_verify(args) -> int:
         else:
             print(f"DAMAGED  {label}: {one_line(r.error or '')}")
     if damaged:
-        names = ", ".join(f"{r.step}/{r.item}" if r.step is not None else r.path for r in damaged)
+        names = ", ".join(
+            r.path if r.step is None else f"{r.step}" + (f"/{r.item}" if r.item else "")
+            for r in damaged
+        )  # a step whose manifest fails has no item: it read "1/None"
         print(f"verify: {len(damaged)} damaged: {names}", file=sys.stderr)
         return EXIT_DAMAGED
     print(f"verify: all {len(results)} checkpointable(s) ok")

@@ -22,12 +22,13 @@ from ..._base import faults as _faults
 from ..._base import tree as _tree
 from ..._core import ownership as _ownership
 from ..._core import restore as _restore
-from ..._errors import CorruptCheckpointError, StructureError
+from ..._errors import CorruptCheckpointError, StructureError, UnsupportedLocationError
+from ..._format.places import holding_checkpoint
 from ..._format.steps import manifest_for_item
 from ..._storage.kvstore import local_path
 from ..._storage.location import Location
 from ..._storage.untrusted import loads_json, read_capped
-from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES, default_name
+from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES
 from .outputs import (
     check_outputs,
     close_shard,
@@ -37,7 +38,15 @@ from .outputs import (
     output_names,
     remove_stale,
 )
-from .plan import Tensor, encode_header, parse_size, plan_tensors, split_shards, tensor_bytes
+from .plan import (
+    ListedKeyMap,
+    Tensor,
+    encode_header,
+    parse_size,
+    plan_tensors,
+    split_shards,
+    tensor_bytes,
+)
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a checkpoint
@@ -160,6 +169,7 @@ def to_safetensors(
     tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype)
     shards = split_shards(tensors, limit)
     directory, names, index_name = output_names(out, len(shards))
+    _refuse_inside_checkpoint(directory)
     finals = [os.path.join(directory, n) for n in names]
     index_path = os.path.join(directory, index_name) if len(shards) > 1 else None
     check_outputs(directory, names, index_name, force)
@@ -183,6 +193,17 @@ def to_safetensors(
         _ownership.remove_created(created)
         raise
     return ExportResult(tuple(finals), index_path, len(tensors), total)
+
+
+def _refuse_inside_checkpoint(directory: str) -> None:
+    """The export's directory is no part of a committed checkpoint (a step, an item, a
+    core checkpoint) nor a run directory or a folder of one: those never change."""
+    held = holding_checkpoint(Location.from_path(os.path.realpath(directory)), runs=2)
+    if held is not None:
+        raise UnsupportedLocationError(
+            f"safetensors output {directory}: lies inside {held}; a committed checkpoint "
+            f"never changes: write the export elsewhere"
+        )
 
 
 def _file_metadata(metadata: dict[str, str] | None, transpose_kernels: bool) -> dict[str, str]:
@@ -331,4 +352,4 @@ def key_map_from_file(path: str) -> Callable[[str], str | None]:
         isinstance(v, str) or v is None for v in mapping.values()
     ):
         raise ValueError(f"{path}: expected a JSON object of leaf path -> tensor name or null")
-    return lambda leaf: mapping.get(leaf, default_name(leaf))
+    return ListedKeyMap(mapping, f"key map file {path}")

@@ -98,19 +98,54 @@ def split_shards(tensors: list[Tensor], limit: int) -> list[list[Tensor]]:
     return shards
 
 
+class ListedKeyMap:
+    """A key map given as ``{leaf path: tensor name or None}`` (a ``--key-map`` file):
+    listed leaves take their entry, the others their default name. Every listed path
+    must be a leaf of the source (:meth:`check`): a mistyped one was silently ignored."""
+
+    def __init__(self, mapping: dict[str, str | None], where: str):
+        self.mapping, self.where = mapping, where
+
+    def __call__(self, path: str) -> str | None:
+        return self.mapping.get(path, default_name(path))
+
+    def check(self, paths: list[str]) -> None:
+        unknown = sorted(set(self.mapping) - set(paths))
+        if unknown:
+            shown = ", ".join(repr(p) for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
+            raise ValueError(
+                f"{self.where}: names {len(unknown)} leaf path(s) the source does not have: "
+                f"{', '.join(repr(p) for p in unknown[:6])}; its leaves: {shown or 'none'}"
+            )
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")  # a lone surrogate cannot be a tensor name in the header
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def plan_tensors(
     leaves: list[tuple[str, np.dtype, tuple[int, ...]]],
     key_map: Callable[[str], str | None] | None,
     transpose_kernels: bool,
     dtype: Any,
 ) -> list[Tensor]:
+    if isinstance(key_map, ListedKeyMap):
+        key_map.check([path for path, _, _ in leaves])
     names = {}
     for path, _, _ in leaves:
         name = (key_map or default_name)(path)
         if name is not None:
-            if not isinstance(name, str) or not name:
+            if not isinstance(name, str) or not name or not _utf8(name):
                 raise ValueError(f"key_map: leaf {path!r}: expected a tensor name, found {name!r}")
             names[path] = name
+    if leaves and not names:  # it wrote a file of no tensors and exited 0
+        raise ValueError(
+            f"key_map leaves out every leaf ({len(leaves)}): nothing would be exported"
+        )
     if key_map is None and len(set(names.values())) != len(names):
         names = {p: p for p in names}  # 'a.b' and 'a/b' collide: keep the full paths
     seen: dict[str, str] = {}
