@@ -141,7 +141,11 @@ class RetentionRunner:
         if self.policy.keep_best is not None:
             metrics = {s: self.metric(s) for s in steps}
             metrics = {s: m for s, m in metrics.items() if m is not None}
-        protected = ({just_written} - {None}) | self._book.being_read()
+        # The newest step is kept as well as the one this pass was run for: a pass that
+        # runs late (its step's commit, then the next step's, then this pass) must not
+        # delete the step a resume would read.
+        newest = {max(steps)} if steps else set()
+        protected = ({just_written} - {None}) | newest | self._book.being_read()
         tier = self._book.tier
         if tier is not None:  # not yet replicated: kept locally
             protected |= tier.pending_steps()

@@ -9,7 +9,8 @@ step survives if any rule keeps it:
   (``mode`` "min" or "max"); only finite metrics are ranked: a step without one, or
   whose metric is NaN, +inf or -inf (a diverged run), is not best and is kept or
   deleted by the other rules alone;
-* ``protected``: steps never deleted (the one just written, ones being read).
+* ``protected``: steps never deleted (the one just written, the newest, ones being
+  read).
 
 When neither ``keep_last`` nor ``keep_best`` is set nothing is deleted.
 """

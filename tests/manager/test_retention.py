@@ -85,3 +85,22 @@ def test_manager_keep_best_ignores_non_finite_losses(tmp_path):
             mngr.save(s, {"w": np.full((2,), s, np.float32)}, extras={"loss": loss})
         mngr.wait()
         assert mngr.steps() == [2, 3]  # the finite best (0.3), and the one just written
+
+
+def test_a_late_retention_pass_never_deletes_the_newest_step(tmp_path):
+    """A pass for step 3 that runs after step 4 committed (async saves: each commit
+    submits its pass to the deletion thread, which may run it late) keeps step 4 although
+    its metric is not among the best: a resume reads the newest step. The manager's
+    runner is driven directly to place the pass deterministically."""
+    import numpy as np
+
+    import flax_orbax_plugin as fop
+
+    opts = dict(keep_best=2, best_metric="acc", best_mode="max", async_save=False)
+    with fop.CheckpointManager(tmp_path, **opts) as mngr:
+        for s, acc in enumerate([0.1, 0.9, 0.5, 0.8, 0.2]):
+            mngr.save(s, {"w": np.full((2,), s, np.float32)}, extras={"acc": acc})
+        mngr.wait()
+        assert mngr.steps() == [1, 3, 4]
+        mngr._retainer.apply(3)  # the late pass of step 3
+        assert mngr.steps() == [1, 3, 4]
