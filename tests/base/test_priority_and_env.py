@@ -108,8 +108,9 @@ def test_a_bad_environment_value_is_refused_by_a_save(tmp_path, monkeypatch, nam
 
 @pytest.mark.parametrize("value", ["nan", "-5", "1e300"])
 def test_a_bad_coordination_timeout_is_refused_at_import(value):
+    # The package loads its API on first use (its __getattr__): touch a public name.
     run = subprocess.run(
-        [sys.executable, "-c", "import flax_orbax_plugin"],
+        [sys.executable, "-c", "import flax_orbax_plugin as fop; fop.save"],
         env=_proc.child_env(FOP_COORDINATION_TIMEOUT_S=value),
         capture_output=True,
         text=True,
