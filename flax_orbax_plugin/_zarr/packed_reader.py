@@ -21,6 +21,7 @@ import stat
 import numpy as np
 import tensorstore as ts
 
+from .._base import faults as _faults
 from .._base import host as _host
 from .._format import layout as _layout
 from .._storage import kvstore as _kvstore
@@ -115,6 +116,7 @@ class PackedReader(_chunk_files.ChunkReader):
         return self._claimed.get(prefix, (0, 0))
 
     def _fill_segment(self, path: str, name: str, parts: list[np.ndarray]) -> None:
+        _faults.fail_point("read_chunk")  # as version 1's reader, before each chunk read
         segment = self._chunks.get(path)
         if segment is None:
             raise ValueError(f"chunk {path} is missing (no data index lists it)")

@@ -68,7 +68,7 @@ def test_one_byte_changed_in_metadata_is_an_error_naming_the_file(tmp_path):
 
 def test_resealed_dtype_change_is_caught_by_zarr_json(tmp_path):
     path = str(tmp_path / "c")
-    fop.save(path, TREE)
+    fop.save(path, TREE, format_version=1)  # version 1: each array has a zarr.json
     doc = _doc(path)
     big = next(r for r in doc["leaves"] if r["path"] == "big")
     big["dtype"] = "uint32"

@@ -221,7 +221,7 @@ def _claim_huge_shape(path: str, leaf: str = "big", shape=(2**22, 2**22)) -> Non
 
 def test_a_resealed_size_claim_is_checked_against_the_files_before_allocating(tmp_path):
     path = str(tmp_path / "c")
-    fop.save(path, TREE)
+    fop.save(path, TREE, format_version=1)  # version 1: the claim is checked per chunk file
     _claim_huge_shape(path)
     pattern = r"_METADATA.json: field leaves\[\d+\] \('big'\).shape: .*found 1 files of"
     with pytest.raises(CorruptCheckpointError, match=pattern):
@@ -236,7 +236,7 @@ def test_a_resealed_size_claim_is_checked_against_the_files_before_allocating(tm
 def test_manager_falls_back_from_a_latest_step_with_a_huge_claim(tmp_path, caplog):
     d = tmp_path / "run"
     older = {"big": np.arange(300_000, dtype=np.float32).reshape(600, 500), "n": 1}
-    with fop.CheckpointManager(d) as mngr:
+    with fop.CheckpointManager(d, format_version=1) as mngr:  # edits d/<i>/zarr.json
         mngr.save(1, {"params": older})
         mngr.save(2, {"params": {"big": older["big"] + 1, "n": 2}})
     item = str(d / "2" / "params")
@@ -255,12 +255,14 @@ def test_manager_falls_back_from_a_latest_step_with_a_huge_claim(tmp_path, caplo
     assert any("('big').shape" in r.getMessage() for r in caplog.records)
 
 
-def test_an_injected_os_error_during_a_chunk_read_is_not_damage(tmp_path, monkeypatch):
-    """An OSError while reading a chunk file (the direct reader's storage layer) raises
-    as an OSError; the manager sets no intact step aside and names none damaged."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_injected_os_error_during_a_chunk_read_is_not_damage(tmp_path, monkeypatch, version):
+    """An OSError while reading a chunk (a chunk file, or a data file of version 2: the
+    direct reader's storage layer) raises as an OSError; the manager sets no intact
+    step aside and names none damaged."""
     d = tmp_path / "run"
     big = np.arange(300_000, dtype=np.float32).reshape(600, 500)
-    with fop.CheckpointManager(d) as mngr:
+    with fop.CheckpointManager(d, format_version=version) as mngr:
         mngr.save(1, {"params": {"big": big}})
         mngr.save(2, {"params": {"big": big + 1}})
     before = sorted(os.listdir(d))
@@ -283,8 +285,10 @@ def test_tensorstore_errors_are_classified_from_real_failures(tmp_path):
     """A real EMFILE inside tensorstore is the environment's (an OSError with errno
     EMFILE); a real checksum mismatch and a real missing chunk are damage."""
     path = tmp_path / "c"
-    fop.save(path, {"w": np.arange(1_000_000, dtype=np.float32)}, compression="zstd")
-    loc = Location.from_path(path)
+    fop.save(
+        path, {"w": np.arange(1_000_000, dtype=np.float32)}, compression="zstd", format_version=1
+    )
+    loc = Location.from_path(path)  # version 1: leaf 0 is the zarr3 array d/0
     record = _restore.read_document(loc).leaves[0]
     store = _arrays.open_for_read(_arrays.leaf_spec(loc, 0, record)).result()
     fds = []
