@@ -13,21 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._base.option_spec import INT64_MAX, Option, check, refuse_without
+from .._base.option_spec import Option, check, refuse_without
+from .save_options import MEMORY_LIMIT
 
 __all__ = ["check_restore", "check_serving", "check_verify"]
 
 _STEP = Option("step", "int", none_ok=True, low=0, expected="an int step >= 0 or None")
 
 RESTORE: tuple[Option, ...] = (
-    Option(
-        "memory_limit_bytes",
-        "int",
-        none_ok=True,
-        low=1,
-        high=INT64_MAX,
-        expected=f"a positive int <= {INT64_MAX} or None",
-    ),
+    MEMORY_LIMIT,
     Option("share_replicated_reads", "flag", none_ok=True, expected="True, False or None"),
 )
 VERIFY: tuple[Option, ...] = (_STEP, Option("all_steps", "flag"))

@@ -16,7 +16,17 @@ from typing import Any
 from .._base.option_spec import INT64_MAX, Option, check, refuse_without
 from .._format import layout as _layout
 
-__all__ = ["SAVE", "check_save"]
+__all__ = ["MEMORY_LIMIT", "SAVE", "check_save"]
+
+# The host-memory limit of a save's or a read's copies: one declaration for both.
+MEMORY_LIMIT = Option(
+    "memory_limit_bytes",
+    "int",
+    none_ok=True,
+    low=1,
+    high=INT64_MAX,
+    expected=f"a positive int <= {INT64_MAX} or None",
+)
 
 
 def _codec(value: Any) -> str | None:
@@ -25,14 +35,7 @@ def _codec(value: Any) -> str | None:
 
 SAVE: tuple[Option, ...] = (
     Option("force", "flag"),
-    Option(
-        "memory_limit_bytes",
-        "int",
-        none_ok=True,
-        low=1,
-        high=INT64_MAX,
-        expected=f"a positive int <= {INT64_MAX} or None",
-    ),
+    MEMORY_LIMIT,
     Option(
         "compression",
         "str",
