@@ -323,9 +323,10 @@ _KILL_CHILD = textwrap.dedent(
     rng = np.random.default_rng(0)
     tree = {"big": [rng.standard_normal((1024, 1024)).astype(np.float32) for _ in range(12)],
             "small": {f"s{i}": rng.standard_normal((64,)).astype(np.float32) for i in range(500)}}
+    save = fop.save  # loads the package's API (lazy) before the timed window opens
     print("ready", flush=True)
     sys.stdin.readline()
-    fop.save(sys.argv[1], tree)
+    save(sys.argv[1], tree)
     print("saved", flush=True)
     """
 )
