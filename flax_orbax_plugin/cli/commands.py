@@ -17,7 +17,6 @@ from typing import Any
 from .._core import restore as _restore
 from .._core.verify import verify
 from .._errors import CheckpointError, CheckpointNotFoundError
-from .._format import places as _places
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE
 from .._interop import safetensors as _safetensors
@@ -294,8 +293,6 @@ def cmd_gc(args) -> int:
     if not loc.is_dir():
         raise CliError(f"{loc}: no such directory")
     before = _steps.list_directory(loc)
-    if not _gc_has_work(loc, before):  # never a writer's lock in a directory not a run
-        raise CliError(str(_places.no_steps(loc, before)))
     # Opening a writer takes the directory's lock (refused while a training job
     # writes to it) and removes unfinished steps.
     with CheckpointManager(loc, keep=args.keep, keep_every=args.keep_every) as mngr:
@@ -312,16 +309,6 @@ def cmd_gc(args) -> int:
     if after.foreign:
         print(f"not steps of this library (left alone): {', '.join(after.foreign)}")
     return 0
-
-
-def _gc_has_work(loc: Location, listing: _steps.Listing) -> bool:
-    """Whether ``loc`` is a run directory gc may open as a writer: it holds committed or
-    unfinished steps, a run record of ours, or a core save's staging."""
-    if listing.committed or listing.unfinished:
-        return True
-    if any(loc.exists(name) for name in _steps.RECORD_NAMES):
-        return True
-    return any(_steps.SAVE_STAGING_RE.match(name) for name in listing.foreign)
 
 
 # -- entry point -------------------------------------------------------------------------

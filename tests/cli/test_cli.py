@@ -283,19 +283,3 @@ def test_a_file_and_non_ascii_digit_folders_are_named_for_what_they_are(tmp_path
     assert rc == 0 and "1 step(s)" in out and "(left alone): \u0663" in out
     rc, out, _ = run_cli(capsys, "gc", run_dir, "--keep", "1")
     assert rc == 0 and "removed steps: none" in out and (run_dir / "\u0663").is_dir()
-
-
-@pytest.mark.parametrize("where", ["empty", "above_the_run"])
-def test_gc_of_a_directory_that_is_no_run_takes_no_lock_there(ckpt_dir, capsys, tmp_path, where):
-    """gc opens a writer (its lock file) only in a run directory: an empty directory,
-    or one holding a run one level down, is named and left exactly as it was."""
-    directory, _ = ckpt_dir
-    target = tmp_path / "nothing"
-    os.makedirs(target)
-    if where == "above_the_run":
-        shutil.copytree(directory, target / "run")
-    before = sorted(os.listdir(target))
-    rc, _, err = run_cli(capsys, "gc", target, "--keep", 1)
-    assert rc == cli.EXIT_ERROR
-    assert ("run" in err) if where == "above_the_run" else ("empty" in err), err
-    assert sorted(os.listdir(target)) == before
