@@ -76,7 +76,7 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
         ),
         None,
     ),
-    "FOP_PAUSE_AT": (  # test pause points (another branch's _faults.pause_point)
+    "FOP_PAUSE_AT": (  # test pause points (_faults.pause_point)
         Option(
             "FOP_PAUSE_AT",
             "custom",
