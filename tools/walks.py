@@ -2,7 +2,7 @@
 
     python tools/walks.py
 
-Runs three operations on small trees (CPU, a temporary directory) under a profiler
+Runs six operations on small trees (CPU, a temporary directory) under a profiler
 that sees every Python call in every thread, and reports for each:
 
 - the package modules entered from another package module, with the number of
@@ -10,11 +10,15 @@ that sees every Python call in every thread, and reports for each:
 - the calls from a wing into a wing ranked above it ("up a layer"), by caller and
   callee function, with counts.
 
-The operations: ``state`` through ``CheckpointManager.save``; ``reuse`` through an
-incremental save (the second step of an ``incremental=True`` manager); ``like``
-through ``restore_params``. Works on the flat layout of before the wings as well
-(``FLAT_WINGS`` maps its modules to the wings they moved to), so one script gives
-the before and after figures. Single-threaded driver; not a test.
+The operations (each run once to warm up, then walked): ``save``, ``fop.save`` of a
+small tree; ``restore``, ``fop.restore`` of it; ``manager``, an async
+``CheckpointManager.save`` and its wait; ``serve``, ``restore_params``;
+``callback``, a ``CheckpointCallback.on_step_end`` that saves (and its wait);
+``reuse``, an incremental manager save with nothing changed. Then the hidden modes
+of ``tools/state_scan.py`` (context variables, module-level mutable state, format
+version tests outside the seam) and a summary table. Works on the flat layout of
+before the wings as well (``FLAT_WINGS`` maps its modules to the wings they moved
+to). Single-threaded driver; not a test.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from import_graph import WINGS
+from state_scan import report
 
 # Where each module of the flat layout (before the wings) went.
 FLAT_WINGS = {
@@ -110,11 +115,11 @@ def _report(title: str, tracer: _Tracer) -> None:
         print(f"  {n:5d} {edge.replace(TOP + '.', '')}")
 
 
-def main() -> int:
+def _ops(fop, tmp: str):
+    """(title, warm-up, walked call) for each operation: the warm-up does the first-call
+    work (imports, jit, the directory's creation) so the walk is the steady state."""
     import jax
     import numpy as np
-
-    import flax_orbax_plugin as fop
 
     rng = np.random.default_rng(0)
     params = {
@@ -122,25 +127,58 @@ def main() -> int:
         "out": {"kernel": rng.standard_normal((32, 8), dtype=np.float32)},
     }
     state = {"params": params, "opt_state": {"mu": params, "count": np.int32(3)}, "step": 3}
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), params)
+    steps = iter(range(10, 10_000))
+
+    mngr = fop.CheckpointManager(f"{tmp}/async")  # async_save=True: save, then wait
+    incr = fop.CheckpointManager(f"{tmp}/incr", incremental=True, async_save=False)
+    cb = fop.CheckpointCallback(f"{tmp}/cb", every_steps=1)
+
+    def manager_save():
+        mngr.save(next(steps), state)
+        mngr.wait()
+
+    def callback_step():
+        cb.on_step_end(next(steps), state)
+        cb.manager.wait()
+
+    def incremental_save():
+        incr.save(next(steps), state)
+
+    return [
+        ("save: fop.save of a small tree", lambda: fop.save(f"{tmp}/one", params, force=True)),
+        ("restore: fop.restore of it", lambda: fop.restore(f"{tmp}/one")),
+        ("manager: CheckpointManager.save (async) and wait", manager_save),
+        ("serve: restore_params", lambda: fop.restore_params(f"{tmp}/async", like=like)),
+        ("callback: CheckpointCallback.on_step_end with a save", callback_step),
+        ("reuse: an incremental manager save (nothing changed)", incremental_save),
+    ], (mngr, incr, cb)
+
+
+def main() -> int:
+    import flax_orbax_plugin as fop  # here: the one on PYTHONPATH; JAX loads late
+
+    summary = []
     with tempfile.TemporaryDirectory() as tmp:
-        plain, incr = f"{tmp}/plain", f"{tmp}/incr"
-        with fop.CheckpointManager(plain, async_save=False) as mngr:
-            mngr.save(0, state)  # warm: first-call work (imports, jit) is not the walk
-            t = _Tracer()
-            t.run(lambda: mngr.save(1, state))
-            _report("state through CheckpointManager.save", t)
-        with fop.CheckpointManager(incr, incremental=True, async_save=False) as mngr:
-            mngr.save(1, state)
-            t = _Tracer()
-            t.run(lambda: mngr.save(2, state))
-            _report("reuse through an incremental save (step 2, nothing changed)", t)
-        like = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), params
-        )
-        fop.restore_params(plain, like=like)
-        t = _Tracer()
-        t.run(lambda: fop.restore_params(plain, like=like))
-        _report("like through restore_params", t)
+        ops, closing = _ops(fop, tmp)
+        try:
+            for title, call in ops:
+                call()  # warm
+                t = _Tracer()
+                t.run(call)
+                _report(title, t)
+                summary.append((title.split(":")[0], len(t.entered), sum(t.up.values())))
+        finally:
+            for opened in closing:
+                opened.close()
+    print("== hidden modes (tools/state_scan.py)")
+    counts = report(Path(fop.__file__).resolve().parent)
+    print("== summary: modules entered, calls up a layer")
+    for name, n, up in summary:
+        print(f"  {name:9s} {n:3d} {up:5d}")
+    ctx, state, tests = counts
+    print(f"  context variables {ctx}, module-level mutable state {state}, ", end="")
+    print(f"format-version tests outside the seam {tests}")
     return 0
 
 

@@ -1,0 +1,223 @@
+"""Hidden modes, read from the AST: context variables, module-level mutable state, version tests.
+
+    python tools/state_scan.py [package_dir]
+
+Reads files only (nothing is imported or run). Three findings, each a list of
+``(module, line, name, what)``:
+
+- **context variables**: a module-level ``contextvars.ContextVar(...)`` or
+  ``threading.local()`` (a value that changes with the caller, not passed in);
+- **module-level mutable state**: a module-level name bound to a mutable container
+  (a list, dict or set display or comprehension; ``list()``, ``dict()``, ``set()``,
+  ``collections.Counter/defaultdict/deque/OrderedDict``, ``itertools.count``) that the
+  package mutates somewhere (a mutating method, an item or slice assignment or
+  deletion, an augmented assignment, ``next()`` on a counter), and a module-level name
+  rebound through ``global`` inside a function;
+- **format-version tests**: a comparison one of whose sides names ``format_version``
+  (a name, an attribute or a string key), or a branch (``if``, conditional
+  expression, ``and``/``or``, ``not``) on a ``packed`` name or attribute: the code
+  that picks a behaviour by format version.
+
+``tools/import_graph.py --check`` fails on any of the first two outside
+:data:`ALLOWED_STATE` and on a version test outside :data:`SEAM`.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+MUTATORS = {
+    "append", "extend", "insert", "add", "update", "pop", "popitem", "clear", "remove",
+    "discard", "setdefault", "appendleft", "extendleft", "popleft", "set", "reset",
+}  # fmt: skip
+CONTAINER_CALLS = {
+    "list", "dict", "set", "Counter", "defaultdict", "deque", "OrderedDict", "count",
+}  # fmt: skip
+CONTEXT_CALLS = {"ContextVar", "local"}
+
+# Module-level state kept on purpose, each with its reason (docs/architecture.md,
+# "Explicit requests"): (module, name) -> why.
+ALLOWED_STATE: dict[tuple[str, str], str] = {}
+
+# Modules where a format version may be tested: the format seam (the two formats, the
+# records that read the version from the metadata, the formats' own internals).
+SEAM = (
+    "flax_orbax_plugin._core.formats",
+    "flax_orbax_plugin._format.layout.",
+    "flax_orbax_plugin._zarr.",
+)
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _call_name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Call):
+        f = node.func
+        if isinstance(f, ast.Name):
+            return f.id
+        if isinstance(f, ast.Attribute):
+            return f.attr
+    return None
+
+
+def _bound(stmt: ast.stmt) -> list[tuple[str, ast.AST]]:
+    """(name, value) for a module-level assignment statement."""
+    if isinstance(stmt, ast.Assign):
+        return [(t.id, stmt.value) for t in stmt.targets if isinstance(t, ast.Name)]
+    if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value:
+        return [(stmt.target.id, stmt.value)]
+    return []
+
+
+def _is_container(value: ast.AST) -> bool:
+    if isinstance(value, ast.List | ast.Dict | ast.Set | ast.ListComp | ast.DictComp):
+        return True
+    return isinstance(value, ast.SetComp) or _call_name(value) in CONTAINER_CALLS
+
+
+def _last_name(node: ast.AST) -> str | None:
+    """``x`` for ``x``, ``mod.x``, ``x[...]`` (the container a mutation reaches)."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _in_functions(tree: ast.AST):
+    """Every node inside a function body (a container filled at import is a constant)."""
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            yield from ast.walk(fn)
+
+
+def _mutated(tree: ast.AST) -> set[str]:
+    """Names (last component) this module's functions mutate in place."""
+    out: set[str] = set()
+    for node in _in_functions(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in MUTATORS:
+                out.add(_last_name(node.func.value) or "")
+            if node.func.attr == "__setitem__":
+                out.add(_last_name(node.func.value) or "")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "next" and node.args:
+                out.add(_last_name(node.args[0]) or "")
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.Delete):
+            targets = [node.target] if isinstance(node, ast.AugAssign) else node.targets
+        for t in targets:
+            if isinstance(t, ast.Subscript) or isinstance(node, ast.AugAssign):
+                out.add(_last_name(t) or "")
+    return out
+
+
+def _globals_rebound(tree: ast.AST) -> set[str]:
+    out: set[str] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            declared = {n for g in ast.walk(fn) if isinstance(g, ast.Global) for n in g.names}
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    if node.id in declared:
+                        out.add(node.id)
+    return out
+
+
+def _names_version(node: ast.AST) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id == "format_version":
+            return True
+        if isinstance(sub, ast.Attribute) and sub.attr == "format_version":
+            return True
+        if isinstance(sub, ast.Constant) and sub.value == "format_version":
+            return True
+    return False
+
+
+def _is_packed(node: ast.AST) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return _is_packed(node.operand)
+    if isinstance(node, ast.BoolOp):
+        return any(_is_packed(v) for v in node.values)
+    if isinstance(node, ast.Name):
+        return node.id == "packed"
+    return isinstance(node, ast.Attribute) and node.attr == "packed"
+
+
+def scan(root: Path):
+    """(context variables, module-level mutable state, version tests) of the package."""
+    modules = _modules(root)
+    trees = {name: ast.parse(path.read_text()) for name, path in modules.items()}
+    mutated_anywhere: set[str] = set()
+    for tree in trees.values():
+        mutated_anywhere |= _mutated(tree)
+    contexts, state, tests = [], [], []
+    for name, tree in trees.items():
+        mutated_here = _mutated(tree)
+        for stmt in tree.body:
+            for bound, value in _bound(stmt):
+                if _call_name(value) in CONTEXT_CALLS:
+                    contexts.append((name, stmt.lineno, bound, _call_name(value)))
+                elif _is_container(value) and (
+                    bound in mutated_here or (bound.isupper() and bound in mutated_anywhere)
+                ):
+                    state.append((name, stmt.lineno, bound, "mutated container"))
+        for bound in sorted(_globals_rebound(tree)):
+            state.append((name, 0, bound, "rebound through global"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and _names_version(node):
+                tests.append((name, node.lineno, "format_version", "comparison"))
+            test = getattr(node, "test", None)
+            if isinstance(node, ast.If | ast.IfExp | ast.While) and _is_packed(test):
+                tests.append((name, node.lineno, "packed", "branch"))
+    return contexts, state, tests
+
+
+def outside_seam(tests):
+    return [t for t in tests if not any(t[0] == s or t[0].startswith(s) for s in SEAM)]
+
+
+def not_allowed(found):
+    return [f for f in found if (f[0], f[2]) not in ALLOWED_STATE]
+
+
+def report(root: Path, out=sys.stdout) -> tuple[int, int, int]:
+    """Prints the three findings; returns their counts (tests: outside the seam)."""
+    contexts, state, tests = scan(root)
+    outside = outside_seam(tests)
+    for title, found in (
+        ("context variables", contexts),
+        ("module-level mutable state", state),
+        ("format-version tests outside the seam", outside),
+    ):
+        print(f"{title}: {len(found)}", file=out)
+        for module, line, name, what in found:
+            why = ALLOWED_STATE.get((module, name))
+            note = f"  (allowed: {why})" if why else ""
+            print(f"  {module}:{line} {name} ({what}){note}", file=out)
+    per_module: dict[str, int] = {}
+    for module, *_ in outside:
+        per_module[module] = per_module.get(module, 0) + 1
+    if per_module:
+        print("  by module: " + ", ".join(f"{m} {n}" for m, n in sorted(per_module.items())))
+    return len(contexts), len(state), len(outside)
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    report(Path(args[0] if args else "flax_orbax_plugin").resolve())
