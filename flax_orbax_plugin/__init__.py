@@ -55,7 +55,13 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
     from ._interop.orbax_reader import restore_orbax
     from ._interop.safetensors import from_safetensors, to_safetensors
     from ._manager.callback import CheckpointCallback
-    from ._manager.checkpointables import Checkpointable, Pending, Written
+    from ._manager.checkpointables import (
+        Checkpointable,
+        Pending,
+        ReadRequest,
+        SaveRequest,
+        Written,
+    )
     from ._manager.manager import CheckpointManager
     from ._reading.restore import metadata, restore
     from ._reading.serving import restore_params
@@ -81,8 +87,10 @@ __all__ = [
     "OptionTypeError",
     "Pending",
     "ProcessFailedError",
+    "ReadRequest",
     "ReplicationError",
     "SaveHandle",
+    "SaveRequest",
     "SaveResult",
     "StepIndexedIterator",
     "StepDeletedError",

@@ -35,7 +35,13 @@ from ._interop.msgpack_reader import restore_msgpack
 from ._interop.orbax_reader import restore_orbax
 from ._interop.safetensors import from_safetensors, to_safetensors
 from ._manager.callback import CheckpointCallback
-from ._manager.checkpointables import Checkpointable, Pending, Written
+from ._manager.checkpointables import (
+    Checkpointable,
+    Pending,
+    ReadRequest,
+    SaveRequest,
+    Written,
+)
 from ._manager.manager import CheckpointManager
 from ._reading.restore import metadata, restore
 from ._reading.serving import restore_params

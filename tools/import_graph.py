@@ -4,7 +4,8 @@
 
 ``--check`` (run by ``make lint``, so by CI) exits 1 when a rule of the wings breaks:
 an import cycle, an import back up, more than two function-level internal imports,
-a module over 400 lines.
+a module over 400 lines, a context variable or module-level mutable state outside
+``state_scan.ALLOWED_STATE`` (``tools/state_scan.py``).
 
 Reports, for the package under ``package_dir`` (default ``flax_orbax_plugin``):
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
+
+import state_scan
 
 # Bottom to top: a module may import from its own wing and the wings listed before it.
 WINGS = [
@@ -263,6 +266,9 @@ def main(argv: list[str]) -> int:
             )
             if n > most
         ]
+        contexts, state, _tests = state_scan.scan(root)
+        for module, line, name, what in state_scan.not_allowed(contexts + state):
+            broken.append(f"hidden mode {name} ({what}) at {module}:{line}: pass it explicitly")
         for line in broken:
             print(f"import_graph --check: {line}", file=sys.stderr)
         return 1 if broken else 0

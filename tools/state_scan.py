@@ -38,8 +38,33 @@ CONTAINER_CALLS = {
 CONTEXT_CALLS = {"ContextVar", "local"}
 
 # Module-level state kept on purpose, each with its reason (docs/architecture.md,
-# "Explicit requests"): (module, name) -> why.
-ALLOWED_STATE: dict[tuple[str, str], str] = {}
+# "Explicit requests"): (module, name) -> why. None of it is a mode: nothing here
+# changes what a save writes or a read returns.
+_P = "flax_orbax_plugin."
+_SEQUENCE = "the process's sequence of SPMD operations (the n-th, the same on every process)"
+_TEST_COUNTER = "a documented test hook: counts what tests assert (no behaviour reads it)"
+ALLOWED_STATE: dict[tuple[str, str], str] = {
+    (_P + "_base.distributed", "_COUNTER"): _SEQUENCE,
+    (_P + "_base.distributed", "_NAMES"): _SEQUENCE,
+    (_P + "_base.regions", "_REGIONS"): _SEQUENCE,
+    (_P + "_base.distributed", "_SESSION"): "the process's session nonce, drawn once",
+    (_P + "_base.regions", "_LOCAL"): (
+        "the collective region the thread is in: where its failures are published and "
+        "looked for (the call stack's position, not a mode)"
+    ),
+    (_P + "_base.regions", "CALLS"): _TEST_COUNTER,
+    (_P + "_zarr.chunk_files", "_read_total"): _TEST_COUNTER,
+    (_P + "_base.faults", "_HITS"): "FOP_FAIL_AT's N-th hit, counted per process (a test hook)",
+    (_P + "_base.tree", "_LEAF_TYPES"): "a cache of the types seen to be plain leaves",
+    (_P + "_storage.kvstore", "_CONTEXTS"): "the tensorstore contexts every open shares",
+    (_P + "_zarr.read_pool", "_pools"): "the process's shared read threads",
+    (_P + "_zarr.read_pool", "_pools_lock"): "the process's shared read threads (after fork)",
+    (_P + "_incremental.reuse", "_LOGGED"): "what was logged once per store and reason",
+    (_P + "_core.save", "_IN_FLIGHT"): (
+        "the process's one save_async in flight (a second waits; a restore or verify of "
+        "its path waits for it)"
+    ),
+}
 
 # Modules where a format version may be tested: the format seam (the two formats, the
 # records that read the version from the metadata, the formats' own internals).

@@ -4,7 +4,6 @@ anything sized by a claim is allocated (local disks; see :func:`check_claims`)."
 from __future__ import annotations
 
 import collections
-import contextvars
 
 from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
@@ -22,20 +21,22 @@ from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr.chunks import CHUNK_DIR
 
-# A host's own copy of a manager step (each host its own directory) holds the chunks of
-# its own regions only: an array read onto a ``like`` with a sharding (sized by the
-# caller, each process reading its own regions) is not checked against the whole claim.
-HOST_COPY: contextvars.ContextVar[bool] = contextvars.ContextVar("host_copy", default=False)
 
-
-def check_claims(location: Location, doc: CheckpointDocument, targets: list) -> None:
+def check_claims(
+    location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool
+) -> None:
     """Checks that the chunk files of every array and batch that ``targets`` read hold
     at least the bytes their metadata claims, before anything sized by a claim is
     allocated (a resealed, checksum-valid ``_METADATA.json`` may claim any shape):
     a CorruptCheckpointError naming the file, the field and what is on disk otherwise.
     Local disks only (object stores list no sizes: a read there is bounded by the
     ``zarr.json`` agreement and tensorstore's own per-chunk checks). One ``stat`` per
-    existing chunk file; nothing per claimed element or chunk."""
+    existing chunk file; nothing per claimed element or chunk.
+
+    ``own_copy``: a host's own copy of a manager step (each host its own directory)
+    holds the chunks of its own regions only: an array read onto a ``like`` with a
+    sharding (sized by the caller, each process reading its own regions) is not checked
+    against the whole claim."""
     if not location.is_local:
         return
     where = f"{location}/{METADATA_FILE}"
@@ -47,7 +48,7 @@ def check_claims(location: Location, doc: CheckpointDocument, targets: list) -> 
             batches[storage.batch].append(record.path)
         if not isinstance(storage, ArrayStorage):
             continue
-        if HOST_COPY.get() and getattr(target.like, "sharding", None) is not None:
+        if own_copy and getattr(target.like, "sharding", None) is not None:
             continue
         itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
         needed = _chunk_files.array_claim(

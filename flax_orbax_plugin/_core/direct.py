@@ -14,10 +14,11 @@ from .._zarr import packed_reader as _packed_reader
 from .claims import check_claims, check_packed_claims
 
 
-def open_direct(location: Location, doc: CheckpointDocument, targets: list):
+def open_direct(location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool):
     """The chunk reader of a checkpoint, its claims checked first: a PackedReader for
     format version 2 (every array and batch read through it), the local ChunkReader
-    for version 1 where it applies, else None (tensorstore reads)."""
+    for version 1 where it applies, else None (tensorstore reads). ``own_copy``: a
+    host's own copy of a manager step (see ``claims.check_claims``)."""
     if doc.format_version == 2:
         try:
             packed = _packed_reader.open_packed(location, doc.process_count)
@@ -34,7 +35,7 @@ def open_direct(location: Location, doc: CheckpointDocument, targets: list):
             packed.close()
             raise
         return packed
-    check_claims(location, doc, targets)
+    check_claims(location, doc, targets, own_copy=own_copy)
     return _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
 
 

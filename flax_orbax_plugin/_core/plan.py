@@ -46,6 +46,7 @@ from . import commit as _commit
 from . import device_copy as _device_copy
 from . import host_snapshot as _host_snapshot
 from . import leaf_kinds as _kinds
+from .requests import SaveRequest
 from .write_data import write_data
 from .write_packed import write_packed
 
@@ -118,27 +119,25 @@ class Plan:
     """The layout of one save, identical on every process, plus this process's snapshot.
 
     After :meth:`snapshot` it is the :class:`Snapshot` handed to the background phase.
+    ``request``: every mode of the save (format, budget, own copy, reuse...), fixed.
     """
 
-    def __init__(
-        self, leaves: list[Leaf], batches: dict[str, BatchRecord], format_version: int = 1
-    ):
+    def __init__(self, leaves: list[Leaf], batches: dict[str, BatchRecord], request: SaveRequest):
         self.leaves = leaves
         self.batches = batches
-        self.format_version = format_version
-        self.data_file_bytes: int | None = None  # version 2: a data file's target size
+        self.request = request
+        self.format_version = request.format_version
         self.batch_data: dict[str, np.ndarray | _chunk_writer.Gathered] = {}
         self.digest = _digest(leaves)
         self._pool: _host.BufferPool | None = None
         self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
-        self.own_copy = False  # every process writes all it holds (see host_snapshot.take)
         self.write_first = False  # the save returns only once its data is written
         self.data_written = threading.Event()  # this process's data written (or failed)
         self.cancelled: threading.Event | None = None  # set: the save was cancelled (Ctrl-C)
-        self.created_at: float | None = None  # the document's time (None: at writing)
 
     @classmethod
-    def build(cls, tree: Any, *, codec: str | None = None, format_version: int = 1) -> Plan:
+    def build(cls, tree: Any, request: SaveRequest) -> Plan:
+        codec = request.compression
         flat, _ = _tree.flatten(tree)
         leaves: list[Leaf] = []
         batching = _Batching()
@@ -156,22 +155,18 @@ class Plan:
             record = _data_record(path, keys, kind, value, impl, codec, batching)
             leaves.append(Leaf(index, value, record))
         size.check()
-        return cls(leaves, batching.records(codec), format_version)
+        return cls(leaves, batching.records(codec), request)
 
-    def snapshot(
-        self,
-        pool: _host.BufferPool | None = None,
-        own_copy: bool = False,
-        budget: int | None = None,
-    ) -> None:
-        """Copies every byte this process writes to host memory (blocking phase); with
-        ``pool``, into its buffers (given back by :meth:`write`). ``own_copy``: a host's
-        own directory (every process writes all it holds, and every JSON file).
-        ``budget``: the host memory a save may hold (``host_memory_budget``)."""
+    def snapshot(self) -> None:
+        """Copies every byte this process writes to host memory (blocking phase): into
+        the request's buffers where it has them and no host memory budget (given back
+        by :meth:`write`); for a host's own directory every byte this process holds."""
+        req = self.request
+        budget = req.host_memory_budget
+        pool = None if budget is not None else req.buffers
         self._pool = pool
-        self.own_copy = own_copy
         self.batch_data, self._pooled, self.write_first = _host_snapshot.take(
-            self.leaves, self.batches, pool, own_copy, budget
+            self.leaves, self.batches, pool, req.own_copy, budget
         )
 
     def document(self) -> CheckpointDocument:
@@ -179,40 +174,34 @@ class Plan:
             tuple(leaf.record for leaf in self.leaves),
             self.batches,
             _distributed.process_count(),
-            time.time() if self.created_at is None else self.created_at,
+            time.time() if self.request.created_at is None else self.request.created_at,
             jax.__version__,
             self.format_version,
         )
 
-    def write(
-        self,
-        location: Location,
-        *,
-        limit: int,
-        durable: bool = True,
-        reuse: _incremental.Reuse | None = None,
-    ) -> _commit.Written:
+    def write(self, location: Location, *, durable: bool = True) -> _commit.Written:
         """Background phase: this process's chunks (and, on the primary, every zarr.json
         and ``_METADATA.json``); with ``durable``, made durable (one syncfs; a manager
         step syncs once for all its items instead). Commits nothing.
 
-        ``reuse`` (a manager step with ``incremental=True``; local disk, or S3/GCS with
+        ``request.reuse`` (a manager step with ``incremental=True``; local disk, S3/GCS with
         a server-side copier; any number of processes, each calling this in the same
         order): every leaf stored as its own array gets a digest in ``_METADATA.json``
         (over every process's region hashes, exchanged first), and of one whose digest
         and layout equal the previous step's each process hard-links (local) or copies
         on the server (object stores) the chunks of its regions rather than writing
-        them (see ``_incremental``)."""
+        them (see ``_incremental``). Writes in flight: at most ``request.limit`` bytes."""
         try:
-            return self._write(location, limit=limit, durable=durable, reuse=reuse)
+            return self._write(location, durable=durable)
         finally:
             self.data_written.set()
             if self._pool is not None:  # tensorstore reads none of them any more
                 self._pool.give_back(self._pooled)
             self._pooled = []
 
-    def _write(self, location, *, limit, durable, reuse) -> _commit.Written:
-        primary = _distributed.is_primary() or self.own_copy
+    def _write(self, location, *, durable) -> _commit.Written:
+        primary = _distributed.is_primary() or self.request.own_copy
+        limit, reuse = self.request.limit, self.request.reuse
         files = {}
         links: dict[int, Any] = {}
         if self.format_version == 2 or reuse is not None:  # these read every region first
@@ -229,7 +218,7 @@ class Plan:
                 self.batch_data,
                 process=_distributed.process_index(),
                 limit=limit,
-                data_file_bytes=self.data_file_bytes,
+                data_file_bytes=self.request.data_file_bytes,
                 cancelled=self.cancelled,
                 reuse=None if found is None else self._packed_reuse(location, *found),
             )

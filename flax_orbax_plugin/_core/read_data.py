@@ -13,7 +13,6 @@ the chunk reader's threads; callbacks run on the calling thread.
 from __future__ import annotations
 
 import collections
-import contextvars
 import functools
 import math
 from typing import Any
@@ -32,25 +31,28 @@ from .._zarr import chunk_files as _chunk_files
 from .batch_reads import read_batch
 from .direct import open_direct
 from .reads import Reader, ReadInto, corrupt, deleted_or, opened
+from .requests import ReadRequest
 from .targets import Target, finish, sharding_of
 
 
-def read_targets(location: Location, doc: CheckpointDocument, targets: list, limit: int):
-    """Reads every target's data into ``target.result``.
+def read_targets(location: Location, doc: CheckpointDocument, targets: list, request: ReadRequest):
+    """Reads every target's data into ``target.result``, as ``request`` says (reads in
+    flight, shared reads, a host's own copy).
 
     When the processes read together (a target placed on devices of several processes,
-    or a leaf read shared, :data:`SHARE_READS`: each process reads its rows, then an
+    or a leaf read shared, ``request.share_reads``: each process reads its rows, then an
     all-gather) this is collective: the processes agree on the outcome of their reads
     before any all-gather, so a read that fails on one process (damage in a region only
     it reads, an I/O error) raises on every process, naming it, rather than the others
     going on with a state that process lacks, or waiting in the all-gather. Host arrays
     alone are no collective (one process may read alone); the manager's restore also
     agrees per step (``Restorer._agreed``)."""
-    collective = _collective(targets)  # from the targets alone: the same on every process
+    # from the targets and the request alone: the same on every process
+    collective = _collective(targets, request.share_reads)
     error = None
     shared: list = []
     try:
-        shared = _read_targets_inner(location, doc, targets, limit)
+        shared = _read_targets_inner(location, doc, targets, request)
     except CorruptCheckpointError as e:
         error = deleted_or(location, e)
     except Exception as e:  # noqa: BLE001  (re-raised below, after the agreement)
@@ -63,12 +65,12 @@ def read_targets(location: Location, doc: CheckpointDocument, targets: list, lim
         target.result = _replicate(sharding)(target.result)
 
 
-def _collective(targets: list) -> bool:
+def _collective(targets: list, share_reads: bool) -> bool:
     """Whether reading ``targets`` is a read by several processes together (see
     read_targets): a leaf read shared (then all-gathered), or placed on devices of
-    other processes. Not for each host's own directory (``SHARE_READS`` off), where
+    other processes. Not for each host's own directory (``share_reads`` off), where
     every process reads alone and the manager agrees per step."""
-    if not SHARE_READS.get() or _distributed.process_count() == 1:
+    if not share_reads or _distributed.process_count() == 1:
         return False
     for t in targets:
         if t.record.kind in _layout.NO_DATA_KINDS:
@@ -82,10 +84,10 @@ def _collective(targets: list) -> bool:
     return False
 
 
-def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: list, limit: int):
-    direct = open_direct(location, doc, targets)
+def _read_targets_inner(location, doc: CheckpointDocument, targets: list, request: ReadRequest):
+    direct = open_direct(location, doc, targets, own_copy=request.own_copy)
     try:
-        return _read_targets_with(location, doc, targets, limit, direct)
+        return _read_targets_with(location, doc, targets, request, direct)
     finally:
         if direct is not None:
             direct.close()
@@ -107,8 +109,8 @@ def read_region(store, target: Target, direct: _chunk_files.ChunkReader | None, 
     return ReadInto(store if region is None else store[region])
 
 
-def _read_targets_with(location, doc, targets, limit, direct):
-    reader = Reader(limit)
+def _read_targets_with(location, doc, targets, request: ReadRequest, direct):
+    reader = Reader(request.memory_limit_bytes)
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[Target]] = collections.defaultdict(list)
     shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)
@@ -133,7 +135,7 @@ def _read_targets_with(location, doc, targets, limit, direct):
         store = None if packed else opened(opening.pop(target.index), location, [record.path])
         nbytes = record.nbytes
         sharding = sharding_of(target)
-        rows = _shared_read_sharding(sharding, record.shape) if SHARE_READS.get() else None
+        rows = _shared_read_sharding(sharding, record.shape) if request.share_reads else None
         if rows is not None:  # each process reads 1/P; an all-gather replicates it
             shared.append((target, sharding))
             _read_shards(reader, store, target, rows, fail([record.path]), direct)
@@ -152,9 +154,6 @@ def _read_targets_with(location, doc, targets, limit, direct):
     if errors:
         raise deleted_or(location, errors[0])
     return shared  # the all-gathers are read_targets', after the agreement
-
-
-SHARE_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("share_reads", default=False)
 
 
 def _shared_read_sharding(sharding: Any, shape: tuple[int, ...]) -> Any:
@@ -197,7 +196,7 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, dire
 
         def done_box(data):
             if data.dtype != target.out_dtype:
-                _casting.check(target.record.path, data, target.out_dtype)
+                _casting.check(target.record.path, data, target.out_dtype, cast=target.cast)
                 data = data.astype(target.out_dtype)
             for key, devices in by_index.items():
                 rel = tuple(
@@ -217,7 +216,7 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, dire
 
         def done(data, devices=devices):
             if data.dtype != target.out_dtype:
-                _casting.check(target.record.path, data, target.out_dtype)
+                _casting.check(target.record.path, data, target.out_dtype, cast=target.cast)
                 data = data.astype(target.out_dtype)
             pieces.extend(jax.device_put(data, device) for device, _ in devices)
             remaining[0] -= 1

@@ -28,19 +28,14 @@ from .._errors import TransformError
 from .._format import layout as _layout
 from .._format import metadata as _metadata
 from .._format.documents import read_document
-from .._like import casting as _casting
 from .._like import transform as _transform
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
 from .._zarr import read_pool as _read_pool
 from . import save as _save
-from .read_data import SHARE_READS, read_targets
+from .read_data import read_targets
+from .requests import DEFAULT_READ_LIMIT_BYTES, ReadRequest
 from .targets import add_missing_empties, make_target
-
-# Reads in flight beyond the restored arrays themselves. Small: reading leaves one
-# after another (each with tensorstore's chunk-level parallelism) is as fast as
-# reading them all at once on few cores, and keeps peak memory near the result's.
-DEFAULT_MEMORY_LIMIT_BYTES = 64 << 20
 
 
 def metadata(path: Any) -> _metadata.CheckpointMetadata:
@@ -69,19 +64,26 @@ def restore(
     which documents the arguments and errors and adds the fallback to foreign formats;
     internal callers that read only native checkpoints (items of a step, serving,
     export) call this one. Threading as in the module doc; ``partial``, ``missing`` and
-    ``transform`` restore into a changed model (``_like.transform``).
+    ``transform`` restore into a changed model (``_like.transform``). The options
+    become one :class:`ReadRequest` (see :func:`restore_with`).
     """
-    opts = _transform.changes(partial=partial, missing=missing, transform=transform)
+    share = share_replicated_reads
+    request = ReadRequest(
+        memory_limit_bytes=memory_limit_bytes or DEFAULT_READ_LIMIT_BYTES,
+        cast=cast,
+        share_reads=_distributed.process_count() > 1 if share is None else bool(share),
+        changes=_transform.changes(partial=partial, missing=missing, transform=transform),
+    )
+    return restore_with(path, like, request)
+
+
+def restore_with(path: Any, like: Any, request: ReadRequest) -> Any:
+    """:func:`restore` with its modes given as one request (a manager's items, the
+    tier): the same read, nothing taken from anywhere but the arguments."""
     location = Location.from_path(path)
     _save.wait_for_pending_save(location)
-    limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
-    share = share_replicated_reads
-    token = SHARE_READS.set(_distributed.process_count() > 1 if share is None else bool(share))
-    try:
-        with _tree.paused_gc(), _casting.policy(cast):
-            return _restore(location, like, opts, limit)
-    finally:
-        SHARE_READS.reset(token)
+    with _tree.paused_gc():
+        return _restore(location, like, request)
 
 
 def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
@@ -96,7 +98,8 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
     return new is not None
 
 
-def _restore(location: Location, like: Any, opts: _transform.Changes, limit: int) -> Any:
+def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
+    opts = request.changes
     if location.is_local and not opts.partial and opts.transform is None:
         # every batch is read whole: the disk starts on it while the metadata is parsed
         _read_pool.prefetch_batches(location.path, _chunks.THREADS)
@@ -110,8 +113,8 @@ def _restore(location: Location, like: Any, opts: _transform.Changes, limit: int
             leaves = [(i, rec) for i, rec in leaves if _dropped_or_same(opts, rec.path)]
             if all(rec.kind in _transform.NO_DATA for _, rec in leaves):
                 _transform.check_matched(saved, None, [], opts, str(location))
-        targets = [make_target(i, rec, None) for i, rec in leaves]
-        read_targets(location, doc, targets, limit)
+        targets = [make_target(i, rec, None, cast=request.cast) for i, rec in leaves]
+        read_targets(location, doc, targets, request)
         items = [(list(t.record.keys), t.result) for t in targets]
         return _tree.rebuild(items)
     flat, treedef = _tree.flatten(like)
@@ -122,12 +125,13 @@ def _restore(location: Location, like: Any, opts: _transform.Changes, limit: int
         records,
         opts,
         where=str(location),
-        make=make_target,
+        make=lambda i, rec, leaf: make_target(i, rec, leaf, cast=request.cast),
         empty_kinds=_layout.EMPTY_KINDS,
         saved=saved,
+        cast=request.cast,
     )
     targets = [t for t in plan if t is not _transform.KEEP]
-    read_targets(location, doc, targets, limit)
+    read_targets(location, doc, targets, request)
     results = [
         leaf if t is _transform.KEEP else t.result
         for t, (_, _, leaf) in zip(plan, flat, strict=True)

@@ -19,10 +19,8 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import faults as _faults
-from .._base import host as _host
 from .._base import interrupts as _interrupts
 from .._base import tree as _tree
-from .._format import layout as _layout
 from .._format.layout import COMMIT_FILE, CommitMarker
 from .._storage.location import Location
 from . import commit as _commit
@@ -30,9 +28,7 @@ from . import ownership as _ownership
 from . import save_options as _save_options
 from .handle import SaveHandle, SaveResult, raise_if_cancelled
 from .plan import Plan, Snapshot
-
-DEFAULT_MEMORY_LIMIT_BYTES = 1 << 30
-
+from .requests import SaveRequest
 
 _IN_FLIGHT: list[SaveHandle] = []  # the latest save_async
 _IN_FLIGHT_LOCK = threading.Lock()
@@ -116,32 +112,29 @@ def save_async(
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
     """
-    # Every keyword option checked by its name, before anything waits or is written.
-    _save_options.check_save(**{k: v for k, v in locals().items() if k not in ("path", "tree")})
+    # Every keyword option checked by its name, before anything waits or is written;
+    # the modes become one request, handed down from here.
+    options = _save_options.check_save(
+        **{k: v for k, v in locals().items() if k not in ("path", "tree")}
+    )
+    force = options.pop("force")
+    request = SaveRequest(**options)
     # Interrupted (Ctrl-C: held until the end of the blocking phase, see _start), the
     # save is cancelled: nothing staged is left, and the KeyboardInterrupt raised.
     started: list[SaveHandle] = []
     try:
-        return _start(
-            path,
-            tree,
-            started,
-            force=force,
-            memory_limit_bytes=memory_limit_bytes,
-            compression=compression,
-            format_version=format_version,
-            data_file_bytes=data_file_bytes,
-            host_memory_budget=host_memory_budget,
-        )
+        return _start(path, tree, started, request, force=force)
     except BaseException:
         for handle in started:
             handle.cancel()
         raise
 
 
-def _start(path, tree, started: list[SaveHandle], **options) -> SaveHandle:
-    """The blocking phase of :func:`save_async` (its arguments); appends the handle to
-    ``started`` as soon as its background phase runs."""
+def _start(
+    path, tree, started: list[SaveHandle], request: SaveRequest, *, force: bool
+) -> SaveHandle:
+    """The blocking phase of :func:`save_async`; appends the handle to ``started`` as
+    soon as its background phase runs."""
     with _IN_FLIGHT_LOCK:
         wait_for_pending_save()  # interruptible: nothing of this save exists yet
         # Ctrl-C is held over the blocking phase proper (never raised inside a callback
@@ -149,15 +142,7 @@ def _start(path, tree, started: list[SaveHandle], **options) -> SaveHandle:
         with _interrupts.deferred_sigint():
             start = time.perf_counter()
             location = Location.from_path(path)
-            budget = check_host_memory_budget(options["host_memory_budget"])
-            snap = snapshot(
-                tree,
-                compression=options["compression"],
-                format_version=options["format_version"],
-                budget=budget,
-            )
-            snap.data_file_bytes = check_data_file_bytes(options["data_file_bytes"])
-            force = options["force"]
+            snap = snapshot(tree, request)
             # Refuses a foreign or (without ``force``) committed target. Object stores
             # write in place: remains of a dead save, or with ``force`` a checkpoint of
             # ours, are cleared first, in the background phase (the primary decides).
@@ -174,7 +159,6 @@ def _start(path, tree, started: list[SaveHandle], **options) -> SaveHandle:
                 op=_distributed.next_operation_id("save"),
                 clear_first=clear_first,
                 force=force,
-                limit=bounded_limit(options["memory_limit_bytes"], budget),
                 start=start,
                 blocking=time.perf_counter() - start,
                 cancelled=cancelled,
@@ -198,7 +182,6 @@ class _Background:
     op: str
     clear_first: bool
     force: bool
-    limit: int
     start: float
     blocking: float
     cancelled: threading.Event
@@ -214,7 +197,7 @@ class _Background:
         def write() -> _commit.Written:
             raise_if_cancelled(self.cancelled, what)
             staging.claim()  # before any data: a dead save's remains are provably ours
-            written = self.snap.write(staging.location, limit=self.limit)
+            written = self.snap.write(staging.location)
             raise_if_cancelled(self.cancelled, what)
             return written
 
@@ -251,26 +234,6 @@ def is_committed(path: Any) -> bool:
     return Location.from_path(path).exists(COMMIT_FILE)
 
 
-def check_format_version(format_version: Any, compression: str | None) -> int:
-    """``format_version`` if this library writes it (1 or 2); ValueError otherwise."""
-    if format_version not in (1, 2) or isinstance(format_version, bool):
-        raise ValueError(f"format_version: expected 1 or 2, found {format_version!r}")
-    return int(format_version)
-
-
-def check_host_memory_budget(value: Any) -> int | None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"host_memory_budget: expected a positive int or None, found {value!r}")
-    return value
-
-
-def bounded_limit(memory_limit_bytes: int | None, budget: int | None) -> int:
-    """The bytes of writes in flight a save allows: ``memory_limit_bytes`` (default
-    :data:`DEFAULT_MEMORY_LIMIT_BYTES`), at most half the host memory budget."""
-    limit = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
-    return limit if budget is None else max(1, min(limit, budget // 2))
-
-
 def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:
     """Blocks, for a save that holds views of the state under a host memory budget,
     until its data is written (or its background phase ended); returns at once for
@@ -282,37 +245,20 @@ def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:
             return
 
 
-def check_data_file_bytes(value: Any) -> int | None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"data_file_bytes: expected a positive int or None, found {value!r}")
-    return value
+def snapshot(tree: Any, request: SaveRequest) -> Snapshot:
+    """The blocking phase: plan ``tree``'s layout and copy this process's bytes to host,
+    as ``request`` says (its fields: :class:`SaveRequest`).
 
-
-def snapshot(
-    tree: Any,
-    *,
-    compression: str | None = None,
-    buffers: _host.BufferPool | None = None,
-    own_copy: bool = False,
-    created_at: float | None = None,
-    format_version: int = 1,
-    budget: int | None = None,
-) -> Snapshot:
-    """The blocking phase: plan ``tree``'s layout and copy this process's bytes to host.
-
-    ``buffers`` (a manager's pool): every host byte is copied into buffers taken from
-    it, CPU arrays included, and given back once written; without it, CPU arrays are
-    held as zero-copy views (see :func:`_host_copy`) and other bytes go to fresh memory.
-    ``own_copy`` (a manager step in each host's own directory): this process writes
-    everything it holds and every JSON file, ``_METADATA.json`` dated ``created_at``
-    (the same bytes on every process).
+    ``request.buffers`` (a manager's pool; not under a host memory budget): every host
+    byte is copied into buffers taken from it, CPU arrays included, and given back once
+    written; without it, CPU arrays are held as zero-copy views and other bytes go to
+    fresh memory. ``request.own_copy`` (a manager step in each host's own directory):
+    this process writes everything it holds and every JSON file, ``_METADATA.json``
+    dated ``request.created_at`` (the same bytes on every process).
     """
-    codec = _layout.check_codec(compression)
-    version = check_format_version(format_version, codec)
     with _tree.paused_gc():
-        plan = Plan.build(tree, codec=codec, format_version=version)
+        plan = Plan.build(tree, request)
     _faults.pause_point("snapshot")
-    plan.created_at = created_at
-    plan.snapshot(None if budget is not None else buffers, own_copy, budget)
+    plan.snapshot()
     _faults.kill_point("after_snapshot")
     return plan

@@ -30,6 +30,7 @@ class Target:
     dtype: np.dtype | None = None  # saved dtype
     out_dtype: Any = None
     result: Any = None
+    cast: str = "safe"  # the read's cast policy (ReadRequest.cast)
 
 
 def _describe(x: Any) -> str:
@@ -42,9 +43,10 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
-def make_target(index: int, record: LeafRecord, like: Any) -> Target:
+def make_target(index: int, record: LeafRecord, like: Any, *, cast: str) -> Target:
+    """The target of one saved leaf read onto ``like``, cast under ``cast``."""
     path = record.path
-    target = Target(index, record, like)
+    target = Target(index, record, like, cast=cast)
     if record.kind in _layout.EMPTY_KINDS:
         return _empty_target(target)
     if record.kind in _layout.TEXT_KINDS:
@@ -139,7 +141,7 @@ def _final_value(target: Target, host: np.ndarray) -> Any:
                 keys = jax.device_put(keys, sharding)
         return keys
     if host.dtype != target.out_dtype:
-        _casting.check(record.path, host, target.out_dtype)
+        _casting.check(record.path, host, target.out_dtype, cast=target.cast)
         host = host.astype(target.out_dtype)
     if like is None:
         return _python_value(kind, host)

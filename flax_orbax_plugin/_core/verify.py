@@ -151,8 +151,8 @@ def check_pytree(location: Location, *, budget: int = VERIFY_BUDGET_BYTES) -> No
     _save.wait_for_pending_save(location)
     doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
-    targets = [make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
-    direct = open_direct(location, doc, targets)  # claims checked first
+    targets = [make_target(i, rec, None, cast="safe") for i, rec in enumerate(doc.leaves)]
+    direct = open_direct(location, doc, targets, own_copy=False)  # claims checked first
     window = _Window(location, budget)
     try:
         for target in targets:

@@ -2,14 +2,12 @@
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.casting``.
 
-Threading: the policy is a context variable, set by ``restore`` around its reads
-(which finish on the calling thread).
+The policy (``"safe"`` or ``"unsafe"``) is an argument of every check: a restore's
+``ReadRequest.cast``, carried by each of its targets. Threading: no state; any thread.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Any
 
 import jax
@@ -20,20 +18,6 @@ from .._base.tree import encode_key, path_string
 from .._errors import StructureError
 
 CAST_POLICIES = ("safe", "unsafe")
-
-_POLICY: contextvars.ContextVar[str] = contextvars.ContextVar("fop_cast", default="safe")
-
-
-@contextlib.contextmanager
-def policy(cast: str):
-    """Sets the cast policy (``"safe"`` or ``"unsafe"``) for the restore in this block."""
-    if cast not in CAST_POLICIES:
-        raise ValueError(f"cast must be one of {CAST_POLICIES}, found {cast!r}")
-    token = _POLICY.set(cast)
-    try:
-        yield
-    finally:
-        _POLICY.reset(token)
 
 
 def _category(dtype: np.dtype) -> str:
@@ -95,22 +79,25 @@ def _float_changes(x: np.ndarray, dst: np.dtype) -> np.ndarray | None:
     return bad if bad.any() else None
 
 
-def check_tree(host: Any, target: Any) -> None:
+def check_tree(host: Any, target: Any, *, cast: str) -> None:
     """:func:`check` for every leaf of ``host`` (numpy values) against the dtype of the
     matching leaf of ``target`` (arrays or ShapeDtypeStructs of the same structure)."""
 
     def one(keypath, x, t):
         if x is not None and t is not None:
-            check(path_string([encode_key(k) for k in keypath]), np.asarray(x), t.dtype)
+            path = path_string([encode_key(k) for k in keypath])
+            check(path, np.asarray(x), t.dtype, cast=cast)
 
     jax.tree_util.tree_map_with_path(one, host, target, is_leaf=lambda x: x is None)
 
 
-def check(path: str, host: np.ndarray, out_dtype: Any) -> None:
+def check(path: str, host: np.ndarray, out_dtype: Any, *, cast: str) -> None:
     """Raises StructureError if casting ``host`` (a leaf's saved data) to ``out_dtype``
     would change a value beyond float rounding; a no-op under ``cast="unsafe"``."""
     src, dst = np.dtype(host.dtype), np.dtype(out_dtype)
-    if src == dst or _POLICY.get() == "unsafe":
+    if cast not in CAST_POLICIES:
+        raise ValueError(f"cast must be one of {CAST_POLICIES}, found {cast!r}")
+    if src == dst or cast == "unsafe":
         return
     a, b = _category(src), _category(dst)
     if a == "bool":

@@ -120,9 +120,10 @@ def check_item_keepable(name: str, value: Any) -> None:
         check_keepable(f"{name}/{path}" if path != "<root>" else name, leaf)
 
 
-def _cast_problem(path: str, record: Any, like: Any) -> str | None:
+def _cast_problem(path: str, record: Any, like: Any, cast: str) -> str | None:
     """The reason no checked cast takes the saved dtype to like's, whatever the values
-    (float to int, to bool, complex to real); None when one may."""
+    (float to int, to bool, complex to real); None when one may (always, for
+    ``cast="unsafe"``)."""
     if record.dtype is None or record.kind == "prng_key" or like is None:
         return None
     try:
@@ -132,7 +133,7 @@ def _cast_problem(path: str, record: Any, like: Any) -> str | None:
         saved = _layout.dtype_from_name(record.dtype, path=path)
         if saved == want:  # the usual case: nothing to cast
             return None
-        _casting.check(path, np.empty((0,), saved), np.dtype(want))
+        _casting.check(path, np.empty((0,), saved), np.dtype(want), cast=cast)
     except StructureError as e:
         return str(e)
     return None
@@ -147,6 +148,7 @@ def match(
     make: Callable[[int, Any, Any], Any],
     empty_kinds: tuple[str, ...] = (),
     saved: list[str],
+    cast: str,
 ) -> list[Any]:
     """One entry per leaf of ``flat`` (like's ``(path, keys, leaf)``): ``make(index,
     record, leaf)`` for a leaf the checkpoint holds, :data:`KEEP` for one kept from like.
@@ -155,7 +157,8 @@ def match(
     ``saved``: the checkpoint's own paths of leaves holding a value (before any
     transform). Every difference is collected first; then one StructureError lists
     them all. A plan that reads none of ``saved`` raises NothingMatchedError (see
-    :func:`check_matched`).
+    :func:`check_matched`). ``cast``: the read's cast policy (a dtype no checked cast
+    reaches is a difference unless ``"unsafe"``).
     """
     problems: list[str] = []
     casts: list[str] = []  # dtypes no checked cast reaches
@@ -187,7 +190,7 @@ def match(
             problems.append(_renamed(str(e), found[1].path, path))
             out.append(None)
             continue
-        why = _cast_problem(found[1].path, found[1], leaf)
+        why = _cast_problem(found[1].path, found[1], leaf, cast)
         if why is not None:
             casts.append(_renamed(why, found[1].path, path))
     if not opts.partial:

@@ -5,9 +5,15 @@ A checkpoint step is a directory holding one sub-directory per checkpointable
 written and read by a :class:`Checkpointable`, a two-method protocol:
 
 ``directory`` is a :class:`flax_orbax_plugin._storage.location.Location` (a local
-directory or a prefix on an object store).
+directory or a prefix on an object store); ``request`` is the step's
+:class:`~flax_orbax_plugin.SaveRequest` or :class:`~flax_orbax_plugin.ReadRequest`
+(frozen: a host's own directory ``own_copy``, its time ``created_at``, the host-memory
+budget, a changed model's ``changes``...), the same the built-ins get; a checkpointable
+uses the fields it needs. One that sets ``incremental = True`` gets
+``request.reuse`` (the previous step's same item) when the manager saves
+incrementally.
 
-* ``save(directory, value) -> Pending`` runs the *blocking phase* on the calling
+* ``save(directory, value, request) -> Pending`` runs the *blocking phase* on the calling
   (training) thread: it snapshots ``value`` (device-to-host copies, iterator
   state, JSON encoding) so the caller may mutate or donate it as soon as ``save``
   returns. The returned :class:`Pending` finishes the write; the manager calls
@@ -18,7 +24,7 @@ directory or a prefix on an object store).
   restore checks) or None. It commits nothing: the step commits once, after every
   item of every process is durable (the manager makes the staging directory durable
   with one sync).
-* ``restore(directory, like) -> value`` reads the piece back. ``like`` is the
+* ``restore(directory, like, request) -> value`` reads the piece back. ``like`` is the
   abstract or concrete value the caller wants (pytree of arrays or
   ``jax.ShapeDtypeStruct``, an iterator to set the state of, an int, ...) or None.
 
@@ -29,26 +35,32 @@ the JSON-encoded state of any iterator with ``get_state()/set_state()`` (as
 grain's) or ``state_dict()/load_state_dict()``, one file per process. Any other
 name is treated as a pytree.
 
+A checkpointable written for the older two-argument protocol (``save(directory,
+value)``, ``restore(directory, like)``) still works for one release: it is called
+without the request, with a DeprecationWarning naming its class
+(:func:`checkpointable_for`).
+
 Nothing here ever unpickles: every non-array file is JSON.
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .._core import claims as _claims
 from .._core import restore as _restore
 from .._core import save as _save
 from .._core.commit import Written
+from .._core.requests import ReadRequest, SaveRequest
 from .._errors import CorruptCheckpointError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._storage.location import Location
 from .json_items import encode_json, from_json, read_json, to_json, write_json
-from .per_host import OWN_COPY
 
 __all__ = [
     "Checkpointable",
@@ -60,7 +72,12 @@ __all__ = [
     "DataIteratorCheckpointable",
     "checkpointable_for",
     "BUILTIN_CHECKPOINTABLES",
+    "ReadRequest",
+    "SaveRequest",
 ]
+
+_SAVE = SaveRequest()  # what a built-in called without a request does
+_READ = ReadRequest()
 
 JSON_FILE = _layout.JSON_VALUE_FILE
 
@@ -77,16 +94,17 @@ class Pending(Protocol):
 class Checkpointable(Protocol):
     """Writes and reads one named piece of a training state.
 
-    ``kind`` is a short string recorded in the step's JSON manifest.
+    ``kind`` is a short string recorded in the step's JSON manifest; ``request`` the
+    step's modes (see the module docstring).
     Threading: ``save`` is called on the training thread, ``Pending.wait`` on the
     manager's background thread, ``restore`` on the caller's thread.
     """
 
     kind: str
 
-    def save(self, directory: Location, value: Any) -> Pending: ...
+    def save(self, directory: Location, value: Any, request: SaveRequest) -> Pending: ...
 
-    def restore(self, directory: Location, like: Any) -> Any: ...
+    def restore(self, directory: Location, like: Any, request: ReadRequest) -> Any: ...
 
 
 class _Done:
@@ -117,57 +135,41 @@ def _process_index() -> int:
 class PytreeCheckpointable:
     """A pytree of arrays written through the tensorstore core (``fop.save_async``).
 
-    ``restore`` hands ``like`` to ``fop.restore``: arrays or ShapeDtypeStructs
+    ``restore`` hands ``like`` to the core's restore: arrays or ShapeDtypeStructs
     (with ``.sharding`` to restore onto it), or None for numpy on the host.
+    ``compression`` / ``format_version``: this item's own (None: the request's).
     """
 
     kind = "pytree"
+    incremental = True  # takes request.reuse
 
-    def __init__(self, *, compression: str | None = None, format_version: int = 1):
+    def __init__(self, *, compression: str | None = None, format_version: int | None = None):
         self.compression = _layout.check_codec(compression)
-        self.format_version = _save.check_format_version(format_version, self.compression)
+        if format_version is not None and (
+            format_version not in (1, 2) or isinstance(format_version, bool)
+        ):
+            raise ValueError(f"format_version: expected 1 or 2, found {format_version!r}")
+        self.format_version = format_version
 
-    def save(
-        self,
-        directory: Location,
-        value: Any,
-        *,
-        reuse: Any = None,
-        buffers: Any = None,
-        budget: int | None = None,
-    ) -> Pending:
-        """``reuse``: an ``_incremental.Reuse`` from a manager with ``incremental=True``;
-        ``buffers``: the manager's ``_host.BufferPool`` (snapshot memory reused);
-        ``budget``: its ``host_memory_budget`` (see ``fop.save_async``)."""
-        created_at = OWN_COPY.get()  # a host's own directory: all it holds, every file
-        snap = _save.snapshot(
-            value,
-            compression=self.compression,
-            buffers=buffers,
-            own_copy=created_at is not None,
-            created_at=created_at,
-            format_version=self.format_version,
-            budget=budget,
-        )
-        limit = _save.bounded_limit(None, budget)
-        done = _Done(
-            lambda: snap.write(directory, limit=limit, durable=False, reuse=reuse), snap.digest
-        )
+    def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
+        """The snapshot now, the write when waited on, as ``request`` says (reuse,
+        buffers, budget, a host's own directory and its time); this item's compression
+        and format version, where it has them, replace the request's."""
+        own: dict[str, Any] = {}
+        if self.compression is not None:
+            own["compression"] = self.compression
+        if self.format_version is not None:
+            own["format_version"] = self.format_version
+        snap = _save.snapshot(value, request.replace(**own) if own else request)
+        done = _Done(lambda: snap.write(directory, durable=False), snap.digest)
         done.snap = snap  # the manager waits for its data under a budget (write_first)
         return done
 
-    def restore(self, directory: Location, like: Any, **changes: Any) -> Any:
-        """``changes``: ``partial``, ``missing``, ``transform`` of ``fop.restore`` (the
-        manager passes them for a restore into a changed model). Each host's own
-        directory (per-host restore): every process reads what it needs itself, no
-        collective (a process whose read fails never leaves the others waiting)."""
-        if OWN_COPY.get() is None:
-            return _restore.restore(directory, like, **changes)
-        token = _claims.HOST_COPY.set(True)
-        try:
-            return _restore.restore(directory, like, share_replicated_reads=False, **changes)
-        finally:
-            _claims.HOST_COPY.reset(token)
+    def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
+        """The core's restore as ``request`` says: a changed model's ``changes``; a
+        host's own directory (``own_copy``): every process reads what it needs itself,
+        no collective (a process whose read fails never leaves the others waiting)."""
+        return _restore.restore_with(directory, like, request)
 
 
 class JsonCheckpointable:
@@ -182,17 +184,17 @@ class JsonCheckpointable:
     def _decode(self, data: Any, like: Any) -> Any:
         return from_json(data)
 
-    def save(self, directory: Location, value: Any) -> Pending:
+    def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
         # encoded now, on the caller's thread: refused before the step is committed
         data = encode_json(self._encode(value), f"{directory}/{JSON_FILE}")
-        primary = _process_index() == 0 or OWN_COPY.get() is not None
+        primary = _process_index() == 0 or request.own_copy
 
         def write() -> Written:
             return write_json(directory, JSON_FILE, data) if primary else Written()
 
         return _Done(write)
 
-    def restore(self, directory: Location, like: Any) -> Any:
+    def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
         return self._decode(read_json(directory, JSON_FILE), like)
 
 
@@ -281,7 +283,7 @@ class DataIteratorCheckpointable:
     def filename(process_index: int) -> str:
         return _layout.iterator_state_file(process_index)
 
-    def save(self, directory: Location, value: Any) -> Pending:
+    def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
         state = to_json(_iterator_state(value), "data_iterator")
         name = self.filename(_process_index())
         data = encode_json({"state": state}, f"{directory}/{name}")
@@ -291,7 +293,7 @@ class DataIteratorCheckpointable:
 
         return _Done(write)
 
-    def restore(self, directory: Location, like: Any) -> Any:
+    def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
         import jax
 
         manifest = _steps.manifest_for_item(directory)
@@ -328,11 +330,53 @@ _DEFAULT = PytreeCheckpointable()
 def checkpointable_for(
     name: str, overrides: Mapping[str, Checkpointable] | None = None
 ) -> Checkpointable:
-    """The checkpointable that handles item ``name``: an override, a built-in, or a pytree."""
+    """The checkpointable that handles item ``name``: an override, a built-in, or a pytree.
+    An override of the older two-argument protocol comes back adapted (see the module
+    docstring)."""
     if overrides and name in overrides:
-        return overrides[name]
+        return with_requests(overrides[name])
     found = BUILTIN_CHECKPOINTABLES.get(name, _DEFAULT)
     default = getattr(overrides, "pytree", None)  # a manager's format_version=2
     if default is not None and isinstance(found, PytreeCheckpointable):
         return default
     return found
+
+
+def _takes_request(method: Any) -> bool:
+    """Whether ``method`` can be called as ``method(directory, value, request)``."""
+    try:
+        inspect.signature(method).bind(None, None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): assume the protocol
+        return True
+    return True
+
+
+class _TwoArgument:
+    """A checkpointable of the two-argument protocol, called without the request."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.kind = getattr(inner, "kind", "custom")
+
+    def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
+        return self.inner.save(directory, value)
+
+    def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
+        return self.inner.restore(directory, like)
+
+
+def with_requests(checkpointable: Any) -> Checkpointable:
+    """``checkpointable``, or for one of the older two-argument protocol an adapter
+    that calls it without the request (DeprecationWarning naming its class)."""
+    if _takes_request(checkpointable.save) and _takes_request(checkpointable.restore):
+        return checkpointable
+    warnings.warn(
+        f"checkpointable {type(checkpointable).__name__}: save(directory, value) and "
+        f"restore(directory, like) without the request are deprecated; take a third "
+        f"argument, request (fop.SaveRequest / fop.ReadRequest)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return _TwoArgument(checkpointable)

@@ -22,7 +22,6 @@ order, on the training thread).
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import json
 import logging
@@ -42,7 +41,6 @@ from .._storage.location import Location
 
 __all__ = [
     "HOST_FILE",
-    "OWN_COPY",
     "agreed_time",
     "host_marker",
     "layout_digest",
@@ -54,11 +52,6 @@ logger = logging.getLogger("flax_orbax_plugin")
 HOST_FILE = "_HOST.json"  # in each host's copy of a step; never uploaded
 _FORMAT = "flax_orbax_plugin/host-copy"
 COPY_LAYOUT = "copied down: every region"  # the marker's layout of a bucket's step
-
-# Set by the manager around a per-host save's blocking phase (the agreed time of the
-# step's ``_METADATA.json``) and around a per-host restore (True): the built-in
-# checkpointables then write every file on every process / read without collectives.
-OWN_COPY: contextvars.ContextVar[Any] = contextvars.ContextVar("own_copy", default=None)
 
 
 def device_map() -> list[list[int]]:

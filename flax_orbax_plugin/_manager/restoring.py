@@ -25,6 +25,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._core import ownership as _ownership
+from .._core.requests import ReadRequest
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -43,7 +44,7 @@ from .._storage.location import Location
 from . import peers as _peers
 from . import per_host as _per_host
 from .book import StepBook
-from .checkpointables import Checkpointable, PytreeCheckpointable, checkpointable_for
+from .checkpointables import Checkpointable, checkpointable_for
 
 __all__ = ["Restorer"]
 
@@ -89,13 +90,17 @@ class Restorer:
     ) -> Any:
         """``step`` (the latest that restores when None); see CheckpointManager.restore."""
         tier = self._book.tier
-        fn = lambda s: self._restore_step(s, like, items, data_iterator, changes)
-        if self._book.per_host:
-            token = _per_host.OWN_COPY.set(True)  # each reads its own files, no collective
-            try:
-                return self._restore_per_host(step, fn)
-            finally:
-                _per_host.OWN_COPY.reset(token)
+        # The modes of every item's read, once: each host's own directory is read by
+        # each process alone (no collective); else replicated leaves are read shared.
+        own = self._book.per_host
+        request = ReadRequest(
+            share_reads=not own and _distributed.process_count() > 1,
+            own_copy=own,
+            changes=changes or _transform.Changes(),
+        )
+        fn = lambda s: self._restore_step(s, like, items, data_iterator, request)
+        if own:
+            return self._restore_per_host(step, fn)
         if step is not None:
             if tier is not None:
                 tier.ensure_local(step)
@@ -272,9 +277,9 @@ class Restorer:
         )
 
     def _restore_step(
-        self, step: int, like: Any, items: Any, data_iterator: Any, changes: Any = None
+        self, step: int, like: Any, items: Any, data_iterator: Any, request: ReadRequest
     ) -> Any:
-        changes = changes or _transform.Changes()
+        changes = request.changes
         step_loc = _steps.step_location(self._loc, step)
         saved = _steps.read_manifest(step_loc).items
         like_items = split_state(like) if like is not None else {}
@@ -287,11 +292,11 @@ class Restorer:
         restored = {}
         for name in names:
             restored[name] = self._restore_item(
-                step, step_loc, saved[name], name, like_items.get(name), changes
+                step, step_loc, saved[name], name, like_items.get(name), request
             )
         if data_iterator is not None:
             self._restore_item(
-                step, step_loc, saved["data_iterator"], "data_iterator", data_iterator
+                step, step_loc, saved["data_iterator"], "data_iterator", data_iterator, request
             )
         self.restored_items = tuple(saved)
         if items is not None:
@@ -360,13 +365,11 @@ class Restorer:
         entry: ItemEntry,
         name: str,
         like: Any,
-        changes: Any = None,
+        request: ReadRequest,
     ) -> Any:
         try:
             handler = checkpointable_for(name, self._overrides)
-            if isinstance(handler, PytreeCheckpointable) and changes is not None:
-                return handler.restore(step_loc.child(entry.dir), like, **changes.kwargs())
-            return handler.restore(step_loc.child(entry.dir), like)
+            return handler.restore(step_loc.child(entry.dir), like, request)
         except StructureError as e:
             raise item_mismatch(e, name=name, step=step, location=self._loc) from e
         except CheckpointError as e:

@@ -23,6 +23,7 @@ from .._base import host as _host
 from .._base import interrupts as _interrupts
 from .._core import ownership as _ownership
 from .._core.commit import Staging
+from .._core.requests import SaveRequest
 from .._core.save import SaveHandle, SaveResult, wait_for_data
 from .._errors import CheckpointError
 from .._format import layout as _layout
@@ -34,7 +35,7 @@ from .._state.train_state import split_state
 from .._storage.location import Location
 from . import per_host as _per_host
 from .book import StepBook
-from .checkpointables import Checkpointable, Pending, PytreeCheckpointable, checkpointable_for
+from .checkpointables import Checkpointable, Pending, checkpointable_for
 from .options import check_item_name
 from .retaining import RetentionRunner
 from .step_commit import StepCommit, wait_all
@@ -174,11 +175,14 @@ class Saver:
         prev = max((s for s in local if s < step), default=None) if self._incremental else None
         prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
         marker = None
-        token = _per_host.OWN_COPY.set(_per_host.agreed_time() if own else None)
-        try:
-            pendings, reuses = self._save_items(staging, items, dirs, handlers, prev_loc)
-        finally:
-            _per_host.OWN_COPY.reset(token)
+        # The step's modes, once: each item gets them (and its reuse) as its request.
+        request = SaveRequest(
+            host_memory_budget=self._budget,
+            buffers=self._buffers,
+            own_copy=own,
+            created_at=_per_host.agreed_time() if own else None,
+        )
+        pendings, reuses = self._save_items(staging, items, dirs, handlers, prev_loc, request)
         if own:
             layout, hosts = _per_host.layout_digest(items), _per_host.host_regions(items)
             marker = _per_host.host_marker(step, self._book.run, layout, hosts)
@@ -236,22 +240,23 @@ class Saver:
         dirs: dict[str, str],
         handlers: dict[str, Checkpointable],
         prev_loc: Location | None,
+        request: SaveRequest,
     ) -> tuple[dict[str, Pending], list[Reuse]]:
-        """The blocking phase of each item, in order; on an error every started write
-        is waited for and the staging directory removed."""
+        """The blocking phase of each item, in order, each handed ``request`` (with its
+        own reuse for an ``incremental`` checkpointable of an incremental manager); on
+        an error every started write is waited for and the staging directory removed."""
         pendings: dict[str, Pending] = {}
         reuses: list[Reuse] = []  # their key-value values are deleted after the commit
         try:
             for name, value in items.items():
-                kw = {}  # incremental: the same item of the previous step, to reuse from
-                if isinstance(handlers[name], PytreeCheckpointable):
-                    kw = {"buffers": self._buffers, "budget": self._budget}
-                    if self._incremental:  # the exchange's name: drawn here, in item order
-                        reuse_op = _distributed.next_operation_id("reuse")
-                        kw["reuse"] = Reuse(prev_loc, name, reuse_op)
-                        reuses.append(kw["reuse"])
+                item_request = request  # incremental: the same item of the previous step
+                if self._incremental and getattr(handlers[name], "incremental", False):
+                    # the exchange's name: drawn here, in item order
+                    reuse = Reuse(prev_loc, name, _distributed.next_operation_id("reuse"))
+                    reuses.append(reuse)
+                    item_request = request.replace(reuse=reuse)
                 target = staging.location.child(dirs[name])
-                pendings[name] = handlers[name].save(target, value, **kw)
+                pendings[name] = handlers[name].save(target, value, item_request)
         except BaseException:
             wait_all(pendings.values())
             # A directory other processes write into is theirs too: it is removed by the

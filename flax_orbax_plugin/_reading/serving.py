@@ -132,7 +132,7 @@ def _host_then_placed(params_loc: Location, dtype: Any, sharding: Any, changes: 
     """Without ``like``: the params read to the host, then cast and placed."""
     host = _restore.restore(params_loc, None, **changes.kwargs())
     target = retarget(host, dtype, sharding)
-    _casting.check_tree(host, target)  # float narrowing rounds; overflow to inf raises
+    _casting.check_tree(host, target, cast="safe")  # narrowing rounds; overflow raises
     return jax.tree_util.tree_map(
         lambda x, t: (
             place(x.astype(t.dtype), t.sharding) if t.sharding is not None else x.astype(t.dtype)

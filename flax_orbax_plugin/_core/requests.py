@@ -1,0 +1,107 @@
+"""Requests: every mode of one save or one read, as a frozen record handed down explicitly.
+
+An entry point (``fop.save_async``, ``fop.restore``, a manager's save or restore, the
+tier, the importers) checks its options once (``save_options`` / ``read_options``) and
+builds one :class:`SaveRequest` or :class:`ReadRequest`; from there every layer gets
+the request as an argument: the plan, the snapshot, the format's write, the reads,
+the claims check and the cast check. No mode is a context variable, a module global
+or a flag set on an object after it was built. A manager's items get theirs through
+the public ``Checkpointable`` protocol (``save(directory, value, request)``,
+``restore(directory, like, request)``), the built-ins as any other.
+
+Threading: a request never changes; it may be read from any thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .._base.host import BufferPool
+from .._like.casting import CAST_POLICIES
+from .._like.transform import Changes
+
+__all__ = [
+    "DEFAULT_READ_LIMIT_BYTES",
+    "DEFAULT_WRITE_LIMIT_BYTES",
+    "ReadRequest",
+    "SaveRequest",
+]
+
+DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
+# Reads in flight beyond the restored arrays themselves. Small: reading leaves one
+# after another (each with tensorstore's chunk-level parallelism) is as fast as
+# reading them all at once on few cores, and keeps peak memory near the result's.
+DEFAULT_READ_LIMIT_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRequest:
+    """How one pytree is saved (the options of ``fop.save_async``, checked, plus what a
+    manager adds per step and item).
+
+    ``format_version``: 1 (chunk files) or 2 (data files), the one place the save's
+    format is chosen; ``compression``: a checked codec or None;
+    ``memory_limit_bytes``: writes in flight (None: the default, see :attr:`limit`);
+    ``host_memory_budget``: host bytes the save may hold beyond the state;
+    ``data_file_bytes``: version 2's data file size; ``own_copy``: a host's own
+    directory (every process writes all it holds and every JSON file);
+    ``created_at``: the document's time (the same on every process for an own copy;
+    None: when written); ``reuse``: an ``_incremental.Reuse`` (a manager with
+    ``incremental=True``) or None; ``buffers``: a manager's host buffers or None.
+    """
+
+    format_version: int = 1
+    compression: str | None = None
+    memory_limit_bytes: int | None = None
+    host_memory_budget: int | None = None
+    data_file_bytes: int | None = None
+    own_copy: bool = False
+    created_at: float | None = None
+    reuse: Any = None
+    buffers: BufferPool | None = None
+
+    def __post_init__(self):
+        if self.own_copy and self.created_at is None:
+            raise ValueError("SaveRequest: own_copy needs created_at (the agreed time)")
+
+    @property
+    def limit(self) -> int:
+        """Bytes of writes in flight: ``memory_limit_bytes`` (default
+        :data:`DEFAULT_WRITE_LIMIT_BYTES`), at most half the host memory budget."""
+        limit = self.memory_limit_bytes or DEFAULT_WRITE_LIMIT_BYTES
+        budget = self.host_memory_budget
+        return limit if budget is None else max(1, min(limit, budget // 2))
+
+    def replace(self, **fields: Any) -> SaveRequest:
+        return dataclasses.replace(self, **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRequest:
+    """How one pytree is read (the options of ``fop.restore``, checked, plus what a
+    manager adds).
+
+    ``memory_limit_bytes``: reads in flight; ``cast``: ``"safe"`` (no cast that changes
+    a value) or ``"unsafe"``; ``share_reads``: processes read a replicated leaf
+    together (each its rows, then an all-gather; collective); ``own_copy``: a host's own
+    directory (each process reads alone; an array read onto a sharded ``like`` holds
+    only this host's chunks, so its claims are not checked against the whole array);
+    ``changes``: a restore into a changed model (``partial``, ``missing``,
+    ``transform``).
+    """
+
+    memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
+    cast: str = "safe"
+    share_reads: bool = False
+    own_copy: bool = False
+    changes: Changes = Changes()
+
+    def __post_init__(self):
+        if self.cast not in CAST_POLICIES:
+            raise ValueError(f"cast must be one of {CAST_POLICIES}, found {self.cast!r}")
+        if self.own_copy and self.share_reads:
+            raise ValueError("ReadRequest: a host's own copy is read alone (share_reads=False)")
+
+    def replace(self, **fields: Any) -> ReadRequest:
+        return dataclasses.replace(self, **fields)

@@ -1,0 +1,67 @@
+"""No mode travels hidden: the lint rules of tools/state_scan.py, on the package and on
+a package made to break them (so the rules can fail)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ROOT / "tools"
+sys.path.insert(0, str(TOOLS))
+
+import state_scan  # noqa: E402  (tools/ is no package: on sys.path above)
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "flax_orbax_plugin"
+    for name, text in {"__init__.py": "", **files}.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def _check(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TOOLS / "import_graph.py"), str(root), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_package_has_no_hidden_mode():
+    contexts, state, _ = state_scan.scan(ROOT / "flax_orbax_plugin")
+    assert state_scan.not_allowed(contexts + state) == []
+    assert _check(ROOT / "flax_orbax_plugin").returncode == 0
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "import contextvars\nMODE = contextvars.ContextVar('m', default=None)\n",
+        "import threading\n_LOCAL = threading.local()\n",
+        "_SEEN = []\ndef f(x):\n    _SEEN.append(x)\n",
+        "_BY = {}\ndef f(k):\n    _BY[k] = 1\n",
+        "_N = 0\ndef f():\n    global _N\n    _N += 1\n",
+    ],
+    ids=["contextvar", "thread-local", "list-appended", "dict-item-set", "global-rebound"],
+)
+def test_a_hidden_mode_fails_the_check(tmp_path, text):
+    root = _package(tmp_path, {"_core/__init__.py": "", "_core/mode.py": text})
+    contexts, state, _ = state_scan.scan(root)
+    assert len(contexts + state) == 1
+    done = _check(root)
+    assert done.returncode == 1
+    assert "hidden mode" in done.stderr and "_core.mode" in done.stderr
+
+
+def test_a_constant_table_is_no_state(tmp_path):
+    text = "TABLE = {}\nfor k in 'ab':\n    TABLE[k] = 1\nNAMES = ['x']\n"
+    root = _package(tmp_path, {"_core/__init__.py": "", "_core/table.py": text})
+    assert state_scan.scan(root)[:2] == ([], [])
+    assert _check(root).returncode == 0
