@@ -4,8 +4,10 @@
 
 ``--check`` (run by ``make lint``, so by CI) exits 1 when a rule of the wings breaks:
 an import cycle, an import back up, more than two function-level internal imports,
-a module over 400 lines, a context variable or module-level mutable state outside
-``state_scan.ALLOWED_STATE`` (``tools/state_scan.py``).
+an import inside a function without a comment saying why, a module over 400 lines,
+a context variable or module-level mutable state outside
+``state_scan.ALLOWED_STATE``, a format-version test outside ``state_scan.SEAM``
+(``tools/state_scan.py``).
 
 Reports, for the package under ``package_dir`` (default ``flax_orbax_plugin``):
 
@@ -109,6 +111,25 @@ class _Imports(ast.NodeVisitor):
     visit_ImportFrom = visit_Import
 
 
+def _explained(lines: list[str], lineno: int) -> bool:
+    """Whether the import at ``lineno`` (1-based) says why it is inside a function: a
+    comment on its line, or in the lines just above it (comments, the imports of its
+    group, a ``try:``)."""
+    if "#" in lines[lineno - 1]:
+        return True
+    i = lineno - 2
+    while i >= 0:
+        text = lines[i].strip()
+        if text.startswith("#"):
+            return True
+        if not (text.startswith(("import ", "from ")) or text == "try:"):
+            return False
+        if "#" in text:
+            return True
+        i -= 1
+    return False
+
+
 def _sccs(graph: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's strongly connected components with more than one member (or a self-loop)."""
     index: dict[str, int] = {}
@@ -179,15 +200,19 @@ def main(argv: list[str]) -> int:
     big_modules = []
     big_functions = []
     classes = []
+    unexplained: list[tuple[str, int]] = []  # function-level imports without a why
     for name, path in modules.items():
         text = path.read_text()
         tree = ast.parse(text)
         lines = len(text.splitlines())
+        source = text.splitlines()
         if lines > MODULE_LINES:
             big_modules.append((lines, name))
         visitor = _Imports()
         visitor.visit(tree)
         for node, inside in visitor.found:
+            if inside and not _explained(source, node.lineno):
+                unexplained.append((name, node.lineno))
             for target in _resolve(node, name, modules, top):
                 if target == name:
                     continue
@@ -263,12 +288,21 @@ def main(argv: list[str]) -> int:
                 ("imports back up the wings", len(back_up), 0),
                 ("function-level internal imports", len(function_level), 2),
                 (f"modules over {MODULE_LINES} lines", len(big_modules), 0),
+                ("imports inside a function without a comment saying why", len(unexplained), 0),
             )
             if n > most
         ]
-        contexts, state, _tests = state_scan.scan(root)
+        contexts, state, tests = state_scan.scan(root)
         for module, line, name, what in state_scan.not_allowed(contexts + state):
             broken.append(f"hidden mode {name} ({what}) at {module}:{line}: pass it explicitly")
+        for module, line, name, what in state_scan.outside_seam(tests):
+            broken.append(
+                f"format-version test ({name} {what}) at {module}:{line}: outside the format "
+                "seam (_core/formats.py); ask the format"
+            )
+        broken += [
+            f"import inside a function at {m}:{n} says no why (a comment)" for m, n in unexplained
+        ]
         for line in broken:
             print(f"import_graph --check: {line}", file=sys.stderr)
         return 1 if broken else 0

@@ -16,7 +16,8 @@ Reads files only (nothing is imported or run). Three findings, each a list of
 - **format-version tests**: a comparison one of whose sides names ``format_version``
   (a name, an attribute or a string key), or a branch (``if``, conditional
   expression, ``and``/``or``, ``not``) on a ``packed`` name or attribute: the code
-  that picks a behaviour by format version.
+  that picks a behaviour by format version (``format_version is None`` is a test of
+  presence, not counted).
 
 ``tools/import_graph.py --check`` fails on any of the first two outside
 :data:`ALLOWED_STATE` and on a version test outside :data:`SEAM`.
@@ -174,6 +175,13 @@ def _names_version(node: ast.AST) -> bool:
     return False
 
 
+def _is_none(node: ast.Compare) -> bool:
+    """``x is None`` / ``x is not None``: a test of presence, not of a version."""
+    return all(isinstance(op, ast.Is | ast.IsNot) for op in node.ops) and any(
+        isinstance(c, ast.Constant) and c.value is None for c in [node.left, *node.comparators]
+    )
+
+
 def _is_packed(node: ast.AST) -> bool:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
         return _is_packed(node.operand)
@@ -205,7 +213,7 @@ def scan(root: Path):
         for bound in sorted(_globals_rebound(tree)):
             state.append((name, 0, bound, "rebound through global"))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Compare) and _names_version(node):
+            if isinstance(node, ast.Compare) and _names_version(node) and not _is_none(node):
                 tests.append((name, node.lineno, "format_version", "comparison"))
             test = getattr(node, "test", None)
             if isinstance(node, ast.If | ast.IfExp | ast.While) and _is_packed(test):

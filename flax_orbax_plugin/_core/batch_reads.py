@@ -17,8 +17,8 @@ import numpy as np
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, batch_dir
 from .._zarr import arrays as _arrays
-from .direct import read_slice
-from .reads import Reader, ReadInto, corrupt, open_array
+from .formats import read_slice
+from .reads import Reader, ReadInto, corrupt
 from .targets import Target, finish
 
 # Needed leaves closer than this many inner chunks are read as one run (the gap is
@@ -34,10 +34,6 @@ class _Batch:
         self.fail, self.errors, self.direct = fail, errors, direct
         self.dtype = _layout.dtype_from_name(batch.dtype)
         self.store = None
-
-    def open_store(self, paths: list[str]) -> None:
-        spec = _arrays.batch_spec(self.location, self.batch)
-        self.store = open_array(spec, self.location, paths)
 
     def read_each(self, targets: list[Target]) -> None:
         """One read per leaf (tensorstore, or the packed reader's batch files)."""
@@ -71,21 +67,17 @@ class _Batch:
             errors.append(corrupt(paths, self.location, error))
 
 
-def read_batch(reader: Reader, location, batch: BatchRecord, members, fail, errors, direct):
-    """Reads the ``members`` (targets) of ``batch``; damage goes to ``errors`` (via
-    ``fail(paths)``), naming the leaves."""
+def read_batch(reader: Reader, location, batch: BatchRecord, members, fail, errors, fmt, direct):
+    """Reads the ``members`` (targets) of ``batch`` in format ``fmt`` through ``direct``
+    (its reader); damage goes to ``errors`` (via ``fail(paths)``), naming the leaves."""
     one = _Batch(reader, location, batch, fail, errors, direct)
-    packed = direct is not None and direct.packed
     paths = [t.record.path for t in members]
-    if packed:  # format version 2: a compressed batch reads through its own store
-        try:
-            one.store = direct.compressed_batch(batch)
-        except ValueError as e:  # a shard missing, too long or not its index's (damage)
-            errors.append(corrupt(paths, location, e))
-            return
-    else:
-        one.open_store(paths)
-    if direct is not None and not packed and batch.codec is None:
+    try:
+        one.store = fmt.batch_store(location, batch, direct, paths)
+    except fmt.batch_damage as e:  # version 2: a shard missing, too long, not its index's
+        errors.append(corrupt(paths, location, e))
+        return
+    if fmt.reads_batch_runs(direct, batch):
         for target in members:
             if not target.record.storage.size:  # nothing stored
                 finish(target, np.empty(0, one.dtype), reader.placer)

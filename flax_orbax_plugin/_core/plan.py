@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import hashlib
 import math
 import threading
@@ -36,7 +35,6 @@ from .._format.layout import (
     CheckpointDocument,
     LeafRecord,
 )
-from .._incremental import packed as _packed_reuse
 from .._incremental import reuse as _incremental
 from .._storage import json_docs as _docs
 from .._storage.location import Location
@@ -44,11 +42,10 @@ from .._zarr import arrays as _arrays
 from .._zarr import chunk_writer as _chunk_writer
 from . import commit as _commit
 from . import device_copy as _device_copy
+from . import formats as _formats
 from . import host_snapshot as _host_snapshot
 from . import leaf_kinds as _kinds
 from .requests import SaveRequest
-from .write_data import write_data
-from .write_packed import write_packed
 
 SMALL_LEAF_BYTES = 1 << 20  # unpartitioned leaves up to this size are batched
 
@@ -126,14 +123,14 @@ class Plan:
         self.leaves = leaves
         self.batches = batches
         self.request = request
-        self.format_version = request.format_version
+        self.format = _formats.for_version(request.format_version)  # picked once, here
         self.batch_data: dict[str, np.ndarray | _chunk_writer.Gathered] = {}
         self.digest = _digest(leaves)
         self._pool: _host.BufferPool | None = None
         self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
         self.write_first = False  # the save returns only once its data is written
         self.data_written = threading.Event()  # this process's data written (or failed)
-        self.cancelled: threading.Event | None = None  # set: the save was cancelled (Ctrl-C)
+        self.cancelled = request.cancelled  # set: the save was cancelled (Ctrl-C)
 
     @classmethod
     def build(cls, tree: Any, request: SaveRequest) -> Plan:
@@ -176,7 +173,7 @@ class Plan:
             _distributed.process_count(),
             time.time() if self.request.created_at is None else self.request.created_at,
             jax.__version__,
-            self.format_version,
+            self.format.version,
         )
 
     def write(self, location: Location, *, durable: bool = True) -> _commit.Written:
@@ -201,40 +198,15 @@ class Plan:
 
     def _write(self, location, *, durable) -> _commit.Written:
         primary = _distributed.is_primary() or self.request.own_copy
-        limit, reuse = self.request.limit, self.request.reuse
-        files = {}
-        links: dict[int, Any] = {}
-        if self.format_version == 2 or reuse is not None:  # these read every region first
+        reuse = self.request.reuse
+        if self.format.copies_before_writing or reuse is not None:  # every region first
             _device_copy.materialize_all(self.leaves)
         found = None if reuse is None else self._unchanged(location, reuse)
         encoded: concurrent.futures.Future = concurrent.futures.Future()
         if primary:  # encoded while tensorstore's threads write the data
             threading.Thread(target=self._encode, args=(encoded,), daemon=True).start()
-        if self.format_version == 2:
-            written, files, reused = write_packed(
-                location,
-                self.leaves,
-                self.batches,
-                self.batch_data,
-                process=_distributed.process_index(),
-                limit=limit,
-                data_file_bytes=self.request.data_file_bytes,
-                cancelled=self.cancelled,
-                reuse=None if found is None else self._packed_reuse(location, *found),
-            )
-        else:
-            if found is not None:
-                links = self._links(location, *found)
-            written, reused = write_data(
-                location,
-                self.leaves,
-                self.batches,
-                self.batch_data,
-                primary=primary,
-                limit=limit,
-                links=links,
-                cancelled=self.cancelled,
-            )
+        written, files, reused = self.format.write(self, location, primary=primary, found=found)
+        files = dict(files)
         self.data_written.set()  # a save under a budget may return now
         if primary:
             encoded = encoded.result()
@@ -261,8 +233,7 @@ class Plan:
         previous number, the chunks of this process's regions)] for the leaves the
         previous step holds unchanged and of which this process writes regions), or
         None where this process reuses nothing (see :func:`_incremental.reuser`)."""
-        packed = self.format_version == 2
-        way = _incremental.reuser(location, packed=packed)
+        way = self.format.reuser(location)
         if way is None and _distributed.process_count() == 1:
             return None
         arrays = [leaf for leaf in self.leaves if isinstance(leaf.record.storage, ArrayStorage)]
@@ -283,7 +254,7 @@ class Plan:
                 digest = _incremental.leaf_digest(everyone[leaf.index])
                 leaf.record = dataclasses.replace(leaf.record, digest=digest)
         previous = None if way is None else _incremental.previous_document(reuse)
-        if previous is None or previous[1].format_version != self.format_version:
+        if previous is None or not self.format.wrote(previous[1]):
             return None  # (a step of the other version: its chunks are stored elsewhere)
         source, doc = previous
         if _distributed.is_primary():  # what reuse never takes, said once (INFO)
@@ -298,41 +269,6 @@ class Plan:
             if leaf.writes and chunks is not None:
                 unchanged.append((leaf, j, chunks))
         return way, source, unchanged
-
-    @staticmethod
-    def _links(location: Location, way, source: Location, unchanged: list) -> dict[int, Any]:
-        """``{leaf index: link()}`` (version 1): ``link()`` links or copies this process's
-        chunks of the leaf and returns the bytes reused, or None when it must write its
-        regions after all."""
-        return {
-            leaf.index: functools.partial(
-                way,
-                source,
-                j,
-                location,
-                leaf.index,
-                leaf.record,
-                chunks=chunks,
-                nbytes=sum(data.nbytes for _, data in leaf.writes),
-                writes=leaf.writes,  # the snapshot, which each reused chunk must equal
-            )
-            for leaf, j, chunks in unchanged
-        }
-
-    @staticmethod
-    def _packed_reuse(location: Location, way, source: Location, unchanged: list):
-        """Version 2: ``reuse()`` takes this process's previous data files that hold
-        mostly unchanged leaves (``_incremental.packed.reuse_files``)."""
-        if not unchanged:
-            return None
-        leaves = {
-            leaf.index: _packed_reuse.Unchanged(
-                j, leaf.record, chunks, leaf.writes, sum(d.nbytes for _, d in leaf.writes)
-            )
-            for leaf, j, chunks in unchanged
-        }
-        process = _distributed.process_index()
-        return functools.partial(_packed_reuse.reuse_files, way, source, location, process, leaves)
 
 
 Snapshot = Plan

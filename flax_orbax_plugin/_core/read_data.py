@@ -23,14 +23,13 @@ import numpy as np
 from .._base import distributed as _distributed
 from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
-from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument, array_dir
+from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument
 from .._like import casting as _casting
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
-from .._zarr import chunk_files as _chunk_files
+from . import formats as _formats
 from .batch_reads import read_batch
-from .direct import open_direct
-from .reads import Reader, ReadInto, corrupt, deleted_or, opened
+from .reads import Reader, corrupt, deleted_or, opened
 from .requests import ReadRequest
 from .targets import Target, finish, sharding_of
 
@@ -85,31 +84,16 @@ def _collective(targets: list, share_reads: bool) -> bool:
 
 
 def _read_targets_inner(location, doc: CheckpointDocument, targets: list, request: ReadRequest):
-    direct = open_direct(location, doc, targets, own_copy=request.own_copy)
+    fmt = _formats.of_document(doc)  # picked once, from the metadata
+    direct = fmt.open(location, doc, targets, own_copy=request.own_copy)
     try:
-        return _read_targets_with(location, doc, targets, request, direct)
+        return _read_targets_with(location, doc, targets, request, fmt, direct)
     finally:
         if direct is not None:
             direct.close()
 
 
-def read_region(store, target: Target, direct: _chunk_files.ChunkReader | None, region=None):
-    """A read of ``region`` (global; None: all) of a stored array: straight from its
-    chunk files where they are plain (local, uncompressed) and the region is whole
-    chunks, else through tensorstore."""
-    record = target.record
-    if direct is not None and record.storage.codec is None:
-        dtype = _layout.dtype_from_name(record.dtype, path=record.path)
-        sub = array_dir(target.index)
-        read = direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
-        if read is not None:
-            return read
-    if direct is not None and direct.packed:  # compressed segments of version 2
-        return direct.read_compressed(target.index, record, region)
-    return ReadInto(store if region is None else store[region])
-
-
-def _read_targets_with(location, doc, targets, request: ReadRequest, direct):
+def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct):
     reader = Reader(request.memory_limit_bytes)
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[Target]] = collections.defaultdict(list)
@@ -118,11 +102,10 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, direct):
     def fail(paths):
         return lambda e: errors.append(corrupt(paths, location, e))
 
-    opening = {}  # every array's zarr.json read at once (version 1)
-    packed = doc.format_version == 2
+    opening = {}  # every array's zarr.json read at once (a format with them: version 1)
     for target in targets:
         record = target.record
-        if isinstance(record.storage, ArrayStorage) and not packed:
+        if isinstance(record.storage, ArrayStorage) and fmt.array_specs:
             spec = _arrays.leaf_spec(location, target.index, record)
             opening[target.index] = _arrays.open_for_read(spec)
     for target in targets:
@@ -132,23 +115,24 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, direct):
         if isinstance(record.storage, BatchStorage):
             by_batch[record.storage.batch].append(target)
             continue
-        store = None if packed else opened(opening.pop(target.index), location, [record.path])
+        future = opening.pop(target.index, None)
+        store = None if future is None else opened(future, location, [record.path])
         nbytes = record.nbytes
         sharding = sharding_of(target)
         rows = _shared_read_sharding(sharding, record.shape) if request.share_reads else None
         if rows is not None:  # each process reads 1/P; an all-gather replicates it
             shared.append((target, sharding))
-            _read_shards(reader, store, target, rows, fail([record.path]), direct)
+            _read_shards(reader, store, target, rows, fail([record.path]), fmt, direct)
         elif sharding is None or sharding.is_fully_replicated or nbytes == 0:
 
             def done(data, target=target):
                 finish(target, data, reader.placer)
 
-            reader.submit(read_region(store, target, direct), nbytes, done, fail([record.path]))
+            reader.submit(fmt.read_region(store, target, direct), nbytes, done, fail([record.path]))
         else:
-            _read_shards(reader, store, target, sharding, fail([record.path]), direct)
+            _read_shards(reader, store, target, sharding, fail([record.path]), fmt, direct)
     for name, members in by_batch.items():
-        read_batch(reader, location, doc.batches[name], members, fail, errors, direct)
+        read_batch(reader, location, doc.batches[name], members, fail, errors, fmt, direct)
     reader.drain(0)
     reader.placer.flush()
     if errors:
@@ -180,7 +164,7 @@ def _replicate(sharding: Any):
     return jax.jit(lambda x: x, out_shardings=sharding)
 
 
-def _read_shards(reader: Reader, store, target: Target, sharding, on_error, direct) -> None:
+def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt, direct) -> None:
     """Reads only the regions this process's devices need; assembles a global jax.Array."""
     shape = target.record.shape
     by_index: dict[tuple, list] = collections.defaultdict(list)
@@ -207,7 +191,7 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, dire
             target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
         nbytes = math.prod(hi - lo for lo, hi in box) * itemsize
-        reader.submit(read_region(store, target, direct, box_index), nbytes, done_box, on_error)
+        reader.submit(fmt.read_region(store, target, direct, box_index), nbytes, done_box, on_error)
         return
 
     for key, devices in by_index.items():
@@ -223,7 +207,7 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, dire
             if remaining[0] == 0:
                 target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
-        reader.submit(read_region(store, target, direct, index), nbytes, done, on_error)
+        reader.submit(fmt.read_region(store, target, direct, index), nbytes, done, on_error)
 
 
 def _bounds(key: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:

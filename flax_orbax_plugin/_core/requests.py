@@ -15,6 +15,7 @@ Threading: a request never changes; it may be read from any thread.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 from .._base.host import BufferPool
@@ -48,7 +49,8 @@ class SaveRequest:
     directory (every process writes all it holds and every JSON file);
     ``created_at``: the document's time (the same on every process for an own copy;
     None: when written); ``reuse``: an ``_incremental.Reuse`` (a manager with
-    ``incremental=True``) or None; ``buffers``: a manager's host buffers or None.
+    ``incremental=True``) or None; ``buffers``: a manager's host buffers or None;
+    ``cancelled``: set when the save is cancelled (Ctrl-C): its writes stop.
     """
 
     format_version: int = 1
@@ -60,6 +62,7 @@ class SaveRequest:
     created_at: float | None = None
     reuse: Any = None
     buffers: BufferPool | None = None
+    cancelled: threading.Event | None = None
 
     def __post_init__(self):
         if self.own_copy and self.created_at is None:

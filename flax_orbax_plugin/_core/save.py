@@ -142,7 +142,8 @@ def _start(
         with _interrupts.deferred_sigint():
             start = time.perf_counter()
             location = Location.from_path(path)
-            snap = snapshot(tree, request)
+            cancelled = threading.Event()  # the writes stop once it is set
+            snap = snapshot(tree, request.replace(cancelled=cancelled))
             # Refuses a foreign or (without ``force``) committed target. Object stores
             # write in place: remains of a dead save, or with ``force`` a checkpoint of
             # ours, are cleared first, in the background phase (the primary decides).
@@ -151,7 +152,6 @@ def _start(
             )
             clear_first = held and not location.supports_rename
             staging = _commit.Staging.begin(location, _distributed.unique_name(), claim=False)
-            cancelled = snap.cancelled = threading.Event()  # the writes stop once it is set
             job = _Background(
                 location=location,
                 snap=snap,

@@ -15,6 +15,7 @@ from typing import Any
 
 from .._base.option_spec import INT64_MAX, Option, check, refuse_without
 from .._format import layout as _layout
+from . import formats as _formats
 
 __all__ = ["MEMORY_LIMIT", "SAVE", "check_save"]
 
@@ -59,15 +60,11 @@ SAVE: tuple[Option, ...] = (
 def check_save(**options: Any) -> dict[str, Any]:
     """Every option of :data:`SAVE` given by name, checked; ``{name: checked value}``."""
     out = check(SAVE, options)
-    if out["format_version"] == 1:
-        refuse_without(
-            "data_file_bytes",
-            out["data_file_bytes"],
-            "format_version=2 (version 1 writes one file per chunk)",
-        )
-    else:
-        refuse_without("host_memory_budget", out["host_memory_budget"], BUDGET_NEEDS_V1)
+    # What the chosen format ignores is refused (the format says what, and why).
+    _formats.refuse_ignored(
+        out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
+    )
     return out
 
 
-BUDGET_NEEDS_V1 = "format_version=1 (version 2 copies every region to host before writing)"
+BUDGET_NEEDS_V1 = _formats.COPIES_FIRST

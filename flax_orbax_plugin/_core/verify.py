@@ -28,11 +28,11 @@ from .._format.layout import (
 )
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
+from . import formats as _formats
 from . import read_data as _read_data
 from . import read_options as _read_options
 from . import reads as _reads
 from . import save as _save
-from .direct import open_direct
 from .targets import make_target
 
 # Bytes of array data read but not yet checked, at most (plus one chunk or file).
@@ -152,24 +152,22 @@ def check_pytree(location: Location, *, budget: int = VERIFY_BUDGET_BYTES) -> No
     doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
     targets = [make_target(i, rec, None, cast="safe") for i, rec in enumerate(doc.leaves)]
-    direct = open_direct(location, doc, targets, own_copy=False)  # claims checked first
+    fmt = _formats.of_document(doc)  # picked once, from the metadata
+    direct = fmt.open(location, doc, targets, own_copy=False)  # claims checked first
     window = _Window(location, budget)
     try:
         for target in targets:
             record = target.record
             if not isinstance(record.storage, ArrayStorage):
                 continue
-            store = None
-            if not (direct is not None and direct.packed):  # version 1: its zarr.json
-                spec = _arrays.leaf_spec(location, target.index, record)
-                store = _reads.open_array(spec, location, [record.path])
+            store = fmt.array_store(location, target, [record.path])  # v1: its zarr.json
             itemsize = target.dtype.itemsize
             for region in _regions(record.shape, record.storage.chunk_shape, itemsize, budget):
                 nbytes = _region_bytes(region, record.shape, itemsize)
-                read = _read_data.read_region(store, target, direct, region)
+                read = fmt.read_region(store, target, direct, region)
                 window.submit(read, nbytes, [record.path])
         for batch in doc.batches.values():
-            _check_batch(location, doc, batch, direct, window, budget)
+            _check_batch(location, doc, batch, fmt, direct, window, budget)
         window.drain(0)
     finally:
         if direct is not None:
@@ -250,7 +248,7 @@ def _region_bytes(region, shape: tuple[int, ...], itemsize: int) -> int:
     return math.prod(s.stop - s.start for s in region) * itemsize
 
 
-def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> None:
+def _check_batch(location, doc, batch, fmt, direct, window: _Window, budget: int) -> None:
     """Reads a batch a few of its files at a time; damage names the leaves stored in
     the files that failed."""
     members = [
@@ -258,16 +256,11 @@ def _check_batch(location, doc, batch, direct, window: _Window, budget: int) -> 
         for rec in doc.leaves
         if isinstance(rec.storage, _layout.BatchStorage) and rec.storage.batch == batch.name
     ]
-    store = None
-    if not (direct is not None and direct.packed):  # version 1: its zarr.json
-        store = _reads.open_array(
-            _arrays.batch_spec(location, batch), location, [r.path for r in members]
-        )
-    else:
-        try:  # version 2: compressed, its shards fetched (uncompressed: None)
-            store = direct.compressed_batch(batch)
-        except ValueError as e:
-            raise _read_data.corrupt([r.path for r in members], location, e) from None
+    paths = [r.path for r in members]
+    try:  # version 1: its zarr.json; 2: compressed, its shards fetched (else None)
+        store = fmt.batch_store(location, batch, direct, paths)
+    except fmt.batch_damage as e:
+        raise _read_data.corrupt(paths, location, e) from None
     dtype = _layout.dtype_from_name(batch.dtype)
     itemsize = dtype.itemsize
     chunk = int(batch.chunk)

@@ -20,6 +20,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -32,9 +33,8 @@ from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument, Lea
 from .._storage import server_copy as _server_copy
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
-from . import packed as _packed
-from .copies import copy_leaf
-from .links import link_leaf
+from .copies import copy_leaf  # noqa: F401  (version 1's ways, named here for callers)
+from .links import link_leaf  # noqa: F401
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -62,14 +62,17 @@ _LOGGED: set[tuple[str, str]] = set()
 _LOGGED_LOCK = threading.Lock()
 
 
-def reuser(location: Location, *, packed: bool = False) -> Callable[..., int | None] | None:
-    """How this process reuses its chunks of unchanged leaves under ``location``:
-    :func:`link_leaf` on a local filesystem, :func:`copy_leaf` with the store's
-    server-side copier on S3 and GCS; None (it writes every leaf) where no copier is
-    available (logged once per store and reason). ``packed`` (format version 2): the
-    whole-data-file ways of :mod:`.packed` instead (``link_file``, ``copy_file``)."""
+def reuser(
+    location: Location, *, link: Callable[..., Any], copy: Callable[..., Any]
+) -> Callable[..., int | None] | None:
+    """How this process reuses its data of unchanged leaves under ``location``, in the
+    ways its format gives: ``link`` on a local filesystem (version 1's
+    :func:`link_leaf`, version 2's ``packed.link_file``), ``copy`` with the store's
+    server-side copier on S3 and GCS (:func:`copy_leaf`, ``packed.copy_file``); None
+    (it writes every leaf) where no copier is available (logged once per store and
+    reason)."""
     if location.is_local:
-        return _packed.link_file if packed else link_leaf
+        return link
     copier, why = _server_copy.copier_for(location)
     if copier is None:
         store = str(location.parent.parent)  # the manager directory, not the step
@@ -81,7 +84,7 @@ def reuser(location: Location, *, packed: bool = False) -> Callable[..., int | N
                 "incremental save: every leaf is written under %s (no reuse): %s", store, why
             )
         return None
-    return functools.partial(_packed.copy_file if packed else copy_leaf, copier)
+    return functools.partial(copy, copier)
 
 
 # -- 1. digests ---------------------------------------------------------------------------

@@ -50,8 +50,11 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from .._core import formats as _formats
 from .._core import restore as _restore
 from .._core import save as _save
 from .._core.commit import Written
@@ -124,8 +127,6 @@ class _Done:
 
 
 def _process_index() -> int:
-    import jax
-
     return jax.process_index()
 
 
@@ -145,10 +146,8 @@ class PytreeCheckpointable:
 
     def __init__(self, *, compression: str | None = None, format_version: int | None = None):
         self.compression = _layout.check_codec(compression)
-        if format_version is not None and (
-            format_version not in (1, 2) or isinstance(format_version, bool)
-        ):
-            raise ValueError(f"format_version: expected 1 or 2, found {format_version!r}")
+        if format_version is not None:
+            format_version = _formats.check_version(format_version)
         self.format_version = format_version
 
     def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
@@ -223,9 +222,6 @@ def cast_scalar_like(value: int, like: Any) -> Any:
     """Return ``value`` as the same kind of scalar as ``like`` (int, numpy, jax)."""
     if like is None or isinstance(like, int):
         return int(value)
-    import jax
-    import jax.numpy as jnp
-
     dtype = getattr(like, "dtype", None)
     if isinstance(like, np.ndarray | np.generic):
         return np.asarray(value, dtype=dtype)
@@ -294,8 +290,6 @@ class DataIteratorCheckpointable:
         return _Done(write)
 
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
-        import jax
-
         manifest = _steps.manifest_for_item(directory)
         if manifest is not None and manifest.process_count != jax.process_count():
             raise StructureError(
@@ -335,11 +329,7 @@ def checkpointable_for(
     docstring)."""
     if overrides and name in overrides:
         return with_requests(overrides[name])
-    found = BUILTIN_CHECKPOINTABLES.get(name, _DEFAULT)
-    default = getattr(overrides, "pytree", None)  # a manager's format_version=2
-    if default is not None and isinstance(found, PytreeCheckpointable):
-        return default
-    return found
+    return BUILTIN_CHECKPOINTABLES.get(name, _DEFAULT)
 
 
 def _takes_request(method: Any) -> bool:

@@ -136,7 +136,7 @@ class CheckpointManager:
             self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
             self._saver = Saver(
                 self._loc, opts.overrides, self._book, self._retainer, opts.incremental,
-                self._buffers, opts.host_memory_budget,
+                self._buffers, opts.host_memory_budget, opts.format_version,
             )  # fmt: skip
             self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
             self._closed = False

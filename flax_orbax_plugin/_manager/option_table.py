@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._base.option_spec import Option, check, found, refuse_without
-from .._core import save_options as _save_options
+from .._core import formats as _formats
 from .._errors import OptionError
 from .._format import layout as _layout
 from .._storage.kvstore import spec_from_path
@@ -221,8 +221,7 @@ def check_manager(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> di
         idle.refuse("best_mode", "keep_best= and best_metric=")
     if out["every_seconds"] is None:
         idle.refuse("clock", "every_seconds= (the time it measures)")
-    if out["format_version"] == 2:
-        idle.refuse("host_memory_budget", _save_options.BUDGET_NEEDS_V1)
+    _formats.refuse_ignored(out["format_version"], out, idle.refuse)  # what it ignores
     if out["incremental"]:
         idle.refuse(
             "host_memory_budget",

@@ -152,22 +152,13 @@ def check_item_name(name: Any) -> str:
     return name
 
 
-class Overrides(dict):
-    """The checkpointable per item name; ``pytree``: the one of every other pytree item
-    (a manager's ``format_version=2``), or None for the built-in."""
-
-    pytree: Checkpointable | None = None
-
-
 def _overrides(
     checkpointables: Mapping[str, Checkpointable] | None,
     compression: Mapping[str, str] | None,
-    format_version: int = 1,
 ) -> dict[str, Checkpointable]:
-    """The checkpointable per item name: ``checkpointables``, then ``compression``'s."""
-    overrides = Overrides(checkpointables or {})
-    if format_version != 1:
-        overrides.pytree = PytreeCheckpointable(format_version=format_version)
+    """The checkpointable per item name: ``checkpointables``, then ``compression``'s
+    (the format version is the save request's: ``Saver``)."""
+    overrides = dict(checkpointables or {})
     for name, codec in (compression or {}).items():
         if name in overrides:
             raise OptionError(
@@ -175,8 +166,7 @@ def _overrides(
                 "(checkpointables=), which decides how it is stored"
             )
         overrides[check_item_name(name)] = PytreeCheckpointable(
-            compression=_layout.check_codec(codec, where=f"compression[{name!r}]"),
-            format_version=format_version,
+            compression=_layout.check_codec(codec, where=f"compression[{name!r}]")
         )
     return overrides
 
@@ -228,9 +218,7 @@ class ManagerOptions:
             best_metric=options["best_metric"],
             best_mode=options["best_mode"],
         )
-        overrides = _overrides(
-            options["checkpointables"], options["compression"], options["format_version"]
-        )
+        overrides = _overrides(options["checkpointables"], options["compression"])
         plain = {k: options[k] for k in _PLAIN}
         return cls(location, retention, steps=steps, overrides=overrides, **plain)
 

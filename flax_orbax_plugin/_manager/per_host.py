@@ -33,6 +33,7 @@ import jax
 
 from .._base import distributed as _distributed
 from .._base import tree as _tree
+from .._core import formats as _formats
 from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._storage import json_docs as _docs
@@ -224,7 +225,7 @@ def detect(loc: Location, persistent: Any, incremental: bool, format_version: in
             f"{loc}: incremental=True is not supported with a directory per host (each "
             f"process sees its own {loc.path}); use a shared directory or incremental=False"
         )
-    if own and format_version != 1:
+    if own and not _formats.for_version(format_version).per_host_directories:
         raise CheckpointError(
             f"{loc}: format_version={format_version} is not supported yet with a directory "
             f"per host (each process sees its own {loc.path}); use format_version=1 or a "

@@ -45,7 +45,7 @@ __all__ = ["Preemption"]
 
 
 def _sync_manager_available() -> bool:
-    from jax._src.distributed import global_state
+    from jax._src.distributed import global_state  # private: read when called, not at import
 
     return global_state.client is not None and global_state.preemption_sync_manager is not None
 
@@ -96,7 +96,7 @@ class Preemption:
             return self.notified
         if step == self._asked:
             return self._answer
-        from jax.experimental import multihost_utils
+        from jax.experimental import multihost_utils  # here: only a process that is asked
 
         self._asked = step
         self._answer = bool(multihost_utils.reached_preemption_sync_point(step))

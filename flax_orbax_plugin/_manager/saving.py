@@ -78,8 +78,10 @@ class Saver:
         incremental: bool,
         buffers: _host.BufferPool | None,
         budget: int | None = None,
+        format_version: int = 1,
     ):
         self._loc = location
+        self._format_version = format_version  # the step's pytree items' (their request)
         self._budget = budget  # host_memory_budget: bytes a save may hold on host
         self._overrides = overrides
         self._incremental = incremental
@@ -176,7 +178,10 @@ class Saver:
         prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
         marker = None
         # The step's modes, once: each item gets them (and its reuse) as its request.
+        cancelled = threading.Event()  # the items' writes stop once it is set
         request = SaveRequest(
+            cancelled=cancelled,
+            format_version=self._format_version,
             host_memory_budget=self._budget,
             buffers=self._buffers,
             own_copy=own,
@@ -195,10 +200,6 @@ class Saver:
         metric = self._retention.metric_of(extras)
         blocking = time.perf_counter() - started
         op = _distributed.next_operation_id("manager-commit")
-        cancelled = threading.Event()
-        for pending in pendings.values():  # a pytree item's writes stop once it is set
-            if getattr(pending, "snap", None) is not None:
-                pending.snap.cancelled = cancelled
         commit = StepCommit(
             self._loc,
             step,

@@ -20,7 +20,7 @@ _ELEMENT_KINDS = (
 
 def _nnx():
     try:
-        from flax import nnx
+        from flax import nnx  # optional: flax only for NNX states
     except ImportError:  # pragma: no cover - flax is a dependency
         return None
     return nnx

@@ -98,7 +98,7 @@ def _s3_copier(spec_json: str, env: tuple) -> tuple[Copier | None, str]:
     del env  # part of the cache key only: credentials may change between tests
     spec = json.loads(spec_json)
     try:
-        import botocore.config
+        import botocore.config  # optional: botocore only for S3 server-side copies
         import botocore.session
         from botocore import UNSIGNED
     except ImportError:
@@ -134,7 +134,7 @@ class _S3Copier(Copier):
         self._bucket = bucket
 
     def _call(self, op: str, **kwargs) -> dict:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError  # optional, as above
 
         try:
             return getattr(self._client, op)(Bucket=self._bucket, **kwargs)
@@ -199,7 +199,7 @@ def _gcs_copier(spec_json: str, env: tuple) -> tuple[Copier | None, str]:
     if emulator:
         return _GCSCopier(emulator.rstrip("/"), bucket, lambda: test_token), ""
     try:
-        import google.auth
+        import google.auth  # optional: google-auth only for GCS server-side copies
         import google.auth.transport.requests
     except ImportError:
         return None, "google-auth (with requests) is not installed"

@@ -64,7 +64,7 @@ def human_bytes(n: float) -> str:
 
 
 def make_table(rows: list[Any]) -> str:
-    from clu import parameter_overview
+    from clu import parameter_overview  # optional: clu only for this table
 
     return parameter_overview.make_table(rows)
 

@@ -60,8 +60,60 @@ def test_a_hidden_mode_fails_the_check(tmp_path, text):
     assert "hidden mode" in done.stderr and "_core.mode" in done.stderr
 
 
+def test_the_package_tests_no_format_version_outside_the_seam():
+    *_, tests = state_scan.scan(ROOT / "flax_orbax_plugin")
+    assert state_scan.outside_seam(tests) == []
+    assert any(t[0] == "flax_orbax_plugin._core.formats" for t in tests)  # it looks
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "def f(doc):\n    return 1 if doc.format_version == 2 else 0\n",
+        "def f(opts):\n    return opts['format_version'] != 1\n",
+        "def f(direct):\n    if direct.packed:\n        return 1\n",
+    ],
+    ids=["attribute", "option-key", "packed-branch"],
+)
+def test_a_version_test_outside_the_seam_fails_the_check(tmp_path, text):
+    root = _package(
+        tmp_path,
+        {
+            "_core/__init__.py": "",
+            "_core/plan.py": text,
+            "_core/formats.py": "def f(doc):\n    return doc.format_version == 2\n",
+        },
+    )
+    *_, tests = state_scan.scan(root)
+    assert [t[0] for t in state_scan.outside_seam(tests)] == ["flax_orbax_plugin._core.plan"]
+    done = _check(root)
+    assert done.returncode == 1 and "_core.plan" in done.stderr
+    assert "_core.formats" not in done.stderr
+
+
 def test_a_constant_table_is_no_state(tmp_path):
     text = "TABLE = {}\nfor k in 'ab':\n    TABLE[k] = 1\nNAMES = ['x']\n"
     root = _package(tmp_path, {"_core/__init__.py": "", "_core/table.py": text})
     assert state_scan.scan(root)[:2] == ([], [])
     assert _check(root).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ("def f():\n    import json\n    return json\n", False),
+        ("def f():\n    import json  # here: only when asked\n    return json\n", True),
+        (
+            "def f():\n    # optional: json only here\n    try:\n        import json\n"
+            "        import csv\n    except ImportError:\n        return None\n",
+            True,
+        ),
+    ],
+    ids=["bare", "commented", "comment-above-try"],
+)
+def test_an_import_inside_a_function_needs_a_comment(tmp_path, text, ok):
+    root = _package(tmp_path, {"_core/__init__.py": "", "_core/late.py": text})
+    done = _check(root)
+    assert (done.returncode == 0) is ok, done.stderr
+    if not ok:
+        assert "import inside a function at flax_orbax_plugin._core.late:2" in done.stderr

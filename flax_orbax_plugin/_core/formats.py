@@ -1,0 +1,299 @@
+"""The format seam: how a pytree's data is laid out in files, one object per version.
+
+A save is plan -> snapshot -> **format write** -> commit; a restore is targets ->
+**format read** -> placement. :class:`Format` is the protocol; :data:`CHUNK_FILES`
+(version 1: one file per chunk, a ``zarr.json`` per array, ``_zarr.chunk_files``) and
+:data:`DATA_FILES` (version 2: each process's chunks packed into a few data files
+and one JSON index, ``_zarr.packed_*``) are its two implementations, each owning both
+directions: the write (snapshot to files and index, reuse of unchanged data), the
+read (opening the reader with the claims checked, range reads of arrays and batches)
+and what verify reads. The core picks the format once: :func:`for_version` from the
+save's request, :func:`of_document` from the metadata on read. Nothing outside this
+module (and the formats' own internals in ``_zarr``, the records that parse the
+version in ``_format.layout``) tests a format version; ``tools/import_graph.py
+--check`` enforces it.
+
+Threading: formats hold no state; the write runs on the save's background thread,
+the read on the restoring thread.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Protocol
+
+from .._base import distributed as _distributed
+from .._errors import CorruptCheckpointError
+from .._format import layout as _layout
+from .._format.layout import BatchRecord, CheckpointDocument, array_dir, batch_dir
+from .._incremental import packed as _packed_reuse
+from .._incremental import reuse as _incremental
+from .._incremental.copies import copy_leaf
+from .._incremental.links import link_leaf
+from .._storage.location import Location
+from .._zarr import arrays as _arrays
+from .._zarr import chunk_files as _chunk_files
+from .._zarr import packed_reader as _packed_reader
+from . import reads as _reads
+from .claims import check_claims, check_packed_claims
+from .write_data import write_data
+from .write_packed import write_packed
+
+__all__ = ["CHUNK_FILES", "DATA_FILES", "Format", "for_version", "of_document"]
+
+ONE_FILE_PER_CHUNK = "format_version=2 (version 1 writes one file per chunk)"
+COPIES_FIRST = "format_version=1 (version 2 copies every region to host before writing)"
+
+
+class Format(Protocol):
+    """One on-disk layout of a pytree's data (see the module docstring).
+
+    Call order on save (the background thread, every process): :meth:`reuser` and
+    :meth:`wrote` while planning reuse, then :meth:`write` once. On read (the caller's
+    thread): :meth:`open` once, then :meth:`array_store`, :meth:`read_region`,
+    :meth:`batch_store` and :meth:`reads_batch_runs` per array and batch, then the
+    reader's ``close()``.
+    """
+
+    version: int
+    # Every region is on host before the write starts (the writer packs host bytes).
+    copies_before_writing: bool
+    # A directory per host (each host its own copy of a manager step) is written.
+    per_host_directories: bool
+    # Options this format ignores, each with what would make it count: refused.
+    ignored_options: tuple[tuple[str, str], ...]
+    # What a batch store's opening raises on damage (a tuple for ``except``).
+    batch_damage: tuple[type[BaseException], ...]
+    # Every array has its own ``zarr.json``, opened through tensorstore before reading.
+    array_specs: bool
+
+    def write(self, snap: Any, location: Location, *, primary: bool, found: Any) -> tuple:
+        """Writes this process's data of ``snap`` (a Snapshot) under ``location``;
+        ``found``: the reuse plan (``Plan._unchanged``) or None. Returns (bytes
+        written, {file: sha256} to record in the commit marker, bytes reused)."""
+
+    def reuser(self, location: Location) -> Any:
+        """How this process reuses unchanged data under ``location`` (None: it cannot)."""
+
+    def wrote(self, doc: CheckpointDocument) -> bool:
+        """Whether ``doc`` (a previous step's) was written in this format."""
+
+    def open(self, location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool):
+        """The reader of a checkpoint, the metadata's claims checked first (None:
+        tensorstore reads everything)."""
+
+    def array_store(self, location: Location, target: Any, paths: list[str]) -> Any:
+        """What tensorstore reads an array through (None: the reader alone)."""
+
+    def read_region(self, store: Any, target: Any, direct: Any, region: Any = None) -> Any:
+        """A read of ``region`` (None: all) of a stored array."""
+
+    def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
+        """What a batch is read through (raises one of :attr:`batch_damage` on damage)."""
+
+    def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
+        """Whether a batch's leaves are read in runs straight from its chunk files."""
+
+
+def _plain_read(store: Any, target: Any, direct: Any, region: Any):
+    """Whole chunks of an uncompressed array straight from the reader, where it reads
+    them; None otherwise."""
+    record = target.record
+    if direct is None or record.storage.codec is not None:
+        return None
+    dtype = _layout.dtype_from_name(record.dtype, path=record.path)
+    sub = array_dir(target.index)
+    return direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
+
+
+class ChunkFiles:
+    """Version 1: one file per chunk and a ``zarr.json`` per array and batch."""
+
+    version = 1
+    copies_before_writing = False
+    per_host_directories = True
+    ignored_options = (("data_file_bytes", ONE_FILE_PER_CHUNK),)
+    batch_damage: tuple[type[BaseException], ...] = ()
+    array_specs = True
+
+    def write(self, snap: Any, location: Location, *, primary: bool, found: Any) -> tuple:
+        links = {} if found is None else _links(location, *found)
+        written, reused = write_data(
+            location,
+            snap.leaves,
+            snap.batches,
+            snap.batch_data,
+            primary=primary,
+            limit=snap.request.limit,
+            links=links,
+            cancelled=snap.cancelled,
+        )
+        return written, {}, reused
+
+    def reuser(self, location: Location) -> Any:
+        return _incremental.reuser(location, link=link_leaf, copy=copy_leaf)
+
+    def wrote(self, doc: CheckpointDocument) -> bool:
+        return doc.format_version == 1
+
+    def open(self, location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool):
+        check_claims(location, doc, targets, own_copy=own_copy)
+        return _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
+
+    def array_store(self, location: Location, target: Any, paths: list[str]) -> Any:
+        spec = _arrays.leaf_spec(location, target.index, target.record)
+        return _reads.open_array(spec, location, paths)
+
+    def read_region(self, store: Any, target: Any, direct: Any, region: Any = None) -> Any:
+        read = _plain_read(store, target, direct, region)
+        if read is not None:
+            return read
+        return _reads.ReadInto(store if region is None else store[region])
+
+    def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
+        return _reads.open_array(_arrays.batch_spec(location, batch), location, paths)
+
+    def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
+        return direct is not None and batch.codec is None
+
+
+class DataFiles:
+    """Version 2: each process's chunks in a few data files and one JSON index."""
+
+    version = 2
+    copies_before_writing = True
+    per_host_directories = False
+    ignored_options = (("host_memory_budget", COPIES_FIRST),)
+    batch_damage: tuple[type[BaseException], ...] = (ValueError,)
+    array_specs = False
+
+    def write(self, snap: Any, location: Location, *, primary: bool, found: Any) -> tuple:
+        return write_packed(
+            location,
+            snap.leaves,
+            snap.batches,
+            snap.batch_data,
+            process=_distributed.process_index(),
+            limit=snap.request.limit,
+            data_file_bytes=snap.request.data_file_bytes,
+            cancelled=snap.cancelled,
+            reuse=None if found is None else _files_reuse(location, *found),
+        )
+
+    def reuser(self, location: Location) -> Any:
+        return _incremental.reuser(
+            location, link=_packed_reuse.link_file, copy=_packed_reuse.copy_file
+        )
+
+    def wrote(self, doc: CheckpointDocument) -> bool:
+        return doc.format_version == 2
+
+    def open(self, location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool):
+        try:
+            packed = _packed_reader.open_packed(location, doc.process_count)
+        except ValueError as e:
+            env = _arrays.environmental(e)
+            if env is e:
+                raise
+            if env is not None:
+                raise env from e
+            raise CorruptCheckpointError(f"{location}: {e}") from None
+        try:
+            check_packed_claims(location, doc, targets, packed)
+        except BaseException:
+            packed.close()
+            raise
+        return packed
+
+    def array_store(self, location: Location, target: Any, paths: list[str]) -> Any:
+        return None  # every array is read through the data files' reader
+
+    def read_region(self, store: Any, target: Any, direct: Any, region: Any = None) -> Any:
+        read = _plain_read(store, target, direct, region)
+        if read is not None:
+            return read
+        return direct.read_compressed(target.index, target.record, region)
+
+    def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
+        return direct.compressed_batch(batch)  # compressed: its shards fetched; else None
+
+    def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
+        return False
+
+
+CHUNK_FILES = ChunkFiles()
+DATA_FILES = DataFiles()
+_BY_VERSION: dict[int, Format] = {1: CHUNK_FILES, 2: DATA_FILES}
+
+
+def check_version(value: Any, *, where: str = "format_version") -> int:
+    """``value`` if it names a format this library writes; ValueError otherwise."""
+    if isinstance(value, bool) or value not in _BY_VERSION:
+        raise ValueError(f"{where}: expected one of {sorted(_BY_VERSION)}, found {value!r}")
+    return int(value)
+
+
+def for_version(version: int) -> Format:
+    """The format a save writes (its request's ``format_version``, already checked)."""
+    return _BY_VERSION[version]
+
+
+def of_document(doc: CheckpointDocument) -> Format:
+    """The format a checkpoint was written in (its checked metadata's version)."""
+    return _BY_VERSION[doc.format_version]
+
+
+def refuse_ignored(version: int, given: dict[str, Any], refuse) -> None:
+    """``refuse(name, needs)`` for every option given that ``version`` ignores (the
+    option checkers of ``fop.save`` and the manager)."""
+    for name, needs in for_version(version).ignored_options:
+        if name in given:
+            refuse(name, needs)
+
+
+def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int, size: int):
+    """A read of elements ``[off, off + size)`` of a version-2 batch: the batch files
+    holding them, then the slice."""
+    chunk = int(batch.chunk)
+    files = range(off // chunk, -(-(off + size) // chunk)) if size else range(0)
+    dtype = _layout.dtype_from_name(batch.dtype)
+    sub, inner = batch_dir(batch.name), _arrays.batch_inner(batch)
+    read = direct.read_batch(sub, batch.size, chunk, inner, dtype, files)
+    first = files.start * chunk if files else 0
+    read.out = read.out[off - first : off - first + size]
+    return read
+
+
+def _links(location: Location, way, source: Location, unchanged: list) -> dict[int, Any]:
+    """``{leaf index: link()}`` (version 1): ``link()`` links or copies this process's
+    chunks of the leaf and returns the bytes reused, or None when it must write its
+    regions after all."""
+    return {
+        leaf.index: functools.partial(
+            way,
+            source,
+            j,
+            location,
+            leaf.index,
+            leaf.record,
+            chunks=chunks,
+            nbytes=sum(data.nbytes for _, data in leaf.writes),
+            writes=leaf.writes,  # the snapshot, which each reused chunk must equal
+        )
+        for leaf, j, chunks in unchanged
+    }
+
+
+def _files_reuse(location: Location, way, source: Location, unchanged: list):
+    """Version 2: ``reuse()`` takes this process's previous data files that hold
+    mostly unchanged leaves (``_incremental.packed.reuse_files``)."""
+    if not unchanged:
+        return None
+    leaves = {
+        leaf.index: _packed_reuse.Unchanged(
+            j, leaf.record, chunks, leaf.writes, sum(d.nbytes for _, d in leaf.writes)
+        )
+        for leaf, j, chunks in unchanged
+    }
+    process = _distributed.process_index()
+    return functools.partial(_packed_reuse.reuse_files, way, source, location, process, leaves)
