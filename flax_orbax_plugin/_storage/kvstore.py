@@ -10,6 +10,8 @@ created once per kind of store, lazily, under a lock: safe from any thread.
 
 from __future__ import annotations
 
+import configparser
+import functools
 import os
 import re
 import threading
@@ -245,7 +247,9 @@ def _s3_settings_from_env() -> dict[str, Any]:
     the default chain would pick them first too (the same credentials), but builds its
     profile provider on the way, which logs about 5 ERROR lines per open when
     ``~/.aws/config`` or ``~/.aws/credentials`` is missing (aws-c-auth, through
-    tensorstore's absl logging, on stderr)."""
+    tensorstore's absl logging, on stderr). Else a profile with both keys in the shared
+    credentials file (``AWS_PROFILE``, default ``default``) is named with its files
+    (:func:`_profile_with_keys`). Anything else is left to the default chain."""
     settings: dict[str, Any] = {}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
@@ -255,7 +259,51 @@ def _s3_settings_from_env() -> dict[str, Any]:
         settings["aws_region"] = region
     if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         settings["aws_credentials"] = {"type": "environment"}
+        return settings
+    credentials = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser(
+        "~/.aws/credentials"
+    )
+    config = os.environ.get("AWS_CONFIG_FILE") or os.path.expanduser("~/.aws/config")
+    profile = os.environ.get("AWS_PROFILE") or "default"
+    try:
+        info = os.stat(credentials)
+    except OSError:
+        return settings
+    stamp = (info.st_mtime_ns, info.st_size)
+    named = _profile_with_keys(credentials, stamp, profile, config, os.path.isfile(config))
+    if named is not None:
+        settings["aws_credentials"] = named
     return settings
+
+
+@functools.lru_cache(maxsize=8)
+def _profile_with_keys(
+    credentials: str, stamp: tuple[int, int], profile: str, config: str, config_exists: bool
+) -> dict[str, str] | None:
+    """The profile provider, named in full, when the credentials file holds both keys of
+    ``profile``: the keys the default chain should read next, but tensorstore 0.1.86's
+    chain finds no profile ("could not load a profile at .") and goes on anonymous
+    (access denied); named with its files it reads them, and logs nothing. A missing
+    config file is given as the empty ``os.devnull``. None for any other file (a role,
+    SSO, a process: left to the default chain). ``stamp``: the file's mtime and size, a
+    cache key (the file is read again when it changes)."""
+    del stamp
+    parser = configparser.RawConfigParser()
+    try:
+        parser.read(credentials, encoding="utf-8")
+        keys = parser.has_option(profile, "aws_access_key_id") and parser.has_option(
+            profile, "aws_secret_access_key"
+        )
+    except (configparser.Error, OSError, UnicodeError):
+        return None
+    if not keys:
+        return None
+    return {
+        "type": "profile",
+        "profile": profile,
+        "credentials_file": credentials,
+        "config_file": config if config_exists else os.devnull,
+    }
 
 
 # What an object store's refusal means, by tensorstore's status text: (pattern, what

@@ -1,5 +1,5 @@
 """Progress bars: drawn by rich on a real pseudo-terminal (bytes done of the total,
-rate, time left) for verify, export and import; nothing on a pipe."""
+rate, time left) for verify, export and import, a spinner for gc; nothing on a pipe."""
 
 import fcntl
 import os
@@ -29,6 +29,7 @@ codes = [
     cli.main(["verify", ckpt]),
     cli.main(["export", ckpt, work + "/p.safetensors"]),
     cli.main(["import", msgpack_file, work + "/imported"]),
+    cli.main(["gc", work + "/imported", "--keep", "1"]),
 ]
 print("codes", codes, flush=True)
 """
@@ -93,7 +94,7 @@ def _plain(raw: bytes) -> str:
 
 def test_bars_on_a_terminal_show_bytes_rate_and_time_left(sources, tmp_path):
     stdout, raw = _run(sources, tmp_path, terminal=True)
-    assert "codes [0, 0, 0]" in stdout
+    assert "codes [0, 0, 0, 0]" in stdout
     text = _plain(raw)
     for label, total in (
         ("verify step 3/params", "4.0/4.0 MiB"),
@@ -107,9 +108,10 @@ def test_bars_on_a_terminal_show_bytes_rate_and_time_left(sources, tmp_path):
         assert re.search(r"(\d+(\.\d+)? [KMG]?i?B/s|\?)", done[-1]), done[-1]  # the rate
         assert re.search(r"\d+:\d\d:\d\d|-:--:--", done[-1]), done[-1]  # time left
     assert "\x1b[" in raw.decode(errors="replace")  # drawn with terminal controls
+    assert f"gc {tmp_path / 'imported'}" in text  # gc: a spinner (no byte counts)
 
 
 def test_a_pipe_gets_no_bar(sources, tmp_path):
     stdout, err = _run(sources, tmp_path, terminal=False)
-    assert "codes [0, 0, 0]" in stdout
+    assert "codes [0, 0, 0, 0]" in stdout
     assert b"\r" not in err and b"\x1b" not in err and b"MiB" not in err, err[-2000:]

@@ -1,13 +1,16 @@
 """An ``s3://`` URL with both keys in the environment names them as its credentials
 (the ones the default chain would pick first): a training job's save and restore
 print nothing on stderr, though no AWS config file exists (the default chain logs
-about 5 lines per store opened then). Without the keys the spec is left to the chain."""
+about 5 lines per store opened then). Keys in ``~/.aws/credentials`` (no config file)
+are named as that profile: tensorstore's default chain went anonymous there (access
+denied). Anything else is left to the chain."""
 
 import os
 import subprocess
 import sys
 
 import _paths
+import pytest
 
 from flax_orbax_plugin._storage.kvstore import spec_from_path
 
@@ -25,12 +28,18 @@ print("done", flush=True)
 """
 
 
-def test_environment_keys_are_named_and_nothing_is_logged(s3_location, tmp_path):
+@pytest.mark.parametrize("where", ["environment", "credentials-file"])
+def test_keys_are_named_and_nothing_is_logged(where, s3_location, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    if where == "environment":
+        env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")  # no ~/.aws
+    else:
+        (tmp_path / ".aws").mkdir()
+        (tmp_path / ".aws" / "credentials").write_text(
+            "[default]\naws_access_key_id = testing\naws_secret_access_key = testing\n"
+        )
     env.update(
-        HOME=str(tmp_path),  # no ~/.aws at all
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
+        HOME=str(tmp_path),
         AWS_ENDPOINT_URL=s3_location.endpoint,
         AWS_REGION="us-east-1",
         PYTHONPATH=_paths.REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -46,11 +55,25 @@ def test_environment_keys_are_named_and_nothing_is_logged(s3_location, tmp_path)
     assert p.stderr == "", p.stderr
 
 
-def test_the_spec_names_environment_credentials_only_when_both_keys_are_set(monkeypatch):
+def test_the_spec_names_credentials_only_where_it_finds_both_keys(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     assert spec_from_path("s3://bucket-a/x")["aws_credentials"] == {"type": "environment"}
     given = {"driver": "s3", "bucket": "bucket-a", "aws_credentials": {"type": "anonymous"}}
     assert spec_from_path(given)["aws_credentials"] == {"type": "anonymous"}  # as given
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
     assert "aws_credentials" not in spec_from_path("s3://bucket-a/x")  # the default chain
+    (tmp_path / "credentials").write_text("[default]\nrole_arn = arn:aws:iam::1:role/r\n")
+    assert "aws_credentials" not in spec_from_path("s3://bucket-a/x")  # a role: the chain
+    (tmp_path / "credentials").write_text(
+        "[ci]\naws_access_key_id = a\naws_secret_access_key = b\n"
+    )
+    monkeypatch.setenv("AWS_PROFILE", "ci")
+    assert spec_from_path("s3://bucket-a/x")["aws_credentials"] == {
+        "type": "profile",
+        "profile": "ci",
+        "credentials_file": str(tmp_path / "credentials"),
+        "config_file": os.devnull,
+    }
