@@ -52,7 +52,11 @@ def aws_lines_filtered(*, enabled: bool = True):
         yield
         return
     sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 (a daemon's closed stderr): nothing to filter
+        yield
+        return
     read_end, write_end = os.pipe()
     os.dup2(write_end, 2)
     os.close(write_end)

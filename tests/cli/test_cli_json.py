@@ -167,3 +167,17 @@ def test_gc_dry_run_removes_nothing_and_names_what_gc_removes(run_dir, capsys, t
         "4",
         "6.partial-def456",
     ]
+
+
+def test_list_json_of_what_is_no_directory_of_steps_says_what_to_use(run_dir, capsys, tmp_path):
+    core = tmp_path / "core"
+    fop.save(core, {"w": np.zeros(2, np.float32)})
+    for path in (run_dir / "4" / "params", core):
+        assert cli.main(["list", str(path), "--json"]) == cli.EXIT_ERROR
+        out, err = capsys.readouterr()
+        assert out == "" and "not a directory of steps" in err and "inspect" in err
+    assert cli.main(["list", str(tmp_path / "missing"), "--json"]) == cli.EXIT_ERROR
+    assert capsys.readouterr().out == ""
+    (tmp_path / "empty").mkdir()
+    rc, doc, _ = run_json(capsys, "list", tmp_path / "empty")
+    assert rc == 0 and doc["steps"] == [] and doc["unfinished"] == []
