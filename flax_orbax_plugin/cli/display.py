@@ -1,7 +1,7 @@
 """What the commands show: progress bars and tables, drawn by ``rich``.
 
 ``rich`` (a dependency of Flax, so nothing new to install) draws the bars (bytes done,
-transfer rate and time left) on stderr only when stderr is a terminal; on a pipe or a
+transfer rate, time taken and time left) on stderr only when stderr is a terminal; on a pipe or a
 file nothing is drawn, so scripts get plain lines. Tables are Markdown-style
 (``| a | b |``), one row per line, as wide as their cells on a pipe.
 
@@ -23,6 +23,7 @@ from rich.progress import (
     Progress,
     TaskProgressColumn,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
@@ -51,6 +52,7 @@ class ByteProgress:
             TaskProgressColumn(),
             DownloadColumn(binary_units=True),
             TransferSpeedColumn(),
+            TimeElapsedColumn(),
             TimeRemainingColumn(),
             TextColumn("{task.fields[note]}"),
             console=console,

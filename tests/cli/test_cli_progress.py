@@ -106,7 +106,8 @@ def test_bars_on_a_terminal_show_bytes_rate_and_time_left(sources, tmp_path):
         done = [ln for ln in lines if total in ln]  # bytes done / total
         assert done, (label, lines)
         assert re.search(r"(\d+(\.\d+)? [KMG]?i?B/s|\?)", done[-1]), done[-1]  # the rate
-        assert re.search(r"\d+:\d\d:\d\d|-:--:--", done[-1]), done[-1]  # time left
+        times = re.findall(r"\d+:\d\d:\d\d|-:--:--", done[-1])
+        assert len(times) == 2, done[-1]  # time taken, time left
     assert "\x1b[" in raw.decode(errors="replace")  # drawn with terminal controls
     assert f"gc {tmp_path / 'imported'}" in text  # gc: a spinner (no byte counts)
 
