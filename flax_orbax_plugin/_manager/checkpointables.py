@@ -45,7 +45,10 @@ Nothing here ever unpickles: every non-array file is JSON.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -332,6 +335,23 @@ def checkpointable_for(
     return BUILTIN_CHECKPOINTABLES.get(name, _DEFAULT)
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` (of a warning raised by the caller of this function) that
+    names the first frame outside the package and the wrappers of its decorators
+    (contextlib's): the user's call."""
+    frame, level = sys._getframe(2), 2  # the frame of stacklevel=2 of the warning
+    while frame is not None and _inside(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _inside(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE) or filename == contextlib.__file__
+
+
 def _takes_request(method: Any) -> bool:
     """Whether ``method`` can be called as ``method(directory, value, request)``."""
     try:
@@ -367,6 +387,6 @@ def with_requests(checkpointable: Any) -> Checkpointable:
         f"restore(directory, like) without the request are deprecated; take a third "
         f"argument, request (fop.SaveRequest / fop.ReadRequest)",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=_user_stacklevel(),
     )
     return _TwoArgument(checkpointable)

@@ -92,8 +92,9 @@ def test_a_two_argument_checkpointable_still_works_and_is_deprecated(tmp_path):
             return directory.read_bytes("notes.txt").decode()
 
     with fop.CheckpointManager(tmp_path, async_save=False, checkpointables={"notes": Old()}) as m:
-        with pytest.warns(DeprecationWarning, match="checkpointable Old: save"):
+        with pytest.warns(DeprecationWarning, match="checkpointable Old: save") as caught:
             m.save(1, {"notes": "hello", **_state(1.0)})
+        assert caught[0].filename == __file__  # names the user's call
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             assert m.restore(step=1, items="notes") == "hello"
