@@ -3,8 +3,10 @@
 :meth:`Plan.build` classifies every leaf and decides its storage (its own array, or
 a slot in the batch of its writer process and dtype), identically on every process;
 :meth:`Plan.snapshot` takes this process's host copy (``host_snapshot``) and
-:meth:`Plan.write` is the background phase (``write_data``). Call order: build and
-snapshot on the caller's thread, then write on one background thread.
+:meth:`Plan.write` is the background phase, through the format the request names
+(``formats``: picked once, at build). Call order: build and snapshot on the caller's
+thread, then write on one background thread. Every mode is the frozen request's; no
+field is set from outside after build.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Reading the stored data of a restore's targets: arrays, shards, batches.
 
-:func:`read_targets` checks the metadata's claims (``claims``), then issues every
-read in order: whole chunks of plain local arrays straight from their files
-(``_zarr.chunk_files``), anything else through tensorstore, keeping at most the
-host-memory budget of reads in flight. Damage is reported per leaf
-(CorruptCheckpointError), a checkpoint deleted while read as StepDeletedError, and
-environmental failures (EMFILE, EIO, timeouts) as what they are.
+:func:`read_targets` opens the checkpoint's format (``formats``, from its metadata:
+the claims checked first), then issues every read in order through it: whole chunks
+of plain local arrays straight from their files, anything else through tensorstore
+or the data files' reader, keeping at most the request's bytes of reads in flight.
+Damage is reported per leaf (CorruptCheckpointError), a checkpoint deleted while read
+as StepDeletedError, and environmental failures (EMFILE, EIO, timeouts) as what they
+are.
 Threading: reads are issued from the calling thread to tensorstore's own pool and
 the chunk reader's threads; callbacks run on the calling thread.
 """

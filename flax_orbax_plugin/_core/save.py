@@ -4,7 +4,8 @@ Call order, on every process (SPMD: all processes save the same tree structure i
 same order): :func:`snapshot` (the caller's thread) plans the layout (``plan``) and
 copies this process's bytes to host (``host_snapshot``); from then on the caller may
 donate or overwrite the saved arrays. :meth:`Snapshot.write` (a background thread)
-writes the metadata and chunks (``write_data``) and makes them durable; the caller
+writes the metadata and the data, in the request's format (``formats``), and makes
+them durable; the caller
 commits through ``commit``, once for a whole manager step, or once per
 :func:`save_async`. Only one :func:`save_async` runs at a time in a process; a second
 one waits for it.
