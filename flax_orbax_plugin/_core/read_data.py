@@ -104,7 +104,7 @@ def read_region(store, target: Target, direct: _chunk_files.ChunkReader | None, 
             return read
     if direct is not None and direct.packed:  # compressed segments of version 2
         return direct.read_compressed(target.index, record, region)
-    return ReadInto(store if region is None else store[region])
+    return ReadInto(store if region is None else store[region], target.dtype)
 
 
 def _read_targets_with(location, doc, targets, limit, direct):

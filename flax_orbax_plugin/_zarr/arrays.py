@@ -14,7 +14,14 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .._format.layout import BatchRecord, LeafRecord, array_dir, batch_dir, dtype_from_name
+from .._format.layout import (
+    DTYPES,
+    BatchRecord,
+    LeafRecord,
+    array_dir,
+    batch_dir,
+    dtype_from_name,
+)
 from .._storage.location import Location, context
 
 CHUNK_TARGET_BYTES = 4 << 20  # large leaves: chunks of at most ~4 MiB (restore peak memory)
@@ -105,12 +112,19 @@ def spec(
         "kvstore": location.kvstore(sub),
         "metadata": {
             "shape": [int(s) for s in shape],
-            "data_type": dtype_name,
+            "data_type": DTYPES[dtype_name].zarr,  # a stand-in where tensorstore has none
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
             "chunk_key_encoding": {"name": "default"},
             "codecs": codecs,
         },
     }
+
+
+def as_stored(data: np.ndarray, stored: np.dtype) -> np.ndarray:
+    """``data`` as tensorstore reads and writes it in an array whose zarr3 ``data_type``
+    is ``stored`` (a dtype's ``DTYPES[...].zarr``: the same bytes, a view, no copy);
+    ``data`` itself where that is its own dtype. Any thread."""
+    return data if data.dtype == stored else data.view(stored)
 
 
 def _context_for(array_spec: dict[str, Any]) -> ts.Context:

@@ -26,6 +26,7 @@ from .checkpoint import (
     CheckpointDocument,
 )
 from .dtypes import (
+    DTYPES,
     EMPTY_KINDS,
     KEY_KINDS,
     LEAF_KINDS,
@@ -42,6 +43,7 @@ from .dtypes import (
     TEXT_KINDS,
     dtype_from_name,
     dtype_name,
+    zarr_dtype,
 )
 from .markers import (
     CommitMarker,
@@ -92,6 +94,7 @@ __all__ = [
     "LEAF_KINDS",
     "LeafRecord",
     "MANIFEST_FILE",
+    "DTYPES",
     "MAX_ARRAY_BYTES",
     "MAX_JSON_BYTES",
     "MAX_NDIM",
@@ -123,5 +126,6 @@ __all__ = [
     "sha256",
     "sha256_mismatch",
     "text_bytes",
+    "zarr_dtype",
     "text_value",
 ]
