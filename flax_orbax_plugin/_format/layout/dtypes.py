@@ -52,7 +52,7 @@ def _table(rows: str) -> dict[str, Dtype]:
 # dtype jax.numpy offers (tests/format/test_every_dtype.py fails for one not listed).
 DTYPES = _table(
     """
-    bool                1   =       BOOL
+    bool                8   =       BOOL
     int1                1   uint8   -
     int2                2   =       -
     int4                4   =       -

@@ -1,0 +1,53 @@
+"""Sub-byte tensors of safetensors (``F4``, ``F6_E2M3``, ``F6_E3M2``): packed bits.
+
+The spec sizes such a tensor as ``elements * bits / 8`` bytes (a whole number: the
+real library refuses any other). This library packs the elements in C order into one
+little-endian bit stream: element ``k`` holds bits ``[k * bits, (k + 1) * bits)``,
+bit ``j`` of the stream being bit ``j % 8`` (least significant first) of byte
+``j // 8``. For ``F4`` that is two values per byte, the first in the low nibble, as
+PyTorch's ``float4_e2m1fn_x2`` and MXFP4 checkpoints store them. In memory
+(ml_dtypes) each value is one byte, its bits low and the rest zero. Pure functions:
+any thread.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..._format import layout as _layout
+
+
+def packed_bits(dtype: np.dtype) -> int | None:
+    """The bits per value of a dtype safetensors stores packed; None for whole bytes."""
+    entry = _layout.DTYPES.get(dtype.name)
+    return entry.bits if entry is not None and entry.bits < 8 else None
+
+
+def tensor_nbytes(dtype: np.dtype, count: int) -> int | None:
+    """Bytes of ``count`` values of ``dtype`` in a safetensors file; None where packed
+    values do not fill whole bytes (the spec has no such tensor)."""
+    bits = packed_bits(dtype)
+    if bits is None:
+        return count * dtype.itemsize
+    return None if count * bits % 8 else count * bits // 8
+
+
+def pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """The packed bytes (uint8, flat) of ``values`` (C order; their count times
+    ``bits`` a multiple of 8)."""
+    low = np.ascontiguousarray(values).reshape(-1).view(np.uint8) & ((1 << bits) - 1)
+    if bits == 4:
+        return low[0::2] | (low[1::2] << 4)
+    planes = np.unpackbits(low[:, None], axis=1, bitorder="little")[:, :bits]
+    return np.packbits(planes.reshape(-1), bitorder="little")
+
+
+def unpack(data: np.ndarray, bits: int, count: int, first_bit: int = 0) -> np.ndarray:
+    """``count`` values (one canonical byte each, uint8) from the packed bytes ``data``
+    (uint8), the first value starting at bit ``first_bit`` of ``data``'s first byte."""
+    if bits == 4 and first_bit == 0:
+        out = np.empty(count + (count & 1), np.uint8)
+        out[0::2], out[1::2] = data[: len(out) // 2] & 0xF, data[: len(out) // 2] >> 4
+        return out[:count]
+    stream = np.unpackbits(data, bitorder="little")[first_bit : first_bit + count * bits]
+    return np.packbits(stream.reshape(count, bits), axis=1, bitorder="little").reshape(count)
