@@ -135,29 +135,53 @@ def test_sharded_save_and_resharded_restore(tmp_path, devices, small_leaves, nam
         _sharded_round_trip(tmp_path, devices, name, format_version)
 
 
+def _storage_types(path: str) -> dict[str, str]:
+    doc = json.loads(open(os.path.join(path, _layout.METADATA_FILE), "rb").read())
+    return {r["path"]: r["storage"]["type"] for r in doc["leaves"] if "storage" in r}
+
+
 def _sharded_round_trip(tmp_path, devices, name, format_version):
-    values = np.concatenate([_bits_of(name)] * 2)  # (32, 64)
-    rows = NamedSharding(jax.sharding.Mesh(np.array(devices), ("x",)), P("x"))
+    # (32, 66): rows of 66 values, so column shards of 33 start inside a byte when packed
+    values = np.resize(_bits_of(name), (32, 66))
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
     grid = jax.sharding.Mesh(np.array(devices).reshape(4, 2), ("a", "b"))
-    other = NamedSharding(grid, P("b", "a"))  # another split, columns too
+    saved_as = {
+        "rows": NamedSharding(mesh, P("x")),  # whole rows per writer: packed if sub-byte
+        "cols": NamedSharding(grid, P(None, "b")),  # 33 columns a writer: never packed
+    }
+    others = [NamedSharding(grid, P("a", "b")), NamedSharding(grid, P(None, "b"))]
     path = str(tmp_path / "c")
     if not _on_devices(name):
         # Host-only dtype: saved from numpy; a restore onto devices is jax's refusal,
         # never a silent value. (When jax's backend learns it, the branch below runs.)
         fop.save(path, {"x": values}, format_version=format_version)
-        like = {"x": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=other)}
+        like = {"x": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=others[0])}
         with pytest.raises(Exception, match=name):
             fop.restore(path, like=like)
         _same_bytes(fop.restore(path)["x"], values)
         return
-    fop.save(path, {"x": jax.device_put(values, rows)}, format_version=format_version)
-    like = {"x": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=other)}
-    got = fop.restore(path, like=like)["x"]
-    assert got.sharding == other
-    _same_bytes(got, values)
-    for shard in got.addressable_shards:
-        _same_bytes(shard.data, values[shard.index])
+    tree = {key: jax.device_put(values, sharding) for key, sharding in saved_as.items()}
+    fop.save(path, tree, format_version=format_version)
+    packed = _layout.DTYPES[name].bits < 8
+    assert _storage_types(path) == {"rows": "packed_array" if packed else "array", "cols": "array"}
+    for other in others:
+        like = {
+            key: jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=other) for key in tree
+        }
+        for got in fop.restore(path, like=like).values():
+            assert got.sharding == other
+            _same_bytes(got, values)
+            for shard in got.addressable_shards:
+                _same_bytes(shard.data, values[shard.index])
     assert fop.verify(path)[0].ok
+
+
+def _stored_bytes(values: np.ndarray) -> int:
+    """The bytes of an array as stored: sub-byte values packed, rows to whole bytes."""
+    bits = _layout.DTYPES[values.dtype.name].bits
+    if bits >= 8:
+        return values.nbytes
+    return values.size // values.shape[-1] * -(-values.shape[-1] * bits // 8)
 
 
 @pytest.mark.parametrize("format_version", [1, 2])
@@ -171,7 +195,7 @@ def test_incremental_step_reuses_every_dtype(tmp_path, small_leaves, name, forma
         mngr.wait()
         mngr.save(2, tree)
         mngr.wait()
-        assert mngr.last_save.bytes_reused == tree["params"]["big"].nbytes
+        assert mngr.last_save.bytes_reused == _stored_bytes(tree["params"]["big"])
         got = mngr.restore(step=2)
     _same_bytes(got["params"]["big"], tree["params"]["big"])
 

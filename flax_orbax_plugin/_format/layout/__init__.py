@@ -43,6 +43,7 @@ from .dtypes import (
     TEXT_KINDS,
     dtype_from_name,
     dtype_name,
+    packable,
     zarr_dtype,
 )
 from .markers import (
@@ -125,6 +126,7 @@ __all__ = [
     "seal",
     "sha256",
     "sha256_mismatch",
+    "packable",
     "text_bytes",
     "zarr_dtype",
     "text_value",

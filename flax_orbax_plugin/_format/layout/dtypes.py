@@ -137,3 +137,13 @@ def zarr_dtype(name: str) -> np.dtype:
     stored as (``name``'s own where tensorstore knows it; else ``uint8``): tensorstore
     reads and writes their values through a view of this dtype (same itemsize)."""
     return _numpy_dtype(DTYPES[name].zarr)
+
+
+def packable(name: str, shape, chunk) -> bool:
+    """Whether a leaf of dtype ``name``, ``shape`` and ``chunk`` shape is stored packed
+    (``packed_array``): a sub-byte dtype, at least one axis and no empty one, and
+    chunks whose last axis is whole bytes (or the whole axis). FORMAT.md."""
+    bits = DTYPES[name].bits
+    if bits >= 8 or not shape or 0 in shape:
+        return False
+    return chunk[-1] == shape[-1] or chunk[-1] * bits % 8 == 0

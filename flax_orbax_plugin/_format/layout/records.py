@@ -27,6 +27,7 @@ from .dtypes import (
     SUPPORTED_DTYPES,
     TEXT_KINDS,
     dtype_from_name,
+    packable,
 )
 from .names import batch_name
 
@@ -52,10 +53,12 @@ def check_codec(codec: Any, *, where: str = "compression") -> str | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArrayStorage:
-    """A leaf stored as its own zarr3 array ``d/<index>/``; ``codec`` compresses it."""
+    """A leaf stored as its own zarr3 array ``d/<index>/``; ``codec`` compresses it;
+    ``packed``: a sub-byte dtype's values packed into bits (``_zarr/subbyte.py``)."""
 
     chunk_shape: tuple[int, ...]
     codec: str | None = None
+    packed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,7 +110,8 @@ class LeafRecord:
         if self.impl is not None:
             out["impl"] = self.impl
         if isinstance(self.storage, ArrayStorage):
-            out["storage"] = {"type": "array", "chunk_shape": list(self.storage.chunk_shape)}
+            stype = "packed_array" if self.storage.packed else "array"
+            out["storage"] = {"type": stype, "chunk_shape": list(self.storage.chunk_shape)}
             if self.storage.codec is not None:
                 out["storage"]["codec"] = self.storage.codec
         elif isinstance(self.storage, BatchStorage):
@@ -143,6 +147,8 @@ class LeafRecord:
             bad("sharding", "an object of at most 4 levels and 1000 values, or null", sharding)
         impl = _prng_impl(obj, dtype, shape, bad) if kind == "prng_key" else None
         storage = _storage_field(obj.get("storage"), shape, size, bad)
+        if isinstance(storage, ArrayStorage) and storage.packed:
+            _check_packed(dtype, shape, storage.chunk_shape, bad)
         digest = obj.get("digest")
         if not (digest is None or (isinstance(digest, str) and _LEAF_DIGEST.match(digest))):
             bad("digest", "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex)", digest)
@@ -198,6 +204,17 @@ def _prng_impl(obj: dict, dtype: str, shape: tuple[int, ...], bad) -> str:
     return impl
 
 
+def _check_packed(dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], bad) -> None:
+    """A ``packed_array`` holds a sub-byte dtype, at least one axis, and chunks whose
+    last axis is whole bytes or the whole axis (FORMAT.md, packed sub-byte arrays)."""
+    if not packable(dtype, shape, chunk):
+        bad(
+            "storage.type",
+            f"'array' ({dtype}{list(shape)} in chunks {list(chunk)})",
+            "packed_array",
+        )
+
+
 def _storage_field(raw: Any, shape: tuple[int, ...], size: int, bad) -> ArrayStorage | BatchStorage:
     """A data leaf's ``storage``: a slot in a batch, or an array of its own."""
     if not isinstance(raw, dict):
@@ -212,7 +229,7 @@ def _storage_field(raw: Any, shape: tuple[int, ...], size: int, bad) -> ArraySto
         if n != size or type(n) is not int:
             bad("storage.size", f"{size} (the shape's element count)", n)
         return BatchStorage(batch, offset, n)
-    if stype == "array":
+    if stype in ("array", "packed_array"):
         chunk = raw.get("chunk_shape")
         if not (
             type(chunk) is list
@@ -225,8 +242,8 @@ def _storage_field(raw: Any, shape: tuple[int, ...], size: int, bad) -> ArraySto
         codec = raw.get("codec")
         if not (codec is None or (isinstance(codec, str) and _CODEC.match(codec))):
             bad("storage.codec", "absent or 'zstd:<1-22>'", codec)
-        return ArrayStorage(tuple(chunk), codec)
-    bad("storage.type", "'array' or 'batch'", stype)
+        return ArrayStorage(tuple(chunk), codec, stype == "packed_array")
+    bad("storage.type", "'array', 'packed_array' or 'batch'", stype)
 
 
 def _utf8_within(text: str, limit: int) -> bool:
