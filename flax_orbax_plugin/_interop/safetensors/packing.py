@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..._format import layout as _layout
+from ..._zarr import subbyte as _subbyte
 
 
 def packed_bits(dtype: np.dtype) -> int | None:
@@ -34,20 +35,11 @@ def tensor_nbytes(dtype: np.dtype, count: int) -> int | None:
 
 def pack(values: np.ndarray, bits: int) -> np.ndarray:
     """The packed bytes (uint8, flat) of ``values`` (C order; their count times
-    ``bits`` a multiple of 8)."""
-    low = np.ascontiguousarray(values).reshape(-1).view(np.uint8) & ((1 << bits) - 1)
-    if bits == 4:
-        return low[0::2] | (low[1::2] << 4)
-    planes = np.unpackbits(low[:, None], axis=1, bitorder="little")[:, :bits]
-    return np.packbits(planes.reshape(-1), bitorder="little")
+    ``bits`` a multiple of 8): the whole tensor as one row (``_zarr.subbyte``)."""
+    return _subbyte.pack_rows(np.ascontiguousarray(values).reshape(-1), bits)
 
 
 def unpack(data: np.ndarray, bits: int, count: int, first_bit: int = 0) -> np.ndarray:
     """``count`` values (one canonical byte each, uint8) from the packed bytes ``data``
     (uint8), the first value starting at bit ``first_bit`` of ``data``'s first byte."""
-    if bits == 4 and first_bit == 0:
-        out = np.empty(count + (count & 1), np.uint8)
-        out[0::2], out[1::2] = data[: len(out) // 2] & 0xF, data[: len(out) // 2] >> 4
-        return out[:count]
-    stream = np.unpackbits(data, bitorder="little")[first_bit : first_bit + count * bits]
-    return np.packbits(stream.reshape(count, bits), axis=1, bitorder="little").reshape(count)
+    return _subbyte.unpack_rows(data, bits, count, first_bit, np.uint8)
