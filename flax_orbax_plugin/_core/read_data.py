@@ -98,9 +98,9 @@ def read_region(store, target: Target, direct: _chunk_files.ChunkReader | None, 
     chunks, else through tensorstore; a packed (sub-byte) leaf's stored bytes, unpacked."""
     record = target.record
     if _subbyte.is_packed(record):
-        inner, width, first_bit = _subbyte.stored_region(record, region)
+        inner, width, skip = _subbyte.stored_region(record, region)
         read = _read_stored(store, target.index, _subbyte.stored(record), direct, inner)
-        return _subbyte.Unpacked(read, record, width, first_bit)
+        return _subbyte.Unpacked(read, record, width, skip)
     return _read_stored(store, target.index, record, direct, region)
 
 

@@ -20,6 +20,7 @@ functions: any thread.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -57,33 +58,52 @@ def stored(record: LeafRecord) -> LeafRecord:
     )
 
 
+def group(bits: int) -> int:
+    """Values per group of whole bytes (4-bit: 2 in 1 byte; 2-bit: 4; 1-bit: 8; 6-bit: 4
+    in 3 bytes): a row's groups start on bytes."""
+    return 8 // math.gcd(bits, 8)
+
+
 def pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
     """``values`` (a sub-byte dtype, any shape of at least one axis) as packed rows:
     uint8 of shape ``(..., ceil(n * bits / 8))``."""
     low = np.ascontiguousarray(values).view(np.uint8) & np.uint8((1 << bits) - 1)
-    if bits == 4:
-        if low.shape[-1] % 2:
-            low = np.concatenate([low, np.zeros((*low.shape[:-1], 1), np.uint8)], axis=-1)
-        return low[..., 0::2] | (low[..., 1::2] << 4)
-    planes = np.unpackbits(low[..., None], axis=-1, bitorder="little")[..., :bits]
-    return np.packbits(planes.reshape(*low.shape[:-1], -1), axis=-1, bitorder="little")
+    n, g = low.shape[-1], group(bits)
+    if n % g:
+        pad = np.zeros((*low.shape[:-1], g - n % g), np.uint8)
+        low = np.concatenate([low, pad], axis=-1)
+    lanes = low.reshape(*low.shape[:-1], -1, g)
+    wide = np.uint32 if g * bits > 8 else np.uint8
+    word = np.zeros(lanes.shape[:-1], wide)
+    for j in range(g):
+        word |= lanes[..., j].astype(wide) << wide(j * bits)
+    per = g * bits // 8  # bytes per group
+    out = np.empty((*word.shape, per), np.uint8)
+    for i in range(per):
+        out[..., i] = word >> wide(8 * i) if per > 1 else word
+    return out.reshape(*low.shape[:-1], -1)[..., : _nbytes(n, bits)]
 
 
-def unpack_rows(packed: np.ndarray, bits: int, width: int, first_bit: int, dtype) -> np.ndarray:
-    """``width`` values per row of ``packed`` (uint8 rows), the first at bit
-    ``first_bit`` of each row: an array of ``dtype`` (one canonical byte each)."""
+def unpack_rows(packed: np.ndarray, bits: int, width: int, skip: int, dtype) -> np.ndarray:
+    """Values ``skip .. skip + width`` of each row of ``packed`` (uint8 rows, each
+    starting on a group): an array of ``dtype`` (one canonical byte each)."""
     packed = np.asarray(packed, np.uint8)
-    if bits == 4 and first_bit in (0, 4):
-        out = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.uint8)
-        out[..., 0::2], out[..., 1::2] = packed & 0xF, packed >> 4
-        start = first_bit // 4
-        return np.ascontiguousarray(out[..., start : start + width]).view(dtype)
-    stream = np.unpackbits(packed, axis=-1, bitorder="little")
-    stream = stream[..., first_bit : first_bit + width * bits]
-    values = np.packbits(
-        stream.reshape(*packed.shape[:-1], width, bits), axis=-1, bitorder="little"
-    )
-    return np.ascontiguousarray(values[..., 0]).view(dtype)
+    g = group(bits)
+    per = g * bits // 8
+    if packed.shape[-1] % per:
+        pad = np.zeros((*packed.shape[:-1], per - packed.shape[-1] % per), np.uint8)
+        packed = np.concatenate([packed, pad], axis=-1)
+    groups = packed.reshape(*packed.shape[:-1], -1, per)
+    wide = np.uint32 if per > 1 else np.uint8
+    word = groups[..., 0].astype(wide)
+    for i in range(1, per):
+        word |= groups[..., i].astype(wide) << wide(8 * i)
+    mask = wide((1 << bits) - 1)
+    out = np.empty((*word.shape, g), np.uint8)
+    for j in range(g):
+        out[..., j] = (word >> wide(j * bits)) & mask
+    out = out.reshape(*packed.shape[:-1], -1)
+    return np.ascontiguousarray(out[..., skip : skip + width]).view(dtype)
 
 
 def _last_axis(index, n: int) -> tuple[int, int]:
@@ -110,21 +130,23 @@ def pack_write(record: LeafRecord, index: tuple, data: np.ndarray) -> tuple[tupl
 class Unpacked:
     """A read of a packed leaf's stored bytes that gives the leaf's values."""
 
-    def __init__(self, read: Any, record: LeafRecord, width: int, first_bit: int):
+    def __init__(self, read: Any, record: LeafRecord, width: int, skip: int):
         self.read, self.bits = read, bits_of(record.dtype)
-        self.width, self.first_bit = width, first_bit
+        self.width, self.skip = width, skip
         self.dtype = dtype_from_name(record.dtype, path=record.path)
         self.deferred = getattr(read, "deferred", False)
 
     def result(self) -> np.ndarray:
-        return unpack_rows(self.read.result(), self.bits, self.width, self.first_bit, self.dtype)
+        return unpack_rows(self.read.result(), self.bits, self.width, self.skip, self.dtype)
 
 
 def stored_region(record: LeafRecord, region) -> tuple[tuple, int, int]:
     """For a read of ``region`` (global; None: all) of a packed leaf: (the stored
-    array's region holding it, the values per row, the bit of each row's first one)."""
+    array's region holding it, from the byte of the group its first value is in; the
+    values per row; the values to skip at each row's start)."""
     bits, n = bits_of(record.dtype), record.shape[-1]
     index = tuple(region) if region is not None else (slice(None),) * len(record.shape)
     start, stop = _last_axis(index, n)
-    inner = (*index[:-1], slice(start * bits // 8, _nbytes(stop, bits)))
-    return inner, stop - start, start * bits % 8
+    first = start - start % group(bits)
+    inner = (*index[:-1], slice(first * bits // 8, _nbytes(stop, bits)))
+    return inner, stop - start, start - first

@@ -39,7 +39,11 @@ def pack(values: np.ndarray, bits: int) -> np.ndarray:
     return _subbyte.pack_rows(np.ascontiguousarray(values).reshape(-1), bits)
 
 
-def unpack(data: np.ndarray, bits: int, count: int, first_bit: int = 0) -> np.ndarray:
-    """``count`` values (one canonical byte each, uint8) from the packed bytes ``data``
-    (uint8), the first value starting at bit ``first_bit`` of ``data``'s first byte."""
-    return _subbyte.unpack_rows(data, bits, count, first_bit, np.uint8)
+def unpack(data: np.ndarray, bits: int, count: int, skip: int = 0) -> np.ndarray:
+    """Values ``skip .. skip + count`` (one canonical byte each, uint8) of the packed
+    bytes ``data`` (uint8, starting on a group of whole bytes: ``_zarr.subbyte.group``)."""
+    return _subbyte.unpack_rows(data, bits, count, skip, np.uint8)
+
+
+def group(bits: int) -> int:
+    return _subbyte.group(bits)

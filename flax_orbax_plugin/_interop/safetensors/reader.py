@@ -22,7 +22,7 @@ from ..._errors import CorruptCheckpointError, StructureError
 from ..._like import onto_like as _onto_like
 from ..._storage.untrusted import open_regular
 from .headers import Stored, default_name, kernel_axes, read_safetensors_index
-from .packing import packed_bits, unpack
+from .packing import group, packed_bits, unpack
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int, where: str) -> None:
@@ -74,10 +74,10 @@ def _read_packed(fd: int, t: Stored, bits: int, starts: list, stops: list) -> np
         return np.empty([max(0, b - a) for a, b in zip(starts, stops, strict=True)], t.dtype)
     row = math.prod(shape[1:])  # elements per row of axis 0 (a 0-d tensor: one element)
     lo, hi = (starts[0], stops[0]) if shape else (0, 1)
-    first, last = lo * row * bits, hi * row * bits  # bits of the stream
-    raw = np.empty(-(-last // 8) - first // 8, np.uint8)
-    _pread_into(fd, memoryview(raw), t.offset + first // 8, f"{t.file} ({t.name})")
-    values = unpack(raw, bits, (hi - lo) * row, first % 8).view(t.dtype)
+    first = lo * row - lo * row % group(bits)  # the group (of whole bytes) it starts in
+    raw = np.empty(-(-hi * row * bits // 8) - first * bits // 8, np.uint8)
+    _pread_into(fd, memoryview(raw), t.offset + first * bits // 8, f"{t.file} ({t.name})")
+    values = unpack(raw, bits, (hi - lo) * row, lo * row - first).view(t.dtype)
     rows = values.reshape((hi - lo, *shape[1:]) if shape else ())
     if not shape:
         return rows
