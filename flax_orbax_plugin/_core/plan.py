@@ -103,7 +103,13 @@ def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> L
     sharding = value.sharding if isinstance(value, jax.Array) else None
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes <= SMALL_LEAF_BYTES and not _kinds.is_partitioned(value):
-        storage: Any = batching.slot(_kinds.writer_process(value), name, dtype, nbytes)
+        process = _kinds.writer_process(value)
+        if _layout.DTYPES[name].bits < 8 and shape and 0 not in shape:  # its packed bytes
+            packed = _layout.packed_bytes(name, math.prod(shape))
+            slot = batching.slot(process, "uint8", np.dtype(np.uint8), packed)
+            storage: Any = dataclasses.replace(slot, packed=True)
+        else:
+            storage = batching.slot(process, name, dtype, nbytes)
     else:
         shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
         chunk = _arrays.chunk_shape(

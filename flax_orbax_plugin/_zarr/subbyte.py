@@ -106,6 +106,20 @@ def unpack_rows(packed: np.ndarray, bits: int, width: int, skip: int, dtype) -> 
     return np.ascontiguousarray(out[..., skip : skip + width]).view(dtype)
 
 
+def pack_flat(values: np.ndarray) -> np.ndarray:
+    """A small leaf's values (a sub-byte dtype) as one bit stream, C order: the bytes of
+    its ``packed_batch`` slot (uint8, ``_format.layout.packed_bytes`` of them)."""
+    flat = np.ascontiguousarray(values).reshape(-1)
+    return pack_rows(flat, bits_of(flat.dtype.name))
+
+
+def unpack_flat(data: np.ndarray, record: LeafRecord) -> np.ndarray:
+    """The values of a ``packed_batch`` leaf from its slot's bytes (flat)."""
+    count = math.prod(record.shape)
+    dtype = dtype_from_name(record.dtype, path=record.path)
+    return unpack_rows(np.asarray(data).reshape(-1), bits_of(record.dtype), count, 0, dtype)
+
+
 def _last_axis(index, n: int) -> tuple[int, int]:
     start, stop, step = index[-1].indices(n)
     if step != 1:

@@ -116,6 +116,14 @@ def test_save_restore_verify_bit_exact(tmp_path, small_leaves, name, format_vers
         _same_bytes(got[key], np.asarray(want))
     info = fop.metadata(path)
     assert {str(leaf.dtype) for leaf in info.leaves.values()} == {name}
+    if store != "memory":
+        packed = _layout.DTYPES[name].bits < 8
+        assert _storage_types(path) == {
+            "big": "packed_array" if packed else "array",
+            "small": "packed_batch" if packed else "batch",
+            "zero_d": "packed_batch" if packed else "batch",
+            "one": "batch",  # a numpy scalar: one value, its byte
+        }
     (report,) = fop.verify(path)
     assert report.ok, report
 
@@ -204,7 +212,8 @@ def _stored_bytes(values: np.ndarray) -> int:
 @pytest.mark.parametrize("format_version", [1, 2])
 @pytest.mark.parametrize("name", ALL)
 def test_incremental_step_reuses_every_dtype(tmp_path, small_leaves, name, format_version):
-    tree = {"params": {"big": _tree(name)["big"]}}
+    whole = _tree(name)
+    tree = {"params": {"big": whole["big"], "small": whole["small"]}}
     with fop.CheckpointManager(
         str(tmp_path), incremental=True, format_version=format_version
     ) as mngr:
@@ -214,7 +223,8 @@ def test_incremental_step_reuses_every_dtype(tmp_path, small_leaves, name, forma
         mngr.wait()
         assert mngr.last_save.bytes_reused == _stored_bytes(tree["params"]["big"])
         got = mngr.restore(step=2)
-    _same_bytes(got["params"]["big"], tree["params"]["big"])
+    for key, want in tree["params"].items():
+        _same_bytes(got["params"][key], want)
 
 
 @pytest.mark.parametrize("format_version", [1, 2])

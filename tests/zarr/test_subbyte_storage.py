@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -106,22 +107,12 @@ def test_stored_bytes_are_the_values_bits(tmp_path, format_version):
         assert abs(ratio - bits / 8) < 0.002, (name, stored[name], stored["uint8"])
 
 
-@pytest.mark.parametrize(
-    "dtype,chunk,why",
-    [
-        ("float32", [4, 8], "a float32 is not packed"),
-        ("int4", [4, 3], "chunks of 3 int4 values: not whole bytes"),
-    ],
-)
-def test_a_packed_record_that_cannot_be_is_refused(tmp_path, dtype, chunk, why):
-    path = str(tmp_path / "c")
-    values = _values("int4", (8, 8)) if dtype == "int4" else np.zeros((8, 8), np.float32)
-    fop.save(path, {"w": values, "big": np.zeros((600, 600), np.float32)})
+def _reseal(path: str, edit) -> None:
+    """Edits _METADATA.json with ``edit(doc)`` and reseals it (its checksum in the
+    marker): a crafted checkpoint only validation can catch."""
     meta = os.path.join(path, _layout.METADATA_FILE)
     doc = json.loads(open(meta, "rb").read())
-    (record,) = [r for r in doc["leaves"] if r["path"] == "w"]
-    record["dtype"] = dtype
-    record["storage"] = {"type": "packed_array", "chunk_shape": chunk}
+    edit(doc)
     raw = json.dumps(doc).encode()
     with open(meta, "wb") as f:
         f.write(raw)
@@ -131,5 +122,53 @@ def test_a_packed_record_that_cannot_be_is_refused(tmp_path, dtype, chunk, why):
     body["files"][_layout.METADATA_FILE] = _layout.sha256(raw)
     with open(marker, "wb") as f:
         f.write(_layout.seal(body))
+
+
+def _leaf(doc: dict, path: str) -> dict:
+    (record,) = [r for r in doc["leaves"] if r["path"] == path]
+    return record
+
+
+@pytest.mark.parametrize(
+    "dtype,chunk",
+    [("float32", [4, 8]), ("int4", [4, 3])],  # not a sub-byte dtype; chunks of 1.5 bytes
+)
+def test_a_packed_array_record_that_cannot_be_is_refused(tmp_path, dtype, chunk):
+    path = str(tmp_path / "c")
+    values = _values("int4", (8, 8)) if dtype == "int4" else np.zeros((8, 8), np.float32)
+    fop.save(path, {"w": values, "big": np.zeros((600, 600), np.float32)})
+
+    def edit(doc):
+        record = _leaf(doc, "w")
+        record["dtype"] = dtype
+        record["storage"] = {"type": "packed_array", "chunk_shape": chunk}
+
+    _reseal(path, edit)
     with pytest.raises(CorruptCheckpointError, match=r"\('w'\)\.storage\.type"):
+        fop.restore(path)
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"size": 64}, r"storage\.size: expected 32 \(bytes of its packed values\)"),
+        ({"dtype": "int8"}, r"storage\.type: expected 'batch' \(a int8 is not packed\)"),
+        ({"batch": "0.int4"}, r"storage\.batch"),
+    ],
+)
+def test_a_packed_batch_record_that_cannot_be_is_refused(tmp_path, change, field):
+    """A 64-value int4 leaf's slot is 32 bytes of the uint8 batch."""
+    path = str(tmp_path / "c")
+    fop.save(path, {"w": _values("int4", (8, 8)), "n": np.zeros(4, ml_dtypes.int4)[:0]})
+
+    def edit(doc):
+        record = _leaf(doc, "w")
+        assert record["storage"]["type"] == "packed_batch" and record["storage"]["size"] == 32
+        for key, value in change.items():
+            (record if key == "dtype" else record["storage"])[key] = value
+        if "batch" in change:
+            doc["batches"]["0.int4"] = dict(doc["batches"]["0.uint8"], dtype="int4")
+
+    _reseal(path, edit)
+    with pytest.raises(CorruptCheckpointError, match=r"\('w'\)\." + field):
         fop.restore(path)

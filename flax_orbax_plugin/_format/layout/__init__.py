@@ -44,6 +44,7 @@ from .dtypes import (
     dtype_from_name,
     dtype_name,
     packable,
+    packed_bytes,
     zarr_dtype,
 )
 from .markers import (
@@ -127,6 +128,7 @@ __all__ = [
     "sha256",
     "sha256_mismatch",
     "packable",
+    "packed_bytes",
     "text_bytes",
     "zarr_dtype",
     "text_value",

@@ -147,3 +147,8 @@ def packable(name: str, shape, chunk) -> bool:
     if bits >= 8 or not shape or 0 in shape:
         return False
     return chunk[-1] == shape[-1] or chunk[-1] * bits % 8 == 0
+
+
+def packed_bytes(name: str, count: int) -> int:
+    """Bytes of ``count`` values of a sub-byte dtype packed into one bit stream."""
+    return -(-count * DTYPES[name].bits // 8)

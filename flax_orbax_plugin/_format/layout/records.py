@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from .checked import fail, int_field, is_int, need, one_of
 from .dtypes import (
+    DTYPES,
     KEY_KINDS,
     LEAF_KINDS,
     MAX_ARRAY_BYTES,
@@ -28,6 +29,7 @@ from .dtypes import (
     TEXT_KINDS,
     dtype_from_name,
     packable,
+    packed_bytes,
 )
 from .names import batch_name
 
@@ -63,11 +65,13 @@ class ArrayStorage:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BatchStorage:
-    """A small leaf stored at ``offset`` (elements) in the 1-D batch array ``b/<batch>/``."""
+    """A small leaf stored at ``offset`` (elements) in the 1-D batch array ``b/<batch>/``;
+    ``packed``: a sub-byte leaf's values packed into ``size`` bytes of a ``uint8`` batch."""
 
     batch: str
     offset: int
     size: int
+    packed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,7 +120,8 @@ class LeafRecord:
                 out["storage"]["codec"] = self.storage.codec
         elif isinstance(self.storage, BatchStorage):
             s = self.storage
-            out["storage"] = {"type": "batch", "batch": s.batch, "offset": s.offset, "size": s.size}
+            stype = "packed_batch" if s.packed else "batch"
+            out["storage"] = {"type": stype, "batch": s.batch, "offset": s.offset, "size": s.size}
         if self.digest is not None:
             out["digest"] = self.digest
         return out
@@ -146,7 +151,7 @@ class LeafRecord:
         if not (sharding is None or (isinstance(sharding, dict) and _shallow(sharding))):
             bad("sharding", "an object of at most 4 levels and 1000 values, or null", sharding)
         impl = _prng_impl(obj, dtype, shape, bad) if kind == "prng_key" else None
-        storage = _storage_field(obj.get("storage"), shape, size, bad)
+        storage = _storage_field(obj.get("storage"), shape, size, bad, dtype)
         if isinstance(storage, ArrayStorage) and storage.packed:
             _check_packed(dtype, shape, storage.chunk_shape, bad)
         digest = obj.get("digest")
@@ -215,20 +220,27 @@ def _check_packed(dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], ba
         )
 
 
-def _storage_field(raw: Any, shape: tuple[int, ...], size: int, bad) -> ArrayStorage | BatchStorage:
+def _storage_field(
+    raw: Any, shape: tuple[int, ...], size: int, bad, dtype: str
+) -> ArrayStorage | BatchStorage:
     """A data leaf's ``storage``: a slot in a batch, or an array of its own."""
     if not isinstance(raw, dict):
         bad("storage", "an object", raw)
     stype = raw.get("type")
-    if stype == "batch":
+    if stype in ("batch", "packed_batch"):
+        packed = stype == "packed_batch"
         batch, offset, n = raw.get("batch"), raw.get("offset"), raw.get("size")
         if not isinstance(batch, str):
             bad("storage.batch", "a string", batch)
         if not (type(offset) is int and 0 <= offset <= 1 << 62):
             bad("storage.offset", "an int in [0, 2**62]", offset)
-        if n != size or type(n) is not int:
-            bad("storage.size", f"{size} (the shape's element count)", n)
-        return BatchStorage(batch, offset, n)
+        if packed and DTYPES[dtype].bits >= 8:
+            bad("storage.type", f"'batch' (a {dtype} is not packed)", stype)
+        want = packed_bytes(dtype, size) if packed else size
+        if n != want or type(n) is not int:
+            shown = "bytes of its packed values" if packed else "the shape's element count"
+            bad("storage.size", f"{want} ({shown})", n)
+        return BatchStorage(batch, offset, n, packed)
     if stype in ("array", "packed_array"):
         chunk = raw.get("chunk_shape")
         if not (
@@ -243,7 +255,7 @@ def _storage_field(raw: Any, shape: tuple[int, ...], size: int, bad) -> ArraySto
         if not (codec is None or (isinstance(codec, str) and _CODEC.match(codec))):
             bad("storage.codec", "absent or 'zstd:<1-22>'", codec)
         return ArrayStorage(tuple(chunk), codec, stype == "packed_array")
-    bad("storage.type", "'array', 'packed_array' or 'batch'", stype)
+    bad("storage.type", "'array', 'packed_array', 'batch' or 'packed_batch'", stype)
 
 
 def _utf8_within(text: str, limit: int) -> bool:

@@ -151,17 +151,7 @@ def _read_header(path: str) -> dict[str, Stored]:
                 f"{where}: data_offsets {str(offsets)[:200]} outside the {data_len} data bytes"
             )
         dtype = DTYPES[tag]
-        need = tensor_nbytes(dtype, math.prod(shape))  # Python ints: never overflows
-        if need is None:
-            raise CorruptCheckpointError(
-                f"{where}: {tag}{shape} is {math.prod(shape) * packed_bits(dtype)} bits, "
-                "not whole bytes"
-            )
-        if offsets[1] - offsets[0] != need:
-            raise CorruptCheckpointError(
-                f"{where}: {tag}{shape} needs {need} bytes, data_offsets span "
-                f"{offsets[1] - offsets[0]}"
-            )
+        _check_size(where, tag, dtype, shape, offsets[1] - offsets[0])
         spans.append((offsets[0], offsets[1], name))
         out[name] = Stored(name, path, dtype, tuple(shape), 8 + n + offsets[0], identity)
     spans.sort()
@@ -169,6 +159,21 @@ def _read_header(path: str) -> dict[str, Stored]:
         if begin < end:
             raise CorruptCheckpointError(f"{path}: tensors {a!r} and {b!r} overlap")
     return out
+
+
+def _check_size(where: str, tag: str, dtype: np.dtype, shape: list, span: int) -> None:
+    """A tensor's data_offsets span the bytes its dtype and shape need (sub-byte tags
+    packed: a whole number of bytes)."""
+    count = math.prod(shape)  # Python ints: never overflows
+    need = tensor_nbytes(dtype, count)
+    if need is None:
+        raise CorruptCheckpointError(
+            f"{where}: {tag}{shape} is {count * packed_bits(dtype)} bits, not whole bytes"
+        )
+    if span != need:
+        raise CorruptCheckpointError(
+            f"{where}: {tag}{shape} needs {need} bytes, data_offsets span {span}"
+        )
 
 
 def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:
