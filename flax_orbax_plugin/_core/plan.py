@@ -361,7 +361,9 @@ def _stored_leaves(leaves: list[Leaf], found):
     """The leaves as their arrays store them: a packed (sub-byte) leaf becomes one of
     its stored record (``_zarr.subbyte.stored``) holding its regions' packed bytes; the
     others are themselves. ``found`` (what ``Plan._unchanged`` returned, or None) with
-    its leaves replaced the same way, so reuse compares the bytes on disk."""
+    its leaves replaced the same way, so reuse compares the bytes on disk. A packed
+    leaf's regions still on their devices are copied here, all at once (packing needs
+    the values): ``host_memory_budget`` does not stream them. Background thread."""
     out, by_index = [], {}
     for leaf in leaves:
         if _subbyte.is_packed(leaf.record):
