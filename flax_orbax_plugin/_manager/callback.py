@@ -79,7 +79,13 @@ class CheckpointCallback:
       extras_fn: ``extras_fn(step, state) -> dict`` of small JSON values saved
         with each step (metrics, for example).
       writer: an object with ``write_scalars(step, scalars)`` receiving each
-        save's figures.
+        save's figures (on the training thread, once the save committed).
+      on_event: a callable receiving every checkpoint event record of the manager
+        (SaveStarted ... RestoreDone, on the threads and in the order given in
+        :class:`CheckpointManager`'s events: docs/manager.md, "Events");
+        ``fop.MetricWriterEvents(writer)`` writes them to a CLU metric writer. An
+        exception it raises is logged and raised again (EventHookError) by the next
+        ``on_step_end``, ``wait`` or ``on_train_end``; the step it reported on is kept.
       manager_options: further keyword arguments for :class:`CheckpointManager`,
         e.g. ``{"persistent": "gs://bucket/run", "persistent_keep": 1}``: then
         ``directory`` is the fast local tier and resuming takes the newest good step
@@ -101,6 +107,7 @@ class CheckpointCallback:
         data_iterator: Any = None,
         extras_fn: Callable[[int, Any], Mapping[str, Any]] | None = None,
         writer: ScalarWriter | None = None,
+        on_event: Callable[[Any], Any] | None = None,
         manager_options: Mapping[str, Any] | None = None,
         **unknown: Any,
     ):
@@ -124,6 +131,7 @@ class CheckpointCallback:
         self._data_iterator = data_iterator
         self._extras_fn = extras_fn
         self._writer = writer
+        self._on_event = on_event
         self._manager_options = dict(manager_options or {})
         self._manager = None
         self._last_saved_step: int | None = None
@@ -150,6 +158,7 @@ class CheckpointCallback:
             async_save=self.async_save,
             every_steps=self.every_steps,
             every_seconds=self.every_seconds,
+            on_event=self._on_event,
         )
         kwargs.update(self._manager_options)
         return kwargs

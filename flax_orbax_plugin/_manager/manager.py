@@ -88,6 +88,7 @@ class CheckpointManager:
         previous save until ``close``; off: hold CPU arrays as views (docs/manager.md).
       host_memory_budget: host bytes a version 1 step (not incremental) may hold
         beyond the state (None: no bound; set, nothing is pooled). ``fop.save_async``.
+      on_event: receives each checkpoint event record (docs/manager.md, "Events").
 
     ``wait()``: the local tier, ``persistent.wait()``: the replication, ``close()``:
     both. A writer locks a local directory (a second live writer: DirectoryLockedError)
@@ -122,6 +123,7 @@ class CheckpointManager:
         reuse_host_buffers: bool = True,
         format_version: int = 1,
         host_memory_budget: int | None = None,
+        on_event: Callable[[Any], Any] | None = None,
         **unknown: Any,
     ):
         with _distributed.collective("manager-open", spans=not read_only):  # _base.regions
@@ -132,7 +134,7 @@ class CheckpointManager:
             self._async, self._read_only = opts.async_save, opts.read_only
             pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
             self._buffers = _host.BufferPool() if pooled else None
-            self._book = StepBook(self._loc)
+            self._book = StepBook(self._loc, on_event=opts.on_event)
             self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
             self._saver = Saver(
                 self._loc, opts.overrides, self._book, self._retainer, opts.incremental,
@@ -178,8 +180,7 @@ class CheckpointManager:
         the store now. A save never calls it: it uses the steps known in memory."""
         return self._book.listed()
 
-    def _forget_steps(self) -> None:
-        """Steps were removed behind the manager's back: the next need lists the store."""
+    def _forget_steps(self) -> None:  # removed behind its back: the next need lists them
         self._book.forget()
 
     def latest_step(self, *, include_persistent: bool = False) -> int | None:
@@ -329,25 +330,27 @@ class CheckpointManager:
         """Block until the in-flight save is committed and retention has run.
 
         With several processes every process must call it (in the same order as save).
-        Re-raises a background save error (once).
+        Re-raises a background save error (once), then an ``on_event`` hook's.
         """
         self._wait_inflight()
         self._retainer.wait()
         # Retention runs on the primary only: meet so that every process lists the same steps.
         _distributed.barrier(_distributed.next_operation_id("manager-wait"))
+        self._book.events.raise_error()
 
     def close(self) -> None:
         """Wait for the in-flight save, stop the threads, release the lock. Idempotent."""
         if self._closed:
             return
         try:
-            self.wait()
+            self._book.events.holding(self.wait)  # a hook's error: raised once closed
             tier = self._book.tier
             if tier is not None:  # after SIGTERM: within the grace period
                 grace = tier.grace_seconds if self.preempted else None
                 tier.close(grace, raise_errors=not self.preempted)
         finally:
             self._shut()
+        self._book.events.raise_error()
 
     def _shut(self) -> None:
         """Stops the threads and releases the lock (waits for no other process)."""
@@ -362,12 +365,11 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
         try:
             self.close()
         except Exception:
+            if exc_type is None:  # else the with block's own error goes on, this one logged
+                raise
             logger.exception("error while closing the checkpoint manager")
 
     def __del__(self):

@@ -1,0 +1,364 @@
+"""Checkpoint events: what a manager's saves, restores and retention did, as frozen
+records handed to the user's ``on_event=`` hook and to ``jax.monitoring``.
+
+Who calls the hook, on which thread, in which order (one manager, one process)::
+
+    save(step) that saves:   SaveStarted          training thread, in save()
+                             SaveBlockingDone     training thread, before save() returns
+                             SaveCommitted        the save's background thread ("fop-save"),
+                               or SaveFailed      once the step committed (or failed), before
+                                                  retention and the persistent tier hear of it
+    retention:               StepsRemoved         the deletion thread ("fop-retention"), after
+                                                  the SaveCommitted of the step that ran it
+                                                  (the training thread for gc())
+    restore():               RestoreDone          training thread, before restore() returns
+
+A step's events come in that order, and a save's SaveCommitted (or SaveFailed) comes
+before the next save's SaveStarted (a save waits for the one in flight). A blocking
+phase that fails gives SaveFailed (``phase="blocking"``) on the training thread, a
+background one (``phase="background"``) on the save's thread. StepsRemoved may come
+before or after the next save's SaveStarted. The hook is never called by two threads
+at once (calls are serialized under a lock), so it need not be thread-safe; it should
+return quickly (a save's commit waits for it).
+
+A hook that raises loses no step and breaks no save: the exception is logged at once
+(ERROR, with its traceback, on the ``flax_orbax_plugin`` logger) and the first one is
+raised again, as :class:`EventHookError` (its ``__cause__`` the hook's exception), by
+the manager's next ``save()`` (before it decides, as a background save error is),
+``wait()`` or ``close()`` (once closed). The save whose event it was stays committed.
+
+Figures are this process's. ``SaveCommitted.files_written`` and ``bytes_written`` are
+the files of the committed step as stored, counted by the primary once it committed
+(a walk of the step's directory on a local disk, one listing on an object store,
+where sizes are not listed: ``bytes_written`` is None there); ``array_bytes`` is what
+the writers wrote of array data. The other processes report None for both counts.
+
+``jax.monitoring`` (always, hook or not; see :data:`MONITORING_NAMES`): durations
+through ``record_event_duration_secs``, byte and file counts through
+``record_scalar``, the others through ``record_event``; every call passes ``step=``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+import jax.monitoring
+
+from .._errors import EventHookError
+from .._storage.local_files import walk_entries
+from .._storage.location import Location
+
+__all__ = [
+    "MONITORING_NAMES",
+    "Event",
+    "EventHookError",
+    "Events",
+    "MetricWriterEvents",
+    "RestoreDone",
+    "SaveBlockingDone",
+    "SaveCommitted",
+    "SaveFailed",
+    "SaveStarted",
+    "StepsRemoved",
+    "measure_stored",
+    "stored_size",
+]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+_P = "/flax_orbax_plugin"
+MONITORING_NAMES: Mapping[str, str] = {
+    "save_started": f"{_P}/save/started",
+    "save_blocking_secs": f"{_P}/save/blocking_duration_secs",
+    "save_committed": f"{_P}/save/committed",
+    "save_background_secs": f"{_P}/save/background_duration_secs",
+    "save_bytes": f"{_P}/save/bytes_written",
+    "save_files": f"{_P}/save/files_written",
+    "save_failed": f"{_P}/save/failed",
+    "restore_secs": f"{_P}/restore/duration_secs",
+    "restore_bytes": f"{_P}/restore/bytes_read",
+    "step_removed": f"{_P}/retention/step_removed",
+}
+"""The ``jax.monitoring`` names this package records (each with ``step=``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A checkpoint event of ``step`` in ``directory`` (the manager's)."""
+
+    step: int
+    directory: str
+
+    def scalars(self) -> dict[str, float]:
+        """The figures of this event for a metric writer (tag: value)."""
+        return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveStarted(Event):
+    """The policy decided to save ``step``; its blocking phase begins."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveBlockingDone(Event):
+    """The blocking phase of ``step`` ended: the training loop waited
+    ``blocking_seconds``; the write and commit go on in the background."""
+
+    blocking_seconds: float
+
+    def scalars(self) -> dict[str, float]:
+        return {"checkpoint/save_blocking_seconds": self.blocking_seconds}
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveCommitted(Event):
+    """``step`` is committed in ``tier`` (``"local"``: the manager's directory).
+
+    ``background_seconds``: from the end of the blocking phase to the commit;
+    ``total_seconds``: from the start of the save. ``files_written`` and
+    ``bytes_written``: the committed step's files as stored (see the module
+    docstring; None where not counted); ``array_bytes``: array data written,
+    ``bytes_reused``: array data linked or copied from the previous step instead
+    (incremental)."""
+
+    tier: str
+    blocking_seconds: float
+    background_seconds: float
+    total_seconds: float
+    files_written: int | None
+    bytes_written: int | None
+    array_bytes: int
+    bytes_reused: int = 0
+
+    @property
+    def gigabytes_per_second(self) -> float:
+        """Stored bytes (array bytes where not counted) per background second, in GB/s."""
+        n = self.array_bytes if self.bytes_written is None else self.bytes_written
+        return n / max(self.background_seconds, 1e-9) / 1e9
+
+    def scalars(self) -> dict[str, float]:
+        out = {
+            "checkpoint/save_background_seconds": self.background_seconds,
+            "checkpoint/save_total_seconds": self.total_seconds,
+            "checkpoint/save_array_bytes": float(self.array_bytes),
+            "checkpoint/save_gbytes_per_sec": self.gigabytes_per_second,
+        }
+        if self.bytes_written is not None:
+            out["checkpoint/save_bytes"] = float(self.bytes_written)
+        if self.files_written is not None:
+            out["checkpoint/save_files"] = float(self.files_written)
+        if self.bytes_reused:
+            out["checkpoint/save_bytes_reused"] = float(self.bytes_reused)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveFailed(Event):
+    """The save of ``step`` failed in its ``phase`` (``"blocking"`` or ``"background"``)
+    with an exception of type ``error_type`` (its name) and ``message``; nothing of it
+    was committed. The exception itself is raised by the manager as usual."""
+
+    phase: str
+    error_type: str
+    message: str
+
+    def scalars(self) -> dict[str, float]:
+        return {"checkpoint/save_failed": 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreDone(Event):
+    """``step`` was restored from ``tier`` (``"local"``, or ``"persistent"``: copied
+    down first) in ``seconds``. ``items``: the items read; ``files_read`` and
+    ``bytes_read``: their files as stored (None where not counted)."""
+
+    tier: str
+    seconds: float
+    items: tuple[str, ...]
+    files_read: int | None
+    bytes_read: int | None
+
+    def scalars(self) -> dict[str, float]:
+        out = {"checkpoint/restore_seconds": self.seconds}
+        if self.bytes_read is not None:
+            out["checkpoint/restore_bytes"] = float(self.bytes_read)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepsRemoved(Event):
+    """Retention removed ``removed`` (ascending) from ``tier``; ``step`` is the commit
+    that ran it (None for ``gc()``)."""
+
+    step: int | None
+    tier: str
+    removed: tuple[int, ...]
+
+    def scalars(self) -> dict[str, float]:
+        return {"checkpoint/steps_removed": float(len(self.removed))}
+
+
+def stored_size(location: Location, dirs: Iterable[str] = ("",)) -> tuple[int, int | None]:
+    """``(files, bytes)`` stored under ``dirs`` of ``location``: on a local disk one
+    walk (no link followed, no file opened); on an object store one listing each, which
+    gives no sizes (bytes None)."""
+    files, size = 0, 0
+    for d in dirs:
+        where = location.child(d) if d else location
+        if not where.is_local:
+            files += len(where.keys())
+            size = None
+            continue
+        for entry in walk_entries(where.path.rstrip("/") or "/"):
+            if entry.is_file(follow_symlinks=False):
+                files += 1
+                if size is not None:
+                    size += entry.stat(follow_symlinks=False).st_size
+    return files, size
+
+
+def measure_stored(
+    location: Location, dirs: Iterable[str] = ("",)
+) -> tuple[int, int | None] | None:
+    """:func:`stored_size`, or None (logged) when the store cannot be listed: a count
+    never fails the commit or the restore it describes."""
+    try:
+        return stored_size(location, dirs)
+    except Exception as e:  # noqa: BLE001  (the figures are left out, said so)
+        logger.warning("checkpoint: cannot count the files of %s: %s", location, e)
+        return None
+
+
+class ScalarWriter(Protocol):
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
+
+
+class MetricWriterEvents:
+    """An ``on_event`` hook writing each event's figures to a metric writer (CLU's
+    ``MetricWriter.write_scalars(step, scalars)``: ``SummaryWriter`` for TensorBoard),
+    at the event's step, so they appear beside the loss. Tags: ``checkpoint/...``
+    (``Event.scalars``). ``flush``: call ``writer.flush()`` after each write.
+
+    Threading: ``write_scalars`` is called on the thread the event comes from (the
+    save's background thread for SaveCommitted); CLU's ``SummaryWriter`` may be written
+    from several threads. For a writer that may not, give the events to a queue and
+    write them from the training loop."""
+
+    def __init__(self, writer: ScalarWriter, *, flush: bool = False):
+        if not callable(getattr(writer, "write_scalars", None)):
+            raise TypeError(
+                f"MetricWriterEvents: expected a writer with write_scalars(step, scalars), "
+                f"found {type(writer).__name__}"
+            )
+        self.writer = writer
+        self._flush = bool(flush)
+
+    def __call__(self, event: Event) -> None:
+        scalars = event.scalars()
+        step = event.step if event.step is not None else max(getattr(event, "removed", [0]))
+        if scalars:
+            self.writer.write_scalars(int(step), scalars)
+            if self._flush:
+                self.writer.flush()
+
+
+class Events:
+    """Delivers a manager's events: to ``jax.monitoring``, then to ``hook`` (or None).
+
+    Called from the training, save and deletion threads; one call at a time. See the
+    module docstring for the order and what happens when the hook raises."""
+
+    def __init__(self, hook: Callable[[Event], Any] | None = None):
+        self.hook = hook
+        self._lock = threading.RLock()
+        self._error: tuple[BaseException, Event] | None = None
+
+    def emit(self, event: Event) -> None:
+        """Records ``event`` and calls the hook; an exception it raises is logged and
+        kept for :meth:`raise_error` (never raised here)."""
+        with self._lock:
+            try:
+                _monitor(event)
+                if self.hook is not None:
+                    self.hook(event)
+            except Exception as e:  # kept, raised by raise_error
+                logger.error(
+                    "checkpoint: the on_event hook raised %s on %s (pid %d, thread %s); "
+                    "raised again by the next save(), wait() or close()",
+                    type(e).__name__,
+                    event,
+                    os.getpid(),
+                    threading.current_thread().name,
+                    exc_info=True,
+                )
+                if self._error is None:
+                    self._error = (e, event)
+
+    def holding(self, fn: Callable[[], Any]) -> None:
+        """``fn()``; an EventHookError it raises is kept for the next :meth:`raise_error`
+        (a close that waits, then closes the tier: raised once all of it is done)."""
+        try:
+            fn()
+        except EventHookError as e:
+            with self._lock:
+                self._error = self._error or (e.__cause__, e.event)
+
+    def raise_error(self) -> None:
+        """Training thread: raises the first hook exception not yet raised (once), as
+        an EventHookError."""
+        with self._lock:
+            kept, self._error = self._error, None
+        if kept is not None:
+            error, event = kept
+            hook_error = EventHookError(
+                f"the on_event hook raised {type(error).__name__}: {error} on "
+                f"{type(event).__name__} of step {event.step} in {event.directory} (the "
+                f"checkpoint is unaffected: fix the hook)"
+            )
+            hook_error.event = event
+            raise hook_error from error
+
+    # -- the events, as their callers have them
+
+    def save_failed(self, step: int, directory: str, phase: str, error: BaseException) -> None:
+        self.emit(SaveFailed(step, directory, phase, type(error).__name__, str(error)))
+
+    def steps_removed(self, step: int | None, directory: str, removed: list[int]) -> None:
+        if removed:
+            self.emit(StepsRemoved(step, directory, "local", tuple(sorted(removed))))
+
+
+def _monitor(event: Event) -> None:
+    """``event`` as ``jax.monitoring`` records (names: MONITORING_NAMES)."""
+    n = MONITORING_NAMES
+    if isinstance(event, StepsRemoved):
+        for s in event.removed:
+            jax.monitoring.record_event(n["step_removed"], step=s)
+        return
+    step = int(event.step)
+    if isinstance(event, SaveStarted):
+        jax.monitoring.record_event(n["save_started"], step=step)
+    elif isinstance(event, SaveBlockingDone):
+        jax.monitoring.record_event_duration_secs(
+            n["save_blocking_secs"], event.blocking_seconds, step=step
+        )
+    elif isinstance(event, SaveCommitted):
+        jax.monitoring.record_event(n["save_committed"], step=step)
+        jax.monitoring.record_event_duration_secs(
+            n["save_background_secs"], event.background_seconds, step=step
+        )
+        if event.bytes_written is not None:
+            jax.monitoring.record_scalar(n["save_bytes"], event.bytes_written, step=step)
+        if event.files_written is not None:
+            jax.monitoring.record_scalar(n["save_files"], event.files_written, step=step)
+    elif isinstance(event, SaveFailed):
+        jax.monitoring.record_event(n["save_failed"], step=step)
+    elif isinstance(event, RestoreDone):
+        jax.monitoring.record_event_duration_secs(n["restore_secs"], event.seconds, step=step)
+        if event.bytes_read is not None:
+            jax.monitoring.record_scalar(n["restore_bytes"], event.bytes_read, step=step)

@@ -1,0 +1,296 @@
+"""Checkpoint events (``on_event=``): their order and threads across a run, figures
+checked against the files on disk, a hook that raises, ``jax.monitoring`` and a real
+CLU metric writer."""
+
+import collections
+import logging
+import os
+import threading
+
+import jax.monitoring
+import numpy as np
+import pytest
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin._base import faults as _faults
+from flax_orbax_plugin._manager.events import MONITORING_NAMES
+
+pytest_plugins = ["_servers"]
+
+
+def tree(value: float = 0.0):
+    return {"params": {"w": np.arange(3000.0) + value, "b": np.ones(7, np.float32)}}
+
+
+class Recorder:
+    """An on_event hook noting each event and the thread that delivered it."""
+
+    def __init__(self, fail_on=None):
+        self.events, self.threads, self._fail_on = [], [], fail_on
+
+    def __call__(self, event):
+        self.events.append(event)
+        self.threads.append(threading.current_thread().name)
+        if self._fail_on is not None and self._fail_on(event):
+            raise RuntimeError(f"hook broke on {type(event).__name__}")
+
+    def kinds(self):
+        return [(type(e).__name__, e.step) for e in self.events]
+
+
+def on_disk(path) -> tuple[int, int]:
+    """(files, bytes) under ``path``, walked here."""
+    files = size = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            files += 1
+            size += os.lstat(os.path.join(root, name)).st_size
+    return files, size
+
+
+def steps_on_disk(path) -> list[str]:
+    return sorted(n for n in os.listdir(path) if not n.startswith("."))  # not the lock
+
+
+def test_events_arrive_in_order_on_their_threads_across_a_run(tmp_path, monkeypatch):
+    """Async saves, a save failing in its background phase (FOP_FAIL_AT), a blocking
+    phase failing, then a restore: every event in the documented order and thread."""
+    rec = Recorder()
+    d = tmp_path / "run"
+    with fop.CheckpointManager(d, on_event=rec) as mngr:
+        mngr.save(1, tree(1))
+        mngr.save(2, tree(2))
+        mngr.wait()
+        # The 2nd small file write fails: past the staging claim, in the background.
+        monkeypatch.setattr(_faults, "_HITS", collections.Counter())
+        monkeypatch.setenv("FOP_FAIL_AT", "write_small:2")
+        mngr.save(3, tree(3))
+        with pytest.raises(OSError, match="injected fault at write_small"):
+            mngr.wait()
+        # The 1st fails: the staging claim, in the blocking phase.
+        monkeypatch.setattr(_faults, "_HITS", collections.Counter())
+        monkeypatch.setenv("FOP_FAIL_AT", "write_small")
+        with pytest.raises(OSError, match="injected fault at write_small"):
+            mngr.save(4, tree(4))
+        monkeypatch.delenv("FOP_FAIL_AT")
+        mngr.save(5, tree(5))
+        mngr.wait()
+        restored = mngr.restore()
+    np.testing.assert_array_equal(restored["params"]["w"], tree(5)["params"]["w"])
+    assert rec.kinds() == [
+        ("SaveStarted", 1),
+        ("SaveBlockingDone", 1),
+        ("SaveCommitted", 1),
+        ("SaveStarted", 2),
+        ("SaveBlockingDone", 2),
+        ("SaveCommitted", 2),
+        ("SaveStarted", 3),
+        ("SaveBlockingDone", 3),
+        ("SaveFailed", 3),
+        ("SaveStarted", 4),
+        ("SaveFailed", 4),
+        ("SaveStarted", 5),
+        ("SaveBlockingDone", 5),
+        ("SaveCommitted", 5),
+        ("RestoreDone", 5),
+    ]
+    main = threading.main_thread().name
+    for event, thread in zip(rec.events, rec.threads, strict=True):
+        background = isinstance(event, fop.SaveCommitted) or (
+            isinstance(event, fop.SaveFailed) and event.phase == "background"
+        )
+        assert thread == ("fop-save" if background else main), (event, thread)
+    failed3, failed4 = (e for e in rec.events if isinstance(e, fop.SaveFailed))
+    assert (failed3.phase, failed3.error_type) == ("background", "InjectedFault")
+    assert "injected fault at write_small" in failed3.message
+    assert (failed4.phase, failed4.error_type) == ("blocking", "InjectedFault")
+    done = rec.events[-1]
+    assert (done.tier, done.items, done.directory) == ("local", ("params",), str(d))
+    assert done.seconds > 0
+    assert steps_on_disk(d) == ["1", "2", "5"]  # the failed steps left nothing
+
+
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_save_and_restore_counts_are_the_files_on_disk(tmp_path, format_version):
+    rec = Recorder()
+    d = tmp_path / "run"
+    it = fop.StepIndexedIterator(lambda i: i)
+    with fop.CheckpointManager(d, format_version=format_version, on_event=rec) as mngr:
+        mngr.save(1, tree(1), data_iterator=it, extras={"loss": 0.5})
+        mngr.wait()
+        mngr.restore(items=("params",))
+        mngr.restore(data_iterator=it)
+    committed = next(e for e in rec.events if isinstance(e, fop.SaveCommitted))
+    assert (committed.files_written, committed.bytes_written) == on_disk(d / "1")
+    assert committed.array_bytes == 3000 * 8 + 7 * 4
+    assert committed.gigabytes_per_second == pytest.approx(
+        committed.bytes_written / committed.background_seconds / 1e9
+    )
+    assert committed.total_seconds == pytest.approx(
+        committed.blocking_seconds + committed.background_seconds
+    )
+    params_only, everything = (e for e in rec.events if isinstance(e, fop.RestoreDone))
+    assert params_only.items == ("params",)
+    assert (params_only.files_read, params_only.bytes_read) == on_disk(d / "1" / "params")
+    assert set(everything.items) == {"params", "extras", "data_iterator"}
+    parts = [on_disk(d / "1" / name) for name in everything.items]
+    assert everything.files_read == sum(p[0] for p in parts)
+    assert everything.bytes_read == sum(p[1] for p in parts)
+
+
+def test_an_object_store_step_counts_its_objects(s3_location):
+    rec = Recorder()
+    with fop.CheckpointManager(s3_location.url, on_event=rec) as mngr:
+        mngr.save(1, tree(1))
+    committed = next(e for e in rec.events if isinstance(e, fop.SaveCommitted))
+    assert committed.files_written == len(s3_location.join("1").keys())
+    assert committed.bytes_written is None  # the listing gives no sizes: not guessed
+    assert committed.array_bytes == 3000 * 8 + 7 * 4
+
+
+def test_retention_and_a_restore_from_the_persistent_tier(tmp_path):
+    rec = Recorder()
+    remote = tmp_path / "remote"
+    with fop.CheckpointManager(tmp_path / "a", keep=1, persistent=remote, on_event=rec) as m:
+        for step in (1, 2):
+            m.save(step, tree(step))
+            m.wait()
+            m.persistent.wait()  # replicated: local retention may delete it
+        m.save(3, tree(3))
+        m.wait()
+    removed = [e for e in rec.events if isinstance(e, fop.StepsRemoved)]
+    assert [(e.step, e.removed, e.tier) for e in removed] == [
+        (2, (1,), "local"),
+        (3, (2,), "local"),
+    ]
+    assert rec.threads[rec.events.index(removed[0])].startswith("fop-retention")
+    rec2 = Recorder()
+    with fop.CheckpointManager(tmp_path / "b", persistent=remote, on_event=rec2) as m:
+        m.restore()
+        m.restore()  # copied down by the first: local now
+    first, second = (e for e in rec2.events if isinstance(e, fop.RestoreDone))
+    assert (first.step, first.tier, second.tier) == (3, "persistent", "local")
+
+
+def test_a_hook_that_raises_loses_no_step_and_is_raised_at_the_next_call(tmp_path, caplog):
+    rec = Recorder(fail_on=lambda e: isinstance(e, fop.SaveCommitted) and e.step == 1)
+    d = tmp_path / "run"
+    mngr = fop.CheckpointManager(d, on_event=rec)
+    with caplog.at_level(logging.ERROR, logger="flax_orbax_plugin"):
+        mngr.save(1, tree(1))
+        with pytest.raises(fop.EventHookError, match="SaveCommitted of step 1") as info:
+            mngr.wait()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert isinstance(info.value.event, fop.SaveCommitted)
+    assert any("on_event hook raised RuntimeError" in r.getMessage() for r in caplog.records)
+    assert mngr.steps() == [1]  # committed all the same
+    mngr.wait()  # raised once
+    mngr.save(2, tree(2))  # the run goes on
+    mngr.close()
+    assert steps_on_disk(d) == ["1", "2"]
+    assert [k for k in rec.kinds() if k[0] == "SaveCommitted"] == [
+        ("SaveCommitted", 1),
+        ("SaveCommitted", 2),
+    ]
+
+
+def test_a_hook_error_is_raised_by_the_next_save_and_by_close_once_closed(tmp_path):
+    rec = Recorder(fail_on=lambda e: isinstance(e, fop.SaveCommitted))
+    d, remote = tmp_path / "run", tmp_path / "remote"
+    mngr = fop.CheckpointManager(d, persistent=remote, on_event=rec)
+    mngr.save(1, tree(1))
+    mngr._inflight.wait()  # committed; the hook raised on the save's thread
+    with pytest.raises(fop.EventHookError):
+        mngr.save(2, tree(2))  # raised as a background error is: before it saves
+    mngr.save(2, tree(2))
+    with pytest.raises(fop.EventHookError, match="step 2"):
+        mngr.close()  # raised once the tier replicated and the lock was released
+    assert fop.CheckpointManager(remote, read_only=True).steps() == [1, 2]
+    fop.CheckpointManager(d).close()  # the directory is free again
+
+
+def test_jax_monitoring_listeners_receive_the_events(tmp_path):
+    seen = []
+
+    def on_event(event, **kw):
+        seen.append(("event", event, None, kw))
+
+    def on_duration(event, duration, **kw):
+        seen.append(("duration", event, duration, kw))
+
+    def on_scalar(event, value, **kw):
+        seen.append(("scalar", event, value, kw))
+
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_scalar_listener(on_scalar)
+    try:
+        with fop.CheckpointManager(tmp_path / "run", keep=1) as mngr:  # no hook needed
+            mngr.save(1, tree(1))
+            mngr.save(2, tree(2))
+            mngr.wait()
+            mngr.restore()
+    finally:
+        jax.monitoring.unregister_event_listener(on_event)
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+        jax.monitoring.unregister_scalar_listener(on_scalar)
+    ours = [s for s in seen if s[1].startswith("/flax_orbax_plugin/")]
+    n = MONITORING_NAMES
+    names = [(kind, name, kw["step"]) for kind, name, _, kw in ours]
+    for step in (1, 2):
+        assert names.index(("event", n["save_started"], step)) < names.index(
+            ("duration", n["save_blocking_secs"], step)
+        )
+        assert ("event", n["save_committed"], step) in names
+        assert ("duration", n["save_background_secs"], step) in names
+    assert ("event", n["step_removed"], 1) in names
+    assert ("duration", n["restore_secs"], 2) in names
+    files, size = on_disk(tmp_path / "run" / "2")
+    values = {(name, kw["step"]): value for kind, name, value, kw in ours if kind == "scalar"}
+    assert values[(n["save_bytes"], 2)] == size
+    assert values[(n["save_files"], 2)] == files
+
+
+def test_options_are_checked(tmp_path):
+    with pytest.raises(fop.OptionTypeError, match="on_event"):
+        fop.CheckpointManager(tmp_path / "a", on_event="print")
+    with pytest.raises(fop.OptionTypeError, match="on_event"):
+        fop.CheckpointCallback(tmp_path / "b", on_event=3)
+    with pytest.raises(fop.OptionError, match="on_event"):
+        fop.CheckpointCallback(tmp_path / "c", manager_options={"on_event": print})
+    with pytest.raises(TypeError, match="write_scalars"):
+        fop.MetricWriterEvents(object())
+
+
+def test_clu_summary_writer_gets_the_figures_beside_the_loss(tmp_path):
+    """The callback's events through the adapter into a real CLU SummaryWriter; the
+    TensorBoard event file read back with TensorFlow's own reader."""
+    # Imported here: TensorFlow takes seconds to import, and only this test needs it.
+    import tensorflow as tf
+    from clu import metric_writers
+
+    logdir = tmp_path / "logs"
+    writer = metric_writers.SummaryWriter(str(logdir))
+    cb = fop.CheckpointCallback(
+        tmp_path / "run", every_steps=2, on_event=fop.MetricWriterEvents(writer)
+    )
+    state = tree(0)
+    for step in range(1, 5):
+        writer.write_scalars(step, {"loss": 1.0 / step})
+        cb.on_step_end(step, state)
+    cb.on_train_end(state)
+    writer.close()
+    found = {}
+    for path in logdir.iterdir():
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                found[(value.tag, event.step)] = float(tf.make_ndarray(value.tensor))
+    for step in (2, 4):
+        assert found[("loss", step)] == pytest.approx(1.0 / step)
+        assert found[("checkpoint/save_blocking_seconds", step)] > 0
+        assert found[("checkpoint/save_background_seconds", step)] > 0
+        assert found[("checkpoint/save_gbytes_per_sec", step)] > 0
+        files, size = on_disk(tmp_path / "run" / str(step))
+        assert found[("checkpoint/save_bytes", step)] == size
+        assert found[("checkpoint/save_files", step)] == files
+    assert ("checkpoint/save_bytes", 3) not in found
