@@ -24,9 +24,13 @@ raises (unless ``overwrite=True``, which removes them first); steps must increas
 a ``step`` different from ``state.step`` is warned about once.
 
 Each committed save is logged once, when it commits, on the ``flax_orbax_plugin``
-logger; with a ``writer``, ``writer.write_scalars(step, {...})`` (CLU's metric-writer
-shape) also receives ``checkpoint/blocking_seconds``, ``checkpoint/total_seconds``,
-``checkpoint/bytes`` and ``checkpoint/gbytes_per_sec``.
+logger (at DEBUG with a ``writer`` or an ``on_event`` hook, which report it); with a
+``writer``, ``writer.write_scalars(step, {...})`` (CLU's metric-writer shape) also
+receives ``checkpoint/blocking_seconds``, ``checkpoint/total_seconds``,
+``checkpoint/bytes`` and ``checkpoint/gbytes_per_sec`` on the training thread. Every
+event of the manager (started, blocking done, committed, failed, restored, removed,
+with the committed files counted on the store) goes to ``on_event``:
+``on_event=fop.MetricWriterEvents(writer)`` writes them to a CLU metric writer.
 """
 
 from __future__ import annotations
@@ -148,8 +152,8 @@ class CheckpointCallback:
         """The CheckpointManager, created on first use."""
         if self._manager is None:
             self._manager = CheckpointManager(self.directory, **self._manager_kwargs())
-            if self._writer is not None:
-                self._manager.commit_log_level = logging.DEBUG  # the writer reports it
+            if self._writer is not None or self._on_event is not None:
+                self._manager.commit_log_level = logging.DEBUG  # the writer or hook reports it
         return self._manager
 
     def _manager_kwargs(self) -> dict[str, Any]:

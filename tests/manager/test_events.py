@@ -5,8 +5,11 @@ CLU metric writer."""
 import collections
 import logging
 import os
+import re
 import threading
+from pathlib import Path
 
+import _paths
 import jax.monitoring
 import numpy as np
 import pytest
@@ -262,35 +265,38 @@ def test_options_are_checked(tmp_path):
         fop.MetricWriterEvents(object())
 
 
-def test_clu_summary_writer_gets_the_figures_beside_the_loss(tmp_path):
-    """The callback's events through the adapter into a real CLU SummaryWriter; the
-    TensorBoard event file read back with TensorFlow's own reader."""
+def readme_snippet(containing: str) -> str:
+    text = (Path(_paths.REPO) / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+    (code,) = [b for b in blocks if containing in b]
+    return code
+
+
+def test_clu_summary_writer_gets_the_figures_beside_the_loss(tmp_path, caplog):
+    """README's snippet, verbatim: the callback's events through the adapter into a
+    real CLU SummaryWriter; the TensorBoard event file read back with TensorFlow's own
+    reader. The save's thread writes to the writer while the loop writes the loss."""
     # Imported here: TensorFlow takes seconds to import, and only this test needs it.
     import tensorflow as tf
-    from clu import metric_writers
 
-    logdir = tmp_path / "logs"
-    writer = metric_writers.SummaryWriter(str(logdir))
-    cb = fop.CheckpointCallback(
-        tmp_path / "run", every_steps=2, on_event=fop.MetricWriterEvents(writer)
-    )
-    state = tree(0)
-    for step in range(1, 5):
-        writer.write_scalars(step, {"loss": 1.0 / step})
-        cb.on_step_end(step, state)
-    cb.on_train_end(state)
-    writer.close()
+    logdir, directory = tmp_path / "logs", tmp_path / "run"
+    names = dict(fop=fop, logdir=str(logdir), directory=str(directory), num_steps=200)
+    names.update(state=tree(0), train_step=lambda state, step: (state, 1.0 / step))
+    with caplog.at_level(logging.DEBUG, logger="flax_orbax_plugin"):
+        exec(compile(readme_snippet("MetricWriterEvents"), "<README.md snippet>", "exec"), names)
+    committed_lines = [r for r in caplog.records if "committed step" in r.getMessage()]
+    assert committed_lines and {r.levelno for r in committed_lines} == {logging.DEBUG}
     found = {}
     for path in logdir.iterdir():
         for event in tf.compat.v1.train.summary_iterator(str(path)):
             for value in event.summary.value:
                 found[(value.tag, event.step)] = float(tf.make_ndarray(value.tensor))
-    for step in (2, 4):
+    for step in (100, 200):
         assert found[("loss", step)] == pytest.approx(1.0 / step)
         assert found[("checkpoint/save_blocking_seconds", step)] > 0
         assert found[("checkpoint/save_background_seconds", step)] > 0
         assert found[("checkpoint/save_gbytes_per_sec", step)] > 0
-        files, size = on_disk(tmp_path / "run" / str(step))
+        files, size = on_disk(directory / str(step))
         assert found[("checkpoint/save_bytes", step)] == size
         assert found[("checkpoint/save_files", step)] == files
-    assert ("checkpoint/save_bytes", 3) not in found
+    assert ("checkpoint/save_bytes", 199) not in found
