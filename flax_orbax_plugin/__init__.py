@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
         SaveCommitted,
         SaveFailed,
         SaveStarted,
+        StepReplicated,
         StepsRemoved,
     )
     from ._manager.manager import CheckpointManager
@@ -105,6 +106,7 @@ __all__ = [
     "SaveStarted",
     "StepIndexedIterator",
     "StepDeletedError",
+    "StepReplicated",
     "StepsRemoved",
     "StructureError",
     "TransformError",

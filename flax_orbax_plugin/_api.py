@@ -45,6 +45,7 @@ from ._manager.events import (
     SaveCommitted,
     SaveFailed,
     SaveStarted,
+    StepReplicated,
     StepsRemoved,
 )
 from ._manager.manager import CheckpointManager

@@ -11,6 +11,9 @@ Who calls the hook, on which thread, in which order (one manager, one process)::
     retention:               StepsRemoved         the deletion thread ("fop-retention"), after
                                                   the SaveCommitted of the step that ran it
                                                   (the training thread for gc())
+    persistent tier:         StepReplicated       the replication thread ("fop-replicate",
+                               or SaveFailed      the primary), after the step's SaveCommitted;
+                             StepsRemoved         its retention (tier "persistent") after it
     restore():               RestoreDone          training thread, before restore() returns
 
 A step's events come in that order, and a save's SaveCommitted (or SaveFailed) comes
@@ -64,6 +67,7 @@ __all__ = [
     "SaveCommitted",
     "SaveFailed",
     "SaveStarted",
+    "StepReplicated",
     "StepsRemoved",
     "measure_stored",
     "stored_size",
@@ -83,6 +87,8 @@ MONITORING_NAMES: Mapping[str, str] = {
     "restore_secs": f"{_P}/restore/duration_secs",
     "restore_bytes": f"{_P}/restore/bytes_read",
     "step_removed": f"{_P}/retention/step_removed",
+    "replicate_secs": f"{_P}/replicate/duration_secs",
+    "replicate_bytes": f"{_P}/replicate/bytes_copied",
 }
 """The ``jax.monitoring`` names this package records (each with ``step=``)."""
 
@@ -188,6 +194,24 @@ class RestoreDone(Event):
         if self.bytes_read is not None:
             out["checkpoint/restore_bytes"] = float(self.bytes_read)
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReplicated(Event):
+    """``step`` is committed in the persistent tier (``directory``: its location), copied
+    in ``seconds``; ``files_written``, ``bytes_written``: the committed copy as stored
+    (as in SaveCommitted), ``bytes_copied``: what the copier read and sent."""
+
+    seconds: float
+    files_written: int | None
+    bytes_written: int | None
+    bytes_copied: int
+
+    def scalars(self) -> dict[str, float]:
+        return {
+            "checkpoint/replicate_seconds": self.seconds,
+            "checkpoint/replicate_bytes": float(self.bytes_copied),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,9 +352,11 @@ class Events:
     def save_failed(self, step: int, directory: str, phase: str, error: BaseException) -> None:
         self.emit(SaveFailed(step, directory, phase, type(error).__name__, str(error)))
 
-    def steps_removed(self, step: int | None, directory: str, removed: list[int]) -> None:
+    def steps_removed(
+        self, step: int | None, directory: str, removed: list[int], tier: str = "local"
+    ) -> None:
         if removed:
-            self.emit(StepsRemoved(step, directory, "local", tuple(sorted(removed))))
+            self.emit(StepsRemoved(step, directory, tier, tuple(sorted(removed))))
 
 
 def _monitor(event: Event) -> None:
@@ -358,6 +384,9 @@ def _monitor(event: Event) -> None:
             jax.monitoring.record_scalar(n["save_files"], event.files_written, step=step)
     elif isinstance(event, SaveFailed):
         jax.monitoring.record_event(n["save_failed"], step=step)
+    elif isinstance(event, StepReplicated):
+        jax.monitoring.record_event_duration_secs(n["replicate_secs"], event.seconds, step=step)
+        jax.monitoring.record_scalar(n["replicate_bytes"], event.bytes_copied, step=step)
     elif isinstance(event, RestoreDone):
         jax.monitoring.record_event_duration_secs(n["restore_secs"], event.seconds, step=step)
         if event.bytes_read is not None:

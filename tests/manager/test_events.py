@@ -151,28 +151,60 @@ def test_an_object_store_step_counts_its_objects(s3_location):
     assert committed.array_bytes == 3000 * 8 + 7 * 4
 
 
-def test_retention_and_a_restore_from_the_persistent_tier(tmp_path):
+def test_retention_replication_and_a_restore_from_the_persistent_tier(tmp_path):
     rec = Recorder()
     remote = tmp_path / "remote"
-    with fop.CheckpointManager(tmp_path / "a", keep=1, persistent=remote, on_event=rec) as m:
+    options = dict(keep=1, persistent=remote, persistent_keep=2, on_event=rec)
+    with fop.CheckpointManager(tmp_path / "a", **options) as m:
         for step in (1, 2):
             m.save(step, tree(step))
             m.wait()
             m.persistent.wait()  # replicated: local retention may delete it
         m.save(3, tree(3))
         m.wait()
-    removed = [e for e in rec.events if isinstance(e, fop.StepsRemoved)]
-    assert [(e.step, e.removed, e.tier) for e in removed] == [
-        (2, (1,), "local"),
-        (3, (2,), "local"),
-    ]
-    assert rec.threads[rec.events.index(removed[0])].startswith("fop-retention")
+    removed = [(e.step, e.removed, e.tier) for e in rec.events if isinstance(e, fop.StepsRemoved)]
+    assert [r for r in removed if r[2] == "local"] == [(2, (1,), "local"), (3, (2,), "local")]
+    assert [r for r in removed if r[2] == "persistent"] == [(3, (1,), "persistent")]
+    for event, thread in zip(rec.events, rec.threads, strict=True):
+        if isinstance(event, fop.StepsRemoved):
+            want = "fop-retention" if event.tier == "local" else "fop-replicate"
+            assert thread.startswith(want), (event, thread)
+    replicated = [e for e in rec.events if isinstance(e, fop.StepReplicated)]
+    assert [e.step for e in replicated] == [1, 2, 3]
+    assert rec.threads[rec.events.index(replicated[0])] == "fop-replicate"
+    kinds = rec.kinds()
+    for step in (1, 2, 3):  # committed here first, then copied
+        assert kinds.index(("SaveCommitted", step)) < kinds.index(("StepReplicated", step))
+    last = replicated[-1]
+    assert last.directory == str(remote)
+    assert (last.files_written, last.bytes_written) == on_disk(remote / "3")
+    assert 0 < last.bytes_copied <= last.bytes_written
     rec2 = Recorder()
     with fop.CheckpointManager(tmp_path / "b", persistent=remote, on_event=rec2) as m:
         m.restore()
         m.restore()  # copied down by the first: local now
     first, second = (e for e in rec2.events if isinstance(e, fop.RestoreDone))
     assert (first.step, first.tier, second.tier) == (3, "persistent", "local")
+
+
+def test_a_failed_replication_is_an_event(tmp_path, monkeypatch):
+    """FOP_FAIL_AT=replicate_file: every copy attempt fails; once the retries are spent
+    the tier reports SaveFailed (phase "replication") and wait() raises as before."""
+    rec = Recorder()
+    monkeypatch.setattr(_faults, "_HITS", collections.Counter())
+    monkeypatch.setenv("FOP_FAIL_AT", "replicate_file")
+    monkeypatch.setattr("flax_orbax_plugin._manager.tiers.replicator.RETRY_DELAY_S", 0.0)
+    m = fop.CheckpointManager(tmp_path / "a", persistent=tmp_path / "remote", on_event=rec)
+    m.save(1, tree(1))
+    m.wait()
+    with pytest.raises(fop.ReplicationError):
+        m.persistent.wait()
+    monkeypatch.delenv("FOP_FAIL_AT")
+    m.close()
+    (failed,) = [e for e in rec.events if isinstance(e, fop.SaveFailed)]
+    assert (failed.step, failed.phase, failed.error_type) == (1, "replication", "ReplicationError")
+    assert failed.directory == str(tmp_path / "remote")
+    assert "injected fault at replicate_file" in failed.message
 
 
 def test_a_hook_that_raises_loses_no_step_and_is_raised_at_the_next_call(tmp_path, caplog):
