@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from .._core.save import SaveResult
+from .._errors import EventHookError
 from .._like.transform import changes as check_changes
 from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state
@@ -89,7 +90,8 @@ class CheckpointCallback:
         :class:`CheckpointManager`'s events: docs/manager.md, "Events");
         ``fop.MetricWriterEvents(writer)`` writes them to a CLU metric writer. An
         exception it raises is logged and raised again (EventHookError) by the next
-        ``on_step_end``, ``wait`` or ``on_train_end``; the step it reported on is kept.
+        ``on_step_end`` that saves (once its step is saved), ``wait`` or
+        ``on_train_end`` (once the last step is saved and the manager closed).
       manager_options: further keyword arguments for :class:`CheckpointManager`,
         e.g. ``{"persistent": "gs://bucket/run", "persistent_keep": 1}``: then
         ``directory`` is the fast local tier and resuming takes the newest good step
@@ -242,12 +244,23 @@ class CheckpointCallback:
         return self._save(step, state, t=t, force=False)
 
     def on_train_end(self, state: Any, step: int | None = None) -> None:
-        """Saves the final step (unless already saved), waits for it, and closes."""
+        """Saves the final step (unless already saved), waits for it, and closes; then
+        raises the first error of an ``on_event`` hook not raised yet."""
         if step is None:
             step = _step_of(state, self._last_step)
+        first = None  # a hook's error raised by the last save (its step is saved all the same)
         if step is not None and int(step) != self._last_saved_step:
-            self._save(int(step), state, t=None, force=True)
-        self.close()
+            try:
+                self._save(int(step), state, t=None, force=True)
+            except EventHookError as e:
+                first = e
+        try:
+            self.close()
+        except EventHookError:
+            if first is None:
+                raise
+        if first is not None:  # once closed; a later hook error was logged
+            raise first
 
     def __call__(self, step: int, t: float | None = None) -> bool:
         """CLU-style hook: reads the state from ``state_fn`` and calls ``on_step_end``."""

@@ -27,8 +27,9 @@ return quickly (a save's commit waits for it).
 A hook that raises loses no step and breaks no save: the exception is logged at once
 (ERROR, with its traceback, on the ``flax_orbax_plugin`` logger) and the first one is
 raised again, as :class:`EventHookError` (its ``__cause__`` the hook's exception), by
-the manager's next ``save()`` (before it decides, as a background save error is),
-``wait()`` or ``close()`` (once closed). The save whose event it was stays committed.
+the manager's next ``save()`` that saves (as it returns: its own step is saved too),
+``wait()`` or ``close()`` (once closed); a save on SIGTERM still exits with
+SystemExit. The save whose event it was stays committed.
 
 Figures are this process's. ``SaveCommitted.files_written`` and ``bytes_written`` are
 the files of the committed step as stored, counted by the primary once it committed
@@ -304,16 +305,21 @@ class Events:
 
     def emit(self, event: Event) -> None:
         """Records ``event`` and calls the hook; an exception it raises is logged and
-        kept for :meth:`raise_error` (never raised here)."""
+        kept for :meth:`raise_error` (never raised here, but a KeyboardInterrupt or
+        SystemExit on the main thread: on a background thread even those are kept, so
+        the commit's bookkeeping, the tier and retention still run)."""
         with self._lock:
             try:
                 _monitor(event)
                 if self.hook is not None:
                     self.hook(event)
-            except Exception as e:  # kept, raised by raise_error
+            except BaseException as e:  # kept, raised by raise_error
+                interrupt = isinstance(e, KeyboardInterrupt | SystemExit)
+                if interrupt and threading.current_thread() is threading.main_thread():
+                    raise  # the user's own Ctrl-C or exit, on the training thread
                 logger.error(
                     "checkpoint: the on_event hook raised %s on %s (pid %d, thread %s); "
-                    "raised again by the next save(), wait() or close()",
+                    "raised again by the next save() that saves, wait() or close()",
                     type(e).__name__,
                     event,
                     os.getpid(),

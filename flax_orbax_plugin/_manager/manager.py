@@ -73,8 +73,7 @@ class CheckpointManager:
       persistent: a second, persistent tier (``s3://``, ``gs://``, a shared
         filesystem path) to which every step committed in ``directory`` (then a
         local disk, shared or each host's own) is replicated in the background, with
-        its own commit; restore takes the newest good step of either tier. See
-        docs/tiers.md.
+        its own commit; restore takes the newest good step of either tier (docs/tiers.md).
       persistent_keep, persistent_keep_every: the persistent tier's retention (as
         ``keep`` and ``keep_every``; ``persistent_keep=None`` keeps every step there).
       persistent_every: only committed steps divisible by it (as ``keep_every``) and
@@ -257,8 +256,9 @@ class CheckpointManager:
         if not self._async or preempted:
             self._wait_inflight()
         if preempted:
-            self.close()
+            self._book.events.holding(self.close)  # a hook's error (logged) never stops it
             raise SystemExit(128 + signal.SIGTERM)
+        self._book.events.raise_error()  # a hook's, once this step is saved too
         return True
 
     def gc(self) -> list[int]:

@@ -98,12 +98,10 @@ class Saver:
         return handle is not None and not handle.done()
 
     def raise_background_error(self) -> None:
-        """Re-raises the error of a save that failed in the background, if any, then
-        an on_event hook's (``events``)."""
+        """Re-raises the error of a save that failed in the background, if any."""
         handle = self.inflight
         if handle is not None and handle.done():
             self.wait()
-        self._book.events.raise_error()
 
     def wait(self) -> None:
         """Waits for the save in flight; re-raises its error (once)."""

@@ -232,16 +232,51 @@ def test_a_hook_that_raises_loses_no_step_and_is_raised_at_the_next_call(tmp_pat
 def test_a_hook_error_is_raised_by_the_next_save_and_by_close_once_closed(tmp_path):
     rec = Recorder(fail_on=lambda e: isinstance(e, fop.SaveCommitted))
     d, remote = tmp_path / "run", tmp_path / "remote"
-    mngr = fop.CheckpointManager(d, persistent=remote, on_event=rec)
-    mngr.save(1, tree(1))
-    mngr._inflight.wait()  # committed; the hook raised on the save's thread
-    with pytest.raises(fop.EventHookError):
-        mngr.save(2, tree(2))  # raised as a background error is: before it saves
+    mngr = fop.CheckpointManager(d, persistent=remote, every_steps=2, on_event=rec)
     mngr.save(2, tree(2))
+    mngr._inflight.wait()  # committed; the hook raised on the save's thread
+    assert mngr.save(3, tree(3)) is False  # not saved by the policy: nothing raised
     with pytest.raises(fop.EventHookError, match="step 2"):
+        mngr.save(4, tree(4))  # raised as it returns: step 4 is being saved all the same
+    assert mngr.save_in_flight or mngr.last_save.step == 4
+    with pytest.raises(fop.EventHookError, match="step 4"):
         mngr.close()  # raised once the tier replicated and the lock was released
-    assert fop.CheckpointManager(remote, read_only=True).steps() == [1, 2]
+    assert fop.CheckpointManager(remote, read_only=True).steps() == [2, 4]
     fop.CheckpointManager(d).close()  # the directory is free again
+
+
+def test_a_hook_exiting_on_the_save_thread_still_lets_the_step_replicate(tmp_path):
+    """SystemExit from the hook on the save's thread: kept like any error, so the
+    commit's bookkeeping goes on (the tier copies the step, retention runs)."""
+
+    def hook(event):
+        if isinstance(event, fop.SaveCommitted):
+            raise SystemExit(3)
+
+    remote = tmp_path / "remote"
+    mngr = fop.CheckpointManager(tmp_path / "a", keep=1, persistent=remote, on_event=hook)
+    mngr.save(1, tree(1))
+    with pytest.raises(fop.EventHookError) as info:
+        mngr.wait()
+    assert isinstance(info.value.__cause__, SystemExit)
+    mngr.persistent.wait()
+    assert fop.CheckpointManager(remote, read_only=True).steps() == [1]
+    mngr.close()  # raised once, by wait()
+
+
+def test_the_callback_raises_a_hook_error_at_the_next_step_and_keeps_every_step(tmp_path):
+    rec = Recorder(fail_on=lambda e: isinstance(e, fop.SaveCommitted))
+    d = tmp_path / "run"
+    cb = fop.CheckpointCallback(d, every_steps=2, keep=None, on_event=rec)
+    cb.on_step_end(1, tree(1))
+    cb.on_step_end(2, tree(2))  # committed; the hook raised on it
+    cb.on_step_end(3, tree(3))  # not saved: nothing raised
+    with pytest.raises(fop.EventHookError, match="SaveCommitted of step 2"):
+        cb.on_step_end(4, tree(4))  # step 4 saved, then raised
+    with pytest.raises(fop.EventHookError, match="SaveCommitted of step 4"):
+        cb.on_train_end(tree(5), step=5)  # the last step saved, then raised once closed
+    assert steps_on_disk(d) == ["2", "4", "5"]
+    fop.CheckpointManager(d).close()  # released
 
 
 def test_jax_monitoring_listeners_receive_the_events(tmp_path):
