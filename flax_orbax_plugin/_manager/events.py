@@ -267,29 +267,26 @@ class MetricWriterEvents:
     """An ``on_event`` hook writing each event's figures to a metric writer (CLU's
     ``MetricWriter.write_scalars(step, scalars)``: ``SummaryWriter`` for TensorBoard),
     at the event's step, so they appear beside the loss. Tags: ``checkpoint/...``
-    (``Event.scalars``). ``flush``: call ``writer.flush()`` after each write.
+    (``Event.scalars``); an event without figures (SaveStarted) writes nothing.
 
     Threading: ``write_scalars`` is called on the thread the event comes from (the
     save's background thread for SaveCommitted); CLU's ``SummaryWriter`` may be written
     from several threads. For a writer that may not, give the events to a queue and
     write them from the training loop."""
 
-    def __init__(self, writer: ScalarWriter, *, flush: bool = False):
+    def __init__(self, writer: ScalarWriter):
         if not callable(getattr(writer, "write_scalars", None)):
             raise TypeError(
                 f"MetricWriterEvents: expected a writer with write_scalars(step, scalars), "
                 f"found {type(writer).__name__}"
             )
         self.writer = writer
-        self._flush = bool(flush)
 
     def __call__(self, event: Event) -> None:
         scalars = event.scalars()
         step = event.step if event.step is not None else max(getattr(event, "removed", [0]))
         if scalars:
             self.writer.write_scalars(int(step), scalars)
-            if self._flush:
-                self.writer.flush()
 
 
 class Events:

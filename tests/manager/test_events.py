@@ -6,6 +6,7 @@ import collections
 import logging
 import os
 import re
+import signal
 import threading
 from pathlib import Path
 
@@ -277,6 +278,20 @@ def test_the_callback_raises_a_hook_error_at_the_next_step_and_keeps_every_step(
         cb.on_train_end(tree(5), step=5)  # the last step saved, then raised once closed
     assert steps_on_disk(d) == ["2", "4", "5"]
     fop.CheckpointManager(d).close()  # released
+
+
+def test_a_hook_error_never_stops_the_exit_on_sigterm(tmp_path):
+    rec = Recorder(fail_on=lambda e: isinstance(e, fop.SaveCommitted))
+    d = tmp_path / "run"
+    mngr = fop.CheckpointManager(d, every_steps=1000, handle_sigterm=True, on_event=rec)
+    mngr.save(1000, tree(1))
+    mngr._inflight.wait()  # the hook raised on its commit
+    os.kill(os.getpid(), signal.SIGTERM)  # a real notice, to the manager's handler
+    with pytest.raises(SystemExit) as info:
+        mngr.save(1001, tree(2))  # saved whatever the policy, closed, exits
+    assert info.value.code == 143
+    assert steps_on_disk(d) == ["1000", "1001"]
+    fop.CheckpointManager(d).close()  # closed and released
 
 
 def test_jax_monitoring_listeners_receive_the_events(tmp_path):
