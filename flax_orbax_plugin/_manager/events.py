@@ -26,7 +26,8 @@ return quickly (a save's commit waits for it).
 
 A hook that raises loses no step and breaks no save: the exception is logged at once
 (ERROR, with its traceback, on the ``flax_orbax_plugin`` logger) and the first one is
-raised again, as :class:`EventHookError` (its ``__cause__`` the hook's exception), by
+raised again (a SystemExit too; a Ctrl-C on the training thread goes on at once), as
+:class:`EventHookError` (its ``__cause__`` the hook's exception), by
 the manager's next ``save()`` that saves (as it returns: its own step is saved too),
 ``wait()`` or ``close()`` (once closed); a save on SIGTERM still exits with
 SystemExit. The save whose event it was stays committed.
@@ -302,18 +303,18 @@ class Events:
 
     def emit(self, event: Event) -> None:
         """Records ``event`` and calls the hook; an exception it raises is logged and
-        kept for :meth:`raise_error` (never raised here, but a KeyboardInterrupt or
-        SystemExit on the main thread: on a background thread even those are kept, so
-        the commit's bookkeeping, the tier and retention still run)."""
+        kept for :meth:`raise_error`, SystemExit too (never raised here, so a commit's
+        bookkeeping, the tier and retention always run), but a KeyboardInterrupt on the
+        main thread (a Ctrl-C while the hook ran: raised at once)."""
         with self._lock:
             try:
                 _monitor(event)
                 if self.hook is not None:
                     self.hook(event)
             except BaseException as e:  # kept, raised by raise_error
-                interrupt = isinstance(e, KeyboardInterrupt | SystemExit)
-                if interrupt and threading.current_thread() is threading.main_thread():
-                    raise  # the user's own Ctrl-C or exit, on the training thread
+                main = threading.current_thread() is threading.main_thread()
+                if isinstance(e, KeyboardInterrupt) and main:
+                    raise  # the user's Ctrl-C, on the training thread: at once
                 logger.error(
                     "checkpoint: the on_event hook raised %s on %s (pid %d, thread %s); "
                     "raised again by the next save() that saves, wait() or close()",
