@@ -28,8 +28,9 @@ A hook that raises loses no step and breaks no save: the exception is logged at 
 (ERROR, with its traceback, on the ``flax_orbax_plugin`` logger) and the first one is
 raised again (a SystemExit too; a Ctrl-C on the training thread goes on at once), as
 :class:`EventHookError` (its ``__cause__`` the hook's exception), by
-the manager's next ``save()`` that saves (as it returns: its own step is saved too),
-``wait()`` or ``close()`` (once closed); a save on SIGTERM still exits with
+the manager's next ``save()`` that saves (as it returns: its own step is saved too;
+one process only), ``wait()`` or ``close()`` (once closed; with several processes on
+every process, agreed as ``wait`` meets them); a save on SIGTERM still exits with
 SystemExit. The save whose event it was stays committed.
 
 Figures are this process's. ``SaveCommitted.files_written`` and ``bytes_written`` are
@@ -45,7 +46,6 @@ through ``record_event_duration_secs``, byte and file counts through
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -54,9 +54,20 @@ from typing import Any, Protocol
 
 import jax.monitoring
 
+from .._base import distributed as _distributed
 from .._errors import EventHookError
 from .._storage.local_files import walk_entries
 from .._storage.location import Location
+from .event_records import (
+    Event,
+    RestoreDone,
+    SaveBlockingDone,
+    SaveCommitted,
+    SaveFailed,
+    SaveStarted,
+    StepReplicated,
+    StepsRemoved,
+)
 
 __all__ = [
     "MONITORING_NAMES",
@@ -93,140 +104,6 @@ MONITORING_NAMES: Mapping[str, str] = {
     "replicate_bytes": f"{_P}/replicate/bytes_copied",
 }
 """The ``jax.monitoring`` names this package records (each with ``step=``)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """A checkpoint event of ``step`` in ``directory`` (the manager's)."""
-
-    step: int
-    directory: str
-
-    def scalars(self) -> dict[str, float]:
-        """The figures of this event for a metric writer (tag: value)."""
-        return {}
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveStarted(Event):
-    """The policy decided to save ``step``; its blocking phase begins."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveBlockingDone(Event):
-    """The blocking phase of ``step`` ended: the training loop waited
-    ``blocking_seconds``; the write and commit go on in the background."""
-
-    blocking_seconds: float
-
-    def scalars(self) -> dict[str, float]:
-        return {"checkpoint/save_blocking_seconds": self.blocking_seconds}
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveCommitted(Event):
-    """``step`` is committed in ``tier`` (``"local"``: the manager's directory).
-
-    ``background_seconds``: from the end of the blocking phase to the commit;
-    ``total_seconds``: from the start of the save. ``files_written`` and
-    ``bytes_written``: the committed step's files as stored (see the module
-    docstring; None where not counted); ``array_bytes``: array data written,
-    ``bytes_reused``: array data linked or copied from the previous step instead
-    (incremental)."""
-
-    tier: str
-    blocking_seconds: float
-    background_seconds: float
-    total_seconds: float
-    files_written: int | None
-    bytes_written: int | None
-    array_bytes: int
-    bytes_reused: int = 0
-
-    @property
-    def gigabytes_per_second(self) -> float:
-        """Stored bytes (array bytes where not counted) per background second, in GB/s."""
-        n = self.array_bytes if self.bytes_written is None else self.bytes_written
-        return n / max(self.background_seconds, 1e-9) / 1e9
-
-    def scalars(self) -> dict[str, float]:
-        out = {
-            "checkpoint/save_background_seconds": self.background_seconds,
-            "checkpoint/save_total_seconds": self.total_seconds,
-            "checkpoint/save_array_bytes": float(self.array_bytes),
-            "checkpoint/save_gbytes_per_sec": self.gigabytes_per_second,
-        }
-        if self.bytes_written is not None:
-            out["checkpoint/save_bytes"] = float(self.bytes_written)
-        if self.files_written is not None:
-            out["checkpoint/save_files"] = float(self.files_written)
-        if self.bytes_reused:
-            out["checkpoint/save_bytes_reused"] = float(self.bytes_reused)
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveFailed(Event):
-    """The save of ``step`` failed in its ``phase`` (``"blocking"`` or ``"background"``)
-    with an exception of type ``error_type`` (its name) and ``message``; nothing of it
-    was committed. The exception itself is raised by the manager as usual."""
-
-    phase: str
-    error_type: str
-    message: str
-
-    def scalars(self) -> dict[str, float]:
-        return {"checkpoint/save_failed": 1.0}
-
-
-@dataclasses.dataclass(frozen=True)
-class RestoreDone(Event):
-    """``step`` was restored from ``tier`` (``"local"``, or ``"persistent"``: copied
-    down first) in ``seconds``. ``items``: the items read; ``files_read`` and
-    ``bytes_read``: their files as stored (None where not counted)."""
-
-    tier: str
-    seconds: float
-    items: tuple[str, ...]
-    files_read: int | None
-    bytes_read: int | None
-
-    def scalars(self) -> dict[str, float]:
-        out = {"checkpoint/restore_seconds": self.seconds}
-        if self.bytes_read is not None:
-            out["checkpoint/restore_bytes"] = float(self.bytes_read)
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class StepReplicated(Event):
-    """``step`` is committed in the persistent tier (``directory``: its location), copied
-    in ``seconds``; ``files_written``, ``bytes_written``: the committed copy as stored
-    (as in SaveCommitted), ``bytes_copied``: what the copier read and sent."""
-
-    seconds: float
-    files_written: int | None
-    bytes_written: int | None
-    bytes_copied: int
-
-    def scalars(self) -> dict[str, float]:
-        return {
-            "checkpoint/replicate_seconds": self.seconds,
-            "checkpoint/replicate_bytes": float(self.bytes_copied),
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class StepsRemoved(Event):
-    """Retention removed ``removed`` (ascending) from ``tier``; ``step`` is the commit
-    that ran it (None for ``gc()``)."""
-
-    step: int | None
-    tier: str
-    removed: tuple[int, ...]
-
-    def scalars(self) -> dict[str, float]:
-        return {"checkpoint/steps_removed": float(len(self.removed))}
 
 
 def stored_size(location: Location, dirs: Iterable[str] = ("",)) -> tuple[int, int | None]:
@@ -299,11 +176,11 @@ class Events:
     def __init__(self, hook: Callable[[Event], Any] | None = None):
         self.hook = hook
         self._lock = threading.RLock()
-        self._error: tuple[BaseException, Event] | None = None
+        self._error: EventHookError | None = None  # the first not raised yet
 
     def emit(self, event: Event) -> None:
         """Records ``event`` and calls the hook; an exception it raises is logged and
-        kept for :meth:`raise_error`, SystemExit too (never raised here, so a commit's
+        kept (as an EventHookError), SystemExit too (never raised here, so a commit's
         bookkeeping, the tier and retention always run), but a KeyboardInterrupt on the
         main thread (a Ctrl-C while the hook ran: raised at once)."""
         with self._lock:
@@ -325,7 +202,13 @@ class Events:
                     exc_info=True,
                 )
                 if self._error is None:
-                    self._error = (e, event)
+                    self._error = EventHookError(
+                        f"the on_event hook raised {type(e).__name__}: {e} on "
+                        f"{type(event).__name__} of step {event.step} in {event.directory} "
+                        f"(the checkpoint is unaffected: fix the hook)"
+                    )
+                    self._error.event = event
+                    self._error.__cause__ = e
 
     def holding(self, fn: Callable[[], Any]) -> None:
         """``fn()``; an EventHookError it raises is kept for the next :meth:`raise_error`
@@ -334,22 +217,30 @@ class Events:
             fn()
         except EventHookError as e:
             with self._lock:
-                self._error = self._error or (e.__cause__, e.event)
+                self._error = self._error or e
 
-    def raise_error(self) -> None:
-        """Training thread: raises the first hook exception not yet raised (once), as
-        an EventHookError."""
+    def _take(self) -> EventHookError | None:
         with self._lock:
             kept, self._error = self._error, None
+        return kept
+
+    def raise_error(self) -> None:
+        """Training thread: raises the first hook error not yet raised (once)."""
+        kept = self._take()
         if kept is not None:
-            error, event = kept
-            hook_error = EventHookError(
-                f"the on_event hook raised {type(error).__name__}: {error} on "
-                f"{type(event).__name__} of step {event.step} in {event.directory} (the "
-                f"checkpoint is unaffected: fix the hook)"
-            )
-            hook_error.event = event
-            raise hook_error from error
+            raise kept
+
+    def raise_after_save(self) -> None:
+        """Training thread, as a save returns: :meth:`raise_error` with one process;
+        with several, nothing (:meth:`agree` raises it on every process: wait, close)."""
+        if _distributed.process_count() == 1:
+            self.raise_error()
+
+    def agree(self, kind: str, *, what: str) -> None:
+        """Collective (every process meets: one key-value round, as a barrier): raises a
+        hook error of this process, else one of another process's (naming it), on every
+        process; returns when no process has one."""
+        _distributed.agree(kind, self._take(), what=what)
 
     # -- the events, as their callers have them
 

@@ -258,7 +258,7 @@ class CheckpointManager:
         if preempted:
             self._book.events.holding(self.close)  # a hook's error (logged) never stops it
             raise SystemExit(128 + signal.SIGTERM)
-        self._book.events.raise_error()  # a hook's, once this step is saved too
+        self._book.events.raise_after_save()  # a hook's, once this step is saved too
         return True
 
     def gc(self) -> list[int]:
@@ -334,9 +334,9 @@ class CheckpointManager:
         """
         self._wait_inflight()
         self._retainer.wait()
-        # Retention runs on the primary only: meet so that every process lists the same steps.
-        _distributed.barrier(_distributed.next_operation_id("manager-wait"))
-        self._book.events.raise_error()
+        # Retention runs on the primary only: meet so that every process lists the same steps
+        # (and learns of an on_event hook's error on any of them: events.agree).
+        self._book.events.agree("manager-wait", what=f"wait of {self._loc}")
 
     def close(self) -> None:
         """Wait for the in-flight save, stop the threads, release the lock. Idempotent."""

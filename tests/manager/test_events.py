@@ -382,3 +382,61 @@ def test_clu_summary_writer_gets_the_figures_beside_the_loss(tmp_path, caplog):
         assert found[("checkpoint/save_bytes", step)] == size
         assert found[("checkpoint/save_files", step)] == files
     assert ("checkpoint/save_bytes", 199) not in found
+
+
+def events_in_two_processes(ctx, directory):
+    """Both processes save steps 1 and 2 (async); process 1's hook raises on step 1's
+    commit. Returns what each process received and raised."""
+    rec = Recorder(
+        fail_on=lambda e: ctx.process_id == 1 and isinstance(e, fop.SaveCommitted) and e.step == 1
+    )
+    raised = []
+    mngr = fop.CheckpointManager(directory, on_event=rec)
+    mngr.save(1, tree(1))
+    try:
+        mngr.wait()
+    except fop.EventHookError as e:
+        raised.append(str(e))
+    mngr.save(2, tree(2))  # the run goes on, on both
+    mngr.close()
+    counts = [
+        [e.step, e.files_written, e.bytes_written]
+        for e in rec.events
+        if isinstance(e, fop.SaveCommitted)
+    ]
+    return {"kinds": [list(k) for k in rec.kinds()], "counts": counts, "raised": raised}
+
+
+@pytest.mark.distributed
+def test_each_process_gets_its_events_and_a_hook_error_is_raised_on_every_process(tmp_path):
+    """The primary counts the committed step's files; the other process reports None.
+    A hook error on one process is raised by wait() on every process (agreed: none
+    waits for a peer that stopped), and both go on."""
+    from _multiprocess import run_processes
+
+    d = tmp_path / "run"
+    run = run_processes(
+        "test_events:events_in_two_processes",
+        2,
+        args={"directory": str(d)},
+        env={"FOP_COORDINATION_TIMEOUT_S": "20"},
+        heartbeat_timeout_s=30,
+        timeout_s=90,
+    ).check()
+    r0, r1 = run[0].result, run[1].result
+    for r in (r0, r1):
+        assert r["kinds"] == [
+            ["SaveStarted", 1],
+            ["SaveBlockingDone", 1],
+            ["SaveCommitted", 1],
+            ["SaveStarted", 2],
+            ["SaveBlockingDone", 2],
+            ["SaveCommitted", 2],
+        ]
+    assert r0["counts"] == [[1, *on_disk(d / "1")], [2, *on_disk(d / "2")]]
+    assert r1["counts"] == [[1, None, None], [2, None, None]]
+    (own,) = r1["raised"]
+    (peer,) = r0["raised"]
+    assert "hook broke on SaveCommitted" in own
+    assert "process 1 failed: EventHookError" in peer
+    assert steps_on_disk(d) == ["1", "2"]
