@@ -16,6 +16,7 @@ from ._errors import (
     CoordinationError,
     CorruptCheckpointError,
     DirectoryLockedError,
+    EventHookError,
     ForeignEntryError,
     NotCommittedError,
     NothingMatchedError,
@@ -41,6 +42,17 @@ from ._manager.checkpointables import (
     ReadRequest,
     SaveRequest,
     Written,
+)
+from ._manager.events import (
+    Event,
+    MetricWriterEvents,
+    RestoreDone,
+    SaveBlockingDone,
+    SaveCommitted,
+    SaveFailed,
+    SaveStarted,
+    StepReplicated,
+    StepsRemoved,
 )
 from ._manager.manager import CheckpointManager
 from ._reading.restore import metadata, restore

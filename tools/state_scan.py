@@ -15,7 +15,8 @@ Reads files only (nothing is imported or run). Three findings, each a list of
   rebound through ``global`` inside a function;
 - **format-version tests**: a comparison one of whose sides names ``format_version``
   (a name, an attribute or a string key), or a branch (``if``, conditional
-  expression, ``and``/``or``, ``not``) on a ``packed`` name or attribute: the code
+  expression, ``and``/``or``, ``not``) on a ``packed`` name or a chunk reader's
+  ``packed`` attribute (``direct.packed``: version 2's reader): the code
   that picks a behaviour by format version (``format_version is None`` is a test of
   presence, not counted).
 
@@ -37,6 +38,7 @@ CONTAINER_CALLS = {
     "list", "dict", "set", "Counter", "defaultdict", "deque", "OrderedDict", "count",
 }  # fmt: skip
 CONTEXT_CALLS = {"ContextVar", "local"}
+READER_NAMES = {"direct", "reader"}  # what the core calls a checkpoint's chunk reader
 
 # Module-level state kept on purpose, each with its reason (docs/architecture.md,
 # "Explicit requests"): (module, name) -> why. None of it is a mode: nothing here
@@ -189,7 +191,14 @@ def _is_packed(node: ast.AST) -> bool:
         return any(_is_packed(v) for v in node.values)
     if isinstance(node, ast.Name):
         return node.id == "packed"
-    return isinstance(node, ast.Attribute) and node.attr == "packed"
+    # a chunk reader's ``packed`` (version 2's reader); a storage record's ``packed`` is
+    # a sub-byte leaf's bit packing, no format version
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "packed"
+        and isinstance(node.value, ast.Name)
+        and node.value.id in READER_NAMES
+    )
 
 
 def scan(root: Path):

@@ -19,6 +19,7 @@ from .._format.layout.checked import show
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
+from .._zarr import subbyte as _subbyte
 from .._zarr.chunks import CHUNK_DIR
 
 
@@ -50,6 +51,8 @@ def check_claims(
             continue
         if own_copy and getattr(target.like, "sharding", None) is not None:
             continue
+        record = _subbyte.stored(record)  # a packed leaf: its bytes as stored
+        storage = record.storage
         itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
         needed = _chunk_files.array_claim(
             record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None
@@ -111,6 +114,8 @@ def check_packed_claims(location: Location, doc: CheckpointDocument, targets: li
             field = f"batches[{storage.batch!r}].size"
             _check_listed(packed, batch_dir(storage.batch), needed, where, field, batch.size)
         if isinstance(storage, ArrayStorage):
+            record = _subbyte.stored(record)  # a packed leaf: its bytes as stored
+            storage = record.storage
             itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
             needed = _chunk_files.array_claim(
                 record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None

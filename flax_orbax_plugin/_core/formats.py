@@ -50,7 +50,7 @@ class Format(Protocol):
 
     Call order on save (the background thread, every process): :meth:`reuser` and
     :meth:`wrote` while planning reuse, then :meth:`write` once. On read (the caller's
-    thread): :meth:`open` once, then :meth:`array_store`, :meth:`read_region`,
+    thread): :meth:`open` once, then :meth:`array_store`, :meth:`read_stored`,
     :meth:`batch_store` and :meth:`reads_batch_runs` per array and batch, then the
     reader's ``close()``.
     """
@@ -67,10 +67,13 @@ class Format(Protocol):
     # Every array has its own ``zarr.json``, opened through tensorstore before reading.
     array_specs: bool
 
-    def write(self, snap: Any, location: Location, *, primary: bool, found: Any) -> tuple:
-        """Writes this process's data of ``snap`` (a Snapshot) under ``location``;
-        ``found``: the reuse plan (``Plan._unchanged``) or None. Returns (bytes
-        written, {file: sha256} to record in the commit marker, bytes reused)."""
+    def write(
+        self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
+    ) -> tuple:
+        """Writes this process's data of ``snap`` (a Snapshot) under ``location``:
+        ``leaves``, its leaves as stored (sub-byte ones packed); ``found``: the reuse
+        plan (``Plan._unchanged``) or None. Returns (bytes written, {file: sha256} to
+        record in the commit marker, bytes reused)."""
 
     def reuser(self, location: Location) -> Any:
         """How this process reuses unchanged data under ``location`` (None: it cannot)."""
@@ -85,8 +88,9 @@ class Format(Protocol):
     def array_store(self, location: Location, target: Any, paths: list[str]) -> Any:
         """What tensorstore reads an array through (None: the reader alone)."""
 
-    def read_region(self, store: Any, target: Any, direct: Any, region: Any = None) -> Any:
-        """A read of ``region`` (None: all) of a stored array."""
+    def read_stored(self, store: Any, index: int, record: Any, direct: Any, region: Any) -> Any:
+        """A read of ``region`` (None: all) of leaf ``index``'s stored array, as
+        ``record`` (its stored record: a sub-byte leaf's packed bytes) describes it."""
 
     def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
         """What a batch is read through (raises one of :attr:`batch_damage` on damage)."""
@@ -95,14 +99,13 @@ class Format(Protocol):
         """Whether a batch's leaves are read in runs straight from its chunk files."""
 
 
-def _plain_read(store: Any, target: Any, direct: Any, region: Any):
+def _plain_read(index: int, record: Any, direct: Any, region: Any):
     """Whole chunks of an uncompressed array straight from the reader, where it reads
     them; None otherwise."""
-    record = target.record
     if direct is None or record.storage.codec is not None:
         return None
     dtype = _layout.dtype_from_name(record.dtype, path=record.path)
-    sub = array_dir(target.index)
+    sub = array_dir(index)
     return direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
 
 
@@ -116,11 +119,13 @@ class ChunkFiles:
     batch_damage: tuple[type[BaseException], ...] = ()
     array_specs = True
 
-    def write(self, snap: Any, location: Location, *, primary: bool, found: Any) -> tuple:
+    def write(
+        self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
+    ) -> tuple:
         links = {} if found is None else _links(location, *found)
         written, reused = write_data(
             location,
-            snap.leaves,
+            leaves,
             snap.batches,
             snap.batch_data,
             primary=primary,
@@ -144,11 +149,12 @@ class ChunkFiles:
         spec = _arrays.leaf_spec(location, target.index, target.record)
         return _reads.open_array(spec, location, paths)
 
-    def read_region(self, store: Any, target: Any, direct: Any, region: Any = None) -> Any:
-        read = _plain_read(store, target, direct, region)
+    def read_stored(self, store: Any, index: int, record: Any, direct: Any, region: Any) -> Any:
+        read = _plain_read(index, record, direct, region)
         if read is not None:
             return read
-        return _reads.ReadInto(store if region is None else store[region])
+        dtype = _layout.dtype_from_name(record.dtype, path=record.path)
+        return _reads.ReadInto(store if region is None else store[region], dtype)
 
     def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
         return _reads.open_array(_arrays.batch_spec(location, batch), location, paths)
@@ -167,10 +173,12 @@ class DataFiles:
     batch_damage: tuple[type[BaseException], ...] = (ValueError,)
     array_specs = False
 
-    def write(self, snap: Any, location: Location, *, primary: bool, found: Any) -> tuple:
+    def write(
+        self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
+    ) -> tuple:
         return write_packed(
             location,
-            snap.leaves,
+            leaves,
             snap.batches,
             snap.batch_data,
             process=_distributed.process_index(),
@@ -208,11 +216,11 @@ class DataFiles:
     def array_store(self, location: Location, target: Any, paths: list[str]) -> Any:
         return None  # every array is read through the data files' reader
 
-    def read_region(self, store: Any, target: Any, direct: Any, region: Any = None) -> Any:
-        read = _plain_read(store, target, direct, region)
+    def read_stored(self, store: Any, index: int, record: Any, direct: Any, region: Any) -> Any:
+        read = _plain_read(index, record, direct, region)
         if read is not None:
             return read
-        return direct.read_compressed(target.index, target.record, region)
+        return direct.read_compressed(index, record, region)
 
     def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
         return direct.compressed_batch(batch)  # compressed: its shards fetched; else None

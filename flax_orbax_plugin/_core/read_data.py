@@ -28,6 +28,7 @@ from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument
 from .._like import casting as _casting
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
+from .._zarr import subbyte as _subbyte
 from . import formats as _formats
 from .batch_reads import read_batch
 from .reads import Reader, corrupt, deleted_or, opened
@@ -94,6 +95,19 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
             direct.close()
 
 
+def read_region(fmt, store, target: Target, direct, region=None):
+    """A read of ``region`` (global; None: all) of a stored array in format ``fmt``
+    through ``direct`` (its reader): straight from its chunk files where they are plain
+    (local, uncompressed) and the region is whole chunks, else through tensorstore or
+    the data files' reader; a packed (sub-byte) leaf's stored bytes, unpacked."""
+    record = target.record
+    if _subbyte.is_packed(record):
+        inner, width, skip = _subbyte.stored_region(record, region)
+        read = fmt.read_stored(store, target.index, _subbyte.stored(record), direct, inner)
+        return _subbyte.Unpacked(read, record, width, skip)
+    return fmt.read_stored(store, target.index, record, direct, region)
+
+
 def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct):
     reader = Reader(request.memory_limit_bytes)
     errors: list[CorruptCheckpointError] = []
@@ -129,7 +143,9 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
             def done(data, target=target):
                 finish(target, data, reader.placer)
 
-            reader.submit(fmt.read_region(store, target, direct), nbytes, done, fail([record.path]))
+            reader.submit(
+                read_region(fmt, store, target, direct), nbytes, done, fail([record.path])
+            )
         else:
             _read_shards(reader, store, target, sharding, fail([record.path]), fmt, direct)
     for name, members in by_batch.items():
@@ -192,7 +208,9 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
             target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
         nbytes = math.prod(hi - lo for lo, hi in box) * itemsize
-        reader.submit(fmt.read_region(store, target, direct, box_index), nbytes, done_box, on_error)
+        reader.submit(
+            read_region(fmt, store, target, direct, box_index), nbytes, done_box, on_error
+        )
         return
 
     for key, devices in by_index.items():
@@ -208,7 +226,7 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
             if remaining[0] == 0:
                 target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
-        reader.submit(fmt.read_region(store, target, direct, index), nbytes, done, on_error)
+        reader.submit(read_region(fmt, store, target, direct, index), nbytes, done, on_error)
 
 
 def _bounds(key: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:

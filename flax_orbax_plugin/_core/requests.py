@@ -18,6 +18,7 @@ import dataclasses
 import threading
 from typing import Any
 
+from .._base import distributed as _distributed
 from .._base.host import BufferPool
 from .._like.casting import CAST_POLICIES
 from .._like.transform import Changes
@@ -105,6 +106,13 @@ class ReadRequest:
             raise ValueError(f"cast must be one of {CAST_POLICIES}, found {self.cast!r}")
         if self.own_copy and self.share_reads:
             raise ValueError("ReadRequest: a host's own copy is read alone (share_reads=False)")
+
+    @classmethod
+    def of_step(cls, *, own_copy: bool, changes: Changes | None) -> ReadRequest:
+        """The request of a manager step's items: each host's own directory is read by
+        each process alone (no collective); else replicated leaves are read shared."""
+        share = not own_copy and _distributed.process_count() > 1
+        return cls(share_reads=share, own_copy=own_copy, changes=changes or Changes())
 
     def replace(self, **fields: Any) -> ReadRequest:
         return dataclasses.replace(self, **fields)

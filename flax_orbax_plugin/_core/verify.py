@@ -209,7 +209,7 @@ def _check_data(location, doc, targets, fmt, direct, window: _Window, budget: in
             itemsize = target.dtype.itemsize
             for region in _regions(record.shape, record.storage.chunk_shape, itemsize, budget):
                 nbytes = _region_bytes(region, record.shape, itemsize)
-                read = fmt.read_region(store, target, direct, region)
+                read = _read_data.read_region(fmt, store, target, direct, region)
                 window.submit(read, nbytes, [record.path])
         for batch in doc.batches.values():
             _check_batch(location, doc, batch, fmt, direct, window, budget)

@@ -23,7 +23,7 @@ MEMBERS = (
     "wrote",
     "open",
     "array_store",
-    "read_region",
+    "read_stored",
     "batch_store",
     "reads_batch_runs",
 )
