@@ -24,7 +24,7 @@ from .._base import faults as _faults
 from .._errors import CheckpointError, ForeignEntryError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
 from .._storage import json_docs as _docs
-from .._storage.kvstore import context
+from .._storage.kvstore import removal_context
 from .._storage.local_files import entry_kind
 from .._storage.location import Location
 
@@ -224,15 +224,18 @@ def remove_step(directory: Location, step: int) -> None:
     the manifest goes first (after the pending marker)."""
     step_loc = directory.child(str(step))
     require_ours(step_loc, action="delete step", step=step)
+    _faults.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)
     if directory.supports_rename:
         doomed = directory.child(f"{step}.deleting-{secrets.token_hex(6)}")
         step_loc.rename(doomed)  # atomic: the step disappears from listings at once
         _faults.kill_point("mid_retention")
+        _faults.pause_point("mid_retention")  # tests: a slow removal (FOP_PAUSE_AT)
         _remove_proven(doomed)
         return
     claim(step_loc, secrets.token_hex(6))
     step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
     _faults.kill_point("mid_retention")
+    _faults.pause_point("mid_retention")
     _remove_proven(step_loc)
 
 
@@ -297,9 +300,15 @@ def _remove_proven(loc: Location) -> None:
         os.unlink(os.path.join(path, PENDING_FILE))
         os.rmdir(path)
         return
-    kv = ts.KvStore.open(loc.spec, context=context(local=False)).result()
-    kv.delete_range(ts.KvStore.KeyRange(exclusive_max=PENDING_FILE)).result()
-    kv.delete_range(ts.KvStore.KeyRange(inclusive_min=PENDING_FILE + "\0")).result()
+    kv = ts.KvStore.open(loc.spec, context=removal_context(loc.spec)).result()
+    # Both sides of the marker at once (each range is listed and deleted in parallel
+    # by tensorstore), the marker last.
+    sides = [
+        kv.delete_range(ts.KvStore.KeyRange(exclusive_max=PENDING_FILE)),
+        kv.delete_range(ts.KvStore.KeyRange(inclusive_min=PENDING_FILE + "\0")),
+    ]
+    for side in sides:
+        side.result()
     kv.delete_range(
         ts.KvStore.KeyRange(inclusive_min=PENDING_FILE, exclusive_max=PENDING_FILE + "\0")
     ).result()
@@ -318,7 +327,7 @@ def _remove_tree(loc: Location) -> None:
         else:
             os.unlink(path)
         return
-    kv = ts.KvStore.open(loc.spec, context=context(local=False)).result()
+    kv = ts.KvStore.open(loc.spec, context=removal_context(loc.spec)).result()
     kv.delete_range(ts.KvStore.KeyRange()).result()
 
 

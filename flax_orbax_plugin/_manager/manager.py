@@ -268,7 +268,7 @@ class CheckpointManager:
         self._book.forget()  # gc looks at the store itself
         if _distributed.is_primary() or self._book.per_host:
             _housekeeping.remove_unfinished(self._loc)
-        return self._retainer.apply(None)
+        return self._retainer.run_now()
 
     @_distributed.collective("manager-restore")
     def restore(

@@ -20,8 +20,9 @@ import tensorstore as ts
 
 from .._errors import UnsupportedLocationError
 
-_CONTEXTS: dict[bool, ts.Context] = {}
+_CONTEXTS: dict[bool | str, ts.Context] = {}
 _CONTEXT_LOCK = threading.Lock()
+REMOVAL_CONCURRENCY = 16  # concurrent delete requests of removals on s3 / gcs
 
 
 def context(*, local: bool = True) -> ts.Context:
@@ -43,6 +44,27 @@ def context(*, local: bool = True) -> ts.Context:
                 spec["gcs_request_concurrency"] = {"limit": 32}
             _CONTEXTS[local] = ts.Context(spec)
         return _CONTEXTS[local]
+
+
+def removal_context(spec: dict[str, Any]) -> ts.Context:
+    """The context a removal opens ``spec`` in (``_core.ownership``). On S3 and GCS a
+    context of its own, with its own request concurrency: tensorstore's ``delete_range``
+    lists a prefix and deletes its objects in parallel (neither driver has a batch
+    delete), and these requests must not take the slots of a save writing at the same
+    time. Other stores: the shared context (a ``memory://`` store lives in its context).
+    """
+    if spec.get("driver") not in ("s3", "gcs"):
+        return context(local=spec.get("driver") == "file")
+    with _CONTEXT_LOCK:
+        if "removal" not in _CONTEXTS:
+            _CONTEXTS["removal"] = ts.Context(
+                {
+                    "cache_pool": {"total_bytes_limit": 0},
+                    "s3_request_concurrency": {"limit": REMOVAL_CONCURRENCY},
+                    "gcs_request_concurrency": {"limit": REMOVAL_CONCURRENCY},
+                }
+            )
+        return _CONTEXTS["removal"]
 
 
 def check_name(name: str) -> str:
