@@ -31,6 +31,7 @@ import jax
 
 from .._errors import CoordinationError, ProcessFailedError
 from . import faults as _faults
+from . import liveness as _liveness
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
 _REGIONS = itertools.count()
@@ -119,7 +120,8 @@ def resumed(region: Region | None) -> Iterator[None]:
     stack = _LOCAL.__dict__.setdefault("stack", [])
     stack.append(region)
     try:
-        yield
+        with _liveness.ACTIVITIES.doing(f"{region.kind} (operation {region.tag})"):
+            yield
     except (SystemExit, GeneratorExit):  # a preempted run leaves together, on purpose
         raise
     except BaseException as e:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from .._base import distributed as _distributed
+from .._base import liveness as _liveness
 from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument, array_dir
@@ -85,7 +86,8 @@ def _collective(targets: list) -> bool:
 def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: list, limit: int):
     direct = open_direct(location, doc, targets)
     try:
-        return _read_targets_with(location, doc, targets, limit, direct)
+        with _liveness.ACTIVITIES.doing(f"reading {location}", moving=True) as progress:
+            return _read_targets_with(location, doc, targets, limit, direct, progress)
     finally:
         if direct is not None:
             direct.close()
@@ -107,8 +109,8 @@ def read_region(store, target: Target, direct: _chunk_files.ChunkReader | None, 
     return ReadInto(store if region is None else store[region])
 
 
-def _read_targets_with(location, doc, targets, limit, direct):
-    reader = Reader(limit)
+def _read_targets_with(location, doc, targets, limit, direct, progress):
+    reader = Reader(limit, progress)  # progress: read by the heartbeat (bytes left)
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[Target]] = collections.defaultdict(list)
     shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)

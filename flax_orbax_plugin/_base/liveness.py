@@ -1,0 +1,261 @@
+"""Liveness by progress: heartbeats, what each process is doing, and late peers named.
+
+A wait on another process (``distributed._wait``) judges it by its signs of life, not by
+one fixed wall-clock timeout. Every process, from its first coordination call
+(:func:`ensure_beating`), publishes a heartbeat under ``fop/alive/<process>`` in
+jax.distributed's key-value store every ``FOP_PEER_SILENT_S / 4`` seconds (at most 1 s):
+a counter and what its threads are doing (:data:`ACTIVITIES`: the collective operations
+they are in, the key one waits for, the bytes a write or read has moved and has left).
+A :class:`PeerWatch` (one per wait) reads the heartbeats about once a second, once the
+wait lasted a second:
+
+* a process whose counter has not moved for ``FOP_PEER_SILENT_S`` (default 10) is dead:
+  :class:`CoordinationError` naming it and what it was last doing;
+* a process never seen beating is given ``FOP_COORDINATION_TIMEOUT_S`` (it may not have
+  reached its first coordination call yet), the wait's own limit;
+* a live process is waited for as long as it takes: a slow restore is never aborted;
+  after ``FOP_LATE_REPORT_S`` (default 10), and every as long again, the waiting process
+  logs a warning naming the late processes and what they are doing.
+
+Threading: one heartbeat thread per process (a daemon; it stops when the coordination
+service is gone). :data:`ACTIVITIES` is thread-safe; each thread's activities are its
+own (a stack per thread). A :class:`PeerWatch` is used by the one thread that waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .._errors import CoordinationError
+from . import env as _env
+
+__all__ = ["ACTIVITIES", "Activities", "PeerWatch", "Progress", "ensure_beating"]
+
+ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
+LOOK_S = 1.0  # how often a wait reads the heartbeats (and how long before its first look)
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+@dataclasses.dataclass
+class Progress:
+    """Bytes an activity has moved (``done``) of those handed to it so far (``total``);
+    updated by the thread doing the work, read by the heartbeat thread."""
+
+    done: int = 0
+    total: int = 0
+
+    def words(self) -> str:
+        mib = 1 << 20
+        left = max(self.total - self.done, 0)
+        return f"{self.done / mib:.1f} MiB done, {left / mib:.1f} MiB left"
+
+
+@dataclasses.dataclass
+class _Activity:
+    what: str
+    since: float
+    progress: Progress | None = None
+
+
+class Activities:
+    """What this process's threads are doing (a stack per thread, innermost last)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stacks: dict[int, list[_Activity]] = {}
+
+    @contextlib.contextmanager
+    def doing(self, what: str, *, moving: bool = False) -> Iterator[Progress | None]:
+        """Records ``what`` as this thread's current activity for the body; ``moving``:
+        the body moves bytes and reports them in the :class:`Progress` it is given."""
+        entry = self.begin(what, moving=moving)
+        try:
+            yield entry.progress
+        finally:
+            self.end(entry)
+
+    def begin(self, what: str, *, moving: bool = False) -> _Activity:
+        """:meth:`doing` for a body that is no ``with`` block: pair with :meth:`end`."""
+        entry = _Activity(what, time.monotonic(), Progress() if moving else None)
+        with self._lock:
+            self._stacks.setdefault(threading.get_ident(), []).append(entry)
+        return entry
+
+    def end(self, entry: _Activity) -> None:
+        """Ends ``entry`` (begun on this thread)."""
+        me = threading.get_ident()
+        with self._lock:
+            stack = self._stacks.get(me, [])
+            if entry in stack:
+                stack.remove(entry)
+            if not stack:
+                self._stacks.pop(me, None)
+
+    def describe(self) -> list[str]:
+        """One line per busy thread: its activities, outermost first, with their bytes."""
+        now = time.monotonic()
+        with self._lock:
+            stacks = [list(s) for s in self._stacks.values() if s]
+        lines = []
+        for stack in stacks:
+            parts = []
+            for a in stack:
+                part = f"{a.what} ({now - a.since:.0f} s"
+                part += f", {a.progress.words()})" if a.progress is not None else ")"
+                parts.append(part)
+            lines.append(" > ".join(parts))
+        return sorted(lines)
+
+
+ACTIVITIES = Activities()  # this process's (one per process, like its coordination client)
+
+
+class _Heartbeat:
+    """The thread that publishes this process's heartbeat (see the module docstring)."""
+
+    def __init__(self, client: Any, process: int, period_s: float):
+        self._client, self._key, self._period = client, f"{ALIVE}/{process}", period_s
+        self._thread = threading.Thread(target=self._run, name="fop-heartbeat", daemon=True)
+        self.beats = 0
+
+    def start(self) -> _Heartbeat:
+        self._beat()  # the first beat before the first wait, on the caller's thread
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        self.beats += 1
+        doc = {"beat": self.beats, "doing": ACTIVITIES.describe()[:8]}
+        self._client.key_value_set(self._key, json.dumps(doc), allow_overwrite=True)
+
+    def _run(self) -> None:
+        failures = 0
+        while failures < 5:  # the service gone (shutdown, or the primary died): stop
+            time.sleep(self._period)
+            try:
+                self._beat()
+                failures = 0
+            except Exception:  # noqa: BLE001  (a wait reports a service gone itself)
+                failures += 1
+
+
+_BEATING: dict[int, _Heartbeat] = {}  # id(client) -> its heartbeat: one per session
+_BEATING_LOCK = threading.Lock()
+
+
+def ensure_beating(client: Any, process: int) -> None:
+    """Starts this process's heartbeat for ``client`` (once per coordination client)."""
+    with _BEATING_LOCK:
+        if id(client) not in _BEATING:
+            period = min(1.0, _env.read("FOP_PEER_SILENT_S") / 4)
+            _BEATING[id(client)] = _Heartbeat(client, process, period).start()
+
+
+@dataclasses.dataclass
+class _Seen:
+    beat: int
+    at: float  # monotonic time the beat was first seen at this value
+    doing: list[str]
+
+
+class PeerWatch:
+    """One wait's judge of the processes it waits for (see the module docstring).
+
+    ``what``: the wait, in words (``barrier 'fop/...'``); ``late()``: the processes it
+    still waits for (called only when a report is due); ``never_s``: how long a process
+    that was never seen beating is given."""
+
+    def __init__(
+        self,
+        client: Any,
+        me: int,
+        what: str,
+        *,
+        never_s: float,
+        late: Callable[[], list[int]],
+        region: str | None = None,
+    ):
+        self._client, self._me, self._what, self._late = client, me, what, late
+        self._region = region
+        self._never_s = never_s
+        self._silent_s = _env.read("FOP_PEER_SILENT_S")
+        self._report_s = _env.read("FOP_LATE_REPORT_S")
+        self._start = time.monotonic()
+        self._next_look = self._start + LOOK_S
+        self._next_report = self._start + self._report_s
+        self._seen: dict[int, _Seen] = {}
+
+    def look(self, process: int) -> None:
+        """Between two slices of the wait for ``process``: raises CoordinationError when
+        it is dead; logs the late processes when a report is due. Reads the heartbeats
+        at most once per :data:`LOOK_S`."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + LOOK_S
+        self._read(now)
+        seen = self._seen.get(process)
+        if seen is None:
+            if now - self._start >= self._never_s:
+                raise CoordinationError(
+                    f"{self._prefix()}process {process} showed no heartbeat within "
+                    f"{self._never_s:.0f}s (FOP_COORDINATION_TIMEOUT_S): it never reached "
+                    f"its first coordination call, or died before it"
+                )
+        elif now - seen.at >= self._silent_s:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} is dead: its heartbeat stopped "
+                f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}); it was "
+                f"{self._doing(seen)}"
+            )
+        if now >= self._next_report:
+            self._next_report = now + self._report_s
+            self._report(now)
+
+    def _read(self, now: float) -> None:
+        try:
+            found = self._client.key_value_dir_get(f"{ALIVE}/")
+        except Exception:  # noqa: BLE001  (a service gone: the wait itself reports it)
+            return
+        for key, value in found:
+            try:
+                process = int(key.rsplit("/", 1)[1])
+                doc = json.loads(value)
+                beat, doing = int(doc["beat"]), [str(d) for d in doc.get("doing", [])]
+            except (ValueError, KeyError, TypeError, IndexError):
+                continue
+            old = self._seen.get(process)
+            if old is None or old.beat != beat:
+                self._seen[process] = _Seen(beat, now, doing)
+
+    def _prefix(self) -> str:
+        where = f" in {self._region}" if self._region else ""
+        return f"process {self._me}{where}, waiting for {self._what}: "
+
+    @staticmethod
+    def _doing(seen: _Seen) -> str:
+        return "doing " + "; ".join(seen.doing) if seen.doing else "doing nothing of ours"
+
+    def _report(self, now: float) -> None:
+        words = []
+        for p in self._late():
+            seen = self._seen.get(p)
+            if seen is None:
+                words.append(f"process {p} (no heartbeat seen yet)")
+            else:
+                words.append(
+                    f"process {p} (alive, beat {now - seen.at:.1f}s ago, {self._doing(seen)})"
+                )
+        logger.warning(
+            "%shas waited %.0fs; late: %s",
+            self._prefix(),
+            now - self._start,
+            ", ".join(words) or "none (the value is on its way)",
+        )

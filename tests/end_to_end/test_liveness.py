@@ -1,0 +1,111 @@
+"""Liveness by progress: a slow process is waited for and named, a dead one found in seconds.
+
+Real JAX processes on 127.0.0.1 (``tests/support/_multiprocess.py``, gloo). The old rule
+was one fixed timeout (``FOP_COORDINATION_TIMEOUT_S``, 300 s) for every wait: it both
+waited that long for a dead process and aborted a live one slower than that. Here that
+timeout is scaled down to 2 s and one process is slowed well past it (the package's
+``FOP_PAUSE_AT`` pause points, set in that process only) inside a save's write and a
+restore's read: nothing is aborted, and the waiting processes log which process is
+late and what it is doing (``FOP_LATE_REPORT_S``). A process SIGKILLed mid-save is
+named dead by the others within ``FOP_PEER_SILENT_S`` (3 s here) plus a look, with the
+timeout set far longer (120 s).
+"""
+
+import os
+import re
+import time
+
+import _mp_workers as W
+import numpy as np
+import pytest
+from _multiprocess import Kill, run_processes
+
+import flax_orbax_plugin as fop
+
+pytestmark = pytest.mark.distributed
+
+SLOW_S = 6.0  # the slowed process's pause: three times the scaled-down timeout
+ENV = {"FOP_COORDINATION_TIMEOUT_S": "2", "FOP_LATE_REPORT_S": "1", "FOP_PEER_SILENT_S": "4"}
+
+
+def slow_save_and_restore(ctx, directory, slow, phase):
+    """Every process saves step 1 through a manager and restores it; process ``slow``
+    pauses SLOW_S at ``phase`` (its own environment only)."""
+    if ctx.process_id == slow:
+        os.environ.update(FOP_PAUSE_AT=phase, FOP_PAUSE_S=str(SLOW_S))
+    out = {}
+    with fop.CheckpointManager(directory, async_save=False) as mngr:
+        state = W.make_state(ctx, 1)
+        t = time.monotonic()
+        mngr.save(1, state)
+        mngr.wait()
+        out["save_s"] = time.monotonic() - t
+        t = time.monotonic()
+        restored = mngr.restore(like=state)
+        out["restore_s"] = time.monotonic() - t
+    out["restored_exact"] = bool(
+        np.array_equal(
+            np.asarray(restored["params"]["w"].addressable_shards[0].data),
+            np.asarray(state["params"]["w"].addressable_shards[0].data),
+        )
+    )
+    out["steps"] = fop.CheckpointManager(directory, read_only=True).steps()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("n", "slow", "phase"),
+    [(2, 1, "mid_write"), (4, 2, "mid_write"), (4, 3, "mid_read")],
+    ids=["2-processes-slow-write", "4-processes-slow-write", "4-processes-slow-read"],
+)
+def test_a_slow_process_is_waited_for_and_named_never_aborted(tmp_path, n, slow, phase):
+    run = run_processes(
+        "test_liveness:slow_save_and_restore",
+        n,
+        args={"directory": str(tmp_path), "slow": slow, "phase": phase},
+        env=ENV,
+        heartbeat_timeout_s=60,
+        timeout_s=150,
+        done_timeout_s=5,
+    )
+    stories = "\n\n".join(p.describe() for p in run.procs)
+    for p in run.procs:
+        assert p.ok, stories
+        assert p.result["steps"] == [1] and p.result["restored_exact"], stories
+    waited = "restore_s" if phase == "mid_read" else "save_s"
+    assert run[slow].result[waited] >= SLOW_S, stories  # the pause really happened
+    late = re.compile(
+        rf"late: process {slow} \(alive, beat [0-9.]+s ago, doing manager-"
+        + ("restore" if phase == "mid_read" else "save")
+    )
+    for p in run.procs:
+        if p.process_id != slow:
+            # Waited past the old timeout (2 s), and said who it waited for, and why.
+            assert p.result[waited] > 2 * float(ENV["FOP_COORDINATION_TIMEOUT_S"]), stories
+            assert late.search(p.stderr), p.describe()
+    what = "reading" if phase == "mid_read" else "writing this process's data"
+    assert any(what in p.stderr and "MiB left" in p.stderr for p in run.procs), stories
+
+
+def test_a_killed_process_is_named_dead_within_seconds(tmp_path):
+    """One of 4 processes is SIGKILLed mid-write: the others raise CoordinationError
+    naming it within FOP_PEER_SILENT_S plus slack, long before the 120 s timeout."""
+    env = {"FOP_COORDINATION_TIMEOUT_S": "120", "FOP_PEER_SILENT_S": "3"}
+    run = run_processes(
+        "_mp_workers:core_save_killed",
+        4,
+        args={"directory": str(tmp_path)},
+        kill=Kill(process=2, at="mid_save"),
+        env=env,
+        heartbeat_timeout_s=60,
+        timeout_s=120,
+        done_timeout_s=2,
+    )
+    assert run[2].killed, run[2].describe()
+    for p in (run[0], run[1], run[3]):
+        assert p.record.get("ok"), p.describe()
+        res = p.result
+        assert res["save2_type"] == "CoordinationError", res
+        assert "process 2 is dead: its heartbeat stopped" in res["save2"], res["save2"]
+        assert res["save2_s"] < 3 + 12, res  # the silence allowed, a look, load slack
+    assert "2" not in os.listdir(tmp_path)
