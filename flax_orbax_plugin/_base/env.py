@@ -5,7 +5,7 @@ checked against its declaration (:class:`~._base.option_spec.Option`), and a val
 does not take raises :class:`~flax_orbax_plugin.OptionError` naming the variable,
 what it takes and what was found (never clamped, never ignored). Unset or empty: the
 default. Read at each use (the fault specs and the thread priority) or once at import
-(the coordination timeout), on any thread.
+(the coordination timeout, and liveness's two), on any thread.
 
 Variables: ``FOP_BACKGROUND_NICE`` (``_base.priority``), ``FOP_COORDINATION_TIMEOUT_S``
 (``_base.distributed``), ``FOP_PEER_SILENT_S`` and ``FOP_LATE_REPORT_S``

@@ -1,13 +1,13 @@
 """Liveness by progress: heartbeats, what each process is doing, and late peers named.
 
 A wait on another process (``distributed._wait``) judges it by its signs of life, not by
-one fixed wall-clock timeout. Every process, from its first coordination call
-(:func:`ensure_beating`), publishes a heartbeat under ``fop/alive/<process>`` in
+one fixed wall-clock timeout. Every process, from its first collective operation or
+wait (:func:`ensure_beating`), publishes a heartbeat under ``fop/alive/<process>`` in
 jax.distributed's key-value store every ``FOP_PEER_SILENT_S / 4`` seconds (at most 1 s):
 a counter and what its threads are doing (:data:`ACTIVITIES`: the collective operations
 they are in, the key one waits for, the bytes a write or read has moved and has left).
-A :class:`PeerWatch` (one per wait) reads the heartbeats about once a second, once the
-wait lasted a second:
+A :class:`PeerWatch` (one per wait) reads the awaited process's heartbeat about once a
+second, once the wait lasted a second (the other late ones' only when it reports):
 
 * a process whose counter has not moved for ``FOP_PEER_SILENT_S`` (default 10) is dead:
   :class:`CoordinationError` naming it and what it was last doing;
@@ -40,6 +40,10 @@ __all__ = ["ACTIVITIES", "Activities", "PeerWatch", "Progress", "ensure_beating"
 
 ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
 LOOK_S = 1.0  # how often a wait reads the heartbeats (and how long before its first look)
+# Read once, at import (so a bad value is refused at the package's first use, on every
+# process, not only inside a first long wait): see the module docstring.
+PEER_SILENT_S = _env.read("FOP_PEER_SILENT_S")
+LATE_REPORT_S = _env.read("FOP_LATE_REPORT_S")
 logger = logging.getLogger("flax_orbax_plugin")
 
 
@@ -126,7 +130,10 @@ class _Heartbeat:
         self.beats = 0
 
     def start(self) -> _Heartbeat:
-        self._beat()  # the first beat before the first wait, on the caller's thread
+        try:
+            self._beat()  # the first beat before the first wait, on the caller's thread
+        except Exception:  # noqa: BLE001  (the thread tries again; a wait reports a service gone)
+            pass
         self._thread.start()
         return self
 
@@ -154,7 +161,7 @@ def ensure_beating(client: Any, process: int) -> None:
     """Starts this process's heartbeat for ``client`` (once per coordination client)."""
     with _BEATING_LOCK:
         if id(client) not in _BEATING:
-            period = min(1.0, _env.read("FOP_PEER_SILENT_S") / 4)
+            period = min(1.0, PEER_SILENT_S / 4)
             _BEATING[id(client)] = _Heartbeat(client, process, period).start()
 
 
@@ -185,8 +192,7 @@ class PeerWatch:
         self._client, self._me, self._what, self._late = client, me, what, late
         self._region = region
         self._never_s = never_s
-        self._silent_s = _env.read("FOP_PEER_SILENT_S")
-        self._report_s = _env.read("FOP_LATE_REPORT_S")
+        self._silent_s, self._report_s = PEER_SILENT_S, LATE_REPORT_S
         self._start = time.monotonic()
         self._next_look = self._start + LOOK_S
         self._next_report = self._start + self._report_s
@@ -200,7 +206,7 @@ class PeerWatch:
         if now < self._next_look:
             return
         self._next_look = now + LOOK_S
-        self._read(now)
+        self._read(now, [process])
         seen = self._seen.get(process)
         if seen is None:
             if now - self._start >= self._never_s:
@@ -219,17 +225,18 @@ class PeerWatch:
             self._next_report = now + self._report_s
             self._report(now)
 
-    def _read(self, now: float) -> None:
-        try:
-            found = self._client.key_value_dir_get(f"{ALIVE}/")
-        except Exception:  # noqa: BLE001  (a service gone: the wait itself reports it)
-            return
-        for key, value in found:
+    def _read(self, now: float, processes: list[int]) -> None:
+        """Reads the heartbeats of ``processes`` (one key each: a wait on one process
+        costs one read a second, whatever the number of processes)."""
+        for process in processes:
             try:
-                process = int(key.rsplit("/", 1)[1])
+                value = self._client.key_value_try_get(f"{ALIVE}/{process}")
+            except Exception:  # noqa: BLE001  (not beating yet, or a service gone)
+                continue
+            try:
                 doc = json.loads(value)
                 beat, doing = int(doc["beat"]), [str(d) for d in doc.get("doing", [])]
-            except (ValueError, KeyError, TypeError, IndexError):
+            except (ValueError, KeyError, TypeError):
                 continue
             old = self._seen.get(process)
             if old is None or old.beat != beat:
@@ -244,8 +251,10 @@ class PeerWatch:
         return "doing " + "; ".join(seen.doing) if seen.doing else "doing nothing of ours"
 
     def _report(self, now: float) -> None:
+        late = self._late()
+        self._read(now, [p for p in late if p != self._me])
         words = []
-        for p in self._late():
+        for p in late:
             seen = self._seen.get(p)
             if seen is None:
                 words.append(f"process {p} (no heartbeat seen yet)")

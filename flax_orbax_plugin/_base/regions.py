@@ -90,6 +90,8 @@ def collective(kind: str, *, spans: bool = True) -> Iterator[None]:
     if not spans or current_region() is not None or jax.process_count() == 1:
         yield
         return
+    with contextlib.suppress(CoordinationError):  # no client: the first wait says so
+        _liveness.ensure_beating(client(), jax.process_index())  # before any wait on us
     with resumed(Region(kind, str(next(_REGIONS)))):
         yield
 

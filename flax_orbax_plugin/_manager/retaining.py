@@ -11,7 +11,9 @@ and one waits, and a commit that finds a pass waiting joins it (a pass recompute
 goes from the step list, so passes coalesce; the waiting pass protects the newest step
 it was asked for). A step whose removal fails stays listed and is tried again by the next
 pass; a failure still standing once the queue is drained is raised by ``wait`` (the
-manager's ``wait`` and ``close``), never dropped.
+manager's ``wait`` and ``close``), never dropped. On object stores a removal keeps many
+deletes in flight, and only :data:`WHILE_SAVING` while a save runs (``busy``): its
+requests are never queued behind ours (``benchmarks/bench_deletion.py``).
 
 Threading and call order: ``start`` (the writer's open) creates the one deletion
 thread; each commit calls ``submit`` from the save's background thread; ``wait``
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,6 +33,7 @@ from .._base import distributed as _distributed
 from .._core import ownership as _ownership
 from .._errors import CheckpointError
 from .._format import steps as _steps
+from .._storage.kvstore import REMOVAL_CONCURRENCY
 from .._storage.location import Location
 from .book import StepBook
 from .checkpointables import Checkpointable, checkpointable_for
@@ -39,6 +42,7 @@ from .retention import RetentionPolicy, steps_to_delete
 __all__ = ["RetentionRunner", "as_metric"]
 
 logger = logging.getLogger("flax_orbax_plugin")
+WHILE_SAVING = 2  # deletes in flight on an object store while a save runs
 
 
 def as_metric(value: Any) -> float | None:
@@ -62,6 +66,7 @@ class RetentionRunner:
         book: StepBook,
     ):
         self._loc = location
+        self._busy: Callable[[], bool] = lambda: False
         self.policy = policy
         self._overrides = overrides
         self._book = book
@@ -74,8 +79,10 @@ class RetentionRunner:
 
     # -- the deletion thread
 
-    def start(self) -> None:
-        """The writer's open: the deletion thread (a reader never deletes)."""
+    def start(self, *, busy: Callable[[], bool]) -> None:
+        """The writer's open: the deletion thread (a reader never deletes). ``busy()``:
+        whether a save runs now (its blocking phase to its commit), asked by removals."""
+        self._busy = busy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fop-retention")
 
     def submit(self, just_written: int) -> None:
@@ -189,7 +196,7 @@ class RetentionRunner:
         if not self._book.begin_delete(step):
             return False
         try:
-            _ownership.remove_step(self._loc, step)
+            _ownership.remove_step(self._loc, step, pace=self._pace)
         except Exception as e:  # noqa: BLE001  (kept for wait(): never dropped)
             logger.warning("retention: cannot delete step %d of %s: %s", step, self._loc, e)
             with self._lock:
@@ -202,6 +209,11 @@ class RetentionRunner:
             self._failed.pop(f"step {step}", None)
             self._failed.pop("choosing the steps to delete", None)
         return True
+
+    def _pace(self) -> int:
+        """Deletes in flight on an object store: few while a save runs (``busy``), so its
+        requests are never queued behind ours; the store's full share otherwise."""
+        return WHILE_SAVING if self._busy() else REMOVAL_CONCURRENCY
 
     def _doomed(self, asked: set[int]) -> list[int]:
         steps = self._book.known()

@@ -10,9 +10,11 @@ created once per kind of store, lazily, under a lock: safe from any thread.
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -48,10 +50,9 @@ def context(*, local: bool = True) -> ts.Context:
 
 def removal_context(spec: dict[str, Any]) -> ts.Context:
     """The context a removal opens ``spec`` in (``_core.ownership``). On S3 and GCS a
-    context of its own, with its own request concurrency: tensorstore's ``delete_range``
-    lists a prefix and deletes its objects in parallel (neither driver has a batch
-    delete), and these requests must not take the slots of a save writing at the same
-    time. Other stores: the shared context (a ``memory://`` store lives in its context).
+    context of its own, with its own request concurrency (:func:`delete_keys` deletes
+    many objects at once), so these requests never take the slots of a save writing at
+    the same time. Other stores: the shared context (a ``memory://`` store lives in its context).
     """
     if spec.get("driver") not in ("s3", "gcs"):
         return context(local=spec.get("driver") == "file")
@@ -65,6 +66,21 @@ def removal_context(spec: dict[str, Any]) -> ts.Context:
                 }
             )
         return _CONTEXTS["removal"]
+
+
+def delete_keys(kv: ts.KvStore, keys: list[bytes], pace: Callable[[], int] | None) -> None:
+    """Deletes ``keys`` of ``kv`` (one request each: tensorstore has no batch delete for
+    S3 or GCS), keeping ``pace()`` of them in flight (default :data:`REMOVAL_CONCURRENCY`;
+    asked before each request, so a removal slows down as soon as a save starts and
+    speeds up when it ends). For ``_core.ownership`` only: it proves the place ours."""
+    in_flight: collections.deque = collections.deque()
+    for key in keys:
+        width = max(1, pace() if pace is not None else REMOVAL_CONCURRENCY)
+        while len(in_flight) >= width:
+            in_flight.popleft().result()
+        in_flight.append(kv.write(key, None))
+    while in_flight:
+        in_flight.popleft().result()
 
 
 def check_name(name: str) -> str:

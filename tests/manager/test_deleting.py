@@ -96,3 +96,38 @@ def test_removals_on_s3_use_their_own_requests_and_memory_the_shared_store(s3_lo
         assert reader.steps() == [3]
         np.testing.assert_array_equal(reader.restore()["params"]["w"], tiny(3)["params"]["w"])
     assert not [k for k in s3_location.keys() if k.startswith(("1/", "2/"))]
+
+
+def test_removals_slow_down_while_a_save_runs(tmp_path, monkeypatch):
+    """From a save's blocking phase to its commit a removal keeps only WHILE_SAVING
+    deletes in flight (the save's requests are never queued behind ours)."""
+    from flax_orbax_plugin._manager import retaining
+
+    monkeypatch.setenv("FOP_PAUSE_AT", "mid_write")
+    monkeypatch.setenv("FOP_PAUSE_S", "1")
+    with fop.CheckpointManager(tmp_path, keep=1, async_save=True) as mngr:
+        pace = mngr._retainer._pace
+        assert pace() == _kvstore.REMOVAL_CONCURRENCY
+        mngr.save(1, {"params": {"w": np.ones((256, 1024), np.float32)}})
+        assert mngr.save_in_flight and pace() == retaining.WHILE_SAVING
+        mngr.wait()
+        assert pace() == _kvstore.REMOVAL_CONCURRENCY
+
+
+def test_a_removal_on_s3_asks_its_pace_before_each_delete(s3_location):
+    """``delete_keys`` on the S3 server: every object goes, and the number of deletes in
+    flight is asked before each request (so a save starting mid-removal slows it at once)."""
+    import tensorstore as ts
+
+    kv = ts.KvStore.open(s3_location.spec).result()
+    for i in range(40):
+        kv.write(f"k{i:02d}", b"x").result()
+    asked = []
+
+    def pace() -> int:
+        asked.append(len(asked))
+        return 1 if len(asked) <= 20 else 8
+
+    _kvstore.delete_keys(kv, kv.list().result(), pace)
+    assert len(asked) == 40
+    assert kv.list().result() == []
