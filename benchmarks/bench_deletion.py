@@ -86,8 +86,9 @@ def one_run(server: S3Server, case: str, leaves: int, saves: int) -> dict:
         for step in range(1, saves + 1):
             retainer = mngr._retainer  # is a removal running now?
             deleting = retainer._last is not None and not retainer._last.done()
+            state = tree(leaves, step)
             t = time.perf_counter()
-            mngr.save(step, tree(leaves, step))
+            mngr.save(step, state)
             blocking = time.perf_counter() - t
             after = train_step(work)
             mngr._wait_inflight()  # committed; retention not waited

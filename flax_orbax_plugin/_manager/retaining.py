@@ -12,8 +12,9 @@ goes from the step list, so passes coalesce; the waiting pass protects the newes
 it was asked for). A step whose removal fails stays listed and is tried again by the next
 pass; a failure still standing once the queue is drained is raised by ``wait`` (the
 manager's ``wait`` and ``close``), never dropped. On object stores a removal keeps many
-deletes in flight, and only :data:`WHILE_SAVING` while a save runs (``busy``): its
-requests are never queued behind ours (``benchmarks/bench_deletion.py``).
+deletes in flight, none while the training thread is in a save, and only
+:data:`WHILE_SAVING` while its background write runs: the save's requests never queue
+behind ours (``benchmarks/bench_deletion.py``).
 
 Threading and call order: ``start`` (the writer's open) creates the one deletion
 thread; each commit calls ``submit`` from the save's background thread; ``wait``
@@ -66,7 +67,7 @@ class RetentionRunner:
         book: StepBook,
     ):
         self._loc = location
-        self._busy: Callable[[], bool] = lambda: False
+        self._busy: Callable[[], str | None] = lambda: None
         self.policy = policy
         self._overrides = overrides
         self._book = book
@@ -79,9 +80,10 @@ class RetentionRunner:
 
     # -- the deletion thread
 
-    def start(self, *, busy: Callable[[], bool]) -> None:
+    def start(self, *, busy: Callable[[], str | None]) -> None:
         """The writer's open: the deletion thread (a reader never deletes). ``busy()``:
-        whether a save runs now (its blocking phase to its commit), asked by removals."""
+        which part of a save runs now (``"blocking"``: the training thread is in it,
+        ``"writing"``: its background phase, None: no save), asked by removals."""
         self._busy = busy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fop-retention")
 
@@ -211,9 +213,14 @@ class RetentionRunner:
         return True
 
     def _pace(self) -> int:
-        """Deletes in flight on an object store: few while a save runs (``busy``), so its
-        requests are never queued behind ours; the store's full share otherwise."""
-        return WHILE_SAVING if self._busy() else REMOVAL_CONCURRENCY
+        """Deletes in flight on an object store (``busy()``, see :meth:`start`): none
+        while the training thread is in a save (paused: a short wait), few while its
+        background write runs (its requests never queue behind ours), the store's full
+        share otherwise."""
+        busy = self._busy()
+        if busy == "blocking":
+            return 0
+        return WHILE_SAVING if busy else REMOVAL_CONCURRENCY
 
     def _doomed(self, asked: set[int]) -> list[int]:
         steps = self._book.known()

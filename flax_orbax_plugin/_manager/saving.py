@@ -109,10 +109,13 @@ class Saver:
             self.starting = False
 
     @property
-    def busy(self) -> bool:
-        """True from a save's blocking phase to its commit (read by the deletion thread,
-        which then deletes fewer objects at once: a deletion never delays a save)."""
-        return self.starting or self.in_flight
+    def busy(self) -> str | None:
+        """Which part of a save runs: ``"blocking"`` (the training thread is in it),
+        ``"writing"`` (its background phase, to its commit), None. Read by the deletion
+        thread, which then deletes none, or few, objects at once."""
+        if self.starting:
+            return "blocking"
+        return "writing" if self.in_flight else None
 
     def raise_background_error(self) -> None:
         """Re-raises the error of a save that failed in the background, if any."""

@@ -14,6 +14,7 @@ import collections
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
@@ -25,6 +26,7 @@ from .._errors import UnsupportedLocationError
 _CONTEXTS: dict[bool | str, ts.Context] = {}
 _CONTEXT_LOCK = threading.Lock()
 REMOVAL_CONCURRENCY = 16  # concurrent delete requests of removals on s3 / gcs
+PAUSED_POLL_S = 0.01  # how often a paused removal asks whether it may go on
 
 
 def context(*, local: bool = True) -> ts.Context:
@@ -72,10 +74,16 @@ def delete_keys(kv: ts.KvStore, keys: list[bytes], pace: Callable[[], int] | Non
     """Deletes ``keys`` of ``kv`` (one request each: tensorstore has no batch delete for
     S3 or GCS), keeping ``pace()`` of them in flight (default :data:`REMOVAL_CONCURRENCY`;
     asked before each request, so a removal slows down as soon as a save starts and
-    speeds up when it ends). For ``_core.ownership`` only: it proves the place ours."""
+    speeds up when it ends; 0: paused, asked again every :data:`PAUSED_POLL_S`). For
+    ``_core.ownership`` only: it proves the place ours."""
     in_flight: collections.deque = collections.deque()
     for key in keys:
-        width = max(1, pace() if pace is not None else REMOVAL_CONCURRENCY)
+        width = pace() if pace is not None else REMOVAL_CONCURRENCY
+        while width < 1:  # paused (a save's blocking phase: short): none in flight
+            while in_flight:
+                in_flight.popleft().result()
+            time.sleep(PAUSED_POLL_S)
+            width = pace()
         while len(in_flight) >= width:
             in_flight.popleft().result()
         in_flight.append(kv.write(key, None))

@@ -49,6 +49,19 @@ def test_gc_raises_a_failed_removal(tmp_path, monkeypatch):
         assert mngr.gc() == [1, 2]
 
 
+def test_flax_orbax_gc_reports_a_failed_removal(tmp_path, monkeypatch, capsys):
+    from flax_orbax_plugin import cli
+
+    with fop.CheckpointManager(tmp_path) as mngr:
+        for step in (1, 2):
+            mngr.save(step, tiny(step))
+    monkeypatch.setenv("FOP_FAIL_AT", "remove_step")
+    rc = cli.main(["gc", str(tmp_path), "--keep", "1"])
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_ERROR and "step 1: InjectedFault" in err, err
+    assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [1, 2]
+
+
 def test_the_queue_is_bounded_and_passes_coalesce(tmp_path, monkeypatch):
     """While one removal is slow, commits go on and queue at most one more pass (it was
     one queued pass per commit: an unbounded queue behind a slow store)."""
@@ -82,25 +95,32 @@ def test_a_save_commits_while_a_removal_is_in_progress(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == [".writer.lock", "3", "4"]
 
 
-def test_removals_on_s3_use_their_own_requests_and_memory_the_shared_store(s3_location):
-    """On S3 removals open their own context (their own request slots, not a save's);
-    a memory:// store lives in its context, so its removals must use the shared one."""
-    spec = dict(s3_location.spec)
-    assert _kvstore.removal_context(spec) is not _kvstore.context(local=False)
-    assert _kvstore.removal_context({"driver": "memory"}) is _kvstore.context(local=False)
-    for where in (s3_location.url, "memory://deleting-test/run"):
-        with fop.CheckpointManager(where, keep=1) as mngr:
-            for step in (1, 2, 3):
-                mngr.save(step, tiny(step))
-        reader = fop.CheckpointManager(where, read_only=True)
-        assert reader.steps() == [3]
-        np.testing.assert_array_equal(reader.restore()["params"]["w"], tiny(3)["params"]["w"])
-    assert not [k for k in s3_location.keys() if k.startswith(("1/", "2/"))]
+@pytest.mark.parametrize("store", ["s3", "gcs", "memory"])
+def test_removals_on_each_object_store(store, request):
+    """S3 and GCS removals open their own context (their own request slots, not a
+    save's); a memory:// store lives in its context, so its removals use the shared one.
+    Retention then deletes every object of the old steps, and the newest restores."""
+    if store == "memory":
+        where, spec, keys = "memory://deleting-test/run", {"driver": "memory"}, None
+    else:
+        loc = request.getfixturevalue(f"{store}_location")
+        where, spec, keys = loc.url, dict(loc.spec), loc.keys
+    shared = _kvstore.removal_context(spec) is _kvstore.context(local=False)
+    assert shared == (store == "memory")
+    with fop.CheckpointManager(where, keep=1) as mngr:
+        for step in (1, 2, 3):
+            mngr.save(step, tiny(step))
+    reader = fop.CheckpointManager(where, read_only=True)
+    assert reader.steps() == [3]
+    np.testing.assert_array_equal(reader.restore()["params"]["w"], tiny(3)["params"]["w"])
+    if keys is not None:
+        assert not [k for k in keys() if k.startswith(("1/", "2/"))]
 
 
 def test_removals_slow_down_while_a_save_runs(tmp_path, monkeypatch):
-    """From a save's blocking phase to its commit a removal keeps only WHILE_SAVING
-    deletes in flight (the save's requests are never queued behind ours)."""
+    """While the training thread is in a save a removal is paused; while its background
+    write runs it keeps only WHILE_SAVING deletes in flight (the save's requests never
+    queue behind ours); the full share otherwise."""
     from flax_orbax_plugin._manager import retaining
 
     monkeypatch.setenv("FOP_PAUSE_AT", "mid_write")
@@ -108,15 +128,19 @@ def test_removals_slow_down_while_a_save_runs(tmp_path, monkeypatch):
     with fop.CheckpointManager(tmp_path, keep=1, async_save=True) as mngr:
         pace = mngr._retainer._pace
         assert pace() == _kvstore.REMOVAL_CONCURRENCY
-        mngr.save(1, {"params": {"w": np.ones((256, 1024), np.float32)}})
+        in_save = []  # asked from the training thread's part of the save
+        state = {"params": {"w": np.ones((256, 1024), np.float32)}}
+        mngr.save(1, state, extras=lambda: in_save.append(pace()) or {"loss": 0.5})
+        assert in_save == [0]  # paused
         assert mngr.save_in_flight and pace() == retaining.WHILE_SAVING
         mngr.wait()
         assert pace() == _kvstore.REMOVAL_CONCURRENCY
 
 
 def test_a_removal_on_s3_asks_its_pace_before_each_delete(s3_location):
-    """``delete_keys`` on the S3 server: every object goes, and the number of deletes in
-    flight is asked before each request (so a save starting mid-removal slows it at once)."""
+    """``delete_keys`` on the S3 server: every object goes, the number of deletes in
+    flight is asked before each request (so a save starting mid-removal slows it at
+    once), and 0 pauses it until the answer changes."""
     import tensorstore as ts
 
     kv = ts.KvStore.open(s3_location.spec).result()
@@ -124,10 +148,10 @@ def test_a_removal_on_s3_asks_its_pace_before_each_delete(s3_location):
         kv.write(f"k{i:02d}", b"x").result()
     asked = []
 
-    def pace() -> int:
+    def pace() -> int:  # paused for its first 3 answers, then 1, then 8
         asked.append(len(asked))
-        return 1 if len(asked) <= 20 else 8
+        return 0 if len(asked) <= 3 else 1 if len(asked) <= 20 else 8
 
     _kvstore.delete_keys(kv, kv.list().result(), pace)
-    assert len(asked) == 40
+    assert len(asked) == 40 + 3
     assert kv.list().result() == []
