@@ -19,7 +19,7 @@ Per save (async: the blocking phase returns, the write and commit go on behind):
 blocking time of ``mngr.save``, the time of the "train step" right after it (a fixed
 numpy workload, ~50 ms), and the time until the save is committed (``wait`` on its
 handle through the manager's in-flight save). The first save of each run is left out
-(nothing to delete yet). Medians over every measured save, and whether a deletion was
+(nothing to delete yet). Medians and quartiles over every measured save, and whether a deletion was
 in flight when the save started. Beside each case: the 1-minute load (``/proc/loadavg``)
 and the share of CPU time stolen (``/proc/stat``) during it.
 """
@@ -57,6 +57,12 @@ def _cpu_times() -> tuple[int, int]:
 def _load1() -> float:
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
+
+
+def _median_iqr(values: list[float]) -> str:
+    """``median [p25-p75]``: the spread says what "within noise" means here."""
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return f"{q[1]:.0f} [{q[0]:.0f}-{q[2]:.0f}]"
 
 
 def tree(leaves: int, step: int) -> dict:
@@ -128,16 +134,17 @@ def main() -> None:
         f"objects per step: {found['deleting']['objects']} ({args.leaves} leaves, format 1); "
         f"{args.rounds} runs x {args.saves - 1} measured saves per case",
         "",
-        "| case | save blocking (ms) | train step after it (ms) | save committed (ms) "
+        "| case (median [p25-p75]) | save blocking (ms) | train step after it (ms) "
+        "| save committed (ms) "
         "| deletion in flight at save | load 1 min | steal % |",
         "|---|---|---|---|---|---|---|",
     ]
     for case in cases:
         f = found[case]
-        med = [statistics.median(r[i] for r in f["rows"]) * 1000 for i in range(3)]
+        cells = [_median_iqr([r[i] * 1000 for r in f["rows"]]) for i in range(3)]
         busy = sum(r[3] for r in f["rows"])
         lines.append(
-            f"| {case} | {med[0]:.1f} | {med[1]:.1f} | {med[2]:.0f} | {busy}/{len(f['rows'])} "
+            f"| {case} | {' | '.join(cells)} | {busy}/{len(f['rows'])} "
             f"| {statistics.median(f['load']):.2f} | {statistics.median(f['steal']):.1f} |"
         )
     text = "\n".join(lines)

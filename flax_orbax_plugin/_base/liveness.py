@@ -14,6 +14,8 @@ second, once the wait lasted a second (the other late ones' only when it reports
 * a process never seen beating is given ``FOP_COORDINATION_TIMEOUT_S`` (it may not have
   reached its first coordination call yet), the wait's own limit;
 * a live process is waited for as long as it takes: a slow restore is never aborted;
+  only two processes that do nothing but wait for each other (different paths) are
+  given ``FOP_COORDINATION_TIMEOUT_S``;
   after ``FOP_LATE_REPORT_S`` (default 10), and every as long again, the waiting process
   logs a warning naming the late processes and what they are doing.
 
@@ -172,6 +174,14 @@ class _Seen:
     doing: list[str]
 
 
+def _only_waiting(lines: list[str]) -> bool:
+    """Whether every busy thread of a process (its :meth:`Activities.describe` lines) is
+    waiting for another process, innermost (so it makes no progress of its own)."""
+    return bool(lines) and all(
+        line.rsplit(" > ", 1)[-1].startswith("waiting for ") for line in lines
+    )
+
+
 class PeerWatch:
     """One wait's judge of the processes it waits for (see the module docstring).
 
@@ -197,6 +207,7 @@ class PeerWatch:
         self._next_look = self._start + LOOK_S
         self._next_report = self._start + self._report_s
         self._seen: dict[int, _Seen] = {}
+        self._mutual_since: float | None = None
 
     def look(self, process: int) -> None:
         """Between two slices of the wait for ``process``: raises CoordinationError when
@@ -221,9 +232,33 @@ class PeerWatch:
                 f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}); it was "
                 f"{self._doing(seen)}"
             )
+        else:
+            self._check_mutual(process, seen, now)
         if now >= self._next_report:
             self._next_report = now + self._report_s
             self._report(now)
+
+    def _check_mutual(self, process: int, seen: _Seen, now: float) -> None:
+        """Two live processes can still make no progress: each only waits, one for the
+        other (they took different paths). That alone is limited, by the wait's own
+        timeout (``FOP_COORDINATION_TIMEOUT_S``): a process doing anything else (writing,
+        reading, computing) is never aborted."""
+        mutual = (
+            _only_waiting(seen.doing)
+            and any(f"from process {self._me} (" in line for line in seen.doing)
+            and _only_waiting(ACTIVITIES.describe())
+        )
+        if not mutual:
+            self._mutual_since = None
+            return
+        if self._mutual_since is None:
+            self._mutual_since = now
+        if now - self._mutual_since >= self._never_s:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} and this one have only waited for each "
+                f"other for {now - self._mutual_since:.0f}s (FOP_COORDINATION_TIMEOUT_S): "
+                f"they took different paths; process {process} was {self._doing(seen)}"
+            )
 
     def _read(self, now: float, processes: list[int]) -> None:
         """Reads the heartbeats of ``processes`` (one key each: a wait on one process

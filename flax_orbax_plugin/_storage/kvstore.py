@@ -25,7 +25,7 @@ from .._errors import UnsupportedLocationError
 
 _CONTEXTS: dict[bool | str, ts.Context] = {}
 _CONTEXT_LOCK = threading.Lock()
-REMOVAL_CONCURRENCY = 16  # concurrent delete requests of removals on s3 / gcs
+REMOVAL_CONCURRENCY = 8  # concurrent delete requests of removals on s3 / gcs
 PAUSED_POLL_S = 0.01  # how often a paused removal asks whether it may go on
 
 

@@ -53,6 +53,18 @@ def slow_save_and_restore(ctx, directory, slow, phase):
     return out
 
 
+def mutual_wait(ctx):
+    """Each process waits at a barrier of its own name: both live, neither ever arrives."""
+    from flax_orbax_plugin._base import distributed as _distributed
+
+    t = time.monotonic()
+    try:
+        _distributed.barrier(f"fop/test/mutual-{ctx.process_id}")
+        return {"error": None}
+    except fop.CoordinationError as e:
+        return {"error": str(e), "s": time.monotonic() - t}
+
+
 @pytest.mark.parametrize(
     ("n", "slow", "phase"),
     [(2, 1, "mid_write"), (4, 2, "mid_write"), (4, 3, "mid_read")],
@@ -109,3 +121,21 @@ def test_a_killed_process_is_named_dead_within_seconds(tmp_path):
         assert "process 2 is dead: its heartbeat stopped" in res["save2"], res["save2"]
         assert res["save2_s"] < 3 + 12, res  # the silence allowed, a look, load slack
     assert "2" not in os.listdir(tmp_path)
+
+
+def test_two_processes_waiting_only_for_each_other_fail_after_the_timeout(tmp_path):
+    """The one case a fixed limit still ends: both live, each only waiting for the other
+    (different paths): CoordinationError on both after FOP_COORDINATION_TIMEOUT_S (3 s)."""
+    run = run_processes(
+        "test_liveness:mutual_wait",
+        2,
+        env={"FOP_COORDINATION_TIMEOUT_S": "3", "FOP_PEER_SILENT_S": "4"},
+        heartbeat_timeout_s=60,
+        timeout_s=90,
+        done_timeout_s=2,
+    )
+    for p in run.procs:
+        assert p.ok, p.describe()
+        error = p.result["error"]
+        assert error and "have only waited for each other" in error, error
+        assert 3 <= p.result["s"] < 3 + 10, p.result
