@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -286,20 +287,41 @@ class PeerWatch:
         return "doing " + "; ".join(seen.doing) if seen.doing else "doing nothing of ours"
 
     def _report(self, now: float) -> None:
+        """Logs the late processes and, behind them, those they wait for in turn (the
+        straggler at the end of the chain is the one to look at)."""
         late = self._late()
         self._read(now, [p for p in late if p != self._me])
-        words = []
-        for p in late:
-            seen = self._seen.get(p)
-            if seen is None:
-                words.append(f"process {p} (no heartbeat seen yet)")
-            else:
-                words.append(
-                    f"process {p} (alive, beat {now - seen.at:.1f}s ago, {self._doing(seen)})"
-                )
+        behind: list[int] = []
+        frontier = list(late)
+        while frontier and len(behind) < 8:  # who the late ones wait for, and so on
+            for q in self._waits_for(frontier.pop(0)):
+                if q != self._me and q not in late and q not in behind:
+                    self._read(now, [q])
+                    behind.append(q)
+                    frontier.append(q)
         logger.warning(
-            "%shas waited %.0fs; late: %s",
+            "%shas waited %.0fs; late: %s%s",
             self._prefix(),
             now - self._start,
-            ", ".join(words) or "none (the value is on its way)",
+            ", ".join(self._words(p, now) for p in late) or "none (the value is on its way)",
+            f"; behind them: {', '.join(self._words(q, now) for q in behind)}" if behind else "",
         )
+
+    def _waits_for(self, process: int) -> list[int]:
+        """The processes ``process``'s threads wait for, innermost (from its heartbeat)."""
+        seen = self._seen.get(process)
+        found = []
+        for line in seen.doing if seen is not None else []:
+            m = _WAITING.match(line.rsplit(" > ", 1)[-1])
+            if m is not None and int(m.group(1)) not in found:
+                found.append(int(m.group(1)))
+        return found
+
+    def _words(self, p: int, now: float) -> str:
+        seen = self._seen.get(p)
+        if seen is None:
+            return f"process {p} (no heartbeat seen yet)"
+        return f"process {p} (alive, beat {now - seen.at:.1f}s ago, {self._doing(seen)})"
+
+
+_WAITING = re.compile(r"waiting for .* from process ([0-9]+) \(")
