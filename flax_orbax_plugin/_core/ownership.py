@@ -24,9 +24,9 @@ from .._base import distributed as _distributed
 from .._base import faults as _faults
 from .._errors import CheckpointError, ForeignEntryError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
+from .._storage import deleting as _deleting
 from .._storage import json_docs as _docs
-from .._storage import kvstore as _kvstore
-from .._storage.kvstore import removal_context
+from .._storage.deleting import removal_context
 from .._storage.local_files import entry_kind
 from .._storage.location import Location
 
@@ -288,7 +288,7 @@ def _exists(loc: Location) -> bool:
 
 def _remove_proven(loc: Location, *, pace: Callable[[], int] | None = None) -> None:
     """Removes everything at ``loc``, the pending marker last (object stores: see
-    ``kvstore.delete_keys`` for ``pace``)."""
+    ``_storage.deleting`` for ``pace``)."""
     if loc.read_bytes(PENDING_FILE) is None:
         loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6)))  # durable
     if loc.is_local:
@@ -307,7 +307,7 @@ def _remove_proven(loc: Location, *, pace: Callable[[], int] | None = None) -> N
         return
     kv = ts.KvStore.open(loc.spec, context=removal_context(loc.spec)).result()
     marker = PENDING_FILE.encode()
-    _kvstore.delete_keys(kv, [k for k in kv.list().result() if k != marker], pace)
+    _deleting.delete_keys(kv, [k for k in kv.list().result() if k != marker], pace)
     # Anything the listing missed, then the marker last.
     kv.delete_range(ts.KvStore.KeyRange(exclusive_max=PENDING_FILE)).result()
     kv.delete_range(ts.KvStore.KeyRange(inclusive_min=PENDING_FILE + "\0")).result()

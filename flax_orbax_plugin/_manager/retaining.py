@@ -34,7 +34,7 @@ from .._base import distributed as _distributed
 from .._core import ownership as _ownership
 from .._errors import CheckpointError
 from .._format import steps as _steps
-from .._storage.kvstore import REMOVAL_CONCURRENCY
+from .._storage.deleting import REMOVAL_CONCURRENCY
 from .._storage.location import Location
 from .book import StepBook
 from .checkpointables import Checkpointable, checkpointable_for

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin._storage import deleting as _deleting
 from flax_orbax_plugin._storage import kvstore as _kvstore
 
 pytest_plugins = ["_servers"]
@@ -105,7 +106,7 @@ def test_removals_on_each_object_store(store, request):
     else:
         loc = request.getfixturevalue(f"{store}_location")
         where, spec, keys = loc.url, dict(loc.spec), loc.keys
-    shared = _kvstore.removal_context(spec) is _kvstore.context(local=False)
+    shared = _deleting.removal_context(spec) is _kvstore.context(local=False)
     assert shared == (store == "memory")
     with fop.CheckpointManager(where, keep=1) as mngr:
         for step in (1, 2, 3):
@@ -127,14 +128,14 @@ def test_removals_slow_down_while_a_save_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("FOP_PAUSE_S", "1")
     with fop.CheckpointManager(tmp_path, keep=1, async_save=True) as mngr:
         pace = mngr._retainer._pace
-        assert pace() == _kvstore.REMOVAL_CONCURRENCY
+        assert pace() == _deleting.REMOVAL_CONCURRENCY
         in_save = []  # asked from the training thread's part of the save
         state = {"params": {"w": np.ones((256, 1024), np.float32)}}
         mngr.save(1, state, extras=lambda: in_save.append(pace()) or {"loss": 0.5})
         assert in_save == [0]  # paused
         assert mngr.save_in_flight and pace() == retaining.WHILE_SAVING
         mngr.wait()
-        assert pace() == _kvstore.REMOVAL_CONCURRENCY
+        assert pace() == _deleting.REMOVAL_CONCURRENCY
 
 
 def test_a_removal_on_s3_asks_its_pace_before_each_delete(s3_location):
@@ -152,6 +153,6 @@ def test_a_removal_on_s3_asks_its_pace_before_each_delete(s3_location):
         asked.append(len(asked))
         return 0 if len(asked) <= 3 else 1 if len(asked) <= 20 else 8
 
-    _kvstore.delete_keys(kv, kv.list().result(), pace)
+    _deleting.delete_keys(kv, kv.list().result(), pace)
     assert len(asked) == 40 + 3
     assert kv.list().result() == []
