@@ -30,6 +30,7 @@ from .._like import casting as _casting
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
+from .._zarr import subbyte as _subbyte
 from .batch_reads import read_batch
 from .direct import open_direct
 from .reads import Reader, ReadInto, corrupt, deleted_or, opened
@@ -96,17 +97,25 @@ def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: li
 def read_region(store, target: Target, direct: _chunk_files.ChunkReader | None, region=None):
     """A read of ``region`` (global; None: all) of a stored array: straight from its
     chunk files where they are plain (local, uncompressed) and the region is whole
-    chunks, else through tensorstore."""
+    chunks, else through tensorstore; a packed (sub-byte) leaf's stored bytes, unpacked."""
     record = target.record
+    if _subbyte.is_packed(record):
+        inner, width, skip = _subbyte.stored_region(record, region)
+        read = _read_stored(store, target.index, _subbyte.stored(record), direct, inner)
+        return _subbyte.Unpacked(read, record, width, skip)
+    return _read_stored(store, target.index, record, direct, region)
+
+
+def _read_stored(store, index: int, record, direct, region):
+    dtype = _layout.dtype_from_name(record.dtype, path=record.path)
     if direct is not None and record.storage.codec is None:
-        dtype = _layout.dtype_from_name(record.dtype, path=record.path)
-        sub = array_dir(target.index)
+        sub = array_dir(index)
         read = direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
         if read is not None:
             return read
     if direct is not None and direct.packed:  # compressed segments of version 2
-        return direct.read_compressed(target.index, record, region)
-    return ReadInto(store if region is None else store[region])
+        return direct.read_compressed(index, record, region)
+    return ReadInto(store if region is None else store[region], dtype)
 
 
 def _read_targets_with(location, doc, targets, limit, direct, progress):

@@ -44,9 +44,12 @@ class ReadInto:
     """A read straight into a new numpy array (tensorstore copies chunk by chunk into it,
     without a second whole-array buffer)."""
 
-    def __init__(self, view):
-        self.out = _host.empty(view.shape, view.dtype.numpy_dtype)  # adopted by jax on CPU
-        self.future = ts.array(self.out, copy=False).write(view)
+    def __init__(self, view, dtype: np.dtype | None = None):
+        """``dtype``: the leaf's, where its array stores a stand-in (``DTYPES[...].zarr``)."""
+        stored = view.dtype.numpy_dtype
+        self.out = _host.empty(view.shape, dtype or stored)  # adopted by jax on CPU
+        into = _arrays.as_stored(self.out, stored)
+        self.future = ts.array(into, copy=False).write(view)
 
     def result(self) -> np.ndarray:
         self.future.result()

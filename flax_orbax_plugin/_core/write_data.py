@@ -209,7 +209,8 @@ class _Pending:
                 if futures is None:
                     if store is None:
                         store = _arrays.open_for_write(spec)
-                    write = store[index].write(data, can_reference_source_data_indefinitely=True)
+                    stored = _arrays.as_stored(data, store.dtype.numpy_dtype)
+                    write = store[index].write(stored, can_reference_source_data_indefinitely=True)
                     futures = [write.commit]
                 share = data.nbytes // max(1, len(futures))
                 self.futures.extend((future, share) for future in futures)

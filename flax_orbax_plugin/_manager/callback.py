@@ -24,9 +24,13 @@ raises (unless ``overwrite=True``, which removes them first); steps must increas
 a ``step`` different from ``state.step`` is warned about once.
 
 Each committed save is logged once, when it commits, on the ``flax_orbax_plugin``
-logger; with a ``writer``, ``writer.write_scalars(step, {...})`` (CLU's metric-writer
-shape) also receives ``checkpoint/blocking_seconds``, ``checkpoint/total_seconds``,
-``checkpoint/bytes`` and ``checkpoint/gbytes_per_sec``.
+logger (at DEBUG with a ``writer`` or an ``on_event`` hook, which report it); with a
+``writer``, ``writer.write_scalars(step, {...})`` (CLU's metric-writer shape) also
+receives ``checkpoint/blocking_seconds``, ``checkpoint/total_seconds``,
+``checkpoint/bytes`` and ``checkpoint/gbytes_per_sec`` on the training thread. Every
+event of the manager (started, blocking done, committed, failed, restored, removed,
+with the committed files counted on the store) goes to ``on_event``:
+``on_event=fop.MetricWriterEvents(writer)`` writes them to a CLU metric writer.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from .._core.save import SaveResult
+from .._errors import EventHookError
 from .._like.transform import changes as check_changes
 from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state
@@ -79,7 +84,14 @@ class CheckpointCallback:
       extras_fn: ``extras_fn(step, state) -> dict`` of small JSON values saved
         with each step (metrics, for example).
       writer: an object with ``write_scalars(step, scalars)`` receiving each
-        save's figures.
+        save's figures (on the training thread, once the save committed).
+      on_event: a callable receiving every checkpoint event record of the manager
+        (SaveStarted ... RestoreDone, on the threads and in the order given in
+        :class:`CheckpointManager`'s events: docs/manager.md, "Events");
+        ``fop.MetricWriterEvents(writer)`` writes them to a CLU metric writer. An
+        exception it raises is logged and raised again (EventHookError) by the next
+        ``on_step_end`` that saves (once its step is saved), ``wait`` or
+        ``on_train_end`` (once the last step is saved and the manager closed).
       manager_options: further keyword arguments for :class:`CheckpointManager`,
         e.g. ``{"persistent": "gs://bucket/run", "persistent_keep": 1}``: then
         ``directory`` is the fast local tier and resuming takes the newest good step
@@ -101,6 +113,7 @@ class CheckpointCallback:
         data_iterator: Any = None,
         extras_fn: Callable[[int, Any], Mapping[str, Any]] | None = None,
         writer: ScalarWriter | None = None,
+        on_event: Callable[[Any], Any] | None = None,
         manager_options: Mapping[str, Any] | None = None,
         **unknown: Any,
     ):
@@ -124,6 +137,7 @@ class CheckpointCallback:
         self._data_iterator = data_iterator
         self._extras_fn = extras_fn
         self._writer = writer
+        self._on_event = on_event
         self._manager_options = dict(manager_options or {})
         self._manager = None
         self._last_saved_step: int | None = None
@@ -140,8 +154,8 @@ class CheckpointCallback:
         """The CheckpointManager, created on first use."""
         if self._manager is None:
             self._manager = CheckpointManager(self.directory, **self._manager_kwargs())
-            if self._writer is not None:
-                self._manager.commit_log_level = logging.DEBUG  # the writer reports it
+            if self._writer is not None or self._on_event is not None:
+                self._manager.commit_log_level = logging.DEBUG  # the writer or hook reports it
         return self._manager
 
     def _manager_kwargs(self) -> dict[str, Any]:
@@ -150,6 +164,7 @@ class CheckpointCallback:
             async_save=self.async_save,
             every_steps=self.every_steps,
             every_seconds=self.every_seconds,
+            on_event=self._on_event,
         )
         kwargs.update(self._manager_options)
         return kwargs
@@ -229,12 +244,23 @@ class CheckpointCallback:
         return self._save(step, state, t=t, force=False)
 
     def on_train_end(self, state: Any, step: int | None = None) -> None:
-        """Saves the final step (unless already saved), waits for it, and closes."""
+        """Saves the final step (unless already saved), waits for it, and closes; then
+        raises the first error of an ``on_event`` hook not raised yet."""
         if step is None:
             step = _step_of(state, self._last_step)
+        first = None  # a hook's error raised by the last save (its step is saved all the same)
         if step is not None and int(step) != self._last_saved_step:
-            self._save(int(step), state, t=None, force=True)
-        self.close()
+            try:
+                self._save(int(step), state, t=None, force=True)
+            except EventHookError as e:
+                first = e
+        try:
+            self.close()
+        except EventHookError:
+            if first is None:
+                raise
+        if first is not None:  # once closed; a later hook error was logged
+            raise first
 
     def __call__(self, step: int, t: float | None = None) -> bool:
         """CLU-style hook: reads the state from ``state_fn`` and calls ``on_step_end``."""

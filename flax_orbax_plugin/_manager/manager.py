@@ -73,8 +73,7 @@ class CheckpointManager:
       persistent: a second, persistent tier (``s3://``, ``gs://``, a shared
         filesystem path) to which every step committed in ``directory`` (then a
         local disk, shared or each host's own) is replicated in the background, with
-        its own commit; restore takes the newest good step of either tier. See
-        docs/tiers.md.
+        its own commit; restore takes the newest good step of either tier (docs/tiers.md).
       persistent_keep, persistent_keep_every: the persistent tier's retention (as
         ``keep`` and ``keep_every``; ``persistent_keep=None`` keeps every step there).
       persistent_every: only committed steps divisible by it (as ``keep_every``) and
@@ -88,6 +87,7 @@ class CheckpointManager:
         previous save until ``close``; off: hold CPU arrays as views (docs/manager.md).
       host_memory_budget: host bytes a version 1 step (not incremental) may hold
         beyond the state (None: no bound; set, nothing is pooled). ``fop.save_async``.
+      on_event: receives each checkpoint event record (docs/manager.md, "Events").
 
     ``wait()``: the local tier, ``persistent.wait()``: the replication, ``close()``:
     both. A writer locks a local directory (a second live writer: DirectoryLockedError)
@@ -122,6 +122,7 @@ class CheckpointManager:
         reuse_host_buffers: bool = True,
         format_version: int = 1,
         host_memory_budget: int | None = None,
+        on_event: Callable[[Any], Any] | None = None,
         **unknown: Any,
     ):
         with _distributed.collective("manager-open", spans=not read_only):  # _base.regions
@@ -132,7 +133,7 @@ class CheckpointManager:
             self._async, self._read_only = opts.async_save, opts.read_only
             pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
             self._buffers = _host.BufferPool() if pooled else None
-            self._book = StepBook(self._loc)
+            self._book = StepBook(self._loc, on_event=opts.on_event)
             self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
             self._saver = Saver(
                 self._loc, opts.overrides, self._book, self._retainer, opts.incremental,
@@ -178,8 +179,7 @@ class CheckpointManager:
         the store now. A save never calls it: it uses the steps known in memory."""
         return self._book.listed()
 
-    def _forget_steps(self) -> None:
-        """Steps were removed behind the manager's back: the next need lists the store."""
+    def _forget_steps(self) -> None:  # removed behind its back: the next need lists them
         self._book.forget()
 
     def latest_step(self, *, include_persistent: bool = False) -> int | None:
@@ -249,16 +249,16 @@ class CheckpointManager:
         self._wait_inflight()
         with self._saver.saving():  # from here to its commit, removals yield to the save
             local = self._saver.check_new_step(step, overwrite or preempted)
-            if callable(extras):  # computed only for a step that is saved
-                extras = extras()
+            extras = extras() if callable(extras) else extras  # only for a step that is saved
             items = collect_items(state, data_iterator, extras)
             self._saver.start(step, items, extras, local, replicate=preempted)
         self._schedule.record_save(t)
         if not self._async or preempted:
             self._wait_inflight()
         if preempted:
-            self.close()
+            self._book.events.holding(self.close)  # a hook's error (logged) never stops it
             raise SystemExit(128 + signal.SIGTERM)
+        self._book.events.raise_after_save()  # a hook's, once this step is saved too
         return True
 
     def gc(self) -> list[int]:
@@ -330,25 +330,27 @@ class CheckpointManager:
         """Block until the in-flight save is committed and retention has run.
 
         With several processes every process must call it (in the same order as save).
-        Re-raises a background save error (once).
+        Re-raises a background save error (once), then an ``on_event`` hook's.
         """
         self._wait_inflight()
         self._retainer.wait()
-        # Retention runs on the primary only: meet so that every process lists the same steps.
-        _distributed.barrier(_distributed.next_operation_id("manager-wait"))
+        # Retention runs on the primary only: meet so that every process lists the same steps
+        # (and learns of an on_event hook's error on any of them: events.agree).
+        self._book.events.agree("manager-wait", what=f"wait of {self._loc}")
 
     def close(self) -> None:
         """Wait for the in-flight save, stop the threads, release the lock. Idempotent."""
         if self._closed:
             return
         try:
-            self.wait()
+            self._book.events.holding(self.wait)  # a hook's error: raised once closed
             tier = self._book.tier
             if tier is not None:  # after SIGTERM: within the grace period
                 grace = tier.grace_seconds if self.preempted else None
                 tier.close(grace, raise_errors=not self.preempted)
         finally:
             self._shut()
+        self._book.events.raise_error()
 
     def _shut(self) -> None:
         """Stops the threads and releases the lock (waits for no other process)."""
@@ -363,12 +365,11 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
         try:
             self.close()
         except Exception:
+            if exc_type is None:  # else the with block's own error goes on, this one logged
+                raise
             logger.exception("error while closing the checkpoint manager")
 
     def __del__(self):

@@ -130,6 +130,7 @@ _SHARED = (
     _int("every_steps", none_ok=True),
     _seconds("every_seconds", none_ok=True, high=threading.TIMEOUT_MAX),
     Option("async_save", "flag"),
+    Option("on_event", "callable", none_ok=True),
 )
 
 MANAGER: tuple[Option, ...] = (
@@ -271,7 +272,7 @@ def check_import(**options: Any) -> dict[str, Any]:
     return check(IMPORT, options)
 
 
-SHARED_WITH_MANAGER = ("keep", "every_steps", "every_seconds", "async_save")
+SHARED_WITH_MANAGER = ("keep", "every_steps", "every_seconds", "async_save", "on_event")
 """The callback's options that it hands to its manager."""
 
 

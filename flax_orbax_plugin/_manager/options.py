@@ -210,6 +210,7 @@ class ManagerOptions:
     reuse_host_buffers: bool
     format_version: int
     host_memory_budget: int | None
+    on_event: Callable[[Any], Any] | None
 
     @classmethod
     def build(
@@ -281,4 +282,5 @@ _PLAIN = (
     "reuse_host_buffers",
     "format_version",
     "host_memory_budget",
+    "on_event",
 )

@@ -191,6 +191,8 @@ class RetentionRunner:
         for s in doomed:
             if self._remove(s):
                 removed.append(s)
+        newest = max(asked) if asked else None
+        self._book.events.steps_removed(newest, str(self._loc), removed)  # StepsRemoved
         return removed
 
     def _remove(self, step: int) -> bool:
