@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from .._base import distributed as _distributed
+from .._base import liveness as _liveness
 from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument
@@ -89,7 +90,8 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
     fmt = _formats.of_document(doc)  # picked once, from the metadata
     direct = fmt.open(location, doc, targets, own_copy=request.own_copy)
     try:
-        return _read_targets_with(location, doc, targets, request, fmt, direct)
+        with _liveness.ACTIVITIES.doing(f"reading {location}", moving=True) as progress:
+            return _read_targets_with(location, doc, targets, request, fmt, direct, progress)
     finally:
         if direct is not None:
             direct.close()
@@ -108,8 +110,8 @@ def read_region(fmt, store, target: Target, direct, region=None):
     return fmt.read_stored(store, target.index, record, direct, region)
 
 
-def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct):
-    reader = Reader(request.memory_limit_bytes)
+def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct, progress):
+    reader = Reader(request.memory_limit_bytes, progress)  # progress: read by the heartbeat
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[Target]] = collections.defaultdict(list)
     shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)
