@@ -57,6 +57,9 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
     from ._manager.callback import CheckpointCallback
     from ._manager.checkpointables import Checkpointable, Pending, Written
     from ._manager.manager import CheckpointManager
+    from ._manager.policy import SavePolicy
+    from ._manager.retention import Retention
+    from ._manager.tiers.tier_option import Tier
     from ._reading.restore import metadata, restore
     from ._reading.serving import restore_params
     from ._state.iterators import StepIndexedIterator
@@ -82,11 +85,14 @@ __all__ = [
     "Pending",
     "ProcessFailedError",
     "ReplicationError",
+    "Retention",
     "SaveHandle",
     "SaveResult",
+    "SavePolicy",
     "StepIndexedIterator",
     "StepDeletedError",
     "StructureError",
+    "Tier",
     "TransformError",
     "UnknownItemError",
     "UnsupportedLocationError",

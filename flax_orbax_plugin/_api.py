@@ -37,6 +37,9 @@ from ._interop.safetensors import from_safetensors, to_safetensors
 from ._manager.callback import CheckpointCallback
 from ._manager.checkpointables import Checkpointable, Pending, Written
 from ._manager.manager import CheckpointManager
+from ._manager.policy import SavePolicy
+from ._manager.retention import Retention
+from ._manager.tiers.tier_option import Tier
 from ._reading.restore import metadata, restore
 from ._reading.serving import restore_params
 from ._state.iterators import StepIndexedIterator

@@ -162,7 +162,8 @@ class Saver:
     def _start(
         self, step: int, items: dict, extras: Any, local: list[int], replicate: bool
     ) -> dict[str, Pending]:
-        replicate and self._book.tier is not None and self._book.tier.force(step)
+        if replicate and self._book.tier is not None:
+            self._book.tier.force(step)
         started = time.perf_counter()
         replace = step in local
         final = _steps.step_location(self._loc, step)

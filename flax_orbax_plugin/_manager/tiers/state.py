@@ -18,7 +18,7 @@ from ..._base import faults as _faults
 from ..._errors import ReplicationError
 from ..._storage.location import Location
 from ..._storage.run_owner import RunOwner
-from ..retention import RetentionPolicy
+from ..retention import Retention
 
 __all__ = ["MAX_DEFER_S", "Places", "Stopped", "TierState", "Yielding"]
 
@@ -45,7 +45,7 @@ class Places:
 
     local: Location
     remote: Location
-    retention: RetentionPolicy
+    retention: Retention
     remove_step: Callable[[Location, int], None]
     primary: bool
     multi: bool

@@ -24,7 +24,7 @@ from ..._base import distributed as _distributed
 from ..._errors import ReplicationError
 from ..._storage import run_owner as _run_owner
 from ..._storage.location import Location
-from ..retention import RetentionPolicy
+from ..retention import Retention
 from .copy_down import CopyDown
 from .damaged import DamagedSteps
 from .opening import open_primary, share_open
@@ -90,7 +90,7 @@ class PersistentTier:
         multi = _distributed.process_count() > 1
         if not grace_seconds >= 0:
             raise ValueError(f"persistent_grace_seconds must be >= 0, found {grace_seconds!r}")
-        self.retention = RetentionPolicy(keep_last=keep, keep_every=keep_every)
+        self.retention = Retention(keep=keep, keep_every=keep_every)
         self.grace_seconds = float(grace_seconds)
         self._lease_seconds = _run_owner.check_lease(lease_seconds)
         self._places = Places(
