@@ -12,8 +12,8 @@ their declarations, where they enter, and raises
 what it takes and what was found, with the closest allowed string where one is close.
 :func:`refuse_without` refuses an option that does nothing in the chosen mode;
 :func:`refuse_unknown` a keyword that is no option ("did you mean"), and
-:func:`signature`, :func:`doc_lines` and :func:`doc_table` derive what ``help()`` shows from the same
-declarations.
+:func:`signature`, :func:`doc_lines` and :func:`doc_table` derive what ``help()`` and
+the docs show from the same declarations.
 
 Pure functions over frozen records; any thread.
 """
