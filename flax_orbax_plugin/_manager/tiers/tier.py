@@ -54,7 +54,7 @@ class PersistentTier:
       lease_seconds: the lease on an object-store persistent path (see docs/run_owner.md).
       per_host: each process has its own local directory (see docs/tiers.md).
       every: only the steps divisible by it are replicated (the manager's
-        ``persistent_every``), and those :meth:`force` names.
+        ``Tier(every=)``), and those :meth:`force` names.
     """
 
     def __init__(
@@ -160,7 +160,7 @@ class PersistentTier:
         copied; the others' queues only tell their :meth:`wait` what to wait for."""
         state = self._state
         with state.cond:
-            if not self._due(step):  # persistent_every: this step stays local
+            if not self._due(step):  # Tier(every=): this step stays local
                 return
             if not self._places.primary and self._already_decided(step):
                 return
@@ -168,7 +168,7 @@ class PersistentTier:
             state.cond.notify_all()
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` goes to this tier (``persistent_every``, or :meth:`force`)."""
+        """Whether ``step`` goes to this tier (``Tier(every=)``, or :meth:`force`)."""
         with self._state.cond:
             return self._due(step)
 
@@ -176,7 +176,7 @@ class PersistentTier:
         return self._places.due(step) or step in self._state.forced
 
     def force(self, step: int) -> None:
-        """``step`` goes to this tier whatever ``persistent_every`` says (the step saved
+        """``step`` goes to this tier whatever ``Tier(every=)`` says (the step saved
         on SIGTERM); called before its save starts, alike on every process."""
         with self._state.cond:
             self._state.forced.add(step)
