@@ -179,7 +179,7 @@ class CheckpointManager:
     ) -> bool:
         """Save ``state`` as ``step`` if the policy says so; return whether it saved.
 
-        ``state`` is split into checkpointables (see ``_train_state``): a Flax
+        ``state`` is split into checkpointables (``_state/train_state.py``): a Flax
         TrainState, NNX module/optimizer, or a dict of items. ``data_iterator``'s
         state and the JSON ``extras`` become items too. ``ignore_policy=True`` saves
         whatever the policy says (``force=``, its old name, is deprecated: it warns and
@@ -245,7 +245,7 @@ class CheckpointManager:
         * ``items="params"``: that one item's value; ``items=("params", "extras")``:
           a dict ``{name: value}``. ``like`` then only supplies templates.
         * ``data_iterator``: its state is set to the saved one (this process's).
-        * A changed model (see ``_transform``): ``partial=True`` leaves out saved
+        * A changed model (``_like/transform.py``): ``partial=True`` leaves out saved
           leaves (and items) ``like`` does not have; ``missing="keep"`` keeps
           ``like``'s own value for a leaf, or a whole item, the step lacks;
           ``transform`` maps saved leaf paths within each pytree item

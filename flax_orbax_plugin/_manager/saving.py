@@ -28,7 +28,7 @@ from .._errors import CheckpointError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import ItemEntry
-from .._incremental import reuse as _incremental
+from .._incremental import reuse as _reuse
 from .._incremental.reuse import Reuse
 from .._state.train_state import split_state
 from .._storage.location import Location
@@ -215,7 +215,7 @@ class Saver:
                 self._book.forget()  # a failed commit never enters the list; re-read
                 raise
             finally:  # every process has read every exchanged value by now
-                _incremental.release(reuses)
+                _reuse.release(reuses)
             result = SaveResult(
                 str(final),
                 blocking,

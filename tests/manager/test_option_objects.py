@@ -299,3 +299,26 @@ def test_no_lint_shaped_statements_in_the_package():
                 ):
                     found.append(f"{where}:{node.lineno}: property(lambda ...)")
     assert found == []
+
+
+def test_no_import_alias_names_another_module():
+    """An alias of a module is ``_<name>``, a part of its name (``json_docs as _docs``) or
+    its wing and name (``restore as _core_restore``): never an old or other module's
+    name (``orbax_reader as _orbax_import``, ``reuse as _incremental``)."""
+    wrong = []
+    for folder, _, files in os.walk(PACKAGE):
+        for name in [f for f in files if f.endswith(".py")]:
+            path = os.path.join(folder, name)
+            for node in ast.walk(ast.parse(open(path).read())):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                for alias in node.names:
+                    if not (alias.asname or "").startswith("_") or not alias.name.islower():
+                        continue
+                    words = set(alias.name.split("_")) | set((node.module or "").split("."))
+                    words |= {w for part in (node.module or "").split(".") for w in part.split("_")}
+                    if not set(alias.asname.strip("_").split("_")) <= words - {""}:
+                        wrong.append(
+                            f"{os.path.relpath(path, ROOT)}: {alias.name} as {alias.asname}"
+                        )
+    assert wrong == []

@@ -653,7 +653,7 @@ def preempted_training(
         mngr = cb.manager
         start = (cb.resumed_step or 0) + 1
         save = lambda step, s: cb.on_step_end(step, s)
-    ctx.note("mode", mngr._preemption.mode)
+    ctx.note("mode", mngr._schedule.preemption.mode)
     if resume:
         want = preempt_expected(start - 1, n_dev)
         exact = all(
