@@ -56,7 +56,7 @@ _GROUPS = (
 
 def _deprecated(what: str, instead: str) -> None:
     warnings.warn(
-        f"{what} is deprecated and goes in the next release: write {instead}",
+        f"{what}: deprecated, and gone in the next release; write {instead}",
         DeprecationWarning,
         stacklevel=outside_stacklevel(),
     )
@@ -89,7 +89,7 @@ def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
                 name, value, "persistent= (the tier it configures)", default=defaults[name]
             )
         return {k: v for k, v in given.items() if k not in flat}
-    local = Location.from_path(_tier_option.check_place("persistent", path)).is_local
+    local = Location.from_path(_tier_option.PATH.check(path)).is_local
     full = with_defaults(_tier_option.FIELDS, fields)
     _tier_option.refuse_idle(full, local, name=lambda f: f"persistent_{f}")
     out = {k: v for k, v in given.items() if k not in flat}

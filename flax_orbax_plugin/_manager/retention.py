@@ -107,7 +107,25 @@ class Retention:
 
     @property
     def deletes_anything(self) -> bool:
+        """Whether any step is ever deleted (``keep`` or ``keep_best`` set)."""
         return self.keep is not None or self.keep_best is not None
+
+    def kept(self, steps: list[int], metrics: Mapping[int, float]) -> set[int]:
+        """The steps of ``steps`` (ascending) that some rule keeps. With
+        :attr:`deletes_anything`, this is the protocol :func:`steps_to_delete` asks of
+        a retention (so rules added later can be objects of their own)."""
+        keep: set[int] = set()
+        if self.keep is not None:
+            keep.update(steps[-self.keep :])
+        if self.keep_every is not None:
+            keep.update(s for s in steps if s % self.keep_every == 0)
+        if self.keep_best is not None:
+            finite = {s: m for s in steps if (m := _finite(metrics.get(s))) is not None}
+            ranked = list(finite)
+            sign = 1.0 if self.best_mode == "min" else -1.0
+            ranked.sort(key=lambda s: (sign * finite[s], -s))  # ties go to the newer step
+            keep.update(ranked[: self.keep_best])
+        return keep
 
 
 def steps_to_delete(
@@ -117,23 +135,11 @@ def steps_to_delete(
     metrics: Mapping[int, float] | None = None,
     protected: Iterable[int] = (),
 ) -> list[int]:
-    """Return the sorted steps that ``policy`` does not keep."""
+    """Return the sorted steps that ``policy`` does not keep (nor ``protected``)."""
     steps = sorted(set(steps))
     if not policy.deletes_anything:
         return []
-    keep = set(protected)
-    if policy.keep is not None:
-        keep.update(steps[-policy.keep :])
-    if policy.keep_every is not None:
-        keep.update(s for s in steps if s % policy.keep_every == 0)
-    if policy.keep_best is not None:
-        metrics = metrics or {}
-        finite = {s: m for s in steps if (m := _finite(metrics.get(s))) is not None}
-        ranked = list(finite)
-        sign = 1.0 if policy.best_mode == "min" else -1.0
-        # Ties go to the newer step.
-        ranked.sort(key=lambda s: (sign * finite[s], -s))
-        keep.update(ranked[: policy.keep_best])
+    keep = set(protected) | policy.kept(steps, metrics or {})
     return [s for s in steps if s not in keep]
 
 

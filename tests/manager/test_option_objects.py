@@ -129,6 +129,16 @@ def test_a_flat_tier_keyword_with_a_tier_object_is_refused(tmp_path):
         fop.CheckpointManager(tmp_path / "run", persistent=tier, persistent_keep=1)
 
 
+def test_a_bad_path_with_flat_tier_keywords_is_named(tmp_path):
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(
+            fop.OptionTypeError, match=r"^persistent: expected a path, an s3:// / gs:// URL"
+        ),
+    ):
+        fop.CheckpointManager(tmp_path / "run", persistent=5, persistent_keep=1)
+
+
 def test_a_bad_object_in_the_wrong_option_is_named(tmp_path):
     with pytest.raises(TypeError, match=r"^policy: expected a SavePolicy\(\.\.\.\) or None"):
         fop.CheckpointManager(tmp_path / "run", policy=fop.Retention(keep=1))
@@ -147,7 +157,7 @@ def test_flat_tier_keywords_warn_naming_the_tier_and_configure_the_same_tier(tmp
         )
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert message.startswith("persistent_keep=, persistent_every= is deprecated")
+    assert message.startswith("persistent_keep=, persistent_every=: deprecated, and gone in")
     assert f"persistent=fop.Tier({remote!r}, keep=2, every=3)" in message
     assert caught[0].filename == __file__  # the warning names the user's line
     with mngr:
