@@ -6,7 +6,8 @@ a background error is re-raised by the next call. With several processes every
 process makes the same calls in the same order. The work is done by collaborators
 given what they need (``options``, ``book``, ``schedule``, ``saving``, ``step_commit``,
 ``restoring``, ``retaining``, ``housekeeping``): docs/manager.md, with the layout and
-the threading in full.
+the threading in full. The options are declared in ``option_table`` (the docstring and
+signature below come from there: ``signatures``).
 """
 
 from __future__ import annotations
