@@ -22,7 +22,7 @@ from .._base import distributed as _distributed
 from .._base import host as _host
 from .._core import ownership as _ownership
 from .._core.save import SaveHandle, SaveResult
-from .._errors import CheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError
 from .._like import transform as _transform
 from .._storage import shared_dir as _shared_dir
 from .._storage.lock import DirectoryLock
@@ -116,17 +116,27 @@ class CheckpointManager:
         the store now. A save never calls it: it uses the steps known in memory."""
         return self._book.listed()
 
+    @_distributed.collective("manager-delete")
     def delete(self, step: int) -> None:
         """Removes committed ``step`` of this directory now, through the one owner of
-        removal (only a step this library committed; it leaves listings at once). The
-        persistent tier's copy stays (``persistent.remove(step)``). Call from the
-        training thread; waits for the save in flight first. With several processes
-        every process calls it (each removes what it sees; a step already gone is fine
-        on a shared directory)."""
+        removal (only a step this library committed; it leaves listings at once); a
+        step that is not committed is a CheckpointNotFoundError. The persistent tier's
+        copy stays (``persistent.remove(step)``). Call from the training thread; waits
+        for the save in flight first. With several processes every process calls it
+        (a collective operation): the primary removes the step (each process its own
+        copy, with a directory per host), then all of them meet."""
         self._check_writable()
         self._wait_inflight()
-        _ownership.remove_step(self._loc, operator.index(step))
+        step = operator.index(step)
+        if _distributed.is_primary() or self._book.per_host:
+            steps = self.steps()
+            if step not in steps:
+                raise CheckpointNotFoundError(
+                    f"step {step} is no committed step of {self._loc} (its steps: {steps})"
+                )
+            _ownership.remove_step(self._loc, step)
         self._book.forget()  # the next need lists the store
+        _distributed.barrier(_distributed.next_operation_id("manager-delete"))
 
     def latest_step(self, *, include_persistent: bool = False) -> int | None:
         """The highest committed step, or None when there is none; with

@@ -332,3 +332,27 @@ def test_no_import_alias_names_another_module():
                             f"{os.path.relpath(path, ROOT)}: {alias.name} as {alias.asname}"
                         )
     assert wrong == []
+
+
+def test_the_public_methods_the_callback_uses(tmp_path):
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        assert mngr.pending_save is None and not mngr.preempted_at(1)
+        mngr.save(1, tiny(1))
+        handle = mngr.pending_save
+        assert handle is not None  # the save in flight, until waited for
+        mngr.wait_for_save()
+        assert handle.done() and mngr.pending_save is None
+        mngr.save(2, tiny(2), data_iterator=fop.StepIndexedIterator(lambda i: i))
+        mngr.delete(1)  # waits for step 2 first, then removes step 1 through the owner
+        assert mngr.steps() == [2]
+        with pytest.raises(fop.CheckpointNotFoundError, match=r"^step 7 is no committed step"):
+            mngr.delete(7)
+        assert mngr.steps() == [2]
+    reader = fop.CheckpointManager(tmp_path / "run", read_only=True)
+    with pytest.raises(fop.CheckpointError, match="is read-only"):
+        reader.delete(2)
+    writer = fop.CheckpointManager(tmp_path / "run")
+    with writer:
+        writer.restore(items=("params",))
+        with pytest.warns(UserWarning, match="holds a 'data_iterator' item"):
+            writer.warn_data_replay()  # a resume of named items that left the data out
