@@ -41,6 +41,7 @@ from .tiers.tier_option import Tier
 
 __all__ = [
     "CALLBACK",
+    "CALLBACK_HINTS",
     "DEPRECATED",
     "DIRECTORY",
     "HINTS",
@@ -231,6 +232,15 @@ HINTS: Mapping[str, str] = {
 }
 """Names users bring from elsewhere that are no single option -> what to write here
 (names that are one option are that option's ``aliases``)."""
+
+CALLBACK_HINTS: Mapping[str, str] = {
+    **HINTS,
+    **{
+        o.name: f"manager_options={{'persistent': fop.Tier(<path>, {o.name[11:]}=...)}}"
+        for o in DEPRECATED
+    },
+}
+"""The callback's hints: the flat tier keywords point to a Tier in its manager_options."""
 
 CALLBACK: tuple[Option, ...] = (
     *(o for o in _policy.FIELDS if o.name in ("every_steps", "every_seconds")),

@@ -154,8 +154,8 @@ def check_callback(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, 
         "CheckpointCallback",
         given,
         _table.CALLBACK,
-        hints=_table.HINTS,
-        inside=("manager_options", _table.MANAGER + _table.DEPRECATED),
+        hints=_table.CALLBACK_HINTS,
+        inside=("manager_options", _table.MANAGER),
     )
     out = with_defaults(_table.CALLBACK, check(_table.CALLBACK, given))
     if out["resume"] is not False:

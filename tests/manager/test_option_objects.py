@@ -181,6 +181,14 @@ def test_the_callback_warns_once_and_hands_its_manager_the_tier(tmp_path):
     assert len(caught) == 1
 
 
+def test_a_flat_tier_keyword_given_to_the_callback_points_to_a_tier(tmp_path):
+    with pytest.raises(
+        TypeError,
+        match=re.escape("did you mean manager_options={'persistent': fop.Tier(<path>, keep=...)}?"),
+    ):
+        fop.CheckpointCallback(tmp_path / "run", persistent_keep=1)
+
+
 def test_the_callback_takes_the_objects_through_manager_options(tmp_path):
     cb = fop.CheckpointCallback(
         tmp_path / "run", manager_options={"retention": fop.Retention(keep=1, keep_every=10)}
