@@ -364,3 +364,21 @@ def test_the_public_methods_the_callback_uses(tmp_path):
         writer.restore(items=("params",))
         with pytest.warns(UserWarning, match="holds a 'data_iterator' item"):
             writer.warn_data_replay()  # a resume of named items that left the data out
+
+
+@pytest.mark.distributed
+def test_the_callbacks_overwrite_clears_the_steps_once_with_two_processes(tmp_path):
+    """overwrite=True goes through the manager's collective delete: the primary removes
+    each step, every process meets it, none of them fails on a step already gone."""
+    from _multiprocess import run_processes
+
+    run = run_processes(
+        "_mp_workers:callback_overwrite",
+        2,
+        devices_per_process=1,
+        args={"directory": str(tmp_path / "ckpt")},
+        env={"FOP_COORDINATION_TIMEOUT_S": "20"},
+        timeout_s=60,
+    ).check()
+    for p in run.procs:
+        assert p.result == {"after_clear": [], "at_end": [3]}
