@@ -117,24 +117,29 @@ class CheckpointManager:
         return self._book.listed()
 
     @_distributed.collective("manager-delete")
-    def delete(self, step: int) -> None:
-        """Removes committed ``step`` of this directory now, through the one owner of
-        removal (only a step this library committed; it leaves listings at once); a
-        step that is not committed is a CheckpointNotFoundError. The persistent tier's
-        copy stays (``persistent.remove(step)``). Call from the training thread; waits
-        for the save in flight first. With several processes every process calls it
-        (a collective operation): the primary removes the step (each process its own
-        copy, with a directory per host), then all of them meet."""
+    def delete(self, *steps: int) -> None:
+        """Removes the committed ``steps`` of this directory now, through the one owner
+        of removal (only steps this library committed; each leaves listings at once);
+        a step that is not committed is a CheckpointNotFoundError and removes nothing.
+        The persistent tier's copies stay (``persistent.remove(step)``). Call from the
+        training thread; waits for the save in flight first. With several processes
+        every process calls it with the same steps (a collective operation): all meet
+        (so that none lists the directory while a step goes), the primary removes the
+        steps (each process its own, with a directory per host), then all meet again."""
         self._check_writable()
         self._wait_inflight()
-        step = operator.index(step)
+        steps = [operator.index(step) for step in steps]
+        _distributed.barrier(_distributed.next_operation_id("manager-delete"))
         if _distributed.is_primary() or self._book.per_host:
-            steps = self.steps()
-            if step not in steps:
+            committed = self.steps()
+            missing = [step for step in steps if step not in committed]
+            if missing:
                 raise CheckpointNotFoundError(
-                    f"step {step} is no committed step of {self._loc} (its steps: {steps})"
+                    f"{', '.join(map(str, missing))}: no committed step of {self._loc} "
+                    f"(its steps: {committed}); nothing was removed"
                 )
-            _ownership.remove_step(self._loc, step)
+            for step in steps:
+                _ownership.remove_step(self._loc, step)
         self._book.forget()  # the next need lists the store
         _distributed.barrier(_distributed.next_operation_id("manager-delete"))
 

@@ -117,7 +117,7 @@ def _instance(cls: type, shorthands: str) -> Any:
 
 def _tier(value: Any) -> Tier:
     """``persistent=``: a Tier, or a bare path standing for ``Tier(path)``."""
-    return value if isinstance(value, Tier) else Tier(_tier_option.check_place("persistent", value))
+    return value if isinstance(value, Tier) else Tier(value)  # its path checked there
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:
@@ -236,8 +236,8 @@ HINTS: Mapping[str, str] = {
 CALLBACK_HINTS: Mapping[str, str] = {
     **HINTS,
     **{
-        o.name: f"manager_options={{'persistent': fop.Tier(<path>, {o.name[11:]}=...)}}"
-        for o in DEPRECATED
+        f"persistent_{o.name}": f"manager_options={{'persistent': fop.Tier(<path>, {o.name}=...)}}"
+        for o in _tier_option.FIELDS
     },
 }
 """The callback's hints: the flat tier keywords point to a Tier in its manager_options."""

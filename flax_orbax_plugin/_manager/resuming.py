@@ -70,8 +70,7 @@ def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> 
             f"with resume=True from its first start: it starts fresh while the directory "
             f"holds no step and resumes the latest good step after every restart"
         )
-    for step in mngr.steps():
-        mngr.delete(step)
+    mngr.delete(*mngr.steps())  # collective: every process lists before any goes
     if mngr.persistent is not None:
         for step in mngr.persistent.steps():
             mngr.persistent.remove(step)

@@ -891,6 +891,9 @@ def callback_overwrite(ctx, directory):
         for step in (1, 2):
             mngr.save(step, replicated_state(ctx, step, rows=64))
     cb = fop.CheckpointCallback(directory, resume=False, overwrite=True)
+    assert cb.manager.latest_step() == 2  # opened (collectively); process 1 then lists late
+    if ctx.process_id == 1:
+        time.sleep(1.0)
     cb.on_train_start(replicated_state(ctx, 0, rows=64))
     steps = cb.manager.steps()
     cb.on_train_end(replicated_state(ctx, 3, rows=64), step=3)
