@@ -22,7 +22,7 @@ from .._base import distributed as _distributed
 from .._base import host as _host
 from .._core import ownership as _ownership
 from .._core.save import SaveHandle, SaveResult
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointError
 from .._like import transform as _transform
 from .._storage import shared_dir as _shared_dir
 from .._storage.lock import DirectoryLock
@@ -87,14 +87,8 @@ class CheckpointManager:
             if tier is None:
                 _shared_dir.check_visible(self._loc)
             else:
-                self._book.tier = PersistentTier(
+                self._book.tier = tier.open(
                     self._loc,
-                    tier.path,
-                    keep=tier.keep,
-                    keep_every=tier.keep_every,
-                    every=tier.every,
-                    grace_seconds=tier.grace_seconds,
-                    lease_seconds=tier.lease_seconds,
                     remove_step=_ownership.remove_step,
                     busy=lambda: self.save_in_flight,
                     per_host=own,
@@ -131,15 +125,7 @@ class CheckpointManager:
         steps = [operator.index(step) for step in steps]
         _distributed.barrier(_distributed.next_operation_id("manager-delete"))
         if _distributed.is_primary() or self._book.per_host:
-            committed = self.steps()
-            missing = [step for step in steps if step not in committed]
-            if missing:
-                raise CheckpointNotFoundError(
-                    f"{', '.join(map(str, missing))}: no committed step of {self._loc} "
-                    f"(its steps: {committed}); nothing was removed"
-                )
-            for step in steps:
-                _ownership.remove_step(self._loc, step)
+            _housekeeping.remove_committed(self._loc, steps, self.steps())
         self._book.forget()  # the next need lists the store
         _distributed.barrier(_distributed.next_operation_id("manager-delete"))
 

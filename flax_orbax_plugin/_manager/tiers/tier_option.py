@@ -20,6 +20,7 @@ from ..._storage import run_owner as _run_owner
 from ..._storage.kvstore import spec_from_path
 from ..._storage.location import Location
 from ..retention import KEEP, KEEP_EVERY
+from .tier import PersistentTier
 
 __all__ = ["FIELDS", "Tier", "check_place", "refuse_idle"]
 
@@ -129,3 +130,26 @@ class Tier:
         for field_name, value in values.items():
             object.__setattr__(self, field_name, value)
         refuse_idle(values, Location.from_path(self.path).is_local)
+
+    def open(
+        self,
+        local: Location,
+        *,
+        remove_step: Callable[[Location, int], None],
+        busy: Callable[[], bool],
+        per_host: bool,
+    ) -> PersistentTier:
+        """The :class:`PersistentTier` this option describes, replicating ``local``
+        (the manager's writer open calls it; the other arguments: see PersistentTier)."""
+        return PersistentTier(
+            local,
+            self.path,
+            keep=self.keep,
+            keep_every=self.keep_every,
+            every=self.every,
+            grace_seconds=self.grace_seconds,
+            lease_seconds=self.lease_seconds,
+            remove_step=remove_step,
+            busy=busy,
+            per_host=per_host,
+        )
