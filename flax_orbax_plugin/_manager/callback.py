@@ -53,6 +53,8 @@ __all__ = ["CheckpointCallback"]
 
 
 class ScalarWriter(Protocol):
+    """What ``writer=`` takes (CLU's metric writers have this shape)."""
+
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
 
 

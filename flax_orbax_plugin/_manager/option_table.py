@@ -275,7 +275,7 @@ CALLBACK: tuple[Option, ...] = (
         "custom",
         none_ok=True,
         convert=_writer,
-        annotation="Any",
+        annotation="ScalarWriter",
         doc="an object with write_scalars(step, scalars) receiving each save's figures",
     ),
     Option(
