@@ -6,9 +6,11 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.verify``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import CheckpointError
@@ -40,6 +42,9 @@ VERIFY_BUDGET_BYTES = 16 << 20
 
 __all__ = ["VerifyResult", "verify"]
 
+# progress(total_bytes, what) -> a context manager with advance(nbytes, note)
+Progress = Callable[[int, str], Any]
+
 
 @dataclasses.dataclass(frozen=True)
 class VerifyResult:
@@ -53,31 +58,42 @@ class VerifyResult:
     error: str | None = None
 
 
-def verify(path: Any, *, step: int | None = None, all_steps: bool = False) -> list[VerifyResult]:
+def verify(
+    path: Any,
+    *,
+    step: int | None = None,
+    all_steps: bool = False,
+    progress: Progress | None = None,
+) -> list[VerifyResult]:
     """Verifies ``path``: a directory of steps (its latest step, ``step``, or with
     ``all_steps`` every committed step), one step, one item of a step, or a standalone
     core checkpoint. Returns one :class:`VerifyResult` per piece; never raises for
     damage (only :class:`CheckpointNotFoundError` when nothing checkable is there).
+
+    ``progress``: called once per pytree checked, in the calling thread, as
+    ``progress(total_bytes, what)`` (``what``: ``"step 30/params"``, or the path of a
+    core checkpoint); it returns a context manager whose ``advance(nbytes, note)`` is
+    called, in the same thread, as each read is checked (the CLI's progress bar).
     """
     _read_options.check_verify(step=step, all_steps=all_steps)  # OptionError naming one
     loc = Location.from_path(path)
     if loc.exists(COMMIT_FILE):
-        return [_verify_pytree(loc, None, None)]
+        return [_verify_pytree(loc, None, None, progress)]
     if loc.exists(MANIFEST_FILE):
-        return verify_step(loc, _step_number(loc))
+        return verify_step(loc, _step_number(loc), progress=progress)
     manifest = _steps.manifest_for_item(loc)
     if manifest is not None:  # an item of a step: checked as its kind is, as the step's are
         name = next(n for n, e in manifest.items.items() if e.dir == loc.name)
-        return [_verify_item(loc.parent, manifest, name, _step_number(loc.parent))]
+        return [_verify_item(loc.parent, manifest, name, _step_number(loc.parent), progress)]
     if loc.exists(METADATA_FILE):
-        return [_verify_pytree(loc, _step_number(loc.parent), loc.name)]
+        return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress)]
     listing = _steps.list_directory(loc)
     if not listing.committed:
         raise _places.no_steps(loc, listing)  # says what is there instead
     chosen = listing.committed if all_steps else [_steps.choose_step(loc, listing.committed, step)]
     out: list[VerifyResult] = []
     for s in chosen:
-        out.extend(verify_step(_steps.step_location(loc, s), s))
+        out.extend(verify_step(_steps.step_location(loc, s), s, progress=progress))
     return out
 
 
@@ -85,17 +101,23 @@ def _step_number(loc: Location) -> int | None:
     return int(loc.name) if _steps.is_step_name(loc.name) else None
 
 
-def verify_step(step_loc: Location, step: int | None) -> list[VerifyResult]:
+def verify_step(
+    step_loc: Location, step: int | None, *, progress: Progress | None = None
+) -> list[VerifyResult]:
     """Every item of one step; a bad manifest is one failed result for the step."""
     try:
         manifest = _steps.read_manifest(step_loc)
     except CheckpointError as e:
         return [VerifyResult(str(step_loc), step, None, False, str(e))]
-    return [_verify_item(step_loc, manifest, name, step) for name in manifest.items]
+    return [_verify_item(step_loc, manifest, name, step, progress) for name in manifest.items]
 
 
 def _verify_item(
-    step_loc: Location, manifest: StepManifest, name: str, step: int | None
+    step_loc: Location,
+    manifest: StepManifest,
+    name: str,
+    step: int | None,
+    progress: Progress | None = None,
 ) -> VerifyResult:
     """One item of a committed step: the files its kind needs, every JSON file it
     holds against the manifest's checksum, and a pytree's data."""
@@ -106,7 +128,7 @@ def _verify_item(
     except CheckpointError as e:
         return VerifyResult(str(item_loc), step, name, False, str(e))
     if entry.kind == "pytree":
-        return _verify_pytree(item_loc, step, name)
+        return _verify_pytree(item_loc, step, name, progress)
     return VerifyResult(str(item_loc), step, name, True)
 
 
@@ -134,26 +156,48 @@ def _check_item_files(item_loc: Location, name: str, kind: str, manifest: StepMa
             _steps.read_item_json(item_loc, file)
 
 
-def _verify_pytree(loc: Location, step: int | None, item: str | None) -> VerifyResult:
+def _verify_pytree(
+    loc: Location, step: int | None, item: str | None, progress: Progress | None = None
+) -> VerifyResult:
+    what = str(loc) if step is None else f"step {step}" + (f"/{item}" if item else "")
     try:
-        check_pytree(loc)
+        check_pytree(loc, progress=progress, what=what)
     except CheckpointError as e:
         return VerifyResult(str(loc), step, item, False, str(e))
     return VerifyResult(str(loc), step, item, True)
 
 
-def check_pytree(location: Location, *, budget: int = VERIFY_BUDGET_BYTES) -> None:
+def check_pytree(
+    location: Location,
+    *,
+    budget: int = VERIFY_BUDGET_BYTES,
+    progress: Progress | None = None,
+    what: str = "",
+) -> None:
     """Checks a committed pytree checkpoint as restore reads it (metadata checksum and
     fields, sizes claimed against the files on disk, every ``zarr.json``, every chunk's
     crc32c) holding at most ``budget`` bytes of data at a time; raises the
     CorruptCheckpointError restore would (naming the leaf), OSError for the
-    environment's errors. Returns nothing: no value is kept."""
+    environment's errors. Returns nothing: no value is kept. ``progress(total_bytes,
+    what)``: as :func:`verify`'s, its bar advanced by each checked read's bytes."""
     _save.wait_for_pending_save(location)
     doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
     targets = [make_target(i, rec, None) for i, rec in enumerate(doc.leaves)]
-    direct = open_direct(location, doc, targets)  # claims checked first
-    window = _Window(location, budget)
+    with _open_progress(progress, doc, what or str(location)) as bar:
+        direct = open_direct(location, doc, targets)  # claims checked first
+        _check_data(location, doc, targets, direct, _Window(location, budget, bar), budget)
+
+
+def _open_progress(progress: Progress | None, doc: Any, what: str) -> Any:
+    if progress is None:
+        return contextlib.nullcontext(None)
+    total = sum(rec.nbytes for rec in doc.leaves if isinstance(rec.storage, ArrayStorage))
+    total += sum(b.size * _layout.dtype_from_name(b.dtype).itemsize for b in doc.batches.values())
+    return progress(total, what)
+
+
+def _check_data(location, doc, targets, direct, window: _Window, budget: int) -> None:
     try:
         for target in targets:
             record = target.record
@@ -180,8 +224,8 @@ class _Window:
     """Reads in flight, at most ``budget`` bytes of them (plus the last submitted); each
     result is checked (its read raised nothing) and dropped."""
 
-    def __init__(self, location: Location, budget: int):
-        self.location, self.budget = location, budget
+    def __init__(self, location: Location, budget: int, bar: Any = None):
+        self.location, self.budget, self.bar = location, budget, bar
         self.pending: collections.deque = collections.deque()
         self.in_flight = 0
 
@@ -203,6 +247,8 @@ class _Window:
                 _reads.raise_environmental(e)
                 damaged = (locate() if locate is not None else None) or paths
                 raise _reads.corrupt(damaged, self.location, e) from None
+            if self.bar is not None:
+                self.bar.advance(nbytes, paths[0] if len(paths) == 1 else "")
 
 
 def _damaged_leaves(store, members: list) -> list[str]:

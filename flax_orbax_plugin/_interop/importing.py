@@ -15,8 +15,9 @@ Thread-safety: every function here is safe to call from any thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -167,6 +168,8 @@ def save_steps(
     force: bool,
     planned: Iterable[int] = (),
     format_version: int = 1,
+    progress: Callable[[int], Any] | None = None,
+    source_bytes: Sequence[int] = (),
 ) -> list[int]:
     """Saves each ``(step, (_, items, extras))`` as a committed step of ``out_dir``.
 
@@ -175,15 +178,21 @@ def save_steps(
     error (ForeignEntryError), checked for every ``planned`` step before anything is
     written and again before each step. ``steps`` is consumed lazily: one step's trees
     are in memory at a time. Returns the steps written, in order. ``format_version``:
-    of the steps written (1 or 2).
+    of the steps written (1 or 2). ``progress(sum(source_bytes))``, called once in the
+    calling thread, returns a context manager whose ``advance(nbytes, note)`` is called
+    as each step commits, with that step's ``source_bytes`` entry (the CLI's bar).
     """
     refuse_inside_checkpoint(out_dir)
     refuse_foreign_targets(out_dir, list(planned))
     loc = Location.from_path(out_dir)
     created = _ownership.missing_directories(loc.path) if loc.is_local else []
     written: list[int] = []
+    sizes = list(source_bytes)
     try:
-        with CheckpointManager(out_dir, async_save=False, format_version=format_version) as mngr:
+        with (
+            CheckpointManager(out_dir, async_save=False, format_version=format_version) as mngr,
+            _open_progress(progress, sum(sizes)) as bar,
+        ):
             for number, (_, items, extras) in steps:
                 refuse_foreign_targets(out_dir, [number])
                 if not force and number in mngr.steps():
@@ -196,6 +205,8 @@ def save_steps(
                 mngr.save(number, items, extras=extras, ignore_policy=True, overwrite=True)
                 written.append(number)
                 del items, extras  # one step's trees at a time
+                if bar is not None:
+                    bar.advance(sizes[len(written) - 1] if len(written) <= len(sizes) else 0, "")
     except BaseException as e:  # Ctrl-C too: the manager removed the step in progress
         if written:
             e.add_note(f"the import committed step(s) {written} to {loc} before it failed")
@@ -205,6 +216,20 @@ def save_steps(
     return written
 
 
+def _open_progress(progress: Callable[[int], Any] | None, total: int) -> Any:
+    return contextlib.nullcontext(None) if progress is None else progress(total)
+
+
+def _source_size(path: Any) -> int:
+    """Bytes of a local file or directory to import (0 elsewhere: a bucket's are not
+    listed for a progress bar)."""
+    loc = Location.from_path(path)
+    if not loc.is_local:
+        return 0
+    path = loc.path.rstrip("/")
+    return os.path.getsize(path) if os.path.isfile(path) else loc.size_bytes()
+
+
 def import_checkpoint(
     src: Any,
     out_dir: Any,
@@ -212,15 +237,19 @@ def import_checkpoint(
     step: int | None = None,
     force: bool = False,
     format_version: int = 1,
+    progress: Callable[[int], Any] | None = None,
 ) -> list[int]:
     """``flax-orbax import``: an Orbax directory or Flax msgpack file(s) into ``out_dir``.
 
     Orbax (a manager, step or item directory) goes through
     :func:`import_orbax`; a msgpack file or a ``flax.training.checkpoints`` directory
-    through :func:`import_msgpack`. Returns the steps written.
+    through :func:`import_msgpack`. Returns the steps written. ``progress``: as
+    :func:`save_steps`'s, over the bytes of the source files read.
     """
     if is_orbax_checkpoint(src):
-        return import_orbax(src, out_dir, step=step, force=force, format_version=format_version)
+        return import_orbax(
+            src, out_dir, step=step, force=force, format_version=format_version, progress=progress
+        )
     local = local_path(src, what="import source", note=_NOT_ORBAX)
     ours = None
     if os.path.isdir(local):
@@ -232,7 +261,9 @@ def import_checkpoint(
             f"CheckpointManager, or copy the directory)"
         )
     if os.path.exists(local):
-        return import_msgpack(src, out_dir, step=step, force=force, format_version=format_version)
+        return import_msgpack(
+            src, out_dir, step=step, force=force, format_version=format_version, progress=progress
+        )
     raise CheckpointNotFoundError(f"{src}: no such file or directory")
 
 
@@ -243,6 +274,7 @@ def import_orbax(
     step: int | None = None,
     force: bool = False,
     format_version: int = 1,
+    progress: Callable[[int], Any] | None = None,
 ) -> list[int]:
     """Writes Orbax checkpoints as steps of a ``CheckpointManager`` directory.
 
@@ -254,7 +286,7 @@ def import_orbax(
     time to host memory and the assembled step is saved with the public
     ``CheckpointManager.save``, so the peak is about twice the step's bytes (the tree,
     then the save's own host snapshot). Returns the steps written. Items map as
-    :func:`step_items` says.
+    :func:`step_items` says. ``progress``: as :func:`save_steps`'s.
     """
     _option_table.check_import(step=step, force=force, format_version=format_version)
     targets = orbax_reader.steps_to_import(src, step)
@@ -274,7 +306,13 @@ def import_orbax(
 
     planned = [n for n, _ in targets]
     return save_steps(
-        out_dir, states(), force=force, planned=planned, format_version=format_version
+        out_dir,
+        states(),
+        force=force,
+        planned=planned,
+        format_version=format_version,
+        progress=progress,
+        source_bytes=[_source_size(loc) for _, loc in targets] if progress else (),
     )
 
 
@@ -285,6 +323,7 @@ def import_msgpack(
     step: int | None = None,
     force: bool = False,
     format_version: int = 1,
+    progress: Callable[[int], Any] | None = None,
 ):
     """Writes Flax msgpack checkpoints as steps of a ``CheckpointManager`` directory.
 
@@ -295,7 +334,7 @@ def import_msgpack(
     ends with; a file with none of them is refused (``import_step.choose_step``),
     the first before anything is written. A state dict with ``params`` is split into
     items (``params``, ``opt_state``, ``step`` ...), any other tree is saved as
-    ``params``. Returns the steps written.
+    ``params``. Returns the steps written. ``progress``: as :func:`save_steps`'s.
     """
     _option_table.check_import(step=step, force=force, format_version=format_version)
     numbered = msgpack_reader.files_to_import(src, step)
@@ -315,5 +354,11 @@ def import_msgpack(
             yield read(named, path)
 
     return save_steps(
-        out_dir, states(), force=force, planned=planned, format_version=format_version
+        out_dir,
+        states(),
+        force=force,
+        planned=planned,
+        format_version=format_version,
+        progress=progress,
+        source_bytes=[_source_size(path) for _, path in numbered] if progress else (),
     )

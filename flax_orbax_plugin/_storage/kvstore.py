@@ -10,6 +10,8 @@ created once per kind of store, lazily, under a lock: safe from any thread.
 
 from __future__ import annotations
 
+import configparser
+import functools
 import os
 import re
 import threading
@@ -237,17 +239,132 @@ def _url_spec(text: str, what: str) -> dict[str, Any]:
     return spec
 
 
-def _s3_settings_from_env() -> dict[str, str]:
+def _s3_settings_from_env() -> dict[str, Any]:
     """S3-compatible servers: tensorstore's s3 driver ignores ``AWS_ENDPOINT_URL``
-    (it always talks to amazonaws.com), so an ``s3://`` URL takes it from here."""
-    settings = {}
+    (it always talks to amazonaws.com), so an ``s3://`` URL takes it from here.
+
+    With both keys in the environment, the credentials are named as coming from it:
+    the default chain would pick them first too (the same credentials), but builds its
+    profile provider on the way, which logs about 5 ERROR lines per open when
+    ``~/.aws/config`` or ``~/.aws/credentials`` is missing (aws-c-auth, through
+    tensorstore's absl logging, on stderr). Else a profile with both keys in the shared
+    credentials file (``AWS_PROFILE``, default ``default``) is named with its files
+    (:func:`_profile_with_keys`). Anything else is left to the default chain."""
+    settings: dict[str, Any] = {}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         settings["endpoint"] = endpoint
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         settings["aws_region"] = region
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        settings["aws_credentials"] = {"type": "environment"}
+        return settings
+    credentials = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser(
+        "~/.aws/credentials"
+    )
+    config = os.environ.get("AWS_CONFIG_FILE") or os.path.expanduser("~/.aws/config")
+    profile = os.environ.get("AWS_PROFILE") or "default"
+    try:
+        info = os.stat(credentials)
+    except OSError:
+        return settings
+    stamp = (info.st_mtime_ns, info.st_size)
+    named = _profile_with_keys(credentials, stamp, profile, config, os.path.isfile(config))
+    if named is not None:
+        settings["aws_credentials"] = named
     return settings
+
+
+@functools.lru_cache(maxsize=8)
+def _profile_with_keys(
+    credentials: str, stamp: tuple[int, int], profile: str, config: str, config_exists: bool
+) -> dict[str, str] | None:
+    """The profile provider, named in full, when the credentials file holds both keys of
+    ``profile``: the keys the default chain should read next, but tensorstore 0.1.86's
+    chain finds no profile ("could not load a profile at .") and goes on anonymous
+    (access denied); named with its files it reads them, and logs nothing. A missing
+    config file is given as the empty ``os.devnull``. None for any other file (a role,
+    SSO, a process: left to the default chain). ``stamp``: the file's mtime and size, a
+    cache key (the file is read again when it changes)."""
+    del stamp
+    parser = configparser.RawConfigParser()
+    try:
+        parser.read(credentials, encoding="utf-8")
+        keys = parser.has_option(profile, "aws_access_key_id") and parser.has_option(
+            profile, "aws_secret_access_key"
+        )
+    except (configparser.Error, OSError, UnicodeError):
+        return None
+    if not keys:
+        return None
+    return {
+        "type": "profile",
+        "profile": profile,
+        "credentials_file": credentials,
+        "config_file": config if config_exists else os.devnull,
+    }
+
+
+# What an object store's refusal means, by tensorstore's status text: (pattern, what
+# happened, what to do). The first that matches is the one line the CLI prints.
+_STORE_ERRORS = (
+    (
+        r"NoSuchBucket|bucket does not exist|404.*bucket",
+        "no such bucket",
+        "check the bucket's name (and the endpoint/project it lives in)",
+    ),
+    (
+        r"PROVIDER_INVALID_ENVIRONMENT|Failed to get credentials|Failed to create credentials",
+        "no credentials could be loaded",
+        "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile) for s3://, or "
+        "GOOGLE_APPLICATION_CREDENTIALS / `gcloud auth application-default login` for gs://",
+    ),
+    (
+        r"PERMISSION_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|"
+        r"http_response_code='40[13]'|UNAUTHENTICATED",
+        "access denied",
+        "check that these credentials may read (and, to write, write) this bucket",
+    ),
+)
+
+
+def store_error_line(error: BaseException, spec: dict[str, Any]) -> str | None:
+    """One line naming the bucket of ``spec`` (an s3 or gcs kvstore spec), what the
+    store said and what to do, for an error from tensorstore that is one of a missing
+    bucket, missing credentials or access denied; None for anything else (and for
+    other stores). Access denied with no credentials anywhere in the environment is
+    reported as missing credentials (the request went out anonymous)."""
+    driver = spec.get("driver")
+    if driver not in ("s3", "gcs") or not isinstance(error, ValueError):
+        return None
+    text = str(error)
+    scheme = "s3" if driver == "s3" else "gs"
+    where = f"{scheme}://{spec.get('bucket', '')}"
+    for pattern, what, todo in _STORE_ERRORS:
+        if re.search(pattern, text):
+            if what == "access denied" and driver == "s3" and not _aws_credentials_present():
+                what, todo = (
+                    "no credentials could be loaded (the request went anonymous)",
+                    (_STORE_ERRORS[1][2]),
+                )
+            return f"{where}: {what}; {todo}"
+    return None
+
+
+def _aws_credentials_present() -> bool:
+    """Whether the environment names any AWS credentials (keys, a profile, a
+    credentials file): otherwise the default chain ends anonymous."""
+    if os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE"):
+        return True
+    if os.environ.get("AWS_WEB_IDENTITY_TOKEN_FILE") or os.environ.get(
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"
+    ):
+        return True
+    files = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser(
+        "~/.aws/credentials"
+    )
+    return os.path.isfile(files)
 
 
 def prefix_range(prefix: str) -> ts.KvStore.KeyRange:

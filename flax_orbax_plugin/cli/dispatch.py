@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._storage.kvstore import local_path, spec_from_path
-from .commands import cmd_export, cmd_gc, cmd_import, cmd_inspect, cmd_list, cmd_verify
-from .output import CliError, one_line
+from .._storage.kvstore import local_path, spec_from_path, store_error_line
+from .commands import cmd_export, cmd_gc, cmd_import, cmd_inspect, cmd_verify
+from .list_command import cmd_list
+from .native_logs import aws_lines_filtered
+from .output import EXIT_STORE, CliError, one_line
 
 COMMANDS = {
     "list": cmd_list,
@@ -29,8 +31,8 @@ COMMANDS = {
 # by the library's one checker of what a path names: a URL is never made a local name.
 _NOTE = {"out": "safetensors files are written to local disk; export there, then copy them"}
 PATH_ARGUMENTS = {
-    "list": (("directory", "DIRECTORY", "store"),),
-    "inspect": (("path", "PATH", "store"),),
+    "list": (("directory", "DIRECTORY", "store"), ("plot", "--plot", "local")),
+    "inspect": (("path", "PATH", "store"), ("plot", "--plot", "local")),
     "verify": (("path", "PATH", "store"),),
     "export": (
         ("path", "PATH", "store"),
@@ -42,9 +44,16 @@ PATH_ARGUMENTS = {
 }
 
 
-def check_paths(args: argparse.Namespace) -> None:
+class StoreAccessError(CliError):
+    """An object store refused: no such bucket, no credentials, access denied."""
+
+    exit_code = EXIT_STORE
+
+
+def check_paths(args: argparse.Namespace) -> list[dict]:
     """CliError naming the first path argument that names no place it may be; a
-    warning on stderr for each memory:// one."""
+    warning on stderr for each memory:// one. Returns the specs of the store paths."""
+    specs = []
     for attr, name, where in PATH_ARGUMENTS[args.command]:
         value = getattr(args, attr)
         if value is None:
@@ -52,7 +61,9 @@ def check_paths(args: argparse.Namespace) -> None:
         try:
             if where == "local":
                 local_path(value, what=name, note=_NOTE.get(attr, ""))
-            elif spec_from_path(value, what=name)["driver"] == "memory":
+                continue
+            specs.append(spec_from_path(value, what=name))
+            if specs[-1]["driver"] == "memory":
                 print(  # main() called in-process (tests) shares its memory:// store
                     f"flax-orbax {args.command}: warning: {name} {value!r}: memory:// lives "
                     f"inside one process; from a shell nothing is there, and what this "
@@ -61,9 +72,22 @@ def check_paths(args: argparse.Namespace) -> None:
                 )
         except ValueError as e:
             raise CliError(one_line(e)) from None
+    return specs
 
 
 def run(args: argparse.Namespace) -> int:
-    """The exit status of the command ``args.command``, its paths checked first."""
-    check_paths(args)
-    return COMMANDS[args.command](args)
+    """The exit status of the command ``args.command``, its paths checked first; on an
+    object store, the AWS libraries' log lines are kept off stderr and a refusal (no
+    bucket, no credentials, access denied) is one :class:`StoreAccessError` line."""
+    specs = check_paths(args)
+    remote = [s for s in specs if s["driver"] in ("s3", "gcs")]
+    with aws_lines_filtered(enabled=any(s["driver"] == "s3" for s in remote)):
+        try:
+            return COMMANDS[args.command](args)
+        except CliError:
+            raise
+        except Exception as e:
+            line = next((x for s in remote if (x := store_error_line(e, s))), None)
+            if line is None:
+                raise
+            raise StoreAccessError(line) from None

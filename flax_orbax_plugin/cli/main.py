@@ -1,5 +1,6 @@
 """The ``flax-orbax`` parser and entry point: one command per subcommand, errors as
-one line on stderr and an exit status (1: damage found by ``verify``, 2: anything else).
+one line on stderr and an exit status (1: damage found by ``verify``, 3: an object store
+refused (no such bucket, no credentials, access denied), 2: anything else).
 
 This module imports only the standard library, the version and the error classes, so
 ``--help``, ``<command> --help`` and ``--version`` answer at once; ``main`` loads the
@@ -21,6 +22,9 @@ _PATH = (
     "(DIR/<step>/params) or a core checkpoint, on local disk, s3:// or gs://"
 )
 _STEP = "the step to read when PATH is a directory of steps (default: the latest)"
+_JSON = "print one JSON document instead (its schema: docs/cli.md)"
+_PLOT_LEAVES = "also draw the leaves by size to FILE (.png or .svg; needs matplotlib)"
+_PLOT_SAVES = "also draw the steps' saves over time to FILE (.png or .svg; needs matplotlib)"
 
 
 def _examples(*lines: str) -> str:
@@ -56,21 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
         "list",
         "steps in a checkpoint directory: sizes, times, metrics",
         "flax-orbax list ckpts/",
-        "flax-orbax list gs://bucket/run1",
+        "flax-orbax list gs://bucket/run1 --json",
     )
     s.add_argument("directory", help="a CheckpointManager directory (local, s3://, gs://)")
+    s.add_argument("--json", action="store_true", help=_JSON)
+    s.add_argument("--plot", default=None, metavar="FILE", help=_PLOT_SAVES)
 
     s = _command(
         sub,
         "inspect",
         "leaves with shapes, dtypes, shardings and bytes",
         "flax-orbax inspect ckpts/ --item params",
-        "flax-orbax inspect ckpts/300 --summary",
+        "flax-orbax inspect ckpts/300 --json   (or --plot leaves.svg)",
     )
     s.add_argument("path", help=_PATH)
     s.add_argument("--step", type=int, default=None, help=_STEP)
     s.add_argument("--item", default=None, help="only this checkpointable, e.g. params")
     s.add_argument("--summary", action="store_true", help="one line per item, no leaf table")
+    s.add_argument("--json", action="store_true", help=_JSON)
+    s.add_argument("--plot", default=None, metavar="FILE", help=_PLOT_LEAVES)
 
     s = _command(
         sub,
@@ -82,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path", help=_PATH)
     s.add_argument("--step", type=int, default=None, help=_STEP)
     s.add_argument("--all", action="store_true", help="every step, not only the latest")
+    s.add_argument("--json", action="store_true", help=_JSON + " (exit 1 still means damage)")
 
     s = _command(
         sub,
@@ -123,11 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         "apply retention and remove unfinished steps",
         "flax-orbax gc ckpts/                  (only unfinished steps are removed)",
-        "flax-orbax gc ckpts/ --keep 3 --keep-every 1000",
+        "flax-orbax gc ckpts/ --keep 3 --keep-every 1000 --dry-run",
     )
     s.add_argument("directory", help="a CheckpointManager directory (local, s3://, gs://)")
     s.add_argument("--keep", type=int, default=None, help="keep the last N steps")
     s.add_argument("--keep-every", type=int, default=None, help="and every step divisible by K")
+    s.add_argument(
+        "--dry-run", action="store_true", help="name what would be removed; remove nothing"
+    )
+    s.add_argument("--json", action="store_true", help=_JSON)
     return p
 
 
@@ -141,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return dispatch.run(args)
     except CliError as e:
         print(f"flax-orbax {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        return getattr(e, "exit_code", EXIT_ERROR)
     except KeyboardInterrupt:
         print(f"flax-orbax {args.command}: interrupted", file=sys.stderr)
         return 130

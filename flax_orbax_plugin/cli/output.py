@@ -1,58 +1,24 @@
-"""Output of the command line: exit codes, one-line errors, tables, sizes, progress bars.
-
-Progress bars go to stderr when it is a terminal; otherwise output is plain lines.
+"""Output of the command line that the parser needs too: exit codes, one-line errors,
+sizes, times. The standard library only (``--help`` and ``--version`` import this);
+bars and tables are in ``display``, JSON documents in ``json_output``.
 """
 
 from __future__ import annotations
 
-import sys
-import time
-from typing import Any
+import datetime
 
 EXIT_DAMAGED = 1
 
 
 EXIT_ERROR = 2
 
+# An object store refused: no such bucket, no credentials, access denied (one line
+# naming the bucket and what to do).
+EXIT_STORE = 3
+
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
-
-
-class Progress:
-    """A one-line progress bar on stderr when it is a terminal; silent otherwise."""
-
-    def __init__(self, total: int, label: str, *, stream=None, unit: str = ""):
-        self.stream = stream or sys.stderr
-        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)()) and total > 0
-        self.total, self.done, self.label, self.unit = total, 0, label, unit
-        self._last = 0.0
-
-    def advance(self, amount: int = 1, note: str = "") -> None:
-        self.done += amount
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self._last < 0.05 and self.done < self.total:
-            return
-        self._last = now
-        width = 30
-        filled = int(width * min(self.done, self.total) / self.total)
-        bar = "#" * filled + "." * (width - filled)
-        pct = 100.0 * self.done / self.total
-        self.stream.write(f"\r{self.label} [{bar}] {pct:5.1f}% {note[:40]:<40}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\r" + " " * 100 + "\r")
-            self.stream.flush()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def human_bytes(n: float) -> str:
@@ -63,10 +29,11 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-def make_table(rows: list[Any]) -> str:
-    from clu import parameter_overview
-
-    return parameter_overview.make_table(rows)
+def iso_time(seconds: float) -> str:
+    """A POSIX time as ISO 8601 in the local zone, with its offset, to the second
+    (``2026-12-02T05:31:07+00:00``): every time the CLI prints or writes as JSON."""
+    local = datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).astimezone()
+    return local.isoformat(timespec="seconds")
 
 
 def one_line(e: BaseException) -> str:

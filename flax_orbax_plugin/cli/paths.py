@@ -12,6 +12,7 @@ from .._format import layout as _layout
 from .._format import places as _places
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
+from .._storage import server_copy as _server_copy
 from .._storage.location import Location
 from .output import CliError, one_line
 
@@ -55,7 +56,18 @@ def step_items(step_loc: Location) -> list[Item]:
 
 
 def dir_bytes(loc: Location) -> int | None:
-    return loc.size_bytes() if loc.is_local else None
+    """Bytes stored under ``loc``: a local walk, or the sizes an object store's listing
+    reports (S3 through botocore, GCS through its JSON API); None where neither can be
+    had (no client installed, a listing refused)."""
+    if loc.is_local:
+        return loc.size_bytes()
+    copier, _ = _server_copy.copier_for(loc)
+    if copier is None:
+        return None
+    try:
+        return sum(info.size for info in copier.list(loc.path).values())
+    except _server_copy.CopyError:
+        return None
 
 
 def read_json_item(item: Item) -> Any:

@@ -22,7 +22,7 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin.cli.main import build_parser
 
 REPO = _paths.REPO
-HEAVY = ("jax", "jaxlib", "tensorstore", "numpy")
+HEAVY = ("jax", "jaxlib", "tensorstore", "numpy", "rich", "matplotlib")  # progress, plots too
 COMMANDS = ["export", "gc", "import", "inspect", "list", "verify"]  # every one, checked below
 
 # Calls the console script's function, flax_orbax_plugin.cli:main, then reports.

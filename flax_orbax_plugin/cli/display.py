@@ -1,0 +1,130 @@
+"""What the commands show: progress bars and tables, drawn by ``rich``.
+
+``rich`` (a dependency of Flax, so nothing new to install) draws the bars (bytes done,
+transfer rate, time taken and time left) on stderr only when stderr is a terminal; on a pipe or a
+file nothing is drawn, so scripts get plain lines. Tables are Markdown-style
+(``| a | b |``), one row per line, as wide as their cells on a pipe.
+
+Loaded by the commands only (``cli.main`` does not import it): ``--help`` and
+``--version`` import no progress library. Not thread-safe: one command draws at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+_WIDE = 10_000  # a table on a pipe is never wrapped
+
+
+def _console(stream: Any) -> Console:
+    terminal = bool(getattr(stream, "isatty", lambda: False)())
+    return Console(file=stream, width=None if terminal else _WIDE, highlight=False)
+
+
+class ByteProgress:
+    """A bar of ``total`` bytes labelled ``label`` on ``stream`` (stderr by default) when
+    it is a terminal; silent otherwise. A context manager; ``advance(nbytes, note)``
+    moves it (the protocol of the library's ``progress=`` arguments)."""
+
+    def __init__(self, total: int, label: str, *, stream: Any = None):
+        console = _console(stream if stream is not None else sys.stderr)
+        self.enabled = console.is_terminal
+        self._bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            DownloadColumn(binary_units=True),
+            TransferSpeedColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[note]}"),
+            console=console,
+            disable=not self.enabled,
+            transient=True,
+        )
+        self._task = self._bar.add_task(label, total=max(int(total), 1), note="")
+
+    def advance(self, amount: int = 1, note: str = "") -> None:
+        self._bar.update(self._task, advance=amount, note=note[:40])
+
+    def __enter__(self) -> ByteProgress:
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.stop()
+
+
+def byte_progress(label: str, *, stream: Any = None):
+    """The ``progress=`` factory for the library's readers and writers: called with the
+    total bytes, it returns a :class:`ByteProgress` labelled ``label``."""
+
+    def factory(total: int, note: str = "") -> ByteProgress:
+        return ByteProgress(total, f"{label} {note}".strip(), stream=stream)
+
+    return factory
+
+
+def status(text: str, *, stream: Any = None):
+    """A spinner with ``text`` while a step without byte counts runs (a terminal only):
+    a context manager."""
+    console = _console(stream if stream is not None else sys.stderr)
+    if not console.is_terminal:
+        return _Quiet()
+    return console.status(text)
+
+
+class _Quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def make_table(rows: list[Any]) -> str:
+    """Dataclass rows as a Markdown-style table: a header of the field names, then one
+    line per row (``| 10 | 1.2 MiB | ... |``)."""
+    fields = [f.name for f in dataclasses.fields(rows[0])] if rows else []
+    table = Table(box=box.MARKDOWN, show_edge=True, pad_edge=True)
+    for name in fields:
+        table.add_column(Text(name), overflow="fold")
+    for row in rows:
+        table.add_row(*(_cell(getattr(row, name)) for name in fields))
+    console = Console(width=_WIDE, highlight=False, record=True, file=_Sink())
+    console.print(table)
+    lines = console.export_text().splitlines()
+    return "\n".join(line.rstrip() for line in lines if line.strip())
+
+
+def _cell(value: Any) -> Text:
+    """Plain text (a leaf named ``[x]`` is no markup); an int with thousands commas."""
+    number = isinstance(value, int) and not isinstance(value, bool)
+    return Text(f"{value:,}" if number else str(value))
+
+
+class _Sink:
+    """A file that keeps nothing (the table is taken from the console's record)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass

@@ -1,0 +1,83 @@
+"""``flax-orbax gc --dry-run``: what ``gc`` would remove, found by reading only.
+
+The same rules as the writer's housekeeping (``_manager.housekeeping.remove_unfinished``)
+and retention (``_manager.retention.steps_to_delete``, the newest step always kept),
+asked without a writer: no lock is taken and nothing is written, renamed or removed.
+A test runs both on one directory and compares their answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .._core import commit as _commit
+from .._core import ownership as _ownership
+from .._errors import CheckpointError, ForeignEntryError
+from .._format import steps as _steps
+from .._manager.retention import RetentionPolicy, steps_to_delete
+from .._storage.location import Location
+
+
+@dataclasses.dataclass(frozen=True)
+class GcPlan:
+    """Names ``gc`` would remove (``unfinished``: entries; ``steps``: committed steps),
+    the steps it would keep, and the entries it would leave alone."""
+
+    unfinished: list[str]
+    steps: list[int]
+    kept: list[int]
+    left_alone: list[str]
+
+
+def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
+    """What ``gc --keep keep --keep-every keep_every`` would do to ``loc`` now."""
+    listing = _steps.list_directory(loc)
+    finishing = [n for n in listing.unfinished if _rolls_forward(loc, n, listing)]
+    unfinished = [n for n in listing.unfinished if n not in finishing and _proven(loc.child(n))]
+    foreign_gone = []
+    kinds = loc.child_kinds() if loc.is_local else {}
+    for name in listing.foreign:
+        entry = loc.child(name)
+        if loc.is_local:
+            staging = kinds.get(name) == "dir" and _steps.SAVE_STAGING_RE.match(name)
+            if staging and _commit.is_dead(entry) and _proven(entry):
+                foreign_gone.append(name)
+        elif _steps.is_step_name(name) and _proven(entry):
+            foreign_gone.append(name)
+    committed = sorted(listing.committed)
+    doomed: list[int] = []
+    if keep is not None:
+        policy = RetentionPolicy(keep_last=keep, keep_every=keep_every)
+        doomed = steps_to_delete(committed, policy, protected=committed[-1:])
+    done = unfinished + foreign_gone + finishing
+    left = [n for n in listing.unfinished + listing.foreign if n not in done]
+    return GcPlan(
+        unfinished=unfinished + foreign_gone,
+        steps=doomed,
+        kept=[s for s in committed if s not in doomed],
+        left_alone=left,
+    )
+
+
+def _rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
+    """A ``.partial-`` whose manifest is whole and whose step is missing: gc finishes
+    its commit (``housekeeping.roll_forward``) instead of removing it."""
+    step_name, kind = name.split(".", 1)
+    if not kind.startswith("partial-") or int(step_name) in listing.committed:
+        return False
+    try:
+        _steps.read_manifest(loc.child(name))
+    except CheckpointError:
+        return False
+    return True
+
+
+def _proven(loc: Location) -> bool:
+    """True when housekeeping would remove ``loc``: it is proven ours (or, on local
+    disk, an empty directory)."""
+    try:
+        if _ownership.proof(loc) is not None:
+            return True
+    except (ForeignEntryError, CheckpointError):
+        return False
+    return loc.is_local and _ownership.is_empty(loc)

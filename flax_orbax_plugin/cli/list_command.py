@@ -1,0 +1,176 @@
+"""``flax-orbax list``: the steps of a run directory (a table, ``--json`` or ``--plot``),
+or what a step, an item or a core checkpoint is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .._errors import CheckpointError
+from .._format import steps as _steps
+from .._format.layout import COMMIT_FILE, MANIFEST_FILE
+from .._reading import items as _items
+from .._storage.location import Location
+from . import json_output, plot
+from .display import make_table
+from .output import CliError, human_bytes, iso_time, one_line
+from .paths import describe_missing, dir_bytes, load_extras
+
+
+def cmd_list(args) -> int:
+    loc = Location.from_path(args.directory)
+    if args.plot:
+        plot.check_output(args.plot)
+    if args.json or args.plot:
+        return _list_data(loc, args)
+    if _list_one_checkpoint(loc):
+        return 0
+    listing = _steps.list_directory(loc)
+    if not loc.is_dir() or _steps.foreign_format_hint(loc):
+        raise CliError(describe_missing(loc, listing))
+    if not listing.committed:
+        print(describe_missing(loc, listing))
+    else:
+        print(f"{loc}: {len(listing.committed)} step(s)")
+        rows = [_list_row(loc, step) for step in listing.committed]
+        print(make_table(rows))
+    if listing.unfinished:
+        print(
+            f"unfinished (not steps; `flax-orbax gc` removes them): {', '.join(listing.unfinished)}"
+        )
+    if listing.corrupt:
+        print(f"set aside as damaged (kept): {', '.join(listing.corrupt)}")
+    if listing.foreign:
+        print(f"not steps of this library (left alone): {', '.join(listing.foreign)}")
+    return 0
+
+
+def _list_one_checkpoint(loc: Location) -> bool:
+    """``list`` of a step, of a step's item or of a core checkpoint: what it is (and a
+    step's row and items), instead of calling its contents "not steps"; False for
+    anything else (a directory of steps, or nothing of ours)."""
+    if loc.exists(MANIFEST_FILE):
+        manifest = _steps.read_manifest(loc)
+        print(f"{loc}: step {manifest.step} of the run directory {loc.parent}")
+        print(make_table([_list_row(loc.parent, manifest.step, step_loc=loc)]))
+        kinds = ", ".join(f"{n} ({e.kind})" for n, e in sorted(manifest.items.items()))
+        print(f"items: {kinds}")
+        return True
+    item = _items.step_item(loc)
+    if item is not None:
+        what = "its leaves" if item.is_pytree else "its value"
+        print(f"{loc}: {item.label} of the run directory {loc.parent.parent}")
+        print(f"`flax-orbax inspect {loc}` shows {what}, `flax-orbax verify {loc}` checks it")
+        return True
+    if loc.exists(COMMIT_FILE):
+        print(f"{loc}: a checkpoint of one pytree (fop.save), not a directory of steps")
+        print(f"`flax-orbax inspect {loc}` shows its leaves, `flax-orbax verify {loc}` checks it")
+        return True
+    return False
+
+
+def _list_data(loc: Location, args) -> int:
+    """``list --json`` / ``--plot``: a directory of steps, or one step (as a directory
+    of one); anything else is an error saying what PATH is."""
+    if loc.exists(MANIFEST_FILE):
+        directory, steps = loc.parent, [_steps.read_manifest(loc).step]
+        listing = _steps.Listing(committed=tuple(steps), unfinished=(), corrupt=(), foreign=())
+        records = [_step_record(directory, steps[0], step_loc=loc)]
+    else:
+        listing = _steps.list_directory(loc)
+        if not listing.committed and (not loc.is_dir() or _steps.foreign_format_hint(loc)):
+            raise CliError(describe_missing(loc, listing))
+        if _items.step_item(loc) is not None or loc.exists(COMMIT_FILE):
+            raise CliError(f"{loc}: not a directory of steps; `flax-orbax inspect {loc}`")
+        directory = loc
+        records = [_step_record(loc, step) for step in listing.committed]
+    if args.plot:
+        saves = [
+            plot.Save(r["step"], r["_time"], r["bytes_written"], r["bytes_reused"])
+            for r in records
+            if r["_time"] is not None
+        ]
+        plot.saves_figure(str(directory), saves, args.plot)
+    for r in records:
+        del r["_time"]
+    if args.json:
+        json_output.emit(
+            {
+                "directory": str(directory),
+                "steps": records,
+                "unfinished": list(listing.unfinished),
+                "set_aside": list(listing.corrupt),
+                "foreign": list(listing.foreign),
+            }
+        )
+    else:
+        print(f"wrote {args.plot} ({len(records)} step(s) of {directory})")
+    return 0
+
+
+def _step_record(loc: Location, step: int, *, step_loc: Location | None = None) -> dict:
+    """One step of ``list --json`` (``_time``: the POSIX save time, for a plot)."""
+    step_loc = step_loc or _steps.step_location(loc, step)
+    out: dict[str, Any] = {"step": step, "size_bytes": dir_bytes(step_loc), "_time": None}
+    try:
+        manifest = _steps.read_manifest(step_loc)
+    except CheckpointError as e:
+        out.update(bytes_written=None, bytes_reused=None, saved_at=None, items=[], metrics={})
+        return {**out, "damaged": one_line(e)}
+    return {
+        **out,
+        "bytes_written": manifest.bytes_written,
+        "bytes_reused": manifest.bytes_reused,
+        "saved_at": iso_time(manifest.time),
+        "_time": manifest.time,
+        "items": sorted(manifest.items),
+        "metrics": json_output.finite_metrics(load_extras(step_loc)),
+        "damaged": None,
+    }
+
+
+def _list_row(loc: Location, step: int, *, step_loc: Location | None = None) -> _ListRow:
+    step_loc = step_loc or _steps.step_location(loc, step)
+    size = dir_bytes(step_loc)
+    try:
+        manifest = _steps.read_manifest(step_loc)
+    except CheckpointError as e:
+        return _ListRow(str(step), "?", "?", "?", "?", f"DAMAGED: {one_line(e)}", "-")
+    metrics = {
+        k: v
+        for k, v in load_extras(step_loc).items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    return _ListRow(
+        step=str(step),
+        size="?" if size is None else human_bytes(size),
+        written="-" if manifest.bytes_written is None else human_bytes(manifest.bytes_written),
+        reused="-" if manifest.bytes_reused is None else human_bytes(manifest.bytes_reused),
+        saved=iso_time(manifest.time),
+        items=",".join(sorted(manifest.items)),
+        metrics=" ".join(f"{k}={_metric(v)}" for k, v in sorted(metrics.items())) or "-",
+    )
+
+
+def _metric(value: int | float) -> str:
+    """A metric in 4 significant digits; an int past a float's range too (no OverflowError)."""
+    try:
+        return f"{value:.4g}"
+    except OverflowError:
+        digits, sign = str(abs(value)), "-" if value < 0 else ""
+        return f"{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
+
+
+@dataclasses.dataclass
+class _ListRow:
+    """One step: its size on a local disk; the array bytes its save wrote and those it
+    took unchanged from the previous step (incremental), from the manifest."""
+
+    step: str
+    size: str
+    written: str
+    reused: str
+    saved: str
+    items: str
+    metrics: str

@@ -1,0 +1,95 @@
+"""Keeps the AWS C libraries' log lines off the terminal while a command talks to S3.
+
+tensorstore's s3 driver hands the AWS C libraries (aws-c-auth, aws-c-io, aws-c-http) a
+logger that writes through absl at ERROR for their warnings, straight to file
+descriptor 2: the default credential chain logs every config file it does not find
+and every instance-metadata probe that fails (5-20 lines per store opened), though
+nothing is wrong or the failure comes back as an error anyway. The library names
+environment credentials explicitly (``_storage.kvstore``), which opens no file; for
+the other paths (a profile, instance metadata, none) this filter drops those lines.
+
+:func:`aws_lines_filtered` points descriptor 2 at a pipe for the duration of a
+command; a thread copies every line to the real stderr except the AWS libraries'
+own (absl lines whose "file" is an AWS log subject, e.g. ``common-io:5]``,
+``AuthCredentialsProvider:6146]``), and their continuation lines. FATAL lines and
+everything else (Python's stderr, JAX's, tensorstore's own logs) pass unchanged and
+in order. ``FLAX_ORBAX_DEBUG=1`` turns the filter off. Not reentrant; one command
+at a time per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import threading
+
+# absl's prefix: severity, MMDD hh:mm:ss.micros, thread id, file:line]
+_ABSL = re.compile(rb"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ ([^:\]\s]+):\d+\] ")
+# Source files of tensorstore's own logging end in a C/C++ suffix; the AWS logger puts
+# its subject's name there ("common-io", "AuthCredentialsProvider", "http-stream"...),
+# or "aws_api.cc" for a subject without a name.
+_SOURCE = re.compile(rb"\.(cc|c|h|cpp|hpp)$")
+
+
+def is_aws_line(line: bytes) -> bool | None:
+    """True for a non-fatal absl line of the AWS libraries, False for any other absl
+    line, None for a line without the absl prefix (a continuation or plain text)."""
+    m = _ABSL.match(line)
+    if m is None:
+        return None
+    if m.group(1) == b"F":
+        return False
+    return m.group(2) == b"aws_api.cc" or not _SOURCE.search(m.group(2))
+
+
+@contextlib.contextmanager
+def aws_lines_filtered(*, enabled: bool = True):
+    """While the block runs, descriptor 2 goes through the filter (see the module
+    docstring); restored, and every line copied, before it returns."""
+    if not enabled or os.environ.get("FLAX_ORBAX_DEBUG"):
+        yield
+        return
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 (a daemon's closed stderr): nothing to filter
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    copier = threading.Thread(target=_copy, args=(read_end, saved), daemon=True)
+    copier.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer closes: the copier reads to its end
+        copier.join(timeout=10)
+        os.close(saved)
+
+
+def _copy(read_end: int, out: int) -> None:
+    dropping = False
+    with os.fdopen(read_end, "rb", buffering=0) as pipe:
+        pending = b""
+        while chunk := pipe.read(65536):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                dropping = _keep(line + b"\n", out, dropping)
+        if pending:
+            _keep(pending, out, dropping)
+
+
+def _keep(line: bytes, out: int, dropping: bool) -> bool:
+    """Writes ``line`` unless it is (or continues) an AWS line; returns whether the
+    next continuation line is dropped."""
+    aws = is_aws_line(line)
+    if aws is None:
+        aws = dropping
+    while line and not aws:
+        line = line[os.write(out, line) :]
+    return aws
