@@ -49,20 +49,43 @@ def train_step(state, batch):
 
 
 class PrintWriter:
-    """A minimal metric writer with CLU's `write_scalars(step, scalars)` shape."""
+    """A minimal metric writer with CLU's `write_scalars(step, scalars)` shape: the
+    training loop's metrics, and the checkpoint events that `fop.MetricWriterEvents`
+    writes (a `clu.metric_writers.SummaryWriter` would put both in TensorBoard).
+
+    Events of the background phase (a commit, a removal) arrive on the library's own
+    threads: each line is written in one call, so lines never interleave."""
 
     def write_scalars(self, step: int, scalars) -> None:
-        if "checkpoint/bytes" in scalars:  # the figures of one save, from the callback
-            print(
-                f"checkpoint {step:5d} | blocking {scalars['checkpoint/blocking_seconds']:.3f} s"
-                f" | total {scalars['checkpoint/total_seconds']:.3f} s"
-                f" | {scalars['checkpoint/bytes'] / 2**20:.2f} MiB"
-                f" | {scalars['checkpoint/gbytes_per_sec']:.3f} GB/s",
-                flush=True,
+        if any(tag.startswith("checkpoint/") for tag in scalars):
+            line = f"checkpoint {step:5d} | {_checkpoint_figures(scalars)}"
+        else:
+            line = f"step {step:5d} | " + " | ".join(
+                f"{k} {float(v):.4g}" for k, v in scalars.items()
             )
-            return
-        body = " | ".join(f"{k} {float(v):.4g}" for k, v in scalars.items())
-        print(f"step {step:5d} | {body}", flush=True)
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def _checkpoint_figures(s) -> str:
+    """One checkpoint event's scalars (fop.Event.scalars) as words."""
+    if "checkpoint/save_blocking_seconds" in s:
+        return f"blocking {s['checkpoint/save_blocking_seconds']:.4f} s"
+    if "checkpoint/save_background_seconds" in s:
+        stored = ""
+        if "checkpoint/save_bytes" in s:
+            files, mib = s["checkpoint/save_files"], s["checkpoint/save_bytes"] / 2**20
+            stored = f" | {files:.0f} files, {mib:.2f} MiB"
+        return (
+            f"committed: background {s['checkpoint/save_background_seconds']:.4f} s"
+            f" | total {s['checkpoint/save_total_seconds']:.4f} s{stored}"
+            f" | {s['checkpoint/save_gbytes_per_sec']:.3f} GB/s"
+        )
+    if "checkpoint/restore_seconds" in s:
+        return f"restored in {s['checkpoint/restore_seconds']:.4f} s"
+    if "checkpoint/steps_removed" in s:
+        return f"retention removed {s['checkpoint/steps_removed']:.0f} step(s)"
+    return " | ".join(f"{k} {v:.4g}" for k, v in s.items())  # e.g. save_failed
 
 
 def train_and_evaluate(config):
@@ -92,7 +115,7 @@ def train_and_evaluate(config):
         resume=ckpt.resume,
         overwrite=ckpt.overwrite,
         async_save=ckpt.async_save,
-        writer=writer,
+        on_event=fop.MetricWriterEvents(writer),  # each save's and restore's figures
         extras_fn=lambda step, state: dict(last_scalars),  # metrics shown by `flax-orbax list`
         manager_options=tiers,
     )

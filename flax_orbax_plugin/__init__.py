@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
         CoordinationError,
         CorruptCheckpointError,
         DirectoryLockedError,
+        EventHookError,
         ForeignEntryError,
         NotCommittedError,
         NothingMatchedError,
@@ -56,6 +57,17 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
     from ._interop.safetensors import from_safetensors, to_safetensors
     from ._manager.callback import CheckpointCallback
     from ._manager.checkpointables import Checkpointable, Pending, Written
+    from ._manager.events import (
+        Event,
+        MetricWriterEvents,
+        RestoreDone,
+        SaveBlockingDone,
+        SaveCommitted,
+        SaveFailed,
+        SaveStarted,
+        StepReplicated,
+        StepsRemoved,
+    )
     from ._manager.manager import CheckpointManager
     from ._manager.policy import SavePolicy
     from ._manager.retention import Retention
@@ -75,9 +87,12 @@ __all__ = [
     "CoordinationError",
     "CorruptCheckpointError",
     "DirectoryLockedError",
+    "Event",
+    "EventHookError",
     "ForeignEntryError",
     "LeafMetadata",
     "Location",
+    "MetricWriterEvents",
     "NotCommittedError",
     "NothingMatchedError",
     "OptionError",
@@ -85,12 +100,19 @@ __all__ = [
     "Pending",
     "ProcessFailedError",
     "ReplicationError",
+    "RestoreDone",
     "Retention",
+    "SaveBlockingDone",
+    "SaveCommitted",
+    "SaveFailed",
     "SaveHandle",
-    "SaveResult",
     "SavePolicy",
+    "SaveResult",
+    "SaveStarted",
     "StepIndexedIterator",
     "StepDeletedError",
+    "StepReplicated",
+    "StepsRemoved",
     "StructureError",
     "Tier",
     "TransformError",

@@ -16,6 +16,7 @@ from ._errors import (
     CoordinationError,
     CorruptCheckpointError,
     DirectoryLockedError,
+    EventHookError,
     ForeignEntryError,
     NotCommittedError,
     NothingMatchedError,
@@ -36,6 +37,17 @@ from ._interop.orbax_reader import restore_orbax
 from ._interop.safetensors import from_safetensors, to_safetensors
 from ._manager.callback import CheckpointCallback
 from ._manager.checkpointables import Checkpointable, Pending, Written
+from ._manager.events import (
+    Event,
+    MetricWriterEvents,
+    RestoreDone,
+    SaveBlockingDone,
+    SaveCommitted,
+    SaveFailed,
+    SaveStarted,
+    StepReplicated,
+    StepsRemoved,
+)
 from ._manager.manager import CheckpointManager
 from ._manager.policy import SavePolicy
 from ._manager.retention import Retention

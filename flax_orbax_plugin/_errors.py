@@ -80,6 +80,14 @@ class ReplicationError(CheckpointError):
     step, both locations and the cause)."""
 
 
+class EventHookError(CheckpointError):
+    """The ``on_event`` hook of a manager or callback raised: raised again by the next
+    ``save``, ``wait`` or ``close`` (the hook's exception is its ``__cause__``, the
+    event its ``event``). The checkpoint the event reported on is unaffected."""
+
+    event: object = None
+
+
 class OptionError(CheckpointError, ValueError):
     """An option (a keyword of the public API) or a ``FOP_*`` environment variable with
     a value it does not take, or one that does nothing in the chosen mode: names the

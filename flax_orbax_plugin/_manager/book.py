@@ -3,7 +3,7 @@
 The committed steps of a writer (a list in memory, so that a save costs the same
 whatever the number of steps kept), the steps being read (never deleted by this
 manager's retention) and being deleted (never read), the metric of each step for
-``keep_best``, the figures of the last save, and the persistent tier if any.
+``keep_best``, the figures of the last save, the persistent tier if any, and where events go.
 
 Threading: the training thread, the save's background thread and the deletion
 thread all use one book; every field is read and changed under its lock.
@@ -14,11 +14,14 @@ from __future__ import annotations
 import bisect
 import collections
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from .._core.save import SaveResult
 from .._errors import CheckpointNotFoundError
 from .._format import steps as _steps
 from .._storage.location import Location
+from .events import Events
 from .tiers import PersistentTier
 
 __all__ = ["StepBook"]
@@ -27,13 +30,14 @@ __all__ = ["StepBook"]
 class StepBook:
     """The step records of the manager on ``location`` (see the module docstring)."""
 
-    def __init__(self, location: Location):
+    def __init__(self, location: Location, *, on_event: Callable[[Any], Any] | None = None):
         self.location = location
         self.tier: PersistentTier | None = None  # set once, when the manager opens it
         # Set once at open: each host has its own directory (see per_host), and the run
         # owning the places (the primary's, shared), which each host's marker names.
         self.per_host = False
         self.run: str | None = None
+        self.events = Events(on_event)  # where every collaborator's events go
         self.lock = threading.Lock()  # guards the fields below
         self._reading: collections.Counter[int] = collections.Counter()
         self._deleting: set[int] = set()

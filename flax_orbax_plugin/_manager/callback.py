@@ -24,9 +24,13 @@ raises (unless ``overwrite=True``, which removes them first); steps must increas
 a ``step`` different from ``state.step`` is warned about once.
 
 Each committed save is logged once, when it commits, on the ``flax_orbax_plugin``
-logger; with a ``writer``, ``writer.write_scalars(step, {...})`` (CLU's metric-writer
-shape) also receives ``checkpoint/blocking_seconds``, ``checkpoint/total_seconds``,
-``checkpoint/bytes`` and ``checkpoint/gbytes_per_sec``.
+logger (at DEBUG with a ``writer`` or an ``on_event`` hook, which report it); with a
+``writer``, ``writer.write_scalars(step, {...})`` (CLU's metric-writer shape) also
+receives ``checkpoint/blocking_seconds``, ``checkpoint/total_seconds``,
+``checkpoint/bytes`` and ``checkpoint/gbytes_per_sec`` on the training thread. Every
+event of the manager (started, blocking done, committed, failed, restored, removed,
+with the committed files counted on the store) goes to ``on_event``:
+``on_event=fop.MetricWriterEvents(writer)`` writes them to a CLU metric writer.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from .._core.save import SaveResult
+from .._errors import EventHookError
 from .._like.transform import changes as check_changes
 from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state
@@ -76,6 +81,7 @@ class CheckpointCallback:
         self._data_iterator = values["data_iterator"]
         self._extras_fn = values["extras_fn"]
         self._writer = values["writer"]
+        self._on_event = values["on_event"]
         self._manager = None
         self._last_saved_step: int | None = None
         self._last_step: int | None = None
@@ -92,8 +98,8 @@ class CheckpointCallback:
         ``every_steps``, ``every_seconds``, ``async_save`` and ``manager_options``)."""
         if self._manager is None:
             self._manager = CheckpointManager(self.directory, **self._manager_options)
-            if self._writer is not None:
-                self._manager.commit_log_level = logging.DEBUG  # the writer reports it
+            if self._writer is not None or self._on_event is not None:
+                self._manager.commit_log_level = logging.DEBUG  # the writer or hook reports it
         return self._manager
 
     # -- the three hooks --------------------------------------------------------
@@ -171,12 +177,23 @@ class CheckpointCallback:
         return self._save(step, state, t=t, ignore_policy=False)
 
     def on_train_end(self, state: Any, step: int | None = None) -> None:
-        """Saves the final step (unless already saved), waits for it, and closes."""
+        """Saves the final step (unless already saved), waits for it, and closes; then
+        raises the first error of an ``on_event`` hook not raised yet."""
         if step is None:
             step = _step_of(state, self._last_step)
+        first = None  # a hook's error raised by the last save (its step is saved all the same)
         if step is not None and int(step) != self._last_saved_step:
-            self._save(int(step), state, t=None, ignore_policy=True)
-        self.close()
+            try:
+                self._save(int(step), state, t=None, ignore_policy=True)
+            except EventHookError as e:
+                first = e
+        try:
+            self.close()
+        except EventHookError:
+            if first is None:
+                raise
+        if first is not None:  # once closed; a later hook error was logged
+            raise first
 
     def __call__(self, step: int, t: float | None = None) -> bool:
         """CLU-style hook: reads the state from ``state_fn`` and calls ``on_step_end``."""

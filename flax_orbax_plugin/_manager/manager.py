@@ -56,7 +56,7 @@ class CheckpointManager:
             self._async, self._read_only = opts.async_save, opts.read_only
             pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
             self._buffers = _host.BufferPool() if pooled else None
-            self._book = StepBook(self._loc)
+            self._book = StepBook(self._loc, on_event=opts.on_event)
             self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
             self._saver = Saver(
                 self._loc,
@@ -212,8 +212,9 @@ class CheckpointManager:
         if not self._async or preempted:
             self._wait_inflight()
         if preempted:
-            self.close()
+            self._book.events.holding(self.close)  # a hook's error (logged) never stops it
             raise SystemExit(128 + signal.SIGTERM)
+        self._book.events.raise_after_save()  # a hook's, once this step is saved too
         return True
 
     def gc(self) -> list[int]:
@@ -305,25 +306,27 @@ class CheckpointManager:
         """Block until the in-flight save is committed and retention has run.
 
         With several processes every process must call it (in the same order as save).
-        Re-raises a background save error (once).
+        Re-raises a background save error (once), then an ``on_event`` hook's.
         """
         self._wait_inflight()
         self._retainer.wait()
-        # Retention runs on the primary only: meet so that every process lists the same steps.
-        _distributed.barrier(_distributed.next_operation_id("manager-wait"))
+        # Retention runs on the primary only: meet so that every process lists the same steps
+        # (and learns of an on_event hook's error on any of them: events.agree).
+        self._book.events.agree("manager-wait", what=f"wait of {self._loc}")
 
     def close(self) -> None:
         """Wait for the in-flight save, stop the threads, release the lock. Idempotent."""
         if self._closed:
             return
         try:
-            self.wait()
+            self._book.events.holding(self.wait)  # a hook's error: raised once closed
             tier = self._book.tier
             if tier is not None:  # after SIGTERM: within the grace period
                 grace = tier.grace_seconds if self.preempted else None
                 tier.close(grace, raise_errors=not self.preempted)
         finally:
             self._shut()
+        self._book.events.raise_error()
 
     def _shut(self) -> None:
         """Stops the threads and releases the lock (waits for no other process)."""
@@ -340,12 +343,11 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
         try:
             self.close()
         except Exception:
+            if exc_type is None:  # else the with block's own error goes on, this one logged
+                raise
             logger.exception("error while closing the checkpoint manager")
 
     def __del__(self):

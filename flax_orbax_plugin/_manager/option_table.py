@@ -140,6 +140,14 @@ ASYNC_SAVE = _flag(
     aliases=("enable_async_checkpointing", "async_checkpointing", "use_async", "asynchronous"),
 )
 
+ON_EVENT = Option(
+    "on_event",
+    "callable",
+    none_ok=True,
+    annotation="Callable[[Event], Any]",
+    doc='receives each checkpoint event record (docs/manager.md, "Events")',
+)
+
 MANAGER: tuple[Option, ...] = (
     *_retention.FIELDS,
     Option(
@@ -212,6 +220,7 @@ MANAGER: tuple[Option, ...] = (
         expected="a positive int or None",
         doc="host bytes a version 1 step may hold beyond the state (None: no bound)",
     ),
+    ON_EVENT,
 )
 """Every keyword option of CheckpointManager, in the order its signature shows them."""
 
@@ -278,6 +287,7 @@ CALLBACK: tuple[Option, ...] = (
         annotation="ScalarWriter",
         doc="an object with write_scalars(step, scalars) receiving each save's figures",
     ),
+    ON_EVENT,
     Option(
         "manager_options",
         "custom",
@@ -289,7 +299,7 @@ CALLBACK: tuple[Option, ...] = (
 )
 """Every keyword option of CheckpointCallback."""
 
-SHARED_WITH_MANAGER = ("keep", "every_steps", "every_seconds", "async_save")
+SHARED_WITH_MANAGER = ("keep", "every_steps", "every_seconds", "async_save", "on_event")
 """The callback's options that it hands to its manager."""
 
 WRITER_ONLY = (

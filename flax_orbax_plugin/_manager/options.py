@@ -18,7 +18,7 @@ Pure functions; called on the constructing thread.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,6 +259,7 @@ class ManagerOptions:
     reuse_host_buffers: bool
     format_version: int
     host_memory_budget: int | None
+    on_event: Callable[[Any], Any] | None
 
     @classmethod
     def build(cls, directory: Any, given: Mapping[str, Any]) -> ManagerOptions:
@@ -302,4 +303,5 @@ _PLAIN = (
     "reuse_host_buffers",
     "format_version",
     "host_memory_budget",
+    "on_event",
 )

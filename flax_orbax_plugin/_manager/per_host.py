@@ -249,7 +249,7 @@ def open_tier(book: Any, local_steps: list[int]) -> None:
         mine = valid_steps(book.location, local_steps, None, quiet=True)
         views = _distributed.gather_json("per-host-open", mine)
         local_steps = sorted(set.intersection(*(set(v) for v in views)))
-    book.tier.open(local_steps)
+    book.tier.open(local_steps, events=book.events)
     if book.per_host:
         op = _distributed.next_operation_id("per-host-run")
         book.run = _distributed.broadcast_str(op, json.dumps(book.tier.run_id))

@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -44,6 +45,7 @@ from . import peers as _peers
 from . import per_host as _per_host
 from .book import StepBook
 from .checkpointables import Checkpointable, PytreeCheckpointable, checkpointable_for
+from .events import RestoreDone, measure_stored
 
 __all__ = ["Restorer"]
 
@@ -83,11 +85,31 @@ class Restorer:
         self.restored_step: int | None = None
         self._warned_replay = False  # warned that a resume left the data position out
         self.restored_items: tuple[str, ...] = ()  # the items the step last read holds
+        self._read: dict[str, str] = {}  # {item: its directory} the last restore read
+        self._tier = "local"  # where the step last restored came from
 
     def restore(
         self, like: Any, step: int | None, items: Any, data_iterator: Any, changes: Any
     ) -> Any:
-        """``step`` (the latest that restores when None); see CheckpointManager.restore."""
+        """``step`` (the latest that restores when None); see CheckpointManager.restore.
+        Emits RestoreDone (``events``) before returning."""
+        started, self._tier = time.perf_counter(), "local"
+        result = self._restore(like, step, items, data_iterator, changes)
+        seconds, done = time.perf_counter() - started, self.restored_step
+        where = _steps.step_location(self._loc, done)
+        files, size = measure_stored(where, self._read.values()) or (None, None)
+        args = (self._tier, seconds, tuple(self._read), files, size)
+        self._book.events.emit(RestoreDone(done, str(self._loc), *args))
+        return result
+
+    def _ensure_local(self, step: int) -> bool:
+        """The tier's copy down of ``step``, noting the tier the step comes from."""
+        self._tier = "local" if step in self._book.listed() else "persistent"
+        return self._book.tier.ensure_local(step)
+
+    def _restore(
+        self, like: Any, step: int | None, items: Any, data_iterator: Any, changes: Any
+    ) -> Any:
         tier = self._book.tier
         fn = lambda s: self._restore_step(s, like, items, data_iterator, changes)
         if self._book.per_host:
@@ -98,7 +120,7 @@ class Restorer:
                 _per_host.OWN_COPY.reset(token)
         if step is not None:
             if tier is not None:
-                tier.ensure_local(step)
+                self._ensure_local(step)
                 self._book.forget()  # it may have copied the step here
             return self._agreed(step, fn)
         skipped: list[tuple[int, CorruptCheckpointError]] = []
@@ -106,7 +128,7 @@ class Restorer:
             for _ in range(2 if tier is not None else 1):  # local, then persistent
                 try:
                     if tier is not None:
-                        if not tier.ensure_local(candidate):
+                        if not self._ensure_local(candidate):
                             break
                         self._book.forget()  # it may have copied the step here
                     return self._agreed(candidate, fn)
@@ -177,6 +199,7 @@ class Restorer:
             self._book.removed(target)
         tier.ensure_local(target)
         self._book.forget()
+        self._tier = "persistent"
         result = self.with_step(target, fn)
         logger.info("checkpoint: restored step %d from %s (way c)", target, tier.remote)
         return result
@@ -294,6 +317,8 @@ class Restorer:
                 step, step_loc, saved["data_iterator"], "data_iterator", data_iterator
             )
         self.restored_items = tuple(saved)
+        read = [*names, "data_iterator"] if data_iterator is not None else names
+        self._read = {n: saved[n].dir for n in read}
         if items is not None:
             return restored[names[0]] if single else restored
         merged = merge_state(like, restored)

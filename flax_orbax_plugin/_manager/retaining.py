@@ -133,6 +133,7 @@ class RetentionRunner:
                     self._book.end_delete(s)
         except Exception:
             logger.exception("retention failed in %s", self._loc)
+        self._book.events.steps_removed(just_written, str(self._loc), removed)  # StepsRemoved
         return removed
 
     def _doomed(self, just_written: int | None) -> list[int]:

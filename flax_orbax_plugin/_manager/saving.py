@@ -35,6 +35,7 @@ from .._storage.location import Location
 from . import per_host as _per_host
 from .book import StepBook
 from .checkpointables import Checkpointable, Pending, PytreeCheckpointable, checkpointable_for
+from .events import SaveBlockingDone, SaveCommitted, SaveStarted
 from .options import check_item_name
 from .retaining import RetentionRunner
 from .step_commit import StepCommit, wait_all
@@ -147,16 +148,22 @@ class Saver:
         Main thread: a Ctrl-C during the blocking phase is held until its end (never
         raised inside a callback of JAX or tensorstore, which would drop it); then this
         step's save is cancelled (its staging removed, earlier steps untouched) and the
-        KeyboardInterrupt raised. Call with no save in flight (after :meth:`wait`)."""
+        KeyboardInterrupt raised. Call with no save in flight (after :meth:`wait`).
+        Events (``events``): SaveStarted, SaveBlockingDone, or SaveFailed here when no
+        background phase started (else the background phase reports its failure)."""
+        events = self._book.events
+        events.emit(SaveStarted(step, str(self._loc)))
         try:
             with _interrupts.deferred_sigint():
                 pendings = self._start(step, items, extras, local, replicate)
             for pending in pendings.values():  # views under a budget: written before returning
                 wait_for_data(getattr(pending, "snap", None), self.inflight)  # interruptible
-        except BaseException:
+        except BaseException as e:
             handle, self.inflight = self.inflight, None
             if handle is not None:
                 handle.cancel()
+            else:
+                events.save_failed(step, str(self._loc), "blocking", e)
             raise
 
     def _start(
@@ -211,8 +218,9 @@ class Saver:
         def background() -> SaveResult:
             try:
                 written = commit.run(op)
-            except BaseException:
+            except BaseException as e:
                 self._book.forget()  # a failed commit never enters the list; re-read
+                self._book.events.save_failed(step, str(self._loc), "background", e)
                 raise
             finally:  # every process has read every exchanged value by now
                 _reuse.release(reuses)
@@ -224,9 +232,10 @@ class Saver:
                 step,
                 written.bytes_reused,
             )
-            self._after_commit(step, result, metric)
+            self._after_commit(step, result, metric, commit.stored)
             return result
 
+        self._book.events.emit(SaveBlockingDone(step, str(self._loc), blocking))
         self.inflight = SaveHandle(str(final), background, cancelled=cancelled).start()
         return pendings
 
@@ -263,9 +272,17 @@ class Saver:
             raise
         return pendings, reuses
 
-    def _after_commit(self, step: int, result: SaveResult, metric: float | None) -> None:
-        """Background thread, once ``step`` committed."""
+    def _after_commit(
+        self, step: int, result: SaveResult, metric: float | None, stored: Any
+    ) -> None:
+        """Background thread, once ``step`` committed (``stored``: its files and bytes
+        as stored, or None: see ``StepCommit.stored``)."""
         self._book.committed(step, result, metric)
+        files, size = stored if stored is not None else (None, None)
+        r = result
+        times = (r.blocking_seconds, r.total_seconds - r.blocking_seconds, r.total_seconds)
+        counts = (files, size, r.bytes_written, r.bytes_reused)
+        self._book.events.emit(SaveCommitted(step, str(self._loc), "local", *times, *counts))
         logger.log(
             self.log_level,
             "checkpoint: committed step %d: blocking %.4f s, total %.4f s, %d bytes, %.3f GB/s",

@@ -29,6 +29,7 @@ from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE, ItemEntry, StepManifest
 from .._storage.location import Location
 from .checkpointables import Pending
+from .events import measure_stored
 from .per_host import HOST_FILE
 
 __all__ = ["StepCommit", "wait_all"]
@@ -81,6 +82,9 @@ class StepCommit:
         self._op = ""
         self._sizes: list[Written] = []  # this process's totals, for the manifest
         self._old_dirs: set[str] = set()  # object stores: the replaced step's item dirs
+        # (files, bytes) of the committed step as stored, counted by the process that
+        # committed it (the primary; each host its own copy); None elsewhere.
+        self.stored: tuple[int, int | None] | None = None
 
     def run(self, op: str) -> Written:
         """Background thread: every item written and durable, then the one commit."""
@@ -122,6 +126,7 @@ class StepCommit:
         raw = _distributed.broadcast_str(f"{op}/manifest", None)
         try:  # the primary committed its copy: this host commits its own
             self._staging.publish(MANIFEST_FILE, raw.encode(), replace=True)
+            self.stored = measure_stored(self._staging.final)
         except BaseException as e:
             _distributed.publish(f"{op}/local", f"{type(e).__name__}: {e}")
             self._abort()
@@ -186,6 +191,7 @@ class StepCommit:
             _ownership.remove_children(  # the replaced step's own item directories
                 staging.final, sorted(self._old_dirs - fresh), action="clean up the replaced"
             )
+        self.stored = measure_stored(staging.final)
 
     def _abort(self) -> None:
         staging = self._staging

@@ -182,6 +182,13 @@ class Location:
         names = {k.decode("utf-8").split("/", 1)[0] for k in keys}
         return sorted(n for n in names if n)
 
+    def keys(self) -> list[str]:
+        """Every key (file) under this object-store location, recursively, as one
+        listing; local disks: NotImplementedError (walk the directory instead)."""
+        if self.is_local:
+            raise NotImplementedError(f"keys are listed on object stores only, not {self}")
+        return [k.decode("utf-8") for k in self._kv().list().result()]
+
     def size_bytes(self) -> int:
         """Total bytes of the files under a local location."""
         if not self.is_local:

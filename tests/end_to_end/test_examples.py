@@ -58,8 +58,10 @@ def test_resume_from_the_config_flag_and_serve(tmp_path):
     first = digest(out, "final")
     curve = losses(out)
     assert len(curve) == 6 and curve[-1] < 0.8 * curve[0], curve  # it learns
-    # each save's figures reach the example's writer
-    assert re.search(r"^checkpoint   300 \| blocking [0-9.]+ s \| total [0-9.]+ s", out, re.M)
+    # each save's events reach the example's writer (fop.MetricWriterEvents)
+    assert re.search(r"^checkpoint   300 \| blocking [0-9.]+ s$", out, re.M)
+    committed = r"^checkpoint   300 \| committed: background [0-9.]+ s \| total [0-9.]+ s \| "
+    assert re.search(committed + r"\d+ files, [0-9.]+ MiB \| [0-9.]+ GB/s$", out, re.M)
     assert sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) == [200, 250, 300]  # keep=3
 
     # As if the run had died after step 200: the later steps never got written.
@@ -68,6 +70,7 @@ def test_resume_from_the_config_flag_and_serve(tmp_path):
 
     out = run_example("train.py", *SMALL, where, "--config.checkpoint.resume=True")
     assert "resumed from step 200" in out
+    assert re.search(r"^checkpoint   200 \| restored in [0-9.]+ s$", out, re.M)
     assert "step    50 | loss" not in out  # did not start over
     assert digest(out, "final") == first  # bit-identical to the uninterrupted run
 

@@ -24,6 +24,7 @@ from ..._errors import (
 from ..._format import steps as _steps
 from ..._format.layout import MANIFEST_FILE, StepManifest
 from ..._storage.location import Location
+from ..events import StepReplicated, measure_stored
 from ..retention import steps_to_delete
 from . import files as _files
 from .damaged import DamagedSteps
@@ -141,6 +142,7 @@ class Replicator:
         error = ReplicationError(f"step {step} of {local} was not replicated to {remote}: {detail}")
         error.__cause__ = e
         logger.error("checkpoint: %s", error)
+        self._state.events.save_failed(step, str(remote), "replication", error)
         with self._state.cond:
             self._state.error = error
         self._rounds.finish(rnd, f"failed: {error}")
@@ -190,14 +192,17 @@ class Replicator:
         with state.cond:
             state.known.add(step)
         state.replicated.append(step)
+        seconds = time.perf_counter() - t0
         logger.info(
             "checkpoint: replicated step %d to %s: %d files, %d bytes, %.3f s",
             step,
             places.remote,
             len(files),
             nbytes,
-            time.perf_counter() - t0,
+            seconds,
         )
+        stored, where = measure_stored(final) or (None, None), str(places.remote)
+        state.events.emit(StepReplicated(step, where, seconds, *stored, nbytes))
         return True
 
     def _commit(
@@ -257,6 +262,7 @@ class Replicator:
         with state.cond:
             protected = {just_copied} | state.reading
         # the damaged steps are left out: kept, as a step set aside, for inspection
+        removed = []
         for s in steps_to_delete(steps, places.retention, protected=protected):
             with state.cond:
                 if s in state.reading:
@@ -264,10 +270,12 @@ class Replicator:
                 state.known.discard(s)
             try:
                 places.remove_step(places.remote, s)
+                removed.append(s)
             except Exception as e:  # noqa: BLE001  (retention is retried after the next copy)
                 logger.warning(
                     "checkpoint: could not delete step %d of %s: %s", s, places.remote, e
                 )
+        state.events.steps_removed(just_copied, str(places.remote), removed, "persistent")
 
 
 def remove_unfinished(remote: Location) -> None:

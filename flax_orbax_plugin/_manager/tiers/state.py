@@ -18,6 +18,7 @@ from ..._base import faults as _faults
 from ..._errors import ReplicationError
 from ..._storage.location import Location
 from ..._storage.run_owner import RunOwner
+from ..events import Events
 from ..retention import Retention
 
 __all__ = ["MAX_DEFER_S", "Places", "Stopped", "TierState", "Yielding"]
@@ -78,6 +79,7 @@ class TierState:
     # Other processes: the steps the primary has started rounds for.
     round_steps: set[int] = dataclasses.field(default_factory=set)
     owner: RunOwner | None = None  # the primary's, from open()
+    events: Events = dataclasses.field(default_factory=Events)  # the manager's, from open()
     replicated: list[int] = dataclasses.field(default_factory=list)  # committed, in order
     # This process's share of each step it helped commit: relative paths (for tests).
     copied_files: dict[int, list[str]] = dataclasses.field(default_factory=dict)

@@ -24,6 +24,7 @@ from ..._base import distributed as _distributed
 from ..._errors import ReplicationError
 from ..._storage import run_owner as _run_owner
 from ..._storage.location import Location
+from ..events import Events
 from ..retention import Retention
 from .copy_down import CopyDown
 from .damaged import DamagedSteps
@@ -123,11 +124,14 @@ class PersistentTier:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def open(self, local_steps: Iterable[int]) -> None:
+    def open(self, local_steps: Iterable[int], *, events: Events | None = None) -> None:
         """Cleans the persistent tier's unfinished copies, queues the local steps it lacks
         (see ``docs/tiers.md``) and starts the replicator thread. Collective: every
         process calls it; the primary lists, decides what is missing and shares both
-        (one key-value round), with the name of this tier's replication rounds."""
+        (one key-value round), with the name of this tier's replication rounds.
+        ``events``: the manager's, told of each replicated step and removal."""
+        if events is not None:
+            self._state.events = events
         remote_steps: list[int] = []
         missing: list[int] = []
         failure: BaseException | None = None

@@ -1,0 +1,288 @@
+"""Checkpoint events: what a manager's saves, restores and retention did, as frozen
+records handed to the user's ``on_event=`` hook and to ``jax.monitoring``.
+
+Who calls the hook, on which thread, in which order (one manager, one process)::
+
+    save(step) that saves:   SaveStarted          training thread, in save()
+                             SaveBlockingDone     training thread, before save() returns
+                             SaveCommitted        the save's background thread ("fop-save"),
+                               or SaveFailed      once the step committed (or failed), before
+                                                  retention and the persistent tier hear of it
+    retention:               StepsRemoved         the deletion thread ("fop-retention"), after
+                                                  the SaveCommitted of the step that ran it
+                                                  (the training thread for gc())
+    persistent tier:         StepReplicated       the replication thread ("fop-replicate",
+                               or SaveFailed      the primary), after the step's SaveCommitted;
+                             StepsRemoved         its retention (tier "persistent") after it
+    restore():               RestoreDone          training thread, before restore() returns
+
+A step's events come in that order, and a save's SaveCommitted (or SaveFailed) comes
+before the next save's SaveStarted (a save waits for the one in flight). A blocking
+phase that fails gives SaveFailed (``phase="blocking"``) on the training thread, a
+background one (``phase="background"``) on the save's thread. StepsRemoved may come
+before or after the next save's SaveStarted. The hook is never called by two threads
+at once (calls are serialized under a lock), so it need not be thread-safe; it should
+return quickly (a save's commit waits for it).
+
+A hook that raises loses no step and breaks no save: the exception is logged at once
+(ERROR, with its traceback, on the ``flax_orbax_plugin`` logger) and the first one is
+raised again (a SystemExit too; a Ctrl-C on the training thread goes on at once), as
+:class:`EventHookError` (its ``__cause__`` the hook's exception), by
+the manager's next ``save()`` that saves (as it returns: its own step is saved too;
+one process only), ``wait()`` or ``close()`` (once closed; with several processes on
+every process, agreed as ``wait`` meets them); a save on SIGTERM still exits with
+SystemExit. The save whose event it was stays committed.
+
+Figures are this process's. ``SaveCommitted.files_written`` and ``bytes_written`` are
+the files of the committed step as stored, counted by the primary once it committed
+(a walk of the step's directory on a local disk, one listing on an object store,
+where sizes are not listed: ``bytes_written`` is None there); ``array_bytes`` is what
+the writers wrote of array data. The other processes report None for both counts.
+
+``jax.monitoring`` (always, hook or not; see :data:`MONITORING_NAMES`): durations
+through ``record_event_duration_secs``, byte and file counts through
+``record_scalar``, the others through ``record_event``; every call passes ``step=``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+import jax.monitoring
+
+from .._base import distributed as _distributed
+from .._errors import EventHookError
+from .._storage.local_files import walk_entries
+from .._storage.location import Location
+from .event_records import (
+    Event,
+    RestoreDone,
+    SaveBlockingDone,
+    SaveCommitted,
+    SaveFailed,
+    SaveStarted,
+    StepReplicated,
+    StepsRemoved,
+)
+
+__all__ = [
+    "MONITORING_NAMES",
+    "Event",
+    "EventHookError",
+    "Events",
+    "MetricWriterEvents",
+    "RestoreDone",
+    "SaveBlockingDone",
+    "SaveCommitted",
+    "SaveFailed",
+    "SaveStarted",
+    "StepReplicated",
+    "StepsRemoved",
+    "measure_stored",
+    "stored_size",
+]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+_P = "/flax_orbax_plugin"
+MONITORING_NAMES: Mapping[str, str] = {
+    "save_started": f"{_P}/save/started",
+    "save_blocking_secs": f"{_P}/save/blocking_duration_secs",
+    "save_committed": f"{_P}/save/committed",
+    "save_background_secs": f"{_P}/save/background_duration_secs",
+    "save_bytes": f"{_P}/save/bytes_written",
+    "save_files": f"{_P}/save/files_written",
+    "save_failed": f"{_P}/save/failed",
+    "restore_secs": f"{_P}/restore/duration_secs",
+    "restore_bytes": f"{_P}/restore/bytes_read",
+    "step_removed": f"{_P}/retention/step_removed",
+    "replicate_secs": f"{_P}/replicate/duration_secs",
+    "replicate_bytes": f"{_P}/replicate/bytes_copied",
+}
+"""The ``jax.monitoring`` names this package records (each with ``step=``)."""
+
+
+def stored_size(location: Location, dirs: Iterable[str] = ("",)) -> tuple[int, int | None]:
+    """``(files, bytes)`` stored under ``dirs`` of ``location``: on a local disk one
+    walk (no link followed, no file opened); on an object store one listing each, which
+    gives no sizes (bytes None)."""
+    files, size = 0, 0
+    for d in dirs:
+        where = location.child(d) if d else location
+        if not where.is_local:
+            files += len(where.keys())
+            size = None
+            continue
+        for entry in walk_entries(where.path.rstrip("/") or "/"):
+            if entry.is_file(follow_symlinks=False):
+                files += 1
+                if size is not None:
+                    size += entry.stat(follow_symlinks=False).st_size
+    return files, size
+
+
+def measure_stored(
+    location: Location, dirs: Iterable[str] = ("",)
+) -> tuple[int, int | None] | None:
+    """:func:`stored_size`, or None (logged) when the store cannot be listed: a count
+    never fails the commit or the restore it describes."""
+    try:
+        return stored_size(location, dirs)
+    except Exception as e:  # noqa: BLE001  (the figures are left out, said so)
+        logger.warning("checkpoint: cannot count the files of %s: %s", location, e)
+        return None
+
+
+class ScalarWriter(Protocol):
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
+
+
+class MetricWriterEvents:
+    """An ``on_event`` hook writing each event's figures to a metric writer (CLU's
+    ``MetricWriter.write_scalars(step, scalars)``: ``SummaryWriter`` for TensorBoard),
+    at the event's step, so they appear beside the loss. Tags: ``checkpoint/...``
+    (``Event.scalars``); an event without figures (SaveStarted) writes nothing.
+
+    Threading: ``write_scalars`` is called on the thread the event comes from (the
+    save's background thread for SaveCommitted); CLU's ``SummaryWriter`` may be written
+    from several threads. For a writer that may not, give the events to a queue and
+    write them from the training loop."""
+
+    def __init__(self, writer: ScalarWriter):
+        if not callable(getattr(writer, "write_scalars", None)):
+            raise TypeError(
+                f"MetricWriterEvents: expected a writer with write_scalars(step, scalars), "
+                f"found {type(writer).__name__}"
+            )
+        self.writer = writer
+
+    def __call__(self, event: Event) -> None:
+        scalars = event.scalars()
+        step = event.step if event.step is not None else max(getattr(event, "removed", [0]))
+        if scalars:
+            self.writer.write_scalars(int(step), scalars)
+
+
+class Events:
+    """Delivers a manager's events: to ``jax.monitoring``, then to ``hook`` (or None).
+
+    Called from the training, save and deletion threads; one call at a time. See the
+    module docstring for the order and what happens when the hook raises."""
+
+    def __init__(self, hook: Callable[[Event], Any] | None = None):
+        self.hook = hook
+        self._lock = threading.RLock()
+        self._error: EventHookError | None = None  # the first not raised yet
+
+    def emit(self, event: Event) -> None:
+        """Records ``event`` and calls the hook; an exception it raises is logged and
+        kept (as an EventHookError), SystemExit too (never raised here, so a commit's
+        bookkeeping, the tier and retention always run), but a KeyboardInterrupt on the
+        main thread (a Ctrl-C while the hook ran: raised at once)."""
+        with self._lock:
+            try:
+                _monitor(event)
+                if self.hook is not None:
+                    self.hook(event)
+            except BaseException as e:  # kept, raised by raise_error
+                main = threading.current_thread() is threading.main_thread()
+                if isinstance(e, KeyboardInterrupt) and main:
+                    raise  # the user's Ctrl-C, on the training thread: at once
+                logger.error(
+                    "checkpoint: the on_event hook raised %s on %s (pid %d, thread %s); "
+                    "raised again by the next save() that saves, wait() or close()",
+                    type(e).__name__,
+                    event,
+                    os.getpid(),
+                    threading.current_thread().name,
+                    exc_info=True,
+                )
+                if self._error is None:
+                    self._error = EventHookError(
+                        f"the on_event hook raised {type(e).__name__}: {e} on "
+                        f"{type(event).__name__} of step {event.step} in {event.directory} "
+                        f"(the checkpoint is unaffected: fix the hook)"
+                    )
+                    self._error.event = event
+                    self._error.__cause__ = e
+
+    def holding(self, fn: Callable[[], Any]) -> None:
+        """``fn()``; an EventHookError it raises is kept for the next :meth:`raise_error`
+        (a close that waits, then closes the tier: raised once all of it is done)."""
+        try:
+            fn()
+        except EventHookError as e:
+            with self._lock:
+                self._error = self._error or e
+
+    def _take(self) -> EventHookError | None:
+        with self._lock:
+            kept, self._error = self._error, None
+        return kept
+
+    def raise_error(self) -> None:
+        """Training thread: raises the first hook error not yet raised (once)."""
+        kept = self._take()
+        if kept is not None:
+            raise kept
+
+    def raise_after_save(self) -> None:
+        """Training thread, as a save returns: :meth:`raise_error` with one process;
+        with several, nothing (:meth:`agree` raises it on every process: wait, close)."""
+        if _distributed.process_count() == 1:
+            self.raise_error()
+
+    def agree(self, kind: str, *, what: str) -> None:
+        """Collective (every process meets: one key-value round, as a barrier): raises a
+        hook error of this process, else one of another process's (naming it), on every
+        process; returns when no process has one."""
+        _distributed.agree(kind, self._take(), what=what)
+
+    # -- the events, as their callers have them
+
+    def save_failed(self, step: int, directory: str, phase: str, error: BaseException) -> None:
+        self.emit(SaveFailed(step, directory, phase, type(error).__name__, str(error)))
+
+    def steps_removed(
+        self, step: int | None, directory: str, removed: list[int], tier: str = "local"
+    ) -> None:
+        if removed:
+            self.emit(StepsRemoved(step, directory, tier, tuple(sorted(removed))))
+
+
+def _monitor(event: Event) -> None:
+    """``event`` as ``jax.monitoring`` records (names: MONITORING_NAMES)."""
+    n = MONITORING_NAMES
+    if isinstance(event, StepsRemoved):
+        for s in event.removed:
+            jax.monitoring.record_event(n["step_removed"], step=s)
+        return
+    step = int(event.step)
+    if isinstance(event, SaveStarted):
+        jax.monitoring.record_event(n["save_started"], step=step)
+    elif isinstance(event, SaveBlockingDone):
+        jax.monitoring.record_event_duration_secs(
+            n["save_blocking_secs"], event.blocking_seconds, step=step
+        )
+    elif isinstance(event, SaveCommitted):
+        jax.monitoring.record_event(n["save_committed"], step=step)
+        jax.monitoring.record_event_duration_secs(
+            n["save_background_secs"], event.background_seconds, step=step
+        )
+        if event.bytes_written is not None:
+            jax.monitoring.record_scalar(n["save_bytes"], event.bytes_written, step=step)
+        if event.files_written is not None:
+            jax.monitoring.record_scalar(n["save_files"], event.files_written, step=step)
+    elif isinstance(event, SaveFailed):
+        jax.monitoring.record_event(n["save_failed"], step=step)
+    elif isinstance(event, StepReplicated):
+        jax.monitoring.record_event_duration_secs(n["replicate_secs"], event.seconds, step=step)
+        jax.monitoring.record_scalar(n["replicate_bytes"], event.bytes_copied, step=step)
+    elif isinstance(event, RestoreDone):
+        jax.monitoring.record_event_duration_secs(n["restore_secs"], event.seconds, step=step)
+        if event.bytes_read is not None:
+            jax.monitoring.record_scalar(n["restore_bytes"], event.bytes_read, step=step)
