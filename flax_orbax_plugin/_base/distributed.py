@@ -3,8 +3,11 @@
 With one process every function here is a no-op. With several (after
 ``jax.distributed.initialize``), every process must call the same functions in
 the same order (SPMD); process 0 is the primary: it writes metadata and
-commits. Waits carry a timeout so that a dead process turns into a
-:class:`CoordinationError` naming the wait instead of a hang.
+commits. Waits judge the awaited process by its heartbeat (``_base/liveness.py``): a
+dead process turns into a :class:`CoordinationError` naming it and the wait within
+seconds, a live one is waited for as long as it takes (the late ones named in the log
+every ``FOP_LATE_REPORT_S``); the timeouts here only limit the wait for a process never
+seen beating.
 
 Collective operations (:func:`collective`: a manager's open, save, restore and wait, a
 core save or restore, ``restore_params``, a tier's replication rounds) are regions (see
@@ -38,6 +41,7 @@ import jax
 from .. import _errors
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from . import env as _env
+from . import liveness as _liveness
 from . import regions as _regions
 from .regions import client as _client
 from .regions import current_region, raise_published_failure
@@ -78,23 +82,44 @@ def _timed_out(e: Exception) -> bool:
     return "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e)
 
 
-def _wait(key: str, timeout: float, describe: Callable[[str], str], process: int) -> str:
+def _wait(
+    key: str,
+    timeout: float,
+    describe: Callable[[str], str],
+    process: int,
+    *,
+    late: Callable[[], list[int]] | None = None,
+) -> str:
     """The value under ``key`` once ``process`` set it: the one wait on other processes.
-    In a region it waits in slices of at most :data:`POLL_S` and looks at the region's
-    failures between them; raises CoordinationError (``describe(jax's words)``) after
-    ``timeout``."""
-    client, region = _client(), current_region()
-    deadline = time.monotonic() + timeout
-    piece = timeout if region is None else 0.02
-    while True:
-        left = max(deadline - time.monotonic(), 0.001)
-        try:
-            return client.blocking_key_value_get(key, max(1, int(min(piece, left) * 1000)))
-        except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
-            if not _timed_out(e) or time.monotonic() >= deadline:
-                raise CoordinationError(describe(str(e))) from e
-        raise_published_failure(process)
-        piece = min(2 * piece, POLL_S)
+
+    It waits in slices of at most :data:`POLL_S`, looking between them at the failures
+    published in its region and (:class:`liveness.PeerWatch`) at ``process``'s heartbeat:
+    a live process is waited for as long as it takes, with the late processes (``late()``,
+    default ``[process]``) logged every ``FOP_LATE_REPORT_S``; a dead one (its heartbeat
+    stopped ``FOP_PEER_SILENT_S`` ago) raises CoordinationError naming it within
+    seconds, and so does, after ``timeout``, one never seen beating (it may not have
+    started)."""
+    client, region, me = _client(), current_region(), process_index()
+    _liveness.ensure_beating(client, me)
+    watch = _liveness.PeerWatch(
+        client,
+        me,
+        f"{key!r} from process {process}",
+        never_s=timeout,
+        late=late or (lambda: [process]),
+        region=None if region is None else region.kind,
+    )
+    piece = 0.02
+    with _liveness.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):
+        while True:
+            try:
+                return client.blocking_key_value_get(key, max(1, int(piece * 1000)))
+            except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
+                if not _timed_out(e):
+                    raise CoordinationError(describe(str(e))) from e
+            raise_published_failure(process)
+            watch.look(process)
+            piece = min(2 * piece, POLL_S)
 
 
 def spans_processes(*trees: Any) -> bool:
@@ -130,9 +155,13 @@ def barrier(name: str, *, timeout_s: float | None = None) -> None:
             f"{said})"
         )
 
+    def late() -> list[int]:
+        return [p for p in range(process_count()) if p != me and not _is_set(f"{name}/at/{p}")]
+
     for p in range(process_count()):
         if p != me:
-            _wait(f"{name}/at/{p}", max(deadline - time.monotonic(), 0.001), describe, p)
+            left = max(deadline - time.monotonic(), 0.001)
+            _wait(f"{name}/at/{p}", left, describe, p, late=late)
 
 
 def _is_set(key: str) -> bool:

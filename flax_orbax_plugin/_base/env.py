@@ -5,10 +5,11 @@ checked against its declaration (:class:`~._base.option_spec.Option`), and a val
 does not take raises :class:`~flax_orbax_plugin.OptionError` naming the variable,
 what it takes and what was found (never clamped, never ignored). Unset or empty: the
 default. Read at each use (the fault specs and the thread priority) or once at import
-(the coordination timeout), on any thread.
+(the coordination timeout, and liveness's two), on any thread.
 
 Variables: ``FOP_BACKGROUND_NICE`` (``_base.priority``), ``FOP_COORDINATION_TIMEOUT_S``
-(``_base.distributed``), ``FOP_DIRECT_IO`` (``_zarr.chunk_writer``), ``FOP_KILL_AT`` and
+(``_base.distributed``), ``FOP_PEER_SILENT_S`` and ``FOP_LATE_REPORT_S``
+(``_base.liveness``), ``FOP_DIRECT_IO`` (``_zarr.chunk_writer``), ``FOP_KILL_AT`` and
 ``FOP_FAIL_AT`` (``_base.faults``: ``phase``, ``phase:N``, and for ``FOP_FAIL_AT``
 ``phase:N:ERRNO``), ``FOP_PAUSE_AT`` and ``FOP_PAUSE_S`` (test pause points).
 """
@@ -65,6 +66,26 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
             expected="a number of seconds > 0",
         ),
         300.0,
+    ),
+    "FOP_PEER_SILENT_S": (  # _base.liveness: a process silent this long is dead
+        Option(
+            "FOP_PEER_SILENT_S",
+            "number",
+            low=0.5,
+            high=3600,
+            expected="a number of seconds >= 0.5 and <= 3600",
+        ),
+        10.0,
+    ),
+    "FOP_LATE_REPORT_S": (  # _base.liveness: a wait this long names the late processes
+        Option(
+            "FOP_LATE_REPORT_S",
+            "number",
+            low=0.5,
+            high=threading.TIMEOUT_MAX,
+            expected="a number of seconds >= 0.5",
+        ),
+        10.0,
     ),
     "FOP_DIRECT_IO": (Option("FOP_DIRECT_IO", "choice", choices=("0", "1")), "1"),
     "FOP_KILL_AT": (

@@ -31,6 +31,7 @@ import jax
 
 from .._errors import CoordinationError, ProcessFailedError
 from . import faults as _faults
+from . import liveness as _liveness
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
 _REGIONS = itertools.count()
@@ -89,6 +90,8 @@ def collective(kind: str, *, spans: bool = True) -> Iterator[None]:
     if not spans or current_region() is not None or jax.process_count() == 1:
         yield
         return
+    with contextlib.suppress(CoordinationError):  # no client: the first wait says so
+        _liveness.ensure_beating(client(), jax.process_index())  # before any wait on us
     with resumed(Region(kind, str(next(_REGIONS)))):
         yield
 
@@ -119,7 +122,8 @@ def resumed(region: Region | None) -> Iterator[None]:
     stack = _LOCAL.__dict__.setdefault("stack", [])
     stack.append(region)
     try:
-        yield
+        with _liveness.ACTIVITIES.doing(f"{region.kind} (operation {region.tag})"):
+            yield
     except (SystemExit, GeneratorExit):  # a preempted run leaves together, on purpose
         raise
     except BaseException as e:

@@ -48,7 +48,7 @@ class _Batch:
                 finish(target, data, self.reader.placer)
 
             self.reader.submit(
-                ReadInto(self.store[off : off + size])
+                ReadInto(self.store[off : off + size], self.dtype)
                 if self.store is not None
                 else read_slice(self.direct, self.batch, off, size),
                 size * self.dtype.itemsize,
@@ -106,7 +106,7 @@ def read_batch(reader: Reader, location, batch: BatchRecord, members, fail, erro
         sub, inner = batch_dir(batch.name), _arrays.batch_inner(batch)
         whole = direct.read_batch(sub, batch.size, int(batch.chunk), inner, one.dtype)
     else:
-        whole = ReadInto(one.store)
+        whole = ReadInto(one.store, one.dtype)
     reader.submit(
         whole, batch.size * one.dtype.itemsize, done_all, lambda e: one.locate(members, e)
     )

@@ -20,6 +20,7 @@ from .._format.layout.checked import show
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
+from .._zarr import subbyte as _subbyte
 from .._zarr.chunks import CHUNK_DIR
 
 # A host's own copy of a manager step (each host its own directory) holds the chunks of
@@ -49,6 +50,8 @@ def check_claims(location: Location, doc: CheckpointDocument, targets: list) -> 
             continue
         if HOST_COPY.get() and getattr(target.like, "sharding", None) is not None:
             continue
+        record = _subbyte.stored(record)  # a packed leaf: its bytes as stored
+        storage = record.storage
         itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
         needed = _chunk_files.array_claim(
             record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None
@@ -110,6 +113,8 @@ def check_packed_claims(location: Location, doc: CheckpointDocument, targets: li
             field = f"batches[{storage.batch!r}].size"
             _check_listed(packed, batch_dir(storage.batch), needed, where, field, batch.size)
         if isinstance(storage, ArrayStorage):
+            record = _subbyte.stored(record)  # a packed leaf: its bytes as stored
+            storage = record.storage
             itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
             needed = _chunk_files.array_claim(
                 record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None

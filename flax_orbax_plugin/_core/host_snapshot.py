@@ -24,6 +24,7 @@ from .._base import host as _host
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, BatchStorage
 from .._zarr import chunk_writer as _chunk_writer
+from .._zarr import subbyte as _subbyte
 from . import device_copy as _device_copy
 
 
@@ -156,9 +157,13 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
     """A small leaf's host copy: a piece of its batch, or copied into the pooled one."""
     name = storage.batch
     off, size = storage.offset, storage.size
+    if storage.packed:  # a sub-byte leaf: its packed bytes (a new array)
+        source = _subbyte.pack_flat(np.asarray(source))
     if pool is None:
         if isinstance(source, jax.Array):
             host = _host_copy(source, None)
+        elif storage.packed:
+            host = source
         else:  # numpy or scalar: the caller may change it after we return
             host = _host.copy(np.asarray(source))
         pieces[name].append((off * host.dtype.itemsize, host))

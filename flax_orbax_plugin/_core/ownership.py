@@ -16,6 +16,7 @@ import secrets
 import shutil
 import socket
 import stat
+from collections.abc import Callable
 
 import tensorstore as ts
 
@@ -23,8 +24,9 @@ from .._base import distributed as _distributed
 from .._base import faults as _faults
 from .._errors import CheckpointError, ForeignEntryError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
+from .._storage import deleting as _deleting
 from .._storage import json_docs as _docs
-from .._storage.kvstore import context
+from .._storage.deleting import removal_context
 from .._storage.local_files import entry_kind
 from .._storage.location import Location
 
@@ -218,22 +220,27 @@ def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
     return remove_if_ours(loc, what=what)
 
 
-def remove_step(directory: Location, step: int) -> None:
+def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | None = None) -> None:
     """Deletes a committed step of ``directory`` so that it disappears from listings
     at once: on local disk a rename to ``<step>.deleting-<nonce>``; on object stores
-    the manifest goes first (after the pending marker)."""
+    the manifest goes first (after the pending marker), then its objects, many at once:
+    ``pace()`` (asked before each request; default :data:`REMOVAL_CONCURRENCY`) is how
+    many deletes may be in flight now (retention asks for fewer while a save runs)."""
     step_loc = directory.child(str(step))
     require_ours(step_loc, action="delete step", step=step)
+    _faults.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)
     if directory.supports_rename:
         doomed = directory.child(f"{step}.deleting-{secrets.token_hex(6)}")
         step_loc.rename(doomed)  # atomic: the step disappears from listings at once
         _faults.kill_point("mid_retention")
+        _faults.pause_point("mid_retention")  # tests: a slow removal (FOP_PAUSE_AT)
         _remove_proven(doomed)
         return
     claim(step_loc, secrets.token_hex(6))
     step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
     _faults.kill_point("mid_retention")
-    _remove_proven(step_loc)
+    _faults.pause_point("mid_retention")
+    _remove_proven(step_loc, pace=pace)
 
 
 def check_slot(loc: Location, *, what: str, replace: bool) -> str | None:
@@ -279,8 +286,9 @@ def _exists(loc: Location) -> bool:
     return loc.is_dir()
 
 
-def _remove_proven(loc: Location) -> None:
-    """Removes everything at ``loc``, the pending marker last."""
+def _remove_proven(loc: Location, *, pace: Callable[[], int] | None = None) -> None:
+    """Removes everything at ``loc``, the pending marker last (object stores: see
+    ``_storage.deleting`` for ``pace``)."""
     if loc.read_bytes(PENDING_FILE) is None:
         loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6)))  # durable
     if loc.is_local:
@@ -297,7 +305,10 @@ def _remove_proven(loc: Location) -> None:
         os.unlink(os.path.join(path, PENDING_FILE))
         os.rmdir(path)
         return
-    kv = ts.KvStore.open(loc.spec, context=context(local=False)).result()
+    kv = ts.KvStore.open(loc.spec, context=removal_context(loc.spec)).result()
+    marker = PENDING_FILE.encode()
+    _deleting.delete_keys(kv, [k for k in kv.list().result() if k != marker], pace)
+    # Anything the listing missed, then the marker last.
     kv.delete_range(ts.KvStore.KeyRange(exclusive_max=PENDING_FILE)).result()
     kv.delete_range(ts.KvStore.KeyRange(inclusive_min=PENDING_FILE + "\0")).result()
     kv.delete_range(
@@ -318,7 +329,7 @@ def _remove_tree(loc: Location) -> None:
         else:
             os.unlink(path)
         return
-    kv = ts.KvStore.open(loc.spec, context=context(local=False)).result()
+    kv = ts.KvStore.open(loc.spec, context=removal_context(loc.spec)).result()
     kv.delete_range(ts.KvStore.KeyRange()).result()
 
 

@@ -42,6 +42,7 @@ from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_writer as _chunk_writer
+from .._zarr import subbyte as _subbyte
 from . import commit as _commit
 from . import device_copy as _device_copy
 from . import host_snapshot as _host_snapshot
@@ -102,13 +103,19 @@ def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> L
     sharding = value.sharding if isinstance(value, jax.Array) else None
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes <= SMALL_LEAF_BYTES and not _kinds.is_partitioned(value):
-        storage: Any = batching.slot(_kinds.writer_process(value), name, dtype, nbytes)
+        process = _kinds.writer_process(value)
+        if _layout.DTYPES[name].bits < 8 and shape and 0 not in shape:  # its packed bytes
+            packed = _layout.packed_bytes(name, math.prod(shape))
+            slot = batching.slot(process, "uint8", np.dtype(np.uint8), packed)
+            storage: Any = dataclasses.replace(slot, packed=True)
+        else:
+            storage = batching.slot(process, name, dtype, nbytes)
     else:
         shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
         chunk = _arrays.chunk_shape(
             shard_shape, dtype.itemsize, must_divide=_kinds.is_partitioned(value)
         )
-        storage = ArrayStorage(tuple(chunk), codec)
+        storage = ArrayStorage(tuple(chunk), codec, _layout.packable(name, shape, chunk))
     return LeafRecord(
         path, keys, kind, shape, name, _metadata.describe_sharding(sharding), storage, impl
     )
@@ -218,13 +225,14 @@ class Plan:
         if self.format_version == 2 or reuse is not None:  # these read every region first
             _device_copy.materialize_all(self.leaves)
         found = None if reuse is None else self._unchanged(location, reuse)
+        leaves, found = _stored_leaves(self.leaves, found)  # sub-byte leaves packed
         encoded: concurrent.futures.Future = concurrent.futures.Future()
         if primary:  # encoded while tensorstore's threads write the data
             threading.Thread(target=self._encode, args=(encoded,), daemon=True).start()
         if self.format_version == 2:
             written, files, reused = write_packed(
                 location,
-                self.leaves,
+                leaves,
                 self.batches,
                 self.batch_data,
                 process=_distributed.process_index(),
@@ -238,7 +246,7 @@ class Plan:
                 links = self._links(location, *found)
             written, reused = write_data(
                 location,
-                self.leaves,
+                leaves,
                 self.batches,
                 self.batch_data,
                 primary=primary,
@@ -347,6 +355,29 @@ class Plan:
 
 
 Snapshot = Plan
+
+
+def _stored_leaves(leaves: list[Leaf], found):
+    """The leaves as their arrays store them: a packed (sub-byte) leaf becomes one of
+    its stored record (``_zarr.subbyte.stored``) holding its regions' packed bytes; the
+    others are themselves. ``found`` (what ``Plan._unchanged`` returned, or None) with
+    its leaves replaced the same way, so reuse compares the bytes on disk. A packed
+    leaf's regions still on their devices are copied here, all at once (packing needs
+    the values): ``host_memory_budget`` does not stream them. Background thread."""
+    out, by_index = [], {}
+    for leaf in leaves:
+        if _subbyte.is_packed(leaf.record):
+            writes = [
+                _subbyte.pack_write(leaf.record, index, _device_copy.materialize(data))
+                for index, data in leaf.writes
+            ]
+            leaf = Leaf(leaf.index, leaf.value, _subbyte.stored(leaf.record), writes)
+        out.append(leaf)
+        by_index[leaf.index] = leaf
+    if found is not None:
+        way, source, unchanged = found
+        found = way, source, [(by_index[leaf.index], j, chunks) for leaf, j, chunks in unchanged]
+    return out, found
 
 
 def _digest(leaves: list[Leaf]) -> str:

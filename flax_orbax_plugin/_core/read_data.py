@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from .._base import distributed as _distributed
+from .._base import liveness as _liveness
 from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument, array_dir
@@ -29,6 +30,7 @@ from .._like import casting as _casting
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
+from .._zarr import subbyte as _subbyte
 from .batch_reads import read_batch
 from .direct import open_direct
 from .reads import Reader, ReadInto, corrupt, deleted_or, opened
@@ -85,7 +87,8 @@ def _collective(targets: list) -> bool:
 def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: list, limit: int):
     direct = open_direct(location, doc, targets)
     try:
-        return _read_targets_with(location, doc, targets, limit, direct)
+        with _liveness.ACTIVITIES.doing(f"reading {location}", moving=True) as progress:
+            return _read_targets_with(location, doc, targets, limit, direct, progress)
     finally:
         if direct is not None:
             direct.close()
@@ -94,21 +97,29 @@ def _read_targets_inner(location: Location, doc: CheckpointDocument, targets: li
 def read_region(store, target: Target, direct: _chunk_files.ChunkReader | None, region=None):
     """A read of ``region`` (global; None: all) of a stored array: straight from its
     chunk files where they are plain (local, uncompressed) and the region is whole
-    chunks, else through tensorstore."""
+    chunks, else through tensorstore; a packed (sub-byte) leaf's stored bytes, unpacked."""
     record = target.record
+    if _subbyte.is_packed(record):
+        inner, width, skip = _subbyte.stored_region(record, region)
+        read = _read_stored(store, target.index, _subbyte.stored(record), direct, inner)
+        return _subbyte.Unpacked(read, record, width, skip)
+    return _read_stored(store, target.index, record, direct, region)
+
+
+def _read_stored(store, index: int, record, direct, region):
+    dtype = _layout.dtype_from_name(record.dtype, path=record.path)
     if direct is not None and record.storage.codec is None:
-        dtype = _layout.dtype_from_name(record.dtype, path=record.path)
-        sub = array_dir(target.index)
+        sub = array_dir(index)
         read = direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
         if read is not None:
             return read
     if direct is not None and direct.packed:  # compressed segments of version 2
-        return direct.read_compressed(target.index, record, region)
-    return ReadInto(store if region is None else store[region])
+        return direct.read_compressed(index, record, region)
+    return ReadInto(store if region is None else store[region], dtype)
 
 
-def _read_targets_with(location, doc, targets, limit, direct):
-    reader = Reader(limit)
+def _read_targets_with(location, doc, targets, limit, direct, progress):
+    reader = Reader(limit, progress)  # progress: read by the heartbeat (bytes left)
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[Target]] = collections.defaultdict(list)
     shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)

@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from .._base import faults as _faults
 from .._base import host as _host
+from .._base import liveness as _liveness
 from .._errors import CheckpointError, CorruptCheckpointError, StepDeletedError
 from .._format import layout as _layout
 from .._format.layout import COMMIT_FILE
@@ -42,9 +44,12 @@ class ReadInto:
     """A read straight into a new numpy array (tensorstore copies chunk by chunk into it,
     without a second whole-array buffer)."""
 
-    def __init__(self, view):
-        self.out = _host.empty(view.shape, view.dtype.numpy_dtype)  # adopted by jax on CPU
-        self.future = ts.array(self.out, copy=False).write(view)
+    def __init__(self, view, dtype: np.dtype | None = None):
+        """``dtype``: the leaf's, where its array stores a stand-in (``DTYPES[...].zarr``)."""
+        stored = view.dtype.numpy_dtype
+        self.out = _host.empty(view.shape, dtype or stored)  # adopted by jax on CPU
+        into = _arrays.as_stored(self.out, stored)
+        self.future = ts.array(into, copy=False).write(view)
 
     def result(self) -> np.ndarray:
         self.future.result()
@@ -54,8 +59,9 @@ class ReadInto:
 class Reader:
     """Issues tensorstore reads in order, keeping at most ``limit`` bytes in flight."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, progress: _liveness.Progress | None = None):
         self.limit = limit
+        self.progress = progress or _liveness.Progress()  # the bytes read, and asked for
         # a batch file's leaves at a time: placed while the next files are read
         self.placer = Placer(flush_bytes=min(limit, 16 << 20))
         self.pending: collections.deque = collections.deque()
@@ -66,6 +72,7 @@ class Reader:
             nbytes = 0
         self.pending.append((future, nbytes, on_done, on_error))
         self.in_flight += nbytes
+        self.progress.total += nbytes
         self.drain(self.limit)
 
     def drain(self, to: int = 0) -> None:
@@ -74,6 +81,9 @@ class Reader:
             self.in_flight -= nbytes
             try:
                 data = future.result()
+                self.progress.done += nbytes
+                if self.progress.done == nbytes > 0:  # the first bytes read
+                    _faults.pause_point("mid_read")  # tests: a slow restore (FOP_PAUSE_AT)
             except Exception as e:  # noqa: BLE001  (tensorstore: ValueError with a status text)
                 raise_environmental(e)
                 on_error(e)

@@ -17,9 +17,10 @@ import numpy as np
 from .._base import tree as _tree
 from .._errors import StructureError
 from .._format import layout as _layout
-from .._format.layout import LeafRecord
+from .._format.layout import BatchStorage, LeafRecord
 from .._like import casting as _casting
 from .._like import onto_like as _onto_like
+from .._zarr import subbyte as _subbyte
 
 
 @dataclasses.dataclass
@@ -125,6 +126,8 @@ def finish(target: Target, host: np.ndarray, placer: Placer) -> None:
 def _final_value(target: Target, host: np.ndarray) -> Any:
     record, like = target.record, target.like
     kind = record.kind
+    if isinstance(record.storage, BatchStorage) and record.storage.packed:
+        host = _subbyte.unpack_flat(host, record)  # a sub-byte leaf's packed bytes
     host = host.reshape(record.shape)
     if kind == "prng_key":
         keys = jax.random.wrap_key_data(host, impl=record.impl)

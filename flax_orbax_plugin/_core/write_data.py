@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from .._base import faults as _faults
+from .._base import liveness as _liveness
 from .._base import priority as _priority
 from .._errors import CheckpointError
 from .._format.layout import ArrayStorage, BatchRecord, array_dir, batch_dir
@@ -71,7 +72,10 @@ def write_data(
     jobs += _batch_jobs(batch_specs, batches, batch_data, writer)
     pending = _Pending(limit, cancelled)
     reused = 0
+    doing = _liveness.ACTIVITIES.begin("writing this process's data", moving=True)
+    pending.progress = doing.progress  # read by the heartbeat thread: bytes left
     try:
+        pending.progress.total = sum(_nbytes(d) for _, writes, _ in jobs for _, d in writes)
         pending.write_all(jobs)
         if linker is not None:  # the leaves whose links failed
             jobs = []
@@ -89,6 +93,7 @@ def write_data(
         _raise_as_checkpoint_error(e, staging, direct=writer is not None)
         raise
     finally:
+        _liveness.ACTIVITIES.end(doing)
         if writer is not None:
             writer.close()
         if linker is not None:
@@ -177,12 +182,14 @@ class _Pending:
         self.futures: collections.deque = collections.deque()
         self.in_flight = 0
         self.written = 0
+        self.progress = _liveness.Progress()
 
     def drain(self, to: int) -> None:
         while self.futures and self.in_flight > to:
             future, nbytes = self.futures.popleft()
             future.result()
             self.in_flight -= nbytes
+            self.progress.done = self.written - self.in_flight
 
     def write_all(self, jobs: list) -> None:
         for spec, writes, direct in jobs:
@@ -202,7 +209,8 @@ class _Pending:
                 if futures is None:
                     if store is None:
                         store = _arrays.open_for_write(spec)
-                    write = store[index].write(data, can_reference_source_data_indefinitely=True)
+                    stored = _arrays.as_stored(data, store.dtype.numpy_dtype)
+                    write = store[index].write(stored, can_reference_source_data_indefinitely=True)
                     futures = [write.commit]
                 share = data.nbytes // max(1, len(futures))
                 self.futures.extend((future, share) for future in futures)
@@ -213,6 +221,10 @@ class _Pending:
                     _faults.pause_point("mid_write")
             del data
             self.drain(self.limit)
+
+
+def _nbytes(data: Any) -> int:
+    return int(getattr(data, "nbytes", 0) or 0)
 
 
 def _settle(pending) -> None:

@@ -33,12 +33,10 @@ def chunk_names(record: LeafRecord) -> list[tuple[str, ...]]:
     return [_chunks.chunk_parts(idx) for idx in itertools.product(*(range(g) for g in grid))]
 
 
-def chunk_file_bytes(record: LeafRecord) -> int | None:
-    """Size of each stored chunk file (a full chunk, edge chunks padded, plus crc32c);
-    None for a dtype stored in less than one byte per element (not reused)."""
+def chunk_file_bytes(record: LeafRecord) -> int:
+    """Size of each stored chunk file (a full chunk, edge chunks padded, plus crc32c):
+    every dtype, sub-byte ones too, stores ``itemsize`` bytes per element."""
     itemsize = dtype_from_name(record.dtype).itemsize
-    if record.dtype in ("int4", "uint4") or itemsize < 1:
-        return None
     return math.prod(record.storage.chunk_shape) * itemsize + CRC_BYTES
 
 

@@ -52,7 +52,7 @@ def copy_leaf(
     leaf's when None), or None after deleting whatever it copied (the caller writes
     those chunks; the other processes' copies are theirs). The checks: :class:`_LeafCopy`."""
     size = chunk_file_bytes(record)
-    if size is None or source.spec | {"path": ""} != target.spec | {"path": ""}:
+    if source.spec | {"path": ""} != target.spec | {"path": ""}:
         return None
     leaf = _LeafCopy(copier, source, j, target, i, size)
     every = {"/".join(parts[1:]) for parts in chunk_names(record)}

@@ -54,8 +54,6 @@ def link_leaf(
     returns ``nbytes`` (the bytes reused; the leaf's when None), or None after removing
     whatever it linked (the caller writes those chunks)."""
     size = chunk_file_bytes(record)
-    if size is None:
-        return None
     names = chunk_names(record) if chunks is None else chunks
     links = _Links(source, target)
     try:

@@ -216,6 +216,7 @@ def plan_reuse(records: dict[int, LeafRecord], previous: CheckpointDocument) -> 
             and tuple(old.storage.chunk_shape) == tuple(rec.storage.chunk_shape)
             and old.storage.codec == rec.storage.codec
             and old.storage.codec is None  # compressed chunks have no fixed size to check
+            and old.storage.packed == rec.storage.packed  # (a sub-byte leaf's layout)
             and old.impl == rec.impl
         ):
             out[i] = j

@@ -34,7 +34,6 @@ import re
 import stat
 from typing import Any
 
-import ml_dtypes
 import msgpack
 import numpy as np
 
@@ -45,6 +44,7 @@ from .._errors import (
     ForeignEntryError,
     StructureError,
 )
+from .._format import layout as _layout
 from .._format.foreign import is_msgpack_checkpoint
 from .._like import onto_like as _onto_like
 from .._storage.kvstore import local_path
@@ -55,23 +55,8 @@ __all__ = ["files_to_import", "read_msgpack", "restore_msgpack"]
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"
-_ALLOWED_DTYPES = {
-    name: np.dtype(name)
-    for name in (
-        "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 "
-        "float16 float32 float64 complex64 complex128"
-    ).split()
-}
-_ALLOWED_DTYPES.update(
-    {
-        name: np.dtype(getattr(ml_dtypes, name))
-        for name in (
-            "bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz "
-            "float8_e4m3b11fnuz int4 uint4"
-        ).split()
-        if hasattr(ml_dtypes, name)
-    }
-)
+# Flax writes an ndarray as (shape, dtype name, bytes): any dtype of the package's table
+_ALLOWED_DTYPES = {name: _layout.dtype_from_name(name) for name in sorted(_layout.DTYPES)}
 _CHECKPOINT_RE = re.compile(r"^(?P<prefix>.*?)(?P<step>[0-9]+)$")
 _MAX_DEPTH = 128  # nesting of the state dict; deeper is not a Flax checkpoint
 _MAX_NDIM = 64  # numpy's own limit

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Any
 
 import jax
@@ -84,15 +85,35 @@ def _fail(path: str, src: np.dtype, dst: np.dtype, why: str, example: Any) -> St
 
 def _float_changes(x: np.ndarray, dst: np.dtype) -> np.ndarray | None:
     """Mask of float values that a cast to ``dst`` turns into something other than a
-    rounding (finite to inf/NaN, inf to NaN or finite, NaN to a number); None if none."""
+    rounding (finite to inf/NaN, inf to NaN or finite, NaN to a number, a finite value
+    past ``dst``'s range: a dtype without inf (float4, float6) saturates it to its
+    largest value); None if none."""
     orig = x if x.dtype.kind == "f" else x.astype(np.float32)  # ml_dtypes floats
     back = x.astype(dst).astype(orig.dtype)
     finite = np.isfinite(orig)
     bad = finite & ~np.isfinite(back)
+    bad |= finite & (np.abs(orig.astype(np.float64)) >= _overflow_at(dst))
     if not finite.all():  # inf must stay the same inf, NaN stay NaN
         nan = np.isnan(orig)
         bad |= (nan & ~np.isnan(back)) | (~finite & ~nan & (back != orig))
     return bad if bad.any() else None
+
+
+@functools.lru_cache(maxsize=64)
+def _holds_bools(dst: np.dtype) -> bool:
+    """Whether 0 and 1 are values of ``dst`` (float8_e8m0fnu, powers of two only, has
+    no 0)."""
+    with np.errstate(all="ignore"):
+        back = np.array([0, 1], np.uint8).astype(dst).astype(np.float64)
+    return back.tolist() == [0.0, 1.0]
+
+
+def _overflow_at(dst: np.dtype) -> float:
+    """The magnitude from which a value rounds past ``dst``'s largest finite value (its
+    largest plus half a step there, where round-to-nearest-even leaves the range)."""
+    info = ml_dtypes.finfo(dst)
+    largest = float(info.max)
+    return largest + 2.0 ** (np.floor(np.log2(largest)) - int(info.nmant)) / 2
 
 
 def check_tree(host: Any, target: Any) -> None:
@@ -116,7 +137,12 @@ def check(path: str, host: np.ndarray, out_dtype: Any) -> None:
     if a == "bool":
         if b == "other":
             raise _fail(path, src, dst, "no cast from bool to this dtype", _first(host))
-        return  # False/True are 0/1 in every numeric dtype
+        if _holds_bools(dst):
+            return  # False/True are 0/1
+        bad = ~host.astype(np.bool_) if host.size else None
+        if bad is not None and bad.any():  # float8_e8m0fnu has no 0: False would be NaN
+            raise _fail(path, src, dst, "this dtype has no 0 (False)", _first(host, bad))
+        return
     if b == "bool":
         raise _fail(path, src, dst, "a cast to bool changes values", _first(host))
     if a == "complex" and b != "complex":

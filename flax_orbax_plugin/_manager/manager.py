@@ -82,7 +82,7 @@ class CheckpointManager:
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version)
         self._book.per_host = own  # each host's own directory (docs/tiers.md)
         self._dir_lock = _housekeeping.open_writer(self._loc, own=own)
-        self._retainer.start()
+        self._retainer.start(busy=lambda: self._saver.busy)  # a save runs: fewer deletes
         try:  # several processes on a local path: the same directory on every host
             if tier is None:
                 _shared_dir.check_visible(self._loc)
@@ -203,11 +203,11 @@ class CheckpointManager:
         if not (ignore_policy or preempted or self._schedule.decide(step, t)):
             return False
         self._wait_inflight()
-        local = self._saver.check_new_step(step, overwrite or preempted)
-        if callable(extras):  # computed only for a step that is saved
-            extras = extras()
-        items = collect_items(state, data_iterator, extras)
-        self._saver.start(step, items, extras, local, replicate=preempted)
+        with self._saver.saving():  # from here to its commit, removals yield to the save
+            local = self._saver.check_new_step(step, overwrite or preempted)
+            extras = extras() if callable(extras) else extras  # only for a step that is saved
+            items = collect_items(state, data_iterator, extras)
+            self._saver.start(step, items, extras, local, replicate=preempted)
         self._schedule.record_save(t)
         if not self._async or preempted:
             self._wait_inflight()
@@ -225,7 +225,7 @@ class CheckpointManager:
         self._book.forget()  # gc looks at the store itself
         if _distributed.is_primary() or self._book.per_host:
             _housekeeping.remove_unfinished(self._loc)
-        return self._retainer.apply(None)
+        return self._retainer.run_now()
 
     @_distributed.collective("manager-restore")
     def restore(

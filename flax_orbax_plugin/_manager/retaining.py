@@ -5,6 +5,17 @@ manager knows (its :class:`StepBook`), with the metric of each step for
 ``keep_best`` (from the save's extras, else read back from the step), and deletes
 the doomed steps through ``_ownership.remove_step`` (the primary only).
 
+Deletion never delays a save: passes run on the one deletion thread, off the save
+path, and the queue is bounded without ever blocking a commit: at most one pass runs
+and one waits, and a commit that finds a pass waiting joins it (a pass recomputes what
+goes from the step list, so passes coalesce; the waiting pass protects the newest step
+it was asked for). A step whose removal fails stays listed and is tried again by the next
+pass; a failure still standing once the queue is drained is raised by ``wait`` (the
+manager's ``wait`` and ``close``), never dropped. On object stores a removal keeps many
+deletes in flight, none while the training thread is in a save, and only
+:data:`WHILE_SAVING` while its background write runs: the save's requests never queue
+behind ours (``benchmarks/bench_deletion.py``).
+
 Threading and call order: ``start`` (the writer's open) creates the one deletion
 thread; each commit calls ``submit`` from the save's background thread; ``wait``
 and ``shutdown`` are the training thread's (``wait``, ``close``); ``apply`` runs on
@@ -14,7 +25,8 @@ the deletion thread, or on the training thread for ``gc``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -22,6 +34,7 @@ from .._base import distributed as _distributed
 from .._core import ownership as _ownership
 from .._errors import CheckpointError
 from .._format import steps as _steps
+from .._storage.deleting import REMOVAL_CONCURRENCY
 from .._storage.location import Location
 from .book import StepBook
 from .checkpointables import Checkpointable, checkpointable_for
@@ -30,6 +43,7 @@ from .retention import Retention, steps_to_delete
 __all__ = ["RetentionRunner", "as_metric"]
 
 logger = logging.getLogger("flax_orbax_plugin")
+WHILE_SAVING = 2  # deletes in flight on an object store while a save runs
 
 
 def as_metric(value: Any) -> float | None:
@@ -53,28 +67,68 @@ class RetentionRunner:
         book: StepBook,
     ):
         self._loc = location
+        self._busy: Callable[[], str | None] = lambda: None
         self.policy = policy
         self._overrides = overrides
         self._book = book
         self._pool: ThreadPoolExecutor | None = None
-        self._future: Future | None = None
+        self._lock = threading.Lock()
+        self._waiting: Future | None = None  # the queued pass, not started yet
+        self._asked: set[int] = set()  # the steps the queued pass was asked for
+        self._last: Future | None = None  # the newest pass (running or queued)
+        self._failed: dict[str, str] = {}  # "step N" (or the choice) -> why it failed
 
     # -- the deletion thread
 
-    def start(self) -> None:
-        """The writer's open: the deletion thread (a reader never deletes)."""
+    def start(self, *, busy: Callable[[], str | None]) -> None:
+        """The writer's open: the deletion thread (a reader never deletes). ``busy()``:
+        which part of a save runs now (``"blocking"``: the training thread is in it,
+        ``"writing"``: its background phase, None: no save), asked by removals."""
+        self._busy = busy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fop-retention")
 
     def submit(self, just_written: int) -> None:
-        """After a commit (background thread): retention runs on the deletion thread."""
-        if self._pool is not None:
-            self._future = self._pool.submit(self.apply, just_written)
+        """After a commit (background thread): queues a pass on the deletion thread and
+        returns at once; joins the pass already queued, if one is (see the module
+        docstring: at most one runs and one waits)."""
+        if self._pool is None:
+            return
+        with self._lock:
+            self._asked.add(just_written)
+            if self._waiting is None:
+                self._waiting = self._last = self._pool.submit(self._queued_pass)
+
+    def _queued_pass(self) -> None:
+        with self._lock:
+            asked, self._asked, self._waiting = self._asked, set(), None
+        self.apply(asked)
 
     def wait(self) -> None:
-        """Waits for the last submitted run."""
-        fut = self._future
+        """Training thread: drains the queue, then raises CheckpointError naming the
+        steps whose removal failed (they stay listed; the next pass or ``gc`` tries
+        again)."""
+        fut = self._last
         if fut is not None:
             fut.result()
+        self._raise_failures()
+
+    def run_now(self) -> list[int]:
+        """``gc`` (training thread, the queue drained first): one pass now; raises like
+        :meth:`wait` when a removal failed. Returns the removed steps."""
+        self.wait()
+        removed = self.apply(None)
+        self._raise_failures()
+        return removed
+
+    def _raise_failures(self) -> None:
+        with self._lock:
+            failed, self._failed = dict(self._failed), {}
+        if failed:
+            raise CheckpointError(
+                f"retention failed in {self._loc} (the steps are kept and listed; the next "
+                "retention pass or gc() tries again): "
+                + "; ".join(f"{what}: {why}" for what, why in sorted(failed.items()))
+            )
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -110,33 +164,67 @@ class RetentionRunner:
 
     # -- deleting
 
-    def apply(self, just_written: int | None) -> list[int]:
-        """Deletion thread: delete the steps the retention policy does not keep (the
-        primary); the other processes drop the same steps from their list in memory."""
+    def apply(self, just_written: int | Iterable[int] | None) -> list[int]:
+        """Deletion thread (or ``gc``): delete the steps the retention policy does not
+        keep (the primary), protecting ``just_written`` (a step, or the newest of the
+        steps a queued pass was asked for); the other processes drop the same steps
+        from their list in memory. A step whose removal fails is kept, logged and
+        remembered for ``wait``."""
         removed: list[int] = []
+        if not self.policy.deletes_anything:
+            return removed
+        # A coalesced pass protects the newest step it was asked for: the older ones
+        # would each have been deletable by the pass of the next commit anyway.
+        asked = {just_written} if isinstance(just_written, int) else set(just_written or ())
+        asked = {max(asked)} if asked else set()
         try:
-            if not self.policy.deletes_anything:
-                return removed
-            doomed = self._doomed(just_written)
-            if not (_distributed.is_primary() or self._book.per_host):  # the primary deletes
-                for s in doomed:
-                    self._book.removed(s)
-                return removed
-            for s in doomed:
-                if not self._book.begin_delete(s):
-                    continue
-                try:
-                    _ownership.remove_step(self._loc, s)
-                    removed.append(s)
-                    self._book.removed(s)
-                finally:
-                    self._book.end_delete(s)
-        except Exception:
+            doomed = self._doomed(asked)
+        except Exception as e:  # kept for wait(): never dropped
             logger.exception("retention failed in %s", self._loc)
-        self._book.events.steps_removed(just_written, str(self._loc), removed)  # StepsRemoved
+            with self._lock:
+                self._failed["choosing the steps to delete"] = f"{type(e).__name__}: {e}"
+            return removed
+        if not (_distributed.is_primary() or self._book.per_host):  # the primary deletes
+            for s in doomed:
+                self._book.removed(s)
+            return removed
+        for s in doomed:
+            if self._remove(s):
+                removed.append(s)
+        newest = max(asked) if asked else None
+        self._book.events.steps_removed(newest, str(self._loc), removed)  # StepsRemoved
         return removed
 
-    def _doomed(self, just_written: int | None) -> list[int]:
+    def _remove(self, step: int) -> bool:
+        """Removes one doomed step; False when it is being read or its removal failed."""
+        if not self._book.begin_delete(step):
+            return False
+        try:
+            _ownership.remove_step(self._loc, step, pace=self._pace)
+        except Exception as e:  # noqa: BLE001  (kept for wait(): never dropped)
+            logger.warning("retention: cannot delete step %d of %s: %s", step, self._loc, e)
+            with self._lock:
+                self._failed[f"step {step}"] = f"{type(e).__name__}: {e}"
+            return False
+        finally:
+            self._book.end_delete(step)
+        self._book.removed(step)
+        with self._lock:
+            self._failed.pop(f"step {step}", None)
+            self._failed.pop("choosing the steps to delete", None)
+        return True
+
+    def _pace(self) -> int:
+        """Deletes in flight on an object store (``busy()``, see :meth:`start`): none
+        while the training thread is in a save (paused: a short wait), few while its
+        background write runs (its requests never queue behind ours), the store's full
+        share otherwise."""
+        busy = self._busy()
+        if busy == "blocking":
+            return 0
+        return WHILE_SAVING if busy else REMOVAL_CONCURRENCY
+
+    def _doomed(self, asked: set[int]) -> list[int]:
         steps = self._book.known()
         metrics = {}
         if self.policy.keep_best is not None:
@@ -146,7 +234,7 @@ class RetentionRunner:
         # runs late (its step's commit, then the next step's, then this pass) must not
         # delete the step a resume would read.
         newest = {max(steps)} if steps else set()
-        protected = ({just_written} - {None}) | newest | self._book.being_read()
+        protected = asked | newest | self._book.being_read()
         tier = self._book.tier
         if tier is not None:  # not yet replicated: kept locally
             protected |= tier.pending_steps()

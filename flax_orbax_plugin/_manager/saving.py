@@ -12,10 +12,11 @@ persistent tier and retention are told. At most one save is in flight
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
@@ -88,6 +89,7 @@ class Saver:
         self._retention = retention
         self.log_level = logging.INFO
         self.inflight: SaveHandle | None = None  # the save in flight, if any
+        self.starting = False  # in a save's blocking phase (see busy)
 
     # -- the save in flight (training thread)
 
@@ -96,6 +98,25 @@ class Saver:
         """True while a save's background phase runs (not yet committed or failed)."""
         handle = self.inflight
         return handle is not None and not handle.done()
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """The training thread's part of a save (its checks, then :meth:`start`): the
+        first half of :attr:`busy`."""
+        self.starting = True
+        try:
+            yield
+        finally:
+            self.starting = False
+
+    @property
+    def busy(self) -> str | None:
+        """Which part of a save runs: ``"blocking"`` (the training thread is in it),
+        ``"writing"`` (its background phase, to its commit), None. Read by the deletion
+        thread, which then deletes none, or few, objects at once."""
+        if self.starting:
+            return "blocking"
+        return "writing" if self.in_flight else None
 
     def raise_background_error(self) -> None:
         """Re-raises the error of a save that failed in the background, if any."""

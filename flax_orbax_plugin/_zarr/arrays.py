@@ -14,8 +14,16 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .._format.layout import BatchRecord, LeafRecord, array_dir, batch_dir, dtype_from_name
+from .._format.layout import (
+    DTYPES,
+    BatchRecord,
+    LeafRecord,
+    array_dir,
+    batch_dir,
+    dtype_from_name,
+)
 from .._storage.location import Location, context
+from . import subbyte as _subbyte
 
 CHUNK_TARGET_BYTES = 4 << 20  # large leaves: chunks of at most ~4 MiB (restore peak memory)
 BATCH_CHUNK_BYTES = 16 << 20  # batches of small leaves: one file per ~16 MiB ...
@@ -105,12 +113,19 @@ def spec(
         "kvstore": location.kvstore(sub),
         "metadata": {
             "shape": [int(s) for s in shape],
-            "data_type": dtype_name,
+            "data_type": DTYPES[dtype_name].zarr,  # a stand-in where tensorstore has none
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
             "chunk_key_encoding": {"name": "default"},
             "codecs": codecs,
         },
     }
+
+
+def as_stored(data: np.ndarray, stored: np.dtype) -> np.ndarray:
+    """``data`` as tensorstore reads and writes it in an array whose zarr3 ``data_type``
+    is ``stored`` (a dtype's ``DTYPES[...].zarr``: the same bytes, a view, no copy);
+    ``data`` itself where that is its own dtype. Any thread."""
+    return data if data.dtype == stored else data.view(stored)
 
 
 def _context_for(array_spec: dict[str, Any]) -> ts.Context:
@@ -189,7 +204,9 @@ def environmental(error: BaseException) -> OSError | None:
 
 
 def leaf_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any]:
-    """The spec of leaf number ``index``'s own array (``d/<index>``) under ``root``."""
+    """The spec of leaf number ``index``'s own array (``d/<index>``) under ``root`` (a
+    packed leaf's: its stored ``uint8`` array, ``_zarr.subbyte``)."""
+    record = _subbyte.stored(record)
     dtype = dtype_from_name(record.dtype, path=record.path)
     return spec(
         root,

@@ -19,6 +19,7 @@ import numpy as np
 import tensorstore as ts
 
 from .._storage.location import Location
+from . import arrays as _arrays
 from . import chunks as _chunks
 
 MEMORY = Location.from_path("memory://")  # the root the specs below are built under
@@ -41,7 +42,7 @@ def encode(spec: dict[str, Any], writes: list[tuple[Any, np.ndarray]]) -> list[t
     spec = dict(spec, store_data_equal_to_fill_value=True)
     store = ts.open(spec, create=True, open=True, context=context).result()
     for index, data in writes:
-        store[index].write(data).result()
+        store[index].write(_arrays.as_stored(data, store.dtype.numpy_dtype)).result()
     kv = ts.KvStore.open(spec["kvstore"], context=context).result()
     out = []
     for key in sorted(kv.list().result()):

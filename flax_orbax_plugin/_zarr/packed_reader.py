@@ -207,7 +207,8 @@ class PackedReader(_chunk_files.ChunkReader):
         decoder = _codec.Decoder(_arrays.leaf_spec(_codec.MEMORY, index, record))
         raw = int(np.prod(chunk, dtype=np.int64)) * decoder.store.dtype.numpy_dtype.itemsize
         view = decoder.store if region is None else decoder.store[tuple(region)]
-        return CompressedRead(self._load_all(sub, keys, decoder, raw, 1), view)
+        dtype = _layout.dtype_from_name(record.dtype, path=record.path)
+        return CompressedRead(self._load_all(sub, keys, decoder, raw, 1), view, dtype)
 
     def compressed_batch(self, batch):
         """The compressed batch of ``batch`` (its record) as a tensorstore array, every
@@ -247,15 +248,17 @@ class PackedReader(_chunk_files.ChunkReader):
 class CompressedRead:
     """A read of a compressed array: its segments being fetched, then the decode."""
 
-    def __init__(self, futures: list, view):
+    def __init__(self, futures: list, view, dtype: np.dtype):
         self.futures = futures
         self.view = view
+        self.dtype = dtype  # the leaf's (the array's own may be a stand-in)
 
     def result(self) -> np.ndarray:
         for future in self.futures:
             future.result()
-        out = _host.empty(self.view.shape, self.view.dtype.numpy_dtype)
-        ts.array(out, copy=False).write(self.view).result()
+        out = _host.empty(self.view.shape, self.dtype)
+        into = _arrays.as_stored(out, self.view.dtype.numpy_dtype)
+        ts.array(into, copy=False).write(self.view).result()
         return out
 
 

@@ -106,20 +106,25 @@ def test_a_bad_environment_value_is_refused_by_a_save(tmp_path, monkeypatch, nam
     assert expected in str(info.value) and repr(value) in str(info.value)
 
 
-@pytest.mark.parametrize("value", ["nan", "-5", "1e300"])
-def test_a_bad_coordination_timeout_is_refused_at_import(value):
+AT_IMPORT = [
+    *[("FOP_COORDINATION_TIMEOUT_S", v, "a number of seconds > 0") for v in ("nan", "-5", "1e300")],
+    ("FOP_PEER_SILENT_S", "0.1", "a number of seconds >= 0.5 and <= 3600"),
+    ("FOP_LATE_REPORT_S", "soon", "a number of seconds >= 0.5"),
+]
+
+
+@pytest.mark.parametrize("name, value, expected", AT_IMPORT)
+def test_a_bad_coordination_timeout_is_refused_at_import(name, value, expected):
     # The package loads its API on first use (its __getattr__): touch a public name.
     run = subprocess.run(
         [sys.executable, "-c", "import flax_orbax_plugin as fop; fop.save"],
-        env=_proc.child_env(FOP_COORDINATION_TIMEOUT_S=value),
+        env=_proc.child_env(**{name: value}),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert run.returncode != 0
-    assert "environment variable FOP_COORDINATION_TIMEOUT_S must be a number of seconds > 0" in (
-        run.stderr
-    ), run.stderr[-2000:]
+    assert f"environment variable {name} must be {expected}" in run.stderr, run.stderr[-2000:]
     assert repr(value) in run.stderr
 
 

@@ -52,7 +52,8 @@ def _both(tmp_path, make_spec, write_direct, values):
         spec = make_spec(_storage.Location.from_path(root))
         _arrays.create(spec).result()
         if who == "tensorstore":
-            _arrays.open_for_write(spec)[...].write(values).result()
+            store = _arrays.open_for_write(spec)
+            store[...].write(_arrays.as_stored(values, store.dtype.numpy_dtype)).result()
         else:
             with _chunk_writer.ChunkWriter(str(root)) as writer:
                 futures = write_direct(writer)

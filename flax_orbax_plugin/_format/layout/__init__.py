@@ -26,6 +26,7 @@ from .checkpoint import (
     CheckpointDocument,
 )
 from .dtypes import (
+    DTYPES,
     EMPTY_KINDS,
     KEY_KINDS,
     LEAF_KINDS,
@@ -42,6 +43,9 @@ from .dtypes import (
     TEXT_KINDS,
     dtype_from_name,
     dtype_name,
+    packable,
+    packed_bytes,
+    zarr_dtype,
 )
 from .markers import (
     CommitMarker,
@@ -92,6 +96,7 @@ __all__ = [
     "LEAF_KINDS",
     "LeafRecord",
     "MANIFEST_FILE",
+    "DTYPES",
     "MAX_ARRAY_BYTES",
     "MAX_JSON_BYTES",
     "MAX_NDIM",
@@ -122,6 +127,9 @@ __all__ = [
     "seal",
     "sha256",
     "sha256_mismatch",
+    "packable",
+    "packed_bytes",
     "text_bytes",
+    "zarr_dtype",
     "text_value",
 ]

@@ -97,8 +97,9 @@ def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord
             batch = batches.get(storage.batch)
             if batch is None:
                 bad("storage.batch", f"one of {sorted(batches)}", storage.batch)
-            if batch.dtype != leaf.dtype:
-                bad("storage.batch", f"a batch of dtype {leaf.dtype}", batch.dtype)
+            held = "uint8" if storage.packed else leaf.dtype  # packed: bytes of a uint8 batch
+            if batch.dtype != held:
+                bad("storage.batch", f"a batch of dtype {held}", batch.dtype)
             if storage.offset + storage.size > batch.size:
                 bad("storage.offset", f"offset + size <= {batch.size}", storage.offset)
 

@@ -6,6 +6,7 @@ limits past which a number in a checkpoint's JSON is damage, not data.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import ml_dtypes
@@ -19,12 +20,74 @@ MAX_NDIM = 64
 MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: larger "arrays" are damage, not data
 MAX_PROCESSES = 1 << 20
 
-# dtypes zarr3 (as tensorstore implements it) stores, by numpy name.
-SUPPORTED_DTYPES = frozenset(
-    "bool int4 int8 int16 int32 int64 uint8 uint16 uint32 uint64 float8_e4m3fn "
-    "float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 float8_e5m2fnuz float16 bfloat16 "
-    "float32 float64 complex64 complex128".split()
+
+@dataclasses.dataclass(frozen=True)
+class Dtype:
+    """One dtype a checkpoint may hold: the package's one declaration of it.
+
+    ``name`` is numpy's (ml_dtypes') name, as leaf and batch records store it; ``bits``
+    the bits of one value (under 8: a sub-byte type, one value per byte in memory);
+    ``zarr`` the zarr3 ``data_type`` of its arrays' ``zarr.json``: its own name where
+    tensorstore's zarr3 driver knows it, else ``uint8``, which holds the same byte per
+    value (the leaf record names the dtype); ``safetensors`` its tag in the safetensors
+    spec, or None where the spec has none.
+    """
+
+    name: str
+    bits: int
+    zarr: str
+    safetensors: str | None
+
+
+def _table(rows: str) -> dict[str, Dtype]:
+    out = {}
+    for row in rows.strip().splitlines():
+        name, bits, zarr, tag = row.split()
+        zarr = name if zarr == "=" else zarr
+        out[name] = Dtype(name, int(bits), zarr, None if tag == "-" else tag)
+    return out
+
+
+# name, bits, zarr3 data_type ("=": its own name), safetensors tag ("-": none). Every
+# dtype jax.numpy offers (tests/format/test_every_dtype.py fails for one not listed).
+DTYPES = _table(
+    """
+    bool                8   =       BOOL
+    int1                1   uint8   -
+    int2                2   =       -
+    int4                4   =       -
+    int8                8   =       I8
+    int16               16  =       I16
+    int32               32  =       I32
+    int64               64  =       I64
+    uint1               1   uint8   -
+    uint2               2   uint8   -
+    uint4               4   uint8   -
+    uint8               8   =       U8
+    uint16              16  =       U16
+    uint32              32  =       U32
+    uint64              64  =       U64
+    float4_e2m1fn       4   =       F4
+    float6_e2m3fn       6   uint8   F6_E2M3
+    float6_e3m2fn       6   uint8   F6_E3M2
+    float8_e3m4         8   =       -
+    float8_e4m3         8   uint8   -
+    float8_e4m3b11fnuz  8   =       -
+    float8_e4m3fn       8   =       F8_E4M3
+    float8_e4m3fnuz     8   =       F8_E4M3FNUZ
+    float8_e5m2         8   =       F8_E5M2
+    float8_e5m2fnuz     8   =       F8_E5M2FNUZ
+    float8_e8m0fnu      8   =       F8_E8M0
+    float16             16  =       F16
+    bfloat16            16  =       BF16
+    float32             32  =       F32
+    float64             64  =       F64
+    complex64           64  =       C64
+    complex128          128 =       -
+    """
 )
+SUPPORTED_DTYPES = frozenset(DTYPES)
+
 PRNG_IMPLS = frozenset({"threefry2x32", "rbg", "unsafe_rbg"})
 EMPTY_KINDS = ("empty_dict", "empty_list")  # {} (or a field-less node); [] or ()
 # A str or bytes leaf: its value is JSON in the record ("value"; bytes as base64).
@@ -61,4 +124,31 @@ def dtype_from_name(name: str, *, path: str = "?") -> np.dtype:
         raise StructureError(
             f"leaf {path!r}: unknown dtype {name!r} (expected one of {sorted(SUPPORTED_DTYPES)})"
         )
+    return _numpy_dtype(name)
+
+
+def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+@functools.lru_cache(maxsize=64)
+def zarr_dtype(name: str) -> np.dtype:
+    """The numpy dtype of the zarr3 ``data_type`` that arrays of dtype ``name`` are
+    stored as (``name``'s own where tensorstore knows it; else ``uint8``): tensorstore
+    reads and writes their values through a view of this dtype (same itemsize)."""
+    return _numpy_dtype(DTYPES[name].zarr)
+
+
+def packable(name: str, shape, chunk) -> bool:
+    """Whether a leaf of dtype ``name``, ``shape`` and ``chunk`` shape is stored packed
+    (``packed_array``): a sub-byte dtype, at least one axis and no empty one, and
+    chunks whose last axis is whole bytes (or the whole axis). FORMAT.md."""
+    bits = DTYPES[name].bits
+    if bits >= 8 or not shape or 0 in shape:
+        return False
+    return chunk[-1] == shape[-1] or chunk[-1] * bits % 8 == 0
+
+
+def packed_bytes(name: str, count: int) -> int:
+    """Bytes of ``count`` values of a sub-byte dtype packed into one bit stream."""
+    return -(-count * DTYPES[name].bits // 8)

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from .checked import fail, int_field, is_int, need, one_of
 from .dtypes import (
+    DTYPES,
     KEY_KINDS,
     LEAF_KINDS,
     MAX_ARRAY_BYTES,
@@ -27,6 +28,8 @@ from .dtypes import (
     SUPPORTED_DTYPES,
     TEXT_KINDS,
     dtype_from_name,
+    packable,
+    packed_bytes,
 )
 from .names import batch_name
 
@@ -52,19 +55,23 @@ def check_codec(codec: Any, *, where: str = "compression") -> str | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArrayStorage:
-    """A leaf stored as its own zarr3 array ``d/<index>/``; ``codec`` compresses it."""
+    """A leaf stored as its own zarr3 array ``d/<index>/``; ``codec`` compresses it;
+    ``packed``: a sub-byte dtype's values packed into bits (``_zarr/subbyte.py``)."""
 
     chunk_shape: tuple[int, ...]
     codec: str | None = None
+    packed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BatchStorage:
-    """A small leaf stored at ``offset`` (elements) in the 1-D batch array ``b/<batch>/``."""
+    """A small leaf stored at ``offset`` (elements) in the 1-D batch array ``b/<batch>/``;
+    ``packed``: a sub-byte leaf's values packed into ``size`` bytes of a ``uint8`` batch."""
 
     batch: str
     offset: int
     size: int
+    packed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,12 +114,14 @@ class LeafRecord:
         if self.impl is not None:
             out["impl"] = self.impl
         if isinstance(self.storage, ArrayStorage):
-            out["storage"] = {"type": "array", "chunk_shape": list(self.storage.chunk_shape)}
+            stype = "packed_array" if self.storage.packed else "array"
+            out["storage"] = {"type": stype, "chunk_shape": list(self.storage.chunk_shape)}
             if self.storage.codec is not None:
                 out["storage"]["codec"] = self.storage.codec
         elif isinstance(self.storage, BatchStorage):
             s = self.storage
-            out["storage"] = {"type": "batch", "batch": s.batch, "offset": s.offset, "size": s.size}
+            stype = "packed_batch" if s.packed else "batch"
+            out["storage"] = {"type": stype, "batch": s.batch, "offset": s.offset, "size": s.size}
         if self.digest is not None:
             out["digest"] = self.digest
         return out
@@ -142,7 +151,9 @@ class LeafRecord:
         if not (sharding is None or (isinstance(sharding, dict) and _shallow(sharding))):
             bad("sharding", "an object of at most 4 levels and 1000 values, or null", sharding)
         impl = _prng_impl(obj, dtype, shape, bad) if kind == "prng_key" else None
-        storage = _storage_field(obj.get("storage"), shape, size, bad)
+        storage = _storage_field(obj.get("storage"), shape, size, bad, dtype)
+        if isinstance(storage, ArrayStorage) and storage.packed:
+            _check_packed(dtype, shape, storage.chunk_shape, bad)
         digest = obj.get("digest")
         if not (digest is None or (isinstance(digest, str) and _LEAF_DIGEST.match(digest))):
             bad("digest", "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex)", digest)
@@ -198,21 +209,39 @@ def _prng_impl(obj: dict, dtype: str, shape: tuple[int, ...], bad) -> str:
     return impl
 
 
-def _storage_field(raw: Any, shape: tuple[int, ...], size: int, bad) -> ArrayStorage | BatchStorage:
+def _check_packed(dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], bad) -> None:
+    """A ``packed_array`` holds a sub-byte dtype, at least one axis, and chunks whose
+    last axis is whole bytes or the whole axis (FORMAT.md, packed sub-byte arrays)."""
+    if not packable(dtype, shape, chunk):
+        bad(
+            "storage.type",
+            f"'array' ({dtype}{list(shape)} in chunks {list(chunk)})",
+            "packed_array",
+        )
+
+
+def _storage_field(
+    raw: Any, shape: tuple[int, ...], size: int, bad, dtype: str
+) -> ArrayStorage | BatchStorage:
     """A data leaf's ``storage``: a slot in a batch, or an array of its own."""
     if not isinstance(raw, dict):
         bad("storage", "an object", raw)
     stype = raw.get("type")
-    if stype == "batch":
+    if stype in ("batch", "packed_batch"):
+        packed = stype == "packed_batch"
         batch, offset, n = raw.get("batch"), raw.get("offset"), raw.get("size")
         if not isinstance(batch, str):
             bad("storage.batch", "a string", batch)
         if not (type(offset) is int and 0 <= offset <= 1 << 62):
             bad("storage.offset", "an int in [0, 2**62]", offset)
-        if n != size or type(n) is not int:
-            bad("storage.size", f"{size} (the shape's element count)", n)
-        return BatchStorage(batch, offset, n)
-    if stype == "array":
+        if packed and DTYPES[dtype].bits >= 8:
+            bad("storage.type", f"'batch' (a {dtype} is not packed)", stype)
+        want = packed_bytes(dtype, size) if packed else size
+        if n != want or type(n) is not int:
+            shown = "bytes of its packed values" if packed else "the shape's element count"
+            bad("storage.size", f"{want} ({shown})", n)
+        return BatchStorage(batch, offset, n, packed)
+    if stype in ("array", "packed_array"):
         chunk = raw.get("chunk_shape")
         if not (
             type(chunk) is list
@@ -225,8 +254,8 @@ def _storage_field(raw: Any, shape: tuple[int, ...], size: int, bad) -> ArraySto
         codec = raw.get("codec")
         if not (codec is None or (isinstance(codec, str) and _CODEC.match(codec))):
             bad("storage.codec", "absent or 'zstd:<1-22>'", codec)
-        return ArrayStorage(tuple(chunk), codec)
-    bad("storage.type", "'array' or 'batch'", stype)
+        return ArrayStorage(tuple(chunk), codec, stype == "packed_array")
+    bad("storage.type", "'array', 'packed_array', 'batch' or 'packed_batch'", stype)
 
 
 def _utf8_within(text: str, limit: int) -> bool:

@@ -15,12 +15,13 @@ import math
 import os
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from ..._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..._format import layout as _layout
 from ..._storage.kvstore import local_path
 from ..._storage.untrusted import loads_json, open_regular, read_capped
+from .packing import packed_bits, tensor_nbytes
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_STEM = "model"
@@ -33,23 +34,12 @@ MARKER_VALUE = "1"
 SHARD_NAME_RE = r"{stem}(?:(?:-[0-9]{{5}}-of-[0-9]{{5}})?\.safetensors|\.safetensors\.index\.json)"
 _MAX_NDIM = 64
 
-# safetensors dtype tag <-> numpy dtype: the package's one table (the CLI's --dtype too)
+# safetensors dtype tag <-> numpy dtype, from the package's one dtype table (the CLI's
+# --dtype too); a dtype whose entry has no tag has no safetensors form
 DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U64": np.dtype(np.uint64),
-    "U32": np.dtype(np.uint32),
-    "U16": np.dtype(np.uint16),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    entry.safetensors: _layout.dtype_from_name(name)
+    for name, entry in sorted(_layout.DTYPES.items())
+    if entry.safetensors is not None
 }
 TAGS = {dtype: tag for tag, dtype in DTYPES.items()}
 DTYPE_NAMES = frozenset(str(dtype) for dtype in DTYPES.values())  # 'bfloat16', 'bool' ...
@@ -161,12 +151,7 @@ def _read_header(path: str) -> dict[str, Stored]:
                 f"{where}: data_offsets {str(offsets)[:200]} outside the {data_len} data bytes"
             )
         dtype = DTYPES[tag]
-        need = math.prod(shape) * dtype.itemsize  # Python ints: never overflows
-        if offsets[1] - offsets[0] != need:
-            raise CorruptCheckpointError(
-                f"{where}: {tag}{shape} needs {need} bytes, data_offsets span "
-                f"{offsets[1] - offsets[0]}"
-            )
+        _check_size(where, tag, dtype, shape, offsets[1] - offsets[0])
         spans.append((offsets[0], offsets[1], name))
         out[name] = Stored(name, path, dtype, tuple(shape), 8 + n + offsets[0], identity)
     spans.sort()
@@ -174,6 +159,21 @@ def _read_header(path: str) -> dict[str, Stored]:
         if begin < end:
             raise CorruptCheckpointError(f"{path}: tensors {a!r} and {b!r} overlap")
     return out
+
+
+def _check_size(where: str, tag: str, dtype: np.dtype, shape: list, span: int) -> None:
+    """A tensor's data_offsets span the bytes its dtype and shape need (sub-byte tags
+    packed: a whole number of bytes)."""
+    count = math.prod(shape)  # Python ints: never overflows
+    need = tensor_nbytes(dtype, count)
+    if need is None:
+        raise CorruptCheckpointError(
+            f"{where}: {tag}{shape} is {count * packed_bits(dtype)} bits, not whole bytes"
+        )
+    if span != need:
+        raise CorruptCheckpointError(
+            f"{where}: {tag}{shape} needs {need} bytes, data_offsets span {span}"
+        )
 
 
 def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:

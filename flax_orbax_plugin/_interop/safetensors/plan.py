@@ -21,6 +21,7 @@ import numpy as np
 from ..._errors import StructureError
 from ..._like import onto_like as _onto_like
 from .headers import TAGS, default_name, kernel_axes
+from .packing import pack, packed_bits, tensor_nbytes
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -66,7 +67,8 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        """Bytes in the file (sub-byte dtypes packed; plan_tensors refused partial bytes)."""
+        return tensor_nbytes(self.dtype, math.prod(self.shape)) or 0
 
 
 def encode_header(tensors: Sequence[Tensor], metadata: dict[str, str]) -> bytes:
@@ -165,6 +167,13 @@ def plan_tensors(
                 f"leaf {path!r}: dtype {out_dtype} has no safetensors equivalent "
                 f"(expected one of {sorted(str(d) for d in TAGS)})"
             )
+        bits = packed_bits(out_dtype)
+        if bits is not None and math.prod(shape) * bits % 8:
+            raise StructureError(
+                f"leaf {path!r}: {math.prod(shape)} values of {out_dtype} are "
+                f"{math.prod(shape) * bits} bits; safetensors {TAGS[out_dtype]} packs them "
+                "into whole bytes only (a count times its bits a multiple of 8)"
+            )
         axes = kernel_axes(path, len(shape), transpose_kernels)
         out_shape = tuple(shape[a] for a in axes) if axes else tuple(shape)
         tensors.append(Tensor(path, name, out_dtype, out_shape, axes))
@@ -185,4 +194,5 @@ def tensor_bytes(t: Tensor, value: Any) -> np.ndarray:
         raise StructureError(
             f"leaf {t.path!r}: expected shape {t.shape} for tensor {t.name!r}, found {arr.shape}"
         )
-    return arr.reshape(-1).view(np.uint8)
+    bits = packed_bits(arr.dtype)
+    return arr.reshape(-1).view(np.uint8) if bits is None else pack(arr, bits)

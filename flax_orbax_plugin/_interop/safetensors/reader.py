@@ -9,6 +9,7 @@ its header was. Collective-free: works on every process of a multi-process job.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from ..._errors import CorruptCheckpointError, StructureError
 from ..._like import onto_like as _onto_like
 from ..._storage.untrusted import open_regular
 from .headers import Stored, default_name, kernel_axes, read_safetensors_index
+from .packing import group, packed_bits, unpack
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int, where: str) -> None:
@@ -38,6 +40,9 @@ def _read_region(fd: int, t: Stored, index: tuple[slice, ...]) -> np.ndarray:
     shape = t.shape
     starts = [s.indices(d)[0] for s, d in zip(index, shape, strict=True)]
     stops = [s.indices(d)[1] for s, d in zip(index, shape, strict=True)]
+    bits = packed_bits(t.dtype)
+    if bits is not None:
+        return _read_packed(fd, t, bits, starts, stops)
     out = np.empty([max(0, b - a) for a, b in zip(starts, stops, strict=True)], t.dtype)
     if out.size == 0:
         return out
@@ -59,6 +64,25 @@ def _read_region(fd: int, t: Stored, index: tuple[slice, ...]) -> np.ndarray:
         _pread_into(fd, buf[pos : pos + run], offset, where)
         pos += run
     return out
+
+
+def _read_packed(fd: int, t: Stored, bits: int, starts: list, stops: list) -> np.ndarray:
+    """A region of a packed (sub-byte) tensor: the bytes of the rows of axis 0 it spans
+    (one ``pread``), unpacked, then the region cut from them."""
+    shape = t.shape
+    if any(b <= a for a, b in zip(starts, stops, strict=True)):
+        return np.empty([max(0, b - a) for a, b in zip(starts, stops, strict=True)], t.dtype)
+    row = math.prod(shape[1:])  # elements per row of axis 0 (a 0-d tensor: one element)
+    lo, hi = (starts[0], stops[0]) if shape else (0, 1)
+    first = lo * row - lo * row % group(bits)  # the group (of whole bytes) it starts in
+    raw = np.empty(-(-hi * row * bits // 8) - first * bits // 8, np.uint8)
+    _pread_into(fd, memoryview(raw), t.offset + first * bits // 8, f"{t.file} ({t.name})")
+    values = unpack(raw, bits, (hi - lo) * row, lo * row - first).view(t.dtype)
+    rows = values.reshape((hi - lo, *shape[1:]) if shape else ())
+    if not shape:
+        return rows
+    cut = (slice(None), *(slice(a, b) for a, b in zip(starts[1:], stops[1:], strict=True)))
+    return np.ascontiguousarray(rows[cut])
 
 
 class _Files:

@@ -1,0 +1,102 @@
+"""A process killed mid-save: how long until every other process raised, naming it.
+
+    python benchmarks/bench_liveness.py [--processes 2 4] [--repeats 3]
+                                        [--silent 10] [--markdown PATH]
+
+Starts N real JAX processes per repeat (``tests/support/_multiprocess.py``:
+jax.distributed on 127.0.0.1, CPU devices, gloo) running
+``tests/support/_mp_workers.py:core_save_killed``: every process saves step 1, then
+step 2, and the last process SIGKILLs itself mid-write of step 2. The others wait for
+it in the commit; they judge it by its heartbeat (``_base/liveness.py``), so they raise
+``CoordinationError`` ("process k is dead") once it was silent ``FOP_PEER_SILENT_S``
+(``--silent``, default the package's 10 s), while ``FOP_COORDINATION_TIMEOUT_S`` stays
+at its default 300 s (the old rule waited that long) and jax's own heartbeat timeout
+at 100 s. The figure: from the victim's death (the wall time it noted just before its
+SIGKILL) to the last survivor raising; median and largest over the repeats, with the
+1-minute load (``/proc/loadavg``) and the CPU share stolen (``/proc/stat``) beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
+
+from _multiprocess import Kill, run_processes  # noqa: E402
+
+
+def _cpu_times() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return fields[7] if len(fields) > 7 else 0, sum(fields[:8])
+
+
+def _load1() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def one_job(n: int, silent: float) -> tuple[float, float, float]:
+    """(seconds from the victim's death to the last survivor raising, load, steal %)."""
+    steal0, total0 = _cpu_times()
+    victim = n - 1
+    run = run_processes(
+        "_mp_workers:core_save_killed",
+        n,
+        args={"directory": tempfile.mkdtemp(prefix="fop-live-")},
+        kill=Kill(process=victim, at="mid_save"),
+        env={"FOP_PEER_SILENT_S": str(silent)},
+        heartbeat_timeout_s=100,
+        timeout_s=400,
+        done_timeout_s=2,
+    )
+    steal1, total1 = _cpu_times()
+    died = run[victim].record["t_point_mid_save"]
+    raised = []
+    for p in run.procs[:victim]:
+        res = p.result or {}
+        if res.get("save2_type") != "CoordinationError" or "is dead" not in res.get("save2", ""):
+            raise AssertionError(f"process {p.process_id}: {res or p.describe()}")
+        raised.append(p.record["t_save2_start"] + res["save2_s"])
+    steal = 100 * (steal1 - steal0) / max(1, total1 - total0)
+    return max(raised) - died, _load1(), steal
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--silent", type=float, default=10.0)
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+    lines = [
+        f"FOP_PEER_SILENT_S={args.silent:g}, FOP_COORDINATION_TIMEOUT_S=300 (default), "
+        f"{args.repeats} repeats",
+        "",
+        "| processes | death to last raise (s), median | largest | load 1 min | steal % |",
+        "|---|---|---|---|---|",
+    ]
+    for n in args.processes:
+        jobs = [one_job(n, args.silent) for _ in range(args.repeats)]
+        times = [j[0] for j in jobs]
+        lines.append(
+            f"| {n} | {statistics.median(times):.1f} | {max(times):.1f} "
+            f"| {statistics.median(j[1] for j in jobs):.2f} "
+            f"| {statistics.median(j[2] for j in jobs):.1f} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as out:
+            out.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""Liveness by progress: heartbeats, what each process is doing, and late peers named.
+
+A wait on another process (``distributed._wait``) judges it by its signs of life, not by
+one fixed wall-clock timeout. Every process, from its first collective operation or
+wait (:func:`ensure_beating`), publishes a heartbeat under ``fop/alive/<process>`` in
+jax.distributed's key-value store every ``FOP_PEER_SILENT_S / 4`` seconds (at most 1 s):
+a counter and what its threads are doing (:data:`ACTIVITIES`: the collective operations
+they are in, the key one waits for, the bytes a write or read has moved and has left).
+A :class:`PeerWatch` (one per wait) reads the awaited process's heartbeat about once a
+second, once the wait lasted a second (the other late ones' only when it reports):
+
+* a process whose counter has not moved for ``FOP_PEER_SILENT_S`` (default 10) is dead:
+  :class:`CoordinationError` naming it and what it was last doing;
+* a process never seen beating is given ``FOP_COORDINATION_TIMEOUT_S`` (it may not have
+  reached its first coordination call yet), the wait's own limit;
+* a live process is waited for as long as it takes: a slow restore is never aborted;
+  only two processes that do nothing but wait for each other (different paths) are
+  given ``FOP_COORDINATION_TIMEOUT_S``;
+  after ``FOP_LATE_REPORT_S`` (default 10), and every as long again, the waiting process
+  logs a warning naming the late processes and what they are doing.
+
+Threading: one heartbeat thread per process (a daemon; it stops when the coordination
+service is gone). :data:`ACTIVITIES` is thread-safe; each thread's activities are its
+own (a stack per thread). A :class:`PeerWatch` is used by the one thread that waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .._errors import CoordinationError
+from . import env as _env
+
+__all__ = ["ACTIVITIES", "Activities", "PeerWatch", "Progress", "ensure_beating"]
+
+ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
+LOOK_S = 1.0  # how often a wait reads the heartbeats (and how long before its first look)
+# Read once, at import (so a bad value is refused at the package's first use, on every
+# process, not only inside a first long wait): see the module docstring.
+PEER_SILENT_S = _env.read("FOP_PEER_SILENT_S")
+LATE_REPORT_S = _env.read("FOP_LATE_REPORT_S")
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+@dataclasses.dataclass
+class Progress:
+    """Bytes an activity has moved (``done``) of those handed to it so far (``total``);
+    updated by the thread doing the work, read by the heartbeat thread."""
+
+    done: int = 0
+    total: int = 0
+
+    def words(self) -> str:
+        mib = 1 << 20
+        left = max(self.total - self.done, 0)
+        return f"{self.done / mib:.1f} MiB done, {left / mib:.1f} MiB left"
+
+
+@dataclasses.dataclass
+class _Activity:
+    what: str
+    since: float
+    progress: Progress | None = None
+
+
+class Activities:
+    """What this process's threads are doing (a stack per thread, innermost last)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stacks: dict[int, list[_Activity]] = {}
+
+    @contextlib.contextmanager
+    def doing(self, what: str, *, moving: bool = False) -> Iterator[Progress | None]:
+        """Records ``what`` as this thread's current activity for the body; ``moving``:
+        the body moves bytes and reports them in the :class:`Progress` it is given."""
+        entry = self.begin(what, moving=moving)
+        try:
+            yield entry.progress
+        finally:
+            self.end(entry)
+
+    def begin(self, what: str, *, moving: bool = False) -> _Activity:
+        """:meth:`doing` for a body that is no ``with`` block: pair with :meth:`end`."""
+        entry = _Activity(what, time.monotonic(), Progress() if moving else None)
+        with self._lock:
+            self._stacks.setdefault(threading.get_ident(), []).append(entry)
+        return entry
+
+    def end(self, entry: _Activity) -> None:
+        """Ends ``entry`` (begun on this thread)."""
+        me = threading.get_ident()
+        with self._lock:
+            stack = self._stacks.get(me, [])
+            if entry in stack:
+                stack.remove(entry)
+            if not stack:
+                self._stacks.pop(me, None)
+
+    def describe(self) -> list[str]:
+        """One line per busy thread: its activities, outermost first, with their bytes."""
+        now = time.monotonic()
+        with self._lock:
+            stacks = [list(s) for s in self._stacks.values() if s]
+        lines = []
+        for stack in stacks:
+            parts = []
+            for a in stack:
+                part = f"{a.what} ({now - a.since:.0f} s"
+                part += f", {a.progress.words()})" if a.progress is not None else ")"
+                parts.append(part)
+            lines.append(" > ".join(parts))
+        return sorted(lines)
+
+
+ACTIVITIES = Activities()  # this process's (one per process, like its coordination client)
+
+
+class _Heartbeat:
+    """The thread that publishes this process's heartbeat (see the module docstring)."""
+
+    def __init__(self, client: Any, process: int, period_s: float):
+        self._client, self._key, self._period = client, f"{ALIVE}/{process}", period_s
+        self._thread = threading.Thread(target=self._run, name="fop-heartbeat", daemon=True)
+        self.beats = 0
+
+    def start(self) -> _Heartbeat:
+        try:
+            self._beat()  # the first beat before the first wait, on the caller's thread
+        except Exception:  # noqa: BLE001  (the thread tries again; a wait reports a service gone)
+            pass
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        self.beats += 1
+        doc = {"beat": self.beats, "doing": ACTIVITIES.describe()[:8]}
+        self._client.key_value_set(self._key, json.dumps(doc), allow_overwrite=True)
+
+    def _run(self) -> None:
+        failures = 0
+        while failures < 5:  # the service gone (shutdown, or the primary died): stop
+            time.sleep(self._period)
+            try:
+                self._beat()
+                failures = 0
+            except Exception:  # noqa: BLE001  (a wait reports a service gone itself)
+                failures += 1
+
+
+_BEATING: dict[int, _Heartbeat] = {}  # id(client) -> its heartbeat: one per session
+_BEATING_LOCK = threading.Lock()
+
+
+def ensure_beating(client: Any, process: int) -> None:
+    """Starts this process's heartbeat for ``client`` (once per coordination client)."""
+    with _BEATING_LOCK:
+        if id(client) not in _BEATING:
+            period = min(1.0, PEER_SILENT_S / 4)
+            _BEATING[id(client)] = _Heartbeat(client, process, period).start()
+
+
+@dataclasses.dataclass
+class _Seen:
+    beat: int
+    at: float  # monotonic time the beat was first seen at this value
+    doing: list[str]
+
+
+def _only_waiting(lines: list[str]) -> bool:
+    """Whether every busy thread of a process (its :meth:`Activities.describe` lines) is
+    waiting for another process, innermost (so it makes no progress of its own)."""
+    return bool(lines) and all(
+        line.rsplit(" > ", 1)[-1].startswith("waiting for ") for line in lines
+    )
+
+
+class PeerWatch:
+    """One wait's judge of the processes it waits for (see the module docstring).
+
+    ``what``: the wait, in words (``barrier 'fop/...'``); ``late()``: the processes it
+    still waits for (called only when a report is due); ``never_s``: how long a process
+    that was never seen beating is given."""
+
+    def __init__(
+        self,
+        client: Any,
+        me: int,
+        what: str,
+        *,
+        never_s: float,
+        late: Callable[[], list[int]],
+        region: str | None = None,
+    ):
+        self._client, self._me, self._what, self._late = client, me, what, late
+        self._region = region
+        self._never_s = never_s
+        self._silent_s, self._report_s = PEER_SILENT_S, LATE_REPORT_S
+        self._start = time.monotonic()
+        self._next_look = self._start + LOOK_S
+        self._next_report = self._start + self._report_s
+        self._seen: dict[int, _Seen] = {}
+        self._mutual_since: float | None = None
+
+    def look(self, process: int) -> None:
+        """Between two slices of the wait for ``process``: raises CoordinationError when
+        it is dead; logs the late processes when a report is due. Reads the heartbeats
+        at most once per :data:`LOOK_S`."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + LOOK_S
+        self._read(now, [process])
+        seen = self._seen.get(process)
+        if seen is None:
+            if now - self._start >= self._never_s:
+                raise CoordinationError(
+                    f"{self._prefix()}process {process} showed no heartbeat within "
+                    f"{self._never_s:.0f}s (FOP_COORDINATION_TIMEOUT_S): it never reached "
+                    f"its first coordination call, or died before it"
+                )
+        elif now - seen.at >= self._silent_s:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} is dead: its heartbeat stopped "
+                f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}); it was "
+                f"{self._doing(seen)}"
+            )
+        else:
+            self._check_mutual(process, seen, now)
+        if now >= self._next_report:
+            self._next_report = now + self._report_s
+            self._report(now)
+
+    def _check_mutual(self, process: int, seen: _Seen, now: float) -> None:
+        """Two live processes can still make no progress: each only waits, one for the
+        other (they took different paths). That alone is limited, by the wait's own
+        timeout (``FOP_COORDINATION_TIMEOUT_S``): a process doing anything else (writing,
+        reading, computing) is never aborted."""
+        mutual = (
+            _only_waiting(seen.doing)
+            and any(f"from process {self._me} (" in line for line in seen.doing)
+            and _only_waiting(ACTIVITIES.describe())
+        )
+        if not mutual:
+            self._mutual_since = None
+            return
+        if self._mutual_since is None:
+            self._mutual_since = now
+        if now - self._mutual_since >= self._never_s:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} and this one have only waited for each "
+                f"other for {now - self._mutual_since:.0f}s (FOP_COORDINATION_TIMEOUT_S): "
+                f"they took different paths; process {process} was {self._doing(seen)}"
+            )
+
+    def _read(self, now: float, processes: list[int]) -> None:
+        """Reads the heartbeats of ``processes`` (one key each: a wait on one process
+        costs one read a second, whatever the number of processes)."""
+        for process in processes:
+            try:
+                value = self._client.key_value_try_get(f"{ALIVE}/{process}")
+            except Exception:  # noqa: BLE001  (not beating yet, or a service gone)
+                continue
+            try:
+                doc = json.loads(value)
+                beat, doing = int(doc["beat"]), [str(d) for d in doc.get("doing", [])]
+            except (ValueError, KeyError, TypeError):
+                continue
+            old = self._seen.get(process)
+            if old is None or old.beat != beat:
+                self._seen[process] = _Seen(beat, now, doing)
+
+    def _prefix(self) -> str:
+        where = f" in {self._region}" if self._region else ""
+        return f"process {self._me}{where}, waiting for {self._what}: "
+
+    @staticmethod
+    def _doing(seen: _Seen) -> str:
+        return "doing " + "; ".join(seen.doing) if seen.doing else "doing nothing of ours"
+
+    def _report(self, now: float) -> None:
+        """Logs the late processes and, behind them, those they wait for in turn (the
+        straggler at the end of the chain is the one to look at)."""
+        late = self._late()
+        self._read(now, [p for p in late if p != self._me])
+        behind: list[int] = []
+        frontier = list(late)
+        while frontier and len(behind) < 8:  # who the late ones wait for, and so on
+            for q in self._waits_for(frontier.pop(0)):
+                if q != self._me and q not in late and q not in behind:
+                    self._read(now, [q])
+                    behind.append(q)
+                    frontier.append(q)
+        logger.warning(
+            "%shas waited %.0fs; late: %s%s",
+            self._prefix(),
+            now - self._start,
+            ", ".join(self._words(p, now) for p in late) or "none (the value is on its way)",
+            f"; behind them: {', '.join(self._words(q, now) for q in behind)}" if behind else "",
+        )
+
+    def _waits_for(self, process: int) -> list[int]:
+        """The processes ``process``'s threads wait for, innermost (from its heartbeat)."""
+        seen = self._seen.get(process)
+        found = []
+        for line in seen.doing if seen is not None else []:
+            m = _WAITING.match(line.rsplit(" > ", 1)[-1])
+            if m is not None and int(m.group(1)) not in found:
+                found.append(int(m.group(1)))
+        return found
+
+    def _words(self, p: int, now: float) -> str:
+        seen = self._seen.get(p)
+        if seen is None:
+            return f"process {p} (no heartbeat seen yet)"
+        return f"process {p} (alive, beat {now - seen.at:.1f}s ago, {self._doing(seen)})"
+
+
+_WAITING = re.compile(r"waiting for .* from process ([0-9]+) \(")
