@@ -155,7 +155,7 @@ def test_an_object_store_step_counts_its_objects(s3_location):
 def test_retention_replication_and_a_restore_from_the_persistent_tier(tmp_path):
     rec = Recorder()
     remote = tmp_path / "remote"
-    options = dict(keep=1, persistent=remote, persistent_keep=2, on_event=rec)
+    options = dict(keep=1, persistent=fop.Tier(remote, keep=2), on_event=rec)
     with fop.CheckpointManager(tmp_path / "a", **options) as m:
         for step in (1, 2):
             m.save(step, tree(step))
