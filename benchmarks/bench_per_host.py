@@ -30,8 +30,8 @@ the collectives (the step's files host 1 received).
 Training loop (``--steps`` steps of ``--step-ms`` of simulated device time, a sleep;
 a save every ``--every`` steps; async saves; the two configurations alternate):
 
-* ``per_host``: ``CheckpointManager(<own dir>, persistent="s3://...",
-  persistent_every=50, keep=2)``;
+* ``per_host``: ``CheckpointManager(<own dir>, persistent=Tier("s3://...",
+  every=50), keep=2)``;
 * ``bucket``: ``CheckpointManager("s3://...")``, every save to the bucket.
 
 ``loop``: until the last step returns; ``close``: the manager's close (the last commit
@@ -207,9 +207,8 @@ def worker(ctx, base, bucket_url, args) -> dict:
                 mngr = fop.CheckpointManager(where)
             else:
                 own = os.path.join(base, f"loop{rep}-host{ctx.process_id}")
-                mngr = fop.CheckpointManager(
-                    own, keep=2, persistent=where, persistent_every=args["persistent_every"]
-                )
+                tier = fop.Tier(where, every=args["persistent_every"])
+                mngr = fop.CheckpointManager(own, keep=2, persistent=tier)
             row = _loop(ctx, mngr, states, args)
             row["bucket_written"] = _bucket_bytes("written") - written0
             row["bucket_steps"] = fop.CheckpointManager(where, read_only=True).steps()

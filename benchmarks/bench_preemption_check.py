@@ -48,7 +48,7 @@ def measure(ctx, directory, steps=20000, rounds=5):
             per_round.append((time.perf_counter() - t) / steps * 1e6)
             base += steps
         out[label] = round(statistics.median(per_round), 3)
-        out[f"{label}_mode"] = getattr(cb.manager._preemption, "mode", None)
+        out[f"{label}_mode"] = getattr(cb.manager._schedule.preemption, "mode", None)
         cb.close()
     if ctx is not None:
         from jax.experimental import multihost_utils

@@ -40,7 +40,8 @@ def get_config() -> ml_collections.ConfigDict:
     # Two tiers: `directory` is then a fast local disk, and every committed step is
     # also copied in the background to this persistent location (s3://, gs:// or a
     # shared filesystem), which keeps its own steps: the last `persistent_keep`
-    # (None: all) and every `persistent_keep_every`-th. Resume takes the newest good
+    # (None: all) and every `persistent_keep_every`-th (examples/train.py makes them a
+    # fop.Tier(persistent_directory, keep=..., keep_every=...)). Resume takes the newest good
     # step of either tier (a new machine with an empty disk resumes from the bucket).
     config.checkpoint.persistent_directory = ml_collections.config_dict.placeholder(str)
     config.checkpoint.persistent_keep = ml_collections.config_dict.placeholder(int)

@@ -100,12 +100,13 @@ def train_and_evaluate(config):
     ckpt = config.checkpoint
     tiers = {}
     if ckpt.get("persistent_directory"):
-        tiers = dict(
-            persistent=ckpt.persistent_directory,
-            persistent_keep=ckpt.persistent_keep,
-            persistent_keep_every=ckpt.persistent_keep_every,
-            persistent_grace_seconds=ckpt.persistent_grace_seconds,
+        tier = fop.Tier(
+            ckpt.persistent_directory,
+            keep=ckpt.persistent_keep,
+            keep_every=ckpt.persistent_keep_every,
+            grace_seconds=ckpt.persistent_grace_seconds,
         )
+        tiers = {"persistent": tier}
     callback = fop.CheckpointCallback(
         ckpt.directory,
         every_steps=ckpt.every_steps,

@@ -75,6 +75,9 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
         StepsRemoved,
     )
     from ._manager.manager import CheckpointManager
+    from ._manager.policy import SavePolicy
+    from ._manager.retention import Retention
+    from ._manager.tiers.tier_option import Tier
     from ._reading.restore import metadata, restore
     from ._reading.serving import restore_params
     from ._state.iterators import StepIndexedIterator
@@ -105,10 +108,12 @@ __all__ = [
     "ReadRequest",
     "ReplicationError",
     "RestoreDone",
+    "Retention",
     "SaveBlockingDone",
     "SaveCommitted",
     "SaveFailed",
     "SaveHandle",
+    "SavePolicy",
     "SaveRequest",
     "SaveResult",
     "SaveStarted",
@@ -117,6 +122,7 @@ __all__ = [
     "StepReplicated",
     "StepsRemoved",
     "StructureError",
+    "Tier",
     "TransformError",
     "UnknownItemError",
     "UnsupportedLocationError",

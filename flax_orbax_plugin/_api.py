@@ -55,6 +55,9 @@ from ._manager.events import (
     StepsRemoved,
 )
 from ._manager.manager import CheckpointManager
+from ._manager.policy import SavePolicy
+from ._manager.retention import Retention
+from ._manager.tiers.tier_option import Tier
 from ._reading.restore import metadata, restore
 from ._reading.serving import restore_params
 from ._state.iterators import StepIndexedIterator

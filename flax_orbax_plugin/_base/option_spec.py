@@ -2,29 +2,51 @@
 
 An :class:`Option` is one keyword option (or ``FOP_*`` environment variable) as
 declared by the module that owns it (``_core.save_options`` for ``fop.save``,
-``_manager.options`` for the manager, the callback and the tier); :func:`check`
-checks the values given by name against their declarations, where they enter, and
-raises :class:`~flax_orbax_plugin.OptionError` (a ValueError) or
+``_manager.option_table`` for the manager and the callback, ``_manager.policy``,
+``_manager.retention`` and ``_manager.tiers.tier_option`` for the fields of the public
+option objects): its name, kind, range or choices, default, one-line doc and the
+names other libraries give it. :func:`check` checks the values given by name against
+their declarations, where they enter, and raises
+:class:`~flax_orbax_plugin.OptionError` (a ValueError) or
 :class:`~flax_orbax_plugin.OptionTypeError` (also a TypeError) naming the option,
 what it takes and what was found, with the closest allowed string where one is close.
-:func:`refuse_without` refuses an option that does nothing in the chosen mode.
+:func:`refuse_without` refuses an option that does nothing in the chosen mode;
+:func:`refuse_unknown` a keyword that is no option ("did you mean"), and
+:func:`signature`, :func:`doc_lines` and :func:`doc_table` derive what ``help()`` and
+the docs show from the same declarations.
 
 Pure functions over frozen records; any thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import inspect
 import math
 import numbers
 import operator
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import CheckpointError, OptionError, OptionTypeError
 
-__all__ = ["Option", "check", "found", "refuse_without", "INT64_MAX"]
+__all__ = [
+    "INT64_MAX",
+    "Option",
+    "check",
+    "doc_lines",
+    "doc_table",
+    "found",
+    "outside_stacklevel",
+    "refuse_unknown",
+    "refuse_without",
+    "signature",
+    "with_defaults",
+]
 
 INT64_MAX = (1 << 63) - 1  # sizes and counts handed to tensorstore or the OS
 
@@ -46,7 +68,11 @@ class Option:
     (``low_open``: strictly above ``low``); ``none_ok``: None is allowed;
     ``convert(value) -> value`` runs last (it raises ValueError / TypeError with its
     own words, which :func:`check` prefixes with the option's name); ``expected``: the
-    words of the messages (derived from the declaration when empty)."""
+    words of the messages (derived from the declaration when empty). ``default``: the
+    value when it is not given; ``doc``: one line for the docstring and docs tables;
+    ``aliases``: names other libraries (or earlier versions) give this option, which
+    an unknown keyword of that name is pointed to; ``annotation``: the type shown in
+    the signature (derived from ``kind`` when empty)."""
 
     name: str
     kind: str
@@ -57,6 +83,10 @@ class Option:
     choices: tuple = ()
     convert: Callable[[Any], Any] | None = None
     expected: str = ""
+    default: Any = None
+    doc: str = ""
+    aliases: tuple[str, ...] = ()
+    annotation: str = ""
     words: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -80,6 +110,12 @@ class Option:
                 bounds.append(f"<= {self.high:g}")
             text = noun + (f" {' and '.join(bounds)}" if bounds else "")
         return text + (" or None" if self.none_ok else "")
+
+    @property
+    def type_text(self) -> str:
+        """The type as the signature shows it (``int | None``)."""
+        text = self.annotation or _ANNOTATIONS.get(self.kind, "Any")
+        return text + (" | None" if self.none_ok and text not in ("Any", "None") else "")
 
     def check(self, value: Any) -> Any:
         """``value`` checked (as ``convert`` returns it); OptionError otherwise."""
@@ -154,6 +190,13 @@ class Option:
 
 
 _PLAIN = {"int": operator.index, "number": float}
+_ANNOTATIONS = {
+    "int": "int",
+    "number": "float",
+    "flag": "bool",
+    "str": "str",
+    "callable": "Callable",
+}
 
 
 def check(declared: Iterable[Option], values: Mapping[str, Any]) -> dict[str, Any]:
@@ -173,3 +216,107 @@ def refuse_without(option: str, value: Any, needs: str, *, default: Any = None) 
     if value is default or (default is not None and value == default):
         return
     raise OptionError(f"{option}={value!r} does nothing without {needs}")
+
+
+def with_defaults(declared: Iterable[Option], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name: value}`` of every declared option: ``given``'s, else its default."""
+    return {o.name: given[o.name] if o.name in given else o.default for o in declared}
+
+
+def refuse_unknown(
+    owner: str,
+    given: Iterable[str],
+    declared: Iterable[Option],
+    *,
+    hints: Mapping[str, str] | None = None,
+    inside: tuple[str, Iterable[Option]] | None = None,
+) -> None:
+    """Raises TypeError naming each keyword of ``given`` that no option of ``declared``
+    takes, with what it most likely stands for: an option whose ``aliases`` name it,
+    ``hints[name]`` (words for names that are no single option), an option of the
+    dict option ``inside = (option, declared)`` takes (the callback's
+    ``manager_options``), then the closest spelling; the message lists the options."""
+    declared = tuple(declared)
+    names = {o.name for o in declared}
+    unknown = [name for name in given if name not in names]
+    if not unknown:
+        return
+    inner_option, inner = inside if inside is not None else ("", ())
+    inner_names = {o.name for o in inner}
+    lines = []
+    for name in unknown:
+        hint = _alias_of(name, declared) or (hints or {}).get(name)
+        alias = _alias_of(name, inner)
+        inner_name = alias[:-1] if alias else (name if name in inner_names else None)
+        if inner_name is not None and hint is None:
+            hint = f"{inner_option}={{{inner_name!r}: ...}}"
+        if hint is None:
+            close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.75)
+            hint = f"{close[0]}=" if close else None
+        lines.append(
+            f"{owner}() got an unexpected keyword argument {name!r}"
+            + (f": did you mean {hint}?" if hint else "")
+        )
+    raise TypeError("; ".join(lines) + f" (its options: {', '.join(sorted(names))})")
+
+
+def _alias_of(name: str, declared: Iterable[Option]) -> str | None:
+    """``"<option>="`` of the declared option that ``name`` is an alias of, or None."""
+    for option in declared:
+        if name in option.aliases:
+            return option.name + "="
+    return None
+
+
+def signature(
+    leading: Iterable[inspect.Parameter], declared: Iterable[Option]
+) -> inspect.Signature:
+    """``leading`` (``self``, ``directory``...) then every declared option as a
+    keyword-only parameter with its default and type: what ``help()`` and
+    ``inspect.signature`` show for a function that takes ``**options``."""
+    options = [
+        inspect.Parameter(
+            o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type_text
+        )
+        for o in declared
+    ]
+    return inspect.Signature([*leading, *options])
+
+
+def doc_lines(declared: Iterable[Option], *, indent: str = "  ") -> str:
+    """One line per declared option, ``name: doc (default: ...)``, for a docstring."""
+    return "\n".join(
+        f"{indent}{o.name}: {o.doc} (default: {_default_text(o.default)})" for o in declared
+    )
+
+
+def doc_table(declared: Iterable[Option]) -> str:
+    """The declared options as a markdown table (docs/manager.md holds these, tested
+    to match): option, type, default, doc."""
+    rows = ["| option | type | default | what it does |", "|---|---|---|---|"]
+    for o in declared:
+        kind = o.type_text.replace("|", "\\|")
+        rows.append(f"| `{o.name}` | `{kind}` | `{_default_text(o.default)}` | {o.doc} |")
+    return "\n".join(rows)
+
+
+def _default_text(value: Any) -> str:
+    name = getattr(value, "__qualname__", None)
+    if callable(value) and name is not None:
+        return f"{getattr(value, '__module__', '')}.{name}".lstrip(".")
+    return repr(value)
+
+
+def outside_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` called from inside the package
+    name the first frame outside it (the user's call; the frames of ``contextlib``,
+    which the package's collective decorators run in, are skipped too)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and _inside(frame.f_code.co_filename, package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _inside(filename: str, package: str) -> bool:
+    return os.path.abspath(filename).startswith(package) or filename == contextlib.__file__

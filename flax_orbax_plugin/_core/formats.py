@@ -27,7 +27,7 @@ from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, CheckpointDocument, array_dir, batch_dir
 from .._incremental import packed as _packed_reuse
-from .._incremental import reuse as _incremental
+from .._incremental import reuse as _reuse
 from .._incremental.copies import copy_leaf
 from .._incremental.links import link_leaf
 from .._storage.location import Location
@@ -136,7 +136,7 @@ class ChunkFiles:
         return written, {}, reused
 
     def reuser(self, location: Location) -> Any:
-        return _incremental.reuser(location, link=link_leaf, copy=copy_leaf)
+        return _reuse.reuser(location, link=link_leaf, copy=copy_leaf)
 
     def wrote(self, doc: CheckpointDocument) -> bool:
         return doc.format_version == 1
@@ -189,9 +189,7 @@ class DataFiles:
         )
 
     def reuser(self, location: Location) -> Any:
-        return _incremental.reuser(
-            location, link=_packed_reuse.link_file, copy=_packed_reuse.copy_file
-        )
+        return _reuse.reuser(location, link=_packed_reuse.link_file, copy=_packed_reuse.copy_file)
 
     def wrote(self, doc: CheckpointDocument) -> bool:
         return doc.format_version == 2

@@ -37,7 +37,7 @@ from .._format.layout import (
     CheckpointDocument,
     LeafRecord,
 )
-from .._incremental import reuse as _incremental
+from .._incremental import reuse as _reuse
 from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
@@ -196,7 +196,7 @@ class Plan:
         (over every process's region hashes, exchanged first), and of one whose digest
         and layout equal the previous step's each process hard-links (local) or copies
         on the server (object stores) the chunks of its regions rather than writing
-        them (see ``_incremental``). Writes in flight: at most ``request.limit`` bytes."""
+        them (see ``_incremental/reuse.py``). Writes in flight: at most ``request.limit`` bytes."""
         try:
             return self._write(location, durable=durable)
         finally:
@@ -238,13 +238,13 @@ class Plan:
         except BaseException as e:  # noqa: BLE001  (raised by the write that needs it)
             out.set_exception(e)
 
-    def _unchanged(self, location: Location, reuse: _incremental.Reuse):
+    def _unchanged(self, location: Location, reuse: _reuse.Reuse):
         """Records the digest of every array leaf (every process's region hashes, through
         the key-value store with several processes: every process calls this, in the
         same order); returns (the way to reuse, the previous step's item, [(leaf, its
         previous number, the chunks of this process's regions)] for the leaves the
         previous step holds unchanged and of which this process writes regions), or
-        None where this process reuses nothing (see :func:`_incremental.reuser`)."""
+        None where this process reuses nothing (see :func:`_reuse.reuser`)."""
         way = self.format.reuser(location)
         if way is None and _distributed.process_count() == 1:
             return None
@@ -252,32 +252,32 @@ class Plan:
         mine: dict[int, list] | None = None
         try:
             mine = {
-                leaf.index: _incremental.region_digests(leaf.record, leaf.writes)
+                leaf.index: _reuse.region_digests(leaf.record, leaf.writes)
                 for leaf in arrays
                 if leaf.writes
             }
         except Exception as e:  # noqa: BLE001  (no digest, no reuse; the save goes on)
-            _incremental.logger.warning("incremental save: no digests recorded: %s", e)
-        everyone = _incremental.exchange(reuse.op, mine)
+            _reuse.logger.warning("incremental save: no digests recorded: %s", e)
+        everyone = _reuse.exchange(reuse.op, mine)
         if everyone is None or mine is None:
             return None
         for leaf in arrays:
             if everyone.get(leaf.index):
-                digest = _incremental.leaf_digest(everyone[leaf.index])
+                digest = _reuse.leaf_digest(everyone[leaf.index])
                 leaf.record = dataclasses.replace(leaf.record, digest=digest)
-        previous = None if way is None else _incremental.previous_document(reuse)
+        previous = None if way is None else _reuse.previous_document(reuse)
         if previous is None or not self.format.wrote(previous[1]):
             return None  # (a step of the other version: its chunks are stored elsewhere)
         source, doc = previous
         if _distributed.is_primary():  # what reuse never takes, said once (INFO)
             records = [leaf.record for leaf in self.leaves]
-            _incremental.report_batched(location.parent.parent, reuse.item, records)
+            _reuse.report_batched(location.parent.parent, reuse.item, records)
         by_index = {leaf.index: leaf for leaf in self.leaves}
         records = {i: leaf.record for i, leaf in by_index.items()}
         unchanged = []
-        for i, j in _incremental.plan_reuse(records, doc).items():
+        for i, j in _reuse.plan_reuse(records, doc).items():
             leaf = by_index[i]
-            chunks = _incremental.chunks_of(leaf.record, [b for b, _ in mine.get(i, ())])
+            chunks = _reuse.chunks_of(leaf.record, [b for b, _ in mine.get(i, ())])
             if leaf.writes and chunks is not None:
                 unchanged.append((leaf, j, chunks))
         return way, source, unchanged

@@ -202,7 +202,7 @@ def save_steps(
                     )
                 # overwrite: an imported step may lie below the latest one (no training run
                 # is resumed here); an existing step was refused above unless force.
-                mngr.save(number, items, extras=extras, force=True, overwrite=True)
+                mngr.save(number, items, extras=extras, ignore_policy=True, overwrite=True)
                 written.append(number)
                 del items, extras  # one step's trees at a time
                 if bar is not None:

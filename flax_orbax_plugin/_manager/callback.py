@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from .._core.save import SaveResult
@@ -48,7 +48,9 @@ from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state
 from . import options as _options
 from . import resuming as _resuming
-from .manager import MANAGER_DEFAULTS, MANAGER_OPTIONS, CheckpointManager
+from . import signatures as _signatures
+from .manager import CheckpointManager
+from .option_table import CALLBACK
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -56,89 +58,30 @@ __all__ = ["CheckpointCallback"]
 
 
 class ScalarWriter(Protocol):
+    """What ``writer=`` takes (CLU's metric writers have this shape)."""
+
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
 
 
 class CheckpointCallback:
-    """Resume at train start, save on a policy, flush at train end.
+    # The docstring and the signature of __init__ are derived from the option
+    # declarations (option_table.CALLBACK) by signatures.document, below the class.
 
-    Args:
-      directory: the checkpoint directory (local path or ``s3://`` / ``gs://`` URL).
-      every_steps: save when ``step % every_steps == 0``.
-      every_seconds: save when at least this many seconds passed since the last save
-        (or since the first call). With neither set, every step is saved (the
-        manager's default policy); ``on_train_end`` always saves the final step.
-      keep: how many of the most recent steps to keep (None keeps all).
-      resume: False starts fresh and refuses a directory that already holds steps;
-        True resumes from the latest good step when one exists and starts fresh
-        otherwise (with a WARNING naming the directory: a mistyped path starts a new
-        run); ``"required"`` raises :class:`CheckpointNotFoundError` when there
-        is nothing to resume.
-      overwrite: with ``resume=False``, remove the steps already in the directory at
-        train start instead of refusing.
-      async_save: write in the background (the training loop waits only for the
-        device-to-host copy). False makes every save durable before returning.
-      state_fn: returns the current state; needed only for ``cb(step, t)``.
-      data_iterator: an iterator whose position is saved with each step (it may
-        also be given to ``on_train_start``).
-      extras_fn: ``extras_fn(step, state) -> dict`` of small JSON values saved
-        with each step (metrics, for example).
-      writer: an object with ``write_scalars(step, scalars)`` receiving each
-        save's figures (on the training thread, once the save committed).
-      on_event: a callable receiving every checkpoint event record of the manager
-        (SaveStarted ... RestoreDone, on the threads and in the order given in
-        :class:`CheckpointManager`'s events: docs/manager.md, "Events");
-        ``fop.MetricWriterEvents(writer)`` writes them to a CLU metric writer. An
-        exception it raises is logged and raised again (EventHookError) by the next
-        ``on_step_end`` that saves (once its step is saved), ``wait`` or
-        ``on_train_end`` (once the last step is saved and the manager closed).
-      manager_options: further keyword arguments for :class:`CheckpointManager`,
-        e.g. ``{"persistent": "gs://bucket/run", "persistent_keep": 1}``: then
-        ``directory`` is the fast local tier and resuming takes the newest good step
-        of either tier (a new machine with an empty ``directory`` resumes from the
-        bucket).
-    """
-
-    def __init__(
-        self,
-        directory: str,
-        *,
-        every_steps: int | None = None,
-        every_seconds: float | None = None,
-        keep: int | None = 3,
-        resume: bool | str = False,
-        overwrite: bool = False,
-        async_save: bool = True,
-        state_fn: Callable[[], Any] | None = None,
-        data_iterator: Any = None,
-        extras_fn: Callable[[int, Any], Mapping[str, Any]] | None = None,
-        writer: ScalarWriter | None = None,
-        on_event: Callable[[Any], Any] | None = None,
-        manager_options: Mapping[str, Any] | None = None,
-        **unknown: Any,
-    ):
-        _options.check_unknown(
-            "CheckpointCallback",
-            unknown,
-            _options.keyword_names(CheckpointCallback.__init__),
-            elsewhere=("manager_options", MANAGER_OPTIONS),
-        )
-        _options.check_callback(locals(), manager_options, MANAGER_DEFAULTS)
-
+    def __init__(self, directory: str, **options: Any):
+        values, self._manager_options = _options.check_callback(options)
         self.directory = directory
-        self.every_steps = every_steps
-        self.every_seconds = every_seconds
-        self.keep = keep
-        self.resume = resume
-        self.overwrite = bool(overwrite)
+        self.every_steps = values["every_steps"]
+        self.every_seconds = values["every_seconds"]
+        self.keep = values["keep"]
+        self.resume = values["resume"]
+        self.overwrite = values["overwrite"]
+        self.async_save = values["async_save"]
         self._warned_step = False
-        self.async_save = bool(async_save)
-        self._state_fn = state_fn
-        self._data_iterator = data_iterator
-        self._extras_fn = extras_fn
-        self._writer = writer
-        self._on_event = on_event
-        self._manager_options = dict(manager_options or {})
+        self._state_fn = values["state_fn"]
+        self._data_iterator = values["data_iterator"]
+        self._extras_fn = values["extras_fn"]
+        self._writer = values["writer"]
+        self._on_event = values["on_event"]
         self._manager = None
         self._last_saved_step: int | None = None
         self._last_step: int | None = None
@@ -150,24 +93,14 @@ class CheckpointCallback:
     # -- the manager ------------------------------------------------------------
 
     @property
-    def manager(self):
-        """The CheckpointManager, created on first use."""
+    def manager(self) -> CheckpointManager:
+        """The CheckpointManager, created on first use (with the callback's ``keep``,
+        ``every_steps``, ``every_seconds``, ``async_save`` and ``manager_options``)."""
         if self._manager is None:
-            self._manager = CheckpointManager(self.directory, **self._manager_kwargs())
+            self._manager = CheckpointManager(self.directory, **self._manager_options)
             if self._writer is not None or self._on_event is not None:
                 self._manager.commit_log_level = logging.DEBUG  # the writer or hook reports it
         return self._manager
-
-    def _manager_kwargs(self) -> dict[str, Any]:
-        kwargs = dict(
-            keep=self.keep,
-            async_save=self.async_save,
-            every_steps=self.every_steps,
-            every_seconds=self.every_seconds,
-            on_event=self._on_event,
-        )
-        kwargs.update(self._manager_options)
-        return kwargs
 
     # -- the three hooks --------------------------------------------------------
 
@@ -219,7 +152,7 @@ class CheckpointCallback:
             subset = mngr.restore(like=state, items=names, data_iterator=it, **opts)
             restored = merge_state(state, subset)
         if self._data_iterator is None and "data_iterator" not in reset:
-            mngr._restorer.warn_replay(mngr.restored_step)  # a resume that replays data
+            mngr.warn_data_replay()  # a resume that replays data
         latest = mngr.restored_step
         self.resumed_step = self._last_saved_step = self._last_step = latest
         logger.info(
@@ -237,11 +170,11 @@ class CheckpointCallback:
         self._poll()
         if step == self._last_saved_step:
             # Already saved; still asked about preemption (every step, on every process).
-            if self.manager._preempted_at(step):
+            if self.manager.preempted_at(step):
                 self.close()
                 raise SystemExit(128 + signal.SIGTERM)
             return False
-        return self._save(step, state, t=t, force=False)
+        return self._save(step, state, t=t, ignore_policy=False)
 
     def on_train_end(self, state: Any, step: int | None = None) -> None:
         """Saves the final step (unless already saved), waits for it, and closes; then
@@ -251,7 +184,7 @@ class CheckpointCallback:
         first = None  # a hook's error raised by the last save (its step is saved all the same)
         if step is not None and int(step) != self._last_saved_step:
             try:
-                self._save(int(step), state, t=None, force=True)
+                self._save(int(step), state, t=None, ignore_policy=True)
             except EventHookError as e:
                 first = e
         try:
@@ -292,7 +225,7 @@ class CheckpointCallback:
 
     # -- saving and reporting ----------------------------------------------------
 
-    def _save(self, step: int, state: Any, *, t: float | None, force: bool) -> bool:
+    def _save(self, step: int, state: Any, *, t: float | None, ignore_policy: bool) -> bool:
         # No wait here: most steps save nothing, and the manager waits for the save in
         # flight itself when it starts the next one (so the step after a save never
         # waits for its commit).
@@ -304,14 +237,14 @@ class CheckpointCallback:
             state,
             data_iterator=self._data_iterator,
             extras=(lambda: dict(extras_fn(step, state))) if extras_fn else None,
-            force=force,
+            ignore_policy=ignore_policy,
             t=t,
         )
         if saved:
             self._finish_inflight(block=True)  # the previous save: committed by now
             self._last_saved_step = step
             self._inflight = step
-            self._inflight_handle = self.manager._inflight  # None: already committed
+            self._inflight_handle = self.manager.pending_save  # None: already committed
             if not self.async_save:
                 self._finish_inflight(block=True)
         return saved
@@ -349,8 +282,8 @@ class CheckpointCallback:
         step, self._inflight, self._inflight_handle = self._inflight, None, None
         if handle is None:  # a synchronous save: committed within manager.save
             figures = self.manager.last_save
-        elif handle is self.manager._inflight:
-            self.manager._wait_inflight()  # re-raises a background error (once)
+        elif handle is self.manager.pending_save:
+            self.manager.wait_for_save()  # re-raises a background error (once)
             figures = handle.wait()
         else:  # the manager waited for it when it started the next save
             try:
@@ -372,3 +305,6 @@ def _step_of(state: Any, default: int | None) -> int | None:
         return int(step)
     except TypeError:
         return default
+
+
+_signatures.document(CheckpointCallback, _signatures.CALLBACK_DOC, CALLBACK)

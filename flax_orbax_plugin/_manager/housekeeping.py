@@ -5,9 +5,11 @@ A directory that is a file, a step or a core checkpoint is refused
 primary, removes what dead saves of ours left (:func:`open_writer`,
 :func:`remove_unfinished`: proven ours, see ``_ownership``), finishing a replacement
 that was committed but not yet renamed (:func:`roll_forward`). Everything else is
-left alone, and named in a warning.
+left alone, and named in a warning. Committed steps a user deletes
+(``CheckpointManager.delete``) go through :func:`remove_committed`.
 
-Functions of a Location; called on the training thread (at open and in ``gc``).
+Functions of a Location; called on the training thread (at open, in ``gc`` and
+``delete``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 from .._base import distributed as _distributed
 from .._core import commit as _commit
 from .._core import ownership as _ownership
-from .._errors import CheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE
@@ -124,3 +126,18 @@ def roll_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
     _ownership.unclaim(loc.child(step_name))  # killed before its own unclaim
     logger.warning("finished the commit of step %s in %s (was %s)", step_name, loc, name)
     return True
+
+
+def remove_committed(loc: Location, steps: list[int], committed: list[int]) -> None:
+    """Removes ``steps`` of ``loc`` through the owner of removal, after checking that
+    each is among ``committed`` (the listing): CheckpointNotFoundError naming the
+    others, and nothing removed. ``CheckpointManager.delete``'s removal, on the process
+    that removes (the primary, or each with a directory per host)."""
+    missing = [step for step in steps if step not in committed]
+    if missing:
+        raise CheckpointNotFoundError(
+            f"{', '.join(map(str, missing))}: no committed step of {loc} "
+            f"(its steps: {committed}); nothing was removed"
+        )
+    for step in steps:
+        _ownership.remove_step(loc, step)

@@ -6,7 +6,8 @@ a background error is re-raised by the next call. With several processes every
 process makes the same calls in the same order. The work is done by collaborators
 given what they need (``options``, ``book``, ``schedule``, ``saving``, ``step_commit``,
 ``restoring``, ``retaining``, ``housekeeping``): docs/manager.md, with the layout and
-the threading in full.
+the threading in full. The options are declared in ``option_table`` (the docstring and
+signature below come from there: ``signatures``).
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ from __future__ import annotations
 import logging
 import operator
 import signal
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import host as _host
 from .._core import ownership as _ownership
-from .._core.save import SaveResult
+from .._core.save import SaveHandle, SaveResult
 from .._errors import CheckpointError
 from .._like import transform as _transform
 from .._storage import shared_dir as _shared_dir
@@ -29,8 +29,9 @@ from .._storage.lock import DirectoryLock
 from . import housekeeping as _housekeeping
 from . import options as _options
 from . import per_host as _per_host
+from . import signatures as _signatures
 from .book import StepBook
-from .checkpointables import Checkpointable
+from .option_table import MANAGER
 from .preemption import Preemption
 from .restoring import Restorer
 from .retaining import RetentionRunner
@@ -38,107 +39,35 @@ from .saving import Saver, collect_items
 from .schedule import SaveSchedule
 from .tiers import PersistentTier
 
-__all__ = ["CheckpointManager", "MANAGER_DEFAULTS", "MANAGER_OPTIONS"]
+__all__ = ["CheckpointManager"]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
 
 class CheckpointManager:
-    """A directory of training steps: save policy, retention, async saves, restore.
+    # The docstring and the signature of __init__ are derived from the option
+    # declarations (option_table.MANAGER) by signatures.document, below the class.
 
-    Args (keyword-only after ``directory``; each checked when the manager is made, and
-    one that does nothing in the chosen mode refused: OptionError naming it):
-      directory: local path, ``s3://`` / ``gs://`` URL, or tensorstore kvstore spec.
-      keep: keep the last ``keep`` steps (None: no limit from this rule).
-      keep_every: also keep every step divisible by ``keep_every``, forever.
-      keep_best, best_metric, best_mode: also keep the ``keep_best`` steps with the
-        best ``extras[best_metric]`` ("min" or "max").
-      every_steps, every_seconds, steps: the save policy; with none of them every
-        ``save`` call writes. ``save(force=True)`` always does.
-      async_save: when False, ``save`` returns once the step is committed.
-      read_only: take no lock, remove nothing, refuse ``save``; for evaluators
-        reading a directory while training writes to it.
-      handle_sigterm: on SIGTERM, the next ``save`` call saves its step whatever
-        the policy, waits for it, closes the manager and raises SystemExit(143).
-        Call ``save`` (or ``should_save``) at every step, on every process (several
-        processes: docs/manager.md, "Options in depth").
-      checkpointables: overrides of the checkpointable used per item name.
-      incremental: a pytree leaf unchanged since the previous committed step is
-        hard-linked from it (local disk) or copied on the server (S3, GCS), not
-        written (what "unchanged" means: docs/manager.md). See _incremental.
-      compression: per pytree item, ``"zstd"`` or ``"zstd:<level>"``, e.g.
-        ``{"opt_state": "zstd"}``; restore reads the codec from the checkpoint.
-      format_version: 1, or 2 (data files per process: FORMAT.md, "Version 2").
-      clock: time source for ``every_seconds`` (tests pass one in).
-      persistent: a second, persistent tier (``s3://``, ``gs://``, a shared
-        filesystem path) to which every step committed in ``directory`` (then a
-        local disk, shared or each host's own) is replicated in the background, with
-        its own commit; restore takes the newest good step of either tier (docs/tiers.md).
-      persistent_keep, persistent_keep_every: the persistent tier's retention (as
-        ``keep`` and ``keep_every``; ``persistent_keep=None`` keeps every step there).
-      persistent_every: only committed steps divisible by it (as ``keep_every``) and
-        the step saved on SIGTERM are replicated (1: every step); local retention keeps
-        those until replicated, the others it deletes as usual. See docs/tiers.md.
-      persistent_grace_seconds: after SIGTERM, how long the exit waits for its step.
-      persistent_lease_seconds: one run owns its places: a second live manager on the
-        persistent path is refused (a lock on filesystems; on object stores a lease of
-        this many seconds, renewed every third of it). See ``_run_owner``.
-      reuse_host_buffers: (default) copy the state into host buffers kept from the
-        previous save until ``close``; off: hold CPU arrays as views (docs/manager.md).
-      host_memory_budget: host bytes a version 1 step (not incremental) may hold
-        beyond the state (None: no bound; set, nothing is pooled). ``fop.save_async``.
-      on_event: receives each checkpoint event record (docs/manager.md, "Events").
-
-    ``wait()``: the local tier, ``persistent.wait()``: the replication, ``close()``:
-    both. A writer locks a local directory (a second live writer: DirectoryLockedError)
-    and removes unfinished temporary steps; a step or core checkpoint is refused.
-    """
-
-    def __init__(
-        self,
-        directory: Any,
-        *,
-        keep: int | None = None,
-        keep_every: int | None = None,
-        keep_best: int | None = None,
-        best_metric: str | None = None,
-        best_mode: str = "min",
-        every_steps: int | None = None,
-        every_seconds: float | None = None,
-        steps: Iterable[int] | None = None,
-        async_save: bool = True,
-        read_only: bool = False,
-        handle_sigterm: bool = False,
-        checkpointables: Mapping[str, Checkpointable] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        incremental: bool = False,
-        compression: Mapping[str, str] | None = None,
-        persistent: Any = None,
-        persistent_keep: int | None = None,
-        persistent_keep_every: int | None = None,
-        persistent_every: int = 1,
-        persistent_grace_seconds: float = 30.0,
-        persistent_lease_seconds: float = 60.0,
-        reuse_host_buffers: bool = True,
-        format_version: int = 1,
-        host_memory_budget: int | None = None,
-        on_event: Callable[[Any], Any] | None = None,
-        **unknown: Any,
-    ):
-        with _distributed.collective("manager-open", spans=not read_only):  # _base.regions
-            _options.check_unknown("CheckpointManager", unknown, MANAGER_OPTIONS)
-            opts = _options.ManagerOptions.build(directory, locals(), MANAGER_DEFAULTS)
+    def __init__(self, directory: Any, **options: Any):
+        with _distributed.collective("manager-open", spans=not options.get("read_only")):
+            opts = _options.ManagerOptions.build(directory, options)  # _base.regions
             self._loc = opts.location
-            self._schedule = SaveSchedule(opts.save_policy(), opts.clock)
+            self._schedule = SaveSchedule(opts.policy)
             self._async, self._read_only = opts.async_save, opts.read_only
             pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
             self._buffers = _host.BufferPool() if pooled else None
             self._book = StepBook(self._loc, on_event=opts.on_event)
             self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
             self._saver = Saver(
-                self._loc, opts.overrides, self._book, self._retainer, opts.incremental,
-                self._buffers, opts.host_memory_budget, opts.format_version,
-            )  # fmt: skip
+                self._loc,
+                opts.overrides,
+                self._book,
+                self._retainer,
+                opts.incremental,
+                self._buffers,
+                opts.host_memory_budget,
+                opts.format_version,
+            )
             self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
             self._closed = False
             self._dir_lock: DirectoryLock | None = None
@@ -149,21 +78,21 @@ class CheckpointManager:
 
     def _open(self, opts: _options.ManagerOptions) -> None:
         """A writer's open: lock, housekeeping, deletion thread, tier, SIGTERM."""
-        own = _per_host.detect(self._loc, opts.persistent, opts.incremental, opts.format_version)
+        tier = opts.tier
+        path = None if tier is None else tier.path
+        own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version)
         self._book.per_host = own  # each host's own directory (docs/tiers.md)
         self._dir_lock = _housekeeping.open_writer(self._loc, own=own)
         self._retainer.start(busy=lambda: self._saver.busy)  # a save runs: fewer deletes
         try:  # several processes on a local path: the same directory on every host
-            if opts.persistent is None:
+            if tier is None:
                 _shared_dir.check_visible(self._loc)
             else:
-                self._book.tier = PersistentTier(
+                self._book.tier = tier.open(
                     self._loc,
-                    opts.persistent,
                     remove_step=_ownership.remove_step,
                     busy=lambda: self.save_in_flight,
                     per_host=own,
-                    **opts.tier_options(),
                 )
                 _per_host.open_tier(self._book, self.steps())
             if opts.handle_sigterm:
@@ -172,15 +101,34 @@ class CheckpointManager:
             self._shut()
             raise
 
-    directory = property(lambda self: str(self._loc), doc="The directory, as a string.")
+    @property
+    def directory(self) -> str:
+        """The directory, as a string."""
+        return str(self._loc)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (steps being deleted are left out), as listed in
         the store now. A save never calls it: it uses the steps known in memory."""
         return self._book.listed()
 
-    def _forget_steps(self) -> None:  # removed behind its back: the next need lists them
-        self._book.forget()
+    @_distributed.collective("manager-delete")
+    def delete(self, *steps: int) -> None:
+        """Removes the committed ``steps`` of this directory now, through the one owner
+        of removal (only steps this library committed; each leaves listings at once);
+        a step that is not committed is a CheckpointNotFoundError and removes nothing.
+        The persistent tier's copies stay (``persistent.remove(step)``). Call from the
+        training thread; waits for the save in flight first. With several processes
+        every process calls it with the same steps (a collective operation): all meet
+        (so that none lists the directory while a step goes), the primary removes the
+        steps (each process its own, with a directory per host), then all meet again."""
+        self._check_writable()
+        self._wait_inflight()
+        steps = [operator.index(step) for step in steps]
+        _distributed.barrier(_distributed.next_operation_id("manager-delete"))
+        if _distributed.is_primary() or self._book.per_host:
+            _housekeeping.remove_committed(self._loc, steps, self.steps())
+        self._book.forget()  # the next need lists the store
+        _distributed.barrier(_distributed.next_operation_id("manager-delete"))
 
     def latest_step(self, *, include_persistent: bool = False) -> int | None:
         """The highest committed step, or None when there is none; with
@@ -198,16 +146,21 @@ class CheckpointManager:
         processes, once the step every process saves before stopping was reached."""
         return self._schedule.preempted
 
-    _preemption = property(lambda self: self._schedule.preemption)
+    def preempted_at(self, step: int) -> bool:
+        """Whether ``step`` is the step to save before stopping (``handle_sigterm=True``
+        and SIGTERM arrived; with several processes, the step all of them agreed on).
+        ``save`` asks it itself; a caller that skips ``save`` for a step (already
+        saved) asks it instead: once per step, in order, on every process."""
+        return self._schedule.preempted_at(operator.index(step))
 
-    def _preempted_at(self, step: int) -> bool:  # to be saved before stopping?
-        return self._schedule.preempted_at(step)
+    @property
+    def commit_log_level(self) -> int:
+        """The level of the line logged per commit (a callback with a writer: DEBUG)."""
+        return self._saver.log_level
 
-    commit_log_level = property(
-        lambda self: self._saver.log_level,
-        lambda self, level: setattr(self._saver, "log_level", level),
-        doc="The level of the line logged per commit (a callback with a writer: DEBUG).",
-    )
+    @commit_log_level.setter
+    def commit_log_level(self, level: int) -> None:
+        self._saver.log_level = level
 
     def should_save(self, step: int, *, t: float | None = None) -> bool:
         """Whether the policy asks for ``step`` (this process's view; ``save`` shares the
@@ -222,16 +175,18 @@ class CheckpointManager:
         *,
         data_iterator: Any = None,
         extras: Mapping[str, Any] | None = None,
-        force: bool = False,
+        ignore_policy: bool = False,
         overwrite: bool = False,
         t: float | None = None,
+        force: bool | None = None,
     ) -> bool:
         """Save ``state`` as ``step`` if the policy says so; return whether it saved.
 
-        ``state`` is split into checkpointables (see ``_train_state``): a Flax
+        ``state`` is split into checkpointables (``_state/train_state.py``): a Flax
         TrainState, NNX module/optimizer, or a dict of items. ``data_iterator``'s
-        state and the JSON ``extras`` become items too. ``force`` saves whatever the
-        policy says. A step at or below the latest committed one is refused unless
+        state and the JSON ``extras`` become items too. ``ignore_policy=True`` saves
+        whatever the policy says (``force=``, its old name, is deprecated: it warns and
+        goes in the next release). A step at or below the latest committed one is refused unless
         ``overwrite=True`` (which replaces an existing step atomically). ``t`` is the
         time for ``every_seconds`` (default: the manager's clock). ``extras`` may be a
         callable returning the mapping, called only when the step is saved.
@@ -241,10 +196,12 @@ class CheckpointManager:
         Call from the training thread only; with several processes, on every process.
         """
         self._check_writable()
-        step = _options.check_save_call(step=step, force=force, overwrite=overwrite, t=t)
-        preempted = self._preempted_at(step)  # first: asked at every step, in order
+        step, ignore_policy = _options.check_save_call(
+            step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t
+        )
+        preempted = self.preempted_at(step)  # first: asked at every step, in order
         self._saver.raise_background_error()
-        if not (force or preempted or self._schedule.decide(step, t)):
+        if not (ignore_policy or preempted or self._schedule.decide(step, t)):
             return False
         self._wait_inflight()
         with self._saver.saving():  # from here to its commit, removals yield to the save
@@ -292,7 +249,7 @@ class CheckpointManager:
         * ``items="params"``: that one item's value; ``items=("params", "extras")``:
           a dict ``{name: value}``. ``like`` then only supplies templates.
         * ``data_iterator``: its state is set to the saved one (this process's).
-        * A changed model (see ``_transform``): ``partial=True`` leaves out saved
+        * A changed model (``_like/transform.py``): ``partial=True`` leaves out saved
           leaves (and items) ``like`` does not have; ``missing="keep"`` keeps
           ``like``'s own value for a leaf, or a whole item, the step lacks;
           ``transform`` maps saved leaf paths within each pytree item
@@ -319,6 +276,26 @@ class CheckpointManager:
     def save_in_flight(self) -> bool:
         """True while a save's background phase runs (not yet committed or failed)."""
         return self._saver.in_flight
+
+    @property
+    def pending_save(self) -> SaveHandle | None:
+        """The handle of the save in flight (None once it was waited for, or for a
+        synchronous save, already committed when ``save`` returned)."""
+        return self._saver.inflight
+
+    def wait_for_save(self) -> None:
+        """Block until this process's save in flight is committed; re-raises its
+        background error (once). Unlike :meth:`wait` it is no collective operation and
+        waits for no retention: a caller that polls :attr:`pending_save` calls it."""
+        self._wait_inflight()
+
+    def warn_data_replay(self) -> None:
+        """Warns (once per manager) when the step last restored holds a data position
+        that was not restored: the run would read its data again. ``restore()`` of the
+        whole state without a ``data_iterator`` calls it itself; a resume that
+        restores named items (the callback's ``reset=``) calls it after."""
+        if self.restored_step is not None:
+            self._restorer.warn_replay(self.restored_step)
 
     @property
     def last_save(self) -> SaveResult | None:
@@ -354,9 +331,11 @@ class CheckpointManager:
 
     def _shut(self) -> None:
         """Stops the threads and releases the lock (waits for no other process)."""
-        self._book.tier is not None and self._book.tier.close(0, raise_errors=False)
+        if self._book.tier is not None:
+            self._book.tier.close(0, raise_errors=False)
         self._closed = True
-        self._buffers is not None and self._buffers.clear()
+        if self._buffers is not None:
+            self._buffers.clear()
         self._retainer.shutdown()
         self._schedule.uninstall()
         self._release_lock()
@@ -374,12 +353,14 @@ class CheckpointManager:
 
     def __del__(self):
         try:
-            self._closed or self._release_lock()
-        except Exception:  # noqa: BLE001
+            if not self._closed:
+                self._release_lock()
+        except Exception:  # noqa: BLE001  (an interpreter shutting down: nothing to report to)
             pass
 
     def _release_lock(self) -> None:
-        self._dir_lock is not None and self._dir_lock.release()
+        if self._dir_lock is not None:
+            self._dir_lock.release()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -390,11 +371,8 @@ class CheckpointManager:
         if self._read_only:
             raise CheckpointError(f"manager on {self._loc} is read-only")
 
-    _inflight = property(lambda self: self._saver.inflight)  # the callback matches it
-
     def _wait_inflight(self) -> None:
         self._saver.wait()
 
 
-MANAGER_DEFAULTS = _options.keyword_defaults(CheckpointManager.__init__)
-MANAGER_OPTIONS = tuple(MANAGER_DEFAULTS)
+_signatures.document(CheckpointManager, _signatures.MANAGER_DOC, MANAGER)

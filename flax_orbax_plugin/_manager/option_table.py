@@ -1,58 +1,57 @@
-"""The options of CheckpointManager, CheckpointCallback and the persistent tier, each
-declared once (``_base.option_spec``), and the options that do nothing in a mode.
+"""The options of CheckpointManager and CheckpointCallback, each declared once.
 
-:func:`check_manager` and :func:`check_callback` check every keyword option by its
-public name, where it enters (the constructor), before anything is made: a value of
+Each declaration (``_base.option_spec.Option``) holds the option's name, type, range
+or choices, default, one-line doc and the names other libraries give it; the
+fields of the public option objects are declared beside them (``policy.FIELDS``,
+``retention.FIELDS``, ``tiers.tier_option.FIELDS``) and the manager's shorthands
+(``keep=``, ``every_steps=`` ...) are those same declarations. From them come the
+constructors' signatures and docstrings, the table in docs/manager.md (tested to
+match), the checks and the "did you mean" of an unknown keyword.
+
+``options.check_manager`` and ``options.check_callback`` check every keyword option by
+its public name, where it enters (the constructor), before anything is made: a value of
 the wrong type, out of range, NaN, infinite, empty or unknown is an
 :class:`~flax_orbax_plugin.OptionError` (``OptionTypeError`` for a wrong type) naming
 the option, what it takes and what was found. An option given in a mode where it does
-nothing (``persistent_keep=`` without ``persistent=``, ``keep_every=`` when nothing is
-deleted, any writer's option with ``read_only=True``...) is refused with a message
-naming both. The callback checks its ``manager_options`` here too (not when the
-manager is first made).
+nothing (``keep_every=`` when nothing is deleted, any writer's option with
+``read_only=True``...) is refused with a message naming both, and so is a shorthand
+given with the object that covers it (``keep=`` with ``retention=``). The flat
+``persistent_*`` keywords of earlier releases still work, with a DeprecationWarning
+naming the ``Tier`` to write instead. The callback checks its ``manager_options``
+here too (not when the manager is first made).
 
-Pure functions; called on the constructing thread.
+Declarations and pure converters; any thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from .._base.option_spec import Option, check, found, refuse_without
-from .._core import formats as _formats
-from .._errors import OptionError
+from .._base.option_spec import Option, check, found
 from .._format import layout as _layout
-from .._storage.kvstore import spec_from_path
-from .._storage.location import Location
+from . import policy as _policy
+from . import retention as _retention
+from .policy import SavePolicy
+from .retention import Retention
+from .tiers import tier_option as _tier_option
+from .tiers.tier_option import Tier
 
 __all__ = [
     "CALLBACK",
+    "CALLBACK_HINTS",
+    "DEPRECATED",
+    "DIRECTORY",
+    "HINTS",
     "IMPORT",
     "MANAGER",
     "SAVE_CALL",
-    "check_callback",
+    "SHARED_WITH_MANAGER",
+    "WRITER_ONLY",
     "check_import",
-    "check_manager",
-    "check_save_call",
 ]
-
-LEASE_MAX_SECONDS = 366 * 86400.0  # a lease renewed every third of it; a year at most
-
-
-def _steps(value: Any) -> list[int]:
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        raise TypeError(f"expected an iterable of int steps, found {found(value)}")
-    out = []
-    for s in value:
-        if isinstance(s, bool) or not hasattr(s, "__index__"):
-            raise TypeError(f"expected int steps, found {found(s)}")
-        if int(s) < 0:
-            raise ValueError(f"expected steps >= 0, found {s!r}")
-        out.append(int(s))
-    return out
 
 
 def _name(name: Any, option: str) -> str:
@@ -90,22 +89,10 @@ def _checkpointables(value: Any) -> Mapping[str, Any]:
     return value
 
 
-def _place(name: str, value: Any) -> Any:
-    """A path option: its type here; what it names is the one path checker's
-    (``kvstore.spec_from_path``: an UnsupportedLocationError naming ``name``)."""
-    if isinstance(value, str) and not value.strip():
-        raise ValueError(f"expected a path or URL, found {found(value)}")
-    if not isinstance(value, str | Location | dict) and not hasattr(value, "__fspath__"):
-        raise TypeError(
-            f"expected a path, an s3:// / gs:// URL or a kvstore dict, found {found(value)}"
-        )
-    if not isinstance(value, Location):
-        spec_from_path(value, what=name)
-    return value
-
-
-DIRECTORY = Option("directory", "custom", convert=functools.partial(_place, "directory"))
-"""The manager's ``directory`` (positional), checked as ``persistent`` is."""
+DIRECTORY = Option(
+    "directory", "custom", convert=functools.partial(_tier_option.check_place, "directory")
+)
+"""The manager's ``directory`` (positional), checked as a tier's path is."""
 
 
 def _writer(value: Any) -> Any:
@@ -116,78 +103,210 @@ def _writer(value: Any) -> Any:
     return value
 
 
-def _int(name: str, **kw: Any) -> Option:
-    return Option(name, "int", low=1, expected="a positive int" + (" or None" if kw else ""), **kw)
+def _instance(cls: type, shorthands: str) -> Any:
+    def convert(value: Any) -> Any:
+        if not isinstance(value, cls):
+            raise TypeError(
+                f"expected a {cls.__name__}(...) or None (or the shorthands {shorthands}), "
+                f"found {found(value)}"
+            )
+        return value
+
+    return convert
 
 
-def _seconds(name: str, *, high: float, none_ok: bool = False) -> Option:
-    words = f"a number of seconds > 0 and <= {high:g}" + (" or None" if none_ok else "")
-    return Option(name, "number", low=0, low_open=True, high=high, none_ok=none_ok, expected=words)
+def _tier(value: Any) -> Tier:
+    """``persistent=``: a Tier, or a bare path standing for ``Tier(path)``."""
+    return value if isinstance(value, Tier) else Tier(value)  # its path checked there
 
 
-_SHARED = (
-    _int("keep", none_ok=True),
-    _int("every_steps", none_ok=True),
-    _seconds("every_seconds", none_ok=True, high=threading.TIMEOUT_MAX),
-    Option("async_save", "flag"),
-    Option("on_event", "callable", none_ok=True),
+def _mapping(value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected a dict of CheckpointManager options, found {found(value)}")
+    return value
+
+
+def _flag(name: str, doc: str, *, default: bool = False, aliases: tuple[str, ...] = ()) -> Option:
+    return Option(name, "flag", default=default, doc=doc, aliases=aliases)
+
+
+POLICY_SHORTHANDS = tuple(o.name for o in _policy.FIELDS)
+RETENTION_SHORTHANDS = tuple(o.name for o in _retention.FIELDS)
+
+ASYNC_SAVE = _flag(
+    "async_save",
+    "write in the background; False: save returns once the step is committed",
+    default=True,
+    aliases=("enable_async_checkpointing", "async_checkpointing", "use_async", "asynchronous"),
+)
+
+ON_EVENT = Option(
+    "on_event",
+    "callable",
+    none_ok=True,
+    annotation="Callable[[Event], Any]",
+    doc='receives each checkpoint event record (docs/manager.md, "Events")',
 )
 
 MANAGER: tuple[Option, ...] = (
-    *_SHARED,
-    _int("keep_every", none_ok=True),
-    _int("keep_best", none_ok=True),
-    Option("best_metric", "str", none_ok=True, expected="a key of the extras (a str) or None"),
-    Option("best_mode", "choice", choices=("min", "max")),
-    Option("steps", "custom", none_ok=True, convert=_steps),
-    *(Option(n, "flag") for n in ("read_only", "handle_sigterm", "incremental")),
-    Option("reuse_host_buffers", "flag"),
-    Option("checkpointables", "custom", none_ok=True, convert=_checkpointables),
-    Option("clock", "callable"),
-    Option("compression", "custom", none_ok=True, convert=_compression),
-    Option("format_version", "choice", choices=(1, 2)),
-    Option("host_memory_budget", "int", none_ok=True, low=1, expected="a positive int or None"),
-    Option("persistent", "custom", none_ok=True, convert=functools.partial(_place, "persistent")),
-    _int("persistent_keep", none_ok=True),
-    _int("persistent_keep_every", none_ok=True),
-    _int("persistent_every"),
+    *_retention.FIELDS,
     Option(
-        "persistent_grace_seconds",
-        "number",
-        low=0,
-        high=threading.TIMEOUT_MAX,
-        expected=f"a number of seconds >= 0 and <= {threading.TIMEOUT_MAX:g}",
+        "retention",
+        "custom",
+        none_ok=True,
+        convert=_instance(Retention, "keep=, keep_every=, keep_best=, best_metric=, best_mode="),
+        annotation="Retention",
+        doc="which steps to keep, as one object (instead of its shorthands keep= ...)",
     ),
-    _seconds("persistent_lease_seconds", high=LEASE_MAX_SECONDS),
+    *_policy.FIELDS,
+    Option(
+        "policy",
+        "custom",
+        none_ok=True,
+        convert=_instance(SavePolicy, "every_steps=, every_seconds=, steps=, clock="),
+        annotation="SavePolicy",
+        doc="which steps to save, as one object (instead of its shorthands every_steps= ...)",
+    ),
+    ASYNC_SAVE,
+    _flag("read_only", "take no lock, remove nothing, refuse save (an evaluator's reader)"),
+    _flag(
+        "handle_sigterm",
+        "on SIGTERM the next save saves its step, waits, closes and raises SystemExit(143)",
+    ),
+    Option(
+        "checkpointables",
+        "custom",
+        none_ok=True,
+        convert=_checkpointables,
+        annotation="Mapping[str, Checkpointable]",
+        doc="the checkpointable used per item name, instead of the built-in",
+        aliases=("item_handlers", "handler_registry"),
+    ),
+    _flag("incremental", "link or server-copy a leaf unchanged since the last step"),
+    Option(
+        "compression",
+        "custom",
+        none_ok=True,
+        convert=_compression,
+        annotation="Mapping[str, str]",
+        doc='per pytree item, "zstd" or "zstd:<level>", e.g. {"opt_state": "zstd"}',
+    ),
+    Option(
+        "persistent",
+        "custom",
+        none_ok=True,
+        convert=_tier,
+        annotation="Tier | str",
+        doc="a persistent tier every committed step is replicated to (Tier(path, ...) or a path)",
+    ),
+    _flag(
+        "reuse_host_buffers",
+        "copy the state into host buffers kept between saves (off: hold CPU arrays as views)",
+        default=True,
+    ),
+    Option(
+        "format_version",
+        "choice",
+        choices=(1, 2),
+        default=1,
+        annotation="int",
+        doc="1 (a file per chunk) or 2 (data files per process: FORMAT.md)",
+    ),
+    Option(
+        "host_memory_budget",
+        "int",
+        none_ok=True,
+        low=1,
+        expected="a positive int or None",
+        doc="host bytes a version 1 step may hold beyond the state (None: no bound)",
+    ),
+    ON_EVENT,
 )
-"""Every keyword option of CheckpointManager (``steps`` comes back as a list)."""
+"""Every keyword option of CheckpointManager, in the order its signature shows them."""
+
+DEPRECATED: tuple[Option, ...] = tuple(
+    dataclasses.replace(o, name=f"persistent_{o.name}", doc=f"deprecated: Tier(path, {o.name}=)")
+    for o in _tier_option.FIELDS
+)
+"""The flat ``persistent_<field>`` keywords of earlier releases: a Tier's fields under
+those names (taken for one release, with a DeprecationWarning)."""
+
+HINTS: Mapping[str, str] = {
+    "best_fn": "keep_best= with best_metric= (a key of the extras you save) and best_mode=",
+    "options": (
+        "keywords of their own (keep=, every_steps=, every_seconds=, async_save= ...), "
+        "not an Orbax CheckpointManagerOptions"
+    ),
+    "create": "nothing: the directory is created when needed",
+}
+"""Names users bring from elsewhere that are no single option -> what to write here
+(names that are one option are that option's ``aliases``)."""
+
+CALLBACK_HINTS: Mapping[str, str] = {
+    **HINTS,
+    **{
+        f"persistent_{o.name}": f"manager_options={{'persistent': fop.Tier(<path>, {o.name}=...)}}"
+        for o in _tier_option.FIELDS
+    },
+}
+"""The callback's hints: the flat tier keywords point to a Tier in its manager_options."""
 
 CALLBACK: tuple[Option, ...] = (
-    *_SHARED,
-    Option("resume", "choice", choices=(False, True, "required")),
-    Option("overwrite", "flag"),
-    Option("state_fn", "callable", none_ok=True),
-    Option("extras_fn", "callable", none_ok=True),
-    Option("writer", "custom", none_ok=True, convert=_writer),
+    *(o for o in _policy.FIELDS if o.name in ("every_steps", "every_seconds")),
+    dataclasses.replace(_retention.KEEP, default=3),
+    Option(
+        "resume",
+        "choice",
+        choices=(False, True, "required"),
+        default=False,
+        annotation="bool | str",
+        doc="False: start fresh (refuse steps there); True: resume the latest good step; "
+        '"required": raise when there is none',
+    ),
+    _flag("overwrite", "with resume=False, remove the steps already there instead of refusing"),
+    ASYNC_SAVE,
+    Option("state_fn", "callable", none_ok=True, doc="returns the current state (for cb(step, t))"),
+    Option(
+        "data_iterator",
+        "custom",
+        none_ok=True,
+        annotation="Any",
+        doc="an iterator whose position is saved with each step",
+    ),
+    Option(
+        "extras_fn",
+        "callable",
+        none_ok=True,
+        doc="extras_fn(step, state) -> dict of small JSON values saved with each step",
+    ),
+    Option(
+        "writer",
+        "custom",
+        none_ok=True,
+        convert=_writer,
+        annotation="ScalarWriter",
+        doc="an object with write_scalars(step, scalars) receiving each save's figures",
+    ),
+    ON_EVENT,
+    Option(
+        "manager_options",
+        "custom",
+        none_ok=True,
+        convert=_mapping,
+        annotation="Mapping",
+        doc='further CheckpointManager options, e.g. {"persistent": Tier(...)}',
+    ),
 )
+"""Every keyword option of CheckpointCallback."""
 
-_TIER = (
-    "persistent_keep",
-    "persistent_keep_every",
-    "persistent_every",
-    "persistent_grace_seconds",
-    "persistent_lease_seconds",
-)
-# What a reader never uses: a save's options, retention's.
-_WRITER = (
-    "keep",
-    "keep_every",
-    "keep_best",
-    "best_metric",
-    "best_mode",
-    "every_steps",
-    "every_seconds",
-    "steps",
+SHARED_WITH_MANAGER = ("keep", "every_steps", "every_seconds", "async_save", "on_event")
+"""The callback's options that it hands to its manager."""
+
+WRITER_ONLY = (
+    *RETENTION_SHORTHANDS,
+    "retention",
+    *(n for n in POLICY_SHORTHANDS if n != "clock"),
+    "policy",
     "async_save",
     "incremental",
     "compression",
@@ -195,67 +314,19 @@ _WRITER = (
     "format_version",
     "host_memory_budget",
 )
-
-
-def check_manager(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """The manager options ``options`` (public names; those missing take their
-    ``defaults``, the constructor's) checked, then the options that do nothing in the
-    chosen mode refused (an option counts as given when it differs from its default);
-    returns ``{name: checked value}`` for every option."""
-    out = check(MANAGER, {**defaults, **options})
-    idle = _Idle(out, defaults)
-    if out["persistent"] is None:
-        for name in _TIER:
-            idle.refuse(name, "persistent= (the tier it configures)")
-    elif Location.from_path(out["persistent"]).is_local:
-        idle.refuse(
-            "persistent_lease_seconds",
-            "a persistent tier on an object store (a filesystem path is held by a lock)",
-        )
-    if out["persistent_keep"] is None:
-        idle.refuse(
-            "persistent_keep_every", "persistent_keep= (the tier keeps every step without it)"
-        )
-    if out["keep"] is None and out["keep_best"] is None:
-        idle.refuse("keep_every", "keep= or keep_best= (without them no step is deleted)")
-    if out["keep_best"] is None:
-        idle.refuse("best_mode", "keep_best= and best_metric=")
-    if out["every_seconds"] is None:
-        idle.refuse("clock", "every_seconds= (the time it measures)")
-    _formats.refuse_ignored(out["format_version"], out, idle.refuse)  # what it ignores
-    if out["incremental"]:
-        idle.refuse(
-            "host_memory_budget",
-            "incremental=False (an incremental step copies every region to host first)",
-        )
-    if out["read_only"]:
-        for name in _WRITER:
-            idle.refuse(name, "a writer (read_only=False)")
-    return out
-
-
-class _Idle:
-    """Refuses an option given (not its default) in a mode where it does nothing."""
-
-    def __init__(self, values: Mapping[str, Any], defaults: Mapping[str, Any]):
-        self._values, self._defaults = values, defaults
-
-    def refuse(self, name: str, needs: str) -> None:
-        refuse_without(name, self._values[name], needs, default=self._defaults[name])
+"""What a reader never uses: a save's options, retention's."""
 
 
 SAVE_CALL: tuple[Option, ...] = (
     Option("step", "int", low=0),
-    Option("force", "flag"),
+    Option("ignore_policy", "flag", doc="save whatever the save policy says"),
+    Option(
+        "force", "flag", none_ok=True, expected="True or False", doc="deprecated: ignore_policy="
+    ),
     Option("overwrite", "flag"),
     Option("t", "number", none_ok=True, expected="a time in seconds (a finite number) or None"),
 )
 """The keyword options of ``CheckpointManager.save`` (and its step)."""
-
-
-def check_save_call(**options: Any) -> int:
-    """``CheckpointManager.save``'s step and options checked; returns the step."""
-    return check(SAVE_CALL, options)["step"]
 
 
 IMPORT: tuple[Option, ...] = (
@@ -269,27 +340,3 @@ IMPORT: tuple[Option, ...] = (
 def check_import(**options: Any) -> dict[str, Any]:
     """An importer's options checked (before its source is read)."""
     return check(IMPORT, options)
-
-
-SHARED_WITH_MANAGER = ("keep", "every_steps", "every_seconds", "async_save", "on_event")
-"""The callback's options that it hands to its manager."""
-
-
-def check_callback(
-    options: Mapping[str, Any], manager_options: Any, manager_defaults: Mapping[str, Any]
-) -> dict[str, Any]:
-    """The callback's own options and its ``manager_options`` (a dict of manager
-    options: checked now with the callback's, not when the manager is first made)."""
-    out = check(CALLBACK, options)
-    if out["resume"] is not False:
-        refuse_without("overwrite", out["overwrite"], "resume=False", default=False)
-    manager_options = dict(manager_options or {})  # a Mapping (options.check_callback)
-    for name in SHARED_WITH_MANAGER:
-        if name in manager_options:
-            raise OptionError(
-                f"manager_options[{name!r}]: {name} is an option of CheckpointCallback "
-                f"itself (it would override it there); give {name}= to the callback"
-            )
-    given = {name: out[name] for name in SHARED_WITH_MANAGER}
-    check_manager({**given, **manager_options}, manager_defaults)
-    return out

@@ -1,145 +1,203 @@
 """Options of CheckpointManager and CheckpointCallback, checked when they are made.
 
-Each option is checked by its public name, type and range, as ``option_table``
-declares it (``keep="3"`` is an OptionTypeError naming ``keep``, not an error about
-an internal field when retention first runs).
-A keyword that is not an option gets the one it most likely stands for: the names
-of Orbax's ``CheckpointManagerOptions``, of ``flax.training.checkpoints`` and of
-earlier versions of this library, then close spellings. :class:`ManagerOptions` is
-the manager's options checked once, as one frozen record.
+Each option is checked by its public name, type and range, as its one declaration
+says (``option_table``; the fields of ``SavePolicy``, ``Retention`` and ``Tier``
+beside those objects): ``keep="3"`` is an OptionTypeError naming ``keep``, not an
+error about an internal field when retention first runs. A keyword that is not an
+option gets the one it most likely stands for (the declarations' ``aliases``: the
+names of Orbax's ``CheckpointManagerOptions``, of ``flax.training.checkpoints`` and of
+earlier versions of this library; then close spellings). A shorthand given with the
+object that covers it (``keep=`` with ``retention=``) is an OptionError naming both;
+a flat ``persistent_*`` keyword becomes the ``Tier`` it stands for, with a
+DeprecationWarning naming it. :class:`ManagerOptions` is the manager's options
+checked once, as one frozen record.
 
 Pure functions; called on the constructing thread.
 """
 
 from __future__ import annotations
 
-import difflib
-import inspect
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import OptionError, OptionTypeError
+from .._base.option_spec import (
+    check,
+    outside_stacklevel,
+    refuse_unknown,
+    refuse_without,
+    with_defaults,
+)
+from .._core import formats as _formats
+from .._errors import OptionError
 from .._format import layout as _layout
 from .._storage.location import Location
 from . import option_table as _table
 from .checkpointables import Checkpointable, PytreeCheckpointable
 from .policy import SavePolicy
-from .retention import RetentionPolicy
+from .retention import Retention
+from .tiers import tier_option as _tier_option
+from .tiers.tier_option import Tier
 
 __all__ = [
     "ManagerOptions",
     "check_callback",
     "check_item_name",
+    "check_manager",
     "check_save_call",
-    "check_unknown",
-    "keyword_defaults",
-    "keyword_names",
 ]
 
-# Names users bring from elsewhere -> what to write here.
-KNOWN_NAMES: Mapping[str, str] = {
-    "max_to_keep": "keep=",
-    "keep_last": "keep=",
-    "keep_last_n": "keep=",
-    "num_to_keep": "keep=",
-    "keep_period": "keep_every=",
-    "keep_every_n_steps": "keep_every=",
-    "keep_checkpoint_every_n_steps": "keep_every=",
-    "save_interval_steps": "every_steps=",
-    "save_every": "every_steps=",
-    "save_every_steps": "every_steps=",
-    "save_steps": "every_steps=",
-    "every_n_steps": "every_steps=",
-    "checkpoint_every_steps": "every_steps=",
-    "every_secs": "every_seconds=",
-    "every_n_secs": "every_seconds=",
-    "save_interval_secs": "every_seconds=",
-    "save_interval_seconds": "every_seconds=",
-    "save_every_seconds": "every_seconds=",
-    "save_on_steps": "steps=",
-    "save_steps_list": "steps=",
-    "enable_async_checkpointing": "async_save=",
-    "async_checkpointing": "async_save=",
-    "use_async": "async_save=",
-    "asynchronous": "async_save=",
-    "best_fn": "keep_best= with best_metric= (a key of the extras you save) and best_mode=",
-    "best_mode_fn": "best_mode=",
-    "metric": "best_metric=",
-    "options": (
-        "keywords of their own (keep=, every_steps=, every_seconds=, async_save= ...), "
-        "not an Orbax CheckpointManagerOptions"
-    ),
-    "item_handlers": "checkpointables=",
-    "handler_registry": "checkpointables=",
-    "create": "nothing: the directory is created when needed",
-}
+_GROUPS = (
+    ("retention", Retention, _table.RETENTION_SHORTHANDS),
+    ("policy", SavePolicy, _table.POLICY_SHORTHANDS),
+)
 
 
-def keyword_names(function: Callable) -> tuple[str, ...]:
-    """The names of ``function``'s keyword-only parameters (its options), in order."""
-    params = inspect.signature(function).parameters.values()
-    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
-
-
-def keyword_defaults(function: Callable) -> dict[str, Any]:
-    """``{name: default}`` of ``function``'s keyword-only parameters."""
-    params = inspect.signature(function).parameters.values()
-    return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-def check_unknown(
-    owner: str,
-    unknown: Mapping[str, Any],
-    valid: Iterable[str],
-    *,
-    elsewhere: tuple[str, Iterable[str]] | None = None,
-) -> None:
-    """Raises TypeError for keywords that ``owner`` does not take, with a suggestion.
-
-    ``elsewhere``: ``(option, names)``, names ``owner`` takes inside a dict option
-    (the callback's ``manager_options``)."""
-    if not unknown:
-        return
-    valid = sorted(valid)
-    inner_option, inner = elsewhere if elsewhere is not None else ("", ())
-    lines = []
-    for name in unknown:
-        hint = KNOWN_NAMES.get(name)
-        if hint is not None and hint.endswith("=") and hint[:-1] not in valid and inner_option:
-            hint = f"{inner_option}={{{hint[:-1]!r}: ...}}"
-        if hint is None and name in set(inner):
-            hint = f"{inner_option}={{{name!r}: ...}}"
-        if hint is None:
-            close = difflib.get_close_matches(name, valid, n=1, cutoff=0.75)
-            hint = f"{close[0]}=" if close else None
-        lines.append(
-            f"{owner}() got an unexpected keyword argument {name!r}"
-            + (f": did you mean {hint}?" if hint else "")
-        )
-    raise TypeError("; ".join(lines) + f" (its options: {', '.join(valid)})")
-
-
-def check_callback(
-    options: Mapping[str, Any], manager_options: Any, manager_defaults: Mapping[str, Any]
-) -> None:
-    """CheckpointCallback's options (``option_table``) and its ``manager_options``
-    (a dict, each name a manager option, checked with the callback's): OptionError
-    (or TypeError for an unknown name) naming the option."""
-    if manager_options is not None and not isinstance(manager_options, Mapping):
-        raise OptionTypeError(
-            f"manager_options must be a dict of CheckpointManager options, found "
-            f"{type(manager_options).__name__} {manager_options!r}"
-        )
-    check_unknown(
-        "CheckpointManager (through manager_options)",
-        {k: v for k, v in (manager_options or {}).items() if k not in manager_defaults},
-        manager_defaults,
+def _deprecated(what: str, instead: str) -> None:
+    warnings.warn(
+        f"{what}: deprecated, and gone in the next release; write {instead}",
+        DeprecationWarning,
+        stacklevel=outside_stacklevel(),
     )
-    _table.check_callback(options, manager_options, manager_defaults)
 
 
-check_save_call = _table.check_save_call
+def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` with its flat ``persistent_<field>`` keywords (deprecated) turned into
+    the ``persistent=Tier(path, <field>=...)`` they stand for; each checked by its flat
+    name first, and refused where it does nothing (no ``persistent=``)."""
+    flat = {o.name: given[o.name] for o in _table.DEPRECATED if o.name in given}
+    if not flat:
+        return dict(given)
+    values = check(_table.DEPRECATED, flat)
+    fields = {name.removeprefix("persistent_"): v for name, v in values.items()}
+    path = given.get("persistent")
+    written = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+    _deprecated(
+        ", ".join(f"{n}=" for n in flat),
+        f"persistent=fop.Tier({'<path>' if path is None else repr(path)}, {written})",
+    )
+    if isinstance(path, Tier):
+        raise OptionError(
+            f"{', '.join(f'{n}=' for n in flat)} and persistent={path!r} both configure the "
+            f"persistent tier: give {written} inside Tier(...) alone"
+        )
+    if path is None:
+        defaults = {o.name: o.default for o in _table.DEPRECATED}
+        for name, value in values.items():
+            refuse_without(
+                name, value, "persistent= (the tier it configures)", default=defaults[name]
+            )
+        return {k: v for k, v in given.items() if k not in flat}
+    local = Location.from_path(_tier_option.PATH.check(path)).is_local
+    full = with_defaults(_tier_option.FIELDS, fields)
+    _tier_option.refuse_idle(full, local, name=lambda f: f"persistent_{f}")
+    out = {k: v for k, v in given.items() if k not in flat}
+    out["persistent"] = Tier(path, **fields)
+    return out
+
+
+def _refuse_both(given: Mapping[str, Any]) -> None:
+    """A shorthand given with the object that covers it: OptionError naming both."""
+    for option, cls, shorthands in _GROUPS:
+        if given.get(option) is None:
+            continue
+        both = [n for n in shorthands if n in given]
+        if both:
+            named = ", ".join(f"{n}={given[n]!r}" for n in both)
+            raise OptionError(
+                f"{named} and {option}={given[option]!r} both set the {option}: give "
+                f"{', '.join(f'{n}=' for n in both)} inside {cls.__name__}(...), or leave "
+                f"out {option}="
+            )
+
+
+def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The manager's keyword options ``given`` (public names) checked: unknown names
+    refused ("did you mean"), the flat ``persistent_*`` turned into a Tier (warned),
+    values checked, the options that do nothing in the chosen mode refused (an
+    option counts as given when it differs from its default). Returns ``{name:
+    value}`` of every option, ``policy`` and ``retention`` as the objects (from the
+    shorthands when not given) and ``persistent`` a Tier or None."""
+    refuse_unknown(
+        "CheckpointManager", given, _table.MANAGER + _table.DEPRECATED, hints=_table.HINTS
+    )
+    given = _resolve_tier(given)
+    _refuse_both(given)
+    out = with_defaults(_table.MANAGER, check(_table.MANAGER, given))
+    if out["read_only"]:
+        defaults = {o.name: o.default for o in _table.MANAGER}
+        for name in _table.WRITER_ONLY:
+            refuse_without(name, out[name], "a writer (read_only=False)", default=defaults[name])
+    for option, cls, shorthands in _GROUPS:
+        if out[option] is None:
+            out[option] = cls(**{n: out[n] for n in shorthands})
+    _formats.refuse_ignored(  # what the chosen format ignores (the format says why)
+        out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
+    )
+    if out["incremental"]:
+        refuse_without(
+            "host_memory_budget",
+            out["host_memory_budget"],
+            "incremental=False (an incremental step copies every region to host first)",
+        )
+    return out
+
+
+def check_callback(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """CheckpointCallback's keyword options ``given`` and its ``manager_options``
+    (checked now, with the callback's, not when the manager is first made): returns
+    the callback's options (defaults filled in) and the keyword options of the
+    manager it makes (flat ``persistent_*`` already turned into a Tier)."""
+    refuse_unknown(
+        "CheckpointCallback",
+        given,
+        _table.CALLBACK,
+        hints=_table.CALLBACK_HINTS,
+        inside=("manager_options", _table.MANAGER),
+    )
+    out = with_defaults(_table.CALLBACK, check(_table.CALLBACK, given))
+    if out["resume"] is not False:
+        refuse_without("overwrite", out["overwrite"], "resume=False", default=False)
+    inner = dict(out["manager_options"] or {})
+    refuse_unknown(
+        "CheckpointManager (through manager_options)",
+        inner,
+        _table.MANAGER + _table.DEPRECATED,
+        hints=_table.HINTS,
+    )
+    for name in _table.SHARED_WITH_MANAGER:
+        if name in inner:
+            raise OptionError(
+                f"manager_options[{name!r}]: {name} is an option of CheckpointCallback "
+                f"itself (it would override it there); give {name}= to the callback"
+            )
+    # The callback's own shorthands go to its manager unless the object that covers
+    # them is in manager_options (then only those given explicitly: an error there).
+    grouped = {n for option, _, names in _GROUPS if inner.get(option) is not None for n in names}
+    shared = {n: out[n] for n in _table.SHARED_WITH_MANAGER if n in given or n not in grouped}
+    kwargs = _resolve_tier({**shared, **inner})
+    check_manager(kwargs)
+    return out, kwargs
+
+
+def check_save_call(
+    *, step: Any, ignore_policy: Any, force: Any, overwrite: Any, t: Any
+) -> tuple[int, bool]:
+    """``CheckpointManager.save``'s step and options checked: ``(step, ignore_policy)``
+    (``force=``, its deprecated name, warned and taken as ``ignore_policy``)."""
+    out = check(
+        _table.SAVE_CALL,
+        dict(step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t),
+    )
+    if force is not None:
+        _deprecated("CheckpointManager.save(force=)", "save(..., ignore_policy=True)")
+        if ignore_policy:
+            raise OptionError(
+                f"force={force!r} and ignore_policy={ignore_policy!r} are one option (force= "
+                "is its deprecated name): give ignore_policy= alone"
+            )
+    return out["step"], bool(out["force"] or out["ignore_policy"])
 
 
 def check_item_name(name: Any) -> str:
@@ -173,70 +231,41 @@ def _overrides(
 
 @dataclass(frozen=True)
 class ManagerOptions:
-    """CheckpointManager's constructor arguments, checked once (see :meth:`build`).
-
-    The fields are the keyword options of the same names (see CheckpointManager),
-    except ``location`` (from ``directory``), ``retention`` (from ``keep``,
-    ``keep_every``, ``keep_best``, ``best_metric``, ``best_mode``) and ``overrides``
-    (from ``checkpointables`` and ``compression``)."""
+    """CheckpointManager's keyword options, checked once (see :meth:`build`): the
+    fields are the options of the same names (``option_table.MANAGER``), except
+    ``location`` (from ``directory``), ``tier`` (``persistent=``, a Tier or None) and
+    ``overrides`` (from ``checkpointables`` and ``compression``)."""
 
     location: Location
-    retention: RetentionPolicy
-    every_steps: int | None
-    every_seconds: float | None
-    steps: list[int] | None
+    policy: SavePolicy
+    retention: Retention
+    tier: Tier | None
+    overrides: Mapping[str, Checkpointable]
     async_save: bool
     read_only: bool
     handle_sigterm: bool
-    overrides: Mapping[str, Checkpointable]
-    clock: Callable[[], float]
     incremental: bool
-    persistent: Any
-    persistent_keep: int | None
-    persistent_keep_every: int | None
-    persistent_every: int
-    persistent_grace_seconds: float
-    persistent_lease_seconds: float
     reuse_host_buffers: bool
     format_version: int
     host_memory_budget: int | None
     on_event: Callable[[Any], Any] | None
 
     @classmethod
-    def build(
-        cls, directory: Any, options: Mapping[str, Any], defaults: Mapping[str, Any]
-    ) -> ManagerOptions:
-        """Checks ``options`` (every keyword option, by its public name: see
-        ``option_table``; ``defaults``: the constructor's) and ``directory``; raises
-        OptionError (OptionTypeError: a TypeError) naming the option."""
-        options = _table.check_manager({k: options[k] for k in defaults}, defaults)
-        steps = options["steps"]
+    def build(cls, directory: Any, given: Mapping[str, Any]) -> ManagerOptions:
+        """Checks ``given`` (the keyword options, by their public names: see
+        :func:`check_manager`) and ``directory``; raises OptionError (OptionTypeError:
+        a TypeError) naming the option, TypeError for an unknown one."""
+        values = check_manager(given)
         location = Location.from_path(_table.DIRECTORY.check(directory))
-        retention = RetentionPolicy(
-            keep_last=options["keep"],
-            keep_every=options["keep_every"],
-            keep_best=options["keep_best"],
-            best_metric=options["best_metric"],
-            best_mode=options["best_mode"],
-        )
-        overrides = _overrides(options["checkpointables"], options["compression"])
-        plain = {k: options[k] for k in _PLAIN}
-        return cls(location, retention, steps=steps, overrides=overrides, **plain)
-
-    def save_policy(self) -> SavePolicy:
-        """A fresh policy (it keeps the time of the last save: one per manager)."""
-        return SavePolicy(
-            every_steps=self.every_steps, every_seconds=self.every_seconds, steps=self.steps
-        )
-
-    def tier_options(self) -> dict[str, Any]:
-        """The keyword arguments of PersistentTier that come from options."""
-        return dict(
-            keep=self.persistent_keep,
-            keep_every=self.persistent_keep_every,
-            every=self.persistent_every,
-            grace_seconds=self.persistent_grace_seconds,
-            lease_seconds=self.persistent_lease_seconds,
+        overrides = _overrides(values["checkpointables"], values["compression"])
+        plain = {k: values[k] for k in _PLAIN}
+        return cls(
+            location,
+            values["policy"],
+            values["retention"],
+            values["persistent"],
+            overrides,
+            **plain,
         )
 
     def check_reader(self) -> None:
@@ -245,28 +274,19 @@ class ManagerOptions:
             return
         if self.handle_sigterm:
             raise ValueError("handle_sigterm needs a writer (read_only=False)")
-        if self.persistent is not None:
+        if self.tier is not None:
             raise ValueError(
                 "persistent= needs a writer; to read the persistent tier, open it "
                 "directly: CheckpointManager(<persistent location>, read_only=True)"
             )
 
 
-# The fields of ManagerOptions taken from the keyword of the same name as given.
+# The fields of ManagerOptions taken from the option of the same name as checked.
 _PLAIN = (
-    "every_steps",
-    "every_seconds",
     "async_save",
     "read_only",
     "handle_sigterm",
-    "clock",
     "incremental",
-    "persistent",
-    "persistent_keep",
-    "persistent_keep_every",
-    "persistent_every",
-    "persistent_grace_seconds",
-    "persistent_lease_seconds",
     "reuse_host_buffers",
     "format_version",
     "host_memory_budget",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .._core.ownership import remove_step
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
 from .._storage.location import Location
@@ -71,9 +70,7 @@ def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> 
             f"with resume=True from its first start: it starts fresh while the directory "
             f"holds no step and resumes the latest good step after every restart"
         )
-    for step in mngr.steps():
-        remove_step(Location.from_path(directory), step)
-    mngr._forget_steps()  # removed behind the manager's back: it lists again
+    mngr.delete(*mngr.steps())  # collective: every process lists before any goes
     if mngr.persistent is not None:
         for step in mngr.persistent.steps():
             mngr.persistent.remove(step)

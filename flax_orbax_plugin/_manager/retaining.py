@@ -38,7 +38,7 @@ from .._storage.deleting import REMOVAL_CONCURRENCY
 from .._storage.location import Location
 from .book import StepBook
 from .checkpointables import Checkpointable, checkpointable_for
-from .retention import RetentionPolicy, steps_to_delete
+from .retention import Retention, steps_to_delete
 
 __all__ = ["RetentionRunner", "as_metric"]
 
@@ -62,7 +62,7 @@ class RetentionRunner:
     def __init__(
         self,
         location: Location,
-        policy: RetentionPolicy,
+        policy: Retention,
         overrides: Mapping[str, Checkpointable],
         book: StepBook,
     ):

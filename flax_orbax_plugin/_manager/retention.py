@@ -1,78 +1,145 @@
-"""Retention: which committed steps a CheckpointManager deletes.
+"""Retention: which committed steps a CheckpointManager deletes (a public option object).
 
-A pure function of the step list, so it is tested without touching storage. A
-step survives if any rule keeps it:
+:func:`steps_to_delete` is a pure function of the step list, so it is tested without
+touching storage. A step survives if any rule of :class:`Retention` keeps it:
 
-* ``keep_last``: the ``keep_last`` highest steps;
+* ``keep``: the ``keep`` highest steps;
 * ``keep_every``: every step divisible by ``keep_every``, forever;
 * ``keep_best``: the ``keep_best`` steps with the best ``metrics[step]``
-  (``mode`` "min" or "max"); only finite metrics are ranked: a step without one, or
-  whose metric is NaN, +inf or -inf (a diverged run), is not best and is kept or
+  (``best_mode`` "min" or "max"); only finite metrics are ranked: a step without one,
+  or whose metric is NaN, +inf or -inf (a diverged run), is not best and is kept or
   deleted by the other rules alone;
 * ``protected``: steps never deleted (the one just written, the newest, ones being
   read).
 
-When neither ``keep_last`` nor ``keep_best`` is set nothing is deleted.
+When neither ``keep`` nor ``keep_best`` is set nothing is deleted. Each field is
+declared once (:data:`FIELDS`); the manager's shorthands (``keep=``, ``keep_every=``,
+``keep_best=``, ``best_metric=``, ``best_mode=``) are the same declarations. Rules
+added later (by age, temporary and permanent lanes) become fields or objects of their
+own, taken by the same ``retention=`` option.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
-__all__ = ["RetentionPolicy", "steps_to_delete"]
+from .._base.option_spec import Option, check, refuse_without
+from .._errors import OptionError
+
+__all__ = ["FIELDS", "Retention", "steps_to_delete"]
+
+
+def _count(name: str, doc: str, aliases: tuple[str, ...] = ()) -> Option:
+    words = "a positive int or None"
+    return Option(name, "int", none_ok=True, low=1, expected=words, doc=doc, aliases=aliases)
+
+
+KEEP = _count(
+    "keep",
+    "keep the last N steps (None: no limit from this rule)",
+    ("max_to_keep", "keep_last", "keep_last_n", "num_to_keep"),
+)
+KEEP_EVERY = _count(
+    "keep_every",
+    "also keep every step divisible by it, forever",
+    ("keep_period", "keep_every_n_steps", "keep_checkpoint_every_n_steps"),
+)
+KEEP_BEST = _count("keep_best", "also keep the N steps with the best extras[best_metric]")
+BEST_METRIC = Option(
+    "best_metric",
+    "str",
+    none_ok=True,
+    expected="a key of the extras (a str) or None",
+    doc="the key of the saved extras that keep_best ranks",
+    aliases=("metric",),
+)
+BEST_MODE = Option(
+    "best_mode",
+    "choice",
+    choices=("min", "max"),
+    default="min",
+    annotation="str",
+    doc='"min" or "max": which end of best_metric is best',
+    aliases=("best_mode_fn",),
+)
+FIELDS: tuple[Option, ...] = (KEEP, KEEP_EVERY, KEEP_BEST, BEST_METRIC, BEST_MODE)
+"""The fields of :class:`Retention`, which are also the manager's shorthands."""
 
 
 @dataclass(frozen=True)
-class RetentionPolicy:
-    """What to keep; see the module docstring. All fields optional."""
+class Retention:
+    """What to keep; see the module docstring. Every field is optional.
 
-    keep_last: int | None = None
+    ``Retention(keep=3, keep_every=1000)``, ``Retention(keep=1, keep_best=2,
+    best_metric="loss")``: checked when made (OptionError naming the field; a rule
+    that does nothing, such as ``keep_every`` alone, is refused). Frozen; any thread.
+    """
+
+    _: KW_ONLY
+    keep: int | None = None
     keep_every: int | None = None
     keep_best: int | None = None
     best_metric: str | None = None
     best_mode: str = "min"
 
-    def __post_init__(self):
-        for name in ("keep_last", "keep_every", "keep_best"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive int or None, found {v!r}")
-        if self.best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', found {self.best_mode!r}")
+    def __post_init__(self) -> None:
+        values = check(FIELDS, {o.name: getattr(self, o.name) for o in FIELDS})
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
         if (self.keep_best is None) != (self.best_metric is None):
-            raise ValueError("keep_best and best_metric go together: set both or neither")
+            given = "keep_best" if self.best_metric is None else "best_metric"
+            raise OptionError(
+                f"{given}= needs {'best_metric' if given == 'keep_best' else 'keep_best'}=: "
+                "keep_best and best_metric go together (set both or neither)"
+            )
+        if not self.deletes_anything:
+            refuse_without(
+                "keep_every",
+                self.keep_every,
+                "keep= or keep_best= (without them no step is deleted)",
+            )
+        if self.keep_best is None:
+            refuse_without(
+                "best_mode", self.best_mode, "keep_best= and best_metric=", default="min"
+            )
 
     @property
     def deletes_anything(self) -> bool:
-        return self.keep_last is not None or self.keep_best is not None
+        """Whether any step is ever deleted (``keep`` or ``keep_best`` set)."""
+        return self.keep is not None or self.keep_best is not None
+
+    def kept(self, steps: list[int], metrics: Mapping[int, float]) -> set[int]:
+        """The steps of ``steps`` (ascending) that some rule keeps. With
+        :attr:`deletes_anything`, this is the protocol :func:`steps_to_delete` asks of
+        a retention (so rules added later can be objects of their own)."""
+        keep: set[int] = set()
+        if self.keep is not None:
+            keep.update(steps[-self.keep :])
+        if self.keep_every is not None:
+            keep.update(s for s in steps if s % self.keep_every == 0)
+        if self.keep_best is not None:
+            finite = {s: m for s in steps if (m := _finite(metrics.get(s))) is not None}
+            ranked = list(finite)
+            sign = 1.0 if self.best_mode == "min" else -1.0
+            ranked.sort(key=lambda s: (sign * finite[s], -s))  # ties go to the newer step
+            keep.update(ranked[: self.keep_best])
+        return keep
 
 
 def steps_to_delete(
     steps: Iterable[int],
-    policy: RetentionPolicy,
+    policy: Retention,
     *,
     metrics: Mapping[int, float] | None = None,
     protected: Iterable[int] = (),
 ) -> list[int]:
-    """Return the sorted steps that ``policy`` does not keep."""
+    """Return the sorted steps that ``policy`` does not keep (nor ``protected``)."""
     steps = sorted(set(steps))
     if not policy.deletes_anything:
         return []
-    keep = set(protected)
-    if policy.keep_last is not None:
-        keep.update(steps[-policy.keep_last :])
-    if policy.keep_every is not None:
-        keep.update(s for s in steps if s % policy.keep_every == 0)
-    if policy.keep_best is not None:
-        metrics = metrics or {}
-        finite = {s: m for s in steps if (m := _finite(metrics.get(s))) is not None}
-        ranked = list(finite)
-        sign = 1.0 if policy.best_mode == "min" else -1.0
-        # Ties go to the newer step.
-        ranked.sort(key=lambda s: (sign * finite[s], -s))
-        keep.update(ranked[: policy.keep_best])
+    keep = set(protected) | policy.kept(steps, metrics or {})
     return [s for s in steps if s not in keep]
 
 

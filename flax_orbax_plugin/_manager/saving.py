@@ -30,7 +30,7 @@ from .._errors import CheckpointError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import ItemEntry
-from .._incremental import reuse as _incremental
+from .._incremental import reuse as _reuse
 from .._incremental.reuse import Reuse
 from .._state.train_state import split_state
 from .._storage.location import Location
@@ -193,7 +193,8 @@ class Saver:
     def _start(
         self, step: int, items: dict, extras: Any, local: list[int], replicate: bool
     ) -> dict[str, Pending]:
-        replicate and self._book.tier is not None and self._book.tier.force(step)
+        if replicate and self._book.tier is not None:
+            self._book.tier.force(step)
         started = time.perf_counter()
         replace = step in local
         final = _steps.step_location(self._loc, step)
@@ -248,7 +249,7 @@ class Saver:
                 self._book.events.save_failed(step, str(self._loc), "background", e)
                 raise
             finally:  # every process has read every exchanged value by now
-                _incremental.release(reuses)
+                _reuse.release(reuses)
             result = SaveResult(
                 str(final),
                 blocking,

@@ -1,16 +1,15 @@
 """SaveSchedule: which steps a manager saves, and when it must stop.
 
-The save policy (``policy.SavePolicy``) on the manager's clock, a time-based
-decision taken by the primary and shared with every process, and the preemption
-notice (``handle_sigterm``: the step saved before stopping; see ``preemption``).
+The save policy (``policy.SavePolicy``, frozen) on its clock with the time of the last
+save (kept here), a time-based decision taken by the primary and shared with every
+process, and the preemption notice (``handle_sigterm``: the step saved before
+stopping; see ``preemption``).
 
 Threading: the training thread only. With several processes every process asks
 for every step, in order (``should_save`` or ``save`` once per step).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from .._base import distributed as _distributed
 from .policy import SavePolicy
@@ -20,11 +19,11 @@ __all__ = ["SaveSchedule"]
 
 
 class SaveSchedule:
-    """``policy`` on ``clock`` (a time source), and the preemption notice if any."""
+    """``policy`` on its clock, the time of the last save, and the preemption notice."""
 
-    def __init__(self, policy: SavePolicy, clock: Callable[[], float]):
+    def __init__(self, policy: SavePolicy):
         self._policy = policy
-        self._clock = clock
+        self._last_time: float | None = None  # the last save's (or the first decision's)
         self.preemption: Preemption | None = None  # handle_sigterm (see _preemption)
 
     def uninstall(self) -> None:
@@ -33,7 +32,13 @@ class SaveSchedule:
             self.preemption.uninstall()
 
     def now(self, t: float | None) -> float:
-        return self._clock() if t is None else float(t)
+        return self._policy.clock() if t is None else float(t)
+
+    def _wants(self, step: int, t: float | None) -> bool:
+        now = self.now(t)
+        if self._last_time is None:
+            self._last_time = now  # the first decision starts the clock
+        return self._policy.wants(step, elapsed=now - self._last_time)
 
     @property
     def preempted(self) -> bool:
@@ -48,16 +53,16 @@ class SaveSchedule:
 
     def should_save(self, step: int, t: float | None) -> bool:
         """This process's view (see CheckpointManager.should_save)."""
-        return self.preempted_at(step) or self._policy.should_save(step, self.now(t))
+        return self.preempted_at(step) or self._wants(step, t)
 
     def decide(self, step: int, t: float | None) -> bool:
         """The policy's decision; a time-based one is the primary's, shared by all."""
-        decide = self._policy.should_save(step, self.now(t))
-        if self._policy.every_seconds is not None and _distributed.process_count() > 1:
+        decide = self._wants(step, t)
+        if self._policy.uses_time and _distributed.process_count() > 1:
             op = _distributed.next_operation_id("manager-policy")
             decide = _distributed.broadcast_str(op, str(int(decide))) == "1"
         return decide
 
     def record_save(self, t: float | None) -> None:
         """A save has started at ``t`` (the clock's time when None)."""
-        self._policy.record_save(self.now(t))
+        self._last_time = self.now(t)

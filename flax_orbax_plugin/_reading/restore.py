@@ -12,7 +12,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._core import read_options as _read_options
-from .._core import restore as _native
+from .._core import restore as _core_restore
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -91,7 +91,7 @@ def restore(
     location = Location.from_path(path)
     changes = {"partial": partial, "missing": missing, "transform": transform}
     try:
-        return _native.restore(
+        return _core_restore.restore(
             location,
             like,
             memory_limit_bytes=memory_limit_bytes,
@@ -142,7 +142,7 @@ def metadata(path: Any) -> _metadata.CheckpointMetadata:
     On an Orbax checkpoint the error says what it holds and how to read it."""
     location = Location.from_path(path)
     try:
-        return _native.metadata(location)
+        return _core_restore.metadata(location)
     except (CheckpointNotFoundError, NotCommittedError) as e:
         orbax = _orbax_message(location)
         if orbax is None:

@@ -20,7 +20,7 @@ from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import places as _places
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
-from .._interop import orbax_reader as _orbax_import
+from .._interop import orbax_reader as _orbax_reader
 from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
 from .._like import transform as _transform
@@ -123,7 +123,7 @@ def _orbax_params(directory, like, step, dtype, sharding, changes, partial) -> A
         )
     if step is None and _distributed.spans_processes(_params_like(like), sharding):
         step = agreed_latest(Location.from_path(directory))
-    return _orbax_import.restore_orbax_params(
+    return _orbax_reader.restore_orbax_params(
         directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
     )
 

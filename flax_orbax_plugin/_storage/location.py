@@ -203,7 +203,7 @@ class Location:
     def remove(self) -> None:
         """Removes everything under this location (no error if nothing is there).
 
-        Proves nothing: the package removes only through ``_ownership`` (which proves
+        Proves nothing: the package removes only through ``_core/ownership.py`` (which proves
         a place ours first); this primitive is left for tests that clean up by hand.
 
         Local: only a real directory is removed; symlinks inside it are unlinked, never

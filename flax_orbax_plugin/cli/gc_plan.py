@@ -14,7 +14,7 @@ from .._core import commit as _commit
 from .._core import ownership as _ownership
 from .._errors import CheckpointError, ForeignEntryError
 from .._format import steps as _steps
-from .._manager.retention import RetentionPolicy, steps_to_delete
+from .._manager.retention import Retention, steps_to_delete
 from .._storage.location import Location
 
 
@@ -47,7 +47,7 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
     committed = sorted(listing.committed)
     doomed: list[int] = []
     if keep is not None:
-        policy = RetentionPolicy(keep_last=keep, keep_every=keep_every)
+        policy = Retention(keep=keep, keep_every=keep_every)
         doomed = steps_to_delete(committed, policy, protected=committed[-1:])
     done = unfinished + foreign_gone + finishing
     left = [n for n in listing.unfinished + listing.foreign if n not in done]

@@ -49,7 +49,7 @@ def child_main(directory: str, scenario: str) -> None:
         if scenario == "new":
             mngr.save(3, state(3))
         else:  # replace step 2 by a new version of it
-            mngr.save(2, state(2, version=1), force=True, overwrite=True)
+            mngr.save(2, state(2, version=1), ignore_policy=True, overwrite=True)
     print("finished", flush=True)
 
 

@@ -78,7 +78,7 @@ def test_manager_open_gc_retention_and_overwrite_leave_foreign_entries(store):
         for step in (1, 2, 5, 6):
             mngr.save(step, tiny(step))
         mngr.wait()
-        mngr.save(6, tiny(60), overwrite=True, force=True)
+        mngr.save(6, tiny(60), overwrite=True, ignore_policy=True)
         mngr.wait()
         assert mngr.gc() == []
         assert mngr.steps() == [5, 6]

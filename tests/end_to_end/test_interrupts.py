@@ -74,12 +74,12 @@ elif mode == "save_async":
     handle.wait()
 elif mode == "manager_wait":
     with fop.CheckpointManager(f"{d}/run") as mngr:
-        mngr.save(2, {"params": tree}, force=True)
+        mngr.save(2, {"params": tree}, ignore_policy=True)
         print("save returned", flush=True)
         mngr.wait()
 elif mode == "manager_training":  # never closed: the interpreter exits under the save
     mngr = fop.CheckpointManager(f"{d}/run")
-    mngr.save(2, {"params": tree}, force=True)
+    mngr.save(2, {"params": tree}, ignore_policy=True)
     print("save returned", flush=True)
     train(30)
 elif mode == "callback":
@@ -213,7 +213,7 @@ def interrupted(tmp_path_factory):
             fop.save(d / "earlier", EARLIER)
         elif mode.startswith("manager"):
             with fop.CheckpointManager(d / "run") as mngr:
-                mngr.save(1, {"params": EARLIER}, force=True)
+                mngr.save(1, {"params": EARLIER}, ignore_policy=True)
         else:
             d.mkdir()
         cases[name] = (_python(mode, str(d)), point)
@@ -291,7 +291,7 @@ def _object_store_case(store, scheme: str) -> None:
     save removes what it wrote there, a manager its uncommitted step; earlier data stays."""
     fop.save(store.join("earlier").url, EARLIER)
     with fop.CheckpointManager(store.join("run").url) as mngr:
-        mngr.save(1, {"params": EARLIER}, force=True)
+        mngr.save(1, {"params": EARLIER}, ignore_policy=True)
     before = sorted(store.keys())
     cases = {
         f"{scheme} save@mid_write": (_python("save", store.url), "mid_write"),

@@ -320,8 +320,7 @@ class TrustMachine(RuleBasedStateMachine):
             self.persistent_keep = persistent_keep
             self.mngr = fop.CheckpointManager(
                 self.world.tier_dir,
-                persistent=self.world.arg,
-                persistent_keep=persistent_keep,
+                persistent=fop.Tier(self.world.arg, keep=persistent_keep),
                 **options,
             )
         else:

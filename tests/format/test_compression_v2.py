@@ -115,7 +115,7 @@ def test_manager_steps_of_version_2_compress_per_item(tmp_path):
     with fop.CheckpointManager(
         tmp_path / "run", format_version=2, compression={"opt": "zstd:1"}
     ) as m:
-        m.save(1, {"params": tree, "opt": tree}, force=True)
+        m.save(1, {"params": tree, "opt": tree}, ignore_policy=True)
     item = tmp_path / "run" / "1"
     sizes = {
         d: sum(os.path.getsize(item / d / "data" / f) for f in os.listdir(item / d / "data"))

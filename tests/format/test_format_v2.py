@@ -168,7 +168,7 @@ def test_s3_save_writes_a_few_objects_and_restores_with_range_reads(s3_location,
     # A manager step of version 2, replicated file for file to a persistent tier on S3.
     persistent = bucket.join("p").url
     with fop.CheckpointManager(tmp_path / "run", format_version=2, persistent=persistent) as m:
-        m.save(1, {"params": tree}, force=True)
+        m.save(1, {"params": tree}, ignore_policy=True)
     assert _files(tmp_path / "run" / "1")[-3:] == [
         "params/_METADATA.json",
         "params/data/0-0.bin",

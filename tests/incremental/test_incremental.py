@@ -52,7 +52,7 @@ def _state(adapter_value=0.0, seed=0):
 
 
 def _save(mngr, step, state):
-    mngr.save(step, state, force=True)
+    mngr.save(step, state, ignore_policy=True)
     mngr.wait()
     return mngr.last_save
 
@@ -969,7 +969,7 @@ import flax_orbax_plugin as fop
 x = {"w": np.arange(1 << 18, dtype=np.float32)}
 with fop.CheckpointManager(sys.argv[1], incremental=True) as m:
     for step in (1, 2):
-        m.save(step, x, force=True)
+        m.save(step, x, ignore_policy=True)
         m.wait()
         print("RESULT", m.last_save.bytes_written, m.last_save.bytes_reused)
     got = m.restore(step=2)

@@ -47,7 +47,7 @@ def _state(adapter=0.0, w1_seed=0):
 
 
 def _save(mngr, step, state):
-    mngr.save(step, state, force=True)
+    mngr.save(step, state, ignore_policy=True)
     mngr.wait()
     return mngr.last_save
 

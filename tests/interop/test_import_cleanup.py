@@ -37,7 +37,7 @@ def test_a_failing_import_removes_the_output_directories_it_created(tmp_path, br
 def test_a_failing_import_into_an_existing_directory_leaves_it_as_it_was(tmp_path, broken_source):
     run = tmp_path / "run"
     with fop.CheckpointManager(run) as mngr:
-        mngr.save(1, {"params": {"w": np.arange(4.0)}}, force=True)
+        mngr.save(1, {"params": {"w": np.arange(4.0)}}, ignore_policy=True)
     (run / "notes.txt").write_text("mine")
     before = sorted(os.listdir(run))
     with pytest.raises(CorruptCheckpointError, match="not a Flax msgpack checkpoint"):

@@ -246,7 +246,7 @@ def test_one_log_line_per_save_when_it_commits(tmp_path, caplog, with_writer):
     state = cb.on_train_start(state)
     with caplog.at_level("INFO", logger="flax_orbax_plugin"):
         cb.on_step_end(2, state)
-        cb.manager._inflight.wait()  # committed in the background: logged now, not later
+        cb.manager.pending_save.wait()  # committed in the background: logged now, not later
         lines = [r for r in caplog.records if "committed step 2" in r.getMessage()]
         assert len(lines) == (0 if with_writer else 1)
         assert all(r.name == "flax_orbax_plugin" for r in caplog.records)

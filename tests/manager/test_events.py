@@ -155,7 +155,7 @@ def test_an_object_store_step_counts_its_objects(s3_location):
 def test_retention_replication_and_a_restore_from_the_persistent_tier(tmp_path):
     rec = Recorder()
     remote = tmp_path / "remote"
-    options = dict(keep=1, persistent=remote, persistent_keep=2, on_event=rec)
+    options = dict(keep=1, persistent=fop.Tier(remote, keep=2), on_event=rec)
     with fop.CheckpointManager(tmp_path / "a", **options) as m:
         for step in (1, 2):
             m.save(step, tree(step))
@@ -235,7 +235,7 @@ def test_a_hook_error_is_raised_by_the_next_save_and_by_close_once_closed(tmp_pa
     d, remote = tmp_path / "run", tmp_path / "remote"
     mngr = fop.CheckpointManager(d, persistent=remote, every_steps=2, on_event=rec)
     mngr.save(2, tree(2))
-    mngr._inflight.wait()  # committed; the hook raised on the save's thread
+    mngr.pending_save.wait()  # committed; the hook raised on the save's thread
     assert mngr.save(3, tree(3)) is False  # not saved by the policy: nothing raised
     with pytest.raises(fop.EventHookError, match="step 2"):
         mngr.save(4, tree(4))  # raised as it returns: step 4 is being saved all the same
@@ -285,7 +285,7 @@ def test_a_hook_error_never_stops_the_exit_on_sigterm(tmp_path):
     d = tmp_path / "run"
     mngr = fop.CheckpointManager(d, every_steps=1000, handle_sigterm=True, on_event=rec)
     mngr.save(1000, tree(1))
-    mngr._inflight.wait()  # the hook raised on its commit
+    mngr.pending_save.wait()  # the hook raised on its commit
     os.kill(os.getpid(), signal.SIGTERM)  # a real notice, to the manager's handler
     with pytest.raises(SystemExit) as info:
         mngr.save(1001, tree(2))  # saved whatever the policy, closed, exits

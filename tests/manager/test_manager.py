@@ -183,12 +183,12 @@ def test_save_policy_steps_seconds_explicit_and_force(tmp_path):
         now[0] = 100.0
         assert mngr.save(11, tiny(11))  # 60 s passed since the last save
         assert not mngr.save(12, tiny(12))  # timer restarted at the last save
-        assert mngr.save(13, tiny(13), force=True)
+        assert mngr.save(13, tiny(13), ignore_policy=True)
         with pytest.raises(fop.CheckpointError, match="already exists.*overwrite=True"):
-            mngr.save(10, tiny(99), force=True)  # exists: never replaced silently
+            mngr.save(10, tiny(99), ignore_policy=True)  # exists: never replaced silently
         with pytest.raises(fop.CheckpointError, match="below the latest committed step"):
-            mngr.save(12, tiny(99), force=True)
-        assert mngr.save(10, tiny(99), force=True, overwrite=True)  # replaces it
+            mngr.save(12, tiny(99), ignore_policy=True)
+        assert mngr.save(10, tiny(99), ignore_policy=True, overwrite=True)  # replaces it
         mngr.wait()
         assert mngr.steps() == [5, 7, 10, 11, 13]
         out = mngr.restore(step=10, items="params")
@@ -628,7 +628,7 @@ def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
         assert any(k.startswith("params/d/") for k in at_manifest[9])  # chunks were there
         assert any(k.startswith("extras/") for k in at_manifest[9])
         assert after_manifest[9] == []  # nothing written into the step after its manifest
-        mngr.save(9, {"params": {"w": np.zeros(3)}}, force=True, overwrite=True)
+        mngr.save(9, {"params": {"w": np.zeros(3)}}, ignore_policy=True, overwrite=True)
         mngr.wait()
         # every key of the replaced step was there before its manifest; nothing after
         assert keys_under(9) - {MANIFEST} <= at_manifest[9], (keys_under(9), at_manifest[9])
@@ -648,7 +648,7 @@ def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
         # a core checkpoint under a digits name: foreign to the manager, never removed
         fop.save(Location.from_path(url).child("8").child("params"), tiny(8)["params"])
         assert mngr.steps() == [2, 3]
-        assert mngr.save(3, tiny(30), force=True, overwrite=True)
+        assert mngr.save(3, tiny(30), ignore_policy=True, overwrite=True)
     assert fop.restore_params(url)["w"][0] == 30
     # the replaced step's items were written under fresh names, the old ones removed
     step3 = Location.from_path(url).child("3").list_children()

@@ -2,16 +2,19 @@
 
 import pytest
 
-from flax_orbax_plugin._manager.policy import SavePolicy
-from flax_orbax_plugin._manager.retention import RetentionPolicy, steps_to_delete
+from flax_orbax_plugin import OptionError, Retention, SavePolicy
+from flax_orbax_plugin._manager.retention import steps_to_delete
+from flax_orbax_plugin._manager.schedule import SaveSchedule
 
 
-def test_nothing_is_deleted_without_keep_last_or_keep_best():
-    assert steps_to_delete(range(10), RetentionPolicy(keep_every=3)) == []
+def test_nothing_is_deleted_without_keep_or_keep_best():
+    assert steps_to_delete(range(10), Retention()) == []
+    with pytest.raises(OptionError, match="^keep_every=3 does nothing without keep= or keep_b"):
+        Retention(keep_every=3)  # a rule that keeps what nothing deletes
 
 
 def test_rules_are_a_union_and_protected_steps_survive():
-    policy = RetentionPolicy(keep_last=2, keep_every=4, keep_best=1, best_metric="loss")
+    policy = Retention(keep=2, keep_every=4, keep_best=1, best_metric="loss")
     metrics = {1: 0.1, 2: 0.5, 5: float("nan")}
     out = steps_to_delete(range(10), policy, metrics=metrics, protected=[3])
     assert out == [2, 5, 6, 7]
@@ -19,7 +22,7 @@ def test_rules_are_a_union_and_protected_steps_survive():
 
 
 def test_best_mode_max_and_ties_prefer_newer():
-    policy = RetentionPolicy(keep_best=2, best_metric="acc", best_mode="max")
+    policy = Retention(keep_best=2, best_metric="acc", best_mode="max")
     assert steps_to_delete([1, 2, 3, 4], policy, metrics={1: 0.9, 2: 0.5, 3: 0.5, 4: 0.1}) == [
         2,
         4,
@@ -27,25 +30,28 @@ def test_best_mode_max_and_ties_prefer_newer():
 
 
 def test_invalid_retention_options_are_refused():
-    with pytest.raises(ValueError, match="keep_last"):
-        RetentionPolicy(keep_last=0)
+    with pytest.raises(ValueError, match="^keep must be a positive int or None, found int 0"):
+        Retention(keep=0)
     with pytest.raises(ValueError, match="best_mode"):
-        RetentionPolicy(keep_best=1, best_metric="x", best_mode="lowest")
+        Retention(keep_best=1, best_metric="x", best_mode="lowest")
     with pytest.raises(ValueError, match="go together"):
-        RetentionPolicy(keep_best=1)
+        Retention(keep_best=1)
+    with pytest.raises(TypeError, match="^keep must be"):
+        Retention(keep="3")
 
 
 def test_save_policy_with_time_passed_in():
-    policy = SavePolicy(every_seconds=10)
-    assert not policy.should_save(1, 100.0)  # the first decision starts the clock
-    assert not policy.should_save(2, 109.0)
-    assert policy.should_save(3, 110.0)
-    policy.record_save(110.0)
-    assert not policy.should_save(4, 115.0)
-    assert SavePolicy().should_save(123, 0.0)  # no rule: every call saves
+    schedule = SaveSchedule(SavePolicy(every_seconds=10))
+    assert not schedule.decide(1, 100.0)  # the first decision starts the clock
+    assert not schedule.decide(2, 109.0)
+    assert schedule.decide(3, 110.0)
+    schedule.record_save(110.0)
+    assert not schedule.decide(4, 115.0)
+    assert SavePolicy().wants(123, elapsed=0.0)  # no rule: every call saves
     steps = SavePolicy(every_steps=5, steps=[7])
-    assert [s for s in range(1, 12) if steps.should_save(s, 0.0)] == [5, 7, 10]
-    with pytest.raises(ValueError):
+    assert [s for s in range(1, 12) if steps.wants(s, elapsed=0.0)] == [5, 7, 10]
+    assert steps.steps == frozenset({7})
+    with pytest.raises(ValueError, match="^every_steps must be a positive int"):
         SavePolicy(every_steps=0)
 
 
@@ -56,15 +62,15 @@ def test_keep_best_ranks_only_finite_metrics(mode):
     sign = 1.0 if mode == "min" else -1.0
     losses = {1: 0.5, 2: -inf, 3: 0.3, 4: nan, 5: inf}
     metrics = {s: sign * m for s, m in losses.items()}  # 0.3 is best in both modes
-    policy = RetentionPolicy(keep_best=1, best_metric="loss", best_mode=mode)
+    policy = Retention(keep_best=1, best_metric="loss", best_mode=mode)
     assert steps_to_delete(range(1, 6), policy, metrics=metrics) == [1, 2, 4, 5]
     # keep_best=2: the second finite step, not a non-finite one
-    policy2 = RetentionPolicy(keep_best=2, best_metric="loss", best_mode=mode)
+    policy2 = Retention(keep_best=2, best_metric="loss", best_mode=mode)
     assert steps_to_delete(range(1, 6), policy2, metrics=metrics) == [2, 4, 5]
-    # the other rules still keep a non-finite step: keep_last
-    policy3 = RetentionPolicy(keep_best=1, keep_last=1, best_metric="loss", best_mode=mode)
+    # the other rules still keep a non-finite step: keep
+    policy3 = Retention(keep_best=1, keep=1, best_metric="loss", best_mode=mode)
     assert steps_to_delete(range(1, 6), policy3, metrics=metrics) == [1, 2, 4]
-    # only non-finite metrics: nothing is best, keep_last decides alone
+    # only non-finite metrics: nothing is best, keep decides alone
     only_bad = {1: inf, 2: -inf, 3: nan}
     assert steps_to_delete([1, 2, 3], policy3, metrics=only_bad) == [1, 2]
 

@@ -141,7 +141,7 @@ def test_restart_replicates_committed_local_steps_that_never_were(s3, tmp_path):
     with fop.CheckpointManager(local) as mngr:  # no persistent tier yet
         save_steps_plain = [mngr.save(s, state(s)) for s in (1, 2, 3)]
         assert all(save_steps_plain)
-    with fop.CheckpointManager(local, persistent=s3.url, persistent_keep=2) as mngr:
+    with fop.CheckpointManager(local, persistent=fop.Tier(s3.url, keep=2)) as mngr:
         assert mngr.persistent.wait(WAIT_S)
         # Only the newest: older ones would be deleted by the persistent retention at once.
         assert mngr.persistent.replicated == [3]
@@ -310,7 +310,7 @@ def test_a_step_replaced_locally_is_replaced_in_the_persistent_tier(remote, tmp_
 def test_each_tier_has_its_own_retention(remote, tmp_path):
     local = tmp_path / "local"
     with fop.CheckpointManager(
-        local, keep=2, persistent=remote.url, persistent_keep=1, persistent_keep_every=3
+        local, keep=2, persistent=fop.Tier(remote.url, keep=1, keep_every=3)
     ) as mngr:
         save_steps(mngr, range(1, 8))
         mngr.gc()  # local retention ran while steps were queued for replication
@@ -354,7 +354,7 @@ def test_local_retention_keeps_the_steps_waiting_for_a_stalled_bucket(tmp_path, 
             monkeypatch.setenv(k, v)
         spec = server.location(server.create_bucket(), "ckpt").spec
         local = tmp_path / "local"
-        mngr = fop.CheckpointManager(local, keep=1, persistent=spec, persistent_keep=1)
+        mngr = fop.CheckpointManager(local, keep=1, persistent=fop.Tier(spec, keep=1))
         try:
             os.kill(server._proc.pid, signal.SIGSTOP)
             try:
@@ -376,7 +376,7 @@ def test_local_retention_keeps_the_steps_waiting_for_a_stalled_bucket(tmp_path, 
 def test_persistent_every_replicates_only_due_steps_and_keeps_them_until_there(
     tmp_path, monkeypatch
 ):
-    """``persistent_every=3``: steps 3 and 6 reach the persistent path, no other step
+    """``Tier(every=3)``: steps 3 and 6 reach the persistent path, no other step
     ever does; while the copy of 3 is held back (the replicator yields as to a save
     in flight), local retention (``keep=1``) deletes the steps not due but keeps 3."""
     import threading
@@ -388,7 +388,7 @@ def test_persistent_every_replicates_only_due_steps_and_keeps_them_until_there(
     seen: set[str] = set()  # every name the persistent path ever held
     hold = threading.Event()
     hold.set()
-    with fop.CheckpointManager(local, keep=1, persistent=str(remote), persistent_every=3) as mngr:
+    with fop.CheckpointManager(local, keep=1, persistent=fop.Tier(str(remote), every=3)) as mngr:
         mngr.persistent._replicator._yielding._busy = hold.is_set
         for s in range(1, 6):
             mngr.save(s, state(s))
@@ -479,7 +479,7 @@ PREEMPTED = textwrap.dedent(
     import flax_orbax_plugin as fop
     from test_tiers import state
     with fop.CheckpointManager({local!r}, every_steps=1000, handle_sigterm=True,
-                               persistent={url!r}, persistent_grace_seconds=60) as m:
+                               persistent=fop.Tier({url!r}, grace_seconds=60)) as m:
         for step in range(1, 100000):
             m.save(step, state(step))
             print(step, flush=True)
@@ -521,7 +521,7 @@ def mp_tiered(ctx, local, fresh, url):
     state), then restores on an empty local directory from the persistent tier."""
     import _mp_workers as W
 
-    with fop.CheckpointManager(local, keep=1, persistent=url, persistent_keep=2) as mngr:
+    with fop.CheckpointManager(local, keep=1, persistent=fop.Tier(url, keep=2)) as mngr:
         for step in (1, 2, 3):
             mngr.save(step, W.make_state(ctx, step), extras={"step": step})
         mngr.wait()
@@ -859,10 +859,10 @@ def test_foreign_entries_in_the_persistent_location_are_left_byte_identical(stor
     for key, data in FOREIGN.items():
         store.write(key, data)
     local = tmp_path / "local"
-    with fop.CheckpointManager(local, persistent=store.url, persistent_keep=1) as mngr:
+    with fop.CheckpointManager(local, persistent=fop.Tier(store.url, keep=1)) as mngr:
         save_steps(mngr, [1, 2, 3])
         assert mngr.persistent.steps() == [3]
-    with fop.CheckpointManager(local, persistent=store.url, persistent_keep=1) as mngr:
+    with fop.CheckpointManager(local, persistent=fop.Tier(store.url, keep=1)) as mngr:
         mngr.save(100, state(100))  # the Orbax run's step 100 holds that name
         mngr.wait()
         with pytest.raises(fop.ReplicationError, match=r"step 100 .*100: something this library"):

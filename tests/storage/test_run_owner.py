@@ -105,8 +105,9 @@ HOLDER = textwrap.dedent(
     import sys
     import numpy as np
     import flax_orbax_plugin as fop
-    m = fop.CheckpointManager(sys.argv[1], persistent=sys.argv[2],
-                              persistent_lease_seconds=float(sys.argv[3]))
+    m = fop.CheckpointManager(
+        sys.argv[1], persistent=fop.Tier(sys.argv[2], lease_seconds=float(sys.argv[3]))
+    )
     m.save(1, {"params": {"w": np.arange(64, dtype=np.float32) + 1}})
     m.wait()
     assert m.persistent.wait(60)
@@ -217,9 +218,13 @@ def test_s3_a_lease_time_no_date_can_hold_is_refused_naming_the_field(
 
 
 def test_a_lease_no_reader_could_format_is_never_written(s3_location, tmp_path):
-    with pytest.raises(ValueError, match="persistent_lease_seconds"):
+    with pytest.raises(ValueError, match="persistent_lease_seconds"):  # the deprecated form
         fop.CheckpointManager(
             tmp_path / "a", persistent=s3_location.url, persistent_lease_seconds=1e300
+        )
+    with pytest.raises(ValueError, match="^lease_seconds must be a number of seconds > 0"):
+        fop.CheckpointManager(
+            tmp_path / "a", persistent=fop.Tier(s3_location.url, lease_seconds=1e300)
         )
     assert Location.from_path(s3_location.url).read_bytes(RUN_FILE) is None
     with pytest.raises(ValueError, match="lease_expires.*year 9999"):

@@ -653,7 +653,7 @@ def preempted_training(
         mngr = cb.manager
         start = (cb.resumed_step or 0) + 1
         save = lambda step, s: cb.on_step_end(step, s)
-    ctx.note("mode", mngr._preemption.mode)
+    ctx.note("mode", mngr._schedule.preemption.mode)
     if resume:
         want = preempt_expected(start - 1, n_dev)
         exact = all(
@@ -879,3 +879,25 @@ def serving_while_a_step_lands(ctx, directory):
     params = fop.restore_params(directory, like)
     full = expected_w(len(ctx.devices))
     return {"held": steps_held({"w": params["w"]}, lambda step: {"w": full + step})}
+
+
+def callback_overwrite(ctx, directory):
+    """Steps 1 and 2 saved, then a callback with resume=False, overwrite=True on every
+    process: the manager's collective delete removes them (the primary removes, all
+    meet); reports the steps each process then lists."""
+    import flax_orbax_plugin as fop
+
+    with fop.CheckpointManager(directory) as mngr:
+        for step in (1, 2):
+            mngr.save(step, replicated_state(ctx, step, rows=64))
+    cb = fop.CheckpointCallback(directory, resume=False, overwrite=True)
+    assert cb.manager.latest_step() == 2  # opened (collectively); process 1 then lists late
+    if ctx.process_id == 1:
+        time.sleep(1.0)
+    cb.on_train_start(replicated_state(ctx, 0, rows=64))
+    steps = cb.manager.steps()
+    cb.on_train_end(replicated_state(ctx, 3, rows=64), step=3)
+    return {
+        "after_clear": steps,
+        "at_end": fop.CheckpointManager(directory, read_only=True).steps(),
+    }

@@ -19,7 +19,7 @@ from ..._errors import ReplicationError
 from ..._storage.location import Location
 from ..._storage.run_owner import RunOwner
 from ..events import Events
-from ..retention import RetentionPolicy
+from ..retention import Retention
 
 __all__ = ["MAX_DEFER_S", "Places", "Stopped", "TierState", "Yielding"]
 
@@ -41,20 +41,20 @@ class Places:
     tiers delete alike); ``primary`` and ``multi``: this process is the primary, and
     there are several processes; ``per_host``: each process sees only its own local
     directory (the hosts' copies of a step together hold every file); ``every``: only
-    the steps divisible by it are replicated (``persistent_every``).
+    the steps divisible by it are replicated (``Tier(every=)``).
     """
 
     local: Location
     remote: Location
-    retention: RetentionPolicy
+    retention: Retention
     remove_step: Callable[[Location, int], None]
     primary: bool
     multi: bool
     per_host: bool = False  # each host's own local directory (see _manager/per_host.py)
-    every: int = 1  # the manager's persistent_every: the steps due here
+    every: int = 1  # the tier option's every (Tier(every=)): the steps due here
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` goes to this tier by its number (``persistent_every``)."""
+        """Whether ``step`` goes to this tier by its number (``Tier(every=)``)."""
         return step % self.every == 0
 
     def kept_forever(self, step: int) -> bool:
@@ -87,7 +87,7 @@ class TierState:
     # Each host's own directory: ``marker(step)``, the bytes of the host's marker a
     # step copied down gets (set once by the manager's open, then only read).
     marker: Callable[[int], bytes] | None = None
-    # Steps replicated whatever ``persistent_every`` says (the step saved on SIGTERM).
+    # Steps replicated whatever ``Tier(every=)`` says (the step saved on SIGTERM).
     forced: set[int] = dataclasses.field(default_factory=set)
 
     def drop_older(self, step: int, kept_forever: Callable[[int], bool]) -> None:

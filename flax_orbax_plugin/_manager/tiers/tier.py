@@ -25,7 +25,7 @@ from ..._errors import ReplicationError
 from ..._storage import run_owner as _run_owner
 from ..._storage.location import Location
 from ..events import Events
-from ..retention import RetentionPolicy
+from ..retention import Retention
 from .copy_down import CopyDown
 from .damaged import DamagedSteps
 from .opening import open_primary, share_open
@@ -55,7 +55,7 @@ class PersistentTier:
       lease_seconds: the lease on an object-store persistent path (see docs/run_owner.md).
       per_host: each process has its own local directory (see docs/tiers.md).
       every: only the steps divisible by it are replicated (the manager's
-        ``persistent_every``), and those :meth:`force` names.
+        ``Tier(every=)``), and those :meth:`force` names.
     """
 
     def __init__(
@@ -91,7 +91,7 @@ class PersistentTier:
         multi = _distributed.process_count() > 1
         if not grace_seconds >= 0:
             raise ValueError(f"persistent_grace_seconds must be >= 0, found {grace_seconds!r}")
-        self.retention = RetentionPolicy(keep_last=keep, keep_every=keep_every)
+        self.retention = Retention(keep=keep, keep_every=keep_every)
         self.grace_seconds = float(grace_seconds)
         self._lease_seconds = _run_owner.check_lease(lease_seconds)
         self._places = Places(
@@ -164,7 +164,7 @@ class PersistentTier:
         copied; the others' queues only tell their :meth:`wait` what to wait for."""
         state = self._state
         with state.cond:
-            if not self._due(step):  # persistent_every: this step stays local
+            if not self._due(step):  # Tier(every=): this step stays local
                 return
             if not self._places.primary and self._already_decided(step):
                 return
@@ -172,7 +172,7 @@ class PersistentTier:
             state.cond.notify_all()
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` goes to this tier (``persistent_every``, or :meth:`force`)."""
+        """Whether ``step`` goes to this tier (``Tier(every=)``, or :meth:`force`)."""
         with self._state.cond:
             return self._due(step)
 
@@ -180,7 +180,7 @@ class PersistentTier:
         return self._places.due(step) or step in self._state.forced
 
     def force(self, step: int) -> None:
-        """``step`` goes to this tier whatever ``persistent_every`` says (the step saved
+        """``step`` goes to this tier whatever ``Tier(every=)`` says (the step saved
         on SIGTERM); called before its save starts, alike on every process."""
         with self._state.cond:
             self._state.forced.add(step)

@@ -1,0 +1,155 @@
+"""Tier: the persistent tier a CheckpointManager replicates to (a public option object).
+
+``CheckpointManager(local, persistent=Tier("gs://bucket/run", keep=1, every=10))``
+(a bare path or URL is ``Tier(path)``). Each field is declared once (:data:`FIELDS`);
+until the flat ``persistent_<field>=`` keywords of earlier releases are removed, they
+are the same declarations under those names (``option_table.DEPRECATED``). What the
+fields do: ``docs/tiers.md``; the manager hands them to ``PersistentTier``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+from ..._base.option_spec import Option, check, found, refuse_without
+from ..._storage import run_owner as _run_owner
+from ..._storage.kvstore import spec_from_path
+from ..._storage.location import Location
+from ..retention import KEEP, KEEP_EVERY
+from .tier import PersistentTier
+
+__all__ = ["FIELDS", "Tier", "check_place", "refuse_idle"]
+
+
+def check_place(name: str, value: Any) -> Any:
+    """A path option (``directory``, a tier's path): its type here; what it names is
+    the one path checker's (``kvstore.spec_from_path``: an UnsupportedLocationError
+    naming ``name``)."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"expected a path or URL, found {found(value)}")
+    if not isinstance(value, str | Location | dict) and not hasattr(value, "__fspath__"):
+        raise TypeError(
+            f"expected a path, an s3:// / gs:// URL or a kvstore dict, found {found(value)}"
+        )
+    if not isinstance(value, Location):
+        spec_from_path(value, what=name)
+    return value
+
+
+PATH = Option("persistent", "custom", convert=functools.partial(check_place, "persistent"))
+"""A tier's path, checked as the manager's ``persistent=`` (the name its errors give)."""
+
+FIELDS: tuple[Option, ...] = (
+    Option(
+        KEEP.name,
+        KEEP.kind,
+        none_ok=True,
+        low=1,
+        expected=KEEP.expected,
+        doc="the tier's own retention: its last N steps (None: every replicated step)",
+    ),
+    Option(
+        KEEP_EVERY.name,
+        KEEP_EVERY.kind,
+        none_ok=True,
+        low=1,
+        expected=KEEP_EVERY.expected,
+        doc="also keep every step divisible by it there, forever",
+    ),
+    Option(
+        "every",
+        "int",
+        low=1,
+        default=1,
+        expected="a positive int",
+        doc="replicate only the committed steps divisible by it (and the SIGTERM step)",
+    ),
+    Option(
+        "grace_seconds",
+        "number",
+        low=0,
+        high=threading.TIMEOUT_MAX,
+        default=30.0,
+        expected=f"a number of seconds >= 0 and <= {threading.TIMEOUT_MAX:g}",
+        doc="after SIGTERM, how long the exit waits for its step to be replicated",
+    ),
+    Option(
+        "lease_seconds",
+        "number",
+        low=0,
+        low_open=True,
+        high=_run_owner.MAX_LEASE_SECONDS,
+        default=_run_owner.LEASE_SECONDS,
+        expected=f"a number of seconds > 0 and <= {_run_owner.MAX_LEASE_SECONDS:g}",
+        doc="on an object store, the lease that makes one live run own the path",
+    ),
+)
+"""The keyword fields of :class:`Tier` (its path is positional)."""
+
+
+def refuse_idle(values: dict[str, Any], local: bool, name: Callable[[str], str] = str) -> None:
+    """A tier's field that does nothing (``name(field)``: the name it was given by):
+    ``keep_every`` without ``keep``, ``lease_seconds`` on a filesystem path (a lock
+    holds it)."""
+    if values["keep"] is None:
+        refuse_without(
+            name("keep_every"),
+            values["keep_every"],
+            f"{name('keep')}= (the tier keeps every step without it)",
+        )
+    if local:
+        default = _run_owner.LEASE_SECONDS
+        needs = "a persistent tier on an object store (a filesystem path is held by a lock)"
+        refuse_without(name("lease_seconds"), values["lease_seconds"], needs, default=default)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A persistent tier: ``path`` (``s3://``, ``gs://``, a shared filesystem path or a
+    kvstore spec) and its keyword fields (:data:`FIELDS`; see docs/tiers.md).
+
+    Checked when made: OptionError naming the field, an UnsupportedLocationError for
+    the path. Frozen; any thread.
+    """
+
+    path: Any
+    _: KW_ONLY
+    keep: int | None = None
+    keep_every: int | None = None
+    every: int = 1
+    grace_seconds: float = 30.0
+    lease_seconds: float = _run_owner.LEASE_SECONDS
+
+    def __post_init__(self) -> None:
+        PATH.check(self.path)
+        values = check(FIELDS, {o.name: getattr(self, o.name) for o in FIELDS})
+        for field_name, value in values.items():
+            object.__setattr__(self, field_name, value)
+        refuse_idle(values, Location.from_path(self.path).is_local)
+
+    def open(
+        self,
+        local: Location,
+        *,
+        remove_step: Callable[[Location, int], None],
+        busy: Callable[[], bool],
+        per_host: bool,
+    ) -> PersistentTier:
+        """The :class:`PersistentTier` this option describes, replicating ``local``
+        (the manager's writer open calls it; the other arguments: see PersistentTier)."""
+        return PersistentTier(
+            local,
+            self.path,
+            keep=self.keep,
+            keep_every=self.keep_every,
+            every=self.every,
+            grace_seconds=self.grace_seconds,
+            lease_seconds=self.lease_seconds,
+            remove_step=remove_step,
+            busy=busy,
+            per_host=per_host,
+        )
