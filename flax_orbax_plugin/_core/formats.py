@@ -26,7 +26,7 @@ from .._base import distributed as _distributed
 from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, CheckpointDocument, array_dir, batch_dir
-from .._incremental import packed as _packed_reuse
+from .._incremental import packed
 from .._incremental import reuse as _reuse
 from .._incremental.copies import copy_leaf
 from .._incremental.links import link_leaf
@@ -189,14 +189,14 @@ class DataFiles:
         )
 
     def reuser(self, location: Location) -> Any:
-        return _reuse.reuser(location, link=_packed_reuse.link_file, copy=_packed_reuse.copy_file)
+        return _reuse.reuser(location, link=packed.link_file, copy=packed.copy_file)
 
     def wrote(self, doc: CheckpointDocument) -> bool:
         return doc.format_version == 2
 
     def open(self, location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool):
         try:
-            packed = _packed_reader.open_packed(location, doc.process_count)
+            reader = _packed_reader.open_packed(location, doc.process_count)
         except ValueError as e:
             env = _arrays.environmental(e)
             if env is e:
@@ -205,11 +205,11 @@ class DataFiles:
                 raise env from e
             raise CorruptCheckpointError(f"{location}: {e}") from None
         try:
-            check_packed_claims(location, doc, targets, packed)
+            check_packed_claims(location, doc, targets, reader)
         except BaseException:
-            packed.close()
+            reader.close()
             raise
-        return packed
+        return reader
 
     def array_store(self, location: Location, target: Any, paths: list[str]) -> Any:
         return None  # every array is read through the data files' reader
@@ -296,10 +296,10 @@ def _files_reuse(location: Location, way, source: Location, unchanged: list):
     if not unchanged:
         return None
     leaves = {
-        leaf.index: _packed_reuse.Unchanged(
+        leaf.index: packed.Unchanged(
             j, leaf.record, chunks, leaf.writes, sum(d.nbytes for _, d in leaf.writes)
         )
         for leaf, j, chunks in unchanged
     }
     process = _distributed.process_index()
-    return functools.partial(_packed_reuse.reuse_files, way, source, location, process, leaves)
+    return functools.partial(packed.reuse_files, way, source, location, process, leaves)
