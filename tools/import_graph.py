@@ -51,17 +51,6 @@ MODULE_LINES = 400
 FUNCTION_LINES = 60
 
 
-def _modules(root: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for every ``.py`` file under ``root``."""
-    out = {}
-    for path in sorted(root.rglob("*.py")):
-        parts = list(path.relative_to(root.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
-
-
 def _is_package(name: str, modules: dict[str, Path]) -> bool:
     return modules[name].name == "__init__.py"
 
@@ -192,7 +181,7 @@ def main(argv: list[str]) -> int:
     args = [a for a in argv if not a.startswith("--")]
     root = Path(args[0] if args else "flax_orbax_plugin").resolve()
     top = root.name
-    modules = _modules(root)
+    modules = state_scan.modules(root)
     edges: dict[str, set[str]] = {m: set() for m in modules}
     module_level: dict[str, set[str]] = {m: set() for m in modules}
     function_level: list[tuple[str, int, str]] = []

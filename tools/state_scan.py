@@ -80,7 +80,8 @@ SEAM = (
 )
 
 
-def _modules(root: Path) -> dict[str, Path]:
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file under ``root``."""
     out = {}
     for path in sorted(root.rglob("*.py")):
         parts = list(path.relative_to(root.parent).with_suffix("").parts)
@@ -205,8 +206,8 @@ def _is_packed(node: ast.AST) -> bool:
 
 def scan(root: Path):
     """(context variables, module-level mutable state, version tests) of the package."""
-    modules = _modules(root)
-    trees = {name: ast.parse(path.read_text()) for name, path in modules.items()}
+    found = modules(root)
+    trees = {name: ast.parse(path.read_text()) for name, path in found.items()}
     mutated_anywhere: set[str] = set()
     for tree in trees.values():
         mutated_anywhere |= _mutated(tree)
