@@ -44,19 +44,9 @@ import numpy as np  # noqa: E402
 from _s3_server import S3Server  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from machine_load import cpu_times, load1  # noqa: E402
 
 import flax_orbax_plugin as fop  # noqa: E402
-
-
-def _cpu_times() -> tuple[int, int]:
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return fields[7] if len(fields) > 7 else 0, sum(fields[:8])
-
-
-def _load1() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
 
 
 def _median_iqr(values: list[float]) -> str:
@@ -120,13 +110,13 @@ def main() -> None:
             one_run(server, "no deletion", 10, 2)  # warm up: imports, first requests
             for _ in range(args.rounds):
                 for case in cases:
-                    steal0, total0 = _cpu_times()
+                    steal0, total0 = cpu_times()
                     run = one_run(server, case, args.leaves, args.saves)
-                    steal1, total1 = _cpu_times()
+                    steal1, total1 = cpu_times()
                     f = found[case]
                     f["rows"] += run["rows"]
                     f["objects"] = run["objects"]
-                    f["load"].append(_load1())
+                    f["load"].append(load1())
                     f["steal"].append(100 * (steal1 - steal0) / max(1, total1 - total0))
         finally:
             undo()

@@ -39,24 +39,13 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 
 from _failure_workers import FAULTS  # noqa: E402
 from _multiprocess import run_processes  # noqa: E402
-
-
-def _cpu_times() -> tuple[int, int]:
-    """(steal, total) jiffies of all CPUs since boot."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return fields[7] if len(fields) > 7 else 0, sum(fields[:8])
-
-
-def _load1() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
+from machine_load import cpu_times, load1  # noqa: E402
 
 
 def one_job(n: int, victim: int) -> tuple[dict[str, tuple[float, float]], float, float]:
     """One launch: {operation: (seconds from its start, and from the victim raising, to
     the last process raising)}, the load at its end, and the stolen CPU share meanwhile."""
-    steal0, total0 = _cpu_times()
+    steal0, total0 = cpu_times()
     run = run_processes(
         "_failure_workers:one_fails_in_each",
         n,
@@ -69,7 +58,7 @@ def one_job(n: int, victim: int) -> tuple[dict[str, tuple[float, float]], float,
         env={"FOP_COORDINATION_TIMEOUT_S": "120"},
         timeout_s=300,
     ).check()
-    steal1, total1 = _cpu_times()
+    steal1, total1 = cpu_times()
     out = {}
     per_process = [p.result for p in run.procs]
     for i, name in enumerate(FAULTS):
@@ -81,7 +70,7 @@ def one_job(n: int, victim: int) -> tuple[dict[str, tuple[float, float]], float,
         start = min(op["t0"] for op in ops)
         out[name] = (last - start, max(0.0, last - ops[victim]["t_raised"]))
     stolen = (steal1 - steal0) / max(1, total1 - total0)
-    return out, _load1(), stolen
+    return out, load1(), stolen
 
 
 def main() -> int:

@@ -30,22 +30,12 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 
 from _multiprocess import Kill, run_processes  # noqa: E402
-
-
-def _cpu_times() -> tuple[int, int]:
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return fields[7] if len(fields) > 7 else 0, sum(fields[:8])
-
-
-def _load1() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
+from machine_load import cpu_times, load1  # noqa: E402
 
 
 def one_job(n: int, silent: float) -> tuple[float, float, float]:
     """(seconds from the victim's death to the last survivor raising, load, steal %)."""
-    steal0, total0 = _cpu_times()
+    steal0, total0 = cpu_times()
     victim = n - 1
     run = run_processes(
         "_mp_workers:core_save_killed",
@@ -57,7 +47,7 @@ def one_job(n: int, silent: float) -> tuple[float, float, float]:
         timeout_s=400,
         done_timeout_s=2,
     )
-    steal1, total1 = _cpu_times()
+    steal1, total1 = cpu_times()
     died = run[victim].record["t_point_mid_save"]
     raised = []
     for p in run.procs[:victim]:
@@ -66,7 +56,7 @@ def one_job(n: int, silent: float) -> tuple[float, float, float]:
             raise AssertionError(f"process {p.process_id}: {res or p.describe()}")
         raised.append(p.record["t_save2_start"] + res["save2_s"])
     steal = 100 * (steal1 - steal0) / max(1, total1 - total0)
-    return max(raised) - died, _load1(), steal
+    return max(raised) - died, load1(), steal
 
 
 def main() -> None:

@@ -28,22 +28,12 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from machine_load import cpu_times, load1  # noqa: E402
+
 import flax_orbax_plugin as fop  # noqa: E402
 from flax_orbax_plugin._format import layout as _layout  # noqa: E402
 
 DTYPES = ["int8", "int4", "uint4", "float4_e2m1fn", "int2", "uint2", "int1", "float6_e2m3fn"]
-
-
-def _cpu_times() -> tuple[int, int]:
-    """(steal, total) jiffies of all CPUs since boot."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return fields[7] if len(fields) > 7 else 0, sum(fields[:8])
-
-
-def _load1() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
 
 
 def _values(name: str, count: int) -> np.ndarray:
@@ -74,18 +64,18 @@ def main() -> None:
                 for name in DTYPES:
                     path = os.path.join(work, f"{name}-v{version}")
                     shutil.rmtree(path, ignore_errors=True)
-                    s0, t0 = _cpu_times()
+                    s0, t0 = cpu_times()
                     start = time.perf_counter()
                     fop.save(path, trees[name], format_version=version)
                     mid = time.perf_counter()
                     got = fop.restore(path)["w"]
                     end = time.perf_counter()
-                    s1, t1 = _cpu_times()
+                    s1, t1 = cpu_times()
                     assert got.tobytes() == trees[name]["w"].tobytes(), name
                     times[name][0].append(mid - start)
                     times[name][1].append(end - mid)
                     disk[name] = _disk_bytes(path)
-                    load[name] = _load1()
+                    load[name] = load1()
                     steal[name] = (s1 - s0) / max(1, t1 - t0)
             base = {k: statistics.median(v) for k, v in zip("sr", times["int8"], strict=True)}
             for name in DTYPES:
