@@ -25,6 +25,7 @@ from ._errors import (
     ProcessFailedError,
     ReplicationError,
     StepDeletedError,
+    StoreAccessError,
     StructureError,
     TransformError,
     UnknownItemError,

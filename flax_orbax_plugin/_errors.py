@@ -96,3 +96,14 @@ class OptionError(CheckpointError, ValueError):
 
 class OptionTypeError(OptionError, TypeError):
     """An :class:`OptionError` for a value of the wrong type."""
+
+
+class StoreAccessError(CheckpointError, ValueError):
+    """An object store refused: no such bucket, no credentials could be loaded, or
+    access denied. The message names the bucket (``url``), what happened (``reason``)
+    and what to do; ``detail`` is the store's own first line. A ``ValueError``, as the
+    raw error from tensorstore was."""
+
+    def __init__(self, message: str, *, url: str = "", reason: str = "", detail: str = ""):
+        super().__init__(message)
+        self.url, self.reason, self.detail = url, reason, detail

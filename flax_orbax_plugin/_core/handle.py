@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._storage.store_errors import raises_store_errors_in_methods
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ class SaveResult:
         return out
 
 
+@raises_store_errors_in_methods(lambda bound: [bound["self"].path])
 class SaveHandle:
     """A save whose background phase may still run: ``wait()`` returns its
     :class:`SaveResult` or re-raises its error (an error is never dropped: a handle

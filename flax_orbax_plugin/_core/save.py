@@ -24,6 +24,7 @@ from .._base import interrupts as _interrupts
 from .._base import tree as _tree
 from .._format.layout import COMMIT_FILE, CommitMarker
 from .._storage.location import Location
+from .._storage.store_errors import arguments, raises_store_errors
 from . import commit as _commit
 from . import ownership as _ownership
 from . import save_options as _save_options
@@ -44,6 +45,7 @@ def wait_for_pending_save(location: Location | None = None) -> None:
 
 
 @_distributed.collective("save")
+@raises_store_errors(arguments("path"))
 def save(
     path: Any,
     tree: Any,
@@ -72,6 +74,7 @@ def save(
 
 
 @_distributed.collective("save")
+@raises_store_errors(arguments("path"))
 def save_async(
     path: Any,
     tree: Any,
@@ -230,9 +233,17 @@ class _Background:
             _ownership.remove(self.location, action="remove the remains of the failed save at")
 
 
+@raises_store_errors(arguments("path"))
 def is_committed(path: Any) -> bool:
-    """True when ``path`` holds a committed standalone checkpoint."""
-    return Location.from_path(path).exists(COMMIT_FILE)
+    """True when ``path`` holds a committed standalone checkpoint. A store that
+    answers "not there" for a bucket it lacks (S3 reads a missing bucket's key as
+    missing) is listed before False is said: StoreAccessError for no such bucket."""
+    location = Location.from_path(path)
+    if location.exists(COMMIT_FILE):
+        return True
+    if not location.is_local:
+        location.is_dir()  # a listing: a missing bucket or a refusal raises here
+    return False
 
 
 def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:

@@ -29,6 +29,7 @@ from .._format.layout import (
     iterator_state_file,
 )
 from .._storage.location import Location
+from .._storage.store_errors import arguments, raises_store_errors
 from .._zarr import arrays as _arrays
 from . import formats as _formats
 from . import read_data as _read_data
@@ -58,6 +59,7 @@ class VerifyResult:
     error: str | None = None
 
 
+@raises_store_errors(arguments("path"))
 def verify(
     path: Any,
     *,

@@ -38,6 +38,7 @@ from .._manager.manager import CheckpointManager
 from .._storage.kvstore import local_path
 from .._storage.location import Location
 from .._storage.lock import LOCK_FILE
+from .._storage.store_errors import arguments, raises_store_errors
 from . import msgpack_reader, orbax_reader
 from .import_step import choose_step, state_step
 
@@ -230,6 +231,7 @@ def _source_size(path: Any) -> int:
     return os.path.getsize(path) if os.path.isfile(path) else loc.size_bytes()
 
 
+@raises_store_errors(arguments("src", "out_dir"))
 def import_checkpoint(
     src: Any,
     out_dir: Any,
@@ -267,6 +269,7 @@ def import_checkpoint(
     raise CheckpointNotFoundError(f"{src}: no such file or directory")
 
 
+@raises_store_errors(arguments("src", "out_dir"))
 def import_orbax(
     src: Any,
     out_dir: Any,
@@ -316,6 +319,7 @@ def import_orbax(
     )
 
 
+@raises_store_errors(arguments("src", "out_dir"))
 def import_msgpack(
     src: Any,
     out_dir: Any,

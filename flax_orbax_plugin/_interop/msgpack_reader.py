@@ -49,6 +49,7 @@ from .._format.foreign import is_msgpack_checkpoint
 from .._like import onto_like as _onto_like
 from .._storage.kvstore import local_path
 from .._storage.local_files import entry_kind
+from .._storage.store_errors import arguments, raises_store_errors
 from .._storage.untrusted import open_regular
 
 __all__ = ["files_to_import", "read_msgpack", "restore_msgpack"]
@@ -199,6 +200,7 @@ def read_msgpack(path: Any) -> Any:
     return _unchunk(tree, where)
 
 
+@raises_store_errors(arguments("path"))
 def restore_msgpack(path: Any, like: Any = None, *, partial: bool = False) -> Any:
     """A msgpack checkpoint in the form of ``like`` (the rules of ``fop.restore``;
     dtype changes must be lossless); ``like`` None gives the state dict as read."""

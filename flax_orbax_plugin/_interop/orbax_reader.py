@@ -33,6 +33,7 @@ from .._like import onto_like as _onto_like
 from .._like.retarget import retarget
 from .._storage.kvstore import context
 from .._storage.location import Location
+from .._storage.store_errors import arguments, raises_store_errors
 from .orbax_layout import (
     STRINGS_FILE,
     OrbaxItem,
@@ -244,6 +245,7 @@ def _restore_tree(item: OrbaxItem, like: Any, allow_cast: bool, *, partial: bool
     return _tree.unflatten(treedef, [values[p] for p, _, _ in flat])
 
 
+@raises_store_errors(arguments("path"))
 def restore_orbax(
     path: Any,
     like: Any = None,

@@ -46,6 +46,7 @@ from .._errors import EventHookError
 from .._like.transform import changes as check_changes
 from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state
+from .._storage.store_errors import arguments, raises_store_errors_in_methods
 from . import options as _options
 from . import resuming as _resuming
 from . import signatures as _signatures
@@ -63,6 +64,7 @@ class ScalarWriter(Protocol):
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
 
 
+@raises_store_errors_in_methods(arguments("directory"))  # its manager names the rest
 class CheckpointCallback:
     # The docstring and the signature of __init__ are derived from the option
     # declarations (option_table.CALLBACK) by signatures.document, below the class.

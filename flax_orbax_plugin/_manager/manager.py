@@ -26,6 +26,7 @@ from .._errors import CheckpointError
 from .._like import transform as _transform
 from .._storage import shared_dir as _shared_dir
 from .._storage.lock import DirectoryLock
+from .._storage.store_errors import raises_store_errors_in_methods
 from . import housekeeping as _housekeeping
 from . import options as _options
 from . import per_host as _per_host
@@ -44,6 +45,19 @@ __all__ = ["CheckpointManager"]
 logger = logging.getLogger("flax_orbax_plugin")
 
 
+def _places(bound: dict[str, Any]) -> list[Any]:
+    """The stores a manager's call may reach: its directory and its persistent tier."""
+    options = bound.get("options") or {}
+    tier = options.get("persistent")
+    this = bound["self"]
+    return [
+        bound.get("directory"),
+        getattr(tier, "path", tier),
+        this.directory if hasattr(this, "_loc") else None,
+    ]
+
+
+@raises_store_errors_in_methods(_places)  # a store's refusal: StoreAccessError
 class CheckpointManager:
     # The docstring and the signature of __init__ are derived from the option
     # declarations (option_table.MANAGER) by signatures.document, below the class.

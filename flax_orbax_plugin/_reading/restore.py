@@ -25,6 +25,7 @@ from .._interop.orbax_layout import open_orbax
 from .._interop.orbax_reader import restore_orbax
 from .._interop.orbax_steps import agreed_latest
 from .._storage.location import Location
+from .._storage.store_errors import arguments, raises_store_errors
 from . import items as _items
 
 __all__ = ["metadata", "restore"]
@@ -35,6 +36,7 @@ __all__ = ["metadata", "restore"]
 @_distributed.collective_call(
     "restore", spans=lambda path, like=None, **_: _distributed.spans_processes(like)
 )
+@raises_store_errors(arguments("path"))
 def restore(
     path: Any,
     like: Any = None,
@@ -137,6 +139,7 @@ def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str
     return restore_orbax(location, like, step=step, partial=partial)
 
 
+@raises_store_errors(arguments("path"))
 def metadata(path: Any) -> _metadata.CheckpointMetadata:
     """Leaf paths, shapes, dtypes and shardings of a checkpoint; reads no array data.
     On an Orbax checkpoint the error says what it holds and how to read it."""

@@ -27,6 +27,7 @@ from .._like import transform as _transform
 from .._like.retarget import retarget
 from .._state.train_state import holds_nnx_objects, split_state
 from .._storage.location import Location
+from .._storage.store_errors import arguments, raises_store_errors
 
 __all__ = ["restore_params"]
 
@@ -50,6 +51,7 @@ def _spans(directory: Any, like: Any = None, *, sharding: Any = None, **_: Any) 
 
 
 @_distributed.collective_call("restore-params", spans=_spans)  # see ``_base.regions``
+@raises_store_errors(arguments("directory"))
 def restore_params(
     directory: Any,
     like: Any = None,

@@ -306,67 +306,6 @@ def _profile_with_keys(
     }
 
 
-# What an object store's refusal means, by tensorstore's status text: (pattern, what
-# happened, what to do). The first that matches is the one line the CLI prints.
-_STORE_ERRORS = (
-    (
-        r"NoSuchBucket|bucket does not exist|404.*bucket",
-        "no such bucket",
-        "check the bucket's name (and the endpoint/project it lives in)",
-    ),
-    (
-        r"PROVIDER_INVALID_ENVIRONMENT|Failed to get credentials|Failed to create credentials",
-        "no credentials could be loaded",
-        "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile) for s3://, or "
-        "GOOGLE_APPLICATION_CREDENTIALS / `gcloud auth application-default login` for gs://",
-    ),
-    (
-        r"PERMISSION_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|"
-        r"http_response_code='40[13]'|UNAUTHENTICATED",
-        "access denied",
-        "check that these credentials may read (and, to write, write) this bucket",
-    ),
-)
-
-
-def store_error_line(error: BaseException, spec: dict[str, Any]) -> str | None:
-    """One line naming the bucket of ``spec`` (an s3 or gcs kvstore spec), what the
-    store said and what to do, for an error from tensorstore that is one of a missing
-    bucket, missing credentials or access denied; None for anything else (and for
-    other stores). Access denied with no credentials anywhere in the environment is
-    reported as missing credentials (the request went out anonymous)."""
-    driver = spec.get("driver")
-    if driver not in ("s3", "gcs") or not isinstance(error, ValueError):
-        return None
-    text = str(error)
-    scheme = "s3" if driver == "s3" else "gs"
-    where = f"{scheme}://{spec.get('bucket', '')}"
-    for pattern, what, todo in _STORE_ERRORS:
-        if re.search(pattern, text):
-            if what == "access denied" and driver == "s3" and not _aws_credentials_present():
-                what, todo = (
-                    "no credentials could be loaded (the request went anonymous)",
-                    (_STORE_ERRORS[1][2]),
-                )
-            return f"{where}: {what}; {todo}"
-    return None
-
-
-def _aws_credentials_present() -> bool:
-    """Whether the environment names any AWS credentials (keys, a profile, a
-    credentials file): otherwise the default chain ends anonymous."""
-    if os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE"):
-        return True
-    if os.environ.get("AWS_WEB_IDENTITY_TOKEN_FILE") or os.environ.get(
-        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"
-    ):
-        return True
-    files = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser(
-        "~/.aws/credentials"
-    )
-    return os.path.isfile(files)
-
-
 def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
     if not prefix:
         return ts.KvStore.KeyRange()

@@ -154,6 +154,12 @@ class RunOwner:
             new = write_if(self.remote, mine, generation)
             if new is None:  # another open wrote the record between our read and write
                 theirs, _ = read_versioned(self.remote)
+                if theirs is None:  # nobody's record: the store refused (S3 reads a
+                    self.remote.is_dir()  # missing bucket as a missing key: this raises)
+                    raise CheckpointError(
+                        f"{self.remote}: the run record {RUN_FILE} could not be written "
+                        f"(the store refused the conditional write, and holds no record)"
+                    )
                 raise DirectoryLockedError(
                     f"{self.remote} was taken by "
                     + (theirs.describe() if theirs else "another run")

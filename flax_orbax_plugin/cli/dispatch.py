@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._storage.kvstore import local_path, spec_from_path, store_error_line
+from .._storage.kvstore import local_path, spec_from_path
+from .._storage.store_errors import store_error_line
 from .commands import cmd_export, cmd_gc, cmd_import, cmd_inspect, cmd_verify
 from .list_command import cmd_list
 from .native_logs import aws_lines_filtered
