@@ -6,6 +6,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._state.train_st
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,11 +20,10 @@ _ELEMENT_KINDS = (
 
 
 def _nnx():
-    try:
-        from flax import nnx  # optional: flax only for NNX states
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return None
-    return nnx
+    """``flax.nnx`` if this process imported it, else None: an NNX object exists only
+    once its module was imported, so a tree of plain arrays never imports flax (seconds
+    on a cold start, in the first save)."""
+    return sys.modules.get("flax.nnx")
 
 
 def _is_struct_dataclass(x: Any) -> bool:
