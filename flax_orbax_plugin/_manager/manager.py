@@ -49,11 +49,11 @@ def _places(bound: dict[str, Any]) -> list[Any]:
     """The stores a manager's call may reach: its directory and its persistent tier."""
     options = bound.get("options") or {}
     tier = options.get("persistent")
-    this = bound["self"]
+    # ``directory`` (the property) once __init__ has set it; the argument before
     return [
         bound.get("directory"),
         getattr(tier, "path", tier),
-        this.directory if hasattr(this, "_loc") else None,
+        getattr(bound["self"], "directory", None),
     ]
 
 

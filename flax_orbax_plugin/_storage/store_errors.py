@@ -62,17 +62,15 @@ def refusal(error: BaseException, spec: dict[str, Any]) -> StoreAccessError | No
     driver = spec.get("driver")
     if driver not in ("s3", "gcs") or not isinstance(error, ValueError):
         return None
-    if isinstance(error, CheckpointError):
+    if isinstance(error, CheckpointError):  # ours already says what happened
         return None
     text = str(error)
     url = f"{'s3' if driver == 's3' else 'gs'}://{spec.get('bucket', '')}"
     for pattern, what, todo in _REFUSALS:
         if re.search(pattern, text):
             if what == "access denied" and driver == "s3" and not _aws_credentials_present():
-                what, todo = (
-                    "no credentials could be loaded (the request went anonymous)",
-                    (_NO_CREDENTIALS),
-                )
+                what = "no credentials could be loaded (the request went anonymous)"
+                todo = _NO_CREDENTIALS
             detail = text.splitlines()[0][:300] if text else ""
             return StoreAccessError(f"{url}: {what}; {todo}", url=url, reason=what, detail=detail)
     return None

@@ -414,14 +414,6 @@ def test_restore_params_opens_nothing_but_params(tmp_path):
         mngr.restore(items="opt_state")
 
 
-def _read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    raise AssertionError("no read_bytes in /proc/self/io")
-
-
 def _params_run(tmp_path, layers):
     """A step whose opt_state is twice the params; and a tiny warm-up run."""
     rng = np.random.default_rng(0)
