@@ -75,9 +75,21 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
         StepReplicated,
         StepsRemoved,
     )
+    from ._manager.keep_rules import KeepAny, KeepBest, KeepEvery, KeepFor, KeepLast
+    from ._manager.lanes import Lane, Lanes
     from ._manager.manager import CheckpointManager
     from ._manager.policy import SavePolicy
     from ._manager.retention import Retention
+    from ._manager.save_rules import (
+        AllOf,
+        AnyOf,
+        AtSteps,
+        Continuous,
+        EverySeconds,
+        EverySteps,
+        InitialSave,
+        OnPreemption,
+    )
     from ._manager.tiers.tier_option import Tier
     from ._reading.restore import metadata, restore
     from ._reading.serving import restore_params
@@ -85,23 +97,38 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
     from ._storage.location import Location
 
 __all__ = [
+    "AllOf",
+    "AnyOf",
+    "AtSteps",
     "CheckpointCallback",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
     "Checkpointable",
+    "Continuous",
     "CoordinationError",
     "CorruptCheckpointError",
     "DirectoryLockedError",
     "Event",
     "EventHookError",
+    "EverySeconds",
+    "EverySteps",
     "ForeignEntryError",
+    "InitialSave",
+    "KeepAny",
+    "KeepBest",
+    "KeepEvery",
+    "KeepFor",
+    "KeepLast",
+    "Lane",
+    "Lanes",
     "LeafMetadata",
     "Location",
     "MetricWriterEvents",
     "NotCommittedError",
     "NothingMatchedError",
+    "OnPreemption",
     "OptionError",
     "OptionTypeError",
     "Pending",
@@ -118,11 +145,11 @@ __all__ = [
     "SaveRequest",
     "SaveResult",
     "SaveStarted",
-    "StepIndexedIterator",
     "StepDeletedError",
-    "StoreAccessError",
+    "StepIndexedIterator",
     "StepReplicated",
     "StepsRemoved",
+    "StoreAccessError",
     "StructureError",
     "Tier",
     "TransformError",

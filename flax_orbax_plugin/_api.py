@@ -55,9 +55,21 @@ from ._manager.events import (
     StepReplicated,
     StepsRemoved,
 )
+from ._manager.keep_rules import KeepAny, KeepBest, KeepEvery, KeepFor, KeepLast
+from ._manager.lanes import Lane, Lanes
 from ._manager.manager import CheckpointManager
 from ._manager.policy import SavePolicy
 from ._manager.retention import Retention
+from ._manager.save_rules import (
+    AllOf,
+    AnyOf,
+    AtSteps,
+    Continuous,
+    EverySeconds,
+    EverySteps,
+    InitialSave,
+    OnPreemption,
+)
 from ._manager.tiers.tier_option import Tier
 from ._reading.restore import metadata, restore
 from ._reading.serving import restore_params

@@ -2,8 +2,10 @@
 
 The committed steps of a writer (a list in memory, so that a save costs the same
 whatever the number of steps kept), the steps being read (never deleted by this
-manager's retention) and being deleted (never read), the metric of each step for
-``keep_best``, the figures of the last save, the persistent tier if any, and where events go.
+manager's retention) and being deleted (never read), the metrics of each step for
+``keep_best`` (``{name: value}``), when this manager saved each step and in which lane
+(``KeepFor``, ``Lanes``), the figures of the last save, the persistent tier if any, and
+where events go.
 
 Threading: the training thread, the save's background thread and the deletion
 thread all use one book; every field is read and changed under its lock.
@@ -41,7 +43,9 @@ class StepBook:
         self.lock = threading.Lock()  # guards the fields below
         self._reading: collections.Counter[int] = collections.Counter()
         self._deleting: set[int] = set()
-        self._metrics: dict[int, float | None] = {}
+        self._metrics: dict[int, dict[str, float | None]] = {}
+        self._times: dict[int, float] = {}  # step -> when this manager saved it (its clock)
+        self._lanes: dict[int, str] = {}  # step -> the lane it was saved in
         self._committed: list[int] | None = None  # a writer's committed steps (steps())
         self._last_save: SaveResult | None = None
 
@@ -84,7 +88,7 @@ class StepBook:
         with self.lock:
             self._committed = None
 
-    def committed(self, step: int, result: SaveResult, metric: float | None) -> None:
+    def committed(self, step: int, result: SaveResult, metric: dict[str, float | None]) -> None:
         """Background thread, after ``step``'s commit: it joins the list."""
         with self.lock:
             if self._committed is not None and step not in self._committed:
@@ -95,6 +99,8 @@ class StepBook:
 
     def removed(self, step: int) -> None:
         with self.lock:
+            self._times.pop(step, None)
+            self._lanes.pop(step, None)
             if self._committed is not None and step in self._committed:
                 self._committed.remove(step)
 
@@ -136,13 +142,27 @@ class StepBook:
 
     # -- metrics (keep_best)
 
-    def metric(self, step: int) -> tuple[bool, float | None]:
-        """``(known, value)``: whether ``step``'s metric is known, and the metric."""
+    def metric(self, step: int) -> tuple[bool, dict[str, float | None]]:
+        """``(known, {name: value})``: whether ``step``'s metrics are known, and them."""
         with self.lock:
             if step in self._metrics:
                 return True, self._metrics[step]
-        return False, None
+        return False, {}
 
-    def set_metric(self, step: int, value: float | None) -> None:
+    def set_metric(self, step: int, value: dict[str, float | None]) -> None:
         with self.lock:
             self._metrics[step] = value
+
+    # -- save times and lanes (KeepFor, Lanes)
+
+    def note_save(self, step: int, when: float, lane: str) -> None:
+        """Training thread, as ``step``'s save begins: its time (the schedule's, the
+        primary's with several processes when time matters) and its lane."""
+        with self.lock:
+            self._times[step] = when
+            self._lanes[step] = lane
+
+    def dated(self) -> tuple[dict[int, float], dict[int, str]]:
+        """``(times, lanes)`` of the steps this manager saved (copies)."""
+        with self.lock:
+            return dict(self._times), dict(self._lanes)

@@ -66,7 +66,7 @@ class CheckpointManager:
         with _distributed.collective("manager-open", spans=not options.get("read_only")):
             opts = _options.ManagerOptions.build(directory, options)  # _base.regions
             self._loc = opts.location
-            self._schedule = SaveSchedule(opts.policy)
+            self._schedule = SaveSchedule(opts.policy, opts.clock, opts.retention.uses_time)
             self._async, self._read_only = opts.async_save, opts.read_only
             pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
             self._buffers = _host.BufferPool() if pooled else None
@@ -83,6 +83,7 @@ class CheckpointManager:
                 opts.format_version,
             )
             self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
+            self._schedule.context = lambda: (bool(self._book.known()), self._saver.in_flight)
             self._closed = False
             self._dir_lock: DirectoryLock | None = None
             _housekeeping.refuse_step_directory(self._loc)
@@ -109,8 +110,9 @@ class CheckpointManager:
                     per_host=own,
                 )
                 _per_host.open_tier(self._book, self.steps())
-            if opts.handle_sigterm:
+            if opts.handle_sigterm or self._schedule.watches_preemption:  # OnPreemption()
                 self._schedule.preemption = Preemption.install()
+                self._schedule.stops = opts.handle_sigterm
         except BaseException:  # the others learn of it at once: waits for none of them
             self._shut()
             raise
@@ -202,7 +204,8 @@ class CheckpointManager:
         whatever the policy says (``force=``, its old name, is deprecated: it warns and
         goes in the next release). A step at or below the latest committed one is refused unless
         ``overwrite=True`` (which replaces an existing step atomically). ``t`` is the
-        time for ``every_seconds`` (default: the manager's clock). ``extras`` may be a
+        time of the decision (``EverySeconds``, ``Continuous``, ``KeepFor``; default:
+        the manager's clock, which also measures a save's blocking time). ``extras`` may be a
         callable returning the mapping, called only when the step is saved.
 
         Returns once every item's blocking phase is done (state may then be mutated
@@ -213,20 +216,25 @@ class CheckpointManager:
         step, ignore_policy = _options.check_save_call(
             step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t
         )
-        preempted = self.preempted_at(step)  # first: asked at every step, in order
+        schedule = self._schedule  # preempted_at first: asked at every step, in order
+        stop = self.preempted_at(step) and schedule.stops  # handle_sigterm: save and exit
         self._saver.raise_background_error()
-        if not (ignore_policy or preempted or self._schedule.decide(step, t)):
+        lane, now = schedule.decide(step, t, forced=ignore_policy or stop)
+        if lane is None:
             return False
         self._wait_inflight()
+        began = schedule.clock()  # the blocking time, as Continuous() measures it
         with self._saver.saving():  # from here to its commit, removals yield to the save
-            local = self._saver.check_new_step(step, overwrite or preempted)
+            local = self._saver.check_new_step(step, overwrite or stop)
             extras = extras() if callable(extras) else extras  # only for a step that is saved
             items = collect_items(state, data_iterator, extras)
-            self._saver.start(step, items, extras, local, replicate=preempted)
-        self._schedule.record_save(t)
-        if not self._async or preempted:
+            self._book.note_save(step, now, lane)  # its time and lane (KeepFor, Lanes)
+            replicate = stop or schedule.preemption_step == step  # to the tier anyway
+            self._saver.start(step, items, extras, local, replicate=replicate)
+        schedule.record_save(now, schedule.clock() - began)
+        if not self._async or stop:
             self._wait_inflight()
-        if preempted:
+        if stop:
             self._book.events.holding(self.close)  # a hook's error (logged) never stops it
             raise SystemExit(128 + signal.SIGTERM)
         self._book.events.raise_after_save()  # a hook's, once this step is saved too

@@ -34,8 +34,8 @@ from .._base.option_spec import Option, check, found
 from .._format import layout as _layout
 from . import policy as _policy
 from . import retention as _retention
-from .policy import SavePolicy
-from .retention import Retention
+from .keep_rules import KeepRule
+from .save_rules import SaveRule
 from .tiers import tier_option as _tier_option
 from .tiers.tier_option import Tier
 
@@ -103,11 +103,11 @@ def _writer(value: Any) -> Any:
     return value
 
 
-def _instance(cls: type, shorthands: str) -> Any:
+def _instance(cls: type, name: str, shorthands: str, objects: str) -> Any:
     def convert(value: Any) -> Any:
         if not isinstance(value, cls):
             raise TypeError(
-                f"expected a {cls.__name__}(...) or None (or the shorthands {shorthands}), "
+                f"expected a {name}(...) or None (or the shorthands {shorthands}), or {objects}, "
                 f"found {found(value)}"
             )
         return value
@@ -154,18 +154,30 @@ MANAGER: tuple[Option, ...] = (
         "retention",
         "custom",
         none_ok=True,
-        convert=_instance(Retention, "keep=, keep_every=, keep_best=, best_metric=, best_mode="),
-        annotation="Retention",
-        doc="which steps to keep, as one object (instead of its shorthands keep= ...)",
+        convert=_instance(
+            KeepRule,
+            "Retention",
+            "keep=, keep_every=, keep_best=, best_metric=, best_mode=",
+            "a retention rule (fop.KeepLast(n) | fop.KeepEvery(k) | fop.KeepBest(n, metric=) "
+            "| fop.KeepFor(seconds))",
+        ),
+        annotation="Retention | KeepRule",
+        doc="which steps to keep, as one object: Retention(...), KeepLast(n), KeepFor(s)...",
     ),
     *_policy.FIELDS,
     Option(
         "policy",
         "custom",
         none_ok=True,
-        convert=_instance(SavePolicy, "every_steps=, every_seconds=, steps=, clock="),
-        annotation="SavePolicy",
-        doc="which steps to save, as one object (instead of its shorthands every_steps= ...)",
+        convert=_instance(
+            SaveRule,
+            "SavePolicy",
+            "every_steps=, every_seconds=, steps=, clock=",
+            "a save policy (fop.EverySteps(n) | fop.EverySeconds(t) | fop.OnPreemption() "
+            "| fop.InitialSave() | fop.Continuous(...), or fop.Lanes(...))",
+        ),
+        annotation="SavePolicy | SaveRule | Lanes",
+        doc="which steps to save, as one object: SavePolicy(...), EverySteps(n)..., Lanes(...)",
     ),
     ASYNC_SAVE,
     _flag("read_only", "take no lock, remove nothing, refuse save (an evaluator's reader)"),

@@ -35,8 +35,11 @@ from .._format import layout as _layout
 from .._storage.location import Location
 from . import option_table as _table
 from .checkpointables import Checkpointable, PytreeCheckpointable
+from .keep_rules import KeepRule
+from .lanes import Lanes
 from .policy import SavePolicy
 from .retention import Retention
+from .save_rules import SaveRule
 from .tiers import tier_option as _tier_option
 from .tiers.tier_option import Tier
 
@@ -48,6 +51,7 @@ __all__ = [
     "check_save_call",
 ]
 
+_CLOCK_DEFAULT = next(o.default for o in _table.MANAGER if o.name == "clock")
 _GROUPS = (
     ("retention", Retention, _table.RETENTION_SHORTHANDS),
     ("policy", SavePolicy, _table.POLICY_SHORTHANDS),
@@ -100,8 +104,13 @@ def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
 def _refuse_both(given: Mapping[str, Any]) -> None:
     """A shorthand given with the object that covers it: OptionError naming both."""
     for option, cls, shorthands in _GROUPS:
-        if given.get(option) is None:
+        value = given.get(option)
+        if value is None:
             continue
+        if isinstance(value, Lanes):  # a Lanes is the retention too
+            shorthands = shorthands + _table.RETENTION_SHORTHANDS + ("retention",)
+        elif option == "policy" and not isinstance(value, SavePolicy):
+            shorthands = tuple(n for n in shorthands if n != "clock")  # the manager's clock
         both = [n for n in shorthands if n in given]
         if both:
             named = ", ".join(f"{n}={given[n]!r}" for n in both)
@@ -129,9 +138,7 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
         defaults = {o.name: o.default for o in _table.MANAGER}
         for name in _table.WRITER_ONLY:
             refuse_without(name, out[name], "a writer (read_only=False)", default=defaults[name])
-    for option, cls, shorthands in _GROUPS:
-        if out[option] is None:
-            out[option] = cls(**{n: out[n] for n in shorthands})
+    _compose(out)
     _formats.refuse_ignored(  # what the chosen format ignores (the format says why)
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
     )
@@ -142,6 +149,39 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
             "incremental=False (an incremental step copies every region to host first)",
         )
     return out
+
+
+def _compose(out: dict[str, Any]) -> None:
+    """``out``'s policy and retention as objects (from the shorthands when not given):
+    a Lanes is both; a retention that deletes nothing alone, or a Lanes given as the
+    retention, is refused; ``clock`` is the SavePolicy's, else the manager's option (refused
+    when nothing uses the time)."""
+    if isinstance(out["retention"], Lanes):
+        raise OptionError(
+            f"retention={out['retention']!r}: a Lanes is a save policy and its retention at "
+            "once: give it as policy=Lanes(...)"
+        )
+    if isinstance(out["policy"], Lanes):
+        out["retention"] = out["policy"]
+    for option, cls, shorthands in _GROUPS:
+        if out[option] is None:
+            out[option] = cls(**{n: out[n] for n in shorthands})
+    retention: KeepRule = out["retention"]
+    if not retention.deletes_anything and not isinstance(retention, Retention | Lanes):
+        raise OptionError(
+            f"retention={retention!r} deletes nothing (KeepEvery keeps steps beside a rule "
+            "that deletes): add KeepLast(n), KeepBest(n, metric=) or KeepFor(seconds)"
+        )
+    policy: SaveRule = out["policy"]
+    if isinstance(policy, SavePolicy):
+        out["clock"] = policy.clock
+    elif not (policy.uses_time or retention.uses_time):
+        refuse_without(
+            "clock",
+            out["clock"],
+            "a policy or retention that uses the time (EverySeconds, Continuous, KeepFor...)",
+            default=_CLOCK_DEFAULT,
+        )
 
 
 def check_callback(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -237,8 +277,9 @@ class ManagerOptions:
     ``overrides`` (from ``checkpointables`` and ``compression``)."""
 
     location: Location
-    policy: SavePolicy
-    retention: Retention
+    policy: SaveRule
+    retention: KeepRule
+    clock: Callable[[], float]
     tier: Tier | None
     overrides: Mapping[str, Checkpointable]
     async_save: bool
@@ -263,6 +304,7 @@ class ManagerOptions:
             location,
             values["policy"],
             values["retention"],
+            values["clock"],
             values["persistent"],
             overrides,
             **plain,

@@ -8,10 +8,10 @@ whatever the policy says. The time comes from ``clock`` (or ``t`` from the calle
 tests need no sleeps.
 
 A policy is frozen and holds no state: the manager's ``schedule`` keeps the time of
-the last save and asks :meth:`SavePolicy.wants`. That is the whole protocol of a save
-policy (``wants(step, *, elapsed)`` and ``uses_time``), so combinations (any / all of
-several policies, a save on preemption, an initial save) can be objects of their own
-later, taken by the same ``policy=`` option.
+the last save and asks the policy's :attr:`SavePolicy.rule`: the composable objects
+of ``save_rules`` (``AtSteps | EverySteps | EverySeconds``; ``EverySteps(1)`` with no
+rule set), so the shorthands and the objects take one path. A SavePolicy is a save
+policy itself: ``SavePolicy(every_steps=1000) | fop.OnPreemption()`` works.
 
 Each field is declared once (:data:`FIELDS`): the manager's shorthands
 (``every_steps=``, ``every_seconds=``, ``steps=``, ``clock=``) are the same
@@ -27,6 +27,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from .._base.option_spec import Option, check, found, refuse_without
+from .save_rules import AnyOf, AtSteps, EverySeconds, EverySteps, Moment, SaveRule
 
 __all__ = ["FIELDS", "SavePolicy"]
 
@@ -98,7 +99,7 @@ FIELDS: tuple[Option, ...] = (EVERY_STEPS, EVERY_SECONDS, STEPS, CLOCK)
 
 
 @dataclass(frozen=True)
-class SavePolicy:
+class SavePolicy(SaveRule):
     """Which steps to save; see the module docstring. Every field is optional.
 
     ``SavePolicy(every_steps=1000)``, ``SavePolicy(every_seconds=600, steps=[1])``:
@@ -129,15 +130,27 @@ class SavePolicy:
         return self.every_steps is None and self.every_seconds is None and not self.steps
 
     @property
-    def uses_time(self) -> bool:
+    def uses_time(self) -> bool:  # type: ignore[override]
         """Whether a decision depends on the time (then one process decides for all)."""
         return self.every_seconds is not None
 
-    def wants(self, step: int, *, elapsed: float) -> bool:
-        """Whether ``step`` is to be saved, ``elapsed`` seconds after the last save (or
-        after the first decision, before any save)."""
-        if self.always or step in (self.steps or ()):
-            return True
-        if self.every_steps is not None and step % self.every_steps == 0:
-            return True
-        return self.every_seconds is not None and elapsed >= self.every_seconds
+    @property
+    def rule(self) -> SaveRule:
+        """The same policy as the composable objects (``save_rules``)."""
+        parts: list[SaveRule] = []
+        if self.steps:
+            parts.append(AtSteps(self.steps))
+        if self.every_steps is not None:
+            parts.append(EverySteps(self.every_steps))
+        if self.every_seconds is not None:
+            parts.append(EverySeconds(self.every_seconds))
+        if not parts:
+            return EverySteps(1)
+        return parts[0] if len(parts) == 1 else AnyOf(*parts)
+
+    def wants(self, moment: Moment | int, *, elapsed: float = 0.0) -> bool:  # type: ignore[override]
+        """Whether the step of ``moment`` is to be saved; ``wants(step, elapsed=s)``:
+        ``s`` seconds after the last save (or the first decision, before any save)."""
+        if not isinstance(moment, Moment):
+            moment = Moment(int(moment), since_save=elapsed)
+        return self.rule.wants(moment)

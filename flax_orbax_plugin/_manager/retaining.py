@@ -1,8 +1,9 @@
 """RetentionRunner: applies a manager's retention policy to its directory.
 
 Which steps go is ``retention.steps_to_delete`` (pure); this runs it on the steps a
-manager knows (its :class:`StepBook`), with the metric of each step for
-``keep_best`` (from the save's extras, else read back from the step), and deletes
+manager knows (its :class:`StepBook`), with what it knows of them
+(``keep_rules.StepFacts``: the metrics a ``KeepBest`` ranks, from the save's extras,
+else read back from the step; when and in which lane this manager saved each), and deletes
 the doomed steps through ``_ownership.remove_step`` (the primary only).
 
 Deletion never delays a save: passes run on the one deletion thread, off the save
@@ -38,7 +39,8 @@ from .._storage.deleting import REMOVAL_CONCURRENCY
 from .._storage.location import Location
 from .book import StepBook
 from .checkpointables import Checkpointable, checkpointable_for
-from .retention import Retention, steps_to_delete
+from .keep_rules import KeepRule, StepFacts
+from .retention import steps_to_delete
 
 __all__ = ["RetentionRunner", "as_metric"]
 
@@ -62,7 +64,7 @@ class RetentionRunner:
     def __init__(
         self,
         location: Location,
-        policy: Retention,
+        policy: KeepRule,
         overrides: Mapping[str, Checkpointable],
         book: StepBook,
     ):
@@ -136,18 +138,20 @@ class RetentionRunner:
 
     # -- metrics
 
-    def metric_of(self, extras: Any) -> float | None:
-        """The metric of ``keep_best`` in the extras being saved, if any."""
-        if self.policy.best_metric is None or not isinstance(extras, Mapping):
-            return None
-        return as_metric(extras.get(self.policy.best_metric))
+    def metric_of(self, extras: Any) -> dict[str, float | None]:
+        """The metrics the retention ranks, in the extras being saved: ``{name: value}``."""
+        names = self.policy.metric_names
+        if not isinstance(extras, Mapping):
+            return dict.fromkeys(names)
+        return {name: as_metric(extras.get(name)) for name in names}
 
-    def metric(self, step: int) -> float | None:
-        """``step``'s metric: known from its save, else read from its extras once."""
+    def metric(self, step: int) -> dict[str, float | None]:
+        """``step``'s metrics: known from its save, else read from its extras once."""
         known, value = self._book.metric(step)
         if known:
             return value
-        name = self.policy.best_metric
+        names = self.policy.metric_names
+        value = dict.fromkeys(names)
         try:
             step_loc = _steps.step_location(self._loc, step)
             entry = _steps.read_manifest(step_loc).items.get("extras")
@@ -156,7 +160,7 @@ class RetentionRunner:
                     step_loc.child(entry.dir), None
                 )
                 if isinstance(extras, Mapping):
-                    value = as_metric(extras.get(name))
+                    value = {name: as_metric(extras.get(name)) for name in names}
         except CheckpointError as e:
             logger.warning("retention: cannot read metric of step %d: %s", step, e)
         self._book.set_metric(step, value)
@@ -226,10 +230,7 @@ class RetentionRunner:
 
     def _doomed(self, asked: set[int]) -> list[int]:
         steps = self._book.known()
-        metrics = {}
-        if self.policy.keep_best is not None:
-            metrics = {s: self.metric(s) for s in steps}
-            metrics = {s: m for s, m in metrics.items() if m is not None}
+        facts = self._facts(steps)
         # The newest step is kept as well as the one this pass was run for: a pass that
         # runs late (its step's commit, then the next step's, then this pass) must not
         # delete the step a resume would read.
@@ -241,4 +242,17 @@ class RetentionRunner:
             if self._book.per_host:  # each host's copy: no due step newer than the bucket
                 newest = max(tier.known_steps(), default=-1)
                 protected |= {s for s in steps if s > newest and tier.due(s)}
-        return steps_to_delete(steps, self.policy, metrics=metrics, protected=protected)
+        return steps_to_delete(steps, self.policy, facts=facts, protected=protected)
+
+    def _facts(self, steps: list[int]) -> StepFacts:
+        """What the rules are asked about: the ranked metrics (read back when not known),
+        the save time and lane of each step this manager saved, the latest save's time."""
+        metrics: dict[str, dict[int, float]] = {n: {} for n in self.policy.metric_names}
+        if metrics:
+            for s in steps:
+                for name, value in self.metric(s).items():
+                    if value is not None and name in metrics:
+                        metrics[name][s] = value
+        times, lanes = self._book.dated()
+        now = max(times.values(), default=None)
+        return StepFacts(metrics=metrics, times=times, lanes=lanes, now=now)

@@ -14,19 +14,20 @@ touching storage. A step survives if any rule of :class:`Retention` keeps it:
 
 When neither ``keep`` nor ``keep_best`` is set nothing is deleted. Each field is
 declared once (:data:`FIELDS`); the manager's shorthands (``keep=``, ``keep_every=``,
-``keep_best=``, ``best_metric=``, ``best_mode=``) are the same declarations. Rules
-added later (by age, temporary and permanent lanes) become fields or objects of their
-own, taken by the same ``retention=`` option.
+``keep_best=``, ``best_metric=``, ``best_mode=``) are the same declarations. A
+Retention is the union of the composable rules of ``keep_rules`` (:attr:`Retention.rule`:
+``KeepLast | KeepEvery | KeepBest``), which ``retention=`` takes as well (with
+``KeepFor`` and ``lanes.Lanes``): :func:`steps_to_delete` asks any of them.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
 
 from .._base.option_spec import Option, check, refuse_without
 from .._errors import OptionError
+from .keep_rules import KeepAny, KeepBest, KeepEvery, KeepLast, KeepRule, StepFacts
 
 __all__ = ["FIELDS", "Retention", "steps_to_delete"]
 
@@ -69,7 +70,7 @@ FIELDS: tuple[Option, ...] = (KEEP, KEEP_EVERY, KEEP_BEST, BEST_METRIC, BEST_MOD
 
 
 @dataclass(frozen=True)
-class Retention:
+class Retention(KeepRule):
     """What to keep; see the module docstring. Every field is optional.
 
     ``Retention(keep=3, keep_every=1000)``, ``Retention(keep=1, keep_best=2,
@@ -106,49 +107,46 @@ class Retention:
             )
 
     @property
-    def deletes_anything(self) -> bool:
+    def deletes_anything(self) -> bool:  # type: ignore[override]
         """Whether any step is ever deleted (``keep`` or ``keep_best`` set)."""
         return self.keep is not None or self.keep_best is not None
 
-    def kept(self, steps: list[int], metrics: Mapping[int, float]) -> set[int]:
-        """The steps of ``steps`` (ascending) that some rule keeps. With
-        :attr:`deletes_anything`, this is the protocol :func:`steps_to_delete` asks of
-        a retention (so rules added later can be objects of their own)."""
-        keep: set[int] = set()
+    @property
+    def rule(self) -> KeepRule:
+        """The same retention as the composable rules (``keep_rules``)."""
+        parts: list[KeepRule] = []
         if self.keep is not None:
-            keep.update(steps[-self.keep :])
+            parts.append(KeepLast(self.keep))
         if self.keep_every is not None:
-            keep.update(s for s in steps if s % self.keep_every == 0)
+            parts.append(KeepEvery(self.keep_every))
         if self.keep_best is not None:
-            finite = {s: m for s in steps if (m := _finite(metrics.get(s))) is not None}
-            ranked = list(finite)
-            sign = 1.0 if self.best_mode == "min" else -1.0
-            ranked.sort(key=lambda s: (sign * finite[s], -s))  # ties go to the newer step
-            keep.update(ranked[: self.keep_best])
-        return keep
+            parts.append(KeepBest(self.keep_best, metric=self.best_metric, mode=self.best_mode))
+        return KeepAny(*parts) if parts else KeepAny(KeepEvery(1))  # keeps every step
+
+    @property
+    def metric_names(self) -> frozenset[str]:
+        return frozenset() if self.best_metric is None else frozenset({self.best_metric})
+
+    def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
+        return self.rule.kept(steps, facts)
 
 
 def steps_to_delete(
     steps: Iterable[int],
-    policy: Retention,
+    policy: KeepRule,
     *,
     metrics: Mapping[int, float] | None = None,
     protected: Iterable[int] = (),
+    facts: StepFacts | None = None,
 ) -> list[int]:
-    """Return the sorted steps that ``policy`` does not keep (nor ``protected``)."""
+    """Return the sorted steps that ``policy`` (any retention rule) does not keep (nor
+    ``protected``). ``facts``: what is known of the steps; ``metrics`` (``{step: value}``)
+    stands for the facts of a policy that ranks one metric."""
     steps = sorted(set(steps))
     if not policy.deletes_anything:
         return []
-    keep = set(protected) | policy.kept(steps, metrics or {})
+    if facts is None:
+        names = policy.metric_names
+        facts = StepFacts(metrics={n: dict(metrics or {}) for n in names})
+    keep = set(protected) | policy.kept(steps, facts)
     return [s for s in steps if s not in keep]
-
-
-def _finite(value: object) -> float | None:
-    """``value`` as a finite float; None for no metric, a non-number, NaN or +-inf."""
-    if value is None:
-        return None
-    try:
-        out = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return out if math.isfinite(out) else None

@@ -300,7 +300,7 @@ class Saver:
         return pendings, reuses
 
     def _after_commit(
-        self, step: int, result: SaveResult, metric: float | None, stored: Any
+        self, step: int, result: SaveResult, metric: dict[str, float | None], stored: Any
     ) -> None:
         """Background thread, once ``step`` committed (``stored``: its files and bytes
         as stored, or None: see ``StepCommit.stored``)."""

@@ -1,9 +1,13 @@
 """SaveSchedule: which steps a manager saves, and when it must stop.
 
-The save policy (``policy.SavePolicy``, frozen) on its clock with the time of the last
-save (kept here), a time-based decision taken by the primary and shared with every
-process, and the preemption notice (``handle_sigterm``: the step saved before
-stopping; see ``preemption``).
+The save policy (a frozen ``save_rules.SaveRule``; a ``SavePolicy`` stands for its
+``rule``) on the manager's clock, with what it is asked about kept here: the time the
+last save began and how long it blocked the loop (:class:`~.save_rules.Moment`). A
+decision that depends on the time or on the save in flight (``uses_time``, or a
+retention that dates steps) is the primary's, shared with every process together with
+its time (the step's save time is then the same everywhere). The preemption notice
+(``handle_sigterm``, or an ``OnPreemption`` policy: see ``preemption``) answers which
+step is the one to save before stopping.
 
 Threading: the training thread only. With several processes every process asks
 for every step, in order (``should_save`` or ``save`` once per step).
@@ -11,20 +15,51 @@ for every step, in order (``should_save`` or ``save`` once per step).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from .._base import distributed as _distributed
 from .policy import SavePolicy
 from .preemption import Preemption
+from .save_rules import Moment, SaveRule
 
-__all__ = ["SaveSchedule"]
+__all__ = ["FORCED", "SaveSchedule"]
+
+FORCED = "forced"  # the label of a step saved whatever the policy says
 
 
 class SaveSchedule:
-    """``policy`` on its clock, the time of the last save, and the preemption notice."""
+    """``policy`` on its clock, the last save's time and blocking time, the notice.
 
-    def __init__(self, policy: SavePolicy):
-        self._policy = policy
+    ``clock``: the time source (a SavePolicy's own ``clock`` wins); ``shares_time``:
+    the decision and its time are the primary's even when the policy does not use the
+    time (a retention by age). ``context()``: ``(has_steps, in_flight)`` for each
+    decision (the manager's: a committed step is known, a save's background phase
+    runs)."""
+
+    def __init__(
+        self,
+        policy: SaveRule,
+        clock: Callable[[], float] = time.monotonic,
+        shares_time: bool = False,
+    ):
+        if isinstance(policy, SavePolicy):
+            policy, clock = policy.rule, policy.clock
+        self._rule = policy
+        self.clock = clock
+        self._shares = policy.uses_time or shares_time
         self._last_time: float | None = None  # the last save's (or the first decision's)
-        self.preemption: Preemption | None = None  # handle_sigterm (see _preemption)
+        self._last_blocking: float | None = None
+        self._preemption_saved = False  # OnPreemption saves the agreed step once
+        self.preemption_step: int | None = None  # the step saved for it (replicated)
+        self.context: Callable[[], tuple[bool, bool]] = lambda: (False, False)
+        self.preemption: Preemption | None = None  # see preemption
+        self.stops = False  # handle_sigterm: the preemption step's save ends the run
+
+    @property
+    def watches_preemption(self) -> bool:
+        """Whether the policy saves on preemption (the manager installs the notice)."""
+        return self._rule.watches_preemption
 
     def uninstall(self) -> None:
         """The manager's close: the previous SIGTERM handler back (``handle_sigterm``)."""
@@ -32,13 +67,22 @@ class SaveSchedule:
             self.preemption.uninstall()
 
     def now(self, t: float | None) -> float:
-        return self._policy.clock() if t is None else float(t)
+        return self.clock() if t is None else float(t)
 
-    def _wants(self, step: int, t: float | None) -> bool:
+    def _moment(self, step: int, t: float | None) -> Moment:
         now = self.now(t)
         if self._last_time is None:
             self._last_time = now  # the first decision starts the clock
-        return self._policy.wants(step, elapsed=now - self._last_time)
+        has_steps, in_flight = self.context()
+        return Moment(
+            step,
+            now=now,
+            since_save=now - self._last_time,
+            has_steps=has_steps,
+            in_flight=in_flight,
+            preempted=self.preempted_at(step) and not self._preemption_saved,
+            last_blocking=self._last_blocking,
+        )
 
     @property
     def preempted(self) -> bool:
@@ -53,16 +97,32 @@ class SaveSchedule:
 
     def should_save(self, step: int, t: float | None) -> bool:
         """This process's view (see CheckpointManager.should_save)."""
-        return self.preempted_at(step) or self._wants(step, t)
+        if self.stops and self.preempted_at(step):
+            return True
+        return self._rule.label(self._moment(step, t)) is not None
 
-    def decide(self, step: int, t: float | None) -> bool:
-        """The policy's decision; a time-based one is the primary's, shared by all."""
-        decide = self._wants(step, t)
-        if self._policy.uses_time and _distributed.process_count() > 1:
+    def decide(
+        self, step: int, t: float | None, *, forced: bool = False
+    ) -> tuple[str | None, float]:
+        """``(label, now)``: the lane ``step`` is saved in (``"save"`` outside lanes,
+        :data:`FORCED` for a step saved whatever the policy says) or None, and the time
+        of the decision; a time-based one is the primary's, shared by all, with its time."""
+        moment = self._moment(step, t)
+        label = self._rule.label(moment)
+        if forced and label is None:
+            label = FORCED
+        now = moment.now
+        if self._shares and _distributed.process_count() > 1:
             op = _distributed.next_operation_id("manager-policy")
-            decide = _distributed.broadcast_str(op, str(int(decide))) == "1"
-        return decide
+            text = _distributed.broadcast_str(op, f"{label or ''}|{now!r}")
+            shared, _, when = text.partition("|")
+            label, now = shared or None, float(when)
+        if label is not None and moment.preempted:
+            self._preemption_saved, self.preemption_step = True, step
+        return label, now
 
-    def record_save(self, t: float | None) -> None:
-        """A save has started at ``t`` (the clock's time when None)."""
-        self._last_time = self.now(t)
+    def record_save(self, now: float | None, blocking: float | None = None) -> None:
+        """A save began at ``now`` (the clock's time when None) and blocked the loop for
+        ``blocking`` seconds (on the clock)."""
+        self._last_time = self.now(now)
+        self._last_blocking = blocking

@@ -1,0 +1,111 @@
+"""Temporary and permanent lanes: two save policies, each with its own retention.
+
+``Lanes(temporary=Lane(EverySeconds(1800), keep=KeepLast(2)),
+permanent=Lane(EverySteps(10_000)))`` saves a step when either lane wants it and
+records the lane it was saved in: ``permanent`` when the permanent policy wants it,
+else ``temporary``. Retention then judges each lane's steps apart, by that lane's
+``keep`` (``None``: kept forever), among that lane's steps only: a temporary step never
+pushes a permanent one out, nor the other way. A step whose lane the manager does not
+know (one of an earlier run, listed from the directory) counts as permanent: it is
+never removed by the temporary lane's rule.
+
+Given as ``CheckpointManager(directory, policy=Lanes(...))``: a Lanes is the save
+policy and the retention at once (``retention=`` and the retention shorthands are then
+refused). The lanes share the directory (and its persistent tier, if any).
+
+Pure values; any thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import OptionError
+from .keep_rules import KeepRule, StepFacts, check_keep
+from .save_rules import Moment, SaveRule, check_rule
+
+__all__ = ["PERMANENT", "TEMPORARY", "Lane", "Lanes"]
+
+TEMPORARY = "temporary"
+PERMANENT = "permanent"
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One lane: the steps ``save`` wants, kept by ``keep`` (None: forever)."""
+
+    save: SaveRule
+    keep: KeepRule | None = None
+
+    def __post_init__(self) -> None:
+        check_rule(self.save, "Lane(save)")
+        if self.keep is not None:
+            check_keep(self.keep, "Lane(keep)")
+            if not self.keep.deletes_anything:
+                raise OptionError(
+                    f"Lane(keep={self.keep!r}) deletes nothing (a KeepEvery keeps steps "
+                    "beside a rule that deletes): add KeepLast(n) or KeepFor(seconds), or "
+                    "give keep=None to keep the lane's steps forever"
+                )
+
+
+@dataclass(frozen=True)
+class Lanes(SaveRule, KeepRule):
+    """A temporary and a permanent :class:`Lane` (see the module docstring)."""
+
+    temporary: Lane
+    permanent: Lane
+
+    def __post_init__(self) -> None:
+        for name in (TEMPORARY, PERMANENT):
+            value = getattr(self, name)
+            if not isinstance(value, Lane):
+                raise OptionError(
+                    f"Lanes({name}=) must be a fop.Lane(save_policy, keep=...), found "
+                    f"{type(value).__name__} {value!r}"
+                )
+
+    # -- the save policy
+
+    @property
+    def uses_time(self) -> bool:  # type: ignore[override]
+        keeps = [lane.keep for lane in self._lanes() if lane.keep is not None]
+        return any(lane.save.uses_time for lane in self._lanes()) or any(k.uses_time for k in keeps)
+
+    @property
+    def watches_preemption(self) -> bool:  # type: ignore[override]
+        return any(lane.save.watches_preemption for lane in self._lanes())
+
+    def wants(self, moment: Moment) -> bool:
+        return self.label(moment) is not None
+
+    def label(self, moment: Moment) -> str | None:
+        if self.permanent.save.wants(moment):
+            return PERMANENT
+        return TEMPORARY if self.temporary.save.wants(moment) else None
+
+    # -- the retention
+
+    @property
+    def deletes_anything(self) -> bool:  # type: ignore[override]
+        return any(lane.keep is not None for lane in self._lanes())
+
+    @property
+    def metric_names(self) -> frozenset[str]:
+        keeps = [lane.keep for lane in self._lanes() if lane.keep is not None]
+        return frozenset().union(*(k.metric_names for k in keeps))
+
+    def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
+        temporary = [s for s in steps if facts.lanes.get(s) == TEMPORARY]
+        permanent = [s for s in steps if facts.lanes.get(s) != TEMPORARY]
+        out: set[int] = set()
+        for lane, own in ((self.temporary, temporary), (self.permanent, permanent)):
+            out |= set(own) if lane.keep is None else lane.keep.kept(own, facts)
+        return out
+
+    def _lanes(self) -> tuple[Lane, Lane]:
+        return (self.temporary, self.permanent)
+
+    def __or__(self, other: Any) -> Any:
+        raise OptionError("a Lanes is the whole policy: combine the policies inside its lanes")
