@@ -107,10 +107,10 @@ def _refuse_both(given: Mapping[str, Any]) -> None:
         value = given.get(option)
         if value is None:
             continue
-        if isinstance(value, Lanes):  # a Lanes is the retention too
-            shorthands = shorthands + _table.RETENTION_SHORTHANDS + ("retention",)
-        elif option == "policy" and not isinstance(value, SavePolicy):
+        if option == "policy" and not isinstance(value, SavePolicy):
             shorthands = tuple(n for n in shorthands if n != "clock")  # the manager's clock
+        if option == "policy" and isinstance(value, Lanes):  # the retention too
+            shorthands = shorthands + _table.RETENTION_SHORTHANDS + ("retention",)
         both = [n for n in shorthands if n in given]
         if both:
             named = ", ".join(f"{n}={given[n]!r}" for n in both)
