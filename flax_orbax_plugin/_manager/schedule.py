@@ -50,6 +50,7 @@ class SaveSchedule:
         self._shares = policy.uses_time or shares_time
         self._last_time: float | None = None  # the last save's (or the first decision's)
         self._last_blocking: float | None = None
+        self._saved_any = False  # this schedule recorded a save
         self._preemption_saved = False  # OnPreemption saves the agreed step once
         self.preemption_step: int | None = None  # the step saved for it (replicated)
         self.context: Callable[[], tuple[bool, bool]] = lambda: (False, False)
@@ -78,7 +79,7 @@ class SaveSchedule:
             step,
             now=now,
             since_save=now - self._last_time,
-            has_steps=has_steps,
+            has_steps=has_steps or self._saved_any,  # a save in flight counts
             in_flight=in_flight,
             preempted=self.preempted_at(step) and not self._preemption_saved,
             last_blocking=self._last_blocking,
@@ -125,4 +126,4 @@ class SaveSchedule:
         """A save began at ``now`` (the clock's time when None) and blocked the loop for
         ``blocking`` seconds (on the clock)."""
         self._last_time = self.now(now)
-        self._last_blocking = blocking
+        self._last_blocking, self._saved_any = blocking, True

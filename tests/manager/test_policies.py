@@ -411,3 +411,21 @@ def test_keep_for_never_ages_out_undated_steps_and_lanes_judge_each_lane_apart(t
         # permanent lane: 10 and the undated 1, 2, 5, of which KeepLast(1) keeps 10;
         # temporary lane: 11, 13 -> 13 (6 and 12 not saved: too soon)
         assert mngr.steps() == [10, 13]
+
+
+def test_readme_policies_snippet(tmp_path):
+    """README.md's policy snippet runs as written (a fresh directory: InitialSave and
+    the permanent lane save step 0; nothing else is due within the test's seconds)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    marker = "<!-- snippet: run by tests/manager/test_policies.py::test_readme_policies_snippet -->"
+    (code,) = re.findall(re.escape(marker) + r"\n```python\n(.*?)^```", text, re.M | re.S)
+    names = dict(fop=fop, directory=str(tmp_path), num_steps=3, state=tiny())
+    names["losses"] = [0.5, math.nan, 0.25]
+    exec(compile(code, "<README.md snippet>", "exec"), names)
+    assert names["lanes"].temporary.keep == fop.KeepLast(2)
+    for name in ("run", "lanes"):
+        with fop.CheckpointManager(tmp_path / name, read_only=True) as reader:
+            assert reader.steps() == [0]
