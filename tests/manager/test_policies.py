@@ -9,10 +9,15 @@ in (``t=``) and a save's blocking time is made by a fake clock that the extras c
 
 import math
 import os
+import re
 import signal
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from _mp_workers import replicated_state
+from _multiprocess import run_processes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -416,8 +421,6 @@ def test_keep_for_never_ages_out_undated_steps_and_lanes_judge_each_lane_apart(t
 def test_readme_policies_snippet(tmp_path):
     """README.md's policy snippet runs as written (a fresh directory: InitialSave and
     the permanent lane save step 0; nothing else is due within the test's seconds)."""
-    import re
-    from pathlib import Path
 
     text = (Path(__file__).parents[2] / "README.md").read_text()
     marker = "<!-- snippet: run by tests/manager/test_policies.py::test_readme_policies_snippet -->"
@@ -429,3 +432,37 @@ def test_readme_policies_snippet(tmp_path):
     for name in ("run", "lanes"):
         with fop.CheckpointManager(tmp_path / name, read_only=True) as reader:
             assert reader.steps() == [0]
+
+
+def two_clocks(ctx, directory, n=24):
+    """Worker (several processes): lanes with time rules, each process's clock at its
+    own speed; the primary's decisions and times are shared, so every process saves
+    the same steps, in the same lanes, and drops the same ones."""
+    speed = 1.0 + 0.7 * jax.process_index()
+    lanes = fop.Lanes(
+        temporary=fop.Lane(
+            fop.EverySeconds(3) | fop.Continuous(max_overhead_percent=50),
+            keep=fop.KeepFor(8) | fop.KeepLast(1),
+        ),
+        permanent=fop.Lane(fop.EverySteps(10), keep=fop.KeepLast(1)),
+    )
+    saved = []
+    with fop.CheckpointManager(directory, policy=lanes) as mngr:
+        for step in range(1, n + 1):
+            if mngr.save(step, replicated_state(ctx, step, rows=8), t=step * speed):
+                saved.append(step)
+        mngr.wait()
+        known = mngr._book.known()  # what this process believes is there
+        lanes_known = mngr._book.dated()[1]
+    listed = fop.CheckpointManager(directory, read_only=True).steps()
+    return {"saved": saved, "known": known, "listed": listed, "lanes": sorted(lanes_known.items())}
+
+
+def test_time_based_lanes_decide_alike_on_every_process(tmp_path):
+    run = run_processes(
+        "test_policies:two_clocks", 2, args={"directory": str(tmp_path / "run")}, timeout_s=150
+    )
+    a, b = run.check().results
+    assert a == b  # saved steps, their lanes, the steps each one believes are there
+    assert a["known"] == a["listed"] and 20 in a["listed"] and 10 not in a["listed"]
+    assert len(a["saved"]) > len(a["listed"])  # retention ran, the same on both
