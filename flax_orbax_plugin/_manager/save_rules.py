@@ -175,7 +175,10 @@ class OnPreemption(SaveRule):
 
 @dataclass(frozen=True)
 class InitialSave(SaveRule):
-    """Saves the first step asked about when the directory holds no committed step."""
+    """Saves the first step asked about when the directory holds no committed step.
+    Decided by the primary (each host's own directory may list other steps)."""
+
+    uses_time = True  # the primary's decision, shared (see the module docstring)
 
     def wants(self, moment: Moment) -> bool:
         return not moment.has_steps
