@@ -22,7 +22,10 @@ MANAGER_DOC = """A directory of training steps: save policy, retention, async sa
 
     ``CheckpointManager(directory, keep=3, every_steps=1000)``, or with the option
     objects ``CheckpointManager(directory, retention=Retention(keep=3),
-    policy=SavePolicy(every_steps=1000), persistent=Tier("gs://b/run", keep=1))``.
+    policy=SavePolicy(every_steps=1000), persistent=Tier("gs://b/run", keep=1))``, or
+    composed: ``policy=EverySteps(1000) | OnPreemption()``, ``retention=KeepLast(3) |
+    KeepBest(2, metric="loss")``, ``policy=Lanes(temporary=Lane(EverySeconds(1800),
+    keep=KeepLast(2)), permanent=Lane(EverySteps(10_000)))`` (docs/manager.md).
 
     Args (keyword-only after ``directory``; each checked when the manager is made, and
     one that does nothing in the chosen mode refused: OptionError naming it):
