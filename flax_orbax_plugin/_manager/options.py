@@ -163,9 +163,12 @@ def _compose(out: dict[str, Any]) -> None:
         )
     if isinstance(out["policy"], Lanes):
         out["retention"] = out["policy"]
-    for option, cls, shorthands in _GROUPS:
+    for option, cls, shorthands in _GROUPS:  # the retention first: the policy asks it
         if out[option] is None:
-            out[option] = cls(**{n: out[n] for n in shorthands})
+            fields = {n: out[n] for n in shorthands}
+            if option == "policy" and out["retention"].uses_time and not out["every_seconds"]:
+                del fields["clock"]  # the manager's clock, which dates the steps (KeepFor)
+            out[option] = cls(**fields)
     retention: KeepRule = out["retention"]
     if not retention.deletes_anything and not isinstance(retention, Retention | Lanes):
         raise OptionError(
@@ -174,7 +177,8 @@ def _compose(out: dict[str, Any]) -> None:
         )
     policy: SaveRule = out["policy"]
     if isinstance(policy, SavePolicy):
-        out["clock"] = policy.clock
+        if policy.clock is not _CLOCK_DEFAULT:
+            out["clock"] = policy.clock
     elif not (policy.uses_time or retention.uses_time):
         refuse_without(
             "clock",
@@ -182,7 +186,6 @@ def _compose(out: dict[str, Any]) -> None:
             "a policy or retention that uses the time (EverySeconds, Continuous, KeepFor...)",
             default=_CLOCK_DEFAULT,
         )
-
 
 def check_callback(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """CheckpointCallback's keyword options ``given`` and its ``manager_options``

@@ -92,7 +92,7 @@ CLOCK = Option(
     "callable",
     default=time.monotonic,
     annotation="Callable[[], float]",
-    doc="the time source of every_seconds (tests pass one in)",
+    doc="the time source of every_seconds, EverySeconds, Continuous and KeepFor (tests pass one)",
 )
 FIELDS: tuple[Option, ...] = (EVERY_STEPS, EVERY_SECONDS, STEPS, CLOCK)
 """The fields of :class:`SavePolicy`, which are also the manager's shorthands."""

@@ -43,8 +43,8 @@ class SaveSchedule:
         clock: Callable[[], float] = time.monotonic,
         shares_time: bool = False,
     ):
-        if isinstance(policy, SavePolicy):
-            policy, clock = policy.rule, policy.clock
+        if isinstance(policy, SavePolicy):  # its own clock, when it has one, wins
+            policy, clock = policy.rule, clock if policy.clock is time.monotonic else policy.clock
         self._rule = policy
         self.clock = clock
         self._shares = policy.uses_time or shares_time

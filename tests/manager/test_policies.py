@@ -398,11 +398,13 @@ def test_keep_for_never_ages_out_undated_steps_and_lanes_judge_each_lane_apart(t
         for step in (1, 2):
             mngr.save(step, tiny())
     clock = FakeClock()
+    # the shorthand every_steps= with a dating retention: the manager's clock dates steps
     with fop.CheckpointManager(
-        tmp_path, policy=fop.EverySteps(1), retention=fop.KeepFor(5), clock=clock
+        tmp_path, every_steps=1, retention=fop.KeepFor(5), clock=clock
     ) as mngr:
         for step, t in ((3, 0.0), (4, 4.0), (5, 10.0)):
-            mngr.save(step, tiny(), t=t)
+            clock.value = t
+            mngr.save(step, tiny())
         mngr.wait()
         assert mngr.steps() == [1, 2, 5]  # 3 and 4: older than 5 s; 1, 2: undated
     lanes = fop.Lanes(
