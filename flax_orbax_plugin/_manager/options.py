@@ -187,6 +187,7 @@ def _compose(out: dict[str, Any]) -> None:
             default=_CLOCK_DEFAULT,
         )
 
+
 def check_callback(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """CheckpointCallback's keyword options ``given`` and its ``manager_options``
     (checked now, with the callback's, not when the manager is first made): returns
