@@ -56,6 +56,8 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
     from ._interop.msgpack_reader import restore_msgpack
     from ._interop.orbax_reader import restore_orbax
     from ._interop.safetensors import from_safetensors, to_safetensors
+    from ._like.surgery_ops import Fuse, Rename, Split, Stack, Transpose, Unstack
+    from ._like.surgery_plan import PlanEntry, RestorePlan
     from ._manager.callback import CheckpointCallback
     from ._manager.checkpointables import (
         Checkpointable,
@@ -97,6 +99,7 @@ __all__ = [
     "Event",
     "EventHookError",
     "ForeignEntryError",
+    "Fuse",
     "LeafMetadata",
     "Location",
     "MetricWriterEvents",
@@ -105,10 +108,13 @@ __all__ = [
     "OptionError",
     "OptionTypeError",
     "Pending",
+    "PlanEntry",
     "ProcessFailedError",
     "ReadRequest",
+    "Rename",
     "ReplicationError",
     "RestoreDone",
+    "RestorePlan",
     "Retention",
     "SaveBlockingDone",
     "SaveCommitted",
@@ -118,15 +124,19 @@ __all__ = [
     "SaveRequest",
     "SaveResult",
     "SaveStarted",
-    "StepIndexedIterator",
+    "Split",
+    "Stack",
     "StepDeletedError",
-    "StoreAccessError",
+    "StepIndexedIterator",
     "StepReplicated",
     "StepsRemoved",
+    "StoreAccessError",
     "StructureError",
     "Tier",
     "TransformError",
+    "Transpose",
     "UnknownItemError",
+    "Unstack",
     "UnsupportedLocationError",
     "VerifyResult",
     "Written",

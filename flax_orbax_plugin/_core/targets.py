@@ -32,6 +32,9 @@ class Target:
     out_dtype: Any = None
     result: Any = None
     cast: str = "safe"  # the read's cast policy (ReadRequest.cast)
+    # a leaf layout surgery made (``_like.surgery.Made``): read through its node's
+    # pieces; ``record`` is then its stand-in (shape and dtype, no storage)
+    virtual: Any = None
 
 
 def _describe(x: Any) -> str:

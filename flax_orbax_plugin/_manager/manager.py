@@ -253,6 +253,7 @@ class CheckpointManager:
         partial: bool = False,
         missing: str = "error",
         transform: Any = None,
+        surgery: Any = None,
     ) -> Any:
         """Restore a step (the latest that verifies, by default).
 
@@ -268,7 +269,10 @@ class CheckpointManager:
           ``like``'s own value for a leaf, or a whole item, the step lacks;
           ``transform`` maps saved leaf paths within each pytree item
           (``Dense_0/kernel``) to ``like``'s: ``{regex: replacement}`` or a callable
-          ``path -> path | None``. Without them a StructureError lists every difference.
+          ``path -> path | None``; ``surgery`` (``fop.Stack``, ``Unstack``, ``Fuse``,
+          ``Split``, ``Transpose``, ``Rename``) changes the layout within each pytree
+          item during the read, as in ``fop.restore``. Without them a StructureError
+          lists every difference.
 
         Without ``step``, a latest step that is damaged (a checksum fails, a file is
         missing) is skipped with a warning and, by a writer, moved aside to
@@ -276,7 +280,9 @@ class CheckpointManager:
         With ``step``, damage raises. Waits for this manager's in-flight save first.
         A step being read is never deleted by this manager's retention.
         """
-        changes = _transform.changes(partial=partial, missing=missing, transform=transform)
+        changes = _transform.changes(
+            partial=partial, missing=missing, transform=transform, surgery=surgery
+        )
         self._check_open()
         self._wait_inflight()
         return self._restorer.restore(like, step, items, data_iterator, changes)
