@@ -122,7 +122,7 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[Target]] = collections.defaultdict(list)
     shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)
-    saved_reads = _surgery_reads.SavedReads(location, doc, fmt, direct, read_region)
+    saved_reads = _surgery_reads.SavedReads(location, doc, fmt, direct, read_region, targets)
 
     def fail(paths):
         return lambda e: errors.append(corrupt(paths, location, e))
@@ -204,8 +204,10 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
     pieces: list[jax.Array] = []
     remaining = [len(by_index)]
     itemsize = target.dtype.itemsize
-    chunk = None if target.virtual is not None else target.record.storage.chunk_shape
-    box = None if chunk is None else _bounding_box(list(by_index), shape, chunk)
+    # a leaf surgery made has no chunks of its own: its regions are read as one box
+    # whenever they (nearly) fill one, so no saved chunk is read twice
+    chunk = shape if target.virtual is not None else target.record.storage.chunk_shape
+    box = _bounding_box(list(by_index), shape, chunk)
     if box is not None:  # this process's regions tile one box: read it once
         box_index = tuple(slice(lo, hi) for lo, hi in box)
 

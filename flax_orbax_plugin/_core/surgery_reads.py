@@ -47,13 +47,15 @@ class VirtualRead:
 
 
 class _Cut:
-    """A whole small leaf's read, cut to a box once done."""
+    """A small leaf out of one read of its batch's elements from ``start``, cut to a box
+    once done."""
 
-    def __init__(self, read, record, box):
-        self.read, self.record, self.box = read, record, box
+    def __init__(self, read, start: int, record, box):
+        self.read, self.start, self.record, self.box = read, start, record, box
 
     def result(self) -> np.ndarray:
-        data = self.read.result()
+        off, size = self.record.storage.offset - self.start, self.record.storage.size
+        data = self.read.result()[off : off + size]
         if _subbyte.is_packed(self.record):
             data = _subbyte.unpack_flat(data, self.record)
         data = data.reshape(self.record.shape)
@@ -62,12 +64,23 @@ class _Cut:
 
 class SavedReads:
     """Region reads of saved leaves in one restore's format ``fmt`` through ``direct``
-    (its reader); stores opened once per leaf or batch."""
+    (its reader); stores opened once per leaf or batch. The small leaves of one batch
+    that ``targets`` (the restore's) need are read once, together: the span from the
+    first to the last (a batch's files are read whole; one read per leaf would read a
+    file once per leaf in it)."""
 
-    def __init__(self, location, doc, fmt, direct, read_region):
+    def __init__(self, location, doc, fmt, direct, read_region, targets: list[Target]):
         self.location, self.doc, self.fmt, self.direct = location, doc, fmt, direct
         self.read_region = read_region
         self.stores: dict[Any, Any] = {}
+        self.spans: dict[str, tuple[int, int]] = {}
+        for t in sources(targets):
+            storage = t.record.storage
+            if isinstance(storage, ArrayStorage):
+                continue
+            lo, hi = self.spans.get(storage.batch, (storage.offset, storage.offset))
+            end = storage.offset + storage.size
+            self.spans[storage.batch] = (min(lo, storage.offset), max(hi, end))
 
     def source_target(self, piece: Piece) -> Target:
         return make_target(piece.index, piece.record, None, cast="safe")
@@ -87,14 +100,28 @@ class SavedReads:
             self.stores[key] = self.fmt.batch_store(
                 self.location, batch, self.direct, [record.path]
             )
-        store, off, size = self.stores[key], record.storage.offset, record.storage.size
-        dtype = np.dtype(_layout.dtype_from_name(batch.dtype))
-        whole = (
-            ReadInto(store[off : off + size], dtype)
-            if store is not None
-            else _formats.read_slice(self.direct, batch, off, size)
-        )
-        return _Cut(whole, record, piece.box)
+        lo, hi = self.spans[batch.name]
+        if ("span", batch.name) not in self.stores:
+            store = self.stores[key]
+            dtype = np.dtype(_layout.dtype_from_name(batch.dtype))
+            self.stores["span", batch.name] = _Once(
+                ReadInto(store[lo:hi], dtype)
+                if store is not None
+                else _formats.read_slice(self.direct, batch, lo, hi - lo)
+            )
+        return _Cut(self.stores["span", batch.name], lo, record, piece.box)
+
+
+class _Once:
+    """A read waited for once, its array kept for every leaf cut from it."""
+
+    def __init__(self, read):
+        self.read, self.out = read, None
+
+    def result(self) -> np.ndarray:
+        if self.out is None:
+            self.out = self.read.result()
+        return self.out
 
 
 def sources(targets: list[Target]) -> list[Target]:
