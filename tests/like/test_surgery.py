@@ -6,6 +6,9 @@ and the S3 test server, through fop.restore, the manager and restore_params."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import _paths
 import jax
 import numpy as np
 import pytest
@@ -288,3 +291,55 @@ def test_manager_and_restore_params_take_surgery(tmp_path):
     with fop.CheckpointManager(tmp_path / "run") as mngr:
         got = mngr.restore({"params": like}, items="params", surgery=ops)
     np.testing.assert_array_equal(got["Dense_0"]["kernel"], params["Dense_0"]["kernel"].T)
+
+
+def _readme_block(test_name: str) -> str:
+    text = (Path(_paths.REPO) / "README.md").read_text()
+    marker = f"<!-- snippet: run by tests/like/test_surgery.py::{test_name} -->\n```python\n"
+    start = text.index(marker) + len(marker)
+    return text[start : text.index("```", start)]
+
+
+def test_readme_recipe(tmp_path, capsys):
+    """The README's recipe, as written: a scanned Linen model restored into a
+    per-layer NNX model gives the same outputs."""
+    from flax import linen, nnx
+
+    class Block(linen.Module):
+        @linen.compact
+        def __call__(self, x, _):
+            return linen.tanh(linen.Dense(8, name="mlp")(x)), None
+
+    class Scanned(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            scan = linen.scan(
+                Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+            )
+            return scan(name="layers")(x, None)[0]
+
+    class NNXBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.mlp = nnx.Linear(8, 8, rngs=rngs)
+
+    class PerLayerModel(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([NNXBlock(rngs) for _ in range(4)])
+
+        def __call__(self, x):
+            for block in self.layers:
+                x = jax.numpy.tanh(block.mlp(x))
+            return x
+
+    x = jax.random.normal(jax.random.key(2), (3, 8))
+    linen_params = Scanned().init(jax.random.key(0), x)["params"]
+    names = {"fop": fop, "nnx": nnx, "PerLayerModel": PerLayerModel}
+    names |= {"linen_params": linen_params, "scanned_directory": str(tmp_path / "scanned")}
+    exec(_readme_block("test_readme_recipe"), names)
+    model = names["model"]
+    assert "layers/2/mlp/kernel/value" in capsys.readouterr().out
+    want = Scanned().apply({"params": linen_params}, x)
+    np.testing.assert_allclose(np.asarray(model(x)), np.asarray(want), rtol=1e-6)
+    np.testing.assert_array_equal(
+        np.asarray(model.layers[3].mlp.kernel[...]), linen_params["layers"]["mlp"]["kernel"][3]
+    )
