@@ -14,8 +14,10 @@ plain restore it stands for:
 * ``stack/rows``: the same, sharded over rows and columns (4 x 2 devices).
 * ``unstack one``: layer 3 out of the stacked leaf (``partial=True``); plain: a
   per-layer leaf as saved.
-* ``split k``: the middle third of a fused QKV leaf, sharded over columns; plain: a
-  leaf of the same shape as saved.
+* ``split k``: the middle third (columns) of a fused QKV leaf, sharded over columns;
+  plain: a leaf of the same shape as saved. Chunks are cut along rows, so this reads
+  every chunk of the fused leaf (3x): the format's chunk geometry, not the surgery.
+* ``split rows``: the middle third of a leaf fused along rows (its chunks' axis).
 
 Bytes read are the kernel's ``rchar`` of this process (metadata included), median of
 the repeats; times are medians. Beside each row: the 1-minute load average at its end
@@ -75,7 +77,9 @@ def _cases(work: str, layers: int, rows: int, version: int):
     per_path, stk_path = os.path.join(work, f"per{version}"), os.path.join(work, f"stk{version}")
     fop.save(per_path, per, format_version=version)
     fop.save(
-        stk_path, {"w": w, "qkv": qkv, "k": qkv[:, COLS : 2 * COLS].copy()}, format_version=version
+        stk_path,
+        {"w": w, "qkv": qkv, "k": qkv[:, COLS : 2 * COLS].copy(), "rows": qkv.T.copy()},
+        format_version=version,
     )
     stack = [fop.Stack("w", "layers_{i}/w")]
     for name, spec, mesh in [
@@ -116,6 +120,23 @@ def _cases(work: str, layers: int, rows: int, version: int):
         lambda: fop.restore(stk_path, {"kk": k_like}, partial=True, surgery=split),
         lambda: fop.restore(stk_path, {"k": k_like}, partial=True),
         lambda out: np.array_equal(np.asarray(out["kk"]), qkv[:, COLS : 2 * COLS]),
+    )
+    yield _split_rows(stk_path, rows, qkv)
+
+
+def _split_rows(stk_path: str, rows: int, qkv: np.ndarray):
+    """The middle third of a leaf fused along rows (the axis its chunks are cut on)."""
+    sharding = _sharding(PartitionSpec("a"), (8,))
+    like = jax.ShapeDtypeStruct((COLS, rows), np.float32, sharding=sharding)
+    plain = jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sharding)
+    split = [fop.Split("rows", ["r0", "r1", "r2"], axis=0)]
+    want = qkv.T[COLS : 2 * COLS]
+    return (
+        "split rows",
+        want.nbytes,
+        lambda: fop.restore(stk_path, {"r1": like}, partial=True, surgery=split),
+        lambda: fop.restore(stk_path, {"k": plain}, partial=True),
+        lambda out: np.array_equal(np.asarray(out["r1"]), want),
     )
 
 

@@ -204,10 +204,12 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
     pieces: list[jax.Array] = []
     remaining = [len(by_index)]
     itemsize = target.dtype.itemsize
-    # a leaf surgery made has no chunks of its own: its regions are read as one box
-    # whenever they (nearly) fill one, so no saved chunk is read twice
-    chunk = shape if target.virtual is not None else target.record.storage.chunk_shape
-    box = _bounding_box(list(by_index), shape, chunk)
+    if target.virtual is None:
+        box = _bounding_box(list(by_index), shape, target.record.storage.chunk_shape)
+    else:  # made by surgery: read as one box unless every region is whole saved chunks
+        regions = [tuple(_bounds(k, shape)) for k in by_index]
+        aligned = len(regions) < 2 or _surgery_reads.on_chunks(target.virtual, regions)
+        box = None if aligned else _bounding_box(list(by_index), shape, shape)
     if box is not None:  # this process's regions tile one box: read it once
         box_index = tuple(slice(lo, hi) for lo, hi in box)
 

@@ -124,6 +124,22 @@ class _Once:
         return self.out
 
 
+def on_chunks(made: Any, boxes: list[tuple[tuple[int, int], ...]]) -> bool:
+    """Whether every saved region that ``boxes`` (of the made leaf) need falls on whole
+    chunks of its leaf: then each box is read alone, straight from its chunks, and no
+    chunk is read twice (else the read takes the boxes' bounding box once)."""
+    for box in boxes:
+        pieces, _ = made.node.pieces(box)
+        for p in pieces:
+            storage = p.record.storage
+            if not isinstance(storage, ArrayStorage):
+                continue  # a small leaf: its batch span is read once whatever the boxes
+            for (lo, hi), c, n in zip(p.box, storage.chunk_shape, p.record.shape, strict=True):
+                if lo % c or (hi % c and hi != n):
+                    return False
+    return True
+
+
 def sources(targets: list[Target]) -> list[Target]:
     """The saved leaves the made leaves among ``targets`` read (for the claims check)."""
     out: dict[int, Target] = {}
