@@ -56,7 +56,7 @@ class _Cut:
     def result(self) -> np.ndarray:
         off, size = self.record.storage.offset - self.start, self.record.storage.size
         data = self.read.result()[off : off + size]
-        if _subbyte.is_packed(self.record):
+        if self.record.storage.packed:  # a sub-byte leaf's packed bytes
             data = _subbyte.unpack_flat(data, self.record)
         data = data.reshape(self.record.shape)
         return data[tuple(slice(lo, hi) for lo, hi in self.box)]

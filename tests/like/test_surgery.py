@@ -343,3 +343,36 @@ def test_readme_recipe(tmp_path, capsys):
     np.testing.assert_array_equal(
         np.asarray(model.layers[3].mlp.kernel[...]), linen_params["layers"]["mlp"]["kernel"][3]
     )
+
+
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_sub_byte_and_cast_leaves_through_surgery(tmp_path, format_version):
+    """int4 leaves (packed, in a batch and in an array of their own) stacked, and a
+    float32 leaf transposed then cast to like's bfloat16, equal numpy's."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(3)
+    tree = {
+        f"l_{i}": {
+            "q": rng.integers(-8, 8, (4, 6)).astype(jnp.int4),
+            "big": rng.integers(-8, 8, (1024, 2048)).astype(jnp.int4),
+            "f": rng.standard_normal((3, 5)).astype(np.float32),
+        }
+        for i in range(3)
+    }
+    fop.save(tmp_path / "c", tree, format_version=format_version)
+    like = {
+        "s": {
+            "q": np.zeros((3, 4, 6), jnp.int4),
+            "big": np.zeros((3, 1024, 2048), jnp.int4),
+            "f": jax.ShapeDtypeStruct((5, 3, 3), jnp.bfloat16),
+        }
+    }
+    ops = [fop.Stack("s/", "l_{i}/"), fop.Transpose("s/f", (2, 0, 1))]
+    out = fop.restore(tmp_path / "c", like, surgery=ops)
+    for key in ("q", "big"):
+        want = np.stack([tree[f"l_{i}"][key] for i in range(3)])
+        assert np.asarray(out["s"][key]).tobytes() == want.tobytes(), key
+    want = np.stack([tree[f"l_{i}"]["f"] for i in range(3)]).transpose(2, 0, 1)
+    assert out["s"]["f"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out["s"]["f"]), want.astype(jnp.bfloat16))
