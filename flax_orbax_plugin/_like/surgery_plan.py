@@ -33,11 +33,6 @@ class Piece:
     record: Any
     box: Box
 
-    @property
-    def nbytes(self) -> int:
-        size = int(np.prod([hi - lo for lo, hi in self.box], dtype=np.int64))
-        return size * np.dtype(self.record.dtype).itemsize if self.record.dtype else 0
-
 
 def full_box(shape: tuple[int, ...]) -> Box:
     return tuple((0, n) for n in shape)

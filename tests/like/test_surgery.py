@@ -291,6 +291,12 @@ def test_manager_and_restore_params_take_surgery(tmp_path):
     with fop.CheckpointManager(tmp_path / "run") as mngr:
         got = mngr.restore({"params": like}, items="params", surgery=ops)
     np.testing.assert_array_equal(got["Dense_0"]["kernel"], params["Dense_0"]["kernel"].T)
+    cb = fop.CheckpointCallback(tmp_path / "run", resume=True)
+    state = cb.on_train_start({"params": like}, surgery=ops)
+    cb.on_train_end(state)
+    np.testing.assert_array_equal(
+        state["params"]["Dense_0"]["kernel"], params["Dense_0"]["kernel"].T
+    )
 
 
 def _readme_block(test_name: str) -> str:
