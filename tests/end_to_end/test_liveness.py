@@ -126,7 +126,7 @@ def test_a_slow_but_progressing_process_is_named_with_its_bytes_left_never_abort
         assert run[victim].result[waited] >= 1.5 * STALL_S, stories
         # Named late (by index, with what it does and its bytes left), or behind a late
         # one (the primary waits for it, the others for the primary's outcome).
-        what = "reading" if phase == "read" else "writing this process's data"
+        what = r"reading \S+" if phase == "read" else "writing this process's data"
         late = re.compile(
             rf"(late|behind them): .*process {victim} \(alive, beat [0-9.]+s ago, doing "
             rf"manager-{op} [^\n]*{what} \([0-9]+ s, [0-9.]+ MiB done, ([0-9.]+) MiB left"
@@ -137,7 +137,6 @@ def test_a_slow_but_progressing_process_is_named_with_its_bytes_left_never_abort
                 found = late.findall(p.stderr)
                 assert found, p.describe()
                 assert any(float(left) > 0 for _, left in found), p.describe()
-                assert "WARNING" in p.stderr or "has waited" in p.stderr, p.describe()
 
 
 def test_a_process_that_stops_progressing_is_named_stalled(tmp_path):
