@@ -181,9 +181,9 @@ def commit_collectively(
             _distributed.broadcast_str(f"{op}/outcome", outcome)
     else:
         _distributed.publish(f"{op}/status", status)
-        # The primary may spend up to one timeout gathering statuses: wait longer for
+        # The primary may spend up to one stall timeout on a status: wait longer for
         # its outcome, so a missing process is reported by name rather than as "late".
-        wait = 2 * _distributed.DEFAULT_TIMEOUT_S
+        wait = 2 * _distributed.stall_timeout()
         outcome = _distributed.broadcast_str(f"{op}/outcome", None, timeout_s=wait)
         if outcome != "committed":
             _discard(abort)  # e.g. a staging directory of another step than the primary's

@@ -65,7 +65,8 @@ class CheckpointManager:
     def __init__(self, directory: Any, **options: Any):
         with _distributed.collective("manager-open", spans=not options.get("read_only")):
             opts = _options.ManagerOptions.build(directory, options)  # _base.regions
-            self._loc = opts.location
+            self._loc, self._stall_s = opts.location, opts.stall_timeout
+            _distributed.set_stall(opts.stall_timeout)  # the open's own waits
             self._schedule = SaveSchedule(opts.policy)
             self._async, self._read_only = opts.async_save, opts.read_only
             pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
@@ -125,7 +126,7 @@ class CheckpointManager:
         the store now. A save never calls it: it uses the steps known in memory."""
         return self._book.listed()
 
-    @_distributed.collective("manager-delete")
+    @_distributed.collective_method("manager-delete", stall="_stall_s")
     def delete(self, *steps: int) -> None:
         """Removes the committed ``steps`` of this directory now, through the one owner
         of removal (only steps this library committed; each leaves listings at once);
@@ -181,7 +182,7 @@ class CheckpointManager:
         primary's time-based decision with every process)."""
         return self._schedule.should_save(operator.index(step), t)
 
-    @_distributed.collective("manager-save")
+    @_distributed.collective_method("manager-save", stall="_stall_s")
     def save(
         self,
         step: int,
@@ -242,7 +243,7 @@ class CheckpointManager:
             _housekeeping.remove_unfinished(self._loc)
         return self._retainer.run_now()
 
-    @_distributed.collective("manager-restore")
+    @_distributed.collective_method("manager-restore", stall="_stall_s")
     def restore(
         self,
         like: Any = None,
@@ -322,7 +323,7 @@ class CheckpointManager:
         """Figures of the most recently committed save of this manager, if any."""
         return self._book.last_save
 
-    @_distributed.collective("manager-wait")
+    @_distributed.collective_method("manager-wait", stall="_stall_s")
     def wait(self) -> None:
         """Block until the in-flight save is committed and retention has run.
 

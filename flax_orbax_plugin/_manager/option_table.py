@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -148,6 +149,19 @@ ON_EVENT = Option(
     doc='receives each checkpoint event record (docs/manager.md, "Events")',
 )
 
+STALL_TIMEOUT = Option(
+    "stall_timeout",
+    "number",
+    none_ok=True,
+    low=0,
+    low_open=True,
+    high=threading.TIMEOUT_MAX,
+    expected="a number of seconds > 0 or None",
+    doc="seconds a process waited for may make no progress before the wait fails "
+    "(several processes; None: FOP_COORDINATION_TIMEOUT_S, 300)",
+    aliases=("coordination_timeout", "barrier_timeout"),
+)
+
 MANAGER: tuple[Option, ...] = (
     *_retention.FIELDS,
     Option(
@@ -220,6 +234,7 @@ MANAGER: tuple[Option, ...] = (
         expected="a positive int or None",
         doc="host bytes a version 1 step may hold beyond the state (None: no bound)",
     ),
+    STALL_TIMEOUT,
     ON_EVENT,
 )
 """Every keyword option of CheckpointManager, in the order its signature shows them."""

@@ -248,6 +248,7 @@ class ManagerOptions:
     reuse_host_buffers: bool
     format_version: int
     host_memory_budget: int | None
+    stall_timeout: float | None
     on_event: Callable[[Any], Any] | None
 
     @classmethod
@@ -290,5 +291,6 @@ _PLAIN = (
     "reuse_host_buffers",
     "format_version",
     "host_memory_budget",
+    "stall_timeout",
     "on_event",
 )
