@@ -163,6 +163,7 @@ def main(argv=None):
     p.add_argument("--counts", default="6000,60000")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--package", default=os.path.dirname(HERE), help="the tree to import")
+    p.add_argument("--before", help="another tree (e.g. main) whose fop rows run beside")
     p.add_argument("--out", default="small_leaves")
     p.add_argument("--no-save", dest="save", action="store_false", help="reuse the saved trees")
     p.add_argument("--worker")
@@ -180,9 +181,13 @@ def main(argv=None):
         results["saves"][count] = _save_all(count, root, a.package) if a.save else {}
         for _ in range(a.repeats):  # interleaved: every row once per repeat
             for row in ROWS:
-                r = _measure(row, count, _path(root, row), a.package)
-                print(json.dumps(r), flush=True)
-                results["rows"].append(r)
+                for name, package in [("", a.package), *([("before", a.before)] * bool(a.before))]:
+                    if name and not row.startswith("fop"):
+                        continue
+                    r = _measure(row, count, _path(root, row), package)
+                    r["row"] = f"{row} ({name})" if name else row
+                    print(json.dumps(r), flush=True)
+                    results["rows"].append(r)
     with open(os.path.join(C.RESULTS, a.out + ".json"), "w") as f:
         json.dump(results, f, indent=1)
     _report(results, os.path.join(C.RESULTS, a.out))
@@ -190,16 +195,17 @@ def main(argv=None):
 
 def _report(results: dict, base: str) -> None:
     counts = sorted({r["count"] for r in results["rows"]})
+    rows = list(dict.fromkeys(r["row"] for r in results["rows"]))
     med = {
         (row, n): C.median(
             [r["s"] for r in results["rows"] if (r["row"], r["count"]) == (row, n) and "s" in r]
         )
-        for row in ROWS
+        for row in rows
         for n in counts
     }
     lines = ["| row | " + " | ".join(f"{n} leaves (s, x raw)" for n in counts) + " |"]
     lines.append("|---|" + "---|" * len(counts))
-    for row in ROWS:
+    for row in rows:
         cells = []
         for n in counts:
             s, raw = med[(row, n)], med[("raw", n)]
@@ -220,7 +226,7 @@ def _report(results: dict, base: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for row in ROWS:
+    for row in rows:
         ys = [med[(row, n)] for n in counts]
         ax.plot(counts, ys, marker="o", label=row)
     ax.set_xscale("log")
