@@ -121,7 +121,9 @@ def _measure(row: str, count: int, path: str, package: str) -> dict:
     res = {"row": row, "count": count, "load1": L.load1()}
     res["steal_pct"] = 100 * (steal1 - steal0) / max(1, total1 - total0)
     lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    res.update(json.loads(lines[-1][7:]) if lines else {"error": p.stderr[-2000:]})
+    res.update(
+        json.loads(lines[-1][7:]) if lines else {"error": f"rc {p.returncode}: {p.stderr[-2000:]}"}
+    )
     return res
 
 
@@ -212,10 +214,10 @@ def _report(results: dict, base: str) -> None:
             cells.append("-" if s is None else f"{s:.3f} ({s / raw:.2f}x)" if raw else f"{s:.3f}")
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     for n in counts:
-        saves = ", ".join(f"{k} {v:.2f} s" for k, v in results["saves"][n].items())
-        rows = [r for r in results["rows"] if r["count"] == n]
-        load = C.median([r["load1"] for r in rows])
-        steal = C.median([r["steal_pct"] for r in rows])
+        saves = ", ".join(f"{k} {v:.2f} s" for k, v in results["saves"].get(n, {}).items())
+        at_n = [r for r in results["rows"] if r["count"] == n]
+        load = C.median([r["load1"] for r in at_n])
+        steal = C.median([r["steal_pct"] for r in at_n])
         lines.append(f"\n{n} leaves: saves {saves}; load1 median {load:.2f}, steal {steal:.1f}%")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
