@@ -105,3 +105,13 @@ def test_small_leaves_placed_on_one_device_keep_values_and_sharding(saved):
     for got, value in zip(out["params"], tree["params"], strict=True):
         assert got.sharding == default and got.shape == value.shape
         np.testing.assert_array_equal(np.asarray(got), value)
+
+
+def test_a_dtype_jax_changes_is_placed_as_jax_device_put_places_it(tmp_path):
+    tree = {"f64": np.arange(5, dtype=np.float64), "f32": np.ones((2, 3), np.float32)}
+    fop.save(tmp_path / "c", tree, format_version=2)
+    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tree.items()}
+    out = fop.restore(tmp_path / "c", like)
+    for k, value in tree.items():
+        assert out[k].dtype == jax.device_put(value).dtype  # float64: float32 without x64
+        np.testing.assert_array_equal(np.asarray(out[k]), value.astype(out[k].dtype))
