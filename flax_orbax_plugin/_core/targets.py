@@ -194,7 +194,7 @@ class Placer:
             groups.setdefault(sharding, []).append((target, host))
         self.pending, self.nbytes = [], 0
         for sharding, items in groups.items():
-            if isinstance(sharding, jax.sharding.SingleDeviceSharding) and _direct_put:
+            if _direct_put and _one_device_memory(sharding):
                 placed = _put_on_one_device([host for _, host in items], sharding)
             elif sharding.is_fully_addressable:
                 placed = jax.device_put([host for _, host in items], sharding)
@@ -202,6 +202,14 @@ class Placer:
                 placed = [place(host, sharding) for _, host in items]
             for (target, _), array in zip(items, placed, strict=True):
                 target.result = array
+
+
+def _one_device_memory(sharding: Any) -> bool:
+    """Whether ``sharding`` is one device's default memory (not pinned host memory)."""
+    return isinstance(sharding, jax.sharding.SingleDeviceSharding) and sharding.memory_kind in (
+        None,
+        "device",
+    )
 
 
 def _put_on_one_device(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
