@@ -242,6 +242,7 @@ class ManagerOptions:
     tier: Tier | None
     overrides: Mapping[str, Checkpointable]
     async_save: bool
+    supersede: bool | str
     read_only: bool
     handle_sigterm: bool
     incremental: bool
@@ -284,6 +285,7 @@ class ManagerOptions:
 # The fields of ManagerOptions taken from the option of the same name as checked.
 _PLAIN = (
     "async_save",
+    "supersede",
     "read_only",
     "handle_sigterm",
     "incremental",
