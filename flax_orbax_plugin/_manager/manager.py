@@ -222,7 +222,10 @@ class CheckpointManager:
             self._saver.raise_background_error()
         if not (ignore_policy or preempted or self._schedule.decide(step, t)):
             return False
-        self._saver.supersede(step) if supersede else self._wait_inflight()
+        if supersede:  # the save in flight is cancelled, not waited for
+            self._saver.supersede(step)
+        else:
+            self._wait_inflight()
         with self._saver.saving():  # from here to its commit, removals yield to the save
             local = self._saver.check_new_step(step, overwrite or preempted)
             extras = extras() if callable(extras) else extras  # only for a step that is saved
