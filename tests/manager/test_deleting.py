@@ -183,3 +183,43 @@ def test_a_step_on_s3_is_removed_by_batch_deletes(s3_location):
     assert not [k for k in s3_location.keys() if k.startswith("1/")]
     with fop.CheckpointManager(s3_location.spec, read_only=True) as reader:
         assert reader.steps() == [2]
+
+
+KILLED_DELETER = """
+import sys
+import numpy as np
+import flax_orbax_plugin as fop
+with fop.CheckpointManager(sys.argv[1], keep=1) as m:
+    for step in (1, 2):
+        m.save(step, {"params": {"w": np.full((4,), step, np.float32)}})
+        m.wait()
+"""
+
+
+def test_a_crash_between_rename_and_delete_is_finished_by_the_next_manager(tmp_path):
+    """Killed (SIGKILL) after step 1 was renamed to its to-delete name and before its
+    files went: the leftover is never listed as a step, and the next writer's open
+    removes it (proven ours by the step manifest inside it); step 2 is whole."""
+    import subprocess
+    import sys
+
+    from _proc import child_env
+
+    d = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_DELETER, d],
+        env=child_env(JAX_PLATFORMS="cpu", FOP_KILL_AT="mid_retention"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    left = [n for n in os.listdir(d) if n.startswith("1.deleting-")]
+    assert len(left) == 1 and os.path.isfile(os.path.join(d, left[0], "_CHECKPOINT.json"))
+    with fop.CheckpointManager(d, read_only=True) as reader:  # a reader removes nothing
+        assert reader.steps() == [2]
+    assert os.path.isdir(os.path.join(d, left[0]))
+    with fop.CheckpointManager(d, keep=1) as mngr:
+        assert mngr.steps() == [2]
+        np.testing.assert_array_equal(mngr.restore()["params"]["w"], tiny(2)["params"]["w"])
+    assert sorted(os.listdir(d)) == [".writer.lock", "2"]
