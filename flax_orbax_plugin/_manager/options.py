@@ -135,6 +135,10 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     _formats.refuse_ignored(  # what the chosen format ignores (the format says why)
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
     )
+    if not out["async_save"]:  # a synchronous save has committed before the next starts
+        refuse_without("supersede", out["supersede"], "async_save=True", default=False)
+    if out["supersede"] == "preemption" and not out["handle_sigterm"]:
+        refuse_without("supersede", "preemption", "handle_sigterm=True", default=False)
     if out["incremental"]:
         refuse_without(
             "host_memory_budget",

@@ -64,14 +64,22 @@ def test_a_newer_save_supersedes_a_slow_one(tmp_path, monkeypatch, caplog, super
 
 def test_supersede_preemption_only_cancels_for_a_preemption_save(tmp_path, monkeypatch):
     """supersede="preemption": an ordinary newer save still waits for the slow one."""
-    with fop.CheckpointManager(tmp_path, supersede="preemption") as mngr:
+    with fop.CheckpointManager(tmp_path, supersede="preemption", handle_sigterm=True) as mngr:
         slow = _save_slow_then_next(mngr, monkeypatch)
         assert mngr.steps() == [1, 2, 3] and slow.error is None
 
 
-def test_supersede_is_checked_where_it_enters(tmp_path):
-    with pytest.raises(fop.OptionError, match="supersede"):
-        fop.CheckpointManager(tmp_path, supersede="always")
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"supersede": "always"}, "supersede"),
+        ({"supersede": True, "async_save": False}, "supersede=True does nothing without async"),
+        ({"supersede": "preemption"}, "does nothing without handle_sigterm=True"),
+    ],
+)
+def test_supersede_is_checked_where_it_enters(tmp_path, options, words):
+    with pytest.raises(fop.OptionError, match=words):
+        fop.CheckpointManager(tmp_path, **options)
 
 
 def test_cancel_returns_whether_anything_committed(tmp_path):
@@ -126,3 +134,25 @@ def test_two_processes_agree_on_what_was_cancelled(tmp_path):
     assert _entries(directory) == ["1", "3"]
     host = fop.restore_params(directory)
     np.testing.assert_array_equal(host["w"], W.expected_w(4) + 3)
+
+
+def test_a_preemption_save_supersedes_a_slow_one(tmp_path, monkeypatch):
+    """supersede="preemption" with a real SIGTERM: the next save is the preemption save;
+    it cancels step 2 (still writing), commits step 3, closes and leaves with 143."""
+    import signal
+
+    mngr = fop.CheckpointManager(tmp_path, supersede="preemption", handle_sigterm=True)
+    mngr.save(1, tiny(1))
+    mngr.wait()
+    monkeypatch.setenv("FOP_PAUSE_AT", "mid_write")
+    monkeypatch.setenv("FOP_PAUSE_S", PAUSE_S)
+    mngr.save(2, tiny(2))
+    slow = mngr.pending_save
+    time.sleep(0.1)
+    monkeypatch.delenv("FOP_PAUSE_AT")
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(SystemExit) as left:
+        mngr.save(3, tiny(3))
+    assert left.value.code == 128 + signal.SIGTERM
+    assert isinstance(slow.error, fop.SaveCancelledError)
+    assert _entries(tmp_path) == ["1", "3"]
