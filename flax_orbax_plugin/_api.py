@@ -24,6 +24,7 @@ from ._errors import (
     OptionTypeError,
     ProcessFailedError,
     ReplicationError,
+    SaveCancelledError,
     StepDeletedError,
     StoreAccessError,
     StructureError,

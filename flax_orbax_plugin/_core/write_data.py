@@ -24,6 +24,7 @@ from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunk_writer as _chunk_writer
 from . import device_copy as _device_copy
+from .handle import raise_if_cancelled
 
 _LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied concurrently
 
@@ -209,8 +210,7 @@ class _Pending:
         is released once its write is done)."""
         store = None
         while writes:
-            if self.cancelled is not None and self.cancelled.is_set():
-                raise KeyboardInterrupt("the save was cancelled while writing its data")
+            raise_if_cancelled(self.cancelled, "the save, while writing its data,")
             index, data = writes.pop()
             data = _device_copy.materialize(data)  # a region still on its device: copied now
             if data.size:

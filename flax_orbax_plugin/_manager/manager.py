@@ -69,6 +69,7 @@ class CheckpointManager:
             _distributed.set_stall(opts.stall_timeout)  # the open's own waits
             self._schedule = SaveSchedule(opts.policy)
             self._async, self._read_only = opts.async_save, opts.read_only
+            self._supersede = opts.supersede  # False, "preemption" or True
             pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
             self._buffers = _host.BufferPool() if pooled else None
             self._book = StepBook(self._loc, on_event=opts.on_event)
@@ -208,17 +209,24 @@ class CheckpointManager:
 
         Returns once every item's blocking phase is done (state may then be mutated
         or donated); the write completes in the background unless ``async_save=False``.
-        Call from the training thread only; with several processes, on every process.
+        A save still writing is waited for first, or cancelled (``supersede=``: see
+        ``Saver.supersede``). Call from the training thread only; with several
+        processes, on every process.
         """
         self._check_writable()
         step, ignore_policy = _options.check_save_call(
             step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t
         )
         preempted = self.preempted_at(step)  # first: asked at every step, in order
-        self._saver.raise_background_error()
+        supersede = self._supersede is True or (preempted and self._supersede == "preemption")
+        if not supersede:  # superseding: a cancelled save's error is expected (below)
+            self._saver.raise_background_error()
         if not (ignore_policy or preempted or self._schedule.decide(step, t)):
             return False
-        self._wait_inflight()
+        if supersede:  # the save in flight is cancelled, not waited for
+            self._saver.supersede(step)
+        else:
+            self._wait_inflight()
         with self._saver.saving():  # from here to its commit, removals yield to the save
             local = self._saver.check_new_step(step, overwrite or preempted)
             extras = extras() if callable(extras) else extras  # only for a step that is saved

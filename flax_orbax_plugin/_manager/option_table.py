@@ -182,6 +182,16 @@ MANAGER: tuple[Option, ...] = (
         doc="which steps to save, as one object (instead of its shorthands every_steps= ...)",
     ),
     ASYNC_SAVE,
+    Option(
+        "supersede",
+        "choice",
+        choices=(False, "preemption", True),
+        default=False,
+        annotation="bool | str",
+        doc="a save still writing when the next one starts is cancelled (nothing of it "
+        'committed) instead of waited for: True for any newer save, "preemption" for a '
+        "preemption save only",
+    ),
     _flag("read_only", "take no lock, remove nothing, refuse save (an evaluator's reader)"),
     _flag(
         "handle_sigterm",
@@ -323,6 +333,7 @@ WRITER_ONLY = (
     *(n for n in POLICY_SHORTHANDS if n != "clock"),
     "policy",
     "async_save",
+    "supersede",
     "incremental",
     "compression",
     "reuse_host_buffers",

@@ -135,6 +135,10 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     _formats.refuse_ignored(  # what the chosen format ignores (the format says why)
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
     )
+    if not out["async_save"]:  # a synchronous save has committed before the next starts
+        refuse_without("supersede", out["supersede"], "async_save=True", default=False)
+    if out["supersede"] == "preemption" and not out["handle_sigterm"]:
+        refuse_without("supersede", "preemption", "handle_sigterm=True", default=False)
     if out["incremental"]:
         refuse_without(
             "host_memory_budget",
@@ -242,6 +246,7 @@ class ManagerOptions:
     tier: Tier | None
     overrides: Mapping[str, Checkpointable]
     async_save: bool
+    supersede: bool | str
     read_only: bool
     handle_sigterm: bool
     incremental: bool
@@ -285,6 +290,7 @@ class ManagerOptions:
 # The fields of ManagerOptions taken from the option of the same name as checked.
 _PLAIN = (
     "async_save",
+    "supersede",
     "read_only",
     "handle_sigterm",
     "incremental",
