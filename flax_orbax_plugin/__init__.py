@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
         OptionTypeError,
         ProcessFailedError,
         ReplicationError,
+        SaveCancelledError,
         StepDeletedError,
         StoreAccessError,
         StructureError,
@@ -56,6 +57,8 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
     from ._interop.msgpack_reader import restore_msgpack
     from ._interop.orbax_reader import restore_orbax
     from ._interop.safetensors import from_safetensors, to_safetensors
+    from ._like.surgery_ops import Fuse, Rename, Split, Stack, Transpose, Unstack
+    from ._like.surgery_plan import PlanEntry, RestorePlan
     from ._manager.callback import CheckpointCallback
     from ._manager.checkpointables import (
         Checkpointable,
@@ -115,6 +118,7 @@ __all__ = [
     "EverySeconds",
     "EverySteps",
     "ForeignEntryError",
+    "Fuse",
     "InitialSave",
     "KeepAny",
     "KeepBest",
@@ -132,12 +136,16 @@ __all__ = [
     "OptionError",
     "OptionTypeError",
     "Pending",
+    "PlanEntry",
     "ProcessFailedError",
     "ReadRequest",
+    "Rename",
     "ReplicationError",
     "RestoreDone",
+    "RestorePlan",
     "Retention",
     "SaveBlockingDone",
+    "SaveCancelledError",
     "SaveCommitted",
     "SaveFailed",
     "SaveHandle",
@@ -145,6 +153,8 @@ __all__ = [
     "SaveRequest",
     "SaveResult",
     "SaveStarted",
+    "Split",
+    "Stack",
     "StepDeletedError",
     "StepIndexedIterator",
     "StepReplicated",
@@ -153,7 +163,9 @@ __all__ = [
     "StructureError",
     "Tier",
     "TransformError",
+    "Transpose",
     "UnknownItemError",
+    "Unstack",
     "UnsupportedLocationError",
     "VerifyResult",
     "Written",

@@ -33,11 +33,11 @@ from . import per_host as _per_host
 from . import signatures as _signatures
 from .book import StepBook
 from .option_table import MANAGER
-from .preemption import Preemption
 from .restoring import Restorer
 from .retaining import RetentionRunner
 from .saving import Saver, collect_items
 from .schedule import SaveSchedule
+from .store_places import manager_places
 from .tiers import PersistentTier
 
 __all__ = ["CheckpointManager"]
@@ -45,19 +45,7 @@ __all__ = ["CheckpointManager"]
 logger = logging.getLogger("flax_orbax_plugin")
 
 
-def _places(bound: dict[str, Any]) -> list[Any]:
-    """The stores a manager's call may reach: its directory and its persistent tier."""
-    options = bound.get("options") or {}
-    tier = options.get("persistent")
-    # ``directory`` (the property) once __init__ has set it; the argument before
-    return [
-        bound.get("directory"),
-        getattr(tier, "path", tier),
-        getattr(bound["self"], "directory", None),
-    ]
-
-
-@raises_store_errors_in_methods(_places)  # a store's refusal: StoreAccessError
+@raises_store_errors_in_methods(manager_places)  # a store's refusal: StoreAccessError
 class CheckpointManager:
     # The docstring and the signature of __init__ are derived from the option
     # declarations (option_table.MANAGER) by signatures.document, below the class.
@@ -65,9 +53,11 @@ class CheckpointManager:
     def __init__(self, directory: Any, **options: Any):
         with _distributed.collective("manager-open", spans=not options.get("read_only")):
             opts = _options.ManagerOptions.build(directory, options)  # _base.regions
-            self._loc = opts.location
+            self._loc, self._stall_s = opts.location, opts.stall_timeout
+            _distributed.set_stall(opts.stall_timeout)  # the open's own waits
             self._schedule = SaveSchedule(opts.policy, opts.clock, opts.retention.uses_time)
             self._async, self._read_only = opts.async_save, opts.read_only
+            self._supersede = opts.supersede  # False, "preemption" or True
             pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
             self._buffers = _host.BufferPool() if pooled else None
             self._book = StepBook(self._loc, on_event=opts.on_event)
@@ -110,9 +100,7 @@ class CheckpointManager:
                     per_host=own,
                 )
                 _per_host.open_tier(self._book, self.steps())
-            if opts.handle_sigterm or self._schedule.watches_preemption:  # OnPreemption()
-                self._schedule.preemption = Preemption.install()
-                self._schedule.stops = opts.handle_sigterm
+            self._schedule.watch(handle_sigterm=opts.handle_sigterm)  # or OnPreemption()
         except BaseException:  # the others learn of it at once: waits for none of them
             self._shut()
             raise
@@ -127,7 +115,7 @@ class CheckpointManager:
         the store now. A save never calls it: it uses the steps known in memory."""
         return self._book.listed()
 
-    @_distributed.collective("manager-delete")
+    @_distributed.collective_method("manager-delete", stall="_stall_s")
     def delete(self, *steps: int) -> None:
         """Removes the committed ``steps`` of this directory now, through the one owner
         of removal (only steps this library committed; each leaves listings at once);
@@ -183,7 +171,7 @@ class CheckpointManager:
         primary's time-based decision with every process)."""
         return self._schedule.should_save(operator.index(step), t)
 
-    @_distributed.collective("manager-save")
+    @_distributed.collective_method("manager-save", stall="_stall_s")
     def save(
         self,
         step: int,
@@ -204,25 +192,31 @@ class CheckpointManager:
         whatever the policy says (``force=``, its old name, is deprecated: it warns and
         goes in the next release). A step at or below the latest committed one is refused unless
         ``overwrite=True`` (which replaces an existing step atomically). ``t`` is the
-        time of the decision (``EverySeconds``, ``Continuous``, ``KeepFor``; default:
-        the manager's clock, which also measures a save's blocking time). ``extras`` may be a
+        time of the decision (default: the manager's clock). ``extras`` may be a
         callable returning the mapping, called only when the step is saved.
 
         Returns once every item's blocking phase is done (state may then be mutated
         or donated); the write completes in the background unless ``async_save=False``.
-        Call from the training thread only; with several processes, on every process.
+        A save still writing is waited for first, or cancelled (``supersede=``: see
+        ``Saver.supersede``). Call from the training thread only; with several
+        processes, on every process.
         """
         self._check_writable()
         step, ignore_policy = _options.check_save_call(
             step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t
         )
-        schedule = self._schedule  # preempted_at first: asked at every step, in order
-        stop = self.preempted_at(step) and schedule.stops  # handle_sigterm: save and exit
-        self._saver.raise_background_error()
+        schedule, preempted = self._schedule, self.preempted_at(step)  # first, at every step
+        stop = preempted and schedule.stops  # handle_sigterm: save, close and exit
+        supersede = self._supersede is True or (preempted and self._supersede == "preemption")
+        if not supersede:  # superseding: a cancelled save's error is expected (below)
+            self._saver.raise_background_error()
         lane, now = schedule.decide(step, t, forced=ignore_policy or stop)
         if lane is None:
             return False
-        self._wait_inflight()
+        if supersede:  # the save in flight is cancelled, not waited for
+            self._saver.supersede(step)
+        else:
+            self._wait_inflight()
         began = schedule.clock()  # the blocking time, as Continuous() measures it
         with self._saver.saving():  # from here to its commit, removals yield to the save
             local = self._saver.check_new_step(step, overwrite or stop)
@@ -250,7 +244,7 @@ class CheckpointManager:
             _housekeeping.remove_unfinished(self._loc)
         return self._retainer.run_now()
 
-    @_distributed.collective("manager-restore")
+    @_distributed.collective_method("manager-restore", stall="_stall_s")
     def restore(
         self,
         like: Any = None,
@@ -261,6 +255,7 @@ class CheckpointManager:
         partial: bool = False,
         missing: str = "error",
         transform: Any = None,
+        surgery: Any = None,
     ) -> Any:
         """Restore a step (the latest that verifies, by default).
 
@@ -276,7 +271,10 @@ class CheckpointManager:
           ``like``'s own value for a leaf, or a whole item, the step lacks;
           ``transform`` maps saved leaf paths within each pytree item
           (``Dense_0/kernel``) to ``like``'s: ``{regex: replacement}`` or a callable
-          ``path -> path | None``. Without them a StructureError lists every difference.
+          ``path -> path | None``; ``surgery`` (``fop.Stack``, ``Unstack``, ``Fuse``,
+          ``Split``, ``Transpose``, ``Rename``) changes the layout within each pytree
+          item during the read, as in ``fop.restore``. Without them a StructureError
+          lists every difference.
 
         Without ``step``, a latest step that is damaged (a checksum fails, a file is
         missing) is skipped with a warning and, by a writer, moved aside to
@@ -284,7 +282,9 @@ class CheckpointManager:
         With ``step``, damage raises. Waits for this manager's in-flight save first.
         A step being read is never deleted by this manager's retention.
         """
-        changes = _transform.changes(partial=partial, missing=missing, transform=transform)
+        changes = _transform.changes(
+            partial=partial, missing=missing, transform=transform, surgery=surgery
+        )
         self._check_open()
         self._wait_inflight()
         return self._restorer.restore(like, step, items, data_iterator, changes)
@@ -324,7 +324,7 @@ class CheckpointManager:
         """Figures of the most recently committed save of this manager, if any."""
         return self._book.last_save
 
-    @_distributed.collective("manager-wait")
+    @_distributed.collective_method("manager-wait", stall="_stall_s")
     def wait(self) -> None:
         """Block until the in-flight save is committed and retention has run.
 

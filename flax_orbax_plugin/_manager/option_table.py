@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -148,6 +149,19 @@ ON_EVENT = Option(
     doc='receives each checkpoint event record (docs/manager.md, "Events")',
 )
 
+STALL_TIMEOUT = Option(
+    "stall_timeout",
+    "number",
+    none_ok=True,
+    low=0,
+    low_open=True,
+    high=threading.TIMEOUT_MAX,
+    expected="a number of seconds > 0 or None",
+    doc="seconds a process waited for may make no progress before the wait fails "
+    "(several processes; None: FOP_COORDINATION_TIMEOUT_S, 300)",
+    aliases=("coordination_timeout", "barrier_timeout"),
+)
+
 MANAGER: tuple[Option, ...] = (
     *_retention.FIELDS,
     Option(
@@ -180,6 +194,16 @@ MANAGER: tuple[Option, ...] = (
         doc="which steps to save, as one object: SavePolicy(...), EverySteps(n)..., Lanes(...)",
     ),
     ASYNC_SAVE,
+    Option(
+        "supersede",
+        "choice",
+        choices=(False, "preemption", True),
+        default=False,
+        annotation="bool | str",
+        doc="a save still writing when the next one starts is cancelled (nothing of it "
+        'committed) instead of waited for: True for any newer save, "preemption" for a '
+        "preemption save only",
+    ),
     _flag("read_only", "take no lock, remove nothing, refuse save (an evaluator's reader)"),
     _flag(
         "handle_sigterm",
@@ -232,6 +256,7 @@ MANAGER: tuple[Option, ...] = (
         expected="a positive int or None",
         doc="host bytes a version 1 step may hold beyond the state (None: no bound)",
     ),
+    STALL_TIMEOUT,
     ON_EVENT,
 )
 """Every keyword option of CheckpointManager, in the order its signature shows them."""
@@ -320,6 +345,7 @@ WRITER_ONLY = (
     *(n for n in POLICY_SHORTHANDS if n != "clock"),
     "policy",
     "async_save",
+    "supersede",
     "incremental",
     "compression",
     "reuse_host_buffers",

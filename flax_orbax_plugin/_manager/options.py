@@ -142,6 +142,10 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     _formats.refuse_ignored(  # what the chosen format ignores (the format says why)
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
     )
+    if not out["async_save"]:  # a synchronous save has committed before the next starts
+        refuse_without("supersede", out["supersede"], "async_save=True", default=False)
+    if out["supersede"] == "preemption" and not out["handle_sigterm"]:
+        refuse_without("supersede", "preemption", "handle_sigterm=True", default=False)
     if out["incremental"]:
         refuse_without(
             "host_memory_budget",
@@ -287,12 +291,14 @@ class ManagerOptions:
     tier: Tier | None
     overrides: Mapping[str, Checkpointable]
     async_save: bool
+    supersede: bool | str
     read_only: bool
     handle_sigterm: bool
     incremental: bool
     reuse_host_buffers: bool
     format_version: int
     host_memory_budget: int | None
+    stall_timeout: float | None
     on_event: Callable[[Any], Any] | None
 
     @classmethod
@@ -330,11 +336,13 @@ class ManagerOptions:
 # The fields of ManagerOptions taken from the option of the same name as checked.
 _PLAIN = (
     "async_save",
+    "supersede",
     "read_only",
     "handle_sigterm",
     "incremental",
     "reuse_host_buffers",
     "format_version",
     "host_memory_budget",
+    "stall_timeout",
     "on_event",
 )

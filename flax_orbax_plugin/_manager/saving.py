@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -24,9 +23,10 @@ from .._base import host as _host
 from .._base import interrupts as _interrupts
 from .._core import ownership as _ownership
 from .._core.commit import Staging
+from .._core.handle import Cancellation
 from .._core.requests import SaveRequest
 from .._core.save import SaveHandle, SaveResult, wait_for_data
-from .._errors import CheckpointError
+from .._errors import CheckpointError, SaveCancelledError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import ItemEntry
@@ -133,6 +133,32 @@ class Saver:
         if handle is not None:
             handle.wait()
 
+    def supersede(self, step: int) -> bool:
+        """Cancels the save in flight, if any, for ``step`` (``supersede=``): it stops at
+        its next check, what it staged is removed (``_core.ownership``), nothing of it
+        commits, earlier steps stay. Returns whether a save was cancelled (False: none
+        in flight, or it committed first). Its SaveCancelledError is expected and not
+        raised (logged); any other error it ended with is raised, as :meth:`wait` would.
+
+        Training thread, in place of :meth:`wait`. With several processes every process
+        calls it for the same ``step`` (the manager's ``save`` is collective): each
+        cancels its own part, and the commit protocol turns that into one outcome on
+        all (an agreed abort, or committed everywhere when the commit came first)."""
+        handle, self.inflight = self.inflight, None
+        if handle is None:
+            return False
+        if not handle.cancel(reason=f"superseded by step {step}"):
+            return False  # committed first
+        error = handle.error
+        if error is not None and not isinstance(error, SaveCancelledError):
+            raise error
+        logger.warning(
+            "checkpoint: the save to %s was superseded by step %d: cancelled, not committed",
+            handle.path,
+            step,
+        )
+        return True
+
     # -- before: the slot
 
     def check_new_step(self, step: int, overwrite: bool) -> list[int]:
@@ -207,7 +233,7 @@ class Saver:
         prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
         marker = None
         # The step's modes, once: each item gets them (and its reuse) as its request.
-        cancelled = threading.Event()  # the items' writes stop once it is set
+        cancelled = Cancellation()  # the items' writes stop once it is set
         request = SaveRequest(
             cancelled=cancelled,
             format_version=self._format_version,

@@ -62,6 +62,14 @@ class SaveSchedule:
         """Whether the policy saves on preemption (the manager installs the notice)."""
         return self._rule.watches_preemption
 
+    def watch(self, *, handle_sigterm: bool) -> None:
+        """A writer's open (main thread): installs the preemption notice when
+        ``handle_sigterm`` (then the notice's step ends the run) or the policy saves on
+        preemption (``OnPreemption``)."""
+        if handle_sigterm or self.watches_preemption:
+            self.preemption = Preemption.install()
+            self.stops = handle_sigterm
+
     def uninstall(self) -> None:
         """The manager's close: the previous SIGTERM handler back (``handle_sigterm``)."""
         if self.preemption is not None:
