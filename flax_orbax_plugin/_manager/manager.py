@@ -81,6 +81,7 @@ class CheckpointManager:
                 self._buffers,
                 opts.host_memory_budget,
                 opts.format_version,
+                opts.hf_shards,
             )
             self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
             self._closed = False

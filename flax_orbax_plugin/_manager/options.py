@@ -248,6 +248,7 @@ class ManagerOptions:
     reuse_host_buffers: bool
     format_version: int
     host_memory_budget: int | None
+    hf_shards: Any
     on_event: Callable[[Any], Any] | None
 
     @classmethod
@@ -258,6 +259,14 @@ class ManagerOptions:
         values = check_manager(given)
         location = Location.from_path(_table.DIRECTORY.check(directory))
         overrides = _overrides(values["checkpointables"], values["compression"])
+        hf = values["hf_shards"]
+        if hf is not None:  # its item, saved on due steps (Saver) and read as any other
+            if hf.name in overrides:
+                raise OptionError(
+                    f"hf_shards: its item name {hf.name!r} is also given in checkpointables= "
+                    f"or compression=; give HFShards(name=) another name"
+                )
+            overrides[hf.name] = hf
         plain = {k: values[k] for k in _PLAIN}
         return cls(
             location,
@@ -290,5 +299,6 @@ _PLAIN = (
     "reuse_host_buffers",
     "format_version",
     "host_memory_budget",
+    "hf_shards",
     "on_event",
 )
