@@ -24,10 +24,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import common  # noqa: E402
-from machine_load import cpu_times, load1  # noqa: E402
+import common
+from machine_load import cpu_times, load1
 
-import flax_orbax_plugin as fop  # noqa: E402
+import flax_orbax_plugin as fop
 
 
 def _save(directory: str, state: dict, hf: fop.HFShards | None) -> float:

@@ -73,7 +73,12 @@ def hf_names(params):
         b, h = params[f"h_{i}"], f"transformer.h.{i}"
         for ln in ("ln_1", "ln_2"):
             out[f"{h}.{ln}.weight"], out[f"{h}.{ln}.bias"] = b[ln]["scale"], b[ln]["bias"]
-        for mod, sub in (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj")):
+        for mod, sub in (
+            ("attn", "c_attn"),
+            ("attn", "c_proj"),
+            ("mlp", "c_fc"),
+            ("mlp", "c_proj"),
+        ):
             out[f"{h}.{mod}.{sub}.weight"] = b[mod][sub]["kernel"]
             out[f"{h}.{mod}.{sub}.bias"] = b[mod][sub]["bias"]
     return {k: np.asarray(v) for k, v in out.items()}
@@ -147,7 +152,9 @@ def test_regex_key_map_transposes_and_unmatched_leaves(tmp_path):
     head = tensors["model.head.weight"]
     assert head.shape == (3, 2) and str(head.dtype) == "bfloat16"
     np.testing.assert_array_equal(head.astype(np.float32), params["head"]["kernel"].T)
-    np.testing.assert_array_equal(tensors["model.enc.weight"].astype(np.float32), params["enc"]["kernel"])
+    np.testing.assert_array_equal(
+        tensors["model.enc.weight"].astype(np.float32), params["enc"]["kernel"]
+    )
 
 
 def test_failed_write_commits_nothing(tmp_path, monkeypatch):
@@ -163,7 +170,9 @@ def test_failed_write_commits_nothing(tmp_path, monkeypatch):
         mngr.save(4, {"params": params})
         assert mngr.steps() == [0, 4]
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["0", "4"]
-    np.testing.assert_array_equal(read_set(tmp_path / "4" / "hf")[1]["transformer.wpe.weight"], params["wpe"]["embedding"])
+    np.testing.assert_array_equal(
+        read_set(tmp_path / "4" / "hf")[1]["transformer.wpe.weight"], params["wpe"]["embedding"]
+    )
 
 
 def test_sharded_arrays_each_region_written_once_at_its_offset(tmp_path, devices):
@@ -176,7 +185,13 @@ def test_sharded_arrays_each_region_written_once_at_its_offset(tmp_path, devices
         "flip": rng.standard_normal((12, 10)).astype(np.float32),  # transposed, rows over x
         "vec": rng.standard_normal(8).astype(np.float32),  # over x, replicated on y
     }
-    specs = {"rows": P("x"), "cols": P(None, "y"), "both": P("x", "y"), "flip": P("x"), "vec": P("x")}
+    specs = {
+        "rows": P("x"),
+        "cols": P(None, "y"),
+        "both": P("x", "y"),
+        "flip": P("x"),
+        "vec": P("x"),
+    }
     tree = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in full.items()}
     hf = fop.HFShards(every_steps=1, transposes=[r"flip"], max_shard_bytes=600)
     pending = hf.save(Location.from_path(tmp_path / "direct"), tree)
@@ -263,3 +278,34 @@ def test_from_pretrained_gives_the_same_logits(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor(ids[None])).logits[0].numpy()
     np.testing.assert_allclose(logits, _numpy_gpt2_logits(params, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_readme_recipe(tmp_path):
+    """README's "Hugging Face shards while training" block, run as written."""
+    import re
+    from pathlib import Path
+
+    import _paths
+    import optax
+    import safetensors.numpy
+    from flax.training import train_state
+
+    transformers = pytest.importorskip("transformers")
+    text = (Path(_paths.REPO) / "README.md").read_text()
+    marker = "<!-- snippet: run by tests/interop/test_hf_shards.py::test_readme_recipe -->"
+    (code,) = re.findall(re.escape(marker) + r"\n```python\n(.*?)^```", text, re.M | re.S)
+    params = gpt2_params(7)
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    names = {"fop": fop, "transformers": transformers, "safetensors": safetensors}
+    names.update(directory=str(tmp_path), config=CONFIG, num_steps=2001, batch=None, state=state)
+    names["train_step"] = lambda state, batch: state  # the recipe is about the saves
+    exec(compile(code, "README.md", "exec"), names)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == [
+        "1000",
+        "1500",
+        "2000",
+    ]
+    assert not (tmp_path / "1000" / "hf").exists()
+    assert names["model"].transformer.h[1].attn.c_attn.weight.shape == (D, 3 * D)
+    for name, value in hf_names(params).items():
+        np.testing.assert_array_equal(names["tensors"][name], value, err_msg=name)
