@@ -309,3 +309,29 @@ def test_readme_recipe(tmp_path):
     assert names["model"].transformer.h[1].attn.c_attn.weight.shape == (D, 3 * D)
     for name, value in hf_names(params).items():
         np.testing.assert_array_equal(names["tensors"][name], value, err_msg=name)
+
+
+def test_runs_place_a_region_where_row_major_order_puts_it():
+    """The byte ranges a process writes of a region it holds (what several processes
+    write when their regions are not whole rows), against numpy's own indexing."""
+    from flax_orbax_plugin._interop.hf_shards.layout import runs
+
+    shape = (4, 6, 5)
+    for box in [
+        (slice(1, 3), slice(0, 6), slice(0, 5)),  # whole trailing axes: one run
+        (slice(0, 4), slice(2, 5), slice(0, 5)),  # a middle block
+        (slice(1, 2), slice(1, 4), slice(2, 4)),  # a block inside every axis
+        (slice(0, 4), slice(0, 6), slice(0, 5)),  # everything
+        (slice(2, 2), slice(0, 6), slice(0, 5)),  # empty
+    ]:
+        region = np.arange(1, 1 + int(np.prod([s.stop - s.start for s in box])))
+        flat, pos = np.zeros(int(np.prod(shape)), np.int64), 0
+        for first, count in runs(shape, box):
+            flat[first : first + count] = region[pos : pos + count]
+            pos += count
+        assert pos == region.size
+        want = np.zeros(shape, np.int64)
+        want[box] = region.reshape([s.stop - s.start for s in box])
+        np.testing.assert_array_equal(flat.reshape(shape), want)
+    assert list(runs((), ())) == [(0, 1)]
+    assert len(list(runs(shape, (slice(0, 4), slice(0, 6), slice(1, 3))))) == 24

@@ -14,6 +14,7 @@ whole.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Mapping
@@ -43,21 +44,53 @@ def _box(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
 
 def snapshot(layout: Layout, values: Mapping[str, Any]) -> list[tuple[str, tuple, np.ndarray]]:
     """This process's regions ``(leaf path, box in the leaf, host copy)``: device
-    copies started for all, then waited for; the copies are the caller's to mutate."""
+    copies started for all, then waited for; the copies are the caller's to mutate.
+    The regions of one leaf that together fill a box (a process holding whole rows,
+    split over its devices by columns) are copied into one buffer of that box: one
+    contiguous range of the file where each region alone is a run per row."""
     primary = _distributed.is_primary()
     pending = []
     for path in layout.placed:
         value = values[path]
         if isinstance(value, jax.Array):
             shape = tuple(value.shape)
-            for shard in value.addressable_shards:
-                if shard.replica_id == 0:
-                    shard.data.copy_to_host_async()
-                    pending.append((path, _box(shard.index, shape), shard.data))
+            parts = [
+                (_box(shard.index, shape), shard.data)
+                for shard in value.addressable_shards
+                if shard.replica_id == 0
+            ]
+            for _, data in parts:
+                data.copy_to_host_async()
+            pending.append((path, parts))
         elif primary:
             arr = np.asarray(value)
-            pending.append((path, tuple(slice(0, n) for n in arr.shape), arr))
-    return [(path, box, np.array(data, copy=True)) for path, box, data in pending]
+            pending.append((path, [(tuple(slice(0, n) for n in arr.shape), arr)]))
+    return [region for path, parts in pending for region in _merged(path, parts)]
+
+
+def _volume(box: tuple) -> int:
+    return math.prod(s.stop - s.start for s in box)
+
+
+def _merged(path: str, parts: list) -> list[tuple[str, tuple, np.ndarray]]:
+    """Host copies of one leaf's regions: one buffer when they fill their bounding box
+    (they are disjoint: replica 0 of each), else one copy each."""
+    if len(parts) > 1:
+        boxes = [box for box, _ in parts]
+        bound = tuple(
+            slice(min(b[a].start for b in boxes), max(b[a].stop for b in boxes))
+            for a in range(len(boxes[0]))
+        )
+        if sum(_volume(b) for b in boxes) == _volume(bound):
+            out = np.empty([s.stop - s.start for s in bound], dtype=parts[0][1].dtype)
+            for box, data in parts:
+                rel = tuple(
+                    slice(b.start - o.start, b.stop - o.start)
+                    for b, o in zip(box, bound, strict=True)
+                )
+                out[rel] = np.asarray(data)
+            return [(path, bound, out)]
+    return [(path, box, np.array(data, copy=True)) for box, data in parts]
 
 
 def _bytes_of(layout: Layout, path: str, box: tuple, data: np.ndarray) -> tuple[tuple, np.ndarray]:
