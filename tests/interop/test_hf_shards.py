@@ -335,3 +335,36 @@ def test_runs_place_a_region_where_row_major_order_puts_it():
         np.testing.assert_array_equal(flat.reshape(shape), want)
     assert list(runs((), ())) == [(0, 1)]
     assert len(list(runs(shape, (slice(0, 4), slice(0, 6), slice(1, 3))))) == 24
+
+
+@pytest.mark.distributed
+def test_two_processes_write_their_own_regions_into_one_set(tmp_path):
+    """Two real jax processes (2 devices each, mesh data=2 x model=2): each writes its
+    own replica-0 regions (rows, a column block: a run per row, a transposed block)
+    into the same files; the set reads back whole."""
+    import _hf_shards_workers as W
+    from _multiprocess import run_processes
+
+    directory = tmp_path / "run"
+    result = run_processes(
+        "_hf_shards_workers:save_hf",
+        2,
+        devices_per_process=2,
+        mesh_shape=(2, 2),
+        mesh_axes=("data", "model"),
+        args={"directory": str(directory)},
+        timeout_s=120,
+    )
+    outs = []
+    for proc in result.procs:
+        assert proc.record.get("ok"), proc.record.get("traceback") or proc.record
+        outs.append(proc.record["result"])
+    want = W.full_values()
+    want["both"] = want["both"].T
+    total = sum(v.nbytes for v in want.values())
+    assert [o["written"] for o in outs] == [o["mine"] for o in outs]
+    assert sum(o["written"] for o in outs) == total and 0 < outs[1]["written"] < total // 2
+    _, tensors = read_set(directory / "1" / "hf")
+    assert sorted(tensors) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(tensors[name], value, err_msg=name)
