@@ -35,7 +35,7 @@ from ..._base import distributed as _distributed
 from ..._base import tree as _tree
 from ..._core.requests import ReadRequest, SaveRequest
 from ..._errors import StructureError, UnsupportedLocationError
-from ..._format import layout as _flayout
+from ..._format import layout as _layout
 from ..._manager.checkpointables import COPY_KINDS
 from ..._storage.location import Location
 from ..safetensors.plan import parse_size
@@ -88,7 +88,7 @@ class HFShards:
             raise ValueError(f"HFShards(every_steps=): expected an int >= 1, found {k!r}")
         for field in ("item", "name"):
             value = getattr(self, field)
-            if not _flayout.is_safe_name(value):
+            if not _layout.is_safe_name(value):
                 raise ValueError(
                     f"HFShards({field}=): expected an item name (letters, digits, '_', '-', "
                     f"'.'; not starting with '_' or '.'), found {value!r}"

@@ -28,7 +28,7 @@ from ..._base import faults as _faults
 from ..._core.commit import Written
 from ..._core.handle import raise_if_cancelled
 from ..._errors import StructureError
-from ..._format import layout as _flayout
+from ..._format import layout as _layout
 from ..._manager.json_items import encode_json, write_json
 from ..._storage.location import Location
 from .layout import INDEX_NAME, Layout, runs
@@ -156,7 +156,7 @@ class Pending:
         self.cancelled = cancelled or threading.Event()
         where = f"{directory}/{INDEX_NAME}"
         self.index = encode_json(layout.index(), where)  # refused now if too large
-        self.digest = _flayout.sha256(self.index)  # every process computed the same layout
+        self.digest = _layout.sha256(self.index)  # every process computed the same layout
         self._result: Written | None = None
 
     def wait(self) -> Written:
