@@ -215,6 +215,9 @@ def test_s3_single_process_files_written_whole(s3_location):
     with fop.CheckpointManager(s3_location.url, hf_shards=hf) as mngr:
         mngr.save(1, {"params": params})
         mngr.wait()
+        with pytest.raises(fop.UnsupportedLocationError, match="local disk only"):
+            mngr.restore(items="hf")
+        assert sorted(mngr.restore()) == ["params"]
     where = Location.from_path(s3_location.url).child("1").child("hf")
     index = json.loads(where.read_bytes("model.safetensors.index.json"))
     tensors = {}

@@ -146,4 +146,10 @@ class HFShards:
                 f"item {self.name!r} (Hugging Face shards) restores as {{tensor name: array}} "
                 f"only (like=None); restore item {self.item!r} for a tree of the model"
             )
+        if not directory.is_local:
+            raise UnsupportedLocationError(
+                f"{directory}: item {self.name!r} (Hugging Face shards) is read back from "
+                f"local disk only; copy the step's {self.name}/ directory down and read it "
+                f"with fop.from_safetensors or transformers"
+            )
         return from_safetensors(directory.path)

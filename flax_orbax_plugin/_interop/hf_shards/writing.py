@@ -140,8 +140,9 @@ class _MemoryFile:
 
 
 class Pending:
-    """The background part: :meth:`wait` writes this process's bytes once, returns
-    what the step manifest records (the index's and config's checksums)."""
+    """The background part: a thread started when made writes this process's bytes;
+    :meth:`wait` joins it, re-raises its error, and returns what the step manifest
+    records (the index's and config's checksums)."""
 
     def __init__(
         self,
@@ -152,17 +153,28 @@ class Pending:
         cancelled: threading.Event | None,
     ):
         self.directory, self.layout, self.config = directory, layout, config
-        self.regions: list | None = regions
         self.cancelled = cancelled or threading.Event()
         where = f"{directory}/{INDEX_NAME}"
         self.index = encode_json(layout.index(), where)  # refused now if too large
         self.digest = _layout.sha256(self.index)  # every process computed the same layout
         self._result: Written | None = None
+        self._error: BaseException | None = None
+        # The writes start now, beside the other items' (which start when waited on).
+        self._thread = threading.Thread(
+            target=self._run, args=(regions,), name="fop-hf-shards", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, regions: list) -> None:
+        try:
+            self._result = self._write(regions)
+        except BaseException as e:  # noqa: BLE001  (re-raised by wait, on the manager's thread)
+            self._error = e
 
     def wait(self) -> Written:
-        if self.regions is not None:
-            regions, self.regions = self.regions, None
-            self._result = self._write(regions)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
         return self._result
 
     def _write(self, regions: list) -> Written:
