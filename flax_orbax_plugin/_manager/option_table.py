@@ -329,7 +329,6 @@ WRITER_ONLY = (
     "reuse_host_buffers",
     "format_version",
     "host_memory_budget",
-    "hf_shards",
 )
 """What a reader never uses: a save's options, retention's."""
 

@@ -112,6 +112,10 @@ def test_gpt2_shards_in_every_second_step_committed_and_retained_with_it(tmp_pat
         mngr.wait()
         assert mngr.steps() == [3, 4]
     assert not (tmp_path / "2").exists()  # retention took step 2 with its shards
+    by_path = fop.restore(tmp_path / "4" / "hf")  # the item on its own: {name: array}
+    np.testing.assert_array_equal(by_path["transformer.wte.weight"], params["wte"]["embedding"])
+    with fop.CheckpointManager(tmp_path, read_only=True, hf_shards=hf) as reader:
+        assert sorted(reader.restore(items="hf")) == sorted(hf_names(params))
     assert (tmp_path / "4" / "hf" / "config.json").is_file()
 
     want = hf_names(params)
