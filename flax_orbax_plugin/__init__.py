@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
         UnsupportedLocationError,
     )
     from ._format.metadata import CheckpointMetadata, LeafMetadata
+    from ._interop.hf_shards import HFShards
     from ._interop.importing import import_msgpack, import_orbax
     from ._interop.msgpack_reader import restore_msgpack
     from ._interop.orbax_reader import restore_orbax
@@ -119,6 +120,7 @@ __all__ = [
     "EverySteps",
     "ForeignEntryError",
     "Fuse",
+    "HFShards",
     "InitialSave",
     "KeepAny",
     "KeepBest",

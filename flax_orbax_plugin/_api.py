@@ -33,6 +33,7 @@ from ._errors import (
     UnsupportedLocationError,
 )
 from ._format.metadata import CheckpointMetadata, LeafMetadata
+from ._interop.hf_shards import HFShards
 from ._interop.importing import import_msgpack, import_orbax
 from ._interop.msgpack_reader import restore_msgpack
 from ._interop.orbax_reader import restore_orbax

@@ -71,6 +71,7 @@ class CheckpointManager:
                 self._buffers,
                 opts.host_memory_budget,
                 opts.format_version,
+                opts.hf_shards,
             )
             self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
             self._schedule.context = lambda: (bool(self._book.known()), self._saver.in_flight)
@@ -189,10 +190,10 @@ class CheckpointManager:
         ``state`` is split into checkpointables (``_state/train_state.py``): a Flax
         TrainState, NNX module/optimizer, or a dict of items. ``data_iterator``'s
         state and the JSON ``extras`` become items too. ``ignore_policy=True`` saves
-        whatever the policy says (``force=``, its old name, is deprecated: it warns and
-        goes in the next release). A step at or below the latest committed one is refused unless
-        ``overwrite=True`` (which replaces an existing step atomically). ``t`` is the
-        time of the decision (default: the manager's clock). ``extras`` may be a
+        whatever the policy says (``force=``, its old name, warns). A step at or below
+        the latest committed one is refused unless ``overwrite=True`` (which replaces an
+        existing step atomically). ``t`` is the time of the decision (default: the
+        manager's clock). ``extras`` may be a
         callable returning the mapping, called only when the step is saved.
 
         Returns once every item's blocking phase is done (state may then be mutated
@@ -266,15 +267,9 @@ class CheckpointManager:
         * ``items="params"``: that one item's value; ``items=("params", "extras")``:
           a dict ``{name: value}``. ``like`` then only supplies templates.
         * ``data_iterator``: its state is set to the saved one (this process's).
-        * A changed model (``_like/transform.py``): ``partial=True`` leaves out saved
-          leaves (and items) ``like`` does not have; ``missing="keep"`` keeps
-          ``like``'s own value for a leaf, or a whole item, the step lacks;
-          ``transform`` maps saved leaf paths within each pytree item
-          (``Dense_0/kernel``) to ``like``'s: ``{regex: replacement}`` or a callable
-          ``path -> path | None``; ``surgery`` (``fop.Stack``, ``Unstack``, ``Fuse``,
-          ``Split``, ``Transpose``, ``Rename``) changes the layout within each pytree
-          item during the read, as in ``fop.restore``. Without them a StructureError
-          lists every difference.
+        * A changed model: ``partial``, ``missing`` (also ``"keep"`` for a whole item
+          the step lacks), ``transform`` and ``surgery`` as in ``fop.restore``, within
+          each pytree item. Without them a StructureError lists every difference.
 
         Without ``step``, a latest step that is damaged (a checksum fails, a file is
         missing) is skipped with a warning and, by a writer, moved aside to
@@ -312,10 +307,9 @@ class CheckpointManager:
         self._wait_inflight()
 
     def warn_data_replay(self) -> None:
-        """Warns (once per manager) when the step last restored holds a data position
-        that was not restored: the run would read its data again. ``restore()`` of the
-        whole state without a ``data_iterator`` calls it itself; a resume that
-        restores named items (the callback's ``reset=``) calls it after."""
+        """Warns (once) when the step last restored holds a data position that was not
+        restored (the run would read its data again); a resume that restores named
+        items (the callback's ``reset=``) calls it after."""
         if self.restored_step is not None:
             self._restorer.warn_replay(self.restored_step)
 
@@ -333,8 +327,8 @@ class CheckpointManager:
         """
         self._wait_inflight()
         self._retainer.wait()
-        # Retention runs on the primary only: meet so that every process lists the same steps
-        # (and learns of an on_event hook's error on any of them: events.agree).
+        # Retention runs on the primary only: meet so that every process lists the same
+        # steps (and learns of a hook's error on any of them: events.agree).
         self._book.events.agree("manager-wait", what=f"wait of {self._loc}")
 
     def close(self) -> None:

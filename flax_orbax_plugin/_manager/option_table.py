@@ -96,6 +96,14 @@ DIRECTORY = Option(
 """The manager's ``directory`` (positional), checked as a tier's path is."""
 
 
+def _hf_shards(value: Any) -> Any:
+    """``hf_shards=``: an ``fop.HFShards(...)`` (an item the manager adds to due steps)."""
+    needed = ("every_steps", "item", "name", "due", "save", "restore")
+    if not all(hasattr(value, n) for n in needed):
+        raise TypeError(f"expected fop.HFShards(every_steps=K, ...) or None, found {found(value)}")
+    return value
+
+
 def _writer(value: Any) -> Any:
     if not callable(getattr(value, "write_scalars", None)):
         raise TypeError(
@@ -257,6 +265,14 @@ MANAGER: tuple[Option, ...] = (
         doc="host bytes a version 1 step may hold beyond the state (None: no bound)",
     ),
     STALL_TIMEOUT,
+    Option(
+        "hf_shards",
+        "custom",
+        none_ok=True,
+        convert=_hf_shards,
+        annotation="HFShards",
+        doc="Hugging Face safetensors shards of params written into every K-th step (HFShards)",
+    ),
     ON_EVENT,
 )
 """Every keyword option of CheckpointManager, in the order its signature shows them."""

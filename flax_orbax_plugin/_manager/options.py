@@ -299,6 +299,7 @@ class ManagerOptions:
     format_version: int
     host_memory_budget: int | None
     stall_timeout: float | None
+    hf_shards: Any
     on_event: Callable[[Any], Any] | None
 
     @classmethod
@@ -309,6 +310,14 @@ class ManagerOptions:
         values = check_manager(given)
         location = Location.from_path(_table.DIRECTORY.check(directory))
         overrides = _overrides(values["checkpointables"], values["compression"])
+        hf = values["hf_shards"]
+        if hf is not None:  # its item, saved on due steps (Saver) and read as any other
+            if hf.name in overrides:
+                raise OptionError(
+                    f"hf_shards: its item name {hf.name!r} is also given in checkpointables= "
+                    f"or compression=; give HFShards(name=) another name"
+                )
+            overrides[hf.name] = hf
         plain = {k: values[k] for k in _PLAIN}
         return cls(
             location,
@@ -344,5 +353,6 @@ _PLAIN = (
     "format_version",
     "host_memory_budget",
     "stall_timeout",
+    "hf_shards",
     "on_event",
 )

@@ -63,6 +63,22 @@ def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]
     return items
 
 
+def with_copy_item(items: dict[str, Any], copy: Any, step: int) -> dict[str, Any]:
+    """``items`` and, last, item ``copy.name`` holding the value of item ``copy.item``
+    (an ``fop.HFShards``: its checkpointable writes the copy)."""
+    if copy.item not in items:
+        raise CheckpointError(
+            f"hf_shards: step {step} has no item {copy.item!r} to write as Hugging Face "
+            f"shards (items: {sorted(items)}); give HFShards(item=) the item holding the params"
+        )
+    if copy.name in items:
+        raise ValueError(
+            f"hf_shards: the state has an item {copy.name!r}, the name of the shards' item; "
+            f"give HFShards(name=) another name"
+        )
+    return {**items, copy.name: items[copy.item]}
+
+
 class Saver:
     """Saves steps into ``location`` (see the module docstring).
 
@@ -81,8 +97,10 @@ class Saver:
         buffers: _host.BufferPool | None,
         budget: int | None = None,
         format_version: int = 1,
+        hf_shards: Any = None,
     ):
         self._loc = location
+        self._hf_shards = hf_shards  # an fop.HFShards: its item added to due steps
         self._format_version = format_version  # the step's pytree items' (their request)
         self._budget = budget  # host_memory_budget: bytes a save may hold on host
         self._overrides = overrides
@@ -221,6 +239,8 @@ class Saver:
     ) -> dict[str, Pending]:
         if replicate and self._book.tier is not None:
             self._book.tier.force(step)
+        if self._hf_shards is not None and self._hf_shards.due(step):
+            items = with_copy_item(items, self._hf_shards, step)
         started = time.perf_counter()
         replace = step in local
         final = _steps.step_location(self._loc, step)

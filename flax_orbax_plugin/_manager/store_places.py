@@ -15,8 +15,5 @@ def manager_places(bound: dict[str, Any]) -> list[Any]:
     options = bound.get("options") or {}
     tier = options.get("persistent")
     # ``directory`` (the property) once __init__ has set it; the argument before
-    return [
-        bound.get("directory"),
-        getattr(tier, "path", tier),
-        getattr(bound["self"], "directory", None),
-    ]
+    own = getattr(bound["self"], "directory", None)
+    return [bound.get("directory"), getattr(tier, "path", tier), own]
