@@ -4,16 +4,34 @@ The only place that knows the chunk key encoding (``c/<i0>/<i1>/...`` under an
 array's directory), the ``crc32c`` codec's 4-byte little-endian trailer and the
 ``sharding_indexed`` index entry of a chunk that is not stored. The writer
 (``chunk_writer``), the reader (``chunk_files``) and incremental reuse
-(``_incremental.reuse``) compute names and checksums through it. Design notes:
-docs/chunk_files.md. Pure functions: any thread.
+(``_incremental.reuse``) compute names and checksums through it, and
+:func:`extend_crc` is the package's one crc32c. Design notes: docs/chunk_files.md.
+Pure functions: any thread.
+
+The crc32c is the ``crc32c`` package's where it is installed: it releases the GIL on
+any buffer of 32 KiB or more (numpy arrays included), so writer threads checksumming
+chunks never stall the training thread. ``google_crc32c`` (the fallback) releases it
+only for ``bytes`` of 1 MiB or more, never for numpy buffers: with 8 writer threads the
+training thread waited tens of milliseconds per call (benchmarks/bench_onepass.py).
 """
 
 from __future__ import annotations
 
 import itertools
 
-import google_crc32c
 import numpy as np
+
+try:
+    from crc32c import crc32c as _crc32c
+except ImportError:  # pragma: no cover - the fallback: holds the GIL on numpy buffers
+    import google_crc32c
+
+    def _crc32c(data, value: int = 0) -> int:
+        return google_crc32c.extend(value, data)
+
+    GIL_FREE_CRC = False
+else:
+    GIL_FREE_CRC = True
 
 THREADS = 8  # as tensorstore's file_io_concurrency for local disks (_storage.context)
 CHUNK_DIR = "c"  # zarr3 default chunk key encoding: c/<i0>/<i1>/...
@@ -34,8 +52,9 @@ def chunk_key(cell) -> str:
 
 
 def extend_crc(crc: int, data) -> int:
-    """crc32c of the bytes so far (``crc``) followed by ``data``."""
-    return google_crc32c.extend(crc, data)
+    """crc32c of the bytes so far (``crc``) followed by ``data`` (any C-contiguous
+    buffer: bytes, memoryview, a numpy array of any dtype)."""
+    return _crc32c(data, crc)
 
 
 def whole_chunks(shape, chunk, index):
@@ -67,7 +86,7 @@ def crc_trailer(parts: list[np.ndarray]) -> np.ndarray:
     (C-contiguous arrays), as 4 uint8."""
     crc = 0
     for part in parts:
-        crc = google_crc32c.extend(crc, as_bytes(part))
+        crc = _crc32c(as_bytes(part), crc)
     return np.frombuffer(crc.to_bytes(CRC_BYTES, "little"), np.uint8)
 
 
@@ -120,7 +139,7 @@ def chunk_crcs(
 
 def as_bytes(array: np.ndarray) -> np.ndarray:
     """The bytes of a C-contiguous array as a flat, read-only uint8 view (any dtype,
-    ml_dtypes ones too; google_crc32c takes read-only buffers only)."""
+    ml_dtypes ones too; google_crc32c, the fallback crc, takes read-only buffers only)."""
     out = array.reshape(-1).view(np.uint8)
     out.flags.writeable = False
     return out
