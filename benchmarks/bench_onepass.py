@@ -21,14 +21,12 @@ Load average and /proc/stat steal are recorded beside each figure. Writes
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
 import resource
 import statistics
 import sys
-import tempfile
 import threading
 import time
 

@@ -58,26 +58,33 @@ COPY_PIECE = 32 << 20  # bytes per copy job of :func:`copy_all`
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
-def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+def copy_all(pairs: list[tuple]) -> None:
     """``np.copyto(dst, src)`` for every (dst, src) of ``pairs`` (C-contiguous ``dst``),
     split into pieces of at most :data:`COPY_PIECE` bytes and run on up to
     :data:`COPY_THREADS` threads (numpy releases the GIL while copying): a blocking
     phase's memory copies at the machine's memory bandwidth rather than one core's.
-    Returns when every copy is done; the first error is raised."""
-    jobs: list[tuple[np.ndarray, np.ndarray]] = []
-    for dst, src in pairs:
-        if dst.nbytes <= COPY_PIECE or src.ndim == 0 or src.shape[0] < 2:
-            jobs.append((dst, src))
+    An item (dst, src, copier) is copied by ``copier(dst, src)`` instead, whole, on one
+    of the threads (a copy that checksums as it goes: ``_zarr.chunks.copy_with_crcs``;
+    the caller cuts it into pieces). Returns when every copy is done; the first error is
+    raised."""
+    jobs: list[tuple] = []
+    for dst, src, *copier in pairs:
+        if copier or dst.nbytes <= COPY_PIECE or src.ndim == 0 or src.shape[0] < 2:
+            jobs.append((dst, src, *copier))
             continue
         rows = max(1, COPY_PIECE // max(1, dst.nbytes // dst.shape[0]))
         jobs += [(dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
-    if len(jobs) < 2 or COPY_THREADS == 1 or sum(d.nbytes for d, _ in jobs) < 2 * COPY_PIECE:
-        for dst, src in jobs:
-            np.copyto(dst, src)
+    if len(jobs) < 2 or COPY_THREADS == 1 or sum(j[0].nbytes for j in jobs) < 2 * COPY_PIECE:
+        for job in jobs:
+            _copy_job(*job)
         return
     with concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="fop-copy") as ex:
-        for future in [ex.submit(np.copyto, dst, src) for dst, src in jobs]:
+        for future in [ex.submit(_copy_job, *job) for job in jobs]:
             future.result()
+
+
+def _copy_job(dst: np.ndarray, src: np.ndarray, copier=np.copyto) -> None:
+    copier(dst, src)
 
 
 class BufferPool:

@@ -137,6 +137,50 @@ def chunk_crcs(
     }
 
 
+COPY_STEP = 256 << 10  # bytes copied, then checksummed, at a time: still in the core's cache
+
+
+def copy_with_crcs(
+    dst: np.ndarray,
+    src: np.ndarray,
+    shape: tuple[int, ...],
+    chunk: tuple[int, ...],
+    index: tuple[slice, ...],
+    out: dict,
+) -> None:
+    """``np.copyto(dst, src)``, checksumming in the same pass: ``dst`` and ``src`` hold
+    the region ``index`` (global) of an array of ``shape`` chunked by ``chunk``; where
+    it is whole chunks, each chunk's crc32c (the value :func:`chunk_crcs` gives, the
+    trailer its file stores) is put in ``out`` (``{chunk grid cell: crc32c}``).
+
+    A chunk spanning whole rows (its trailing axes the array's) is copied
+    :data:`COPY_STEP` bytes at a time, each piece checksummed right after it is copied,
+    while its bytes are still in the core's cache: the checksum does not read memory
+    again. Other chunks are copied, then checksummed. Nothing is put in ``out`` for a
+    region that is not whole chunks, a 0-d or big-endian array: the writer computes
+    those. Any thread (the copies and the crc32c release the GIL); distinct calls put
+    distinct cells."""
+    region = None if dst.dtype.byteorder == ">" else whole_chunks(shape, chunk, index)
+    if region is None or dst.shape != region[0] or src.shape != dst.shape:
+        np.copyto(dst, src)
+        return
+    for cell, at in region[1]:
+        d, s = dst[at], src[at]
+        if d.shape[1:] == tuple(chunk[1:]) and d.flags.c_contiguous and s.flags.c_contiguous:
+            flat_d, flat_s = d.reshape(-1).view(np.uint8), s.reshape(-1).view(np.uint8)
+            crc = 0
+            for a in range(0, flat_d.size, COPY_STEP):
+                np.copyto(flat_d[a : a + COPY_STEP], flat_s[a : a + COPY_STEP])
+                crc = _crc32c(flat_d[a : a + COPY_STEP], crc)
+            pad = (int(np.prod(chunk)) - d.size) * d.dtype.itemsize  # cut by the array's end
+            if pad:
+                crc = _crc32c(np.zeros(pad, np.uint8), crc)
+        else:
+            np.copyto(d, s)
+            crc = _crc32c(chunk_payload(d, tuple(chunk)))
+        out[cell] = crc
+
+
 def as_bytes(array: np.ndarray) -> np.ndarray:
     """The bytes of a C-contiguous array as a flat, read-only uint8 view (any dtype,
     ml_dtypes ones too; google_crc32c, the fallback crc, takes read-only buffers only)."""
