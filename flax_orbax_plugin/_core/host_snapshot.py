@@ -106,6 +106,31 @@ def take(
     return batch_data, pooled, views_held
 
 
+def pool_sizes(leaves: list, batches: dict[str, BatchRecord], own_copy: bool = False) -> list:
+    """The byte size of every buffer :func:`take` with a pool takes for these leaves (a
+    plan's) and batches: each batch this process writes, each region it copies of a CPU
+    or numpy leaf stored as its own array (accelerator regions go to pinned memory, not
+    to the pool). Reads no array data."""
+    me = _distributed.process_index()
+    writers = {n: b.process for n, b in batches.items()}
+    if own_copy:
+        writers = _held_batches(leaves, batches, me)
+    sizes = [
+        b.size * _layout.dtype_from_name(b.dtype).itemsize
+        for n, b in batches.items()
+        if writers[n] == me
+    ]
+    for leaf, source, rows in _owned(leaves, writers, me, own_copy):
+        if isinstance(leaf.record.storage, BatchStorage):
+            continue
+        data = source[0] if isinstance(source, tuple) else source
+        if _device_copy.on_device(data):
+            continue
+        extents = [len(range(*r.indices(n))) for r, n in zip(rows, leaf.record.shape, strict=True)]
+        sizes.append(math.prod(extents) * np.dtype(data.dtype).itemsize)
+    return sizes
+
+
 def _summed(leaf):
     """(shape, chunk shape, the leaf's crcs) for a pooled copy that checksums its
     chunks; None for a packed or compressed leaf (the writer checksums other bytes)."""

@@ -129,8 +129,14 @@ class CheckpointCallback:
 
         ``partial``, ``missing`` and ``transform`` resume into a changed model, as in
         :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
-        grew layers: the new ones keep their values from ``state``).
+        grew layers: the new ones keep their values from ``state``). Then reserves the
+        manager's host buffers for saving the state (:meth:`CheckpointManager.reserve`).
         """
+        state = self._resume(state, data_iterator, reset, partial, missing, transform)
+        self.manager.reserve(state)
+        return state
+
+    def _resume(self, state, data_iterator, reset, partial, missing, transform) -> Any:
         if data_iterator is not None:
             self._data_iterator = data_iterator
         reset = check_reset(reset)

@@ -181,6 +181,13 @@ class CheckpointManager:
         primary's time-based decision with every process)."""
         return self._schedule.should_save(operator.index(step), t)
 
+    def reserve(self, like: Any) -> int:
+        """Allocates and populates (``MADV_POPULATE_WRITE``) the host buffers one save of
+        ``like`` (the state, or ``jax.eval_shape`` of it) copies into, so the first save
+        costs what a steady one does. Returns the bytes allocated. Training thread,
+        before the loop; ``CheckpointCallback.on_train_start`` calls it."""
+        return self._saver.reserve(like)
+
     @_distributed.collective("manager-save")
     def save(
         self,

@@ -160,6 +160,23 @@ class Saver:
         slot = _steps.step_location(self._loc, step)
         _ownership.prepare_slot(slot, what=f"step {step}", replace=False)
 
+    def reserve(self, like: Any) -> int:
+        """Sizes the manager's host buffers for one save of a state like ``like`` (the
+        state, or its ``jax.eval_shape``), populated now; returns the bytes allocated (0
+        without buffers: a host memory budget or ``reuse_host_buffers=False``)."""
+        if self._buffers is None:
+            return 0
+        own = self._book.per_host
+        request = SaveRequest(
+            format_version=self._format_version, own_copy=own, created_at=0.0 if own else None
+        )
+        sizes: list[int] = []
+        for name, value in split_state(like).items():
+            handler = checkpointable_for(name, self._overrides)
+            if hasattr(handler, "pool_sizes"):
+                sizes += handler.pool_sizes(value, request)
+        return self._buffers.reserve(sizes)
+
     # -- the save
 
     def start(
