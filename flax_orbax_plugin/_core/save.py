@@ -286,9 +286,7 @@ def pool_sizes(like: Any, request: SaveRequest) -> list[int]:
     ``request`` says; for ``BufferPool.reserve``. Reads no array data, allocates
     nothing. A ShapeDtypeStruct spread over several devices is refused (pass the state
     itself: its shards decide the regions)."""
-    return _host_snapshot.pool_sizes(
-        *_sizing_plan(like, request), own_copy=request.own_copy
-    )
+    return _host_snapshot.pool_sizes(*_sizing_plan(like, request), own_copy=request.own_copy)
 
 
 def _sizing_plan(like: Any, request: SaveRequest) -> tuple[list, dict]:
