@@ -133,3 +133,165 @@ def gil_stall(seconds: float) -> dict:
         }
         print(name, json.dumps(out[name]), flush=True)
     return out
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def _arrays(mib: int):
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    n = max(1, mib // 64)
+    return [rng.standard_normal((4096, 4096), np.float32) for _ in range(n)]  # 64 MiB each
+
+
+def copy_checksum_phases(mib: int, repeats: int) -> dict:
+    """CPU seconds of the copy into pooled buffers and the checksum of every 4 MiB
+    chunk: the old way (copy on the copy threads, then crc32c from DRAM on 8 writer
+    threads, as ``ChunkWriter`` did) against one pass (``copy_with_crcs`` pieces)."""
+    import functools
+
+    from flax_orbax_plugin._base import host as H
+    from flax_orbax_plugin._zarr import chunks as Z
+
+    arrays = _arrays(mib)
+    pool = H.BufferPool()
+    chunk = (256, 4096)  # 4 MiB of float32
+    rows = 4096
+
+    def old():
+        later: list = []
+        bufs = [pool.copy(a, later) for a in arrays]
+        H.copy_all(later)
+        t = (time.perf_counter(), _cpu())
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            jobs = [b[i : i + chunk[0]] for b in bufs for i in range(0, rows, chunk[0])]
+            list(ex.map(lambda c: Z.crc_trailer([Z.as_bytes(c)]), jobs))
+        pool.give_back(bufs)
+        return t
+
+    def new():
+        later: list = []
+        bufs = []
+        for a in arrays:
+            out = pool.empty(a.shape, a.dtype)
+            bufs.append(out)
+            crcs: dict = {}
+            step = H.COPY_PIECE // (a.nbytes // rows)
+            for i in range(0, rows, step):
+                piece = (slice(i, i + step), slice(None))
+                copier = functools.partial(
+                    Z.copy_with_crcs, shape=a.shape, chunk=chunk, index=piece, out=crcs
+                )
+                later.append((out[i : i + step], a[i : i + step], copier))
+        H.copy_all(later)
+        pool.give_back(bufs)
+        return None
+
+    old()  # the pool's buffers touched once: steady state
+    rows_out: dict[str, list] = {"copy then crc": [], "one pass": []}
+    split: list[float] = []
+    with _Machine() as m:
+        for _ in range(repeats):
+            for name, fn in (("copy then crc", old), ("one pass", new)):
+                w0, c0 = time.perf_counter(), _cpu()
+                mid = fn()
+                w1, c1 = time.perf_counter(), _cpu()
+                rows_out[name].append((c1 - c0, w1 - w0))
+                if mid is not None:
+                    split.append(c1 - mid[1])
+    gb = sum(a.nbytes for a in arrays) / 1e9
+    out = {
+        name: {
+            "cpu_s_median": round(statistics.median(c for c, _ in r), 3),
+            "cpu_s_per_GB": round(statistics.median(c for c, _ in r) / gb, 3),
+            "wall_s_median": round(statistics.median(w for _, w in r), 3),
+        }
+        for name, r in rows_out.items()
+    }
+    out["copy then crc"]["of_which_crc_cpu_s_median"] = round(statistics.median(split), 3)
+    out["GB"] = round(gb, 3)
+    out["crc"] = "crc32c" if Z.GIL_FREE_CRC else "google_crc32c"
+    out.update(m.figures)
+    print("phases", json.dumps(out), flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------- first
+
+
+def first_save(mib: int, repeats: int, directory: str) -> dict:
+    """The blocking phase (wall and process CPU seconds of ``mngr.save``) of a fresh
+    manager's first save against its steady saves, without and with ``reserve`` (its
+    own cost reported apart)."""
+    import jax
+
+    import flax_orbax_plugin as fop
+
+    state = {"params": {f"w{i}": jax.numpy.asarray(a) for i, a in enumerate(_arrays(mib))}}
+    out: dict[str, list] = {"first": [], "first after reserve": [], "steady": [], "reserve": []}
+    with _Machine() as m:
+        for r in range(repeats):
+            for reserve in (False, True):
+                path = os.path.join(directory, f"r{r}{int(reserve)}")
+                with fop.CheckpointManager(path, keep=1) as mngr:
+                    if reserve:
+                        w0, c0 = time.perf_counter(), _cpu()
+                        mngr.reserve(state)
+                        out["reserve"].append((time.perf_counter() - w0, _cpu() - c0))
+                    for step in range(3):
+                        w0, c0 = time.perf_counter(), _cpu()
+                        mngr.save(step, state)
+                        figure = (time.perf_counter() - w0, _cpu() - c0)
+                        mngr.wait()
+                        if step == 0:
+                            out["first after reserve" if reserve else "first"].append(figure)
+                        elif not reserve:
+                            out["steady"].append(figure)
+                _rmtree(path)
+    res = {
+        k: {
+            "blocking_wall_s_median": round(statistics.median(w for w, _ in v), 3),
+            "blocking_cpu_s_median": round(statistics.median(c for _, c in v), 3),
+        }
+        for k, v in out.items()
+    }
+    res["GB"] = round(mib * (1 << 20) / 1e9, 3)
+    res.update(m.figures)
+    print("first", json.dumps(res), flush=True)
+    return res
+
+
+def _rmtree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def main() -> None:
+    import argparse
+    import tempfile
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--mib", type=int, default=1200)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--only", default="gil,phases,first")
+    a = p.parse_args()
+    only = set(a.only.split(","))
+    results: dict = {"mib": a.mib, "repeats": a.repeats, "cpus": os.cpu_count()}
+    if "gil" in only:
+        results["gil"] = gil_stall(a.seconds)
+    if "phases" in only:
+        results["phases"] = copy_checksum_phases(a.mib, a.repeats)
+    if "first" in only:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("FOP_BENCH_DIR")) as d:
+            results["first"] = first_save(a.mib, a.repeats, d)
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "onepass.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
