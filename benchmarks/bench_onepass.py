@@ -3,7 +3,7 @@ loop (issue 34, items 2 and 4).
 
     python benchmarks/bench_onepass.py [--mib 1200] [--repeats 5] [--only gil,phases,first]
 
-1. **gil**: a "training" thread runs a busy Python loop while 8 threads checksum 4 MiB
+1. **gil**: a "training" thread runs a busy Python loop while 8 (then 1) threads checksum 4 MiB
    numpy chunks, with ``google_crc32c`` and with ``crc32c``: the training thread's
    waits (an iteration more than 1 ms longer than the median iteration alone: it
    waited for the GIL or a core), their median, p90 and max, the seconds waited per
@@ -77,7 +77,7 @@ def _busy(stop: threading.Event, times: list[float]) -> None:
         times.append(time.perf_counter() - t)
 
 
-def gil_stall(seconds: float) -> dict:
+def gil_stall(seconds: float, threads: int = 8) -> dict:
     import google_crc32c
     import numpy as np
     from crc32c import crc32c
@@ -112,8 +112,8 @@ def gil_stall(seconds: float) -> dict:
             return calls
 
         times: list[float] = []
-        with _Machine() as m, concurrent.futures.ThreadPoolExecutor(8) as ex:
-            futures = [ex.submit(checksummer) for _ in range(8)]
+        with _Machine() as m, concurrent.futures.ThreadPoolExecutor(threads) as ex:
+            futures = [ex.submit(checksummer) for _ in range(threads)]
             trainer = threading.Thread(target=_busy, args=(stop, times))
             trainer.start()
             time.sleep(seconds)
@@ -131,7 +131,7 @@ def gil_stall(seconds: float) -> dict:
             "checksum_GBps": round(calls * CHUNK / seconds / 1e9, 2),
             **m.figures,
         }
-        print(name, json.dumps(out[name]), flush=True)
+        print(name, threads, json.dumps(out[name]), flush=True)
     return out
 
 
@@ -282,7 +282,8 @@ def main() -> None:
     only = set(a.only.split(","))
     results: dict = {"mib": a.mib, "repeats": a.repeats, "cpus": os.cpu_count()}
     if "gil" in only:
-        results["gil"] = gil_stall(a.seconds)
+        results["gil"] = gil_stall(a.seconds)  # the writer's 8 threads
+        results["gil_1_thread"] = gil_stall(a.seconds, 1)  # a core to spare: the GIL alone
     if "phases" in only:
         results["phases"] = copy_checksum_phases(a.mib, a.repeats)
     if "first" in only:
