@@ -186,6 +186,7 @@ class CheckpointManager:
         ``like`` (the state, or ``jax.eval_shape`` of it) copies into, so the first save
         costs what a steady one does. Returns the bytes allocated. Training thread,
         before the loop; ``CheckpointCallback.on_train_start`` calls it."""
+        self._check_writable()
         return self._saver.reserve(like)
 
     @_distributed.collective("manager-save")
