@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._base import liveness as _liveness
 from .._errors import CheckpointError
 from .._format.layout import ArrayStorage, BatchRecord, array_dir, batch_dir, sha256
 from .._storage.location import Location
@@ -66,12 +67,14 @@ def write_packed(
     jobs += _batch_jobs(plain, batches, batch_data, writer)
     jobs += _compressed_batch_jobs(batches, batch_data, writer)
     pending = _Pending(limit, cancelled)
+    doing = pending.report(total)  # bytes done and left, in this process's heartbeat
     try:
         try:
             pending.write_all(jobs)
             pending.drain(0)
         finally:
             writer.close()
+            _liveness.ACTIVITIES.end(doing)
     except BaseException as e:
         _settle(pending.futures)
         _raise_as_checkpoint_error(e, staging, direct=True)

@@ -115,6 +115,7 @@ class CheckpointCallback:
         partial: bool = False,
         missing: str = "error",
         transform: Any = None,
+        surgery: Any = None,
     ) -> Any:
         """Returns ``state`` resumed from the latest good step (per ``resume``), or
         unchanged. With ``resume=False`` a directory holding steps is refused (or, with
@@ -127,21 +128,23 @@ class CheckpointCallback:
         that holds a data position without a ``data_iterator`` warns once (the run would
         replay its data).
 
-        ``partial``, ``missing`` and ``transform`` resume into a changed model, as in
+        ``partial``, ``missing``, ``transform`` and ``surgery`` resume into a changed
+        model, as in
         :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
         grew layers: the new ones keep their values from ``state``). Then reserves the
         manager's host buffers for saving the state (:meth:`CheckpointManager.reserve`).
         """
-        state = self._resume(state, data_iterator, reset, partial, missing, transform)
-        self.manager.reserve(state)
-        return state
-
-    def _resume(self, state, data_iterator, reset, partial, missing, transform) -> Any:
         if data_iterator is not None:
             self._data_iterator = data_iterator
         reset = check_reset(reset)
+        changes = dict(partial=partial, missing=missing, transform=transform, surgery=surgery)
+        opts = check_changes(**changes).kwargs()
+        state = self._resume(state, reset, opts)
+        self.manager.reserve(state)
+        return state
+
+    def _resume(self, state: Any, reset: tuple[str, ...], opts: dict) -> Any:
         names = items_to_restore(state, reset=reset) if reset else None
-        opts = check_changes(partial=partial, missing=missing, transform=transform).kwargs()
         existed = self._manager is not None or _resuming.place_exists(self.directory)
         mngr = self.manager
         latest = mngr.latest_step(include_persistent=True)
