@@ -30,6 +30,9 @@ class _ManagerSaver:
         self.manager.wait()
         return {}
 
+    def reserve(self, tree) -> None:  # before the loop, as the callback's on_train_start
+        self.manager.reserve(tree)
+
     def close(self):
         self.manager.close()
 

@@ -16,8 +16,11 @@ the allocation itself, which merely changes a hint for other threads' allocation
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import math
+import mmap
 import os
+import sys
 import threading
 
 import numpy as np
@@ -58,26 +61,65 @@ COPY_PIECE = 32 << 20  # bytes per copy job of :func:`copy_all`
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
-def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+def copy_all(pairs: list[tuple]) -> None:
     """``np.copyto(dst, src)`` for every (dst, src) of ``pairs`` (C-contiguous ``dst``),
     split into pieces of at most :data:`COPY_PIECE` bytes and run on up to
     :data:`COPY_THREADS` threads (numpy releases the GIL while copying): a blocking
     phase's memory copies at the machine's memory bandwidth rather than one core's.
-    Returns when every copy is done; the first error is raised."""
-    jobs: list[tuple[np.ndarray, np.ndarray]] = []
-    for dst, src in pairs:
-        if dst.nbytes <= COPY_PIECE or src.ndim == 0 or src.shape[0] < 2:
-            jobs.append((dst, src))
+    An item (dst, src, copier) is copied by ``copier(dst, src)`` instead, whole, on one
+    of the threads (a copy that checksums as it goes: ``_zarr.chunks.copy_with_crcs``;
+    the caller cuts it into pieces). Returns when every copy is done; the first error is
+    raised."""
+    jobs: list[tuple] = []
+    for dst, src, *copier in pairs:
+        if copier or dst.nbytes <= COPY_PIECE or src.ndim == 0 or src.shape[0] < 2:
+            jobs.append((dst, src, *copier))
             continue
         rows = max(1, COPY_PIECE // max(1, dst.nbytes // dst.shape[0]))
         jobs += [(dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
-    if len(jobs) < 2 or COPY_THREADS == 1 or sum(d.nbytes for d, _ in jobs) < 2 * COPY_PIECE:
-        for dst, src in jobs:
-            np.copyto(dst, src)
+    if len(jobs) < 2 or COPY_THREADS == 1 or sum(j[0].nbytes for j in jobs) < 2 * COPY_PIECE:
+        for job in jobs:
+            _copy_job(*job)
         return
     with concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="fop-copy") as ex:
-        for future in [ex.submit(np.copyto, dst, src) for dst, src in jobs]:
+        for future in [ex.submit(_copy_job, *job) for job in jobs]:
             future.result()
+
+
+def _copy_job(dst: np.ndarray, src: np.ndarray, copier=np.copyto) -> None:
+    copier(dst, src)
+
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+
+
+def _load_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise()
+
+
+def populate(buffer: np.ndarray) -> bool:
+    """Makes every page of ``buffer`` (C-contiguous, page-aligned start) resident and
+    writable now: ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it (one call
+    faults every page in, without a fault per page), else one byte written per page.
+    Returns whether madvise did it. The values are not meaningful either way."""
+    flat = buffer.reshape(-1).view(np.uint8)
+    address, length = flat.ctypes.data, flat.size - flat.size % PAGE
+    if _madvise is not None and length and address % PAGE == 0:
+        if _madvise(address, length, MADV_POPULATE_WRITE) == 0:
+            return True
+    flat[::PAGE] = 0  # an older kernel (EINVAL): a write fault per page
+    return False
 
 
 class BufferPool:
@@ -102,6 +144,32 @@ class BufferPool:
     def __init__(self):
         self._lock = threading.Lock()
         self._free: dict[int, list[np.ndarray]] = {}
+        self.allocated = 0  # buffers of MIN_BYTES or more made fresh by empty()
+        self.reused = 0  # buffers empty() took from the free lists
+
+    def reserve(self, sizes: list[int]) -> int:
+        """Makes the free lists hold one buffer per byte size of ``sizes`` (those of one
+        save, ``_core.save.pool_sizes``), each populated (:func:`populate`): the first
+        save then takes buffers that were touched before, without page faults. Buffers
+        already free count; returns the bytes newly allocated. Call before the loop, with
+        no save in flight (the training thread)."""
+        want: dict[int, int] = {}
+        for n in sizes:
+            if n >= self.MIN_BYTES:
+                want[n] = want.get(n, 0) + 1
+        made = 0
+        with self._lock:
+            free = {n: list(a) for n, a in self._free.items()}
+        for n, count in want.items():
+            have = free.setdefault(n, [])
+            while len(have) < count:
+                raw = empty((n,), np.uint8)
+                populate(raw)
+                have.append(raw)
+                made += n
+        with self._lock:
+            self._free = free
+        return made
 
     def empty(self, shape, dtype) -> np.ndarray:
         """As :func:`empty`, from the pool when a given-back buffer has the size."""
@@ -113,6 +181,9 @@ class BufferPool:
                 free = self._free.get(nbytes)
                 if free:
                     raw = free.pop()
+                    self.reused += 1
+                else:
+                    self.allocated += 1
         if raw is None:
             raw = empty((nbytes,), np.uint8)
         return raw.view(dtype).reshape(shape)

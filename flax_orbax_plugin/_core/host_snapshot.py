@@ -24,6 +24,7 @@ from .._base import host as _host
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, BatchStorage
 from .._zarr import chunk_writer as _chunk_writer
+from .._zarr import chunks as _chunks
 from .._zarr import subbyte as _subbyte
 from . import device_copy as _device_copy
 
@@ -86,8 +87,9 @@ def take(
         if isinstance(storage, BatchStorage):
             _copy_small(storage, source, batch_data, pieces, ends, pool)
         else:
+            summed = _summed(leaf)
             for part in _pieces(leaf, source, rows, budget):
-                data = _copy_region(source, part, pool, keep, later, streamed)
+                data = _copy_region(source, part, pool, keep, later, streamed, summed)
                 views_held |= streamed and isinstance(data, np.ndarray)
                 leaf.writes.append((part, data))
     _host.copy_all(later)  # on a few threads: the training thread waits for them anyway
@@ -102,6 +104,49 @@ def take(
     for leaf in leaves:
         leaf.value = None  # the snapshot is all the background phase needs
     return batch_data, pooled, views_held
+
+
+def pool_sizes(leaves: list, batches: dict[str, BatchRecord], own_copy: bool = False) -> list:
+    """The byte size of every buffer :func:`take` with a pool takes for these leaves (a
+    plan's) and batches: each batch this process writes, each region it copies of a CPU
+    or numpy leaf stored as its own array (accelerator regions go to pinned memory, not
+    to the pool). Reads no array data."""
+    me = _distributed.process_index()
+    writers = {n: b.process for n, b in batches.items()}
+    if own_copy:
+        writers = _held_batches(leaves, batches, me)
+    sizes = [
+        b.size * _layout.dtype_from_name(b.dtype).itemsize
+        for n, b in batches.items()
+        if writers[n] == me
+    ]
+    for leaf, source, rows in _owned(leaves, writers, me, own_copy):
+        if isinstance(leaf.record.storage, BatchStorage):
+            continue
+        data = source[0] if isinstance(source, tuple) else source
+        if _device_copy.on_device(data):
+            continue
+        extents = [len(range(*r.indices(n))) for r, n in zip(rows, leaf.record.shape, strict=True)]
+        sizes.append(math.prod(extents) * np.dtype(data.dtype).itemsize)
+    return sizes
+
+
+# Checksum each chunk as it is copied into the pool (one pass) instead of in the
+# writer: off, since measured slower here (benchmarks/bench_onepass.py: 0.361 against
+# 0.284 CPU-s per 1.2 GB save; a 256 KiB copy stays in cache but costs more than the
+# second read it saves). The carried checksums stay proven (tests/core/test_onepass_crcs.py
+# turns it on) for a copy kernel that computes the crc as it copies.
+ONE_PASS = False
+
+
+def _summed(leaf):
+    """(shape, chunk shape, the leaf's crcs) for a pooled copy that checksums its
+    chunks; None for a packed or compressed leaf (the writer checksums other bytes),
+    and while :data:`ONE_PASS` is off."""
+    storage = leaf.record.storage
+    if not ONE_PASS or storage.codec is not None or _subbyte.is_packed(leaf.record):
+        return None
+    return leaf.record.shape, storage.chunk_shape, leaf.crcs
 
 
 def _pieces(leaf, source, rows, budget: int | None) -> list:
@@ -174,9 +219,10 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
     ends[name] = off + size
 
 
-def _copy_region(source, rows, pool, keep, later: list, streamed: bool):
+def _copy_region(source, rows, pool, keep, later: list, streamed: bool, summed):
     """The host copy of the region ``rows`` of a leaf stored as its own array (of an
-    accelerator array: a ``_device_copy.Deferred``)."""
+    accelerator array: a ``_device_copy.Deferred``). A pooled copy is checksummed as it
+    is copied (``summed``: the leaf's shape, chunk shape and crcs, see :func:`_pooled`)."""
     if isinstance(source, tuple):
         data, index = source
         part = _relative(rows, index)
@@ -187,13 +233,35 @@ def _copy_region(source, rows, pool, keep, later: list, streamed: bool):
             return host if part is None else host[part]
         if pool is not None and data.device.platform == "cpu":
             host = np.asarray(data)
-            return keep(pool.copy(host if part is None else host[part], later))
+            return keep(_pooled(pool, host if part is None else host[part], rows, later, summed))
         return _host_copy(data, part)
     if streamed:  # a numpy leaf under a budget: written before the save returns
         return np.asarray(source)
     if pool is None:
         return _host.copy(np.asarray(source))
-    return keep(pool.copy(np.asarray(source), later))
+    return keep(_pooled(pool, np.asarray(source), rows, later, summed))
+
+
+def _pooled(pool: _host.BufferPool, host: np.ndarray, rows, later: list, summed) -> np.ndarray:
+    """A pooled buffer for ``host`` (the region ``rows``, global, of a leaf), its copy
+    left in ``later`` for ``copy_all``, cut into pieces of whole chunk rows each copied
+    and checksummed in one pass (``_zarr.chunks.copy_with_crcs``): every chunk's crc32c
+    lands in the leaf's ``crcs`` (``summed``: (shape, chunk shape, crcs)), and the
+    writer does not read the chunk again to checksum it; ``summed`` None: copied only."""
+    out = pool.empty(host.shape, host.dtype)
+    shape, chunk, crcs = summed or ((), (), None)
+    if not shape or not rows:
+        later.append((out, host))
+        return out
+    row_bytes = math.prod(host.shape[1:]) * host.dtype.itemsize
+    start = rows[0].start or 0
+    for piece in _device_copy.pieces(rows, shape[0], chunk[0], row_bytes, _host.COPY_PIECE):
+        at = slice((piece[0].start or 0) - start, (piece[0].stop or shape[0]) - start)
+        copier = functools.partial(
+            _chunks.copy_with_crcs, shape=shape, chunk=chunk, index=piece, out=crcs
+        )
+        later.append((out[at], host[at], copier))
+    return out
 
 
 @functools.lru_cache(maxsize=4096)

@@ -59,6 +59,9 @@ class Leaf:
     value: Any  # jax.Array / np.ndarray / None, after scalar and key conversion
     record: LeafRecord
     writes: list[tuple[tuple[slice, ...], np.ndarray]] = dataclasses.field(default_factory=list)
+    # {chunk grid cell: crc32c} of chunks of ``writes`` checksummed as they were copied
+    # into pooled buffers (host_snapshot): the writers take these rather than re-read
+    crcs: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
 
 
 class _Batching:

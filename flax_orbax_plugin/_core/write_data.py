@@ -143,7 +143,7 @@ def _array_job(leaf, spec, writer: _chunk_writer.ChunkWriter | None):
 
     def direct(index, data):
         return writer.array(
-            array_dir(leaf.index), record.shape, record.storage.chunk_shape, index, data
+            array_dir(leaf.index), record.shape, record.storage.chunk_shape, index, data, leaf.crcs
         )
 
     return spec, leaf.writes, direct

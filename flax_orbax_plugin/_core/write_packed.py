@@ -110,7 +110,7 @@ def _direct(writer: _packed_writer.PackedWriter, leaf):
     def write(index, data):
         sub = array_dir(leaf.index)
         if spec is None:
-            futures = writer.array(sub, record.shape, chunk, index, data)
+            futures = writer.array(sub, record.shape, chunk, index, data, leaf.crcs)
         else:
             whole = _chunks.whole_chunks(record.shape, chunk, index)
             ok = whole is not None and data.shape == whole[0]

@@ -131,15 +131,20 @@ class CheckpointCallback:
         ``partial``, ``missing``, ``transform`` and ``surgery`` resume into a changed
         model, as in
         :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
-        grew layers: the new ones keep their values from ``state``).
+        grew layers: the new ones keep their values from ``state``). Then reserves the
+        manager's host buffers for saving the state (:meth:`CheckpointManager.reserve`).
         """
         if data_iterator is not None:
             self._data_iterator = data_iterator
         reset = check_reset(reset)
+        changes = dict(partial=partial, missing=missing, transform=transform, surgery=surgery)
+        opts = check_changes(**changes).kwargs()
+        state = self._resume(state, reset, opts)
+        self.manager.reserve(state)
+        return state
+
+    def _resume(self, state: Any, reset: tuple[str, ...], opts: dict) -> Any:
         names = items_to_restore(state, reset=reset) if reset else None
-        opts = check_changes(
-            partial=partial, missing=missing, transform=transform, surgery=surgery
-        ).kwargs()
         existed = self._manager is not None or _resuming.place_exists(self.directory)
         mngr = self.manager
         latest = mngr.latest_step(include_persistent=True)

@@ -169,6 +169,10 @@ class PytreeCheckpointable:
         done.snap = snap  # the manager waits for its data under a budget (write_first)
         return done
 
+    def pool_sizes(self, like: Any, request: SaveRequest = _SAVE) -> list[int]:
+        """The pooled buffers' sizes one :meth:`save` of a value like ``like`` takes."""
+        return _save.pool_sizes(like, request)
+
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
         """The core's restore as ``request`` says: a changed model's ``changes``; a
         host's own directory (``own_copy``): every process reads what it needs itself,

@@ -35,7 +35,7 @@ from .book import StepBook
 from .option_table import MANAGER
 from .restoring import Restorer
 from .retaining import RetentionRunner
-from .saving import Saver, collect_items
+from .saving import Reserving, Saver, collect_items
 from .schedule import SaveSchedule
 from .store_places import manager_places
 from .tiers import PersistentTier
@@ -46,7 +46,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 @raises_store_errors_in_methods(manager_places)  # a store's refusal: StoreAccessError
-class CheckpointManager:
+class CheckpointManager(Reserving):  # reserve(like): saving.Reserving
     # The docstring and the signature of __init__ are derived from the option
     # declarations (option_table.MANAGER) by signatures.document, below the class.
 

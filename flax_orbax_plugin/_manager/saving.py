@@ -79,6 +79,16 @@ def with_copy_item(items: dict[str, Any], copy: Any, step: int) -> dict[str, Any
     return {**items, copy.name: items[copy.item]}
 
 
+class Reserving:  # CheckpointManager.reserve (the manager's _saver and _check_writable)
+    def reserve(self, like: Any) -> int:
+        """Allocates and populates (``MADV_POPULATE_WRITE``) the host buffers one save of
+        ``like`` (the state, or ShapeDtypeStructs on one device) copies into: the first
+        save costs what a steady one does. Returns the bytes allocated. Training thread,
+        before the loop (``CheckpointCallback.on_train_start`` calls it); read-only: refused."""
+        self._check_writable()  # type: ignore[attr-defined]
+        return self._saver.reserve(like)  # type: ignore[attr-defined]
+
+
 class Saver:
     """Saves steps into ``location`` (see the module docstring).
 
@@ -203,6 +213,23 @@ class Saver:
         (agreed by every process: :func:`ownership.prepare_slot`)."""
         slot = _steps.step_location(self._loc, step)
         _ownership.prepare_slot(slot, what=f"step {step}", replace=False)
+
+    def reserve(self, like: Any) -> int:
+        """Sizes the manager's host buffers for one save of a state like ``like`` (the
+        state, or its ``jax.eval_shape``), populated now; returns the bytes allocated (0
+        without buffers: a host memory budget or ``reuse_host_buffers=False``)."""
+        if self._buffers is None:
+            return 0
+        own = self._book.per_host
+        request = SaveRequest(
+            format_version=self._format_version, own_copy=own, created_at=0.0 if own else None
+        )
+        sizes: list[int] = []
+        for name, value in split_state(like).items():
+            handler = checkpointable_for(name, self._overrides)
+            if hasattr(handler, "pool_sizes"):
+                sizes += handler.pool_sizes(value, request)
+        return self._buffers.reserve(sizes)
 
     # -- the save
 

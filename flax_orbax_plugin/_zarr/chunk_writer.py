@@ -102,11 +102,15 @@ class ChunkWriter:
         chunk: tuple[int, ...],
         index: tuple[slice, ...],
         data: np.ndarray,
+        crcs: dict | None = None,
     ) -> list[concurrent.futures.Future] | None:
         """Starts writing every chunk of the region ``index`` (global) of the array
         ``sub`` from ``data`` (that region's values); None, writing nothing, when the
         region does not consist of whole chunks (chunks cut by the array's end are
-        whole: they are padded with zeros, the fill value, as tensorstore pads them)."""
+        whole: they are padded with zeros, the fill value, as tensorstore pads them).
+        ``crcs``: ``{chunk grid cell: crc32c}`` of chunks of ``data`` checksummed
+        already (as they were copied: ``chunks.copy_with_crcs``); a chunk there is not
+        read again to checksum it, the others are checksummed here."""
         region = _chunks.whole_chunks(shape, chunk, index)
         if region is None or data.shape != region[0]:
             return None
@@ -116,13 +120,20 @@ class ChunkWriter:
                 f"{sub}/{_chunks.chunk_key(cell)}",
                 data[at],
                 tuple(chunk),
+                None if crcs is None else crcs.get(cell),
             )
             for cell, at in region[1]
         ]
 
-    def _write_chunk(self, name: str, view: np.ndarray, chunk: tuple[int, ...]) -> None:
+    def _write_chunk(
+        self, name: str, view: np.ndarray, chunk: tuple[int, ...], crc: int | None
+    ) -> None:
         payload = _chunks.chunk_payload(view, chunk)
-        self._write_file(name, [payload, _chunks.crc_trailer([payload])])
+        if crc is None:
+            trailer = _chunks.crc_trailer([payload])
+        else:
+            trailer = np.frombuffer(crc.to_bytes(_chunks.CRC_BYTES, "little"), np.uint8)
+        self._write_file(name, [payload, trailer])
 
     # -- batches (sharding_indexed) -----------------------------------------------------
 

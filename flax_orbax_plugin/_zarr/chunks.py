@@ -4,16 +4,34 @@ The only place that knows the chunk key encoding (``c/<i0>/<i1>/...`` under an
 array's directory), the ``crc32c`` codec's 4-byte little-endian trailer and the
 ``sharding_indexed`` index entry of a chunk that is not stored. The writer
 (``chunk_writer``), the reader (``chunk_files``) and incremental reuse
-(``_incremental.reuse``) compute names and checksums through it. Design notes:
-docs/chunk_files.md. Pure functions: any thread.
+(``_incremental.reuse``) compute names and checksums through it, and
+:func:`extend_crc` is the package's one crc32c. Design notes: docs/chunk_files.md.
+Pure functions: any thread.
+
+The crc32c is the ``crc32c`` package's where it is installed: it releases the GIL on
+any buffer of 32 KiB or more (numpy arrays included), so writer threads checksumming
+chunks never stall the training thread. ``google_crc32c`` (the fallback) releases it
+only for ``bytes`` of 1 MiB or more, never for numpy buffers: with 8 writer threads the
+training thread waited tens of milliseconds per call (benchmarks/bench_onepass.py).
 """
 
 from __future__ import annotations
 
 import itertools
 
-import google_crc32c
 import numpy as np
+
+try:
+    from crc32c import crc32c as _crc32c
+except ImportError:  # pragma: no cover - the fallback: holds the GIL on numpy buffers
+    import google_crc32c
+
+    def _crc32c(data, value: int = 0) -> int:
+        return google_crc32c.extend(value, data)
+
+    GIL_FREE_CRC = False
+else:
+    GIL_FREE_CRC = True
 
 THREADS = 8  # as tensorstore's file_io_concurrency for local disks (_storage.context)
 CHUNK_DIR = "c"  # zarr3 default chunk key encoding: c/<i0>/<i1>/...
@@ -34,8 +52,9 @@ def chunk_key(cell) -> str:
 
 
 def extend_crc(crc: int, data) -> int:
-    """crc32c of the bytes so far (``crc``) followed by ``data``."""
-    return google_crc32c.extend(crc, data)
+    """crc32c of the bytes so far (``crc``) followed by ``data`` (any C-contiguous
+    buffer: bytes, memoryview, a numpy array of any dtype)."""
+    return _crc32c(data, crc)
 
 
 def whole_chunks(shape, chunk, index):
@@ -67,7 +86,7 @@ def crc_trailer(parts: list[np.ndarray]) -> np.ndarray:
     (C-contiguous arrays), as 4 uint8."""
     crc = 0
     for part in parts:
-        crc = google_crc32c.extend(crc, as_bytes(part))
+        crc = _crc32c(as_bytes(part), crc)
     return np.frombuffer(crc.to_bytes(CRC_BYTES, "little"), np.uint8)
 
 
@@ -118,9 +137,53 @@ def chunk_crcs(
     }
 
 
+COPY_STEP = 256 << 10  # bytes copied, then checksummed, at a time: still in the core's cache
+
+
+def copy_with_crcs(
+    dst: np.ndarray,
+    src: np.ndarray,
+    shape: tuple[int, ...],
+    chunk: tuple[int, ...],
+    index: tuple[slice, ...],
+    out: dict,
+) -> None:
+    """``np.copyto(dst, src)``, checksumming in the same pass: ``dst`` and ``src`` hold
+    the region ``index`` (global) of an array of ``shape`` chunked by ``chunk``; where
+    it is whole chunks, each chunk's crc32c (the value :func:`chunk_crcs` gives, the
+    trailer its file stores) is put in ``out`` (``{chunk grid cell: crc32c}``).
+
+    A chunk spanning whole rows (its trailing axes the array's) is copied
+    :data:`COPY_STEP` bytes at a time, each piece checksummed right after it is copied,
+    while its bytes are still in the core's cache: the checksum does not read memory
+    again. Other chunks are copied, then checksummed. Nothing is put in ``out`` for a
+    region that is not whole chunks, a 0-d or big-endian array: the writer computes
+    those. Any thread (the copies and the crc32c release the GIL); distinct calls put
+    distinct cells."""
+    region = None if dst.dtype.byteorder == ">" else whole_chunks(shape, chunk, index)
+    if region is None or dst.shape != region[0] or src.shape != dst.shape:
+        np.copyto(dst, src)
+        return
+    for cell, at in region[1]:
+        d, s = dst[at], src[at]
+        if d.shape[1:] == tuple(chunk[1:]) and d.flags.c_contiguous and s.flags.c_contiguous:
+            flat_d, flat_s = d.reshape(-1).view(np.uint8), s.reshape(-1).view(np.uint8)
+            crc = 0
+            for a in range(0, flat_d.size, COPY_STEP):
+                np.copyto(flat_d[a : a + COPY_STEP], flat_s[a : a + COPY_STEP])
+                crc = _crc32c(flat_d[a : a + COPY_STEP], crc)
+            pad = (int(np.prod(chunk)) - d.size) * d.dtype.itemsize  # cut by the array's end
+            if pad:
+                crc = _crc32c(np.zeros(pad, np.uint8), crc)
+        else:
+            np.copyto(d, s)
+            crc = _crc32c(chunk_payload(d, tuple(chunk)))
+        out[cell] = crc
+
+
 def as_bytes(array: np.ndarray) -> np.ndarray:
     """The bytes of a C-contiguous array as a flat, read-only uint8 view (any dtype,
-    ml_dtypes ones too; google_crc32c takes read-only buffers only)."""
+    ml_dtypes ones too; google_crc32c, the fallback crc, takes read-only buffers only)."""
     out = array.reshape(-1).view(np.uint8)
     out.flags.writeable = False
     return out
