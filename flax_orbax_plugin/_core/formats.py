@@ -42,7 +42,6 @@ from .write_packed import write_packed
 __all__ = ["CHUNK_FILES", "DATA_FILES", "Format", "for_version", "of_document"]
 
 ONE_FILE_PER_CHUNK = "format_version=2 (version 1 writes one file per chunk)"
-COPIES_FIRST = "format_version=1 (version 2 copies every region to host before writing)"
 
 
 class Format(Protocol):
@@ -167,9 +166,9 @@ class DataFiles:
     """Version 2: each process's chunks in a few data files and one JSON index."""
 
     version = 2
-    copies_before_writing = True
+    copies_before_writing = False
     per_host_directories = False
-    ignored_options = (("host_memory_budget", COPIES_FIRST),)
+    ignored_options = ()
     batch_damage: tuple[type[BaseException], ...] = (ValueError,)
     array_specs = False
 
@@ -184,6 +183,7 @@ class DataFiles:
             process=_distributed.process_index(),
             limit=snap.request.limit,
             data_file_bytes=snap.request.data_file_bytes,
+            budget=snap.request.host_memory_budget,
             cancelled=snap.cancelled,
             reuse=None if found is None else _files_reuse(location, *found),
         )

@@ -250,10 +250,6 @@ IDLE_MANAGER = [
     ),
     ({"keep_every": 10}, "keep_every=10 does nothing without keep= or keep_best="),
     (
-        {"format_version": 2, "host_memory_budget": 1 << 20},
-        "host_memory_budget=1048576 does nothing without format_version=1 (version 2 copies",
-    ),
-    (
         {"incremental": True, "host_memory_budget": 1 << 20},
         "host_memory_budget=1048576 does nothing without incremental=False",
     ),
