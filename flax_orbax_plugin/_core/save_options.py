@@ -63,5 +63,3 @@ def check_save(**options: Any) -> dict[str, Any]:
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
     )
     return out
-
-

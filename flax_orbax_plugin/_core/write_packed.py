@@ -52,7 +52,11 @@ def write_packed(
     total += sum(data.nbytes for data in batch_data.values())
     taken = None if reuse is None else reuse()
     writer = _packed_writer.PackedWriter(
-        staging, process, data_file_bytes, total, gathered_bytes=None if budget is None else budget // 4
+        staging,
+        process,
+        data_file_bytes,
+        total,
+        gathered_bytes=None if budget is None else budget // 4,
     )
     stable: frozenset[int] = frozenset()
     if taken is not None:

@@ -246,7 +246,7 @@ class ManagerOptions:
     handle_sigterm: bool
     incremental: bool
     reuse_host_buffers: bool
-    format_version: int
+    format_version: int | None  # None: the default (formats.version_for)
     host_memory_budget: int | None
     on_event: Callable[[Any], Any] | None
 
