@@ -28,7 +28,7 @@ def saved(tmp_path, monkeypatch):
     monkeypatch.setattr(_arrays, "BATCH_CHUNK_BYTES", 16 * INNER)
     monkeypatch.setattr(_arrays, "BATCH_INNER_CHUNK_BYTES", INNER)
     tree = _tree()
-    fop.save(tmp_path / "c", tree)
+    fop.save(tmp_path / "c", tree, format_version=1)  # version 1's batch files
     return tmp_path / "c", tree
 
 

@@ -48,7 +48,9 @@ def test_every_save_keyword_refuses_a_hostile_value(tmp_path, entry, name, value
 def test_data_file_bytes_with_format_version_1_is_refused(tmp_path, entry):
     # Was silently ignored: version 1 writes one file per chunk.
     with pytest.raises(fop.OptionError, match=r"^data_file_bytes=1048576 does nothing without "):
-        getattr(fop, entry)(tmp_path / "c", {"w": np.zeros(4)}, data_file_bytes=1 << 20)
+        getattr(fop, entry)(
+            tmp_path / "c", {"w": np.zeros(4)}, format_version=1, data_file_bytes=1 << 20
+        )
     assert not (tmp_path / "c").exists()
 
 

@@ -156,17 +156,21 @@ def test_direct_io_writes_the_same_bytes_as_buffered_writes(tmp_path, devices, m
         return done
 
     monkeypatch.setattr(_chunk_writer.ChunkWriter, "_write_direct", spy)
-    with fop.CheckpointManager(tmp_path / "a") as mngr:  # pooled, page-aligned buffers
+    with fop.CheckpointManager(
+        tmp_path / "a", format_version=1
+    ) as mngr:  # pooled, page-aligned buffers
         mngr.save(1, {"params": state})
     assert any(direct), "no chunk was written with O_DIRECT"
     monkeypatch.setenv("FOP_DIRECT_IO", "0")
     direct.clear()
-    with fop.CheckpointManager(tmp_path / "b") as mngr:
+    with fop.CheckpointManager(tmp_path / "b", format_version=1) as mngr:
         mngr.save(1, {"params": state})
     assert not direct
     a, b = _chunk_bytes(tmp_path / "a" / "1"), _chunk_bytes(tmp_path / "b" / "1")
     assert a and a == b
-    got = fop.CheckpointManager(tmp_path / "a", read_only=True).restore(step=1)["params"]
+    got = fop.CheckpointManager(tmp_path / "a", read_only=True, format_version=1).restore(step=1)[
+        "params"
+    ]
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, _expected(state))
 
 
