@@ -617,7 +617,7 @@ def test_object_store_commits_with_the_manifest_written_last(monkeypatch):
             at_manifest[9],
             final,
         )
-        assert any(k.startswith("params/d/") for k in at_manifest[9])  # chunks were there
+        assert any(k.startswith("params/data/") for k in at_manifest[9])  # data files were there
         assert any(k.startswith("extras/") for k in at_manifest[9])
         assert after_manifest[9] == []  # nothing written into the step after its manifest
         mngr.save(9, {"params": {"w": np.zeros(3)}}, ignore_policy=True, overwrite=True)

@@ -160,7 +160,7 @@ MANAGER_CASES = [
     ("compression", {"params": ""}, None, "found ''"),
     ("compression", {"../x": "zstd"}, None, "invalid item name '../x' in compression"),
     ("compression", 3, None, "found int 3"),
-    ("format_version", 3, None, "one of 1, 2, found int 3"),
+    ("format_version", 3, None, "one of 1, 2 or None, found int 3"),
     ("format_version", "2", None, "found str '2'"),
     ("format_version", True, None, "found bool True"),
     ("format_version", 2.0, None, "found float 2.0"),
