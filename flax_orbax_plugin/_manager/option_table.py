@@ -219,7 +219,7 @@ MANAGER: tuple[Option, ...] = (
         none_ok=True,
         low=1,
         expected="a positive int or None",
-        doc="host bytes a version 1 step may hold beyond the state (None: no bound)",
+        doc="host bytes a step may hold beyond the state (None: no bound)",
     ),
     ON_EVENT,
 )
