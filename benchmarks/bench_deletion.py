@@ -13,7 +13,13 @@ Two cases, run alternately in one process, ``--rounds`` times each:
 * ``no deletion``: ``keep`` unset, nothing is deleted;
 * ``deleting``: ``keep=1``: each commit queues the removal of the previous step (its
   400+ objects), which runs on the deletion thread while the next save and "train
-  step" run.
+  step" run; on S3 by DeleteObjects batches (``_storage/deleting.py``);
+* ``deleting, single``: the same with one delete request per object (the batch delete
+  switched off in this process: what a store without one, or no botocore, gets).
+
+Beside the per-save figures, the time a removal of one step took (from the commit that
+queued it to its end, as the deletion thread saw it: ``StepsRemoved``'s time is not
+recorded, so the removal is timed around ``_ownership.remove_step``).
 
 Per save (async: the blocking phase returns, the write and commit go on behind): the
 blocking time of ``mngr.save``, the time of the "train step" right after it (a fixed
@@ -47,6 +53,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from machine_load import cpu_times, load1  # noqa: E402
 
 import flax_orbax_plugin as fop  # noqa: E402
+from flax_orbax_plugin._core import ownership as _ownership  # noqa: E402
+from flax_orbax_plugin._storage import deleting as _deleting  # noqa: E402
 
 
 def _median_iqr(values: list[float]) -> str:
@@ -72,10 +80,31 @@ def train_step(work: np.ndarray) -> float:
     return time.perf_counter() - t
 
 
+REMOVALS: list[float] = []  # seconds per step removal, this process (see the docstring)
+
+
+def _timed_removals() -> None:
+    """Times every ``remove_step`` (the retention runner looks it up on the module)."""
+    original = _ownership.remove_step
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            REMOVALS.append(time.perf_counter() - t)
+
+    _ownership.remove_step = timed
+
+
 def one_run(server: S3Server, case: str, leaves: int, saves: int) -> dict:
     bucket = server.create_bucket()
     loc = server.location(bucket, "run")
-    keep = 1 if case == "deleting" else None
+    keep = 1 if case.startswith("deleting") else None
+    batch = _deleting.batch_deleter
+    if case == "deleting, single":
+        _deleting.batch_deleter = lambda loc: None
+    del REMOVALS[:]
     work = np.random.default_rng(0).random((800, 800), dtype=np.float32)
     rows = []
     with fop.CheckpointManager(loc.url, keep=keep, async_save=True, format_version=1) as mngr:
@@ -92,7 +121,8 @@ def one_run(server: S3Server, case: str, leaves: int, saves: int) -> dict:
             if step > 1:
                 rows.append((blocking, after, committed, deleting))
         objects = len([k for k in loc.keys() if k.startswith(f"{saves}/")])
-    return {"rows": rows, "objects": objects}
+    _deleting.batch_deleter = batch
+    return {"rows": rows, "objects": objects, "removals": list(REMOVALS)}
 
 
 def main() -> None:
@@ -102,8 +132,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--markdown")
     args = parser.parse_args()
-    cases = ("no deletion", "deleting")
-    found = {c: {"rows": [], "load": [], "steal": [], "objects": 0} for c in cases}
+    cases = ("no deletion", "deleting", "deleting, single")
+    found = {c: {"rows": [], "load": [], "steal": [], "objects": 0, "removals": []} for c in cases}
+    _timed_removals()
     with S3Server(mode="process") as server:
         undo = server.apply_env()
         try:
@@ -115,6 +146,7 @@ def main() -> None:
                     steal1, total1 = cpu_times()
                     f = found[case]
                     f["rows"] += run["rows"]
+                    f["removals"] += run["removals"]
                     f["objects"] = run["objects"]
                     f["load"].append(load1())
                     f["steal"].append(100 * (steal1 - steal0) / max(1, total1 - total0))
@@ -126,15 +158,16 @@ def main() -> None:
         "",
         "| case (median [p25-p75]) | save blocking (ms) | train step after it (ms) "
         "| save committed (ms) "
-        "| deletion in flight at save | load 1 min | steal % |",
-        "|---|---|---|---|---|---|---|",
+        "| deletion in flight at save | removal of a step (ms) | load 1 min | steal % |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for case in cases:
         f = found[case]
         cells = [_median_iqr([r[i] * 1000 for r in f["rows"]]) for i in range(3)]
         busy = sum(r[3] for r in f["rows"])
+        removal = _median_iqr([x * 1000 for x in f["removals"]]) if f["removals"] else "-"
         lines.append(
-            f"| {case} | {' | '.join(cells)} | {busy}/{len(f['rows'])} "
+            f"| {case} | {' | '.join(cells)} | {busy}/{len(f['rows'])} | {removal} "
             f"| {statistics.median(f['load']):.2f} | {statistics.median(f['steal']):.1f} |"
         )
     text = "\n".join(lines)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
         OptionTypeError,
         ProcessFailedError,
         ReplicationError,
+        SaveCancelledError,
         StepDeletedError,
         StoreAccessError,
         StructureError,
@@ -52,10 +53,13 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
         UnsupportedLocationError,
     )
     from ._format.metadata import CheckpointMetadata, LeafMetadata
+    from ._interop.hf_shards import HFShards
     from ._interop.importing import import_msgpack, import_orbax
     from ._interop.msgpack_reader import restore_msgpack
     from ._interop.orbax_reader import restore_orbax
     from ._interop.safetensors import from_safetensors, to_safetensors
+    from ._like.surgery_ops import Fuse, Rename, Split, Stack, Transpose, Unstack
+    from ._like.surgery_plan import PlanEntry, RestorePlan
     from ._manager.callback import CheckpointCallback
     from ._manager.checkpointables import (
         Checkpointable,
@@ -97,6 +101,8 @@ __all__ = [
     "Event",
     "EventHookError",
     "ForeignEntryError",
+    "Fuse",
+    "HFShards",
     "LeafMetadata",
     "Location",
     "MetricWriterEvents",
@@ -105,12 +111,16 @@ __all__ = [
     "OptionError",
     "OptionTypeError",
     "Pending",
+    "PlanEntry",
     "ProcessFailedError",
     "ReadRequest",
+    "Rename",
     "ReplicationError",
     "RestoreDone",
+    "RestorePlan",
     "Retention",
     "SaveBlockingDone",
+    "SaveCancelledError",
     "SaveCommitted",
     "SaveFailed",
     "SaveHandle",
@@ -118,15 +128,19 @@ __all__ = [
     "SaveRequest",
     "SaveResult",
     "SaveStarted",
-    "StepIndexedIterator",
+    "Split",
+    "Stack",
     "StepDeletedError",
-    "StoreAccessError",
+    "StepIndexedIterator",
     "StepReplicated",
     "StepsRemoved",
+    "StoreAccessError",
     "StructureError",
     "Tier",
     "TransformError",
+    "Transpose",
     "UnknownItemError",
+    "Unstack",
     "UnsupportedLocationError",
     "VerifyResult",
     "Written",

@@ -24,6 +24,7 @@ from ._errors import (
     OptionTypeError,
     ProcessFailedError,
     ReplicationError,
+    SaveCancelledError,
     StepDeletedError,
     StoreAccessError,
     StructureError,
@@ -32,10 +33,13 @@ from ._errors import (
     UnsupportedLocationError,
 )
 from ._format.metadata import CheckpointMetadata, LeafMetadata
+from ._interop.hf_shards import HFShards
 from ._interop.importing import import_msgpack, import_orbax
 from ._interop.msgpack_reader import restore_msgpack
 from ._interop.orbax_reader import restore_orbax
 from ._interop.safetensors import from_safetensors, to_safetensors
+from ._like.surgery_ops import Fuse, Rename, Split, Stack, Transpose, Unstack
+from ._like.surgery_plan import PlanEntry, RestorePlan
 from ._manager.callback import CheckpointCallback
 from ._manager.checkpointables import (
     Checkpointable,

@@ -58,6 +58,13 @@ class CoordinationError(CheckpointError):
     """Processes of a multi-process save or restore failed to meet in time."""
 
 
+class SaveCancelledError(CheckpointError):
+    """A save cancelled before it committed (superseded by a newer save or a preemption
+    save: ``supersede=``): nothing of it was committed, its staging is removed, earlier
+    steps are untouched. With several processes every process raises it for the same
+    step (the cancellation is the commit's agreed outcome)."""
+
+
 class ProcessFailedError(CoordinationError):
     """Another process failed inside the collective operation this one waited in (its
     failure published through the coordination service): names that process, the

@@ -5,9 +5,9 @@ With one process every function here is a no-op. With several (after
 the same order (SPMD); process 0 is the primary: it writes metadata and
 commits. Waits judge the awaited process by its heartbeat (``_base/liveness.py``): a
 dead process turns into a :class:`CoordinationError` naming it and the wait within
-seconds, a live one is waited for as long as it takes (the late ones named in the log
-every ``FOP_LATE_REPORT_S``); the timeouts here only limit the wait for a process never
-seen beating.
+seconds, a live one is waited for as long as it makes progress (the late ones named in
+the log every ``FOP_LATE_REPORT_S``, with their bytes left); the timeouts here are stall
+timeouts (:func:`stall_timeout`): how long the awaited process may make no progress.
 
 Collective operations (:func:`collective`: a manager's open, save, restore and wait, a
 core save or restore, ``restore_params``, a tier's replication rounds) are regions (see
@@ -32,7 +32,6 @@ import itertools
 import json
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,8 +48,9 @@ from .regions import current_region, raise_published_failure
 # The regions of collective operations (see the module docstring), for the callers.
 collective, resumed, Region = _regions.collective, _regions.resumed, _regions.Region
 publish_failure, collective_call = _regions.publish_failure, _regions.collective_call
+collective_method, set_stall = _regions.collective_method, _regions.set_stall
 
-DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")
+DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")  # the default stall timeout
 POLL_S = 0.25  # the longest slice of a wait in a region between looks at its failures
 _COUNTER = itertools.count()
 
@@ -78,6 +78,22 @@ def next_operation_id(kind: str) -> str:
     return f"fop/{kind}/{next(_COUNTER) if region is None else region.draw()}"
 
 
+def stall_timeout(explicit: float | None = None) -> float:
+    """The stall timeout of a wait on this thread: ``explicit`` if given, else its
+    region's (a manager's ``stall_timeout=``), else ``FOP_COORDINATION_TIMEOUT_S``."""
+    if explicit is not None:
+        return explicit
+    region = current_region()
+    found = None if region is None else region.stall_s
+    return DEFAULT_TIMEOUT_S if found is None else found
+
+
+def _stall_name() -> str:
+    region = current_region()
+    unset = region is None or region.stall_s is None
+    return "FOP_COORDINATION_TIMEOUT_S" if unset else "stall_timeout"
+
+
 def _timed_out(e: Exception) -> bool:
     return "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e)
 
@@ -94,20 +110,21 @@ def _wait(
 
     It waits in slices of at most :data:`POLL_S`, looking between them at the failures
     published in its region and (:class:`liveness.PeerWatch`) at ``process``'s heartbeat:
-    a live process is waited for as long as it takes, with the late processes (``late()``,
-    default ``[process]``) logged every ``FOP_LATE_REPORT_S``; a dead one (its heartbeat
-    stopped ``FOP_PEER_SILENT_S`` ago) raises CoordinationError naming it within
-    seconds, and so does, after ``timeout``, one never seen beating (it may not have
-    started)."""
+    a live process is waited for as long as it makes progress, with the late processes
+    (``late()``, default ``[process]``) logged every ``FOP_LATE_REPORT_S``; a dead one
+    (its heartbeat stopped ``FOP_PEER_SILENT_S`` ago) raises CoordinationError naming it
+    within seconds, and so does, after ``timeout`` (the stall timeout), one that made no
+    progress that long or was never seen beating (it may not have started)."""
     client, region, me = _client(), current_region(), process_index()
     _liveness.ensure_beating(client, me)
     watch = _liveness.PeerWatch(
         client,
         me,
         f"{key!r} from process {process}",
-        never_s=timeout,
+        stall_s=timeout,
         late=late or (lambda: [process]),
         region=None if region is None else region.kind,
+        stall_name=_stall_name(),
     )
     piece = 0.02
     with _liveness.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):
@@ -137,22 +154,21 @@ def spans_processes(*trees: Any) -> bool:
 
 def barrier(name: str, *, timeout_s: float | None = None) -> None:
     """Blocks until every process reached ``name``; raises CoordinationError naming the
-    missing processes on timeout (a key-value barrier: it waits through :func:`_wait`)."""
+    missing processes (a key-value barrier: it waits through :func:`_wait`, each
+    process given the stall timeout ``timeout_s``, default :func:`stall_timeout`)."""
     if process_count() == 1:
         return
-    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    timeout = stall_timeout(timeout_s)
     CALLS["barrier"] += 1
     _regions.fault_point()
     client, me = _client(), process_index()
     client.key_value_set(f"{name}/at/{me}", "1")
-    deadline = time.monotonic() + timeout
 
     def describe(said: str) -> str:
         missing = [p for p in range(process_count()) if p != me and not _is_set(f"{name}/at/{p}")]
         return (
             f"process {me} of {process_count()}: not every process reached barrier {name!r} "
-            f"within {timeout:.0f}s (missing process(es): {', '.join(map(str, missing))}; "
-            f"{said})"
+            f"(missing process(es): {', '.join(map(str, missing))}; {said})"
         )
 
     def late() -> list[int]:
@@ -160,8 +176,7 @@ def barrier(name: str, *, timeout_s: float | None = None) -> None:
 
     for p in range(process_count()):
         if p != me:
-            left = max(deadline - time.monotonic(), 0.001)
-            _wait(f"{name}/at/{p}", left, describe, p, late=late)
+            _wait(f"{name}/at/{p}", timeout, describe, p, late=late)
 
 
 def _is_set(key: str) -> bool:
@@ -177,7 +192,7 @@ def broadcast_str(name: str, value: str | None, *, timeout_s: float | None = Non
     if process_count() == 1:
         assert value is not None
         return value
-    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    timeout = stall_timeout(timeout_s)
     _regions.fault_point()
     if is_primary():
         CALLS["kv_set"] += 1
@@ -187,10 +202,7 @@ def broadcast_str(name: str, value: str | None, *, timeout_s: float | None = Non
     return _wait(
         name,
         timeout,
-        lambda e: (
-            f"process {process_index()}: no value for {name!r} from the primary within "
-            f"{timeout:.0f}s ({e})"
-        ),
+        lambda e: f"process {process_index()}: no value for {name!r} from the primary ({e})",
         0,
     )
 
@@ -259,13 +271,13 @@ _NAMES = itertools.count()
 
 def get_from(name: str, process: int, *, timeout_s: float | None = None) -> str:
     """The value ``process`` published under ``name`` (see :func:`publish`)."""
-    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    timeout = stall_timeout(timeout_s)
     _regions.fault_point()
     CALLS["kv_get"] += 1
     return _wait(
         f"{name}/{process}",
         timeout,
-        lambda e: f"no value {name!r} from process {process} within {timeout:.0f}s ({e})",
+        lambda e: f"no value {name!r} from process {process} ({e})",
         process,
     )
 

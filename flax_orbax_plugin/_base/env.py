@@ -11,7 +11,9 @@ Variables: ``FOP_BACKGROUND_NICE`` (``_base.priority``), ``FOP_COORDINATION_TIME
 (``_base.distributed``), ``FOP_PEER_SILENT_S`` and ``FOP_LATE_REPORT_S``
 (``_base.liveness``), ``FOP_DIRECT_IO`` (``_zarr.chunk_writer``), ``FOP_KILL_AT`` and
 ``FOP_FAIL_AT`` (``_base.faults``: ``phase``, ``phase:N``, and for ``FOP_FAIL_AT``
-``phase:N:ERRNO``), ``FOP_PAUSE_AT`` and ``FOP_PAUSE_S`` (test pause points).
+``phase:N:ERRNO``), ``FOP_PAUSE_AT`` and ``FOP_PAUSE_S`` (test pause points),
+``FOP_SLOW_AT`` and ``FOP_SLOW_S`` (test slow points). ``FOP_COORDINATION_TIMEOUT_S`` is
+the default stall timeout (a manager's ``stall_timeout=`` overrides it).
 """
 
 from __future__ import annotations
@@ -105,6 +107,19 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
             expected="a pause point: 'phase' or 'phase:N' (its N-th hit, N >= 1)",
         ),
         None,
+    ),
+    "FOP_SLOW_AT": (  # test slow points (_faults.slow_point): every pass from the Nth
+        Option(
+            "FOP_SLOW_AT",
+            "custom",
+            convert=lambda t: _fault_spec(t, with_errno=False),
+            expected="a slow point: 'phase' or 'phase:N' (from its N-th hit, N >= 1)",
+        ),
+        None,
+    ),
+    "FOP_SLOW_S": (
+        Option("FOP_SLOW_S", "number", low=0, high=3600, expected="seconds >= 0 and <= 3600"),
+        1.0,
     ),
     "FOP_PAUSE_S": (
         Option("FOP_PAUSE_S", "number", low=0, high=3600, expected="seconds >= 0 and <= 3600"),

@@ -52,3 +52,12 @@ def pause_point(phase: str) -> None:
     if _reached("FOP_PAUSE_AT", phase, f"pause:{phase}"):
         os.write(2, f"FOP_PAUSED {phase}\n".encode())
         time.sleep(_env.read("FOP_PAUSE_S"))
+
+
+def slow_point(phase: str) -> None:
+    """``FOP_SLOW_AT=<phase>[:<nth>]``: from the Nth pass on, every pass sleeps
+    ``FOP_SLOW_S`` seconds (default 1), so a test can make a write or a read slow but
+    progressing (``write``: after each region a save hands out, ``read``: after each
+    read a restore completes)."""
+    if _reached("FOP_SLOW_AT", phase, f"slow:{phase}"):
+        time.sleep(_env.read("FOP_SLOW_S"))

@@ -1,23 +1,29 @@
 """Liveness by progress: heartbeats, what each process is doing, and late peers named.
 
-A wait on another process (``distributed._wait``) judges it by its signs of life, not by
-one fixed wall-clock timeout. Every process, from its first collective operation or
-wait (:func:`ensure_beating`), publishes a heartbeat under ``fop/alive/<process>`` in
-jax.distributed's key-value store every ``FOP_PEER_SILENT_S / 4`` seconds (at most 1 s):
-a counter and what its threads are doing (:data:`ACTIVITIES`: the collective operations
-they are in, the key one waits for, the bytes a write or read has moved and has left).
-A :class:`PeerWatch` (one per wait) reads the awaited process's heartbeat about once a
+A wait on another process (``distributed._wait``) judges it by its signs of life and of
+progress, not by one fixed wall-clock timeout. Every process, from its first collective
+operation or wait (:func:`ensure_beating`), publishes a heartbeat under
+``fop/alive/<process>`` in jax.distributed's key-value store every
+``FOP_PEER_SILENT_S / 4`` seconds (at most 1 s): a counter, a progress counter (it moves
+when bytes of a write or read moved, or an activity began or ended, since the last beat)
+and what its threads are doing (:data:`ACTIVITIES`: the collective operations they are
+in, the key one waits for, the bytes a write or read has moved and has left). A
+:class:`PeerWatch` (one per wait) reads the awaited process's heartbeat about once a
 second, once the wait lasted a second (the other late ones' only when it reports):
 
 * a process whose counter has not moved for ``FOP_PEER_SILENT_S`` (default 10) is dead:
   :class:`CoordinationError` naming it and what it was last doing;
-* a process never seen beating is given ``FOP_COORDINATION_TIMEOUT_S`` (it may not have
-  reached its first coordination call yet), the wait's own limit;
-* a live process is waited for as long as it takes: a slow restore is never aborted;
-  only two processes that do nothing but wait for each other (different paths) are
-  given ``FOP_COORDINATION_TIMEOUT_S``;
-  after ``FOP_LATE_REPORT_S`` (default 10), and every as long again, the waiting process
-  logs a warning naming the late processes and what they are doing.
+* a live process is waited for as long as it makes progress: a slow save or restore of
+  any length is never aborted. The wait's stall timeout (``stall_s``: the manager's
+  ``stall_timeout=``, else ``FOP_COORDINATION_TIMEOUT_S``, 300 s) ends only a wait on a
+  process that made no progress that long: one beating but stalled (its bytes and its
+  activities unchanged; a process that only waits for a third one is judged by the
+  third's waiter instead, who raises in the region), one never seen beating (it may not
+  have reached its first coordination call yet), and two that only wait for each other
+  (different paths);
+* after ``FOP_LATE_REPORT_S`` (default 10), and every as long again, the waiting process
+  logs a warning naming the late processes and what they are doing, with their bytes
+  done and left.
 
 Threading: one heartbeat thread per process (a daemon; it stops when the coordination
 service is gone). :data:`ACTIVITIES` is thread-safe; each thread's activities are its
@@ -105,6 +111,17 @@ class Activities:
             if not stack:
                 self._stacks.pop(me, None)
 
+    def signature(self) -> tuple:
+        """What changes when this process progresses: each activity and its bytes done
+        (compared between two beats by the heartbeat thread)."""
+        with self._lock:
+            stacks = [list(s) for s in self._stacks.values()]
+        return tuple(
+            (a.what, a.since, None if a.progress is None else a.progress.done)
+            for stack in stacks
+            for a in stack
+        )
+
     def describe(self) -> list[str]:
         """One line per busy thread: its activities, outermost first, with their bytes."""
         now = time.monotonic()
@@ -131,6 +148,8 @@ class _Heartbeat:
         self._client, self._key, self._period = client, f"{ALIVE}/{process}", period_s
         self._thread = threading.Thread(target=self._run, name="fop-heartbeat", daemon=True)
         self.beats = 0
+        self.moved = 0  # beats at which this process had progressed since the last one
+        self._last: tuple | None = None
 
     def start(self) -> _Heartbeat:
         try:
@@ -142,7 +161,10 @@ class _Heartbeat:
 
     def _beat(self) -> None:
         self.beats += 1
-        doc = {"beat": self.beats, "doing": ACTIVITIES.describe()[:8]}
+        now = ACTIVITIES.signature()
+        if now != self._last:
+            self._last, self.moved = now, self.moved + 1
+        doc = {"beat": self.beats, "moved": self.moved, "doing": ACTIVITIES.describe()[:8]}
         self._client.key_value_set(self._key, json.dumps(doc), allow_overwrite=True)
 
     def _run(self) -> None:
@@ -173,6 +195,8 @@ class _Seen:
     beat: int
     at: float  # monotonic time the beat was first seen at this value
     doing: list[str]
+    moved: int = 0  # its progress counter
+    moved_at: float = 0.0  # monotonic time the progress counter was first seen at this value
 
 
 def _only_waiting(lines: list[str]) -> bool:
@@ -187,8 +211,8 @@ class PeerWatch:
     """One wait's judge of the processes it waits for (see the module docstring).
 
     ``what``: the wait, in words (``barrier 'fop/...'``); ``late()``: the processes it
-    still waits for (called only when a report is due); ``never_s``: how long a process
-    that was never seen beating is given."""
+    still waits for (called only when a report is due); ``stall_s``: the stall timeout,
+    how long a process may make no progress (``stall_name``: the option that set it)."""
 
     def __init__(
         self,
@@ -196,13 +220,14 @@ class PeerWatch:
         me: int,
         what: str,
         *,
-        never_s: float,
+        stall_s: float,
         late: Callable[[], list[int]],
         region: str | None = None,
+        stall_name: str = "FOP_COORDINATION_TIMEOUT_S",
     ):
         self._client, self._me, self._what, self._late = client, me, what, late
         self._region = region
-        self._never_s = never_s
+        self._stall_s, self._stall_name = stall_s, stall_name
         self._silent_s, self._report_s = PEER_SILENT_S, LATE_REPORT_S
         self._start = time.monotonic()
         self._next_look = self._start + LOOK_S
@@ -212,8 +237,8 @@ class PeerWatch:
 
     def look(self, process: int) -> None:
         """Between two slices of the wait for ``process``: raises CoordinationError when
-        it is dead; logs the late processes when a report is due. Reads the heartbeats
-        at most once per :data:`LOOK_S`."""
+        it is dead or stalled; logs the late processes when a report is due. Reads the
+        heartbeats at most once per :data:`LOOK_S`."""
         now = time.monotonic()
         if now < self._next_look:
             return
@@ -221,10 +246,10 @@ class PeerWatch:
         self._read(now, [process])
         seen = self._seen.get(process)
         if seen is None:
-            if now - self._start >= self._never_s:
+            if now - self._start >= self._stall_s:
                 raise CoordinationError(
                     f"{self._prefix()}process {process} showed no heartbeat within "
-                    f"{self._never_s:.0f}s (FOP_COORDINATION_TIMEOUT_S): it never reached "
+                    f"{self._stall_s:g}s ({self._stall_name}): it never reached "
                     f"its first coordination call, or died before it"
                 )
         elif now - seen.at >= self._silent_s:
@@ -233,31 +258,41 @@ class PeerWatch:
                 f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}); it was "
                 f"{self._doing(seen)}"
             )
-        else:
+        elif _only_waiting(seen.doing):
             self._check_mutual(process, seen, now)
+        else:
+            self._mutual_since = None
+            self._check_stalled(process, seen, now)
         if now >= self._next_report:
             self._next_report = now + self._report_s
             self._report(now)
 
+    def _check_stalled(self, process: int, seen: _Seen, now: float) -> None:
+        """A live process doing something of its own (or nothing of ours) is given as
+        long as it progresses: its bytes or its activities changed within the stall
+        timeout. One that only waits for a third process is not judged here (the third's
+        waiter judges it, and its error reaches this one through the region)."""
+        still = now - max(seen.moved_at, self._start)
+        if still >= self._stall_s:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} is alive but stalled: no progress "
+                f"(bytes moved, activity begun or ended) for {still:.1f}s "
+                f"({self._stall_name}={self._stall_s:g}); it was {self._doing(seen)}"
+            )
+
     def _check_mutual(self, process: int, seen: _Seen, now: float) -> None:
         """Two live processes can still make no progress: each only waits, one for the
-        other (they took different paths). That alone is limited, by the wait's own
-        timeout (``FOP_COORDINATION_TIMEOUT_S``): a process doing anything else (writing,
-        reading, computing) is never aborted."""
-        mutual = (
-            _only_waiting(seen.doing)
-            and any(f"from process {self._me} (" in line for line in seen.doing)
-            and _only_waiting(ACTIVITIES.describe())
-        )
-        if not mutual:
+        other (they took different paths). That is limited by the stall timeout."""
+        mutual = any(f"from process {self._me} (" in line for line in seen.doing)
+        if not (mutual and _only_waiting(ACTIVITIES.describe())):
             self._mutual_since = None
             return
         if self._mutual_since is None:
             self._mutual_since = now
-        if now - self._mutual_since >= self._never_s:
+        if now - self._mutual_since >= self._stall_s:
             raise CoordinationError(
                 f"{self._prefix()}process {process} and this one have only waited for each "
-                f"other for {now - self._mutual_since:.0f}s (FOP_COORDINATION_TIMEOUT_S): "
+                f"other for {now - self._mutual_since:.0f}s ({self._stall_name}): "
                 f"they took different paths; process {process} was {self._doing(seen)}"
             )
 
@@ -272,11 +307,13 @@ class PeerWatch:
             try:
                 doc = json.loads(value)
                 beat, doing = int(doc["beat"]), [str(d) for d in doc.get("doing", [])]
+                moved = int(doc.get("moved", 0))
             except (ValueError, KeyError, TypeError):
                 continue
             old = self._seen.get(process)
             if old is None or old.beat != beat:
-                self._seen[process] = _Seen(beat, now, doing)
+                moved_at = now if old is None or old.moved != moved else old.moved_at
+                self._seen[process] = _Seen(beat, now, doing, moved, moved_at)
 
     def _prefix(self) -> str:
         where = f" in {self._region}" if self._region else ""

@@ -58,11 +58,13 @@ def client():
 class Region:
     """One collective operation: its kind (``manager-save`` ...) and its tag, the same on
     every process (the n-th collective operation of this process); the names drawn in it
-    so far (:attr:`drawn`), the agreement this thread is in and those it completed."""
+    so far (:attr:`drawn`), the agreement this thread is in and those it completed, and
+    its waits' stall timeout (``stall_s``, seconds; None: ``FOP_COORDINATION_TIMEOUT_S``)."""
 
     kind: str
     tag: str
     drawn: int = 0
+    stall_s: float | None = None
     agreeing: str | None = None
     agreed: set[str] = dataclasses.field(default_factory=set)
 
@@ -79,21 +81,38 @@ def current_region() -> Region | None:
 
 
 @contextlib.contextmanager
-def collective(kind: str, *, spans: bool = True) -> Iterator[None]:
+def collective(kind: str, *, spans: bool = True, stall_s: float | None = None) -> Iterator[None]:
     """A collective operation of every process (a context manager, or a decorator):
     draws a region, in which waits raise :class:`ProcessFailedError` once another process
     published a failure, and whose error, leaving it, is published for the others.
 
     ``spans=False``: this call is not collective (e.g. a restore onto host arrays, which
     one process may make alone); no region is drawn. Inside a region (nested calls, a
-    background phase) the outer region goes on. With one process: nothing."""
+    background phase) the outer region goes on. With one process: nothing. ``stall_s``:
+    the stall timeout of the region's waits (see ``_base/liveness.py``)."""
     if not spans or current_region() is not None or jax.process_count() == 1:
         yield
         return
     with contextlib.suppress(CoordinationError):  # no client: the first wait says so
         _liveness.ensure_beating(client(), jax.process_index())  # before any wait on us
-    with resumed(Region(kind, str(next(_REGIONS)))):
+    with resumed(Region(kind, str(next(_REGIONS)), stall_s=stall_s)):
         yield
+
+
+def collective_method(kind: str, *, stall: str) -> Callable:
+    """A decorator for a method: each call is :func:`collective`, its region's stall
+    timeout the attribute ``stall`` of the object it is called on (set by its
+    constructor from its options: e.g. a manager's ``stall_timeout=``)."""
+
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with collective(kind, stall_s=getattr(self, stall)):
+                return method(self, *args, **kwargs)
+
+        return call
+
+    return decorate
 
 
 def collective_call(kind: str, *, spans: Callable[..., bool]) -> Callable:
@@ -109,6 +128,14 @@ def collective_call(kind: str, *, spans: Callable[..., bool]) -> Callable:
         return call
 
     return decorate
+
+
+def set_stall(stall_s: float | None) -> None:
+    """Sets the stall timeout of this thread's region (none: nothing), for an operation
+    whose options are checked inside its region (a manager's open)."""
+    region = current_region()
+    if region is not None:
+        region.stall_s = stall_s
 
 
 @contextlib.contextmanager

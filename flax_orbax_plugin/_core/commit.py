@@ -20,7 +20,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import faults as _faults
-from .._errors import CheckpointError, CoordinationError
+from .._errors import CheckpointError, CoordinationError, SaveCancelledError
 from .._storage.location import Location
 from . import ownership as _ownership
 
@@ -181,9 +181,9 @@ def commit_collectively(
             _distributed.broadcast_str(f"{op}/outcome", outcome)
     else:
         _distributed.publish(f"{op}/status", status)
-        # The primary may spend up to one timeout gathering statuses: wait longer for
+        # The primary may spend up to one stall timeout on a status: wait longer for
         # its outcome, so a missing process is reported by name rather than as "late".
-        wait = 2 * _distributed.DEFAULT_TIMEOUT_S
+        wait = 2 * _distributed.stall_timeout()
         outcome = _distributed.broadcast_str(f"{op}/outcome", None, timeout_s=wait)
         if outcome != "committed":
             _discard(abort)  # e.g. a staging directory of another step than the primary's
@@ -192,6 +192,8 @@ def commit_collectively(
         raise error
     if outcome.startswith(("disagree", "lost")):
         raise CoordinationError(f"{what} not committed: {outcome}")
+    if outcome.startswith(CANCELLED):
+        raise SaveCancelledError(f"{what} {outcome}")
     if outcome != "committed":
         raise CheckpointError(f"{what} failed: {outcome}")
     return written
@@ -212,7 +214,7 @@ def _decide_and_commit(op, own_status, what, publish, abort) -> str:
         outcome = _disagreement(statuses)
         if outcome is None:
             failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if s["error"]]
-            outcome = ("not committed; " + "; ".join(failed)) if failed else None
+            outcome = (_failed_outcome(statuses) + "; ".join(failed)) if failed else None
         if outcome is None:
             files: dict[str, str] = {}
             for s in statuses:
@@ -222,6 +224,8 @@ def _decide_and_commit(op, own_status, what, publish, abort) -> str:
             return "committed"
     except CoordinationError as e:  # a process is gone or late: nothing commits
         outcome = f"lost: not committed; {e}"
+    except SaveCancelledError as e:  # the primary's own cancellation, at its last check
+        outcome = f"{CANCELLED}process 0: {e}"
     except BaseException as e:  # noqa: BLE001  (every process learns of it)
         outcome = f"not committed; commit failed on the primary: {type(e).__name__}: {e}"
     try:
@@ -229,6 +233,19 @@ def _decide_and_commit(op, own_status, what, publish, abort) -> str:
     except Exception as e:  # noqa: BLE001
         outcome += f" (and removing the staged files failed: {e})"
     return outcome
+
+
+CANCELLED = "cancelled, not committed; "  # the outcome when only cancellations failed
+
+
+def _failed_outcome(statuses: list[dict[str, Any]]) -> str:
+    """The outcome's head when some process failed: ``cancelled`` when every failure is
+    a cancellation asked for (``SaveCancelledError``: every process then raises one, an
+    agreed abort), else ``not committed``."""
+    errors = [s["error"] for s in statuses if s["error"]]
+    if all(e.startswith(f"{SaveCancelledError.__name__}:") for e in errors):
+        return CANCELLED
+    return "not committed; "
 
 
 def _disagreement(statuses: list[dict[str, Any]]) -> str | None:

@@ -225,7 +225,9 @@ class DataFiles:
         return direct.compressed_batch(batch)  # compressed: its shards fetched; else None
 
     def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
-        return False
+        # local data files: runs of inner chunks read from their segments (a partial
+        # read reads only the needed leaves' inner chunks and the shards' indexes)
+        return batch.codec is None and direct.reads_ranges
 
 
 CHUNK_FILES = ChunkFiles()

@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._errors import SaveCancelledError
 from .._storage.store_errors import raises_store_errors_in_methods
 
 
@@ -52,6 +53,22 @@ class SaveResult:
         return out
 
 
+class Cancellation(threading.Event):
+    """The event a save's background phase checks (see :func:`raise_if_cancelled`), with
+    why it was set: no ``reason`` is an interruption (Ctrl-C: a KeyboardInterrupt), a
+    ``reason`` a cancellation asked for (``supersede=``: a :class:`SaveCancelledError`).
+    The reason is written before the event is set, and never changed after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason: str | None = None
+
+    def cancel(self, reason: str | None) -> None:
+        if not self.is_set():
+            self.reason = reason
+        self.set()
+
+
 @raises_store_errors_in_methods(lambda bound: [bound["self"].path])
 class SaveHandle:
     """A save whose background phase may still run: ``wait()`` returns its
@@ -72,7 +89,7 @@ class SaveHandle:
         self._target = target
         self._region = _distributed.current_region()
         # Set by :meth:`cancel`; the background phase checks it (see raise_if_cancelled).
-        self.cancelled = cancelled if cancelled is not None else threading.Event()
+        self.cancelled = cancelled if cancelled is not None else Cancellation()
         self._thread = threading.Thread(target=self._run, name="fop-save", daemon=False)
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
@@ -115,18 +132,37 @@ class SaveHandle:
         assert self._result is not None
         return self._result
 
-    def cancel(self) -> None:
+    def cancel(self, *, reason: str | None = None) -> bool:
         """Abandons the save: its background phase stops before it commits (at its next
-        check: before its first write, once its data is written, before the commit) and
-        removes what it staged; waits for that. Its error (the cancellation, or one it
-        met first) is not reported again. A save that committed first stays committed.
+        check: before its first write, between the regions it writes, once its data is
+        written, before the commit) and removes what it staged; waits for that. Its
+        error (the cancellation, or one it met first) is not reported again: read it
+        from :attr:`error`. A save that committed first stays committed. Returns True
+        when nothing of the save was committed (cancelled, or failed), False when it
+        committed first.
 
-        Interrupted again while it waits, the background phase still stops and cleans
-        up on its own (the thread is not a daemon: the interpreter waits for it)."""
-        self.cancelled.set()
+        ``reason`` (e.g. ``"superseded by step 8"``): the save stops with a
+        :class:`SaveCancelledError` saying so (with several processes, every process
+        then gets one: the commit's agreed outcome); without one it stops as
+        interrupted (a KeyboardInterrupt, as Ctrl-C). Interrupted again while it waits,
+        the background phase still stops and cleans up on its own (the thread is not a
+        daemon: the interpreter waits for it)."""
+        cancelled = self.cancelled
+        if isinstance(cancelled, Cancellation):
+            cancelled.cancel(reason)
+        else:
+            cancelled.set()
         self._reported = True
-        if self._thread.ident is not None:
-            self._finished.wait()
+        if self._thread.ident is None:
+            return True  # never started: nothing was written
+        self._finished.wait()
+        return self._result is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error the background phase ended with (None while it runs or once it
+        committed)."""
+        return self._error if self._finished.is_set() else None
 
     def raise_unreported(self) -> None:
         """Waits; re-raises the error only if no ``wait()`` has reported it yet."""
@@ -136,10 +172,15 @@ class SaveHandle:
             raise self._error
 
 
-def raise_if_cancelled(cancelled: threading.Event, what: str) -> None:
+def raise_if_cancelled(cancelled: threading.Event | None, what: str) -> None:
     """Background phase, at its checks: stops a save whose handle was cancelled (a
-    KeyboardInterrupt on the caller's thread); the commit protocol then removes what was
-    staged and tells every other process."""
-    if cancelled.is_set():
-        where = f"process {_distributed.process_index()}"
-        raise KeyboardInterrupt(f"{what} cancelled: interrupted on {where}'s main thread")
+    KeyboardInterrupt for an interruption on the caller's thread, a SaveCancelledError
+    for a cancellation with a reason: see :class:`Cancellation`); the commit protocol
+    then removes what was staged and tells every other process."""
+    if cancelled is None or not cancelled.is_set():
+        return
+    where = f"process {_distributed.process_index()}"
+    reason = getattr(cancelled, "reason", None)
+    if reason is not None:
+        raise SaveCancelledError(f"{what} cancelled on {where}: {reason}; nothing committed")
+    raise KeyboardInterrupt(f"{what} cancelled: interrupted on {where}'s main thread")

@@ -307,7 +307,7 @@ def _remove_proven(loc: Location, *, pace: Callable[[], int] | None = None) -> N
         return
     kv = ts.KvStore.open(loc.spec, context=removal_context(loc.spec)).result()
     marker = PENDING_FILE.encode()
-    _deleting.delete_keys(kv, [k for k in kv.list().result() if k != marker], pace)
+    _deleting.delete_objects(loc, kv, [k for k in kv.list().result() if k != marker], pace)
     # Anything the listing missed, then the marker last.
     kv.delete_range(ts.KvStore.KeyRange(exclusive_max=PENDING_FILE)).result()
     kv.delete_range(ts.KvStore.KeyRange(inclusive_min=PENDING_FILE + "\0")).result()

@@ -31,6 +31,7 @@ from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import subbyte as _subbyte
 from . import formats as _formats
+from . import surgery_reads as _surgery_reads
 from .batch_reads import read_batch
 from .reads import Reader, corrupt, deleted_or, opened
 from .requests import ReadRequest
@@ -89,7 +90,9 @@ def _collective(targets: list, share_reads: bool) -> bool:
 
 def _read_targets_inner(location, doc: CheckpointDocument, targets: list, request: ReadRequest):
     fmt = _formats.of_document(doc)  # picked once, from the metadata
-    direct = fmt.open(location, doc, targets, own_copy=request.own_copy)
+    # the claims of the saved leaves surgery's leaves are made of are checked too
+    checked = targets + _surgery_reads.sources(targets)
+    direct = fmt.open(location, doc, checked, own_copy=request.own_copy)
     try:
         with _liveness.ACTIVITIES.doing(f"reading {location}", moving=True) as progress:
             return _read_targets_with(location, doc, targets, request, fmt, direct, progress)
@@ -102,8 +105,12 @@ def read_region(fmt, store, target: Target, direct, region=None):
     """A read of ``region`` (global; None: all) of a stored array in format ``fmt``
     through ``direct`` (its reader): straight from its chunk files where they are plain
     (local, uncompressed) and the region is whole chunks, else through tensorstore or
-    the data files' reader; a packed (sub-byte) leaf's stored bytes, unpacked."""
+    the data files' reader; a packed (sub-byte) leaf's stored bytes, unpacked; a leaf
+    surgery made, as the regions of the saved leaves it covers (``store``: their
+    ``SavedReads``)."""
     record = target.record
+    if target.virtual is not None:  # made by surgery: ``store`` reads the saved leaves
+        return _surgery_reads.VirtualRead(target.virtual, region, store)
     if _subbyte.is_packed(record):
         inner, width, skip = _subbyte.stored_region(record, region)
         read = fmt.read_stored(store, target.index, _subbyte.stored(record), direct, inner)
@@ -116,6 +123,7 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[Target]] = collections.defaultdict(list)
     shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)
+    saved_reads = _surgery_reads.SavedReads(location, doc, fmt, direct, read_region, targets)
 
     def fail(paths):
         return lambda e: errors.append(corrupt(paths, location, e))
@@ -133,8 +141,11 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
         if isinstance(record.storage, BatchStorage):
             by_batch[record.storage.batch].append(target)
             continue
-        future = opening.pop(target.index, None)
-        store = None if future is None else opened(future, location, [record.path])
+        if target.virtual is not None:
+            store = saved_reads
+        else:
+            future = opening.pop(target.index, None)
+            store = None if future is None else opened(future, location, [record.path])
         nbytes = record.nbytes
         sharding = sharding_of(target)
         rows = _shared_read_sharding(sharding, record.shape) if request.share_reads else None
@@ -194,7 +205,12 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
     pieces: list[jax.Array] = []
     remaining = [len(by_index)]
     itemsize = target.dtype.itemsize
-    box = _bounding_box(list(by_index), shape, target.record.storage.chunk_shape)
+    if target.virtual is None:
+        box = _bounding_box(list(by_index), shape, target.record.storage.chunk_shape)
+    else:  # made by surgery: read as one box unless every region is whole saved chunks
+        regions = [tuple(_bounds(k, shape)) for k in by_index]
+        aligned = len(regions) < 2 or _surgery_reads.on_chunks(target.virtual, regions)
+        box = None if aligned else _bounding_box(list(by_index), shape, shape)
     if box is not None:  # this process's regions tile one box: read it once
         box_index = tuple(slice(lo, hi) for lo, hi in box)
 

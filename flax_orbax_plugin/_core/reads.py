@@ -84,6 +84,7 @@ class Reader:
                 self.progress.done += nbytes
                 if self.progress.done == nbytes > 0:  # the first bytes read
                     _faults.pause_point("mid_read")  # tests: a slow restore (FOP_PAUSE_AT)
+                _faults.slow_point("read")  # tests: a slow but progressing read
             except Exception as e:  # noqa: BLE001  (tensorstore: ValueError with a status text)
                 raise_environmental(e)
                 on_error(e)

@@ -96,7 +96,8 @@ class ReadRequest:
     directory (each process reads alone; an array read onto a sharded ``like`` holds
     only this host's chunks, so its claims are not checked against the whole array);
     ``changes``: a restore into a changed model (``partial``, ``missing``,
-    ``transform``).
+    ``transform``, ``surgery``); ``dry_run``: return the plan of the read
+    (``RestorePlan``), reading no array data.
     """
 
     memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
@@ -104,6 +105,7 @@ class ReadRequest:
     share_reads: bool = False
     own_copy: bool = False
     changes: Changes = Changes()
+    dry_run: bool = False
 
     def __post_init__(self):
         if self.cast not in CAST_POLICIES:

@@ -24,14 +24,16 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import tree as _tree
-from .._errors import TransformError
+from .._errors import StructureError, TransformError
 from .._format import layout as _layout
 from .._format import metadata as _metadata
 from .._format.documents import read_document
+from .._like import surgery as _surgery
 from .._like import transform as _transform
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
 from .._zarr import read_pool as _read_pool
+from . import restore_plans as _plans
 from . import save as _save
 from .read_data import read_targets
 from .requests import DEFAULT_READ_LIMIT_BYTES, ReadRequest
@@ -54,6 +56,8 @@ def restore(
     partial: bool = False,
     missing: str = "error",
     transform: Any = None,
+    surgery: Any = None,
+    dry_run: bool = False,
     memory_limit_bytes: int | None = None,
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
@@ -64,15 +68,22 @@ def restore(
     which documents the arguments and errors and adds the fallback to foreign formats;
     internal callers that read only native checkpoints (items of a step, serving,
     export) call this one. Threading as in the module doc; ``partial``, ``missing`` and
-    ``transform`` restore into a changed model (``_like.transform``). The options
-    become one :class:`ReadRequest` (see :func:`restore_with`).
+    ``transform`` restore into a changed model (``_like.transform``), ``surgery`` with
+    layout changes (``_like.surgery``); ``dry_run=True`` returns the
+    :class:`RestorePlan` instead, reading no array data. The options become one
+    :class:`ReadRequest` (see :func:`restore_with`).
     """
+    if not isinstance(dry_run, bool):
+        raise TypeError(f"dry_run must be True or False, found {dry_run!r}")
     share = share_replicated_reads
     request = ReadRequest(
         memory_limit_bytes=memory_limit_bytes or DEFAULT_READ_LIMIT_BYTES,
         cast=cast,
         share_reads=_distributed.process_count() > 1 if share is None else bool(share),
-        changes=_transform.changes(partial=partial, missing=missing, transform=transform),
+        changes=_transform.changes(
+            partial=partial, missing=missing, transform=transform, surgery=surgery
+        ),
+        dry_run=dry_run,
     )
     return restore_with(path, like, request)
 
@@ -100,7 +111,7 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
 
 def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
     opts = request.changes
-    if location.is_local and not opts.partial and opts.transform is None:
+    if location.is_local and not opts.partial and opts.transform is None and not opts.surgery:
         # every batch is read whole: the disk starts on it while the metadata is parsed
         _read_pool.prefetch_batches(location.path, _chunks.THREADS)
     doc = read_document(location)
@@ -108,29 +119,55 @@ def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
     records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
     saved = [rec.path for rec in doc.leaves if rec.kind not in _transform.NO_DATA]
     if like is None:
+        if opts.surgery:
+            raise TransformError(
+                f"surgery= makes leaves like places (restore of {location}): pass like"
+            )
         leaves = list(enumerate(doc.leaves))
         if opts.transform is not None:
             leaves = [(i, rec) for i, rec in leaves if _dropped_or_same(opts, rec.path)]
             if all(rec.kind in _transform.NO_DATA for _, rec in leaves):
                 _transform.check_matched(saved, None, [], opts, str(location))
         targets = [make_target(i, rec, None, cast=request.cast) for i, rec in leaves]
+        if request.dry_run:
+            paths = [t.record.path for t in targets]
+            return _plans.plan_of(str(location), targets, paths, [], saved)
         read_targets(location, doc, targets, request)
         items = [(list(t.record.keys), t.result) for t in targets]
         return _tree.rebuild(items)
     flat, treedef = _tree.flatten(like)
     records = _transform.rename_records(records, opts, str(location))
+    records, made, problems = _surgery.apply(records, opts.surgery)
     add_missing_empties(flat, records)
+
+    def make(i, rec, leaf):
+        found = made.get(rec.path)
+        if found is None or found.record is not rec:
+            return make_target(i, rec, leaf, cast=request.cast)
+        try:
+            target = make_target(i, rec, leaf, cast=request.cast)
+        except StructureError as e:
+            raise StructureError(f"{e} (as surgery made it: {found.how})") from None
+        target.virtual = found
+        return target
+
     plan = _transform.match(
         flat,
         records,
         opts,
         where=str(location),
-        make=lambda i, rec, leaf: make_target(i, rec, leaf, cast=request.cast),
+        make=make,
+        problems=problems,  # the operations' own, listed first
         empty_kinds=_layout.EMPTY_KINDS,
         saved=saved,
         cast=request.cast,
     )
     targets = [t for t in plan if t is not _transform.KEEP]
+    if request.dry_run:
+        paired = list(zip(plan, flat, strict=True))
+        paths = [p for t, (p, _, _) in paired if t is not _transform.KEEP]
+        kept = [p for t, (p, _, _) in paired if t is _transform.KEEP]
+        return _plans.plan_of(str(location), targets, paths, kept, saved)
     read_targets(location, doc, targets, request)
     results = [
         leaf if t is _transform.KEEP else t.result

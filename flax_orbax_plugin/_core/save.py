@@ -28,7 +28,7 @@ from .._storage.store_errors import arguments, raises_store_errors
 from . import commit as _commit
 from . import ownership as _ownership
 from . import save_options as _save_options
-from .handle import SaveHandle, SaveResult, raise_if_cancelled
+from .handle import Cancellation, SaveHandle, SaveResult, raise_if_cancelled
 from .plan import Plan, Snapshot
 from .requests import DEFAULT_FORMAT_VERSION, SaveRequest
 
@@ -146,7 +146,7 @@ def _start(
         with _interrupts.deferred_sigint():
             start = time.perf_counter()
             location = Location.from_path(path)
-            cancelled = threading.Event()  # the writes stop once it is set
+            cancelled = Cancellation()  # the writes stop once it is set
             snap = snapshot(tree, request.replace(cancelled=cancelled))
             # Refuses a foreign or (without ``force``) committed target. Object stores
             # write in place: remains of a dead save, or with ``force`` a checkpoint of

@@ -24,6 +24,7 @@ from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunk_writer as _chunk_writer
 from . import device_copy as _device_copy
+from .handle import raise_if_cancelled
 
 _LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied concurrently
 
@@ -72,10 +73,8 @@ def write_data(
     jobs += _batch_jobs(batch_specs, batches, batch_data, writer)
     pending = _Pending(limit, cancelled)
     reused = 0
-    doing = _liveness.ACTIVITIES.begin("writing this process's data", moving=True)
-    pending.progress = doing.progress  # read by the heartbeat thread: bytes left
+    doing = pending.report(sum(_nbytes(d) for _, writes, _ in jobs for _, d in writes))
     try:
-        pending.progress.total = sum(_nbytes(d) for _, writes, _ in jobs for _, d in writes)
         pending.write_all(jobs)
         if linker is not None:  # the leaves whose links failed
             jobs = []
@@ -184,8 +183,19 @@ class _Pending:
         self.written = 0
         self.progress = _liveness.Progress()
 
+    def report(self, total: int):
+        """Begins this thread's activity "writing this process's data" of ``total``
+        bytes, whose progress (:attr:`progress`) the heartbeat publishes; the caller
+        ends it (``_liveness.ACTIVITIES.end``)."""
+        doing = _liveness.ACTIVITIES.begin("writing this process's data", moving=True)
+        self.progress = doing.progress
+        self.progress.total = total
+        return doing
+
     def drain(self, to: int) -> None:
-        while self.futures and self.in_flight > to:
+        """Waits for the oldest writes until at most ``to`` bytes are in flight, and
+        settles those already done (their bytes count as progress at once)."""
+        while self.futures and (self.in_flight > to or self.futures[0][0].done()):
             future, nbytes = self.futures.popleft()
             future.result()
             self.in_flight -= nbytes
@@ -200,8 +210,7 @@ class _Pending:
         is released once its write is done)."""
         store = None
         while writes:
-            if self.cancelled is not None and self.cancelled.is_set():
-                raise KeyboardInterrupt("the save was cancelled while writing its data")
+            raise_if_cancelled(self.cancelled, "the save, while writing its data,")
             index, data = writes.pop()
             data = _device_copy.materialize(data)  # a region still on its device: copied now
             if data.size:
@@ -219,6 +228,7 @@ class _Pending:
                 if self.written == data.nbytes:
                     _faults.kill_point("mid_write")
                     _faults.pause_point("mid_write")
+                _faults.slow_point("write")  # tests: a slow but progressing write
             del data
             self.drain(self.limit)
 

@@ -26,7 +26,7 @@ from .._zarr import chunks as _chunks
 from .._zarr import packed_codec as _codec
 from .._zarr import packed_writer as _packed_writer
 from .._zarr import subbyte as _subbyte
-from .write_data import _batch_jobs, _nbytes, _Pending, _raise_as_checkpoint_error, _settle
+from .write_data import _batch_jobs, _Pending, _raise_as_checkpoint_error, _settle
 
 
 def write_packed(
@@ -77,21 +77,18 @@ def write_packed(
     jobs += _batch_jobs(plain, batches, batch_data, writer)
     jobs += _compressed_batch_jobs(batches, batch_data, writer)
     pending = _Pending(limit, cancelled)
-    doing = _liveness.ACTIVITIES.begin("writing this process's data", moving=True)
-    pending.progress = doing.progress  # read by the heartbeat thread: bytes left
-    pending.progress.total = sum(_nbytes(d) for _, writes, _ in jobs for _, d in writes)
+    doing = pending.report(total)  # bytes done and left, in this process's heartbeat
     try:
         try:
             pending.write_all(jobs)
             pending.drain(0)
         finally:
             writer.close()
+            _liveness.ACTIVITIES.end(doing)
     except BaseException as e:
         _settle(pending.futures)
         _raise_as_checkpoint_error(e, staging, direct=True)
         raise
-    finally:
-        _liveness.ACTIVITIES.end(doing)
     name, raw = writer.write_index(_dtypes(leaves, batches))
     return pending.written, {name: sha256(raw)}, 0 if taken is None else taken.nbytes
 

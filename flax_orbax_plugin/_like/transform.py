@@ -18,6 +18,7 @@ from .._errors import NothingMatchedError, StructureError
 from .._format import layout as _layout
 from . import casting as _casting
 from . import onto_like as _onto_like
+from .surgery import check_surgery
 from .transform_rules import compile_transform, describe
 
 logger = logging.getLogger("flax_orbax_plugin")
@@ -46,6 +47,7 @@ class Changes:
     partial: bool = False
     missing: str = "error"
     transform: Callable[[str], str | None] | None = None
+    surgery: tuple[Any, ...] = ()  # checked operations (``surgery.check_surgery``)
 
     @property
     def keep_missing(self) -> bool:
@@ -58,25 +60,30 @@ class Changes:
 
     def describe(self) -> str:
         """The options as given, for messages."""
-        return f"partial={self.partial}, missing={self.missing!r}, {describe(self.transform)}"
+        out = f"partial={self.partial}, missing={self.missing!r}, {describe(self.transform)}"
+        return out + (f", surgery={list(self.surgery)!r}" if self.surgery else "")
 
     def kwargs(self) -> dict[str, Any]:
         """The options as ``restore`` keywords (``transform`` already compiled)."""
-        return {"partial": self.partial, "missing": self.missing, "transform": self.transform}
+        out = {"partial": self.partial, "missing": self.missing, "transform": self.transform}
+        return out | {"surgery": self.surgery}
 
     def rename(self, path: str) -> str | None:
         return path if self.transform is None else self.transform(path)
 
 
-def changes(*, partial: Any = False, missing: Any = "error", transform: Any = None) -> Changes:
+def changes(
+    *, partial: Any = False, missing: Any = "error", transform: Any = None, surgery: Any = None
+) -> Changes:
     """Validates the options (TypeError / ValueError naming the option; TransformError
-    for ``transform``, see ``transform_rules``) and compiles ``transform`` once. Called
+    for ``transform``, see ``transform_rules``, and ``surgery``, see ``surgery``) and
+    compiles ``transform`` once. Called
     by every restore entry point before anything is read."""
     if not isinstance(partial, bool):
         raise TypeError(f"partial must be True or False, found {partial!r}")
     if missing not in MISSING_CHOICES:
         raise ValueError(f"missing must be one of {MISSING_CHOICES}, found {missing!r}")
-    return Changes(partial, missing, compile_transform(transform))
+    return Changes(partial, missing, compile_transform(transform), check_surgery(surgery))
 
 
 def rename_records(records: dict[str, Any], opts: Changes, where: str) -> dict[str, Any]:
@@ -149,6 +156,7 @@ def match(
     empty_kinds: tuple[str, ...] = (),
     saved: list[str],
     cast: str,
+    problems: list[str] | None = None,
 ) -> list[Any]:
     """One entry per leaf of ``flat`` (like's ``(path, keys, leaf)``): ``make(index,
     record, leaf)`` for a leaf the checkpoint holds, :data:`KEEP` for one kept from like.
@@ -156,11 +164,12 @@ def match(
     ``records``: ``{like path: (index, record)}`` (after :func:`rename_records`);
     ``saved``: the checkpoint's own paths of leaves holding a value (before any
     transform). Every difference is collected first; then one StructureError lists
-    them all. A plan that reads none of ``saved`` raises NothingMatchedError (see
+    them all (after ``problems``, found before: surgery's). A plan that reads none of
+    ``saved`` raises NothingMatchedError (see
     :func:`check_matched`). ``cast``: the read's cast policy (a dtype no checked cast
     reaches is a difference unless ``"unsafe"``).
     """
-    problems: list[str] = []
+    problems = list(problems or ())
     casts: list[str] = []  # dtypes no checked cast reaches
     out: list[Any] = []
     wanted = set()

@@ -115,6 +115,7 @@ class CheckpointCallback:
         partial: bool = False,
         missing: str = "error",
         transform: Any = None,
+        surgery: Any = None,
     ) -> Any:
         """Returns ``state`` resumed from the latest good step (per ``resume``), or
         unchanged. With ``resume=False`` a directory holding steps is refused (or, with
@@ -127,7 +128,8 @@ class CheckpointCallback:
         that holds a data position without a ``data_iterator`` warns once (the run would
         replay its data).
 
-        ``partial``, ``missing`` and ``transform`` resume into a changed model, as in
+        ``partial``, ``missing``, ``transform`` and ``surgery`` resume into a changed
+        model, as in
         :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
         grew layers: the new ones keep their values from ``state``).
         """
@@ -135,7 +137,9 @@ class CheckpointCallback:
             self._data_iterator = data_iterator
         reset = check_reset(reset)
         names = items_to_restore(state, reset=reset) if reset else None
-        opts = check_changes(partial=partial, missing=missing, transform=transform).kwargs()
+        opts = check_changes(
+            partial=partial, missing=missing, transform=transform, surgery=surgery
+        ).kwargs()
         existed = self._manager is not None or _resuming.place_exists(self.directory)
         mngr = self.manager
         latest = mngr.latest_step(include_persistent=True)

@@ -86,6 +86,8 @@ _SAVE = SaveRequest()  # what a built-in called without a request does
 _READ = ReadRequest()
 
 JSON_FILE = _layout.JSON_VALUE_FILE
+# Kinds of an item that is a copy of another (fop.HFShards): read only when named.
+COPY_KINDS = ("hf_safetensors",)
 
 
 @runtime_checkable

@@ -50,11 +50,8 @@ def _places(bound: dict[str, Any]) -> list[Any]:
     options = bound.get("options") or {}
     tier = options.get("persistent")
     # ``directory`` (the property) once __init__ has set it; the argument before
-    return [
-        bound.get("directory"),
-        getattr(tier, "path", tier),
-        getattr(bound["self"], "directory", None),
-    ]
+    own = getattr(bound["self"], "directory", None)
+    return [bound.get("directory"), getattr(tier, "path", tier), own]
 
 
 @raises_store_errors_in_methods(_places)  # a store's refusal: StoreAccessError
@@ -65,9 +62,11 @@ class CheckpointManager:
     def __init__(self, directory: Any, **options: Any):
         with _distributed.collective("manager-open", spans=not options.get("read_only")):
             opts = _options.ManagerOptions.build(directory, options)  # _base.regions
-            self._loc = opts.location
+            self._loc, self._stall_s = opts.location, opts.stall_timeout
+            _distributed.set_stall(opts.stall_timeout)  # the open's own waits
             self._schedule = SaveSchedule(opts.policy)
             self._async, self._read_only = opts.async_save, opts.read_only
+            self._supersede = opts.supersede  # False, "preemption" or True
             pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
             self._buffers = _host.BufferPool() if pooled else None
             self._book = StepBook(self._loc, on_event=opts.on_event)
@@ -81,6 +80,7 @@ class CheckpointManager:
                 self._buffers,
                 opts.host_memory_budget,
                 opts.format_version,
+                opts.hf_shards,
             )
             self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
             self._closed = False
@@ -125,7 +125,7 @@ class CheckpointManager:
         the store now. A save never calls it: it uses the steps known in memory."""
         return self._book.listed()
 
-    @_distributed.collective("manager-delete")
+    @_distributed.collective_method("manager-delete", stall="_stall_s")
     def delete(self, *steps: int) -> None:
         """Removes the committed ``steps`` of this directory now, through the one owner
         of removal (only steps this library committed; each leaves listings at once);
@@ -181,7 +181,7 @@ class CheckpointManager:
         primary's time-based decision with every process)."""
         return self._schedule.should_save(operator.index(step), t)
 
-    @_distributed.collective("manager-save")
+    @_distributed.collective_method("manager-save", stall="_stall_s")
     def save(
         self,
         step: int,
@@ -199,25 +199,32 @@ class CheckpointManager:
         ``state`` is split into checkpointables (``_state/train_state.py``): a Flax
         TrainState, NNX module/optimizer, or a dict of items. ``data_iterator``'s
         state and the JSON ``extras`` become items too. ``ignore_policy=True`` saves
-        whatever the policy says (``force=``, its old name, is deprecated: it warns and
-        goes in the next release). A step at or below the latest committed one is refused unless
-        ``overwrite=True`` (which replaces an existing step atomically). ``t`` is the
+        whatever the policy says (``force=``, its old name, warns). A step at or below
+        the latest committed one is refused unless ``overwrite=True`` (which replaces an
+        existing step atomically). ``t`` is the
         time for ``every_seconds`` (default: the manager's clock). ``extras`` may be a
         callable returning the mapping, called only when the step is saved.
 
         Returns once every item's blocking phase is done (state may then be mutated
         or donated); the write completes in the background unless ``async_save=False``.
-        Call from the training thread only; with several processes, on every process.
+        A save still writing is waited for first, or cancelled (``supersede=``: see
+        ``Saver.supersede``). Call from the training thread only; with several
+        processes, on every process.
         """
         self._check_writable()
         step, ignore_policy = _options.check_save_call(
             step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t
         )
         preempted = self.preempted_at(step)  # first: asked at every step, in order
-        self._saver.raise_background_error()
+        supersede = self._supersede is True or (preempted and self._supersede == "preemption")
+        if not supersede:  # superseding: a cancelled save's error is expected (below)
+            self._saver.raise_background_error()
         if not (ignore_policy or preempted or self._schedule.decide(step, t)):
             return False
-        self._wait_inflight()
+        if supersede:  # the save in flight is cancelled, not waited for
+            self._saver.supersede(step)
+        else:
+            self._wait_inflight()
         with self._saver.saving():  # from here to its commit, removals yield to the save
             local = self._saver.check_new_step(step, overwrite or preempted)
             extras = extras() if callable(extras) else extras  # only for a step that is saved
@@ -242,7 +249,7 @@ class CheckpointManager:
             _housekeeping.remove_unfinished(self._loc)
         return self._retainer.run_now()
 
-    @_distributed.collective("manager-restore")
+    @_distributed.collective_method("manager-restore", stall="_stall_s")
     def restore(
         self,
         like: Any = None,
@@ -253,6 +260,7 @@ class CheckpointManager:
         partial: bool = False,
         missing: str = "error",
         transform: Any = None,
+        surgery: Any = None,
     ) -> Any:
         """Restore a step (the latest that verifies, by default).
 
@@ -263,12 +271,9 @@ class CheckpointManager:
         * ``items="params"``: that one item's value; ``items=("params", "extras")``:
           a dict ``{name: value}``. ``like`` then only supplies templates.
         * ``data_iterator``: its state is set to the saved one (this process's).
-        * A changed model (``_like/transform.py``): ``partial=True`` leaves out saved
-          leaves (and items) ``like`` does not have; ``missing="keep"`` keeps
-          ``like``'s own value for a leaf, or a whole item, the step lacks;
-          ``transform`` maps saved leaf paths within each pytree item
-          (``Dense_0/kernel``) to ``like``'s: ``{regex: replacement}`` or a callable
-          ``path -> path | None``. Without them a StructureError lists every difference.
+        * A changed model: ``partial``, ``missing`` (also ``"keep"`` for a whole item
+          the step lacks), ``transform`` and ``surgery`` as in ``fop.restore``, within
+          each pytree item. Without them a StructureError lists every difference.
 
         Without ``step``, a latest step that is damaged (a checksum fails, a file is
         missing) is skipped with a warning and, by a writer, moved aside to
@@ -276,7 +281,9 @@ class CheckpointManager:
         With ``step``, damage raises. Waits for this manager's in-flight save first.
         A step being read is never deleted by this manager's retention.
         """
-        changes = _transform.changes(partial=partial, missing=missing, transform=transform)
+        changes = _transform.changes(
+            partial=partial, missing=missing, transform=transform, surgery=surgery
+        )
         self._check_open()
         self._wait_inflight()
         return self._restorer.restore(like, step, items, data_iterator, changes)
@@ -304,10 +311,9 @@ class CheckpointManager:
         self._wait_inflight()
 
     def warn_data_replay(self) -> None:
-        """Warns (once per manager) when the step last restored holds a data position
-        that was not restored: the run would read its data again. ``restore()`` of the
-        whole state without a ``data_iterator`` calls it itself; a resume that
-        restores named items (the callback's ``reset=``) calls it after."""
+        """Warns (once) when the step last restored holds a data position that was not
+        restored (the run would read its data again); a resume that restores named
+        items (the callback's ``reset=``) calls it after."""
         if self.restored_step is not None:
             self._restorer.warn_replay(self.restored_step)
 
@@ -316,7 +322,7 @@ class CheckpointManager:
         """Figures of the most recently committed save of this manager, if any."""
         return self._book.last_save
 
-    @_distributed.collective("manager-wait")
+    @_distributed.collective_method("manager-wait", stall="_stall_s")
     def wait(self) -> None:
         """Block until the in-flight save is committed and retention has run.
 
@@ -325,8 +331,8 @@ class CheckpointManager:
         """
         self._wait_inflight()
         self._retainer.wait()
-        # Retention runs on the primary only: meet so that every process lists the same steps
-        # (and learns of an on_event hook's error on any of them: events.agree).
+        # Retention runs on the primary only: meet so that every process lists the same
+        # steps (and learns of a hook's error on any of them: events.agree).
         self._book.events.agree("manager-wait", what=f"wait of {self._loc}")
 
     def close(self) -> None:

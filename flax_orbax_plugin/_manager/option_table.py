@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,6 +96,14 @@ DIRECTORY = Option(
 """The manager's ``directory`` (positional), checked as a tier's path is."""
 
 
+def _hf_shards(value: Any) -> Any:
+    """``hf_shards=``: an ``fop.HFShards(...)`` (an item the manager adds to due steps)."""
+    needed = ("every_steps", "item", "name", "due", "save", "restore")
+    if not all(hasattr(value, n) for n in needed):
+        raise TypeError(f"expected fop.HFShards(every_steps=K, ...) or None, found {found(value)}")
+    return value
+
+
 def _writer(value: Any) -> Any:
     if not callable(getattr(value, "write_scalars", None)):
         raise TypeError(
@@ -148,6 +157,19 @@ ON_EVENT = Option(
     doc='receives each checkpoint event record (docs/manager.md, "Events")',
 )
 
+STALL_TIMEOUT = Option(
+    "stall_timeout",
+    "number",
+    none_ok=True,
+    low=0,
+    low_open=True,
+    high=threading.TIMEOUT_MAX,
+    expected="a number of seconds > 0 or None",
+    doc="seconds a process waited for may make no progress before the wait fails "
+    "(several processes; None: FOP_COORDINATION_TIMEOUT_S, 300)",
+    aliases=("coordination_timeout", "barrier_timeout"),
+)
+
 MANAGER: tuple[Option, ...] = (
     *_retention.FIELDS,
     Option(
@@ -168,6 +190,16 @@ MANAGER: tuple[Option, ...] = (
         doc="which steps to save, as one object (instead of its shorthands every_steps= ...)",
     ),
     ASYNC_SAVE,
+    Option(
+        "supersede",
+        "choice",
+        choices=(False, "preemption", True),
+        default=False,
+        annotation="bool | str",
+        doc="a save still writing when the next one starts is cancelled (nothing of it "
+        'committed) instead of waited for: True for any newer save, "preemption" for a '
+        "preemption save only",
+    ),
     _flag("read_only", "take no lock, remove nothing, refuse save (an evaluator's reader)"),
     _flag(
         "handle_sigterm",
@@ -220,6 +252,15 @@ MANAGER: tuple[Option, ...] = (
         low=1,
         expected="a positive int or None",
         doc="host bytes a step may hold beyond the state (None: no bound)",
+    ),
+    STALL_TIMEOUT,
+    Option(
+        "hf_shards",
+        "custom",
+        none_ok=True,
+        convert=_hf_shards,
+        annotation="HFShards",
+        doc="Hugging Face safetensors shards of params written into every K-th step (HFShards)",
     ),
     ON_EVENT,
 )
@@ -309,6 +350,7 @@ WRITER_ONLY = (
     *(n for n in POLICY_SHORTHANDS if n != "clock"),
     "policy",
     "async_save",
+    "supersede",
     "incremental",
     "compression",
     "reuse_host_buffers",

@@ -135,6 +135,10 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     _formats.refuse_ignored(  # what the chosen format ignores (the format says why)
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
     )
+    if not out["async_save"]:  # a synchronous save has committed before the next starts
+        refuse_without("supersede", out["supersede"], "async_save=True", default=False)
+    if out["supersede"] == "preemption" and not out["handle_sigterm"]:
+        refuse_without("supersede", "preemption", "handle_sigterm=True", default=False)
     if out["incremental"]:
         refuse_without(
             "host_memory_budget",
@@ -242,12 +246,15 @@ class ManagerOptions:
     tier: Tier | None
     overrides: Mapping[str, Checkpointable]
     async_save: bool
+    supersede: bool | str
     read_only: bool
     handle_sigterm: bool
     incremental: bool
     reuse_host_buffers: bool
     format_version: int | None  # None: the default (formats.version_for)
     host_memory_budget: int | None
+    stall_timeout: float | None
+    hf_shards: Any
     on_event: Callable[[Any], Any] | None
 
     @classmethod
@@ -258,6 +265,14 @@ class ManagerOptions:
         values = check_manager(given)
         location = Location.from_path(_table.DIRECTORY.check(directory))
         overrides = _overrides(values["checkpointables"], values["compression"])
+        hf = values["hf_shards"]
+        if hf is not None:  # its item, saved on due steps (Saver) and read as any other
+            if hf.name in overrides:
+                raise OptionError(
+                    f"hf_shards: its item name {hf.name!r} is also given in checkpointables= "
+                    f"or compression=; give HFShards(name=) another name"
+                )
+            overrides[hf.name] = hf
         plain = {k: values[k] for k in _PLAIN}
         return cls(
             location,
@@ -284,11 +299,14 @@ class ManagerOptions:
 # The fields of ManagerOptions taken from the option of the same name as checked.
 _PLAIN = (
     "async_save",
+    "supersede",
     "read_only",
     "handle_sigterm",
     "incremental",
     "reuse_host_buffers",
     "format_version",
     "host_memory_budget",
+    "stall_timeout",
+    "hf_shards",
     "on_event",
 )

@@ -45,7 +45,7 @@ from .._storage.location import Location
 from . import peers as _peers
 from . import per_host as _per_host
 from .book import StepBook
-from .checkpointables import Checkpointable, checkpointable_for
+from .checkpointables import COPY_KINDS, Checkpointable, checkpointable_for
 from .events import RestoreDone, measure_stored
 
 __all__ = ["Restorer"]
@@ -374,7 +374,8 @@ class Restorer:
                     f"model), pass missing='keep'"
                 )
             return names
-        return [n for n in saved if n != "data_iterator"]
+        # a copy of another item (HF shards) is read only when named
+        return [n for n, e in saved.items() if n != "data_iterator" and e.kind not in COPY_KINDS]
 
     def _restore_item(
         self,

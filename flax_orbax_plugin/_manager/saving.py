@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -25,9 +24,10 @@ from .._base import interrupts as _interrupts
 from .._core import formats as _formats
 from .._core import ownership as _ownership
 from .._core.commit import Staging
+from .._core.handle import Cancellation
 from .._core.requests import SaveRequest
 from .._core.save import SaveHandle, SaveResult, wait_for_data
-from .._errors import CheckpointError
+from .._errors import CheckpointError, SaveCancelledError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import ItemEntry
@@ -64,6 +64,22 @@ def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]
     return items
 
 
+def with_copy_item(items: dict[str, Any], copy: Any, step: int) -> dict[str, Any]:
+    """``items`` and, last, item ``copy.name`` holding the value of item ``copy.item``
+    (an ``fop.HFShards``: its checkpointable writes the copy)."""
+    if copy.item not in items:
+        raise CheckpointError(
+            f"hf_shards: step {step} has no item {copy.item!r} to write as Hugging Face "
+            f"shards (items: {sorted(items)}); give HFShards(item=) the item holding the params"
+        )
+    if copy.name in items:
+        raise ValueError(
+            f"hf_shards: the state has an item {copy.name!r}, the name of the shards' item; "
+            f"give HFShards(name=) another name"
+        )
+    return {**items, copy.name: items[copy.item]}
+
+
 class Saver:
     """Saves steps into ``location`` (see the module docstring).
 
@@ -82,8 +98,10 @@ class Saver:
         buffers: _host.BufferPool | None,
         budget: int | None = None,
         format_version: int | None = None,
+        hf_shards: Any = None,
     ):
         self._loc = location
+        self._hf_shards = hf_shards  # an fop.HFShards: its item added to due steps
         self._format_version = format_version  # asked for (None: the default, see save)
         self._budget = budget  # host_memory_budget: bytes a save may hold on host
         self._overrides = overrides
@@ -133,6 +151,32 @@ class Saver:
         handle, self.inflight = self.inflight, None
         if handle is not None:
             handle.wait()
+
+    def supersede(self, step: int) -> bool:
+        """Cancels the save in flight, if any, for ``step`` (``supersede=``): it stops at
+        its next check, what it staged is removed (``_core.ownership``), nothing of it
+        commits, earlier steps stay. Returns whether a save was cancelled (False: none
+        in flight, or it committed first). Its SaveCancelledError is expected and not
+        raised (logged); any other error it ended with is raised, as :meth:`wait` would.
+
+        Training thread, in place of :meth:`wait`. With several processes every process
+        calls it for the same ``step`` (the manager's ``save`` is collective): each
+        cancels its own part, and the commit protocol turns that into one outcome on
+        all (an agreed abort, or committed everywhere when the commit came first)."""
+        handle, self.inflight = self.inflight, None
+        if handle is None:
+            return False
+        if not handle.cancel(reason=f"superseded by step {step}"):
+            return False  # committed first
+        error = handle.error
+        if error is not None and not isinstance(error, SaveCancelledError):
+            raise error
+        logger.warning(
+            "checkpoint: the save to %s was superseded by step %d: cancelled, not committed",
+            handle.path,
+            step,
+        )
+        return True
 
     # -- before: the slot
 
@@ -196,6 +240,8 @@ class Saver:
     ) -> dict[str, Pending]:
         if replicate and self._book.tier is not None:
             self._book.tier.force(step)
+        if self._hf_shards is not None and self._hf_shards.due(step):
+            items = with_copy_item(items, self._hf_shards, step)
         started = time.perf_counter()
         replace = step in local
         final = _steps.step_location(self._loc, step)
@@ -208,7 +254,7 @@ class Saver:
         prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
         marker = None
         # The step's modes, once: each item gets them (and its reuse) as its request.
-        cancelled = threading.Event()  # the items' writes stop once it is set
+        cancelled = Cancellation()  # the items' writes stop once it is set
         request = SaveRequest(
             cancelled=cancelled,
             format_version=_formats.version_for(self._format_version, per_host=own),

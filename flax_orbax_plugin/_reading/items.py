@@ -19,6 +19,7 @@ from .._errors import CheckpointError
 from .._format import metadata as _metadata
 from .._format import steps as _steps
 from .._format.layout import STEP_VERSION, ItemEntry, StepManifest
+from .._interop import hf_shards as _hf_shards
 from .._manager.checkpointables import BUILTIN_CHECKPOINTABLES
 from .._storage.location import Location
 
@@ -26,6 +27,7 @@ __all__ = ["StepItem", "describe", "read", "step_item"]
 
 # The readers of the kinds that are not pytrees, by the kind the manifest records.
 _READERS = {c.kind: c for c in BUILTIN_CHECKPOINTABLES.values() if c.kind != "pytree"}
+_READERS[_hf_shards.KIND] = _hf_shards.HFShards(every_steps=1)  # {tensor name: array}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,8 @@ def restore(
     partial: bool = False,
     missing: str = "error",
     transform: Any = None,
+    surgery: Any = None,
+    dry_run: bool = False,
     memory_limit_bytes: int | None = None,
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
@@ -76,13 +78,21 @@ def restore(
     applied with ``re.sub`` in order, or a callable ``path -> path | None`` (None
     drops the leaf). Without them every difference is listed in one StructureError.
 
+    Layout surgery (see ``_like.surgery``): ``surgery=[fop.Stack(...), fop.Unstack(...),
+    fop.Fuse(...), fop.Split(...), fop.Transpose(...), fop.Rename(...)]`` applied in
+    order to the saved leaves (after ``transform``), during the read: each target
+    shard reads only the regions of the saved leaves it covers. ``dry_run=True``
+    returns a :class:`fop.RestorePlan` (which saved leaves and index ranges make each
+    leaf of ``like``; ``print`` it) after every check, reading no array data.
+
     Raises:
       CheckpointNotFoundError: nothing at ``path``.
       NotCommittedError: a save to ``path`` never committed.
       StructureError: ``like`` does not fit (missing or unexpected key, shape, dtype).
         NothingMatchedError (a subclass): no saved leaf matched ``like`` (with
         ``partial``/``missing``/``transform``); ``missing="keep_all"`` accepts it.
-      TransformError: ``transform`` is malformed (checked before anything is read).
+      TransformError: ``transform`` or ``surgery`` is malformed (checked before
+        anything is read).
       CorruptCheckpointError: a checksum failed or data is missing; names the leaf.
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
@@ -96,6 +106,8 @@ def restore(
         return _core_restore.restore(
             location,
             like,
+            surgery=surgery,
+            dry_run=dry_run,
             memory_limit_bytes=memory_limit_bytes,
             cast=cast,
             share_replicated_reads=share_replicated_reads,
@@ -104,6 +116,11 @@ def restore(
     except (CheckpointNotFoundError, NotCommittedError):
         if not is_orbax_checkpoint(location):  # looked for only when none of ours is there
             raise
+        if surgery or dry_run:
+            raise CheckpointError(
+                f"{location} is an Orbax checkpoint: surgery= and dry_run= apply to this "
+                f"library's checkpoints; convert it first (fop.import_orbax(src, dst))"
+            ) from None
     except CorruptCheckpointError:
         item = _json_item(location)  # no pytree there: a step's JSON item, or damage
         if item is None:

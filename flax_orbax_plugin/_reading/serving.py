@@ -62,6 +62,8 @@ def restore_params(
     partial: bool = False,
     missing: str = "error",
     transform: Any = None,
+    surgery: Any = None,
+    dry_run: bool = False,
 ) -> Any:
     """Restore only the params of a step (the latest by default), for serving.
 
@@ -76,10 +78,16 @@ def restore_params(
 
     ``partial``, ``missing`` and ``transform`` restore into changed params, as
     ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
-    ``partial=True`` with ``like`` a subset of the saved params.
+    ``partial=True`` with ``like`` a subset of the saved params. ``surgery`` changes
+    the layout during the read and ``dry_run=True`` returns the plan instead, as in
+    ``fop.restore``.
     """
     _read_options.check_serving(step=step)  # OptionError naming it, before any read
-    changes = _transform.changes(partial=partial, missing=missing, transform=transform)
+    changes = _transform.changes(
+        partial=partial, missing=missing, transform=transform, surgery=surgery
+    )
+    if not isinstance(dry_run, bool):
+        raise TypeError(f"dry_run must be True or False, found {dry_run!r}")
     loc = Location.from_path(directory)
     steps = _steps.committed_steps(loc)
     if step is None and _spans(directory, like, sharding=sharding):
@@ -99,7 +107,7 @@ def restore_params(
         return _host_then_placed(params_loc, dtype, sharding, changes)
     if target is not None and (dtype is not None or sharding is not None):
         target = retarget(target, dtype, sharding)
-    return _restore.restore(params_loc, target, **changes.kwargs())
+    return _restore.restore(params_loc, target, dry_run=dry_run, **changes.kwargs())
 
 
 def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[int]]:
@@ -117,9 +125,9 @@ def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[in
 
 def _orbax_params(directory, like, step, dtype, sharding, changes, partial) -> Any:
     """The params of the Orbax checkpoint at ``directory`` (none of ours is there)."""
-    if changes.keep_missing or changes.transform is not None or partial:
+    if changes.keep_missing or changes.transform is not None or partial or changes.surgery:
         raise CheckpointError(
-            f"{directory} is an Orbax checkpoint: partial=, missing= and transform= "
+            f"{directory} is an Orbax checkpoint: partial=, missing=, transform= and surgery= "
             f"apply to this library's checkpoints; convert it first with "
             f"fop.import_orbax(src, dst)"
         )

@@ -4,13 +4,17 @@ The mechanics only: what may be deleted is decided, and proven ours, by
 ``_core.ownership`` (the one owner of removal), the only caller. S3 and GCS removals
 open a tensorstore context of their own (:func:`removal_context`): their requests have
 their own concurrency limit, so a step being deleted never takes the request slots of
-a save writing at the same time. Tensorstore has no batch delete for S3 or GCS: each
-object is one delete request, and :func:`delete_keys` keeps ``pace()`` of them in
-flight (retention asks for none while the training thread is in a save, and for few
-while its write runs: ``_manager/retaining.py``).
+a save writing at the same time. Tensorstore has no batch delete: on S3, where
+botocore is installed and finds credentials, :func:`delete_batches` sends DeleteObjects
+requests of up to 1000 keys (the client of ``server_copy``); elsewhere (GCS: its JSON
+batch endpoint is not served by the emulator the tests use; no botocore) each object is
+one delete request, and :func:`delete_keys` keeps ``pace()`` of them in flight. Either
+way ``pace()`` is asked before each request: retention asks for none while the training
+thread is in a save, and for few while its write runs (``_manager/retaining.py``).
 
-Threading: the context is created once, lazily, under a lock; :func:`delete_keys` runs
-on the calling thread (the deletion thread, or the training thread for ``gc``).
+Threading: the context is created once, lazily, under a lock; :func:`delete_objects`
+runs on the calling thread (the deletion thread, or the training thread for ``gc``),
+batches on short-lived threads of their own, all joined before it returns.
 """
 
 from __future__ import annotations
@@ -23,9 +27,19 @@ from typing import Any
 
 import tensorstore as ts
 
+from . import server_copy as _server_copy
 from .kvstore import context
+from .location import Location
 
-__all__ = ["PAUSED_POLL_S", "REMOVAL_CONCURRENCY", "delete_keys", "removal_context"]
+__all__ = [
+    "PAUSED_POLL_S",
+    "REMOVAL_CONCURRENCY",
+    "batch_deleter",
+    "delete_batches",
+    "delete_keys",
+    "delete_objects",
+    "removal_context",
+]
 
 REMOVAL_CONCURRENCY = 8  # delete requests in flight by default (S3 / GCS)
 PAUSED_POLL_S = 0.01  # how often a paused removal asks whether it may go on
@@ -51,6 +65,65 @@ def removal_context(spec: dict[str, Any]) -> ts.Context:
                 )
             )
         return _CONTEXT[0]
+
+
+def delete_objects(
+    loc: Location, kv: ts.KvStore, keys: list[bytes], pace: Callable[[], int] | None
+) -> None:
+    """Deletes ``keys`` of ``kv`` (opened on ``loc``): by batch requests where the store
+    has them (:func:`batch_deleter`), else one request each (:func:`delete_keys`)."""
+    batch = batch_deleter(loc) if len(keys) > 1 else None
+    if batch is not None:
+        delete_batches(batch, loc.spec.get("path", ""), keys, pace)
+    else:
+        delete_keys(kv, keys, pace)
+
+
+def batch_deleter(loc: Location) -> _server_copy.Copier | None:
+    """The bucket's batch delete for the objects under ``loc``: S3's DeleteObjects
+    (through botocore, as the server-side copies: ``server_copy``) or None (another
+    store, no botocore or no credentials: then one delete request per object)."""
+    if loc.spec.get("driver") != "s3":
+        return None  # GCS: its JSON batch endpoint is not reachable in the emulator
+    copier, _why = _server_copy.copier_for(loc)
+    return copier if copier is not None and copier.batch_limit > 0 else None
+
+
+def delete_batches(
+    copier: _server_copy.Copier, prefix: str, keys: list[bytes], pace: Callable[[], int] | None
+) -> None:
+    """Deletes ``keys`` (relative to the object prefix ``prefix``) by batch requests of
+    up to ``copier.batch_limit`` keys, keeping up to ``pace()`` of them in flight
+    (each on a thread of its own); 0 pauses as in :func:`delete_keys`. Raises the
+    first batch's CopyError once every batch in flight ended."""
+    names = [prefix + k.decode() for k in keys]
+    batches = [names[i : i + copier.batch_limit] for i in range(0, len(names), copier.batch_limit)]
+    in_flight: collections.deque = collections.deque()
+    errors: list[BaseException] = []
+
+    def run(batch: list[str]) -> None:
+        try:
+            copier.delete_batch(batch)
+        except BaseException as e:  # noqa: BLE001  (raised below, on the caller's thread)
+            errors.append(e)
+
+    def settle(keep: int) -> None:
+        while len(in_flight) > keep:
+            in_flight.popleft().join()
+
+    for batch in batches:
+        width = pace() if pace is not None else REMOVAL_CONCURRENCY
+        while width < 1:
+            settle(0)
+            time.sleep(PAUSED_POLL_S)
+            width = pace()
+        settle(width - 1)
+        thread = threading.Thread(target=run, args=(batch,), name="fop-delete-batch")
+        thread.start()
+        in_flight.append(thread)
+    settle(0)
+    if errors:
+        raise errors[0]
 
 
 def delete_keys(kv: ts.KvStore, keys: list[bytes], pace: Callable[[], int] | None) -> None:

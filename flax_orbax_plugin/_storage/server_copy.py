@@ -59,6 +59,13 @@ class Copier:
         """Deletes one object (no error if it is absent)."""
         raise NotImplementedError
 
+    batch_limit = 0  # keys one batch delete request takes (0: the store has none)
+
+    def delete_batch(self, keys: list[str]) -> None:
+        """Deletes up to :attr:`batch_limit` objects in one request (absent ones are no
+        error); :class:`CopyError` naming the keys the store refused."""
+        raise NotImplementedError
+
     def read_range(self, key: str, start: int, stop: int, source: ObjectInfo) -> bytes:
         """Bytes ``[start, stop)`` of ``key``, only if it is still the object ``source``
         describes (S3 ``If-Match`` on its ETag, GCS ``ifGenerationMatch``); raises
@@ -170,6 +177,21 @@ class _S3Copier(Copier):
 
     def delete(self, key: str) -> None:
         self._call("delete_object", Key=key)
+
+    batch_limit = 1000  # DeleteObjects takes at most 1000 keys
+
+    def delete_batch(self, keys: list[str]) -> None:
+        objects = [{"Key": k} for k in keys]
+        answer = self._call("delete_objects", Delete={"Objects": objects, "Quiet": True})
+        errors = answer.get("Errors") or []
+        if errors:
+            shown = "; ".join(
+                f"{e.get('Key')}: {e.get('Code')} {e.get('Message')}" for e in errors[:5]
+            )
+            raise CopyError(
+                f"S3 DeleteObjects in bucket {self._bucket} refused {len(errors)} of "
+                f"{len(keys)} keys: {shown}"
+            )
 
     def read_range(self, key: str, start: int, stop: int, source: ObjectInfo) -> bytes:
         kw: dict[str, Any] = {"Key": key, "Range": f"bytes={start}-{stop - 1}"}

@@ -117,6 +117,7 @@ class ChunkReader:
         # finished the first of 12 batch files after most of the reading).
         self._batch_pool = _read_pool.Jobs(min(threads, BATCH_THREADS))
         self._fill = _read_file  # (path, name, parts): a subclass reads from elsewhere
+        self._ranged = _read_ranges  # (path, name, expected, ranges); None: no parts read
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -198,19 +199,20 @@ class ChunkReader:
         file numbers of its ``futures`` and ``ends`` the element each file's part ends
         at. Local chunk files only (not a packed reader)."""
         check_name(sub)  # never a path outside the checkpoint
-        if self._fill is not _read_file or not 0 <= start < stop <= size:
+        if self._ranged is None or not 0 <= start < stop <= size:
             raise ValueError(f"batch {sub}: no ranged read of [{start}, {stop}) here")
         lo, hi = start // inner * inner, min(size, -(-stop // inner) * inner)
         read = PendingRead((hi - lo,), dtype)
         read.first, read.files = lo, list(range(lo // chunk, -(-hi // chunk)))
         itemsize = read.out.dtype.itemsize
         flat = read.out.view(np.uint8)
+        kw = {} if self._fill is _read_file else {"fill": self._fill, "ranged": self._ranged}
         for s in read.files:
             end = min(hi, (s + 1) * chunk)
             inners = (max(lo - s * chunk, 0) // inner, -(-(end - s * chunk) // inner))
             path = os.path.join(self._root, sub, *_chunks.chunk_parts((s,)))
             args = (size * itemsize, chunk * itemsize, inner * itemsize, lo * itemsize)
-            job = self._batch_pool.submit(_read_shard, path, flat, s, *args, inners)
+            job = self._batch_pool.submit(_read_shard, path, flat, s, *args, inners, **kw)
             read.futures.append(job)
             read.ends.append(end)
         return read
@@ -237,6 +239,13 @@ class PendingRead:
 
 _read_lock = threading.Lock()
 _read_total = 0
+
+
+def count_read(nbytes: int) -> None:
+    """Adds ``nbytes`` read by a subclass's own reads to :func:`bytes_read`."""
+    global _read_total
+    with _read_lock:
+        _read_total += nbytes
 
 
 def bytes_read() -> int:
@@ -294,12 +303,14 @@ def _read_shard(
     inners: tuple[int, int] | None = None,
     *,
     fill=None,
+    ranged=None,
 ) -> None:
     """Reads one batch file (a zarr3 shard, sizes in bytes) into ``flat`` (the batch's
     bytes from byte ``base`` on): every stored inner chunk straight to its place, then
     checks the index (exactly the layout both writers produce: inner chunks in order,
     none missing before ``size``) and every checksum. With ``inners`` (j0, j1): only
-    inner chunks j0..j1-1 and the index (local files only)."""
+    inner chunks j0..j1-1 and the index, through ``ranged`` (a packed reader's segment
+    reads) or from the file at ``path``."""
     name = _name(path)
     count = chunk // inner
     present = -(-min(size - s * chunk, chunk) // inner)
@@ -322,7 +333,8 @@ def _read_shard(
     else:
         stride = inner + _chunks.CRC_BYTES
         ranges = [(j0 * stride, parts), (present * stride, tail)]
-        _read_ranges(path, name, present * stride + index.nbytes + _chunks.CRC_BYTES, ranges)
+        expected_bytes = present * stride + index.nbytes + _chunks.CRC_BYTES
+        (ranged or _read_ranges)(path, name, expected_bytes, ranges)
     if not _chunks.crc_matches([index.view(np.uint8)], index_trailer):
         raise ValueError(f"batch file {name}: crc32c checksum mismatch in its index")
     expected = np.full(2 * count, _chunks.MISSING_ENTRY, "<u8")

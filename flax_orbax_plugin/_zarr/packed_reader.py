@@ -57,6 +57,7 @@ class PackedReader(_chunk_files.ChunkReader):
         self._ranges: _ranges.RangeReads | None = None
         self._claimed: dict[str, tuple[int, int]] | None = None
         if location.is_local:
+            self._ranged = self._ranged_segment  # parts of a segment (read_batch_range)
             try:
                 for name in sorted({s.file for s in chunks.values()}):
                     self._fds[name] = self._open(name, chunks)
@@ -66,6 +67,7 @@ class PackedReader(_chunk_files.ChunkReader):
         else:
             spec = location.kvstore(_index.DATA_DIR)
             self._kv = ts.KvStore.open(spec, context=_kvstore.context(local=False)).result()
+            self._ranged = None  # object stores: whole segments, through the fetch plan
             self._ranges = _ranges.RangeReads(self._kv, chunks, file_bytes or {})
             self._pool = _DeferredPool(self._pool, self._ranges, chunks)
             self._batch_pool = _DeferredPool(self._batch_pool, self._ranges, chunks)
@@ -117,6 +119,46 @@ class PackedReader(_chunk_files.ChunkReader):
             self._claimed = {k: (n, b) for k, (n, b) in totals.items()}
         return self._claimed.get(prefix, (0, 0))
 
+    @property
+    def reads_ranges(self) -> bool:
+        """Whether parts of a batch's segments can be read (local data files)."""
+        return self._ranged is not None
+
+    def _ranged_segment(self, path: str, name: str, expected: int, ranges: list) -> None:
+        """Fills the parts of each ``(offset, parts)`` of ``ranges`` (offsets inside the
+        segment of chunk ``path``) from its data file; the segment must be ``expected``
+        bytes long, and its last four bytes (the last range's last part: a batch
+        shard's index checksum, which the caller checks against the index it reads)
+        must be the crc32c the data index lists. Only those bytes are read."""
+        _faults.fail_point("read_chunk")
+        segment = self._chunks.get(path)
+        if segment is None:
+            raise ValueError(f"chunk {path} is missing (no data index lists it)")
+        if segment.length != expected:
+            raise ValueError(
+                f"chunk {path}: expected {expected} bytes, its data index lists {segment.length}"
+            )
+        fd = self._fds[segment.file]
+        total = 0
+        for at, parts in ranges:
+            views = [memoryview(p) for p in parts if p.size]
+            at += segment.offset
+            while views:
+                got = os.preadv(fd, views[: _chunks.IOV_MAX], at)
+                if got == 0:
+                    raise ValueError(
+                        f"chunk {path} ({_index.DATA_DIR}/{segment.file}): ended early"
+                    )
+                at, total = at + got, total + got
+                _chunks.advance(views, got)
+        _chunk_files.count_read(total)
+        last = ranges[-1][1][-1]
+        if (
+            int.from_bytes(last.tobytes(), "little") != segment.crc32c
+            or at != segment.offset + expected
+        ):
+            raise ValueError(f"chunk {path}: its crc32c differs from its data index's")
+
     def _fill_segment(self, path: str, name: str, parts: list[np.ndarray]) -> None:
         _faults.fail_point("read_chunk")  # as version 1's reader, before each chunk read
         segment = self._chunks.get(path)
@@ -151,6 +193,7 @@ class PackedReader(_chunk_files.ChunkReader):
                     raise ValueError(f"chunk {where}: ended early")
                 at += got
                 _chunks.advance(views, got)
+            _chunk_files.count_read(at - segment.offset)
         if int.from_bytes(parts[-1].tobytes(), "little") != segment.crc32c:
             raise ValueError(f"chunk {where}: its crc32c differs from its data index's")
 

@@ -48,3 +48,19 @@ def test_an_activity_ends_when_its_body_raises():
     assert acts.describe()[0].startswith("begun without a with block (")
     acts.end(entry)
     assert acts.describe() == []
+
+
+def test_the_progress_signature_moves_with_bytes_and_activities_not_with_time():
+    """What the heartbeat's progress counter follows (a stall: the signature unchanged)."""
+    acts = liveness.Activities()
+    with acts.doing("manager-save (operation 1)"):
+        with acts.doing("writing this process's data", moving=True) as progress:
+            progress.total = 4 << 20
+            first = acts.signature()
+            threading.Event().wait(0.05)  # time passes, nothing moves: the same
+            assert acts.signature() == first
+            progress.done = 1 << 20  # bytes moved
+            moved = acts.signature()
+            assert moved != first
+        assert acts.signature() not in (first, moved)  # an activity ended
+    assert acts.signature() == ()

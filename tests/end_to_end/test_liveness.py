@@ -1,15 +1,18 @@
-"""Liveness by progress: a slow process is waited for and named, a dead one found in seconds.
+"""Liveness by progress: a slow process is waited for and named, a stalled one named.
 
 Real JAX processes on 127.0.0.1 (``tests/support/_multiprocess.py``, gloo). The old rule
-was one fixed timeout (``FOP_COORDINATION_TIMEOUT_S``, 300 s) for every wait: it both
-waited that long for a dead process and aborted a live one slower than that. Here that
-timeout is scaled down to 1.5 s and processes are slowed well past it (the package's
-``FOP_PAUSE_AT`` pause points, set in that process only) inside a save's write and a
-restore's read: nothing is aborted, and the waiting processes log which process is
-late and what it is doing (``FOP_LATE_REPORT_S``). A process SIGKILLed mid-save is named
-dead within ``FOP_PEER_SILENT_S``: tests/end_to_end/test_distributed.py
-(``test_sigkill_mid_save_survivors_fail_naming_the_missing_process``, 3 processes, the
-timeout at 120 s) and ``benchmarks/bench_liveness.py`` (2 and 4 processes).
+was one fixed timeout for every wait: it both waited that long for a dead process and
+aborted a live one slower than that. Now the timeout is a stall timeout (the manager's
+``stall_timeout=``, here 3 s): a process is given as long as it makes progress. A slowed
+process (``FOP_SLOW_AT``: every region it writes, or every read it completes, sleeps
+``FOP_SLOW_S``, set in that process only) takes well past 3 s in total while still
+progressing: nothing is aborted, and the waiting processes log which process is late,
+what it is doing and its bytes left (``FOP_LATE_REPORT_S``). A process paused past the
+stall timeout without progress (``FOP_PAUSE_AT``) is named stalled on the other. A
+process SIGKILLed mid-save is named dead within ``FOP_PEER_SILENT_S``:
+tests/end_to_end/test_distributed.py
+(``test_sigkill_mid_save_survivors_fail_naming_the_missing_process``) and
+``benchmarks/bench_liveness.py`` (detection latency, 2 and 4 processes).
 """
 
 import os
@@ -25,30 +28,59 @@ import flax_orbax_plugin as fop
 
 pytestmark = pytest.mark.distributed
 
-SLOW_S = 4.0  # a slowed process's pause: more than twice the scaled-down timeout
-ENV = {"FOP_COORDINATION_TIMEOUT_S": "1.5", "FOP_LATE_REPORT_S": "1", "FOP_PEER_SILENT_S": "4"}
+STALL_S = 3.0  # the manager's stall_timeout= in these runs
+SLOW_S = 0.75  # a slowed process's sleep per region written / read completed
+LEAVES = 4  # sharded leaves: 2 regions each per process (2 devices): 8 x 0.75 s = 6 s
+PAUSE_S = 16  # a stalled process's pause
+ENV = {"FOP_LATE_REPORT_S": "1", "FOP_PEER_SILENT_S": "4"}
 
 
-def slow_save_and_restore(ctx, directory, slow):
-    """Every process saves step 1 through a manager and restores it; ``slow`` maps a
-    process to the pause point it stops SLOW_S at (its own environment only)."""
+def _state(ctx):
+    """LEAVES sharded arrays (512 KiB per device shard)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    full = W.expected_w(len(ctx.devices))
+    sharding = NamedSharding(ctx.mesh, P(ctx.mesh.axis_names[0]))
+    return {
+        "params": {
+            f"w{i}": jax.make_array_from_callback(full.shape, sharding, lambda x, i=i: full[x] + i)
+            for i in range(LEAVES)
+        }
+    }
+
+
+def slow_save_and_restore(ctx, directory, slow, pause=None):
+    """Every process saves step 1 through a manager (stall_timeout=STALL_S) and restores
+    it; ``slow`` maps a process to the slow point it is slowed at (its own environment
+    only); ``pause``: [process, pause point, seconds] it stops at without progress."""
     phase = slow.get(str(ctx.process_id))
     if phase is not None:
-        os.environ.update(FOP_PAUSE_AT=phase, FOP_PAUSE_S=str(SLOW_S))
+        os.environ.update(FOP_SLOW_AT=phase, FOP_SLOW_S=str(SLOW_S))
+    if pause is not None and pause[0] == ctx.process_id:
+        os.environ.update(FOP_PAUSE_AT=pause[1], FOP_PAUSE_S=str(pause[2]))
     out = {}
-    with fop.CheckpointManager(directory, async_save=False) as mngr:
-        state = W.make_state(ctx, 1)
-        t = time.monotonic()
-        mngr.save(1, state)
-        mngr.wait()
-        out["save_s"] = time.monotonic() - t
-        t = time.monotonic()
-        restored = mngr.restore(like=state)
-        out["restore_s"] = time.monotonic() - t
-    out["restored_exact"] = bool(
-        np.array_equal(
-            np.asarray(restored["params"]["w"].addressable_shards[0].data),
-            np.asarray(state["params"]["w"].addressable_shards[0].data),
+    state = _state(ctx)
+    t = time.monotonic()
+    try:
+        with fop.CheckpointManager(directory, async_save=False, stall_timeout=STALL_S) as mngr:
+            try:
+                mngr.save(1, state)
+            finally:  # (a failed save's close waits once more)
+                out["save_s"] = time.monotonic() - t
+            t = time.monotonic()
+            restored = mngr.restore(like=state)
+            out["restore_s"] = time.monotonic() - t
+    except fop.CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}", "save_s": out.get("save_s")}
+    out["restored_exact"] = all(
+        np.array_equal(np.asarray(r.data), np.asarray(s.data))
+        for name in state["params"]
+        for r, s in zip(
+            restored["params"][name].addressable_shards,
+            state["params"][name].addressable_shards,
+            strict=True,
         )
     )
     out["steps"] = fop.CheckpointManager(directory, read_only=True).steps()
@@ -69,10 +101,12 @@ def mutual_wait(ctx):
 
 @pytest.mark.parametrize(
     ("n", "slow"),
-    [(2, {1: "mid_write"}), (4, {2: "mid_write", 3: "mid_read"})],
+    [(2, {1: "write"}), (4, {2: "write", 3: "read"})],
     ids=["2-processes-one-slow-write", "4-processes-a-slow-write-and-a-slow-read"],
 )
-def test_a_slow_process_is_waited_for_and_named_never_aborted(tmp_path, n, slow):
+def test_a_slow_but_progressing_process_is_named_with_its_bytes_left_never_aborted(
+    tmp_path, n, slow
+):
     run = run_processes(
         "test_liveness:slow_save_and_restore",
         n,
@@ -84,29 +118,56 @@ def test_a_slow_process_is_waited_for_and_named_never_aborted(tmp_path, n, slow)
     )
     stories = "\n\n".join(p.describe() for p in run.procs)
     for p in run.procs:
-        assert p.ok, stories
+        assert p.ok and "error" not in p.result, stories
         assert p.result["steps"] == [1] and p.result["restored_exact"], stories
-    old_timeout = float(ENV["FOP_COORDINATION_TIMEOUT_S"])
     for victim, phase in slow.items():
-        op, waited = ("restore", "restore_s") if phase == "mid_read" else ("save", "save_s")
-        assert run[victim].result[waited] >= SLOW_S, stories  # the pause really happened
-        # Named late, or behind a late one (the primary waits for it, the others for
-        # the primary's outcome).
+        op, waited = ("restore", "restore_s") if phase == "read" else ("save", "save_s")
+        # The slowed process itself took well past the stall timeout, in small steps.
+        assert run[victim].result[waited] >= 1.5 * STALL_S, stories
+        # Named late (by index, with what it does and its bytes left), or behind a late
+        # one (the primary waits for it, the others for the primary's outcome).
+        what = r"reading \S+" if phase == "read" else "writing this process's data"
         late = re.compile(
-            rf"late: .*process {victim} \(alive, beat [0-9.]+s ago, doing manager-{op}"
+            rf"(late|behind them): .*process {victim} \(alive, beat [0-9.]+s ago, doing "
+            rf"manager-{op} [^\n]*{what} \([0-9]+ s, [0-9.]+ MiB done, ([0-9.]+) MiB left"
         )
         for p in run.procs:
             if p.process_id not in slow:
-                # Waited past the old timeout, and said who it waited for, and why.
-                assert p.result[waited] > 2 * old_timeout, stories
-                assert late.search(p.stderr), p.describe()
-        what = "reading" if phase == "mid_read" else "writing this process's data"
-        assert any(what in p.stderr and "MiB left" in p.stderr for p in run.procs), stories
+                assert p.result[waited] > STALL_S, stories  # waited past the stall timeout
+                found = late.findall(p.stderr)
+                assert found, p.describe()
+                assert any(float(left) > 0 for _, left in found), p.describe()
 
 
-def test_two_processes_waiting_only_for_each_other_fail_after_the_timeout(tmp_path):
-    """The one case a fixed limit still ends: both live, each only waiting for the other
-    (different paths): CoordinationError on both after FOP_COORDINATION_TIMEOUT_S (2 s)."""
+def test_a_process_that_stops_progressing_is_named_stalled(tmp_path):
+    """Process 1 pauses mid-write, beating but moving nothing, past stall_timeout=3 s:
+    process 0 (waiting for it in the commit) names it stalled while it is still paused
+    (within seconds of the stall timeout, well before the 16 s pause ends), the commit's
+    outcome says so on both, and no step is committed."""
+    run = run_processes(
+        "test_liveness:slow_save_and_restore",
+        2,
+        args={"directory": str(tmp_path), "slow": {}, "pause": [1, "mid_write", PAUSE_S]},
+        env=ENV,
+        heartbeat_timeout_s=60,
+        timeout_s=120,
+        done_timeout_s=30,  # process 1 resumes and fails after process 0
+    )
+    stories = "\n\n".join(p.describe() for p in run.procs)
+    for p in run.procs:
+        assert p.ok, stories
+        error = p.result["error"]
+        assert error.startswith("CoordinationError"), stories
+        assert "process 1 is alive but stalled" in error and "stall_timeout=3" in error, error
+        assert "writing this process's data" in error and "MiB left" in error, error
+    # Both started the save together; process 1 paused at its first region.
+    assert STALL_S <= run[0].result["save_s"] < PAUSE_S - 2, stories
+    assert fop.CheckpointManager(tmp_path, read_only=True).steps() == []
+
+
+def test_two_processes_waiting_only_for_each_other_fail_after_the_stall_timeout(tmp_path):
+    """Both live, each only waiting for the other (different paths): CoordinationError on
+    both after the stall timeout (FOP_COORDINATION_TIMEOUT_S, 2 s: no manager here)."""
     run = run_processes(
         "test_liveness:mutual_wait",
         2,
@@ -119,4 +180,5 @@ def test_two_processes_waiting_only_for_each_other_fail_after_the_timeout(tmp_pa
         assert p.ok, p.describe()
         error = p.result["error"]
         assert error and "have only waited for each other" in error, error
+        assert "FOP_COORDINATION_TIMEOUT_S" in error, error
         assert 2 <= p.result["s"] < 2 + 10, p.result

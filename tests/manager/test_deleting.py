@@ -156,3 +156,70 @@ def test_a_removal_on_s3_asks_its_pace_before_each_delete(s3_location):
     _deleting.delete_keys(kv, kv.list().result(), pace)
     assert len(asked) == 40 + 3
     assert kv.list().result() == []
+
+
+def test_a_step_on_s3_is_removed_by_batch_deletes(s3_location):
+    """On the S3 server a doomed step's objects go in DeleteObjects requests (POST
+    ?delete, up to 1000 keys each), not one DELETE per object; the step is gone, the
+    kept step whole."""
+    from _s3_requests import S3Requests
+
+    state = {"params": {f"l{i:02d}": np.full((4,), i, np.float32) for i in range(30)}}
+    with fop.CheckpointManager(s3_location.spec, keep=1, format_version=1) as mngr:
+        mngr.save(1, state)
+        mngr.wait()
+        objects = [k for k in s3_location.keys() if k.startswith("1/")]
+        assert len(objects) >= 4  # small leaves share batch files: still several objects
+        with S3Requests() as requests:
+            mngr.save(2, state)
+            mngr.wait()  # retention drained
+            requests.settle()
+            lines = requests.take_lines()
+    # DeleteObjects: a POST of the bucket itself (werkzeug's line drops the "?delete")
+    batch = [path for k, path, _ in lines if k == "POST" and path.strip("/").count("/") == 0]
+    single = [path for k, path, _ in lines if k.startswith("DELETE") and "/1/" in path]
+    assert len(batch) == 1, [x for x in lines if "/1/" in x[1] or x[0] == "POST"]
+    assert len(single) <= 2, single  # the pending marker and range deletes only
+    assert not [k for k in s3_location.keys() if k.startswith("1/")]
+    with fop.CheckpointManager(s3_location.spec, read_only=True) as reader:
+        assert reader.steps() == [2]
+
+
+KILLED_DELETER = """
+import sys
+import numpy as np
+import flax_orbax_plugin as fop
+with fop.CheckpointManager(sys.argv[1], keep=1) as m:
+    for step in (1, 2):
+        m.save(step, {"params": {"w": np.full((4,), step, np.float32)}})
+        m.wait()
+"""
+
+
+def test_a_crash_between_rename_and_delete_is_finished_by_the_next_manager(tmp_path):
+    """Killed (SIGKILL) after step 1 was renamed to its to-delete name and before its
+    files went: the leftover is never listed as a step, and the next writer's open
+    removes it (proven ours by the step manifest inside it); step 2 is whole."""
+    import subprocess
+    import sys
+
+    from _proc import child_env
+
+    d = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_DELETER, d],
+        env=child_env(JAX_PLATFORMS="cpu", FOP_KILL_AT="mid_retention"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    left = [n for n in os.listdir(d) if n.startswith("1.deleting-")]
+    assert len(left) == 1 and os.path.isfile(os.path.join(d, left[0], "_CHECKPOINT.json"))
+    with fop.CheckpointManager(d, read_only=True) as reader:  # a reader removes nothing
+        assert reader.steps() == [2]
+    assert os.path.isdir(os.path.join(d, left[0]))
+    with fop.CheckpointManager(d, keep=1) as mngr:
+        assert mngr.steps() == [2]
+        np.testing.assert_array_equal(mngr.restore()["params"]["w"], tiny(2)["params"]["w"])
+    assert sorted(os.listdir(d)) == [".writer.lock", "2"]

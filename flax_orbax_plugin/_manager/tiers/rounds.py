@@ -233,7 +233,7 @@ class Rounds:
             status = self.copy_share(step, info["staging"], info["manifest"], key)
             _distributed.publish(f"{key}/status", json.dumps(status))
             # The primary may spend up to one timeout gathering statuses.
-            wait = 2 * _distributed.DEFAULT_TIMEOUT_S
+            wait = 2 * _distributed.stall_timeout()
             outcome = _distributed.broadcast_str(f"{key}/outcome", None, timeout_s=wait)
         self._settle(step, outcome)
 

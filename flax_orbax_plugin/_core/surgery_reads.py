@@ -1,0 +1,153 @@
+"""Reading the leaves layout surgery made (``_like.surgery``): a box of such a leaf
+(a target shard's region) is read as the boxes of the saved leaves it covers, each
+through the format's own region read (``read_data.read_region``: chunk files, the
+data files' reader or tensorstore), then assembled on the host.
+
+A saved leaf in a batch (a small leaf) is read whole and cut; an array leaf only in
+the region asked for. Threading: the restoring thread (the reads run on the formats'
+pools; ``result`` waits for them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._format import layout as _layout
+from .._format.layout import ArrayStorage
+from .._like.surgery_plan import Piece
+from .._zarr import subbyte as _subbyte
+from . import formats as _formats
+from .reads import ReadInto
+from .targets import Target, make_target
+
+
+def _box(region: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A region (slices, None: all) as ``((lo, hi), ...)``."""
+    if region is None:
+        return tuple((0, n) for n in shape)
+    out = []
+    for s, n in zip(region, shape, strict=True):
+        lo, hi, _ = s.indices(n) if isinstance(s, slice) else (s, s + 1, 1)
+        out.append((lo, hi))
+    return tuple(out)
+
+
+class VirtualRead:
+    """The read of ``region`` of a made leaf: every piece's read started now, the
+    assembled array on :meth:`result`."""
+
+    def __init__(self, made: Any, region: Any, saved: SavedReads):
+        pieces, self.assemble = made.node.pieces(_box(region, made.node.shape))
+        self.reads = [saved.read(p) for p in pieces]
+
+    def result(self) -> np.ndarray:
+        return self.assemble([r.result() for r in self.reads])
+
+
+class _Cut:
+    """A small leaf out of one read of its batch's elements from ``start``, cut to a box
+    once done."""
+
+    def __init__(self, read, start: int, record, box):
+        self.read, self.start, self.record, self.box = read, start, record, box
+
+    def result(self) -> np.ndarray:
+        off, size = self.record.storage.offset - self.start, self.record.storage.size
+        data = self.read.result()[off : off + size]
+        if self.record.storage.packed:  # a sub-byte leaf's packed bytes
+            data = _subbyte.unpack_flat(data, self.record)
+        data = data.reshape(self.record.shape)
+        return data[tuple(slice(lo, hi) for lo, hi in self.box)]
+
+
+class SavedReads:
+    """Region reads of saved leaves in one restore's format ``fmt`` through ``direct``
+    (its reader); stores opened once per leaf or batch. The small leaves of one batch
+    that ``targets`` (the restore's) need are read once, together: the span from the
+    first to the last (a batch's files are read whole; one read per leaf would read a
+    file once per leaf in it)."""
+
+    def __init__(self, location, doc, fmt, direct, read_region, targets: list[Target]):
+        self.location, self.doc, self.fmt, self.direct = location, doc, fmt, direct
+        self.read_region = read_region
+        self.stores: dict[Any, Any] = {}
+        self.spans: dict[str, tuple[int, int]] = {}
+        for t in sources(targets):
+            storage = t.record.storage
+            if isinstance(storage, ArrayStorage):
+                continue
+            lo, hi = self.spans.get(storage.batch, (storage.offset, storage.offset))
+            end = storage.offset + storage.size
+            self.spans[storage.batch] = (min(lo, storage.offset), max(hi, end))
+
+    def source_target(self, piece: Piece) -> Target:
+        return make_target(piece.index, piece.record, None, cast="safe")
+
+    def read(self, piece: Piece):
+        record = piece.record
+        target = self.source_target(piece)
+        if isinstance(record.storage, ArrayStorage):
+            key = ("leaf", piece.index)
+            if key not in self.stores:
+                self.stores[key] = self.fmt.array_store(self.location, target, [record.path])
+            region = tuple(slice(lo, hi) for lo, hi in piece.box)
+            return self.read_region(self.fmt, self.stores[key], target, self.direct, region)
+        batch = self.doc.batches[record.storage.batch]
+        key = ("batch", batch.name)
+        if key not in self.stores:
+            self.stores[key] = self.fmt.batch_store(
+                self.location, batch, self.direct, [record.path]
+            )
+        lo, hi = self.spans[batch.name]
+        if ("span", batch.name) not in self.stores:
+            store = self.stores[key]
+            dtype = np.dtype(_layout.dtype_from_name(batch.dtype))
+            self.stores["span", batch.name] = _Once(
+                ReadInto(store[lo:hi], dtype)
+                if store is not None
+                else _formats.read_slice(self.direct, batch, lo, hi - lo)
+            )
+        return _Cut(self.stores["span", batch.name], lo, record, piece.box)
+
+
+class _Once:
+    """A read waited for once, its array kept for every leaf cut from it."""
+
+    def __init__(self, read):
+        self.read, self.out = read, None
+
+    def result(self) -> np.ndarray:
+        if self.out is None:
+            self.out = self.read.result()
+        return self.out
+
+
+def on_chunks(made: Any, boxes: list[tuple[tuple[int, int], ...]]) -> bool:
+    """Whether every saved region that ``boxes`` (of the made leaf) need falls on whole
+    chunks of its leaf: then each box is read alone, straight from its chunks, and no
+    chunk is read twice (else the read takes the boxes' bounding box once)."""
+    for box in boxes:
+        pieces, _ = made.node.pieces(box)
+        for p in pieces:
+            storage = p.record.storage
+            if not isinstance(storage, ArrayStorage):
+                continue  # a small leaf: its batch span is read once whatever the boxes
+            for (lo, hi), c, n in zip(p.box, storage.chunk_shape, p.record.shape, strict=True):
+                if lo % c or (hi % c and hi != n):
+                    return False
+    return True
+
+
+def sources(targets: list[Target]) -> list[Target]:
+    """The saved leaves the made leaves among ``targets`` read (for the claims check)."""
+    out: dict[int, Target] = {}
+    for t in targets:
+        if t.virtual is None:
+            continue
+        node = t.virtual.node
+        pieces, _ = node.pieces(tuple((0, n) for n in node.shape))
+        for p in pieces:
+            out.setdefault(p.index, make_target(p.index, p.record, None, cast="safe"))
+    return list(out.values())

@@ -1,0 +1,155 @@
+"""``fop.HFShards``: a Hugging Face safetensors set written as an item of a step.
+
+Given to a manager (``CheckpointManager(dir, hf_shards=fop.HFShards(every_steps=K))``),
+it is the checkpointable of item ``name`` (``<step>/hf/``), which the manager adds on
+each saved step that is a multiple of ``every_steps``, holding the value of item
+``item`` (``params``): ``model-0000i-of-0000N.safetensors`` and
+``model.safetensors.index.json`` (and ``config.json`` with ``config=``). It is written
+into the step's staging directory with the other items and committed with the step
+(and removed with it by retention), never on its own.
+
+Each process writes only its own bytes into the final files: the layout (files,
+headers, offsets) comes from the global shapes and dtypes alone (``layout.plan``), so
+every process computes the same; each writes the regions of its addressable shards
+whose ``replica_id`` is 0 (each region once in the whole job) with ``pwrite`` at
+their offsets (``writing``). No tensor is gathered. On an object store, which has no
+ranged writes, a single process assembles each file in memory and writes it whole;
+several processes there are refused (UnsupportedLocationError).
+
+Threading: ``save`` on the training thread (the blocking phase: device-to-host copies
+of this process's regions), ``Pending.wait`` on the manager's background thread,
+``restore`` on the caller's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..._base import distributed as _distributed
+from ..._base import tree as _tree
+from ..._core.requests import ReadRequest, SaveRequest
+from ..._errors import StructureError, UnsupportedLocationError
+from ..._format import layout as _layout
+from ..._manager.checkpointables import COPY_KINDS
+from ..._storage.location import Location
+from ..safetensors.plan import parse_size
+from ..safetensors.reader import from_safetensors
+from . import writing as _writing
+from .key_maps import KeyMap, key_map_of
+from .layout import plan
+
+__all__ = ["HFShards"]
+
+_SAVE, _READ = SaveRequest(), ReadRequest()  # frozen: what a call without one does
+KIND = COPY_KINDS[0]  # the kind the step manifest records: read only when named
+
+
+@dataclasses.dataclass(frozen=True)
+class HFShards:
+    """Hugging Face shards of item ``item`` as item ``name`` of every saved step that is
+    a multiple of ``every_steps`` (see the module docstring).
+
+    Args (keyword-only, checked here):
+      every_steps: a positive int; steps ``0, K, 2K ...`` (among those saved) get them.
+      item: the item written (default ``"params"``).
+      name: the item's name in the step (default ``"hf"``: ``<step>/hf/``).
+      key_map: ``"gpt2"`` (a GPT-2-shaped Flax model: ``key_maps.GPT2``), a dict or
+        pairs ``{regex over the leaf path: tensor name (re's \\1) or None}`` (first
+        full match wins; a leaf no rule matches is an error), a KeyMap, or None
+        (names: the path with '/' replaced by '.').
+      transposes: regexes of the leaves written as ``(out, in, ...)`` from
+        ``(..., in, out)`` (added to the built-in map's own).
+      max_shard_bytes: bytes or a size (``"5GB"``, ``"2GiB"``) per file.
+      dtype: cast floating leaves (e.g. ``"bfloat16"``): an explicit, lossy opt-in.
+      config: a JSON dict written as ``config.json`` (``from_pretrained`` reads it).
+    """
+
+    every_steps: int
+    item: str = "params"
+    name: str = "hf"
+    key_map: Any = None
+    transposes: Any = None
+    max_shard_bytes: int | str = "5GB"
+    dtype: Any = None
+    config: Mapping[str, Any] | None = None
+    kind: str = dataclasses.field(default=KIND, init=False)
+    _map: KeyMap | None = dataclasses.field(default=None, init=False, repr=False)
+    _limit: int = dataclasses.field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        k = self.every_steps
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"HFShards(every_steps=): expected an int >= 1, found {k!r}")
+        for field in ("item", "name"):
+            value = getattr(self, field)
+            if not _layout.is_safe_name(value):
+                raise ValueError(
+                    f"HFShards({field}=): expected an item name (letters, digits, '_', '-', "
+                    f"'.'; not starting with '_' or '.'), found {value!r}"
+                )
+        if self.item == self.name:
+            raise ValueError(f"HFShards: item= and name= are both {self.item!r}")
+        if self.dtype is not None:
+            np.dtype(self.dtype)  # a TypeError naming it when it is none
+        if self.config is not None:
+            if not isinstance(self.config, Mapping):
+                raise TypeError(f"HFShards(config=): expected a dict, found {self.config!r}")
+            json.dumps(dict(self.config))  # a TypeError when it is no JSON
+        object.__setattr__(self, "_map", key_map_of(self.key_map, self.transposes))
+        object.__setattr__(self, "_limit", parse_size(self.max_shard_bytes))
+
+    def due(self, step: int) -> bool:
+        """Whether a saved ``step`` gets the shards."""
+        return step % self.every_steps == 0
+
+    # -- the Checkpointable protocol
+
+    def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE):
+        """Blocking phase: the layout, then this process's regions copied to host."""
+        count = _distributed.process_count()
+        if count > 1 and (request.own_copy or not directory.is_local):
+            where = "each host's own directory" if request.own_copy else str(directory)
+            raise UnsupportedLocationError(
+                f"hf_shards: {count} processes would each write their own byte ranges into "
+                f"the shard files, which {where} cannot take (no ranged writes into one "
+                f"shared file); save the shards to a directory every host shares on local "
+                f"or network disk, or from a single process"
+            )
+        flat, _ = _tree.flatten(value)
+        leaves, values = [], {}
+        for path, _, leaf in flat:
+            if leaf is None:
+                continue
+            dtype = getattr(leaf, "dtype", None) or np.asarray(leaf).dtype
+            if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+                raise StructureError(
+                    f"leaf {path!r}: a PRNG key array has no safetensors equivalent; keep "
+                    f"keys out of item {self.item!r} or leave it out (key_map: None)"
+                )
+            leaves.append((path, np.dtype(dtype), tuple(np.shape(leaf))))
+            values[path] = leaf
+        layout = plan(leaves, self._map, self._limit, self.dtype, {"item": self.item})
+        regions = _writing.snapshot(layout, values)
+        return _writing.Pending(directory, layout, regions, self.config, request.cancelled)
+
+    def restore(self, directory: Location, like: Any, request: ReadRequest = _READ):
+        """``{tensor name: numpy array}`` of the set (local disk). The values of item
+        ``item`` come back from that item; ``like`` here must be None."""
+        if like is not None:
+            raise ValueError(
+                f"item {self.name!r} (Hugging Face shards) restores as {{tensor name: array}} "
+                f"only (like=None); restore item {self.item!r} for a tree of the model"
+            )
+        if not directory.is_local:
+            raise UnsupportedLocationError(
+                f"{directory}: item {self.name!r} (Hugging Face shards) is read back from "
+                f"local disk only; copy the step's {self.name}/ directory down and read it "
+                f"with fop.from_safetensors or transformers"
+            )
+        return from_safetensors(directory.path)

@@ -1,0 +1,129 @@
+"""Key maps of Hugging Face shards: leaf path -> tensor name, and whether it is transposed.
+
+A :class:`KeyMap` is an ordered list of rules ``(pattern, replacement)``: the first
+pattern that matches the whole leaf path (``re.fullmatch``) names the tensor
+(``re`` replacement syntax: ``\\1``); a replacement of None leaves the leaf out on
+purpose. A leaf no rule matches is an error listing every such leaf (never silently
+dropped). ``transposes`` are patterns over the leaf path: a matching leaf is written
+with its axes ``(..., in, out)`` as ``(out, in, ...)`` (a Flax ``Dense`` kernel
+``(in, out)`` as a PyTorch ``Linear`` weight ``(out, in)``).
+
+:data:`GPT2` is the built-in map of a GPT-2-shaped Flax model (module names as in
+``docs/safetensors.md``): Flax ``Dense`` kernels are ``(in, out)``, and so are the
+weights of Hugging Face GPT-2's ``Conv1D`` layers (``c_attn``, ``c_proj``, ``c_fc``):
+they are not transposed; only a separate ``lm_head`` (a ``Linear``, ``(out, in)``) is.
+Pure functions over frozen records; any thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["GPT2", "KeyMap", "key_map_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyMap:
+    """Rules ``((pattern, replacement or None), ...)`` and the ``transposes`` patterns
+    (see the module docstring); checked when made."""
+
+    rules: tuple[tuple[str, str | None], ...]
+    transposes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for pattern, replacement in self.rules:
+            _compile(pattern, "key_map")
+            if replacement is not None and not isinstance(replacement, str):
+                raise TypeError(
+                    f"key_map[{pattern!r}]: expected a tensor name (str) or None, found "
+                    f"{type(replacement).__name__} {replacement!r}"
+                )
+        for pattern in self.transposes:
+            _compile(pattern, "transposes")
+
+    def name(self, path: str) -> tuple[bool, str | None]:
+        """(matched, tensor name or None) of leaf ``path``."""
+        for pattern, replacement in self.rules:
+            m = re.fullmatch(pattern, path)
+            if m is not None:
+                return True, None if replacement is None else m.expand(replacement)
+        return False, None
+
+    def transposed(self, path: str) -> bool:
+        return any(re.fullmatch(p, path) for p in self.transposes)
+
+
+def _compile(pattern: Any, option: str) -> None:
+    if not isinstance(pattern, str) or not pattern:
+        raise TypeError(f"{option}: expected a regular expression (str), found {pattern!r}")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{option}: {pattern!r} is no regular expression: {e}") from None
+
+
+_P = r"(?:params/)?(?:transformer/)?"  # a Flax variables dict's 'params', HF's prefix
+_H = _P + r"h[_/]([0-9]+)/"  # a Linen list of blocks (h_0) or a dict of them (h/0)
+
+GPT2 = KeyMap(
+    rules=(
+        (_P + r"wte/embedding", "transformer.wte.weight"),
+        (_P + r"wpe/embedding", "transformer.wpe.weight"),
+        (_H + r"(ln_1|ln_2)/scale", r"transformer.h.\1.\2.weight"),
+        (_H + r"(ln_1|ln_2)/bias", r"transformer.h.\1.\2.bias"),
+        (_H + r"(attn|mlp)/(c_attn|c_proj|c_fc)/kernel", r"transformer.h.\1.\2.\3.weight"),
+        (_H + r"(attn|mlp)/(c_attn|c_proj|c_fc)/bias", r"transformer.h.\1.\2.\3.bias"),
+        (_P + r"ln_f/scale", "transformer.ln_f.weight"),
+        (_P + r"ln_f/bias", "transformer.ln_f.bias"),
+        (r"(?:params/)?lm_head/kernel", "lm_head.weight"),
+    ),
+    transposes=(r"(?:params/)?lm_head/kernel",),  # a Linear: (out, in) in PyTorch
+)
+"""The built-in map of a GPT-2-shaped Flax model (``key_map="gpt2"``)."""
+
+BUILT_IN = {"gpt2": GPT2}
+
+
+def key_map_of(key_map: Any, transposes: Iterable[str] | None) -> KeyMap | None:
+    """The :class:`KeyMap` of ``HFShards(key_map=, transposes=)``: ``"gpt2"`` (the
+    built-in, its transposes plus ``transposes``), a mapping or a sequence of pairs
+    ``{pattern: name or None}``, a KeyMap, or None (default names: '/' -> '.')."""
+    extra = _patterns(transposes)
+    if key_map is None:
+        return KeyMap((), extra) if extra else None
+    if isinstance(key_map, str):
+        if key_map not in BUILT_IN:
+            raise ValueError(
+                f"key_map: expected one of {sorted(BUILT_IN)}, a dict {{pattern: tensor "
+                f"name}} or a KeyMap, found {key_map!r}"
+            )
+        base = BUILT_IN[key_map]
+        return dataclasses.replace(base, transposes=base.transposes + extra)
+    if isinstance(key_map, KeyMap):
+        return dataclasses.replace(key_map, transposes=key_map.transposes + extra)
+    pairs = list(key_map.items()) if isinstance(key_map, Mapping) else _pairs(key_map)
+    return KeyMap(tuple(pairs), extra)
+
+
+def _patterns(transposes: Any) -> tuple[str, ...]:
+    if transposes is None:
+        return ()
+    if isinstance(transposes, str):
+        return (transposes,)
+    return tuple(transposes)
+
+
+def _pairs(key_map: Any) -> list[tuple[str, str | None]]:
+    try:
+        pairs = [tuple(p) for p in key_map]
+    except TypeError:
+        pairs = None
+    if pairs is None or not all(len(p) == 2 for p in pairs):
+        raise TypeError(
+            f"key_map: expected 'gpt2', a dict {{pattern: tensor name or None}}, pairs "
+            f"(pattern, name) or a KeyMap, found {type(key_map).__name__} {key_map!r}"[:300]
+        )
+    return pairs

@@ -1,0 +1,173 @@
+"""The layout of a Hugging Face shard set, the same on every process.
+
+:func:`plan` turns the leaves' global paths, dtypes and shapes into the tensors
+(name, written dtype and shape, transpose), the shard files (greedy, in order, under
+the size limit, as Hugging Face splits them), each file's JSON header and each
+tensor's byte offset in its file. Nothing but the global shapes and dtypes enters, so
+every process computes the same layout without exchanging a byte. :func:`runs` gives
+the contiguous byte ranges of a box of a row-major tensor: what one process writes of
+the regions it holds. Pure functions; any thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from ..._errors import StructureError
+from ..._like import onto_like as _onto_like
+from ..safetensors.headers import DEFAULT_STEM, INDEX_SUFFIX, MARKER_KEY, MARKER_VALUE, TAGS
+from ..safetensors.packing import packed_bits
+from ..safetensors.plan import Tensor, encode_header, split_shards
+from .key_maps import KeyMap
+
+__all__ = ["Layout", "Placed", "plan", "runs"]
+
+INDEX_NAME = DEFAULT_STEM + INDEX_SUFFIX
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A tensor and where its bytes go: file ``shard`` (an index into the names), from
+    absolute byte ``offset``."""
+
+    tensor: Tensor
+    shard: int
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Every file of the set: names, headers (bytes, padded), sizes, and the tensors."""
+
+    names: tuple[str, ...]
+    headers: tuple[bytes, ...]
+    sizes: tuple[int, ...]
+    placed: dict[str, Placed]  # by leaf path
+    total: int  # tensor bytes (the index's total_size)
+
+    def index(self) -> dict:
+        """The ``model.safetensors.index.json`` document."""
+        return {
+            "metadata": {"total_size": self.total, MARKER_KEY: MARKER_VALUE},
+            "weight_map": {p.tensor.name: self.names[p.shard] for p in self.placed.values()},
+        }
+
+
+def _names(leaves: Sequence[tuple[str, np.dtype, tuple[int, ...]]], key_map: KeyMap | None):
+    names: dict[str, str] = {}
+    unmatched = []
+    for path, _, _ in leaves:
+        if key_map is None or not key_map.rules:
+            names[path] = path.replace("/", ".")
+            continue
+        matched, name = key_map.name(path)
+        if not matched:
+            unmatched.append(path)
+        elif name is not None:
+            names[path] = name
+    if unmatched:
+        shown = ", ".join(repr(p) for p in unmatched[:8]) + (" ..." if len(unmatched) > 8 else "")
+        raise StructureError(
+            f"hf_shards key_map: {len(unmatched)} leaf path(s) match no rule: {shown}; map "
+            f"each to a tensor name, or to None to leave it out on purpose"
+        )
+    if leaves and not names:
+        raise StructureError(f"hf_shards key_map leaves out every leaf ({len(leaves)})")
+    seen: dict[str, str] = {}
+    for path, name in names.items():
+        if not name or not isinstance(name, str):
+            raise StructureError(f"hf_shards key_map: leaf {path!r}: empty tensor name")
+        if name in seen:
+            raise StructureError(
+                f"hf_shards key_map: leaves {seen[name]!r} and {path!r} both map to {name!r}"
+            )
+        seen[name] = path
+    return names
+
+
+def _tensor(path: str, name: str, dtype, shape, key_map: KeyMap | None, cast) -> Tensor:
+    out = np.dtype(dtype)
+    if cast is not None and _onto_like._is_float(out):
+        out = np.dtype(cast)
+    if out not in TAGS:
+        raise StructureError(
+            f"leaf {path!r}: dtype {out} has no safetensors equivalent (expected one of "
+            f"{sorted(str(d) for d in TAGS)})"
+        )
+    if packed_bits(out) is not None:  # a process's rows need not fall on whole bytes
+        raise StructureError(
+            f"leaf {path!r}: {out} is packed below a byte in safetensors; hf_shards writes "
+            f"each process's rows at their byte offsets, so it takes byte-sized dtypes "
+            f"only: cast it (HFShards(dtype='bfloat16')) or leave it out (key_map)"
+        )
+    axes = None
+    if key_map is not None and key_map.transposed(path):
+        if len(shape) < 2:
+            raise StructureError(
+                f"leaf {path!r}: transposes names it, but it has shape {tuple(shape)} "
+                f"(expected at least 2 axes)"
+            )
+        n = len(shape)
+        axes = (n - 1, n - 2, *range(n - 2))
+    out_shape = tuple(shape[a] for a in axes) if axes else tuple(shape)
+    return Tensor(path, name, out, out_shape, axes)
+
+
+def plan(
+    leaves: Sequence[tuple[str, np.dtype, tuple[int, ...]]],
+    key_map: KeyMap | None,
+    max_shard_bytes: int,
+    dtype=None,
+    metadata: dict[str, str] | None = None,
+) -> Layout:
+    """The layout of ``leaves`` (global path, dtype, shape), in their order."""
+    names = _names(leaves, key_map)
+    tensors = [
+        _tensor(path, names[path], dt, shape, key_map, dtype)
+        for path, dt, shape in leaves
+        if path in names
+    ]
+    shards = split_shards(tensors, max_shard_bytes)
+    count = len(shards)
+    files = tuple(f"{DEFAULT_STEM}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1))
+    meta = {"format": "pt", **(metadata or {}), MARKER_KEY: MARKER_VALUE}
+    headers, sizes, placed = [], [], {}
+    for i, shard in enumerate(shards):
+        header = encode_header(shard, meta)
+        offset = len(header)
+        for t in shard:
+            placed[t.path] = Placed(t, i, offset)
+            offset += t.nbytes
+        headers.append(header)
+        sizes.append(offset)
+    total = sum(t.nbytes for t in tensors)
+    return Layout(files, tuple(headers), tuple(sizes), placed, total)
+
+
+def runs(shape: tuple[int, ...], box: Sequence[slice]) -> Iterator[tuple[int, int]]:
+    """``(first element, element count)`` of each contiguous range that the box
+    ``box`` (one slice of step 1 per axis) covers in a row-major tensor of ``shape``,
+    in the box's own row-major order (the order of its values, flattened)."""
+    n = len(shape)
+    if n == 0:
+        yield 0, 1
+        return
+    starts = [s.start for s in box]
+    stops = [s.stop for s in box]
+    if any(b <= a for a, b in zip(starts, stops, strict=True)):
+        return
+    k = n - 1  # the axes after k are covered whole: one range spans them
+    while k > 0 and starts[k] == 0 and stops[k] == shape[k]:
+        k -= 1
+    strides = [math.prod(shape[a + 1 :]) for a in range(n)]
+    length = (stops[k] - starts[k]) * strides[k]
+    for idx in itertools.product(*(range(starts[a], stops[a]) for a in range(k))):
+        yield (
+            sum(i * s for i, s in zip(idx, strides, strict=False)) + starts[k] * strides[k],
+            length,
+        )

@@ -1,0 +1,222 @@
+"""What one process writes of a Hugging Face shard set: its regions, at their offsets.
+
+:func:`snapshot` (blocking phase, training thread) copies to host the regions of the
+addressable shards with ``replica_id`` 0 (for a host value, process 0 holds it whole);
+:class:`Pending` (background thread) writes them. On local disk every process opens
+each file it writes (``O_CREAT | O_NOFOLLOW`` inside the step's staging directory,
+which this save created under an unpredictable name) and sets it to its final size
+(``ftruncate`` to the same length is idempotent, so the order across processes does
+not matter), process 0 writes the headers, the index and ``config.json``, and each
+process ``pwrite``s its runs; durability is the step's one sync. On an object store
+(one process: ``item`` refuses several) each file is assembled in memory and written
+whole.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..._base import distributed as _distributed
+from ..._base import faults as _faults
+from ..._core.commit import Written
+from ..._core.handle import raise_if_cancelled
+from ..._errors import StructureError
+from ..._format import layout as _layout
+from ..._manager.json_items import encode_json, write_json
+from ..._storage.location import Location
+from .layout import INDEX_NAME, Layout, runs
+
+__all__ = ["Pending", "snapshot"]
+
+CONFIG_NAME = "config.json"
+
+
+def _box(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+def snapshot(layout: Layout, values: Mapping[str, Any]) -> list[tuple[str, tuple, np.ndarray]]:
+    """This process's regions ``(leaf path, box in the leaf, host copy)``: device
+    copies started for all, then waited for; the copies are the caller's to mutate.
+    The regions of one leaf that together fill a box (a process holding whole rows,
+    split over its devices by columns) are copied into one buffer of that box: one
+    contiguous range of the file where each region alone is a run per row."""
+    primary = _distributed.is_primary()
+    pending = []
+    for path in layout.placed:
+        value = values[path]
+        if isinstance(value, jax.Array):
+            shape = tuple(value.shape)
+            parts = [
+                (_box(shard.index, shape), shard.data)
+                for shard in value.addressable_shards
+                if shard.replica_id == 0
+            ]
+            for _, data in parts:
+                data.copy_to_host_async()
+            pending.append((path, parts))
+        elif primary:
+            arr = np.asarray(value)
+            pending.append((path, [(tuple(slice(0, n) for n in arr.shape), arr)]))
+    return [region for path, parts in pending for region in _merged(path, parts)]
+
+
+def _volume(box: tuple) -> int:
+    return math.prod(s.stop - s.start for s in box)
+
+
+def _merged(path: str, parts: list) -> list[tuple[str, tuple, np.ndarray]]:
+    """Host copies of one leaf's regions: one buffer when they fill their bounding box
+    (they are disjoint: replica 0 of each), else one copy each."""
+    if len(parts) > 1:
+        boxes = [box for box, _ in parts]
+        bound = tuple(
+            slice(min(b[a].start for b in boxes), max(b[a].stop for b in boxes))
+            for a in range(len(boxes[0]))
+        )
+        if sum(_volume(b) for b in boxes) == _volume(bound):
+            out = np.empty([s.stop - s.start for s in bound], dtype=parts[0][1].dtype)
+            for box, data in parts:
+                rel = tuple(
+                    slice(b.start - o.start, b.stop - o.start)
+                    for b, o in zip(box, bound, strict=True)
+                )
+                out[rel] = np.asarray(data)
+            return [(path, bound, out)]
+    return [(path, box, np.array(data, copy=True)) for box, data in parts]
+
+
+def _bytes_of(layout: Layout, path: str, box: tuple, data: np.ndarray) -> tuple[tuple, np.ndarray]:
+    """The region as written: its box in the tensor and its bytes (cast, transposed,
+    C order, little-endian)."""
+    t = layout.placed[path].tensor
+    if data.dtype != t.dtype:
+        data = data.astype(t.dtype)
+    if t.axes is not None:
+        data, box = data.transpose(t.axes), tuple(box[a] for a in t.axes)
+    if data.dtype.byteorder == ">":
+        data = data.astype(data.dtype.newbyteorder("<"))
+    if tuple(data.shape) != tuple(s.stop - s.start for s in box):
+        raise StructureError(f"leaf {path!r}: a shard of shape {data.shape} for the box {box}")
+    return box, np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
+class _LocalFile:
+    """One shard file on local disk, opened to be written at offsets."""
+
+    def __init__(self, path: str, size: int):
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = os.open(path, flags, 0o644)
+        os.ftruncate(self.fd, size)
+
+    def write(self, offset: int, data: memoryview) -> None:
+        while data:
+            n = os.pwrite(self.fd, data, offset)
+            data, offset = data[n:], offset + n
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _MemoryFile:
+    """One shard file of an object store, assembled in memory, written whole."""
+
+    def __init__(self, directory: Location, name: str, size: int):
+        self.directory, self.name, self.buf = directory, name, bytearray(size)
+
+    def write(self, offset: int, data: memoryview) -> None:
+        self.buf[offset : offset + len(data)] = data
+
+    def close(self) -> None:
+        self.directory.write_bytes(self.name, bytes(self.buf), durable=False)
+        self.buf = bytearray()
+
+
+class Pending:
+    """The background part: a thread started when made writes this process's bytes;
+    :meth:`wait` joins it, re-raises its error, and returns what the step manifest
+    records (the index's and config's checksums)."""
+
+    def __init__(
+        self,
+        directory: Location,
+        layout: Layout,
+        regions: list,
+        config: Mapping[str, Any] | None,
+        cancelled: threading.Event | None,
+    ):
+        self.directory, self.layout, self.config = directory, layout, config
+        self.cancelled = cancelled or threading.Event()
+        where = f"{directory}/{INDEX_NAME}"
+        self.index = encode_json(layout.index(), where)  # refused now if too large
+        self.digest = _layout.sha256(self.index)  # every process computed the same layout
+        self._result: Written | None = None
+        self._error: BaseException | None = None
+        # The writes start now, beside the other items' (which start when waited on).
+        self._thread = threading.Thread(
+            target=self._run, args=(regions,), name="fop-hf-shards", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, regions: list) -> None:
+        try:
+            self._result = self._write(regions)
+        except BaseException as e:  # noqa: BLE001  (re-raised by wait, on the manager's thread)
+            self._error = e
+
+    def wait(self) -> Written:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _write(self, regions: list) -> Written:
+        layout, primary = self.layout, _distributed.is_primary()
+        by_shard: dict[int, list] = {}
+        for path, box, data in regions:
+            by_shard.setdefault(layout.placed[path].shard, []).append((path, box, data))
+        local = self.directory.is_local
+        if local:
+            os.makedirs(self.directory.path, exist_ok=True)
+        written = 0
+        for i, name in enumerate(layout.names):
+            mine = by_shard.pop(i, [])
+            if not mine and not primary:
+                continue
+            raise_if_cancelled(self.cancelled, f"hf_shards {self.directory}")
+            if local:
+                f = _LocalFile(os.path.join(self.directory.path, name), layout.sizes[i])
+            else:
+                f = _MemoryFile(self.directory, name, layout.sizes[i])
+            try:
+                if primary:
+                    f.write(0, memoryview(layout.headers[i]))
+                for path, box, data in mine:
+                    written += self._region(f, path, box, data)
+                    _faults.fail_point("hf_shards_write")
+            finally:
+                f.close()
+        files = {}
+        if primary:
+            files.update(write_json(self.directory, INDEX_NAME, self.index).files)
+            if self.config is not None:
+                raw = encode_json(dict(self.config), f"{self.directory}/{CONFIG_NAME}")
+                files.update(write_json(self.directory, CONFIG_NAME, raw).files)
+        return Written(written, files)
+
+    def _region(self, f: Any, path: str, box: tuple, data: np.ndarray) -> int:
+        placed = self.layout.placed[path]
+        box, raw = _bytes_of(self.layout, path, box, data)
+        view, item = memoryview(raw), placed.tensor.dtype.itemsize
+        pos = 0
+        for first, count in runs(placed.tensor.shape, box):
+            f.write(placed.offset + first * item, view[pos : pos + count * item])
+            pos += count * item
+        return pos

@@ -1,0 +1,270 @@
+"""Layout surgery on restore (``surgery=[...]``): stacking per-layer leaves into a
+scanned leaf and back, fusing and splitting along an axis, transposing and renaming.
+
+The operations are declared, not run on data: :func:`apply` turns the saved records
+(after ``transform=``, in order, each operation on what the ones before it left) into
+the leaves like gets, each a node of ``surgery_plan`` that maps any box of it to the
+saved regions it is made of. The read (``_core.read_data``) then asks each target
+shard's box for its pieces, so every process reads only the byte ranges of the saved
+leaves its shards cover; nothing is read whole and cut afterwards.
+
+Paths: a leaf's path (``layers_0/mlp/kernel``), or a prefix ending in ``/``
+(``layers_{i}/``: every leaf under it, the rest of the path kept). ``{i}`` stands for
+a layer number (0, 1, ..., no leading zeros). :func:`check_surgery` validates the
+option where it enters (TransformError naming the entry); :func:`apply` collects every
+difference (a path no leaf has, shapes or dtypes that do not fit) and raises one
+StructureError listing them all. Threading: pure; any thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from .._errors import TransformError
+from .._format.layout import LeafRecord
+from . import surgery_plan as _plan
+from .surgery_ops import OPS, Fuse, Rename, Split, Stack, Transpose, Unstack
+
+__all__ = ["Stack", "Unstack", "Fuse", "Split", "Transpose", "Rename"]
+
+_NUMBER = "(0|[1-9][0-9]*)"
+
+
+def check_surgery(value: Any) -> tuple[Any, ...]:
+    """``surgery=`` as a tuple of operations (None: none); TransformError naming the
+    entry otherwise. Called where the option enters, before anything is read."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise TransformError(
+            f"surgery must be a list of fop.Stack/Unstack/Fuse/Split/Transpose/Rename, "
+            f"found {type(value).__name__}"
+        )
+    for k, op in enumerate(value):
+        if not isinstance(op, OPS):
+            raise TransformError(
+                f"surgery[{k}]: expected fop.Stack, Unstack, Fuse, Split, Transpose or "
+                f"Rename, found {op!r}"
+            )
+    return tuple(value)
+
+
+class _Tree:
+    """The leaves as the operations so far left them: ``{path: node}`` for arrays,
+    problems collected (one listing at the end)."""
+
+    def __init__(self, nodes: dict[str, _plan.Node], others: dict[str, Any]):
+        self.nodes, self.others = nodes, others
+        self.how: dict[str, str] = {}
+        self.problems: list[str] = []
+
+    def take(self, op: Any, path: str) -> _plan.Node | None:
+        node = self.nodes.pop(path, None)
+        if node is None:
+            found = "a leaf that is no array" if path in self.others else "no such leaf"
+            self.problems.append(
+                f"leaf {path!r}: expected by surgery {op!r} (an array saved, after "
+                f"transform= and the operations before it), found {found}"
+            )
+        return node
+
+    def put(self, op: Any, path: str, node: _plan.Node, was: str | None = None) -> None:
+        """``node`` at ``path``, made by ``op`` (from the leaf that was at ``was``)."""
+        if path in self.nodes or path in self.others:
+            self.problems.append(
+                f"leaf {path!r}: made by surgery {op!r}, found a leaf of that path already"
+            )
+            return
+        self.nodes[path] = node
+        before = self.how.pop(was, None) if was is not None else None
+        self.how[path] = repr(op) if before is None else f"{before}, then {op!r}"
+
+    def under(self, prefix: str) -> list[str]:
+        return [p for p in self.nodes if p.startswith(prefix)]
+
+
+def _axis(tree: _Tree, op: Any, path: str, ndim: int, axis: int) -> int | None:
+    if -ndim <= axis < ndim:
+        return axis % ndim
+    tree.problems.append(
+        f"leaf {path!r}: surgery {op!r} expects an axis in [{-ndim}, {ndim}), found {ndim} axes"
+    )
+    return None
+
+
+def _same(tree: _Tree, op: Any, paths: list[str], nodes: list[_plan.Node], skip: int | None):
+    """Whether ``nodes`` agree in dtype and shape (but axis ``skip``); every one that
+    does not is a problem, against the first."""
+    first, ok = nodes[0], True
+
+    def cut(shape):
+        return tuple(n for d, n in enumerate(shape) if d != skip)
+
+    for path, node in zip(paths[1:], nodes[1:], strict=True):
+        if (
+            node.dtype != first.dtype
+            or cut(node.shape) != cut(first.shape)
+            or (skip is not None and len(node.shape) != len(first.shape))
+        ):
+            tree.problems.append(
+                f"leaf {path!r}: surgery {op!r} expects {first.dtype}{list(first.shape)} "
+                f"(as {paths[0]!r}{'' if skip is None else f', but axis {skip}'}), "
+                f"found {node.dtype}{list(node.shape)}"
+            )
+            ok = False
+    return ok
+
+
+def _layers(pattern: str, paths: list[str]) -> dict[str, dict[int, str]]:
+    """``{rest of path: {i: path}}`` for the paths ``pattern`` (with ``{i}``) matches."""
+    head, tail = pattern.split("{i}", 1)
+    rest = "(.*)" if pattern.endswith("/") else "()"  # a prefix: every leaf under it
+    regex = re.escape(head) + _NUMBER + re.escape(tail) + rest
+    out: dict[str, dict[int, str]] = {}
+    for path in paths:
+        m = re.fullmatch(regex, path)
+        if m:
+            out.setdefault(m.group(2), {})[int(m.group(1))] = path
+    return out
+
+
+def _stack(tree: _Tree, op: Stack) -> None:
+    if isinstance(op.sources, tuple):
+        groups = {"": dict(enumerate(op.sources))}
+    else:
+        groups = _layers(op.sources, list(tree.nodes))
+        if not groups:
+            tree.problems.append(f"surgery {op!r}: expected leaves {op.sources!r}, found none")
+    for rest, by_i in sorted(groups.items()):
+        n = len(by_i)
+        if sorted(by_i) != list(range(n)):
+            absent = sorted(set(range(max(by_i) + 1)) - set(by_i))
+            tree.problems.append(
+                f"leaf {op.target + rest!r}: surgery {op!r} expects layers 0..{max(by_i)}, "
+                f"found no layer {absent}"
+            )
+            continue
+        paths = [by_i[i] for i in range(n)]
+        nodes = [tree.take(op, p) for p in paths]
+        if any(x is None for x in nodes) or not _same(tree, op, paths, nodes, None):
+            continue
+        axis = _axis(tree, op, paths[0], len(nodes[0].shape) + 1, op.axis)
+        if axis is not None:
+            tree.put(op, op.target + rest, _plan.Stacked(tuple(nodes), axis))
+
+
+def _unstack(tree: _Tree, op: Unstack) -> None:
+    prefix = op.source.endswith("/")
+    sources = tree.under(op.source) if prefix else [op.source]
+    if prefix and not sources:
+        tree.problems.append(f"surgery {op!r}: expected leaves under {op.source!r}, found none")
+    for path in sources:
+        node = tree.take(op, path)
+        if node is None:
+            continue
+        axis = _axis(tree, op, path, len(node.shape), op.axis)
+        if axis is None:
+            continue
+        rest = path[len(op.source) :]
+        for i in range(node.shape[axis]):
+            tree.put(op, op.targets.replace("{i}", str(i)) + rest, _plan.Taken(node, axis, i))
+
+
+def _fuse(tree: _Tree, op: Fuse) -> None:
+    nodes = [tree.take(op, p) for p in op.sources]
+    if any(x is None for x in nodes):
+        return
+    axis = _axis(tree, op, op.sources[0], len(nodes[0].shape), op.axis)
+    if axis is not None and _same(tree, op, list(op.sources), nodes, axis):
+        tree.put(op, op.target, _plan.Fused(tuple(nodes), axis))
+
+
+def _split(tree: _Tree, op: Split) -> None:
+    node = tree.take(op, op.source)
+    if node is None:
+        return
+    axis = _axis(tree, op, op.source, len(node.shape), op.axis)
+    if axis is None:
+        return
+    n, k = node.shape[axis], len(op.targets)
+    sizes = op.sizes or ((n // k,) * k if n % k == 0 else None)
+    if sizes is None or sum(sizes) != n:
+        tree.problems.append(
+            f"leaf {op.source!r}: surgery {op!r} expects axis {axis} of "
+            f"{sum(sizes) if sizes else f'a multiple of {k}'}, found {list(node.shape)}"
+        )
+        return
+    start = 0
+    for target, size in zip(op.targets, sizes, strict=True):
+        tree.put(op, target, _plan.Sliced(node, axis, start, size))
+        start += size
+
+
+def _transpose(tree: _Tree, op: Transpose) -> None:
+    node = tree.take(op, op.path)
+    if node is None:
+        return
+    if len(op.axes) != len(node.shape):
+        tree.problems.append(
+            f"leaf {op.path!r}: surgery {op!r} expects {len(op.axes)} axes, found "
+            f"{node.dtype}{list(node.shape)}"
+        )
+        return
+    tree.put(op, op.path, _plan.Transposed(node, op.axes), was=op.path)
+
+
+def _rename(tree: _Tree, op: Rename) -> None:
+    olds = tree.under(op.old) if op.old.endswith("/") else [op.old]
+    if not olds:
+        tree.problems.append(f"surgery {op!r}: expected leaves under {op.old!r}, found none")
+    for old in olds:
+        node = tree.take(op, old)
+        if node is not None:
+            tree.put(op, op.new + old[len(op.old) :], node, was=old)
+
+
+_APPLY = {Stack: _stack, Unstack: _unstack, Fuse: _fuse, Split: _split}
+_APPLY.update({Transpose: _transpose, Rename: _rename})
+
+
+@dataclasses.dataclass(frozen=True)
+class Made:
+    """A leaf surgery made: its record as like sees it (shape, dtype), its node, how."""
+
+    record: LeafRecord
+    node: _plan.Node
+    how: str
+
+
+def apply(
+    records: dict[str, tuple[int, Any]], ops: tuple[Any, ...]
+) -> tuple[dict[str, tuple[int, Any]], dict[str, Made], list[str]]:
+    """``records`` (``{path: (index, record)}``, after ``transform=``) as ``ops`` leave
+    them, the leaves they made (``{path: Made}``: their records are stand-ins, with no
+    storage, read through the node) and the problems found (empty: all fit)."""
+    if not ops:
+        return records, {}, []
+    nodes: dict[str, _plan.Node] = {}
+    others: dict[str, Any] = {}
+    for path, (index, record) in records.items():
+        if record.kind == "array" and index >= 0:
+            nodes[path] = _plan.Saved(index, record)
+        else:
+            others[path] = (index, record)
+    tree = _Tree(nodes, others)
+    for op in ops:
+        _APPLY[type(op)](tree, op)
+    out = dict(others)
+    made: dict[str, Made] = {}
+    for path, node in tree.nodes.items():
+        if isinstance(node, _plan.Saved):
+            out[path] = (node.index, node.record)
+            continue
+        pieces, _ = node.pieces(_plan.full_box(node.shape))
+        index = pieces[0].index if pieces else 0
+        record = LeafRecord(path, (), "array", tuple(node.shape), node.dtype)
+        out[path] = (index, record)
+        made[path] = Made(record, node, tree.how.get(path, "surgery"))
+    return out, made, tree.problems

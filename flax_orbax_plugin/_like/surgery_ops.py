@@ -1,0 +1,156 @@
+"""The operations of layout surgery on restore (``surgery=[...]``), as declared by the
+caller: frozen records that check their own fields when made (TransformError naming
+the operation, the field, what was expected and what was found). What they do to a
+checkpoint's leaves is ``surgery.apply``'s. Threading: immutable; any thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from .._errors import TransformError
+
+__all__ = ["Stack", "Unstack", "Fuse", "Split", "Transpose", "Rename", "OPS"]
+
+
+def _is_path(value: Any) -> bool:
+    return isinstance(value, str) and bool(value) and not value.startswith("/")
+
+
+def _need(op: Any, name: str, ok: bool, expected: str, found: Any) -> None:
+    if not ok:
+        raise TransformError(
+            f"surgery {type(op).__name__}: {name} must be {expected}, found {found!r}"
+        )
+
+
+def _need_axis(op: Any, axis: Any) -> None:
+    _need(op, "axis", isinstance(axis, int) and not isinstance(axis, bool), "an int", axis)
+
+
+def _need_prefix_pair(op: Any, a: str, b: str, names: tuple[str, str]) -> None:
+    _need(
+        op,
+        names[1],
+        a.endswith("/") == b.endswith("/"),
+        f"a prefix ending in '/' exactly when {names[0]} is one",
+        b,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """``target`` = the leaves ``sources`` names stacked along a new axis ``axis``:
+    ``sources`` a pattern with ``{i}`` (``"layers_{i}/kernel"``, layers 0..N-1, all
+    present) or a list of paths. Prefixes (``Stack("layers/", "layers_{i}/")``) stack
+    every leaf under them."""
+
+    target: str
+    sources: str | Sequence[str]
+    axis: int = 0
+
+    def __post_init__(self):
+        _need(self, "target", _is_path(self.target), "a leaf path", self.target)
+        if isinstance(self.sources, str):
+            _need(self, "sources", "{i}" in self.sources, "a pattern with {i}", self.sources)
+            _need_prefix_pair(self, self.target, self.sources, ("target", "sources"))
+        else:
+            srcs = self.sources
+            ok = isinstance(srcs, (list, tuple)) and srcs and all(map(_is_path, srcs))
+            _need(self, "sources", bool(ok), "a pattern with {i} or a list of paths", srcs)
+            object.__setattr__(self, "sources", tuple(srcs))
+        _need_axis(self, self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unstack:
+    """The leaf ``source`` cut along ``axis`` into ``targets`` (a pattern with
+    ``{i}``: entry ``i`` of that axis); prefixes unstack every leaf under them."""
+
+    source: str
+    targets: str
+    axis: int = 0
+
+    def __post_init__(self):
+        _need(self, "source", _is_path(self.source), "a leaf path", self.source)
+        ok = isinstance(self.targets, str) and "{i}" in self.targets
+        _need(self, "targets", ok, "a pattern with {i}", self.targets)
+        _need_prefix_pair(self, self.source, self.targets, ("source", "targets"))
+        _need_axis(self, self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fuse:
+    """``target`` = the leaves ``sources`` (paths, in order) concatenated along
+    ``axis`` (fused QKV)."""
+
+    target: str
+    sources: Sequence[str]
+    axis: int
+
+    def __post_init__(self):
+        _need(self, "target", _is_path(self.target), "a leaf path", self.target)
+        srcs = self.sources
+        ok = isinstance(srcs, (list, tuple)) and len(srcs) >= 1 and all(map(_is_path, srcs))
+        _need(self, "sources", bool(ok), "a list of leaf paths", srcs)
+        object.__setattr__(self, "sources", tuple(srcs))
+        _need_axis(self, self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The leaf ``source`` cut along ``axis`` into ``targets`` (paths, in order) of
+    ``sizes`` along that axis (None: equal parts)."""
+
+    source: str
+    targets: Sequence[str]
+    axis: int
+    sizes: Sequence[int] | None = None
+
+    def __post_init__(self):
+        _need(self, "source", _is_path(self.source), "a leaf path", self.source)
+        tgts = self.targets
+        ok = isinstance(tgts, (list, tuple)) and len(tgts) >= 1 and all(map(_is_path, tgts))
+        _need(self, "targets", bool(ok), "a list of leaf paths", tgts)
+        object.__setattr__(self, "targets", tuple(tgts))
+        _need_axis(self, self.axis)
+        if self.sizes is not None:
+            sizes = self.sizes
+            ok = isinstance(sizes, (list, tuple)) and len(sizes) == len(self.targets)
+            ints = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes)
+            ok = ok and ints
+            _need(self, "sizes", ok, f"{len(self.targets)} sizes >= 0 (one per target)", sizes)
+            object.__setattr__(self, "sizes", tuple(sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Transpose:
+    """The leaf ``path`` transposed in place: axis ``d`` becomes saved axis ``axes[d]``."""
+
+    path: str
+    axes: Sequence[int]
+
+    def __post_init__(self):
+        _need(self, "path", _is_path(self.path), "a leaf path", self.path)
+        axes = self.axes
+        ok = isinstance(axes, (list, tuple)) and sorted(axes) == list(range(len(axes)))
+        _need(self, "axes", ok, "a permutation of 0..ndim-1", axes)
+        object.__setattr__(self, "axes", tuple(axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rename:
+    """The leaf ``old`` (or every leaf under the prefix ``old/``) named ``new``."""
+
+    old: str
+    new: str
+
+    def __post_init__(self):
+        _need(self, "old", _is_path(self.old), "a leaf path", self.old)
+        _need(self, "new", _is_path(self.new), "a leaf path", self.new)
+        _need_prefix_pair(self, self.old, self.new, ("old", "new"))
+
+
+OPS = (Stack, Unstack, Fuse, Split, Transpose, Rename)
