@@ -168,9 +168,7 @@ def test_direct_io_writes_the_same_bytes_as_buffered_writes(tmp_path, devices, m
     assert not direct
     a, b = _chunk_bytes(tmp_path / "a" / "1"), _chunk_bytes(tmp_path / "b" / "1")
     assert a and a == b
-    got = fop.CheckpointManager(tmp_path / "a", read_only=True, format_version=1).restore(step=1)[
-        "params"
-    ]
+    got = fop.CheckpointManager(tmp_path / "a", read_only=True).restore(step=1)["params"]
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, _expected(state))
 
 
