@@ -112,7 +112,9 @@ def check_packed_claims(location: Location, doc: CheckpointDocument, targets: li
                 compressed=batch.codec is not None,
             )
             field = f"batches[{storage.batch!r}].size"
-            _check_listed(packed, batch_dir(storage.batch), needed, where, field, batch.size)
+            sub = batch_dir(storage.batch)
+            _check_dtype(packed, sub, batch.dtype, where, f"batches[{storage.batch!r}].dtype")
+            _check_listed(packed, sub, needed, where, field, batch.size)
         if isinstance(storage, ArrayStorage):
             record = _subbyte.stored(record)  # a packed leaf: its bytes as stored
             storage = record.storage
@@ -120,8 +122,22 @@ def check_packed_claims(location: Location, doc: CheckpointDocument, targets: li
             needed = _chunk_files.array_claim(
                 record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None
             )
-            field = f"leaves[{target.index}] ({record.path!r}).shape"
-            _check_listed(packed, array_dir(target.index), needed, where, field, record.shape)
+            field = f"leaves[{target.index}] ({record.path!r})"
+            sub = array_dir(target.index)
+            _check_dtype(packed, sub, record.dtype, where, f"{field}.dtype")
+            _check_listed(packed, sub, needed, where, f"{field}.shape", record.shape)
+
+
+def _check_dtype(packed, sub: str, claim: str, where: str, field: str) -> None:
+    """The dtype the metadata claims is the one the data index says the bytes were
+    written as (an index written before dtypes were recorded names none)."""
+    found = packed.dtypes.get(sub)
+    if found is not None and found != claim:
+        raise CorruptCheckpointError(
+            f"{where}: field {field}: the metadata claims {claim!r}, the data index "
+            f"records the bytes under {sub} as {found!r} (the metadata or the index is "
+            f"damaged: restoring would reinterpret the bytes)"
+        )
 
 
 def _check_listed(packed, sub: str, needed, where: str, field: str, claim) -> None:

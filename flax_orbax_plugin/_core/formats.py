@@ -36,13 +36,13 @@ from .._zarr import chunk_files as _chunk_files
 from .._zarr import packed_reader as _packed_reader
 from . import reads as _reads
 from .claims import check_claims, check_packed_claims
+from .requests import DEFAULT_FORMAT_VERSION
 from .write_data import write_data
 from .write_packed import write_packed
 
-__all__ = ["CHUNK_FILES", "DATA_FILES", "Format", "for_version", "of_document"]
+__all__ = ["CHUNK_FILES", "DATA_FILES", "Format", "for_version", "of_document", "version_for"]
 
 ONE_FILE_PER_CHUNK = "format_version=2 (version 1 writes one file per chunk)"
-COPIES_FIRST = "format_version=1 (version 2 copies every region to host before writing)"
 
 
 class Format(Protocol):
@@ -167,9 +167,9 @@ class DataFiles:
     """Version 2: each process's chunks in a few data files and one JSON index."""
 
     version = 2
-    copies_before_writing = True
+    copies_before_writing = False
     per_host_directories = False
-    ignored_options = (("host_memory_budget", COPIES_FIRST),)
+    ignored_options = ()
     batch_damage: tuple[type[BaseException], ...] = (ValueError,)
     array_specs = False
 
@@ -184,6 +184,7 @@ class DataFiles:
             process=_distributed.process_index(),
             limit=snap.request.limit,
             data_file_bytes=snap.request.data_file_bytes,
+            budget=snap.request.host_memory_budget,
             cancelled=snap.cancelled,
             reuse=None if found is None else _files_reuse(location, *found),
         )
@@ -251,9 +252,21 @@ def of_document(doc: CheckpointDocument) -> Format:
     return _BY_VERSION[doc.format_version]
 
 
-def refuse_ignored(version: int, given: dict[str, Any], refuse) -> None:
-    """``refuse(name, needs)`` for every option given that ``version`` ignores (the
-    option checkers of ``fop.save`` and the manager)."""
+def version_for(asked: int | None, *, per_host: bool) -> int:
+    """The version a manager step's items write: ``asked`` (checked), else the default
+    (:data:`DEFAULT_FORMAT_VERSION`), or version 1 in a directory per host, which
+    version 2 does not write yet (asking for 2 there is refused at the manager's open)."""
+    if asked is not None:
+        return asked
+    if per_host and not for_version(DEFAULT_FORMAT_VERSION).per_host_directories:
+        return CHUNK_FILES.version
+    return DEFAULT_FORMAT_VERSION
+
+
+def refuse_ignored(version: int | None, given: dict[str, Any], refuse) -> None:
+    """``refuse(name, needs)`` for every option given that ``version`` ignores (None:
+    the default's; the option checkers of ``fop.save`` and the manager)."""
+    version = DEFAULT_FORMAT_VERSION if version is None else version
     for name, needs in for_version(version).ignored_options:
         if name in given:
             refuse(name, needs)

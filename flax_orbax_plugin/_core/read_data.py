@@ -23,7 +23,7 @@ import numpy as np
 
 from .._base import distributed as _distributed
 from .._base import liveness as _liveness
-from .._errors import CorruptCheckpointError
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument
 from .._like import casting as _casting
@@ -56,7 +56,8 @@ def read_targets(location: Location, doc: CheckpointDocument, targets: list, req
     shared: list = []
     try:
         shared = _read_targets_inner(location, doc, targets, request)
-    except CorruptCheckpointError as e:
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        # damage, or (version 2: its indexes are read now) the checkpoint gone meanwhile
         error = deleted_or(location, e)
     except Exception as e:  # noqa: BLE001  (re-raised below, after the agreement)
         error = e

@@ -24,12 +24,16 @@ from .._like.casting import CAST_POLICIES
 from .._like.transform import Changes
 
 __all__ = [
+    "DEFAULT_FORMAT_VERSION",
     "DEFAULT_READ_LIMIT_BYTES",
     "DEFAULT_WRITE_LIMIT_BYTES",
     "ReadRequest",
     "SaveRequest",
 ]
 
+# The format a save writes when none is asked for (FORMAT.md: version 2, data files;
+# version 1 on request, and in a directory per host, which version 2 does not write).
+DEFAULT_FORMAT_VERSION = 2
 DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
 # Reads in flight beyond the restored arrays themselves. Small: reading leaves one
 # after another (each with tensorstore's chunk-level parallelism) is as fast as
@@ -42,7 +46,7 @@ class SaveRequest:
     """How one pytree is saved (the options of ``fop.save_async``, checked, plus what a
     manager adds per step and item).
 
-    ``format_version``: 1 (chunk files) or 2 (data files), the one place the save's
+    ``format_version``: 2 (data files, the default) or 1 (chunk files), the one place the save's
     format is chosen; ``compression``: a checked codec or None;
     ``memory_limit_bytes``: writes in flight (None: the default, see :attr:`limit`);
     ``host_memory_budget``: host bytes the save may hold beyond the state;
@@ -54,7 +58,7 @@ class SaveRequest:
     ``cancelled``: set when the save is cancelled (Ctrl-C): its writes stop.
     """
 
-    format_version: int = 1
+    format_version: int = DEFAULT_FORMAT_VERSION
     compression: str | None = None
     memory_limit_bytes: int | None = None
     host_memory_budget: int | None = None

@@ -34,7 +34,7 @@ from . import ownership as _ownership
 from . import save_options as _save_options
 from .handle import Cancellation, SaveHandle, SaveResult, raise_if_cancelled
 from .plan import Plan, Snapshot
-from .requests import SaveRequest
+from .requests import DEFAULT_FORMAT_VERSION, SaveRequest
 
 _IN_FLIGHT: list[SaveHandle] = []  # the latest save_async
 _IN_FLIGHT_LOCK = threading.Lock()
@@ -57,7 +57,7 @@ def save(
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,
-    format_version: int = 1,
+    format_version: int = DEFAULT_FORMAT_VERSION,
     data_file_bytes: int | None = None,
     host_memory_budget: int | None = None,
 ):
@@ -86,7 +86,7 @@ def save_async(
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,
-    format_version: int = 1,
+    format_version: int = DEFAULT_FORMAT_VERSION,
     data_file_bytes: int | None = None,
     host_memory_budget: int | None = None,
 ) -> SaveHandle:
@@ -103,8 +103,8 @@ def save_async(
       compression: None, or ``"zstd"`` / ``"zstd:<level 1-22>"``: every chunk is
         compressed before its checksum (zarr3 ``zstd`` codec; recorded per array, so
         restore needs no option).
-      format_version: 1 (default: one file per chunk) or 2 (each process packs its
-        chunks into a few data files, see FORMAT.md).
+      format_version: 2 (default: each process packs its chunks into a few data
+        files, see FORMAT.md) or 1 (one file per chunk; readable forever).
       data_file_bytes: version 2: the size a data file does not pass unless one chunk
         is larger (default 1 GiB on a filesystem, 256 MiB on an object store);
         refused with version 1.

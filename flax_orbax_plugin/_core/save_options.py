@@ -4,9 +4,7 @@
 ``save_async``, on the caller's thread, before anything is written or waited for):
 a value of the wrong type, out of range, NaN, empty or unknown is an OptionError
 naming the option, what it takes and what was found; ``data_file_bytes`` with format
-version 1 (one file per chunk: it does nothing there) and ``host_memory_budget`` with
-version 2 (which copies every region to host before writing: the budget bounds
-nothing) are refused naming both.
+version 1 (one file per chunk: it does nothing there) is refused naming both.
 """
 
 from __future__ import annotations
@@ -65,6 +63,3 @@ def check_save(**options: Any) -> dict[str, Any]:
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
     )
     return out
-
-
-BUDGET_NEEDS_V1 = _formats.COPIES_FIRST

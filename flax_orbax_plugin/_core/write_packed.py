@@ -25,6 +25,7 @@ from .._zarr import chunk_writer as _chunk_writer
 from .._zarr import chunks as _chunks
 from .._zarr import packed_codec as _codec
 from .._zarr import packed_writer as _packed_writer
+from .._zarr import subbyte as _subbyte
 from .write_data import _batch_jobs, _Pending, _raise_as_checkpoint_error, _settle
 
 
@@ -37,18 +38,27 @@ def write_packed(
     process: int,
     limit: int,
     data_file_bytes: int | None = None,
+    budget: int | None = None,
     reuse: Callable[[], Any] | None = None,
     cancelled: threading.Event | None = None,
 ) -> tuple[int, dict[str, str], int]:
     """Writes this process's chunks into its data files and its index; returns (bytes
     written, {index file: sha256}, bytes reused). Takes the batches it writes out of
-    ``batch_data``. ``reuse()``: the previous data files taken (a ``Taken``)."""
+    ``batch_data``. ``reuse()``: the previous data files taken (a ``Taken``).
+    ``budget``: the host-memory budget (on an object store, the data files gathered in
+    memory before their upload stay within a quarter of it)."""
     if sys.byteorder != "little":
         raise CheckpointError("format_version=2 is written on little-endian hosts only")
     total = sum(data.nbytes for leaf in leaves for _, data in leaf.writes)
     total += sum(data.nbytes for data in batch_data.values())
     taken = None if reuse is None else reuse()
-    writer = _packed_writer.PackedWriter(staging, process, data_file_bytes, total)
+    writer = _packed_writer.PackedWriter(
+        staging,
+        process,
+        data_file_bytes,
+        total,
+        gathered_bytes=None if budget is None else budget // 4,
+    )
     stable: frozenset[int] = frozenset()
     if taken is not None:
         writer.adopt(taken.files, taken.chunks)
@@ -79,8 +89,17 @@ def write_packed(
         _settle(pending.futures)
         _raise_as_checkpoint_error(e, staging, direct=True)
         raise
-    name, raw = writer.write_index()
+    name, raw = writer.write_index(_dtypes(leaves, batches))
     return pending.written, {name: sha256(raw)}, 0 if taken is None else taken.nbytes
+
+
+def _dtypes(leaves: list, batches: dict[str, BatchRecord]) -> dict[str, str]:
+    """The stored dtype of every array and batch (the index records those it holds)."""
+    out = {batch_dir(name): b.dtype for name, b in batches.items()}
+    for leaf in leaves:
+        if isinstance(leaf.record.storage, ArrayStorage):
+            out[array_dir(leaf.index)] = _subbyte.stored(leaf.record).dtype
+    return out
 
 
 def _compressed_batch_jobs(batches: dict[str, BatchRecord], batch_data, writer) -> list:

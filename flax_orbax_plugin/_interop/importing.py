@@ -168,7 +168,7 @@ def save_steps(
     *,
     force: bool,
     planned: Iterable[int] = (),
-    format_version: int = 1,
+    format_version: int | None = None,
     progress: Callable[[int], Any] | None = None,
     source_bytes: Sequence[int] = (),
 ) -> list[int]:
@@ -179,9 +179,10 @@ def save_steps(
     error (ForeignEntryError), checked for every ``planned`` step before anything is
     written and again before each step. ``steps`` is consumed lazily: one step's trees
     are in memory at a time. Returns the steps written, in order. ``format_version``:
-    of the steps written (1 or 2). ``progress(sum(source_bytes))``, called once in the
-    calling thread, returns a context manager whose ``advance(nbytes, note)`` is called
-    as each step commits, with that step's ``source_bytes`` entry (the CLI's bar).
+    of the steps written (1 or 2; None: the manager's default, 2).
+    ``progress(sum(source_bytes))``, called once in the calling thread, returns a
+    context manager whose ``advance(nbytes, note)`` is called as each step commits,
+    with that step's ``source_bytes`` entry (the CLI's bar).
     """
     refuse_inside_checkpoint(out_dir)
     refuse_foreign_targets(out_dir, list(planned))
@@ -238,7 +239,7 @@ def import_checkpoint(
     *,
     step: int | None = None,
     force: bool = False,
-    format_version: int = 1,
+    format_version: int | None = None,
     progress: Callable[[int], Any] | None = None,
 ) -> list[int]:
     """``flax-orbax import``: an Orbax directory or Flax msgpack file(s) into ``out_dir``.
@@ -276,7 +277,7 @@ def import_orbax(
     *,
     step: int | None = None,
     force: bool = False,
-    format_version: int = 1,
+    format_version: int | None = None,
     progress: Callable[[int], Any] | None = None,
 ) -> list[int]:
     """Writes Orbax checkpoints as steps of a ``CheckpointManager`` directory.
@@ -326,7 +327,7 @@ def import_msgpack(
     *,
     step: int | None = None,
     force: bool = False,
-    format_version: int = 1,
+    format_version: int | None = None,
     progress: Callable[[int], Any] | None = None,
 ):
     """Writes Flax msgpack checkpoints as steps of a ``CheckpointManager`` directory.

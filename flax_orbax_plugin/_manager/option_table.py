@@ -252,9 +252,10 @@ MANAGER: tuple[Option, ...] = (
         "format_version",
         "choice",
         choices=(1, 2),
-        default=1,
+        none_ok=True,
         annotation="int",
-        doc="1 (a file per chunk) or 2 (data files per process: FORMAT.md)",
+        doc="2 (data files per process: FORMAT.md) or 1 (a file per chunk); None: 2, "
+        "or 1 in a directory per host",
     ),
     Option(
         "host_memory_budget",
@@ -262,7 +263,7 @@ MANAGER: tuple[Option, ...] = (
         none_ok=True,
         low=1,
         expected="a positive int or None",
-        doc="host bytes a version 1 step may hold beyond the state (None: no bound)",
+        doc="host bytes a step may hold beyond the state (None: no bound)",
     ),
     STALL_TIMEOUT,
     Option(
@@ -386,7 +387,7 @@ SAVE_CALL: tuple[Option, ...] = (
 IMPORT: tuple[Option, ...] = (
     Option("step", "int", none_ok=True, low=0, expected="an int step >= 0 or None"),
     Option("force", "flag"),
-    Option("format_version", "choice", choices=(1, 2)),
+    Option("format_version", "choice", choices=(1, 2), none_ok=True),
 )
 """The keyword options of ``fop.import_orbax`` / ``fop.import_msgpack``."""
 

@@ -296,7 +296,7 @@ class ManagerOptions:
     handle_sigterm: bool
     incremental: bool
     reuse_host_buffers: bool
-    format_version: int
+    format_version: int | None  # None: the default (formats.version_for)
     host_memory_budget: int | None
     stall_timeout: float | None
     hf_shards: Any

@@ -212,7 +212,9 @@ def agreed_time() -> float:
     return float(_distributed.broadcast_str(op, repr(time.time())))
 
 
-def detect(loc: Location, persistent: Any, incremental: bool, format_version: int = 1) -> bool:
+def detect(
+    loc: Location, persistent: Any, incremental: bool, format_version: int | None = None
+) -> bool:
     """Collective, at a writer's open: whether each process has its own directory
     (accepted only with a persistent tier; without one the shared-directory check
     refuses it later). Creates this process's directory first."""
@@ -225,7 +227,11 @@ def detect(loc: Location, persistent: Any, incremental: bool, format_version: in
             f"{loc}: incremental=True is not supported with a directory per host (each "
             f"process sees its own {loc.path}); use a shared directory or incremental=False"
         )
-    if own and not _formats.for_version(format_version).per_host_directories:
+    if (
+        own
+        and format_version is not None
+        and not _formats.for_version(format_version).per_host_directories
+    ):
         raise CheckpointError(
             f"{loc}: format_version={format_version} is not supported yet with a directory "
             f"per host (each process sees its own {loc.path}); use format_version=1 or a "

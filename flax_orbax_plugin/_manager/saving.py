@@ -21,6 +21,7 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base import host as _host
 from .._base import interrupts as _interrupts
+from .._core import formats as _formats
 from .._core import ownership as _ownership
 from .._core.commit import Staging
 from .._core.handle import Cancellation
@@ -106,12 +107,12 @@ class Saver:
         incremental: bool,
         buffers: _host.BufferPool | None,
         budget: int | None = None,
-        format_version: int = 1,
+        format_version: int | None = None,
         hf_shards: Any = None,
     ):
         self._loc = location
         self._hf_shards = hf_shards  # an fop.HFShards: its item added to due steps
-        self._format_version = format_version  # the step's pytree items' (their request)
+        self._format_version = format_version  # asked for (None: the default, see save)
         self._budget = budget  # host_memory_budget: bytes a save may hold on host
         self._overrides = overrides
         self._incremental = incremental
@@ -283,7 +284,7 @@ class Saver:
         cancelled = Cancellation()  # the items' writes stop once it is set
         request = SaveRequest(
             cancelled=cancelled,
-            format_version=self._format_version,
+            format_version=_formats.version_for(self._format_version, per_host=own),
             host_memory_budget=self._budget,
             buffers=self._buffers,
             own_copy=own,

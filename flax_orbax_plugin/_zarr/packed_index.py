@@ -6,7 +6,10 @@ another, each segment the exact bytes a version-1 chunk file holds (the chunk an
 crc32c trailer; a batch shard with its checksummed index). ``data/<process>.json``
 lists them: ``{key: [file number, offset, length, crc32c]}``, the key being the
 version-1 file name of the chunk (``d/<i>/c/<i0>/...``, ``b/<batch>/c/<s>``) and the
-crc32c a copy of the segment's last four bytes (little endian). FORMAT.md, "Version 2".
+crc32c a copy of the segment's last four bytes (little endian), and, for every array
+and batch it holds chunks of, the dtype the bytes were written as (``arrays``: what a
+version-1 ``zarr.json`` says, so a metadata document whose dtype was changed is caught
+before its bytes are reinterpreted). FORMAT.md, "Version 2".
 Records are immutable; any thread.
 """
 
@@ -26,6 +29,8 @@ DATA_DIR = "data"
 MAX_SEGMENT_BYTES = 1 << 50
 _DATA_FILE = re.compile(r"^(0|[1-9][0-9]{0,8})-(0|[1-9][0-9]{0,8})\.bin$", re.ASCII)
 _KEY = re.compile(r"^(d/(0|[1-9][0-9]*)|b/[A-Za-z0-9][A-Za-z0-9_.-]*)/c(/(0|[1-9][0-9]*))+$")
+_ARRAY = re.compile(r"^(d/(0|[1-9][0-9]*)|b/[A-Za-z0-9][A-Za-z0-9_.-]*)$")
+_DTYPE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
 def index_name(process: int) -> str:
@@ -56,11 +61,14 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class DataIndex:
-    """The index of one process: its data files (name -> size in bytes) and chunks."""
+    """The index of one process: its data files (name -> size in bytes), chunks, and
+    the stored dtype of every array it holds chunks of (``d/<i>`` or ``b/<batch>`` ->
+    dtype name; empty in an index written before dtypes were recorded)."""
 
     process: int
     files: dict[str, int]
     chunks: dict[str, Segment]
+    arrays: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         names = list(self.files)
@@ -74,6 +82,7 @@ class DataIndex:
                 key: [number[s.file], s.offset, s.length, s.crc32c]
                 for key, s in sorted(self.chunks.items())
             },
+            "arrays": dict(sorted(self.arrays.items())),
         }
 
     @classmethod
@@ -117,7 +126,7 @@ class DataIndex:
                 bad(f"chunks[{key!r}]", f"a segment inside {name} ({files[name]} bytes)", entry)
             chunks[key] = Segment(name, offset, length, crc)
         _check_disjoint(chunks, where)
-        return cls(process, files, chunks)
+        return cls(process, files, chunks, _arrays(obj.get("arrays", {}), chunks, bad))
 
 
 def read_index(location: Location, process: int) -> DataIndex:
@@ -162,6 +171,34 @@ def _files(raw: Any, process: int, bad) -> dict[str, int]:
             bad(f"files[{n}].bytes", "a size in bytes", size)
         files[name] = size
     return files
+
+
+def _arrays(raw: Any, chunks: dict[str, Segment], bad) -> dict[str, str]:
+    """The ``arrays`` field: ``{d/<i> or b/<batch>: dtype name}``, each an array this
+    index lists chunks of (absent in indexes written before it: no dtype is known)."""
+    if not isinstance(raw, dict):
+        bad("arrays", "an object", raw)
+    held = {array_prefix(key) for key in chunks}
+    for key, dtype in raw.items():
+        if not isinstance(key, str) or not _ARRAY.match(key) or key not in held:
+            bad("arrays", "keys d/<leaf> or b/<batch> of arrays with chunks listed", key)
+        if not isinstance(dtype, str) or not _DTYPE.match(dtype):
+            bad(f"arrays[{key!r}]", "a dtype name", dtype)
+    return dict(raw)
+
+
+def merge_dtypes(indexes: list[DataIndex], where: str) -> dict[str, str]:
+    """Every process's stored dtypes in one mapping; two processes naming different
+    dtypes for one array is damage."""
+    out: dict[str, str] = {}
+    for index in indexes:
+        for key, dtype in index.arrays.items():
+            if out.setdefault(key, dtype) != dtype:
+                raise CorruptCheckpointError(
+                    f"{where}: array {key}: the data indexes record dtype {out[key]!r} "
+                    f"and {dtype!r}"
+                )
+    return out
 
 
 def merge(indexes: list[DataIndex], where: str) -> dict[str, Segment]:

@@ -45,8 +45,10 @@ class PackedReader(_chunk_files.ChunkReader):
         location: Location,
         chunks: dict[str, _index.Segment],
         file_bytes: dict[str, int] | None = None,
+        dtypes: dict[str, str] | None = None,
     ):
         super().__init__("")
+        self.dtypes = dtypes or {}  # array (d/<i>, b/<batch>) -> dtype its bytes were written as
         self._fill = self._fill_segment
         self._location = location
         self._chunks = chunks
@@ -322,7 +324,9 @@ def open_packed(location: Location, process_count: int) -> PackedReader:
     index read, checked against the sha256 its commit recorded, and validated."""
     indexes = [_index.read_index(location, process) for process in range(process_count)]
     sizes = {name: size for index in indexes for name, size in index.files.items()}
-    return PackedReader(location, _index.merge(indexes, str(location)), sizes)
+    where = str(location)
+    dtypes = _index.merge_dtypes(indexes, where)
+    return PackedReader(location, _index.merge(indexes, where), sizes, dtypes)
 
 
 AHEAD_BYTES = 64 << 20  # object stores: chunk jobs started ahead of the one waited for

@@ -47,7 +47,10 @@ class PackedWriter(_chunk_writer.ChunkWriter):
     ``location`` (its ``data/``); ``target_bytes``: a data file's size it does not pass
     unless one chunk is larger. On an object store, up to :data:`MAX_LANES` data files
     are filled side by side (one per :data:`LANE_BYTES` of ``total_bytes``, what this
-    process writes), so that their uploads overlap: a single PUT is one stream."""
+    process writes), so that their uploads overlap: a single PUT is one stream.
+    ``gathered_bytes`` (a host-memory budget's share): on an object store, the files
+    being filled hold at most this many bytes in all (smaller files, at least one chunk
+    each); None: no bound."""
 
     def __init__(
         self,
@@ -55,6 +58,8 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         process: int,
         target_bytes: int | None = None,
         total_bytes: int = 0,
+        *,
+        gathered_bytes: int | None = None,
     ):
         super().__init__(location.path if location.is_local else "", local_only=location.is_local)
         self._encoder: concurrent.futures.ThreadPoolExecutor | None = None  # see encoded
@@ -69,6 +74,8 @@ class PackedWriter(_chunk_writer.ChunkWriter):
         self._direct_fds: dict[str, int] = {}  # local: the same files opened O_DIRECT
         self._current: str | None = None  # local: the file being filled
         lanes = 1 if location.is_local else min(MAX_LANES, max(1, -(-total_bytes // LANE_BYTES)))
+        if gathered_bytes is not None and not location.is_local:
+            self._target = max(1, min(self._target, gathered_bytes // lanes))
         self._lanes: list[list] = [[None, []] for _ in range(lanes)]  # [file, its pieces]
         self._lane_of: dict[str, int] = {}  # array (d/<i>, b/<batch>) -> its lane
         self._chunks: dict[str, _index.Segment] = {}
@@ -217,13 +224,18 @@ class PackedWriter(_chunk_writer.ChunkWriter):
                 os.close(fd)
             self._fds, self._direct_fds = {}, {}
 
-    def index(self) -> _index.DataIndex:
-        """The index of everything written (call after :meth:`close`)."""
-        return _index.DataIndex(self._process, dict(self._files), dict(self._chunks))
+    def index(self, dtypes: dict[str, str] | None = None) -> _index.DataIndex:
+        """The index of everything written (call after :meth:`close`); ``dtypes``: the
+        stored dtype name of each array (``d/<i>``, ``b/<batch>``), recorded for those
+        with chunks here."""
+        chunks = dict(self._chunks)
+        held = {_index.array_prefix(key) for key in chunks}
+        arrays = {k: v for k, v in (dtypes or {}).items() if k in held}
+        return _index.DataIndex(self._process, dict(self._files), chunks, arrays)
 
-    def write_index(self) -> tuple[str, bytes]:
+    def write_index(self, dtypes: dict[str, str] | None = None) -> tuple[str, bytes]:
         """Writes ``data/<process>.json`` (not yet durable); returns (its name, bytes)."""
         name = _index.index_name(self._process)
-        raw = _docs.encode(self.index().to_json(), name, _docs.DATA_INDEX)
+        raw = _docs.encode(self.index(dtypes).to_json(), name, _docs.DATA_INDEX)
         self._location.write_bytes(name, raw, durable=False)
         return name, raw

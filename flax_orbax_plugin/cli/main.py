@@ -124,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--step", type=int, default=None, help="only this step / write as this step")
     s.add_argument("--force", action="store_true", help="replace steps that exist in OUT")
     s.add_argument(
-        "--format-version", type=int, choices=(1, 2), default=1, help="of the steps written"
+        "--format-version",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="of the steps written (default 2)",
     )
 
     s = _command(

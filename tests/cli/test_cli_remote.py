@@ -56,7 +56,7 @@ def test_verify_on_a_bucket_reports_damage_and_goes_on(remote, capsys):
     key = next(k for k in remote.keys() if k.startswith("2/extras/"))
     remote.delete(key)
     for k in remote.keys():
-        if k.startswith("1/params/b/"):
+        if k.startswith(("1/params/b/", "1/params/data/0-")):  # v1 batches, v2 data files
             remote.delete(k)
     rc, out, err = run(capsys, "verify", url, "--all")
     assert rc == 1

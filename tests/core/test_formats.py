@@ -85,7 +85,7 @@ def test_an_item_of_its_own_version_keeps_it(tmp_path):
 
 @pytest.mark.parametrize(
     ("version", "option", "needs"),
-    [(1, "data_file_bytes", "format_version=2"), (2, "host_memory_budget", "format_version=1")],
+    [(1, "data_file_bytes", "format_version=2")],
 )
 def test_what_a_format_ignores_is_refused_as_it_says(tmp_path, version, option, needs):
     (name, why), *_ = _formats.for_version(version).ignored_options

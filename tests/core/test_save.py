@@ -137,7 +137,7 @@ def test_round_trip_shardings(tmp_path, devices, mesh_shape, spec):
 def test_each_device_shard_written_once_and_chunks_align(tmp_path, devices):
     sharding = NamedSharding(_mesh((2, 4)), P("x", None))  # each row block on 4 devices
     x = jax.device_put(jnp.ones((1024, 512), jnp.float32), sharding)
-    result = fop.save(tmp_path / "c", {"x": x})
+    result = fop.save(tmp_path / "c", {"x": x}, format_version=1)
     assert result.bytes_written == x.nbytes  # replicas written once
     chunks = [f for f in os.listdir(tmp_path / "c" / "d" / "0" / "c")]
     assert len(chunks) == 2  # one chunk per distinct shard
@@ -409,7 +409,7 @@ def test_batched_leaves_are_aligned_and_padding_is_zero(tmp_path):
     import tensorstore as ts
 
     tree = {f"l{i}": np.full((i + 1,), i + 1, np.float32) for i in range(20)}
-    fop.save(tmp_path / "c", tree)
+    fop.save(tmp_path / "c", tree, format_version=1)
     doc = json.loads((tmp_path / "c" / "_METADATA.json").read_text())
     offsets = [r["storage"]["offset"] for r in doc["leaves"]]
     assert all(off * 4 % 64 == 0 for off in offsets)

@@ -20,6 +20,7 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin._base import priority as _priority
 from flax_orbax_plugin._core import device_copy as _device_copy
 from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
+from flax_orbax_plugin._zarr import packed_writer as _packed_writer
 
 
 def _state(devices, v: float):
@@ -78,11 +79,13 @@ def test_staged_copies_go_to_pinned_host_and_survive_donation(tmp_path, devices,
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, expected)
 
 
-def test_a_budget_streams_device_regions_in_pieces(tmp_path, devices, device_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_budget_streams_device_regions_in_pieces(tmp_path, devices, device_path, version):
     budget = 16 << 20  # pieces of at most 4 MiB: the replicated 8 MiB array in two
     state = _state(devices, 2.0)
     expected = _expected(state)
-    with fop.CheckpointManager(tmp_path / "run", host_memory_budget=budget) as mngr:
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run, host_memory_budget=budget, format_version=version) as mngr:
         mngr.save(1, {"params": state})
         jax.block_until_ready(_donate({"w": state["w"], "r": state["r"]}))  # the next step
         assert state["w"].is_deleted()  # donated: the save holds copies of its own
@@ -98,19 +101,23 @@ def test_a_budget_streams_device_regions_in_pieces(tmp_path, devices, device_pat
     assert len(pieces) == 8 + 2  # w's 8 shards; r cut in two
 
 
+@pytest.mark.parametrize("version", [1, 2])
 def test_cpu_arrays_under_a_budget_are_written_before_the_save_returns(
-    tmp_path, devices, monkeypatch
+    tmp_path, devices, monkeypatch, version
 ):
     state = _state(devices, 3.0)
     expected = _expected(state)
-    real = _chunk_writer.ChunkWriter._write_file
+    writer = _chunk_writer.ChunkWriter if version == 1 else _packed_writer.PackedWriter
+    real = writer._write_file
 
     def slow(self, name, pieces):  # every file written late: a save that returned
         time.sleep(0.05)  # before its writes would see the changes below
         return real(self, name, pieces)
 
-    monkeypatch.setattr(_chunk_writer.ChunkWriter, "_write_file", slow)
-    handle = fop.save_async(tmp_path / "ck", state, host_memory_budget=1 << 20)
+    monkeypatch.setattr(writer, "_write_file", slow)
+    handle = fop.save_async(
+        tmp_path / "ck", state, host_memory_budget=1 << 20, format_version=version
+    )
     state["n"][:] = -1  # the views' memory changed right after the return
     for k in ("w", "r"):
         state[k].delete()
@@ -149,12 +156,14 @@ def test_direct_io_writes_the_same_bytes_as_buffered_writes(tmp_path, devices, m
         return done
 
     monkeypatch.setattr(_chunk_writer.ChunkWriter, "_write_direct", spy)
-    with fop.CheckpointManager(tmp_path / "a") as mngr:  # pooled, page-aligned buffers
+    with fop.CheckpointManager(
+        tmp_path / "a", format_version=1
+    ) as mngr:  # pooled, page-aligned buffers
         mngr.save(1, {"params": state})
     assert any(direct), "no chunk was written with O_DIRECT"
     monkeypatch.setenv("FOP_DIRECT_IO", "0")
     direct.clear()
-    with fop.CheckpointManager(tmp_path / "b") as mngr:
+    with fop.CheckpointManager(tmp_path / "b", format_version=1) as mngr:
         mngr.save(1, {"params": state})
     assert not direct
     a, b = _chunk_bytes(tmp_path / "a" / "1"), _chunk_bytes(tmp_path / "b" / "1")

@@ -167,16 +167,17 @@ def test_a_dangling_symlinked_lock_creates_nothing_outside(tmp_path):
 # -- point 4: restore reads no array data through a symlink ------------------------------
 
 
-def big_and_small(tmp_path):
+def big_and_small(tmp_path, version=1):
     path = tmp_path / "ckpt"
     tree = {"big": np.arange(300_000, dtype=np.float32), "small": np.ones(4, np.int32)}
-    fop.save(path, tree)
+    fop.save(path, tree, format_version=version)
     return path, tree
 
 
 def test_restore_refuses_an_array_directory_linked_to_outside_data(tmp_path):
     path, tree = big_and_small(tmp_path)
-    fop.save(tmp_path / "other", {"big": np.zeros(300_000, np.float32), "small": tree["small"]})
+    other = {"big": np.zeros(300_000, np.float32), "small": tree["small"]}
+    fop.save(tmp_path / "other", other, format_version=1)
     shutil.rmtree(path / "d" / "0")
     os.symlink(tmp_path / "other" / "d" / "0", path / "d" / "0")
     np.testing.assert_array_equal(fop.restore(tmp_path / "other")["big"], 0)
@@ -203,7 +204,7 @@ def test_restore_refuses_a_chunk_file_linked_to_outside(tmp_path):
 
 def test_verify_reports_a_step_whose_data_is_linked_from_outside(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
-    with fop.CheckpointManager(ckpt, async_save=False) as mngr:
+    with fop.CheckpointManager(ckpt, async_save=False, format_version=1) as mngr:
         mngr.save(1, {"params": {"big": np.arange(300_000, dtype=np.float32)}})
     chunks = [
         os.path.join(dirpath, f)
@@ -217,6 +218,28 @@ def test_verify_reports_a_step_whose_data_is_linked_from_outside(tmp_path, capsy
     assert cli.main(["verify", str(ckpt)]) == 1
     out = capsys.readouterr()
     assert os.path.relpath(chunks[0], ckpt) in out.out + out.err
+
+
+def test_restore_and_verify_refuse_version_2_data_linked_to_outside(tmp_path, capsys):
+    """Version 2: a data file, or the whole data folder, replaced by a link to a copy
+    outside (the same bytes) is refused, never read through."""
+    path, tree = big_and_small(tmp_path, version=2)
+    data = path / "data"
+    (victim,) = [data / f for f in os.listdir(data) if f.endswith(".bin")]
+    shutil.copyfile(victim, tmp_path / "outside.bin")
+    os.remove(victim)
+    os.symlink(tmp_path / "outside.bin", victim)
+    with pytest.raises(fop.CheckpointError, match=r"data/0-0\.bin"):
+        fop.restore(path)
+    assert not fop.verify(path)[0].ok
+    os.remove(victim)
+    shutil.copyfile(tmp_path / "outside.bin", victim)
+    np.testing.assert_array_equal(fop.restore(path)["big"], tree["big"])
+    shutil.copytree(data, tmp_path / "outside_data")
+    shutil.rmtree(data)
+    os.symlink(tmp_path / "outside_data", data)
+    with pytest.raises(fop.CheckpointError, match=r"ckpt/data"):
+        fop.restore(path)
 
 
 def test_restore_refuses_a_symlinked_commit_marker(tmp_path):

@@ -130,3 +130,56 @@ def test_a_persistent_copy_with_such_an_index_is_never_copied_down(s3_location, 
         restored = m.restore()
         assert m.restored_step == 1
         np.testing.assert_array_equal(restored["params"]["b"], _tree()["b"] + 1)
+
+
+def _reseal_metadata(path: str, doc: dict) -> None:
+    raw = json.dumps(doc).encode()
+    with open(os.path.join(path, _layout.METADATA_FILE), "wb") as f:
+        f.write(raw)
+    marker = os.path.join(path, _layout.COMMIT_FILE)
+    with open(marker, "rb") as f:
+        body = json.loads(f.read())
+    body.pop("checksum")
+    body["files"][_layout.METADATA_FILE] = _layout.sha256(raw)
+    with open(marker, "wb") as f:
+        f.write(_layout.seal(body))
+
+
+@pytest.mark.parametrize("where", ["leaf", "batch"])
+def test_a_resealed_metadata_dtype_is_checked_against_the_index(tmp_path, where):
+    """Version 2 has no zarr.json: the data index records each array's stored dtype, so
+    a metadata document resealed with another dtype of the same size (float32 ->
+    int32: the bytes would be reinterpreted, every crc32c still passing) is damage on
+    restore and verify, as version 1's zarr.json makes it."""
+    path = str(tmp_path / "ckpt")
+    tree = {"a": np.arange(N, dtype=np.float32), "s": np.ones(3, np.float32)}
+    fop.save(path, tree, format_version=2)
+    with open(os.path.join(path, _layout.METADATA_FILE), "rb") as f:
+        doc = json.loads(f.read())
+    if where == "leaf":
+        doc["leaves"][0]["dtype"] = "int32"
+        message = r"leaves\[0\] \('a'\)\.dtype: the metadata claims 'int32'.*'float32'"
+    else:  # a batch's name carries its dtype: renamed with it, its chunks are missing
+        doc["batches"] = {"0.int32": dict(doc["batches"]["0.float32"], dtype="int32")}
+        doc["leaves"][1]["dtype"] = "int32"
+        doc["leaves"][1]["storage"]["batch"] = "0.int32"
+        message = r"batches\['0\.int32'\]"
+    _reseal_metadata(path, doc)
+    with pytest.raises(fop.CorruptCheckpointError, match=message):
+        fop.restore(path)
+    assert not any(r.ok for r in fop.verify(path))
+
+
+def test_an_index_without_dtypes_is_still_read(tmp_path):
+    """Indexes written before dtypes were recorded (no ``arrays`` field) restore as
+    saved; an ``arrays`` entry for an array the index holds no chunk of is damage."""
+    path = str(tmp_path / "ckpt")
+    fop.save(path, _tree(), format_version=2)
+    doc = _index(path)
+    doc.pop("arrays")
+    _reseal_index(path, json.dumps(doc).encode())
+    np.testing.assert_array_equal(fop.restore(path)["a"], _tree()["a"])
+    doc["arrays"] = {"d/7": "float32"}
+    _reseal_index(path, json.dumps(doc).encode())
+    with pytest.raises(fop.CorruptCheckpointError, match=r"field arrays: expected keys"):
+        fop.restore(path)

@@ -93,7 +93,7 @@ def _assert_equal(want, got):
 def test_frozen_base_is_linked_and_only_the_adapter_is_written(tmp_path):
     d = str(tmp_path)
     states = [_state(adapter_value=s) for s in range(3)]
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         first = _save(mngr, 1, states[0])
         second = _save(mngr, 2, states[1])
         third = _save(mngr, 3, states[2])
@@ -115,7 +115,7 @@ def test_frozen_base_is_linked_and_only_the_adapter_is_written(tmp_path):
     assert [rows[s][:2] for s in "123"] == [[cli.human_bytes(first.bytes_written), "0 B"]] + [
         ["2.0 MiB", "5.0 MiB"]
     ] * 2
-    with fop.CheckpointManager(d, read_only=True) as mngr:
+    with fop.CheckpointManager(d, read_only=True, format_version=1) as mngr:
         for step, want in zip((1, 2, 3), states, strict=True):
             _assert_equal(want, mngr.restore(step=step))
     _assert_equal(states[2]["params"], fop.restore_params(d, states[2]["params"]))
@@ -124,7 +124,7 @@ def test_frozen_base_is_linked_and_only_the_adapter_is_written(tmp_path):
 
 def test_deleting_the_first_step_keeps_the_linked_data(tmp_path):
     d = str(tmp_path)
-    with fop.CheckpointManager(d, incremental=True, keep=1) as mngr:
+    with fop.CheckpointManager(d, incremental=True, keep=1, format_version=1) as mngr:
         _save(mngr, 1, _state(1.0))
         r = _save(mngr, 2, _state(2.0))
         assert r.bytes_reused > 0
@@ -139,7 +139,7 @@ def test_a_leaf_changed_by_one_element_is_rewritten(tmp_path):
     d = str(tmp_path)
     a, b = _state(), _state()
     b["params"]["base"]["w1"][700, 3] = np.nextafter(b["params"]["base"]["w1"][700, 3], 9)
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, a)
         r = _save(mngr, 2, b)
         assert r.bytes_reused == W2 + ADAPTER  # all but w1
@@ -154,7 +154,7 @@ def test_changed_shape_dtype_or_chunks_is_rewritten(tmp_path, monkeypatch):
     a = _state()
     b = _state()
     b["params"]["base"]["w2"] = b["params"]["base"]["w2"].view(np.float32)  # same bytes
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, a)
         monkeypatch.setattr(_arrays, "CHUNK_TARGET_BYTES", 2 * MiB)  # other chunks for w1
         r = _save(mngr, 2, b)
@@ -164,7 +164,7 @@ def test_changed_shape_dtype_or_chunks_is_rewritten(tmp_path, monkeypatch):
 
 def test_a_damaged_previous_chunk_is_not_propagated(tmp_path, caplog):
     d = str(tmp_path)
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
         files, _ = _leaf_files(d, 1, "base/w1")
         name = sorted(n for n in files if n.startswith("c/"))[1]
@@ -201,7 +201,7 @@ def test_an_edited_and_resealed_previous_chunk_is_not_linked(tmp_path, caplog):
     snapshot's bytes for that chunk, so it is written, and the new step holds the new
     snapshot's values."""
     d = str(tmp_path)
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
         files, _ = _leaf_files(d, 1, "base/w1")
         name = sorted(n for n in files if n.startswith("c/"))[1]
@@ -258,7 +258,7 @@ def test_snapshot_crcs_are_the_trailers_the_writer_stores(tmp_path):
 def test_a_missing_short_or_symlinked_previous_chunk_means_write(tmp_path, damage, caplog):
     d = str(tmp_path)
     outside = tmp_path.parent / f"outside-{damage}"
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
         files, record = _leaf_files(d, 1, "base/w1")
         item = os.path.join(d, "1", "params")
@@ -368,7 +368,7 @@ def test_sharded_jax_arrays(tmp_path, devices):
         }
     }
     d = str(tmp_path)
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, state)
         state["params"]["adapter"] = state["params"]["adapter"] * 2
         r = _save(mngr, 2, state)
@@ -397,7 +397,7 @@ def test_a_leaf_sharded_along_axis_1_is_linked_and_another_sharding_written(tmp_
 
     states = [state(cols, 1.0), state(cols, 2.0), state(NamedSharding(mesh, P("x")), 3.0)]
     d = str(tmp_path)
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         results = [_save(mngr, step, s) for step, s in enumerate(states, 1)]
     second, third = results[1:]
     assert second.bytes_reused == w.nbytes and second.bytes_written == ADAPTER
@@ -410,7 +410,7 @@ def test_a_leaf_sharded_along_axis_1_is_linked_and_another_sharding_written(tmp_
     assert third.bytes_reused == 0 and third.bytes_written == w.nbytes + ADAPTER
     assert _leaf_files(d, 3, "w")[1]["digest"] != record["digest"]
     assert not _all_inodes(d, 3, "w") & _all_inodes(d, 2, "w")
-    with fop.CheckpointManager(d, read_only=True) as mngr:
+    with fop.CheckpointManager(d, read_only=True, format_version=1) as mngr:
         for step in (1, 2, 3):
             got = mngr.restore(step=step)["params"]
             assert got["w"].tobytes() == w.tobytes()
@@ -426,7 +426,7 @@ def test_another_split_with_the_same_chunks_gets_another_digest(tmp_path, device
     w = np.arange(2048 * 256, dtype=np.float32).reshape(2048, 256)  # 2 MiB
     shardings = [P(), P("x"), P("x")]
     d = str(tmp_path)
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         results = [
             _save(mngr, step, {"params": {"w": jax.device_put(w, NamedSharding(mesh, spec))}})
             for step, spec in enumerate(shardings, 1)
@@ -520,7 +520,7 @@ def test_two_processes_link_their_own_chunks_of_a_frozen_base(tmp_path):
     assert record["digest"].startswith("xxh3_128r:")
     assert record["digest"] == _leaf_files(d, 1, "base")[1]["digest"]
     assert _leaf_files(d, 2, "adapter")[1]["digest"] != _leaf_files(d, 1, "adapter")[1]["digest"]
-    with fop.CheckpointManager(d, read_only=True) as reader:
+    with fop.CheckpointManager(d, read_only=True, format_version=1) as reader:
         for step in (1, 2):
             _assert_mp_step(reader, step)
     # Step 3 with keep=2 deletes step 1: the later steps stay whole.
@@ -531,7 +531,7 @@ def test_two_processes_link_their_own_chunks_of_a_frozen_base(tmp_path):
     assert all(_same_inodes(d, 2, 3, "base"))
     files, _ = _leaf_files(d, 3, "base")
     assert all(st.st_nlink == 2 for n, st in files.items() if n.startswith("c/"))
-    with fop.CheckpointManager(d, read_only=True) as reader:
+    with fop.CheckpointManager(d, read_only=True, format_version=1) as reader:
         for step in (2, 3):
             _assert_mp_step(reader, step)
     assert all(r.ok for r in fop.verify(d, all_steps=True))
@@ -554,7 +554,7 @@ def test_two_processes_link_their_own_chunks_of_a_frozen_base(tmp_path):
     shared = {n: two[n].st_ino == st.st_ino for n, st in four.items() if n.startswith("c/")}
     assert len(shared) == 8 and sum(shared.values()) == 4  # half linked, half written
     assert not shared["c/0/3"]
-    with fop.CheckpointManager(d, read_only=True) as reader:
+    with fop.CheckpointManager(d, read_only=True, format_version=1) as reader:
         _assert_mp_step(reader, 4)
     assert all(r.ok for r in fop.verify(d, step=4))
 
@@ -574,7 +574,7 @@ def test_link_leaf_links_only_the_chunks_asked_for_and_undoes_only_its_own(tmp_p
     from flax_orbax_plugin._storage.location import Location
 
     d = str(tmp_path / "steps")
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
     files, record = _leaf_files(d, 1, "base/w1")
     rec = _layout.LeafRecord.from_json(record, "m", 0)
@@ -623,7 +623,7 @@ def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_
     from flax_orbax_plugin._storage.location import Location
 
     url = s3_location.url
-    with fop.CheckpointManager(url, incremental=True) as mngr:
+    with fop.CheckpointManager(url, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
     files, record, prefix = _remote_leaf(s3_location, 1, "base/w1")
     rec = _layout.LeafRecord.from_json(record, "m", 0)
@@ -679,23 +679,23 @@ def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_
 
 def test_off_by_default_and_in_standalone_saves(tmp_path):
     d = str(tmp_path / "steps")
-    with fop.CheckpointManager(d) as mngr:
+    with fop.CheckpointManager(d, format_version=1) as mngr:
         _save(mngr, 1, _state())
         r = _save(mngr, 2, _state())
         assert r.bytes_reused == 0 and "checkpoint/bytes_reused" not in r.as_scalars()
         assert not any(_same_inodes(d, 1, 2, "base/w1"))
     _, record = _leaf_files(d, 2, "base/w1")
     assert "digest" not in record
-    fop.save(str(tmp_path / "one"), _state()["params"])
+    fop.save(str(tmp_path / "one"), _state()["params"], format_version=1)
     meta = json.load(open(tmp_path / "one" / "_METADATA.json"))
     assert not any("digest" in r for r in meta["leaves"])
 
 
 def test_previous_step_without_the_item_or_digests(tmp_path):
     d = str(tmp_path)
-    with fop.CheckpointManager(d) as mngr:  # step 1 written without digests
+    with fop.CheckpointManager(d, format_version=1) as mngr:  # step 1 written without digests
         _save(mngr, 1, _state())
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         assert _save(mngr, 2, {"other": _state()["params"]}).bytes_reused == 0
         assert _save(mngr, 3, _state()).bytes_reused == 0  # step 2 has no params
         assert _save(mngr, 4, _state()).bytes_reused > 0
@@ -760,10 +760,10 @@ def test_a_kill_during_an_incremental_step_leaves_the_earlier_one_whole(tmp_path
     commit marker, or while retention deletes step 1: the next writer restores a whole
     step and nothing partial is listed."""
     d = str(tmp_path)
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state(1.0))
     _killed_step_2(d, phase)
-    with fop.CheckpointManager(d, incremental=True) as mngr:
+    with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         steps = mngr.steps()
         assert steps == {"mid_write": [1], "after_marker": [1, 2], "mid_retention": [2]}[phase]
         assert sorted(os.listdir(d)) == sorted([".writer.lock", *map(str, steps)])
@@ -811,7 +811,7 @@ def test_object_store_copies_the_frozen_base_on_the_server(bucket, caplog):
     url = bucket.url
     states = [_state(adapter_value=s) for s in range(3)]
     with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
-        with fop.CheckpointManager(url, incremental=True, keep=2) as mngr:
+        with fop.CheckpointManager(url, incremental=True, keep=2, format_version=1) as mngr:
             first = _save(mngr, 1, states[0])
             second = _save(mngr, 2, states[1])
     assert "incremental save" not in caplog.text  # nothing fell back to a write
@@ -824,13 +824,13 @@ def test_object_store_copies_the_frozen_base_on_the_server(bucket, caplog):
         chunks = [n for n in a if n.startswith("c/")]
         assert len(chunks) >= 2 and set(a) == set(b)  # every chunk copied, zarr.json fresh
         assert all(a[n] == b[n] for n in chunks) and record["digest"].startswith("xxh3_128r:")
-    with fop.CheckpointManager(url, read_only=True) as mngr:
+    with fop.CheckpointManager(url, read_only=True, format_version=1) as mngr:
         for step in (1, 2):
             _assert_equal(states[step - 1], mngr.restore(step=step))
     rows = _list_rows(url)
     assert rows["1"][:2] == [cli.human_bytes(first.bytes_written), "0 B"]
     assert rows["2"][:2] == ["2.0 MiB", "5.0 MiB"]  # the adapter (+64 B); w1 and w2
-    with fop.CheckpointManager(url, incremental=True, keep=1) as mngr:
+    with fop.CheckpointManager(url, incremental=True, keep=1, format_version=1) as mngr:
         third = _save(mngr, 3, states[2])  # copied from step 2, which retention then deletes
         assert third.bytes_reused == W1 + W2 and mngr.steps() == [3]
         _assert_equal(states[2], mngr.restore())
@@ -842,7 +842,7 @@ def test_object_store_copies_the_frozen_base_on_the_server(bucket, caplog):
 @pytest.mark.parametrize("damage", ["truncate", "remove"])
 def test_a_missing_or_short_previous_chunk_object_means_write(s3_location, damage, caplog):
     url = s3_location.url
-    with fop.CheckpointManager(url, incremental=True) as mngr:
+    with fop.CheckpointManager(url, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
         files, _, prefix = _remote_leaf(s3_location, 1, "base/w1")
         victim = prefix + sorted(n for n in files if n.startswith("c/"))[-1]
@@ -893,7 +893,7 @@ def test_a_copy_that_differs_from_its_source_is_deleted_and_the_leaf_written(
                 s3_location.kvstore().write(key, b"\0" * source.size).result()
             return out
 
-    with fop.CheckpointManager(url, incremental=True) as mngr:
+    with fop.CheckpointManager(url, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
         copier, _ = real(fop._storage.location.Location.from_path(url))
         tampered = Tampered(copier)
@@ -912,7 +912,7 @@ def test_an_edited_and_resealed_previous_chunk_object_is_not_copied(bucket, capl
     object listed) must equal the crc32c of the snapshot's bytes for that chunk; an
     edited and resealed chunk is not copied, the leaf is written."""
     url = bucket.url
-    with fop.CheckpointManager(url, incremental=True) as mngr:
+    with fop.CheckpointManager(url, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
         files, _, prefix = _remote_leaf(bucket, 1, "base/w1")
         name = sorted(n for n in files if n.startswith("c/"))[1]
@@ -949,7 +949,7 @@ def test_copy_check_compares_tags_only_where_they_hash_the_bytes():
 def test_no_copier_for_memory_stores_writes_everything_and_says_why(caplog):
     url = f"memory://incremental-{os.getpid()}-{id(caplog)}"
     with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
-        with fop.CheckpointManager(url, incremental=True) as mngr:
+        with fop.CheckpointManager(url, incremental=True, format_version=1) as mngr:
             _save(mngr, 1, _state())
             r2 = _save(mngr, 2, _state())
             r3 = _save(mngr, 3, _state())
@@ -1002,10 +1002,10 @@ def test_a_kill_during_an_incremental_s3_step_leaves_the_earlier_one_whole(s3_lo
     """As on local disk: killed while chunks are being copied and the adapter written
     (mid_write), after the marker, or while retention deletes step 1."""
     url = s3_location.url
-    with fop.CheckpointManager(url, incremental=True) as mngr:
+    with fop.CheckpointManager(url, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state(1.0))
     _killed_step_2(url, phase, s3_location.env)
-    with fop.CheckpointManager(url, incremental=True) as mngr:
+    with fop.CheckpointManager(url, incremental=True, format_version=1) as mngr:
         steps = mngr.steps()
         assert steps == {"mid_write": [1], "after_marker": [1, 2], "mid_retention": [2]}[phase]
         for s in steps:
@@ -1021,16 +1021,18 @@ def test_incremental_local_steps_replicate_whole_to_the_persistent_tier(s3_locat
     restores the latest of them bit-exact."""
     url = s3_location.url
     states = [_state(adapter_value=s) for s in range(3)]
-    with fop.CheckpointManager(tmp_path / "a", incremental=True, persistent=url) as mngr:
+    with fop.CheckpointManager(
+        tmp_path / "a", incremental=True, persistent=url, format_version=1
+    ) as mngr:
         for step, state in enumerate(states, 1):
             assert _save(mngr, step, state).bytes_reused == (step > 1) * (W1 + W2)
         mngr.persistent.wait()
     assert all(_same_inodes(str(tmp_path / "a"), 1, 3, "base/w1"))
-    with fop.CheckpointManager(url, read_only=True) as remote:
+    with fop.CheckpointManager(url, read_only=True, format_version=1) as remote:
         assert remote.steps()[-1] == 3
         _assert_equal(states[2], remote.restore(step=3))
     assert all(r.ok for r in fop.verify(url, all_steps=True))
-    with fop.CheckpointManager(tmp_path / "b", persistent=url) as fresh:
+    with fop.CheckpointManager(tmp_path / "b", persistent=url, format_version=1) as fresh:
         _assert_equal(states[2], fresh.restore())
         assert fresh.steps() == [3]
 

@@ -17,7 +17,7 @@ import flax_orbax_plugin as fop
         ({"step": "7"}, "step must be an int step >= 0 or None, found str '7'"),
         ({"step": -1}, "step must be an int step >= 0 or None, found int -1"),
         ({"force": "yes"}, "force must be True or False, found str 'yes'"),  # was: taken
-        ({"format_version": 3}, "format_version must be one of 1, 2, found int 3"),
+        ({"format_version": 3}, "format_version must be one of 1, 2 or None, found int 3"),
     ],
 )
 def test_an_importer_refuses_a_hostile_option_before_reading(tmp_path, entry, kwargs, words):

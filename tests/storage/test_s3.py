@@ -180,7 +180,7 @@ class TestCoreOnS3:
         # When the marker was written, every other key of the checkpoint was there.
         assert "_PENDING.json" not in keys  # the claim goes once the marker is there
         assert writes[-1][1] - {"_PENDING.json"} == keys - {"_COMMITTED"}, (writes[-1][1], keys)
-        assert any(k.startswith("d/") for k in writes[-1][1])  # array chunks among them
+        assert any(k.startswith("data/") for k in writes[-1][1])  # the data files among them
         # Without its marker, the same bytes are not a checkpoint.
         s3_location.delete("_COMMITTED")
         assert not fop.is_committed(s3_location.spec)
@@ -196,7 +196,7 @@ class TestCoreOnS3:
 
     def test_corrupt_chunk_names_the_leaf(self, s3_location):
         fop.save(s3_location.spec, {"layer": {"kernel": np.arange(4 << 18, dtype=np.float32)}})
-        chunks = [k for k in s3_location.keys() if "/c/" in k or k.split("/")[-1].isdigit()]
+        chunks = [k for k in s3_location.keys() if k.startswith("data/") and k.endswith(".bin")]
         assert chunks, s3_location.keys()
         raw = bytearray(s3_location.read(chunks[0]))
         raw[len(raw) // 2] ^= 0xFF

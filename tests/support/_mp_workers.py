@@ -806,7 +806,7 @@ def damaged_where_one_process_reads(ctx, directory, leaf):
         return {"params": {"w": put(host["w"], P(axis)), "r": put(host["r"], P())}}
 
     out = {}
-    with fop.CheckpointManager(directory) as mngr:
+    with fop.CheckpointManager(directory, format_version=1) as mngr:  # a chunk file damaged
         for step in (1, 2):
             mngr.save(step, state(step))
         mngr.wait()

@@ -168,9 +168,9 @@ def _tree():
 def test_a_save_on_local_disk_writes_what_tensorstore_writes(tmp_path, monkeypatch):
     """The whole save: same files as with the direct writer switched off; restores."""
     tree = _tree()
-    fop.save(tmp_path / "direct", tree)
+    fop.save(tmp_path / "direct", tree, format_version=1)
     monkeypatch.setattr(_chunk_files, "usable", lambda location: False)
-    fop.save(tmp_path / "tensorstore", tree)
+    fop.save(tmp_path / "tensorstore", tree, format_version=1)
     direct, reference = _files(tmp_path / "direct"), _files(tmp_path / "tensorstore")
     assert sorted(direct) == sorted(reference)
     data = [name for name in direct if name.startswith(("d/", "b/")) and "zarr.json" not in name]
@@ -183,7 +183,7 @@ def test_a_save_on_local_disk_writes_what_tensorstore_writes(tmp_path, monkeypat
 
 def test_a_flipped_byte_in_a_directly_written_chunk_fails_the_restore(tmp_path):
     tree = _tree()
-    fop.save(tmp_path / "c", tree)
+    fop.save(tmp_path / "c", tree, format_version=1)
     files = sorted(
         os.path.join(parent, name)
         for parent, _, names in os.walk(tmp_path / "c" / "d")
@@ -200,7 +200,7 @@ def test_a_flipped_byte_in_a_directly_written_chunk_fails_the_restore(tmp_path):
 
 
 def test_a_failing_write_fails_the_save_and_leaves_nothing(tmp_path, monkeypatch):
-    fop.save(tmp_path / "1", {"w": np.arange(10.0)})
+    fop.save(tmp_path / "1", {"w": np.arange(10.0)}, format_version=1)
     calls = []
     real = os.writev
 
@@ -212,7 +212,7 @@ def test_a_failing_write_fails_the_save_and_leaves_nothing(tmp_path, monkeypatch
 
     monkeypatch.setattr(_chunk_files.os, "writev", full_disk_on_the_third_file)
     with pytest.raises(CheckpointError, match="No space left"):
-        fop.save(tmp_path / "2", _tree())
+        fop.save(tmp_path / "2", _tree(), format_version=1)
     assert sorted(os.listdir(tmp_path)) == ["1"]
     np.testing.assert_array_equal(fop.restore(tmp_path / "1")["w"], np.arange(10.0))
 
@@ -224,7 +224,7 @@ def _saved_big(tmp_path):
     """(directory, tree, chunk files of the leaf "big": 3 chunks, the last one cut)."""
     tree = {"big": jax.numpy.asarray(np.random.default_rng(2).standard_normal((2100, 1000)))}
     tree["big"] = tree["big"].astype(jax.numpy.float32)
-    fop.save(tmp_path / "c", tree)
+    fop.save(tmp_path / "c", tree, format_version=1)
     chunks = sorted((tmp_path / "c" / "d" / "0" / "c").glob("*/0"))
     assert len(chunks) == 3
     return tmp_path / "c", tree, chunks
@@ -318,7 +318,7 @@ def _small_leaves():
 )
 def test_a_damaged_batch_file_fails_the_direct_read_naming_its_leaves(tmp_path, damage):
     tree = _small_leaves()
-    fop.save(tmp_path / "c", tree)
+    fop.save(tmp_path / "c", tree, format_version=1)
     (batch,) = list((tmp_path / "c" / "b").iterdir())
     (path,) = list((batch / "c").iterdir())
     data = path.read_bytes()
@@ -375,7 +375,7 @@ def test_sharded_regions_are_read_directly_where_they_are_whole_chunks(tmp_path,
     read what they can directly and the rest through tensorstore; all bit-exact."""
     saved_on = _mesh(8, 1) if onto == "2x4 from 8x1" else _mesh(2, 4)
     tree = _sharded_tree(saved_on)
-    fop.save(tmp_path / "c", tree)
+    fop.save(tmp_path / "c", tree, format_version=1)
     if onto == "replicated":
         like = _like(tree, _mesh(2, 4), jax.sharding.PartitionSpec())
     else:
@@ -409,7 +409,7 @@ def test_sharded_regions_are_read_directly_where_they_are_whole_chunks(tmp_path,
 
 def test_a_damaged_chunk_fails_a_sharded_direct_read_naming_the_leaf(tmp_path):
     tree = _sharded_tree(_mesh(2, 4))
-    fop.save(tmp_path / "c", tree)
+    fop.save(tmp_path / "c", tree, format_version=1)
     replicated = _like(tree, _mesh(2, 4), jax.sharding.PartitionSpec())
     for name, like in (("rows", _like(tree)), ("cols", replicated)):  # in place; scratch
         index = sorted(tree).index(name)

@@ -12,10 +12,13 @@ from flax_orbax_plugin._zarr import chunk_files as _chunk_files
 
 
 def _data_bytes(root) -> int:
-    """Bytes of every chunk file under ``root/d`` (the arrays stored on their own)."""
+    """Bytes of every chunk file under ``root/d`` (version 1: the arrays stored on their
+    own), or of the data files under ``root/data`` (version 2)."""
     total = 0
     for parent, _, names in os.walk(os.path.join(root, "d")):
         total += sum(os.path.getsize(os.path.join(parent, n)) for n in names if n != "zarr.json")
+    for parent, _, names in os.walk(os.path.join(root, "data")):
+        total += sum(os.path.getsize(os.path.join(parent, n)) for n in names if n.endswith(".bin"))
     return total
 
 
