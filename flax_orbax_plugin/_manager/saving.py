@@ -222,9 +222,8 @@ class Saver:
         if self._buffers is None:
             return 0
         own = self._book.per_host
-        request = SaveRequest(
-            format_version=self._format_version, own_copy=own, created_at=0.0 if own else None
-        )
+        version = _formats.version_for(self._format_version, per_host=own)
+        request = SaveRequest(format_version=version, own_copy=own, created_at=0.0 if own else None)
         sizes: list[int] = []
         for name, value in split_state(like).items():
             handler = checkpointable_for(name, self._overrides)

@@ -115,7 +115,7 @@ def test_frozen_base_is_linked_and_only_the_adapter_is_written(tmp_path):
     assert [rows[s][:2] for s in "123"] == [[cli.human_bytes(first.bytes_written), "0 B"]] + [
         ["2.0 MiB", "5.0 MiB"]
     ] * 2
-    with fop.CheckpointManager(d, read_only=True, format_version=1) as mngr:
+    with fop.CheckpointManager(d, read_only=True) as mngr:
         for step, want in zip((1, 2, 3), states, strict=True):
             _assert_equal(want, mngr.restore(step=step))
     _assert_equal(states[2]["params"], fop.restore_params(d, states[2]["params"]))
@@ -410,7 +410,7 @@ def test_a_leaf_sharded_along_axis_1_is_linked_and_another_sharding_written(tmp_
     assert third.bytes_reused == 0 and third.bytes_written == w.nbytes + ADAPTER
     assert _leaf_files(d, 3, "w")[1]["digest"] != record["digest"]
     assert not _all_inodes(d, 3, "w") & _all_inodes(d, 2, "w")
-    with fop.CheckpointManager(d, read_only=True, format_version=1) as mngr:
+    with fop.CheckpointManager(d, read_only=True) as mngr:
         for step in (1, 2, 3):
             got = mngr.restore(step=step)["params"]
             assert got["w"].tobytes() == w.tobytes()
@@ -520,7 +520,7 @@ def test_two_processes_link_their_own_chunks_of_a_frozen_base(tmp_path):
     assert record["digest"].startswith("xxh3_128r:")
     assert record["digest"] == _leaf_files(d, 1, "base")[1]["digest"]
     assert _leaf_files(d, 2, "adapter")[1]["digest"] != _leaf_files(d, 1, "adapter")[1]["digest"]
-    with fop.CheckpointManager(d, read_only=True, format_version=1) as reader:
+    with fop.CheckpointManager(d, read_only=True) as reader:
         for step in (1, 2):
             _assert_mp_step(reader, step)
     # Step 3 with keep=2 deletes step 1: the later steps stay whole.
@@ -531,7 +531,7 @@ def test_two_processes_link_their_own_chunks_of_a_frozen_base(tmp_path):
     assert all(_same_inodes(d, 2, 3, "base"))
     files, _ = _leaf_files(d, 3, "base")
     assert all(st.st_nlink == 2 for n, st in files.items() if n.startswith("c/"))
-    with fop.CheckpointManager(d, read_only=True, format_version=1) as reader:
+    with fop.CheckpointManager(d, read_only=True) as reader:
         for step in (2, 3):
             _assert_mp_step(reader, step)
     assert all(r.ok for r in fop.verify(d, all_steps=True))
@@ -554,7 +554,7 @@ def test_two_processes_link_their_own_chunks_of_a_frozen_base(tmp_path):
     shared = {n: two[n].st_ino == st.st_ino for n, st in four.items() if n.startswith("c/")}
     assert len(shared) == 8 and sum(shared.values()) == 4  # half linked, half written
     assert not shared["c/0/3"]
-    with fop.CheckpointManager(d, read_only=True, format_version=1) as reader:
+    with fop.CheckpointManager(d, read_only=True) as reader:
         _assert_mp_step(reader, 4)
     assert all(r.ok for r in fop.verify(d, step=4))
 
@@ -824,7 +824,7 @@ def test_object_store_copies_the_frozen_base_on_the_server(bucket, caplog):
         chunks = [n for n in a if n.startswith("c/")]
         assert len(chunks) >= 2 and set(a) == set(b)  # every chunk copied, zarr.json fresh
         assert all(a[n] == b[n] for n in chunks) and record["digest"].startswith("xxh3_128r:")
-    with fop.CheckpointManager(url, read_only=True, format_version=1) as mngr:
+    with fop.CheckpointManager(url, read_only=True) as mngr:
         for step in (1, 2):
             _assert_equal(states[step - 1], mngr.restore(step=step))
     rows = _list_rows(url)
@@ -1028,7 +1028,7 @@ def test_incremental_local_steps_replicate_whole_to_the_persistent_tier(s3_locat
             assert _save(mngr, step, state).bytes_reused == (step > 1) * (W1 + W2)
         mngr.persistent.wait()
     assert all(_same_inodes(str(tmp_path / "a"), 1, 3, "base/w1"))
-    with fop.CheckpointManager(url, read_only=True, format_version=1) as remote:
+    with fop.CheckpointManager(url, read_only=True) as remote:
         assert remote.steps()[-1] == 3
         _assert_equal(states[2], remote.restore(step=3))
     assert all(r.ok for r in fop.verify(url, all_steps=True))
