@@ -730,7 +730,8 @@ from flax_orbax_plugin._zarr import arrays as _arrays
 _arrays.CHUNK_TARGET_BYTES = 1 << 20
 sys.path.insert(0, sys.argv[2])  # this test's wing (tests/support: child_env)
 from test_incremental import _state
-with fop.CheckpointManager(sys.argv[1], incremental=True, keep=int(sys.argv[3]) or None) as m:
+keep = int(sys.argv[3]) or None
+with fop.CheckpointManager(sys.argv[1], incremental=True, keep=keep, format_version=1) as m:
     m.save(2, _state(2.0))
     m.wait()
 """
