@@ -105,7 +105,7 @@ def test_bars_on_a_terminal_show_bytes_rate_and_time_left(sources, tmp_path):
         assert lines, f"no {label!r} bar in {text[-3000:]!r}"
         done = [ln for ln in lines if total in ln]  # bytes done / total
         assert done, (label, lines)
-        assert re.search(r"(\d+(\.\d+)? [KMG]?i?B/s|\?)", done[-1]), done[-1]  # the rate
+        assert re.search(r"(\d+(\.\d+)? [kKMG]?i?B/s|\?)", done[-1]), done[-1]  # the rate
         times = re.findall(r"\d+:\d\d:\d\d|-:--:--", done[-1])
         assert len(times) == 2, done[-1]  # time taken, time left
     assert "\x1b[" in raw.decode(errors="replace")  # drawn with terminal controls
