@@ -19,10 +19,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ..._errors import StructureError
-from ..._like import onto_like as _onto_like
-from ..safetensors.headers import DEFAULT_STEM, INDEX_SUFFIX, MARKER_KEY, MARKER_VALUE, TAGS
+from ..safetensors.headers import DEFAULT_STEM, INDEX_SUFFIX, MARKER_KEY, MARKER_VALUE
 from ..safetensors.packing import packed_bits
-from ..safetensors.plan import Tensor, encode_header, split_shards
+from ..safetensors.plan import Tensor, encode_header, split_shards, tensor_dtype
 from .key_maps import KeyMap
 
 __all__ = ["Layout", "Placed", "plan", "runs"]
@@ -91,14 +90,7 @@ def _names(leaves: Sequence[tuple[str, np.dtype, tuple[int, ...]]], key_map: Key
 
 
 def _tensor(path: str, name: str, dtype, shape, key_map: KeyMap | None, cast) -> Tensor:
-    out = np.dtype(dtype)
-    if cast is not None and _onto_like._is_float(out):
-        out = np.dtype(cast)
-    if out not in TAGS:
-        raise StructureError(
-            f"leaf {path!r}: dtype {out} has no safetensors equivalent (expected one of "
-            f"{sorted(str(d) for d in TAGS)})"
-        )
+    out = tensor_dtype(path, dtype, cast)
     if packed_bits(out) is not None:  # a process's rows need not fall on whole bytes
         raise StructureError(
             f"leaf {path!r}: {out} is packed below a byte in safetensors; hf_shards writes "

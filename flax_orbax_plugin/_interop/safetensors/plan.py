@@ -129,6 +129,21 @@ def _utf8(name: str) -> bool:
     return True
 
 
+def tensor_dtype(path: str, leaf_dtype, cast) -> np.dtype:
+    """The dtype leaf ``path`` is written as in safetensors: its own, or ``cast`` for a
+    floating leaf; a StructureError naming the leaf when safetensors has no tag for it
+    (the exporter and the HF shards item)."""
+    out = np.dtype(leaf_dtype)
+    if cast is not None and _onto_like._is_float(out):
+        out = np.dtype(cast)
+    if out not in TAGS:
+        raise StructureError(
+            f"leaf {path!r}: dtype {out} has no safetensors equivalent "
+            f"(expected one of {sorted(str(d) for d in TAGS)})"
+        )
+    return out
+
+
 def plan_tensors(
     leaves: list[tuple[str, np.dtype, tuple[int, ...]]],
     key_map: Callable[[str], str | None] | None,
@@ -159,14 +174,7 @@ def plan_tensors(
         if name in seen:
             raise ValueError(f"key_map: leaves {seen[name]!r} and {path!r} both map to {name!r}")
         seen[name] = path
-        out_dtype = np.dtype(leaf_dtype)
-        if dtype is not None and _onto_like._is_float(out_dtype):
-            out_dtype = np.dtype(dtype)
-        if out_dtype not in TAGS:
-            raise StructureError(
-                f"leaf {path!r}: dtype {out_dtype} has no safetensors equivalent "
-                f"(expected one of {sorted(str(d) for d in TAGS)})"
-            )
+        out_dtype = tensor_dtype(path, leaf_dtype, dtype)
         bits = packed_bits(out_dtype)
         if bits is not None and math.prod(shape) * bits % 8:
             raise StructureError(
