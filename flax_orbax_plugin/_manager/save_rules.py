@@ -218,13 +218,14 @@ def _parts(cls: type, policies: tuple[Any, ...]) -> tuple[SaveRule, ...]:
 
 
 @dataclass(frozen=True, init=False)
-class AnyOf(SaveRule):
-    """Saves when any of ``policies`` wants the step (``a | b``)."""
+class _Combined(SaveRule):
+    """What AnyOf and AllOf share: their parts (nested ones of the same kind flattened),
+    and needing the time or the preemption notice when any part does."""
 
     policies: tuple[SaveRule, ...]
 
     def __init__(self, *policies: Any):
-        object.__setattr__(self, "policies", _parts(AnyOf, policies))
+        object.__setattr__(self, "policies", _parts(type(self), policies))
 
     @property
     def uses_time(self) -> bool:  # type: ignore[override]
@@ -233,27 +234,19 @@ class AnyOf(SaveRule):
     @property
     def watches_preemption(self) -> bool:  # type: ignore[override]
         return any(p.watches_preemption for p in self.policies)
+
+
+@dataclass(frozen=True, init=False)
+class AnyOf(_Combined):
+    """Saves when any of ``policies`` wants the step (``a | b``)."""
 
     def wants(self, moment: Moment) -> bool:
         return any(p.wants(moment) for p in self.policies)
 
 
 @dataclass(frozen=True, init=False)
-class AllOf(SaveRule):
+class AllOf(_Combined):
     """Saves when every one of ``policies`` wants the step (``a & b``)."""
-
-    policies: tuple[SaveRule, ...]
-
-    def __init__(self, *policies: Any):
-        object.__setattr__(self, "policies", _parts(AllOf, policies))
-
-    @property
-    def uses_time(self) -> bool:  # type: ignore[override]
-        return any(p.uses_time for p in self.policies)
-
-    @property
-    def watches_preemption(self) -> bool:  # type: ignore[override]
-        return any(p.watches_preemption for p in self.policies)
 
     def wants(self, moment: Moment) -> bool:
         return all(p.wants(moment) for p in self.policies)
