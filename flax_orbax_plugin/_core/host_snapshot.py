@@ -338,7 +338,7 @@ def _host_copy(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
 def cpu_views_are_snapshots() -> bool:
     """Whether a numpy view of a CPU jax.Array keeps its bytes through a donation of the
     array, its deletion and the donating step's output (checked on this jax, once)."""
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]  # this process's (several: not devices()[0])
     base = np.arange(4096, dtype=np.float32)
     try:
         with warnings.catch_warnings():

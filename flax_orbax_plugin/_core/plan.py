@@ -207,6 +207,9 @@ class Plan:
             if self._pool is not None:  # tensorstore reads none of them any more
                 self._pool.give_back(self._pooled)
             self._pooled = []
+            for leaf in self.leaves:  # views of the state: jax may donate its buffers now
+                leaf.writes = []
+            self.batch_data = {}
 
     def _write(self, location, *, durable) -> _commit.Written:
         primary = _distributed.is_primary() or self.request.own_copy

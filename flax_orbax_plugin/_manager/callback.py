@@ -212,6 +212,12 @@ class CheckpointCallback:
             raise TypeError("CheckpointCallback(...) needs state_fn=... to be used as a hook")
         return self.on_step_end(step, self._state_fn(), t=t)
 
+    def wrap_step(self, fn: Any, **options: Any) -> Any:
+        """The manager's :meth:`CheckpointManager.wrap_step`: ``step =
+        cb.wrap_step(train_step, donate_argnums=0)``; this callback's saves then copy
+        nothing, and the step after each writes into the previous save's arrays."""
+        return self.manager.wrap_step(fn, **options)
+
     def wait(self) -> None:
         """Blocks until the save in flight (if any) is durable and retention has run;
         reports its figures. With several processes: on every process (collective)."""

@@ -35,10 +35,11 @@ from .book import StepBook
 from .option_table import MANAGER
 from .restoring import Restorer
 from .retaining import RetentionRunner
-from .saving import Reserving, Saver, collect_items
+from .saving import Saver, collect_items
 from .schedule import SaveSchedule
 from .store_places import manager_places
 from .tiers import PersistentTier
+from .zero_copy import HostMemory
 
 __all__ = ["CheckpointManager"]
 
@@ -46,7 +47,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 @raises_store_errors_in_methods(manager_places)  # a store's refusal: StoreAccessError
-class CheckpointManager(Reserving):  # reserve(like): saving.Reserving
+class CheckpointManager(HostMemory):  # reserve(like), wrap_step(fn): zero_copy.HostMemory
     # The docstring and the signature of __init__ are derived from the option
     # declarations (option_table.MANAGER) by signatures.document, below the class.
 

@@ -80,16 +80,6 @@ def with_copy_item(items: dict[str, Any], copy: Any, step: int) -> dict[str, Any
     return {**items, copy.name: items[copy.item]}
 
 
-class Reserving:  # CheckpointManager.reserve (the manager's _saver and _check_writable)
-    def reserve(self, like: Any) -> int:
-        """Allocates and populates (``MADV_POPULATE_WRITE``) the host buffers one save of
-        ``like`` (the state, or ShapeDtypeStructs on one device) copies into: the first
-        save costs what a steady one does. Returns the bytes allocated. Training thread,
-        before the loop (``CheckpointCallback.on_train_start`` calls it); read-only: refused."""
-        self._check_writable()  # type: ignore[attr-defined]
-        return self._saver.reserve(like)  # type: ignore[attr-defined]
-
-
 class Saver:
     """Saves steps into ``location`` (see the module docstring).
 
@@ -121,7 +111,16 @@ class Saver:
         self._retention = retention
         self.log_level = logging.INFO
         self.inflight: SaveHandle | None = None  # the save in flight, if any
+        self._steps: list = []  # zero-copy steps told what each save holds (zero_copy)
         self.starting = False  # in a save's blocking phase (see busy)
+
+    def hold_views(self, step: Any) -> None:
+        """From now on saves hold CPU arrays as views (no host buffers) and ``step`` (a
+        ``zero_copy.ZeroCopyStep``) is told what each one holds. Training thread."""
+        if self._buffers is not None:
+            self._buffers.clear()  # reserved before (on_train_start): not needed now
+        self._buffers = None
+        self._steps.append(step)
 
     # -- the save in flight (training thread)
 
@@ -253,6 +252,8 @@ class Saver:
                 pendings = self._start(step, items, extras, local, replicate)
             for pending in pendings.values():  # views under a budget: written before returning
                 wait_for_data(getattr(pending, "snap", None), self.inflight)  # interruptible
+            for zero_copy in self._steps:
+                zero_copy.saved(items, self.inflight)
         except BaseException as e:
             handle, self.inflight = self.inflight, None
             if handle is not None:

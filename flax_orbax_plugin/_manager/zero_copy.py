@@ -1,0 +1,290 @@
+"""Zero-copy saves: a training step that never donates what a save still holds.
+
+``step = mngr.wrap_step(train_step, donate_argnums=0)`` (or the callback's
+``wrap_step``) compiles ``train_step`` three ways, each once, when first needed:
+
+* **plain**: ``jit(train_step, donate_argnums=...)``, the step as the user would
+  write it; every call that does not follow a save takes it.
+* **into a spare**: the first call after a save receives the very arrays that save
+  holds (the manager's saves then keep CPU arrays as zero-copy views instead of
+  copying them into host buffers). They must not be donated, so this variant takes
+  the saved state as a plain input and donates a *spare* instead: the arrays of the
+  previous save, whose writes are done. It is compiled with ``keep_unused=True``
+  (without it jax drops the unused spare and aliases nothing) and the outputs are
+  checked to land in the spare's buffers: where they do not, a ``CheckpointError``
+  says which leaves did not alias and why that happens.
+* **fresh**: the same call when no spare fits yet (the first save, a change of shape
+  or sharding, the previous save still writing): no donation, jax allocates the output.
+
+Memory: two states, the one the step computes and the one the save writes (as the
+manager's host buffers would), never a copy of either. The saved bytes are the state
+at the save's step whatever the steps after do: jax never donates or frees a buffer
+a view of the save still references (``_core.host_snapshot.cpu_views_are_snapshots``,
+checked once per process; where it does not hold, and for accelerator arrays, which a
+save copies off the device, every call takes the plain variant).
+
+Contract: a state passed to the wrapped step is consumed, as with ``donate_argnums``;
+after a save it is kept until the next save's writes are done and then reused as that
+step's spare. Pass the step function itself, not a jitted one (a jitted function's own
+donation does not apply inside another jit). Functional steps over pytrees only (a
+Linen ``TrainState``, tuples and dicts of arrays); NNX objects are refused.
+
+Threading: the training thread calls the wrapped step and the manager's ``save``; the
+manager tells the step what each save holds (:meth:`ZeroCopyStep.saved`) from that
+thread, after the save's blocking phase.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .._core import host_snapshot as _host_snapshot
+from .._errors import CheckpointError
+
+__all__ = ["HostMemory", "ZeroCopyStep"]
+
+
+def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
+    """``value`` as a sorted tuple of distinct non-negative ints (ValueError otherwise)."""
+    items = (value,) if isinstance(value, int) else value
+    try:
+        out = tuple(sorted({operator.index(v) for v in items}))
+    except TypeError:
+        raise TypeError(f"wrap_step: {name} must be an int or ints, found {value!r}") from None
+    if any(v < 0 for v in out):
+        raise ValueError(f"wrap_step: {name} must be non-negative positions, found {value!r}")
+    return out
+
+
+def _on_cpu(x: Any) -> bool:
+    return isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set)
+
+
+def _pointers(x: jax.Array) -> list[int]:
+    """The addresses of this process's buffers of ``x`` (one per addressable shard)."""
+    return [shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards]
+
+
+def _signature(x: Any) -> tuple:
+    return (tuple(x.shape), str(x.dtype), x.sharding)
+
+
+class ZeroCopyStep:
+    """A training step that writes into a spare after each save (module docstring).
+
+    Call it as the step itself: ``state, metrics = step(state, batch)``. Read-only
+    counters: :attr:`spare_calls` (calls after a save that wrote into a spare) and
+    :attr:`fresh_calls` (calls after a save with no spare: fresh memory)."""
+
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        donate_argnums: int | Sequence[int] = 0,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+    ):
+        if not callable(fn):
+            raise TypeError(f"wrap_step: expected the training step function, found {fn!r}")
+        self._fn = fn
+        self._donate = _argnums(donate_argnums, "donate_argnums")
+        if not self._donate:
+            raise ValueError("wrap_step: donate_argnums must name the state argument(s)")
+        self._static = _argnums(static_argnums, "static_argnums")
+        if set(self._static) & set(self._donate):
+            raise ValueError(
+                f"wrap_step: an argument cannot be both static and donated "
+                f"(static_argnums={self._static}, donate_argnums={self._donate})"
+            )
+        names = (static_argnames,) if isinstance(static_argnames, str) else static_argnames
+        self._names = tuple(names)
+        self._compiled: dict[str, Callable] = {}
+        self._held: dict[int, jax.Array] = {}  # id -> array: what the last save holds
+        self._held_save: Any = None  # that save's handle (done(): its writes are done)
+        self._spare: tuple[Any, list, Any] | None = None  # (treedef, leaves, handle)
+        self._checked = False  # the first call's arguments were checked
+        self.spare_calls = 0
+        self.fresh_calls = 0
+
+    # -- told by the manager (training thread)
+
+    def saved(self, items: dict[str, Any], handle: Any) -> None:
+        """A save of ``items`` returned from its blocking phase (``handle``: the save,
+        done or in flight): its CPU arrays are held as views until its writes are done."""
+        if not _host_snapshot.cpu_views_are_snapshots():
+            return  # the save copied what it writes: donating the state is safe
+        leaves = jax.tree_util.tree_leaves(items)
+        self._held = {id(x): x for x in leaves if _on_cpu(x)}
+        self._held_save = handle
+
+    # -- the step
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._checked:  # the first call: what the state arguments are
+            self._check_arguments(args)
+        if not self._held:
+            return self._variant("plain")(*args, **kwargs)
+        held, handle = self._held, self._held_save
+        self._held, self._held_save = {}, None
+        self._check_arguments(args)
+        state = tuple(args[i] for i in self._donate)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        if not any(id(x) in held for x in leaves):  # the save held other arrays
+            return self._variant("plain")(*args, **kwargs)
+        spare = self._take_spare(treedef, leaves)
+        if spare is None:
+            self.fresh_calls += 1
+            out = self._variant("fresh")(*args, **kwargs)
+        else:
+            wanted = {p for x in spare for p in _pointers(x)}
+            keys = [_key(x) for x in spare]
+            inputs = {p for x in leaves if isinstance(x, jax.Array) for p in _pointers(x)}
+            out = self._variant("spare")(spare, *args, **kwargs)
+            _check_aliased(wanted, keys, inputs, out)
+            self.spare_calls += 1
+        self._spare = (treedef, leaves, handle)  # donated once that save is written
+        return out
+
+    def _take_spare(self, treedef: Any, leaves: list) -> list | None:
+        """The previous save's arrays as a spare for a state of ``treedef`` / ``leaves``,
+        or None: none yet, its save still writing, another structure, shape, dtype or
+        sharding, or a buffer the current state shares (it would be donated twice)."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        old_def, old, handle = spare
+        if handle is not None and not handle.done():
+            return None
+        if old_def != treedef or len(old) != len(leaves):
+            return None
+        for a, b in zip(old, leaves, strict=True):
+            if not (_on_cpu(a) and _on_cpu(b)) or a.is_deleted():
+                return None
+            if _signature(a) != _signature(b):
+                return None
+        now = {p for x in leaves for p in _pointers(x)}
+        if any(p in now for x in old for p in _pointers(x)):
+            return None
+        return old
+
+    def _variant(self, kind: str) -> Callable:
+        """The compiled step of ``kind`` (``plain``, ``spare``, ``fresh``), made once."""
+        if kind not in self._compiled:
+            statics = {"static_argnums": self._static, "static_argnames": self._names}
+            if kind == "plain":
+                made = jax.jit(self._fn, donate_argnums=self._donate, **statics)
+            elif kind == "fresh":
+                made = jax.jit(self._fn, **statics)
+            else:
+                fn = self._fn
+
+                def into_spare(spare, *args, **kwargs):
+                    del spare  # only its buffers are wanted: the outputs land there
+                    return fn(*args, **kwargs)
+
+                shifted = tuple(i + 1 for i in self._static)
+                made = jax.jit(
+                    into_spare,
+                    donate_argnums=0,
+                    keep_unused=True,  # else the unused spare is dropped, and no alias
+                    static_argnums=shifted,
+                    static_argnames=self._names,
+                )
+            self._compiled[kind] = made
+        return self._compiled[kind]
+
+    def _check_arguments(self, args: tuple) -> None:
+        """Refuses a call whose state arguments are missing or NNX objects."""
+        if len(args) <= self._donate[-1]:
+            raise TypeError(
+                f"wrap_step: the step was called with {len(args)} positional arguments; "
+                f"donate_argnums={self._donate} names the state, passed positionally"
+            )
+        self._checked = True
+        nnx = sys.modules.get("flax.nnx")  # only loaded once the user has NNX objects
+        if nnx is None:
+            return
+        base = getattr(nnx, "Pytree", None) or nnx.Object
+        for value in (args[i] for i in self._donate):
+            if isinstance(value, base):
+                raise TypeError(
+                    f"wrap_step: the state argument is an NNX {type(value).__name__}, "
+                    f"which nnx.jit updates in place; wrap_step takes functional steps "
+                    f"over pytrees (a Linen TrainState, tuples or dicts of arrays). Save "
+                    f"NNX state with the manager as usual (its host buffers)"
+                )
+
+
+def _check_aliased(wanted: set[int], keys: list[tuple], inputs: set[int], out: Any) -> None:
+    """Raises unless the step's outputs landed in the spare's buffers (``wanted``, the
+    spare's leaves of ``keys`` (shape, dtype)): an output in fresh memory (neither in
+    the spare nor an input passed through) while a spare buffer of its shape and dtype
+    went unused is an alias jax did not make."""
+    unused = collections.Counter(keys)
+    fresh: list[tuple[str, jax.Array]] = []
+    for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not isinstance(x, jax.Array):
+            continue
+        ptrs = _pointers(x)
+        if any(p in wanted for p in ptrs):
+            unused[_key(x)] -= 1
+        elif not any(p in inputs for p in ptrs):
+            fresh.append((jax.tree_util.keystr(path), x))
+    missed = [(path, x) for path, x in fresh if unused[_key(x)] > 0]
+    if not missed:
+        return
+    what = ", ".join(f"{path} {tuple(x.shape)} {x.dtype}" for path, x in missed[:5])
+    raise CheckpointError(
+        f"wrap_step: the step after a save did not write into the spare buffers it was "
+        f"given: {len(missed)} outputs in fresh memory ({what}) while spare buffers of "
+        f"their shapes went unused. jax must be able to donate on this platform, the "
+        f"outputs must keep the state's shardings, and nothing else may hold the spare "
+        f"(call the manager's saves and the wrapped step from one thread)"
+    )
+
+
+def _key(x: jax.Array) -> tuple:
+    return (tuple(x.shape), str(x.dtype))
+
+
+class HostMemory:  # the manager's reserve and wrap_step (its _saver and _check_writable)
+    def reserve(self, like: Any) -> int:
+        """Allocates and populates (``MADV_POPULATE_WRITE``) the host buffers one save of
+        ``like`` (the state, or ShapeDtypeStructs on one device) copies into: the first
+        save costs what a steady one does. Returns the bytes allocated (0 once
+        :meth:`wrap_step` was called: saves then copy nothing). Training thread, before
+        the loop (``CheckpointCallback.on_train_start`` calls it); read-only: refused."""
+        self._check_writable()  # type: ignore[attr-defined]
+        return self._saver.reserve(like)  # type: ignore[attr-defined]
+
+    def wrap_step(
+        self,
+        fn: Callable,
+        *,
+        donate_argnums: int | Sequence[int] = 0,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+    ) -> ZeroCopyStep:
+        """``fn`` as a jitted step that never needs a copy of what this manager saves
+        (``_manager/zero_copy.py``): ``step = mngr.wrap_step(train_step,
+        donate_argnums=0)``, then ``state, metrics = step(state, batch)``.
+
+        From this call on, the manager's saves keep the state's CPU arrays as zero-copy
+        views (no host buffers, nothing copied in the blocking phase), and the step
+        right after a save writes its outputs into the previous save's arrays instead
+        of donating the ones being written. Call on the training thread."""
+        self._check_writable()  # type: ignore[attr-defined]
+        step = ZeroCopyStep(
+            fn,
+            donate_argnums=donate_argnums,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+        )
+        self._saver.hold_views(step)  # type: ignore[attr-defined]
+        return step

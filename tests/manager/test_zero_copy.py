@@ -1,0 +1,259 @@
+"""Zero-copy saves (issue 34, item 1): ``CheckpointManager.wrap_step`` / the callback's.
+
+The step right after a save writes into the previous save's arrays (a spare, donated,
+checked to alias) instead of donating the state the save still holds as views: the
+saved bytes are the state at the save's step whatever the steps after do, on every
+save path (async and sync, sharded, a host memory budget, incremental, per host,
+several processes), and nothing is copied into host buffers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_orbax_plugin as fop
+from flax_orbax_plugin._manager.zero_copy import ZeroCopyStep
+
+
+def _train_step(state, x):
+    """Changes every leaf of the state (in place, once donated)."""
+    params, opt = state
+    params = jax.tree.map(lambda a: a * 0.5 + x, params)
+    opt = {"m": opt["m"] + params["w"][:, :1], "count": opt["count"] + 1}
+    return (params, opt), jnp.sum(params["w"])
+
+
+def _state(sharded: bool = False):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((512, 96), np.float32)
+    params = {"w": jnp.asarray(w), "b": jnp.zeros((96,), jnp.float32)}
+    if sharded:
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(8), ("x",))
+        params["w"] = jax.device_put(w, NamedSharding(mesh, P("x")))
+    opt = {"m": jnp.zeros((512, 1), jnp.float32), "count": jnp.zeros((), jnp.int32)}
+    return params, opt
+
+
+def _items(state) -> dict:
+    return {"params": state[0], "opt_state": state[1]}
+
+
+def _pointers(tree) -> set[int]:
+    return {
+        s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree) for s in x.addressable_shards
+    }
+
+
+def _train(mngr, wrapped, state, steps: int, *, every: int):
+    """Runs ``steps`` steps, saving every ``every``-th; returns (the host copies of
+    the state at each saved step, the final state, the spare calls whose outputs
+    landed in the previous snapshot's buffers)."""
+    expected, snapshots, into_previous = {}, [], 0
+    for step in range(1, steps + 1):
+        if step % every == 0:
+            assert mngr.save(step, _items(state))
+            expected[step] = jax.tree.map(np.array, _items(state))
+            before_spare = wrapped.spare_calls
+            spare_ptrs = _pointers(snapshots[-1]) if snapshots else set()
+            snapshots.append(state)
+            state, _ = wrapped(state, 0.25)
+            if wrapped.spare_calls > before_spare:  # written into the previous snapshot
+                assert _pointers(state) <= spare_ptrs
+                into_previous += 1
+        else:
+            state, _ = wrapped(state, 0.25)
+    snapshots.clear()
+    return expected, state, into_previous
+
+
+def _check_restored(mngr, expected: dict) -> None:
+    for step in mngr.steps():
+        got = mngr.restore(step=step)
+        for path, value in jax.tree_util.tree_leaves_with_path(expected[step]):
+            found = got
+            for key in path:
+                found = found[key.key]
+            np.testing.assert_array_equal(found, value, err_msg=f"step {step} {path}")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"async_save": False},
+        {"host_memory_budget": 1 << 20},
+        {"incremental": True},
+        {"format_version": 1},
+    ],
+    ids=["async", "sync", "budget", "incremental", "v1"],
+)
+def test_saved_bytes_are_the_state_at_its_step_and_the_next_step_writes_into_a_spare(
+    tmp_path, options
+):
+    with fop.CheckpointManager(tmp_path / "ckpt", keep=10, **options) as mngr:
+        wrapped = mngr.wrap_step(_train_step, donate_argnums=0)
+        expected, state, into_previous = _train(mngr, wrapped, _state(), 13, every=3)
+        mngr.wait()
+        assert mngr.steps() == [3, 6, 9, 12]
+        _check_restored(mngr, expected)
+    # The first save has no spare yet (fresh memory); each later one writes into the
+    # previous snapshot's buffers: nothing of the state was copied or allocated.
+    assert (wrapped.fresh_calls, wrapped.spare_calls, into_previous) == (1, 3, 3)
+    assert mngr._buffers is None or mngr._saver._buffers is None  # no host buffers used
+
+
+def test_sharded_state_over_eight_devices(tmp_path):
+    with fop.CheckpointManager(tmp_path / "ckpt", keep=10) as mngr:
+        wrapped = mngr.wrap_step(_train_step, donate_argnums=(0,))
+        expected, state, into_previous = _train(mngr, wrapped, _state(sharded=True), 9, every=2)
+        mngr.wait()
+        _check_restored(mngr, expected)
+    assert wrapped.spare_calls == 3 and into_previous == 3
+    assert len(state[0]["w"].sharding.device_set) == 8
+
+
+def test_the_callback_wraps_the_step_and_the_pool_reserved_before_is_given_back(tmp_path):
+    cb = fop.CheckpointCallback(str(tmp_path / "ckpt"), every_steps=4, keep=5)
+    state = _items(_state())
+    state = cb.on_train_start(state)
+    assert cb.manager._buffers is not None and cb.manager._buffers.nbytes > 0  # reserved
+
+    def step(items, x):
+        (p, o), loss = _train_step((items["params"], items["opt_state"]), x)
+        return {"params": p, "opt_state": o}, loss
+
+    wrapped = cb.wrap_step(step)
+    assert cb.manager._buffers.nbytes == 0  # the reserved pool is not needed any more
+    expected = {}
+    for i in range(1, 13):
+        if cb.on_step_end(i, state):
+            expected[i] = jax.tree.map(np.array, state)
+        state, _ = wrapped(state, 1.0)
+    cb.on_train_end(state, step=13)
+    expected[13] = jax.tree.map(np.array, state)
+    with fop.CheckpointManager(tmp_path / "ckpt", read_only=True) as reader:
+        assert reader.steps()[-3:] == [8, 12, 13]
+        _check_restored(reader, {s: expected[s] for s in reader.steps()})
+    assert wrapped.spare_calls >= 1
+
+
+def test_a_spare_that_jax_cannot_donate_is_a_clear_error():
+    """A spare whose buffer something else still references (here a numpy view, as a
+    save that never let go of its views would) is not donated by jax: the outputs land
+    in fresh memory, and the wrapper says so rather than silently copying."""
+    wrapped = ZeroCopyStep(_train_step, donate_argnums=0)
+
+    class Done:
+        def done(self):
+            return True
+
+    state = _state()
+    wrapped.saved(_items(state), Done())
+    state, _ = wrapped(state, 1.0)  # the first: no spare, fresh memory
+    assert wrapped.fresh_calls == 1
+    held_view = np.asarray(wrapped._spare[1][0])  # keeps the spare's first buffer
+    wrapped.saved(_items(state), Done())
+    with pytest.raises(fop.CheckpointError, match="did not write into the spare"):
+        wrapped(state, 1.0)
+    assert held_view.shape
+
+
+def test_calls_after_a_save_of_other_arrays_take_the_plain_step(tmp_path):
+    """A save of arrays the step is not given (an eval copy, say) is not a reason to
+    hold the step's own state: the plain donating step runs, nothing is kept."""
+    with fop.CheckpointManager(tmp_path / "ckpt") as mngr:
+        wrapped = mngr.wrap_step(_train_step)
+        state = _state()
+        other = jax.tree.map(jnp.copy, _items(state))
+        mngr.save(1, other)
+        state, _ = wrapped(state, 1.0)
+        assert (wrapped.spare_calls, wrapped.fresh_calls, wrapped._spare) == (0, 0, None)
+        mngr.wait()
+        np.testing.assert_array_equal(
+            mngr.restore(step=1)["params"]["w"], np.asarray(other["params"]["w"])
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"donate_argnums": ()}, ValueError, "must name the state"),
+        ({"donate_argnums": "0"}, TypeError, "donate_argnums must be an int"),
+        ({"donate_argnums": -1}, ValueError, "non-negative"),
+        ({"donate_argnums": 0, "static_argnums": 0}, ValueError, "both static and donated"),
+    ],
+)
+def test_bad_options_are_refused(tmp_path, kwargs, error, match):
+    with fop.CheckpointManager(tmp_path / "ckpt") as mngr:
+        with pytest.raises(error, match=match):
+            mngr.wrap_step(_train_step, **kwargs)
+        with pytest.raises(TypeError, match="expected the training step function"):
+            mngr.wrap_step("train_step")
+
+
+def test_a_read_only_manager_refuses_to_wrap_a_step(tmp_path):
+    with fop.CheckpointManager(tmp_path / "ckpt") as mngr:
+        mngr.save(1, {"params": {"w": jnp.ones(3)}})
+    with fop.CheckpointManager(tmp_path / "ckpt", read_only=True) as reader:
+        with pytest.raises(fop.CheckpointError, match="read-only"):
+            reader.wrap_step(_train_step)
+
+
+def test_an_nnx_state_is_refused_with_a_clear_error(tmp_path):
+    from flax import nnx
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with fop.CheckpointManager(tmp_path / "ckpt") as mngr:
+        wrapped = mngr.wrap_step(lambda m, x: m(x))
+        with pytest.raises(TypeError, match="NNX Linear"):
+            wrapped(model, jnp.ones((1, 2)))  # nnx.jit's in-place updates would be lost
+        with pytest.raises(TypeError, match="1 positional arguments"):
+            mngr.wrap_step(_train_step, donate_argnums=1)(_state())
+
+
+# -- several processes (a worker run in each, tests/support/_multiprocess.py)
+
+
+def two_process_training(ctx, directory, steps=7, every=2):
+    """Each process trains a state sharded over the global mesh with a wrapped step and
+    saves through one manager; returns the sums of the state at each saved step."""
+    mesh = ctx.mesh
+    sharding = NamedSharding(mesh, P("data"))
+    rows = 64 * len(jax.devices())
+    full = np.arange(rows * 8, dtype=np.float32).reshape(rows, 8)
+    w = jax.make_array_from_callback(full.shape, sharding, lambda i: full[i])
+    state = ({"w": w, "b": jnp.zeros((8,))}, {"m": jnp.zeros((rows, 1)), "count": jnp.array(0)})
+    sums = {}
+    with fop.CheckpointManager(directory, keep=10) as mngr:
+        wrapped = mngr.wrap_step(_train_step)
+        for step in range(1, steps + 1):
+            if step % every == 0:
+                mngr.save(step, _items(state))
+                sums[step] = float(jax.jit(jnp.sum)(state[0]["w"]))
+            state, _ = wrapped(state, 1.0)
+        mngr.wait()
+        restored = {s: float(np.sum(mngr.restore(step=s)["params"]["w"])) for s in mngr.steps()}
+    calls = {"spare_calls": wrapped.spare_calls, "fresh_calls": wrapped.fresh_calls}
+    return {"sums": sums, "restored": restored, **calls}
+
+
+@pytest.mark.distributed
+def test_two_processes_save_the_state_at_each_step(tmp_path):
+    from _multiprocess import run_processes
+
+    run = run_processes(
+        "test_zero_copy:two_process_training",
+        2,
+        args={"directory": str(tmp_path / "ckpt")},
+        timeout_s=120,
+    ).check()
+    for result in run.results:
+        assert (result["fresh_calls"], result["spare_calls"]) == (1, 2)
+        assert {int(k): v for k, v in result["restored"].items()} == {
+            int(k): v for k, v in result["sums"].items()
+        }
