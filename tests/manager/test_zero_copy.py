@@ -9,6 +9,8 @@ several processes), and nothing is copied into host buffers.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,12 +91,15 @@ def _check_restored(mngr, expected: dict) -> None:
         {"host_memory_budget": 1 << 20},
         {"incremental": True},
         {"format_version": 1},
+        {"persistent": "tier"},
     ],
-    ids=["async", "sync", "budget", "incremental", "v1"],
+    ids=["async", "sync", "budget", "incremental", "v1", "tier"],
 )
 def test_saved_bytes_are_the_state_at_its_step_and_the_next_step_writes_into_a_spare(
     tmp_path, options
 ):
+    if options.get("persistent") == "tier":  # a second tier, copied to in the background
+        options = {"persistent": fop.Tier(str(tmp_path / "persistent"), keep=10)}
     with fop.CheckpointManager(tmp_path / "ckpt", keep=10, **options) as mngr:
         wrapped = mngr.wrap_step(_train_step, donate_argnums=0)
         expected, state, into_previous = _train(mngr, wrapped, _state(), 13, every=3)
@@ -219,9 +224,10 @@ def test_an_nnx_state_is_refused_with_a_clear_error(tmp_path):
 # -- several processes (a worker run in each, tests/support/_multiprocess.py)
 
 
-def two_process_training(ctx, directory, steps=7, every=2):
+def two_process_training(ctx, directory, steps=7, every=2, per_host=False):
     """Each process trains a state sharded over the global mesh with a wrapped step and
-    saves through one manager; returns the sums of the state at each saved step."""
+    saves through one manager (``per_host``: each its own directory, a shared persistent
+    tier); returns the sums of the state at each saved step."""
     mesh = ctx.mesh
     sharding = NamedSharding(mesh, P("data"))
     rows = 64 * len(jax.devices())
@@ -229,7 +235,12 @@ def two_process_training(ctx, directory, steps=7, every=2):
     w = jax.make_array_from_callback(full.shape, sharding, lambda i: full[i])
     state = ({"w": w, "b": jnp.zeros((8,))}, {"m": jnp.zeros((rows, 1)), "count": jnp.array(0)})
     sums = {}
-    with fop.CheckpointManager(directory, keep=10) as mngr:
+    options = {}
+    if per_host:
+        options["persistent"] = fop.Tier(os.path.join(directory, "persistent"), keep=10)
+        directory = os.path.join(directory, f"host{ctx.process_id}")
+    with fop.CheckpointManager(directory, keep=10, **options) as mngr:
+        assert mngr._book.per_host == per_host
         wrapped = mngr.wrap_step(_train_step)
         for step in range(1, steps + 1):
             if step % every == 0:
@@ -243,13 +254,14 @@ def two_process_training(ctx, directory, steps=7, every=2):
 
 
 @pytest.mark.distributed
-def test_two_processes_save_the_state_at_each_step(tmp_path):
+@pytest.mark.parametrize("per_host", [False, True], ids=["shared", "per_host"])
+def test_two_processes_save_the_state_at_each_step(tmp_path, per_host):
     from _multiprocess import run_processes
 
     run = run_processes(
         "test_zero_copy:two_process_training",
         2,
-        args={"directory": str(tmp_path / "ckpt")},
+        args={"directory": str(tmp_path / "ckpt"), "per_host": per_host},
         timeout_s=120,
     ).check()
     for result in run.results:
