@@ -7,7 +7,11 @@ Reports, per entry, the median whole-run time and its ratio to the median of ``n
 from the same run, with the median blocking time and the median step right after a
 save. Writes ``results/train.json`` and ``results/train.md``.
 
-    python benchmarks/bench_train.py --repeats 3 --libs none fop dcp orbax
+    python benchmarks/bench_train.py --repeats 3 --libs none fop fop-zc dcp orbax
+
+``fop-zc`` is the plugin with its zero-copy step (``CheckpointManager.wrap_step``).
+Beside each run: the load average before it and the whole VM's steal time during it
+(``/proc/stat``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import common as C  # noqa: E402
+from machine_load import cpu_times  # noqa: E402
 
 
 def run_one(entry: str, a) -> dict:
@@ -37,11 +42,14 @@ def run_one(entry: str, a) -> dict:
         args += ["--cpu-as-device"]
     env = dict(os.environ, JAX_PLATFORMS=a.platform, PYTHONUNBUFFERED="1")
     load = os.getloadavg()[0]
+    steal0, total0 = cpu_times()
     p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1800)
+    steal, total = cpu_times()
+    steal_pct = round(100 * (steal - steal0) / max(1, total - total0), 2)  # whole VM
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("RESULT "):
             r = json.loads(line[7:])
-            r.update(entry=entry, load_before=load)
+            r.update(entry=entry, load_before=load, steal_pct=steal_pct)
             return r
     return {"entry": entry, "error": f"exit {p.returncode}", "tail": p.stderr[-3000:]}
 
@@ -90,6 +98,8 @@ def summarize(entries: list[str], runs: list[dict]) -> list[dict]:
             row["after_save_median_s"] = statistics.median(after)
             row["final_wait_median_s"] = statistics.median(r["final_wait_s"] for r in ok)
         row["peak_rss_mib"] = statistics.median(r["peak_rss_mib"] for r in ok)
+        row["steal_pcts"] = [r.get("steal_pct") for r in ok]
+        row["loads"] = [round(r.get("load_before", 0), 1) for r in ok]
         links = [r["pinned_host_gbps"] for r in ok if r.get("pinned_host_gbps")]
         if links:
             row["pinned_host_gbps"] = statistics.median(links)
@@ -112,12 +122,13 @@ def markdown(rows: list[dict], a, loads: list[float], machine: dict) -> str:
         "process, orders rotated; medians.",
         "",
         "| entry | total s (median) | ratio to none | step median s | blocking median s "
-        "| step after save s | final wait s | CPU user/sys s | peak RSS MiB | totals |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| step after save s | final wait s | CPU user/sys s | peak RSS MiB | totals "
+        "| load before each | steal % of each |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "total_median_s" not in r:
-            out.append(f"| {r['entry']} | error | | | | | | | | |")
+            out.append(f"| {r['entry']} | error | | | | | | | | | | |")
             continue
 
         def f(k, fmt="{:.3f}", r=r):
@@ -127,7 +138,8 @@ def markdown(rows: list[dict], a, loads: list[float], machine: dict) -> str:
             f"| {r['entry']} | {f('total_median_s')} | {f('ratio', '{:.3f}x')} | "
             f"{f('step_median_s')} | {f('blocking_median_s')} | {f('after_save_median_s')} | "
             f"{f('final_wait_median_s')} | {f('cpu_user_median_s', '{:.1f}')}/"
-            f"{f('cpu_sys_median_s', '{:.1f}')} | {f('peak_rss_mib', '{:.0f}')} | {r['totals_s']} |"
+            f"{f('cpu_sys_median_s', '{:.1f}')} | {f('peak_rss_mib', '{:.0f}')} | {r['totals_s']} "
+            f"| {r['loads']} | {r['steal_pcts']} |"
         )
     return "\n".join(out) + "\n"
 

@@ -13,11 +13,14 @@
   (without it jax drops the unused spare and aliases nothing) and the outputs are
   checked to land in the spare's buffers: where they do not, a ``CheckpointError``
   says which leaves did not alias and why that happens.
-* **fresh**: the same call when no spare fits yet (the first save, a change of shape
-  or sharding, the previous save still writing): no donation, jax allocates the output.
+* **fresh**: the same call when no spare fits (a change of shape or sharding, the
+  previous save still writing): no donation, jax allocates the output. The second
+  call (its state has the shardings the step gives it) allocates the first spare
+  (zeros), so the step after the first save writes into memory touched before, as
+  every later one does.
 
-Memory: two states, the one the step computes and the one the save writes (as the
-manager's host buffers would), never a copy of either. The saved bytes are the state
+Memory: two states from the first call on, the one the step computes and the one the
+save writes or the spare (as the manager's host buffers would), never a copy of either. The saved bytes are the state
 at the save's step whatever the steps after do: jax never donates or frees a buffer
 a view of the save still references (``_core.host_snapshot.cpu_views_are_snapshots``,
 checked once per process; where it does not hold, and for accelerator arrays, which a
@@ -43,6 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .._core import host_snapshot as _host_snapshot
 from .._errors import CheckpointError
@@ -109,6 +113,7 @@ class ZeroCopyStep:
         self._held_save: Any = None  # that save's handle (done(): its writes are done)
         self._spare: tuple[Any, list, Any] | None = None  # (treedef, leaves, handle)
         self._checked = False  # the first call's arguments were checked
+        self._calls = 0  # plain calls, counted up to 2 (the first spare is made then)
         self.spare_calls = 0
         self.fresh_calls = 0
 
@@ -129,6 +134,10 @@ class ZeroCopyStep:
         if not self._checked:  # the first call: what the state arguments are
             self._check_arguments(args)
         if not self._held:
+            if self._calls < 2:  # the second call's state has the step's own shardings
+                self._calls += 1
+                if self._calls == 2 and self._spare is None:
+                    self._spare = _first_spare(tuple(args[i] for i in self._donate))
             return self._variant("plain")(*args, **kwargs)
         held, handle = self._held, self._held_save
         self._held, self._held_save = {}, None
@@ -219,6 +228,27 @@ class ZeroCopyStep:
                     f"over pytrees (a Linen TrainState, tuples or dicts of arrays). Save "
                     f"NNX state with the manager as usual (its host buffers)"
                 )
+
+
+def _first_spare(state: tuple) -> tuple[Any, list, None] | None:
+    """A spare for the step after the first save, allocated (and its pages touched) at
+    the second call, before the loop's saves: that step then costs what a steady one
+    does. None where the state is not all CPU arrays or views are not snapshots."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    if not leaves or not all(_on_cpu(x) for x in leaves):
+        return None
+    if not _host_snapshot.cpu_views_are_snapshots():
+        return None
+    groups: dict[frozenset, list[int]] = collections.defaultdict(list)
+    for i, x in enumerate(leaves):  # one computation per set of devices
+        groups[frozenset(x.sharding.device_set)].append(i)
+    spare: list = [None] * len(leaves)
+    for members in groups.values():
+        shardings = [leaves[i].sharding for i in members]
+        zeros = jax.jit(lambda xs: [jnp.zeros_like(x) for x in xs], out_shardings=shardings)
+        for i, made in zip(members, zeros([leaves[i] for i in members]), strict=True):
+            spare[i] = made
+    return treedef, spare, None
 
 
 def _check_aliased(wanted: set[int], keys: list[tuple], inputs: set[int], out: Any) -> None:

@@ -59,6 +59,23 @@ def _load_sync_file_range():
 _sync_file_range = _load_sync_file_range()
 
 
+def direct_span(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> tuple[int, int]:
+    """(skip, length): the bytes of ``first`` an ``O_DIRECT`` write can take wherever it
+    starts in memory: ``length`` bytes of whole pages from its first page boundary,
+    ``skip`` bytes in (0, 0: none; it must be C-contiguous and leave at least
+    ``minimum`` such bytes). Written at a file offset congruent to its address modulo
+    :data:`DIRECT_ALIGN`, the part after ``skip`` lands on page boundaries both in
+    memory and in the file: a zero-copy view of a jax buffer (which jax places a few
+    cache lines past a page) is then written directly, its first ``skip`` bytes and
+    its tail buffered."""
+    if not first.flags.c_contiguous:
+        return 0, 0
+    skip = -first.ctypes.data % DIRECT_ALIGN
+    body = first.nbytes - skip
+    length = body - body % DIRECT_ALIGN
+    return (skip, length) if length >= max(minimum, 1) else (0, 0)
+
+
 def direct_head(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> int:
     """The bytes of ``first`` (a file's or segment's first piece) an ``O_DIRECT`` write
     can take: its whole pages, when it is C-contiguous, starts on a page and is at
