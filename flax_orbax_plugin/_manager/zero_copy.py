@@ -19,12 +19,13 @@
   (zeros), so the step after the first save writes into memory touched before, as
   every later one does.
 
-Memory: two states from the first call on, the one the step computes and the one the
-save writes or the spare (as the manager's host buffers would), never a copy of either. The saved bytes are the state
-at the save's step whatever the steps after do: jax never donates or frees a buffer
-a view of the save still references (``_core.host_snapshot.cpu_views_are_snapshots``,
-checked once per process; where it does not hold, and for accelerator arrays, which a
-save copies off the device, every call takes the plain variant).
+Memory: two states from the second call on, the one the step computes and the one
+the save writes or the spare (as the manager's host buffers would), never a copy of
+either. The saved bytes are the state at the save's step whatever the steps after do:
+jax never donates or frees a buffer a view of the save still references
+(``_core.host_snapshot.cpu_views_are_snapshots``, checked once per process; where it
+does not hold, and for accelerator arrays, which a save copies off the device, every
+call takes the plain variant).
 
 Contract: a state passed to the wrapped step is consumed, as with ``donate_argnums``;
 after a save it is kept until the next save's writes are done and then reused as that
