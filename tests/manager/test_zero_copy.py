@@ -229,6 +229,51 @@ def test_an_nnx_state_is_refused_with_a_clear_error(tmp_path):
             mngr.wrap_step(_train_step, donate_argnums=1)(_state())
 
 
+def test_readme_recipe(tmp_path):
+    """The README's zero-copy snippet, verbatim, on a Linen TrainState with adam."""
+    import optax
+    from _paths import REPO
+    from flax import linen
+    from flax.training import train_state
+
+    text = open(os.path.join(REPO, "README.md")).read()
+    marker = "<!-- snippet: run by tests/manager/test_zero_copy.py::test_readme_recipe -->"
+    code = text.split(marker, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    model = linen.Dense(64)
+    x = np.random.default_rng(1).standard_normal((32, 48)).astype(np.float32)
+    params = model.init(jax.random.key(0), x[:1])["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+
+    def loss_fn(params, batch):
+        return jnp.mean(model.apply({"params": params}, batch) ** 2)
+
+    cb = fop.CheckpointCallback(str(tmp_path / "ckpt"), every_steps=3, keep=10)
+    state = cb.on_train_start(state)
+    seen = {}
+
+    class Batches:  # records the state each saved step holds (after its update)
+        def __next__(self):
+            return x
+
+    names = {"jax": jax, "cb": cb, "state": state, "loss_fn": loss_fn}
+    names.update(it=Batches(), num_steps=10)
+    real_end = cb.on_step_end
+
+    def on_step_end(i, state):
+        saved = real_end(i, state)
+        if saved:
+            seen[i] = jax.tree.map(np.array, state.params)
+        return saved
+
+    cb.on_step_end = on_step_end
+    exec(compile(code, "README.md", "exec"), names)
+    seen[10] = jax.tree.map(np.array, names["state"].params)
+    assert names["step"].spare_calls >= 2
+    for step in (3, 6, 9, 10):
+        got = fop.restore_params(str(tmp_path / "ckpt"), step=step)
+        jax.tree.map(np.testing.assert_array_equal, got, seen[step])
+
+
 # -- several processes (a worker run in each, tests/support/_multiprocess.py)
 
 
