@@ -250,8 +250,10 @@ def cmd_gc(args) -> int:
     loc = Location.from_path(args.directory)
     if not loc.is_dir():
         raise CliError(f"{loc}: no such directory")
-    if args.dry_run:
-        found = gc_plan(loc, keep=args.keep, keep_every=args.keep_every)
+    found = gc_plan(loc, keep=args.keep, keep_every=args.keep_every)
+    # Not a run (nothing of ours to remove or keep): no writer opened, no lock left there.
+    idle = not (found.unfinished or found.steps or found.kept)
+    if args.dry_run or idle:
         removed_unfinished, removed, kept = found.unfinished, found.steps, found.kept
         left = found.left_alone
     else:

@@ -184,6 +184,17 @@ def test_gc(ckpt_dir, capsys, tmp_path):
     assert sorted(n for n in os.listdir(work) if not n.startswith(".")) == ["20", "30"]
 
 
+def test_gc_of_a_directory_that_is_no_run_writes_nothing_there(capsys, tmp_path):
+    """Nothing of ours to remove or keep: no writer opens there, no lock file is left."""
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "todo.txt").write_text("mine")
+    os.makedirs(foreign / "7.partial-abc123" / "x")  # our name pattern, not our marker
+    rc, out, _ = run_cli(capsys, "gc", foreign, "--keep", 1)
+    assert rc == 0 and "removed unfinished: none" in out
+    assert sorted(os.listdir(foreign)) == ["7.partial-abc123", "todo.txt"]
+
+
 def test_errors_are_one_line_with_nonzero_exit(tmp_path):
     """Through the real entry point: `python -m flax_orbax_plugin`, no traceback."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
