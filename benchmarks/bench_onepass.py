@@ -1,8 +1,8 @@
 """Copy and checksum in one pass, a GIL-releasing crc32c, the pool reserved before the
 loop (issue 34, items 2 and 4).
 
-    python benchmarks/bench_onepass.py [--mib 1200] [--repeats 5] [--only gil,phases,first,kernel]
-                                       [--out onepass.json]
+    python benchmarks/bench_onepass.py [--mib 1200] [--repeats 5] [--out onepass.json]
+                                       [--only gil,phases,first,kernel,save]
 
 1. **gil**: a "training" thread runs a busy Python loop while 8 (then 1) threads checksum 4 MiB
    numpy chunks, with ``google_crc32c`` and with ``crc32c``: the training thread's
@@ -16,7 +16,9 @@ loop (issue 34, items 2 and 4).
 3. **first**: a manager's first save against a steady one, wall and CPU seconds of the
    blocking phase, with and without ``CheckpointManager.reserve`` before the first.
 
-4. **kernel**: one thread's GB/s over 256 MiB (medians): np.copyto, the crc32c package,
+4. **save**: a manager's steady saves (format version 2) with the one pass off and on,
+   alternated: the blocking phase's wall seconds and the whole save's CPU seconds.
+5. **kernel**: one thread's GB/s over 256 MiB (medians): np.copyto, the crc32c package,
    both one after the other, and ``_copycrc.copy_crc`` in each of its ways (SSE4.2 with
    cached stores, with non-temporal stores, the portable C path).
 
@@ -205,6 +207,7 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
         variants["one pass (kernel)"] = lambda: new(True)
     rows_out: dict[str, list] = {name: [] for name in variants}
     split: list[float] = []
+    copy_wall: list[float] = []  # the old way's copy alone: its blocking phase
     with _Machine() as m:
         for _ in range(repeats):
             for name, fn in variants.items():
@@ -214,6 +217,7 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
                 rows_out[name].append((c1 - c0, w1 - w0))
                 if mid is not None:
                     split.append(c1 - mid[1])
+                    copy_wall.append(mid[0] - w0)
     gb = sum(a.nbytes for a in arrays) / 1e9
     out = {
         name: {
@@ -224,6 +228,7 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
         for name, r in rows_out.items()
     }
     out["copy then crc"]["of_which_crc_cpu_s_median"] = round(statistics.median(split), 3)
+    out["copy then crc"]["of_which_copy_wall_s_median"] = round(statistics.median(copy_wall), 3)
     out["GB"] = round(gb, 3)
     out["crc"] = "crc32c" if Z.GIL_FREE_CRC else "google_crc32c"
     out["kernel_built"] = Z.has_kernel()
@@ -278,6 +283,52 @@ def kernel_rates(repeats: int, mib: int = 256) -> dict:
     out.update(m.figures)
     print("kernel", json.dumps(out), flush=True)
     return out
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def steady_saves(mib: int, repeats: int, directory: str) -> dict:
+    """A manager's steady saves (version 2, the default) with the one pass off and on
+    (``host_snapshot.ONE_PASS``), alternated: wall seconds of the blocking phase and
+    process CPU seconds of the whole save (``save`` and ``wait``: copy, checksums,
+    writes)."""
+    import jax
+
+    import flax_orbax_plugin as fop
+    from flax_orbax_plugin._core import host_snapshot as S
+
+    state = {"params": {f"w{i}": jax.numpy.asarray(a) for i, a in enumerate(_arrays(mib))}}
+    default = S.ONE_PASS
+    out: dict[str, list] = {"one pass off": [], "one pass on": []}
+    with _Machine() as m, fop.CheckpointManager(directory, keep=1) as mngr:
+        mngr.save(0, state)  # the pool filled: steady saves from here
+        mngr.wait()
+        step = 1
+        try:
+            for _ in range(repeats):
+                for name, on in (("one pass off", False), ("one pass on", True)):
+                    S.ONE_PASS = on
+                    w0, c0 = time.perf_counter(), _cpu()
+                    mngr.save(step, state)
+                    blocking = time.perf_counter() - w0
+                    mngr.wait()
+                    out[name].append((blocking, _cpu() - c0))
+                    step += 1
+        finally:
+            S.ONE_PASS = default
+    res: dict = {
+        k: {
+            "blocking_wall_s_median": round(statistics.median(w for w, _ in v), 3),
+            "save_cpu_s_median": round(statistics.median(c for _, c in v), 3),
+        }
+        for k, v in out.items()
+    }
+    res["GB"] = round(mib * (1 << 20) / 1e9, 3)
+    res["one_pass_default"] = default
+    res.update(m.figures)
+    print("save", json.dumps(res), flush=True)
+    return res
 
 
 # ---------------------------------------------------------------------------- first
@@ -351,6 +402,9 @@ def main() -> None:
         results["phases"] = copy_checksum_phases(a.mib, a.repeats)
     if "kernel" in only:
         results["kernel"] = kernel_rates(max(a.repeats, 5))
+    if "save" in only:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("FOP_BENCH_DIR")) as d:
+            results["save"] = steady_saves(a.mib, a.repeats, d)
     if "first" in only:
         with tempfile.TemporaryDirectory(dir=os.environ.get("FOP_BENCH_DIR")) as d:
             results["first"] = first_save(a.mib, a.repeats, d)
