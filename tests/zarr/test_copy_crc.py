@@ -17,9 +17,10 @@ from flax_orbax_plugin._zarr import chunks as _chunks
 
 K = _chunks._copycrc
 needs_kernel = pytest.mark.skipif(K is None, reason="the C extension is not built here")
-BLOCK = 8256  # the kernel's bytes per stream: sizes around 3 of them exercise every loop
+BLOCK = 65600  # the kernel's bytes per stream (then 1088): sizes around 3 of them
 SIZES = [0, 1, 2, 7, 8, 15, 16, 17, 31, 33, 255, 4095, 4097, 3 * BLOCK - 1, 3 * BLOCK]
-SIZES += [3 * BLOCK + 1, 6 * BLOCK + 17, (1 << 20) + 3]
+SIZES += [3 * BLOCK + 1, 3 * BLOCK + 3 * 1088 + 17, 6 * BLOCK + 17, (1 << 20) + 3]
+SIZES += [3 * 1088 - 1, 3 * 1088, 3 * 1088 + 5, 6 * 1088 + 16]
 
 
 def _impls() -> list[int]:
