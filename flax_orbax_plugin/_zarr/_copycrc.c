@@ -9,12 +9,13 @@
  * x86_64 with SSE4.2 (checked at run time): the crc32 instruction on three
  * independent streams of BLOCK (then SMALL) bytes at a time (its latency is three
  * cycles, its throughput one a cycle), combined by shifting a crc over that many
- * bytes (a multiply by x^(8 BLOCK) mod P, by tables of 256 entries); long streams,
- * as the hardware prefetcher follows them (rounds of a few KiB measured at half the
- * speed of a plain copy from memory, rounds of 64 KiB at about its speed); stores cached by default, or
- * non-temporal on request (impl 3: no read of the line first, but measured several
- * times slower on the machine of benchmarks/results/onepass_kernel.json). Elsewhere: memcpy of a piece,
- * then a table-driven crc (eight bytes per step) of that piece while it is in cache.
+ * bytes (a multiply by x^(8 BLOCK) mod P, by tables of 256 entries). Long streams,
+ * as the hardware prefetcher follows them: rounds of 4-8 KiB per stream measured at
+ * about 70% of a plain copy's speed from memory, rounds of 64 KiB at about its speed.
+ * Cached stores by default; non-temporal ones on request (impl 3: no read of the
+ * line first, but measured several times slower, benchmarks/results/
+ * onepass_kernel.json). Elsewhere: memcpy of a piece, then a table-driven crc
+ * (eight bytes per step) of that piece while it is in cache.
  * The GIL is released for any copy of COPY_NOGIL bytes or more. */
 
 #define PY_SSIZE_T_CLEAN
@@ -28,8 +29,8 @@
 #endif
 
 #define POLY 0x82F63B78u      /* Castagnoli, bit-reversed */
-#define BLOCK 65600 /* bytes per stream per round: long runs for the prefetcher */
-#define SMALL 1088  /* then rounds this small (multiples of 64, not of 4096) */
+#define BLOCK 65600           /* bytes per stream per round: long runs for the prefetcher */
+#define SMALL 1088            /* then rounds this small (multiples of 64, not of 4096) */
 #define PIECE (64 << 10)      /* portable path: copied, then checksummed in cache */
 #define COPY_NOGIL (16 << 10) /* smaller copies keep the GIL (releasing costs more) */
 
