@@ -16,8 +16,9 @@ loop (issue 34, items 2 and 4).
 3. **first**: a manager's first save against a steady one, wall and CPU seconds of the
    blocking phase, with and without ``CheckpointManager.reserve`` before the first.
 
-4. **save**: a manager's steady saves (format version 2) with the one pass off and on,
-   alternated: the blocking phase's wall seconds and the whole save's CPU seconds.
+4. **save**: a manager's steady saves (format version 2) with the one pass off and on
+   (with the kernel and in Python), alternated: the blocking phase's wall seconds and the
+   whole save's CPU seconds.
 5. **kernel**: one thread's GB/s over 256 MiB (medians): np.copyto, the crc32c package,
    both one after the other, and ``_copycrc.copy_crc`` in each of its ways (SSE4.2 with
    cached stores, with non-temporal stores, the portable C path).
@@ -290,7 +291,8 @@ def kernel_rates(repeats: int, mib: int = 256) -> dict:
 
 def steady_saves(mib: int, repeats: int, directory: str) -> dict:
     """A manager's steady saves (version 2, the default) with the one pass off and on
-    (``host_snapshot.ONE_PASS``), alternated: wall seconds of the blocking phase and
+    (``host_snapshot.ONE_PASS``; on: with the kernel, and without it where it is
+    built), alternated: wall seconds of the blocking phase and
     process CPU seconds of the whole save (``save`` and ``wait``: copy, checksums,
     writes)."""
     import jax
@@ -299,16 +301,21 @@ def steady_saves(mib: int, repeats: int, directory: str) -> dict:
     from flax_orbax_plugin._core import host_snapshot as S
 
     state = {"params": {f"w{i}": jax.numpy.asarray(a) for i, a in enumerate(_arrays(mib))}}
-    default = S.ONE_PASS
-    out: dict[str, list] = {"one pass off": [], "one pass on": []}
+    from flax_orbax_plugin._zarr import chunks as Z
+
+    default, kernel = S.ONE_PASS, Z._copycrc
+    ways = [("one pass off", False, kernel), ("one pass on", True, kernel)]
+    if kernel is not None:  # and without it: np.copyto, then crc32c, 256 KiB at a time
+        ways.append(("one pass on (python)", True, None))
+    out: dict[str, list] = {name: [] for name, _, _ in ways}
     with _Machine() as m, fop.CheckpointManager(directory, keep=1) as mngr:
         mngr.save(0, state)  # the pool filled: steady saves from here
         mngr.wait()
         step = 1
         try:
             for _ in range(repeats):
-                for name, on in (("one pass off", False), ("one pass on", True)):
-                    S.ONE_PASS = on
+                for name, on, copier in ways:
+                    S.ONE_PASS, Z._copycrc = on, copier
                     w0, c0 = time.perf_counter(), _cpu()
                     mngr.save(step, state)
                     blocking = time.perf_counter() - w0
@@ -316,7 +323,7 @@ def steady_saves(mib: int, repeats: int, directory: str) -> dict:
                     out[name].append((blocking, _cpu() - c0))
                     step += 1
         finally:
-            S.ONE_PASS = default
+            S.ONE_PASS, Z._copycrc = default, kernel
     res: dict = {
         k: {
             "blocking_wall_s_median": round(statistics.median(w for w, _ in v), 3),
