@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test lint demo bench clean
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg setup.py pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,examples]'

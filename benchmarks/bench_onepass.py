@@ -1,7 +1,8 @@
 """Copy and checksum in one pass, a GIL-releasing crc32c, the pool reserved before the
 loop (issue 34, items 2 and 4).
 
-    python benchmarks/bench_onepass.py [--mib 1200] [--repeats 5] [--only gil,phases,first]
+    python benchmarks/bench_onepass.py [--mib 1200] [--repeats 5] [--out onepass.json]
+                                       [--only gil,phases,first,kernel,save]
 
 1. **gil**: a "training" thread runs a busy Python loop while 8 (then 1) threads checksum 4 MiB
    numpy chunks, with ``google_crc32c`` and with ``crc32c``: the training thread's
@@ -15,8 +16,15 @@ loop (issue 34, items 2 and 4).
 3. **first**: a manager's first save against a steady one, wall and CPU seconds of the
    blocking phase, with and without ``CheckpointManager.reserve`` before the first.
 
+4. **save**: a manager's steady saves (format version 2) with the one pass off and on
+   (with the kernel and in Python), alternated: the blocking phase's wall seconds and the
+   whole save's CPU seconds.
+5. **kernel**: one thread's GB/s over 256 MiB (medians): np.copyto, the crc32c package,
+   both one after the other, and ``_copycrc.copy_crc`` in each of its ways (SSE4.2 with
+   cached stores, with non-temporal stores, the portable C path).
+
 Load average and /proc/stat steal are recorded beside each figure. Writes
-``results/onepass.json``.
+``results/onepass.json`` (``--out``: another name).
 """
 
 from __future__ import annotations
@@ -171,7 +179,7 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
         pool.give_back(bufs)
         return t
 
-    def new():
+    def new(kernel: bool):
         later: list = []
         bufs = []
         for a in arrays:
@@ -182,7 +190,12 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
             for i in range(0, rows, step):
                 piece = (slice(i, i + step), slice(None))
                 copier = functools.partial(
-                    Z.copy_with_crcs, shape=a.shape, chunk=chunk, index=piece, out=crcs
+                    Z.copy_with_crcs,
+                    shape=a.shape,
+                    chunk=chunk,
+                    index=piece,
+                    out=crcs,
+                    kernel=kernel,
                 )
                 later.append((out[i : i + step], a[i : i + step], copier))
         H.copy_all(later)
@@ -190,17 +203,22 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
         return None
 
     old()  # the pool's buffers touched once: steady state
-    rows_out: dict[str, list] = {"copy then crc": [], "one pass": []}
+    variants = {"copy then crc": old, "one pass (python)": lambda: new(False)}
+    if Z.has_kernel():
+        variants["one pass (kernel)"] = lambda: new(True)
+    rows_out: dict[str, list] = {name: [] for name in variants}
     split: list[float] = []
+    copy_wall: list[float] = []  # the old way's copy alone: its blocking phase
     with _Machine() as m:
         for _ in range(repeats):
-            for name, fn in (("copy then crc", old), ("one pass", new)):
+            for name, fn in variants.items():
                 w0, c0 = time.perf_counter(), _cpu()
                 mid = fn()
                 w1, c1 = time.perf_counter(), _cpu()
                 rows_out[name].append((c1 - c0, w1 - w0))
                 if mid is not None:
                     split.append(c1 - mid[1])
+                    copy_wall.append(mid[0] - w0)
     gb = sum(a.nbytes for a in arrays) / 1e9
     out = {
         name: {
@@ -211,11 +229,113 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
         for name, r in rows_out.items()
     }
     out["copy then crc"]["of_which_crc_cpu_s_median"] = round(statistics.median(split), 3)
+    out["copy then crc"]["of_which_copy_wall_s_median"] = round(statistics.median(copy_wall), 3)
     out["GB"] = round(gb, 3)
     out["crc"] = "crc32c" if Z.GIL_FREE_CRC else "google_crc32c"
+    out["kernel_built"] = Z.has_kernel()
     out.update(m.figures)
     print("phases", json.dumps(out), flush=True)
     return out
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+def kernel_rates(repeats: int, mib: int = 256) -> dict:
+    """One thread's GB/s (median of ``repeats``) over ``mib`` MiB, source and
+    destination in DRAM: np.copyto, the crc32c package, both, and each way of the
+    kernel (``_copycrc.copy_crc``'s ``impl``)."""
+    import numpy as np
+    from crc32c import crc32c
+
+    from flax_orbax_plugin._zarr import chunks as Z
+
+    src = np.random.default_rng(2).integers(0, 256, mib << 20, dtype=np.uint8)
+    dst = np.empty_like(src)
+    dst[:] = 1  # touched: no page faults in the figures
+
+    def two_passes():
+        np.copyto(dst, src)
+        return crc32c(dst)
+
+    ways = {
+        "np.copyto": lambda: np.copyto(dst, src),
+        "crc32c package": lambda: crc32c(src),
+        "copyto then crc32c": two_passes,
+    }
+    K = Z._copycrc
+    if K is not None:
+        if K.HARDWARE:
+            ways["kernel sse4.2"] = lambda: K.copy_crc(dst, src, 0, K.SSE42)
+            ways["kernel sse4.2 non-temporal"] = lambda: K.copy_crc(dst, src, 0, K.SSE42_NT)
+        ways["kernel portable"] = lambda: K.copy_crc(dst, src, 0, K.PORTABLE)
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    with _Machine() as m:
+        for _ in range(repeats):
+            for name, fn in ways.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    out: dict = {
+        name: {"GBps_median": round(src.nbytes / statistics.median(t) / 1e9, 2)}
+        for name, t in times.items()
+    }
+    out["MiB"] = mib
+    out.update(m.figures)
+    print("kernel", json.dumps(out), flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def steady_saves(mib: int, repeats: int, directory: str) -> dict:
+    """A manager's steady saves (version 2, the default) with the one pass off and on
+    (``host_snapshot.ONE_PASS``; on: with the kernel, and without it where it is
+    built), alternated: wall seconds of the blocking phase and
+    process CPU seconds of the whole save (``save`` and ``wait``: copy, checksums,
+    writes)."""
+    import jax
+
+    import flax_orbax_plugin as fop
+    from flax_orbax_plugin._core import host_snapshot as S
+
+    state = {"params": {f"w{i}": jax.numpy.asarray(a) for i, a in enumerate(_arrays(mib))}}
+    from flax_orbax_plugin._zarr import chunks as Z
+
+    default, kernel = S.ONE_PASS, Z._copycrc
+    ways = [("one pass off", False, kernel), ("one pass on", True, kernel)]
+    if kernel is not None:  # and without it: np.copyto, then crc32c, 256 KiB at a time
+        ways.append(("one pass on (python)", True, None))
+    out: dict[str, list] = {name: [] for name, _, _ in ways}
+    with _Machine() as m, fop.CheckpointManager(directory, keep=1) as mngr:
+        mngr.save(0, state)  # the pool filled: steady saves from here
+        mngr.wait()
+        step = 1
+        try:
+            for _ in range(repeats):
+                for name, on, copier in ways:
+                    S.ONE_PASS, Z._copycrc = on, copier
+                    w0, c0 = time.perf_counter(), _cpu()
+                    mngr.save(step, state)
+                    blocking = time.perf_counter() - w0
+                    mngr.wait()
+                    out[name].append((blocking, _cpu() - c0))
+                    step += 1
+        finally:
+            S.ONE_PASS, Z._copycrc = default, kernel
+    res: dict = {
+        k: {
+            "blocking_wall_s_median": round(statistics.median(w for w, _ in v), 3),
+            "save_cpu_s_median": round(statistics.median(c for _, c in v), 3),
+        }
+        for k, v in out.items()
+    }
+    res["GB"] = round(mib * (1 << 20) / 1e9, 3)
+    res["one_pass_default"] = default
+    res.update(m.figures)
+    print("save", json.dumps(res), flush=True)
+    return res
 
 
 # ---------------------------------------------------------------------------- first
@@ -277,7 +397,8 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=1200)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seconds", type=float, default=4.0)
-    p.add_argument("--only", default="gil,phases,first")
+    p.add_argument("--only", default="gil,phases,first,kernel")
+    p.add_argument("--out", default="onepass.json")
     a = p.parse_args()
     only = set(a.only.split(","))
     results: dict = {"mib": a.mib, "repeats": a.repeats, "cpus": os.cpu_count()}
@@ -286,11 +407,16 @@ def main() -> None:
         results["gil_1_thread"] = gil_stall(a.seconds, 1)  # a core to spare: the GIL alone
     if "phases" in only:
         results["phases"] = copy_checksum_phases(a.mib, a.repeats)
+    if "kernel" in only:
+        results["kernel"] = kernel_rates(max(a.repeats, 5))
+    if "save" in only:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("FOP_BENCH_DIR")) as d:
+            results["save"] = steady_saves(a.mib, a.repeats, d)
     if "first" in only:
         with tempfile.TemporaryDirectory(dir=os.environ.get("FOP_BENCH_DIR")) as d:
             results["first"] = first_save(a.mib, a.repeats, d)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "onepass.json"), "w") as f:
+    with open(os.path.join(HERE, "results", a.out), "w") as f:
         json.dump(results, f, indent=1)
 
 

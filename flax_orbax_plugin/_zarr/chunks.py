@@ -13,6 +13,10 @@ any buffer of 32 KiB or more (numpy arrays included), so writer threads checksum
 chunks never stall the training thread. ``google_crc32c`` (the fallback) releases it
 only for ``bytes`` of 1 MiB or more, never for numpy buffers: with 8 writer threads the
 training thread waited tens of milliseconds per call (benchmarks/bench_onepass.py).
+
+:func:`copy_crc` copies and checksums in one pass with the package's optional C
+extension (``_copycrc.c``, built by setup.py where a compiler exists; it releases the
+GIL too); where it is not built, with ``np.copyto`` then the crc32c above.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ except ImportError:  # pragma: no cover - the fallback: holds the GIL on numpy b
     GIL_FREE_CRC = False
 else:
     GIL_FREE_CRC = True
+
+try:  # the optional C extension (setup.py): copies and checksums in one pass
+    from . import _copycrc
+except ImportError:  # not built (no compiler): np.copyto, then the crc32c above
+    _copycrc = None
 
 THREADS = 8  # as tensorstore's file_io_concurrency for local disks (_storage.context)
 CHUNK_DIR = "c"  # zarr3 default chunk key encoding: c/<i0>/<i1>/...
@@ -137,7 +146,40 @@ def chunk_crcs(
     }
 
 
-COPY_STEP = 256 << 10  # bytes copied, then checksummed, at a time: still in the core's cache
+COPY_STEP = 256 << 10  # without the kernel: bytes copied, then checksummed, at a time
+
+
+def has_kernel() -> bool:
+    """Whether the C kernel of :func:`copy_crc` is built (and imported) here."""
+    return _copycrc is not None
+
+
+def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int = 0, kernel: bool | None = None) -> int:
+    """``dst[...] = src`` for flat uint8 arrays of one size (C-contiguous, not
+    overlapping); returns the crc32c of those bytes continued from ``crc`` (as
+    :func:`extend_crc`). ``kernel``: None, the C kernel where it is built; True, the
+    kernel (RuntimeError where it is not); False, ``np.copyto`` then the crc32c,
+    :data:`COPY_STEP` bytes at a time (each piece checksummed while still in cache).
+    Any thread: both release the GIL on large buffers."""
+    if kernel is None:
+        kernel = _copycrc is not None
+    if kernel:
+        if _copycrc is None:
+            raise RuntimeError(
+                "copy_crc: the C kernel (flax_orbax_plugin._zarr._copycrc) is not built"
+            )
+        return _copycrc.copy_crc(dst, src, crc)
+    for a in range(0, dst.size, COPY_STEP):
+        np.copyto(dst[a : a + COPY_STEP], src[a : a + COPY_STEP])
+        crc = _crc32c(dst[a : a + COPY_STEP], crc)
+    return crc
+
+
+def extend_zeros(crc: int, n: int) -> int:
+    """crc32c of the bytes so far (``crc``) followed by ``n`` zero bytes."""
+    if _copycrc is not None:
+        return _copycrc.extend_zeros(crc, n)
+    return _crc32c(np.zeros(n, np.uint8), crc) if n else crc
 
 
 def copy_with_crcs(
@@ -147,19 +189,21 @@ def copy_with_crcs(
     chunk: tuple[int, ...],
     index: tuple[slice, ...],
     out: dict,
+    kernel: bool | None = None,
 ) -> None:
     """``np.copyto(dst, src)``, checksumming in the same pass: ``dst`` and ``src`` hold
     the region ``index`` (global) of an array of ``shape`` chunked by ``chunk``; where
     it is whole chunks, each chunk's crc32c (the value :func:`chunk_crcs` gives, the
     trailer its file stores) is put in ``out`` (``{chunk grid cell: crc32c}``).
 
-    A chunk spanning whole rows (its trailing axes the array's) is copied
-    :data:`COPY_STEP` bytes at a time, each piece checksummed right after it is copied,
-    while its bytes are still in the core's cache: the checksum does not read memory
-    again. Other chunks are copied, then checksummed. Nothing is put in ``out`` for a
-    region that is not whole chunks, a 0-d or big-endian array: the writer computes
-    those. Any thread (the copies and the crc32c release the GIL); distinct calls put
-    distinct cells."""
+    A chunk spanning whole rows (its trailing axes the array's) is copied by
+    :func:`copy_crc` (``kernel``: which way), which checksums every byte as it copies it
+    (the C kernel), or right after it copies each piece, still in the core's cache;
+    the zero padding of a chunk cut by the array's end is checksummed after it. Other
+    chunks are copied, then checksummed. Nothing is put in ``out`` for a region that
+    is not whole chunks, a 0-d or big-endian array: the writer computes those. Any
+    thread (the copies and the crc32c release the GIL); distinct calls put distinct
+    cells."""
     region = None if dst.dtype.byteorder == ">" else whole_chunks(shape, chunk, index)
     if region is None or dst.shape != region[0] or src.shape != dst.shape:
         np.copyto(dst, src)
@@ -168,13 +212,9 @@ def copy_with_crcs(
         d, s = dst[at], src[at]
         if d.shape[1:] == tuple(chunk[1:]) and d.flags.c_contiguous and s.flags.c_contiguous:
             flat_d, flat_s = d.reshape(-1).view(np.uint8), s.reshape(-1).view(np.uint8)
-            crc = 0
-            for a in range(0, flat_d.size, COPY_STEP):
-                np.copyto(flat_d[a : a + COPY_STEP], flat_s[a : a + COPY_STEP])
-                crc = _crc32c(flat_d[a : a + COPY_STEP], crc)
+            crc = copy_crc(flat_d, flat_s, 0, kernel)
             pad = (int(np.prod(chunk)) - d.size) * d.dtype.itemsize  # cut by the array's end
-            if pad:
-                crc = _crc32c(np.zeros(pad, np.uint8), crc)
+            crc = extend_zeros(crc, pad)
         else:
             np.copyto(d, s)
             crc = _crc32c(chunk_payload(d, tuple(chunk)))

@@ -4,7 +4,9 @@ version 2's data files) store that checksum rather than computing it again. Ever
 chunk written must carry the crc32c of exactly the bytes written: checked against a
 fresh crc32c (google_crc32c, not the package's crc) of the bytes on disk, with edge
 chunks cut on the first and on a trailing axis, bfloat16, bool, a sharded leaf, a
-numpy leaf and a packed sub-byte leaf (computed by the writer: not carried)."""
+numpy leaf and a packed sub-byte leaf (computed by the writer: not carried); with
+the C kernel (``_zarr/_copycrc.c``) where it is built and with its fallback (the
+kernel made absent: np.copyto, then crc32c, a piece at a time)."""
 
 from __future__ import annotations
 
@@ -39,11 +41,16 @@ def small_geometry(monkeypatch):
     monkeypatch.setattr(_chunks, "COPY_STEP", 4096)
 
 
-@pytest.fixture
-def carried(monkeypatch):
+@pytest.fixture(params=["kernel", "fallback"])
+def carried(request, monkeypatch):
     """{chunk name: the crc32c the writer was handed (None: it computed one)}, recorded
-    around the real ChunkWriter._write_chunk (PackedWriter's too), one pass on (off by
-    default: host_snapshot.ONE_PASS)."""
+    around the real ChunkWriter._write_chunk (PackedWriter's too), one pass on (by
+    default only where the kernel is built: host_snapshot.ONE_PASS), copied by the
+    kernel or by its fallback."""
+    if request.param == "fallback":
+        monkeypatch.setattr(_chunks, "_copycrc", None)
+    elif not _chunks.has_kernel():
+        pytest.skip("the C extension is not built here")
     monkeypatch.setattr(_host_snapshot, "ONE_PASS", True)
     seen: dict[str, int | None] = {}
     real = _chunk_writer.ChunkWriter._write_chunk
@@ -125,3 +132,7 @@ def test_every_carried_crc32c_is_that_of_the_bytes_written(
             for key, value in state.items():
                 assert np.array_equal(np.asarray(restored[key]), np.asarray(value)), key
             assert all(r.ok for r in fop.verify(os.path.join(tmp_path, str(step))))
+
+
+def test_one_pass_is_on_by_default_where_the_kernel_is_built():
+    assert _host_snapshot.ONE_PASS == _chunks.has_kernel()
