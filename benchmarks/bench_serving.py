@@ -76,7 +76,7 @@ def worker(kind: str, path: str, code: str | None) -> dict:
         jax.block_until_ready(tree)
         out["call_s"] = time.perf_counter() - t0
         out["problems"] = C.check_result({"params": tree}, specs, "single")
-    elif kind == "fop":
+    elif kind == "fop" or kind.startswith("fop-partial"):
         import jax
 
         import flax_orbax_plugin as fop
@@ -89,7 +89,10 @@ def worker(kind: str, path: str, code: str | None) -> dict:
         restore_params = fop.restore_params  # its first use imports the public API
         out["import_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        tree = restore_params(path, like=like)
+        if kind == "fop":
+            tree = restore_params(path, like=like)
+        else:  # peers/fop.py's restore_params (bench_peers): the whole state's checkpoint
+            tree = fop.restore(path, {"params": like}, partial=True)["params"]
         jax.block_until_ready(tree)
         out["call_s"] = time.perf_counter() - t0
         out["problems"] = C.check_result({"params": tree}, specs, "single")
@@ -216,17 +219,20 @@ def do_save(root: str) -> dict:
 
     specs = C.tree_specs("a")
     tree = C.build_jax_tree(specs, "single")
-    paths = {k: os.path.join(root, k) for k in ("fop", "dcp", "raw")}
-    for k in ("fop", "dcp"):
+    paths = {k: os.path.join(root, k) for k in ("fop", "fop-single-v2", "fop-single-v1")}
+    paths.update(dcp=os.path.join(root, "dcp"), raw=os.path.join(root, "raw"))
+    for k in paths:
         C.rmtree(paths[k])
     mgr = fop.CheckpointManager(paths["fop"])
     mgr.save(1, tree)
     mgr.wait()
     mgr.close()
+    fop.save(paths["fop-single-v2"], tree, format_version=2)
+    fop.save(paths["fop-single-v1"], tree, format_version=1)
     torch_dcp.Adapter().save_async(paths["dcp"], tree).wait()
     params = [np.asarray(C.get_path(tree, s.path)) for s in C.params_specs(specs)]
     nbytes = C.raw_write(paths["raw"], params)
-    for k in ("fop", "dcp"):
+    for k in paths:
         C.fsync_tree(paths[k])
     os.sync()
     del jax
@@ -330,9 +336,15 @@ def main() -> None:
     p.add_argument("--code", action="append", default=[])
     p.add_argument("--name", action="append", default=[], help="a label per --code")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--root", default=os.path.join(C.TMP, "serving"))
+    p.add_argument("--root", default=os.path.join(C.TMP, "serving2"))
     p.add_argument("--out", default=os.path.join(C.RESULTS, "serving"))
     p.add_argument("--no-dcp", action="store_true")
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="also fop.restore(single, {'params': like}, partial=True) of a whole-state "
+        "fop.save checkpoint, version 2 and 1 (peers/fop.py's restore_params)",
+    )
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--keep", action="store_true", help="reuse a saved root")
     a = p.parse_args()
@@ -360,11 +372,17 @@ def main() -> None:
     for code in codes:
         precompile(code)
     jobs = [(name, "fop", paths["fop"], code) for name, code in zip(names, codes, strict=True)]
+    if a.partial:
+        for v in ("v2", "v1"):
+            jobs += [
+                (f"{name} partial {v}", f"fop-partial-{v}", paths[f"fop-single-{v}"], code)
+                for name, code in zip(names, codes, strict=True)
+            ]
     if not a.no_dcp:
         jobs.append(("dcp", "dcp", paths["dcp"], None))
     jobs += [(k, k, paths["raw"], None) for k in RAW_KINDS]
     runs = []
-    every = [paths["fop"], paths["dcp"], paths["raw"]]
+    every = list(paths.values())
     for rep in range(a.repeats):
         k = rep % len(jobs)
         for label, kind, path, code in jobs[k:] + jobs[:k]:
