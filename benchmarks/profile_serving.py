@@ -71,6 +71,7 @@ def main() -> None:
     timed(read_data, "_read_targets_with", "reads+placement (_read_targets_with)")
     timed(targets.Placer, "flush", "Placer.flush")
     timed(restore._transform, "match", "transform.match (targets)")
+    timed(packed_reader.PackedReader, "_fill_segment", "chunk reads (a reader thread)")
     if not a.warm:
         evict(path)
     jax.devices()
@@ -95,6 +96,16 @@ def main() -> None:
         print(
             f"  {label:<40} n={len(spans):>3} incl {inc:7.3f} s  "
             f"first start {spans[0][0]:.3f} last end {spans[-1][1]:.3f}"
+        )
+    reads = sorted((s, e) for label, s, e in PHASES if label.startswith("chunk reads"))
+    if reads:
+        busy, end = 0.0, 0.0
+        for s, e in reads:
+            busy += max(0.0, e - max(s, end))
+            end = max(end, e)
+        print(
+            f"  chunk reads: first starts {reads[0][0]:.3f} s, last ends {end:.3f} s, "
+            f"some read in flight {busy:.3f} s; after the last read: {total - end:.3f} s"
         )
     if prof:
         out = io.StringIO()
