@@ -22,6 +22,7 @@ Coming from elsewhere, going elsewhere:
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from ._version import __version__ as __version__
@@ -187,16 +188,28 @@ __all__ = [
 ]
 
 
+# Names a serving process uses alone, loaded from their own module on first use (the
+# statement _api.py has), without every wing: a serving process's first use of
+# ``restore_params`` imported the whole API (0.1 s under load, half of it the interop
+# and manager wings serving never touches). Any other name loads them all.
+_OWN_MODULE = (("restore_params", "._reading.serving"),)
+
+
 def __getattr__(name: str):
-    """A public name, imported on its first use (PEP 562) with all the others."""
+    """A public name, imported on its first use (PEP 562) with all the others (serving's
+    ``restore_params`` alone: see ``_OWN_MODULE``)."""
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # Inside the function on purpose: ``_api`` imports JAX and tensorstore (seconds),
-    # which ``import flax_orbax_plugin`` and the CLI's --help/--version must not pay.
-    # Python's import lock makes a concurrent first use wait for the finished module.
-    from . import _api
+    own = dict(_OWN_MODULE).get(name)
+    if own is not None:
+        value = getattr(importlib.import_module(own, __name__), name)
+    else:
+        # Inside the function on purpose: ``_api`` imports JAX and tensorstore (seconds),
+        # which ``import flax_orbax_plugin`` and the CLI's --help/--version must not pay.
+        # Python's import lock makes a concurrent first use wait for the finished module.
+        from . import _api
 
-    value = getattr(_api, name)
+        value = getattr(_api, name)
     globals()[name] = value
     return value
 

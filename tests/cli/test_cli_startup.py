@@ -146,6 +146,21 @@ def test_import_flax_orbax_plugin_is_light_and_loads_the_api_on_first_use():
     assert p.stdout.split() == ["[]", "True", importlib.metadata.version("flax_orbax_plugin")]
 
 
+def test_restore_params_first_use_loads_serving_alone_and_is_the_apis():
+    code = (
+        "import sys, flax_orbax_plugin as fop\n"
+        "f = fop.restore_params\n"
+        "alone = 'flax_orbax_plugin._api' not in sys.modules\n"
+        "from flax_orbax_plugin import _api\n"
+        "print(alone, f is _api.restore_params, fop.restore_params is f)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", "True", "True"]
+
+
 def _imported_names(body):
     return sorted(
         (node.module, alias.name)
