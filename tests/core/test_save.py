@@ -315,9 +315,15 @@ def test_memory_limit_small_still_correct(tmp_path):
     _assert_bitwise_equal(fop.restore(tmp_path / "c", tree, memory_limit_bytes=1 << 20), tree)
 
 
+# A fork server: it pays for the interpreter, the package's import and the tree once;
+# each "go <path>" forks a real process that saves the tree to <path> and exits (0 once
+# saved), and "wait <pid>" reaps it and prints its wait status. A fresh interpreter per
+# kill cost about 2 s of start-up each (most of this test's time).
 _KILL_CHILD = textwrap.dedent(
     """
+    import os
     import sys
+    import traceback
     import numpy as np
     import flax_orbax_plugin as fop
     rng = np.random.default_rng(0)
@@ -325,9 +331,22 @@ _KILL_CHILD = textwrap.dedent(
             "small": {f"s{i}": rng.standard_normal((64,)).astype(np.float32) for i in range(500)}}
     save = fop.save  # loads the package's API (lazy) before the timed window opens
     print("ready", flush=True)
-    sys.stdin.readline()
-    save(sys.argv[1], tree)
-    print("saved", flush=True)
+    for line in sys.stdin:
+        command, _, arg = line.strip().partition(" ")
+        if command == "go":
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    save(arg, tree)
+                    code = 0
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    os._exit(code)
+            print("pid", pid, flush=True)
+        elif command == "wait":
+            print("status", os.waitpid(int(arg), 0)[1], flush=True)
     """
 )
 
@@ -341,63 +360,69 @@ def _expected_kill_tree():
 
 
 def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
-    """Kill a real saving process at 24 moments; each path is uncommitted or exact."""
+    """Kill a real saving process at 16 moments (up to 12 more when too few land mid-save);
+    each path is uncommitted or exact."""
     script = tmp_path / "child.py"
     script.write_text(_KILL_CHILD)
     env = _proc.child_env(JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    server = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
 
-    def spawn(path):
-        child = subprocess.Popen(
-            [sys.executable, str(script), str(path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        assert _proc.read_line(child, timeout=120).strip() == "ready"
-        return child
+    def ask(line, answer):
+        server.stdin.write(line + "\n")
+        server.stdin.flush()
+        word, value = _proc.read_line(server, timeout=120).split()
+        assert word == answer, (line, word)
+        return int(value)
 
-    # Calibrate: how long one undisturbed save takes here.
-    child = spawn(tmp_path / "calibration")
-    t0 = time.perf_counter()
-    child.stdin.write("go\n")
-    child.stdin.flush()
-    assert _proc.read_line(child, timeout=120).strip() == "saved"
-    duration = time.perf_counter() - t0
-    assert _proc.wait(child, timeout=60) == 0
-    expected = _expected_kill_tree()
-    _assert_bitwise_equal(fop.restore(tmp_path / "calibration"), expected)
-    outcomes = collections.Counter()
-    points = 16
-    # Kills spread over 1.2x the calibrated save; when later saves run faster than the
-    # calibration (a warmer machine) and too few land mid-save, up to 12 more kills
-    # come early in the save.
-    delays = [duration * 1.2 * i / (points - 1) for i in range(points)]
-    extra = [duration * 0.3 * k / 12 for k in range(1, 13)]
-    paths = [tmp_path / f"c{i}" for i in range(points + len(extra))]
-    following = spawn(paths[0])
-    i = 0
-    while i < len(delays):
-        child = following
-        more = i + 1 < len(delays) or (outcomes["interrupted mid-save"] < 3 and extra)
-        following = spawn(paths[i + 1]) if more else None
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        time.sleep(delays[i])
-        child.send_signal(signal.SIGKILL)
-        _proc.wait(child, timeout=60)
-        try:
-            restored = fop.restore(paths[i])
-            _assert_bitwise_equal(restored, expected)
-            outcomes["exact"] += 1
-        except fop.NotCommittedError:
-            outcomes["interrupted mid-save"] += 1
-            assert not fop.is_committed(paths[i])
-        except fop.CheckpointNotFoundError:
-            outcomes["killed before writing"] += 1
-        i += 1
-        if i == len(delays) and following is not None:
-            delays.append(extra.pop(0))
+    def start_save(path):  # the pid of a new process saving the tree to path
+        return ask(f"go {path}", "pid")
+
+    def exit_code(pid):
+        return os.waitstatus_to_exitcode(ask(f"wait {pid}", "status"))
+
+    try:
+        assert _proc.read_line(server, timeout=120).strip() == "ready"
+        # Calibrate: how long one undisturbed save takes here.
+        t0 = time.perf_counter()
+        assert exit_code(start_save(tmp_path / "calibration")) == 0
+        duration = time.perf_counter() - t0
+        expected = _expected_kill_tree()
+        _assert_bitwise_equal(fop.restore(tmp_path / "calibration"), expected)
+        outcomes = collections.Counter()
+        points = 16
+        # Kills spread over 1.2x the calibrated save; when later saves run faster than
+        # the calibration (a warmer machine) and too few land mid-save, up to 12 more
+        # kills come early in the save.
+        delays = [duration * 1.2 * i / (points - 1) for i in range(points)]
+        extra = [duration * 0.3 * k / 12 for k in range(1, 13)]
+        i = 0
+        while i < len(delays):
+            path = tmp_path / f"c{i}"
+            pid = start_save(path)
+            time.sleep(delays[i])
+            os.kill(pid, signal.SIGKILL)
+            assert exit_code(pid) in (0, -signal.SIGKILL)  # saved, or killed: nothing else
+            try:
+                restored = fop.restore(path)
+                _assert_bitwise_equal(restored, expected)
+                outcomes["exact"] += 1
+            except fop.NotCommittedError:
+                outcomes["interrupted mid-save"] += 1
+                assert not fop.is_committed(path)
+            except fop.CheckpointNotFoundError:
+                outcomes["killed before writing"] += 1
+            i += 1
+            if i == len(delays) and outcomes["interrupted mid-save"] < 3 and extra:
+                delays.append(extra.pop(0))
+    finally:
+        server.stdin.close()
+        _proc.wait(server, timeout=60)
     print(dict(outcomes))
     assert outcomes["interrupted mid-save"] >= 3, outcomes  # kills did land mid-save
     assert sum(outcomes.values()) == len(delays)

@@ -15,7 +15,9 @@ How tensorstore 0.1.86 is pointed at it (checked):
 * Both the spec ``{"driver": "gcs", "bucket": B, "path": "prefix/"}`` and the URL
   ``gs://B/prefix/`` work (unlike s3, the endpoint comes from the environment).
 * KvStore write/read/list/delete_range and zarr3 with the crc32c codec work.
-* The emulator serves one request at a time (``http.server.HTTPServer``).
+* The emulator serves one request at a time (``http.server.HTTPServer``), and with
+  http.server's listen backlog of 5 the connections past it were dropped and retried
+  by curl a second later. Patched here: a backlog of 1024.
 
 Where gcp-storage-emulator 2026.7.19 differs from GCS, and what this module does:
 
@@ -31,6 +33,10 @@ Where gcp-storage-emulator 2026.7.19 differs from GCS, and what this module does
   a suffix range is turned into the equivalent ``bytes=<size-N>-``, and the
   object's generation is sent as ``x-goog-generation`` as GCS does (without it a
   ranged read fails with "Malformed StorageGeneration").
+* In memory it still re-serialized all of its metadata (every object and soft-deleted
+  generation the session ever wrote) on each create and delete, so a session's
+  requests got slower the longer it ran. Patched here: in memory that file (which
+  only a restart from a data directory reads) is not written.
 * Not patched: ``ifGenerationMatch=0`` is ignored, so a create-if-absent
   conditional write (``if_equal=<missing generation>``) succeeds even when the
   object exists. Real GCS honours it. Do not test conditional-write semantics here.
@@ -38,10 +44,12 @@ Where gcp-storage-emulator 2026.7.19 differs from GCS, and what this module does
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
 import logging
 import re
 import time
+from functools import partial
 
 from _s3_server import (
     ObjectStoreLocation,
@@ -64,7 +72,7 @@ def _patch_emulator() -> None:
     global _PATCHED
     if _PATCHED:
         return
-    from gcp_storage_emulator import server
+    from gcp_storage_emulator import server, storage
     from gcp_storage_emulator.handlers import objects
 
     original_ls, original_download = objects.ls, objects.download
@@ -103,6 +111,34 @@ def _patch_emulator() -> None:
             # on ranged reads ("Malformed StorageGeneration" without it).
             response["x-goog-generation"] = str(generation)
         return original_download(request, response, storage, *args, **kwargs)
+
+    # In memory, every create and delete re-serialized the whole server's metadata (every
+    # object and soft-deleted generation so far) into a ".meta" file that only a restart
+    # from a data directory reads back: the cost of a write grew with all the writes of
+    # the session before it. Nothing reads it in memory mode, so it is not written.
+    original_write_config = storage.Storage._write_config_to_file
+
+    def write_config_to_file(self):
+        if not self._use_memory_fs:
+            original_write_config(self)
+
+    storage.Storage._write_config_to_file = write_config_to_file
+
+    # One request at a time, and http.server's listen backlog of 5: tensorstore opens a
+    # connection per concurrent request, the kernel drops the connections past the
+    # backlog, and curl sends them again a second later (90 concurrent reads: 3.3 s
+    # instead of 0.03 s). A deeper backlog queues them instead.
+    class _HTTPServer(http.server.HTTPServer):
+        request_queue_size = 1024
+
+    def run(self):
+        self._httpd = _HTTPServer(
+            (self._host, self._port), partial(server.RequestHandler, self._storage)
+        )
+        self.is_running.set()
+        self._httpd.serve_forever()
+
+    server.APIThread.run = run
 
     objects.ls, objects.download = ls, download  # for handlers that call them directly
     for _, methods in server.HANDLERS:
