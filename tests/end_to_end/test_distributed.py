@@ -225,7 +225,9 @@ def test_sigkill_mid_save_survivors_fail_naming_the_missing_process(tmp_path):
         assert p.record.get("ok"), p.describe()
         res = p.result
         assert res["step1_committed"]
-        assert res["save2_type"] == "CoordinationError", res
+        # Its own look, or process 0's failure published first (a ProcessFailedError,
+        # a CoordinationError that carries process 0's message): either names process 1.
+        assert res["save2_type"] in ("CoordinationError", "ProcessFailedError"), res
         # Bounded: the silence allowed plus a look and slack, not the timeout.
         assert res["save2_s"] < 3 + 12, res
         assert "process 1 is dead: its heartbeat stopped" in res["save2"], res["save2"]
