@@ -16,8 +16,8 @@
 * **fresh**: the same call when no spare fits (a change of shape or sharding, the
   previous save still writing): no donation, jax allocates the output. The second
   call (its state has the shardings the step gives it) allocates the first spare
-  (zeros), so the step after the first save writes into memory touched before, as
-  every later one does.
+  (zeros) and compiles the spare variant ahead of time, so the step after the first
+  save neither compiles nor writes into fresh memory, as every later one.
 
 Memory: two states from the second call on, the one the step computes and the one
 the save writes or the spare (as the manager's host buffers would), never a copy of
@@ -139,6 +139,8 @@ class ZeroCopyStep:
                 self._calls += 1
                 if self._calls == 2 and self._spare is None:
                     self._spare = _first_spare(tuple(args[i] for i in self._donate))
+                    if self._spare is not None:  # compiled now, not in the step after a save
+                        self._variant("spare").lower(self._spare[1], *args, **kwargs).compile()
             return self._variant("plain")(*args, **kwargs)
         held, handle = self._held, self._held_save
         self._held, self._held_save = {}, None
