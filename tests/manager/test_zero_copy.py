@@ -171,6 +171,28 @@ def test_a_spare_that_jax_cannot_donate_is_a_clear_error():
     assert held_view.shape
 
 
+def test_the_step_after_the_first_save_compiles_nothing(caplog):
+    """The second call makes the first spare and compiles the spare variant ahead of
+    time: the step right after a save neither compiles nor allocates (issue 34: "the
+    first save no slower than a steady one")."""
+
+    class Done:
+        def done(self):
+            return True
+
+    wrapped = ZeroCopyStep(_train_step, donate_argnums=0)
+    state = _state()
+    with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
+        for _ in range(2):
+            state, _ = wrapped(state, 1.0)
+        assert any("into_spare" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        wrapped.saved(_items(state), Done())
+        state, _ = wrapped(state, 1.0)
+        compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert (wrapped.spare_calls, wrapped.fresh_calls, compiled) == (1, 0, [])
+
+
 def test_calls_after_a_save_of_other_arrays_take_the_plain_step(tmp_path):
     """A save of arrays the step is not given (an eval copy, say) is not a reason to
     hold the step's own state: the plain donating step runs, nothing is kept."""
