@@ -70,22 +70,9 @@ def raw_read(path: str, streams: int, *, touched: bool, t0: float, out: dict) ->
         t0 = time.perf_counter()
         buf = np.empty(nbytes, np.uint8)
     out["t0"] = t0
-    mv = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY)
     try:
-
-        def get(job):
-            at, size = job
-            got = 0
-            while got < size:
-                k = os.preadv(fd, [mv[at + got : at + size]], at + got)
-                if not k:
-                    raise EOFError(path)
-                got += k
-
-        list(pool.map(get, C._blocks(nbytes)))
+        C.read_blocks(path, buf, pool)
     finally:
-        os.close(fd)
         pool.shutdown()
     return int(buf.nbytes)
 
@@ -154,20 +141,6 @@ def worker(kind: str, path: str, code: str | None) -> dict:
 # ------------------------------------------------------------------------ driver
 
 
-def evict(path: str) -> None:
-    """Drops ``path``'s files (a file or every file under a directory) from the page
-    cache: POSIX_FADV_DONTNEED on each (clean pages; the files were fsynced)."""
-    files = [path] if os.path.isfile(path) else []
-    for root, _dirs, names in os.walk(path):
-        files += [os.path.join(root, n) for n in names]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def cached_fraction(path: str) -> float | None:
     """The share of ``path``'s pages in the page cache (mincore on a mapping), or None."""
     try:
@@ -216,7 +189,7 @@ def _env(code: str | None) -> dict:
 
 def measure(kind: str, path: str, code: str | None, evict_paths: list[str]) -> dict:
     for p in evict_paths:
-        evict(p)
+        C.evict(p)
     left = [cached_fraction(p) for p in evict_paths]
     steal0, total0 = machine_load.cpu_times()
     load0 = machine_load.load1()

@@ -49,20 +49,6 @@ def specs_for(count: int) -> list:
     return out
 
 
-def _evict(path: str) -> None:
-    paths = (
-        [path]
-        if os.path.isfile(path)
-        else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
-    )
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _like(specs, params_only: bool):
     like = C.build_like(specs, "single")
     return {"params": like["params"]} if params_only else like
@@ -75,7 +61,7 @@ def worker(a) -> dict:
 
     specs = specs_for(a.count)
     if a.row == "raw":
-        _evict(a.path)
+        C.evict(a.path)
         t0 = time.perf_counter()
         buf = C.raw_read(a.path)
         return {"s": time.perf_counter() - t0, "bytes": int(buf.nbytes)}
@@ -100,7 +86,7 @@ def worker(a) -> dict:
             if params_only
             else (lambda: ad.restore(a.path, like))
         )
-    _evict(a.path)
+    C.evict(a.path)
     t0 = time.perf_counter()
     out = jax.block_until_ready(restore())
     seconds = time.perf_counter() - t0

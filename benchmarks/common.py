@@ -417,6 +417,14 @@ def raw_read_parallel(path: str, streams: int, nbytes: int | None = None) -> np.
     if nbytes is None:
         nbytes = os.path.getsize(path)
     out = np.empty(nbytes, np.uint8)
+    with ThreadPoolExecutor(streams) as pool:
+        read_blocks(path, out, pool)
+    return out
+
+
+def read_blocks(path: str, out: np.ndarray, pool) -> None:
+    """Fills ``out`` (uint8) from the start of ``path``, one ``os.preadv`` job per
+    :data:`RAW_BLOCK` block, on the executor ``pool``."""
     mv = memoryview(out)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -430,11 +438,23 @@ def raw_read_parallel(path: str, streams: int, nbytes: int | None = None) -> np.
                     raise EOFError(path)
                 got += k
 
-        with ThreadPoolExecutor(streams) as pool:
-            list(pool.map(get, _blocks(nbytes)))
+        list(pool.map(get, _blocks(out.nbytes)))
     finally:
         os.close(fd)
-    return out
+
+
+def evict(path: str) -> None:
+    """Drops ``path``'s files (a file or every file under a directory) from the page
+    cache: POSIX_FADV_DONTNEED on each (clean pages; the files were fsynced)."""
+    files = [path] if os.path.isfile(path) else []
+    for root, _dirs, names in os.walk(path):
+        files += [os.path.join(root, n) for n in names]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def raw_read(path: str, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
