@@ -149,24 +149,25 @@ class ZeroCopyStep:
         leaves, treedef = jax.tree_util.tree_flatten(state)
         if not any(id(x) in held for x in leaves):  # the save held other arrays
             return self._variant("plain")(*args, **kwargs)
-        spare = self._take_spare(treedef, leaves)
+        inputs = {p for x in leaves if isinstance(x, jax.Array) for p in _pointers(x)}
+        spare = self._take_spare(treedef, leaves, inputs)
         if spare is None:
             self.fresh_calls += 1
             out = self._variant("fresh")(*args, **kwargs)
         else:
             wanted = {p for x in spare for p in _pointers(x)}
             keys = [_key(x) for x in spare]
-            inputs = {p for x in leaves if isinstance(x, jax.Array) for p in _pointers(x)}
             out = self._variant("spare")(spare, *args, **kwargs)
             _check_aliased(wanted, keys, inputs, out)
             self.spare_calls += 1
         self._spare = (treedef, leaves, handle)  # donated once that save is written
         return out
 
-    def _take_spare(self, treedef: Any, leaves: list) -> list | None:
-        """The previous save's arrays as a spare for a state of ``treedef`` / ``leaves``,
-        or None: none yet, its save still writing, another structure, shape, dtype or
-        sharding, or a buffer the current state shares (it would be donated twice)."""
+    def _take_spare(self, treedef: Any, leaves: list, inputs: set[int]) -> list | None:
+        """The previous save's arrays as a spare for a state of ``treedef`` / ``leaves``
+        (its buffers at ``inputs``), or None: none yet, its save still writing, another
+        structure, shape, dtype or sharding, or a buffer the current state shares (it
+        would be donated twice)."""
         spare, self._spare = self._spare, None
         if spare is None:
             return None
@@ -180,8 +181,7 @@ class ZeroCopyStep:
                 return None
             if _signature(a) != _signature(b):
                 return None
-        now = {p for x in leaves for p in _pointers(x)}
-        if any(p in now for x in old for p in _pointers(x)):
+        if any(p in inputs for x in old for p in _pointers(x)):
             return None
         return old
 
