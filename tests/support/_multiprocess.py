@@ -240,6 +240,7 @@ def run_processes(
         for i, p in enumerate(procs):
             if ends[i] is None and p.poll() is not None:
                 ends[i] = now
+                _mark_ended(workdir, i)
         for sig in list(pending_signals):
             if ends[sig.process] is None and sig.when():
                 procs[sig.process].send_signal(sig.signum)
@@ -283,6 +284,12 @@ def run_processes(
             )
         )
     return RunResult(results, workdir, sent)
+
+
+def _mark_ended(workdir: str, i: int) -> None:
+    """Tells the service host (process 0) that process ``i`` is gone, whatever its record."""
+    with open(os.path.join(workdir, f"ended_{i}"), "w"):
+        pass
 
 
 # ----------------------------------------------------------------------------- child side
@@ -419,9 +426,33 @@ def _child_main() -> int:
     try:
         ctx.client.wait_at_barrier("fop_mp/done", int(job["done_timeout_s"] * 1000))
     except Exception:  # noqa: BLE001
+        _host_leaves_last(job)
         return rc
     jax.distributed.shutdown()
     return rc
+
+
+def _host_leaves_last(job: dict) -> None:
+    """Process 0 hosts the coordination service: when it exits, jax aborts every peer
+    still connected (SIGABRT). So it leaves only once each peer has written its final
+    record or ended (the parent marks it), or the run's time is up, never by the done
+    barrier's timeout alone: a peer that started late would be killed mid-target."""
+    if job["process_id"] != 0:
+        return
+    workdir, deadline = job["workdir"], job["t0_wall"] + job["dump_stacks_after_s"]
+    waiting = set(range(1, job["num_processes"]))
+    while waiting and time.time() < deadline:
+        for i in list(waiting):
+            if os.path.exists(os.path.join(workdir, f"ended_{i}")):
+                waiting.discard(i)
+                continue
+            try:
+                with open(os.path.join(workdir, f"result_{i}.json")) as f:
+                    if not json.load(f).get("partial"):
+                        waiting.discard(i)
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.02)
 
 
 if __name__ == "__main__":
