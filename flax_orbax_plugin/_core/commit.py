@@ -186,7 +186,7 @@ def commit_collectively(
         wait = 2 * _distributed.stall_timeout()
         outcome = _distributed.broadcast_str(f"{op}/outcome", None, timeout_s=wait)
         if outcome != "committed":
-            _discard(abort)  # e.g. a staging directory of another step than the primary's
+            outcome = _discard(abort, outcome)  # e.g. staging of another step than the primary's
     if error is not None:
         error.add_note(f"{what}: {outcome}")
         raise error
@@ -199,11 +199,15 @@ def commit_collectively(
     return written
 
 
-def _discard(abort: Callable[[], None]) -> None:
+def _discard(abort: Callable[[], None], outcome: str) -> str:
+    """Removes this process's staged files after a failed outcome; a removal that fails
+    too is added to the outcome (reported with it), never passed over in silence."""
     try:
         abort()
-    except Exception:  # noqa: BLE001  (the commit's failure is what gets reported)
-        pass
+    except Exception as e:  # noqa: BLE001
+        me = _distributed.process_index()
+        return f"{outcome} (and removing process {me}'s staged files failed: {e})"
+    return outcome
 
 
 def _decide_and_commit(op, own_status, what, publish, abort) -> str:
@@ -228,11 +232,7 @@ def _decide_and_commit(op, own_status, what, publish, abort) -> str:
         outcome = f"{CANCELLED}process 0: {e}"
     except BaseException as e:  # noqa: BLE001  (every process learns of it)
         outcome = f"not committed; commit failed on the primary: {type(e).__name__}: {e}"
-    try:
-        abort()
-    except Exception as e:  # noqa: BLE001
-        outcome += f" (and removing the staged files failed: {e})"
-    return outcome
+    return _discard(abort, outcome)
 
 
 CANCELLED = "cancelled, not committed; "  # the outcome when only cancellations failed

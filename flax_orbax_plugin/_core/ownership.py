@@ -211,6 +211,7 @@ def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
     drawn from this run's session nonce, a name nobody else creates). Proven by our
     marker, or on local disk by the name itself: only the primary claims, and the
     others' staging of a step the primary did not save carries no marker."""
+    _faults.fail_point("remove_staging")  # tests: a removal that fails (FOP_FAIL_AT)
     if proof(loc) is None and loc.is_local and loc.name.endswith(f".partial-{nonce}"):
         if _exists(loc):
             logger.info("checkpoint: removing this save's %s %s", what, loc)

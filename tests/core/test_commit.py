@@ -78,6 +78,24 @@ def test_processes_saving_different_steps_commit_nothing(tmp_path):
     assert leftovers == []
 
 
+def test_a_failed_removal_of_a_processs_staging_is_reported_not_swallowed(tmp_path):
+    """The commit refused (different steps), then each process's removal of its own
+    staging fails: each process's error says so, naming the process, beside the cause."""
+    run = run_processes(
+        "_mp_workers:different_steps",
+        2,
+        devices_per_process=2,
+        args={"directory": str(tmp_path / "run")},
+        env={"FOP_FAIL_AT": "remove_staging"},
+        timeout_s=120,
+    )
+    for p in run.procs:
+        error = p.result["error"]
+        assert "disagree" in error, p.describe()
+        me = p.process_id
+        assert f"removing process {me}'s staged files failed: injected fault" in error, error
+
+
 def test_time_based_policy_is_shared_by_all_processes(tmp_path):
     values = _run("_mp_workers:timed_callback", 2, {"directory": str(tmp_path / "run")})
     assert values[0]["saved"] == values[1]["saved"]
