@@ -34,6 +34,7 @@ from . import faults as _faults
 from . import liveness as _liveness
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
+LEFT = "fop/left"  # LEFT/<scope>/<process>: it left that scope (announce_leaving)
 _REGIONS = itertools.count()
 _LOCAL = threading.local()  # .stack: the regions this thread is in, innermost last
 
@@ -58,13 +59,16 @@ def client():
 class Region:
     """One collective operation: its kind (``manager-save`` ...) and its tag, the same on
     every process (the n-th collective operation of this process); the names drawn in it
-    so far (:attr:`drawn`), the agreement this thread is in and those it completed, and
-    its waits' stall timeout (``stall_s``, seconds; None: ``FOP_COORDINATION_TIMEOUT_S``)."""
+    so far (:attr:`drawn`), the agreement this thread is in and those it completed, its
+    waits' stall timeout (``stall_s``, seconds; None: ``FOP_COORDINATION_TIMEOUT_S``),
+    and its ``scope``: the tag of the open of the manager it is an operation of (whose
+    processes may announce that they left it: :func:`announce_leaving`), or None."""
 
     kind: str
     tag: str
     drawn: int = 0
     stall_s: float | None = None
+    scope: str | None = None
     agreeing: str | None = None
     agreed: set[str] = dataclasses.field(default_factory=set)
 
@@ -81,7 +85,9 @@ def current_region() -> Region | None:
 
 
 @contextlib.contextmanager
-def collective(kind: str, *, spans: bool = True, stall_s: float | None = None) -> Iterator[None]:
+def collective(
+    kind: str, *, spans: bool = True, stall_s: float | None = None, scope: str | None = None
+) -> Iterator[None]:
     """A collective operation of every process (a context manager, or a decorator):
     draws a region, in which waits raise :class:`ProcessFailedError` once another process
     published a failure, and whose error, leaving it, is published for the others.
@@ -89,25 +95,27 @@ def collective(kind: str, *, spans: bool = True, stall_s: float | None = None) -
     ``spans=False``: this call is not collective (e.g. a restore onto host arrays, which
     one process may make alone); no region is drawn. Inside a region (nested calls, a
     background phase) the outer region goes on. With one process: nothing. ``stall_s``:
-    the stall timeout of the region's waits (see ``_base/liveness.py``)."""
+    the stall timeout of the region's waits (see ``_base/liveness.py``); ``scope``: the
+    region's (see :class:`Region`)."""
     if not spans or current_region() is not None or jax.process_count() == 1:
         yield
         return
     with contextlib.suppress(CoordinationError):  # no client: the first wait says so
         _liveness.ensure_beating(client(), jax.process_index())  # before any wait on us
-    with resumed(Region(kind, str(next(_REGIONS)), stall_s=stall_s)):
+    with resumed(Region(kind, str(next(_REGIONS)), stall_s=stall_s, scope=scope)):
         yield
 
 
-def collective_method(kind: str, *, stall: str) -> Callable:
+def collective_method(kind: str, *, stall: str, scope: str) -> Callable:
     """A decorator for a method: each call is :func:`collective`, its region's stall
     timeout the attribute ``stall`` of the object it is called on (set by its
-    constructor from its options: e.g. a manager's ``stall_timeout=``)."""
+    constructor from its options: e.g. a manager's ``stall_timeout=``), its scope the
+    attribute ``scope`` (e.g. the tag of the manager's open)."""
 
     def decorate(method: Callable) -> Callable:
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with collective(kind, stall_s=getattr(self, stall)):
+            with collective(kind, stall_s=getattr(self, stall), scope=getattr(self, scope)):
                 return method(self, *args, **kwargs)
 
         return call
@@ -128,6 +136,13 @@ def collective_call(kind: str, *, spans: Callable[..., bool]) -> Callable:
         return call
 
     return decorate
+
+
+def scope_here() -> str | None:
+    """The tag of this thread's region (None: none): a scope for the regions of the
+    operations of what is opened here (a manager's open: see :class:`Region`)."""
+    region = current_region()
+    return None if region is None else region.tag
 
 
 def set_stall(stall_s: float | None) -> None:
@@ -185,6 +200,50 @@ def announce_agreement(op: str, error: BaseException) -> None:
         CALLS["kv_set"] += 1
         key = f"{FAILED}/{region.tag}/{jax.process_index()}/at/{number}"
         client().key_value_set(key, json.dumps(record), allow_overwrite=True)
+
+
+def announce_leaving(error: BaseException, *, scope: str | None, where: str) -> None:
+    """Says that this process leaves ``scope`` (a manager's operations: see
+    :class:`Region`) with ``error``, raised out of ``where`` (e.g. the manager's ``with``
+    block) once its own save in flight ended: it sets no more values there, so another
+    process waiting in that scope for one of its values raises
+    :class:`ProcessFailedError` within a slice (:func:`raise_if_left`) rather than at
+    its stall timeout. A new manager is a new scope: a run that goes on after an error
+    every process shared (and left together) is not affected."""
+    if scope is None or jax.process_count() == 1:
+        return
+    record = {**_record(Region(where, scope), error), "kind": where}
+    CALLS["kv_set"] += 1
+    with contextlib.suppress(Exception):  # a service gone: the others learn of it anyway
+        key = f"{LEFT}/{scope}/{jax.process_index()}"
+        client().key_value_set(key, json.dumps(record), allow_overwrite=True)
+
+
+def raise_if_left(process: int, key: str) -> None:
+    """Raises :class:`ProcessFailedError` when ``process`` announced that it left the
+    scope of this thread's region (:func:`announce_leaving`) and ``key``, its value this
+    thread waits for, is not set: it never will be. Any thread."""
+    region = current_region()
+    if region is None or region.scope is None:
+        return
+    c = client()
+    CALLS["failure_check"] += 1
+    try:
+        said = c.key_value_try_get(f"{LEFT}/{region.scope}/{process}")
+    except Exception:  # noqa: BLE001  (NOT_FOUND: it did not leave)
+        return
+    try:
+        c.key_value_try_get(key)  # set before it left: read on
+        return
+    except Exception:  # noqa: BLE001
+        pass
+    r = _failure_record(said)
+    error = ProcessFailedError(
+        f"process {jax.process_index()} of {jax.process_count()}, in {region.kind}: "
+        f"process {process} left {r['kind']} with {r['type']}: {r['message']}"
+    )
+    error.process, error.error_type = process, r["type"]
+    raise error
 
 
 def _diverged(region: Region, r: dict[str, Any], waiting_for: int | None) -> bool:

@@ -152,12 +152,15 @@ def commit_collectively(
     write: Callable[[], Written],
     publish: Callable[[dict[str, str]], None],
     abort: Callable[[], None],
+    agreed: dict[str, Any] | None = None,
 ) -> Written:
     """Runs the protocol in the module docstring; returns what this process wrote.
 
     ``write`` runs on every process (its own files, made durable); ``publish(files)``
     runs on the primary only, ``files`` merging every process's; ``abort()`` removes
     what was staged, on the primary and, after a failed outcome, on every process.
+    ``agreed``: the options every process must have saved with (JSON values by name:
+    the target path, the format...); a difference is a disagreement naming them.
     Raises this process's own write error, or :class:`CoordinationError` when the
     processes disagree, or :class:`CheckpointError` when another process failed.
     """
@@ -171,6 +174,7 @@ def commit_collectively(
         {
             "step": step,
             "digest": digest,
+            "agreed": agreed or {},
             "error": None if error is None else f"{type(error).__name__}: {error}",
             "files": written.files,
         }
@@ -255,6 +259,16 @@ def _disagreement(statuses: list[dict[str, Any]]) -> str | None:
             return (
                 f"disagree: process 0 saved step {first['step']} but process {p} saved step "
                 f"{s['step']}; every process must save the same step"
+            )
+        if s["agreed"] != first["agreed"]:
+            mine, theirs = first["agreed"], s["agreed"]
+            names = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
+            each = "; ".join(
+                f"{k}: {mine.get(k)!r} on process 0, {theirs.get(k)!r} on process {p}"
+                for k in names
+            )
+            return f"disagree: the processes saved with different options ({each}); " + (
+                "every process must pass the same"
             )
         if s["digest"] != first["digest"]:
             return (

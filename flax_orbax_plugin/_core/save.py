@@ -170,6 +170,13 @@ def _start(
                 start=start,
                 blocking=time.perf_counter() - start,
                 cancelled=cancelled,
+                agreed={
+                    "path": str(location),
+                    "force": force,
+                    "format_version": request.format_version,
+                    "compression": request.compression,
+                    "data_file_bytes": request.data_file_bytes,
+                },
             )
             handle = SaveHandle(str(location), job.run, cancelled=cancelled)
             _IN_FLIGHT[:] = [handle]
@@ -193,6 +200,7 @@ class _Background:
     start: float
     blocking: float
     cancelled: threading.Event
+    agreed: dict[str, Any]  # what every process must save with (commit_collectively)
 
     def run(self) -> SaveResult:
         location, staging = self.location, self.staging
@@ -222,6 +230,7 @@ class _Background:
             write=write,
             publish=publish,
             abort=self.abort,
+            agreed=self.agreed,
         )
         total = time.perf_counter() - self.start
         return SaveResult(str(location), self.blocking, total, written.bytes_written)

@@ -12,8 +12,6 @@ signature below come from there: ``signatures``).
 
 from __future__ import annotations
 
-import logging
-import operator
 import signal
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -23,15 +21,18 @@ from .._base import host as _host
 from .._core import ownership as _ownership
 from .._core.save import SaveHandle, SaveResult
 from .._errors import CheckpointError
+from .._format.steps import checked_step
 from .._like import transform as _transform
 from .._storage import shared_dir as _shared_dir
 from .._storage.lock import DirectoryLock
 from .._storage.store_errors import raises_store_errors_in_methods
+from . import agreement as _agreement
 from . import housekeeping as _housekeeping
 from . import options as _options
 from . import per_host as _per_host
 from . import signatures as _signatures
 from .book import StepBook
+from .lifecycle import Lifecycle
 from .option_table import MANAGER
 from .restoring import Restorer
 from .retaining import RetentionRunner
@@ -43,11 +44,9 @@ from .zero_copy import HostMemory
 
 __all__ = ["CheckpointManager"]
 
-logger = logging.getLogger("flax_orbax_plugin")
-
 
 @raises_store_errors_in_methods(manager_places)  # a store's refusal: StoreAccessError
-class CheckpointManager(HostMemory):  # reserve(like), wrap_step(fn): zero_copy.HostMemory
+class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecycle.Lifecycle
     # The docstring and the signature of __init__ are derived from the option
     # declarations (option_table.MANAGER) by signatures.document, below the class.
 
@@ -55,6 +54,7 @@ class CheckpointManager(HostMemory):  # reserve(like), wrap_step(fn): zero_copy.
         with _distributed.collective("manager-open", spans=not options.get("read_only")):
             opts = _options.ManagerOptions.build(directory, options)  # _base.regions
             self._loc, self._stall_s = opts.location, opts.stall_timeout
+            self._scope = _distributed.scope_here()  # its operations' (lifecycle.leave)
             _distributed.set_stall(opts.stall_timeout)  # the open's own waits
             self._schedule = SaveSchedule(opts.policy, opts.clock, opts.retention.uses_time)
             self._async, self._read_only = opts.async_save, opts.read_only
@@ -84,7 +84,9 @@ class CheckpointManager(HostMemory):  # reserve(like), wrap_step(fn): zero_copy.
                 self._open(opts)
 
     def _open(self, opts: _options.ManagerOptions) -> None:
-        """A writer's open: lock, housekeeping, deletion thread, tier, SIGTERM."""
+        """A writer's open: the options every process shares, lock, housekeeping,
+        deletion thread, tier, SIGTERM."""
+        _agreement.check_same_options(opts)  # before anything is touched
         tier = opts.tier
         path = None if tier is None else tier.path
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version)
@@ -117,7 +119,7 @@ class CheckpointManager(HostMemory):  # reserve(like), wrap_step(fn): zero_copy.
         the store now. A save never calls it: it uses the steps known in memory."""
         return self._book.listed()
 
-    @_distributed.collective_method("manager-delete", stall="_stall_s")
+    @_distributed.collective_method("manager-delete", stall="_stall_s", scope="_scope")
     def delete(self, *steps: int) -> None:
         """Removes the committed ``steps`` of this directory now, through the one owner
         of removal (only steps this library committed; each leaves listings at once);
@@ -129,7 +131,7 @@ class CheckpointManager(HostMemory):  # reserve(like), wrap_step(fn): zero_copy.
         steps (each process its own, with a directory per host), then all meet again."""
         self._check_writable()
         self._wait_inflight()
-        steps = [operator.index(step) for step in steps]
+        steps = [checked_step(step, what="a committed step") for step in steps]
         _distributed.barrier(_distributed.next_operation_id("manager-delete"))
         if _distributed.is_primary() or self._book.per_host:
             _housekeeping.remove_committed(self._loc, steps, self.steps())
@@ -157,7 +159,7 @@ class CheckpointManager(HostMemory):  # reserve(like), wrap_step(fn): zero_copy.
         and SIGTERM arrived; with several processes, the step all of them agreed on).
         ``save`` asks it itself; a caller that skips ``save`` for a step (already
         saved) asks it instead: once per step, in order, on every process."""
-        return self._schedule.preempted_at(operator.index(step))
+        return self._schedule.preempted_at(checked_step(step, what="a step trained"))
 
     @property
     def commit_log_level(self) -> int:
@@ -171,9 +173,9 @@ class CheckpointManager(HostMemory):  # reserve(like), wrap_step(fn): zero_copy.
     def should_save(self, step: int, *, t: float | None = None) -> bool:
         """Whether the policy asks for ``step`` (this process's view; ``save`` shares the
         primary's time-based decision with every process)."""
-        return self._schedule.should_save(operator.index(step), t)
+        return self._schedule.should_save(checked_step(step, what="a step trained"), t)
 
-    @_distributed.collective_method("manager-save", stall="_stall_s")
+    @_distributed.collective_method("manager-save", stall="_stall_s", scope="_scope")
     def save(
         self,
         step: int,
@@ -246,7 +248,7 @@ class CheckpointManager(HostMemory):  # reserve(like), wrap_step(fn): zero_copy.
             _housekeeping.remove_unfinished(self._loc)
         return self._retainer.run_now()
 
-    @_distributed.collective_method("manager-restore", stall="_stall_s")
+    @_distributed.collective_method("manager-restore", stall="_stall_s", scope="_scope")
     def restore(
         self,
         like: Any = None,
@@ -319,7 +321,7 @@ class CheckpointManager(HostMemory):  # reserve(like), wrap_step(fn): zero_copy.
         """Figures of the most recently committed save of this manager, if any."""
         return self._book.last_save
 
-    @_distributed.collective_method("manager-wait", stall="_stall_s")
+    @_distributed.collective_method("manager-wait", stall="_stall_s", scope="_scope")
     def wait(self) -> None:
         """Block until the in-flight save is committed and retention has run.
 
@@ -331,53 +333,6 @@ class CheckpointManager(HostMemory):  # reserve(like), wrap_step(fn): zero_copy.
         # Retention runs on the primary only: meet so that every process lists the same
         # steps (and learns of a hook's error on any of them: events.agree).
         self._book.events.agree("manager-wait", what=f"wait of {self._loc}")
-
-    def close(self) -> None:
-        """Wait for the in-flight save, stop the threads, release the lock. Idempotent."""
-        if self._closed:
-            return
-        try:
-            self._book.events.holding(self.wait)  # a hook's error: raised once closed
-            tier = self._book.tier
-            if tier is not None:  # after SIGTERM: within the grace period
-                grace = tier.grace_seconds if self.preempted else None
-                tier.close(grace, raise_errors=not self.preempted)
-        finally:
-            self._shut()
-        self._book.events.raise_error()
-
-    def _shut(self) -> None:
-        """Stops the threads and releases the lock (waits for no other process)."""
-        if self._book.tier is not None:
-            self._book.tier.close(0, raise_errors=False)
-        self._closed = True
-        if self._buffers is not None:
-            self._buffers.clear()
-        self._retainer.shutdown()
-        self._schedule.uninstall()
-        self._release_lock()
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            self.close()
-        except Exception:
-            if exc_type is None:  # else the with block's own error goes on, this one logged
-                raise
-            logger.exception("error while closing the checkpoint manager")
-
-    def __del__(self):
-        try:
-            if not self._closed:
-                self._release_lock()
-        except Exception:  # noqa: BLE001  (an interpreter shutting down: nothing to report to)
-            pass
-
-    def _release_lock(self) -> None:
-        if self._dir_lock is not None:
-            self._dir_lock.release()
 
     def _check_open(self) -> None:
         if self._closed:

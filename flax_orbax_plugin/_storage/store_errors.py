@@ -141,11 +141,14 @@ def raises_store_errors(places: Callable[[dict[str, Any]], Iterable[Any]]) -> Ca
 
 def raises_store_errors_in_methods(places: Callable[[dict[str, Any]], Iterable[Any]]) -> Callable:
     """A public class's decorator: :func:`raises_store_errors` on ``__init__``,
-    ``__enter__``, ``__exit__`` and every public method the class itself defines
-    (properties, class and static methods are left as they are)."""
+    ``__enter__``, ``__exit__`` and every public method the class defines or takes from
+    its bases (mixins; properties, class and static methods are left as they are)."""
 
     def decorate(cls: type) -> type:
-        for name, attr in list(vars(cls).items()):
+        found: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__[:-1]):  # the class's own definitions last
+            found.update(vars(klass))
+        for name, attr in found.items():
             public = not name.startswith("_") or name in ("__init__", "__enter__", "__exit__")
             if public and inspect.isfunction(attr):
                 setattr(cls, name, raises_store_errors(places)(attr))

@@ -141,3 +141,41 @@ def test_data_iterator_saved_by_one_process_is_refused_by_two(tmp_path):
         assert v["w"] == [1.0, 2.0]
         assert "saved by 1 process(es) but 2 are restoring" in v["error"]
         assert "re-seed" in v["error"]
+
+
+def save_with_own_option(ctx, directory, option, values):
+    """Each process calls fop.save with its own value of ``option``."""
+    import numpy as np
+
+    path = os.path.join(directory, "ckpt")
+    kwargs = {option: values[ctx.process_id]}
+    if option == "path":
+        path, kwargs = os.path.join(directory, values[ctx.process_id]), {}
+    tree = {"w": np.arange(32, dtype=np.float32).reshape(8, 4)}
+    try:
+        fop.save(path, tree, **kwargs)
+    except fop.CoordinationError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.parametrize(
+    ("option", "values"),
+    [("format_version", [1, 2]), ("compression", ["zstd", None]), ("path", ["a0", "a1"])],
+)
+def test_processes_saving_with_different_options_commit_nothing(tmp_path, option, values):
+    """fop.save where the processes pass different formats, codecs or paths: each
+    would write what the others' index does not describe. Refused on both, naming the
+    option and both values; nothing committed, nothing staged left."""
+    run = run_processes(
+        "test_commit:save_with_own_option",
+        2,
+        devices_per_process=2,
+        args={"directory": str(tmp_path), "option": option, "values": values},
+        timeout_s=120,
+    ).check()
+    for p in run.procs:
+        error = p.result["error"]
+        assert error is not None and "saved with different options" in error, p.result
+        assert option in error and str(values[1]) in error, error
+    assert [n for n in os.listdir(tmp_path) if not n.startswith(".")] == []

@@ -3,6 +3,7 @@ checked against the files on disk, a hook that raises, ``jax.monitoring`` and a 
 CLU metric writer."""
 
 import collections
+import contextlib
 import logging
 import os
 import re
@@ -285,8 +286,11 @@ def test_a_hook_error_never_stops_the_exit_on_sigterm(tmp_path):
     rec = Recorder(fail_on=lambda e: isinstance(e, fop.SaveCommitted))
     d = tmp_path / "run"
     mngr = fop.CheckpointManager(d, every_steps=1000, handle_sigterm=True, on_event=rec)
-    mngr.save(1000, tree(1))
-    mngr.pending_save.wait()  # the hook raised on its commit
+    # The hook raises on the commit: here already when the commit came first, else later.
+    with contextlib.suppress(fop.EventHookError):
+        mngr.save(1000, tree(1))
+    if mngr.pending_save is not None:
+        mngr.pending_save.wait()
     os.kill(os.getpid(), signal.SIGTERM)  # a real notice, to the manager's handler
     with pytest.raises(SystemExit) as info:
         mngr.save(1001, tree(2))  # saved whatever the policy, closed, exits

@@ -1,0 +1,100 @@
+"""The options every process must open a writing manager with, compared at its open.
+
+With several processes, a manager's options decide what each process does at each step:
+which steps it saves (the policy), which it deletes (retention), the format and the
+compression of what it writes, whether it reuses the previous step's chunks, how it
+meets SIGTERM, where its persistent tier is. A process opened with another value would
+save other steps than the others (each waits in a commit the other never enters), or
+write files the others' index does not describe (a committed step that cannot be
+read). So at the open every process shows its options (one key-value round) and a
+difference is a :class:`CoordinationError` on every process, naming each option that
+differs and each process's value, before anything is written.
+
+Per-host choices may differ: ``async_save``, ``host_memory_budget``,
+``reuse_host_buffers``, ``on_event`` and the clock.
+
+Pure functions but for the one collective round; the constructing thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .._base import distributed as _distributed
+from .._errors import CoordinationError
+
+__all__ = ["check_same_options", "shared_view"]
+
+# ManagerOptions field -> the public name a user sees in the error.
+SHARED = {
+    "policy": "the save policy (every_steps=, every_seconds=, save_policy=, ...)",
+    "retention": "the retention (keep=, keep_every=, keep_best=, retention=, ...)",
+    "tier": "persistent=",
+    "overrides": "checkpointables= / compression=",
+    "supersede": "supersede=",
+    "handle_sigterm": "handle_sigterm=",
+    "incremental": "incremental=",
+    "format_version": "format_version=",
+    "stall_timeout": "stall_timeout=",
+    "hf_shards": "hf_shards=",
+}
+
+
+def _describe(value: Any) -> Any:
+    """``value`` as JSON that is equal on two processes exactly when the option is:
+    dataclasses field by field, sets sorted, functions by name, other objects by type and
+    their public attributes of plain values (a checkpointable's compression)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _describe(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"type": type(value).__qualname__, **fields}
+    if isinstance(value, Mapping):
+        return {str(k): _describe(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted((_describe(v) for v in value), key=repr)
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    if inspect.isroutine(value) or isinstance(value, type):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    simple = (str, int, float, bool, type(None))
+    public = {k: v for k, v in getattr(value, "__dict__", {}).items() if not k.startswith("_")}
+    return {
+        "type": type(value).__qualname__,
+        **{k: v for k, v in public.items() if isinstance(v, simple)},
+    }
+
+
+def shared_view(opts: Any) -> dict[str, Any]:
+    """The options of ``opts`` (a ``ManagerOptions``) that every process must share."""
+    return {field: _describe(getattr(opts, field)) for field in SHARED}
+
+
+def check_same_options(opts: Any) -> None:
+    """Collective (every process opening a writer): raises CoordinationError on every
+    process when the processes' :func:`shared_view` differ, naming each option and
+    each process's value. One process: nothing."""
+    if _distributed.process_count() == 1:
+        return
+    views = _distributed.gather_json("manager-options", shared_view(opts))
+    differ = []
+    for field, label in SHARED.items():
+        values = [json.dumps(v[field], sort_keys=True) for v in views]
+        if len(set(values)) > 1:
+            each = "; ".join(f"process {p}: {_short(v)}" for p, v in enumerate(values))
+            differ.append(f"{label} differs ({each})")
+    if differ:
+        raise CoordinationError(
+            f"{opts.location}: the processes opened this manager with different options: "
+            + ". ".join(differ)
+            + ". Every process must pass the same (each would save, delete or write "
+            "steps the others do not)"
+        )
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,85 @@
+"""How a manager ends: ``close`` (with the other processes), ``leave`` (after an error
+ended this process's part of the run: with none of them), and the local shut-down both
+end with.
+
+``with CheckpointManager(...) as mngr:`` closes when the block ends, and leaves when an
+error leaves it: a process whose training loop raised (a bug on one host, a Ctrl-C)
+does not enter ``close``'s meeting, which the others, waiting for it in their next
+save, would never reach; they learn at once that it left, and with which error
+(``_base.regions.announce_leaving``), rather than after the stall timeout.
+
+Threading: the training thread, as every call of the manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from .._base import regions as _regions
+
+__all__ = ["Lifecycle"]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ... and wait)
+    def close(self) -> None:
+        """Wait for the in-flight save, stop the threads, release the lock. Idempotent.
+        With several processes, on every process (it meets them: ``wait``)."""
+        if self._closed:
+            return
+        try:
+            self._book.events.holding(self.wait)  # a hook's error: raised once closed
+            tier = self._book.tier
+            if tier is not None:  # after SIGTERM: within the grace period
+                grace = tier.grace_seconds if self.preempted else None
+                tier.close(grace, raise_errors=not self.preempted)
+        finally:
+            self._shut()
+        self._book.events.raise_error()
+
+    def leave(self, error: BaseException) -> None:
+        """Closes after ``error`` ended this process's part of the run (what the
+        ``with`` block's exit does then): the save in flight ends (committed with the
+        others, or its own error logged), then the other processes are told that this
+        one left: one waiting for it raises ProcessFailedError naming it and ``error``
+        at once. Waits for no other process. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._saver.wait()
+        except BaseException:  # ``error`` goes on; this one is logged
+            logger.exception("checkpoint: the save in flight failed while leaving")
+        finally:
+            _regions.announce_leaving(error, scope=self._scope, where=f"the run of {self._loc}")
+            self._shut()
+
+    def _shut(self) -> None:
+        """Stops the threads and releases the lock (waits for no other process)."""
+        if self._book.tier is not None:
+            self._book.tier.close(0, raise_errors=False)
+        self._closed = True
+        if self._buffers is not None:
+            self._buffers.clear()
+        self._retainer.shutdown()
+        self._schedule.uninstall()
+        self._release_lock()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.leave(exc)
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # an interpreter shutting down: no one to tell
+            if not self._closed:
+                self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._dir_lock is not None:
+            self._dir_lock.release()
