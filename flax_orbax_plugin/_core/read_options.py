@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._base.option_spec import Option, check, refuse_without
+from .._base.option_spec import Option, check
+from .._errors import OptionError
+from .._format.steps import MAX_STEP, STEPS
 from .save_options import MEMORY_LIMIT
 
 __all__ = ["check_restore", "check_serving", "check_verify"]
 
-_STEP = Option("step", "int", none_ok=True, low=0, expected="an int step >= 0 or None")
+_STEP = Option("step", "int", none_ok=True, low=0, high=MAX_STEP, expected=f"{STEPS} or None")
 
 RESTORE: tuple[Option, ...] = (
     MEMORY_LIMIT,
@@ -36,8 +38,11 @@ def check_restore(**options: Any) -> dict[str, Any]:
 def check_verify(**options: Any) -> dict[str, Any]:
     """``fop.verify``'s options, checked; ``step`` with ``all_steps`` refused."""
     out = check(VERIFY, options)
-    if out["all_steps"]:
-        refuse_without("step", out["step"], "all_steps=False (all_steps verifies every step)")
+    if out["all_steps"] and out["step"] is not None:
+        raise OptionError(
+            f"step={out['step']} and all_steps=True conflict: all_steps verifies every "
+            "step, step= one of them; give one of the two"
+        )
     return out
 
 

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from .._core.save import SaveResult
 from .._errors import EventHookError
+from .._format.steps import checked_step
 from .._like.transform import changes as check_changes
 from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state
@@ -176,7 +177,7 @@ class CheckpointCallback:
 
     def on_step_end(self, step: int, state: Any, *, t: float | None = None) -> bool:
         """Saves ``state`` as ``step`` if the policy says so; returns whether it did."""
-        step = int(step)
+        step = checked_step(step, what="the step just trained")
         self._last_step = step
         self._poll()
         if step == self._last_saved_step:
@@ -192,6 +193,8 @@ class CheckpointCallback:
         raises the first error of an ``on_event`` hook not raised yet."""
         if step is None:
             step = _step_of(state, self._last_step)
+        else:
+            step = checked_step(step, what="the last step trained, or None")
         first = None  # a hook's error raised by the last save (its step is saved all the same)
         if step is not None and int(step) != self._last_saved_step:
             try:
@@ -237,8 +240,19 @@ class CheckpointCallback:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        """Closes; with an error leaving the block, the manager's ``leave``: the save in
+        flight ends, then the other processes learn that this one left (none waits)."""
+        if exc_type is None or self._manager is None:
+            self.close()
+            return
+        try:
+            self._finish_inflight(block=True)
+        except BaseException:  # the block's error goes on; this one is logged
+            logger.exception("checkpoint: the save in flight failed while leaving")
+        finally:
+            self._manager.leave(exc)
+            self._manager = None
 
     # -- saving and reporting ----------------------------------------------------
 
@@ -316,12 +330,9 @@ class CheckpointCallback:
 
 def _step_of(state: Any, default: int | None) -> int | None:
     step = getattr(state, "step", None)
-    if step is None:
+    if step is None or callable(step):  # no step field (a method of that name is none)
         return default
-    try:
-        return int(step)
-    except TypeError:
-        return default
+    return checked_step(step, what="state.step")
 
 
 _signatures.document(CheckpointCallback, _signatures.CALLBACK_DOC, CALLBACK)

@@ -3,10 +3,13 @@ enter (issue 32): fop.restore, fop.verify, fop.restore_params."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin._format.steps import MAX_STEP
 
 NAN = float("nan")
 
@@ -39,20 +42,20 @@ def test_restore_refuses_a_hostile_option(saved, kwargs, words):
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        ({"step": "1"}, "step must be an int step >= 0 or None, found str '1'"),  # was taken
-        ({"step": -1}, "step must be an int step >= 0 or None, found int -1"),
+        ({"step": "1"}, f"step must be an int step in [0, {MAX_STEP}] or None, found str '1'"),
+        ({"step": -1}, f"step must be an int step in [0, {MAX_STEP}] or None, found int -1"),
         ({"all_steps": "no"}, "all_steps must be True or False, found str 'no'"),  # was: True
-        ({"step": 1, "all_steps": True}, "step=1 does nothing without all_steps=False"),
+        ({"step": 1, "all_steps": True}, "step=1 and all_steps=True conflict"),
     ],
 )
 def test_verify_refuses_a_hostile_option(saved, kwargs, words):
-    with pytest.raises(fop.OptionError, match="^" + words.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(fop.OptionError, match="^" + re.escape(words)):
         fop.verify(saved / "run", **kwargs)
 
 
 @pytest.mark.parametrize("step, words", [("x", "found str 'x'"), (1.5, "found float 1.5")])
 def test_restore_params_refuses_a_hostile_step(saved, step, words):
-    with pytest.raises(fop.OptionError, match=r"^step must be an int step >= 0") as info:
+    with pytest.raises(fop.OptionError, match=r"^step must be an int step in \[0, ") as info:
         fop.restore_params(saved / "run", step=step)
     assert words in str(info.value)
 

@@ -8,14 +8,15 @@ import re
 import pytest
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin._format.steps import MAX_STEP
 
 
 @pytest.mark.parametrize("entry", ["import_orbax", "import_msgpack"])
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        ({"step": "7"}, "step must be an int step >= 0 or None, found str '7'"),
-        ({"step": -1}, "step must be an int step >= 0 or None, found int -1"),
+        ({"step": "7"}, f"step must be an int step in [0, {MAX_STEP}] or None, found str '7'"),
+        ({"step": -1}, f"step must be an int step in [0, {MAX_STEP}] or None, found int -1"),
         ({"force": "yes"}, "force must be True or False, found str 'yes'"),  # was: taken
         ({"format_version": 3}, "format_version must be one of 1, 2 or None, found int 3"),
     ],

@@ -310,9 +310,9 @@ def test_callback_options_that_do_nothing_or_collide_are_refused(tmp_path):
         ({"overwrite": "x"}, "overwrite must be True or False, found str 'x'"),  # was: taken
         ({"t": NAN}, "t must be a time in seconds (a finite number) or None, found float nan"),
         ({"t": "now"}, "t must be a time in seconds (a finite number) or None, found str 'now'"),
-        ({"step": 1.5}, "step must be an int >= 0, found float 1.5"),
-        ({"step": -1}, "step must be an int >= 0, found int -1"),
-        ({"step": "7"}, "step must be an int >= 0, found str '7'"),
+        ({"step": 1.5}, "step must be an int step in [0, 999999999999999999], found float 1.5"),
+        ({"step": -1}, "step must be an int step in [0, 999999999999999999], found int -1"),
+        ({"step": "7"}, "step must be an int step in [0, 999999999999999999], found str '7'"),
     ],
 )
 def test_manager_save_refuses_a_hostile_keyword(tmp_path, kwargs, words):
