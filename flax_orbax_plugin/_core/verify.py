@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, OptionError, OptionTypeError
 from .._format import layout as _layout
 from .._format import places as _places
 from .._format import steps as _steps
@@ -78,16 +78,22 @@ def verify(
     called, in the same thread, as each read is checked (the CLI's progress bar).
     """
     _read_options.check_verify(step=step, all_steps=all_steps)  # OptionError naming one
+    if progress is not None and not callable(progress):
+        raise OptionTypeError(f"progress: expected a function or None, found {progress!r:.60}")
     loc = Location.from_path(path)
     if loc.exists(COMMIT_FILE):
+        _no_step_chosen(loc, "a core checkpoint", None, step)
         return [_verify_pytree(loc, None, None, progress)]
     if loc.exists(MANIFEST_FILE):
+        _no_step_chosen(loc, "one step", _step_number(loc), step)
         return verify_step(loc, _step_number(loc), progress=progress)
     manifest = _steps.manifest_for_item(loc)
     if manifest is not None:  # an item of a step: checked as its kind is, as the step's are
         name = next(n for n, e in manifest.items.items() if e.dir == loc.name)
+        _no_step_chosen(loc, f"item {name!r} of a step", _step_number(loc.parent), step)
         return [_verify_item(loc.parent, manifest, name, _step_number(loc.parent), progress)]
     if loc.exists(METADATA_FILE):
+        _no_step_chosen(loc, "a pytree", _step_number(loc.parent), step)
         return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress)]
     listing = _steps.list_directory(loc)
     if not listing.committed:
@@ -97,6 +103,17 @@ def verify(
     for s in chosen:
         out.extend(verify_step(_steps.step_location(loc, s), s, progress=progress))
     return out
+
+
+def _no_step_chosen(loc: Location, what: str, own: int | None, step: Any) -> None:
+    """``step=`` chooses among a run directory's steps: where ``path`` names ``what``
+    itself, another step is an OptionError, never ignored (``all_steps=True`` there
+    is everything at ``path``: that one)."""
+    if step is not None and step != own:
+        raise OptionError(
+            f"step={step}: {loc} is {what}, not a directory of steps; step= chooses among "
+            "a run directory's steps (give the run directory, or leave it out)"
+        )
 
 
 def _step_number(loc: Location) -> int | None:

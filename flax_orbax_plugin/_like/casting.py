@@ -63,7 +63,7 @@ def _fail(path: str, src: np.dtype, dst: np.dtype, why: str, example: Any) -> St
     shown = "" if example is None else f" (e.g. {example!r})"
     return StructureError(
         f"leaf {path!r}: saved as {src}, requested {dst}: {why}{shown}; "
-        "pass cast='unsafe' to restore to cast anyway"
+        "pass cast='unsafe' to cast anyway"
     )
 
 

@@ -12,15 +12,48 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._errors import OptionError, OptionTypeError
+
+
+def checked_dtype(dtype: Any) -> Any:
+    """``dtype=`` (cast the floating leaves to it): None or a floating dtype, else an
+    OptionError naming it (a cast of floats to integers truncates every value)."""
+    if dtype is None:
+        return None
+    try:
+        found = jnp.dtype(dtype)
+    except TypeError:
+        raise OptionTypeError(
+            f"dtype: expected a floating dtype (e.g. jnp.bfloat16 or 'bfloat16'), found "
+            f"{dtype!r:.60}"
+        ) from None
+    if not jnp.issubdtype(found, jnp.floating):
+        raise OptionError(
+            f"dtype: expected a floating dtype to cast the floating leaves to, found {found}"
+        )
+    return found
+
 
 def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
     """ShapeDtypeStructs for ``tree`` with floating leaves cast to ``dtype`` and new shardings
     (one Sharding for every leaf, or a pytree of them); leaves without a shape pass."""
+    dtype = checked_dtype(dtype)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if sharding is None or isinstance(sharding, jax.sharding.Sharding):
         shardings = [sharding] * len(leaves)
     else:
-        shardings = treedef.flatten_up_to(sharding)
+        try:
+            shardings = treedef.flatten_up_to(sharding)
+        except (TypeError, ValueError) as e:
+            raise OptionTypeError(
+                f"sharding: expected one jax Sharding, or a pytree of them of the params' "
+                f"structure, found {type(sharding).__name__} {sharding!r:.60} ({e})"
+            ) from None
+        bad = [s for s in shardings if s is not None and not isinstance(s, jax.sharding.Sharding)]
+        if bad:
+            raise OptionTypeError(
+                f"sharding: expected jax Shardings in the pytree, found {bad[0]!r:.60}"
+            )
     out = []
     for leaf, sh in zip(leaves, shardings, strict=True):
         if not hasattr(leaf, "shape"):

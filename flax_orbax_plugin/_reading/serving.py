@@ -16,7 +16,7 @@ from .._base import distributed as _distributed
 from .._core import read_options as _read_options
 from .._core import restore as _restore
 from .._core.targets import place
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointError, CheckpointNotFoundError, OptionError, OptionTypeError
 from .._format import places as _places
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
@@ -24,7 +24,8 @@ from .._interop import orbax_reader as _orbax_reader
 from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
 from .._like import transform as _transform
-from .._like.retarget import retarget
+from .._like.casting import CAST_POLICIES
+from .._like.retarget import checked_dtype, retarget
 from .._state.train_state import holds_nnx_objects, split_state
 from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
@@ -64,6 +65,7 @@ def restore_params(
     transform: Any = None,
     surgery: Any = None,
     dry_run: bool = False,
+    cast: str = "safe",
 ) -> Any:
     """Restore only the params of a step (the latest by default), for serving.
 
@@ -71,10 +73,12 @@ def restore_params(
     checking each step's manifest exists). ``like`` is a params pytree (arrays or
     ShapeDtypeStructs, e.g. from ``jax.eval_shape``), a TrainState / NNX module
     whose params are taken, or None (numpy on the host). ``dtype`` casts the
-    floating-point leaves; ``sharding`` is one Sharding for every leaf or a pytree
-    of them. Safe to call from any thread, even while a manager writes. With several
-    processes and a ``like`` or ``sharding`` that spans them, the call is collective
-    and every process reads the primary's latest step (one key-value round).
+    floating-point leaves (``cast="safe"``: a value that overflows or is not
+    representable is a StructureError naming the leaf; ``"unsafe"``: numpy's cast);
+    ``sharding`` is one Sharding for every leaf or a pytree of them. Safe to call
+    from any thread, even while a manager writes. With several processes and a
+    ``like`` or ``sharding`` that spans them, the call is collective and every
+    process reads the primary's latest step (one key-value round).
 
     ``partial``, ``missing`` and ``transform`` restore into changed params, as
     ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
@@ -88,6 +92,15 @@ def restore_params(
     )
     if not isinstance(dry_run, bool):
         raise TypeError(f"dry_run must be True or False, found {dry_run!r}")
+    if cast not in CAST_POLICIES:
+        raise OptionError(f"cast: expected one of {CAST_POLICIES}, found {cast!r:.60}")
+    checked_dtype(dtype)  # before any read; the sharding's structure once like is known
+    kinds = (jax.sharding.Sharding, Mapping, list, tuple)
+    if not (sharding is None or isinstance(sharding, kinds)):
+        raise OptionTypeError(
+            f"sharding: expected one jax Sharding or a pytree of them, found "
+            f"{type(sharding).__name__} {sharding!r:.60}"
+        )
     loc = Location.from_path(directory)
     steps = _steps.committed_steps(loc)
     if step is None and _spans(directory, like, sharding=sharding):
@@ -104,10 +117,10 @@ def restore_params(
     params_loc = step_loc.child(entry.dir)
     target = _params_like(like)
     if target is None and (dtype is not None or sharding is not None):
-        return _host_then_placed(params_loc, dtype, sharding, changes)
+        return _host_then_placed(params_loc, dtype, sharding, changes, cast)
     if target is not None and (dtype is not None or sharding is not None):
         target = retarget(target, dtype, sharding)
-    return _restore.restore(params_loc, target, dry_run=dry_run, **changes.kwargs())
+    return _restore.restore(params_loc, target, dry_run=dry_run, cast=cast, **changes.kwargs())
 
 
 def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[int]]:
@@ -138,11 +151,13 @@ def _orbax_params(directory, like, step, dtype, sharding, changes, partial) -> A
     )
 
 
-def _host_then_placed(params_loc: Location, dtype: Any, sharding: Any, changes: Any) -> Any:
+def _host_then_placed(
+    params_loc: Location, dtype: Any, sharding: Any, changes: Any, cast: str
+) -> Any:
     """Without ``like``: the params read to the host, then cast and placed."""
     host = _restore.restore(params_loc, None, **changes.kwargs())
     target = retarget(host, dtype, sharding)
-    _casting.check_tree(host, target, cast="safe")  # narrowing rounds; overflow raises
+    _casting.check_tree(host, target, cast=cast)  # narrowing rounds; overflow raises
     return jax.tree_util.tree_map(
         lambda x, t: (
             place(x.astype(t.dtype), t.sharding) if t.sharding is not None else x.astype(t.dtype)

@@ -16,7 +16,7 @@ from typing import Any
 
 from .._core import restore as _restore
 from .._core.verify import verify
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointError, CheckpointNotFoundError, OptionError
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
@@ -27,7 +27,7 @@ from . import json_output, plot
 from .display import byte_progress, make_table, status
 from .gc_plan import plan as gc_plan
 from .output import EXIT_DAMAGED, CliError, human_bytes, one_line
-from .paths import read_json_item, resolve
+from .paths import names_one, read_json_item, resolve
 
 
 @dataclasses.dataclass
@@ -54,14 +54,7 @@ def _sharding_str(sharding: Any) -> str:
 def cmd_inspect(args) -> int:
     if args.plot:
         plot.check_output(args.plot)
-    label, items = resolve(args.path, args.step)
-    if args.item is not None:
-        chosen = [i for i in items if i.name == args.item]
-        if not chosen:
-            raise CliError(
-                f"{label} has no item {args.item!r} (it has: {', '.join(i.name for i in items)})"
-            )
-        items = chosen
+    label, items = resolve(args.path, args.step, args.item)
     described = [_describe_item(item) for item in items]
     grand_total = sum(d.get("total_bytes", 0) for d in described)
     if args.plot:
@@ -149,6 +142,8 @@ def cmd_verify(args) -> int:
         results = verify(
             args.path, step=args.step, all_steps=args.all, progress=byte_progress("verify")
         )
+    except OptionError as e:  # options that conflict (or with PATH): a usage error
+        raise CliError(one_line(e)) from e
     except CheckpointError as e:
         # Nothing checkable at PATH: a usage error, unless something is there but broken.
         loc = Location.from_path(args.path)
@@ -195,24 +190,21 @@ def cmd_export(args) -> int:
         raise CliError(f"unknown export format {args.format!r} (supported: safetensors)")
     if args.dtype is not None and args.dtype not in _SAFETENSORS_DTYPES:
         raise CliError(f"--dtype {args.dtype}: not a safetensors dtype")
-    label, items = resolve(args.path, args.step)
-    found = {i.name: i for i in items}
-    if args.item not in found and len(items) == 1 and items[0].kind == "pytree":
-        found[args.item] = items[0]  # PATH is one pytree
-    if args.item not in found:
-        raise CliError(f"{label} has no {args.item!r} (it has: {', '.join(found)})")
-    if found[args.item].kind != "pytree":
-        chosen = found[args.item]
+    # PATH a core checkpoint or an item: that one (another --item is refused); a step
+    # or a run: --item, params by default.
+    chosen = resolve(args.path, args.step, args.item, default="params")[1][0]
+    if chosen.kind != "pytree":
         raise CliError(
             f"{chosen.loc}: item {chosen.name!r} holds a JSON value ({chosen.kind}), not "
             f"arrays; export takes a pytree item (--item params, the default)"
         )
-    src = found[args.item].loc
+    src = chosen.loc
     key_map = _safetensors.key_map_from_file(args.key_map) if args.key_map else None
     result = _safetensors.export_checkpoint(
         src,
         args.out,
         dtype=args.dtype,
+        cast=args.cast,
         max_shard_size=args.max_shard_size,
         key_map=key_map,
         transpose_kernels=args.transpose_kernels,
@@ -250,6 +242,11 @@ def cmd_gc(args) -> int:
     loc = Location.from_path(args.directory)
     if not loc.is_dir():
         raise CliError(f"{loc}: no such directory")
+    if (what := names_one(loc)) is not None:  # it found nothing to do there: exit 0 was wrong
+        raise CliError(
+            f"{loc} is {what}, not a run directory: gc removes the unfinished and the old "
+            f"steps of a run directory (give the directory that holds the steps)"
+        )
     found = gc_plan(loc, keep=args.keep, keep_every=args.keep_every)
     # Not a run (nothing of ours to remove or keep): no writer opened, no lock left there.
     idle = not (found.unfinished or found.steps or found.kept)

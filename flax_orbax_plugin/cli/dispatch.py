@@ -51,9 +51,11 @@ class StoreAccessError(CliError):
     exit_code = EXIT_STORE
 
 
-def check_paths(args: argparse.Namespace) -> list[dict]:
+def check_paths(args: argparse.Namespace, *, in_process: bool = False) -> list[dict]:
     """CliError naming the first path argument that names no place it may be; a
-    warning on stderr for each memory:// one. Returns the specs of the store paths."""
+    warning on stderr for each memory:// one, and from a shell (not ``in_process``) a
+    CliError for a memory:// OUT: what it writes would be lost when the command exits.
+    Returns the specs of the store paths."""
     specs = []
     for attr, name, where in PATH_ARGUMENTS[args.command]:
         value = getattr(args, attr)
@@ -64,6 +66,12 @@ def check_paths(args: argparse.Namespace) -> list[dict]:
                 local_path(value, what=name, note=_NOTE.get(attr, ""))
                 continue
             specs.append(spec_from_path(value, what=name))
+            if specs[-1]["driver"] == "memory" and attr == "out" and not in_process:
+                raise ValueError(
+                    f"{name} {value!r}: memory:// lives inside one process: what this "
+                    f"command writes there is lost when it exits (use a local path, s3:// "
+                    f"or gs://)"
+                )
             if specs[-1]["driver"] == "memory":
                 print(  # main() called in-process (tests) shares its memory:// store
                     f"flax-orbax {args.command}: warning: {name} {value!r}: memory:// lives "
@@ -76,11 +84,12 @@ def check_paths(args: argparse.Namespace) -> list[dict]:
     return specs
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, in_process: bool = False) -> int:
     """The exit status of the command ``args.command``, its paths checked first; on an
     object store, the AWS libraries' log lines are kept off stderr and a refusal (no
-    bucket, no credentials, access denied) is one :class:`StoreAccessError` line."""
-    specs = check_paths(args)
+    bucket, no credentials, access denied) is one :class:`StoreAccessError` line.
+    ``in_process``: ``main(argv)`` called from Python (it shares memory:// stores)."""
+    specs = check_paths(args, in_process=in_process)
     remote = [s for s in specs if s["driver"] in ("s3", "gcs")]
     with aws_lines_filtered(enabled=any(s["driver"] == "s3" for s in remote)):
         try:

@@ -105,7 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--format", default="safetensors", choices=["safetensors"], help="of the file written"
     )
     s.add_argument("--dtype", default=None, help="cast floating leaves, e.g. bfloat16")
-    s.add_argument("--item", default="params", help="which checkpointable (default: params)")
+    s.add_argument(
+        "--cast",
+        default="safe",
+        choices=["safe", "unsafe"],
+        help="safe (default): a value --dtype would overflow is an error; unsafe: numpy's cast",
+    )
+    s.add_argument("--item", default=None, help="which checkpointable of a step (default: params)")
     s.add_argument("--step", type=int, default=None, help=_STEP)
     s.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB (10^9), 2GiB (2^30)")
     s.add_argument("--transpose-kernels", action="store_true", help="PyTorch kernel layout")
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         # (seconds), which --help, <command> --help and --version must not pay.
         from . import dispatch
 
-        return dispatch.run(args)
+        return dispatch.run(args, in_process=argv is not None)  # None: a shell's command
     except CliError as e:
         print(f"flax-orbax {args.command}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", EXIT_ERROR)

@@ -24,23 +24,69 @@ class Item:
     kind: str  # "pytree", "json", "step", "data_iterator", ...
 
 
-def resolve(path: str, step: int | None) -> tuple[str, list[Item]]:
-    """(label, items) for PATH: a core checkpoint, a step, an item, or a directory."""
+def resolve(
+    path: str, step: int | None, item: str | None = None, *, default: str | None = None
+) -> tuple[str, list[Item]]:
+    """(label, items) for PATH: a core checkpoint, a step, an item, or a directory.
+
+    ``--step`` chooses among a run directory's steps and ``--item`` among a step's
+    items: where PATH already names one (a core checkpoint, a step, an item) another
+    value is a usage error naming both, never ignored. ``item`` (``default`` when None,
+    for a step or a run): the items are that one (a CliError listing the items where
+    there is none)."""
     loc = Location.from_path(path)
     if loc.exists(COMMIT_FILE):
+        _only(loc, "a core checkpoint (one pytree, no steps or items)", step, None, item, None)
         return str(loc), [Item(loc.name, loc, "pytree")]
     if loc.exists(MANIFEST_FILE):
-        return str(loc), step_items(loc)
-    manifest = _steps.manifest_for_item(loc)
-    if manifest is not None:
+        _only(loc, "one step", step, _number(loc), None, None)
+        label, items = str(loc), step_items(loc)
+    elif (manifest := _steps.manifest_for_item(loc)) is not None:
         name, entry = next((n, e) for n, e in manifest.items.items() if e.dir == loc.name)
+        _only(loc, f"item {name!r} of one step", step, _number(loc.parent), item, name)
         return str(loc.parent), [Item(name, loc, entry.kind)]
-    listing = _steps.list_directory(loc)
-    if not listing.committed:
-        raise CliError(describe_missing(loc, listing))
-    chosen = _steps.choose_step(loc, listing.committed, step)
-    step_loc = _steps.step_location(loc, chosen)
-    return str(step_loc), step_items(step_loc)
+    else:
+        listing = _steps.list_directory(loc)
+        if not listing.committed:
+            raise CliError(describe_missing(loc, listing))
+        chosen = _steps.choose_step(loc, listing.committed, step)
+        step_loc = _steps.step_location(loc, chosen)
+        label, items = str(step_loc), step_items(step_loc)
+    item = default if item is None else item
+    if item is None:
+        return label, items
+    picked = [i for i in items if i.name == item]
+    if not picked:
+        raise CliError(f"{label} has no item {item!r} (it has: {', '.join(i.name for i in items)})")
+    return label, picked
+
+
+def names_one(loc: Location) -> str | None:
+    """What ``loc`` is when it names one checkpoint rather than a run directory (a core
+    checkpoint, one step, an item of one), in words; None otherwise."""
+    if loc.exists(COMMIT_FILE):
+        return "a core checkpoint"
+    if loc.exists(MANIFEST_FILE):
+        return "one step"
+    return None if _steps.manifest_for_item(loc) is None else "an item of one step"
+
+
+def _number(loc: Location) -> int | None:
+    return int(loc.name) if _steps.is_step_name(loc.name) else None
+
+
+def _only(loc, what, step, own_step, item, own_item) -> None:
+    """Refuses ``--step`` / ``--item`` values that PATH (``what``) already decides."""
+    if step is not None and step != own_step:
+        raise CliError(
+            f"--step {step}: {loc} is {what}; --step chooses among the steps of a run "
+            f"directory (give the run directory, or leave --step out)"
+        )
+    if item is not None and item != own_item:
+        raise CliError(
+            f"--item {item}: {loc} is {what}; --item chooses among the items of a step "
+            f"(give the step or the run directory, or leave --item out)"
+        )
 
 
 def describe_missing(loc: Location, listing: _steps.Listing) -> str:

@@ -22,9 +22,15 @@ from ..._base import faults as _faults
 from ..._base import tree as _tree
 from ..._core import ownership as _ownership
 from ..._core import restore as _restore
-from ..._errors import CorruptCheckpointError, StructureError, UnsupportedLocationError
+from ..._errors import (
+    CorruptCheckpointError,
+    OptionError,
+    StructureError,
+    UnsupportedLocationError,
+)
 from ..._format.places import holding_checkpoint
 from ..._format.steps import manifest_for_item
+from ..._like.casting import CAST_POLICIES
 from ..._storage.kvstore import local_path
 from ..._storage.location import Location
 from ..._storage.untrusted import loads_json, read_capped
@@ -41,6 +47,8 @@ from .outputs import (
 from .plan import (
     ListedKeyMap,
     Tensor,
+    checked_flag,
+    checked_key_map,
     encode_header,
     parse_size,
     plan_tensors,
@@ -106,7 +114,8 @@ def _dtype_of(name: str) -> np.dtype:
 
 def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
     flat, _ = _tree.flatten(tree)
-    values = {p: v for p, _, v in flat if v is not None}
+    # None and empty containers (kept as leaves by the tree's flattening) hold no tensor
+    values = {p: v for p, _, v in flat if v is not None and not isinstance(v, (dict, list, tuple))}
     leaves = [(p, np.dtype(np.asarray(v).dtype), tuple(np.shape(v))) for p, v in values.items()]
 
     def read(paths):
@@ -138,6 +147,7 @@ def to_safetensors(
     key_map: Callable[[str], str | None] | None = None,
     transpose_kernels: bool = False,
     dtype: Any = None,
+    cast: str = "safe",
     metadata: dict[str, str] | None = None,
     force: bool = False,
     progress: Callable[[int], Any] | None = None,
@@ -151,11 +161,16 @@ def to_safetensors(
         with ``name.safetensors.index.json``) or a directory (``model.safetensors``...).
       max_shard_size: bytes or a size such as ``"5GB"`` (10**9) or ``"2GiB"`` (2**30).
       key_map: leaf path (``Dense_0/kernel``) -> tensor name, or None to leave the leaf
-        out. Default: '/' replaced by '.'.
+        out: a function, or a mapping of the leaves it renames (every key a leaf of
+        the source; the others keep their default name). Default: '/' replaced by '.'.
       transpose_kernels: write leaves named ``kernel`` in PyTorch's layout: a Dense
         kernel ``(in, out)`` as ``(out, in)``, a conv kernel ``(*spatial, in, out)``
         as ``(out, in, *spatial)``.
-      dtype: cast floating leaves (e.g. ``"bfloat16"``); an explicit, lossy opt-in.
+      dtype: cast floating leaves to this floating dtype (e.g. ``"bfloat16"``): values
+        are rounded; one that overflows or is not representable is a StructureError
+        naming the leaf, as in ``fop.restore``.
+      cast: ``"safe"`` (the default: the check above) or ``"unsafe"`` (numpy's cast,
+        overflow to inf included).
       metadata: the header's ``__metadata__`` (strings); default ``{"format": "flax"}``,
         ``{"format": "pt"}`` with ``transpose_kernels``.
       force: replace existing output files (and the shards an old index listed);
@@ -166,7 +181,13 @@ def to_safetensors(
     out = local_path(out, what="safetensors output", note=_LOCAL_ONLY)
     limit = parse_size(max_shard_size)
     leaves, read = _source_leaves(source)
-    tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype)
+    if cast not in CAST_POLICIES:
+        raise OptionError(f"cast: expected one of {CAST_POLICIES}, found {cast!r:.60}")
+    key_map = checked_key_map(key_map)
+    transpose_kernels = checked_flag("transpose_kernels", transpose_kernels)
+    if not leaves:
+        raise ValueError("nothing to export: the source holds no array leaves")
+    tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype, cast)
     shards = split_shards(tensors, limit)
     directory, names, index_name = output_names(out, len(shards))
     _refuse_inside_checkpoint(directory)

@@ -13,12 +13,13 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..._errors import StructureError
+from ..._errors import OptionError, OptionTypeError, StructureError
+from ..._like import casting as _casting
 from ..._like import onto_like as _onto_like
 from .headers import TAGS, default_name, kernel_axes
 from .packing import pack, packed_bits, tensor_nbytes
@@ -64,6 +65,7 @@ class Tensor:
     dtype: np.dtype  # written dtype
     shape: tuple[int, ...]  # written shape (after any transpose)
     axes: tuple[int, ...] | None  # transpose applied on write
+    cast: str = "safe"  # a dtype cast: "safe" (values kept, floats rounded) or "unsafe"
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +123,37 @@ class ListedKeyMap:
             )
 
 
+def checked_key_map(key_map: Any) -> Callable[[str], str | None] | None:
+    """``key_map=`` as given to an exporter or an importer: None, a function, or a
+    mapping ``{leaf path: tensor name or None}`` (a :class:`ListedKeyMap`, as the CLI's
+    ``--key-map`` file); an OptionTypeError naming it otherwise."""
+    if key_map is None or isinstance(key_map, ListedKeyMap):
+        return key_map
+    if isinstance(key_map, Mapping):
+        named = lambda v: v is None or isinstance(v, str)
+        bad = [k for k, v in key_map.items() if not isinstance(k, str) or not named(v)]
+        if bad:
+            raise OptionTypeError(
+                f"key_map: expected {{leaf path: tensor name or None}}, found the entry "
+                f"{bad[0]!r:.60}: {key_map[bad[0]]!r:.60}"
+            )
+        return ListedKeyMap(dict(key_map), "key_map")
+    if callable(key_map):
+        return key_map
+    raise OptionTypeError(
+        f"key_map: expected a function (leaf path -> tensor name or None) or a mapping, "
+        f"found {type(key_map).__name__} {key_map!r:.60}"
+    )
+
+
+def checked_flag(name: str, value: Any) -> bool:
+    """A True/False option (``transpose_kernels``...); OptionTypeError otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        found = f"{type(value).__name__} {value!r:.60}"
+        raise OptionTypeError(f"{name}: expected True or False, found {found}")
+    return bool(value)
+
+
 def _utf8(name: str) -> bool:
     try:
         name.encode("utf-8")  # a lone surrogate cannot be a tensor name in the header
@@ -134,6 +167,11 @@ def tensor_dtype(path: str, leaf_dtype, cast) -> np.dtype:
     floating leaf; a StructureError naming the leaf when safetensors has no tag for it
     (the exporter and the HF shards item)."""
     out = np.dtype(leaf_dtype)
+    if cast is not None and not _onto_like._is_float(np.dtype(cast)):
+        raise OptionError(
+            f"dtype: expected a floating dtype to cast the floating leaves to (e.g. "
+            f"'bfloat16'), found {np.dtype(cast)}: a cast to integers would truncate"
+        )
     if cast is not None and _onto_like._is_float(out):
         out = np.dtype(cast)
     if out not in TAGS:
@@ -149,6 +187,7 @@ def plan_tensors(
     key_map: Callable[[str], str | None] | None,
     transpose_kernels: bool,
     dtype: Any,
+    cast: str = "safe",
 ) -> list[Tensor]:
     if isinstance(key_map, ListedKeyMap):
         key_map.check([path for path, _, _ in leaves])
@@ -184,14 +223,16 @@ def plan_tensors(
             )
         axes = kernel_axes(path, len(shape), transpose_kernels)
         out_shape = tuple(shape[a] for a in axes) if axes else tuple(shape)
-        tensors.append(Tensor(path, name, out_dtype, out_shape, axes))
+        tensors.append(Tensor(path, name, out_dtype, out_shape, axes, cast))
     return tensors
 
 
 def tensor_bytes(t: Tensor, value: Any) -> np.ndarray:
     arr = np.asarray(value)
-    if arr.dtype != t.dtype:
-        arr = arr.astype(t.dtype)
+    if arr.dtype != t.dtype:  # a value the cast would change: StructureError naming it
+        _casting.check(t.path, arr, t.dtype, cast=t.cast)
+        with np.errstate(all="ignore"):  # "unsafe": numpy's cast, as asked
+            arr = arr.astype(t.dtype)
     if t.axes is not None:
         arr = arr.transpose(t.axes)
     if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar 1-D)

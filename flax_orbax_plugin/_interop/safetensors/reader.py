@@ -23,6 +23,7 @@ from ..._like import onto_like as _onto_like
 from ..._storage.untrusted import open_regular
 from .headers import Stored, default_name, kernel_axes, read_safetensors_index
 from .packing import group, packed_bits, unpack
+from .plan import checked_flag, checked_key_map
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int, where: str) -> None:
@@ -139,8 +140,8 @@ def from_safetensors(
       like: a pytree of arrays / ``jax.ShapeDtypeStruct`` (with shardings: each
         process reads only the regions its devices hold), numpy arrays or scalars;
         None gives ``{tensor name: numpy array}``.
-      key_map: leaf path -> tensor name, the same function as for export (default:
-        '/' replaced by '.').
+      key_map: leaf path -> tensor name (a function, or a mapping of the leaves it
+        names), as for export (default: '/' replaced by '.').
       transpose_kernels: the files hold kernels in PyTorch's layout (see export).
       partial: allow tensors in the files that ``like`` does not use.
       allow_cast: cast even when a value would change (otherwise StructureError).
@@ -150,6 +151,9 @@ def from_safetensors(
         change a value, or (without ``partial``) a tensor is left unused.
       CorruptCheckpointError: a header or index is malformed (names the file).
     """
+    key_map = checked_key_map(key_map)  # a mapping as the exporter takes it
+    transpose_kernels = checked_flag("transpose_kernels", transpose_kernels)
+    partial, allow_cast = checked_flag("partial", partial), checked_flag("allow_cast", allow_cast)
     stored = read_safetensors_index(paths_or_index)
     files = _Files()
     try:
