@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import _errors
 from .._storage.kvstore import local_path, spec_from_path
 from .._storage.store_errors import store_error_line
 from .commands import cmd_export, cmd_gc, cmd_import, cmd_inspect, cmd_verify
@@ -96,6 +97,8 @@ def run(args: argparse.Namespace, *, in_process: bool = False) -> int:
             return COMMANDS[args.command](args)
         except CliError:
             raise
+        except _errors.StoreAccessError as e:  # the library's own, said once: exit 3 too
+            raise StoreAccessError(one_line(e)) from None
         except Exception as e:
             line = next((x for s in remote if (x := store_error_line(e, s))), None)
             if line is None:

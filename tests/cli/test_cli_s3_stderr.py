@@ -91,14 +91,21 @@ def test_without_keys_the_aws_chain_is_filtered_and_the_error_is_one_line(
 
 
 def test_a_missing_bucket_is_one_line_naming_it(s3_server, tmp_path):
+    """Every command, reading or writing (import was exit 2: the library's own
+    StoreAccessError was not mapped to the store's exit status)."""
+    from flax import serialization
+
+    source = tmp_path / "checkpoint_1"
+    source.write_bytes(serialization.to_bytes({"w": np.ones(2, np.float32)}))
     codes, _, err = _cli(
         _env(s3_server, tmp_path),
         ["list", "s3://no-such-bucket-fop/run"],
         ["verify", "s3://no-such-bucket-fop/run"],
+        ["import", str(source), "s3://no-such-bucket-fop/run", "--step", "1"],
     )
-    assert codes == [EXIT_STORE, EXIT_STORE]
+    assert codes == [EXIT_STORE, EXIT_STORE, EXIT_STORE], err
     lines = err.splitlines()
-    assert len(lines) == 2, err
+    assert len(lines) == 3, err
     for line in lines:
         assert "s3://no-such-bucket-fop: no such bucket" in line and "<?xml" not in line
 
