@@ -54,6 +54,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         with _distributed.collective("manager-open", spans=not options.get("read_only")):
             opts = _options.ManagerOptions.build(directory, options)  # _base.regions
             self._loc, self._stall_s = opts.location, opts.stall_timeout
+            self._unheld = set(opts.overrides) - {getattr(opts.hf_shards, "name", None)}
             self._scope = _distributed.scope_here()  # its operations' (lifecycle.leave)
             _distributed.set_stall(opts.stall_timeout)  # the open's own waits
             self._schedule = SaveSchedule(opts.policy, opts.clock, opts.retention.uses_time)
@@ -226,6 +227,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             local = self._saver.check_new_step(step, overwrite or stop)
             extras = extras() if callable(extras) else extras  # only for a step that is saved
             items = collect_items(state, data_iterator, extras)
+            if self._unheld:  # the first save: a name that matched no item warns, once
+                self._unheld = _options.warn_unheld(self._unheld, items)
             self._book.note_save(step, now, lane)  # its time and lane (KeepFor, Lanes)
             replicate = stop or schedule.preemption_step == step  # to the tier anyway
             self._saver.start(step, items, extras, local, replicate=replicate)

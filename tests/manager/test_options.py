@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -364,3 +365,18 @@ def test_what_a_path_option_names_is_checked_by_the_path_checker(tmp_path, name,
     ):
         fop.CheckpointManager(options.pop("directory"), **options)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_compression_or_checkpointable_naming_no_item_of_the_first_save_warns_once(tmp_path):
+    """compression={"param": ...} for items named params did nothing, silently."""
+    tree = {"params": {"w": np.zeros(4)}}
+    with fop.CheckpointManager(tmp_path / "a", compression={"param": "zstd"}) as mngr:
+        with pytest.warns(UserWarning, match=r"'param', which this save does not hold.*params"):
+            mngr.save(1, tree)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mngr.save(2, tree)  # once
+    with fop.CheckpointManager(tmp_path / "b", compression={"params": "zstd"}) as mngr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mngr.save(1, tree)  # a name that matches: no word
