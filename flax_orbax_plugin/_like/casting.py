@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from .._base.tree import encode_key, path_string
-from .._errors import StructureError
+from .._errors import OptionError, StructureError
 
 CAST_POLICIES = ("safe", "unsafe")
 
@@ -117,7 +117,7 @@ def check(path: str, host: np.ndarray, out_dtype: Any, *, cast: str = "safe") ->
     would change a value beyond float rounding; a no-op under ``cast="unsafe"``."""
     src, dst = np.dtype(host.dtype), np.dtype(out_dtype)
     if cast not in CAST_POLICIES:
-        raise ValueError(f"cast must be one of {CAST_POLICIES}, found {cast!r}")
+        raise OptionError(f"cast must be one of {CAST_POLICIES}, found {cast!r}")
     if src == dst or cast == "unsafe":
         return
     a, b = _category(src), _category(dst)

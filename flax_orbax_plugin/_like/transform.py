@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from .._base.tree import flatten
-from .._errors import NothingMatchedError, StructureError
+from .._errors import NothingMatchedError, OptionError, OptionTypeError, StructureError
 from .._format import layout as _layout
 from . import casting as _casting
 from . import onto_like as _onto_like
@@ -80,9 +80,9 @@ def changes(
     compiles ``transform`` once. Called
     by every restore entry point before anything is read."""
     if not isinstance(partial, bool):
-        raise TypeError(f"partial must be True or False, found {partial!r}")
+        raise OptionTypeError(f"partial must be True or False, found {partial!r}")
     if missing not in MISSING_CHOICES:
-        raise ValueError(f"missing must be one of {MISSING_CHOICES}, found {missing!r}")
+        raise OptionError(f"missing must be one of {MISSING_CHOICES}, found {missing!r}")
     return Changes(partial, missing, compile_transform(transform), check_surgery(surgery))
 
 

@@ -41,6 +41,7 @@ thread, after the save's blocking phase.
 from __future__ import annotations
 
 import collections
+import inspect
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -50,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from .._core import host_snapshot as _host_snapshot
-from .._errors import CheckpointError
+from .._errors import CheckpointError, OptionError, OptionTypeError
 
 __all__ = ["HostMemory", "ZeroCopyStep"]
 
@@ -61,10 +62,28 @@ def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
     try:
         out = tuple(sorted({operator.index(v) for v in items}))
     except TypeError:
-        raise TypeError(f"wrap_step: {name} must be an int or ints, found {value!r}") from None
+        found = f"found {value!r:.60}"
+        raise OptionTypeError(f"wrap_step: {name} must be an int or ints, {found}") from None
     if any(v < 0 for v in out):
-        raise ValueError(f"wrap_step: {name} must be non-negative positions, found {value!r}")
+        raise OptionError(f"wrap_step: {name} must be non-negative positions, found {value!r}")
     return out
+
+
+def _check_positions(fn: Callable, positions: tuple[int, ...], name: str) -> None:
+    """OptionError when ``fn`` takes fewer positional arguments than ``positions`` name
+    (known from its signature; a ``*args`` function takes any)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call says
+        return
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return
+    count = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    if max(positions) >= count:
+        raise OptionError(
+            f"wrap_step: {name}={positions} names argument {max(positions)}, but "
+            f"{getattr(fn, '__name__', fn)!r} takes {count} positional argument(s)"
+        )
 
 
 def _on_cpu(x: Any) -> bool:
@@ -100,10 +119,11 @@ class ZeroCopyStep:
         self._fn = fn
         self._donate = _argnums(donate_argnums, "donate_argnums")
         if not self._donate:
-            raise ValueError("wrap_step: donate_argnums must name the state argument(s)")
+            raise OptionError("wrap_step: donate_argnums must name the state argument(s)")
+        _check_positions(fn, self._donate, "donate_argnums")
         self._static = _argnums(static_argnums, "static_argnums")
         if set(self._static) & set(self._donate):
-            raise ValueError(
+            raise OptionError(
                 f"wrap_step: an argument cannot be both static and donated "
                 f"(static_argnums={self._static}, donate_argnums={self._donate})"
             )

@@ -69,3 +69,17 @@ def test_good_read_options_are_taken(saved):
     np.testing.assert_array_equal(
         fop.restore_params(saved / "run", step=np.int64(1))["w"], np.arange(4.0)
     )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"cast": "maybe"}, fop.OptionError),
+        ({"partial": "yes"}, fop.OptionTypeError),
+        ({"missing": "skip"}, fop.OptionError),
+    ],
+)
+def test_restore_options_are_option_errors_naming_them(saved, kwargs, error):
+    """The kinds every other option raises (still ValueError / TypeError subclasses)."""
+    with pytest.raises(error, match=next(iter(kwargs))):
+        fop.restore(saved / "run", **kwargs)

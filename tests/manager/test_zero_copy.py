@@ -344,3 +344,16 @@ def test_two_processes_save_the_state_at_each_step(tmp_path, per_host):
         assert {int(k): v for k, v in result["restored"].items()} == {
             int(k): v for k, v in result["sums"].items()
         }
+
+
+def test_donate_argnums_past_the_steps_arguments_is_refused_when_wrapped(tmp_path):
+    """A position the step does not take failed only at its first call, deep in jit."""
+
+    def train_step(state, batch):
+        return state
+
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        with pytest.raises(fop.OptionError, match=r"names argument 5.*takes 2 positional"):
+            mngr.wrap_step(train_step, donate_argnums=5)
+        with pytest.raises(fop.OptionTypeError, match="donate_argnums"):
+            mngr.wrap_step(train_step, donate_argnums="state")
