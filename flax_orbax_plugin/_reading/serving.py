@@ -94,7 +94,8 @@ def restore_params(
         raise TypeError(f"dry_run must be True or False, found {dry_run!r}")
     if cast not in CAST_POLICIES:
         raise OptionError(f"cast: expected one of {CAST_POLICIES}, found {cast!r:.60}")
-    checked_dtype(dtype)  # before any read; the sharding's structure once like is known
+    if dtype is not None:  # before any read; the sharding's structure once like is known
+        checked_dtype(dtype)
     kinds = (jax.sharding.Sharding, Mapping, list, tuple)
     if not (sharding is None or isinstance(sharding, kinds)):
         raise OptionTypeError(
