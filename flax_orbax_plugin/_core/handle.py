@@ -8,7 +8,9 @@ Threading: a handle's background phase runs on its own (non-daemon) thread; ``wa
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
+import weakref
 from typing import Any
 
 from .._base import distributed as _distributed
@@ -97,6 +99,7 @@ class SaveHandle:
         self._finished = threading.Event()
 
     def start(self) -> SaveHandle:
+        _finish_at_exit(self)
         self._thread.start()
         return self
 
@@ -170,6 +173,35 @@ class SaveHandle:
         if self._error is not None and not self._reported:
             self._reported = True
             raise self._error
+
+
+# Saves whose background phase runs, finished before the interpreter stops its thread
+# pools (see _finish_at_exit); registered once per process.
+_RUNNING: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
+_EXIT_HOOK: list[bool] = []
+
+
+def _finish_at_exit(handle: SaveHandle) -> None:
+    """A save the program does not wait for still commits when the program ends (its
+    last line, or an exception nobody caught right after a save). The interpreter waits
+    for the non-daemon save thread, but first stops the thread pools the save writes
+    with ("cannot schedule new futures after interpreter shutdown"): the save failed,
+    silently, and its step was lost. So the first save registers a ``threading`` exit
+    hook; those run last-registered first, before the pools' own: it waits for every
+    save still running, saying so on stderr (and a failure, which nobody else reads)."""
+    _RUNNING.add(handle)
+    if not _EXIT_HOOK:
+        threading._register_atexit(_finish_running)  # type: ignore[attr-defined]
+        _EXIT_HOOK.append(True)
+
+
+def _finish_running() -> None:
+    for handle in [h for h in list(_RUNNING) if not h.done()]:
+        say = f"flax_orbax_plugin: the program ends: waiting for the save to {handle.path}"
+        print(say, file=sys.stderr)
+        handle._finished.wait()
+        if handle._error is not None and not handle._reported:
+            print(f"flax_orbax_plugin: that save failed: {handle._error!r}", file=sys.stderr)
 
 
 def raise_if_cancelled(cancelled: threading.Event | None, what: str) -> None:
