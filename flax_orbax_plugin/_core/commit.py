@@ -153,6 +153,7 @@ def commit_collectively(
     publish: Callable[[dict[str, str]], None],
     abort: Callable[[], None],
     agreed: dict[str, Any] | None = None,
+    structure: Callable[[], list[str]] | None = None,
 ) -> Written:
     """Runs the protocol in the module docstring; returns what this process wrote.
 
@@ -161,6 +162,9 @@ def commit_collectively(
     what was staged, on the primary and, after a failed outcome, on every process.
     ``agreed``: the options every process must have saved with (JSON values by name:
     the target path, the format...); a difference is a disagreement naming them.
+    ``structure``: the tree's leaves in words (computed only when the structures
+    differ: the primary publishes its own, each other process names the first leaf
+    where its own differs).
     Raises this process's own write error, or :class:`CoordinationError` when the
     processes disagree, or :class:`CheckpointError` when another process failed.
     """
@@ -182,6 +186,8 @@ def commit_collectively(
     if _distributed.is_primary():
         outcome = _decide_and_commit(op, status, what, publish, abort)
         if _distributed.process_count() > 1:
+            if STRUCTURE in outcome and structure is not None:  # before the outcome
+                _distributed.publish(f"{op}/structure", json.dumps(structure()))
             _distributed.broadcast_str(f"{op}/outcome", outcome)
     else:
         _distributed.publish(f"{op}/status", status)
@@ -189,6 +195,8 @@ def commit_collectively(
         # its outcome, so a missing process is reported by name rather than as "late".
         wait = 2 * _distributed.stall_timeout()
         outcome = _distributed.broadcast_str(f"{op}/outcome", None, timeout_s=wait)
+        if STRUCTURE in outcome and structure is not None:
+            outcome += _first_difference(op, structure())
         if outcome != "committed":
             outcome = _discard(abort, outcome)  # e.g. staging of another step than the primary's
     if error is not None:
@@ -201,6 +209,28 @@ def commit_collectively(
     if outcome != "committed":
         raise CheckpointError(f"{what} failed: {outcome}")
     return written
+
+
+STRUCTURE = "tree of another structure"  # in the outcome when the digests differ
+
+
+def _first_difference(op: str, mine: list[str]) -> str:
+    """``; here ...``: the first leaf where this process's tree differs from the
+    primary's (published with the outcome), or nothing when it cannot be read."""
+    try:
+        theirs = json.loads(_distributed.get_from(f"{op}/structure", 0))
+    except (CoordinationError, ValueError):
+        return ""
+    for a, b in zip(mine, theirs, strict=False):
+        if a != b:
+            return f"; the first leaf that differs: {a!r} here, {b!r} on process 0"
+    if len(mine) != len(theirs):
+        extra = mine[len(theirs)] if len(mine) > len(theirs) else theirs[len(mine)]
+        return (
+            f"; {len(mine)} leaves here, {len(theirs)} on process 0 (the first "
+            f"one only {'here' if len(mine) > len(theirs) else 'on process 0'}: {extra!r})"
+        )
+    return "; the leaves' paths, kinds, dtypes and shapes agree: a str or bytes leaf differs"
 
 
 def _discard(abort: Callable[[], None], outcome: str) -> str:
@@ -272,7 +302,7 @@ def _disagreement(statuses: list[dict[str, Any]]) -> str | None:
             )
         if s["digest"] != first["digest"]:
             return (
-                f"disagree: process {p} saved a tree of another structure than process 0 "
+                f"disagree: process {p} saved a {STRUCTURE} than process 0 "
                 f"(structure digests {s['digest'][:12]} and {first['digest'][:12]}) at step "
                 f"{first['step']}; every process must save the same tree"
             )

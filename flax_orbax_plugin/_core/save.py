@@ -33,7 +33,7 @@ from . import host_snapshot as _host_snapshot
 from . import ownership as _ownership
 from . import save_options as _save_options
 from .handle import Cancellation, SaveHandle, SaveResult, raise_if_cancelled
-from .plan import Plan, Snapshot
+from .plan import Plan, Snapshot, structure_lines
 from .requests import DEFAULT_FORMAT_VERSION, SaveRequest
 
 _IN_FLIGHT: list[SaveHandle] = []  # the latest save_async
@@ -231,6 +231,7 @@ class _Background:
             publish=publish,
             abort=self.abort,
             agreed=self.agreed,
+            structure=lambda: structure_lines(self.snap.leaves),
         )
         total = time.perf_counter() - self.start
         return SaveResult(str(location), self.blocking, total, written.bytes_written)

@@ -24,6 +24,7 @@ from .._core import commit as _commit
 from .._core import ownership as _ownership
 from .._core.commit import Staging, Written
 from .._core.handle import raise_if_cancelled
+from .._core.plan import structure_lines
 from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE, ItemEntry, StepManifest
@@ -101,10 +102,24 @@ class StepCommit:
             write=self._write,
             publish=self._publish,
             abort=self._abort,
+            structure=self._structure,
         )
         if self._host_marker is not None and _distributed.process_count() > 1:
             self._commit_own_copies(op)
         return written
+
+    def _structure(self) -> list[str]:
+        """The step's items and their leaves in words (``commit_collectively``)."""
+        out = []
+        for name, pending in self._pendings.items():
+            snap = getattr(pending, "snap", None)
+            lines = (
+                [f": {self._entries[name].kind}"]
+                if snap is None
+                else [f"/{line}" for line in structure_lines(snap.leaves)]
+            )
+            out.extend(name + line for line in lines)
+        return out
 
     def _commit_own_copies(self, op: str) -> None:
         """Each host's own directory, once the primary committed its copy: every other

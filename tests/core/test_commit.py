@@ -179,3 +179,37 @@ def test_processes_saving_with_different_options_commit_nothing(tmp_path, option
         assert error is not None and "saved with different options" in error, p.result
         assert option in error and str(values[1]) in error, error
     assert [n for n in os.listdir(tmp_path) if not n.startswith(".")] == []
+
+
+def save_another_tree(ctx, directory, via):
+    """Process 1's leaf 'b' is float64 where process 0's is float32."""
+    import numpy as np
+
+    dtype = np.float64 if ctx.process_id == 1 else np.float32
+    tree = {"a": np.zeros(4, np.float32), "b": np.zeros(3, dtype)}
+    try:
+        if via == "core":
+            fop.save(os.path.join(directory, "ckpt"), tree)
+        else:
+            with fop.CheckpointManager(os.path.join(directory, "run"), async_save=False) as m:
+                m.save(1, {"params": tree})
+    except fop.CoordinationError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("via", ["core", "manager"])
+def test_a_tree_of_another_structure_names_the_first_leaf_that_differs(tmp_path, via):
+    """It gave only two structure digests; the other process now names the leaf."""
+    run = run_processes(
+        "test_commit:save_another_tree",
+        2,
+        devices_per_process=2,
+        args={"directory": str(tmp_path), "via": via},
+        timeout_s=120,
+    ).check()
+    errors = [p.result["error"] for p in run.procs]
+    assert all(e and "another structure" in e for e in errors), errors
+    leaf = "params/b" if via == "manager" else "b"
+    assert f"the first leaf that differs: '{leaf}: array float64[3]' here" in errors[1], errors
+    assert f"'{leaf}: array float32[3]' on process 0" in errors[1], errors
