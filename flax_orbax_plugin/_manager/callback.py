@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from .._core.save import SaveResult
-from .._errors import EventHookError
+from .._errors import CheckpointError, EventHookError
 from .._format.steps import checked_step
 from .._like.transform import changes as check_changes
 from .._state.resume import check_reset, items_to_restore
@@ -88,6 +88,7 @@ class CheckpointCallback:
         self._manager = None
         self._last_saved_step: int | None = None
         self._last_step: int | None = None
+        self._stepped: int | None = None  # the first step on_step_end was called with
         self._inflight: int | None = None  # the step saving in the background
         self._inflight_handle = None  # its SaveHandle (the manager's), if not committed
         self.history: list[SaveResult] = []  # figures of every finished save, in order
@@ -135,6 +136,11 @@ class CheckpointCallback:
         grew layers: the new ones keep their values from ``state``). Then reserves the
         manager's host buffers for saving the state (:meth:`CheckpointManager.reserve`).
         """
+        if self._stepped is not None:  # else its own steps read as an earlier run's
+            raise CheckpointError(
+                f"on_train_start after on_step_end (step {self._stepped}) of this run: "
+                f"call on_train_start(state) once, before the training loop"
+            )
         if data_iterator is not None:
             self._data_iterator = data_iterator
         reset = check_reset(reset)
@@ -179,6 +185,7 @@ class CheckpointCallback:
         """Saves ``state`` as ``step`` if the policy says so; returns whether it did."""
         step = checked_step(step, what="the step just trained")
         self._last_step = step
+        self._stepped = step if self._stepped is None else self._stepped
         self._poll()
         if step == self._last_saved_step:
             # Already saved; still asked about preemption (every step, on every process).

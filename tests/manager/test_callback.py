@@ -261,3 +261,13 @@ def test_one_log_line_per_save_when_it_commits(tmp_path, caplog, with_writer):
             " committed step 2",
             " committed step 4",
         ]
+
+
+def test_on_train_start_after_on_step_end_is_refused_naming_the_order(tmp_path):
+    """It took the steps this run had just saved for an earlier run's and refused them."""
+    cb = fop.CheckpointCallback(tmp_path / "run", every_steps=1)
+    cb.on_step_end(1, {"params": {"w": np.zeros(3)}})
+    with pytest.raises(fop.CheckpointError, match=r"after on_step_end \(step 1\).*before the"):
+        cb.on_train_start({"params": {"w": np.zeros(3)}})
+    cb.close()
+    assert fop.CheckpointManager(tmp_path / "run", read_only=True).steps() == [1]
