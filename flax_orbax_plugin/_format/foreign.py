@@ -187,3 +187,26 @@ def foreign_format_hint(loc: Location) -> str:
     except CheckpointError:
         pass
     return ""
+
+
+_MSGPACK_STEP = re.compile(r"^[A-Za-z_]*checkpoint_[0-9]+$")
+
+
+def foreign_run(loc: Location) -> str | None:
+    """What ``loc`` holds in place of steps of this library, when it is another
+    library's run (an Orbax run, Flax msgpack ``checkpoint_<n>`` files), in words;
+    None otherwise (nothing there, steps of ours, anything else). A writer is never
+    opened there: its new steps would start a fresh run beside the old one's."""
+    try:
+        if not loc.is_dir():
+            return None
+        if is_orbax_checkpoint(loc):
+            return "an Orbax run"
+        if loc.is_local:
+            for name in sorted(loc.list_children()):
+                path = os.path.join(loc.path.rstrip("/"), name)
+                if _MSGPACK_STEP.match(name) and is_msgpack_checkpoint(path):
+                    return f"Flax msgpack checkpoints ({name})"
+    except CheckpointError:
+        return None
+    return None

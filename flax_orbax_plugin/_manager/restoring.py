@@ -39,7 +39,7 @@ from .._errors import (
 from .._format import steps as _steps
 from .._format.layout import ItemEntry
 from .._like import transform as _transform
-from .._state.resume import check_items, item_mismatch
+from .._state.resume import check_items, item_mismatch, warn_unread
 from .._state.train_state import merge_state, split_state
 from .._storage.location import Location
 from . import peers as _peers
@@ -319,6 +319,7 @@ class Restorer:
         self._read = {n: saved[n].dir for n in read}
         if items is not None:
             return restored[names[0]] if single else restored
+        warn_unread(step, self._loc, saved, names)  # an item like lacks: said, not dropped
         merged = merge_state(like, restored)
         if data_iterator is None and not self._read_only:  # a writer's whole state: a resume
             self.warn_replay(step)

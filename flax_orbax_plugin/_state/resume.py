@@ -5,9 +5,11 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._state.resume``
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
+from .._base.option_spec import outside_stacklevel
 from .._errors import NothingMatchedError, StructureError
 from .._like.transform import HINT
 from .train_state import split_state
@@ -89,3 +91,23 @@ def item_mismatch(error: StructureError, *, name: str, step: int, location: Any)
         f"If the model changed (layers added, dropped or renamed), pass partial=True, "
         f"missing='keep' or transform= to on_train_start or CheckpointManager.restore"
     )
+
+
+# Items a restore into ``like`` may leave out without a word: the metrics saved beside
+# the state, and the data position (which has its own warning: warn_replay).
+UNREAD_OK = frozenset({"extras", "data_iterator"})
+
+
+def warn_unread(step: int, location: Any, saved: Iterable[str], read: Iterable[str]) -> None:
+    """Warns when a restore into ``like`` leaves out items the step holds (a
+    ``batch_stats`` or an NNX ``rngs`` the given state lacks): the run would go on
+    without them, silently. Naming the items (``items=``) leaves them out on purpose."""
+    unread = sorted(set(saved) - set(read) - UNREAD_OK)
+    if unread:
+        warnings.warn(
+            f"step {step} of {location} holds item(s) {unread} that like does not have: "
+            f"they are not restored, and the run goes on without them. Give like those "
+            f"items, or name the items to restore (items=[...]) to leave them out",
+            UserWarning,
+            stacklevel=outside_stacklevel(),
+        )

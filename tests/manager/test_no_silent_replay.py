@@ -112,3 +112,15 @@ def test_no_warning_when_the_step_holds_no_position(tmp_path):
             warnings.simplefilter("always")
             mngr.restore()
         assert not replay_warnings(record)
+
+
+def test_items_the_like_lacks_are_named_not_dropped_silently(tmp_path):
+    """A saved batch_stats (or an NNX rngs) that the given state lacks was discarded
+    without a word; naming the items leaves them out on purpose, quietly."""
+    with fop.CheckpointManager(tmp_path / "run", async_save=False) as mngr:
+        mngr.save(1, {"params": {"w": np.zeros(3)}, "batch_stats": {"m": np.ones(3)}})
+        with pytest.warns(UserWarning, match=r"holds item\(s\) \['batch_stats'\] that like"):
+            mngr.restore({"params": {"w": np.zeros(3)}})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mngr.restore({"params": {"w": np.zeros(3)}}, items=["params"])
