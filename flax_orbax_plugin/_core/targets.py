@@ -64,6 +64,9 @@ def make_target(index: int, record: LeafRecord, like: Any, *, cast: str) -> Targ
     if record.kind in _layout.TEXT_KINDS:
         return _text_target(target)
     if record.kind == "none":
+        if like is not None and _tree.is_empty_node(like):
+            target.result = like  # holds no data either: EmptyState() saved as None (Orbax)
+            return target
         if like is not None:
             raise StructureError(
                 f"leaf {path!r}: expected {_describe(like)} (from like), "

@@ -226,6 +226,9 @@ def restore_msgpack(path: Any, like: Any = None, *, partial: bool = False) -> An
     out = []
     for p, _, leaf_like in like_flat:
         value = stored[p]
+        if _tree.is_empty_node(leaf_like) and (value is None or _tree.is_empty_node(value)):
+            out.append(leaf_like)  # no data either way: like's own node (optax's EmptyState)
+            continue
         if value is None or isinstance(value, str):
             out.append(value)
             continue
