@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from .._errors import StructureError
+from . import casting as _casting
 
 Reader = Callable[[tuple[slice, ...]], np.ndarray]
 
@@ -79,10 +80,20 @@ class LeafPlan:
     source: str = ""
 
     def cast(self, data: np.ndarray) -> np.ndarray:
-        """``data`` in ``out_dtype``; StructureError if a checked cast changes a value."""
+        """``data`` in ``out_dtype``. A checked cast follows the rules every reader
+        shares (``_like.casting``: float to integer never, even for whole values) and,
+        stricter here, changes no value at all; else StructureError."""
         if data.dtype == self.out_dtype:
             return data
-        out = data.astype(self.out_dtype)
+        if self.check_values:
+            try:
+                _casting.check(self.path, data, self.out_dtype, cast="safe")
+            except StructureError as e:
+                raise StructureError(
+                    f"{e} (in {self.source}; from_safetensors: allow_cast=True)"
+                ) from None
+        with np.errstate(all="ignore"):  # unchecked: numpy's cast, as asked
+            out = data.astype(self.out_dtype)
         if self.check_values:
             back = out.astype(data.dtype)
             same = back == data
@@ -92,7 +103,8 @@ class LeafPlan:
                 raise StructureError(
                     f"leaf {self.path!r}: dtype mismatch: expected {self.out_dtype} "
                     f"(from like), found {data.dtype} in {self.source}, and casting changes "
-                    f"values (pass allow_cast=True to cast anyway)"
+                    f"values (pass cast='unsafe' to fop.restore, or allow_cast=True to "
+                    f"from_safetensors, to cast anyway)"
                 )
         return out
 

@@ -126,7 +126,7 @@ def restore(
         if item is None:
             raise
         return _items.read(item, like, changes=changes)
-    return _restore_orbax(location, like, **changes)
+    return _restore_orbax(location, like, cast=cast, **changes)
 
 
 def _json_item(location: Location) -> _items.StepItem | None:
@@ -139,7 +139,9 @@ def _json_item(location: Location) -> _items.StepItem | None:
     return item if item is not None and not item.is_pytree else None
 
 
-def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str, transform: Any):
+def _restore_orbax(
+    location: Location, like: Any, *, cast: str, partial: bool, missing: str, transform: Any
+):
     """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
     (issue 16). Looked for only after the native reader found none, so restoring our
     own checkpoints costs no extra listing. Collective when ``like`` spans several
@@ -153,7 +155,8 @@ def _restore_orbax(location: Location, like: Any, *, partial: bool, missing: str
     step = None
     if _distributed.spans_processes(like):  # every process reads the primary's latest step
         step = agreed_latest(location) if not is_step(location) else None
-    return restore_orbax(location, like, step=step, partial=partial)
+    # cast="unsafe" as for a checkpoint of ours (it was dropped here, silently)
+    return restore_orbax(location, like, step=step, partial=partial, allow_cast=cast == "unsafe")
 
 
 @raises_store_errors(arguments("path"))

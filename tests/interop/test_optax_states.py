@@ -60,3 +60,18 @@ def test_an_imported_orbax_trainstate_resumes_into_the_same_trainstate(tmp_path)
     np.testing.assert_array_equal(
         got.params["Dense_0"]["kernel"], np.asarray(saved.params["Dense_0"]["kernel"])
     )
+
+
+def test_an_orbax_checkpoint_follows_restores_cast_rules(tmp_path):
+    """float to int was taken where the values were whole (native: never); cast="unsafe"
+    was dropped on the Orbax path."""
+    with ocp.CheckpointManager(tmp_path / "orbax") as mngr:
+        tree = {"w": np.array([2.0, 3.0], np.float32), "v": np.array([2.5, 1e5], np.float32)}
+        mngr.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(tree)))
+        mngr.wait_until_finished()
+    item = tmp_path / "orbax" / "1" / "params"
+    like = {"w": jax.ShapeDtypeStruct((2,), jnp.int32), "v": jax.ShapeDtypeStruct((2,), jnp.int32)}
+    with pytest.raises(fop.StructureError, match="float to integer"):
+        fop.restore(item, like={"w": like["w"]}, partial=True)
+    got = fop.restore(item, like=like, cast="unsafe")
+    np.testing.assert_array_equal(np.asarray(got["w"]), [2, 3])
