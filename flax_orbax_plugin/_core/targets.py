@@ -92,6 +92,15 @@ def make_target(index: int, record: LeafRecord, like: Any, *, cast: str) -> Targ
             f"found {saved_shape} in the checkpoint"
         )
     target.out_dtype = np.dtype(like_dtype)
+    sharding = getattr(like, "sharding", None)
+    if isinstance(sharding, jax.sharding.Sharding):  # one that cannot hold it: named here
+        try:
+            sharding.shard_shape(tuple(saved_shape))
+        except ValueError as e:  # jax's IndivisibleError is one
+            raise StructureError(
+                f"leaf {path!r}: the sharding of like cannot hold its shape "
+                f"{tuple(saved_shape)}: {e}"
+            ) from None
     return target
 
 

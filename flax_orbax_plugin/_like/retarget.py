@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._errors import OptionError, OptionTypeError
+from .._errors import OptionError, OptionTypeError, StructureError
 
 
 def checked_dtype(dtype: Any) -> Any:
@@ -66,5 +66,12 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
             sh = getattr(leaf, "sharding", None)
             if sh is not None and not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
                 sh = None
-        out.append(jax.ShapeDtypeStruct(leaf.shape, dt, sharding=sh))
+        try:
+            if isinstance(sh, jax.sharding.Sharding):
+                sh.shard_shape(tuple(leaf.shape))  # one that cannot hold it: named here
+            out.append(jax.ShapeDtypeStruct(leaf.shape, dt, sharding=sh))
+        except ValueError as e:  # jax's IndivisibleError: named here, with the leaf's shape
+            raise StructureError(
+                f"sharding: {sh} cannot hold a leaf of shape {tuple(leaf.shape)}: {e}"
+            ) from None
     return jax.tree_util.tree_unflatten(treedef, out)

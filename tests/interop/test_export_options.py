@@ -96,3 +96,21 @@ def test_restore_params_cast_unsafe_is_the_advice_that_works(saved):
 def test_verify_refuses_a_progress_that_is_no_function(saved):
     with pytest.raises(fop.OptionTypeError, match="progress"):
         fop.verify(saved / "core", progress=3)
+
+
+def test_a_sharding_that_cannot_hold_a_leaf_is_named(tmp_path):
+    """jax's raw IndivisibleError named no leaf (6 rows over 4 devices)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    fop.save(tmp_path / "c", {"b": np.arange(6, dtype=np.float32)})
+    with fop.CheckpointManager(tmp_path / "run", async_save=False) as m:
+        m.save(1, {"params": {"b": np.arange(6, dtype=np.float32)}})
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(4), ("a",))
+    rows = NamedSharding(mesh, P("a"))
+    with pytest.raises(fop.StructureError, match=r"leaf 'b': the sharding of like cannot hold"):
+        fop.restore(
+            tmp_path / "c", like={"b": jax.ShapeDtypeStruct((6,), jnp.float32, sharding=rows)}
+        )
+    with pytest.raises(fop.StructureError, match=r"cannot hold a leaf of shape \(6,\)"):
+        fop.restore_params(tmp_path / "run", sharding=rows)
