@@ -188,7 +188,8 @@ def _finish_at_exit(handle: SaveHandle) -> None:
     with ("cannot schedule new futures after interpreter shutdown"): the save failed,
     silently, and its step was lost. So the first save registers a ``threading`` exit
     hook; those run last-registered first, before the pools' own: it waits for every
-    save still running, saying so on stderr (and a failure, which nobody else reads)."""
+    save still running, saying so on stderr (and a failure, which nobody else reads),
+    or, when a Ctrl-C ended the program, cancels them."""
     _RUNNING.add(handle)
     if not _EXIT_HOOK:
         threading._register_atexit(_finish_running)  # type: ignore[attr-defined]
@@ -196,7 +197,13 @@ def _finish_at_exit(handle: SaveHandle) -> None:
 
 
 def _finish_running() -> None:
+    # Ctrl-C ended the program: its saves are abandoned, as an interrupted wait() does
+    # (what they staged is removed); the interpreter has set sys.last_value by now.
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
     for handle in [h for h in list(_RUNNING) if not h.done()]:
+        if interrupted:
+            handle.cancel()
+            continue
         say = f"flax_orbax_plugin: the program ends: waiting for the save to {handle.path}"
         print(say, file=sys.stderr)
         handle._finished.wait()
