@@ -51,7 +51,11 @@ def _describe(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _describe(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        fields = {  # a clock is each host's own (the primary decides a time policy)
+            f.name: _describe(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.name != "clock"
+        }
         return {"type": type(value).__qualname__, **fields}
     if isinstance(value, Mapping):
         return {str(k): _describe(v) for k, v in value.items()}
