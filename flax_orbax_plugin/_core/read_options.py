@@ -15,19 +15,18 @@ from typing import Any
 
 from .._base.option_spec import Option, check
 from .._errors import OptionError
-from .._format.steps import MAX_STEP, STEPS
+from .._format.steps import STEP_OR_NONE
 from .save_options import MEMORY_LIMIT
 
 __all__ = ["check_restore", "check_serving", "check_verify"]
 
-_STEP = Option("step", "int", none_ok=True, low=0, high=MAX_STEP, expected=f"{STEPS} or None")
 
 RESTORE: tuple[Option, ...] = (
     MEMORY_LIMIT,
     Option("share_replicated_reads", "flag", none_ok=True, expected="True, False or None"),
 )
-VERIFY: tuple[Option, ...] = (_STEP, Option("all_steps", "flag"))
-SERVING: tuple[Option, ...] = (_STEP,)
+VERIFY: tuple[Option, ...] = (STEP_OR_NONE, Option("all_steps", "flag"))
+SERVING: tuple[Option, ...] = (STEP_OR_NONE,)
 
 
 def check_restore(**options: Any) -> dict[str, Any]:

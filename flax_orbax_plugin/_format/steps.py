@@ -10,13 +10,8 @@ import operator
 import re
 from typing import Any
 
-from .._errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    ForeignEntryError,
-    OptionError,
-    OptionTypeError,
-)
+from .._base.option_spec import Option
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
 from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .foreign import foreign_format_hint
@@ -26,6 +21,11 @@ from .layout import MANIFEST_FILE, StepManifest, decode_checked
 _STEP = r"(0|[1-9][0-9]{0,17})"
 MAX_STEP = 10**18 - 1  # the largest step a step directory's name holds (STEP_RE)
 STEPS = f"an int step in [0, {MAX_STEP}]"  # what a step option takes, in its errors
+# The step option, declared once: every entry point that takes a step checks it so.
+STEP = Option("step", "int", low=0, high=MAX_STEP, expected=STEPS)
+STEP_OR_NONE = Option(
+    "step", "int", none_ok=True, low=0, high=MAX_STEP, expected=f"{STEPS} or None"
+)
 STEP_RE = re.compile(rf"^{_STEP}$", re.ASCII)
 TMP_RE = re.compile(rf"^{_STEP}\.(partial|deleting)-[0-9a-z]{{1,32}}$", re.ASCII)
 # The staging of a core save (``fop.save(<dir>/<name>)``), beside its target: not a step.
@@ -93,24 +93,11 @@ def choose_step(loc: Location, steps: list[int] | tuple[int, ...], step: int | N
     return step
 
 
-def checked_step(step: Any, *, what: str = "a committed step, or None for the latest") -> int:
-    """``step`` as an int in ``[0, MAX_STEP]``: an int, a numpy or jax integer scalar,
-    never a bool (True read as step 1) nor a str or float (4.7 truncated to 4);
-    OptionTypeError / OptionError naming the option otherwise (``what``: what it is)."""
-    if not isinstance(step, bool):
-        try:
-            step = operator.index(step)
-        except TypeError:
-            pass
-        else:
-            if not 0 <= step <= MAX_STEP:
-                raise OptionError(
-                    f"step: expected an int in [0, {MAX_STEP}] ({what}), found {step}"
-                )
-            return step
-    raise OptionTypeError(
-        f"step: expected an int ({what}), found {type(step).__name__} {step!r:.60}"
-    )
+def checked_step(step: Any) -> int:
+    """``step`` checked by its one declaration (:data:`STEP`): an int in ``[0,
+    MAX_STEP]``, numpy and jax integer scalars too, never a bool (True read as step 1)
+    nor a str or float (4.7 truncated to 4); OptionTypeError / OptionError naming it."""
+    return STEP.check(step)
 
 
 def step_location(loc: Location, step: int) -> Location:

@@ -183,7 +183,7 @@ class CheckpointCallback:
 
     def on_step_end(self, step: int, state: Any, *, t: float | None = None) -> bool:
         """Saves ``state`` as ``step`` if the policy says so; returns whether it did."""
-        step = checked_step(step, what="the step just trained")
+        step = checked_step(step)
         self._last_step = step
         self._stepped = step if self._stepped is None else self._stepped
         self._poll()
@@ -201,7 +201,7 @@ class CheckpointCallback:
         if step is None:
             step = _step_of(state, self._last_step)
         else:
-            step = checked_step(step, what="the last step trained, or None")
+            step = checked_step(step)
         first = None  # a hook's error raised by the last save (its step is saved all the same)
         if step is not None and int(step) != self._last_saved_step:
             try:
@@ -339,7 +339,7 @@ def _step_of(state: Any, default: int | None) -> int | None:
     step = getattr(state, "step", None)
     if step is None or callable(step):  # no step field (a method of that name is none)
         return default
-    return checked_step(step, what="state.step")
+    return checked_step(step)
 
 
 _signatures.document(CheckpointCallback, _signatures.CALLBACK_DOC, CALLBACK)

@@ -141,7 +141,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         steps (each process its own, with a directory per host), then all meet again."""
         self._check_writable()
         self._wait_inflight()
-        steps = [checked_step(step, what="a committed step") for step in steps]
+        steps = [checked_step(step) for step in steps]
         _distributed.barrier(_distributed.next_operation_id("manager-delete"))
         if _distributed.is_primary() or self._book.per_host:
             _housekeeping.remove_committed(self._loc, steps, self.steps())
@@ -169,7 +169,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         and SIGTERM arrived; with several processes, the step all of them agreed on).
         ``save`` asks it itself; a caller that skips ``save`` for a step (already
         saved) asks it instead: once per step, in order, on every process."""
-        return self._schedule.preempted_at(checked_step(step, what="a step trained"))
+        return self._schedule.preempted_at(checked_step(step))
 
     @property
     def commit_log_level(self) -> int:
@@ -183,7 +183,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
     def should_save(self, step: int, *, t: float | None = None) -> bool:
         """Whether the policy asks for ``step`` (this process's view; ``save`` shares the
         primary's time-based decision with every process)."""
-        return self._schedule.should_save(checked_step(step, what="a step trained"), t)
+        return self._schedule.should_save(checked_step(step), t)
 
     @_distributed.collective_method("manager-save", stall="_stall_s", scope="_scope")
     def save(

@@ -33,7 +33,7 @@ from typing import Any
 
 from .._base.option_spec import Option, check, found
 from .._format import layout as _layout
-from .._format.steps import MAX_STEP, STEPS
+from .._format.steps import STEP, STEP_OR_NONE
 from . import policy as _policy
 from . import retention as _retention
 from .keep_rules import KeepRule
@@ -374,7 +374,7 @@ WRITER_ONLY = (
 
 
 SAVE_CALL: tuple[Option, ...] = (
-    Option("step", "int", low=0, high=MAX_STEP, expected=STEPS),
+    STEP,
     Option("ignore_policy", "flag", doc="save whatever the save policy says"),
     Option(
         "force", "flag", none_ok=True, expected="True or False", doc="deprecated: ignore_policy="
@@ -386,7 +386,7 @@ SAVE_CALL: tuple[Option, ...] = (
 
 
 IMPORT: tuple[Option, ...] = (
-    Option("step", "int", none_ok=True, low=0, high=MAX_STEP, expected=f"{STEPS} or None"),
+    STEP_OR_NONE,
     Option("force", "flag"),
     Option("format_version", "choice", choices=(1, 2), none_ok=True),
 )
