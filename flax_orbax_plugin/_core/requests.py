@@ -20,8 +20,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base.host import BufferPool
-from .._errors import OptionError
-from .._like.casting import CAST_POLICIES
+from .._like.casting import check_policy
 from .._like.transform import Changes
 
 __all__ = [
@@ -109,8 +108,7 @@ class ReadRequest:
     dry_run: bool = False
 
     def __post_init__(self):
-        if self.cast not in CAST_POLICIES:
-            raise OptionError(f"cast must be one of {CAST_POLICIES}, found {self.cast!r}")
+        check_policy(self.cast)
         if self.own_copy and self.share_reads:
             raise ValueError("ReadRequest: a host's own copy is read alone (share_reads=False)")
 

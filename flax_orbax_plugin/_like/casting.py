@@ -112,12 +112,19 @@ def check_tree(host: Any, target: Any, *, cast: str) -> None:
     jax.tree_util.tree_map_with_path(one, host, target, is_leaf=lambda x: x is None)
 
 
+def check_policy(cast: Any) -> str:
+    """``cast=`` where it enters (restore, restore_params, the exporter, a request):
+    one of :data:`CAST_POLICIES`, else an OptionError naming it."""
+    if cast not in CAST_POLICIES:
+        raise OptionError(f"cast must be one of {CAST_POLICIES}, found {cast!r:.60}")
+    return cast
+
+
 def check(path: str, host: np.ndarray, out_dtype: Any, *, cast: str = "safe") -> None:
     """Raises StructureError if casting ``host`` (a leaf's saved data) to ``out_dtype``
     would change a value beyond float rounding; a no-op under ``cast="unsafe"``."""
     src, dst = np.dtype(host.dtype), np.dtype(out_dtype)
-    if cast not in CAST_POLICIES:
-        raise OptionError(f"cast must be one of {CAST_POLICIES}, found {cast!r}")
+    check_policy(cast)
     if src == dst or cast == "unsafe":
         return
     a, b = _category(src), _category(dst)

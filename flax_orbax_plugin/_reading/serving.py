@@ -16,7 +16,7 @@ from .._base import distributed as _distributed
 from .._core import read_options as _read_options
 from .._core import restore as _restore
 from .._core.targets import place
-from .._errors import CheckpointError, CheckpointNotFoundError, OptionError, OptionTypeError
+from .._errors import CheckpointError, CheckpointNotFoundError, OptionTypeError
 from .._format import places as _places
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
@@ -24,7 +24,6 @@ from .._interop import orbax_reader as _orbax_reader
 from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
 from .._like import transform as _transform
-from .._like.casting import CAST_POLICIES
 from .._like.retarget import checked_dtype, retarget
 from .._state.train_state import holds_nnx_objects, split_state
 from .._storage.location import Location
@@ -92,8 +91,7 @@ def restore_params(
     )
     if not isinstance(dry_run, bool):
         raise TypeError(f"dry_run must be True or False, found {dry_run!r}")
-    if cast not in CAST_POLICIES:
-        raise OptionError(f"cast: expected one of {CAST_POLICIES}, found {cast!r:.60}")
+    _casting.check_policy(cast)
     if dtype is not None:  # before any read; the sharding's structure once like is known
         checked_dtype(dtype)
     kinds = (jax.sharding.Sharding, Mapping, list, tuple)

@@ -24,13 +24,12 @@ from ..._core import ownership as _ownership
 from ..._core import restore as _restore
 from ..._errors import (
     CorruptCheckpointError,
-    OptionError,
     StructureError,
     UnsupportedLocationError,
 )
 from ..._format.places import holding_checkpoint
 from ..._format.steps import manifest_for_item
-from ..._like.casting import CAST_POLICIES
+from ..._like.casting import check_policy
 from ..._storage.kvstore import local_path
 from ..._storage.location import Location
 from ..._storage.untrusted import loads_json, read_capped
@@ -181,8 +180,7 @@ def to_safetensors(
     out = local_path(out, what="safetensors output", note=_LOCAL_ONLY)
     limit = parse_size(max_shard_size)
     leaves, read = _source_leaves(source)
-    if cast not in CAST_POLICIES:
-        raise OptionError(f"cast: expected one of {CAST_POLICIES}, found {cast!r:.60}")
+    check_policy(cast)
     key_map = checked_key_map(key_map)
     transpose_kernels = checked_flag("transpose_kernels", transpose_kernels)
     if not leaves:
