@@ -20,6 +20,7 @@ import numpy as np
 
 from ..._base import faults as _faults
 from ..._base import tree as _tree
+from ..._base.option_spec import check
 from ..._core import ownership as _ownership
 from ..._core import restore as _restore
 from ..._errors import (
@@ -44,9 +45,9 @@ from .outputs import (
     remove_stale,
 )
 from .plan import (
+    FLAGS,
     ListedKeyMap,
     Tensor,
-    checked_flag,
     checked_key_map,
     encode_header,
     parse_size,
@@ -113,8 +114,8 @@ def _dtype_of(name: str) -> np.dtype:
 
 def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
     flat, _ = _tree.flatten(tree)
-    # None and empty containers (kept as leaves by the tree's flattening) hold no tensor
-    values = {p: v for p, _, v in flat if v is not None and not isinstance(v, (dict, list, tuple))}
+    # None and empty nodes (kept as leaves by the tree's flattening) hold no tensor
+    values = {p: v for p, _, v in flat if v is not None and not _tree.is_empty_node(v)}
     leaves = [(p, np.dtype(np.asarray(v).dtype), tuple(np.shape(v))) for p, v in values.items()]
 
     def read(paths):
@@ -182,7 +183,7 @@ def to_safetensors(
     leaves, read = _source_leaves(source)
     check_policy(cast)
     key_map = checked_key_map(key_map)
-    transpose_kernels = checked_flag("transpose_kernels", transpose_kernels)
+    check(FLAGS, {"transpose_kernels": transpose_kernels})
     if not leaves:
         raise ValueError("nothing to export: the source holds no array leaves")
     tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype, cast)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._base.option_spec import Option
 from ..._errors import OptionError, OptionTypeError, StructureError
 from ..._like import casting as _casting
 from ..._like import onto_like as _onto_like
@@ -123,6 +124,10 @@ class ListedKeyMap:
             )
 
 
+# The exporter's and the importer's True/False options, each declared once.
+FLAGS = tuple(Option(name, "flag") for name in ("transpose_kernels", "partial", "allow_cast"))
+
+
 def checked_key_map(key_map: Any) -> Callable[[str], str | None] | None:
     """``key_map=`` as given to an exporter or an importer: None, a function, or a
     mapping ``{leaf path: tensor name or None}`` (a :class:`ListedKeyMap`, as the CLI's
@@ -144,14 +149,6 @@ def checked_key_map(key_map: Any) -> Callable[[str], str | None] | None:
         f"key_map: expected a function (leaf path -> tensor name or None) or a mapping, "
         f"found {type(key_map).__name__} {key_map!r:.60}"
     )
-
-
-def checked_flag(name: str, value: Any) -> bool:
-    """A True/False option (``transpose_kernels``...); OptionTypeError otherwise."""
-    if not isinstance(value, (bool, np.bool_)):
-        found = f"{type(value).__name__} {value!r:.60}"
-        raise OptionTypeError(f"{name}: expected True or False, found {found}")
-    return bool(value)
 
 
 def _utf8(name: str) -> bool:

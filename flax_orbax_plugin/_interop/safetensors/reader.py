@@ -18,12 +18,13 @@ import jax
 import numpy as np
 
 from ..._base import tree as _tree
+from ..._base.option_spec import check
 from ..._errors import CorruptCheckpointError, StructureError
 from ..._like import onto_like as _onto_like
 from ..._storage.untrusted import open_regular
 from .headers import Stored, default_name, kernel_axes, read_safetensors_index
 from .packing import group, packed_bits, unpack
-from .plan import checked_flag, checked_key_map
+from .plan import FLAGS, checked_key_map
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int, where: str) -> None:
@@ -152,8 +153,8 @@ def from_safetensors(
       CorruptCheckpointError: a header or index is malformed (names the file).
     """
     key_map = checked_key_map(key_map)  # a mapping as the exporter takes it
-    transpose_kernels = checked_flag("transpose_kernels", transpose_kernels)
-    partial, allow_cast = checked_flag("partial", partial), checked_flag("allow_cast", allow_cast)
+    flags = {"transpose_kernels": transpose_kernels, "partial": partial, "allow_cast": allow_cast}
+    check(FLAGS, flags)
     stored = read_safetensors_index(paths_or_index)
     files = _Files()
     try:
