@@ -1,7 +1,7 @@
 """Options declared once: each public option's type, range and allowed values.
 
 An :class:`Option` is one keyword option (or ``FOP_*`` environment variable) as
-declared by the module that owns it (``_core.save_options`` for ``fop.save``,
+declared by the module that owns it (``_core.requests`` for the core's entry points,
 ``_manager.option_table`` for the manager and the callback, ``_manager.policy``,
 ``_manager.retention`` and ``_manager.tiers.tier_option`` for the fields of the public
 option objects): its name, kind, range or choices, default, one-line doc and the

@@ -36,12 +36,22 @@ from .._zarr import chunk_files as _chunk_files
 from .._zarr import packed_reader as _packed_reader
 from . import reads as _reads
 from .claims import check_claims, check_packed_claims
-from .requests import DEFAULT_FORMAT_VERSION
 from .write_data import write_data
 from .write_packed import write_packed
 
-__all__ = ["CHUNK_FILES", "DATA_FILES", "Format", "for_version", "of_document", "version_for"]
+__all__ = [
+    "CHUNK_FILES",
+    "DEFAULT_FORMAT_VERSION",
+    "DATA_FILES",
+    "Format",
+    "for_version",
+    "of_document",
+    "version_for",
+]
 
+# The format a save writes when none is asked for (FORMAT.md: version 2, data files;
+# version 1 on request, and in a directory per host, which version 2 does not write).
+DEFAULT_FORMAT_VERSION = 2
 ONE_FILE_PER_CHUNK = "format_version=2 (version 1 writes one file per chunk)"
 
 

@@ -175,6 +175,24 @@ class SaveHandle:
             raise self._error
 
 
+# The latest ``fop.save_async`` (``save._start`` sets it): a second one waits for it, a
+# restore or verify of its path too.
+_IN_FLIGHT: list[SaveHandle] = []
+
+
+def in_flight(handle: SaveHandle) -> None:
+    """``handle`` is the process's latest ``fop.save_async`` (under the caller's lock)."""
+    _IN_FLIGHT[:] = [handle]
+
+
+def wait_for_pending_save(location: Any = None) -> None:
+    """Waits for the in-flight ``fop.save_async`` (only if it targets ``location``, a
+    Location, when given); re-raises an error that ``wait()`` has not already reported."""
+    for handle in list(_IN_FLIGHT):
+        if location is None or handle.path == str(location):
+            handle.raise_unreported()
+
+
 # Saves whose background phase runs, finished before the interpreter stops its thread
 # pools (see _finish_at_exit); registered once per process.
 _RUNNING: weakref.WeakSet[SaveHandle] = weakref.WeakSet()

@@ -91,7 +91,8 @@ def _collective(targets: list, share_reads: bool) -> bool:
 def _read_targets_inner(location, doc: CheckpointDocument, targets: list, request: ReadRequest):
     fmt = _formats.of_document(doc)  # picked once, from the metadata
     # the claims of the saved leaves surgery's leaves are made of are checked too
-    checked = targets + _surgery_reads.sources(targets)
+    made = [t for t in targets if t.virtual is not None]  # surgery's leaves
+    checked = targets + (_surgery_reads.sources(made) if made else [])
     direct = fmt.open(location, doc, checked, own_copy=request.own_copy)
     try:
         with _liveness.ACTIVITIES.doing(f"reading {location}", moving=True) as progress:
@@ -123,7 +124,9 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[Target]] = collections.defaultdict(list)
     shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)
-    saved_reads = _surgery_reads.SavedReads(location, doc, fmt, direct, read_region, targets)
+    saved_reads = None  # the saved leaves that surgery's leaves read, if there are any
+    if any(t.virtual is not None for t in targets):
+        saved_reads = _surgery_reads.SavedReads(location, doc, fmt, direct, read_region, targets)
 
     def fail(paths):
         return lambda e: errors.append(corrupt(paths, location, e))

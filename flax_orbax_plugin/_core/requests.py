@@ -1,8 +1,12 @@
-"""Requests: every mode of one save or one read, as a frozen record handed down explicitly.
+"""Requests: every mode of one save or one read, as a frozen record handed down explicitly,
+and the keyword options of the core's entry points they are built from.
 
 An entry point (``fop.save_async``, ``fop.restore``, a manager's save or restore, the
-tier, the importers) checks its options once (``save_options`` / ``read_options``) and
-builds one :class:`SaveRequest` or :class:`ReadRequest`; from there every layer gets
+tier, the importers) checks its options once (:func:`check_save`, :func:`check_restore`,
+:func:`check_verify`, :func:`check_serving`: each option declared once, as an
+``Option``; each function the entry point's first act, on the caller's thread, before
+anything is read, written or waited for) and builds one :class:`SaveRequest` or
+:class:`ReadRequest`; from there every layer gets
 the request as an argument: the plan, the snapshot, the format's write, the reads,
 the claims check and the cast check. No mode is a context variable, a module global
 or a flag set on an object after it was built. A manager's items get theirs through
@@ -20,20 +24,28 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base.host import BufferPool
+from .._base.option_spec import INT64_MAX, Option, check, refuse_without
+from .._errors import OptionError
+from .._format import layout as _layout
+from .._format.steps import STEP_OR_NONE
 from .._like.casting import check_policy
 from .._like.transform import Changes
+from . import formats as _formats
+from .formats import DEFAULT_FORMAT_VERSION
 
 __all__ = [
     "DEFAULT_FORMAT_VERSION",
+    "MEMORY_LIMIT",
     "DEFAULT_READ_LIMIT_BYTES",
     "DEFAULT_WRITE_LIMIT_BYTES",
     "ReadRequest",
     "SaveRequest",
+    "check_restore",
+    "check_save",
+    "check_serving",
+    "check_verify",
 ]
 
-# The format a save writes when none is asked for (FORMAT.md: version 2, data files;
-# version 1 on request, and in a directory per host, which version 2 does not write).
-DEFAULT_FORMAT_VERSION = 2
 DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
 # Reads in flight beyond the restored arrays themselves. Small: reading leaves one
 # after another (each with tensorstore's chunk-level parallelism) is as fast as
@@ -121,3 +133,84 @@ class ReadRequest:
 
     def replace(self, **fields: Any) -> ReadRequest:
         return dataclasses.replace(self, **fields)
+
+
+# The host-memory limit of a save's or a read's copies: one declaration for both.
+MEMORY_LIMIT = Option(
+    "memory_limit_bytes",
+    "int",
+    none_ok=True,
+    low=1,
+    high=INT64_MAX,
+    expected=f"a positive int <= {INT64_MAX} or None",
+)
+
+
+def _codec(value: Any) -> str | None:
+    return _layout.check_codec(value, where="compression")
+
+
+SAVE: tuple[Option, ...] = (
+    Option("force", "flag"),
+    MEMORY_LIMIT,
+    Option(
+        "compression",
+        "str",
+        none_ok=True,
+        convert=_codec,
+        expected="None, 'zstd' or 'zstd:<level 1-22>'",
+    ),
+    Option("format_version", "choice", choices=(1, 2)),
+    Option(
+        "data_file_bytes",
+        "int",
+        none_ok=True,
+        low=1,
+        high=INT64_MAX,
+        expected=f"a positive int <= {INT64_MAX} or None",
+    ),
+    Option("host_memory_budget", "int", none_ok=True, low=1, expected="a positive int or None"),
+)
+
+
+def check_save(**options: Any) -> dict[str, Any]:
+    """``fop.save``'s options of :data:`SAVE` given by name, checked; ``{name: checked
+    value}``. A value of the wrong type, out of range, NaN, empty or unknown is an
+    OptionError naming the option, what it takes and what was found;
+    ``data_file_bytes`` with format version 1 (one file per chunk: it does nothing
+    there) is refused naming both."""
+    out = check(SAVE, options)
+    # What the chosen format ignores is refused (the format says what, and why).
+    _formats.refuse_ignored(
+        out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
+    )
+    return out
+
+
+RESTORE: tuple[Option, ...] = (
+    MEMORY_LIMIT,
+    Option("share_replicated_reads", "flag", none_ok=True, expected="True, False or None"),
+)
+VERIFY: tuple[Option, ...] = (STEP_OR_NONE, Option("all_steps", "flag"))
+SERVING: tuple[Option, ...] = (STEP_OR_NONE,)
+
+
+def check_restore(**options: Any) -> dict[str, Any]:
+    """``fop.restore``'s options of :data:`RESTORE`, checked."""
+    return check(RESTORE, options)
+
+
+def check_verify(**options: Any) -> dict[str, Any]:
+    """``fop.verify``'s options, checked; ``step`` with ``all_steps`` refused."""
+    out = check(VERIFY, options)
+    if out["all_steps"] and out["step"] is not None:
+        raise OptionError(
+            f"step={out['step']} and all_steps=True conflict: all_steps verifies every "
+            "step, step= one of them; give one of the two"
+        )
+    return out
+
+
+def check_serving(**options: Any) -> dict[str, Any]:
+    """``fop.restore_params``'s options of :data:`SERVING`, checked."""
+    return check(SERVING, options)

@@ -33,8 +33,8 @@ from .._like import transform as _transform
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
 from .._zarr import read_pool as _read_pool
+from . import handle as _handle
 from . import restore_plans as _plans
-from . import save as _save
 from .read_data import read_targets
 from .requests import DEFAULT_READ_LIMIT_BYTES, ReadRequest
 from .targets import add_missing_empties, make_target
@@ -45,7 +45,7 @@ def metadata(path: Any) -> _metadata.CheckpointMetadata:
     ``path``; reads no array data (``_reading.restore.metadata`` adds what a foreign
     checkpoint there is)."""
     location = Location.from_path(path)
-    _save.wait_for_pending_save(location)
+    _handle.wait_for_pending_save(location)
     return _metadata.to_public(read_document(location), str(location))
 
 
@@ -92,7 +92,7 @@ def restore_with(path: Any, like: Any, request: ReadRequest) -> Any:
     """:func:`restore` with its modes given as one request (a manager's items, the
     tier): the same read, nothing taken from anywhere but the arguments."""
     location = Location.from_path(path)
-    _save.wait_for_pending_save(location)
+    _handle.wait_for_pending_save(location)
     with _tree.paused_gc():
         return _restore(location, like, request)
 
@@ -137,7 +137,9 @@ def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
         return _tree.rebuild(items)
     flat, treedef = _tree.flatten(like)
     records = _transform.rename_records(records, opts, str(location))
-    records, made, problems = _surgery.apply(records, opts.surgery)
+    records, made, problems = (records, {}, [])
+    if opts.surgery:
+        records, made, problems = _surgery.apply(records, opts.surgery)
     add_missing_empties(flat, records)
 
     def make(i, rec, leaf):

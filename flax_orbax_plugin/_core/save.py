@@ -31,21 +31,18 @@ from .._storage.store_errors import arguments, raises_store_errors
 from . import commit as _commit
 from . import host_snapshot as _host_snapshot
 from . import ownership as _ownership
-from . import save_options as _save_options
-from .handle import Cancellation, SaveHandle, SaveResult, raise_if_cancelled
+from .handle import (
+    Cancellation,
+    SaveHandle,
+    SaveResult,
+    in_flight,
+    raise_if_cancelled,
+    wait_for_pending_save,
+)
 from .plan import Plan, Snapshot, structure_lines
-from .requests import DEFAULT_FORMAT_VERSION, SaveRequest
+from .requests import DEFAULT_FORMAT_VERSION, SaveRequest, check_save
 
-_IN_FLIGHT: list[SaveHandle] = []  # the latest save_async
-_IN_FLIGHT_LOCK = threading.Lock()
-
-
-def wait_for_pending_save(location: Location | None = None) -> None:
-    """Waits for the in-flight :func:`save_async` (only if it targets ``location``, when
-    given); re-raises an error that ``wait()`` has not already reported."""
-    for handle in list(_IN_FLIGHT):
-        if location is None or handle.path == str(location):
-            handle.raise_unreported()
+_IN_FLIGHT_LOCK = threading.Lock()  # one save_async starts at a time
 
 
 @_distributed.collective("save")
@@ -122,9 +119,7 @@ def save_async(
     """
     # Every keyword option checked by its name, before anything waits or is written;
     # the modes become one request, handed down from here.
-    options = _save_options.check_save(
-        **{k: v for k, v in locals().items() if k not in ("path", "tree")}
-    )
+    options = check_save(**{k: v for k, v in locals().items() if k not in ("path", "tree")})
     force = options.pop("force")
     request = SaveRequest(**options)
     # Interrupted (Ctrl-C: held until the end of the blocking phase, see _start), the
@@ -179,7 +174,7 @@ def _start(
                 },
             )
             handle = SaveHandle(str(location), job.run, cancelled=cancelled)
-            _IN_FLIGHT[:] = [handle]
+            in_flight(handle)
             handle.start()
             started.append(handle)
         wait_for_data(snap, handle)  # interruptible: the caller's except cancels

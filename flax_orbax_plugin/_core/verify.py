@@ -32,10 +32,10 @@ from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
 from .._zarr import arrays as _arrays
 from . import formats as _formats
+from . import handle as _handle
 from . import read_data as _read_data
-from . import read_options as _read_options
 from . import reads as _reads
-from . import save as _save
+from . import requests as _requests
 from .targets import make_target
 
 # Bytes of array data read but not yet checked, at most (plus one chunk or file).
@@ -77,7 +77,7 @@ def verify(
     core checkpoint); it returns a context manager whose ``advance(nbytes, note)`` is
     called, in the same thread, as each read is checked (the CLI's progress bar).
     """
-    _read_options.check_verify(step=step, all_steps=all_steps)  # OptionError naming one
+    _requests.check_verify(step=step, all_steps=all_steps)  # OptionError naming one
     if progress is not None and not callable(progress):
         raise OptionTypeError(f"progress: expected a function or None, found {progress!r:.60}")
     loc = Location.from_path(path)
@@ -199,7 +199,7 @@ def check_pytree(
     CorruptCheckpointError restore would (naming the leaf), OSError for the
     environment's errors. Returns nothing: no value is kept. ``progress(total_bytes,
     what)``: as :func:`verify`'s, its bar advanced by each checked read's bytes."""
-    _save.wait_for_pending_save(location)
+    _handle.wait_for_pending_save(location)
     doc = read_document(location)
     location.check_no_links()  # tensorstore's file driver would follow them
     targets = [make_target(i, rec, None, cast="safe") for i, rec in enumerate(doc.leaves)]

@@ -83,7 +83,9 @@ def changes(
         raise OptionTypeError(f"partial must be True or False, found {partial!r}")
     if missing not in MISSING_CHOICES:
         raise OptionError(f"missing must be one of {MISSING_CHOICES}, found {missing!r}")
-    return Changes(partial, missing, compile_transform(transform), check_surgery(surgery))
+    # A plain restore (no transform, no surgery) compiles and checks nothing more.
+    compiled = None if transform is None else compile_transform(transform)
+    return Changes(partial, missing, compiled, () if surgery is None else check_surgery(surgery))
 
 
 def rename_records(records: dict[str, Any], opts: Changes, where: str) -> dict[str, Any]:

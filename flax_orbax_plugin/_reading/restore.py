@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._core import read_options as _read_options
+from .._core import requests as _requests
 from .._core import restore as _core_restore
 from .._errors import (
     CheckpointError,
@@ -97,7 +97,7 @@ def restore(
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
-    _read_options.check_restore(  # by their declarations, before anything is read
+    _requests.check_restore(  # by their declarations, before anything is read
         memory_limit_bytes=memory_limit_bytes, share_replicated_reads=share_replicated_reads
     )
     location = Location.from_path(path)

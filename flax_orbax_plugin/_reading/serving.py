@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from .._base import distributed as _distributed
-from .._core import read_options as _read_options
+from .._core import requests as _requests
 from .._core import restore as _restore
 from .._core.targets import place
 from .._errors import CheckpointError, CheckpointNotFoundError, OptionTypeError
@@ -85,7 +85,7 @@ def restore_params(
     the layout during the read and ``dry_run=True`` returns the plan instead, as in
     ``fop.restore``.
     """
-    _read_options.check_serving(step=step)  # OptionError naming it, before any read
+    _requests.check_serving(step=step)  # OptionError naming it, before any read
     changes = _transform.changes(
         partial=partial, missing=missing, transform=transform, surgery=surgery
     )
