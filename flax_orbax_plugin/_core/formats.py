@@ -36,8 +36,7 @@ from .._zarr import chunk_files as _chunk_files
 from .._zarr import packed_reader as _packed_reader
 from . import reads as _reads
 from .claims import check_claims, check_packed_claims
-from .write_data import write_data
-from .write_packed import write_packed
+from .write_data import write_data, write_packed
 
 __all__ = [
     "CHUNK_FILES",
