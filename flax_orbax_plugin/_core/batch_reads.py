@@ -16,7 +16,6 @@ import numpy as np
 
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, batch_dir
-from .._zarr import arrays as _arrays
 from .formats import read_slice
 from .reads import Reader, ReadInto, corrupt
 from .targets import Target, finish
@@ -82,7 +81,7 @@ def read_batch(reader: Reader, location, batch: BatchRecord, members, fail, erro
             if not target.record.storage.size:  # nothing stored
                 finish(target, np.empty(0, one.dtype), reader.placer)
         stored = [t for t in members if t.record.storage.size]
-        for run in _runs(stored, _arrays.batch_inner(batch)):
+        for run in _runs(stored, batch.inner):
             _read_run(one, run)
         return
     if sum(t.record.storage.size for t in members) * 2 < batch.size:
@@ -95,7 +94,7 @@ def read_batch(reader: Reader, location, batch: BatchRecord, members, fail, erro
             finish(target, data[off : off + size], reader.placer)
 
     if direct is not None and batch.codec is None:
-        sub, inner = batch_dir(batch.name), _arrays.batch_inner(batch)
+        sub, inner = batch_dir(batch.name), batch.inner
         whole = direct.read_batch(sub, batch.size, int(batch.chunk), inner, one.dtype)
     else:
         whole = ReadInto(one.store, one.dtype)
@@ -136,7 +135,7 @@ def _read_run(one: _Batch, run: list[Target]) -> None:
     batch, chunk = one.batch, int(one.batch.chunk)
     start = run[0].record.storage.offset
     stop = max(t.record.storage.offset + t.record.storage.size for t in run)
-    inner = _arrays.batch_inner(batch)
+    inner = batch.inner
     read = one.direct.read_batch_range(
         batch_dir(batch.name), batch.size, chunk, inner, one.dtype, start, stop
     )

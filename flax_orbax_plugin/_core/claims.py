@@ -17,7 +17,6 @@ from .._format.layout import (
 )
 from .._format.layout.checked import show
 from .._storage.location import Location
-from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import subbyte as _subbyte
 from .._zarr.chunks import CHUNK_DIR
@@ -66,7 +65,7 @@ def check_claims(
         needed = _chunk_files.batch_claim(
             batch.size,
             int(batch.chunk),
-            _arrays.batch_inner(batch),
+            batch.inner,
             itemsize,
             compressed=batch.codec is not None,
         )
@@ -107,7 +106,7 @@ def check_packed_claims(location: Location, doc: CheckpointDocument, targets: li
             needed = _chunk_files.batch_claim(
                 batch.size,
                 int(batch.chunk),
-                _arrays.batch_inner(batch),
+                batch.inner,
                 itemsize,
                 compressed=batch.codec is not None,
             )

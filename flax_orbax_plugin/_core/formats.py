@@ -287,7 +287,7 @@ def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int
     chunk = int(batch.chunk)
     files = range(off // chunk, -(-(off + size) // chunk)) if size else range(0)
     dtype = _layout.dtype_from_name(batch.dtype)
-    sub, inner = batch_dir(batch.name), _arrays.batch_inner(batch)
+    sub, inner = batch_dir(batch.name), batch.inner
     read = direct.read_batch(sub, batch.size, chunk, inner, dtype, files)
     first = files.start * chunk if files else 0
     read.out = read.out[off - first : off - first + size]

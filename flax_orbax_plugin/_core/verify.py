@@ -30,7 +30,6 @@ from .._format.layout import (
 )
 from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
-from .._zarr import arrays as _arrays
 from . import formats as _formats
 from . import handle as _handle
 from . import read_data as _read_data
@@ -332,7 +331,7 @@ def _check_batch(location, doc, batch, fmt, direct, window: _Window, budget: int
     chunk = int(batch.chunk)
     files = -(-batch.size // chunk)
     per_group = max(1, budget // (chunk * itemsize))
-    inner = _arrays.batch_inner(batch)
+    inner = batch.inner
     for first in range(0, files, per_group):
         group = range(first, min(files, first + per_group))
         lo, hi = group.start * chunk, min(batch.size, group.stop * chunk)

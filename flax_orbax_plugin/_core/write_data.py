@@ -183,9 +183,7 @@ def _batch_jobs(batch_specs, batches, batch_data, writer) -> list:
 
 def _direct_batch(writer: _chunk_writer.ChunkWriter, name: str, batches):
     batch = batches[name]
-    return lambda index, data: writer.batch(
-        batch_dir(name), batch.chunk, _arrays.batch_inner(batch), data
-    )
+    return lambda index, data: writer.batch(batch_dir(name), batch.chunk, batch.inner, data)
 
 
 class _Pending:

@@ -26,8 +26,8 @@ from .._storage.location import Location, context
 from . import subbyte as _subbyte
 
 CHUNK_TARGET_BYTES = 4 << 20  # large leaves: chunks of at most ~4 MiB (restore peak memory)
-BATCH_CHUNK_BYTES = 16 << 20  # batches of small leaves: one file per ~16 MiB ...
-BATCH_INNER_CHUNK_BYTES = 64 << 10  # ... holding checksummed 64 KiB inner chunks
+# batches of small leaves: one file per ~16 MiB (its inner chunks: BatchRecord.inner)
+BATCH_CHUNK_BYTES = 16 << 20
 
 
 def _divisors(n: int) -> list[int]:
@@ -219,16 +219,6 @@ def leaf_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any]:
     )
 
 
-def batch_inner(batch: BatchRecord) -> int:
-    """Elements per checksummed inner chunk of a batch's files (divides its chunk)."""
-    itemsize = dtype_from_name(batch.dtype).itemsize
-    chunk = int(batch.chunk)
-    inner = max(1, min(BATCH_INNER_CHUNK_BYTES // itemsize, chunk))
-    while chunk % inner:
-        inner -= 1
-    return inner
-
-
 def batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
     """The spec of the batch array ``b/<name>`` under ``root``."""
     return spec(
@@ -238,6 +228,6 @@ def batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
         batch.dtype,
         [int(batch.chunk)],
         dtype_from_name(batch.dtype).itemsize,
-        inner_chunk=[batch_inner(batch)],
+        inner_chunk=[batch.inner],
         codec=batch.codec,
     )

@@ -261,7 +261,7 @@ class PackedReader(_chunk_files.ChunkReader):
         batch (read by :meth:`read_batch`). Raises ValueError for a damaged shard."""
         if batch.codec is None:
             return None
-        chunk, inner = int(batch.chunk), _arrays.batch_inner(batch)
+        chunk, inner = int(batch.chunk), batch.inner
         raw = chunk * _layout.dtype_from_name(batch.dtype).itemsize
         sub = _layout.batch_dir(batch.name)
         decoder = _codec.Decoder(_arrays.batch_spec(_codec.MEMORY, batch))

@@ -13,6 +13,7 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._errors import CorruptCheckpointError
+from flax_orbax_plugin._format.layout import records as _records
 from flax_orbax_plugin._zarr import arrays as _arrays
 from flax_orbax_plugin._zarr import chunk_files as _chunk_files
 
@@ -30,7 +31,7 @@ def saved(tmp_path, monkeypatch, request):
     """A batch of 360 leaves in ~6 files (shards) of 64 KiB (the sizes scaled down 256x),
     in format version 1 (chunk files) and 2 (segments of one data file)."""
     monkeypatch.setattr(_arrays, "BATCH_CHUNK_BYTES", 16 * INNER)
-    monkeypatch.setattr(_arrays, "BATCH_INNER_CHUNK_BYTES", INNER)
+    monkeypatch.setattr(_records, "BATCH_INNER_CHUNK_BYTES", INNER)
     tree = _tree()
     fop.save(tmp_path / "c", tree, format_version=request.param)
     return tmp_path / "c", tree

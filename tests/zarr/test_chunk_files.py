@@ -96,7 +96,7 @@ def test_batch_shards_are_the_bytes_tensorstore_writes(tmp_path, dtype_name, siz
     chunk = min(1 << 17, 1 << (size - 1).bit_length())
     record = BatchRecord("b", dtype_name, 0, size, chunk, None)
     values = _values(dtype_name, (size,))
-    inner = _arrays.batch_inner(record)
+    inner = record.inner
     ts_files, direct_files = _both(
         tmp_path,
         lambda loc: _arrays.batch_spec(loc, record),
@@ -298,7 +298,7 @@ def test_batches_written_by_tensorstore_are_read_back_directly(tmp_path, dtype_n
     _arrays.open_for_write(spec)[...].write(values).result()
     reader = _chunk_files.ChunkReader(str(tmp_path))
     try:
-        read = reader.read_batch("b/b", size, chunk, _arrays.batch_inner(record), values.dtype)
+        read = reader.read_batch("b/b", size, chunk, record.inner, values.dtype)
         out = read.result()
     finally:
         reader.close()

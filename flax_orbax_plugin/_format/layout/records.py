@@ -33,6 +33,11 @@ from .dtypes import (
 )
 from .names import batch_name
 
+# A batch's files hold checksummed inner chunks of about 64 KiB. The inner chunk is not
+# recorded (version 2 has no zarr.json): every reader derives it from the batch's record
+# (:attr:`BatchRecord.inner`), so this rule is the format's.
+BATCH_INNER_CHUNK_BYTES = 64 << 10
+
 # A leaf's optional content digest: "<algorithm>:<hex>" (this version writes xxh3_128r;
 # earlier ones wrote xxh3_128, still valid to read).
 _LEAF_DIGEST = re.compile(r"^[a-z0-9_]{1,32}:[0-9a-f]{16,128}$", re.ASCII)
@@ -333,6 +338,16 @@ class BatchRecord:
     size: int
     chunk: int
     codec: str | None = None
+
+    @property
+    def inner(self) -> int:
+        """Elements per checksummed inner chunk of the batch's files (divides ``chunk``)."""
+        itemsize = dtype_from_name(self.dtype).itemsize
+        chunk = int(self.chunk)
+        inner = max(1, min(BATCH_INNER_CHUNK_BYTES // itemsize, chunk))
+        while chunk % inner:
+            inner -= 1
+        return inner
 
     def to_json(self) -> dict[str, Any]:
         if self.codec is not None:
