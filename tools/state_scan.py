@@ -59,7 +59,7 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
     (_P + "_core.handle", "_RUNNING"): "the process's saves still running, finished at exit",
     (_P + "_core.handle", "_EXIT_HOOK"): "whether that exit hook is registered (once)",
     (_P + "_zarr.chunk_files", "_read_total"): _TEST_COUNTER,
-    (_P + "_base.faults", "_HITS"): "FOP_FAIL_AT's N-th hit, counted per process (a test hook)",
+    (_P + "_base.env", "_HITS"): "FOP_FAIL_AT's N-th hit, counted per process (a test hook)",
     (_P + "_base.tree", "_LEAF_TYPES"): "a cache of the types seen to be plain leaves",
     (_P + "_storage.kvstore", "_CONTEXTS"): "the tensorstore contexts every open shares",
     (_P + "_zarr.read_pool", "_pools"): "the process's shared read threads",

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from .._errors import CoordinationError, ProcessFailedError
-from . import faults as _faults
+from . import env as _env
 from . import liveness as _liveness
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
@@ -318,7 +318,7 @@ def _failure_record(text: str) -> dict[str, Any]:
 
 def fault_point() -> None:
     """Before each coordination call: the fault point of the region's kind
-    (``FOP_FAIL_AT=collective-<kind>[:N]``, see ``_base.faults``)."""
+    (``FOP_FAIL_AT=collective-<kind>[:N]``, see ``_base.env``)."""
     region = current_region()
     if region is not None:
-        _faults.fail_point(f"collective-{region.kind}")
+        _env.fail_point(f"collective-{region.kind}")

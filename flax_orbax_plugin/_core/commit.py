@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._base import faults as _faults
+from .._base import env as _env
 from .._errors import CheckpointError, CoordinationError, SaveCancelledError
 from .._storage.location import Location
 from . import ownership as _ownership
@@ -70,7 +70,7 @@ class Staging:
         A ``final`` that holds anything this library cannot prove it wrote is never
         replaced: ForeignEntryError, and the staged data is left for ``abort``."""
         self.location.write_bytes(marker, data)  # durable (file and directory fsynced)
-        _faults.kill_point("after_marker")
+        _env.kill_point("after_marker")
         if not self.renames:
             _ownership.unclaim(self.location)  # the marker now proves it ours
             return
@@ -83,7 +83,7 @@ class Staging:
             raise CheckpointError(f"{self.final} was created by someone else meanwhile")
         _ownership.require_ours(self.final, action="replace")
         if self.location.exchange(self.final):  # one atomic swap: no window without it
-            _faults.kill_point("mid_rename")
+            _env.kill_point("mid_rename")
             old = self.location.sibling(f"{self.final.name}.deleting-{self.nonce}")
             self.location.rename(old)  # the old one, now at the staging name
             _ownership.remove(old, action="remove the replaced")
@@ -91,7 +91,7 @@ class Staging:
             return
         old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
         self.final.rename(old)  # no exchange here: a crash now leaves a complete
-        _faults.kill_point("mid_rename")  # .partial- that the next writer rolls forward
+        _env.kill_point("mid_rename")  # .partial- that the next writer rolls forward
         self.location.rename(self.final)
         _ownership.remove(old, action="remove the replaced")
         self._remove_stale_siblings()
@@ -257,7 +257,7 @@ def _decide_and_commit(op, own_status, what, publish, abort) -> str:
             files: dict[str, str] = {}
             for s in statuses:
                 files.update(s["files"])
-            _faults.pause_point("before_commit")
+            _env.pause_point("before_commit")
             publish(files)
             return "committed"
     except CoordinationError as e:  # a process is gone or late: nothing commits

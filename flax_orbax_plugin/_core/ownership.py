@@ -21,7 +21,7 @@ from collections.abc import Callable
 import tensorstore as ts
 
 from .._base import distributed as _distributed
-from .._base import faults as _faults
+from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
 from .._storage import deleting as _deleting
@@ -211,7 +211,7 @@ def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
     drawn from this run's session nonce, a name nobody else creates). Proven by our
     marker, or on local disk by the name itself: only the primary claims, and the
     others' staging of a step the primary did not save carries no marker."""
-    _faults.fail_point("remove_staging")  # tests: a removal that fails (FOP_FAIL_AT)
+    _env.fail_point("remove_staging")  # tests: a removal that fails (FOP_FAIL_AT)
     if proof(loc) is None and loc.is_local and loc.name.endswith(f".partial-{nonce}"):
         if _exists(loc):
             logger.info("checkpoint: removing this save's %s %s", what, loc)
@@ -229,18 +229,18 @@ def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | Non
     many deletes may be in flight now (retention asks for fewer while a save runs)."""
     step_loc = directory.child(str(step))
     require_ours(step_loc, action="delete step", step=step)
-    _faults.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)
+    _env.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)
     if directory.supports_rename:
         doomed = directory.child(f"{step}.deleting-{secrets.token_hex(6)}")
         step_loc.rename(doomed)  # atomic: the step disappears from listings at once
-        _faults.kill_point("mid_retention")
-        _faults.pause_point("mid_retention")  # tests: a slow removal (FOP_PAUSE_AT)
+        _env.kill_point("mid_retention")
+        _env.pause_point("mid_retention")  # tests: a slow removal (FOP_PAUSE_AT)
         _remove_proven(doomed)
         return
     claim(step_loc, secrets.token_hex(6))
     step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
-    _faults.kill_point("mid_retention")
-    _faults.pause_point("mid_retention")
+    _env.kill_point("mid_retention")
+    _env.pause_point("mid_retention")
     _remove_proven(step_loc, pace=pace)
 
 

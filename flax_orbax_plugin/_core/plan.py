@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from .._base import distributed as _distributed
-from .._base import faults as _faults
+from .._base import env as _env
 from .._base import host as _host
 from .._base import tree as _tree
 from .._errors import StructureError
@@ -230,10 +230,10 @@ class Plan:
             encoded = encoded.result()
             location.write_bytes(METADATA_FILE, encoded, durable=False)
             files[METADATA_FILE] = _layout.sha256(encoded)
-            _faults.kill_point("after_metadata")
+            _env.kill_point("after_metadata")
         if durable:
             location.sync()
-            _faults.kill_point("after_sync")
+            _env.kill_point("after_sync")
         return _commit.Written(written, files, reused)
 
     def _encode(self, out: concurrent.futures.Future) -> None:

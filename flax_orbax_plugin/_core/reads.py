@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .._base import faults as _faults
+from .._base import env as _env
 from .._base import host as _host
 from .._base import liveness as _liveness
 from .._errors import CheckpointError, CorruptCheckpointError, StepDeletedError
@@ -83,8 +83,8 @@ class Reader:
                 data = future.result()
                 self.progress.done += nbytes
                 if self.progress.done == nbytes > 0:  # the first bytes read
-                    _faults.pause_point("mid_read")  # tests: a slow restore (FOP_PAUSE_AT)
-                _faults.slow_point("read")  # tests: a slow but progressing read
+                    _env.pause_point("mid_read")  # tests: a slow restore (FOP_PAUSE_AT)
+                _env.slow_point("read")  # tests: a slow but progressing read
             except Exception as e:  # noqa: BLE001  (tensorstore: ValueError with a status text)
                 raise_environmental(e)
                 on_error(e)

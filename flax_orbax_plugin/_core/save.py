@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from .._base import distributed as _distributed
-from .._base import faults as _faults
+from .._base import env as _env
 from .._base import interrupts as _interrupts
 from .._base import tree as _tree
 from .._format.layout import COMMIT_FILE, CommitMarker
@@ -279,9 +279,9 @@ def snapshot(tree: Any, request: SaveRequest) -> Snapshot:
     """
     with _tree.paused_gc():
         plan = Plan.build(tree, request)
-    _faults.pause_point("snapshot")
+    _env.pause_point("snapshot")
     plan.snapshot()
-    _faults.kill_point("after_snapshot")
+    _env.kill_point("after_snapshot")
     return plan
 
 

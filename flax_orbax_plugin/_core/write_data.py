@@ -27,9 +27,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._base import faults as _faults
+from .._base import env as _env
 from .._base import liveness as _liveness
-from .._base import priority as _priority
 from .._errors import CheckpointError
 from .._format.layout import ArrayStorage, BatchRecord, array_dir, batch_dir, sha256
 from .._storage.location import Location
@@ -126,7 +125,7 @@ def _start_links(staging: Location, linking: list, links: dict[int, Any]):
     linker = concurrent.futures.ThreadPoolExecutor(  # hard links alone may be lowered
         workers,
         thread_name_prefix="fop-link",
-        initializer=_priority.initializer(local_only=staging.is_local),
+        initializer=_env.initializer(local_only=staging.is_local),
     )
     return linker, [linker.submit(links[leaf.index]) for leaf, _ in linking]
 
@@ -241,9 +240,9 @@ class _Pending:
                 self.in_flight += share * len(futures)
                 self.written += data.nbytes
                 if self.written == data.nbytes:
-                    _faults.kill_point("mid_write")
-                    _faults.pause_point("mid_write")
-                _faults.slow_point("write")  # tests: a slow but progressing write
+                    _env.kill_point("mid_write")
+                    _env.pause_point("mid_write")
+                _env.slow_point("write")  # tests: a slow but progressing write
             del data
             self.drain(self.limit)
 

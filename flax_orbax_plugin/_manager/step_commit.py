@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._base import faults as _faults
+from .._base import env as _env
 from .._core import commit as _commit
 from .._core import ownership as _ownership
 from .._core.commit import Staging, Written
@@ -162,7 +162,7 @@ class StepCommit:
             self._check_own_items()
             self._staging.location.write_bytes(HOST_FILE, self._host_marker, durable=False)
         self._staging.location.sync()
-        _faults.kill_point("after_sync")
+        _env.kill_point("after_sync")
         self._sizes.append(Written(total, files, reused))
         return self._sizes[-1]
 

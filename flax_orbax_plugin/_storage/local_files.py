@@ -18,7 +18,7 @@ import secrets
 import shutil
 import stat
 
-from .._base import faults as _faults
+from .._base import env as _env
 from .._errors import CorruptCheckpointError, ForeignEntryError
 from .json_docs import MAX_DOCUMENT_BYTES
 
@@ -155,7 +155,7 @@ def read_file(root: str, name: str, max_bytes: int | None) -> bytes | None:
 
 
 def write_file(root: str, name: str, data: bytes, *, durable: bool = True) -> None:
-    _faults.fail_point("write_small")
+    _env.fail_point("write_small")
     parts = name.split("/")
     os.makedirs(root, exist_ok=True)
     dfd = open_dirs(root, parts[:-1], create=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .._base import faults as _faults
+from .._base import env as _env
 from .._base import host as _host
 from .._storage.location import check_name, walk_entries
 from . import chunks as _chunks
@@ -363,7 +363,7 @@ def _read_ranges(path: str, name: str, expected: int, ranges: list) -> None:
     followed if a symlink). A file read in part is read without readahead (only the
     ranges' pages come from the disk)."""
     global _read_total
-    _faults.fail_point("read_chunk")
+    _env.fail_point("read_chunk")
     try:
         # O_NONBLOCK: a FIFO in the checkpoint's place never blocks (refused below)
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -5,7 +5,7 @@
 ``_arrays``; :class:`Gathered` is a batch given as its leaves' own buffers. Why, and
 what it measured: docs/chunk_files.md. A chunk's page-aligned payload is written with
 ``O_DIRECT`` (no copy into the page cache), the rest buffered: docs/saving.md. The
-writer's threads can run at a lower CPU priority (opt-in: ``_base.priority``): they
+writer's threads can run at a lower CPU priority (opt-in: ``_base.env``): they
 only checksum and write local files (a subclass whose tasks call a store's client
 passes ``local_only=False``).
 
@@ -29,7 +29,6 @@ import numpy as np
 
 from .._base import env as _env
 from .._base import host as _host
-from .._base import priority as _priority
 from .._storage.location import check_name
 from . import chunks as _chunks
 
@@ -96,7 +95,7 @@ class ChunkWriter:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             threads,
             thread_name_prefix="fop-chunk",
-            initializer=_priority.initializer(local_only=local_only),
+            initializer=_env.initializer(local_only=local_only),
         )
         self._dirs: set[str] = set()
 

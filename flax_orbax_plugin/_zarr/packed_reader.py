@@ -21,7 +21,7 @@ import stat
 import numpy as np
 import tensorstore as ts
 
-from .._base import faults as _faults
+from .._base import env as _env
 from .._base import host as _host
 from .._format import layout as _layout
 from .._storage import kvstore as _kvstore
@@ -130,7 +130,7 @@ class PackedReader(_chunk_files.ChunkReader):
         bytes long, and its last four bytes (the last range's last part: a batch
         shard's index checksum, which the caller checks against the index it reads)
         must be the crc32c the data index lists. Only those bytes are read."""
-        _faults.fail_point("read_chunk")
+        _env.fail_point("read_chunk")
         segment = self._chunks.get(path)
         if segment is None:
             raise ValueError(f"chunk {path} is missing (no data index lists it)")
@@ -160,7 +160,7 @@ class PackedReader(_chunk_files.ChunkReader):
             raise ValueError(f"chunk {path}: its crc32c differs from its data index's")
 
     def _fill_segment(self, path: str, name: str, parts: list[np.ndarray]) -> None:
-        _faults.fail_point("read_chunk")  # as version 1's reader, before each chunk read
+        _env.fail_point("read_chunk")  # as version 1's reader, before each chunk read
         segment = self._chunks.get(path)
         if segment is None:
             raise ValueError(f"chunk {path} is missing (no data index lists it)")

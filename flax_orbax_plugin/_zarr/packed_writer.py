@@ -11,7 +11,7 @@ staging directory.
 
 Threading: as ``ChunkWriter``: one per save, driven by the save's background thread;
 segments are written by the writer's threads (offsets handed out under a lock), which
-may run at a lower priority (``_base.priority``) only on a local disk; compressed
+may run at a lower priority (``_base.env``) only on a local disk; compressed
 chunks are encoded (tensorstore's codecs, which start threads of their own) on a pool
 of their own at the process's priority.
 """

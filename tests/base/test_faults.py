@@ -1,6 +1,6 @@
 """A real saving process SIGKILLed at each named phase of a save (``FOP_KILL_AT``).
 
-For every phase (``_faults.kill_point`` calls in the package) a child process opens
+For every phase (``_env.kill_point`` calls in the package) a child process opens
 a manager on a directory holding committed steps 1 and 2 and saves step 3 (or, for
 the forced-replacement phase, replaces step 2); the child's save path SIGKILLs it at
 that phase. The parent then checks every invariant: the child died of SIGKILL at
@@ -66,7 +66,7 @@ import flax_orbax_plugin as fop  # noqa: E402
 
 pytest_plugins = ["_servers"]
 
-# The phases of a save, in order (see flax_orbax_plugin/_base/faults.py).
+# The phases of a save, in order (see flax_orbax_plugin/_base/env.py).
 PHASES = (
     "after_snapshot",  # the blocking phase copied every byte to host memory
     "mid_write",  # a first chunk write completed, others may be pending

@@ -21,7 +21,6 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._base import env as _env
-from flax_orbax_plugin._base import priority as _priority
 
 CHILD = r"""
 import os, sys, threading
@@ -81,8 +80,8 @@ def test_threads_started_after_a_lowered_save_keep_the_process_priority(tmp_path
 
 def test_lowering_still_applies_to_the_local_chunk_writers(monkeypatch):
     monkeypatch.setenv("FOP_BACKGROUND_NICE", "10")
-    assert _priority.initializer(local_only=True) is _priority.lower
-    assert _priority.initializer(local_only=False) is None  # a store's client: not lowered
+    assert _env.initializer(local_only=True) is _env.lower
+    assert _env.initializer(local_only=False) is None  # a store's client: not lowered
 
 
 BAD = [

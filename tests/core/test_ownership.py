@@ -14,7 +14,7 @@ import tensorstore as ts
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
-from flax_orbax_plugin._base import faults as _faults
+from flax_orbax_plugin._base import env as _env
 from flax_orbax_plugin._core import ownership as _ownership
 from flax_orbax_plugin._storage import location as _storage
 from flax_orbax_plugin._storage.location import Location
@@ -183,7 +183,7 @@ def test_a_failed_save_leaves_nothing_and_touches_no_earlier_step(tmp_path, monk
     with fop.CheckpointManager(run) as mngr:
         mngr.save(1, tiny(1))
         mngr.wait()
-        monkeypatch.setattr(_faults, "_HITS", _faults._HITS.__class__())
+        monkeypatch.setattr(_env, "_HITS", _env._HITS.__class__())
         monkeypatch.setenv("FOP_FAIL_AT", f"write_small:1:{code}")
         with pytest.raises(OSError) as raised:
             mngr.save(2, tiny(2))

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._base import priority as _priority
+from flax_orbax_plugin._base import env as _env
 from flax_orbax_plugin._core import device_copy as _device_copy
 from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
 from flax_orbax_plugin._zarr import packed_writer as _packed_writer
@@ -174,7 +174,7 @@ def test_direct_io_writes_the_same_bytes_as_buffered_writes(tmp_path, devices, m
 
 def test_bulk_threads_run_below_the_training_threads(tmp_path, devices, monkeypatch):
     niceness = {}
-    real = _priority.lower
+    real = _env.lower
 
     def spy():
         real()
@@ -182,7 +182,7 @@ def test_bulk_threads_run_below_the_training_threads(tmp_path, devices, monkeypa
             os.PRIO_PROCESS, threading.get_native_id()
         )
 
-    monkeypatch.setattr(_priority, "lower", spy)
+    monkeypatch.setattr(_env, "lower", spy)
     fop.save(tmp_path / "ck1", _state(devices, 5.0))  # default: the process's priority
     assert niceness and all(v == 0 for v in niceness.values()), niceness
     niceness.clear()

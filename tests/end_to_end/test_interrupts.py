@@ -2,7 +2,7 @@
 
 Every case is a real child process that receives a real SIGINT (``os.kill`` from the
 test) while it is paused at a known point of a save, an import or an export:
-``FOP_PAUSE_AT`` (``_base/faults.pause_point``) makes the child print
+``FOP_PAUSE_AT`` (``_base/env.pause_point``) makes the child print
 ``FOP_PAUSED <point>`` on stderr and sleep there, and the test signals it the moment
 it reads that line. Points: ``snapshot`` (the blocking phase, on the main thread),
 ``mid_write`` (the background write), ``before_commit`` (every process durable, the

@@ -35,11 +35,11 @@ Environmental faults (``fault`` rule): EMFILE, EIO and ENOSPC raised by ``os.ope
 ``os.listdir``, ``os.preadv`` or ``os.pread`` from their 1st to 3rd call made by
 package code (``_trust_world.OsFault``), during a save, an overwrite, a restore of the
 latest or a given step, a manager's open, ``gc``, a forced core save, or (tiered)
-a copy-down; and ``FOP_FAIL_AT=replicate_file`` (``_faults.fail_point``) during a
+a copy-down; and ``FOP_FAIL_AT=replicate_file`` (``_env.fail_point``) during a
 tier's replication. Each must raise (any exception) once the fault fired, and leave
 every committed step listed and restorable, nothing set aside. On object stores the
 os faults reach only the local side, so there they run in tiered mode only. Kill
-points (SIGKILL) are covered by ``test_faults.py``, in child processes.
+points (SIGKILL) are covered by ``test_env.py``, in child processes.
 
 Invariants, after every operation: every foreign entry is byte-identical (kind,
 mode, sha256, link target; on object stores each key's bytes); nothing outside the

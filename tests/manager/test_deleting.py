@@ -2,7 +2,7 @@
 
 Real managers on local disk, ``memory://`` and the moto S3 server; slow and failing
 removals come from the package's own fault points (``FOP_PAUSE_AT`` / ``FOP_FAIL_AT``
-``mid_retention`` / ``remove_step``, see ``_base/faults.py``).
+``mid_retention`` / ``remove_step``, see ``_base/env.py``).
 """
 
 import os

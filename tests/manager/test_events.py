@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._base import faults as _faults
+from flax_orbax_plugin._base import env as _env
 from flax_orbax_plugin._manager.events import MONITORING_NAMES
 
 pytest_plugins = ["_servers"]
@@ -67,13 +67,13 @@ def test_events_arrive_in_order_on_their_threads_across_a_run(tmp_path, monkeypa
         mngr.save(2, tree(2))
         mngr.wait()
         # The 2nd small file write fails: past the staging claim, in the background.
-        monkeypatch.setattr(_faults, "_HITS", collections.Counter())
+        monkeypatch.setattr(_env, "_HITS", collections.Counter())
         monkeypatch.setenv("FOP_FAIL_AT", "write_small:2")
         mngr.save(3, tree(3))
         with pytest.raises(OSError, match="injected fault at write_small"):
             mngr.wait()
         # The 1st fails: the staging claim, in the blocking phase.
-        monkeypatch.setattr(_faults, "_HITS", collections.Counter())
+        monkeypatch.setattr(_env, "_HITS", collections.Counter())
         monkeypatch.setenv("FOP_FAIL_AT", "write_small")
         with pytest.raises(OSError, match="injected fault at write_small"):
             mngr.save(4, tree(4))
@@ -193,7 +193,7 @@ def test_a_failed_replication_is_an_event(tmp_path, monkeypatch):
     """FOP_FAIL_AT=replicate_file: every copy attempt fails; once the retries are spent
     the tier reports SaveFailed (phase "replication") and wait() raises as before."""
     rec = Recorder()
-    monkeypatch.setattr(_faults, "_HITS", collections.Counter())
+    monkeypatch.setattr(_env, "_HITS", collections.Counter())
     monkeypatch.setenv("FOP_FAIL_AT", "replicate_file")
     monkeypatch.setattr("flax_orbax_plugin._manager.tiers.replicator.RETRY_DELAY_S", 0.0)
     m = fop.CheckpointManager(tmp_path / "a", persistent=tmp_path / "remote", on_event=rec)

@@ -3,7 +3,7 @@ for; nothing of it commits, its staging is removed, earlier steps stay whole; wi
 real processes both agree on what was cancelled.
 
 A slow save comes from the package's own fault point ``mid_write`` (``FOP_PAUSE_AT``,
-``_base/faults.py``): its background write sleeps there, then meets the cancellation at
+``_base/env.py``): its background write sleeps there, then meets the cancellation at
 its next check.
 """
 

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from ..._base import distributed as _distributed
-from ..._base import faults as _faults
+from ..._base import env as _env
 from ..._core.commit import Written
 from ..._core.handle import raise_if_cancelled
 from ..._errors import StructureError
@@ -200,7 +200,7 @@ class Pending:
                     f.write(0, memoryview(layout.headers[i]))
                 for path, box, data in mine:
                     written += self._region(f, path, box, data)
-                    _faults.fail_point("hf_shards_write")
+                    _env.fail_point("hf_shards_write")
             finally:
                 f.close()
         files = {}

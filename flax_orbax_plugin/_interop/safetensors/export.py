@@ -18,7 +18,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ..._base import faults as _faults
+from ..._base import env as _env
 from ..._base import tree as _tree
 from ..._base.option_spec import check
 from ..._core import ownership as _ownership
@@ -273,7 +273,7 @@ class _Staged:
                 t = by_path[path]
                 data = tensor_bytes(t, value)
                 files[i].write(memoryview(data))
-                _faults.pause_point("export_write")
+                _env.pause_point("export_write")
                 bar.advance(data.nbytes, path)
                 del data, value  # one leaf (or one group) in memory at a time
         close_shard(files, current)
@@ -303,7 +303,7 @@ class _Staged:
         inode = os.lstat(tmp).st_ino
         os.replace(tmp, final)
         self.placed.append((final, inode))
-        _faults.pause_point("export_placed")
+        _env.pause_point("export_placed")
 
     def discard(self) -> None:
         for f in self.files:

@@ -14,7 +14,7 @@ import secrets
 import time
 
 from ..._base import distributed as _distributed
-from ..._base import faults as _faults
+from ..._base import env as _env
 from ..._core import ownership as _ownership
 from ..._core.commit import Staging
 from ..._core.verify import verify_step
@@ -174,7 +174,7 @@ class CopyDown:
                 files,
                 manifest,
                 str(src),
-                before_file=lambda: _faults.fail_point("copy_down_file"),
+                before_file=lambda: _env.fail_point("copy_down_file"),
                 stopped=lambda: self._state.stop,
             )
             _verify_copy(staging.location, raw, step, src)

@@ -14,7 +14,7 @@ import stat
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ..._base import faults as _faults
+from ..._base import env as _env
 from ..._core import ownership as _ownership
 from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
 from ..._format.layout import MANIFEST_FILE, StepManifest
@@ -74,13 +74,13 @@ def copy_files(
         return len(data)
 
     total = 0
-    # The process's priority (_base.priority): a copy may call a store's client.
+    # The process's priority (_base.env): a copy may call a store's client.
     with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="fop-copy") as pool:
         futures = [pool.submit(one, rel) for rel in files]
         try:
             for fut in futures:
                 total += fut.result()
-                _faults.kill_point("mid_replication")
+                _env.kill_point("mid_replication")
         except BaseException:
             for f in futures:
                 f.cancel()

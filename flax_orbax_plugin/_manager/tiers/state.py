@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..._base import faults as _faults
+from ..._base import env as _env
 from ..._errors import ReplicationError
 from ..._storage.location import Location
 from ..._storage.run_owner import RunOwner
@@ -131,4 +131,4 @@ class Yielding:
     def before_file(self) -> None:
         """Before each file copied up: yield, then the fault point of the tests."""
         self.wait()
-        _faults.fail_point("replicate_file")
+        _env.fail_point("replicate_file")
