@@ -1,13 +1,13 @@
 """The on-disk layout, format version 1: typed records for every JSON file.
 
 This package is the only place that knows the JSON field names and the names on disk
-(``names``). Every record has ``to_json()`` and a ``from_json(obj, where)`` that
+(``files``). Every record has ``to_json()`` and a ``from_json(obj, where)`` that
 validates every field and raises :class:`CorruptCheckpointError` naming the file and
 the field, before anything sized by the untrusted numbers is allocated (``checked``).
 FORMAT.md at the repository root is the specification; later format versions restore
-version 1. Files: ``_METADATA.json`` (:class:`CheckpointDocument`, ``checkpoint``),
-``_COMMITTED`` (:class:`CommitMarker`) and ``_CHECKPOINT.json`` (:class:`StepManifest`,
-both in ``markers``); leaf and batch records in ``records``; dtypes in ``dtypes``.
+version 1. Files: ``_METADATA.json`` (:class:`CheckpointDocument`),
+``_COMMITTED`` (:class:`CommitMarker`) and ``_CHECKPOINT.json`` (:class:`StepManifest`),
+with the names on disk, in ``files``; leaf and batch records in ``records``; dtypes in ``dtypes``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from .checked import (
     seal,
     sha256,
     sha256_mismatch,
-)
-from .checkpoint import (
-    CheckpointDocument,
 )
 from .dtypes import (
     DTYPES,
@@ -47,12 +44,7 @@ from .dtypes import (
     packed_bytes,
     zarr_dtype,
 )
-from .markers import (
-    CommitMarker,
-    ItemEntry,
-    StepManifest,
-)
-from .names import (
+from .files import (
     ARRAYS_DIR,
     BATCHES_DIR,
     COMMIT_FILE,
@@ -63,9 +55,12 @@ from .names import (
     METADATA_FILE,
     STEP_FORMAT,
     STEP_VERSION,
+    CheckpointDocument,
+    CommitMarker,
+    ItemEntry,
+    StepManifest,
     array_dir,
     batch_dir,
-    batch_name,
     iterator_state_file,
 )
 from .records import (
@@ -73,6 +68,7 @@ from .records import (
     BatchRecord,
     BatchStorage,
     LeafRecord,
+    batch_name,
     check_codec,
     text_bytes,
     text_value,

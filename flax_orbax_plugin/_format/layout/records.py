@@ -31,7 +31,12 @@ from .dtypes import (
     packable,
     packed_bytes,
 )
-from .names import batch_name
+
+
+def batch_name(process: int, dtype: str) -> str:
+    """The name of the batch of small leaves of ``dtype`` written by ``process``."""
+    return f"{process}.{dtype}"
+
 
 # A batch's files hold checksummed inner chunks of about 64 KiB. The inner chunk is not
 # recorded (version 2 has no zarr.json): every reader derives it from the batch's record
