@@ -101,9 +101,15 @@ def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
     if isinstance(leaf, complex):
         return "py_complex", np.asarray(leaf, dtype=np.complex128), None
     if isinstance(leaf, np.generic):
-        return "np_scalar", np.asarray(leaf), None
+        return "np_scalar", native_order(np.asarray(leaf)), None
     if isinstance(leaf, np.ndarray):
-        return "array", leaf, None
+        if isinstance(leaf, np.ma.MaskedArray):
+            raise StructureError(
+                f"leaf {path!r}: expected a plain numpy array, found a numpy masked array "
+                "(its mask would be lost); save its .data and .mask as two leaves, or "
+                "np.ma.filled(...) it"
+            )
+        return "array", native_order(leaf), None
     if isinstance(leaf, str | bytes):
         return "py_str" if isinstance(leaf, str) else "py_bytes", _text(path, leaf), None
     if _tree.is_empty_node(leaf):
@@ -112,6 +118,15 @@ def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
         f"leaf {path!r}: expected a jax.Array, numpy array, scalar, str, bytes or None, "
         f"found {type(leaf).__module__}.{type(leaf).__qualname__}"
     )
+
+
+def native_order(value: np.ndarray) -> np.ndarray:
+    """``value`` in this host's byte order. The files hold little-endian bytes under the
+    dtype's name (``int32``, not ``>i4``): a big-endian array (FITS, some ``.npy`` and
+    ``.mat`` files) is converted (a copy), never written as its raw bytes."""
+    if value.dtype.isnative:
+        return value
+    return value.astype(value.dtype.newbyteorder("="))
 
 
 @functools.lru_cache(maxsize=4096)

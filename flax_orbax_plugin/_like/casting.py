@@ -59,6 +59,11 @@ def _first(values: np.ndarray, bad: np.ndarray | None = None) -> Any:
     return flat[0].item() if flat.dtype.kind in "biufc" else float(flat[0])
 
 
+def _changed(values: np.ndarray, changed: np.ndarray) -> Any:
+    """The first value marked ``changed``, or None when none is."""
+    return _first(values, changed) if changed.any() else None
+
+
 def _fail(path: str, src: np.dtype, dst: np.dtype, why: str, example: Any) -> StructureError:
     shown = "" if example is None else f" (e.g. {example!r})"
     return StructureError(
@@ -105,7 +110,8 @@ def check_tree(host: Any, target: Any, *, cast: str) -> None:
     matching leaf of ``target`` (arrays or ShapeDtypeStructs of the same structure)."""
 
     def one(keypath, x, t):
-        if x is not None and t is not None:
+        # str, bytes and None leaves pass through (no dtype to cast to or from)
+        if x is not None and not isinstance(x, str | bytes) and hasattr(t, "dtype"):
             path = path_string([encode_key(k) for k in keypath])
             check(path, np.asarray(x), t.dtype, cast=cast)
 
@@ -137,15 +143,21 @@ def check(path: str, host: np.ndarray, out_dtype: Any, *, cast: str = "safe") ->
         if bad is not None and bad.any():  # float8_e8m0fnu has no 0: False would be NaN
             raise _fail(path, src, dst, "this dtype has no 0 (False)", _first(host, bad))
         return
-    if b == "bool":
-        raise _fail(path, src, dst, "a cast to bool changes values", _first(host))
-    if a == "complex" and b != "complex":
-        why = "a cast from complex to real drops the imaginary part"
-        raise _fail(path, src, dst, why, _first(host))
-    if a == "float" and b == "int":
-        raise _fail(path, src, dst, "a cast from float to integer truncates", _first(host))
+    # Refused by dtype, whatever the values; the example shown is a value the cast would
+    # change (none when every value would survive it: the rule is still the dtype's).
+    with np.errstate(all="ignore"):
+        if b == "bool":
+            why = "a cast to bool is refused (it turns every nonzero value into True)"
+            raise _fail(path, src, dst, why, _changed(host, (host != 0) & (host != 1)))
+        if a == "complex" and b != "complex":
+            why = "a cast from complex to real is refused (it drops the imaginary part)"
+            raise _fail(path, src, dst, why, _changed(host, np.imag(host) != 0))
+        if a == "float" and b == "int":
+            why = "a cast from float to integer is refused (it truncates)"
+            wide = host.astype(np.float64)  # (ml_dtypes floats too)
+            raise _fail(path, src, dst, why, _changed(host, ~np.isfinite(wide) | (wide % 1 != 0)))
     if "other" in (a, b):
-        raise _fail(path, src, dst, "no checked cast between these dtypes", _first(host))
+        raise _fail(path, src, dst, "no checked cast between these dtypes", None)
     with np.errstate(all="ignore"):
         if a == "int":
             values = host.astype(np.int64) if src.kind == "V" else host  # int4/uint4

@@ -120,12 +120,20 @@ def template_of(path: str, like: Any) -> tuple[tuple[int, ...], Any]:
     scalar; StructureError naming the leaf for anything else."""
     if isinstance(like, (bool, int, float, complex)):
         return (), np.asarray(like).dtype
+    if isinstance(like, jax.ShapeDtypeStruct) and not _is_extended(like.dtype):
+        # what jax will hold: int64 / float64 are int32 / float32 unless jax_enable_x64
+        # is on (a value the narrower dtype cannot hold is refused, not truncated)
+        return tuple(like.shape), jax.dtypes.canonicalize_dtype(like.dtype)
     if isinstance(like, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
         return tuple(like.shape), like.dtype
     raise StructureError(
         f"leaf {path!r}: expected like to hold an array, ShapeDtypeStruct, scalar or None, "
         f"found {type(like).__name__}"
     )
+
+
+def _is_extended(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
 def plan(

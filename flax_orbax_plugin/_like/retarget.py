@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._base.tree import encode_key, path_string
 from .._errors import OptionError, OptionTypeError, StructureError
 
 
@@ -38,7 +39,8 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
     """ShapeDtypeStructs for ``tree`` with floating leaves cast to ``dtype`` and new shardings
     (one Sharding for every leaf, or a pytree of them); leaves without a shape pass."""
     dtype = checked_dtype(dtype)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in with_paths]
     if sharding is None or isinstance(sharding, jax.sharding.Sharding):
         shardings = [sharding] * len(leaves)
     else:
@@ -55,7 +57,7 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
                 f"sharding: expected jax Shardings in the pytree, found {bad[0]!r:.60}"
             )
     out = []
-    for leaf, sh in zip(leaves, shardings, strict=True):
+    for (keypath, leaf), sh in zip(with_paths, shardings, strict=True):
         if not hasattr(leaf, "shape"):
             out.append(leaf)
             continue
@@ -71,7 +73,8 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
                 sh.shard_shape(tuple(leaf.shape))  # one that cannot hold it: named here
             out.append(jax.ShapeDtypeStruct(leaf.shape, dt, sharding=sh))
         except ValueError as e:  # jax's IndivisibleError: named here, with the leaf's shape
+            path = path_string([encode_key(k) for k in keypath])
             raise StructureError(
-                f"sharding: {sh} cannot hold a leaf of shape {tuple(leaf.shape)}: {e}"
+                f"leaf {path!r}: sharding {sh} cannot hold its shape {tuple(leaf.shape)}: {e}"
             ) from None
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -157,10 +157,11 @@ def _host_then_placed(
     host = _restore.restore(params_loc, None, **changes.kwargs())
     target = retarget(host, dtype, sharding)
     _casting.check_tree(host, target, cast=cast)  # narrowing rounds; overflow raises
-    return jax.tree_util.tree_map(
-        lambda x, t: (
-            place(x.astype(t.dtype), t.sharding) if t.sharding is not None else x.astype(t.dtype)
-        ),
-        host,
-        target,
-    )
+
+    def placed(x, t):
+        if not isinstance(t, jax.ShapeDtypeStruct):  # str, bytes, Python scalars: as read
+            return x
+        x = x.astype(t.dtype)
+        return x if t.sharding is None else place(x, t.sharding)
+
+    return jax.tree_util.tree_map(placed, host, target)

@@ -116,7 +116,10 @@ def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
     flat, _ = _tree.flatten(tree)
     # None and empty nodes (kept as leaves by the tree's flattening) hold no tensor
     values = {p: v for p, _, v in flat if v is not None and not _tree.is_empty_node(v)}
-    leaves = [(p, np.dtype(np.asarray(v).dtype), tuple(np.shape(v))) for p, v in values.items()]
+    # by dtype, in this host's byte order (a big-endian array is converted when written)
+    leaves = [
+        (p, np.asarray(v).dtype.newbyteorder("="), tuple(np.shape(v))) for p, v in values.items()
+    ]
 
     def read(paths):
         for path in paths:
