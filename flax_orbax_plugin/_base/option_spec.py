@@ -130,10 +130,10 @@ class Option:
             return self.convert(value)
         except CheckpointError:  # the library's own (OptionError, a path checker's): as is
             raise
-        except TypeError as e:
-            raise OptionTypeError(f"{self.name}: {e}") from None
-        except ValueError as e:
-            raise OptionError(f"{self.name}: {e}") from None
+        except (TypeError, ValueError) as e:  # named once (a converter may name it too)
+            text = str(e) if str(e).startswith(self.name) else f"{self.name}: {e}"
+            cls = OptionTypeError if isinstance(e, TypeError) else OptionError
+            raise cls(text) from None
 
     def _fail(self, value: Any, *, wrong_type: bool, hint: str = "") -> None:
         cls = OptionTypeError if wrong_type else OptionError

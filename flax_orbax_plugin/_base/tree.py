@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._errors import StructureError
+
 KeyEntry = tuple[str, Any]  # ("dict" | "seq" | "attr" | "flat", key)
 
 
@@ -123,17 +125,50 @@ def path_string(keys: list[KeyEntry] | tuple[KeyEntry, ...]) -> str:
 def flatten(tree: Any) -> tuple[list[tuple[str, list[KeyEntry], Any]], Any]:
     """Returns ``([(path, keys, leaf), ...], treedef)`` with None and empty nodes kept
     as leaves."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    try:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    except ValueError as e:  # jax cannot order a dict's keys: named here, by its path
+        mixed = _mixed_keys(tree, [])
+        if mixed is None:
+            raise
+        where, keys = mixed
+        raise StructureError(
+            f"dict at {where!r}: expected keys jax can order (all str or all int), found {keys}"
+        ) from e
     out = []
     seen: set[str] = set()
     for keypath, leaf in flat:
-        keys = [encode_key(k) for k in keypath]
+        keys = []
+        for k in keypath:
+            try:
+                keys.append(encode_key(k))
+            except TypeError as e:
+                raise StructureError(f"dict at {path_string(keys)!r}: {e}") from None
         path = path_string(keys)
         if path in seen:
-            raise ValueError(f"two leaves share the path {path!r}")
+            raise StructureError(f"two leaves share the path {path!r}")
         seen.add(path)
         out.append((path, keys, leaf))
     return out, treedef
+
+
+def _mixed_keys(node: Any, keys: list[KeyEntry]) -> tuple[str, str] | None:
+    """(path, its keys) of the first plain dict, list or tuple below ``node`` whose dict
+    keys are of types jax cannot sort together; None if there is none."""
+    if isinstance(node, dict):
+        if len({type(k) for k in node}) > 1:
+            shown = ", ".join(repr(k) for k in list(node)[:6])
+            return path_string(keys) or "/", shown
+        items = list(node.items())
+    elif isinstance(node, (list, tuple)):
+        items = list(enumerate(node))
+    else:
+        return None
+    for key, child in items:
+        found = _mixed_keys(child, [*keys, key if isinstance(key, str | int) else str(key)])
+        if found is not None:
+            return found
+    return None
 
 
 def unflatten(treedef: Any, leaves: list[Any]) -> Any:
