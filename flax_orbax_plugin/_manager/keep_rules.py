@@ -135,7 +135,11 @@ class KeepEvery(KeepRule):
 
 @dataclass(frozen=True)
 class KeepBest(KeepRule):
-    """Keeps the ``n`` (>= 1) steps with the best finite ``extras[metric]``."""
+    """Keeps the ``n`` (>= 1) steps with the best finite ``extras[metric]``, and every
+    step whose value is unknown (its extras lack the metric, hold no number there, or
+    cannot be read): a step that cannot be ranked is never deleted for its rank (as
+    Orbax keeps checkpoints without metrics). A NaN or infinite value is known and
+    never best (a diverged step)."""
 
     n: int
     metric: str = ""
@@ -152,10 +156,11 @@ class KeepBest(KeepRule):
 
     def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
         values = facts.metrics.get(self.metric, {})
+        unknown = {s for s in steps if s not in values}
         ranked = {s: m for s in steps if (m := finite(values.get(s))) is not None}
         sign = 1.0 if self.mode == "min" else -1.0
         order = sorted(ranked, key=lambda s: (sign * ranked[s], -s))  # ties: the newer
-        return set(order[: self.n])
+        return set(order[: self.n]) | unknown
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -79,6 +80,7 @@ class RetentionRunner:
         self._asked: set[int] = set()  # the steps the queued pass was asked for
         self._last: Future | None = None  # the newest pass (running or queued)
         self._failed: dict[str, str] = {}  # "step N" (or the choice) -> why it failed
+        self._unranked: set[str] = set()  # metrics a save lacked (warned of once each)
 
     # -- the deletion thread
 
@@ -138,12 +140,23 @@ class RetentionRunner:
 
     # -- metrics
 
-    def metric_of(self, extras: Any) -> dict[str, float | None]:
-        """The metrics the retention ranks, in the extras being saved: ``{name: value}``."""
+    def metric_of(self, extras: Any, step: int) -> dict[str, float | None]:
+        """The metrics the retention ranks, in the extras being saved: ``{name: value}``.
+        A metric the extras of ``step`` lack is warned of (once per name): that step is
+        kept, never ranked (a misspelt ``best_metric`` would otherwise rank nothing)."""
         names = self.policy.metric_names
-        if not isinstance(extras, Mapping):
-            return dict.fromkeys(names)
-        return {name: as_metric(extras.get(name)) for name in names}
+        held = extras if isinstance(extras, Mapping) else {}
+        out = {name: as_metric(held.get(name)) for name in names}
+        for name in sorted(n for n, v in out.items() if v is None and n not in self._unranked):
+            self._unranked.add(name)
+            warnings.warn(
+                f"retention ranks steps by extras[{name!r}], but the extras of step {step} "
+                f"hold no number there (they hold: {sorted(map(str, held))[:8] or 'nothing'}); "
+                "a step without it is kept and never ranked (warned once)",
+                UserWarning,
+                stacklevel=2,
+            )
+        return out
 
     def metric(self, step: int) -> dict[str, float | None]:
         """``step``'s metrics: known from its save, else read from its extras once."""

@@ -300,7 +300,7 @@ class Saver:
                 [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
             )
         )
-        metric = self._retention.metric_of(extras)
+        metric = self._retention.metric_of(extras, step)
         blocking = time.perf_counter() - started
         op = _distributed.next_operation_id("manager-commit")
         commit = StepCommit(

@@ -1,7 +1,12 @@
-"""Retention rules and the save policy, as pure functions of steps and time."""
+"""Retention rules and the save policy, as pure functions of steps and time (and, for
+the metric a step lacks, through a manager)."""
 
+import warnings
+
+import numpy as np
 import pytest
 
+import flax_orbax_plugin as fop
 from flax_orbax_plugin import OptionError, Retention, SavePolicy
 from flax_orbax_plugin._manager.retention import steps_to_delete
 from flax_orbax_plugin._manager.schedule import SaveSchedule
@@ -15,10 +20,45 @@ def test_nothing_is_deleted_without_keep_or_keep_best():
 
 def test_rules_are_a_union_and_protected_steps_survive():
     policy = Retention(keep=2, keep_every=4, keep_best=1, best_metric="loss")
-    metrics = {1: 0.1, 2: 0.5, 5: float("nan")}
+    metrics = {0: 0.7, 1: 0.1, 2: 0.5, 3: 0.6, 5: float("nan"), 6: 0.9, 7: 0.8, 9: 0.3}
     out = steps_to_delete(range(10), policy, metrics=metrics, protected=[3])
     assert out == [2, 5, 6, 7]
     assert sorted(set(range(10)) - set(out)) == [0, 1, 3, 4, 8, 9]
+
+
+def test_a_step_without_the_metric_is_kept_and_never_ranked():
+    """As Orbax keeps checkpoints without metrics: a step whose extras lack the metric
+    (or whose extras cannot be read) is not deleted for a rank it does not have; a NaN
+    is known, and never best."""
+    policy = Retention(keep_best=1, best_metric="loss")
+    metrics = {1: 0.5, 2: 0.1, 4: float("nan")}
+    assert steps_to_delete([1, 2, 3, 4, 5], policy, metrics=metrics) == [1, 4]
+
+
+def test_a_misspelt_best_metric_warns_once_and_deletes_nothing(tmp_path):
+    with fop.CheckpointManager(
+        tmp_path, keep_best=2, best_metric="val_loss", async_save=False
+    ) as m:
+        with pytest.warns(UserWarning, match=r"extras\['val_loss'\].*step 1.*eval_loss"):
+            m.save(1, {"params": {"w": np.ones(2)}}, extras={"eval_loss": 1.0})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once
+            for step in range(2, 6):
+                m.save(step, {"params": {"w": np.ones(2)}}, extras={"eval_loss": 1.0})
+        m.wait()
+        assert m.steps() == [1, 2, 3, 4, 5]
+
+
+def test_a_step_whose_metric_cannot_be_read_is_kept(tmp_path):
+    with fop.CheckpointManager(tmp_path, async_save=False) as m:
+        for step, loss in [(1, 0.5), (2, 0.1), (3, 0.4)]:
+            m.save(step, {"params": {"w": np.ones(2)}}, extras={"loss": loss})
+    value = next((tmp_path / "2" / "extras").rglob("value.json"))
+    value.write_text('{"loss": 9.0}')  # its checksum no longer matches
+    with fop.CheckpointManager(tmp_path, keep_best=1, best_metric="loss", async_save=False) as m:
+        m.save(4, {"params": {"w": np.ones(2)}}, extras={"loss": 0.3})
+        m.wait()
+        assert 2 in m.steps() and 1 not in m.steps()
 
 
 def test_best_mode_max_and_ties_prefer_newer():
