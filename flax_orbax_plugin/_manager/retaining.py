@@ -41,7 +41,7 @@ from .._storage.location import Location
 from .book import StepBook
 from .checkpointables import Checkpointable, checkpointable_for
 from .keep_rules import KeepRule, StepFacts
-from .retention import steps_to_delete
+from .retention import sound_steps_to_delete
 
 __all__ = ["RetentionRunner", "as_metric"]
 
@@ -81,6 +81,8 @@ class RetentionRunner:
         self._last: Future | None = None  # the newest pass (running or queued)
         self._failed: dict[str, str] = {}  # "step N" (or the choice) -> why it failed
         self._unranked: set[str] = set()  # metrics a save lacked (warned of once each)
+        self._whole: set[int] = set()  # steps of earlier runs whose manifest read whole
+        self._damaged: set[int] = set()  # ... and those whose manifest did not
 
     # -- the deletion thread
 
@@ -219,6 +221,10 @@ class RetentionRunner:
         try:
             _ownership.remove_step(self._loc, step, pace=self._pace)
         except Exception as e:  # noqa: BLE001  (kept for wait(): never dropped)
+            if not _steps.step_location(self._loc, step).is_dir():  # removed by someone else
+                logger.info("retention: step %d of %s is already gone", step, self._loc)
+                self._book.removed(step)
+                return False
             logger.warning("retention: cannot delete step %d of %s: %s", step, self._loc, e)
             with self._lock:
                 self._failed[f"step {step}"] = f"{type(e).__name__}: {e}"
@@ -244,6 +250,7 @@ class RetentionRunner:
     def _doomed(self, asked: set[int]) -> list[int]:
         steps = self._book.known()
         facts = self._facts(steps)
+        saved_here, _ = self._book.dated()  # committed by this manager: known whole
         # The newest step is kept as well as the one this pass was run for: a pass that
         # runs late (its step's commit, then the next step's, then this pass) must not
         # delete the step a resume would read.
@@ -255,7 +262,33 @@ class RetentionRunner:
             if self._book.per_host:  # each host's copy: no due step newer than the bucket
                 newest = max(tier.known_steps(), default=-1)
                 protected |= {s for s in steps if s > newest and tier.due(s)}
-        return steps_to_delete(steps, self.policy, facts=facts, protected=protected)
+        return sound_steps_to_delete(
+            steps,
+            self.policy,
+            whole=lambda s: s in saved_here or self._reads_whole(s),
+            protected=protected,
+            facts=facts,
+        )
+
+    def _reads_whole(self, step: int) -> bool:
+        """True when the manifest of ``step`` (of an earlier run) reads whole; asked once
+        per step (remembered). A damaged one is logged once and left where it is."""
+        if step in self._whole or step in self._damaged:
+            return step in self._whole
+        try:
+            _steps.read_manifest(_steps.step_location(self._loc, step))
+        except CheckpointError as e:
+            logger.warning(
+                "retention: step %d of %s is damaged; it is not counted as kept and is "
+                "left where it is: %s",
+                step,
+                self._loc,
+                e,
+            )
+            self._damaged.add(step)
+            return False
+        self._whole.add(step)
+        return True
 
     def _facts(self, steps: list[int]) -> StepFacts:
         """What the rules are asked about: the ranked metrics (read back when not known),

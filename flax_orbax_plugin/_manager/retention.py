@@ -22,7 +22,7 @@ Retention is the union of the composable rules of ``keep_rules`` (:attr:`Retenti
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
 
 from .._base.option_spec import Option, check, refuse_without
@@ -150,3 +150,25 @@ def steps_to_delete(
         facts = StepFacts(metrics={n: dict(metrics or {}) for n in names})
     keep = set(protected) | policy.kept(steps, facts)
     return [s for s in steps if s not in keep]
+
+
+def sound_steps_to_delete(
+    steps: Iterable[int],
+    policy: KeepRule,
+    *,
+    whole: Callable[[int], bool],
+    protected: Iterable[int] = (),
+    facts: StepFacts | None = None,
+) -> list[int]:
+    """:func:`steps_to_delete` counting only the steps ``whole(step)`` accepts (its
+    manifest reads whole): a damaged step is never deleted and never counted as kept,
+    so ``keep=2`` over two damaged newest steps keeps two good ones as well. ``whole``
+    is asked only about steps the policy would keep."""
+    steps, damaged = sorted(set(steps)), set()
+    while True:
+        sound = [s for s in steps if s not in damaged]
+        doomed = steps_to_delete(sound, policy, facts=facts, protected=protected)
+        bad = {s for s in sound if s not in doomed and not whole(s)}
+        if not bad:
+            return doomed
+        damaged |= bad

@@ -1,7 +1,8 @@
 """``flax-orbax gc --dry-run``: what ``gc`` would remove, found by reading only.
 
 The same rules as the writer's housekeeping (``_manager.housekeeping.remove_unfinished``)
-and retention (``_manager.retention.steps_to_delete``, the newest step always kept),
+and retention (``_manager.retention.sound_steps_to_delete``, the newest step always
+kept, a damaged step neither counted nor removed),
 asked without a writer: no lock is taken and nothing is written, renamed or removed.
 A test runs both on one directory and compares their answers.
 """
@@ -14,7 +15,7 @@ from .._core import commit as _commit
 from .._core import ownership as _ownership
 from .._errors import CheckpointError, ForeignEntryError
 from .._format import steps as _steps
-from .._manager.retention import Retention, steps_to_delete
+from .._manager.retention import Retention, sound_steps_to_delete
 from .._storage.location import Location
 
 
@@ -48,7 +49,9 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
     doomed: list[int] = []
     if keep is not None:
         policy = Retention(keep=keep, keep_every=keep_every)
-        doomed = steps_to_delete(committed, policy, protected=committed[-1:])
+        doomed = sound_steps_to_delete(
+            committed, policy, whole=lambda s: _reads_whole(loc, s), protected=committed[-1:]
+        )
     done = unfinished + foreign_gone + finishing
     left = [n for n in listing.unfinished + listing.foreign if n not in done]
     return GcPlan(
@@ -57,6 +60,16 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
         kept=[s for s in committed if s not in doomed],
         left_alone=left,
     )
+
+
+def _reads_whole(loc: Location, step: int) -> bool:
+    """The writer's test (``RetentionRunner``): a damaged step is neither counted as
+    kept nor removed."""
+    try:
+        _steps.read_manifest(_steps.step_location(loc, step))
+    except CheckpointError:
+        return False
+    return True
 
 
 def _rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
