@@ -15,6 +15,7 @@ import sys
 
 from .._errors import CheckpointError
 from .._version import __version__
+from . import shell
 from .output import EXIT_ERROR, CliError, one_line
 
 _PATH = (
@@ -156,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:  # a shell's command (see shell): a closed pipe, SIGTERM
+        shell.install()
     try:
         # Inside the function on purpose: the commands import JAX and tensorstore
         # (seconds), which --help, <command> --help and --version must not pay.
@@ -165,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"flax-orbax {args.command}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", EXIT_ERROR)
+    except shell.Terminated:
+        print(f"flax-orbax {args.command}: terminated", file=sys.stderr)
+        return shell.EXIT_TERMINATED
     except KeyboardInterrupt:
         print(f"flax-orbax {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,66 @@
+"""What a command run from a shell needs and an in-process call must not get: a stdout
+whose reader may go away, and SIGTERM taken as an interruption.
+
+``flax-orbax list DIR | head -1``: once the reader closes the pipe, the rest of the
+output is dropped (stdout then points at ``/dev/null``) and the command finishes what it
+was doing, with its own exit status (``gc``'s removals are done and reported as done,
+``verify``'s damage still exits 1), as a pipe's writer that ignores SIGPIPE does. A
+SIGTERM (a scheduler's, ``timeout``'s) interrupts the command as Ctrl-C does: what it
+was writing is removed, and it exits 143. The standard library only; installed by
+``main`` for a shell's command (``main()`` without ``argv``) alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is (its cleanups run as for Ctrl-C)."""
+
+
+class _PipeSafe:
+    """``stream`` whose writes, once its reader has gone (EPIPE), go nowhere."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def _drop(self) -> None:
+        self.broken = True
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the buffered rest, flushed at exit
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated(f"terminated (signal {signum})")
+
+
+def install() -> None:
+    """A shell's command: stdout kept safe from a closed pipe, SIGTERM an interruption."""
+    sys.stdout = _PipeSafe(sys.stdout)  # type: ignore[assignment]
+    signal.signal(signal.SIGTERM, _terminate)

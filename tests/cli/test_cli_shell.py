@@ -1,0 +1,78 @@
+"""The command line as a shell runs it (real child processes): a reader that closes the
+pipe early (``| head -1``) costs neither the command's work nor its exit status, and a
+SIGTERM interrupts an export as Ctrl-C does (its temporary file removed, exit 143)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import _proc
+import numpy as np
+
+import flax_orbax_plugin as fop
+
+
+def _cli(*args) -> list[str]:
+    return [sys.executable, "-m", "flax_orbax_plugin", *map(str, args)]
+
+
+def _run_with_closed_stdout(*args) -> tuple[int, str]:
+    """Runs the command with a stdout pipe its reader has already closed: every write
+    meets EPIPE (as ``| head -1`` once head is done)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            _cli(*args), stdout=write, stderr=subprocess.PIPE, env=_proc.child_env(), timeout=120
+        )
+    finally:
+        os.close(write)
+    return proc.returncode, proc.stderr.decode()
+
+
+def test_a_closed_pipe_costs_neither_the_work_nor_the_exit_status(tmp_path):
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run, async_save=False) as m:
+        for step in range(1, 6):
+            m.save(step, {"params": {"w": np.full(3, step, np.float32)}})
+    for command in ("list", "inspect", "verify"):
+        code, err = _run_with_closed_stdout(command, run)
+        assert code == 0 and "Broken pipe" not in err, (command, code, err)
+    code, err = _run_with_closed_stdout("gc", run, "--keep", "2")
+    assert code == 0 and "Broken pipe" not in err, err
+    assert sorted(int(p.name) for p in run.iterdir() if p.name.isdigit()) == [4, 5]
+    (run / "5" / "_CHECKPOINT.json").write_bytes(b"{}")  # damage still exits 1
+    code, err = _run_with_closed_stdout("verify", run, "--all")
+    assert code == 1, err
+
+
+def test_sigterm_during_an_export_removes_its_temporary_file(tmp_path):
+    fop.save(tmp_path / "ckpt", {"a": np.ones((64, 64), np.float32), "b": np.zeros(8)})
+    out = tmp_path / "out"
+    out.mkdir()
+    env = _proc.child_env(FOP_PAUSE_AT="export_write", FOP_PAUSE_S="30", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        _cli("export", tmp_path / "ckpt", out / "model.safetensors"),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        err = b""
+        while b"FOP_PAUSED" not in err:  # paused with its temporary file open
+            assert time.monotonic() < deadline and proc.poll() is None, err
+            err += os.read(proc.stderr.fileno(), 4096)
+        assert any(".tmp-" in name for name in os.listdir(out)), os.listdir(out)
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    err += rest
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+    assert b"terminated" in err
+    assert os.listdir(out) == [], os.listdir(out)
