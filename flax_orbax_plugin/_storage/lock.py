@@ -21,7 +21,7 @@ import os
 import socket
 import stat
 
-from .._errors import DirectoryLockedError, ForeignEntryError
+from .._errors import CheckpointError, DirectoryLockedError, ForeignEntryError
 
 __all__ = ["DirectoryLock", "DirectoryLockedError", "LOCK_FILE"]
 
@@ -113,3 +113,22 @@ class DirectoryLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    def check_still_ours(self, what: str) -> None:
+        """Raises CheckpointError when the lock file this writer holds is no longer the
+        one at its path (the directory removed, or the file replaced): a write there
+        would recreate the directory without any lock, for a second writer to take.
+        One ``stat`` and one ``fstat``; the writer calls it before each save."""
+        if self._fd is None:
+            return
+        held = os.fstat(self._fd)
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            raise CheckpointError(
+                f"refusing {what}: {self.path}, the lock this writer holds, was removed or "
+                "replaced (the directory deleted?) while it was open; nothing more is "
+                "written there. Close this manager and open the directory again"
+            )

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+
+import numpy as np
 
 import pytest
 
@@ -46,3 +49,24 @@ def test_an_own_lock_file_is_taken_again(tmp_path):
     again.acquire()  # left by the earlier writer: one name, a regular file
     assert again.held and (tmp_path / LOCK_FILE).read_bytes().startswith(b"pid ")
     again.release()
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_writer_whose_directory_was_removed_writes_nothing_more(tmp_path, how):
+    """The directory removed (or its lock file replaced) under an open writer: its next
+    save is refused, instead of recreating the directory without a lock for a second
+    writer to take."""
+    run = tmp_path / "run"
+    m = fop.CheckpointManager(run, async_save=False)
+    m.save(1, {"params": {"w": np.ones(2)}})
+    if how == "removed":
+        shutil.rmtree(run)
+    else:
+        (run / LOCK_FILE).unlink()
+        (run / LOCK_FILE).write_text("")
+    with pytest.raises(fop.CheckpointError, match="was removed or replaced"):
+        m.save(2, {"params": {"w": np.ones(2)}})
+    assert not (run / "2").exists()
+    m.close()
+    with fop.CheckpointManager(run, async_save=False) as again:  # a new open: fine
+        again.save(3, {"params": {"w": np.ones(2)}})
