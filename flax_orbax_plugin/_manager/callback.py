@@ -160,7 +160,13 @@ class CheckpointCallback:
                 _resuming.refuse_or_clear(self.directory, mngr, latest, self.overwrite)
             return state
         if latest is None:
-            _resuming.no_run_to_resume(self.directory, mngr, self.resume, existed)
+            try:
+                _resuming.no_run_to_resume(self.directory, mngr, self.resume, existed)
+            except CheckpointError:
+                if not existed:  # a mistyped path: the directory the open made goes again
+                    self._manager = None
+                    _resuming.remove_created(self.directory, mngr)
+                raise
             return state
         t0 = time.perf_counter()
         if names is None:

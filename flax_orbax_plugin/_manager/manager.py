@@ -141,7 +141,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         steps (each process its own, with a directory per host), then all meet again."""
         self._check_writable()
         self._wait_inflight()
-        steps = [checked_step(step) for step in steps]
+        steps = list(dict.fromkeys(checked_step(step) for step in steps))  # each once
         _distributed.barrier(_distributed.next_operation_id("manager-delete"))
         if _distributed.is_primary() or self._book.per_host:
             _housekeeping.remove_committed(self._loc, steps, self.steps())

@@ -8,16 +8,19 @@ manager creates the directory).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from typing import Any
 
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
 from .._storage.location import Location
+from .._storage.lock import LOCK_FILE
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-__all__ = ["place_exists", "refuse_or_clear", "no_run_to_resume"]
+__all__ = ["no_run_to_resume", "place_exists", "refuse_or_clear", "remove_created"]
 
 
 def place_exists(directory: Any) -> bool:
@@ -36,7 +39,7 @@ def no_run_to_resume(directory: Any, mngr: Any, resume: bool | str, existed: boo
     aside = _steps.list_directory(Location.from_path(directory)).corrupt
     if aside:  # steps existed but none restored: never silently start from step 0
         raise CheckpointError(
-            f"resume=True but every step of {directory} was set aside as damaged "
+            f"resume={resume!r} but every step of {directory} was set aside as damaged "
             f"({', '.join(aside)}); nothing was restored. Inspect them with "
             f"`flax-orbax verify`, or start fresh in a new directory"
         )
@@ -55,6 +58,17 @@ def no_run_to_resume(directory: Any, mngr: Any, resume: bool | str, existed: boo
         where,
         what,
     )
+
+
+def remove_created(directory: Any, mngr: Any) -> None:
+    """Closes ``mngr`` and removes ``directory``, which its open created, when it holds
+    nothing but that open's lock file (a local path); anything else there is left."""
+    mngr.close()
+    loc = Location.from_path(directory)
+    if loc.is_local and loc.list_children() == [LOCK_FILE]:
+        loc.delete(LOCK_FILE)
+        with contextlib.suppress(OSError):
+            os.rmdir(loc.path)
 
 
 def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> None:

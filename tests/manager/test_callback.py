@@ -271,3 +271,28 @@ def test_on_train_start_after_on_step_end_is_refused_naming_the_order(tmp_path):
         cb.on_train_start({"params": {"w": np.zeros(3)}})
     cb.close()
     assert fop.CheckpointManager(tmp_path / "run", read_only=True).steps() == [1]
+
+
+def test_resume_required_on_a_missing_path_leaves_no_directory_behind(tmp_path):
+    """A mistyped path with resume="required" is refused and the open's directory goes
+    again; one that existed (here, with a file of the user's) is left as it was."""
+    missing = tmp_path / "no_such_run"
+    cb = fop.CheckpointCallback(missing, resume="required")
+    with pytest.raises(fop.CheckpointNotFoundError, match="resume='required'"):
+        cb.on_train_start({"params": {"w": np.ones(2)}})
+    assert not missing.exists()
+    kept = tmp_path / "existing"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    cb = fop.CheckpointCallback(kept, resume="required")
+    with pytest.raises(fop.CheckpointNotFoundError):
+        cb.on_train_start({"params": {"w": np.ones(2)}})
+    assert (kept / "notes.txt").read_text() == "mine"
+
+
+def test_delete_of_a_step_named_twice_removes_it_once(tmp_path):
+    with fop.CheckpointManager(tmp_path, async_save=False) as m:
+        for step in (1, 2, 3):
+            m.save(step, {"params": {"w": np.ones(2)}})
+        m.delete(2, 2)
+        assert m.steps() == [1, 3]
