@@ -7,7 +7,10 @@ Threading: a handle's background phase runs on its own (non-daemon) thread; ``wa
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
+import os
 import sys
 import threading
 import weakref
@@ -206,8 +209,9 @@ def _finish_at_exit(handle: SaveHandle) -> None:
     with ("cannot schedule new futures after interpreter shutdown"): the save failed,
     silently, and its step was lost. So the first save registers a ``threading`` exit
     hook; those run last-registered first, before the pools' own: it waits for every
-    save still running, saying so on stderr (and a failure, which nobody else reads),
-    or, when a Ctrl-C ended the program, cancels them."""
+    save still running, saying so on stderr (and a failure, which nobody else reads:
+    the program then exits with status 1 once its ``atexit`` handlers ran), or, when a
+    Ctrl-C ended the program, cancels them."""
     _RUNNING.add(handle)
     if not _EXIT_HOOK:
         threading._register_atexit(_finish_running)  # type: ignore[attr-defined]
@@ -218,6 +222,7 @@ def _finish_running() -> None:
     # Ctrl-C ended the program: its saves are abandoned, as an interrupted wait() does
     # (what they staged is removed); the interpreter has set sys.last_value by now.
     interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    failed = False
     for handle in [h for h in list(_RUNNING) if not h.done()]:
         if interrupted:
             handle.cancel()
@@ -227,6 +232,14 @@ def _finish_running() -> None:
         handle._finished.wait()
         if handle._error is not None and not handle._reported:
             print(f"flax_orbax_plugin: that save failed: {handle._error!r}", file=sys.stderr)
+            failed = True
+    if failed:  # a lost step is not a success: the exit status says so (1)
+        print("flax_orbax_plugin: exit status 1 (a save failed at exit)", file=sys.stderr)
+        atexit._run_exitfuncs()  # the program's own exit handlers still run, then
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
 
 
 def raise_if_cancelled(cancelled: threading.Event | None, what: str) -> None:

@@ -5,6 +5,7 @@ A real second process each time (the interpreter's own exit is what is tested)."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -48,3 +49,31 @@ def test_a_save_in_flight_when_the_program_ends_commits(tmp_path, how, ending):
         restored = fop.CheckpointManager(where, read_only=True).restore(items="params")["w"]
     np.testing.assert_array_equal(restored, expected)
     assert fop.verify(where, all_steps=True)[0].ok
+
+
+FAILING = """
+import atexit, sys
+import numpy as np
+import flax_orbax_plugin as fop
+
+atexit.register(lambda: print("the program's own exit handler ran", flush=True))
+fop.CheckpointManager(sys.argv[1]).save(7, {"params": {"w": np.ones((256, 256))}})
+"""
+
+
+def test_a_save_that_fails_at_exit_makes_the_exit_status_1(tmp_path):
+    """The background write fails (an injected EIO past the staging claim) while the
+    program ends: said on stderr and in the exit status, never a silent 0; the
+    program's own atexit handlers still run."""
+    env = dict(os.environ, FOP_FAIL_AT="write_small:2")
+    done = subprocess.run(
+        [sys.executable, "-c", FAILING, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "that save failed" in done.stderr and "injected fault" in done.stderr
+    assert "the program's own exit handler ran" in done.stdout
+    assert fop.CheckpointManager(tmp_path / "run", read_only=True).steps() == []

@@ -6,7 +6,6 @@ import os
 import shutil
 
 import numpy as np
-
 import pytest
 
 import flax_orbax_plugin as fop
