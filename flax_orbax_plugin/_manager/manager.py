@@ -61,6 +61,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             self._schedule = SaveSchedule(opts.policy, opts.clock, opts.retention.uses_time)
             self._async, self._read_only = opts.async_save, opts.read_only
             self._supersede = opts.supersede  # False, "preemption" or True
+            self._replaced = False  # the save in flight replaced a cancelled one
             pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
             self._buffers = _host.BufferPool() if pooled else None
             self._book = StepBook(self._loc, on_event=opts.on_event)
@@ -227,10 +228,14 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         lane, now = schedule.decide(step, t, forced=ignore_policy or stop)
         if lane is None:
             return False
-        if supersede:  # the save in flight is cancelled, not waited for
-            self._saver.supersede(step)
+        # The save in flight is cancelled, not waited for, unless it replaced a cancelled
+        # save itself (then it is waited for: at least every other save commits, so a
+        # run whose saves outlast a step still commits steps); a preemption's, always.
+        if supersede and (preempted or not self._replaced):
+            self._replaced = self._saver.supersede(step)
         else:
             self._wait_inflight()
+            self._replaced = False
         began = schedule.clock()  # the blocking time, as Continuous() measures it
         with self._saver.saving():  # from here to its commit, removals yield to the save
             local = self._saver.check_new_step(step, overwrite or stop)

@@ -62,6 +62,20 @@ def test_a_newer_save_supersedes_a_slow_one(tmp_path, monkeypatch, caplog, super
     np.testing.assert_array_equal(restored["params"]["w"], tiny(1)["params"]["w"])
 
 
+def test_saves_that_outlast_a_step_still_commit_every_other_one(tmp_path, monkeypatch):
+    """Every save slower than a step: a save that replaced a cancelled one is waited for,
+    so steps still commit (before, a whole run could commit nothing until close)."""
+    monkeypatch.setenv("FOP_PAUSE_AT", "mid_write")
+    monkeypatch.setenv("FOP_PAUSE_S", "0.8")
+    with fop.CheckpointManager(tmp_path, supersede=True) as mngr:
+        for step in range(1, 8):
+            mngr.save(step, tiny(step))
+            time.sleep(0.05)  # each save is still in its pause when the next starts
+        mngr.wait()
+        steps = mngr.steps()
+    assert steps == [2, 4, 6, 7], steps
+
+
 def test_supersede_preemption_only_cancels_for_a_preemption_save(tmp_path, monkeypatch):
     """supersede="preemption": an ordinary newer save still waits for the slow one."""
     with fop.CheckpointManager(tmp_path, supersede="preemption", handle_sigterm=True) as mngr:
