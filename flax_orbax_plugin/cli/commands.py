@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
 from .._core import restore as _restore
 from .._core.verify import verify
-from .._errors import CheckpointError, CheckpointNotFoundError, OptionError
+from .._errors import CheckpointError, CheckpointNotFoundError, DirectoryLockedError, OptionError
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
@@ -240,8 +241,13 @@ def cmd_import(args) -> int:
 
 def cmd_gc(args) -> int:
     loc = Location.from_path(args.directory)
+    if args.keep_every is not None and args.keep is None:
+        raise CliError(f"--keep-every {args.keep_every} does nothing without --keep N")
     if not loc.is_dir():
-        raise CliError(f"{loc}: no such directory")
+        is_file = loc.is_local and os.path.isfile(loc.path.rstrip("/"))
+        raise CliError(
+            f"{loc}: " + ("a file, not a run directory" if is_file else "no such directory")
+        )
     if (what := names_one(loc)) is not None:  # it found nothing to do there: exit 0 was wrong
         raise CliError(
             f"{loc} is {what}, not a run directory: gc removes the unfinished and the old "
@@ -257,11 +263,17 @@ def cmd_gc(args) -> int:
         before = _steps.list_directory(loc)
         # Opening a writer takes the directory's lock (refused while a training job
         # writes to it) and removes unfinished steps.
-        with (
-            status(f"gc {loc}"),
-            CheckpointManager(loc, keep=args.keep, keep_every=args.keep_every) as mngr,
-        ):
-            removed = mngr.gc()
+        try:
+            with (
+                status(f"gc {loc}"),
+                CheckpointManager(loc, keep=args.keep, keep_every=args.keep_every) as mngr,
+            ):
+                removed = mngr.gc()
+        except DirectoryLockedError as e:  # in the command line's words, not the library's
+            raise CliError(
+                f"{one_line(e).split(';')[0]}; gc removes nothing while a training job writes "
+                "there: run it once the job has stopped (--dry-run reads only, and works now)"
+            ) from None
         after = _steps.list_directory(loc)
         left = list(after.unfinished) + list(after.foreign)  # a dead core save's staging is foreign
         removed_unfinished = [n for n in before.unfinished + before.foreign if n not in left]

@@ -50,12 +50,18 @@ def run_cli(capsys, *argv):
         (["gc", "{run}/5", "--keep", "1"], "is one step, not a run directory"),
         (["export", "{core}", "{out}", "--dtype", "int8"], "expected a floating dtype"),
         (["export", "{core}", "{out}", "--dtype", "float16"], "overflows"),
+        (["gc", "{file}", "--keep", "1"], "a file, not a run directory"),
+        (["gc", "{run}", "--keep-every", "5"], "--keep-every 5 does nothing without --keep"),
+        (["export", "{core}", "{file}"], "expected a directory for the export"),
+        (["export", "{core}", "{file}/x.safetensors"], "found a file at"),
     ],
 )
 def test_a_choice_path_decides_or_a_bad_cast_is_a_usage_error(
     capsys, places, tmp_path, argv, words
 ):
+    (tmp_path / "afile").write_text("mine")
     fill = {"run": places / "run", "core": places / "core", "out": tmp_path / "o.safetensors"}
+    fill["file"] = tmp_path / "afile"
     rc, said = run_cli(capsys, *[a.format(**fill) for a in argv])
     assert rc == 2 and words in said, said
     assert not (tmp_path / "o.safetensors").exists()  # nothing written
@@ -97,3 +103,11 @@ def test_a_memory_url_out_from_a_shell_is_refused(places, tmp_path):
         timeout=120,
     )
     assert done.returncode == 2 and "lost when it exits" in done.stderr, done.stderr
+
+
+def test_gc_under_a_live_writer_says_what_to_do_in_the_command_lines_words(capsys, tmp_path):
+    with fop.CheckpointManager(tmp_path / "run", async_save=False) as m:
+        m.save(1, {"params": {"w": VALUES}})
+        rc, said = run_cli(capsys, "gc", tmp_path / "run", "--keep", "1")
+    assert rc == 2 and "live writer" in said and "--dry-run" in said, said
+    assert "read_only" not in said

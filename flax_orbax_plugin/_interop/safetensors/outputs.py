@@ -41,6 +41,14 @@ def output_names(out: str, count: int) -> tuple[str, list[str], str]:
         directory, stem = os.path.dirname(os.path.abspath(out)), os.path.basename(out)[:-12]
     else:
         directory, stem = os.path.abspath(out), DEFAULT_STEM
+    there = directory  # the deepest part of it that exists: a directory, or refused
+    while not os.path.lexists(there):
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        raise FileExistsError(
+            f"{out}: expected a directory for the export (or a path ending in "
+            f".safetensors), found a file at {there}"
+        )
     if count == 1:
         return directory, [f"{stem}.safetensors"], f"{stem}{INDEX_SUFFIX}"
     names = [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
