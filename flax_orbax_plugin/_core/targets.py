@@ -209,14 +209,37 @@ class Placer:
             groups.setdefault(sharding, []).append((target, host))
         self.pending, self.nbytes = [], 0
         for sharding, items in groups.items():
-            if _direct_put and _one_device_memory(sharding):
-                placed = _put_on_one_device([host for _, host in items], sharding)
-            elif sharding.is_fully_addressable:
-                placed = jax.device_put([host for _, host in items], sharding)
-            else:
-                placed = [place(host, sharding) for _, host in items]
+            try:
+                placed = _put(items, sharding)
+            except (RuntimeError, TypeError, ValueError) as e:  # jax's: named by its leaf
+                raise _unplaceable(items, sharding, e) from e
             for (target, _), array in zip(items, placed, strict=True):
                 target.result = array
+
+
+def _put(items: list[tuple[Target, np.ndarray]], sharding: Any) -> list[jax.Array]:
+    if _direct_put and _one_device_memory(sharding):
+        return _put_on_one_device([host for _, host in items], sharding)
+    if sharding.is_fully_addressable:
+        return jax.device_put([host for _, host in items], sharding)
+    return [place(host, sharding) for _, host in items]
+
+
+def _unplaceable(items: list, sharding: Any, error: Exception) -> Exception:
+    """The leaf of ``items`` that jax cannot place (a dtype its backend does not hold,
+    float6 on CPU), as a StructureError naming it; ``error`` itself when none fails
+    alone."""
+    for target, host in items:
+        try:
+            _put([(target, host)], sharding)
+        except (RuntimeError, TypeError, ValueError) as e:
+            platform = next(iter(sharding.device_set)).platform
+            return StructureError(
+                f"leaf {target.record.path!r}: jax cannot place a {host.dtype} array on "
+                f"{platform} ({' '.join(str(e).split())[:200]}); read it to the host "
+                "instead (a numpy array in like, or like=None)"
+            )
+    return error
 
 
 def _one_device_memory(sharding: Any) -> bool:

@@ -93,3 +93,24 @@ def test_restore_params_casts_and_places_around_text_and_python_scalars(tmp_path
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     out = fop.restore_params(tmp_path / "run", sharding=rows)
     assert isinstance(out["w"], jax.Array) and out["name"] == "mlp" and out["n"] == 3
+
+
+def test_a_dtype_jax_cannot_place_is_named_by_its_leaf(tmp_path):
+    import ml_dtypes
+
+    dtype = ml_dtypes.float6_e2m3fn
+    try:
+        jax.device_put(np.zeros(4, dtype))
+    except Exception:  # noqa: BLE001  (this backend cannot hold it: the case tested)
+        pass
+    else:
+        pytest.skip("this backend holds float6 arrays")
+    fop.save(tmp_path / "c", {"layer": {"w": np.zeros(4, dtype)}, "v": np.ones(3)})
+    like = {
+        "layer": {"w": jax.ShapeDtypeStruct((4,), dtype)},
+        "v": jax.ShapeDtypeStruct((3,), np.float64),
+    }
+    with pytest.raises(fop.StructureError, match=r"leaf 'layer/w': jax cannot place a float6"):
+        fop.restore(tmp_path / "c", like=like)
+    host = fop.restore(tmp_path / "c", like={"layer": {"w": np.zeros(4, dtype)}, "v": np.ones(3)})
+    assert host["layer"]["w"].dtype == dtype
