@@ -18,7 +18,12 @@ from __future__ import annotations
 import fnmatch
 import os
 
-from .._errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotCommittedError,
+)
 from .._storage.location import Location
 from . import steps as _steps
 from .foreign import foreign_format_hint
@@ -112,6 +117,12 @@ def no_steps(location: Location, listing: _steps.Listing | None = None) -> Check
             f"steps: read it with fop.restore({str(location)!r})"
         )
     listing = listing if listing is not None else _steps.list_directory(location)
+    if listing.corrupt:  # steps there were, all set aside: damage, not an empty run
+        return CorruptCheckpointError(
+            f"no committed steps in {location}: every step was set aside as damaged "
+            f"({', '.join(listing.corrupt)}); inspect them with `flax-orbax verify "
+            f"{location}/<name>`"
+        )
     if listing.unfinished:
         return CheckpointNotFoundError(
             f"no committed steps in {location}: the saves of "

@@ -158,7 +158,7 @@ def cmd_verify(args) -> int:
         raise CliError(one_line(e)) from None
     damaged = [r for r in results if not r.ok]
     if args.json:
-        _verify_json(args.path, [dataclasses.asdict(r) for r in results])
+        _verify_json(str(Location.from_path(args.path)), [dataclasses.asdict(r) for r in results])
         return EXIT_DAMAGED if damaged else 0
     for r in results:
         label = r.path if r.step is None else f"step {r.step}" + (f"/{r.item}" if r.item else "")

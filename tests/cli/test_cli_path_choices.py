@@ -111,3 +111,26 @@ def test_gc_under_a_live_writer_says_what_to_do_in_the_command_lines_words(capsy
         rc, said = run_cli(capsys, "gc", tmp_path / "run", "--keep", "1")
     assert rc == 2 and "live writer" in said and "--dry-run" in said, said
     assert "read_only" not in said
+
+
+def test_a_run_whose_steps_were_all_set_aside_is_damage_not_an_empty_run(capsys, tmp_path):
+    with fop.CheckpointManager(tmp_path / "run", async_save=False) as m:
+        for step in (1, 2):
+            m.save(step, {"params": {"w": VALUES}})
+    for step in (1, 2):
+        (tmp_path / "run" / str(step)).rename(tmp_path / "run" / f"{step}.corrupt-ab{step}")
+    rc, said = run_cli(capsys, "verify", tmp_path / "run")
+    assert rc == 1 and "every step was set aside as damaged" in said, said
+    with pytest.raises(fop.CorruptCheckpointError, match="1.corrupt-ab1, 2.corrupt-ab2"):
+        fop.restore_params(tmp_path / "run")
+
+
+def test_verify_json_names_the_path_as_list_does(capsys, places, monkeypatch):
+    import json
+
+    monkeypatch.chdir(places)
+    said = {}
+    for command in ("list", "verify"):
+        rc, out = run_cli(capsys, command, "run", "--json")
+        said[command] = json.loads(out)
+    assert said["verify"]["path"] == said["list"]["directory"] == str((places / "run").resolve())
