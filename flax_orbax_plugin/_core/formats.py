@@ -107,6 +107,11 @@ class Format(Protocol):
     def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
         """Whether a batch's leaves are read in runs straight from its chunk files."""
 
+    def check_lengths(self, location: Location, direct: Any) -> None:
+        """``verify`` only: the files hold nothing past what was written (bytes appended
+        change no value a read returns, but the file is not the one committed);
+        CorruptCheckpointError naming the file otherwise."""
+
 
 def _plain_read(index: int, record: Any, direct: Any, region: Any):
     """Whole chunks of an uncompressed array straight from the reader, where it reads
@@ -170,6 +175,9 @@ class ChunkFiles:
 
     def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
         return direct is not None and batch.codec is None
+
+    def check_lengths(self, location: Location, direct: Any) -> None:
+        pass  # each chunk file's length is checked by its read (its crc32c trailer last)
 
 
 class DataFiles:
@@ -237,6 +245,14 @@ class DataFiles:
         # local data files: runs of inner chunks read from their segments (a partial
         # read reads only the needed leaves' inner chunks and the shards' indexes)
         return batch.codec is None and direct.reads_ranges
+
+    def check_lengths(self, location: Location, direct: Any) -> None:
+        for name, (found, recorded) in direct.file_lengths().items():
+            if found != recorded:
+                raise CorruptCheckpointError(
+                    f"{location}: data file {name}: expected {recorded} bytes (its data "
+                    f"index), found {found}"
+                )
 
 
 CHUNK_FILES = ChunkFiles()

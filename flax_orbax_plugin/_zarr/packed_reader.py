@@ -56,6 +56,7 @@ class PackedReader(_chunk_files.ChunkReader):
         self._kv = None
         self._ranges: _ranges.RangeReads | None = None
         self._claimed: dict[str, tuple[int, int]] | None = None
+        self._file_bytes = file_bytes or {}
         if location.is_local:
             self._ranged = self._ranged_segment  # parts of a segment (read_batch_range)
             try:
@@ -101,6 +102,14 @@ class PackedReader(_chunk_files.ChunkReader):
         read = super().read_batch(sub, size, chunk, inner, dtype, files)
         read.deferred = True
         return read
+
+    def file_lengths(self) -> dict[str, tuple[int, int]]:
+        """``{data file: (its length, the length its index records)}`` of the local data
+        files open here (an object store's are not looked up: empty)."""
+        return {
+            f"{_index.DATA_DIR}/{name}": (os.fstat(fd).st_size, self._file_bytes.get(name, -1))
+            for name, fd in self._fds.items()
+        }
 
     def close(self) -> None:
         super().close()

@@ -81,3 +81,15 @@ def test_verify_still_finds_damage_in_a_late_chunk(tmp_path):
         f.write(bytes([byte[0] ^ 1]))
     (result,) = fop.verify(tmp_path / "c")
     assert not result.ok and "'w'" in result.error
+
+
+def test_verify_finds_bytes_appended_to_a_data_file(tmp_path):
+    """Appended bytes change no value a read returns, but the file is not the one
+    committed: verify names it; restore still reads the values."""
+    fop.save(tmp_path / "c", {"w": np.arange(1000.0), "b": np.ones(3)})
+    (data,) = (tmp_path / "c" / "data").glob("*.bin")
+    with open(data, "ab") as f:
+        f.write(b"xyz")
+    (result,) = fop.verify(tmp_path / "c")
+    assert not result.ok and f"data/{data.name}" in result.error and "found" in result.error
+    np.testing.assert_array_equal(fop.restore(tmp_path / "c")["w"], np.arange(1000.0))
