@@ -359,8 +359,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         self._check_open()
         if self._read_only:
             raise CheckpointError(f"manager on {self._loc} is read-only")
-        if self._dir_lock is not None:  # its directory removed under it: refused
-            self._dir_lock.check_still_ours("to write")
+        if _housekeeping.lock_again_if_lost(self._dir_lock, self._loc):
+            self._book.forget()  # its directory removed under it: what it lists is gone
 
     def _wait_inflight(self) -> None:
         self._saver.wait()

@@ -21,7 +21,7 @@ import os
 import socket
 import stat
 
-from .._errors import CheckpointError, DirectoryLockedError, ForeignEntryError
+from .._errors import DirectoryLockedError, ForeignEntryError
 
 __all__ = ["DirectoryLock", "DirectoryLockedError", "LOCK_FILE"]
 
@@ -34,6 +34,7 @@ class DirectoryLock:
     def __init__(self, directory: str):
         self.path = os.path.join(directory, LOCK_FILE)
         self._fd: int | None = None
+        self._lost = False  # taken, then found removed and not taken again (yet)
 
     def acquire(self) -> None:
         fd = self._open()
@@ -105,6 +106,7 @@ class DirectoryLock:
         )
 
     def release(self) -> None:
+        self._lost = False
         if self._fd is not None:
             fd, self._fd = self._fd, None
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -114,21 +116,25 @@ class DirectoryLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def check_still_ours(self, what: str) -> None:
-        """Raises CheckpointError when the lock file this writer holds is no longer the
-        one at its path (the directory removed, or the file replaced): a write there
-        would recreate the directory without any lock, for a second writer to take.
-        One ``stat`` and one ``fstat``; the writer calls it before each save."""
-        if self._fd is None:
-            return
-        held = os.fstat(self._fd)
-        try:
-            now = os.stat(self.path, follow_symlinks=False)
-        except FileNotFoundError:
-            now = None
-        if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
-            raise CheckpointError(
-                f"refusing {what}: {self.path}, the lock this writer holds, was removed or "
-                "replaced (the directory deleted?) while it was open; nothing more is "
-                "written there. Close this manager and open the directory again"
-            )
+    def take_again_if_lost(self) -> bool:
+        """Whether the lock file this writer holds is no longer the one at its path (the
+        directory removed, or the file replaced) and was taken again: a write there
+        would otherwise recreate the directory without any lock, for a second writer to
+        take. DirectoryLockedError when another writer holds the new one. One ``stat``
+        and one ``fstat`` when nothing changed; the writer calls it before each write."""
+        if self._fd is None and not self._lost:
+            return False  # never taken, or released
+        if self._fd is not None:
+            held = os.fstat(self._fd)
+            try:
+                now = os.stat(self.path, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                return False
+            self.release()
+            self._lost = True  # until taken again: every later write tries, or is refused
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.acquire()
+        self._lost = False
+        return True

@@ -167,11 +167,13 @@ def test_a_process_that_stops_progressing_is_named_stalled(tmp_path):
 
 def test_two_processes_waiting_only_for_each_other_fail_after_the_stall_timeout(tmp_path):
     """Both live, each only waiting for the other (different paths): CoordinationError on
-    both after the stall timeout (FOP_COORDINATION_TIMEOUT_S, 2 s: no manager here)."""
+    both after the stall timeout (FOP_COORDINATION_TIMEOUT_S, 5 s: no manager here; long
+    enough that one process reaching its wait seconds after the other on a loaded
+    machine is not judged stalled first)."""
     run = run_processes(
         "test_liveness:mutual_wait",
         2,
-        env={"FOP_COORDINATION_TIMEOUT_S": "2", "FOP_PEER_SILENT_S": "4"},
+        env={"FOP_COORDINATION_TIMEOUT_S": "5", "FOP_PEER_SILENT_S": "8"},
         heartbeat_timeout_s=60,
         timeout_s=90,
         done_timeout_s=2,
@@ -181,4 +183,4 @@ def test_two_processes_waiting_only_for_each_other_fail_after_the_stall_timeout(
         error = p.result["error"]
         assert error and "have only waited for each other" in error, error
         assert "FOP_COORDINATION_TIMEOUT_S" in error, error
-        assert 2 <= p.result["s"] < 2 + 10, p.result
+        assert 5 <= p.result["s"] < 5 + 10, p.result

@@ -51,10 +51,11 @@ def test_an_own_lock_file_is_taken_again(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["removed", "replaced"])
-def test_a_writer_whose_directory_was_removed_writes_nothing_more(tmp_path, how):
+def test_a_writer_whose_directory_was_removed_locks_it_again(tmp_path, caplog, how):
     """The directory removed (or its lock file replaced) under an open writer: its next
-    save is refused, instead of recreating the directory without a lock for a second
-    writer to take."""
+    save takes the lock again, with a warning, instead of writing into a directory
+    without a lock for a second writer to take; a second writer that opened it in
+    between keeps it, and the first one's save is refused."""
     run = tmp_path / "run"
     m = fop.CheckpointManager(run, async_save=False)
     m.save(1, {"params": {"w": np.ones(2)}})
@@ -63,9 +64,18 @@ def test_a_writer_whose_directory_was_removed_writes_nothing_more(tmp_path, how)
     else:
         (run / LOCK_FILE).unlink()
         (run / LOCK_FILE).write_text("")
-    with pytest.raises(fop.CheckpointError, match="was removed or replaced"):
-        m.save(2, {"params": {"w": np.ones(2)}})
-    assert not (run / "2").exists()
+    m.save(2, {"params": {"w": np.ones(2)}})
+    assert "was removed or replaced" in caplog.text
+    assert m.steps() == ([2] if how == "removed" else [1, 2])
+    with pytest.raises(fop.DirectoryLockedError):
+        fop.CheckpointManager(run)  # the lock is held again
+    shutil.rmtree(run)
+    with fop.CheckpointManager(run, async_save=False) as second:
+        second.save(3, {"params": {"w": np.ones(2)}})
+        for step in (4, 5):  # refused every time while the second holds the lock
+            with pytest.raises(fop.DirectoryLockedError):
+                m.save(step, {"params": {"w": np.ones(2)}})
+        assert second.steps() == [3]
+    m.save(6, {"params": {"w": np.ones(2)}})  # the second closed: taken again
     m.close()
-    with fop.CheckpointManager(run, async_save=False) as again:  # a new open: fine
-        again.save(3, {"params": {"w": np.ones(2)}})
+    assert fop.CheckpointManager(run, read_only=True).steps() == [3, 6]
