@@ -5,7 +5,7 @@ directory per leaf) by its parameter name, the key path joined by '.'; its claim
 size is checked before anything is allocated, and missing chunks are an error when
 the checkpoint says every chunk was stored. Nothing here unpickles. Entry points:
 :func:`orbax_steps`, :func:`restore_orbax` (``fop.restore`` on an Orbax directory),
-:func:`restore_orbax_params` (``fop.restore_params``), :func:`steps_to_import` and
+:func:`restore_orbax_params` (``fop.restore_params``), and
 :func:`read_step` (``flax-orbax import``). The layout: :mod:`.orbax_layout`;
 rules: ``docs/orbax.md``.
 """
@@ -13,7 +13,6 @@ rules: ``docs/orbax.md``.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -28,7 +27,7 @@ from .._errors import (
     CorruptCheckpointError,
     StructureError,
 )
-from .._format.foreign import ITEM_METADATA, is_step
+from .._format.foreign import ITEM_METADATA
 from .._like import onto_like as _onto_like
 from .._like.retarget import retarget
 from .._storage.kvstore import context
@@ -49,10 +48,8 @@ __all__ = [
     "read_step",
     "restore_orbax",
     "restore_orbax_params",
-    "steps_to_import",
 ]
 
-logger = logging.getLogger(__name__)
 
 _MAX_LEAF_BYTES = 1 << 40  # a leaf claiming more is malformed metadata, never allocated
 CUSTOM_METADATA = "custom_metadata"  # the extras key import gives a step's custom_metadata
@@ -298,18 +295,34 @@ def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, .
     """The item holding params and the key prefix of params inside it."""
     if "params" in items and items["params"].kind == "pytree":
         return items["params"], ()
-    pytrees = [i for i in items.values() if i.kind == "pytree"]
-    for item in pytrees:
-        if any(leaf.keys[0] == ("dict", "params") for leaf in item.leaves):
-            return item, ("params",)
-    if len(pytrees) == 1:
-        return pytrees[0], ()
+    pytrees = {n: i for n, i in items.items() if i.kind == "pytree"}
     where = next(iter(items.values())).location.parent if items else ""
+    holders = {n: i for n, i in pytrees.items() if any(_top(leaf) == "params" for leaf in i.leaves)}
+    if len(holders) > 1:
+        # As the import splits them: a training state (params and more) gives the
+        # params; an item holding params alone (an EMA copy) stays an item of its own.
+        states = [n for n, i in holders.items() if any(_top(x) != "params" for x in i.leaves)]
+        if len(states) != 1:
+            raise CheckpointError(
+                f"the Orbax checkpoint {where} holds params in several items "
+                f"({', '.join(sorted(holders))}): which to serve is not clear; read the one "
+                f"you mean, e.g. fop.restore('{where}/{sorted(holders)[0]}')['params']"
+            )
+        return holders[states[0]], ("params",)
+    if holders:
+        return next(iter(holders.values())), ("params",)
+    if len(pytrees) == 1:
+        return next(iter(pytrees.values())), ()
     raise CheckpointNotFoundError(
         f"no params in the Orbax checkpoint {where}: "
         f"no item named 'params' and no item with a top-level 'params' key "
         f"(items: {sorted(items)})"
     )
+
+
+def _top(leaf: OrbaxLeaf) -> str | None:
+    """The top-level dict key of ``leaf`` (None: not under a dict key)."""
+    return leaf.keys[0][1] if leaf.keys and leaf.keys[0][0] == "dict" else None
 
 
 def restore_orbax_params(
@@ -356,30 +369,6 @@ def _abstract(reader: _ItemReader, leaf: OrbaxLeaf) -> Any:
 
 
 # -- what an import reads ------------------------------------------------------------
-
-
-def steps_to_import(src: Any, step: int | None) -> list[tuple[int, Location]]:
-    """``[(step number, step directory)]`` that importing ``src`` writes: every committed
-    step of an Orbax manager directory (or only ``step``), or a lone step or item
-    directory as ``step`` (default: its own number, else 0). Reads names and metadata."""
-    loc = Location.from_path(src)
-    if is_step(loc):
-        own, _ = open_orbax(loc)
-        return [(step if step is not None else (own if own is not None else 0), loc)]
-    listing = list_steps(loc)
-    if step is not None:
-        return [(listing.choose(step), listing.steps[step])]
-    if not listing.steps:
-        listing.choose(None)  # an error naming what was passed over
-    passed = listing.skipped_above(None)
-    if passed:
-        logger.warning(
-            "%s: importing Orbax steps %s; passed over (not finalized steps): %s",
-            loc,
-            sorted(listing.steps),
-            ", ".join(passed),
-        )
-    return list(listing.steps.items())
 
 
 def read_step(step_loc: Location) -> tuple[dict[str, Any], dict[str, str]]:

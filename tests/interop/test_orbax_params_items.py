@@ -1,0 +1,41 @@
+"""Which params ``restore_params`` serves from an Orbax run whose items hold params more
+than once (an EMA copy beside the training state): the training state's, as the import
+splits them, so the raw run and its import serve the same weights; two items that hold
+params alike are refused naming both, never one picked by their order."""
+
+from __future__ import annotations
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import flax_orbax_plugin as fop
+
+
+def _params(value: float) -> dict:
+    return {"Dense_0": {"kernel": np.full((2, 2), value, np.float32)}}
+
+
+def _orbax_run(path, **items) -> None:
+    mngr = ocp.CheckpointManager(path, item_names=tuple(items))
+    args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
+    mngr.save(1, args=ocp.args.Composite(**args))
+    mngr.wait_until_finished()
+    mngr.close()
+
+
+def test_the_training_states_params_are_served_before_and_after_import(tmp_path):
+    run = tmp_path / "run"
+    _orbax_run(run, ema_state={"params": _params(111.0)}, state={"params": _params(1.0), "step": 1})
+    served = fop.restore_params(run)["Dense_0"]["kernel"]
+    fop.import_orbax(run, tmp_path / "imported")
+    imported = fop.restore_params(tmp_path / "imported")["Dense_0"]["kernel"]
+    np.testing.assert_array_equal(served, _params(1.0)["Dense_0"]["kernel"])
+    np.testing.assert_array_equal(imported, served)
+
+
+def test_two_items_holding_params_alike_are_refused_naming_both(tmp_path):
+    run = tmp_path / "run"
+    _orbax_run(run, a={"params": _params(1.0)}, b={"params": _params(2.0)})
+    with pytest.raises(fop.CheckpointError, match=r"params in several items \(a, b\)"):
+        fop.restore_params(run)
