@@ -31,8 +31,9 @@ def get_config() -> ml_collections.ConfigDict:
     # A preemptible job (restarted by its scheduler with the same command) runs with
     # --config.checkpoint.resume=True from its very first start: the first start finds
     # no step and starts fresh, every restart resumes. "required" refuses to start
-    # fresh (an evaluation or fine-tune that must find a checkpoint).
-    config.checkpoint.resume = False
+    # fresh (an evaluation or fine-tune that must find a checkpoint). A string, so
+    # that all three reach it from the command line: True, False or required.
+    config.checkpoint.resume = "False"
     config.checkpoint.overwrite = False
     # Save in the background while training continues (the blocking phase only
     # copies to host memory). ("async" itself is a Python keyword.)
@@ -46,6 +47,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint.persistent_directory = ml_collections.config_dict.placeholder(str)
     config.checkpoint.persistent_keep = ml_collections.config_dict.placeholder(int)
     config.checkpoint.persistent_keep_every = ml_collections.config_dict.placeholder(int)
+    # SIGTERM (a preemption's notice): the step reached is saved, the loop stops and the
+    # job exits 143 once the save committed (False: the signal's default, no save).
+    config.checkpoint.handle_sigterm = True
     # After SIGTERM: how long the exit waits for the last step to reach the bucket.
     config.checkpoint.persistent_grace_seconds = 30.0
     return config

@@ -107,17 +107,22 @@ def train_and_evaluate(config):
             grace_seconds=ckpt.persistent_grace_seconds,
         )
         tiers = {"persistent": tier}
+    resume = {"true": True, "false": False, "required": "required"}.get(str(ckpt.resume).lower())
+    if resume is None:
+        raise ValueError(
+            f"checkpoint.resume: expected True, False or required, found {ckpt.resume}"
+        )
     callback = fop.CheckpointCallback(
         ckpt.directory,
         every_steps=ckpt.every_steps,
         every_seconds=ckpt.every_seconds,
         keep=ckpt.keep,
-        resume=ckpt.resume,
+        resume=resume,
         overwrite=ckpt.overwrite,
         async_save=ckpt.async_save,
         on_event=fop.MetricWriterEvents(writer),  # each save's and restore's figures
         extras_fn=lambda step, state: dict(last_scalars),  # metrics shown by `flax-orbax list`
-        manager_options=tiers,
+        manager_options={**tiers, "handle_sigterm": ckpt.handle_sigterm},
     )
     state = callback.on_train_start(state, data_iterator=it)
     first_step = int(state.step) + 1

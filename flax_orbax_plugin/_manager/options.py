@@ -146,6 +146,9 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
         refuse_without("supersede", out["supersede"], "async_save=True", default=False)
     if out["supersede"] == "preemption" and not out["handle_sigterm"]:
         refuse_without("supersede", "preemption", "handle_sigterm=True", default=False)
+    if out["persistent"] is not None and not out["handle_sigterm"]:  # the exit's wait
+        grace = out["persistent"].grace_seconds
+        refuse_without("Tier(grace_seconds)", grace, "handle_sigterm=True", default=_GRACE)
     if out["incremental"]:
         refuse_without(
             "host_memory_budget",
@@ -153,6 +156,9 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
             "incremental=False (an incremental step copies every region to host first)",
         )
     return out
+
+
+_GRACE = next(o.default for o in _tier_option.FIELDS if o.name == "grace_seconds")
 
 
 def _compose(out: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ these fast; `make demo` runs the full-size main job.
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -99,3 +100,45 @@ def test_main_job_kills_resumes_and_matches(tmp_path):
     killed = int(re.search(r"sent SIGKILL to pid \d+ after step (\d+)", p.stdout).group(1))
     assert 200 <= killed < 400 and 0 < resumed <= killed and resumed % 100 == 0
     assert "PASS" in p.stdout
+
+
+def test_sigterm_saves_the_step_reached_and_required_refuses_to_start_fresh(tmp_path):
+    """A preemption's SIGTERM: the example saves the step it reached and exits 143
+    (before, it died of the signal, losing the steps since the last save); and
+    --config.checkpoint.resume=required reaches the callback from the command line."""
+    ckpt = tmp_path / "ckpt"
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "examples", "train.py"),
+        f"--config={CONFIG}",
+        *SMALL,
+        "--config.num_train_steps=100000",
+        "--config.checkpoint.every_steps=100000",
+        f"--config.checkpoint.directory={ckpt}",
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # a step logged: the loop runs
+            if re.match(r"^step\s+100 \| loss", line):
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, rest
+    steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit())
+    assert len(steps) == 1 and steps[0] >= 100, steps  # the step reached, not step 0
+
+    missing = tmp_path / "nothing_here"
+    cmd = [sys.executable, os.path.join(REPO, "examples", "train.py"), f"--config={CONFIG}"]
+    cmd += [*SMALL, f"--config.checkpoint.directory={missing}"]
+    p = subprocess.run(
+        [*cmd, "--config.checkpoint.resume=required"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert p.returncode != 0 and "resume='required'" in p.stderr, p.stderr[-2000:]
+    assert not missing.exists()
