@@ -284,10 +284,20 @@ def test_an_option_that_does_nothing_in_the_mode_is_refused(tmp_path, options, w
             fop.CheckpointCallback(tmp_path / "run", manager_options=options)
 
 
+def test_a_tiers_grace_does_nothing_without_handle_sigterm(tmp_path):
+    """The grace is how long the exit after SIGTERM waits for the bucket: refused when
+    nothing exits on SIGTERM; taken with handle_sigterm=True."""
+    tier = fop.Tier(str(tmp_path / "p"), grace_seconds=5)
+    with pytest.raises(fop.OptionError, match=r"^Tier\(grace_seconds\)=5.0 does nothing"):
+        fop.CheckpointManager(tmp_path / "run", persistent=tier)
+    fop.CheckpointManager(tmp_path / "run", persistent=tier, handle_sigterm=True).close()
+
+
 def test_the_modes_that_use_those_options_still_take_them(tmp_path):
     with fop.CheckpointManager(
         tmp_path / "a", keep=1, keep_every=2, persistent=str(tmp_path / "p"), persistent_keep=1,
         persistent_keep_every=5, persistent_grace_seconds=5, every_seconds=1, clock=lambda: 0.0,
+        handle_sigterm=True,
     ):  # fmt: skip
         pass
     with fop.CheckpointManager(tmp_path / "b", keep_best=1, best_metric="loss", best_mode="max"):
