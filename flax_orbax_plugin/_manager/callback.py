@@ -89,6 +89,7 @@ class CheckpointCallback:
         self._last_saved_step: int | None = None
         self._last_step: int | None = None
         self._stepped: int | None = None  # the first step on_step_end was called with
+        self._ended: int | None = None  # the step on_train_end saved (-1: none)
         self._inflight: int | None = None  # the step saving in the background
         self._inflight_handle = None  # its SaveHandle (the manager's), if not committed
         self.history: list[SaveResult] = []  # figures of every finished save, in order
@@ -142,6 +143,11 @@ class CheckpointCallback:
                 f"call on_train_start(state) once, before the training loop"
             )
         if data_iterator is not None:
+            if self._data_iterator not in (None, data_iterator):  # one would be dropped
+                raise CheckpointError(
+                    "data_iterator given twice, to CheckpointCallback(...) and to "
+                    "on_train_start(...), as two iterators: give the one to save once"
+                )
             self._data_iterator = data_iterator
         reset = check_reset(reset)
         changes = dict(partial=partial, missing=missing, transform=transform, surgery=surgery)
@@ -190,6 +196,11 @@ class CheckpointCallback:
     def on_step_end(self, step: int, state: Any, *, t: float | None = None) -> bool:
         """Saves ``state`` as ``step`` if the policy says so; returns whether it did."""
         step = checked_step(step)
+        if self._ended is not None:  # it would reopen the manager for a save nobody waits for
+            raise CheckpointError(
+                f"on_step_end({step}) after on_train_end (step {self._ended}): this "
+                f"callback's run is over; use a new CheckpointCallback for another run"
+            )
         self._last_step = step
         self._stepped = step if self._stepped is None else self._stepped
         self._poll()
@@ -208,6 +219,7 @@ class CheckpointCallback:
             step = _step_of(state, self._last_step)
         else:
             step = checked_step(step)
+        self._ended = -1 if step is None else int(step)
         first = None  # a hook's error raised by the last save (its step is saved all the same)
         if step is not None and int(step) != self._last_saved_step:
             try:

@@ -28,19 +28,14 @@ incrementally.
   abstract or concrete value the caller wants (pytree of arrays or
   ``jax.ShapeDtypeStruct``, an iterator to set the state of, an int, ...) or None.
 
-Built-ins (see :func:`checkpointable_for`): ``params``, ``opt_state`` and ``rng``
-are pytrees written through the tensorstore core; ``step`` is a JSON integer;
-``extras`` is a JSON value (metrics, config, user metadata); ``data_iterator`` is
-the JSON-encoded state of any iterator with ``get_state()/set_state()`` (as
-grain's) or ``state_dict()/load_state_dict()``, one file per process. Any other
-name is treated as a pytree.
+Built-ins (:func:`checkpointable_for`): ``params``, ``opt_state``, ``rng`` and any other
+name are pytrees written through the tensorstore core; ``step`` a JSON integer; ``extras``
+a JSON value; ``data_iterator`` the JSON state of an iterator with ``get_state()`` and
+``set_state()`` (grain's) or ``state_dict()`` and ``load_state_dict()``, per process.
 
-A checkpointable written for the older two-argument protocol (``save(directory,
-value)``, ``restore(directory, like)``) still works for one release: it is called
-without the request, with a DeprecationWarning naming its class
-(:func:`checkpointable_for`).
-
-Nothing here ever unpickles: every non-array file is JSON.
+The older two-argument protocol (no request) works for one release, with a
+DeprecationWarning naming the class (:func:`checkpointable_for`). Nothing here ever
+unpickles: every non-array file is JSON.
 """
 
 from __future__ import annotations
@@ -249,11 +244,20 @@ _ITERATOR_ADVICE = (
 )
 
 
+_PAIRS = (("get_state", "set_state"), ("state_dict", "load_state_dict"))  # get, set back
+
+
 def _iterator_state(it: Any) -> Any:
-    if hasattr(it, "get_state"):
-        return it.get_state()
-    if hasattr(it, "state_dict"):
-        return it.state_dict()
+    """The position of ``it``, from a pair that can also set it back (a position that
+    could be saved but never restored fails the first save, not the restart)."""
+    for get, put in _PAIRS:
+        if hasattr(it, get):
+            if not hasattr(it, put):
+                raise TypeError(
+                    f"data_iterator: a {type(it).__name__} has {get}() but no {put}(): "
+                    f"its position could be saved but never restored. {_ITERATOR_ADVICE}"
+                )
+            return getattr(it, get)()
     raise TypeError(
         f"data_iterator: a {type(it).__name__} has neither get_state()/set_state() "
         f"nor state_dict()/load_state_dict(). {_ITERATOR_ADVICE}"
@@ -261,15 +265,13 @@ def _iterator_state(it: Any) -> Any:
 
 
 def _set_iterator_state(it: Any, state: Any) -> None:
-    if hasattr(it, "set_state"):
-        it.set_state(state)
-    elif hasattr(it, "load_state_dict"):
-        it.load_state_dict(state)
-    else:
-        raise TypeError(
-            f"data_iterator: a {type(it).__name__} has neither set_state() nor "
-            f"load_state_dict(). {_ITERATOR_ADVICE}"
-        )
+    for _, put in _PAIRS:
+        if hasattr(it, put):
+            return getattr(it, put)(state)
+    raise TypeError(
+        f"data_iterator: a {type(it).__name__} has neither set_state() nor "
+        f"load_state_dict(). {_ITERATOR_ADVICE}"
+    )
 
 
 class DataIteratorCheckpointable:

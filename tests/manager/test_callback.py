@@ -296,3 +296,39 @@ def test_delete_of_a_step_named_twice_removes_it_once(tmp_path):
             m.save(step, {"params": {"w": np.ones(2)}})
         m.delete(2, 2)
         assert m.steps() == [1, 3]
+
+
+class _GetOnly:
+    """An iterator whose position can be read but never set back."""
+
+    def __init__(self):
+        self.i = 0
+
+    def __next__(self):
+        self.i += 1
+        return self.i
+
+    def get_state(self):
+        return {"i": self.i}
+
+
+def test_an_iterator_that_cannot_be_set_back_fails_the_first_save(tmp_path):
+    cb = fop.CheckpointCallback(tmp_path, every_steps=1, async_save=False)
+    cb.on_train_start({"params": {"w": np.ones(2)}}, data_iterator=_GetOnly())
+    with pytest.raises(TypeError, match=r"has get_state\(\) but no set_state\(\)"):
+        cb.on_step_end(1, {"params": {"w": np.ones(2)}})
+    cb.close()
+
+
+def test_two_data_iterators_are_refused_and_the_run_ends_with_on_train_end(tmp_path):
+    a, b = _GetOnly(), _GetOnly()
+    cb = fop.CheckpointCallback(tmp_path, data_iterator=a)
+    with pytest.raises(fop.CheckpointError, match="data_iterator given twice"):
+        cb.on_train_start({"params": {"w": np.ones(2)}}, data_iterator=b)
+    cb = fop.CheckpointCallback(tmp_path / "run", every_steps=1, async_save=False)
+    cb.on_train_start({"params": {"w": np.ones(2)}})
+    cb.on_step_end(1, {"params": {"w": np.ones(2)}})
+    cb.on_train_end({"params": {"w": np.ones(2)}}, step=2)
+    with pytest.raises(fop.CheckpointError, match=r"on_step_end\(3\) after on_train_end"):
+        cb.on_step_end(3, {"params": {"w": np.ones(2)}})
+    assert fop.CheckpointManager(tmp_path / "run", read_only=True).steps() == [1, 2]
