@@ -239,7 +239,9 @@ def _restore_tree(item: OrbaxItem, like: Any, allow_cast: bool, *, partial: bool
         for leaf, value in iter_leaves(item, like, partial=partial, allow_cast=allow_cast)
     }
     flat, treedef = _tree.flatten(like)
-    return _tree.unflatten(treedef, [values[p] for p, _, _ in flat])
+    # a field-less node of like (optax's EmptyState) stays itself: Orbax saved it as None
+    kept = [leaf if _tree.is_empty_node(leaf) else values[p] for p, _, leaf in flat]
+    return _tree.unflatten(treedef, kept)
 
 
 @raises_store_errors(arguments("path"))

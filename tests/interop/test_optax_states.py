@@ -62,6 +62,20 @@ def test_an_imported_orbax_trainstate_resumes_into_the_same_trainstate(tmp_path)
     )
 
 
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_an_orbax_trainstate_restores_into_its_own_structure(tmp_path, name):
+    """Read straight from Orbax (no import): each EmptyState of like stays an EmptyState
+    (Orbax saved it as None), so the result has like's structure, as Orbax's own."""
+    saved = _state(TXS[name], step=7)
+    with ocp.CheckpointManager(tmp_path / "orbax") as mngr:
+        mngr.save(7, args=ocp.args.StandardSave(saved))
+        mngr.wait_until_finished()
+    like = _state(TXS[name])
+    got = fop.restore(tmp_path / "orbax" / "7" / "default", like=like)
+    assert jax.tree.structure(got) == jax.tree.structure(like)
+    assert int(got.step) == 7
+
+
 def test_an_orbax_checkpoint_follows_restores_cast_rules(tmp_path):
     """float to int was taken where the values were whole (native: never); cast="unsafe"
     was dropped on the Orbax path."""
