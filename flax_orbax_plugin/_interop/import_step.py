@@ -5,19 +5,25 @@ A foreign checkpoint may say its step three ways: the caller gives it (``step=``
 has), or its name does (an Orbax step directory, ``checkpoint_<N>``). A given step
 must equal the state's; without one the state's is taken (a name that differs is a
 warning), else the name's; with none of them the import is refused, naming how to
-give it: never a silent step 0. Pure functions; ``importing`` calls them per step.
+give it: never a silent step 0. Pure functions; ``importing`` calls them per step,
+after :func:`orbax_steps_to_import` named the Orbax steps an import writes.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import numpy as np
 
 from .._errors import StructureError
+from .._format.foreign import is_step
+from .._storage.location import Location
+from .orbax_layout import open_orbax
+from .orbax_steps import list_steps
 
-__all__ = ["choose_step", "state_step"]
+__all__ = ["choose_step", "orbax_steps_to_import", "refuse_mixing", "state_step"]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -71,3 +77,57 @@ def choose_step(path: str, *, given: int | None, named: int | None, stored: int 
         f"{path}: no step to import it as: the state has no top-level 'step' leaf and "
         f"its name no step number; give it (step= in Python, --step on the command line)"
     )
+
+
+def orbax_steps_to_import(src: Any, step: int | None) -> list[tuple[int, Location]]:
+    """``[(step number, step directory)]`` that importing ``src`` writes: every committed
+    step of an Orbax manager directory (or only ``step``), or a lone step or item
+    directory as ``step`` (default: its own number, else 0). Reads names and metadata."""
+    loc = Location.from_path(src)
+    if is_step(loc):
+        own, _ = open_orbax(loc)
+        return [(step if step is not None else (own if own is not None else 0), loc)]
+    listing = list_steps(loc)
+    if step is not None:
+        return [(listing.choose(step), listing.steps[step])]
+    if not listing.steps:
+        listing.choose(None)  # an error naming what was passed over
+    passed = listing.skipped_above(None)
+    if passed:
+        logger.warning(
+            "%s: importing Orbax steps %s; passed over (not finalized steps): %s",
+            loc,
+            sorted(listing.steps),
+            ", ".join(passed),
+        )
+    return list(listing.steps.items())
+
+
+def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool) -> None:
+    """Before anything is written: a planned step that exists is refused (unless
+    ``force``: replaced), and so are steps newer than every planned one (a resume would
+    take one of those, not the import); older steps kept beside the import warn."""
+    if force or not held:
+        return
+    clash = sorted(set(held) & set(planned))
+    if clash:
+        raise FileExistsError(
+            f"{out_dir}: step {clash[0]} exists already; pass force=True (--force) to replace it"
+        )
+    newer = [s for s in held if planned and s > max(planned)]
+    if newer:
+        raise FileExistsError(
+            f"{out_dir} already holds steps newer than those imported ({_shown(newer)}): a "
+            "resume would take them, not the import; import into a new directory, or pass "
+            "force=True (--force) to add these steps beside them"
+        )
+    warnings.warn(
+        f"{out_dir} already holds steps {_shown(held)}; the imported steps are added beside "
+        "them (one run directory holding two runs' steps, if they came from elsewhere)",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _shown(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")

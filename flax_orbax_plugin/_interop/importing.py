@@ -16,7 +16,6 @@ Thread-safety: every function here is safe to call from any thread.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -31,7 +30,7 @@ from .._errors import (
     StructureError,
     UnsupportedLocationError,
 )
-from .._format.foreign import STEP_RE, is_orbax_checkpoint, is_step
+from .._format.foreign import STEP_RE, is_orbax_checkpoint
 from .._format.places import holding_checkpoint
 from .._format.steps import list_directory
 from .._manager import option_table as _option_table
@@ -41,11 +40,7 @@ from .._storage.location import Location
 from .._storage.lock import LOCK_FILE
 from .._storage.store_errors import arguments, raises_store_errors
 from . import msgpack_reader, orbax_reader
-from .import_step import choose_step, state_step
-from .orbax_layout import open_orbax
-from .orbax_steps import list_steps
-
-logger = logging.getLogger("flax_orbax_plugin")
+from .import_step import choose_step, orbax_steps_to_import, refuse_mixing, state_step
 
 __all__ = [
     "import_checkpoint",
@@ -200,7 +195,13 @@ def save_steps(
             CheckpointManager(out_dir, async_save=False, format_version=format_version) as mngr,
             _open_progress(progress, sum(sizes)) as bar,
         ):
+            refuse_mixing(out_dir, mngr.steps(), list(planned), force)
             for number, (_, items, extras) in steps:
+                if number in written:  # two sources of one step: one would replace the other
+                    raise StructureError(
+                        f"two checkpoints of this import give step {number}; import them "
+                        f"one at a time, each with its own step="
+                    )
                 refuse_foreign_targets(out_dir, [number])
                 if not force and number in mngr.steps():
                     raise FileExistsError(
@@ -298,7 +299,7 @@ def import_orbax(
     :func:`step_items` says. ``progress``: as :func:`save_steps`'s.
     """
     _option_table.check_import(step=step, force=force, format_version=format_version)
-    targets = _steps_to_import(src, step)
+    targets = orbax_steps_to_import(src, step)
 
     def states():
         for _, step_loc in targets:
@@ -372,27 +373,3 @@ def import_msgpack(
         progress=progress,
         source_bytes=[_source_size(path) for _, path in numbered] if progress else (),
     )
-
-
-def _steps_to_import(src: Any, step: int | None) -> list[tuple[int, Location]]:
-    """``[(step number, step directory)]`` that importing ``src`` writes: every committed
-    step of an Orbax manager directory (or only ``step``), or a lone step or item
-    directory as ``step`` (default: its own number, else 0). Reads names and metadata."""
-    loc = Location.from_path(src)
-    if is_step(loc):
-        own, _ = open_orbax(loc)
-        return [(step if step is not None else (own if own is not None else 0), loc)]
-    listing = list_steps(loc)
-    if step is not None:
-        return [(listing.choose(step), listing.steps[step])]
-    if not listing.steps:
-        listing.choose(None)  # an error naming what was passed over
-    passed = listing.skipped_above(None)
-    if passed:
-        logger.warning(
-            "%s: importing Orbax steps %s; passed over (not finalized steps): %s",
-            loc,
-            sorted(listing.steps),
-            ", ".join(passed),
-        )
-    return list(listing.steps.items())

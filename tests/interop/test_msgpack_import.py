@@ -214,3 +214,24 @@ def test_a_file_named_for_another_step_than_its_state_imports_as_the_states(tmp_
     assert "named for step 100 but its state's step leaf says 5" in caplog.text
     with pytest.raises(StructureError, match="step 100 was asked for.*says 5"):
         _importing.import_msgpack(ckpt_dir, tmp_path / "other", step=100)
+
+
+def test_an_import_never_hides_behind_newer_steps_nor_writes_one_step_twice(tmp_path):
+    """Steps of another run newer than those imported are refused (a resume would take
+    them); older ones are kept beside with a warning; two files giving one step are
+    refused at the second, never replaced one by the other."""
+    (tmp_path / "s.msgpack").write_bytes(serialization.to_bytes(_state(5)))
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run, async_save=False) as m:
+        m.save(10, {"params": {"w": np.ones(2)}})
+    with pytest.raises(FileExistsError, match=r"newer than those imported \(10\)"):
+        fop.import_msgpack(tmp_path / "s.msgpack", run, step=5)
+    (tmp_path / "s11.msgpack").write_bytes(serialization.to_bytes(_state(11)))
+    with pytest.warns(UserWarning, match="already holds steps 10"):
+        fop.import_msgpack(tmp_path / "s11.msgpack", run, step=11)
+    twice = tmp_path / "twice"
+    twice.mkdir()
+    for name in ("checkpoint_1", "checkpoint_2"):  # both hold the state of step 0
+        (twice / name).write_bytes(serialization.to_bytes(_state(0)))
+    with pytest.raises(StructureError, match="two checkpoints of this import give step 0"):
+        fop.import_msgpack(twice, tmp_path / "out")
