@@ -27,7 +27,7 @@ from .._errors import (
     CorruptCheckpointError,
     StructureError,
 )
-from .._format.foreign import ITEM_METADATA
+from .._format.foreign import ITEM_METADATA, is_step
 from .._like import onto_like as _onto_like
 from .._like.retarget import retarget
 from .._storage.kvstore import context
@@ -262,9 +262,11 @@ def restore_orbax(
     """
     loc = Location.from_path(path)
     _, items = open_orbax(loc, step=step)
-    if len(items) == 1 and str(next(iter(items.values())).location) == str(loc):  # an item
-        (item,) = items.values()
-        return _restore_item(item, like, partial, allow_cast)
+    if len(items) == 1:  # an item given, or a manager's step that is one item itself
+        (item,) = items.values()  # (flax.training.checkpoints' checkpoint_<N>, say)
+        at = item.location
+        if str(at) == str(loc) or (not is_step(loc) and str(at.parent) == str(loc)):
+            return _restore_item(item, like, partial, allow_cast)
     if like is None:
         return {
             name: _restore_item(item, None, partial, allow_cast) for name, item in items.items()

@@ -39,3 +39,22 @@ def test_two_items_holding_params_alike_are_refused_naming_both(tmp_path):
     _orbax_run(run, a={"params": _params(1.0)}, b={"params": _params(2.0)})
     with pytest.raises(fop.CheckpointError, match=r"params in several items \(a, b\)"):
         fop.restore_params(run)
+
+
+def test_a_flax_training_checkpoints_run_written_by_orbax_reads_as_its_tree(tmp_path):
+    """flax.training.checkpoints (Orbax underneath) writes each step as one item
+    itself (checkpoint_<N>/_METADATA): restore of the run gives the tree, as
+    restore_checkpoint does, not {'checkpoint_<N>': tree}."""
+    import flax
+    from flax.training import checkpoints
+
+    flax.config.update("flax_use_orbax_checkpointing", True)
+    for step in (1, 2):
+        tree = {"params": {"k": np.full(3, step, np.float32)}, "step": step}
+        checkpoints.save_checkpoint(str(tmp_path / "run"), tree, step=step, keep=5)
+    like = {"params": {"k": np.zeros(3, np.float32)}, "step": 0}
+    for got in (fop.restore(tmp_path / "run"), fop.restore(tmp_path / "run", like=like)):
+        assert set(got) == {"params", "step"} and int(got["step"]) == 2
+        np.testing.assert_array_equal(got["params"]["k"], np.full(3, 2, np.float32))
+    got = fop.restore(tmp_path / "run" / "checkpoint_1")
+    np.testing.assert_array_equal(got["params"]["k"], np.full(3, 1, np.float32))
