@@ -6,8 +6,10 @@ records the lane it was saved in: ``permanent`` when the permanent policy wants 
 else ``temporary``. Retention then judges each lane's steps apart, by that lane's
 ``keep`` (``None``: kept forever), among that lane's steps only: a temporary step never
 pushes a permanent one out, nor the other way. A step whose lane the manager does not
-know (one of an earlier run, listed from the directory) counts as permanent: it is
-never removed by the temporary lane's rule.
+know (one of an earlier run, listed from the directory) is in the lane its number says
+when the permanent policy goes by numbers only (``EverySteps``, ``AtSteps``: a restarted
+job's temporary steps are still removed); with any other permanent policy it counts as
+permanent, never removed by the temporary lane's rule.
 
 Given as ``CheckpointManager(directory, policy=Lanes(...))``: a Lanes is the save
 policy and the retention at once (``retention=`` and the retention shorthands are then
@@ -23,7 +25,7 @@ from typing import Any
 
 from .._errors import OptionError
 from .keep_rules import KeepRule, StepFacts, check_keep
-from .save_rules import Moment, SaveRule, check_rule
+from .save_rules import AtSteps, EverySteps, Moment, SaveRule, check_rule
 
 __all__ = ["PERMANENT", "TEMPORARY", "Lane", "Lanes"]
 
@@ -97,12 +99,21 @@ class Lanes(SaveRule, KeepRule):
         return frozenset().union(*(k.metric_names for k in keeps))
 
     def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
-        temporary = [s for s in steps if facts.lanes.get(s) == TEMPORARY]
-        permanent = [s for s in steps if facts.lanes.get(s) != TEMPORARY]
+        lanes = {s: facts.lanes.get(s) or self._lane_by_number(s) for s in steps}
+        temporary = [s for s in steps if lanes[s] == TEMPORARY]
+        permanent = [s for s in steps if lanes[s] != TEMPORARY]
         out: set[int] = set()
         for lane, own in ((self.temporary, temporary), (self.permanent, permanent)):
             out |= set(own) if lane.keep is None else lane.keep.kept(own, facts)
         return out
+
+    def _lane_by_number(self, step: int) -> str:
+        """The lane of a step this manager did not save (an earlier run's): the one its
+        number alone says when the permanent policy goes by numbers only (EverySteps,
+        AtSteps); else permanent (never removed by the temporary lane's rule)."""
+        if isinstance(self.permanent.save, EverySteps | AtSteps):
+            return PERMANENT if self.permanent.save.wants(Moment(step=step)) else TEMPORARY
+        return PERMANENT
 
     def _lanes(self) -> tuple[Lane, Lane]:
         return (self.temporary, self.permanent)

@@ -34,7 +34,7 @@ from .._errors import OptionError
 from .._format import layout as _layout
 from .._storage.location import Location
 from . import option_table as _table
-from .checkpointables import Checkpointable, PytreeCheckpointable
+from .checkpointables import BUILTIN_CHECKPOINTABLES, Checkpointable, PytreeCheckpointable
 from .keep_rules import KeepRule
 from .lanes import Lanes
 from .policy import SavePolicy
@@ -281,6 +281,9 @@ def check_item_name(name: Any) -> str:
     return name
 
 
+_ARRAYS = PytreeCheckpointable()  # what an item of any other name is
+
+
 def _overrides(
     checkpointables: Mapping[str, Checkpointable] | None,
     compression: Mapping[str, str] | None,
@@ -293,6 +296,11 @@ def _overrides(
             raise OptionError(
                 f"compression[{name!r}] does nothing: item {name!r} has its own checkpointable "
                 "(checkpointables=), which decides how it is stored"
+            )
+        if not isinstance(BUILTIN_CHECKPOINTABLES.get(name, _ARRAYS), PytreeCheckpointable):
+            raise OptionError(
+                f"compression[{name!r}] does nothing: {name!r} is a JSON item (its value is "
+                "JSON, not arrays); compression applies to the items of arrays (params, ...)"
             )
         overrides[check_item_name(name)] = PytreeCheckpointable(
             compression=_layout.check_codec(codec, where=f"compression[{name!r}]")

@@ -322,7 +322,14 @@ def test_keep_objects_keep_their_steps():
         permanent=fop.Lane(fop.EverySteps(4)),
     )
     lane_facts = StepFacts(lanes={1: "temporary", 2: "temporary", 3: "temporary", 4: "permanent"})
-    assert lanes.kept([1, 2, 3, 4, 5], lane_facts) == {3, 4, 5}  # 5: lane unknown: permanent
+    # an unknown lane (an earlier run's step) follows the number: 5 is temporary, 8 not
+    assert lanes.kept([1, 2, 3, 4, 5], lane_facts) == {4, 5}
+    assert lanes.kept([1, 2, 3, 4, 8], lane_facts) == {3, 4, 8}
+    by_time = fop.Lanes(
+        temporary=fop.Lane(fop.EverySteps(1), keep=fop.KeepLast(1)),
+        permanent=fop.Lane(fop.EverySeconds(60)),
+    )
+    assert by_time.kept([1, 2, 3, 4, 5], lane_facts) == {3, 4, 5}  # 5: unknown: permanent
     assert lanes.label(Moment(8, since_save=99.0)) == "permanent"
     assert lanes.label(Moment(7, since_save=99.0)) == "temporary"
     assert lanes.label(Moment(7, since_save=1.0)) is None
@@ -393,7 +400,8 @@ def test_on_preemption_saves_the_notified_step_once_and_the_loop_goes_on(tmp_pat
 
 def test_keep_for_never_ages_out_undated_steps_and_lanes_judge_each_lane_apart(tmp_path):
     """Steps of an earlier run (no save time, no lane known) are never aged out by
-    KeepFor, and count as permanent in lanes (never removed by the temporary rule)."""
+    KeepFor; in lanes they are in the lane their number says (the permanent policy goes
+    by numbers here: 1, 2 and 5 are temporary, judged with 11 and 13)."""
     with fop.CheckpointManager(tmp_path, async_save=False) as mngr:
         for step in (1, 2):
             mngr.save(step, tiny())
@@ -418,6 +426,23 @@ def test_keep_for_never_ages_out_undated_steps_and_lanes_judge_each_lane_apart(t
         # permanent lane: 10 and the undated 1, 2, 5, of which KeepLast(1) keeps 10;
         # temporary lane: 11, 13 -> 13 (6 and 12 not saved: too soon)
         assert mngr.steps() == [10, 13]
+
+
+def test_a_restarted_jobs_temporary_steps_are_still_removed(tmp_path):
+    """The lane of an earlier run's step follows from its number when the permanent
+    policy goes by numbers: its temporary steps leaked forever, one run at a time."""
+
+    def lanes():
+        temporary = fop.Lane(fop.EverySteps(2), keep=fop.KeepLast(2))
+        return fop.Lanes(temporary=temporary, permanent=fop.Lane(fop.EverySteps(10)))
+
+    for steps in (range(0, 25), range(25, 40)):
+        with fop.CheckpointManager(tmp_path, policy=lanes(), async_save=False) as mngr:
+            for step in steps:
+                mngr.save(step, tiny())
+            mngr.wait()
+            kept = mngr.steps()
+    assert kept == [0, 10, 20, 30, 36, 38]
 
 
 def test_readme_policies_snippet(tmp_path):
