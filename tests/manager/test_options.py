@@ -390,3 +390,10 @@ def test_a_compression_or_checkpointable_naming_no_item_of_the_first_save_warns_
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             mngr.save(1, tree)  # a name that matches: no word
+
+
+@pytest.mark.parametrize("item", ["step", "extras", "data_iterator"])
+def test_compression_of_a_json_item_is_refused(tmp_path, item):
+    with pytest.raises(fop.OptionError, match=rf"compression\['{item}'\] does nothing: .*JSON"):
+        fop.CheckpointManager(tmp_path / "run", compression={item: "zstd"})
+    fop.CheckpointManager(tmp_path / "run", compression={"params": "zstd"}).close()
