@@ -114,10 +114,11 @@ def _refuse_both(given: Mapping[str, Any]) -> None:
         both = [n for n in shorthands if n in given]
         if both:
             named = ", ".join(f"{n}={given[n]!r}" for n in both)
+            lanes = isinstance(value, Lanes)
+            inside = "each Lane(policy, keep=...)" if lanes else f"{cls.__name__}(...)"
             raise OptionError(
                 f"{named} and {option}={given[option]!r} both set the {option}: give "
-                f"{', '.join(f'{n}=' for n in both)} inside {cls.__name__}(...), or leave "
-                f"out {option}="
+                f"{', '.join(f'{n}=' for n in both)} inside {inside}, or leave out {option}="
             )
 
 
@@ -220,6 +221,11 @@ def check_callback(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, 
         _table.MANAGER + _table.DEPRECATED,
         hints=_table.HINTS,
     )
+    if inner.get("read_only") is True:  # a callback saves: its manager is a writer
+        raise OptionError(
+            "manager_options['read_only']=True: a CheckpointCallback saves, so its manager "
+            "writes; read a run with fop.CheckpointManager(directory, read_only=True)"
+        )
     for name in _table.SHARED_WITH_MANAGER:
         if name in inner:
             raise OptionError(

@@ -17,6 +17,10 @@ from .train_state import split_state
 __all__ = ["check_items", "check_reset", "items_to_restore", "item_mismatch"]
 
 
+# What a deliberate change of a built-in item is, in the advice of a mismatch.
+_WHY = {"opt_state": "a new optimizer", "params": "a new model", "rng": "new random keys"}
+
+
 def check_reset(reset: Any) -> tuple[str, ...]:
     """``reset=`` of a resume checked where it enters: a tuple (list, set) of item names;
     None is (). ValueError for a bare str, TypeError for anything else that is not a
@@ -85,7 +89,8 @@ def item_mismatch(error: StructureError, *, name: str, step: int, location: Any)
         )
     return StructureError(
         f"item {name!r} of step {step} in {location} does not fit the given state: {detail}\n"
-        f"If it changed on purpose (a new optimizer, say), keep the given state's {name} "
+        f"If it changed on purpose ({_WHY.get(name, 'a new structure')}), keep the given "
+        f"state's {name} "
         f"and restore the rest: CheckpointCallback.on_train_start(state, reset=({name!r},)), "
         f"or CheckpointManager.restore(like=state, items=[...every item but {name!r}]). "
         f"If the model changed (layers added, dropped or renamed), pass partial=True, "
