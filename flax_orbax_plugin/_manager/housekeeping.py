@@ -75,21 +75,6 @@ def open_writer(loc: Location, *, own: bool = False) -> DirectoryLock | None:
     return dir_lock
 
 
-def lock_again_if_lost(dir_lock: DirectoryLock | None, loc: Location) -> bool:
-    """Before a write: whether the writer's lock file was removed or replaced under it
-    (its directory deleted: a wiped local disk, or by hand) and is now held again (a
-    WARNING says so). Writing on without it would recreate the directory unlocked, for a
-    second writer to take; another writer holding the new lock is DirectoryLockedError."""
-    if dir_lock is None or not dir_lock.take_again_if_lost():
-        return False
-    logger.warning(
-        "checkpoint: the lock file of %s was removed or replaced while this manager was "
-        "open (the directory deleted?); it holds the lock again, and writes on",
-        loc,
-    )
-    return True
-
-
 def remove_unfinished(loc: Location) -> None:
     """Primary, at open and in ``gc``: removes what dead saves of ours left (proven
     ours: see ``_ownership``); everything else is left alone."""

@@ -359,7 +359,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         self._check_open()
         if self._read_only:
             raise CheckpointError(f"manager on {self._loc} is read-only")
-        if _housekeeping.lock_again_if_lost(self._dir_lock, self._loc):
+        if self._dir_lock is not None and self._dir_lock.take_again_if_lost():
             self._book.forget()  # its directory removed under it: what it lists is gone
 
     def _wait_inflight(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import socket
 import stat
@@ -26,6 +27,7 @@ from .._errors import DirectoryLockedError, ForeignEntryError
 __all__ = ["DirectoryLock", "DirectoryLockedError", "LOCK_FILE"]
 
 LOCK_FILE = ".writer.lock"
+logger = logging.getLogger("flax_orbax_plugin")
 
 
 class DirectoryLock:
@@ -118,7 +120,8 @@ class DirectoryLock:
 
     def take_again_if_lost(self) -> bool:
         """Whether the lock file this writer holds is no longer the one at its path (the
-        directory removed, or the file replaced) and was taken again: a write there
+        directory removed, or the file replaced) and was taken again (a WARNING says so;
+        a wiped local disk under a persistent tier writes on): a write there
         would otherwise recreate the directory without any lock, for a second writer to
         take. DirectoryLockedError when another writer holds the new one. One ``stat``
         and one ``fstat`` when nothing changed; the writer calls it before each write."""
@@ -137,4 +140,9 @@ class DirectoryLock:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.acquire()
         self._lost = False
+        logger.warning(
+            "checkpoint: the lock file %s was removed or replaced while its writer was open "
+            "(the directory deleted?); the writer holds it again, and writes on",
+            self.path,
+        )
         return True
