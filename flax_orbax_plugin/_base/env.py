@@ -29,7 +29,7 @@ A save's background phase writes its chunks (checksums, writes, links) on a pool
 threads while the training steps run. At the same priority a pool of 8 such threads
 takes a share of the CPUs per thread while they are runnable, which on a machine whose
 training threads use every core slows the steps that overlap a save.
-``FOP_BACKGROUND_NICE=<0-19>`` (checked by ``_base.env``: any other value is an
+``FOP_BACKGROUND_NICE=<0-19>`` (checked by :func:`read`: any other value is an
 OptionError naming it) makes each such thread lower its own priority to that ``nice``
 value as its first act (Linux nice values are per thread).
 
@@ -219,7 +219,7 @@ class InjectedFault(OSError):
 
 
 def _reached(variable: str, phase: str, key: str) -> FaultSpec | None:
-    """The spec in ``variable`` (checked by ``_env``) when ``phase`` is named there and
+    """The spec in ``variable`` (checked by :func:`read`) when ``phase`` is named there and
     this is its Nth hit."""
     spec = read(variable)
     if spec is None or spec.phase != phase:

@@ -346,6 +346,11 @@ class ManagerOptions:
         a TypeError) naming the option, TypeError for an unknown one."""
         values = check_manager(given)
         location = Location.from_path(_table.DIRECTORY.check(directory))
+        if values["persistent"] is not None and not location.is_local:  # before any store
+            raise OptionError(
+                f"with persistent= the manager's directory is the local tier and must be a "
+                f"local directory, found {location}; give the bucket as persistent="
+            )
         overrides = _overrides(values["checkpointables"], values["compression"])
         hf = values["hf_shards"]
         if hf is not None:  # its item, saved on due steps (Saver) and read as any other

@@ -128,6 +128,9 @@ def test_data_iterator_saved_by_one_process_is_refused_by_two(tmp_path):
         def get_state(self):
             return {"position": 7}
 
+        def set_state(self, state):
+            pass
+
     with fop.CheckpointManager(tmp_path / "run") as m:
         m.save(1, {"params": {"w": [1.0, 2.0]}}, data_iterator=It())
     values = _run(

@@ -89,7 +89,9 @@ def test_a_tier_object_configures_the_persistent_tier(tmp_path):
     tier = fop.Tier(str(tmp_path / "remote"), keep=1, every=2, grace_seconds=5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new form warns of nothing
-        with fop.CheckpointManager(tmp_path / "local", keep=3, persistent=tier) as mngr:
+        with fop.CheckpointManager(
+            tmp_path / "local", keep=3, persistent=tier, handle_sigterm=True
+        ) as mngr:
             for step in (1, 2, 3, 4):
                 mngr.save(step, tiny(step))
             mngr.wait()
