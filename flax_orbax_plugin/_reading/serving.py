@@ -7,6 +7,7 @@ even while a manager writes to the directory.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,8 @@ from .._like.retarget import checked_dtype, retarget
 from .._state.train_state import holds_nnx_objects, split_state
 from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
+
+logger = logging.getLogger("flax_orbax_plugin")
 
 __all__ = ["restore_params"]
 
@@ -109,6 +112,7 @@ def restore_params(
             return _orbax_params(directory, like, step, dtype, sharding, changes, partial)
         raise _places.no_steps(loc)  # what is there instead (a step, a run below, ...)
     step = _steps.choose_step(loc, steps, step)
+    logger.info("restore_params: step %d of %s", step, loc)  # which step was served
     step_loc = _steps.step_location(loc, step)
     entry = _steps.read_manifest(step_loc).items.get("params")
     if entry is None:
