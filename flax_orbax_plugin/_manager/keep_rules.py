@@ -135,11 +135,12 @@ class KeepEvery(KeepRule):
 
 @dataclass(frozen=True)
 class KeepBest(KeepRule):
-    """Keeps the ``n`` (>= 1) steps with the best finite ``extras[metric]``, and every
-    step whose value is unknown (its extras lack the metric, hold no number there, or
-    cannot be read): a step that cannot be ranked is never deleted for its rank (as
-    Orbax keeps checkpoints without metrics). A NaN or infinite value is known and
-    never best (a diverged step)."""
+    """Keeps the ``n`` (>= 1) steps with the best finite ``extras[metric]``. A NaN or
+    infinite value is known and never best (a diverged step); a step without a value
+    (its extras lack the metric) is left to the other rules, as a step saved between
+    evaluations is. While no step holds a value at all (a misspelt ``metric``, or no
+    evaluation yet) it ranks nothing and keeps every step: it cannot tell which are
+    best, and deleting them would lose the ones it was asked to keep."""
 
     n: int
     metric: str = ""
@@ -156,11 +157,12 @@ class KeepBest(KeepRule):
 
     def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
         values = facts.metrics.get(self.metric, {})
-        unknown = {s for s in steps if s not in values}
+        if not any(s in values for s in steps):  # nothing to rank by: nothing is judged
+            return set(steps)
         ranked = {s: m for s in steps if (m := finite(values.get(s))) is not None}
         sign = 1.0 if self.mode == "min" else -1.0
         order = sorted(ranked, key=lambda s: (sign * ranked[s], -s))  # ties: the newer
-        return set(order[: self.n]) | unknown
+        return set(order[: self.n])
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ class RetentionRunner:
     def metric_of(self, extras: Any, step: int) -> dict[str, float | None]:
         """The metrics the retention ranks, in the extras being saved: ``{name: value}``.
         A metric the extras of ``step`` lack is warned of (once per name): that step is
-        kept, never ranked (a misspelt ``best_metric`` would otherwise rank nothing)."""
+        never ranked (a misspelt ``best_metric`` ranks nothing, see ``KeepBest``)."""
         names = self.policy.metric_names
         held = extras if isinstance(extras, Mapping) else {}
         out = {name: as_metric(held.get(name)) for name in names}
@@ -154,7 +154,8 @@ class RetentionRunner:
             warnings.warn(
                 f"retention ranks steps by extras[{name!r}], but the extras of step {step} "
                 f"hold no number there (they hold: {sorted(map(str, held))[:8] or 'nothing'}); "
-                "a step without it is kept and never ranked (warned once)",
+                "such a step is never ranked, and while no step holds it keep_best ranks "
+                "nothing and keeps every step (warned once)",
                 UserWarning,
                 stacklevel=2,
             )
@@ -176,8 +177,9 @@ class RetentionRunner:
                 )
                 if isinstance(extras, Mapping):
                     value = {name: as_metric(extras.get(name)) for name in names}
-        except CheckpointError as e:
+        except CheckpointError as e:  # a damaged step: never deleted nor counted
             logger.warning("retention: cannot read metric of step %d: %s", step, e)
+            self._damaged.add(step)
         self._book.set_metric(step, value)
         return value
 
@@ -263,7 +265,7 @@ class RetentionRunner:
                 newest = max(tier.known_steps(), default=-1)
                 protected |= {s for s in steps if s > newest and tier.due(s)}
         return sound_steps_to_delete(
-            steps,
+            [s for s in steps if s not in self._damaged],  # known damaged: left where they are
             self.policy,
             whole=lambda s: s in saved_here or self._reads_whole(s),
             protected=protected,

@@ -20,19 +20,20 @@ def test_nothing_is_deleted_without_keep_or_keep_best():
 
 def test_rules_are_a_union_and_protected_steps_survive():
     policy = Retention(keep=2, keep_every=4, keep_best=1, best_metric="loss")
-    metrics = {0: 0.7, 1: 0.1, 2: 0.5, 3: 0.6, 5: float("nan"), 6: 0.9, 7: 0.8, 9: 0.3}
+    metrics = {1: 0.1, 2: 0.5, 5: float("nan")}  # 6 and 7: saved between evaluations
     out = steps_to_delete(range(10), policy, metrics=metrics, protected=[3])
     assert out == [2, 5, 6, 7]
     assert sorted(set(range(10)) - set(out)) == [0, 1, 3, 4, 8, 9]
 
 
-def test_a_step_without_the_metric_is_kept_and_never_ranked():
-    """As Orbax keeps checkpoints without metrics: a step whose extras lack the metric
-    (or whose extras cannot be read) is not deleted for a rank it does not have; a NaN
-    is known, and never best."""
+def test_a_best_rule_that_can_rank_no_step_keeps_them_all():
+    """While no step holds the metric (misspelt, or no evaluation yet) keep_best ranks
+    nothing and keeps every step; once one does, a step without it is left to the other
+    rules (a step saved between evaluations), and a NaN is known and never best."""
     policy = Retention(keep_best=1, best_metric="loss")
+    assert steps_to_delete([1, 2, 3, 4, 5], policy, metrics={}) == []
     metrics = {1: 0.5, 2: 0.1, 4: float("nan")}
-    assert steps_to_delete([1, 2, 3, 4, 5], policy, metrics=metrics) == [1, 4]
+    assert steps_to_delete([1, 2, 3, 4, 5], policy, metrics=metrics) == [1, 3, 4, 5]
 
 
 def test_a_misspelt_best_metric_warns_once_and_deletes_nothing(tmp_path):
@@ -49,7 +50,7 @@ def test_a_misspelt_best_metric_warns_once_and_deletes_nothing(tmp_path):
         assert m.steps() == [1, 2, 3, 4, 5]
 
 
-def test_a_step_whose_metric_cannot_be_read_is_kept(tmp_path):
+def test_a_step_whose_metric_cannot_be_read_is_left_as_damaged(tmp_path):
     with fop.CheckpointManager(tmp_path, async_save=False) as m:
         for step, loss in [(1, 0.5), (2, 0.1), (3, 0.4)]:
             m.save(step, {"params": {"w": np.ones(2)}}, extras={"loss": loss})
