@@ -1,14 +1,13 @@
 """Saver: one step of a manager's directory, from its items to its commit.
 
 ``CheckpointManager.save`` calls, in order, on the training thread:
-:meth:`Saver.check_new_step` (steps increase; a foreign entry's name is never
-taken), :func:`collect_items`, then :meth:`Saver.start`: the blocking phase of
-every item (device-to-host snapshot, iterator state, JSON), then one background
-thread (a :class:`SaveHandle`) that writes, commits (``step_commit``) and does the
-bookkeeping after the commit: the step joins the book, the commit is logged, the
-persistent tier and retention are told. At most one save is in flight
-(:attr:`Saver.inflight`); its error is re-raised once, by :meth:`Saver.wait`.
-"""
+:meth:`Saver.check_new_step` (steps increase; a foreign entry's name is never taken),
+:func:`collect_items`, then :meth:`Saver.start`: the blocking phase of every item
+(device-to-host snapshot, iterator state, JSON; a StructureError names its item), then
+one background thread (a :class:`SaveHandle`) that writes, commits (``step_commit``)
+and does the bookkeeping after the commit: the step joins the book, the commit is
+logged, the persistent tier and retention are told. At most one save is in flight
+(:attr:`Saver.inflight`); its error is re-raised once, by :meth:`Saver.wait`."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from .._core.commit import Staging
 from .._core.handle import Cancellation
 from .._core.requests import SaveRequest
 from .._core.save import SaveHandle, SaveResult, wait_for_data
-from .._errors import CheckpointError, SaveCancelledError
+from .._errors import CheckpointError, SaveCancelledError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import ItemEntry
@@ -353,6 +352,7 @@ class Saver:
         an error every started write is waited for and the staging directory removed."""
         pendings: dict[str, Pending] = {}
         reuses: list[Reuse] = []  # their key-value values are deleted after the commit
+        name = None
         try:
             for name, value in items.items():
                 item_request = request  # incremental: the same item of the previous step
@@ -363,13 +363,14 @@ class Saver:
                     item_request = request.replace(reuse=reuse)
                 target = staging.location.child(dirs[name])
                 pendings[name] = handlers[name].save(target, value, item_request)
-        except BaseException:
+        except BaseException as e:
             wait_all(pendings.values())
-            # A directory other processes write into is theirs too: it is removed by the
-            # primary's abort once every process learnt of this failure (or by the next
-            # open); removing it under their writes failed (ENOTEMPTY) in place of this.
+            # A directory other processes write into is theirs too: the primary's abort
+            # removes it once all learnt of this failure (under their writes: ENOTEMPTY).
             if staging.renames and (staging.own or _distributed.process_count() == 1):
                 _ownership.remove_staging(staging.location, staging.nonce)
+            if isinstance(e, StructureError) and name is not None and e.args:  # its item too
+                e.args = (f"item {name!r}: {e.args[0]}", *e.args[1:])
             raise
         return pendings, reuses
 

@@ -332,3 +332,12 @@ def test_two_data_iterators_are_refused_and_the_run_ends_with_on_train_end(tmp_p
     with pytest.raises(fop.CheckpointError, match=r"on_step_end\(3\) after on_train_end"):
         cb.on_step_end(3, {"params": {"w": np.ones(2)}})
     assert fop.CheckpointManager(tmp_path / "run", read_only=True).steps() == [1, 2]
+
+
+def test_a_bad_leaf_is_named_with_its_item(tmp_path):
+    with fop.CheckpointManager(tmp_path, async_save=False) as m:
+        with pytest.raises(fop.StructureError, match=r"^item 'act': leaf '<root>': .*function"):
+            m.save(1, {"params": {"w": np.ones(2)}, "act": lambda x: x})
+        with pytest.raises(fop.StructureError, match=r"^item 'params': leaf 'act': "):
+            m.save(1, {"params": {"act": lambda x: x}})
+        assert m.steps() == []
