@@ -17,7 +17,7 @@ from .._base import distributed as _distributed
 from .._core import requests as _requests
 from .._core import restore as _restore
 from .._core.targets import place
-from .._errors import CheckpointError, CheckpointNotFoundError, OptionTypeError
+from .._errors import CheckpointError, CheckpointNotFoundError, OptionTypeError, StructureError
 from .._format import places as _places
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
@@ -123,7 +123,15 @@ def restore_params(
         return _host_then_placed(params_loc, dtype, sharding, changes, cast)
     if target is not None and (dtype is not None or sharding is not None):
         target = retarget(target, dtype, sharding)
-    return _restore.restore(params_loc, target, dry_run=dry_run, cast=cast, **changes.kwargs())
+    try:
+        return _restore.restore(params_loc, target, dry_run=dry_run, cast=cast, **changes.kwargs())
+    except StructureError as e:  # model.init's output given whole: say so
+        if isinstance(target, Mapping) and "params" in target and e.args:
+            hint = (
+                "like holds a 'params' key at its top (model.init's output?): pass like['params']"
+            )
+            e.args = (f"{e.args[0]}\n{hint}", *e.args[1:])
+        raise
 
 
 def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[int]]:

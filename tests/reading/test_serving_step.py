@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pytest
 
 import flax_orbax_plugin as fop
 
@@ -20,3 +21,13 @@ def test_restore_params_logs_the_step_it_served(tmp_path, caplog):
     assert got["w"][0] == 8
     assert f"restore_params: step 8 of {tmp_path}" in caplog.text
     assert f"restore_params: step 3 of {tmp_path}" in caplog.text
+
+
+def test_a_like_holding_params_at_its_top_gets_the_hint(tmp_path):
+    """model.init's output ({'params': ...}) given whole as like: the error says so."""
+    params = {"Dense_0": {"kernel": np.ones((2, 2)), "bias": np.zeros(2)}}
+    with fop.CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(1, {"params": params})
+    with pytest.raises(fop.StructureError, match=r"like\['params'\]"):
+        fop.restore_params(tmp_path, like={"params": params})
+    fop.restore_params(tmp_path, like=params)
