@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .._base.option_spec import outside_stacklevel
 from .._errors import StructureError
 from .._format.foreign import is_step
 from .._storage.location import Location
@@ -125,7 +126,7 @@ def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool
         f"{out_dir} already holds steps {_shown(held)}; the imported steps are added beside "
         "them (one run directory holding two runs' steps, if they came from elsewhere)",
         UserWarning,
-        stacklevel=4,
+        stacklevel=outside_stacklevel(),
     )
 
 

@@ -16,15 +16,14 @@ in-flight save was waited for.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._base.option_spec import outside_stacklevel
 from .._core import ownership as _ownership
 from .._core.requests import ReadRequest
 from .._errors import (
@@ -51,18 +50,6 @@ from .events import RestoreDone, measure_stored
 __all__ = ["Restorer"]
 
 logger = logging.getLogger("flax_orbax_plugin")
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of warnings.warn (called from this module) that names the
-    first frame outside this package: the user's call."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
-    while (
-        frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package
-    ):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class Restorer:
@@ -342,7 +329,7 @@ class Restorer:
             f"data afresh on purpose, name the items to restore (restore(items=[...])) or "
             f"on_train_start(state, reset=('data_iterator',))",
             UserWarning,
-            stacklevel=_caller_stacklevel(),
+            stacklevel=outside_stacklevel(),
         )
 
     def _names_to_restore(self, step, saved, items, like, like_items, changes) -> list[str]:

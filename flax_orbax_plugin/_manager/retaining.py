@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._base.option_spec import outside_stacklevel
 from .._core import ownership as _ownership
 from .._errors import CheckpointError
 from .._format import steps as _steps
@@ -157,7 +158,7 @@ class RetentionRunner:
                 "such a step is never ranked, and while no step holds it keep_best ranks "
                 "nothing and keeps every step (warned once)",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=outside_stacklevel(),
             )
         return out
 

@@ -152,3 +152,26 @@ def test_a_late_retention_pass_never_deletes_the_newest_step(tmp_path):
         assert mngr.steps() == [1, 3, 4]
         mngr._retainer.apply(3)  # the late pass of step 3
         assert mngr.steps() == [1, 3, 4]
+
+
+def test_retention_and_replay_warnings_point_at_the_users_line(tmp_path):
+    """The warnings name the user's call, not a line of the package (the replay warning
+    named _base/regions.py, the collective wrapper)."""
+
+    class It:
+        def get_state(self):
+            return {"i": 1}
+
+        def set_state(self, state):
+            pass
+
+    with fop.CheckpointManager(tmp_path / "a", async_save=False) as m:
+        m.save(1, {"params": {"w": np.ones(2)}}, data_iterator=It())
+    with fop.CheckpointManager(tmp_path / "a", async_save=False) as m:
+        with pytest.warns(UserWarning, match="data_iterator") as seen:
+            m.restore(like={"params": {"w": np.ones(2)}})
+    assert all(w.filename == __file__ for w in seen), [w.filename for w in seen]
+    with fop.CheckpointManager(tmp_path / "b", keep_best=1, best_metric="x") as m:
+        with pytest.warns(UserWarning, match="ranks steps by") as seen:
+            m.save(1, {"params": {"w": np.ones(2)}})
+    assert all(w.filename == __file__ for w in seen), [w.filename for w in seen]
