@@ -5,8 +5,10 @@ A foreign checkpoint may say its step three ways: the caller gives it (``step=``
 has), or its name does (an Orbax step directory, ``checkpoint_<N>``). A given step
 must equal the state's; without one the state's is taken (a name that differs is a
 warning), else the name's; with none of them the import is refused, naming how to
-give it: never a silent step 0. Pure functions; ``importing`` calls them per step,
-after :func:`orbax_steps_to_import` named the Orbax steps an import writes.
+give it: never a silent step 0 (:func:`choose_step`, :func:`state_step`: pure,
+called per step). Before anything is written, :func:`orbax_steps_to_import` names the
+Orbax steps an import writes (reading names and metadata), and :func:`refuse_mixing`
+refuses steps of the output directory that the import would hide or replace.
 """
 
 from __future__ import annotations
