@@ -205,12 +205,6 @@ def check_pytree(
     fmt = _formats.of_document(doc)  # picked once, from the metadata
     with _open_progress(progress, doc, what or str(location)) as bar:
         direct = fmt.open(location, doc, targets, own_copy=False)  # claims checked first
-        try:
-            fmt.check_lengths(location, direct)
-        except BaseException:
-            if direct is not None:
-                direct.close()
-            raise
         window = _Window(location, budget, bar)
         _check_data(location, doc, targets, fmt, direct, window, budget)
 
@@ -225,6 +219,7 @@ def _open_progress(progress: Progress | None, doc: Any, what: str) -> Any:
 
 def _check_data(location, doc, targets, fmt, direct, window: _Window, budget: int) -> None:
     try:
+        fmt.check_lengths(location, direct)  # nothing past what was written
         for target in targets:
             record = target.record
             if not isinstance(record.storage, ArrayStorage):
