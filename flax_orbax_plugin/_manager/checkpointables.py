@@ -40,10 +40,7 @@ unpickles: every non-array file is JSON.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import os
-import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -52,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._base.option_spec import outside_stacklevel
 from .._core import formats as _formats
 from .._core import restore as _restore
 from .._core import save as _save
@@ -343,23 +341,6 @@ def checkpointable_for(
     return BUILTIN_CHECKPOINTABLES.get(name, _DEFAULT)
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` (of a warning raised by the caller of this function) that
-    names the first frame outside the package and the wrappers of its decorators
-    (contextlib's): the user's call."""
-    frame, level = sys._getframe(2), 2  # the frame of stacklevel=2 of the warning
-    while frame is not None and _inside(frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _inside(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_PACKAGE) or filename == contextlib.__file__
-
-
 def _takes_request(method: Any) -> bool:
     """Whether ``method`` can be called as ``method(directory, value, request)``."""
     try:
@@ -395,6 +376,6 @@ def with_requests(checkpointable: Any) -> Checkpointable:
         f"restore(directory, like) without the request are deprecated; take a third "
         f"argument, request (fop.SaveRequest / fop.ReadRequest)",
         DeprecationWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=outside_stacklevel(),
     )
     return _TwoArgument(checkpointable)
