@@ -11,7 +11,12 @@ import re
 from typing import Any
 
 from .._base.option_spec import Option
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignEntryError,
+)
 from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .foreign import foreign_format_hint
@@ -118,6 +123,16 @@ def read_manifest(step_loc: Location) -> StepManifest:
         )
     _check_item_folders(step_loc, manifest)
     return manifest
+
+
+def manifest_damage(loc: Location, step: int) -> CheckpointError | None:
+    """Why the manifest of committed ``step`` of ``loc`` does not read whole (None: it
+    does). Retention (the writer's and ``gc``'s) neither counts nor removes such a step."""
+    try:
+        read_manifest(step_location(loc, step))
+    except CheckpointError as e:
+        return e
+    return None
 
 
 def _check_item_folders(step_loc: Location, manifest: StepManifest) -> None:

@@ -278,15 +278,14 @@ class RetentionRunner:
         per step (remembered). A damaged one is logged once and left where it is."""
         if step in self._whole or step in self._damaged:
             return step in self._whole
-        try:
-            _steps.read_manifest(_steps.step_location(self._loc, step))
-        except CheckpointError as e:
+        damage = _steps.manifest_damage(self._loc, step)
+        if damage is not None:
             logger.warning(
                 "retention: step %d of %s is damaged; it is not counted as kept and is "
                 "left where it is: %s",
                 step,
                 self._loc,
-                e,
+                damage,
             )
             self._damaged.add(step)
             return False

@@ -50,7 +50,10 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
     if keep is not None:
         policy = Retention(keep=keep, keep_every=keep_every)
         doomed = sound_steps_to_delete(
-            committed, policy, whole=lambda s: _reads_whole(loc, s), protected=committed[-1:]
+            committed,
+            policy,
+            whole=lambda s: _steps.manifest_damage(loc, s) is None,
+            protected=committed[-1:],
         )
     done = unfinished + foreign_gone + finishing
     left = [n for n in listing.unfinished + listing.foreign if n not in done]
@@ -60,16 +63,6 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
         kept=[s for s in committed if s not in doomed],
         left_alone=left,
     )
-
-
-def _reads_whole(loc: Location, step: int) -> bool:
-    """The writer's test (``RetentionRunner``): a damaged step is neither counted as
-    kept nor removed."""
-    try:
-        _steps.read_manifest(_steps.step_location(loc, step))
-    except CheckpointError:
-        return False
-    return True
 
 
 def _rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
