@@ -7,9 +7,10 @@ else ``temporary``. Retention then judges each lane's steps apart, by that lane'
 ``keep`` (``None``: kept forever), among that lane's steps only: a temporary step never
 pushes a permanent one out, nor the other way. A step whose lane the manager does not
 know (one of an earlier run, listed from the directory) is in the lane its number says
-when the permanent policy goes by numbers only (``EverySteps``, ``AtSteps``: a restarted
-job's temporary steps are still removed); with any other permanent policy it counts as
-permanent, never removed by the temporary lane's rule.
+when the permanent policy goes by numbers only (no time, no preemption: ``EverySteps``,
+``AtSteps`` and their combinations; a restarted job's temporary steps are still
+removed); with any other permanent policy it counts as permanent, never removed by the
+temporary lane's rule.
 
 Given as ``CheckpointManager(directory, policy=Lanes(...))``: a Lanes is the save
 policy and the retention at once (``retention=`` and the retention shorthands are then
@@ -25,7 +26,7 @@ from typing import Any
 
 from .._errors import OptionError
 from .keep_rules import KeepRule, StepFacts, check_keep
-from .save_rules import AtSteps, EverySteps, Moment, SaveRule, check_rule
+from .save_rules import Moment, SaveRule, check_rule
 
 __all__ = ["PERMANENT", "TEMPORARY", "Lane", "Lanes"]
 
@@ -109,11 +110,13 @@ class Lanes(SaveRule, KeepRule):
 
     def _lane_by_number(self, step: int) -> str:
         """The lane of a step this manager did not save (an earlier run's): the one its
-        number alone says when the permanent policy goes by numbers only (EverySteps,
-        AtSteps); else permanent (never removed by the temporary lane's rule)."""
-        if isinstance(self.permanent.save, EverySteps | AtSteps):
-            return PERMANENT if self.permanent.save.wants(Moment(step=step)) else TEMPORARY
-        return PERMANENT
+        number alone says when the permanent policy goes by numbers only (it uses no
+        time and watches no preemption: EverySteps, AtSteps and their combinations);
+        else permanent (never removed by the temporary lane's rule)."""
+        save = self.permanent.save
+        if save.uses_time or save.watches_preemption:
+            return PERMANENT
+        return PERMANENT if save.wants(Moment(step=step)) else TEMPORARY
 
     def _lanes(self) -> tuple[Lane, Lane]:
         return (self.temporary, self.permanent)

@@ -330,6 +330,11 @@ def test_keep_objects_keep_their_steps():
         permanent=fop.Lane(fop.EverySeconds(60)),
     )
     assert by_time.kept([1, 2, 3, 4, 5], lane_facts) == {3, 4, 5}  # 5: unknown: permanent
+    combined = fop.Lanes(  # numbers only, combined: 5 is permanent by AtSteps, 6 is not
+        temporary=fop.Lane(fop.EverySeconds(60), keep=fop.KeepLast(1)),
+        permanent=fop.Lane(fop.EverySteps(4) | fop.AtSteps([5])),
+    )
+    assert combined.kept([1, 2, 3, 4, 5, 6], lane_facts) == {4, 5, 6}
     assert lanes.label(Moment(8, since_save=99.0)) == "permanent"
     assert lanes.label(Moment(7, since_save=99.0)) == "temporary"
     assert lanes.label(Moment(7, since_save=1.0)) is None
@@ -370,7 +375,10 @@ def test_manager_refuses_misplaced_objects(tmp_path):
         temporary=fop.Lane(fop.EverySeconds(60), keep=fop.KeepLast(1)),
         permanent=fop.Lane(fop.EverySteps(4)),
     )
-    with pytest.raises(fop.OptionError, match=r"^keep=2 and policy=Lanes\("):
+    with pytest.raises(
+        fop.OptionError,
+        match=r"^keep=2 and policy=Lanes\(.*inside each Lane\(policy, keep=\.\.\.\)",
+    ):
         fop.CheckpointManager(tmp_path / "a", policy=lanes, keep=2)
     with pytest.raises(fop.OptionError, match=r"a Lanes is a save policy and its retention"):
         fop.CheckpointManager(tmp_path / "b", retention=lanes)
