@@ -26,7 +26,13 @@ from .._storage.location import Location
 from .orbax_layout import open_orbax
 from .orbax_steps import list_steps
 
-__all__ = ["choose_step", "orbax_steps_to_import", "refuse_mixing", "state_step"]
+__all__ = [
+    "choose_step",
+    "orbax_steps_to_import",
+    "refuse_existing",
+    "refuse_mixing",
+    "state_step",
+]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -112,11 +118,7 @@ def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool
     take one of those, not the import); older steps kept beside the import warn."""
     if force or not held:
         return
-    clash = sorted(set(held) & set(planned))
-    if clash:
-        raise FileExistsError(
-            f"{out_dir}: step {clash[0]} exists already; pass force=True (--force) to replace it"
-        )
+    refuse_existing(out_dir, held, planned, force)
     newer = [s for s in held if planned and s > max(planned)]
     if newer:
         raise FileExistsError(
@@ -130,6 +132,16 @@ def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool
         UserWarning,
         stacklevel=outside_stacklevel(),
     )
+
+
+def refuse_existing(out_dir: Any, held: list[int], numbers: list[int], force: bool) -> None:
+    """Unless ``force`` (replace them): FileExistsError for the first of ``numbers`` that
+    ``out_dir`` already holds (``held``)."""
+    clash = [] if force else sorted(set(held) & set(numbers))
+    if clash:
+        raise FileExistsError(
+            f"{out_dir}: step {clash[0]} exists already; pass force=True (--force) to replace it"
+        )
 
 
 def _shown(steps: list[int]) -> str:

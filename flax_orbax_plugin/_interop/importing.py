@@ -40,7 +40,13 @@ from .._storage.location import Location
 from .._storage.lock import LOCK_FILE
 from .._storage.store_errors import arguments, raises_store_errors
 from . import msgpack_reader, orbax_reader
-from .import_step import choose_step, orbax_steps_to_import, refuse_mixing, state_step
+from .import_step import (
+    choose_step,
+    orbax_steps_to_import,
+    refuse_existing,
+    refuse_mixing,
+    state_step,
+)
 
 __all__ = [
     "import_checkpoint",
@@ -203,11 +209,7 @@ def save_steps(
                         f"one at a time, each with its own step="
                     )
                 refuse_foreign_targets(out_dir, [number])
-                if not force and number in mngr.steps():
-                    raise FileExistsError(
-                        f"{out_dir}: step {number} exists already; pass force=True (--force) "
-                        f"to replace it"
-                    )
+                refuse_existing(out_dir, mngr.steps(), [number], force)
                 # overwrite: an imported step may lie below the latest one (no training run
                 # is resumed here); an existing step was refused above unless force.
                 mngr.save(number, items, extras=extras, ignore_policy=True, overwrite=True)
