@@ -287,9 +287,6 @@ def check_item_name(name: Any) -> str:
     return name
 
 
-_ARRAYS = PytreeCheckpointable()  # what an item of any other name is
-
-
 def _overrides(
     checkpointables: Mapping[str, Checkpointable] | None,
     compression: Mapping[str, str] | None,
@@ -303,7 +300,8 @@ def _overrides(
                 f"compression[{name!r}] does nothing: item {name!r} has its own checkpointable "
                 "(checkpointables=), which decides how it is stored"
             )
-        if not isinstance(BUILTIN_CHECKPOINTABLES.get(name, _ARRAYS), PytreeCheckpointable):
+        builtin = BUILTIN_CHECKPOINTABLES.get(name)  # any other name holds arrays
+        if builtin is not None and not isinstance(builtin, PytreeCheckpointable):
             raise OptionError(
                 f"compression[{name!r}] does nothing: {name!r} is a JSON item (its value is "
                 "JSON, not arrays); compression applies to the items of arrays (params, ...)"
