@@ -35,8 +35,12 @@ def _env():
     return env
 
 
+def example_cmd(script, *flags):
+    return [sys.executable, os.path.join(REPO, "examples", script), f"--config={CONFIG}", *flags]
+
+
 def run_example(script, *flags, timeout=180):
-    cmd = [sys.executable, os.path.join(REPO, "examples", script), f"--config={CONFIG}", *flags]
+    cmd = example_cmd(script, *flags)
     p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{cmd} exited {p.returncode}\n{p.stdout}\n{p.stderr}"
     return p.stdout
@@ -107,15 +111,13 @@ def test_sigterm_saves_the_step_reached_and_required_refuses_to_start_fresh(tmp_
     (before, it died of the signal, losing the steps since the last save); and
     --config.checkpoint.resume=required reaches the callback from the command line."""
     ckpt = tmp_path / "ckpt"
-    cmd = [
-        sys.executable,
-        os.path.join(REPO, "examples", "train.py"),
-        f"--config={CONFIG}",
+    cmd = example_cmd(
+        "train.py",
         *SMALL,
         "--config.num_train_steps=100000",
         "--config.checkpoint.every_steps=100000",
         f"--config.checkpoint.directory={ckpt}",
-    ]
+    )
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:  # a step logged: the loop runs
@@ -130,10 +132,9 @@ def test_sigterm_saves_the_step_reached_and_required_refuses_to_start_fresh(tmp_
     assert len(steps) == 1 and steps[0] >= 100, steps  # the step reached, not step 0
 
     missing = tmp_path / "nothing_here"
-    cmd = [sys.executable, os.path.join(REPO, "examples", "train.py"), f"--config={CONFIG}"]
-    cmd += [*SMALL, f"--config.checkpoint.directory={missing}"]
+    where = f"--config.checkpoint.directory={missing}"
     p = subprocess.run(
-        [*cmd, "--config.checkpoint.resume=required"],
+        example_cmd("train.py", *SMALL, where, "--config.checkpoint.resume=required"),
         cwd=REPO,
         env=_env(),
         capture_output=True,
