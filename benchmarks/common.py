@@ -243,6 +243,24 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def make_cold(path: str) -> None:
+    """Before a cold read of ``path``: as root, drop the whole page cache; otherwise
+    evict ``path``'s own files (:func:`evict`, ``POSIX_FADV_DONTNEED``; the library's
+    code and Python's stay cached either way). Said beside each figure (``cold_by``)."""
+    if is_root():
+        drop_caches()
+    else:
+        os.sync()
+        evict(path)
+
+
+COLD_NOTE = "without root: each checkpoint's files evicted with posix_fadvise (no drop_caches)"
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

@@ -175,7 +175,7 @@ def op_restore(a) -> dict:
         like = None if a.target == "numpy" else C.build_like(specs, a.target)
         if a.params and like is not None:
             like = like["params"]
-    C.drop_caches()
+    C.make_cold(a.path)
     time.sleep(0.2)
     C.reset_peak_rss()
     rss0 = C.rss_bytes()
