@@ -79,3 +79,10 @@ from ._reading.restore import metadata, restore
 from ._reading.serving import restore_params
 from ._state.iterators import StepIndexedIterator
 from ._storage.location import Location
+
+from ._base.option_spec import named_keywords as _named_keywords
+
+# Each public function and class names the closest keyword to one it does not take
+# ("did you mean keep=?"), as the manager's options do; exceptions are left as they are.
+for _name in [n for n in globals() if not n.startswith("_")]:
+    globals()[_name] = _named_keywords(globals()[_name])

@@ -11,7 +11,8 @@ their declarations, where they enter, and raises
 :class:`~flax_orbax_plugin.OptionTypeError` (also a TypeError) naming the option,
 what it takes and what was found, with the closest allowed string where one is close.
 :func:`refuse_without` refuses an option that does nothing in the chosen mode;
-:func:`refuse_unknown` a keyword that is no option ("did you mean"), and
+:func:`refuse_unknown` a keyword that is no option ("did you mean"; for the public
+functions and classes that take no ``**options``, :func:`named_keywords`), and
 :func:`signature`, :func:`doc_lines` and :func:`doc_table` derive what ``help()`` and
 the docs show from the same declarations.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import inspect
 import math
 import numbers
@@ -41,6 +43,7 @@ __all__ = [
     "doc_lines",
     "doc_table",
     "found",
+    "named_keywords",
     "outside_stacklevel",
     "refuse_unknown",
     "refuse_without",
@@ -250,14 +253,68 @@ def refuse_unknown(
         inner_name = alias[:-1] if alias else (name if name in inner_names else None)
         if inner_name is not None and hint is None:
             hint = f"{inner_option}={{{inner_name!r}: ...}}"
-        if hint is None:
-            close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.75)
-            hint = f"{close[0]}=" if close else None
-        lines.append(
-            f"{owner}() got an unexpected keyword argument {name!r}"
-            + (f": did you mean {hint}?" if hint else "")
-        )
+        lines.append(_unexpected(owner, name, names, hint))
     raise TypeError("; ".join(lines) + f" (its options: {', '.join(sorted(names))})")
+
+
+def _unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = None) -> str:
+    """Python's words for an unknown keyword, with the closest name as the hint."""
+    if hint is None:
+        close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.75)
+        hint = f"{close[0]}=" if close else None
+    return f"{owner}() got an unexpected keyword argument {name!r}" + (
+        f": did you mean {hint}?" if hint else ""
+    )
+
+
+def named_keywords(obj: Any) -> Any:
+    """``obj`` (a public function or class) with "did you mean" for an unknown keyword:
+    a function is wrapped; a class has its ``__init__`` and its public methods (its own
+    and those of the package's classes it inherits) wrapped in place. A callable that
+    takes ``**kwargs`` checks its own (:func:`refuse_unknown`) and is left as it is, as
+    are exceptions. Applied once, where the public names are bound (``_api``)."""
+    if isinstance(obj, type):
+        if not issubclass(obj, BaseException):
+            _name_methods(obj)
+        return obj
+    return _checked(obj, obj.__qualname__) if inspect.isfunction(obj) else obj
+
+
+def _name_methods(cls: type) -> None:
+    package = __name__.split(".")[0]
+    for base in cls.__mro__:
+        if not base.__module__.startswith(package):
+            continue
+        for name, value in list(vars(base).items()):
+            if name.startswith("_") and name != "__init__":
+                continue
+            owner = cls.__name__ if name == "__init__" else f"{cls.__name__}.{name}"
+            if inspect.isfunction(value):
+                setattr(base, name, _checked(value, owner))
+            elif isinstance(value, (classmethod, staticmethod)):
+                setattr(base, name, type(value)(_checked(value.__func__, owner)))
+
+
+def _checked(fn: Callable, owner: str) -> Callable:
+    if getattr(fn, "_fop_named", False):
+        return fn
+    inner = inspect.unwrap(fn)  # under the package's decorators (store errors, regions)
+    if inner.__code__.co_flags & inspect.CO_VARKEYWORDS:  # not its __signature__, if set
+        return fn
+    params = inspect.signature(inner, follow_wrapped=False).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    takes = {p.name for p in params if p.kind in kinds} - {"self", "cls"}
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not takes.issuperset(kwargs):
+            unknown = [k for k in kwargs if k not in takes]
+            lines = "; ".join(_unexpected(owner, k, takes) for k in unknown)
+            raise TypeError(f"{lines} (its keywords: {', '.join(sorted(takes))})")
+        return fn(*args, **kwargs)
+
+    call._fop_named = True  # type: ignore[attr-defined]
+    return call
 
 
 def _alias_of(name: str, declared: Iterable[Option]) -> str | None:

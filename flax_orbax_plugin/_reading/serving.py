@@ -14,6 +14,7 @@ from typing import Any
 import jax
 
 from .._base import distributed as _distributed
+from .._base.option_spec import named_keywords
 from .._core import requests as _requests
 from .._core import restore as _restore
 from .._core.targets import place
@@ -53,6 +54,7 @@ def _spans(directory: Any, like: Any = None, *, sharding: Any = None, **_: Any) 
     return _distributed.spans_processes(_params_like(like), sharding)
 
 
+@named_keywords  # loaded alone for serving (the package's ``_OWN_MODULE``), not via _api
 @_distributed.collective_call("restore-params", spans=_spans)  # see ``_base.regions``
 @raises_store_errors(arguments("directory"))
 def restore_params(

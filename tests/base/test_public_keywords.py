@@ -1,0 +1,66 @@
+"""An unknown keyword at any public entry point names the keyword it most likely meant
+(``_base.option_spec.named_keywords``), as the manager's options do.
+
+Every public function and class is tried, with each of its keywords misspelt: a name a
+new entry point adds is covered without a test of its own."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import flax_orbax_plugin as fop
+
+_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _entry_points():
+    """(name, callable) of each public function and class and each public method of a
+    public class (exceptions aside)."""
+    for name in fop.__all__:
+        value = getattr(fop, name)
+        if isinstance(value, type) and issubclass(value, BaseException):
+            continue
+        if inspect.isfunction(value) or isinstance(value, type):
+            yield name, value
+        if isinstance(value, type):
+            for method in dir(value):
+                attr = inspect.getattr_static(value, method)
+                if not method.startswith("_") and inspect.isfunction(attr):
+                    yield f"{name}.{method}", attr
+
+
+def _misspellings():
+    for owner, fn in _entry_points():
+        target = fn.__init__ if isinstance(fn, type) else fn
+        if inspect.unwrap(target).__code__.co_flags & inspect.CO_VARKEYWORDS:
+            continue  # takes **options: refused by its own table (test_options)
+        for p in inspect.signature(target).parameters.values():
+            if p.kind in _KINDS and p.name not in ("self", "cls") and len(p.name) >= 4:
+                yield pytest.param(owner, fn, p.name, id=f"{owner}:{p.name}")
+
+
+CASES = list(_misspellings())
+
+
+def test_the_public_surface_is_covered():
+    owners = {case.values[0] for case in CASES}
+    for expected in ("save", "restore", "restore_params", "Tier", "KeepBest", "verify"):
+        assert expected in owners
+    assert "CheckpointManager.wrap_step" in owners  # a method of a mixin
+
+
+@pytest.mark.parametrize(("owner", "fn", "name"), CASES)
+def test_a_misspelt_keyword_names_the_one_meant(owner, fn, name):
+    wrong = name[:-1] + ("x" if name[-1] != "x" else "y")  # one letter off
+    args = (object(),) if "." in owner else ()  # a method, unbound: a stand-in self
+    with pytest.raises(TypeError, match=rf"'{wrong}': did you mean {name}=\?") as caught:
+        fn(*args, **{wrong: 1})
+    assert name in str(caught.value).rsplit("its keywords:", 1)[1]
+
+
+def test_known_keywords_still_pass_through():
+    assert fop.Tier("/tmp/unused-tier-path", keep=2).keep == 2
+    assert fop.KeepBest(2, metric="loss", mode="max").mode == "max"
+    assert fop.EverySteps(n=5) == fop.EverySteps(5)
