@@ -8,6 +8,7 @@ The package's ``__init__`` loads this module on the first access of a public nam
 
 # ruff: noqa: F401  (every import here is a re-export, through the package)
 
+from ._base.option_spec import named_keywords as _named_keywords
 from ._core.save import SaveHandle, SaveResult, is_committed, save, save_async
 from ._core.verify import VerifyResult, verify
 from ._errors import (
@@ -79,8 +80,6 @@ from ._reading.restore import metadata, restore
 from ._reading.serving import restore_params
 from ._state.iterators import StepIndexedIterator
 from ._storage.location import Location
-
-from ._base.option_spec import named_keywords as _named_keywords
 
 # Each public function and class names the closest keyword to one it does not take
 # ("did you mean keep=?"), as the manager's options do; exceptions are left as they are.
