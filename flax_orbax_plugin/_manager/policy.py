@@ -42,6 +42,8 @@ def _steps(value: Any) -> list[int]:
         if int(s) < 0:
             raise ValueError(f"expected steps >= 0, found {s!r}")
         out.append(int(s))
+    if not out:  # would leave no rule set: every step saved, the opposite of "no step"
+        raise ValueError(f"expected at least one step, found {found(value)}")
     return out
 
 

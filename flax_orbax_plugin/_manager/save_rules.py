@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._base.option_spec import Option, found
-from .._errors import OptionTypeError
+from .._errors import OptionError, OptionTypeError
 
 __all__ = [
     "AllOf",
@@ -156,6 +156,8 @@ class AtSteps(SaveRule):
             )
         checker = Option("AtSteps(steps)", "int", low=0)
         object.__setattr__(self, "steps", frozenset(checker.check(s) for s in steps))
+        if not self.steps:  # a rule that never saves: a list built empty by mistake
+            raise OptionError(f"AtSteps(steps) must name at least one step, found {found(steps)}")
 
     def wants(self, moment: Moment) -> bool:
         return moment.step in self.steps
