@@ -258,7 +258,9 @@ def restore_orbax(
     An item directory gives its tree; a step or manager directory (latest step, or
     ``step``) gives ``{item name: tree or JSON value}``, and ``like`` is then a
     dict of its items (JSON and text items may be left out; pytree items only with
-    ``partial``). Dtype changes must be lossless unless ``allow_cast``.
+    ``partial``), or, where the step holds one tree (Orbax's ``default`` item beside
+    metadata), that tree's ``like`` (a TrainState): that tree is returned. Dtype
+    changes must be lossless unless ``allow_cast``.
     """
     loc = Location.from_path(path)
     _, items = open_orbax(loc, step=step)
@@ -271,16 +273,20 @@ def restore_orbax(
         return {
             name: _restore_item(item, None, partial, allow_cast) for name, item in items.items()
         }
+    trees = [n for n, item in items.items() if item.kind == "pytree"]
     if not isinstance(like, Mapping):
+        if len(trees) == 1:  # a TrainState for a step of one tree ('default') and metadata
+            return _restore_item(items[trees[0]], like, partial, allow_cast)
         raise StructureError(
             f"{loc} is an Orbax step with items {sorted(items)}: expected like to be a dict "
             f"of items, found {type(like).__name__}"
         )
     unknown = [k for k in like if k not in items]
     if unknown:
+        hint = f"; for the tree of item {trees[0]!r}: like={{{trees[0]!r}: ...}}"
         raise StructureError(
             f"item {unknown[0]!r}: expected by like, found no such item in {loc} "
-            f"(items: {sorted(items)})"
+            f"(items: {sorted(items)}){hint if len(trees) == 1 else ''}"
         )
     # JSON, text and unreadable items (metrics, configs) may be left out of like:
     # a tree of arrays is asked for, and they are not arrays

@@ -438,3 +438,25 @@ def test_a_run_two_orbax_processes_wrote_is_read_by_processes_and_alone(tmp_path
     out = tmp_path / "ours"
     assert _importing.import_orbax(path, out) == [1, 2]
     assert _extras(out, 1) == {"loss": 1.0}
+
+
+def test_a_train_state_restores_from_the_one_tree_of_an_orbax_step(tmp_path):
+    """Orbax's usual run: ``StandardSave(state)`` of a Flax TrainState ('default' item).
+    ``fop.restore(run, like=state)`` gives the TrainState back; a dict like naming no
+    item says which item holds the tree."""
+    import optax
+    from flax.training import train_state
+
+    params = _params(3)
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+    state = state.replace(step=7)
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(7, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+    like = train_state.TrainState.create(apply_fn=None, params=_params(0), tx=optax.adam(1e-3))
+    got = fop.restore(tmp_path / "run", like)
+    assert type(got) is train_state.TrainState and int(got.step) == 7
+    _same(got.params, params)
+    _same(got.opt_state, state.opt_state)
+    with pytest.raises(StructureError, match=r"for the tree of item 'default': like=\{'default'"):
+        fop.restore(tmp_path / "run", {"params": params})
