@@ -216,6 +216,7 @@ def restore_msgpack(path: Any, like: Any = None, *, partial: bool = False) -> An
         raise StructureError(
             f"leaf {missing[0]!r}: expected by like, found no such key in {path}"
             + (f" ({len(missing) - 1} more)" if len(missing) > 1 else "")
+            + _onto_like.near_miss(missing[0], stored)
         )
     extra = sorted(set(stored) - wanted)
     if extra and not partial:

@@ -166,9 +166,10 @@ def _select(item: OrbaxItem, like: Any, partial: bool) -> list[tuple[OrbaxLeaf, 
     wanted = {p for p, _, _ in flat}
     missing = [p for p in wanted if p not in by_path]
     if missing:
+        first, more = sorted(missing)[0], len(missing) - 1
         raise StructureError(
-            f"leaf {sorted(missing)[0]!r}: expected by like, found no such key in the Orbax "
-            f"checkpoint {item}" + (f" ({len(missing) - 1} more)" if len(missing) > 1 else "")
+            f"leaf {first!r}: expected by like, found no such key in the Orbax checkpoint "
+            f"{item}{f' ({more} more)' if more else ''}{_onto_like.near_miss(first, by_path)}"
         )
     if not partial:
         unexpected = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -33,6 +33,31 @@ def describe(x: Any) -> str:
     if shape is not None:
         return f"{type(x).__name__}(shape={tuple(shape)}, dtype={dtype})"
     return type(x).__name__
+
+
+def near_miss(path: str, stored: Collection[str]) -> str:
+    """Words to add where like's leaf ``path`` is missing from a checkpoint that holds
+    it one level off: below it (an NNX State's ``<path>/value``) or under a key (the
+    tree saved inside a dict), or above it (saved without NNX's ``/value``); ""
+    otherwise. One pass over ``stored`` (a dict or set of the saved paths)."""
+    if path.endswith("/value") and path[: -len("/value")] in stored:
+        return (
+            f"; it holds {path[: -len('/value')]!r}: saved without NNX's '/value' "
+            f"(transform={{r'$': '/value'}} maps the saved paths onto like's)"
+        )
+    for saved in stored:
+        if saved == path + "/value":
+            return (
+                f"; it holds {saved!r}: an NNX State's leaves, restored into "
+                f"like=nnx.state(model) (or transform={{r'/value$': ''}} on this "
+                f"library's checkpoints)"
+            )
+        if saved.startswith(path + "/"):
+            return f"; it holds {saved!r}, below like's leaf"
+        if saved.endswith("/" + path):
+            under = saved[: -len(path) - 1]
+            return f"; it holds {saved!r}: like is the tree under {under!r}"
+    return ""
 
 
 def _is_float(dtype: np.dtype) -> bool:

@@ -189,9 +189,14 @@ def match(
                     problems.append(str(e))
                 out.append(KEEP)
             else:
+                hint = (  # the first one, where records hold the saved paths themselves
+                    _onto_like.near_miss(path, records)
+                    if not problems and opts.transform is None
+                    else ""
+                )
                 problems.append(
                     f"leaf {path!r}: expected by like, found no such key in the checkpoint "
-                    f"(missing='keep' keeps like's value)"
+                    f"(missing='keep' keeps like's value){hint}"
                 )
                 out.append(None)
             continue
