@@ -48,9 +48,15 @@ class DirectoryLock:
                 holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
             finally:
                 os.close(fd)
+            ours = holder == _holder_text()  # this process: a manager not closed
             raise DirectoryLockedError(
-                f"{os.path.dirname(self.path)} already has a live writer ({holder}); "
-                "open it with read_only=True to read while it trains"
+                f"{os.path.dirname(self.path)} already has a live writer ({holder}"
+                + (
+                    ": this process; close() its CheckpointManager (or callback) first, or use it"
+                    if ours
+                    else ""
+                )
+                + "); open it with read_only=True to read while it trains"
             ) from None
         except BaseException:
             os.close(fd)
@@ -58,7 +64,7 @@ class DirectoryLock:
         try:  # checked again under the lock: a link made meanwhile is never written
             self._check_own_file(fd)
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            os.pwrite(fd, _holder_text().encode(), 0)
         except BaseException:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
@@ -146,3 +152,8 @@ class DirectoryLock:
             self.path,
         )
         return True
+
+
+def _holder_text() -> str:
+    """What the lock file says of its holder (for messages only, never trusted)."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"

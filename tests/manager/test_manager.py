@@ -212,7 +212,9 @@ WRITER = textwrap.dedent(
 
 def test_second_writer_refused_while_first_lives_and_allowed_after_sigkill(tmp_path):
     with fop.CheckpointManager(tmp_path):
-        with pytest.raises(DirectoryLockedError, match="live writer"):
+        with pytest.raises(
+            DirectoryLockedError, match=r"live writer \(pid \d+ on .*: this process"
+        ):
             fop.CheckpointManager(tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER.format(repo=REPO, directory=str(tmp_path))],
@@ -222,8 +224,9 @@ def test_second_writer_refused_while_first_lives_and_allowed_after_sigkill(tmp_p
     )
     try:
         assert _proc.read_line(proc, timeout=120).strip() == "ready"
-        with pytest.raises(DirectoryLockedError, match=f"pid {proc.pid}"):
+        with pytest.raises(DirectoryLockedError, match=f"pid {proc.pid}") as caught:
             fop.CheckpointManager(tmp_path)
+        assert "this process" not in str(caught.value)
         fop.CheckpointManager(tmp_path, read_only=True).close()  # readers are fine
     finally:
         proc.send_signal(signal.SIGKILL)
