@@ -81,7 +81,34 @@ from ._reading.serving import restore_params
 from ._state.iterators import StepIndexedIterator
 from ._storage.location import Location
 
-# Each public function and class names the closest keyword to one it does not take
-# ("did you mean keep=?"), as the manager's options do; exceptions are left as they are.
-for _name in [n for n in globals() if not n.startswith("_")]:
-    globals()[_name] = _named_keywords(globals()[_name])
+# A misspelt keyword is named with the one meant ("did you mean keep=?"), as the
+# manager's options are: each public function, the constructors of what users make
+# (option objects, surgery ops) and the methods of the two objects users call. The
+# records the library makes itself (locations, requests, results, events, metadata)
+# are left as they are: the package constructs them on every call.
+_MADE_INSIDE = {
+    "CheckpointMetadata",
+    "Checkpointable",
+    "Event",
+    "LeafMetadata",
+    "Location",
+    "Pending",
+    "PlanEntry",
+    "ReadRequest",
+    "RestoreDone",
+    "RestorePlan",
+    "SaveBlockingDone",
+    "SaveCommitted",
+    "SaveFailed",
+    "SaveHandle",
+    "SaveRequest",
+    "SaveResult",
+    "SaveStarted",
+    "StepReplicated",
+    "StepsRemoved",
+    "VerifyResult",
+    "Written",
+}
+_CALLED = {"CheckpointManager", "CheckpointCallback"}
+for _name in [n for n in globals() if not n.startswith("_") and n not in _MADE_INSIDE]:
+    globals()[_name] = _named_keywords(globals()[_name], methods=_name in _CALLED)

@@ -267,32 +267,36 @@ def _unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = 
     )
 
 
-def named_keywords(obj: Any) -> Any:
+def named_keywords(obj: Any, *, methods: bool = False) -> Any:
     """``obj`` (a public function or class) with "did you mean" for an unknown keyword:
-    a function is wrapped; a class has its ``__init__`` and its public methods (its own
-    and those of the package's classes it inherits) wrapped in place. A callable that
-    takes ``**kwargs`` checks its own (:func:`refuse_unknown`) and is left as it is, as
-    are exceptions. Applied once, where the public names are bound (``_api``)."""
+    a function is returned wrapped (its module's own name stays unwrapped, for the
+    package's calls); a class gets its ``__init__`` wrapped, and with ``methods`` its
+    public methods (its own and those of the package's classes it inherits), set on the
+    class itself. A callable that takes ``**kwargs`` checks its own
+    (:func:`refuse_unknown`) and is left as it is, as are exceptions. Applied once,
+    where the public names are bound (``_api``)."""
     if isinstance(obj, type):
         if not issubclass(obj, BaseException):
-            _name_methods(obj)
+            _name_methods(obj, methods)
         return obj
     return _checked(obj, obj.__qualname__) if inspect.isfunction(obj) else obj
 
 
-def _name_methods(cls: type) -> None:
+def _name_methods(cls: type, methods: bool) -> None:
     package = __name__.split(".")[0]
+    done = set()
     for base in cls.__mro__:
         if not base.__module__.startswith(package):
             continue
-        for name, value in list(vars(base).items()):
-            if name.startswith("_") and name != "__init__":
+        for name, value in vars(base).items():
+            if name in done or (name != "__init__" and (not methods or name.startswith("_"))):
                 continue
+            done.add(name)
             owner = cls.__name__ if name == "__init__" else f"{cls.__name__}.{name}"
             if inspect.isfunction(value):
-                setattr(base, name, _checked(value, owner))
+                setattr(cls, name, _checked(value, owner))
             elif isinstance(value, (classmethod, staticmethod)):
-                setattr(base, name, type(value)(_checked(value.__func__, owner)))
+                setattr(cls, name, type(value)(_checked(value.__func__, owner)))
 
 
 def _checked(fn: Callable, owner: str) -> Callable:

@@ -11,20 +11,24 @@ import inspect
 import pytest
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin import _api
 
 _KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def _entry_points():
-    """(name, callable) of each public function and class and each public method of a
-    public class (exceptions aside)."""
+    """(name, callable) of each public function, the constructor of each public class
+    users make (not the records the library makes: ``_api._MADE_INSIDE``) and each
+    public method of the manager and the callback."""
     for name in fop.__all__:
         value = getattr(fop, name)
         if isinstance(value, type) and issubclass(value, BaseException):
             continue
+        if name in _api._MADE_INSIDE:
+            continue
         if inspect.isfunction(value) or isinstance(value, type):
             yield name, value
-        if isinstance(value, type):
+        if name in _api._CALLED:
             for method in dir(value):
                 attr = inspect.getattr_static(value, method)
                 if not method.startswith("_") and inspect.isfunction(attr):
@@ -49,6 +53,15 @@ def test_the_public_surface_is_covered():
     for expected in ("save", "restore", "restore_params", "Tier", "KeepBest", "verify"):
         assert expected in owners
     assert "CheckpointManager.wrap_step" in owners  # a method of a mixin
+    assert "CheckpointCallback.on_train_start" in owners
+    assert "KeepBest" in owners and "Fuse" in owners
+
+
+def test_what_the_package_calls_inside_is_left_unwrapped():
+    # a rule's own methods run every step, a Location's on every call: never wrapped
+    assert not hasattr(fop.EverySteps.wants, "__wrapped__")
+    assert not hasattr(fop.Location.child, "__wrapped__")
+    assert not hasattr(fop.Location.__init__, "__wrapped__")
 
 
 @pytest.mark.parametrize(("owner", "fn", "name"), CASES)

@@ -157,7 +157,9 @@ def build_keep(spec):
 leaf_save = st.one_of(
     st.builds(lambda n: {"kind": "steps", "n": n}, st.integers(1, 4)),
     st.builds(lambda t: {"kind": "seconds", "t": t}, st.integers(1, 30)),
-    st.builds(lambda a: {"kind": "at", "at": a}, st.frozensets(st.integers(0, 30), max_size=4)),
+    st.builds(
+        lambda a: {"kind": "at", "at": a}, st.frozensets(st.integers(0, 30), min_size=1, max_size=4)
+    ),
     st.just({"kind": "initial"}),
     st.builds(lambda p: {"kind": "continuous", "p": p}, st.sampled_from([5, 25, 50, 100])),
 )
