@@ -10,6 +10,8 @@ save. Writes ``results/train.json`` and ``results/train.md``.
     python benchmarks/bench_train.py --repeats 3 --libs none fop fop-zc dcp orbax
 
 ``fop-zc`` is the plugin with its zero-copy step (``CheckpointManager.wrap_step``).
+``ENTRY@DIR`` runs the package of the checkout at DIR (``PYTHONPATH``): two versions
+side by side in one run, e.g. ``--libs none fop@/tmp/before fop@.``.
 Beside each run: the load average before it and the whole VM's steal time during it
 (``/proc/stat``).
 """
@@ -32,7 +34,8 @@ from machine_load import cpu_times  # noqa: E402
 
 
 def run_one(entry: str, a) -> dict:
-    lib, _, options = entry.partition(":")
+    spec, _, code = entry.partition("@")  # lib[:options][@DIR]: the package from DIR
+    lib, _, options = spec.partition(":")
     args = [sys.executable, os.path.join(HERE, "train_loop.py"), "--lib", lib]
     args += ["--dir", os.path.join(a.dir, "train"), "--steps", str(a.steps)]
     args += ["--every", str(a.every), "--keep", str(a.keep), "--batch", str(a.batch)]
@@ -41,6 +44,8 @@ def run_one(entry: str, a) -> dict:
     if a.cpu_as_device:
         args += ["--cpu-as-device"]
     env = dict(os.environ, JAX_PLATFORMS=a.platform, PYTHONUNBUFFERED="1")
+    if code:  # two checkouts side by side in one run (``fop@/tmp/before fop@.``)
+        env["PYTHONPATH"] = os.path.abspath(code)
     load = os.getloadavg()[0]
     steal0, total0 = cpu_times()
     p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1800)

@@ -31,7 +31,9 @@ class _ManagerSaver:
         return {}
 
     def reserve(self, tree) -> None:  # before the loop, as the callback's on_train_start
-        self.manager.reserve(tree)
+        reserve = getattr(self.manager, "reserve", None)  # older versions (A/B) have none
+        if reserve is not None:
+            reserve(tree)
 
     def close(self):
         self.manager.close()
