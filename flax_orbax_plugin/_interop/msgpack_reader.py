@@ -47,6 +47,7 @@ from .._errors import (
 from .._format import layout as _layout
 from .._format.foreign import is_msgpack_checkpoint
 from .._like import onto_like as _onto_like
+from .._like.casting import check_policy
 from .._storage.kvstore import local_path
 from .._storage.local_files import entry_kind
 from .._storage.store_errors import arguments, raises_store_errors
@@ -201,9 +202,13 @@ def read_msgpack(path: Any) -> Any:
 
 
 @raises_store_errors(arguments("path"))
-def restore_msgpack(path: Any, like: Any = None, *, partial: bool = False) -> Any:
+def restore_msgpack(
+    path: Any, like: Any = None, *, partial: bool = False, cast: str = "safe"
+) -> Any:
     """A msgpack checkpoint in the form of ``like`` (the rules of ``fop.restore``;
-    dtype changes must be lossless); ``like`` None gives the state dict as read."""
+    dtype changes must be lossless unless ``cast="unsafe"``); ``like`` None gives the
+    state dict as read."""
+    check_policy(cast)
     tree = read_msgpack(path)
     if like is None:
         return tree
@@ -234,7 +239,9 @@ def restore_msgpack(path: Any, like: Any = None, *, partial: bool = False) -> An
             out.append(value)
             continue
         host = np.asarray(value)
-        plan = _onto_like.plan(p, host.shape, host.dtype, leaf_like, source=str(path))
+        plan = _onto_like.plan(
+            p, host.shape, host.dtype, leaf_like, source=str(path), allow_cast=cast == "unsafe"
+        )
         out.append(_onto_like.materialize(plan, lambda index, host=host: host[index]))
     return _tree.unflatten(treedef, out)
 

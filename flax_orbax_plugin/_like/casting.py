@@ -64,12 +64,12 @@ def _changed(values: np.ndarray, changed: np.ndarray) -> Any:
     return _first(values, changed) if changed.any() else None
 
 
+ADVICE = "pass cast='unsafe' to cast anyway"  # the end of each refusal (readers' own: onto_like)
+
+
 def _fail(path: str, src: np.dtype, dst: np.dtype, why: str, example: Any) -> StructureError:
     shown = "" if example is None else f" (e.g. {example!r})"
-    return StructureError(
-        f"leaf {path!r}: saved as {src}, requested {dst}: {why}{shown}; "
-        "pass cast='unsafe' to cast anyway"
-    )
+    return StructureError(f"leaf {path!r}: saved as {src}, requested {dst}: {why}{shown}; {ADVICE}")
 
 
 def _float_changes(x: np.ndarray, dst: np.dtype) -> np.ndarray | None:

@@ -103,6 +103,7 @@ class LeafPlan:
     key_impl: Any = None  # like is a PRNG key array: wrap the stored key data
     check_values: bool = False  # a narrowing cast: allowed only if no value changes
     source: str = ""
+    cast_option: str = "cast='unsafe'"  # what the entry point takes to cast anyway
 
     def cast(self, data: np.ndarray) -> np.ndarray:
         """``data`` in ``out_dtype``. A checked cast follows the rules every reader
@@ -114,9 +115,9 @@ class LeafPlan:
             try:
                 _casting.check(self.path, data, self.out_dtype, cast="safe")
             except StructureError as e:
-                raise StructureError(
-                    f"{e} (in {self.source}; from_safetensors: allow_cast=True)"
-                ) from None
+                advice = f"pass {self.cast_option} to cast anyway"
+                words = str(e).replace(_casting.ADVICE, advice)
+                raise StructureError(f"{words} (in {self.source})") from None
         with np.errstate(all="ignore"):  # unchecked: numpy's cast, as asked
             out = data.astype(self.out_dtype)
         if self.check_values:
@@ -128,8 +129,7 @@ class LeafPlan:
                 raise StructureError(
                     f"leaf {self.path!r}: dtype mismatch: expected {self.out_dtype} "
                     f"(from like), found {data.dtype} in {self.source}, and casting changes "
-                    f"values (pass cast='unsafe' to fop.restore, or allow_cast=True to "
-                    f"from_safetensors, to cast anyway)"
+                    f"values (pass {self.cast_option} to cast anyway)"
                 )
         return out
 
@@ -170,8 +170,10 @@ def plan(
     source: str,
     allow_cast: bool = False,
     python_scalar: bool = False,
+    cast_option: str = "cast='unsafe'",
 ) -> LeafPlan:
-    """Checks that the stored ``shape``/``dtype`` fit ``like``; ``source`` names the file.
+    """Checks that the stored ``shape``/``dtype`` fit ``like``; ``source`` names the file,
+    ``cast_option`` what the calling entry point takes to cast anyway (its messages say).
 
     Raises StructureError naming the leaf, the expected and the found value.
     """
@@ -195,7 +197,17 @@ def plan(
         )
     like_dtype = np.dtype(like_dtype)
     check = not allow_cast and not is_lossless(dtype, like_dtype)
-    return LeafPlan(path, shape, dtype, like_dtype, like, False, check_values=check, source=source)
+    return LeafPlan(
+        path,
+        shape,
+        dtype,
+        like_dtype,
+        like,
+        False,
+        check_values=check,
+        source=source,
+        cast_option=cast_option,
+    )
 
 
 def _sharding(like: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import flax
 import numpy as np
+import pytest
 from flax import serialization
 from flax.training import checkpoints
 
@@ -52,3 +53,17 @@ def test_every_dtype_is_imported_as_a_step(tmp_path):
     with fop.CheckpointManager(out) as mngr:
         got = mngr.restore(step=3)
     _same(got["params"], STATE["params"])
+
+
+def test_a_narrowing_cast_is_refused_until_asked_for(tmp_path):
+    """restore_msgpack takes fop.restore's cast= (before, its refusal pointed to an
+    option of another function, and none of its own cast anyway)."""
+    path = tmp_path / "state.msgpack"
+    path.write_bytes(serialization.to_bytes({"w": np.full(3, 0.1, np.float32)}))
+    like = {"w": np.zeros(3, np.float16)}
+    with pytest.raises(fop.StructureError, match=r"changes values \(pass cast='unsafe' to cast"):
+        fop.restore_msgpack(path, like)
+    got = fop.restore_msgpack(path, like, cast="unsafe")
+    assert got["w"].dtype == np.float16 and np.allclose(got["w"], 0.1, atol=1e-3)
+    with pytest.raises(fop.OptionError, match=r"cast must be one of"):
+        fop.restore_msgpack(path, like, cast="lossy")

@@ -183,10 +183,15 @@ def test_import_checks_like_the_restore(tmp_path):
     safetensors.numpy.save_file({"w": w, "n": np.arange(3, dtype=np.int64)}, str(path))
     with pytest.raises(StructureError, match=r"leaf 'w'.*\(6, 4\).*\(4, 6\)"):
         _safetensors.from_safetensors(path, {"w": jax.ShapeDtypeStruct((6, 4), jnp.float32)})
-    with pytest.raises(StructureError, match=r"leaf 'w'.*bfloat16.*float32.*changes values"):
+    with pytest.raises(
+        StructureError, match=r"leaf 'w'.*bfloat16.*float32.*changes values \(pass allow_cast=True"
+    ):
         _safetensors.from_safetensors(
             path, {"w": jax.ShapeDtypeStruct((4, 6), jnp.bfloat16)}, partial=True
         )
+    with pytest.raises(StructureError, match=r"truncates.*; pass allow_cast=True to cast any") as e:
+        _safetensors.from_safetensors(path, {"w": np.zeros((4, 6), np.int32)}, partial=True)
+    assert "cast='unsafe'" not in str(e.value)  # fop.restore's option: not this function's
     # a narrowing cast whose values all fit passes; allow_cast is the explicit opt-in
     small = _safetensors.from_safetensors(path, {"n": np.zeros(3, np.int8)}, partial=True)
     assert small["n"].dtype == np.int8 and small["n"].tolist() == [0, 1, 2]

@@ -187,7 +187,13 @@ def _read_onto(
         axes = kernel_axes(path, len(t.shape), transpose_kernels)
         shape = tuple(t.shape[i] for i in np.argsort(axes)) if axes else t.shape
         plan = _onto_like.plan(
-            path, shape, t.dtype, leaf_like, source=f"{t.file} ({name})", allow_cast=allow_cast
+            path,
+            shape,
+            t.dtype,
+            leaf_like,
+            source=f"{t.file} ({name})",
+            allow_cast=allow_cast,
+            cast_option="allow_cast=True",
         )
         plans.append((plan, t, axes))
     unused = sorted(set(stored) - used)
