@@ -13,7 +13,6 @@ Threading: the training thread, as every call of the manager.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 from .._base import regions as _regions
@@ -76,9 +75,13 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
             self.leave(exc)
 
     def __del__(self):
-        with contextlib.suppress(Exception):  # an interpreter shutting down: no one to tell
-            if not self._closed:
+        # No module global here: at interpreter exit they may be None already (a manager
+        # whose constructor raised, still referenced, printed "Exception ignored").
+        try:
+            if not getattr(self, "_closed", True):
                 self._release_lock()
+        except Exception:  # noqa: BLE001  (shutting down: no one to tell)
+            pass
 
     def _release_lock(self) -> None:
         if self._dir_lock is not None:

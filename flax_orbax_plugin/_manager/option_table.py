@@ -83,10 +83,13 @@ def _checkpointables(value: Any) -> Mapping[str, Any]:
         raise TypeError(f"expected a dict {{item name: Checkpointable}}, found {found(value)}")
     for name, item in value.items():
         _name(name, "checkpointables")
-        if not (callable(getattr(item, "save", None)) and callable(getattr(item, "restore", None))):
+        kind = getattr(item, "kind", "custom")  # recorded in the manifest, read back by it
+        methods = callable(getattr(item, "save", None)) and callable(getattr(item, "restore", None))
+        if not methods or not isinstance(kind, str) or not kind:
+            shown = f"kind {found(kind)}" if methods else found(item)
             raise TypeError(
                 f"checkpointables[{name!r}]: expected a Checkpointable (save and restore "
-                f"methods), found {found(item)}"
+                f"methods, a non-empty str kind), found {shown}"
             )
     return value
 

@@ -374,8 +374,16 @@ class Restorer:
         like: Any,
         request: ReadRequest,
     ) -> Any:
+        handler = checkpointable_for(name, self._overrides)
+        kind = getattr(handler, "kind", "custom")  # as the save recorded it (step_commit)
+        if entry.kind != kind:  # a reader for another kind would misread it as damage
+            raise CheckpointError(
+                f"item {name!r} of step {step} in {self._loc} was saved by a checkpointable "
+                f"of kind {entry.kind!r}; this manager reads {name!r} as {kind!r}: "
+                f"pass checkpointables={{{name!r}: <the checkpointable that saved it>}} "
+                f"(nothing on disk was changed)"
+            )
         try:
-            handler = checkpointable_for(name, self._overrides)
             return handler.restore(step_loc.child(entry.dir), like, request)
         except StructureError as e:
             raise item_mismatch(e, name=name, step=step, location=self._loc) from e

@@ -40,7 +40,7 @@ from .checkpointables import Checkpointable, Pending, checkpointable_for
 from .events import SaveBlockingDone, SaveCommitted, SaveStarted
 from .options import check_item_name
 from .retaining import RetentionRunner
-from .step_commit import StepCommit, wait_all
+from .step_commit import StepCommit, start_item, wait_all
 
 __all__ = ["Saver", "collect_items"]
 
@@ -362,7 +362,7 @@ class Saver:
                     reuses.append(reuse)
                     item_request = request.replace(reuse=reuse)
                 target = staging.location.child(dirs[name])
-                pendings[name] = handlers[name].save(target, value, item_request)
+                pendings[name] = start_item(name, handlers[name], target, value, item_request)
         except BaseException as e:
             wait_all(pendings.values())
             # A directory other processes write into is theirs too: the primary's abort

@@ -20,20 +20,22 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import env as _env
+from .._base.option_spec import found
 from .._core import commit as _commit
 from .._core import ownership as _ownership
 from .._core.commit import Staging, Written
 from .._core.handle import raise_if_cancelled
 from .._core.plan import structure_lines
+from .._core.requests import SaveRequest
 from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE, ItemEntry, StepManifest
 from .._storage.location import Location
-from .checkpointables import Pending
+from .checkpointables import Checkpointable, Pending
 from .events import measure_stored
 from .per_host import HOST_FILE
 
-__all__ = ["StepCommit", "wait_all"]
+__all__ = ["StepCommit", "checked_written", "start_item", "wait_all"]
 
 
 def wait_all(pendings: Iterable[Pending], *, raise_first: bool = False) -> list[Any]:
@@ -48,6 +50,32 @@ def wait_all(pendings: Iterable[Pending], *, raise_first: bool = False) -> list[
     if raise_first and first is not None:
         raise first
     return results
+
+
+def start_item(
+    name: str, handler: Checkpointable, directory: Location, value: Any, request: SaveRequest
+) -> Pending:
+    """``handler.save(...)`` of item ``name``, its return checked: a Pending (an object
+    with ``wait()``), else CheckpointError naming the item (not an AttributeError later,
+    from the background thread, after ``save`` returned True)."""
+    pending = handler.save(directory, value, request)
+    if not callable(getattr(pending, "wait", None)):
+        raise CheckpointError(
+            f"item {name!r}: {type(handler).__name__}.save returned {found(pending)}; "
+            f"a checkpointable's save must return a Pending (an object with wait())"
+        )
+    return pending
+
+
+def checked_written(name: str, result: Any) -> Written | None:
+    """What item ``name``'s ``Pending.wait()`` returned: a Written or None, else
+    CheckpointError naming the item (its files would go unlisted, unchecked)."""
+    if result is not None and not isinstance(result, Written):
+        raise CheckpointError(
+            f"item {name!r}: Pending.wait() returned {found(result)}; expected "
+            f"fop.Written(bytes_written, files) or None"
+        )
+    return result
 
 
 class StepCommit:
@@ -153,7 +181,7 @@ class StepCommit:
         results = wait_all(self._pendings.values(), raise_first=True)
         raise_if_cancelled(self._cancelled, f"step {self._step} of {self._loc}")
         for name, result in zip(self._pendings, results, strict=True):
-            if isinstance(result, Written):
+            if checked_written(name, result) is not None:
                 total += result.bytes_written
                 reused += result.bytes_reused
                 d = self._entries[name].dir
