@@ -87,10 +87,8 @@ def _checkpointables(value: Any) -> Mapping[str, Any]:
         methods = callable(getattr(item, "save", None)) and callable(getattr(item, "restore", None))
         if not methods or not isinstance(kind, str) or not kind:
             shown = f"kind {found(kind)}" if methods else found(item)
-            raise TypeError(
-                f"checkpointables[{name!r}]: expected a Checkpointable (save and restore "
-                f"methods, a non-empty str kind), found {shown}"
-            )
+            what = "a Checkpointable (save and restore methods, a non-empty str kind)"
+            raise TypeError(f"checkpointables[{name!r}]: expected {what}, found {shown}")
     return value
 
 
