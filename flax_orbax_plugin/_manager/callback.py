@@ -89,6 +89,7 @@ class CheckpointCallback:
         self._last_saved_step: int | None = None
         self._last_step: int | None = None
         self._stepped: int | None = None  # the first step on_step_end was called with
+        self._started = False  # on_train_start ran (it resumes, or checks resume=False)
         self._ended: int | None = None  # the step on_train_end saved (-1: none)
         self._inflight: int | None = None  # the step saving in the background
         self._inflight_handle = None  # its SaveHandle (the manager's), if not committed
@@ -150,6 +151,7 @@ class CheckpointCallback:
                 )
             self._data_iterator = data_iterator
         reset = check_reset(reset)
+        self._started = True
         changes = dict(partial=partial, missing=missing, transform=transform, surgery=surgery)
         opts = check_changes(**changes).kwargs()
         state = self._resume(state, reset, opts)
@@ -201,6 +203,8 @@ class CheckpointCallback:
                 f"on_step_end({step}) after on_train_end (step {self._ended}): this "
                 f"callback's run is over; use a new CheckpointCallback for another run"
             )
+        if self._stepped is None and not self._started:
+            self._unstarted(step)
         self._last_step = step
         self._stepped = step if self._stepped is None else self._stepped
         self._poll()
@@ -211,6 +215,26 @@ class CheckpointCallback:
                 raise SystemExit(128 + signal.SIGTERM)
             return False
         return self._save(step, state, t=t, ignore_policy=False)
+
+    def _unstarted(self, step: int) -> None:
+        """The first step of a loop that never called ``on_train_start`` (a CLU hook list
+        calling ``cb(step)`` alone): ``resume`` still applies. A directory holding an
+        earlier run's steps is refused, as on_train_start's ``resume=False`` refuses it
+        (or, with ``overwrite``, emptied); with ``resume=True`` its latest step was not
+        restored into this loop's state, whose saves would follow that run's steps."""
+        mngr = self.manager
+        latest = mngr.latest_step(include_persistent=True)
+        if latest is None or mngr.restored_step is not None:  # nothing to mix, or restored
+            return
+        if not self.resume:
+            _resuming.refuse_or_clear(self.directory, mngr, latest, self.overwrite)
+            return
+        raise CheckpointError(
+            f"on_step_end({step}) before on_train_start, and {self.directory} holds step "
+            f"{latest} of a run: call state = cb.on_train_start(state) before the loop to "
+            f"resume it (resume={self.resume!r}), or start afresh elsewhere (a new "
+            f"directory, or resume=False with overwrite=True)"
+        )
 
     def on_train_end(self, state: Any, step: int | None = None) -> None:
         """Saves the final step (unless already saved), waits for it, and closes; then

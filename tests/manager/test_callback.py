@@ -273,6 +273,42 @@ def test_on_train_start_after_on_step_end_is_refused_naming_the_order(tmp_path):
     assert fop.CheckpointManager(tmp_path / "run", read_only=True).steps() == [1]
 
 
+def test_a_hook_without_on_train_start_still_keeps_runs_apart(tmp_path):
+    """``cb(step)`` alone (a CLU hook list) never ran on_train_start: a directory holding
+    another run's steps got this run's saves after them (resume=False ignored), or a
+    fresh state saved after the steps it never resumed (resume=True)."""
+    state = {"params": {"w": np.zeros(3)}}
+    with fop.CheckpointManager(tmp_path / "run", async_save=False) as mngr:
+        mngr.save(20, state)
+    hook = fop.CheckpointCallback(
+        tmp_path / "run", every_steps=25, resume=True, state_fn=lambda: state
+    )
+    with pytest.raises(
+        fop.CheckpointError, match=r"on_step_end\(1\) before on_train_start.*step 20"
+    ):
+        hook(1)
+    hook.close()
+    fresh = fop.CheckpointCallback(
+        tmp_path / "run", every_steps=25, resume=False, state_fn=lambda: state
+    )
+    with pytest.raises(
+        fop.CheckpointError, match=r"holds steps of a run \(latest: 20\) and resume=False"
+    ):
+        fresh(25)
+    fresh.close()
+    assert fop.CheckpointManager(tmp_path / "run", read_only=True).steps() == [20]
+    # an empty directory has no run to mix with; with overwrite, resume=False empties it
+    empty = fop.CheckpointCallback(tmp_path / "new", every_steps=1, state_fn=lambda: state)
+    assert empty(1)
+    empty.close()
+    over = fop.CheckpointCallback(
+        tmp_path / "run", every_steps=1, resume=False, overwrite=True, state_fn=lambda: state
+    )
+    assert over(1)
+    over.close()
+    assert fop.CheckpointManager(tmp_path / "run", read_only=True).steps() == [1]
+
+
 def test_resume_required_on_a_missing_path_leaves_no_directory_behind(tmp_path):
     """A mistyped path with resume="required" is refused and the open's directory goes
     again; one that existed (here, with a file of the user's) is left as it was."""
