@@ -154,13 +154,20 @@ class CheckpointCallback:
         self._started = True
         changes = dict(partial=partial, missing=missing, transform=transform, surgery=surgery)
         opts = check_changes(**changes).kwargs()
-        state = self._resume(state, reset, opts)
-        self.manager.reserve(state)
+        try:
+            state = self._resume(state, reset, opts)
+            self.manager.reserve(state)
+        except BaseException as e:  # the lock goes with it: a corrected retry may open again
+            if self._manager is not None:
+                self._manager.leave(e)
+                self._manager = None
+            raise
         return state
 
     def _resume(self, state: Any, reset: tuple[str, ...], opts: dict) -> Any:
         names = items_to_restore(state, reset=reset) if reset else None
         existed = self._manager is not None or _resuming.place_exists(self.directory)
+        parents = [] if existed else _resuming.missing_parents(self.directory)
         mngr = self.manager
         latest = mngr.latest_step(include_persistent=True)
         if not self.resume:
@@ -173,7 +180,7 @@ class CheckpointCallback:
             except CheckpointError:
                 if not existed:  # a mistyped path: the directory the open made goes again
                     self._manager = None
-                    _resuming.remove_created(self.directory, mngr)
+                    _resuming.remove_created(self.directory, mngr, parents)
                 raise
             return state
         t0 = time.perf_counter()

@@ -60,15 +60,34 @@ def no_run_to_resume(directory: Any, mngr: Any, resume: bool | str, existed: boo
     )
 
 
-def remove_created(directory: Any, mngr: Any) -> None:
+def missing_parents(directory: Any) -> list[str]:
+    """The local folders above ``directory`` that do not exist yet (nearest first):
+    what opening it will create, besides ``directory`` itself."""
+    try:
+        loc = Location.from_path(directory)
+    except (OSError, ValueError):
+        return []
+    if not loc.is_local:
+        return []
+    out, here = [], os.path.dirname(os.path.abspath(loc.path))
+    while here and not os.path.lexists(here) and here != os.path.dirname(here):
+        out.append(here)
+        here = os.path.dirname(here)
+    return out
+
+
+def remove_created(directory: Any, mngr: Any, parents: list[str]) -> None:
     """Closes ``mngr`` and removes ``directory``, which its open created, when it holds
-    nothing but that open's lock file (a local path); anything else there is left."""
+    nothing but that open's lock file (a local path), then the empty ``parents`` the
+    open created (:func:`missing_parents`); anything else there is left."""
     mngr.close()
     loc = Location.from_path(directory)
     if loc.is_local and loc.list_children() == [LOCK_FILE]:
         loc.delete(LOCK_FILE)
         with contextlib.suppress(OSError):
             os.rmdir(loc.path)
+            for parent in parents:  # nearest first; os.rmdir removes only an empty one
+                os.rmdir(parent)
 
 
 def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> None:

@@ -324,6 +324,25 @@ def test_resume_required_on_a_missing_path_leaves_no_directory_behind(tmp_path):
     with pytest.raises(fop.CheckpointNotFoundError):
         cb.on_train_start({"params": {"w": np.ones(2)}})
     assert (kept / "notes.txt").read_text() == "mine"
+    nested = tmp_path / "runs" / "a" / "b"  # the open makes its parents too: they go as well
+    cb = fop.CheckpointCallback(nested, resume="required")
+    with pytest.raises(fop.CheckpointNotFoundError):
+        cb.on_train_start({"params": {"w": np.ones(2)}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]
+
+
+def test_a_refused_start_lets_go_of_the_directory(tmp_path):
+    """on_train_start refused (resume=False over steps) kept the callback's manager open,
+    so a corrected retry in the same process was refused as a second writer."""
+    state = {"params": {"w": np.ones(2)}}
+    with fop.CheckpointManager(tmp_path, async_save=False) as mngr:
+        mngr.save(1, state)
+    cb = fop.CheckpointCallback(tmp_path, resume=False)
+    with pytest.raises(fop.CheckpointError, match="resume=False: refusing to mix"):
+        cb.on_train_start(state)
+    retry = fop.CheckpointCallback(tmp_path, resume=True)
+    assert retry.on_train_start(state) is not None and retry.resumed_step == 1
+    retry.close()
 
 
 def test_delete_of_a_step_named_twice_removes_it_once(tmp_path):
