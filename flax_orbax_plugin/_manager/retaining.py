@@ -26,14 +26,17 @@ the deletion thread, or on the training thread for ``gc``.
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from .._base import distributed as _distributed
-from .._base.option_spec import outside_stacklevel
+from .._base.option_spec import found, outside_stacklevel
 from .._core import ownership as _ownership
 from .._errors import CheckpointError
 from .._format import steps as _steps
@@ -51,13 +54,17 @@ WHILE_SAVING = 2  # deletes in flight on an object store while a save runs
 
 
 def as_metric(value: Any) -> float | None:
-    """``value`` as a float; None for no value or one that is not a number."""
-    if value is None:
+    """``value`` as a float: a real number (Python, numpy or a jax scalar); None for no
+    value or one that is not a number (a string "2" is text, never read as 2; a bool is
+    no metric either)."""
+    if value is None or isinstance(value, (bool, np.bool_, str, bytes)):
         return None
-    try:
+    if isinstance(value, numbers.Real):
         return float(value)
-    except (TypeError, ValueError):
-        return None
+    kind = getattr(getattr(value, "dtype", None), "kind", "")
+    if kind in "iuf" and kind and getattr(value, "shape", None) == ():  # numpy/jax scalars
+        return float(value)
+    return None
 
 
 class RetentionRunner:
@@ -152,9 +159,14 @@ class RetentionRunner:
         out = {name: as_metric(held.get(name)) for name in names}
         for name in sorted(n for n, v in out.items() if v is None and n not in self._unranked):
             self._unranked.add(name)
+            there = (
+                f"hold {found(held[name])} there, not a number"
+                if name in held
+                else f"hold no such key (they hold: {sorted(map(str, held))[:8] or 'nothing'})"
+            )
             warnings.warn(
                 f"retention ranks steps by extras[{name!r}], but the extras of step {step} "
-                f"hold no number there (they hold: {sorted(map(str, held))[:8] or 'nothing'}); "
+                f"{there}; "
                 "such a step is never ranked, and while no step holds it keep_best ranks "
                 "nothing and keeps every step (warned once)",
                 UserWarning,

@@ -50,6 +50,21 @@ def test_a_misspelt_best_metric_warns_once_and_deletes_nothing(tmp_path):
         assert m.steps() == [1, 2, 3, 4, 5]
 
 
+def test_a_metric_that_is_text_is_no_number(tmp_path):
+    """extras={"loss": "2"} was ranked as the number 2 ("10" then worse than "2" as
+    numbers, better as text): text is now no metric, and the warning says what is there."""
+    with fop.CheckpointManager(tmp_path, keep_best=1, best_metric="loss", async_save=False) as m:
+        with pytest.warns(UserWarning, match=r"extras\['loss'\].*hold str '10' there, not a nu"):
+            m.save(1, {"params": {"w": np.ones(2)}}, extras={"loss": "10"})
+        m.save(2, {"params": {"w": np.ones(2)}}, extras={"loss": "2"})
+        m.save(3, {"params": {"w": np.ones(2)}}, extras={"loss": np.float32(5.0)})
+        m.save(4, {"params": {"w": np.ones(2)}}, extras={"loss": 7})
+        m.wait()
+        # ranked: 3 (5.0) and 4 (7) only; the steps holding text are left to the other
+        # rules (none here); 4 is the newest. Read as numbers, "2" was kept as the best.
+        assert m.steps() == [3, 4]
+
+
 def test_a_step_whose_metric_cannot_be_read_is_left_as_damaged(tmp_path):
     with fop.CheckpointManager(tmp_path, async_save=False) as m:
         for step, loss in [(1, 0.5), (2, 0.1), (3, 0.4)]:
