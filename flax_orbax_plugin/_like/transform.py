@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
+from .._base.option_spec import outside_stacklevel
 from .._base.tree import flatten
 from .._errors import NothingMatchedError, OptionError, OptionTypeError, StructureError
 from .._format import layout as _layout
 from . import casting as _casting
 from . import onto_like as _onto_like
 from .surgery import check_surgery
-from .transform_rules import compile_transform, describe
+from .transform_rules import compile_transform, describe, unmatched_rules
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -93,6 +95,13 @@ def rename_records(records: dict[str, Any], opts: Changes, where: str) -> dict[s
     saved leaf mapped to None is left out). Two saved leaves onto one path raise."""
     if opts.transform is None:
         return records
+    for pattern in unmatched_rules(opts.transform, records):  # a typo, most likely
+        warnings.warn(
+            f"transform rule {pattern!r} matched no saved leaf path of {where} (they look "
+            f"like {next(iter(records), '(none)')!r}): it changed nothing",
+            UserWarning,
+            stacklevel=outside_stacklevel(),
+        )
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for path, value in records.items():

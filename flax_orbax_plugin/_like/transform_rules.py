@@ -22,10 +22,11 @@ from typing import Any
 
 from .._errors import TransformError
 
-__all__ = ["compile_transform", "describe"]
+__all__ = ["compile_transform", "describe", "unmatched_rules"]
 
 EXPECTED = "a dict {regex: replacement} of str, or a callable path -> path | None"
 SOURCE = "_fop_transform_source"  # the option as given, on the compiled function
+RULES = "_fop_transform_rules"  # a dict option's compiled rules, in order
 
 
 def compile_transform(transform: Any) -> Callable[[str], str | None] | None:
@@ -40,6 +41,7 @@ def compile_transform(transform: Any) -> Callable[[str], str | None] | None:
     if isinstance(transform, Mapping):
         rules = [_rule(pattern, replacement) for pattern, replacement in transform.items()]
         compiled = _by_rules(rules)
+        setattr(compiled, RULES, rules)
     elif callable(transform):
         compiled = _by_call(transform)
     else:
@@ -48,6 +50,23 @@ def compile_transform(transform: Any) -> Callable[[str], str | None] | None:
         )
     setattr(compiled, SOURCE, transform)
     return compiled
+
+
+def unmatched_rules(compiled: Callable[[str], str | None] | None, paths: Any) -> list[str]:
+    """The patterns of a ``{regex: replacement}`` transform that no path of ``paths``
+    (the saved leaves) matched, each rule applied, in order, to what the rules before it
+    made of the path (as the restore applies them); [] for a callable or None."""
+    rules = getattr(compiled, RULES, None)
+    if not rules:
+        return []
+    hit = [False] * len(rules)
+    for path in paths:
+        for i, (regex, replacement) in enumerate(rules):
+            path, count = regex.subn(replacement, path)
+            hit[i] = hit[i] or count > 0
+        if all(hit):
+            return []
+    return [regex.pattern for (regex, _), matched in zip(rules, hit, strict=True) if not matched]
 
 
 def describe(compiled: Callable[[str], str | None] | None) -> str:

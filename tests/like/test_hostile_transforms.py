@@ -7,6 +7,7 @@ the option types that are not a dict or a callable are refused whole."""
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -109,3 +110,16 @@ def test_an_interrupt_inside_the_callable_is_not_swallowed(run):
 
     with pytest.raises(KeyboardInterrupt):
         fop.restore_params(run, tree()["params"], transform=interrupted)
+
+
+def test_a_rule_that_matches_no_saved_path_is_warned_of(run):
+    """A typo in a rule used to change nothing, silently; a rule that matches only what
+    an earlier rule made of a path counts as matching (the rules apply in order)."""
+    params = tree()["params"]
+    with pytest.warns(UserWarning, match=r"transform rule 'NOPE' matched no saved leaf path"):
+        fop.restore_params(run, params, transform={"NOPE": "x"})
+    chained = {"layers_0": "tmp", "tmp": "block_0"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = fop.restore_params(run, {"block_0": params["layers_0"]}, transform=chained)
+    np.testing.assert_array_equal(got["block_0"]["w"], params["layers_0"]["w"])
