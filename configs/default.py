@@ -24,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint.every_steps = 200
     # Also save when this many seconds passed since the last save (None: off).
     config.checkpoint.every_seconds = ml_collections.config_dict.placeholder(float)
-    config.checkpoint.keep = 3
+    config.checkpoint.keep = 3  # the newest steps kept; 0 keeps every step
     # True: continue from the latest good step when one exists (start fresh otherwise).
     # False on a directory that already holds steps is refused, unless `overwrite`
     # (which removes them first): two runs never mix in one directory.

@@ -116,7 +116,7 @@ def train_and_evaluate(config):
         ckpt.directory,
         every_steps=ckpt.every_steps,
         every_seconds=ckpt.every_seconds,
-        keep=ckpt.keep,
+        keep=ckpt.keep or None,  # 0: keep every step (a flag cannot say None for an int)
         resume=resume,
         overwrite=ckpt.overwrite,
         async_save=ckpt.async_save,
