@@ -66,6 +66,7 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
         self._release_lock()
 
     def __enter__(self):
+        self._check_open()  # type: ignore[attr-defined]  (a closed manager: said here)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

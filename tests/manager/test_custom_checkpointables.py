@@ -103,3 +103,14 @@ def test_a_kind_that_is_no_string_is_refused_at_open(tmp_path):
         TypeError, match=r"checkpointables\[.notes.\]: expected a Checkpointable .*found kind int 3"
     ):
         fop.CheckpointManager(tmp_path, checkpointables={"notes": bad})
+
+
+def test_a_closed_manager_is_said_closed_where_it_is_reused(tmp_path):
+    mngr = fop.CheckpointManager(tmp_path)
+    mngr.close()
+    mngr.close()  # twice: fine
+    with pytest.raises(fop.CheckpointError, match=r"manager on .* is closed"):
+        with mngr:
+            pass
+    with pytest.raises(fop.CheckpointError, match=r"is closed"):
+        mngr.save(1, _state(1))
