@@ -18,9 +18,10 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import host as _host
+from .._base.option_spec import found
 from .._core import ownership as _ownership
 from .._core.save import SaveHandle, SaveResult
-from .._errors import CheckpointError
+from .._errors import CheckpointError, OptionTypeError
 from .._format.foreign import foreign_run
 from .._format.steps import checked_step
 from .._like import transform as _transform
@@ -240,6 +241,10 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         with self._saver.saving():  # from here to its commit, removals yield to the save
             local = self._saver.check_new_step(step, overwrite or stop)
             extras = extras() if callable(extras) else extras  # only for a step that is saved
+            if extras is not None and not isinstance(extras, Mapping):  # metrics go by name
+                raise OptionTypeError(
+                    f"extras: expected a dict of JSON values, found {found(extras)}"
+                )
             items = collect_items(state, data_iterator, extras)
             if self._unheld:  # the first save: a name that matched no item warns, once
                 self._unheld = _options.warn_unheld(self._unheld, items)
