@@ -35,6 +35,7 @@ from .._zarr import chunks as _chunks
 from .._zarr import read_pool as _read_pool
 from . import handle as _handle
 from . import restore_plans as _plans
+from .read_agreement import agree_on_read
 from .read_data import read_targets
 from .requests import DEFAULT_READ_LIMIT_BYTES, ReadRequest
 from .targets import add_missing_empties, make_target
@@ -110,6 +111,7 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
 
 
 def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
+    agree_on_read(location, like, request)  # a collective read: the same on every process
     opts = request.changes
     if location.is_local and not opts.partial and opts.transform is None and not opts.surgery:
         # every batch is read whole: the disk starts on it while the metadata is parsed

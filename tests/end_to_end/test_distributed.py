@@ -36,6 +36,7 @@ service goes with it: survivors get UNAVAILABLE at once and are terminated likew
 """
 
 import os
+import re
 import time
 
 import _mp_workers as W
@@ -498,3 +499,24 @@ def test_a_failure_inside_collective_operations_on_an_object_store(store, victim
         assert mine["error"] != "returned", mine
         assert f"process {victim} failed" in theirs["error"], (mine["name"], theirs["error"])
         assert max(mine["t_raised"], theirs["t_raised"]) - mine["t0"] < 15, (mine, theirs)
+
+
+@pytest.mark.parametrize(
+    "differ, words",
+    [
+        ("step", r"read different checkpoints \('.*/2/params' on process 0; '.*/1/params' on"),
+        ("dtype", r"different likes: the first leaf that differs is \"w .* float32 .*bfloat16"),
+        ("spec", r"different likes: .*P\('data',\)\" on process 0 and \"w .* P\(\)\" on process 1"),
+    ],
+)
+def test_a_collective_restore_that_differs_between_processes_is_refused_on_each(
+    tmp_path, differ, words
+):
+    """A step, dtype or sharding of one process's own made one global array of two
+    steps (or two dtypes) without an error: every process now raises, naming it."""
+    run = _run(
+        "_mp_workers:restores_that_differ", 2, args={"directory": str(tmp_path), "differ": differ}
+    )
+    for proc in run.check().procs:
+        assert proc.result["raised"] is not None and re.search(words, proc.result["raised"])
+        assert proc.result["after_s"] < 10

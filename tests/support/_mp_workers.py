@@ -901,3 +901,36 @@ def callback_overwrite(ctx, directory):
         "after_clear": steps,
         "at_end": fop.CheckpointManager(directory, read_only=True).steps(),
     }
+
+
+def restores_that_differ(ctx, directory, differ):
+    """Steps 1 and 2 through the manager, then a collective restore that differs on the
+    last process only (``differ``: "step", its step; "dtype", its like's dtype of ``w``;
+    "spec", its like's sharding of ``w``). Reports what the restore raised."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flax_orbax_plugin as fop
+
+    with fop.CheckpointManager(directory) as mngr:
+        for step in (1, 2):
+            mngr.save(step, make_state(ctx, step))
+    last = ctx.process_id == ctx.num_processes - 1
+    like = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+        make_state(ctx, 0)["params"],
+    )
+    w = like["w"]
+    if last and differ == "dtype":
+        like["w"] = jax.ShapeDtypeStruct(w.shape, jnp.bfloat16, sharding=w.sharding)
+    if last and differ == "spec":
+        like["w"] = jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(ctx.mesh, P()))
+    step = 1 if last and differ == "step" else 2
+    started = time.monotonic()
+    try:
+        fop.restore_params(directory, like, step=step)
+    except fop.CoordinationError as e:
+        return {"raised": str(e), "after_s": time.monotonic() - started}
+    return {"raised": None}

@@ -1,0 +1,110 @@
+"""The processes of a collective read agree on what they read, before any byte.
+
+A restore that spans processes (``fop.restore``, ``restore_params``, a manager's
+items: inside a collective region, ``_base.regions``) builds global arrays from every
+process's part, and shares replicated reads (each process reads a slice, then an
+all-gather). A process that named another checkpoint (a step or path of its own), or a
+``like`` with another dtype, shape or sharding, made a global array of two checkpoints
+or two dtypes, silently. :func:`agree_on_read` compares, in one key-value round, a
+digest of what each process is about to read (the checkpoint's place, the read's
+options, like's leaves: path, shape, dtype, sharding); on a difference every process
+raises the same CoordinationError naming the first one (a second round, only then,
+names the first leaf that differs).
+
+A read of a host's own directory (``own_copy``) and a read outside a region (one
+process alone, onto host arrays) agree on nothing. Threading: the caller's thread, the
+same call on every process (it is inside the collective).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base import distributed as _distributed
+from .._base import regions as _regions
+from .._base import tree as _tree
+from .._errors import CoordinationError
+from .._storage.location import Location
+from .requests import ReadRequest
+
+__all__ = ["agree_on_read"]
+
+_SHOWN_LEAVES = 4000  # leaves named in the second round (a digest beyond them)
+
+
+def agree_on_read(location: Location, like: Any, request: ReadRequest) -> None:
+    """Raises CoordinationError on every process when the processes of this collective
+    read differ in what they read (see the module docstring); returns otherwise."""
+    if request.own_copy or _regions.current_region() is None:
+        return
+    leaves = _like_leaves(like)
+    mine = {
+        "checkpoint": str(location),
+        "options": f"cast={request.cast!r}, {request.changes.describe()}",
+        "like": _digest(leaves),
+    }
+    views = _distributed.gather_json("read-agreement", mine)
+    for field in ("checkpoint", "options", "like"):
+        values = [v[field] for v in views]
+        if len(set(values)) == 1:
+            continue
+        if field == "like":
+            raise CoordinationError(_like_difference(leaves))
+        each = "; ".join(f"{v!r} on process {p}" for p, v in enumerate(values))
+        raise CoordinationError(
+            f"the processes of one collective restore read different {field}s ({each}): "
+            f"every process must pass the same path, step and options"
+        )
+
+
+def _like_leaves(like: Any) -> list[str]:
+    if like is None:
+        return []
+    flat, _ = _tree.flatten(like)
+    return [f"{path} {_describe(leaf)}" for path, _, leaf in flat]
+
+
+def _describe(leaf: Any) -> str:
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        return type(leaf).__name__  # a Python scalar, a string, None: no array to place
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        placed = f"{dict(sharding.mesh.shape)} {sharding.spec}"
+    else:  # a host array, or one device's (a process's own): not compared across
+        placed = "host" if isinstance(leaf, np.ndarray) else "local"
+    return f"{list(shape)} {dtype} {placed}"
+
+
+def _digest(leaves: list[str]) -> str:
+    return hashlib.sha256("\n".join(leaves).encode()).hexdigest()
+
+
+def _like_difference(leaves: list[str]) -> str:
+    """The message for likes that differ: every process names its leaves (a second
+    round, taken by all, since all saw the digests differ), compared in order."""
+    views = _distributed.gather_json("read-agreement-leaves", leaves[:_SHOWN_LEAVES])
+    first = views[0]
+    for p, other in enumerate(views[1:], start=1):
+        for a, b in zip(first, other, strict=False):
+            if a != b:
+                return (
+                    f"the processes of one collective restore passed different likes: the "
+                    f"first leaf that differs is {a!r} on process 0 and {b!r} on process "
+                    f"{p}; every process must pass the same tree, shapes, dtypes and "
+                    f"shardings (jax.eval_shape of one state, one mesh)"
+                )
+        if len(first) != len(other):
+            return (
+                f"the processes of one collective restore passed different likes: "
+                f"{len(first)} leaves on process 0, {len(other)} on process {p}"
+            )
+    return (
+        f"the processes of one collective restore passed different likes (past their "
+        f"first {_SHOWN_LEAVES} leaves)"
+    )
