@@ -162,11 +162,14 @@ def test_restore_params_first_use_loads_serving_alone_and_is_the_apis():
 
 
 def _imported_names(body):
+    """The public names a module's imports bind (one bound to a private name, such as
+    ``_api``'s ``named_keywords as _named_keywords``, is no public name)."""
     return sorted(
         (node.module, alias.name)
         for node in body
         if isinstance(node, ast.ImportFrom)
         for alias in node.names
+        if not (alias.asname or alias.name).startswith("_")
     )
 
 
