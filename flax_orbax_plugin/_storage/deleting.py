@@ -28,7 +28,7 @@ from typing import Any
 import tensorstore as ts
 
 from . import server_copy as _server_copy
-from .kvstore import context
+from .kvstore import context, store_retries
 from .location import Location
 
 __all__ = [
@@ -61,6 +61,8 @@ def removal_context(spec: dict[str, Any]) -> ts.Context:
                         "cache_pool": {"total_bytes_limit": 0},
                         "s3_request_concurrency": {"limit": REMOVAL_CONCURRENCY},
                         "gcs_request_concurrency": {"limit": REMOVAL_CONCURRENCY},
+                        "s3_request_retries": store_retries(),
+                        "gcs_request_retries": store_retries(),
                     }
                 )
             )

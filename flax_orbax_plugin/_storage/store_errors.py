@@ -51,6 +51,13 @@ _REFUSALS = (
         "check that these credentials may read (and, to write, write) this bucket",
     ),
 )
+_UNREACHABLE = (
+    r"Could not connect to server|Couldn't connect|Failed to connect|Could not resolve "
+    r"host|Couldn't resolve host|curl_code='(6|7|28)'",
+    "cannot be reached",
+    "check the endpoint (AWS_ENDPOINT_URL, TENSORSTORE_GCS_HTTP_URL) and the network",
+)
+_REFUSALS = (*_REFUSALS, _UNREACHABLE)
 _BUCKET_IN_BODY = re.compile(r"<BucketName>([^<]+)</BucketName>")
 
 

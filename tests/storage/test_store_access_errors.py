@@ -89,3 +89,52 @@ def test_other_errors_pass_unchanged(s3_location):
         fop.restore(s3_location.url, {"other": np.zeros(3)})
     with pytest.raises(fop.UnsupportedLocationError):
         fop.restore("s4://bucket/run")
+
+
+UNREACHABLE = """
+import sys, time
+import numpy as np
+import flax_orbax_plugin as fop
+url = sys.argv[1]
+fop.save(url + "/a", {"w": np.ones(4)})
+print("saved", flush=True)
+sys.stdin.readline()  # the server is stopped meanwhile
+began = time.monotonic()
+for call in (lambda: fop.save(url + "/b", {"w": np.ones(4)}), lambda: fop.restore(url + "/a")):
+    try:
+        call()
+        print("no error")
+    except fop.StoreAccessError as e:
+        print(f"{e.reason}|{e}|{time.monotonic() - began:.1f}", flush=True)
+"""
+
+
+def test_a_store_that_went_away_is_named_in_bounded_time(tmp_path):
+    """The server stopped under a run: tensorstore's own retries went on for about 15
+    minutes, silently (Ctrl-C held back by the save's blocking phase); the retries are
+    bounded (FOP_STORE_RETRIES, 1 here) and the error names the store and the endpoint."""
+    import os
+    import subprocess
+    import sys
+
+    with S3Server(mode="process") as server:
+        bucket = server.create_bucket()
+        child = subprocess.Popen(
+            [sys.executable, "-c", UNREACHABLE, f"s3://{bucket}/run"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **server.env, "FOP_STORE_RETRIES": "1"},
+        )
+        assert child.stdout.readline().strip() == "saved"
+    try:  # the server is stopped here
+        out, _ = child.communicate("go\n", timeout=120)
+    finally:
+        child.kill()
+    lines = out.strip().splitlines()
+    assert len(lines) == 2, out
+    for line in lines:
+        reason, message, seconds = line.split("|")
+        assert reason == "cannot be reached", line
+        assert f"s3://{bucket}" in message and "AWS_ENDPOINT_URL" in message, line
+        assert float(seconds) < 60, line
