@@ -23,7 +23,7 @@ import tensorstore as ts
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
-from .._format.layout import COMMIT_FILE, MANIFEST_FILE, CommitMarker, StepManifest
+from .._format.layout import COMMIT_FILE, MANIFEST_FILE, PENDING_FILE, CommitMarker, StepManifest
 from .._storage import deleting as _deleting
 from .._storage import json_docs as _docs
 from .._storage.deleting import removal_context
@@ -32,7 +32,6 @@ from .._storage.location import Location
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-PENDING_FILE = "_PENDING.json"
 _LIBRARY = "flax_orbax_plugin"
 
 

@@ -20,7 +20,7 @@ from .._errors import (
 from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .foreign import foreign_format_hint
-from .layout import MANIFEST_FILE, StepManifest, decode_checked
+from .layout import MANIFEST_FILE, PENDING_FILE, StepManifest, decode_checked
 
 # Canonical step names only: ``0`` or digits without a leading zero (``007`` is foreign).
 _STEP = r"(0|[1-9][0-9]{0,17})"
@@ -73,7 +73,8 @@ def list_directory(loc: Location) -> Listing:
             continue
         if STEP_RE.match(name) and loc.child(name).exists(MANIFEST_FILE):
             committed.append(int(name))
-        elif TMP_RE.match(name):
+        elif TMP_RE.match(name) or (STEP_RE.match(name) and loc.child(name).exists(PENDING_FILE)):
+            # (a step written in place on an object store, its writer killed: gc's too)
             unfinished.append(name)
         elif CORRUPT_RE.match(name):
             corrupt.append(name)

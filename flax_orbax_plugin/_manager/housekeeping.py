@@ -27,7 +27,13 @@ from .._format.layout import MANIFEST_FILE
 from .._storage.location import Location
 from .._storage.lock import DirectoryLock
 
-__all__ = ["open_writer", "refuse_step_directory", "remove_unfinished", "roll_forward"]
+__all__ = [
+    "open_writer",
+    "refuse_step_directory",
+    "remove_unfinished",
+    "roll_forward",
+    "rolls_forward",
+]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -111,18 +117,27 @@ def _remove_dead_save_staging(staging: Location) -> bool:
     return _ownership.remove_if_ours(staging, what="staging of an interrupted save")
 
 
-def roll_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
-    """A ``.partial-`` holding a valid manifest whose step is missing was committed
-    but not yet renamed (a crash between the renames of a replacement): finish it."""
-    step_name, kind = name.split(".", 1)
+def rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
+    """Whether unfinished ``name`` is a ``.partial-`` holding a valid manifest whose step
+    is missing: committed but not yet renamed (a crash between the renames of a
+    replacement), to be finished, not removed (the writer's :func:`roll_forward`, and
+    what ``gc`` plans)."""
+    step_name, _, kind = name.partition(".")  # (a step written in place has no kind)
     if not kind.startswith("partial-") or int(step_name) in listing.committed:
         return False
-    src = loc.child(name)
     try:
-        _steps.read_manifest(src)
+        _steps.read_manifest(loc.child(name))
     except CheckpointError:
         return False
-    src.rename(loc.child(step_name))
+    return True
+
+
+def roll_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
+    """Finishes the commit of unfinished ``name`` where :func:`rolls_forward`."""
+    if not rolls_forward(loc, name, listing):
+        return False
+    step_name = name.partition(".")[0]
+    loc.child(name).rename(loc.child(step_name))
     _ownership.unclaim(loc.child(step_name))  # killed before its own unclaim
     logger.warning("finished the commit of step %s in %s (was %s)", step_name, loc, name)
     return True

@@ -15,6 +15,7 @@ from .._core import commit as _commit
 from .._core import ownership as _ownership
 from .._errors import CheckpointError, ForeignEntryError
 from .._format import steps as _steps
+from .._manager.housekeeping import rolls_forward
 from .._manager.retention import Retention, sound_steps_to_delete
 from .._storage.location import Location
 
@@ -33,7 +34,7 @@ class GcPlan:
 def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
     """What ``gc --keep keep --keep-every keep_every`` would do to ``loc`` now."""
     listing = _steps.list_directory(loc)
-    finishing = [n for n in listing.unfinished if _rolls_forward(loc, n, listing)]
+    finishing = [n for n in listing.unfinished if rolls_forward(loc, n, listing)]
     unfinished = [n for n in listing.unfinished if n not in finishing and _proven(loc.child(n))]
     foreign_gone = []
     kinds = loc.child_kinds() if loc.is_local else {}
@@ -63,19 +64,6 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
         kept=[s for s in committed if s not in doomed],
         left_alone=left,
     )
-
-
-def _rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
-    """A ``.partial-`` whose manifest is whole and whose step is missing: gc finishes
-    its commit (``housekeeping.roll_forward``) instead of removing it."""
-    step_name, kind = name.split(".", 1)
-    if not kind.startswith("partial-") or int(step_name) in listing.committed:
-        return False
-    try:
-        _steps.read_manifest(loc.child(name))
-    except CheckpointError:
-        return False
-    return True
 
 
 def _proven(loc: Location) -> bool:

@@ -1,5 +1,6 @@
 """The flax-orbax command line on real checkpoints written by CheckpointManager."""
 
+import json
 import os
 import re
 import shutil
@@ -182,6 +183,24 @@ def test_gc(ckpt_dir, capsys, tmp_path):
         rc, _, err = run_cli(capsys, "gc", work, "--keep", 1)
     assert rc == cli.EXIT_ERROR and "writer" in err
     assert sorted(n for n in os.listdir(work) if not n.startswith(".")) == ["20", "30"]
+
+
+def test_list_and_gc_agree_on_a_step_written_in_place_by_a_killed_writer(
+    ckpt_dir, capsys, tmp_path
+):
+    """On an object store a step is written in place, under its own name, with our
+    pending marker: a killed writer leaves ``40/`` holding only that. ``list`` called it
+    foreign (not ours: left alone) while ``gc`` removed it as unfinished."""
+    directory, _ = ckpt_dir
+    work = tmp_path / "run"
+    shutil.copytree(directory, work)
+    os.makedirs(work / "40")
+    (work / "40" / _ownership.PENDING_FILE).write_bytes(_ownership._pending_bytes("abc123"))
+    rc, out, _ = run_cli(capsys, "list", work, "--json")
+    listing = json.loads(out)
+    assert rc == 0 and listing["unfinished"] == ["40"] and "40" not in listing["foreign"]
+    rc, out, _ = run_cli(capsys, "gc", work, "--dry-run")
+    assert "unfinished: 40" in out
 
 
 def test_gc_of_a_directory_that_is_no_run_writes_nothing_there(capsys, tmp_path):

@@ -49,6 +49,7 @@ STEP_VERSION = 1
 METADATA_FILE = "_METADATA.json"
 COMMIT_FILE = "_COMMITTED"
 MANIFEST_FILE = "_CHECKPOINT.json"
+PENDING_FILE = "_PENDING.json"  # a save in progress (or killed): see _core.ownership
 JSON_VALUE_FILE = "value.json"
 ARRAYS_DIR = "d"  # d/<i>/: the zarr3 array of leaf number i
 BATCHES_DIR = "b"  # b/<name>/: a zarr3 1-D batch of small leaves
