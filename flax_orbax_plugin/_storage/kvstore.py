@@ -248,7 +248,9 @@ def _url_spec(text: str, what: str) -> dict[str, Any]:
                 f"{what} {text!r}: expected file:///<absolute path>, found no path"
             )
         return {"driver": "file", "path": _local_abspath(_path_text(url.path, what), what)}
-    spec = {"driver": _STORES[scheme], "bucket": url.netloc, "path": url.path.lstrip("/")}
+    # the one '/' after the bucket goes; another ('s3://b//x': the key '/x') stays, and is
+    # refused below as an empty component (it was quietly read as 'x', another key)
+    spec = {"driver": _STORES[scheme], "bucket": url.netloc, "path": url.path[1:]}
     if scheme == "s3":
         spec.update(_s3_settings_from_env())
     return spec

@@ -35,6 +35,8 @@ HOSTILE = [
     ("s3://bucket/a/../b", r"holds a '\.\.' component"),
     ("gs://bucket/a/./b", r"holds a '\.' component"),
     ("memory://a//b", r"holds a '' component"),
+    ("s3://bucket//run", r"the key '/run/' holds a '' component"),  # was read as 'run'
+    ("gs://bucket//run/x", r"the key '/run/x/' holds a '' component"),
     ("s3://b/run", r"'s3://b/run': Invalid S3 bucket name"),
     ("s3://user@bucket/run", r"Invalid S3 bucket name: \"user@bucket\""),
     ("gs://Bucket/run", r"Invalid GCS bucket name"),
@@ -60,6 +62,8 @@ IDS = [
     "s3-dotdot",
     "gs-dot",
     "memory-empty-component",
+    "s3-leading-empty-component",
+    "gs-leading-empty-component",
     "s3-short-bucket",
     "s3-userinfo",
     "gs-uppercase-bucket",
