@@ -14,12 +14,45 @@ Threading: the training thread, as every call of the manager.
 from __future__ import annotations
 
 import logging
+import sys
+import threading
+import weakref
 
 from .._base import regions as _regions
+from .._errors import CheckpointError
 
-__all__ = ["Lifecycle"]
+__all__ = ["Lifecycle", "leave_at_exit"]
 
 logger = logging.getLogger("flax_orbax_plugin")
+
+# Writers of several processes not closed yet: they leave when the program ends.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+_EXIT_HOOK: list[bool] = []
+
+
+def leave_at_exit(manager: Lifecycle) -> None:
+    """``manager`` (a writer of several processes) leaves the run when this program ends
+    without closing it: an exception nobody caught (no ``with`` block), or the last line
+    reached without ``close()``. The others, waiting for this process in their next
+    save, learn at once that it left and why, rather than after the stall timeout (then
+    jax's own shutdown barrier). A ``threading`` exit hook: it runs before ``atexit``'s
+    (jax's shutdown among them), after the saves still running were waited for
+    (``_core.handle``, registered later, runs first)."""
+    _OPEN.add(manager)
+    if not _EXIT_HOOK:
+        threading._register_atexit(_leave_all)  # type: ignore[attr-defined]
+        _EXIT_HOOK.append(True)
+
+
+def _leave_all() -> None:
+    error = getattr(sys, "last_value", None)  # set by now for an uncaught exception
+    if error is None:
+        error = CheckpointError("the program ended without closing its CheckpointManager")
+    for manager in list(_OPEN):
+        try:
+            manager.leave(error)
+        except Exception:  # the program is ending: said, then the next one
+            logger.exception("checkpoint: leaving the run at exit failed")
 
 
 class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ... and wait)

@@ -34,7 +34,7 @@ from . import options as _options
 from . import per_host as _per_host
 from . import signatures as _signatures
 from .book import StepBook
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, leave_at_exit
 from .option_table import MANAGER
 from .restoring import Restorer
 from .retaining import RetentionRunner
@@ -117,6 +117,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                 )
                 _per_host.open_tier(self._book, self.steps())
             self._schedule.watch(handle_sigterm=opts.handle_sigterm)  # or OnPreemption()
+            if _distributed.process_count() > 1:
+                leave_at_exit(self)  # a program ending without close(): the others learn
         except BaseException:  # the others learn of it at once: waits for none of them
             self._shut()
             raise

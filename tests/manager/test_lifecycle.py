@@ -5,6 +5,7 @@ Real processes (jax.distributed on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from _multiprocess import run_processes
@@ -95,6 +96,67 @@ def test_an_error_leaving_one_processs_callback_block_reaches_the_other_at_once(
     assert "process 1 left" in other["error"], stories
     assert other["t_error"] - own["t_raise"] < 15, stories
     assert fop.CheckpointManager(tmp_path / "run", read_only=True).steps() == [1, 2]
+
+
+UNCAUGHT = """
+import os, sys, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+port, me, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=me,
+                           shutdown_timeout_seconds=20)
+import numpy as np
+import flax_orbax_plugin as fop
+mngr = fop.CheckpointManager(directory, every_steps=1)  # no with block, never closed
+for step in range(1, 6):
+    if me == 1 and step == 3:
+        print(f"T_RAISE {time.time()}", flush=True)
+        raise RuntimeError("the loss is NaN on host 1")  # nobody catches it
+    try:
+        mngr.save(step, {"w": np.full(4, step, np.float32)})
+    except fop.CheckpointError as e:
+        print(f"T_ERROR {time.time()}", flush=True)
+        print(f"ERROR {type(e).__name__}: {e}", flush=True)
+        os._exit(3)
+"""
+
+
+def test_an_uncaught_error_without_a_with_block_reaches_the_other_at_once(tmp_path):
+    """A plain ``mngr = CheckpointManager(...)`` and an exception nobody catches on one
+    process: the others waited for it in their next save until the stall timeout (300 s
+    by default), then jax's shutdown barrier aborted them all. The manager now leaves
+    the run when its program ends, and the others learn which error ended it."""
+    import subprocess
+    import sys
+
+    from _multiprocess import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(ENV, JAX_PLATFORMS="cpu")
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", UNCAUGHT, port, str(i), str(tmp_path / "run")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    (out0, err0), (out1, err1) = outs
+    stories = f"process 0:\n{out0}\n{err0[-3000:]}\nprocess 1:\n{out1}\n{err1[-3000:]}"
+    assert "RuntimeError: the loss is NaN on host 1" in err1, stories
+    t_raise = float(out1.split("T_RAISE ")[1].split()[0])
+    t_error = float(out0.split("T_ERROR ")[1].split()[0])
+    assert "process 1 left" in out0 and "RuntimeError: the loss is NaN on host 1" in out0
+    assert t_error - t_raise < 15, stories  # not the 60 s stall timeout
 
 
 def test_a_new_manager_after_an_error_every_process_shared_goes_on(tmp_path):
