@@ -230,7 +230,7 @@ def _first_difference(op: str, mine: list[str]) -> str:
             f"; {len(mine)} leaves here, {len(theirs)} on process 0 (the first "
             f"one only {'here' if len(mine) > len(theirs) else 'on process 0'}: {extra!r})"
         )
-    return "; the leaves' paths, kinds, dtypes and shapes agree: a str or bytes leaf differs"
+    return "; the leaves' paths, kinds, dtypes, shapes and small values agree: a str leaf differs"
 
 
 def _discard(abort: Callable[[], None], outcome: str) -> str:

@@ -62,6 +62,8 @@ class Leaf:
     # {chunk grid cell: crc32c} of chunks of ``writes`` checksummed as they were copied
     # into pooled buffers (host_snapshot): the writers take these rather than re-read
     crcs: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
+    # a small host leaf's bytes, digested when planned (compared across processes)
+    value_digest: str | None = None
 
 
 class _Batching:
@@ -137,6 +139,8 @@ class Plan:
         self.request = request
         self.format = _formats.for_version(request.format_version)  # picked once, here
         self.batch_data: dict[str, np.ndarray | _chunk_writer.Gathered] = {}
+        for leaf in leaves:
+            leaf.value_digest = _host_value(leaf)
         self.digest = _digest(leaves)
         self._pool: _host.BufferPool | None = None
         self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
@@ -322,17 +326,31 @@ def structure_lines(leaves: list[Leaf]) -> list[str]:
     for leaf in leaves:
         r = leaf.record
         shape = "" if r.shape is None else list(r.shape)
-        out.append(f"{r.path}: {r.kind} {r.dtype or ''}{shape}".rstrip())
+        shown = leaf.value_digest
+        value = "" if shown is None else f" (value digest {shown})"
+        out.append(f"{r.path}: {r.kind} {r.dtype or ''}{shape}{value}".rstrip())
     return out
 
 
 def _digest(leaves: list[Leaf]) -> str:
-    """A digest of the tree's structure (paths, kinds, shapes, dtypes): equal on every
-    process that saves the same tree."""
+    """A digest of the tree's structure (paths, kinds, shapes, dtypes) and of the values
+    the primary alone writes that are small enough to compare (str and bytes leaves,
+    host scalars and arrays up to 64 KiB: a learning rate, a mask): equal on every
+    process that saves the same tree. (A differing ``lr`` saved process 0's, silently.)"""
     h = hashlib.sha256()
     for leaf in leaves:
         r = leaf.record
         h.update(f"{r.path}\0{r.kind}\0{r.shape}\0{r.dtype}\n".encode())
         if r.value is not None:  # a str or bytes leaf: every process saves the same
             h.update(hashlib.sha256(r.value.encode("utf-8")).digest())
+        elif leaf.value_digest is not None:
+            h.update(leaf.value_digest.encode())
     return h.hexdigest()
+
+
+def _host_value(leaf: Leaf) -> str | None:
+    """A short digest of a small host leaf's bytes (None for any other leaf)."""
+    value = leaf.value
+    if isinstance(value, np.ndarray) and value.nbytes <= 1 << 16:
+        return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:12]
+    return None

@@ -523,3 +523,15 @@ def test_a_collective_restore_that_differs_between_processes_is_refused_on_each(
     for proc in run.check().procs:
         assert proc.result["raised"] is not None and re.search(words, proc.result["raised"])
         assert proc.result["after_s"] < 10
+
+
+def test_a_small_host_value_that_differs_between_processes_is_refused(tmp_path):
+    """A learning rate (a Python float) of 0.1 on process 0 and 0.2 on process 1: the
+    primary's was saved and every process restored 0.1. Now the save is refused on
+    every process, naming the leaf."""
+    run = _run("_mp_workers:host_leaf_that_differs", 2, args={"directory": str(tmp_path / "c")})
+    procs = run.check().procs
+    for proc in procs:
+        assert proc.result["raised"] is not None and "disagree" in proc.result["raised"]
+    assert "the first leaf that differs: 'params/lr" in procs[1].result["raised"]
+    assert not (tmp_path / "c").exists()

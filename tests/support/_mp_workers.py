@@ -934,3 +934,17 @@ def restores_that_differ(ctx, directory, differ):
     except fop.CoordinationError as e:
         return {"raised": str(e), "after_s": time.monotonic() - started}
     return {"raised": None}
+
+
+def host_leaf_that_differs(ctx, directory):
+    """``fop.save`` of a tree whose Python float ``lr`` differs on the last process
+    (process 0's was saved for all, silently). Reports what the save raised."""
+    import flax_orbax_plugin as fop
+
+    state = make_state(ctx, 1)
+    state["params"]["lr"] = 0.2 if ctx.process_id == ctx.num_processes - 1 else 0.1
+    try:
+        fop.save(directory, state)
+    except fop.CoordinationError as e:
+        return {"raised": str(e)}
+    return {"raised": None}
