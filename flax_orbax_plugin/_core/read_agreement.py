@@ -25,7 +25,6 @@ import jax
 import numpy as np
 
 from .._base import distributed as _distributed
-from .._base import regions as _regions
 from .._base import tree as _tree
 from .._errors import CoordinationError
 from .._storage.location import Location
@@ -38,9 +37,8 @@ _SHOWN_LEAVES = 4000  # leaves named in the second round (a digest beyond them)
 
 def agree_on_read(location: Location, like: Any, request: ReadRequest) -> None:
     """Raises CoordinationError on every process when the processes of this collective
-    read differ in what they read (see the module docstring); returns otherwise."""
-    if request.own_copy or _regions.current_region() is None:
-        return
+    read differ in what they read (see the module docstring); returns otherwise. Called
+    inside a collective region only, for a read of no host's own directory."""
     leaves = _like_leaves(like)
     mine = {
         "checkpoint": str(location),

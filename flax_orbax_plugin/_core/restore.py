@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._base import regions as _regions
 from .._base import tree as _tree
 from .._errors import StructureError, TransformError
 from .._format import layout as _layout
@@ -111,7 +112,8 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
 
 
 def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
-    agree_on_read(location, like, request)  # a collective read: the same on every process
+    if not request.own_copy and _regions.current_region() is not None:  # a collective read
+        agree_on_read(location, like, request)  # the same on every process, before a byte
     opts = request.changes
     if location.is_local and not opts.partial and opts.transform is None and not opts.surgery:
         # every batch is read whole: the disk starts on it while the metadata is parsed
