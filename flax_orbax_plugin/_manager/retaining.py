@@ -61,10 +61,13 @@ def as_metric(value: Any) -> float | None:
         return None
     if isinstance(value, numbers.Real):
         return float(value)
-    kind = getattr(getattr(value, "dtype", None), "kind", "")
-    if kind in "iuf" and kind and getattr(value, "shape", None) == ():  # numpy/jax scalars
+    dtype = getattr(value, "dtype", None)  # numpy/jax scalars (bfloat16's kind is "V")
+    if dtype is None or getattr(value, "shape", None) != () or dtype.kind in "bSUO":
+        return None
+    try:
         return float(value)
-    return None
+    except (TypeError, ValueError):
+        return None
 
 
 class RetentionRunner:

@@ -190,3 +190,16 @@ def test_retention_and_replay_warnings_point_at_the_users_line(tmp_path):
         with pytest.warns(UserWarning, match="ranks steps by") as seen:
             m.save(1, {"params": {"w": np.ones(2)}})
     assert all(w.filename == __file__ for w in seen), [w.filename for w in seen]
+
+
+def test_a_metric_is_any_real_scalar_and_nothing_else():
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from flax_orbax_plugin._manager.retaining import as_metric
+
+    numbers = [2, 2.0, np.float32(2), np.int64(2), jnp.float32(2), jnp.array(2, jnp.bfloat16)]
+    numbers.append(np.array(2, ml_dtypes.bfloat16))  # a bfloat16 loss (its dtype kind is "V")
+    assert [as_metric(v) for v in numbers] == [2.0] * len(numbers)
+    for other in ["2", b"2", True, np.bool_(True), jnp.array(True), jnp.array([2.0]), None]:
+        assert as_metric(other) is None, other
