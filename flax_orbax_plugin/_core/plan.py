@@ -139,8 +139,9 @@ class Plan:
         self.request = request
         self.format = _formats.for_version(request.format_version)  # picked once, here
         self.batch_data: dict[str, np.ndarray | _chunk_writer.Gathered] = {}
-        for leaf in leaves:
-            leaf.value_digest = _host_value(leaf)
+        if _distributed.process_count() > 1:  # compared across processes; else unused
+            for leaf in leaves:
+                leaf.value_digest = _host_value(leaf)
         self.digest = _digest(leaves)
         self._pool: _host.BufferPool | None = None
         self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
