@@ -18,7 +18,6 @@ same call on every process (it is inside the collective).
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import jax
@@ -27,6 +26,7 @@ import numpy as np
 from .._base import distributed as _distributed
 from .._base import tree as _tree
 from .._errors import CoordinationError
+from .._format import layout as _layout
 from .._storage.location import Location
 from .requests import ReadRequest
 
@@ -80,7 +80,7 @@ def _describe(leaf: Any) -> str:
 
 
 def _digest(leaves: list[str]) -> str:
-    return hashlib.sha256("\n".join(leaves).encode()).hexdigest()
+    return _layout.sha256("\n".join(leaves).encode())
 
 
 def _like_difference(leaves: list[str]) -> str:

@@ -45,13 +45,13 @@ def near_miss(path: str, stored: Collection[str]) -> str:
             f"; it holds {path[: -len('/value')]!r}: saved without NNX's '/value' "
             f"(transform={{r'$': '/value'}} maps the saved paths onto like's)"
         )
+    if path + "/value" in stored:
+        return (
+            f"; it holds {path + '/value'!r}: an NNX State's leaves, restored into "
+            f"like=nnx.state(model) (or transform={{r'/value$': ''}} on this "
+            f"library's checkpoints)"
+        )
     for saved in stored:
-        if saved == path + "/value":
-            return (
-                f"; it holds {saved!r}: an NNX State's leaves, restored into "
-                f"like=nnx.state(model) (or transform={{r'/value$': ''}} on this "
-                f"library's checkpoints)"
-            )
         if saved.startswith(path + "/"):
             return f"; it holds {saved!r}, below like's leaf"
         if saved.endswith("/" + path):

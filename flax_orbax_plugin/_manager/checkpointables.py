@@ -70,6 +70,7 @@ __all__ = [
     "StepCheckpointable",
     "DataIteratorCheckpointable",
     "checkpointable_for",
+    "kind_of",
     "BUILTIN_CHECKPOINTABLES",
     "ReadRequest",
     "SaveRequest",
@@ -330,6 +331,12 @@ BUILTIN_CHECKPOINTABLES: Mapping[str, Checkpointable] = {
 _DEFAULT = PytreeCheckpointable()
 
 
+def kind_of(checkpointable: Any) -> str:
+    """The kind a step's manifest records for ``checkpointable``'s item, and that a
+    restore compares: its ``kind`` (``"custom"`` for a class without one)."""
+    return getattr(checkpointable, "kind", "custom")
+
+
 def checkpointable_for(
     name: str, overrides: Mapping[str, Checkpointable] | None = None
 ) -> Checkpointable:
@@ -357,7 +364,7 @@ class _TwoArgument:
 
     def __init__(self, inner: Any):
         self.inner = inner
-        self.kind = getattr(inner, "kind", "custom")
+        self.kind = kind_of(inner)
 
     def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
         return self.inner.save(directory, value)

@@ -36,6 +36,7 @@ from .._format import layout as _layout
 from .._format.steps import STEP, STEP_OR_NONE
 from . import policy as _policy
 from . import retention as _retention
+from .checkpointables import kind_of
 from .keep_rules import KeepRule
 from .save_rules import SaveRule
 from .tiers import tier_option as _tier_option
@@ -83,7 +84,7 @@ def _checkpointables(value: Any) -> Mapping[str, Any]:
         raise TypeError(f"expected a dict {{item name: Checkpointable}}, found {found(value)}")
     for name, item in value.items():
         _name(name, "checkpointables")
-        kind = getattr(item, "kind", "custom")  # recorded in the manifest, read back by it
+        kind = kind_of(item)  # recorded in the manifest, read back by it
         methods = callable(getattr(item, "save", None)) and callable(getattr(item, "restore", None))
         if not methods or not isinstance(kind, str) or not kind:
             shown = f"kind {found(kind)}" if methods else found(item)

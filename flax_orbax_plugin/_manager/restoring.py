@@ -44,7 +44,7 @@ from .._storage.location import Location
 from . import peers as _peers
 from . import per_host as _per_host
 from .book import StepBook
-from .checkpointables import COPY_KINDS, Checkpointable, checkpointable_for
+from .checkpointables import COPY_KINDS, Checkpointable, checkpointable_for, kind_of
 from .events import RestoreDone, measure_stored
 
 __all__ = ["Restorer"]
@@ -375,7 +375,7 @@ class Restorer:
         request: ReadRequest,
     ) -> Any:
         handler = checkpointable_for(name, self._overrides)
-        kind = getattr(handler, "kind", "custom")  # as the save recorded it (step_commit)
+        kind = kind_of(handler)  # as the save recorded it
         if entry.kind != kind:  # a reader for another kind would misread it as damage
             raise CheckpointError(
                 f"item {name!r} of step {step} in {self._loc} was saved by a checkpointable "

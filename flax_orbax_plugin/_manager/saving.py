@@ -36,7 +36,7 @@ from .._state.train_state import split_state
 from .._storage.location import Location
 from . import per_host as _per_host
 from .book import StepBook
-from .checkpointables import Checkpointable, Pending, checkpointable_for
+from .checkpointables import Checkpointable, Pending, checkpointable_for, kind_of
 from .events import SaveBlockingDone, SaveCommitted, SaveStarted
 from .options import check_item_name
 from .retaining import RetentionRunner
@@ -293,7 +293,7 @@ class Saver:
         if own:
             layout, hosts = _per_host.layout_digest(items), _per_host.host_regions(items)
             marker = _per_host.host_marker(step, self._book.run, layout, hosts)
-        entries = {n: ItemEntry(getattr(h, "kind", "custom"), dirs[n]) for n, h in handlers.items()}
+        entries = {n: ItemEntry(kind_of(h), dirs[n]) for n, h in handlers.items()}
         digest = _layout.sha256(
             _layout.encode(
                 [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]

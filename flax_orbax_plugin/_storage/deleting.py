@@ -55,14 +55,15 @@ def removal_context(spec: dict[str, Any]) -> ts.Context:
         return context(local=spec.get("driver") == "file")
     with _LOCK:
         if not _CONTEXT:
+            retries = store_retries()
             _CONTEXT.append(
                 ts.Context(
                     {
                         "cache_pool": {"total_bytes_limit": 0},
                         "s3_request_concurrency": {"limit": REMOVAL_CONCURRENCY},
                         "gcs_request_concurrency": {"limit": REMOVAL_CONCURRENCY},
-                        "s3_request_retries": store_retries(),
-                        "gcs_request_retries": store_retries(),
+                        "s3_request_retries": retries,
+                        "gcs_request_retries": retries,
                     }
                 )
             )
