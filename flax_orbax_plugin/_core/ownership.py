@@ -24,23 +24,32 @@ from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, PENDING_FILE, CommitMarker, StepManifest
-from .._storage import deleting as _deleting
 from .._storage import json_docs as _docs
 from .._storage.deleting import removal_context
 from .._storage.local_files import entry_kind
 from .._storage.location import Location
+from . import removing as _removing
 
 logger = logging.getLogger("flax_orbax_plugin")
 
 _LIBRARY = "flax_orbax_plugin"
 
 
-def _pending_bytes(nonce: str) -> bytes:
+def _pending_bytes(nonce: str, keep: list[str] | tuple[str, ...] = ()) -> bytes:
     """The pending marker: ours, with the writer (host name and process id) that lets a
-    later save or ``gc`` tell a save that died from one still running."""
+    later save or ``gc`` tell a save that died from one still running; ``keep``: what
+    a removal leaves (entries this library did not write)."""
     doc = {"library": _LIBRARY, "kind": "pending", "nonce": nonce}
     doc.update(host=socket.gethostname(), pid=os.getpid())
+    if keep:
+        doc["keep"] = list(keep)
     return json.dumps(doc).encode()
+
+
+def _marker_keeps(raw: bytes | None) -> list[str]:
+    """What a removal recorded in the pending marker ``raw`` that it leaves."""
+    keep = json.loads(raw).get("keep") if _is_pending_marker(raw) else None
+    return keep if isinstance(keep, list) and all(isinstance(k, str) for k in keep) else []
 
 
 def claim(loc: Location, nonce: str) -> None:
@@ -229,14 +238,15 @@ def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | Non
     step_loc = directory.child(str(step))
     require_ours(step_loc, action="delete step", step=step)
     _env.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)
-    if directory.supports_rename:
+    keep = _removing.strangers(step_loc)  # someone else's files stay where they are
+    if directory.supports_rename and not keep:
         doomed = directory.child(f"{step}.deleting-{secrets.token_hex(6)}")
         step_loc.rename(doomed)  # atomic: the step disappears from listings at once
         _env.kill_point("mid_retention")
         _env.pause_point("mid_retention")  # tests: a slow removal (FOP_PAUSE_AT)
         _remove_proven(doomed)
         return
-    claim(step_loc, secrets.token_hex(6))
+    step_loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6), keep), durable=False)
     step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
     _env.kill_point("mid_retention")
     _env.pause_point("mid_retention")
@@ -260,6 +270,12 @@ def check_slot(loc: Location, *, what: str, replace: bool) -> str | None:
         raise CheckpointError(
             f"{loc} already holds a committed checkpoint ({found}); pass force=True "
             f"(overwrite=True for a manager step) to replace it"
+        )
+    if strangers := _removing.strangers(loc):
+        raise ForeignEntryError(
+            f"cannot replace {what} at {loc}: it holds entries this library did not write "
+            f"({', '.join(strangers[:5])}{', ...' if len(strangers) > 5 else ''}); they "
+            f"are left alone. Move them away, then save again"
         )
     return found
 
@@ -287,33 +303,14 @@ def _exists(loc: Location) -> bool:
 
 
 def _remove_proven(loc: Location, *, pace: Callable[[], int] | None = None) -> None:
-    """Removes everything at ``loc``, the pending marker last (object stores: see
-    ``_storage.deleting`` for ``pace``)."""
-    if loc.read_bytes(PENDING_FILE) is None:
-        loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6)))  # durable
-    if loc.is_local:
-        path = loc.path.rstrip("/")
-        with os.scandir(path) as it:
-            entries = list(it)
-        for entry in entries:
-            if entry.name == PENDING_FILE:
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)  # fd-based: links inside are unlinked, not followed
-            else:
-                os.unlink(entry.path)  # a link itself, never its target
-        os.unlink(os.path.join(path, PENDING_FILE))
-        os.rmdir(path)
-        return
-    kv = ts.KvStore.open(loc.spec, context=removal_context(loc.spec)).result()
-    marker = PENDING_FILE.encode()
-    _deleting.delete_objects(loc, kv, [k for k in kv.list().result() if k != marker], pace)
-    # Anything the listing missed, then the marker last.
-    kv.delete_range(ts.KvStore.KeyRange(exclusive_max=PENDING_FILE)).result()
-    kv.delete_range(ts.KvStore.KeyRange(inclusive_min=PENDING_FILE + "\0")).result()
-    kv.delete_range(
-        ts.KvStore.KeyRange(inclusive_min=PENDING_FILE, exclusive_max=PENDING_FILE + "\0")
-    ).result()
+    """Removes what this library wrote at ``loc`` (``_core.removing``), the pending
+    marker first (naming what is left, so that a removal cut short leaves it too) and
+    last."""
+    raw = loc.read_bytes(PENDING_FILE)
+    keep = sorted(set(_marker_keeps(raw)) | set(_removing.strangers(loc)))
+    if raw is None or keep != _marker_keeps(raw):
+        loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6), keep))  # durable
+    _removing.remove_all_but(loc, keep, pace=pace)
 
 
 def _remove_tree(loc: Location) -> None:

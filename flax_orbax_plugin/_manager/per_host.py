@@ -36,6 +36,7 @@ from .._base import tree as _tree
 from .._core import formats as _formats
 from .._errors import CheckpointError
 from .._format import steps as _steps
+from .._format.layout import HOST_FILE
 from .._storage import json_docs as _docs
 from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location
@@ -50,7 +51,6 @@ __all__ = [
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-HOST_FILE = "_HOST.json"  # in each host's copy of a step; never uploaded
 _FORMAT = "flax_orbax_plugin/host-copy"
 COPY_LAYOUT = "copied down: every region"  # the marker's layout of a bucket's step
 

@@ -192,8 +192,8 @@ class Saver:
         """Refuses a step at or below the latest committed one unless ``overwrite``;
         returns the committed local steps (from memory: no listing per save)."""
         local = self._book.known()
-        if step not in local:  # a foreign entry with the step's name is never replaced
-            self._check_slot(step)
+        if step not in local or overwrite:  # a foreign entry there is never replaced
+            self._check_slot(step, replace=step in local)
         # Steps increase across both tiers (the persistent one as known, not listed).
         tier = self._book.tier
         steps = sorted(set(local) | tier.known_steps()) if tier else local
@@ -207,11 +207,11 @@ class Saver:
             )
         return local
 
-    def _check_slot(self, step: int) -> None:
-        """Refuses a step whose name a foreign entry holds; clears a dead save's remains
-        (agreed by every process: :func:`ownership.prepare_slot`)."""
+    def _check_slot(self, step: int, *, replace: bool) -> None:
+        """Refuses a step whose name a foreign entry holds, or that holds what we did not
+        write (``replace``); clears a dead save's remains (agreed: ``prepare_slot``)."""
         slot = _steps.step_location(self._loc, step)
-        _ownership.prepare_slot(slot, what=f"step {step}", replace=False)
+        _ownership.prepare_slot(slot, what=f"step {step}", replace=replace, clear=not replace)
 
     def reserve(self, like: Any) -> int:
         """Sizes the manager's host buffers for one save of a state like ``like`` (the

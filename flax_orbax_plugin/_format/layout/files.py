@@ -50,6 +50,7 @@ METADATA_FILE = "_METADATA.json"
 COMMIT_FILE = "_COMMITTED"
 MANIFEST_FILE = "_CHECKPOINT.json"
 PENDING_FILE = "_PENDING.json"  # a save in progress (or killed): see _core.ownership
+HOST_FILE = "_HOST.json"  # in each host's copy of a step (_manager.per_host); never uploaded
 JSON_VALUE_FILE = "value.json"
 ARRAYS_DIR = "d"  # d/<i>/: the zarr3 array of leaf number i
 BATCHES_DIR = "b"  # b/<name>/: a zarr3 1-D batch of small leaves
