@@ -273,6 +273,14 @@ class PeerWatch:
         timeout. One that only waits for a third process is not judged here (the third's
         waiter judges it, and its error reaches this one through the region)."""
         still = now - max(seen.moved_at, self._start)
+        if still >= self._stall_s and not seen.doing:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} is alive but has not made this call: "
+                f"for {still:.1f}s ({self._stall_name}={self._stall_s:g}) it was doing "
+                f"nothing of this library's. A collective call (a save or read with "
+                f"several processes, a manager's save, restore or close) must be made by "
+                f"every process, in the same order; was it called on some processes only?"
+            )
         if still >= self._stall_s:
             raise CoordinationError(
                 f"{self._prefix()}process {process} is alive but stalled: no progress "

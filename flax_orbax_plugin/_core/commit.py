@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -189,6 +190,8 @@ def commit_collectively(
             if STRUCTURE in outcome and structure is not None:  # before the outcome
                 _distributed.publish(f"{op}/structure", json.dumps(structure()))
             _distributed.broadcast_str(f"{op}/outcome", outcome)
+            if STRUCTURE in outcome and structure is not None:
+                outcome += _their_difference(op, outcome, structure())
     else:
         _distributed.publish(f"{op}/status", status)
         # The primary may spend up to one stall timeout on a status: wait longer for
@@ -196,7 +199,9 @@ def commit_collectively(
         wait = 2 * _distributed.stall_timeout()
         outcome = _distributed.broadcast_str(f"{op}/outcome", None, timeout_s=wait)
         if STRUCTURE in outcome and structure is not None:
-            outcome += _first_difference(op, structure())
+            mine = structure()
+            _distributed.publish(f"{op}/structure", json.dumps(mine))  # for the primary
+            outcome += _first_difference(op, mine)
         if outcome != "committed":
             outcome = _discard(abort, outcome)  # e.g. staging of another step than the primary's
     if error is not None:
@@ -221,14 +226,33 @@ def _first_difference(op: str, mine: list[str]) -> str:
         theirs = json.loads(_distributed.get_from(f"{op}/structure", 0))
     except (CoordinationError, ValueError):
         return ""
+    return _difference(mine, theirs, 0)
+
+
+def _their_difference(op: str, outcome: str, mine: list[str]) -> str:
+    """The primary's side of :func:`_first_difference`: the first leaf where the process
+    the outcome names differs from its own tree (that process publishes its leaves once
+    it read the outcome; waited for a few seconds at most: nothing when it is gone)."""
+    found = re.search(r"process ([0-9]+) saved a " + STRUCTURE, outcome)
+    if found is None:
+        return ""
+    p = int(found.group(1))
+    try:
+        theirs = json.loads(_distributed.get_from(f"{op}/structure", p, timeout_s=10.0))
+    except (CoordinationError, ValueError):
+        return ""
+    return _difference(mine, theirs, p)
+
+
+def _difference(mine: list[str], theirs: list[str], p: int) -> str:
     for a, b in zip(mine, theirs, strict=False):
         if a != b:
-            return f"; the first leaf that differs: {a!r} here, {b!r} on process 0"
+            return f"; the first leaf that differs: {a!r} here, {b!r} on process {p}"
     if len(mine) != len(theirs):
         extra = mine[len(theirs)] if len(mine) > len(theirs) else theirs[len(mine)]
         return (
-            f"; {len(mine)} leaves here, {len(theirs)} on process 0 (the first "
-            f"one only {'here' if len(mine) > len(theirs) else 'on process 0'}: {extra!r})"
+            f"; {len(mine)} leaves here, {len(theirs)} on process {p} (the first one only "
+            f"{'here' if len(mine) > len(theirs) else f'on process {p}'}: {extra!r})"
         )
     return "; the leaves' paths, kinds, dtypes, shapes and small values agree: a str leaf differs"
 

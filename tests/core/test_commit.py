@@ -219,3 +219,6 @@ def test_a_tree_of_another_structure_names_the_first_leaf_that_differs(tmp_path,
     here = rf"the first leaf that differs: '{leaf}: array float64\[3\][^']*' here"
     assert re.search(here, errors[1]), errors
     assert re.search(rf"'{leaf}: array float32\[3\][^']*' on process 0", errors[1]), errors
+    # Process 0 names it too, from its side (it used to give only the digests).
+    there = rf"the first leaf that differs: '{leaf}: array float32\[3\][^']*' here, "
+    assert re.search(there + rf"'{leaf}: array float64\[3\][^']*' on process 1", errors[0]), errors

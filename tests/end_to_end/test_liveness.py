@@ -99,6 +99,42 @@ def mutual_wait(ctx):
         return {"error": str(e), "s": time.monotonic() - t}
 
 
+def one_sided_save(ctx, directory):
+    """Both meet once (so both beat), then only process 0 saves (a collective call);
+    process 1 goes on with something else."""
+    from flax_orbax_plugin._base import distributed as _distributed
+
+    _distributed.barrier("fop/test/met")
+    if ctx.process_id == 1:
+        time.sleep(9)
+        return {"error": None}
+    t = time.monotonic()
+    try:
+        fop.save(os.path.join(directory, "ckpt"), {"w": np.ones(3)})
+        return {"error": None}
+    except fop.CoordinationError as e:
+        return {"error": str(e), "s": time.monotonic() - t}
+
+
+def test_a_collective_call_made_by_one_process_only_says_so(tmp_path):
+    """The other process is alive and doing nothing of the library's: after the stall
+    timeout the caller is told that it has not made the call, not that it stalled."""
+    run = run_processes(
+        "test_liveness:one_sided_save",
+        2,
+        args={"directory": str(tmp_path)},
+        env={"FOP_COORDINATION_TIMEOUT_S": "3", "FOP_PEER_SILENT_S": "8"},
+        heartbeat_timeout_s=60,
+        timeout_s=90,
+        done_timeout_s=12,
+    )
+    assert run[0].result is not None, run[0].describe()
+    error = run[0].result["error"]
+    assert error and "process 1 is alive but has not made this call" in error, run[0].describe()
+    assert "on some processes only" in error and "FOP_COORDINATION_TIMEOUT_S=3" in error, error
+    assert 3 <= run[0].result["s"] < 9, run[0].result
+
+
 @pytest.mark.parametrize(
     ("n", "slow"),
     [(2, {1: "write"}), (4, {2: "write", 3: "read"})],
