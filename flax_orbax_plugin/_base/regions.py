@@ -35,6 +35,7 @@ from . import liveness as _liveness
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
 LEFT = "fop/left"  # LEFT/<scope>/<process>: it left that scope (announce_leaving)
+PROGRAM = "program"  # the scope of waits outside a manager's: a process whose program ended
 _REGIONS = itertools.count()
 _LOCAL = threading.local()  # .stack: the regions this thread is in, innermost last
 
@@ -221,15 +222,15 @@ def announce_leaving(error: BaseException, *, scope: str | None, where: str) -> 
 
 def raise_if_left(process: int, key: str) -> None:
     """Raises :class:`ProcessFailedError` when ``process`` announced that it left the
-    scope of this thread's region (:func:`announce_leaving`) and ``key``, its value this
-    thread waits for, is not set: it never will be. Any thread."""
+    scope of this thread's region (:func:`announce_leaving`; outside a manager's scope,
+    :data:`PROGRAM`: its program ended) and ``key``, its value this thread waits for, is
+    not set: it never will be. Any thread."""
     region = current_region()
-    if region is None or region.scope is None:
-        return
+    scope = PROGRAM if region is None or region.scope is None else region.scope
     c = client()
     CALLS["failure_check"] += 1
     try:
-        said = c.key_value_try_get(f"{LEFT}/{region.scope}/{process}")
+        said = c.key_value_try_get(f"{LEFT}/{scope}/{process}")
     except Exception:  # noqa: BLE001  (NOT_FOUND: it did not leave)
         return
     try:
@@ -238,8 +239,9 @@ def raise_if_left(process: int, key: str) -> None:
     except Exception:  # noqa: BLE001
         pass
     r = _failure_record(said)
+    where = "waiting" if region is None else region.kind
     error = ProcessFailedError(
-        f"process {jax.process_index()} of {jax.process_count()}, in {region.kind}: "
+        f"process {jax.process_index()} of {jax.process_count()}, in {where}: "
         f"process {process} left {r['kind']} with {r['type']}: {r['message']}"
     )
     error.process, error.error_type = process, r["type"]

@@ -17,7 +17,8 @@ import weakref
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._errors import SaveCancelledError
+from .._base import regions as _regions
+from .._errors import CheckpointError, SaveCancelledError
 from .._storage.store_errors import raises_store_errors_in_methods
 
 
@@ -233,6 +234,10 @@ def _finish_running() -> None:
         if handle._error is not None and not handle._reported:
             print(f"flax_orbax_plugin: that save failed: {handle._error!r}", file=sys.stderr)
             failed = True
+    # The others, waiting outside a manager for a value of this process (its next save),
+    # learn at once that it will not come (a manager's writer leaves its own scope).
+    ended = getattr(sys, "last_value", None) or CheckpointError("its program ended")
+    _regions.announce_leaving(ended, scope=_regions.PROGRAM, where="the program")
     if failed:  # a lost step is not a success: the exit status says so (1)
         print("flax_orbax_plugin: exit status 1 (a save failed at exit)", file=sys.stderr)
         atexit._run_exitfuncs()  # the program's own exit handlers still run, then

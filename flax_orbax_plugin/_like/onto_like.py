@@ -56,7 +56,14 @@ def near_miss(path: str, stored: Collection[str]) -> str:
             return f"; it holds {saved!r}, below like's leaf"
         if saved.endswith("/" + path):
             under = saved[: -len(path) - 1]
-            return f"; it holds {saved!r}: like is the tree under {under!r}"
+            linen = (
+                " (Linen's state.params is {'params': ...} itself, and a manager reads a "
+                "dict like as {item: like}: pass like={'params': state.params}, or the "
+                "TrainState)"
+                if under == "params"
+                else ""
+            )
+            return f"; it holds {saved!r}: like is the tree under {under!r}{linen}"
     return ""
 
 

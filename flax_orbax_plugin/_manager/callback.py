@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from .._core.save import SaveResult
-from .._errors import CheckpointError, EventHookError
+from .._errors import CheckpointError, EventHookError, OptionTypeError
 from .._format.steps import checked_step
 from .._like.transform import changes as check_changes
 from .._state.resume import check_reset, items_to_restore
@@ -243,13 +243,12 @@ class CheckpointCallback:
             f"directory, or resume=False with overwrite=True)"
         )
 
-    def on_train_end(self, state: Any, step: int | None = None) -> None:
+    def on_train_end(self, state: Any = None, step: int | None = None) -> None:
         """Saves the final step (unless already saved), waits for it, and closes; then
-        raises the first error of an ``on_event`` hook not raised yet."""
-        if step is None:
-            step = _step_of(state, self._last_step)
-        else:
-            step = checked_step(step)
+        raises the first error of an ``on_event`` hook not raised yet. ``state``: the
+        final state (default: ``state_fn()``, for a callback used as a hook)."""
+        state = self._hook_state() if state is None else state
+        step = _step_of(state, self._last_step) if step is None else checked_step(step)
         self._ended = -1 if step is None else int(step)
         first = None  # a hook's error raised by the last save (its step is saved all the same)
         if step is not None and int(step) != self._last_saved_step:
@@ -267,9 +266,13 @@ class CheckpointCallback:
 
     def __call__(self, step: int, t: float | None = None) -> bool:
         """CLU-style hook: reads the state from ``state_fn`` and calls ``on_step_end``."""
+        return self.on_step_end(step, self._hook_state(), t=t)
+
+    def _hook_state(self) -> Any:
         if self._state_fn is None:
-            raise TypeError("CheckpointCallback(...) needs state_fn=... to be used as a hook")
-        return self.on_step_end(step, self._state_fn(), t=t)
+            msg = "without state_fn= this callback is no hook; on_train_end needs the state"
+            raise OptionTypeError(f"expected the state, found None: {msg}")
+        return self._state_fn()
 
     def wrap_step(self, fn: Any, **options: Any) -> Any:
         """The manager's :meth:`CheckpointManager.wrap_step`: ``step =

@@ -156,3 +156,14 @@ def remove_committed(loc: Location, steps: list[int], committed: list[int]) -> N
         )
     for step in steps:
         _ownership.remove_step(loc, step)
+
+
+def saved_at(loc: Location, steps: list[int]) -> float | None:
+    """When the latest of ``steps`` was saved (its manifest's time); None without one
+    that reads (a damaged one is the restore's to report, not the schedule's)."""
+    if not steps:
+        return None
+    try:
+        return _steps.read_manifest(_steps.step_location(loc, steps[-1])).time
+    except CheckpointError:
+        return None

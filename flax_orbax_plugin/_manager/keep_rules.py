@@ -86,6 +86,14 @@ class KeepRule:
     def __or__(self, other: Any) -> KeepAny:
         return KeepAny(self, other)
 
+    def __and__(self, other: Any) -> Any:
+        raise OptionTypeError(
+            f"retention rules combine with | only: {self!r} | {other!r} keeps a step that "
+            f"any of them keeps (& would delete a step one rule still wants)"
+        )
+
+    __rand__ = __and__
+
 
 def check_keep(value: Any, where: str) -> KeepRule:
     """``value`` if it is a retention rule, else OptionTypeError naming ``where``."""

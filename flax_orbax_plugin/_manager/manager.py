@@ -12,8 +12,10 @@ signature below come from there: ``signatures``).
 
 from __future__ import annotations
 
+import contextlib
+import numbers
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
@@ -117,6 +119,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                 )
                 _per_host.open_tier(self._book, self.steps())
             self._schedule.watch(handle_sigterm=opts.handle_sigterm)  # or OnPreemption()
+            self._schedule.resume_clock(lambda: _housekeeping.saved_at(self._loc, self.steps()))
             if _distributed.process_count() > 1:
                 leave_at_exit(self)  # a program ending without close(): the others learn
         except BaseException:  # the others learn of it at once: waits for none of them
@@ -227,7 +230,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         stop = preempted and schedule.stops  # handle_sigterm: save, close and exit
         supersede = self._supersede is True or (preempted and self._supersede == "preemption")
         if not supersede:  # superseding: a cancelled save's error is expected (below)
-            self._saver.raise_background_error()
+            with _not_saved(step):
+                self._saver.raise_background_error()
         lane, now = schedule.decide(step, t, forced=ignore_policy or stop)
         if lane is None:
             return False
@@ -237,7 +241,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         if supersede and (preempted or not self._replaced):
             self._replaced = self._saver.supersede(step)
         else:
-            self._wait_inflight()
+            with _not_saved(step):
+                self._wait_inflight()
             self._replaced = False
         began = schedule.clock()  # the blocking time, as Continuous() measures it
         with self._saver.saving():  # from here to its commit, removals yield to the save
@@ -304,6 +309,11 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         With ``step``, damage raises. Waits for this manager's in-flight save first.
         A step being read is never deleted by this manager's retention.
         """
+        if isinstance(like, numbers.Integral) and not isinstance(like, bool):
+            raise OptionTypeError(
+                f"restore(like): expected a template (a TrainState, NNX object, dict of "
+                f"items or None), found the int {like}; for a step: restore(step={like})"
+            )
         changes = _transform.changes(
             partial=partial, missing=missing, transform=transform, surgery=surgery
         )
@@ -371,6 +381,17 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
 
     def _wait_inflight(self) -> None:
         self._saver.wait()
+
+
+@contextlib.contextmanager
+def _not_saved(step: int) -> Iterator[None]:
+    """An earlier step's background error, raised as ``save(step)`` begins: says that
+    ``step`` itself was not saved (a loop that catches it and goes on would lose it)."""
+    try:
+        yield
+    except Exception as e:
+        e.add_note(f"step {step} was not saved: an earlier save's error was raised first")
+        raise
 
 
 _signatures.document(CheckpointManager, _signatures.MANAGER_DOC, MANAGER)

@@ -75,6 +75,17 @@ class SaveSchedule:
         if self.preemption is not None:
             self.preemption.uninstall()
 
+    def resume_clock(self, saved_at: Callable[[], float | None]) -> None:
+        """A writer's open: a time rule (``every_seconds``) counts from the latest
+        step's save (``saved_at()``: its wall time, None without one), not from this
+        process's first decision, so that a job restarted more often than its interval
+        still saves. The default clock only (its age is carried over); a clock of the
+        user's starts at the first decision, as before."""
+        if self._rule.uses_time and self.clock is time.monotonic and self._last_time is None:
+            when = saved_at()
+            if when is not None:
+                self._last_time = self.clock() - max(0.0, time.time() - when)
+
     def now(self, t: float | None) -> float:
         return self.clock() if t is None else float(t)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import logging
 import os
 import socket
@@ -38,7 +39,7 @@ class DirectoryLock:
         self._fd: int | None = None
         self._lost = False  # taken, then found removed and not taken again (yet)
 
-    def acquire(self) -> None:
+    def acquire(self, *, collected: bool = False) -> None:
         fd = self._open()
         try:
             self._check_own_file(fd)
@@ -49,10 +50,14 @@ class DirectoryLock:
             finally:
                 os.close(fd)
             ours = holder == _holder_text()  # this process: a manager not closed
+            if ours and not collected:  # one nobody holds any more (a notebook cell run
+                gc.collect()  # again) lets go when it is collected
+                return self.acquire(collected=True)
             raise DirectoryLockedError(
                 f"{os.path.dirname(self.path)} already has a live writer ({holder}"
                 + (
-                    ": this process; close() its CheckpointManager (or callback) first, or use it"
+                    ": this process; close() its CheckpointManager (or callback) first, or "
+                    "use it; one you no longer hold lets go once its save in flight ended"
                     if ours
                     else ""
                 )

@@ -62,3 +62,17 @@ def test_no_words_where_nothing_is_near(tmp_path):
     with pytest.raises(fop.StructureError) as caught:
         fop.restore(tmp_path / "c", {"bias": KERNEL}, partial=True)
     assert "it holds" not in str(caught.value)
+
+
+def test_linen_state_params_given_to_a_managers_restore_says_how_to_pass_it(tmp_path):
+    """Linen's ``state.params`` is ``{'params': {...}}`` itself; a manager reads a dict
+    like as ``{item: like}``, so its 'params' entry is taken one level down. The words
+    now say so and how to pass it; the advice restores."""
+    params = {"params": {"Dense_0": {"kernel": KERNEL}}}
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, {"params": params})
+        mngr.wait()
+        with pytest.raises(fop.StructureError, match=r"pass like=\{'params': state\.params\}"):
+            mngr.restore(params, items="params")
+        got = mngr.restore({"params": params}, items="params")
+    np.testing.assert_array_equal(got["params"]["Dense_0"]["kernel"], KERNEL)

@@ -182,6 +182,23 @@ def test_clu_style_hook_with_time_passed_in(tmp_path):
     assert committed_steps(tmp_path) == [3, 6]
 
 
+def test_a_hooks_on_train_end_takes_the_final_state_from_state_fn(tmp_path):
+    """A callback used as a hook (``state_fn=``) ends without being handed the state;
+    one without ``state_fn`` says that on_train_end needs it."""
+    state = {"value": make_state()}
+    cb = fop.CheckpointCallback(tmp_path / "a", every_steps=10, state_fn=lambda: state["value"])
+    cb.on_train_start(state["value"])
+    state["value"], _ = train_step(state["value"], next(make_iterator()))
+    cb(1)
+    cb.on_train_end(step=1)
+    assert committed_steps(tmp_path / "a") == [1]
+    plain = fop.CheckpointCallback(tmp_path / "b", every_steps=10)
+    plain.on_train_start(state["value"])
+    with pytest.raises(fop.OptionTypeError, match="on_train_end needs the state"):
+        plain.on_train_end()
+    plain.close()
+
+
 def test_hook_needs_state_fn_and_bad_arguments(tmp_path):
     with pytest.raises(TypeError, match="state_fn"):
         fop.CheckpointCallback(tmp_path)(1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 from _multiprocess import run_processes
 
 import flax_orbax_plugin as fop
@@ -103,18 +104,24 @@ import os, sys, time
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-port, me, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+port, me, directory, via = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=me,
                            shutdown_timeout_seconds=20)
 import numpy as np
 import flax_orbax_plugin as fop
-mngr = fop.CheckpointManager(directory, every_steps=1)  # no with block, never closed
+if via == "manager":
+    mngr = fop.CheckpointManager(directory, every_steps=1)  # no with block, never closed
+    save = lambda step, tree: mngr.save(step, tree)
+else:  # the core's saves, no manager: the last one still in flight
+    save = lambda step, tree: fop.save_async(os.path.join(directory, str(step)), tree)
 for step in range(1, 6):
     if me == 1 and step == 3:
         print(f"T_RAISE {time.time()}", flush=True)
         raise RuntimeError("the loss is NaN on host 1")  # nobody catches it
     try:
-        mngr.save(step, {"w": np.full(4, step, np.float32)})
+        save(step, {"w": np.full(4, step, np.float32)})
+        if via == "core" and step >= 3:
+            fop.save(os.path.join(directory, f"{step}-b"), {"w": np.ones(2)})
     except fop.CheckpointError as e:
         print(f"T_ERROR {time.time()}", flush=True)
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
@@ -122,11 +129,13 @@ for step in range(1, 6):
 """
 
 
-def test_an_uncaught_error_without_a_with_block_reaches_the_other_at_once(tmp_path):
-    """A plain ``mngr = CheckpointManager(...)`` and an exception nobody catches on one
-    process: the others waited for it in their next save until the stall timeout (300 s
-    by default), then jax's shutdown barrier aborted them all. The manager now leaves
-    the run when its program ends, and the others learn which error ended it."""
+@pytest.mark.parametrize("via", ["manager", "core"])
+def test_an_uncaught_error_without_a_with_block_reaches_the_other_at_once(tmp_path, via):
+    """A plain ``mngr = CheckpointManager(...)`` (or the core's ``save_async``, no
+    manager) and an exception nobody catches on one process: the others waited for it
+    in their next save until the stall timeout (300 s by default), then jax's shutdown
+    barrier aborted them all. The process now leaves the run when its program ends (its
+    save in flight finished first), and the others learn which error ended it."""
     import subprocess
     import sys
 
@@ -137,7 +146,7 @@ def test_an_uncaught_error_without_a_with_block_reaches_the_other_at_once(tmp_pa
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", UNCAUGHT, port, str(i), str(tmp_path / "run")],
+            [sys.executable, "-c", UNCAUGHT, port, str(i), str(tmp_path / "run"), via],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

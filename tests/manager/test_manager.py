@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Any
 
 import _paths
@@ -775,3 +776,61 @@ def test_snapshots_survive_donation_deletion_and_the_next_save(
             jax.tree_util.tree_map(np.testing.assert_array_equal, got, expected[step])
     if reuse_host_buffers:
         assert mngr._buffers.nbytes == 0  # close released it
+
+
+def test_a_save_that_raises_an_earlier_steps_error_says_its_own_step_was_not_saved(tmp_path):
+    """Step 2 failed in the background; ``save(3)`` raises that error as it begins. A
+    loop that catches it and goes on would lose step 3 unaware: the error now says so."""
+
+    class Failing(JsonCheckpointable):
+        def save(self, directory, value):
+            class P:
+                def wait(self):
+                    raise OSError("disk on fire")
+
+            return P()
+
+    with fop.CheckpointManager(tmp_path, checkpointables={"bad": Failing()}) as mngr:
+        mngr.save(1, tiny(1))
+        assert mngr.save(2, {**tiny(2), "bad": 1})
+        while mngr.save_in_flight:
+            time.sleep(0.01)
+        with pytest.raises(OSError, match="disk on fire") as raised:
+            mngr.save(3, tiny(3))
+        assert any("step 3 was not saved" in n for n in raised.value.__notes__)
+        assert mngr.save(3, tiny(3))  # saved when asked again
+        mngr.wait()
+        assert mngr.steps() == [1, 3]
+
+
+def test_restore_with_a_step_where_like_goes_says_how_to_pass_the_step(tmp_path):
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.save(3, tiny(3))
+        mngr.wait()
+        for step in (3, np.int64(3)):
+            with pytest.raises(fop.OptionTypeError, match=r"found the int 3; .*restore\(step=3\)"):
+                mngr.restore(step)
+        np.testing.assert_array_equal(mngr.restore(step=3)["params"]["w"], tiny(3)["params"]["w"])
+
+
+def test_retention_rules_combined_with_and_say_that_only_or_combines_them():
+    with pytest.raises(fop.OptionTypeError, match=r"combine with \| only"):
+        fop.KeepLast(1) & fop.KeepBest(2, metric="loss")
+    kept = fop.KeepLast(1) | fop.KeepBest(2, metric="loss")
+    assert isinstance(kept, fop.KeepAny)
+
+
+def test_a_manager_nobody_holds_any_more_does_not_lock_out_the_next(tmp_path):
+    """A notebook cell run again: the first manager (never closed, no reference left)
+    is collected when the next one opens, instead of locking the directory."""
+
+    def cell():
+        mngr = fop.CheckpointManager(tmp_path, keep=2)
+        mngr.save(1, tiny(1))
+        mngr.wait()
+        raise RuntimeError("a bug further down the cell")
+
+    with pytest.raises(RuntimeError):
+        cell()
+    with fop.CheckpointManager(tmp_path) as mngr:
+        assert mngr.steps() == [1]

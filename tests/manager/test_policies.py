@@ -510,3 +510,20 @@ def test_time_based_lanes_decide_alike_on_every_process(tmp_path):
     assert a == b  # saved steps, their lanes, the steps each one believes are there
     assert a["known"] == a["listed"] and 20 in a["listed"] and 10 not in a["listed"]
     assert len(a["saved"]) > len(a["listed"])  # retention ran, the same on both
+
+
+def test_every_seconds_counts_from_the_latest_steps_save_after_a_restart(tmp_path):
+    """A job restarted more often than ``every_seconds`` never saved again: each new
+    manager started its clock at its first decision. The default clock now counts
+    from the latest step's save; a young step still waits its interval."""
+    import time
+
+    with fop.CheckpointManager(tmp_path, every_seconds=1.0) as mngr:
+        assert mngr.save(1, tiny(), ignore_policy=True)
+    with fop.CheckpointManager(tmp_path, every_seconds=3600.0) as mngr:
+        assert not mngr.save(2, tiny())  # step 1 is younger than an hour
+    time.sleep(1.2)
+    with fop.CheckpointManager(tmp_path, every_seconds=1.0) as mngr:
+        assert mngr.save(3, tiny())  # step 1 is older than a second: saved at once
+        assert not mngr.save(4, tiny())  # then the interval counts from step 3
+    assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [1, 3]
