@@ -168,6 +168,23 @@ def refuse_inside_checkpoint(out_dir: Any) -> None:
         )
 
 
+def refuse_inside_source(src: Any, out_dir: Any) -> None:
+    """UnsupportedLocationError when ``out_dir`` lies inside ``src`` (links resolved):
+    an import never writes into what it reads (another library's checkpoint)."""
+    s, o = Location.from_path(src), Location.from_path(out_dir)
+    if s.is_local and o.is_local:
+        a, b = os.path.realpath(s.path), os.path.realpath(o.path)
+        inside = a != b and os.path.commonpath([a, b]) == a
+    else:
+        where = lambda loc: (loc.spec.get("driver"), loc.spec.get("bucket"))
+        inside = where(s) == where(o) and o.path.startswith(s.path.rstrip("/") + "/")
+    if inside:
+        raise UnsupportedLocationError(
+            f"import output {out_dir}: lies inside the source {src}; an import never "
+            f"writes into what it reads: import into a directory outside it"
+        )
+
+
 def save_steps(
     out_dir: Any,
     steps: Iterable[tuple[int, ImportedStep]],
@@ -237,7 +254,7 @@ def _source_size(path: Any) -> int:
     if not loc.is_local:
         return 0
     path = loc.path.rstrip("/")
-    return os.path.getsize(path) if os.path.isfile(path) else loc.size_bytes()
+    return os.path.getsize(path) if os.path.isfile(path) else (loc.size_bytes() or 0)
 
 
 @raises_store_errors(arguments("src", "out_dir"))
@@ -301,6 +318,7 @@ def import_orbax(
     :func:`step_items` says. ``progress``: as :func:`save_steps`'s.
     """
     _option_table.check_import(step=step, force=force, format_version=format_version)
+    refuse_inside_source(src, out_dir)
     targets = orbax_steps_to_import(src, step)
 
     def states():
@@ -350,6 +368,7 @@ def import_msgpack(
     ``params``. Returns the steps written. ``progress``: as :func:`save_steps`'s.
     """
     _option_table.check_import(step=step, force=force, format_version=format_version)
+    refuse_inside_source(src, out_dir)
     numbered = msgpack_reader.files_to_import(src, step)
 
     def read(named: int | None, path: str) -> tuple[int, ImportedStep]:

@@ -250,16 +250,19 @@ def child_kinds(path: str) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def size_bytes(path: str) -> int:
-    """Total bytes of the files under ``path`` (``lstat``: links counted, not followed)."""
-    total = 0
-    for root, _, files in os.walk(path):
+def size_bytes(path: str) -> int | None:
+    """Total bytes of the files under ``path`` (``lstat``: links counted, not followed);
+    None when part of it cannot be read (a total without it would look whole)."""
+    total, unread = 0, []
+    for root, _, files in os.walk(path, onerror=unread.append):
         for f in files:
             try:
                 total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
-    return total
+            except FileNotFoundError:
+                pass  # removed meanwhile
+            except OSError as e:
+                unread.append(e)
+    return None if unread else total
 
 
 def remove_tree(path: str) -> None:

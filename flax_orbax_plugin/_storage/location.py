@@ -189,8 +189,9 @@ class Location:
             raise NotImplementedError(f"keys are listed on object stores only, not {self}")
         return [k.decode("utf-8") for k in self._kv().list().result()]
 
-    def size_bytes(self) -> int:
-        """Total bytes of the files under a local location."""
+    def size_bytes(self) -> int | None:
+        """Total bytes of the files under a local location (None: part of it cannot be
+        read)."""
         if not self.is_local:
             raise NotImplementedError(f"sizes are only listed on local disks, not {self}")
         return _local.size_bytes(self.path)

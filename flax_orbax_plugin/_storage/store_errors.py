@@ -57,7 +57,13 @@ _UNREACHABLE = (
     "cannot be reached",
     "check the endpoint (AWS_ENDPOINT_URL, TENSORSTORE_GCS_HTTP_URL) and the network",
 )
-_REFUSALS = (*_REFUSALS, _UNREACHABLE)
+# A reply without the store's own body (GCS emulators answer a missing bucket so).
+_UNREADABLE = (
+    r"Failed to parse response metadata",
+    "no such bucket, or its reply could not be read",
+    "check the bucket's name and the endpoint (TENSORSTORE_GCS_HTTP_URL: a GCS server?)",
+)
+_REFUSALS = (*_REFUSALS, _UNREACHABLE, _UNREADABLE)
 _BUCKET_IN_BODY = re.compile(r"<BucketName>([^<]+)</BucketName>")
 
 

@@ -28,7 +28,7 @@ from . import json_output, plot
 from .display import byte_progress, make_table, status
 from .gc_plan import plan as gc_plan
 from .output import EXIT_DAMAGED, CliError, human_bytes, one_line
-from .paths import names_one, read_json_item, resolve
+from .paths import describe_missing, names_one, read_json_item, resolve
 
 
 @dataclasses.dataclass
@@ -139,6 +139,8 @@ def _numel(shape) -> int:
 
 
 def cmd_verify(args) -> int:
+    if args.step is not None and args.all:
+        raise CliError(f"--step {args.step} and --all: choose one (--all checks every step)")
     try:
         results = verify(
             args.path, step=args.step, all_steps=args.all, progress=byte_progress("verify")
@@ -191,6 +193,8 @@ def cmd_export(args) -> int:
         raise CliError(f"unknown export format {args.format!r} (supported: safetensors)")
     if args.dtype is not None and args.dtype not in _SAFETENSORS_DTYPES:
         raise CliError(f"--dtype {args.dtype}: not a safetensors dtype")
+    if args.dtype is None and args.cast != "safe":
+        raise CliError(f"--cast {args.cast} does nothing without --dtype (no leaf is cast)")
     # PATH a core checkpoint or an item: that one (another --item is refused); a step
     # or a run: --item, params by default.
     chosen = resolve(args.path, args.step, args.item, default="params")[1][0]
@@ -256,6 +260,10 @@ def cmd_gc(args) -> int:
     found = gc_plan(loc, keep=args.keep, keep_every=args.keep_every)
     # Not a run (nothing of ours to remove or keep): no writer opened, no lock left there.
     idle = not (found.unfinished or found.steps or found.kept)
+    if idle and found.left_alone and not any(loc.exists(n) for n in _steps.RECORD_NAMES):
+        # Not a run, and not empty: pointed one level too high or too low (a cron job's
+        # gc would free nothing, every day, with exit 0)
+        raise CliError(f"{describe_missing(loc, _steps.list_directory(loc))}; nothing removed")
     if args.dry_run or idle:
         removed_unfinished, removed, kept = found.unfinished, found.steps, found.kept
         left = found.left_alone

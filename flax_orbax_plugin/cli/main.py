@@ -28,6 +28,18 @@ _PLOT_LEAVES = "also draw the leaves by size to FILE (.png or .svg; needs matplo
 _PLOT_SAVES = "also draw the steps' saves over time to FILE (.png or .svg; needs matplotlib)"
 
 
+def _positive(text: str) -> int:
+    """``--keep N``/``--keep-every K``: said in the command line's words (argparse names
+    the flag), not the library's keyword."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, found {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, found {value}")
+    return value
+
+
 def _examples(*lines: str) -> str:
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
@@ -146,8 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         "flax-orbax gc ckpts/ --keep 3 --keep-every 1000 --dry-run",
     )
     s.add_argument("directory", help="a CheckpointManager directory (local, s3://, gs://)")
-    s.add_argument("--keep", type=int, default=None, help="keep the last N steps")
-    s.add_argument("--keep-every", type=int, default=None, help="and every step divisible by K")
+    s.add_argument("--keep", type=_positive, default=None, help="keep the last N steps")
+    s.add_argument(
+        "--keep-every", type=_positive, default=None, help="and every step divisible by K"
+    )
     s.add_argument(
         "--dry-run", action="store_true", help="name what would be removed; remove nothing"
     )
@@ -157,22 +171,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if argv is None:  # a shell's command (see shell): a closed pipe, SIGTERM
-        shell.install()
+    # A shell's command (see shell): a closed pipe, SIGTERM, Ctrl-C while loading.
+    interrupts = shell.install(args.command) if argv is None else None
     try:
         # Inside the function on purpose: the commands import JAX and tensorstore
         # (seconds), which --help, <command> --help and --version must not pay.
         from . import dispatch
 
-        return dispatch.run(args, in_process=argv is not None)  # None: a shell's command
+        if interrupts is not None:
+            interrupts.loaded()
+        status = dispatch.run(args, in_process=argv is not None)  # None: a shell's command
+        if interrupts is not None and interrupts.seen:  # swallowed where it arrived
+            print(
+                f"flax-orbax {args.command}: interrupted, too late to stop it: the command "
+                f"had finished (what it wrote is complete)",
+                file=sys.stderr,
+            )
+            return 130
+        return status
     except CliError as e:
         print(f"flax-orbax {args.command}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", EXIT_ERROR)
     except shell.Terminated:
         print(f"flax-orbax {args.command}: terminated", file=sys.stderr)
         return shell.EXIT_TERMINATED
-    except KeyboardInterrupt:
-        print(f"flax-orbax {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # what it had done already (an import's steps) said
+        done = "; ".join(getattr(e, "__notes__", ()))
+        print(
+            f"flax-orbax {args.command}: interrupted" + (f" ({done})" if done else ""),
+            file=sys.stderr,
+        )
         return 130
     except Exception as e:
         kind = "" if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import warnings
 from typing import Any
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
@@ -60,7 +61,40 @@ def _terminate(signum: int, frame: Any) -> None:
     raise Terminated(f"terminated (signal {signum})")
 
 
-def install() -> None:
-    """A shell's command: stdout kept safe from a closed pipe, SIGTERM an interruption."""
+class Interrupts:
+    """Ctrl-C for a shell's command. Held back while the commands load (JAX's import,
+    interrupted, fails as a raw ImportError or aborts the process), then raised where
+    the command is. One that Python swallowed (it arrived inside a garbage-collection
+    callback, whose exceptions are ignored, and the command ran on) is still known:
+    ``seen``."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._loading = True
+
+    def handler(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        if not self._loading:
+            raise KeyboardInterrupt
+
+    def loaded(self) -> None:
+        """The commands are loaded: a Ctrl-C held back is raised now, later ones at once."""
+        self._loading = False
+        if self.seen:
+            raise KeyboardInterrupt
+
+
+def install(command: str) -> Interrupts:
+    """A shell's command: stdout kept safe from a closed pipe, SIGTERM an interruption,
+    Ctrl-C as :class:`Interrupts` says, the library's warnings as the command's lines
+    (``flax-orbax list: warning: ...``, not Python's ``<file>:<line>: UserWarning``)."""
     sys.stdout = _PipeSafe(sys.stdout)  # type: ignore[assignment]
+
+    def show(message: Any, category: Any, *_: Any, **__: Any) -> None:
+        print(f"flax-orbax {command}: warning: {message}", file=sys.stderr)
+
+    warnings.showwarning = show
     signal.signal(signal.SIGTERM, _terminate)
+    interrupts = Interrupts()
+    signal.signal(signal.SIGINT, interrupts.handler)
+    return interrupts

@@ -204,14 +204,30 @@ def test_list_and_gc_agree_on_a_step_written_in_place_by_a_killed_writer(
 
 
 def test_gc_of_a_directory_that_is_no_run_writes_nothing_there(capsys, tmp_path):
-    """Nothing of ours to remove or keep: no writer opens there, no lock file is left."""
+    """Nothing of ours to remove or keep: no writer opens there, no lock file is left,
+    and the command says it found no run (exit 2), rather than freeing nothing with
+    exit 0 (a cron job's gc pointed at the wrong folder would never be noticed)."""
     foreign = tmp_path / "notes"
     foreign.mkdir()
     (foreign / "todo.txt").write_text("mine")
     os.makedirs(foreign / "7.partial-abc123" / "x")  # our name pattern, not our marker
-    rc, out, _ = run_cli(capsys, "gc", foreign, "--keep", 1)
-    assert rc == 0 and "removed unfinished: none" in out
+    rc, _, err = run_cli(capsys, "gc", foreign, "--keep", 1)
+    assert rc == 2 and "no committed steps" in err and "nothing removed" in err, err
     assert sorted(os.listdir(foreign)) == ["7.partial-abc123", "todo.txt"]
+
+
+def test_gc_one_level_above_or_below_a_run_says_where_the_run_is(capsys, tmp_path, ckpt_dir):
+    nest = tmp_path / "nest"
+    shutil.copytree(ckpt_dir[0], nest / "r")
+    rc, _, err = run_cli(capsys, "gc", nest, "--keep", 1)
+    assert rc == 2 and "one level down" in err and str(nest / "r") in err, err
+    item = next(p for p in (nest / "r").iterdir() if p.name.isdigit()) / "params"
+    rc, _, err = run_cli(capsys, "gc", item / "data", "--keep", 1)
+    assert rc == 2 and "folder inside the item" in err, err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out, _ = run_cli(capsys, "gc", empty, "--keep", 1)  # nothing there at all: fine
+    assert rc == 0 and "removed steps: none" in out
 
 
 def test_errors_are_one_line_with_nonzero_exit(tmp_path):
@@ -296,3 +312,43 @@ def test_a_file_and_non_ascii_digit_folders_are_named_for_what_they_are(tmp_path
     assert rc == 0 and "1 step(s)" in out and "(left alone): \u0663" in out
     rc, out, _ = run_cli(capsys, "gc", run_dir, "--keep", "1")
     assert rc == 0 and "removed steps: none" in out and (run_dir / "\u0663").is_dir()
+
+
+def test_flags_are_checked_in_the_command_lines_words(capsys, ckpt_dir, tmp_path):
+    """The library's keyword (keep must be ..., step=... and all_steps=True conflict)
+    and Python's class name (ValueError: ...) leaked into the messages."""
+    directory = ckpt_dir[0]
+    for argv, words in (
+        (("gc", directory, "--keep", 0), "--keep: expected a positive int, found 0"),
+        (("gc", directory, "--keep", 1, "--keep-every", -3), "--keep-every: expected a positive"),
+        (("verify", directory, "--step", 10, "--all"), "--step 10 and --all: choose one"),
+        (("export", directory, tmp_path / "x.safetensors", "--cast", "unsafe"), "without --dtype"),
+        (("export", directory, tmp_path / "y.safetensors", "--max-shard-size", "0"), "max shard"),
+    ):
+        try:
+            rc, _, err = run_cli(capsys, *argv)
+        except SystemExit as e:  # argparse's own refusal
+            rc, err = e.code, capsys.readouterr().err
+        assert rc == 2 and words in err, (argv, err)
+        assert "ValueError" not in err and "keep_every" not in err and "all_steps" not in err
+    assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "y.safetensors").exists()
+
+
+def test_an_interruption_says_what_was_done_before_it(capsys, monkeypatch, tmp_path):
+    """An import interrupted after its first step said only 'interrupted': the steps
+    it had committed (the import's note) are said too, so a re-run knows why step 1
+    exists already."""
+    from flax_orbax_plugin.cli import dispatch
+
+    def interrupted(args, **_):
+        e = KeyboardInterrupt()
+        e.add_note(f"the import committed step(s) [1] to {args.out} before it failed")
+        raise e
+
+    monkeypatch.setattr(dispatch, "run", interrupted)
+    rc, _, err = run_cli(capsys, "import", tmp_path / "src", tmp_path / "out")
+    assert rc == 130
+    assert err.strip() == (
+        f"flax-orbax import: interrupted (the import committed step(s) [1] to "
+        f"{tmp_path / 'out'} before it failed)"
+    )

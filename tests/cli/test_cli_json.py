@@ -181,3 +181,34 @@ def test_list_json_of_what_is_no_directory_of_steps_says_what_to_use(run_dir, ca
     (tmp_path / "empty").mkdir()
     rc, doc, _ = run_json(capsys, "list", tmp_path / "empty")
     assert rc == 0 and doc["steps"] == [] and doc["unfinished"] == []
+
+
+def test_list_does_not_give_a_partial_size_as_the_steps_size(tmp_path):
+    """A step folder part of which cannot be read (here an item made unreadable, the
+    command run without root's override where the tests run as root) was listed with
+    the bytes it could read, as if whole. Its size is now unknown (null, '?')."""
+    import shutil as _shutil
+    import subprocess
+    import sys
+
+    from _proc import child_env
+
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run) as mngr:
+        mngr.save(1, {"params": {"w": np.ones(1000, np.float32)}, "opt_state": {"m": np.ones(3)}})
+    command = [sys.executable, "-m", "flax_orbax_plugin", "list", str(run), "--json"]
+    if os.geteuid() == 0:
+        if _shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: nothing can be made unreadable")
+        drop = "-dac_override,-dac_read_search,-fowner"
+        command = ["setpriv", "--inh-caps", drop, "--bounding-set", drop, *command]
+    whole = json.loads(
+        subprocess.run(command, capture_output=True, text=True, env=child_env(), check=True).stdout
+    )
+    assert whole["steps"][0]["size_bytes"] > 4000
+    os.chmod(run / "1" / "params", 0)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=child_env())
+    finally:
+        os.chmod(run / "1" / "params", 0o755)
+    assert json.loads(proc.stdout)["steps"][0]["size_bytes"] is None, proc.stdout + proc.stderr

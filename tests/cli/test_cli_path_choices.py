@@ -45,7 +45,7 @@ def run_cli(capsys, *argv):
         (["inspect", "{core}", "--step", "3"], "is a core checkpoint"),
         (["inspect", "{run}/5", "--step", "6"], "is one step"),
         (["verify", "{run}/5", "--step", "6"], "is one step"),
-        (["verify", "{run}", "--step", "5", "--all"], "conflict"),
+        (["verify", "{run}", "--step", "5", "--all"], "choose one"),
         (["gc", "{core}", "--keep", "1"], "is a core checkpoint, not a run directory"),
         (["gc", "{run}/5", "--keep", "1"], "is one step, not a run directory"),
         (["export", "{core}", "{out}", "--dtype", "int8"], "expected a floating dtype"),

@@ -76,3 +76,47 @@ def test_sigterm_during_an_export_removes_its_temporary_file(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err.decode()
     assert b"terminated" in err
     assert os.listdir(out) == [], os.listdir(out)
+
+
+def test_ctrl_c_while_the_commands_load_is_an_interruption(tmp_path):
+    """SIGINT while JAX loads (the first second or so) was a raw 'ImportError:
+    initialization failed' (exit 2), or was swallowed by a garbage-collection callback
+    and the command ran on to exit 0. Now it is 'interrupted', exit 130, at any moment."""
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
+    for delay in (0.4, 0.9):
+        proc = subprocess.Popen(
+            _cli("list", str(tmp_path / "run")),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_proc.child_env(),
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, (delay, proc.returncode, err[-2000:])
+        assert err.strip().splitlines()[-1].startswith("flax-orbax list: interrupted"), err
+        assert "Traceback" not in err and "ImportError" not in err, err
+
+
+def test_a_shell_commands_warnings_are_its_own_lines(tmp_path):
+    """A library warning came out as Python's '<frozen runpy>:88: UserWarning: ...'."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path / "orbax") as mngr:
+        state = {"w": np.ones(3, np.float32)}
+        mngr.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+        mngr.wait_until_finished()
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
+    proc = subprocess.run(
+        _cli("import", tmp_path / "orbax", tmp_path / "run"),
+        capture_output=True,
+        text=True,
+        env=_proc.child_env(),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "flax-orbax import: warning: " in proc.stderr and "already holds steps 1" in proc.stderr
+    assert "UserWarning" not in proc.stderr and "runpy" not in proc.stderr, proc.stderr

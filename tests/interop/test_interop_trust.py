@@ -714,3 +714,22 @@ def test_import_refuses_a_user_folder_named_like_the_step(tmp_path):
     assert _tree_digest(ckpts) == before
     # into a fresh directory it works
     assert _importing.import_msgpack(ckpts, tmp_path / "out") == [5]
+
+
+def test_an_import_never_writes_inside_its_own_source(run, tmp_path):
+    """``import orbax_run orbax_run/sub`` (or into a step of it, or into a msgpack
+    directory it reads) wrote a run inside the source and exited 0. Refused now, by
+    every entry point, with nothing written."""
+    before = _tree_digest(run)
+    for src, out in ((run, run / "sub"), (run / "1", run / "1" / "conv"), (run, run / "2" / "x")):
+        with pytest.raises(fop.UnsupportedLocationError, match="lies inside the source"):
+            fop.import_orbax(src, out)
+        assert cli.main(["import", str(src), str(out)]) == 2
+    assert _tree_digest(run) == before
+    msgd = tmp_path / "msgd"
+    msgd.mkdir()
+    (msgd / "checkpoint_1").write_bytes(serialization.to_bytes({"params": _params(1)}))
+    with pytest.raises(fop.UnsupportedLocationError, match="lies inside the source"):
+        fop.import_msgpack(msgd, msgd / "out")
+    assert sorted(os.listdir(msgd)) == ["checkpoint_1"]
+    assert fop.import_orbax(run, tmp_path / "beside") == [1, 2]  # outside it: imported

@@ -89,3 +89,20 @@ def test_manager_retention_and_params_only(gcs_location):
         if key.startswith("3/opt_state/"):
             gcs_location.delete(key)
     np.testing.assert_array_equal(fop.restore_params(url)["w"], np.full(8, 3.0))
+
+
+def test_a_missing_bucket_is_a_store_access_error_at_every_entry_point(gcs_server, capsys):
+    """The emulator answers a missing bucket with an empty body: tensorstore's 'Failed
+    to parse response metadata' came out raw (a ValueError; the CLI's exit 2)."""
+    from flax_orbax_plugin import cli
+
+    url = "gs://no-such-bucket-here/run"
+    for call in (
+        lambda: fop.save(url, {"w": np.ones(3)}),
+        lambda: fop.restore(url),
+        lambda: fop.CheckpointManager(url, read_only=True).steps(),
+    ):
+        with pytest.raises(fop.StoreAccessError, match="no-such-bucket-here: no such bucket"):
+            call()
+    assert cli.main(["list", url]) == 3
+    assert "no such bucket" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from ..._core import ownership as _ownership
 from ..._core import restore as _restore
 from ..._errors import (
     CorruptCheckpointError,
+    OptionError,
     StructureError,
     UnsupportedLocationError,
 )
@@ -370,9 +371,9 @@ def key_map_from_file(path: str) -> Callable[[str], str | None]:
     try:
         mapping = loads_json(raw, path)
     except CorruptCheckpointError as e:
-        raise ValueError(str(e)) from None
+        raise OptionError(str(e)) from None
     if not isinstance(mapping, dict) or not all(
         isinstance(v, str) or v is None for v in mapping.values()
     ):
-        raise ValueError(f"{path}: expected a JSON object of leaf path -> tensor name or null")
+        raise OptionError(f"{path}: expected a JSON object of leaf path -> tensor name or null")
     return ListedKeyMap(mapping, f"key map file {path}")

@@ -48,12 +48,12 @@ def parse_size(size: int | str) -> int:
     elif isinstance(size, str) and (m := _SIZE_RE.match(size)):
         value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
     else:
-        raise ValueError(
+        raise OptionError(
             f"max shard size: expected bytes or a size such as '5GB', '500MB', '2GiB', "
             f"found {size!r}"
         )
     if value <= 0:
-        raise ValueError(f"max shard size: expected a positive size, found {size!r}")
+        raise OptionError(f"max shard size: expected a positive size, found {size!r}")
     return value
 
 
@@ -118,7 +118,7 @@ class ListedKeyMap:
         unknown = sorted(set(self.mapping) - set(paths))
         if unknown:
             shown = ", ".join(repr(p) for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
-            raise ValueError(
+            raise OptionError(
                 f"{self.where}: names {len(unknown)} leaf path(s) the source does not have: "
                 f"{', '.join(repr(p) for p in unknown[:6])}; its leaves: {shown or 'none'}"
             )
@@ -193,10 +193,10 @@ def plan_tensors(
         name = (key_map or default_name)(path)
         if name is not None:
             if not isinstance(name, str) or not name or not _utf8(name):
-                raise ValueError(f"key_map: leaf {path!r}: expected a tensor name, found {name!r}")
+                raise OptionError(f"key_map: leaf {path!r}: expected a tensor name, found {name!r}")
             names[path] = name
     if leaves and not names:  # it wrote a file of no tensors and exited 0
-        raise ValueError(
+        raise OptionError(
             f"key_map leaves out every leaf ({len(leaves)}): nothing would be exported"
         )
     if key_map is None and len(set(names.values())) != len(names):
@@ -208,7 +208,7 @@ def plan_tensors(
             continue
         name = names[path]
         if name in seen:
-            raise ValueError(f"key_map: leaves {seen[name]!r} and {path!r} both map to {name!r}")
+            raise OptionError(f"key_map: leaves {seen[name]!r} and {path!r} both map to {name!r}")
         seen[name] = path
         out_dtype = tensor_dtype(path, leaf_dtype, dtype)
         bits = packed_bits(out_dtype)
