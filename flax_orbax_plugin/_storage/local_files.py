@@ -101,8 +101,8 @@ def open_dirs(root: str, parts: list[str], *, create: bool = False) -> int:
                     part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
                 )
             except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):  # named by its whole path
+                    raise type(e)(e.errno, e.strerror, walked) from None
                 st = os.stat(part, dir_fd=fd, follow_symlinks=False)
                 raise ForeignEntryError(
                     f"{walked}: expected a directory written by this library, found {_kind(st)} "
@@ -130,8 +130,8 @@ def read_file(root: str, name: str, max_bytes: int | None) -> bytes | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
+        if e.errno != errno.ELOOP:  # named by its whole path, not its last part
+            raise type(e)(e.errno, e.strerror, path) from None
         require_regular(os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False), path)
         raise
     finally:

@@ -352,3 +352,26 @@ def test_an_interruption_says_what_was_done_before_it(capsys, monkeypatch, tmp_p
         f"flax-orbax import: interrupted (the import committed step(s) [1] to "
         f"{tmp_path / 'out'} before it failed)"
     )
+
+
+def test_an_unreadable_folder_is_named_by_its_whole_path(tmp_path):
+    """'[Errno 13] Permission denied: 'data'' named only the last part of the path."""
+    import shutil as _shutil
+
+    if os.geteuid() == 0 and _shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: nothing can be made unreadable")
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run) as mngr:
+        mngr.save(200, {"params": {"w": np.ones(3)}, "opt_state": {"m": np.ones(2)}})
+    command = [sys.executable, "-m", "flax_orbax_plugin", "verify", str(run), "--step", "200"]
+    if os.geteuid() == 0:
+        drop = "-dac_override,-dac_read_search,-fowner"
+        command = ["setpriv", "--inh-caps", drop, "--bounding-set", drop, *command]
+    os.chmod(run / "200" / "opt_state" / "data", 0)
+    try:
+        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        os.chmod(run / "200" / "opt_state" / "data", 0o755)
+    assert proc.returncode == 2, proc.stderr
+    assert f"Permission denied: '{run / '200' / 'opt_state' / 'data'}'" in proc.stderr, proc.stderr
