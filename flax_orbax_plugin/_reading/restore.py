@@ -24,6 +24,7 @@ from .._format.foreign import is_orbax_checkpoint, is_step
 from .._interop.orbax_layout import open_orbax
 from .._interop.orbax_reader import restore_orbax
 from .._interop.orbax_steps import agreed_latest
+from .._state.train_state import update_in_place
 from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
 from . import items as _items
@@ -103,7 +104,7 @@ def restore(
     location = Location.from_path(path)
     changes = {"partial": partial, "missing": missing, "transform": transform}
     try:
-        return _core_restore.restore(
+        restored = _core_restore.restore(
             location,
             like,
             surgery=surgery,
@@ -113,6 +114,7 @@ def restore(
             share_replicated_reads=share_replicated_reads,
             **changes,
         )
+        return update_in_place(like, restored)  # an NNX object: restored in place
     except (CheckpointNotFoundError, NotCommittedError):
         if not is_orbax_checkpoint(location):  # looked for only when none of ours is there
             raise
@@ -126,7 +128,7 @@ def restore(
         if item is None:
             raise
         return _items.read(item, like, changes=changes)
-    return _restore_orbax(location, like, cast=cast, **changes)
+    return update_in_place(like, _restore_orbax(location, like, cast=cast, **changes))
 
 
 def _json_item(location: Location) -> _items.StepItem | None:

@@ -257,3 +257,16 @@ def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
 def holds_nnx_objects(state: Mapping[str, Any]) -> bool:
     """Whether a mapping holds an NNX module, optimizer or Rngs (split, not stored as is)."""
     return any(_nnx_kind(v) in _NNX_GRAPH_KINDS for v in state.values())
+
+
+def update_in_place(like: Any, restored: Any) -> Any:
+    """``restored`` (read in the form of ``like``) written into ``like`` itself when
+    ``like`` is an NNX object (a Module, Optimizer or Rngs: restored in place, as a
+    manager's restore does and the README promises), then ``like``; else ``restored``
+    (an ``nnx.State`` is a value, returned as read)."""
+    kind = _nnx_kind(like)
+    if kind in (None, "state") or restored is like or type(restored) is not type(like):
+        return restored
+    nnx = _nnx()
+    nnx.update(like, nnx.state(restored))
+    return like

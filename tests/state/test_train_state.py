@@ -335,3 +335,19 @@ def test_items_without_arrays_round_trip_nnx(tmp_path):
         mngr.restore(like=like)
         assert set(mngr.restore(items=None)) == {"step", "params", "opt_state"}
     assert_same(saved, like)
+
+
+def test_fop_restore_into_an_nnx_module_restores_it_in_place(tmp_path):
+    """README: NNX objects 'are restored in place'. The manager did; ``fop.restore``
+    returned a new module and left ``like`` at its random init (a caller that did not
+    assign the result trained from scratch). An nnx.State like is a value, returned."""
+    import flax_orbax_plugin as fop
+
+    saved = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+    fop.save(tmp_path / "s", nnx.state(saved))
+    model = nnx.Linear(3, 4, rngs=nnx.Rngs(2))
+    assert fop.restore(tmp_path / "s", like=model) is model
+    np.testing.assert_array_equal(model.kernel[...], saved.kernel[...])
+    np.testing.assert_array_equal(model.bias[...], saved.bias[...])
+    state = fop.restore(tmp_path / "s", like=nnx.state(nnx.Linear(3, 4, rngs=nnx.Rngs(5))))
+    np.testing.assert_array_equal(state["kernel"][...], saved.kernel[...])
