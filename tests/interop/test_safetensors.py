@@ -385,3 +385,30 @@ def test_an_export_writes_nothing_machine_specific(tmp_path, capsys, sharded):
     fop.save(tmp_path / "secret-home" / "core", _params())
     _safetensors.export_checkpoint(tmp_path / "secret-home" / "core", tmp_path / "c.safetensors")
     assert b"secret-home" not in _header_bytes(tmp_path / "c.safetensors")
+
+
+def test_colliding_default_names_round_trip_without_a_key_map(tmp_path):
+    """'a.b' and 'a/b' would both be tensor 'a.b': the export names every tensor by its
+    full path then, and from_safetensors now reads them back by the same rule (it looked
+    for 'a.b' and refused the file)."""
+    tree = {"a.b": np.ones(2, np.float32), "a": {"b": np.zeros(2, np.float32)}}
+    fop.to_safetensors(tree, tmp_path / "m.safetensors")
+    got = fop.from_safetensors(tmp_path / "m.safetensors", like=tree)
+    np.testing.assert_array_equal(got["a.b"], tree["a.b"])
+    np.testing.assert_array_equal(got["a"]["b"], tree["a"]["b"])
+
+
+def test_hf_shards_refuse_a_dtype_that_overflows_a_value(tmp_path):
+    """HFShards(dtype='float16') turned 1e5 into inf and committed the step (numpy's
+    RuntimeWarning only), where to_safetensors refuses it. Refused now, naming the
+    leaf, and no step is committed with the wrong values."""
+    params = {"d": {"kernel": np.array([1e5, 1.0], np.float32)}}
+    shards = fop.HFShards(every_steps=1, dtype="float16")
+    with pytest.raises(fop.StructureError, match=r"HFShards: leaf 'd/kernel'.*overflows"):
+        with fop.CheckpointManager(tmp_path / "run", hf_shards=shards) as mngr:
+            mngr.save(1, {"params": params}, ignore_policy=True)
+    assert fop.CheckpointManager(tmp_path / "run", read_only=True).steps() == []
+    fine = {"d": {"kernel": np.array([1.5, 1.0], np.float32)}}
+    with fop.CheckpointManager(tmp_path / "ok", hf_shards=shards) as mngr:
+        mngr.save(1, {"params": fine}, ignore_policy=True)
+    assert fop.CheckpointManager(tmp_path / "ok", read_only=True).steps() == [1]

@@ -29,6 +29,7 @@ from ..._core.commit import Written
 from ..._core.handle import raise_if_cancelled
 from ..._errors import StructureError
 from ..._format import layout as _layout
+from ..._like import casting as _casting
 from ..._manager.json_items import encode_json, write_json
 from ..._storage.location import Location
 from .layout import INDEX_NAME, Layout, runs
@@ -97,7 +98,12 @@ def _bytes_of(layout: Layout, path: str, box: tuple, data: np.ndarray) -> tuple[
     """The region as written: its box in the tensor and its bytes (cast, transposed,
     C order, little-endian)."""
     t = layout.placed[path].tensor
-    if data.dtype != t.dtype:
+    if data.dtype != t.dtype:  # rounding is the opt-in; an overflow (1e5 to inf) is not
+        try:
+            _casting.check(path, np.asarray(data), t.dtype, cast="safe")
+        except StructureError as e:  # HFShards has no cast=: its own way out
+            advice = "export that leaf in another dtype (bfloat16) or leave it out (key_map)"
+            raise StructureError(f"HFShards: {e}".replace(_casting.ADVICE, advice)) from None
         data = data.astype(t.dtype)
     if t.axes is not None:
         data, box = data.transpose(t.axes), tuple(box[a] for a in t.axes)

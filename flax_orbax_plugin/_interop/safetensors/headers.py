@@ -51,6 +51,14 @@ def default_name(path: str) -> str:
     return path.replace("/", ".")
 
 
+def default_names(paths: list[str]) -> dict[str, str]:
+    """Each leaf path's tensor name without a key map, the same both ways (export and
+    ``from_safetensors``): :func:`default_name`, unless two leaves' names collide
+    ('a.b' and 'a/b'): then every tensor is named by its full path."""
+    names = {p: default_name(p) for p in paths}
+    return names if len(set(names.values())) == len(names) else {p: p for p in paths}
+
+
 def kernel_axes(path: str, ndim: int, transpose: bool) -> tuple[int, ...] | None:
     """The permutation from Flax's kernel layout (..., in, out) to PyTorch's (out, in, ...)."""
     if not transpose or ndim < 2 or path.rsplit("/", 1)[-1] != "kernel":

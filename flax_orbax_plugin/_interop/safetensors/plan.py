@@ -1,7 +1,7 @@
 """An export's plan: each leaf's tensor (name, dtype, layout), its bytes, its shard.
 
 Pure functions of the leaves' paths, dtypes and shapes (no file is touched):
-``key_map`` names each tensor (default: the path with '/' replaced by '.'),
+``key_map`` names each tensor (default: ``headers.default_names``),
 ``transpose_kernels`` writes Flax kernels in PyTorch's layout, ``dtype`` casts the
 floating leaves, and :func:`shards` splits the tensors greedily, in order, under the
 size limit (:func:`parse_size`), as Hugging Face does.
@@ -22,7 +22,7 @@ from ..._base.option_spec import Option
 from ..._errors import OptionError, OptionTypeError, StructureError
 from ..._like import casting as _casting
 from ..._like import onto_like as _onto_like
-from .headers import TAGS, default_name, kernel_axes
+from .headers import TAGS, default_name, default_names, kernel_axes
 from .packing import pack, packed_bits, tensor_nbytes
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
@@ -189,8 +189,9 @@ def plan_tensors(
     if isinstance(key_map, ListedKeyMap):
         key_map.check([path for path, _, _ in leaves])
     names = {}
+    defaults = default_names([path for path, _, _ in leaves])
     for path, _, _ in leaves:
-        name = (key_map or default_name)(path)
+        name = defaults[path] if key_map is None else key_map(path)
         if name is not None:
             if not isinstance(name, str) or not name or not _utf8(name):
                 raise OptionError(f"key_map: leaf {path!r}: expected a tensor name, found {name!r}")
@@ -199,8 +200,6 @@ def plan_tensors(
         raise OptionError(
             f"key_map leaves out every leaf ({len(leaves)}): nothing would be exported"
         )
-    if key_map is None and len(set(names.values())) != len(names):
-        names = {p: p for p in names}  # 'a.b' and 'a/b' collide: keep the full paths
     seen: dict[str, str] = {}
     tensors = []
     for path, leaf_dtype, shape in leaves:

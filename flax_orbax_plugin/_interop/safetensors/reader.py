@@ -22,7 +22,7 @@ from ..._base.option_spec import check
 from ..._errors import CorruptCheckpointError, StructureError
 from ..._like import onto_like as _onto_like
 from ..._storage.untrusted import open_regular
-from .headers import Stored, default_name, kernel_axes, read_safetensors_index
+from .headers import Stored, default_names, kernel_axes, read_safetensors_index
 from .packing import group, packed_bits, unpack
 from .plan import FLAGS, checked_key_map
 
@@ -176,8 +176,9 @@ def _read_onto(
     flat, treedef = _tree.flatten(like)
     used: set[str] = set()
     plans = []
+    defaults = default_names([path for path, _, _ in flat])  # as the export named them
     for path, _, leaf_like in flat:
-        name = (key_map or default_name)(path)
+        name = defaults[path] if key_map is None else key_map(path)
         t = stored.get(name) if name is not None else None
         if t is None:
             raise StructureError(
