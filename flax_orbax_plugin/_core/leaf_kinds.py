@@ -85,6 +85,17 @@ def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
     """(kind, array-like value, PRNG impl) for one leaf; errors name the path."""
     if leaf is None:
         return "none", None, None
+    if isinstance(leaf, jax.core.Tracer):
+        raise StructureError(
+            f"leaf {path!r}: expected a concrete array, found a traced value (inside "
+            f"jax.jit, grad or vmap): save outside the transformed function, from its output"
+        )
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise StructureError(
+            f"leaf {path!r}: expected a live array, found one that was deleted (donated "
+            f"to a jitted step with donate_argnums, or .delete()d): save the state the "
+            f"step returned, or before the step that donates it"
+        )
     if isinstance(leaf, jax.Array):
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             impl = str(jax.random.key_impl(leaf))

@@ -489,3 +489,23 @@ def test_a_commit_removes_stale_staging_of_the_same_name_only(tmp_path):
         "outside",
     ]
     assert (tmp_path / "outside" / "keep.txt").read_text() == "x"
+
+
+def test_a_deleted_or_traced_leaf_is_refused_naming_it(tmp_path):
+    """A donated (deleted) array gave jax's 'Array has been deleted' and a save inside
+    jax.jit an AttributeError about 'sharding', neither naming the leaf."""
+    gone = jnp.ones(3)
+    gone.delete()
+    for save in (fop.save, fop.save_async):
+        with pytest.raises(fop.StructureError, match=r"leaf 'p/x': .*deleted \(donated"):
+            save(tmp_path / "a", {"p": {"x": gone}})
+    assert not (tmp_path / "a").exists()
+
+    @jax.jit
+    def step(y):
+        fop.save(tmp_path / "b", {"p": y})
+        return y
+
+    with pytest.raises(fop.StructureError, match=r"leaf 'p': .*traced value"):
+        step(jnp.ones(2))
+    assert not (tmp_path / "b").exists()
