@@ -412,3 +412,12 @@ def test_hf_shards_refuse_a_dtype_that_overflows_a_value(tmp_path):
     with fop.CheckpointManager(tmp_path / "ok", hf_shards=shards) as mngr:
         mngr.save(1, {"params": fine}, ignore_policy=True)
     assert fop.CheckpointManager(tmp_path / "ok", read_only=True).steps() == [1]
+
+
+def test_a_prng_key_leaf_is_refused_naming_it(tmp_path):
+    """jax's 'JAX array with PRNGKey dtype cannot be converted to a NumPy array' came out
+    raw, naming no leaf."""
+    tree = {"rng": jax.random.key(0), "w": jnp.ones(2)}
+    with pytest.raises(fop.StructureError, match=r"leaf 'rng': .*PRNG key"):
+        fop.to_safetensors(tree, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -117,6 +118,13 @@ def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
     flat, _ = _tree.flatten(tree)
     # None and empty nodes (kept as leaves by the tree's flattening) hold no tensor
     values = {p: v for p, _, v in flat if v is not None and not _tree.is_empty_node(v)}
+    for p, v in values.items():
+        if jax.dtypes.issubdtype(getattr(v, "dtype", None), jax.dtypes.prng_key):
+            raise StructureError(
+                f"leaf {p!r}: expected an array of numbers, found a PRNG key "
+                f"({v.dtype}), which safetensors has no dtype for: export "
+                f"jax.random.key_data(...) of it instead, or leave it out of the tree"
+            )
     # by dtype, in this host's byte order (a big-endian array is converted when written)
     leaves = [
         (p, np.asarray(v).dtype.newbyteorder("="), tuple(np.shape(v))) for p, v in values.items()
