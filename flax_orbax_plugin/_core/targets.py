@@ -76,7 +76,8 @@ def make_target(index: int, record: LeafRecord, like: Any, *, cast: str) -> Targ
     target.dtype = _layout.dtype_from_name(record.dtype, path=path)
     saved_shape = record.shape
     if record.kind == "prng_key":
-        return target  # shape and dtype checked after wrapping
+        _check_key_like(record, like)  # its shape is checked after wrapping
+        return target
     if like is None:
         target.out_dtype = target.dtype
         return target
@@ -136,6 +137,27 @@ def add_missing_empties(flat: list, records: dict[str, tuple[int, LeafRecord]]) 
         if path not in records and _tree.is_empty_node(leaf):
             kind = _tree.empty_kind(leaf)
             records[path] = (-1, LeafRecord(path, tuple(tuple(k) for k in keys), kind))
+
+
+def _check_key_like(record: Any, like: Any) -> None:
+    """A saved PRNG key array restores only into a key of its own impl (a key's words
+    mean nothing under another impl: no cast), before anything is read."""
+    if like is None:
+        return
+    shape, dtype = _onto_like.template_of(record.path, like)
+    found = f"a PRNG key array of impl {record.impl!r} in the checkpoint"
+    if not _onto_like.is_key_dtype(dtype):
+        raise StructureError(
+            f"leaf {record.path!r}: expected {dtype}{list(shape)} (from like), found "
+            f"{found}; restore it into a key (jax.random.key(0, impl={record.impl!r}) or "
+            f"its eval_shape), then jax.random.key_data(...) for its raw words"
+        )
+    impl = getattr(getattr(dtype, "_impl", None), "name", None)
+    if impl is not None and impl != record.impl:
+        raise StructureError(
+            f"leaf {record.path!r}: expected a PRNG key of impl {impl!r} (from like), "
+            f"found {found}; a key of one impl cannot be read as another"
+        )
 
 
 def finish(target: Target, host: np.ndarray, placer: Placer) -> None:

@@ -509,3 +509,26 @@ def test_a_deleted_or_traced_leaf_is_refused_naming_it(tmp_path):
     with pytest.raises(fop.StructureError, match=r"leaf 'p': .*traced value"):
         step(jnp.ones(2))
     assert not (tmp_path / "b").exists()
+
+
+def test_a_prng_key_restores_only_into_a_key_of_its_impl(tmp_path):
+    """A threefry key restored with an rbg key (or its eval_shape) as like came back
+    threefry without a word; a uint32 like got a shape message that contradicted the
+    metadata. Both are refused before anything is read, naming the impls."""
+    fop.save(tmp_path / "k", {"k": jax.random.key(42)})
+    for other in ("rbg", "unsafe_rbg"):
+        for like in (
+            jax.random.key(0, impl=other),
+            jax.eval_shape(lambda o=other: jax.random.key(0, impl=o)),
+        ):
+            with pytest.raises(
+                fop.StructureError,
+                match=rf"impl '{other}' \(from like\), found a PRNG key array of impl 'threefry2x32'",
+            ):
+                fop.restore(tmp_path / "k", like={"k": like})
+    with pytest.raises(
+        fop.StructureError, match=r"expected uint32\[2\] \(from like\), found a PRNG key"
+    ):
+        fop.restore(tmp_path / "k", like={"k": np.zeros(2, np.uint32)})
+    got = fop.restore(tmp_path / "k", like={"k": jax.random.key(0)})["k"]
+    np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(jax.random.key(42)))
