@@ -81,22 +81,27 @@ class DocumentSize:
             )
 
 
-def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
-    """(kind, array-like value, PRNG impl) for one leaf; errors name the path."""
-    if leaf is None:
-        return "none", None, None
+def _check_live(path: str, leaf: jax.Array) -> None:
+    """A traced value or a deleted (donated) array holds nothing to save: named here."""
     if isinstance(leaf, jax.core.Tracer):
         raise StructureError(
             f"leaf {path!r}: expected a concrete array, found a traced value (inside "
             f"jax.jit, grad or vmap): save outside the transformed function, from its output"
         )
-    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+    if leaf.is_deleted():
         raise StructureError(
             f"leaf {path!r}: expected a live array, found one that was deleted (donated "
             f"to a jitted step with donate_argnums, or .delete()d): save the state the "
             f"step returned, or before the step that donates it"
         )
+
+
+def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
+    """(kind, array-like value, PRNG impl) for one leaf; errors name the path."""
+    if leaf is None:
+        return "none", None, None
     if isinstance(leaf, jax.Array):
+        _check_live(path, leaf)
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             impl = str(jax.random.key_impl(leaf))
             return "prng_key", jax.random.key_data(leaf), impl
