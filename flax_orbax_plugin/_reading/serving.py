@@ -18,7 +18,13 @@ from .._base.option_spec import named_keywords
 from .._core import requests as _requests
 from .._core import restore as _restore
 from .._core.targets import place
-from .._errors import CheckpointError, CheckpointNotFoundError, OptionTypeError, StructureError
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    OptionTypeError,
+    StructureError,
+)
 from .._format import places as _places
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
@@ -116,9 +122,13 @@ def restore_params(
     step = _steps.choose_step(loc, steps, step)
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
     step_loc = _steps.step_location(loc, step)
-    entry = _steps.read_manifest(step_loc).items.get("params")
-    if entry is None:
-        raise CheckpointNotFoundError(f"step {step} of {loc} holds no params item")
+    items = _steps.read_manifest(step_loc).items
+    if "params" not in items:  # which items there are, and how to read one of them
+        raise CheckpointNotFoundError(
+            f"step {step} of {loc} holds no params item (its items: {sorted(items)}); "
+            f"fop.restore({str(step_loc)!r} + '/<item>') reads one of them"
+        )
+    entry = items["params"]
     params_loc = step_loc.child(entry.dir)
     target = _params_like(like)
     if target is None and (dtype is not None or sharding is not None):
@@ -127,6 +137,11 @@ def restore_params(
         target = retarget(target, dtype, sharding)
     try:
         return _restore.restore(params_loc, target, dry_run=dry_run, cast=cast, **changes.kwargs())
+    except CorruptCheckpointError as e:  # the latest is damaged: the older ones are named
+        older = [s for s in steps if s < step][-3:]
+        if older:
+            e.add_note(f"older steps of {loc}: {older}; restore_params(..., step={older[-1]})")
+        raise
     except StructureError as e:  # model.init's output given whole: say so
         if isinstance(target, Mapping) and "params" in target and e.args:
             hint = (

@@ -31,3 +31,29 @@ def test_a_like_holding_params_at_its_top_gets_the_hint(tmp_path):
     with pytest.raises(fop.StructureError, match=r"like\['params'\]"):
         fop.restore_params(tmp_path, like={"params": params})
     fop.restore_params(tmp_path, like=params)
+
+
+def test_a_damaged_latest_step_names_the_older_steps_to_serve(tmp_path):
+    """The damage was raised with no word of the good steps before it."""
+    from _files import flip_byte
+
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        for step in (1, 2, 3):
+            mngr.save(step, {"params": {"w": np.full(64, step, np.float32)}})
+    data = tmp_path / "run" / "3" / "params" / "data"
+    flip_byte(next(p for p in data.iterdir() if p.suffix == ".bin"))
+    with pytest.raises(fop.CorruptCheckpointError) as caught:
+        fop.restore_params(tmp_path / "run")
+    assert "older steps of" in " ".join(caught.value.__notes__)
+    assert "[1, 2]; restore_params(..., step=2)" in " ".join(caught.value.__notes__)
+    served = fop.restore_params(tmp_path / "run", step=2)
+    np.testing.assert_array_equal(served["w"], np.full(64, 2, np.float32))
+
+
+def test_a_step_without_params_names_the_items_it_holds(tmp_path):
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, {"weights": {"w": np.ones(3, np.float32)}})
+    with pytest.raises(fop.CheckpointNotFoundError, match=r"its items: \['weights'\]"):
+        fop.restore_params(tmp_path / "run")
+    got = fop.restore(str(tmp_path / "run" / "1" / "weights"))
+    np.testing.assert_array_equal(got["w"], np.ones(3, np.float32))
