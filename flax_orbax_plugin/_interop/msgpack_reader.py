@@ -45,7 +45,7 @@ from .._errors import (
     StructureError,
 )
 from .._format import layout as _layout
-from .._format.foreign import is_msgpack_checkpoint
+from .._format.foreign import is_msgpack_checkpoint, is_orbax_checkpoint
 from .._like import onto_like as _onto_like
 from .._like.casting import check_policy
 from .._storage.kvstore import local_path
@@ -174,7 +174,9 @@ def read_msgpack(path: Any) -> Any:
     path = local_path(path, what="msgpack checkpoint")
     where = str(path)
     if os.path.isdir(path):
-        raise CheckpointNotFoundError(f"{where}: a directory, not a msgpack file")
+        raise CheckpointNotFoundError(
+            f"{where}: a directory, not a msgpack file{_orbax_hint(path)}"
+        )
     # The named file may be a symlink the user chose; it must resolve to a regular file.
     fd, st = open_regular(path, follow_links=True, what="msgpack checkpoint")
     with open(fd, "rb", closefd=True) as f:
@@ -266,7 +268,7 @@ def _files(src: str, step: int | None) -> list[tuple[int | None, str]]:
             found.append((int(m.group("step")), full))
     if not found:
         raise CheckpointNotFoundError(
-            f"{src}: no flax.training.checkpoints files (checkpoint_<step>) in it"
+            f"{src}: no flax.training.checkpoints files (checkpoint_<step>) in it{_orbax_hint(src)}"
         )
     found.sort()
     if step is not None:
@@ -291,3 +293,18 @@ def files_to_import(src: Any, step: int | None) -> list[tuple[int | None, str]]:
         return int(m.group("step")) if m else None
 
     return [(number_of(n, p), p) for n, p in _files(src, step)]
+
+
+def _orbax_hint(path: str) -> str:
+    """Where ``path`` (a directory) holds Orbax checkpoints (``flax.training.checkpoints``
+    writes ``checkpoint_<step>/`` so since Flax 0.7): the readers that take them."""
+    orbax = is_orbax_checkpoint(path) or any(
+        _CHECKPOINT_RE.match(n) and is_orbax_checkpoint(os.path.join(path, n))
+        for n in sorted(os.listdir(path))[:16]
+    )
+    if not orbax:
+        return ""
+    return (
+        ": it holds Orbax checkpoints (flax.training.checkpoints writes them so since Flax "
+        "0.7): read them with fop.restore / fop.restore_params, or fop.import_orbax(src, dst)"
+    )

@@ -235,3 +235,17 @@ def test_an_import_never_hides_behind_newer_steps_nor_writes_one_step_twice(tmp_
         (twice / name).write_bytes(serialization.to_bytes(_state(0)))
     with pytest.raises(StructureError, match="two checkpoints of this import give step 0"):
         fop.import_msgpack(twice, tmp_path / "out")
+
+
+def test_flax_training_checkpoints_orbax_directories_point_at_the_orbax_readers(tmp_path):
+    """flax.training.checkpoints writes Orbax directories (checkpoint_<step>/) today:
+    the msgpack readers said 'no checkpoint_<step> files' and 'a directory, not a
+    msgpack file', pointing nowhere; import_orbax reads them."""
+    from flax.training import checkpoints
+
+    checkpoints.save_checkpoint(tmp_path / "ck", {"params": {"w": np.ones(3)}}, step=9)
+    with pytest.raises(fop.CheckpointNotFoundError, match=r"holds Orbax checkpoints.*import_orbax"):
+        fop.import_msgpack(tmp_path / "ck", tmp_path / "out")
+    with pytest.raises(fop.CheckpointNotFoundError, match=r"holds Orbax checkpoints.*restore_params"):
+        fop.restore_msgpack(tmp_path / "ck" / "checkpoint_9")
+    assert fop.import_orbax(tmp_path / "ck", tmp_path / "out") == [9]
