@@ -246,6 +246,6 @@ def test_flax_training_checkpoints_orbax_directories_point_at_the_orbax_readers(
     checkpoints.save_checkpoint(tmp_path / "ck", {"params": {"w": np.ones(3)}}, step=9)
     with pytest.raises(fop.CheckpointNotFoundError, match=r"holds Orbax checkpoints.*import_orbax"):
         fop.import_msgpack(tmp_path / "ck", tmp_path / "out")
-    with pytest.raises(fop.CheckpointNotFoundError, match=r"holds Orbax checkpoints.*restore_params"):
+    with pytest.raises(fop.CheckpointNotFoundError, match=r"Orbax checkpoints.*restore_params"):
         fop.restore_msgpack(tmp_path / "ck" / "checkpoint_9")
     assert fop.import_orbax(tmp_path / "ck", tmp_path / "out") == [9]
