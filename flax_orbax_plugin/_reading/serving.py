@@ -33,7 +33,7 @@ from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
 from .._like import transform as _transform
 from .._like.retarget import checked_dtype, retarget
-from .._state.train_state import holds_nnx_objects, split_state
+from .._state.train_state import holds_nnx_objects, nnx_state_as_dict, split_state
 from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
 
@@ -133,10 +133,12 @@ def restore_params(
     target = _params_like(like)
     if target is None and (dtype is not None or sharding is not None):
         return _host_then_placed(params_loc, dtype, sharding, changes, cast)
+    target, back = nnx_state_as_dict(target)  # an nnx.State like: read as its pure dict
     if target is not None and (dtype is not None or sharding is not None):
         target = retarget(target, dtype, sharding)
     try:
-        return _restore.restore(params_loc, target, dry_run=dry_run, cast=cast, **changes.kwargs())
+        got = _restore.restore(params_loc, target, dry_run=dry_run, cast=cast, **changes.kwargs())
+        return got if back is None or dry_run else back(got)
     except CorruptCheckpointError as e:  # the latest is damaged: the older ones are named
         older = [s for s in steps if s < step][-3:]
         if older:

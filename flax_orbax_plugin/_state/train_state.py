@@ -10,7 +10,15 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["split_state", "merge_state", "holds_nnx_objects"]
+import jax
+
+__all__ = [
+    "holds_nnx_objects",
+    "merge_state",
+    "nnx_state_as_dict",
+    "split_state",
+    "update_in_place",
+]
 
 _NNX_MODULE_ITEMS = ("params", "rng", "model_state")
 _NNX_GRAPH_KINDS = ("model_and_optimizer", "optimizer", "rngs", "module")
@@ -270,3 +278,20 @@ def update_in_place(like: Any, restored: Any) -> Any:
     nnx = _nnx()
     nnx.update(like, nnx.state(restored))
     return like
+
+
+def nnx_state_as_dict(like: Any) -> tuple[Any, Any]:
+    """``(pure dict, back)`` for an ``nnx.State`` (``nnx.state(model, nnx.Param)``, its
+    ``eval_shape``): a module's params are saved without NNX's '/value', so the read
+    goes through the pure dict and ``back(restored)`` returns a new State of ``like``'s
+    structure holding the values; ``(like, None)`` for anything else."""
+    if _nnx_kind(like) != "state":
+        return like, None
+    nnx = _nnx()
+
+    def back(restored: Any) -> Any:
+        out = jax.tree.map(lambda x: x, like)  # a new State, like's structure
+        nnx.replace_by_pure_dict(out, restored)
+        return out
+
+    return nnx.to_pure_dict(like), back

@@ -57,3 +57,32 @@ def test_a_step_without_params_names_the_items_it_holds(tmp_path):
         fop.restore_params(tmp_path / "run")
     got = fop.restore(str(tmp_path / "run" / "1" / "weights"))
     np.testing.assert_array_equal(got["w"], np.ones(3, np.float32))
+
+
+def test_an_nnx_state_like_serves_this_librarys_nnx_run(tmp_path):
+    """nnx.state(model, nnx.Param) (or nnx.split's state, or its eval_shape) as like
+    failed on the library's own NNX run ('a/bias/value' ... saved without NNX's
+    '/value'); like=model worked. It is served as a State of like's structure now."""
+    import jax
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(2, 3, rngs=rngs)
+            self.bn = nnx.BatchNorm(3, rngs=rngs)
+
+    saved = Model(nnx.Rngs(0))
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, saved)
+    fresh = Model(nnx.Rngs(1))
+    for like in (
+        nnx.state(fresh, nnx.Param),
+        nnx.split(fresh, nnx.Param, ...)[1],
+        jax.eval_shape(lambda: nnx.state(fresh, nnx.Param)),
+    ):
+        got = fop.restore_params(tmp_path / "run", like=like)
+        assert isinstance(got, nnx.State)
+        np.testing.assert_array_equal(got["a"]["kernel"][...], saved.a.kernel[...])
+        np.testing.assert_array_equal(got["bn"]["scale"][...], saved.bn.scale[...])
+    nnx.update(fresh, got)  # the served params go into a model as they are
+    np.testing.assert_array_equal(fresh.a.bias[...], saved.a.bias[...])
