@@ -343,14 +343,14 @@ def restore_orbax_params(
     step: int | None = None,
     dtype: Any = None,
     sharding: Any = None,
+    partial: bool = False,
 ) -> Any:
     """The params of an Orbax checkpoint, reading nothing else.
 
     Params are the ``params`` item, else the ``params`` subtree of a pytree item
-    (a saved TrainState), else the only pytree item. ``dtype`` casts floating
-    leaves (an explicit opt-in to a lossy cast); ``sharding`` is one Sharding or a
-    pytree of them.
-    """
+    (a saved TrainState), else the only pytree item. ``dtype`` casts floating leaves
+    (an explicit opt-in to a lossy cast); ``sharding`` is one Sharding or a pytree of
+    them; ``partial`` leaves out saved leaves ``like`` lacks (a model's batch stats)."""
     _, items = open_orbax(path, step=step)
     item, prefix = _params_source(items)
     if prefix:
@@ -369,7 +369,7 @@ def restore_orbax_params(
         like = _tree.rebuild((list(leaf.keys), _abstract(reader, leaf)) for leaf in item.leaves)
     if dtype is not None or sharding is not None:
         like = retarget(like, dtype, sharding)
-    return _restore_item(item, like, False, dtype is not None)
+    return _restore_item(item, like, partial, dtype is not None)
 
 
 def _abstract(reader: _ItemReader, leaf: OrbaxLeaf) -> Any:

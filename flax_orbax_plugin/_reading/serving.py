@@ -168,16 +168,16 @@ def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[in
 
 def _orbax_params(directory, like, step, dtype, sharding, changes, partial) -> Any:
     """The params of the Orbax checkpoint at ``directory`` (none of ours is there)."""
-    if changes.keep_missing or changes.transform is not None or partial or changes.surgery:
+    if changes.keep_missing or changes.transform is not None or changes.surgery:
         raise CheckpointError(
-            f"{directory} is an Orbax checkpoint: partial=, missing=, transform= and surgery= "
+            f"{directory} is an Orbax checkpoint: missing=, transform= and surgery= "
             f"apply to this library's checkpoints; convert it first with "
             f"fop.import_orbax(src, dst)"
         )
     if step is None and _distributed.spans_processes(_params_like(like), sharding):
         step = agreed_latest(Location.from_path(directory))
     return _orbax_reader.restore_orbax_params(
-        directory, _params_like(like), step=step, dtype=dtype, sharding=sharding
+        directory, _params_like(like), step=step, dtype=dtype, sharding=sharding, partial=partial
     )
 
 

@@ -58,3 +58,26 @@ def test_a_flax_training_checkpoints_run_written_by_orbax_reads_as_its_tree(tmp_
         np.testing.assert_array_equal(got["params"]["k"], np.full(3, 2, np.float32))
     got = fop.restore(tmp_path / "run" / "checkpoint_1")
     np.testing.assert_array_equal(got["params"]["k"], np.full(3, 1, np.float32))
+
+
+def test_an_orbax_nnx_run_serves_its_params_with_partial(tmp_path):
+    """Flax's Orbax recipe (nnx.split, StandardSave of the whole state): params alone
+    into nnx.state(model, nnx.Param) said 'pass partial=True', and partial=True said
+    partial= applies to this library's checkpoints only. It serves the params now."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(2, 3, rngs=rngs)
+            self.bn = nnx.BatchNorm(3, rngs=rngs)
+
+    saved = Model(nnx.Rngs(0))
+    with ocp.CheckpointManager(tmp_path / "orbax") as mngr:
+        mngr.save(1, args=ocp.args.StandardSave(nnx.split(saved)[1]))
+        mngr.wait_until_finished()
+    like = nnx.state(Model(nnx.Rngs(1)), nnx.Param)
+    with pytest.raises(fop.StructureError, match="pass partial=True"):
+        fop.restore_params(tmp_path / "orbax", like=like)
+    got = fop.restore_params(tmp_path / "orbax", like=like, partial=True)
+    np.testing.assert_array_equal(got["a"]["kernel"][...], saved.a.kernel[...])
+    np.testing.assert_array_equal(got["bn"]["scale"][...], saved.bn.scale[...])
