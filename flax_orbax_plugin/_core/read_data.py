@@ -226,7 +226,9 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
                     slice(lo - blo, hi - blo)
                     for (lo, hi), (blo, _) in zip(_bounds(key, shape), box, strict=True)
                 )
-                pieces.extend(jax.device_put(data[rel], device) for device, _ in devices)
+                pieces.extend(
+                    jax.device_put(data[rel], _on(device, sharding)) for device, _ in devices
+                )
             target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
         nbytes = math.prod(hi - lo for lo, hi in box) * itemsize
@@ -243,12 +245,19 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
             if data.dtype != target.out_dtype:
                 _casting.check(target.record.path, data, target.out_dtype, cast=target.cast)
                 data = data.astype(target.out_dtype)
-            pieces.extend(jax.device_put(data, device) for device, _ in devices)
+            pieces.extend(jax.device_put(data, _on(device, sharding)) for device, _ in devices)
             remaining[0] -= 1
             if remaining[0] == 0:
                 target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
         reader.submit(read_region(fmt, store, target, direct, index), nbytes, done, on_error)
+
+
+def _on(device: Any, sharding: Any) -> Any:
+    """Where one shard goes: ``device``, in the memory ``sharding`` asks for (a
+    ``pinned_host`` target's pieces must be there too, or jax refuses to assemble them)."""
+    kind = getattr(sharding, "memory_kind", None)
+    return device if kind is None else jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
 
 
 def _bounds(key: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:

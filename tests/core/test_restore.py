@@ -287,3 +287,15 @@ def test_metadata_reads_no_array_data(saved):
     assert info.leaves["params/kernel"].sharding["spec"] == ["data", "model"]
     assert info.leaves["step"].kind == "py_int"
     assert info.total_bytes == 256 * 512 * 4 * 2 + 512 * 4 + 8
+
+
+def test_a_sharded_leaf_restores_into_pinned_host_memory(tmp_path):
+    """Each shard was put in the device's default memory, and jax refused to assemble
+    them into a pinned_host sharding ('Memory kind mismatch with xla::PjRtBuffers')."""
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    fop.save(tmp_path / "a", {"f": jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("d")))})
+    pinned = NamedSharding(mesh, P("d"), memory_kind="pinned_host")
+    like = {"f": jax.ShapeDtypeStruct((16,), jnp.float32, sharding=pinned)}
+    got = fop.restore(tmp_path / "a", like=like)["f"]
+    assert got.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(got), np.arange(16.0))
