@@ -227,7 +227,11 @@ def _run_directory_message(location: Location) -> str | None:
         shown = ", ".join(map(str, listing.committed[-5:]))
         more = "..., " if len(listing.committed) > 5 else ""
         steps = f"steps {more}{shown}"
-        item = f"{location}/{latest}/params"
+        try:  # an item the latest step holds (params, unless it has none)
+            names = sorted(_steps.read_manifest(location.child(str(latest))).items)
+        except CheckpointError:
+            names = []
+        item = f"{location}/{latest}/{'params' if 'params' in names or not names else names[0]}"
     return (
         f"{location} is a run directory of CheckpointManager ({steps}), not one "
         f"checkpoint: restore a step with fop.CheckpointManager({str(location)!r}, "

@@ -172,3 +172,14 @@ def test_a_folder_inside_a_checkpoint_names_the_checkpoint(run, tmp_path):
     for where, message in _entry_points(inner, tmp_path):
         assert f"a folder inside the item {run}/2/params" in message, (where, message)
         assert "interrupted" not in message, where
+
+
+def test_a_run_without_params_points_at_an_item_it_holds(tmp_path):
+    """The hint named '<run>/1/params' in a run whose only item is 'weights'."""
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, {"weights": {"w": np.ones(3, np.float32)}})
+    with pytest.raises(fop.CheckpointNotFoundError) as caught:
+        fop.restore(tmp_path / "run")
+    named = f"{tmp_path / 'run'}/1/weights"
+    assert repr(named) in str(caught.value), caught.value
+    np.testing.assert_array_equal(fop.restore(named)["w"], np.ones(3, np.float32))
