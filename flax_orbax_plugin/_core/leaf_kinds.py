@@ -106,6 +106,8 @@ def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
             impl = str(jax.random.key_impl(leaf))
             return "prng_key", jax.random.key_data(leaf), impl
         return "array", leaf, None
+    if isinstance(leaf, np.generic):  # before float: np.float64 is a float, kept numpy
+        return "np_scalar", native_order(np.asarray(leaf)), None
     if isinstance(leaf, bool):
         return "py_bool", np.asarray(leaf, dtype=np.bool_), None
     if isinstance(leaf, int):
@@ -116,8 +118,6 @@ def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
         return "py_float", np.asarray(leaf, dtype=np.float64), None
     if isinstance(leaf, complex):
         return "py_complex", np.asarray(leaf, dtype=np.complex128), None
-    if isinstance(leaf, np.generic):
-        return "np_scalar", native_order(np.asarray(leaf)), None
     if isinstance(leaf, np.ndarray):
         if isinstance(leaf, np.ma.MaskedArray):
             raise StructureError(

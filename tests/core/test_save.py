@@ -532,3 +532,13 @@ def test_a_prng_key_restores_only_into_a_key_of_its_impl(tmp_path):
         fop.restore(tmp_path / "k", like={"k": np.zeros(2, np.uint32)})
     got = fop.restore(tmp_path / "k", like={"k": jax.random.key(0)})["k"]
     np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(jax.random.key(42)))
+
+
+def test_numpy_float64_and_complex128_scalars_come_back_as_numpy_scalars(tmp_path):
+    """They subclass Python's float and complex and were saved as Python scalars: a
+    like=None restore gave a plain float where np.float32 gave a numpy scalar."""
+    tree = {"a": np.float64(1.5), "b": np.complex128(1 + 2j), "c": 1.5, "d": np.float32(2.5)}
+    fop.save(tmp_path / "x", tree)
+    got = fop.restore(tmp_path / "x")
+    assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in tree.items()}
+    assert got == tree
