@@ -29,7 +29,7 @@ from . import steps as _steps
 from .foreign import foreign_format_hint
 from .layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
 
-__all__ = ["MAX_PROBED", "holding_checkpoint", "no_steps", "not_a_checkpoint"]
+__all__ = ["MAX_PROBED", "holding_checkpoint", "misplaced", "no_steps", "not_a_checkpoint"]
 
 MAX_PROBED = 16  # children looked into for a run or checkpoint one level down
 PATHS_NAMED = 4  # items of a step named when pointing at them
@@ -164,6 +164,20 @@ def _nothing_here(location: Location, none: str) -> str:
     return f"{none} at {location}: it holds no checkpoint of this library (it holds: {shown})"
 
 
+def misplaced(location: Location) -> str | None:
+    """Where ``location`` (no run itself) is one level off a run of ours: a folder inside
+    a checkpoint, step or item, or a folder with runs one level down;
+    None otherwise (a folder of other things is no mistake of place). ``gc``'s check."""
+    inside = _inside(location)
+    if inside is not None:
+        return f"{location} is a folder inside {inside}; point at the run directory instead"
+    names = [n for n in location.list_children() if not n.startswith(".fop-visible-")]
+    below = _one_level_down(location, names, runs_only=True)  # a checkpoint there: no gc's
+    if below:
+        return f"{location} holds no run itself; one level down: {'; '.join(below)}"
+    return None
+
+
 def _inside(location: Location) -> str | None:
     """What of ours ``location`` is a folder inside (a checkpoint, a step, an item)."""
     try:
@@ -179,8 +193,9 @@ def _inside(location: Location) -> str | None:
     return None
 
 
-def _one_level_down(location: Location, names: list[str]) -> list[str]:
-    """Runs and checkpoints of ours among the first :data:`MAX_PROBED` children."""
+def _one_level_down(location: Location, names: list[str], *, runs_only: bool = False) -> list[str]:
+    """Runs and checkpoints (``runs_only``: runs) of ours among the first
+    :data:`MAX_PROBED` children."""
     kinds = location.child_kinds() if location.is_local else None
     found = []
     for name in [n for n in names if kinds is None or kinds.get(n) == "dir"][:MAX_PROBED]:
@@ -189,7 +204,7 @@ def _one_level_down(location: Location, names: list[str]) -> list[str]:
             what = _what_child_is(child)
         except (CheckpointError, OSError, ValueError):
             continue  # a link, an odd name, an unreadable entry: not pointed at
-        if what is not None:
+        if what is not None and (not runs_only or what.startswith("a run directory")):
             found.append(f"{child} ({what})")
     return found
 

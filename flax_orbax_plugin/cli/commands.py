@@ -18,6 +18,7 @@ from typing import Any
 from .._core import restore as _restore
 from .._core.verify import verify
 from .._errors import CheckpointError, CheckpointNotFoundError, DirectoryLockedError, OptionError
+from .._format import places as _places
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
@@ -28,7 +29,7 @@ from . import json_output, plot
 from .display import byte_progress, make_table, status
 from .gc_plan import plan as gc_plan
 from .output import EXIT_DAMAGED, CliError, human_bytes, one_line
-from .paths import describe_missing, names_one, read_json_item, resolve
+from .paths import names_one, read_json_item, resolve
 
 
 @dataclasses.dataclass
@@ -261,9 +262,10 @@ def cmd_gc(args) -> int:
     # Not a run (nothing of ours to remove or keep): no writer opened, no lock left there.
     idle = not (found.unfinished or found.steps or found.kept)
     if idle and found.left_alone and not any(loc.exists(n) for n in _steps.RECORD_NAMES):
-        # Not a run, and not empty: pointed one level too high or too low (a cron job's
-        # gc would free nothing, every day, with exit 0)
-        raise CliError(f"{describe_missing(loc, _steps.list_directory(loc))}; nothing removed")
+        # Pointed one level too high or too low (a cron job's gc would free nothing,
+        # every day, with exit 0); a folder of other things is fine (nothing to do)
+        if (where := _places.misplaced(loc)) is not None:
+            raise CliError(f"{where}: gc removes nothing here")
     if args.dry_run or idle:
         removed_unfinished, removed, kept = found.unfinished, found.steps, found.kept
         left = found.left_alone

@@ -352,15 +352,18 @@ def test_subset_restore_and_clear_errors(tmp_path):
             mngr.restore(like={"params": state.params, "ema": state.params})
 
 
+class Failing(JsonCheckpointable):
+    """An item whose background write fails (its blocking phase is fine)."""
+
+    def save(self, directory, value):
+        class P:
+            def wait(self):
+                raise OSError("disk on fire")
+
+        return P()
+
+
 def test_background_error_is_raised_and_the_step_not_committed(tmp_path):
-    class Failing(JsonCheckpointable):
-        def save(self, directory, value):
-            class P:
-                def wait(self):
-                    raise OSError("disk on fire")
-
-            return P()
-
     with fop.CheckpointManager(tmp_path, checkpointables={"bad": Failing()}) as mngr:
         mngr.save(1, tiny(1))
         assert mngr.save(2, {**tiny(2), "bad": 1})  # blocking phase fine
@@ -781,14 +784,6 @@ def test_snapshots_survive_donation_deletion_and_the_next_save(
 def test_a_save_that_raises_an_earlier_steps_error_says_its_own_step_was_not_saved(tmp_path):
     """Step 2 failed in the background; ``save(3)`` raises that error as it begins. A
     loop that catches it and goes on would lose step 3 unaware: the error now says so."""
-
-    class Failing(JsonCheckpointable):
-        def save(self, directory, value):
-            class P:
-                def wait(self):
-                    raise OSError("disk on fire")
-
-            return P()
 
     with fop.CheckpointManager(tmp_path, checkpointables={"bad": Failing()}) as mngr:
         mngr.save(1, tiny(1))
