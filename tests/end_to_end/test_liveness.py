@@ -106,7 +106,7 @@ def one_sided_save(ctx, directory):
 
     _distributed.barrier("fop/test/met")
     if ctx.process_id == 1:
-        time.sleep(9)
+        time.sleep(6)
         return {"error": None}
     t = time.monotonic()
     try:
@@ -123,16 +123,16 @@ def test_a_collective_call_made_by_one_process_only_says_so(tmp_path):
         "test_liveness:one_sided_save",
         2,
         args={"directory": str(tmp_path)},
-        env={"FOP_COORDINATION_TIMEOUT_S": "3", "FOP_PEER_SILENT_S": "8"},
+        env={"FOP_COORDINATION_TIMEOUT_S": "2", "FOP_PEER_SILENT_S": "8"},
         heartbeat_timeout_s=60,
         timeout_s=90,
-        done_timeout_s=12,
+        done_timeout_s=10,
     )
     assert run[0].result is not None, run[0].describe()
     error = run[0].result["error"]
     assert error and "process 1 is alive but has not made this call" in error, run[0].describe()
-    assert "on some processes only" in error and "FOP_COORDINATION_TIMEOUT_S=3" in error, error
-    assert 3 <= run[0].result["s"] < 9, run[0].result
+    assert "on some processes only" in error and "FOP_COORDINATION_TIMEOUT_S=2" in error, error
+    assert 2 <= run[0].result["s"] < 6, run[0].result
 
 
 @pytest.mark.parametrize(
