@@ -17,12 +17,19 @@ from typing import Any
 
 from .._core import restore as _restore
 from .._core.verify import verify
-from .._errors import CheckpointError, CheckpointNotFoundError, DirectoryLockedError, OptionError
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    DirectoryLockedError,
+    OptionError,
+    StructureError,
+)
 from .._format import places as _places
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
 from .._interop.safetensors import DTYPE_NAMES as _SAFETENSORS_DTYPES
+from .._like.casting import ADVICE as CAST_ADVICE
 from .._manager.manager import CheckpointManager
 from .._storage.location import Location
 from . import json_output, plot
@@ -206,17 +213,20 @@ def cmd_export(args) -> int:
         )
     src = chosen.loc
     key_map = _safetensors.key_map_from_file(args.key_map) if args.key_map else None
-    result = _safetensors.export_checkpoint(
-        src,
-        args.out,
-        dtype=args.dtype,
-        cast=args.cast,
-        max_shard_size=args.max_shard_size,
-        key_map=key_map,
-        transpose_kernels=args.transpose_kernels,
-        force=args.force,
-        progress=byte_progress("export"),
-    )
+    try:
+        result = _safetensors.export_checkpoint(
+            src,
+            args.out,
+            dtype=args.dtype,
+            cast=args.cast,
+            max_shard_size=args.max_shard_size,
+            key_map=key_map,
+            transpose_kernels=args.transpose_kernels,
+            force=args.force,
+            progress=byte_progress("export"),
+        )
+    except StructureError as e:  # the cast's advice in the command line's words
+        raise CliError(one_line(e).replace(CAST_ADVICE, "--cast unsafe casts anyway")) from e
     where = result.index or result.files[0]
     print(
         f"exported {result.tensors} tensors ({human_bytes(result.total_bytes)}) from {src} to "

@@ -320,12 +320,16 @@ def test_flags_are_checked_in_the_command_lines_words(capsys, ckpt_dir, tmp_path
     """The library's keyword (keep must be ..., step=... and all_steps=True conflict)
     and Python's class name (ValueError: ...) leaked into the messages."""
     directory = ckpt_dir[0]
+    big = tmp_path / "big"  # a value float16 cannot hold: the cast refused
+    with fop.CheckpointManager(big) as mngr:
+        mngr.save(1, {"params": {"w": np.array([1e5, 1.0], np.float32)}})
     for argv, words in (
         (("gc", directory, "--keep", 0), "--keep: expected a positive int, found 0"),
         (("gc", directory, "--keep", 1, "--keep-every", -3), "--keep-every: expected a positive"),
         (("verify", directory, "--step", 10, "--all"), "--step 10 and --all: choose one"),
         (("export", directory, tmp_path / "x.safetensors", "--cast", "unsafe"), "without --dtype"),
         (("export", directory, tmp_path / "y.safetensors", "--max-shard-size", "0"), "max shard"),
+        (("export", big, tmp_path / "z.safetensors", "--dtype", "float16"), "--cast unsafe casts"),
     ):
         try:
             rc, _, err = run_cli(capsys, *argv)
@@ -333,7 +337,8 @@ def test_flags_are_checked_in_the_command_lines_words(capsys, ckpt_dir, tmp_path
             rc, err = e.code, capsys.readouterr().err
         assert rc == 2 and words in err, (argv, err)
         assert "ValueError" not in err and "keep_every" not in err and "all_steps" not in err
-    assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "y.safetensors").exists()
+        assert "cast='unsafe'" not in err, err
+    assert not any((tmp_path / f"{n}.safetensors").exists() for n in "xyz")
 
 
 def test_an_interruption_says_what_was_done_before_it(capsys, monkeypatch, tmp_path):
