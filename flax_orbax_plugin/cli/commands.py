@@ -239,14 +239,20 @@ def cmd_export(args) -> int:
 
 
 def cmd_import(args) -> int:
-    steps = import_checkpoint(
-        args.source,
-        args.out,
-        step=args.step,
-        force=args.force,
-        format_version=args.format_version,
-        progress=byte_progress("import"),
-    )
+    try:
+        steps = import_checkpoint(
+            args.source,
+            args.out,
+            step=args.step,
+            force=args.force,
+            format_version=args.format_version,
+            progress=byte_progress("import"),
+        )
+    except DirectoryLockedError as e:  # in the command line's words, not the library's
+        raise CliError(
+            f"{one_line(e).split(';')[0]}; import writes nothing while a training job "
+            "writes there: run it once the job has stopped, or import into another directory"
+        ) from None
     print(f"imported step(s) {', '.join(map(str, steps))} from {args.source} into {args.out}")
     return 0
 
@@ -320,6 +326,8 @@ def cmd_gc(args) -> int:
     print(f"{kept_verb} steps: {', '.join(map(str, kept)) or 'none'}")
     if left:
         print(f"not steps of this library (left alone): {', '.join(left)}")
+    if args.dry_run and found.left_inside:  # a user's files in a step: they stay
+        print(f"would leave what this library did not write: {', '.join(found.left_inside)}")
     if args.dry_run:
         print("dry run: nothing was removed")
     return 0

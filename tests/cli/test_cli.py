@@ -382,3 +382,26 @@ def test_an_unreadable_folder_is_named_by_its_whole_path(tmp_path):
         os.chmod(run / "200" / "opt_state" / "data", 0o755)
     assert proc.returncode == 2, proc.stderr
     assert f"Permission denied: '{run / '200' / 'opt_state' / 'data'}'" in proc.stderr, proc.stderr
+
+
+def test_gc_dry_run_names_what_it_would_leave_inside_a_step(capsys, tmp_path):
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run) as mngr:
+        for step in (1, 2, 3):
+            mngr.save(step, {"params": {"w": np.ones(3, np.float32)}})
+    (run / "1" / "NOTES.txt").write_text("mine")
+    rc, out, _ = run_cli(capsys, "gc", run, "--keep", 1, "--dry-run")
+    assert rc == 0 and "would leave what this library did not write: 1/NOTES.txt" in out, out
+    rc, out, _ = run_cli(capsys, "gc", run, "--keep", 1)
+    assert rc == 0 and (run / "1" / "NOTES.txt").read_text() == "mine"
+
+
+def test_import_while_a_job_writes_the_directory_says_so(capsys, tmp_path):
+    """It said 'open it with read_only=True', a keyword of the library's."""
+    from flax.training import checkpoints
+
+    checkpoints.save_checkpoint(tmp_path / "ck", {"params": {"w": np.ones(3)}}, step=5)
+    with fop.CheckpointManager(tmp_path / "run"):  # a training job's writer, holding the lock
+        rc, _, err = run_cli(capsys, "import", tmp_path / "ck", tmp_path / "run")
+    assert rc == 2 and "import writes nothing while a training job writes there" in err, err
+    assert "read_only" not in err, err
