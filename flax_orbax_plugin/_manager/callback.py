@@ -167,7 +167,7 @@ class CheckpointCallback:
     def _resume(self, state: Any, reset: tuple[str, ...], opts: dict) -> Any:
         names = items_to_restore(state, reset=reset) if reset else None
         existed = self._manager is not None or _resuming.place_exists(self.directory)
-        parents = [] if existed else _resuming.missing_parents(self.directory)
+        created = [] if existed else _resuming.created_by_open(self.directory)
         mngr = self.manager
         latest = mngr.latest_step(include_persistent=True)
         if not self.resume:
@@ -180,7 +180,7 @@ class CheckpointCallback:
             except CheckpointError:
                 if not existed:  # a mistyped path: the directory the open made goes again
                     self._manager = None
-                    _resuming.remove_created(self.directory, mngr, parents)
+                    _resuming.remove_created(self.directory, mngr, created)
                 raise
             return state
         t0 = time.perf_counter()

@@ -8,11 +8,10 @@ manager creates the directory).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from typing import Any
 
+from .._core import ownership as _ownership
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
 from .._storage.location import Location
@@ -20,7 +19,13 @@ from .._storage.lock import LOCK_FILE
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-__all__ = ["no_run_to_resume", "place_exists", "refuse_or_clear", "remove_created"]
+__all__ = [
+    "created_by_open",
+    "no_run_to_resume",
+    "place_exists",
+    "refuse_or_clear",
+    "remove_created",
+]
 
 
 def place_exists(directory: Any) -> bool:
@@ -60,34 +65,23 @@ def no_run_to_resume(directory: Any, mngr: Any, resume: bool | str, existed: boo
     )
 
 
-def missing_parents(directory: Any) -> list[str]:
-    """The local folders above ``directory`` that do not exist yet (nearest first):
-    what opening it will create, besides ``directory`` itself."""
+def created_by_open(directory: Any) -> list[str]:
+    """The local directories that opening ``directory`` will create (it and the missing
+    folders above it, deepest first: ``ownership.missing_directories``); [] elsewhere."""
     try:
         loc = Location.from_path(directory)
     except (OSError, ValueError):
         return []
-    if not loc.is_local:
-        return []
-    out, here = [], os.path.dirname(os.path.abspath(loc.path))
-    while here and not os.path.lexists(here) and here != os.path.dirname(here):
-        out.append(here)
-        here = os.path.dirname(here)
-    return out
+    return _ownership.missing_directories(loc.path) if loc.is_local else []
 
 
-def remove_created(directory: Any, mngr: Any, parents: list[str]) -> None:
-    """Closes ``mngr`` and removes ``directory``, which its open created, when it holds
-    nothing but that open's lock file (a local path), then the empty ``parents`` the
-    open created (:func:`missing_parents`); anything else there is left."""
+def remove_created(directory: Any, mngr: Any, created: list[str]) -> None:
+    """Closes ``mngr`` and, when ``directory`` holds nothing but that open's lock file,
+    removes the lock and the ``created`` directories that are empty (deepest first:
+    ``ownership.remove_created``); anything else there is left."""
     mngr.close()
-    loc = Location.from_path(directory)
-    if loc.is_local and loc.list_children() == [LOCK_FILE]:
-        loc.delete(LOCK_FILE)
-        with contextlib.suppress(OSError):
-            os.rmdir(loc.path)
-            for parent in parents:  # nearest first; os.rmdir removes only an empty one
-                os.rmdir(parent)
+    if created and Location.from_path(directory).list_children() == [LOCK_FILE]:
+        _ownership.remove_created(created, files=(LOCK_FILE,))
 
 
 def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> None:
