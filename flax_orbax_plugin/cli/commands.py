@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from .._core import removing as _removing
 from .._core import restore as _restore
 from .._core.verify import verify
 from .._errors import (
@@ -326,9 +327,10 @@ def cmd_gc(args) -> int:
     print(f"{kept_verb} steps: {', '.join(map(str, kept)) or 'none'}")
     if left:
         print(f"not steps of this library (left alone): {', '.join(left)}")
-    if args.dry_run and found.left_inside:  # a user's files in a step: they stay
-        print(f"would leave what this library did not write: {', '.join(found.left_inside)}")
-    if args.dry_run:
+    if args.dry_run:  # a user's files in the steps it would remove stay (a real gc warns)
+        inside = [f"{s}/{n}" for s in removed for n in _removing.strangers(loc.child(str(s)))]
+        if inside:
+            print(f"would leave what this library did not write: {', '.join(inside)}")
         print("dry run: nothing was removed")
     return 0
 

@@ -13,7 +13,6 @@ import dataclasses
 
 from .._core import commit as _commit
 from .._core import ownership as _ownership
-from .._core import removing as _removing
 from .._errors import CheckpointError, ForeignEntryError
 from .._format import steps as _steps
 from .._manager.housekeeping import rolls_forward
@@ -24,14 +23,12 @@ from .._storage.location import Location
 @dataclasses.dataclass(frozen=True)
 class GcPlan:
     """Names ``gc`` would remove (``unfinished``: entries; ``steps``: committed steps),
-    the steps it would keep, the entries it would leave alone, and (``left_inside``)
-    what the removed steps hold that this library did not write (left there)."""
+    the steps it would keep, and the entries it would leave alone."""
 
     unfinished: list[str]
     steps: list[int]
     kept: list[int]
     left_alone: list[str]
-    left_inside: list[str] = dataclasses.field(default_factory=list)
 
 
 def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
@@ -66,7 +63,6 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
         steps=doomed,
         kept=[s for s in committed if s not in doomed],
         left_alone=left,
-        left_inside=[f"{s}/{n}" for s in doomed for n in _removing.strangers(loc.child(str(s)))],
     )
 
 
