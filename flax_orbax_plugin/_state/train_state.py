@@ -272,8 +272,7 @@ def update_in_place(like: Any, restored: Any) -> Any:
     ``like`` is an NNX object (a Module, Optimizer or Rngs: restored in place, as a
     manager's restore does and the README promises), then ``like``; else ``restored``
     (an ``nnx.State`` is a value, returned as read)."""
-    kind = _nnx_kind(like)
-    if kind in (None, "state") or restored is like or type(restored) is not type(like):
+    if _nnx_kind(like) not in _NNX_GRAPH_KINDS or type(restored) is not type(like):
         return restored
     nnx = _nnx()
     nnx.update(like, nnx.state(restored))
