@@ -244,13 +244,13 @@ def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | Non
         step_loc.rename(doomed)  # atomic: the step disappears from listings at once
         _env.kill_point("mid_retention")
         _env.pause_point("mid_retention")  # tests: a slow removal (FOP_PAUSE_AT)
-        _remove_proven(doomed)
+        _remove_proven(doomed, keep=keep)
         return
     step_loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6), keep), durable=False)
     step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
     _env.kill_point("mid_retention")
     _env.pause_point("mid_retention")
-    _remove_proven(step_loc, pace=pace)
+    _remove_proven(step_loc, pace=pace, keep=keep)
 
 
 def check_slot(loc: Location, *, what: str, replace: bool) -> str | None:
@@ -302,12 +302,15 @@ def _exists(loc: Location) -> bool:
     return loc.is_dir()
 
 
-def _remove_proven(loc: Location, *, pace: Callable[[], int] | None = None) -> None:
+def _remove_proven(
+    loc: Location, *, pace: Callable[[], int] | None = None, keep: list[str] | None = None
+) -> None:
     """Removes what this library wrote at ``loc`` (``_core.removing``), the pending
     marker first (naming what is left, so that a removal cut short leaves it too) and
-    last."""
+    last. ``keep``: what was found there already (``remove_step``: not looked for again)."""
     raw = loc.read_bytes(PENDING_FILE)
-    keep = sorted(set(_marker_keeps(raw)) | set(_removing.strangers(loc)))
+    found = _removing.strangers(loc) if keep is None else keep
+    keep = sorted(set(_marker_keeps(raw)) | set(found))
     if raw is None or keep != _marker_keeps(raw):
         loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6), keep))  # durable
     _removing.remove_all_but(loc, keep, pace=pace)
