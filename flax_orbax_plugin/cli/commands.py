@@ -239,6 +239,14 @@ def cmd_export(args) -> int:
 # -- import ------------------------------------------------------------------------------
 
 
+def _locked(e: DirectoryLockedError, refusal: str, instead: str) -> CliError:
+    """A live writer's lock, in the command line's words (not the library's keywords)."""
+    return CliError(
+        f"{one_line(e).split(';')[0]}; {refusal} while a training job writes there: "
+        f"run it once the job has stopped{instead}"
+    )
+
+
 def cmd_import(args) -> int:
     try:
         steps = import_checkpoint(
@@ -249,11 +257,8 @@ def cmd_import(args) -> int:
             format_version=args.format_version,
             progress=byte_progress("import"),
         )
-    except DirectoryLockedError as e:  # in the command line's words, not the library's
-        raise CliError(
-            f"{one_line(e).split(';')[0]}; import writes nothing while a training job "
-            "writes there: run it once the job has stopped, or import into another directory"
-        ) from None
+    except DirectoryLockedError as e:
+        raise _locked(e, "import writes nothing", ", or import into another directory") from None
     print(f"imported step(s) {', '.join(map(str, steps))} from {args.source} into {args.out}")
     return 0
 
@@ -296,10 +301,9 @@ def cmd_gc(args) -> int:
                 CheckpointManager(loc, keep=args.keep, keep_every=args.keep_every) as mngr,
             ):
                 removed = mngr.gc()
-        except DirectoryLockedError as e:  # in the command line's words, not the library's
-            raise CliError(
-                f"{one_line(e).split(';')[0]}; gc removes nothing while a training job writes "
-                "there: run it once the job has stopped (--dry-run reads only, and works now)"
+        except DirectoryLockedError as e:
+            raise _locked(
+                e, "gc removes nothing", " (--dry-run reads only, and works now)"
             ) from None
         after = _steps.list_directory(loc)
         left = list(after.unfinished) + list(after.foreign)  # a dead core save's staging is foreign
