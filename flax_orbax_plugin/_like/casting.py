@@ -67,6 +67,12 @@ def _changed(values: np.ndarray, changed: np.ndarray) -> Any:
 ADVICE = "pass cast='unsafe' to cast anyway"  # the end of each refusal (readers' own: onto_like)
 
 
+def with_advice(error: StructureError, advice: str) -> str:
+    """A refusal of :func:`check` with another way out at its end than ``cast='unsafe'``
+    (a caller whose option has another name: a reader's, ``HFShards``, the CLI's flag)."""
+    return str(error).replace(ADVICE, advice)
+
+
 def _fail(path: str, src: np.dtype, dst: np.dtype, why: str, example: Any) -> StructureError:
     shown = "" if example is None else f" (e.g. {example!r})"
     return StructureError(f"leaf {path!r}: saved as {src}, requested {dst}: {why}{shown}; {ADVICE}")

@@ -122,8 +122,7 @@ class LeafPlan:
             try:
                 _casting.check(self.path, data, self.out_dtype, cast="safe")
             except StructureError as e:
-                advice = f"pass {self.cast_option} to cast anyway"
-                words = str(e).replace(_casting.ADVICE, advice)
+                words = _casting.with_advice(e, f"pass {self.cast_option} to cast anyway")
                 raise StructureError(f"{words} (in {self.source})") from None
         with np.errstate(all="ignore"):  # unchecked: numpy's cast, as asked
             out = data.astype(self.out_dtype)

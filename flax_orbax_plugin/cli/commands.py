@@ -30,7 +30,7 @@ from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
 from .._interop.safetensors import DTYPE_NAMES as _SAFETENSORS_DTYPES
-from .._like.casting import ADVICE as CAST_ADVICE
+from .._like.casting import with_advice
 from .._manager.manager import CheckpointManager
 from .._storage.location import Location
 from . import json_output, plot
@@ -227,7 +227,7 @@ def cmd_export(args) -> int:
             progress=byte_progress("export"),
         )
     except StructureError as e:  # the cast's advice in the command line's words
-        raise CliError(one_line(e).replace(CAST_ADVICE, "--cast unsafe casts anyway")) from e
+        raise CliError(one_line(with_advice(e, "--cast unsafe casts anyway"))) from e
     where = result.index or result.files[0]
     print(
         f"exported {result.tensors} tensors ({human_bytes(result.total_bytes)}) from {src} to "

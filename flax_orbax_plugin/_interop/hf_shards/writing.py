@@ -103,7 +103,7 @@ def _bytes_of(layout: Layout, path: str, box: tuple, data: np.ndarray) -> tuple[
             _casting.check(path, np.asarray(data), t.dtype, cast="safe")
         except StructureError as e:  # HFShards has no cast=: its own way out
             advice = "export that leaf in another dtype (bfloat16) or leave it out (key_map)"
-            raise StructureError(f"HFShards: {e}".replace(_casting.ADVICE, advice)) from None
+            raise StructureError(f"HFShards: {_casting.with_advice(e, advice)}") from None
         data = data.astype(t.dtype)
     if t.axes is not None:
         data, box = data.transpose(t.axes), tuple(box[a] for a in t.axes)
