@@ -36,6 +36,10 @@ STRINGS_FILE = "_strings.json"
 _SEQUENCE_KEY = 1  # orbax's key_type for list/tuple indices; everything else is a dict key
 _MAX_JSON_BYTES = 64 << 20
 _MAX_KEY_DEPTH = 256  # key path length of one leaf; deeper is malformed metadata
+_MISSING = (
+    f"the step's {STEP_METADATA} names it, but its directory is missing (deleted, or "
+    f"the save did not finish)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +60,7 @@ class OrbaxItem:
 
     location: Location
     name: str
-    kind: str  # 'pytree', 'json', 'text' or 'unreadable'
+    kind: str  # 'pytree', 'json', 'text', 'unreadable' or 'missing' (named, not there)
     leaves: tuple[OrbaxLeaf, ...] = ()
     use_ocdbt: bool = True
     use_zarr3: bool = False
@@ -360,9 +364,11 @@ def _step_items(loc: Location, handlers: Any) -> dict[str, OrbaxItem]:
     items = {}
     for name in names:
         child = subdir(loc, name, "item")
-        if child is not None and child.is_dir():  # an item saved empty leaves no directory
+        if child is not None and child.is_dir():
             items[name] = _item(child, name, handlers.get(name))
-    if not items:
+        elif name in handlers:  # named by the record, gone: never read as a whole step
+            items[name] = OrbaxItem(loc.child(name), name, "missing", unreadable=_MISSING)
+    if not any(item.kind != "missing" for item in items.values()):
         raise CheckpointNotFoundError(f"{loc}: an Orbax step without readable items")
     return items
 

@@ -5,31 +5,26 @@ directory per leaf) by its parameter name, the key path joined by '.'; its claim
 size is checked before anything is allocated, and missing chunks are an error when
 the checkpoint says every chunk was stored. Nothing here unpickles. Entry points:
 :func:`orbax_steps`, :func:`restore_orbax` (``fop.restore`` on an Orbax directory),
-:func:`restore_orbax_params` (``fop.restore_params``), and
-:func:`read_step` (``flax-orbax import``). The layout: :mod:`.orbax_layout`;
-rules: ``docs/orbax.md``.
+:func:`read_step` (``flax-orbax import``); params for serving: :mod:`.orbax_params`.
+The layout: :mod:`.orbax_layout`; rules: ``docs/orbax.md``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import jax
 import tensorstore as ts
 
 from .._base import tree as _tree
 from .._errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     StructureError,
 )
 from .._format.foreign import ITEM_METADATA, is_step
 from .._like import onto_like as _onto_like
-from .._like.retarget import retarget
 from .._storage.kvstore import context
 from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
@@ -44,10 +39,11 @@ from .orbax_layout import (
 from .orbax_steps import list_steps
 
 __all__ = [
+    "ItemReader",
     "orbax_steps",
     "read_step",
+    "restore_item",
     "restore_orbax",
-    "restore_orbax_params",
 ]
 
 
@@ -62,7 +58,7 @@ def orbax_steps(path: Any) -> list[int]:
     return list(list_steps(Location.from_path(path)).steps)
 
 
-class _ItemReader:
+class ItemReader:
     """Opens the arrays of one item; one tensorstore context (and so one OCDBT cache)."""
 
     def __init__(self, item: OrbaxItem):
@@ -191,7 +187,7 @@ def iter_leaves(
     """Yields ``(leaf, value)`` one leaf at a time (only one leaf's data is read at once)."""
     if item.kind != "pytree":
         raise StructureError(f"{item} is a JSON item, not a pytree")
-    reader = _ItemReader(item)
+    reader = ItemReader(item)
     for leaf, leaf_like in _select(item, like, partial):
         yield leaf, reader.read(leaf, leaf_like, allow_cast=allow_cast)
 
@@ -209,13 +205,15 @@ def _small_value(item: OrbaxItem) -> Any:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise CorruptCheckpointError(f"{item}/{item.file}: not UTF-8 text ({e})") from None
+    where = f"item {item.name!r} of the Orbax checkpoint {item.location.parent}: {item.unreadable}"
+    if item.kind == "missing":
+        raise CorruptCheckpointError(f"{where}; restore the other items: like={{...}} naming them")
     raise CheckpointError(
-        f"item {item.name!r} of the Orbax checkpoint {item.location.parent}: {item.unreadable}; "
-        f"restore the other items (like={{...}} naming them) and this one with orbax"
+        f"{where}; restore the other items (like={{...}} naming them) and this one with orbax"
     )
 
 
-def _restore_item(item: OrbaxItem, like: Any, partial: bool, allow_cast: bool) -> Any:
+def restore_item(item: OrbaxItem, like: Any, partial: bool, allow_cast: bool) -> Any:
     if item.kind != "pytree":
         return _small_value(item)
     if item.unwrap:  # one array saved alone: orbax names its only leaf 'checkpoint'
@@ -269,15 +267,13 @@ def restore_orbax(
         (item,) = items.values()  # (flax.training.checkpoints' checkpoint_<N>, say)
         at = item.location
         if str(at) == str(loc) or (not is_step(loc) and str(at.parent) == str(loc)):
-            return _restore_item(item, like, partial, allow_cast)
+            return restore_item(item, like, partial, allow_cast)
     if like is None:
-        return {
-            name: _restore_item(item, None, partial, allow_cast) for name, item in items.items()
-        }
-    trees = [n for n, item in items.items() if item.kind == "pytree"]
+        return {name: restore_item(item, None, partial, allow_cast) for name, item in items.items()}
+    trees = [n for n, item in items.items() if item.kind in ("pytree", "missing")]
     if not isinstance(like, Mapping):
         if len(trees) == 1:  # a TrainState for a step of one tree ('default') and metadata
-            return _restore_item(items[trees[0]], like, partial, allow_cast)
+            return restore_item(items[trees[0]], like, partial, allow_cast)
         raise StructureError(
             f"{loc} is an Orbax step with items {sorted(items)}: expected like to be a dict "
             f"of items, found {type(like).__name__}"
@@ -291,92 +287,12 @@ def restore_orbax(
         )
     # JSON, text and unreadable items (metrics, configs) may be left out of like:
     # a tree of arrays is asked for, and they are not arrays
-    extra = sorted(n for n, item in items.items() if n not in like and item.kind == "pytree")
+    extra = sorted(n for n, i in items.items() if n not in like and i.kind in ("pytree", "missing"))
     if not partial and extra:
         raise StructureError(
             f"item {extra[0]!r}: found in {loc} but not in like; pass partial=True"
         )
-    return {k: _restore_item(items[k], v, partial, allow_cast) for k, v in like.items()}
-
-
-# -- params -------------------------------------------------------------------------------
-
-
-def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, ...]]:
-    """The item holding params and the key prefix of params inside it."""
-    if "params" in items and items["params"].kind == "pytree":
-        return items["params"], ()
-    pytrees = {n: i for n, i in items.items() if i.kind == "pytree"}
-    where = next(iter(items.values())).location.parent if items else ""
-    holders = {n: i for n, i in pytrees.items() if any(_top(leaf) == "params" for leaf in i.leaves)}
-    if len(holders) > 1:
-        # As the import splits them: a training state (params and more) gives the
-        # params; an item holding params alone (an EMA copy) stays an item of its own.
-        states = [n for n, i in holders.items() if any(_top(x) != "params" for x in i.leaves)]
-        if len(states) != 1:
-            raise CheckpointError(
-                f"the Orbax checkpoint {where} holds params in several items "
-                f"({', '.join(sorted(holders))}): which to serve is not clear; read the one "
-                f"you mean, e.g. fop.restore('{where}/{sorted(holders)[0]}')['params']"
-            )
-        return holders[states[0]], ("params",)
-    if holders:
-        return next(iter(holders.values())), ("params",)
-    if len(pytrees) == 1:
-        return next(iter(pytrees.values())), ()
-    raise CheckpointNotFoundError(
-        f"no params in the Orbax checkpoint {where}: "
-        f"no item named 'params' and no item with a top-level 'params' key "
-        f"(items: {sorted(items)})"
-    )
-
-
-def _top(leaf: OrbaxLeaf) -> str | None:
-    """The top-level dict key of ``leaf`` (None: not under a dict key)."""
-    return leaf.keys[0][1] if leaf.keys and leaf.keys[0][0] == "dict" else None
-
-
-def restore_orbax_params(
-    path: Any,
-    like: Any = None,
-    *,
-    step: int | None = None,
-    dtype: Any = None,
-    sharding: Any = None,
-    partial: bool = False,
-) -> Any:
-    """The params of an Orbax checkpoint, reading nothing else.
-
-    Params are the ``params`` item, else the ``params`` subtree of a pytree item
-    (a saved TrainState), else the only pytree item. ``dtype`` casts floating leaves
-    (an explicit opt-in to a lossy cast); ``sharding`` is one Sharding or a pytree of
-    them; ``partial`` leaves out saved leaves ``like`` lacks (a model's batch stats)."""
-    _, items = open_orbax(path, step=step)
-    item, prefix = _params_source(items)
-    if prefix:
-        leaves = tuple(
-            dataclasses.replace(
-                leaf, keys=leaf.keys[1:], path=_tree.path_string(list(leaf.keys[1:]))
-            )
-            for leaf in item.leaves
-            if leaf.keys[0] == ("dict", prefix[0]) and len(leaf.keys) > 1
-        )
-        item = dataclasses.replace(item, leaves=leaves)
-    if like is None and dtype is None and sharding is None:
-        return _restore_item(item, None, False, False)
-    if like is None:
-        reader = _ItemReader(item)
-        like = _tree.rebuild((list(leaf.keys), _abstract(reader, leaf)) for leaf in item.leaves)
-    if dtype is not None or sharding is not None:
-        like = retarget(like, dtype, sharding)
-    return _restore_item(item, like, partial, dtype is not None)
-
-
-def _abstract(reader: _ItemReader, leaf: OrbaxLeaf) -> Any:
-    if leaf.value_type in ("None", "Dict", "List", "string"):
-        return reader.read(leaf, None)
-    store = reader.open(leaf)
-    return jax.ShapeDtypeStruct(tuple(store.shape), store.dtype.numpy_dtype)
+    return {k: restore_item(items[k], v, partial, allow_cast) for k, v in like.items()}
 
 
 # -- what an import reads ------------------------------------------------------------
@@ -387,7 +303,7 @@ def read_step(step_loc: Location) -> tuple[dict[str, Any], dict[str, str]]:
     to host memory (one leaf at a time). The step's ``custom_metadata`` (from its
     record), when there is any, comes as one more JSON item of that name."""
     _, items = open_orbax(step_loc)
-    trees = {name: _restore_item(item, None, False, False) for name, item in items.items()}
+    trees = {name: restore_item(item, None, False, False) for name, item in items.items()}
     kinds = {name: "pytree" if item.kind == "pytree" else "json" for name, item in items.items()}
     custom = custom_metadata(step_loc)
     if custom:

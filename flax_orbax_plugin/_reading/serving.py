@@ -28,7 +28,7 @@ from .._errors import (
 from .._format import places as _places
 from .._format import steps as _steps
 from .._format.foreign import is_orbax_checkpoint
-from .._interop import orbax_reader as _orbax_reader
+from .._interop.orbax_params import restore_orbax_params
 from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
 from .._like import transform as _transform
@@ -117,7 +117,7 @@ def restore_params(
         step, steps = _agreed_latest(loc, steps)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
         if is_orbax_checkpoint(directory):
-            return _orbax_params(directory, like, step, dtype, sharding, changes, partial)
+            return _orbax_params(directory, like, step, dtype, sharding, changes, partial, dry_run)
         raise _places.no_steps(loc)  # what is there instead (a step, a run below, ...)
     step = _steps.choose_step(loc, steps, step)
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
@@ -166,17 +166,17 @@ def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[in
     return step, steps if step in steps else _steps.committed_steps(loc)
 
 
-def _orbax_params(directory, like, step, dtype, sharding, changes, partial) -> Any:
+def _orbax_params(directory, like, step, dtype, sharding, changes, partial, dry_run) -> Any:
     """The params of the Orbax checkpoint at ``directory`` (none of ours is there)."""
-    if changes.keep_missing or changes.transform is not None or changes.surgery:
+    if changes.keep_missing or changes.transform is not None or changes.surgery or dry_run:
         raise CheckpointError(
-            f"{directory} is an Orbax checkpoint: missing=, transform= and surgery= "
-            f"apply to this library's checkpoints; convert it first with "
+            f"{directory} is an Orbax checkpoint: missing=, transform=, surgery= and "
+            f"dry_run= apply to this library's checkpoints; convert it first with "
             f"fop.import_orbax(src, dst)"
         )
     if step is None and _distributed.spans_processes(_params_like(like), sharding):
         step = agreed_latest(Location.from_path(directory))
-    return _orbax_reader.restore_orbax_params(
+    return restore_orbax_params(
         directory, _params_like(like), step=step, dtype=dtype, sharding=sharding, partial=partial
     )
 

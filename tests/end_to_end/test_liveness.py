@@ -88,9 +88,11 @@ def slow_save_and_restore(ctx, directory, slow, pause=None):
 
 
 def mutual_wait(ctx):
-    """Each process waits at a barrier of its own name: both live, neither ever arrives."""
+    """Each process waits at a barrier of its own name: both live, neither ever arrives.
+    They meet first, so that both reach their waits together on a loaded machine."""
     from flax_orbax_plugin._base import distributed as _distributed
 
+    _distributed.barrier("fop/test/mutual-met")
     t = time.monotonic()
     try:
         _distributed.barrier(f"fop/test/mutual-{ctx.process_id}")
