@@ -42,6 +42,7 @@ __all__ = [
     "check",
     "doc_lines",
     "doc_table",
+    "flag",
     "found",
     "named_keywords",
     "outside_stacklevel",
@@ -167,7 +168,7 @@ class Option:
             self._fail(value, wrong_type=False)
 
     def _check_flag(self, value: Any) -> None:
-        if not isinstance(value, bool):
+        if not isinstance(_plain(value), bool):  # 1 and "no" are no flags; np.True_ is
             self._fail(value, wrong_type=True)
 
     def _check_str(self, value: Any) -> None:
@@ -182,7 +183,7 @@ class Option:
 
     def _check_choice(self, value: Any) -> None:
         for choice in self.choices:  # 1 is not True, 1.0 is not 1: type and value
-            if type(value) is type(choice) and value == choice:
+            if type(_plain(value)) is type(choice) and _plain(value) == choice:
                 return
         hint = ""
         if isinstance(value, str):
@@ -192,7 +193,16 @@ class Option:
         self._fail(value, wrong_type=False, hint=hint)
 
 
-_PLAIN = {"int": operator.index, "number": float}
+def _plain(value: Any) -> Any:
+    """A numpy bool or integer scalar as Python's (numpy is not imported: the CLI's
+    start loads none); anything else as it is."""
+    numpy = type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
+    if numpy and getattr(value.dtype, "kind", None) in ("b", "i", "u"):
+        return value.item()
+    return value
+
+
+_PLAIN = {"int": operator.index, "number": float, "flag": bool, "choice": _plain}
 _ANNOTATIONS = {
     "int": "int",
     "number": "float",
@@ -210,6 +220,11 @@ def check(declared: Iterable[Option], values: Mapping[str, Any]) -> dict[str, An
         if option.name in values:
             out[option.name] = option.check(values[option.name])
     return out
+
+
+def flag(name: str, value: Any) -> bool:
+    """``value`` of the flag ``name`` as a bool; 1, "no" or None: OptionTypeError."""
+    return Option(name, "flag").check(value)
 
 
 def refuse_without(option: str, value: Any, needs: str, *, default: Any = None) -> None:

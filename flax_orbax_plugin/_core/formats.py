@@ -23,6 +23,7 @@ import functools
 from typing import Any, Protocol
 
 from .._base import distributed as _distributed
+from .._base.option_spec import Option
 from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, CheckpointDocument, array_dir, batch_dir
@@ -261,10 +262,9 @@ _BY_VERSION: dict[int, Format] = {1: CHUNK_FILES, 2: DATA_FILES}
 
 
 def check_version(value: Any, *, where: str = "format_version") -> int:
-    """``value`` if it names a format this library writes; ValueError otherwise."""
-    if isinstance(value, bool) or value not in _BY_VERSION:
-        raise ValueError(f"{where}: expected one of {sorted(_BY_VERSION)}, found {value!r}")
-    return int(value)
+    """``value`` (a numpy integer too) if it names a format this library writes;
+    OptionError otherwise."""
+    return Option(where, "choice", choices=tuple(_BY_VERSION)).check(value)
 
 
 def for_version(version: int) -> Format:

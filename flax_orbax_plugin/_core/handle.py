@@ -18,8 +18,11 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import regions as _regions
+from .._base.option_spec import Option
 from .._errors import CheckpointError, SaveCancelledError
 from .._storage.store_errors import raises_store_errors_in_methods
+
+_TIMEOUT = Option("timeout", "number", none_ok=True, low=0)  # SaveHandle.wait's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +128,10 @@ class SaveHandle:
         """Blocks until the save is committed; raises its error if it failed.
 
         Interrupted (Ctrl-C, or any exception raised into the waiting thread), the save
-        is abandoned: :meth:`cancel`, then the interruption propagates."""
+        is abandoned: :meth:`cancel`, then the interruption propagates. ``timeout``
+        (seconds, a finite number >= 0, or None: no limit) is checked first: a bad one
+        is an OptionError and leaves the save running."""
+        timeout = _TIMEOUT.check(timeout)
         try:
             finished = self._finished.wait(timeout)
         except BaseException:

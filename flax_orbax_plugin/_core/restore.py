@@ -25,6 +25,7 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base import regions as _regions
 from .._base import tree as _tree
+from .._base.option_spec import flag
 from .._errors import StructureError, TransformError
 from .._format import layout as _layout
 from .._format import metadata as _metadata
@@ -75,8 +76,7 @@ def restore(
     :class:`RestorePlan` instead, reading no array data. The options become one
     :class:`ReadRequest` (see :func:`restore_with`).
     """
-    if not isinstance(dry_run, bool):
-        raise TypeError(f"dry_run must be True or False, found {dry_run!r}")
+    dry_run = flag("dry_run", dry_run)
     share = share_replicated_reads
     request = ReadRequest(
         memory_limit_bytes=memory_limit_bytes or DEFAULT_READ_LIMIT_BYTES,

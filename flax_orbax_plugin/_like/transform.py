@@ -14,9 +14,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base.option_spec import outside_stacklevel
+from .._base.option_spec import flag, outside_stacklevel
 from .._base.tree import flatten
-from .._errors import NothingMatchedError, OptionError, OptionTypeError, StructureError
+from .._errors import NothingMatchedError, OptionError, StructureError
 from .._format import layout as _layout
 from . import casting as _casting
 from . import onto_like as _onto_like
@@ -81,8 +81,7 @@ def changes(
     for ``transform``, see ``transform_rules``, and ``surgery``, see ``surgery``) and
     compiles ``transform`` once. Called
     by every restore entry point before anything is read."""
-    if not isinstance(partial, bool):
-        raise OptionTypeError(f"partial must be True or False, found {partial!r}")
+    partial = flag("partial", partial)
     if missing not in MISSING_CHOICES:
         raise OptionError(f"missing must be one of {MISSING_CHOICES}, found {missing!r}")
     # A plain restore (no transform, no surgery) compiles and checks nothing more.

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from .._base import distributed as _distributed
-from .._base.option_spec import named_keywords
+from .._base.option_spec import flag, named_keywords
 from .._core import requests as _requests
 from .._core import restore as _restore
 from .._core.targets import place
@@ -100,8 +100,7 @@ def restore_params(
     changes = _transform.changes(
         partial=partial, missing=missing, transform=transform, surgery=surgery
     )
-    if not isinstance(dry_run, bool):
-        raise TypeError(f"dry_run must be True or False, found {dry_run!r}")
+    dry_run = flag("dry_run", dry_run)
     _casting.check_policy(cast)
     if dtype is not None:  # before any read; the sharding's structure once like is known
         checked_dtype(dtype)

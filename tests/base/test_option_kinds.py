@@ -1,0 +1,42 @@
+"""Options by kind, wherever they enter: numpy scalars are the Python values they hold
+(np.int64(2) an int, np.True_ a flag), while 1 or "no" is no flag; a bad value is an
+OptionError / OptionTypeError naming the option, checked before anything starts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flax_orbax_plugin as fop
+
+
+def test_numpy_scalars_are_the_values_they_hold(tmp_path):
+    fop.save(tmp_path / "a", {"x": np.ones(3)}, format_version=np.int64(2), force=np.True_)
+    assert fop.metadata(tmp_path / "a").format_version == 2
+    with fop.CheckpointManager(
+        tmp_path / "run", format_version=np.int64(1), async_save=np.False_
+    ) as mngr:
+        mngr.save(np.int64(3), {"params": {"w": np.ones(2)}})
+        assert mngr.steps() == [3]
+
+
+@pytest.mark.parametrize("value", [1, "no", np.int64(1), None])
+def test_a_flag_takes_true_or_false_only(tmp_path, value):
+    fop.save(tmp_path / "a", {"x": np.ones(3)})
+    with pytest.raises(fop.OptionTypeError, match=r"dry_run must be True or False"):
+        fop.restore(tmp_path / "a", dry_run=value)
+    with pytest.raises(fop.OptionTypeError, match=r"force must be True or False"):
+        fop.save(tmp_path / "a", {"x": np.ones(3)}, force=value)
+    with pytest.raises(fop.OptionTypeError, match=r"dry_run must be True or False"):
+        fop.restore_params(tmp_path / "a", dry_run=value)
+
+
+@pytest.mark.parametrize("timeout", ["1", float("nan"), -1, [1]])
+def test_a_bad_wait_timeout_leaves_the_save_running(tmp_path, timeout):
+    """Before, a str timeout raised numpy's TypeError inside wait, which took it for an
+    interruption: the save was cancelled, and the next wait raised KeyboardInterrupt."""
+    handle = fop.save_async(tmp_path / "b", {"x": np.ones(1 << 20)})
+    with pytest.raises((fop.OptionError, fop.OptionTypeError), match=r"^timeout must be"):
+        handle.wait(timeout=timeout)
+    handle.wait()
+    assert fop.is_committed(tmp_path / "b")
