@@ -20,6 +20,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import CheckpointError, DirectoryLockedError
@@ -72,6 +73,8 @@ class RunOwner:
       local: the manager's directory (already locked by the manager).
       remote: the persistent path.
       lease_seconds: the lease on object stores (see ``docs/run_owner.md``).
+      steps_of: a place's committed steps (a place without a record that holds steps
+        was never this run's: every run writes both records when it opens).
       clock: wall-clock time source (``time.time``).
     """
 
@@ -81,10 +84,12 @@ class RunOwner:
         remote: Location,
         *,
         lease_seconds: float = LEASE_SECONDS,
+        steps_of: Callable[[Location], list[int]],
         clock=time.time,
     ):
         self.local = local
         self.remote = remote
+        self._steps_of = steps_of
         self.lease_seconds = check_lease(lease_seconds)
         self._clock = clock
         self.holder = secrets.token_hex(8)
@@ -133,6 +138,7 @@ class RunOwner:
                 f"other's steps. Give this run its own persistent path, or its own local "
                 f"directory (an empty one continues the persistent path's run)"
             )
+        self._refuse_steps_without_record(local_rec, remote_rec)
         if local_rec is not None:
             run = local_rec.run
         elif remote_rec is not None:
@@ -173,6 +179,25 @@ class RunOwner:
             self.local.makedirs()
             self.local.write_bytes(RUN_FILE, self._record(local=True).to_bytes())
         return run
+
+    def _refuse_steps_without_record(
+        self, local_rec: RunRecord | None, remote_rec: RunRecord | None
+    ) -> None:
+        """A place without a record that holds steps, beside one with a record: another
+        run's steps (every run writes both records at its open). Adopting it would copy
+        them into this run, and a resume would restore the other run's weights."""
+        pairs = ((self.local, local_rec, self.remote, remote_rec),)
+        pairs += ((self.remote, remote_rec, self.local, local_rec),)
+        for bare, rec, other, other_rec in pairs:
+            steps = [] if rec is not None or other_rec is None else self._steps_of(bare)
+            if steps:
+                raise CheckpointError(
+                    f"{bare} holds steps {steps[-3:]} but no run record ({RUN_FILE}), while "
+                    f"{other} belongs to run {other_rec.run}: its steps are not that run's "
+                    f"(every run records itself in both places when it opens), and mixing "
+                    f"them would restore one run's weights into the other. Give this run "
+                    f"its own persistent path, or its own local directory"
+                )
 
     def _refuse_live_lease(self, rec: RunRecord | None) -> None:
         if rec is None or rec.lease_expires is None or rec.lease_expires == 0:

@@ -76,6 +76,23 @@ def test_places_of_two_runs_are_never_mixed(persistent, tmp_path, s3_location):
     assert record(tmp_path / "b").run == run_b and record(persistent).run == run_a
 
 
+def test_a_place_holding_steps_without_a_record_never_joins_another_run(persistent, tmp_path):
+    """Every run records itself in both places when it opens: a directory that holds
+    steps but no record was never this run's. Before, it adopted the persistent path's
+    run; its steps were copied up, and a resume of the other run restored them."""
+    with fop.CheckpointManager(tmp_path / "a", persistent=persistent) as mngr:
+        mngr.save(1, state(1))
+        mngr.wait()
+        assert mngr.persistent.wait(WAIT_S)
+    with fop.CheckpointManager(tmp_path / "b") as mngr:  # another run, no tier
+        mngr.save(5, state(5))
+    with pytest.raises(fop.CheckpointError, match=r"holds steps \[5\] but no run record"):
+        fop.CheckpointManager(tmp_path / "b", persistent=persistent)
+    assert not os.path.exists(tmp_path / "b" / RUN_FILE)
+    with fop.CheckpointManager(tmp_path / "a2", persistent=persistent) as mngr:  # new disk
+        assert mngr.latest_step(include_persistent=True) == 1  # nothing of run b came up
+
+
 def test_copy_down_refuses_a_persistent_path_another_run_took_over(persistent, tmp_path):
     with fop.CheckpointManager(tmp_path / "a", persistent=persistent) as mngr:
         mngr.save(1, state(1))

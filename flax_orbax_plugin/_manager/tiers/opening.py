@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from ..._base import distributed as _distributed
 from ..._errors import CheckpointError, DirectoryLockedError
+from ..._format import steps as _steps
 from ..._storage import run_owner as _run_owner
 from .damaged import DamagedSteps
 from .replicator import remove_unfinished
@@ -38,7 +39,12 @@ def open_primary(
     remote_steps: list[int] = []
     failure: BaseException | None = None
     try:
-        state.owner = _run_owner.RunOwner(places.local, places.remote, lease_seconds=lease_seconds)
+        state.owner = _run_owner.RunOwner(
+            places.local,
+            places.remote,
+            lease_seconds=lease_seconds,
+            steps_of=_steps.committed_steps,
+        )
         state.owner.open()  # this run's place, or DirectoryLockedError/CheckpointError
         damaged.steps = damaged.read()
         remove_unfinished(places.remote)
