@@ -20,6 +20,7 @@ the read on the restoring thread.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Protocol
 
 from .._base import distributed as _distributed
@@ -34,6 +35,7 @@ from .._incremental.links import link_leaf
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
+from .._zarr import packed_index as _packed_index
 from .._zarr import packed_reader as _packed_reader
 from . import reads as _reads
 from .claims import check_claims, check_packed_claims
@@ -343,3 +345,25 @@ def _files_reuse(location: Location, way, source: Location, unchanged: list):
     }
     process = _distributed.process_index()
     return functools.partial(packed.reuse_files, way, source, location, process, leaves)
+
+
+# -- the names a checkpoint's files have (both formats) --------------------------------
+
+_DATA_NAME = re.compile(r"^(0|[1-9][0-9]{0,8})(-(0|[1-9][0-9]{0,8})\.bin|\.json)$", re.ASCII)
+_TOP_FILES = (_layout.COMMIT_FILE, _layout.METADATA_FILE, _layout.PENDING_FILE)
+
+
+def checkpoint_names(parts: list[str], is_dir: bool) -> bool:
+    """Whether the library writes (and its readers open) the entry at ``parts`` (a path
+    relative to a checkpoint, split on '/'; ``is_dir``: as a directory): the top files,
+    version 1's zarr arrays (``d/``, ``b/``: tensorstore's names below) and version 2's
+    ``data/<p>.json`` and ``data/<p>-<n>.bin``. Anything else is a user's: never read,
+    never removed."""
+    head, rest = parts[0], parts[1:]
+    if head in (_layout.ARRAYS_DIR, _layout.BATCHES_DIR):
+        return is_dir or bool(rest)
+    if head == _packed_index.DATA_DIR:
+        if not rest:
+            return is_dir
+        return len(rest) == 1 and not is_dir and bool(_DATA_NAME.match(rest[0]))
+    return not rest and not is_dir and head in _TOP_FILES

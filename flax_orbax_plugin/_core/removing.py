@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable
 
@@ -38,38 +37,22 @@ import tensorstore as ts
 
 from .._errors import CheckpointError
 from .._format.layout import (
-    ARRAYS_DIR,
-    BATCHES_DIR,
     COMMIT_FILE,
     HOST_FILE,
     MANIFEST_FILE,
-    METADATA_FILE,
     PENDING_FILE,
     StepManifest,
 )
 from .._storage import deleting as _deleting
 from .._storage.location import Location
-from .._zarr.packed_index import DATA_DIR
+from . import formats as _formats
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-_DATA_NAME = re.compile(r"^(0|[1-9][0-9]{0,8})(-(0|[1-9][0-9]{0,8})\.bin|\.json)$", re.ASCII)
 _JSON_KINDS = ("json", "step", "data_iterator")
-_TOP_FILES = (COMMIT_FILE, METADATA_FILE, PENDING_FILE)
 
 # parts (relative path split on '/'), whether a directory -> the library writes it
 Rule = Callable[[list[str], bool], bool]
-
-
-def _checkpoint_rule(parts: list[str], is_dir: bool) -> bool:
-    head, rest = parts[0], parts[1:]
-    if head in (ARRAYS_DIR, BATCHES_DIR):
-        return is_dir or bool(rest)  # zarr arrays below: tensorstore's names
-    if head == DATA_DIR:
-        if not rest:
-            return is_dir
-        return len(rest) == 1 and not is_dir and bool(_DATA_NAME.match(rest[0]))
-    return not rest and not is_dir and head in _TOP_FILES
 
 
 def _step_rule(manifest: StepManifest) -> Rule:
@@ -83,7 +66,7 @@ def _step_rule(manifest: StepManifest) -> Rule:
         if not rest:
             return is_dir
         if kind == "pytree":
-            return _checkpoint_rule(rest, is_dir)
+            return _formats.checkpoint_names(rest, is_dir)
         if kind in _JSON_KINDS:
             name = "/".join(parts)
             if is_dir:
@@ -102,7 +85,7 @@ def rule_for(loc: Location) -> Rule | None:
         if raw is not None:
             return _step_rule(StepManifest.from_bytes(raw, f"{loc}/{MANIFEST_FILE}"))
         if loc.read_bytes(COMMIT_FILE) is not None:
-            return _checkpoint_rule
+            return _formats.checkpoint_names
     except CheckpointError:
         return None  # damaged: ``proof`` does not prove such a place ours either
     return None

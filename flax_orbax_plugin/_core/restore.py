@@ -35,6 +35,7 @@ from .._like import transform as _transform
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
 from .._zarr import read_pool as _read_pool
+from . import formats as _formats
 from . import handle as _handle
 from . import restore_plans as _plans
 from .read_agreement import agree_on_read
@@ -119,7 +120,7 @@ def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
         # every batch is read whole: the disk starts on it while the metadata is parsed
         _read_pool.prefetch_batches(location.path, _chunks.THREADS)
     doc = read_document(location)
-    location.check_no_links()  # tensorstore's file driver would follow them
+    location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
     records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
     saved = [rec.path for rec in doc.leaves if rec.kind not in _transform.NO_DATA]
     if like is None:

@@ -200,7 +200,7 @@ def check_pytree(
     what)``: as :func:`verify`'s, its bar advanced by each checked read's bytes."""
     _handle.wait_for_pending_save(location)
     doc = read_document(location)
-    location.check_no_links()  # tensorstore's file driver would follow them
+    location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
     targets = [make_target(i, rec, None, cast="safe") for i, rec in enumerate(doc.leaves)]
     fmt = _formats.of_document(doc)  # picked once, from the metadata
     with _open_progress(progress, doc, what or str(location)) as bar:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import tensorstore as ts
@@ -160,15 +161,21 @@ class Location:
             raise NotImplementedError(f"entry kinds are only listed on local disks, not {self}")
         return _local.child_kinds(self.path)
 
-    def check_no_links(self) -> None:
+    def check_no_links(self, *, read: Callable[[list[str], bool], bool] | None = None) -> None:
         """Local only (no-op elsewhere): raises ForeignEntryError naming the first
-        symlink or special file anywhere under this location. One ``scandir`` walk,
-        no file opened; restore calls it once per checkpoint, since tensorstore's
-        file driver follows symlinks."""
+        symlink or special file anywhere under this location (with ``read``, the
+        names a reader opens: ``read(relative path parts, is_dir)``; a user's link at
+        another name is never opened, and left alone). One ``scandir`` walk, no file
+        opened; restore calls it once per checkpoint, since tensorstore's file driver
+        follows symlinks."""
         if not self.is_local:
             return
-        for entry in walk_entries(self.path.rstrip("/") or "/"):
-            if not entry.is_file(follow_symlinks=False):
+        top = self.path.rstrip("/") or "/"
+        for entry in walk_entries(top):
+            if entry.is_file(follow_symlinks=False):
+                continue
+            parts = os.path.relpath(entry.path, top).split(os.sep)
+            if read is None or read(parts, False) or read(parts, True):  # a file's or a dir's
                 _local.require_regular(entry.stat(follow_symlinks=False), entry.path)
 
     def list_children(self) -> list[str]:

@@ -318,3 +318,31 @@ def test_a_symlinked_json_item_is_refused(tmp_path, outside):
     os.symlink(outside / "fake.json", extras / json_name)
     with pytest.raises(fop.ForeignEntryError, match=json_name):
         fop.CheckpointManager(ckpt, read_only=True).restore(items="extras")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_users_link_at_a_name_no_reader_opens_is_left_alone_not_damage(
+    tmp_path, outside, version
+):
+    """A link the user put inside an item (beside the arrays, or in version 2's data/
+    under a name no data file has) is never opened: the step restores and verifies.
+    Before, the whole step was damage: a resume silently went back to the step before."""
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run, format_version=version) as mngr:
+        for step in (1, 2):
+            mngr.save(step, {"params": {"w": np.full(4, step, np.float32)}})
+    os.symlink(outside, run / "2" / "params" / "link")
+    (run / "2" / "params" / "data").mkdir(exist_ok=True)
+    os.symlink(outside, run / "2" / "params" / "data" / "notes")
+    like = {"params": {"w": np.zeros(4, np.float32)}}
+    with fop.CheckpointManager(run) as mngr:
+        np.testing.assert_array_equal(mngr.restore(like=like)["params"]["w"], np.full(4, 2))
+        assert mngr.restored_step == 2
+    assert all(r.ok for r in fop.verify(run))
+    # A link at a name a reader opens is still refused (never followed).
+    names = ["d", "b"] if version == 1 else ["data/0.json"]
+    target = next(run / "2" / "params" / n for n in names if (run / "2" / "params" / n).exists())
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    os.symlink(outside, target)
+    with pytest.raises(fop.ForeignEntryError, match="symbolic link"):
+        fop.restore(run / "2" / "params")
