@@ -138,7 +138,8 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     if out["read_only"]:
         defaults = {o.name: o.default for o in _table.MANAGER}
         for name in _table.WRITER_ONLY:
-            refuse_without(name, out[name], "a writer (read_only=False)", default=defaults[name])
+            value = given.get(name, out[name])  # as the user wrote it
+            refuse_without(name, value, "a writer (read_only=False)", default=defaults[name])
     _compose(out)
     _formats.refuse_ignored(  # what the chosen format ignores (the format says why)
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)

@@ -20,31 +20,23 @@ declarations, so a bad value is refused with the same words either way.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
 
-from .._base.option_spec import Option, check, found, refuse_without
-from .save_rules import AnyOf, AtSteps, EverySeconds, EverySteps, Moment, SaveRule
+from .._base.option_spec import Option, check, refuse_without
+from .save_rules import (
+    MAX_SECONDS,
+    AnyOf,
+    AtSteps,
+    EverySeconds,
+    EverySteps,
+    Moment,
+    SaveRule,
+    step_set,
+)
 
 __all__ = ["FIELDS", "SavePolicy"]
-
-
-def _steps(value: Any) -> list[int]:
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        raise TypeError(f"expected an iterable of int steps, found {found(value)}")
-    out = []
-    for s in value:
-        if isinstance(s, bool) or not hasattr(s, "__index__"):
-            raise TypeError(f"expected int steps, found {found(s)}")
-        if int(s) < 0:
-            raise ValueError(f"expected steps >= 0, found {s!r}")
-        out.append(int(s))
-    if not out:  # would leave no rule set: every step saved, the opposite of "no step"
-        raise ValueError(f"expected at least one step, found {found(value)}")
-    return out
 
 
 EVERY_STEPS = Option(
@@ -69,8 +61,8 @@ EVERY_SECONDS = Option(
     none_ok=True,
     low=0,
     low_open=True,
-    high=threading.TIMEOUT_MAX,
-    expected=f"a number of seconds > 0 and <= {threading.TIMEOUT_MAX:g} or None",
+    high=MAX_SECONDS,
+    expected=f"a number of seconds > 0 and <= {MAX_SECONDS:g} or None",
     doc="save when this many seconds passed since the last save (or the first call)",
     aliases=(
         "every_secs",
@@ -84,7 +76,7 @@ STEPS = Option(
     "steps",
     "custom",
     none_ok=True,
-    convert=_steps,
+    convert=lambda value: step_set(value, "steps"),
     annotation="Iterable[int]",
     doc="also save these steps",
     aliases=("save_on_steps", "save_steps_list"),
@@ -105,7 +97,7 @@ class SavePolicy(SaveRule):
     """Which steps to save; see the module docstring. Every field is optional.
 
     ``SavePolicy(every_steps=1000)``, ``SavePolicy(every_seconds=600, steps=[1])``:
-    checked when made (OptionError naming the field); ``steps`` is kept as a frozenset.
+    checked when made (OptionError naming the field); ``steps`` as ``AtSteps`` keeps it.
     Frozen: share one between managers freely. Any thread.
     """
 
@@ -117,8 +109,6 @@ class SavePolicy(SaveRule):
 
     def __post_init__(self) -> None:
         values = check(FIELDS, {o.name: getattr(self, o.name) for o in FIELDS})
-        if values["steps"] is not None:
-            values["steps"] = frozenset(values["steps"])
         for name, value in values.items():
             object.__setattr__(self, name, value)
         if self.every_seconds is None:

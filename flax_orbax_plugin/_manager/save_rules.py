@@ -49,7 +49,7 @@ __all__ = [
     "check_rule",
 ]
 
-_TIMEOUT_MAX = 1e9  # seconds: about 31 years, below threading.TIMEOUT_MAX everywhere
+MAX_SECONDS = 1e9  # seconds: about 31 years, below threading.TIMEOUT_MAX everywhere
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ _T = Option(
     "number",
     low=0,
     low_open=True,
-    high=_TIMEOUT_MAX,
+    high=MAX_SECONDS,
 )
 _PERCENT = Option("Continuous(max_overhead_percent)", "number", low=0, low_open=True, high=100)
 
@@ -142,22 +142,44 @@ class EverySeconds(SaveRule):
         return moment.since_save >= self.seconds
 
 
+MAX_LISTED_STEPS = 1_000_000  # steps named one by one; more: a range, or every_steps
+
+
+def step_set(steps: Any, where: str) -> frozenset | range:
+    """The steps a rule saves, checked (OptionError / OptionTypeError naming ``where``):
+    a ``range`` stays a range (``range(10**12)`` costs nothing), any other iterable
+    becomes a frozenset of ints >= 0 (at most :data:`MAX_LISTED_STEPS`); never empty
+    (a rule that never saves: a list built empty by mistake)."""
+    if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
+        raise OptionTypeError(f"{where} must be an iterable of int steps, found {found(steps)}")
+    if isinstance(steps, range):
+        if steps and min(steps[0], steps[-1]) < 0:  # its ends (min() would walk it)
+            raise OptionError(f"{where} must hold steps >= 0, found {steps!r}")
+        out: frozenset | range = steps
+    else:
+        checker, listed = Option(where, "int", low=0), []
+        for s in steps:
+            if len(listed) == MAX_LISTED_STEPS:
+                raise OptionError(
+                    f"{where} names more than {MAX_LISTED_STEPS:,} steps one by one: pass a "
+                    f"range (kept as it is) or every_steps="
+                )
+            listed.append(checker.check(s))
+        out = frozenset(listed)
+    if not out:
+        raise OptionError(f"{where} must name at least one step, found {found(steps)}")
+    return out
+
+
 @dataclass(frozen=True)
 class AtSteps(SaveRule):
-    """Saves these steps (ints >= 0, kept as a frozenset)."""
+    """Saves these steps (ints >= 0: a range stays a range, anything else is kept as a
+    frozenset; see :func:`step_set`)."""
 
-    steps: frozenset
+    steps: frozenset | range
 
     def __post_init__(self) -> None:
-        steps = self.steps
-        if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
-            raise OptionTypeError(
-                f"AtSteps(steps) must be an iterable of int steps, found {found(steps)}"
-            )
-        checker = Option("AtSteps(steps)", "int", low=0)
-        object.__setattr__(self, "steps", frozenset(checker.check(s) for s in steps))
-        if not self.steps:  # a rule that never saves: a list built empty by mistake
-            raise OptionError(f"AtSteps(steps) must name at least one step, found {found(steps)}")
+        object.__setattr__(self, "steps", step_set(self.steps, "AtSteps(steps)"))
 
     def wants(self, moment: Moment) -> bool:
         return moment.step in self.steps

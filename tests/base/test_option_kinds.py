@@ -40,3 +40,25 @@ def test_a_bad_wait_timeout_leaves_the_save_running(tmp_path, timeout):
         handle.wait(timeout=timeout)
     handle.wait()
     assert fop.is_committed(tmp_path / "b")
+
+
+def test_a_range_of_steps_stays_a_range(tmp_path):
+    """Before, steps=range(10**12) was expanded into a set: the manager never opened."""
+    with fop.CheckpointManager(tmp_path, steps=range(0, 10**12, 7), async_save=False) as mngr:
+        assert mngr.should_save(7 * 10**9) and not mngr.should_save(7 * 10**9 + 1)
+    assert fop.AtSteps(range(5, 10**12, 5)).steps == range(5, 10**12, 5)
+    with pytest.raises(fop.OptionError, match=r"steps >= 0"):
+        fop.AtSteps(range(-1, 5))
+    with pytest.raises(fop.OptionError, match=r"more than 1,000,000 steps one by one"):
+        fop.AtSteps(i for i in range(10**12))
+
+
+def test_every_seconds_has_one_limit_whatever_its_form(tmp_path):
+    """Before, the shorthand took 5e9 s and the first save raised, naming EverySeconds."""
+    for make in (
+        lambda: fop.CheckpointManager(tmp_path, every_seconds=5e9),
+        lambda: fop.SavePolicy(every_seconds=5e9),
+        lambda: fop.EverySeconds(5e9),
+    ):
+        with pytest.raises(fop.OptionError, match=r"<= 1e\+09"):
+            make()

@@ -38,7 +38,7 @@ def tiny(v=0.0):
     [
         (lambda: fop.SavePolicy(every_steps=0), fop.OptionError, "every_steps must be a positive"),
         (lambda: fop.SavePolicy(every_seconds="6"), TypeError, "every_seconds must be a number"),
-        (lambda: fop.SavePolicy(steps=[-1]), fop.OptionError, "steps: expected steps >= 0"),
+        (lambda: fop.SavePolicy(steps=[-1]), fop.OptionError, "steps must be an int >= 0"),
         (lambda: fop.SavePolicy(clock=_zero), fop.OptionError, "clock=<function _zero at"),
         (lambda: fop.Retention(keep="3"), TypeError, "keep must be a positive int or None"),
         (lambda: fop.Retention(keep_best=1), fop.OptionError, "keep_best= needs best_metric="),

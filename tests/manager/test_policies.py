@@ -357,7 +357,7 @@ def test_keep_objects_keep_their_steps():
         # An empty list of steps saves none (AtSteps) or, as "no rule", every step
         # (SavePolicy, the manager's steps=): refused either way.
         (lambda: fop.AtSteps([]), fop.OptionError, r"^AtSteps\(steps\) must name at least one"),
-        (lambda: fop.SavePolicy(steps=()), fop.OptionError, r"steps: expected at least one st"),
+        (lambda: fop.SavePolicy(steps=()), fop.OptionError, r"steps must name at least one st"),
         (lambda: fop.Continuous(max_overhead_percent=0), fop.OptionError, r"Continuous\(max_ov"),
         (lambda: fop.Continuous(max_overhead_percent=101), fop.OptionError, r"<= 100, found int"),
         (lambda: fop.KeepLast(0), fop.OptionError, r"^KeepLast\(n\) must be an int >= 1, found"),
@@ -394,7 +394,7 @@ def test_manager_refuses_misplaced_objects(tmp_path):
         fop.CheckpointManager(tmp_path / "d", policy=5)
     with pytest.raises(fop.OptionError, match=r"^clock=.* does nothing without a policy or"):
         fop.CheckpointManager(tmp_path / "e", policy=fop.EverySteps(2), clock=FakeClock())
-    with pytest.raises(fop.OptionError, match=r"^steps: expected at least one step, found list"):
+    with pytest.raises(fop.OptionError, match=r"^steps must name at least one step, found list"):
         fop.CheckpointManager(tmp_path / "f", steps=[])  # not "no rule": every step
     assert not (tmp_path / "f").exists()
 
