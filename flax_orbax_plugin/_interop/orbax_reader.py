@@ -280,10 +280,14 @@ def restore_orbax(
         )
     unknown = [k for k in like if k not in items]
     if unknown:
-        hint = f"; for the tree of item {trees[0]!r}: like={{{trees[0]!r}: ...}}"
+        hint = (
+            f"; for the tree of item {trees[0]!r}: like={{{trees[0]!r}: ...}}"
+            if len(trees) == 1
+            else ""
+        )
         raise StructureError(
             f"item {unknown[0]!r}: expected by like, found no such item in {loc} "
-            f"(items: {sorted(items)}){hint if len(trees) == 1 else ''}"
+            f"(items: {sorted(items)}){hint}"
         )
     # JSON, text and unreadable items (metrics, configs) may be left out of like:
     # a tree of arrays is asked for, and they are not arrays
