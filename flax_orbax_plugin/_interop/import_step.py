@@ -171,14 +171,14 @@ def _to_step_int(value: Any, source: str) -> int:
 
 
 def _split(tree: Any, source: str) -> dict[str, Any]:
-    """A training-state dict (it has 'params') gives one item per top-level key."""
+    """A training-state dict (it has 'params') gives one item per top-level key; a
+    None or empty entry (an empty optimizer state) stays an item, as this library's
+    save keeps it: the import gives back every entry the state held."""
     if isinstance(tree, Mapping) and "params" in tree:
-        out = {}
-        for key, value in tree.items():
-            if value is None or (isinstance(value, Mapping) and not value):
-                continue  # nothing to save (a static field, an empty optimizer state)
-            out[str(key)] = _to_step_int(value, source) if key == "step" else value
-        return out
+        return {
+            str(key): _to_step_int(value, source) if key == "step" else value
+            for key, value in tree.items()
+        }
     return {"params": tree}
 
 
