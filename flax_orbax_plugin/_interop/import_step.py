@@ -130,7 +130,7 @@ def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool
         raise FileExistsError(
             f"{out_dir} already holds steps newer than those imported ({_shown(newer)}): a "
             "resume would take them, not the import; import into a new directory, or pass "
-            "force=True (--force) to add these steps beside them"
+            "force=True (--force on the command line) to add these steps beside them"
         )
     warnings.warn(
         f"{out_dir} already holds steps {_shown(held)}; the imported steps are added beside "
@@ -146,7 +146,8 @@ def refuse_existing(out_dir: Any, held: list[int], numbers: list[int], force: bo
     clash = [] if force else sorted(set(held) & set(numbers))
     if clash:
         raise FileExistsError(
-            f"{out_dir}: step {clash[0]} exists already; pass force=True (--force) to replace it"
+            f"{out_dir}: step {clash[0]} exists already; to replace it pass force=True "
+            f"(--force on the command line)"
         )
 
 

@@ -164,7 +164,11 @@ def save_steps(
                     bar.advance(sizes[len(written) - 1] if len(written) <= len(sizes) else 0, "")
     except BaseException as e:  # Ctrl-C too: the manager removed the step in progress
         if written:
-            e.add_note(f"the import committed step(s) {written} to {loc} before it failed")
+            e.add_note(
+                f"the import committed step(s) {written} to {loc} before it failed (they are "
+                f"whole); a re-run replaces them only with force=True (--force on the command "
+                f"line), or import the steps left one at a time with step= (--step)"
+            )
         else:  # a directory this import created holds only its lock file: both go
             _ownership.remove_created(created, files=(LOCK_FILE,))
         raise
