@@ -44,3 +44,19 @@ def test_a_like_naming_an_item_a_json_only_step_lacks(tmp_path):
             fop.restore(path, like=like)
         with pytest.raises(fop.StructureError, match=r"item 'params': expected by like"):
             fop.restore_orbax(path, like=like)
+
+
+def test_metadata_names_no_directory_as_an_item(run, tmp_path):
+    """fop.metadata on an Orbax directory says what it holds: a step that is one item
+    (flax.training.checkpoints' checkpoint_<N>) or an item directory is one item, not
+    an item named after its own directory."""
+    flax_run = tmp_path / "flax_run"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(flax_run / "checkpoint_120", {"w": np.zeros(2, np.float32)})
+    for path, said in (
+        (flax_run, r"\(step 120, one pytree item\)"),
+        (run / "4" / "params", r"\(one pytree item\)"),
+        (run / "4", r"\(step 4, items \['params'\]\)"),
+    ):
+        with pytest.raises(fop.CheckpointNotFoundError, match=said):
+            fop.metadata(path)
