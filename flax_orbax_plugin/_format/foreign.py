@@ -120,6 +120,25 @@ def not_finalized(step_loc: Location) -> str | None:
     return None
 
 
+def unfinished(loc: Location, record: Any) -> str | None:
+    """Why the Orbax step or item at ``loc`` (named directly, its parsed
+    ``_CHECKPOINT_METADATA`` ``record`` or None) is a save Orbax never finished, or
+    None: still named ``*.orbax-checkpoint-tmp*`` (Orbax renames a save into place once
+    finished), an item inside such a step, or a record whose ``commit_timestamp_nsecs``
+    is null (Orbax sets it as it finalizes; every finished save of orbax 0.12 has it).
+    Such a directory may lack items or hold partly written arrays."""
+    if TMP_MARK in loc.name:
+        return f"its name holds {TMP_MARK!r}: Orbax renames a save into place once finished"
+    if TMP_MARK in loc.parent.name:
+        return f"it lies in {loc.parent}, a step Orbax never finished (named *{TMP_MARK}*)"
+    if isinstance(record, dict) and record.get("commit_timestamp_nsecs", 0) is None:
+        return (
+            f"its {STEP_METADATA} has no commit time (commit_timestamp_nsecs: null), which "
+            f"Orbax records as it finishes a save"
+        )
+    return None
+
+
 def local_kind(loc: Location, name: str) -> str | None:
     """Local only: what the entry ``name`` of ``loc`` is (``lstat``: no link followed),
     or None when it is absent."""

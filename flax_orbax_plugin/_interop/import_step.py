@@ -1,4 +1,4 @@
-"""Which step an imported state is written as (Orbax and msgpack imports alike).
+"""Which step, and which items, an imported state is written as (Orbax and msgpack).
 
 A foreign checkpoint may say its step three ways: the caller gives it (``step=``,
 ``--step``), the state holds it (a top-level ``step`` leaf, as a Flax ``TrainState``
@@ -9,12 +9,16 @@ give it: never a silent step 0 (:func:`choose_step`, :func:`state_step`: pure,
 called per step). Before anything is written, :func:`orbax_steps_to_import` names the
 Orbax steps an import writes (reading names and metadata), and :func:`refuse_mixing`
 refuses steps of the output directory that the import would hide or replace.
+:func:`step_items` maps a foreign step's items onto this library's (a training state
+split, JSON items into extras); a tree never lands under a name this library
+reserves for another kind (``extras``, ``data_iterator``).
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -27,11 +31,13 @@ from .orbax_layout import open_orbax
 from .orbax_steps import list_steps
 
 __all__ = [
+    "ImportedStep",
     "choose_step",
     "orbax_steps_to_import",
     "refuse_existing",
     "refuse_mixing",
     "state_step",
+    "step_items",
 ]
 
 logger = logging.getLogger("flax_orbax_plugin")
@@ -124,7 +130,7 @@ def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool
         raise FileExistsError(
             f"{out_dir} already holds steps newer than those imported ({_shown(newer)}): a "
             "resume would take them, not the import; import into a new directory, or pass "
-            "force=True (--force) to add these steps beside them"
+            "force=True (--force on the command line) to add these steps beside them"
         )
     warnings.warn(
         f"{out_dir} already holds steps {_shown(held)}; the imported steps are added beside "
@@ -140,9 +146,116 @@ def refuse_existing(out_dir: Any, held: list[int], numbers: list[int], force: bo
     clash = [] if force else sorted(set(held) & set(numbers))
     if clash:
         raise FileExistsError(
-            f"{out_dir}: step {clash[0]} exists already; pass force=True (--force) to replace it"
+            f"{out_dir}: step {clash[0]} exists already; to replace it pass force=True "
+            f"(--force on the command line)"
         )
 
 
 def _shown(steps: list[int]) -> str:
     return ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+
+
+# -- which items an imported state becomes ------------------------------------------
+
+
+ImportedStep = tuple[int, dict[str, Any], dict[str, Any] | None]  # (step, items, extras)
+
+
+def _to_step_int(value: Any, source: str) -> int:
+    arr = np.asarray(value)
+    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise StructureError(
+            f"leaf 'step' in {source}: expected an integer scalar, "
+            f"found {arr.dtype}{list(arr.shape)}"
+        )
+    return int(arr)
+
+
+def _split(tree: Any, source: str) -> dict[str, Any]:
+    """A training-state dict (it has 'params') gives one item per top-level key; a
+    None or empty entry (an empty optimizer state) stays an item, as this library's
+    save keeps it: the import gives back every entry the state held."""
+    if isinstance(tree, Mapping) and "params" in tree:
+        return {
+            str(key): _to_step_int(value, source) if key == "step" else value
+            for key, value in tree.items()
+        }
+    return {"params": tree}
+
+
+def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: str) -> ImportedStep:
+    """Maps a foreign step's items onto this plugin's checkpointables.
+
+    * one pytree item (a lone ``StandardSave``, a msgpack file): a dict with a
+      ``params`` key is a training state, each top-level key an item (``params``,
+      ``opt_state``, ``step`` ...); any other tree becomes ``params``;
+    * several items: an item named like one of ours is kept by name; a pytree item
+      holding a training state is split as above; any other pytree is kept by name;
+    * JSON items go into ``extras`` under their item name, but for the ``metrics``
+      item that Orbax's ``CheckpointManager`` writes beside each step (``best_fn``):
+      its entries become top-level extras, where this library's ``keep_best`` and
+      ``flax-orbax list`` look for a step's metrics.
+
+    Returns ``(step, items, extras)`` with step left as -1 (the caller decides).
+    """
+    pytrees = {n: t for n, t in trees.items() if kinds[n] == "pytree" and t is not None}
+    extras = {n: t for n, t in trees.items() if kinds[n] == "json" and n != "metrics"}
+    metrics = trees.get("metrics") if kinds.get("metrics") == "json" else None
+    if isinstance(metrics, Mapping):
+        clash = sorted(set(metrics) & set(extras))
+        if clash:
+            raise StructureError(
+                f"metric {clash[0]!r} of {source}: also the name of a JSON item; import "
+                f"one of them only"
+            )
+        extras.update(metrics)
+    elif metrics is not None:
+        extras["metrics"] = metrics
+    items: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # our item -> the foreign item it came from
+    if len(pytrees) == 1:
+        ((name, tree),) = pytrees.items()
+        items = _split(tree, source) if name != "params" else {"params": tree}
+        origin = dict.fromkeys(items, name)
+    else:
+        for name, tree in pytrees.items():
+            parts = _split(tree, source) if name != "params" else {"params": tree}
+            if set(parts) == {"params"} and name != "params":
+                parts = {name: tree}
+            clash = sorted(set(parts) & set(items))
+            if clash:
+                raise StructureError(
+                    f"item {clash[0]!r} of {source}: found in two Orbax items; import them "
+                    f"one at a time"
+                )
+            items.update(parts)
+            origin.update(dict.fromkeys(parts, name))
+    _refuse_reserved(items, origin, source)
+    if "step" in items and not isinstance(items["step"], int):
+        items["step"] = _to_step_int(items["step"], source)
+    return -1, items, extras or None
+
+
+# Item names whose kind this library fixes: a tree saved under one would not come back
+# as the tree it was (extras are JSON: arrays would become lists).
+_RESERVED = {
+    "extras": "the step's JSON extras (extras=)",
+    "data_iterator": "a data iterator's state (data_iterator=)",
+}
+
+
+def _refuse_reserved(items: Mapping[str, Any], origin: Mapping[str, str], source: str) -> None:
+    """StructureError for a tree that would be imported under a name this library
+    reserves for another kind of item (an Orbax pytree item named ``extras``, or a
+    training state's top-level ``extras`` key): never saved as another kind."""
+    for name, what in _RESERVED.items():
+        if name in items:
+            came = origin.get(name, name)
+            where = f"Orbax item {name!r}" if came == name else f"key {name!r} of item {came!r}"
+            raise StructureError(
+                f"item {name!r} of {source}: a tree ({where}), but this library reserves "
+                f"the item name {name!r} for {what}: imported under it, its arrays would not "
+                f"come back as arrays; nothing of this step was imported. Read the step with "
+                f"fop.restore and save the tree under another item name with "
+                f"fop.CheckpointManager.save"
+            )

@@ -2,7 +2,7 @@
 
 Shared by the Orbax and msgpack importers. Who calls what: an importer reads one
 foreign step into ``{item name: tree or JSON value}``, maps it with
-:func:`step_items`, and hands an iterator of steps to :func:`save_steps`, which
+:func:`.import_step.step_items`, and hands an iterator of steps to :func:`save_steps`, which
 writes each through the public ``CheckpointManager.save`` (so the on-disk layout
 is exactly what a training job writes).
 
@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
-
-import numpy as np
 
 from .._core import ownership as _ownership
 from .._errors import (
@@ -41,11 +39,13 @@ from .._storage.lock import LOCK_FILE
 from .._storage.store_errors import arguments, raises_store_errors
 from . import msgpack_reader, orbax_reader
 from .import_step import (
+    ImportedStep,
     choose_step,
     orbax_steps_to_import,
     refuse_existing,
     refuse_mixing,
     state_step,
+    step_items,
 )
 
 __all__ = [
@@ -59,79 +59,7 @@ __all__ = [
 ]
 
 
-ImportedStep = tuple[int, dict[str, Any], dict[str, Any] | None]  # (step, items, extras)
 _NOT_ORBAX = "it holds no Orbax checkpoint, and Flax msgpack files are read from local disk only"
-
-
-def _to_step_int(value: Any, source: str) -> int:
-    arr = np.asarray(value)
-    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer):
-        raise StructureError(
-            f"leaf 'step' in {source}: expected an integer scalar, "
-            f"found {arr.dtype}{list(arr.shape)}"
-        )
-    return int(arr)
-
-
-def _split(tree: Any, source: str) -> dict[str, Any]:
-    """A training-state dict (it has 'params') gives one item per top-level key."""
-    if isinstance(tree, Mapping) and "params" in tree:
-        out = {}
-        for key, value in tree.items():
-            if value is None or (isinstance(value, Mapping) and not value):
-                continue  # nothing to save (a static field, an empty optimizer state)
-            out[str(key)] = _to_step_int(value, source) if key == "step" else value
-        return out
-    return {"params": tree}
-
-
-def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: str) -> ImportedStep:
-    """Maps a foreign step's items onto this plugin's checkpointables.
-
-    * one pytree item (a lone ``StandardSave``, a msgpack file): a dict with a
-      ``params`` key is a training state, each top-level key an item (``params``,
-      ``opt_state``, ``step`` ...); any other tree becomes ``params``;
-    * several items: an item named like one of ours is kept by name; a pytree item
-      holding a training state is split as above; any other pytree is kept by name;
-    * JSON items go into ``extras`` under their item name, but for the ``metrics``
-      item that Orbax's ``CheckpointManager`` writes beside each step (``best_fn``):
-      its entries become top-level extras, where this library's ``keep_best`` and
-      ``flax-orbax list`` look for a step's metrics.
-
-    Returns ``(step, items, extras)`` with step left as -1 (the caller decides).
-    """
-    pytrees = {n: t for n, t in trees.items() if kinds[n] == "pytree" and t is not None}
-    extras = {n: t for n, t in trees.items() if kinds[n] == "json" and n != "metrics"}
-    metrics = trees.get("metrics") if kinds.get("metrics") == "json" else None
-    if isinstance(metrics, Mapping):
-        clash = sorted(set(metrics) & set(extras))
-        if clash:
-            raise StructureError(
-                f"metric {clash[0]!r} of {source}: also the name of a JSON item; import "
-                f"one of them only"
-            )
-        extras.update(metrics)
-    elif metrics is not None:
-        extras["metrics"] = metrics
-    items: dict[str, Any] = {}
-    if len(pytrees) == 1:
-        ((name, tree),) = pytrees.items()
-        items = _split(tree, source) if name != "params" else {"params": tree}
-    else:
-        for name, tree in pytrees.items():
-            parts = _split(tree, source) if name != "params" else {"params": tree}
-            if set(parts) == {"params"} and name != "params":
-                parts = {name: tree}
-            clash = sorted(set(parts) & set(items))
-            if clash:
-                raise StructureError(
-                    f"item {clash[0]!r} of {source}: found in two Orbax items; import them "
-                    f"one at a time"
-                )
-            items.update(parts)
-    if "step" in items and not isinstance(items["step"], int):
-        items["step"] = _to_step_int(items["step"], source)
-    return -1, items, extras or None
 
 
 def refuse_foreign_targets(out_dir: Any, numbers: Iterable[int]) -> None:
@@ -236,7 +164,11 @@ def save_steps(
                     bar.advance(sizes[len(written) - 1] if len(written) <= len(sizes) else 0, "")
     except BaseException as e:  # Ctrl-C too: the manager removed the step in progress
         if written:
-            e.add_note(f"the import committed step(s) {written} to {loc} before it failed")
+            e.add_note(
+                f"the import committed step(s) {written} to {loc} before it failed (they are "
+                f"whole); a re-run replaces them only with force=True (--force on the command "
+                f"line), or import the steps left one at a time with step= (--step)"
+            )
         else:  # a directory this import created holds only its lock file: both go
             _ownership.remove_created(created, files=(LOCK_FILE,))
         raise

@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any
 
 from .._base import tree as _tree
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError, OptionError
 from .._format.foreign import (
     COMMIT_FILE,
     ITEM_METADATA,
@@ -26,6 +26,7 @@ from .._format.foreign import (
     is_step,
     legacy_step,
     subdir,
+    unfinished,
 )
 from .._storage.location import Location
 from .._storage.untrusted import loads_json
@@ -333,11 +334,21 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
         step = listing.choose(step)
         loc = listing.steps[step]
     elif step is not None:  # one step (an older orbax's has no record) or item
-        raise ValueError(f"{loc} is one Orbax checkpoint; step={step} does not apply")
+        raise OptionError(
+            f"step={step}: {loc} is one Orbax checkpoint (a step or an item), not a run of "
+            f"steps: step= does not apply; name the run directory holding the steps with "
+            f"step={step}, or leave step= out"
+        )
     else:
         m = STEP_RE.match(loc.name)
         step = int(m.group(2)) if m else None
     record = read_json(loc, STEP_METADATA) if loc.exists(STEP_METADATA) else None
+    why = unfinished(loc, record)
+    if why is not None:  # named directly: a run's listing passes those over
+        raise CheckpointNotFoundError(
+            f"{loc}: an unfinished Orbax save, not read: {why}. Read a finalized step of "
+            f"the run (a killed save's step is not whole), or save it again with Orbax"
+        )
     handlers = record.get("item_handlers") if isinstance(record, dict) else None
     if isinstance(handlers, str) or (
         not isinstance(handlers, dict) and (loc.exists(ITEM_METADATA) or loc.exists(JSON_ITEM_FILE))

@@ -40,6 +40,7 @@ from .orbax_steps import list_steps
 
 __all__ = [
     "ItemReader",
+    "lone_item",
     "orbax_steps",
     "read_step",
     "restore_item",
@@ -243,6 +244,19 @@ def _restore_tree(item: OrbaxItem, like: Any, allow_cast: bool, *, partial: bool
     return _tree.unflatten(treedef, kept)
 
 
+def lone_item(loc: Location, items: dict[str, OrbaxItem]) -> OrbaxItem | None:
+    """The one item that ``loc`` is itself (an item directory named, or a run's step that
+    is one item, as ``flax.training.checkpoints``' ``checkpoint_<N>``), from
+    ``open_orbax(loc)``'s items; None for a step of items (even of one)."""
+    if len(items) != 1:
+        return None
+    (item,) = items.values()
+    at = item.location
+    if str(at) == str(loc) or (not is_step(loc) and str(at.parent) == str(loc)):
+        return item
+    return None
+
+
 @raises_store_errors(arguments("path"))
 def restore_orbax(
     path: Any,
@@ -263,11 +277,9 @@ def restore_orbax(
     """
     loc = Location.from_path(path)
     _, items = open_orbax(loc, step=step)
-    if len(items) == 1:  # an item given, or a manager's step that is one item itself
-        (item,) = items.values()  # (flax.training.checkpoints' checkpoint_<N>, say)
-        at = item.location
-        if str(at) == str(loc) or (not is_step(loc) and str(at.parent) == str(loc)):
-            return restore_item(item, like, partial, allow_cast)
+    item = lone_item(loc, items)
+    if item is not None:
+        return restore_item(item, like, partial, allow_cast)
     if like is None:
         return {name: restore_item(item, None, partial, allow_cast) for name, item in items.items()}
     trees = [n for n, item in items.items() if item.kind in ("pytree", "missing")]
@@ -280,10 +292,14 @@ def restore_orbax(
         )
     unknown = [k for k in like if k not in items]
     if unknown:
-        hint = f"; for the tree of item {trees[0]!r}: like={{{trees[0]!r}: ...}}"
+        hint = (
+            f"; for the tree of item {trees[0]!r}: like={{{trees[0]!r}: ...}}"
+            if len(trees) == 1
+            else ""
+        )
         raise StructureError(
             f"item {unknown[0]!r}: expected by like, found no such item in {loc} "
-            f"(items: {sorted(items)}){hint if len(trees) == 1 else ''}"
+            f"(items: {sorted(items)}){hint}"
         )
     # JSON, text and unreadable items (metrics, configs) may be left out of like:
     # a tree of arrays is asked for, and they are not arrays

@@ -22,7 +22,7 @@ from .._errors import (
 from .._format import metadata as _metadata
 from .._format.foreign import is_orbax_checkpoint, is_step
 from .._interop.orbax_layout import open_orbax
-from .._interop.orbax_reader import restore_orbax
+from .._interop.orbax_reader import lone_item, restore_orbax
 from .._interop.orbax_steps import agreed_latest
 from .._state.train_state import update_in_place
 from .._storage.location import Location
@@ -188,7 +188,8 @@ def _orbax_message(location: Location) -> str | None:
     try:
         step, items = open_orbax(location)
         what = f"step {step}, " if step is not None else ""
-        what += f"items {sorted(items)}"
+        only = lone_item(location, items)  # not a step of items: its own name is no item's
+        what += f"items {sorted(items)}" if only is None else f"one {only.kind} item"
     except (CheckpointError, OSError) as e:
         what = f"unreadable: {e}"
     return (

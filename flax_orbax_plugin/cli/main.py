@@ -204,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         kind = "" if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: "
-        print(f"flax-orbax {args.command}: error: {kind}{one_line(e)}", file=sys.stderr)
+        done = "; ".join(getattr(e, "__notes__", ()))  # what it had done (an import's steps)
+        print(
+            f"flax-orbax {args.command}: error: {kind}{one_line(e)}"
+            + (f" ({' '.join(done.split())})" if done else ""),
+            file=sys.stderr,
+        )
         if os.environ.get("FLAX_ORBAX_DEBUG"):
             raise
         return EXIT_ERROR

@@ -249,3 +249,16 @@ def test_flax_training_checkpoints_orbax_directories_point_at_the_orbax_readers(
     with pytest.raises(fop.CheckpointNotFoundError, match=r"Orbax checkpoints.*restore_params"):
         fop.restore_msgpack(tmp_path / "ck" / "checkpoint_9")
     assert fop.import_orbax(tmp_path / "ck", tmp_path / "out") == [9]
+
+
+def test_none_and_empty_entries_of_a_state_round_trip(tmp_path):
+    """Top-level None and {} entries of a state with params are imported as items
+    (this library's save keeps them), never dropped without a word."""
+    state = {"params": {"w": np.ones(2, np.float32)}, "nothing": None, "e": {}, "step": 4}
+    with open(tmp_path / "checkpoint_4", "wb") as f:
+        f.write(serialization.msgpack_serialize(state))
+    assert fop.import_msgpack(tmp_path / "checkpoint_4", tmp_path / "out") == [4]
+    with fop.CheckpointManager(tmp_path / "out", read_only=True) as mngr:
+        got = mngr.restore()
+    assert got["nothing"] is None and got["e"] == {} and got["step"] == 4
+    np.testing.assert_array_equal(got["params"]["w"], np.ones(2, np.float32))
