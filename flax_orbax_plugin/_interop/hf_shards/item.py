@@ -62,7 +62,8 @@ class HFShards:
       key_map: ``"gpt2"`` (a GPT-2-shaped Flax model: ``key_maps.GPT2``), a dict or
         pairs ``{regex over the leaf path: tensor name (re's \\1) or None}`` (first
         full match wins; a leaf no rule matches is an error), a KeyMap, or None
-        (names: the path with '/' replaced by '.').
+        (names as ``fop.to_safetensors`` gives them: the path with '/' replaced by
+        '.', or every full path when two leaves would get one name that way).
       transposes: regexes of the leaves written as ``(out, in, ...)`` from
         ``(..., in, out)`` (added to the built-in map's own).
       max_shard_bytes: bytes or a size (``"5GB"``, ``"2GiB"``) per file.
