@@ -167,7 +167,9 @@ class Option:
             self._fail(value, wrong_type=False)
 
     def _check_flag(self, value: Any) -> None:
-        if not isinstance(value, bool):
+        """True or False, numpy's ``bool_`` included (never 1, 0 or a str)."""
+        numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in _NP_BOOLS
+        if not isinstance(value, bool) and not numpy_bool:
             self._fail(value, wrong_type=True)
 
     def _check_str(self, value: Any) -> None:
@@ -192,7 +194,8 @@ class Option:
         self._fail(value, wrong_type=False, hint=hint)
 
 
-_PLAIN = {"int": operator.index, "number": float}
+_PLAIN = {"int": operator.index, "number": float, "flag": bool}
+_NP_BOOLS = ("bool_", "bool")  # numpy's scalar bool, by its numpy 1 and 2 names
 _ANNOTATIONS = {
     "int": "int",
     "number": "float",
