@@ -32,7 +32,8 @@ takes a share of the CPUs per thread while they are runnable, which on a machine
 training threads use every core slows the steps that overlap a save.
 ``FOP_BACKGROUND_NICE=<0-19>`` (checked by :func:`read`: any other value is an
 OptionError naming it) makes each such thread lower its own priority to that ``nice``
-value as its first act (Linux nice values are per thread).
+value as its first act (Linux nice values are per thread); 0, the default, leaves it
+alone.
 
 Confined to the library's own threads: a thread inherits the nice value of the thread
 that creates it, and a lowered thread cannot raise itself back (that needs

@@ -256,12 +256,18 @@ def _unplaceable(items: list, sharding: Any, error: Exception) -> Exception:
             _put([(target, host)], sharding)
         except (RuntimeError, TypeError, ValueError) as e:
             platform = next(iter(sharding.device_set)).platform
-            return StructureError(
-                f"leaf {target.record.path!r}: jax cannot place a {host.dtype} array on "
-                f"{platform} ({' '.join(str(e).split())[:200]}); read it to the host "
-                "instead (a numpy array in like, or like=None)"
-            )
+            return cannot_place(target.record.path, host.dtype, platform, e)
     return error
+
+
+def cannot_place(path: str, dtype: Any, platform: str, error: Exception) -> StructureError:
+    """Leaf ``path``'s ``dtype`` that jax refused (``error``) to place on ``platform``:
+    the one text of every reader (``fop.restore``, ``fop.from_safetensors``)."""
+    return StructureError(
+        f"leaf {path!r}: jax cannot place a {dtype} array on "
+        f"{platform} ({' '.join(str(error).split())[:200]}); read it to the host "
+        "instead (a numpy array in like, or like=None)"
+    )
 
 
 def _one_device_memory(sharding: Any) -> bool:

@@ -25,6 +25,7 @@ from .._errors import (
     OptionError,
     StructureError,
 )
+from .._format import foreign as _foreign
 from .._format import places as _places
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
@@ -288,6 +289,11 @@ def cmd_gc(args) -> int:
         # every day, with exit 0); a folder of other things is fine (nothing to do)
         if (where := _places.misplaced(loc)) is not None:
             raise CliError(f"{where}: gc removes nothing here")
+    if idle and (other := _foreign.foreign_run(loc)) is not None:  # another library's run
+        raise CliError(
+            f"{loc} holds {other}, no step of this library: gc removes only this library's "
+            f"steps (`flax-orbax import {loc} OUT` converts it into steps of this library)"
+        )
     if args.dry_run or idle:
         removed_unfinished, removed, kept = found.unfinished, found.steps, found.kept
         left = found.left_alone

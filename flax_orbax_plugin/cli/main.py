@@ -182,12 +182,13 @@ def main(argv: list[str] | None = None) -> int:
             interrupts.loaded()
         status = dispatch.run(args, in_process=argv is not None)  # None: a shell's command
         if interrupts is not None and interrupts.seen:  # swallowed where it arrived
+            what = "terminated" if interrupts.terminated else "interrupted"
             print(
-                f"flax-orbax {args.command}: interrupted, too late to stop it: the command "
+                f"flax-orbax {args.command}: {what}, too late to stop it: the command "
                 f"had finished (what it wrote is complete)",
                 file=sys.stderr,
             )
-            return 130
+            return shell.EXIT_TERMINATED if interrupts.terminated else 130
         return status
     except CliError as e:
         print(f"flax-orbax {args.command}: error: {e}", file=sys.stderr)

@@ -57,36 +57,41 @@ class _PipeSafe:
         return getattr(self._stream, name)
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise Terminated(f"terminated (signal {signum})")
-
-
 class Interrupts:
-    """Ctrl-C for a shell's command. Held back while the commands load (JAX's import,
-    interrupted, fails as a raw ImportError or aborts the process), then raised where
-    the command is. One that Python swallowed (it arrived inside a garbage-collection
-    callback, whose exceptions are ignored, and the command ran on) is still known:
-    ``seen``."""
+    """Ctrl-C and SIGTERM for a shell's command. Held back while the commands load
+    (JAX's import, interrupted, fails as a raw ImportError or aborts the process), then
+    raised where the command is (SIGTERM as :class:`Terminated`). One that Python
+    swallowed (it arrived inside a garbage-collection callback, whose exceptions are
+    ignored, and the command ran on) is still known: ``seen`` (``terminated`` for a
+    SIGTERM)."""
 
     def __init__(self) -> None:
         self.seen = False
+        self.terminated = False
         self._loading = True
 
     def handler(self, signum: int, frame: Any) -> None:
         self.seen = True
+        if signum == signal.SIGTERM:
+            self.terminated = True
         if not self._loading:
-            raise KeyboardInterrupt
+            self._raise()
+
+    def _raise(self) -> None:
+        if self.terminated:
+            raise Terminated(f"terminated (signal {int(signal.SIGTERM)})")
+        raise KeyboardInterrupt
 
     def loaded(self) -> None:
-        """The commands are loaded: a Ctrl-C held back is raised now, later ones at once."""
+        """The commands are loaded: a signal held back is raised now, later ones at once."""
         self._loading = False
         if self.seen:
-            raise KeyboardInterrupt
+            self._raise()
 
 
 def install(command: str) -> Interrupts:
-    """A shell's command: stdout kept safe from a closed pipe, SIGTERM an interruption,
-    Ctrl-C as :class:`Interrupts` says, the library's warnings as the command's lines
+    """A shell's command: stdout kept safe from a closed pipe, Ctrl-C and SIGTERM as
+    :class:`Interrupts` says, the library's warnings as the command's lines
     (``flax-orbax list: warning: ...``, not Python's ``<file>:<line>: UserWarning``)."""
     sys.stdout = _PipeSafe(sys.stdout)  # type: ignore[assignment]
 
@@ -94,7 +99,7 @@ def install(command: str) -> Interrupts:
         print(f"flax-orbax {command}: warning: {message}", file=sys.stderr)
 
     warnings.showwarning = show
-    signal.signal(signal.SIGTERM, _terminate)
     interrupts = Interrupts()
     signal.signal(signal.SIGINT, interrupts.handler)
+    signal.signal(signal.SIGTERM, interrupts.handler)
     return interrupts

@@ -100,6 +100,27 @@ def test_ctrl_c_while_the_commands_load_is_an_interruption(tmp_path):
         assert "Traceback" not in err and "ImportError" not in err, err
 
 
+def test_sigterm_while_the_commands_load_is_a_termination(tmp_path):
+    """SIGTERM while JAX loads was a raw 'error: ImportError: initialization failed'
+    (exit 2); SIGTERM acts as Ctrl-C does: 'terminated', exit 143, at any moment."""
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
+    for delay in (0.4, 0.9):
+        proc = subprocess.Popen(
+            _cli("list", str(tmp_path / "run")),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_proc.child_env(),
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM, (delay, proc.returncode, err[-2000:])
+        assert err.strip().splitlines()[-1].startswith("flax-orbax list: terminated"), err
+        assert "Traceback" not in err and "ImportError" not in err, err
+
+
 def test_a_shell_commands_warnings_are_its_own_lines(tmp_path):
     """A library warning came out as Python's '<frozen runpy>:88: UserWarning: ...'."""
     import orbax.checkpoint as ocp

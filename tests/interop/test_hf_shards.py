@@ -234,7 +234,7 @@ def test_s3_single_process_files_written_whole(s3_location):
 
 
 def test_bad_options_name_the_option():
-    with pytest.raises(ValueError, match="every_steps=.*found 0"):
+    with pytest.raises(ValueError, match="every_steps=.*found int 0"):
         fop.HFShards(every_steps=0)
     with pytest.raises(ValueError, match="key_map: expected one of \\['gpt2'\\]"):
         fop.HFShards(every_steps=1, key_map="llama9")

@@ -24,7 +24,7 @@ of this process's regions), ``Pending.wait`` on the manager's background thread,
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,21 +33,24 @@ import numpy as np
 
 from ..._base import distributed as _distributed
 from ..._base import tree as _tree
+from ..._base.option_spec import Option, found
 from ..._core.requests import ReadRequest, SaveRequest
-from ..._errors import StructureError, UnsupportedLocationError
+from ..._errors import OptionError, OptionTypeError, StructureError, UnsupportedLocationError
 from ..._format import layout as _layout
 from ..._manager.checkpointables import COPY_KINDS
+from ..._manager.json_items import encode_json
 from ..._storage.location import Location
-from ..safetensors.plan import parse_size
+from ..safetensors.plan import checked_cast, parse_size
 from ..safetensors.reader import from_safetensors
 from . import writing as _writing
-from .key_maps import KeyMap, key_map_of
+from .key_maps import KeyMap, check_transposes, key_map_of, transpose_patterns
 from .layout import plan
 
 __all__ = ["HFShards"]
 
 _SAVE, _READ = SaveRequest(), ReadRequest()  # frozen: what a call without one does
 KIND = COPY_KINDS[0]  # the kind the step manifest records: read only when named
+_EVERY_STEPS = Option("HFShards(every_steps=)", "int", low=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,8 @@ class HFShards:
       key_map: ``"gpt2"`` (a GPT-2-shaped Flax model: ``key_maps.GPT2``), a dict or
         pairs ``{regex over the leaf path: tensor name (re's \\1) or None}`` (first
         full match wins; a leaf no rule matches is an error), a KeyMap, or None
-        (names: the path with '/' replaced by '.').
+        (names as ``fop.to_safetensors`` gives them: the path with '/' replaced by
+        '.', or every full path when two leaves would get one name that way).
       transposes: regexes of the leaves written as ``(out, in, ...)`` from
         ``(..., in, out)`` (added to the built-in map's own).
       max_shard_bytes: bytes or a size (``"5GB"``, ``"2GiB"``) per file.
@@ -81,28 +85,35 @@ class HFShards:
     kind: str = dataclasses.field(default=KIND, init=False)
     _map: KeyMap | None = dataclasses.field(default=None, init=False, repr=False)
     _limit: int = dataclasses.field(default=0, init=False, repr=False)
+    _cast: Any = dataclasses.field(default=None, init=False, repr=False)
+    _transposes: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
-        k = self.every_steps
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"HFShards(every_steps=): expected an int >= 1, found {k!r}")
+        put = functools.partial(object.__setattr__, self)
+        put("every_steps", _EVERY_STEPS.check(self.every_steps))  # numpy's ints are ints
         for field in ("item", "name"):
             value = getattr(self, field)
             if not _layout.is_safe_name(value):
-                raise ValueError(
+                cls = OptionError if isinstance(value, str) else OptionTypeError
+                raise cls(
                     f"HFShards({field}=): expected an item name (letters, digits, '_', '-', "
-                    f"'.'; not starting with '_' or '.'), found {value!r}"
+                    f"'.'; not starting with '_' or '.'), found {found(value)}"
                 )
         if self.item == self.name:
-            raise ValueError(f"HFShards: item= and name= are both {self.item!r}")
-        if self.dtype is not None:
-            np.dtype(self.dtype)  # a TypeError naming it when it is none
+            raise OptionError(f"HFShards: item= and name= are both {self.item!r}")
+        put("_cast", checked_cast(self.dtype, "HFShards(dtype=)", byte_sized=True))
         if self.config is not None:
             if not isinstance(self.config, Mapping):
-                raise TypeError(f"HFShards(config=): expected a dict, found {self.config!r}")
-            json.dumps(dict(self.config))  # a TypeError when it is no JSON
-        object.__setattr__(self, "_map", key_map_of(self.key_map, self.transposes))
-        object.__setattr__(self, "_limit", parse_size(self.max_shard_bytes))
+                raise OptionTypeError(
+                    f"HFShards(config=): expected a dict, found {found(self.config)}"
+                )
+            try:  # the save's own rule (config.json), now rather than at the first save
+                encode_json(dict(self.config), "HFShards(config=)")
+            except StructureError as e:
+                raise OptionError(str(e)) from None
+        put("_map", key_map_of(self.key_map, self.transposes))
+        put("_transposes", transpose_patterns(self.transposes))
+        put("_limit", parse_size(self.max_shard_bytes, "HFShards(max_shard_bytes=)"))
 
     def due(self, step: int) -> bool:
         """Whether a saved ``step`` gets the shards."""
@@ -134,7 +145,8 @@ class HFShards:
                 )
             leaves.append((path, np.dtype(dtype), tuple(np.shape(leaf))))
             values[path] = leaf
-        layout = plan(leaves, self._map, self._limit, self.dtype, {"item": self.item})
+        check_transposes(self._transposes, [path for path, _, _ in leaves], self.item)
+        layout = plan(leaves, self._map, self._limit, self._cast, {"item": self.item})
         regions = _writing.snapshot(layout, values)
         return _writing.Pending(directory, layout, regions, self.config, request.cancelled)
 

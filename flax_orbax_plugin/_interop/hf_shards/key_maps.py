@@ -22,7 +22,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["GPT2", "KeyMap", "key_map_of"]
+from ..._errors import OptionError, OptionTypeError
+
+__all__ = ["GPT2", "KeyMap", "check_transposes", "key_map_of", "transpose_patterns"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,7 @@ class KeyMap:
         for pattern, replacement in self.rules:
             _compile(pattern, "key_map")
             if replacement is not None and not isinstance(replacement, str):
-                raise TypeError(
+                raise OptionTypeError(
                     f"key_map[{pattern!r}]: expected a tensor name (str) or None, found "
                     f"{type(replacement).__name__} {replacement!r}"
                 )
@@ -58,11 +60,12 @@ class KeyMap:
 
 def _compile(pattern: Any, option: str) -> None:
     if not isinstance(pattern, str) or not pattern:
-        raise TypeError(f"{option}: expected a regular expression (str), found {pattern!r}")
+        cls = OptionError if isinstance(pattern, str) else OptionTypeError
+        raise cls(f"{option}: expected a regular expression (str), found {pattern!r}")
     try:
         re.compile(pattern)
     except re.error as e:
-        raise ValueError(f"{option}: {pattern!r} is no regular expression: {e}") from None
+        raise OptionError(f"{option}: {pattern!r} is no regular expression: {e}") from None
 
 
 _P = r"(?:params/)?(?:transformer/)?"  # a Flax variables dict's 'params', HF's prefix
@@ -91,12 +94,12 @@ def key_map_of(key_map: Any, transposes: Iterable[str] | None) -> KeyMap | None:
     """The :class:`KeyMap` of ``HFShards(key_map=, transposes=)``: ``"gpt2"`` (the
     built-in, its transposes plus ``transposes``), a mapping or a sequence of pairs
     ``{pattern: name or None}``, a KeyMap, or None (default names: '/' -> '.')."""
-    extra = _patterns(transposes)
+    extra = transpose_patterns(transposes)
     if key_map is None:
         return KeyMap((), extra) if extra else None
     if isinstance(key_map, str):
         if key_map not in BUILT_IN:
-            raise ValueError(
+            raise OptionError(
                 f"key_map: expected one of {sorted(BUILT_IN)}, a dict {{pattern: tensor "
                 f"name}} or a KeyMap, found {key_map!r}"
             )
@@ -108,12 +111,32 @@ def key_map_of(key_map: Any, transposes: Iterable[str] | None) -> KeyMap | None:
     return KeyMap(tuple(pairs), extra)
 
 
-def _patterns(transposes: Any) -> tuple[str, ...]:
+def transpose_patterns(transposes: Any) -> tuple[str, ...]:
+    """``transposes=``: None, a regular expression or several; OptionTypeError else."""
     if transposes is None:
         return ()
     if isinstance(transposes, str):
         return (transposes,)
-    return tuple(transposes)
+    try:
+        return tuple(transposes)
+    except TypeError:
+        raise OptionTypeError(
+            f"transposes: expected a regular expression (str) or a list of them, found "
+            f"{type(transposes).__name__} {transposes!r:.60}"
+        ) from None
+
+
+def check_transposes(patterns: tuple[str, ...], paths: list[str], item: str) -> None:
+    """Each pattern of ``transposes=`` matches a leaf path (as a key map's listed names
+    must): one that matches none (a typo) was silently ignored, the kernel not
+    transposed. OptionError naming it."""
+    for pattern in patterns:
+        if not any(re.fullmatch(pattern, path) for path in paths):
+            shown = ", ".join(repr(p) for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
+            raise OptionError(
+                f"transposes: {pattern!r} matches no leaf path of item {item!r}; its "
+                f"leaves: {shown or 'none'}"
+            )
 
 
 def _pairs(key_map: Any) -> list[tuple[str, str | None]]:
@@ -122,7 +145,7 @@ def _pairs(key_map: Any) -> list[tuple[str, str | None]]:
     except TypeError:
         pairs = None
     if pairs is None or not all(len(p) == 2 for p in pairs):
-        raise TypeError(
+        raise OptionTypeError(
             f"key_map: expected 'gpt2', a dict {{pattern: tensor name or None}}, pairs "
             f"(pattern, name) or a KeyMap, found {type(key_map).__name__} {key_map!r}"[:300]
         )

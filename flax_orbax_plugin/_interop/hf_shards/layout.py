@@ -19,7 +19,13 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ..._errors import StructureError
-from ..safetensors.headers import DEFAULT_STEM, INDEX_SUFFIX, MARKER_KEY, MARKER_VALUE
+from ..safetensors.headers import (
+    DEFAULT_STEM,
+    INDEX_SUFFIX,
+    MARKER_KEY,
+    MARKER_VALUE,
+    default_names,
+)
 from ..safetensors.packing import packed_bits
 from ..safetensors.plan import Tensor, encode_header, split_shards, tensor_dtype
 from .key_maps import KeyMap
@@ -58,12 +64,11 @@ class Layout:
 
 
 def _names(leaves: Sequence[tuple[str, np.dtype, tuple[int, ...]]], key_map: KeyMap | None):
+    if key_map is None or not key_map.rules:  # fop.to_safetensors's rule, the one way back
+        return _unique(default_names([path for path, _, _ in leaves]))
     names: dict[str, str] = {}
     unmatched = []
     for path, _, _ in leaves:
-        if key_map is None or not key_map.rules:
-            names[path] = path.replace("/", ".")
-            continue
         matched, name = key_map.name(path)
         if not matched:
             unmatched.append(path)
@@ -77,6 +82,10 @@ def _names(leaves: Sequence[tuple[str, np.dtype, tuple[int, ...]]], key_map: Key
         )
     if leaves and not names:
         raise StructureError(f"hf_shards key_map leaves out every leaf ({len(leaves)})")
+    return _unique(names)
+
+
+def _unique(names: dict[str, str]) -> dict[str, str]:
     seen: dict[str, str] = {}
     for path, name in names.items():
         if not name or not isinstance(name, str):

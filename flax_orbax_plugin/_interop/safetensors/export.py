@@ -47,10 +47,12 @@ from .outputs import (
     remove_stale,
 )
 from .plan import (
-    FLAGS,
+    EXPORT_OPTIONS,
     ListedKeyMap,
     Tensor,
+    checked_cast,
     checked_key_map,
+    checked_metadata,
     encode_header,
     parse_size,
     plan_tensors,
@@ -192,10 +194,12 @@ def to_safetensors(
     """
     out = local_path(out, what="safetensors output", note=_LOCAL_ONLY)
     limit = parse_size(max_shard_size)
-    leaves, read = _source_leaves(source)
+    flags = {"transpose_kernels": transpose_kernels, "force": force, "progress": progress}
+    check(EXPORT_OPTIONS, flags)
+    dtype, metadata = checked_cast(dtype), checked_metadata(metadata)
     check_policy(cast)
     key_map = checked_key_map(key_map)
-    check(FLAGS, {"transpose_kernels": transpose_kernels})
+    leaves, read = _source_leaves(source)
     if not leaves:
         raise ValueError("nothing to export: the source holds no array leaves")
     tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype, cast)

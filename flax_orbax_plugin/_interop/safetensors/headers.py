@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, OptionError
 from ..._format import layout as _layout
 from ..._storage.kvstore import local_path
 from ..._storage.untrusted import loads_json, open_regular, read_capped
@@ -191,6 +191,11 @@ def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:
     ``model.safetensors``. Files an index names must lie beside it (plain names).
     """
     if isinstance(paths_or_index, (list, tuple)):
+        if not paths_or_index:  # it read nothing and gave {}
+            raise OptionError(
+                f"paths_or_index: expected safetensors files (a file, a list of them, an "
+                f"index or a directory), found an empty {type(paths_or_index).__name__}"
+            )
         files = [local_path(p, what="safetensors file") for p in paths_or_index]
         index = None
     else:

@@ -9,19 +9,22 @@ size limit (:func:`parse_size`), as Hugging Face does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..._base.option_spec import Option
+from ..._base.option_spec import Option, found
 from ..._errors import OptionError, OptionTypeError, StructureError
 from ..._like import casting as _casting
 from ..._like import onto_like as _onto_like
+from ..._like import retarget as _retarget
 from .headers import TAGS, default_name, default_names, kernel_axes
 from .packing import pack, packed_bits, tensor_nbytes
 
@@ -40,21 +43,74 @@ _UNITS = {
 }
 
 
-def parse_size(size: int | str) -> int:
+def parse_size(size: int | str, option: str = "max_shard_size") -> int:
     """Bytes in a size such as ``5GB`` (10**9 bytes a GB, as Hugging Face counts),
-    ``2MiB`` (2**20), ``500KB`` or a plain number of bytes."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    elif isinstance(size, str) and (m := _SIZE_RE.match(size)):
-        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-    else:
+    ``2MiB`` (2**20), ``500KB`` or a plain number of bytes (an int, numpy's included);
+    an OptionError naming ``option`` otherwise."""
+    value = None
+    if isinstance(size, str):
+        if m := _SIZE_RE.match(size):
+            value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    elif not isinstance(size, bool):
+        with contextlib.suppress(TypeError):
+            value = operator.index(size)
+    if value is None:
         raise OptionError(
-            f"max shard size: expected bytes or a size such as '5GB', '500MB', '2GiB', "
-            f"found {size!r}"
+            f"{option} (the max shard size): expected bytes or a size such as '5GB', "
+            f"'500MB', '2GiB', found {found(size)}"
         )
     if value <= 0:
-        raise OptionError(f"max shard size: expected a positive size, found {size!r}")
+        raise OptionError(
+            f"{option} (the max shard size): expected a positive size, found {size!r}"
+        )
     return value
+
+
+def checked_cast(dtype: Any, option: str = "dtype", *, byte_sized: bool = False):
+    """``dtype=`` of an export or of ``HFShards``, checked where it is given: None, or a
+    floating dtype (``_like.retarget.checked_dtype``, as ``restore_params`` takes it)
+    that safetensors has a tag for (and, ``byte_sized``, not packed below a byte); the
+    numpy dtype, or an OptionError / OptionTypeError naming ``option``."""
+    try:
+        out = _retarget.checked_dtype(dtype)
+    except (OptionError, OptionTypeError) as e:
+        text = str(e).removeprefix("dtype: ")
+        raise type(e)(f"{option}: {text}") from None
+    if out is None:
+        return None
+    out = np.dtype(out)
+    if out not in TAGS:
+        floats = sorted(str(d) for d in TAGS if _onto_like._is_float(d))
+        raise OptionError(
+            f"{option}: {out} has no safetensors equivalent (expected one of {floats})"
+        )
+    if byte_sized and packed_bits(out) is not None:
+        raise OptionError(
+            f"{option}: {out} is packed below a byte in safetensors; hf_shards writes each "
+            f"process's rows at their byte offsets, so it takes byte-sized dtypes only "
+            f"(e.g. 'bfloat16')"
+        )
+    return out
+
+
+def checked_metadata(metadata: Any) -> dict[str, str] | None:
+    """``metadata=`` (a safetensors header's ``__metadata__``: str -> str): None or a
+    mapping of str to str; an OptionTypeError naming the entry otherwise (a value was
+    written as its ``str()``: None as 'None')."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise OptionTypeError(
+            f"metadata: expected a dict of str to str (the header's __metadata__), found "
+            f"{found(metadata)}"
+        )
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise OptionTypeError(
+                f"metadata: expected a dict of str to str (safetensors stores text only), "
+                f"found the entry {key!r:.60}: {found(value)}"
+            )
+    return dict(metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +182,7 @@ class ListedKeyMap:
 
 # The exporter's and the importer's True/False options, each declared once.
 FLAGS = tuple(Option(name, "flag") for name in ("transpose_kernels", "partial", "allow_cast"))
+EXPORT_OPTIONS = (*FLAGS, Option("force", "flag"), Option("progress", "callable", none_ok=True))
 
 
 def checked_key_map(key_map: Any) -> Callable[[str], str | None] | None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..._base import tree as _tree
 from ..._base.option_spec import check
+from ..._core import targets as _targets
 from ..._errors import CorruptCheckpointError, StructureError
 from ..._like import onto_like as _onto_like
 from ..._storage.untrusted import open_regular
@@ -204,5 +205,27 @@ def _read_onto(
             + (f" ({len(unused) - 1} more)" if len(unused) > 1 else "")
             + "; pass partial=True to read a subset"
         )
+    _check_placeable(plans)  # before a byte is read
     values = [_onto_like.materialize(plan, files.reader(t, axes)) for plan, t, axes in plans]
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _check_placeable(plans: list) -> None:
+    """A leaf read onto a device (like: a jax.Array or ShapeDtypeStruct) in a dtype jax
+    cannot place there (float6 on CPU) is fop.restore's StructureError, not jax's raw
+    error at the first transfer: one probe (a 0-d array) per dtype and device."""
+    seen = set()
+    for plan, _, _ in plans:
+        if plan.key_impl is not None or not isinstance(
+            plan.like, (jax.Array, jax.ShapeDtypeStruct)
+        ):
+            continue
+        sharding = getattr(plan.like, "sharding", None)
+        device = next(iter(sharding.device_set)) if sharding is not None else jax.devices()[0]
+        if (plan.out_dtype, device) in seen:
+            continue
+        seen.add((plan.out_dtype, device))
+        try:
+            jax.device_put(np.zeros((), plan.out_dtype), device)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise _targets.cannot_place(plan.path, plan.out_dtype, device.platform, e) from None
