@@ -33,6 +33,7 @@ __all__ = ["LEASE_SECONDS", "RunOwner", "check_lease"]
 logger = logging.getLogger("flax_orbax_plugin")
 
 LEASE_SECONDS = 60.0
+MIN_LEASE_SECONDS = 1.0  # renewed every third of it: one conditional write (and read) each
 MAX_LEASE_SECONDS = 366 * 86400.0  # a lease is renewed every third of it: a year is plenty
 
 
@@ -44,10 +45,10 @@ def check_lease(lease_seconds: Any) -> float:
     """``persistent_lease_seconds`` as a float; ValueError naming it otherwise (the
     time a record states must stay one a reader can format: at most a year)."""
     ok = isinstance(lease_seconds, (int, float)) and not isinstance(lease_seconds, bool)
-    if not (ok and 0 < lease_seconds <= MAX_LEASE_SECONDS):
+    if not (ok and MIN_LEASE_SECONDS <= lease_seconds <= MAX_LEASE_SECONDS):
         raise ValueError(
-            f"persistent_lease_seconds must be a positive number of seconds up to "
-            f"{MAX_LEASE_SECONDS:.0f} (a year), found {lease_seconds!r}"
+            f"persistent_lease_seconds must be a number of seconds from {MIN_LEASE_SECONDS:g} "
+            f"up to {MAX_LEASE_SECONDS:.0f} (a year), found {lease_seconds!r}"
         )
     return float(lease_seconds)
 

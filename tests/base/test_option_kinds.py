@@ -62,3 +62,11 @@ def test_every_seconds_has_one_limit_whatever_its_form(tmp_path):
     ):
         with pytest.raises(fop.OptionError, match=r"<= 1e\+09"):
             make()
+
+
+def test_a_lease_too_short_to_renew_without_hammering_the_store_is_refused():
+    """Before, lease_seconds=0.003 renewed the record every millisecond: 562 PUTs and
+    561 HEADs on the S3 server during one save."""
+    with pytest.raises(fop.OptionError, match=r"lease_seconds must be a number of seconds >= 1"):
+        fop.Tier("s3://bucket/run", lease_seconds=0.003)
+    assert fop.Tier("s3://bucket/run", lease_seconds=1).lease_seconds == 1

@@ -80,11 +80,13 @@ FIELDS: tuple[Option, ...] = (
     Option(
         "lease_seconds",
         "number",
-        low=0,
-        low_open=True,
+        low=_run_owner.MIN_LEASE_SECONDS,
         high=_run_owner.MAX_LEASE_SECONDS,
         default=_run_owner.LEASE_SECONDS,
-        expected=f"a number of seconds > 0 and <= {_run_owner.MAX_LEASE_SECONDS:g}",
+        expected=(
+            f"a number of seconds >= {_run_owner.MIN_LEASE_SECONDS:g} and <= "
+            f"{_run_owner.MAX_LEASE_SECONDS:g}"
+        ),
         doc="on an object store, the lease that makes one live run own the path",
     ),
 )
