@@ -11,8 +11,7 @@ Who calls what, in which order (all on the training thread)::
 
 It also fits a CLU-style hooks list: give it ``state_fn`` (a callable returning the
 current state) and call ``cb(step, t=None)`` after each step, as CLU's
-``periodic_actions`` are called. ``t`` is the time (``time.monotonic()`` when
-None), so tests pass it in instead of sleeping.
+``periodic_actions`` are called (``t``: the time; tests pass it in instead of sleeping).
 
 The callback hands its policy options (``every_steps``, ``every_seconds``) to the
 :class:`CheckpointManager` it creates, which takes every save decision (once, shared
@@ -51,6 +50,7 @@ from .._storage.store_errors import arguments, raises_store_errors_in_methods
 from . import options as _options
 from . import resuming as _resuming
 from . import signatures as _signatures
+from .checkpointables import check_iterator
 from .manager import CheckpointManager
 from .option_table import CALLBACK
 
@@ -71,7 +71,7 @@ class CheckpointCallback:
     # declarations (option_table.CALLBACK) by signatures.document, below the class.
 
     def __init__(self, directory: str, **options: Any):
-        values, self._manager_options = _options.check_callback(options)
+        values, self._manager_options = _options.check_callback(options, directory)
         self.directory = directory
         self.every_steps = values["every_steps"]
         self.every_seconds = values["every_seconds"]
@@ -149,7 +149,7 @@ class CheckpointCallback:
                     "data_iterator given twice, to CheckpointCallback(...) and to "
                     "on_train_start(...), as two iterators: give the one to save once"
                 )
-            self._data_iterator = data_iterator
+            self._data_iterator = check_iterator(data_iterator)
         reset = check_reset(reset)
         self._started = True
         changes = dict(partial=partial, missing=missing, transform=transform, surgery=surgery)
@@ -270,8 +270,11 @@ class CheckpointCallback:
 
     def _hook_state(self) -> Any:
         if self._state_fn is None:
-            msg = "without state_fn= this callback is no hook; on_train_end needs the state"
-            raise OptionTypeError(f"expected the state, found None: {msg}")
+            raise OptionTypeError(
+                "this callback was made without state_fn=, so it cannot be called as a "
+                "hook (cb(step) or cb.on_train_end() with no state): pass "
+                "state_fn=lambda: state, or call cb.on_step_end(step, state)"
+            )
         return self._state_fn()
 
     def wrap_step(self, fn: Any, **options: Any) -> Any:
@@ -326,7 +329,7 @@ class CheckpointCallback:
             step,
             state,
             data_iterator=self._data_iterator,
-            extras=(lambda: dict(extras_fn(step, state))) if extras_fn else None,
+            extras=(lambda: extras_fn(step, state)) if extras_fn else None,  # checked there
             ignore_policy=ignore_policy,
             t=t,
         )

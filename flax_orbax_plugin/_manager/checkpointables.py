@@ -55,7 +55,7 @@ from .._core import restore as _restore
 from .._core import save as _save
 from .._core.commit import Written
 from .._core.requests import ReadRequest, SaveRequest
-from .._errors import CorruptCheckpointError, StructureError
+from .._errors import CorruptCheckpointError, OptionTypeError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._storage.location import Location
@@ -246,21 +246,33 @@ _ITERATOR_ADVICE = (
 _PAIRS = (("get_state", "set_state"), ("state_dict", "load_state_dict"))  # get, set back
 
 
-def _iterator_state(it: Any) -> Any:
-    """The position of ``it``, from a pair that can also set it back (a position that
-    could be saved but never restored fails the first save, not the restart)."""
+def check_iterator(it: Any) -> Any:
+    """``it`` when it has a pair that reads its position and sets it back; else an
+    OptionTypeError saying what it lacks (where it is given: a callback's
+    ``data_iterator=``; a position that could be saved but never restored fails here,
+    not at the restart)."""
+    _pair(it)
+    return it
+
+
+def _pair(it: Any) -> tuple[str, str]:
     for get, put in _PAIRS:
         if hasattr(it, get):
             if not hasattr(it, put):
-                raise TypeError(
+                raise OptionTypeError(
                     f"data_iterator: a {type(it).__name__} has {get}() but no {put}(): "
                     f"its position could be saved but never restored. {_ITERATOR_ADVICE}"
                 )
-            return getattr(it, get)()
-    raise TypeError(
+            return get, put
+    raise OptionTypeError(
         f"data_iterator: a {type(it).__name__} has neither get_state()/set_state() "
         f"nor state_dict()/load_state_dict(). {_ITERATOR_ADVICE}"
     )
+
+
+def _iterator_state(it: Any) -> Any:
+    """The position of ``it``, from a pair that can also set it back."""
+    return getattr(it, _pair(it)[0])()
 
 
 def _set_iterator_state(it: Any, state: Any) -> None:

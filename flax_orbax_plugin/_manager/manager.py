@@ -20,7 +20,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import host as _host
-from .._base.option_spec import found
+from .._base.option_spec import flag, found
 from .._core import ownership as _ownership
 from .._core.save import SaveHandle, SaveResult
 from .._errors import CheckpointError, OptionTypeError
@@ -158,7 +158,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
     def latest_step(self, *, include_persistent: bool = False) -> int | None:
         """The highest committed step, or None when there is none; with
         ``include_persistent``, of either tier (what ``restore()`` starts from)."""
-        return self._book.latest(include_persistent=include_persistent)
+        return self._book.latest(include_persistent=flag("include_persistent", include_persistent))
 
     @property
     def persistent(self) -> PersistentTier | None:
@@ -250,7 +250,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             extras = extras() if callable(extras) else extras  # only for a step that is saved
             if extras is not None and not isinstance(extras, Mapping):  # metrics go by name
                 raise OptionTypeError(
-                    f"extras: expected a dict of JSON values, found {found(extras)}"
+                    f"extras (or what extras_fn returned): expected a dict of JSON values, "
+                    f"found {found(extras)}"
                 )
             items = collect_items(state, data_iterator, extras)
             if self._unheld:  # the first save: a name that matched no item warns, once

@@ -18,9 +18,8 @@ nothing (``keep_every=`` when nothing is deleted, any writer's option with
 given with the object that covers it (``keep=`` with ``retention=``). The flat
 ``persistent_*`` keywords of earlier releases still work, with a DeprecationWarning
 naming the ``Tier`` to write instead. The callback checks its ``manager_options``
-here too (not when the manager is first made).
-
-Declarations and pure converters; any thread.
+here too (not when the manager is first made). Declarations and pure converters; any
+thread.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from .._format import layout as _layout
 from .._format.steps import STEP, STEP_OR_NONE
 from . import policy as _policy
 from . import retention as _retention
-from .checkpointables import kind_of
+from .checkpointables import check_iterator, kind_of
 from .keep_rules import KeepRule
 from .save_rules import SaveRule
 from .tiers import tier_option as _tier_option
@@ -327,6 +326,7 @@ CALLBACK: tuple[Option, ...] = (
         "data_iterator",
         "custom",
         none_ok=True,
+        convert=check_iterator,
         annotation="Any",
         doc="an iterator whose position is saved with each step",
     ),

@@ -30,7 +30,7 @@ from .._base.option_spec import (
     with_defaults,
 )
 from .._core import formats as _formats
-from .._errors import OptionError
+from .._errors import OptionError, StructureError
 from .._format import layout as _layout
 from .._storage.location import Location
 from . import option_table as _table
@@ -77,15 +77,15 @@ def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
     fields = {name.removeprefix("persistent_"): v for name, v in values.items()}
     path = given.get("persistent")
     written = ", ".join(f"{k}={v!r}" for k, v in fields.items())
-    _deprecated(
-        ", ".join(f"{n}=" for n in flat),
-        f"persistent=fop.Tier({'<path>' if path is None else repr(path)}, {written})",
-    )
-    if isinstance(path, Tier):
+    if isinstance(path, Tier):  # refused before the warning (it would nest the Tier)
         raise OptionError(
             f"{', '.join(f'{n}=' for n in flat)} and persistent={path!r} both configure the "
             f"persistent tier: give {written} inside Tier(...) alone"
         )
+    _deprecated(
+        ", ".join(f"{n}=" for n in flat),
+        f"persistent=fop.Tier({'<path>' if path is None else repr(path)}, {written})",
+    )
     if path is None:
         defaults = {o.name: o.default for o in _table.DEPRECATED}
         for name, value in values.items():
@@ -200,9 +200,9 @@ def _compose(out: dict[str, Any]) -> None:
         )
 
 
-def check_callback(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """CheckpointCallback's keyword options ``given`` and its ``manager_options``
-    (checked now, with the callback's, not when the manager is first made): returns
+def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict]:
+    """CheckpointCallback's ``directory``, keyword options ``given`` and its
+    ``manager_options`` (checked now, not when the manager is first made): returns
     the callback's options (defaults filled in) and the keyword options of the
     manager it makes (flat ``persistent_*`` already turned into a Tier)."""
     refuse_unknown(
@@ -212,6 +212,7 @@ def check_callback(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, 
         hints=_table.CALLBACK_HINTS,
         inside=("manager_options", _table.MANAGER),
     )
+    Location.from_path(directory)  # UnsupportedLocationError naming what it found
     out = with_defaults(_table.CALLBACK, check(_table.CALLBACK, given))
     if out["resume"] is not False:
         refuse_without("overwrite", out["overwrite"], "resume=False", default=False)
@@ -279,9 +280,9 @@ def warn_unheld(named: set[str], items: Mapping[str, Any]) -> set[str]:
 
 
 def check_item_name(name: Any) -> str:
-    """``name`` if it is a safe checkpointable name, else ValueError."""
+    """``name`` if it is a safe checkpointable name, else StructureError."""
     if not _layout.is_safe_name(name):
-        raise ValueError(
+        raise StructureError(
             f"invalid checkpointable name {name!r}: use letters, digits, '_', '-', '.' "
             "and do not start with '_' or '.'"
         )

@@ -54,10 +54,10 @@ def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]
     for name, value in (("data_iterator", data_iterator), ("extras", extras)):
         if value is not None:
             if name in items:
-                raise ValueError(f"{name} given twice: in state and as an argument")
+                raise StructureError(f"{name} given twice: in state and as an argument")
             items[name] = value
     if not items:
-        raise ValueError("nothing to save: state, data_iterator and extras are all empty")
+        raise StructureError("nothing to save: state, data_iterator and extras are all empty")
     for name in items:
         check_item_name(name)
     return items

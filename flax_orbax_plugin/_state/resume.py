@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .._base.option_spec import outside_stacklevel
-from .._errors import NothingMatchedError, StructureError
+from .._errors import NothingMatchedError, OptionError, OptionTypeError, StructureError
 from .._like.transform import HINT
 from .train_state import split_state
 
@@ -26,7 +26,9 @@ def check_reset(reset: Any) -> tuple[str, ...]:
     None is (). ValueError for a bare str, TypeError for anything else that is not a
     collection of str (it raised "'int' object is not iterable")."""
     if isinstance(reset, str):
-        raise ValueError(f"reset must be a tuple of item names, e.g. ({reset!r},), found {reset!r}")
+        raise OptionTypeError(
+            f"reset must be a tuple of item names, e.g. ({reset!r},), found {reset!r}"
+        )
     return () if reset is None else _names(reset, "reset", "e.g. ('opt_state',)")
 
 
@@ -35,19 +37,22 @@ def check_items(items: Any) -> tuple[str, ...] | None:
     one item name, or a collection of them; TypeError naming the option otherwise."""
     if items is None or isinstance(items, str):
         return items if items is None else (items,)
-    return _names(items, "items", "e.g. 'params' or ('params', 'extras')")
+    names = _names(items, "items", "e.g. 'params' or ('params', 'extras')")
+    if not names:  # it restored {} without a word
+        raise OptionError("items names no item: found an empty collection; name one or more")
+    return names
 
 
 def _names(value: Any, option: str, example: str) -> tuple[str, ...]:
     if not isinstance(value, Iterable) or isinstance(value, bytes | bytearray):
-        raise TypeError(
+        raise OptionTypeError(
             f"{option} must be a tuple of item names ({example}), found "
             f"{type(value).__name__} {value!r:.60}"
         )
     names = tuple(value)
     for name in names:
         if not isinstance(name, str):
-            raise TypeError(
+            raise OptionTypeError(
                 f"{option}: every entry is an item name (a str), found "
                 f"{type(name).__name__} {name!r:.60}"
             )

@@ -70,3 +70,35 @@ def test_a_lease_too_short_to_renew_without_hammering_the_store_is_refused():
     with pytest.raises(fop.OptionError, match=r"lease_seconds must be a number of seconds >= 1"):
         fop.Tier("s3://bucket/run", lease_seconds=0.003)
     assert fop.Tier("s3://bucket/run", lease_seconds=1).lease_seconds == 1
+
+
+def test_callback_options_are_checked_when_it_is_made(tmp_path):
+    """Before, these constructed and failed at on_train_start or at the first save due."""
+    for directory in (None, "", 5, "~/x"):
+        with pytest.raises(fop.UnsupportedLocationError):
+            fop.CheckpointCallback(directory)
+    with pytest.raises(fop.OptionTypeError, match=r"data_iterator: a int has neither"):
+        fop.CheckpointCallback(tmp_path, data_iterator=5)
+    cb = fop.CheckpointCallback(tmp_path, every_steps=1, extras_fn=lambda step, state: 5)
+    cb.on_train_start({"params": {"w": np.ones(2)}})
+    with pytest.raises(fop.OptionTypeError, match=r"what extras_fn returned.*found int 5"):
+        cb.on_step_end(1, {"params": {"w": np.ones(2)}})
+    with pytest.raises(fop.OptionTypeError, match=r"made without state_fn="):
+        fop.CheckpointCallback(tmp_path / "b")(3)
+
+
+def test_manager_inputs_are_the_librarys_errors(tmp_path):
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        with pytest.raises(fop.StructureError, match="nothing to save"):
+            mngr.save(1, None)
+        with pytest.raises(fop.StructureError, match="invalid checkpointable name"):
+            mngr.save(1, {"_x": np.ones(2)})
+        mngr.save(1, {"params": {"w": np.ones(2)}})
+        mngr.wait()
+        with pytest.raises(fop.OptionError, match="items names no item"):
+            mngr.restore(items=[])  # it returned {} without a word
+        with pytest.raises(fop.OptionTypeError, match="include_persistent must be True or"):
+            mngr.latest_step(include_persistent=1)
+    for nested in (tmp_path / "run" / "up", tmp_path):
+        with pytest.raises(fop.OptionError, match="nested with the local directory"):
+            fop.CheckpointManager(tmp_path / "run", persistent=str(nested))

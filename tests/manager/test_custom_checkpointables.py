@@ -118,7 +118,7 @@ def test_a_closed_manager_is_said_closed_where_it_is_reused(tmp_path):
 
 def test_extras_that_are_no_dict_are_refused_at_the_save(tmp_path):
     with fop.CheckpointManager(tmp_path, async_save=False) as mngr:
-        with pytest.raises(fop.OptionTypeError, match=r"extras: expected a dict .*found list"):
+        with pytest.raises(fop.OptionTypeError, match=r"expected a dict .*found list"):
             mngr.save(1, {"params": {"w": np.ones(2)}}, extras=[1, 2])
         with pytest.raises(fop.OptionTypeError, match=r"found str"):
             mngr.save(1, {"params": {"w": np.ones(2)}}, extras=lambda: "loss=1")

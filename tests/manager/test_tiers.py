@@ -507,7 +507,7 @@ def test_sigterm_saves_locally_then_replicates_before_exiting(s3, tmp_path):
 def test_options_are_checked(tmp_path, s3):
     with pytest.raises(ValueError, match="needs a writer"):
         fop.CheckpointManager(tmp_path, read_only=True, persistent=s3.url)
-    with pytest.raises(ValueError, match="is the local directory itself"):
+    with pytest.raises(fop.OptionError, match="is the local directory itself"):
         fop.CheckpointManager(tmp_path / "x", persistent=str(tmp_path / "x"))
     with pytest.raises(ValueError, match="must be a local directory"):
         fop.CheckpointManager(s3.url, persistent=str(tmp_path / "y"))

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..._base import distributed as _distributed
-from ..._errors import ReplicationError
+from ..._errors import OptionError, ReplicationError
 from ..._storage import run_owner as _run_owner
 from ..._storage.location import Location
 from ..events import Events
@@ -79,11 +79,18 @@ class PersistentTier:
                 f"the local tier must be a local directory, found {local}; give the bucket "
                 f"as persistent= and a local path as the manager's directory"
             )
-        if self.remote == local or (
-            self.remote.is_local
-            and os.path.realpath(self.remote.path) == os.path.realpath(local.path)
-        ):
-            raise ValueError(f"persistent location {self.remote} is the local directory itself")
+        if self.remote.is_local:  # one place, or one inside the other: each lists the other
+            mine, theirs = (os.path.realpath(x.path) + os.sep for x in (local, self.remote))
+            if mine.startswith(theirs) or theirs.startswith(mine):
+                where = (
+                    "the local directory itself"
+                    if mine == theirs
+                    else "nested with the local directory"
+                )
+                raise OptionError(
+                    f"persistent location {self.remote} is {where} ({local}): the two tiers "
+                    f"are two places side by side, e.g. /scratch/run and /shared/run"
+                )
         # With several processes the local directory is one every host mounts (as for
         # any manager directory): each process copies its share of every step, the
         # primary decides the rounds and commits; see docs/tiers.md.
