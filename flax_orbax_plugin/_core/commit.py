@@ -24,6 +24,7 @@ from .._base import env as _env
 from .._errors import CheckpointError, CoordinationError, SaveCancelledError
 from .._storage.location import Location
 from . import ownership as _ownership
+from . import pending as _pending
 
 STALE_SECONDS = 3600.0  # a staging directory untouched this long belongs to a dead save
 
@@ -116,7 +117,7 @@ class Staging:
         prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
         for name, kind in parent.child_kinds().items():
             if kind == "dir" and name.startswith(prefixes) and is_dead(parent.child(name)):
-                _ownership.remove_if_ours(parent.child(name), what="stale staging")
+                _ownership.remove_leftover(parent.child(name), what="stale staging")
 
     def abort(self) -> None:
         """Primary only: removes what this commit staged (renaming strategy)."""
@@ -126,9 +127,11 @@ class Staging:
 
 def is_dead(staging: Location) -> bool:
     """Staging (a real directory) of a save that no longer runs: the process named in
-    its pending marker is gone (this host: see ``ownership.writer_gone``), or nothing in
-    it was touched for ``STALE_SECONDS`` (a writer on another host)."""
-    if _ownership.writer_gone(staging):
+    its pending marker is gone (this host: see ``ownership.writer_gone``), it names no
+    writer and is unchanged for a while (``pending.abandoned``: empty, or committed, as a
+    save killed between two renames leaves it), or nothing in it was touched for
+    ``STALE_SECONDS`` (a writer on another host)."""
+    if _ownership.writer_gone(staging) or _pending.abandoned(staging):
         return True
     return time.time() - staging.newest_mtime() > STALE_SECONDS
 

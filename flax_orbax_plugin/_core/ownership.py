@@ -14,7 +14,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import stat
 from collections.abc import Callable
 
@@ -24,32 +23,29 @@ from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, PENDING_FILE, CommitMarker, StepManifest
-from .._storage import json_docs as _docs
 from .._storage.deleting import removal_context
 from .._storage.local_files import entry_kind
 from .._storage.location import Location
+from . import pending as _pending
 from . import removing as _removing
+from .created import missing_directories as missing_directories
+from .created import remove_created as remove_created
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-_LIBRARY = "flax_orbax_plugin"
+
+_pending_bytes = _pending.marker_bytes  # the marker's helpers, under the names callers know
+writer_gone = _pending.writer_gone
 
 
-def _pending_bytes(nonce: str, keep: list[str] | tuple[str, ...] = ()) -> bytes:
-    """The pending marker: ours, with the writer (host name and process id) that lets a
-    later save or ``gc`` tell a save that died from one still running; ``keep``: what
-    a removal leaves (entries this library did not write)."""
-    doc = {"library": _LIBRARY, "kind": "pending", "nonce": nonce}
-    doc.update(host=socket.gethostname(), pid=os.getpid())
-    if keep:
-        doc["keep"] = list(keep)
-    return json.dumps(doc).encode()
+class RemainsLeftError(CheckpointError):
+    """A removal took a place out of every listing (renamed it to ``<step>.deleting-*``,
+    or deleted its manifest) but could not remove its files: they stay at ``place``,
+    proven ours, and the next writer's open or ``gc`` tries again."""
 
-
-def _marker_keeps(raw: bytes | None) -> list[str]:
-    """What a removal recorded in the pending marker ``raw`` that it leaves."""
-    keep = json.loads(raw).get("keep") if _is_pending_marker(raw) else None
-    return keep if isinstance(keep, list) and all(isinstance(k, str) for k in keep) else []
+    def __init__(self, message: str, place: str):
+        super().__init__(message)
+        self.place = place
 
 
 def claim(loc: Location, nonce: str) -> None:
@@ -57,8 +53,14 @@ def claim(loc: Location, nonce: str) -> None:
 
     Written by one process per place (the primary, or each process in its own copy).
     Not fsynced on its own: a later ``sync`` of the staging place makes it durable.
+    A write that fails leaves no empty staging folder behind (the write made it).
     """
-    loc.write_bytes(PENDING_FILE, _pending_bytes(nonce), durable=False)
+    try:
+        loc.write_bytes(PENDING_FILE, _pending_bytes(nonce), durable=False)
+    except BaseException:
+        if loc.is_local:
+            _rmdir_if_empty(loc)  # a fresh name nobody else writes: holds nothing
+        raise
 
 
 def unclaim(loc: Location) -> None:
@@ -67,53 +69,10 @@ def unclaim(loc: Location) -> None:
     loc.delete(PENDING_FILE)
 
 
-def _is_pending_marker(raw: bytes | None) -> bool:
-    if raw is None:
-        return False
-    try:
-        doc = _docs.parse(raw, PENDING_FILE, _docs.PENDING_MARKER)
-    except CheckpointError:
-        return False
-    return isinstance(doc, dict) and doc.get("library") == _LIBRARY and doc.get("kind") == "pending"
-
-
-def _pending_writer(raw: bytes | None) -> tuple[str, int] | None:
-    """The writer a pending marker names (host, pid), or None where it names none that
-    can be trusted (an older marker, a damaged or foreign one)."""
-    if not _is_pending_marker(raw):
-        return None
-    doc = json.loads(raw)
-    host, pid = doc.get("host"), doc.get("pid")
-    if not isinstance(host, str) or not 0 < len(host) <= 255:
-        return None
-    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31:
-        return None
-    return host, pid
-
-
-def writer_gone(loc: Location) -> bool:
-    """True when ``loc`` carries our pending marker and the process that wrote it ran on
-    this host and is no longer alive: a save (or removal) that was killed or interrupted
-    before it could clean up, and that nobody is still writing. False whenever that is
-    not certain (another host, this very process, a marker naming no writer)."""
-    try:
-        writer = _pending_writer(loc.read_bytes(PENDING_FILE))
-    except CheckpointError:
-        return False  # a link or a FIFO where our marker would be: not ours
-    if writer is None or writer[0] != socket.gethostname() or writer[1] == os.getpid():
-        return False
-    try:
-        os.kill(writer[1], 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, another user's
-    return False
-
-
 def proof(loc: Location, *, step: int | None = None) -> str | None:
     """What proves ``loc`` ours (``"step manifest"``, ``"commit marker"``, ``"pending
-    marker"``), or None. With ``step``, a manifest must name that step. Raises
+    marker"``: also a temporary file of its write holding it, see ``_core.pending``),
+    or None. With ``step``, a manifest must name that step. Raises
     ForeignEntryError when ``loc`` (on local disk) is not a real directory."""
     if loc.is_local:
         path = loc.path.rstrip("/")
@@ -126,7 +85,7 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
                 f"{path}: expected a directory this library created, found {entry_kind(st.st_mode)}"
             )
     try:
-        if _is_pending_marker(loc.read_bytes(PENDING_FILE)):
+        if _pending.is_marker(loc.read_bytes(PENDING_FILE)):
             return "pending marker"
         raw = loc.read_bytes(MANIFEST_FILE)
         if raw is not None:
@@ -138,6 +97,8 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
         if raw is not None:
             CommitMarker.from_bytes(raw, f"{loc}/{COMMIT_FILE}")
             return "commit marker"
+        if _pending.temporary_markers(loc):  # the marker's write cut short: still ours
+            return "pending marker"
     except ForeignEntryError:
         return None  # a link or a FIFO where our file would be: not ours
     except CheckpointError:
@@ -146,13 +107,16 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
 
 
 def is_empty(loc: Location) -> bool:
-    """True when nothing at all is stored at ``loc`` (an empty local directory too)."""
+    """True when nothing at all is stored at ``loc`` (an empty local directory too; a
+    file there is something)."""
     if loc.is_local:
         try:
             with os.scandir(loc.path.rstrip("/")) as it:
                 return next(it, None) is None
-        except (FileNotFoundError, NotADirectoryError):
+        except FileNotFoundError:
             return True
+        except NotADirectoryError:  # a file there is something; one on the way is not
+            return not os.path.lexists(loc.path.rstrip("/"))
     return not loc.is_dir()
 
 
@@ -214,12 +178,27 @@ def remove_if_ours(loc: Location, *, what: str) -> bool:
     return True
 
 
+def remove_leftover(loc: Location, *, what: str) -> tuple[bool, str | None]:
+    """:func:`remove_if_ours` for housekeeping that must go on (a writer's open, ``gc``,
+    after a commit): a leftover that cannot be removed (a folder made read-only, EIO) is
+    passed over with a WARNING naming it and the error. Returns whether it was removed,
+    and that error (None when there was none)."""
+    try:
+        return remove_if_ours(loc, what=what), None
+    except (OSError, CheckpointError) as e:
+        why = f"{type(e).__name__}: {e}"
+        logger.warning("checkpoint: cannot remove %s %s, passed over: %s", what, loc, why)
+        return False, why
+
+
 def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
     """Removes the staging place of a save of this process (``nonce`` is that save's:
     drawn from this run's session nonce, a name nobody else creates). Proven by our
     marker, or on local disk by the name itself: only the primary claims, and the
     others' staging of a step the primary did not save carries no marker."""
     _env.fail_point("remove_staging")  # tests: a removal that fails (FOP_FAIL_AT)
+    if loc.is_local and _rmdir_if_empty(loc):
+        return True  # nothing was written (a full disk, a file size limit): no marker needed
     if proof(loc) is None and loc.is_local and loc.name.endswith(f".partial-{nonce}"):
         if _exists(loc):
             logger.info("checkpoint: removing this save's %s %s", what, loc)
@@ -234,7 +213,10 @@ def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | Non
     at once: on local disk a rename to ``<step>.deleting-<nonce>``; on object stores
     the manifest goes first (after the pending marker), then its objects, many at once:
     ``pace()`` (asked before each request; default :data:`REMOVAL_CONCURRENCY`) is how
-    many deletes may be in flight now (retention asks for fewer while a save runs)."""
+    many deletes may be in flight now (retention asks for fewer while a save runs).
+
+    A failure once the step has left the listings (renamed, or its manifest deleted) is
+    a :class:`RemainsLeftError` naming the place its files stay in and why."""
     step_loc = directory.child(str(step))
     require_ours(step_loc, action="delete step", step=step)
     _env.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)
@@ -244,23 +226,54 @@ def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | Non
         step_loc.rename(doomed)  # atomic: the step disappears from listings at once
         _env.kill_point("mid_retention")
         _env.pause_point("mid_retention")  # tests: a slow removal (FOP_PAUSE_AT)
-        _remove_proven(doomed, keep=keep)
+        _remove_remains(step, doomed, keep=keep, how=f"renamed to {doomed.name}")
         return
     step_loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6), keep), durable=False)
     step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
     _env.kill_point("mid_retention")
     _env.pause_point("mid_retention")
-    _remove_proven(step_loc, pace=pace, keep=keep)
+    _remove_remains(step, step_loc, pace=pace, keep=keep, how="its manifest deleted")
 
 
-def check_slot(loc: Location, *, what: str, replace: bool) -> str | None:
+def _remove_remains(
+    step: int, loc: Location, *, how: str, pace: Callable[[], int] | None = None, keep: list[str]
+) -> None:
+    """:func:`remove_step` once the step left the listings: its files go, or a
+    RemainsLeftError says where they stay and why (never "already gone")."""
+    try:
+        _env.fail_point("remove_remains")  # tests: a removal that fails midway (FOP_FAIL_AT)
+        _remove_proven(loc, pace=pace, keep=keep)
+    except (OSError, CheckpointError) as e:
+        raise RemainsLeftError(
+            f"step {step} left the listing ({how}) but removing its files failed: "
+            f"{type(e).__name__}: {e}; they stay in {loc} (proven ours) until the next "
+            f"writer's open or gc() removes them",
+            str(loc),
+        ) from e
+
+
+def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = True) -> str | None:
     """Before writing a checkpoint or step at ``loc``: refuses a place held by something
-    foreign (ForeignEntryError naming it), and a committed one of ours unless
-    ``replace``. An empty place, or remains of a dead save of ours, are fine.
-    Returns the proof found (None for an empty place)."""
+    foreign (ForeignEntryError naming it: a file or a link there too), and a committed
+    one of ours unless ``replace``. Nothing there, or remains of a dead save of ours,
+    are fine; so is an empty directory unless ``take_empty`` is False (a directory of
+    steps lists one as foreign, never replaced: FORMAT.md). Returns the proof found
+    (None for an empty place)."""
     if is_empty(loc):
+        if not take_empty and loc.is_local and _exists(loc):
+            raise ForeignEntryError(
+                f"cannot write {what} at {loc}: an empty folder this library did not "
+                f"create is there (listed as foreign, never replaced); it is left alone. "
+                f"Remove it, then save again"
+            )
         return None
-    found = proof(loc)
+    try:
+        found = proof(loc)
+    except ForeignEntryError as e:  # a file, a link, a FIFO at the name
+        raise ForeignEntryError(
+            f"cannot write {what} at {loc}: {e}; it is left alone and nothing was "
+            f"written. Move it away or choose another path"
+        ) from None
     if found is None:
         raise ForeignEntryError(
             f"cannot write {what} at {loc}: something this library did not create is "
@@ -307,11 +320,16 @@ def _remove_proven(
 ) -> None:
     """Removes what this library wrote at ``loc`` (``_core.removing``), the pending
     marker first (naming what is left, so that a removal cut short leaves it too) and
-    last. ``keep``: what was found there already (``remove_step``: not looked for again)."""
+    last. ``keep``: what was found there already (``remove_step``: not looked for again).
+    Without a marker there, one naming this remover is written before the walk for
+    ``keep``: a live removal is never taken for an abandoned place (``_core.pending``)."""
     raw = loc.read_bytes(PENDING_FILE)
+    if raw is None and keep is None:
+        raw = _pending_bytes(secrets.token_hex(6))
+        loc.write_bytes(PENDING_FILE, raw)  # durable: nothing is removed before it
     found = _removing.strangers(loc) if keep is None else keep
-    keep = sorted(set(_marker_keeps(raw)) | set(found))
-    if raw is None or keep != _marker_keeps(raw):
+    keep = sorted(set(_pending.keeps(raw)) | set(found))
+    if raw is None or keep != _pending.keeps(raw):
         loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6), keep))  # durable
     _removing.remove_all_but(loc, keep, pace=pace)
 
@@ -333,7 +351,9 @@ def _remove_tree(loc: Location) -> None:
     kv.delete_range(ts.KvStore.KeyRange()).result()
 
 
-def prepare_slot(loc: Location, *, what: str, replace: bool, clear: bool = True) -> bool:
+def prepare_slot(
+    loc: Location, *, what: str, replace: bool, clear: bool = True, take_empty: bool = True
+) -> bool:
     """:func:`check_slot` for a save about to write at ``loc``, agreed by every process;
     with ``clear`` a dead save's remains (or, with ``replace``, a committed checkpoint)
     are removed too. Returns whether ``loc`` held something of ours (with ``clear=False``:
@@ -348,7 +368,7 @@ def prepare_slot(loc: Location, *, what: str, replace: bool, clear: bool = True)
     """
 
     def look() -> bool:
-        held = check_slot(loc, what=what, replace=replace) is not None
+        held = check_slot(loc, what=what, replace=replace, take_empty=take_empty) is not None
         if held and clear:
             remove(loc, action="clear the remains of a dead save at")
         return held
@@ -371,29 +391,3 @@ def prepare_slot(loc: Location, *, what: str, replace: bool, clear: bool = True)
         kind = ForeignEntryError if verdict["kind"] == "ForeignEntryError" else CheckpointError
         raise kind(f"{verdict['error']} (checked by process 0)")
     return bool(verdict["held"])
-
-
-def missing_directories(path: str) -> list[str]:
-    """The directories that creating local ``path`` (``os.makedirs``) would create, the
-    deepest first: what a failed import or export created, and so may remove."""
-    missing, path = [], os.path.abspath(path)
-    while not os.path.lexists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing
-
-
-def remove_created(directories: list[str], files: tuple[str, ...] = ()) -> None:
-    """After a failed import or export: removes ``files`` (names inside the deepest of
-    ``directories`` that this call created: regular files, never through a link), then
-    each of ``directories`` that is empty, deepest first (``rmdir``: a directory that
-    holds anything else, someone else's included, stays)."""
-    for name in files if directories else ():
-        path = os.path.join(directories[0], name)
-        if os.path.isfile(path) and not os.path.islink(path):
-            os.unlink(path)
-    for path in directories:
-        try:
-            os.rmdir(path)
-        except OSError:
-            return  # not empty (or gone): it and its parents stay

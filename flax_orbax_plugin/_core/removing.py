@@ -22,6 +22,9 @@ The names this library writes, by place:
 - **a place proven only by the pending marker** (staging, a save cut short): all ours;
   its name is fresh, nobody else writes there. A removal cut short records what it
   leaves in its pending marker, so the next attempt leaves it too.
+- **anywhere** (local disk): a temporary file of the pending marker's write
+  (``_PENDING.json.tmp-<hex>``) that holds our marker: a removal killed between its
+  write and its rename (``_core.pending``).
 
 Threading: stateless; callers serialise removals of one place (``_core.ownership``).
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable
 
 import tensorstore as ts
@@ -46,6 +50,7 @@ from .._format.layout import (
 from .._storage import deleting as _deleting
 from .._storage.location import Location
 from . import formats as _formats
+from . import pending as _pending
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -99,6 +104,7 @@ def strangers(loc: Location) -> list[str]:
         return []
     if not loc.is_local:
         return sorted(k for k in loc.keys() if not rule(k.split("/"), False))
+    ours = set(_pending.temporary_markers(loc))  # our marker's write, cut short
     out: list[str] = []
     stack = [""]
     root = loc.path.rstrip("/")
@@ -112,6 +118,8 @@ def strangers(loc: Location) -> list[str]:
             for entry in it:
                 name = f"{rel}{entry.name}"
                 is_dir = entry.is_dir(follow_symlinks=False)
+                if name in ours:
+                    continue
                 if not rule(name.split("/"), is_dir):
                     out.append(name)
                 elif is_dir:
@@ -175,4 +183,20 @@ def _clear_local(root: str, rel: str, kept: set[str], holders: set[str]) -> None
         elif name in holders:
             _clear_local(root, name + "/", kept, holders)
         else:
-            shutil.rmtree(entry.path)  # fd-based: links inside are unlinked, not followed
+            _rmtree(entry.path)
+
+
+def _rmtree(path: str) -> None:
+    """``shutil.rmtree`` (fd-based: links inside are unlinked, not followed), its error
+    naming the full path of what it could not remove (not the bare name it had)."""
+
+    def fail(_func, where, exc_info) -> None:
+        e = exc_info[1] if isinstance(exc_info, tuple) else exc_info
+        if isinstance(e, OSError) and e.errno is not None:
+            raise OSError(e.errno, e.strerror, where) from e
+        raise e
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=fail)
+    else:
+        shutil.rmtree(path, onerror=fail)

@@ -5,7 +5,8 @@ A directory that is a file, a step or a core checkpoint is refused
 primary, removes what dead saves of ours left (:func:`open_writer`,
 :func:`remove_unfinished`: proven ours, see ``_ownership``), finishing a replacement
 that was committed but not yet renamed (:func:`roll_forward`). Everything else is
-left alone, and named in a warning. Committed steps a user deletes
+left alone, and named in a warning; so is a leftover of ours that cannot be removed
+(the run still opens; ``gc`` raises it: :func:`raise_stuck`). Committed steps a user deletes
 (``CheckpointManager.delete``) go through :func:`remove_committed`.
 
 Functions of a Location; called on the training thread (at open, in ``gc`` and
@@ -30,6 +31,7 @@ from .._storage.lock import DirectoryLock
 __all__ = [
     "open_writer",
     "refuse_step_directory",
+    "raise_stuck",
     "remove_unfinished",
     "roll_forward",
     "rolls_forward",
@@ -81,40 +83,60 @@ def open_writer(loc: Location, *, own: bool = False) -> DirectoryLock | None:
     return dir_lock
 
 
-def remove_unfinished(loc: Location) -> None:
+def remove_unfinished(loc: Location) -> dict[str, str]:
     """Primary, at open and in ``gc``: removes what dead saves of ours left (proven
-    ours: see ``_ownership``); everything else is left alone."""
+    ours: see ``_ownership``); everything else is left alone. A leftover of ours that
+    cannot be removed (a folder made read-only) is passed over with a WARNING naming it
+    and the error, so that the run still opens and resumes; returns those ``{name:
+    error}`` (``gc`` raises them: :func:`raise_stuck`)."""
     listing = _steps.list_directory(loc)
+    stuck: dict[str, str] = {}
     for name in listing.unfinished:
         if not roll_forward(loc, name, listing):
-            _ownership.remove_if_ours(loc.child(name), what="unfinished step")
+            _, why = _ownership.remove_leftover(loc.child(name), what="unfinished step")
+            if why is not None:
+                stuck[name] = why
     foreign = list(listing.foreign)
     if loc.is_local:  # a core save's staging beside its target (``<name>.partial-*``)
         kinds = loc.child_kinds()
         for name in listing.foreign:
             if kinds.get(name) == "dir" and _steps.SAVE_STAGING_RE.match(name):
-                if _remove_dead_save_staging(loc.child(name)):
+                if not _commit.is_dead(loc.child(name)):
+                    continue  # its save may still run: not ours to touch yet
+                gone, why = _ownership.remove_leftover(
+                    loc.child(name), what="staging of an interrupted save"
+                )
+                if gone:
                     foreign.remove(name)
+                elif why is not None:
+                    foreign.remove(name)
+                    stuck[name] = why
     else:  # object stores: a step written in place, never committed
         for name in listing.foreign:
-            if _steps.is_step_name(name) and _ownership.remove_if_ours(
-                loc.child(name), what="uncommitted step"
-            ):
-                foreign.remove(name)
+            if _steps.is_step_name(name):
+                gone, why = _ownership.remove_leftover(loc.child(name), what="uncommitted step")
+                if gone or why is not None:
+                    foreign.remove(name)
+                if why is not None:
+                    stuck[name] = why
     if foreign:
         logger.warning(
             "%s holds entries that are not steps of this library, left alone: %s",
             loc,
             ", ".join(foreign[:10]),
         )
+    return stuck
 
 
-def _remove_dead_save_staging(staging: Location) -> bool:
-    """A core save's staging is not covered by the directory's lock (``fop.save`` takes
-    none): it goes only once its save is dead (``commit.is_dead``) and it is proven ours."""
-    if not _commit.is_dead(staging):
-        return False
-    return _ownership.remove_if_ours(staging, what="staging of an interrupted save")
+def raise_stuck(loc: Location, stuck: dict[str, str]) -> None:
+    """``gc``: a CheckpointError naming each leftover of ours it could not remove (and
+    why), once everything else was done; nothing when there is none."""
+    if stuck:
+        raise CheckpointError(
+            f"gc could not remove what interrupted saves or removals left in {loc} (proven "
+            f"this library's; no step is affected): "
+            + "; ".join(f"{name}: {why}" for name, why in sorted(stuck.items()))
+        )
 
 
 def rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:

@@ -274,9 +274,12 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         self._check_writable()
         self.wait()
         self._book.forget()  # gc looks at the store itself
+        stuck = {}  # leftovers it could not remove: raised once retention ran too
         if _distributed.is_primary() or self._book.per_host:
-            _housekeeping.remove_unfinished(self._loc)
-        return self._retainer.run_now()
+            stuck = _housekeeping.remove_unfinished(self._loc)
+        removed = self._retainer.run_now()
+        _housekeeping.raise_stuck(self._loc, stuck)
+        return removed
 
     @_distributed.collective_method("manager-restore", stall="_stall_s", scope="_scope")
     def restore(

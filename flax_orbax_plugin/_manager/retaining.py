@@ -12,7 +12,10 @@ and one waits, and a commit that finds a pass waiting joins it (a pass recompute
 goes from the step list, so passes coalesce; the waiting pass protects the newest step
 it was asked for). A step whose removal fails stays listed and is tried again by the next
 pass; a failure still standing once the queue is drained is raised by ``wait`` (the
-manager's ``wait`` and ``close``), never dropped. On object stores a removal keeps many
+manager's ``wait`` and ``close``), never dropped. A step that left the listing (renamed
+to ``<step>.deleting-*``) but whose files could not be removed is gone as a step
+(``StepsRemoved`` names it) and its remains' error is raised the same way; the next
+writer's open or ``gc`` removes them. On object stores a removal keeps many
 deletes in flight, none while the training thread is in a save, and only
 :data:`WHILE_SAVING` while its background write runs: the save's requests never queue
 behind ours (``benchmarks/bench_deletion.py``).
@@ -142,9 +145,8 @@ class RetentionRunner:
             failed, self._failed = dict(self._failed), {}
         if failed:
             raise CheckpointError(
-                f"retention failed in {self._loc} (the steps are kept and listed; the next "
-                "retention pass or gc() tries again): "
-                + "; ".join(f"{what}: {why}" for what, why in sorted(failed.items()))
+                f"retention failed in {self._loc} (the next retention pass or gc() tries "
+                "again): " + "; ".join(f"{what}: {why}" for what, why in sorted(failed.items()))
             )
 
     def shutdown(self) -> None:
@@ -233,11 +235,19 @@ class RetentionRunner:
         return removed
 
     def _remove(self, step: int) -> bool:
-        """Removes one doomed step; False when it is being read or its removal failed."""
+        """Removes one doomed step; False when it is being read or its removal failed
+        (kept and listed). A step that left the listing but whose files could not go is
+        removed as a step (True), and its remains' error is kept for ``wait``."""
         if not self._book.begin_delete(step):
             return False
         try:
             _ownership.remove_step(self._loc, step, pace=self._pace)
+        except _ownership.RemainsLeftError as e:  # no longer a step; its files stay
+            logger.warning("retention: %s", e)
+            self._book.removed(step)
+            with self._lock:
+                self._failed[f"step {step}"] = str(e).removeprefix(f"step {step} ")
+            return True
         except Exception as e:  # noqa: BLE001  (kept for wait(): never dropped)
             if not _steps.step_location(self._loc, step).is_dir():  # removed by someone else
                 logger.info("retention: step %d of %s is already gone", step, self._loc)
@@ -245,7 +255,7 @@ class RetentionRunner:
                 return False
             logger.warning("retention: cannot delete step %d of %s: %s", step, self._loc, e)
             with self._lock:
-                self._failed[f"step {step}"] = f"{type(e).__name__}: {e}"
+                self._failed[f"step {step}"] = f"{type(e).__name__}: {e} (kept and listed)"
             return False
         finally:
             self._book.end_delete(step)

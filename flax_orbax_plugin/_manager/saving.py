@@ -208,10 +208,10 @@ class Saver:
         return local
 
     def _check_slot(self, step: int, *, replace: bool) -> None:
-        """Refuses a step whose name a foreign entry holds, or that holds what we did not
-        write (``replace``); clears a dead save's remains (agreed: ``prepare_slot``)."""
-        slot = _steps.step_location(self._loc, step)
-        _ownership.prepare_slot(slot, what=f"step {step}", replace=replace, clear=not replace)
+        """Refuses a step whose name a foreign entry holds (an empty folder too), or that
+        holds what we did not write (``replace``); clears a dead save's remains (agreed)."""
+        at, what = _steps.step_location(self._loc, step), f"step {step}"
+        _ownership.prepare_slot(at, what=what, replace=replace, clear=not replace, take_empty=False)
 
     def reserve(self, like: Any) -> int:
         """Sizes the manager's host buffers for one save of a state like ``like`` (the

@@ -155,7 +155,23 @@ def read_file(root: str, name: str, max_bytes: int | None) -> bytes | None:
 
 
 def write_file(root: str, name: str, data: bytes, *, durable: bool = True) -> None:
+    """Writes ``root/name`` whole (a temporary name, then a rename), never through a
+    link; an OSError names the file it was writing (EFBIG, ENOSPC, EACCES ...)."""
     _env.fail_point("write_small")
+    try:
+        _write_file(root, name, data, durable=durable)
+    except OSError as e:
+        if e.errno is None:
+            raise
+        where = os.path.join(root, name)
+        text = f"writing {where} failed: {e.strerror}"
+        other = e.filename if isinstance(e.filename, str) and os.path.isabs(e.filename) else None
+        if other is None or other == where:
+            raise OSError(e.errno, text) from e
+        raise OSError(e.errno, text, other) from e  # where on the way it failed
+
+
+def _write_file(root: str, name: str, data: bytes, *, durable: bool) -> None:
     parts = name.split("/")
     os.makedirs(root, exist_ok=True)
     dfd = open_dirs(root, parts[:-1], create=True)

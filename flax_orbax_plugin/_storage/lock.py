@@ -70,9 +70,11 @@ class DirectoryLock:
             self._check_own_file(fd)
             os.ftruncate(fd, 0)
             os.pwrite(fd, _holder_text().encode(), 0)
-        except BaseException:
+        except BaseException as e:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+            if isinstance(e, OSError) and e.errno is not None and not e.filename:
+                raise OSError(e.errno, f"writing {self.path} failed: {e.strerror}") from e
             raise
         self._fd = fd
 

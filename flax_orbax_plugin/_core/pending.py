@@ -1,0 +1,151 @@
+"""The pending marker (``_PENDING.json``, FORMAT.md): what it says, where it is found,
+and whether the writer it names is gone.
+
+A writer puts the marker first into every place it stages or is about to remove and
+deletes it last (``_core.ownership``), so the remains of a save or removal that died
+are proven ours by it. The marker is itself written through a temporary file
+(``_PENDING.json.tmp-<hex>``, then a rename): a writer killed between the two leaves
+the temporary file alone, and its content, our marker naming the dead writer, proves
+the place ours just as well (:func:`read`).
+
+A place whose marker names no writer (it is gone: a removal that was cut short
+between its rename and its marker, a commit between its marker's deletion and its
+rename) is dead once nothing changed there for :data:`QUIET_SECONDS`
+(:func:`abandoned`): a live writer holds such a place for a few system calls only.
+
+Threading: stateless; any function may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import stat
+import time
+
+from .._errors import CheckpointError
+from .._format.layout import COMMIT_FILE, MANIFEST_FILE, PENDING_FILE
+from .._storage import json_docs as _docs
+from .._storage.location import Location
+
+LIBRARY = "flax_orbax_plugin"
+# The temporary file ``_storage.local_files.write_file`` writes a marker through.
+TMP_RE = re.compile(rf"^{re.escape(PENDING_FILE)}\.tmp-[0-9a-f]{{1,64}}$", re.ASCII)
+# A place without a marker, unchanged this long, has no live writer (module docstring).
+QUIET_SECONDS = 30.0
+
+
+def marker_bytes(nonce: str, keep: list[str] | tuple[str, ...] = ()) -> bytes:
+    """The pending marker: ours, with the writer (host name and process id) that lets a
+    later save or ``gc`` tell a save that died from one still running; ``keep``: what
+    a removal leaves (entries this library did not write)."""
+    doc = {"library": LIBRARY, "kind": "pending", "nonce": nonce}
+    doc.update(host=socket.gethostname(), pid=os.getpid())
+    if keep:
+        doc["keep"] = list(keep)
+    return json.dumps(doc).encode()
+
+
+def is_marker(raw: bytes | None) -> bool:
+    """True when ``raw`` is our pending marker (parsed within its limits)."""
+    if raw is None:
+        return False
+    try:
+        doc = _docs.parse(raw, PENDING_FILE, _docs.PENDING_MARKER)
+    except CheckpointError:
+        return False
+    return isinstance(doc, dict) and doc.get("library") == LIBRARY and doc.get("kind") == "pending"
+
+
+def keeps(raw: bytes | None) -> list[str]:
+    """What a removal recorded in the pending marker ``raw`` that it leaves."""
+    keep = json.loads(raw).get("keep") if is_marker(raw) else None
+    return keep if isinstance(keep, list) and all(isinstance(k, str) for k in keep) else []
+
+
+def writer_of(raw: bytes | None) -> tuple[str, int] | None:
+    """The writer a pending marker names (host, pid), or None where it names none that
+    can be trusted (an older marker, a damaged or foreign one)."""
+    if not is_marker(raw):
+        return None
+    doc = json.loads(raw)
+    host, pid = doc.get("host"), doc.get("pid")
+    if not isinstance(host, str) or not 0 < len(host) <= 255:
+        return None
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31:
+        return None
+    return host, pid
+
+
+def temporary_markers(loc: Location) -> list[str]:
+    """Local only: the names of the temporary files at the top of ``loc`` that hold our
+    pending marker (a marker's write cut short); none elsewhere."""
+    if not loc.is_local:
+        return []
+    try:
+        kinds = loc.child_kinds()
+    except OSError:
+        return []
+    names = sorted(n for n, kind in kinds.items() if kind == "file" and TMP_RE.match(n))
+    return [n for n in names if is_marker(_read_quietly(loc, n))]
+
+
+def read(loc: Location) -> bytes | None:
+    """The pending marker of ``loc``: ``_PENDING.json``, else (local disk) the content
+    of a temporary file holding our marker; None when there is neither."""
+    raw = loc.read_bytes(PENDING_FILE)
+    if raw is not None:
+        return raw
+    found = temporary_markers(loc)
+    return _read_quietly(loc, found[-1]) if found else None
+
+
+def _read_quietly(loc: Location, name: str) -> bytes | None:
+    try:
+        return loc.read_bytes(name, max_bytes=_docs.PENDING_MARKER.max_bytes)
+    except (CheckpointError, OSError):
+        return None  # a link, a FIFO, gone meanwhile: not our marker
+
+
+def writer_gone(loc: Location) -> bool:
+    """True when ``loc`` carries our pending marker and the process that wrote it ran on
+    this host and is no longer alive: a save (or removal) that was killed or interrupted
+    before it could clean up, and that nobody is still writing. False whenever that is
+    not certain (another host, this very process, a marker naming no writer)."""
+    try:
+        writer = writer_of(read(loc))
+    except CheckpointError:
+        return False  # a link or a FIFO where our marker would be: not ours
+    if writer is None or writer[0] != socket.gethostname() or writer[1] == os.getpid():
+        return False
+    try:
+        os.kill(writer[1], 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
+def abandoned(loc: Location) -> bool:
+    """Local only: True when ``loc`` (a real directory) holds no pending marker, is
+    empty or holds a commit record (``_COMMITTED``, ``_CHECKPOINT.json``), and nothing
+    in it changed for :data:`QUIET_SECONDS` (the status change time of the directory
+    itself counts: a rename sets it). Such a place is left by a writer killed in one of
+    the short moments when nothing names it: a live one moves on within moments."""
+    if not loc.is_local:
+        return False
+    path = loc.path.rstrip("/")
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or read(loc) is not None:
+            return False
+        names = os.listdir(path)
+    except (OSError, CheckpointError):
+        return False
+    if names and COMMIT_FILE not in names and MANIFEST_FILE not in names:
+        return False
+    changed = max(st.st_ctime, loc.newest_mtime())
+    return time.time() - changed > QUIET_SECONDS
