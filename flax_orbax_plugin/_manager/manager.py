@@ -274,9 +274,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         self._check_writable()
         self.wait()
         self._book.forget()  # gc looks at the store itself
-        stuck = {}  # leftovers it could not remove: raised once retention ran too
-        if _distributed.is_primary() or self._book.per_host:
-            stuck = _housekeeping.remove_unfinished(self._loc)
+        ours = _distributed.is_primary() or self._book.per_host  # stuck: raised after retention
+        stuck = _housekeeping.remove_unfinished(self._loc) if ours else {}
         removed = self._retainer.run_now()
         _housekeeping.raise_stuck(self._loc, stuck)
         return removed
