@@ -7,6 +7,7 @@ checkpoint's leaves is ``surgery.apply``'s. Threading: immutable; any thread.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,17 @@ def _need(op: Any, name: str, ok: bool, expected: str, found: Any) -> None:
 
 
 def _need_axis(op: Any, axis: Any) -> None:
-    _need(op, "axis", isinstance(axis, int) and not isinstance(axis, bool), "an int", axis)
+    """An int (numpy's too, kept as Python's int on ``op``)."""
+    ok = hasattr(axis, "__index__") and type(axis).__name__ not in ("bool", "bool_")
+    _need(op, "axis", ok, "an int", axis)
+    object.__setattr__(op, "axis", operator.index(axis))
+
+
+def _need_distinct(op: Any, name: str, paths: tuple[str, ...]) -> None:
+    """Each path once (a leaf fused twice read once, then was missing the second time)."""
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    where = f" ({twice[0]!r} is there twice)" if twice else ""
+    _need(op, name, not twice, "distinct leaf paths" + where, list(paths))
 
 
 def _need_prefix_pair(op: Any, a: str, b: str, names: tuple[str, str]) -> None:
@@ -61,6 +72,7 @@ class Stack:
             ok = isinstance(srcs, (list, tuple)) and srcs and all(map(_is_path, srcs))
             _need(self, "sources", bool(ok), "a pattern with {i} or a list of paths", srcs)
             object.__setattr__(self, "sources", tuple(srcs))
+            _need_distinct(self, "sources", self.sources)
         _need_axis(self, self.axis)
 
 
@@ -96,6 +108,7 @@ class Fuse:
         ok = isinstance(srcs, (list, tuple)) and len(srcs) >= 1 and all(map(_is_path, srcs))
         _need(self, "sources", bool(ok), "a list of leaf paths", srcs)
         object.__setattr__(self, "sources", tuple(srcs))
+        _need_distinct(self, "sources", self.sources)
         _need_axis(self, self.axis)
 
 
@@ -115,6 +128,7 @@ class Split:
         ok = isinstance(tgts, (list, tuple)) and len(tgts) >= 1 and all(map(_is_path, tgts))
         _need(self, "targets", bool(ok), "a list of leaf paths", tgts)
         object.__setattr__(self, "targets", tuple(tgts))
+        _need_distinct(self, "targets", self.targets)
         _need_axis(self, self.axis)
         if self.sizes is not None:
             sizes = self.sizes

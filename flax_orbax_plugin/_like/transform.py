@@ -180,6 +180,16 @@ def match(
     reaches is a difference unless ``"unsafe"``).
     """
     problems = list(problems or ())
+    if [p for p, _, _ in flat] == ["<root>"] and "<root>" not in records and records:
+        leaf = flat[0][2]  # like=object(), like=5: no tree at all, while the checkpoint is one
+        raise mismatch(
+            [
+                f"like is one leaf ({type(leaf).__name__} {leaf!r:.60}), not a tree: the "
+                f"checkpoint holds {len(records)} leaf(s) ({sorted(records)[:3]}); "
+                f"give like the saved structure (fop.metadata(path) lists it), or like=None"
+            ],
+            where,
+        )
     casts: list[str] = []  # dtypes no checked cast reaches
     out: list[Any] = []
     wanted = set()

@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from .._base.option_spec import Option
+from .._errors import OptionTypeError
+
 __all__ = ["StepIndexedIterator"]
 
 
@@ -50,12 +53,16 @@ class StepIndexedIterator:
         num_epochs: int | None = None,
     ):
         if (make_batch is None) == (make_epoch is None):
-            raise TypeError("StepIndexedIterator needs exactly one of make_batch or make_epoch")
+            raise OptionTypeError(
+                "StepIndexedIterator needs exactly one of make_batch or make_epoch"
+            )
         if make_batch is not None and (steps_per_epoch is not None or num_epochs is not None):
-            raise TypeError("steps_per_epoch and num_epochs belong to the make_epoch form")
-        for name, value in (("steps_per_epoch", steps_per_epoch), ("num_epochs", num_epochs)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, found {value!r}")
+            raise OptionTypeError("steps_per_epoch and num_epochs belong to the make_epoch form")
+        for name, fn in (("make_batch", make_batch), ("make_epoch", make_epoch)):
+            Option(name, "callable", none_ok=True).check(fn)
+        count = {"kind": "int", "none_ok": True, "low": 1}
+        steps_per_epoch = Option("steps_per_epoch", **count).check(steps_per_epoch)
+        num_epochs = Option("num_epochs", **count).check(num_epochs)
         self._make_batch = make_batch
         self._make_epoch = make_epoch
         self._steps_per_epoch = steps_per_epoch

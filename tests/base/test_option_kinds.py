@@ -102,3 +102,19 @@ def test_manager_inputs_are_the_librarys_errors(tmp_path):
     for nested in (tmp_path / "run" / "up", tmp_path):
         with pytest.raises(fop.OptionError, match="nested with the local directory"):
             fop.CheckpointManager(tmp_path / "run", persistent=str(nested))
+
+
+def test_tree_and_surgery_inputs_are_named(tmp_path):
+    fop.save(tmp_path / "ck", {"x": np.ones(3)})
+    for like in (object(), 5):  # said "leaf '<root>': expected by like, found no such key"
+        with pytest.raises(fop.StructureError, match=r"like is one leaf .*not a tree.*\['x'\]"):
+            fop.restore(tmp_path / "ck", like=like)
+    with pytest.raises(fop.TransformError, match=r"sources must be distinct.*'b' is there twice"):
+        fop.Fuse("f", ["b", "b"], 0)  # restore said 'b' was missing (the first use took it)
+    with pytest.raises(fop.TransformError, match=r"targets must be distinct"):
+        fop.Split("a", ["b", "b"], 0)
+    assert type(fop.Split("a", ["b", "c"], axis=np.int64(1)).axis) is int
+    with pytest.raises(fop.OptionTypeError, match=r"make_batch must be a callable"):
+        fop.StepIndexedIterator(5)  # it failed at next(): 'int' object is not callable
+    it = fop.StepIndexedIterator(make_epoch=lambda e: [e], num_epochs=np.int64(2))
+    assert list(it) == [0, 1]
