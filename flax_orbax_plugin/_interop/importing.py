@@ -249,7 +249,9 @@ def import_orbax(
     then the save's own host snapshot). Returns the steps written. Items map as
     :func:`step_items` says. ``progress``: as :func:`save_steps`'s.
     """
-    _option_table.check_import(step=step, force=force, format_version=format_version)
+    _option_table.check_import(
+        step=step, force=force, format_version=format_version, progress=progress
+    )
     refuse_inside_source(src, out_dir)
     targets = orbax_steps_to_import(src, step)
 
@@ -299,7 +301,9 @@ def import_msgpack(
     items (``params``, ``opt_state``, ``step`` ...), any other tree is saved as
     ``params``. Returns the steps written. ``progress``: as :func:`save_steps`'s.
     """
-    _option_table.check_import(step=step, force=force, format_version=format_version)
+    _option_table.check_import(
+        step=step, force=force, format_version=format_version, progress=progress
+    )
     refuse_inside_source(src, out_dir)
     numbered = msgpack_reader.files_to_import(src, step)
 

@@ -391,10 +391,10 @@ IMPORT: tuple[Option, ...] = (
     STEP_OR_NONE,
     Option("force", "flag"),
     Option("format_version", "choice", choices=(1, 2), none_ok=True),
+    Option("progress", "callable", none_ok=True),
 )
 """The keyword options of ``fop.import_orbax`` / ``fop.import_msgpack``."""
 
 
-def check_import(**options: Any) -> dict[str, Any]:
-    """An importer's options checked (before its source is read)."""
+def check_import(**options: Any) -> dict[str, Any]:  # an importer's, before it reads
     return check(IMPORT, options)

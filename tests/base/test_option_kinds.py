@@ -118,3 +118,10 @@ def test_tree_and_surgery_inputs_are_named(tmp_path):
         fop.StepIndexedIterator(5)  # it failed at next(): 'int' object is not callable
     it = fop.StepIndexedIterator(make_epoch=lambda e: [e], num_epochs=np.int64(2))
     assert list(it) == [0, 1]
+
+
+def test_an_importers_progress_is_checked_before_it_reads(tmp_path):
+    """Before: 'int' object is not callable, from inside the import."""
+    for importer in (fop.import_msgpack, fop.import_orbax):
+        with pytest.raises(fop.OptionTypeError, match=r"^progress must be a callable or None"):
+            importer(tmp_path / "missing", tmp_path / "out", progress=5)
