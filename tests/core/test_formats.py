@@ -48,7 +48,7 @@ def test_each_version_has_its_format_owning_both_directions(tmp_path, version):
 
 @pytest.mark.parametrize("bad", [0, 3, True, "2", None], ids=["0", "3", "True", "str", "None"])
 def test_a_version_no_format_writes_is_refused(bad):
-    with pytest.raises(ValueError, match=r"format_version: expected one of \[1, 2\]"):
+    with pytest.raises(fop.OptionError, match=r"format_version must be one of 1, 2"):
         _formats.check_version(bad)
     if bad is not None:  # None: the item takes the request's format
         with pytest.raises(ValueError, match="format_version"):
