@@ -20,18 +20,22 @@ def _cli(*args) -> list[str]:
     return [sys.executable, "-m", "flax_orbax_plugin", *map(str, args)]
 
 
-def _run_with_closed_stdout(*args) -> tuple[int, str]:
-    """Runs the command with a stdout pipe its reader has already closed: every write
-    meets EPIPE (as ``| head -1`` once head is done)."""
-    read, write = os.pipe()
-    os.close(read)
-    try:
-        proc = subprocess.run(
-            _cli(*args), stdout=write, stderr=subprocess.PIPE, env=_proc.child_env(), timeout=120
-        )
-    finally:
-        os.close(write)
-    return proc.returncode, proc.stderr.decode()
+def _run_with_closed_stdout(*commands: tuple) -> list[tuple[int, str]]:
+    """Runs the commands side by side, each with a stdout pipe its reader has already
+    closed: every write meets EPIPE (as ``| head -1`` once head is done)."""
+    procs = []
+    for args in commands:
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            procs.append(
+                subprocess.Popen(
+                    _cli(*args), stdout=write, stderr=subprocess.PIPE, env=_proc.child_env()
+                )
+            )
+        finally:
+            os.close(write)
+    return [(p.wait(timeout=120), p.stderr.read().decode()) for p in procs]
 
 
 def test_a_closed_pipe_costs_neither_the_work_nor_the_exit_status(tmp_path):
@@ -39,14 +43,14 @@ def test_a_closed_pipe_costs_neither_the_work_nor_the_exit_status(tmp_path):
     with fop.CheckpointManager(run, async_save=False) as m:
         for step in range(1, 6):
             m.save(step, {"params": {"w": np.full(3, step, np.float32)}})
-    for command in ("list", "inspect", "verify"):
-        code, err = _run_with_closed_stdout(command, run)
+    reads = [(command, run) for command in ("list", "inspect", "verify")]
+    for (command, _), (code, err) in zip(reads, _run_with_closed_stdout(*reads), strict=True):
         assert code == 0 and "Broken pipe" not in err, (command, code, err)
-    code, err = _run_with_closed_stdout("gc", run, "--keep", "2")
+    [(code, err)] = _run_with_closed_stdout(("gc", run, "--keep", "2"))
     assert code == 0 and "Broken pipe" not in err, err
     assert sorted(int(p.name) for p in run.iterdir() if p.name.isdigit()) == [4, 5]
     (run / "5" / "_CHECKPOINT.json").write_bytes(b"{}")  # damage still exits 1
-    code, err = _run_with_closed_stdout("verify", run, "--all")
+    [(code, err)] = _run_with_closed_stdout(("verify", run, "--all"))
     assert code == 1, err
 
 
@@ -105,16 +109,20 @@ def test_sigterm_while_the_commands_load_is_a_termination(tmp_path):
     (exit 2); SIGTERM acts as Ctrl-C does: 'terminated', exit 143, at any moment."""
     with fop.CheckpointManager(tmp_path / "run") as mngr:
         mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
+    procs = {}  # two commands side by side, signalled at two moments of their loading
     for delay in (0.4, 0.9):
-        proc = subprocess.Popen(
+        procs[delay] = subprocess.Popen(
             _cli("list", str(tmp_path / "run")),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=_proc.child_env(),
         )
-        time.sleep(delay)
+    started = time.monotonic()
+    for delay, proc in procs.items():
+        time.sleep(max(0.0, started + delay - time.monotonic()))
         proc.send_signal(signal.SIGTERM)
+    for delay, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 128 + signal.SIGTERM, (delay, proc.returncode, err[-2000:])
         assert err.strip().splitlines()[-1].startswith("flax-orbax list: terminated"), err
