@@ -18,12 +18,14 @@ from typing import Any
 import tensorstore as ts
 
 from .._base import tree as _tree
+from .._base.option_spec import flag
 from .._errors import (
     CheckpointError,
     CorruptCheckpointError,
     StructureError,
 )
 from .._format.foreign import ITEM_METADATA, is_step
+from .._format.steps import STEP_OR_NONE
 from .._like import onto_like as _onto_like
 from .._storage.kvstore import context
 from .._storage.location import Location
@@ -275,6 +277,8 @@ def restore_orbax(
     metadata), that tree's ``like`` (a TrainState): that tree is returned. Dtype
     changes must be lossless unless ``allow_cast``.
     """
+    step = STEP_OR_NONE.check(step)  # the options by their kinds, before anything is read
+    partial, allow_cast = flag("partial", partial), flag("allow_cast", allow_cast)
     loc = Location.from_path(path)
     _, items = open_orbax(loc, step=step)
     item = lone_item(loc, items)

@@ -125,3 +125,18 @@ def test_an_importers_progress_is_checked_before_it_reads(tmp_path):
     for importer in (fop.import_msgpack, fop.import_orbax):
         with pytest.raises(fop.OptionTypeError, match=r"^progress must be a callable or None"):
             importer(tmp_path / "missing", tmp_path / "out", progress=5)
+
+
+def test_restore_orbax_checks_its_options_by_kind(tmp_path):
+    """Before: allow_cast=1 was a yes, and step='x' said 'no finalized Orbax step x'."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, args=ocp.args.StandardSave({"w": np.ones(3, np.float32)}))
+        mngr.wait_until_finished()
+    with pytest.raises(fop.OptionTypeError, match=r"^allow_cast must be True or False"):
+        fop.restore_orbax(tmp_path / "run", allow_cast=1)
+    with pytest.raises(fop.OptionTypeError, match=r"^step must be"):
+        fop.restore_orbax(tmp_path / "run", step="x")
+    got = fop.restore_orbax(tmp_path / "run", step=np.int64(1), partial=np.False_)
+    np.testing.assert_array_equal(got["default"]["w"], np.ones(3, np.float32))
