@@ -161,6 +161,28 @@ class DirectoryLock:
         return True
 
 
+def live_holder(directory: str) -> str | None:
+    """Who holds the writer lock of the local ``directory`` now (what its file says of
+    them), or None: nobody. Reads only: nothing is created, and a shared lock is taken
+    and let go at once (a writer's exclusive one refuses it). A lock file that is a link
+    or no regular file is nobody's (the writer refuses it)."""
+    path = os.path.join(directory, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+
+
 def _holder_text() -> str:
     """What the lock file says of its holder (for messages only, never trusted)."""
     return f"pid {os.getpid()} on {socket.gethostname()}"

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from typing import Any
 
 from .._core import removing as _removing
@@ -34,6 +35,7 @@ from .._interop.safetensors import DTYPE_NAMES as _SAFETENSORS_DTYPES
 from .._like.casting import with_advice
 from .._manager.manager import CheckpointManager
 from .._storage.location import Location
+from .._storage.lock import live_holder
 from . import json_output, plot
 from .display import byte_progress, make_table, status
 from .gc_plan import plan as gc_plan
@@ -297,6 +299,13 @@ def cmd_gc(args) -> int:
     if args.dry_run or idle:
         removed_unfinished, removed, kept = found.unfinished, found.steps, found.kept
         left = found.left_alone
+        holder = live_holder(loc.path) if args.dry_run and loc.is_local else None
+        if holder is not None:  # a real gc would refuse; its staging is not to remove
+            warnings.warn(
+                f"a training job writes to {loc} now ({holder}): a real gc would refuse "
+                f"until it stops, and the unfinished entries listed may be its saves in flight",
+                stacklevel=1,
+            )
     else:
         before = _steps.list_directory(loc)
         # Opening a writer takes the directory's lock (refused while a training job

@@ -4,6 +4,8 @@ gc removes only this library's steps; a folder of other things stays "nothing to
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
@@ -45,3 +47,24 @@ def test_gc_of_a_folder_of_other_things_has_nothing_to_do(capsys, tmp_path):
     rc, out, _ = _gc(capsys, folder)
     assert rc == 0 and "removed unfinished: none" in out
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_3", "model.pt"]
+
+
+def test_a_dry_run_beside_a_live_writer_says_a_real_gc_would_refuse(capsys, tmp_path):
+    """It listed the live save's staging as 'would remove unfinished', without a word."""
+    import warnings
+
+    import flax_orbax_plugin as fop
+
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, {"params": {"w": np.ones(3)}})
+        mngr.wait()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            rc, out, _ = _gc(capsys, tmp_path / "run", "--dry-run")
+        assert rc == 0 and "dry run: nothing was removed" in out
+        said = [str(w.message) for w in seen]
+        assert any("a real gc would refuse" in m and f"pid {os.getpid()}" in m for m in said)
+    with warnings.catch_warnings(record=True) as seen:  # closed: nothing to say
+        warnings.simplefilter("always")
+        _gc(capsys, tmp_path / "run", "--dry-run")
+    assert not any("a real gc would refuse" in str(w.message) for w in seen)
