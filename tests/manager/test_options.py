@@ -176,7 +176,7 @@ MANAGER_CASES = [
     ("persistent_grace_seconds", -1, _p, "a number of seconds >= 0"),
     ("persistent_grace_seconds", NAN, _p, "found float nan"),
     ("persistent_grace_seconds", 1e300, _p, "found float 1e+300"),
-    ("persistent_lease_seconds", 0, _p, "a number of seconds > 0"),
+    ("persistent_lease_seconds", 0, _p, "a number of seconds >= 1"),
     ("persistent_lease_seconds", NAN, _p, "found float nan"),
     ("persistent_lease_seconds", 1e30, _p, "<= 3.16224e+07, found float 1e+30"),
     ("persistent_lease_seconds", "60", _p, "found str '60'"),
