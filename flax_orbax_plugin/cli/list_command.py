@@ -115,9 +115,10 @@ def _step_record(loc: Location, step: int, *, step_loc: Location | None = None) 
     out: dict[str, Any] = {"step": step, "size_bytes": dir_bytes(step_loc), "_time": None}
     try:
         manifest = _steps.read_manifest(step_loc)
-    except CheckpointError as e:
+        extras = load_extras(step_loc)
+    except (CheckpointError, OSError) as e:  # OSError: unreadable here (not checked)
         out.update(bytes_written=None, bytes_reused=None, saved_at=None, items=[], metrics={})
-        return {**out, "damaged": one_line(e)}
+        return {**out, "damaged": _why(e)}
     return {
         **out,
         "bytes_written": manifest.bytes_written,
@@ -125,9 +126,14 @@ def _step_record(loc: Location, step: int, *, step_loc: Location | None = None) 
         "saved_at": iso_time(manifest.time),
         "_time": manifest.time,
         "items": sorted(manifest.items),
-        "metrics": json_output.finite_metrics(load_extras(step_loc)),
+        "metrics": json_output.finite_metrics(extras),
         "damaged": None,
     }
+
+
+def _why(e: BaseException) -> str:
+    """A step that cannot be listed: damage, or a file this process cannot read."""
+    return one_line(e) if isinstance(e, CheckpointError) else f"cannot be read: {one_line(e)}"
 
 
 def _list_row(loc: Location, step: int, *, step_loc: Location | None = None) -> _ListRow:
@@ -135,12 +141,12 @@ def _list_row(loc: Location, step: int, *, step_loc: Location | None = None) -> 
     size = dir_bytes(step_loc)
     try:
         manifest = _steps.read_manifest(step_loc)
-    except CheckpointError as e:
-        return _ListRow(str(step), "?", "?", "?", "?", f"DAMAGED: {one_line(e)}", "-")
+        extras = load_extras(step_loc)
+    except (CheckpointError, OSError) as e:
+        what = "DAMAGED: " if isinstance(e, CheckpointError) else ""
+        return _ListRow(str(step), "?", "?", "?", "?", f"{what}{_why(e)}", "-")
     metrics = {
-        k: v
-        for k, v in load_extras(step_loc).items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool)
+        k: v for k, v in extras.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
     }
     return _ListRow(
         step=str(step),

@@ -1,0 +1,49 @@
+"""A step whose files this process may not read: `list` lists every other step and says
+which one it cannot read (it printed the header, then failed with exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import _paths
+import numpy as np
+import pytest
+
+import flax_orbax_plugin as fop
+
+
+def _as_a_user(*args) -> subprocess.CompletedProcess:
+    """The command, with the permissions of files holding (root drops the capability
+    that ignores them)."""
+    command = [sys.executable, "-m", "flax_orbax_plugin", *map(str, args)]
+    if os.geteuid() == 0:
+        drop = "-dac_override,-dac_read_search,-fowner"
+        command = ["setpriv", "--inh-caps", drop, "--bounding-set", drop, *command]
+    env = dict(os.environ, PYTHONPATH=_paths.REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_list_names_the_step_it_cannot_read_and_lists_the_others(tmp_path):
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: nothing can be made unreadable")
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        for step in (1, 2, 3):
+            mngr.save(step, {"params": {"w": np.ones(3)}})
+    manifest = tmp_path / "run" / "2" / "_CHECKPOINT.json"
+    manifest.chmod(0)
+    try:
+        table = _as_a_user("list", tmp_path / "run")
+        doc = _as_a_user("list", tmp_path / "run", "--json")
+    finally:
+        manifest.chmod(0o644)
+    assert table.returncode == 0, table.stderr
+    rows = {line.split("|")[1].strip(): line for line in table.stdout.splitlines()[3:]}
+    assert set(rows) == {"1", "2", "3"}, table.stdout
+    assert "cannot be read" in rows["2"] and "Permission denied" in rows["2"]
+    assert "DAMAGED" not in rows["2"] and "params" in rows["3"]
+    steps = {s["step"]: s for s in json.loads(doc.stdout)["steps"]}
+    assert steps[2]["damaged"].startswith("cannot be read") and steps[3]["damaged"] is None
