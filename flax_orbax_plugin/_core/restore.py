@@ -30,6 +30,7 @@ from .._errors import StructureError, TransformError
 from .._format import layout as _layout
 from .._format import metadata as _metadata
 from .._format.documents import read_document
+from .._like import retarget as _retarget
 from .._like import surgery as _surgery
 from .._like import transform as _transform
 from .._storage.location import Location
@@ -113,6 +114,7 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
 
 
 def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
+    like = _retarget.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
     if not request.own_copy and _regions.current_region() is not None:  # a collective read
         agree_on_read(location, like, request)  # the same on every process, before a byte
     opts = request.changes

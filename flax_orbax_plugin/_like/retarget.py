@@ -78,3 +78,47 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
                 f"leaf {path!r}: sharding {sh} cannot hold its shape {tuple(leaf.shape)}: {e}"
             ) from None
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def concrete(tree: Any, *, option: str | None = None) -> Any:
+    """``tree`` (a like, or a pytree of shardings) with every sharding on an
+    ``AbstractMesh`` (``nnx.eval_shape`` under ``jax.set_mesh`` gives these) put on the
+    concrete mesh of the ``jax.set_mesh`` around the call; a StructureError naming the
+    leaf where there is none of that shape (an abstract mesh names no devices to read
+    onto; ``option``: the option ``tree`` is, named instead). ``tree`` itself when it
+    holds no abstract sharding (the common case)."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if not any(_abstract_mesh(leaf) for _, leaf in with_paths):
+        return tree
+    out = []
+    for keypath, leaf in with_paths:
+        if _abstract_mesh(leaf):
+            path = path_string([encode_key(k) for k in keypath])
+            where = f"leaf {path!r}" if option is None else f"{option} ({path})"
+            leaf = _on_concrete(leaf, where.replace(" (<root>)", ""))
+        out.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _sharding_of(leaf: Any) -> Any:
+    return leaf if isinstance(leaf, jax.sharding.Sharding) else getattr(leaf, "sharding", None)
+
+
+def _abstract_mesh(leaf: Any) -> bool:
+    return isinstance(getattr(_sharding_of(leaf), "mesh", None), jax.sharding.AbstractMesh)
+
+
+def _on_concrete(leaf: Any, where: str) -> Any:
+    sharding = _sharding_of(leaf)
+    mesh = jax.sharding.get_mesh()  # the concrete mesh of `with jax.set_mesh(...)`, if any
+    if mesh.empty or mesh.shape_tuple != sharding.mesh.shape_tuple:
+        raise StructureError(
+            f"{where}: its sharding is on an abstract mesh {dict(sharding.mesh.shape)} "
+            f"(nnx.eval_shape under jax.set_mesh gives these), which names no devices to "
+            f"read onto: restore inside `with jax.set_mesh(mesh):` with that mesh, or give "
+            f"NamedSharding(mesh, spec) on a concrete jax.sharding.Mesh"
+        )
+    placed = jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+    if isinstance(leaf, jax.sharding.Sharding):
+        return placed
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placed)

@@ -22,6 +22,7 @@ from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    OptionError,
     OptionTypeError,
     StructureError,
 )
@@ -32,7 +33,7 @@ from .._interop.orbax_params import restore_orbax_params
 from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
 from .._like import transform as _transform
-from .._like.retarget import checked_dtype, retarget
+from .._like.retarget import checked_dtype, concrete, retarget
 from .._state.train_state import holds_nnx_objects, nnx_state_as_dict, split_state
 from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
@@ -110,6 +111,9 @@ def restore_params(
             f"sharding: expected one jax Sharding or a pytree of them, found "
             f"{type(sharding).__name__} {sharding!r:.60}"
         )
+    sharding = concrete(
+        sharding, option="sharding"
+    )  # on an AbstractMesh: onto set_mesh's mesh, or refused
     loc = Location.from_path(directory)
     steps = _steps.committed_steps(loc)
     if step is None and _spans(directory, like, sharding=sharding):
@@ -131,6 +135,11 @@ def restore_params(
     params_loc = step_loc.child(entry.dir)
     target = _params_like(like)
     if target is None and (dtype is not None or sharding is not None):
+        if dry_run:  # the plan places leaves where like says: it read them all instead
+            raise OptionError(
+                "dry_run=True with dtype= or sharding= needs like= (the plan says where "
+                "each leaf lands): give like=jax.eval_shape(...), or leave them out"
+            )
         return _host_then_placed(params_loc, dtype, sharding, changes, cast)
     target, back = nnx_state_as_dict(target)  # an nnx.State like: read as its pure dict
     if target is not None and (dtype is not None or sharding is not None):
