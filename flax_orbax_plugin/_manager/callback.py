@@ -9,27 +9,22 @@ Who calls what, in which order (all on the training thread)::
         cb.on_step_end(step, state)                       # after every step
     cb.on_train_end(state)                                # once; saves the last step, waits
 
-It also fits a CLU-style hooks list: give it ``state_fn`` (a callable returning the
-current state) and call ``cb(step, t=None)`` after each step, as CLU's
-``periodic_actions`` are called (``t``: the time; tests pass it in instead of sleeping).
-
+It fits a CLU-style hooks list too: give it ``state_fn`` (returning the current state)
+and call ``cb(step, t=None)`` after each step, as CLU's ``periodic_actions`` are called.
 The callback hands its policy options (``every_steps``, ``every_seconds``) to the
 :class:`CheckpointManager` it creates, which takes every save decision (once, shared
 by all processes) and owns the directory: retention, the writer lock, async writes,
 the commit. The final step is always saved by ``on_train_end``.
 
-No silent mixing of runs: ``resume=False`` on a directory that already holds steps
-raises (unless ``overwrite=True``, which removes them first); steps must increase;
-a ``step`` different from ``state.step`` is warned about once.
+No silent mixing of runs: ``resume=False`` on a directory holding steps raises (unless
+``overwrite=True``, which removes them); steps must increase (``state.step`` warned once).
 
-Each committed save is logged once, when it commits, on the ``flax_orbax_plugin``
-logger (at DEBUG with a ``writer`` or an ``on_event`` hook, which report it); with a
-``writer``, ``writer.write_scalars(step, {...})`` (CLU's metric-writer shape) also
-receives ``checkpoint/blocking_seconds``, ``checkpoint/total_seconds``,
-``checkpoint/bytes`` and ``checkpoint/gbytes_per_sec`` on the training thread. Every
-event of the manager (started, blocking done, committed, failed, restored, removed,
-with the committed files counted on the store) goes to ``on_event``:
-``on_event=fop.MetricWriterEvents(writer)`` writes them to a CLU metric writer.
+Each committed save is logged once on the ``flax_orbax_plugin`` logger (at DEBUG with
+a ``writer`` or an ``on_event`` hook, which report it); a ``writer`` (CLU's metric
+writer shape) gets ``writer.write_scalars(step, {"checkpoint/...": ...})`` on the
+training thread, and ``on_event`` every event of the manager
+(``fop.MetricWriterEvents(writer)`` writes them to a CLU metric writer). A writer's or
+hook's error is an ``EventHookError`` raised after the step is saved, as noted.
 """
 
 from __future__ import annotations
@@ -133,8 +128,7 @@ class CheckpointCallback:
         replay its data).
 
         ``partial``, ``missing``, ``transform`` and ``surgery`` resume into a changed
-        model, as in
-        :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
+        model, as in :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
         grew layers: the new ones keep their values from ``state``). Then reserves the
         manager's host buffers for saving the state (:meth:`CheckpointManager.reserve`).
         """
@@ -194,12 +188,8 @@ class CheckpointCallback:
             mngr.warn_data_replay()  # a resume that replays data
         latest = mngr.restored_step
         self.resumed_step = self._last_saved_step = self._last_step = latest
-        logger.info(
-            "checkpoint: resumed step %s from %s in %.3f s",
-            latest,
-            self.directory,
-            time.perf_counter() - t0,
-        )
+        took = time.perf_counter() - t0
+        logger.info("checkpoint: resumed step %s from %s in %.3f s", latest, self.directory, took)
         return restored
 
     def on_step_end(self, step: int, state: Any, *, t: float | None = None) -> bool:
@@ -325,22 +315,31 @@ class CheckpointCallback:
         self._finish_inflight(block=False)
         self._check_state_step(step, state)
         extras_fn = self._extras_fn
-        saved = self.manager.save(
-            step,
-            state,
-            data_iterator=self._data_iterator,
-            extras=(lambda: extras_fn(step, state)) if extras_fn else None,  # checked there
-            ignore_policy=ignore_policy,
-            t=t,
-        )
+        try:
+            saved = self.manager.save(
+                step,
+                state,
+                data_iterator=self._data_iterator,
+                extras=(lambda: extras_fn(step, state)) if extras_fn else None,  # checked there
+                ignore_policy=ignore_policy,
+                t=t,
+            )
+        except EventHookError as e:  # an earlier event's hook: this step may be saved
+            if getattr(e, "saved_step", None) == step:
+                self._saved(step)
+            raise
         if saved:
-            self._finish_inflight(block=True)  # the previous save: committed by now
-            self._last_saved_step = step
-            self._inflight = step
-            self._inflight_handle = self.manager.pending_save  # None: already committed
-            if not self.async_save:
-                self._finish_inflight(block=True)
+            self._saved(step)
         return saved
+
+    def _saved(self, step: int) -> None:
+        previous, handle = self._inflight, self._inflight_handle  # the save before: reported
+        self._last_saved_step, self._inflight = step, step
+        self._inflight_handle = self.manager.pending_save  # None: already committed
+        if previous is not None:
+            self._finish(previous, handle)
+        if not self.async_save:
+            self._finish_inflight(block=True)
 
     def _check_state_step(self, step: int, state: Any) -> None:
         saved = _step_of(state, None)
@@ -357,22 +356,19 @@ class CheckpointCallback:
         self._finish_inflight(block=False)
 
     def _finish_inflight(self, *, block: bool) -> None:
-        """Reports the figures of the save in flight once it is committed.
-
-        With ``block`` False, returns at once if the save is still running. A save
-        that failed in the background raises here (through the manager) and reports
-        no figures. This process's own wait only, never the manager's collective
-        ``wait`` (a barrier, then retention): with several processes each one sees
-        its commit done at its own moment, and a barrier entered by one of them at
-        one step would hold it until the others poll, a step later or more; before a
-        save, waiting for the last one's commit is all that is needed.
-        """
+        """Reports the save in flight once committed (``block`` False: not yet, if it
+        runs); a background failure raises here (through the manager). This process's
+        own wait, never the manager's collective ``wait`` (a barrier one process entered
+        would hold it until the others poll, a step later or more)."""
         if self._inflight is None:
             return
         handle = self._inflight_handle
         if not block and handle is not None and not handle.done():
             return
         step, self._inflight, self._inflight_handle = self._inflight, None, None
+        self._finish(step, handle)
+
+    def _finish(self, step: int, handle: Any) -> None:
         if handle is None:  # a synchronous save: committed within manager.save
             figures = self.manager.last_save
         elif handle is self.manager.pending_save:
@@ -386,8 +382,12 @@ class CheckpointCallback:
         if figures is None or figures.step != step:
             return
         self.history.append(figures)
-        if self._writer is not None:
-            self._writer.write_scalars(step, figures.as_scalars())
+        try:
+            if self._writer is not None:
+                self._writer.write_scalars(step, figures.as_scalars())
+        except Exception as e:  # as an on_event hook's: the step is saved all the same
+            what = f"{type(e).__name__}: {e} on step {step} of {self.directory}"
+            raise EventHookError(f"writer.write_scalars raised {what} (saved all the same)") from e
 
 
 def _step_of(state: Any, default: int | None) -> int | None:

@@ -230,11 +230,15 @@ class Events:
         if kept is not None:
             raise kept
 
-    def raise_after_save(self) -> None:
-        """Training thread, as a save returns: :meth:`raise_error` with one process;
-        with several, nothing (:meth:`agree` raises it on every process: wait, close)."""
-        if _distributed.process_count() == 1:
-            self.raise_error()
+    def raise_after_save(self, step: int) -> None:
+        """Training thread, as a save of ``step`` returns: :meth:`raise_error` with one
+        process, the error's ``saved_step`` set to ``step`` (its caller learns that the
+        step is saved all the same); with several, nothing (:meth:`agree` raises it on
+        every process: wait, close)."""
+        kept = self._take() if _distributed.process_count() == 1 else None
+        if kept is not None:
+            kept.saved_step = step
+            raise kept
 
     def agree(self, kind: str, *, what: str) -> None:
         """Collective (every process meets: one key-value round, as a barrier): raises a

@@ -20,7 +20,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import host as _host
-from .._base.option_spec import flag, found
+from .._base.option_spec import Option, flag, found
 from .._core import ownership as _ownership
 from .._core.save import SaveHandle, SaveResult
 from .._errors import CheckpointError, OptionTypeError
@@ -185,7 +185,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
 
     @commit_log_level.setter
     def commit_log_level(self, level: int) -> None:
-        self._saver.log_level = level
+        self._saver.log_level = Option("commit_log_level", "int", low=0).check(level)
 
     def should_save(self, step: int, *, t: float | None = None) -> bool:
         """Whether the policy asks for ``step`` (this process's view; ``save`` shares the
@@ -265,7 +265,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         if stop:
             self._book.events.holding(self.close)  # a hook's error (logged) never stops it
             raise SystemExit(128 + signal.SIGTERM)
-        self._book.events.raise_after_save()  # a hook's, once this step is saved too
+        self._book.events.raise_after_save(step)  # a hook's, once this step is saved too
         return True
 
     def gc(self) -> list[int]:

@@ -63,7 +63,10 @@ def as_metric(value: Any) -> float | None:
     if value is None or isinstance(value, (bool, np.bool_, str, bytes)):
         return None
     if isinstance(value, numbers.Real):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond any float (10**400): no metric either
+            return None
     dtype = getattr(value, "dtype", None)  # numpy/jax scalars (bfloat16's kind is "V")
     if dtype is None or getattr(value, "shape", None) != () or dtype.kind in "bSUO":
         return None
