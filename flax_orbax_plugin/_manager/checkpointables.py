@@ -55,9 +55,10 @@ from .._core import restore as _restore
 from .._core import save as _save
 from .._core.commit import Written
 from .._core.requests import ReadRequest, SaveRequest
-from .._errors import CorruptCheckpointError, OptionTypeError, StructureError
+from .._errors import CorruptCheckpointError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
+from .._state.iterators import iterator_state, set_iterator_state
 from .._storage.location import Location
 from .json_items import encode_json, from_json, read_json, to_json, write_json
 
@@ -235,56 +236,6 @@ def cast_scalar_like(value: int, like: Any) -> Any:
     return out
 
 
-_ITERATOR_ADVICE = (
-    "To save the position of a pipeline that can rebuild a batch from its index (an "
-    "in-memory shuffle seeded by the epoch, a tf.data pipeline made per epoch), wrap it "
-    "in fop.StepIndexedIterator(make_batch) or fop.StepIndexedIterator(make_epoch=...); "
-    "a grain DataLoader or IterDataset iterator works as it is"
-)
-
-
-_PAIRS = (("get_state", "set_state"), ("state_dict", "load_state_dict"))  # get, set back
-
-
-def check_iterator(it: Any) -> Any:
-    """``it`` when it has a pair that reads its position and sets it back; else an
-    OptionTypeError saying what it lacks (where it is given: a callback's
-    ``data_iterator=``; a position that could be saved but never restored fails here,
-    not at the restart)."""
-    _pair(it)
-    return it
-
-
-def _pair(it: Any) -> tuple[str, str]:
-    for get, put in _PAIRS:
-        if hasattr(it, get):
-            if not hasattr(it, put):
-                raise OptionTypeError(
-                    f"data_iterator: a {type(it).__name__} has {get}() but no {put}(): "
-                    f"its position could be saved but never restored. {_ITERATOR_ADVICE}"
-                )
-            return get, put
-    raise OptionTypeError(
-        f"data_iterator: a {type(it).__name__} has neither get_state()/set_state() "
-        f"nor state_dict()/load_state_dict(). {_ITERATOR_ADVICE}"
-    )
-
-
-def _iterator_state(it: Any) -> Any:
-    """The position of ``it``, from a pair that can also set it back."""
-    return getattr(it, _pair(it)[0])()
-
-
-def _set_iterator_state(it: Any, state: Any) -> None:
-    for _, put in _PAIRS:
-        if hasattr(it, put):
-            return getattr(it, put)(state)
-    raise TypeError(
-        f"data_iterator: a {type(it).__name__} has neither set_state() nor "
-        f"load_state_dict(). {_ITERATOR_ADVICE}"
-    )
-
-
 class DataIteratorCheckpointable:
     """The position of a data iterator, one JSON file per process.
 
@@ -302,7 +253,7 @@ class DataIteratorCheckpointable:
         return _layout.iterator_state_file(process_index)
 
     def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
-        state = to_json(_iterator_state(value), "data_iterator")
+        state = to_json(iterator_state(value), "data_iterator")
         name = self.filename(_process_index())
         data = encode_json({"state": state}, f"{directory}/{name}")
 
@@ -327,7 +278,7 @@ class DataIteratorCheckpointable:
         state = from_json(data["state"])
         if like is None:
             return state
-        _set_iterator_state(like, state)
+        set_iterator_state(like, state)
         return like
 
 

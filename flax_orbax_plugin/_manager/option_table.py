@@ -33,9 +33,10 @@ from typing import Any
 from .._base.option_spec import Option, check, found
 from .._format import layout as _layout
 from .._format.steps import STEP, STEP_OR_NONE
+from .._state.iterators import check_iterator
 from . import policy as _policy
 from . import retention as _retention
-from .checkpointables import check_iterator, kind_of
+from .checkpointables import kind_of
 from .keep_rules import KeepRule
 from .save_rules import SaveRule
 from .tiers import tier_option as _tier_option
@@ -387,13 +388,12 @@ SAVE_CALL: tuple[Option, ...] = (
 """The keyword options of ``CheckpointManager.save`` (and its step)."""
 
 
-IMPORT: tuple[Option, ...] = (
+IMPORT: tuple[Option, ...] = (  # fop.import_orbax's / fop.import_msgpack's keyword options
     STEP_OR_NONE,
     Option("force", "flag"),
     Option("format_version", "choice", choices=(1, 2), none_ok=True),
     Option("progress", "callable", none_ok=True),
 )
-"""The keyword options of ``fop.import_orbax`` / ``fop.import_msgpack``."""
 
 
 def check_import(**options: Any) -> dict[str, Any]:  # an importer's, before it reads

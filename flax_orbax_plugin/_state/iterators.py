@@ -8,13 +8,13 @@ Call order: one thread (the training loop's) calls ``next``, ``get_state``,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .._base.option_spec import Option
 from .._errors import OptionTypeError
 
-__all__ = ["StepIndexedIterator"]
+__all__ = ["StepIndexedIterator", "check_iterator", "iterator_state", "set_iterator_state"]
 
 
 def _count(state: Any, key: str) -> int:
@@ -169,3 +169,65 @@ class StepIndexedIterator:
             )
         epoch, offset = divmod(index, self._steps_per_epoch)
         self.set_state({"index": index, "epoch": epoch, "offset": offset})
+
+
+# -- the position of any data iterator: read, and set back ------------------------------
+
+
+_ITERATOR_ADVICE = (
+    "To save the position of a pipeline that can rebuild a batch from its index (an "
+    "in-memory shuffle seeded by the epoch, a tf.data pipeline made per epoch), wrap it "
+    "in fop.StepIndexedIterator(make_batch) or fop.StepIndexedIterator(make_epoch=...); "
+    "a grain DataLoader or IterDataset iterator works as it is"
+)
+
+
+_PAIRS = (("get_state", "set_state"), ("state_dict", "load_state_dict"))  # get, set back
+
+
+def check_iterator(it: Any) -> Any:
+    """``it`` when it has a pair that reads its position and sets it back; else an
+    OptionTypeError saying what it lacks (where it is given: a callback's
+    ``data_iterator=``; a position that could be saved but never restored fails here,
+    not at the restart)."""
+    _pair(it)
+    return it
+
+
+def _pair(it: Any) -> tuple[str, str]:
+    for get, put in _PAIRS:
+        if hasattr(it, get):
+            if not hasattr(it, put):
+                raise OptionTypeError(
+                    f"data_iterator: a {type(it).__name__} has {get}() but no {put}(): "
+                    f"its position could be saved but never restored. {_ITERATOR_ADVICE}"
+                )
+            return get, put
+    raise OptionTypeError(
+        f"data_iterator: a {type(it).__name__} has neither get_state()/set_state() "
+        f"nor state_dict()/load_state_dict(). {_ITERATOR_ADVICE}"
+    )
+
+
+def iterator_state(it: Any) -> Any:
+    """The position of ``it``, from a pair that can also set it back."""
+    return getattr(it, _pair(it)[0])()
+
+
+def set_iterator_state(it: Any, state: Any) -> None:
+    for _, put in _PAIRS:
+        if hasattr(it, put):
+            try:
+                return getattr(it, put)(state)
+            except Exception as e:  # the user's code: what it was given, and where from
+                keys = sorted(state)[:8] if isinstance(state, Mapping) else type(state).__name__
+                e.add_note(
+                    f"raised by data_iterator.{put}() of a {type(it).__name__}, given the data "
+                    f"position saved in the step's data_iterator item ({keys}): was it saved "
+                    f"by another kind of iterator?"
+                )
+                raise
+    raise TypeError(
+        f"data_iterator: a {type(it).__name__} has neither set_state() nor "
+        f"load_state_dict(). {_ITERATOR_ADVICE}"
+    )

@@ -76,3 +76,25 @@ def test_a_metric_beyond_any_float_is_no_metric(tmp_path):
             mngr.save(1, _state(1), extras={"loss": 10**400})
             mngr.wait()
         assert mngr.steps() == [1]
+
+
+def test_an_iterator_that_cannot_take_the_saved_position_says_where_it_came_from(tmp_path):
+    """Before: a bare KeyError from the user's set_state."""
+
+    class Other:
+        def __next__(self):
+            return 0
+
+        def get_state(self):
+            return {"k": 0}
+
+        def set_state(self, state):
+            self.k = state["k"]
+
+    it = fop.StepIndexedIterator(lambda i: i)
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, _state(1), data_iterator=it)
+    with fop.CheckpointManager(tmp_path) as mngr, pytest.raises(KeyError) as caught:
+        mngr.restore(like=_state(0), data_iterator=Other())
+    notes = " ".join(getattr(caught.value, "__notes__", []))
+    assert "data_iterator.set_state() of a Other" in notes and "another kind of iterator" in notes
