@@ -129,6 +129,27 @@ def writer_gone(loc: Location) -> bool:
     return False
 
 
+def writer_alive(loc: Location) -> str | None:
+    """The writer ``loc``'s pending marker names (``"pid N on host"``) when it is
+    another live process of this host: a save still running, which nobody else may
+    remove (object stores have no writer lock: a second open or ``gc`` on the same path
+    would delete the staged files of its step, and the step then committed without
+    them). None otherwise (dead, this process, another host, no marker naming one)."""
+    try:
+        writer = writer_of(read(loc))
+    except CheckpointError:
+        return None
+    if writer is None or writer[0] != socket.gethostname() or writer[1] == os.getpid():
+        return None
+    try:
+        os.kill(writer[1], 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, another user's
+    return f"pid {writer[1]} on {writer[0]}"
+
+
 def abandoned(loc: Location) -> bool:
     """Local only: True when ``loc`` (a real directory) holds no pending marker, is
     empty or holds a commit record (``_COMMITTED``, ``_CHECKPOINT.json``), and nothing

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from .._base import distributed as _distributed
 from .._core import commit as _commit
 from .._core import ownership as _ownership
+from .._core import pending as _pending
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import layout as _layout
 from .._format import steps as _steps
@@ -92,10 +94,25 @@ def remove_unfinished(loc: Location) -> dict[str, str]:
     listing = _steps.list_directory(loc)
     stuck: dict[str, str] = {}
     for name in listing.unfinished:
+        if _live(loc, name):
+            continue
         if not roll_forward(loc, name, listing):
             _, why = _ownership.remove_leftover(loc.child(name), what="unfinished step")
             if why is not None:
                 stuck[name] = why
+    foreign = _remove_dead_staging(loc, listing, stuck)
+    if foreign:
+        logger.warning(
+            "%s holds entries that are not steps of this library, left alone: %s",
+            loc,
+            ", ".join(foreign[:10]),
+        )
+    return stuck
+
+
+def _remove_dead_staging(loc: Location, listing: Any, stuck: dict[str, str]) -> list[str]:
+    """The foreign entries of ``listing`` less the dead staging removed (a core save's
+    beside its target, locally; a step written in place, on object stores)."""
     foreign = list(listing.foreign)
     if loc.is_local:  # a core save's staging beside its target (``<name>.partial-*``)
         kinds = loc.child_kinds()
@@ -113,19 +130,23 @@ def remove_unfinished(loc: Location) -> dict[str, str]:
                     stuck[name] = why
     else:  # object stores: a step written in place, never committed
         for name in listing.foreign:
-            if _steps.is_step_name(name):
+            if _steps.is_step_name(name) and not _live(loc, name):
                 gone, why = _ownership.remove_leftover(loc.child(name), what="uncommitted step")
                 if gone or why is not None:
                     foreign.remove(name)
                 if why is not None:
                     stuck[name] = why
-    if foreign:
+    return foreign
+
+
+def _live(loc: Location, name: str) -> bool:
+    """Whether ``name``'s save still runs on this host (left alone, with a WARNING)."""
+    writer = _pending.writer_alive(loc.child(name))
+    if writer is not None:
         logger.warning(
-            "%s holds entries that are not steps of this library, left alone: %s",
-            loc,
-            ", ".join(foreign[:10]),
+            "%s: unfinished step %s left alone: its save is still running (%s)", loc, name, writer
         )
-    return stuck
+    return writer is not None
 
 
 def raise_stuck(loc: Location, stuck: dict[str, str]) -> None:

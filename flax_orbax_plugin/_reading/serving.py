@@ -84,8 +84,9 @@ def restore_params(
     checking each step's manifest exists). ``like`` is a params pytree (arrays or
     ShapeDtypeStructs, e.g. from ``jax.eval_shape``), a TrainState / NNX module
     whose params are taken, or None (numpy on the host). ``dtype`` casts the
-    floating-point leaves, over the dtypes ``like`` gives (``cast="safe"``: a value that overflows or is not
-    representable is a StructureError naming the leaf; ``"unsafe"``: numpy's cast);
+    floating-point leaves, over the dtypes ``like`` gives (``cast="safe"``: a value
+    that overflows or is not representable is a StructureError naming the leaf;
+    ``"unsafe"``: numpy's cast);
     ``sharding`` is one Sharding for every leaf or a pytree of them. Safe to call
     from any thread, even while a manager writes. With several processes and a
     ``like`` or ``sharding`` that spans them, the call is collective and every

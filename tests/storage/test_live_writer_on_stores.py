@@ -1,0 +1,52 @@
+"""Object stores have no writer lock: a second open (or ``gc``) on a path where another
+process of this host is saving leaves that save's step alone. Before, it removed the
+step's staged files as a dead save's, and the save then committed without them (a
+committed step whose restore failed: 'chunk ... missing or short')."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import _proc
+import numpy as np
+
+import flax_orbax_plugin as fop
+
+pytest_plugins = ["_servers"]
+
+WRITER = """
+import sys
+import numpy as np
+import flax_orbax_plugin as fop
+
+with fop.CheckpointManager(sys.argv[1], async_save=False) as mngr:
+    mngr.save(2, {"params": {"w": np.full((64, 64), 2.0, np.float32)}})
+print("SAVED", flush=True)
+"""
+
+
+def test_a_second_open_leaves_a_live_writers_step_alone(s3_location):
+    url = s3_location.url
+    with fop.CheckpointManager(url) as mngr:
+        mngr.save(1, {"params": {"w": np.full((64, 64), 1.0, np.float32)}})
+    env = _proc.child_env(FOP_PAUSE_AT="before_commit", FOP_PAUSE_S="6", **s3_location.env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, url], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        err = b""
+        while b"FOP_PAUSED" not in err:  # step 2 written, its writer paused before its commit
+            line = proc.stderr.readline()
+            assert line, (proc.wait(timeout=60), err)
+            err += line
+        with fop.CheckpointManager(url) as second:  # its open and gc remove dead saves only
+            assert second.gc() == [] and second.steps() == [1]
+        out, rest = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and b"SAVED" in out, (err + rest).decode()[-3000:]
+    with fop.CheckpointManager(url, read_only=True) as mngr:
+        assert mngr.steps() == [1, 2]
+        np.testing.assert_array_equal(mngr.restore(step=2)["params"]["w"], np.full((64, 64), 2.0))
+    assert all(r.ok for r in fop.verify(url, all_steps=True))
