@@ -35,6 +35,7 @@ def _entry_points(url, tmp_path):
         ("manager read-only", lambda: fop.CheckpointManager(url, read_only=True).steps()),
         ("callback", callback),
         ("import_msgpack", lambda: fop.import_msgpack(tmp_path / "m.msgpack", url, step=1)),
+        ("to_safetensors", lambda: fop.to_safetensors(url, tmp_path / "out.safetensors")),
     ]
 
 

@@ -35,6 +35,7 @@ from ..._format.steps import manifest_for_item
 from ..._like.casting import check_policy
 from ..._storage.kvstore import local_path
 from ..._storage.location import Location
+from ..._storage.store_errors import arguments, raises_store_errors
 from ..._storage.untrusted import loads_json, read_capped
 from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES
 from .outputs import (
@@ -153,6 +154,7 @@ def _groups(tensors: list[Tensor]) -> list[list[Tensor]]:
     return [g for g in split_shards(tensors, _GROUP_BYTES) if g]
 
 
+@raises_store_errors(arguments("source"))  # a store's refusal: StoreAccessError naming it
 def to_safetensors(
     source: Any,
     out: Any,
