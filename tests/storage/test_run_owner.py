@@ -254,3 +254,15 @@ def test_a_record_nested_deeply_is_damage_naming_the_file(persistent, tmp_path):
     loc.write_bytes(RUN_FILE, b'{"library": ' + b"[" * 1500 + b"]" * 1500 + b"}")
     with pytest.raises(fop.CorruptCheckpointError, match=rf"{RUN_FILE}: nested 1501 levels"):
         fop.CheckpointManager(tmp_path / "a", persistent=persistent)
+
+
+def test_a_persistent_path_holding_another_librarys_run_is_refused(tmp_path):
+    """Before: the tier wrote its run record and steps inside an Orbax run."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path / "orbax") as mngr:
+        mngr.save(5, args=ocp.args.StandardSave({"w": np.ones(3, np.float32)}))
+        mngr.wait_until_finished()
+    with pytest.raises(fop.CheckpointError, match=r"persistent path .* holds an Orbax run"):
+        fop.CheckpointManager(tmp_path / "local", persistent=str(tmp_path / "orbax"))
+    assert sorted(os.listdir(tmp_path / "orbax")) == ["5"]

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from ..._base import distributed as _distributed
 from ..._errors import CheckpointError, DirectoryLockedError
 from ..._format import steps as _steps
+from ..._format.foreign import foreign_run
 from ..._storage import run_owner as _run_owner
 from .damaged import DamagedSteps
 from .replicator import remove_unfinished
@@ -39,6 +40,13 @@ def open_primary(
     remote_steps: list[int] = []
     failure: BaseException | None = None
     try:
+        held = foreign_run(places.remote)  # its run record would land inside that run
+        if held is not None:
+            raise CheckpointError(
+                f"persistent path {places.remote} holds {held}: a tier writes steps of its "
+                f"own run there; convert them first (`flax-orbax import`), or give the "
+                f"tier a path of its own"
+            )
         state.owner = _run_owner.RunOwner(
             places.local,
             places.remote,
