@@ -266,3 +266,19 @@ def test_a_persistent_path_holding_another_librarys_run_is_refused(tmp_path):
     with pytest.raises(fop.CheckpointError, match=r"persistent path .* holds an Orbax run"):
         fop.CheckpointManager(tmp_path / "local", persistent=str(tmp_path / "orbax"))
     assert sorted(os.listdir(tmp_path / "orbax")) == ["5"]
+
+
+def test_a_plain_writer_on_a_leased_persistent_path_is_refused(s3_location, tmp_path):
+    """Before: a manager (or gc) opened the bucket path a tiered run held, saved its own
+    step there and removed the run's steps."""
+    url = s3_location.url
+    with fop.CheckpointManager(tmp_path / "a", persistent=url) as tiered:
+        tiered.save(1, state(1))
+        tiered.wait()
+        assert tiered.persistent.wait(WAIT_S)
+        with pytest.raises(fop.DirectoryLockedError, match=r"persistent path of a tiered run"):
+            fop.CheckpointManager(url)
+        with fop.CheckpointManager(url, read_only=True) as reader:  # reading is fine
+            assert reader.steps() == [1]
+    with fop.CheckpointManager(url) as after:  # its lease given back at close
+        assert after.steps() == [1]
