@@ -149,6 +149,11 @@ def spans_processes(*trees: Any) -> bool:
     is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
     for leaf in jax.tree_util.tree_leaves(trees, is_leaf=is_sharding):
         found = leaf if is_sharding(leaf) else getattr(leaf, "sharding", None)
+        if isinstance(getattr(found, "mesh", None), jax.sharding.AbstractMesh):
+            mesh = jax.sharding.get_mesh()  # set_mesh's, onto which the read places it
+            if not mesh.empty and not mesh.is_multi_process:
+                continue
+            return not mesh.empty  # none: refused by the read, naming the leaf
         if is_sharding(found) and not found.is_fully_addressable:
             return True
     return False

@@ -413,6 +413,13 @@ def test_serving_processes_read_one_step_while_another_lands(tmp_path):
     assert [p.result["held"] for p in run.check().procs] == [[2], [2]]
 
 
+def test_serving_onto_the_abstract_mesh_of_set_mesh(tmp_path):
+    """A like on an AbstractMesh, read inside jax.set_mesh (was: jax's raw 'is_fully_
+    addressable is not implemented for AbstractMesh' before the read, with 2 processes)."""
+    run = _run("_mp_workers:serving_onto_an_abstract_mesh", 2, args={"directory": str(tmp_path)})
+    assert [p.result["held"] for p in run.check().procs] == [[1], [1]]
+
+
 def test_manager_on_s3_process_killed_mid_save(s3_location):
     """Through the manager, on a bucket: process 1 of 3 dies while writing step 2."""
     loc = s3_location.join("run")

@@ -948,3 +948,27 @@ def host_leaf_that_differs(ctx, directory):
     except fop.CoordinationError as e:
         return {"raised": str(e)}
     return {"raised": None}
+
+
+def serving_onto_an_abstract_mesh(ctx, directory):
+    """restore_params with a like on the global mesh's AbstractMesh (nnx.eval_shape under
+    jax.set_mesh gives these), inside jax.set_mesh: a collective read onto that mesh.
+    Reports the step whose values this process's shards hold."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    import flax_orbax_plugin as fop
+
+    with fop.CheckpointManager(directory) as mngr:
+        mngr.save(1, make_state(ctx, 1))
+    abstract = ctx.mesh.abstract_mesh
+    like = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(abstract, a.sharding.spec)
+        ),
+        make_state(ctx, 0)["params"],
+    )
+    with jax.set_mesh(ctx.mesh):
+        params = fop.restore_params(directory, like)
+    full = expected_w(len(ctx.devices))
+    return {"held": steps_held({"w": params["w"]}, lambda step: {"w": full + step})}
