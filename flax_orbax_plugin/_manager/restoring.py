@@ -144,7 +144,7 @@ class Restorer:
         common = set.intersection(*(set(v) for v in views))
         remote = set(tier.agreed_steps() or ())
         target = step if step is not None else max(common | remote, default=None)
-        way = "a"
+        way, errors = "a", []
         if target is not None and target not in common and self._from_peers(target, mine):
             common.add(target)
             way = "b"
@@ -176,9 +176,12 @@ class Restorer:
                 tier.remote,
             )
         if target is None or target not in remote:
-            where = f"every host's own {self._loc} nor {tier.remote}"
-            what = "no committed steps" if target is None else f"step {target} is in neither"
-            raise CheckpointNotFoundError(f"{what}: {where}")
+            what = "no step" if target is None else f"step {target}"
+            why = f" (on the hosts it failed: {'; '.join(errors)[:2000]})" if errors else ""
+            raise CheckpointNotFoundError(
+                f"{what} restores from every host's own directory ({self._loc}) or from the "
+                f"persistent tier {tier.remote}{why}"
+            )
         if target in self._book.listed():  # this host's part: the full copy replaces it
             _ownership.remove_step(self._loc, target)
             self._book.removed(target)
