@@ -40,6 +40,7 @@ from .._format.layout import HOST_FILE
 from .._storage import json_docs as _docs
 from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location
+from .json_items import from_json, to_json
 
 __all__ = [
     "HOST_FILE",
@@ -256,3 +257,24 @@ def open_tier(book: Any, local_steps: list[int]) -> None:
         book.run = json.loads(book.run)
         # A full copy from the bucket holds every region: readable with any layout.
         book.tier.mark_copies(lambda step: host_marker(step, book.run, COPY_LAYOUT))
+
+
+def with_primary_extras(items: dict[str, Any]) -> dict[str, Any]:
+    """``items`` with the primary's ``extras`` item (none where it has none), on every
+    process (collective: see :func:`primary_extras`)."""
+    extras = primary_extras(items.get("extras"))
+    out = {n: v for n, v in items.items() if n != "extras"}
+    return out if extras is None else {**out, "extras": extras}
+
+
+def primary_extras(extras: Any) -> Any:
+    """The primary's ``extras`` (a JSON value, or None), on every process (collective:
+    one broadcast per save of several processes with each host's own directory). The
+    step's one manifest records one checksum per file, so each host's copy of the
+    extras item must hold the same JSON: the primary's, as everywhere else (processes
+    whose local metrics differ wrote their own, and every host's copy but one failed
+    its checksum)."""
+    op = _distributed.next_operation_id("per-host-extras")
+    text = json.dumps(None if extras is None else to_json(extras, "extras"))
+    agreed = json.loads(_distributed.broadcast_str(op, text if _distributed.is_primary() else None))
+    return None if agreed is None else from_json(agreed)

@@ -237,11 +237,9 @@ class Saver:
         """Blocking phase of every item, then the background write and commit (the save
         in flight), after the previous one. ``local``: the committed local steps (``step``
         among them: replaced); ``replicate``: to the persistent tier anyway (SIGTERM).
-
         Main thread: a Ctrl-C during the blocking phase is held until its end (never
-        raised inside a callback of JAX or tensorstore, which would drop it); then this
-        step's save is cancelled (its staging removed, earlier steps untouched) and the
-        KeyboardInterrupt raised. Call with no save in flight (after :meth:`wait`).
+        raised inside a callback of JAX or tensorstore), then this step's save is
+        cancelled and the KeyboardInterrupt raised. Call with no save in flight.
         Events (``events``): SaveStarted, SaveBlockingDone, or SaveFailed here when no
         background phase started (else the background phase reports its failure)."""
         events = self._book.events
@@ -272,6 +270,8 @@ class Saver:
         replace = step in local
         final = _steps.step_location(self._loc, step)
         own = self._book.per_host  # each host's own directory: see per_host
+        if own and _distributed.process_count() > 1:  # one manifest: the primary's extras
+            items = _per_host.with_primary_extras(items)
         staging = Staging.begin(final, _distributed.unique_name(), own=own)
         # On object stores a replaced step's items go under fresh names (old step intact).
         dirs = {n: n if staging.renames or not replace else f"{n}.{staging.nonce}" for n in items}

@@ -240,6 +240,43 @@ def per_host_run(ctx, base, url, url2):
     return out
 
 
+def per_host_own_extras(ctx, base, url):
+    """Each process passes its own metrics (its local loss) as extras: the step's one
+    manifest holds the primary's, so every host's copy holds the primary's."""
+    import _mp_workers as W
+
+    local = os.path.join(base, f"host{ctx.process_id}")
+    with fop.CheckpointManager(local, persistent=url) as mngr:
+        mngr.save(1, W.make_state(ctx, 1), extras={"loss": 0.5 + ctx.process_id})
+        mngr.wait()
+        replicated = mngr.persistent.wait(WAIT_S)
+    return {
+        "replicated": replicated,
+        "verified": [r.ok for r in fop.verify(os.path.join(local, "1", "extras"))],
+        "extras": fop.restore(os.path.join(local, "1", "extras")),
+    }
+
+
+@pytest.mark.distributed
+def test_per_host_extras_are_the_primarys_on_every_host(tmp_path, s3_location):
+    """Before: each host wrote its own, the one manifest named one checksum, and every
+    host's copy but one failed it (no step replicated, no step restored)."""
+    from _multiprocess import run_processes
+
+    run = run_processes(
+        "test_per_host:per_host_own_extras",
+        2,
+        devices_per_process=2,
+        args={"base": str(tmp_path / "hosts"), "url": s3_location.url},
+        env={"FOP_COORDINATION_TIMEOUT_S": "20", "PYTHONPATH": HERE},
+        heartbeat_timeout_s=30,
+        timeout_s=150,
+    ).check()
+    for proc in run.procs:
+        r = proc.result
+        assert r["replicated"] and all(r["verified"]) and r["extras"] == {"loss": 0.5}, r
+
+
 @pytest.mark.distributed
 def test_per_host_directories_save_replicate_and_restore_by_way(tmp_path, s3_location):
     from _multiprocess import run_processes
