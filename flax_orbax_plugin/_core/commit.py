@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import time
@@ -26,6 +27,7 @@ from .._storage.location import Location
 from . import ownership as _ownership
 from . import pending as _pending
 
+logger = logging.getLogger("flax_orbax_plugin")
 STALE_SECONDS = 3600.0  # a staging directory untouched this long belongs to a dead save
 
 
@@ -73,10 +75,9 @@ class Staging:
         replaced: ForeignEntryError, and the staged data is left for ``abort``."""
         self.location.write_bytes(marker, data)  # durable (file and directory fsynced)
         _env.kill_point("after_marker")
+        self._unclaim()  # the marker now proves it ours (a crash: a committed .partial-)
         if not self.renames:
-            _ownership.unclaim(self.location)  # the marker now proves it ours
             return
-        _ownership.unclaim(self.location)  # a crash now leaves a committed .partial-
         if not self.final.is_dir() or self._remove_if_empty(self.final):
             self.location.rename(self.final)
             self._remove_stale_siblings()
@@ -97,6 +98,22 @@ class Staging:
         self.location.rename(self.final)
         _ownership.remove(old, action="remove the replaced")
         self._remove_stale_siblings()
+
+    def _unclaim(self) -> None:
+        """The pending marker removed once the commit marker is written. A store that
+        refuses the removal (a bucket policy allowing PUT, not DELETE) leaves it in a
+        committed checkpoint, which the commit marker already proves whole: a WARNING,
+        never a committed save reported as not committed."""
+        try:
+            _ownership.unclaim(self.location)
+        except Exception as e:  # noqa: BLE001  (committed all the same)
+            logger.warning(
+                "checkpoint: %s is committed, but its pending marker could not be removed "
+                "(%s: %s); it is left inside, harmless",
+                self.location,
+                type(e).__name__,
+                e,
+            )
 
     @staticmethod
     def _remove_if_empty(loc: Location) -> bool:

@@ -66,6 +66,7 @@ def claim(loc: Location, nonce: str) -> None:
 def unclaim(loc: Location) -> None:
     """Deletes the pending marker once the commit record (manifest or commit marker)
     that proves ``loc`` ours is written."""
+    _env.fail_point("unclaim")  # tests: a store refusing the removal (FOP_FAIL_AT)
     loc.delete(PENDING_FILE)
 
 

@@ -50,3 +50,21 @@ def test_a_second_open_leaves_a_live_writers_step_alone(s3_location):
         assert mngr.steps() == [1, 2]
         np.testing.assert_array_equal(mngr.restore(step=2)["params"]["w"], np.full((64, 64), 2.0))
     assert all(r.ok for r in fop.verify(url, all_steps=True))
+
+
+def test_a_store_that_refuses_the_markers_removal_still_commits(s3_location, monkeypatch):
+    """A bucket policy allowing PUT but not DELETE: the commit marker is written, so the
+    save is committed; before, it was reported 'not committed' (and the manager's step,
+    listed and whole, was called failed)."""
+    monkeypatch.setenv("FOP_FAIL_AT", "unclaim:1:EACCES")
+    url = s3_location.join("core").url
+    fop.save(url, {"w": np.ones(8, np.float32)})
+    assert fop.is_committed(url)
+    np.testing.assert_array_equal(fop.restore(url)["w"], np.ones(8, np.float32))
+    run = s3_location.join("run").url  # every removal of a pending marker refused
+    with fop.CheckpointManager(run) as mngr:
+        for step in (1, 2):
+            mngr.save(step, {"params": {"w": np.full(8, float(step), np.float32)}})
+            mngr.wait()
+        assert mngr.steps() == [1, 2]
+    assert all(r.ok for r in fop.verify(run, all_steps=True))
