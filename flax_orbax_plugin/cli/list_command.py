@@ -37,7 +37,8 @@ def cmd_list(args) -> int:
         print(make_table(rows))
     if listing.unfinished:
         print(
-            f"unfinished (not steps; `flax-orbax gc` removes them): {', '.join(listing.unfinished)}"
+            f"unfinished (not steps; `flax-orbax gc` removes those of dead saves that prove "
+            f"themselves this library's): {', '.join(listing.unfinished)}"
         )
     if listing.corrupt:
         print(f"set aside as damaged (kept): {', '.join(listing.corrupt)}")
