@@ -59,6 +59,8 @@ def _describe(value: Any) -> Any:
         return {"type": type(value).__qualname__, **fields}
     if isinstance(value, Mapping):
         return {str(k): _describe(v) for k, v in value.items()}
+    if isinstance(value, range):  # steps=range(...): kept as a range, never listed
+        return {"type": "range", "start": value.start, "stop": value.stop, "step": value.step}
     if isinstance(value, (set, frozenset)):
         return sorted((_describe(v) for v in value), key=repr)
     if isinstance(value, (list, tuple)):
