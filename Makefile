@@ -15,9 +15,11 @@ $(STAMP): setup.cfg setup.py pyproject.toml
 install: $(STAMP)
 
 # Lint first (ruff check and format, the wing rules), then the suite on two workers
-# (pytest-xdist; many tests wait on child processes and servers): CI runs exactly this.
+# (pytest-xdist; many tests wait on child processes and servers; a worker that runs out
+# takes half of the other's queue, so no long test is left for the end alone: worksteal).
+# CI runs exactly this.
 test: lint
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal tests
 
 # The main job: train, SIGKILL mid-run, resume from the config flag, serve, and
 # check the final params equal an uninterrupted run's bit for bit.
