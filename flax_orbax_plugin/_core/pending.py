@@ -109,24 +109,33 @@ def _read_quietly(loc: Location, name: str) -> bytes | None:
         return None  # a link, a FIFO, gone meanwhile: not our marker
 
 
+def _other_writer(loc: Location) -> tuple[tuple[str, int], bool] | None:
+    """The writer ``loc``'s pending marker names when it is another process of this
+    host, and whether it is alive (another user's process counts as alive); None where
+    that is not certain (another host, this very process, a marker naming no writer, a
+    link or a FIFO where our marker would be)."""
+    try:
+        writer = writer_of(read(loc))
+    except CheckpointError:
+        return None
+    if writer is None or writer[0] != socket.gethostname() or writer[1] == os.getpid():
+        return None
+    try:
+        os.kill(writer[1], 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return writer, False
+    except PermissionError:
+        pass  # alive, another user's
+    return writer, True
+
+
 def writer_gone(loc: Location) -> bool:
     """True when ``loc`` carries our pending marker and the process that wrote it ran on
     this host and is no longer alive: a save (or removal) that was killed or interrupted
     before it could clean up, and that nobody is still writing. False whenever that is
     not certain (another host, this very process, a marker naming no writer)."""
-    try:
-        writer = writer_of(read(loc))
-    except CheckpointError:
-        return False  # a link or a FIFO where our marker would be: not ours
-    if writer is None or writer[0] != socket.gethostname() or writer[1] == os.getpid():
-        return False
-    try:
-        os.kill(writer[1], 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, another user's
-    return False
+    found = _other_writer(loc)
+    return found is not None and not found[1]
 
 
 def writer_alive(loc: Location) -> str | None:
@@ -135,19 +144,11 @@ def writer_alive(loc: Location) -> str | None:
     remove (object stores have no writer lock: a second open or ``gc`` on the same path
     would delete the staged files of its step, and the step then committed without
     them). None otherwise (dead, this process, another host, no marker naming one)."""
-    try:
-        writer = writer_of(read(loc))
-    except CheckpointError:
+    found = _other_writer(loc)
+    if found is None or not found[1]:
         return None
-    if writer is None or writer[0] != socket.gethostname() or writer[1] == os.getpid():
-        return None
-    try:
-        os.kill(writer[1], 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass  # alive, another user's
-    return f"pid {writer[1]} on {writer[0]}"
+    (host, pid), _ = found
+    return f"pid {pid} on {host}"
 
 
 def abandoned(loc: Location) -> bool:

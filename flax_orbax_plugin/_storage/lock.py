@@ -46,7 +46,7 @@ class DirectoryLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             try:
-                holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
+                holder = _holder_in(fd)
             finally:
                 os.close(fd)
             ours = holder == _holder_text()  # this process: a manager not closed
@@ -178,9 +178,14 @@ def live_holder(directory: str) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     except BlockingIOError:
-        return os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
+        return _holder_in(fd)
     finally:
         os.close(fd)
+
+
+def _holder_in(fd: int) -> str:
+    """What the lock file open at ``fd`` says of its holder (for messages only)."""
+    return os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
 
 
 def _holder_text() -> str:
