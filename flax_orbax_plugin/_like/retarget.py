@@ -87,9 +87,9 @@ def concrete(tree: Any, *, option: str | None = None) -> Any:
     leaf where there is none of that shape (an abstract mesh names no devices to read
     onto; ``option``: the option ``tree`` is, named instead). ``tree`` itself when it
     holds no abstract sharding (the common case)."""
+    if not any(_abstract_mesh(leaf) for leaf in jax.tree_util.tree_leaves(tree)):
+        return tree  # every restore asks: no key paths built for the common case
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    if not any(_abstract_mesh(leaf) for _, leaf in with_paths):
-        return tree
     out = []
     for keypath, leaf in with_paths:
         if _abstract_mesh(leaf):
