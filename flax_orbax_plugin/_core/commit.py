@@ -61,12 +61,13 @@ class Staging:
             staging.claim()
         return staging
 
-    def claim(self) -> None:
+    def claim(self, *, fresh: bool = False) -> None:
         """Primary only (a no-op elsewhere): the others share the place and its claim.
         A process that writes before the claim lands can at worst leave remains
-        nothing proves ours: left alone, never a foreign place removed."""
+        nothing proves ours: left alone, never a foreign place removed. ``fresh``: a
+        save that replaces nothing (object stores: see ``ownership.claim``)."""
         if self.own or _distributed.is_primary():
-            _ownership.claim(self.location, self.nonce)
+            _ownership.claim(self.location, self.nonce, fresh=fresh)
 
     def publish(self, marker: str, data: bytes, *, replace: bool) -> None:
         """Primary only: writes the marker last and makes the checkpoint visible.

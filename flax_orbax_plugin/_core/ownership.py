@@ -48,13 +48,16 @@ class RemainsLeftError(CheckpointError):
         self.place = place
 
 
-def claim(loc: Location, nonce: str) -> None:
+def claim(loc: Location, nonce: str, *, fresh: bool = False) -> None:
     """Marks ``loc`` as a place this library is writing (staging) or removing.
 
     Written by one process per place (the primary, or each process in its own copy).
     Not fsynced on its own: a later ``sync`` of the staging place makes it durable.
     A write that fails leaves no empty staging folder behind (the write made it).
-    """
+    Object stores write in place: the claim is conditional (``pending.claim_in_place``)."""
+    if not loc.supports_rename:
+        _pending.claim_in_place(loc, nonce, fresh=fresh)
+        return
     try:
         loc.write_bytes(PENDING_FILE, _pending_bytes(nonce), durable=False)
     except BaseException:
@@ -280,6 +283,8 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
             f"cannot write {what} at {loc}: something this library did not create is "
             f"there ({describe(loc)}); it is left alone. Move it away or choose another path"
         )
+    if found == "pending marker" and (writer := _pending.writer_alive(loc)):
+        _pending.refuse_held(loc, writer)
     if found != "pending marker" and not replace:
         raise CheckpointError(
             f"{loc} already holds a committed checkpoint ({found}); pass force=True "

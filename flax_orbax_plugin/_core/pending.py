@@ -25,7 +25,7 @@ import socket
 import stat
 import time
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, DirectoryLockedError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, PENDING_FILE
 from .._storage import json_docs as _docs
 from .._storage.location import Location
@@ -63,6 +63,60 @@ def keeps(raw: bytes | None) -> list[str]:
     """What a removal recorded in the pending marker ``raw`` that it leaves."""
     keep = json.loads(raw).get("keep") if is_marker(raw) else None
     return keep if isinstance(keep, list) and all(isinstance(k, str) for k in keep) else []
+
+
+def nonce_of(raw: bytes | None) -> str | None:
+    """The nonce a pending marker carries (its writer's save), or None."""
+    nonce = json.loads(raw).get("nonce") if is_marker(raw) else None
+    return nonce if isinstance(nonce, str) else None
+
+
+def holds_nonce(loc: Location, nonce: str) -> bool:
+    """True when ``loc``'s pending marker is the one written with ``nonce`` (this save's
+    own claim), never when another writer's marker took its place."""
+    try:
+        return nonce_of(read(loc)) == nonce
+    except CheckpointError:
+        return False
+
+
+def claim_in_place(loc: Location, nonce: str, *, fresh: bool) -> None:
+    """Object stores: writes the pending marker only where no other writer's marker is
+    (a conditional request: two saves that start at once into the same place cannot
+    both claim it; the store has no rename to stage under a name of one's own). A
+    marker of a writer of this host that is gone is taken over; any other is a
+    :class:`DirectoryLockedError` naming its writer, and nothing is written. With
+    ``fresh`` (a save that replaces nothing), a commit record found once the claim is
+    held (another save committed there meanwhile) takes the claim back and refuses."""
+    raw, generation = loc.read_versioned(PENDING_FILE, max_bytes=_docs.PENDING_MARKER.max_bytes)
+    if raw is not None and nonce_of(raw) == nonce:
+        return  # this save's own claim
+    if raw is not None and not writer_gone(loc):
+        refuse_held(loc, _words(raw))
+    mine = marker_bytes(nonce)
+    generation = loc.write_if(PENDING_FILE, mine, generation)
+    if generation is None:  # another writer claimed between the read and the write
+        refuse_held(loc, _words(read(loc)))
+    if fresh and any(loc.exists(name) for name in (COMMIT_FILE, MANIFEST_FILE)):
+        loc.write_if(PENDING_FILE, None, generation)  # our marker only, never theirs
+        raise CheckpointError(
+            f"cannot write at {loc}: another save committed a checkpoint there while "
+            f"this one started; nothing was written and it is left as it is"
+        )
+
+
+def _words(raw: bytes | None) -> str:
+    writer = writer_of(raw)
+    return "another writer" if writer is None else f"pid {writer[1]} on {writer[0]}"
+
+
+def refuse_held(loc: Location, who: str) -> None:
+    """DirectoryLockedError: ``who`` (a writer's words) holds ``loc`` under its marker."""
+    raise DirectoryLockedError(
+        f"cannot write at {loc}: another save or removal ({who}) is writing there "
+        f"(its pending marker {PENDING_FILE}); nothing was written. Wait for it to end, "
+        f"or, if it died, run `flax_orbax_plugin gc` on its directory"
+    )
 
 
 def writer_of(raw: bytes | None) -> tuple[str, int] | None:

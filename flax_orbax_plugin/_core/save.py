@@ -31,6 +31,7 @@ from .._storage.store_errors import arguments, raises_store_errors
 from . import commit as _commit
 from . import host_snapshot as _host_snapshot
 from . import ownership as _ownership
+from . import pending as _pending
 from .handle import (
     Cancellation,
     SaveHandle,
@@ -207,7 +208,8 @@ class _Background:
 
         def write() -> _commit.Written:
             raise_if_cancelled(self.cancelled, what)
-            staging.claim()  # before any data: a dead save's remains are provably ours
+            _env.pause_point("before_claim")  # tests: two saves racing for one place
+            staging.claim(fresh=not self.force)  # before any data: remains provably ours
             written = self.snap.write(staging.location)
             raise_if_cancelled(self.cancelled, what)
             return written
@@ -238,7 +240,8 @@ class _Background:
         self.staging.abort()
         if self.staging.renames or not _distributed.is_primary():
             return
-        if _ownership.proof(self.location) == "pending marker":
+        # Only under this save's own claim: a claim refused leaves the other writer's be.
+        if _pending.holds_nonce(self.location, self.staging.nonce):
             _ownership.remove(self.location, action="remove the remains of the failed save at")
 
 

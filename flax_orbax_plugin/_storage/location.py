@@ -130,6 +130,22 @@ class Location:
             return
         self._kv().write(check_name(name), data).result()
 
+    def read_versioned(self, name: str, *, max_bytes: int | None = MAX_SMALL_FILE_BYTES) -> Any:
+        """Object stores: ``(bytes or None, generation)``: the file and the storage
+        generation it was read at (also for a missing file), for :meth:`write_if`."""
+        result = self._kv().read(check_name(name)).result()
+        if result.state != "value":
+            return None, result.stamp.generation
+        _local.check_size(len(result.value), f"{self}/{name}", max_bytes)
+        return bytes(result.value), result.stamp.generation
+
+    def write_if(self, name: str, data: bytes | None, generation: Any) -> Any | None:
+        """Object stores: writes (``None``: deletes) the file only if its stored
+        generation is still ``generation`` (one conditional request); returns the new
+        generation, or None when someone else wrote or deleted it meanwhile."""
+        stamp = self._kv().write(check_name(name), data, if_equal=generation).result()
+        return stamp.generation or None
+
     def delete(self, name: str) -> None:
         """Deletes one file (no error if it is absent)."""
         if self.is_local:

@@ -97,20 +97,12 @@ def read_record(loc: Location) -> RunRecord | None:
 
 def read_versioned(loc: Location) -> tuple[RunRecord | None, Any]:
     """Object stores: the record and the storage generation it was read at."""
-    result = loc._kv().read(RUN_FILE).result()
-    if result.state != "value":
-        return None, result.stamp.generation
-    raw = bytes(result.value)
-    if len(raw) > MAX_RECORD_BYTES:
-        raise CorruptCheckpointError(
-            f"{loc}/{RUN_FILE}: expected a run record of at most {MAX_RECORD_BYTES} bytes, "
-            f"found {len(raw)}"
-        )
-    return RunRecord.from_bytes(raw, f"{loc}/{RUN_FILE}"), result.stamp.generation
+    raw, generation = loc.read_versioned(RUN_FILE, max_bytes=MAX_RECORD_BYTES)
+    record = None if raw is None else RunRecord.from_bytes(raw, f"{loc}/{RUN_FILE}")
+    return record, generation
 
 
 def write_if(loc: Location, record: RunRecord, generation: Any) -> Any | None:
     """Object stores: writes ``record`` only if the stored generation is still
     ``generation``; returns the new generation, or None when someone wrote meanwhile."""
-    stamp = loc._kv().write(RUN_FILE, record.to_bytes(), if_equal=generation).result()
-    return stamp.generation or None
+    return loc.write_if(RUN_FILE, record.to_bytes(), generation)
