@@ -171,9 +171,28 @@ def write_file(root: str, name: str, data: bytes, *, durable: bool = True) -> No
         raise OSError(e.errno, text, other) from e  # where on the way it failed
 
 
+def make_dirs(root: str) -> None:
+    """``os.makedirs(root, exist_ok=True)``; a file (or another non-directory) where a
+    directory on the way must be is a ForeignEntryError naming it, left alone."""
+    try:
+        os.makedirs(root, exist_ok=True)
+    except (NotADirectoryError, FileExistsError):
+        walked = os.path.abspath(root)
+        while not os.path.lexists(walked) or os.path.isdir(walked):
+            parent = os.path.dirname(walked)
+            if parent == walked:
+                raise
+            walked = parent
+        st = os.stat(walked, follow_symlinks=False)
+        raise ForeignEntryError(
+            f"cannot create the directory {os.path.abspath(root)}: {walked} is "
+            f"{_kind(st)}, not a directory; it is left alone. Choose another path"
+        ) from None
+
+
 def _write_file(root: str, name: str, data: bytes, *, durable: bool) -> None:
     parts = name.split("/")
-    os.makedirs(root, exist_ok=True)
+    make_dirs(root)
     dfd = open_dirs(root, parts[:-1], create=True)
     try:
         tmp = f"{parts[-1]}.tmp-{secrets.token_hex(8)}"  # unpredictable, created exclusively

@@ -222,7 +222,7 @@ class Location:
     def makedirs(self) -> None:
         """Creates a local directory (and its parents); nothing to do on object stores."""
         if self.is_local:
-            os.makedirs(self.path, exist_ok=True)
+            _local.make_dirs(self.path)
 
     def remove(self) -> None:
         """Removes everything under this location (no error if nothing is there).

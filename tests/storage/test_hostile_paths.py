@@ -178,3 +178,20 @@ def test_a_dot_still_names_the_current_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for path in [".", "./~/x", "sp ace ü/run", "C:/x"]:
         assert str(fop.Location.from_path(path)) == os.path.abspath(path)
+
+
+def test_a_file_where_a_parent_directory_must_be_is_named(tmp_path):
+    """A path below a file: a ForeignEntryError naming the file, which is left alone
+    (it was a NotADirectoryError naming the save's staging name, or '<run>/')."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("mine")
+    tree = {"w": np.ones(3, np.float32)}
+    said = f"{blocker} is a regular file, not a directory; it is left alone"
+    for make in (
+        lambda: fop.save(blocker / "sub", tree),
+        lambda: fop.save(blocker / "sub" / "deeper", tree),
+        lambda: fop.CheckpointManager(blocker / "run"),
+    ):
+        with pytest.raises(fop.ForeignEntryError, match=re.escape(said)):
+            make()
+    assert blocker.read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["afile"]
