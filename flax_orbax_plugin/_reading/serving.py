@@ -34,7 +34,7 @@ from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
 from .._like import transform as _transform
 from .._like.retarget import checked_dtype, concrete, retarget
-from .._state.train_state import holds_nnx_objects, nnx_state_as_dict, split_state
+from .._state.train_state import holds_nnx_objects, is_nnx, nnx_state_as_dict, split_state
 from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
 
@@ -143,6 +143,11 @@ def restore_params(
             )
         return _host_then_placed(params_loc, dtype, sharding, changes, cast)
     target, back = nnx_state_as_dict(target)  # an nnx.State like: read as its pure dict
+    if transform is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
+        # params saved as an nnx.State (each leaf at <path>/value) into a module's form
+        changes = _transform.changes(
+            partial=partial, missing=missing, transform={r"/value$": ""}, surgery=surgery
+        )
     if target is not None and (dtype is not None or sharding is not None):
         target = retarget(target, dtype, sharding)
     try:
@@ -160,6 +165,14 @@ def restore_params(
             )
             e.args = (f"{e.args[0]}\n{hint}", *e.args[1:])
         raise
+
+
+def _saved_as_nnx_state(params_loc: Location) -> bool:
+    """Whether the params were saved as an ``nnx.State`` (``{"params": nnx.state(model,
+    nnx.Param)}``): every leaf path ends in NNX's ``/value``, which a module's params
+    and their pure dict, the form an NNX like is read in, do not have."""
+    paths = list(_restore.metadata(params_loc).leaves)
+    return bool(paths) and all(p.endswith("/value") for p in paths)
 
 
 def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[int]]:

@@ -262,6 +262,12 @@ def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
     raise TypeError(f"cannot merge checkpointables into a {type(like).__name__}")
 
 
+def is_nnx(like: Any) -> bool:
+    """Whether ``like`` is an NNX object (a Module, Optimizer, Rngs or State), or a
+    mapping that holds one."""
+    return _nnx_kind(like) is not None or (isinstance(like, Mapping) and holds_nnx_objects(like))
+
+
 def holds_nnx_objects(state: Mapping[str, Any]) -> bool:
     """Whether a mapping holds an NNX module, optimizer or Rngs (split, not stored as is)."""
     return any(_nnx_kind(v) in _NNX_GRAPH_KINDS for v in state.values())
