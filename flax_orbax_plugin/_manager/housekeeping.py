@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 from .._base import distributed as _distributed
 from .._core import commit as _commit
 from .._core import ownership as _ownership
 from .._core import pending as _pending
-from .._errors import CheckpointError, CheckpointNotFoundError, DirectoryLockedError
+from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE
+from .._storage import lease as _lease
 from .._storage.location import Location
 from .._storage.lock import DirectoryLock
-from .._storage.run_record import read_record
 
 __all__ = [
     "open_writer",
@@ -63,7 +62,7 @@ def refuse_step_directory(loc: Location) -> None:
             )
 
 
-def open_writer(loc: Location, *, own: bool = False) -> DirectoryLock | None:
+def open_writer(loc: Location, *, own: bool = False) -> DirectoryLock | _lease.Lease | None:
     """A writer's open, on every process: the lock (the primary, local paths), the
     dead saves' remains removed (the primary), then one meeting of all processes.
     Returns the lock held (released again if anything after it fails). ``own``: each
@@ -75,8 +74,8 @@ def open_writer(loc: Location, *, own: bool = False) -> DirectoryLock | None:
         loc.makedirs()
         dir_lock = DirectoryLock(loc.path)
         dir_lock.acquire()
-    elif own or _distributed.is_primary():  # object stores: no lock, but a tier's lease
-        _refuse_leased(loc)
+    elif own or _distributed.is_primary():  # object stores: a lease (``_storage.lease``)
+        dir_lock = _lease.take(loc)
     try:
         if own or _distributed.is_primary():
             remove_unfinished(loc)
@@ -87,19 +86,6 @@ def open_writer(loc: Location, *, own: bool = False) -> DirectoryLock | None:
             dir_lock.release()
         raise
     return dir_lock
-
-
-def _refuse_leased(loc: Location) -> None:
-    """DirectoryLockedError when ``loc`` is a tiered run's persistent path whose lease
-    another run holds now: a second writer there (a manager, ``gc``) would save or
-    remove steps under that run (``docs/run_owner.md``)."""
-    rec = read_record(loc)
-    if rec is not None and rec.lease_expires is not None and rec.lease_expires > time.time():
-        raise DirectoryLockedError(
-            f"{loc} is the persistent path of a tiered run that holds its lease: "
-            f"{rec.describe()}, for {rec.lease_expires - time.time():.0f} s more; open it "
-            f"with read_only=True to read while that run writes"
-        )
 
 
 def remove_unfinished(loc: Location) -> dict[str, str]:

@@ -13,32 +13,29 @@ thread. The design: ``docs/run_owner.md``.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import secrets
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .._errors import CheckpointError, DirectoryLockedError
+from .lease import LEASE_SECONDS, MAX_LEASE_SECONDS, MIN_LEASE_SECONDS, Lease, refuse_live
 from .location import Location
 from .lock import DirectoryLock
-from .run_record import RUN_FILE, RunRecord, read_record, read_versioned, write_if
+from .run_record import RUN_FILE, RunRecord, read_record, read_versioned
 
-__all__ = ["LEASE_SECONDS", "RunOwner", "check_lease"]
+__all__ = [
+    "LEASE_SECONDS",
+    "MAX_LEASE_SECONDS",
+    "MIN_LEASE_SECONDS",
+    "RunOwner",
+    "check_lease",
+]
 
 logger = logging.getLogger("flax_orbax_plugin")
-
-LEASE_SECONDS = 60.0
-MIN_LEASE_SECONDS = 1.0  # renewed every third of it: one conditional write (and read) each
-MAX_LEASE_SECONDS = 366 * 86400.0  # a lease is renewed every third of it: a year is plenty
-
-
-def _when(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")
 
 
 def check_lease(lease_seconds: Any) -> float:
@@ -51,20 +48,6 @@ def check_lease(lease_seconds: Any) -> float:
             f"up to {MAX_LEASE_SECONDS:.0f} (a year), found {lease_seconds!r}"
         )
     return float(lease_seconds)
-
-
-def _dead_here(rec: RunRecord) -> bool:
-    """True when the record's holder ran on this host and its process is gone (a
-    restart after SIGKILL need not wait for the lease to run out)."""
-    if rec.host != socket.gethostname() or rec.pid == os.getpid():
-        return False
-    try:
-        os.kill(rec.pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 class RunOwner:
@@ -96,11 +79,7 @@ class RunOwner:
         self.holder = secrets.token_hex(8)
         self.run_id: str | None = None
         self._lock: DirectoryLock | None = None  # the persistent path's, on filesystems
-        self._generation: Any = None  # object stores: of the record we last wrote
-        self._guard = threading.Lock()  # guards _generation and _lost
-        self._lost: DirectoryLockedError | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._lease: Lease | None = None  # the persistent path's, on object stores
 
     # ------------------------------------------------------------------ open / close
 
@@ -130,7 +109,7 @@ class RunOwner:
             remote_rec, generation = read_record(self.remote), None
         else:
             remote_rec, generation = read_versioned(self.remote)
-            self._refuse_live_lease(remote_rec)
+            refuse_live(self.remote, remote_rec, self._clock(), what="the persistent path")
         if local_rec is not None and remote_rec is not None and local_rec.run != remote_rec.run:
             raise CheckpointError(
                 f"{self.local} belongs to run {local_rec.run} but the persistent path "
@@ -153,33 +132,29 @@ class RunOwner:
         else:
             run = secrets.token_hex(16)
         self.run_id = run
-        mine = self._record(local=self.remote.is_local)
         if self.remote.is_local:
+            mine = self._record()
             if remote_rec is None or remote_rec != mine:
                 self.remote.write_bytes(RUN_FILE, mine.to_bytes())
         else:
-            new = write_if(self.remote, mine, generation)
-            if new is None:  # another open wrote the record between our read and write
-                theirs, _ = read_versioned(self.remote)
-                if theirs is None:  # nobody's record: the store refused (S3 reads a
-                    self.remote.is_dir()  # missing bucket as a missing key: this raises)
-                    raise CheckpointError(
-                        f"{self.remote}: the run record {RUN_FILE} could not be written "
-                        f"(the store refused the conditional write, and holds no record)"
-                    )
-                raise DirectoryLockedError(
-                    f"{self.remote} was taken by "
-                    + (theirs.describe() if theirs else "another run")
-                    + " while this manager opened it; one run writes to a persistent path "
-                    "at a time"
-                )
-            self._generation = new
-            self._thread = threading.Thread(target=self._renew_loop, name="fop-lease", daemon=True)
-            self._thread.start()
+            self._lease = Lease(self.remote, run, seconds=self.lease_seconds, clock=self._clock)
+            self._lease.holder = self.holder
+            self._lease.take(generation, taken=self._taken)
         if local_rec is None:
             self.local.makedirs()
-            self.local.write_bytes(RUN_FILE, self._record(local=True).to_bytes())
+            self.local.write_bytes(RUN_FILE, self._record().to_bytes())
         return run
+
+    def _taken(self, theirs: RunRecord | None) -> Exception:
+        if theirs is None:
+            return CheckpointError(
+                f"{self.remote}: the run record {RUN_FILE} could not be written (the store "
+                f"refused the conditional write, and holds no record)"
+            )
+        return DirectoryLockedError(
+            f"{self.remote} was taken by {theirs.describe()} while this manager opened it; "
+            f"one run writes to a persistent path at a time"
+        )
 
     def _refuse_steps_without_record(
         self, local_rec: RunRecord | None, remote_rec: RunRecord | None
@@ -200,33 +175,10 @@ class RunOwner:
                     f"its own persistent path, or its own local directory"
                 )
 
-    def _refuse_live_lease(self, rec: RunRecord | None) -> None:
-        if rec is None or rec.lease_expires is None or rec.lease_expires == 0:
-            return
-        now = self._clock()
-        if rec.lease_expires > now and not _dead_here(rec):
-            raise DirectoryLockedError(
-                f"{self.remote} is held by {rec.describe()}, whose lease expires at "
-                f"{_when(rec.lease_expires)} ({rec.lease_expires - now:.0f} s from now): one "
-                f"run writes to a persistent path at a time. Wait for it to close, or give "
-                f"this run its own persistent path"
-            )
-        logger.warning(
-            "checkpoint: taking over %s from %s, whose lease %s at %s (it died or hung "
-            "without closing)",
-            self.remote,
-            rec.describe(),
-            "expired" if rec.lease_expires <= now else "would expire (its process is gone)",
-            _when(rec.lease_expires),
-        )
-
-    def _record(self, *, local: bool, expires: float | None = None) -> RunRecord:
-        if not local and expires is None:
-            expires = self._clock() + self.lease_seconds
+    def _record(self) -> RunRecord:
+        """This run's record of a place it holds by a lock (no lease)."""
         assert self.run_id is not None
-        return RunRecord(
-            self.run_id, socket.gethostname(), os.getpid(), self.holder, None if local else expires
-        )
+        return RunRecord(self.run_id, socket.gethostname(), os.getpid(), self.holder, None)
 
     def close(self) -> None:
         """Stops renewing and releases the place (the lock; on object stores the
@@ -234,68 +186,24 @@ class RunOwner:
         self._release()
 
     def _release(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(30)
-        self._thread = None
-        with self._guard:
-            generation, self._generation = self._generation, None
-            lost = self._lost
-        if generation is not None and lost is None:
-            try:
-                write_if(self.remote, self._record(local=False, expires=0.0), generation)
-            except Exception as e:  # noqa: BLE001  (the lease then expires by itself)
-                logger.warning("checkpoint: could not release the lease on %s: %s", self.remote, e)
+        if self._lease is not None:
+            self._lease.release()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
 
     # ------------------------------------------------------------------ while open
 
-    def _renew_loop(self) -> None:
-        interval = self.lease_seconds / 3
-        while not self._stop.wait(interval):
-            try:
-                self.renew()
-            except DirectoryLockedError:
-                return
-            except Exception as e:  # noqa: BLE001  (a transient store error: next time)
-                logger.warning("checkpoint: could not renew the lease on %s: %s", self.remote, e)
-
     def renew(self) -> None:
-        """Object stores: extends the lease by :attr:`lease_seconds` from now. Raises
-        (and remembers) DirectoryLockedError when another run took the place."""
-        with self._guard:
-            if self._lost is not None:
-                raise self._lost
-            generation = self._generation
-            if generation is None:
-                return
-            new = write_if(self.remote, self._record(local=False), generation)
-            if new is not None:
-                self._generation = new
-                return
-        theirs = None
-        try:
-            theirs, _ = read_versioned(self.remote)
-        except Exception:  # noqa: BLE001  (the error below says what is known)
-            pass
-        lost = DirectoryLockedError(
-            f"this run ({self.run_id}) lost {self.remote} to "
-            + (theirs.describe() if theirs else "another writer")
-            + f" (its lease of {self.lease_seconds:.0f} s ran out before it was renewed); "
-            "nothing more is written there"
-        )
-        logger.error("checkpoint: %s", lost)
-        with self._guard:
-            self._lost, self._generation = lost, None
-        raise lost
+        """Object stores: extends the lease from now (``Lease.renew``); raises
+        DirectoryLockedError when another run took the place."""
+        if self._lease is not None:
+            self._lease.renew()
 
     def raise_if_lost(self) -> None:
         """Raises the DirectoryLockedError of a lost lease (no I/O)."""
-        with self._guard:
-            if self._lost is not None:
-                raise self._lost
+        if self._lease is not None:
+            self._lease.raise_if_lost()
 
     def check(self, what: str) -> None:
         """Reads the persistent record again before ``what``: it must name this run

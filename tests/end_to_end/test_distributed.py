@@ -330,7 +330,7 @@ def test_processes_save_to_s3_and_manager_commits(s3_location):
     ).check()
     for p in run.procs:  # retention runs in the background: step 1 may still be listed
         assert p.result["steps"][-2:] == [2, 3], p.result
-    assert {k.split("/")[0] for k in mngr_loc.keys()} == {"2", "3"}
+    assert {k.split("/")[0] for k in mngr_loc.keys()} == {"2", "3", "_RUN.json"}
     with fop.CheckpointManager(mngr_loc.spec, read_only=True) as reader:
         assert reader.steps() == [2, 3]
     host = fop.restore_params(mngr_loc.spec)
@@ -447,7 +447,7 @@ def test_manager_on_s3_process_killed_mid_save(s3_location):
         np.testing.assert_array_equal(reader.restore()["params"]["w"], W.expected_w(6) + 1)
     with fop.CheckpointManager(loc.spec) as writer:  # a new writer clears the debris
         assert writer.steps() == [1]
-    assert {k.split("/")[0] for k in loc.keys()} == {"1"}
+    assert {k.split("/")[0] for k in loc.keys()} == {"1", "_RUN.json"}
 
 
 # ------------------------------------------------------------------ one process fails

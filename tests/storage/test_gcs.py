@@ -84,7 +84,7 @@ def test_manager_retention_and_params_only(gcs_location):
                 step, {"params": {"w": jnp.full(8, float(step))}, "opt_state": {"m": jnp.ones(8)}}
             )
         mngr.wait()
-    assert {k.split("/")[0] for k in gcs_location.keys()} == {"2", "3"}
+    assert {k.split("/")[0] for k in gcs_location.keys()} == {"2", "3", "_RUN.json"}
     for key in gcs_location.keys():
         if key.startswith("3/opt_state/"):
             gcs_location.delete(key)

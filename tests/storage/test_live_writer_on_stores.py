@@ -1,7 +1,10 @@
-"""Object stores have no writer lock: a second open (or ``gc``) on a path where another
-process of this host is saving leaves that save's step alone. Before, it removed the
+"""Object stores have no writer lock, so a manager there holds a lease (its run record,
+``_storage/lease.py``): a second open (or ``gc``) on a path another process writes to
+is refused, and that save's step is left alone. Before, the second writer removed the
 step's staged files as a dead save's, and the save then committed without them (a
-committed step whose restore failed: 'chunk ... missing or short')."""
+committed step whose restore failed: 'chunk ... missing or short'); then, with only
+this host's live-writer rule, it opened, saved its own steps and its retention removed
+the first writer's (a real second process on the moto server)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import sys
 
 import _proc
 import numpy as np
+import pytest
 
 import flax_orbax_plugin as fop
 
@@ -40,8 +44,10 @@ def test_a_second_open_leaves_a_live_writers_step_alone(s3_location):
             line = proc.stderr.readline()
             assert line, (proc.wait(timeout=60), err)
             err += line
-        with fop.CheckpointManager(url) as second:  # its open and gc remove dead saves only
-            assert second.gc() == [] and second.steps() == [1]
+        with pytest.raises(fop.DirectoryLockedError, match=r"is held by run .* lease expires"):
+            fop.CheckpointManager(url)  # a second writer: refused, nothing removed
+        with fop.CheckpointManager(url, read_only=True) as reader:  # reading is fine
+            assert reader.steps() == [1]
         out, rest = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -68,3 +74,14 @@ def test_a_store_that_refuses_the_markers_removal_still_commits(s3_location, mon
             mngr.wait()
         assert mngr.steps() == [1, 2]
     assert all(r.ok for r in fop.verify(run, all_steps=True))
+
+
+def test_a_tier_is_refused_a_persistent_path_a_plain_writer_holds(s3_location, tmp_path):
+    """The tier's persistent path and a plain writer's directory share one lease."""
+    with fop.CheckpointManager(s3_location.url) as plain:
+        plain.save(1, {"params": {"w": np.ones(8, np.float32)}})
+        plain.wait()
+        with pytest.raises(fop.DirectoryLockedError, match=r"is held by run .* lease expires"):
+            fop.CheckpointManager(tmp_path / "local", persistent=fop.Tier(s3_location.url))
+    with fop.CheckpointManager(tmp_path / "local", persistent=fop.Tier(s3_location.url)) as tiered:
+        assert tiered.latest_step(include_persistent=True) == 1  # released: the run goes on

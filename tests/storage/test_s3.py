@@ -233,7 +233,7 @@ class TestManagerOnS3:
             assert mngr.latest_step() == 4
         # Retention deleted the bytes of old steps, not just their markers.
         tops = {k.split("/")[0] for k in s3_location.keys()}
-        assert tops == {"3", "4"}, sorted(tops)
+        assert tops == {"3", "4", "_RUN.json"}, sorted(tops)
         with fop.CheckpointManager(spec, read_only=True) as reader:
             restored = reader.restore()
             np.testing.assert_array_equal(restored["params"]["w"], np.full((8, 4), 4.0))

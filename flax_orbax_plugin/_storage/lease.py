@@ -1,0 +1,208 @@
+"""One live writer per place on an object store: a lease held in its run record.
+
+A local directory has its writer lock (:mod:`.lock`: ``flock``, dropped by the kernel
+when the holder dies). An object store has no lock, so a writer there holds a lease:
+the place's run record (``_RUN.json``, :mod:`.run_record`) names the holder and when
+its lease ends. It is taken and renewed by conditional writes (two opens cannot both
+win), every third of its length, and released at close (``lease_expires: 0``, the run
+id kept). Another writer (a manager, a tier, ``gc``) is refused while a lease is live;
+one whose holder died is taken over once it ran out, or at once when the holder ran
+on this host and its process is gone. A plain manager on an object store holds one
+(:func:`take`); so does a tiered run on its persistent path (:mod:`.run_owner`).
+The design: ``docs/run_owner.md``.
+
+Threading: :meth:`Lease.take` and :meth:`Lease.release` from the thread that owns
+the writer (the training thread); renewal on its own daemon thread;
+:meth:`Lease.renew`, :meth:`Lease.raise_if_lost` and :meth:`Lease.take_again_if_lost`
+from any thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import CheckpointError, DirectoryLockedError
+from .location import Location
+from .run_record import RunRecord, read_versioned, write_if
+
+__all__ = ["LEASE_SECONDS", "Lease", "take"]
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+LEASE_SECONDS = 60.0
+MIN_LEASE_SECONDS = 1.0  # renewed every third of it: one conditional write (and read) each
+MAX_LEASE_SECONDS = 366 * 86400.0  # a lease is renewed every third of it: a year is plenty
+
+
+def when(t: float) -> str:
+    """A lease time in words (UTC, ISO 8601, seconds)."""
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")
+
+
+def dead_here(rec: RunRecord) -> bool:
+    """True when the record's holder ran on this host and its process is gone (a
+    restart after SIGKILL need not wait for the lease to run out)."""
+    if rec.host != socket.gethostname() or rec.pid == os.getpid():
+        return False
+    try:
+        os.kill(rec.pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def refuse_live(loc: Location, rec: RunRecord | None, now: float, *, what: str) -> None:
+    """DirectoryLockedError when ``rec`` holds a live lease on ``loc`` (``what``: the
+    place in words); a lease that ran out, or whose holder died here, is taken over with
+    a WARNING."""
+    if rec is None or rec.lease_expires is None or rec.lease_expires == 0:
+        return
+    if rec.lease_expires > now and not dead_here(rec):
+        raise DirectoryLockedError(
+            f"{what} {loc} is held by {rec.describe()}, whose lease expires at "
+            f"{when(rec.lease_expires)} ({rec.lease_expires - now:.0f} s from now): one "
+            f"writer at a time. Wait for it to close, open it with read_only=True to read "
+            f"while it writes, or write elsewhere"
+        )
+    logger.warning(
+        "checkpoint: taking over %s from %s, whose lease %s at %s (it died or hung "
+        "without closing)",
+        loc,
+        rec.describe(),
+        "expired" if rec.lease_expires <= now else "would expire (its process is gone)",
+        when(rec.lease_expires),
+    )
+
+
+class Lease:
+    """A lease on ``loc`` for run ``run``, taken by :meth:`take` from the record found
+    at its generation; renewed on a daemon thread until :meth:`release`."""
+
+    def __init__(self, loc: Location, run: str, *, seconds: float = LEASE_SECONDS, clock=time.time):
+        self.loc, self.run, self.seconds, self._clock = loc, run, seconds, clock
+        self.holder = secrets.token_hex(8)
+        self._generation: Any = None  # of the record we last wrote
+        self._guard = threading.Lock()  # guards _generation and _lost
+        self._lost: DirectoryLockedError | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def record(self, *, expires: float | None = None) -> RunRecord:
+        """This holder's record, its lease ending ``expires`` (default: a lease from now)."""
+        expires = self._clock() + self.seconds if expires is None else expires
+        return RunRecord(self.run, socket.gethostname(), os.getpid(), self.holder, expires)
+
+    def take(self, generation: Any, *, taken: Callable[[RunRecord | None], Exception]) -> None:
+        """Writes this holder's record if ``loc``'s is still at ``generation`` (the one
+        the caller read and checked with :func:`refuse_live`), then renews it. Someone
+        else's write in between: ``taken(their record)`` is raised (None: the store
+        holds none, it refused the write)."""
+        new = write_if(self.loc, self.record(), generation)
+        if new is None:
+            theirs, _ = read_versioned(self.loc)
+            if theirs is None:  # S3 reads a missing bucket as a missing key: this raises
+                self.loc.is_dir()
+            raise taken(theirs)
+        self._generation = new
+        self._thread = threading.Thread(target=self._renew_loop, name="fop-lease", daemon=True)
+        self._thread.start()
+
+    @property
+    def held(self) -> bool:
+        return self._generation is not None
+
+    def release(self) -> None:
+        """Stops renewing and marks the lease released (``lease_expires: 0``, the run id
+        kept), unless it was lost. Idempotent."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(30)
+        self._thread = None
+        with self._guard:
+            generation, self._generation = self._generation, None
+            lost = self._lost
+        if generation is not None and lost is None:
+            try:
+                write_if(self.loc, self.record(expires=0.0), generation)
+            except Exception as e:  # noqa: BLE001  (the lease then expires by itself)
+                logger.warning("checkpoint: could not release the lease on %s: %s", self.loc, e)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.seconds / 3):
+            try:
+                self.renew()
+            except DirectoryLockedError:
+                return
+            except Exception as e:  # noqa: BLE001  (a transient store error: next time)
+                logger.warning("checkpoint: could not renew the lease on %s: %s", self.loc, e)
+
+    def renew(self) -> None:
+        """Extends the lease by :attr:`seconds` from now. Raises (and remembers)
+        DirectoryLockedError when another writer took the place."""
+        with self._guard:
+            if self._lost is not None:
+                raise self._lost
+            generation = self._generation
+            if generation is None:
+                return
+            new = write_if(self.loc, self.record(), generation)
+            if new is not None:
+                self._generation = new
+                return
+        theirs = None
+        try:
+            theirs, _ = read_versioned(self.loc)
+        except Exception:  # noqa: BLE001  (the error below says what is known)
+            pass
+        lost = DirectoryLockedError(
+            f"this run ({self.run}) lost {self.loc} to "
+            + (theirs.describe() if theirs else "another writer")
+            + f" (its lease of {self.seconds:.0f} s ran out before it was renewed); "
+            "nothing more is written there"
+        )
+        logger.error("checkpoint: %s", lost)
+        with self._guard:
+            self._lost, self._generation = lost, None
+        raise lost
+
+    def raise_if_lost(self) -> None:
+        """Raises the DirectoryLockedError of a lost lease (no I/O)."""
+        with self._guard:
+            if self._lost is not None:
+                raise self._lost
+
+    def take_again_if_lost(self) -> bool:
+        """The writer's check before each write (as ``DirectoryLock``'s): raises the
+        DirectoryLockedError of a lost lease; False otherwise."""
+        self.raise_if_lost()
+        return False
+
+
+def take(loc: Location, *, seconds: float = LEASE_SECONDS) -> Lease:
+    """A plain writer's lease on the object-store directory ``loc`` (a manager's open):
+    the run its record names goes on (a new one without a record). DirectoryLockedError
+    while another writer's lease is live, or when another open won meanwhile."""
+    rec, generation = read_versioned(loc)
+    refuse_live(loc, rec, time.time(), what="the directory")
+    lease = Lease(loc, secrets.token_hex(16) if rec is None else rec.run, seconds=seconds)
+
+    def taken(theirs: RunRecord | None) -> Exception:
+        if theirs is None:
+            return CheckpointError(f"{loc}: the store refused the lease's conditional write")
+        return DirectoryLockedError(
+            f"{loc} was taken by {theirs.describe()} while this manager opened it: one "
+            f"writer at a time"
+        )
+
+    lease.take(generation, taken=taken)
+    return lease
