@@ -24,6 +24,7 @@ import numpy as np
 from .._base import distributed as _distributed
 from .._base import liveness as _liveness
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError
+from .._format import host_copy as _host_copy
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument
 from .._like import casting as _casting
@@ -93,6 +94,10 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
     # the claims of the saved leaves surgery's leaves are made of are checked too
     made = [t for t in targets if t.virtual is not None]  # surgery's leaves
     checked = targets + (_surgery_reads.sources(made) if made else [])
+    copy = None if request.own_copy else _host_copy.of_item(location)  # read alone
+    partial = [] if copy is None else copy.partial(location.name, [t.record for t in checked])
+    if partial:  # one host's copy (a directory per host) never passes for the whole
+        raise copy.refusal(location, partial)
     direct = fmt.open(location, doc, checked, own_copy=request.own_copy)
     try:
         with _liveness.ACTIVITIES.doing(f"reading {location}", moving=True) as progress:

@@ -8,12 +8,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import itertools
-import math
 from collections.abc import Callable
 from typing import Any
 
 from .._errors import CheckpointError, OptionError, OptionTypeError
+from .._format import host_copy as _host_copy
 from .._format import layout as _layout
 from .._format import places as _places
 from .._format import steps as _steps
@@ -30,6 +29,7 @@ from .._format.layout import (
 )
 from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
+from .._zarr import regions as _chunk_regions
 from . import formats as _formats
 from . import handle as _handle
 from . import read_data as _read_data
@@ -56,6 +56,7 @@ class VerifyResult:
     item: str | None
     ok: bool
     error: str | None = None
+    note: str | None = None  # a host's own copy of a step: what it holds (and not)
 
 
 @raises_store_errors(arguments("path"))
@@ -89,8 +90,12 @@ def verify(
     manifest = _steps.manifest_for_item(loc)
     if manifest is not None:  # an item of a step: checked as its kind is, as the step's are
         name = next(n for n, e in manifest.items.items() if e.dir == loc.name)
-        _no_step_chosen(loc, f"item {name!r} of a step", _step_number(loc.parent), step)
-        return [_verify_item(loc.parent, manifest, name, _step_number(loc.parent), progress)]
+        number = _step_number(loc.parent)
+        _no_step_chosen(loc, f"item {name!r} of a step", number, step)
+        copy, problem = _host_copy.of_step(loc.parent)
+        if problem is not None:
+            return [VerifyResult(str(loc), number, name, False, problem)]
+        return [_verify_item(loc.parent, manifest, name, number, progress, copy)]
     if loc.exists(METADATA_FILE):
         _no_step_chosen(loc, "a pytree", _step_number(loc.parent), step)
         return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress)]
@@ -122,12 +127,18 @@ def _step_number(loc: Location) -> int | None:
 def verify_step(
     step_loc: Location, step: int | None, *, progress: Progress | None = None
 ) -> list[VerifyResult]:
-    """Every item of one step; a bad manifest is one failed result for the step."""
+    """Every item of one step; a bad manifest is one failed result for the step. A
+    host's own copy of a step (a directory per host: its ``_HOST.json``) is checked for
+    what it is meant to hold, that host's regions (``_format/host_copy.py``), each
+    result saying so in its ``note``; a bad marker is one failed result for the step."""
     try:
         manifest = _steps.read_manifest(step_loc)
+        copy, problem = _host_copy.of_step(step_loc)
     except CheckpointError as e:
         return [VerifyResult(str(step_loc), step, None, False, str(e))]
-    return [_verify_item(step_loc, manifest, name, step, progress) for name in manifest.items]
+    if problem is not None:
+        return [VerifyResult(str(step_loc), step, None, False, problem)]
+    return [_verify_item(step_loc, manifest, name, step, progress, copy) for name in manifest.items]
 
 
 def _verify_item(
@@ -136,18 +147,21 @@ def _verify_item(
     name: str,
     step: int | None,
     progress: Progress | None = None,
+    copy: _host_copy.HostCopy | None = None,
 ) -> VerifyResult:
     """One item of a committed step: the files its kind needs, every JSON file it
-    holds against the manifest's checksum, and a pytree's data."""
+    holds against the manifest's checksum, and a pytree's data (``copy``: a host's own
+    copy of the step, its regions only)."""
     entry = manifest.items[name]
     item_loc = step_loc.child(entry.dir)
+    note = None if copy is None else copy.note
     try:
-        _check_item_files(item_loc, name, entry.kind, manifest)
+        _check_item_files(item_loc, name, entry.kind, manifest, copy)
     except CheckpointError as e:
-        return VerifyResult(str(item_loc), step, name, False, str(e))
+        return VerifyResult(str(item_loc), step, name, False, str(e), note)
     if entry.kind == "pytree":
-        return _verify_pytree(item_loc, step, name, progress)
-    return VerifyResult(str(item_loc), step, name, True)
+        return _verify_pytree(item_loc, step, name, progress, copy)
+    return VerifyResult(str(item_loc), step, name, True, None, note)
 
 
 def _required_files(kind: str, manifest: StepManifest) -> list[str]:
@@ -160,7 +174,10 @@ def _required_files(kind: str, manifest: StepManifest) -> list[str]:
     return []
 
 
-def _check_item_files(item_loc: Location, name: str, kind: str, manifest: StepManifest) -> None:
+def _check_item_files(
+    item_loc: Location, name: str, kind: str, manifest: StepManifest, copy: Any = None
+) -> None:
+    elsewhere = set() if copy is None else copy.elsewhere(kind, manifest.process_count)
     prefix = f"{item_loc.name}/"
     listed = [f[len(prefix) :] for f in manifest.files if f.startswith(prefix)]
     for needed in _required_files(kind, manifest):
@@ -170,19 +187,27 @@ def _check_item_files(item_loc: Location, name: str, kind: str, manifest: StepMa
                 f"for every {kind} item"
             )
     for file in listed:
+        if file in elsewhere and not item_loc.exists(file):
+            continue  # another host's file, in that host's own directory
         if file != METADATA_FILE:  # read with its pytree below
             _steps.read_item_json(item_loc, file)
 
 
 def _verify_pytree(
-    loc: Location, step: int | None, item: str | None, progress: Progress | None = None
+    loc: Location,
+    step: int | None,
+    item: str | None,
+    progress: Progress | None = None,
+    copy: _host_copy.HostCopy | None = None,
 ) -> VerifyResult:
     what = str(loc) if step is None else f"step {step}" + (f"/{item}" if item else "")
+    held = None if copy is None or item is None else copy.item(item)
+    note = None if copy is None else copy.note
     try:
-        check_pytree(loc, progress=progress, what=what)
+        check_pytree(loc, progress=progress, what=what, held=held)
     except CheckpointError as e:
-        return VerifyResult(str(loc), step, item, False, str(e))
-    return VerifyResult(str(loc), step, item, True)
+        return VerifyResult(str(loc), step, item, False, str(e), note)
+    return VerifyResult(str(loc), step, item, True, None, note)
 
 
 def check_pytree(
@@ -191,47 +216,71 @@ def check_pytree(
     budget: int = VERIFY_BUDGET_BYTES,
     progress: Progress | None = None,
     what: str = "",
+    held: _host_copy.HeldItem | None = None,
 ) -> None:
     """Checks a committed pytree checkpoint as restore reads it (metadata checksum and
     fields, sizes claimed against the files on disk, every ``zarr.json``, every chunk's
     crc32c) holding at most ``budget`` bytes of data at a time; raises the
     CorruptCheckpointError restore would (naming the leaf), OSError for the
     environment's errors. Returns nothing: no value is kept. ``progress(total_bytes,
-    what)``: as :func:`verify`'s, its bar advanced by each checked read's bytes."""
+    what)``: as :func:`verify`'s, its bar advanced by each checked read's bytes.
+    ``held``: the item of a host's own copy of a step, whose regions alone are read
+    (every chunk of them: a missing one is damage) and whose claims are checked for
+    the leaves and batches it holds whole."""
     _handle.wait_for_pending_save(location)
     doc = read_document(location)
     location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
     targets = [make_target(i, rec, None, cast="safe") for i, rec in enumerate(doc.leaves)]
     fmt = _formats.of_document(doc)  # picked once, from the metadata
-    with _open_progress(progress, doc, what or str(location)) as bar:
-        direct = fmt.open(location, doc, targets, own_copy=False)  # claims checked first
+    skipped = set() if held is None else held.skipped_batches(doc)
+    whole = targets if held is None else [t for t in targets if held.whole(t.record, skipped)]
+    with _open_progress(progress, doc, what or str(location), held, skipped) as bar:
+        direct = fmt.open(location, doc, whole, own_copy=False)  # claims checked first
         window = _Window(location, budget, bar)
-        _check_data(location, doc, targets, fmt, direct, window, budget)
+        _check_data(location, doc, targets, fmt, direct, window, budget, held, skipped)
 
 
-def _open_progress(progress: Progress | None, doc: Any, what: str) -> Any:
+def _open_progress(progress: Progress | None, doc: Any, what: str, held, skipped) -> Any:
     if progress is None:
         return contextlib.nullcontext(None)
-    total = sum(rec.nbytes for rec in doc.leaves if isinstance(rec.storage, ArrayStorage))
-    total += sum(b.size * _layout.dtype_from_name(b.dtype).itemsize for b in doc.batches.values())
+    total = sum(
+        _host_copy.held_bytes(
+            None if held is None else held.regions(rec),
+            rec.shape,
+            _layout.dtype_from_name(rec.dtype).itemsize,
+        )
+        for rec in doc.leaves
+        if isinstance(rec.storage, ArrayStorage)
+    )
+    total += sum(
+        b.size * _layout.dtype_from_name(b.dtype).itemsize
+        for name, b in doc.batches.items()
+        if name not in skipped
+    )
     return progress(total, what)
 
 
-def _check_data(location, doc, targets, fmt, direct, window: _Window, budget: int) -> None:
+def _check_data(location, doc, targets, fmt, direct, window: _Window, budget, held, skipped):
     try:
         fmt.check_lengths(location, direct)  # nothing past what was written
         for target in targets:
             record = target.record
             if not isinstance(record.storage, ArrayStorage):
                 continue
+            spans = [None] if held is None else held.regions(record)
+            if spans == []:
+                continue  # a leaf this host's copy holds nothing of
             store = fmt.array_store(location, target, [record.path])  # v1: its zarr.json
             itemsize = target.dtype.itemsize
-            for region in _regions(record.shape, record.storage.chunk_shape, itemsize, budget):
-                nbytes = _region_bytes(region, record.shape, itemsize)
-                read = _read_data.read_region(fmt, store, target, direct, region)
-                window.submit(read, nbytes, [record.path])
-        for batch in doc.batches.values():
-            _check_batch(location, doc, batch, fmt, direct, window, budget)
+            chunk = record.storage.chunk_shape
+            for span in spans or [None]:
+                for region in _chunk_regions.within(record.shape, span, chunk, itemsize, budget):
+                    nbytes = _chunk_regions.nbytes(region, record.shape, itemsize)
+                    read = _read_data.read_region(fmt, store, target, direct, region)
+                    window.submit(read, nbytes, [record.path])
+        for name, batch in doc.batches.items():
+            if name not in skipped:
+                _check_batch(location, doc, batch, fmt, direct, window, budget)
         window.drain(0)
     finally:
         if direct is not None:
@@ -281,37 +330,6 @@ def _damaged_leaves(store, members: list) -> list[str]:
             _reads.raise_environmental(e)
             bad.append(rec.path)
     return bad
-
-
-def _regions(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, budget: int):
-    """Regions (tuples of slices) of whole chunks covering an array, each at most
-    ``budget`` bytes where one chunk is not larger: slabs of whole chunks along the
-    first axis where they fit, else along the next axis within one chunk of the first,
-    and so on. A generator: nothing is allocated per chunk ahead of its read."""
-    if not shape or math.prod(shape) * itemsize <= budget:
-        yield None
-        return
-    ndim = len(shape)
-    axis = ndim - 1
-    for k in range(ndim):  # the first axis along which a run of whole chunks fits
-        if math.prod(chunk[: k + 1]) * math.prod(shape[k + 1 :]) * itemsize <= budget:
-            axis = k
-            break
-    per_chunk = math.prod(chunk[: axis + 1]) * math.prod(shape[axis + 1 :]) * itemsize
-    step = chunk[axis] * max(1, budget // per_chunk)
-    outer = (range(0, shape[a], chunk[a]) for a in range(axis))
-    for starts in itertools.product(*outer):
-        cells = zip(starts, chunk[:axis], shape[:axis], strict=True)
-        head = tuple(slice(a, min(a + c, n)) for a, c, n in cells)
-        tail = tuple(slice(0, n) for n in shape[axis + 1 :])
-        for lo in range(0, shape[axis], step):
-            yield (*head, slice(lo, min(lo + step, shape[axis])), *tail)
-
-
-def _region_bytes(region, shape: tuple[int, ...], itemsize: int) -> int:
-    if region is None:
-        return math.prod(shape) * itemsize
-    return math.prod(s.stop - s.start for s in region) * itemsize
 
 
 def _check_batch(location, doc, batch, fmt, direct, window: _Window, budget: int) -> None:

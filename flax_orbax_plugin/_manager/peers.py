@@ -135,6 +135,7 @@ def _from_donor(
                 "files": [[rel, len(data), hashlib.sha256(data).hexdigest()] for rel, data in mine],
                 "layout": doc.get("layout"),
                 "hosts": doc.get("hosts"),
+                "held": doc.get("held"),  # the donor's regions are the recipient's
             }
         )
     listing = _distributed.gather_json("peer-listing", listing)[donor]
@@ -195,7 +196,9 @@ def _commit(loc: Location, step: int, run: Any, listing: dict, received: bytes) 
     try:
         for rel, data in files.items():
             staging.location.write_bytes(rel, data, durable=False)
-        marker = _per_host.host_marker(step, run, listing["layout"], listing["hosts"])
+        marker = _per_host.host_marker(
+            step, run, listing["layout"], listing["hosts"], listing.get("held")
+        )
         staging.location.write_bytes(_per_host.HOST_FILE, marker, durable=False)
         staging.location.sync()
         staging.publish(MANIFEST_FILE, raw, replace=False)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -35,6 +36,7 @@ from .._base import distributed as _distributed
 from .._base import tree as _tree
 from .._core import formats as _formats
 from .._errors import CheckpointError
+from .._format import host_copy as _host_copy
 from .._format import steps as _steps
 from .._format.layout import HOST_FILE
 from .._storage import json_docs as _docs
@@ -52,8 +54,8 @@ __all__ = [
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-_FORMAT = "flax_orbax_plugin/host-copy"
-COPY_LAYOUT = "copied down: every region"  # the marker's layout of a bucket's step
+_FORMAT = _host_copy.MARKER_FORMAT
+COPY_LAYOUT = _host_copy.COPY_LAYOUT  # the marker's layout of a bucket's step
 
 
 def device_map() -> list[list[int]]:
@@ -105,10 +107,45 @@ def host_regions(items: Mapping[str, Any]) -> list[str]:
     return [h.hexdigest() for h in hashes]
 
 
-def host_marker(step: int, run: str | None, layout: str, hosts: list | None = None) -> bytes:
+def held_regions(items: Mapping[str, Any]) -> dict:
+    """The marker's ``held`` (``_format/host_copy.py``): the regions this process's
+    devices hold of every jax.Array leaf of ``items`` that it does not hold whole, each
+    distinct set of regions once."""
+    me = _distributed.process_index()
+    sets: list[list] = []
+    seen: dict[tuple, int] = {}
+    out: dict[str, dict[str, int]] = {}
+    for name, path, leaf in _array_leaves(items):
+        shape = leaf.shape
+        mine = {
+            tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+            for d, index in leaf.sharding.devices_indices_map(shape).items()
+            if d.process_index == me
+        }  # the regions of a sharding are disjoint or equal: their sizes add up
+        if sum(math.prod(b - a for a, b in r) for r in mine) == math.prod(shape):
+            continue  # held whole
+        key = tuple(sorted(mine))
+        if key not in seen:
+            seen[key] = len(sets)
+            sets.append([[list(d) for d in r] for r in key])
+        out.setdefault(name, {})[path] = seen[key]
+    return {"sets": sets, "items": out}
+
+
+def own_marker(step: int, run: str | None, items: Mapping[str, Any]) -> bytes:
+    """This host's :data:`HOST_FILE` for ``step`` saved from ``items`` (its own shards)."""
+    layout, hosts = layout_digest(items), host_regions(items)
+    return host_marker(step, run, layout, hosts, held_regions(items))
+
+
+def host_marker(
+    step: int, run: str | None, layout: str, hosts: list | None = None, held: dict | None = None
+) -> bytes:
     """The bytes of this host's :data:`HOST_FILE` for ``step``; ``hosts``: the
-    :func:`host_regions` of the saved items (None for a copy holding every region)."""
+    :func:`host_regions` of the saved items (None for a copy holding every region);
+    ``held``: the regions this copy holds (:func:`held_regions`; None: every region)."""
     doc = {
+        "held": held,
         "format": _FORMAT,
         "step": step,
         "run": run,
@@ -123,56 +160,8 @@ def host_marker(step: int, run: str | None, layout: str, hosts: list | None = No
 
 def read_marker(loc: Location, step: int) -> tuple[dict | None, str | None]:
     """This host's :data:`HOST_FILE` of ``step`` as a checked JSON object (bounded
-    parse, every field's type: :func:`_check_marker`), or what is wrong with it."""
-    step_loc = _steps.step_location(loc, step)
-    try:
-        raw = step_loc.read_bytes(HOST_FILE, max_bytes=_docs.HOST_MARKER.max_bytes)
-        if raw is None:
-            return None, f"no {HOST_FILE}"
-        doc = _docs.parse(raw, f"{step_loc}/{HOST_FILE}", _docs.HOST_MARKER)
-    except CheckpointError as e:
-        return None, str(e)
-    problem = _check_marker(doc)
-    return (None, f"{step_loc}/{HOST_FILE}: {problem}") if problem else (doc, None)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
-
-
-# field -> (expected, check) of a per-host marker (what host_marker writes)
-_MARKER_FIELDS = {
-    "format": (repr(_FORMAT), lambda v: v == _FORMAT),
-    "step": ("a step number", _is_int),
-    "run": ("a run id or null", lambda v: v is None or isinstance(v, str) and len(v) <= 64),
-    "process_index": ("a process index", _is_int),
-    "process_count": ("a process count", _is_int),
-    "devices": (
-        "[[device id, process index], ...]",
-        lambda v: (
-            isinstance(v, list)
-            and all(isinstance(d, list) and len(d) == 2 and all(map(_is_int, d)) for d in v)
-        ),
-    ),
-    "layout": (
-        "a layout description or null",
-        lambda v: v is None or isinstance(v, str) and len(v) <= 256,
-    ),
-    "hosts": (
-        "null or a list of digests",
-        lambda v: v is None or isinstance(v, list) and all(isinstance(h, str) for h in v),
-    ),
-}
-
-
-def _check_marker(doc: Any) -> str | None:
-    """What is wrong with a parsed marker (the first field), or None."""
-    if not isinstance(doc, dict):
-        return f"expected a JSON object, found {type(doc).__name__}"
-    for field, (expected, ok) in _MARKER_FIELDS.items():
-        if not ok(doc.get(field)):
-            return f"field {field}: expected {expected}, found {repr(doc.get(field))[:80]}"
-    return None
+    parse, every field's type: ``_format/host_copy.check_marker``), or what is wrong."""
+    return _host_copy.read_at(_steps.step_location(loc, step))
 
 
 def _marker_problem(loc: Location, step: int, run: Any) -> str | None:

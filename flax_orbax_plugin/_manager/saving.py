@@ -291,8 +291,7 @@ class Saver:
         )
         pendings, reuses = self._save_items(staging, items, dirs, handlers, prev_loc, request)
         if own:
-            layout, hosts = _per_host.layout_digest(items), _per_host.host_regions(items)
-            marker = _per_host.host_marker(step, self._book.run, layout, hosts)
+            marker = _per_host.own_marker(step, self._book.run, items)
         entries = {n: ItemEntry(kind_of(h), dirs[n]) for n, h in handlers.items()}
         digest = _layout.sha256(
             _layout.encode(

@@ -177,7 +177,7 @@ def cmd_verify(args) -> int:
     for r in results:
         label = r.path if r.step is None else f"step {r.step}" + (f"/{r.item}" if r.item else "")
         if r.ok:
-            print(f"ok       {label}")
+            print(f"ok       {label}" + (f" ({r.note})" if r.note else ""))
         else:
             print(f"DAMAGED  {label}: {one_line(r.error or '')}")
     if damaged:

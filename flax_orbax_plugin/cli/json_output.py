@@ -66,7 +66,9 @@ _RESULT = _object(
         "item": {"type": ["string", "null"]},
         "ok": {"type": "boolean"},
         "error": {"type": ["string", "null"]},
-    }
+        "note": {"type": ["string", "null"]},  # a host's own copy of a step: what it holds
+    },
+    optional=("note",),
 )
 
 SCHEMAS: dict[str, dict[str, Any]] = {
