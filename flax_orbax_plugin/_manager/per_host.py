@@ -26,6 +26,9 @@ import hashlib
 import json
 import logging
 import math
+import os
+import secrets
+import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -40,6 +43,7 @@ from .._format import host_copy as _host_copy
 from .._format import steps as _steps
 from .._format.layout import HOST_FILE
 from .._storage import json_docs as _docs
+from .._storage import run_record as _run_record
 from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location
 from .json_items import from_json, to_json
@@ -234,18 +238,83 @@ def detect(
 
 def open_tier(book: Any, local_steps: list[int]) -> None:
     """Collective: opens ``book.tier`` with the local steps (each host's own directory:
-    those every host holds) and shares the run owning the places."""
+    those every host holds, of this run alike on every host) and shares the run owning
+    the places; then every host's own directory is claimed for that run (see
+    :func:`claim_directory`), all processes raising alike when one is another run's."""
     if book.per_host:
-        mine = valid_steps(book.location, local_steps, None, quiet=True)
-        views = _distributed.gather_json("per-host-open", mine)
-        local_steps = sorted(set.intersection(*(set(v) for v in views)))
+        views = _distributed.gather_json("per-host-open", _open_view(book.location, local_steps))
+        local_steps = _queued(views)
     book.tier.open(local_steps, events=book.events)
     if book.per_host:
         op = _distributed.next_operation_id("per-host-run")
         book.run = _distributed.broadcast_str(op, json.dumps(book.tier.run_id))
         book.run = json.loads(book.run)
+        error = None
+        if not _distributed.is_primary():  # the primary's: its run owner checked it
+            try:
+                claim_directory(book.location, book.run, book.listed())
+            except CheckpointError as e:
+                error = e
+        _distributed.agree("per-host-claim", error, what=f"the open of {book.location}")
         # A full copy from the bucket holds every region: readable with any layout.
         book.tier.mark_copies(lambda step: host_marker(step, book.run, COPY_LAYOUT))
+
+
+def _open_view(loc: Location, steps: list[int]) -> dict:
+    """This host's part of the open: the run of each of its valid steps (by its marker)
+    and, on the primary, the run its directory records (None: none, or unreadable:
+    the run owner then raises on its own)."""
+    record = None
+    if _distributed.is_primary():
+        try:
+            found = _run_record.read_record(loc)
+        except CheckpointError:
+            found = None
+        record = None if found is None else found.run
+    runs = {}
+    for step in valid_steps(loc, steps, None, quiet=True):
+        doc, _ = read_marker(loc, step)
+        runs[str(step)] = None if doc is None else doc["run"]
+    return {"record": record, "runs": runs}
+
+
+def _queued(views: list[dict]) -> list[int]:
+    """The local steps the tier's open may queue: every host holds one, each copy's
+    marker naming the run the primary's directory records (a copy of another run on
+    some host is never replicated beside this run's)."""
+    run = views[0]["record"]
+    if run is None:
+        return []
+    return sorted(int(s) for s in views[0]["runs"] if all(v["runs"].get(s) == run for v in views))
+
+
+def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
+    """A non-primary host's own directory taken for ``run``, checked as the primary's
+    run owner checks the primary's (``docs/run_owner.md``): its run record must name
+    ``run``; without one, every committed step there (``steps``) must be this run's by
+    its marker (a directory a run used before each host recorded it), and the record
+    is then written. CheckpointError otherwise, nothing touched: another run's steps
+    are never adopted, restored or retained away."""
+    record = _run_record.read_record(loc)  # CorruptCheckpointError when malformed
+    if record is not None:
+        if record.run != run:
+            raise CheckpointError(
+                f"{loc} belongs to run {record.run} but this run is {run} (its "
+                f"{_run_record.RUN_FILE} differs from the primary's places): this host's "
+                f"directory holds another run's steps, and mixing them would restore or "
+                f"delete the other's. Give this host a directory of its own for this run"
+            )
+        return
+    foreign = [s for s in steps if (read_marker(loc, s)[0] or {}).get("run") != run]
+    if foreign:
+        raise CheckpointError(
+            f"{loc} holds steps {foreign[-3:]} but no run record "
+            f"({_run_record.RUN_FILE}), and their {HOST_FILE} do not name this run {run}: "
+            f"they are another run's, and mixing them would restore or delete the other's. "
+            f"Give this host a directory of its own for this run"
+        )
+    mine = _run_record.RunRecord(run, socket.gethostname(), os.getpid(), secrets.token_hex(8))
+    loc.write_bytes(_run_record.RUN_FILE, mine.to_bytes())
 
 
 def with_primary_extras(items: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """Each host's own directory is one host's copy of a step, not a whole checkpoint:
 verify checks what that copy is meant to hold (its own host's shards) and says the
-others live elsewhere, and serving from it alone is refused naming where the rest lives.
+others live elsewhere, serving from it alone is refused naming where the rest lives,
+and every host's directory is claimed for the run (another run's steps there are
+refused, never adopted nor deleted).
 Real processes, separate directories, a shared local directory as the persistent tier.
 """
 
@@ -10,14 +12,20 @@ import contextlib
 import io
 import json
 import os
+import time
 
 import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin._storage.run_record import RUN_FILE
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # this module, for child processes
 WAIT_S = 60
+
+
+def _listing(directory: str) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.isdigit())
 
 
 def _error(call) -> str | None:
@@ -77,9 +85,52 @@ def _copies(ctx, base):
     return out
 
 
+def _run_b(ctx, directory, bucket):
+    """Run B's open; where it is not refused, two steps saved with keep=2."""
+    import _mp_workers as W
+
+    with fop.CheckpointManager(directory, keep=2, persistent=bucket) as mngr:
+        for step in (10, 11):
+            mngr.save(step, W.make_state(ctx, step))
+
+
+def _other_runs(ctx, base):
+    """Run A on directories a0/a1; run B's primary gets a fresh directory, its process
+    1 run A's a1 (another run's steps there); then run A's a1 without its run record
+    (a directory from before every host recorded the run) reopened by run A."""
+    import _mp_workers as W
+
+    mine = os.path.join(base, f"a{ctx.process_id}")
+    bucket_a = os.path.join(base, "bucket-a")
+    with fop.CheckpointManager(mine, persistent=bucket_a) as mngr:
+        for step in (1, 2, 3):
+            mngr.save(step, W.make_state(ctx, step))
+        mngr.wait()
+        assert mngr.persistent.wait(WAIT_S)
+    out = {"recorded": os.path.exists(os.path.join(mine, RUN_FILE))}
+    ctx.client.wait_at_barrier("run-a-done", 30_000)
+    other = os.path.join(base, "b0") if ctx.process_id == 0 else mine
+    t0 = time.monotonic()
+    bucket_b = os.path.join(base, "bucket-b")
+    out["run_b"] = _error(lambda: _run_b(ctx, other, bucket_b))
+    out["run_b_s"] = time.monotonic() - t0
+    out["a_steps_after_b"] = _listing(mine)
+    ctx.client.wait_at_barrier("run-b-done", 30_000)
+    if ctx.process_id == 1 and os.path.exists(os.path.join(mine, RUN_FILE)):
+        os.remove(os.path.join(mine, RUN_FILE))
+    ctx.client.wait_at_barrier("record-removed", 30_000)
+    with fop.CheckpointManager(mine, keep=3, persistent=bucket_a) as mngr:
+        out["a_reopened"] = mngr.steps()
+        got = mngr.restore(like=W.make_state(ctx, 0))
+        out["a_restored"] = mngr.restored_step
+        del got
+    out["re_recorded"] = os.path.exists(os.path.join(mine, RUN_FILE))
+    return out
+
+
 def per_host_copies(ctx, base):
     """Every case in one job of 2 processes."""
-    return _copies(ctx, base)
+    return {**_copies(ctx, base), **_other_runs(ctx, base)}
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +181,22 @@ def test_verify_checks_one_hosts_copy_for_its_own_shards(copies_run):
         assert damaged["data_iterator"][0] is True, damaged
         assert "'w'" in damaged["params"][2], damaged
         assert r["damaged"]["cli_rc"] != 0 and "DAMAGED  step 1/params" in r["damaged"]["cli"]
+
+
+@pytest.mark.distributed
+def test_every_hosts_directory_is_claimed_for_the_run(copies_run):
+    """Before: process 1's directory had no run record, so run B adopted run A's steps
+    there (and retention deleted them)."""
+    for r in copies_run:
+        assert r["recorded"], r
+        # Refused on every process, at once (the coordination timeout is 120 s), and
+        # run A's steps left as they were.
+        assert r["run_b"] is not None and "a1" in r["run_b"] and "run" in r["run_b"], r["run_b"]
+        assert r["run_b_s"] < 30, r["run_b_s"]
+        assert r["a_steps_after_b"] == ["1", "2", "3"], r
+        # A directory of this run without its record (markers of this run): adopted.
+        assert r["a_reopened"] == [1, 2, 3] and r["a_restored"] == 3, r
+        assert r["re_recorded"], r
 
 
 def _mark(step_dir: str, held) -> None:
