@@ -143,15 +143,15 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         a step that is not committed is a CheckpointNotFoundError and removes nothing.
         The persistent tier's copies stay (``persistent.remove(step)``). Call from the
         training thread; waits for the save in flight first. With several processes
-        every process calls it with the same steps (a collective operation): all meet
-        (so that none lists the directory while a step goes), the primary removes the
-        steps (each process its own, with a directory per host), then all meet again."""
+        every process calls it with the same steps (a collective): all meet, the primary
+        removes the steps (each host its own, agreed first: ``per_host.remove_steps``)."""
         self._check_writable()
         self._wait_inflight()
         steps = list(dict.fromkeys(checked_step(step) for step in steps))  # each once
         _distributed.barrier(_distributed.next_operation_id("manager-delete"))
+        remove = _per_host.remove_steps if self._book.per_host else _housekeeping.remove_committed
         if _distributed.is_primary() or self._book.per_host:
-            _housekeeping.remove_committed(self._loc, steps, self.steps())
+            remove(self._loc, steps, self.steps())
         self._book.forget()  # the next need lists the store
         _distributed.barrier(_distributed.next_operation_id("manager-delete"))
 

@@ -38,7 +38,8 @@ import jax
 from .._base import distributed as _distributed
 from .._base import tree as _tree
 from .._core import formats as _formats
-from .._errors import CheckpointError
+from .._core import ownership as _ownership
+from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import host_copy as _host_copy
 from .._format import steps as _steps
 from .._format.layout import HOST_FILE
@@ -315,6 +316,25 @@ def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
         )
     mine = _run_record.RunRecord(run, socket.gethostname(), os.getpid(), secrets.token_hex(8))
     loc.write_bytes(_run_record.RUN_FILE, mine.to_bytes())
+
+
+def remove_steps(loc: Location, steps: list[int], committed: list[int]) -> None:
+    """Collective, each host its own directory (``CheckpointManager.delete``): which
+    host holds which of ``steps`` (``committed``: this host's listing) is agreed
+    first (one key-value round); a step no host holds is a CheckpointNotFoundError on
+    every process and nothing is removed anywhere; else each host removes the steps
+    it holds (a step some host lacked goes from every host holding it)."""
+    held = _distributed.gather_json("per-host-delete", [s for s in steps if s in committed])
+    missing = [s for s in steps if not any(s in view for view in held)]
+    if missing:
+        hosts = "; ".join(f"process {p}: {sorted(v)}" for p, v in enumerate(held))
+        raise CheckpointNotFoundError(
+            f"{', '.join(map(str, missing))}: no committed step of any host's own "
+            f"directory ({loc} here; of {steps}, each holds {hosts}); nothing was removed"
+        )
+    for step in steps:
+        if step in committed:
+            _ownership.remove_step(loc, step)
 
 
 def with_primary_extras(items: dict[str, Any]) -> dict[str, Any]:

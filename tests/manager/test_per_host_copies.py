@@ -1,8 +1,8 @@
 """Each host's own directory is one host's copy of a step, not a whole checkpoint:
 verify checks what that copy is meant to hold (its own host's shards) and says the
 others live elsewhere, serving from it alone is refused naming where the rest lives,
-and every host's directory is claimed for the run (another run's steps there are
-refused, never adopted nor deleted).
+every host's directory is claimed for the run (another run's steps there are refused,
+never adopted nor deleted), and a delete agrees across hosts before removing anything.
 Real processes, separate directories, a shared local directory as the persistent tier.
 """
 
@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import time
 
 import numpy as np
@@ -128,14 +129,40 @@ def _other_runs(ctx, base):
     return out
 
 
+def _deletes(ctx, base):
+    """Steps 1, 2 on every host; process 1's copy of step 2 lost. delete(1, 5) refuses
+    (no host holds 5) before removing anything; delete(2) removes it where it is."""
+    import _mp_workers as W
+
+    local = os.path.join(base, f"del{ctx.process_id}")
+    bucket = os.path.join(base, "bucket-del")
+    with fop.CheckpointManager(local, persistent=bucket) as mngr:
+        for step in (1, 2):
+            mngr.save(step, W.make_state(ctx, step))
+        mngr.wait()
+        assert mngr.persistent.wait(WAIT_S)
+    ctx.client.wait_at_barrier("del-saved", 30_000)
+    if ctx.process_id == 1:
+        shutil.rmtree(os.path.join(local, "2"))
+    ctx.client.wait_at_barrier("del-lost", 30_000)
+    out = {}
+    with fop.CheckpointManager(local, persistent=bucket) as mngr:
+        out["refused"] = _error(lambda: mngr.delete(1, 5))
+        out["after_refused"] = _listing(local)
+        out["delete_2"] = _error(lambda: mngr.delete(2))
+        out["after_delete"] = _listing(local)
+        out["steps"] = mngr.steps()
+    return out
+
+
 def per_host_copies(ctx, base):
     """Every case in one job of 2 processes."""
-    return {**_copies(ctx, base), **_other_runs(ctx, base)}
+    return {**_copies(ctx, base), **_other_runs(ctx, base), **_deletes(ctx, base)}
 
 
 @pytest.fixture(scope="module")
 def copies_run(tmp_path_factory):
-    """One job of 2 processes for the tests below (each checks its part)."""
+    """One job of 2 processes for the three tests below (each checks its part)."""
     from _multiprocess import run_processes
 
     run = run_processes(
@@ -197,6 +224,20 @@ def test_every_hosts_directory_is_claimed_for_the_run(copies_run):
         # A directory of this run without its record (markers of this run): adopted.
         assert r["a_reopened"] == [1, 2, 3] and r["a_restored"] == 3, r
         assert r["re_recorded"], r
+
+
+@pytest.mark.distributed
+def test_a_delete_agrees_across_hosts_before_removing(copies_run):
+    """Before: delete(2) with step 2 lost on process 1 removed it on process 0 and
+    raised on both."""
+    for i, r in enumerate(copies_run):
+        # A step no host holds: refused on every process before anything goes.
+        assert r["refused"] is not None and "CheckpointNotFoundError" in r["refused"], r
+        assert "5" in r["refused"] and "nothing was removed" in r["refused"], r["refused"]
+        assert r["after_refused"] == (["1", "2"] if i == 0 else ["1"]), r
+        # A step one host lost: removed from every host holding it, no error.
+        assert r["delete_2"] is None, r["delete_2"]
+        assert r["after_delete"] == ["1"] and r["steps"] == [1], r
 
 
 def _mark(step_dir: str, held) -> None:
