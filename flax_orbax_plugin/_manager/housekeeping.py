@@ -88,12 +88,13 @@ def open_writer(loc: Location, *, own: bool = False) -> DirectoryLock | _lease.L
     return dir_lock
 
 
-def remove_unfinished(loc: Location) -> dict[str, str]:
+def remove_unfinished(loc: Location, *, warn: bool = True) -> dict[str, str]:
     """Primary, at open and in ``gc``: removes what dead saves of ours left (proven
     ours: see ``_ownership``); everything else is left alone. A leftover of ours that
     cannot be removed (a folder made read-only) is passed over with a WARNING naming it
     and the error, so that the run still opens and resumes; returns those ``{name:
-    error}`` (``gc`` raises them: :func:`raise_stuck`)."""
+    error}`` (``gc`` raises them: :func:`raise_stuck`). ``warn``: the WARNING naming
+    entries that are not ours (False in ``gc``: the manager's open said it)."""
     listing = _steps.list_directory(loc)
     stuck: dict[str, str] = {}
     for name in listing.unfinished:
@@ -104,7 +105,7 @@ def remove_unfinished(loc: Location) -> dict[str, str]:
             if why is not None:
                 stuck[name] = why
     foreign = _remove_dead_staging(loc, listing, stuck)
-    if foreign:
+    if foreign and warn:
         logger.warning(
             "%s holds entries that are not steps of this library, left alone: %s",
             loc,

@@ -275,7 +275,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         self.wait()
         self._book.forget()  # gc looks at the store itself
         ours = _distributed.is_primary() or self._book.per_host  # stuck: raised after retention
-        stuck = _housekeeping.remove_unfinished(self._loc) if ours else {}
+        stuck = _housekeeping.remove_unfinished(self._loc, warn=False) if ours else {}  # said
         removed = self._retainer.run_now()
         _housekeeping.raise_stuck(self._loc, stuck)
         return removed

@@ -68,3 +68,20 @@ def test_a_dry_run_beside_a_live_writer_says_a_real_gc_would_refuse(capsys, tmp_
         warnings.simplefilter("always")
         _gc(capsys, tmp_path / "run", "--dry-run")
     assert not any("a real gc would refuse" in str(w.message) for w in seen)
+
+
+def test_gc_names_what_it_leaves_alone_once(capsys, caplog, tmp_path):
+    """Beside its result line, gc's warning about entries that are not steps came twice
+    (the manager's open, then gc itself); once now."""
+    import flax_orbax_plugin as fop
+
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run) as mngr:
+        for step in (1, 2):
+            mngr.save(step, {"params": {"w": np.ones(3, np.float32)}})
+    (run / "notes.txt").write_text("mine")
+    rc, out, _ = _gc(capsys, run, "--keep", "1")
+    assert rc == 0 and "not steps of this library (left alone): notes.txt" in out, out
+    said = [r for r in caplog.records if "not steps of this library, left alone" in r.message]
+    assert len(said) == 1, [r.message for r in said]
+    assert (run / "notes.txt").read_text() == "mine"
