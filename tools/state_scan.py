@@ -57,11 +57,13 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
     ),
     (_P + "_base.regions", "CALLS"): _TEST_COUNTER,
     (_P + "_core.handle", "_RUNNING"): "the process's saves still running, finished at exit",
-    (_P + "_core.handle", "_EXIT_HOOK"): "whether that exit hook is registered (once)",
+    (_P + "_base.exits", "_STEPS"): (
+        "the library's steps at interpreter exit (finish saves, leave runs, announce the "
+        "end), each registered once at first need"
+    ),
     (_P + "_manager.lifecycle", "_OPEN"): (
         "the process's writers of several processes not closed: they leave at exit"
     ),
-    (_P + "_manager.lifecycle", "_EXIT_HOOK"): "whether that exit hook is registered (once)",
     (_P + "_zarr.chunk_files", "_read_total"): _TEST_COUNTER,
     (_P + "_base.env", "_HITS"): "FOP_FAIL_AT's N-th hit, counted per process (a test hook)",
     (_P + "_base.tree", "_LEAF_TYPES"): "a cache of the types seen to be plain leaves",

@@ -49,7 +49,7 @@ from .regions import current_region, raise_published_failure
 collective, resumed, Region = _regions.collective, _regions.resumed, _regions.Region
 publish_failure, collective_call = _regions.publish_failure, _regions.collective_call
 collective_method, set_stall = _regions.collective_method, _regions.set_stall
-scope_here = _regions.scope_here
+scope_here, failing_before = _regions.scope_here, _regions.failing_before
 
 DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")  # the default stall timeout
 POLL_S = 0.25  # the longest slice of a wait in a region between looks at its failures

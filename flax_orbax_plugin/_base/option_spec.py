@@ -283,13 +283,13 @@ def _unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = 
 
 
 def named_keywords(obj: Any, *, methods: bool = False) -> Any:
-    """``obj`` (a public function or class) with "did you mean" for an unknown keyword:
-    a function is returned wrapped (its module's own name stays unwrapped, for the
-    package's calls); a class gets its ``__init__`` wrapped, and with ``methods`` its
-    public methods (its own and those of the package's classes it inherits), set on the
-    class itself. A callable that takes ``**kwargs`` checks its own
-    (:func:`refuse_unknown`) and is left as it is, as are exceptions. Applied once,
-    where the public names are bound (``_api``)."""
+    """``obj`` (a public function or class) with "did you mean" for an unknown keyword
+    (refused in the region of a collective call): a function is returned wrapped (its
+    module's own name stays unwrapped, for the package's calls); a class gets its
+    ``__init__`` wrapped, and with ``methods`` its public methods (its own and those of
+    the package's classes it inherits), set on the class itself. A callable taking
+    ``**kwargs`` checks its own (:func:`refuse_unknown`) and is left as it is, as are
+    exceptions. Applied once, where the public names are bound (``_api``)."""
     if isinstance(obj, type):
         if not issubclass(obj, BaseException):
             _name_methods(obj, methods)
@@ -323,14 +323,16 @@ def _checked(fn: Callable, owner: str) -> Callable:
     params = inspect.signature(inner, follow_wrapped=False).parameters.values()
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     takes = {p.name for p in params if p.kind in kinds} - {"self", "cls"}
+    region = getattr(fn, "_fop_region", lambda *a, **k: contextlib.nullcontext())
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not takes.issuperset(kwargs):
-            unknown = [k for k in kwargs if k not in takes]
-            lines = "; ".join(_unexpected(owner, k, takes) for k in unknown)
+        if takes.issuperset(kwargs):
+            return fn(*args, **kwargs)
+        unknown = [k for k in kwargs if k not in takes]
+        lines = "; ".join(_unexpected(owner, k, takes) for k in unknown)
+        with region(*args, **kwargs):
             raise TypeError(f"{lines} (its keywords: {', '.join(sorted(takes))})")
-        return fn(*args, **kwargs)
 
     call._fop_named = True  # type: ignore[attr-defined]
     return call

@@ -7,7 +7,12 @@ store; :func:`raise_published_failure`, called by the one wait on other processe
 (``distributed._wait``) between its short slices, raises :class:`ProcessFailedError`
 once another process published one in the waiting thread's region. So a process that
 fails anywhere inside an operation (before, between or after its coordination calls)
-reaches every other within a slice, not when a timeout runs out.
+reaches every other within a slice, not when a timeout runs out. A call's own checks
+fail inside its region too (the "did you mean" of the public names enters the region
+the collective decorators give the call, ``_fop_region``; checks made before an
+operation's region exists publish in one drawn for them: :func:`failing_before`); and a
+process that entered a region announces its program's end (:func:`announce_leaving`
+for :data:`PROGRAM`, a step of ``_base.exits``).
 
 Threading: a thread's regions are its own (a stack, innermost last). Regions are drawn on
 the thread that makes the SPMD calls (the training thread), in the same order on every
@@ -23,14 +28,16 @@ import dataclasses
 import functools
 import itertools
 import json
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
-from .._errors import CoordinationError, ProcessFailedError
+from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from . import env as _env
+from . import exits as _exits
 from . import liveness as _liveness
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
@@ -103,37 +110,80 @@ def collective(
         return
     with contextlib.suppress(CoordinationError):  # no client: the first wait says so
         _liveness.ensure_beating(client(), jax.process_index())  # before any wait on us
+    _exits.at_exit(_exits.ANNOUNCE, _announce_program_end)
     with resumed(Region(kind, str(next(_REGIONS)), stall_s=stall_s, scope=scope)):
         yield
+
+
+def _announce_program_end() -> bool:
+    """At exit (``_base.exits``, once the saves still running ended), in a process that
+    took part in a collective operation: says that it left :data:`PROGRAM`, with the
+    exception that ended it (if one did). A wait for one of its values that it set
+    before goes on (:func:`raise_if_left`): a run that ended well is not affected."""
+    ended = getattr(sys, "last_value", None) or CheckpointError("its program ended")
+    announce_leaving(ended, scope=PROGRAM, where="the program")
+    return False
+
+
+@contextlib.contextmanager
+def failing_before(kind: str, *, spans: bool = True) -> Iterator[None]:
+    """Checks made before the region of the operation they belong to is drawn (the
+    callback's options, checked by its constructor; its manager opens at its first
+    use): an error leaving the body is published in a region drawn for it then, this
+    process's n-th collective operation, the one the others draw for that operation
+    (``kind``), so that they raise at once there rather than wait for it. Draws
+    nothing when the body succeeds; ``spans=False``: the operation is not collective."""
+    try:
+        yield
+    except Exception:
+        with collective(kind, spans=spans):
+            raise
 
 
 def collective_method(kind: str, *, stall: str, scope: str) -> Callable:
     """A decorator for a method: each call is :func:`collective`, its region's stall
     timeout the attribute ``stall`` of the object it is called on (set by its
     constructor from its options: e.g. a manager's ``stall_timeout=``), its scope the
-    attribute ``scope`` (e.g. the tag of the manager's open)."""
+    attribute ``scope`` (e.g. the tag of the manager's open). The region of a call is
+    also the decorated method's attribute ``_fop_region(self, *args, **kwargs)``: a
+    check of the call made around it (an unknown keyword, ``option_spec``) fails in it."""
+
+    def region(self: Any, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+        stall_s, scope_tag = getattr(self, stall, None), getattr(self, scope, None)
+        return collective(kind, stall_s=stall_s, scope=scope_tag)
 
     def decorate(method: Callable) -> Callable:
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with collective(kind, stall_s=getattr(self, stall), scope=getattr(self, scope)):
+            with region(self):
                 return method(self, *args, **kwargs)
 
+        call._fop_region = region  # type: ignore[attr-defined]
         return call
 
     return decorate
 
 
-def collective_call(kind: str, *, spans: Callable[..., bool]) -> Callable:
+def collective_call(kind: str, *, spans: Callable[..., bool] | None = None) -> Callable:
     """A decorator: each call is :func:`collective` when ``spans(*args, **kwargs)`` (whether
-    this call is collective, from its arguments: e.g. a like on devices of other processes)."""
+    this call is collective, from its arguments: e.g. a like on devices of other
+    processes; None: always). The region of a call is also the decorated function's
+    attribute ``_fop_region(*args, **kwargs)`` (see :func:`collective_method`)."""
+
+    def region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+        try:
+            spanning = spans is None or spans(*args, **kwargs)
+        except TypeError:  # arguments the function refuses (one missing): it says so itself
+            spanning = False
+        return collective(kind, spans=spanning)
 
     def decorate(function: Callable) -> Callable:
         @functools.wraps(function)
         def call(*args: Any, **kwargs: Any) -> Any:
-            with collective(kind, spans=spans(*args, **kwargs)):
+            with region(*args, **kwargs):
                 return function(*args, **kwargs)
 
+        call._fop_region = region  # type: ignore[attr-defined]
         return call
 
     return decorate
@@ -238,7 +288,7 @@ def raise_if_left(process: int, key: str) -> None:
         return
     except Exception:  # noqa: BLE001
         pass
-    r = _failure_record(said)
+    r = failure_record(said)
     where = "waiting" if region is None else region.kind
     error = ProcessFailedError(
         f"process {jax.process_index()} of {jax.process_count()}, in {where}: "
@@ -285,7 +335,7 @@ def raise_published_failure(waiting_for: int | None = None) -> None:
         found = client().key_value_dir_get(f"{FAILED}/{region.tag}/")
     except Exception:  # noqa: BLE001  (a service gone: the wait itself reports it)
         return
-    records = [_failure_record(value) for _, value in found]
+    records = [failure_record(value) for _, value in found]
     me = jax.process_index()
     records = [r for r in records if r["process"] != me and _diverged(region, r, waiting_for)]
     if records:
@@ -298,7 +348,7 @@ def raise_published_failure(waiting_for: int | None = None) -> None:
         raise error
 
 
-def _failure_record(text: str) -> dict[str, Any]:
+def failure_record(text: str) -> dict[str, Any]:
     """A published failure (this module's own JSON), every field present."""
     try:
         raw = json.loads(text)

@@ -7,19 +7,16 @@ Threading: a handle's background phase runs on its own (non-daemon) thread; ``wa
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
-import os
 import sys
 import threading
 import weakref
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._base import regions as _regions
+from .._base import exits as _exits
 from .._base.option_spec import Option
-from .._errors import CheckpointError, SaveCancelledError
+from .._errors import SaveCancelledError
 from .._storage.store_errors import raises_store_errors_in_methods
 
 _TIMEOUT = Option("timeout", "number", none_ok=True, low=0)  # SaveHandle.wait's
@@ -204,9 +201,8 @@ def wait_for_pending_save(location: Any = None) -> None:
 
 
 # Saves whose background phase runs, finished before the interpreter stops its thread
-# pools (see _finish_at_exit); registered once per process.
+# pools (see _finish_at_exit).
 _RUNNING: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
-_EXIT_HOOK: list[bool] = []
 
 
 def _finish_at_exit(handle: SaveHandle) -> None:
@@ -214,18 +210,18 @@ def _finish_at_exit(handle: SaveHandle) -> None:
     last line, or an exception nobody caught right after a save). The interpreter waits
     for the non-daemon save thread, but first stops the thread pools the save writes
     with ("cannot schedule new futures after interpreter shutdown"): the save failed,
-    silently, and its step was lost. So the first save registers a ``threading`` exit
-    hook; those run last-registered first, before the pools' own: it waits for every
-    save still running, saying so on stderr (and a failure, which nobody else reads:
-    the program then exits with status 1 once its ``atexit`` handlers ran), or, when a
-    Ctrl-C ended the program, cancels them."""
+    silently, and its step was lost. So the first save registers the library's first
+    exit step (``_base.exits``, before the pools stop): it waits for every save still
+    running, saying so on stderr (and a failure, which nobody else reads: the program
+    then exits with status 1 once its ``atexit`` handlers ran), or, when a Ctrl-C ended
+    the program, cancels them."""
     _RUNNING.add(handle)
-    if not _EXIT_HOOK:
-        threading._register_atexit(_finish_running)  # type: ignore[attr-defined]
-        _EXIT_HOOK.append(True)
+    _exits.at_exit(_exits.FINISH, _finish_running)
 
 
-def _finish_running() -> None:
+def _finish_running() -> bool:
+    """The saves still running, finished (see :func:`_finish_at_exit`); True when one
+    failed and nobody read its error."""
     # Ctrl-C ended the program: its saves are abandoned, as an interrupted wait() does
     # (what they staged is removed); the interpreter has set sys.last_value by now.
     interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
@@ -240,17 +236,7 @@ def _finish_running() -> None:
         if handle._error is not None and not handle._reported:
             print(f"flax_orbax_plugin: that save failed: {handle._error!r}", file=sys.stderr)
             failed = True
-    # The others, waiting outside a manager for a value of this process (its next save),
-    # learn at once that it will not come (a manager's writer leaves its own scope).
-    ended = getattr(sys, "last_value", None) or CheckpointError("its program ended")
-    _regions.announce_leaving(ended, scope=_regions.PROGRAM, where="the program")
-    if failed:  # a lost step is not a success: the exit status says so (1)
-        print("flax_orbax_plugin: exit status 1 (a save failed at exit)", file=sys.stderr)
-        atexit._run_exitfuncs()  # the program's own exit handlers still run, then
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(1)
+    return failed
 
 
 def raise_if_cancelled(cancelled: threading.Event | None, what: str) -> None:

@@ -46,7 +46,7 @@ from .requests import DEFAULT_FORMAT_VERSION, SaveRequest, check_save
 _IN_FLIGHT_LOCK = threading.Lock()  # one save_async starts at a time
 
 
-@_distributed.collective("save")
+@_distributed.collective_call("save")
 @raises_store_errors(arguments("path"))
 def save(
     path: Any,
@@ -75,7 +75,7 @@ def save(
     ).wait()
 
 
-@_distributed.collective("save")
+@_distributed.collective_call("save")
 @raises_store_errors(arguments("path"))
 def save_async(
     path: Any,

@@ -35,6 +35,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from .._base import distributed as _distributed
 from .._core.save import SaveResult
 from .._errors import CheckpointError, EventHookError, OptionTypeError
 from .._format.steps import checked_step
@@ -66,7 +67,9 @@ class CheckpointCallback:
     # declarations (option_table.CALLBACK) by signatures.document, below the class.
 
     def __init__(self, directory: str, **options: Any):
-        values, self._manager_options = _options.check_callback(options, directory)
+        # Refused on some processes only, the others learn of it in their manager's open.
+        with _distributed.failing_before("manager-open"):
+            values, self._manager_options = _options.check_callback(options, directory)
         self.directory = directory
         self.every_steps = values["every_steps"]
         self.every_seconds = values["every_seconds"]
@@ -200,8 +203,8 @@ class CheckpointCallback:
                 f"on_step_end({step}) after on_train_end (step {self._ended}): this "
                 f"callback's run is over; use a new CheckpointCallback for another run"
             )
-        if self._stepped is None and not self._started:
-            self._unstarted(step)
+        if self._stepped is None and not self._started:  # a CLU hook list's cb(step) alone
+            _resuming.unstarted(self.directory, self.manager, step, self.resume, self.overwrite)
         self._last_step = step
         self._stepped = step if self._stepped is None else self._stepped
         self._poll()
@@ -212,26 +215,6 @@ class CheckpointCallback:
                 raise SystemExit(128 + signal.SIGTERM)
             return False
         return self._save(step, state, t=t, ignore_policy=False)
-
-    def _unstarted(self, step: int) -> None:
-        """The first step of a loop that never called ``on_train_start`` (a CLU hook list
-        calling ``cb(step)`` alone): ``resume`` still applies. A directory holding an
-        earlier run's steps is refused, as on_train_start's ``resume=False`` refuses it
-        (or, with ``overwrite``, emptied); with ``resume=True`` its latest step was not
-        restored into this loop's state, whose saves would follow that run's steps."""
-        mngr = self.manager
-        latest = mngr.latest_step(include_persistent=True)
-        if latest is None or mngr.restored_step is not None:  # nothing to mix, or restored
-            return
-        if not self.resume:
-            _resuming.refuse_or_clear(self.directory, mngr, latest, self.overwrite)
-            return
-        raise CheckpointError(
-            f"on_step_end({step}) before on_train_start, and {self.directory} holds step "
-            f"{latest} of a run: call state = cb.on_train_start(state) before the loop to "
-            f"resume it (resume={self.resume!r}), or start afresh elsewhere (a new "
-            f"directory, or resume=False with overwrite=True)"
-        )
 
     def on_train_end(self, state: Any = None, step: int | None = None) -> None:
         """Saves the final step (unless already saved), waits for it, and closes; then

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import weakref
 
+from .._base import exits as _exits
 from .._base import regions as _regions
 from .._errors import CheckpointError
 
@@ -27,7 +27,6 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 # Writers of several processes not closed yet: they leave when the program ends.
 _OPEN: weakref.WeakSet = weakref.WeakSet()
-_EXIT_HOOK: list[bool] = []
 
 
 def leave_at_exit(manager: Lifecycle) -> None:
@@ -35,16 +34,14 @@ def leave_at_exit(manager: Lifecycle) -> None:
     without closing it: an exception nobody caught (no ``with`` block), or the last line
     reached without ``close()``. The others, waiting for this process in their next
     save, learn at once that it left and why, rather than after the stall timeout (then
-    jax's own shutdown barrier). A ``threading`` exit hook: it runs before ``atexit``'s
-    (jax's shutdown among them), after the saves still running were waited for
-    (``_core.handle``, registered later, runs first)."""
+    jax's own shutdown barrier). A step of the library's exit hook (``_base.exits``): it
+    runs before ``atexit``'s (jax's shutdown among them), after the saves still running
+    were waited for, even one that failed."""
     _OPEN.add(manager)
-    if not _EXIT_HOOK:
-        threading._register_atexit(_leave_all)  # type: ignore[attr-defined]
-        _EXIT_HOOK.append(True)
+    _exits.at_exit(_exits.LEAVE, _leave_all)
 
 
-def _leave_all() -> None:
+def _leave_all() -> bool:
     error = getattr(sys, "last_value", None)  # set by now for an uncaught exception
     if error is None:
         error = CheckpointError("the program ended without closing its CheckpointManager")
@@ -53,6 +50,7 @@ def _leave_all() -> None:
             manager.leave(error)
         except Exception:  # the program is ending: said, then the next one
             logger.exception("checkpoint: leaving the run at exit failed")
+    return False  # the exit status is the program's (or the failed save's)
 
 
 class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ... and wait)

@@ -1,9 +1,10 @@
 """The callback's decisions at train start when it does not restore: a run to refuse
-or clear (``resume=False``), or no run to resume (``resume=True`` / ``"required"``).
+or clear (``resume=False``), or no run to resume (``resume=True`` / ``"required"``);
+and at a first step that no train start preceded (:func:`unstarted`).
 
-Called by :meth:`CheckpointCallback.on_train_start` on the training thread, after
-the options were checked and the manager opened (``place_exists`` before that: the
-manager creates the directory).
+Called by :meth:`CheckpointCallback.on_train_start` (``unstarted``: ``on_step_end``) on
+the training thread, after the options were checked and the manager opened
+(``place_exists`` before that: the manager creates the directory).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "place_exists",
     "refuse_or_clear",
     "remove_created",
+    "unstarted",
 ]
 
 
@@ -102,3 +104,23 @@ def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> 
         for step in mngr.persistent.steps():
             mngr.persistent.remove(step)
     logger.warning("checkpoint: overwrite=True: removed the steps in %s", directory)
+
+
+def unstarted(directory: Any, mngr: Any, step: int, resume: bool | str, overwrite: bool) -> None:
+    """The first step of a loop that never called ``on_train_start`` (a CLU hook list
+    calling ``cb(step)`` alone): ``resume`` still applies. A directory holding an
+    earlier run's steps is refused, as on_train_start's ``resume=False`` refuses it
+    (or, with ``overwrite``, emptied); with ``resume=True`` its latest step was not
+    restored into this loop's state, whose saves would follow that run's steps."""
+    latest = mngr.latest_step(include_persistent=True)
+    if latest is None or mngr.restored_step is not None:  # nothing to mix, or restored
+        return
+    if not resume:
+        refuse_or_clear(directory, mngr, latest, overwrite)
+        return
+    raise CheckpointError(
+        f"on_step_end({step}) before on_train_start, and {directory} holds step "
+        f"{latest} of a run: call state = cb.on_train_start(state) before the loop to "
+        f"resume it (resume={resume!r}), or start afresh elsewhere (a new "
+        f"directory, or resume=False with overwrite=True)"
+    )

@@ -972,3 +972,56 @@ def serving_onto_an_abstract_mesh(ctx, directory):
         params = fop.restore_params(directory, like)
     full = expected_w(len(ctx.devices))
     return {"held": steps_held({"w": params["w"]}, lambda step: {"w": full + step})}
+
+
+def _small_sharded(ctx, step: int = 0):
+    """{"params": {"w": 8 x 4 float32 sharded over every device of every process}}."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    full = np.arange(8 * 4, dtype=np.float32).reshape(8, 4) + step
+    sharding = NamedSharding(ctx.mesh, P(ctx.mesh.axis_names[0]))
+    return {"params": {"w": jax.make_array_from_callback(full.shape, sharding, lambda i: full[i])}}
+
+
+def _timed(out: dict, name: str, call) -> None:
+    """Runs ``call()``; records under ``name`` its error (or None) and how long it took."""
+    t = time.monotonic()
+    try:
+        call()
+        error = None
+    except Exception as e:  # noqa: BLE001  (reported to the test)
+        error = f"{type(e).__name__}: {e}"
+    out[name] = {"error": error, "s": time.monotonic() - t}
+
+
+def refused_on_one_process(ctx, directory):
+    """Process 1 alone makes each call with a bad argument and catches its error (as a
+    program that goes on would); process 0 makes it correctly. Each call's error and
+    duration, by scenario; the processes stay in step (each refusal is one operation)."""
+    import flax_orbax_plugin as fop
+
+    bad = ctx.process_id == 1
+    odd = {"bogus": 1} if bad else {}
+    state = _small_sharded(ctx)
+    core = os.path.join(directory, "core")
+    out: dict = {}
+    _timed(out, "save", lambda: fop.save(f"{core}-a", state, **odd))
+    _timed(out, "save_async", lambda: fop.save_async(f"{core}-b", state, **odd).wait())
+    fop.save(f"{core}-c", state)
+    _timed(out, "restore", lambda: fop.restore(f"{core}-c", like=state, **odd))
+    run = os.path.join(directory, "run")
+    with fop.CheckpointManager(run, async_save=False) as mngr:
+        _timed(out, "manager.save", lambda: mngr.save(1, state, **odd))
+        mngr.save(2, state)
+    _timed(out, "restore_params", lambda: fop.restore_params(run, like=state, **odd))
+
+    def callback():
+        cb = fop.CheckpointCallback(os.path.join(directory, "cb"), keep="x" if bad else 2)
+        cb.on_train_start(state)
+        cb.on_train_end(state, step=1)
+
+    _timed(out, "callback", callback)
+    return out
