@@ -41,6 +41,7 @@ from .. import _errors
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from . import env as _env
 from . import liveness as _liveness
+from . import other_paths as _other_paths
 from . import regions as _regions
 from .regions import client as _client
 from .regions import current_region, raise_published_failure
@@ -126,6 +127,8 @@ def _wait(
         late=late or (lambda: [process]),
         region=None if region is None else region.kind,
         stall_name=_stall_name(),
+        operation=None if region is None else (region.kind, region.tag),
+        elsewhere=_other_paths.raise_elsewhere,
     )
     piece = 0.02
     with _liveness.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):

@@ -21,6 +21,9 @@ second, once the wait lasted a second (the other late ones' only when it reports
   third's waiter instead, who raises in the region), one never seen beating (it may not
   have reached its first coordination call yet), and two that only wait for each other
   (different paths);
+* a process whose operation of the number this wait is in is of another kind (its
+  heartbeat names its operations) took another path: it never makes this call, and the
+  wait raises at once (``_base/other_paths.py``);
 * after ``FOP_LATE_REPORT_S`` (default 10), and every as long again, the waiting process
   logs a warning naming the late processes and what they are doing, with their bytes
   done and left.
@@ -224,9 +227,11 @@ class PeerWatch:
         late: Callable[[], list[int]],
         region: str | None = None,
         stall_name: str = "FOP_COORDINATION_TIMEOUT_S",
+        operation: tuple[str, str] | None = None,
+        elsewhere: Callable[[int, str, str], None] | None = None,
     ):
         self._client, self._me, self._what, self._late = client, me, what, late
-        self._region = region
+        self._region, self._operation, self._elsewhere = region, operation, elsewhere
         self._stall_s, self._stall_name = stall_s, stall_name
         self._silent_s, self._report_s = PEER_SILENT_S, LATE_REPORT_S
         self._start = time.monotonic()
@@ -258,11 +263,13 @@ class PeerWatch:
                 f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}); it was "
                 f"{self._doing(seen)}"
             )
-        elif _only_waiting(seen.doing):
-            self._check_mutual(process, seen, now)
         else:
-            self._mutual_since = None
-            self._check_stalled(process, seen, now)
+            self._check_path(process, seen)
+            if _only_waiting(seen.doing):
+                self._check_mutual(process, seen, now)
+            else:
+                self._mutual_since = None
+                self._check_stalled(process, seen, now)
         if now >= self._next_report:
             self._next_report = now + self._report_s
             self._report(now)
@@ -287,6 +294,19 @@ class PeerWatch:
                 f"(bytes moved, activity begun or ended) for {still:.1f}s "
                 f"({self._stall_name}={self._stall_s:g}); it was {self._doing(seen)}"
             )
+
+    def _check_path(self, process: int, seen: _Seen) -> None:
+        """A process whose operation of this wait's number (``operation``: its kind and
+        tag) is of another kind took another path (an error sent it elsewhere, or a
+        collective call made on some processes only): it never sets the value.
+        ``elsewhere(process, its kind, what it is doing)`` raises, at once."""
+        if self._operation is None or self._elsewhere is None:
+            return
+        kind, tag = self._operation
+        for line in seen.doing:
+            for m in _OPERATION.finditer(line):
+                if m.group(2) == tag and m.group(1) != kind:
+                    self._elsewhere(process, m.group(1), self._doing(seen))
 
     def _check_mutual(self, process: int, seen: _Seen, now: float) -> None:
         """Two live processes can still make no progress: each only waits, one for the
@@ -370,3 +390,4 @@ class PeerWatch:
 
 
 _WAITING = re.compile(r"waiting for .* from process ([0-9]+) \(")
+_OPERATION = re.compile(r"([\w-]+) \(operation ([^)]+)\)")  # an activity of regions.resumed

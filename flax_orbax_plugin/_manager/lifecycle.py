@@ -56,7 +56,11 @@ def _leave_all() -> bool:
 class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ... and wait)
     def close(self) -> None:
         """Wait for the in-flight save, stop the threads, release the lock. Idempotent.
-        With several processes, on every process (it meets them: ``wait``)."""
+        With several processes, on every process (it meets them: ``wait``). Closing
+        with an error (a save's, or one the others brought to the meeting), this
+        process then leaves the run as :meth:`leave` does: one of the others still
+        waiting for it in an operation of this manager (a step further on, after the
+        processes met the error at different steps) raises at once, naming it."""
         if self._closed:
             return
         try:
@@ -65,8 +69,11 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
             if tier is not None:  # after SIGTERM: within the grace period
                 grace = tier.grace_seconds if self.preempted else None
                 tier.close(grace, raise_errors=not self.preempted)
-        finally:
+        except BaseException as e:
             self._shut()
+            _regions.announce_leaving(e, scope=self._scope, where=f"the run of {self._loc}")
+            raise
+        self._shut()
         self._book.events.raise_error()
 
     def leave(self, error: BaseException) -> None:

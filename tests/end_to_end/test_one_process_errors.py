@@ -2,12 +2,13 @@
 timeout: a bad argument given on one process only (``fop.save(..., bogus=1)``, a
 callback's ``keep="x"``) is refused inside the call's collective region, so it is
 published there; a program that took part in collective operations announces its end
-(``_base/exits.py``).
+(``_base/exits.py``); a close that fails leaves the run; and a process whose operation
+of the same number is another (it met an error at another step) is named at once.
 
 Real JAX processes on 127.0.0.1 (``tests/support/_multiprocess.py``) with a 120 s stall
 timeout: each error must come far sooner. Before, each of these waited the stall
-timeout (for a process that never published its refusal or never announced its end),
-or the processes got out of step.
+timeout (for a process that never published its refusal, never announced its end, or
+waited for this one on another path).
 """
 
 from __future__ import annotations
@@ -57,6 +58,29 @@ def test_a_bad_argument_on_one_process_reaches_the_other_at_once(tmp_path):
         assert error is not None and "process 1 failed in" in error, (name, stories)
         assert words in error, (name, stories)
         assert others[name]["s"] < FAST_S, (name, others[name], stories)
+
+
+def test_an_error_met_at_different_steps_is_named_at_once(tmp_path):
+    """Process 1 fails in step 1 after process 0 committed it: it closes while process
+    0 saves step 2. Each waited for the other until the stall timeout (twice: the
+    save, then process 0's close); now process 0's step 2 fails at once naming
+    process 1 and the error it failed with, and its close does not wait either."""
+    run = _run("_mp_workers:error_met_at_different_steps", tmp_path)
+    stories = "\n\n".join(p.describe() for p in run.procs)
+    run.check()
+    mine, others = run[1].result, run[0].result
+    assert "injected fault at collective-manager-save" in mine["save 1"]["error"], stories
+    assert others["save 1"]["error"] is None, stories
+    for result in (mine, others):
+        for name, took in result.items():
+            assert took["s"] < FAST_S, (name, stories)
+    # Whichever of the two waits saw the other's path first, process 0 learns that
+    # process 1 went elsewhere, and why.
+    assert "process 1" in others["save 2"]["error"], stories
+    assert "injected fault at collective-manager-save" in others["save 2"]["error"] + str(
+        others["close"]["error"]
+    ), stories
+    assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [1]
 
 
 def _program_end(tmp_path, scenario):

@@ -1025,3 +1025,22 @@ def refused_on_one_process(ctx, directory):
 
     _timed(out, "callback", callback)
     return out
+
+
+def error_met_at_different_steps(ctx, directory):
+    """Process 1's first save fails after process 0 committed it (at its read of the
+    commit's outcome: ``FOP_FAIL_AT``): process 1 closes, process 0 saves the next step,
+    then closes. Each one's save error, close error and their times."""
+    import flax_orbax_plugin as fop
+
+    if ctx.process_id == 1:
+        os.environ["FOP_FAIL_AT"] = "collective-manager-save:2"  # step 1's outcome read
+    out: dict = {}
+    mngr = fop.CheckpointManager(directory, async_save=False)
+    for step in (1, 2):
+        _timed(out, f"save {step}", lambda s=step: mngr.save(s, _small_sharded(ctx, s)))
+        if out[f"save {step}"]["error"] is not None:
+            break
+    os.environ.pop("FOP_FAIL_AT", None)
+    _timed(out, "close", mngr.close)
+    return out
