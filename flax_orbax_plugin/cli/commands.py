@@ -39,6 +39,7 @@ from .._storage.lock import live_holder
 from . import json_output, plot
 from .display import byte_progress, make_table, status
 from .gc_plan import plan as gc_plan
+from .gc_plan import remove_exports
 from .output import EXIT_DAMAGED, CliError, human_bytes, one_line
 from .paths import names_one, read_json_item, resolve
 
@@ -296,8 +297,10 @@ def cmd_gc(args) -> int:
             f"{loc} holds {other}, no step of this library: gc removes only this library's "
             f"steps (`flax-orbax import {loc} OUT` converts it into steps of this library)"
         )
+    # what exports that died left here (their writers gone): removed as unfinished
+    exports = found.exports if args.dry_run else remove_exports(loc, found)
     if args.dry_run or idle:
-        removed_unfinished, removed, kept = found.unfinished, found.steps, found.kept
+        removed_unfinished, removed, kept = found.unfinished + exports, found.steps, found.kept
         left = found.left_alone
         holder = live_holder(loc.path) if args.dry_run and loc.is_local else None
         if holder is not None:  # a real gc would refuse; its staging is not to remove
@@ -323,6 +326,7 @@ def cmd_gc(args) -> int:
         after = _steps.list_directory(loc)
         left = list(after.unfinished) + list(after.foreign)  # a dead core save's staging is foreign
         removed_unfinished = [n for n in before.unfinished + before.foreign if n not in left]
+        removed_unfinished += [n for n in exports if n not in removed_unfinished]
         kept = list(after.committed)
     if args.json:
         json_output.emit(

@@ -15,6 +15,7 @@ from .._core import commit as _commit
 from .._core import ownership as _ownership
 from .._errors import CheckpointError, ForeignEntryError
 from .._format import steps as _steps
+from .._interop.safetensors import remains as _remains
 from .._manager.housekeeping import rolls_forward
 from .._manager.retention import Retention, sound_steps_to_delete
 from .._storage.location import Location
@@ -22,13 +23,16 @@ from .._storage.location import Location
 
 @dataclasses.dataclass(frozen=True)
 class GcPlan:
-    """Names ``gc`` would remove (``unfinished``: entries; ``steps``: committed steps),
-    the steps it would keep, and the entries it would leave alone."""
+    """Names ``gc`` would remove (``unfinished``: entries; ``steps``: committed steps;
+    ``exports``: what safetensors exports that died left, see
+    ``_interop.safetensors.remains``), the steps it would keep, and the entries it would
+    leave alone."""
 
     unfinished: list[str]
     steps: list[int]
     kept: list[int]
     left_alone: list[str]
+    exports: list[str] = dataclasses.field(default_factory=list)
 
 
 def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
@@ -56,14 +60,22 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
             whole=lambda s: _steps.manifest_damage(loc, s) is None,
             protected=committed[-1:],
         )
-    done = unfinished + foreign_gone + finishing
+    exports = _remains.dead(loc.path.rstrip("/")) if loc.is_local else []
+    done = unfinished + foreign_gone + finishing + exports
     left = [n for n in listing.unfinished + listing.foreign if n not in done]
     return GcPlan(
         unfinished=unfinished + foreign_gone,
         steps=doomed,
         kept=[s for s in committed if s not in doomed],
         left_alone=left,
+        exports=exports,
     )
+
+
+def remove_exports(loc: Location, found: GcPlan) -> list[str]:
+    """Removes what the exports that died left in ``loc`` (``found.exports``, checked
+    again now: a writer is never live); returns the names removed."""
+    return _remains.remove_dead(loc.path.rstrip("/")) if found.exports else []
 
 
 def _proven(loc: Location) -> bool:

@@ -10,7 +10,6 @@ Single process (run it on one host), one thread. Layout and rules:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +18,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from ..._base import env as _env
+from ..._base import interrupts as _interrupts
 from ..._base import tree as _tree
 from ..._base.option_spec import check
 from ..._core import ownership as _ownership
@@ -37,32 +36,22 @@ from ..._storage.kvstore import local_path
 from ..._storage.location import Location
 from ..._storage.store_errors import arguments, raises_store_errors
 from ..._storage.untrusted import loads_json, read_capped
+from . import remains as _remains
 from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES
-from .outputs import (
-    check_outputs,
-    close_shard,
-    create_temp,
-    fsync_dir,
-    old_outputs,
-    output_names,
-    remove_stale,
-)
+from .outputs import check_outputs, fsync_dir, old_outputs, output_names, remove_stale
 from .plan import (
     EXPORT_OPTIONS,
     ListedKeyMap,
-    Tensor,
     checked_cast,
     checked_key_map,
     checked_metadata,
-    encode_header,
     parse_size,
     plan_tensors,
     split_shards,
-    tensor_bytes,
 )
+from .staged import Staged, progress_of
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-_GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a checkpoint
 # Why an object-store ``out`` is refused: files are staged, fsynced and renamed in place.
 _LOCAL_ONLY = "safetensors files are written to local disk; export there, then copy them"
 
@@ -149,11 +138,6 @@ def _source_leaves(source: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
     return _tree_leaves(source)
 
 
-def _groups(tensors: list[Tensor]) -> list[list[Tensor]]:
-    """Leaves read per partial restore: the same greedy split as the shards."""
-    return [g for g in split_shards(tensors, _GROUP_BYTES) if g]
-
-
 @raises_store_errors(arguments("source"))  # a store's refusal: StoreAccessError naming it
 def to_safetensors(
     source: Any,
@@ -215,9 +199,10 @@ def to_safetensors(
     total = sum(t.nbytes for t in tensors)
     created = _ownership.missing_directories(directory)  # removed again on failure
     os.makedirs(directory, exist_ok=True)
-    staged = _Staged(directory, names, shards, meta)
+    _remains.remove_dead(directory)  # of an export here that died (its writer is gone)
+    staged = Staged(directory, names, shards, meta)  # its marker names this export
     try:
-        with _progress(progress, total) as bar:
+        with progress_of(progress, total) as bar:
             staged.write(tensors, read, bar)
         old = old_outputs(directory, index_name) if force else set()
         for tmp, final in zip(staged.shard_tmps, finals, strict=True):
@@ -227,9 +212,12 @@ def to_safetensors(
         remove_stale(directory, index_name, names, old, force=force, sharded=bool(index_path))
         fsync_dir(directory)
     except BaseException:  # Ctrl-C too: nothing of a failed export stays
-        staged.discard()
-        _ownership.remove_created(created)
+        # A second Ctrl-C waits for the clean-up (unlinks: bounded), then is raised.
+        with _interrupts.deferred_sigint():
+            staged.discard()
+            _ownership.remove_created(created)
         raise
+    staged.done()
     return ExportResult(tuple(finals), index_path, len(tensors), total)
 
 
@@ -251,108 +239,6 @@ def _file_metadata(metadata: dict[str, str] | None, transpose_kernels: bool) -> 
     meta = {str(k): str(v) for k, v in metadata.items()}
     meta[MARKER_KEY] = MARKER_VALUE  # proves, to a later --force, that we wrote the file
     return meta
-
-
-class _Staged:
-    """The temporary files of one export, each created under an unpredictable name
-    (:func:`.outputs.create_temp`): the shards, written in order by :meth:`write`,
-    then the index (:meth:`write_index`), each renamed into place (:meth:`place`);
-    :meth:`discard` closes and removes every one of them (and only those, temporary or
-    placed) when the export fails. One thread."""
-
-    def __init__(
-        self, directory: str, names: list[str], shards: list[list[Tensor]], meta: dict[str, str]
-    ):
-        self.directory, self.names, self.shards, self.meta = directory, names, shards, meta
-        self.tmps: list[str] = []  # every temporary file this call created (and only those)
-        self.shard_of = {t.path: i for i, shard in enumerate(shards) for t in shard}
-        self.files: list[Any] = [None] * len(shards)
-        self.shard_tmps: list[str | None] = [None] * len(shards)
-        self.placed: list[tuple[str, int]] = []  # (final path, inode) renamed into place
-
-    def _start(self, i: int) -> Any:
-        tmp, f = create_temp(self.directory, self.names[i])
-        self.tmps.append(tmp)
-        self.shard_tmps[i] = tmp
-        f.write(encode_header(self.shards[i], self.meta))
-        return f
-
-    def write(self, tensors: list[Tensor], read: Callable[[list[str]], Iterator], bar) -> None:
-        """Every shard, durable and closed: the tensors read a group at a time."""
-        by_path = {t.path: t for t in tensors}
-        files, current = self.files, -1
-        for group in _groups(tensors):
-            for path, value in read([t.path for t in group]):
-                i = self.shard_of[path]
-                if i != current:
-                    close_shard(files, current)
-                    files[i] = self._start(i)
-                    current = i
-                t = by_path[path]
-                data = tensor_bytes(t, value)
-                files[i].write(memoryview(data))
-                _env.pause_point("export_write")
-                bar.advance(data.nbytes, path)
-                del data, value  # one leaf (or one group) in memory at a time
-        close_shard(files, current)
-        for i in range(len(self.shards)):
-            if files[i] is None:  # a shard of empty tensors only
-                files[i] = self._start(i)
-                close_shard(files, i)
-
-    def write_index(
-        self, tensors: list[Tensor], total: int, index_name: str, index_path: str
-    ) -> None:
-        """The index, durable, renamed into place once the shards are."""
-        index = {
-            "metadata": {"total_size": total, MARKER_KEY: MARKER_VALUE},
-            "weight_map": {t.name: self.names[self.shard_of[t.path]] for t in tensors},
-        }
-        tmp, f = create_temp(self.directory, index_name)
-        self.tmps.append(tmp)
-        with f:
-            f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        self.place(tmp, index_path)
-
-    def place(self, tmp: str, final: str) -> None:
-        """Renames ``tmp`` over ``final`` (a name replaced, never written through a link)."""
-        inode = os.lstat(tmp).st_ino
-        os.replace(tmp, final)
-        self.placed.append((final, inode))
-        _env.pause_point("export_placed")
-
-    def discard(self) -> None:
-        for f in self.files:
-            if f is not None and not f.closed:
-                f.close()
-        for tmp in self.tmps:  # ours: created exclusively under an unpredictable name
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        for final, inode in self.placed:  # a file this export put in place: still ours
-            try:
-                if os.lstat(final).st_ino == inode:
-                    os.unlink(final)
-            except FileNotFoundError:
-                pass
-
-
-class _NoProgress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def advance(self, amount: int = 1, note: str = "") -> None:
-        pass
-
-
-def _progress(factory, total):
-    return factory(total) if factory is not None else _NoProgress()
 
 
 def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:

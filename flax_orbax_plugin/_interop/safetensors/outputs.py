@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import secrets
 from typing import Any
 
 from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
@@ -30,6 +29,7 @@ from .headers import (
     plain_name,
     pread_exact,
 )
+from .remains import temp_name
 
 _log = logging.getLogger(__package__)  # flax_orbax_plugin._interop.safetensors, as before
 
@@ -70,19 +70,14 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def create_temp(directory: str, final_name: str) -> tuple[str, Any]:
-    """A new file beside ``final_name`` under an unpredictable name, created exclusively
-    (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0o644): a planted file or symlink is never
-    opened, followed or truncated. Returns (path, binary file object)."""
+def create_temp(directory: str, final_name: str, nonce: str) -> tuple[str, Any]:
+    """A new file beside ``final_name`` under the temporary name carrying ``nonce`` (the
+    export's, :func:`.remains.temp_name`), created exclusively (``O_CREAT | O_EXCL |
+    O_NOFOLLOW``, mode 0o644): a planted file or symlink is never opened, followed or
+    truncated. Returns (path, binary file object)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _ in range(16):
-        path = os.path.join(directory, f".{final_name}.tmp-{secrets.token_hex(8)}")
-        try:
-            fd = os.open(path, flags, 0o644)
-        except FileExistsError:
-            continue  # vanishingly unlikely: draw another name
-        return path, os.fdopen(fd, "wb")
-    raise FileExistsError(f"{directory}: could not create a temporary file for {final_name}")
+    path = os.path.join(directory, temp_name(final_name, nonce))
+    return path, os.fdopen(os.open(path, flags, 0o644), "wb")
 
 
 def proven_ours(path: str) -> tuple[bool, str]:

@@ -1,0 +1,139 @@
+"""The remains of an export that died: named by a marker, removed by the next export to
+its folder or by ``flax-orbax gc`` of it.
+
+An export names itself in its output folder before it creates anything there: a
+marker, ``.flax-orbax-export-<nonce>.pending`` (this library, the writer's host and
+process id), and every temporary file it creates carries the same unpredictable nonce
+(``.<final name>.tmp-<nonce>``, :func:`temp_name`); it removes the marker last, once
+its files are in place or removed. A writer that could not clean up (``kill -9``, a
+default SIGTERM) leaves the marker naming it, and :func:`remove_dead` removes, for a
+marker whose writer ran on this host and is gone, the regular files that carry its
+nonce, then the marker. Never a live writer's, nor another host's (whether it lives
+cannot be told), nor a file that does not carry the nonce of a marker of ours.
+
+Threading: stateless; local disk only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import stat
+
+from ..._errors import CheckpointError
+from ..._storage.untrusted import loads_json, read_capped
+
+LIBRARY = "flax_orbax_plugin"
+MARKER_RE = re.compile(r"^\.flax-orbax-export-([0-9a-f]{16})\.pending$", re.ASCII)
+_MAX_MARKER_BYTES = 4096
+_log = logging.getLogger(__package__)
+
+
+def marker_name(nonce: str) -> str:
+    return f".flax-orbax-export-{nonce}.pending"
+
+
+def temp_name(final_name: str, nonce: str) -> str:
+    """The temporary name of ``final_name`` for the export whose marker has ``nonce``."""
+    return f".{final_name}.tmp-{nonce}"
+
+
+def begin(directory: str) -> str:
+    """Writes a new export's marker in ``directory`` (created exclusively, never through
+    a link) and returns its nonce, for :func:`temp_name`."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        nonce = secrets.token_hex(8)
+        try:
+            fd = os.open(os.path.join(directory, marker_name(nonce)), flags, 0o644)
+        except FileExistsError:
+            continue  # vanishingly unlikely: draw another
+        doc = {"library": LIBRARY, "kind": "export", "nonce": nonce}
+        doc.update(host=socket.gethostname(), pid=os.getpid())
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(doc).encode())
+        return nonce
+    raise FileExistsError(f"{directory}: could not create the export's marker")
+
+
+def end(directory: str, nonce: str) -> None:
+    """Removes the export's marker: its files are in place, or removed."""
+    try:
+        os.unlink(os.path.join(directory, marker_name(nonce)))
+    except FileNotFoundError:
+        pass
+
+
+def _writer_gone(path: str, nonce: str) -> bool:
+    """True when ``path`` is our marker for ``nonce`` and names a process of this host
+    that no longer exists; False whenever that is not certain."""
+    try:
+        doc = loads_json(
+            read_capped(path, follow_links=False, what="marker", max_bytes=_MAX_MARKER_BYTES),
+            path,
+        )
+    except (CheckpointError, OSError):
+        return False
+    if not isinstance(doc, dict) or (doc.get("library"), doc.get("kind")) != (LIBRARY, "export"):
+        return False
+    pid = doc.get("pid")
+    if doc.get("nonce") != nonce or doc.get("host") != socket.gethostname():
+        return False
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31:
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
+def dead(directory: str) -> list[str]:
+    """The names in ``directory`` that exports which died left: each such export's
+    temporary files (regular files carrying its nonce), then its marker."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found: list[str] = []
+    for marker in sorted(n for n in names if MARKER_RE.match(n)):
+        nonce = MARKER_RE.match(marker).group(1)
+        if not _writer_gone(os.path.join(directory, marker), nonce):
+            continue
+        suffix = f".tmp-{nonce}"
+        temps = [n for n in names if n.startswith(".") and n.endswith(suffix) and n != suffix]
+        found += [n for n in sorted(temps) if _regular(os.path.join(directory, n))] + [marker]
+    return found
+
+
+def remove_dead(directory: str) -> list[str]:
+    """Removes what :func:`dead` names (each marker after its files); returns those
+    names. A failure to remove one is logged and the rest goes on."""
+    removed = []
+    for name in dead(directory):
+        try:
+            os.unlink(os.path.join(directory, name))  # the name: a link is not followed
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            _log.warning("%s: the remains of an export that died, not removed: %s", name, e)
+            continue
+        removed.append(name)
+    if removed:
+        _log.info("%s: removed the remains of an export that died: %s", directory, removed)
+    return removed
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
