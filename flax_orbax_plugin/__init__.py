@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from ._version import __version__ as __version__
+from . import _version
 
 if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads them
     # (the same statements as _api.py; tests/cli/test_cli_startup.py checks they agree)
@@ -100,6 +100,7 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
     from ._reading.serving import restore_params
     from ._state.iterators import StepIndexedIterator
     from ._storage.location import Location
+    from ._version import __version__ as __version__
 
 __all__ = [
     "AllOf",
@@ -198,8 +199,17 @@ _OWN_MODULE = (("restore_params", "._reading.serving"),)
 def __getattr__(name: str):
     """A public name, imported on its first use (PEP 562) with all the others (serving's
     ``restore_params`` alone: see ``_OWN_MODULE``)."""
-    if name not in __all__:
+    if name == "__version__":  # importlib.metadata: not paid by the CLI before it runs
+        value = _version.version()
+    elif name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    else:
+        value = _public(name)
+    globals()[name] = value
+    return value
+
+
+def _public(name: str):
     own = dict(_OWN_MODULE).get(name)
     if own is not None:
         value = getattr(importlib.import_module(own, __name__), name)
@@ -210,9 +220,8 @@ def __getattr__(name: str):
         from . import _api
 
         value = getattr(_api, name)
-    globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | {"__version__"})

@@ -14,7 +14,7 @@ import os
 import sys
 
 from .._errors import CheckpointError
-from .._version import __version__
+from .._version import version
 from . import shell
 from .output import EXIT_ERROR, CliError, one_line
 
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = _command(
@@ -170,9 +170,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A shell's command (see shell): Ctrl-C and SIGTERM taken before anything else (held
+    # while the commands load), a closed pipe, the library's warnings as lines.
+    interrupts = shell.install_signals() if argv is None else None
     args = build_parser().parse_args(argv)
-    # A shell's command (see shell): a closed pipe, SIGTERM, Ctrl-C while loading.
-    interrupts = shell.install(args.command) if argv is None else None
+    if interrupts is not None:
+        shell.install(interrupts, args.command)
+    try:
+        status = _run(args, interrupts)
+    except KeyboardInterrupt as e:  # what it had done already (an import's steps) said
+        if interrupts is not None:
+            interrupts.stopped()  # a second signal now changes nothing
+        terminated = isinstance(e, shell.Terminated)
+        done = "; ".join(getattr(e, "__notes__", ()))
+        print(
+            f"flax-orbax {args.command}: {'terminated' if terminated else 'interrupted'}"
+            + (f" ({done})" if done else ""),
+            file=sys.stderr,
+        )
+        return shell.EXIT_TERMINATED if terminated else shell.EXIT_INTERRUPTED
+    # a signal the command could not act on (swallowed where it arrived, or after its
+    # work): 130 or 143, said so
+    return status if interrupts is None else interrupts.finish(status)
+
+
+def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
+    """The command's exit status; errors as one line (a KeyboardInterrupt propagates)."""
     try:
         # Inside the function on purpose: the commands import JAX and tensorstore
         # (seconds), which --help, <command> --help and --version must not pay.
@@ -180,29 +203,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if interrupts is not None:
             interrupts.loaded()
-        status = dispatch.run(args, in_process=argv is not None)  # None: a shell's command
-        if interrupts is not None and interrupts.seen:  # swallowed where it arrived
-            what = "terminated" if interrupts.terminated else "interrupted"
-            print(
-                f"flax-orbax {args.command}: {what}, too late to stop it: the command "
-                f"had finished (what it wrote is complete)",
-                file=sys.stderr,
-            )
-            return shell.EXIT_TERMINATED if interrupts.terminated else 130
-        return status
+        return dispatch.run(args, in_process=interrupts is None)
     except CliError as e:
         print(f"flax-orbax {args.command}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", EXIT_ERROR)
-    except shell.Terminated:
-        print(f"flax-orbax {args.command}: terminated", file=sys.stderr)
-        return shell.EXIT_TERMINATED
-    except KeyboardInterrupt as e:  # what it had done already (an import's steps) said
-        done = "; ".join(getattr(e, "__notes__", ()))
-        print(
-            f"flax-orbax {args.command}: interrupted" + (f" ({done})" if done else ""),
-            file=sys.stderr,
-        )
-        return 130
     except Exception as e:
         kind = "" if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: "
         done = "; ".join(getattr(e, "__notes__", ()))  # what it had done (an import's steps)

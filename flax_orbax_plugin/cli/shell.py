@@ -18,6 +18,7 @@ import sys
 import warnings
 from typing import Any
 
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
@@ -58,48 +59,124 @@ class _PipeSafe:
 
 
 class Interrupts:
-    """Ctrl-C and SIGTERM for a shell's command. Held back while the commands load
-    (JAX's import, interrupted, fails as a raw ImportError or aborts the process), then
-    raised where the command is (SIGTERM as :class:`Terminated`). One that Python
-    swallowed (it arrived inside a garbage-collection callback, whose exceptions are
-    ignored, and the command ran on) is still known: ``seen`` (``terminated`` for a
-    SIGTERM)."""
+    """Ctrl-C and SIGTERM for a shell's command: one line, and 130 (SIGINT) or 143
+    (SIGTERM), whenever they come and however many.
 
-    def __init__(self) -> None:
-        self.seen = False
-        self.terminated = False
-        self._loading = True
+    Held back while the commands load (JAX's import, interrupted, fails as a raw
+    ImportError or aborts the process), then raised where the command is (SIGTERM as
+    :class:`Terminated`). One that arrives while an interruption is already being
+    handled (the command cleaning up what it was writing, ``main`` saying so) is noted,
+    not raised: it would cut the clean-up short or escape as a traceback. One that Python
+    swallowed (it arrived inside a garbage-collection callback, whose exceptions are
+    ignored, and the command ran on) is still known: ``seen``. Once the command has its
+    status (:meth:`finish`), a signal says it came too late and exits at once.
+
+    Main thread (signal handlers run there); call order: :meth:`loaded`, then
+    :meth:`stopped` (main reported an interruption) or :meth:`finish`.
+    """
+
+    def __init__(self, command: str = "") -> None:
+        self.command = command
+        self.signum: int | None = None  # the first signal: the one the command reports
+        self._state = "loading"  # then "running", and "stopped" or "finished"
+
+    @property
+    def seen(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def terminated(self) -> bool:
+        return self.signum == signal.SIGTERM
 
     def handler(self, signum: int, frame: Any) -> None:
-        self.seen = True
-        if signum == signal.SIGTERM:
-            self.terminated = True
-        if not self._loading:
-            self._raise()
-
-    def _raise(self) -> None:
-        if self.terminated:
-            raise Terminated(f"terminated (signal {int(signal.SIGTERM)})")
-        raise KeyboardInterrupt
+        if self.signum is None:
+            self.signum = signum
+        if self._state == "finished":
+            self._exit_too_late()
+        elif self._state == "running" and not _handling_interruption():
+            _raise(signum)
 
     def loaded(self) -> None:
         """The commands are loaded: a signal held back is raised now, later ones at once."""
-        self._loading = False
-        if self.seen:
-            self._raise()
+        self._state = "running"
+        if self.signum is not None:
+            _raise(self.signum)
+
+    def stopped(self) -> None:
+        """``main`` has said how the command ended: later signals change nothing, until
+        the process has exited (ignored, not handled: once Python's finalization has
+        put the default handlers back, one would kill the process)."""
+        self._state = "stopped"
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def finish(self, status: int) -> int:
+        """The command ended with ``status``: the exit status, 130 or 143 where a signal
+        came that could not stop it (said so on stderr); a later one exits at once."""
+        if self._state == "stopped":
+            return status
+        self._state = "finished"
+        if self.signum is None:
+            return status
+        self.stopped()
+        return self._say_too_late()
+
+    def _say_too_late(self) -> int:
+        what = "terminated" if self.terminated else "interrupted"
+        print(
+            f"flax-orbax {self.command}: {what}, too late to stop it: the command had "
+            f"finished (what it wrote is complete)",
+            file=sys.stderr,
+        )
+        return EXIT_TERMINATED if self.terminated else EXIT_INTERRUPTED
+
+    def _exit_too_late(self) -> None:
+        self.stopped()
+        code = self._say_too_late()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)  # the work is done and its output flushed: nothing left to run
 
 
-def install(command: str) -> Interrupts:
-    """A shell's command: stdout kept safe from a closed pipe, Ctrl-C and SIGTERM as
-    :class:`Interrupts` says, the library's warnings as the command's lines
-    (``flax-orbax list: warning: ...``, not Python's ``<file>:<line>: UserWarning``)."""
+def _raise(signum: int) -> None:
+    if signum == signal.SIGTERM:
+        raise Terminated(f"terminated (signal {int(signal.SIGTERM)})")
+    raise KeyboardInterrupt
+
+
+def _handling_interruption() -> bool:
+    """True while the main thread handles a KeyboardInterrupt (an ``except`` or
+    ``finally`` block, a context manager's exit, on its way out): a clean-up under way."""
+    exc = sys.exc_info()[1]
+    for _ in range(64):  # an exception raised during the clean-up: its context
+        if exc is None:
+            return False
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc = exc.__context__
+    return False
+
+
+def install_signals() -> Interrupts:
+    """Ctrl-C and SIGTERM as :class:`Interrupts` says: the first thing a shell's command
+    does (before its arguments are parsed), so that none is raw at any moment."""
+    interrupts = Interrupts()
+    signal.signal(signal.SIGINT, interrupts.handler)
+    signal.signal(signal.SIGTERM, interrupts.handler)
+    return interrupts
+
+
+def install(interrupts: Interrupts, command: str) -> None:
+    """A shell's command, once parsed: stdout kept safe from a closed pipe, the
+    library's warnings as the command's lines (``flax-orbax list: warning: ...``, not
+    Python's ``<file>:<line>: UserWarning``), ``command`` named by :class:`Interrupts`."""
+    interrupts.command = command
     sys.stdout = _PipeSafe(sys.stdout)  # type: ignore[assignment]
 
     def show(message: Any, category: Any, *_: Any, **__: Any) -> None:
         print(f"flax-orbax {command}: warning: {message}", file=sys.stderr)
 
     warnings.showwarning = show
-    interrupts = Interrupts()
-    signal.signal(signal.SIGINT, interrupts.handler)
-    signal.signal(signal.SIGTERM, interrupts.handler)
-    return interrupts
