@@ -26,6 +26,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from . import _version
+from ._base import interrupts as _interrupts
 
 if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads them
     # (the same statements as _api.py; tests/cli/test_cli_startup.py checks they agree)
@@ -204,7 +205,11 @@ def __getattr__(name: str):
     elif name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     else:
-        value = _public(name)
+        # A Ctrl-C while the modules load (JAX's import, seconds) was raised inside
+        # JAX's garbage-collection callback, which dropped it: the first save then ran
+        # and committed. Held until they are loaded, then raised here, before any use.
+        with _interrupts.deferred_sigint():
+            value = _public(name)
     globals()[name] = value
     return value
 
