@@ -29,7 +29,7 @@ from .._format.layout import (
 )
 from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
-from .._zarr import regions as _chunk_regions
+from .._zarr import regions as _zarr_regions
 from . import formats as _formats
 from . import handle as _handle
 from . import read_data as _read_data
@@ -274,8 +274,8 @@ def _check_data(location, doc, targets, fmt, direct, window: _Window, budget, he
             itemsize = target.dtype.itemsize
             chunk = record.storage.chunk_shape
             for span in spans or [None]:
-                for region in _chunk_regions.within(record.shape, span, chunk, itemsize, budget):
-                    nbytes = _chunk_regions.nbytes(region, record.shape, itemsize)
+                for region in _zarr_regions.within(record.shape, span, chunk, itemsize, budget):
+                    nbytes = _zarr_regions.nbytes(region, record.shape, itemsize)
                     read = _read_data.read_region(fmt, store, target, direct, region)
                     window.submit(read, nbytes, [record.path])
         for name, batch in doc.batches.items():
