@@ -63,10 +63,11 @@ def refuse_step_directory(loc: Location) -> None:
 
 
 def open_writer(loc: Location, *, own: bool = False) -> DirectoryLock | _lease.Lease | None:
-    """A writer's open, on every process: the lock (the primary, local paths), the
-    dead saves' remains removed (the primary), then one meeting of all processes.
-    Returns the lock held (released again if anything after it fails). ``own``: each
-    host's own directory: every process locks and cleans its own."""
+    """A writer's open, on every process: the lock (the primary: ``flock`` on local
+    paths, a lease on object stores), the dead saves' remains removed (the primary),
+    then one meeting of all processes. Returns the lock or lease held (released again
+    if anything after it fails). ``own``: each host's own directory: every process
+    locks and cleans its own."""
     dir_lock = None
     if loc.is_local and (own or _distributed.is_primary()):
         # One writer per directory: the primary holds the lock for all processes

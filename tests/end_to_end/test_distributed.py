@@ -428,7 +428,7 @@ def test_manager_on_s3_process_killed_mid_save(s3_location):
         3,
         args={"directory": loc.spec, "victim_after_opens": 1},
         kill=Kill(process=1, at="mid_save"),
-        env={"FOP_COORDINATION_TIMEOUT_S": "5", **s3_location.env},
+        env={"FOP_COORDINATION_TIMEOUT_S": "5", "FOP_PEER_SILENT_S": "3", **s3_location.env},
         heartbeat_timeout_s=60,
         done_timeout_s=2,
     )

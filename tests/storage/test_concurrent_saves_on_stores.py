@@ -71,7 +71,7 @@ def _only(s3_location, value: float) -> None:
 
 
 def test_a_save_into_a_place_a_live_writer_holds_is_refused(s3_location):
-    other = _start(s3_location, "before_commit", "3")  # claimed, written, not committed
+    other = _start(s3_location, "before_commit", "2")  # claimed, written, not committed
     with pytest.raises(fop.DirectoryLockedError, match=r"another save or removal \(pid \d+"):
         fop.save(s3_location.url, {"w": np.full((256,), 2.0, np.float32)})
     assert "SAVED" in _finish(other)  # its files were left alone: it committed whole
@@ -79,7 +79,7 @@ def test_a_save_into_a_place_a_live_writer_holds_is_refused(s3_location):
 
 
 def test_a_save_that_claims_after_another_committed_is_refused(s3_location):
-    other = _start(s3_location, "before_claim", "3")  # looked (empty), not claimed yet
+    other = _start(s3_location, "before_claim", "2")  # looked (empty), not claimed yet
     fop.save(s3_location.url, {"w": np.full((256,), 2.0, np.float32)})
     said = _finish(other)
     assert "REFUSED CheckpointError" in said and "committed a checkpoint there" in said, said
@@ -87,9 +87,9 @@ def test_a_save_that_claims_after_another_committed_is_refused(s3_location):
 
 
 def test_two_saves_that_both_found_the_place_empty_do_not_both_write(s3_location, monkeypatch):
-    other = _start(s3_location, "before_claim", "3")  # looked (empty), not claimed yet
+    other = _start(s3_location, "before_claim", "2")  # looked (empty), not claimed yet
     monkeypatch.setenv("FOP_PAUSE_AT", "before_commit")  # this one claims, then waits
-    monkeypatch.setenv("FOP_PAUSE_S", "6")
+    monkeypatch.setenv("FOP_PAUSE_S", "4")
     handle = fop.save_async(s3_location.url, {"w": np.full((256,), 2.0, np.float32)})
     said = _finish(other)  # it woke while this save held the place
     assert "REFUSED DirectoryLockedError" in said and "another save or removal" in said, said

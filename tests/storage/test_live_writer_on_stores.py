@@ -34,7 +34,7 @@ def test_a_second_open_leaves_a_live_writers_step_alone(s3_location):
     url = s3_location.url
     with fop.CheckpointManager(url) as mngr:
         mngr.save(1, {"params": {"w": np.full((64, 64), 1.0, np.float32)}})
-    env = _proc.child_env(FOP_PAUSE_AT="before_commit", FOP_PAUSE_S="6", **s3_location.env)
+    env = _proc.child_env(FOP_PAUSE_AT="before_commit", FOP_PAUSE_S="3", **s3_location.env)
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER, url], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
