@@ -7,7 +7,9 @@ its lease ends. It is taken and renewed by conditional writes (two opens cannot 
 win), every third of its length, and released at close (``lease_expires: 0``, the run
 id kept). Another writer (a manager, a tier, ``gc``) is refused while a lease is live;
 one whose holder died is taken over once it ran out, or at once when the holder ran
-on this host and its process is gone. A plain manager on an object store holds one
+on this host and its process is gone. An open waits out another host's lease that is
+no longer renewed (:func:`settle`: a job rescheduled after its machine died resumes
+rather than fails); one renewed meanwhile is refused. A plain manager on an object store holds one
 (:func:`take`); so does a tiered run on its persistent path (:mod:`.run_owner`).
 The design: ``docs/run_owner.md``.
 
@@ -40,6 +42,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 LEASE_SECONDS = 60.0
 MIN_LEASE_SECONDS = 1.0  # renewed every third of it: one conditional write (and read) each
 MAX_LEASE_SECONDS = 366 * 86400.0  # a lease is renewed every third of it: a year is plenty
+MAX_WAIT_SECONDS = 2 * LEASE_SECONDS  # an open waits out another host's lease this long
 
 
 def when(t: float) -> str:
@@ -61,27 +64,66 @@ def dead_here(rec: RunRecord) -> bool:
     return False
 
 
-def refuse_live(loc: Location, rec: RunRecord | None, now: float, *, what: str) -> None:
-    """DirectoryLockedError when ``rec`` holds a live lease on ``loc`` (``what``: the
-    place in words); a lease that ran out, or whose holder died here, is taken over with
-    a WARNING."""
-    if rec is None or rec.lease_expires is None or rec.lease_expires == 0:
-        return
-    if rec.lease_expires > now and not dead_here(rec):
-        raise DirectoryLockedError(
-            f"{what} {loc} is held by {rec.describe()}, whose lease expires at "
-            f"{when(rec.lease_expires)} ({rec.lease_expires - now:.0f} s from now): one "
-            f"writer at a time. Wait for it to close, open it with read_only=True to read "
-            f"while it writes, or write elsewhere"
-        )
-    logger.warning(
-        "checkpoint: taking over %s from %s, whose lease %s at %s (it died or hung "
-        "without closing)",
-        loc,
-        rec.describe(),
-        "expired" if rec.lease_expires <= now else "would expire (its process is gone)",
-        when(rec.lease_expires),
+def _live(rec: RunRecord | None, now: float) -> bool:
+    return (
+        rec is not None
+        and rec.lease_expires is not None
+        and rec.lease_expires > now
+        and not dead_here(rec)
     )
+
+
+def _refusal(loc: Location, rec: RunRecord, now: float, what: str) -> DirectoryLockedError:
+    return DirectoryLockedError(
+        f"{what} {loc} is held by {rec.describe()}, whose lease expires at "
+        f"{when(rec.lease_expires)} ({rec.lease_expires - now:.0f} s from now): one "
+        f"writer at a time. Wait for it to close, open it with read_only=True to read "
+        f"while it writes, or write elsewhere"
+    )
+
+
+def settle(
+    loc: Location, rec: RunRecord | None, generation: Any, *, what: str, clock=time.time
+) -> tuple[RunRecord | None, Any]:
+    """Before taking ``loc`` (its record ``rec``, read at ``generation``; ``what``: the
+    place in words): a live lease of a process of this host is a DirectoryLockedError
+    at once. One of another host is waited out, when it ends within
+    :data:`MAX_WAIT_SECONDS` (a job rescheduled onto a new machine after its old one
+    died: its lease is no longer renewed): the record is read again every second;
+    renewed meanwhile, its holder is alive: DirectoryLockedError at once (within a
+    third of its lease). A lease that ran out, whose holder died here, or was released
+    is taken over (a WARNING names it). Returns the record and generation to write
+    over."""
+    said = False
+    while _live(rec, now := clock()):
+        assert rec is not None and rec.lease_expires is not None
+        left = rec.lease_expires - now
+        if rec.host == socket.gethostname() or left > MAX_WAIT_SECONDS:
+            raise _refusal(loc, rec, now, what)
+        if not said:
+            logger.warning(
+                "checkpoint: %s is held by %s, whose lease ends in %.0f s; waiting for it "
+                "(a holder that died no longer renews it; a live one does, and is refused)",
+                loc,
+                rec.describe(),
+                left,
+            )
+            said = True
+        time.sleep(min(1.0, left + 0.05))
+        found, found_generation = read_versioned(loc)
+        if _live(found, clock()) and found is not None and found != rec:  # renewed: alive
+            raise _refusal(loc, found, clock(), what)
+        rec, generation = found, found_generation
+    if rec is not None and rec.lease_expires:
+        logger.warning(
+            "checkpoint: taking over %s from %s, whose lease %s at %s (it died or hung "
+            "without closing)",
+            loc,
+            rec.describe(),
+            "expired" if rec.lease_expires <= clock() else "would expire (its process is gone)",
+            when(rec.lease_expires),
+        )
+    return rec, generation
 
 
 class Lease:
@@ -104,7 +146,7 @@ class Lease:
 
     def take(self, generation: Any, *, taken: Callable[[RunRecord | None], Exception]) -> None:
         """Writes this holder's record if ``loc``'s is still at ``generation`` (the one
-        the caller read and checked with :func:`refuse_live`), then renews it. Someone
+        the caller read and checked with :func:`settle`), then renews it. Someone
         else's write in between: ``taken(their record)`` is raised (None: the store
         holds none, it refused the write)."""
         new = write_if(self.loc, self.record(), generation)
@@ -192,8 +234,7 @@ def take(loc: Location, *, seconds: float = LEASE_SECONDS) -> Lease:
     """A plain writer's lease on the object-store directory ``loc`` (a manager's open):
     the run its record names goes on (a new one without a record). DirectoryLockedError
     while another writer's lease is live, or when another open won meanwhile."""
-    rec, generation = read_versioned(loc)
-    refuse_live(loc, rec, time.time(), what="the directory")
+    rec, generation = settle(loc, *read_versioned(loc), what="the directory")
     lease = Lease(loc, secrets.token_hex(16) if rec is None else rec.run, seconds=seconds)
 
     def taken(theirs: RunRecord | None) -> Exception:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import CheckpointError, DirectoryLockedError
-from .lease import LEASE_SECONDS, MAX_LEASE_SECONDS, MIN_LEASE_SECONDS, Lease, refuse_live
+from .lease import LEASE_SECONDS, MAX_LEASE_SECONDS, MIN_LEASE_SECONDS, Lease, settle
 from .location import Location
 from .lock import DirectoryLock
 from .run_record import RUN_FILE, RunRecord, read_record, read_versioned
@@ -108,8 +108,12 @@ class RunOwner:
             self._lock.acquire()  # DirectoryLockedError: another live writer
             remote_rec, generation = read_record(self.remote), None
         else:
-            remote_rec, generation = read_versioned(self.remote)
-            refuse_live(self.remote, remote_rec, self._clock(), what="the persistent path")
+            remote_rec, generation = settle(
+                self.remote,
+                *read_versioned(self.remote),
+                what="the persistent path",
+                clock=self._clock,
+            )
         if local_rec is not None and remote_rec is not None and local_rec.run != remote_rec.run:
             raise CheckpointError(
                 f"{self.local} belongs to run {local_rec.run} but the persistent path "
