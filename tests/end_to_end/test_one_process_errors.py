@@ -14,11 +14,11 @@ waited for this one on another path).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
+import _proc
 import pytest
-from _multiprocess import free_port, run_processes
+from _multiprocess import run_processes
 
 import flax_orbax_plugin as fop
 
@@ -87,24 +87,9 @@ def _program_end(tmp_path, scenario):
     """Runs ``_ending_programs.py`` in two processes; process 0's output, and both
     processes' for the message of a failed assertion."""
     program = os.path.join(os.path.dirname(__file__), "..", "support", "_ending_programs.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env.update(ENV, JAX_PLATFORMS="cpu")
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, program, port, str(i), str(tmp_path), scenario],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    outs = _proc.run_two_programs(
+        [sys.executable, program], [str(tmp_path), scenario], {**os.environ, **ENV}, 90
+    )
     (out0, err0), (out1, err1) = outs
     return out0, f"process 0:\n{out0}\n{err0[-3000:]}\nprocess 1:\n{out1}\n{err1[-3000:]}"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 
+import _proc
 import pytest
 from _multiprocess import run_processes
 
@@ -136,29 +137,11 @@ def test_an_uncaught_error_without_a_with_block_reaches_the_other_at_once(tmp_pa
     in their next save until the stall timeout (300 s by default), then jax's shutdown
     barrier aborted them all. The process now leaves the run when its program ends (its
     save in flight finished first), and the others learn which error ended it."""
-    import subprocess
     import sys
 
-    from _multiprocess import free_port
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env.update(ENV, JAX_PLATFORMS="cpu")
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", UNCAUGHT, port, str(i), str(tmp_path / "run"), via],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    outs = _proc.run_two_programs(
+        [sys.executable, "-c", UNCAUGHT], [str(tmp_path / "run"), via], {**os.environ, **ENV}, 120
+    )
     (out0, err0), (out1, err1) = outs
     stories = f"process 0:\n{out0}\n{err0[-3000:]}\nprocess 1:\n{out1}\n{err1[-3000:]}"
     assert "RuntimeError: the loss is NaN on host 1" in err1, stories

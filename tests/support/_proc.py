@@ -91,3 +91,32 @@ def sigterm_after(proc: subprocess.Popen, step: int, timeout: float = 120) -> li
         return proc.communicate(timeout=timeout)[0].split()
     finally:
         proc.kill()
+
+
+def run_two_programs(
+    command: list[str], args: list[str], env: dict[str, str], timeout: float
+) -> list[tuple[str, str]]:
+    """Runs ``command + [port, process index] + args`` as processes 0 and 1 of one
+    jax.distributed run on a free port (``env`` without pytest's variables, on the
+    CPU); returns each one's ``(stdout, stderr)`` once both ended (both killed after
+    ``timeout`` seconds)."""
+    from _multiprocess import free_port
+
+    env = {k: v for k, v in env.items() if not k.startswith("PYTEST_")}
+    env["JAX_PLATFORMS"] = "cpu"
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [*command, port, str(i), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in (0, 1)
+    ]
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
