@@ -283,8 +283,8 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
             f"cannot write {what} at {loc}: something this library did not create is "
             f"there ({describe(loc)}); it is left alone. Move it away or choose another path"
         )
-    if found == "pending marker" and (writer := _pending.writer_alive(loc)):
-        _pending.refuse_held(loc, writer)
+    if found == "pending marker":
+        _pending.refuse_if_held(loc, replace=replace)
     if found != "pending marker" and not replace:
         raise CheckpointError(
             f"{loc} already holds a committed checkpoint ({found}); pass force=True "

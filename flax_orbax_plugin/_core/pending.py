@@ -105,6 +105,23 @@ def claim_in_place(loc: Location, nonce: str, *, fresh: bool) -> None:
         )
 
 
+def refuse_if_held(loc: Location, *, replace: bool) -> None:
+    """Before a save writes where a pending marker is: DirectoryLockedError when it names
+    a live writer of this host, or (object stores, unless ``replace``) a writer of
+    another host, whose life cannot be told from here: clearing the place as a dead
+    save's remains would delete a live save's files (``force=True`` replaces them)."""
+    alive = writer_alive(loc)
+    if alive is not None:
+        refuse_held(loc, alive)
+    writer = None if replace or loc.is_local else writer_of(read(loc))
+    if writer is not None and writer[0] != socket.gethostname():
+        refuse_held(
+            loc,
+            f"pid {writer[1]} on {writer[0]}, another host: if that save died, save with "
+            f"force=True to replace what it left",
+        )
+
+
 def _words(raw: bytes | None) -> str:
     writer = writer_of(raw)
     return "another writer" if writer is None else f"pid {writer[1]} on {writer[0]}"

@@ -11,6 +11,7 @@ paused by the package's own pause points (``FOP_PAUSE_AT``)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -94,4 +95,20 @@ def test_two_saves_that_both_found_the_place_empty_do_not_both_write(s3_location
     said = _finish(other)  # it woke while this save held the place
     assert "REFUSED DirectoryLockedError" in said and "another save or removal" in said, said
     handle.wait()
+    _only(s3_location, 2.0)
+
+
+def test_another_hosts_save_in_the_place_is_refused_unless_replacing(s3_location):
+    """A marker naming a writer of another host (its life cannot be told from here) was
+    taken for a dead save's remains: the place was cleared under that save, and both
+    reported success over a damaged checkpoint. Refused now; force=True replaces it."""
+    doc = {"library": "flax_orbax_plugin", "kind": "pending", "nonce": "0123456789ab"}
+    marker = json.dumps({**doc, "host": "another-host", "pid": 4242}).encode()
+    s3_location.kvstore().write(PENDING_FILE, marker).result()
+    s3_location.kvstore().write("data/0-0.bin", b"its bytes").result()
+    with pytest.raises(fop.DirectoryLockedError, match=r"pid 4242 on another-host.*force=True"):
+        fop.save(s3_location.url, {"w": np.full((256,), 2.0, np.float32)})
+    assert s3_location.read(PENDING_FILE) == marker
+    assert s3_location.read("data/0-0.bin") == b"its bytes"
+    fop.save(s3_location.url, {"w": np.full((256,), 2.0, np.float32)}, force=True)
     _only(s3_location, 2.0)
