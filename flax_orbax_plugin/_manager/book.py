@@ -39,6 +39,7 @@ class StepBook:
         # owning the places (the primary's, shared), which each host's marker names.
         self.per_host = False
         self.run: str | None = None
+        self.writer: Any = None  # the writer's lock or lease (set at open; before_commit)
         self.events = Events(on_event)  # where every collaborator's events go
         self.lock = threading.Lock()  # guards the fields below
         self._reading: collections.Counter[int] = collections.Counter()

@@ -105,7 +105,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         path = None if tier is None else tier.path
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version)
         self._book.per_host = own  # each host's own directory (docs/tiers.md)
-        self._dir_lock = _housekeeping.open_writer(self._loc, own=own)
+        self._dir_lock = self._book.writer = _housekeeping.open_writer(self._loc, own=own)
         self._retainer.start(busy=lambda: self._saver.busy)  # a save runs: fewer deletes
         try:  # several processes on a local path: the same directory on every host
             if tier is None:

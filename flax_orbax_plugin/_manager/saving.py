@@ -311,6 +311,7 @@ class Saver:
             replace,
             host_marker=marker,
             cancelled=cancelled,
+            writer=self._book.writer,
         )
 
         def background() -> SaveResult:

@@ -23,6 +23,7 @@ from .._base import env as _env
 from .._base.option_spec import found
 from .._core import commit as _commit
 from .._core import ownership as _ownership
+from .._core import pending as _pending
 from .._core.commit import Staging, Written
 from .._core.handle import raise_if_cancelled
 from .._core.plan import structure_lines
@@ -96,6 +97,7 @@ class StepCommit:
         *,
         host_marker: bytes | None = None,
         cancelled: threading.Event | None = None,
+        writer: Any = None,
     ):
         self._loc = location
         self._step = step
@@ -108,6 +110,7 @@ class StepCommit:
         # process commits its own copy with the primary's manifest (see per_host).
         self._host_marker = host_marker
         self._cancelled = cancelled or threading.Event()  # set: the save was interrupted
+        self._writer = writer  # the manager's lock or lease: held still (before_commit)?
         self._op = ""
         self._sizes: list[Written] = []  # this process's totals, for the manifest
         self._old_dirs: set[str] = set()  # object stores: the replaced step's item dirs
@@ -228,6 +231,8 @@ class StepCommit:
         raw = manifest.to_bytes()
         if self._host_marker is not None and _distributed.process_count() > 1:
             _distributed.broadcast_str(f"{self._op}/manifest", raw.decode())
+        if self._writer is not None:  # a lease lost meanwhile: nothing committed
+            self._writer.before_commit()
         staging.publish(MANIFEST_FILE, raw, replace=True)
         if not staging.renames and self._old_dirs:
             fresh = {e.dir for e in self._entries.values()}
@@ -241,7 +246,8 @@ class StepCommit:
         if staging.renames:
             _ownership.remove_staging(staging.location, staging.nonce)
         elif not self._replace:  # a new step written in place: no manifest, all of it goes
-            _ownership.remove_if_ours(staging.final, what="uncommitted step")
+            if _pending.holds_nonce(staging.final, staging.nonce):  # under its own claim only
+                _ownership.remove_if_ours(staging.final, what="uncommitted step")
         else:  # the old step stays whole: only the new items' fresh directories go
             fresh = [e.dir for n, e in self._entries.items() if e.dir != n]
             _ownership.remove_children(staging.final, fresh, action="abort the save into")

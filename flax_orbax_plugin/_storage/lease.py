@@ -223,6 +223,13 @@ class Lease:
             if self._lost is not None:
                 raise self._lost
 
+    def before_commit(self) -> None:
+        """A writer's check right before it commits a step (any thread): the lease is
+        renewed now, by a conditional write, so a writer that lost the place (it was
+        stopped past its lease, and another took it) commits nothing over the new
+        holder's steps: DirectoryLockedError instead (the step is aborted)."""
+        self.renew()
+
     def take_again_if_lost(self) -> bool:
         """The writer's check before each write (as ``DirectoryLock``'s): raises the
         DirectoryLockedError of a lost lease; False otherwise."""

@@ -131,6 +131,10 @@ class DirectoryLock:
     def held(self) -> bool:
         return self._fd is not None
 
+    def before_commit(self) -> None:
+        """A writer's check right before it commits a step: nothing to do (the kernel
+        holds a ``flock`` for its process; the writer checks the file before each save)."""
+
     def take_again_if_lost(self) -> bool:
         """Whether the lock file this writer holds is no longer the one at its path (the
         directory removed, or the file replaced) and was taken again (a WARNING says so;

@@ -77,3 +77,21 @@ def test_a_lease_far_from_its_end_is_refused_without_waiting(s3_location):
         fop.CheckpointManager(s3_location.url)
     assert time.monotonic() - start < 5
     assert loc.read_bytes(RUN_FILE) is not None  # nothing taken over, nothing written
+
+
+def test_a_writer_that_lost_its_lease_commits_nothing(s3_location):
+    """A writer stopped past its lease (SIGSTOP, a hung host) while another took the
+    directory: its save in flight committed over the new holder's step when it went on
+    (the loss was only logged). The lease is renewed right before each commit now: the
+    save fails, nothing is committed, and the other holder's record and steps stay."""
+    url = s3_location.url
+    loc = Location.from_path(url)
+    mngr = fop.CheckpointManager(url, async_save=False)
+    mngr.save(1, _state(1))
+    theirs = _held_elsewhere(loc, 300)  # taken over meanwhile by another host's run
+    with pytest.raises(fop.CheckpointError, match=r"not committed.*lost .* to run .*another-host"):
+        mngr.save(2, _state(2))
+    mngr.close()
+    assert loc.read_bytes(RUN_FILE) == theirs.to_bytes()  # never released over theirs
+    with fop.CheckpointManager(url, read_only=True) as reader:
+        assert reader.steps() == [1]
