@@ -74,6 +74,11 @@ def _live(rec: RunRecord | None, now: float) -> bool:
 
 
 def _refusal(loc: Location, rec: RunRecord, now: float, what: str) -> DirectoryLockedError:
+    if rec.host == socket.gethostname() and rec.pid == os.getpid():
+        return DirectoryLockedError(
+            f"{what} {loc} is held by {rec.describe()}: this process; close() its "
+            f"CheckpointManager first (one writer at a time)"
+        )
     return DirectoryLockedError(
         f"{what} {loc} is held by {rec.describe()}, whose lease expires at "
         f"{when(rec.lease_expires)} ({rec.lease_expires - now:.0f} s from now): one "
