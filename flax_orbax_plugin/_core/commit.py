@@ -145,11 +145,11 @@ class Staging:
 
 def is_dead(staging: Location) -> bool:
     """Staging (a real directory) of a save that no longer runs: the process named in
-    its pending marker is gone (this host: see ``ownership.writer_gone``), it names no
+    its pending marker is gone (this host: see ``pending.writer_gone``), it names no
     writer and is unchanged for a while (``pending.abandoned``: empty, or committed, as a
     save killed between two renames leaves it), or nothing in it was touched for
     ``STALE_SECONDS`` (a writer on another host)."""
-    if _ownership.writer_gone(staging) or _pending.abandoned(staging):
+    if _pending.writer_gone(staging) or _pending.abandoned(staging):
         return True
     return time.time() - staging.newest_mtime() > STALE_SECONDS
 

@@ -22,6 +22,7 @@ import tensorstore as ts
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
+from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, PENDING_FILE, CommitMarker, StepManifest
 from .._storage.deleting import removal_context
 from .._storage.local_files import entry_kind
@@ -35,7 +36,6 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 _pending_bytes = _pending.marker_bytes  # the marker's helpers, under the names callers know
-writer_gone = _pending.writer_gone
 
 
 class RemainsLeftError(CheckpointError):
@@ -128,7 +128,8 @@ def describe(loc: Location, limit: int = 5) -> str:
     """A short list of what ``loc`` holds, for error messages."""
     names = loc.list_children()
     shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
-    return f"it holds {shown}" if names else "it is empty"
+    run = "a CheckpointManager's directory of steps: " if _steps.committed_steps(loc) else ""
+    return f"{run}it holds {shown}" if names else "it is empty"
 
 
 def require_ours(loc: Location, *, action: str, step: int | None = None) -> str:
@@ -280,8 +281,8 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
         ) from None
     if found is None:
         raise ForeignEntryError(
-            f"cannot write {what} at {loc}: something this library did not create is "
-            f"there ({describe(loc)}); it is left alone. Move it away or choose another path"
+            f"cannot write {what} at {loc}: something this library did not create as a checkpoint "
+            f"is there ({describe(loc)}); it is left alone. Move it away or choose another path"
         )
     if found == "pending marker":
         _pending.refuse_if_held(loc, replace=replace)

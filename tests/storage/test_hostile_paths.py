@@ -195,3 +195,13 @@ def test_a_file_where_a_parent_directory_must_be_is_named(tmp_path):
         with pytest.raises(fop.ForeignEntryError, match=re.escape(said)):
             make()
     assert blocker.read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["afile"]
+
+
+def test_a_core_save_into_a_directory_of_steps_names_it(tmp_path):
+    """It said only that something this library did not create was there."""
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run) as mngr:
+        mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
+    with pytest.raises(fop.ForeignEntryError, match="a CheckpointManager's directory of steps"):
+        fop.save(run, {"w": np.ones(3, np.float32)})
+    assert fop.CheckpointManager(run, read_only=True).steps() == [1]
