@@ -123,5 +123,5 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
             pass
 
     def _release_lock(self) -> None:
-        if self._dir_lock is not None:
-            self._dir_lock.release()
+        if self._book.writer is not None:
+            self._book.writer.release()

@@ -28,7 +28,6 @@ from .._format.foreign import foreign_run
 from .._format.steps import checked_step
 from .._like import transform as _transform
 from .._storage import shared_dir as _shared_dir
-from .._storage.lock import DirectoryLock
 from .._storage.store_errors import raises_store_errors_in_methods
 from . import agreement as _agreement
 from . import housekeeping as _housekeeping
@@ -83,7 +82,6 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
             self._schedule.context = lambda: (bool(self._book.known()), self._saver.in_flight)
             self._closed = False
-            self._dir_lock: DirectoryLock | None = None
             _housekeeping.refuse_step_directory(self._loc)
             opts.check_reader()
             if not opts.read_only:
@@ -105,7 +103,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         path = None if tier is None else tier.path
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version)
         self._book.per_host = own  # each host's own directory (docs/tiers.md)
-        self._dir_lock = self._book.writer = _housekeeping.open_writer(self._loc, own=own)
+        self._book.writer = _housekeeping.open_writer(self._loc, own=own)  # lock or lease
         self._retainer.start(busy=lambda: self._saver.busy)  # a save runs: fewer deletes
         try:  # several processes on a local path: the same directory on every host
             if tier is None:
@@ -379,7 +377,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         self._check_open()
         if self._read_only:
             raise CheckpointError(f"manager on {self._loc} is read-only")
-        if self._dir_lock is not None and self._dir_lock.take_again_if_lost():
+        if self._book.writer is not None and self._book.writer.take_again_if_lost():
             self._book.forget()  # its directory removed under it: what it lists is gone
 
     def _wait_inflight(self) -> None:
