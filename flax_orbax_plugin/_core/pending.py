@@ -25,6 +25,7 @@ import socket
 import stat
 import time
 
+from .._base import processes as _processes
 from .._errors import CheckpointError, DirectoryLockedError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, PENDING_FILE
 from .._storage import json_docs as _docs
@@ -189,15 +190,8 @@ def _other_writer(loc: Location) -> tuple[tuple[str, int], bool] | None:
         writer = writer_of(read(loc))
     except CheckpointError:
         return None
-    if writer is None or writer[0] != socket.gethostname() or writer[1] == os.getpid():
-        return None
-    try:
-        os.kill(writer[1], 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return writer, False
-    except PermissionError:
-        pass  # alive, another user's
-    return writer, True
+    alive = None if writer is None else _processes.alive_here(*writer)
+    return None if alive is None else (writer, alive)
 
 
 def writer_gone(loc: Location) -> bool:

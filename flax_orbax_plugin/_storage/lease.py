@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._base import processes as _processes
 from .._errors import CheckpointError, DirectoryLockedError
 from .location import Location
 from .run_record import RunRecord, read_versioned, write_if
@@ -53,15 +54,7 @@ def when(t: float) -> str:
 def dead_here(rec: RunRecord) -> bool:
     """True when the record's holder ran on this host and its process is gone (a
     restart after SIGKILL need not wait for the lease to run out)."""
-    if rec.host != socket.gethostname() or rec.pid == os.getpid():
-        return False
-    try:
-        os.kill(rec.pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
+    return _processes.alive_here(rec.host, rec.pid) is False
 
 
 def _live(rec: RunRecord | None, now: float) -> bool:

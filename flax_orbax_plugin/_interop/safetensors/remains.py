@@ -24,6 +24,7 @@ import secrets
 import socket
 import stat
 
+from ..._base import processes as _processes
 from ..._errors import CheckpointError
 from ..._storage.untrusted import loads_json, read_capped
 
@@ -80,20 +81,9 @@ def _writer_gone(path: str, nonce: str) -> bool:
         return False
     if not isinstance(doc, dict) or (doc.get("library"), doc.get("kind")) != (LIBRARY, "export"):
         return False
-    pid = doc.get("pid")
-    if doc.get("nonce") != nonce or doc.get("host") != socket.gethostname():
+    if doc.get("nonce") != nonce:
         return False
-    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31:
-        return False
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, another user's
-    return False
+    return _processes.alive_here(doc.get("host"), doc.get("pid")) is False
 
 
 def dead(directory: str) -> list[str]:
