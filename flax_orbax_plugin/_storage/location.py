@@ -116,11 +116,7 @@ class Location:
         """
         if self.is_local:
             return _local.read_file(self.path, check_name(name), max_bytes)
-        result = self._kv().read(check_name(name)).result()
-        if result.state != "value":
-            return None
-        _local.check_size(len(result.value), f"{self}/{name}", max_bytes)
-        return result.value
+        return self.read_versioned(name, max_bytes=max_bytes)[0]
 
     def write_bytes(self, name: str, data: bytes, *, durable: bool = True) -> None:
         """Writes the file whole (a temporary name, then a rename on local disk); with
