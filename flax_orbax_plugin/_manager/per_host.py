@@ -26,9 +26,7 @@ import hashlib
 import json
 import logging
 import math
-import os
 import secrets
-import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -314,7 +312,7 @@ def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
             f"they are another run's, and mixing them would restore or delete the other's. "
             f"Give this host a directory of its own for this run"
         )
-    mine = _run_record.RunRecord(run, socket.gethostname(), os.getpid(), secrets.token_hex(8))
+    mine = _run_record.RunRecord.here(run, secrets.token_hex(8))
     loc.write_bytes(_run_record.RUN_FILE, mine.to_bytes())
 
 

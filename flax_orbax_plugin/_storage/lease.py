@@ -140,7 +140,7 @@ class Lease:
     def record(self, *, expires: float | None = None) -> RunRecord:
         """This holder's record, its lease ending ``expires`` (default: a lease from now)."""
         expires = self._clock() + self.seconds if expires is None else expires
-        return RunRecord(self.run, socket.gethostname(), os.getpid(), self.holder, expires)
+        return RunRecord.here(self.run, self.holder, expires)
 
     def take(self, generation: Any, *, taken: Callable[[RunRecord | None], Exception]) -> None:
         """Writes this holder's record if ``loc``'s is still at ``generation`` (the one

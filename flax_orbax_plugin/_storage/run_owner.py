@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -182,7 +181,7 @@ class RunOwner:
     def _record(self) -> RunRecord:
         """This run's record of a place it holds by a lock (no lease)."""
         assert self.run_id is not None
-        return RunRecord(self.run_id, socket.gethostname(), os.getpid(), self.holder, None)
+        return RunRecord.here(self.run_id, self.holder)
 
     def close(self) -> None:
         """Stops renewing and releases the place (the lock; on object stores the

@@ -10,7 +10,9 @@ that uses them is :mod:`.run_owner`; the design: ``docs/run_owner.md``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import socket
 from typing import Any
 
 from .._errors import CorruptCheckpointError
@@ -34,6 +36,12 @@ class RunRecord:
     pid: int
     holder: str
     lease_expires: float | None = None
+
+    @classmethod
+    def here(cls, run: str, holder: str, expires: float | None = None) -> RunRecord:
+        """The record of ``run`` held by ``holder`` in this process of this host (a
+        lease ending ``expires``; None: a place held by a lock, or by its run alone)."""
+        return cls(run, socket.gethostname(), os.getpid(), holder, expires)
 
     def to_bytes(self) -> bytes:
         """The record's JSON; ValueError for a lease time that could not be read back
