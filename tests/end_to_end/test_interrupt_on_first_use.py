@@ -41,16 +41,21 @@ print("ran on")
 """
 
 
-def test_a_ctrl_c_while_the_library_loads_reaches_the_caller(tmp_path):
-    """It was dropped (raised in a GC callback: 'Exception ignored in ...'), the save
-    committed and the program ran on, exit 0."""
-    p = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(tmp_path / "ckpt")],
+def _run(child: str, tmp_path) -> subprocess.CompletedProcess:
+    """The program ``child``, saving to ``tmp_path/ckpt``, to its end."""
+    return subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path / "ckpt")],
         env=_proc.child_env(JAX_PLATFORMS="cpu"),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_a_ctrl_c_while_the_library_loads_reaches_the_caller(tmp_path):
+    """It was dropped (raised in a GC callback: 'Exception ignored in ...'), the save
+    committed and the program ran on, exit 0."""
+    p = _run(_CHILD, tmp_path)
     assert p.returncode == 130 and p.stdout.strip() == "interrupted", (p.stdout, p.stderr)
     assert "Exception ignored" not in p.stderr, p.stderr
     assert not os.path.exists(tmp_path / "ckpt")  # nothing written
@@ -65,12 +70,6 @@ def test_a_users_own_sigint_handler_is_kept_and_called(tmp_path):
         "signal.signal(signal.SIGINT, lambda s, f: calls.append(s))\n"
         "sys.meta_path.insert(0, Hook())",
     ).replace('print("ran on")', 'print("ran on", calls, signal.getsignal(signal.SIGINT))')
-    p = subprocess.run(
-        [sys.executable, "-c", child, str(tmp_path / "ckpt")],
-        env=_proc.child_env(JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = _run(child, tmp_path)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("ran on [2] <function <lambda>"), p.stdout
