@@ -17,6 +17,7 @@ import logging
 import sys
 import weakref
 
+from .._base import distributed as _distributed
 from .._base import exits as _exits
 from .._base import regions as _regions
 from .._errors import CheckpointError
@@ -25,32 +26,59 @@ __all__ = ["Lifecycle", "leave_at_exit"]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-# Writers of several processes not closed yet: they leave when the program ends.
+# Writers not closed yet: they end when the program ends.
 _OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
 def leave_at_exit(manager: Lifecycle) -> None:
-    """``manager`` (a writer of several processes) leaves the run when this program ends
-    without closing it: an exception nobody caught (no ``with`` block), or the last line
-    reached without ``close()``. The others, waiting for this process in their next
-    save, learn at once that it left and why, rather than after the stall timeout (then
-    jax's own shutdown barrier). A step of the library's exit hook (``_base.exits``): it
-    runs before ``atexit``'s (jax's shutdown among them), after the saves still running
-    were waited for, even one that failed."""
+    """``manager`` (a writer) ends when this program ends without closing it: an
+    exception nobody caught (no ``with`` block), or the last line reached without
+    ``close()``. A step of the library's exit hook (``_base.exits``): it runs before
+    ``atexit``'s (jax's shutdown among them), after the saves still running were waited
+    for, even one that failed.
+
+    With one process, a program that ended well closes it (its persistent tier's copies
+    finish, its lock or its lease on an object store is released: the next run, from
+    any host, opens it at once rather than waiting the lease out); one that ended with
+    an exception leaves it. With several, it leaves the run (it cannot meet the others
+    at exit): the others, waiting for this process in their next save, learn at once
+    that it left and why, rather than after the stall timeout (then jax's own shutdown
+    barrier)."""
     _OPEN.add(manager)
     _exits.at_exit(_exits.LEAVE, _leave_all)
 
 
 def _leave_all() -> bool:
     error = getattr(sys, "last_value", None)  # set by now for an uncaught exception
-    if error is None:
-        error = CheckpointError("the program ended without closing its CheckpointManager")
+    alone = _distributed.process_count() == 1
+    failed = False
     for manager in list(_OPEN):
         try:
-            manager.leave(error)
-        except Exception:  # the program is ending: said, then the next one
-            logger.exception("checkpoint: leaving the run at exit failed")
-    return False  # the exit status is the program's (or the failed save's)
+            if alone and error is None:
+                _say_copies_left(manager)
+                manager.close()
+            else:
+                manager.leave(error or CheckpointError(_NOT_CLOSED))
+        except Exception as e:  # noqa: BLE001  (the program is ending: said, then the next)
+            said = f"{type(e).__name__}: {e}"
+            print(
+                f"flax_orbax_plugin: closing {manager._loc} at exit failed: {said}", file=sys.stderr
+            )
+            failed = failed or (alone and error is None)  # nobody else reads it: status 1
+    return failed
+
+
+_NOT_CLOSED = "the program ended without closing its CheckpointManager"
+
+
+def _say_copies_left(manager: Lifecycle) -> None:
+    tier = manager._book.tier
+    left = [] if tier is None else sorted(tier.pending_steps())
+    if left:  # the program does not end at once: said, as for a save still running
+        where = f"the persistent tier {tier.remote}"  # type: ignore[union-attr]
+        print(
+            f"flax_orbax_plugin: the program ends: copying steps {left} to {where}", file=sys.stderr
+        )
 
 
 class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ... and wait)

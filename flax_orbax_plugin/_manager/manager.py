@@ -118,8 +118,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                 _per_host.open_tier(self._book, self.steps())
             self._schedule.watch(handle_sigterm=opts.handle_sigterm)  # or OnPreemption()
             self._schedule.resume_clock(lambda: _housekeeping.saved_at(self._loc, self.steps()))
-            if _distributed.process_count() > 1:
-                leave_at_exit(self)  # a program ending without close(): the others learn
+            leave_at_exit(self)  # a program ending without close(): see there
         except BaseException:  # the others learn of it at once: waits for none of them
             self._shut()
             raise
