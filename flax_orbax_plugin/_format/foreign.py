@@ -186,6 +186,31 @@ def is_msgpack_checkpoint(path: Any) -> bool:
     return bool(first) and (first[0] in _MSGPACK_FIXMAP or first[0] in _MSGPACK_MAP16_32)
 
 
+def refuse_foreign_run(loc: Location, *, writing: bool) -> None:
+    """Raises CheckpointError when ``loc`` holds another library's run
+    (:func:`foreign_run`): a manager opened there, to write (its new steps would start a
+    fresh run beside the old one's) or to read (it lists steps of this library only: it
+    would find none, and say the directory is empty), names what to do instead."""
+    held = foreign_run(loc)
+    if held is None:
+        return
+    if writing:  # a resume there "started afresh" and wrote beside them
+        raise CheckpointError(
+            f"{loc} holds {held}: a manager writes steps of its own run, which would start "
+            f"afresh there beside them. Convert them first (`flax-orbax import {loc} <new "
+            f"directory>`, fop.import_orbax, fop.import_msgpack) and resume from that "
+            f"directory, or write elsewhere"
+        )
+    read = (
+        "fop.restore_msgpack" if held.startswith("Flax") else "fop.restore and fop.restore_params"
+    )
+    raise CheckpointError(
+        f"{loc} holds {held}, not steps of this library: a CheckpointManager reads its own "
+        f"steps only. {read} read it directly; `flax-orbax import {loc} <new directory>` "
+        f"(fop.import_orbax, fop.import_msgpack) converts it into steps a manager reads"
+    )
+
+
 # -- for error messages ------------------------------------------------------------------
 
 

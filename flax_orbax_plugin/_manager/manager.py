@@ -24,7 +24,7 @@ from .._base.option_spec import Option, flag, found
 from .._core import ownership as _ownership
 from .._core.save import SaveHandle, SaveResult
 from .._errors import CheckpointError, OptionTypeError
-from .._format.foreign import foreign_run
+from .._format.foreign import refuse_foreign_run
 from .._format.steps import checked_step
 from .._like import transform as _transform
 from .._storage import shared_dir as _shared_dir
@@ -84,6 +84,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             self._closed = False
             _housekeeping.refuse_step_directory(self._loc)
             opts.check_reader()
+            refuse_foreign_run(self._loc, writing=not opts.read_only)  # before anything
             if not opts.read_only:
                 self._open(opts)
 
@@ -91,14 +92,6 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         """A writer's open: the options every process shares, lock, housekeeping,
         deletion thread, tier, SIGTERM."""
         _agreement.check_same_options(opts)  # before anything is touched
-        held = foreign_run(self._loc)
-        if held is not None:  # a resume there "started afresh" and wrote beside them
-            raise CheckpointError(
-                f"{self._loc} holds {held}: a manager writes steps of its own run, which "
-                f"would start afresh there beside them. Convert them first (`flax-orbax "
-                f"import {self._loc} <new directory>`, fop.import_orbax, "
-                f"fop.import_msgpack) and resume from that directory, or write elsewhere"
-            )
         tier = opts.tier
         path = None if tier is None else tier.path
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version)

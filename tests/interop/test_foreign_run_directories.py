@@ -52,3 +52,22 @@ def test_what_was_imported_resumes_and_the_foreign_run_still_reads(tmp_path):
     with fop.CheckpointManager(tmp_path / "ours") as mngr:
         assert mngr.steps() == [7]
     np.testing.assert_array_equal(fop.restore_params(where)["w"], TREE["params"]["w"])
+
+
+@pytest.mark.parametrize(
+    ("make", "words", "reader"),
+    [
+        (_orbax, "an Orbax run", "fop.restore and fop.restore_params"),
+        (_msgpack, "Flax msgpack checkpoints", "fop.restore_msgpack"),
+    ],
+)
+def test_a_reader_on_another_librarys_run_says_what_reads_it(tmp_path, make, words, reader):
+    """A read-only manager there listed no steps (``steps() == []``, ``latest_step()``
+    None) and its restore said "no committed steps": the run looked empty. Refused at
+    open, naming what reads it and the conversion."""
+    where = tmp_path / "run"
+    make(where)
+    before = sorted(os.listdir(where))
+    with pytest.raises(fop.CheckpointError, match=rf"holds {words}.*{reader}.*flax-orbax import"):
+        fop.CheckpointManager(where, read_only=True)
+    assert sorted(os.listdir(where)) == before
