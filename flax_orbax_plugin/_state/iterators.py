@@ -203,6 +203,13 @@ def _pair(it: Any) -> tuple[str, str]:
                     f"its position could be saved but never restored. {_ITERATOR_ADVICE}"
                 )
             return get, put
+    if hasattr(it, "__iter__") and not hasattr(it, "__next__"):  # a dataset, a loader
+        raise OptionTypeError(
+            f"data_iterator: a {type(it).__name__} is an iterable, not the iterator that "
+            f"holds the position: pass the iterator the loop draws batches from (it = "
+            f"iter(dataset); grain's dataset and DataLoader iterators have get_state() "
+            f"and set_state()), and draw from that same it"
+        )
     raise OptionTypeError(
         f"data_iterator: a {type(it).__name__} has neither get_state()/set_state() "
         f"nor state_dict()/load_state_dict(). {_ITERATOR_ADVICE}"

@@ -134,3 +134,19 @@ def test_unsupported_iterator_error_names_the_adapter(tmp_path):
         with pytest.raises(TypeError, match=r"has neither get_state.*fop.StepIndexedIterator"):
             mngr.save(1, {"w": np.zeros(2)}, data_iterator=iter([1, 2, 3]))
     assert mngr.steps() == []
+
+
+def test_a_dataset_given_for_its_iterator_is_named_as_such(tmp_path):
+    """grain's dataset and DataLoader are iterables whose iterators hold the position:
+    given themselves, the error said they lack get_state() and pointed at a wrapper,
+    not at ``iter(dataset)``, the one-word fix."""
+    grain = pytest.importorskip("grain.python")
+    dataset = grain.MapDataset.range(10).to_iter_dataset()
+    cb = fop.CheckpointCallback(tmp_path, every_steps=1)
+    with pytest.raises(TypeError, match=r"IterDataset is an iterable.*iter\(dataset\)"):
+        cb.on_train_start({"w": np.zeros(2)}, data_iterator=dataset)
+    with fop.CheckpointManager(tmp_path) as mngr:
+        with pytest.raises(TypeError, match=r"a list is an iterable.*iter\(dataset\)"):
+            mngr.save(1, {"w": np.zeros(2)}, data_iterator=[1, 2, 3])
+        mngr.save(1, {"w": np.zeros(2)}, data_iterator=iter(dataset))  # the iterator saves
+    assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [1]
