@@ -160,11 +160,19 @@ def restore_params(
         raise
     except StructureError as e:  # model.init's output given whole: say so
         if isinstance(target, Mapping) and "params" in target and e.args:
-            hint = (
-                "like holds a 'params' key at its top (model.init's output?): pass like['params']"
-            )
+            hint = _variables_hint(target, items, step_loc)
             e.args = (f"{e.args[0]}\n{hint}", *e.args[1:])
         raise
+
+
+def _variables_hint(target: Mapping, items: Mapping, step_loc: Location) -> str:
+    """What to do with a like holding ``params`` at its top (model.init's output)."""
+    hint = "like holds a 'params' key at its top (model.init's output?): pass like['params']"
+    others = sorted(str(k) for k in target if k != "params" and str(k) in items)
+    if others:  # batch_stats ...: items of their own, read by fop.restore
+        where = f"fop.restore({str(step_loc)!r} + '/{others[0]}')"
+        hint += f"; {others} are items of their own: {where}"
+    return hint
 
 
 def _saved_as_nnx_state(params_loc: Location) -> bool:

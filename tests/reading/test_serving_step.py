@@ -33,6 +33,21 @@ def test_a_like_holding_params_at_its_top_gets_the_hint(tmp_path):
     fop.restore_params(tmp_path, like=params)
 
 
+def test_a_variables_like_names_its_other_collections_as_items(tmp_path):
+    """A BatchNorm model's variables ({'params', 'batch_stats'}) given as like: the
+    hint said only like['params'], not where batch_stats, which serving needs too, is."""
+    params, stats = {"w": np.ones(2, np.float32)}, {"mean": np.zeros(2, np.float32)}
+    with fop.CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(1, {"params": params, "batch_stats": stats})
+    with pytest.raises(
+        fop.StructureError, match=r"\['batch_stats'\] are items.*1' \+ '/batch_stats'"
+    ):
+        fop.restore_params(tmp_path, like={"params": params, "batch_stats": stats})
+    np.testing.assert_array_equal(
+        fop.restore(tmp_path / "1" / "batch_stats")["mean"], stats["mean"]
+    )
+
+
 def test_a_damaged_latest_step_names_the_older_steps_to_serve(tmp_path):
     """The damage was raised with no word of the good steps before it."""
     from _files import flip_byte
