@@ -27,6 +27,7 @@ from .._errors import (
 from .._format.foreign import ITEM_METADATA, is_step
 from .._format.steps import STEP_OR_NONE
 from .._like import onto_like as _onto_like
+from .._like.casting import legacy_cast
 from .._storage.kvstore import context
 from .._storage.location import Location
 from .._storage.store_errors import arguments, raises_store_errors
@@ -266,7 +267,8 @@ def restore_orbax(
     *,
     step: int | None = None,
     partial: bool = False,
-    allow_cast: bool = False,
+    cast: str = "safe",
+    allow_cast: bool | None = None,
 ) -> Any:
     """Restores an Orbax checkpoint in the form of ``like`` (rules of ``fop.restore``).
 
@@ -275,10 +277,11 @@ def restore_orbax(
     dict of its items (JSON and text items may be left out; pytree items only with
     ``partial``), or, where the step holds one tree (Orbax's ``default`` item beside
     metadata), that tree's ``like`` (a TrainState): that tree is returned. Dtype
-    changes must be lossless unless ``allow_cast``.
+    changes must be lossless unless ``cast="unsafe"`` (``allow_cast=True``, deprecated).
     """
     step = STEP_OR_NONE.check(step)  # the options by their kinds, before anything is read
-    partial, allow_cast = flag("partial", partial), flag("allow_cast", allow_cast)
+    partial = flag("partial", partial)
+    allow_cast = legacy_cast(cast, allow_cast, where="restore_orbax") == "unsafe"
     loc = Location.from_path(path)
     _, items = open_orbax(loc, step=step)
     item = lone_item(loc, items)

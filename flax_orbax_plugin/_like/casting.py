@@ -9,12 +9,15 @@ The policy (``"safe"`` or ``"unsafe"``) is an argument of every check: a restore
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
 from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
 
+from .._base.option_spec import flag
 from .._base.tree import encode_key, path_string
 from .._errors import OptionError, StructureError
 
@@ -130,6 +133,36 @@ def check_policy(cast: Any) -> str:
     if cast not in CAST_POLICIES:
         raise OptionError(f"cast must be one of {CAST_POLICIES}, found {cast!r:.60}")
     return cast
+
+
+def legacy_cast(cast: Any, allow_cast: Any, *, where: str) -> str:
+    """``cast=`` of an entry point that took ``allow_cast=`` in earlier releases
+    (``from_safetensors``, ``restore_orbax``): the policy, checked; ``allow_cast=``
+    given (True or False) still works this release, with a DeprecationWarning naming
+    ``cast=``; both given is an OptionError."""
+    check_policy(cast)
+    if allow_cast is None:
+        return cast
+    allow_cast = flag("allow_cast", allow_cast)  # True or False (numpy's too), else said
+    if cast != "safe":
+        raise OptionError(f"{where}: cast= and allow_cast= given together; cast= alone")
+    new = "unsafe" if allow_cast else "safe"
+    warnings.warn(
+        f"{where}(allow_cast={allow_cast}) is deprecated: write cast={new!r}, as restore "
+        f"and restore_params take it",
+        DeprecationWarning,
+        stacklevel=_caller_level(),
+    )
+    return new
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    top = __name__.split(".")[0] + "."
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(top):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check(path: str, host: np.ndarray, out_dtype: Any, *, cast: str = "safe") -> None:

@@ -136,6 +136,14 @@ def test_restore_orbax_checks_its_options_by_kind(tmp_path):
         mngr.wait_until_finished()
     with pytest.raises(fop.OptionTypeError, match=r"^allow_cast must be True or False"):
         fop.restore_orbax(tmp_path / "run", allow_cast=1)
+    with pytest.raises(fop.OptionError, match=r"^cast must be one of"):
+        fop.restore_orbax(tmp_path / "run", cast="yes")
+    narrow = {"default": {"w": np.zeros(3, np.int8)}}
+    with pytest.raises(fop.StructureError, match=r"pass cast='unsafe'"):
+        fop.restore_orbax(tmp_path / "run", narrow)
+    assert (
+        fop.restore_orbax(tmp_path / "run", narrow, cast="unsafe")["default"]["w"].dtype == np.int8
+    )
     with pytest.raises(fop.OptionTypeError, match=r"^step must be"):
         fop.restore_orbax(tmp_path / "run", step="x")
     got = fop.restore_orbax(tmp_path / "run", step=np.int64(1), partial=np.False_)

@@ -184,21 +184,28 @@ def test_import_checks_like_the_restore(tmp_path):
     with pytest.raises(StructureError, match=r"leaf 'w'.*\(6, 4\).*\(4, 6\)"):
         _safetensors.from_safetensors(path, {"w": jax.ShapeDtypeStruct((6, 4), jnp.float32)})
     with pytest.raises(
-        StructureError, match=r"leaf 'w'.*bfloat16.*float32.*changes values \(pass allow_cast=True"
+        StructureError, match=r"leaf 'w'.*bfloat16.*float32.*changes values \(pass cast='unsafe'"
     ):
         _safetensors.from_safetensors(
             path, {"w": jax.ShapeDtypeStruct((4, 6), jnp.bfloat16)}, partial=True
         )
-    with pytest.raises(StructureError, match=r"truncates.*; pass allow_cast=True to cast any") as e:
+    with pytest.raises(StructureError, match=r"truncates.*; pass cast='unsafe' to cast any"):
         _safetensors.from_safetensors(path, {"w": np.zeros((4, 6), np.int32)}, partial=True)
-    assert "cast='unsafe'" not in str(e.value)  # fop.restore's option: not this function's
-    # a narrowing cast whose values all fit passes; allow_cast is the explicit opt-in
+    # a narrowing cast whose values all fit passes; cast='unsafe' is the explicit opt-in
     small = _safetensors.from_safetensors(path, {"n": np.zeros(3, np.int8)}, partial=True)
     assert small["n"].dtype == np.int8 and small["n"].tolist() == [0, 1, 2]
-    cast = _safetensors.from_safetensors(
-        path, {"w": jax.ShapeDtypeStruct((4, 6), jnp.bfloat16)}, partial=True, allow_cast=True
-    )
+    bf16 = {"w": jax.ShapeDtypeStruct((4, 6), jnp.bfloat16)}
+    cast = _safetensors.from_safetensors(path, bf16, partial=True, cast="unsafe")
     assert cast["w"].dtype == jnp.bfloat16
+    with pytest.warns(
+        DeprecationWarning, match=r"allow_cast=True\) is deprecated: write cast='unsafe'"
+    ):
+        old = _safetensors.from_safetensors(path, bf16, partial=True, allow_cast=True)
+    np.testing.assert_array_equal(np.asarray(old["w"]), np.asarray(cast["w"]))
+    with pytest.raises(fop.OptionError, match=r"cast= and allow_cast= given together"):
+        _safetensors.from_safetensors(path, bf16, partial=True, cast="unsafe", allow_cast=True)
+    with pytest.raises(fop.OptionError, match=r"cast must be one of"):
+        _safetensors.from_safetensors(path, bf16, partial=True, cast=True)
     with pytest.raises(StructureError, match=r"tensor 'n'.*no leaf of like"):
         _safetensors.from_safetensors(path, {"w": jax.ShapeDtypeStruct((4, 6), jnp.float32)})
     with pytest.raises(StructureError, match=r"leaf 'missing'.*no such tensor"):

@@ -181,7 +181,7 @@ class ListedKeyMap:
 
 
 # The exporter's and the importer's True/False options, each declared once.
-FLAGS = tuple(Option(name, "flag") for name in ("transpose_kernels", "partial", "allow_cast"))
+FLAGS = tuple(Option(name, "flag") for name in ("transpose_kernels", "partial"))
 EXPORT_OPTIONS = (*FLAGS, Option("force", "flag"), Option("progress", "callable", none_ok=True))
 
 

@@ -22,6 +22,7 @@ from ..._base.option_spec import check
 from ..._core import targets as _targets
 from ..._errors import CorruptCheckpointError, StructureError
 from ..._like import onto_like as _onto_like
+from ..._like.casting import legacy_cast
 from ..._storage.untrusted import open_regular
 from .headers import Stored, default_names, kernel_axes, read_safetensors_index
 from .packing import group, packed_bits, unpack
@@ -131,7 +132,8 @@ def from_safetensors(
     key_map: Callable[[str], str | None] | None = None,
     transpose_kernels: bool = False,
     partial: bool = False,
-    allow_cast: bool = False,
+    cast: str = "safe",
+    allow_cast: bool | None = None,
 ) -> Any:
     """Reads safetensors straight onto the shardings of ``like``.
 
@@ -146,7 +148,9 @@ def from_safetensors(
         names), as for export (default: '/' replaced by '.').
       transpose_kernels: the files hold kernels in PyTorch's layout (see export).
       partial: allow tensors in the files that ``like`` does not use.
-      allow_cast: cast even when a value would change (otherwise StructureError).
+      cast: ``"safe"`` (a cast that would change a value is a StructureError naming
+        the leaf) or ``"unsafe"`` (numpy's cast), as ``fop.restore`` takes it.
+      allow_cast: deprecated (``allow_cast=True`` is ``cast="unsafe"``).
 
     Raises:
       StructureError: a leaf of ``like`` has no tensor, a shape differs, a cast would
@@ -154,8 +158,8 @@ def from_safetensors(
       CorruptCheckpointError: a header or index is malformed (names the file).
     """
     key_map = checked_key_map(key_map)  # a mapping as the exporter takes it
-    flags = {"transpose_kernels": transpose_kernels, "partial": partial, "allow_cast": allow_cast}
-    check(FLAGS, flags)
+    check(FLAGS, {"transpose_kernels": transpose_kernels, "partial": partial})
+    allow_cast = legacy_cast(cast, allow_cast, where="from_safetensors") == "unsafe"
     stored = read_safetensors_index(paths_or_index)
     files = _Files()
     try:
@@ -195,7 +199,7 @@ def _read_onto(
             leaf_like,
             source=f"{t.file} ({name})",
             allow_cast=allow_cast,
-            cast_option="allow_cast=True",
+            cast_option="cast='unsafe'",
         )
         plans.append((plan, t, axes))
     unused = sorted(set(stored) - used)
