@@ -116,6 +116,13 @@ def _path_text(path: Any, what: str) -> str:
         )
     if "\0" in text:
         raise UnsupportedLocationError(f"{what} {text!r}: holds a NUL character")
+    if text != text.strip() and not os.path.lexists(text):  # a config's stray space, a "\n"
+        raise UnsupportedLocationError(
+            f"{what} {text!r}: begins or ends with whitespace (a stray space or newline "
+            f"from a config or a file?), so it would name another place than "
+            f"{text.strip() or 'the one meant'!r}; strip it (a folder of that name that "
+            f"exists is read as is)"
+        )
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

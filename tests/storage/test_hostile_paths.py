@@ -46,6 +46,10 @@ HOSTILE = [
     (None, r"found NoneType None"),
     ("C:\\ckpts\\run", r"holds a backslash \(a Windows path\?\)"),
     ("file:///tmp/a\\b", r"holds a backslash"),
+    ("run ", r"'run ': begins or ends with whitespace .*than 'run'"),  # a config's space
+    ("run\n", r"begins or ends with whitespace \(a stray space or newline"),
+    (" ", r"begins or ends with whitespace"),
+    ("s3://bucket/run ", r"'s3://bucket/run ': begins or ends with whitespace"),
 ]
 IDS = [
     "empty",
@@ -73,6 +77,10 @@ IDS = [
     "none",
     "windows",
     "file-backslash",
+    "trailing-space",
+    "trailing-newline",
+    "only-space",
+    "s3-trailing-space",
 ]
 
 TREE = {"params": {"w": np.ones(2, np.float32)}}
@@ -205,3 +213,17 @@ def test_a_core_save_into_a_directory_of_steps_names_it(tmp_path):
     with pytest.raises(fop.ForeignEntryError, match="a CheckpointManager's directory of steps"):
         fop.save(run, {"w": np.ones(3, np.float32)})
     assert fop.CheckpointManager(run, read_only=True).steps() == [1]
+
+
+def test_a_folder_whose_name_ends_in_a_space_that_exists_is_read(tmp_path):
+    """The whitespace refusal is for a place that would be made: one that exists (made
+    by another tool) is read as named."""
+    made = tmp_path / "run "
+    made.mkdir()
+    fop.save(made / "ckpt", TREE)
+    np.testing.assert_array_equal(
+        fop.restore(str(made) + "/ckpt")["params"]["w"], TREE["params"]["w"]
+    )
+    with pytest.raises(fop.UnsupportedLocationError, match="whitespace"):
+        fop.save(str(tmp_path / "new") + " ", TREE)
+    assert sorted(os.listdir(tmp_path)) == ["run "]
