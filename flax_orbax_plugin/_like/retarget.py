@@ -2,7 +2,8 @@
 
 Used where a caller asks for a checkpoint's leaves in another form than they were
 saved (``restore_params(..., dtype=, sharding=)``, native or Orbax). Pure: builds
-``jax.ShapeDtypeStruct`` leaves, touches no device memory.
+``jax.ShapeDtypeStruct`` leaves (numpy templates for numpy leaves kept on the host),
+touches no device memory.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._base.tree import encode_key, path_string
 from .._errors import OptionError, OptionTypeError, StructureError
@@ -37,7 +39,8 @@ def checked_dtype(dtype: Any) -> Any:
 
 def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
     """ShapeDtypeStructs for ``tree`` with floating leaves cast to ``dtype`` and new shardings
-    (one Sharding for every leaf, or a pytree of them); leaves without a shape pass."""
+    (one Sharding for every leaf, or a pytree of them); leaves without a shape pass, and
+    a numpy leaf no sharding is given for stays a numpy template (read to the host)."""
     dtype = checked_dtype(dtype)
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [leaf for _, leaf in with_paths]
@@ -64,6 +67,9 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
         dt = leaf.dtype
         if dtype is not None and jnp.issubdtype(dt, jnp.floating):
             dt = jnp.dtype(dtype)
+        if sh is None and isinstance(leaf, np.ndarray | np.generic):
+            out.append(_on_host(leaf, dt))  # asked for on the host: stays numpy, its dtype
+            continue
         if sh is None:
             sh = getattr(leaf, "sharding", None)
             if sh is not None and not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
@@ -78,6 +84,18 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
                 f"leaf {path!r}: sharding {sh} cannot hold its shape {tuple(leaf.shape)}: {e}"
             ) from None
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _on_host(leaf: np.ndarray | np.generic, dtype: Any) -> np.ndarray | np.generic:
+    """A numpy leaf of a like with no sharding asked for it, as a numpy template of
+    ``dtype``: the restore gives numpy of exactly that dtype (a ShapeDtypeStruct would
+    give a device array, its int64 made int32 without jax_enable_x64). Allocates
+    nothing: a broadcast of one value."""
+    if leaf.dtype == dtype:
+        return leaf
+    if isinstance(leaf, np.generic):
+        return np.zeros((), dtype)[()]
+    return np.broadcast_to(np.zeros((), dtype), leaf.shape)
 
 
 def concrete(tree: Any, *, option: str | None = None) -> Any:

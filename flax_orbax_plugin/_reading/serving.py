@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._base import distributed as _distributed
 from .._base.option_spec import flag, named_keywords
@@ -220,6 +221,8 @@ def _host_then_placed(
     _casting.check_tree(host, target, cast=cast)  # narrowing rounds; overflow raises
 
     def placed(x, t):
+        if isinstance(t, np.ndarray | np.generic):  # a host leaf (retarget's numpy template)
+            return x.astype(t.dtype)
         if not isinstance(t, jax.ShapeDtypeStruct):  # str, bytes, Python scalars: as read
             return x
         x = x.astype(t.dtype)
