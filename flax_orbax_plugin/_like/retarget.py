@@ -77,13 +77,22 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
         try:
             if isinstance(sh, jax.sharding.Sharding):
                 sh.shard_shape(tuple(leaf.shape))  # one that cannot hold it: named here
-            out.append(jax.ShapeDtypeStruct(leaf.shape, dt, sharding=sh))
+            out.append(jax.ShapeDtypeStruct(leaf.shape, _on_device(dt), sharding=sh))
         except ValueError as e:  # jax's IndivisibleError: named here, with the leaf's shape
             path = path_string([encode_key(k) for k in keypath])
             raise StructureError(
                 f"leaf {path!r}: sharding {sh} cannot hold its shape {tuple(leaf.shape)}: {e}"
             ) from None
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _on_device(dtype: Any) -> Any:
+    """The dtype a device array of ``dtype`` holds: int64 / float64 are int32 / float32
+    unless jax_enable_x64 is on. Asked for as such, so the checked cast refuses a value
+    the narrower dtype cannot hold (placing the wide data wrapped it silently)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype  # a PRNG key's dtype: its own
+    return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _on_host(leaf: np.ndarray | np.generic, dtype: Any) -> np.ndarray | np.generic:

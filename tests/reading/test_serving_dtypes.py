@@ -35,3 +35,23 @@ def test_a_numpy_like_with_dtype_stays_numpy_with_its_integer_dtypes(saved, cast
     np.testing.assert_array_equal(got["w"], params["w"].astype(ml_dtypes.bfloat16))
     assert type(got["i"]) is np.ndarray and got["i"].dtype == np.int64
     np.testing.assert_array_equal(got["i"], params["i"])
+
+
+def test_sharding_without_like_refuses_an_int64_that_int32_cannot_hold(saved, devices):
+    directory, params = saved
+    one = jax.sharding.SingleDeviceSharding(devices[3])
+    for options in ({"sharding": one}, {"sharding": one, "dtype": jnp.bfloat16}):
+        with pytest.raises(fop.StructureError, match=r"leaf 'i': saved as int64, requested int32"):
+            fop.restore_params(directory, **options)  # was placed wrapped: [0, 1]
+    wrapped = fop.restore_params(directory, sharding=one, cast="unsafe")["i"]  # asked for
+    assert wrapped.dtype == jnp.int32 and wrapped.sharding == one
+
+
+def test_sharding_without_like_places_what_int32_holds(tmp_path, devices):
+    with fop.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, {"params": {"i": np.array([-5, 7], np.int64), "f": np.float64(1.5)}})
+    one = jax.sharding.SingleDeviceSharding(devices[2])
+    got = fop.restore_params(tmp_path, sharding=one)
+    assert got["i"].dtype == jnp.int32 and got["i"].sharding == one
+    np.testing.assert_array_equal(np.asarray(got["i"]), [-5, 7])
+    assert got["f"].dtype == jnp.float32 and float(got["f"]) == 1.5
