@@ -15,6 +15,7 @@ import jax
 
 from .._base import tree as _tree
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._like import casting as _casting
 from .._like.retarget import retarget
 from .orbax_layout import OrbaxItem, OrbaxLeaf, open_orbax
 from .orbax_reader import ItemReader, restore_item
@@ -81,13 +82,17 @@ def restore_orbax_params(
     dtype: Any = None,
     sharding: Any = None,
     partial: bool = False,
+    cast: str = "safe",
 ) -> Any:
     """The params of an Orbax checkpoint, reading nothing else.
 
     Params are the ``params`` item, else the ``params`` subtree of a pytree item
     (a saved TrainState), else the only pytree item. ``dtype`` casts floating leaves
-    (an explicit opt-in to a lossy cast); ``sharding`` is one Sharding or a pytree of
+    (rounding them; under ``cast="safe"`` a value that overflows, wraps or truncates
+    is a StructureError naming the leaf, as for this library's checkpoints;
+    ``"unsafe"``: numpy's cast); ``sharding`` is one Sharding or a pytree of
     them; ``partial`` leaves out saved leaves ``like`` lacks (a model's batch stats)."""
+    _casting.check_policy(cast)
     _, items = open_orbax(path, step=step)
     item, prefix = _params_source(items)
     if prefix:
@@ -106,7 +111,7 @@ def restore_orbax_params(
         like = _tree.rebuild((list(leaf.keys), _abstract(reader, leaf)) for leaf in item.leaves)
     if dtype is not None or sharding is not None:
         like = retarget(like, dtype, sharding)
-    return restore_item(item, like, partial, dtype is not None)
+    return restore_item(item, like, partial, cast == "unsafe", rounds=dtype is not None)
 
 
 def _abstract(reader: ItemReader, leaf: OrbaxLeaf) -> Any:

@@ -104,8 +104,11 @@ class ItemReader:
             )
         return value
 
-    def read(self, leaf: OrbaxLeaf, like: Any, *, allow_cast: bool = False) -> Any:
-        """One leaf in the form of ``like`` (see :mod:`_onto_like`)."""
+    def read(
+        self, leaf: OrbaxLeaf, like: Any, *, allow_cast: bool = False, rounds: bool = False
+    ) -> Any:
+        """One leaf in the form of ``like`` (see :mod:`_onto_like`; ``rounds``: a checked
+        cast may round a float, ``_onto_like.plan``)."""
         if leaf.value_type in ("None", "Dict", "List"):
             if like is not None and not (isinstance(like, (dict, list, tuple)) and len(like) == 0):
                 raise StructureError(
@@ -138,6 +141,7 @@ class ItemReader:
             source=str(self.item),
             allow_cast=allow_cast,
             python_scalar=leaf.value_type == "scalar",
+            rounds=rounds,
         )
 
         def read(index):
@@ -186,14 +190,19 @@ def _select(item: OrbaxItem, like: Any, partial: bool) -> list[tuple[OrbaxLeaf, 
 
 
 def iter_leaves(
-    item: OrbaxItem, like: Any = None, *, partial: bool = False, allow_cast: bool = False
+    item: OrbaxItem,
+    like: Any = None,
+    *,
+    partial: bool = False,
+    allow_cast: bool = False,
+    rounds: bool = False,
 ) -> Iterator[tuple[OrbaxLeaf, Any]]:
     """Yields ``(leaf, value)`` one leaf at a time (only one leaf's data is read at once)."""
     if item.kind != "pytree":
         raise StructureError(f"{item} is a JSON item, not a pytree")
     reader = ItemReader(item)
     for leaf, leaf_like in _select(item, like, partial):
-        yield leaf, reader.read(leaf, leaf_like, allow_cast=allow_cast)
+        yield leaf, reader.read(leaf, leaf_like, allow_cast=allow_cast, rounds=rounds)
 
 
 def _small_value(item: OrbaxItem) -> Any:
@@ -217,7 +226,10 @@ def _small_value(item: OrbaxItem) -> Any:
     )
 
 
-def restore_item(item: OrbaxItem, like: Any, partial: bool, allow_cast: bool) -> Any:
+def restore_item(
+    item: OrbaxItem, like: Any, partial: bool, allow_cast: bool, *, rounds: bool = False
+) -> Any:
+    """``item`` in the form of ``like``; ``rounds``: checked casts may round a float."""
     if item.kind != "pytree":
         return _small_value(item)
     if item.unwrap:  # one array saved alone: orbax names its only leaf 'checkpoint'
@@ -226,21 +238,21 @@ def restore_item(item: OrbaxItem, like: Any, partial: bool, allow_cast: bool) ->
                 f"{item}/{ITEM_METADATA}: an array item: expected the one leaf "
                 f"{_ARRAY_LEAF!r}, found {[leaf.path for leaf in item.leaves][:5]}"
             )
-        tree = _restore_tree(item, None if like is None else {_ARRAY_LEAF: like}, allow_cast)
-        return tree[_ARRAY_LEAF]
-    tree = _restore_tree(item, like, allow_cast, partial=partial)
+        like = None if like is None else {_ARRAY_LEAF: like}
+        return _restore_tree(item, like, allow_cast, rounds=rounds)[_ARRAY_LEAF]
+    tree = _restore_tree(item, like, allow_cast, partial=partial, rounds=rounds)
     return tuple(tree) if item.as_tuple and isinstance(tree, list) else tree
 
 
-def _restore_tree(item: OrbaxItem, like: Any, allow_cast: bool, *, partial: bool = False):
+def _restore_tree(
+    item: OrbaxItem, like: Any, allow_cast: bool, *, partial: bool = False, rounds: bool = False
+):
     if like is None:
         return _tree.rebuild(
             (list(leaf.keys), value) for leaf, value in iter_leaves(item, allow_cast=allow_cast)
         )
-    values = {
-        leaf.path: value
-        for leaf, value in iter_leaves(item, like, partial=partial, allow_cast=allow_cast)
-    }
+    leaves = iter_leaves(item, like, partial=partial, allow_cast=allow_cast, rounds=rounds)
+    values = {leaf.path: value for leaf, value in leaves}
     flat, treedef = _tree.flatten(like)
     # a field-less node of like (optax's EmptyState) stays itself: Orbax saved it as None
     kept = [leaf if _tree.is_empty_node(leaf) else values[p] for p, _, leaf in flat]

@@ -111,11 +111,13 @@ class LeafPlan:
     check_values: bool = False  # a narrowing cast: allowed only if no value changes
     source: str = ""
     cast_option: str = "cast='unsafe'"  # what the entry point takes to cast anyway
+    rounds: bool = False  # dtype= asked for a narrower float: it may round, never overflow
 
     def cast(self, data: np.ndarray) -> np.ndarray:
         """``data`` in ``out_dtype``. A checked cast follows the rules every reader
         shares (``_like.casting``: float to integer never, even for whole values) and,
-        stricter here, changes no value at all; else StructureError."""
+        stricter here, changes no value at all (a float may round where ``rounds``);
+        else StructureError."""
         if data.dtype == self.out_dtype:
             return data
         if self.check_values:
@@ -126,7 +128,7 @@ class LeafPlan:
                 raise StructureError(f"{words} (in {self.source})") from None
         with np.errstate(all="ignore"):  # unchecked: numpy's cast, as asked
             out = data.astype(self.out_dtype)
-        if self.check_values:
+        if self.check_values and not self.rounds:
             back = out.astype(data.dtype)
             same = back == data
             if _is_float(data.dtype) or data.dtype.kind == "c":
@@ -177,9 +179,12 @@ def plan(
     allow_cast: bool = False,
     python_scalar: bool = False,
     cast_option: str = "cast='unsafe'",
+    rounds: bool = False,
 ) -> LeafPlan:
     """Checks that the stored ``shape``/``dtype`` fit ``like``; ``source`` names the file,
     ``cast_option`` what the calling entry point takes to cast anyway (its messages say).
+    ``rounds``: a checked cast may round a float (``dtype=`` asked for it), as
+    ``fop.restore``'s does; overflow, wrap-around and truncation are still refused.
 
     Raises StructureError naming the leaf, the expected and the found value.
     """
@@ -213,6 +218,7 @@ def plan(
         check_values=check,
         source=source,
         cast_option=cast_option,
+        rounds=rounds,
     )
 
 

@@ -122,7 +122,9 @@ def restore_params(
         step, steps = _agreed_latest(loc, steps)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
         if is_orbax_checkpoint(directory):
-            return _orbax_params(directory, like, step, dtype, sharding, changes, partial, dry_run)
+            return _orbax_params(
+                directory, like, step, dtype, sharding, changes, partial, dry_run, cast=cast
+            )
         raise _places.no_steps(loc)  # what is there instead (a step, a run below, ...)
     step = _steps.choose_step(loc, steps, step)
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
@@ -197,7 +199,9 @@ def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[in
     return step, steps if step in steps else _steps.committed_steps(loc)
 
 
-def _orbax_params(directory, like, step, dtype, sharding, changes, partial, dry_run) -> Any:
+def _orbax_params(
+    directory, like, step, dtype, sharding, changes, partial, dry_run, *, cast
+) -> Any:
     """The params of the Orbax checkpoint at ``directory`` (none of ours is there)."""
     if changes.keep_missing or changes.transform is not None or changes.surgery or dry_run:
         raise CheckpointError(
@@ -208,7 +212,13 @@ def _orbax_params(directory, like, step, dtype, sharding, changes, partial, dry_
     if step is None and _distributed.spans_processes(_params_like(like), sharding):
         step = agreed_latest(Location.from_path(directory))
     return restore_orbax_params(
-        directory, _params_like(like), step=step, dtype=dtype, sharding=sharding, partial=partial
+        directory,
+        _params_like(like),
+        step=step,
+        dtype=dtype,
+        sharding=sharding,
+        partial=partial,
+        cast=cast,
     )
 
 

@@ -55,3 +55,32 @@ def test_sharding_without_like_places_what_int32_holds(tmp_path, devices):
     assert got["i"].dtype == jnp.int32 and got["i"].sharding == one
     np.testing.assert_array_equal(np.asarray(got["i"]), [-5, 7])
     assert got["f"].dtype == jnp.float32 and float(got["f"]) == 1.5
+
+
+@pytest.fixture
+def orbax_run(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params = {"w": np.array([1.1, 1e5], np.float32), "i": np.array([BIG, 1], np.int64)}
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+        mngr.wait_until_finished()
+    return tmp_path / "run", params
+
+
+def test_orbax_dtype_rounds_but_refuses_overflow_and_wrap_as_native_does(orbax_run):
+    directory, params = orbax_run
+    # dtype= cast every leaf unchecked here: 1e5 became inf in float16, 2**40 became 0
+    with pytest.raises(fop.StructureError, match=r"leaf 'w': .*float16: a value overflows"):
+        fop.restore_params(directory, like={"w": params["w"]}, partial=True, dtype=jnp.float16)
+    like = {
+        "w": jax.ShapeDtypeStruct((2,), jnp.float32),
+        "i": jax.ShapeDtypeStruct((2,), jnp.int32),
+    }
+    with pytest.raises(fop.StructureError, match=r"leaf 'i': saved as int64, requested int32"):
+        fop.restore_params(directory, like=like, dtype=jnp.bfloat16)
+    host = {"w": np.zeros(2, np.float32), "i": np.zeros(2, np.int64)}
+    got = fop.restore_params(directory, like=host, dtype=jnp.bfloat16)  # rounding: asked for
+    np.testing.assert_array_equal(got["w"], params["w"].astype(ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(got["i"], params["i"])
+    unsafe = fop.restore_params(directory, like=host, dtype=jnp.float16, cast="unsafe")
+    assert np.isinf(unsafe["w"][1])  # numpy's cast, opted into
