@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from .._core.commit import Written
@@ -47,6 +48,7 @@ def to_json(value: Any, where: str, depth: int = 0) -> Any:
     if isinstance(value, bytes | bytearray):
         return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, np.generic) or (hasattr(value, "shape") and hasattr(value, "dtype")):
+        _check_array(value, where)
         arr = np.asarray(value)
         if arr.ndim == 0:
             return to_json(arr.item(), where, depth)
@@ -68,6 +70,23 @@ def to_json(value: Any, where: str, depth: int = 0) -> Any:
         f"{where}: cannot store a {type(value).__name__} as JSON; extras and iterator "
         "states must be JSON values (dict, list, str, int, float, bool, None, bytes)"
     )
+
+
+def _check_array(value: Any, where: str) -> None:
+    """What ``np.asarray`` cannot make a JSON value of, named at ``where`` (it raised
+    jax's own TypeError or RuntimeError, naming no item): a PRNG key, a deleted array."""
+    if not isinstance(value, jax.Array):
+        return
+    if value.is_deleted():
+        raise StructureError(
+            f"{where}: expected a live array, found one that was deleted (donated to a "
+            f"jitted step, or .delete()d): store its value before the step donates it"
+        )
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        raise StructureError(
+            f"{where}: a PRNG key cannot be stored as JSON; keep it in the saved state "
+            f"(state['rng'], restored as a key), or store jax.random.key_data(key)"
+        )
 
 
 def _utf8(text: str, where: str) -> str:

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+import flax_orbax_plugin as fop
 from flax_orbax_plugin._errors import CheckpointError, CheckpointNotFoundError
 from flax_orbax_plugin._format import steps as _steps
 from flax_orbax_plugin._format.layout import ItemEntry, StepManifest
@@ -72,6 +73,22 @@ def test_extras_that_are_not_json_are_refused_at_save_time(tmp_path):
         checkpointable_for("extras").save(loc(tmp_path, "e"), {"fn": print})
     with pytest.raises(TypeError, match="keys must be str"):
         checkpointable_for("extras").save(loc(tmp_path, "e"), {1: 2})
+
+
+def test_extras_holding_a_prng_key_or_a_deleted_array_are_named_at_the_save(tmp_path):
+    """They raised jax's own TypeError / RuntimeError, naming no item or key."""
+    gone = jnp.ones(2)
+    gone.delete()
+    with fop.CheckpointManager(tmp_path) as mngr:
+        for extras, words in (
+            ({"rng": jax.random.key(0)}, r"extras/rng: a PRNG key cannot be stored as JSON"),
+            ({"m": {"w": gone}}, r"extras/m/w: expected a live array, found one that was del"),
+        ):
+            with pytest.raises(fop.StructureError, match=words):
+                mngr.save(1, {"params": {"w": np.ones(2)}}, extras=extras)
+        assert mngr.steps() == []
+        mngr.save(1, {"params": {"w": np.ones(2)}}, extras={"rng": jax.random.PRNGKey(0)})
+        assert mngr.restore(step=1, items=("extras",))["extras"] == {"rng": [0, 0]}
 
 
 def test_step_restores_as_the_type_of_like(tmp_path):
