@@ -19,15 +19,21 @@ failure raises :class:`ProcessFailedError` on every other within a slice, not af
 timeout. Regions also name the operations drawn in them (``<region>.<n>``), so the
 processes meet on the same names again after a failure left them at different points.
 
+The region is an explicit input: every function here that draws a name or waits takes
+``region=`` (a :class:`Region`, or None: one process, or a call that is not collective,
+whose names come from the process's own sequence), handed down from the entry point
+that drew it (a request's ``region``, an argument); nothing reads it from the thread.
+
 Thread-safety: the coordination client is thread-safe; barrier and key names
 are unique per save, so a background thread may call these while the
-training thread runs. Regions are entered on the thread that makes the SPMD calls (the
+training thread runs. Regions are drawn on the thread that makes the SPMD calls (the
 training thread, in the same order on every process); a background phase of an
-operation resumes its region (:func:`resumed`, e.g. ``SaveHandle``).
+operation runs in its region (:func:`resumed`, e.g. ``SaveHandle``), handed it.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import secrets
@@ -43,14 +49,13 @@ from . import env as _env
 from . import liveness as _liveness
 from . import other_paths as _other_paths
 from . import regions as _regions
+from .regions import Region, raise_published_failure
 from .regions import client as _client
-from .regions import current_region, raise_published_failure
 
 # The regions of collective operations (see the module docstring), for the callers.
-collective, resumed, Region = _regions.collective, _regions.resumed, _regions.Region
-publish_failure, collective_call = _regions.publish_failure, _regions.collective_call
-collective_method, set_stall = _regions.collective_method, _regions.set_stall
-scope_here, failing_before = _regions.scope_here, _regions.failing_before
+collective, resumed = _regions.collective, _regions.resumed
+collective_call, collective_method = _regions.collective_call, _regions.collective_method
+publish_failure, failing_before = _regions.publish_failure, _regions.failing_before
 
 DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")  # the default stall timeout
 POLL_S = 0.25  # the longest slice of a wait in a region between looks at its failures
@@ -73,25 +78,22 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def next_operation_id(kind: str) -> str:
+def next_operation_id(kind: str, *, region: Region | None) -> str:
     """A name every process derives identically for its n-th operation of this kind (in
     a region: its n-th of the region's)."""
-    region = current_region()
     return f"fop/{kind}/{next(_COUNTER) if region is None else region.draw()}"
 
 
-def stall_timeout(explicit: float | None = None) -> float:
-    """The stall timeout of a wait on this thread: ``explicit`` if given, else its
+def stall_timeout(explicit: float | None = None, *, region: Region | None) -> float:
+    """The stall timeout of a wait in ``region``: ``explicit`` if given, else the
     region's (a manager's ``stall_timeout=``), else ``FOP_COORDINATION_TIMEOUT_S``."""
     if explicit is not None:
         return explicit
-    region = current_region()
     found = None if region is None else region.stall_s
     return DEFAULT_TIMEOUT_S if found is None else found
 
 
-def _stall_name() -> str:
-    region = current_region()
+def _stall_name(region: Region | None) -> str:
     unset = region is None or region.stall_s is None
     return "FOP_COORDINATION_TIMEOUT_S" if unset else "stall_timeout"
 
@@ -106,18 +108,19 @@ def _wait(
     describe: Callable[[str], str],
     process: int,
     *,
+    region: Region | None,
     late: Callable[[], list[int]] | None = None,
 ) -> str:
     """The value under ``key`` once ``process`` set it: the one wait on other processes.
 
     It waits in slices of at most :data:`POLL_S`, looking between them at the failures
-    published in its region and (:class:`liveness.PeerWatch`) at ``process``'s heartbeat:
+    published in ``region`` and (:class:`liveness.PeerWatch`) at ``process``'s heartbeat:
     a live process is waited for as long as it makes progress, with the late processes
     (``late()``, default ``[process]``) logged every ``FOP_LATE_REPORT_S``; a dead one
     (its heartbeat stopped ``FOP_PEER_SILENT_S`` ago) raises CoordinationError naming it
     within seconds, and so does, after ``timeout`` (the stall timeout), one that made no
     progress that long or was never seen beating (it may not have started)."""
-    client, region, me = _client(), current_region(), process_index()
+    client, me = _client(), process_index()
     _liveness.ensure_beating(client, me)
     watch = _liveness.PeerWatch(
         client,
@@ -126,9 +129,9 @@ def _wait(
         stall_s=timeout,
         late=late or (lambda: [process]),
         region=None if region is None else region.kind,
-        stall_name=_stall_name(),
+        stall_name=_stall_name(region),
         operation=None if region is None else (region.kind, region.tag),
-        elsewhere=_other_paths.raise_elsewhere,
+        elsewhere=functools.partial(_other_paths.raise_elsewhere, region),
     )
     piece = 0.02
     with _liveness.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):
@@ -138,8 +141,8 @@ def _wait(
             except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
                 if not _timed_out(e):
                     raise CoordinationError(describe(str(e))) from e
-            raise_published_failure(process)
-            _regions.raise_if_left(process, key)
+            raise_published_failure(region, process)
+            _regions.raise_if_left(process, key, region)
             watch.look(process)
             piece = min(2 * piece, POLL_S)
 
@@ -162,15 +165,15 @@ def spans_processes(*trees: Any) -> bool:
     return False
 
 
-def barrier(name: str, *, timeout_s: float | None = None) -> None:
+def barrier(name: str, *, region: Region | None, timeout_s: float | None = None) -> None:
     """Blocks until every process reached ``name``; raises CoordinationError naming the
     missing processes (a key-value barrier: it waits through :func:`_wait`, each
     process given the stall timeout ``timeout_s``, default :func:`stall_timeout`)."""
     if process_count() == 1:
         return
-    timeout = stall_timeout(timeout_s)
+    timeout = stall_timeout(timeout_s, region=region)
     CALLS["barrier"] += 1
-    _regions.fault_point()
+    _regions.fault_point(region)
     client, me = _client(), process_index()
     client.key_value_set(f"{name}/at/{me}", "1")
 
@@ -186,7 +189,7 @@ def barrier(name: str, *, timeout_s: float | None = None) -> None:
 
     for p in range(process_count()):
         if p != me:
-            _wait(f"{name}/at/{p}", timeout, describe, p, late=late)
+            _wait(f"{name}/at/{p}", timeout, describe, p, region=region, late=late)
 
 
 def _is_set(key: str) -> bool:
@@ -197,13 +200,15 @@ def _is_set(key: str) -> bool:
         return False
 
 
-def broadcast_str(name: str, value: str | None, *, timeout_s: float | None = None) -> str:
+def broadcast_str(
+    name: str, value: str | None, *, region: Region | None, timeout_s: float | None = None
+) -> str:
     """The primary's ``value`` on every process (others pass anything)."""
     if process_count() == 1:
         assert value is not None
         return value
-    timeout = stall_timeout(timeout_s)
-    _regions.fault_point()
+    timeout = stall_timeout(timeout_s, region=region)
+    _regions.fault_point(region)
     if is_primary():
         CALLS["kv_set"] += 1
         _client().key_value_set(name, value)
@@ -214,13 +219,15 @@ def broadcast_str(name: str, value: str | None, *, timeout_s: float | None = Non
         timeout,
         lambda e: f"process {process_index()}: no value for {name!r} from the primary ({e})",
         0,
+        region=region,
     )
 
 
-def publish(name: str, value: str) -> None:
-    """Stores this process's ``value`` under ``name/<process>`` for :func:`gather_str`."""
+def publish(name: str, value: str, *, region: Region | None) -> None:
+    """Stores this process's ``value`` under ``name/<process>`` for :func:`gather_str`
+    (``region``: the operation's, whose fault point it is)."""
     if process_count() > 1:
-        _regions.fault_point()
+        _regions.fault_point(region)
         CALLS["kv_set"] += 1
         _client().key_value_set(f"{name}/{process_index()}", value)
 
@@ -237,72 +244,76 @@ def forget(name: str) -> None:
             pass
 
 
-def gather_str(name: str, *, timeout_s: float | None = None) -> list[str]:
+def gather_str(name: str, *, region: Region | None, timeout_s: float | None = None) -> list[str]:
     """Values that every process published under ``name``, by process index."""
-    return [get_from(name, p, timeout_s=timeout_s) for p in range(process_count())]
+    return [get_from(name, p, region=region, timeout_s=timeout_s) for p in range(process_count())]
 
 
-def poll(name: str, *, wait_s: float) -> str | None:
+def poll(name: str, *, region: Region | None, wait_s: float) -> str | None:
     """The value under ``name``, waiting at most ``wait_s``; None when none was set by
     then. For a background thread that follows another process's decisions and must
     stay responsive to its own shutdown (a long wait is a loop of short polls)."""
-    _regions.fault_point()
+    _regions.fault_point(region)
     CALLS["kv_get"] += 1
     try:
         return _client().blocking_key_value_get(name, max(1, int(wait_s * 1000)))
     except Exception as e:
         if _timed_out(e):
-            raise_published_failure()
+            raise_published_failure(region)
             return None
         raise CoordinationError(f"process {process_index()}: reading {name!r}: {e}") from e
 
 
-def session_nonce() -> str:
+def session_nonce(*, region: Region | None) -> str:
     """A random name shared by every process, agreed once per process lifetime (the
     primary's, under one fixed key: each process reads it at its first call, whenever
     that is, so a process that failed before reading it meets the others again); later
-    saves derive their staging names from it and a counter, with no coordination."""
+    saves derive their staging names from it and a counter, with no coordination
+    (``region``: the operation that asks first, whose waits it makes)."""
     with _SESSION_LOCK:
         if not _SESSION:
-            _SESSION.append(broadcast_str("fop/session", secrets.token_hex(4)))
+            _SESSION.append(broadcast_str("fop/session", secrets.token_hex(4), region=region))
         return _SESSION[0]
 
 
-def unique_name() -> str:
+def unique_name(*, region: Region | None) -> str:
     """``<session>x<n>``: identical on every process for its n-th call (SPMD order; in a
     region ``<session>x<region>y<n>``, its n-th of the region's)."""
-    region = current_region()
     drawn = next(_NAMES) if region is None else region.draw().replace(".", "y")
-    return f"{session_nonce()}x{drawn}"
+    return f"{session_nonce(region=region)}x{drawn}"
 
 
 _NAMES = itertools.count()
 
 
-def get_from(name: str, process: int, *, timeout_s: float | None = None) -> str:
+def get_from(
+    name: str, process: int, *, region: Region | None, timeout_s: float | None = None
+) -> str:
     """The value ``process`` published under ``name`` (see :func:`publish`)."""
-    timeout = stall_timeout(timeout_s)
-    _regions.fault_point()
+    timeout = stall_timeout(timeout_s, region=region)
+    _regions.fault_point(region)
     CALLS["kv_get"] += 1
     return _wait(
         f"{name}/{process}",
         timeout,
         lambda e: f"no value {name!r} from process {process} ({e})",
         process,
+        region=region,
     )
 
 
-def gather_json(kind: str, value: Any) -> list[Any]:
+def gather_json(kind: str, value: Any, *, region: Region | None) -> list[Any]:
     """Collective: every process's JSON ``value``, by process index (one key-value
     round; with one process, ``[value]``)."""
     if process_count() == 1:
         return [value]
-    op = next_operation_id(kind)
-    publish(op, json.dumps(value))
-    return [json.loads(v) for v in gather_str(op)]  # kept: a peer may not have read ours
+    op = next_operation_id(kind, region=region)
+    publish(op, json.dumps(value), region=region)
+    # the values are kept (not forgotten): a peer may not have read ours yet
+    return [json.loads(v) for v in gather_str(op, region=region)]
 
 
-def agree(kind: str, error: BaseException | None, *, what: str) -> None:
+def agree(kind: str, error: BaseException | None, *, region: Region | None, what: str) -> None:
     """Collective: every process learns whether any process failed at this point.
 
     Re-raises ``error`` (this process's own, once every process has learned of it); else
@@ -318,14 +329,14 @@ def agree(kind: str, error: BaseException | None, *, what: str) -> None:
             raise error
         return
     mine = None if error is None else {"type": type(error).__name__, "message": str(error)}
-    op, region = next_operation_id(kind), current_region()
+    op = next_operation_id(kind, region=region)
     if error is not None:  # a process waiting elsewhere in the region must not wait for us
-        _regions.announce_agreement(op, error)
+        _regions.announce_agreement(op, error, region)
     if region is not None:
         region.agreeing = op
     try:
-        publish(op, json.dumps(mine))
-        views = [json.loads(v) for v in gather_str(op)]
+        publish(op, json.dumps(mine), region=region)
+        views = [json.loads(v) for v in gather_str(op, region=region)]
     except ProcessFailedError:  # another left this path: this process's own error first
         if error is not None:
             raise error from None

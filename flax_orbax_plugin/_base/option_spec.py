@@ -322,7 +322,7 @@ def _checked(fn: Callable, owner: str) -> Callable:
         return fn
     params = inspect.signature(inner, follow_wrapped=False).parameters.values()
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    takes = {p.name for p in params if p.kind in kinds} - {"self", "cls"}
+    takes = {p.name for p in params if p.kind in kinds} - {"self", "cls", "region"}
     region = getattr(fn, "_fop_region", lambda *a, **k: contextlib.nullcontext())
 
     @functools.wraps(fn)

@@ -7,7 +7,7 @@ other until the stall timeout. Now the wait raises within a second or two, namin
 process and the failure it published last (``_base/regions.py``), the error that sent
 it there as a rule.
 
-Threading: the waiting thread (``distributed._wait``), in its region.
+Threading: the waiting thread (``distributed._wait``), handed its region.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from . import regions as _regions
 __all__ = ["raise_elsewhere"]
 
 
-def raise_elsewhere(process: int, theirs: str, doing: str) -> None:
-    """Raises for this thread's wait on ``process``, whose collective operation of this
+def raise_elsewhere(region: _regions.Region | None, process: int, theirs: str, doing: str) -> None:
+    """Raises for a wait in ``region`` on ``process``, whose collective operation of the
     region's number is ``theirs``, of another kind (from its heartbeat: ``liveness``):
     it took another path and never makes this call. :class:`ProcessFailedError` naming
     its latest published failure (the error that sent it there, as a rule), else
     :class:`CoordinationError` naming this process's own (the error that sent this one
     here), if any."""
-    region = _regions.current_region()
     assert region is not None
     words = (
         f"process {jax.process_index()} of {jax.process_count()}, in {region.kind} "

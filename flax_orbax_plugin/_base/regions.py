@@ -14,10 +14,17 @@ operation's region exists publish in one drawn for them: :func:`failing_before`)
 process that entered a region announces its program's end (:func:`announce_leaving`
 for :data:`PROGRAM`, a step of ``_base.exits``).
 
-Threading: a thread's regions are its own (a stack, innermost last). Regions are drawn on
-the thread that makes the SPMD calls (the training thread), in the same order on every
-process; a background phase of an operation resumes the region that drew it
-(:func:`resumed`, e.g. ``SaveHandle``), so its failures are published there too.
+Threading: a region is an explicit input, never a thread's or a context's state. The
+public entry point draws it (:func:`collective`, or its decorators, which hand it to
+the function's body as ``region=``) on the thread that makes the SPMD calls (the
+training thread), in the same order on every process, and hands it down as an
+argument (a ``SaveRequest``'s or ``ReadRequest``'s ``region``, the ``region=`` of every
+function of ``_base.distributed`` that draws a name or waits); internals call
+internals with it, never a decorated public function. A background phase of an
+operation runs in the region that drew it (:func:`resumed`, e.g. ``SaveHandle``), so
+its failures are published there too. A user's code that calls a public function
+inside an operation (a custom ``Checkpointable`` calling ``fop.save``) draws a region
+of its own, the same on every process (the process's n-th collective operation).
 """
 
 from __future__ import annotations
@@ -26,10 +33,10 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import json
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,7 +51,6 @@ FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that regio
 LEFT = "fop/left"  # LEFT/<scope>/<process>: it left that scope (announce_leaving)
 PROGRAM = "program"  # the scope of waits outside a manager's: a process whose program ended
 _REGIONS = itertools.count()
-_LOCAL = threading.local()  # .stack: the regions this thread is in, innermost last
 
 # Coordination calls made by this process, by kind ("barrier", "kv_set", "kv_get",
 # "kv_delete", "failure_check"): tests assert how many one save costs.
@@ -67,10 +73,13 @@ def client():
 class Region:
     """One collective operation: its kind (``manager-save`` ...) and its tag, the same on
     every process (the n-th collective operation of this process); the names drawn in it
-    so far (:attr:`drawn`), the agreement this thread is in and those it completed, its
-    waits' stall timeout (``stall_s``, seconds; None: ``FOP_COORDINATION_TIMEOUT_S``),
-    and its ``scope``: the tag of the open of the manager it is an operation of (whose
-    processes may announce that they left it: :func:`announce_leaving`), or None."""
+    so far (:attr:`drawn`), the agreement it is in and those it completed, its waits'
+    stall timeout (``stall_s``, seconds; None: ``FOP_COORDINATION_TIMEOUT_S``), and its
+    ``scope``: the tag of the open of the manager it is an operation of (whose
+    processes may announce that they left it: :func:`announce_leaving`), or None.
+    Handed down explicitly (see the module docstring); its names are drawn on the
+    thread that makes the SPMD calls, or by a background phase after that thread's
+    last draw in it (``SaveHandle``)."""
 
     kind: str
     tag: str
@@ -86,33 +95,30 @@ class Region:
         return f"{self.tag}.{self.drawn - 1}"
 
 
-def current_region() -> Region | None:
-    """The innermost region this thread is in (None: none)."""
-    stack = getattr(_LOCAL, "stack", None)
-    return stack[-1] if stack else None
-
-
 @contextlib.contextmanager
 def collective(
     kind: str, *, spans: bool = True, stall_s: float | None = None, scope: str | None = None
-) -> Iterator[None]:
-    """A collective operation of every process (a context manager, or a decorator):
-    draws a region, in which waits raise :class:`ProcessFailedError` once another process
-    published a failure, and whose error, leaving it, is published for the others.
+) -> Iterator[Region | None]:
+    """A collective operation of every process (a context manager): draws a region and
+    gives it to the body (``with collective(...) as region``), which hands it down; in
+    it, waits raise :class:`ProcessFailedError` once another process published a
+    failure, and its error, leaving it, is published for the others.
 
     ``spans=False``: this call is not collective (e.g. a restore onto host arrays, which
-    one process may make alone); no region is drawn. Inside a region (nested calls, a
-    background phase) the outer region goes on. With one process: nothing. ``stall_s``:
+    one process may make alone); no region is drawn (the body gets None). With one
+    process: None too. Each call draws a new region, nested or not: internals that
+    continue an operation are handed its region instead of entering this. ``stall_s``:
     the stall timeout of the region's waits (see ``_base/liveness.py``); ``scope``: the
-    region's (see :class:`Region`)."""
-    if not spans or current_region() is not None or jax.process_count() == 1:
-        yield
+    region's (see :class:`Region`). Call it on the thread that makes the SPMD calls."""
+    if not spans or jax.process_count() == 1:
+        yield None
         return
     with contextlib.suppress(CoordinationError):  # no client: the first wait says so
         _liveness.ensure_beating(client(), jax.process_index())  # before any wait on us
     _exits.at_exit(_exits.ANNOUNCE, _announce_program_end)
-    with resumed(Region(kind, str(next(_REGIONS)), stall_s=stall_s, scope=scope)):
-        yield
+    region = Region(kind, str(next(_REGIONS)), stall_s=stall_s, scope=scope)
+    with resumed(region):
+        yield region
 
 
 def _announce_program_end() -> bool:
@@ -141,34 +147,29 @@ def failing_before(kind: str, *, spans: bool = True) -> Iterator[None]:
 
 
 def collective_method(kind: str, *, stall: str, scope: str) -> Callable:
-    """A decorator for a method: each call is :func:`collective`, its region's stall
-    timeout the attribute ``stall`` of the object it is called on (set by its
-    constructor from its options: e.g. a manager's ``stall_timeout=``), its scope the
-    attribute ``scope`` (e.g. the tag of the manager's open). The region of a call is
-    also the decorated method's attribute ``_fop_region(self, *args, **kwargs)``: a
-    check of the call made around it (an unknown keyword, ``option_spec``) fails in it."""
+    """A decorator for a method whose body takes the keyword ``region``: each call is
+    :func:`collective`, its region handed to the body as ``region=`` (the decorated
+    method takes the body's other parameters), its stall timeout the attribute
+    ``stall`` of the object it is called on (set by its constructor from its options:
+    e.g. a manager's ``stall_timeout=``), its scope the attribute ``scope`` (e.g. the
+    tag of the manager's open). The region of a call is also the decorated method's
+    attribute ``_fop_region(self, *args, **kwargs)``: a check of the call made around
+    it (an unknown keyword, ``option_spec``) fails in it."""
 
     def region(self: Any, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
         stall_s, scope_tag = getattr(self, stall, None), getattr(self, scope, None)
         return collective(kind, stall_s=stall_s, scope=scope_tag)
 
-    def decorate(method: Callable) -> Callable:
-        @functools.wraps(method)
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with region(self):
-                return method(self, *args, **kwargs)
-
-        call._fop_region = region  # type: ignore[attr-defined]
-        return call
-
-    return decorate
+    return _decorator(region)
 
 
 def collective_call(kind: str, *, spans: Callable[..., bool] | None = None) -> Callable:
-    """A decorator: each call is :func:`collective` when ``spans(*args, **kwargs)`` (whether
-    this call is collective, from its arguments: e.g. a like on devices of other
-    processes; None: always). The region of a call is also the decorated function's
-    attribute ``_fop_region(*args, **kwargs)`` (see :func:`collective_method`)."""
+    """A decorator for a function whose body takes the keyword ``region``: each call is
+    :func:`collective` when ``spans(*args, **kwargs)`` (whether this call is collective,
+    from its arguments: e.g. a like on devices of other processes; None: always), its
+    region (or None) handed to the body as ``region=``. The region of a call is also the
+    decorated function's attribute ``_fop_region(*args, **kwargs)`` (see
+    :func:`collective_method`)."""
 
     def region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
         try:
@@ -177,43 +178,37 @@ def collective_call(kind: str, *, spans: Callable[..., bool] | None = None) -> C
             spanning = False
         return collective(kind, spans=spanning)
 
-    def decorate(function: Callable) -> Callable:
-        @functools.wraps(function)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with region(*args, **kwargs):
-                return function(*args, **kwargs)
+    return _decorator(region)
 
+
+def _decorator(region: Callable[..., contextlib.AbstractContextManager]) -> Callable:
+    """The wrapper of the two decorators above: the body called in ``region(...)``'s
+    region, handed it as ``region=``; the signature shown is the body's without it."""
+
+    def decorate(body: Callable) -> Callable:
+        @functools.wraps(body)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with region(*args, **kwargs) as drawn:
+                return body(*args, region=drawn, **kwargs)
+
+        shown = inspect.signature(body)
+        params = [p for p in shown.parameters.values() if p.name != "region"]
+        call.__signature__ = shown.replace(parameters=params)  # type: ignore[attr-defined]
         call._fop_region = region  # type: ignore[attr-defined]
         return call
 
     return decorate
 
 
-def scope_here() -> str | None:
-    """The tag of this thread's region (None: none): a scope for the regions of the
-    operations of what is opened here (a manager's open: see :class:`Region`)."""
-    region = current_region()
-    return None if region is None else region.tag
-
-
-def set_stall(stall_s: float | None) -> None:
-    """Sets the stall timeout of this thread's region (none: nothing), for an operation
-    whose options are checked inside its region (a manager's open)."""
-    region = current_region()
-    if region is not None:
-        region.stall_s = stall_s
-
-
 @contextlib.contextmanager
 def resumed(region: Region | None) -> Iterator[None]:
-    """Runs the body in ``region`` on this thread (a background phase of the operation
-    that drew it, e.g. a save's write and commit); an error leaving the body is
-    published. ``None``: no region."""
+    """Runs the body as a part of the operation of ``region`` (its activity named in the
+    heartbeat; e.g. a save's write and commit on a background thread, which hands
+    ``region`` down itself); an error leaving the body is published. ``None``:
+    nothing."""
     if region is None:
         yield
         return
-    stack = _LOCAL.__dict__.setdefault("stack", [])
-    stack.append(region)
     try:
         with _liveness.ACTIVITIES.doing(f"{region.kind} (operation {region.tag})"):
             yield
@@ -222,8 +217,6 @@ def resumed(region: Region | None) -> Iterator[None]:
     except BaseException as e:
         publish_failure(region, e)
         raise
-    finally:
-        stack.pop()
 
 
 def publish_failure(region: Region, error: BaseException) -> None:
@@ -238,13 +231,12 @@ def publish_failure(region: Region, error: BaseException) -> None:
         pass
 
 
-def announce_agreement(op: str, error: BaseException) -> None:
+def announce_agreement(op: str, error: BaseException, region: Region | None) -> None:
     """Before an agreement (``distributed.agree``) at which this process brings
     ``error``: says so in the region, so that a process waiting elsewhere, which this
     one will never meet there (it left the path where the others wait), raises rather
     than waits; one at the same agreement, or past it, reads on (a recoverable failure:
     the others learn it at the agreement)."""
-    region = current_region()
     if region is not None and jax.process_count() > 1:
         number = int(op.rsplit(".", 1)[1])
         record = {**_record(region, error), "agreement": op, "number": number}
@@ -270,12 +262,11 @@ def announce_leaving(error: BaseException, *, scope: str | None, where: str) -> 
         client().key_value_set(key, json.dumps(record), allow_overwrite=True)
 
 
-def raise_if_left(process: int, key: str) -> None:
+def raise_if_left(process: int, key: str, region: Region | None) -> None:
     """Raises :class:`ProcessFailedError` when ``process`` announced that it left the
-    scope of this thread's region (:func:`announce_leaving`; outside a manager's scope,
-    :data:`PROGRAM`: its program ended) and ``key``, its value this thread waits for, is
-    not set: it never will be. Any thread."""
-    region = current_region()
+    scope of ``region``, the waiting operation's (:func:`announce_leaving`; outside a
+    manager's scope, :data:`PROGRAM`: its program ended) and ``key``, its value this
+    wait is for, is not set: it never will be. Any thread."""
     scope = PROGRAM if region is None or region.scope is None else region.scope
     c = client()
     CALLS["failure_check"] += 1
@@ -299,10 +290,10 @@ def raise_if_left(process: int, key: str) -> None:
 
 
 def _diverged(region: Region, r: dict[str, Any], waiting_for: int | None) -> bool:
-    """Whether a published record of another process ends this thread's waits: a failure
-    leaving the region, or an agreement this thread is not at and never went through,
-    of the process it waits for (which waits there instead), or past which this thread
-    has already drawn names."""
+    """Whether a published record of another process ends the waits in ``region``: a
+    failure leaving the region, or an agreement the region is not at and never went
+    through, of the process it waits for (which waits there instead), or past which the
+    region has already drawn names."""
     op = r["agreement"]
     if op is None:
         return True
@@ -323,11 +314,10 @@ def _record(region: Region, error: BaseException) -> dict[str, Any]:
     }
 
 
-def raise_published_failure(waiting_for: int | None = None) -> None:
+def raise_published_failure(region: Region | None, waiting_for: int | None = None) -> None:
     """Raises :class:`ProcessFailedError` when another process published a failure in
-    this thread's region (an own failure first, before one that was only learnt);
-    ``waiting_for``: the process whose value this thread waits for, if one."""
-    region = current_region()
+    ``region``, the waiting operation's (an own failure first, before one that was only
+    learnt; None: nothing); ``waiting_for``: the process whose value it waits for."""
     if region is None or jax.process_count() == 1:
         return
     CALLS["failure_check"] += 1
@@ -368,9 +358,8 @@ def failure_record(text: str) -> dict[str, Any]:
         }
 
 
-def fault_point() -> None:
-    """Before each coordination call: the fault point of the region's kind
-    (``FOP_FAIL_AT=collective-<kind>[:N]``, see ``_base.env``)."""
-    region = current_region()
+def fault_point(region: Region | None) -> None:
+    """Before each coordination call: the fault point of ``region``'s kind
+    (``FOP_FAIL_AT=collective-<kind>[:N]``, see ``_base.env``; None: none)."""
     if region is not None:
         _env.fail_point(f"collective-{region.kind}")

@@ -176,6 +176,7 @@ def commit_collectively(
     abort: Callable[[], None],
     agreed: dict[str, Any] | None = None,
     structure: Callable[[], list[str]] | None = None,
+    region: _distributed.Region | None,
 ) -> Written:
     """Runs the protocol in the module docstring; returns what this process wrote.
 
@@ -186,7 +187,8 @@ def commit_collectively(
     the target path, the format...); a difference is a disagreement naming them.
     ``structure``: the tree's leaves in words (computed only when the structures
     differ: the primary publishes its own, each other process names the first leaf
-    where its own differs).
+    where its own differs). ``region``: the save's collective operation, whose names
+    and failures its rounds use (``_base.regions``).
     Raises this process's own write error, or :class:`CoordinationError` when the
     processes disagree, or :class:`CheckpointError` when another process failed.
     """
@@ -206,23 +208,23 @@ def commit_collectively(
         }
     )
     if _distributed.is_primary():
-        outcome = _decide_and_commit(op, status, what, publish, abort)
+        outcome = _decide_and_commit(op, status, what, publish, abort, region)
         if _distributed.process_count() > 1:
             if STRUCTURE in outcome and structure is not None:  # before the outcome
-                _distributed.publish(f"{op}/structure", json.dumps(structure()))
-            _distributed.broadcast_str(f"{op}/outcome", outcome)
+                _distributed.publish(f"{op}/structure", json.dumps(structure()), region=region)
+            _distributed.broadcast_str(f"{op}/outcome", outcome, region=region)
             if STRUCTURE in outcome and structure is not None:
-                outcome += _their_difference(op, outcome, structure())
+                outcome += _their_difference(op, outcome, structure(), region)
     else:
-        _distributed.publish(f"{op}/status", status)
+        _distributed.publish(f"{op}/status", status, region=region)
         # The primary may spend up to one stall timeout on a status: wait longer for
         # its outcome, so a missing process is reported by name rather than as "late".
-        wait = 2 * _distributed.stall_timeout()
-        outcome = _distributed.broadcast_str(f"{op}/outcome", None, timeout_s=wait)
+        wait = 2 * _distributed.stall_timeout(region=region)
+        outcome = _distributed.broadcast_str(f"{op}/outcome", None, region=region, timeout_s=wait)
         if STRUCTURE in outcome and structure is not None:
             mine = structure()
-            _distributed.publish(f"{op}/structure", json.dumps(mine))  # for the primary
-            outcome += _first_difference(op, mine)
+            _distributed.publish(f"{op}/structure", json.dumps(mine), region=region)  # for 0
+            outcome += _first_difference(op, mine, region)
         if outcome != "committed":
             outcome = _discard(abort, outcome)  # e.g. staging of another step than the primary's
     if error is not None:
@@ -240,17 +242,19 @@ def commit_collectively(
 STRUCTURE = "tree of another structure"  # in the outcome when the digests differ
 
 
-def _first_difference(op: str, mine: list[str]) -> str:
+def _first_difference(op: str, mine: list[str], region: _distributed.Region | None) -> str:
     """``; here ...``: the first leaf where this process's tree differs from the
     primary's (published with the outcome), or nothing when it cannot be read."""
     try:
-        theirs = json.loads(_distributed.get_from(f"{op}/structure", 0))
+        theirs = json.loads(_distributed.get_from(f"{op}/structure", 0, region=region))
     except (CoordinationError, ValueError):
         return ""
     return _difference(mine, theirs, 0)
 
 
-def _their_difference(op: str, outcome: str, mine: list[str]) -> str:
+def _their_difference(
+    op: str, outcome: str, mine: list[str], region: _distributed.Region | None
+) -> str:
     """The primary's side of :func:`_first_difference`: the first leaf where the process
     the outcome names differs from its own tree (that process publishes its leaves once
     it read the outcome; waited for a few seconds at most: nothing when it is gone)."""
@@ -259,7 +263,8 @@ def _their_difference(op: str, outcome: str, mine: list[str]) -> str:
         return ""
     p = int(found.group(1))
     try:
-        theirs = json.loads(_distributed.get_from(f"{op}/structure", p, timeout_s=10.0))
+        got = _distributed.get_from(f"{op}/structure", p, region=region, timeout_s=10.0)
+        theirs = json.loads(got)
     except (CoordinationError, ValueError):
         return ""
     return _difference(mine, theirs, p)
@@ -289,11 +294,11 @@ def _discard(abort: Callable[[], None], outcome: str) -> str:
     return outcome
 
 
-def _decide_and_commit(op, own_status, what, publish, abort) -> str:
+def _decide_and_commit(op, own_status, what, publish, abort, region) -> str:
     try:
         statuses = [json.loads(own_status)]
         for p in range(1, _distributed.process_count()):
-            statuses.append(json.loads(_distributed.get_from(f"{op}/status", p)))
+            statuses.append(json.loads(_distributed.get_from(f"{op}/status", p, region=region)))
         outcome = _disagreement(statuses)
         if outcome is None:
             failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if s["error"]]

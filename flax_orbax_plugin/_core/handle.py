@@ -82,18 +82,25 @@ class SaveHandle:
     nobody waited on raises at the next save).
 
     Thread-safety: ``wait``, ``done`` and ``cancel`` may be called from any thread. Made
-    in a collective operation (``_base.regions``), the background phase runs in its
-    region: a failure there reaches the other processes at once, as one in the blocking
-    phase. They wait on an event the background phase sets when it ends, never on
-    ``Thread.join``: a join cut short by Ctrl-C marks the thread finished while it still
-    runs (CPython 3.11), and the interpreter would then exit under a running save and
-    leave its staging behind.
+    in a collective operation (``_base.regions``: its ``region``, which ``target`` is
+    handed too), the background phase runs in that region: a failure there reaches
+    the other processes at once, as one in the blocking phase. They wait on an event
+    the background phase sets when it ends, never on ``Thread.join``: a join cut short
+    by Ctrl-C marks the thread finished while it still runs (CPython 3.11), and the
+    interpreter would then exit under a running save and leave its staging behind.
     """
 
-    def __init__(self, path: str, target: Any, *, cancelled: threading.Event | None = None):
+    def __init__(
+        self,
+        path: str,
+        target: Any,
+        *,
+        cancelled: threading.Event | None = None,
+        region: _distributed.Region | None,
+    ):
         self.path = path
         self._target = target
-        self._region = _distributed.current_region()
+        self._region = region  # the operation's, whose region ``target`` runs in
         # Set by :meth:`cancel`; the background phase checks it (see raise_if_cancelled).
         self.cancelled = cancelled if cancelled is not None else Cancellation()
         self._thread = threading.Thread(target=self._run, name="fop-save", daemon=False)

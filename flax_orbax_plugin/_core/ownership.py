@@ -13,18 +13,14 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import stat
 from collections.abc import Callable
-
-import tensorstore as ts
 
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, PENDING_FILE, CommitMarker, StepManifest
-from .._storage.deleting import removal_context
 from .._storage.local_files import entry_kind
 from .._storage.location import Location
 from . import pending as _pending
@@ -305,7 +301,7 @@ def remove_children(loc: Location, names: list[str], *, action: str) -> None:
     step, after a replacing commit on an object store) once ``loc`` is proven ours."""
     require_ours(loc, action=action)
     for name in names:
-        _remove_tree(loc.child(name))
+        _removing.remove_tree(loc.child(name))
 
 
 def _rmdir_if_empty(loc: Location) -> bool:
@@ -341,38 +337,25 @@ def _remove_proven(
     _removing.remove_all_but(loc, keep, pace=pace)
 
 
-def _remove_tree(loc: Location) -> None:
-    """Removes a child of a place already proven ours (no proof of its own needed)."""
-    if loc.is_local:
-        path = loc.path.rstrip("/")
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-        return
-    kv = ts.KvStore.open(loc.spec, context=removal_context(loc.spec)).result()
-    kv.delete_range(ts.KvStore.KeyRange()).result()
-
-
 def prepare_slot(
-    loc: Location, *, what: str, replace: bool, clear: bool = True, take_empty: bool = True
+    loc: Location,
+    *,
+    what: str,
+    replace: bool,
+    clear: bool = True,
+    take_empty: bool = True,
+    region: _distributed.Region | None,
 ) -> bool:
-    """:func:`check_slot` for a save about to write at ``loc``, agreed by every process;
-    with ``clear`` a dead save's remains (or, with ``replace``, a committed checkpoint)
-    are removed too. Returns whether ``loc`` held something of ours (with ``clear=False``:
-    what the caller must clear before anyone writes). Collective on several processes.
+    """:func:`check_slot` for a save about to write at ``loc``, agreed by every process
+    (collective, in the save's ``region``); with ``clear`` a dead save's remains (or,
+    with ``replace``, a committed checkpoint) are removed too. Returns whether ``loc``
+    held something of ours (with ``clear=False``: what the caller must clear first).
 
-    On an object store every process writes into ``loc`` itself (no staging name), so a
-    fast process's first object could land before a slower one looks, and two processes
-    would then decide differently (one clears and waits for the others, which write: a
-    hang, or the others' data deleted). So the primary alone looks, before anyone writes,
-    and every process waits for its verdict (one key-value round). Local stores stage
-    under names of their own and every process may look there.
-    """
+    On an object store every process writes into ``loc`` itself (no staging name), so
+    a fast process's first object could land before a slower one looks (then they
+    decide differently: a hang, or others' data deleted): the primary alone looks,
+    before anyone writes, and every process waits for its verdict (one key-value
+    round). Local stores stage under names of their own: every process looks there."""
 
     def look() -> bool:
         held = check_slot(loc, what=what, replace=replace, take_empty=take_empty) is not None
@@ -383,7 +366,7 @@ def prepare_slot(
     if loc.supports_rename or _distributed.process_count() == 1:
         return look()
     verdict = {"held": False, "error": None, "kind": None}
-    op = _distributed.next_operation_id("slot")
+    op = _distributed.next_operation_id("slot", region=region)
     own_error = None
     if _distributed.is_primary():
         try:
@@ -391,7 +374,7 @@ def prepare_slot(
         except Exception as e:  # noqa: BLE001  (every process learns of it, then raises)
             own_error = e
             verdict.update(error=str(e), kind=type(e).__name__)
-    verdict = json.loads(_distributed.broadcast_str(op, json.dumps(verdict)))
+    verdict = json.loads(_distributed.broadcast_str(op, json.dumps(verdict), region=region))
     if own_error is not None:
         raise own_error
     if verdict["error"] is not None:

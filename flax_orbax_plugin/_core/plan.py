@@ -269,7 +269,7 @@ class Plan:
             }
         except Exception as e:  # noqa: BLE001  (no digest, no reuse; the save goes on)
             _reuse.logger.warning("incremental save: no digests recorded: %s", e)
-        everyone = _reuse.exchange(reuse.op, mine)
+        everyone = _reuse.exchange(reuse.op, mine, self.request.region)
         if everyone is None or mine is None:
             return None
         for leaf in arrays:

@@ -1,15 +1,15 @@
 """The processes of a collective read agree on what they read, before any byte.
 
-A restore that spans processes (``fop.restore``, ``restore_params``, a manager's
-items: inside a collective region, ``_base.regions``) builds global arrays from every
-process's part, and shares replicated reads (each process reads a slice, then an
-all-gather). A process that named another checkpoint (a step or path of its own), or a
-``like`` with another dtype, shape or sharding, made a global array of two checkpoints
-or two dtypes, silently. :func:`agree_on_read` compares, in one key-value round, a
-digest of what each process is about to read (the checkpoint's place, the read's
-options, like's leaves: path, shape, dtype, sharding); on a difference every process
-raises the same CoordinationError naming the first one (a second round, only then,
-names the first leaf that differs).
+A restore that spans processes (``fop.restore``, ``restore_params``, a manager's items:
+in a collective region, ``_base.regions``, its request's ``region``) builds global
+arrays from every process's part, and shares replicated reads (each process reads a
+slice, then an all-gather). A process that named another checkpoint (a step or path of
+its own), or a ``like`` with another dtype, shape or sharding, made a global array of
+two checkpoints or two dtypes, silently. :func:`agree_on_read` compares, in one
+key-value round, a digest of what each process is about to read (the checkpoint's place,
+the read's options, like's leaves: path, shape, dtype, sharding); on a difference every
+process raises the same CoordinationError naming the first one (a second round, only
+then, names the first leaf that differs).
 
 A read of a host's own directory (``own_copy``) and a read outside a region (one
 process alone, onto host arrays) agree on nothing. Threading: the caller's thread, the
@@ -38,20 +38,21 @@ _SHOWN_LEAVES = 4000  # leaves named in the second round (a digest beyond them)
 def agree_on_read(location: Location, like: Any, request: ReadRequest) -> None:
     """Raises CoordinationError on every process when the processes of this collective
     read differ in what they read (see the module docstring); returns otherwise. Called
-    inside a collective region only, for a read of no host's own directory."""
+    in a collective region only (``request.region``), for a read of no host's own
+    directory."""
     leaves = _like_leaves(like)
     mine = {
         "checkpoint": str(location),
         "options": f"cast={request.cast!r}, {request.changes.describe()}",
         "like": _digest(leaves),
     }
-    views = _distributed.gather_json("read-agreement", mine)
+    views = _distributed.gather_json("read-agreement", mine, region=request.region)
     for field in ("checkpoint", "options", "like"):
         values = [v[field] for v in views]
         if len(set(values)) == 1:
             continue
         if field == "like":
-            raise CoordinationError(_like_difference(leaves))
+            raise CoordinationError(_like_difference(leaves, request.region))
         each = "; ".join(f"{v!r} on process {p}" for p, v in enumerate(values))
         raise CoordinationError(
             f"the processes of one collective restore read different {field}s ({each}): "
@@ -83,10 +84,10 @@ def _digest(leaves: list[str]) -> str:
     return _layout.sha256("\n".join(leaves).encode())
 
 
-def _like_difference(leaves: list[str]) -> str:
+def _like_difference(leaves: list[str], region: _distributed.Region | None) -> str:
     """The message for likes that differ: every process names its leaves (a second
     round, taken by all, since all saw the digests differ), compared in order."""
-    views = _distributed.gather_json("read-agreement-leaves", leaves[:_SHOWN_LEAVES])
+    views = _distributed.gather_json("read-agreement-leaves", leaves[:_SHOWN_LEAVES], region=region)
     first = views[0]
     for p, other in enumerate(views[1:], start=1):
         for a, b in zip(first, other, strict=False):

@@ -63,7 +63,8 @@ def read_targets(location: Location, doc: CheckpointDocument, targets: list, req
     except Exception as e:  # noqa: BLE001  (re-raised below, after the agreement)
         error = e
     if collective:
-        _distributed.agree("restore-read", error, what=f"restore of {location}")
+        where = f"restore of {location}"
+        _distributed.agree("restore-read", error, region=request.region, what=where)
     elif error is not None:
         raise error
     for target, sharding in shared:  # collective, in the same order on every process

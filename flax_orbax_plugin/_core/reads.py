@@ -18,6 +18,7 @@ from .._base import host as _host
 from .._base import liveness as _liveness
 from .._errors import CheckpointError, CorruptCheckpointError, StepDeletedError
 from .._format import layout as _layout
+from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
@@ -38,6 +39,21 @@ def deleted_or(location: Location, error: Exception) -> Exception:
     )
     deleted.__cause__ = error
     return deleted
+
+
+def step_deleted_or(directory: Location, step: int, error: Exception) -> Exception:
+    """``error``, or a StepDeletedError when ``step`` is no longer a committed step of
+    the manager's ``directory`` (another process's retention deleted it while this one
+    read it)."""
+    try:  # listed afresh: another process may have deleted it
+        if isinstance(error, StepDeletedError) or step in _steps.committed_steps(directory):
+            return error
+    except CheckpointError:
+        return error
+    return StepDeletedError(
+        f"step {step} of {directory} was deleted while it was being read (a writer's "
+        f"retention policy removes old steps; restore a newer step, or keep more): {error}"
+    )
 
 
 class ReadInto:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Callable
 
@@ -169,6 +170,24 @@ def remove_all_but(loc: Location, keep: list[str], *, pace: Callable[[], int] | 
             "y" if len(keep) == 1 else "ies",
             shown,
         )
+
+
+def remove_tree(loc: Location) -> None:
+    """Removes a child of a place already proven ours (no proof of its own needed; the
+    item directories of a replaced step: ``ownership.remove_children``)."""
+    if loc.is_local:
+        path = loc.path.rstrip("/")
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        return
+    kv = ts.KvStore.open(loc.spec, context=_deleting.removal_context(loc.spec)).result()
+    kv.delete_range(ts.KvStore.KeyRange()).result()
 
 
 def _clear_local(root: str, rel: str, kept: set[str], holders: set[str]) -> None:

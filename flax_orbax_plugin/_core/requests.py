@@ -9,9 +9,10 @@ anything is read, written or waited for) and builds one :class:`SaveRequest` or
 :class:`ReadRequest`; from there every layer gets
 the request as an argument: the plan, the snapshot, the format's write, the reads,
 the claims check and the cast check. No mode is a context variable, a module global
-or a flag set on an object after it was built. A manager's items get theirs through
-the public ``Checkpointable`` protocol (``save(directory, value, request)``,
-``restore(directory, like, request)``), the built-ins as any other.
+or a flag set on an object after it was built; nor is the collective region the
+operation runs in (``_base.regions``): it is the request's ``region``. A manager's
+items get theirs through the public ``Checkpointable`` protocol (``save(directory,
+value, request)``, ``restore(directory, like, request)``), the built-ins as any other.
 
 Threading: a request never changes; it may be read from any thread.
 """
@@ -67,7 +68,9 @@ class SaveRequest:
     ``created_at``: the document's time (the same on every process for an own copy;
     None: when written); ``reuse``: an ``_incremental.Reuse`` (a manager with
     ``incremental=True``) or None; ``buffers``: a manager's host buffers or None;
-    ``cancelled``: set when the save is cancelled (Ctrl-C): its writes stop.
+    ``cancelled``: set when the save is cancelled (Ctrl-C): its writes stop;
+    ``region``: the collective operation the save is part of (``_base.regions``: its
+    names are drawn there, its waits look at its failures), or None (one process).
     """
 
     format_version: int = DEFAULT_FORMAT_VERSION
@@ -80,6 +83,7 @@ class SaveRequest:
     reuse: Any = None
     buffers: BufferPool | None = None
     cancelled: threading.Event | None = None
+    region: _distributed.Region | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         if self.own_copy and self.created_at is None:
@@ -109,7 +113,9 @@ class ReadRequest:
     only this host's chunks, so its claims are not checked against the whole array);
     ``changes``: a restore into a changed model (``partial``, ``missing``,
     ``transform``, ``surgery``); ``dry_run``: return the plan of the read
-    (``RestorePlan``), reading no array data.
+    (``RestorePlan``), reading no array data; ``region``: the collective operation the
+    read is part of (``_base.regions``; its processes agree on what they read), or None
+    (one process, or a read one process may make alone).
     """
 
     memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
@@ -118,6 +124,7 @@ class ReadRequest:
     own_copy: bool = False
     changes: Changes = Changes()
     dry_run: bool = False
+    region: _distributed.Region | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         check_policy(self.cast)
@@ -125,11 +132,15 @@ class ReadRequest:
             raise ValueError("ReadRequest: a host's own copy is read alone (share_reads=False)")
 
     @classmethod
-    def of_step(cls, *, own_copy: bool, changes: Changes | None) -> ReadRequest:
-        """The request of a manager step's items: each host's own directory is read by
-        each process alone (no collective); else replicated leaves are read shared."""
+    def of_step(
+        cls, *, own_copy: bool, changes: Changes | None, region: _distributed.Region | None
+    ) -> ReadRequest:
+        """The request of a manager step's items, in the manager restore's ``region``:
+        each host's own directory is read by each process alone (no collective); else
+        replicated leaves are read shared."""
         share = not own_copy and _distributed.process_count() > 1
-        return cls(share_reads=share, own_copy=own_copy, changes=changes or Changes())
+        changes = changes or Changes()
+        return cls(share_reads=share, own_copy=own_copy, changes=changes, region=region)
 
     def replace(self, **fields: Any) -> ReadRequest:
         return dataclasses.replace(self, **fields)

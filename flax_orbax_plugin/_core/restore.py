@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._base import regions as _regions
 from .._base import tree as _tree
 from .._base.option_spec import flag
 from .._errors import StructureError, TransformError
@@ -58,6 +57,7 @@ def restore(
     path: Any,
     like: Any = None,
     *,
+    region: _distributed.Region | None,
     partial: bool = False,
     missing: str = "error",
     transform: Any = None,
@@ -76,7 +76,8 @@ def restore(
     ``transform`` restore into a changed model (``_like.transform``), ``surgery`` with
     layout changes (``_like.surgery``); ``dry_run=True`` returns the
     :class:`RestorePlan` instead, reading no array data. The options become one
-    :class:`ReadRequest` (see :func:`restore_with`).
+    :class:`ReadRequest` (see :func:`restore_with`), with ``region``: the collective
+    operation the read is part of (``_base.regions``; None: a read of one process).
     """
     dry_run = flag("dry_run", dry_run)
     share = share_replicated_reads
@@ -88,6 +89,7 @@ def restore(
             partial=partial, missing=missing, transform=transform, surgery=surgery
         ),
         dry_run=dry_run,
+        region=region,
     )
     return restore_with(path, like, request)
 
@@ -115,7 +117,7 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
 
 def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
     like = _retarget.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
-    if not request.own_copy and _regions.current_region() is not None:  # a collective read
+    if not request.own_copy and request.region is not None:  # a collective read
         agree_on_read(location, like, request)  # the same on every process, before a byte
     opts = request.changes
     if location.is_local and not opts.partial and opts.transform is None and not opts.surgery:

@@ -46,12 +46,13 @@ from .requests import DEFAULT_FORMAT_VERSION, SaveRequest, check_save
 _IN_FLIGHT_LOCK = threading.Lock()  # one save_async starts at a time
 
 
-@_distributed.collective_call("save")
+@_distributed.collective_call("save")  # draws the region, handed as ``region=``
 @raises_store_errors(arguments("path"))
 def save(
     path: Any,
     tree: Any,
     *,
+    region: _distributed.Region | None,
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,
@@ -63,16 +64,8 @@ def save(
 
     See :func:`save_async` for the arguments.
     """
-    return save_async(
-        path,
-        tree,
-        force=force,
-        memory_limit_bytes=memory_limit_bytes,
-        compression=compression,
-        format_version=format_version,
-        data_file_bytes=data_file_bytes,
-        host_memory_budget=host_memory_budget,
-    ).wait()
+    given = {k: v for k, v in locals().items() if k not in ("path", "tree", "region")}
+    return _save_async(path, tree, region, given).wait()
 
 
 @_distributed.collective_call("save")
@@ -81,6 +74,7 @@ def save_async(
     path: Any,
     tree: Any,
     *,
+    region: _distributed.Region | None,
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,
@@ -118,11 +112,17 @@ def save_async(
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
     """
+    given = {k: v for k, v in locals().items() if k not in ("path", "tree", "region")}
+    return _save_async(path, tree, region, given)
+
+
+def _save_async(path, tree, region: _distributed.Region | None, given: dict) -> SaveHandle:
+    """:func:`save_async` in ``region`` (the caller's: drawn by the public function)."""
     # Every keyword option checked by its name, before anything waits or is written;
-    # the modes become one request, handed down from here.
-    options = check_save(**{k: v for k, v in locals().items() if k not in ("path", "tree")})
+    # the modes (and the region) become one request, handed down from here.
+    options = check_save(**given)
     force = options.pop("force")
-    request = SaveRequest(**options)
+    request = SaveRequest(region=region, **options)
     # Interrupted (Ctrl-C: held until the end of the blocking phase, see _start), the
     # save is cancelled: nothing staged is left, and the KeyboardInterrupt raised.
     started: list[SaveHandle] = []
@@ -151,16 +151,19 @@ def _start(
             # Refuses a foreign or (without ``force``) committed target. Object stores
             # write in place: remains of a dead save, or with ``force`` a checkpoint of
             # ours, are cleared first, in the background phase (the primary decides).
+            region = request.region
             held = _ownership.prepare_slot(
-                location, what="a checkpoint", replace=force, clear=False
+                location, what="a checkpoint", replace=force, clear=False, region=region
             )
             clear_first = held and not location.supports_rename
-            staging = _commit.Staging.begin(location, _distributed.unique_name(), claim=False)
+            name = _distributed.unique_name(region=region)
+            staging = _commit.Staging.begin(location, name, claim=False)
             job = _Background(
                 location=location,
                 snap=snap,
                 staging=staging,
-                op=_distributed.next_operation_id("save"),
+                op=_distributed.next_operation_id("save", region=region),
+                region=region,
                 clear_first=clear_first,
                 force=force,
                 start=start,
@@ -174,7 +177,7 @@ def _start(
                     "data_file_bytes": request.data_file_bytes,
                 },
             )
-            handle = SaveHandle(str(location), job.run, cancelled=cancelled)
+            handle = SaveHandle(str(location), job.run, cancelled=cancelled, region=region)
             in_flight(handle)
             handle.start()
             started.append(handle)
@@ -185,12 +188,13 @@ def _start(
 @dataclasses.dataclass(frozen=True)
 class _Background:
     """The background phase of one :func:`save_async`: clear (object stores), write,
-    commit collectively. Runs on the handle's thread."""
+    commit collectively. Runs on the handle's thread, in the save's ``region``."""
 
     location: Location
     snap: Snapshot
     staging: _commit.Staging
     op: str
+    region: _distributed.Region | None
     clear_first: bool
     force: bool
     start: float
@@ -204,7 +208,7 @@ class _Background:
         if self.clear_first:  # object store, no rename: start from an empty prefix
             if _distributed.is_primary():
                 _ownership.remove(location, action="clear")
-            _distributed.barrier(f"{self.op}/cleared")
+            _distributed.barrier(f"{self.op}/cleared", region=self.region)
 
         def write() -> _commit.Written:
             raise_if_cancelled(self.cancelled, what)
@@ -229,6 +233,7 @@ class _Background:
             abort=self.abort,
             agreed=self.agreed,
             structure=lambda: structure_lines(self.snap.leaves),
+            region=self.region,
         )
         total = time.perf_counter() - self.start
         return SaveResult(str(location), self.blocking, total, written.bytes_written)

@@ -135,15 +135,18 @@ def leaf_digest(entries: Iterable[Entry]) -> str:
     return f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}"
 
 
-def exchange(op: str | None, mine: dict[int, list[Entry]] | None) -> dict[int, list[Entry]] | None:
+def exchange(
+    op: str | None, mine: dict[int, list[Entry]] | None, region: _distributed.Region | None
+) -> dict[int, list[Entry]] | None:
     """Every process's entries, merged per leaf index; ``mine`` (None: this process
     could not hash) as is with one process. With several, one key-value set of this
     process's JSON under ``<op>/regions/<process>`` and one blocking get per process
     (the coordination timeout; a lost process raises :class:`CoordinationError`).
     None when any process sent ``null`` (or ``op`` is None): nobody gets a digest.
 
-    Background thread, same call order on every process; :func:`release` deletes the
-    value once every process has read it."""
+    Background thread, same call order on every process, in ``region`` (the manager
+    save's, its request's); :func:`release` deletes the value once every process has
+    read it."""
     if _distributed.process_count() == 1:
         return mine
     if op is None:
@@ -154,10 +157,10 @@ def exchange(op: str | None, mine: dict[int, list[Entry]] | None) -> dict[int, l
             {str(i): [[[list(ab) for ab in b], h] for b, h in e] for i, e in mine.items()},
             separators=(",", ":"),
         )
-    _distributed.publish(f"{op}/regions", text)
+    _distributed.publish(f"{op}/regions", text, region=region)
     merged: dict[int, list[Entry]] = {}
     failed = False
-    for value in _distributed.gather_str(f"{op}/regions"):  # every value read, always
+    for value in _distributed.gather_str(f"{op}/regions", region=region):  # each read, always
         got = json.loads(value)
         if got is None:
             failed = True

@@ -128,17 +128,18 @@ def list_steps(loc: Location) -> OrbaxSteps:
     return OrbaxSteps(loc, {s: found[s][1] for s in sorted(found)}, tuple(skipped))
 
 
-def agreed_latest(loc: Location) -> int | None:
-    """Collective (every process calls it): the primary's latest finalized step, on
-    every process, so that processes listing the run while Orbax finalizes a step never
-    read two steps into one tree. None when the primary found none or could not list
-    the run: every process then lists it itself and raises the same error."""
-    op = _distributed.next_operation_id("orbax-latest-step")
+def agreed_latest(loc: Location, *, region: _distributed.Region | None) -> int | None:
+    """Collective (every process calls it, in the read's ``region``): the primary's
+    latest finalized step, on every process, so that processes listing the run while
+    Orbax finalizes a step never read two steps into one tree. None when the primary
+    found none or could not list the run: every process then lists it itself and
+    raises the same error."""
+    op = _distributed.next_operation_id("orbax-latest-step", region=region)
     latest = ""
     if _distributed.is_primary():
         try:
             latest = str(max(list_steps(loc).steps, default=""))
         except CheckpointError:
             pass  # raised by every process's own listing next, never left to a timeout
-    agreed = _distributed.broadcast_str(op, latest)
+    agreed = _distributed.broadcast_str(op, latest, region=region)
     return int(agreed) if agreed else None

@@ -80,13 +80,13 @@ def shared_view(opts: Any) -> dict[str, Any]:
     return {field: _describe(getattr(opts, field)) for field in SHARED}
 
 
-def check_same_options(opts: Any) -> None:
-    """Collective (every process opening a writer): raises CoordinationError on every
-    process when the processes' :func:`shared_view` differ, naming each option and
-    each process's value. One process: nothing."""
+def check_same_options(opts: Any, region: _distributed.Region | None) -> None:
+    """Collective (every process opening a writer, in the open's ``region``): raises
+    CoordinationError on every process when the processes' :func:`shared_view` differ,
+    naming each option and each process's value. One process: nothing."""
     if _distributed.process_count() == 1:
         return
-    views = _distributed.gather_json("manager-options", shared_view(opts))
+    views = _distributed.gather_json("manager-options", shared_view(opts), region=region)
     differ = []
     for field, label in SHARED.items():
         values = [json.dumps(v[field], sort_keys=True) for v in views]

@@ -11,7 +11,11 @@ directory or a prefix on an object store); ``request`` is the step's
 budget, a changed model's ``changes``...), the same the built-ins get; a checkpointable
 uses the fields it needs. One that sets ``incremental = True`` gets
 ``request.reuse`` (the previous step's same item) when the manager saves
-incrementally.
+incrementally. ``request.region`` is the manager operation's collective region
+(``_base.regions``), which the built-ins hand down; one that calls ``fop.save`` or
+``fop.restore`` itself makes a collective operation of its own: that call draws its
+own region (this process's n-th collective operation, so the same on every process
+that makes it), inside the manager's.
 
 * ``save(directory, value, request) -> Pending`` runs the *blocking phase* on the calling
   (training) thread: it snapshots ``value`` (device-to-host copies, iterator
@@ -55,7 +59,7 @@ from .._core import restore as _restore
 from .._core import save as _save
 from .._core.commit import Written
 from .._core.requests import ReadRequest, SaveRequest
-from .._errors import CorruptCheckpointError, StructureError
+from .._errors import CheckpointError, CorruptCheckpointError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._state.iterators import iterator_state, set_iterator_state
@@ -83,6 +87,22 @@ _READ = ReadRequest()
 JSON_FILE = _layout.JSON_VALUE_FILE
 # Kinds of an item that is a copy of another (fop.HFShards): read only when named.
 COPY_KINDS = ("hf_safetensors",)
+
+
+def with_copy_item(items: dict[str, Any], copy: Any, step: int) -> dict[str, Any]:
+    """``items`` and, last, item ``copy.name`` holding the value of item ``copy.item``
+    (an ``fop.HFShards``: its checkpointable writes the copy)."""
+    if copy.item not in items:
+        raise CheckpointError(
+            f"hf_shards: step {step} has no item {copy.item!r} to write as Hugging Face "
+            f"shards (items: {sorted(items)}); give HFShards(item=) the item holding the params"
+        )
+    if copy.name in items:
+        raise ValueError(
+            f"hf_shards: the state has an item {copy.name!r}, the name of the shards' item; "
+            f"give HFShards(name=) another name"
+        )
+    return {**items, copy.name: items[copy.item]}
 
 
 @runtime_checkable

@@ -240,11 +240,11 @@ class Events:
             kept.saved_step = step
             raise kept
 
-    def agree(self, kind: str, *, what: str) -> None:
-        """Collective (every process meets: one key-value round, as a barrier): raises a
-        hook error of this process, else one of another process's (naming it), on every
-        process; returns when no process has one."""
-        _distributed.agree(kind, self._take(), what=what)
+    def agree(self, kind: str, region: _distributed.Region | None, *, what: str) -> None:
+        """Collective (every process meets, in ``region``: one key-value round, as a
+        barrier): raises a hook error of this process, else one of another process's
+        (naming it), on every process; returns when no process has one."""
+        _distributed.agree(kind, self._take(), region=region, what=what)
 
     # -- the events, as their callers have them
 

@@ -62,12 +62,14 @@ def refuse_step_directory(loc: Location) -> None:
             )
 
 
-def open_writer(loc: Location, *, own: bool = False) -> DirectoryLock | _lease.Lease | None:
+def open_writer(
+    loc: Location, *, own: bool = False, region: _distributed.Region | None
+) -> DirectoryLock | _lease.Lease | None:
     """A writer's open, on every process: the lock (the primary: ``flock`` on local
     paths, a lease on object stores), the dead saves' remains removed (the primary),
     then one meeting of all processes. Returns the lock or lease held (released again
     if anything after it fails). ``own``: each host's own directory: every process
-    locks and cleans its own."""
+    locks and cleans its own; ``region``: the open's (``_base.regions``)."""
     dir_lock = None
     if loc.is_local and (own or _distributed.is_primary()):
         # One writer per directory: the primary holds the lock for all processes
@@ -80,8 +82,10 @@ def open_writer(loc: Location, *, own: bool = False) -> DirectoryLock | _lease.L
     try:
         if own or _distributed.is_primary():
             remove_unfinished(loc)
-        _distributed.session_nonce()  # collective once; later staging names need none
-        _distributed.barrier(_distributed.next_operation_id("manager-open"))
+        _distributed.session_nonce(region=region)  # collective once; later names need none
+        _distributed.barrier(
+            _distributed.next_operation_id("manager-open", region=region), region=region
+        )
     except BaseException:
         if dir_lock is not None:
             dir_lock.release()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
+from collections.abc import Callable
 
 from .._base import distributed as _distributed
 from .._base import exits as _exits
@@ -89,10 +90,16 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
         process then leaves the run as :meth:`leave` does: one of the others still
         waiting for it in an operation of this manager (a step further on, after the
         processes met the error at different steps) raises at once, naming it."""
+        self._close(self.wait)
+
+    def _close(self, meet: Callable[[], None]) -> None:
+        """:meth:`close`, meeting the other processes with ``meet``: the public ``wait``
+        (a region of its own), or the manager's ``_meet`` in the region of the operation
+        that closes (a save that stops the run: internals never call a public method)."""
         if self._closed:
             return
         try:
-            self._book.events.holding(self.wait)  # a hook's error: raised once closed
+            self._book.events.holding(meet)  # a hook's error: raised once closed
             tier = self._book.tier
             if tier is not None:  # after SIGTERM: within the grace period
                 grace = tier.grace_seconds if self.preempted else None

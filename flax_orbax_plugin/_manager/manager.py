@@ -13,6 +13,7 @@ signature below come from there: ``signatures``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import signal
 from collections.abc import Iterable, Iterator, Mapping
@@ -54,12 +55,14 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
     # declarations (option_table.MANAGER) by signatures.document, below the class.
 
     def __init__(self, directory: Any, **options: Any):
-        with _distributed.collective("manager-open", spans=not options.get("read_only")):
-            opts = _options.ManagerOptions.build(directory, options)  # _base.regions
+        spans = not options.get("read_only")
+        with _distributed.collective("manager-open", spans=spans) as region:  # _base.regions
+            opts = _options.ManagerOptions.build(directory, options)
             self._loc, self._stall_s = opts.location, opts.stall_timeout
             self._unheld = set(opts.overrides) - {getattr(opts.hf_shards, "name", None)}
-            self._scope = _distributed.scope_here()  # its operations' (lifecycle.leave)
-            _distributed.set_stall(opts.stall_timeout)  # the open's own waits
+            if region is not None:  # the open's own waits; its operations' scope (lifecycle)
+                region.stall_s = opts.stall_timeout
+            self._scope = None if region is None else region.tag
             self._schedule = SaveSchedule(opts.policy, opts.clock, opts.retention.uses_time)
             self._async, self._read_only = opts.async_save, opts.read_only
             self._supersede = opts.supersede  # False, "preemption" or True
@@ -86,21 +89,21 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             opts.check_reader()
             refuse_foreign_run(self._loc, writing=not opts.read_only)  # before anything
             if not opts.read_only:
-                self._open(opts)
+                self._open(opts, region)
 
-    def _open(self, opts: _options.ManagerOptions) -> None:
-        """A writer's open: the options every process shares, lock, housekeeping,
-        deletion thread, tier, SIGTERM."""
-        _agreement.check_same_options(opts)  # before anything is touched
+    def _open(self, opts: _options.ManagerOptions, region: _distributed.Region | None) -> None:
+        """A writer's open, in the open's ``region``: the options every process shares,
+        lock, housekeeping, deletion thread, tier, SIGTERM."""
+        _agreement.check_same_options(opts, region)  # before anything is touched
         tier = opts.tier
         path = None if tier is None else tier.path
-        own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version)
+        own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version, region)
         self._book.per_host = own  # each host's own directory (docs/tiers.md)
-        self._book.writer = _housekeeping.open_writer(self._loc, own=own)  # lock or lease
+        self._book.writer = _housekeeping.open_writer(self._loc, own=own, region=region)
         self._retainer.start(busy=lambda: self._saver.busy)  # a save runs: fewer deletes
         try:  # several processes on a local path: the same directory on every host
             if tier is None:
-                _shared_dir.check_visible(self._loc)
+                _shared_dir.check_visible(self._loc, region)
             else:
                 self._book.tier = tier.open(
                     self._loc,
@@ -108,7 +111,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                     busy=lambda: self.save_in_flight,
                     per_host=own,
                 )
-                _per_host.open_tier(self._book, self.steps())
+                _per_host.open_tier(self._book, self.steps(), region)
             self._schedule.watch(handle_sigterm=opts.handle_sigterm)  # or OnPreemption()
             self._schedule.resume_clock(lambda: _housekeeping.saved_at(self._loc, self.steps()))
             leave_at_exit(self)  # a program ending without close(): see there
@@ -127,7 +130,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         return self._book.listed()
 
     @_distributed.collective_method("manager-delete", stall="_stall_s", scope="_scope")
-    def delete(self, *steps: int) -> None:
+    def delete(self, *steps: int, region: _distributed.Region | None) -> None:
         """Removes the committed ``steps`` of this directory now, through the one owner
         of removal (only steps this library committed; each leaves listings at once);
         a step that is not committed is a CheckpointNotFoundError and removes nothing.
@@ -136,14 +139,17 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         every process calls it with the same steps (a collective): all meet, the primary
         removes the steps (each host its own, agreed first: ``per_host.remove_steps``)."""
         self._check_writable()
-        self._wait_inflight()
+        self._saver.wait()
         steps = list(dict.fromkeys(checked_step(step) for step in steps))  # each once
-        _distributed.barrier(_distributed.next_operation_id("manager-delete"))
-        remove = _per_host.remove_steps if self._book.per_host else _housekeeping.remove_committed
-        if _distributed.is_primary() or self._book.per_host:
-            remove(self._loc, steps, self.steps())
+        op = _distributed.next_operation_id("manager-delete", region=region)
+        _distributed.barrier(op, region=region)
+        if self._book.per_host:  # each host its own, agreed first
+            _per_host.remove_steps(self._loc, steps, self.steps(), region)
+        elif _distributed.is_primary():
+            _housekeeping.remove_committed(self._loc, steps, self.steps())
         self._book.forget()  # the next need lists the store
-        _distributed.barrier(_distributed.next_operation_id("manager-delete"))
+        op = _distributed.next_operation_id("manager-delete", region=region)
+        _distributed.barrier(op, region=region)
 
     def latest_step(self, *, include_persistent: bool = False) -> int | None:
         """The highest committed step, or None when there is none; with
@@ -188,6 +194,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         step: int,
         state: Any = None,
         *,
+        region: _distributed.Region | None,
         data_iterator: Any = None,
         extras: Mapping[str, Any] | None = None,
         ignore_policy: bool = False,
@@ -222,7 +229,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         if not supersede:  # superseding: a cancelled save's error is expected (below)
             with _not_saved(step):
                 self._saver.raise_background_error()
-        lane, now = schedule.decide(step, t, forced=ignore_policy or stop)
+        lane, now = schedule.decide(step, t, forced=ignore_policy or stop, region=region)
         if lane is None:
             return False
         # The save in flight is cancelled, not waited for, unless it replaced a cancelled
@@ -232,11 +239,11 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             self._replaced = self._saver.supersede(step)
         else:
             with _not_saved(step):
-                self._wait_inflight()
+                self._saver.wait()
             self._replaced = False
         began = schedule.clock()  # the blocking time, as Continuous() measures it
         with self._saver.saving():  # from here to its commit, removals yield to the save
-            local = self._saver.check_new_step(step, overwrite or stop)
+            local = self._saver.check_new_step(step, overwrite or stop, region)
             extras = extras() if callable(extras) else extras  # only for a step that is saved
             if extras is not None and not isinstance(extras, Mapping):  # metrics go by name
                 raise OptionTypeError(
@@ -248,12 +255,12 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                 self._unheld = _options.warn_unheld(self._unheld, items)
             self._book.note_save(step, now, lane)  # its time and lane (KeepFor, Lanes)
             replicate = stop or schedule.preemption_step == step  # to the tier anyway
-            self._saver.start(step, items, extras, local, replicate=replicate)
+            self._saver.start(step, items, extras, local, replicate=replicate, region=region)
         schedule.record_save(now, schedule.clock() - began)
         if not self._async or stop:
-            self._wait_inflight()
-        if stop:
-            self._book.events.holding(self.close)  # a hook's error (logged) never stops it
+            self._saver.wait()
+        if stop:  # closes in this save's region; a hook's error (logged) never stops it
+            self._book.events.holding(lambda: self._close(functools.partial(self._meet, region)))
             raise SystemExit(128 + signal.SIGTERM)
         self._book.events.raise_after_save(step)  # a hook's, once this step is saved too
         return True
@@ -275,6 +282,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         self,
         like: Any = None,
         *,
+        region: _distributed.Region | None,
         step: int | None = None,
         items: str | Iterable[str] | None = None,
         data_iterator: Any = None,
@@ -311,8 +319,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             partial=partial, missing=missing, transform=transform, surgery=surgery
         )
         self._check_open()
-        self._wait_inflight()
-        return self._restorer.restore(like, step, items, data_iterator, changes)
+        self._saver.wait()
+        return self._restorer.restore(like, step, items, data_iterator, changes, region)
 
     @property
     def restored_step(self) -> int | None:
@@ -334,7 +342,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         """Block until this process's save in flight is committed; re-raises its
         background error (once). Unlike :meth:`wait` it is no collective operation and
         waits for no retention: a caller that polls :attr:`pending_save` calls it."""
-        self._wait_inflight()
+        self._saver.wait()
 
     def warn_data_replay(self) -> None:
         """Warns (once) when the step last restored holds a data position that was not
@@ -349,17 +357,21 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         return self._book.last_save
 
     @_distributed.collective_method("manager-wait", stall="_stall_s", scope="_scope")
-    def wait(self) -> None:
+    def wait(self, *, region: _distributed.Region | None) -> None:
         """Block until the in-flight save is committed and retention has run.
 
         With several processes every process must call it (in the same order as save).
         Re-raises a background save error (once), then an ``on_event`` hook's.
         """
-        self._wait_inflight()
+        self._meet(region)
+
+    def _meet(self, region: _distributed.Region | None) -> None:
+        """:meth:`wait`'s body, in ``region`` (its own, or a save's that stops: ``_close``)."""
+        self._saver.wait()
         self._retainer.wait()
         # Retention runs on the primary only: meet so that every process lists the same
         # steps (and learns of a hook's error on any of them: events.agree).
-        self._book.events.agree("manager-wait", what=f"wait of {self._loc}")
+        self._book.events.agree("manager-wait", region, what=f"wait of {self._loc}")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -371,9 +383,6 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             raise CheckpointError(f"manager on {self._loc} is read-only")
         if self._book.writer is not None and self._book.writer.take_again_if_lost():
             self._book.forget()  # its directory removed under it: what it lists is gone
-
-    def _wait_inflight(self) -> None:
-        self._saver.wait()
 
 
 @contextlib.contextmanager

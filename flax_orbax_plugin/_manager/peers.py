@@ -82,13 +82,15 @@ def plan(offers: list[dict | None]) -> dict[int, int] | str:
     return out
 
 
-def fetch(loc: Location, step: int, run: Any, holds: bool) -> bool:
-    """Collective: way (b) for ``step`` (see the module docstring); ``holds``: this
-    process holds it with a valid marker. True on every process when every process
-    now holds it committed in its own directory; False (logged) on every process
-    otherwise."""
+def fetch(
+    loc: Location, step: int, run: Any, holds: bool, region: _distributed.Region | None
+) -> bool:
+    """Collective (in the restore's ``region``): way (b) for ``step`` (see the module
+    docstring); ``holds``: this process holds it with a valid marker. True on every process
+    when every process now holds it committed in its own directory; False (logged) on every
+    process otherwise."""
     doc = _per_host.read_marker(loc, step)[0] if holds else None
-    offers = _distributed.gather_json("peer-offer", _offer(doc))
+    offers = _distributed.gather_json("peer-offer", _offer(doc), region=region)
     chosen = plan(offers)
     if isinstance(chosen, str):
         logger.info("checkpoint: step %d cannot come from the peers, no way b: %s", step, chosen)
@@ -96,10 +98,11 @@ def fetch(loc: Location, step: int, run: Any, holds: bool) -> bool:
     me, t0, errors = _distributed.process_index(), time.perf_counter(), []
     for donor in sorted(set(chosen.values())):
         takers = sorted(r for r, d in chosen.items() if d == donor)
-        error = _from_donor(loc, step, run, donor, me in takers, doc if me == donor else None)
+        given = doc if me == donor else None
+        error = _from_donor(loc, step, run, donor, me in takers, given, region)
         errors.append(error)
     error = next((e for e in errors if e is not None), None)
-    views = _distributed.gather_json("peer-commit", error)
+    views = _distributed.gather_json("peer-commit", error, region=region)
     bad = [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
     if bad:
         logger.warning(
@@ -116,7 +119,13 @@ def fetch(loc: Location, step: int, run: Any, holds: bool) -> bool:
 
 
 def _from_donor(
-    loc: Location, step: int, run: Any, donor: int, take: bool, doc: dict | None
+    loc: Location,
+    step: int,
+    run: Any,
+    donor: int,
+    take: bool,
+    doc: dict | None,
+    region: _distributed.Region | None,
 ) -> str | None:
     """Collective: ``donor``'s copy of ``step`` sent to every process; committed here
     when ``take``. Returns this process's error (None: none)."""
@@ -138,7 +147,7 @@ def _from_donor(
                 "held": doc.get("held"),  # the donor's regions are the recipient's
             }
         )
-    listing = _distributed.gather_json("peer-listing", listing)[donor]
+    listing = _distributed.gather_json("peer-listing", listing, region=region)[donor]
     if "error" in listing:
         return f"process {donor} could not read its copy: {listing['error']}" if take else None
     total = sum(size for _, size, _ in listing["files"])

@@ -198,23 +198,28 @@ def valid_steps(loc: Location, steps: list[int], run: Any, *, quiet: bool = Fals
     return out
 
 
-def agreed_time() -> float:
-    """Collective: the primary's clock, on every process (one key-value round): the
-    ``created_at`` of a per-host step's documents, so every host writes the same bytes."""
-    op = _distributed.next_operation_id("per-host-time")
-    return float(_distributed.broadcast_str(op, repr(time.time())))
+def agreed_time(region: _distributed.Region | None) -> float:
+    """Collective (in the save's ``region``): the primary's clock, on every process (one
+    key-value round): the ``created_at`` of a per-host step's documents, so every host
+    writes the same bytes."""
+    op = _distributed.next_operation_id("per-host-time", region=region)
+    return float(_distributed.broadcast_str(op, repr(time.time()), region=region))
 
 
 def detect(
-    loc: Location, persistent: Any, incremental: bool, format_version: int | None = None
+    loc: Location,
+    persistent: Any,
+    incremental: bool,
+    format_version: int | None,
+    region: _distributed.Region | None,
 ) -> bool:
-    """Collective, at a writer's open: whether each process has its own directory
-    (accepted only with a persistent tier; without one the shared-directory check
+    """Collective, at a writer's open (in its ``region``): whether each process has its own
+    directory (accepted only with a persistent tier; without one the shared-directory check
     refuses it later). Creates this process's directory first."""
     if persistent is None or not loc.is_local or _distributed.process_count() == 1:
         return False
     loc.makedirs()
-    own = _shared_dir.check_visible(loc, per_host_ok=True)
+    own = _shared_dir.check_visible(loc, region, per_host_ok=True)
     if own and incremental:
         raise CheckpointError(
             f"{loc}: incremental=True is not supported with a directory per host (each "
@@ -235,18 +240,20 @@ def detect(
     return own
 
 
-def open_tier(book: Any, local_steps: list[int]) -> None:
-    """Collective: opens ``book.tier`` with the local steps (each host's own directory:
-    those every host holds, of this run alike on every host) and shares the run owning
-    the places; then every host's own directory is claimed for that run (see
-    :func:`claim_directory`), all processes raising alike when one is another run's."""
+def open_tier(book: Any, local_steps: list[int], region: _distributed.Region | None) -> None:
+    """Collective (in the manager open's ``region``): opens ``book.tier`` with the local
+    steps (each host's own directory: those every host holds, of this run alike on every
+    host) and shares the run owning the places; then every host's own directory is claimed
+    for that run (see :func:`claim_directory`), all processes raising alike when one is
+    another run's."""
     if book.per_host:
-        views = _distributed.gather_json("per-host-open", _open_view(book.location, local_steps))
+        mine = _open_view(book.location, local_steps)
+        views = _distributed.gather_json("per-host-open", mine, region=region)
         local_steps = _queued(views)
-    book.tier.open(local_steps, events=book.events)
+    book.tier.open(local_steps, events=book.events, region=region)
     if book.per_host:
-        op = _distributed.next_operation_id("per-host-run")
-        book.run = _distributed.broadcast_str(op, json.dumps(book.tier.run_id))
+        op = _distributed.next_operation_id("per-host-run", region=region)
+        book.run = _distributed.broadcast_str(op, json.dumps(book.tier.run_id), region=region)
         book.run = json.loads(book.run)
         error = None
         if not _distributed.is_primary():  # the primary's: its run owner checked it
@@ -254,7 +261,8 @@ def open_tier(book: Any, local_steps: list[int]) -> None:
                 claim_directory(book.location, book.run, book.listed())
             except CheckpointError as e:
                 error = e
-        _distributed.agree("per-host-claim", error, what=f"the open of {book.location}")
+        where = f"the open of {book.location}"
+        _distributed.agree("per-host-claim", error, region=region, what=where)
         # A full copy from the bucket holds every region: readable with any layout.
         book.tier.mark_copies(lambda step: host_marker(step, book.run, COPY_LAYOUT))
 
@@ -316,13 +324,16 @@ def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
     loc.write_bytes(_run_record.RUN_FILE, mine.to_bytes())
 
 
-def remove_steps(loc: Location, steps: list[int], committed: list[int]) -> None:
-    """Collective, each host its own directory (``CheckpointManager.delete``): which
+def remove_steps(
+    loc: Location, steps: list[int], committed: list[int], region: _distributed.Region | None
+) -> None:
+    """Collective (in ``region``), each host its own directory (``CheckpointManager.delete``): which
     host holds which of ``steps`` (``committed``: this host's listing) is agreed
     first (one key-value round); a step no host holds is a CheckpointNotFoundError on
     every process and nothing is removed anywhere; else each host removes the steps
     it holds (a step some host lacked goes from every host holding it)."""
-    held = _distributed.gather_json("per-host-delete", [s for s in steps if s in committed])
+    mine = [s for s in steps if s in committed]
+    held = _distributed.gather_json("per-host-delete", mine, region=region)
     missing = [s for s in steps if not any(s in view for view in held)]
     if missing:
         hosts = "; ".join(f"process {p}: {sorted(v)}" for p, v in enumerate(held))
@@ -335,22 +346,25 @@ def remove_steps(loc: Location, steps: list[int], committed: list[int]) -> None:
             _ownership.remove_step(loc, step)
 
 
-def with_primary_extras(items: dict[str, Any]) -> dict[str, Any]:
+def with_primary_extras(
+    items: dict[str, Any], region: _distributed.Region | None
+) -> dict[str, Any]:
     """``items`` with the primary's ``extras`` item (none where it has none), on every
-    process (collective: see :func:`primary_extras`)."""
-    extras = primary_extras(items.get("extras"))
+    process (collective, in the save's ``region``: see :func:`primary_extras`)."""
+    extras = primary_extras(items.get("extras"), region)
     out = {n: v for n, v in items.items() if n != "extras"}
     return out if extras is None else {**out, "extras": extras}
 
 
-def primary_extras(extras: Any) -> Any:
+def primary_extras(extras: Any, region: _distributed.Region | None) -> Any:
     """The primary's ``extras`` (a JSON value, or None), on every process (collective:
     one broadcast per save of several processes with each host's own directory). The
     step's one manifest records one checksum per file, so each host's copy of the
     extras item must hold the same JSON: the primary's, as everywhere else (processes
     whose local metrics differ wrote their own, and every host's copy but one failed
     its checksum)."""
-    op = _distributed.next_operation_id("per-host-extras")
+    op = _distributed.next_operation_id("per-host-extras", region=region)
     text = json.dumps(None if extras is None else to_json(extras, "extras"))
-    agreed = json.loads(_distributed.broadcast_str(op, text if _distributed.is_primary() else None))
+    mine = text if _distributed.is_primary() else None
+    agreed = json.loads(_distributed.broadcast_str(op, mine, region=region))
     return None if agreed is None else from_json(agreed)

@@ -25,13 +25,13 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base.option_spec import outside_stacklevel
 from .._core import ownership as _ownership
+from .._core.reads import step_deleted_or
 from .._core.requests import ReadRequest
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ForeignEntryError,
-    StepDeletedError,
     StructureError,
     UnknownItemError,
 )
@@ -77,12 +77,13 @@ class Restorer:
         self._tier = "local"  # where the step last restored came from
 
     def restore(
-        self, like: Any, step: int | None, items: Any, data_iterator: Any, changes: Any
+        self, like: Any, step: int | None, items: Any, data_iterator: Any, changes: Any, region
     ) -> Any:
         """``step`` (the latest that restores when None); see CheckpointManager.restore.
-        Emits RestoreDone (``events``) before returning."""
+        Its collective calls are in ``region`` (the manager restore's, ``_base.regions``),
+        handed to each item's read in its request. Emits RestoreDone (``events``)."""
         started, self._tier = time.perf_counter(), "local"
-        result = self._restore(like, step, items, data_iterator, changes)
+        result = self._restore(like, step, items, data_iterator, changes, region)
         seconds, done = time.perf_counter() - started, self.restored_step
         where = _steps.step_location(self._loc, done)
         files, size = measure_stored(where, self._read.values()) or (None, None)
@@ -90,33 +91,34 @@ class Restorer:
         self._book.events.emit(RestoreDone(done, str(self._loc), *args))
         return result
 
-    def _ensure_local(self, step: int) -> bool:
+    def _ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
         """The tier's copy down of ``step``, noting the tier the step comes from."""
         self._tier = "local" if step in self._book.listed() else "persistent"
-        return self._book.tier.ensure_local(step)
+        return self._book.tier.ensure_local(step, region)
 
     def _restore(
-        self, like: Any, step: int | None, items: Any, data_iterator: Any, changes: Any
+        self, like: Any, step: int | None, items: Any, data_iterator: Any, changes: Any, region
     ) -> Any:
         tier, own = self._book.tier, self._book.per_host
-        request = ReadRequest.of_step(own_copy=own, changes=changes)  # every item's modes
+        # every item's modes, and the restore's region
+        request = ReadRequest.of_step(own_copy=own, changes=changes, region=region)
         fn = lambda s: self._restore_step(s, like, items, data_iterator, request)
         if own:
-            return self._restore_per_host(step, fn)
+            return self._restore_per_host(step, fn, region)
         if step is not None:
             if tier is not None:
-                self._ensure_local(step)
+                self._ensure_local(step, region)
                 self._book.forget()  # it may have copied the step here
-            return self._agreed(step, fn)
+            return self._agreed(step, fn, region)
         skipped: list[tuple[int, CorruptCheckpointError]] = []
-        for candidate in reversed(self.candidates()):
+        for candidate in reversed(self.candidates(region)):
             for _ in range(2 if tier is not None else 1):  # local, then persistent
                 try:
                     if tier is not None:
-                        if not self._ensure_local(candidate):
+                        if not self._ensure_local(candidate, region):
                             break
                         self._book.forget()  # it may have copied the step here
-                    return self._agreed(candidate, fn)
+                    return self._agreed(candidate, fn, region)
                 except CorruptCheckpointError as e:
                     skipped.append((candidate, e))
                     if tier is not None and not self._loc.child(str(candidate)).is_dir():
@@ -131,7 +133,9 @@ class Restorer:
             raise error
         raise CheckpointNotFoundError(f"no committed steps in {self._loc}")
 
-    def _restore_per_host(self, step: int | None, fn: Callable[[int], Any]) -> Any:
+    def _restore_per_host(
+        self, step: int | None, fn: Callable[[int], Any], region: _distributed.Region | None
+    ) -> Any:
         """Each host's own directory (collective; docs/tiers.md): way (a) when every
         host holds the step with its marker valid and every host's read of its own
         files succeeds; way (b) when the hosts lacking it get it from peers holding the
@@ -140,16 +144,16 @@ class Restorer:
         directory, then read. Logged either way."""
         tier = self._book.tier
         mine = _per_host.valid_steps(self._loc, self._book.listed(), self._book.run)
-        views = _distributed.gather_json("restore-local", mine)
+        views = _distributed.gather_json("restore-local", mine, region=region)
         common = set.intersection(*(set(v) for v in views))
-        remote = set(tier.agreed_steps() or ())
+        remote = set(tier.agreed_steps(region) or ())
         target = step if step is not None else max(common | remote, default=None)
         way, errors = "a", []
-        if target is not None and target not in common and self._from_peers(target, mine):
+        if target not in (None, *common) and self._from_peers(target, mine, region):
             common.add(target)
             way = "b"
         if target in common:
-            result, errors = self._attempt(target, fn)
+            result, errors = self._attempt(target, fn, region)
             if not errors:
                 logger.info(
                     "checkpoint: restored step %d from each host's own directory %s (way %s)",
@@ -185,24 +189,26 @@ class Restorer:
         if target in self._book.listed():  # this host's part: the full copy replaces it
             _ownership.remove_step(self._loc, target)
             self._book.removed(target)
-        tier.ensure_local(target)
+        tier.ensure_local(target, region)
         self._book.forget()
         self._tier = "persistent"
         result = self.with_step(target, fn)
         logger.info("checkpoint: restored step %d from %s (way c)", target, tier.remote)
         return result
 
-    def _from_peers(self, target: int, mine: list[int]) -> bool:
+    def _from_peers(self, target: int, mine: list[int], region: _distributed.Region | None) -> bool:
         """Collective: way (b), ``target`` sent to the processes lacking it from peers
         holding the same regions (``_manager/peers.py``); True when all now hold it."""
         if target in self._book.listed() and target not in mine:  # not this host's
             _ownership.remove_step(self._loc, target)  # (an old map): a peer's replaces it
             self._book.removed(target)
-        done = _peers.fetch(self._loc, target, self._book.run, target in mine)
+        done = _peers.fetch(self._loc, target, self._book.run, target in mine, region)
         self._book.forget()
         return done
 
-    def _attempt(self, step: int, fn: Callable[[int], Any]) -> tuple[Any, list[str]]:
+    def _attempt(
+        self, step: int, fn: Callable[[int], Any], region: _distributed.Region | None
+    ) -> tuple[Any, list[str]]:
         """Collective: every host reads ``step`` from its own directory; returns this
         host's result and every host's error (none: all read it)."""
         result, error = None, None
@@ -211,15 +217,16 @@ class Restorer:
         except CheckpointError as e:
             error = f"{type(e).__name__}: {e}"  # nothing set aside: a host's copy
             # lacking what a changed layout reads looks damaged; way (c) replaces it
-        views = _distributed.gather_json("restore-read", error)
+        views = _distributed.gather_json("restore-read", error, region=region)
         return result, [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
 
-    def candidates(self) -> list[int]:
-        """Committed steps of both tiers, ascending (a step in both is read locally)."""
+    def candidates(self, region: _distributed.Region | None) -> list[int]:
+        """Committed steps of both tiers, ascending (a step in both is read locally; the
+        persistent tier's agreed in ``region``)."""
         steps = self._book.listed()
         tier = self._book.tier
         if tier is not None:  # None: the store cannot be listed (logged)
-            steps = sorted(set(steps) | set(tier.agreed_steps() or ()))
+            steps = sorted(set(steps) | set(tier.agreed_steps(region) or ()))
         return steps
 
     def _set_aside(self, step: int, error: Exception) -> None:
@@ -240,7 +247,9 @@ class Restorer:
         except OSError as e:
             logger.warning("checkpoint: could not move step %d aside: %s", step, e)
 
-    def _agreed(self, step: int, fn: Callable[[int], Any]) -> Any:
+    def _agreed(
+        self, step: int, fn: Callable[[int], Any], region: _distributed.Region | None
+    ) -> Any:
         """:meth:`with_step` on every process together (one shared directory): when it
         fails on any process, it fails on all of them (``_distributed.agree``), so every
         process goes on to the same next step or raises; none resumes from a step the
@@ -253,7 +262,8 @@ class Restorer:
             result = self.with_step(step, fn)
         except Exception as e:  # noqa: BLE001  (re-raised by the agreement)
             error = e
-        _distributed.agree("restore-step", error, what=f"restore of step {step} of {self._loc}")
+        where = f"restore of step {step} of {self._loc}"
+        _distributed.agree("restore-step", error, region=region, what=where)
         return result
 
     def with_step(self, step: int, fn: Callable[[int], Any]) -> Any:
@@ -265,22 +275,9 @@ class Restorer:
             self.restored_step = step
             return result
         except (CheckpointNotFoundError, CorruptCheckpointError) as e:
-            raise self._deleted_step_error(step, e) from e
+            raise step_deleted_or(self._loc, step, e) from e
         finally:
             self._book.end_read(step)
-
-    def _deleted_step_error(self, step: int, error: Exception) -> Exception:
-        """``error``, or a StepDeletedError when ``step`` is no longer listed (another
-        process's retention deleted it while this one read it)."""
-        try:  # listed afresh: another process may have deleted it
-            if isinstance(error, StepDeletedError) or step in _steps.committed_steps(self._loc):
-                return error
-        except CheckpointError:
-            return error
-        return StepDeletedError(
-            f"step {step} of {self._loc} was deleted while it was being read (a writer's "
-            f"retention policy removes old steps; restore a newer step, or keep more): {error}"
-        )
 
     def _restore_step(
         self, step: int, like: Any, items: Any, data_iterator: Any, request: ReadRequest

@@ -36,7 +36,7 @@ from .._state.train_state import split_state
 from .._storage.location import Location
 from . import per_host as _per_host
 from .book import StepBook
-from .checkpointables import Checkpointable, Pending, checkpointable_for, kind_of
+from .checkpointables import Checkpointable, Pending, checkpointable_for, kind_of, with_copy_item
 from .events import SaveBlockingDone, SaveCommitted, SaveStarted
 from .options import check_item_name
 from .retaining import RetentionRunner
@@ -61,22 +61,6 @@ def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]
     for name in items:
         check_item_name(name)
     return items
-
-
-def with_copy_item(items: dict[str, Any], copy: Any, step: int) -> dict[str, Any]:
-    """``items`` and, last, item ``copy.name`` holding the value of item ``copy.item``
-    (an ``fop.HFShards``: its checkpointable writes the copy)."""
-    if copy.item not in items:
-        raise CheckpointError(
-            f"hf_shards: step {step} has no item {copy.item!r} to write as Hugging Face "
-            f"shards (items: {sorted(items)}); give HFShards(item=) the item holding the params"
-        )
-    if copy.name in items:
-        raise ValueError(
-            f"hf_shards: the state has an item {copy.name!r}, the name of the shards' item; "
-            f"give HFShards(name=) another name"
-        )
-    return {**items, copy.name: items[copy.item]}
 
 
 class Saver:
@@ -188,12 +172,18 @@ class Saver:
 
     # -- before: the slot
 
-    def check_new_step(self, step: int, overwrite: bool) -> list[int]:
-        """Refuses a step at or below the latest committed one unless ``overwrite``;
-        returns the committed local steps (from memory: no listing per save)."""
+    def check_new_step(
+        self, step: int, overwrite: bool, region: _distributed.Region | None
+    ) -> list[int]:
+        """Refuses a step at or below the latest committed one unless ``overwrite``, or
+        whose name a foreign entry holds (an empty folder too), or that holds what we did
+        not write (replaced); clears a dead save's remains (agreed, in ``region``: the
+        manager save's). Returns the committed local steps (from memory: no listing)."""
         local = self._book.known()
         if step not in local or overwrite:  # a foreign entry there is never replaced
-            self._check_slot(step, replace=step in local)
+            at, replace = _steps.step_location(self._loc, step), step in local
+            flags = {"replace": replace, "clear": not replace, "take_empty": False}
+            _ownership.prepare_slot(at, what=f"step {step}", **flags, region=region)
         # Steps increase across both tiers (the persistent one as known, not listed).
         tier = self._book.tier
         steps = sorted(set(local) | tier.known_steps()) if tier else local
@@ -206,12 +196,6 @@ class Saver:
                 f"overwrite=True to replace steps"
             )
         return local
-
-    def _check_slot(self, step: int, *, replace: bool) -> None:
-        """Refuses a step whose name a foreign entry holds (an empty folder too), or that
-        holds what we did not write (``replace``); clears a dead save's remains (agreed)."""
-        at, what = _steps.step_location(self._loc, step), f"step {step}"
-        _ownership.prepare_slot(at, what=what, replace=replace, clear=not replace, take_empty=False)
 
     def reserve(self, like: Any) -> int:
         """Sizes the manager's host buffers for one save of a state like ``like`` (the
@@ -232,11 +216,20 @@ class Saver:
     # -- the save
 
     def start(
-        self, step: int, items: dict, extras: Any, local: list[int], *, replicate: bool = False
+        self,
+        step: int,
+        items: dict,
+        extras: Any,
+        local: list[int],
+        *,
+        replicate: bool,
+        region: _distributed.Region | None,
     ) -> None:
         """Blocking phase of every item, then the background write and commit (the save
         in flight), after the previous one. ``local``: the committed local steps (``step``
-        among them: replaced); ``replicate``: to the persistent tier anyway (SIGTERM).
+        among them: replaced); ``replicate``: to the persistent tier anyway (SIGTERM);
+        ``region``: the manager save's (``_base.regions``), handed to each item in its
+        request and to the background phase, which runs in it.
         Main thread: a Ctrl-C during the blocking phase is held until its end (never
         raised inside a callback of JAX or tensorstore), then this step's save is
         cancelled and the KeyboardInterrupt raised. Call with no save in flight.
@@ -246,7 +239,7 @@ class Saver:
         events.emit(SaveStarted(step, str(self._loc)))
         try:
             with _interrupts.deferred_sigint():
-                pendings = self._start(step, items, extras, local, replicate)
+                pendings = self._start(step, items, extras, local, replicate, region)
             for pending in pendings.values():  # views under a budget: written before returning
                 wait_for_data(getattr(pending, "snap", None), self.inflight)  # interruptible
             for zero_copy in self._steps:
@@ -260,7 +253,7 @@ class Saver:
             raise
 
     def _start(
-        self, step: int, items: dict, extras: Any, local: list[int], replicate: bool
+        self, step: int, items: dict, extras: Any, local: list[int], replicate: bool, region
     ) -> dict[str, Pending]:
         if replicate and self._book.tier is not None:
             self._book.tier.force(step)
@@ -271,8 +264,8 @@ class Saver:
         final = _steps.step_location(self._loc, step)
         own = self._book.per_host  # each host's own directory: see per_host
         if own and _distributed.process_count() > 1:  # one manifest: the primary's extras
-            items = _per_host.with_primary_extras(items)
-        staging = Staging.begin(final, _distributed.unique_name(), own=own)
+            items = _per_host.with_primary_extras(items, region)
+        staging = Staging.begin(final, _distributed.unique_name(region=region), own=own)
         # On object stores a replaced step's items go under fresh names (old step intact).
         dirs = {n: n if staging.renames or not replace else f"{n}.{staging.nonce}" for n in items}
         handlers = {name: checkpointable_for(name, self._overrides) for name in items}
@@ -287,7 +280,8 @@ class Saver:
             host_memory_budget=self._budget,
             buffers=self._buffers,
             own_copy=own,
-            created_at=_per_host.agreed_time() if own else None,
+            created_at=_per_host.agreed_time(region) if own else None,
+            region=region,
         )
         pendings, reuses = self._save_items(staging, items, dirs, handlers, prev_loc, request)
         if own:
@@ -300,7 +294,7 @@ class Saver:
         )
         metric = self._retention.metric_of(extras, step)
         blocking = time.perf_counter() - started
-        op = _distributed.next_operation_id("manager-commit")
+        op = _distributed.next_operation_id("manager-commit", region=region)
         commit = StepCommit(
             self._loc,
             step,
@@ -316,7 +310,7 @@ class Saver:
 
         def background() -> SaveResult:
             try:
-                written = commit.run(op)
+                written = commit.run(op, region)
             except BaseException as e:
                 self._book.forget()  # a failed commit never enters the list; re-read
                 self._book.events.save_failed(step, str(self._loc), "background", e)
@@ -335,7 +329,8 @@ class Saver:
             return result
 
         self._book.events.emit(SaveBlockingDone(step, str(self._loc), blocking))
-        self.inflight = SaveHandle(str(final), background, cancelled=cancelled).start()
+        handle = SaveHandle(str(final), background, cancelled=cancelled, region=region)
+        self.inflight = handle.start()
         return pendings
 
     def _save_items(
@@ -358,7 +353,8 @@ class Saver:
                 item_request = request  # incremental: the same item of the previous step
                 if self._incremental and getattr(handlers[name], "incremental", False):
                     # the exchange's name: drawn here, in item order
-                    reuse = Reuse(prev_loc, name, _distributed.next_operation_id("reuse"))
+                    op = _distributed.next_operation_id("reuse", region=request.region)
+                    reuse = Reuse(prev_loc, name, op)
                     reuses.append(reuse)
                     item_request = request.replace(reuse=reuse)
                 target = staging.location.child(dirs[name])

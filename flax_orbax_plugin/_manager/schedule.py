@@ -122,19 +122,25 @@ class SaveSchedule:
         return self._rule.label(self._moment(step, t)) is not None
 
     def decide(
-        self, step: int, t: float | None, *, forced: bool = False
+        self,
+        step: int,
+        t: float | None,
+        *,
+        forced: bool = False,
+        region: _distributed.Region | None,
     ) -> tuple[str | None, float]:
         """``(label, now)``: the lane ``step`` is saved in (``"save"`` outside lanes,
         :data:`FORCED` for a step saved whatever the policy says) or None, and the time
-        of the decision; a time-based one is the primary's, shared by all, with its time."""
+        of the decision; a time-based one is the primary's, shared by all, with its time
+        (in ``region``, the manager save's)."""
         moment = self._moment(step, t)
         label = self._rule.label(moment)
         if forced and label is None:
             label = FORCED
         now = moment.now
         if self._shares and _distributed.process_count() > 1:
-            op = _distributed.next_operation_id("manager-policy")
-            text = _distributed.broadcast_str(op, f"{label or ''}|{now!r}")
+            op = _distributed.next_operation_id("manager-policy", region=region)
+            text = _distributed.broadcast_str(op, f"{label or ''}|{now!r}", region=region)
             shared, _, when = text.partition("|")
             label, now = shared or None, float(when)
         if label is not None and moment.preempted:

@@ -111,20 +111,21 @@ class StepCommit:
         self._host_marker = host_marker
         self._cancelled = cancelled or threading.Event()  # set: the save was interrupted
         self._writer = writer  # the manager's lock or lease: held still (before_commit)?
-        self._op = ""
+        self._op, self._region = "", None  # the commit's names and region: run's
         self._sizes: list[Written] = []  # this process's totals, for the manifest
         self._old_dirs: set[str] = set()  # object stores: the replaced step's item dirs
         # (files, bytes) of the committed step as stored, counted by the process that
         # committed it (the primary; each host its own copy); None elsewhere.
         self.stored: tuple[int, int | None] | None = None
 
-    def run(self, op: str) -> Written:
-        """Background thread: every item written and durable, then the one commit."""
+    def run(self, op: str, region: _distributed.Region | None) -> Written:
+        """Background thread: every item written and durable, then the one commit, named
+        ``op``, in ``region`` (the manager save's: ``_base.regions``)."""
         staging = self._staging
         if self._replace and not staging.renames and _distributed.is_primary():
             old = _steps.read_manifest(staging.final)
             self._old_dirs = {e.dir for e in old.items.values()}
-        self._op = op
+        self._op, self._region = op, region
         written = _commit.commit_collectively(
             op,
             what=f"step {self._step} of {self._loc}",
@@ -134,6 +135,7 @@ class StepCommit:
             publish=self._publish,
             abort=self._abort,
             structure=self._structure,
+            region=region,
         )
         if self._host_marker is not None and _distributed.process_count() > 1:
             self._commit_own_copies(op)
@@ -160,7 +162,7 @@ class StepCommit:
         if _distributed.is_primary():
             failed = []
             for p in range(1, _distributed.process_count()):
-                report = _distributed.get_from(f"{op}/local", p)
+                report = _distributed.get_from(f"{op}/local", p, region=self._region)
                 if report != "ok":
                     failed.append(f"process {p}: {report}")
             if failed:
@@ -169,15 +171,16 @@ class StepCommit:
                     f"in every host's own directory: " + "; ".join(failed)
                 )
             return
-        raw = _distributed.broadcast_str(f"{op}/manifest", None)
+        raw = _distributed.broadcast_str(f"{op}/manifest", None, region=self._region)
         try:  # the primary committed its copy: this host commits its own
             self._staging.publish(MANIFEST_FILE, raw.encode(), replace=True)
             self.stored = measure_stored(self._staging.final)
         except BaseException as e:
-            _distributed.publish(f"{op}/local", f"{type(e).__name__}: {e}")
+            error = f"{type(e).__name__}: {e}"
+            _distributed.publish(f"{op}/local", error, region=self._region)
             self._abort()
             raise
-        _distributed.publish(f"{op}/local", "ok")
+        _distributed.publish(f"{op}/local", "ok", region=self._region)
 
     def _write(self) -> Written:
         total, files, reused = 0, {}, 0
@@ -230,7 +233,7 @@ class StepCommit:
         staging = self._staging
         raw = manifest.to_bytes()
         if self._host_marker is not None and _distributed.process_count() > 1:
-            _distributed.broadcast_str(f"{self._op}/manifest", raw.decode())
+            _distributed.broadcast_str(f"{self._op}/manifest", raw.decode(), region=self._region)
         if self._writer is not None:  # a lease lost meanwhile: nothing committed
             self._writer.before_commit()
         staging.publish(MANIFEST_FILE, raw, replace=True)

@@ -33,7 +33,8 @@ __all__ = ["metadata", "restore"]
 
 
 # Onto devices of several processes the restore is collective: a failure on one process
-# reaches the others at once (``_base.regions``); onto host arrays one may read alone.
+# reaches the others at once (``_base.regions``: the region drawn, handed as ``region=``);
+# onto host arrays one may read alone (``region`` None).
 @_distributed.collective_call(
     "restore", spans=lambda path, like=None, **_: _distributed.spans_processes(like)
 )
@@ -42,6 +43,7 @@ def restore(
     path: Any,
     like: Any = None,
     *,
+    region: _distributed.Region | None,
     partial: bool = False,
     missing: str = "error",
     transform: Any = None,
@@ -107,6 +109,7 @@ def restore(
         restored = _core_restore.restore(
             location,
             like,
+            region=region,
             surgery=surgery,
             dry_run=dry_run,
             memory_limit_bytes=memory_limit_bytes,
@@ -128,7 +131,7 @@ def restore(
         if item is None:
             raise
         return _items.read(item, like, changes=changes)
-    return update_in_place(like, _restore_orbax(location, like, cast=cast, **changes))
+    return update_in_place(like, _restore_orbax(location, like, region, cast=cast, **changes))
 
 
 def _json_item(location: Location) -> _items.StepItem | None:
@@ -142,12 +145,20 @@ def _json_item(location: Location) -> _items.StepItem | None:
 
 
 def _restore_orbax(
-    location: Location, like: Any, *, cast: str, partial: bool, missing: str, transform: Any
+    location: Location,
+    like: Any,
+    region: _distributed.Region | None,
+    *,
+    cast: str,
+    partial: bool,
+    missing: str,
+    transform: Any,
 ):
     """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
     (issue 16). Looked for only after the native reader found none, so restoring our
     own checkpoints costs no extra listing. Collective when ``like`` spans several
-    processes and ``location`` is a run: all read the primary's latest step."""
+    processes and ``location`` is a run: all read the primary's latest step (agreed in
+    ``region``, the restore's)."""
     if missing != "error" or transform is not None:
         raise CheckpointError(
             f"{location} is an Orbax checkpoint: missing= and transform= apply to this "
@@ -156,7 +167,7 @@ def _restore_orbax(
         )
     step = None
     if _distributed.spans_processes(like):  # every process reads the primary's latest step
-        step = agreed_latest(location) if not is_step(location) else None
+        step = agreed_latest(location, region=region) if not is_step(location) else None
     # cast="unsafe" as for a checkpoint of ours (it was dropped here, silently)
     return restore_orbax(location, like, step=step, partial=partial, allow_cast=cast == "unsafe")
 

@@ -69,6 +69,7 @@ def restore_params(
     directory: Any,
     like: Any = None,
     *,
+    region: _distributed.Region | None,
     step: int | None = None,
     dtype: Any = None,
     sharding: Any = None,
@@ -119,12 +120,11 @@ def restore_params(
     loc = Location.from_path(directory)
     steps = _steps.committed_steps(loc)
     if step is None and _spans(directory, like, sharding=sharding):
-        step, steps = _agreed_latest(loc, steps)
+        step, steps = _agreed_latest(loc, steps, region)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
         if is_orbax_checkpoint(directory):
-            return _orbax_params(
-                directory, like, step, dtype, sharding, changes, partial, dry_run, cast=cast
-            )
+            placing = (dtype, sharding, changes, partial, dry_run)
+            return _orbax_params(directory, like, step, *placing, region, cast=cast)
         raise _places.no_steps(loc)  # what is there instead (a step, a run below, ...)
     step = _steps.choose_step(loc, steps, step)
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
@@ -144,7 +144,7 @@ def restore_params(
                 "dry_run=True with dtype= or sharding= needs like= (the plan says where "
                 "each leaf lands): give like=jax.eval_shape(...), or leave them out"
             )
-        return _host_then_placed(params_loc, dtype, sharding, changes, cast)
+        return _host_then_placed(params_loc, dtype, sharding, changes, cast, region)
     target, back = nnx_state_as_dict(target)  # an nnx.State like: read as its pure dict
     if transform is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
         # params saved as an nnx.State (each leaf at <path>/value) into a module's form
@@ -154,7 +154,8 @@ def restore_params(
     if target is not None and (dtype is not None or sharding is not None):
         target = retarget(target, dtype, sharding)
     try:
-        got = _restore.restore(params_loc, target, dry_run=dry_run, cast=cast, **changes.kwargs())
+        options = {"dry_run": dry_run, "cast": cast, **changes.kwargs()}
+        got = _restore.restore(params_loc, target, region=region, **options)
         return got if back is None or dry_run else back(got)
     except CorruptCheckpointError as e:  # the latest is damaged: the older ones are named
         older = [s for s in steps if s < step][-3:]
@@ -186,13 +187,15 @@ def _saved_as_nnx_state(params_loc: Location) -> bool:
     return bool(paths) and all(p.endswith("/value") for p in paths)
 
 
-def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[int]]:
-    """Collective: the primary's latest step, on every process, and this process's
+def _agreed_latest(
+    loc: Location, steps: list[int], region: _distributed.Region | None
+) -> tuple[int | None, list[int]]:
+    """Collective (in ``region``): the primary's latest step, on every process, and this process's
     listing (listed again when it lacks that step). Processes that list the directory at
     different moments while a manager commits would otherwise each read their own
     latest step: params of two steps in one model, without an error."""
-    op = _distributed.next_operation_id("serve-step")
-    agreed = _distributed.broadcast_str(op, str(steps[-1]) if steps else "")
+    op = _distributed.next_operation_id("serve-step", region=region)
+    agreed = _distributed.broadcast_str(op, str(steps[-1]) if steps else "", region=region)
     if not agreed:
         return None, steps
     step = int(agreed)
@@ -200,7 +203,7 @@ def _agreed_latest(loc: Location, steps: list[int]) -> tuple[int | None, list[in
 
 
 def _orbax_params(
-    directory, like, step, dtype, sharding, changes, partial, dry_run, *, cast
+    directory, like, step, dtype, sharding, changes, partial, dry_run, region, *, cast
 ) -> Any:
     """The params of the Orbax checkpoint at ``directory`` (none of ours is there)."""
     if changes.keep_missing or changes.transform is not None or changes.surgery or dry_run:
@@ -210,7 +213,7 @@ def _orbax_params(
             f"fop.import_orbax(src, dst)"
         )
     if step is None and _distributed.spans_processes(_params_like(like), sharding):
-        step = agreed_latest(Location.from_path(directory))
+        step = agreed_latest(Location.from_path(directory), region=region)
     return restore_orbax_params(
         directory,
         _params_like(like),
@@ -223,10 +226,10 @@ def _orbax_params(
 
 
 def _host_then_placed(
-    params_loc: Location, dtype: Any, sharding: Any, changes: Any, cast: str
+    params_loc: Location, dtype: Any, sharding: Any, changes: Any, cast: str, region: Any
 ) -> Any:
-    """Without ``like``: the params read to the host, then cast and placed."""
-    host = _restore.restore(params_loc, None, **changes.kwargs())
+    """Without ``like``: the params read to the host (in ``region``), then cast and placed."""
+    host = _restore.restore(params_loc, None, region=region, **changes.kwargs())
     target = retarget(host, dtype, sharding)
     _casting.check_tree(host, target, cast=cast)  # narrowing rounds; overflow raises
 

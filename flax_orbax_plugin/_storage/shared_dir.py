@@ -19,9 +19,12 @@ PREFIX = ".fop-visible-"
 _MAX = 256  # bytes read back: the nonce is 32
 
 
-def check_visible(loc: Location, *, per_host_ok: bool = False) -> bool:
+def check_visible(
+    loc: Location, region: _distributed.Region | None, *, per_host_ok: bool = False
+) -> bool:
     """Raises CheckpointError on every process when some process does not see what the
-    primary wrote in ``loc`` (see the module docstring). Every process calls it.
+    primary wrote in ``loc`` (see the module docstring). Every process calls it, in the
+    manager open's ``region`` (``_base.regions``).
 
     With ``per_host_ok`` (a manager with a persistent tier), directories that no other
     process sees (each host its own disk) are accepted: returns True then, on every
@@ -29,9 +32,9 @@ def check_visible(loc: Location, *, per_host_ok: bool = False) -> bool:
     if _distributed.process_count() == 1 or not loc.is_local:
         return False
     if per_host_ok:
-        return _per_host(loc)
+        return _per_host(loc, region)
     directory = loc.path.rstrip("/")
-    op = _distributed.next_operation_id("visible")
+    op = _distributed.next_operation_id("visible", region=region)
     created = None
     if _distributed.is_primary():
         name, nonce = f"{PREFIX}{secrets.token_hex(8)}", secrets.token_hex(16)
@@ -43,7 +46,7 @@ def check_visible(loc: Location, *, per_host_ok: bool = False) -> bool:
     else:
         shared = None
     try:
-        sent = json.loads(_distributed.broadcast_str(f"{op}/file", shared))
+        sent = json.loads(_distributed.broadcast_str(f"{op}/file", shared, region=region))
         if "error" in sent:
             raise CheckpointError(
                 f"{loc}: process 0 could not create the file that shows every process "
@@ -52,15 +55,15 @@ def check_visible(loc: Location, *, per_host_ok: bool = False) -> bool:
         if not _distributed.is_primary():
             seen = _read(directory, sent["name"], sent["nonce"].encode())
             report = json.dumps({"host": socket.gethostname(), "seen": seen})
-            _distributed.publish(f"{op}/report", report)
-            verdict = _distributed.broadcast_str(f"{op}/verdict", None)
+            _distributed.publish(f"{op}/report", report, region=region)
+            verdict = _distributed.broadcast_str(f"{op}/verdict", None, region=region)
         else:
             reports = [None] + [
-                json.loads(_distributed.get_from(f"{op}/report", p))
+                json.loads(_distributed.get_from(f"{op}/report", p, region=region))
                 for p in range(1, _distributed.process_count())
             ]
             verdict = _verdict(loc, sent["host"], reports)
-            _distributed.broadcast_str(f"{op}/verdict", verdict)
+            _distributed.broadcast_str(f"{op}/verdict", verdict, region=region)
     finally:
         if created is not None:
             _remove(directory, *created)
@@ -70,11 +73,11 @@ def check_visible(loc: Location, *, per_host_ok: bool = False) -> bool:
     return False
 
 
-def _per_host(loc: Location) -> bool:
+def _per_host(loc: Location, region: _distributed.Region | None) -> bool:
     """Every process writes a file of its own and looks for every other's: all seen, one
     shared directory (False); none, a directory per host (True); else CheckpointError."""
     directory = loc.path.rstrip("/")
-    op = _distributed.next_operation_id("visible")
+    op = _distributed.next_operation_id("visible", region=region)
     me, count = _distributed.process_index(), _distributed.process_count()
     name, nonce = f"{PREFIX}{secrets.token_hex(8)}", secrets.token_hex(16)
     created = None
@@ -84,15 +87,15 @@ def _per_host(loc: Location) -> bool:
             mine = {"name": name, "nonce": nonce, "host": socket.gethostname()}
         except OSError as e:
             mine = {"error": f"{type(e).__name__}: {e}"}
-        _distributed.publish(f"{op}/file", json.dumps(mine))
-        files = [json.loads(v) for v in _distributed.gather_str(f"{op}/file")]
+        _distributed.publish(f"{op}/file", json.dumps(mine), region=region)
+        files = [json.loads(v) for v in _distributed.gather_str(f"{op}/file", region=region)]
         seen = [
             "yes" if p == me else _read(directory, f["name"], f["nonce"].encode())
             for p, f in enumerate(files)
             if "error" not in f
         ]
-        _distributed.publish(f"{op}/seen", json.dumps(seen))
-        views = [json.loads(v) for v in _distributed.gather_str(f"{op}/seen")]
+        _distributed.publish(f"{op}/seen", json.dumps(seen), region=region)
+        views = [json.loads(v) for v in _distributed.gather_str(f"{op}/seen", region=region)]
     finally:
         if created is not None:
             _remove(directory, *created)

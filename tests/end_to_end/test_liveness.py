@@ -92,10 +92,10 @@ def mutual_wait(ctx):
     They meet first, so that both reach their waits together on a loaded machine."""
     from flax_orbax_plugin._base import distributed as _distributed
 
-    _distributed.barrier("fop/test/mutual-met")
+    _distributed.barrier("fop/test/mutual-met", region=None)
     t = time.monotonic()
     try:
-        _distributed.barrier(f"fop/test/mutual-{ctx.process_id}")
+        _distributed.barrier(f"fop/test/mutual-{ctx.process_id}", region=None)
         return {"error": None}
     except fop.CoordinationError as e:
         return {"error": str(e), "s": time.monotonic() - t}
@@ -106,7 +106,7 @@ def one_sided_save(ctx, directory):
     process 1 goes on with something else."""
     from flax_orbax_plugin._base import distributed as _distributed
 
-    _distributed.barrier("fop/test/met")
+    _distributed.barrier("fop/test/met", region=None)
     if ctx.process_id == 1:
         time.sleep(6)
         return {"error": None}

@@ -98,12 +98,13 @@ def test_invalid_retention_options_are_refused():
 
 def test_save_policy_with_time_passed_in():
     schedule = SaveSchedule(SavePolicy(every_seconds=10))
-    assert schedule.decide(1, 100.0) == (None, 100.0)  # the first decision starts the clock
-    assert schedule.decide(2, 109.0) == (None, 109.0)
-    assert schedule.decide(3, 110.0) == ("save", 110.0)
+    # one process: no region; the first decision starts the clock
+    assert schedule.decide(1, 100.0, region=None) == (None, 100.0)
+    assert schedule.decide(2, 109.0, region=None) == (None, 109.0)
+    assert schedule.decide(3, 110.0, region=None) == ("save", 110.0)
     schedule.record_save(110.0)
-    assert schedule.decide(4, 115.0) == (None, 115.0)
-    assert schedule.decide(5, 116.0, forced=True) == ("forced", 116.0)
+    assert schedule.decide(4, 115.0, region=None) == (None, 115.0)
+    assert schedule.decide(5, 116.0, forced=True, region=None) == ("forced", 116.0)
     assert SavePolicy().wants(123, elapsed=0.0)  # no rule: every call saves
     steps = SavePolicy(every_steps=5, steps=[7])
     assert [s for s in range(1, 12) if steps.wants(s, elapsed=0.0)] == [5, 7, 10]

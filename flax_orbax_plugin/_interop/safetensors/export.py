@@ -94,7 +94,8 @@ def _checkpoint_leaves(src: Any) -> tuple[list, Callable[[list[str]], Iterator]]
             for part in parts[:-1]:
                 node = node.setdefault(part, {})
             node[parts[-1]] = None
-        flat, _ = _tree.flatten(_restore.restore(src, template, partial=True))
+        read_alone = _restore.restore(src, template, region=None, partial=True)  # host arrays
+        flat, _ = _tree.flatten(read_alone)
         values = {p: v for p, _, v in flat}
         for path in paths:
             yield path, np.asarray(values.pop(path))

@@ -47,18 +47,19 @@ class CopyDown:
         self._state = state
         self._damaged = damaged
 
-    def ensure_local(self, step: int) -> bool:
+    def ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
         """Training thread, on restore: makes ``step`` a committed local step, copying it
         down from the persistent tier when the local tier lacks it. Returns False when
         neither tier has it. Raises CorruptCheckpointError (naming the file) when the
         persistent copy fails its checks; nothing is then left in the local tier.
 
-        Collective with several processes: the primary copies, then tells the others
-        the outcome (one key-value round), so all restore the same step or all raise."""
+        Collective with several processes (in ``region``, the restore's): the primary
+        copies, then tells the others the outcome (one key-value round), so all restore
+        the same step or all raise."""
         if not self._places.multi:
             return self._ensure_local(step)
         if self._places.per_host:
-            return self._each_ensure_local(step)
+            return self._each_ensure_local(step, region)
         outcome = "absent"
         if self._places.primary:
             try:
@@ -67,8 +68,8 @@ class CopyDown:
                 kind = "corrupt" if isinstance(e, CorruptCheckpointError) else "failed"
                 outcome = f"{kind}: {type(e).__name__}: {e}"
                 error = e
-        op = _distributed.next_operation_id("tiers-copy-down")
-        outcome = _distributed.broadcast_str(op, outcome)
+        op = _distributed.next_operation_id("tiers-copy-down", region=region)
+        outcome = _distributed.broadcast_str(op, outcome, region=region)
         if outcome.startswith(("corrupt", "failed")):
             if self._places.primary:
                 raise error
@@ -79,7 +80,7 @@ class CopyDown:
             )
         return outcome == "present"
 
-    def _each_ensure_local(self, step: int) -> bool:
+    def _each_ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
         """Each host's own directory: every process copies the step down into its own
         (verified in full), then the outcomes are shared (one key-value round): all
         restore it, or all raise, naming the processes that failed."""
@@ -89,9 +90,9 @@ class CopyDown:
         except Exception as e:  # noqa: BLE001  (every process raises below)
             kind = "corrupt" if isinstance(e, CorruptCheckpointError) else "failed"
             outcome, error = f"{kind}: {type(e).__name__}: {e}", e
-        op = _distributed.next_operation_id("tiers-copy-down")
-        _distributed.publish(op, outcome)
-        outcomes = _distributed.gather_str(op)
+        op = _distributed.next_operation_id("tiers-copy-down", region=region)
+        _distributed.publish(op, outcome, region=region)
+        outcomes = _distributed.gather_str(op, region=region)
         if error is not None:
             raise error
         bad = [(p, o) for p, o in enumerate(outcomes) if o.startswith(("corrupt", "failed"))]

@@ -81,11 +81,13 @@ def share_open(
     remote_steps: list[int],
     missing: list[int],
     failure: BaseException | None,
+    region: _distributed.Region | None,
 ) -> tuple[list[int], list[int]]:
-    """Several processes, every one: the primary's persistent steps and steps to queue
-    (returned), its damage record (into ``damaged``) and round prefix (into
-    ``rounds``); every process raises the primary's error."""
-    op = _distributed.next_operation_id("tiers-open")
+    """Several processes, every one (in the manager open's ``region``): the primary's
+    persistent steps and steps to queue (returned), its damage record (into
+    ``damaged``) and round prefix (into ``rounds``); every process raises the
+    primary's error."""
+    op = _distributed.next_operation_id("tiers-open", region=region)
     mine = {
         "remote": remote_steps,
         "missing": missing,
@@ -93,7 +95,7 @@ def share_open(
         "rounds": secrets.token_hex(6),
         "error": None if failure is None else [type(failure).__name__, str(failure)],
     }
-    shared = json.loads(_distributed.broadcast_str(op, json.dumps(mine)))
+    shared = json.loads(_distributed.broadcast_str(op, json.dumps(mine), region=region))
     if shared["error"] is not None:  # every process raises the primary's error
         if failure is not None:
             raise failure

@@ -64,8 +64,9 @@ class Rounds:
         self._yielding = yielding
         self.prefix = ""
         self._round = 0
-        # The rounds' region (several processes): a replicator thread that ends on an
-        # error publishes it there, so the others' waits in the rounds raise at once.
+        # The rounds' region (several processes), handed to each of their coordination
+        # calls: a replicator thread that ends on an error publishes it there, so the
+        # others' waits in the rounds raise at once.
         self.region: _distributed.Region | None = None
 
     def start_region(self) -> None:
@@ -88,7 +89,7 @@ class Rounds:
 
     def announce(self, rnd: Round, decision: str) -> None:
         """Primary: publishes a round's decision (a JSON object, or ``stop``)."""
-        _distributed.broadcast_str(rnd.key, decision)
+        _distributed.broadcast_str(rnd.key, decision, region=self.region)
         rnd.announced = True
 
     def finish(self, rnd: Round | None, outcome: str) -> None:
@@ -98,7 +99,7 @@ class Rounds:
             return
         try:
             if rnd.announced:
-                _distributed.broadcast_str(f"{rnd.key}/outcome", outcome)
+                _distributed.broadcast_str(f"{rnd.key}/outcome", outcome, region=self.region)
             else:
                 self.announce(rnd, json.dumps({"step": rnd.step, "outcome": outcome}))
         except Exception as e:  # noqa: BLE001  (the others learn it from the region)
@@ -115,7 +116,8 @@ class Rounds:
         self.announce(rnd, json.dumps({"step": step, "staging": nonce, "manifest": sha}))
         statuses = [self.copy_share(step, nonce, sha, rnd.key)]
         for p in range(1, _distributed.process_count()):
-            statuses.append(json.loads(_distributed.get_from(f"{rnd.key}/status", p)))
+            got = _distributed.get_from(f"{rnd.key}/status", p, region=self.region)
+            statuses.append(json.loads(got))
         return check_statuses(statuses, nfiles)
 
     # ------------------------------------------------------------------ every process
@@ -134,10 +136,11 @@ class Rounds:
                 manifest, sizes = self._list(src, step, manifest_sha)
             except Exception as e:
                 if per_host:  # the others wait for this listing: they get the error
-                    share_of_hosts(f"{key}/listing", None, None, e)
+                    share_of_hosts(f"{key}/listing", None, None, self.region, e)
                 raise
             if per_host:
-                share, listing, total = share_of_hosts(f"{key}/listing", sizes, manifest)
+                listed = share_of_hosts(f"{key}/listing", sizes, manifest, self.region)
+                share, listing, total = listed
             else:
                 listing = _files.listing_digest(sizes)
                 count, index = _distributed.process_count(), _distributed.process_index()
@@ -231,10 +234,11 @@ class Rounds:
         if outcome is None:
             self._yielding.start()
             status = self.copy_share(step, info["staging"], info["manifest"], key)
-            _distributed.publish(f"{key}/status", json.dumps(status))
+            _distributed.publish(f"{key}/status", json.dumps(status), region=self.region)
             # The primary may spend up to one timeout gathering statuses.
-            wait = 2 * _distributed.stall_timeout()
-            outcome = _distributed.broadcast_str(f"{key}/outcome", None, timeout_s=wait)
+            wait = 2 * _distributed.stall_timeout(region=self.region)
+            said = f"{key}/outcome"
+            outcome = _distributed.broadcast_str(said, None, region=self.region, timeout_s=wait)
         self._settle(step, outcome)
 
     def _await_round(self, key: str) -> str | None:
@@ -255,7 +259,7 @@ class Rounds:
                     _distributed.DEFAULT_TIMEOUT_S,
                 )
                 return None
-            decision = _distributed.poll(key, wait_s=POLL_S)
+            decision = _distributed.poll(key, region=self.region, wait_s=POLL_S)
             if decision is not None:
                 return decision
 
@@ -302,16 +306,22 @@ def check_statuses(statuses: list[dict[str, Any]], nfiles: int | None) -> int:
     return sum(int(s["bytes"]) for s in statuses)
 
 
-def share_of_hosts(key: str, sizes, manifest, error: BaseException | None = None):
+def share_of_hosts(
+    key: str,
+    sizes,
+    manifest,
+    region: _distributed.Region | None,
+    error: BaseException | None = None,
+):
     """Each host's own directory, every process in a round: publishes its listing (or
     its ``error``), gathers every host's, and returns (its share: each file of the
     union copied once, by the least-loaded host holding it, largest first; the union's
     listing digest; the files in the union). Raises CheckpointError when a host could
     not list, two hosts hold a file in different sizes, or a file the manifest lists
-    is on no host."""
+    is on no host. ``region``: the rounds'."""
     mine = {"error": f"{type(error).__name__}: {error}"} if error else {"sizes": sizes}
-    _distributed.publish(key, json.dumps(mine))
-    listings = [json.loads(v) for v in _distributed.gather_str(key)]
+    _distributed.publish(key, json.dumps(mine), region=region)
+    listings = [json.loads(v) for v in _distributed.gather_str(key, region=region)]
     if error is not None:
         return [], None, None
     failed = [f"process {p}: {v['error']}" for p, v in enumerate(listings) if "error" in v]

@@ -131,12 +131,19 @@ class PersistentTier:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def open(self, local_steps: Iterable[int], *, events: Events | None = None) -> None:
+    def open(
+        self,
+        local_steps: Iterable[int],
+        *,
+        events: Events | None = None,
+        region: _distributed.Region | None,
+    ) -> None:
         """Cleans the persistent tier's unfinished copies, queues the local steps it lacks
-        (see ``docs/tiers.md``) and starts the replicator thread. Collective: every
-        process calls it; the primary lists, decides what is missing and shares both
-        (one key-value round), with the name of this tier's replication rounds.
-        ``events``: the manager's, told of each replicated step and removal."""
+        (see ``docs/tiers.md``) and starts the replicator thread. Collective: every process
+        calls it, in the manager open's ``region``; the primary lists, decides what is
+        missing and shares both (one key-value round), with the name of this tier's
+        replication rounds. ``events``: the manager's, told of each replicated step and
+        removal."""
         if events is not None:
             self._state.events = events
         remote_steps: list[int] = []
@@ -148,7 +155,7 @@ class PersistentTier:
             )
         if self._places.multi:
             remote_steps, missing = share_open(
-                self._damaged, self._rounds, remote_steps, missing, failure
+                self._damaged, self._rounds, remote_steps, missing, failure, region
             )
         state = self._state
         with state.cond:
@@ -226,9 +233,10 @@ class PersistentTier:
         owner = self._state.owner
         return None if owner is None else owner.run_id
 
-    def agreed_steps(self) -> list[int] | None:
-        """Collective: the primary's :meth:`steps`, on every process; None (logged) when
-        the store cannot be listed."""
+    def agreed_steps(self, region: _distributed.Region | None = None) -> list[int] | None:
+        """Collective (in ``region``, the manager restore's; None: a call of its own, on
+        every process): the primary's :meth:`steps`, on every process; None (logged)
+        when the store cannot be listed."""
         steps = None
         if self._places.primary:
             try:
@@ -236,8 +244,8 @@ class PersistentTier:
             except Exception as e:  # noqa: BLE001  (an unreachable store: the local tier)
                 logger.warning("checkpoint: cannot list %s: %s", self.remote, e)
         if self._places.multi:
-            op = _distributed.next_operation_id("tiers-steps")
-            steps = json.loads(_distributed.broadcast_str(op, json.dumps(steps)))
+            op = _distributed.next_operation_id("tiers-steps", region=region)
+            steps = json.loads(_distributed.broadcast_str(op, json.dumps(steps), region=region))
         return steps
 
     def remove(self, step: int) -> None:
@@ -248,10 +256,11 @@ class PersistentTier:
         if self._places.primary:
             self._places.remove_step(self.remote, step)
 
-    def ensure_local(self, step: int) -> bool:
+    def ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
         """Training thread, on restore: makes ``step`` a committed local step, copying it
-        down when the local tier lacks it; collective (see :meth:`CopyDown.ensure_local`)."""
-        return self._copy_down.ensure_local(step)
+        down when the local tier lacks it; collective, in the restore's ``region`` (see
+        :meth:`CopyDown.ensure_local`)."""
+        return self._copy_down.ensure_local(step, region)
 
     @property
     def error(self) -> ReplicationError | None:
