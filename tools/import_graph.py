@@ -5,9 +5,9 @@
 ``--check`` (run by ``make lint``, so by CI) exits 1 when a rule of the wings breaks:
 an import cycle, an import back up, more than two function-level internal imports,
 an import inside a function without a comment saying why, a module over 400 lines,
-a context variable or module-level mutable state outside
-``state_scan.ALLOWED_STATE``, a format-version test outside ``state_scan.SEAM``
-(``tools/state_scan.py``).
+any context variable (a ``ContextVar`` or ``threading.local``: never allowed),
+module-level mutable state outside ``state_scan.ALLOWED_STATE``, a format-version test
+outside ``state_scan.SEAM`` (``tools/state_scan.py``).
 
 Reports, for the package under ``package_dir`` (default ``flax_orbax_plugin``):
 
@@ -282,7 +282,7 @@ def main(argv: list[str]) -> int:
             if n > most
         ]
         contexts, state, tests = state_scan.scan(root)
-        for module, line, name, what in state_scan.not_allowed(contexts + state):
+        for module, line, name, what in state_scan.hidden_modes(contexts, state):
             broken.append(f"hidden mode {name} ({what}) at {module}:{line}: pass it explicitly")
         for module, line, name, what in state_scan.outside_seam(tests):
             broken.append(

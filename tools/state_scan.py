@@ -5,8 +5,11 @@
 Reads files only (nothing is imported or run). Three findings, each a list of
 ``(module, line, name, what)``:
 
-- **context variables**: a module-level ``contextvars.ContextVar(...)`` or
-  ``threading.local()`` (a value that changes with the caller, not passed in);
+- **context variables**: a ``contextvars.ContextVar`` or a ``threading.local``, anywhere
+  in a module (bound at module level, in a class, on an instance, a subclass of it, or
+  imported by name): a value that changes with the caller or its thread, not passed in.
+  None is ever allowed: the region of a collective operation, the last one the package
+  had, is an argument now (``_base/regions.py``);
 - **module-level mutable state**: a module-level name bound to a mutable container
   (a list, dict or set display or comprehension; ``list()``, ``dict()``, ``set()``,
   ``collections.Counter/defaultdict/deque/OrderedDict``, ``itertools.count``) that the
@@ -20,8 +23,9 @@ Reads files only (nothing is imported or run). Three findings, each a list of
   that picks a behaviour by format version (``format_version is None`` is a test of
   presence, not counted).
 
-``tools/import_graph.py --check`` fails on any of the first two outside
-:data:`ALLOWED_STATE` and on a version test outside :data:`SEAM`.
+``tools/import_graph.py --check`` fails on any context variable (:func:`hidden_modes`:
+no allow-list applies to them), on module-level state outside :data:`ALLOWED_STATE`
+and on a version test outside :data:`SEAM`.
 """
 
 from __future__ import annotations
@@ -37,12 +41,14 @@ MUTATORS = {
 CONTAINER_CALLS = {
     "list", "dict", "set", "Counter", "defaultdict", "deque", "OrderedDict", "count",
 }  # fmt: skip
-CONTEXT_CALLS = {"ContextVar", "local"}
+CONTEXT_NAMES = {"ContextVar", "local"}  # contextvars.ContextVar, threading.local
+CONTEXT_MODULES = {"ContextVar": "contextvars", "local": "threading"}
 READER_NAMES = {"direct", "reader"}  # what the core calls a checkpoint's chunk reader
 
 # Module-level state kept on purpose, each with its reason (docs/architecture.md,
 # "Explicit requests"): (module, name) -> why. None of it is a mode: nothing here
-# changes what a save writes or a read returns.
+# changes what a save writes or a read returns. Never a context variable: those are
+# refused whatever their name (hidden_modes).
 _P = "flax_orbax_plugin."
 _SEQUENCE = "the process's sequence of SPMD operations (the n-th, the same on every process)"
 _TEST_COUNTER = "a documented test hook: counts what tests assert (no behaviour reads it)"
@@ -51,10 +57,6 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
     (_P + "_base.distributed", "_NAMES"): _SEQUENCE,
     (_P + "_base.regions", "_REGIONS"): _SEQUENCE,
     (_P + "_base.distributed", "_SESSION"): "the process's session nonce, drawn once",
-    (_P + "_base.regions", "_LOCAL"): (
-        "the collective region the thread is in: where its failures are published and "
-        "looked for (the call stack's position, not a mode)"
-    ),
     (_P + "_base.regions", "CALLS"): _TEST_COUNTER,
     (_P + "_core.handle", "_RUNNING"): "the process's saves still running, finished at exit",
     (_P + "_base.exits", "_STEPS"): (
@@ -212,6 +214,21 @@ def _is_packed(node: ast.AST) -> bool:
     )
 
 
+def _context_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, what)`` for each context variable in a module: a ``ContextVar`` or a
+    ``threading.local`` named anywhere (called, subclassed, or imported by name)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in ("contextvars", "threading"):
+            for alias in node.names:
+                if CONTEXT_MODULES.get(alias.name) == node.module:
+                    found.append((node.lineno, f"{node.module}.{alias.name} imported"))
+        elif isinstance(node, ast.Attribute) and node.attr in CONTEXT_NAMES:
+            if isinstance(node.value, ast.Name) and node.value.id == CONTEXT_MODULES[node.attr]:
+                found.append((node.lineno, f"{node.value.id}.{node.attr}"))
+    return found
+
+
 def scan(root: Path):
     """(context variables, module-level mutable state, version tests) of the package."""
     found = modules(root)
@@ -222,11 +239,12 @@ def scan(root: Path):
     contexts, state, tests = [], [], []
     for name, tree in trees.items():
         mutated_here = _mutated(tree)
+        bound_at = {s.lineno: b for s in tree.body for b, _ in _bound(s)}
+        for line, what in _context_uses(tree):
+            contexts.append((name, line, bound_at.get(line, what), "context variable"))
         for stmt in tree.body:
             for bound, value in _bound(stmt):
-                if _call_name(value) in CONTEXT_CALLS:
-                    contexts.append((name, stmt.lineno, bound, _call_name(value)))
-                elif _is_container(value) and (
+                if _is_container(value) and (
                     bound in mutated_here or (bound.isupper() and bound in mutated_anywhere)
                 ):
                     state.append((name, stmt.lineno, bound, "mutated container"))
@@ -247,6 +265,12 @@ def outside_seam(tests):
 
 def not_allowed(found):
     return [f for f in found if (f[0], f[2]) not in ALLOWED_STATE]
+
+
+def hidden_modes(contexts, state):
+    """What ``import_graph --check`` refuses: every context variable (no allow-list),
+    and the module-level state that :data:`ALLOWED_STATE` does not list."""
+    return list(contexts) + not_allowed(state)
 
 
 def report(root: Path, out=sys.stdout) -> tuple[int, int, int]:

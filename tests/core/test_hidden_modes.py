@@ -36,7 +36,8 @@ def _check(root: Path) -> subprocess.CompletedProcess:
 
 def test_the_package_has_no_hidden_mode():
     contexts, state, _ = state_scan.scan(ROOT / "flax_orbax_plugin")
-    assert state_scan.not_allowed(contexts + state) == []
+    assert contexts == []  # none allowed: a collective region is an argument too
+    assert state_scan.hidden_modes(contexts, state) == []
     assert _check(ROOT / "flax_orbax_plugin").returncode == 0
 
 
@@ -58,6 +59,32 @@ def test_a_hidden_mode_fails_the_check(tmp_path, text):
     done = _check(root)
     assert done.returncode == 1
     assert "hidden mode" in done.stderr and "_core.mode" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("module", "text"),
+    [
+        # a name the allow-list holds (module-level state) is no licence for one
+        ("_base/distributed.py", "import threading\n_SESSION = threading.local()\n"),
+        ("_base/regions.py", "import threading\n_LOCAL = threading.local()\n"),
+        (
+            "_core/mode.py",
+            "import threading\nclass Reader:\n    def __init__(self):\n"
+            "        self.scratch = threading.local()\n",
+        ),
+        ("_core/mode.py", "import contextvars\nclass C:\n    MODE = contextvars.ContextVar('m')\n"),
+        ("_core/mode.py", "from threading import local\nclass Stack(local):\n    pass\n"),
+    ],
+    ids=["allow-listed-name", "regions-stack", "on-an-instance", "in-a-class", "subclassed"],
+)
+def test_a_context_variable_is_never_allowed(tmp_path, module, text):
+    root = _package(tmp_path, {"_base/__init__.py": "", "_core/__init__.py": "", module: text})
+    contexts, state, _ = state_scan.scan(root)
+    assert len(contexts) == 1 and state_scan.hidden_modes(contexts, state) == contexts
+    done = _check(root)
+    assert done.returncode == 1
+    dotted = module.removesuffix(".py").replace("/", ".")
+    assert "hidden mode" in done.stderr and dotted in done.stderr
 
 
 def test_the_package_tests_no_format_version_outside_the_seam():
