@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -123,3 +124,51 @@ def test_extras_that_are_no_dict_are_refused_at_the_save(tmp_path):
         with pytest.raises(fop.OptionTypeError, match=r"found str"):
             mngr.save(1, {"params": {"w": np.ones(2)}}, extras=lambda: "loss=1")
         assert mngr.save(1, {"params": {"w": np.ones(2)}}, extras=lambda: {"loss": 1.0})
+
+
+class CoreTree:
+    """A user's checkpointable whose save and restore are ``fop.save`` and ``fop.restore``:
+    public collective calls made inside a manager's save and restore (each draws a
+    collective region of its own, ``_base/regions.py``)."""
+
+    kind = "core-tree"
+
+    def save(self, directory, value, request):
+        fop.save(f"{directory}/tree", value)
+        return Done(lambda: None)
+
+    def restore(self, directory, like, request):
+        return fop.restore(f"{directory}/tree", like)
+
+
+def nested_public_calls(ctx, directory):
+    """Two processes: a manager step whose item is saved and restored by ``CoreTree``."""
+    import numpy as np
+    from _mp_workers import make_state
+
+    state = make_state(ctx, 1)
+    with fop.CheckpointManager(directory, checkpointables={"tree": CoreTree()}) as mngr:
+        mngr.save(1, {"tree": state["params"]})
+        mngr.wait()
+        got = mngr.restore({"tree": state["params"]})["tree"]
+    same = all(
+        np.array_equal(np.asarray(a.data), np.asarray(b.data))
+        for name, saved in state["params"].items()
+        for a, b in zip(got[name].addressable_shards, saved.addressable_shards, strict=True)
+    )
+    return {"same": same}
+
+
+def test_a_checkpointable_may_call_public_collectives_with_several_processes(tmp_path):
+    from _multiprocess import run_processes
+
+    started = time.perf_counter()
+    result = run_processes(
+        "test_custom_checkpointables:nested_public_calls",
+        2,
+        args={"directory": str(tmp_path / "run")},
+        env={"FOP_COORDINATION_TIMEOUT_S": "120"},
+        timeout_s=120,
+    ).check()
+    assert [r["same"] for r in result.results] == [True, True]
+    assert time.perf_counter() - started < 60  # no wait ran to its stall timeout
