@@ -6,8 +6,10 @@ output is dropped (stdout then points at ``/dev/null``) and the command finishes
 was doing, with its own exit status (``gc``'s removals are done and reported as done,
 ``verify``'s damage still exits 1), as a pipe's writer that ignores SIGPIPE does. A
 SIGTERM (a scheduler's, ``timeout``'s) interrupts the command as Ctrl-C does: what it
-was writing is removed, and it exits 143. The standard library only; installed by
-``main`` for a shell's command (``main()`` without ``argv``) alone.
+was writing is removed, and it exits 143. A stdout or stderr the shell left closed
+(``flax-orbax gc DIR >&-``) is one whose reader is gone from the start: what would go
+there is dropped. The standard library only; installed by ``main`` for a shell's
+command (``main()`` without ``argv``) alone.
 """
 
 from __future__ import annotations
@@ -158,6 +160,29 @@ def _handling_interruption() -> bool:
             return True
         exc = exc.__context__
     return False
+
+
+def open_standard_streams() -> None:
+    """A descriptor 0, 1 or 2 the shell left closed (``>&-``, ``2>&-``, a daemon's) is
+    opened on ``/dev/null``, and Python's stream for it (None then) is made on it: the
+    command's lines go nowhere, as to a reader that closed the pipe. Else stdout was
+    None (an AttributeError, a traceback and exit status 120), stderr's lines went to
+    stdout (into a ``--json`` document), and the first file the command opened took the
+    free number, where a library's log line to descriptor 2 would have landed."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    # For the process's life; on a /dev/null of their own, not on descriptors 1 and 2,
+    # which a file opened before this (whose stream this is not) may hold.
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
 
 
 def install_signals() -> Interrupts:

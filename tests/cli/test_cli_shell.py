@@ -4,6 +4,7 @@ SIGTERM interrupts an export as Ctrl-C does (its temporary file removed, exit 14
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -149,3 +150,37 @@ def test_a_shell_commands_warnings_are_its_own_lines(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "flax-orbax import: warning: " in proc.stderr and "already holds steps 1" in proc.stderr
     assert "UserWarning" not in proc.stderr and "runpy" not in proc.stderr, proc.stderr
+
+
+def _run_with_closed(fd: int, *args) -> subprocess.CompletedProcess:
+    """The command with descriptor ``fd`` (1: stdout, 2: stderr) closed, as ``>&-`` or
+    ``2>&-`` leaves it; the other one captured."""
+    return subprocess.run(
+        ["sh", "-c", f'exec "$@" {fd}>&-', "sh", *_cli(*args)],
+        stdout=subprocess.PIPE if fd != 1 else None,
+        stderr=subprocess.PIPE if fd != 2 else None,
+        text=True,
+        env=_proc.child_env(),
+        timeout=120,
+    )
+
+
+def test_a_closed_stdout_or_stderr_drops_the_lines_not_the_work(tmp_path):
+    """``>&-`` ended in "error: AttributeError: 'NoneType' object has no attribute
+    'write'", a traceback and exit 120; ``2>&-`` sent the error and warning lines to
+    stdout, into the --json document."""
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run, async_save=False) as m:
+        for step in range(1, 6):
+            m.save(step, {"params": {"w": np.full(3, step, np.float32)}})
+    for args in (("list", run), ("gc", run, "--keep", "2")):
+        proc = _run_with_closed(1, *args)
+        assert proc.returncode == 0 and proc.stderr == "", (args, proc.returncode, proc.stderr)
+    assert sorted(int(p.name) for p in run.iterdir() if p.name.isdigit()) == [4, 5]
+
+    proc = _run_with_closed(2, "list", tmp_path / "nothing", "--json")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    with fop.CheckpointManager(run):  # a live writer: gc --dry-run warns that gc would refuse
+        proc = _run_with_closed(2, "gc", run, "--keep", "1", "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stdout
+    assert json.loads(proc.stdout)["removed_steps"] == [4]
