@@ -36,7 +36,7 @@ from .._errors import CheckpointError, DirectoryLockedError
 from .location import Location
 from .run_record import RunRecord, read_versioned, write_if
 
-__all__ = ["LEASE_SECONDS", "Lease", "take"]
+__all__ = ["LEASE_SECONDS", "Lease", "live_holder", "take"]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -64,6 +64,20 @@ def _live(rec: RunRecord | None, now: float) -> bool:
         and rec.lease_expires > now
         and not dead_here(rec)
     )
+
+
+def live_holder(loc: Location) -> str | None:
+    """Who holds a live lease on the object-store place ``loc`` now (its record's words
+    and when the lease ends), or None: nobody (the lock's :func:`.lock.live_holder` for
+    a local directory). Reads only; a record that cannot be read names nobody."""
+    try:
+        rec, _ = read_versioned(loc)
+    except CheckpointError:
+        return None
+    if not _live(rec, time.time()):
+        return None
+    assert rec is not None and rec.lease_expires is not None
+    return f"{rec.describe()}, its lease renewed until {when(rec.lease_expires)}"
 
 
 def _refusal(loc: Location, rec: RunRecord, now: float, what: str) -> DirectoryLockedError:

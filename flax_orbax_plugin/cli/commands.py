@@ -34,6 +34,7 @@ from .._interop.importing import import_checkpoint
 from .._interop.safetensors import DTYPE_NAMES as _SAFETENSORS_DTYPES
 from .._like.casting import with_advice
 from .._manager.manager import CheckpointManager
+from .._storage import lease as _lease
 from .._storage.location import Location
 from .._storage.lock import live_holder
 from . import json_output, plot
@@ -302,7 +303,7 @@ def cmd_gc(args) -> int:
     if args.dry_run or idle:
         removed_unfinished, removed, kept = found.unfinished + exports, found.steps, found.kept
         left = found.left_alone
-        holder = live_holder(loc.path) if args.dry_run and loc.is_local else None
+        holder = None if not args.dry_run else _writer_now(loc)
         if holder is not None:  # a real gc would refuse; its staging is not to remove
             warnings.warn(
                 f"a training job writes to {loc} now ({holder}): a real gc would refuse "
@@ -356,6 +357,12 @@ def cmd_gc(args) -> int:
             print(f"would leave what this library did not write: {', '.join(inside)}")
         print("dry run: nothing was removed")
     return 0
+
+
+def _writer_now(loc: Location) -> str | None:
+    """Who writes to ``loc`` now: the holder of a local directory's lock, or of an
+    object store's lease (a real gc is refused while there is one)."""
+    return live_holder(loc.path) if loc.is_local else _lease.live_holder(loc)
 
 
 # -- entry point -------------------------------------------------------------------------

@@ -194,3 +194,25 @@ def test_memory_urls_on_the_command_line_are_warned_of(capsys, tmp_path):
         rc, out, err = run(capsys, *argv)
         assert rc == 0, out + err
         assert f"warning: {names[command]} {url!r}: memory:// lives inside one" in err, err
+
+
+def test_a_dry_run_beside_a_live_writer_on_a_bucket_says_a_real_gc_would_refuse(remote, capsys):
+    """As on local disk (its lock): a live lease was not looked at, so the dry run listed
+    the writer's saves in flight as 'would remove unfinished' without a word."""
+    import warnings
+
+    with fop.CheckpointManager(remote.url) as mngr:
+        mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
+        mngr.wait()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            rc, out, _ = run(capsys, "gc", remote.url, "--dry-run")
+        assert rc == 0 and "dry run: nothing was removed" in out
+        said = [str(w.message) for w in seen]
+        assert any("a real gc would refuse" in m and "lease" in m for m in said), said
+        rc, _, err = run(capsys, "gc", remote.url)  # as the warning says
+        assert rc == 2 and "gc removes nothing while a training job writes there" in err, err
+    with warnings.catch_warnings(record=True) as seen:  # closed: its lease let go
+        warnings.simplefilter("always")
+        run(capsys, "gc", remote.url, "--dry-run")
+    assert not any("a real gc would refuse" in str(w.message) for w in seen)
