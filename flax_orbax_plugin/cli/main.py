@@ -54,8 +54,27 @@ def _command(sub, name: str, what: str, *examples: str) -> argparse.ArgumentPars
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: an argument a command does not take is that command's
+    error, with its usage (argparse's own named only ``flax-orbax [-h] [--version]
+    COMMAND ...``, which hides what the command takes)."""
+
+    commands: dict[str, argparse.ArgumentParser] = {}
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        parsed, extra = self.parse_known_args(argv, namespace)
+        if not extra:
+            return parsed
+        unknown = f"unrecognized arguments: {' '.join(extra)}"
+        name = parsed.command
+        if any(x in argv[: argv.index(name)] for x in extra):  # given before the command
+            self.error(f"{unknown} (a command's options go after it: flax-orbax {name} ...)")
+        self.commands[name].error(unknown)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="flax-orbax",
         description="Inspect, verify, export and clean flax_orbax_plugin checkpoints.",
         epilog=_examples(
@@ -67,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p.commands = sub.choices
 
     s = _command(
         sub,

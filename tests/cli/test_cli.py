@@ -405,3 +405,18 @@ def test_import_while_a_job_writes_the_directory_says_so(capsys, tmp_path):
         rc, _, err = run_cli(capsys, "import", tmp_path / "ck", tmp_path / "run")
     assert rc == 2 and "import writes nothing while a training job writes there" in err, err
     assert "read_only" not in err, err
+
+
+def test_an_argument_a_command_does_not_take_is_that_commands_error(capsys, tmp_path):
+    """'flax-orbax list DIR --step 3' printed the top-level usage ('flax-orbax [-h]
+    [--version] COMMAND ...') and 'flax-orbax: error: ...', hiding what list takes."""
+    for argv, usage, line in (
+        (("list", tmp_path, "--step", "3"), "usage: flax-orbax list [-h] [--json]", "list: error"),
+        (("gc", tmp_path, "--bogus"), "usage: flax-orbax gc [-h] [--keep KEEP]", "gc: error"),
+        (("--json", "list", tmp_path), "usage: flax-orbax [-h]", "go after it: flax-orbax list"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            cli.main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(usage) and line in err, (argv, err)
+        assert "unrecognized arguments: " in err, err
