@@ -41,7 +41,7 @@ from . import json_output, plot
 from .display import byte_progress, make_table, status
 from .gc_plan import plan as gc_plan
 from .gc_plan import remove_exports
-from .output import EXIT_DAMAGED, CliError, human_bytes, one_line
+from .output import EXIT_DAMAGED, CliError, human_bytes, one_line, shell_word
 from .paths import names_one, read_json_item, resolve
 
 
@@ -296,7 +296,8 @@ def cmd_gc(args) -> int:
     if idle and (other := _foreign.foreign_run(loc)) is not None:  # another library's run
         raise CliError(
             f"{loc} holds {other}, no step of this library: gc removes only this library's "
-            f"steps (`flax-orbax import {loc} OUT` converts it into steps of this library)"
+            f"steps (`flax-orbax import {shell_word(loc)} OUT` converts it into steps of this "
+            f"library)"
         )
     # what exports that died left here (their writers gone): removed as unfinished
     exports = found.exports if args.dry_run else remove_exports(loc, found)

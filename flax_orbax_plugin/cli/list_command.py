@@ -14,7 +14,7 @@ from .._reading import items as _items
 from .._storage.location import Location
 from . import json_output, plot
 from .display import make_table
-from .output import CliError, human_bytes, iso_time, one_line
+from .output import CliError, human_bytes, iso_time, one_line, shell_word
 from .paths import describe_missing, dir_bytes, load_extras
 
 
@@ -62,11 +62,13 @@ def _list_one_checkpoint(loc: Location) -> bool:
     if item is not None:
         what = "its leaves" if item.is_pytree else "its value"
         print(f"{loc}: {item.label} of the run directory {loc.parent.parent}")
-        print(f"`flax-orbax inspect {loc}` shows {what}, `flax-orbax verify {loc}` checks it")
+        word = shell_word(loc)
+        print(f"`flax-orbax inspect {word}` shows {what}, `flax-orbax verify {word}` checks it")
         return True
     if loc.exists(COMMIT_FILE):
         print(f"{loc}: a checkpoint of one pytree (fop.save), not a directory of steps")
-        print(f"`flax-orbax inspect {loc}` shows its leaves, `flax-orbax verify {loc}` checks it")
+        word = shell_word(loc)
+        print(f"`flax-orbax inspect {word}` shows its leaves, `flax-orbax verify {word}` checks it")
         return True
     return False
 
@@ -83,7 +85,9 @@ def _list_data(loc: Location, args) -> int:
         if not listing.committed and (not loc.is_dir() or _steps.foreign_format_hint(loc)):
             raise CliError(describe_missing(loc, listing))
         if _items.step_item(loc) is not None or loc.exists(COMMIT_FILE):
-            raise CliError(f"{loc}: not a directory of steps; `flax-orbax inspect {loc}`")
+            raise CliError(
+                f"{loc}: not a directory of steps; `flax-orbax inspect {shell_word(loc)}`"
+            )
         directory = loc
         records = [_step_record(loc, step) for step in listing.committed]
     if args.plot:

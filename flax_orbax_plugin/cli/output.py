@@ -6,6 +6,7 @@ bars and tables are in ``display``, JSON documents in ``json_output``.
 from __future__ import annotations
 
 import datetime
+import shlex
 
 EXIT_DAMAGED = 1
 
@@ -34,6 +35,12 @@ def iso_time(seconds: float) -> str:
     (``2026-12-02T05:31:07+00:00``): every time the CLI prints or writes as JSON."""
     local = datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).astimezone()
     return local.isoformat(timespec="seconds")
+
+
+def shell_word(path: object) -> str:
+    """``path`` as one word of a command line the user may paste (a path with spaces or
+    quotes is quoted; a plain one is unchanged)."""
+    return shlex.quote(str(path))
 
 
 def one_line(e: BaseException) -> str:

@@ -420,3 +420,20 @@ def test_an_argument_a_command_does_not_take_is_that_commands_error(capsys, tmp_
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(usage) and line in err, (argv, err)
         assert "unrecognized arguments: " in err, err
+
+
+def test_the_commands_it_suggests_can_be_pasted_when_the_path_has_spaces(capsys, tmp_path):
+    """'`flax-orbax inspect /tmp/my run/1/params` shows its leaves': pasted, that is
+    three arguments."""
+    import shlex
+
+    run = tmp_path / "my run é"
+    with fop.CheckpointManager(run) as mngr:
+        mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
+    item = run / "1" / "params"
+    rc, out, _ = run_cli(capsys, "list", item)
+    assert rc == 0 and f"`flax-orbax inspect {shlex.quote(str(item))}` shows" in out, out
+    rc, _, err = run_cli(capsys, "list", item, "--json")
+    assert rc == 2 and f"`flax-orbax inspect {shlex.quote(str(item))}`" in err, err
+    pasted = re.search(r"`flax-orbax inspect ([^`]*)`", err).group(1)
+    assert shlex.split(pasted) == [str(item)]
