@@ -1,12 +1,19 @@
 """Test setup: 8 CPU devices for sharding tests, set before jax is imported."""
 
 import os
+import signal
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import pytest
+
+# A suite started as a script's background job (`pytest ... &`) ignores SIGINT, and so
+# would every command it starts: the tests that interrupt a command with Ctrl-C need it
+# taken, as from a terminal (the command line keeps a signal it was started ignoring).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _SERVER_FIXTURES = {"s3": ("s3_server", "s3_location"), "gcs": ("gcs_server", "gcs_location")}
 

@@ -187,10 +187,14 @@ def open_standard_streams() -> None:
 
 def install_signals() -> Interrupts:
     """Ctrl-C and SIGTERM as :class:`Interrupts` says: the first thing a shell's command
-    does (before its arguments are parsed), so that none is raw at any moment."""
+    does (before its arguments are parsed), so that none is raw at any moment. A signal
+    the command was started ignoring stays ignored, as Python and other tools leave it
+    (a script's background job, ``cmd &``, ignores SIGINT: the Ctrl-C that stops the
+    script is not for it)."""
     interrupts = Interrupts()
-    signal.signal(signal.SIGINT, interrupts.handler)
-    signal.signal(signal.SIGTERM, interrupts.handler)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, interrupts.handler)
     return interrupts
 
 

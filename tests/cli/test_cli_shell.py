@@ -184,3 +184,23 @@ def test_a_closed_stdout_or_stderr_drops_the_lines_not_the_work(tmp_path):
         proc = _run_with_closed(2, "gc", run, "--keep", "1", "--dry-run", "--json")
     assert proc.returncode == 0, proc.stdout
     assert json.loads(proc.stdout)["removed_steps"] == [4]
+
+
+def test_a_command_started_ignoring_ctrl_c_keeps_ignoring_it(tmp_path):
+    """A script's background job (``flax-orbax gc DIR &``) starts with SIGINT ignored,
+    so that the Ctrl-C stopping the script does not stop it (Python leaves it so); the
+    command installed its own handler over that and exited 130 'interrupted'."""
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
+    proc = subprocess.Popen(  # SIGINT ignored as `cmd &` in a script leaves it
+        ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *_cli("list", tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_proc.child_env(),
+    )
+    time.sleep(0.5)  # while it loads (a signal then is held, then raised)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "interrupted" not in err, (proc.returncode, err[-2000:])
+    assert "1 step(s)" in out, out
