@@ -32,6 +32,7 @@ from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
 from .._interop.safetensors import DTYPE_NAMES as _SAFETENSORS_DTYPES
+from .._interop.safetensors import plan as _safetensors_plan
 from .._like.casting import with_advice
 from .._manager.manager import CheckpointManager
 from .._storage import lease as _lease
@@ -207,6 +208,11 @@ def cmd_export(args) -> int:
         raise CliError(f"unknown export format {args.format!r} (supported: safetensors)")
     if args.dtype is not None and args.dtype not in _SAFETENSORS_DTYPES:
         raise CliError(f"--dtype {args.dtype}: not a safetensors dtype")
+    try:  # checked here to be named as flags: the library names its keywords
+        _safetensors_plan.checked_cast(args.dtype, "--dtype")
+        _safetensors_plan.parse_size(args.max_shard_size, "--max-shard-size")
+    except OptionError as e:
+        raise CliError(one_line(e)) from None
     if args.dtype is None and args.cast != "safe":
         raise CliError(f"--cast {args.cast} does nothing without --dtype (no leaf is cast)")
     # PATH a core checkpoint or an item: that one (another --item is refused); a step

@@ -330,6 +330,8 @@ def test_flags_are_checked_in_the_command_lines_words(capsys, ckpt_dir, tmp_path
         (("export", directory, tmp_path / "x.safetensors", "--cast", "unsafe"), "without --dtype"),
         (("export", directory, tmp_path / "y.safetensors", "--max-shard-size", "0"), "max shard"),
         (("export", big, tmp_path / "z.safetensors", "--dtype", "float16"), "--cast unsafe casts"),
+        (("export", directory, tmp_path / "x.safetensors", "--dtype", "int8"), "--dtype: expected"),
+        (("export", directory, tmp_path / "y.safetensors", "--max-shard-size", "x"), "--max-shard"),
     ):
         try:
             rc, _, err = run_cli(capsys, *argv)
@@ -337,7 +339,8 @@ def test_flags_are_checked_in_the_command_lines_words(capsys, ckpt_dir, tmp_path
             rc, err = e.code, capsys.readouterr().err
         assert rc == 2 and words in err, (argv, err)
         assert "ValueError" not in err and "keep_every" not in err and "all_steps" not in err
-        assert "cast='unsafe'" not in err, err
+        assert "cast='unsafe'" not in err and "max_shard_size" not in err, err
+        assert not err.split("error: ", 1)[-1].startswith("dtype"), err
     assert not any((tmp_path / f"{n}.safetensors").exists() for n in "xyz")
 
 
