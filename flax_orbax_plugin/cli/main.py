@@ -192,9 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # A shell's command (see shell): Ctrl-C and SIGTERM taken before anything else (held
     # while the commands load), a closed pipe or stream, the library's warnings as lines.
+    interrupts = shell.install_signals() if argv is None else None
     if argv is None:
         shell.open_standard_streams()
-    interrupts = shell.install_signals() if argv is None else None
     args = build_parser().parse_args(argv)
     if interrupts is not None:
         shell.install(interrupts, args.command)
