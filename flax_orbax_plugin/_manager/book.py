@@ -163,6 +163,11 @@ class StepBook:
             self._times[step] = when
             self._lanes[step] = lane
 
+    def note_lane(self, step: int, lane: str) -> None:
+        """Any thread: the lane an earlier run recorded for ``step`` (its manifest)."""
+        with self.lock:
+            self._lanes.setdefault(step, lane)
+
     def dated(self) -> tuple[dict[int, float], dict[int, str]]:
         """``(times, lanes)`` of the steps this manager saved (copies)."""
         with self.lock:

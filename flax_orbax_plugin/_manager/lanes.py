@@ -1,16 +1,17 @@
 """Temporary and permanent lanes: two save policies, each with its own retention.
 
 ``Lanes(temporary=Lane(EverySeconds(1800), keep=KeepLast(2)),
-permanent=Lane(EverySteps(10_000)))`` saves a step when either lane wants it and
-records the lane it was saved in: ``permanent`` when the permanent policy wants it,
-else ``temporary``. Retention then judges each lane's steps apart, by that lane's
-``keep`` (``None``: kept forever), among that lane's steps only: a temporary step never
-pushes a permanent one out, nor the other way. A step whose lane the manager does not
-know (one of an earlier run, listed from the directory) is in the lane its number says
-when the permanent policy goes by numbers only (no time, no preemption: ``EverySteps``,
-``AtSteps`` and their combinations; a restarted job's temporary steps are still
-removed); with any other permanent policy it counts as permanent, never removed by the
-temporary lane's rule.
+permanent=Lane(EverySteps(10_000)))`` saves a step when either lane wants it and records
+the lane it was saved in (in the manager, and in the step's manifest, so that a later
+run, whatever its lanes' policies, knows it): ``permanent`` when the permanent policy
+wants it, else ``temporary``. Retention then judges each lane's steps apart, by that
+lane's ``keep`` (``None``: kept forever), among that lane's steps only: a temporary step
+never pushes a permanent one out, nor the other way. A step whose lane is not recorded
+(one saved by an earlier version, listed from the directory) is in the lane its number
+says when the permanent policy goes by numbers only (no time, no preemption:
+``EverySteps``, ``AtSteps`` and their combinations; a restarted job's temporary steps
+are still removed); with any other permanent policy it counts as permanent, never
+removed by the temporary lane's rule.
 
 Given as ``CheckpointManager(directory, policy=Lanes(...))``: a Lanes is the save
 policy and the retention at once (``retention=`` and the retention shorthands are then
@@ -89,6 +90,8 @@ class Lanes(SaveRule, KeepRule):
         return TEMPORARY if self.temporary.save.wants(moment) else None
 
     # -- the retention
+
+    uses_lanes = True  # the facts' lanes matter: each step's, recorded in its manifest
 
     @property
     def deletes_anything(self) -> bool:  # type: ignore[override]

@@ -330,5 +330,18 @@ class RetentionRunner:
                     if value is not None and name in metrics:
                         metrics[name][s] = value
         times, lanes = self._book.dated()
+        if getattr(self.policy, "uses_lanes", False):  # an earlier run's: its manifest says
+            lanes.update({s: lane for s in steps if s not in lanes and (lane := self._lane(s))})
         now = max(times.values(), default=None)
         return StepFacts(metrics=metrics, times=times, lanes=lanes, now=now)
+
+    def _lane(self, step: int) -> str | None:
+        """The lane an earlier run recorded in ``step``'s manifest (None: none, a step of
+        an earlier version; its number says), read once."""
+        try:
+            lane = _steps.read_manifest(_steps.step_location(self._loc, step)).lane
+        except CheckpointError:  # a damaged step: never deleted (see _check_whole)
+            return None
+        if lane is not None:
+            self._book.note_lane(step, lane)
+        return lane

@@ -306,6 +306,7 @@ class Saver:
             host_marker=marker,
             cancelled=cancelled,
             writer=self._book.writer,
+            lane=self._book.dated()[1].get(step),
         )
 
         def background() -> SaveResult:

@@ -31,6 +31,7 @@ from .._core.requests import SaveRequest
 from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE, ItemEntry, StepManifest
+from .._format.layout.files import LANES
 from .._storage.location import Location
 from .checkpointables import Checkpointable, Pending
 from .events import measure_stored
@@ -98,6 +99,7 @@ class StepCommit:
         host_marker: bytes | None = None,
         cancelled: threading.Event | None = None,
         writer: Any = None,
+        lane: str | None = None,
     ):
         self._loc = location
         self._step = step
@@ -111,6 +113,7 @@ class StepCommit:
         self._host_marker = host_marker
         self._cancelled = cancelled or threading.Event()  # set: the save was interrupted
         self._writer = writer  # the manager's lock or lease: held still (before_commit)?
+        self._lane = lane if lane in LANES else None  # recorded in the manifest (Lanes)
         self._op, self._region = "", None  # the commit's names and region: run's
         self._sizes: list[Written] = []  # this process's totals, for the manifest
         self._old_dirs: set[str] = set()  # object stores: the replaced step's item dirs
@@ -229,6 +232,7 @@ class StepCommit:
             self._digest,
             None if mine is None else mine.bytes_written,
             None if mine is None else mine.bytes_reused,
+            self._lane,
         )
         staging = self._staging
         raw = manifest.to_bytes()

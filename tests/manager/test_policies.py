@@ -527,3 +527,27 @@ def test_every_seconds_counts_from_the_latest_steps_save_after_a_restart(tmp_pat
         assert mngr.save(3, tiny())  # step 1 is older than a second: saved at once
         assert not mngr.save(4, tiny())  # then the interval counts from step 3
     assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [1, 3]
+
+
+def test_an_earlier_runs_permanent_steps_survive_a_change_of_lanes(tmp_path):
+    """A step's lane was known only to the manager that saved it: a later run whose
+    permanent policy said otherwise of their numbers judged the earlier run's permanent
+    steps temporary and removed them, silently. Each step's manifest records its lane."""
+    lanes = fop.Lanes(
+        temporary=fop.Lane(fop.EverySteps(1), keep=fop.KeepLast(2)),
+        permanent=fop.Lane(fop.EverySteps(10)),
+    )
+    with fop.CheckpointManager(tmp_path, policy=lanes, async_save=False) as mngr:
+        for step in range(1, 26):
+            mngr.save(step, {"params": {"w": np.full(2, step, np.float32)}})
+    assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [10, 20, 24, 25]
+    changed = fop.Lanes(
+        temporary=fop.Lane(fop.EverySteps(1), keep=fop.KeepLast(2)),
+        permanent=fop.Lane(fop.EverySteps(7)),
+    )
+    with fop.CheckpointManager(tmp_path, policy=changed, async_save=False) as mngr:
+        for step in (26, 27, 28, 29):
+            mngr.save(step, {"params": {"w": np.full(2, step, np.float32)}})
+    # 10 and 20 stay permanent (their manifests say so), 28 is this run's permanent
+    # step (7 divides it), 27 and 29 the temporary lane's last two
+    assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [10, 20, 27, 28, 29]

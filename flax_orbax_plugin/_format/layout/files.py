@@ -45,6 +45,7 @@ FORMAT_VERSION = 1
 LATEST_FORMAT_VERSION = 2  # _METADATA.json: 1 (a file per chunk) or 2 (data files)
 STEP_FORMAT = "flax_orbax_plugin/step"
 STEP_VERSION = 1
+LANES = ("temporary", "permanent", "forced")  # a step's lane (``lanes.Lanes``, a forced save)
 
 METADATA_FILE = "_METADATA.json"
 COMMIT_FILE = "_COMMITTED"
@@ -251,7 +252,9 @@ class StepManifest:
     step) to its sha256; ``tree_digest`` is the digest all processes agreed on.
     ``bytes_written``/``bytes_reused`` (optional, one-process steps only): array bytes
     the save wrote, and those of unchanged leaves it took from the previous step
-    (hard links or server-side copies) instead; informational.
+    (hard links or server-side copies) instead; informational. ``lane`` (optional): the
+    lane of a ``Lanes`` policy the step was saved in (:data:`LANES`), which retention
+    goes by in a later run, whatever its policy says of the step's number.
     """
 
     step: int
@@ -262,6 +265,7 @@ class StepManifest:
     tree_digest: str = ""
     bytes_written: int | None = None
     bytes_reused: int | None = None
+    lane: str | None = None
 
     def to_bytes(self) -> bytes:
         _docs.check_time(self.time, MANIFEST_FILE, "time", stored=False)
@@ -277,6 +281,8 @@ class StepManifest:
         }
         if self.bytes_written is not None and self.bytes_reused is not None:
             body["bytes"] = {"written": self.bytes_written, "reused": self.bytes_reused}
+        if self.lane is not None:
+            body["lane"] = self.lane
         return seal(body, _docs.STEP_MANIFEST)
 
     @classmethod
@@ -302,6 +308,8 @@ class StepManifest:
             need(isinstance(sizes, dict), where, "bytes", "an object", sizes)
             written = int_field(sizes, "written", where, "bytes.written")
             reused = int_field(sizes, "reused", where, "bytes.reused")
+        lane = body.get("lane")
+        need(lane is None or lane in LANES, where, "lane", f"one of {LANES}", lane)
         return cls(
             step,
             items,
@@ -311,6 +319,7 @@ class StepManifest:
             opt_str(body, "tree_digest", where),
             written,
             reused,
+            lane,
         )
 
     def file_checksum(self, item_dir: str, name: str) -> str | None:
