@@ -101,6 +101,12 @@ class CheckpointCallback:
         """The CheckpointManager, created on first use (with the callback's ``keep``,
         ``every_steps``, ``every_seconds``, ``async_save`` and ``manager_options``)."""
         if self._manager is None:
+            if self._ended is not None:  # a writer again, for a run that is over
+                raise CheckpointError(
+                    f"{self.directory}: this callback's run is over (on_train_end, step "
+                    f"{self._ended}) and its manager closed; read the run with "
+                    f"fop.CheckpointManager(directory, read_only=True)"
+                )
             self._manager = CheckpointManager(self.directory, **self._manager_options)
             if self._writer is not None or self._on_event is not None:
                 self._manager.commit_log_level = logging.DEBUG  # the writer or hook reports it
@@ -222,6 +228,13 @@ class CheckpointCallback:
         final state (default: ``state_fn()``, for a callback used as a hook)."""
         state = self._hook_state() if state is None else state
         step = _step_of(state, self._last_step) if step is None else checked_step(step)
+        if self._ended is not None:  # twice: the same end is nothing, another refused
+            if step is None or int(step) == self._ended:
+                return
+            raise CheckpointError(
+                f"on_train_end(step {step}) after on_train_end (step {self._ended}): this "
+                f"callback's run is over; use a new CheckpointCallback for another run"
+            )
         self._ended = -1 if step is None else int(step)
         first = None  # a hook's error raised by the last save (its step is saved all the same)
         if step is not None and int(step) != self._last_saved_step:

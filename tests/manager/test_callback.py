@@ -413,6 +413,25 @@ def test_two_data_iterators_are_refused_and_the_run_ends_with_on_train_end(tmp_p
     assert fop.CheckpointManager(tmp_path / "run", read_only=True).steps() == [1, 2]
 
 
+def test_the_end_of_a_callbacks_run_is_final(tmp_path):
+    """A second on_train_end with another step opened the run again and saved that
+    step, and cb.manager after the end opened a new writer (its lock, or a bucket's
+    lease, held for a run that is over): the same end again is nothing, another step is
+    refused, and the manager names how to read the run."""
+    cb = fop.CheckpointCallback(tmp_path / "run", every_steps=1)
+    state = {"params": {"w": np.ones(2)}}
+    cb.on_train_start(state)
+    cb.on_step_end(1, state)
+    cb.on_train_end(state, step=2)
+    cb.on_train_end(state, step=2)  # the same end: nothing
+    with pytest.raises(fop.CheckpointError, match=r"on_train_end\(step 9\) after on_train_end"):
+        cb.on_train_end(state, step=9)
+    with pytest.raises(fop.CheckpointError, match=r"run is over.*read_only=True"):
+        cb.manager.steps()
+    with fop.CheckpointManager(tmp_path / "run") as writer:  # no lock left behind
+        assert writer.steps() == [1, 2]
+
+
 def test_a_bad_leaf_is_named_with_its_item(tmp_path):
     with fop.CheckpointManager(tmp_path, async_save=False) as m:
         with pytest.raises(fop.StructureError, match=r"^item 'act': leaf '<root>': .*function"):
