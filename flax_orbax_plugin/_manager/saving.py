@@ -192,8 +192,8 @@ class Saver:
             where = self._loc if steps == local else f"{self._loc} + {tier.remote}"
             raise CheckpointError(
                 f"step {step} {what} in {where} (latest: {steps[-1]}); steps must "
-                f"increase. Resume from it (resume=True), use a new directory, or pass "
-                f"overwrite=True to replace steps"
+                f"increase. Resume from it (manager.restore(), or a callback's "
+                f"resume=True), use a new directory, or pass overwrite=True to replace steps"
             )
         return local
 
