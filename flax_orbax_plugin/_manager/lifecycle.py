@@ -41,10 +41,11 @@ def leave_at_exit(manager: Lifecycle) -> None:
     With one process, a program that ended well closes it (its persistent tier's copies
     finish, its lock or its lease on an object store is released: the next run, from
     any host, opens it at once rather than waiting the lease out); one that ended with
-    an exception leaves it. With several, it leaves the run (it cannot meet the others
-    at exit): the others, waiting for this process in their next save, learn at once
-    that it left and why, rather than after the stall timeout (then jax's own shutdown
-    barrier)."""
+    an exception shuts it (its threads stopped, its lock or lease released; the first
+    exit step finished its save, or cancelled it after a Ctrl-C). With several, it
+    leaves the run (it cannot meet the others at exit): the others, waiting for this
+    process in their next save, learn at once that it left and why, rather than after
+    the stall timeout (then jax's own shutdown barrier)."""
     _OPEN.add(manager)
     _exits.at_exit(_exits.LEAVE, _leave_all)
 
@@ -58,6 +59,8 @@ def _leave_all() -> bool:
             if alone and error is None:
                 _say_copies_left(manager)
                 manager.close()
+            elif alone and not manager._closed:  # saves finished or cancelled (exits.FINISH)
+                manager._shut()
             else:
                 manager.leave(error or CheckpointError(_NOT_CLOSED))
         except Exception as e:  # noqa: BLE001  (the program is ending: said, then the next)
