@@ -1,5 +1,5 @@
 """One function per ``flax-orbax`` command (``cmd_<name>(args) -> exit status``;
-``list`` is in ``list_command``).
+``list`` is in ``list_command``, ``verify`` in ``verify_command``).
 
 PATH is a checkpoint directory (the latest step, or ``--step N``), one step
 (``DIR/<step>``), one checkpointable (``DIR/<step>/params``) or a core checkpoint, on
@@ -12,16 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import warnings
 from typing import Any
 
 from .._core import removing as _removing
 from .._core import restore as _restore
-from .._core.verify import verify
 from .._errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
     DirectoryLockedError,
     OptionError,
     StructureError,
@@ -42,7 +38,7 @@ from . import json_output, plot
 from .display import byte_progress, make_table, status
 from .gc_plan import plan as gc_plan
 from .gc_plan import remove_exports
-from .output import EXIT_DAMAGED, CliError, human_bytes, one_line, shell_word
+from .output import CliError, human_bytes, one_line, shell_word
 from .paths import names_one, read_json_item, resolve
 
 
@@ -151,53 +147,6 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
-
-
-def cmd_verify(args) -> int:
-    if args.step is not None and args.all:
-        raise CliError(f"--step {args.step} and --all: choose one (--all checks every step)")
-    try:
-        results = verify(
-            args.path, step=args.step, all_steps=args.all, progress=byte_progress("verify")
-        )
-    except OptionError as e:  # options that conflict (or with PATH): a usage error
-        raise CliError(one_line(e)) from e
-    except CheckpointError as e:
-        # Nothing checkable at PATH: a usage error, unless something is there but broken.
-        loc = Location.from_path(args.path)
-        if loc.is_dir() and not isinstance(e, CheckpointNotFoundError):
-            if args.json:
-                result = {"path": str(loc), "step": None, "item": None, "ok": False}
-                _verify_json(str(loc), [{**result, "error": one_line(e)}])
-            else:
-                print(f"DAMAGED  {loc}: {one_line(e)}")
-            return EXIT_DAMAGED
-        raise CliError(one_line(e)) from None
-    damaged = [r for r in results if not r.ok]
-    if args.json:
-        _verify_json(str(Location.from_path(args.path)), [dataclasses.asdict(r) for r in results])
-        return EXIT_DAMAGED if damaged else 0
-    for r in results:
-        label = r.path if r.step is None else f"step {r.step}" + (f"/{r.item}" if r.item else "")
-        if r.ok:
-            print(f"ok       {label}" + (f" ({r.note})" if r.note else ""))
-        else:
-            print(f"DAMAGED  {label}: {one_line(r.error or '')}")
-    if damaged:
-        names = ", ".join(
-            r.path if r.step is None else f"{r.step}" + (f"/{r.item}" if r.item else "")
-            for r in damaged
-        )  # a step whose manifest fails has no item: it read "1/None"
-        print(f"verify: {len(damaged)} damaged: {names}", file=sys.stderr)
-        return EXIT_DAMAGED
-    print(f"verify: all {len(results)} checkpointable(s) ok")
-    return 0
-
-
-def _verify_json(path: str, results: list[dict[str, Any]]) -> None:
-    bad = sum(not r["ok"] for r in results)
-    doc = {"path": str(path), "ok": not bad, "damaged": bad, "results": results}
-    json_output.emit(doc)
 
 
 # -- export --------------------------------------------------------------------------

@@ -12,10 +12,11 @@ import sys
 from .. import _errors
 from .._storage.kvstore import local_path, spec_from_path
 from .._storage.store_errors import store_error_line
-from .commands import cmd_export, cmd_gc, cmd_import, cmd_inspect, cmd_verify
+from .commands import cmd_export, cmd_gc, cmd_import, cmd_inspect
 from .list_command import cmd_list
 from .native_logs import aws_lines_filtered
 from .output import EXIT_STORE, CliError, one_line
+from .verify_command import cmd_verify
 
 COMMANDS = {
     "list": cmd_list,

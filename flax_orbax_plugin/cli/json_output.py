@@ -93,8 +93,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "path": {"type": "string"},
             "ok": {"type": "boolean"},
             "damaged": {"type": "integer", "minimum": 0},
+            "unreadable": {"type": "integer", "minimum": 1},  # only when a step was
             "results": {"type": "array", "items": _RESULT},
-        }
+        },
+        optional=("unreadable",),
     ),
     "gc": _object(
         {

@@ -47,3 +47,29 @@ def test_list_names_the_step_it_cannot_read_and_lists_the_others(tmp_path):
     assert "DAMAGED" not in rows["2"] and "params" in rows["3"]
     steps = {s["step"]: s for s in json.loads(doc.stdout)["steps"]}
     assert steps[2]["damaged"].startswith("cannot be read") and steps[3]["damaged"] is None
+
+
+def test_verify_all_checks_the_other_steps_past_one_it_cannot_read(tmp_path):
+    """verify --all stopped at the first step it could not read: one error line, exit 2,
+    no word of the other steps (nor a JSON document)."""
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: nothing can be made unreadable")
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        for step in (1, 2, 3):
+            mngr.save(step, {"params": {"w": np.ones(3)}})
+    data = tmp_path / "run" / "2" / "params" / "data"
+    shut = next(p for p in data.iterdir() if p.suffix == ".bin")
+    shut.chmod(0)
+    try:
+        text = _as_a_user("verify", tmp_path / "run", "--all")
+        doc = _as_a_user("verify", tmp_path / "run", "--all", "--json")
+    finally:
+        shut.chmod(0o644)
+    assert text.returncode == 2, (text.stdout, text.stderr)
+    assert "UNREADABLE step 2: cannot be read" in text.stdout and "Permission denied" in text.stdout
+    assert "ok       step 1/params" in text.stdout and "ok       step 3/params" in text.stdout
+    assert "1 step(s) could not be read: 2" in text.stderr
+    assert doc.returncode == 2, doc.stderr
+    found = json.loads(doc.stdout)
+    assert found["unreadable"] == 1 and found["damaged"] == 0 and not found["ok"]
+    assert [r["step"] for r in found["results"] if r["ok"]] == [1, 3]

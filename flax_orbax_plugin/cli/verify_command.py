@@ -1,0 +1,95 @@
+"""``flax-orbax verify``: every checksum of a step, a run's latest or all its steps, an
+item or a core checkpoint; ``--all`` of a run directory checks one step at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from .._core.verify import verify
+from .._errors import CheckpointError, CheckpointNotFoundError, OptionError
+from .._format import steps as _steps
+from .._storage.location import Location
+from . import json_output
+from .display import byte_progress
+from .output import EXIT_DAMAGED, EXIT_ERROR, CliError, one_line
+
+
+def cmd_verify(args) -> int:
+    if args.step is not None and args.all:
+        raise CliError(f"--step {args.step} and --all: choose one (--all checks every step)")
+    unreadable: list[dict[str, Any]] = []  # --all: steps an environment error kept shut
+    try:
+        if args.all and _steps.committed_steps(Location.from_path(args.path)):
+            results, unreadable = _verify_each_step(args.path)
+        else:
+            results = verify(
+                args.path, step=args.step, all_steps=args.all, progress=byte_progress("verify")
+            )
+    except OptionError as e:  # options that conflict (or with PATH): a usage error
+        raise CliError(one_line(e)) from e
+    except CheckpointError as e:
+        # Nothing checkable at PATH: a usage error, unless something is there but broken.
+        loc = Location.from_path(args.path)
+        if loc.is_dir() and not isinstance(e, CheckpointNotFoundError):
+            if args.json:
+                result = {"path": str(loc), "step": None, "item": None, "ok": False}
+                _verify_json(str(loc), [{**result, "error": one_line(e)}])
+            else:
+                print(f"DAMAGED  {loc}: {one_line(e)}")
+            return EXIT_DAMAGED
+        raise CliError(one_line(e)) from None
+    damaged = [r for r in results if not r.ok]
+    failed = EXIT_DAMAGED if damaged else EXIT_ERROR if unreadable else 0
+    if args.json:
+        found = [dataclasses.asdict(r) for r in results] + unreadable
+        _verify_json(str(Location.from_path(args.path)), found, unreadable=len(unreadable))
+        return failed
+    for u in unreadable:
+        print(f"UNREADABLE step {u['step']}: {u['error']}")
+    if unreadable:
+        steps = ", ".join(str(u["step"]) for u in unreadable)
+        print(f"verify: {len(unreadable)} step(s) could not be read: {steps}", file=sys.stderr)
+    for r in results:
+        label = r.path if r.step is None else f"step {r.step}" + (f"/{r.item}" if r.item else "")
+        if r.ok:
+            print(f"ok       {label}" + (f" ({r.note})" if r.note else ""))
+        else:
+            print(f"DAMAGED  {label}: {one_line(r.error or '')}")
+    if damaged:
+        names = ", ".join(
+            r.path if r.step is None else f"{r.step}" + (f"/{r.item}" if r.item else "")
+            for r in damaged
+        )  # a step whose manifest fails has no item: it read "1/None"
+        print(f"verify: {len(damaged)} damaged: {names}", file=sys.stderr)
+        return EXIT_DAMAGED
+    if not unreadable:
+        print(f"verify: all {len(results)} checkpointable(s) ok")
+    return failed
+
+
+def _verify_each_step(path: str) -> tuple[list, list[dict[str, Any]]]:
+    """``verify --all`` of a run directory, a step at a time: a step that cannot be read
+    (a permission, an I/O error: not damage, so ``fop.verify`` raises) is reported and
+    the other steps are still checked."""
+    results, unreadable = [], []
+    for step in _steps.committed_steps(Location.from_path(path)):
+        try:
+            results.extend(verify(path, step=step, progress=byte_progress("verify")))
+        except OSError as e:
+            where = str(_steps.step_location(Location.from_path(path), step))
+            error = f"cannot be read: {one_line(e)}"
+            unreadable.append(
+                {"path": where, "step": step, "item": None, "ok": False, "error": error}
+            )
+    return results, unreadable
+
+
+def _verify_json(path: str, results: list[dict[str, Any]], *, unreadable: int = 0) -> None:
+    bad = sum(not r["ok"] for r in results)
+    doc = {"path": str(path), "ok": not bad, "damaged": bad - unreadable, "results": results}
+    if unreadable:  # steps that could not be read (an environment error, not damage)
+        doc["unreadable"] = unreadable
+    json_output.emit(doc)
