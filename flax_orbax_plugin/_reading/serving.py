@@ -71,6 +71,7 @@ def restore_params(
     *,
     region: _distributed.Region | None,
     step: int | None = None,
+    item: str = "params",
     dtype: Any = None,
     sharding: Any = None,
     partial: bool = False,
@@ -81,6 +82,10 @@ def restore_params(
     cast: str = "safe",
 ) -> Any:
     """Restore only the params of a step (the latest by default), for serving.
+
+    ``item`` names another pytree item to serve instead of ``params`` (``"ema_params"``,
+    an EMA copy saved beside them); ``like`` is then that item's tree (or a training
+    state whose field of that name is taken).
 
     Opens nothing but ``<directory>/<step>/params/`` (listing the directory and
     checking each step's manifest exists). ``like`` is a params pytree (arrays or
@@ -100,7 +105,7 @@ def restore_params(
     the layout during the read and ``dry_run=True`` returns the plan instead, as in
     ``fop.restore``.
     """
-    _requests.check_serving(step=step)  # OptionError naming it, before any read
+    _requests.check_serving(step=step, item=item)  # OptionError naming one, before any read
     changes = _transform.changes(
         partial=partial, missing=missing, transform=transform, surgery=surgery
     )
@@ -123,6 +128,7 @@ def restore_params(
         step, steps = _agreed_latest(loc, steps, region)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
         if is_orbax_checkpoint(directory):
+            _orbax_item(directory, item)
             placing = (dtype, sharding, changes, partial, dry_run)
             return _orbax_params(directory, like, step, *placing, region, cast=cast)
         raise _places.no_steps(loc)  # what is there instead (a step, a run below, ...)
@@ -130,14 +136,8 @@ def restore_params(
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
     step_loc = _steps.step_location(loc, step)
     items = _steps.read_manifest(step_loc).items
-    if "params" not in items:  # which items there are, and how to read one of them
-        raise CheckpointNotFoundError(
-            f"step {step} of {loc} holds no params item (its items: {sorted(items)}); "
-            f"fop.restore({str(step_loc)!r} + '/<item>') reads one of them"
-        )
-    entry = items["params"]
-    params_loc = step_loc.child(entry.dir)
-    target = _params_like(like)
+    params_loc = step_loc.child(_pytree_item(items, item, f"step {step} of {loc}", step_loc).dir)
+    target = _params_like(like) if item == "params" else _item_like(like, item)
     if target is None and (dtype is not None or sharding is not None):
         if dry_run:  # the plan places leaves where like says: it read them all instead
             raise OptionError(
@@ -167,6 +167,40 @@ def restore_params(
             hint = _variables_hint(target, items, step_loc)
             e.args = (f"{e.args[0]}\n{hint}", *e.args[1:])
         raise
+
+
+def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> Any:
+    """The manifest entry of pytree item ``item``; else CheckpointNotFoundError naming
+    the items there (or CheckpointError for an item that is no pytree)."""
+    if item not in items:  # which items there are, and how to read one of them
+        raise CheckpointNotFoundError(
+            f"{where} holds no {item} item (its items: {sorted(items)}); "
+            f"restore_params(..., item=<one of them>) or fop.restore({str(step_loc)!r} + "
+            f"'/<item>') reads one"
+        )
+    if items[item].kind != "pytree":
+        raise CheckpointError(
+            f"item {item!r} of {where} is a {items[item].kind} item, not a pytree of "
+            f"arrays: fop.restore({str(step_loc)!r} + '/{items[item].dir}') reads it"
+        )
+    return items[item]
+
+
+def _item_like(like: Any, item: str) -> Any:
+    """``like`` for item ``item``: a training state's field of that name (``state.ema_params``
+    for ``item="ema_params"``), else ``like`` itself (that item's tree)."""
+    if like is None or isinstance(like, Mapping):
+        return like
+    return getattr(like, item, like)
+
+
+def _orbax_item(directory: Any, item: str) -> None:
+    if item != "params":  # the params choice reads Orbax's own layouts (orbax_params)
+        raise CheckpointError(
+            f"{directory} is an Orbax checkpoint: item={item!r} chooses an item of this "
+            f"library's steps; read that Orbax item with fop.restore('{directory}/<step>/"
+            f"{item}'), or convert the run first (fop.import_orbax)"
+        )
 
 
 def _variables_hint(target: Mapping, items: Mapping, step_loc: Location) -> str:
