@@ -106,8 +106,9 @@ def save_async(
         writes complete (the blocking phase enqueues the device copies only). CPU
         arrays are written from their own memory before this returns (no copy at
         all; the blocking phase is then the data write). Small leaves (batched) are
-        copied as usual. Format version 2 and incremental steps copy every region
-        before writing: the budget bounds only version 1 saves (refused with 2).
+        copied as usual. Both format versions stream; version 2 on an object store
+        gathers each data file in memory before its upload, made smaller under a
+        budget (docs/saving.md, section 3).
 
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
