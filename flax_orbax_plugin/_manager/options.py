@@ -218,7 +218,7 @@ def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict
         refuse_without("overwrite", out["overwrite"], "resume=False", default=False)
     inner = dict(out["manager_options"] or {})
     refuse_unknown(
-        "CheckpointManager (through manager_options)",
+        "manager_options: CheckpointManager",
         inner,
         _table.MANAGER + _table.DEPRECATED,
         hints=_table.HINTS,

@@ -64,6 +64,16 @@ def test_manager_only_names_point_into_manager_options(tmp_path):
         fop.CheckpointCallback(tmp_path / "run", manager_options={"max_to_keep": 2})
 
 
+def test_a_misspelt_manager_option_names_where_it_was_given(tmp_path):
+    # It read "CheckpointManager (through manager_options)() got an unexpected ...".
+    with pytest.raises(TypeError) as info:
+        fop.CheckpointCallback(tmp_path / "run", manager_options={"incremntal": True})
+    assert str(info.value).startswith(
+        "manager_options: CheckpointManager() got an unexpected keyword argument "
+        "'incremntal': did you mean incremental=?"
+    )
+
+
 def test_unknown_name_without_a_match_lists_the_options(tmp_path):
     with pytest.raises(TypeError, match=r"'colour'\ \(its options: .*every_seconds") as info:
         fop.CheckpointManager(tmp_path / "run", colour="red")
