@@ -369,3 +369,20 @@ def with_requests(checkpointable: Any) -> Checkpointable:
         stacklevel=outside_stacklevel(),
     )
     return _TwoArgument(checkpointable)
+
+
+def warn_unheld(named: set[str], items: Mapping[str, Any]) -> set[str]:
+    """At a manager's first save: warns (once) of each item that ``checkpointables=`` or
+    ``compression=`` names (``named``) but the save does not hold (a misspelt
+    ``compression={"param": ...}`` did nothing, without a word). Returns the empty
+    set (nothing is looked at again)."""
+    unheld = sorted(named - set(items))
+    if unheld:
+        warnings.warn(
+            f"checkpointables=/compression= name the item(s) {', '.join(map(repr, unheld))}, "
+            f"which this save does not hold (its items: {', '.join(sorted(items))}): they "
+            f"do nothing until a save holds an item of that name (check the spelling)",
+            UserWarning,
+            stacklevel=outside_stacklevel(),
+        )
+    return set()

@@ -31,6 +31,7 @@ from .._like import transform as _transform
 from .._storage import shared_dir as _shared_dir
 from .._storage.store_errors import raises_store_errors_in_methods
 from . import agreement as _agreement
+from . import checkpointables as _checkpointables
 from . import housekeeping as _housekeeping
 from . import options as _options
 from . import per_host as _per_host
@@ -252,7 +253,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                 )
             items = collect_items(state, data_iterator, extras)
             if self._unheld:  # the first save: a name that matched no item warns, once
-                self._unheld = _options.warn_unheld(self._unheld, items)
+                self._unheld = _checkpointables.warn_unheld(self._unheld, items)
             self._book.note_save(step, now, lane)  # its time and lane (KeepFor, Lanes)
             replicate = stop or schedule.preemption_step == step  # to the tier anyway
             self._saver.start(step, items, extras, local, replicate=replicate, region=region)

@@ -151,13 +151,28 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     if out["persistent"] is not None and not out["handle_sigterm"]:  # the exit's wait
         grace = out["persistent"].grace_seconds
         refuse_without("Tier(grace_seconds)", grace, "handle_sigterm=True", default=_GRACE)
+    _refuse_idle_memory(out)
+    return out
+
+
+def _refuse_idle_memory(out: Mapping[str, Any]) -> None:
+    """The host-memory options that do nothing beside another: a budget with incremental
+    steps, ``reuse_host_buffers=False`` under a budget (which pools nothing either)."""
+    budget = out["host_memory_budget"]
     if out["incremental"]:
         refuse_without(
             "host_memory_budget",
-            out["host_memory_budget"],
+            budget,
             "incremental=False (an incremental step copies every region to host first)",
         )
-    return out
+    if budget is not None:
+        refuse_without(
+            "reuse_host_buffers",
+            out["reuse_host_buffers"],
+            "host_memory_budget=None (under a budget nothing is pooled: each save streams, "
+            "CPU arrays are written from their own memory)",
+            default=True,
+        )
 
 
 _GRACE = next(o.default for o in _tier_option.FIELDS if o.name == "grace_seconds")
@@ -260,23 +275,6 @@ def check_save_call(
                 "is its deprecated name): give ignore_policy= alone"
             )
     return out["step"], bool(out["force"] or out["ignore_policy"])
-
-
-def warn_unheld(named: set[str], items: Mapping[str, Any]) -> set[str]:
-    """At a manager's first save: warns (once) of each item that ``checkpointables=`` or
-    ``compression=`` names (``named``) but the save does not hold (a misspelt
-    ``compression={"param": ...}`` did nothing, without a word). Returns the empty
-    set (nothing is looked at again)."""
-    unheld = sorted(named - set(items))
-    if unheld:
-        warnings.warn(
-            f"checkpointables=/compression= name the item(s) {', '.join(map(repr, unheld))}, "
-            f"which this save does not hold (its items: {', '.join(sorted(items))}): they "
-            f"do nothing until a save holds an item of that name (check the spelling)",
-            UserWarning,
-            stacklevel=outside_stacklevel(),
-        )
-    return set()
 
 
 def check_item_name(name: Any) -> str:

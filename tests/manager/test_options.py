@@ -264,6 +264,10 @@ IDLE_MANAGER = [
         {"incremental": True, "host_memory_budget": 1 << 20},
         "host_memory_budget=1048576 does nothing without incremental=False",
     ),
+    (  # a budget pools nothing either: the option was silently ignored
+        {"host_memory_budget": 1 << 20, "reuse_host_buffers": False},
+        "reuse_host_buffers=False does nothing without host_memory_budget=None",
+    ),
     ({"best_mode": "max"}, "best_mode='max' does nothing without keep_best= and best_metric="),
     ({"clock": lambda: 0.0}, "does nothing without every_seconds="),
     ({"read_only": True, "keep": 2}, "keep=2 does nothing without a writer (read_only=False)"),
