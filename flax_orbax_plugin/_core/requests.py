@@ -147,6 +147,15 @@ class ReadRequest:
 
 
 # The host-memory limit of a save's or a read's copies: one declaration for both.
+HOST_MEMORY_BUDGET = Option(  # fop.save's and the manager's (bounded as the other byte counts)
+    "host_memory_budget",
+    "int",
+    none_ok=True,
+    low=1,
+    high=INT64_MAX,
+    expected=f"a positive int <= {INT64_MAX} or None",
+    doc="host bytes a step may hold beyond the state (None: no bound)",
+)
 MEMORY_LIMIT = Option(
     "memory_limit_bytes",
     "int",
@@ -180,7 +189,7 @@ SAVE: tuple[Option, ...] = (
         high=INT64_MAX,
         expected=f"a positive int <= {INT64_MAX} or None",
     ),
-    Option("host_memory_budget", "int", none_ok=True, low=1, expected="a positive int or None"),
+    HOST_MEMORY_BUDGET,
 )
 
 

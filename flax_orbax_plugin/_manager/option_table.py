@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._base.option_spec import Option, check, found
+from .._core.requests import HOST_MEMORY_BUDGET
 from .._format import layout as _layout
 from .._format.steps import STEP, STEP_OR_NONE
 from .._state.iterators import check_iterator
@@ -260,14 +261,7 @@ MANAGER: tuple[Option, ...] = (
         doc="2 (data files per process: FORMAT.md) or 1 (a file per chunk); None: 2, "
         "or 1 in a directory per host",
     ),
-    Option(
-        "host_memory_budget",
-        "int",
-        none_ok=True,
-        low=1,
-        expected="a positive int or None",
-        doc="host bytes a step may hold beyond the state (None: no bound)",
-    ),
+    HOST_MEMORY_BUDGET,
     STALL_TIMEOUT,
     Option(
         "hf_shards",

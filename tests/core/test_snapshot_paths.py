@@ -126,7 +126,7 @@ def test_cpu_arrays_under_a_budget_are_written_before_the_save_returns(
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, expected)
 
 
-@pytest.mark.parametrize("bad", [0, -5, 1.5, True, "1G"])
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True, "1G", 2**63])  # 2**63: as memory_limit_bytes
 def test_a_bad_budget_is_refused(tmp_path, bad):
     with pytest.raises(ValueError, match="host_memory_budget"):
         fop.save(tmp_path / "ck", {"w": np.zeros(4)}, host_memory_budget=bad)

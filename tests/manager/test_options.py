@@ -175,7 +175,7 @@ MANAGER_CASES = [
     ("format_version", "2", None, "found str '2'"),
     ("format_version", True, None, "found bool True"),
     ("format_version", 2.0, None, "found float 2.0"),
-    ("host_memory_budget", 0, None, "a positive int or None"),
+    ("host_memory_budget", 0, None, "a positive int <= 9223372036854775807 or None"),
     ("host_memory_budget", "1GB", None, "found str '1GB'"),
     ("host_memory_budget", NAN, None, "found float nan"),
     ("persistent", "", None, "expected a path or URL, found str ''"),
