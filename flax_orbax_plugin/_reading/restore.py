@@ -57,6 +57,8 @@ def restore(
     :mod:`flax_orbax_plugin._core.restore` for what ``like`` decides). ``path`` may
     also be a step's JSON item (``DIR/<step>/extras``, ``.../step``,
     ``.../data_iterator``): its value is returned (see ``_reading.items``).
+    NNX modules, optimizers and Rngs in ``like`` (alone, or in a tuple, list or dict such
+    as ``(model, optimizer)``) are restored in place, and ``like``'s objects returned.
 
     A checkpoint of this library is read by the native reader; when there is none at
     ``path`` and it holds an Orbax checkpoint, that is read instead (through
@@ -117,7 +119,7 @@ def restore(
             share_replicated_reads=share_replicated_reads,
             **changes,
         )
-        return update_in_place(like, restored)  # an NNX object: restored in place
+        return update_in_place(like, restored)  # NNX objects: restored in place
     except (CheckpointNotFoundError, NotCommittedError):
         if not is_orbax_checkpoint(location):  # looked for only when none of ours is there
             raise

@@ -6,6 +6,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._state.train_st
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -274,15 +275,32 @@ def holds_nnx_objects(state: Mapping[str, Any]) -> bool:
 
 
 def update_in_place(like: Any, restored: Any) -> Any:
-    """``restored`` (read in the form of ``like``) written into ``like`` itself when
-    ``like`` is an NNX object (a Module, Optimizer or Rngs: restored in place, as a
-    manager's restore does and the README promises), then ``like``; else ``restored``
-    (an ``nnx.State`` is a value, returned as read)."""
-    if _nnx_kind(like) not in _NNX_GRAPH_KINDS or type(restored) is not type(like):
-        return restored
-    nnx = _nnx()
-    nnx.update(like, nnx.state(restored))
-    return like
+    """``restored`` (read in the form of ``like``) written into ``like``'s NNX objects (a
+    Module, Optimizer or Rngs: restored in place, as a manager's restore does and the
+    README promises), also where ``like`` is a tuple, list or dict holding them (``(model,
+    optimizer)``): then ``like`` itself, or a container of its type holding ``like``'s
+    own objects; else ``restored`` (an ``nnx.State`` is a value, returned as read)."""
+    if _nnx_kind(like) in _NNX_GRAPH_KINDS:
+        if type(restored) is not type(like):  # a RestorePlan (dry_run)
+            return restored
+        nnx = _nnx()
+        nnx.update(like, nnx.state(restored))
+        return like
+    if isinstance(like, list | tuple) and type(restored) is type(like):
+        if len(restored) != len(like):
+            return restored
+        elements = [update_in_place(a, b) for a, b in zip(like, restored, strict=True)]
+        return like if all(map(operator.is_, like, elements)) else _rebuilt(like, elements)
+    if type(like) is dict and type(restored) is dict and restored.keys() == like.keys():
+        return {k: update_in_place(like[k], restored[k]) for k in like}
+    return restored
+
+
+def _rebuilt(like: list | tuple, elements: list[Any]) -> Any:
+    """A sequence of ``like``'s type (a NamedTuple's too) holding ``elements``."""
+    if isinstance(like, tuple) and hasattr(like, "_make"):
+        return type(like)._make(elements)
+    return type(like)(elements)
 
 
 def nnx_state_as_dict(like: Any) -> tuple[Any, Any]:

@@ -351,3 +351,29 @@ def test_fop_restore_into_an_nnx_module_restores_it_in_place(tmp_path):
     np.testing.assert_array_equal(model.bias[...], saved.bias[...])
     state = fop.restore(tmp_path / "s", like=nnx.state(nnx.Linear(3, 4, rngs=nnx.Rngs(5))))
     np.testing.assert_array_equal(state["kernel"][...], saved.kernel[...])
+
+
+def test_fop_restore_into_a_tuple_or_dict_of_nnx_objects_restores_each_in_place(tmp_path):
+    """``fop.restore(path, (model, optimizer))`` returned new objects and left the given
+    model and optimizer at their fresh init, while one module alone was restored in
+    place: a caller that did not assign the result trained from scratch, silently."""
+    import flax_orbax_plugin as fop
+
+    def make(seed):
+        model = nnx.Linear(4, 4, rngs=nnx.Rngs(seed))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    saved = make(0)
+    _nnx_train(*saved)
+    fop.save(tmp_path / "t", saved)
+    fop.save(tmp_path / "d", {"model": saved[0], "opt": saved[1], "w": jnp.arange(3.0)})
+
+    like = make(2)
+    assert fop.restore(tmp_path / "t", like=like) is like
+    assert_same(saved, like)
+
+    model, opt = make(3)
+    out = fop.restore(tmp_path / "d", like={"model": model, "opt": opt, "w": jnp.zeros(3)})
+    assert out["model"] is model and out["opt"] is opt
+    assert_same(saved, (model, opt))
+    np.testing.assert_array_equal(out["w"], np.arange(3.0))
