@@ -12,6 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
+
+from .._errors import StructureError
 
 __all__ = [
     "holds_nnx_objects",
@@ -249,10 +252,13 @@ def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
                 names = set(_split_nnx(value, _nnx_kind(value)))
                 nnx_names |= names
                 out[key] = merge_state(value, _subset(restored, names))
-        out.update({k: v for k, v in restored.items() if k not in nnx_names})
+        rest = {k: v for k, v in restored.items() if k not in nnx_names}
+        _check_none_in_like(like, rest, "key")
+        out.update(rest)
         return out
     if _is_struct_dataclass(like):
         updates = _subset(restored, set(_pytree_fields(like)))
+        _check_none_in_like({k: getattr(like, k) for k in updates}, updates, "field")
         if hasattr(like, "replace"):
             return like.replace(**updates)
         return dataclasses.replace(like, **updates)
@@ -261,6 +267,35 @@ def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
         merged = [merge_state(s, _subset(restored, set(split_state(s)))) for s in like]
         return type(like)(merged)
     raise TypeError(f"cannot merge checkpointables into a {type(like).__name__}")
+
+
+def _check_none_in_like(like: Mapping[str, Any], restored: Mapping[str, Any], what: str):
+    """A ``None`` in ``like`` (a TrainState's ``dynamic_scale=None``) where the step holds
+    values: merged, the state held a dict of numpy arrays in place of the object it had
+    none of, silently. A dict's key counts arrays only: a JSON item (``extras``) asked
+    for with ``None`` is read as it is."""
+    for name, value in restored.items():
+        if name not in like or like[name] is not None:
+            continue
+        leaves = jax.tree_util.tree_leaves_with_path(value)
+        arrays = what == "key"
+        paths = [_path(p) for p, x in leaves if not arrays or isinstance(x, _ARRAYS)]
+        if paths:
+            shown = ", ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
+            raise StructureError(
+                f"item {name!r}: the given state's {what} {name!r} is None, but the step holds "
+                f"{len(paths)} value(s) there ({shown}); "
+                f"give the state a {name} to restore them into, or keep it None and leave the "
+                f"item out: CheckpointCallback.on_train_start(state, reset=({name!r},)) or "
+                f"CheckpointManager.restore(like=state, items=[...])"
+            )
+
+
+_ARRAYS = (np.ndarray, np.generic, jax.Array)
+
+
+def _path(keys: Any) -> str:
+    return jax.tree_util.keystr(keys, simple=True, separator="/")
 
 
 def is_nnx(like: Any) -> bool:

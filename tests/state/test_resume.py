@@ -1,5 +1,7 @@
 """Resuming params, step and the rest while starting the optimizer fresh (``reset``)."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +117,45 @@ def test_items_to_restore_checks_its_names():
         items_to_restore(state, reset=("opt",))
     with pytest.raises(ValueError, match="tuple of item names"):
         items_to_restore(state, reset="opt_state")
+
+
+class _ScaledState(train_state.TrainState):
+    dynamic_scale: Any = None
+    batch_stats: Any = None
+
+
+def test_a_state_field_that_is_none_where_the_step_holds_arrays_is_refused(tmp_path):
+    """A TrainState whose dynamic_scale (or batch_stats) is None, resumed from a step that
+    holds one, came back holding a dict of numpy arrays in that field (training then
+    failed far away, or ran on with a dict); now a StructureError names the field, and
+    reset= keeps it None on purpose."""
+    from flax.training import dynamic_scale
+
+    def make(**fields):
+        return _ScaledState.create(
+            apply_fn=None, params={"w": jnp.ones(3)}, tx=optax.sgd(0.1), **fields
+        )
+
+    saved = make(dynamic_scale=dynamic_scale.DynamicScale(), batch_stats={"m": jnp.ones(2)})
+    with fop.CheckpointManager(tmp_path, async_save=False) as mngr:
+        mngr.save(1, saved, extras={"loss": 0.5})
+        with pytest.raises(fop.StructureError, match=r"'dynamic_scale' is None.*scale"):
+            mngr.restore(like=make(batch_stats={"m": jnp.zeros(2)}))
+        with (
+            pytest.raises(fop.StructureError, match=r"'batch_stats' is None.*m"),
+            pytest.warns(UserWarning, match="that like does not have"),
+        ):
+            mngr.restore(like={"params": saved.params, "batch_stats": None})
+        items = ("params", "extras")  # a JSON item under None is read as it is
+        assert mngr.restore(like={"params": saved.params, "extras": None}, items=items)["extras"]
+        with pytest.warns(UserWarning, match="that like does not have"):
+            whole = mngr.restore(like={"extras": None, "params": saved.params})
+        assert whole["extras"] == {"loss": 0.5}
+    cb = fop.CheckpointCallback(tmp_path, resume=True)
+    with pytest.raises(fop.StructureError, match="'dynamic_scale' is None"):
+        cb.on_train_start(make(batch_stats={"m": jnp.zeros(2)}), reset=("opt_state",))
+    cb = fop.CheckpointCallback(tmp_path, resume=True)
+    state = cb.on_train_start(make(), reset=("dynamic_scale", "batch_stats"))
+    cb.close()
+    assert state.dynamic_scale is None and state.batch_stats is None
+    np.testing.assert_array_equal(state.params["w"], saved.params["w"])
