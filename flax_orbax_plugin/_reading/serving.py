@@ -45,15 +45,25 @@ __all__ = ["restore_params"]
 
 
 def _params_like(like: Any) -> Any:
+    """The params of ``like``: a TrainState's, an NNX model's (also in a tuple or dict);
+    ``like`` itself when it is a params tree (a flax.struct dataclass of arrays too)."""
     if like is None or (isinstance(like, Mapping) and not holds_nnx_objects(like)):
         return like
     try:
         items = split_state(like)
     except TypeError:
         return like  # a params pytree of another kind (list, tuple, dataclass leaf tree)
-    if "params" not in items:
-        raise TypeError(f"like of type {type(like).__name__} has no params")
-    return items["params"]
+    if "params" in items:
+        return items["params"]
+    elements = like if isinstance(like, list | tuple) else (like,)
+    if not any(is_nnx(x) for x in elements):
+        return like  # a flax.struct dataclass of params (no 'params' field): the tree
+    raise OptionTypeError(
+        f"restore_params(like): expected the model, its params or a training state holding "
+        f"them, found {type(like).__name__}, which holds no nnx.Param variables (its items: "
+        f"{sorted(items)}); pass the model (nnx.eval_shape(...) of it is enough) or "
+        f"nnx.state(model, nnx.Param)"
+    )
 
 
 def _spans(directory: Any, like: Any = None, *, sharding: Any = None, **_: Any) -> bool:

@@ -58,3 +58,35 @@ def test_a_users_transform_is_kept_as_given(tmp_path):
         fop.restore_params(tmp_path, like=like, transform={r"^dense/": "dense/"})
     got = fop.restore_params(tmp_path, like=like, transform={r"/value$": ""})
     np.testing.assert_array_equal(got["dense"]["kernel"], np.asarray(model.dense.kernel))
+
+
+def test_a_params_dataclass_like_serves_and_a_like_without_params_is_an_option_error(tmp_path):
+    """``restore_params(like=params)`` for params that are a flax.struct dataclass was
+    refused with a bare TypeError ("like of type P has no params"): the dataclass was
+    split as a training state. An NNX optimizer (no params since flax 0.11) is an
+    OptionTypeError saying what to pass, not a bare TypeError."""
+    import jax.numpy as jnp
+    import optax
+    from flax import struct
+
+    @struct.dataclass
+    class Params:
+        w: jax.Array
+        b: jax.Array
+
+    @struct.dataclass
+    class State:
+        step: jax.Array
+        params: Params
+
+    params = Params(jnp.arange(3.0), jnp.ones(2))
+    with fop.CheckpointManager(tmp_path, async_save=False) as mngr:
+        mngr.save(1, State(jnp.asarray(1), params))
+    for like in (Params(jnp.zeros(3), jnp.zeros(2)), jax.eval_shape(lambda: params)):
+        served = fop.restore_params(tmp_path, like=like)
+        assert isinstance(served, Params)
+        for got, want in zip(_values(served), _values(params), strict=True):
+            np.testing.assert_array_equal(got, want)
+    optimizer = nnx.Optimizer(Model(nnx.Rngs(0)), optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(fop.OptionTypeError, match=r"Optimizer, which holds no nnx.Param.*pass"):
+        fop.restore_params(tmp_path, like=optimizer)
