@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from .._errors import StructureError
 
@@ -252,13 +251,11 @@ def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
                 names = set(_split_nnx(value, _nnx_kind(value)))
                 nnx_names |= names
                 out[key] = merge_state(value, _subset(restored, names))
-        rest = {k: v for k, v in restored.items() if k not in nnx_names}
-        _check_none_in_like(like, rest, "key")
-        out.update(rest)
+        out.update({k: v for k, v in restored.items() if k not in nnx_names})  # None: as read
         return out
     if _is_struct_dataclass(like):
         updates = _subset(restored, set(_pytree_fields(like)))
-        _check_none_in_like({k: getattr(like, k) for k in updates}, updates, "field")
+        _check_none_in_like({k: getattr(like, k) for k in updates}, updates)
         if hasattr(like, "replace"):
             return like.replace(**updates)
         return dataclasses.replace(like, **updates)
@@ -269,29 +266,24 @@ def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
     raise TypeError(f"cannot merge checkpointables into a {type(like).__name__}")
 
 
-def _check_none_in_like(like: Mapping[str, Any], restored: Mapping[str, Any], what: str):
-    """A ``None`` in ``like`` (a TrainState's ``dynamic_scale=None``) where the step holds
-    values: merged, the state held a dict of numpy arrays in place of the object it had
-    none of, silently. A dict's key counts arrays only: a JSON item (``extras``) asked
-    for with ``None`` is read as it is."""
+def _check_none_in_like(like: Mapping[str, Any], restored: Mapping[str, Any]) -> None:
+    """A field that is ``None`` in ``like`` (a TrainState's ``dynamic_scale=None``) where
+    the step holds values: merged, the state held a dict of numpy arrays in place of the
+    object it had none of, silently. (A dict state's ``None`` item is a template that
+    reads the item as saved, as ``like=None`` does.)"""
     for name, value in restored.items():
         if name not in like or like[name] is not None:
             continue
-        leaves = jax.tree_util.tree_leaves_with_path(value)
-        arrays = what == "key"
-        paths = [_path(p) for p, x in leaves if not arrays or isinstance(x, _ARRAYS)]
+        paths = [_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(value)]
         if paths:
             shown = ", ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
             raise StructureError(
-                f"item {name!r}: the given state's {what} {name!r} is None, but the step holds "
-                f"{len(paths)} value(s) there ({shown}); "
-                f"give the state a {name} to restore them into, or keep it None and leave the "
-                f"item out: CheckpointCallback.on_train_start(state, reset=({name!r},)) or "
+                f"item {name!r}: the given state's field {name!r} is None, but the step "
+                f"holds {len(paths)} value(s) there ({shown}); give the state a {name} to "
+                f"restore them into, or keep it None and leave the item out: "
+                f"CheckpointCallback.on_train_start(state, reset=({name!r},)) or "
                 f"CheckpointManager.restore(like=state, items=[...])"
             )
-
-
-_ARRAYS = (np.ndarray, np.generic, jax.Array)
 
 
 def _path(keys: Any) -> str:
