@@ -396,11 +396,13 @@ def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
         _assert_bitwise_equal(fop.restore(tmp_path / "calibration"), expected)
         outcomes = collections.Counter()
         points = 16
-        # Kills spread over 1.2x the calibrated save; when later saves run faster than
-        # the calibration (a warmer machine) and too few land mid-save, up to 12 more
-        # kills come early in the save.
+        # Kills spread over 1.2x the calibrated save; when too few land mid-save (later
+        # saves ran faster or slower than the calibration on this shared machine), up to
+        # 12 more go into the window between the latest kill that came before anything
+        # was written and the earliest that found the save done, where mid-save lies.
         delays = [duration * 1.2 * i / (points - 1) for i in range(points)]
-        extra = [duration * 0.3 * k / 12 for k in range(1, 13)]
+        seen: dict[float, str] = {}
+        extra = 12
         i = 0
         while i < len(delays):
             path = tmp_path / f"c{i}"
@@ -411,21 +413,35 @@ def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
             try:
                 restored = fop.restore(path)
                 _assert_bitwise_equal(restored, expected)
-                outcomes["exact"] += 1
+                outcome = "exact"
             except fop.NotCommittedError:
-                outcomes["interrupted mid-save"] += 1
+                outcome = "interrupted mid-save"
                 assert not fop.is_committed(path)
             except fop.CheckpointNotFoundError:
-                outcomes["killed before writing"] += 1
+                outcome = "killed before writing"
+            outcomes[outcome] += 1
+            seen[delays[i]] = outcome
             i += 1
             if i == len(delays) and outcomes["interrupted mid-save"] < 3 and extra:
-                delays.append(extra.pop(0))
+                extra -= 1
+                delays.append(_inside_the_window(seen, 12 - extra))
     finally:
         server.stdin.close()
         _proc.wait(server, timeout=60)
     print(dict(outcomes))
     assert outcomes["interrupted mid-save"] >= 3, outcomes  # kills did land mid-save
     assert sum(outcomes.values()) == len(delays)
+
+
+def _inside_the_window(seen: dict[float, str], k: int) -> float:
+    """The k-th (1..12) kill delay inside the window where a kill lands mid-save: after
+    the latest delay that killed the save before it wrote, before the earliest that
+    found it committed (spread over the window, its middle first)."""
+    before = max((d for d, o in seen.items() if o == "killed before writing"), default=0.0)
+    done = [d for d, o in seen.items() if o == "exact" and d > before]
+    end = min(done, default=before * 1.5 + 0.05)
+    fraction = [0.5, 0.25, 0.75, 0.125, 0.375, 0.625, 0.875, 0.1, 0.3, 0.6, 0.9, 0.05][k - 1]
+    return before + (end - before) * fraction
 
 
 def test_batched_leaves_are_aligned_and_padding_is_zero(tmp_path):
