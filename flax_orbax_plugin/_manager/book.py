@@ -46,7 +46,7 @@ class StepBook:
         self._deleting: set[int] = set()
         self._metrics: dict[int, dict[str, float | None]] = {}
         self._times: dict[int, float] = {}  # step -> when this manager saved it (its clock)
-        self._lanes: dict[int, str] = {}  # step -> the lane it was saved in
+        self._lanes: dict[int, str | None] = {}  # step -> the lane it was saved in
         self._committed: list[int] | None = None  # a writer's committed steps (steps())
         self._last_save: SaveResult | None = None
 
@@ -163,12 +163,18 @@ class StepBook:
             self._times[step] = when
             self._lanes[step] = lane
 
-    def note_lane(self, step: int, lane: str) -> None:
-        """Any thread: the lane an earlier run recorded for ``step`` (its manifest)."""
+    def note_lane(self, step: int, lane: str | None) -> None:
+        """Any thread: the lane an earlier run recorded for ``step`` (its manifest; None:
+        it recorded none, and its number says)."""
         with self.lock:
             self._lanes.setdefault(step, lane)
 
-    def dated(self) -> tuple[dict[int, float], dict[int, str]]:
+    def lane_of(self, step: int) -> str | None:
+        """The lane ``step`` was saved in (None: not known)."""
+        with self.lock:
+            return self._lanes.get(step)
+
+    def dated(self) -> tuple[dict[int, float], dict[int, str | None]]:
         """``(times, lanes)`` of the steps this manager saved (copies)."""
         with self.lock:
             return dict(self._times), dict(self._lanes)

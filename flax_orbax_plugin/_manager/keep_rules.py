@@ -64,7 +64,7 @@ class StepFacts:
 
     metrics: Mapping[str, Mapping[int, Any]] = field(default_factory=dict)
     times: Mapping[int, float] = field(default_factory=dict)
-    lanes: Mapping[int, str] = field(default_factory=dict)
+    lanes: Mapping[int, str | None] = field(default_factory=dict)
     now: float | None = None
 
 

@@ -331,17 +331,16 @@ class RetentionRunner:
                         metrics[name][s] = value
         times, lanes = self._book.dated()
         if getattr(self.policy, "uses_lanes", False):  # an earlier run's: its manifest says
-            lanes.update({s: lane for s in steps if s not in lanes and (lane := self._lane(s))})
+            lanes.update({s: self._lane(s) for s in steps if s not in lanes})
         now = max(times.values(), default=None)
         return StepFacts(metrics=metrics, times=times, lanes=lanes, now=now)
 
     def _lane(self, step: int) -> str | None:
         """The lane an earlier run recorded in ``step``'s manifest (None: none, a step of
-        an earlier version; its number says), read once."""
+        an earlier version; its number says), read once (None remembered too)."""
         try:
             lane = _steps.read_manifest(_steps.step_location(self._loc, step)).lane
-        except CheckpointError:  # a damaged step: never deleted (see _check_whole)
+        except CheckpointError:  # a damaged step: never deleted (see _reads_whole)
             return None
-        if lane is not None:
-            self._book.note_lane(step, lane)
+        self._book.note_lane(step, lane)
         return lane

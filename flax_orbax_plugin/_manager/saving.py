@@ -306,7 +306,7 @@ class Saver:
             host_marker=marker,
             cancelled=cancelled,
             writer=self._book.writer,
-            lane=self._book.dated()[1].get(step),
+            lane=self._book.lane_of(step),
         )
 
         def background() -> SaveResult:
