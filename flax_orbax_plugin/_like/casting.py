@@ -9,7 +9,6 @@ The policy (``"safe"`` or ``"unsafe"``) is an argument of every check: a restore
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from typing import Any
 
@@ -17,7 +16,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from .._base.option_spec import flag
+from .._base.option_spec import flag, outside_stacklevel
 from .._base.tree import encode_key, path_string
 from .._errors import OptionError, StructureError
 
@@ -151,18 +150,9 @@ def legacy_cast(cast: Any, allow_cast: Any, *, where: str) -> str:
         f"{where}(allow_cast={allow_cast}) is deprecated: write cast={new!r}, as restore "
         f"and restore_params take it",
         DeprecationWarning,
-        stacklevel=_caller_level(),
+        stacklevel=outside_stacklevel(),
     )
     return new
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside this package (the user's call)."""
-    frame, level = sys._getframe(1), 1
-    top = __name__.split(".")[0] + "."
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(top):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def check(path: str, host: np.ndarray, out_dtype: Any, *, cast: str = "safe") -> None:
