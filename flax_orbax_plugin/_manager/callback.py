@@ -205,10 +205,7 @@ class CheckpointCallback:
         """Saves ``state`` as ``step`` if the policy says so; returns whether it did."""
         step = checked_step(step)
         if self._ended is not None:  # it would reopen the manager for a save nobody waits for
-            raise CheckpointError(
-                f"on_step_end({step}) after on_train_end (step {self._ended}): this "
-                f"callback's run is over; use a new CheckpointCallback for another run"
-            )
+            raise self._run_over(f"on_step_end({step})")
         if self._stepped is None and not self._started:  # a CLU hook list's cb(step) alone
             _resuming.unstarted(self.directory, self.manager, step, self.resume, self.overwrite)
         self._last_step = step
@@ -231,10 +228,7 @@ class CheckpointCallback:
         if self._ended is not None:  # twice: the same end is nothing, another refused
             if step is None or int(step) == self._ended:
                 return
-            raise CheckpointError(
-                f"on_train_end(step {step}) after on_train_end (step {self._ended}): this "
-                f"callback's run is over; use a new CheckpointCallback for another run"
-            )
+            raise self._run_over(f"on_train_end(step {step})")
         self._ended = -1 if step is None else int(step)
         first = None  # a hook's error raised by the last save (its step is saved all the same)
         if step is not None and int(step) != self._last_saved_step:
@@ -249,6 +243,12 @@ class CheckpointCallback:
                 raise
         if first is not None:  # once closed; a later hook error was logged
             raise first
+
+    def _run_over(self, call: str) -> CheckpointError:
+        return CheckpointError(
+            f"{call} after on_train_end (step {self._ended}): this callback's run is over; "
+            f"use a new CheckpointCallback for another run"
+        )
 
     def __call__(self, step: int, t: float | None = None) -> bool:
         """CLU-style hook: reads the state from ``state_fn`` and calls ``on_step_end``."""
