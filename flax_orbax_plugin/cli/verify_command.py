@@ -22,8 +22,9 @@ def cmd_verify(args) -> int:
         raise CliError(f"--step {args.step} and --all: choose one (--all checks every step)")
     unreadable: list[dict[str, Any]] = []  # --all: steps an environment error kept shut
     try:
-        if args.all and _steps.committed_steps(Location.from_path(args.path)):
-            results, unreadable = _verify_each_step(args.path)
+        steps = _steps.committed_steps(Location.from_path(args.path)) if args.all else []
+        if steps:
+            results, unreadable = _verify_each_step(Location.from_path(args.path), steps)
         else:
             results = verify(
                 args.path, step=args.step, all_steps=args.all, progress=byte_progress("verify")
@@ -70,16 +71,17 @@ def cmd_verify(args) -> int:
     return failed
 
 
-def _verify_each_step(path: str) -> tuple[list, list[dict[str, Any]]]:
-    """``verify --all`` of a run directory, a step at a time: a step that cannot be read
-    (a permission, an I/O error: not damage, so ``fop.verify`` raises) is reported and
-    the other steps are still checked."""
+def _verify_each_step(loc: Location, steps: list[int]) -> tuple[list, list[dict[str, Any]]]:
+    """``verify --all`` of the run directory ``loc`` (its committed ``steps``), a step at a
+    time (each by its own path: the directory is listed once): a step that cannot be
+    read (a permission, an I/O error: not damage, so ``fop.verify`` raises) is reported
+    and the other steps are still checked."""
     results, unreadable = [], []
-    for step in _steps.committed_steps(Location.from_path(path)):
+    for step in steps:
+        where = str(_steps.step_location(loc, step))
         try:
-            results.extend(verify(path, step=step, progress=byte_progress("verify")))
+            results.extend(verify(where, progress=byte_progress("verify")))
         except OSError as e:
-            where = str(_steps.step_location(Location.from_path(path), step))
             error = f"cannot be read: {one_line(e)}"
             unreadable.append(
                 {"path": where, "step": step, "item": None, "ok": False, "error": error}
