@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from .._base.tree import encode_key, path_string
 from .._errors import StructureError
 
 __all__ = [
@@ -274,7 +275,8 @@ def _check_none_in_like(like: Mapping[str, Any], restored: Mapping[str, Any]) ->
     for name, value in restored.items():
         if name not in like or like[name] is not None:
             continue
-        paths = [_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(value)]
+        found = jax.tree_util.tree_leaves_with_path(value)
+        paths = [path_string([encode_key(k) for k in keys]) for keys, _ in found]
         if paths:
             shown = ", ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
             raise StructureError(
@@ -284,10 +286,6 @@ def _check_none_in_like(like: Mapping[str, Any], restored: Mapping[str, Any]) ->
                 f"CheckpointCallback.on_train_start(state, reset=({name!r},)) or "
                 f"CheckpointManager.restore(like=state, items=[...])"
             )
-
-
-def _path(keys: Any) -> str:
-    return jax.tree_util.keystr(keys, simple=True, separator="/")
 
 
 def is_nnx(like: Any) -> bool:
