@@ -274,7 +274,14 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    return _status_kib("VmHWM") * 1024
+    """The process's peak RSS: ``VmHWM``, or ``ru_maxrss`` where /proc has no VmHWM
+    (gVisor, the TPU machine's sandbox; ru_maxrss is never reset)."""
+    try:
+        return _status_kib("VmHWM") * 1024
+    except KeyError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def reset_peak_rss() -> None:

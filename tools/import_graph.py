@@ -4,7 +4,7 @@
 
 ``--check`` (run by ``make lint``, so by CI) exits 1 when a rule of the wings breaks:
 an import cycle, an import back up, more than two function-level internal imports,
-an import inside a function without a comment saying why, a module over 400 lines,
+an import inside a function without a comment saying why, a module over 800 lines,
 any context variable (a ``ContextVar`` or ``threading.local``: never allowed),
 module-level mutable state outside ``state_scan.ALLOWED_STATE``, a format-version test
 outside ``state_scan.SEAM`` (``tools/state_scan.py``).
@@ -17,7 +17,7 @@ Reports, for the package under ``package_dir`` (default ``flax_orbax_plugin``):
   module, once from module-level imports only and once counting every import;
 - with wings (subpackages ranked in ``WINGS`` below), the imports that go from a
   wing to a wing ranked above it ("back up");
-- modules over 400 lines, functions over 60 lines, the largest class.
+- modules over 800 lines, functions over 60 lines, the largest class.
 
 Reads files only: nothing is imported or run.
 """
@@ -47,7 +47,7 @@ WINGS = [
     "cli",
 ]
 
-MODULE_LINES = 400
+MODULE_LINES = 800
 FUNCTION_LINES = 60
 
 

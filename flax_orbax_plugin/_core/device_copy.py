@@ -1,32 +1,40 @@
 """Device-to-host copies of the regions a save writes from accelerator arrays.
 
-Two ways, chosen per save by :func:`start` (blocking phase, training thread):
+Three stagings, one chosen per save by :func:`staging_for` from the platform (measured
+on each; ``benchmarks/accel_staging.py`` and ``benchmarks/bench_accelerator.py``):
 
-* **staged** (the default): each region is copied with ``jax.device_put`` into
-  ``pinned_host`` memory, the page-locked host memory the device's DMA engines write
-  without a bounce buffer. ``device_put`` only enqueues the copy, so the blocking
-  phase is the time to enqueue them; the copies overlap the following steps, and the
-  step that donates the state waits only for the copies that read it (jax orders a
-  donation after the buffer's pending reads). Where a device has no ``pinned_host``
-  memory, ``copy_to_host_async`` into ordinary host memory is started instead.
-* **streamed** (a save with ``host_memory_budget``): nothing is copied to host in the
-  blocking phase. Each region is copied on its device instead (a device-side copy at
-  the device's memory bandwidth, enqueued; it costs one more state of device memory
-  until written): holding the array itself would not do, since a donating step
-  invalidates a donated array whoever holds it. The background writer copies each
-  region to host when it gets to it, never holding more than the budget in host
-  memory at once (``write_data``'s in-flight bound). Regions larger than a fraction of
-  the budget are split into pieces of whole chunk rows (:func:`pieces`).
+* **device** (TPU): the blocking phase makes one copy of every array on its own device
+  (:func:`snapshot`, one jitted call per device set: an enqueue, about a millisecond
+  for a 1.5 GB state on a TPU v5e, done on the device in a few). No donation can touch
+  that copy, so the host copy runs in the background phase (:func:`fetch`), one piece
+  of at most :data:`FETCH_PIECE` bytes in flight at a time: on a TPU a transfer
+  enqueued before a step delays that step by its length, so pieces keep each step's
+  wait short (whole arrays at once made the next step wait 0.34 s where it took 0.02 s;
+  pinned host staging, 1.9 s). Where the devices lack the memory for the copy the
+  save falls back to **host** and says so (:class:`Staging`'s ``note``).
+* **pinned** (GPU, not measured here; the choice of the peers there): each region is
+  copied with ``jax.device_put`` into ``pinned_host`` memory, enqueued.
+* **host** (any other accelerator, and the device staging's fallback): every region's
+  ``copy_to_host_async`` is started, then all are read before the blocking phase ends:
+  the step after the save never waits, the blocking phase does.
 
-Either way the save's writes hold a :class:`Deferred` where they would hold host bytes,
-and the background phase calls :func:`materialize` (on its own thread) when it needs
-them. On CPU, jax arrays are host memory already and take neither way, unless
-:data:`CPU_AS_DEVICE` is set (tests and ``benchmarks/gpu_check.py`` exercise the
-device path on CPU: jax's CPU client has a ``pinned_host`` memory too).
+A save under ``host_memory_budget`` is **streamed** instead: each region is copied on
+its device (one more state of device memory until written) and the background writer
+copies it to host when it gets to it, never holding more than the budget at once
+(``write_data``'s in-flight bound); regions larger than a fraction of the budget are
+split into pieces of whole chunk rows (:func:`pieces`).
+
+The writes of a pinned or streamed save hold a :class:`Deferred` where they would hold
+host bytes, and the background phase calls :func:`materialize` (on its own thread).
+On CPU, jax arrays are host memory already and take none of these ways, unless
+:data:`CPU_AS_DEVICE` is set (tests and the benchmarks exercise the device staging on
+CPU: jax's CPU client has a ``pinned_host`` memory too).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -35,6 +43,71 @@ import jax.numpy as jnp
 import numpy as np
 
 CPU_AS_DEVICE = False  # treat CPU arrays as device arrays (exercises this path on CPU)
+FETCH_PIECE = 16 << 20  # bytes of one background transfer of the device staging
+SNAPSHOT_HEADROOM = 0.9  # the device copy takes at most this share of a device's free memory
+
+
+def staging_for(platform: str) -> str:
+    """The staging of a save whose arrays live on ``platform`` (see the module's doc)."""
+    if platform == "tpu" or (platform == "cpu" and CPU_AS_DEVICE):
+        return "device"
+    if platform in ("gpu", "cuda", "rocm"):
+        return "pinned"
+    return "host"
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    """How one save's blocking phase copied its accelerator arrays: ``kind`` (device,
+    pinned, host, streamed, or none where nothing is on a device) and, for a fallback,
+    ``note`` (why)."""
+
+    kind: str = "none"
+    note: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({self.note})" if self.note else self.kind
+
+
+@functools.partial(jax.jit, donate_argnums=())
+def _copy_all(arrays: list) -> list:
+    return [jnp.copy(x) for x in arrays]
+
+
+def free_bytes(device: Any) -> int | None:
+    """Bytes free on ``device`` (None: the platform does not say)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001  (a platform without memory statistics)
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def snapshot(arrays: list) -> tuple[list | None, str]:
+    """A copy of every array of ``arrays`` on its own devices (enqueued: one jitted call
+    per set of devices), or (None, why) where some device lacks the memory for it.
+    Called in the blocking phase, on the saving thread; reads no device value."""
+    need: dict[Any, int] = {}
+    for x in arrays:
+        for shard in x.addressable_shards:
+            need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+    for device, nbytes in need.items():
+        free = free_bytes(device)
+        if free is not None and nbytes > free * SNAPSHOT_HEADROOM:
+            return None, (
+                f"device memory short on {device}: the copy needs {nbytes} bytes, "
+                f"{max(free, 0)} free"
+            )
+    groups: dict[frozenset, list[int]] = {}
+    for i, x in enumerate(arrays):
+        groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+    copies: list = [None] * len(arrays)
+    for members in groups.values():
+        for i, c in zip(members, _copy_all([arrays[i] for i in members]), strict=True):
+            copies[i] = c
+    return copies, ""
 
 
 class Deferred:
@@ -69,19 +142,36 @@ def on_device(data: Any) -> bool:
     return CPU_AS_DEVICE or next(iter(data.devices())).platform != "cpu"
 
 
-def start(data: jax.Array, part: tuple[slice, ...] | None, *, streamed: bool) -> Deferred:
-    """The region ``part`` (None: all) of the single-device array ``data``, staged into
-    pinned host memory (copy enqueued) or, ``streamed``, copied on the device."""
-    if streamed:  # a copy on the device, which no donation of ``data`` invalidates
+def start(data: jax.Array, part: tuple[slice, ...] | None, *, kind: str) -> Deferred:
+    """The region ``part`` (None: all) of the single-device array ``data``, as the
+    staging ``kind`` says: ``streamed``, copied on the device; ``pinned``, its copy into
+    pinned host memory enqueued (``host`` where the device has none); ``host``, its
+    ``copy_to_host_async`` started (the caller reads it before the blocking phase ends:
+    a donation would delete ``data``)."""
+    if kind == "streamed":  # a copy on the device, which no donation of ``data`` invalidates
         return Deferred(jnp.copy(data) if part is None else data[part])
     region = data if part is None else data[part]
     device = next(iter(region.devices()))
-    kinds = {m.kind for m in device.addressable_memories()}
-    if "pinned_host" in kinds:
+    if kind == "pinned" and "pinned_host" in {m.kind for m in device.addressable_memories()}:
         target = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
         return Deferred(jax.device_put(region, target))
     region.copy_to_host_async()
     return Deferred(region)
+
+
+def fetch(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
+    """Host bytes of the region ``part`` (None: all) of the single-device array
+    ``data``, brought over in pieces of whole rows of at most :data:`FETCH_PIECE`
+    bytes, one in flight at a time (background phase, device staging)."""
+    region = data if part is None else data[part]
+    shape = tuple(region.shape)
+    if not shape or region.nbytes <= FETCH_PIECE or shape[0] <= 1:
+        return np.asarray(region)
+    out = np.empty(shape, np.dtype(region.dtype))
+    rows = max(1, FETCH_PIECE // max(1, region.nbytes // shape[0]))
+    for lo in range(0, shape[0], rows):
+        out[lo : lo + rows] = np.asarray(region[lo : lo + rows])
+    return out
 
 
 def materialize(data: Any) -> Any:

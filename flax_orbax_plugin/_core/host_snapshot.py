@@ -35,15 +35,19 @@ def take(
     pool: _host.BufferPool | None,
     own_copy: bool = False,
     budget: int | None = None,
+    device_kind: str = "pinned",
 ):
     """Copies every byte this process writes (``leaves``: the plan's, each gets its
     ``writes``) to host memory; with ``pool``, into its buffers. Returns (batch name ->
     its data, the pooled buffers to give back once written, whether the save must wait
     for its writes before returning).
 
-    Regions of accelerator arrays are staged or streamed (``_device_copy``; streamed
-    with a ``budget``, in pieces of at most a quarter of it). With a ``budget``, CPU
-    arrays are held as zero-copy views and nothing is copied: the save then returns
+    Regions of accelerator arrays are staged as ``device_kind`` says (``_device_copy``:
+    ``pinned`` or ``host`` in the blocking phase; ``fetch``, in the background phase of
+    the device staging, from the device copy :func:`_device_copy.snapshot` made), or
+    streamed with a ``budget``, in pieces of at most a quarter of it. Small leaves are
+    read first, so no synchronous read waits behind a large region's transfer. With a
+    ``budget``, CPU arrays are held as zero-copy views and nothing is copied: the save then returns
     only once they are written (the third value), so no copy of the state is ever made.
 
     ``own_copy`` (a host's own local directory): this process writes every region it
@@ -67,10 +71,30 @@ def take(
         if not isinstance(source, tuple) and _device_copy.on_device(source):
             source.copy_to_host_async()
     streamed = budget is not None
+    kind = "streamed" if streamed else device_kind
     views_held = False
-    # Small leaves: with a pool, copied into one pooled buffer per batch; otherwise
-    # each leaf's own host snapshot (a zero-copy view on CPU, see _host_copy), and
-    # the batch is written from those pieces (gathered, never copied on this thread).
+    batch_data = _take_small(owned, batches, writers, me, pool, keep)  # read first
+    for leaf, source, rows in owned:
+        if not isinstance(leaf.record.storage, BatchStorage):
+            summed = _summed(leaf)
+            for part in _pieces(leaf, source, rows, budget):
+                data = _copy_region(source, part, pool, keep, later, kind, summed)
+                views_held |= streamed and isinstance(data, np.ndarray)
+                leaf.writes.append((part, data))
+    if kind == "host":  # every transfer started: read before a donation deletes them
+        _device_copy.materialize_all(leaves)
+    _host.copy_all(later)  # on a few threads: the training thread waits for them anyway
+    later.clear()  # its views of the state would stop the next step's donation
+    for leaf in leaves:
+        leaf.value = None  # the snapshot is all the background phase needs
+    return batch_data, pooled, views_held
+
+
+def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) -> dict:
+    """The batches this process writes, from their small leaves: with a pool, copied
+    into one pooled buffer per batch; otherwise each leaf's own host snapshot (a
+    zero-copy view on CPU, see _host_copy), the batch written from those pieces
+    (gathered, never copied on this thread)."""
     batch_data: dict[str, Any] = {}
     ends: dict[str, int] = {}  # end of the last leaf written into each batch
     pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
@@ -82,18 +106,9 @@ def take(
             else:
                 batch_data[name] = keep(pool.empty((batch.size,), dtype))
             ends[name] = 0
-    for leaf, source, rows in owned:
-        storage = leaf.record.storage
-        if isinstance(storage, BatchStorage):
-            _copy_small(storage, source, batch_data, pieces, ends, pool)
-        else:
-            summed = _summed(leaf)
-            for part in _pieces(leaf, source, rows, budget):
-                data = _copy_region(source, part, pool, keep, later, streamed, summed)
-                views_held |= streamed and isinstance(data, np.ndarray)
-                leaf.writes.append((part, data))
-    _host.copy_all(later)  # on a few threads: the training thread waits for them anyway
-    later.clear()  # its views of the state would stop the next step's donation
+    for leaf, source, _ in owned:
+        if isinstance(leaf.record.storage, BatchStorage):
+            _copy_small(leaf.record.storage, source, batch_data, pieces, ends, pool)
     for name, end in ends.items():
         if name in pieces:
             batch = batches[name]
@@ -101,9 +116,7 @@ def take(
             batch_data[name] = _chunk_writer.Gathered(pieces[name], dtype, batch.size)
         else:
             batch_data[name][end:] = 0
-    for leaf in leaves:
-        leaf.value = None  # the snapshot is all the background phase needs
-    return batch_data, pooled, views_held
+    return batch_data
 
 
 def pool_sizes(leaves: list, batches: dict[str, BatchRecord], own_copy: bool = False) -> list:
@@ -220,15 +233,19 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
     ends[name] = off + size
 
 
-def _copy_region(source, rows, pool, keep, later: list, streamed: bool, summed):
+def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
     """The host copy of the region ``rows`` of a leaf stored as its own array (of an
-    accelerator array: a ``_device_copy.Deferred``). A pooled copy is checksummed as it
-    is copied (``summed``: the leaf's shape, chunk shape and crcs, see :func:`_pooled`)."""
+    accelerator array: a ``_device_copy.Deferred``, or its bytes for ``fetch``). A
+    pooled copy is checksummed as it is copied (``summed``: the leaf's shape, chunk
+    shape and crcs, see :func:`_pooled`)."""
     if isinstance(source, tuple):
         data, index = source
         part = _relative(rows, index)
         if _device_copy.on_device(data):
-            return _device_copy.start(data, part, streamed=streamed)
+            if kind == "fetch":
+                return _device_copy.fetch(data, part)
+            return _device_copy.start(data, part, kind=kind)
+        streamed = kind == "streamed"
         if streamed:  # a budget: the save waits for the views to be written
             host = np.asarray(data)
             return host if part is None else host[part]
@@ -236,7 +253,7 @@ def _copy_region(source, rows, pool, keep, later: list, streamed: bool, summed):
             host = np.asarray(data)
             return keep(_pooled(pool, host if part is None else host[part], rows, later, summed))
         return _host_copy(data, part)
-    if streamed:  # a numpy leaf under a budget: written before the save returns
+    if kind == "streamed":  # a numpy leaf under a budget: written before the save returns
         return np.asarray(source)
     if pool is None:
         return _host.copy(np.asarray(source))

@@ -146,6 +146,8 @@ class Plan:
         self._pool: _host.BufferPool | None = None
         self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
         self.write_first = False  # the save returns only once its data is written
+        self.staging = _device_copy.Staging()  # how the blocking phase copied (snapshot)
+        self._take_later = False  # the device staging: the host copy is the write's
         self.data_written = threading.Event()  # this process's data written (or failed)
         self.cancelled = request.cancelled  # set: the save was cancelled (Ctrl-C)
 
@@ -172,15 +174,47 @@ class Plan:
         return cls(leaves, batching.records(codec), request)
 
     def snapshot(self) -> None:
-        """Copies every byte this process writes to host memory (blocking phase): into
-        the request's buffers where it has them and no host memory budget (given back
-        by :meth:`write`); for a host's own directory every byte this process holds."""
+        """The blocking phase's copy of every byte this process writes: into the
+        request's buffers where it has them and no host memory budget (given back by
+        :meth:`write`); for a host's own directory every byte this process holds.
+
+        Accelerator arrays take the platform's staging (``device_copy``, in
+        :attr:`staging`): with the device staging only a copy on the device is made here
+        and the host copy runs in :meth:`write`; nothing here reads a device value."""
         req = self.request
         budget = req.host_memory_budget
-        pool = None if budget is not None else req.buffers
-        self._pool = pool
+        self._pool = None if budget is not None else req.buffers
+        on_device = [leaf for leaf in self.leaves if _device_copy.on_device(leaf.value)]
+        kind = "none"
+        if budget is not None:
+            kind = "streamed" if on_device else "none"
+        elif on_device:
+            kind = _device_copy.staging_for(next(iter(on_device[0].value.devices())).platform)
+        note = ""
+        if kind == "device":  # every jax.Array (a CPU one too) copied where it lives
+            arrays = [leaf for leaf in self.leaves if isinstance(leaf.value, jax.Array)]
+            copies, note = _device_copy.snapshot([leaf.value for leaf in arrays])
+            if copies is not None:
+                for leaf, copy in zip(arrays, copies, strict=True):
+                    leaf.value = copy  # its own copy: no donation touches it
+                for leaf in self.leaves:  # the caller may change a numpy array on return
+                    if isinstance(leaf.value, np.ndarray):
+                        leaf.value = leaf.value.copy()
+                self.staging = _device_copy.Staging("device")
+                self._take_later = True
+                return
+            kind = "host"  # the device lacks the memory: copied to host now, said why
+        self.staging = _device_copy.Staging(kind, note)
+        self._take(kind)
+
+    def _take(self, kind: str) -> None:
         self.batch_data, self._pooled, self.write_first = _host_snapshot.take(
-            self.leaves, self.batches, pool, req.own_copy, budget
+            self.leaves,
+            self.batches,
+            self._pool,
+            self.request.own_copy,
+            self.request.host_memory_budget,
+            device_kind=kind,
         )
 
     def document(self) -> CheckpointDocument:
@@ -217,6 +251,9 @@ class Plan:
             self.batch_data = {}
 
     def _write(self, location, *, durable) -> _commit.Written:
+        if self._take_later:  # the device staging: the host copy, from the device copy
+            self._take_later = False
+            self._take("fetch")
         primary = _distributed.is_primary() or self.request.own_copy
         reuse = self.request.reuse
         if self.format.copies_before_writing or reuse is not None:  # every region first

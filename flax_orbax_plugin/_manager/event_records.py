@@ -38,9 +38,15 @@ class SaveStarted(Event):
 @dataclasses.dataclass(frozen=True)
 class SaveBlockingDone(Event):
     """The blocking phase of ``step`` ended: the training loop waited
-    ``blocking_seconds``; the write and commit go on in the background."""
+    ``blocking_seconds``; the write and commit go on in the background.
+
+    ``staging``: how accelerator arrays were copied (``device``: a copy on the device,
+    brought to host in the background; ``host``: to host memory before returning, with
+    the reason where it replaced ``device``; ``pinned``; ``streamed``; ``none`` where no
+    array was on an accelerator)."""
 
     blocking_seconds: float
+    staging: str = "none"
 
     def scalars(self) -> dict[str, float]:
         return {"checkpoint/save_blocking_seconds": self.blocking_seconds}

@@ -44,6 +44,8 @@ from .step_commit import StepCommit, start_item, wait_all
 
 __all__ = ["Saver", "collect_items"]
 
+_READ_FIRST = frozenset({"json", "step", "data_iterator"})  # checkpointable kinds read first
+
 logger = logging.getLogger("flax_orbax_plugin")
 
 
@@ -283,6 +285,7 @@ class Saver:
             created_at=_per_host.agreed_time(region) if own else None,
             region=region,
         )
+        metric = self._retention.metric_of(extras, step)  # read before any transfer starts
         pendings, reuses = self._save_items(staging, items, dirs, handlers, prev_loc, request)
         if own:
             marker = _per_host.own_marker(step, self._book.run, items)
@@ -292,7 +295,6 @@ class Saver:
                 [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
             )
         )
-        metric = self._retention.metric_of(extras, step)
         blocking = time.perf_counter() - started
         op = _distributed.next_operation_id("manager-commit", region=region)
         commit = StepCommit(
@@ -329,7 +331,11 @@ class Saver:
             self._after_commit(step, result, metric, commit.stored)
             return result
 
-        self._book.events.emit(SaveBlockingDone(step, str(self._loc), blocking))
+        snaps = [getattr(p, "snap", None) for p in pendings.values()]
+        stagings = {str(s.staging) for s in snaps if s is not None}
+        stagings.discard("none")
+        staging = "; ".join(sorted(stagings)) or "none"
+        self._book.events.emit(SaveBlockingDone(step, str(self._loc), blocking, staging))
         handle = SaveHandle(str(final), background, cancelled=cancelled, region=region)
         self.inflight = handle.start()
         return pendings
@@ -349,8 +355,12 @@ class Saver:
         pendings: dict[str, Pending] = {}
         reuses: list[Reuse] = []  # their key-value values are deleted after the commit
         name = None
+        # Small items first (step, extras, the iterator's position: read on this thread),
+        # so that no synchronous read of a device value waits behind the arrays' transfers.
+        order = sorted(items, key=lambda n: kind_of(handlers[n]) not in _READ_FIRST)
         try:
-            for name, value in items.items():
+            for name in order:
+                value = items[name]
                 item_request = request  # incremental: the same item of the previous step
                 if self._incremental and getattr(handlers[name], "incremental", False):
                     # the exchange's name: drawn here, in item order
@@ -360,6 +370,7 @@ class Saver:
                     item_request = request.replace(reuse=reuse)
                 target = staging.location.child(dirs[name])
                 pendings[name] = start_item(name, handlers[name], target, value, item_request)
+            pendings = {n: pendings[n] for n in items}  # the items' own order again
         except BaseException as e:
             wait_all(pendings.values())
             # A directory other processes write into is theirs too: the primary's abort

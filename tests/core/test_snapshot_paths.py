@@ -40,15 +40,16 @@ _donate = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x * 0 - 7, s), dona
 
 @pytest.fixture
 def device_path(monkeypatch):
-    """CPU arrays take the accelerator path; records every region it starts and every
-    one it materializes (their sizes), calling the real functions."""
+    """CPU arrays take the accelerator path; records every device snapshot, every region
+    it starts and every one it materializes (their sizes), calling the real functions."""
     monkeypatch.setattr(_device_copy, "CPU_AS_DEVICE", True)
-    seen = {"started": [], "materialized": []}
+    seen = {"started": [], "materialized": [], "snapshots": [], "fetched": []}
     start, materialize = _device_copy.start, _device_copy.materialize
+    snapshot, fetch = _device_copy.snapshot, _device_copy.fetch
 
-    def spy_start(data, part, *, streamed):
-        out = start(data, part, streamed=streamed)
-        seen["started"].append((streamed, out.array.sharding.memory_kind, out.nbytes))
+    def spy_start(data, part, *, kind):
+        out = start(data, part, kind=kind)
+        seen["started"].append((kind, out.array.sharding.memory_kind, out.nbytes))
         return out
 
     def spy_materialize(data):
@@ -56,8 +57,19 @@ def device_path(monkeypatch):
             seen["materialized"].append(data.nbytes)
         return materialize(data)
 
+    def spy_snapshot(arrays):
+        copies, why = snapshot(arrays)
+        seen["snapshots"].append((len(arrays), copies is not None, why))
+        return copies, why
+
+    def spy_fetch(data, part):
+        seen["fetched"].append(threading.current_thread() is threading.main_thread())
+        return fetch(data, part)
+
     monkeypatch.setattr(_device_copy, "start", spy_start)
     monkeypatch.setattr(_device_copy, "materialize", spy_materialize)
+    monkeypatch.setattr(_device_copy, "snapshot", spy_snapshot)
+    monkeypatch.setattr(_device_copy, "fetch", spy_fetch)
     return seen
 
 
@@ -65,18 +77,75 @@ def _expected(state):
     return jax.tree_util.tree_map(np.array, state)
 
 
-def test_staged_copies_go_to_pinned_host_and_survive_donation(tmp_path, devices, device_path):
+def test_the_device_staging_copies_on_the_device_and_fetches_in_the_background(
+    tmp_path, devices, device_path
+):
     state = _state(devices, 1.0)
     expected = _expected(state)
     handle = fop.save_async(tmp_path / "ck", state)
     junk = _donate({"w": state["w"], "r": state["r"]})  # the next step, at once
     jax.block_until_ready(junk)
+    assert state["w"].is_deleted()  # donated: the save holds copies of its own
     state["n"][:] = -1  # the caller's numpy array changed after save_async returned
     handle.wait()
-    assert device_path["started"], "no region took the device path"
-    assert {(s, k) for s, k, _ in device_path["started"]} == {(False, "pinned_host")}
+    assert device_path["snapshots"] == [(3, True, "")]  # w, r, b: one device copy
+    assert not device_path["started"]  # nothing staged to host while blocking
+    fetched = device_path["fetched"]
+    assert fetched and not any(fetched)  # every region fetched off the saving thread
     got = fop.restore(tmp_path / "ck", expected)
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, expected)
+
+
+def test_device_fetch_brings_a_large_region_over_in_pieces(monkeypatch):
+    monkeypatch.setattr(_device_copy, "FETCH_PIECE", 4096)
+    x = jnp.arange(100 * 37, dtype=jnp.float32).reshape(100, 37)
+    seen = []
+    real = np.asarray
+
+    def counting(a, *args, **kw):
+        if isinstance(a, jax.Array):
+            seen.append(a.shape)
+        return real(a, *args, **kw)
+
+    monkeypatch.setattr(_device_copy.np, "asarray", counting)
+    got = _device_copy.fetch(x, (slice(3, 90), slice(None)))
+    np.testing.assert_array_equal(got, real(x)[3:90])
+    assert len(seen) > 1 and all(s[0] * 37 * 4 <= 4096 for s in seen)  # pieces of rows
+
+
+@pytest.mark.parametrize("kind", ["pinned", "host"])
+def test_the_other_stagings_copy_before_returning_and_survive_donation(
+    tmp_path, devices, device_path, monkeypatch, kind
+):
+    monkeypatch.setattr(_device_copy, "staging_for", lambda platform: kind)
+    state = _state(devices, 1.0)
+    expected = _expected(state)
+    handle = fop.save_async(tmp_path / "ck", state)
+    jax.block_until_ready(_donate({"w": state["w"], "r": state["r"]}))
+    handle.wait()
+    started = device_path["started"]
+    memory = "pinned_host" if kind == "pinned" else "device"
+    assert started and {(k, m) for k, m, _ in started} == {(kind, memory)}
+    got = fop.restore(tmp_path / "ck", expected)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, expected)
+
+
+def test_short_device_memory_falls_back_to_host_and_the_event_says_why(
+    tmp_path, devices, device_path, monkeypatch
+):
+    monkeypatch.setattr(_device_copy, "free_bytes", lambda device: 1024)
+    state = _state(devices, 3.0)
+    expected = _expected(state)
+    events = []
+    with fop.CheckpointManager(tmp_path / "run", on_event=events.append) as mngr:
+        mngr.save(1, {"params": state})
+        jax.block_until_ready(_donate({"w": state["w"], "r": state["r"]}))
+        mngr.wait()
+        got = mngr.restore(step=1)["params"]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, expected)
+    assert device_path["snapshots"] and not device_path["snapshots"][0][1]
+    blocking = [e for e in events if type(e).__name__ == "SaveBlockingDone"]
+    assert blocking[0].staging.startswith("host (device memory short")
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -93,7 +162,7 @@ def test_a_budget_streams_device_regions_in_pieces(tmp_path, devices, device_pat
         got = mngr.restore(step=1)["params"]
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, expected)
     started = device_path["started"]
-    assert started and all(streamed for streamed, _, _ in started)
+    assert started and all(kind == "streamed" for kind, _, _ in started)
     assert all(k == "device" for _, k, _ in started)  # nothing copied to host while blocking
     pieces = device_path["materialized"]
     assert sum(pieces) == 4 * 512 * 2048 + 4 * 2048 * 1024  # every region went through it

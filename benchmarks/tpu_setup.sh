@@ -1,0 +1,14 @@
+# Sourced on the TPU machine (device tool): installs what the machine's JAX lacks into
+# /tmp/site (the wheels carried in .whl-tpu: clu, crc32c, google-crc32c, xxhash) and
+# /tmp/site2 (its own package index: flax, optax, orbax-checkpoint, tensorstore ...),
+# behind the machine's own JAX on PYTHONPATH, with this checkout first for the package.
+export PIP_CONFIG_FILE=/dev/null
+python3 -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site .whl-tpu/*.whl || return 1
+python3 -m pip install --isolated -q --only-binary=:all: --no-cache-dir \
+  --index-url file:///opt/pypi/simple --target /tmp/site2 \
+  flax optax orbax-checkpoint tensorstore ml-collections absl-py etils msgpack psutil \
+  2>&1 | grep -v -i "warning" | tail -3
+export PYTHONPATH="$PWD:$PYTHONPATH:/tmp/site:/tmp/site2"
+export PYTHONUNBUFFERED=1
+python3 -c "import platform, jax, flax, optax, orbax.checkpoint as o, tensorstore as ts, clu, flax_orbax_plugin as f; print('SETUP', platform.libc_ver(), 'jax', jax.__version__, 'flax', flax.__version__, 'orbax', o.__version__, 'ts', ts.__version__, jax.devices())"
