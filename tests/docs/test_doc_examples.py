@@ -61,3 +61,21 @@ def test_the_pages_blocks_run_in_order(page, tmp_path, monkeypatch):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(compile("\n" * (b.line - 1) + b.code, page, "exec"), names)
+
+
+def test_the_api_reference_documents_every_public_name():
+    """docs/api.md has an autodoc directive for each name of ``__all__`` (a new public
+    name without one fails here; ``make docs`` fails on a name that does not exist)."""
+    import flax_orbax_plugin as fop
+
+    text = (_docs.DOCS / "api.md").read_text()
+    documented = re.findall(r"^\.\. auto(?:function|class|exception):: (\w+)$", text, re.M)
+    assert sorted(documented) == sorted(fop.__all__)
+
+
+def test_the_readme_is_short_and_the_pages_name_no_issue_numbers():
+    readme = (_docs.REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 350
+    for page in [*_docs.pages(), "CHANGELOG.md"]:
+        text = (_docs.REPO / page).read_text()
+        assert not re.search(r"\bissues? \d+", text, re.I), page
