@@ -200,8 +200,8 @@ _OWN_MODULE = (("restore_params", "._reading.serving"),)
 def __getattr__(name: str):
     """A public name, imported on its first use (PEP 562) with all the others (serving's
     ``restore_params`` alone: see ``_OWN_MODULE``)."""
-    if name == "__version__":  # importlib.metadata: not paid by the CLI before it runs
-        value = _version.version()
+    if name == "__version__":
+        value = _version.__version__
     elif name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     else:

@@ -2,7 +2,7 @@
 
 Shared by the Orbax and msgpack importers. Who calls what: an importer reads one
 foreign step into ``{item name: tree or JSON value}``, maps it with
-:func:`.import_step.step_items`, and hands an iterator of steps to :func:`save_steps`, which
+:func:`.import_step.step_items`, and hands an iterator of steps to ``save_steps``, which
 writes each through the public ``CheckpointManager.save`` (so the on-disk layout
 is exactly what a training job writes).
 
@@ -204,7 +204,7 @@ def import_checkpoint(
     Orbax (a manager, step or item directory) goes through
     :func:`import_orbax`; a msgpack file or a ``flax.training.checkpoints`` directory
     through :func:`import_msgpack`. Returns the steps written. ``progress``: as
-    :func:`save_steps`'s, over the bytes of the source files read.
+    ``save_steps``'s, over the bytes of the source files read.
     """
     if is_orbax_checkpoint(src):
         return import_orbax(
@@ -247,7 +247,7 @@ def import_orbax(
     time to host memory and the assembled step is saved with the public
     ``CheckpointManager.save``, so the peak is about twice the step's bytes (the tree,
     then the save's own host snapshot). Returns the steps written. Items map as
-    :func:`step_items` says. ``progress``: as :func:`save_steps`'s.
+    ``step_items`` says. ``progress``: as ``save_steps``'s.
     """
     _option_table.check_import(
         step=step, force=force, format_version=format_version, progress=progress
@@ -299,7 +299,7 @@ def import_msgpack(
     ends with; a file with none of them is refused (``import_step.choose_step``),
     the first before anything is written. A state dict with ``params`` is split into
     items (``params``, ``opt_state``, ``step`` ...), any other tree is saved as
-    ``params``. Returns the steps written. ``progress``: as :func:`save_steps`'s.
+    ``params``. Returns the steps written. ``progress``: as ``save_steps``'s.
     """
     _option_table.check_import(
         step=step, force=force, format_version=format_version, progress=progress

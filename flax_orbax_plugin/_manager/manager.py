@@ -177,7 +177,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
 
     @property
     def commit_log_level(self) -> int:
-        """The level of the line logged per commit (a callback with a writer: DEBUG)."""
+        """The level of the line logged per commit (DEBUG for a callback with a writer)."""
         return self._saver.log_level
 
     @commit_log_level.setter

@@ -118,7 +118,7 @@ class SavePolicy(SaveRule):
 
     @property
     def always(self) -> bool:
-        """No rule set: every step is saved."""
+        """Whether no rule is set (then every step is saved)."""
         return self.every_steps is None and self.every_seconds is None and not self.steps
 
     @property

@@ -174,7 +174,7 @@ def step_set(steps: Any, where: str) -> frozenset | range:
 @dataclass(frozen=True)
 class AtSteps(SaveRule):
     """Saves these steps (ints >= 0: a range stays a range, anything else is kept as a
-    frozenset; see :func:`step_set`)."""
+    frozenset; see ``step_set``)."""
 
     steps: frozenset | range
 

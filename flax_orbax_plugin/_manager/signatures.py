@@ -27,8 +27,11 @@ MANAGER_DOC = """A directory of training steps: save policy, retention, async sa
     KeepBest(2, metric="loss")``, ``policy=Lanes(temporary=Lane(EverySeconds(1800),
     keep=KeepLast(2)), permanent=Lane(EverySteps(10_000)))`` (docs/manager.md).
 
-    Args (keyword-only after ``directory``; each checked when the manager is made, and
-    one that does nothing in the chosen mode refused: OptionError naming it):
+    The options are keyword-only after ``directory``; each is checked when the manager
+    is made, and one that does nothing in the chosen mode is refused (OptionError
+    naming it).
+
+    Args:
       directory: local path, ``s3://`` / ``gs://`` URL, or tensorstore kvstore spec.
 {options}
 
@@ -51,8 +54,10 @@ MANAGER_DOC = """A directory of training steps: save policy, retention, async sa
 
 CALLBACK_DOC = """Resume at train start, save on a policy, flush at train end.
 
-    Args (keyword-only after ``directory``; checked when the callback is made, its
-    ``manager_options`` too):
+    The options are keyword-only after ``directory``, checked when the callback is
+    made (its ``manager_options`` too).
+
+    Args:
       directory: the checkpoint directory (local path or ``s3://`` / ``gs://`` URL).
 {options}
 

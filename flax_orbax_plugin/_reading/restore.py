@@ -54,7 +54,7 @@ def restore(
     share_replicated_reads: bool | None = None,
 ) -> Any:
     """Restores the checkpoint at ``path`` in the form of ``like`` (see
-    :mod:`flax_orbax_plugin._core.restore` for what ``like`` decides). ``path`` may
+    ``flax_orbax_plugin._core.restore`` for what ``like`` decides). ``path`` may
     also be a step's JSON item (``DIR/<step>/extras``, ``.../step``,
     ``.../data_iterator``): its value is returned (see ``_reading.items``).
     NNX modules, optimizers and Rngs in ``like`` (alone, or in a tuple, list or dict such
@@ -87,7 +87,7 @@ def restore(
     fop.Fuse(...), fop.Split(...), fop.Transpose(...), fop.Rename(...)]`` applied in
     order to the saved leaves (after ``transform``), during the read: each target
     shard reads only the regions of the saved leaves it covers. ``dry_run=True``
-    returns a :class:`fop.RestorePlan` (which saved leaves and index ranges make each
+    returns a :class:`~flax_orbax_plugin.RestorePlan` (which saved leaves and index ranges make each
     leaf of ``like``; ``print`` it) after every check, reading no array data.
 
     Raises:

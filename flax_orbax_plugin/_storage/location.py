@@ -112,7 +112,7 @@ class Location:
 
         Raises ForeignEntryError for a symlink or non-regular file (never followed or
         read) and CorruptCheckpointError above ``max_bytes`` (metadata and JSON files:
-        :data:`MAX_SMALL_FILE_BYTES`; None for array data copied whole).
+        ``MAX_SMALL_FILE_BYTES``; None for array data copied whole).
         """
         if self.is_local:
             return _local.read_file(self.path, check_name(name), max_bytes)

@@ -14,7 +14,7 @@ import os
 import sys
 
 from .._errors import CheckpointError
-from .._version import version
+from .._version import __version__
 from . import shell
 from .output import EXIT_ERROR, CliError, one_line
 
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p.commands = sub.choices
 

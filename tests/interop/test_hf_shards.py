@@ -288,25 +288,21 @@ def test_from_pretrained_gives_the_same_logits(tmp_path):
 
 
 def test_readme_recipe(tmp_path):
-    """README's "Hugging Face shards while training" block, run as written."""
-    import re
-    from pathlib import Path
+    """docs/safetensors.md's "Shards while training" block, run as written."""
 
-    import _paths
+    import _docs
     import optax
     import safetensors.numpy
     from flax.training import train_state
 
     transformers = pytest.importorskip("transformers")
-    text = (Path(_paths.REPO) / "README.md").read_text()
-    marker = "<!-- snippet: run by tests/interop/test_hf_shards.py::test_readme_recipe -->"
-    (code,) = re.findall(re.escape(marker) + r"\n```python\n(.*?)^```", text, re.M | re.S)
+    code = _docs.run_by("tests/interop/test_hf_shards.py::test_readme_recipe")
     params = gpt2_params(7)
     state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
     names = {"fop": fop, "transformers": transformers, "safetensors": safetensors}
     names.update(directory=str(tmp_path), config=CONFIG, num_steps=2001, batch=None, state=state)
     names["train_step"] = lambda state, batch: state  # the recipe is about the saves
-    exec(compile(code, "README.md", "exec"), names)
+    exec(compile(code, "docs/safetensors.md", "exec"), names)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == [
         "1000",
         "1500",

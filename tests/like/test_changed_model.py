@@ -4,7 +4,7 @@ callback and restore_params."""
 
 from __future__ import annotations
 
-import _paths
+import _docs
 import jax
 import numpy as np
 import pytest
@@ -208,16 +208,12 @@ def test_restore_params_subset_and_transform(run):
     np.testing.assert_array_equal(np.asarray(out["block2"]["w"]), tree["params"]["layers_2"]["w"])
 
 
-# -- the README recipe ----------------------------------------------------------------
+# -- the recipe of docs/changed_models.md ---------------------------------------------
 
 
 def readme_recipe() -> str:
-    """The python block under "### Restoring into a changed model" in README.md."""
-    import pathlib
-
-    text = (pathlib.Path(_paths.REPO) / "README.md").read_text()
-    section = text.split("### Restoring into a changed model", 1)[1]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
+    """The python block of docs/changed_models.md this test is named for."""
+    return _docs.run_by("tests/like/test_changed_model.py::test_readme_recipe")
 
 
 def test_readme_recipe(tmp_path):
@@ -279,7 +275,7 @@ def test_readme_recipe(tmp_path):
     names = {"fop": fop, "nnx": nnx, "optax": optax, "MLP": MLP}
     names.update(linen_directory=linen_directory, directory=directory)
     names.update(create_train_state=create_train_state, without_head=without_head)
-    exec(compile(readme_recipe(), "README.md", "exec"), names)
+    exec(compile(readme_recipe(), "docs/changed_models.md", "exec"), names)
     names["cb"].close()
 
     # case 1: every NNX value is the Linen one under its new name

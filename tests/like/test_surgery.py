@@ -6,9 +6,7 @@ and the S3 test server, through fop.restore, the manager and restore_params."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import _paths
+import _docs
 import jax
 import numpy as np
 import pytest
@@ -303,16 +301,9 @@ def test_manager_and_restore_params_take_surgery(tmp_path):
     )
 
 
-def _readme_block(test_name: str) -> str:
-    text = (Path(_paths.REPO) / "README.md").read_text()
-    marker = f"<!-- snippet: run by tests/like/test_surgery.py::{test_name} -->\n```python\n"
-    start = text.index(marker) + len(marker)
-    return text[start : text.index("```", start)]
-
-
 def test_readme_recipe(tmp_path, capsys):
-    """The README's recipe, as written: a scanned Linen model restored into a
-    per-layer NNX model gives the same outputs."""
+    """docs/changed_models.md's surgery recipe, as written: a scanned Linen model
+    restored into a per-layer NNX model gives the same outputs."""
     from flax import linen, nnx
 
     class Block(linen.Module):
@@ -345,7 +336,7 @@ def test_readme_recipe(tmp_path, capsys):
     linen_params = Scanned().init(jax.random.key(0), x)["params"]
     names = {"fop": fop, "nnx": nnx, "PerLayerModel": PerLayerModel}
     names |= {"linen_params": linen_params, "scanned_directory": str(tmp_path / "scanned")}
-    exec(_readme_block("test_readme_recipe"), names)
+    exec(_docs.run_by("tests/like/test_surgery.py::test_readme_recipe"), names)
     model = names["model"]
     assert "layers/2/mlp/kernel/value" in capsys.readouterr().out
     want = Scanned().apply({"params": linen_params}, x)

@@ -6,12 +6,10 @@ import collections
 import contextlib
 import logging
 import os
-import re
 import signal
 import threading
-from pathlib import Path
 
-import _paths
+import _docs
 import jax.monitoring
 import numpy as np
 import pytest
@@ -353,14 +351,16 @@ def test_options_are_checked(tmp_path):
 
 
 def readme_snippet(containing: str) -> str:
-    text = (Path(_paths.REPO) / "README.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
-    (code,) = [b for b in blocks if containing in b]
+    """docs/events.md's block this test is named for."""
+    code = _docs.run_by(
+        "tests/manager/test_events.py::test_clu_summary_writer_gets_the_figures_beside_the_loss"
+    )
+    assert containing in code
     return code
 
 
 def test_clu_summary_writer_gets_the_figures_beside_the_loss(tmp_path, caplog):
-    """README's snippet, verbatim: the callback's events through the adapter into a
+    """docs/events.md's snippet, verbatim: the callback's events through the adapter into a
     real CLU SummaryWriter; the TensorBoard event file read back with TensorFlow's own
     reader. The save's thread writes to the writer while the loop writes the loss."""
     # Imported here: TensorFlow takes seconds to import, and only this test needs it.
@@ -370,7 +370,7 @@ def test_clu_summary_writer_gets_the_figures_beside_the_loss(tmp_path, caplog):
     names = dict(fop=fop, logdir=str(logdir), directory=str(directory), num_steps=200)
     names.update(state=tree(0), train_step=lambda state, step: (state, 1.0 / step))
     with caplog.at_level(logging.DEBUG, logger="flax_orbax_plugin"):
-        exec(compile(readme_snippet("MetricWriterEvents"), "<README.md snippet>", "exec"), names)
+        exec(compile(readme_snippet("MetricWriterEvents"), "docs/events.md", "exec"), names)
     committed_lines = [r for r in caplog.records if "committed step" in r.getMessage()]
     assert committed_lines and {r.levelno for r in committed_lines} == {logging.DEBUG}
     found = {}

@@ -9,10 +9,9 @@ in (``t=``) and a save's blocking time is made by a fake clock that the extras c
 
 import math
 import os
-import re
 import signal
-from pathlib import Path
 
+import _docs
 import jax
 import numpy as np
 import pytest
@@ -463,15 +462,13 @@ def test_a_restarted_jobs_temporary_steps_are_still_removed(tmp_path):
 
 
 def test_readme_policies_snippet(tmp_path):
-    """README.md's policy snippet runs as written (a fresh directory: InitialSave and
+    """docs/policies.md's policy snippet runs as written (a fresh directory: InitialSave and
     the permanent lane save step 0; nothing else is due within the test's seconds)."""
 
-    text = (Path(__file__).parents[2] / "README.md").read_text()
-    marker = "<!-- snippet: run by tests/manager/test_policies.py::test_readme_policies_snippet -->"
-    (code,) = re.findall(re.escape(marker) + r"\n```python\n(.*?)^```", text, re.M | re.S)
+    code = _docs.run_by("tests/manager/test_policies.py::test_readme_policies_snippet")
     names = dict(fop=fop, directory=str(tmp_path), num_steps=3, state=tiny())
     names["losses"] = [0.5, math.nan, 0.25]
-    exec(compile(code, "<README.md snippet>", "exec"), names)
+    exec(compile(code, "docs/policies.md", "exec"), names)
     assert names["lanes"].temporary.keep == fop.KeepLast(2)
     for name in ("run", "lanes"):
         with fop.CheckpointManager(tmp_path / name, read_only=True) as reader:

@@ -1,11 +1,13 @@
-"""The README's python snippets run as they are written, on a first start (issue 32).
+"""The quick-start snippets of README.md and docs/ run as they are written, on a first
+start.
 
-Every ```python block of README.md carries a marker on the line before it:
-``<!-- snippet: first-start ... -->`` (run here, verbatim, with small real objects
-for the names the text around it supplies: ``state``, ``it``, ``train_step`` ...),
-``<!-- snippet: run by <test> -->`` or ``<!-- snippet: not run (why) -->``. The
-two-tier snippet raised CheckpointNotFoundError on a first start. Each first-start
-snippet is then run again as the restart it stands for, which must resume.
+Every ```python block of README.md and of the documentation pages carries a marker on
+the line before it (``tests/support/_docs.py``); those marked
+``<!-- snippet: first-start ... -->`` run here, verbatim, with small real objects for
+the names the text around them supplies: ``state``, ``it``, ``train_step`` ... The
+two-tier snippet (docs/tiers.md) raised CheckpointNotFoundError on a first start.
+Each first-start snippet is then run again as the restart it stands for, which must
+resume.
 
 The only text replaced is the two-tier snippet's places (``/local/ssd/run1``,
 ``gs://bucket/run1``): a temporary directory, and a bucket of the GCS test server or
@@ -14,12 +16,10 @@ a shared-filesystem path (the snippet's comment names both).
 
 from __future__ import annotations
 
-import re
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
-import _paths
+import _docs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,21 +32,12 @@ import flax_orbax_plugin as fop
 
 pytest_plugins = ["_servers"]
 
-BLOCK = re.compile(r"^(?P<marker>[^\n]*)\n```python\n(?P<code>.*?)^```", re.M | re.S)
-MARKER = re.compile(r"<!-- snippet: (?P<how>.+) -->")
 NUM_STEPS = 4
 
 
 def snippets() -> list[tuple[str, str]]:
-    """``(how, code)`` of every python block of README.md, in order."""
-    text = (Path(_paths.REPO) / "README.md").read_text()
-    out = []
-    for block in BLOCK.finditer(text):
-        marker = MARKER.fullmatch(block["marker"].strip())
-        first = block["code"].splitlines()[0]
-        assert marker, f"README.md: the python block starting {first!r} has no snippet marker"
-        out.append((marker["how"], block["code"]))
-    return out
+    """``(how, code)`` of every python block of README.md and the docs, in order."""
+    return [(b.how, b.code) for page in _docs.pages() for b in _docs.blocks(page)]
 
 
 def first_start(containing: str) -> str:
@@ -58,8 +49,10 @@ def test_every_python_block_is_marked_and_every_first_start_one_runs_here():
     hows = [how for how, _ in snippets()]
     assert len(hows) >= 7
     for how in hows:
-        assert how.startswith(("first-start", "run by ", "not run (")), how
+        assert how == "run" or how.startswith(("first-start", "run by ", "not run (")), how
     keys = ("CheckpointCallback(config", "nnx.Optimizer(model", "persistent=")
+    readme = [b.code for b in _docs.blocks("README.md") if b.how.startswith("first-start")]
+    assert all(any(k in c for c in readme) for k in keys[:2])  # the quick start
     ours = [c for how, c in snippets() if how.startswith("first-start")]
     assert len(ours) == len(keys) and all(any(k in c for c in ours) for k in keys)
 
@@ -102,7 +95,7 @@ def run_linen(directory, resume):
     names = dict(config=config, state=state, it=fop.StepIndexedIterator(batch_at), jax=jax)
     names.update(train_step=linen_step, num_steps=NUM_STEPS, directory=str(directory))
     names.update(init_params=init_params)
-    exec(compile(first_start("CheckpointCallback(config"), "<README.md snippet>", "exec"), names)
+    exec(compile(first_start("CheckpointCallback(config"), "<snippet>", "exec"), names)
     return names
 
 
@@ -140,7 +133,7 @@ def run_nnx(directory):
     names = dict(fop=fop, Model=Model, nnx=nnx, optax=optax, cb=cb)
     names.update(it=fop.StepIndexedIterator(batch_at))
     names.update(train_step=nnx_step, num_steps=NUM_STEPS, directory=str(directory))
-    exec(compile(first_start("nnx.Optimizer(model"), "<README.md snippet>", "exec"), names)
+    exec(compile(first_start("nnx.Optimizer(model"), "<snippet>", "exec"), names)
     return names
 
 
@@ -163,7 +156,7 @@ def run_tiers(local, remote, state):
         assert f'"{place}"' in code, place
         code = code.replace(f'"{place}"', repr(ours))
     names = {"fop": fop, "state": state}
-    exec(compile(code, "<README.md snippet>", "exec"), names)
+    exec(compile(code, "<snippet>", "exec"), names)
     return names["state"]
 
 

@@ -252,15 +252,13 @@ def test_an_nnx_state_is_refused_with_a_clear_error(tmp_path):
 
 
 def test_readme_recipe(tmp_path):
-    """The README's zero-copy snippet, verbatim, on a Linen TrainState with adam."""
+    """docs/saving.md's zero-copy snippet, verbatim, on a Linen TrainState with adam."""
+    import _docs
     import optax
-    from _paths import REPO
     from flax import linen
     from flax.training import train_state
 
-    text = open(os.path.join(REPO, "README.md")).read()
-    marker = "<!-- snippet: run by tests/manager/test_zero_copy.py::test_readme_recipe -->"
-    code = text.split(marker, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    code = _docs.run_by("tests/manager/test_zero_copy.py::test_readme_recipe")
     model = linen.Dense(64)
     x = np.random.default_rng(1).standard_normal((32, 48)).astype(np.float32)
     params = model.init(jax.random.key(0), x[:1])["params"]
@@ -288,7 +286,7 @@ def test_readme_recipe(tmp_path):
         return saved
 
     cb.on_step_end = on_step_end
-    exec(compile(code, "README.md", "exec"), names)
+    exec(compile(code, "docs/saving.md", "exec"), names)
     seen[10] = jax.tree.map(np.array, names["state"].params)
     assert names["step"].spare_calls >= 2
     for step in (3, 6, 9, 10):

@@ -58,7 +58,9 @@ class HFShards:
     """Hugging Face shards of item ``item`` as item ``name`` of every saved step that is
     a multiple of ``every_steps`` (see the module docstring).
 
-    Args (keyword-only, checked here):
+    The options are keyword-only, checked here.
+
+    Args:
       every_steps: a positive int; steps ``0, K, 2K ...`` (among those saved) get them.
       item: the item written (default ``"params"``).
       name: the item's name in the step (default ``"hf"``: ``<step>/hf/``).

@@ -112,7 +112,7 @@ def refuse_idle(values: dict[str, Any], local: bool, name: Callable[[str], str] 
 @dataclass(frozen=True)
 class Tier:
     """A persistent tier: ``path`` (``s3://``, ``gs://``, a shared filesystem path or a
-    kvstore spec) and its keyword fields (:data:`FIELDS`; see docs/tiers.md).
+    kvstore spec) and its keyword fields (``FIELDS``; see docs/tiers.md).
 
     Checked when made: OptionError naming the field, an UnsupportedLocationError for
     the path. Frozen; any thread.
@@ -141,7 +141,7 @@ class Tier:
         busy: Callable[[], bool],
         per_host: bool,
     ) -> PersistentTier:
-        """The :class:`PersistentTier` this option describes, replicating ``local``
+        """The ``PersistentTier`` this option describes, replicating ``local``
         (the manager's writer open calls it; the other arguments: see PersistentTier)."""
         return PersistentTier(
             local,
