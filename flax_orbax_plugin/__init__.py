@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
         TransformError,
         UnknownItemError,
         UnsupportedLocationError,
+        UnsupportedRuntimeError,
     )
     from ._format.metadata import CheckpointMetadata, LeafMetadata
     from ._interop.hf_shards import HFShards
@@ -172,6 +173,7 @@ __all__ = [
     "UnknownItemError",
     "Unstack",
     "UnsupportedLocationError",
+    "UnsupportedRuntimeError",
     "VerifyResult",
     "Written",
     "from_safetensors",

@@ -32,6 +32,7 @@ from ._errors import (
     TransformError,
     UnknownItemError,
     UnsupportedLocationError,
+    UnsupportedRuntimeError,
 )
 from ._format.metadata import CheckpointMetadata, LeafMetadata
 from ._interop.hf_shards import HFShards

@@ -114,3 +114,8 @@ class StoreAccessError(CheckpointError, ValueError):
     def __init__(self, message: str, *, url: str = "", reason: str = "", detail: str = ""):
         super().__init__(message)
         self.url, self.reason, self.detail = url, reason, detail
+
+
+class UnsupportedRuntimeError(CheckpointError, RuntimeError):
+    """The JAX runtime is one this library does not support (Pathways, the single
+    controller): the message names it, why, and what to use instead."""

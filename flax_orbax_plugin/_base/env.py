@@ -9,7 +9,8 @@ default. Read at each use (the fault specs and the thread priority) or once at i
 
 Variables: ``FOP_BACKGROUND_NICE`` (:func:`lower`, below), ``FOP_COORDINATION_TIMEOUT_S``
 (``_base.distributed``), ``FOP_PEER_SILENT_S`` and ``FOP_LATE_REPORT_S``
-(``_base.liveness``), ``FOP_DIRECT_IO`` (``_zarr.chunk_writer``), ``FOP_STORE_RETRIES``
+(``_base.liveness``), ``FOP_DIRECT_IO`` (``_zarr.chunk_writer``), ``FOP_COMMIT``
+(``_storage.mounts``), ``FOP_PATHWAYS`` (``_base.pathways``), ``FOP_STORE_RETRIES``
 (``_storage.kvstore``), ``FOP_KILL_AT`` and
 ``FOP_FAIL_AT`` (the fail points below: ``phase``, ``phase:N``, and for ``FOP_FAIL_AT``
 ``phase:N:ERRNO``), ``FOP_PAUSE_AT`` and ``FOP_PAUSE_S`` (test pause points),
@@ -141,6 +142,10 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
         10.0,
     ),
     "FOP_DIRECT_IO": (Option("FOP_DIRECT_IO", "choice", choices=("0", "1")), "1"),
+    # _base.pathways: a save or restore under Pathways (single controller): refused
+    "FOP_PATHWAYS": (Option("FOP_PATHWAYS", "choice", choices=("refuse", "allow")), "refuse"),
+    # _storage.mounts: how a step commits on a local path (auto: a file on FUSE mounts)
+    "FOP_COMMIT": (Option("FOP_COMMIT", "choice", choices=("auto", "rename", "file")), "auto"),
     # _storage.kvstore: retries of an object store request (0.5 s doubling to 10 s)
     "FOP_STORE_RETRIES": (Option("FOP_STORE_RETRIES", "int", low=0, high=100), 8),
     "FOP_KILL_AT": (

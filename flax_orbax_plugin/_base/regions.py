@@ -46,6 +46,7 @@ from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from . import env as _env
 from . import exits as _exits
 from . import liveness as _liveness
+from . import pathways as _pathways
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
 LEFT = "fop/left"  # LEFT/<scope>/<process>: it left that scope (announce_leaving)
@@ -110,6 +111,7 @@ def collective(
     continue an operation are handed its region instead of entering this. ``stall_s``:
     the stall timeout of the region's waits (see ``_base/liveness.py``); ``scope``: the
     region's (see :class:`Region`). Call it on the thread that makes the SPMD calls."""
+    _pathways.refuse_if_detected(kind)  # every public save and restore enters here
     if not spans or jax.process_count() == 1:
         yield None
         return
@@ -172,6 +174,7 @@ def collective_call(kind: str, *, spans: Callable[..., bool] | None = None) -> C
     :func:`collective_method`)."""
 
     def region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+        _pathways.refuse_if_detected(kind)  # before ``spans`` looks at any device
         try:
             spanning = spans is None or spans(*args, **kwargs)
         except TypeError:  # arguments the function refuses (one missing): it says so itself

@@ -59,11 +59,12 @@ from .._core import restore as _restore
 from .._core import save as _save
 from .._core.commit import Written
 from .._core.requests import ReadRequest, SaveRequest
-from .._errors import CheckpointError, CorruptCheckpointError, StructureError
+from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._state.iterators import iterator_state, set_iterator_state
 from .._storage.location import Location
+from . import iterator_positions as _positions
 from .json_items import encode_json, from_json, read_json, to_json, write_json
 
 __all__ = [
@@ -273,9 +274,11 @@ class DataIteratorCheckpointable:
         return _layout.iterator_state_file(process_index)
 
     def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
-        state = to_json(iterator_state(value), "data_iterator")
+        raw = iterator_state(value)
+        state = to_json(raw, "data_iterator")
         name = self.filename(_process_index())
-        data = encode_json({"state": state}, f"{directory}/{name}")
+        record = {"state": state, **_positions.position_record(value, raw)}
+        data = encode_json(record, f"{directory}/{name}")
 
         def write() -> Written:
             return write_json(directory, name, data)
@@ -285,21 +288,24 @@ class DataIteratorCheckpointable:
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
         manifest = _steps.manifest_for_item(directory)
         if manifest is not None and manifest.process_count != jax.process_count():
-            raise StructureError(
-                f"{directory}: the data iterator states were saved by {manifest.process_count} "
-                f"process(es) but {jax.process_count()} are restoring; each process's "
-                f"position is its own. Restore without the data_iterator item and re-seed "
-                f"the pipeline, or use an iterator whose state can be re-sharded"
-            )
-        name = self.filename(_process_index())
-        data = read_json(directory, name)
-        if not isinstance(data, dict) or "state" not in data:
-            raise CorruptCheckpointError(f"{directory}/{name}: expected an object with 'state'")
-        state = from_json(data["state"])
+            # another process count: only a global position carries over
+            read = self._reader(directory)
+            return _positions.restore_across_counts(directory, like, manifest, read=read)
+        state = from_json(self._read(directory, _process_index())["state"])
         if like is None:
             return state
         set_iterator_state(like, state)
         return like
+
+    def _reader(self, directory: Location) -> Callable[[int], dict[str, Any]]:
+        return lambda process_index: self._read(directory, process_index)
+
+    def _read(self, directory: Location, process_index: int) -> dict[str, Any]:
+        name = self.filename(process_index)
+        data = read_json(directory, name)
+        if not isinstance(data, dict) or "state" not in data:
+            raise CorruptCheckpointError(f"{directory}/{name}: expected an object with 'state'")
+        return data
 
 
 BUILTIN_CHECKPOINTABLES: Mapping[str, Checkpointable] = {

@@ -3,7 +3,7 @@
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._state.iterators``.
 
 Call order: one thread (the training loop's) calls ``next``, ``get_state``,
-``set_state`` and ``seek``.
+``set_state``, ``seek`` and the global position pair.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ class StepIndexedIterator:
 
     Args:
       make_batch: ``make_batch(index) -> batch``, a pure function of the global
-        batch index. Give this or ``make_epoch``.
+        batch index. Give this or ``make_epoch``. With several processes it makes
+        this process's share of global batch ``index`` (from ``jax.process_index()``
+        and ``jax.process_count()``): the position is then global, and a step saved
+        on N processes resumes on M in the same order (``global_position()``).
       make_epoch: ``make_epoch(epoch) -> iterable of batches`` of one epoch, the
         same for the same epoch (seed any shuffle with the epoch).
       steps_per_epoch: batches per epoch in the epoch form; needed only by
@@ -154,6 +157,16 @@ class StepIndexedIterator:
             _count(state, "offset"),
         )
         self._it = None
+
+    def global_position(self) -> int:
+        """The global index of the next batch: the same on every process, whatever their
+        number (``make_batch(index)`` makes this process's share of batch ``index``).
+        A step saved on N processes therefore resumes on M (``_state.global_position``)."""
+        return self._index
+
+    def set_global_position(self, position: int) -> None:
+        """Continues from global batch ``position`` (:meth:`seek`), on any process count."""
+        self.seek(position)
 
     def seek(self, index: int) -> None:
         """Positions the iterator so that the next batch is batch ``index`` overall."""

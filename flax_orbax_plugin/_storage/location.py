@@ -24,6 +24,7 @@ from typing import Any
 import tensorstore as ts
 
 from . import local_files as _local
+from . import mounts as _mounts
 from .kvstore import check_name, context, prefix_range, spec_from_path
 from .local_files import MAX_SMALL_FILE_BYTES, walk_entries
 
@@ -48,7 +49,9 @@ class Location:
 
     @property
     def supports_rename(self) -> bool:
-        return self.is_local
+        """Whether a commit here is a directory rename (local disk, but not a FUSE mount
+        of a bucket: there, as on object stores, a file written last; ``_storage.mounts``)."""
+        return self.is_local and not _mounts.commits_by_file(self.path)
 
     @property
     def name(self) -> str:

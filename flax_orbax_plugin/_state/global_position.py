@@ -1,0 +1,81 @@
+"""A data position that does not depend on the process count: the global position.
+
+A data iterator's saved state is normally each process's own (the shard it reads,
+how far into it), so a step saved by N processes cannot be restored onto M. An
+iterator whose position is an index into the *global* stream of batches (the same
+on every process, whatever their number) can be: each of the M processes is given
+that index and continues from its own share of the next global batch. Such an
+iterator declares it with a pair of methods:
+
+* ``global_position() -> int``: the index, in the global stream, of the next batch
+  (or example) it hands out; the same on every process that advanced in step;
+* ``set_global_position(position: int) -> None``: continue from there, on this
+  process's share as the iterator computes it now (from ``jax.process_index()`` /
+  ``jax.process_count()``, or its own shard options).
+
+:class:`~flax_orbax_plugin.StepIndexedIterator` has them (its position is the
+global batch index handed to ``make_batch``). grain's ``ElasticIterator`` (where
+grain has it) is recognised without them: its state ``{"global_next_index": n}``
+is such a position. Any other iterator's state stays per process and a change of
+the process count is refused.
+
+Call order: one thread (the training loop's) reads and sets the position.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["GLOBAL_POSITION_KEY", "global_position", "set_global_position", "describe"]
+
+GLOBAL_POSITION_KEY = "global_position"  # the field of a process's iterator file
+
+_GRAIN_ELASTIC = ("ElasticIterator", "_ElasticMapDatasetIterator")  # grain's elastic classes
+_GRAIN_ELASTIC_KEY = "global_next_index"  # their state's one field
+
+
+def _grain_elastic(it: Any) -> bool:
+    kind = type(it)
+    return kind.__module__.startswith("grain.") and kind.__name__ in _GRAIN_ELASTIC
+
+
+def _index(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{where}: expected a non-negative int, found {value!r}")
+    return value
+
+
+def global_position(it: Any, state: Any) -> int | None:
+    """The global position of ``it`` (whose state is ``state``, just read), or None
+    when it declares none (its position is its process's own)."""
+    if callable(getattr(it, "global_position", None)) and callable(
+        getattr(it, "set_global_position", None)
+    ):
+        return _index(it.global_position(), f"{type(it).__name__}.global_position()")
+    if _grain_elastic(it) and isinstance(state, dict) and _GRAIN_ELASTIC_KEY in state:
+        return _index(state[_GRAIN_ELASTIC_KEY], f"grain {type(it).__name__} state")
+    return None
+
+
+def can_set(it: Any) -> bool:
+    """Whether ``it`` can continue from a global position."""
+    return callable(getattr(it, "set_global_position", None)) or _grain_elastic(it)
+
+
+def set_global_position(it: Any, position: int) -> None:
+    """Has ``it`` continue from global position ``position`` (see the module docstring)."""
+    if callable(getattr(it, "set_global_position", None)):
+        it.set_global_position(position)
+    elif _grain_elastic(it):
+        it.set_state({_GRAIN_ELASTIC_KEY: position})
+    else:
+        raise TypeError(f"a {type(it).__name__} has no global position to set; {describe()}")
+
+
+def describe() -> str:
+    """What an iterator needs for its position to move across a change of process count."""
+    return (
+        "an iterator whose position is a global index (fop.StepIndexedIterator, grain's "
+        "ElasticIterator, or one with global_position() and set_global_position()) "
+        "resumes on any number of processes"
+    )
