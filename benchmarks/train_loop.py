@@ -111,9 +111,16 @@ def main(argv=None):
     C.rmtree(a.dir)
     os.makedirs(a.dir)
 
-    adapter = saver = None
+    adapter = saver = callback = None
     zero_copy = a.lib == "fop-zc"  # the plugin with its zero-copy step (wrap_step)
-    if a.lib != "none":
+    if a.lib == "fop-cb":  # the plugin's callback, as a loop adds it
+        import flax_orbax_plugin as fop
+
+        options = json.loads(a.saver_options)
+        callback = fop.CheckpointCallback(
+            os.path.join(a.dir, "run"), every_steps=a.every, keep=a.keep or None, **options
+        )
+    elif a.lib != "none":
         from peers import get_adapter
 
         adapter = saver = get_adapter("fop" if zero_copy else a.lib)
@@ -135,12 +142,20 @@ def main(argv=None):
 
     if hasattr(saver, "reserve") and not zero_copy:  # the pool, before the loop (not timed)
         saver.reserve(as_tree(state))
+    if callback is not None:
+        callback.on_train_start(as_tree(state))
     times, blocking, after, pending, saves = [], [], [], None, 0
     r_run = resource.getrusage(resource.RUSAGE_SELF)
     t_run = time.perf_counter()
     for i in range(a.steps):
         t0 = time.perf_counter()
         saving = saver is not None and i % a.every == 0
+        if callback is not None:  # the callback's own policy: step i + every saves when i does
+            tb = time.perf_counter()
+            callback.on_step_end(i + a.every, as_tree(state))
+            if i % a.every == 0:
+                blocking.append(time.perf_counter() - tb)
+                saves += 1
         if saving:
             if pending is not None:
                 pending.wait()
@@ -153,16 +168,20 @@ def main(argv=None):
         state, loss = step(state, x)
         loss.block_until_ready()
         times.append(time.perf_counter() - t0)
-        if saver is not None and i % a.every == 1:
+        if (saver is not None or callback is not None) and i % a.every == 1:
             after.append(times[-1])
     tw = time.perf_counter()
     if pending is not None:
         pending.wait()
+    if callback is not None:
+        callback.manager.wait()
     final_wait = time.perf_counter() - tw
     total = time.perf_counter() - t_run
     r_end = resource.getrusage(resource.RUSAGE_SELF)
     if saver is not None and saver is not adapter:
         saver.close()
+    if callback is not None:
+        callback.manager.close()
     C.rmtree(a.dir)
     res = {
         "op": "train_run",

@@ -3,8 +3,10 @@
 Who writes what: a partitioned array's shards are written by the processes that hold
 them; the replicas of a shard (or of a whole replicated array) split its chunk rows
 among the processes holding them (replica-parallel); a batch of small leaves is
-written by the process holding replica 0 of them. :func:`take` starts every
-device-to-host copy before waiting on any. On CPU a numpy view of a jax.Array is the
+written by the process holding replica 0 of them. :func:`take_small` reads the small
+leaves (every device-to-host copy started before waiting on any), then
+:func:`take_regions` copies the large regions (or, for the device staging, runs in the
+background phase from the device's own copy). On CPU a numpy view of a jax.Array is the
 snapshot itself (:func:`cpu_views_are_snapshots`), so nothing is copied there.
 Called on the saving thread, once per save.
 """
@@ -29,65 +31,86 @@ from .._zarr import subbyte as _subbyte
 from . import device_copy as _device_copy
 
 
-def take(
-    leaves: list,
-    batches: dict[str, BatchRecord],
-    pool: _host.BufferPool | None,
-    own_copy: bool = False,
-    budget: int | None = None,
-    device_kind: str = "pinned",
-):
-    """Copies every byte this process writes (``leaves``: the plan's, each gets its
-    ``writes``) to host memory; with ``pool``, into its buffers. Returns (batch name ->
-    its data, the pooled buffers to give back once written, whether the save must wait
-    for its writes before returning).
-
-    Regions of accelerator arrays are staged as ``device_kind`` says (``_device_copy``:
-    ``pinned`` or ``host`` in the blocking phase; ``fetch``, in the background phase of
-    the device staging, from the device copy :func:`_device_copy.snapshot` made), or
-    streamed with a ``budget``, in pieces of at most a quarter of it. Small leaves are
-    read first, so no synchronous read waits behind a large region's transfer. With a
-    ``budget``, CPU arrays are held as zero-copy views and nothing is copied: the save then returns
-    only once they are written (the third value), so no copy of the state is ever made.
-
-    ``own_copy`` (a host's own local directory): this process writes every region it
-    holds, replicas included (whole shards, not a replica-parallel part), every batch
-    all of whose leaves it holds and every host (numpy) leaf, under the names of the
-    shared layout; its directory then restores on it alone."""
+def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bool = False):
+    """The batches of small leaves this process writes, read now (every device-to-host
+    copy started first): (batch name -> its data, pooled buffers to give back). Called
+    before any large region's transfer is enqueued, so no read waits behind one."""
     me = _distributed.process_index()
     pooled: list[np.ndarray] = []
-    writers = {n: b.process for n, b in batches.items()}
-    if own_copy:
-        writers = _held_batches(leaves, batches, me)
+    writers = _writers(leaves, batches, me, own_copy)
 
     def keep(buffer: np.ndarray) -> np.ndarray:  # given back after the write
         if pool is not None:
             pooled.append(buffer)
         return buffer
 
-    later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
-    owned = _owned(leaves, writers, me, own_copy)
-    for _, source, _ in owned:  # small leaves: all device-to-host copies started first
-        if not isinstance(source, tuple) and _device_copy.on_device(source):
+    owned = [o for o in _owned(leaves, writers, me, own_copy) if _is_small(o[0])]
+    for _, source, _ in owned:
+        if _device_copy.on_device(source):
             source.copy_to_host_async()
+    batch_data = _take_small(owned, batches, writers, me, pool, keep)
+    for leaf, _, _ in owned:
+        leaf.value = None  # the snapshot is all the background phase needs
+    return batch_data, pooled
+
+
+def take_regions(
+    leaves: list,
+    batches: dict[str, BatchRecord],
+    pool,
+    own_copy: bool = False,
+    budget: int | None = None,
+    device_kind: str = "pinned",
+):
+    """The regions of the leaves stored as arrays of their own that this process
+    writes, each into its leaf's ``writes`` (``own_copy``: every region it holds,
+    replicas included, under the shared layout's names): (pooled buffers to give back, whether the
+    save must wait for its writes before returning).
+
+    Accelerator arrays are staged as ``device_kind`` says (``_device_copy``: ``pinned``
+    or ``host`` in the blocking phase; ``fetch``, in the background phase of the device
+    staging, from the copy :func:`_device_copy.snapshot` made), or streamed with a
+    ``budget``, in pieces of at most a quarter of it. With a ``budget``, CPU arrays are
+    held as zero-copy views and nothing is copied: the save then returns only once they
+    are written (the second value), so no copy of the state is ever made."""
+    me = _distributed.process_index()
+    pooled: list[np.ndarray] = []
+
+    def keep(buffer: np.ndarray) -> np.ndarray:  # given back after the write
+        if pool is not None:
+            pooled.append(buffer)
+        return buffer
+
+    writers = _writers(leaves, batches, me, own_copy)
+    owned = [o for o in _owned(leaves, writers, me, own_copy) if not _is_small(o[0])]
+    later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
     streamed = budget is not None
     kind = "streamed" if streamed else device_kind
     views_held = False
-    batch_data = _take_small(owned, batches, writers, me, pool, keep)  # read first
     for leaf, source, rows in owned:
-        if not isinstance(leaf.record.storage, BatchStorage):
-            summed = _summed(leaf)
-            for part in _pieces(leaf, source, rows, budget):
-                data = _copy_region(source, part, pool, keep, later, kind, summed)
-                views_held |= streamed and isinstance(data, np.ndarray)
-                leaf.writes.append((part, data))
+        summed = _summed(leaf)
+        for part in _pieces(leaf, source, rows, budget):
+            data = _copy_region(source, part, pool, keep, later, kind, summed)
+            views_held |= streamed and isinstance(data, np.ndarray)
+            leaf.writes.append((part, data))
     if kind == "host":  # every transfer started: read before a donation deletes them
         _device_copy.materialize_all(leaves)
     _host.copy_all(later)  # on a few threads: the training thread waits for them anyway
     later.clear()  # its views of the state would stop the next step's donation
     for leaf in leaves:
-        leaf.value = None  # the snapshot is all the background phase needs
-    return batch_data, pooled, views_held
+        if not _is_small(leaf):
+            leaf.value = None  # the snapshot is all the background phase needs
+    return pooled, views_held
+
+
+def _is_small(leaf) -> bool:
+    return isinstance(leaf.record.storage, BatchStorage)
+
+
+def _writers(leaves: list, batches: dict, me: int, own_copy: bool) -> dict[str, int]:
+    if own_copy:
+        return _held_batches(leaves, batches, me)
+    return {n: b.process for n, b in batches.items()}
 
 
 def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) -> dict:

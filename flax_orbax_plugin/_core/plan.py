@@ -178,13 +178,18 @@ class Plan:
         request's buffers where it has them and no host memory budget (given back by
         :meth:`write`); for a host's own directory every byte this process holds.
 
-        Accelerator arrays take the platform's staging (``device_copy``, in
-        :attr:`staging`): with the device staging only a copy on the device is made here
-        and the host copy runs in :meth:`write`; nothing here reads a device value."""
+        Small leaves are read first. Accelerator arrays then take the platform's
+        staging (``device_copy``, said in :attr:`staging`): with the device staging only
+        a copy on the device is made here and their host copy runs in :meth:`write`;
+        nothing here reads a device value after that copy is enqueued."""
         req = self.request
         budget = req.host_memory_budget
         self._pool = None if budget is not None else req.buffers
-        on_device = [leaf for leaf in self.leaves if _device_copy.on_device(leaf.value)]
+        self.batch_data, self._pooled = _host_snapshot.take_small(
+            self.leaves, self.batches, self._pool, req.own_copy
+        )
+        big = [leaf for leaf in self.leaves if leaf.value is not None]
+        on_device = [leaf for leaf in big if _device_copy.on_device(leaf.value)]
         kind = "none"
         if budget is not None:
             kind = "streamed" if on_device else "none"
@@ -192,12 +197,12 @@ class Plan:
             kind = _device_copy.staging_for(next(iter(on_device[0].value.devices())).platform)
         note = ""
         if kind == "device":  # every jax.Array (a CPU one too) copied where it lives
-            arrays = [leaf for leaf in self.leaves if isinstance(leaf.value, jax.Array)]
+            arrays = [leaf for leaf in big if isinstance(leaf.value, jax.Array)]
             copies, note = _device_copy.snapshot([leaf.value for leaf in arrays])
             if copies is not None:
                 for leaf, copy in zip(arrays, copies, strict=True):
                     leaf.value = copy  # its own copy: no donation touches it
-                for leaf in self.leaves:  # the caller may change a numpy array on return
+                for leaf in big:  # the caller may change a numpy array on return
                     if isinstance(leaf.value, np.ndarray):
                         leaf.value = leaf.value.copy()
                 self.staging = _device_copy.Staging("device")
@@ -208,7 +213,7 @@ class Plan:
         self._take(kind)
 
     def _take(self, kind: str) -> None:
-        self.batch_data, self._pooled, self.write_first = _host_snapshot.take(
+        pooled, self.write_first = _host_snapshot.take_regions(
             self.leaves,
             self.batches,
             self._pool,
@@ -216,6 +221,7 @@ class Plan:
             self.request.host_memory_budget,
             device_kind=kind,
         )
+        self._pooled += pooled
 
     def document(self) -> CheckpointDocument:
         return CheckpointDocument(
