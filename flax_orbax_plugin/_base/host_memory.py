@@ -7,7 +7,7 @@ allows (``memory.max`` minus ``memory.current``, cgroup v2; ``limit_in_bytes`` m
 ``usage_in_bytes``, v1), times :data:`AUTO_FRACTION`; where neither can be read (not
 Linux) it is no bound. :func:`check_ceiling` is the converter of every option that
 takes a ceiling (the manager's ``host_memory``, the readers' and importers'
-``memory_limit_bytes``); :func:`parse_size` reads the CLI's ``--memory-limit``.
+``memory_limit_bytes``, the CLI's ``--memory-limit``).
 
 Pure functions (they read ``/proc`` and ``/sys``); any thread.
 """
@@ -15,7 +15,6 @@ Pure functions (they read ``/proc`` and ``/sys``); any thread.
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -33,7 +32,6 @@ __all__ = [
     "check_ceiling",
     "held_bytes",
     "largest_row",
-    "parse_size",
     "resolve",
     "refuse_idle",
     "save_budget",
@@ -49,7 +47,6 @@ _CGROUP_V1 = (
     "/sys/fs/cgroup/memory/memory.limit_in_bytes",
     "/sys/fs/cgroup/memory/memory.usage_in_bytes",
 )
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
 def check_ceiling(value: Any) -> int | str | None:
@@ -108,19 +105,6 @@ def resolve(ceiling: int | str | None) -> int | None:
         return ceiling  # type: ignore[return-value]
     free = available_bytes()
     return None if free is None else max(1, int(free * AUTO_FRACTION))
-
-
-def parse_size(text: str) -> int:
-    """``"512M"``, ``"2GiB"``, ``"1.5G"`` or ``"1048576"`` as bytes (K/M/G/T: powers of
-    1024, as memory is counted); ValueError naming the text otherwise."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise ValueError(f"expected a size such as 512M, 2GiB or 1048576 (bytes), found {text!r}")
-    number, unit = float(m.group(1)), m.group(2).upper()
-    size = int(number * (1 << (10 * " KMGT".index(unit or " "))))
-    if size < 1:
-        raise ValueError(f"expected a positive size, found {text!r}")
-    return size
 
 
 def _shards(leaf: Any) -> list[tuple[tuple[int, ...], int]]:

@@ -218,7 +218,7 @@ RESTORE: tuple[Option, ...] = (
     Option("share_replicated_reads", "flag", none_ok=True, expected="True, False or None"),
 )
 VERIFY: tuple[Option, ...] = (STEP_OR_NONE, Option("all_steps", "flag"))
-SERVING: tuple[Option, ...] = (STEP_OR_NONE, Option("item", "str"))
+SERVING: tuple[Option, ...] = (STEP_OR_NONE, Option("item", "str"), MEMORY_LIMIT)
 
 
 def check_restore(**options: Any) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from .._base.host_memory import HOST_MEMORY
 from .._base.option_spec import Option, check, found
+from .._core.requests import MEMORY_LIMIT
 from .._format import layout as _layout
 from .._format.steps import STEP, STEP_OR_NONE
 from .._state.iterators import check_iterator
@@ -391,6 +392,7 @@ IMPORT: tuple[Option, ...] = (  # fop.import_orbax's / fop.import_msgpack's keyw
     Option("force", "flag"),
     Option("format_version", "choice", choices=(1, 2), none_ok=True),
     Option("progress", "callable", none_ok=True),
+    MEMORY_LIMIT,  # the host-memory ceiling (_base.host_memory; importing.refuse_over)
 )
 
 
