@@ -157,7 +157,7 @@ HOST_MEMORY = Option(
     convert=check_ceiling,
     default=AUTO,
     annotation="int | str",
-    doc="the host-memory ceiling, bytes any save, restore, resume or tier copy holds beyond "
+    doc="the host-memory ceiling, bytes any save, restore or resume holds beyond "
     "the state: an int (a save streams under it), 'auto' (half the memory free when a save "
     "starts: it streams only when the state does not fit) or None (no bound)",
 )

@@ -38,6 +38,7 @@ PATHS = [
     "import",
     "cli_import",
     "pooled_save",
+    "hundred_saves",
 ]
 
 
@@ -96,3 +97,13 @@ def test_an_import_larger_than_the_ceiling_is_refused_with_the_figure(peaks):
     assert figures["cli_import"]["error"] == "exit status 2"  # the CLI's error
     for out in ("imp", "imp2"):  # nothing written, nothing created
         assert not os.path.exists(directory / out)
+
+
+def test_resident_memory_is_flat_over_100_saves_with_the_defaults(peaks):
+    # Nothing kept between saves unless asked (reuse_host_buffers=False by default): the
+    # resident memory after the 100th save is that after the 10th (no growth, no leak).
+    figures, _ = peaks
+    assert figures["hundred_saves"]["error"] is None, figures["hundred_saves"]["error"]
+    rss = figures["hundred_saves_rss"]
+    assert len(rss) == 100
+    assert rss[-1] - rss[9] <= 8 << 20, [r >> 20 for r in rss[::10]]

@@ -92,6 +92,20 @@ def main() -> None:
         with fop.CheckpointManager(os.path.join(directory, "pooled"), reuse_host_buffers=True) as m:
             m.save(1, {"params": state})
 
+    def hundred_saves():  # the manager's defaults: RSS after each save, 100 saves
+        small = {k: v[: max(1, rows // 64)] for k, v in state.items()}
+        gc.collect()
+        out["hundred_saves_before"] = _kib("VmRSS") * 1024
+        rss = []
+        with fop.CheckpointManager(os.path.join(directory, "hundred"), keep=2) as m:
+            for step in range(100):
+                m.save(step, {"params": small})
+                m.wait()
+                gc.collect()
+                rss.append(_kib("VmRSS") * 1024)
+        out["hundred_saves_rss"] = rss
+        out["hundred_saves_state_bytes"] = sum(x.nbytes for x in small.values())
+
     def msgpack_file():
         path = os.path.join(directory, "state.msgpack")
         if not os.path.exists(path):
@@ -132,6 +146,7 @@ def main() -> None:
             ["import", msgpack_file(), os.path.join(directory, "imp2"), "--memory-limit", str(C)]
         ),
         "pooled_save": pooled_save,
+        "hundred_saves": hundred_saves,
     }
     held = {"restore", "manager_restore", "resume", "serve"}
     if "import" in paths:
