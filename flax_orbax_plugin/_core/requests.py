@@ -25,6 +25,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base.host import BufferPool
+from .._base.host_memory import HOST_MEMORY_BUDGET
 from .._base.option_spec import INT64_MAX, Option, check, refuse_without
 from .._errors import OptionError
 from .._format import layout as _layout
@@ -45,6 +46,7 @@ __all__ = [
     "check_save",
     "check_serving",
     "check_verify",
+    "read_limit",
 ]
 
 DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
@@ -133,29 +135,33 @@ class ReadRequest:
 
     @classmethod
     def of_step(
-        cls, *, own_copy: bool, changes: Changes | None, region: _distributed.Region | None
+        cls,
+        *,
+        own_copy: bool,
+        changes: Changes | None,
+        region: _distributed.Region | None,
+        ceiling: int | None = None,
     ) -> ReadRequest:
         """The request of a manager step's items, in the manager restore's ``region``:
         each host's own directory is read by each process alone (no collective); else
-        replicated leaves are read shared."""
+        replicated leaves are read shared. ``ceiling``: the manager's host-memory ceiling
+        in bytes (its reads in flight stay under it: :func:`read_limit`), or None."""
         share = not own_copy and _distributed.process_count() > 1
         changes = changes or Changes()
-        return cls(share_reads=share, own_copy=own_copy, changes=changes, region=region)
+        limit = read_limit(ceiling)
+        return cls(limit, share_reads=share, own_copy=own_copy, changes=changes, region=region)
 
     def replace(self, **fields: Any) -> ReadRequest:
         return dataclasses.replace(self, **fields)
 
 
+def read_limit(ceiling: int | None) -> int:
+    """Bytes of reads in flight under a host-memory ``ceiling`` (bytes, or None): the
+    default (:data:`DEFAULT_READ_LIMIT_BYTES`), never above the ceiling."""
+    return DEFAULT_READ_LIMIT_BYTES if ceiling is None else min(DEFAULT_READ_LIMIT_BYTES, ceiling)
+
+
 # The host-memory limit of a save's or a read's copies: one declaration for both.
-HOST_MEMORY_BUDGET = Option(  # fop.save's and the manager's (bounded as the other byte counts)
-    "host_memory_budget",
-    "int",
-    none_ok=True,
-    low=1,
-    high=INT64_MAX,
-    expected=f"a positive int <= {INT64_MAX} or None",
-    doc="host bytes a step may hold beyond the state (None: no bound)",
-)
 MEMORY_LIMIT = Option(
     "memory_limit_bytes",
     "int",
@@ -212,7 +218,7 @@ RESTORE: tuple[Option, ...] = (
     Option("share_replicated_reads", "flag", none_ok=True, expected="True, False or None"),
 )
 VERIFY: tuple[Option, ...] = (STEP_OR_NONE, Option("all_steps", "flag"))
-SERVING: tuple[Option, ...] = (STEP_OR_NONE, Option("item", "str"))
+SERVING: tuple[Option, ...] = (STEP_OR_NONE, Option("item", "str"), MEMORY_LIMIT)
 
 
 def check_restore(**options: Any) -> dict[str, Any]:

@@ -20,11 +20,13 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from .._base import host_memory as _host_memory
 from .._core import ownership as _ownership
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ForeignEntryError,
+    OptionError,
     StructureError,
     UnsupportedLocationError,
 )
@@ -122,6 +124,7 @@ def save_steps(
     format_version: int | None = None,
     progress: Callable[[int], Any] | None = None,
     source_bytes: Sequence[int] = (),
+    memory_limit_bytes: int | None = None,
 ) -> list[int]:
     """Saves each ``(step, (_, items, extras))`` as a committed step of ``out_dir``.
 
@@ -133,7 +136,8 @@ def save_steps(
     of the steps written (1 or 2; None: the manager's default, 2).
     ``progress(sum(source_bytes))``, called once in the calling thread, returns a
     context manager whose ``advance(nbytes, note)`` is called as each step commits,
-    with that step's ``source_bytes`` entry (the CLI's bar).
+    with that step's ``source_bytes`` entry (the CLI's bar). ``memory_limit_bytes``: the
+    saves stream under it (the manager's ``host_memory``), nothing pooled.
     """
     refuse_inside_checkpoint(out_dir)
     refuse_foreign_targets(out_dir, list(planned))
@@ -143,7 +147,12 @@ def save_steps(
     sizes = list(source_bytes)
     try:
         with (
-            CheckpointManager(out_dir, async_save=False, format_version=format_version) as mngr,
+            CheckpointManager(
+                out_dir,
+                async_save=False,
+                format_version=format_version,
+                host_memory=memory_limit_bytes,
+            ) as mngr,
             _open_progress(progress, sum(sizes)) as bar,
         ):
             refuse_mixing(out_dir, mngr.steps(), list(planned), force)
@@ -175,6 +184,17 @@ def save_steps(
     return written
 
 
+def refuse_over(source: Any, nbytes: int, limit: int | None, what: str) -> None:
+    """An import holds a step in host memory: ``source`` whose ``what`` hold ``nbytes``
+    above the ceiling ``limit`` is an OptionError naming both figures (no limit: none)."""
+    if limit is not None and nbytes > limit:
+        raise OptionError(
+            f"memory_limit_bytes={limit}: {source}: its {what} hold {nbytes} bytes, and an "
+            f"import holds a whole step in host memory; nothing of it was written: give "
+            f"memory_limit_bytes >= {nbytes} (or None)"
+        )
+
+
 def _open_progress(progress: Callable[[int], Any] | None, total: int) -> Any:
     return contextlib.nullcontext(None) if progress is None else progress(total)
 
@@ -198,6 +218,7 @@ def import_checkpoint(
     force: bool = False,
     format_version: int | None = None,
     progress: Callable[[int], Any] | None = None,
+    memory_limit_bytes: int | None = None,
 ) -> list[int]:
     """``flax-orbax import``: an Orbax directory or Flax msgpack file(s) into ``out_dir``.
 
@@ -208,7 +229,13 @@ def import_checkpoint(
     """
     if is_orbax_checkpoint(src):
         return import_orbax(
-            src, out_dir, step=step, force=force, format_version=format_version, progress=progress
+            src,
+            out_dir,
+            step=step,
+            force=force,
+            format_version=format_version,
+            progress=progress,
+            memory_limit_bytes=memory_limit_bytes,
         )
     local = local_path(src, what="import source", note=_NOT_ORBAX)
     ours = None
@@ -222,7 +249,13 @@ def import_checkpoint(
         )
     if os.path.exists(local):
         return import_msgpack(
-            src, out_dir, step=step, force=force, format_version=format_version, progress=progress
+            src,
+            out_dir,
+            step=step,
+            force=force,
+            format_version=format_version,
+            progress=progress,
+            memory_limit_bytes=memory_limit_bytes,
         )
     raise CheckpointNotFoundError(f"{src}: no such file or directory")
 
@@ -236,6 +269,7 @@ def import_orbax(
     force: bool = False,
     format_version: int | None = None,
     progress: Callable[[int], Any] | None = None,
+    memory_limit_bytes: int | None = None,
 ) -> list[int]:
     """Writes Orbax checkpoints as steps of a ``CheckpointManager`` directory.
 
@@ -248,16 +282,27 @@ def import_orbax(
     ``CheckpointManager.save``, so the peak is about twice the step's bytes (the tree,
     then the save's own host snapshot). Returns the steps written. Items map as
     ``step_items`` says. ``progress``: as ``save_steps``'s.
+    ``memory_limit_bytes``: the host-memory ceiling: a step whose files (before
+    reading) or arrays (once read, before writing) exceed it is refused, naming both
+    figures; the save streams under it.
     """
+    limit = memory_limit_bytes
     _option_table.check_import(
-        step=step, force=force, format_version=format_version, progress=progress
+        step=step,
+        force=force,
+        format_version=format_version,
+        progress=progress,
+        memory_limit_bytes=limit,
     )
     refuse_inside_source(src, out_dir)
     targets = orbax_steps_to_import(src, step)
+    for _, step_loc in targets:
+        refuse_over(step_loc, _source_size(step_loc), limit, "files")
 
     def states():
         for _, step_loc in targets:
             trees, kinds = orbax_reader.read_step(step_loc)
+            refuse_over(step_loc, _host_memory.held_bytes(trees), limit, "arrays, once read,")
             imported = step_items(trees, kinds, source=str(step_loc))
             stored = imported[1].get("step")  # a training state's step leaf, as an int
             stored = stored if isinstance(stored, int) else None
@@ -277,6 +322,7 @@ def import_orbax(
         format_version=format_version,
         progress=progress,
         source_bytes=[_source_size(loc) for _, loc in targets] if progress else (),
+        memory_limit_bytes=limit,
     )
 
 
@@ -289,6 +335,7 @@ def import_msgpack(
     force: bool = False,
     format_version: int | None = None,
     progress: Callable[[int], Any] | None = None,
+    memory_limit_bytes: int | None = None,
 ):
     """Writes Flax msgpack checkpoints as steps of a ``CheckpointManager`` directory.
 
@@ -300,12 +347,22 @@ def import_msgpack(
     the first before anything is written. A state dict with ``params`` is split into
     items (``params``, ``opt_state``, ``step`` ...), any other tree is saved as
     ``params``. Returns the steps written. ``progress``: as ``save_steps``'s.
+    ``memory_limit_bytes``: the host-memory ceiling: a file read holds its bytes and
+    its arrays (about twice its size), so a file larger than half the ceiling is
+    refused before anything is read, naming both figures; the save streams under it.
     """
+    limit = memory_limit_bytes
     _option_table.check_import(
-        step=step, force=force, format_version=format_version, progress=progress
+        step=step,
+        force=force,
+        format_version=format_version,
+        progress=progress,
+        memory_limit_bytes=limit,
     )
     refuse_inside_source(src, out_dir)
     numbered = msgpack_reader.files_to_import(src, step)
+    for _, path in numbered:
+        refuse_over(path, 2 * _source_size(path), limit, "bytes and arrays (twice the file)")
 
     def read(named: int | None, path: str) -> tuple[int, ImportedStep]:
         tree = msgpack_reader.read_msgpack(path)
@@ -329,4 +386,5 @@ def import_msgpack(
         format_version=format_version,
         progress=progress,
         source_bytes=[_source_size(path) for _, path in numbered] if progress else (),
+        memory_limit_bytes=limit,
     )

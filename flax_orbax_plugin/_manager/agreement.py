@@ -10,7 +10,7 @@ read). So at the open every process shows its options (one key-value round) and 
 difference is a :class:`CoordinationError` on every process, naming each option that
 differs and each process's value, before anything is written.
 
-Per-host choices may differ: ``async_save``, ``host_memory_budget``,
+Per-host choices may differ: ``async_save``, ``host_memory``,
 ``reuse_host_buffers``, ``on_event`` and the clock.
 
 Pure functions but for the one collective round; the constructing thread.

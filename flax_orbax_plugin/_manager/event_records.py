@@ -32,7 +32,15 @@ class Event:
 
 @dataclasses.dataclass(frozen=True)
 class SaveStarted(Event):
-    """The policy decided to save ``step``; its blocking phase begins."""
+    """The policy decided to save ``step``; its blocking phase begins.
+
+    ``host_memory``: the manager's host-memory ceiling for this save, in bytes (under
+    ``host_memory="auto"`` the figure derived from the memory free now), None without
+    one; ``streamed``: the save streams under it (writes from the state's own memory,
+    each region copied to host as it is written) instead of copying the state first."""
+
+    host_memory: int | None = None
+    streamed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,8 +68,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             self._async, self._read_only = opts.async_save, opts.read_only
             self._supersede = opts.supersede  # False, "preemption" or True
             self._replaced = False  # the save in flight replaced a cancelled one
-            pooled = opts.reuse_host_buffers and opts.host_memory_budget is None
-            self._buffers = _host.BufferPool() if pooled else None
+            self._buffers = _host.BufferPool() if opts.reuse_host_buffers else None  # asked for
             self._book = StepBook(self._loc, on_event=opts.on_event)
             self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
             self._saver = Saver(
@@ -79,11 +78,12 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                 self._retainer,
                 opts.incremental,
                 self._buffers,
-                opts.host_memory_budget,
+                opts.host_memory,
                 opts.format_version,
                 opts.hf_shards,
             )
-            self._restorer = Restorer(self._loc, opts.overrides, self._book, opts.read_only)
+            reader = (self._loc, opts.overrides, self._book, opts.read_only, opts.host_memory)
+            self._restorer = Restorer(*reader)
             self._schedule.context = lambda: (bool(self._book.known()), self._saver.in_flight)
             self._closed = False
             _housekeeping.refuse_step_directory(self._loc)

@@ -30,8 +30,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from .._base.host_memory import HOST_MEMORY
 from .._base.option_spec import Option, check, found
-from .._core.requests import HOST_MEMORY_BUDGET
+from .._core.requests import MEMORY_LIMIT
 from .._format import layout as _layout
 from .._format.steps import STEP, STEP_OR_NONE
 from .._state.iterators import check_iterator
@@ -249,8 +250,11 @@ MANAGER: tuple[Option, ...] = (
     ),
     _flag(
         "reuse_host_buffers",
-        "copy the state into host buffers kept between saves (off: hold CPU arrays as views)",
-        default=True,
+        "keep one host copy of the state between saves (costs the state's bytes of host "
+        "memory for the manager's life; a donating step after a save then never waits for "
+        "the write); off (the default): nothing is kept, CPU arrays are held as views and "
+        "an accelerator's copy is freed once written",
+        default=False,
     ),
     Option(
         "format_version",
@@ -261,7 +265,7 @@ MANAGER: tuple[Option, ...] = (
         doc="2 (data files per process: FORMAT.md) or 1 (a file per chunk); None: 2, "
         "or 1 in a directory per host",
     ),
-    HOST_MEMORY_BUDGET,
+    HOST_MEMORY,
     STALL_TIMEOUT,
     Option(
         "hf_shards",
@@ -340,6 +344,7 @@ CALLBACK: tuple[Option, ...] = (
         doc="an object with write_scalars(step, scalars) receiving each save's figures",
     ),
     ON_EVENT,
+    HOST_MEMORY,
     Option(
         "manager_options",
         "custom",
@@ -352,6 +357,7 @@ CALLBACK: tuple[Option, ...] = (
 """Every keyword option of CheckpointCallback."""
 
 SHARED_WITH_MANAGER = ("keep", "every_steps", "every_seconds", "async_save", "on_event")
+SHARED_WITH_MANAGER += ("host_memory",)  # its ceiling (_base.host_memory)
 """The callback's options that it hands to its manager."""
 
 WRITER_ONLY = (
@@ -365,7 +371,6 @@ WRITER_ONLY = (
     "compression",
     "reuse_host_buffers",
     "format_version",
-    "host_memory_budget",
 )
 """What a reader never uses: a save's options, retention's."""
 
@@ -387,6 +392,7 @@ IMPORT: tuple[Option, ...] = (  # fop.import_orbax's / fop.import_msgpack's keyw
     Option("force", "flag"),
     Option("format_version", "choice", choices=(1, 2), none_ok=True),
     Option("progress", "callable", none_ok=True),
+    MEMORY_LIMIT,  # the host-memory ceiling (_base.host_memory; importing.refuse_over)
 )
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._base import host_memory as _host_memory
 from .._base.option_spec import (
     check,
     outside_stacklevel,
@@ -129,6 +130,7 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     option counts as given when it differs from its default). Returns ``{name:
     value}`` of every option, ``policy`` and ``retention`` as the objects (from the
     shorthands when not given) and ``persistent`` a Tier or None."""
+    given = _host_memory.take_old_name(given)
     refuse_unknown(
         "CheckpointManager", given, _table.MANAGER + _table.DEPRECATED, hints=_table.HINTS
     )
@@ -151,28 +153,8 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     if out["persistent"] is not None and not out["handle_sigterm"]:  # the exit's wait
         grace = out["persistent"].grace_seconds
         refuse_without("Tier(grace_seconds)", grace, "handle_sigterm=True", default=_GRACE)
-    _refuse_idle_memory(out)
+    _host_memory.refuse_idle(out)
     return out
-
-
-def _refuse_idle_memory(out: Mapping[str, Any]) -> None:
-    """The host-memory options that do nothing beside another: a budget with incremental
-    steps, ``reuse_host_buffers=False`` under a budget (which pools nothing either)."""
-    budget = out["host_memory_budget"]
-    if out["incremental"]:
-        refuse_without(
-            "host_memory_budget",
-            budget,
-            "incremental=False (an incremental step copies every region to host first)",
-        )
-    if budget is not None:
-        refuse_without(
-            "reuse_host_buffers",
-            out["reuse_host_buffers"],
-            "host_memory_budget=None (under a budget nothing is pooled: each save streams, "
-            "CPU arrays are written from their own memory)",
-            default=True,
-        )
 
 
 _GRACE = next(o.default for o in _tier_option.FIELDS if o.name == "grace_seconds")
@@ -232,6 +214,10 @@ def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict
     if out["resume"] is not False:
         refuse_without("overwrite", out["overwrite"], "resume=False", default=False)
     inner = dict(out["manager_options"] or {})
+    if _host_memory.HOST_MEMORY_BUDGET.name in inner:  # the callback's own, by its old name
+        both = {"host_memory": given["host_memory"]} if "host_memory" in given else {}
+        inner = _host_memory.take_old_name({**inner, **both}, owner="manager_options: ")
+        out["host_memory"] = inner.pop("host_memory")
     refuse_unknown(
         "manager_options: CheckpointManager",
         inner,
@@ -332,7 +318,7 @@ class ManagerOptions:
     incremental: bool
     reuse_host_buffers: bool
     format_version: int | None  # None: the default (formats.version_for)
-    host_memory_budget: int | None
+    host_memory: int | str | None  # bytes, "auto" or None (_base.host_memory)
     stall_timeout: float | None
     hf_shards: Any
     on_event: Callable[[Any], Any] | None
@@ -391,7 +377,7 @@ _PLAIN = (
     "incremental",
     "reuse_host_buffers",
     "format_version",
-    "host_memory_budget",
+    "host_memory",
     "stall_timeout",
     "hf_shards",
     "on_event",

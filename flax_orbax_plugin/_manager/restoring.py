@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._base import host_memory as _host_memory
 from .._base.option_spec import outside_stacklevel
 from .._core import ownership as _ownership
 from .._core.reads import step_deleted_or
@@ -65,8 +66,10 @@ class Restorer:
         overrides: Mapping[str, Checkpointable],
         book: StepBook,
         read_only: bool,
+        host_memory: int | str | None = None,
     ):
         self._loc = location
+        self._ceiling = host_memory  # bytes, "auto" or None (_base.host_memory)
         self._overrides = overrides
         self._book = book
         self._read_only = read_only
@@ -101,7 +104,8 @@ class Restorer:
     ) -> Any:
         tier, own = self._book.tier, self._book.per_host
         # every item's modes, and the restore's region
-        request = ReadRequest.of_step(own_copy=own, changes=changes, region=region)
+        ceiling = _host_memory.resolve(self._ceiling)  # "auto": from the memory free now
+        request = ReadRequest.of_step(own_copy=own, changes=changes, region=region, ceiling=ceiling)
         fn = lambda s: self._restore_step(s, like, items, data_iterator, request)
         if own:
             return self._restore_per_host(step, fn, region)

@@ -19,6 +19,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import host as _host
+from .._base import host_memory as _host_memory
 from .._base import interrupts as _interrupts
 from .._core import formats as _formats
 from .._core import ownership as _ownership
@@ -81,14 +82,14 @@ class Saver:
         retention: RetentionRunner,
         incremental: bool,
         buffers: _host.BufferPool | None,
-        budget: int | None = None,
+        host_memory: int | str | None = None,
         format_version: int | None = None,
         hf_shards: Any = None,
     ):
         self._loc = location
         self._hf_shards = hf_shards  # an fop.HFShards: its item added to due steps
         self._format_version = format_version  # asked for (None: the default, see save)
-        self._budget = budget  # host_memory_budget: bytes a save may hold on host
+        self._ceiling = host_memory  # bytes, "auto" or None (_base.host_memory)
         self._overrides = overrides
         self._incremental = incremental
         self._buffers = buffers
@@ -202,7 +203,7 @@ class Saver:
     def reserve(self, like: Any) -> int:
         """Sizes the manager's host buffers for one save of a state like ``like`` (the
         state, or its ``jax.eval_shape``), populated now; returns the bytes allocated (0
-        without buffers: a host memory budget or ``reuse_host_buffers=False``)."""
+        without buffers: a ceiling of bytes or ``reuse_host_buffers=False``)."""
         if self._buffers is None:
             return 0
         own = self._book.per_host
@@ -238,10 +239,11 @@ class Saver:
         Events (``events``): SaveStarted, SaveBlockingDone, or SaveFailed here when no
         background phase started (else the background phase reports its failure)."""
         events = self._book.events
-        events.emit(SaveStarted(step, str(self._loc)))
+        figure, budget = _host_memory.save_budget(self._ceiling, items, self._incremental)
+        events.emit(SaveStarted(step, str(self._loc), figure, budget is not None))
         try:
             with _interrupts.deferred_sigint():
-                pendings = self._start(step, items, extras, local, replicate, region)
+                pendings = self._start(step, items, extras, local, replicate, region, budget)
             for pending in pendings.values():  # views under a budget: written before returning
                 wait_for_data(getattr(pending, "snap", None), self.inflight)  # interruptible
             for zero_copy in self._steps:
@@ -255,7 +257,7 @@ class Saver:
             raise
 
     def _start(
-        self, step: int, items: dict, extras: Any, local: list[int], replicate: bool, region
+        self, step: int, items: dict, extras: Any, local: list, replicate: bool, region, budget
     ) -> dict[str, Pending]:
         if replicate and self._book.tier is not None:
             self._book.tier.force(step)
@@ -279,7 +281,7 @@ class Saver:
         request = SaveRequest(
             cancelled=cancelled,
             format_version=_formats.version_for(self._format_version, per_host=own),
-            host_memory_budget=self._budget,
+            host_memory_budget=budget,
             buffers=self._buffers,
             own_copy=own,
             created_at=_per_host.agreed_time(region) if own else None,

@@ -44,7 +44,7 @@ MANAGER_DOC = """A directory of training steps: save policy, retention, async sa
     releases still work this release, with a DeprecationWarning: write
     ``persistent=Tier(path, keep=..., keep_every=..., every=..., grace_seconds=...,
     lease_seconds=...)``. Longer texts of some options (``handle_sigterm``,
-    ``incremental``, ``reuse_host_buffers``, ``host_memory_budget``): docs/manager.md,
+    ``incremental``, ``reuse_host_buffers``, ``host_memory``): docs/manager.md,
     "Options in depth"; the tier: docs/tiers.md.
 
     ``wait()``: the local tier, ``persistent.wait()``: the replication, ``close()``:

@@ -90,6 +90,7 @@ def restore_params(
     surgery: Any = None,
     dry_run: bool = False,
     cast: str = "safe",
+    memory_limit_bytes: int | None = None,
 ) -> Any:
     """Restore only the params of a step (the latest by default), for serving.
 
@@ -113,9 +114,12 @@ def restore_params(
     ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
     ``partial=True`` with ``like`` a subset of the saved params. ``surgery`` changes
     the layout during the read and ``dry_run=True`` returns the plan instead, as in
-    ``fop.restore``.
+    ``fop.restore``. ``memory_limit_bytes``: the host-memory ceiling of the reads in
+    flight beyond the params returned, as ``fop.restore`` takes it.
     """
-    _requests.check_serving(step=step, item=item)  # OptionError naming one, before any read
+    _requests.check_serving(
+        step=step, item=item, memory_limit_bytes=memory_limit_bytes
+    )  # OptionError naming one, before any read
     changes = _transform.changes(
         partial=partial, missing=missing, transform=transform, surgery=surgery
     )
@@ -154,7 +158,8 @@ def restore_params(
                 "dry_run=True with dtype= or sharding= needs like= (the plan says where "
                 "each leaf lands): give like=jax.eval_shape(...), or leave them out"
             )
-        return _host_then_placed(params_loc, dtype, sharding, changes, cast, region)
+        limit = memory_limit_bytes
+        return _host_then_placed(params_loc, dtype, sharding, changes, cast, region, limit)
     target, back = nnx_state_as_dict(target)  # an nnx.State like: read as its pure dict
     if transform is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
         # params saved as an nnx.State (each leaf at <path>/value) into a module's form
@@ -165,6 +170,7 @@ def restore_params(
         target = retarget(target, dtype, sharding)
     try:
         options = {"dry_run": dry_run, "cast": cast, **changes.kwargs()}
+        options["memory_limit_bytes"] = memory_limit_bytes
         got = _restore.restore(params_loc, target, region=region, **options)
         return got if back is None or dry_run else back(got)
     except CorruptCheckpointError as e:  # the latest is damaged: the older ones are named
@@ -270,10 +276,12 @@ def _orbax_params(
 
 
 def _host_then_placed(
-    params_loc: Location, dtype: Any, sharding: Any, changes: Any, cast: str, region: Any
+    params_loc: Location, dtype, sharding, changes, cast: str, region, limit: int | None
 ) -> Any:
-    """Without ``like``: the params read to the host (in ``region``), then cast and placed."""
-    host = _restore.restore(params_loc, None, region=region, **changes.kwargs())
+    """Without ``like``: the params read to the host (in ``region``, ``limit`` bytes of
+    reads in flight), then cast and placed."""
+    kwargs = changes.kwargs()
+    host = _restore.restore(params_loc, None, region=region, memory_limit_bytes=limit, **kwargs)
     target = retarget(host, dtype, sharding)
     _casting.check_tree(host, target, cast=cast)  # narrowing rounds; overflow raises
 

@@ -185,6 +185,7 @@ def cmd_export(args) -> int:
             transpose_kernels=args.transpose_kernels,
             force=args.force,
             progress=byte_progress("export"),
+            memory_limit_bytes=args.memory_limit,
         )
     except StructureError as e:  # the cast's advice in the command line's words
         raise CliError(one_line(with_advice(e, "--cast unsafe casts anyway"))) from e
@@ -216,6 +217,7 @@ def cmd_import(args) -> int:
             force=args.force,
             format_version=args.format_version,
             progress=byte_progress("import"),
+            memory_limit_bytes=args.memory_limit,
         )
     except DirectoryLockedError as e:
         raise _locked(e, "import writes nothing", ", or import into another directory") from None

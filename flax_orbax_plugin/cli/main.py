@@ -40,6 +40,28 @@ def _positive(text: str) -> int:
     return value
 
 
+_UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+_MEMORY_HELP = (
+    "the host-memory ceiling of the command, e.g. 512M, 2G (powers of 1024) or bytes "
+    "(default: none); what does not fit is refused, naming the figures"
+)
+
+
+def _size(text: str) -> int:
+    """``--memory-limit 512M``: bytes (K, M, G, T: powers of 1024, an optional iB/B)."""
+    body = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = body[-1:] if body[-1:] in _UNITS and body[-1:] else ""
+    try:
+        value = int(float(body[: len(body) - len(unit)]) * (1 << (10 * _UNITS[unit])))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 512M, 2GiB or 1048576 (bytes), found {text!r}"
+        )
+    return value
+
+
 def _examples(*lines: str) -> str:
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
@@ -150,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--transpose-kernels", action="store_true", help="PyTorch kernel layout")
     s.add_argument("--key-map", default=None, help="JSON file: {leaf path: tensor name|null}")
     s.add_argument("--force", action="store_true", help="replace an existing export")
+    s.add_argument("--memory-limit", type=_size, default=None, metavar="SIZE", help=_MEMORY_HELP)
 
     s = _command(
         sub,
@@ -169,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="of the steps written (default 2)",
     )
+    s.add_argument("--memory-limit", type=_size, default=None, metavar="SIZE", help=_MEMORY_HELP)
 
     s = _command(
         sub,

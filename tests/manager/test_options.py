@@ -175,9 +175,10 @@ MANAGER_CASES = [
     ("format_version", "2", None, "found str '2'"),
     ("format_version", True, None, "found bool True"),
     ("format_version", 2.0, None, "found float 2.0"),
+    ("host_memory", 0, None, "a positive int of bytes <= 9223372036854775807, found 0"),
+    ("host_memory", "1GB", None, "expected a positive int of bytes, 'auto' or None, found str"),
+    ("host_memory", NAN, None, "found float nan"),
     ("host_memory_budget", 0, None, "a positive int <= 9223372036854775807 or None"),
-    ("host_memory_budget", "1GB", None, "found str '1GB'"),
-    ("host_memory_budget", NAN, None, "found float nan"),
     ("persistent", "", None, "expected a path or URL, found str ''"),
     ("persistent", 5, None, "kvstore dict, found int 5"),
     ("persistent_keep", 0, _p, "a positive int or None"),
@@ -208,7 +209,7 @@ def test_every_manager_option_refuses_a_hostile_value(tmp_path, name, value, nee
     assert words in str(info.value), info.value
     assert not (tmp_path / "run").exists()  # refused before anything was made
     # The callback checks the same options in manager_options when it is made.
-    if not {name, *extra} & {"keep", "every_steps", "every_seconds", "async_save"}:
+    if not {name, *extra} & {"keep", "every_steps", "every_seconds", "async_save", "host_memory"}:
         with pytest.raises(fop.OptionError, match=rf"^{name}"):
             fop.CheckpointCallback(tmp_path / "run", manager_options={**extra, name: value})
 
@@ -261,12 +262,12 @@ IDLE_MANAGER = [
     ),
     ({"keep_every": 10}, "keep_every=10 does nothing without keep= or keep_best="),
     (
-        {"incremental": True, "host_memory_budget": 1 << 20},
-        "host_memory_budget=1048576 does nothing without incremental=False",
+        {"incremental": True, "host_memory": 1 << 20},
+        "host_memory=1048576 does nothing without incremental=False",
     ),
-    (  # a budget pools nothing either: the option was silently ignored
-        {"host_memory_budget": 1 << 20, "reuse_host_buffers": False},
-        "reuse_host_buffers=False does nothing without host_memory_budget=None",
+    (  # a ceiling of bytes pools nothing: the option was silently ignored
+        {"host_memory": 1 << 20, "reuse_host_buffers": True},
+        "reuse_host_buffers=True does nothing without host_memory=None or 'auto'",
     ),
     ({"best_mode": "max"}, "best_mode='max' does nothing without keep_best= and best_metric="),
     ({"clock": lambda: 0.0}, "does nothing without every_seconds="),
@@ -277,8 +278,7 @@ IDLE_MANAGER = [
     ({"read_only": True, "async_save": False}, "async_save=False does nothing without a writer"),
     ({"read_only": True, "format_version": 2}, "format_version=2 does nothing without a writer"),
     ({"read_only": True, "compression": {"params": "zstd"}}, "compression={'params': 'zstd'} d"),
-    ({"read_only": True, "host_memory_budget": 1 << 20}, "host_memory_budget=1048576 does no"),
-    ({"read_only": True, "reuse_host_buffers": False}, "reuse_host_buffers=False does nothing"),
+    ({"read_only": True, "reuse_host_buffers": True}, "reuse_host_buffers=True does nothing"),
 ]
 
 
@@ -293,7 +293,7 @@ def test_an_option_that_does_nothing_in_the_mode_is_refused(tmp_path, options, w
         fop.CheckpointManager(tmp_path / "run", **options)
     assert str(info.value).startswith(f"{idle}="), info.value
     assert os.listdir(tmp_path / "run") == [] and not (tmp_path / "p").exists()
-    if not {"read_only", "clock", "keep_every"} & set(options):  # (the callback keeps 3)
+    if not {"read_only", "clock", "keep_every", "host_memory"} & set(options):  # (callback: own)
         with pytest.raises(fop.OptionError, match="^" + re.escape(words)):
             fop.CheckpointCallback(tmp_path / "run", manager_options=options)
 

@@ -57,7 +57,7 @@ def _check_first_save_takes_reserved_buffers(mngr, state, step, buffers=12) -> N
 @pytest.mark.parametrize("version", [1, 2])
 def test_after_reserve_the_first_save_allocates_no_buffer(tmp_path, devices, version):
     state = _state(devices, 1.0)
-    with fop.CheckpointManager(tmp_path, format_version=version) as mngr:
+    with fop.CheckpointManager(tmp_path, format_version=version, reuse_host_buffers=True) as mngr:
         reserved = mngr.reserve(state)
         assert reserved == _pool(mngr).nbytes > 600 * 601 * 4
         assert mngr.reserve(state) == 0  # already there: nothing more
@@ -67,7 +67,7 @@ def test_after_reserve_the_first_save_allocates_no_buffer(tmp_path, devices, ver
 def test_reserve_of_eval_shape_and_the_callback(tmp_path, devices):
     unsharded = _state(devices, 2.0)
     del unsharded["params"]["s"]  # a ShapeDtypeStruct over devices is refused (below)
-    with fop.CheckpointManager(tmp_path / "a") as mngr:
+    with fop.CheckpointManager(tmp_path / "a", reuse_host_buffers=True) as mngr:
         like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), unsharded)
         assert mngr.reserve(like) > 0  # (eval_shape would make the float64 leaf float32)
         _check_first_save_takes_reserved_buffers(mngr, unsharded, 1, buffers=4)
@@ -82,7 +82,9 @@ def test_reserve_of_eval_shape_and_the_callback(tmp_path, devices):
                 )
             )
     state = _state(devices, 3.0)
-    cb = fop.CheckpointCallback(tmp_path / "b", every_steps=1, resume=False)
+    cb = fop.CheckpointCallback(
+        tmp_path / "b", every_steps=1, resume=False, manager_options={"reuse_host_buffers": True}
+    )
     assert cb.on_train_start(state) is state
     _check_first_save_takes_reserved_buffers(cb.manager, state, 5)
     cb.on_train_end(state)

@@ -124,7 +124,9 @@ def test_sharded_state_over_eight_devices(tmp_path):
 
 
 def test_the_callback_wraps_the_step_and_the_pool_reserved_before_is_given_back(tmp_path):
-    cb = fop.CheckpointCallback(str(tmp_path / "ckpt"), every_steps=4, keep=5)
+    cb = fop.CheckpointCallback(
+        str(tmp_path / "ckpt"), every_steps=4, keep=5, manager_options={"reuse_host_buffers": True}
+    )
     state = _items(_state())
     state = cb.on_train_start(state)
     assert cb.manager._buffers is not None and cb.manager._buffers.nbytes > 0  # reserved

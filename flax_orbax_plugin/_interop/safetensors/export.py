@@ -47,6 +47,7 @@ from .plan import (
     checked_metadata,
     parse_size,
     plan_tensors,
+    refuse_over_limit,
     split_shards,
 )
 from .staged import Staged, progress_of
@@ -70,7 +71,7 @@ def _unescape(part: str) -> str:
     return part.replace("%2F", "/").replace("%25", "%")
 
 
-def _checkpoint_leaves(src: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
+def _checkpoint_leaves(src: Any, limit: int | None) -> tuple[list, Callable]:
     """Leaves of one of this plugin's checkpoints and a reader of a group of them."""
     meta = _restore.metadata(src)
     keys = [leaf.path for leaf in meta.leaves.values() if leaf.kind == "prng_key"]
@@ -94,7 +95,10 @@ def _checkpoint_leaves(src: Any) -> tuple[list, Callable[[list[str]], Iterator]]
             for part in parts[:-1]:
                 node = node.setdefault(part, {})
             node[parts[-1]] = None
-        read_alone = _restore.restore(src, template, region=None, partial=True)  # host arrays
+        # host arrays, ``limit`` bytes of reads in flight
+        read_alone = _restore.restore(
+            src, template, region=None, partial=True, memory_limit_bytes=limit
+        )
         flat, _ = _tree.flatten(read_alone)
         values = {p: v for p, _, v in flat}
         for path in paths:
@@ -130,12 +134,12 @@ def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
     return leaves, read
 
 
-def _source_leaves(source: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
+def _source_leaves(source: Any, limit: int | None) -> tuple[list, Callable]:
     """A checkpoint's leaves (a path, a Location or a kvstore spec) or a tree's."""
     if isinstance(source, (str, os.PathLike, Location)) or (
         isinstance(source, dict) and "driver" in source
     ):
-        return _checkpoint_leaves(source)
+        return _checkpoint_leaves(source, limit)
     return _tree_leaves(source)
 
 
@@ -152,6 +156,7 @@ def to_safetensors(
     metadata: dict[str, str] | None = None,
     force: bool = False,
     progress: Callable[[int], Any] | None = None,
+    memory_limit_bytes: int | None = None,
 ) -> ExportResult:
     """Writes ``source`` as safetensors, sharded above ``max_shard_size``.
 
@@ -178,18 +183,23 @@ def to_safetensors(
         without it an existing output is a FileExistsError.
       progress: ``progress(total_bytes)`` returns a context manager with
         ``advance(nbytes, note)`` (the CLI's progress bar).
+      memory_limit_bytes: the host-memory ceiling: leaves are read in groups of at most
+        this many bytes (default 64 MiB); a leaf larger than it is refused (OptionError)
+        before anything is written. None: no ceiling.
     """
     out = local_path(out, what="safetensors output", note=_LOCAL_ONLY)
     limit = parse_size(max_shard_size)
     flags = {"transpose_kernels": transpose_kernels, "force": force, "progress": progress}
+    flags["memory_limit_bytes"] = memory_limit_bytes
     check(EXPORT_OPTIONS, flags)
     dtype, metadata = checked_cast(dtype), checked_metadata(metadata)
     check_policy(cast)
     key_map = checked_key_map(key_map)
-    leaves, read = _source_leaves(source)
+    leaves, read = _source_leaves(source, memory_limit_bytes)
     if not leaves:
         raise ValueError("nothing to export: the source holds no array leaves")
     tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype, cast)
+    refuse_over_limit(tensors, memory_limit_bytes)
     shards = split_shards(tensors, limit)
     directory, names, index_name = output_names(out, len(shards))
     _refuse_inside_checkpoint(directory)
@@ -204,7 +214,7 @@ def to_safetensors(
     staged = Staged(directory, names, shards, meta)  # its marker names this export
     try:
         with progress_of(progress, total) as bar:
-            staged.write(tensors, read, bar)
+            staged.write(tensors, read, bar, group_bytes=memory_limit_bytes)
         old = old_outputs(directory, index_name) if force else set()
         for tmp, final in zip(staged.shard_tmps, finals, strict=True):
             staged.place(tmp, final)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..._base.option_spec import Option, found
+from ..._core.requests import MEMORY_LIMIT
 from ..._errors import OptionError, OptionTypeError, StructureError
 from ..._like import casting as _casting
 from ..._like import onto_like as _onto_like
@@ -183,6 +184,21 @@ class ListedKeyMap:
 # The exporter's and the importer's True/False options, each declared once.
 FLAGS = tuple(Option(name, "flag") for name in ("transpose_kernels", "partial"))
 EXPORT_OPTIONS = (*FLAGS, Option("force", "flag"), Option("progress", "callable", none_ok=True))
+EXPORT_OPTIONS += (MEMORY_LIMIT,)  # the host-memory ceiling (_base.host_memory)
+
+
+def refuse_over_limit(tensors: list[Tensor], limit: int | None) -> None:
+    """An export holds one leaf (or one group of them) at a time: a leaf larger than
+    the ceiling ``limit`` is refused before anything is written, naming both figures."""
+    if limit is None:
+        return
+    big = max(tensors, key=lambda t: t.nbytes, default=None)
+    if big is not None and big.nbytes > limit:
+        raise OptionError(
+            f"memory_limit_bytes={limit}: leaf {big.path!r} holds {big.nbytes} bytes, and an "
+            f"export holds one whole leaf in host memory at a time; nothing was written: "
+            f"give memory_limit_bytes >= {big.nbytes} (or None)"
+        )
 
 
 def checked_key_map(key_map: Any) -> Callable[[str], str | None] | None:

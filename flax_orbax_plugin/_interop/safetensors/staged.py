@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ..._base import env as _env
@@ -20,9 +20,11 @@ from .plan import Tensor, encode_header, split_shards, tensor_bytes
 _GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a checkpoint
 
 
-def _groups(tensors: list[Tensor]) -> list[list[Tensor]]:
-    """Leaves read per partial restore: the same greedy split as the shards."""
-    return [g for g in split_shards(tensors, _GROUP_BYTES) if g]
+def _groups(tensors: list[Tensor], limit: int | None) -> list[list[Tensor]]:
+    """Leaves read per partial restore: the same greedy split as the shards, groups of
+    at most ``limit`` bytes (the host-memory ceiling; default :data:`_GROUP_BYTES`)."""
+    size = _GROUP_BYTES if limit is None else min(_GROUP_BYTES, limit)
+    return [g for g in split_shards(tensors, size) if g]
 
 
 class Staged:
@@ -52,11 +54,14 @@ class Staged:
         f.write(encode_header(self.shards[i], self.meta))
         return f
 
-    def write(self, tensors: list[Tensor], read: Callable[[list[str]], Iterator], bar) -> None:
-        """Every shard, durable and closed: the tensors read a group at a time."""
+    def write(
+        self, tensors: list[Tensor], read: Callable, bar, *, group_bytes: int | None = None
+    ) -> None:
+        """Every shard, durable and closed: the tensors read a group (at most
+        ``group_bytes``, see :func:`_groups`) at a time."""
         by_path = {t.path: t for t in tensors}
         files, current = self.files, -1
-        for group in _groups(tensors):
+        for group in _groups(tensors, group_bytes):
             for path, value in read([t.path for t in group]):
                 i = self.shard_of[path]
                 if i != current:
