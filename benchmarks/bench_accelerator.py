@@ -214,7 +214,7 @@ def _loop(a) -> dict:
         steps=a.steps,
         every=a.every,
         keep=2,
-        batch=12,
+        batch=a.batch,
         platform=a.platform,
         cpu_as_device=a.tiny,
     )
@@ -281,6 +281,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--steps", type=int, default=90)
     p.add_argument("--every", type=int, default=30)
+    p.add_argument("--batch", type=int, default=12, help="rows of the loop step's input")
     p.add_argument("--dir", default="/tmp/fop_accel")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--tiny", action="store_true")
