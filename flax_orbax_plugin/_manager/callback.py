@@ -369,6 +369,8 @@ class CheckpointCallback:
             figures = self.manager.last_save
         elif handle is self.manager.pending_save:
             self.manager.wait_for_save()  # re-raises a background error (once)
+            if handle.error is not None:  # reported already (a cancel(): never again)
+                return
             figures = handle.wait()
         else:  # the manager waited for it when it started the next save
             try:
