@@ -19,6 +19,7 @@ from ._errors import (
     DirectoryLockedError,
     EventHookError,
     ForeignEntryError,
+    HookReentryError,
     NotCommittedError,
     NothingMatchedError,
     OptionError,

@@ -95,6 +95,14 @@ class EventHookError(CheckpointError):
     event: object = None
 
 
+class HookReentryError(CheckpointError, RuntimeError):
+    """An ``on_event`` hook (or another callback the library calls on one of its own
+    threads) called an operation that would wait for the very thing delivering the
+    event (``wait``, ``save``, ``close``, a save handle's ``wait``...): refused, never a
+    hang. Names the call, the event and what to do instead; raised in the hook (so
+    kept and raised again as an :class:`EventHookError`, its ``__cause__``)."""
+
+
 class OptionError(CheckpointError, ValueError):
     """An option (a keyword of the public API) or a ``FOP_*`` environment variable with
     a value it does not take, or one that does nothing in the chosen mode: names the

@@ -11,15 +11,31 @@ import dataclasses
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import exits as _exits
 from .._base.option_spec import Option
-from .._errors import SaveCancelledError
+from .._errors import HookReentryError, SaveCancelledError
 from .._storage.store_errors import raises_store_errors_in_methods
 
-_TIMEOUT = Option("timeout", "number", none_ok=True, low=0)  # SaveHandle.wait's
+_TIMEOUT = Option(  # SaveHandle.wait's (and every wait of the library that takes one)
+    "timeout",
+    "number",
+    none_ok=True,
+    low=0,
+    expected="seconds, a finite number >= 0, or None (no limit)",
+)
+CANCELLED = "cancelled by its handle's cancel()"  # the reason of a cancel() without one
+
+
+def checked_timeout(timeout: Any) -> float | None:
+    """A wait's ``timeout`` checked (an OptionError for a negative, NaN, infinite or
+    non-number one) and clamped to ``threading.TIMEOUT_MAX`` (about 49 days on Linux):
+    a longer one waits as long as that, never an OverflowError from the wait."""
+    timeout = _TIMEOUT.check(timeout)
+    return None if timeout is None else min(float(timeout), threading.TIMEOUT_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +113,12 @@ class SaveHandle:
         *,
         cancelled: threading.Event | None = None,
         region: _distributed.Region | None,
+        guard: Callable[[str], None] | None = None,
     ):
         self.path = path
+        # guard(call): raises where ``call`` (a wait or cancel) may not be made: a
+        # manager's, from its on_event hook (``Events.refuse_in_hook``).
+        self._guard = guard
         self._target = target
         self._region = region  # the operation's, whose region ``target`` runs in
         # Set by :meth:`cancel`; the background phase checks it (see raise_if_cancelled).
@@ -129,41 +149,87 @@ class SaveHandle:
         return self._finished.is_set()
 
     def wait(self, timeout: float | None = None) -> SaveResult:
-        """Blocks until the save is committed; raises its error if it failed.
+        """Blocks until the save is committed; raises its error if it failed (a save
+        cancelled by :meth:`cancel`: its SaveCancelledError, each time).
 
         Interrupted (Ctrl-C, or any exception raised into the waiting thread), the save
-        is abandoned: :meth:`cancel`, then the interruption propagates. ``timeout``
-        (seconds, a finite number >= 0, or None: no limit) is checked first: a bad one
-        is an OptionError and leaves the save running."""
-        timeout = _TIMEOUT.check(timeout)
-        try:
-            finished = self._finished.wait(timeout)
-        except BaseException:
-            self.cancel()
-            raise
-        if not finished:
-            raise TimeoutError(f"save to {self.path} still running after {timeout}s")
+        is abandoned (its background phase stops as interrupted), then the interruption
+        propagates. ``timeout`` (seconds, a finite number >= 0, or None: no limit; one
+        past ``threading.TIMEOUT_MAX`` waits that long) is checked first: a bad one is an
+        OptionError and leaves the save running; a wait that times out raises
+        TimeoutError and leaves it running too. Called from the save's own background
+        thread (a callback it runs), or from where its ``guard`` refuses it (a manager's
+        on_event hook): HookReentryError, never a wait for itself."""
+        timeout = checked_timeout(timeout)
+        self._refuse_reentry("SaveHandle.wait()")
+        self._await(timeout)
         if self._error is not None:
             self._reported = True
             raise self._error
         assert self._result is not None
         return self._result
 
+    def settle(self) -> SaveResult | None:
+        """:meth:`wait` for a manager's save in flight (its ``wait``, its next save):
+        the result, None for a save whose error was already reported (by a
+        :meth:`wait`, or by :meth:`cancel`: a cancel is never reported again), else
+        its error, raised (once)."""
+        self._await(None)
+        if self._error is not None:
+            if self._reported:
+                return None
+            self._reported = True
+            raise self._error
+        return self._result
+
+    def _await(self, timeout: float | None) -> None:
+        try:
+            finished = self._finished.wait(timeout)
+        except BaseException:
+            self.abandon()
+            raise
+        if not finished:
+            raise TimeoutError(
+                f"save to {self.path} still running after {timeout}s (it goes on: wait "
+                f"again, or cancel() it)"
+            )
+
+    def _refuse_reentry(self, call: str) -> None:
+        if threading.current_thread() is self._thread:
+            raise HookReentryError(
+                f"{call} was called on the background thread of the save to {self.path} "
+                f"(from a callback that save runs): it would wait for itself; refused "
+                f"rather than hang. Call it from the thread that started the save"
+            )
+        if self._guard is not None:
+            self._guard(call)
+
     def cancel(self, *, reason: str | None = None) -> bool:
         """Abandons the save: its background phase stops before it commits (at its next
         check: before its first write, between the regions it writes, once its data is
-        written, before the commit) and removes what it staged; waits for that. Its
-        error (the cancellation, or one it met first) is not reported again: read it
-        from :attr:`error`. A save that committed first stays committed. Returns True
-        when nothing of the save was committed (cancelled, or failed), False when it
-        committed first.
+        written, before the commit) and removes what it staged; waits for that. Returns
+        True when nothing of the save was committed (cancelled, or failed), False when
+        it committed first (it stays committed).
 
-        ``reason`` (e.g. ``"superseded by step 8"``): the save stops with a
-        :class:`SaveCancelledError` saying so (with several processes, every process
-        then gets one: the commit's agreed outcome); without one it stops as
-        interrupted (a KeyboardInterrupt, as Ctrl-C). Interrupted again while it waits,
-        the background phase still stops and cleans up on its own (the thread is not a
-        daemon: the interpreter waits for it)."""
+        The save ends with a :class:`SaveCancelledError` saying ``reason`` (e.g.
+        ``"superseded by step 8"``; default: cancelled by this call; with several
+        processes, every process then gets one: the commit's agreed outcome). That
+        return is its report: its error (the cancellation, or one it met first) is
+        never raised again by a manager (its ``wait``, ``close``, next ``save``); read
+        it from :attr:`error`; :meth:`wait` on this handle raises it (no result).
+        Interrupted again while it waits, the background phase still stops and cleans
+        up on its own (the thread is not a daemon: the interpreter waits for it).
+        Refused like :meth:`wait` from the save's own thread."""
+        self._refuse_reentry("SaveHandle.cancel()")
+        return self._cancel(CANCELLED if reason is None else str(reason))
+
+    def abandon(self) -> bool:
+        """:meth:`cancel` as an interruption: the background phase stops with a
+        KeyboardInterrupt (what a Ctrl-C in the caller's wait, or at exit, does; a
+        failing blocking phase after the background one started)."""
+        return self._cancel(None)
+
+    def _cancel(self, reason: str | None) -> bool:
         cancelled = self.cancelled
         if isinstance(cancelled, Cancellation):
             cancelled.cancel(reason)
@@ -172,7 +238,8 @@ class SaveHandle:
         self._reported = True
         if self._thread.ident is None:
             return True  # never started: nothing was written
-        self._finished.wait()
+        if threading.current_thread() is not self._thread:
+            self._finished.wait()
         return self._result is None
 
     @property
@@ -235,7 +302,7 @@ def _finish_running() -> bool:
     failed = False
     for handle in [h for h in list(_RUNNING) if not h.done()]:
         if interrupted:
-            handle.cancel()
+            handle.abandon()
             continue
         say = f"flax_orbax_plugin: the program ends: waiting for the save to {handle.path}"
         print(say, file=sys.stderr)

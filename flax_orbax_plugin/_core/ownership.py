@@ -71,9 +71,10 @@ def unclaim(loc: Location) -> None:
 
 def proof(loc: Location, *, step: int | None = None) -> str | None:
     """What proves ``loc`` ours (``"step manifest"``, ``"commit marker"``, ``"pending
-    marker"``: also a temporary file of its write holding it, see ``_core.pending``),
-    or None. With ``step``, a manifest must name that step. Raises
-    ForeignEntryError when ``loc`` (on local disk) is not a real directory."""
+    marker"``: also a temporary file of its write holding it, or, at a staging name of
+    ours, only such files, empty ones too: see ``_core.pending``), or None. With
+    ``step``, a manifest must name that step. Raises ForeignEntryError when ``loc`` (on
+    local disk) is not a real directory."""
     if loc.is_local:
         path = loc.path.rstrip("/")
         try:
@@ -98,6 +99,10 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
             CommitMarker.from_bytes(raw, f"{loc}/{COMMIT_FILE}")
             return "commit marker"
         if _pending.temporary_markers(loc):  # the marker's write cut short: still ours
+            return "pending marker"
+        # A staging name of ours holding only our marker's temporary files (empty: a
+        # claim or removal killed between creating one and writing it): ours.
+        if _steps.SAVE_STAGING_RE.match(loc.name) and _pending.only_temporary_files(loc):
             return "pending marker"
     except ForeignEntryError:
         return None  # a link or a FIFO where our file would be: not ours

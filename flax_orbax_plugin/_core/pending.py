@@ -8,6 +8,12 @@ are proven ours by it. The marker is itself written through a temporary file
 the temporary file alone, and its content, our marker naming the dead writer, proves
 the place ours just as well (:func:`read`).
 
+A writer killed after creating the temporary file but before writing it leaves it
+empty (or holding part of the marker): still a file of ours by its name, never
+someone else's (:func:`temporary_files`); in a place of ours with a staging name of
+ours (``<step>.deleting-<nonce>``, ``.partial-<nonce>``) that holds nothing else, it
+proves the place ours (``ownership.proof``).
+
 A place whose marker names no writer (it is gone: a removal that was cut short
 between its rename and its marker, a commit between its marker's deletion and its
 rename) is dead once nothing changed there for :data:`QUIET_SECONDS`
@@ -151,9 +157,12 @@ def writer_of(raw: bytes | None) -> tuple[str, int] | None:
     return host, pid
 
 
-def temporary_markers(loc: Location) -> list[str]:
-    """Local only: the names of the temporary files at the top of ``loc`` that hold our
-    pending marker (a marker's write cut short); none elsewhere."""
+def temporary_files(loc: Location) -> list[str]:
+    """Local only: the regular files at the top of ``loc`` named as the temporary file of
+    a pending marker's write (``_PENDING.json.tmp-<hex>``) that hold our marker or the
+    start of one, or nothing: a writer killed between creating one and renaming it
+    leaves it empty (or, in principle, holding part of the marker). In a place proven
+    ours they are ours too (``removing.strangers``); none elsewhere."""
     if not loc.is_local:
         return []
     try:
@@ -161,7 +170,33 @@ def temporary_markers(loc: Location) -> list[str]:
     except OSError:
         return []
     names = sorted(n for n, kind in kinds.items() if kind == "file" and TMP_RE.match(n))
-    return [n for n in names if is_marker(_read_quietly(loc, n))]
+    return [n for n in names if _ours_cut_short(_read_quietly(loc, n))]
+
+
+# How every pending marker begins (marker_bytes: json.dumps keeps the keys' order).
+_HEAD = b'{"library": "flax_orbax_plugin", "kind": "pending", "nonce": "'
+
+
+def _ours_cut_short(raw: bytes | None) -> bool:
+    """Our marker, or what a write of one cut short holds (nothing, or its start)."""
+    return raw is not None and (is_marker(raw) or _HEAD.startswith(raw) or raw.startswith(_HEAD))
+
+
+def only_temporary_files(loc: Location) -> bool:
+    """Local only: True when ``loc`` holds something, and nothing but
+    :func:`temporary_files`: a claim or a removal killed while it wrote the marker,
+    before anything else was written there or after everything else was removed."""
+    try:
+        kinds = loc.child_kinds() if loc.is_local else {}
+    except OSError:
+        return False
+    return bool(kinds) and set(kinds) == set(temporary_files(loc))
+
+
+def temporary_markers(loc: Location) -> list[str]:
+    """Local only: the names of the temporary files at the top of ``loc`` that hold our
+    pending marker (a marker's write cut short after it was written); none elsewhere."""
+    return [n for n in temporary_files(loc) if is_marker(_read_quietly(loc, n))]
 
 
 def read(loc: Location) -> bytes | None:
@@ -233,6 +268,7 @@ def abandoned(loc: Location) -> bool:
     except (OSError, CheckpointError):
         return False
     if names and COMMIT_FILE not in names and MANIFEST_FILE not in names:
-        return False
+        if not only_temporary_files(loc):  # else: as empty (a claim killed in its write)
+            return False
     changed = max(st.st_ctime, loc.newest_mtime())
     return time.time() - changed > QUIET_SECONDS

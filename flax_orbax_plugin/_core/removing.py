@@ -23,8 +23,9 @@ The names this library writes, by place:
   its name is fresh, nobody else writes there. A removal cut short records what it
   leaves in its pending marker, so the next attempt leaves it too.
 - **anywhere** (local disk): a temporary file of the pending marker's write
-  (``_PENDING.json.tmp-<hex>``) that holds our marker: a removal killed between its
-  write and its rename (``_core.pending``).
+  (``_PENDING.json.tmp-<hex>``, no larger than a marker), whatever it holds: a
+  removal killed between creating it and renaming it, empty if before its write
+  (``_core.pending.temporary_files``).
 
 Threading: stateless; callers serialise removals of one place (``_core.ownership``).
 """
@@ -105,7 +106,7 @@ def strangers(loc: Location) -> list[str]:
         return []
     if not loc.is_local:
         return sorted(k for k in loc.keys() if not rule(k.split("/"), False))
-    ours = set(_pending.temporary_markers(loc))  # our marker's write, cut short
+    ours = set(_pending.temporary_files(loc))  # our marker's write cut short, even empty
     out: list[str] = []
     stack = [""]
     root = loc.path.rstrip("/")

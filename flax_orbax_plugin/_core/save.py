@@ -131,7 +131,7 @@ def _save_async(path, tree, region: _distributed.Region | None, given: dict) -> 
         return _start(path, tree, started, request, force=force)
     except BaseException:
         for handle in started:
-            handle.cancel()
+            handle.abandon()
         raise
 
 

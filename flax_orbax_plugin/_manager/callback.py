@@ -224,6 +224,8 @@ class CheckpointCallback:
         raises the first error of an ``on_event`` hook not raised yet. ``state``: the
         final state (default: ``state_fn()``, for a callback used as a hook)."""
         state = self._hook_state() if state is None else state
+        if step is None:  # from state.step: a stale one is refused, said (resuming)
+            _resuming.stale_step(_step_of(state, None), self._last_saved_step, self._last_step)
         step = _step_of(state, self._last_step) if step is None else checked_step(step)
         if self._ended is not None:  # twice: the same end is nothing, another refused
             if step is None or int(step) == self._ended:
@@ -369,6 +371,8 @@ class CheckpointCallback:
             figures = self.manager.last_save
         elif handle is self.manager.pending_save:
             self.manager.wait_for_save()  # re-raises a background error (once)
+            if handle.error is not None:  # reported already (a cancel(): never again)
+                return
             figures = handle.wait()
         else:  # the manager waited for it when it started the next save
             try:

@@ -24,6 +24,17 @@ before or after the next save's SaveStarted. The hook is never called by two thr
 at once (calls are serialized under a lock), so it need not be thread-safe; it should
 return quickly (a save's commit waits for it).
 
+Calling the manager from the hook: what reads committed steps works, on any event
+(``steps()``, ``latest_step()``, ``restore(step=...)``: evaluating each checkpoint from
+its SaveCommitted; with one process, as a restore from a hook on the save's thread
+draws no collective operation). A restore there waits for no save: the step being
+reported is committed, the save's bookkeeping after it (retention, the persistent tier)
+waits for the hook. What would wait for the thread delivering the event, or for a
+thread that must deliver one in turn (``save``, ``wait``, ``wait_for_save``,
+``close``, ``delete``, ``gc``, ``pending_save.wait()`` or ``.cancel()``, the persistent
+tier's ``wait``/``close``), raises :class:`HookReentryError` naming the call, never
+hangs: note the event and make the call from the training loop.
+
 A hook that raises loses no step and breaks no save: the exception is logged at once
 (ERROR, with its traceback, on the ``flax_orbax_plugin`` logger) and the first one is
 raised again (a SystemExit too; a Ctrl-C on the training thread goes on at once), as
@@ -46,6 +57,7 @@ through ``record_event_duration_secs``, byte and file counts through
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -55,7 +67,7 @@ from typing import Any, Protocol
 import jax.monitoring
 
 from .._base import distributed as _distributed
-from .._errors import EventHookError
+from .._errors import EventHookError, HookReentryError
 from .._storage.local_files import walk_entries
 from .._storage.location import Location
 from .event_records import (
@@ -74,6 +86,7 @@ __all__ = [
     "Event",
     "EventHookError",
     "Events",
+    "HookReentryError",
     "MetricWriterEvents",
     "RestoreDone",
     "SaveBlockingDone",
@@ -83,6 +96,7 @@ __all__ = [
     "StepReplicated",
     "StepsRemoved",
     "measure_stored",
+    "refuse_from_hooks",
     "stored_size",
 ]
 
@@ -177,6 +191,35 @@ class Events:
         self.hook = hook
         self._lock = threading.RLock()
         self._error: EventHookError | None = None  # the first not raised yet
+        # (thread id, event) of each hook call running, innermost last (under _lock:
+        # one thread's at a time; a hook's restore delivers RestoreDone inside it).
+        self._delivering: list[tuple[int, Event]] = []
+
+    def delivering(self) -> Event | None:
+        """The event whose hook the calling thread is in (innermost), or None. Any
+        thread."""
+        me = threading.get_ident()
+        for ident, event in reversed(list(self._delivering)):
+            if ident == me:
+                return event
+        return None
+
+    def refuse_in_hook(self, call: str) -> None:
+        """Raises :class:`HookReentryError` when the calling thread is in the hook:
+        ``call`` (e.g. ``"manager.wait()"``) waits for what delivering the event holds up
+        (see the module docstring). Any thread."""
+        event = self.delivering()
+        if event is None:
+            return
+        on = threading.current_thread().name
+        raise HookReentryError(
+            f"{call} was called from the on_event hook while it handled "
+            f"{type(event).__name__} of step {event.step} (thread {on!r}): it waits for "
+            f"the save, retention or copy whose event the hook is handling, which waits "
+            f"for the hook; refused rather than hang. Note the event in the hook (e.g. "
+            f"append it to a list) and call {call} from the training loop; steps(), "
+            f"latest_step() and, with one process, restore() may be called from the hook"
+        )
 
     def emit(self, event: Event) -> None:
         """Records ``event`` and calls the hook; an exception it raises is logged and
@@ -187,7 +230,11 @@ class Events:
             try:
                 _monitor(event)
                 if self.hook is not None:
-                    self.hook(event)
+                    self._delivering.append((threading.get_ident(), event))
+                    try:
+                        self.hook(event)
+                    finally:
+                        self._delivering.pop()
             except BaseException as e:  # kept, raised by raise_error
                 main = threading.current_thread() is threading.main_thread()
                 if isinstance(e, KeyboardInterrupt) and main:
@@ -256,6 +303,31 @@ class Events:
     ) -> None:
         if removed:
             self.emit(StepsRemoved(step, directory, tier, tuple(sorted(removed))))
+
+
+# A manager's calls that wait for its save, retention or copy threads (see the module
+# docstring), refused from its hook; ``restore`` is allowed there with one process.
+REFUSED_IN_HOOKS = ("save", "wait", "wait_for_save", "delete", "gc", "close", "leave")
+
+
+def refuse_from_hooks(cls: type, names: Iterable[str], *, alone_ok: Iterable[str] = ()) -> None:
+    """Wraps the methods ``names`` (and ``alone_ok``) of ``cls``, a manager (its events:
+    ``self._book.events``): called from its own on_event hook, each raises
+    :class:`HookReentryError` naming it (``manager.<name>()``) before anything else
+    (before a collective region is drawn: a hook's thread draws none); one of
+    ``alone_ok`` is allowed there with one process."""
+    for name in (*names, *alone_ok):
+        setattr(cls, name, _guarded(getattr(cls, name), f"manager.{name}()", name in alone_ok))
+
+
+def _guarded(method: Callable, call: str, alone_ok: bool) -> Callable:
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (alone_ok and _distributed.process_count() == 1):
+            self._book.events.refuse_in_hook(call)
+        return method(self, *args, **kwargs)
+
+    return guarded
 
 
 def _monitor(event: Event) -> None:

@@ -17,11 +17,13 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import exits as _exits
 from .._base import regions as _regions
 from .._errors import CheckpointError
+from . import events as _events
 
 __all__ = ["Lifecycle", "leave_at_exit"]
 
@@ -86,13 +88,20 @@ def _say_copies_left(manager: Lifecycle) -> None:
 
 
 class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ... and wait)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The manager's calls that wait for a hook's own thread, refused from its
+        on_event hook (``events.refuse_from_hooks``): close and leave among them."""
+        super().__init_subclass__(**kwargs)
+        _events.refuse_from_hooks(cls, _events.REFUSED_IN_HOOKS, alone_ok=("restore",))
+
     def close(self) -> None:
         """Wait for the in-flight save, stop the threads, release the lock. Idempotent.
         With several processes, on every process (it meets them: ``wait``). Closing
         with an error (a save's, or one the others brought to the meeting), this
         process then leaves the run as :meth:`leave` does: one of the others still
         waiting for it in an operation of this manager (a step further on, after the
-        processes met the error at different steps) raises at once, naming it."""
+        processes met the error at different steps) raises at once, naming it. From
+        its on_event hook: HookReentryError (``events``), and it stays open."""
         self._close(self.wait)
 
     def _close(self, meet: Callable[[], None]) -> None:
@@ -119,7 +128,8 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
         ``with`` block's exit does then): the save in flight ends (committed with the
         others, or its own error logged), then the other processes are told that this
         one left: one waiting for it raises ProcessFailedError naming it and ``error``
-        at once. Waits for no other process. Idempotent."""
+        at once. Waits for no other process. Idempotent. From its on_event hook:
+        HookReentryError, as :meth:`close`."""
         if self._closed:
             return
         try:

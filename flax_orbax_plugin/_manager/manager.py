@@ -308,7 +308,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         Without ``step``, a latest step that is damaged (a checksum fails, a file is
         missing) is skipped with a warning and, by a writer, moved aside to
         ``<step>.corrupt-<nonce>`` (never deleted); the newest good step is restored.
-        With ``step``, damage raises. Waits for this manager's in-flight save first.
+        With ``step``, damage raises. Waits for the save in flight first (not from a hook).
         A step being read is never deleted by this manager's retention.
         """
         if isinstance(like, numbers.Integral) and not isinstance(like, bool):

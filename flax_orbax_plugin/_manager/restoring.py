@@ -297,9 +297,12 @@ class Restorer:
                 f"step {step} of {self._loc} holds no data_iterator state; items: {sorted(saved)}"
             )
         restored = {}
+        others = {
+            n: (step_loc.child(saved[n].dir), saved[n].kind, like_items.get(n)) for n in names
+        }
         for name in names:
             restored[name] = self._restore_item(
-                step, step_loc, saved[name], name, like_items.get(name), request
+                step, step_loc, saved[name], name, like_items.get(name), request, others
             )
         if data_iterator is not None:
             self._restore_item(
@@ -377,6 +380,7 @@ class Restorer:
         name: str,
         like: Any,
         request: ReadRequest,
+        others: Any = None,  # on a mismatch, the items checked too (item_mismatch)
     ) -> Any:
         handler = checkpointable_for(name, self._overrides)
         kind = kind_of(handler)  # as the save recorded it
@@ -390,7 +394,7 @@ class Restorer:
         try:
             return handler.restore(step_loc.child(entry.dir), like, request)
         except StructureError as e:
-            raise item_mismatch(e, name=name, step=step, location=self._loc) from e
+            raise item_mismatch(e, name=name, step=step, location=self._loc, others=others) from e
         except CheckpointError as e:
             e.add_note(f"while restoring item {name!r} of step {step} from {self._loc}")
             raise

@@ -124,3 +124,20 @@ def unstarted(directory: Any, mngr: Any, step: int, resume: bool | str, overwrit
         f"resume it (resume={resume!r}), or start afresh elsewhere (a new "
         f"directory, or resume=False with overwrite=True)"
     )
+
+
+def stale_step(step: int | None, saved: int | None, reached: int | None) -> None:
+    """``on_train_end(state)`` without ``step=``: a ``state.step`` (``step``) below the
+    step this run already saved (``saved``: its latest, or the resumed one) is a loop
+    that did not keep ``state.step`` up to date; refused (CheckpointError naming where
+    the step came from and the call that works), before the run ends, so that a retry
+    with ``step=`` saves the final step."""
+    if step is None or saved is None or step >= saved:
+        return
+    reached = max(saved, reached or saved)
+    raise CheckpointError(
+        f"on_train_end(state): the step to save came from state.step, which is {step}, "
+        f"below step {saved} this run already saved (it reached step {reached}): the loop "
+        f"did not keep state.step up to date. Pass the step: on_train_end(state, "
+        f"step={reached}) (nothing was saved; the run is not over)"
+    )

@@ -142,10 +142,12 @@ class Saver:
             self.wait()
 
     def wait(self) -> None:
-        """Waits for the save in flight; re-raises its error (once)."""
-        handle, self.inflight = self.inflight, None
-        if handle is not None:
-            handle.wait()
+        """Waits for the save in flight; re-raises its error once, never one reported
+        already (by its handle's wait or cancel). From the on_event hook: none (below)."""
+        if self._book.events.delivering() is None:  # a hook's restore: its save waits for it
+            handle, self.inflight = self.inflight, None
+            if handle is not None:
+                handle.settle()
 
     def supersede(self, step: int) -> bool:
         """Cancels the save in flight, if any, for ``step`` (``supersede=``): it stops at
@@ -251,7 +253,7 @@ class Saver:
         except BaseException as e:
             handle, self.inflight = self.inflight, None
             if handle is not None:
-                handle.cancel()
+                handle.abandon()
             else:
                 events.save_failed(step, str(self._loc), "blocking", e)
             raise
@@ -338,7 +340,8 @@ class Saver:
         stagings.discard("none")
         staging = "; ".join(sorted(stagings)) or "none"
         self._book.events.emit(SaveBlockingDone(step, str(self._loc), blocking, staging))
-        handle = SaveHandle(str(final), background, cancelled=cancelled, region=region)
+        guard = self._book.events.refuse_in_hook  # its wait or cancel from a hook: refused
+        handle = SaveHandle(str(final), background, cancelled=cancelled, region=region, guard=guard)
         self.inflight = handle.start()
         return pendings
 

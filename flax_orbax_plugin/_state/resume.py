@@ -9,8 +9,12 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
+from .._base import tree as _tree
 from .._base.option_spec import outside_stacklevel
 from .._errors import NothingMatchedError, OptionError, OptionTypeError, StructureError
+from .._format.documents import read_document
 from .._like.transform import HINT
 from .train_state import split_state
 
@@ -76,31 +80,69 @@ def items_to_restore(state: Any, *, reset: Iterable[str]) -> list[str]:
     return [n for n in names if n not in reset]
 
 
-def item_mismatch(error: StructureError, *, name: str, step: int, location: Any) -> StructureError:
+def item_mismatch(
+    error: StructureError, *, name: str, step: int, location: Any, others: Any = None
+) -> StructureError:
     """A StructureError for item ``name`` of a step that does not fit the given state
     (a NothingMatchedError stays one).
 
     Keeps the core's message (the leaf, what was expected, what was found) and says
-    how to start that item fresh instead.
+    how to start that item fresh instead, together with every other item that does not
+    fit either (``others``: ``{item: (its Location, its kind, like's value)}``, checked
+    by their saved leaf paths and shapes, no data read): a model whose width changed is
+    told to reset its params and the optimizer state that mirrors them at once, never
+    one after the other.
     """
     detail = str(error).removesuffix("; pass partial=True to restore a subtree")
     detail = detail.removesuffix("\n" + HINT)
+    names = [name, *misfits(others or {}, but=name)]
+    reset = repr(tuple(names))  # ('params',) for one
+    shown = " and ".join(repr(n) for n in names)
+    but = f"every item but {shown}"
     if isinstance(error, NothingMatchedError):
         return NothingMatchedError(
-            f"item {name!r} of step {step} in {location}: {detail}. To start that item "
+            f"item {name!r} of step {step} in {location}: {detail}. To start {shown} "
             f"fresh on purpose instead: CheckpointCallback.on_train_start(state, "
-            f"reset=({name!r},)), or CheckpointManager.restore(like=state, "
-            f"items=[...every item but {name!r}])"
+            f"reset={reset}), or CheckpointManager.restore(like=state, items=[...{but}])"
         )
+    also = ""
+    if len(names) > 1:
+        rest = ", ".join(repr(n) for n in names[1:])
+        also = f"\n{rest} do{'es' if len(names) == 2 else ''} not fit either (saved shapes)"
+    why = "; ".join(dict.fromkeys(_WHY.get(n, "a new structure") for n in names))
+    if {"params", "opt_state"} <= set(names):  # the optimizer state mirrors the params
+        why = why.replace("; a new optimizer", ", and the optimizer state that mirrors its params")
     return StructureError(
-        f"item {name!r} of step {step} in {location} does not fit the given state: {detail}\n"
-        f"If it changed on purpose ({_WHY.get(name, 'a new structure')}), keep the given "
-        f"state's {name} "
-        f"and restore the rest: CheckpointCallback.on_train_start(state, reset=({name!r},)), "
-        f"or CheckpointManager.restore(like=state, items=[...every item but {name!r}]). "
+        f"item {name!r} of step {step} in {location} does not fit the given state: "
+        f"{detail}{also}\n"
+        f"If {'they' if len(names) > 1 else 'it'} changed on purpose ({why}), keep the "
+        f"given state's {shown} and restore the rest: "
+        f"CheckpointCallback.on_train_start(state, reset={reset}), "
+        f"or CheckpointManager.restore(like=state, items=[...{but}]). "
         f"If the model changed (layers added, dropped or renamed), pass partial=True, "
         f"missing='keep' or transform= to on_train_start or CheckpointManager.restore"
     )
+
+
+def misfits(others: Any, *, but: str) -> list[str]:
+    """The items of ``others`` (see :func:`item_mismatch`) but ``but``, pytree items
+    given a template, whose saved leaf paths or shapes differ from the template's:
+    read from their metadata alone (no array data). An item that cannot be compared
+    (unreadable metadata, an odd template) is left out: the advice claims no more than
+    it checked."""
+    out = []
+    for name, (loc, kind, like) in others.items():
+        if name == but or kind != "pytree" or like is None:
+            continue
+        try:
+            saved = {rec.path: tuple(rec.shape) for rec in read_document(loc).leaves}
+            flat, _ = _tree.flatten(like)
+            given = {path: tuple(np.shape(leaf)) for path, _, leaf in flat}
+        except Exception:  # noqa: BLE001  (not compared: not named)
+            continue
+        if saved != given:
+            out.append(name)
+    return out
 
 
 # Items a restore into ``like`` may leave out without a word: the metrics saved beside

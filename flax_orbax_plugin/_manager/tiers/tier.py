@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..._base import distributed as _distributed
+from ..._core.handle import checked_timeout
 from ..._errors import OptionError, ReplicationError
 from ..._storage import run_owner as _run_owner
 from ..._storage.location import Location
@@ -270,7 +271,13 @@ class PersistentTier:
         """Blocks until nothing is queued or being copied (or ``timeout`` passed);
         returns whether everything was replicated. Raises the error of a failed copy
         (once). On a process other than the primary it waits for the rounds of the
-        steps it submitted (or newer ones that superseded them) to end."""
+        steps it submitted (or newer ones that superseded them) to end.
+
+        ``timeout``: seconds (a finite number >= 0, or None: no limit), checked first
+        (OptionError). From the manager's on_event hook: HookReentryError (the copy
+        it waits for delivers events too), never a hang."""
+        timeout = checked_timeout(timeout)
+        self._state.events.refuse_in_hook("persistent.wait()")
         deadline = None if timeout is None else time.monotonic() + timeout
         state = self._state
         with state.cond:
@@ -292,7 +299,10 @@ class PersistentTier:
         Several processes: every process calls it (the manager's ``close`` does). The
         primary then announces the end of its rounds; the others follow the primary's
         rounds until that announcement, up to ``timeout`` (with None, up to the
-        coordination timeout once the primary stops starting rounds)."""
+        coordination timeout once the primary stops starting rounds). ``timeout`` and
+        a call from the on_event hook: as :meth:`wait`."""
+        timeout = checked_timeout(timeout)
+        self._state.events.refuse_in_hook("persistent.close()")
         state = self._state
         if state.stop and (self._thread is None or not self._thread.is_alive()):
             self._release_owner()
