@@ -116,6 +116,10 @@ def dir_bytes(loc: Location) -> int | None:
         return None
 
 
+# The kinds of item whose value is one JSON file of the step (the built-in JSON items).
+JSON_KINDS = ("json", "step", "data_iterator")
+
+
 def read_json_item(item: Item) -> Any:
     data_iterator = item.kind == "data_iterator"
     name = _layout.iterator_state_file(0) if data_iterator else _layout.JSON_VALUE_FILE
