@@ -72,6 +72,8 @@ def is_orbax_checkpoint(path: Any) -> bool:
                 return False  # a folder of the user's (no record): not an Orbax run
         except CheckpointError:
             continue  # a link or special file: never followed; the reader names it
+        except OSError:  # a folder the environment shuts (a permission): the next one
+            continue  # (the step listing names it)
     # no step at all, but a save Orbax left unfinished: the reader says so
     return any(TMP_MARK in name for name in loc.list_children())
 

@@ -111,6 +111,7 @@ class Restorer:
                 self._book.forget()  # it may have copied the step here
             return self._agreed(step, fn, region)
         skipped: list[tuple[int, CorruptCheckpointError]] = []
+        shut: list[tuple[int, OSError]] = []  # steps an environmental error kept shut
         for candidate in reversed(self.candidates(region)):
             for _ in range(2 if tier is not None else 1):  # local, then persistent
                 try:
@@ -119,6 +120,12 @@ class Restorer:
                             break
                         self._book.forget()  # it may have copied the step here
                     return self._agreed(candidate, fn, region)
+                except OSError as e:  # the environment's (a permission, EIO): no damage
+                    if not self._skippable(e):
+                        raise
+                    shut.append((candidate, e))
+                    _steps.warn_unreadable(self._loc, candidate, e)  # never set aside
+                    break
                 except CorruptCheckpointError as e:
                     skipped.append((candidate, e))
                     if tier is not None and not self._loc.child(str(candidate)).is_dir():
@@ -131,7 +138,16 @@ class Restorer:
                 + "; ".join(f"step {s}: {e}" for s, e in skipped)
             )
             raise error
+        if shut:  # every step was shut: the newest one's own error
+            raise shut[0][1]
         raise CheckpointNotFoundError(f"no committed steps in {self._loc}")
+
+    @staticmethod
+    def _skippable(error: OSError) -> bool:
+        """Whether the latest-step restore goes on past a step ``error`` kept shut: an
+        environmental error (``_steps.environmental``), with one process (with several,
+        the other processes learn of it only as an error: all of them raise it)."""
+        return _steps.environmental(error) and _distributed.process_count() == 1
 
     def _restore_per_host(
         self, step: int | None, fn: Callable[[int], Any], region: _distributed.Region | None
