@@ -118,19 +118,22 @@ def environmental(error: BaseException) -> bool:
     return isinstance(error, OSError) and not isinstance(error, CheckpointError)
 
 
-def warn_unreadable(loc: Location, step: int, why: Any) -> None:
-    """The warning for a step of ``loc`` an environmental error kept shut (``why``)."""
-    why = str(why)
-    why = why if why.startswith("cannot be read") else f"cannot be read: {why}"
+def warn_unreadable(loc: Location, step: int, why: _W) -> _W:
+    """Warns that step ``step`` of ``loc`` was skipped for the latest: an environmental
+    error (``why``) kept it shut. Returns ``why``."""
+    text = str(why)
+    text = text if text.startswith("cannot be read") else f"cannot be read: {text}"
     warnings.warn(
-        f"step {step} of {loc} {why[:500]}; skipped for the latest step (an error of the "
+        f"step {step} of {loc} {text[:500]}; skipped for the latest step (an error of the "
         f"environment, not damage: nothing was moved or removed)",
         UserWarning,
         stacklevel=outside_stacklevel(),
     )
+    return why
 
 
 _T = TypeVar("_T")
+_W = TypeVar("_W")
 
 
 def newest_readable(loc: Location, steps: Sequence[int], read: Callable[[int], _T]) -> _T:
