@@ -69,15 +69,22 @@ class Listing:
 def list_directory(loc: Location) -> Listing:
     """Lists ``loc`` without following symlinks; reads no file contents."""
     committed, unfinished, corrupt, foreign, unreadable = [], [], [], [], []
-    kinds = loc.child_kinds() if loc.is_local else None  # from the entries: no link followed
-    for name in loc.list_children():
+    if loc.is_local:
+        kinds = loc.child_kinds()  # from the entries: no link followed
+        names = loc.list_children()
+        holds = lambda name, file: loc.child(name).exists(file)
+    else:  # an object store: one listing of every key says which steps hold which
+        kinds, keys = None, set(loc.keys())  # marker (never a read per step: its cost
+        names = sorted({k.split("/", 1)[0] for k in keys} - {""})  # grew with the steps)
+        holds = lambda name, file: f"{name}/{file}" in keys
+    for name in names:
         if name in RECORD_NAMES or name.startswith(".fop-visible-"):  # _shared_dir's probe
             continue
         if kinds is not None and kinds.get(name) != "dir":
             foreign.append(name)  # a symlink, a file, a device: never ours to follow
             continue
         try:
-            manifest = STEP_RE.match(name) and loc.child(name).exists(MANIFEST_FILE)
+            manifest = STEP_RE.match(name) and holds(name, MANIFEST_FILE)
         except OSError as e:  # a step folder shut by the environment: said, not fatal
             if not environmental(e):
                 raise
@@ -85,7 +92,7 @@ def list_directory(loc: Location) -> Listing:
             continue
         if manifest:
             committed.append(int(name))
-        elif TMP_RE.match(name) or (STEP_RE.match(name) and loc.child(name).exists(PENDING_FILE)):
+        elif TMP_RE.match(name) or (STEP_RE.match(name) and holds(name, PENDING_FILE)):
             # (a step written in place on an object store, its writer killed: gc's too)
             unfinished.append(name)
         elif CORRUPT_RE.match(name):

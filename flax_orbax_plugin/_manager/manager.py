@@ -130,6 +130,10 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         the store now. A save never calls it: it uses the steps known in memory."""
         return self._book.listed()
 
+    def all_steps(self) -> list[int]:
+        """:meth:`steps` under Orbax's name (``CheckpointManager.all_steps()``)."""
+        return self.steps()
+
     @_distributed.collective_method("manager-delete", stall="_stall_s", scope="_scope")
     def delete(self, *steps: int, region: _distributed.Region | None) -> None:
         """Removes the committed ``steps`` of this directory now, through the one owner
@@ -152,9 +156,11 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         op = _distributed.next_operation_id("manager-delete", region=region)
         _distributed.barrier(op, region=region)
 
-    def latest_step(self, *, include_persistent: bool = False) -> int | None:
-        """The highest committed step, or None when there is none; with
-        ``include_persistent``, of either tier (what ``restore()`` starts from)."""
+    def latest_step(self, *, include_persistent: bool = True) -> int | None:
+        """The highest committed step, or None when there is none: of either tier (what
+        ``restore()`` starts from, so ``if latest_step() is None: start afresh`` never
+        starts afresh over a restorable step); ``include_persistent=False``: of this
+        directory alone."""
         return self._book.latest(include_persistent=flag("include_persistent", include_persistent))
 
     @property
