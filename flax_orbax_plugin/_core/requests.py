@@ -201,8 +201,7 @@ def check_save(**options: Any) -> dict[str, Any]:
     ``data_file_bytes`` with format version 1 (one file per chunk: it does nothing
     there) is refused naming both."""
     out = check(SAVE, options)
-    if "format_version" in out:
-        out["format_version"] = _formats.version_for(out["format_version"], per_host=False)
+    out["format_version"] = _formats.version_for(out["format_version"], per_host=False)
     # What the chosen format ignores is refused (the format says what, and why).
     _formats.refuse_ignored(
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
