@@ -20,7 +20,6 @@ import os
 import stat
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -119,9 +118,7 @@ class ChunkReader:
         self._batch_pool = _read_pool.Jobs(min(threads, BATCH_THREADS))
         self._fill = _read_file  # (path, name, parts): a subclass reads from elsewhere
         self._ranged = _read_ranges  # (path, name, expected, ranges); None: no parts read
-        # (path) -> the words naming a chunk's bytes in an error, where a subclass stores
-        # them elsewhere (None: this version's own files, "chunk <key>", "batch file <key>")
-        self._where: Callable[[str], str] | None = None
+        self._where = None  # (path) -> where a subclass stores a chunk (chunks.stored_name)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -262,16 +259,15 @@ def bytes_read() -> int:
 
 def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None, where=None) -> None:
     """Reads one chunk file: its first ``dest.size`` bytes into ``dest``, the zero
-    padding of a chunk cut by the array's end into scratch, then checks its crc32c
-    (``where``: see :func:`_label`)."""
-    name = _name(path)
+    padding of a chunk cut by the array's end into scratch, then checks its crc32c."""
+    name = _chunks.file_name(path)
     parts = [dest]
     if chunk_bytes > dest.size:
         parts.append(np.empty(chunk_bytes - dest.size, np.uint8))
     trailer = np.empty(_chunks.CRC_BYTES, np.uint8)
     (fill or _read_file)(path, name, parts + [trailer])
     if not _chunks.crc_matches(parts, trailer):
-        raise ValueError(f"{_label(path, where, 'chunk')}: crc32c checksum mismatch")
+        raise ValueError(f"{_chunks.stored_name(path, where, 'chunk')}: crc32c checksum mismatch")
 
 
 def _read_chunk_copy(
@@ -317,8 +313,8 @@ def _read_shard(
     checks the index (exactly the layout both writers produce: inner chunks in order,
     none missing before ``size``) and every checksum. With ``inners`` (j0, j1): only
     inner chunks j0..j1-1 and the index, through ``ranged`` (a packed reader's segment
-    reads) or from the file at ``path``. ``where``: see :func:`_label`."""
-    name, label = _name(path), _label(path, where, "batch file")
+    reads) or from the file at ``path``. ``where``: see ``chunks.stored_name``."""
+    name, label = _chunks.file_name(path), _chunks.stored_name(path, where, "batch file")
     count = chunk // inner
     present = -(-min(size - s * chunk, chunk) // inner)
     j0, j1 = inners or (0, present)
@@ -352,17 +348,6 @@ def _read_shard(
     for j, (data, trailer) in enumerate(checks, j0):
         if not _chunks.crc_matches(data, trailer):
             raise ValueError(f"{label}: crc32c checksum mismatch in inner chunk {j}")
-
-
-def _label(path: str, where: Callable[[str], str] | None, kind: str) -> str:
-    """The words naming the stored bytes of chunk ``path`` in a damage error: the file
-    of the format that wrote them (``where(path)``: a version-2 data file and its byte
-    range), else version 1's own file (``<kind> <key>``)."""
-    return where(path) if where is not None else f"{kind} {_name(path)}"
-
-
-def _name(path: str) -> str:
-    return "/".join(path.split(os.sep)[-4:])
 
 
 def _read_file(path: str, name: str, parts: list[np.ndarray]) -> None:

@@ -135,16 +135,12 @@ class PackedReader(_chunk_files.ChunkReader):
         return self._ranged is not None
 
     def where(self, path: str) -> str:
-        """The data file and byte range holding chunk ``path`` (``b/<batch>/c/<i>``,
-        ``d/<i>/c/...``), in the words of a damage error."""
-        segment = self._chunks.get(path)
-        if segment is None:
+        """The data file and bytes holding chunk ``path``, as a damage error says it."""
+        seg = self._chunks.get(path)
+        if seg is None:
             return f"chunk {path} (no data index lists it)"
-        end = segment.offset + segment.length
-        return (
-            f"data file {_index.DATA_DIR}/{segment.file}, bytes {segment.offset}-{end - 1} "
-            f"(chunk {path})"
-        )
+        end = seg.offset + seg.length - 1
+        return f"data file {_index.DATA_DIR}/{seg.file}, bytes {seg.offset}-{end} (chunk {path})"
 
     def _ranged_segment(self, path: str, name: str, expected: int, ranges: list) -> None:
         """Fills the parts of each ``(offset, parts)`` of ``ranges`` (offsets inside the
