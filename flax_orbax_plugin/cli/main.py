@@ -154,11 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = _command(
         sub,
         "import",
-        "an Orbax directory or Flax msgpack file(s) as steps",
+        "an Orbax directory, Flax msgpack file(s) or safetensors as steps",
         "flax-orbax import orbax_run/ ckpts/",
         "flax-orbax import checkpoint_1000.msgpack ckpts/ --step 1000",
+        "flax-orbax import model.safetensors ckpts/ --step 0   (or a folder of shards)",
     )
-    s.add_argument("source", help="Orbax manager/step/item directory, msgpack file or dir")
+    s.add_argument(
+        "source", help="Orbax manager/step/item dir, msgpack file or dir, safetensors file or dir"
+    )
     s.add_argument("out", help="a CheckpointManager directory (created if missing)")
     s.add_argument("--step", type=int, default=None, help="only this step / write as this step")
     s.add_argument("--force", action="store_true", help="replace steps that exist in OUT")
