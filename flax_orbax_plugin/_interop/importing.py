@@ -52,6 +52,7 @@ from .import_step import (
     state_step,
     step_items,
 )
+from .safetensors.headers import tree_of_names
 from .safetensors.reader import from_safetensors
 
 __all__ = [
@@ -273,30 +274,13 @@ def import_safetensors(
     files = source if isinstance(source, list) else [source]
     return save_steps(
         out_dir,
-        iter([(number, (number, {"params": _nested(tensors)}, None))]),
+        iter([(number, (number, {"params": tree_of_names(tensors)}, None))]),
         force=force,
         planned=[number],
         format_version=format_version,
         progress=progress,
         source_bytes=[sum(os.path.getsize(f) for f in files)] if progress else (),
     )
-
-
-def _nested(tensors: dict[str, Any]) -> dict[str, Any]:
-    """``{"a.b": x}`` as ``{"a": {"b": x}}``; the flat dict where a name would be both a
-    leaf and a folder (``a.b`` and ``a.b.c``) or has an empty part."""
-    tree: dict[str, Any] = {}
-    for name, value in tensors.items():
-        *folders, leaf = name.split(".")
-        node = tree
-        for part in folders:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict) or not part:
-                return dict(tensors)
-        if not leaf or leaf in node:
-            return dict(tensors)
-        node[leaf] = value
-    return tree
 
 
 @raises_store_errors(arguments("src", "out_dir"))
