@@ -12,7 +12,10 @@ import subprocess
 import sys
 
 import _paths
+import numpy as np
 import pytest
+
+import flax_orbax_plugin as fop
 
 # Each example run has its own subprocess timeout; these add up past the global 300 s.
 pytestmark = pytest.mark.timeout(600)
@@ -151,9 +154,6 @@ def test_the_first_documented_command_on_a_directory_holding_a_run_says_so_in_on
     """After `make demo` the README's first command (train.py with the default config,
     resume False) met the demo's steps in its default directory: a 28-line traceback.
     Now one line in the script's own flags, exit 1, nothing written."""
-    import flax_orbax_plugin as fop
-    import numpy as np
-
     ckpt = tmp_path / "ckpt"
     with fop.CheckpointManager(ckpt) as mngr:
         mngr.save(7, {"params": {"w": np.ones(3, np.float32)}})
