@@ -22,7 +22,7 @@ from .._errors import (
 from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .foreign import foreign_format_hint
-from .layout import MANIFEST_FILE, PENDING_FILE, StepManifest, decode_checked
+from .layout import MANIFEST_FILE, PENDING_FILE, ItemEntry, StepManifest, decode_checked
 
 # Canonical step names only: ``0`` or digits without a leading zero (``007`` is foreign).
 _STEP = r"(0|[1-9][0-9]{0,17})"
@@ -242,6 +242,34 @@ def manifest_for_item(item_loc: Location) -> StepManifest | None:
     if item_loc.name not in {e.dir for e in manifest.items.values()}:
         return None
     return manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class StepItem:
+    """An item of a committed step: its name, kind and the step's manifest."""
+
+    location: Location
+    name: str
+    entry: ItemEntry
+    manifest: StepManifest
+
+    @property
+    def is_pytree(self) -> bool:
+        return self.entry.kind == "pytree"
+
+    @property
+    def label(self) -> str:
+        return f"item {self.name!r} ({self.entry.kind}) of step {self.manifest.step}"
+
+
+def step_item(location: Location) -> StepItem | None:
+    """The item of a committed step at ``location``, or None when its parent is no
+    committed step listing it (a damaged manifest raises, naming it)."""
+    manifest = manifest_for_item(location)
+    if manifest is None:
+        return None
+    name, entry = next((n, e) for n, e in manifest.items.items() if e.dir == location.name)
+    return StepItem(location, name, entry, manifest)
 
 
 def read_item_json(item_loc: Location, name: str) -> object:

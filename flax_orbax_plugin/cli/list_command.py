@@ -10,7 +10,6 @@ from typing import Any
 from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE
-from .._reading import items as _items
 from .._storage.location import Location
 from . import json_output, plot
 from .display import make_table
@@ -60,7 +59,7 @@ def _list_one_checkpoint(loc: Location) -> bool:
         kinds = ", ".join(f"{n} ({e.kind})" for n, e in sorted(manifest.items.items()))
         print(f"items: {kinds}")
         return True
-    item = _items.step_item(loc)
+    item = _steps.step_item(loc)
     if item is not None:
         what = "its leaves" if item.is_pytree else "its value"
         print(f"{loc}: {item.label} of the run directory {loc.parent.parent}")
@@ -89,7 +88,7 @@ def _list_data(loc: Location, args) -> int:
             not loc.is_dir() or _steps.foreign_format_hint(loc)
         ):
             raise CliError(describe_missing(loc, listing))
-        if _items.step_item(loc) is not None or loc.exists(COMMIT_FILE):
+        if _steps.step_item(loc) is not None or loc.exists(COMMIT_FILE):
             raise CliError(
                 f"{loc}: not a directory of steps; `flax-orbax inspect {shell_word(loc)}`"
             )

@@ -155,8 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "import",
         "an Orbax directory, Flax msgpack file(s) or safetensors as steps",
-        "flax-orbax import orbax_run/ ckpts/",
-        "flax-orbax import checkpoint_1000.msgpack ckpts/ --step 1000",
+        "flax-orbax import orbax_run/ ckpts/   (or checkpoint_1000.msgpack)",
         "flax-orbax import model.safetensors ckpts/ --step 0   (or a folder of shards)",
     )
     s.add_argument(
@@ -222,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
     """The command's exit status; errors as one line (a KeyboardInterrupt propagates)."""
     try:
+        if args.command == "verify" and args.step is not None and args.all:
+            # said before the command loads (JAX, seconds), as a usage error is
+            raise CliError(f"--step {args.step} and --all: choose one (--all checks every step)")
         # Inside the function on purpose: the commands import JAX and tensorstore
         # (seconds), which --help, <command> --help and --version must not pay.
         from . import dispatch
