@@ -95,8 +95,14 @@ def check_paths(args: argparse.Namespace, *, in_process: bool = False) -> list[d
     return specs
 
 
-def run(args: argparse.Namespace, *, in_process: bool = False) -> int:
-    """The exit status of the command ``args.command``, its paths checked first; on an
+def run(
+    args: argparse.Namespace,
+    command: Callable[[argparse.Namespace], int],
+    *,
+    in_process: bool = False,
+) -> int:
+    """The exit status of ``command`` (that of ``args.command``: :func:`command`, loaded
+    first, while ``main`` holds signals back), its paths checked first; on an
     object store, the AWS libraries' log lines are kept off stderr and a refusal (no
     bucket, no credentials, access denied) is one :class:`StoreAccessError` line.
     ``in_process``: ``main(argv)`` called from Python (it shares memory:// stores)."""
@@ -104,7 +110,7 @@ def run(args: argparse.Namespace, *, in_process: bool = False) -> int:
     remote = [s for s in specs if s["driver"] in ("s3", "gcs")]
     with aws_lines_filtered(enabled=any(s["driver"] == "s3" for s in remote)):
         try:
-            return command(args.command)(args)
+            return command(args)
         except CliError:
             raise
         except _errors.StoreAccessError as e:  # the library's own, said once: exit 3 too

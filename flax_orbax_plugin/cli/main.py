@@ -228,9 +228,10 @@ def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
         # (seconds), which --help, <command> --help and --version must not pay.
         from . import dispatch
 
+        command = dispatch.command(args.command)  # its modules (JAX for most), signals held
         if interrupts is not None:
             interrupts.loaded()
-        return dispatch.run(args, in_process=interrupts is None)
+        return dispatch.run(args, command, in_process=interrupts is None)
     except CliError as e:
         print(f"flax-orbax {args.command}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", EXIT_ERROR)

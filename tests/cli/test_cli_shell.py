@@ -86,23 +86,30 @@ def test_sigterm_during_an_export_removes_its_temporary_file(tmp_path):
 def test_ctrl_c_while_the_commands_load_is_an_interruption(tmp_path):
     """SIGINT while JAX loads (the first second or so) was a raw 'ImportError:
     initialization failed' (exit 2), or was swallowed by a garbage-collection callback
-    and the command ran on to exit 0. Now it is 'interrupted', exit 130, at any moment."""
+    and the command ran on to exit 0. Now it is 'interrupted', exit 130, at any moment.
+    Sent once the handlers exist (``_catches``), at once and half a second into the
+    loading of an export (`list` loads no JAX: it is done before a fixed delay)."""
     with fop.CheckpointManager(tmp_path / "run") as mngr:
         mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
-    for delay in (0.4, 0.9):
+    for delay in (0.0, 0.5):
+        out = tmp_path / f"out-{delay}.safetensors"
         proc = subprocess.Popen(
-            _cli("list", str(tmp_path / "run")),
+            _cli("export", str(tmp_path / "run"), out),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=_proc.child_env(),
         )
+        # SIGTERM's handler (Python catches SIGINT from its start): the command's own
+        # handlers are both set, SIGINT's first
+        _catches(proc.pid, signal.SIGTERM)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130, (delay, proc.returncode, err[-2000:])
-        assert err.strip().splitlines()[-1].startswith("flax-orbax list: interrupted"), err
+        assert err.strip().splitlines()[-1].startswith("flax-orbax export: interrupted"), err
         assert "Traceback" not in err and "ImportError" not in err, err
+        assert not out.exists()
 
 
 def _catches(pid: int, signum: int, timeout: float = 60.0) -> None:
