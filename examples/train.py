@@ -124,7 +124,19 @@ def train_and_evaluate(config):
         extras_fn=lambda step, state: dict(last_scalars),  # metrics shown by `flax-orbax list`
         manager_options={**tiers, "handle_sigterm": ckpt.handle_sigterm},
     )
-    state = callback.on_train_start(state, data_iterator=it)
+    try:
+        state = callback.on_train_start(state, data_iterator=it)
+    except fop.CheckpointError as e:
+        if resume is not False or ckpt.overwrite or not _holds_steps(ckpt.directory):
+            raise
+        # Another run's steps are there (`make demo` fills the default directory): one
+        # line in this script's flags rather than the library's traceback.
+        raise SystemExit(
+            f"train.py: {ckpt.directory} already holds the steps of a run; continue it with "
+            f"--config.checkpoint.resume=True, start it over with "
+            f"--config.checkpoint.overwrite=True, or give another "
+            f"--config.checkpoint.directory=DIR"
+        ) from e
     first_step = int(state.step) + 1
     if first_step > 1:
         print(f"resumed from step {first_step - 1}", flush=True)
@@ -144,6 +156,14 @@ def train_and_evaluate(config):
         callback.on_step_end(step, state)
     callback.on_train_end(state)
     return state
+
+
+def _holds_steps(directory: str) -> bool:
+    try:
+        with fop.CheckpointManager(directory, read_only=True) as reader:
+            return bool(reader.steps())
+    except fop.CheckpointError:
+        return False
 
 
 def main(argv):

@@ -21,8 +21,7 @@ import jax
 import numpy as np
 
 from .._errors import StructureError
-
-KeyEntry = tuple[str, Any]  # ("dict" | "seq" | "attr" | "flat", key)
+from .key_paths import KeyEntry, path_string
 
 
 @contextlib.contextmanager
@@ -108,18 +107,6 @@ def encode_key(entry: Any) -> KeyEntry:
     if isinstance(entry, jax.tree_util.FlattenedIndexKey):
         return ("flat", entry.key)
     raise TypeError(f"unsupported pytree key {entry!r}")
-
-
-def _escape(part: Any) -> str:
-    text = str(part)
-    if "%" in text or "/" in text:
-        text = text.replace("%", "%25").replace("/", "%2F")
-    return text
-
-
-def path_string(keys: list[KeyEntry] | tuple[KeyEntry, ...]) -> str:
-    """The display and matching form of a key path."""
-    return "/".join(_escape(k) for _, k in keys) if keys else "<root>"
 
 
 def flatten(tree: Any) -> tuple[list[tuple[str, list[KeyEntry], Any]], Any]:

@@ -186,7 +186,8 @@ SAVE: tuple[Option, ...] = (
         convert=_codec,
         expected="None, 'zstd' or 'zstd:<level 1-22>'",
     ),
-    Option("format_version", "choice", choices=(1, 2)),
+    # None: the default version, as the manager's format_version=None means
+    Option("format_version", "choice", choices=(1, 2), none_ok=True),
     Option(
         "data_file_bytes",
         "int",
@@ -206,6 +207,7 @@ def check_save(**options: Any) -> dict[str, Any]:
     ``data_file_bytes`` with format version 1 (one file per chunk: it does nothing
     there) is refused naming both."""
     out = check(SAVE, options)
+    out["format_version"] = _formats.version_for(out["format_version"], per_host=False)
     # What the chosen format ignores is refused (the format says what, and why).
     _formats.refuse_ignored(
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)

@@ -56,7 +56,7 @@ def save(
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,
-    format_version: int = DEFAULT_FORMAT_VERSION,
+    format_version: int | None = DEFAULT_FORMAT_VERSION,
     data_file_bytes: int | None = None,
     host_memory_budget: int | None = None,
 ):
@@ -78,7 +78,7 @@ def save_async(
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,
-    format_version: int = DEFAULT_FORMAT_VERSION,
+    format_version: int | None = DEFAULT_FORMAT_VERSION,
     data_file_bytes: int | None = None,
     host_memory_budget: int | None = None,
 ) -> SaveHandle:
@@ -95,8 +95,8 @@ def save_async(
       compression: None, or ``"zstd"`` / ``"zstd:<level 1-22>"``: every chunk is
         compressed before its checksum (zarr3 ``zstd`` codec; recorded per array, so
         restore needs no option).
-      format_version: 2 (default: each process packs its chunks into a few data
-        files, see FORMAT.md) or 1 (one file per chunk; readable forever).
+      format_version: 2 (default, also None: each process packs its chunks into a few
+        data files, see FORMAT.md) or 1 (one file per chunk; readable forever).
       data_file_bytes: version 2: the size a data file does not pass unless one chunk
         is larger (default 1 GiB on a filesystem, 256 MiB on an object store);
         refused with version 1.

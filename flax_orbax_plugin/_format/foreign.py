@@ -72,6 +72,8 @@ def is_orbax_checkpoint(path: Any) -> bool:
                 return False  # a folder of the user's (no record): not an Orbax run
         except CheckpointError:
             continue  # a link or special file: never followed; the reader names it
+        except OSError:  # a folder the environment shuts (a permission): the next one
+            continue  # (the step listing names it)
     # no step at all, but a save Orbax left unfinished: the reader says so
     return any(TMP_MARK in name for name in loc.list_children())
 
@@ -184,6 +186,30 @@ def is_msgpack_checkpoint(path: Any) -> bool:
     finally:
         os.close(fd)
     return bool(first) and (first[0] in _MSGPACK_FIXMAP or first[0] in _MSGPACK_MAP16_32)
+
+
+# -- safetensors -----------------------------------------------------------------------
+
+SAFETENSORS_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+def safetensors_source(path: Any) -> str | list[str] | None:
+    """What a safetensors reader takes for local ``path``: the file itself (a
+    ``.safetensors`` file or a ``*.safetensors.index.json``), a directory's one index,
+    else its ``.safetensors`` files (sorted); None when it holds none. By names only:
+    the reader checks every header."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return path if path.endswith(SAFETENSORS_SUFFIXES) else None
+    try:
+        names = sorted(n for n in os.listdir(path) if n.endswith(SAFETENSORS_SUFFIXES))
+    except OSError:
+        return None
+    indexes = [n for n in names if n.endswith(SAFETENSORS_SUFFIXES[1])]
+    if len(indexes) == 1:
+        return os.path.join(path, indexes[0])
+    files = [os.path.join(path, n) for n in names if n.endswith(SAFETENSORS_SUFFIXES[0])]
+    return files or None
 
 
 def refuse_foreign_run(loc: Location, *, writing: bool) -> None:

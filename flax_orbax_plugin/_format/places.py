@@ -244,9 +244,12 @@ def _run_directory_message(location: Location) -> str | None:
         steps = f"steps {more}{shown}"
         try:  # an item the latest step holds (params, unless it has none)
             names = sorted(_steps.read_manifest(location.child(str(latest))).items)
-        except CheckpointError:
+        except (CheckpointError, OSError):  # OSError: shut by a permission, an I/O error
             names = []
         item = f"{location}/{latest}/{'params' if 'params' in names or not names else names[0]}"
+    if listing.unreadable:  # folders the environment shut: named, not left out unsaid
+        shut = ", ".join(str(step) for step, _ in listing.unreadable[:5])
+        steps += f"; step folder(s) {shut} cannot be read"
     return (
         f"{location} is a run directory of CheckpointManager ({steps}), not one "
         f"checkpoint: restore a step with fop.CheckpointManager({str(location)!r}, "

@@ -8,9 +8,11 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from typing import Any
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from .._base.option_spec import Option
+from .._base.option_spec import Option, outside_stacklevel
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -20,7 +22,7 @@ from .._errors import (
 from .._storage import json_docs as _docs
 from .._storage.location import Location
 from .foreign import foreign_format_hint
-from .layout import MANIFEST_FILE, PENDING_FILE, StepManifest, decode_checked
+from .layout import MANIFEST_FILE, PENDING_FILE, ItemEntry, StepManifest, decode_checked
 
 # Canonical step names only: ``0`` or digits without a leading zero (``007`` is foreign).
 _STEP = r"(0|[1-9][0-9]{0,17})"
@@ -55,6 +57,9 @@ class Listing:
     unfinished: tuple[str, ...]
     corrupt: tuple[str, ...]
     foreign: tuple[str, ...]
+    # step folders an environmental error (a permission, an I/O error) kept shut:
+    # ``(step, why)``; neither committed (nothing proves it) nor damaged (nothing read)
+    unreadable: tuple[tuple[int, str], ...] = ()
 
     @property
     def latest(self) -> int | None:
@@ -63,28 +68,99 @@ class Listing:
 
 def list_directory(loc: Location) -> Listing:
     """Lists ``loc`` without following symlinks; reads no file contents."""
-    committed, unfinished, corrupt, foreign = [], [], [], []
-    kinds = loc.child_kinds() if loc.is_local else None  # from the entries: no link followed
-    for name in loc.list_children():
+    committed, unfinished, corrupt, foreign, unreadable = [], [], [], [], []
+    if loc.is_local:
+        kinds = loc.child_kinds()  # from the entries: no link followed
+        names = loc.list_children()
+        holds = lambda name, file: loc.child(name).exists(file)
+    else:  # an object store: one listing of every key says which steps hold which
+        kinds, keys = None, set(loc.keys())  # marker (never a read per step: its cost
+        names = sorted({k.split("/", 1)[0] for k in keys} - {""})  # grew with the steps)
+        holds = lambda name, file: f"{name}/{file}" in keys
+    for name in names:
         if name in RECORD_NAMES or name.startswith(".fop-visible-"):  # _shared_dir's probe
             continue
         if kinds is not None and kinds.get(name) != "dir":
             foreign.append(name)  # a symlink, a file, a device: never ours to follow
             continue
-        if STEP_RE.match(name) and loc.child(name).exists(MANIFEST_FILE):
+        try:
+            manifest = STEP_RE.match(name) and holds(name, MANIFEST_FILE)
+        except OSError as e:  # a step folder shut by the environment: said, not fatal
+            if not environmental(e):
+                raise
+            unreadable.append((int(name), f"cannot be read: {e}"))
+            continue
+        if manifest:
             committed.append(int(name))
-        elif TMP_RE.match(name) or (STEP_RE.match(name) and loc.child(name).exists(PENDING_FILE)):
+        elif TMP_RE.match(name) or (STEP_RE.match(name) and holds(name, PENDING_FILE)):
             # (a step written in place on an object store, its writer killed: gc's too)
             unfinished.append(name)
         elif CORRUPT_RE.match(name):
             corrupt.append(name)
         else:
             foreign.append(name)
-    return Listing(tuple(sorted(committed)), tuple(unfinished), tuple(corrupt), tuple(foreign))
+    return Listing(
+        tuple(sorted(committed)),
+        tuple(unfinished),
+        tuple(corrupt),
+        tuple(foreign),
+        tuple(sorted(unreadable)),
+    )
 
 
 def committed_steps(loc: Location) -> list[int]:
-    return list(list_directory(loc).committed)
+    """The committed steps of ``loc``, ascending. A step folder the environment keeps
+    shut (a permission, an I/O error) is left out, with a warning naming it: it is
+    neither chosen as the latest nor taken for damage (nothing is moved or removed)."""
+    listing = list_directory(loc)
+    for step, why in listing.unreadable:
+        warn_unreadable(loc, step, why)
+    return list(listing.committed)
+
+
+def environmental(error: BaseException) -> bool:
+    """Whether ``error`` is the environment's (a permission, an I/O error, a timeout: an
+    OSError that is no error of this library), which proves no damage: the step it
+    kept shut is skipped for the latest, never set aside."""
+    return isinstance(error, OSError) and not isinstance(error, CheckpointError)
+
+
+def warn_unreadable(loc: Location, step: int, why: _W) -> _W:
+    """Warns that step ``step`` of ``loc`` was skipped for the latest: an environmental
+    error (``why``) kept it shut. Returns ``why``."""
+    text = str(why)
+    text = text if text.startswith("cannot be read") else f"cannot be read: {text}"
+    warnings.warn(
+        f"step {step} of {loc} {text[:500]}; skipped for the latest step (an error of the "
+        f"environment, not damage: nothing was moved or removed)",
+        UserWarning,
+        stacklevel=outside_stacklevel(),
+    )
+    return why
+
+
+_T = TypeVar("_T")
+_W = TypeVar("_W")
+
+
+def newest_readable(loc: Location, steps: Sequence[int], read: Callable[[int], _T]) -> _T:
+    """``read(step)`` of the newest of ``steps`` (ascending) that the environment lets
+    be read: a step whose read fails with an environmental error (:func:`environmental`)
+    is skipped with a warning naming it and the next older one is read; damage and
+    every other error propagate; when every step is shut, the newest one's error."""
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed steps in {loc}{foreign_format_hint(loc)}")
+    first: OSError | None = None
+    for step in reversed(steps):
+        try:
+            return read(step)
+        except OSError as e:
+            if not environmental(e):
+                raise
+            first = first or e
+            warn_unreadable(loc, step, e)
+    assert first is not None
+    raise first
 
 
 def choose_step(loc: Location, steps: list[int] | tuple[int, ...], step: int | None) -> int:
@@ -166,6 +242,34 @@ def manifest_for_item(item_loc: Location) -> StepManifest | None:
     if item_loc.name not in {e.dir for e in manifest.items.values()}:
         return None
     return manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class StepItem:
+    """An item of a committed step: its name, kind and the step's manifest."""
+
+    location: Location
+    name: str
+    entry: ItemEntry
+    manifest: StepManifest
+
+    @property
+    def is_pytree(self) -> bool:
+        return self.entry.kind == "pytree"
+
+    @property
+    def label(self) -> str:
+        return f"item {self.name!r} ({self.entry.kind}) of step {self.manifest.step}"
+
+
+def step_item(location: Location) -> StepItem | None:
+    """The item of a committed step at ``location``, or None when its parent is no
+    committed step listing it (a damaged manifest raises, naming it)."""
+    manifest = manifest_for_item(location)
+    if manifest is None:
+        return None
+    name, entry = next((n, e) for n, e in manifest.items.items() if e.dir == location.name)
+    return StepItem(location, name, entry, manifest)
 
 
 def read_item_json(item_loc: Location, name: str) -> object:

@@ -30,7 +30,12 @@ from .._errors import (
     StructureError,
     UnsupportedLocationError,
 )
-from .._format.foreign import STEP_RE, is_orbax_checkpoint
+from .._format.foreign import (
+    STEP_RE,
+    is_msgpack_checkpoint,
+    is_orbax_checkpoint,
+    safetensors_source,
+)
 from .._format.places import holding_checkpoint
 from .._format.steps import list_directory
 from .._manager import option_table as _option_table
@@ -49,11 +54,14 @@ from .import_step import (
     state_step,
     step_items,
 )
+from .safetensors.headers import tree_of_names
+from .safetensors.reader import from_safetensors
 
 __all__ = [
     "import_checkpoint",
     "import_msgpack",
     "import_orbax",
+    "import_safetensors",
     "save_steps",
     "step_items",
     "ImportedStep",
@@ -61,7 +69,10 @@ __all__ = [
 ]
 
 
-_NOT_ORBAX = "it holds no Orbax checkpoint, and Flax msgpack files are read from local disk only"
+_NOT_ORBAX = (
+    "it holds no Orbax checkpoint, and Flax msgpack and safetensors files are read from "
+    "local disk only"
+)
 
 
 def refuse_foreign_targets(out_dir: Any, numbers: Iterable[int]) -> None:
@@ -220,12 +231,14 @@ def import_checkpoint(
     progress: Callable[[int], Any] | None = None,
     memory_limit_bytes: int | None = None,
 ) -> list[int]:
-    """``flax-orbax import``: an Orbax directory or Flax msgpack file(s) into ``out_dir``.
+    """``flax-orbax import``: an Orbax directory, Flax msgpack file(s) or safetensors
+    into ``out_dir``.
 
-    Orbax (a manager, step or item directory) goes through
-    :func:`import_orbax`; a msgpack file or a ``flax.training.checkpoints`` directory
-    through :func:`import_msgpack`. Returns the steps written. ``progress``: as
-    ``save_steps``'s, over the bytes of the source files read.
+    Orbax (a manager, step or item directory) goes through :func:`import_orbax`;
+    safetensors (a file, an index, a folder holding them) through
+    :func:`import_safetensors`; a msgpack file or a ``flax.training.checkpoints``
+    directory through :func:`import_msgpack`; another file is refused. Returns the
+    steps written. ``progress``: as ``save_steps``'s, over the source bytes read.
     """
     if is_orbax_checkpoint(src):
         return import_orbax(
@@ -247,17 +260,56 @@ def import_checkpoint(
             f"library already: nothing to import (read it with fop.restore / "
             f"CheckpointManager, or copy the directory)"
         )
+    options = {"step": step, "force": force, "format_version": format_version}
+    if safetensors_source(local) is not None:  # by name: the headers are checked on read
+        return import_safetensors(src, out_dir, **options, progress=progress)
+    if os.path.isfile(local) and not is_msgpack_checkpoint(local):
+        raise CheckpointError(
+            f"import source {src}: a file that is neither a Flax msgpack checkpoint (it "
+            f"opens no msgpack map) nor safetensors (no .safetensors name); import takes "
+            f"an Orbax directory, msgpack file(s) or safetensors file(s)"
+        )
     if os.path.exists(local):
         return import_msgpack(
-            src,
-            out_dir,
-            step=step,
-            force=force,
-            format_version=format_version,
-            progress=progress,
-            memory_limit_bytes=memory_limit_bytes,
+            src, out_dir, **options, progress=progress, memory_limit_bytes=memory_limit_bytes
         )
     raise CheckpointNotFoundError(f"{src}: no such file or directory")
+
+
+@raises_store_errors(arguments("src", "out_dir"))
+def import_safetensors(
+    src: Any,
+    out_dir: Any,
+    *,
+    step: int | None = None,
+    force: bool = False,
+    format_version: int | None = None,
+    progress: Callable[[int], Any] | None = None,
+) -> list[int]:
+    """Writes safetensors (a file, an index, or a folder of shards: an export of this
+    library or a Hugging Face model) as item ``params`` of step ``step`` of
+    ``out_dir`` (the files name no step: ``step`` is needed). Tensor names become leaf
+    paths, '.' as '/' (what an export without a key map wrote), or stay whole where
+    that would make a name both a leaf and a folder. Returns ``[step]``."""
+    _option_table.check_import(
+        step=step, force=force, format_version=format_version, progress=progress
+    )
+    refuse_inside_source(src, out_dir)
+    source = safetensors_source(local_path(src, what="import source", note=_NOT_ORBAX))
+    if source is None:
+        raise CheckpointNotFoundError(f"import source {src}: no safetensors file in it")
+    number = choose_step(str(src), given=step, named=None, stored=None)
+    tensors = from_safetensors(source)  # {name: array}; every header checked
+    files = source if isinstance(source, list) else [source]
+    return save_steps(
+        out_dir,
+        iter([(number, (number, {"params": tree_of_names(tensors)}, None))]),
+        force=force,
+        planned=[number],
+        format_version=format_version,
+        progress=progress,
+        source_bytes=[sum(os.path.getsize(f) for f in files)] if progress else (),
+    )
 
 
 @raises_store_errors(arguments("src", "out_dir"))

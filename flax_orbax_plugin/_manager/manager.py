@@ -52,8 +52,7 @@ __all__ = ["CheckpointManager"]
 
 @raises_store_errors_in_methods(manager_places)  # a store's refusal: StoreAccessError
 class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecycle.Lifecycle
-    # The docstring and the signature of __init__ are derived from the option
-    # declarations (option_table.MANAGER) by signatures.document, below the class.
+    # __init__'s docstring and signature: from option_table.MANAGER (signatures.document)
 
     def __init__(self, directory: Any, **options: Any):
         spans = not options.get("read_only")
@@ -96,8 +95,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         """A writer's open, in the open's ``region``: the options every process shares,
         lock, housekeeping, deletion thread, tier, SIGTERM."""
         _agreement.check_same_options(opts, region)  # before anything is touched
-        tier = opts.tier
-        path = None if tier is None else tier.path
+        tier, path = opts.tier, None if opts.tier is None else opts.tier.path
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version, region)
         self._book.per_host = own  # each host's own directory (docs/tiers.md)
         self._book.writer = _housekeeping.open_writer(self._loc, own=own, region=region)
@@ -126,9 +124,11 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         return str(self._loc)
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending (steps being deleted are left out), as listed in
-        the store now. A save never calls it: it uses the steps known in memory."""
+        """Committed steps, ascending (steps being deleted left out), as listed in the
+        store now (``all_steps()``, Orbax's name, too). A save uses those in memory."""
         return self._book.listed()
+
+    all_steps = steps
 
     @_distributed.collective_method("manager-delete", stall="_stall_s", scope="_scope")
     def delete(self, *steps: int, region: _distributed.Region | None) -> None:
@@ -152,9 +152,9 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         op = _distributed.next_operation_id("manager-delete", region=region)
         _distributed.barrier(op, region=region)
 
-    def latest_step(self, *, include_persistent: bool = False) -> int | None:
-        """The highest committed step, or None when there is none; with
-        ``include_persistent``, of either tier (what ``restore()`` starts from)."""
+    def latest_step(self, *, include_persistent: bool = True) -> int | None:
+        """The highest committed step of either tier (``restore()``'s first), or None;
+        ``include_persistent=False``: of this directory alone."""
         return self._book.latest(include_persistent=flag("include_persistent", include_persistent))
 
     @property

@@ -1,13 +1,13 @@
 """Restorer: reads a step of a manager's directory back.
 
-:meth:`Restorer.restore` tries the candidates newest first (both tiers: a step of
-the persistent one is copied down first), sets a damaged step aside and goes on to
-the next; :meth:`Restorer.with_step` marks the step as being read (never deleted
-meanwhile by this manager's retention) and turns an error about a step deleted by
-another process into a StepDeletedError; then the names to restore are chosen
-(``items``, ``like``'s items, or all), each item is read by its checkpointable, and
-a training resume (a writer's whole state, or the callback's) that leaves the saved
-data position out is warned about once.
+:meth:`Restorer.restore` tries the candidates newest first (both tiers: the
+persistent one's copied down first), sets a damaged step aside and goes on to the
+next (past one an environmental error shuts too: warned, never set aside);
+:meth:`Restorer.with_step` marks the step as being read (never deleted meanwhile by
+this manager's retention), a step deleted by another process is a StepDeletedError;
+then the names to restore are chosen (``items``, ``like``'s items, or all), each
+item is read by its checkpointable, and a resume that leaves the saved data position
+out is warned about once.
 
 Threading: the training thread (``CheckpointManager.restore``), after the
 in-flight save was waited for.
@@ -115,6 +115,7 @@ class Restorer:
                 self._book.forget()  # it may have copied the step here
             return self._agreed(step, fn, region)
         skipped: list[tuple[int, CorruptCheckpointError]] = []
+        shut, one = [], _distributed.process_count() == 1  # steps the environment shut
         for candidate in reversed(self.candidates(region)):
             for _ in range(2 if tier is not None else 1):  # local, then persistent
                 try:
@@ -123,6 +124,11 @@ class Restorer:
                             break
                         self._book.forget()  # it may have copied the step here
                     return self._agreed(candidate, fn, region)
+                except OSError as e:  # a permission, EIO: no damage, nothing set aside
+                    if not (_steps.environmental(e) and one):  # (several processes: the
+                        raise  # others learn of it as an error only: all raise it)
+                    shut.append((candidate, _steps.warn_unreadable(self._loc, candidate, e)))
+                    break
                 except CorruptCheckpointError as e:
                     skipped.append((candidate, e))
                     if tier is not None and not self._loc.child(str(candidate)).is_dir():
@@ -135,6 +141,8 @@ class Restorer:
                 + "; ".join(f"step {s}: {e}" for s, e in skipped)
             )
             raise error
+        if shut:  # every step was shut: the newest one's own error
+            raise shut[0][1]
         raise CheckpointNotFoundError(f"no committed steps in {self._loc}")
 
     def _restore_per_host(

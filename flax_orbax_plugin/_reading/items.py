@@ -12,50 +12,20 @@ thread.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from .._errors import CheckpointError
 from .._format import metadata as _metadata
-from .._format import steps as _steps
-from .._format.layout import STEP_VERSION, ItemEntry, StepManifest
+from .._format.layout import STEP_VERSION
+from .._format.steps import StepItem, step_item
 from .._interop import hf_shards as _hf_shards
 from .._manager.checkpointables import BUILTIN_CHECKPOINTABLES
-from .._storage.location import Location
 
 __all__ = ["StepItem", "describe", "read", "step_item"]
 
 # The readers of the kinds that are not pytrees, by the kind the manifest records.
 _READERS = {c.kind: c for c in BUILTIN_CHECKPOINTABLES.values() if c.kind != "pytree"}
 _READERS[_hf_shards.KIND] = _hf_shards.HFShards(every_steps=1)  # {tensor name: array}
-
-
-@dataclasses.dataclass(frozen=True)
-class StepItem:
-    """An item of a committed step: its name, kind and the step's manifest."""
-
-    location: Location
-    name: str
-    entry: ItemEntry
-    manifest: StepManifest
-
-    @property
-    def is_pytree(self) -> bool:
-        return self.entry.kind == "pytree"
-
-    @property
-    def label(self) -> str:
-        return f"item {self.name!r} ({self.entry.kind}) of step {self.manifest.step}"
-
-
-def step_item(location: Location) -> StepItem | None:
-    """The item of a committed step at ``location``, or None when its parent is no
-    committed step listing it (a damaged manifest raises, naming it)."""
-    manifest = _steps.manifest_for_item(location)
-    if manifest is None:
-        return None
-    name, entry = next((n, e) for n, e in manifest.items.items() if e.dir == location.name)
-    return StepItem(location, name, entry, manifest)
 
 
 def read(item: StepItem, like: Any = None, *, changes: dict[str, Any] | None = None) -> Any:

@@ -146,7 +146,23 @@ def restore_params(
             placing = (dtype, sharding, changes, partial, dry_run)
             return _orbax_params(directory, like, step, *placing, region, cast=cast)
         raise _places.no_steps(loc)  # what is there instead (a step, a run below, ...)
-    step = _steps.choose_step(loc, steps, step)
+    given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
+    placing = (like, item, dtype, sharding, changes, cast, dry_run, region, given)
+
+    def serve(chosen: int) -> Any:
+        return _serve_step(loc, steps, chosen, *placing)
+
+    if step is not None:
+        return serve(_steps.choose_step(loc, steps, step))
+    return _steps.newest_readable(loc, steps, serve)  # past a step the environment shuts
+
+
+def _serve_step(
+    loc, steps, step, like, item, dtype, sharding, changes, cast, dry_run, region, given
+) -> Any:
+    """restore_params of committed ``step`` of ``loc`` (``given``: the changed-model
+    options as the caller gave them, for an NNX module's params saved as an nnx.State)."""
+    partial, missing, transform, surgery = (given[k] for k in _GIVEN)
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
     step_loc = _steps.step_location(loc, step)
     items = _steps.read_manifest(step_loc).items
@@ -183,6 +199,9 @@ def restore_params(
             hint = _variables_hint(target, items, step_loc)
             e.args = (f"{e.args[0]}\n{hint}", *e.args[1:])
         raise
+
+
+_GIVEN = ("partial", "missing", "transform", "surgery")
 
 
 def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> Any:

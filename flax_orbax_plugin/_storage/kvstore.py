@@ -15,13 +15,24 @@ import functools
 import os
 import re
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
-
-import tensorstore as ts
 
 from .._base import env as _env
 from .._errors import UnsupportedLocationError
+
+if TYPE_CHECKING:
+    import tensorstore as ts
+
+
+def tensorstore() -> Any:
+    """The tensorstore module, imported at its first use rather than with this module:
+    a command that reads a few JSON files of a local disk (``flax-orbax list``) never
+    needs it, and its import takes about a second. Any thread."""
+    import tensorstore as ts  # inside on purpose: see the docstring
+
+    return ts
+
 
 _CONTEXTS: dict[bool, ts.Context] = {}
 _CONTEXT_LOCK = threading.Lock()
@@ -45,7 +56,7 @@ def context(*, local: bool = True) -> ts.Context:
                 spec["s3_request_concurrency"] = {"limit": 32}
                 spec["gcs_request_concurrency"] = {"limit": 32}
                 spec["s3_request_retries"] = spec["gcs_request_retries"] = store_retries()
-            _CONTEXTS[local] = ts.Context(spec)
+            _CONTEXTS[local] = tensorstore().Context(spec)
         return _CONTEXTS[local]
 
 
@@ -181,8 +192,10 @@ def _check_store_spec(spec: dict[str, Any], given: Any, what: str) -> None:
                 f"{bad[0] if bad else 'NUL'!r} component; a {spec['driver']} store keeps it "
                 f"literally (no folder is left or entered): expected a/b/c"
             )
+    if set(spec) == {"driver", "path"} and spec["driver"] == "file":  # an absolute local
+        return  # path: nothing for tensorstore to refuse (a local command starts without it)
     try:
-        ts.KvStore.Spec(spec)
+        tensorstore().KvStore.Spec(spec)
     except (ValueError, TypeError, RuntimeError) as e:
         raise UnsupportedLocationError(f"{what} {_shown(given)}: {e}") from None
 
@@ -331,7 +344,8 @@ def _profile_with_keys(
 
 
 def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
+    key_range = tensorstore().KvStore.KeyRange
     if not prefix:
-        return ts.KvStore.KeyRange()
+        return key_range()
     end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-    return ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=end)
+    return key_range(inclusive_min=prefix, exclusive_max=end)

@@ -19,13 +19,14 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable
-from typing import Any
-
-import tensorstore as ts
+from typing import TYPE_CHECKING, Any
 
 from . import local_files as _local
 from . import mounts as _mounts
-from .kvstore import check_name, context, prefix_range, spec_from_path
+from .kvstore import check_name, context, prefix_range, spec_from_path, tensorstore
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 from .local_files import MAX_SMALL_FILE_BYTES, walk_entries
 
 
@@ -104,7 +105,8 @@ class Location:
         return spec
 
     def _kv(self) -> ts.KvStore:
-        return ts.KvStore.open(self.spec, context=context(local=self.is_local)).result()
+        kvstore = tensorstore().KvStore  # imported at the first store opened (kvstore)
+        return kvstore.open(self.spec, context=context(local=self.is_local)).result()
 
     # -- small files ---------------------------------------------------------------
 
@@ -151,7 +153,7 @@ class Location:
             _local.delete_file(self.path, check_name(name))
             return
         key = check_name(name)
-        only_key = ts.KvStore.KeyRange(inclusive_min=key, exclusive_max=key + "\0")
+        only_key = tensorstore().KvStore.KeyRange(inclusive_min=key, exclusive_max=key + "\0")
         self._kv().delete_range(only_key).result()
 
     def exists(self, name: str) -> bool:

@@ -118,6 +118,7 @@ class ChunkReader:
         self._batch_pool = _read_pool.Jobs(min(threads, BATCH_THREADS))
         self._fill = _read_file  # (path, name, parts): a subclass reads from elsewhere
         self._ranged = _read_ranges  # (path, name, expected, ranges); None: no parts read
+        self._where = None  # (path) -> where a subclass stores a chunk (chunks.stored_name)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -125,7 +126,7 @@ class ChunkReader:
 
     def _fill_kw(self) -> dict:
         """The reading functions' ``fill`` argument where a subclass reads elsewhere."""
-        return {} if self._fill is _read_file else {"fill": self._fill}
+        return {} if self._fill is _read_file else {"fill": self._fill, "where": self._where}
 
     def read(
         self,
@@ -206,7 +207,7 @@ class ChunkReader:
         read.first, read.files = lo, list(range(lo // chunk, -(-hi // chunk)))
         itemsize = read.out.dtype.itemsize
         flat = read.out.view(np.uint8)
-        kw = {} if self._fill is _read_file else {"fill": self._fill, "ranged": self._ranged}
+        kw = {} if self._fill is _read_file else {**self._fill_kw(), "ranged": self._ranged}
         for s in read.files:
             end = min(hi, (s + 1) * chunk)
             inners = (max(lo - s * chunk, 0) // inner, -(-(end - s * chunk) // inner))
@@ -256,21 +257,21 @@ def bytes_read() -> int:
         return _read_total
 
 
-def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None) -> None:
+def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None, where=None) -> None:
     """Reads one chunk file: its first ``dest.size`` bytes into ``dest``, the zero
     padding of a chunk cut by the array's end into scratch, then checks its crc32c."""
-    name = _name(path)
+    name = _chunks.file_name(path)
     parts = [dest]
     if chunk_bytes > dest.size:
         parts.append(np.empty(chunk_bytes - dest.size, np.uint8))
     trailer = np.empty(_chunks.CRC_BYTES, np.uint8)
     (fill or _read_file)(path, name, parts + [trailer])
     if not _chunks.crc_matches(parts, trailer):
-        raise ValueError(f"chunk {name}: crc32c checksum mismatch")
+        raise ValueError(f"{_chunks.stored_name(path, where, 'chunk')}: crc32c checksum mismatch")
 
 
 def _read_chunk_copy(
-    path: str, dest: np.ndarray, chunk: tuple[int, ...], scratch: dict, *, fill=None
+    path: str, dest: np.ndarray, chunk: tuple[int, ...], scratch: dict, *, fill=None, where=None
 ) -> None:
     """Reads one chunk file whole into scratch, checks it, then copies the part that
     lies in the array (``dest``'s shape, from the chunk's origin) into ``dest``.
@@ -284,7 +285,7 @@ def _read_chunk_copy(
     if buffer is None or buffer.size < nbytes:
         buffer = scratch[me] = np.empty(nbytes, np.uint8)
     raw = buffer[:nbytes]
-    _read_chunk(path, raw, nbytes, fill=fill)
+    _read_chunk(path, raw, nbytes, fill=fill, where=where)
     dest[...] = raw.view(dest.dtype).reshape(chunk)[tuple(slice(0, n) for n in dest.shape)]
 
 
@@ -305,14 +306,15 @@ def _read_shard(
     *,
     fill=None,
     ranged=None,
+    where=None,
 ) -> None:
     """Reads one batch file (a zarr3 shard, sizes in bytes) into ``flat`` (the batch's
     bytes from byte ``base`` on): every stored inner chunk straight to its place, then
     checks the index (exactly the layout both writers produce: inner chunks in order,
     none missing before ``size``) and every checksum. With ``inners`` (j0, j1): only
     inner chunks j0..j1-1 and the index, through ``ranged`` (a packed reader's segment
-    reads) or from the file at ``path``."""
-    name = _name(path)
+    reads) or from the file at ``path``. ``where``: see ``chunks.stored_name``."""
+    name, label = _chunks.file_name(path), _chunks.stored_name(path, where, "batch file")
     count = chunk // inner
     present = -(-min(size - s * chunk, chunk) // inner)
     j0, j1 = inners or (0, present)
@@ -337,19 +339,15 @@ def _read_shard(
         expected_bytes = present * stride + index.nbytes + _chunks.CRC_BYTES
         (ranged or _read_ranges)(path, name, expected_bytes, ranges)
     if not _chunks.crc_matches([index.view(np.uint8)], index_trailer):
-        raise ValueError(f"batch file {name}: crc32c checksum mismatch in its index")
+        raise ValueError(f"{label}: crc32c checksum mismatch in its index")
     expected = np.full(2 * count, _chunks.MISSING_ENTRY, "<u8")
     expected[0 : 2 * present : 2] = np.arange(present, dtype="<u8") * (inner + _chunks.CRC_BYTES)
     expected[1 : 2 * present : 2] = inner + _chunks.CRC_BYTES
     if not np.array_equal(index, expected):
-        raise ValueError(f"batch file {name}: its index does not list the expected chunks")
+        raise ValueError(f"{label}: its index does not list the expected chunks")
     for j, (data, trailer) in enumerate(checks, j0):
         if not _chunks.crc_matches(data, trailer):
-            raise ValueError(f"batch file {name}: crc32c checksum mismatch in inner chunk {j}")
-
-
-def _name(path: str) -> str:
-    return "/".join(path.split(os.sep)[-4:])
+            raise ValueError(f"{label}: crc32c checksum mismatch in inner chunk {j}")
 
 
 def _read_file(path: str, name: str, parts: list[np.ndarray]) -> None:

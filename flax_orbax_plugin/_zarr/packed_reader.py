@@ -50,6 +50,7 @@ class PackedReader(_chunk_files.ChunkReader):
         super().__init__("")
         self.dtypes = dtypes or {}  # array (d/<i>, b/<batch>) -> dtype its bytes were written as
         self._fill = self._fill_segment
+        self._where = self.where  # damage names the data file, not version 1's chunk file
         self._location = location
         self._chunks = chunks
         self._fds: dict[str, int] = {}
@@ -132,6 +133,14 @@ class PackedReader(_chunk_files.ChunkReader):
     def reads_ranges(self) -> bool:
         """Whether parts of a batch's segments can be read (local data files)."""
         return self._ranged is not None
+
+    def where(self, path: str) -> str:
+        """The data file and bytes holding chunk ``path``, as a damage error says it."""
+        seg = self._chunks.get(path)
+        if seg is None:
+            return f"chunk {path} (no data index lists it)"
+        end = seg.offset + seg.length - 1
+        return f"data file {_index.DATA_DIR}/{seg.file}, bytes {seg.offset}-{end} (chunk {path})"
 
     def _ranged_segment(self, path: str, name: str, expected: int, ranges: list) -> None:
         """Fills the parts of each ``(offset, parts)`` of ``ranges`` (offsets inside the
@@ -242,6 +251,7 @@ class PackedReader(_chunk_files.ChunkReader):
                 tuple(chunk),
                 tuple(src),
                 self._fill,
+                self._where,
             )
             read.futures.append(self._pool.submit(*job))
         return read
@@ -320,11 +330,11 @@ def _key(sub: str, cell) -> str:
     return "/".join([sub, *_chunks.chunk_parts(cell)]) if cell else f"{sub}/c"
 
 
-def _read_part(key: str, dest: np.ndarray, chunk, src, fill) -> None:
+def _read_part(key: str, dest: np.ndarray, chunk, src, fill, where) -> None:
     """Reads chunk ``key`` whole, checks it, copies its part ``src`` into ``dest``."""
     nbytes = int(np.prod(chunk, dtype=np.int64)) * dest.dtype.itemsize
     raw = np.empty(nbytes, np.uint8)
-    _chunk_files._read_chunk(key, raw, nbytes, fill=fill)
+    _chunk_files._read_chunk(key, raw, nbytes, fill=fill, where=where)
     dest[...] = raw.view(dest.dtype).reshape(chunk)[src]
 
 

@@ -29,7 +29,10 @@ from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
 from .._interop.safetensors import DTYPE_NAMES as _SAFETENSORS_DTYPES
 from .._interop.safetensors import plan as _safetensors_plan
+from .._interop.safetensors.headers import read_safetensors_index
+from .._interop.safetensors.packing import tensor_nbytes
 from .._like.casting import with_advice
+from .._manager.checkpointables import COPY_KINDS
 from .._manager.manager import CheckpointManager
 from .._storage import lease as _lease
 from .._storage.location import Location
@@ -39,7 +42,7 @@ from .display import byte_progress, make_table, status
 from .gc_plan import plan as gc_plan
 from .gc_plan import remove_exports
 from .output import CliError, human_bytes, one_line, shell_word
-from .paths import names_one, read_json_item, resolve
+from .paths import JSON_KINDS, names_one, read_json_item, resolve
 
 
 @dataclasses.dataclass
@@ -90,10 +93,15 @@ def cmd_inspect(args) -> int:
 
 
 def _describe_item(item) -> dict[str, Any]:
-    """One item of ``inspect --json``: a pytree's leaves (metadata only), or a JSON
-    item's value."""
-    if item.kind != "pytree":
+    """One item of ``inspect --json``: a pytree's leaves (metadata only), a JSON item's
+    value, a Hugging Face shards item's tensors (their headers), or only the kind of an
+    item whose contents belong to its checkpointable (a custom one: never read as JSON)."""
+    if item.kind in JSON_KINDS:
         return {"name": item.name, "kind": item.kind, "value": read_json_item(item)}
+    if item.kind in COPY_KINDS:
+        return _describe_shards(item)
+    if item.kind != "pytree":
+        return {"name": item.name, "kind": item.kind, "note": _OPAQUE}
     meta = _restore.metadata(item.loc)
     leaves = [
         {
@@ -115,8 +123,41 @@ def _describe_item(item) -> dict[str, Any]:
     }
 
 
+_OPAQUE = "written by its own checkpointable: its contents are not described"
+
+
+def _describe_shards(item) -> dict[str, Any]:
+    """An item of safetensors shards (``fop.HFShards``): its tensors from the files'
+    headers (no tensor data read), as leaves named by tensor; on an object store only
+    its kind (the shards are read from local disk)."""
+    if not item.loc.is_local:
+        note = "Hugging Face shards on an object store: copy the folder down to list them"
+        return {"name": item.name, "kind": item.kind, "note": note}
+    stored = read_safetensors_index(item.loc.path)
+    leaves = [
+        {
+            "path": name,
+            "shape": list(t.shape),
+            "dtype": str(t.dtype),
+            "sharding": None,
+            "bytes": tensor_nbytes(t.dtype, _numel(t.shape)) or 0,
+        }
+        for name, t in sorted(stored.items())
+    ]
+    return {
+        "name": item.name,
+        "kind": item.kind,
+        "leaves": leaves,
+        "total_bytes": sum(leaf["bytes"] for leaf in leaves),
+        "values": sum(_numel(leaf["shape"]) for leaf in leaves),
+    }
+
+
 def _print_item(d: dict[str, Any], *, summary: bool) -> None:
-    if d["kind"] != "pytree":
+    if "note" in d:
+        print(f"\n{d['name']}: {d['kind']} ({d['note']})")
+        return
+    if "leaves" not in d:
         text = json.dumps(d["value"], sort_keys=True)
         print(f"\n{d['name']}: JSON {text if len(text) <= 200 else text[:197] + '...'}")
         return
@@ -169,8 +210,9 @@ def cmd_export(args) -> int:
     chosen = resolve(args.path, args.step, args.item, default="params")[1][0]
     if chosen.kind != "pytree":
         raise CliError(
-            f"{chosen.loc}: item {chosen.name!r} holds a JSON value ({chosen.kind}), not "
-            f"arrays; export takes a pytree item (--item params, the default)"
+            f"{chosen.loc}: item {chosen.name!r} holds "
+            + (f"a JSON value ({chosen.kind})" if chosen.kind in JSON_KINDS else chosen.kind)
+            + ", not a pytree of arrays; export takes a pytree item (--item params, the default)"
         )
     src = chosen.loc
     key_map = _safetensors.key_map_from_file(args.key_map) if args.key_map else None

@@ -1,31 +1,40 @@
 """What runs after the arguments parse: each path argument checked, then its command.
 
-Loaded by ``main`` only once the arguments parse (it imports every command, so JAX and
-tensorstore); errors propagate to ``main``, which prints them as one line.
+Loaded by ``main`` only once the arguments parse; it imports the one command it runs
+(:func:`command`), so a command that reads a few JSON files (``list``) imports neither
+JAX nor tensorstore, and those that read arrays (seconds) load them. Errors propagate
+to ``main``, which prints them as one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
 
 from .. import _errors
 from .._storage.kvstore import local_path, spec_from_path
 from .._storage.store_errors import store_error_line
-from .commands import cmd_export, cmd_gc, cmd_import, cmd_inspect
-from .list_command import cmd_list
 from .native_logs import aws_lines_filtered
 from .output import EXIT_STORE, CliError, one_line
-from .verify_command import cmd_verify
 
+# Each command's module and function, imported when that command runs (command()).
 COMMANDS = {
-    "list": cmd_list,
-    "inspect": cmd_inspect,
-    "verify": cmd_verify,
-    "export": cmd_export,
-    "import": cmd_import,
-    "gc": cmd_gc,
+    "list": ("list_command", "cmd_list"),
+    "inspect": ("commands", "cmd_inspect"),
+    "verify": ("verify_command", "cmd_verify"),
+    "export": ("commands", "cmd_export"),
+    "import": ("commands", "cmd_import"),
+    "gc": ("commands", "cmd_gc"),
 }
+
+
+def command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The function of command ``name``, its module imported now (and only it)."""
+    module, function = COMMANDS[name]
+    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
+
 
 # Every path argument, by command: (attribute, its name in messages, where it may be).
 # "store": any location the library reads and writes (local, s3://, gs://, memory://:
@@ -86,8 +95,14 @@ def check_paths(args: argparse.Namespace, *, in_process: bool = False) -> list[d
     return specs
 
 
-def run(args: argparse.Namespace, *, in_process: bool = False) -> int:
-    """The exit status of the command ``args.command``, its paths checked first; on an
+def run(
+    args: argparse.Namespace,
+    command: Callable[[argparse.Namespace], int],
+    *,
+    in_process: bool = False,
+) -> int:
+    """The exit status of ``command`` (that of ``args.command``: :func:`command`, loaded
+    first, while ``main`` holds signals back), its paths checked first; on an
     object store, the AWS libraries' log lines are kept off stderr and a refusal (no
     bucket, no credentials, access denied) is one :class:`StoreAccessError` line.
     ``in_process``: ``main(argv)`` called from Python (it shares memory:// stores)."""
@@ -95,7 +110,7 @@ def run(args: argparse.Namespace, *, in_process: bool = False) -> int:
     remote = [s for s in specs if s["driver"] in ("s3", "gcs")]
     with aws_lines_filtered(enabled=any(s["driver"] == "s3" for s in remote)):
         try:
-            return COMMANDS[args.command](args)
+            return command(args)
         except CliError:
             raise
         except _errors.StoreAccessError as e:  # the library's own, said once: exit 3 too

@@ -55,8 +55,10 @@ _ITEM = _object(
         "total_bytes": {"type": "integer", "minimum": 0},
         "values": {"type": "integer", "minimum": 0},
         "value": {},
+        # an item whose contents are not described (a custom checkpointable's): why
+        "note": {"type": "string"},
     },
-    optional=("leaves", "total_bytes", "values", "value"),
+    optional=("leaves", "total_bytes", "values", "value", "note"),
 )
 
 _RESULT = _object(

@@ -10,7 +10,6 @@ from typing import Any
 from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE
-from .._reading import items as _items
 from .._storage.location import Location
 from . import json_output, plot
 from .display import make_table
@@ -29,11 +28,13 @@ def cmd_list(args) -> int:
     listing = _steps.list_directory(loc)
     if not loc.is_dir() or _steps.foreign_format_hint(loc):
         raise CliError(describe_missing(loc, listing))
-    if not listing.committed:
+    if not listing.committed and not listing.unreadable:
         print(describe_missing(loc, listing))
     else:
-        print(f"{loc}: {len(listing.committed)} step(s)")
-        rows = [_list_row(loc, step) for step in listing.committed]
+        shut = dict(listing.unreadable)  # step folders the environment kept shut: a row each
+        steps = sorted({*listing.committed, *shut})
+        print(f"{loc}: {len(steps)} step(s)")
+        rows = [_list_row(loc, step, shut=shut.get(step)) for step in steps]
         print(make_table(rows))
     if listing.unfinished:
         print(
@@ -58,7 +59,7 @@ def _list_one_checkpoint(loc: Location) -> bool:
         kinds = ", ".join(f"{n} ({e.kind})" for n, e in sorted(manifest.items.items()))
         print(f"items: {kinds}")
         return True
-    item = _items.step_item(loc)
+    item = _steps.step_item(loc)
     if item is not None:
         what = "its leaves" if item.is_pytree else "its value"
         print(f"{loc}: {item.label} of the run directory {loc.parent.parent}")
@@ -82,14 +83,18 @@ def _list_data(loc: Location, args) -> int:
         records = [_step_record(directory, steps[0], step_loc=loc)]
     else:
         listing = _steps.list_directory(loc)
-        if not listing.committed and (not loc.is_dir() or _steps.foreign_format_hint(loc)):
+        shut = dict(listing.unreadable)  # step folders the environment kept shut
+        if not (listing.committed or shut) and (
+            not loc.is_dir() or _steps.foreign_format_hint(loc)
+        ):
             raise CliError(describe_missing(loc, listing))
-        if _items.step_item(loc) is not None or loc.exists(COMMIT_FILE):
+        if _steps.step_item(loc) is not None or loc.exists(COMMIT_FILE):
             raise CliError(
                 f"{loc}: not a directory of steps; `flax-orbax inspect {shell_word(loc)}`"
             )
         directory = loc
-        records = [_step_record(loc, step) for step in listing.committed]
+        steps = sorted({*listing.committed, *shut})
+        records = [_step_record(loc, step, shut=shut.get(step)) for step in steps]
     if args.plot:
         saves = [
             plot.Save(r["step"], r["_time"], r["bytes_written"], r["bytes_reused"])
@@ -114,14 +119,21 @@ def _list_data(loc: Location, args) -> int:
     return 0
 
 
-def _step_record(loc: Location, step: int, *, step_loc: Location | None = None) -> dict:
-    """One step of ``list --json`` (``_time``: the POSIX save time, for a plot)."""
+def _step_record(
+    loc: Location, step: int, *, step_loc: Location | None = None, shut: str | None = None
+) -> dict:
+    """One step of ``list --json`` (``_time``: the POSIX save time, for a plot); ``shut``:
+    why the listing could not read the step's folder (nothing more is read)."""
     step_loc = step_loc or _steps.step_location(loc, step)
-    out: dict[str, Any] = {"step": step, "size_bytes": dir_bytes(step_loc), "_time": None}
+    out: dict[str, Any] = {"step": step, "_time": None}
     try:
+        if shut is not None:
+            raise PermissionError(shut)
+        out["size_bytes"] = dir_bytes(step_loc)
         manifest = _steps.read_manifest(step_loc)
         extras = load_extras(step_loc)
     except (CheckpointError, OSError) as e:  # OSError: unreadable here (not checked)
+        out.setdefault("size_bytes", None)
         out.update(bytes_written=None, bytes_reused=None, saved_at=None, items=[], metrics={})
         return {**out, "damaged": _why(e)}
     return {
@@ -138,13 +150,20 @@ def _step_record(loc: Location, step: int, *, step_loc: Location | None = None) 
 
 def _why(e: BaseException) -> str:
     """A step that cannot be listed: damage, or a file this process cannot read."""
-    return one_line(e) if isinstance(e, CheckpointError) else f"cannot be read: {one_line(e)}"
+    text = one_line(e)
+    if isinstance(e, CheckpointError) or text.startswith("cannot be read"):
+        return text
+    return f"cannot be read: {text}"
 
 
-def _list_row(loc: Location, step: int, *, step_loc: Location | None = None) -> _ListRow:
+def _list_row(
+    loc: Location, step: int, *, step_loc: Location | None = None, shut: str | None = None
+) -> _ListRow:
     step_loc = step_loc or _steps.step_location(loc, step)
-    size = dir_bytes(step_loc)
     try:
+        if shut is not None:  # the listing could not read the step's folder
+            raise PermissionError(shut)
+        size = dir_bytes(step_loc)
         manifest = _steps.read_manifest(step_loc)
         extras = load_extras(step_loc)
     except (CheckpointError, OSError) as e:

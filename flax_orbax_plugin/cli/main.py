@@ -177,11 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = _command(
         sub,
         "import",
-        "an Orbax directory or Flax msgpack file(s) as steps",
-        "flax-orbax import orbax_run/ ckpts/",
-        "flax-orbax import checkpoint_1000.msgpack ckpts/ --step 1000",
+        "an Orbax directory, Flax msgpack file(s) or safetensors as steps",
+        "flax-orbax import orbax_run/ ckpts/   (or checkpoint_1000.msgpack)",
+        "flax-orbax import model.safetensors ckpts/ --step 0   (or a folder of shards)",
     )
-    s.add_argument("source", help="Orbax manager/step/item directory, msgpack file or dir")
+    s.add_argument(
+        "source", help="Orbax manager/step/item dir, msgpack file or dir, safetensors file or dir"
+    )
     s.add_argument("out", help="a CheckpointManager directory (created if missing)")
     s.add_argument("--step", type=int, default=None, help="only this step / write as this step")
     s.add_argument("--force", action="store_true", help="replace steps that exist in OUT")
@@ -243,13 +245,17 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
     """The command's exit status; errors as one line (a KeyboardInterrupt propagates)."""
     try:
+        if args.command == "verify" and args.step is not None and args.all:
+            # said before the command loads (JAX, seconds), as a usage error is
+            raise CliError(f"--step {args.step} and --all: choose one (--all checks every step)")
         # Inside the function on purpose: the commands import JAX and tensorstore
         # (seconds), which --help, <command> --help and --version must not pay.
         from . import dispatch
 
+        command = dispatch.command(args.command)  # its modules (JAX for most), signals held
         if interrupts is not None:
             interrupts.loaded()
-        return dispatch.run(args, in_process=interrupts is None)
+        return dispatch.run(args, command, in_process=interrupts is None)
     except CliError as e:
         print(f"flax-orbax {args.command}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", EXIT_ERROR)

@@ -5,6 +5,7 @@ checkpointable, a core checkpoint) on any store, and the items found there.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any
 
 from .._errors import CheckpointError
@@ -49,9 +50,15 @@ def resolve(
         listing = _steps.list_directory(loc)
         if not listing.committed:
             raise CliError(describe_missing(loc, listing))
-        chosen = _steps.choose_step(loc, listing.committed, step)
-        step_loc = _steps.step_location(loc, chosen)
-        label, items = str(step_loc), step_items(step_loc)
+        if step is not None:
+            chosen = _steps.choose_step(loc, listing.committed, step)
+            label, items = _step_items_of(loc, chosen)
+        else:  # the latest that can be read: a step the environment shuts is named
+            for shut, why in listing.unreadable:
+                if shut > listing.committed[-1]:
+                    _steps.warn_unreadable(loc, shut, why)
+            read = partial(_step_items_of, loc)
+            label, items = _steps.newest_readable(loc, listing.committed, read)
     item = default if item is None else item
     if item is None:
         return label, items
@@ -96,6 +103,11 @@ def describe_missing(loc: Location, listing: _steps.Listing) -> str:
     return one_line(_places.no_steps(loc, listing))
 
 
+def _step_items_of(loc: Location, step: int) -> tuple[str, list[Item]]:
+    step_loc = _steps.step_location(loc, step)
+    return str(step_loc), step_items(step_loc)
+
+
 def step_items(step_loc: Location) -> list[Item]:
     manifest = _steps.read_manifest(step_loc)
     return [Item(n, step_loc.child(e.dir), e.kind) for n, e in sorted(manifest.items.items())]
@@ -114,6 +126,10 @@ def dir_bytes(loc: Location) -> int | None:
         return sum(info.size for info in copier.list(loc.path).values())
     except _server_copy.CopyError:
         return None
+
+
+# The kinds of item whose value is one JSON file of the step (the built-in JSON items).
+JSON_KINDS = ("json", "step", "data_iterator")
 
 
 def read_json_item(item: Item) -> Any:

@@ -18,13 +18,11 @@ from .output import EXIT_DAMAGED, EXIT_ERROR, CliError, one_line
 
 
 def cmd_verify(args) -> int:
-    if args.step is not None and args.all:
-        raise CliError(f"--step {args.step} and --all: choose one (--all checks every step)")
-    unreadable: list[dict[str, Any]] = []  # --all: steps an environment error kept shut
+    unreadable: list[dict[str, Any]] = []  # steps an environment error kept shut
     try:
-        steps = _steps.committed_steps(Location.from_path(args.path)) if args.all else []
+        steps, shut = _run_steps(Location.from_path(args.path), args)
         if steps:
-            results, unreadable = _verify_each_step(Location.from_path(args.path), steps)
+            results, unreadable = _verify_each_step(Location.from_path(args.path), steps, shut)
         else:
             results = verify(
                 args.path, step=args.step, all_steps=args.all, progress=byte_progress("verify")
@@ -71,18 +69,42 @@ def cmd_verify(args) -> int:
     return failed
 
 
-def _verify_each_step(loc: Location, steps: list[int]) -> tuple[list, list[dict[str, Any]]]:
-    """``verify --all`` of the run directory ``loc`` (its committed ``steps``), a step at a
-    time (each by its own path: the directory is listed once): a step that cannot be
-    read (a permission, an I/O error: not damage, so ``fop.verify`` raises) is reported
-    and the other steps are still checked."""
+def _run_steps(loc: Location, args) -> tuple[list[int], dict[int, str]]:
+    """The steps of run directory ``loc`` to verify one at a time: every step with
+    ``--all``, the newest without ``--step`` (a step folder the listing could not read
+    counts: it is reported, not passed over for an older one); none for anything else
+    (``fop.verify`` of PATH). And why each step folder that could not be read was shut."""
+    if args.step is not None:
+        return [], {}
+    try:
+        listing = _steps.list_directory(loc)
+    except (CheckpointError, OSError):  # nothing to list: fop.verify says what PATH is
+        return [], {}
+    shut = dict(listing.unreadable)
+    steps = sorted({*listing.committed, *shut})
+    if not steps or not (args.all or listing.committed):
+        return [], {}
+    return (steps if args.all else steps[-1:]), shut
+
+
+def _verify_each_step(
+    loc: Location, steps: list[int], shut: dict[int, str]
+) -> tuple[list, list[dict[str, Any]]]:
+    """``verify`` of steps of the run directory ``loc``, a step at a time (each by its
+    own path: the directory is listed once): a step that cannot be read (a permission,
+    an I/O error: not damage, so ``fop.verify`` raises; ``shut``: those the listing
+    could not read) is reported and the other steps are still checked."""
     results, unreadable = [], []
     for step in steps:
         where = str(_steps.step_location(loc, step))
         try:
+            if step in shut:
+                raise PermissionError(shut[step])
             results.extend(verify(where, progress=byte_progress("verify")))
         except OSError as e:
-            error = f"cannot be read: {one_line(e)}"
+            if isinstance(e, CheckpointError):  # (CheckpointNotFoundError): not shut
+                raise
+            error = one_line(e) if step in shut else f"cannot be read: {one_line(e)}"
             unreadable.append(
                 {"path": where, "step": step, "item": None, "ok": False, "error": error}
             )

@@ -350,7 +350,7 @@ def test_an_interruption_says_what_was_done_before_it(capsys, monkeypatch, tmp_p
     exists already."""
     from flax_orbax_plugin.cli import dispatch
 
-    def interrupted(args, **_):
+    def interrupted(args, *_, **__):
         e = KeyboardInterrupt()
         e.add_note(f"the import committed step(s) [1] to {args.out} before it failed")
         raise e

@@ -86,48 +86,74 @@ def test_sigterm_during_an_export_removes_its_temporary_file(tmp_path):
 def test_ctrl_c_while_the_commands_load_is_an_interruption(tmp_path):
     """SIGINT while JAX loads (the first second or so) was a raw 'ImportError:
     initialization failed' (exit 2), or was swallowed by a garbage-collection callback
-    and the command ran on to exit 0. Now it is 'interrupted', exit 130, at any moment."""
+    and the command ran on to exit 0. Now it is 'interrupted', exit 130, at any moment.
+    Sent once the handlers exist (``_catches``), at once and half a second into the
+    loading of an export (`list` loads no JAX: it is done before a fixed delay)."""
     with fop.CheckpointManager(tmp_path / "run") as mngr:
         mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
-    for delay in (0.4, 0.9):
+    for delay in (0.0, 0.5):
+        out = tmp_path / f"out-{delay}.safetensors"
         proc = subprocess.Popen(
-            _cli("list", str(tmp_path / "run")),
+            _cli("export", str(tmp_path / "run"), out),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=_proc.child_env(),
         )
+        # SIGTERM's handler (Python catches SIGINT from its start): the command's own
+        # handlers are both set, SIGINT's first
+        _catches(proc.pid, signal.SIGTERM)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130, (delay, proc.returncode, err[-2000:])
-        assert err.strip().splitlines()[-1].startswith("flax-orbax list: interrupted"), err
+        assert err.strip().splitlines()[-1].startswith("flax-orbax export: interrupted"), err
         assert "Traceback" not in err and "ImportError" not in err, err
+        assert not out.exists()
+
+
+def _catches(pid: int, signum: int, timeout: float = 60.0) -> None:
+    """Waits until process ``pid`` has a handler for ``signum`` (its ``SigCgt`` mask in
+    /proc): the command's first act, so a signal sent after it lands while the command
+    loads, however slowly the machine starts it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+        if int(mask, 16) >> (signum - 1) & 1:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} took no handler for signal {signum} in {timeout} s")
 
 
 def test_sigterm_while_the_commands_load_is_a_termination(tmp_path):
     """SIGTERM while JAX loads was a raw 'error: ImportError: initialization failed'
-    (exit 2); SIGTERM acts as Ctrl-C does: 'terminated', exit 143, at any moment."""
+    (exit 2); SIGTERM acts as Ctrl-C does: 'terminated', exit 143, at any moment. Each
+    signal is sent once the command's handler exists (a fixed delay could land before
+    it, on a loaded machine): at once, and half a second into the loading of an export
+    (which loads JAX, for seconds)."""
     with fop.CheckpointManager(tmp_path / "run") as mngr:
         mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
     procs = {}  # two commands side by side, signalled at two moments of their loading
-    for delay in (0.4, 0.9):
+    for delay in (0.0, 0.5):
+        out = tmp_path / f"out-{delay}.safetensors"
         procs[delay] = subprocess.Popen(
-            _cli("list", str(tmp_path / "run")),
+            _cli("export", str(tmp_path / "run"), out),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=_proc.child_env(),
         )
-    started = time.monotonic()
     for delay, proc in procs.items():
-        time.sleep(max(0.0, started + delay - time.monotonic()))
+        _catches(proc.pid, signal.SIGTERM)
+        time.sleep(delay)
         proc.send_signal(signal.SIGTERM)
     for delay, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 128 + signal.SIGTERM, (delay, proc.returncode, err[-2000:])
-        assert err.strip().splitlines()[-1].startswith("flax-orbax list: terminated"), err
+        assert err.strip().splitlines()[-1].startswith("flax-orbax export: terminated"), err
         assert "Traceback" not in err and "ImportError" not in err, err
+        assert not (tmp_path / f"out-{delay}.safetensors").exists()
 
 
 def test_a_shell_commands_warnings_are_its_own_lines(tmp_path):

@@ -186,3 +186,23 @@ def test_public_names_agree_between_init_its_type_checking_block_and_api():
         assert getattr(fop, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         fop.no_such_name  # noqa: B018
+
+
+def test_reading_commands_of_json_files_and_their_usage_errors_import_no_jax(tmp_path):
+    """`flax-orbax list` (a few JSON files) imported JAX and tensorstore (2.6 s of its
+    3 s), and so did a usage error a command finds (`verify --step 1 --all`). Each is
+    checked as a shell runs it (`python -m flax_orbax_plugin`): neither is imported."""
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run) as mngr:
+        mngr.save(1, {"params": {"w": list(range(3))}}, extras={"loss": 0.5})
+    for argv, code in (
+        (["list", run], 0),
+        (["list", run, "--json"], 0),
+        (["list", run / "1"], 0),
+        (["verify", run, "--step", "1", "--all"], 2),
+    ):
+        got, out, imported = _python_m(*map(str, argv))
+        assert got == code, (argv, got, out)
+        heavy = sorted(m for m in imported if m.split(".")[0] in ("jax", "jaxlib", "tensorstore"))
+        assert not heavy, (argv, heavy[:5])
+    assert "loss=0.5" in _python_m("list", str(run))[1]

@@ -73,3 +73,53 @@ def test_verify_all_checks_the_other_steps_past_one_it_cannot_read(tmp_path):
     found = json.loads(doc.stdout)
     assert found["unreadable"] == 1 and found["damaged"] == 0 and not found["ok"]
     assert [r["step"] for r in found["results"] if r["ok"]] == [1, 3]
+
+
+def test_a_step_folder_that_cannot_be_read_is_reported_per_step_by_every_reading_command(
+    tmp_path,
+):
+    """A step folder shut to this process (chmod 000): list, inspect and verify exited 2
+    with one raw line and no JSON. Each reports that step and goes on: list has its row,
+    inspect reads the newest step it can (warning that it skipped the shut one), verify
+    reports it UNREADABLE (exit 2) and checks the others."""
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: nothing can be made unreadable")
+    run = tmp_path / "run"
+    with fop.CheckpointManager(run) as mngr:
+        for step in (1, 2, 3):
+            mngr.save(step, {"params": {"w": np.full(3, step, np.float32)}})
+    (run / "3").chmod(0)
+    try:
+        got = {
+            " ".join(args): _as_a_user(*args, run)
+            for args in (
+                ("list",),
+                ("list", "--json"),
+                ("inspect", "--json"),
+                ("verify",),
+                ("verify", "--all", "--json"),
+            )
+        }
+    finally:
+        (run / "3").chmod(0o755)
+    table = got["list"]
+    assert table.returncode == 0, table.stderr
+    rows = {line.split("|")[1].strip(): line for line in table.stdout.splitlines()[3:]}
+    assert set(rows) == {"1", "2", "3"} and "cannot be read" in rows["3"], table.stdout
+    listed = got["list --json"]
+    assert listed.returncode == 0, listed.stderr
+    steps = {s["step"]: s for s in json.loads(listed.stdout)["steps"]}
+    assert steps[3]["damaged"].startswith("cannot be read") and steps[2]["damaged"] is None
+    inspected = got["inspect --json"]
+    assert inspected.returncode == 0, inspected.stderr
+    assert json.loads(inspected.stdout)["path"] == str(run / "2")
+    assert f"step 3 of {run} cannot be read" in inspected.stderr
+    verified = got["verify"]
+    assert verified.returncode == 2, verified.stdout + verified.stderr
+    assert "UNREADABLE step 3: cannot be read" in verified.stdout
+    every = got["verify --all --json"]
+    assert every.returncode == 2, every.stderr
+    found = json.loads(every.stdout)
+    assert found["unreadable"] == 1 and found["damaged"] == 0
+    assert [r["step"] for r in found["results"] if r["ok"]] == [1, 2]
+    assert sorted(os.listdir(run)) == [".writer.lock", "1", "2", "3"]  # nothing set aside

@@ -4,6 +4,8 @@ version 1, where it does nothing (issue 32)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -67,3 +69,16 @@ def test_a_host_memory_budget_with_format_version_2_is_taken(tmp_path, entry):
     if entry == "save_async":
         out.wait()
     np.testing.assert_array_equal(fop.restore(tmp_path / "c")["w"], tree["w"])
+
+
+def test_format_version_none_means_the_default_as_on_the_manager(tmp_path):
+    """``format_version=None`` was refused by fop.save and fop.save_async ('found
+    None') while the manager took it as the default version: one meaning everywhere."""
+    tree = {"w": np.arange(6, dtype=np.float32)}
+    fop.save(tmp_path / "a", tree, format_version=None)
+    fop.save_async(tmp_path / "b", tree, format_version=None).wait()
+    with fop.CheckpointManager(tmp_path / "run", format_version=None) as mngr:
+        mngr.save(1, {"params": tree})
+    for path in (tmp_path / "a", tmp_path / "b", tmp_path / "run" / "1" / "params"):
+        assert json.loads((path / "_METADATA.json").read_text())["format_version"] == 2, path
+        np.testing.assert_array_equal(fop.restore(path)["w"], tree["w"])

@@ -12,7 +12,10 @@ import subprocess
 import sys
 
 import _paths
+import numpy as np
 import pytest
+
+import flax_orbax_plugin as fop
 
 # Each example run has its own subprocess timeout; these add up past the global 300 s.
 pytestmark = pytest.mark.timeout(600)
@@ -143,3 +146,22 @@ def test_sigterm_saves_the_step_reached_and_required_refuses_to_start_fresh(tmp_
     )
     assert p.returncode != 0 and "resume='required'" in p.stderr, p.stderr[-2000:]
     assert not missing.exists()
+
+
+def test_the_first_documented_command_on_a_directory_holding_a_run_says_so_in_one_line(
+    tmp_path,
+):
+    """After `make demo` the README's first command (train.py with the default config,
+    resume False) met the demo's steps in its default directory: a 28-line traceback.
+    Now one line in the script's own flags, exit 1, nothing written."""
+    ckpt = tmp_path / "ckpt"
+    with fop.CheckpointManager(ckpt) as mngr:
+        mngr.save(7, {"params": {"w": np.ones(3, np.float32)}})
+    cmd = example_cmd("train.py", *SMALL, f"--config.checkpoint.directory={ckpt}")
+    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"train.py: {ckpt} already holds the steps of a run"), p.stderr
+    assert "--config.checkpoint.resume=True" in last and "overwrite=True" in last
+    assert sorted(os.listdir(ckpt)) == [".writer.lock", "7"]

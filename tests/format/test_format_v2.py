@@ -201,3 +201,22 @@ def test_gcs_save_restores_and_verifies_from_a_few_objects(gcs_location):
     assert keys[:2] == ["_COMMITTED", "_METADATA.json"] and len(keys) <= 7, keys
     assert_same_tree(tree, fop.restore(gcs_location.url))
     assert all(r.ok for r in fop.verify(gcs_location.url))
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_damage_in_a_data_file_names_that_file_not_a_version_1_chunk_file(tmp_path, big):
+    """A flipped byte in ``params/data/0-0.bin`` was reported as ``batch file
+    b/0.float32/c/0`` (version 1's file, which a version-2 step does not have): the
+    error names the data file and the bytes, in verify and restore."""
+    leaf = np.arange(1 << 19 if big else 100, dtype=np.float32)  # its own array, or batched
+    with fop.CheckpointManager(tmp_path / "run", format_version=2) as mngr:
+        mngr.save(1, {"params": {"w": leaf}})
+    data = tmp_path / "run" / "1" / "params" / "data"
+    [name] = [p.name for p in data.iterdir() if p.suffix == ".bin"]
+    flip_byte(data / name, 40)
+    [result] = fop.verify(tmp_path / "run" / "1")
+    with pytest.raises(fop.CorruptCheckpointError) as restored:
+        fop.restore(tmp_path / "run" / "1" / "params")
+    for said in (str(result.error), str(restored.value)):
+        assert f"data file data/{name}, bytes " in said, said
+        assert "batch file" not in said and "checksum mismatch" in said, said

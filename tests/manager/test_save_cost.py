@@ -61,3 +61,22 @@ def test_requests_per_save_do_not_grow_with_the_steps_kept(s3_server):
     assert with_2 == with_200
     assert with_2.get("GET", 0) == 0  # no manifest read per save
     assert with_2["PUT"] >= 3  # it did save: data, metadata, the manifest
+
+
+def test_listing_the_steps_costs_one_listing_whatever_the_steps_kept(s3_server):
+    """``steps()`` read each step's manifest (one GET per step: 53 ms at 2 steps, over a
+    second at 60); now one listing of the keys says which steps are committed."""
+    few, many = (s3_server.location(s3_server.create_bucket(), "ckpt") for _ in range(2))
+    for where in (few, many):
+        with fop.CheckpointManager(where.url, keep=None) as mngr:
+            mngr.save(1, STATE)
+            mngr.save(2, STATE)
+    _plant_manifests(many, 2, range(3, 61))
+    counts = {}
+    for where, steps in ((few, [1, 2]), (many, list(range(1, 61)))):
+        with fop.CheckpointManager(where.url, read_only=True) as reader, S3Requests() as counter:
+            assert reader.steps() == steps and reader.all_steps() == steps
+            assert reader.latest_step() == steps[-1]
+            counts[len(steps)] = counter.take()
+    assert counts[2] == counts[60], counts
+    assert counts[2].get("GET", 0) == 0 and counts[2].get("HEAD", 0) == 0, counts

@@ -978,3 +978,16 @@ def test_a_step_overwritten_while_it_replicates_is_no_damage(store, tmp_path, re
         assert not list(local.glob("*.corrupt-*"))
         with fop.CheckpointManager(remote, read_only=True) as persisted:
             assert persisted.restore(step=1, items="extras") == {"v": 1}
+
+
+def test_latest_step_is_the_step_restore_reads_from_either_tier(s3, tmp_path):
+    """Orbax's idiom ``if mngr.latest_step() is None: start afresh`` started afresh over
+    a step of the persistent tier that restore() read: latest_step() looked at the local
+    directory alone unless asked. Now both say the same step."""
+    with fop.CheckpointManager(tmp_path / "a", persistent=s3.url) as mngr:
+        save_steps(mngr, [1, 2])
+    with fop.CheckpointManager(tmp_path / "lost", persistent=s3.url) as mngr:  # a new disk
+        assert mngr.steps() == [] and mngr.all_steps() == []
+        assert mngr.latest_step() == 2
+        assert mngr.latest_step(include_persistent=False) is None
+        assert_step(mngr.restore(), mngr.latest_step())

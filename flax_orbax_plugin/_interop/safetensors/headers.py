@@ -59,6 +59,24 @@ def default_names(paths: list[str]) -> dict[str, str]:
     return names if len(set(names.values())) == len(names) else {p: p for p in paths}
 
 
+def tree_of_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Tensors by name as the tree an export without a key map named so (the inverse of
+    :func:`default_name`): ``{"a.b": x}`` as ``{"a": {"b": x}}``; the flat dict where a
+    name would be both a leaf and a folder (``a.b`` and ``a.b.c``) or has an empty part."""
+    tree: dict[str, Any] = {}
+    for name, value in tensors.items():
+        *folders, leaf = name.split(".")
+        node = tree
+        for part in folders:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict) or not part:
+                return dict(tensors)
+        if not leaf or leaf in node:
+            return dict(tensors)
+        node[leaf] = value
+    return tree
+
+
 def kernel_axes(path: str, ndim: int, transpose: bool) -> tuple[int, ...] | None:
     """The permutation from Flax's kernel layout (..., in, out) to PyTorch's (out, in, ...)."""
     if not transpose or ndim < 2 or path.rsplit("/", 1)[-1] != "kernel":
