@@ -40,7 +40,7 @@ from .checkpointables import Checkpointable, Pending, checkpointable_for, kind_o
 from .events import SaveBlockingDone, SaveCommitted, SaveStarted
 from .options import check_item_name
 from .retaining import RetentionRunner
-from .step_commit import StepCommit, abort_staged, start_item, wait_all
+from .step_commit import StepCommit, abort_refused, start_item, wait_all
 
 __all__ = ["Saver", "collect_items"]
 
@@ -370,16 +370,7 @@ class Saver:
             # A directory other processes write into is theirs too: the primary's abort
             # removes it once all learnt of this failure (under their writes: ENOTEMPTY).
             if staging.own or _distributed.process_count() == 1:
-                try:
-                    abort_staged(staging, replace, dirs)
-                except Exception as cleanup:  # noqa: BLE001  (the refusal is the error)
-                    logger.warning(
-                        "checkpoint: step %s was refused, and removing what it staged "
-                        "failed (%s: %s); the next writer's open or gc() removes it",
-                        staging.final,
-                        type(cleanup).__name__,
-                        cleanup,
-                    )
+                abort_refused(staging, replace, dirs)
             if isinstance(e, StructureError) and name is not None and e.args:  # its item too
                 e.args = (f"item {name!r}: {e.args[0]}", *e.args[1:])
             raise

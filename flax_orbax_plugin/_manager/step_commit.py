@@ -13,6 +13,7 @@ background thread (every process runs it, with the same operation id).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -37,7 +38,16 @@ from .checkpointables import Checkpointable, Pending
 from .events import measure_stored
 from .per_host import HOST_FILE
 
-__all__ = ["StepCommit", "abort_staged", "checked_written", "start_item", "wait_all"]
+__all__ = [
+    "StepCommit",
+    "abort_refused",
+    "abort_staged",
+    "checked_written",
+    "start_item",
+    "wait_all",
+]
+
+logger = logging.getLogger("flax_orbax_plugin")
 
 
 def wait_all(pendings: Iterable[Pending], *, raise_first: bool = False) -> list[Any]:
@@ -250,6 +260,22 @@ class StepCommit:
 
     def _abort(self) -> None:
         abort_staged(self._staging, self._replace, {n: e.dir for n, e in self._entries.items()})
+
+
+def abort_refused(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> None:
+    """:func:`abort_staged` for a save refused in its blocking phase (training thread):
+    the refusal stays the error; a removal that fails is a WARNING (the next writer's
+    open or ``gc()`` removes what this save staged, proven ours by its claim)."""
+    try:
+        abort_staged(staging, replace, dirs)
+    except Exception as e:  # noqa: BLE001  (the refusal is the error)
+        logger.warning(
+            "checkpoint: a save into %s was refused, and removing what it staged failed "
+            "(%s: %s); the next writer's open or gc() removes it",
+            staging.final,
+            type(e).__name__,
+            e,
+        )
 
 
 def abort_staged(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> None:
