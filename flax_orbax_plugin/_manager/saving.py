@@ -283,9 +283,8 @@ class Saver:
             created_at=_per_host.agreed_time(region) if own else None,
             region=region,
         )
-        pendings, reuses = self._save_items(
-            staging, items, dirs, handlers, prev_loc, request, replace
-        )
+        staged = (staging, items, dirs, handlers, prev_loc, request, replace)
+        pendings, reuses = self._save_items(*staged)
         if own:
             marker = _per_host.own_marker(step, self._book.run, items)
         entries = {n: ItemEntry(kind_of(h), dirs[n]) for n, h in handlers.items()}
@@ -349,8 +348,7 @@ class Saver:
         """The blocking phase of each item, in order, each handed ``request`` (with its
         own reuse for an ``incremental`` checkpointable of an incremental manager); on
         an error every started write is waited for and what this save staged removed
-        (``step_commit.abort_staged``: on object stores, which write in place, the new
-        step's objects and its pending marker too; ``replace``: the step exists)."""
+        (``step_commit.abort_staged``, on every store; ``replace``: the step exists)."""
         pendings: dict[str, Pending] = {}
         reuses: list[Reuse] = []  # their key-value values are deleted after the commit
         name = None
