@@ -306,7 +306,9 @@ class Restorer:
         self._read = {n: saved[n].dir for n in read}
         if items is not None:
             return restored[names[0]] if single else restored
-        warn_unread(step, self._loc, saved, names)  # an item like lacks: said, not dropped
+        if not changes.partial:  # an item like lacks: said, not dropped (partial: on purpose)
+            held = [n for n, e in saved.items() if e.kind not in COPY_KINDS]  # HF: when named
+            warn_unread(step, self._loc, held, names)
         merged = merge_state(like, restored)
         if data_iterator is None and not self._read_only:  # a writer's whole state: a resume
             self.warn_replay(step)
