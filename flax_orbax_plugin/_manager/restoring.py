@@ -15,6 +15,7 @@ in-flight save was waited for.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -385,6 +386,9 @@ class Restorer:
                 f"pass checkpointables={{{name!r}: <the checkpointable that saved it>}} "
                 f"(nothing on disk was changed)"
             )
+        changes = request.changes
+        if changes.surgery and name != "params":  # ops name params' paths: mirrors too
+            request = request.replace(changes=dataclasses.replace(changes, surgery_mirrored=True))
         try:
             return handler.restore(step_loc.child(entry.dir), like, request)
         except StructureError as e:
