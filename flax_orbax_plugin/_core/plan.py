@@ -323,7 +323,7 @@ class Plan:
         if previous is None or not self.format.wrote(previous[1]):
             return None  # (a step of the other version: its chunks are stored elsewhere)
         source, doc = previous
-        if _distributed.is_primary():  # what reuse never takes, said once (INFO)
+        if _distributed.is_primary():  # what reuse never takes, said once (WARNING)
             records = [leaf.record for leaf in self.leaves]
             _reuse.report_batched(location.parent.parent, reuse.item, records)
         by_index = {leaf.index: leaf for leaf in self.leaves}

@@ -31,6 +31,7 @@ from .._format import metadata as _metadata
 from .._format.documents import read_document
 from .._like import retarget as _retarget
 from .._like import surgery as _surgery
+from .._like import surgery_mirrors as _surgery_mirrors
 from .._like import transform as _transform
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
@@ -148,7 +149,10 @@ def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
     records = _transform.rename_records(records, opts, str(location))
     records, made, problems = (records, {}, [])
     if opts.surgery:
-        records, made, problems = _surgery.apply(records, opts.surgery)
+        ops = opts.surgery
+        if opts.surgery_mirrored:  # an optimizer state: the ops at each mirror of params
+            ops = _surgery_mirrors.mirrored(ops, records)
+        records, made, problems = _surgery.apply(records, ops)
     add_missing_empties(flat, records)
 
     def make(i, rec, leaf):

@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 
 from .._base import distributed as _distributed
+from .._base import shown as _shown
 from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._format.documents import read_document
@@ -230,10 +231,12 @@ def plan_reuse(records: dict[int, LeafRecord], previous: CheckpointDocument) -> 
 
 
 def report_batched(store: Location, item: str, records: Iterable[LeafRecord]) -> None:
-    """Says (INFO, once per store and item, in this process) which leaves of ``item``
-    are batched (``BatchStorage``: leaves of 1 MiB or less, packed together into
-    one array) and so written again at every incremental step, changed or not: reuse
-    takes only leaves stored as their own arrays. See docs/incremental.md."""
+    """Warns (WARNING, once per store and item, in this process) which leaves of
+    ``item`` are batched (``BatchStorage``: leaves of 1 MiB or less, packed together
+    into one array) and so written again at every incremental step, changed or not:
+    reuse takes only leaves stored as their own arrays (a frozen embedding of 1 MiB
+    beside a trained adapter is rewritten every step). Names the first leaves and the
+    bytes in all. See docs/incremental.md."""
     batched = [r for r in records if isinstance(r.storage, BatchStorage)]
     if not batched:
         return
@@ -243,16 +246,23 @@ def report_batched(store: Location, item: str, records: Iterable[LeafRecord]) ->
             return
         _LOGGED.add(key)
     nbytes = sum(r.nbytes for r in batched)
-    names = ", ".join(r.path for r in batched[:8]) + (", ..." if len(batched) > 8 else "")
-    logger.info(
-        "incremental save: %d small leaves of %s (%d bytes in all; batched, 1 MiB or less "
-        "each) are written again at every step, changed or not; only leaves stored as "
-        "their own arrays are reused: %s",
+    logger.warning(
+        "incremental steps: %d small leaves of item %r (%s in all; 1 MiB or less each, "
+        "batched together) are never reused: they are written again at every step, "
+        "changed or not; only leaves stored as their own arrays (over 1 MiB, or "
+        "partitioned) are reused. The leaves: %s",
         len(batched),
         item,
-        nbytes,
-        names,
+        _size(nbytes),
+        _shown.listed((r.path for r in batched), fmt=repr),
     )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit} ({nbytes} bytes)"
+    return f"{nbytes} bytes"
 
 
 # -- 4. the chunks a process reuses -----------------------------------------------------

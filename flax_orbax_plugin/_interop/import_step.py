@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .._base import shown as _bounded
 from .._base.option_spec import outside_stacklevel
 from .._errors import StructureError
 from .._format.foreign import is_step
@@ -112,8 +113,8 @@ def orbax_steps_to_import(src: Any, step: int | None) -> list[tuple[int, Locatio
         logger.warning(
             "%s: importing Orbax steps %s; passed over (not finalized steps): %s",
             loc,
-            sorted(listing.steps),
-            ", ".join(passed),
+            _bounded.listed(sorted(listing.steps)),
+            _bounded.listed(passed),
         )
     return list(listing.steps.items())
 

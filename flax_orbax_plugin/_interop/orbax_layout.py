@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .._base import shown as _shown
 from .._base import tree as _tree
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, OptionError
 from .._format.foreign import (
@@ -181,7 +182,7 @@ def _item(loc: Location, name: str, handler: str | None = None) -> OrbaxItem:
         )
     raise CheckpointNotFoundError(
         f"{loc}: not an Orbax checkpoint item (expected {ITEM_METADATA} or "
-        f"{JSON_ITEM_FILE}; found {', '.join(loc.list_children()) or 'nothing'})"
+        f"{JSON_ITEM_FILE}; found {_shown.listed(loc.list_children(), empty='nothing')})"
     )
 
 
@@ -196,7 +197,7 @@ def _only_file(loc: Location, what: str) -> str:
     if len(files) != 1:
         raise CorruptCheckpointError(
             f"{loc}: a {what}: expected one file besides {COMMIT_FILE}, found "
-            f"{', '.join(files) or 'none'}"
+            f"{_shown.listed(files, empty='none')}"
         )
     return files[0]
 

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 
 from .._base import distributed as _distributed
+from .._base import shown as _shown
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format.foreign import OURS, TMP_MARK, not_finalized, numbered_children, subdir
 from .._storage.location import Location
@@ -56,7 +57,7 @@ class OrbaxSteps:
             passed = self.skipped_above(None)
             raise CheckpointNotFoundError(
                 f"{self.location}: not an Orbax checkpoint (no finalized steps, no items)"
-                + (f"; passed over: {', '.join(passed)}" if passed else "")
+                + (f"; passed over: {_shown.listed(passed)}" if passed else "")
             )
         if step is None:
             latest = max(self.steps)
@@ -67,15 +68,15 @@ class OrbaxSteps:
                     "entries named like newer steps: %s",
                     self.location,
                     latest,
-                    ", ".join(passed),
+                    _shown.listed(passed),
                 )
             return latest
         if step not in self.steps:
             why = [f"{n!r} is {w}" for n, w in self.skipped if _number(n) == step]
             raise CheckpointNotFoundError(
                 f"{self.location}: no finalized Orbax step {step}"
-                + (f" ({'; '.join(why)})" if why else "")
-                + f"; steps: {sorted(self.steps)}"
+                + (f" ({_shown.listed(why)})" if why else "")
+                + f"; steps: {_shown.listed(sorted(self.steps), empty='none')}"
             )
         return step
 
@@ -115,11 +116,11 @@ def list_steps(loc: Location) -> OrbaxSteps:
         prefixes.setdefault(prefix, name)
     if ours:  # never one run's steps beside another's
         raise CheckpointNotFoundError(
-            f"{loc}: not an Orbax run: it holds steps of this library ({', '.join(ours)}); "
+            f"{loc}: not an Orbax run: it holds steps of this library ({_shown.listed(ours)}); "
             f"restore those with fop.CheckpointManager, or name one Orbax step by its path"
         )
     if len(prefixes) > 1:
-        examples = ", ".join(repr(n) for n in prefixes.values())
+        examples = _shown.listed(prefixes.values(), fmt=repr)
         raise CorruptCheckpointError(
             f"{loc}: finalized Orbax steps named in {len(prefixes)} ways ({examples}): "
             f"expected one step_prefix; read a step by its own path"

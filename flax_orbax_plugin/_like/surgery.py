@@ -22,6 +22,7 @@ import dataclasses
 import re
 from typing import Any
 
+from .._base import shown as _shown
 from .._errors import TransformError
 from .._format.layout import LeafRecord
 from . import surgery_plan as _plan
@@ -139,11 +140,12 @@ def _stack(tree: _Tree, op: Stack) -> None:
             tree.problems.append(f"surgery {op!r}: expected leaves {op.sources!r}, found none")
     for rest, by_i in sorted(groups.items()):
         n = len(by_i)
-        if sorted(by_i) != list(range(n)):
-            absent = sorted(set(range(max(by_i) + 1)) - set(by_i))
+        present = sorted(by_i)
+        if present[-1] != n - 1:  # distinct from 0: all there exactly when the last is n-1
+            absent = _shown.number_ranges(_shown.gaps(present))  # never range(max) itself
             tree.problems.append(
-                f"leaf {op.target + rest!r}: surgery {op!r} expects layers 0..{max(by_i)}, "
-                f"found no layer {absent}"
+                f"leaf {op.target + rest!r}: surgery {op!r} expects layers 0..{present[-1]}, "
+                f"found no layer [{absent}]"
             )
             continue
         paths = [by_i[i] for i in range(n)]

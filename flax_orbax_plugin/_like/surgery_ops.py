@@ -27,11 +27,22 @@ def _need(op: Any, name: str, ok: bool, expected: str, found: Any) -> None:
         )
 
 
+def _is_int(value: Any) -> bool:
+    """An int, numpy's too; never a bool (True is no axis) nor a float (1.0 is none)."""
+    return hasattr(value, "__index__") and type(value).__name__ not in ("bool", "bool_")
+
+
 def _need_axis(op: Any, axis: Any) -> None:
     """An int (numpy's too, kept as Python's int on ``op``)."""
-    ok = hasattr(axis, "__index__") and type(axis).__name__ not in ("bool", "bool_")
-    _need(op, "axis", ok, "an int", axis)
+    _need(op, "axis", _is_int(axis), "an int", axis)
     object.__setattr__(op, "axis", operator.index(axis))
+
+
+def _ints(values: Any) -> tuple[int, ...] | None:
+    """``values`` (a list or tuple of ints, numpy's too) as Python ints, else None."""
+    if not isinstance(values, (list, tuple)) or not all(map(_is_int, values)):
+        return None
+    return tuple(operator.index(v) for v in values)
 
 
 def _need_distinct(op: Any, name: str, paths: tuple[str, ...]) -> None:
@@ -65,7 +76,8 @@ class Stack:
     def __post_init__(self):
         _need(self, "target", _is_path(self.target), "a leaf path", self.target)
         if isinstance(self.sources, str):
-            _need(self, "sources", "{i}" in self.sources, "a pattern with {i}", self.sources)
+            ok = self.sources.count("{i}") == 1
+            _need(self, "sources", ok, "a pattern with {i} (once)", self.sources)
             _need_prefix_pair(self, self.target, self.sources, ("target", "sources"))
         else:
             srcs = self.sources
@@ -87,8 +99,8 @@ class Unstack:
 
     def __post_init__(self):
         _need(self, "source", _is_path(self.source), "a leaf path", self.source)
-        ok = isinstance(self.targets, str) and "{i}" in self.targets
-        _need(self, "targets", ok, "a pattern with {i}", self.targets)
+        ok = isinstance(self.targets, str) and self.targets.count("{i}") == 1
+        _need(self, "targets", ok, "a pattern with {i} (once)", self.targets)
         _need_prefix_pair(self, self.source, self.targets, ("source", "targets"))
         _need_axis(self, self.axis)
 
@@ -131,12 +143,11 @@ class Split:
         _need_distinct(self, "targets", self.targets)
         _need_axis(self, self.axis)
         if self.sizes is not None:
-            sizes = self.sizes
-            ok = isinstance(sizes, (list, tuple)) and len(sizes) == len(self.targets)
-            ints = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes)
-            ok = ok and ints
-            _need(self, "sizes", ok, f"{len(self.targets)} sizes >= 0 (one per target)", sizes)
-            object.__setattr__(self, "sizes", tuple(sizes))
+            sizes = _ints(self.sizes)
+            ok = sizes is not None and len(sizes) == len(self.targets) and min(sizes) >= 0
+            expected = f"{len(self.targets)} ints >= 0 (one per target)"
+            _need(self, "sizes", ok, expected, self.sizes)
+            object.__setattr__(self, "sizes", sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +159,10 @@ class Transpose:
 
     def __post_init__(self):
         _need(self, "path", _is_path(self.path), "a leaf path", self.path)
-        axes = self.axes
-        ok = isinstance(axes, (list, tuple)) and sorted(axes) == list(range(len(axes)))
-        _need(self, "axes", ok, "a permutation of 0..ndim-1", axes)
-        object.__setattr__(self, "axes", tuple(axes))
+        axes = _ints(self.axes)  # (1.0, 0.0) equals a permutation, and is none
+        ok = axes is not None and sorted(axes) == list(range(len(axes)))
+        _need(self, "axes", ok, "a permutation of 0..ndim-1 (ints)", self.axes)
+        object.__setattr__(self, "axes", axes)
 
 
 @dataclasses.dataclass(frozen=True)

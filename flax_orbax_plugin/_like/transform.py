@@ -50,6 +50,9 @@ class Changes:
     missing: str = "error"
     transform: Callable[[str], str | None] | None = None
     surgery: tuple[Any, ...] = ()  # checked operations (``surgery.check_surgery``)
+    # An item that mirrors params (an optimizer state): the operations apply at every
+    # prefix where they match, and nowhere without a word (``surgery_mirrors``).
+    surgery_mirrored: bool = False
 
     @property
     def keep_missing(self) -> bool:

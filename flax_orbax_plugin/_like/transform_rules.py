@@ -22,7 +22,7 @@ from typing import Any
 
 from .._errors import TransformError
 
-__all__ = ["compile_transform", "describe", "unmatched_rules"]
+__all__ = ["compile_transform", "describe", "template_fault", "unmatched_rules"]
 
 EXPECTED = "a dict {regex: replacement} of str, or a callable path -> path | None"
 SOURCE = "_fop_transform_source"  # the option as given, on the compiled function
@@ -100,8 +100,17 @@ def _rule(pattern: Any, replacement: Any) -> tuple[re.Pattern, str]:
 
 
 def _check_template(entry: str, regex: re.Pattern, replacement: str) -> None:
-    """Expands ``replacement`` against a match holding ``regex``'s groups (each empty):
-    the groups and escapes are resolved exactly as ``re.sub`` resolves them."""
+    fault = template_fault(regex, replacement)
+    if fault is not None:
+        raise TransformError(f"{entry}: {fault}")
+
+
+def template_fault(regex: re.Pattern, replacement: str) -> str | None:
+    """Why ``replacement`` is no ``re`` template for ``regex`` (a reason for a message),
+    or None: it is expanded against a match holding ``regex``'s groups (each empty), so
+    groups and escapes are resolved exactly as ``re.sub`` / ``Match.expand`` resolve
+    them. The one check of every option made of ``{regex: replacement}`` rules
+    (``transform=``, ``HFShards(key_map=)``)."""
     names = {index: name for name, index in regex.groupindex.items()}
     groups = "".join(
         f"(?P<{names[i]}>)" if i in names else "()" for i in range(1, regex.groups + 1)
@@ -109,11 +118,12 @@ def _check_template(entry: str, regex: re.Pattern, replacement: str) -> None:
     try:
         re.compile(groups).fullmatch("").expand(replacement)
     except (re.error, IndexError) as e:
-        raise TransformError(
-            f"{entry}: the replacement {replacement!r} is not a valid template for its "
+        return (
+            f"the replacement {replacement!r} is not a valid template for its "
             f"pattern ({e}); the pattern has {_groups(regex)}. Expected references to "
             f"those groups only (\\1, \\g<1>, \\g<name>), and \\\\ for a backslash"
-        ) from None
+        )
+    return None
 
 
 def _groups(regex: re.Pattern) -> str:

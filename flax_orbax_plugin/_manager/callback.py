@@ -138,7 +138,10 @@ class CheckpointCallback:
 
         ``partial``, ``missing``, ``transform`` and ``surgery`` resume into a changed
         model, as in :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
-        grew layers: the new ones keep their values from ``state``). Then reserves the
+        grew layers: the new ones keep their values from ``state``). ``surgery`` names
+        params' paths: it applies to params as given and, in the other items, at every
+        prefix that mirrors them (Adam's ``0/mu/``, ``0/nu/``), where an operation that
+        finds nothing does nothing (``_like/surgery_mirrors.py``). Then reserves the
         manager's host buffers for saving the state (:meth:`CheckpointManager.reserve`).
         """
         if self._stepped is not None:  # else its own steps read as an earlier run's

@@ -74,9 +74,14 @@ def open_writer(
     if loc.is_local and (own or _distributed.is_primary()):
         # One writer per directory: the primary holds the lock for all processes
         # of a run (the others write only through the primary's commit protocol).
+        made = not os.path.isdir(loc.path)
         loc.makedirs()
-        dir_lock = DirectoryLock(loc.path)
-        dir_lock.acquire()
+        dir_lock = DirectoryLock(loc.path, made_directory=made)
+        try:
+            dir_lock.acquire()
+        except BaseException:
+            dir_lock.discard()  # the directory this open made, if empty
+            raise
     elif own or _distributed.is_primary():  # object stores: a lease (``_storage.lease``)
         dir_lock = _lease.take(loc)
     try:
@@ -88,7 +93,7 @@ def open_writer(
         )
     except BaseException:
         if dir_lock is not None:
-            dir_lock.release()
+            dir_lock.discard()  # a refused open leaves no lock file it created
         raise
     return dir_lock
 

@@ -140,8 +140,10 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
             _regions.announce_leaving(error, scope=self._scope, where=f"the run of {self._loc}")
             self._shut()
 
-    def _shut(self) -> None:
-        """Stops the threads and releases the lock (waits for no other process)."""
+    def _shut(self, *, refused: bool = False) -> None:
+        """Stops the threads and releases the lock (waits for no other process);
+        ``refused``: the writer's open failed, and the lock file (and directory) that
+        open made go too (``DirectoryLock.discard``)."""
         if self._book.tier is not None:
             self._book.tier.close(0, raise_errors=False)
         self._closed = True
@@ -149,6 +151,8 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
             self._buffers.clear()
         self._retainer.shutdown()
         self._schedule.uninstall()
+        if refused and self._book.writer is not None:
+            self._book.writer.discard()
         self._release_lock()
 
     def __enter__(self):

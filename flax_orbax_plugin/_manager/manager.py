@@ -99,8 +99,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version, region)
         self._book.per_host = own  # each host's own directory (docs/tiers.md)
         self._book.writer = _housekeeping.open_writer(self._loc, own=own, region=region)
-        self._retainer.start(busy=lambda: self._saver.busy)  # a save runs: fewer deletes
         try:  # several processes on a local path: the same directory on every host
+            self._retainer.start(busy=lambda: self._saver.busy)  # a save runs: fewer deletes
             if tier is None:
                 _shared_dir.check_visible(self._loc, region)
             else:
@@ -115,7 +115,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             self._schedule.resume_clock(lambda: _housekeeping.saved_at(self._loc, self.steps()))
             leave_at_exit(self)  # a program ending without close(): see there
         except BaseException:  # the others learn of it at once: waits for none of them
-            self._shut()
+            self._shut(refused=True)  # no lock file left where there was none
             raise
 
     @property

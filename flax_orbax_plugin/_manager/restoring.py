@@ -15,6 +15,7 @@ in-flight save was waited for.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -321,7 +322,9 @@ class Restorer:
         self._read = {n: saved[n].dir for n in read}
         if items is not None:
             return restored[names[0]] if single else restored
-        warn_unread(step, self._loc, saved, names)  # an item like lacks: said, not dropped
+        if not changes.partial:  # an item like lacks: said, not dropped (partial: on purpose)
+            held = [n for n, e in saved.items() if e.kind not in COPY_KINDS]  # HF: when named
+            warn_unread(step, self._loc, held, names)
         merged = merge_state(like, restored)
         if data_iterator is None and not self._read_only:  # a writer's whole state: a resume
             self.warn_replay(step)
@@ -399,6 +402,9 @@ class Restorer:
                 f"pass checkpointables={{{name!r}: <the checkpointable that saved it>}} "
                 f"(nothing on disk was changed)"
             )
+        changes = request.changes
+        if changes.surgery and name != "params":  # ops name params' paths: mirrors too
+            request = request.replace(changes=dataclasses.replace(changes, surgery_mirrored=True))
         try:
             return handler.restore(step_loc.child(entry.dir), like, request)
         except StructureError as e:

@@ -41,7 +41,7 @@ from .checkpointables import Checkpointable, Pending, checkpointable_for, kind_o
 from .events import SaveBlockingDone, SaveCommitted, SaveStarted
 from .options import check_item_name
 from .retaining import RetentionRunner
-from .step_commit import StepCommit, start_item, wait_all
+from .step_commit import StepCommit, abort_refused, start_item, wait_all
 
 __all__ = ["Saver", "collect_items"]
 
@@ -290,7 +290,8 @@ class Saver:
             region=region,
         )
         metric = self._retention.metric_of(extras, step)  # read before any transfer starts
-        pendings, reuses = self._save_items(staging, items, dirs, handlers, prev_loc, request)
+        staged = (staging, items, dirs, handlers, prev_loc, request, replace)
+        pendings, reuses = self._save_items(*staged)
         if own:
             marker = _per_host.own_marker(step, self._book.run, items)
         entries = {n: ItemEntry(kind_of(h), dirs[n]) for n, h in handlers.items()}
@@ -353,10 +354,12 @@ class Saver:
         handlers: dict[str, Checkpointable],
         prev_loc: Location | None,
         request: SaveRequest,
+        replace: bool,
     ) -> tuple[dict[str, Pending], list[Reuse]]:
         """The blocking phase of each item, in order, each handed ``request`` (with its
         own reuse for an ``incremental`` checkpointable of an incremental manager); on
-        an error every started write is waited for and the staging directory removed."""
+        an error every started write is waited for and what this save staged removed
+        (``step_commit.abort_staged``, on every store; ``replace``: the step exists)."""
         pendings: dict[str, Pending] = {}
         reuses: list[Reuse] = []  # their key-value values are deleted after the commit
         name = None
@@ -380,8 +383,8 @@ class Saver:
             wait_all(pendings.values())
             # A directory other processes write into is theirs too: the primary's abort
             # removes it once all learnt of this failure (under their writes: ENOTEMPTY).
-            if staging.renames and (staging.own or _distributed.process_count() == 1):
-                _ownership.remove_staging(staging.location, staging.nonce)
+            if staging.own or _distributed.process_count() == 1:
+                abort_refused(staging, replace, dirs)
             if isinstance(e, StructureError) and name is not None and e.args:  # its item too
                 e.args = (f"item {name!r}: {e.args[0]}", *e.args[1:])
             raise

@@ -13,6 +13,7 @@ background thread (every process runs it, with the same operation id).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -37,7 +38,16 @@ from .checkpointables import Checkpointable, Pending
 from .events import measure_stored
 from .per_host import HOST_FILE
 
-__all__ = ["StepCommit", "checked_written", "start_item", "wait_all"]
+__all__ = [
+    "StepCommit",
+    "abort_refused",
+    "abort_staged",
+    "checked_written",
+    "start_item",
+    "wait_all",
+]
+
+logger = logging.getLogger("flax_orbax_plugin")
 
 
 def wait_all(pendings: Iterable[Pending], *, raise_first: bool = False) -> list[Any]:
@@ -249,12 +259,39 @@ class StepCommit:
         self.stored = measure_stored(staging.final)
 
     def _abort(self) -> None:
-        staging = self._staging
-        if staging.renames:
-            _ownership.remove_staging(staging.location, staging.nonce)
-        elif not self._replace:  # a new step written in place: no manifest, all of it goes
-            if _pending.holds_nonce(staging.final, staging.nonce):  # under its own claim only
-                _ownership.remove_if_ours(staging.final, what="uncommitted step")
-        else:  # the old step stays whole: only the new items' fresh directories go
-            fresh = [e.dir for n, e in self._entries.items() if e.dir != n]
-            _ownership.remove_children(staging.final, fresh, action="abort the save into")
+        abort_staged(self._staging, self._replace, {n: e.dir for n, e in self._entries.items()})
+
+
+def abort_refused(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> None:
+    """:func:`abort_staged` for a save refused in its blocking phase (training thread):
+    the refusal stays the error; a removal that fails is a WARNING (the next writer's
+    open or ``gc()`` removes what this save staged, proven ours by its claim)."""
+    try:
+        abort_staged(staging, replace, dirs)
+    except Exception as e:  # noqa: BLE001  (the refusal is the error)
+        logger.warning(
+            "checkpoint: a save into %s was refused, and removing what it staged failed "
+            "(%s: %s); the next writer's open or gc() removes it",
+            staging.final,
+            type(e).__name__,
+            e,
+        )
+
+
+def abort_staged(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> None:
+    """Removes what one save staged and nothing else, on every store: its staging
+    directory (filesystems); on object stores, which write in place, the new step under
+    this save's own claim, or, where it replaces a committed step (``replace``), only
+    the new items' fresh directories (``dirs``: item name -> directory) and this save's
+    claim, the old step left whole. Called by the commit's abort (background) and by a
+    save refused in its blocking phase (training thread), which stages no less."""
+    if staging.renames:
+        _ownership.remove_staging(staging.location, staging.nonce)
+    elif not replace:  # a new step written in place: no manifest, all of it goes
+        if _pending.holds_nonce(staging.final, staging.nonce):  # under its own claim only
+            _ownership.remove_if_ours(staging.final, what="uncommitted step")
+    else:  # the old step stays whole: only the new items' fresh directories go
+        fresh = [d for n, d in dirs.items() if d != n]
+        _ownership.remove_children(staging.final, fresh, action="abort the save into")
+        if _pending.holds_nonce(staging.final, staging.nonce):  # its commit record proves it
+            _ownership.unclaim(staging.final)

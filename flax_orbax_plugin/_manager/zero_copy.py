@@ -57,24 +57,63 @@ __all__ = ["HostMemory", "ZeroCopyStep"]
 
 
 def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
-    """``value`` as a sorted tuple of distinct non-negative ints (ValueError otherwise)."""
-    items = (value,) if isinstance(value, int) else value
+    """``value`` as a sorted tuple of distinct non-negative ints (OptionTypeError for
+    anything but an int or a sequence of ints, a bool included; OptionError for a
+    negative position)."""
+    found = f"found {value!r:.60} ({type(value).__name__})"
+    items = (value,) if isinstance(value, int) or hasattr(type(value), "__index__") else value
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence | set | frozenset):
+        raise OptionTypeError(f"wrap_step: {name} must be an int or ints, {found}")
     try:
+        if any(isinstance(v, bool) or type(v).__name__ == "bool_" for v in items):
+            raise TypeError  # True is not a position
         out = tuple(sorted({operator.index(v) for v in items}))
     except TypeError:
-        found = f"found {value!r:.60}"
         raise OptionTypeError(f"wrap_step: {name} must be an int or ints, {found}") from None
     if any(v < 0 for v in out):
         raise OptionError(f"wrap_step: {name} must be non-negative positions, found {value!r}")
     return out
 
 
+def _argnames(value: str | Sequence[str], fn: Callable) -> tuple[str, ...]:
+    """``static_argnames`` as a tuple of distinct names ``fn`` takes by keyword
+    (OptionTypeError for anything but a str or a sequence of str; OptionError for a
+    name ``fn``'s signature lacks, where it has one and no ``**kwargs``)."""
+    name = "static_argnames"
+    found = f"found {value!r:.60} ({type(value).__name__})"
+    items = (value,) if isinstance(value, str) else value
+    if isinstance(items, bytes) or not isinstance(items, Sequence | set | frozenset):
+        raise OptionTypeError(f"wrap_step: {name} must be a str or strs, {found}")
+    if any(not isinstance(v, str) for v in items):
+        raise OptionTypeError(f"wrap_step: {name} must be a str or strs, {found}")
+    names = tuple(dict.fromkeys(items))
+    params = _parameters(fn)
+    if params is None or any(p.kind == p.VAR_KEYWORD for p in params):
+        return names
+    known = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise OptionError(
+            f"wrap_step: {name} names {unknown[0]!r}, which "
+            f"{getattr(fn, '__name__', fn)!r} does not take by keyword (its keyword "
+            f"parameters: {sorted(known) or 'none'})"
+        )
+    return names
+
+
+def _parameters(fn: Callable) -> list[inspect.Parameter] | None:
+    """``fn``'s parameters, or None where it has no signature to read (a builtin)."""
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
 def _check_positions(fn: Callable, positions: tuple[int, ...], name: str) -> None:
     """OptionError when ``fn`` takes fewer positional arguments than ``positions`` name
     (known from its signature; a ``*args`` function takes any)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin): the call says
+    params = _parameters(fn)
+    if params is None or not positions:  # no signature to read: the call says
         return
     if any(p.kind == p.VAR_POSITIONAL for p in params):
         return
@@ -122,13 +161,21 @@ class ZeroCopyStep:
             raise OptionError("wrap_step: donate_argnums must name the state argument(s)")
         _check_positions(fn, self._donate, "donate_argnums")
         self._static = _argnums(static_argnums, "static_argnums")
+        _check_positions(fn, self._static, "static_argnums")
         if set(self._static) & set(self._donate):
             raise OptionError(
                 f"wrap_step: an argument cannot be both static and donated "
                 f"(static_argnums={self._static}, donate_argnums={self._donate})"
             )
-        names = (static_argnames,) if isinstance(static_argnames, str) else static_argnames
-        self._names = tuple(names)
+        self._names = _argnames(static_argnames, fn)
+        params = _parameters(fn) or []
+        donated = {p.name for i, p in enumerate(params) if i in self._donate}
+        if donated & set(self._names):
+            raise OptionError(
+                f"wrap_step: an argument cannot be both static and donated "
+                f"(static_argnames={self._names}, donate_argnums={self._donate} names "
+                f"{sorted(donated & set(self._names))})"
+            )
         self._compiled: dict[str, Callable] = {}
         self._held: dict[int, jax.Array] = {}  # id -> array: what the last save holds
         self._held_save: Any = None  # that save's handle (done(): its writes are done)

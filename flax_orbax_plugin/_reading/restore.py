@@ -171,7 +171,7 @@ def _restore_orbax(
     if _distributed.spans_processes(like):  # every process reads the primary's latest step
         step = agreed_latest(location, region=region) if not is_step(location) else None
     # cast="unsafe" as for a checkpoint of ours (it was dropped here, silently)
-    return restore_orbax(location, like, step=step, partial=partial, allow_cast=cast == "unsafe")
+    return restore_orbax(location, like, step=step, partial=partial, cast=cast)
 
 
 @raises_store_errors(arguments("path"))

@@ -153,13 +153,19 @@ UNREAD_OK = frozenset({"extras", "data_iterator"})
 def warn_unread(step: int, location: Any, saved: Iterable[str], read: Iterable[str]) -> None:
     """Warns when a restore into ``like`` leaves out items the step holds (a
     ``batch_stats`` or an NNX ``rngs`` the given state lacks): the run would go on
-    without them, silently. Naming the items (``items=``) leaves them out on purpose."""
+    without them, silently. ``saved``: the step's items a restore into ``like`` would
+    read (never a copy of another item, such as HF shards: read only when named). The
+    advice names what each entry point takes to leave them out on purpose:
+    ``partial=True`` (the manager's restore and ``on_train_start`` both), or the
+    manager's ``items=[...]``."""
     unread = sorted(set(saved) - set(read) - UNREAD_OK)
     if unread:
         warnings.warn(
             f"step {step} of {location} holds item(s) {unread} that like does not have: "
-            f"they are not restored, and the run goes on without them. Give like those "
-            f"items, or name the items to restore (items=[...]) to leave them out",
+            f"they are not restored, and the run goes on without them. Give like (the "
+            f"state) those items; or, to leave them out on purpose, pass partial=True "
+            f"(CheckpointCallback.on_train_start or CheckpointManager.restore), or name "
+            f"the items to restore (CheckpointManager.restore(like=..., items=[...]))",
             UserWarning,
             stacklevel=outside_stacklevel(),
         )

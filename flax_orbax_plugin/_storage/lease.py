@@ -191,6 +191,11 @@ class Lease:
             except Exception as e:  # noqa: BLE001  (the lease then expires by itself)
                 logger.warning("checkpoint: could not release the lease on %s: %s", self.loc, e)
 
+    def discard(self) -> None:
+        """A writer's open refused after the lease was taken: :meth:`release` (the
+        record stays: it names the run, and a released lease is taken by the next open)."""
+        self.release()
+
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.seconds / 3):
             try:

@@ -34,10 +34,12 @@ logger = logging.getLogger("flax_orbax_plugin")
 class DirectoryLock:
     """Exclusive writer lock. ``acquire`` then ``release``; both on one thread."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, *, made_directory: bool = False):
         self.path = os.path.join(directory, LOCK_FILE)
         self._fd: int | None = None
         self._lost = False  # taken, then found removed and not taken again (yet)
+        self._created = False  # acquire created the lock file (O_EXCL), not found it
+        self._made_directory = made_directory  # the writer's open made the directory
 
     def acquire(self, *, collected: bool = False) -> None:
         fd = self._open()
@@ -66,6 +68,10 @@ class DirectoryLock:
         except BaseException:
             os.close(fd)
             raise
+        if not self._at_path(fd):  # a refused open discarded that file meanwhile: again
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            return self.acquire(collected=collected)
         try:  # checked again under the lock: a link made meanwhile is never written
             self._check_own_file(fd)
             os.ftruncate(fd, 0)
@@ -83,12 +89,16 @@ class DirectoryLock:
         writer) opened without following a link."""
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         for _ in range(3):  # an existing file removed between the two opens: again
+            self._created = False
             try:
-                return os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 pass
             except IsADirectoryError:
                 raise self._foreign("a directory") from None
+            else:
+                self._created = True
+                return fd
             try:
                 return os.open(self.path, flags)
             except FileNotFoundError:
@@ -126,6 +136,33 @@ class DirectoryLock:
             fd, self._fd = self._fd, None
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+    def discard(self) -> None:
+        """:meth:`release` for a writer's open that was refused after the lock was
+        taken: the lock file goes too where this lock created it (and the directory,
+        where the open made it and it is empty), so a refused open leaves nothing
+        behind. Unlinked while still held; an opener that found the file before checks,
+        once it holds it, that it is still the one at the path (:meth:`acquire`)."""
+        if self._fd is not None and self._created and self._at_path(self._fd):
+            try:
+                os.unlink(self.path)
+            except OSError as e:  # left as any closed writer leaves it: harmless
+                logger.debug("checkpoint: could not remove %s: %s", self.path, e)
+        self.release()
+        if self._made_directory:
+            try:
+                os.rmdir(os.path.dirname(self.path))  # refused unless empty: nothing lost
+            except OSError:
+                pass
+
+    def _at_path(self, fd: int) -> bool:
+        """Whether ``fd`` is the file at :attr:`path` now (not one removed meanwhile)."""
+        held = os.fstat(fd)
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
     @property
     def held(self) -> bool:

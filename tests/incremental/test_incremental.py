@@ -1041,17 +1041,21 @@ def test_incremental_local_steps_replicate_whole_to_the_persistent_tier(s3_locat
 @pytest.mark.parametrize("version", [1, 2])
 def test_small_frozen_leaves_rewritten_each_step_are_reported(tmp_path, caplog, version):
     # A leaf of 1 MiB or less is batched and written again at every step, frozen or not
-    # (was: silently); one INFO line per manager directory and item says which and why.
+    # (was: silently, then only at INFO, issue 51 item 9); one WARNING per manager
+    # directory and item says which, their size in all, and why.
     state = _state()
     state["params"]["norm"] = {"scale": np.ones((256,), np.float32)}  # frozen and small
     with fop.CheckpointManager(tmp_path, incremental=True, format_version=version) as mngr:
-        with caplog.at_level(logging.INFO, logger="flax_orbax_plugin"):
+        with caplog.at_level(logging.WARNING, logger="flax_orbax_plugin"):
             _save(mngr, 1, state)
             assert "small leaves" not in caplog.text  # nothing to reuse at a first step
             second = _save(mngr, 2, state)
             _save(mngr, 3, state)
-    lines = [r.getMessage() for r in caplog.records if "small leaves" in r.getMessage()]
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("incremental save: 2 small leaves of params (1088 bytes in all;")
-    assert "written again at every step" in lines[0] and lines[0].endswith("bias, norm/scale")
+    records = [r for r in caplog.records if "small leaves" in r.getMessage()]
+    assert len(records) == 1, records
+    assert records[0].levelno == logging.WARNING
+    line = records[0].getMessage()
+    assert line.startswith("incremental steps: 2 small leaves of item 'params' (1.1 KiB (1088")
+    assert "never reused" in line and "written again at every step" in line
+    assert line.endswith("'bias', 'norm/scale'")
     assert second.bytes_reused >= W1 + W2 + ADAPTER  # the big frozen leaves are reused

@@ -357,3 +357,49 @@ def test_donate_argnums_past_the_steps_arguments_is_refused_when_wrapped(tmp_pat
             mngr.wrap_step(train_step, donate_argnums=5)
         with pytest.raises(fop.OptionTypeError, match="donate_argnums"):
             mngr.wrap_step(train_step, donate_argnums="state")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"static_argnames": None}, fop.OptionTypeError, r"static_argnames must be a str.*None"),
+        ({"static_argnames": 1.5}, fop.OptionTypeError, r"static_argnames must be a str.*1\.5"),
+        ({"static_argnames": False}, fop.OptionTypeError, r"static_argnames must be.*False"),
+        ({"static_argnames": object()}, fop.OptionTypeError, r"static_argnames.*object"),
+        ({"static_argnames": ["mode", 3]}, fop.OptionTypeError, r"static_argnames.*'mode', 3"),
+        ({"static_argnames": "moed"}, fop.OptionError, r"static_argnames names 'moed'.*'mode'"),
+        ({"static_argnames": "state"}, fop.OptionError, r"both static and donated.*'state'"),
+        ({"static_argnums": 5}, fop.OptionError, r"static_argnums=\(5,\) names argument 5"),
+        ({"static_argnums": True}, fop.OptionTypeError, r"static_argnums must be an int.*True"),
+        ({"static_argnums": None}, fop.OptionTypeError, r"static_argnums must be an int.*None"),
+        ({"donate_argnums": True}, fop.OptionTypeError, r"donate_argnums must be an int.*True"),
+    ],
+)
+def test_static_options_are_checked_when_the_step_is_wrapped(tmp_path, kwargs, error, match):
+    """Issue 51 item 4: static_argnames of a wrong type was a raw TypeError; a
+    static_argnums position the step lacks, jax's raw ValueError at the first call; a
+    bool passed as a position. Each is refused by wrap_step, naming the option, on the
+    manager and the callback alike."""
+
+    def train_step(state, batch, *, mode="train"):
+        return state
+
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        with pytest.raises(error, match=match):
+            mngr.wrap_step(train_step, **kwargs)
+    cb = fop.CheckpointCallback(tmp_path / "cb")
+    try:
+        with pytest.raises(error, match=match):
+            cb.wrap_step(train_step, **kwargs)
+    finally:
+        cb.manager.close()
+
+
+def test_valid_static_options_still_wrap_and_run(tmp_path):
+    def train_step(state, batch, scale, *, mode="train"):
+        return jax.tree.map(lambda a: a * scale + (mode == "eval"), state)
+
+    with fop.CheckpointManager(tmp_path / "run") as mngr:
+        step = mngr.wrap_step(train_step, static_argnums=np.int64(2), static_argnames=["mode"])
+        out = step({"w": jnp.ones(3)}, None, 2.0, mode="eval")
+    np.testing.assert_array_equal(out["w"], np.full(3, 3.0))

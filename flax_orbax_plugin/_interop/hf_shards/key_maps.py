@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..._errors import OptionError, OptionTypeError
+from ..._like.transform_rules import template_fault
 
 __all__ = ["GPT2", "KeyMap", "check_transposes", "key_map_of", "transpose_patterns"]
 
@@ -37,12 +38,15 @@ class KeyMap:
 
     def __post_init__(self) -> None:
         for pattern, replacement in self.rules:
-            _compile(pattern, "key_map")
+            regex = _compile(pattern, "key_map")
             if replacement is not None and not isinstance(replacement, str):
                 raise OptionTypeError(
                     f"key_map[{pattern!r}]: expected a tensor name (str) or None, found "
                     f"{type(replacement).__name__} {replacement!r}"
                 )
+            fault = None if replacement is None else template_fault(regex, replacement)
+            if fault is not None:  # re's raw error at the first leaf it matched
+                raise OptionError(f"key_map[{pattern!r}]: {fault}")
         for pattern in self.transposes:
             _compile(pattern, "transposes")
 
@@ -58,12 +62,12 @@ class KeyMap:
         return any(re.fullmatch(p, path) for p in self.transposes)
 
 
-def _compile(pattern: Any, option: str) -> None:
+def _compile(pattern: Any, option: str) -> re.Pattern:
     if not isinstance(pattern, str) or not pattern:
         cls = OptionError if isinstance(pattern, str) else OptionTypeError
         raise cls(f"{option}: expected a regular expression (str), found {pattern!r}")
     try:
-        re.compile(pattern)
+        return re.compile(pattern)
     except re.error as e:
         raise OptionError(f"{option}: {pattern!r} is no regular expression: {e}") from None
 

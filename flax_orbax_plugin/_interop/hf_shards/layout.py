@@ -27,7 +27,7 @@ from ..safetensors.headers import (
     default_names,
 )
 from ..safetensors.packing import packed_bits
-from ..safetensors.plan import Tensor, encode_header, split_shards, tensor_dtype
+from ..safetensors.plan import Tensor, checked_name, encode_header, split_shards, tensor_dtype
 from .key_maps import KeyMap
 
 __all__ = ["Layout", "Placed", "plan", "runs"]
@@ -65,7 +65,7 @@ class Layout:
 
 def _names(leaves: Sequence[tuple[str, np.dtype, tuple[int, ...]]], key_map: KeyMap | None):
     if key_map is None or not key_map.rules:  # fop.to_safetensors's rule, the one way back
-        return _unique(default_names([path for path, _, _ in leaves]))
+        return _unique(default_names([path for path, _, _ in leaves]), default=True)
     names: dict[str, str] = {}
     unmatched = []
     for path, _, _ in leaves:
@@ -82,14 +82,16 @@ def _names(leaves: Sequence[tuple[str, np.dtype, tuple[int, ...]]], key_map: Key
         )
     if leaves and not names:
         raise StructureError(f"hf_shards key_map leaves out every leaf ({len(leaves)})")
-    return _unique(names)
+    return _unique(names, default=False)
 
 
-def _unique(names: dict[str, str]) -> dict[str, str]:
+def _unique(names: dict[str, str], *, default: bool) -> dict[str, str]:
+    """``names`` (leaf path -> tensor name; ``default``: the default names, else a key
+    map's), each a name a header can hold and none twice; refused before a byte is
+    written, naming the leaf."""
     seen: dict[str, str] = {}
     for path, name in names.items():
-        if not name or not isinstance(name, str):
-            raise StructureError(f"hf_shards key_map: leaf {path!r}: empty tensor name")
+        checked_name(path, name, default, "hf_shards key_map")
         if name in seen:
             raise StructureError(
                 f"hf_shards key_map: leaves {seen[name]!r} and {path!r} both map to {name!r}"

@@ -45,6 +45,28 @@ TAGS = {dtype: tag for tag, dtype in DTYPES.items()}
 DTYPE_NAMES = frozenset(str(dtype) for dtype in DTYPES.values())  # 'bfloat16', 'bool' ...
 
 
+METADATA_KEY = "__metadata__"  # the header's entry of str -> str, never a tensor
+
+
+def name_fault(name: object) -> str | None:
+    """Why ``name`` cannot name a tensor in a safetensors header (a reason for a
+    message), or None when it can: a non-empty str that UTF-8 can write, other than the
+    header's ``__metadata__`` entry (``safetensors`` refuses a file with a tensor of that
+    name: it reads that entry as the metadata)."""
+    if not isinstance(name, str) or not name:
+        return f"expected a tensor name (a non-empty str), found {name!r:.80}"
+    if name == METADATA_KEY:
+        return (
+            f"{METADATA_KEY!r} is the safetensors header's metadata entry, not a tensor name "
+            f"(safetensors refuses a file holding a tensor of that name)"
+        )
+    try:
+        name.encode("utf-8")  # a lone surrogate cannot be a tensor name in the header
+    except UnicodeEncodeError:
+        return f"the tensor name {name!r:.80} cannot be written as UTF-8"
+    return None
+
+
 def default_name(path: str) -> str:
     """The default tensor name of a leaf path: ``params/Dense_0/kernel`` -> ``Dense_0.kernel``
     (relative to the exported checkpoint, so ``'/'`` becomes ``'.'``)."""

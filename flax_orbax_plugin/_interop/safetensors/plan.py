@@ -26,7 +26,14 @@ from ..._errors import OptionError, OptionTypeError, StructureError
 from ..._like import casting as _casting
 from ..._like import onto_like as _onto_like
 from ..._like import retarget as _retarget
-from .headers import TAGS, default_name, default_names, kernel_axes
+from .headers import (
+    METADATA_KEY,
+    TAGS,
+    default_name,
+    default_names,
+    kernel_axes,
+    name_fault,
+)
 from .packing import pack, packed_bits, tensor_nbytes
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
@@ -132,9 +139,10 @@ class Tensor:
 
 
 def encode_header(tensors: Sequence[Tensor], metadata: dict[str, str]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    header: dict[str, Any] = {METADATA_KEY: metadata} if metadata else {}
     offset = 0
     for t in tensors:
+        checked_name(t.path, t.name, False, "tensor name")  # planned names were checked
         header[t.name] = {
             "dtype": TAGS[t.dtype],
             "shape": list(t.shape),
@@ -224,12 +232,20 @@ def checked_key_map(key_map: Any) -> Callable[[str], str | None] | None:
     )
 
 
-def _utf8(name: str) -> bool:
-    try:
-        name.encode("utf-8")  # a lone surrogate cannot be a tensor name in the header
-    except UnicodeEncodeError:
-        return False
-    return True
+def checked_name(path: str, name: Any, default: bool, option: str = "key_map") -> str:
+    """``name``, the tensor name of leaf ``path`` (``default``: its default name, else
+    what ``option`` made of it), or a StructureError (a default name) / OptionError (a
+    key map's) naming the leaf, before any file is written: a writer never commits a
+    header ``safetensors`` refuses (``headers.name_fault``)."""
+    fault = name_fault(name)
+    if fault is None:
+        return name
+    if default:
+        raise StructureError(
+            f"leaf {path!r}: its tensor name {name!r:.80} cannot be written: {fault}; "
+            f"name it otherwise with {option} (e.g. {{{path!r}: 'metadata'}})"
+        )
+    raise OptionError(f"{option}: leaf {path!r}: {fault}")
 
 
 def tensor_dtype(path: str, leaf_dtype, cast) -> np.dtype:
@@ -266,8 +282,7 @@ def plan_tensors(
     for path, _, _ in leaves:
         name = defaults[path] if key_map is None else key_map(path)
         if name is not None:
-            if not isinstance(name, str) or not name or not _utf8(name):
-                raise OptionError(f"key_map: leaf {path!r}: expected a tensor name, found {name!r}")
+            checked_name(path, name, key_map is None or name == default_name(path))
             names[path] = name
     if leaves and not names:  # it wrote a file of no tensors and exited 0
         raise OptionError(

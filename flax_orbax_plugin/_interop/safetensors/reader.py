@@ -26,7 +26,7 @@ from ..._like.casting import legacy_cast
 from ..._storage.untrusted import open_regular
 from .headers import Stored, default_names, kernel_axes, read_safetensors_index
 from .packing import group, packed_bits, unpack
-from .plan import FLAGS, checked_key_map
+from .plan import FLAGS, checked_key_map, checked_name
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int, where: str) -> None:
@@ -184,6 +184,8 @@ def _read_onto(
     defaults = default_names([path for path, _, _ in flat])  # as the export named them
     for path, _, leaf_like in flat:
         name = defaults[path] if key_map is None else key_map(path)
+        if name is not None:  # '__metadata__' is no tensor: say so, not "no such tensor"
+            checked_name(path, name, key_map is None)
         t = stored.get(name) if name is not None else None
         if t is None:
             raise StructureError(

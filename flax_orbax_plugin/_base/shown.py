@@ -1,0 +1,64 @@
+"""Lists in messages, bounded: an error or warning names at most a few items, never
+every one (a directory of a million entries, layers 0, 2 and 1,000,000 missing all
+between). Pure functions; any thread.
+
+* :func:`listed`: ``'a', 'b', 'c' ... and 997 more``.
+* :func:`number_ranges`: the sorted ints a set lacks or holds as ranges,
+  ``1, 3..999999`` (computed from the ints present, never by counting through a range).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+__all__ = ["LIMIT", "gaps", "listed", "number_ranges"]
+
+LIMIT = 8  # items a message names before "... and N more"
+_ITEM_CHARS = 200  # one item's text at most (a name may be long too)
+
+
+def listed(
+    items: Iterable[Any], *, limit: int = LIMIT, fmt: Callable[[Any], str] = str, empty: str = ""
+) -> str:
+    """The first ``limit`` of ``items``, each as ``fmt`` writes it (cut at 200
+    characters), joined by ``', '``, then ``' ... and N more'`` for the rest;
+    ``empty`` when there are none."""
+    shown: list[str] = []
+    more = 0
+    for item in items:
+        if len(shown) < limit:
+            text = fmt(item)
+            shown.append(text if len(text) <= _ITEM_CHARS else text[: _ITEM_CHARS - 3] + "...")
+        else:
+            more += 1
+    if not shown:
+        return empty
+    return ", ".join(shown) + (f" ... and {more} more" if more else "")
+
+
+def gaps(present: Sequence[int], start: int = 0) -> list[tuple[int, int]]:
+    """The ranges ``(first, last)`` of ints from ``start`` to ``max(present)`` that
+    ``present`` (sorted, distinct) lacks: as many as ``present`` has, at most."""
+    out = []
+    expected = start
+    for n in present:
+        if n > expected:
+            out.append((expected, n - 1))
+        expected = max(expected, n + 1)
+    return out
+
+
+def number_ranges(ranges: Sequence[tuple[int, int]], *, limit: int = LIMIT) -> str:
+    """``ranges`` (``(first, last)``, inclusive) as ``1, 3..999999``; past ``limit``
+    ranges, ``... and N more ranges (M numbers)``."""
+    text = listed(
+        ranges, limit=limit, fmt=lambda r: str(r[0]) if r[0] == r[1] else f"{r[0]}..{r[1]}"
+    )
+    if len(ranges) > limit:
+        rest = ranges[limit:]
+        count = sum(b - a + 1 for a, b in rest)
+        text = (
+            text.rsplit(" ... and ", 1)[0] + f" ... and {len(rest)} more ranges ({count} numbers)"
+        )
+    return text
