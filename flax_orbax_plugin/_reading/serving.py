@@ -147,6 +147,7 @@ def restore_params(
             return _orbax_params(directory, like, step, *placing, region, cast=cast)
         raise _places.no_steps(loc)  # what is there instead (a step, a run below, ...)
     given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
+    given["memory_limit_bytes"] = memory_limit_bytes
     placing = (like, item, dtype, sharding, changes, cast, dry_run, region, given)
 
     def serve(chosen: int) -> Any:
@@ -163,6 +164,7 @@ def _serve_step(
     """restore_params of committed ``step`` of ``loc`` (``given``: the changed-model
     options as the caller gave them, for an NNX module's params saved as an nnx.State)."""
     partial, missing, transform, surgery = (given[k] for k in _GIVEN)
+    memory_limit_bytes = given["memory_limit_bytes"]  # the host-memory ceiling
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
     step_loc = _steps.step_location(loc, step)
     items = _steps.read_manifest(step_loc).items
