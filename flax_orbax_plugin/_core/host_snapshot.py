@@ -258,15 +258,15 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
 
 def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
     """The host copy of the region ``rows`` of a leaf stored as its own array (of an
-    accelerator array: a ``_device_copy.Deferred``, or its bytes for ``fetch``). A
+    accelerator array: a ``_device_copy.Deferred``). A
     pooled copy is checksummed as it is copied (``summed``: the leaf's shape, chunk
     shape and crcs, see :func:`_pooled`)."""
     if isinstance(source, tuple):
         data, index = source
         part = _relative(rows, index)
         if _device_copy.on_device(data):
-            if kind == "fetch":
-                return _device_copy.fetch(data, part)
+            if kind == "fetch":  # brought over when the writer gets to it
+                return _device_copy.OnDevice(data, part)
             return _device_copy.start(data, part, kind=kind)
         streamed = kind == "streamed"
         if streamed:  # a budget: the save waits for the views to be written
