@@ -115,6 +115,9 @@ def _shards(leaf: Any) -> list[tuple[tuple[int, ...], int]]:
     shape = getattr(leaf, "shape", None)
     if dtype is None or shape is None or not hasattr(dtype, "itemsize"):
         return []
+    deleted = getattr(leaf, "is_deleted", None)
+    if callable(deleted) and deleted():  # the save's own check names the leaf
+        return []
     shards = getattr(leaf, "addressable_shards", None)
     if shards is None:
         return [(tuple(shape), dtype.itemsize)]

@@ -92,19 +92,28 @@ def main() -> None:
         with fop.CheckpointManager(os.path.join(directory, "pooled"), reuse_host_buffers=True) as m:
             m.save(1, {"params": state})
 
-    def hundred_saves():  # the manager's defaults: RSS after each save, 100 saves
+    def hundred_saves(name="hundred_saves"):  # the defaults: RSS after each of 100 saves
         small = {k: v[: max(1, rows // 64)] for k, v in state.items()}
         gc.collect()
-        out["hundred_saves_before"] = _kib("VmRSS") * 1024
+        out[f"{name}_before"] = _kib("VmRSS") * 1024
         rss = []
-        with fop.CheckpointManager(os.path.join(directory, "hundred"), keep=2) as m:
+        with fop.CheckpointManager(os.path.join(directory, name), keep=2) as m:
             for step in range(100):
                 m.save(step, {"params": small})
                 m.wait()
                 gc.collect()
                 rss.append(_kib("VmRSS") * 1024)
-        out["hundred_saves_rss"] = rss
-        out["hundred_saves_state_bytes"] = sum(x.nbytes for x in small.values())
+        out[f"{name}_rss"] = rss
+        out[f"{name}_state_bytes"] = sum(x.nbytes for x in small.values())
+
+    def hundred_device_saves():  # the same through the accelerator's device staging
+        from flax_orbax_plugin._core import device_copy
+
+        device_copy.CPU_AS_DEVICE = True
+        try:
+            hundred_saves("hundred_device_saves")
+        finally:
+            device_copy.CPU_AS_DEVICE = False
 
     def msgpack_file():
         path = os.path.join(directory, "state.msgpack")
@@ -147,6 +156,7 @@ def main() -> None:
         ),
         "pooled_save": pooled_save,
         "hundred_saves": hundred_saves,
+        "hundred_device_saves": hundred_device_saves,
     }
     held = {"restore", "manager_restore", "resume", "serve"}
     if "import" in paths:
