@@ -268,8 +268,7 @@ class Saver:
                 pendings = self._start(step, items, extras, local, replicate, region, budget)
             for pending in pendings.values():  # views under a budget: written before returning
                 wait_for_data(getattr(pending, "snap", None), self.inflight)  # interruptible
-            for zero_copy in self._steps:
-                zero_copy.saved(items, self.inflight)
+            self.views_held(items, self.inflight)
         except BaseException as e:
             handle, self.inflight = self.inflight, None
             if handle is not None:
@@ -298,6 +297,42 @@ class Saver:
         marker = _per_host.own_marker(step, self._book.run, items) if own else None
         self.commit(opened, metric, time.perf_counter() - opened.started, host_marker=marker)
         return opened.pendings
+
+    # -- a step saved in parts (step_parts): what a whole save does above, by piece
+
+    def views_held(self, items: dict, handle: Any) -> None:
+        """Tells the zero-copy steps (``hold_views``) that a blocking phase of ``items``
+        returned, its writes done once ``handle.done()``."""
+        for zero_copy in self._steps:
+            zero_copy.saved(items, handle)
+
+    def budget_of(self, items: dict) -> Any:
+        """The host-memory budget one blocking phase of ``items`` streams under (or None;
+        an OptionError before anything is written: ``host_memory.save_budget``)."""
+        return _host_memory.save_budget(self._ceiling, items, self._incremental)[1]
+
+    def metric_of(self, extras: Any, step: int) -> dict[str, float | None]:
+        """The metrics retention ranks ``step`` by, read from its ``extras``."""
+        return self._retention.metric_of(extras, step)
+
+    def copies(self, step: int, names: Any) -> tuple[str, str] | None:
+        """``(item, copy)`` where ``hf_shards`` writes ``step``'s item ``item`` again as
+        item ``copy`` (None where it does not), for a step of the item ``names``: a
+        CheckpointError when ``item`` is not among them (``with_copy_item``)."""
+        if self._hf_shards is None or not self._hf_shards.due(step):
+            return None
+        with_copy_item(dict.fromkeys(names), self._hf_shards, step)  # its checks
+        return self._hf_shards.item, self._hf_shards.name
+
+    def begin_parts(self, step: int, local: list, region: _distributed.Region | None) -> OpenStep:
+        """:meth:`begin` for a step saved in parts (``step_parts``), its SaveStarted said."""
+        figure = _host_memory.resolve(self._ceiling)
+        self._book.events.emit(SaveStarted(step, str(self._loc), figure, False))
+        return self.begin(step, local, region)
+
+    def failed(self, step: int, error: BaseException) -> None:
+        """A step saved in parts ended before its commit (SaveFailed, blocking phase)."""
+        self._book.events.save_failed(step, str(self._loc), "blocking", error)
 
     def begin(
         self, step: int, local: list, region: _distributed.Region | None, budget: Any = None
