@@ -98,6 +98,7 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
         InitialSave,
         OnPreemption,
     )
+    from ._manager.step_parts import StepParts
     from ._manager.tiers.tier_option import Tier
     from ._reading.restore import metadata, restore
     from ._reading.serving import restore_params
@@ -165,6 +166,7 @@ __all__ = [
     "Stack",
     "StepDeletedError",
     "StepIndexedIterator",
+    "StepParts",
     "StepReplicated",
     "StepsRemoved",
     "StoreAccessError",

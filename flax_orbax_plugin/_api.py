@@ -77,6 +77,7 @@ from ._manager.save_rules import (
     InitialSave,
     OnPreemption,
 )
+from ._manager.step_parts import StepParts
 from ._manager.tiers.tier_option import Tier
 from ._reading.restore import metadata, restore
 from ._reading.serving import restore_params
@@ -106,6 +107,7 @@ _MADE_INSIDE = {
     "SaveRequest",
     "SaveResult",
     "SaveStarted",
+    "StepParts",
     "StepReplicated",
     "StepsRemoved",
     "VerifyResult",

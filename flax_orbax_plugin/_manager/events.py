@@ -307,7 +307,16 @@ class Events:
 
 # A manager's calls that wait for its save, retention or copy threads (see the module
 # docstring), refused from its hook; ``restore`` is allowed there with one process.
-REFUSED_IN_HOOKS = ("save", "wait", "wait_for_save", "delete", "gc", "close", "leave")
+REFUSED_IN_HOOKS = (
+    "save",
+    "step_parts",
+    "wait",
+    "wait_for_save",
+    "delete",
+    "gc",
+    "close",
+    "leave",
+)
 
 
 def refuse_from_hooks(cls: type, names: Iterable[str], *, alone_ok: Iterable[str] = ()) -> None:

@@ -110,6 +110,7 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
         that closes (a save that stops the run: internals never call a public method)."""
         if self._closed:
             return
+        self._drop_parts()  # a step open in parts: given up
         try:
             self._book.events.holding(meet)  # a hook's error: raised once closed
             tier = self._book.tier
@@ -133,6 +134,7 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
         if self._closed:
             return
         try:
+            self._drop_parts()  # a step open in parts: given up
             self._saver.wait()
         except BaseException:  # ``error`` goes on; this one is logged
             logger.exception("checkpoint: the save in flight failed while leaving")

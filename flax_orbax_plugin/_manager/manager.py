@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import numbers
 import signal
 from collections.abc import Iterable, Iterator, Mapping
@@ -43,11 +44,14 @@ from .restoring import Restorer
 from .retaining import RetentionRunner
 from .saving import Saver, collect_items
 from .schedule import SaveSchedule
+from .step_parts import StepParts, checked_expect
 from .store_places import manager_places
 from .tiers import PersistentTier
 from .zero_copy import HostMemory
 
 __all__ = ["CheckpointManager"]
+
+logger = logging.getLogger("flax_orbax_plugin")
 
 
 @raises_store_errors_in_methods(manager_places)  # a store's refusal: StoreAccessError
@@ -85,6 +89,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             self._restorer = Restorer(*reader)
             self._schedule.context = lambda: (bool(self._book.known()), self._saver.in_flight)
             self._closed = False
+            self._parts: StepParts | None = None  # a step being saved in parts (step_parts)
             _housekeeping.refuse_step_directory(self._loc)
             opts.check_reader()
             refuse_foreign_run(self._loc, writing=not opts.read_only)  # before anything
@@ -221,6 +226,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         processes, on every process.
         """
         self._check_writable()
+        self._refuse_open_parts("save")
         step, ignore_policy = _options.check_save_call(
             step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t
         )
@@ -266,10 +272,87 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         self._book.events.raise_after_save(step)  # a hook's, once this step is saved too
         return True
 
+    @_distributed.collective_method("manager-save-parts", stall="_stall_s", scope="_scope")
+    def step_parts(
+        self,
+        step: int,
+        *,
+        region: _distributed.Region | None,
+        expect: Iterable[str],
+        overwrite: bool = False,
+    ) -> StepParts:
+        """Opens ``step`` to be saved in parts, from several calls: returns a
+        :class:`StepParts` (a context manager) whose ``save(name, value)`` adds item
+        ``name``; the step commits once, when the last of ``expect`` (item names) is
+        saved, with the one-commit rule of ``save``. Until then it is never listed,
+        restored or counted; leaving the ``with`` block (or ``abort()``) with parts
+        missing removes what it staged. The policy is not asked (see ``should_save``);
+        ``overwrite`` as in ``save``. One step at a time: ``save``, ``gc`` and another
+        ``step_parts`` are refused while one is open. Waits for the save in flight
+        first. Training thread; with several processes every process opens the step
+        and saves every part, in the same order (docs/manager.md)."""
+        self._check_writable()
+        self._refuse_open_parts("step_parts")
+        step, names = checked_step(step), checked_expect(expect)
+        overwrite = flag("overwrite", overwrite)
+        if self._book.per_host:
+            raise CheckpointError(
+                f"step_parts: {self._loc} is each host's own directory (a persistent tier "
+                f"with a local path per host); saving a step in parts needs a directory "
+                f"every host shares: save the step whole with manager.save"
+            )
+        with _not_saved(step):
+            self._saver.wait()
+        schedule = self._schedule
+        lane, now = schedule.decide(step, None, forced=True, region=region)
+        with self._saver.saving():
+            local = self._saver.check_new_step(step, overwrite, region)
+            copies = self._saver.copies(step, names)
+            self._book.note_save(step, now, lane)
+            opened = self._saver.begin_parts(step, local, region)
+
+        def finished(blocking: float) -> None:
+            schedule.record_save(now, blocking)
+            if not self._async:
+                self._saver.wait()
+
+        self._parts = StepParts(
+            self._saver,
+            opened,
+            names,
+            region,
+            where=str(self._loc),
+            copies=copies,
+            finished=finished,
+        )
+        return self._parts
+
+    def _refuse_open_parts(self, call: str) -> None:
+        parts = self._parts
+        if parts is not None and parts.open:
+            raise CheckpointError(
+                f"{call}: step {parts.step} of {self._loc} is being saved in parts "
+                f"(missing: {list(parts.missing)}); save its last part or abort() it first"
+            )
+
+    def _drop_parts(self) -> None:
+        """Closing or leaving with a step still open in parts: it is given up (WARNING)."""
+        parts, self._parts = self._parts, None
+        if parts is not None and parts.open:
+            logger.warning(
+                "checkpoint: the manager on %s closes with step %d open in parts (missing: "
+                "%s); it is given up, nothing committed",
+                self._loc,
+                parts.step,
+                list(parts.missing),
+            )
+            parts.abort()
+
     def gc(self) -> list[int]:
         """Removes unfinished steps and applies retention now; returns the removed steps.
         Call from the training thread (waits for the in-flight save first)."""
         self._check_writable()
+        self._refuse_open_parts("gc")
         self.wait()
         self._book.forget()  # gc looks at the store itself
         ours = _distributed.is_primary() or self._book.per_host  # stuck: raised after retention

@@ -12,6 +12,7 @@ logged, the persistent tier and retention are told. At most one save is in fligh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -43,7 +44,7 @@ from .options import check_item_name
 from .retaining import RetentionRunner
 from .step_commit import StepCommit, abort_refused, start_item, wait_all
 
-__all__ = ["Saver", "collect_items"]
+__all__ = ["OpenStep", "Saver", "collect_items"]
 
 _READ_FIRST = frozenset({"json", "step", "data_iterator"})  # checkpointable kinds read first
 
@@ -64,6 +65,25 @@ def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]
     for name in items:
         check_item_name(name)
     return items
+
+
+@dataclasses.dataclass
+class OpenStep:
+    """A step being saved (:meth:`Saver.begin`): where it is staged and the modes every
+    item gets (``request``), then the items in it so far (:meth:`Saver.save_items`):
+    their directories, checkpointables, pending writes and reuses. Training thread."""
+
+    step: int
+    final: Location
+    staging: Staging
+    replace: bool  # the step exists and is being replaced (overwrite=True)
+    request: SaveRequest
+    prev_loc: Location | None  # an incremental step's previous step
+    started: float  # time.perf_counter() when it began
+    dirs: dict[str, str] = dataclasses.field(default_factory=dict)
+    handlers: dict[str, Checkpointable] = dataclasses.field(default_factory=dict)
+    pendings: dict[str, Pending] = dataclasses.field(default_factory=dict)
+    reuses: list[Reuse] = dataclasses.field(default_factory=list)
 
 
 class Saver:
@@ -248,8 +268,7 @@ class Saver:
                 pendings = self._start(step, items, extras, local, replicate, region, budget)
             for pending in pendings.values():  # views under a budget: written before returning
                 wait_for_data(getattr(pending, "snap", None), self.inflight)  # interruptible
-            for zero_copy in self._steps:
-                zero_copy.saved(items, self.inflight)
+            self.views_held(items, self.inflight)
         except BaseException as e:
             handle, self.inflight = self.inflight, None
             if handle is not None:
@@ -265,22 +284,70 @@ class Saver:
             self._book.tier.force(step)
         if self._hf_shards is not None and self._hf_shards.due(step):
             items = with_copy_item(items, self._hf_shards, step)
-        started = time.perf_counter()
-        replace = step in local
-        final = _steps.step_location(self._loc, step)
         own = self._book.per_host  # each host's own directory: see per_host
         if own and _distributed.process_count() > 1:  # one manifest: the primary's extras
             items = _per_host.with_primary_extras(items, region)
+        opened = self.begin(step, local, region, budget)
+        metric = self._retention.metric_of(extras, step)  # read before any transfer starts
+        try:
+            self.save_items(opened, items)
+        except BaseException:
+            self.abort_alone(opened)
+            raise
+        marker = _per_host.own_marker(step, self._book.run, items) if own else None
+        self.commit(opened, metric, time.perf_counter() - opened.started, host_marker=marker)
+        return opened.pendings
+
+    # -- a step saved in parts (step_parts): what a whole save does above, by piece
+
+    def views_held(self, items: dict, handle: Any) -> None:
+        """Tells the zero-copy steps (``hold_views``) that a blocking phase of ``items``
+        returned, its writes done once ``handle.done()``."""
+        for zero_copy in self._steps:
+            zero_copy.saved(items, handle)
+
+    def budget_of(self, items: dict) -> Any:
+        """The host-memory budget one blocking phase of ``items`` streams under (or None;
+        an OptionError before anything is written: ``host_memory.save_budget``)."""
+        return _host_memory.save_budget(self._ceiling, items, self._incremental)[1]
+
+    def metric_of(self, extras: Any, step: int) -> dict[str, float | None]:
+        """The metrics retention ranks ``step`` by, read from its ``extras``."""
+        return self._retention.metric_of(extras, step)
+
+    def copies(self, step: int, names: Any) -> tuple[str, str] | None:
+        """``(item, copy)`` where ``hf_shards`` writes ``step``'s item ``item`` again as
+        item ``copy`` (None where it does not), for a step of the item ``names``: a
+        CheckpointError when ``item`` is not among them (``with_copy_item``)."""
+        if self._hf_shards is None or not self._hf_shards.due(step):
+            return None
+        with_copy_item(dict.fromkeys(names), self._hf_shards, step)  # its checks
+        return self._hf_shards.item, self._hf_shards.name
+
+    def begin_parts(self, step: int, local: list, region: _distributed.Region | None) -> OpenStep:
+        """:meth:`begin` for a step saved in parts (``step_parts``), its SaveStarted said."""
+        figure = _host_memory.resolve(self._ceiling)
+        self._book.events.emit(SaveStarted(step, str(self._loc), figure, False))
+        return self.begin(step, local, region)
+
+    def failed(self, step: int, error: BaseException) -> None:
+        """A step saved in parts ended before its commit (SaveFailed, blocking phase)."""
+        self._book.events.save_failed(step, str(self._loc), "blocking", error)
+
+    def begin(
+        self, step: int, local: list, region: _distributed.Region | None, budget: Any = None
+    ) -> OpenStep:
+        """Opens ``step``'s staging (claimed) and draws the modes every item of it gets
+        (``budget``: the host-memory budget of its items' requests). Training thread,
+        in the save's ``region``; the step's items then come through :meth:`save_items`
+        and it commits through :meth:`commit` (or its staging goes: :meth:`abort_alone`)."""
+        started = time.perf_counter()
+        final = _steps.step_location(self._loc, step)
+        own = self._book.per_host
         staging = Staging.begin(final, _distributed.unique_name(region=region), own=own)
-        # On object stores a replaced step's items go under fresh names (old step intact).
-        dirs = {n: n if staging.renames or not replace else f"{n}.{staging.nonce}" for n in items}
-        handlers = {name: checkpointable_for(name, self._overrides) for name in items}
         prev = max((s for s in local if s < step), default=None) if self._incremental else None
-        prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
-        marker = None
-        # The step's modes, once: each item gets them (and its reuse) as its request.
         cancelled = Cancellation()  # the items' writes stop once it is set
-        request = SaveRequest(
+        request = SaveRequest(  # the step's modes, once: each item gets them as its request
             cancelled=cancelled,
             format_version=_formats.version_for(self._format_version, per_host=own),
             host_memory_budget=budget,
@@ -289,32 +356,43 @@ class Saver:
             created_at=_per_host.agreed_time(region) if own else None,
             region=region,
         )
-        metric = self._retention.metric_of(extras, step)  # read before any transfer starts
-        staged = (staging, items, dirs, handlers, prev_loc, request, replace)
-        pendings, reuses = self._save_items(*staged)
-        if own:
-            marker = _per_host.own_marker(step, self._book.run, items)
-        entries = {n: ItemEntry(kind_of(h), dirs[n]) for n, h in handlers.items()}
+        prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
+        return OpenStep(step, final, staging, step in local, request, prev_loc, started)
+
+    def commit(
+        self,
+        opened: OpenStep,
+        metric: dict[str, float | None],
+        blocking: float,
+        *,
+        host_marker: bytes | None = None,
+    ) -> None:
+        """Every item of ``opened`` is in (its blocking phase done): its one commit
+        starts in the background, the save in flight from now on (``inflight``).
+        ``blocking``: the seconds the training loop waited for it. Training thread."""
+        step, region = opened.step, opened.request.region
+        entries = {n: ItemEntry(kind_of(h), opened.dirs[n]) for n, h in opened.handlers.items()}
+        pendings = opened.pendings
         digest = _layout.sha256(
             _layout.encode(
                 [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
             )
         )
-        blocking = time.perf_counter() - started
         op = _distributed.next_operation_id("manager-commit", region=region)
         commit = StepCommit(
             self._loc,
             step,
-            staging,
+            opened.staging,
             pendings,
             entries,
             digest,
-            replace,
-            host_marker=marker,
-            cancelled=cancelled,
+            opened.replace,
+            host_marker=host_marker,
+            cancelled=opened.request.cancelled,
             writer=self._book.writer,
             lane=self._book.lane_of(step),
         )
+        started, reuses = opened.started, opened.reuses
 
         def background() -> SaveResult:
             try:
@@ -326,7 +404,7 @@ class Saver:
             finally:  # every process has read every exchanged value by now
                 _reuse.release(reuses)
             result = SaveResult(
-                str(final),
+                str(opened.final),
                 blocking,
                 time.perf_counter() - started,
                 written.bytes_written,
@@ -342,26 +420,31 @@ class Saver:
         staging = "; ".join(sorted(stagings)) or "none"
         self._book.events.emit(SaveBlockingDone(step, str(self._loc), blocking, staging))
         guard = self._book.events.refuse_in_hook  # its wait or cancel from a hook: refused
-        handle = SaveHandle(str(final), background, cancelled=cancelled, region=region, guard=guard)
+        cancelled = opened.request.cancelled
+        handle = SaveHandle(
+            str(opened.final), background, cancelled=cancelled, region=region, guard=guard
+        )
         self.inflight = handle.start()
-        return pendings
 
-    def _save_items(
-        self,
-        staging: Staging,
-        items: dict,
-        dirs: dict[str, str],
-        handlers: dict[str, Checkpointable],
-        prev_loc: Location | None,
-        request: SaveRequest,
-        replace: bool,
-    ) -> tuple[dict[str, Pending], list[Reuse]]:
-        """The blocking phase of each item, in order, each handed ``request`` (with its
-        own reuse for an ``incremental`` checkpointable of an incremental manager); on
-        an error every started write is waited for and what this save staged removed
-        (``step_commit.abort_staged``, on every store; ``replace``: the step exists)."""
+    def save_items(
+        self, opened: OpenStep, items: dict, *, budget: Any = None
+    ) -> dict[str, Pending]:
+        """The blocking phase of each of ``items`` into ``opened``'s staging, in order,
+        each handed the step's request (``budget``: this call's host-memory budget, when
+        given; with its own reuse for an ``incremental`` checkpointable of an
+        incremental manager); returns their pendings (also added to ``opened``). On an
+        error every write this call started is waited for, then it is raised (the
+        caller removes what the step staged: :meth:`abort_alone`)."""
+        staging, request = opened.staging, opened.request
+        if budget is not None:
+            request = request.replace(host_memory_budget=budget)
+        handlers = {name: checkpointable_for(name, self._overrides) for name in items}
+        # On object stores a replaced step's items go under fresh names (old step intact).
+        keep = staging.renames or not opened.replace
+        dirs = {n: n if keep else f"{n}.{staging.nonce}" for n in items}
+        opened.dirs.update(dirs)
+        opened.handlers.update(handlers)
         pendings: dict[str, Pending] = {}
-        reuses: list[Reuse] = []  # their key-value values are deleted after the commit
         name = None
         # Small items first (step, extras, the iterator's position: read on this thread),
         # so that no synchronous read of a device value waits behind the arrays' transfers.
@@ -373,22 +456,28 @@ class Saver:
                 if self._incremental and getattr(handlers[name], "incremental", False):
                     # the exchange's name: drawn here, in item order
                     op = _distributed.next_operation_id("reuse", region=request.region)
-                    reuse = Reuse(prev_loc, name, op)
-                    reuses.append(reuse)
+                    reuse = Reuse(opened.prev_loc, name, op)
+                    opened.reuses.append(reuse)
                     item_request = request.replace(reuse=reuse)
                 target = staging.location.child(dirs[name])
                 pendings[name] = start_item(name, handlers[name], target, value, item_request)
             pendings = {n: pendings[n] for n in items}  # the items' own order again
         except BaseException as e:
             wait_all(pendings.values())
-            # A directory other processes write into is theirs too: the primary's abort
-            # removes it once all learnt of this failure (under their writes: ENOTEMPTY).
-            if staging.own or _distributed.process_count() == 1:
-                abort_refused(staging, replace, dirs)
             if isinstance(e, StructureError) and name is not None and e.args:  # its item too
                 e.args = (f"item {name!r}: {e.args[0]}", *e.args[1:])
             raise
-        return pendings, reuses
+        opened.pendings.update(pendings)
+        return pendings
+
+    def abort_alone(self, opened: OpenStep) -> None:
+        """Removes what ``opened`` staged, once its writes ended, where this process
+        alone writes there (one process, or each host's own directory); a removal
+        that fails is a WARNING (``abort_refused``). A directory other processes write
+        into is theirs too: it stays, ours by its pending marker, for the next writer's
+        open or ``gc()`` (their writes may still land in it: ENOTEMPTY)."""
+        if opened.staging.own or _distributed.process_count() == 1:
+            abort_refused(opened.staging, opened.replace, opened.dirs)
 
     def _after_commit(
         self, step: int, result: SaveResult, metric: dict[str, float | None], stored: Any
