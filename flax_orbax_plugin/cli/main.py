@@ -15,7 +15,7 @@ import sys
 
 from .._errors import CheckpointError
 from .._version import __version__
-from . import shell
+from . import shell, usage
 from .output import EXIT_ERROR, CliError, in_flag_words, one_line
 
 _PATH = (
@@ -246,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
     """The command's exit status; errors as one line (a KeyboardInterrupt propagates)."""
     try:
-        if args.command == "verify" and args.step is not None and args.all:
-            # said before the command loads (JAX, seconds), as a usage error is
-            raise CliError(f"--step {args.step} and --all: choose one (--all checks every step)")
+        usage.check(args)  # said before the command loads (JAX, seconds)
         # Inside the function on purpose: the commands import JAX and tensorstore
         # (seconds), which --help, <command> --help and --version must not pay.
         from . import dispatch

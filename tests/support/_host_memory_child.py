@@ -135,6 +135,7 @@ def main() -> None:
         return path
 
     small = {k: v[: rows // 16] for k, v in state.items()}  # 1/16 of the state: C/2 here
+    quarter = {k: v[: rows // 4] for k, v in state.items()}  # twice the ceiling
 
     def msgpack_file():
         path = os.path.join(directory, "state.msgpack")
@@ -187,10 +188,10 @@ def main() -> None:
             orbax_dir("orbax_small", small), os.path.join(directory, "imp3"), memory_limit_bytes=C
         ),
         "import_orbax_refused": lambda: fop.import_orbax(
-            orbax_dir("orbax", state), os.path.join(directory, "imp4"), memory_limit_bytes=C
+            orbax_dir("orbax", quarter), os.path.join(directory, "imp4"), memory_limit_bytes=C
         ),
         "cli_import_orbax": lambda: cli(
-            ["import", orbax_dir("orbax", state), os.path.join(directory, "imp5")]
+            ["import", orbax_dir("orbax", quarter), os.path.join(directory, "imp5")]
             + ["--memory-limit", str(C)]
         ),
         "tier_copy": tier_copy,
@@ -202,7 +203,7 @@ def main() -> None:
     if "import" in paths:
         msgpack_file()  # written before any path is measured
     if "import_orbax" in paths:  # written before any path is measured
-        orbax_dir("orbax", state)
+        orbax_dir("orbax", quarter)
         orbax_dir("orbax_small", small)
     for name in paths.split(","):
         measure(name, steps[name], held=name in held)
