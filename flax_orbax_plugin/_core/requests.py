@@ -219,7 +219,7 @@ RESTORE: tuple[Option, ...] = (
     MEMORY_LIMIT,
     Option("share_replicated_reads", "flag", none_ok=True, expected="True, False or None"),
 )
-VERIFY: tuple[Option, ...] = (STEP_OR_NONE, Option("all_steps", "flag"))
+VERIFY: tuple[Option, ...] = (STEP_OR_NONE, Option("all_steps", "flag"), MEMORY_LIMIT)
 SERVING: tuple[Option, ...] = (STEP_OR_NONE, Option("item", "str"), MEMORY_LIMIT)
 
 

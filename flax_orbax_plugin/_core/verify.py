@@ -39,6 +39,7 @@ from .targets import make_target
 
 # Bytes of array data read but not yet checked, at most (plus one chunk or file).
 VERIFY_BUDGET_BYTES = 16 << 20
+MIN_WINDOW_BYTES = 64 << 10  # under a ceiling: the window is never smaller
 
 __all__ = ["VerifyResult", "verify"]
 
@@ -66,6 +67,7 @@ def verify(
     step: int | None = None,
     all_steps: bool = False,
     progress: Progress | None = None,
+    memory_limit_bytes: int | None = None,
 ) -> list[VerifyResult]:
     """Verifies ``path``: a directory of steps (its latest step, ``step``, or with
     ``all_steps`` every committed step), one step, one item of a step, or a standalone
@@ -76,17 +78,24 @@ def verify(
     ``progress(total_bytes, what)`` (``what``: ``"step 30/params"``, or the path of a
     core checkpoint); it returns a context manager whose ``advance(nbytes, note)`` is
     called, in the same thread, as each read is checked (the CLI's progress bar).
+
+    ``memory_limit_bytes``: the host-memory ceiling of the reads (None: the fixed
+    window, :data:`VERIFY_BUDGET_BYTES`, and one more read): the reads in flight hold
+    at most half of it each time one more is submitted, so never more than it.
     """
-    _requests.check_verify(step=step, all_steps=all_steps)  # OptionError naming one
+    limit = _requests.check_verify(
+        step=step, all_steps=all_steps, memory_limit_bytes=memory_limit_bytes
+    )["memory_limit_bytes"]  # OptionError naming one
+    budget = window_bytes(limit)
     if progress is not None and not callable(progress):
         raise OptionTypeError(f"progress: expected a function or None, found {progress!r:.60}")
     loc = Location.from_path(path)
     if loc.exists(COMMIT_FILE):
         _no_step_chosen(loc, "a core checkpoint", None, step)
-        return [_verify_pytree(loc, None, None, progress)]
+        return [_verify_pytree(loc, None, None, progress, budget=budget)]
     if loc.exists(MANIFEST_FILE):
         _no_step_chosen(loc, "one step", _step_number(loc), step)
-        return verify_step(loc, _step_number(loc), progress=progress)
+        return verify_step(loc, _step_number(loc), progress=progress, budget=budget)
     manifest = _steps.manifest_for_item(loc)
     if manifest is not None:  # an item of a step: checked as its kind is, as the step's are
         name = next(n for n, e in manifest.items.items() if e.dir == loc.name)
@@ -95,18 +104,29 @@ def verify(
         copy, problem = _host_copy.of_step(loc.parent)
         if problem is not None:
             return [VerifyResult(str(loc), number, name, False, problem)]
-        return [_verify_item(loc.parent, manifest, name, number, progress, copy)]
+        return [_verify_item(loc.parent, manifest, name, number, progress, copy, budget)]
     if loc.exists(METADATA_FILE):
         _no_step_chosen(loc, "a pytree", _step_number(loc.parent), step)
-        return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress)]
+        return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress, budget=budget)]
     listing = _steps.list_directory(loc)
     if not listing.committed:
         raise _places.no_steps(loc, listing)  # says what is there instead
     chosen = listing.committed if all_steps else [_steps.choose_step(loc, listing.committed, step)]
     out: list[VerifyResult] = []
     for s in chosen:
-        out.extend(verify_step(_steps.step_location(loc, s), s, progress=progress))
+        out.extend(verify_step(_steps.step_location(loc, s), s, progress=progress, budget=budget))
     return out
+
+
+def window_bytes(limit: int | None) -> int:
+    """The window of a verify's reads under the ceiling ``limit`` (None: none): half of
+    it (the window's reads and the one submitted past it, each at most the window),
+    never above :data:`VERIFY_BUDGET_BYTES` nor below :data:`MIN_WINDOW_BYTES` (the
+    stated constant above a smaller ceiling: reads of a few values each would take
+    hours)."""
+    if limit is None:
+        return VERIFY_BUDGET_BYTES
+    return max(MIN_WINDOW_BYTES, min(VERIFY_BUDGET_BYTES, limit // 2))
 
 
 def _no_step_chosen(loc: Location, what: str, own: int | None, step: Any) -> None:
@@ -125,7 +145,11 @@ def _step_number(loc: Location) -> int | None:
 
 
 def verify_step(
-    step_loc: Location, step: int | None, *, progress: Progress | None = None
+    step_loc: Location,
+    step: int | None,
+    *,
+    progress: Progress | None = None,
+    budget: int = VERIFY_BUDGET_BYTES,
 ) -> list[VerifyResult]:
     """Every item of one step; a bad manifest is one failed result for the step. A
     host's own copy of a step (a directory per host: its ``_HOST.json``) is checked for
@@ -138,7 +162,10 @@ def verify_step(
         return [VerifyResult(str(step_loc), step, None, False, str(e))]
     if problem is not None:
         return [VerifyResult(str(step_loc), step, None, False, problem)]
-    return [_verify_item(step_loc, manifest, name, step, progress, copy) for name in manifest.items]
+    return [
+        _verify_item(step_loc, manifest, name, step, progress, copy, budget)
+        for name in manifest.items
+    ]
 
 
 def _verify_item(
@@ -148,6 +175,7 @@ def _verify_item(
     step: int | None,
     progress: Progress | None = None,
     copy: _host_copy.HostCopy | None = None,
+    budget: int = VERIFY_BUDGET_BYTES,
 ) -> VerifyResult:
     """One item of a committed step: the files its kind needs, every JSON file it
     holds against the manifest's checksum, and a pytree's data (``copy``: a host's own
@@ -160,7 +188,7 @@ def _verify_item(
     except CheckpointError as e:
         return VerifyResult(str(item_loc), step, name, False, str(e), note)
     if entry.kind == "pytree":
-        return _verify_pytree(item_loc, step, name, progress, copy)
+        return _verify_pytree(item_loc, step, name, progress, copy, budget=budget)
     return VerifyResult(str(item_loc), step, name, True, None, note)
 
 
@@ -199,12 +227,14 @@ def _verify_pytree(
     item: str | None,
     progress: Progress | None = None,
     copy: _host_copy.HostCopy | None = None,
+    *,
+    budget: int = VERIFY_BUDGET_BYTES,
 ) -> VerifyResult:
     what = str(loc) if step is None else f"step {step}" + (f"/{item}" if item else "")
     held = None if copy is None or item is None else copy.item(item)
     note = None if copy is None else copy.note
     try:
-        check_pytree(loc, progress=progress, what=what, held=held)
+        check_pytree(loc, progress=progress, what=what, held=held, budget=budget)
     except CheckpointError as e:
         return VerifyResult(str(loc), step, item, False, str(e), note)
     return VerifyResult(str(loc), step, item, True, None, note)

@@ -16,6 +16,7 @@ Thread-safety: every function here is safe to call from any thread.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -54,6 +55,7 @@ from .import_step import (
     state_step,
     step_items,
 )
+from .safetensors.headers import read_safetensors_index as headers
 from .safetensors.headers import tree_of_names
 from .safetensors.reader import from_safetensors
 
@@ -148,7 +150,10 @@ def save_steps(
     ``progress(sum(source_bytes))``, called once in the calling thread, returns a
     context manager whose ``advance(nbytes, note)`` is called as each step commits,
     with that step's ``source_bytes`` entry (the CLI's bar). ``memory_limit_bytes``: the
-    saves stream under it (the manager's ``host_memory``), nothing pooled.
+    ceiling of the import: the step read (at most half of it: :func:`refuse_over`, the
+    reader's front) and its save, which streams under the other half (the manager's
+    ``host_memory``), nothing pooled; a leaf whose row exceeds that half is refused
+    before the step is written.
     """
     refuse_inside_checkpoint(out_dir)
     refuse_foreign_targets(out_dir, list(planned))
@@ -162,7 +167,7 @@ def save_steps(
                 out_dir,
                 async_save=False,
                 format_version=format_version,
-                host_memory=memory_limit_bytes,
+                host_memory=None if memory_limit_bytes is None else memory_limit_bytes // 2,
             ) as mngr,
             _open_progress(progress, sum(sizes)) as bar,
         ):
@@ -175,6 +180,7 @@ def save_steps(
                     )
                 refuse_foreign_targets(out_dir, [number])
                 refuse_existing(out_dir, mngr.steps(), [number], force)
+                _refuse_rows(number, items, memory_limit_bytes)
                 # overwrite: an imported step may lie below the latest one (no training run
                 # is resumed here); an existing step was refused above unless force.
                 mngr.save(number, items, extras=extras, ignore_policy=True, overwrite=True)
@@ -195,14 +201,32 @@ def save_steps(
     return written
 
 
+def _refuse_rows(step: int, items: Any, limit: int | None) -> None:
+    """A leaf of step ``step`` whose row (the least a streamed save copies at once) is
+    above the half of the ceiling ``limit`` the save streams under: an OptionError in
+    the import's words, before the step is written."""
+    if limit is None:
+        return
+    row, path = _host_memory.largest_row(items)
+    if row > limit // 2:
+        raise OptionError(
+            f"memory_limit_bytes={limit}: step {step}: a row of leaf {path!r} holds {row} "
+            f"bytes, and an import's save streams under half the ceiling, a row at a time; "
+            f"nothing of it was written: give memory_limit_bytes >= {2 * row} (or None)"
+        )
+
+
 def refuse_over(source: Any, nbytes: int, limit: int | None, what: str) -> None:
-    """An import holds a step in host memory: ``source`` whose ``what`` hold ``nbytes``
-    above the ceiling ``limit`` is an OptionError naming both figures (no limit: none)."""
-    if limit is not None and nbytes > limit:
+    """An import holds a whole step in host memory while its save streams under the
+    rest of the ceiling (half each: :func:`save_steps`): ``source`` whose ``what``
+    hold ``nbytes`` above half the ceiling ``limit`` is an OptionError naming both
+    figures, and the ceiling it needs (no limit: none)."""
+    if limit is not None and nbytes > limit // 2:
         raise OptionError(
             f"memory_limit_bytes={limit}: {source}: its {what} hold {nbytes} bytes, and an "
-            f"import holds a whole step in host memory; nothing of it was written: give "
-            f"memory_limit_bytes >= {nbytes} (or None)"
+            f"import holds a whole step in host memory (at most half the ceiling) while "
+            f"its save streams under the other half; nothing of it was written: give "
+            f"memory_limit_bytes >= {2 * nbytes} (or None)"
         )
 
 
@@ -262,7 +286,9 @@ def import_checkpoint(
         )
     options = {"step": step, "force": force, "format_version": format_version}
     if safetensors_source(local) is not None:  # by name: the headers are checked on read
-        return import_safetensors(src, out_dir, **options, progress=progress)
+        return import_safetensors(
+            src, out_dir, **options, progress=progress, memory_limit_bytes=memory_limit_bytes
+        )
     if os.path.isfile(local) and not is_msgpack_checkpoint(local):
         raise CheckpointError(
             f"import source {src}: a file that is neither a Flax msgpack checkpoint (it "
@@ -285,22 +311,34 @@ def import_safetensors(
     force: bool = False,
     format_version: int | None = None,
     progress: Callable[[int], Any] | None = None,
+    memory_limit_bytes: int | None = None,
 ) -> list[int]:
     """Writes safetensors (a file, an index, or a folder of shards: an export of this
     library or a Hugging Face model) as item ``params`` of step ``step`` of
     ``out_dir`` (the files name no step: ``step`` is needed). Tensor names become leaf
     paths, '.' as '/' (what an export without a key map wrote), or stay whole where
-    that would make a name both a leaf and a folder. Returns ``[step]``."""
+    that would make a name both a leaf and a folder. Returns ``[step]``.
+    ``memory_limit_bytes``: the host-memory ceiling: files holding more than half of
+    it are refused before anything is read, naming both figures; the save streams
+    under the other half (``save_steps``)."""
+    limit = memory_limit_bytes
     _option_table.check_import(
-        step=step, force=force, format_version=format_version, progress=progress
+        step=step,
+        force=force,
+        format_version=format_version,
+        progress=progress,
+        memory_limit_bytes=limit,
     )
     refuse_inside_source(src, out_dir)
     source = safetensors_source(local_path(src, what="import source", note=_NOT_ORBAX))
     if source is None:
         raise CheckpointNotFoundError(f"import source {src}: no safetensors file in it")
     number = choose_step(str(src), given=step, named=None, stored=None)
-    tensors = from_safetensors(source)  # {name: array}; every header checked
     files = source if isinstance(source, list) else [source]
+    if limit is not None:  # what the headers claim (checked), before any tensor is read
+        held = sum(math.prod(t.shape) * t.dtype.itemsize for t in headers(source).values())
+        refuse_over(src, held, limit, "tensors")
+    tensors = from_safetensors(source)  # {name: array}; every header checked
     return save_steps(
         out_dir,
         iter([(number, (number, {"params": tree_of_names(tensors)}, None))]),
@@ -309,6 +347,7 @@ def import_safetensors(
         format_version=format_version,
         progress=progress,
         source_bytes=[sum(os.path.getsize(f) for f in files)] if progress else (),
+        memory_limit_bytes=limit,
     )
 
 
@@ -335,8 +374,8 @@ def import_orbax(
     then the save's own host snapshot). Returns the steps written. Items map as
     ``step_items`` says. ``progress``: as ``save_steps``'s.
     ``memory_limit_bytes``: the host-memory ceiling: a step whose files (before
-    reading) or arrays (once read, before writing) exceed it is refused, naming both
-    figures; the save streams under it.
+    reading) or arrays (once read, before writing) exceed half of it is refused,
+    naming both figures; the save streams under the other half (``save_steps``).
     """
     limit = memory_limit_bytes
     _option_table.check_import(
@@ -399,9 +438,9 @@ def import_msgpack(
     the first before anything is written. A state dict with ``params`` is split into
     items (``params``, ``opt_state``, ``step`` ...), any other tree is saved as
     ``params``. Returns the steps written. ``progress``: as ``save_steps``'s.
-    ``memory_limit_bytes``: the host-memory ceiling: a file read holds its bytes and
-    its arrays (about twice its size), so a file larger than half the ceiling is
-    refused before anything is read, naming both figures; the save streams under it.
+    ``memory_limit_bytes``: the host-memory ceiling: a file read holds its bytes, then
+    its arrays, so a file larger than half the ceiling is refused before anything is
+    read, naming both figures; the save streams under the other half (``save_steps``).
     """
     limit = memory_limit_bytes
     _option_table.check_import(
@@ -414,7 +453,7 @@ def import_msgpack(
     refuse_inside_source(src, out_dir)
     numbered = msgpack_reader.files_to_import(src, step)
     for _, path in numbered:
-        refuse_over(path, 2 * _source_size(path), limit, "bytes and arrays (twice the file)")
+        refuse_over(path, _source_size(path), limit, "bytes (and then its arrays)")
 
     def read(named: int | None, path: str) -> tuple[int, ImportedStep]:
         tree = msgpack_reader.read_msgpack(path)

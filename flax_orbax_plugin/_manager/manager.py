@@ -114,6 +114,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                     remove_step=_ownership.remove_step,
                     busy=lambda: self.save_in_flight,
                     per_host=own,
+                    host_memory=opts.host_memory,  # bounds the tier's copies too
                 )
                 _per_host.open_tier(self._book, self.steps(), region)
             self._schedule.watch(handle_sigterm=opts.handle_sigterm)  # or OnPreemption()

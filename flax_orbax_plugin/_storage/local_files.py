@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Iterable, Iterator
 
 from .._base import env as _env
 from .._errors import CorruptCheckpointError, ForeignEntryError
@@ -116,7 +117,9 @@ def open_dirs(root: str, parts: list[str], *, create: bool = False) -> int:
         raise
 
 
-def read_file(root: str, name: str, max_bytes: int | None) -> bytes | None:
+def _open_regular(root: str, name: str) -> tuple[int, os.stat_result] | None:
+    """An fd of the regular file ``root/name`` (never through a link, a FIFO never
+    waited on) and its stat; None when it does not exist."""
     parts = name.split("/")
     path = os.path.join(root, name)
     try:
@@ -139,6 +142,19 @@ def read_file(root: str, name: str, max_bytes: int | None) -> bytes | None:
     try:
         st = os.fstat(fd)
         require_regular(st, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_file(root: str, name: str, max_bytes: int | None) -> bytes | None:
+    path = os.path.join(root, name)
+    opened = _open_regular(root, name)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
         check_size(st.st_size, path, max_bytes)
         chunks, total = [], 0
         while True:  # the file may grow after fstat: read at most the cap (+1 to notice)
@@ -154,9 +170,31 @@ def read_file(root: str, name: str, max_bytes: int | None) -> bytes | None:
         os.close(fd)
 
 
-def write_file(root: str, name: str, data: bytes, *, durable: bool = True) -> None:
+def read_pieces(root: str, name: str, piece: int) -> Iterator[bytes] | None:
+    """The file ``root/name`` as pieces of at most ``piece`` bytes, read as they are
+    taken (a generator: one piece held at a time), never through a link; None when it
+    does not exist. The file is closed when the generator ends or is closed."""
+    opened = _open_regular(root, name)
+    if opened is None:
+        return None
+    fd = opened[0]
+
+    def pieces() -> Iterator[bytes]:
+        try:
+            while chunk := os.read(fd, piece):
+                yield chunk
+        finally:
+            os.close(fd)
+
+    return pieces()
+
+
+def write_file(
+    root: str, name: str, data: bytes | Iterable[bytes], *, durable: bool = True
+) -> None:
     """Writes ``root/name`` whole (a temporary name, then a rename), never through a
-    link; an OSError names the file it was writing (EFBIG, ENOSPC, EACCES ...)."""
+    link; an OSError names the file it was writing (EFBIG, ENOSPC, EACCES ...).
+    ``data``: the bytes, or an iterable of pieces written as each is taken."""
     _env.fail_point("write_small")
     try:
         _write_file(root, name, data, durable=durable)
@@ -190,7 +228,7 @@ def make_dirs(root: str) -> None:
         ) from None
 
 
-def _write_file(root: str, name: str, data: bytes, *, durable: bool) -> None:
+def _write_file(root: str, name: str, data: bytes | Iterable[bytes], *, durable: bool) -> None:
     parts = name.split("/")
     make_dirs(root)
     dfd = open_dirs(root, parts[:-1], create=True)
@@ -212,9 +250,10 @@ def _write_file(root: str, name: str, data: bytes, *, durable: bool) -> None:
             ) from None
         try:
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                for piece in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                    view = memoryview(piece)
+                    while view:
+                        view = view[os.write(fd, view) :]
                 if durable:
                     os.fsync(fd)
             finally:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import local_files as _local
@@ -123,12 +123,27 @@ class Location:
             return _local.read_file(self.path, check_name(name), max_bytes)
         return self.read_versioned(name, max_bytes=max_bytes)[0]
 
-    def write_bytes(self, name: str, data: bytes, *, durable: bool = True) -> None:
+    def read_pieces(self, name: str, piece: int) -> Iterator[bytes] | None:
+        """The file as pieces of at most ``piece`` bytes, read as they are taken (local
+        disk: one piece held at a time, never through a link; an object store: read
+        whole, one piece); None when it does not exist."""
+        if self.is_local:
+            return _local.read_pieces(self.path, check_name(name), piece)
+        data = self.read_bytes(name, max_bytes=None)
+        return None if data is None else iter((data,))
+
+    def write_bytes(
+        self, name: str, data: bytes | Iterable[bytes], *, durable: bool = True
+    ) -> None:
         """Writes the file whole (a temporary name, then a rename on local disk); with
-        ``durable``, fsyncs the file and its directory (else a later :meth:`sync` does)."""
+        ``durable``, fsyncs the file and its directory (else a later :meth:`sync` does).
+        ``data``: the bytes, or pieces (local disk: each written as it is taken; an
+        object store takes a file whole: joined first)."""
         if self.is_local:
             _local.write_file(self.path, check_name(name), data, durable=durable)
             return
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            data = b"".join(data)
         self._kv().write(check_name(name), data).result()
 
     def read_versioned(self, name: str, *, max_bytes: int | None = MAX_SMALL_FILE_BYTES) -> Any:

@@ -15,8 +15,8 @@ import sys
 
 from .._errors import CheckpointError
 from .._version import __version__
-from . import shell
-from .output import EXIT_ERROR, CliError, one_line
+from . import shell, usage
+from .output import EXIT_ERROR, CliError, in_flag_words, one_line
 
 _PATH = (
     "a checkpoint directory (its latest step), one step (DIR/<step>), one item "
@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--step", type=int, default=None, help=_STEP)
     s.add_argument("--all", action="store_true", help="every step, not only the latest")
     s.add_argument("--json", action="store_true", help=_JSON + " (exit 1 still means damage)")
+    s.add_argument("--memory-limit", type=_size, default=None, metavar="SIZE", help=_MEMORY_HELP)
 
     s = _command(
         sub,
@@ -245,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
     """The command's exit status; errors as one line (a KeyboardInterrupt propagates)."""
     try:
-        if args.command == "verify" and args.step is not None and args.all:
-            # said before the command loads (JAX, seconds), as a usage error is
-            raise CliError(f"--step {args.step} and --all: choose one (--all checks every step)")
+        usage.check(args)  # said before the command loads (JAX, seconds)
         # Inside the function on purpose: the commands import JAX and tensorstore
         # (seconds), which --help, <command> --help and --version must not pay.
         from . import dispatch
@@ -257,13 +256,13 @@ def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
             interrupts.loaded()
         return dispatch.run(args, command, in_process=interrupts is None)
     except CliError as e:
-        print(f"flax-orbax {args.command}: error: {e}", file=sys.stderr)
+        print(f"flax-orbax {args.command}: error: {in_flag_words(str(e))}", file=sys.stderr)
         return getattr(e, "exit_code", EXIT_ERROR)
     except Exception as e:
         kind = "" if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: "
         done = "; ".join(getattr(e, "__notes__", ()))  # what it had done (an import's steps)
-        print(
-            f"flax-orbax {args.command}: error: {kind}{one_line(e)}"
+        print(  # the library's keywords that are flags here, in the flags' words
+            f"flax-orbax {args.command}: error: {kind}{in_flag_words(one_line(e))}"
             + (f" ({' '.join(done.split())})" if done else ""),
             file=sys.stderr,
         )

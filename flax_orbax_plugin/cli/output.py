@@ -6,6 +6,7 @@ bars and tables are in ``display``, JSON documents in ``json_output``.
 from __future__ import annotations
 
 import datetime
+import re
 import shlex
 
 EXIT_DAMAGED = 1
@@ -45,3 +46,23 @@ def shell_word(path: object) -> str:
 
 def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+# The library's keywords that the command line takes as flags: a refusal raised by the
+# library is said in the flag's words (the user typed --memory-limit, not the keyword).
+_FLAGS = {"memory_limit_bytes": "--memory-limit"}
+_KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")(=| >= )(\d+)( \(or None\))?")
+
+
+def in_flag_words(text: str) -> str:
+    """``text`` (a library error's one line) with each keyword the command line takes as
+    a flag written as that flag: ``memory_limit_bytes=N`` as ``--memory-limit N``,
+    ``give memory_limit_bytes >= N (or None)`` as ``give --memory-limit N or more (or
+    leave it out)``."""
+
+    def flag(m: re.Match) -> str:
+        name, how, figure, none = _FLAGS[m.group(1)], m.group(2), m.group(3), m.group(4)
+        said = f"{name} {figure}" if how == "=" else f"{name} {figure} or more"
+        return said + (" (or leave it out)" if none else "")
+
+    return _KEYWORD.sub(flag, text)

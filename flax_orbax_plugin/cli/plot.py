@@ -19,8 +19,9 @@ from typing import Any
 from .._format.places import holding_checkpoint
 from .._storage.location import Location
 from .output import CliError, human_bytes
+from .usage import PLOT_FORMATS
 
-FORMATS = {".png": "png", ".svg": "svg"}
+FORMATS = PLOT_FORMATS
 TOP_LEAVES = 30  # the largest leaves drawn; the rest are one "other" bar per item
 
 

@@ -22,10 +22,16 @@ def cmd_verify(args) -> int:
     try:
         steps, shut = _run_steps(Location.from_path(args.path), args)
         if steps:
-            results, unreadable = _verify_each_step(Location.from_path(args.path), steps, shut)
+            results, unreadable = _verify_each_step(
+                Location.from_path(args.path), steps, shut, args.memory_limit
+            )
         else:
             results = verify(
-                args.path, step=args.step, all_steps=args.all, progress=byte_progress("verify")
+                args.path,
+                step=args.step,
+                all_steps=args.all,
+                progress=byte_progress("verify"),
+                memory_limit_bytes=args.memory_limit,
             )
     except OptionError as e:  # options that conflict (or with PATH): a usage error
         raise CliError(one_line(e)) from e
@@ -88,19 +94,21 @@ def _run_steps(loc: Location, args) -> tuple[list[int], dict[int, str]]:
 
 
 def _verify_each_step(
-    loc: Location, steps: list[int], shut: dict[int, str]
+    loc: Location, steps: list[int], shut: dict[int, str], limit: int | None
 ) -> tuple[list, list[dict[str, Any]]]:
     """``verify`` of steps of the run directory ``loc``, a step at a time (each by its
     own path: the directory is listed once): a step that cannot be read (a permission,
     an I/O error: not damage, so ``fop.verify`` raises; ``shut``: those the listing
-    could not read) is reported and the other steps are still checked."""
+    could not read) is reported and the other steps are still checked. ``limit``:
+    ``--memory-limit``."""
     results, unreadable = [], []
     for step in steps:
         where = str(_steps.step_location(loc, step))
         try:
             if step in shut:
                 raise PermissionError(shut[step])
-            results.extend(verify(where, progress=byte_progress("verify")))
+            progress = byte_progress("verify")
+            results.extend(verify(where, progress=progress, memory_limit_bytes=limit))
         except OSError as e:
             if isinstance(e, CheckpointError):  # (CheckpointNotFoundError): not shut
                 raise

@@ -200,9 +200,16 @@ def test_reading_commands_of_json_files_and_their_usage_errors_import_no_jax(tmp
         (["list", run, "--json"], 0),
         (["list", run / "1"], 0),
         (["verify", run, "--step", "1", "--all"], 2),
+        # a command's own usage errors, said before it loads (issue 51 item 14)
+        (["inspect", run, "--plot", "leaves.txt"], 2),
+        (["list", run, "--plot", "saves.pdf"], 2),
+        (["export", run, str(tmp_path / "m.safetensors"), "--cast", "unsafe"], 2),
+        (["gc", run, "--keep-every", "2"], 2),
     ):
         got, out, imported = _python_m(*map(str, argv))
         assert got == code, (argv, got, out)
         heavy = sorted(m for m in imported if m.split(".")[0] in ("jax", "jaxlib", "tensorstore"))
         assert not heavy, (argv, heavy[:5])
+        # ml_dtypes (0.3-0.9 s) only where a dtype beyond numpy's is resolved
+        assert "ml_dtypes" not in imported, argv
     assert "loss=0.5" in _python_m("list", str(run))[1]

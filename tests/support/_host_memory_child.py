@@ -115,6 +115,37 @@ def main() -> None:
         finally:
             device_copy.CPU_AS_DEVICE = False
 
+    def tier_copy():  # a manager's step replicated to a local persistent tier, and back
+        remote = os.path.join(directory, "persistent")
+        options = {"host_memory": C, "persistent": fop.Tier(remote)}
+        with fop.CheckpointManager(os.path.join(directory, "tiered"), **options) as m:
+            m.save(1, {"params": state})
+            m.wait()  # the copy up: done before wait() returns
+        gc.collect()
+        return os.listdir(remote)
+
+    def copy_down():  # the local step lost: the manager copies it down from the tier
+        import shutil
+
+        local = os.path.join(directory, "tiered")
+        shutil.rmtree(os.path.join(local, "1"))
+        options = {"host_memory": C, "persistent": fop.Tier(os.path.join(directory, "persistent"))}
+        with fop.CheckpointManager(local, **options) as m:
+            return m.restore(like={"params": like})
+
+    def orbax_dir(name, tree):
+        import orbax.checkpoint as ocp
+
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            with ocp.CheckpointManager(path) as m:
+                m.save(1, args=ocp.args.StandardSave(tree))
+                m.wait_until_finished()
+        return path
+
+    small = {k: v[: rows // 16] for k, v in state.items()}  # 1/16 of the state: C/2 here
+    quarter = {k: v[: rows // 4] for k, v in state.items()}  # twice the ceiling
+
     def msgpack_file():
         path = os.path.join(directory, "state.msgpack")
         if not os.path.exists(path):
@@ -154,13 +185,36 @@ def main() -> None:
         "cli_import": lambda: cli(
             ["import", msgpack_file(), os.path.join(directory, "imp2"), "--memory-limit", str(C)]
         ),
+        "from_safetensors": lambda: fop.from_safetensors(
+            os.path.join(directory, "x.safetensors"), like, memory_limit_bytes=C
+        ),
+        "from_safetensors_refused": lambda: fop.from_safetensors(
+            os.path.join(directory, "x.safetensors"), like, memory_limit_bytes=C // 2
+        ),
+        "verify": lambda: fop.verify(run, memory_limit_bytes=C),
+        "cli_verify": lambda: cli(["verify", run, "--memory-limit", str(C)]),
+        "import_orbax": lambda: fop.import_orbax(
+            orbax_dir("orbax_small", small), os.path.join(directory, "imp3"), memory_limit_bytes=C
+        ),
+        "import_orbax_refused": lambda: fop.import_orbax(
+            orbax_dir("orbax", quarter), os.path.join(directory, "imp4"), memory_limit_bytes=C
+        ),
+        "cli_import_orbax": lambda: cli(
+            ["import", orbax_dir("orbax", quarter), os.path.join(directory, "imp5")]
+            + ["--memory-limit", str(C)]
+        ),
+        "tier_copy": tier_copy,
+        "copy_down": copy_down,
         "pooled_save": pooled_save,
         "hundred_saves": hundred_saves,
         "hundred_device_saves": hundred_device_saves,
     }
-    held = {"restore", "manager_restore", "resume", "serve"}
+    held = {"restore", "manager_restore", "resume", "serve", "from_safetensors", "copy_down"}
     if "import" in paths:
         msgpack_file()  # written before any path is measured
+    if "import_orbax" in paths:  # written before any path is measured
+        orbax_dir("orbax", quarter)
+        orbax_dir("orbax_small", small)
     for name in paths.split(","):
         measure(name, steps[name], held=name in held)
     print("RESULT " + json.dumps(out))

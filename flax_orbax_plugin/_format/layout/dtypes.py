@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
-import ml_dtypes
 import numpy as np
 
 from ..._errors import StructureError
@@ -127,8 +127,18 @@ def dtype_from_name(name: str, *, path: str = "?") -> np.dtype:
     return _numpy_dtype(name)
 
 
+# The dtypes numpy itself has; every other one is ml_dtypes', imported at the first
+# such dtype resolved (0.3-0.9 s: a command that reads only JSON never pays it).
+NUMPY_NATIVE = frozenset(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
+    "complex64 complex128".split()
+)
+
+
 def _numpy_dtype(name: str) -> np.dtype:
-    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+    if name in NUMPY_NATIVE:
+        return np.dtype(name)
+    return np.dtype(getattr(importlib.import_module("ml_dtypes"), name))
 
 
 @functools.lru_cache(maxsize=64)

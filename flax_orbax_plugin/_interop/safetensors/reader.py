@@ -20,7 +20,8 @@ import numpy as np
 from ..._base import tree as _tree
 from ..._base.option_spec import check
 from ..._core import targets as _targets
-from ..._errors import CorruptCheckpointError, StructureError
+from ..._core.requests import MEMORY_LIMIT
+from ..._errors import CorruptCheckpointError, OptionError, StructureError
 from ..._like import onto_like as _onto_like
 from ..._like.casting import legacy_cast
 from ..._storage.untrusted import open_regular
@@ -134,8 +135,12 @@ def from_safetensors(
     partial: bool = False,
     cast: str = "safe",
     allow_cast: bool | None = None,
+    memory_limit_bytes: int | None = None,
 ) -> Any:
     """Reads safetensors straight onto the shardings of ``like``.
+
+    One leaf is read at a time (on a sharded ``like``, one region of it at a time), so
+    what this holds beyond the result is the host copy of one piece and its cast.
 
     Args:
       paths_or_index: a ``.safetensors`` file, a list of them, a
@@ -151,6 +156,10 @@ def from_safetensors(
       cast: ``"safe"`` (a cast that would change a value is a StructureError naming
         the leaf) or ``"unsafe"`` (numpy's cast), as ``fop.restore`` takes it.
       allow_cast: deprecated (``allow_cast=True`` is ``cast="unsafe"``).
+      memory_limit_bytes: the host-memory ceiling (None: no bound): a leaf whose piece
+        read to host (and its cast, where the dtype changes) is larger is refused,
+        naming the leaf and both figures, before any byte is read. A piece read
+        straight into the result (``like`` None or numpy, no cast) holds nothing more.
 
     Raises:
       StructureError: a leaf of ``like`` has no tensor, a shape differs, a cast would
@@ -159,21 +168,30 @@ def from_safetensors(
     """
     key_map = checked_key_map(key_map)  # a mapping as the exporter takes it
     check(FLAGS, {"transpose_kernels": transpose_kernels, "partial": partial})
+    limit = check((MEMORY_LIMIT,), {"memory_limit_bytes": memory_limit_bytes})[MEMORY_LIMIT.name]
     allow_cast = legacy_cast(cast, allow_cast, where="from_safetensors") == "unsafe"
     stored = read_safetensors_index(paths_or_index)
     files = _Files()
     try:
         return _read_onto(
-            stored, paths_or_index, like, files, key_map, transpose_kernels, partial, allow_cast
+            stored,
+            paths_or_index,
+            like,
+            files,
+            key_map,
+            transpose_kernels,
+            partial,
+            allow_cast,
+            limit,
         )
     finally:
         files.close()
 
 
 def _read_onto(
-    stored, paths_or_index, like, files, key_map, transpose_kernels, partial, allow_cast
+    stored, paths_or_index, like, files, key_map, transpose_kernels, partial, allow_cast, limit
 ):
-    if like is None:
+    if like is None:  # each tensor read straight into the result: nothing more held
         return {
             name: files.reader(t, None)(tuple(slice(None) for _ in t.shape))
             for name, t in stored.items()
@@ -212,8 +230,50 @@ def _read_onto(
             + "; pass partial=True to read a subset"
         )
     _check_placeable(plans)  # before a byte is read
-    values = [_onto_like.materialize(plan, files.reader(t, axes)) for plan, t, axes in plans]
+    _refuse_over_limit(plans, limit)
+    values = []
+    for plan, t, axes in plans:
+        values.append(_onto_like.materialize(plan, files.reader(t, axes)))
+        if limit is not None:  # a transfer keeps its host copy alive until it is done:
+            jax.block_until_ready(values[-1])  # one at a time under a ceiling
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def held_bytes(plan: _onto_like.LeafPlan) -> int:
+    """Host bytes that reading ``plan``'s leaf holds beyond the result, at most: the
+    largest piece read (the whole leaf, or the largest region of a sharded ``like``
+    this process holds) in the stored dtype where it is not the result itself (placed
+    on a device, or cast), plus its cast."""
+    like = plan.like
+    stored, out = plan.stored_dtype.itemsize, plan.out_dtype.itemsize
+    cast = plan.out_dtype != plan.stored_dtype
+    on_host = like is None or isinstance(like, (np.ndarray, np.generic, bool, int, float, complex))
+    if on_host and plan.key_impl is None:
+        return math.prod(plan.shape) * (stored + out) if cast else 0
+    sharding = getattr(like, "sharding", None)
+    piece = math.prod(plan.shape)
+    if sharding is not None and not sharding.is_fully_replicated and piece:
+        pieces = sharding.addressable_devices_indices_map(plan.shape).values()
+        piece = max(
+            math.prod(len(range(*s.indices(d))) for s, d in zip(index, plan.shape, strict=True))
+            for index in pieces
+        )
+    return piece * (stored + (out if cast else 0))
+
+
+def _refuse_over_limit(plans: list, limit: int | None) -> None:
+    """A leaf whose read holds more than the ceiling ``limit`` (:func:`held_bytes`):
+    an OptionError naming the leaf and both figures, before any byte is read."""
+    if limit is None:
+        return
+    held, path = max(((held_bytes(p), p.path) for p, _, _ in plans), default=(0, ""))
+    if held > limit:
+        raise OptionError(
+            f"memory_limit_bytes={limit}: leaf {path!r}: reading it holds {held} bytes of "
+            f"host memory (one piece read to host, and its cast), and from_safetensors "
+            f"reads one leaf at a time; nothing was read: give memory_limit_bytes >= "
+            f"{held} (or None)"
+        )
 
 
 def _check_placeable(plans: list) -> None:

@@ -17,7 +17,7 @@ from ..._base import distributed as _distributed
 from ..._base import env as _env
 from ..._core import ownership as _ownership
 from ..._core.commit import Staging
-from ..._core.verify import verify_step
+from ..._core.verify import verify_step, window_bytes
 from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
 from ..._format import steps as _steps
 from ..._format.layout import MANIFEST_FILE
@@ -169,16 +169,17 @@ class CopyDown:
         t0 = time.perf_counter()
         staging = Staging.begin(local_final, secrets.token_hex(6), own=self._places.per_host)
         try:
+            limit = self._places.memory_limit()  # "auto": from the memory free now
             nbytes = _files.copy_files(
-                lambda rel: _files.read_remote_file(src, rel),
+                src,
                 staging.location,
                 files,
                 manifest,
-                str(src),
                 before_file=lambda: _env.fail_point("copy_down_file"),
                 stopped=lambda: self._state.stop,
+                memory_limit=limit,
             )
-            _verify_copy(staging.location, raw, step, src)
+            _verify_copy(staging.location, raw, step, src, limit)
             marker = self._state.marker
             if self._places.per_host and marker is not None:  # this host's, with the step
                 staging.location.write_bytes(HOST_FILE, marker(step), durable=False)
@@ -190,13 +191,15 @@ class CopyDown:
         return nbytes, t0
 
 
-def _verify_copy(staging: Location, raw: bytes, step: int, src: Location) -> None:
+def _verify_copy(
+    staging: Location, raw: bytes, step: int, src: Location, limit: int | None
+) -> None:
     """Verifies a step copied into local staging before it is committed: the manifest
     is written there first (the pending marker still claims the place), then every
-    item is read in full. CorruptCheckpointError naming the persistent file on damage;
-    environmental errors propagate."""
+    item is read in full (under the ceiling ``limit``). CorruptCheckpointError naming
+    the persistent file on damage; environmental errors propagate."""
     staging.write_bytes(MANIFEST_FILE, raw, durable=False)
-    bad = [r for r in verify_step(staging, step) if not r.ok]
+    bad = [r for r in verify_step(staging, step, budget=window_bytes(limit)) if not r.ok]
     if bad:
         raise CorruptCheckpointError(
             f"step {step} of {src} failed verification after its copy down (nothing was "

@@ -3,12 +3,14 @@
 Local and remote listing and reading (never through a link), the deterministic
 partition of a step's files among processes, listing digests, parsing and checking
 the step manifest, and :func:`copy_files`: files copied with the sha256 of each JSON
-file the manifest lists checked. Functions of their arguments only; thread-safe.
+file the manifest lists checked, within the manager's host-memory ceiling. Functions of
+their arguments only; thread-safe.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import stat
 from collections.abc import Callable
@@ -20,6 +22,8 @@ from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryErro
 from ..._format.layout import MANIFEST_FILE, StepManifest
 from ..._storage.location import Location
 from .state import Stopped
+
+logger = logging.getLogger("flax_orbax_plugin")
 
 __all__ = [
     "COPY_THREADS",
@@ -37,45 +41,64 @@ __all__ = [
 ]
 
 COPY_THREADS = 16  # files copied at once (object stores are latency-bound)
+PIECE_BYTES = 16 << 20  # local to local under a ceiling: a piece of a file, at most
 # A file costs this much beyond its bytes when shares are balanced (object stores are
 # latency-bound: a thousand small files are not free).
 FILE_COST_BYTES = 1 << 16
 
 
 def copy_files(
-    read: Callable[[str], bytes],
+    src: Location,
     dst: Location,
     files: list[str],
     manifest: StepManifest,
-    src: str,
     *,
     before_file: Callable[[], None],
     stopped: Callable[[], bool],
+    memory_limit: int | None = None,
 ) -> int:
-    """Copies ``files`` (relative paths) into ``dst``, checking the sha256 of each
-    JSON file the manifest lists; the manifest itself is not among them. Before each
-    file ``before_file()`` runs (a copy up yields to local saves there), then
-    :class:`Stopped` is raised if ``stopped()``. Returns the bytes copied."""
+    """Copies ``files`` (relative paths) from the step ``src`` into ``dst``, checking
+    the sha256 of each JSON file the manifest lists; the manifest itself is not among
+    them. Before each file ``before_file()`` runs (a copy up yields to local saves
+    there), then :class:`Stopped` is raised if ``stopped()``. Returns the bytes copied.
+
+    Host memory: without ``memory_limit``, :data:`COPY_THREADS` whole files at a
+    time. Under it (bytes, the manager's ``host_memory``): local disk to local disk,
+    each thread streams its file in pieces of at most ``memory_limit //
+    COPY_THREADS`` bytes (16 MiB at most), one piece held at a time; with an object
+    store at either end (it takes and gives a file whole) one file at a time, and a
+    file larger than the ceiling is said in a WARNING naming both figures (it is held
+    whole: its size is the floor of that copy). Runs its threads in the calling
+    thread's process; returns when every file is copied or one failed."""
+    streamed = memory_limit is not None and src.is_local and dst.is_local
+    threads = COPY_THREADS if memory_limit is None or streamed else 1
+    piece = (
+        PIECE_BYTES if memory_limit is None else max(1, min(PIECE_BYTES, memory_limit // threads))
+    )
 
     def one(rel: str) -> int:
         before_file()
         if stopped():
             raise Stopped()
-        data = read(rel)
-        expected = manifest.files.get(rel)
-        if expected is not None:
-            found = hashlib.sha256(data).hexdigest()
-            if found != expected:
-                raise CorruptCheckpointError(
-                    f"{src}/{rel}: sha256 expected {expected} (the step manifest), "
-                    f"found {found}; not copied"
-                )
+        if streamed:
+            return _stream(src, dst, rel, manifest.files.get(rel), piece)
+        data = read_remote_file(src, rel)
+        if memory_limit is not None and len(data) > memory_limit:
+            logger.warning(
+                "checkpoint: persistent tier: %s/%s holds %d bytes, above host_memory=%d: "
+                "an object store takes and gives a file whole, so it is held whole",
+                src,
+                rel,
+                len(data),
+                memory_limit,
+            )
+        _check_sha(src, rel, manifest.files.get(rel), hashlib.sha256(data).hexdigest())
         dst.write_bytes(rel, data, durable=False)
         return len(data)
 
     total = 0
     # The process's priority (_base.env): a copy may call a store's client.
-    with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="fop-copy") as pool:
+    with ThreadPoolExecutor(threads, thread_name_prefix="fop-copy") as pool:
         futures = [pool.submit(one, rel) for rel in files]
         try:
             for fut in futures:
@@ -86,6 +109,37 @@ def copy_files(
                 f.cancel()
             raise
     return total
+
+
+def _stream(src: Location, dst: Location, rel: str, expected: str | None, piece: int) -> int:
+    """Copies one local file to local ``dst`` a piece at a time; its sha256 checked
+    (``expected``) before the copy is renamed into place."""
+    pieces = src.read_pieces(rel, piece)
+    if pieces is None:
+        raise CheckpointError(f"{src}/{rel} vanished while being replicated")
+    digest, size = hashlib.sha256(), 0
+
+    def counted():
+        nonlocal size
+        for chunk in pieces:
+            digest.update(chunk)
+            size += len(chunk)
+            yield chunk
+        _check_sha(src, rel, expected, digest.hexdigest())  # before the rename: none kept
+
+    try:
+        dst.write_bytes(rel, counted(), durable=False)
+    finally:
+        pieces.close()
+    return size
+
+
+def _check_sha(src: Location, rel: str, expected: str | None, found: str) -> None:
+    if expected is not None and found != expected:
+        raise CorruptCheckpointError(
+            f"{src}/{rel}: sha256 expected {expected} (the step manifest), found {found}; "
+            f"not copied"
+        )
 
 
 def local_files(root: str, step: int) -> list[str]:

@@ -223,13 +223,13 @@ class Replicator:
         try:
             if rnd is None:
                 nbytes = _files.copy_files(
-                    lambda rel: _files.read_local_file(src.path, rel, step),
+                    src,
                     staging.location,
                     files,
                     manifest,
-                    str(src),
                     before_file=self._yielding.before_file,
                     stopped=lambda: self._state.stop,
+                    memory_limit=self._places.memory_limit(),
                 )
                 self._state.copied_files[step] = files
             else:

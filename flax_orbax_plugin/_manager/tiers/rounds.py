@@ -147,13 +147,13 @@ class Rounds:
                 share = _files.partition(sizes, count)[index]
             staging = Staging.begin(_steps.step_location(self._places.remote, step), nonce)
             nbytes = _files.copy_files(
-                lambda rel: _files.read_local_file(src.path, rel, step),
+                src,
                 staging.location,
                 share,
                 manifest,
-                str(src),
                 before_file=self._yielding.before_file,
                 stopped=lambda: self._state.stop,
+                memory_limit=self._places.memory_limit(),
             )
             staging.location.sync()  # this process's files: durable before it reports
         except Stopped:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from ..._base import env as _env
+from ..._base import host_memory as _host_memory
 from ..._errors import ReplicationError
 from ..._storage.location import Location
 from ..._storage.run_owner import RunOwner
@@ -41,7 +42,8 @@ class Places:
     tiers delete alike); ``primary`` and ``multi``: this process is the primary, and
     there are several processes; ``per_host``: each process sees only its own local
     directory (the hosts' copies of a step together hold every file); ``every``: only
-    the steps divisible by it are replicated (``Tier(every=)``).
+    the steps divisible by it are replicated (``Tier(every=)``); ``host_memory``: the
+    manager's ceiling, which bounds the copies (``files.copy_files``).
     """
 
     local: Location
@@ -52,6 +54,12 @@ class Places:
     multi: bool
     per_host: bool = False  # each host's own local directory (see _manager/per_host.py)
     every: int = 1  # the tier option's every (Tier(every=)): the steps due here
+    host_memory: int | str | None = None  # the manager's ceiling (_base.host_memory)
+
+    def memory_limit(self) -> int | None:
+        """The bytes a copy of this tier may hold now: the manager's ``host_memory``
+        resolved (``"auto"``: from the memory free now; None: no bound)."""
+        return _host_memory.resolve(self.host_memory)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` goes to this tier by its number (``Tier(every=)``)."""

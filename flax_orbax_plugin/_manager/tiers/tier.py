@@ -57,6 +57,8 @@ class PersistentTier:
       per_host: each process has its own local directory (see docs/tiers.md).
       every: only the steps divisible by it are replicated (the manager's
         ``Tier(every=)``), and those :meth:`force` names.
+      host_memory: the manager's host-memory ceiling (bytes, "auto" or None): each
+        copy up or down holds at most it (``files.copy_files``).
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class PersistentTier:
         lease_seconds: float = _run_owner.LEASE_SECONDS,
         per_host: bool = False,
         every: int = 1,
+        host_memory: int | str | None = None,
     ):
         self.local = local
         self.remote = Location.from_path(remote)
@@ -103,7 +106,15 @@ class PersistentTier:
         self.grace_seconds = float(grace_seconds)
         self._lease_seconds = _run_owner.check_lease(lease_seconds)
         self._places = Places(
-            local, self.remote, self.retention, remove_step, primary, multi, per_host, every
+            local,
+            self.remote,
+            self.retention,
+            remove_step,
+            primary,
+            multi,
+            per_host,
+            every,
+            host_memory,
         )
         self._state = TierState()
         self._damaged = DamagedSteps(self.remote)

@@ -140,6 +140,7 @@ class Tier:
         remove_step: Callable[[Location, int], None],
         busy: Callable[[], bool],
         per_host: bool,
+        host_memory: int | str | None = None,
     ) -> PersistentTier:
         """The ``PersistentTier`` this option describes, replicating ``local``
         (the manager's writer open calls it; the other arguments: see PersistentTier)."""
@@ -154,4 +155,5 @@ class Tier:
             remove_step=remove_step,
             busy=busy,
             per_host=per_host,
+            host_memory=host_memory,
         )
