@@ -145,7 +145,7 @@ class ReadRequest:
         """The request of a manager step's items, in the manager restore's ``region``:
         each host's own directory is read by each process alone (no collective); else
         replicated leaves are read shared. ``ceiling``: the manager's host-memory ceiling
-        in bytes (its reads in flight stay under it: :func:`read_limit`), or None."""
+        in bytes (its reads in flight stay under it: ``read_limit``), or None."""
         share = not own_copy and _distributed.process_count() > 1
         changes = changes or Changes()
         limit = read_limit(ceiling)

@@ -80,7 +80,7 @@ def verify(
     called, in the same thread, as each read is checked (the CLI's progress bar).
 
     ``memory_limit_bytes``: the host-memory ceiling of the reads (None: the fixed
-    window, :data:`VERIFY_BUDGET_BYTES`, and one more read): the reads in flight hold
+    window, ``VERIFY_BUDGET_BYTES``, and one more read): the reads in flight hold
     at most half of it each time one more is submitted, so never more than it.
     """
     limit = _requests.check_verify(
@@ -121,7 +121,7 @@ def verify(
 def window_bytes(limit: int | None) -> int:
     """The window of a verify's reads under the ceiling ``limit`` (None: none): half of
     it (the window's reads and the one submitted past it, each at most the window),
-    never above :data:`VERIFY_BUDGET_BYTES` nor below :data:`MIN_WINDOW_BYTES` (the
+    never above ``VERIFY_BUDGET_BYTES`` nor below :data:`MIN_WINDOW_BYTES` (the
     stated constant above a smaller ceiling: reads of a few values each would take
     hours)."""
     if limit is None:
