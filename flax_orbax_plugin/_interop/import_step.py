@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .._base import shown as _bounded
+from .._base import shown as _shown
 from .._base.option_spec import outside_stacklevel
 from .._errors import StructureError
 from .._format.foreign import is_step
@@ -113,8 +113,8 @@ def orbax_steps_to_import(src: Any, step: int | None) -> list[tuple[int, Locatio
         logger.warning(
             "%s: importing Orbax steps %s; passed over (not finalized steps): %s",
             loc,
-            _bounded.listed(sorted(listing.steps)),
-            _bounded.listed(passed),
+            _shown.listed(sorted(listing.steps)),
+            _shown.listed(passed),
         )
     return list(listing.steps.items())
 
@@ -129,12 +129,12 @@ def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool
     newer = [s for s in held if planned and s > max(planned)]
     if newer:
         raise FileExistsError(
-            f"{out_dir} already holds steps newer than those imported ({_shown(newer)}): a "
+            f"{out_dir} already holds steps newer than those imported ({_steps_text(newer)}): a "
             "resume would take them, not the import; import into a new directory, or pass "
             "force=True (--force on the command line) to add these steps beside them"
         )
     warnings.warn(
-        f"{out_dir} already holds steps {_shown(held)}; the imported steps are added beside "
+        f"{out_dir} already holds steps {_steps_text(held)}; the imported steps are added beside "
         "them (one run directory holding two runs' steps, if they came from elsewhere)",
         UserWarning,
         stacklevel=outside_stacklevel(),
@@ -152,7 +152,7 @@ def refuse_existing(out_dir: Any, held: list[int], numbers: list[int], force: bo
         )
 
 
-def _shown(steps: list[int]) -> str:
+def _steps_text(steps: list[int]) -> str:
     return ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
 
 
