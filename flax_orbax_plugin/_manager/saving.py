@@ -261,7 +261,12 @@ class Saver:
         Events (``events``): SaveStarted, SaveBlockingDone, or SaveFailed here when no
         background phase started (else the background phase reports its failure)."""
         events = self._book.events
-        figure, budget = _host_memory.save_budget(self._ceiling, items, self._incremental)
+        arrays = {  # the items that hold arrays (JSON items are checked by their save)
+            n: v
+            for n, v in items.items()
+            if kind_of(checkpointable_for(n, self._overrides)) not in _READ_FIRST
+        }
+        figure, budget = _host_memory.save_budget(self._ceiling, arrays, self._incremental)
         events.emit(SaveStarted(step, str(self._loc), figure, budget is not None))
         try:
             with _interrupts.deferred_sigint():
