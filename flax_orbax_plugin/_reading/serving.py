@@ -29,7 +29,6 @@ from .._errors import (
 )
 from .._format import places as _places
 from .._format import steps as _steps
-from .._format.foreign import is_orbax_checkpoint
 from .._interop.orbax_params import restore_orbax_params
 from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
@@ -137,15 +136,16 @@ def restore_params(
         sharding, option="sharding"
     )  # on an AbstractMesh: onto set_mesh's mesh, or refused
     loc = Location.from_path(directory)
-    steps = _steps.committed_steps(loc)
+    place = _places.classify(loc, steps_first=True)  # a run of ours costs its one listing
+    steps = _steps.committed_of(loc, place.listing)  # (an unreadable step: warned)
     if step is None and _spans(directory, like, sharding=sharding):
         step, steps = _agreed_latest(loc, steps, region)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
-        if is_orbax_checkpoint(directory):
+        if place.kind == _places.ORBAX:
             _orbax_item(directory, item)
             placing = (dtype, sharding, changes, partial, dry_run)
             return _orbax_params(directory, like, step, *placing, region, cast=cast)
-        raise _places.no_steps(loc)  # what is there instead (a step, a run below, ...)
+        raise _places.no_steps(place)  # what is there instead (a step, a run below, ...)
     given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
     given["memory_limit_bytes"] = memory_limit_bytes
     placing = (like, item, dtype, sharding, changes, cast, dry_run, region, given)
