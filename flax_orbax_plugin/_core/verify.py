@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from .._base.regions import public
 from .._errors import CheckpointError, OptionError, OptionTypeError
 from .._format import host_copy as _host_copy
 from .._format import layout as _layout
@@ -26,7 +27,7 @@ from .._format.layout import (
     iterator_state_file,
 )
 from .._storage.location import Location
-from .._storage.store_errors import arguments, raises_store_errors
+from .._storage.store_errors import arguments, refusals
 from .._zarr import regions as _zarr_regions
 from . import formats as _formats
 from . import handle as _handle
@@ -57,7 +58,7 @@ class VerifyResult:
     note: str | None = None  # a host's own copy of a step: what it holds (and not)
 
 
-@raises_store_errors(arguments("path"))
+@public(errors=refusals(arguments("path")))
 def verify(
     path: Any,
     *,

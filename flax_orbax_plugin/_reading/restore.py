@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._base.regions import public
 from .._core import handle as _handle
 from .._core import requests as _requests
 from .._core import restore as _core_restore
@@ -27,7 +28,7 @@ from .._interop.orbax_steps import agreed_latest
 from .._like.retarget import concrete
 from .._state.train_state import update_in_place
 from .._storage.location import Location
-from .._storage.store_errors import arguments, raises_store_errors
+from .._storage.store_errors import arguments, refusals
 from . import items as _items
 
 __all__ = ["metadata", "restore"]
@@ -36,10 +37,11 @@ __all__ = ["metadata", "restore"]
 # Onto devices of several processes the restore is collective: a failure on one process
 # reaches the others at once (``_base.regions``: the region drawn, handed as ``region=``);
 # onto host arrays one may read alone (``region`` None).
-@_distributed.collective_call(
-    "restore", spans=lambda path, like=None, **_: _distributed.spans_processes(like)
+@public(
+    "restore",
+    spans=lambda path, like=None, **_: _distributed.spans_processes(like),
+    errors=refusals(arguments("path")),
 )
-@raises_store_errors(arguments("path"))
 def restore(
     path: Any,
     like: Any = None,
@@ -170,7 +172,7 @@ def _restore_orbax(
     return restore_orbax(location, like, step=step, partial=partial, cast=cast)
 
 
-@raises_store_errors(arguments("path"))
+@public(errors=refusals(arguments("path")))
 def metadata(path: Any) -> _metadata.CheckpointMetadata:
     """Leaf paths, shapes, dtypes and shardings of a checkpoint; reads no array data.
     On an Orbax checkpoint the error says what it holds and how to read it."""

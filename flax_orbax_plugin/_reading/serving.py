@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from .._base import distributed as _distributed
-from .._base.option_spec import flag, named_keywords
+from .._base.option_spec import flag
+from .._base.regions import public
 from .._core import requests as _requests
 from .._core import restore as _restore
 from .._core.targets import place
@@ -36,7 +37,7 @@ from .._like import transform as _transform
 from .._like.retarget import checked_dtype, concrete, retarget
 from .._state.train_state import holds_nnx_objects, is_nnx, nnx_state_as_dict, split_state
 from .._storage.location import Location
-from .._storage.store_errors import arguments, raises_store_errors
+from .._storage.store_errors import arguments, refusals
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -71,9 +72,7 @@ def _spans(directory: Any, like: Any = None, *, sharding: Any = None, **_: Any) 
     return _distributed.spans_processes(_params_like(like), sharding)
 
 
-@named_keywords  # loaded alone for serving (the package's ``_OWN_MODULE``), not via _api
-@_distributed.collective_call("restore-params", spans=_spans)  # see ``_base.regions``
-@raises_store_errors(arguments("directory"))
+@public("restore-params", spans=_spans, errors=refusals(arguments("directory")))
 def restore_params(
     directory: Any,
     like: Any = None,
