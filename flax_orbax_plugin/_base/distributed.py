@@ -54,7 +54,7 @@ from .regions import client as _client
 
 # The regions of collective operations (see the module docstring), for the callers.
 collective, resumed = _regions.collective, _regions.resumed
-collective_call, collective_method = _regions.collective_call, _regions.collective_method
+collective_method, public = _regions.collective_method, _regions.public
 publish_failure, failing_before = _regions.publish_failure, _regions.failing_before
 
 DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")  # the default stall timeout

@@ -314,25 +314,40 @@ def _name_methods(cls: type, methods: bool) -> None:
                 setattr(cls, name, type(value)(_checked(value.__func__, owner)))
 
 
+def keywords_taken(fn: Callable) -> frozenset[str] | None:
+    """The keywords ``fn`` (under the package's decorators) takes, those the package
+    hands it (``self``, ``cls``, ``region``) left out; None when it takes ``**kwargs``
+    (it checks its own: :func:`refuse_unknown`)."""
+    inner = inspect.unwrap(fn)  # under the package's decorators (store errors, regions)
+    if inner.__code__.co_flags & inspect.CO_VARKEYWORDS:  # not its __signature__, if set
+        return None
+    params = inspect.signature(inner, follow_wrapped=False).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in params if p.kind in kinds) - {"self", "cls", "region"}
+
+
+def unknown_keywords(owner: str, given: Iterable[str], takes: Iterable[str]) -> TypeError:
+    """The TypeError of a call of ``owner`` given keywords it does not take (each named,
+    with the one meant: "did you mean ...?"; then every keyword it takes)."""
+    takes = set(takes)
+    lines = "; ".join(_unexpected(owner, k, takes) for k in given if k not in takes)
+    return TypeError(f"{lines} (its keywords: {', '.join(sorted(takes))})")
+
+
 def _checked(fn: Callable, owner: str) -> Callable:
     if getattr(fn, "_fop_named", False):
         return fn
-    inner = inspect.unwrap(fn)  # under the package's decorators (store errors, regions)
-    if inner.__code__.co_flags & inspect.CO_VARKEYWORDS:  # not its __signature__, if set
+    takes = keywords_taken(fn)
+    if takes is None:
         return fn
-    params = inspect.signature(inner, follow_wrapped=False).parameters.values()
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    takes = {p.name for p in params if p.kind in kinds} - {"self", "cls", "region"}
     region = getattr(fn, "_fop_region", lambda *a, **k: contextlib.nullcontext())
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         if takes.issuperset(kwargs):
             return fn(*args, **kwargs)
-        unknown = [k for k in kwargs if k not in takes]
-        lines = "; ".join(_unexpected(owner, k, takes) for k in unknown)
         with region(*args, **kwargs):
-            raise TypeError(f"{lines} (its keywords: {', '.join(sorted(takes))})")
+            raise unknown_keywords(owner, kwargs, takes)
 
     call._fop_named = True  # type: ignore[attr-defined]
     return call

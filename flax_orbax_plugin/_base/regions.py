@@ -46,6 +46,7 @@ from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from . import env as _env
 from . import exits as _exits
 from . import liveness as _liveness
+from . import option_spec as _option_spec
 from . import pathways as _pathways
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
@@ -165,15 +166,37 @@ def collective_method(kind: str, *, stall: str, scope: str) -> Callable:
     return _decorator(region)
 
 
-def collective_call(kind: str, *, spans: Callable[..., bool] | None = None) -> Callable:
-    """A decorator for a function whose body takes the keyword ``region``: each call is
-    :func:`collective` when ``spans(*args, **kwargs)`` (whether this call is collective,
-    from its arguments: e.g. a like on devices of other processes; None: always), its
-    region (or None) handed to the body as ``region=``. The region of a call is also the
-    decorated function's attribute ``_fop_region(*args, **kwargs)`` (see
-    :func:`collective_method`)."""
+# What a public call's errors become: ``errors(error, arguments)`` (the call's bound
+# arguments by name) returns the error to raise in place of ``error``, or None to raise
+# it as it is (``_storage.store_errors.refusals``: a store's refusal, in words).
+Errors = Callable[[BaseException, dict[str, Any]], BaseException | None]
+
+
+def public(
+    kind: str | None = None,
+    *,
+    spans: Callable[..., bool] | None = None,
+    errors: Errors | None = None,
+) -> Callable:
+    """The one decorator of a public operation, its entry: each call
+
+    * refuses a keyword the function does not take, naming the one meant ("did you
+      mean"; ``_base.option_spec``), in the call's region;
+    * with ``kind``, is a collective operation (:func:`collective` when ``spans(*args,
+      **kwargs)`` says from the arguments that this call is one, e.g. a like on devices
+      of other processes; None: always): the body takes the
+      keyword ``region`` and is handed the region drawn (or None); without ``kind`` it
+      is a call of one process, no region drawn;
+    * raises, in place of an error of the body, what ``errors`` makes of it (see
+      :data:`Errors`; e.g. a store's refusal as StoreAccessError), inside the region,
+      so that the other processes learn that one.
+
+    The signature shown is the body's (without ``region``). The package's own calls of
+    the decorated name go through the same entry. Threading: the caller's."""
 
     def region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+        if kind is None:
+            return contextlib.nullcontext()
         _pathways.refuse_if_detected(kind)  # before ``spans`` looks at any device
         try:
             spanning = spans is None or spans(*args, **kwargs)
@@ -181,11 +204,48 @@ def collective_call(kind: str, *, spans: Callable[..., bool] | None = None) -> C
             spanning = False
         return collective(kind, spans=spanning)
 
-    return _decorator(region)
+    def decorate(body: Callable) -> Callable:
+        shown = inspect.signature(body)
+        takes = _option_spec.keywords_taken(body)
+        owner = body.__qualname__
+
+        @functools.wraps(body)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with region(*args, **kwargs) as drawn:
+                if takes is not None and not takes.issuperset(kwargs):
+                    raise _option_spec.unknown_keywords(owner, kwargs, takes)
+                try:
+                    if kind is None:
+                        return body(*args, **kwargs)
+                    return body(*args, region=drawn, **kwargs)
+                except Exception as e:
+                    found = None if errors is None else _translated(errors, e, shown, args, kwargs)
+                    if found is None:
+                        raise
+                    raise found from None
+
+        params = [p for p in shown.parameters.values() if p.name != "region"]
+        call.__signature__ = shown.replace(parameters=params)  # type: ignore[attr-defined]
+        call._fop_region = region  # type: ignore[attr-defined]
+        call._fop_named = True  # type: ignore[attr-defined]
+        return call
+
+    return decorate
+
+
+def _translated(
+    errors: Errors, error: Exception, shown: inspect.Signature, args: tuple, kwargs: dict
+) -> BaseException | None:
+    """What ``errors`` makes of ``error`` (None: it stands, also where the translation
+    itself fails)."""
+    try:
+        return errors(error, shown.bind_partial(*args, **kwargs).arguments)
+    except Exception:  # noqa: BLE001  (the original error stands)
+        return None
 
 
 def _decorator(region: Callable[..., contextlib.AbstractContextManager]) -> Callable:
-    """The wrapper of the two decorators above: the body called in ``region(...)``'s
+    """The wrapper of :func:`collective_method`: the body called in ``region(...)``'s
     region, handed it as ``region=``; the signature shown is the body's without it."""
 
     def decorate(body: Callable) -> Callable:

@@ -217,7 +217,7 @@ class DataFiles:
 
     def open(self, location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool):
         try:
-            reader = _packed_reader.open_packed(location, doc.process_count)
+            reader = _packed_reader.open_packed(location, doc.process_count, listed=doc.listed)
         except ValueError as e:
             env = _arrays.environmental(e)
             if env is e:

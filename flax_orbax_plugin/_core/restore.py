@@ -80,9 +80,36 @@ def restore(
     :class:`ReadRequest` (see :func:`restore_with`), with ``region``: the collective
     operation the read is part of (``_base.regions``; None: a read of one process).
     """
+    request = read_request(
+        region=region,
+        partial=partial,
+        missing=missing,
+        transform=transform,
+        surgery=surgery,
+        dry_run=dry_run,
+        memory_limit_bytes=memory_limit_bytes,
+        cast=cast,
+        share_replicated_reads=share_replicated_reads,
+    )
+    return restore_with(path, like, request)
+
+
+def read_request(
+    *,
+    region: _distributed.Region | None,
+    partial: bool = False,
+    missing: str = "error",
+    transform: Any = None,
+    surgery: Any = None,
+    dry_run: bool = False,
+    memory_limit_bytes: int | None = None,
+    cast: str = "safe",
+    share_replicated_reads: bool | None = None,
+) -> ReadRequest:
+    """The :class:`ReadRequest` of :func:`restore`'s options (checked on the way)."""
     dry_run = flag("dry_run", dry_run)
     share = share_replicated_reads
-    request = ReadRequest(
+    return ReadRequest(
         memory_limit_bytes=memory_limit_bytes or DEFAULT_READ_LIMIT_BYTES,
         cast=cast,
         share_reads=_distributed.process_count() > 1 if share is None else bool(share),
@@ -92,7 +119,6 @@ def restore(
         dry_run=dry_run,
         region=region,
     )
-    return restore_with(path, like, request)
 
 
 def restore_with(path: Any, like: Any, request: ReadRequest) -> Any:

@@ -25,9 +25,10 @@ from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base import interrupts as _interrupts
 from .._base import tree as _tree
+from .._base.regions import public
 from .._format.layout import COMMIT_FILE, CommitMarker
 from .._storage.location import Location
-from .._storage.store_errors import arguments, raises_store_errors
+from .._storage.store_errors import arguments, refusals
 from . import commit as _commit
 from . import host_snapshot as _host_snapshot
 from . import ownership as _ownership
@@ -46,8 +47,7 @@ from .requests import DEFAULT_FORMAT_VERSION, SaveRequest, check_save
 _IN_FLIGHT_LOCK = threading.Lock()  # one save_async starts at a time
 
 
-@_distributed.collective_call("save")  # draws the region, handed as ``region=``
-@raises_store_errors(arguments("path"))
+@public("save", errors=refusals(arguments("path")))  # the region handed as ``region=``
 def save(
     path: Any,
     tree: Any,
@@ -68,8 +68,7 @@ def save(
     return _save_async(path, tree, region, given).wait()
 
 
-@_distributed.collective_call("save")
-@raises_store_errors(arguments("path"))
+@public("save", errors=refusals(arguments("path")))
 def save_async(
     path: Any,
     tree: Any,
@@ -251,7 +250,7 @@ class _Background:
             _ownership.remove(self.location, action="remove the remains of the failed save at")
 
 
-@raises_store_errors(arguments("path"))
+@public(errors=refusals(arguments("path")))
 def is_committed(path: Any) -> bool:
     """True when ``path`` holds a committed standalone checkpoint. A store that
     answers "not there" for a bucket it lacks (S3 reads a missing bucket's key as

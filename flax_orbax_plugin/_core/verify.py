@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from .._base.regions import public
 from .._errors import CheckpointError, OptionError, OptionTypeError
 from .._format import host_copy as _host_copy
 from .._format import layout as _layout
@@ -18,9 +19,7 @@ from .._format import places as _places
 from .._format import steps as _steps
 from .._format.documents import read_document
 from .._format.layout import (
-    COMMIT_FILE,
     JSON_VALUE_FILE,
-    MANIFEST_FILE,
     METADATA_FILE,
     ArrayStorage,
     StepManifest,
@@ -28,7 +27,7 @@ from .._format.layout import (
     iterator_state_file,
 )
 from .._storage.location import Location
-from .._storage.store_errors import arguments, raises_store_errors
+from .._storage.store_errors import arguments, refusals
 from .._zarr import regions as _zarr_regions
 from . import formats as _formats
 from . import handle as _handle
@@ -60,7 +59,7 @@ class VerifyResult:
     note: str | None = None  # a host's own copy of a step: what it holds (and not)
 
 
-@raises_store_errors(arguments("path"))
+@public(errors=refusals(arguments("path")))
 def verify(
     path: Any,
     *,
@@ -90,28 +89,28 @@ def verify(
     if progress is not None and not callable(progress):
         raise OptionTypeError(f"progress: expected a function or None, found {progress!r:.60}")
     loc = Location.from_path(path)
-    if loc.exists(COMMIT_FILE):
+    place = _places.classify(loc)  # what is there, once: the dispatch below
+    if place.kind == _places.CHECKPOINT:
         _no_step_chosen(loc, "a core checkpoint", None, step)
         return [_verify_pytree(loc, None, None, progress, budget=budget)]
-    if loc.exists(MANIFEST_FILE):
+    if place.kind in (_places.STEP, _places.HOST_COPY):
         _no_step_chosen(loc, "one step", _step_number(loc), step)
         return verify_step(loc, _step_number(loc), progress=progress, budget=budget)
-    manifest = _steps.manifest_for_item(loc)
-    if manifest is not None:  # an item of a step: checked as its kind is, as the step's are
-        name = next(n for n, e in manifest.items.items() if e.dir == loc.name)
+    if place.item is not None:  # an item of a step: checked as its kind is, as the step's are
+        name, manifest = place.item.name, place.item.manifest
         number = _step_number(loc.parent)
         _no_step_chosen(loc, f"item {name!r} of a step", number, step)
         copy, problem = _host_copy.of_step(loc.parent)
         if problem is not None:
             return [VerifyResult(str(loc), number, name, False, problem)]
         return [_verify_item(loc.parent, manifest, name, number, progress, copy, budget)]
-    if loc.exists(METADATA_FILE):
+    if place.staged == METADATA_FILE:  # a pytree never committed: its verdict says so
         _no_step_chosen(loc, "a pytree", _step_number(loc.parent), step)
         return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress, budget=budget)]
-    listing = _steps.list_directory(loc)
-    if not listing.committed:
-        raise _places.no_steps(loc, listing)  # says what is there instead
-    chosen = listing.committed if all_steps else [_steps.choose_step(loc, listing.committed, step)]
+    if place.kind != _places.RUN or not place.listing.committed:
+        raise _places.no_steps(place)  # says what is there instead
+    committed = place.listing.committed
+    chosen = committed if all_steps else [_steps.choose_step(loc, committed, step)]
     out: list[VerifyResult] = []
     for s in chosen:
         out.extend(verify_step(_steps.step_location(loc, s), s, progress=progress, budget=budget))

@@ -8,13 +8,22 @@ directory, a step, a run directory, an interrupted save (a staging place of ours
 only case called "interrupted"), another library's checkpoint, or runs and checkpoints
 one level down (named, so the user can point at them); else what it holds.
 
-Called on error paths only: lists the place and, for the level below, at most
-:data:`MAX_PROBED` children. Reads names and small files only; no link is followed
-(listing as :mod:`.steps` does). Safe from any thread.
+:func:`classify` says once, at the front of every reading operation, what is at a path
+(one frozen :class:`Place`: a checkpoint of ours, a step, one host's copy of a step, an
+item of a step, a run of steps, an Orbax checkpoint, a Flax msgpack file, an
+unfinished save, nothing); ``fop.restore``, ``fop.metadata``, ``restore_params`` and
+``fop.verify`` dispatch on its kind, and the describers take it. Its probes are names
+and small files, in one order (the kind a reader expects first, so that a
+well-formed call costs that kind's one probe).
+
+The describers run on error paths only: they list the place and, for the level below,
+at most :data:`MAX_PROBED` children. Reads names and small files only; no link is
+followed (listing as :mod:`.steps` does). Safe from any thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 
@@ -26,31 +35,142 @@ from .._errors import (
 )
 from .._storage.location import Location
 from . import steps as _steps
-from .foreign import foreign_format_hint
-from .layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
+from .foreign import foreign_format_hint, is_msgpack_checkpoint, is_orbax_checkpoint
+from .layout import COMMIT_FILE, HOST_FILE, MANIFEST_FILE, METADATA_FILE
 
-__all__ = ["MAX_PROBED", "holding_checkpoint", "misplaced", "no_steps", "not_a_checkpoint"]
+__all__ = [
+    "MAX_PROBED",
+    "Place",
+    "classify",
+    "holding_checkpoint",
+    "misplaced",
+    "no_steps",
+    "not_a_checkpoint",
+]
 
 MAX_PROBED = 16  # children looked into for a run or checkpoint one level down
 PATHS_NAMED = 4  # items of a step named when pointing at them
 # What a save of ours leaves in its place before it commits: the pending marker (its
 # name is the removal owner's, ``_core.ownership``, a wing above: named here) and a
 # pytree's metadata written before its commit marker (object stores).
-_STAGING_FILES = ("_PENDING.json", METADATA_FILE)
+_STAGING_FILES = (METADATA_FILE, "_PENDING.json")
 
 
-def not_a_checkpoint(location: Location) -> CheckpointError:
-    """The error for a reader of one pytree (``fop.restore``, ``fop.metadata``) that
-    found no committed checkpoint at ``location``."""
+# The kinds of a Place: what a path holds.
+CHECKPOINT = "checkpoint"  # one pytree of ours, written by fop.save (its commit marker)
+STEP = "step"  # a committed step of a run directory (its manifest)
+HOST_COPY = "host copy"  # one host's own copy of a step (its manifest and host marker)
+ITEM = "item"  # a pytree item of a committed step (listed in the step's manifest)
+JSON_ITEM = "JSON item"  # an item of a committed step that holds no pytree (JSON)
+RUN = "run"  # a run directory of ours: committed steps, or our run records
+ORBAX = "Orbax"  # an Orbax item, step or run (``foreign.is_orbax_checkpoint``)
+MSGPACK = "msgpack"  # a Flax msgpack file
+UNFINISHED = "unfinished"  # a save of ours that began and never committed
+NOTHING = "nothing"  # none of the above (a file, an empty or missing place, others')
+PYTREES = (CHECKPOINT, ITEM)  # what the native reader reads
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """What is at ``location``, classified once (:func:`classify`): its ``kind`` (one
+    of the constants above), and what the probes found on the way: the step item
+    (:data:`ITEM`, :data:`JSON_ITEM`), the listing (when the place was listed), the
+    staging file of an unfinished save (``staged``: its name, or ``"partial"`` for a
+    staging folder beside it)."""
+
+    location: Location
+    kind: str
+    item: _steps.StepItem | None = None
+    listing: _steps.Listing | None = None
+    staged: str | None = None
+
+    @property
+    def description(self) -> str:
+        """What is there, in words, for messages."""
+        loc = self.location
+        if self.kind == CHECKPOINT:
+            return f"the checkpoint {loc} (written by fop.save)"
+        if self.kind == STEP:
+            return f"step {loc.name} of the run directory {loc.parent}"
+        if self.kind == HOST_COPY:
+            return f"one host's own copy of step {loc.name} ({loc})"
+        if self.item is not None:
+            return f"{self.item.label} ({loc})"
+        if self.kind == RUN:
+            latest = None if self.listing is None else self.listing.latest
+            steps = "no committed step yet" if latest is None else f"latest step {latest}"
+            return f"the run directory {loc} ({steps})"
+        if self.kind == ORBAX:
+            return f"an Orbax checkpoint at {loc}"
+        if self.kind == MSGPACK:
+            return f"a Flax msgpack checkpoint at {loc}"
+        if self.kind == UNFINISHED:
+            return f"{loc}, whose save was interrupted or is still running"
+        return f"no checkpoint at {loc}"
+
+
+def classify(location: Location, *, steps_first: bool = False) -> Place:
+    """What is at ``location`` (see :class:`Place`), by names and small files, in this
+    order: a checkpoint of ours, a step (a host's copy), an item of a step, an Orbax
+    checkpoint, a run of ours, an unfinished save of ours, a msgpack file, nothing.
+    ``steps_first``: a reader of a run directory (``restore_params``) lists it first, and
+    a run with committed steps costs that one listing (its errors propagate, as the
+    reader's own listing did); the rest follow in the order above. A damaged manifest
+    of the step holding ``location`` raises CorruptCheckpointError, naming it. Safe
+    from any thread."""
+    listing = _steps.list_directory(location) if steps_first else None
+    if listing is not None and listing.committed:
+        return Place(location, RUN, listing=listing)
+    if location.exists(COMMIT_FILE):
+        return Place(location, CHECKPOINT, listing=listing)
     if location.exists(MANIFEST_FILE):
+        kind = HOST_COPY if location.exists(HOST_FILE) else STEP
+        return Place(location, kind, listing=listing)
+    item = _steps.step_item(location)
+    if item is not None:
+        return Place(location, ITEM if item.is_pytree else JSON_ITEM, item=item, listing=listing)
+    if is_orbax_checkpoint(location):
+        return Place(location, ORBAX, listing=listing)
+    run = _run_listing(location, listing)
+    if run is not None:
+        return Place(location, RUN, listing=run)
+    staged = _staged(location)
+    if staged is not None:
+        return Place(location, UNFINISHED, listing=listing, staged=staged)
+    if location.is_local and is_msgpack_checkpoint(location.path.rstrip("/")):
+        return Place(location, MSGPACK, listing=listing)
+    return Place(location, NOTHING, listing=listing)
+
+
+def _run_listing(location: Location, listing: _steps.Listing | None) -> _steps.Listing | None:
+    """The listing of ``location`` (``listing``, when made) when it is a run directory of
+    ours (committed steps, or our run records); None for anything else, and where it
+    is no directory or cannot be listed (the describers say what it is)."""
+    try:
+        if location.is_local and not location.is_dir():
+            return None
+        listing = listing if listing is not None else _steps.list_directory(location)
+        if listing.committed or any(location.exists(n) for n in _steps.RECORD_NAMES):
+            return listing
+    except (CheckpointError, OSError):
+        pass
+    return None
+
+
+def not_a_checkpoint(where: Location | Place) -> CheckpointError:
+    """The error for a reader of one pytree (``fop.restore``, ``fop.metadata``) that
+    found no committed checkpoint at ``where`` (its :class:`Place`, or a location
+    classified here)."""
+    place = where if isinstance(where, Place) else classify(where)
+    location = place.location
+    if place.kind in (STEP, HOST_COPY):
         return CheckpointError(
             f"{location} is a step of a checkpoint directory, not one pytree: restore one of "
             f"its items ({_step_items(location)}) or use CheckpointManager / restore_params"
         )
-    run = _run_directory_message(location)
-    if run is not None:
-        return CheckpointNotFoundError(run)
-    if _staged(location):
+    if place.kind == RUN:
+        return CheckpointNotFoundError(_run_directory_message(location, place.listing))
+    if place.kind == UNFINISHED:
         return NotCommittedError(
             f"{location} is not a committed checkpoint: its save was interrupted or is "
             f"still running"
@@ -93,25 +213,28 @@ def _step_items(step: Location) -> str:
     return (", ".join(shown) or "none") + (f" and {more} more" if more > 0 else "")
 
 
-def no_steps(location: Location, listing: _steps.Listing | None = None) -> CheckpointError:
-    """The error for a reader of a directory of steps (``restore_params``, the CLI) that
-    found no committed step in ``location`` (``listing``: its listing, when made)."""
-    if location.exists(MANIFEST_FILE):
+def no_steps(where: Location | Place, listing: _steps.Listing | None = None) -> CheckpointError:
+    """The error for a reader of a directory of steps (``restore_params``, ``verify``,
+    the CLI) that found no committed step at ``where`` (its :class:`Place`, or a
+    location classified here; ``listing``: its listing, when made)."""
+    place = where if isinstance(where, Place) else classify(where)
+    location, listing = place.location, listing or place.listing
+    if place.kind in (STEP, HOST_COPY):
         step = location.name
         return CheckpointNotFoundError(
             f"{location} is step {step} of the run directory {location.parent}, not a run "
             f"directory: name that directory (and step {step}), e.g. "
             f"fop.restore_params({str(location.parent)!r}, step={step})"
         )
-    item = _steps.manifest_for_item(location)
-    if item is not None:
+    if place.item is not None:
+        item = place.item.manifest
         return CheckpointNotFoundError(
             f"{location} is an item of step {item.step} of the run directory "
             f"{location.parent.parent}, not a run directory: fop.restore({str(location)!r}) "
             f"reads it, fop.restore_params({str(location.parent.parent)!r}, step={item.step}) "
             f"serves the step's params"
         )
-    if location.exists(COMMIT_FILE):
+    if place.kind == CHECKPOINT:
         return CheckpointNotFoundError(
             f"{location} is a checkpoint of one pytree (fop.save), not a directory of "
             f"steps: read it with fop.restore({str(location)!r})"
@@ -222,18 +345,10 @@ def _what_child_is(child: Location) -> str | None:
     return None
 
 
-def _run_directory_message(location: Location) -> str | None:
+def _run_directory_message(location: Location, listing: _steps.Listing | None) -> str:
     """What to call on a directory of manager steps (it holds committed steps, or
-    our run records); None for anything else. Lists it once (an error path only)."""
-    try:
-        if location.is_local and not location.is_dir():
-            return None
-        listing = _steps.list_directory(location)
-        records = any(location.exists(n) for n in _steps.RECORD_NAMES)
-    except (CheckpointError, OSError):
-        return None
-    if not listing.committed and not records:
-        return None
+    our run records; ``listing``: its listing, made by :func:`classify`)."""
+    listing = listing if listing is not None else _steps.list_directory(location)
     latest = listing.latest
     if latest is None:
         steps = "no committed step yet"
@@ -259,16 +374,16 @@ def _run_directory_message(location: Location) -> str | None:
     )
 
 
-def _staged(location: Location) -> bool:
-    """Whether a save of ours to ``location`` began and never committed: a staging
-    file of ours there, or (local disk) a ``<name>.partial-*`` staging beside it."""
-    if any(location.exists(n) for n in _STAGING_FILES):
-        return True
-    if not location.is_local:
-        return False
+def _staged(location: Location) -> str | None:
+    """What shows that a save of ours to ``location`` began and never committed: the
+    name of a staging file of ours there, or (local disk) ``"partial"`` for a
+    ``<name>.partial-*`` staging beside it; None when nothing does."""
+    found = next((n for n in _STAGING_FILES if location.exists(n)), None)
+    if found is not None or not location.is_local:
+        return found
     parent = os.path.dirname(location.path.rstrip("/"))
     try:
         names = os.listdir(parent)
     except OSError:
-        return False
-    return bool(fnmatch.filter(names, f"{location.name}.partial-*"))
+        return None
+    return "partial" if fnmatch.filter(names, f"{location.name}.partial-*") else None

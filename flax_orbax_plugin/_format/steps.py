@@ -112,7 +112,13 @@ def committed_steps(loc: Location) -> list[int]:
     """The committed steps of ``loc``, ascending. A step folder the environment keeps
     shut (a permission, an I/O error) is left out, with a warning naming it: it is
     neither chosen as the latest nor taken for damage (nothing is moved or removed)."""
-    listing = list_directory(loc)
+    return committed_of(loc, list_directory(loc))
+
+
+def committed_of(loc: Location, listing: Listing | None) -> list[int]:
+    """:func:`committed_steps` of ``listing``, the listing of ``loc`` made already
+    (None: listed here)."""
+    listing = listing if listing is not None else list_directory(loc)
     for step, why in listing.unreadable:
         warn_unreadable(loc, step, why)
     return list(listing.committed)
@@ -188,10 +194,16 @@ def step_location(loc: Location, step: int) -> Location:
 
 def read_manifest(step_loc: Location) -> StepManifest:
     """The validated manifest of a committed step (checksum checked)."""
-    where = f"{step_loc}/{MANIFEST_FILE}"
     raw = step_loc.read_bytes(MANIFEST_FILE)
     if raw is None:
         raise CheckpointNotFoundError(f"{step_loc} is not a committed step (no {MANIFEST_FILE})")
+    return _checked_manifest(step_loc, raw)
+
+
+def _checked_manifest(step_loc: Location, raw: bytes) -> StepManifest:
+    """The manifest of the step at ``step_loc`` from its bytes ``raw``, checked as
+    :func:`read_manifest` says."""
+    where = f"{step_loc}/{MANIFEST_FILE}"
     manifest = StepManifest.from_bytes(raw, where)
     if STEP_RE.match(step_loc.name) and manifest.step != int(step_loc.name):
         raise CorruptCheckpointError(
@@ -236,9 +248,10 @@ def write_manifest(step_loc: Location, manifest: StepManifest) -> None:
 def manifest_for_item(item_loc: Location) -> StepManifest | None:
     """The manifest of the step holding ``item_loc`` (None when its parent is no step)."""
     parent = item_loc.parent
-    if parent.read_bytes(MANIFEST_FILE) is None:
+    raw = parent.read_bytes(MANIFEST_FILE)  # read once: absent, or the manifest checked
+    if raw is None:
         return None
-    manifest = read_manifest(parent)
+    manifest = _checked_manifest(parent, raw)
     if item_loc.name not in {e.dir for e in manifest.items.values()}:
         return None
     return manifest

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .._base import host_memory as _host_memory
+from .._base.regions import public
 from .._core import ownership as _ownership
 from .._errors import (
     CheckpointError,
@@ -44,7 +45,7 @@ from .._manager.manager import CheckpointManager
 from .._storage.kvstore import local_path
 from .._storage.location import Location
 from .._storage.lock import LOCK_FILE
-from .._storage.store_errors import arguments, raises_store_errors
+from .._storage.store_errors import arguments, refusals
 from . import msgpack_reader, orbax_reader
 from .import_step import (
     ImportedStep,
@@ -244,7 +245,7 @@ def _source_size(path: Any) -> int:
     return os.path.getsize(path) if os.path.isfile(path) else (loc.size_bytes() or 0)
 
 
-@raises_store_errors(arguments("src", "out_dir"))
+@public(errors=refusals(arguments("src", "out_dir")))
 def import_checkpoint(
     src: Any,
     out_dir: Any,
@@ -302,7 +303,7 @@ def import_checkpoint(
     raise CheckpointNotFoundError(f"{src}: no such file or directory")
 
 
-@raises_store_errors(arguments("src", "out_dir"))
+@public(errors=refusals(arguments("src", "out_dir")))
 def import_safetensors(
     src: Any,
     out_dir: Any,
@@ -351,7 +352,7 @@ def import_safetensors(
     )
 
 
-@raises_store_errors(arguments("src", "out_dir"))
+@public(errors=refusals(arguments("src", "out_dir")))
 def import_orbax(
     src: Any,
     out_dir: Any,
@@ -417,7 +418,7 @@ def import_orbax(
     )
 
 
-@raises_store_errors(arguments("src", "out_dir"))
+@public(errors=refusals(arguments("src", "out_dir")))
 def import_msgpack(
     src: Any,
     out_dir: Any,

@@ -38,6 +38,7 @@ import msgpack
 import numpy as np
 
 from .._base import tree as _tree
+from .._base.regions import public
 from .._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -50,7 +51,7 @@ from .._like import onto_like as _onto_like
 from .._like.casting import check_policy
 from .._storage.kvstore import local_path
 from .._storage.local_files import entry_kind
-from .._storage.store_errors import arguments, raises_store_errors
+from .._storage.store_errors import arguments, refusals
 from .._storage.untrusted import open_regular
 
 __all__ = ["files_to_import", "read_msgpack", "restore_msgpack"]
@@ -203,7 +204,7 @@ def read_msgpack(path: Any) -> Any:
     return _unchunk(tree, where)
 
 
-@raises_store_errors(arguments("path"))
+@public(errors=refusals(arguments("path")))
 def restore_msgpack(
     path: Any, like: Any = None, *, partial: bool = False, cast: str = "safe"
 ) -> Any:

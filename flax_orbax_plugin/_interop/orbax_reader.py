@@ -19,6 +19,7 @@ import tensorstore as ts
 
 from .._base import tree as _tree
 from .._base.option_spec import flag
+from .._base.regions import public
 from .._errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -30,7 +31,7 @@ from .._like import onto_like as _onto_like
 from .._like.casting import legacy_cast
 from .._storage.kvstore import context
 from .._storage.location import Location
-from .._storage.store_errors import arguments, raises_store_errors
+from .._storage.store_errors import arguments, refusals
 from .orbax_layout import (
     STRINGS_FILE,
     OrbaxItem,
@@ -272,7 +273,7 @@ def lone_item(loc: Location, items: dict[str, OrbaxItem]) -> OrbaxItem | None:
     return None
 
 
-@raises_store_errors(arguments("path"))
+@public(errors=refusals(arguments("path")))
 def restore_orbax(
     path: Any,
     like: Any = None,

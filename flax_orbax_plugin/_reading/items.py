@@ -2,9 +2,9 @@
 item), pointed at on their own: ``fop.restore(DIR/<step>/extras)`` returns the JSON
 value, ``fop.metadata`` describes the item, and the CLI lists, inspects and verifies it.
 
-They hold no ``_METADATA.json`` (that is a pytree's), so the native reader finds no
-checkpoint there; these functions are called on that error path only, and read one
-small file more (the step's manifest) to learn what the item is. Each item is read by
+They hold no ``_METADATA.json`` (that is a pytree's): the reading fronts call these
+functions where ``_format.places.classify`` found such an item (its step's manifest
+read once, carried in the ``StepItem``), never the native reader. Each item is read by
 the built-in checkpointable of its kind, exactly as ``CheckpointManager.restore``
 reads it, its JSON checked against the checksum in the step manifest. Safe from any
 thread.

@@ -1,9 +1,11 @@
-"""Reading any checkpoint: this library's own, else an Orbax directory.
+"""Reading any checkpoint: this library's own, a step's JSON item, or an Orbax directory.
 
-The fallback lives here, above the native reader (``_core.restore``) and the Orbax
-reader (``_interop.orbax_reader``), so that neither knows the other. The Orbax
-check runs only after the native reader found no checkpoint of its own: restoring
-this library's checkpoints costs no extra listing.
+The front of ``fop.restore`` and ``fop.metadata``: it waits for this process's save to
+the path, classifies what is there once (``_format.places.classify``) and dispatches
+on that: the native reader (``_core.restore``), a step's JSON item (``_reading.items``)
+or the Orbax reader (``_interop.orbax_reader``), none of which knows the others; any
+other place is an error that says what is there. Restoring this library's
+checkpoints costs no listing.
 """
 
 from __future__ import annotations
@@ -11,22 +13,22 @@ from __future__ import annotations
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._base.regions import public
+from .._core import handle as _handle
 from .._core import requests as _requests
 from .._core import restore as _core_restore
-from .._errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    NotCommittedError,
-)
+from .._core.read_agreement import agree_on_read
+from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import metadata as _metadata
-from .._format.foreign import is_orbax_checkpoint, is_step
+from .._format import places as _places
+from .._format.foreign import is_step
 from .._interop.orbax_layout import open_orbax
 from .._interop.orbax_reader import lone_item, restore_orbax
 from .._interop.orbax_steps import agreed_latest
+from .._like.retarget import concrete
 from .._state.train_state import update_in_place
 from .._storage.location import Location
-from .._storage.store_errors import arguments, raises_store_errors
+from .._storage.store_errors import arguments, refusals
 from . import items as _items
 
 __all__ = ["metadata", "restore"]
@@ -35,10 +37,11 @@ __all__ = ["metadata", "restore"]
 # Onto devices of several processes the restore is collective: a failure on one process
 # reaches the others at once (``_base.regions``: the region drawn, handed as ``region=``);
 # onto host arrays one may read alone (``region`` None).
-@_distributed.collective_call(
-    "restore", spans=lambda path, like=None, **_: _distributed.spans_processes(like)
+@public(
+    "restore",
+    spans=lambda path, like=None, **_: _distributed.spans_processes(like),
+    errors=refusals(arguments("path")),
 )
-@raises_store_errors(arguments("path"))
 def restore(
     path: Any,
     like: Any = None,
@@ -105,45 +108,42 @@ def restore(
     _requests.check_restore(  # by their declarations, before anything is read
         memory_limit_bytes=memory_limit_bytes, share_replicated_reads=share_replicated_reads
     )
+    request = _core_restore.read_request(  # every option checked, before anything is read
+        region=region,
+        partial=partial,
+        missing=missing,
+        transform=transform,
+        surgery=surgery,
+        dry_run=dry_run,
+        memory_limit_bytes=memory_limit_bytes,
+        cast=cast,
+        share_replicated_reads=share_replicated_reads,
+    )
     location = Location.from_path(path)
     changes = {"partial": partial, "missing": missing, "transform": transform}
-    try:
-        restored = _core_restore.restore(
-            location,
-            like,
-            region=region,
-            surgery=surgery,
-            dry_run=dry_run,
-            memory_limit_bytes=memory_limit_bytes,
-            cast=cast,
-            share_replicated_reads=share_replicated_reads,
-            **changes,
-        )
+    place = _classified(location)
+    if place.kind in _places.PYTREES:
+        restored = _core_restore.restore_with(location, like, request)
         return update_in_place(like, restored)  # NNX objects: restored in place
-    except (CheckpointNotFoundError, NotCommittedError):
-        if not is_orbax_checkpoint(location):  # looked for only when none of ours is there
-            raise
-        if surgery or dry_run:
-            raise CheckpointError(
-                f"{location} is an Orbax checkpoint: surgery= and dry_run= apply to this "
-                f"library's checkpoints; convert it first (fop.import_orbax(src, dst))"
-            ) from None
-    except CorruptCheckpointError:
-        item = _json_item(location)  # no pytree there: a step's JSON item, or damage
-        if item is None:
-            raise
-        return _items.read(item, like, changes=changes)
+    if place.kind == _places.JSON_ITEM:
+        return _items.read(place.item, like, changes=changes)
+    if place.kind != _places.ORBAX:
+        raise _places.not_a_checkpoint(place)  # what is there instead
+    if region is not None:  # the processes agree on what they read, as for ours
+        agree_on_read(location, concrete(like), request)
+    if surgery or dry_run:
+        raise CheckpointError(
+            f"{location} is an Orbax checkpoint: surgery= and dry_run= apply to this "
+            f"library's checkpoints; convert it first (fop.import_orbax(src, dst))"
+        )
     return update_in_place(like, _restore_orbax(location, like, region, cast=cast, **changes))
 
 
-def _json_item(location: Location) -> _items.StepItem | None:
-    """The item of a committed step at ``location`` when it holds a JSON value (no
-    pytree), else None: called only once the native reader found no pytree there."""
-    try:
-        item = _items.step_item(location)
-    except CheckpointError:
-        return None  # the native reader's error says what is wrong
-    return item if item is not None and not item.is_pytree else None
+def _classified(location: Location) -> _places.Place:
+    """What is at ``location``, once this process's save to it (``fop.save_async``) has
+    finished: the one classification the front dispatches on."""
+    _handle.wait_for_pending_save(location)
+    return _places.classify(location)
 
 
 def _restore_orbax(
@@ -157,10 +157,8 @@ def _restore_orbax(
     transform: Any,
 ):
     """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
-    (issue 16). Looked for only after the native reader found none, so restoring our
-    own checkpoints costs no extra listing. Collective when ``like`` spans several
-    processes and ``location`` is a run: all read the primary's latest step (agreed in
-    ``region``, the restore's)."""
+    (issue 16). Collective when ``like`` spans several processes and ``location`` is a
+    run: all read the primary's latest step (agreed in ``region``, the restore's)."""
     if missing != "error" or transform is not None:
         raise CheckpointError(
             f"{location} is an Orbax checkpoint: missing= and transform= apply to this "
@@ -174,30 +172,23 @@ def _restore_orbax(
     return restore_orbax(location, like, step=step, partial=partial, cast=cast)
 
 
-@raises_store_errors(arguments("path"))
+@public(errors=refusals(arguments("path")))
 def metadata(path: Any) -> _metadata.CheckpointMetadata:
     """Leaf paths, shapes, dtypes and shardings of a checkpoint; reads no array data.
     On an Orbax checkpoint the error says what it holds and how to read it."""
     location = Location.from_path(path)
-    try:
+    place = _classified(location)
+    if place.kind in _places.PYTREES:
         return _core_restore.metadata(location)
-    except (CheckpointNotFoundError, NotCommittedError) as e:
-        orbax = _orbax_message(location)
-        if orbax is None:
-            raise
-        raise CheckpointNotFoundError(orbax) from e
-    except CorruptCheckpointError:
-        item = _json_item(location)
-        if item is None:
-            raise
-        return _items.describe(item)
+    if place.kind == _places.JSON_ITEM:
+        return _items.describe(place.item)
+    if place.kind == _places.ORBAX:
+        raise CheckpointNotFoundError(_orbax_message(location))
+    raise _places.not_a_checkpoint(place)
 
 
-def _orbax_message(location: Location) -> str | None:
-    """What an Orbax checkpoint at ``location`` is and how to read it; None when it is
-    no Orbax checkpoint."""
-    if not is_orbax_checkpoint(location):
-        return None
+def _orbax_message(location: Location) -> str:
+    """What the Orbax checkpoint at ``location`` is and how to read it."""
     try:
         step, items = open_orbax(location)
         what = f"step {step}, " if step is not None else ""

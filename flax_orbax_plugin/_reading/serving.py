@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from .._base import distributed as _distributed
-from .._base.option_spec import flag, named_keywords
+from .._base.option_spec import flag
+from .._base.regions import public
 from .._core import requests as _requests
 from .._core import restore as _restore
 from .._core.targets import place
@@ -29,7 +30,6 @@ from .._errors import (
 )
 from .._format import places as _places
 from .._format import steps as _steps
-from .._format.foreign import is_orbax_checkpoint
 from .._interop.orbax_params import restore_orbax_params
 from .._interop.orbax_steps import agreed_latest
 from .._like import casting as _casting
@@ -37,7 +37,7 @@ from .._like import transform as _transform
 from .._like.retarget import checked_dtype, concrete, retarget
 from .._state.train_state import holds_nnx_objects, is_nnx, nnx_state_as_dict, split_state
 from .._storage.location import Location
-from .._storage.store_errors import arguments, raises_store_errors
+from .._storage.store_errors import arguments, refusals
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -72,9 +72,7 @@ def _spans(directory: Any, like: Any = None, *, sharding: Any = None, **_: Any) 
     return _distributed.spans_processes(_params_like(like), sharding)
 
 
-@named_keywords  # loaded alone for serving (the package's ``_OWN_MODULE``), not via _api
-@_distributed.collective_call("restore-params", spans=_spans)  # see ``_base.regions``
-@raises_store_errors(arguments("directory"))
+@public("restore-params", spans=_spans, errors=refusals(arguments("directory")))
 def restore_params(
     directory: Any,
     like: Any = None,
@@ -137,15 +135,16 @@ def restore_params(
         sharding, option="sharding"
     )  # on an AbstractMesh: onto set_mesh's mesh, or refused
     loc = Location.from_path(directory)
-    steps = _steps.committed_steps(loc)
+    place = _places.classify(loc, steps_first=True)  # a run of ours costs its one listing
+    steps = _steps.committed_of(loc, place.listing)  # (an unreadable step: warned)
     if step is None and _spans(directory, like, sharding=sharding):
         step, steps = _agreed_latest(loc, steps, region)
     if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
-        if is_orbax_checkpoint(directory):
+        if place.kind == _places.ORBAX:
             _orbax_item(directory, item)
             placing = (dtype, sharding, changes, partial, dry_run)
             return _orbax_params(directory, like, step, *placing, region, cast=cast)
-        raise _places.no_steps(loc)  # what is there instead (a step, a run below, ...)
+        raise _places.no_steps(place)  # what is there instead (a step, a run below, ...)
     given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
     given["memory_limit_bytes"] = memory_limit_bytes
     placing = (like, item, dtype, sharding, changes, cast, dry_run, region, given)

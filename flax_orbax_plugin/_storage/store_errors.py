@@ -3,8 +3,10 @@
 Tensorstore reports these as a ``ValueError`` carrying the store's XML or JSON body.
 :func:`refusal` reads that text once, here, for every caller: the command line prints
 its line (exit code 3), and every public entry point of the Python API raises
-:class:`~flax_orbax_plugin.StoreAccessError` through :func:`raises_store_errors`,
-naming the bucket, what happened and what to do. Anything else passes unchanged.
+:class:`~flax_orbax_plugin.StoreAccessError`, naming the bucket, what happened and what
+to do: a function through its entry decorator (``_base.regions.public``, handed
+:func:`refusals`), a public class through :func:`raises_store_errors_in_methods`.
+Anything else passes unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "raises_store_errors",
     "raises_store_errors_in_methods",
     "refusal",
+    "refusals",
     "store_error_line",
 ]
 
@@ -123,12 +126,29 @@ def arguments(*names: str) -> Callable[[dict[str, Any]], list[Any]]:
     return lambda bound: [bound.get(n) for n in names]
 
 
+def refusals(
+    places: Callable[[dict[str, Any]], Iterable[Any]],
+) -> Callable[[BaseException, dict[str, Any]], StoreAccessError | None]:
+    """The ``errors=`` of a public entry (``_base.regions.public``): a tensorstore
+    refusal (a ``ValueError``) of one of the object stores that ``places(arguments)``
+    names, as :class:`StoreAccessError`; None for every other error."""
+
+    def translate(error: BaseException, bound: dict[str, Any]) -> StoreAccessError | None:
+        if not isinstance(error, ValueError):
+            return None
+        return _first_refusal(error, places(bound))
+
+    return translate
+
+
 def raises_store_errors(places: Callable[[dict[str, Any]], Iterable[Any]]) -> Callable:
     """A public entry point's decorator: a tensorstore refusal of one of the object
     stores that ``places(arguments)`` names (``arguments``: the call's bound
     arguments by name, ``self`` included for a method) is raised as
     :class:`StoreAccessError`; every other error passes unchanged. The signature (and
     ``__signature__``) is the wrapped function's."""
+
+    translate = refusals(places)
 
     def decorate(fn: Callable) -> Callable:
         sig = inspect.signature(fn)
@@ -139,8 +159,7 @@ def raises_store_errors(places: Callable[[dict[str, Any]], Iterable[Any]]) -> Ca
                 return fn(*args, **kwargs)
             except ValueError as e:
                 try:
-                    bound = sig.bind_partial(*args, **kwargs).arguments
-                    found = _first_refusal(e, places(bound))
+                    found = translate(e, sig.bind_partial(*args, **kwargs).arguments)
                 except Exception:  # noqa: BLE001  (the original error stands)
                     found = None
                 if found is None:

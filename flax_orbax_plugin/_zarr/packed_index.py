@@ -129,14 +129,17 @@ class DataIndex:
         return cls(process, files, chunks, _arrays(obj.get("arrays", {}), chunks, bad))
 
 
-def read_index(location: Location, process: int) -> DataIndex:
+def read_index(
+    location: Location, process: int, *, listed: dict[str, str] | None = None
+) -> DataIndex:
     """The data index of ``process`` in the version-2 checkpoint at ``location``: its
-    bytes checked against the sha256 the commit recorded, parsed as a data index (no
+    bytes checked against the sha256 the commit recorded (``listed``: those checksums,
+    when the commit was read already), parsed as a data index (no
     key twice: ``json_docs``) and validated (:meth:`DataIndex.from_json`). Every reader
     of an index (restore, verify, incremental reuse, the tier) reads it here."""
     name = index_name(process)
     where = f"{location}/{name}"
-    raw = _documents.read_listed(location, name)
+    raw = _documents.read_listed(location, name, listed=listed)
     return DataIndex.from_json(_docs.parse(raw, where, _docs.DATA_INDEX), where, process)
 
 

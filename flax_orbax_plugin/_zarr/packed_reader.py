@@ -338,10 +338,15 @@ def _read_part(key: str, dest: np.ndarray, chunk, src, fill, where) -> None:
     dest[...] = raw.view(dest.dtype).reshape(chunk)[src]
 
 
-def open_packed(location: Location, process_count: int) -> PackedReader:
+def open_packed(
+    location: Location, process_count: int, *, listed: dict[str, str] | None = None
+) -> PackedReader:
     """A reader of the version-2 checkpoint at ``location``: every process's data
-    index read, checked against the sha256 its commit recorded, and validated."""
-    indexes = [_index.read_index(location, process) for process in range(process_count)]
+    index read, checked against the sha256 its commit recorded (``listed``: those
+    checksums, when the commit was read already), and validated."""
+    indexes = [
+        _index.read_index(location, process, listed=listed) for process in range(process_count)
+    ]
     sizes = {name: size for index in indexes for name, size in index.files.items()}
     where = str(location)
     dtypes = _index.merge_dtypes(indexes, where)

@@ -136,8 +136,8 @@ def test_a_signal_while_the_package_itself_loads_is_one_line(tmp_path, signum, c
     with fop.CheckpointManager(tmp_path / "run") as mngr:
         mngr.save(1, {"params": {"w": np.ones(3, np.float32)}})
     p = subprocess.run(
-        [sys.executable, "-c", _SIGNAL_ON_IMPORT, "flax_orbax_plugin.cli.list_command", str(int(signum)),
-         "list", str(tmp_path / "run")],
+        [sys.executable, "-c", _SIGNAL_ON_IMPORT, "flax_orbax_plugin.cli.list_command",
+         str(int(signum)), "list", str(tmp_path / "run")],
         env=_proc.child_env(),
         capture_output=True,
         text=True,

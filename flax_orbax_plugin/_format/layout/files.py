@@ -85,6 +85,9 @@ class CheckpointDocument:
     created_at: float = 0.0
     jax_version: str = ""
     format_version: int = FORMAT_VERSION
+    # Read, not written: the sha256 of the checkpoint's JSON files its commit recorded,
+    # by name (``_format.documents.read_document`` sets it), or None.
+    listed: dict[str, str] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         _docs.check_time(self.created_at, METADATA_FILE, "created_at", stored=False)

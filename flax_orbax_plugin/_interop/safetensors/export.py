@@ -21,6 +21,7 @@ import numpy as np
 from ..._base import interrupts as _interrupts
 from ..._base import tree as _tree
 from ..._base.option_spec import check
+from ..._base.regions import public
 from ..._core import ownership as _ownership
 from ..._core import restore as _restore
 from ..._errors import (
@@ -34,7 +35,7 @@ from ..._format.steps import manifest_for_item
 from ..._like.casting import check_policy
 from ..._storage.kvstore import local_path
 from ..._storage.location import Location
-from ..._storage.store_errors import arguments, raises_store_errors
+from ..._storage.store_errors import arguments, refusals
 from ..._storage.untrusted import loads_json, read_capped
 from . import remains as _remains
 from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES
@@ -143,7 +144,7 @@ def _source_leaves(source: Any, limit: int | None) -> tuple[list, Callable]:
     return _tree_leaves(source)
 
 
-@raises_store_errors(arguments("source"))  # a store's refusal: StoreAccessError naming it
+@public(errors=refusals(arguments("source")))  # a store's refusal: StoreAccessError
 def to_safetensors(
     source: Any,
     out: Any,
