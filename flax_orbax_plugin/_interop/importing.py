@@ -27,6 +27,7 @@ from .._core import ownership as _ownership
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     ForeignEntryError,
     OptionError,
     StructureError,
@@ -291,10 +292,11 @@ def import_checkpoint(
             src, out_dir, **options, progress=progress, memory_limit_bytes=memory_limit_bytes
         )
     if os.path.isfile(local) and not is_msgpack_checkpoint(local):
-        raise CheckpointError(
+        raise CorruptCheckpointError(  # damage, where its name says a Flax checkpoint
             f"import source {src}: a file that is neither a Flax msgpack checkpoint (it "
-            f"opens no msgpack map) nor safetensors (no .safetensors name); import takes "
-            f"an Orbax directory, msgpack file(s) or safetensors file(s)"
+            f"opens no msgpack map: not a Flax msgpack checkpoint) nor safetensors (no "
+            f".safetensors name); import takes an Orbax directory, msgpack file(s) or "
+            f"safetensors file(s)"
         )
     if os.path.exists(local):
         return import_msgpack(
