@@ -97,6 +97,8 @@ def test_a_signal_after_the_interruption_was_reported_changes_nothing(tmp_path, 
             assert proc.poll() is None, seen
             seen += proc.stderr.readline()
         proc.send_signal(first)
+        _taken(proc.pid, first)  # else both pending: Python runs SIGINT's handler first
+        time.sleep(0.2)  # delivered; its Python handler runs as the paused sleep wakes
         for other in [SIGTERM, SIGINT] * 25:  # for a quarter of a second and more
             if proc.poll() is not None:
                 break
@@ -108,6 +110,22 @@ def test_a_signal_after_the_interruption_was_reported_changes_nothing(tmp_path, 
     assert proc.returncode == code, (proc.returncode, seen + err)
     _one_line(seen + err, "export", "interrupted" if first == SIGINT else "terminated")
     assert os.listdir(tmp_path) == ["ckpt"], os.listdir(tmp_path)
+
+
+def _taken(pid: int, signum: int, timeout: float = 10.0) -> None:
+    """Waits until ``signum`` is no longer pending for process ``pid`` (its handler ran),
+    reading /proc (the signal masks of the process and of its threads)."""
+    bit = 1 << (int(signum) - 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                masks = [ln.split()[1] for ln in f if ln.startswith(("SigPnd:", "ShdPnd:"))]
+        except OSError:
+            return  # gone: it has handled it (or died of it: the test says so)
+        if not any(int(m, 16) & bit for m in masks):
+            return
+        time.sleep(0.005)
 
 
 # The console script's statements, with a signal sent to itself when a module is first
