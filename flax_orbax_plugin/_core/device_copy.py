@@ -88,8 +88,10 @@ def free_bytes(device: Any) -> int | None:
 
 def snapshot(arrays: list) -> tuple[list | None, str]:
     """A copy of every array of ``arrays`` on its own devices (enqueued: one jitted call
-    per set of devices), or (None, why) where some device lacks the memory for it.
-    Called in the blocking phase, on the saving thread; reads no device value."""
+    per local device over the shards it holds, each array then reassembled from its
+    copied shards), or (None, why) where some device lacks the memory for it. Called in
+    the blocking phase, on the saving thread; reads no device value. No collective: with
+    several processes each copies its own shards and decides its fallback alone."""
     need: dict[Any, int] = {}
     for x in arrays:
         for shard in x.addressable_shards:
@@ -101,13 +103,25 @@ def snapshot(arrays: list) -> tuple[list | None, str]:
                 f"device memory short on {device}: the copy needs {nbytes} bytes, "
                 f"{max(free, 0)} free"
             )
-    groups: dict[frozenset, list[int]] = {}
-    for i, x in enumerate(arrays):
-        groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
-    copies: list = [None] * len(arrays)
-    for members in groups.values():
-        for i, c in zip(members, _copy_all([arrays[i] for i in members]), strict=True):
-            copies[i] = c
+    shards = [[s.data for s in x.addressable_shards] for x in arrays]
+    by_device: dict[Any, list[tuple[int, int]]] = {}
+    for i, pieces in enumerate(shards):
+        for j, piece in enumerate(pieces):
+            by_device.setdefault(next(iter(piece.devices())), []).append((i, j))
+    copied: list[list] = [[None] * len(pieces) for pieces in shards]
+    for members in by_device.values():
+        outs = _copy_all([shards[i][j] for i, j in members])
+        for (i, j), c in zip(members, outs, strict=True):
+            copied[i][j] = c
+    copies = [
+        pieces[0]
+        if len(pieces) == 1
+        and x.sharding.is_fully_addressable
+        and x.ndim == pieces[0].ndim
+        and len(x.sharding.device_set) == 1
+        else jax.make_array_from_single_device_arrays(x.shape, x.sharding, pieces)
+        for x, pieces in zip(arrays, copied, strict=True)
+    ]
     return copies, ""
 
 

@@ -188,7 +188,11 @@ class Plan:
         self.batch_data, self._pooled = _host_snapshot.take_small(
             self.leaves, self.batches, self._pool, req.own_copy
         )
-        big = [leaf for leaf in self.leaves if leaf.value is not None]
+        big = [  # the leaves stored as arrays of their own (another process's small too)
+            leaf
+            for leaf in self.leaves
+            if leaf.value is not None and not isinstance(leaf.record.storage, BatchStorage)
+        ]
         on_device = [leaf for leaf in big if _device_copy.on_device(leaf.value)]
         kind = "none"
         if budget is not None:

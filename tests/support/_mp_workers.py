@@ -1044,3 +1044,42 @@ def error_met_at_different_steps(ctx, directory):
     os.environ.pop("FOP_FAIL_AT", None)
     _timed(out, "close", mngr.close)
     return out
+
+
+def device_staging_across_processes(ctx, directory):
+    """A manager save through the accelerator's device staging (``CPU_AS_DEVICE``) where
+    process 1's devices are full (it falls back to host staging) and process 0's are
+    not: no collective in either staging, so neither waits for the other; then each
+    process's shards are restored and compared."""
+    import jax
+    import numpy as np
+
+    import flax_orbax_plugin as fop
+    from flax_orbax_plugin._core import device_copy
+
+    device_copy.CPU_AS_DEVICE = True
+    if ctx.process_id == 1:
+        device_copy.free_bytes = lambda device: 0
+    state = make_state(ctx, 3)
+    expected = {
+        path: [np.asarray(s.data) for s in x.addressable_shards]
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+    }
+    like = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
+    )
+    events = []
+    with fop.CheckpointManager(directory, on_event=events.append) as mngr:
+        mngr.save(3, state)
+        state = jax.tree.map(lambda a: a * 0 - 1, state)  # the loop goes on
+        mngr.wait()
+        got = mngr.restore(step=3, like=like)
+    exact = all(
+        all(
+            np.array_equal(np.asarray(s.data), e)
+            for s, e in zip(x.addressable_shards, expected[p], strict=True)
+        )
+        for p, x in jax.tree_util.tree_flatten_with_path(got)[0]
+    )
+    staging = [e.staging for e in events if type(e).__name__ == "SaveBlockingDone"]
+    return {"staging": staging, "exact": exact}
