@@ -2,6 +2,13 @@
 # /tmp/site (the wheels carried in .whl-tpu: clu, crc32c, google-crc32c, xxhash) and
 # /tmp/site2 (its own package index: flax, optax, orbax-checkpoint, tensorstore ...),
 # behind the machine's own JAX on PYTHONPATH, with this checkout first for the package.
+# The wheels are not committed: fetch them here first (x86-64, Python 3.11), then run
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.11 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl-tpu \
+#     clu crc32c google-crc32c xxhash
+# and carry .whl-tpu with the device tool's run; its command starts with
+# `source benchmarks/tpu_setup.sh > /tmp/setup.log 2>&1` (not piped: a pipe is a subshell).
 export PIP_CONFIG_FILE=/dev/null
 python3 -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl-tpu/*.whl || return 1
