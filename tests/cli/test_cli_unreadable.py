@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 
-import _paths
+import _proc
 import numpy as np
 import pytest
 
@@ -17,18 +15,12 @@ import flax_orbax_plugin as fop
 
 
 def _as_a_user(*args) -> subprocess.CompletedProcess:
-    """The command, with the permissions of files holding (root drops the capability
-    that ignores them)."""
-    command = [sys.executable, "-m", "flax_orbax_plugin", *map(str, args)]
-    if os.geteuid() == 0:
-        drop = "-dac_override,-dac_read_search,-fowner"
-        command = ["setpriv", "--inh-caps", drop, "--bounding-set", drop, *command]
-    env = dict(os.environ, PYTHONPATH=_paths.REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    """The command, with the permissions of files holding."""
+    return _proc.run_as_a_user("-m", "flax_orbax_plugin", *args, timeout=120)
 
 
 def test_list_names_the_step_it_cannot_read_and_lists_the_others(tmp_path):
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+    if not _proc.permissions_can_hold():
         pytest.skip("running as root without setpriv: nothing can be made unreadable")
     with fop.CheckpointManager(tmp_path / "run") as mngr:
         for step in (1, 2, 3):
@@ -52,7 +44,7 @@ def test_list_names_the_step_it_cannot_read_and_lists_the_others(tmp_path):
 def test_verify_all_checks_the_other_steps_past_one_it_cannot_read(tmp_path):
     """verify --all stopped at the first step it could not read: one error line, exit 2,
     no word of the other steps (nor a JSON document)."""
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+    if not _proc.permissions_can_hold():
         pytest.skip("running as root without setpriv: nothing can be made unreadable")
     with fop.CheckpointManager(tmp_path / "run") as mngr:
         for step in (1, 2, 3):
@@ -82,7 +74,7 @@ def test_a_step_folder_that_cannot_be_read_is_reported_per_step_by_every_reading
     with one raw line and no JSON. Each reports that step and goes on: list has its row,
     inspect reads the newest step it can (warning that it skipped the shut one), verify
     reports it UNREADABLE (exit 2) and checks the others."""
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+    if not _proc.permissions_can_hold():
         pytest.skip("running as root without setpriv: nothing can be made unreadable")
     run = tmp_path / "run"
     with fop.CheckpointManager(run) as mngr:

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 
+import _proc
 import numpy as np
 import pytest
-from _paths import REPO
 
 import flax_orbax_plugin as fop
 
@@ -50,18 +47,9 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _as_a_user(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, *args]
-    if os.geteuid() == 0:
-        drop = "-dac_override,-dac_read_search,-fowner"
-        command = ["setpriv", "--inh-caps", drop, "--bounding-set", drop, *command]
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-
-
 @pytest.mark.parametrize("shut", ["3", "3/_CHECKPOINT.json", "3/params"])
 def test_a_step_that_cannot_be_read_is_skipped_for_the_latest_and_kept(tmp_path, shut):
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+    if not _proc.permissions_can_hold():
         pytest.skip("running as root without setpriv: nothing can be made unreadable")
     run = tmp_path / "run"
     with fop.CheckpointManager(run) as mngr:
@@ -69,7 +57,7 @@ def test_a_step_that_cannot_be_read_is_skipped_for_the_latest_and_kept(tmp_path,
             mngr.save(step, {"params": {"w": np.full(3, step, np.float32)}})
     (run / shut).chmod(0)
     try:
-        proc = _as_a_user("-c", ENTRY_POINTS, str(run))
+        proc = _proc.run_as_a_user("-c", ENTRY_POINTS, str(run))
     finally:
         (run / shut).chmod(0o755)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]

@@ -9,14 +9,19 @@
 * :func:`wait` waits for the child's exit with a deadline, SIGKILLing it on expiry.
 * :func:`sigterm_after` reads the step numbers a training child prints until one
   reaches a bound, then SIGTERMs it and collects the rest of its output.
+* :func:`run_as_a_user` runs a Python child with the permissions of files holding
+  (root drops the capabilities that ignore them); :func:`permissions_can_hold` says
+  whether that is possible here.
 """
 
 from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import _paths
@@ -32,6 +37,22 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     env.update(extra)
     return env
+
+
+def permissions_can_hold() -> bool:
+    """Whether a file's permissions can shut a child out here (root needs setpriv)."""
+    return os.geteuid() != 0 or shutil.which("setpriv") is not None
+
+
+def run_as_a_user(*args: object, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python *args`` with the permissions of files holding: as root, with the
+    capabilities that ignore them dropped (setpriv); the checkout's package first."""
+    command = [sys.executable, *map(str, args)]
+    if os.geteuid() == 0:
+        drop = "-dac_override,-dac_read_search,-fowner"
+        command = ["setpriv", "--inh-caps", drop, "--bounding-set", drop, *command]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def read_line(proc: subprocess.Popen, timeout: float) -> str:
