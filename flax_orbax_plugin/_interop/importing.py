@@ -266,16 +266,10 @@ def import_checkpoint(
     directory through :func:`import_msgpack`; another file is refused. Returns the
     steps written. ``progress``: as ``save_steps``'s, over the source bytes read.
     """
+    options = {"step": step, "force": force, "format_version": format_version}
+    options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
     if is_orbax_checkpoint(src):
-        return import_orbax(
-            src,
-            out_dir,
-            step=step,
-            force=force,
-            format_version=format_version,
-            progress=progress,
-            memory_limit_bytes=memory_limit_bytes,
-        )
+        return import_orbax(src, out_dir, **options)
     local = local_path(src, what="import source", note=_NOT_ORBAX)
     ours = None
     if os.path.isdir(local):
@@ -286,11 +280,8 @@ def import_checkpoint(
             f"library already: nothing to import (read it with fop.restore / "
             f"CheckpointManager, or copy the directory)"
         )
-    options = {"step": step, "force": force, "format_version": format_version}
     if safetensors_source(local) is not None:  # by name: the headers are checked on read
-        return import_safetensors(
-            src, out_dir, **options, progress=progress, memory_limit_bytes=memory_limit_bytes
-        )
+        return import_safetensors(src, out_dir, **options)
     if os.path.isfile(local) and not is_msgpack_checkpoint(local):
         raise CorruptCheckpointError(  # damage, where its name says a Flax checkpoint
             f"import source {src}: a file that is neither a Flax msgpack checkpoint (it "
@@ -299,9 +290,7 @@ def import_checkpoint(
             f"safetensors file(s)"
         )
     if os.path.exists(local):
-        return import_msgpack(
-            src, out_dir, **options, progress=progress, memory_limit_bytes=memory_limit_bytes
-        )
+        return import_msgpack(src, out_dir, **options)
     raise CheckpointNotFoundError(f"{src}: no such file or directory")
 
 
