@@ -37,13 +37,8 @@ def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bo
     before any large region's transfer is enqueued, so no read waits behind one."""
     me = _distributed.process_index()
     pooled: list[np.ndarray] = []
+    keep = _keeper(pool, pooled)  # a pooled buffer is given back after the write
     writers = _writers(leaves, batches, me, own_copy)
-
-    def keep(buffer: np.ndarray) -> np.ndarray:  # given back after the write
-        if pool is not None:
-            pooled.append(buffer)
-        return buffer
-
     owned = [o for o in _owned(leaves, writers, me, own_copy) if _is_small(o[0])]
     for _, source, _ in owned:
         if _device_copy.on_device(source):
@@ -64,8 +59,8 @@ def take_regions(
 ):
     """The regions of the leaves stored as arrays of their own that this process
     writes, each into its leaf's ``writes`` (``own_copy``: every region it holds,
-    replicas included, under the shared layout's names): (pooled buffers to give back, whether the
-    save must wait for its writes before returning).
+    replicas included, under the shared layout's names): (pooled buffers to give
+    back, whether the save must wait for its writes before returning).
 
     Accelerator arrays are staged as ``device_kind`` says (``_device_copy``: ``pinned``
     or ``host`` in the blocking phase; ``fetch``, in the background phase of the device
@@ -75,12 +70,7 @@ def take_regions(
     are written (the second value), so no copy of the state is ever made."""
     me = _distributed.process_index()
     pooled: list[np.ndarray] = []
-
-    def keep(buffer: np.ndarray) -> np.ndarray:  # given back after the write
-        if pool is not None:
-            pooled.append(buffer)
-        return buffer
-
+    keep = _keeper(pool, pooled)  # a pooled buffer is given back after the write
     writers = _writers(leaves, batches, me, own_copy)
     owned = [o for o in _owned(leaves, writers, me, own_copy) if not _is_small(o[0])]
     later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
@@ -101,6 +91,18 @@ def take_regions(
         if not _is_small(leaf):
             leaf.value = None  # the snapshot is all the background phase needs
     return pooled, views_held
+
+
+def _keeper(pool, pooled: list[np.ndarray]):
+    """The function that records a buffer taken from ``pool`` (into ``pooled``, given
+    back once written) and returns it; records nothing without a pool."""
+
+    def keep(buffer: np.ndarray) -> np.ndarray:
+        if pool is not None:
+            pooled.append(buffer)
+        return buffer
+
+    return keep
 
 
 def _is_small(leaf) -> bool:
