@@ -93,7 +93,7 @@ def verify(
     if place.kind == _places.CHECKPOINT:
         _no_step_chosen(loc, "a core checkpoint", None, step)
         return [_verify_pytree(loc, None, None, progress, budget=budget)]
-    if place.kind in (_places.STEP, _places.HOST_COPY):
+    if place.kind in (_places.STEP_KIND, _places.HOST_COPY):
         _no_step_chosen(loc, "one step", _step_number(loc), step)
         return verify_step(loc, _step_number(loc), progress=progress, budget=budget)
     if place.item is not None:  # an item of a step: checked as its kind is, as the step's are

@@ -58,7 +58,7 @@ _STAGING_FILES = (METADATA_FILE, "_PENDING.json")
 
 # The kinds of a Place: what a path holds.
 CHECKPOINT = "checkpoint"  # one pytree of ours, written by fop.save (its commit marker)
-STEP = "step"  # a committed step of a run directory (its manifest)
+STEP_KIND = "step"  # a committed step of a run directory (its manifest)
 HOST_COPY = "host copy"  # one host's own copy of a step (its manifest and host marker)
 ITEM = "item"  # a pytree item of a committed step (listed in the step's manifest)
 JSON_ITEM = "JSON item"  # an item of a committed step that holds no pytree (JSON)
@@ -90,7 +90,7 @@ class Place:
         loc = self.location
         if self.kind == CHECKPOINT:
             return f"the checkpoint {loc} (written by fop.save)"
-        if self.kind == STEP:
+        if self.kind == STEP_KIND:
             return f"step {loc.name} of the run directory {loc.parent}"
         if self.kind == HOST_COPY:
             return f"one host's own copy of step {loc.name} ({loc})"
@@ -124,7 +124,7 @@ def classify(location: Location, *, steps_first: bool = False) -> Place:
     if location.exists(COMMIT_FILE):
         return Place(location, CHECKPOINT, listing=listing)
     if location.exists(MANIFEST_FILE):
-        kind = HOST_COPY if location.exists(HOST_FILE) else STEP
+        kind = HOST_COPY if location.exists(HOST_FILE) else STEP_KIND
         return Place(location, kind, listing=listing)
     item = _steps.step_item(location)
     if item is not None:
@@ -163,7 +163,7 @@ def not_a_checkpoint(where: Location | Place) -> CheckpointError:
     classified here)."""
     place = where if isinstance(where, Place) else classify(where)
     location = place.location
-    if place.kind in (STEP, HOST_COPY):
+    if place.kind in (STEP_KIND, HOST_COPY):
         return CheckpointError(
             f"{location} is a step of a checkpoint directory, not one pytree: restore one of "
             f"its items ({_step_items(location)}) or use CheckpointManager / restore_params"
@@ -219,7 +219,7 @@ def no_steps(where: Location | Place, listing: _steps.Listing | None = None) -> 
     location classified here; ``listing``: its listing, when made)."""
     place = where if isinstance(where, Place) else classify(where)
     location, listing = place.location, listing or place.listing
-    if place.kind in (STEP, HOST_COPY):
+    if place.kind in (STEP_KIND, HOST_COPY):
         step = location.name
         return CheckpointNotFoundError(
             f"{location} is step {step} of the run directory {location.parent}, not a run "

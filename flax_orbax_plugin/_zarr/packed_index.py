@@ -126,7 +126,7 @@ class DataIndex:
                 bad(f"chunks[{key!r}]", f"a segment inside {name} ({files[name]} bytes)", entry)
             chunks[key] = Segment(name, offset, length, crc)
         _check_disjoint(chunks, where)
-        return cls(process, files, chunks, _arrays(obj.get("arrays", {}), chunks, bad))
+        return cls(process, files, chunks, _array_chunks(obj.get("arrays", {}), chunks, bad))
 
 
 def read_index(
@@ -176,7 +176,7 @@ def _files(raw: Any, process: int, bad) -> dict[str, int]:
     return files
 
 
-def _arrays(raw: Any, chunks: dict[str, Segment], bad) -> dict[str, str]:
+def _array_chunks(raw: Any, chunks: dict[str, Segment], bad) -> dict[str, str]:
     """The ``arrays`` field: ``{d/<i> or b/<batch>: dtype name}``, each an array this
     index lists chunks of (absent in indexes written before it: no dtype is known)."""
     if not isinstance(raw, dict):

@@ -39,7 +39,7 @@ def world(tmp_path):
 KINDS = {
     "ckpt": (_places.CHECKPOINT, "the checkpoint {p} (written by fop.save)"),
     "run": (_places.RUN, "the run directory {p} (latest step 2)"),
-    "run/2": (_places.STEP, "step 2 of the run directory {r}/run"),
+    "run/2": (_places.STEP_KIND, "step 2 of the run directory {r}/run"),
     "hosts/2": (_places.HOST_COPY, "one host's own copy of step 2 ({p})"),
     "run/2/params": (_places.ITEM, "item 'params' (pytree) of step 2 ({p})"),
     "run/2/extras": (_places.JSON_ITEM, "item 'extras' (json) of step 2 ({p})"),
