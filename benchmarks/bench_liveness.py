@@ -80,7 +80,8 @@ def heartbeat_cost(ctx, directory, saves):
     from jax.sharding import PartitionSpec as P
 
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin._base import liveness, regions
+    from flax_orbax_plugin._base import regions
+    from flax_orbax_plugin._base import regions as liveness
 
     beat = liveness._Heartbeat(regions.client(), ctx.process_id + 1000, 1.0)  # a spare key
     with liveness.ACTIVITIES.doing("writing this process's data", moving=True) as progress:

@@ -59,7 +59,7 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
     (_P + "_base.distributed", "_SESSION"): "the process's session nonce, drawn once",
     (_P + "_base.regions", "CALLS"): _TEST_COUNTER,
     (_P + "_core.handle", "_RUNNING"): "the process's saves still running, finished at exit",
-    (_P + "_base.exits", "_STEPS"): (
+    (_P + "_base.host", "_STEPS"): (
         "the library's steps at interpreter exit (finish saves, leave runs, announce the "
         "end), each registered once at first need"
     ),
@@ -70,10 +70,10 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
     (_P + "_base.env", "_HITS"): "FOP_FAIL_AT's N-th hit, counted per process (a test hook)",
     (_P + "_base.tree", "_LEAF_TYPES"): "a cache of the types seen to be plain leaves",
     (_P + "_storage.kvstore", "_CONTEXTS"): "the tensorstore contexts every open shares",
-    (_P + "_zarr.read_pool", "_pools"): "the process's shared read threads",
-    (_P + "_zarr.read_pool", "_pools_lock"): "the process's shared read threads (after fork)",
+    (_P + "_zarr.chunk_files", "_pools"): "the process's shared read threads",
+    (_P + "_zarr.chunk_files", "_pools_lock"): "the process's shared read threads (after fork)",
     (_P + "_incremental.reuse", "_LOGGED"): "what was logged once per store and reason",
-    (_P + "_base.liveness", "_BEATING"): "the process's heartbeat thread per coordination client",
+    (_P + "_base.regions", "_BEATING"): "the process's heartbeat thread per coordination client",
     (_P + "_storage.deleting", "_CONTEXT"): "the tensorstore context removals share (created once)",
     (_P + "_core.handle", "_IN_FLIGHT"): (
         "the process's one save_async in flight (a second waits; a restore or verify of "

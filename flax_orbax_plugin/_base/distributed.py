@@ -46,8 +46,8 @@ import jax
 from .. import _errors
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from . import env as _env
-from . import liveness as _liveness
 from . import other_paths as _other_paths
+from . import regions as _liveness
 from . import regions as _regions
 from .regions import Region, raise_published_failure
 from .regions import client as _client

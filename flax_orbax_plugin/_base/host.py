@@ -1,4 +1,30 @@
-"""Host buffers for snapshots and restores.
+"""What the library does when the program ends, in one order, from one exit hook.
+
+Steps, in this order (each registered by the module that owns it, once, at first need):
+
+1. :data:`FINISH` (``_core.handle``): the saves still running finish (or, after a
+   Ctrl-C, are cancelled), so that every value they set for the other processes is set;
+2. :data:`LEAVE` (``_manager.lifecycle``): the writers of several processes not closed
+   leave their runs (the others, waiting for this one in their manager's next
+   operation, raise at once, naming it and its error);
+3. :data:`ANNOUNCE` (``_base.regions``): a process that took part in a collective
+   operation says that its program ended (the others, waiting for it outside a
+   manager, raise at once rather than at their stall timeout).
+
+A step returns True when the program must exit with status 1 (a save that failed at
+exit, which nobody else reads): then, once every step ran, the program's own ``atexit``
+handlers run and the process exits with 1. Every step runs, whatever an earlier one
+found (a failed save still lets the others learn that this process left).
+
+One ``threading`` exit hook: those run before ``atexit``'s (jax's shutdown barrier
+among them, which would wait for the others), last registered first; ours is
+registered after ``concurrent.futures``' own (imported here for that), so a save still
+running writes with pools not yet shut down. A process that never used the library
+with several processes registers no step that touches jax.
+
+Threading: :func:`at_exit` from any thread; the steps run on the main thread at exit.
+
+Host buffers for snapshots and restores.
 
 Two properties matter and numpy's defaults give neither:
 
@@ -11,19 +37,121 @@ Two properties matter and numpy's defaults give neither:
 
 Thread-safety: numpy's huge-page switch is process-wide; it is flipped only around
 the allocation itself, which merely changes a hint for other threads' allocations.
+
+Pathways (single-controller JAX): detected, and refused with a message naming it.
+
+The library is built on JAX's multi-controller runtime: one process per host, each
+writing and reading only the shards its own devices hold, agreeing through
+``jax.distributed``'s coordination service. Under Pathways one Python process (the
+controller) drives the devices of every host through a proxy backend
+(``JAX_PLATFORMS=proxy``, set up by ``pathwaysutils``); ``jax.process_count()`` is 1
+and every device looks addressable. A save would then move every shard of every host
+through the controller's memory and write it from that one process: the per-host
+parallel writes, the host-memory budget per host and the per-host tiers would not
+hold as documented, and none of it has been run (no Pathways cluster here).
+
+So a save or restore under Pathways raises :class:`UnsupportedRuntimeError` naming it,
+at the front of each collective operation (``_base.regions.collective``: ``fop.save``,
+``fop.save_async``, ``fop.restore``, ``fop.restore_params``, a manager's open, save,
+restore, delete and wait). ``FOP_PATHWAYS=allow`` lets it run as one process
+(untested; every byte through the controller host). Reads of JSON and metadata
+(``fop.metadata``, ``fop.verify``, the command line) touch no device and are not refused.
+
+Detection (:func:`detected`): ``jax.config.jax_platforms`` names the ``proxy``
+platform (the way ``pathwaysutils`` itself tells), or the initialised default backend's
+platform is ``proxy``. Pure reads; any thread.
+
+The host-memory ceiling: the one figure that bounds what an operation holds on host.
+
+A ceiling is given as bytes (an int), ``"auto"`` or None (no bound). ``"auto"`` is
+derived when the operation starts, from the memory free then: the smaller of the
+kernel's ``MemAvailable`` (``/proc/meminfo``) and what the process's cgroup still
+allows (``memory.max`` minus ``memory.current``, cgroup v2; ``limit_in_bytes`` minus
+``usage_in_bytes``, v1), times :data:`AUTO_FRACTION`; where neither can be read (not
+Linux) it is no bound. :func:`check_ceiling` is the converter of every option that
+takes a ceiling (the manager's ``host_memory``, the readers' and importers'
+``memory_limit_bytes``, the CLI's ``--memory-limit``).
+
+Pure functions (they read ``/proc`` and ``/sys``); any thread.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import concurrent.futures.thread
+import contextlib
 import ctypes
+import logging
 import math
 import mmap
 import os
 import sys
 import threading
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
 
+import jax
 import numpy as np
+
+from .._errors import OptionError, UnsupportedRuntimeError
+from . import env as _env
+from . import tree as _tree
+from .env import INT64_MAX, Option, check, found, outside_stacklevel, refuse_without
+
+__all__ = [
+    "ANNOUNCE",
+    "AUTO",
+    "AUTO_FRACTION",
+    "FINISH",
+    "HOST_MEMORY",
+    "HOST_MEMORY_BUDGET",
+    "LEAVE",
+    "at_exit",
+    "available_bytes",
+    "check_ceiling",
+    "detected",
+    "held_bytes",
+    "largest_row",
+    "refuse_idle",
+    "refuse_if_detected",
+    "resolve",
+    "save_budget",
+    "take_old_name",
+]
+
+FINISH, LEAVE, ANNOUNCE = 0, 1, 2  # the steps, in the order they run
+_STEPS: dict[int, Callable[[], bool]] = {}  # step -> its work (see the module docstring)
+_LOCK = threading.Lock()
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+def at_exit(step: int, work: Callable[[], bool]) -> None:
+    """Runs ``work`` as ``step`` when the program ends (once, whatever the number of
+    calls; the first registers the exit hook). ``work`` returns True when the program
+    must exit with status 1."""
+    with _LOCK:
+        if not _STEPS:
+            threading._register_atexit(_run)  # type: ignore[attr-defined]
+        _STEPS.setdefault(step, work)
+
+
+def _run() -> None:
+    failed = False
+    for step in sorted(_STEPS):
+        try:
+            failed = bool(_STEPS[step]()) or failed
+        except Exception:  # the program is ending: said, then the next step
+            logger.exception("flax_orbax_plugin: a step at exit failed")
+    if failed:  # a lost step is not a success: the exit status says so (1)
+        print("flax_orbax_plugin: exit status 1 (a save failed at exit)", file=sys.stderr)
+        atexit._run_exitfuncs()  # the program's own exit handlers still run, then
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
 
 ALIGNMENT = 64
 PAGE = 4096  # the alignment of pooled buffers: O_DIRECT writes straight from them
@@ -217,3 +345,242 @@ class BufferPool:
     def nbytes(self) -> int:
         with self._lock:
             return sum(a.nbytes for free in self._free.values() for a in free)
+
+
+PROXY = "proxy"  # the platform name of the IFRT proxy backend Pathways runs behind
+
+
+def detected() -> str | None:
+    """How Pathways was recognised (words for the message), or None."""
+    platforms = jax.config.jax_platforms or ""
+    if PROXY in [p.strip() for p in platforms.split(",")]:
+        return f"jax_platforms is {platforms!r}"
+    bridge = sys.modules.get("jax._src.xla_bridge")  # only a backend already made
+    backends = getattr(bridge, "_backends", None) or {}
+    if PROXY in backends:
+        return "the proxy backend is initialised"
+    return None
+
+
+def refuse_if_detected(operation: str) -> None:
+    """UnsupportedRuntimeError when Pathways is detected (unless ``FOP_PATHWAYS=allow``)."""
+    how = detected()
+    if how is None or _env.read("FOP_PATHWAYS") == "allow":
+        return
+    raise UnsupportedRuntimeError(
+        f"{operation}: Pathways (single-controller JAX) detected ({how}), which "
+        f"flax_orbax_plugin does not support: it writes and reads each host's shards from "
+        f"that host's own process (multi-controller JAX, jax.distributed.initialize on "
+        f"every host). Run one process per host, or use Orbax with pathwaysutils' "
+        f"persistence under Pathways; FOP_PATHWAYS=allow runs it as one process anyway "
+        f"(untested: every shard passes through the controller's host memory)"
+    )
+
+
+AUTO = "auto"
+AUTO_FRACTION = 0.5
+"""The share of the memory free at the start of an operation that ``"auto"`` allows."""
+
+_CGROUP_V2 = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
+_CGROUP_V1 = (
+    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+)
+
+
+def check_ceiling(value: Any) -> int | str | None:
+    """``value`` if it is a ceiling: a positive int (bytes, at most 2**63-1), ``"auto"``
+    or None; else ValueError / TypeError in the words of an option's message."""
+    if value is None or value == AUTO:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        index = getattr(value, "__index__", None)  # numpy integer scalars
+        if index is None or isinstance(value, bool):
+            expected = "expected a positive int of bytes, 'auto' or None"
+            raise TypeError(f"{expected}, found {found(value)}")
+        value = index()
+    if not 1 <= value <= INT64_MAX:
+        raise ValueError(f"expected a positive int of bytes <= {INT64_MAX}, found {value}")
+    return int(value)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def available_bytes() -> int | None:
+    """Host memory free for this process now: the smaller of ``MemAvailable`` and the
+    cgroup's limit less its usage; None where neither can be read."""
+    figures = [_meminfo_available()]
+    for limit_path, usage_path in (_CGROUP_V2, _CGROUP_V1):
+        limit, usage = _read_int(limit_path), _read_int(usage_path)
+        if limit is not None and usage is not None and limit < INT64_MAX // 2:
+            figures.append(max(0, limit - usage))
+            break
+    known = [f for f in figures if f is not None]
+    return min(known) if known else None
+
+
+def resolve(ceiling: int | str | None) -> int | None:
+    """The bytes ``ceiling`` allows now: itself (an int), :data:`AUTO_FRACTION` of
+    :func:`available_bytes` (``"auto"``; None where that is unknown), or None."""
+    if ceiling != AUTO:
+        return ceiling  # type: ignore[return-value]
+    free = available_bytes()
+    return None if free is None else max(1, int(free * AUTO_FRACTION))
+
+
+def _shards(leaf: Any) -> list[tuple[tuple[int, ...], int]]:
+    """``[(shape, itemsize)]`` of the pieces of ``leaf`` this process holds: a jax
+    array's addressable shards (read from their indices: no data touched), a numpy
+    array whole; nothing for other leaves."""
+    dtype = getattr(leaf, "dtype", None)
+    shape = getattr(leaf, "shape", None)
+    if dtype is None or shape is None or not hasattr(dtype, "itemsize"):
+        return []
+    deleted = getattr(leaf, "is_deleted", None)
+    if callable(deleted) and deleted():  # the save's own check names the leaf
+        return []
+    shards = getattr(leaf, "addressable_shards", None)
+    if shards is None:
+        return [(tuple(shape), dtype.itemsize)]
+    out = []
+    for shard in shards:
+        dims = tuple(
+            len(range(*s.indices(n))) if isinstance(s, slice) else 1
+            for s, n in zip(shard.index, shape, strict=False)
+        )
+        out.append((dims + tuple(shape[len(dims) :]), dtype.itemsize))
+    return out
+
+
+def held_bytes(tree: Any) -> int:
+    """Bytes of the array leaves of ``tree`` this process holds (its shards)."""
+    return sum(math.prod(s) * size for leaf in _leaves(tree) for s, size in _shards(leaf))
+
+
+def largest_row(tree: Any) -> tuple[int, str]:
+    """``(bytes, leaf path)`` of the largest row (one index of the first axis of a
+    shard; a scalar whole) among the array leaves of ``tree``: the least a streamed save
+    copies at once."""
+    best, where = 0, ""
+    for path, _, leaf in _tree.flatten(tree)[0]:
+        for shape, size in _shards(leaf):
+            row = math.prod(shape[1:]) * size if shape else size
+            if row > best:
+                best, where = row, path
+    return best, where
+
+
+def _leaves(tree: Any) -> list:
+    return [leaf for _, _, leaf in _tree.flatten(tree)[0]]
+
+
+HOST_MEMORY = Option(
+    "host_memory",
+    "custom",
+    none_ok=True,
+    convert=check_ceiling,
+    default=AUTO,
+    annotation="int | str",
+    doc="the host-memory ceiling, bytes any save, restore or resume holds beyond "
+    "the state: an int (a save streams under it), 'auto' (half the memory free when a save "
+    "starts: it streams only when the state does not fit) or None (no bound)",
+)
+"""A manager's (and a callback's) one ceiling (docs/manager.md, "Host memory")."""
+
+HOST_MEMORY_BUDGET = Option(  # fop.save's, and the manager's host_memory by its old name
+    "host_memory_budget",
+    "int",
+    none_ok=True,
+    low=1,
+    high=INT64_MAX,
+    expected=f"a positive int <= {INT64_MAX} or None",
+    doc="host bytes a step may hold beyond the state (None: no bound)",
+)
+
+
+def take_old_name(given: Mapping[str, Any], owner: str = "") -> dict[str, Any]:
+    """``given`` (a manager's keyword options) with ``host_memory_budget=``, the earlier
+    name of ``host_memory``, checked by its declaration and turned into
+    ``host_memory=`` with a DeprecationWarning; both given is an OptionError naming
+    both. ``owner``: the words before the name in messages."""
+    old = HOST_MEMORY_BUDGET.name
+    if old not in given:
+        return dict(given)
+    value = check((HOST_MEMORY_BUDGET,), {old: given[old]})[old]
+    if "host_memory" in given:
+        raise OptionError(
+            f"{owner}{old}={given[old]!r} and host_memory={given['host_memory']!r} are one "
+            f"option ({old}= is its earlier name): give host_memory= alone"
+        )
+    warnings.warn(
+        f"{owner}{old}=: deprecated, and gone in the next release; write host_memory={value!r}",
+        DeprecationWarning,
+        stacklevel=outside_stacklevel(),
+    )
+    out = {k: v for k, v in given.items() if k != old}
+    out["host_memory"] = value
+    return out
+
+
+def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple[Any, Any]:
+    """``(ceiling, budget)`` of one save of ``items`` under the ceiling ``given``: the
+    ceiling in bytes now (:func:`resolve`; None: no bound) and the
+    ``host_memory_budget`` the save streams under: the ceiling when ``given`` in
+    bytes; under ``"auto"`` only when this process's share of the state does not fit
+    (never for an ``incremental`` step: it copies every region first). A ceiling
+    below the largest row of the state (the least a streamed save copies at once) is
+    an OptionError naming the leaf and both figures: called before anything is written."""
+    ceiling = resolve(given)
+    if ceiling is None:
+        return None, None
+    if not isinstance(given, int) and (incremental or held_bytes(items) <= ceiling):
+        return ceiling, None
+    row, path = largest_row(items)
+    if row > ceiling:
+        shown = given if isinstance(given, int) else repr(AUTO)
+        raise OptionError(
+            f"host_memory={shown}: a save under a ceiling of {ceiling} bytes copies at least "
+            f"one row of a leaf at a time, and a row of leaf {path!r} holds {row} bytes; "
+            f"nothing was written: raise host_memory to at least {row}, or give "
+            f"host_memory=None (no bound)"
+        )
+    return ceiling, ceiling
+
+
+def refuse_idle(out: Mapping[str, Any]) -> None:
+    """A manager's checked options ``out``: the host-memory options that do nothing
+    beside another refused, naming both: a ceiling of bytes with incremental steps
+    (they copy every region to host first; ``"auto"`` then streams no save),
+    ``reuse_host_buffers=True`` under a ceiling of bytes (each save streams: nothing
+    is pooled)."""
+    ceiling = out["host_memory"]
+    if not isinstance(ceiling, int):
+        return
+    if out["incremental"]:
+        needs = "incremental=False (an incremental step copies every region to host first)"
+        refuse_without("host_memory", ceiling, needs)
+    refuse_without(
+        "reuse_host_buffers",
+        out["reuse_host_buffers"],
+        "host_memory=None or 'auto' (under a ceiling of bytes nothing is pooled: each "
+        "save streams, CPU arrays are written from their own memory)",
+        default=False,
+    )

@@ -1,4 +1,38 @@
-"""Regions of collective operations, and the failures published in them.
+"""Liveness by progress: heartbeats, what each process is doing, and late peers named.
+
+A wait on another process (``distributed._wait``) judges it by its signs of life and of
+progress, not by one fixed wall-clock timeout. Every process, from its first collective
+operation or wait (:func:`ensure_beating`), publishes a heartbeat under
+``fop/alive/<process>`` in jax.distributed's key-value store every
+``FOP_PEER_SILENT_S / 4`` seconds (at most 1 s): a counter, a progress counter (it moves
+when bytes of a write or read moved, or an activity began or ended, since the last beat)
+and what its threads are doing (:data:`ACTIVITIES`: the collective operations they are
+in, the key one waits for, the bytes a write or read has moved and has left). A
+:class:`PeerWatch` (one per wait) reads the awaited process's heartbeat about once a
+second, once the wait lasted a second (the other late ones' only when it reports):
+
+* a process whose counter has not moved for ``FOP_PEER_SILENT_S`` (default 10) is dead:
+  :class:`CoordinationError` naming it and what it was last doing;
+* a live process is waited for as long as it makes progress: a slow save or restore of
+  any length is never aborted. The wait's stall timeout (``stall_s``: the manager's
+  ``stall_timeout=``, else ``FOP_COORDINATION_TIMEOUT_S``, 300 s) ends only a wait on a
+  process that made no progress that long: one beating but stalled (its bytes and its
+  activities unchanged; a process that only waits for a third one is judged by the
+  third's waiter instead, who raises in the region), one never seen beating (it may not
+  have reached its first coordination call yet), and two that only wait for each other
+  (different paths);
+* a process whose operation of the number this wait is in is of another kind (its
+  heartbeat names its operations) took another path: it never makes this call, and the
+  wait raises at once (``_base/other_paths.py``);
+* after ``FOP_LATE_REPORT_S`` (default 10), and every as long again, the waiting process
+  logs a warning naming the late processes and what they are doing, with their bytes
+  done and left.
+
+Threading: one heartbeat thread per process (a daemon; it stops when the coordination
+service is gone). :data:`ACTIVITIES` is thread-safe; each thread's activities are its
+own (a stack per thread). A :class:`PeerWatch` is used by the one thread that waits.
+
+Regions of collective operations, and the failures published in them.
 
 A region is one collective operation of every process (:func:`collective`); its tag is
 the same on every process (the n-th collective operation of each). An error leaving a
@@ -12,7 +46,7 @@ fail inside its region too (the "did you mean" of the public names enters the re
 the collective decorators give the call, ``_fop_region``; checks made before an
 operation's region exists publish in one drawn for them: :func:`failing_before`); and a
 process that entered a region announces its program's end (:func:`announce_leaving`
-for :data:`PROGRAM`, a step of ``_base.exits``).
+for :data:`PROGRAM`, a step of ``_base.host``).
 
 Threading: a region is an explicit input, never a thread's or a context's state. The
 public entry point draws it (:func:`collective`, or its decorators, which hand it to
@@ -36,7 +70,11 @@ import functools
 import inspect
 import itertools
 import json
+import logging
+import re
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,10 +82,354 @@ import jax
 
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from . import env as _env
-from . import exits as _exits
-from . import liveness as _liveness
-from . import option_spec as _option_spec
-from . import pathways as _pathways
+from . import env as _option_spec
+from . import host as _exits
+from . import host as _pathways
+
+__all__ = ["ACTIVITIES", "Activities", "PeerWatch", "Progress", "ensure_beating"]
+
+ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
+LOOK_S = 1.0  # how often a wait reads the heartbeats (and how long before its first look)
+# Read once, at import (so a bad value is refused at the package's first use, on every
+# process, not only inside a first long wait): see the module docstring.
+PEER_SILENT_S = _env.read("FOP_PEER_SILENT_S")
+LATE_REPORT_S = _env.read("FOP_LATE_REPORT_S")
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+@dataclasses.dataclass
+class Progress:
+    """Bytes an activity has moved (``done``) of those handed to it so far (``total``);
+    updated by the thread doing the work, read by the heartbeat thread."""
+
+    done: int = 0
+    total: int = 0
+
+    def words(self) -> str:
+        mib = 1 << 20
+        left = max(self.total - self.done, 0)
+        return f"{self.done / mib:.1f} MiB done, {left / mib:.1f} MiB left"
+
+
+@dataclasses.dataclass
+class _Activity:
+    what: str
+    since: float
+    progress: Progress | None = None
+
+
+class Activities:
+    """What this process's threads are doing (a stack per thread, innermost last)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stacks: dict[int, list[_Activity]] = {}
+
+    @contextlib.contextmanager
+    def doing(self, what: str, *, moving: bool = False) -> Iterator[Progress | None]:
+        """Records ``what`` as this thread's current activity for the body; ``moving``:
+        the body moves bytes and reports them in the :class:`Progress` it is given."""
+        entry = self.begin(what, moving=moving)
+        try:
+            yield entry.progress
+        finally:
+            self.end(entry)
+
+    def begin(self, what: str, *, moving: bool = False) -> _Activity:
+        """:meth:`doing` for a body that is no ``with`` block: pair with :meth:`end`."""
+        entry = _Activity(what, time.monotonic(), Progress() if moving else None)
+        with self._lock:
+            self._stacks.setdefault(threading.get_ident(), []).append(entry)
+        return entry
+
+    def end(self, entry: _Activity) -> None:
+        """Ends ``entry`` (begun on this thread)."""
+        me = threading.get_ident()
+        with self._lock:
+            stack = self._stacks.get(me, [])
+            if entry in stack:
+                stack.remove(entry)
+            if not stack:
+                self._stacks.pop(me, None)
+
+    def signature(self) -> tuple:
+        """What changes when this process progresses: each activity and its bytes done
+        (compared between two beats by the heartbeat thread)."""
+        with self._lock:
+            stacks = [list(s) for s in self._stacks.values()]
+        return tuple(
+            (a.what, a.since, None if a.progress is None else a.progress.done)
+            for stack in stacks
+            for a in stack
+        )
+
+    def describe(self) -> list[str]:
+        """One line per busy thread: its activities, outermost first, with their bytes."""
+        now = time.monotonic()
+        with self._lock:
+            stacks = [list(s) for s in self._stacks.values() if s]
+        lines = []
+        for stack in stacks:
+            parts = []
+            for a in stack:
+                part = f"{a.what} ({now - a.since:.0f} s"
+                part += f", {a.progress.words()})" if a.progress is not None else ")"
+                parts.append(part)
+            lines.append(" > ".join(parts))
+        return sorted(lines)
+
+
+ACTIVITIES = Activities()  # this process's (one per process, like its coordination client)
+
+
+class _Heartbeat:
+    """The thread that publishes this process's heartbeat (see the module docstring)."""
+
+    def __init__(self, client: Any, process: int, period_s: float):
+        self._client, self._key, self._period = client, f"{ALIVE}/{process}", period_s
+        self._thread = threading.Thread(target=self._run, name="fop-heartbeat", daemon=True)
+        self.beats = 0
+        self.moved = 0  # beats at which this process had progressed since the last one
+        self._last: tuple | None = None
+
+    def start(self) -> _Heartbeat:
+        try:
+            self._beat()  # the first beat before the first wait, on the caller's thread
+        except Exception:  # noqa: BLE001  (the thread tries again; a wait reports a service gone)
+            pass
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        self.beats += 1
+        now = ACTIVITIES.signature()
+        if now != self._last:
+            self._last, self.moved = now, self.moved + 1
+        doc = {"beat": self.beats, "moved": self.moved, "doing": ACTIVITIES.describe()[:8]}
+        self._client.key_value_set(self._key, json.dumps(doc), allow_overwrite=True)
+
+    def _run(self) -> None:
+        failures = 0
+        while failures < 5:  # the service gone (shutdown, or the primary died): stop
+            time.sleep(self._period)
+            try:
+                self._beat()
+                failures = 0
+            except Exception:  # noqa: BLE001  (a wait reports a service gone itself)
+                failures += 1
+
+
+_BEATING: dict[int, _Heartbeat] = {}  # id(client) -> its heartbeat: one per session
+_BEATING_LOCK = threading.Lock()
+
+
+def ensure_beating(client: Any, process: int) -> None:
+    """Starts this process's heartbeat for ``client`` (once per coordination client)."""
+    with _BEATING_LOCK:
+        if id(client) not in _BEATING:
+            period = min(1.0, PEER_SILENT_S / 4)
+            _BEATING[id(client)] = _Heartbeat(client, process, period).start()
+
+
+@dataclasses.dataclass
+class _Seen:
+    beat: int
+    at: float  # monotonic time the beat was first seen at this value
+    doing: list[str]
+    moved: int = 0  # its progress counter
+    moved_at: float = 0.0  # monotonic time the progress counter was first seen at this value
+
+
+def _only_waiting(lines: list[str]) -> bool:
+    """Whether every busy thread of a process (its :meth:`Activities.describe` lines) is
+    waiting for another process, innermost (so it makes no progress of its own)."""
+    return bool(lines) and all(
+        line.rsplit(" > ", 1)[-1].startswith("waiting for ") for line in lines
+    )
+
+
+class PeerWatch:
+    """One wait's judge of the processes it waits for (see the module docstring).
+
+    ``what``: the wait, in words (``barrier 'fop/...'``); ``late()``: the processes it
+    still waits for (called only when a report is due); ``stall_s``: the stall timeout,
+    how long a process may make no progress (``stall_name``: the option that set it)."""
+
+    def __init__(
+        self,
+        client: Any,
+        me: int,
+        what: str,
+        *,
+        stall_s: float,
+        late: Callable[[], list[int]],
+        region: str | None = None,
+        stall_name: str = "FOP_COORDINATION_TIMEOUT_S",
+        operation: tuple[str, str] | None = None,
+        elsewhere: Callable[[int, str, str], None] | None = None,
+    ):
+        self._client, self._me, self._what, self._late = client, me, what, late
+        self._region, self._operation, self._elsewhere = region, operation, elsewhere
+        self._stall_s, self._stall_name = stall_s, stall_name
+        self._silent_s, self._report_s = PEER_SILENT_S, LATE_REPORT_S
+        self._start = time.monotonic()
+        self._next_look = self._start + LOOK_S
+        self._next_report = self._start + self._report_s
+        self._seen: dict[int, _Seen] = {}
+        self._mutual_since: float | None = None
+
+    def look(self, process: int) -> None:
+        """Between two slices of the wait for ``process``: raises CoordinationError when
+        it is dead or stalled; logs the late processes when a report is due. Reads the
+        heartbeats at most once per :data:`LOOK_S`."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + LOOK_S
+        self._read(now, [process])
+        seen = self._seen.get(process)
+        if seen is None:
+            if now - self._start >= self._stall_s:
+                raise CoordinationError(
+                    f"{self._prefix()}process {process} showed no heartbeat within "
+                    f"{self._stall_s:g}s ({self._stall_name}): it never reached "
+                    f"its first coordination call, or died before it"
+                )
+        elif now - seen.at >= self._silent_s:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} is dead: its heartbeat stopped "
+                f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}); it was "
+                f"{self._doing(seen)}"
+            )
+        else:
+            self._check_path(process, seen)
+            if _only_waiting(seen.doing):
+                self._check_mutual(process, seen, now)
+            else:
+                self._mutual_since = None
+                self._check_stalled(process, seen, now)
+        if now >= self._next_report:
+            self._next_report = now + self._report_s
+            self._report(now)
+
+    def _check_stalled(self, process: int, seen: _Seen, now: float) -> None:
+        """A live process doing something of its own (or nothing of ours) is given as
+        long as it progresses: its bytes or its activities changed within the stall
+        timeout. One that only waits for a third process is not judged here (the third's
+        waiter judges it, and its error reaches this one through the region)."""
+        still = now - max(seen.moved_at, self._start)
+        if still >= self._stall_s and not seen.doing:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} is alive but has not made this call: "
+                f"for {still:.1f}s ({self._stall_name}={self._stall_s:g}) it was doing "
+                f"nothing of this library's. A collective call (a save or read with "
+                f"several processes, a manager's save, restore or close) must be made by "
+                f"every process, in the same order; was it called on some processes only?"
+            )
+        if still >= self._stall_s:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} is alive but stalled: no progress "
+                f"(bytes moved, activity begun or ended) for {still:.1f}s "
+                f"({self._stall_name}={self._stall_s:g}); it was {self._doing(seen)}"
+            )
+
+    def _check_path(self, process: int, seen: _Seen) -> None:
+        """A process whose operation of this wait's number (``operation``: its kind and
+        tag) is of another kind took another path (an error sent it elsewhere, or a
+        collective call made on some processes only): it never sets the value.
+        ``elsewhere(process, its kind, what it is doing)`` raises, at once."""
+        if self._operation is None or self._elsewhere is None:
+            return
+        kind, tag = self._operation
+        for line in seen.doing:
+            for m in _OPERATION.finditer(line):
+                if m.group(2) == tag and m.group(1) != kind:
+                    self._elsewhere(process, m.group(1), self._doing(seen))
+
+    def _check_mutual(self, process: int, seen: _Seen, now: float) -> None:
+        """Two live processes can still make no progress: each only waits, one for the
+        other (they took different paths). That is limited by the stall timeout."""
+        mutual = any(f"from process {self._me} (" in line for line in seen.doing)
+        if not (mutual and _only_waiting(ACTIVITIES.describe())):
+            self._mutual_since = None
+            return
+        if self._mutual_since is None:
+            self._mutual_since = now
+        if now - self._mutual_since >= self._stall_s:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} and this one have only waited for each "
+                f"other for {now - self._mutual_since:.0f}s ({self._stall_name}): "
+                f"they took different paths; process {process} was {self._doing(seen)}"
+            )
+
+    def _read(self, now: float, processes: list[int]) -> None:
+        """Reads the heartbeats of ``processes`` (one key each: a wait on one process
+        costs one read a second, whatever the number of processes)."""
+        for process in processes:
+            try:
+                value = self._client.key_value_try_get(f"{ALIVE}/{process}")
+            except Exception:  # noqa: BLE001  (not beating yet, or a service gone)
+                continue
+            try:
+                doc = json.loads(value)
+                beat, doing = int(doc["beat"]), [str(d) for d in doc.get("doing", [])]
+                moved = int(doc.get("moved", 0))
+            except (ValueError, KeyError, TypeError):
+                continue
+            old = self._seen.get(process)
+            if old is None or old.beat != beat:
+                moved_at = now if old is None or old.moved != moved else old.moved_at
+                self._seen[process] = _Seen(beat, now, doing, moved, moved_at)
+
+    def _prefix(self) -> str:
+        where = f" in {self._region}" if self._region else ""
+        return f"process {self._me}{where}, waiting for {self._what}: "
+
+    @staticmethod
+    def _doing(seen: _Seen) -> str:
+        return "doing " + "; ".join(seen.doing) if seen.doing else "doing nothing of ours"
+
+    def _report(self, now: float) -> None:
+        """Logs the late processes and, behind them, those they wait for in turn (the
+        straggler at the end of the chain is the one to look at)."""
+        late = self._late()
+        self._read(now, [p for p in late if p != self._me])
+        behind: list[int] = []
+        frontier = list(late)
+        while frontier and len(behind) < 8:  # who the late ones wait for, and so on
+            for q in self._waits_for(frontier.pop(0)):
+                if q != self._me and q not in late and q not in behind:
+                    self._read(now, [q])
+                    behind.append(q)
+                    frontier.append(q)
+        logger.warning(
+            "%shas waited %.0fs; late: %s%s",
+            self._prefix(),
+            now - self._start,
+            ", ".join(self._words(p, now) for p in late) or "none (the value is on its way)",
+            f"; behind them: {', '.join(self._words(q, now) for q in behind)}" if behind else "",
+        )
+
+    def _waits_for(self, process: int) -> list[int]:
+        """The processes ``process``'s threads wait for, innermost (from its heartbeat)."""
+        seen = self._seen.get(process)
+        found = []
+        for line in seen.doing if seen is not None else []:
+            m = _WAITING.match(line.rsplit(" > ", 1)[-1])
+            if m is not None and int(m.group(1)) not in found:
+                found.append(int(m.group(1)))
+        return found
+
+    def _words(self, p: int, now: float) -> str:
+        seen = self._seen.get(p)
+        if seen is None:
+            return f"process {p} (no heartbeat seen yet)"
+        return f"process {p} (alive, beat {now - seen.at:.1f}s ago, {self._doing(seen)})"
+
+
+_WAITING = re.compile(r"waiting for .* from process ([0-9]+) \(")
+_OPERATION = re.compile(r"([\w-]+) \(operation ([^)]+)\)")  # an activity of regions.resumed
+
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
 LEFT = "fop/left"  # LEFT/<scope>/<process>: it left that scope (announce_leaving)
@@ -117,7 +499,7 @@ def collective(
         yield None
         return
     with contextlib.suppress(CoordinationError):  # no client: the first wait says so
-        _liveness.ensure_beating(client(), jax.process_index())  # before any wait on us
+        ensure_beating(client(), jax.process_index())  # before any wait on us
     _exits.at_exit(_exits.ANNOUNCE, _announce_program_end)
     region = Region(kind, str(next(_REGIONS)), stall_s=stall_s, scope=scope)
     with resumed(region):
@@ -125,7 +507,7 @@ def collective(
 
 
 def _announce_program_end() -> bool:
-    """At exit (``_base.exits``, once the saves still running ended), in a process that
+    """At exit (``_base.host``, once the saves still running ended), in a process that
     took part in a collective operation: says that it left :data:`PROGRAM`, with the
     exception that ended it (if one did). A wait for one of its values that it set
     before goes on (:func:`raise_if_left`): a run that ended well is not affected."""
@@ -168,7 +550,7 @@ def collective_method(kind: str, *, stall: str, scope: str) -> Callable:
 
 # What a public call's errors become: ``errors(error, arguments)`` (the call's bound
 # arguments by name) returns the error to raise in place of ``error``, or None to raise
-# it as it is (``_storage.store_errors.refusals``: a store's refusal, in words).
+# it as it is (``_storage.kvstore.refusals``: a store's refusal, in words).
 Errors = Callable[[BaseException, dict[str, Any]], BaseException | None]
 
 
@@ -181,7 +563,7 @@ def public(
     """The one decorator of a public operation, its entry: each call
 
     * refuses a keyword the function does not take, naming the one meant ("did you
-      mean"; ``_base.option_spec``), in the call's region;
+      mean"; ``_base.env``), in the call's region;
     * with ``kind``, is a collective operation (:func:`collective` when ``spans(*args,
       **kwargs)`` says from the arguments that this call is one, e.g. a like on devices
       of other processes; None: always): the body takes the
@@ -273,7 +655,7 @@ def resumed(region: Region | None) -> Iterator[None]:
         yield
         return
     try:
-        with _liveness.ACTIVITIES.doing(f"{region.kind} (operation {region.tag})"):
+        with ACTIVITIES.doing(f"{region.kind} (operation {region.tag})"):
             yield
     except (SystemExit, GeneratorExit):  # a preempted run leaves together, on purpose
         raise

@@ -24,8 +24,8 @@ from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, CoordinationError, SaveCancelledError
 from .._storage.location import Location
+from . import handle as _pending
 from . import ownership as _ownership
-from . import pending as _pending
 
 logger = logging.getLogger("flax_orbax_plugin")
 STALE_SECONDS = 3600.0  # a staging directory untouched this long belongs to a dead save

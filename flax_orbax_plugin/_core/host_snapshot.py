@@ -1,4 +1,37 @@
-"""The blocking phase's host copy: every byte this process writes, copied off device.
+"""Device-to-host copies of the regions a save writes from accelerator arrays.
+
+Three stagings, one chosen per save by :func:`staging_for` from the platform (measured
+on each; ``benchmarks/accel_staging.py`` and ``benchmarks/bench_accelerator.py``):
+
+* **device** (TPU): the blocking phase makes one copy of every array on its own device
+  (:func:`snapshot`, one jitted call per device set: an enqueue, about a millisecond
+  for a 1.5 GB state on a TPU v5e, done on the device in a few). No donation can touch
+  that copy, so the host copy runs in the background phase (:func:`fetch`), one piece
+  of at most :data:`FETCH_PIECE` bytes in flight at a time, each region when the
+  writer gets to it (:class:`OnDevice`, so transfers overlap writes): on a TPU a transfer
+  enqueued before a step delays that step by its length, so pieces keep each step's
+  wait short (whole arrays at once made the next step wait 0.34 s where it took 0.02 s;
+  pinned host staging, 1.9 s). Where the devices lack the memory for the copy the
+  save falls back to **host** and says so (:class:`Staging`'s ``note``).
+* **pinned** (GPU, not measured here; the choice of the peers there): each region is
+  copied with ``jax.device_put`` into ``pinned_host`` memory, enqueued.
+* **host** (any other accelerator, and the device staging's fallback): every region's
+  ``copy_to_host_async`` is started, then all are read before the blocking phase ends:
+  the step after the save never waits, the blocking phase does.
+
+A save under ``host_memory_budget`` is **streamed** instead: each region is copied on
+its device (one more state of device memory until written) and the background writer
+copies it to host when it gets to it, never holding more than the budget at once
+(``write_data``'s in-flight bound); regions larger than a fraction of the budget are
+split into pieces of whole chunk rows (:func:`pieces`).
+
+The writes of a pinned or streamed save hold a :class:`Deferred` where they would hold
+host bytes, and the background phase calls :func:`materialize` (on its own thread).
+On CPU, jax arrays are host memory already and take none of these ways, unless
+:data:`CPU_AS_DEVICE` is set (tests and the benchmarks exercise the device staging on
+CPU: jax's CPU client has a ``pinned_host`` memory too).
+
+The blocking phase's host copy: every byte this process writes, copied off device.
 
 Who writes what: a partitioned array's shards are written by the processes that hold
 them; the replicas of a shard (or of a whole replicated array) split its chunk rows
@@ -13,22 +46,223 @@ Called on the saving thread, once per save.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._base import distributed as _distributed
 from .._base import host as _host
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, BatchStorage
-from .._zarr import chunk_writer as _chunk_writer
 from .._zarr import chunks as _chunks
-from .._zarr import subbyte as _subbyte
-from . import device_copy as _device_copy
+from .._zarr import chunks as _subbyte
+from .._zarr import packed_writer as _chunk_writer
+
+CPU_AS_DEVICE = False  # treat CPU arrays as device arrays (exercises this path on CPU)
+FETCH_PIECE = 16 << 20  # bytes of one background transfer of the device staging
+SNAPSHOT_HEADROOM = 0.9  # the device copy takes at most this share of a device's free memory
+
+
+def staging_for(platform: str) -> str:
+    """The staging of a save whose arrays live on ``platform`` (see the module's doc)."""
+    if platform == "tpu" or (platform == "cpu" and CPU_AS_DEVICE):
+        return "device"
+    if platform in ("gpu", "cuda", "rocm"):
+        return "pinned"
+    return "host"
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    """How one save's blocking phase copied its accelerator arrays: ``kind`` (device,
+    pinned, host, streamed, or none where nothing is on a device) and, for a fallback,
+    ``note`` (why)."""
+
+    kind: str = "none"
+    note: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({self.note})" if self.note else self.kind
+
+
+@functools.partial(jax.jit, donate_argnums=())
+def _copy_all(arrays: list) -> list:
+    return [jnp.copy(x) for x in arrays]
+
+
+def free_bytes(device: Any) -> int | None:
+    """Bytes free on ``device`` (None: the platform does not say)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001  (a platform without memory statistics)
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def snapshot(arrays: list) -> tuple[list | None, str]:
+    """A copy of every array of ``arrays`` on its own devices (enqueued: one jitted call
+    per local device over the shards it holds, each array then reassembled from its
+    copied shards), or (None, why) where some device lacks the memory for it. Called in
+    the blocking phase, on the saving thread; reads no device value. No collective: with
+    several processes each copies its own shards and decides its fallback alone."""
+    need: dict[Any, int] = {}
+    for x in arrays:
+        for shard in x.addressable_shards:
+            need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+    for device, nbytes in need.items():
+        free = free_bytes(device)
+        if free is not None and nbytes > free * SNAPSHOT_HEADROOM:
+            return None, (
+                f"device memory short on {device}: the copy needs {nbytes} bytes, "
+                f"{max(free, 0)} free"
+            )
+    shards = [[s.data for s in x.addressable_shards] for x in arrays]
+    by_device: dict[Any, list[tuple[int, int]]] = {}
+    for i, pieces in enumerate(shards):
+        for j, piece in enumerate(pieces):
+            by_device.setdefault(next(iter(piece.devices())), []).append((i, j))
+    copied: list[list] = [[None] * len(pieces) for pieces in shards]
+    for members in by_device.values():
+        outs = _copy_all([shards[i][j] for i, j in members])
+        for (i, j), c in zip(members, outs, strict=True):
+            copied[i][j] = c
+    copies = [
+        pieces[0]
+        if len(pieces) == 1
+        and x.sharding.is_fully_addressable
+        and x.ndim == pieces[0].ndim
+        and len(x.sharding.device_set) == 1
+        else jax.make_array_from_single_device_arrays(x.shape, x.sharding, pieces)
+        for x, pieces in zip(arrays, copied, strict=True)
+    ]
+    return copies, ""
+
+
+class Deferred:
+    """A region's bytes, still on a device or on their way to host memory."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: jax.Array):
+        self.array = array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.array.dtype)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+def on_device(data: Any) -> bool:
+    """Whether ``data`` (a single-device jax.Array) takes the device path."""
+    if not isinstance(data, jax.Array):
+        return False
+    return CPU_AS_DEVICE or next(iter(data.devices())).platform != "cpu"
+
+
+def start(data: jax.Array, part: tuple[slice, ...] | None, *, kind: str) -> Deferred:
+    """The region ``part`` (None: all) of the single-device array ``data``, as the
+    staging ``kind`` says: ``streamed``, copied on the device; ``pinned``, its copy into
+    pinned host memory enqueued (``host`` where the device has none); ``host``, its
+    ``copy_to_host_async`` started (the caller reads it before the blocking phase ends:
+    a donation would delete ``data``)."""
+    if kind == "streamed":  # a copy on the device, which no donation of ``data`` invalidates
+        return Deferred(jnp.copy(data) if part is None else data[part])
+    region = data if part is None else data[part]
+    device = next(iter(region.devices()))
+    if kind == "pinned" and "pinned_host" in {m.kind for m in device.addressable_memories()}:
+        target = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        return Deferred(jax.device_put(region, target))
+    region.copy_to_host_async()
+    return Deferred(region)
+
+
+def fetch(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
+    """Host bytes of the region ``part`` (None: all) of the single-device array
+    ``data``, brought over in pieces of whole rows of at most :data:`FETCH_PIECE`
+    bytes, one in flight at a time (background phase, device staging)."""
+    region = data if part is None else data[part]
+    shape = tuple(region.shape)
+    if not shape or region.nbytes <= FETCH_PIECE or shape[0] <= 1:
+        return np.asarray(region)
+    out = np.empty(shape, np.dtype(region.dtype))
+    rows = max(1, FETCH_PIECE // max(1, region.nbytes // shape[0]))
+    for lo in range(0, shape[0], rows):
+        out[lo : lo + rows] = np.asarray(region[lo : lo + rows])
+    return out
+
+
+class OnDevice(Deferred):
+    """The region ``part`` of a device copy (the device staging), brought to host by
+    :func:`fetch` when the background writer gets to it: the transfer of one region
+    overlaps the writes of those before it, and no more than the writes in flight is
+    held in host memory."""
+
+    __slots__ = ("part",)
+
+    def __init__(self, array: jax.Array, part: tuple[slice, ...] | None):
+        super().__init__(array)
+        self.part = part
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.part is None:
+            return tuple(self.array.shape)
+        return tuple(
+            len(range(*s.indices(n))) for s, n in zip(self.part, self.array.shape, strict=False)
+        ) + tuple(self.array.shape[len(self.part) :])
+
+
+def materialize(data: Any) -> Any:
+    """Host bytes of ``data`` (a :class:`Deferred` is copied, or waited for, here)."""
+    if isinstance(data, OnDevice):
+        return fetch(data.array, data.part)
+    if isinstance(data, Deferred):
+        return np.asarray(data.array)
+    return data
+
+
+def materialize_all(leaves: list) -> None:
+    """Every :class:`Deferred` of the leaves' writes replaced by its host bytes (for
+    the writers that read every region up front: format version 2, incremental)."""
+    for leaf in leaves:
+        writes = getattr(leaf, "writes", None)
+        if writes:
+            leaf.writes = [(rows, materialize(data)) for rows, data in writes]
+
+
+def pieces(
+    rows: tuple[slice, ...], length: int, chunk_rows: int, row_bytes: int, most: int
+) -> list:
+    """``rows`` (a region of whole chunk rows along axis 0 of an array of ``length``
+    rows) cut into consecutive regions of whole chunk rows of at most ``most`` bytes
+    each (at least one chunk row)."""
+    if not rows or row_bytes <= 0:
+        return [rows]
+    start = rows[0].start or 0
+    stop = length if rows[0].stop is None else rows[0].stop
+    step = max(1, most // (row_bytes * chunk_rows)) * chunk_rows
+    if stop - start <= step:
+        return [rows]
+    return [(slice(lo, min(lo + step, stop)),) + tuple(rows[1:]) for lo in range(start, stop, step)]
 
 
 def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bool = False):
@@ -41,7 +275,7 @@ def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bo
     writers = _writers(leaves, batches, me, own_copy)
     owned = [o for o in _owned(leaves, writers, me, own_copy) if _is_small(o[0])]
     for _, source, _ in owned:
-        if _device_copy.on_device(source):
+        if on_device(source):
             source.copy_to_host_async()
     batch_data = _take_small(owned, batches, writers, me, pool, keep)
     for leaf, _, _ in owned:
@@ -64,7 +298,7 @@ def take_regions(
 
     Accelerator arrays are staged as ``device_kind`` says (``_device_copy``: ``pinned``
     or ``host`` in the blocking phase; ``fetch``, in the background phase of the device
-    staging, from the copy :func:`_device_copy.snapshot` made), or streamed with a
+    staging, from the copy :func:`snapshot` made), or streamed with a
     ``budget``, in pieces of at most a quarter of it. With a ``budget``, CPU arrays are
     held as zero-copy views and nothing is copied: the save then returns only once they
     are written (the second value), so no copy of the state is ever made."""
@@ -84,7 +318,7 @@ def take_regions(
             views_held |= streamed and isinstance(data, np.ndarray)
             leaf.writes.append((part, data))
     if kind == "host":  # every transfer started: read before a donation deletes them
-        _device_copy.materialize_all(leaves)
+        materialize_all(leaves)
     _host.copy_all(later)  # on a few threads: the training thread waits for them anyway
     later.clear()  # its views of the state would stop the next step's donation
     for leaf in leaves:
@@ -162,7 +396,7 @@ def pool_sizes(leaves: list, batches: dict[str, BatchRecord], own_copy: bool = F
         if isinstance(leaf.record.storage, BatchStorage):
             continue
         data = source[0] if isinstance(source, tuple) else source
-        if _device_copy.on_device(data):
+        if on_device(data):
             continue
         extents = [len(range(*r.indices(n))) for r, n in zip(rows, leaf.record.shape, strict=True)]
         sizes.append(math.prod(extents) * np.dtype(data.dtype).itemsize)
@@ -191,13 +425,13 @@ def _summed(leaf):
 def _pieces(leaf, source, rows, budget: int | None) -> list:
     """``[rows]``, or with a ``budget`` a device region cut into pieces of whole chunk
     rows of at most a quarter of it (each copied to host on its own)."""
-    if budget is None or not isinstance(source, tuple) or not _device_copy.on_device(source[0]):
+    if budget is None or not isinstance(source, tuple) or not on_device(source[0]):
         return [rows]
     data = source[0]
     row_bytes = math.prod(data.shape[1:]) * np.dtype(data.dtype).itemsize
     chunk_rows = leaf.record.storage.chunk_shape[0] if data.ndim else 1
     length = leaf.record.shape[0] if data.ndim else 1
-    return _device_copy.pieces(rows, length, chunk_rows, row_bytes, max(1, budget // 4))
+    return pieces(rows, length, chunk_rows, row_bytes, max(1, budget // 4))
 
 
 def _held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dict[str, int]:
@@ -260,16 +494,16 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
 
 def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
     """The host copy of the region ``rows`` of a leaf stored as its own array (of an
-    accelerator array: a ``_device_copy.Deferred``). A
+    accelerator array: a ``Deferred``). A
     pooled copy is checksummed as it is copied (``summed``: the leaf's shape, chunk
     shape and crcs, see :func:`_pooled`)."""
     if isinstance(source, tuple):
         data, index = source
         part = _relative(rows, index)
-        if _device_copy.on_device(data):
+        if on_device(data):
             if kind == "fetch":  # brought over when the writer gets to it
-                return _device_copy.OnDevice(data, part)
-            return _device_copy.start(data, part, kind=kind)
+                return OnDevice(data, part)
+            return start(data, part, kind=kind)
         streamed = kind == "streamed"
         if streamed:  # a budget: the save waits for the views to be written
             host = np.asarray(data)
@@ -298,7 +532,7 @@ def _pooled(pool: _host.BufferPool, host: np.ndarray, rows, later: list, summed)
         return out
     row_bytes = math.prod(host.shape[1:]) * host.dtype.itemsize
     start = rows[0].start or 0
-    for piece in _device_copy.pieces(rows, shape[0], chunk[0], row_bytes, _host.COPY_PIECE):
+    for piece in pieces(rows, shape[0], chunk[0], row_bytes, _host.COPY_PIECE):
         at = slice((piece[0].start or 0) - start, (piece[0].stop or shape[0]) - start)
         copier = functools.partial(
             _chunks.copy_with_crcs, shape=shape, chunk=chunk, index=piece, out=crcs

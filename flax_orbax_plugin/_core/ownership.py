@@ -5,6 +5,37 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.ownership
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).
+
+What a removal of a place of ours takes, and what it leaves: the names this library
+did not write.
+
+A step or a checkpoint is ours once proven (``ownership.proof``), but a user may put a
+file into it afterwards (notes, an export, a plot). Every removal (retention,
+``CheckpointManager.delete``, ``gc``, the remains of a save cut short) removes only the
+names this library writes and leaves the others where they are, with a warning;
+replacing a checkpoint that holds such names is refused (``ownership.check_slot``).
+
+The names this library writes, by place:
+
+- **a step** (proven by its manifest): the manifest, the pending marker, a host's
+  marker (a directory per host) and the item
+  directories the manifest names. Inside an item of kind ``pytree``, a checkpoint's
+  names (below); inside a ``json``, ``step`` or ``data_iterator`` item, the JSON files
+  the manifest lists for it. An item of any other kind belongs to its checkpointable,
+  whose files this library cannot tell apart: all of it is the item's.
+- **a checkpoint** (``fop.save``'s directory, proven by its commit marker; a pytree
+  item): ``_METADATA.json``, ``_COMMITTED``, the pending marker, ``d/`` and ``b/``
+  (version 1's zarr arrays, named by tensorstore below them) and ``data/`` holding
+  ``<process>.json`` indexes and ``<process>-<n>.bin`` data files (version 2).
+- **a place proven only by the pending marker** (staging, a save cut short): all ours;
+  its name is fresh, nobody else writes there. A removal cut short records what it
+  leaves in its pending marker, so the next attempt leaves it too.
+- **anywhere** (local disk): a temporary file of the pending marker's write
+  (``_PENDING.json.tmp-<hex>``, no larger than a marker), whatever it holds: a
+  removal killed between creating it and renaming it, empty if before its write
+  (``_core.handle.temporary_files``).
+
+Threading: stateless; callers serialise removals of one place (``_core.ownership``).
 """
 
 from __future__ import annotations
@@ -13,18 +44,30 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import stat
+import sys
 from collections.abc import Callable
+
+import tensorstore as ts
 
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
 from .._format import steps as _steps
-from .._format.layout import COMMIT_FILE, MANIFEST_FILE, PENDING_FILE, CommitMarker, StepManifest
+from .._format.layout import (
+    COMMIT_FILE,
+    HOST_FILE,
+    MANIFEST_FILE,
+    PENDING_FILE,
+    CommitMarker,
+    StepManifest,
+)
+from .._storage import deleting as _deleting
 from .._storage.local_files import entry_kind
 from .._storage.location import Location
-from . import pending as _pending
-from . import removing as _removing
+from . import formats as _formats
+from . import handle as _pending
 from .created import missing_directories as missing_directories
 from .created import remove_created as remove_created
 
@@ -72,7 +115,7 @@ def unclaim(loc: Location) -> None:
 def proof(loc: Location, *, step: int | None = None) -> str | None:
     """What proves ``loc`` ours (``"step manifest"``, ``"commit marker"``, ``"pending
     marker"``: also a temporary file of its write holding it, or, at a staging name of
-    ours, only such files, empty ones too: see ``_core.pending``), or None. With
+    ours, only such files, empty ones too: see ``_core.handle``), or None. With
     ``step``, a manifest must name that step. Raises ForeignEntryError when ``loc`` (on
     local disk) is not a real directory."""
     if loc.is_local:
@@ -226,7 +269,7 @@ def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | Non
     step_loc = directory.child(str(step))
     require_ours(step_loc, action="delete step", step=step)
     _env.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)
-    keep = _removing.strangers(step_loc)  # someone else's files stay where they are
+    keep = strangers(step_loc)  # someone else's files stay where they are
     if directory.supports_rename and not keep:
         doomed = directory.child(f"{step}.deleting-{secrets.token_hex(6)}")
         step_loc.rename(doomed)  # atomic: the step disappears from listings at once
@@ -292,10 +335,10 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
             f"{loc} already holds a committed checkpoint ({found}); pass force=True "
             f"(overwrite=True for a manager step) to replace it"
         )
-    if strangers := _removing.strangers(loc):
+    if others := strangers(loc):
         raise ForeignEntryError(
             f"cannot replace {what} at {loc}: it holds entries this library did not write "
-            f"({', '.join(strangers[:5])}{', ...' if len(strangers) > 5 else ''}); they "
+            f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); they "
             f"are left alone. Move them away, then save again"
         )
     return found
@@ -306,7 +349,7 @@ def remove_children(loc: Location, names: list[str], *, action: str) -> None:
     step, after a replacing commit on an object store) once ``loc`` is proven ours."""
     require_ours(loc, action=action)
     for name in names:
-        _removing.remove_tree(loc.child(name))
+        remove_tree(loc.child(name))
 
 
 def _rmdir_if_empty(loc: Location) -> bool:
@@ -330,16 +373,16 @@ def _remove_proven(
     marker first (naming what is left, so that a removal cut short leaves it too) and
     last. ``keep``: what was found there already (``remove_step``: not looked for again).
     Without a marker there, one naming this remover is written before the walk for
-    ``keep``: a live removal is never taken for an abandoned place (``_core.pending``)."""
+    ``keep``: a live removal is never taken for an abandoned place (``_core.handle``)."""
     raw = loc.read_bytes(PENDING_FILE)
     if raw is None and keep is None:
         raw = _pending_bytes(secrets.token_hex(6))
         loc.write_bytes(PENDING_FILE, raw)  # durable: nothing is removed before it
-    found = _removing.strangers(loc) if keep is None else keep
+    found = strangers(loc) if keep is None else keep
     keep = sorted(set(_pending.keeps(raw)) | set(found))
     if raw is None or keep != _pending.keeps(raw):
         loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6), keep))  # durable
-    _removing.remove_all_but(loc, keep, pace=pace)
+    remove_all_but(loc, keep, pace=pace)
 
 
 def prepare_slot(
@@ -386,3 +429,169 @@ def prepare_slot(
         kind = ForeignEntryError if verdict["kind"] == "ForeignEntryError" else CheckpointError
         raise kind(f"{verdict['error']} (checked by process 0)")
     return bool(verdict["held"])
+
+
+_JSON_KINDS = ("json", "step", "data_iterator")
+
+# parts (relative path split on '/'), whether a directory -> the library writes it
+Rule = Callable[[list[str], bool], bool]
+
+
+def _step_rule(manifest: StepManifest) -> Rule:
+    kinds = {e.dir: e.kind for e in manifest.items.values()}
+
+    def rule(parts: list[str], is_dir: bool) -> bool:
+        head, rest = parts[0], parts[1:]
+        if head not in kinds:
+            return not rest and not is_dir and head in (MANIFEST_FILE, PENDING_FILE, HOST_FILE)
+        kind = kinds[head]
+        if not rest:
+            return is_dir
+        if kind == "pytree":
+            return _formats.checkpoint_names(rest, is_dir)
+        if kind in _JSON_KINDS:
+            name = "/".join(parts)
+            if is_dir:
+                return any(f.startswith(name + "/") for f in manifest.files)
+            return name in manifest.files or rest == [PENDING_FILE]
+        return True  # a custom checkpointable's directory: all of it is the item's
+
+    return rule
+
+
+def rule_for(loc: Location) -> Rule | None:
+    """The names the library writes at ``loc``, from its commit record (None: no
+    readable record, everything there is the library's: staging, a save cut short)."""
+    try:
+        raw = loc.read_bytes(MANIFEST_FILE)
+        if raw is not None:
+            return _step_rule(StepManifest.from_bytes(raw, f"{loc}/{MANIFEST_FILE}"))
+        if loc.read_bytes(COMMIT_FILE) is not None:
+            return _formats.checkpoint_names
+    except CheckpointError:
+        return None  # damaged: ``proof`` does not prove such a place ours either
+    return None
+
+
+def strangers(loc: Location) -> list[str]:
+    """The entries under ``loc`` (relative paths, sorted) that the library did not write:
+    a directory of someone else's is named once, not walked. Object stores name keys."""
+    rule = rule_for(loc)
+    if rule is None:
+        return []
+    if not loc.is_local:
+        return sorted(k for k in loc.keys() if not rule(k.split("/"), False))
+    ours = set(_pending.temporary_files(loc))  # our marker's write cut short, even empty
+    out: list[str] = []
+    stack = [""]
+    root = loc.path.rstrip("/")
+    while stack:
+        rel = stack.pop()
+        try:
+            it = os.scandir(os.path.join(root, rel) if rel else root)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with it:
+            for entry in it:
+                name = f"{rel}{entry.name}"
+                is_dir = entry.is_dir(follow_symlinks=False)
+                if name in ours:
+                    continue
+                if not rule(name.split("/"), is_dir):
+                    out.append(name)
+                elif is_dir:
+                    stack.append(name + "/")
+    return sorted(out)
+
+
+def enclosing(names: list[str]) -> set[str]:
+    """Every directory (relative path) that holds one of ``names``: what a removal that
+    leaves them must keep."""
+    out = set()
+    for name in names:
+        parts = name.split("/")
+        out.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return out
+
+
+def remove_all_but(loc: Location, keep: list[str], *, pace: Callable[[], int] | None) -> None:
+    """Removes everything at ``loc`` but ``keep`` (relative paths, with the directories
+    holding them), the pending marker last; ``loc`` itself goes when nothing is kept.
+    What is kept is named in a warning. Object stores: see ``_storage.deleting`` for
+    ``pace``."""
+    kept, holders = set(keep), enclosing(keep)
+    if loc.is_local:
+        _clear_local(loc.path.rstrip("/"), "", kept, holders)
+        os.unlink(os.path.join(loc.path.rstrip("/"), PENDING_FILE))
+        if not keep:
+            os.rmdir(loc.path.rstrip("/"))
+    else:
+        kv = ts.KvStore.open(loc.spec, context=_deleting.removal_context(loc.spec)).result()
+        marker = PENDING_FILE.encode()
+        keys = [k for k in kv.list().result() if k != marker and k.decode() not in kept]
+        _deleting.delete_objects(loc, kv, keys, pace)
+        if not keep:  # anything the listing missed (nothing is kept: no key is spared)
+            kv.delete_range(ts.KvStore.KeyRange(exclusive_max=PENDING_FILE)).result()
+            kv.delete_range(ts.KvStore.KeyRange(inclusive_min=PENDING_FILE + "\0")).result()
+        kv.delete_range(
+            ts.KvStore.KeyRange(inclusive_min=PENDING_FILE, exclusive_max=PENDING_FILE + "\0")
+        ).result()
+    if keep:
+        shown = ", ".join(keep[:10]) + (", ..." if len(keep) > 10 else "")
+        logger.warning(
+            "checkpoint: removed what this library wrote at %s, and left alone %d "
+            "entr%s it did not write: %s (move them away; the folder stays for them)",
+            loc,
+            len(keep),
+            "y" if len(keep) == 1 else "ies",
+            shown,
+        )
+
+
+def remove_tree(loc: Location) -> None:
+    """Removes a child of a place already proven ours (no proof of its own needed; the
+    item directories of a replaced step: ``ownership.remove_children``)."""
+    if loc.is_local:
+        path = loc.path.rstrip("/")
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        return
+    kv = ts.KvStore.open(loc.spec, context=_deleting.removal_context(loc.spec)).result()
+    kv.delete_range(ts.KvStore.KeyRange()).result()
+
+
+def _clear_local(root: str, rel: str, kept: set[str], holders: set[str]) -> None:
+    with os.scandir(os.path.join(root, rel) if rel else root) as it:
+        entries = list(it)
+    for entry in entries:
+        name = f"{rel}{entry.name}"
+        if name == PENDING_FILE or name in kept:
+            continue
+        if not entry.is_dir(follow_symlinks=False):
+            os.unlink(entry.path)  # a link itself, never its target
+        elif name in holders:
+            _clear_local(root, name + "/", kept, holders)
+        else:
+            _rmtree(entry.path)
+
+
+def _rmtree(path: str) -> None:
+    """``shutil.rmtree`` (fd-based: links inside are unlinked, not followed), its error
+    naming the full path of what it could not remove (not the bare name it had)."""
+
+    def fail(_func, where, exc_info) -> None:
+        e = exc_info[1] if isinstance(exc_info, tuple) else exc_info
+        if isinstance(e, OSError) and e.errno is not None:
+            raise OSError(e.errno, e.strerror, where) from e
+        raise e
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=fail)
+    else:
+        shutil.rmtree(path, onerror=fail)

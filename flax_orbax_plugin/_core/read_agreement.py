@@ -28,7 +28,7 @@ from .._base import tree as _tree
 from .._errors import CoordinationError
 from .._format import layout as _layout
 from .._storage.location import Location
-from .requests import ReadRequest
+from .formats import ReadRequest
 
 __all__ = ["agree_on_read"]
 

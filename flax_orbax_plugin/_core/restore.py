@@ -1,4 +1,9 @@
-"""Restoring a pytree, driven by a ``like`` template.
+"""The plan of a restore (``dry_run=True``): which saved leaves, and which index
+ranges of them, make each leaf of like; built from the restore's checked targets, so
+it is what the read would do (``_like.surgery_plan.RestorePlan``).
+Threading: pure; the restoring thread.
+
+Restoring a pytree, driven by a ``like`` template.
 
 ``like`` decides the structure and the form of every leaf:
 
@@ -24,25 +29,48 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import tree as _tree
-from .._base.option_spec import flag
+from .._base.env import flag
 from .._errors import StructureError, TransformError
 from .._format import layout as _layout
 from .._format import metadata as _metadata
-from .._format.documents import read_document
-from .._like import retarget as _retarget
+from .._format.steps import read_document
+from .._like import onto_like as _retarget
 from .._like import surgery as _surgery
 from .._like import surgery_mirrors as _surgery_mirrors
 from .._like import transform as _transform
+from .._like.surgery_plan import PlanEntry, RestorePlan, full_box
 from .._storage.location import Location
+from .._zarr import chunk_files as _read_pool
 from .._zarr import chunks as _chunks
-from .._zarr import read_pool as _read_pool
 from . import formats as _formats
 from . import handle as _handle
-from . import restore_plans as _plans
+from .formats import DEFAULT_READ_LIMIT_BYTES, ReadRequest
 from .read_agreement import agree_on_read
 from .read_data import read_targets
-from .requests import DEFAULT_READ_LIMIT_BYTES, ReadRequest
-from .targets import add_missing_empties, make_target
+from .reads import Target, add_missing_empties, make_target
+
+
+def entry_of(target: Target, path: str) -> PlanEntry:
+    """``target``'s entry under like's ``path``."""
+    record = target.record
+    if target.virtual is None:
+        box = full_box(tuple(record.shape))
+        return PlanEntry(path, tuple(record.shape), record.dtype, ((record.path, box),))
+    node = target.virtual.node
+    pieces, _ = node.pieces(full_box(node.shape))
+    sources = tuple((p.record.path, p.box) for p in pieces)
+    return PlanEntry(path, tuple(node.shape), node.dtype, sources, target.virtual.how)
+
+
+def plan_of(
+    where: str, targets: list[Target], paths: list[str], kept: list[str], saved: list[str]
+) -> RestorePlan:
+    """The plan of reading ``targets`` (like's ``paths``, in order; ``kept``: like's
+    leaves kept as they are; ``saved``: the checkpoint's leaves holding values)."""
+    entries = tuple(entry_of(t, p) for t, p in zip(targets, paths, strict=True))
+    read = {path for e in entries for path, _ in e.sources}
+    dropped = tuple(p for p in saved if p not in read)
+    return RestorePlan(where, entries, tuple(kept), dropped)
 
 
 def metadata(path: Any) -> _metadata.CheckpointMetadata:
@@ -167,7 +195,7 @@ def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
         targets = [make_target(i, rec, None, cast=request.cast) for i, rec in leaves]
         if request.dry_run:
             paths = [t.record.path for t in targets]
-            return _plans.plan_of(str(location), targets, paths, [], saved)
+            return plan_of(str(location), targets, paths, [], saved)
         read_targets(location, doc, targets, request)
         items = [(list(t.record.keys), t.result) for t in targets]
         return _tree.rebuild(items)
@@ -208,7 +236,7 @@ def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
         paired = list(zip(plan, flat, strict=True))
         paths = [p for t, (p, _, _) in paired if t is not _transform.KEEP]
         kept = [p for t, (p, _, _) in paired if t is _transform.KEEP]
-        return _plans.plan_of(str(location), targets, paths, kept, saved)
+        return plan_of(str(location), targets, paths, kept, saved)
     read_targets(location, doc, targets, request)
     results = [
         leaf if t is _transform.KEEP else t.result

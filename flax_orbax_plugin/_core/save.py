@@ -27,12 +27,13 @@ from .._base import interrupts as _interrupts
 from .._base import tree as _tree
 from .._base.regions import public
 from .._format.layout import COMMIT_FILE, CommitMarker
+from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
-from .._storage.store_errors import arguments, refusals
 from . import commit as _commit
+from . import handle as _pending
 from . import host_snapshot as _host_snapshot
 from . import ownership as _ownership
-from . import pending as _pending
+from .formats import DEFAULT_FORMAT_VERSION, SaveRequest, check_save
 from .handle import (
     Cancellation,
     SaveHandle,
@@ -42,7 +43,6 @@ from .handle import (
     wait_for_pending_save,
 )
 from .plan import Plan, Snapshot, structure_lines
-from .requests import DEFAULT_FORMAT_VERSION, SaveRequest, check_save
 
 _IN_FLIGHT_LOCK = threading.Lock()  # one save_async starts at a time
 

@@ -17,10 +17,9 @@ import numpy as np
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage
 from .._like.surgery_plan import Piece
-from .._zarr import subbyte as _subbyte
+from .._zarr import chunks as _subbyte
 from . import formats as _formats
-from .reads import ReadInto
-from .targets import Target, make_target
+from .reads import ReadInto, Target, make_target
 
 
 def _box(region: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

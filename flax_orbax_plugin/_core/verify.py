@@ -15,9 +15,8 @@ from .._base.regions import public
 from .._errors import CheckpointError, OptionError, OptionTypeError
 from .._format import host_copy as _host_copy
 from .._format import layout as _layout
-from .._format import places as _places
+from .._format import steps as _places
 from .._format import steps as _steps
-from .._format.documents import read_document
 from .._format.layout import (
     JSON_VALUE_FILE,
     METADATA_FILE,
@@ -26,15 +25,16 @@ from .._format.layout import (
     batch_dir,
     iterator_state_file,
 )
+from .._format.steps import read_document
+from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
-from .._storage.store_errors import arguments, refusals
 from .._zarr import regions as _zarr_regions
 from . import formats as _formats
+from . import formats as _requests
 from . import handle as _handle
 from . import read_data as _read_data
 from . import reads as _reads
-from . import requests as _requests
-from .targets import make_target
+from .reads import make_target
 
 # Bytes of array data read but not yet checked, at most (plus one chunk or file).
 VERIFY_BUDGET_BYTES = 16 << 20

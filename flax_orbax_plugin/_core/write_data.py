@@ -3,7 +3,7 @@
 Format version 1 (:func:`write_data`): every zarr.json (primary) and this process's
 chunks. It creates the arrays, starts the links or server-side copies of unchanged
 leaves on helper threads, and writes every other region: plain arrays and batches on
-local disk through ``_zarr.chunk_writer`` (no chunk-buffer copy), the rest through
+local disk through ``_zarr.packed_writer`` (no chunk-buffer copy), the rest through
 tensorstore.
 
 Format version 2 (:func:`write_packed`): this process's chunks packed into a few data
@@ -28,18 +28,18 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base import env as _env
-from .._base import liveness as _liveness
+from .._base import regions as _liveness
 from .._errors import CheckpointError
 from .._format.layout import ArrayStorage, BatchRecord, array_dir, batch_dir, sha256
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
-from .._zarr import chunk_writer as _chunk_writer
 from .._zarr import chunks as _chunks
+from .._zarr import chunks as _subbyte
 from .._zarr import packed_codec as _codec
+from .._zarr import packed_writer as _chunk_writer
 from .._zarr import packed_writer as _packed_writer
-from .._zarr import subbyte as _subbyte
-from . import device_copy as _device_copy
+from . import host_snapshot as _device_copy
 from .handle import raise_if_cancelled
 
 _LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied concurrently

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from .._storage import json_docs as _docs
+from .._storage import local_files as _docs
 from .._storage.location import Location
 from . import steps as _steps
 from .layout import HOST_FILE, ArrayStorage, BatchStorage, iterator_state_file

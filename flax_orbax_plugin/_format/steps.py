@@ -1,28 +1,83 @@
 """Steps of a checkpoint directory: names, listing, manifests, the latest step.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.steps``.
+
+What a place holds when it holds not what a reader asked for: the one describer of
+wrong directories, for every reading entry point (``fop.restore``, ``fop.metadata``,
+``restore_params``, the CLI's ``inspect``/``verify``/``list``/``export``).
+
+:func:`not_a_checkpoint` answers a reader that wanted one pytree, :func:`no_steps` one
+that wanted a directory of steps. Each names what is there: nothing, a file, an empty
+directory, a step, a run directory, an interrupted save (a staging place of ours: the
+only case called "interrupted"), another library's checkpoint, or runs and checkpoints
+one level down (named, so the user can point at them); else what it holds.
+
+:func:`classify` says once, at the front of every reading operation, what is at a path
+(one frozen :class:`Place`: a checkpoint of ours, a step, one host's copy of a step, an
+item of a step, a run of steps, an Orbax checkpoint, a Flax msgpack file, an
+unfinished save, nothing); ``fop.restore``, ``fop.metadata``, ``restore_params`` and
+``fop.verify`` dispatch on its kind, and the describers take it. Its probes are names
+and small files, in one order (the kind a reader expects first, so that a
+well-formed call costs that kind's one probe).
+
+The describers run on error paths only: they list the place and, for the level below,
+at most :data:`MAX_PROBED` children. Reads names and small files only; no link is
+followed (listing as :mod:`.steps` does). Safe from any thread.
+
+Checked reads of a checkpoint's metadata document (``_METADATA.json``).
+
+:func:`read_document` returns the validated :class:`CheckpointDocument` of a
+committed checkpoint (a standalone one, or an item of a committed manager step),
+checked against the checksum recorded at its commit; anything else is an error
+saying what is there instead (a step, an unfinished save, another library's
+checkpoint, a file, nothing). Reads two small JSON files; safe from any thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import operator
+import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from .._base.option_spec import Option, outside_stacklevel
+from .._base.env import Option, outside_stacklevel
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ForeignEntryError,
+    NotCommittedError,
 )
-from .._storage import json_docs as _docs
+from .._storage import local_files as _docs
 from .._storage.location import Location
-from .foreign import foreign_format_hint
-from .layout import MANIFEST_FILE, PENDING_FILE, ItemEntry, StepManifest, decode_checked
+from . import layout as _layout
+from .foreign import foreign_format_hint, is_msgpack_checkpoint, is_orbax_checkpoint
+from .layout import (
+    COMMIT_FILE,
+    HOST_FILE,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    PENDING_FILE,
+    CheckpointDocument,
+    CommitMarker,
+    ItemEntry,
+    StepManifest,
+    decode_checked,
+)
+
+__all__ = [
+    "MAX_PROBED",
+    "Place",
+    "classify",
+    "holding_checkpoint",
+    "misplaced",
+    "no_steps",
+    "not_a_checkpoint",
+]
 
 # Canonical step names only: ``0`` or digits without a leading zero (``007`` is foreign).
 _STEP = r"(0|[1-9][0-9]{0,17})"
@@ -298,3 +353,390 @@ def read_item_json(item_loc: Location, name: str) -> object:
     if raw is None:
         raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
     return decode_checked(raw, where, expected, _docs.JSON_ITEM)
+
+
+MAX_PROBED = 16  # children looked into for a run or checkpoint one level down
+PATHS_NAMED = 4  # items of a step named when pointing at them
+# What a save of ours leaves in its place before it commits: the pending marker (its
+# name is the removal owner's, ``_core.ownership``, a wing above: named here) and a
+# pytree's metadata written before its commit marker (object stores).
+_STAGING_FILES = (METADATA_FILE, "_PENDING.json")
+
+
+# The kinds of a Place: what a path holds.
+CHECKPOINT = "checkpoint"  # one pytree of ours, written by fop.save (its commit marker)
+STEP_KIND = "step"  # a committed step of a run directory (its manifest)
+HOST_COPY = "host copy"  # one host's own copy of a step (its manifest and host marker)
+ITEM = "item"  # a pytree item of a committed step (listed in the step's manifest)
+JSON_ITEM = "JSON item"  # an item of a committed step that holds no pytree (JSON)
+RUN = "run"  # a run directory of ours: committed steps, or our run records
+ORBAX = "Orbax"  # an Orbax item, step or run (``foreign.is_orbax_checkpoint``)
+MSGPACK = "msgpack"  # a Flax msgpack file
+UNFINISHED = "unfinished"  # a save of ours that began and never committed
+NOTHING = "nothing"  # none of the above (a file, an empty or missing place, others')
+PYTREES = (CHECKPOINT, ITEM)  # what the native reader reads
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """What is at ``location``, classified once (:func:`classify`): its ``kind`` (one
+    of the constants above), and what the probes found on the way: the step item
+    (:data:`ITEM`, :data:`JSON_ITEM`), the listing (when the place was listed), the
+    staging file of an unfinished save (``staged``: its name, or ``"partial"`` for a
+    staging folder beside it)."""
+
+    location: Location
+    kind: str
+    item: StepItem | None = None
+    listing: Listing | None = None
+    staged: str | None = None
+
+    @property
+    def description(self) -> str:
+        """What is there, in words, for messages."""
+        loc = self.location
+        if self.kind == CHECKPOINT:
+            return f"the checkpoint {loc} (written by fop.save)"
+        if self.kind == STEP_KIND:
+            return f"step {loc.name} of the run directory {loc.parent}"
+        if self.kind == HOST_COPY:
+            return f"one host's own copy of step {loc.name} ({loc})"
+        if self.item is not None:
+            return f"{self.item.label} ({loc})"
+        if self.kind == RUN:
+            latest = None if self.listing is None else self.listing.latest
+            steps = "no committed step yet" if latest is None else f"latest step {latest}"
+            return f"the run directory {loc} ({steps})"
+        if self.kind == ORBAX:
+            return f"an Orbax checkpoint at {loc}"
+        if self.kind == MSGPACK:
+            return f"a Flax msgpack checkpoint at {loc}"
+        if self.kind == UNFINISHED:
+            return f"{loc}, whose save was interrupted or is still running"
+        return f"no checkpoint at {loc}"
+
+
+def classify(location: Location, *, steps_first: bool = False) -> Place:
+    """What is at ``location`` (see :class:`Place`), by names and small files, in this
+    order: a checkpoint of ours, a step (a host's copy), an item of a step, an Orbax
+    checkpoint, a run of ours, an unfinished save of ours, a msgpack file, nothing.
+    ``steps_first``: a reader of a run directory (``restore_params``) lists it first, and
+    a run with committed steps costs that one listing (its errors propagate, as the
+    reader's own listing did); the rest follow in the order above. A damaged manifest
+    of the step holding ``location`` raises CorruptCheckpointError, naming it. Safe
+    from any thread."""
+    listing = list_directory(location) if steps_first else None
+    if listing is not None and listing.committed:
+        return Place(location, RUN, listing=listing)
+    if location.exists(COMMIT_FILE):
+        return Place(location, CHECKPOINT, listing=listing)
+    if location.exists(MANIFEST_FILE):
+        kind = HOST_COPY if location.exists(HOST_FILE) else STEP_KIND
+        return Place(location, kind, listing=listing)
+    item = step_item(location)
+    if item is not None:
+        return Place(location, ITEM if item.is_pytree else JSON_ITEM, item=item, listing=listing)
+    if is_orbax_checkpoint(location):
+        return Place(location, ORBAX, listing=listing)
+    run = _run_listing(location, listing)
+    if run is not None:
+        return Place(location, RUN, listing=run)
+    staged = _staged(location)
+    if staged is not None:
+        return Place(location, UNFINISHED, listing=listing, staged=staged)
+    if location.is_local and is_msgpack_checkpoint(location.path.rstrip("/")):
+        return Place(location, MSGPACK, listing=listing)
+    return Place(location, NOTHING, listing=listing)
+
+
+def _run_listing(location: Location, listing: Listing | None) -> Listing | None:
+    """The listing of ``location`` (``listing``, when made) when it is a run directory of
+    ours (committed steps, or our run records); None for anything else, and where it
+    is no directory or cannot be listed (the describers say what it is)."""
+    try:
+        if location.is_local and not location.is_dir():
+            return None
+        listing = listing if listing is not None else list_directory(location)
+        if listing.committed or any(location.exists(n) for n in RECORD_NAMES):
+            return listing
+    except (CheckpointError, OSError):
+        pass
+    return None
+
+
+def not_a_checkpoint(where: Location | Place) -> CheckpointError:
+    """The error for a reader of one pytree (``fop.restore``, ``fop.metadata``) that
+    found no committed checkpoint at ``where`` (its :class:`Place`, or a location
+    classified here)."""
+    place = where if isinstance(where, Place) else classify(where)
+    location = place.location
+    if place.kind in (STEP_KIND, HOST_COPY):
+        return CheckpointError(
+            f"{location} is a step of a checkpoint directory, not one pytree: restore one of "
+            f"its items ({_step_items(location)}) or use CheckpointManager / restore_params"
+        )
+    if place.kind == RUN:
+        return CheckpointNotFoundError(_run_directory_message(location, place.listing))
+    if place.kind == UNFINISHED:
+        return NotCommittedError(
+            f"{location} is not a committed checkpoint: its save was interrupted or is "
+            f"still running"
+        )
+    return CheckpointNotFoundError(_nothing_here(location, "no checkpoint"))
+
+
+def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
+    """The committed checkpoint of this library that ``location`` is (or lies inside),
+    in words: a step (or a place inside one of its items), a core checkpoint, or, for
+    ``location`` and its first ``runs - 1`` parents, a run directory holding committed
+    steps. None when there is none. For writers whose output must stay outside every
+    checkpoint (an export, an import's run): a committed checkpoint never changes.
+
+    Probes one marker per parent (and lists ``runs`` directories); a local
+    ``location`` should be a real path (no link on the way). Safe from any thread."""
+    here, level = location, 0
+    while True:
+        if here.exists(MANIFEST_FILE):
+            return f"step {here.name} of the run directory {here.parent}"
+        if here.exists(COMMIT_FILE):
+            return f"the checkpoint {here} (written by fop.save)"
+        if level < runs and list_directory(here).committed:
+            return f"the run directory {here} (it holds committed steps)"
+        if here.parent == here:
+            return None
+        here, level = here.parent, level + 1
+
+
+def _step_items(step: Location) -> str:
+    """The items of the step at ``step`` as paths, pytrees first (it named a ``params``
+    item also where the step has none)."""
+    try:
+        items = read_manifest(step).items
+    except CheckpointError as e:  # a damaged manifest: say so, name no item
+        return f"its manifest is damaged: {e}"
+    ordered = sorted(items.items(), key=lambda kv: (kv[1].kind != "pytree", kv[0]))
+    shown = [str(step.child(entry.dir)) for _, entry in ordered[:PATHS_NAMED]]
+    more = len(ordered) - len(shown)
+    return (", ".join(shown) or "none") + (f" and {more} more" if more > 0 else "")
+
+
+def no_steps(where: Location | Place, listing: Listing | None = None) -> CheckpointError:
+    """The error for a reader of a directory of steps (``restore_params``, ``verify``,
+    the CLI) that found no committed step at ``where`` (its :class:`Place`, or a
+    location classified here; ``listing``: its listing, when made)."""
+    place = where if isinstance(where, Place) else classify(where)
+    location, listing = place.location, listing or place.listing
+    if place.kind in (STEP_KIND, HOST_COPY):
+        step = location.name
+        return CheckpointNotFoundError(
+            f"{location} is step {step} of the run directory {location.parent}, not a run "
+            f"directory: name that directory (and step {step}), e.g. "
+            f"fop.restore_params({str(location.parent)!r}, step={step})"
+        )
+    if place.item is not None:
+        item = place.item.manifest
+        return CheckpointNotFoundError(
+            f"{location} is an item of step {item.step} of the run directory "
+            f"{location.parent.parent}, not a run directory: fop.restore({str(location)!r}) "
+            f"reads it, fop.restore_params({str(location.parent.parent)!r}, step={item.step}) "
+            f"serves the step's params"
+        )
+    if place.kind == CHECKPOINT:
+        return CheckpointNotFoundError(
+            f"{location} is a checkpoint of one pytree (fop.save), not a directory of "
+            f"steps: read it with fop.restore({str(location)!r})"
+        )
+    listing = listing if listing is not None else list_directory(location)
+    if listing.corrupt:  # steps there were, all set aside: damage, not an empty run
+        return CorruptCheckpointError(
+            f"no committed steps in {location}: every step was set aside as damaged "
+            f"({', '.join(listing.corrupt)}); inspect them with `flax-orbax verify "
+            f"{location}/<name>`"
+        )
+    if listing.unfinished:
+        return CheckpointNotFoundError(
+            f"no committed steps in {location}: the saves of "
+            f"{', '.join(listing.unfinished)} were interrupted or are still running"
+        )
+    if any(location.exists(n) for n in RECORD_NAMES):
+        return CheckpointNotFoundError(
+            f"no committed steps in {location}: a run directory of CheckpointManager with "
+            f"no committed step yet"
+        )
+    return CheckpointNotFoundError(_nothing_here(location, "no committed steps"))
+
+
+def _nothing_here(location: Location, none: str) -> str:
+    """``none`` (what was looked for) and what ``location`` holds instead."""
+    hint = foreign_format_hint(location)
+    if hint:
+        return f"no checkpoint of this library at {location}{hint}"
+    path = location.path.rstrip("/")
+    if location.is_local and os.path.lexists(path) and not os.path.isdir(path):
+        return f"{location} is a file, not a checkpoint directory"
+    if not location.is_dir():
+        return f"{none} at {location}: the path does not exist" + (
+            "" if location.is_local else " (nothing is stored under it)"
+        )
+    inside = _inside(location)
+    if inside is not None:
+        return f"{none} at {location}: it is a folder inside {inside}; point at that instead"
+    names = [n for n in location.list_children() if not n.startswith(".fop-visible-")]
+    if not names:
+        return f"{none} at {location}: an empty directory (nothing was ever saved here)"
+    below = _one_level_down(location, names)
+    if below:
+        return (
+            f"{none} at {location} itself; one level down: {'; '.join(below)}. Point at "
+            f"{'one of them' if len(below) > 1 else 'it'}"
+        )
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "")
+    return f"{none} at {location}: it holds no checkpoint of this library (it holds: {shown})"
+
+
+def misplaced(location: Location) -> str | None:
+    """Where ``location`` (no run itself) is one level off a run of ours: a folder inside
+    a checkpoint, step or item, or a folder with runs one level down;
+    None otherwise (a folder of other things is no mistake of place). ``gc``'s check."""
+    inside = _inside(location)
+    if inside is not None:
+        return f"{location} is a folder inside {inside}; point at the run directory instead"
+    names = [n for n in location.list_children() if not n.startswith(".fop-visible-")]
+    below = _one_level_down(location, names, runs_only=True)  # a checkpoint there: no gc's
+    if below:
+        return f"{location} holds no run itself; one level down: {'; '.join(below)}"
+    return None
+
+
+def _inside(location: Location) -> str | None:
+    """What of ours ``location`` is a folder inside (a checkpoint, a step, an item)."""
+    try:
+        parent = location.parent
+        if parent.exists(COMMIT_FILE):
+            return f"the checkpoint {parent}"
+        if parent.exists(MANIFEST_FILE):
+            return f"step {parent.name} ({parent})"
+        if manifest_for_item(parent) is not None:
+            return f"the item {parent} of a step"
+    except (CheckpointError, OSError, ValueError):
+        pass
+    return None
+
+
+def _one_level_down(location: Location, names: list[str], *, runs_only: bool = False) -> list[str]:
+    """Runs and checkpoints (``runs_only``: runs) of ours among the first
+    :data:`MAX_PROBED` children."""
+    kinds = location.child_kinds() if location.is_local else None
+    found = []
+    for name in [n for n in names if kinds is None or kinds.get(n) == "dir"][:MAX_PROBED]:
+        try:
+            child = location.child(name)
+            what = _what_child_is(child)
+        except (CheckpointError, OSError, ValueError):
+            continue  # a link, an odd name, an unreadable entry: not pointed at
+        if what is not None and (not runs_only or what.startswith("a run directory")):
+            found.append(f"{child} ({what})")
+    return found
+
+
+def _what_child_is(child: Location) -> str | None:
+    if child.exists(COMMIT_FILE):
+        return "a checkpoint of one pytree"
+    if child.exists(MANIFEST_FILE):
+        return "a step of a run directory"
+    latest = list_directory(child).latest
+    if latest is not None:
+        return f"a run directory of CheckpointManager, latest step {latest}"
+    if any(child.exists(n) for n in RECORD_NAMES):
+        return "a run directory of CheckpointManager, no committed step yet"
+    return None
+
+
+def _run_directory_message(location: Location, listing: Listing | None) -> str:
+    """What to call on a directory of manager steps (it holds committed steps, or
+    our run records; ``listing``: its listing, made by :func:`classify`)."""
+    listing = listing if listing is not None else list_directory(location)
+    latest = listing.latest
+    if latest is None:
+        steps = "no committed step yet"
+        item = f"{location}/<step>/params"
+    else:
+        shown = ", ".join(map(str, listing.committed[-5:]))
+        more = "..., " if len(listing.committed) > 5 else ""
+        steps = f"steps {more}{shown}"
+        try:  # an item the latest step holds (params, unless it has none)
+            names = sorted(read_manifest(location.child(str(latest))).items)
+        except (CheckpointError, OSError):  # OSError: shut by a permission, an I/O error
+            names = []
+        item = f"{location}/{latest}/{'params' if 'params' in names or not names else names[0]}"
+    if listing.unreadable:  # folders the environment shut: named, not left out unsaid
+        shut = ", ".join(str(step) for step, _ in listing.unreadable[:5])
+        steps += f"; step folder(s) {shut} cannot be read"
+    return (
+        f"{location} is a run directory of CheckpointManager ({steps}), not one "
+        f"checkpoint: restore a step with fop.CheckpointManager({str(location)!r}, "
+        f"read_only=True).restore(like=state) (or CheckpointCallback(..., resume=True)), "
+        f"its params alone with fop.restore_params({str(location)!r}, like), or name one "
+        f"item of a step: {item!r}"
+    )
+
+
+def _staged(location: Location) -> str | None:
+    """What shows that a save of ours to ``location`` began and never committed: the
+    name of a staging file of ours there, or (local disk) ``"partial"`` for a
+    ``<name>.partial-*`` staging beside it; None when nothing does."""
+    found = next((n for n in _STAGING_FILES if location.exists(n)), None)
+    if found is not None or not location.is_local:
+        return found
+    parent = os.path.dirname(location.path.rstrip("/"))
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return None
+    return "partial" if fnmatch.filter(names, f"{location.name}.partial-*") else None
+
+
+def read_document(location: Location) -> CheckpointDocument:
+    """The validated metadata of a committed checkpoint (a standalone one, or an item of
+    a committed manager step), checked against the checksum recorded at its commit;
+    the checksums its commit recorded ride along (``listed``), so that the other JSON
+    files of one read are checked without reading the commit again."""
+    where = f"{location}/{METADATA_FILE}"
+    listed = listed_checksums(location)
+    raw = read_listed(location, METADATA_FILE, listed=listed)
+    doc = CheckpointDocument.from_json(_layout.decode(raw, where, _docs.METADATA), where)
+    return dataclasses.replace(doc, listed=listed)
+
+
+def listed_checksums(location: Location) -> dict[str, str]:
+    """The sha256 of each JSON file of the committed checkpoint at ``location``, by name,
+    as its commit recorded them (the commit marker's, or the step manifest's, file
+    list); an error saying what is there when no commit lists it."""
+    raw_marker = location.read_bytes(COMMIT_FILE)
+    if raw_marker is not None:
+        return dict(CommitMarker.from_bytes(raw_marker, f"{location}/{COMMIT_FILE}").files)
+    manifest = manifest_for_item(location)
+    if manifest is None:
+        raise not_a_checkpoint(location)
+    prefix = f"{location.name}/"
+    return {k[len(prefix) :]: v for k, v in manifest.files.items() if k.startswith(prefix)}
+
+
+def read_listed(location: Location, name: str, *, listed: dict[str, str] | None = None) -> bytes:
+    """The bytes of the JSON file ``name`` of a committed checkpoint, checked against
+    the sha256 its commit recorded (``listed``: :func:`listed_checksums`, when read;
+    else read here); CorruptCheckpointError when it is unlisted, missing or changed."""
+    where = f"{location}/{name}"
+    expected = (listed if listed is not None else listed_checksums(location)).get(name)
+    if expected is None:
+        raise CorruptCheckpointError(
+            f"{where}: the commit records no checksum for it (the item is not a "
+            f"pytree, or the file list was damaged)"
+        )
+    raw = location.read_bytes(name)
+    if raw is None:
+        raise CorruptCheckpointError(f"{location} is committed but {name} is missing")
+    found = _layout.sha256(raw)
+    if found != expected:
+        _layout.sha256_mismatch(where, expected, found)
+    return raw

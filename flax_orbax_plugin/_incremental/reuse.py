@@ -29,8 +29,8 @@ from .._base import distributed as _distributed
 from .._base import shown as _shown
 from .._errors import CheckpointError
 from .._format import steps as _steps
-from .._format.documents import read_document
 from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument, LeafRecord
+from .._format.steps import read_document
 from .._storage import server_copy as _server_copy
 from .._storage.location import Location
 from .._zarr import chunks as _chunks

@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .._base import host_memory as _host_memory
+from .._base import host as _host_memory
 from .._base.regions import public
 from .._core import ownership as _ownership
 from .._errors import (
@@ -39,14 +39,12 @@ from .._format.foreign import (
     is_orbax_checkpoint,
     safetensors_source,
 )
-from .._format.places import holding_checkpoint
-from .._format.steps import list_directory
+from .._format.steps import holding_checkpoint, list_directory
 from .._manager import option_table as _option_table
 from .._manager.manager import CheckpointManager
-from .._storage.kvstore import local_path
+from .._storage.kvstore import arguments, local_path, refusals
 from .._storage.location import Location
 from .._storage.lock import LOCK_FILE
-from .._storage.store_errors import arguments, refusals
 from . import msgpack_reader, orbax_reader
 from .import_step import (
     ImportedStep,

@@ -15,8 +15,8 @@ import jax
 
 from .._base import tree as _tree
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .._like import casting as _casting
-from .._like.retarget import retarget
+from .._like import onto_like as _casting
+from .._like.onto_like import retarget
 from .orbax_layout import OrbaxItem, OrbaxLeaf, open_orbax
 from .orbax_reader import ItemReader, restore_item
 

@@ -18,7 +18,7 @@ from typing import Any
 import tensorstore as ts
 
 from .._base import tree as _tree
-from .._base.option_spec import flag
+from .._base.env import flag
 from .._base.regions import public
 from .._errors import (
     CheckpointError,
@@ -28,10 +28,9 @@ from .._errors import (
 from .._format.foreign import ITEM_METADATA, is_step
 from .._format.steps import STEP_OR_NONE
 from .._like import onto_like as _onto_like
-from .._like.casting import legacy_cast
-from .._storage.kvstore import context
+from .._like.onto_like import legacy_cast
+from .._storage.kvstore import arguments, context, refusals
 from .._storage.location import Location
-from .._storage.store_errors import arguments, refusals
 from .orbax_layout import (
     STRINGS_FILE,
     OrbaxItem,

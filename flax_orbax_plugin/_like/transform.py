@@ -14,11 +14,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base.option_spec import flag, outside_stacklevel
+from .._base.env import flag, outside_stacklevel
 from .._base.tree import flatten
 from .._errors import NothingMatchedError, OptionError, StructureError
 from .._format import layout as _layout
-from . import casting as _casting
+from . import onto_like as _casting
 from . import onto_like as _onto_like
 from .surgery import check_surgery
 from .transform_rules import compile_transform, describe, unmatched_rules

@@ -43,7 +43,7 @@ from .._like.transform import changes as check_changes
 from .._state.iterators import check_iterator
 from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state
-from .._storage.store_errors import arguments, raises_store_errors_in_methods
+from .._storage.kvstore import arguments, raises_store_errors_in_methods
 from . import options as _options
 from . import resuming as _resuming
 from . import signatures as _signatures

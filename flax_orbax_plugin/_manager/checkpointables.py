@@ -53,12 +53,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._base.option_spec import outside_stacklevel
+from .._base.env import outside_stacklevel
 from .._core import formats as _formats
 from .._core import restore as _restore
 from .._core import save as _save
 from .._core.commit import Written
-from .._core.requests import ReadRequest, SaveRequest
+from .._core.formats import ReadRequest, SaveRequest
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import layout as _layout
 from .._format import steps as _steps

@@ -21,8 +21,8 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._core import commit as _commit
+from .._core import handle as _pending
 from .._core import ownership as _ownership
-from .._core import pending as _pending
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import layout as _layout
 from .._format import steps as _steps

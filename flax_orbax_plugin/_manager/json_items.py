@@ -22,7 +22,7 @@ from .._core.commit import Written
 from .._errors import StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
-from .._storage import json_docs as _docs
+from .._storage import local_files as _docs
 from .._storage.location import Location
 
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._base.option_spec import Option, found
+from .._base.env import Option, found
 from .._errors import OptionTypeError
 
 __all__ = [

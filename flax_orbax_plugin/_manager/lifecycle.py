@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._base import exits as _exits
+from .._base import host as _exits
 from .._base import regions as _regions
 from .._errors import CheckpointError
 from . import events as _events
@@ -36,7 +36,7 @@ _OPEN: weakref.WeakSet = weakref.WeakSet()
 def leave_at_exit(manager: Lifecycle) -> None:
     """``manager`` (a writer) ends when this program ends without closing it: an
     exception nobody caught (no ``with`` block), or the last line reached without
-    ``close()``. A step of the library's exit hook (``_base.exits``): it runs before
+    ``close()``. A step of the library's exit hook (``_base.host``): it runs before
     ``atexit``'s (jax's shutdown among them), after the saves still running were waited
     for, even one that failed.
 

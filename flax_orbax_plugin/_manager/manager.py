@@ -22,7 +22,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import host as _host
-from .._base.option_spec import Option, flag, found
+from .._base.env import Option, flag, found
 from .._core import ownership as _ownership
 from .._core.save import SaveHandle, SaveResult
 from .._errors import CheckpointError, OptionTypeError
@@ -30,7 +30,7 @@ from .._format.foreign import refuse_foreign_run
 from .._format.steps import checked_step
 from .._like import transform as _transform
 from .._storage import shared_dir as _shared_dir
-from .._storage.store_errors import raises_store_errors_in_methods
+from .._storage.kvstore import raises_store_errors_in_methods
 from . import agreement as _agreement
 from . import checkpointables as _checkpointables
 from . import housekeeping as _housekeeping

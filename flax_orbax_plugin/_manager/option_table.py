@@ -1,6 +1,6 @@
 """The options of CheckpointManager and CheckpointCallback, each declared once.
 
-Each declaration (``_base.option_spec.Option``) holds the option's name, type, range
+Each declaration (``_base.env.Option``) holds the option's name, type, range
 or choices, default, one-line doc and the names other libraries give it; the
 fields of the public option objects are declared beside them (``policy.FIELDS``,
 ``retention.FIELDS``, ``tiers.tier_option.FIELDS``) and the manager's shorthands
@@ -30,9 +30,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .._base.host_memory import HOST_MEMORY
-from .._base.option_spec import Option, check, found
-from .._core.requests import MEMORY_LIMIT
+from .._base.env import Option, check, found
+from .._base.host import HOST_MEMORY
+from .._core.formats import MEMORY_LIMIT
 from .._format import layout as _layout
 from .._format.steps import STEP, STEP_OR_NONE
 from .._state.iterators import check_iterator
@@ -357,7 +357,7 @@ CALLBACK: tuple[Option, ...] = (
 """Every keyword option of CheckpointCallback."""
 
 SHARED_WITH_MANAGER = ("keep", "every_steps", "every_seconds", "async_save", "on_event")
-SHARED_WITH_MANAGER += ("host_memory",)  # its ceiling (_base.host_memory)
+SHARED_WITH_MANAGER += ("host_memory",)  # its ceiling (_base.host)
 """The callback's options that it hands to its manager."""
 
 WRITER_ONLY = (
@@ -392,7 +392,7 @@ IMPORT: tuple[Option, ...] = (  # fop.import_orbax's / fop.import_msgpack's keyw
     Option("force", "flag"),
     Option("format_version", "choice", choices=(1, 2), none_ok=True),
     Option("progress", "callable", none_ok=True),
-    MEMORY_LIMIT,  # the host-memory ceiling (_base.host_memory; importing.refuse_over)
+    MEMORY_LIMIT,  # the host-memory ceiling (_base.host; importing.refuse_over)
 )
 
 

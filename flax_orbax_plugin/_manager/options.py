@@ -22,14 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._base import host_memory as _host_memory
-from .._base.option_spec import (
-    check,
-    outside_stacklevel,
-    refuse_unknown,
-    refuse_without,
-    with_defaults,
-)
+from .._base import host as _host_memory
+from .._base.env import check, outside_stacklevel, refuse_unknown, refuse_without, with_defaults
 from .._core import formats as _formats
 from .._errors import OptionError, StructureError
 from .._format import layout as _layout
@@ -318,7 +312,7 @@ class ManagerOptions:
     incremental: bool
     reuse_host_buffers: bool
     format_version: int | None  # None: the default (formats.version_for)
-    host_memory: int | str | None  # bytes, "auto" or None (_base.host_memory)
+    host_memory: int | str | None  # bytes, "auto" or None (_base.host)
     stall_timeout: float | None
     hf_shards: Any
     on_event: Callable[[Any], Any] | None

@@ -41,7 +41,7 @@ from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import host_copy as _host_copy
 from .._format import steps as _steps
 from .._format.layout import HOST_FILE
-from .._storage import json_docs as _docs
+from .._storage import local_files as _docs
 from .._storage import run_record as _run_record
 from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import KW_ONLY, dataclass
 
-from .._base.option_spec import Option, check, refuse_without
+from .._base.env import Option, check, refuse_without
 from .save_rules import (
     MAX_SECONDS,
     AnyOf,

@@ -24,11 +24,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._base import host_memory as _host_memory
-from .._base.option_spec import outside_stacklevel
+from .._base import host as _host_memory
+from .._base.env import outside_stacklevel
 from .._core import ownership as _ownership
+from .._core.formats import ReadRequest
 from .._core.reads import step_deleted_or
-from .._core.requests import ReadRequest
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -70,7 +70,7 @@ class Restorer:
         host_memory: int | str | None = None,
     ):
         self._loc = location
-        self._ceiling = host_memory  # bytes, "auto" or None (_base.host_memory)
+        self._ceiling = host_memory  # bytes, "auto" or None (_base.host)
         self._overrides = overrides
         self._book = book
         self._read_only = read_only

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
 
-from .._base.option_spec import Option, check, refuse_without
+from .._base.env import Option, check, refuse_without
 from .._errors import OptionError
 from .keep_rules import KeepAny, KeepBest, KeepEvery, KeepLast, KeepRule, StepFacts
 

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .._base.option_spec import Option, found
+from .._base.env import Option, found
 from .._errors import OptionError, OptionTypeError
 
 __all__ = [

@@ -20,13 +20,13 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import host as _host
-from .._base import host_memory as _host_memory
+from .._base import host as _host_memory
 from .._base import interrupts as _interrupts
 from .._core import formats as _formats
 from .._core import ownership as _ownership
 from .._core.commit import Staging
+from .._core.formats import SaveRequest
 from .._core.handle import Cancellation
-from .._core.requests import SaveRequest
 from .._core.save import SaveHandle, SaveResult, wait_for_data
 from .._errors import CheckpointError, SaveCancelledError, StructureError
 from .._format import layout as _layout
@@ -109,7 +109,7 @@ class Saver:
         self._loc = location
         self._hf_shards = hf_shards  # an fop.HFShards: its item added to due steps
         self._format_version = format_version  # asked for (None: the default, see save)
-        self._ceiling = host_memory  # bytes, "auto" or None (_base.host_memory)
+        self._ceiling = host_memory  # bytes, "auto" or None (_base.host)
         self._overrides = overrides
         self._incremental = incremental
         self._buffers = buffers

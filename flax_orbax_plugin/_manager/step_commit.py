@@ -21,14 +21,14 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import env as _env
-from .._base.option_spec import found
+from .._base.env import found
 from .._core import commit as _commit
+from .._core import handle as _pending
 from .._core import ownership as _ownership
-from .._core import pending as _pending
 from .._core.commit import Staging, Written
+from .._core.formats import SaveRequest
 from .._core.handle import raise_if_cancelled
 from .._core.plan import structure_lines
-from .._core.requests import SaveRequest
 from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE, ItemEntry, StepManifest

@@ -33,7 +33,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import interrupts as _interrupts
-from .._base.option_spec import found
+from .._base.env import found
 from .._core.save import wait_for_data
 from .._errors import CheckpointError, OptionTypeError
 from .._incremental import reuse as _reuse

@@ -3,7 +3,7 @@ item), pointed at on their own: ``fop.restore(DIR/<step>/extras)`` returns the J
 value, ``fop.metadata`` describes the item, and the CLI lists, inspects and verifies it.
 
 They hold no ``_METADATA.json`` (that is a pytree's): the reading fronts call these
-functions where ``_format.places.classify`` found such an item (its step's manifest
+functions where ``_format.steps.classify`` found such an item (its step's manifest
 read once, carried in the ``StepItem``), never the native reader. Each item is read by
 the built-in checkpointable of its kind, exactly as ``CheckpointManager.restore``
 reads it, its JSON checked against the checksum in the step manifest. Safe from any

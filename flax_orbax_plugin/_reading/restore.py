@@ -1,7 +1,7 @@
 """Reading any checkpoint: this library's own, a step's JSON item, or an Orbax directory.
 
 The front of ``fop.restore`` and ``fop.metadata``: it waits for this process's save to
-the path, classifies what is there once (``_format.places.classify``) and dispatches
+the path, classifies what is there once (``_format.steps.classify``) and dispatches
 on that: the native reader (``_core.restore``), a step's JSON item (``_reading.items``)
 or the Orbax reader (``_interop.orbax_reader``), none of which knows the others; any
 other place is an error that says what is there. Restoring this library's
@@ -14,21 +14,21 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base.regions import public
+from .._core import formats as _requests
 from .._core import handle as _handle
-from .._core import requests as _requests
 from .._core import restore as _core_restore
 from .._core.read_agreement import agree_on_read
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import metadata as _metadata
-from .._format import places as _places
+from .._format import steps as _places
 from .._format.foreign import is_step
 from .._interop.orbax_layout import open_orbax
 from .._interop.orbax_reader import lone_item, restore_orbax
 from .._interop.orbax_steps import agreed_latest
-from .._like.retarget import concrete
+from .._like.onto_like import concrete
 from .._state.train_state import update_in_place
+from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
-from .._storage.store_errors import arguments, refusals
 from . import items as _items
 
 __all__ = ["metadata", "restore"]

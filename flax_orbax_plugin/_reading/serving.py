@@ -15,11 +15,11 @@ import jax
 import numpy as np
 
 from .._base import distributed as _distributed
-from .._base.option_spec import flag
+from .._base.env import flag
 from .._base.regions import public
-from .._core import requests as _requests
+from .._core import formats as _requests
 from .._core import restore as _restore
-from .._core.targets import place
+from .._core.reads import place
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -28,16 +28,16 @@ from .._errors import (
     OptionTypeError,
     StructureError,
 )
-from .._format import places as _places
+from .._format import steps as _places
 from .._format import steps as _steps
 from .._interop.orbax_params import restore_orbax_params
 from .._interop.orbax_steps import agreed_latest
-from .._like import casting as _casting
+from .._like import onto_like as _casting
 from .._like import transform as _transform
-from .._like.retarget import checked_dtype, concrete, retarget
+from .._like.onto_like import checked_dtype, concrete, retarget
 from .._state.train_state import holds_nnx_objects, is_nnx, nnx_state_as_dict, split_state
+from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
-from .._storage.store_errors import arguments, refusals
 
 logger = logging.getLogger("flax_orbax_plugin")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from .._base.option_spec import Option
+from .._base.env import Option
 from .._errors import OptionTypeError
 
 __all__ = ["StepIndexedIterator", "check_iterator", "iterator_state", "set_iterator_state"]

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from .._base import tree as _tree
-from .._base.option_spec import outside_stacklevel
+from .._base.env import outside_stacklevel
 from .._errors import NothingMatchedError, OptionError, OptionTypeError, StructureError
-from .._format.documents import read_document
+from .._format.steps import read_document
 from .._like.transform import HINT
 from .train_state import split_state
 

@@ -16,7 +16,7 @@ import socket
 from typing import Any
 
 from .._errors import CorruptCheckpointError
-from . import json_docs as _docs
+from . import local_files as _docs
 from .location import Location
 
 __all__ = ["MAX_RECORD_BYTES", "RUN_FILE", "RunRecord", "read_record", "read_versioned", "write_if"]

@@ -31,7 +31,7 @@ from . import chunk_files as _chunk_files
 from . import chunks as _chunks
 from . import packed_codec as _codec
 from . import packed_index as _index
-from . import packed_ranges as _ranges
+from . import packed_index as _ranges
 
 
 class PackedReader(_chunk_files.ChunkReader):

@@ -15,7 +15,7 @@ import os
 import warnings
 from typing import Any
 
-from .._core import removing as _removing
+from .._core import ownership as _removing
 from .._core import restore as _restore
 from .._errors import (
     DirectoryLockedError,
@@ -23,7 +23,7 @@ from .._errors import (
     StructureError,
 )
 from .._format import foreign as _foreign
-from .._format import places as _places
+from .._format import steps as _places
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
@@ -31,7 +31,7 @@ from .._interop.safetensors import DTYPE_NAMES as _SAFETENSORS_DTYPES
 from .._interop.safetensors import plan as _safetensors_plan
 from .._interop.safetensors.headers import read_safetensors_index
 from .._interop.safetensors.packing import tensor_nbytes
-from .._like.casting import with_advice
+from .._like.onto_like import with_advice
 from .._manager.checkpointables import COPY_KINDS
 from .._manager.manager import CheckpointManager
 from .._storage import lease as _lease

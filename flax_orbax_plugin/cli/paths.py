@@ -10,7 +10,7 @@ from typing import Any
 
 from .._errors import CheckpointError
 from .._format import layout as _layout
-from .._format import places as _places
+from .._format import steps as _places
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
 from .._storage import server_copy as _server_copy

@@ -6,7 +6,7 @@ waiting for each other) need several processes: tests/end_to_end/test_liveness.p
 
 import threading
 
-from flax_orbax_plugin._base import liveness
+from flax_orbax_plugin._base import regions as liveness
 
 
 def test_activities_name_each_threads_innermost_work_with_its_bytes():

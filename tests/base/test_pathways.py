@@ -16,7 +16,7 @@ import pytest
 from _proc import child_env
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._base import pathways
+from flax_orbax_plugin._base import host as pathways
 
 CHILD = r"""
 import json, os, sys

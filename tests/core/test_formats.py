@@ -8,7 +8,7 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._core import formats as _formats
-from flax_orbax_plugin._format.documents import read_document
+from flax_orbax_plugin._format.steps import read_document
 from flax_orbax_plugin._manager.checkpointables import PytreeCheckpointable
 from flax_orbax_plugin._storage.location import Location
 

@@ -21,8 +21,8 @@ import sys
 import numpy as np
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin._core import handle as _pending
 from flax_orbax_plugin._core import ownership as _ownership
-from flax_orbax_plugin._core import pending as _pending
 from flax_orbax_plugin._storage.location import Location
 from flax_orbax_plugin.cli import gc_plan
 

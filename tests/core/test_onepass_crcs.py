@@ -27,8 +27,8 @@ from flax_orbax_plugin._base import host as _host
 from flax_orbax_plugin._core import host_snapshot as _host_snapshot
 from flax_orbax_plugin._core import plan as _plan
 from flax_orbax_plugin._zarr import arrays as _arrays
-from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
 from flax_orbax_plugin._zarr import chunks as _chunks
+from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""What is at a path, classified once (``_format.places.classify``, issue 52): one frozen
+"""What is at a path, classified once (``_format.steps.classify``, issue 52): one frozen
 value per kind, its description ready for messages, and the reading fronts
 (``fop.restore``, ``fop.metadata``, ``restore_params``, ``fop.verify``) dispatching on it
 instead of trying the native reader and catching its errors."""
@@ -14,7 +14,7 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._core import restore as _core_restore
-from flax_orbax_plugin._format import places as _places
+from flax_orbax_plugin._format import steps as _places
 from flax_orbax_plugin._format.layout import HOST_FILE
 from flax_orbax_plugin._storage.location import Location
 

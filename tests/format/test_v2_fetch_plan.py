@@ -1,4 +1,4 @@
-"""Format version 2 restored from an object store: the fetch plan of ``_zarr.packed_ranges``.
+"""Format version 2 restored from an object store: the fetch plan of ``_zarr.packed_index``.
 
 Against the real moto S3 server in this process, counting the requests it answers
 (``tests/support/_s3_requests.py``): a whole restore fetches each data file with one
@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._zarr import packed_ranges
+from flax_orbax_plugin._zarr import packed_index as packed_ranges
 
 pytest_plugins = ["_servers"]
 

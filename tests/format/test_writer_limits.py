@@ -18,7 +18,7 @@ import pytest
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._format import layout as _layout
-from flax_orbax_plugin._storage import json_docs
+from flax_orbax_plugin._storage import local_files as json_docs
 
 
 def _nothing_left(parent) -> None:

@@ -10,7 +10,7 @@ import pytest
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._errors import StructureError
 from flax_orbax_plugin._format import layout as _layout
-from flax_orbax_plugin._like import casting as _casting
+from flax_orbax_plugin._like import onto_like as _casting
 
 NAMES = sorted(_layout.DTYPES)
 

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._format.documents import read_document
+from flax_orbax_plugin._format.steps import read_document
 from flax_orbax_plugin._storage.location import Location
 
 pytest_plugins = ["_servers"]

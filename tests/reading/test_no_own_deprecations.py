@@ -17,7 +17,7 @@ import pytest
 
 import flax_orbax_plugin as fop
 
-# The library's own deprecation texts (_like.casting.legacy_cast, _manager.options,
+# The library's own deprecation texts (_like.onto_like.legacy_cast, _manager.options,
 # _manager.checkpointables): none may come from a call that did not spell them.
 _OWN = re.compile(r"is deprecated: write|deprecated, and gone in the next|are deprecated; take")
 

@@ -20,7 +20,7 @@ import pytest
 from _proc import child_env
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._storage import mounts
+from flax_orbax_plugin._storage import location as mounts
 
 CHILD = r"""
 import os, shutil, signal, sys

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flax_orbax_plugin._errors import CorruptCheckpointError, StructureError
-from flax_orbax_plugin._storage import json_docs
+from flax_orbax_plugin._storage import local_files as json_docs
 
 SMALL = json_docs.DocKind("test document", 2000, 6)
 

@@ -319,7 +319,7 @@ def _kill_mid_write(ctx, after: int) -> None:
     the direct chunk writer on local disk): some of its chunks are then written or in
     flight, the others not yet."""
     from flax_orbax_plugin._zarr import arrays as _arrays
-    from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
+    from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
 
     started = {"n": 0}
 
@@ -1055,7 +1055,7 @@ def device_staging_across_processes(ctx, directory):
     import numpy as np
 
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin._core import device_copy
+    from flax_orbax_plugin._core import host_snapshot as device_copy
 
     device_copy.CPU_AS_DEVICE = True
     if ctx.process_id == 1:

@@ -18,10 +18,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NoReturn
 
-from ..._base.key_paths import path_string
+from ..._base.tree import path_string
 from ..._errors import CorruptCheckpointError
-from ..._storage import json_docs as _docs
-from .checked import (
+from ..._storage import local_files as _docs
+from .records import (
+    MAX_PROCESSES,
+    BatchRecord,
+    BatchStorage,
+    LeafRecord,
     check_format_version,
     decode,
     fail,
@@ -35,8 +39,6 @@ from .checked import (
     str_field,
     time_field,
 )
-from .dtypes import MAX_PROCESSES
-from .records import BatchRecord, BatchStorage, LeafRecord
 
 # -- names on disk --------------------------------------------------------------------------
 
@@ -86,7 +88,7 @@ class CheckpointDocument:
     jax_version: str = ""
     format_version: int = FORMAT_VERSION
     # Read, not written: the sha256 of the checkpoint's JSON files its commit recorded,
-    # by name (``_format.documents.read_document`` sets it), or None.
+    # by name (``_format.steps.read_document`` sets it), or None.
     listed: dict[str, str] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:

@@ -1,4 +1,16 @@
-"""The records of one leaf and one batch of small leaves (``_METADATA.json`` entries).
+"""Checked JSON: checksums, canonical bytes, bounded parsing and field validators.
+
+Every record's ``from_json`` validates its fields with the helpers here and raises
+:class:`CorruptCheckpointError` naming the file and the field; :func:`decode` bounds
+what an untrusted file may hold, :func:`decode_checked` and :func:`parse_sealed`
+check the sha256 recorded at commit and a sealed file's own checksum.
+
+dtype names, leaf kinds and the bounds of format version 1.
+
+The dtypes zarr3 stores (by numpy name), the leaf kinds a record may have, and the
+limits past which a number in a checkpoint's JSON is damage, not data.
+
+The records of one leaf and one batch of small leaves (``_METADATA.json`` entries).
 
 ``from_json`` validates every field (types, ranges, safe names, shapes bounded and
 consistent with the dtype and kind) before anything sized by them is allocated.
@@ -9,28 +21,329 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
+import hashlib
+import importlib
+import json
 import math
 import re
+import reprlib
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from .checked import fail, int_field, is_int, need, one_of
-from .dtypes import (
-    DTYPES,
-    KEY_KINDS,
-    LEAF_KINDS,
-    MAX_ARRAY_BYTES,
-    MAX_NDIM,
-    MAX_TEXT_BYTES,
-    NO_DATA_KINDS,
-    PRNG_IMPLS,
-    PRNG_KEY_WORDS,
-    SCALAR_KINDS,
-    SUPPORTED_DTYPES,
-    TEXT_KINDS,
-    dtype_from_name,
-    packable,
-    packed_bytes,
+import numpy as np
+
+from ..._errors import CorruptCheckpointError, StructureError
+from ..._storage import local_files as _docs
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", re.ASCII)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$", re.ASCII)
+
+
+def is_safe_name(name: Any) -> bool:
+    """A name usable as one path component: letters, digits, '_', '-', '.'; no '..'."""
+    return isinstance(name, str) and bool(_SAFE_NAME.match(name)) and ".." not in name
+
+
+# -- checksums and JSON -------------------------------------------------------------------
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode(obj: Any) -> bytes:
+    """Compact, deterministic JSON bytes."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode(raw: bytes, where: str, kind: _docs.DocKind) -> Any:
+    """Parses JSON bytes read from an untrusted store as a document of ``kind`` (its
+    size, depth and key limits: ``_storage/json_docs.py``); errors name the file."""
+    return _docs.parse(raw, where, kind)
+
+
+def decode_checked(raw: bytes, where: str, expected_sha256: str, kind: _docs.DocKind) -> Any:
+    """Parses ``raw`` after checking it against the checksum recorded at commit."""
+    found = sha256(raw)
+    if found != expected_sha256:
+        sha256_mismatch(where, expected_sha256, found)
+    return decode(raw, where, kind)
+
+
+def sha256_mismatch(where: str, expected: str, found: str) -> NoReturn:
+    """Raises the CorruptCheckpointError of a JSON file whose sha256 differs from the
+    one recorded at commit."""
+    raise CorruptCheckpointError(
+        f"{where}: checksum mismatch: expected sha256 {expected[:16]}... "
+        f"(recorded at commit), found {found[:16]}...; the file was changed or damaged"
+    )
+
+
+def seal(body: dict[str, Any], kind: _docs.DocKind | None = None) -> bytes:
+    """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form; with
+    ``kind``, refused (StructureError) past what a reader of that kind accepts."""
+    sealed = dict(body, checksum=sha256(encode(body)))
+    if kind is None:
+        return encode(sealed)
+    return _docs.encode(sealed, kind.what, kind, sort_keys=True)
+
+
+def parse_sealed(raw: bytes, where: str, kind: _docs.DocKind) -> dict[str, Any]:
+    obj = decode(raw, where, kind)
+    need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
+    body = dict(obj)
+    checksum = body.pop("checksum", None)
+    need(isinstance(checksum, str), where, "checksum", "a sha256 string", checksum)
+    try:
+        canonical = encode(body)
+    except RecursionError:  # parsed, but nested too deep to encode again
+        raise CorruptCheckpointError(f"{where}: nested too deeply to be a valid file") from None
+    if sha256(canonical) != checksum:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch: the file was changed or damaged")
+    return body
+
+
+# -- validation helpers ------------------------------------------------------------------
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 6, 6, 60, 60
+
+
+def show(value: Any) -> str:
+    """A short repr of an untrusted value: bounded in time, size and depth (a deeply
+    nested or huge value never recurses or builds its whole repr)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def fail(where: str, field: str, expected: str, found: Any) -> NoReturn:
+    raise CorruptCheckpointError(
+        f"malformed {where}: field {field}: expected {expected}, found {show(found)}"
+    )
+
+
+def need(cond: bool, where: str, field: str, expected: str, found: Any) -> None:
+    if not cond:
+        fail(where, field, expected, found)
+
+
+def one_of(x: Any, names: frozenset[str]) -> bool:
+    return isinstance(x, str) and x in names
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def int_field(obj: Mapping, key: str, where: str, field: str, *, lo: int = 0, hi: int = 1 << 62):
+    value = obj.get(key)
+    need(is_int(value) and lo <= value <= hi, where, field, f"an int in [{lo}, {hi}]", value)
+    return value
+
+
+def time_field(obj: Mapping, key: str, where: str, field: str) -> float:
+    """An optional time in seconds since the epoch (0.0 when absent), within what the
+    platform formats as a date (``json_docs.check_time``)."""
+    return _docs.check_time(obj.get(key, 0.0), where, field, stored=True)
+
+
+def str_field(obj: Mapping, key: str, where: str, field: str) -> str:
+    value = obj.get(key)
+    need(isinstance(value, str), where, field, "a string", value)
+    return value
+
+
+def opt_str(obj: Mapping, key: str, where: str, *, limit: int = 1000) -> str:
+    """An optional, informational string field ("" when absent)."""
+    value = obj.get(key, "")
+    need(isinstance(value, str) and len(value) <= limit, where, key, "a short string", value)
+    return value
+
+
+def check_format_version(obj: Mapping, where: str, name: str, key: str, known: int) -> int:
+    """Checks the ``format`` name and returns the version under ``key``; a version this
+    library does not know yet is refused with the way out (upgrade)."""
+    need(obj.get("format") == name, where, "format", repr(name), obj.get("format"))
+    version = int_field(obj, key, where, key, lo=1, hi=1 << 30)
+    if version > known:
+        raise CorruptCheckpointError(
+            f"{where} has {key} {version}; this version of flax_orbax_plugin reads up to "
+            f"{known}: upgrade flax_orbax_plugin"
+        )
+    return version
+
+
+def files_field(obj: Mapping, where: str) -> dict[str, str]:
+    files = obj.get("files")
+    need(isinstance(files, dict), where, "files", "an object {file: sha256}", files)
+    for name, digest in files.items():
+        parts = name.split("/")
+        need(
+            all(is_safe_name(p) or p.startswith("_") and is_safe_name(p[1:]) for p in parts),
+            where,
+            f"files[{name!r}]",
+            "a relative path of safe names",
+            name,
+        )
+        need(
+            isinstance(digest, str) and bool(_SHA256.match(digest)),
+            where,
+            f"files[{name!r}]",
+            "a sha256 hex digest",
+            digest,
+        )
+    return dict(files)
+
+
+MAX_JSON_BYTES = _docs.METADATA.max_bytes  # the limits of every kind: _storage/json_docs.py
+MAX_NDIM = 64
+MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: larger "arrays" are damage, not data
+MAX_PROCESSES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Dtype:
+    """One dtype a checkpoint may hold: the package's one declaration of it.
+
+    ``name`` is numpy's (ml_dtypes') name, as leaf and batch records store it; ``bits``
+    the bits of one value (under 8: a sub-byte type, one value per byte in memory);
+    ``zarr`` the zarr3 ``data_type`` of its arrays' ``zarr.json``: its own name where
+    tensorstore's zarr3 driver knows it, else ``uint8``, which holds the same byte per
+    value (the leaf record names the dtype); ``safetensors`` its tag in the safetensors
+    spec, or None where the spec has none.
+    """
+
+    name: str
+    bits: int
+    zarr: str
+    safetensors: str | None
+
+
+def _table(rows: str) -> dict[str, Dtype]:
+    out = {}
+    for row in rows.strip().splitlines():
+        name, bits, zarr, tag = row.split()
+        zarr = name if zarr == "=" else zarr
+        out[name] = Dtype(name, int(bits), zarr, None if tag == "-" else tag)
+    return out
+
+
+# name, bits, zarr3 data_type ("=": its own name), safetensors tag ("-": none). Every
+# dtype jax.numpy offers (tests/format/test_every_dtype.py fails for one not listed).
+DTYPES = _table(
+    """
+    bool                8   =       BOOL
+    int1                1   uint8   -
+    int2                2   =       -
+    int4                4   =       -
+    int8                8   =       I8
+    int16               16  =       I16
+    int32               32  =       I32
+    int64               64  =       I64
+    uint1               1   uint8   -
+    uint2               2   uint8   -
+    uint4               4   uint8   -
+    uint8               8   =       U8
+    uint16              16  =       U16
+    uint32              32  =       U32
+    uint64              64  =       U64
+    float4_e2m1fn       4   =       F4
+    float6_e2m3fn       6   uint8   F6_E2M3
+    float6_e3m2fn       6   uint8   F6_E3M2
+    float8_e3m4         8   =       -
+    float8_e4m3         8   uint8   -
+    float8_e4m3b11fnuz  8   =       -
+    float8_e4m3fn       8   =       F8_E4M3
+    float8_e4m3fnuz     8   =       F8_E4M3FNUZ
+    float8_e5m2         8   =       F8_E5M2
+    float8_e5m2fnuz     8   =       F8_E5M2FNUZ
+    float8_e8m0fnu      8   =       F8_E8M0
+    float16             16  =       F16
+    bfloat16            16  =       BF16
+    float32             32  =       F32
+    float64             64  =       F64
+    complex64           64  =       C64
+    complex128          128 =       -
+    """
 )
+SUPPORTED_DTYPES = frozenset(DTYPES)
+
+PRNG_IMPLS = frozenset({"threefry2x32", "rbg", "unsafe_rbg"})
+EMPTY_KINDS = ("empty_dict", "empty_list")  # {} (or a field-less node); [] or ()
+# A str or bytes leaf: its value is JSON in the record ("value"; bytes as base64).
+TEXT_KINDS = ("py_str", "py_bytes")
+MAX_TEXT_BYTES = 64 << 10  # per str (UTF-8) or bytes leaf: larger belongs in an array
+NO_DATA_KINDS = ("none", *EMPTY_KINDS, *TEXT_KINDS)  # no shape, dtype, storage or files
+LEAF_KINDS = frozenset(
+    {"array", "py_int", "py_float", "py_bool", "py_complex", "np_scalar", "prng_key"}
+    | set(NO_DATA_KINDS)
+)
+KEY_KINDS = frozenset({"dict", "seq", "attr", "flat"})
+PRNG_KEY_WORDS = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}  # uint32 words per key
+_REAL = SUPPORTED_DTYPES - {"complex64", "complex128"}
+# Python and numpy scalars: shape [] and a dtype their Python type can be made from.
+SCALAR_KINDS = {
+    "py_int": _REAL,
+    "py_float": _REAL,
+    "py_bool": _REAL,
+    "py_complex": SUPPORTED_DTYPES,
+    "np_scalar": SUPPORTED_DTYPES,
+}
+
+
+@functools.lru_cache(maxsize=256)
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, cached (numpy computes it anew on every access)."""
+    return dtype.name
+
+
+@functools.lru_cache(maxsize=64)
+def dtype_from_name(name: str, *, path: str = "?") -> np.dtype:
+    """numpy dtype for a stored dtype name; a clear error for unknown names."""
+    if name not in SUPPORTED_DTYPES:
+        raise StructureError(
+            f"leaf {path!r}: unknown dtype {name!r} (expected one of {sorted(SUPPORTED_DTYPES)})"
+        )
+    return _numpy_dtype(name)
+
+
+# The dtypes numpy itself has; every other one is ml_dtypes', imported at the first
+# such dtype resolved (0.3-0.9 s: a command that reads only JSON never pays it).
+NUMPY_NATIVE = frozenset(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
+    "complex64 complex128".split()
+)
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    if name in NUMPY_NATIVE:
+        return np.dtype(name)
+    return np.dtype(getattr(importlib.import_module("ml_dtypes"), name))
+
+
+@functools.lru_cache(maxsize=64)
+def zarr_dtype(name: str) -> np.dtype:
+    """The numpy dtype of the zarr3 ``data_type`` that arrays of dtype ``name`` are
+    stored as (``name``'s own where tensorstore knows it; else ``uint8``): tensorstore
+    reads and writes their values through a view of this dtype (same itemsize)."""
+    return _numpy_dtype(DTYPES[name].zarr)
+
+
+def packable(name: str, shape, chunk) -> bool:
+    """Whether a leaf of dtype ``name``, ``shape`` and ``chunk`` shape is stored packed
+    (``packed_array``): a sub-byte dtype, at least one axis and no empty one, and
+    chunks whose last axis is whole bytes (or the whole axis). FORMAT.md."""
+    bits = DTYPES[name].bits
+    if bits >= 8 or not shape or 0 in shape:
+        return False
+    return chunk[-1] == shape[-1] or chunk[-1] * bits % 8 == 0
+
+
+def packed_bytes(name: str, count: int) -> int:
+    """Bytes of ``count`` values of a sub-byte dtype packed into one bit stream."""
+    return -(-count * DTYPES[name].bits // 8)
 
 
 def batch_name(process: int, dtype: str) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..._base import interrupts as _interrupts
 from ..._base import tree as _tree
-from ..._base.option_spec import check
+from ..._base.env import check
 from ..._base.regions import public
 from ..._core import ownership as _ownership
 from ..._core import restore as _restore
@@ -30,12 +30,10 @@ from ..._errors import (
     StructureError,
     UnsupportedLocationError,
 )
-from ..._format.places import holding_checkpoint
-from ..._format.steps import manifest_for_item
-from ..._like.casting import check_policy
-from ..._storage.kvstore import local_path
+from ..._format.steps import holding_checkpoint, manifest_for_item
+from ..._like.onto_like import check_policy
+from ..._storage.kvstore import arguments, local_path, refusals
 from ..._storage.location import Location
-from ..._storage.store_errors import arguments, refusals
 from ..._storage.untrusted import loads_json, read_capped
 from . import remains as _remains
 from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES

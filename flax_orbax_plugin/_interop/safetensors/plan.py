@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from ..._base.option_spec import Option, found
-from ..._core.requests import MEMORY_LIMIT
+from ..._base.env import Option, found
+from ..._core.formats import MEMORY_LIMIT
 from ..._errors import OptionError, OptionTypeError, StructureError
-from ..._like import casting as _casting
+from ..._like import onto_like as _casting
 from ..._like import onto_like as _onto_like
-from ..._like import retarget as _retarget
+from ..._like import onto_like as _retarget
 from .headers import (
     METADATA_KEY,
     TAGS,
@@ -76,7 +76,7 @@ def parse_size(size: int | str, option: str = "max_shard_size") -> int:
 
 def checked_cast(dtype: Any, option: str = "dtype", *, byte_sized: bool = False):
     """``dtype=`` of an export or of ``HFShards``, checked where it is given: None, or a
-    floating dtype (``_like.retarget.checked_dtype``, as ``restore_params`` takes it)
+    floating dtype (``_like.onto_like.checked_dtype``, as ``restore_params`` takes it)
     that safetensors has a tag for (and, ``byte_sized``, not packed below a byte); the
     numpy dtype, or an OptionError / OptionTypeError naming ``option``."""
     try:
@@ -192,7 +192,7 @@ class ListedKeyMap:
 # The exporter's and the importer's True/False options, each declared once.
 FLAGS = tuple(Option(name, "flag") for name in ("transpose_kernels", "partial"))
 EXPORT_OPTIONS = (*FLAGS, Option("force", "flag"), Option("progress", "callable", none_ok=True))
-EXPORT_OPTIONS += (MEMORY_LIMIT,)  # the host-memory ceiling (_base.host_memory)
+EXPORT_OPTIONS += (MEMORY_LIMIT,)  # the host-memory ceiling (_base.host)
 
 
 def refuse_over_limit(tensors: list[Tensor], limit: int | None) -> None:

@@ -18,12 +18,12 @@ import jax
 import numpy as np
 
 from ..._base import tree as _tree
-from ..._base.option_spec import check
-from ..._core import targets as _targets
-from ..._core.requests import MEMORY_LIMIT
+from ..._base.env import check
+from ..._core import reads as _targets
+from ..._core.formats import MEMORY_LIMIT
 from ..._errors import CorruptCheckpointError, OptionError, StructureError
 from ..._like import onto_like as _onto_like
-from ..._like.casting import legacy_cast
+from ..._like.onto_like import legacy_cast
 from ..._storage.untrusted import open_regular
 from .headers import Stored, default_names, kernel_axes, read_safetensors_index
 from .packing import group, packed_bits, unpack

@@ -18,7 +18,7 @@ import secrets
 from ..._errors import CorruptCheckpointError
 from ..._format import steps as _steps
 from ..._format.layout import MANIFEST_FILE
-from ..._storage import json_docs as _docs
+from ..._storage import local_files as _docs
 from ..._storage.location import Location
 
 __all__ = ["DAMAGED_FILE", "DamagedSteps"]

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from ..._base import env as _env
-from ..._base import host_memory as _host_memory
+from ..._base import host as _host_memory
 from ..._errors import ReplicationError
 from ..._storage.location import Location
 from ..._storage.run_owner import RunOwner
@@ -54,7 +54,7 @@ class Places:
     multi: bool
     per_host: bool = False  # each host's own local directory (see _manager/per_host.py)
     every: int = 1  # the tier option's every (Tier(every=)): the steps due here
-    host_memory: int | str | None = None  # the manager's ceiling (_base.host_memory)
+    host_memory: int | str | None = None  # the manager's ceiling (_base.host)
 
     def memory_limit(self) -> int | None:
         """The bytes a copy of this tier may hold now: the manager's ``host_memory``
