@@ -44,13 +44,7 @@ from ._interop.safetensors import from_safetensors, to_safetensors
 from ._like.surgery_ops import Fuse, Rename, Split, Stack, Transpose, Unstack
 from ._like.surgery_plan import PlanEntry, RestorePlan
 from ._manager.callback import CheckpointCallback
-from ._manager.checkpointables import (
-    Checkpointable,
-    Pending,
-    ReadRequest,
-    SaveRequest,
-    Written,
-)
+from ._manager.checkpointables import Checkpointable, Pending, ReadRequest, SaveRequest, Written
 from ._manager.events import (
     Event,
     MetricWriterEvents,
@@ -62,11 +56,9 @@ from ._manager.events import (
     StepReplicated,
     StepsRemoved,
 )
-from ._manager.keep_rules import KeepAny, KeepBest, KeepEvery, KeepFor, KeepLast
 from ._manager.lanes import Lane, Lanes
 from ._manager.manager import CheckpointManager
-from ._manager.policy import SavePolicy
-from ._manager.retention import Retention
+from ._manager.retention import KeepAny, KeepBest, KeepEvery, KeepFor, KeepLast, Retention
 from ._manager.save_rules import (
     AllOf,
     AnyOf,
@@ -76,6 +68,7 @@ from ._manager.save_rules import (
     EverySteps,
     InitialSave,
     OnPreemption,
+    SavePolicy,
 )
 from ._manager.step_parts import StepParts
 from ._manager.tiers.tier_option import Tier

@@ -38,7 +38,7 @@ def main() -> None:
         names = options(function)
         print(f"{name}: {len(names)} ({', '.join(names)})")
     try:
-        from flax_orbax_plugin._manager import option_table
+        from flax_orbax_plugin._manager import options as option_table
     except ImportError:
         return
     deprecated = getattr(option_table, "DEPRECATED", ())

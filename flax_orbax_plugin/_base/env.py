@@ -2,7 +2,7 @@
 
 An :class:`Option` is one keyword option (or ``FOP_*`` environment variable) as
 declared by the module that owns it (``_core.formats`` for the core's entry points,
-``_manager.option_table`` for the manager and the callback, ``_manager.policy``,
+``_manager.options`` for the manager and the callback, ``_manager.save_rules``,
 ``_manager.retention`` and ``_manager.tiers.tier_option`` for the fields of the public
 option objects): its name, kind, range or choices, default, one-line doc and the
 names other libraries give it. :func:`check` checks the values given by name against

@@ -40,7 +40,7 @@ from .._format.foreign import (
     safetensors_source,
 )
 from .._format.steps import holding_checkpoint, list_directory
-from .._manager import option_table as _option_table
+from .._manager import options as _option_table
 from .._manager.manager import CheckpointManager
 from .._storage.kvstore import arguments, local_path, refusals
 from .._storage.location import Location

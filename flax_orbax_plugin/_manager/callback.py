@@ -48,7 +48,7 @@ from . import options as _options
 from . import resuming as _resuming
 from . import signatures as _signatures
 from .manager import CheckpointManager
-from .option_table import CALLBACK
+from .options import CALLBACK
 
 logger = logging.getLogger("flax_orbax_plugin")
 

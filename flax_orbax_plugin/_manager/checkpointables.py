@@ -1,4 +1,28 @@
-"""Checkpointables: named, separately restorable pieces of a training state.
+"""JSON items of a step (``extras``, the step, data-iterator states): their values to
+JSON and back, and their files, within what a reader accepts (``json_docs.JSON_ITEM``).
+
+:func:`to_json` converts (and checks) a value on the caller's thread, naming where in
+it a problem is; :func:`encode_json` makes its bytes (refused past the reader's
+limits) before anything is committed; :func:`write_json` and :func:`read_json` write
+and read the file (the read checked against the step manifest's checksum). Pure
+functions and single writes: any thread.
+
+A data iterator's saved position, read back onto another number of processes.
+
+A step's ``data_iterator`` item holds one file per saving process,
+``{"state": ..., "global_position": n}``, the second field present when the
+iterator declared a position that does not depend on the process count
+(``_state.global_position``). When the restoring processes are as many as the saving
+ones, each reads its own file. When they are not, :func:`position_across_counts`
+reads process 0's file and, where it exists, this process's own, checks that both
+hold the same global position, and returns it; each restoring process then
+continues from it on its own share. A state without a global position is refused,
+naming both counts and why.
+
+Pure reads; called on the restoring thread of each process (no collective: every
+process reads the same small files).
+
+Checkpointables: named, separately restorable pieces of a training state.
 
 A checkpoint step is a directory holding one sub-directory per checkpointable
 (``params/``, ``opt_state/``, ``data_iterator/``, ``extras/`` ...). Each piece is
@@ -44,7 +68,9 @@ unpickles: every non-array file is JSON.
 
 from __future__ import annotations
 
+import base64
 import inspect
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -59,28 +85,221 @@ from .._core import restore as _restore
 from .._core import save as _save
 from .._core.commit import Written
 from .._core.formats import ReadRequest, SaveRequest
-from .._errors import CheckpointError, CorruptCheckpointError
+from .._errors import CheckpointError, CorruptCheckpointError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
+from .._state import global_position as _global
 from .._state.iterators import iterator_state, set_iterator_state
+from .._storage import local_files as _docs
 from .._storage.location import Location
-from . import iterator_positions as _positions
-from .json_items import encode_json, from_json, read_json, to_json, write_json
 
 __all__ = [
-    "Checkpointable",
-    "Pending",
-    "Written",
-    "PytreeCheckpointable",
-    "JsonCheckpointable",
-    "StepCheckpointable",
-    "DataIteratorCheckpointable",
-    "checkpointable_for",
-    "kind_of",
     "BUILTIN_CHECKPOINTABLES",
+    "Checkpointable",
+    "DataIteratorCheckpointable",
+    "JsonCheckpointable",
+    "Pending",
+    "PytreeCheckpointable",
     "ReadRequest",
     "SaveRequest",
+    "StepCheckpointable",
+    "Written",
+    "checkpointable_for",
+    "kind_of",
+    "position_across_counts",
+    "position_record",
+    "restore_across_counts",
 ]
+
+
+def to_json(value: Any, where: str, depth: int = 0) -> Any:
+    """Encode ``value`` as JSON-compatible data; bytes become ``{"__bytes__": b64}``,
+    NaN and infinities ``{"__float__": "nan" | "inf" | "-inf"}``. What no reader
+    accepts is refused here, on the caller's thread, naming where it is: text UTF-8
+    cannot encode (a lone surrogate, in a value or a key), nesting deeper than a JSON
+    item may have (``json_docs.JSON_ITEM``)."""
+    if depth > _docs.JSON_ITEM.max_depth:
+        raise StructureError(
+            f"{where}: nested more than {_docs.JSON_ITEM.max_depth} levels deep, more "
+            f"than a reader accepts in a JSON item"
+        )
+    if isinstance(value, str):
+        return value if value.isascii() else _utf8(value, where)
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):  # NaN and infinities are not JSON: tagged, exactly
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, bytes | bytearray):
+        return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, np.generic) or (hasattr(value, "shape") and hasattr(value, "dtype")):
+        _check_array(value, where)
+        arr = np.asarray(value)
+        if arr.ndim == 0:
+            return to_json(arr.item(), where, depth)
+        return to_json(arr.tolist(), where, depth)
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: JSON keys must be str, found {k!r}")
+            if not k.isascii():
+                _utf8(k, f"{where}: the key {k!r}")
+            if k in ("__bytes__", "__float__"):
+                raise ValueError(f"{where}: the key {k!r} is reserved")
+            out[k] = to_json(v, f"{where}/{k}", depth + 1)
+        return out
+    if isinstance(value, list | tuple):
+        return [to_json(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+    raise TypeError(
+        f"{where}: cannot store a {type(value).__name__} as JSON; extras and iterator "
+        "states must be JSON values (dict, list, str, int, float, bool, None, bytes)"
+    )
+
+
+def _check_array(value: Any, where: str) -> None:
+    """What ``np.asarray`` cannot make a JSON value of, named at ``where`` (it raised
+    jax's own TypeError or RuntimeError, naming no item): a PRNG key, a deleted array."""
+    if not isinstance(value, jax.Array):
+        return
+    if value.is_deleted():
+        raise StructureError(
+            f"{where}: expected a live array, found one that was deleted (donated to a "
+            f"jitted step, or .delete()d): store its value before the step donates it"
+        )
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        raise StructureError(
+            f"{where}: a PRNG key cannot be stored as JSON; keep it in the saved state "
+            f"(state['rng'], restored as a key), or store jax.random.key_data(key)"
+        )
+
+
+def _utf8(text: str, where: str) -> str:
+    """``text`` when UTF-8 encodes it; StructureError naming ``where`` otherwise."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise StructureError(
+            f"{where}: text that UTF-8 cannot encode: {e.reason} ({text[e.start : e.end]!r} "
+            f"at character {e.start}); JSON items hold UTF-8 text only"
+        ) from None
+    return text
+
+
+def from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__bytes__"}:
+            return base64.b64decode(value["__bytes__"])
+        if set(value) == {"__float__"} and value["__float__"] in ("nan", "inf", "-inf"):
+            return float(value["__float__"])
+        return {k: from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    return value
+
+
+def read_json(directory: Location, name: str) -> Any:
+    """JSON file ``name`` of an item of a committed step, checked against the checksum
+    its step manifest records."""
+    return _steps.read_item_json(directory, name)
+
+
+def encode_json(value: Any, where: str) -> bytes:
+    """The bytes of a JSON item (``to_json``'s output), within the reader's limits
+    (``json_docs.JSON_ITEM``: StructureError naming ``where`` otherwise)."""
+    return _docs.encode(value, where, _docs.JSON_ITEM, sort_keys=True)
+
+
+def write_json(directory: Location, name: str, data: bytes) -> Written:
+    """Writes the JSON bytes ``data`` (made durable by the step's sync); returns its
+    checksum."""
+    directory.write_bytes(name, data, durable=False)
+    return Written(0, {name: _layout.sha256(data)})
+
+
+def position_record(value: Any, state: Any) -> dict[str, Any]:
+    """The fields a process's iterator file holds beside ``state``: the global
+    position of ``value`` where it declares one."""
+    position = _global.global_position(value, state)
+    return {} if position is None else {_global.GLOBAL_POSITION_KEY: position}
+
+
+def saved_position(data: Any, where: str) -> int | None:
+    """The global position recorded in a process's iterator file (None: none)."""
+    if not isinstance(data, dict) or _global.GLOBAL_POSITION_KEY not in data:
+        return None
+    value = data[_global.GLOBAL_POSITION_KEY]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CorruptCheckpointError(
+            f"{where}: 'global_position' must be a non-negative int, found {value!r}"
+        )
+    return value
+
+
+def position_across_counts(
+    directory: Any,
+    like: Any,
+    *,
+    saved: int,
+    restoring: int,
+    process: int,
+    read: Callable[[int], Any],
+) -> int:
+    """The global position to continue from, for a step whose iterator states were
+    saved by ``saved`` processes and are restored by ``restoring`` (``process`` is this
+    one); ``read(i)`` returns process i's decoded file. Raises StructureError naming
+    both counts when the saved position is per process, the processes saved different
+    positions, or ``like`` cannot take a global position."""
+    head = (
+        f"{directory}: the data iterator states were saved by {saved} process(es) but "
+        f"{restoring} are restoring"
+    )
+    advice = (
+        f"Restore without the data_iterator item and re-seed the pipeline, or use an "
+        f"iterator whose state can be re-sharded: {_global.describe()}"
+    )
+    names = [0] if process == 0 or process >= saved else [0, process]
+    positions = {i: saved_position(read(i), f"{directory}/process_{i}.json") for i in names}
+    if any(p is None for p in positions.values()):
+        raise StructureError(
+            f"{head}; each process's position is its own (the saved iterator declared "
+            f"no global position). {advice}"
+        )
+    if len(set(positions.values())) > 1:
+        found = ", ".join(f"process {i}: {p}" for i, p in positions.items())
+        raise StructureError(
+            f"{head}; the saved global positions differ ({found}): the processes had not "
+            f"drawn the same number of global batches, so no one position continues them all"
+        )
+    if like is not None and not _global.can_set(like):
+        raise StructureError(
+            f"{head}; the step holds a global data position but the iterator given "
+            f"(a {type(like).__name__}) has no set_global_position() to continue from it. "
+            f"{advice}"
+        )
+    return positions[0]
+
+
+def restore_across_counts(
+    directory: Any, like: Any, manifest: Any, *, read: Callable[[int], Any]
+) -> Any:
+    """The data_iterator item of a step saved by ``manifest.process_count`` processes,
+    restored onto this job's count: ``like`` continued from the saved global position
+    (with ``like=None``, process 0's saved state, the same on every process)."""
+    position = position_across_counts(
+        directory,
+        like,
+        saved=manifest.process_count,
+        restoring=jax.process_count(),
+        process=jax.process_index(),
+        read=read,
+    )
+    if like is None:
+        return from_json(read(0)["state"])
+    _global.set_global_position(like, position)
+    return like
+
 
 _SAVE = SaveRequest()  # what a built-in called without a request does
 _READ = ReadRequest()
@@ -277,7 +496,7 @@ class DataIteratorCheckpointable:
         raw = iterator_state(value)
         state = to_json(raw, "data_iterator")
         name = self.filename(_process_index())
-        record = {"state": state, **_positions.position_record(value, raw)}
+        record = {"state": state, **position_record(value, raw)}
         data = encode_json(record, f"{directory}/{name}")
 
         def write() -> Written:
@@ -290,7 +509,7 @@ class DataIteratorCheckpointable:
         if manifest is not None and manifest.process_count != jax.process_count():
             # another process count: only a global position carries over
             read = self._reader(directory)
-            return _positions.restore_across_counts(directory, like, manifest, read=read)
+            return restore_across_counts(directory, like, manifest, read=read)
         state = from_json(self._read(directory, _process_index())["state"])
         if like is None:
             return state

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import OptionError
-from .keep_rules import KeepRule, StepFacts, check_keep
+from .retention import KeepRule, StepFacts, check_keep
 from .save_rules import Moment, SaveRule, check_rule
 
 __all__ = ["PERMANENT", "TEMPORARY", "Lane", "Lanes"]

@@ -37,13 +37,13 @@ from . import housekeeping as _housekeeping
 from . import options as _options
 from . import per_host as _per_host
 from . import signatures as _signatures
-from .book import StepBook
 from .lifecycle import Lifecycle, leave_at_exit
-from .option_table import MANAGER
+from .options import MANAGER
 from .restoring import Restorer
 from .retaining import RetentionRunner
+from .save_rules import SaveSchedule
 from .saving import Saver, collect_items
-from .schedule import SaveSchedule
+from .step_commit import StepBook
 from .step_parts import StepParts, checked_expect
 from .store_places import manager_places
 from .tiers import PersistentTier

@@ -45,7 +45,7 @@ from .._storage import local_files as _docs
 from .._storage import run_record as _run_record
 from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location
-from .json_items import from_json, to_json
+from .checkpointables import from_json, to_json
 
 __all__ = [
     "HOST_FILE",

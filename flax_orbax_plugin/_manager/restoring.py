@@ -45,9 +45,9 @@ from .._state.train_state import merge_state, split_state
 from .._storage.location import Location
 from . import peers as _peers
 from . import per_host as _per_host
-from .book import StepBook
 from .checkpointables import COPY_KINDS, Checkpointable, checkpointable_for, kind_of
 from .events import RestoreDone, measure_stored
+from .step_commit import StepBook
 
 __all__ = ["Restorer"]
 

@@ -45,10 +45,9 @@ from .._errors import CheckpointError
 from .._format import steps as _steps
 from .._storage.deleting import REMOVAL_CONCURRENCY
 from .._storage.location import Location
-from .book import StepBook
 from .checkpointables import Checkpointable, checkpointable_for
-from .keep_rules import KeepRule, StepFacts
-from .retention import sound_steps_to_delete
+from .retention import KeepRule, StepFacts, sound_steps_to_delete
+from .step_commit import StepBook
 
 __all__ = ["RetentionRunner", "as_metric"]
 

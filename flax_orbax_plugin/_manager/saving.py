@@ -37,12 +37,11 @@ from .._incremental.reuse import Reuse
 from .._state.train_state import split_state
 from .._storage.location import Location
 from . import per_host as _per_host
-from .book import StepBook
 from .checkpointables import Checkpointable, Pending, checkpointable_for, kind_of, with_copy_item
 from .events import SaveBlockingDone, SaveCommitted, SaveStarted
 from .options import check_item_name
 from .retaining import RetentionRunner
-from .step_commit import StepCommit, abort_refused, start_item, wait_all
+from .step_commit import StepBook, StepCommit, abort_refused, start_item, wait_all
 
 __all__ = ["OpenStep", "Saver", "collect_items"]
 

@@ -17,7 +17,7 @@ import pytest
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._base import host as _host_memory
 from flax_orbax_plugin._errors import OptionError
-from flax_orbax_plugin._manager.event_records import SaveStarted
+from flax_orbax_plugin._manager.events import SaveStarted
 
 ROW = 1024 * 8  # one row of "w": 1024 float64 values
 

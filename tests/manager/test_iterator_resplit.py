@@ -158,7 +158,7 @@ def _files(*positions):
 
 
 def test_processes_that_saved_different_global_positions_are_refused():
-    from flax_orbax_plugin._manager.iterator_positions import position_across_counts
+    from flax_orbax_plugin._manager.checkpointables import position_across_counts
 
     it = fop.StepIndexedIterator(_make_batch)
     read = _files(3, 4)
@@ -169,14 +169,14 @@ def test_processes_that_saved_different_global_positions_are_refused():
 
 
 def test_an_iterator_without_set_global_position_cannot_take_a_global_one():
-    from flax_orbax_plugin._manager.iterator_positions import position_across_counts
+    from flax_orbax_plugin._manager.checkpointables import position_across_counts
 
     with pytest.raises(fop.StructureError, match="_OwnPosition.*no set_global_position"):
         position_across_counts("d", _OwnPosition(), saved=2, restoring=1, process=0, read=_files(3))
 
 
 def test_a_damaged_global_position_is_named():
-    from flax_orbax_plugin._manager.iterator_positions import position_across_counts
+    from flax_orbax_plugin._manager.checkpointables import position_across_counts
 
     def read(i):
         return {"state": {}, "global_position": -1}

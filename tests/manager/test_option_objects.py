@@ -14,7 +14,7 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._base.env import doc_table
-from flax_orbax_plugin._manager import option_table
+from flax_orbax_plugin._manager import options as option_table
 from flax_orbax_plugin._manager.tiers import tier_option
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._manager.keep_rules import StepFacts
+from flax_orbax_plugin._manager.retention import StepFacts
 from flax_orbax_plugin._manager.save_rules import Moment
 
 

@@ -9,7 +9,7 @@ import pytest
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import OptionError, Retention, SavePolicy
 from flax_orbax_plugin._manager.retention import steps_to_delete
-from flax_orbax_plugin._manager.schedule import SaveSchedule
+from flax_orbax_plugin._manager.save_rules import SaveSchedule
 
 
 def test_nothing_is_deleted_without_keep_or_keep_best():

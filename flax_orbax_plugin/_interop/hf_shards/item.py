@@ -37,8 +37,7 @@ from ..._base.env import Option, found
 from ..._core.formats import ReadRequest, SaveRequest
 from ..._errors import OptionError, OptionTypeError, StructureError, UnsupportedLocationError
 from ..._format import layout as _layout
-from ..._manager.checkpointables import COPY_KINDS
-from ..._manager.json_items import encode_json
+from ..._manager.checkpointables import COPY_KINDS, encode_json
 from ..._storage.location import Location
 from ..safetensors.plan import checked_cast, parse_size
 from ..safetensors.reader import from_safetensors

@@ -30,7 +30,7 @@ from ..._core.handle import raise_if_cancelled
 from ..._errors import StructureError
 from ..._format import layout as _layout
 from ..._like import onto_like as _casting
-from ..._manager.json_items import encode_json, write_json
+from ..._manager.checkpointables import encode_json, write_json
 from ..._storage.location import Location
 from .layout import INDEX_NAME, Layout, runs
 
