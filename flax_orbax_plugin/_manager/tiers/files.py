@@ -190,14 +190,17 @@ def listing_digest(sizes: dict[str, int]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def partition(sizes: dict[str, int], n: int) -> list[list[str]]:
+def partition(
+    sizes: dict[str, int], n: int, holders: dict[str, list[int]] | None = None
+) -> list[list[str]]:
     """The files of a step split among ``n`` processes, the same on every process:
-    largest first (ties by path), each to the least-loaded process (ties by index),
-    a file weighing its size plus :data:`FILE_COST_BYTES`. Each share is sorted."""
+    largest first (ties by path), each to the least-loaded process (ties by index)
+    among its ``holders`` (None: every process), a file weighing its size plus
+    :data:`FILE_COST_BYTES`. Each share is sorted."""
     loads = [0] * n
     shares: list[list[str]] = [[] for _ in range(n)]
     for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
-        p = min(range(n), key=lambda i: (loads[i], i))
+        p = min(range(n) if holders is None else holders[rel], key=lambda i: (loads[i], i))
         shares[p].append(rel)
         loads[p] += sizes[rel] + FILE_COST_BYTES
     return [sorted(share) for share in shares]
