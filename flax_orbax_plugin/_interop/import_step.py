@@ -214,23 +214,18 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
         extras["metrics"] = metrics
     items: dict[str, Any] = {}
     origin: dict[str, str] = {}  # our item -> the foreign item it came from
-    if len(pytrees) == 1:
-        ((name, tree),) = pytrees.items()
-        items = _split(tree, source) if name != "params" else {"params": tree}
-        origin = dict.fromkeys(items, name)
-    else:
-        for name, tree in pytrees.items():
-            parts = _split(tree, source) if name != "params" else {"params": tree}
-            if set(parts) == {"params"} and name != "params":
-                parts = {name: tree}
-            clash = sorted(set(parts) & set(items))
-            if clash:
-                raise StructureError(
-                    f"item {clash[0]!r} of {source}: found in two Orbax items; import them "
-                    f"one at a time"
-                )
-            items.update(parts)
-            origin.update(dict.fromkeys(parts, name))
+    for name, tree in pytrees.items():
+        parts = _split(tree, source) if name != "params" else {"params": tree}
+        if len(pytrees) > 1 and set(parts) == {"params"} and name != "params":
+            parts = {name: tree}  # one of several items, no training state: kept by name
+        clash = sorted(set(parts) & set(items))
+        if clash:
+            raise StructureError(
+                f"item {clash[0]!r} of {source}: found in two Orbax items; import them "
+                f"one at a time"
+            )
+        items.update(parts)
+        origin.update(dict.fromkeys(parts, name))
     _refuse_reserved(items, origin, source)
     if "step" in items and not isinstance(items["step"], int):
         items["step"] = _to_step_int(items["step"], source)

@@ -16,9 +16,10 @@ Thread-safety: every function here is safe to call from any thread.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .._base import host as _host_memory
@@ -132,62 +133,34 @@ def save_steps(
     out_dir: Any,
     steps: Iterable[tuple[int, ImportedStep]],
     *,
-    force: bool,
-    planned: Iterable[int] = (),
-    format_version: int | None = None,
-    progress: Callable[[int], Any] | None = None,
+    planned: list[int],
+    options: Mapping[str, Any],
     source_bytes: Sequence[int] = (),
-    memory_limit_bytes: int | None = None,
 ) -> list[int]:
     """Saves each ``(step, (_, items, extras))`` as a committed step of ``out_dir``.
 
-    A step that already exists there is an error unless ``force`` (then replaced);
-    an entry named like the step that is not a committed step of ours is always an
-    error (ForeignEntryError), checked for every ``planned`` step before anything is
-    written and again before each step. ``steps`` is consumed lazily: one step's trees
-    are in memory at a time. Returns the steps written, in order. ``format_version``:
-    of the steps written (1 or 2; None: the manager's default, 2).
-    ``progress(sum(source_bytes))``, called once in the calling thread, returns a
-    context manager whose ``advance(nbytes, note)`` is called as each step commits,
-    with that step's ``source_bytes`` entry (the CLI's bar). ``memory_limit_bytes``: the
-    ceiling of the import: the step read (at most half of it: :func:`refuse_over`, the
-    reader's front) and its save, which streams under the other half (the manager's
-    ``host_memory``), nothing pooled; a leaf whose row exceeds that half is refused
-    before the step is written.
+    ``options``: the importer's, checked (``force``, ``format_version``, ``progress``,
+    ``memory_limit_bytes``). A step that already exists there is an error unless
+    ``force`` (then replaced); an entry named like the step that is not a committed step
+    of ours is always an error (ForeignEntryError), checked for every ``planned`` step
+    before anything is written and again before each step. ``steps`` is consumed
+    lazily: one step's trees are in memory at a time. Returns the steps written, in
+    order. ``format_version``: of the steps written (1 or 2; None: the manager's
+    default, 2). ``progress(sum(source_bytes))``, called once in the calling thread,
+    returns a context manager whose ``advance(nbytes, note)`` is called as each step
+    commits, with that step's ``source_bytes`` entry (the CLI's bar).
+    ``memory_limit_bytes``: the ceiling of the import: the step read (at most half of
+    it: :func:`refuse_over`, the reader's front) and its save, which streams under the
+    other half (the manager's ``host_memory``), nothing pooled; a leaf whose row exceeds
+    that half is refused before the step is written.
     """
     refuse_inside_checkpoint(out_dir)
-    refuse_foreign_targets(out_dir, list(planned))
+    refuse_foreign_targets(out_dir, planned)
     loc = Location.from_path(out_dir)
     created = _ownership.missing_directories(loc.path) if loc.is_local else []
     written: list[int] = []
-    sizes = list(source_bytes)
     try:
-        with (
-            CheckpointManager(
-                out_dir,
-                async_save=False,
-                format_version=format_version,
-                host_memory=None if memory_limit_bytes is None else memory_limit_bytes // 2,
-            ) as mngr,
-            _open_progress(progress, sum(sizes)) as bar,
-        ):
-            refuse_mixing(out_dir, mngr.steps(), list(planned), force)
-            for number, (_, items, extras) in steps:
-                if number in written:  # two sources of one step: one would replace the other
-                    raise StructureError(
-                        f"two checkpoints of this import give step {number}; import them "
-                        f"one at a time, each with its own step="
-                    )
-                refuse_foreign_targets(out_dir, [number])
-                refuse_existing(out_dir, mngr.steps(), [number], force)
-                _refuse_rows(number, items, memory_limit_bytes)
-                # overwrite: an imported step may lie below the latest one (no training run
-                # is resumed here); an existing step was refused above unless force.
-                mngr.save(number, items, extras=extras, ignore_policy=True, overwrite=True)
-                written.append(number)
-                del items, extras  # one step's trees at a time
-                if bar is not None:
-                    bar.advance(sizes[len(written) - 1] if len(written) <= len(sizes) else 0, "")
+        _write_steps(out_dir, steps, planned, options, list(source_bytes), written)
     except BaseException as e:  # Ctrl-C too: the manager removed the step in progress
         if written:
             e.add_note(
@@ -199,6 +172,39 @@ def save_steps(
             _ownership.remove_created(created, files=(LOCK_FILE,))
         raise
     return written
+
+
+def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: list[int]) -> None:
+    """:func:`save_steps`' manager session: each step checked, saved, then counted in
+    ``written`` (the caller's, read when this fails)."""
+    force, limit = options["force"], options["memory_limit_bytes"]
+    with (
+        CheckpointManager(
+            out_dir,
+            async_save=False,
+            format_version=options["format_version"],
+            host_memory=None if limit is None else limit // 2,
+        ) as mngr,
+        _open_progress(options["progress"], sum(sizes)) as bar,
+    ):
+        refuse_mixing(out_dir, mngr.steps(), planned, force)
+        for number, (_, items, extras) in steps:
+            if number in written:  # two sources of one step: one would replace the other
+                raise StructureError(
+                    f"two checkpoints of this import give step {number}; import them "
+                    f"one at a time, each with its own step="
+                )
+            refuse_foreign_targets(out_dir, [number])
+            refuse_existing(out_dir, mngr.steps(), [number], force)
+            _refuse_rows(number, items, limit)
+            # overwrite: an imported step may lie below the latest one (no training run
+            # is resumed here); an existing step was refused above unless force.
+            mngr.save(number, items, extras=extras, ignore_policy=True, overwrite=True)
+            written.append(number)
+            del items, extras  # one step's trees at a time
+            if bar is not None:
+                i = len(written) - 1
+                bar.advance(sizes[i] if i < len(sizes) else 0, "")
 
 
 def _refuse_rows(step: int, items: Any, limit: int | None) -> None:
@@ -292,6 +298,13 @@ def import_checkpoint(
     raise CheckpointNotFoundError(f"{src}: no such file or directory")
 
 
+def _check(src: Any, out_dir: Any, options: dict[str, Any]) -> None:
+    """An importer's front, before it reads: its ``options`` (one mapping, as
+    :func:`save_steps` takes them) checked, and ``out_dir`` refused inside ``src``."""
+    _option_table.check_import(**options)
+    refuse_inside_source(src, out_dir)
+
+
 @public(errors=refusals(arguments("src", "out_dir")))
 def import_safetensors(
     src: Any,
@@ -311,34 +324,21 @@ def import_safetensors(
     ``memory_limit_bytes``: the host-memory ceiling: files holding more than half of
     it are refused before anything is read, naming both figures; the save streams
     under the other half (``save_steps``)."""
-    limit = memory_limit_bytes
-    _option_table.check_import(
-        step=step,
-        force=force,
-        format_version=format_version,
-        progress=progress,
-        memory_limit_bytes=limit,
-    )
-    refuse_inside_source(src, out_dir)
+    options = {"step": step, "force": force, "format_version": format_version}
+    options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
+    _check(src, out_dir, options)
     source = safetensors_source(local_path(src, what="import source", note=_NOT_ORBAX))
     if source is None:
         raise CheckpointNotFoundError(f"import source {src}: no safetensors file in it")
     number = choose_step(str(src), given=step, named=None, stored=None)
     files = source if isinstance(source, list) else [source]
-    if limit is not None:  # what the headers claim (checked), before any tensor is read
+    if memory_limit_bytes is not None:  # what the headers claim (checked), before a read
         held = sum(math.prod(t.shape) * t.dtype.itemsize for t in headers(source).values())
-        refuse_over(src, held, limit, "tensors")
+        refuse_over(src, held, memory_limit_bytes, "tensors")
     tensors = from_safetensors(source)  # {name: array}; every header checked
-    return save_steps(
-        out_dir,
-        iter([(number, (number, {"params": tree_of_names(tensors)}, None))]),
-        force=force,
-        planned=[number],
-        format_version=format_version,
-        progress=progress,
-        source_bytes=[sum(os.path.getsize(f) for f in files)] if progress else (),
-        memory_limit_bytes=limit,
-    )
+    steps = [(number, (number, {"params": tree_of_names(tensors)}, None))]
+    sizes = [sum(os.path.getsize(f) for f in files)] if progress else ()
+    return save_steps(out_dir, iter(steps), planned=[number], options=options, source_bytes=sizes)
 
 
 @public(errors=refusals(arguments("src", "out_dir")))
@@ -367,44 +367,28 @@ def import_orbax(
     reading) or arrays (once read, before writing) exceed half of it is refused,
     naming both figures; the save streams under the other half (``save_steps``).
     """
-    limit = memory_limit_bytes
-    _option_table.check_import(
-        step=step,
-        force=force,
-        format_version=format_version,
-        progress=progress,
-        memory_limit_bytes=limit,
-    )
-    refuse_inside_source(src, out_dir)
+    options = {"step": step, "force": force, "format_version": format_version}
+    options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
+    _check(src, out_dir, options)
     targets = orbax_steps_to_import(src, step)
     for _, step_loc in targets:
-        refuse_over(step_loc, _source_size(step_loc), limit, "files")
-
-    def states():
-        for _, step_loc in targets:
-            trees, kinds = orbax_reader.read_step(step_loc)
-            refuse_over(step_loc, _host_memory.held_bytes(trees), limit, "arrays, once read,")
-            imported = step_items(trees, kinds, source=str(step_loc))
-            stored = imported[1].get("step")  # a training state's step leaf, as an int
-            stored = stored if isinstance(stored, int) else None
-            named = STEP_RE.match(step_loc.name)  # an Orbax step directory's number
-            named = int(named.groups()[-1]) if named else None  # the last group: digits
-            yield (
-                choose_step(str(step_loc), given=step, named=named, stored=stored),
-                imported,
-            )
-
+        refuse_over(step_loc, _source_size(step_loc), memory_limit_bytes, "files")
+    states = (_orbax_step(loc, step, memory_limit_bytes) for _, loc in targets)
+    sizes = [_source_size(loc) for _, loc in targets] if progress else ()
     planned = [n for n, _ in targets]
-    return save_steps(
-        out_dir,
-        states(),
-        force=force,
-        planned=planned,
-        format_version=format_version,
-        progress=progress,
-        source_bytes=[_source_size(loc) for _, loc in targets] if progress else (),
-        memory_limit_bytes=limit,
-    )
+    return save_steps(out_dir, states, planned=planned, options=options, source_bytes=sizes)
+
+
+def _orbax_step(step_loc: Location, step: int | None, limit: int | None):
+    """``(step number, imported step)`` of one Orbax step directory, read whole."""
+    trees, kinds = orbax_reader.read_step(step_loc)
+    refuse_over(step_loc, _host_memory.held_bytes(trees), limit, "arrays, once read,")
+    imported = step_items(trees, kinds, source=str(step_loc))
+    stored = imported[1].get("step")  # a training state's step leaf, as an int
+    stored = stored if isinstance(stored, int) else None
+    named = STEP_RE.match(step_loc.name)  # an Orbax step directory's number
+    named = int(named.groups()[-1]) if named else None  # the last group: digits
+    return choose_step(str(step_loc), given=step, named=named, stored=stored), imported
 
 
 @public(errors=refusals(arguments("src", "out_dir")))
@@ -432,23 +416,16 @@ def import_msgpack(
     its arrays, so a file larger than half the ceiling is refused before anything is
     read, naming both figures; the save streams under the other half (``save_steps``).
     """
-    limit = memory_limit_bytes
-    _option_table.check_import(
-        step=step,
-        force=force,
-        format_version=format_version,
-        progress=progress,
-        memory_limit_bytes=limit,
-    )
-    refuse_inside_source(src, out_dir)
+    options = {"step": step, "force": force, "format_version": format_version}
+    options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
+    _check(src, out_dir, options)
     numbered = msgpack_reader.files_to_import(src, step)
     for _, path in numbered:
-        refuse_over(path, _source_size(path), limit, "bytes (and then its arrays)")
+        refuse_over(path, _source_size(path), memory_limit_bytes, "bytes (and then its arrays)")
 
     def read(named: int | None, path: str) -> tuple[int, ImportedStep]:
         tree = msgpack_reader.read_msgpack(path)
-        stored = state_step(tree, path)
-        number = choose_step(path, given=step, named=named, stored=stored)
+        number = choose_step(path, given=step, named=named, stored=state_step(tree, path))
         return number, step_items({"state": tree}, {"state": "pytree"}, source=path)
 
     first = [read(*numbered[0])]  # its step decided (or refused) before anything is written
@@ -456,16 +433,7 @@ def import_msgpack(
 
     def states():  # one file's tree in memory at a time
         yield first.pop()
-        for named, path in numbered[1:]:
-            yield read(named, path)
+        yield from itertools.starmap(read, numbered[1:])
 
-    return save_steps(
-        out_dir,
-        states(),
-        force=force,
-        planned=planned,
-        format_version=format_version,
-        progress=progress,
-        source_bytes=[_source_size(path) for _, path in numbered] if progress else (),
-        memory_limit_bytes=limit,
-    )
+    sizes = [_source_size(path) for _, path in numbered] if progress else ()
+    return save_steps(out_dir, states(), planned=planned, options=options, source_bytes=sizes)

@@ -64,6 +64,11 @@ _MAX_DEPTH = 128  # nesting of the state dict; deeper is not a Flax checkpoint
 _MAX_NDIM = 64  # numpy's own limit
 
 
+def _sizes(shape: list) -> bool:
+    """Every entry a size: a non-negative int (not a bool)."""
+    return all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+
+
 def _ndarray(data: bytes, where: str) -> np.ndarray:
     try:
         shape, dtype_name, buffer = msgpack.unpackb(data, raw=True)
@@ -75,11 +80,7 @@ def _ndarray(data: bytes, where: str) -> np.ndarray:
             f"{where}: ndarray of dtype {str(name)[:100]!r}; expected one of "
             f"{sorted(_ALLOWED_DTYPES)}"
         )
-    if (
-        not isinstance(shape, (list, tuple))
-        or len(shape) > _MAX_NDIM
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
-    ):
+    if not isinstance(shape, (list, tuple)) or len(shape) > _MAX_NDIM or not _sizes(shape):
         raise CorruptCheckpointError(
             f"{where}: ndarray shape {str(shape)[:200]} is not a list of at most {_MAX_NDIM} sizes"
         )
@@ -149,7 +150,7 @@ def _unchunk(tree: Any, where: str, keys: list[Any] | None = None) -> Any:
         here = f"{where}: chunked array at {_key_path(keys)!r}"
         shape = _as_tuple(tree.get("shape"), here)
         chunks = _as_tuple(tree.get("chunks"), here)
-        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        if not _sizes(shape):
             raise CorruptCheckpointError(f"{here}: shape {str(shape)[:200]} is not a list of sizes")
         if (
             not chunks
@@ -253,8 +254,9 @@ def _files(src: str, step: int | None) -> list[tuple[int | None, str]]:
         mode = os.stat(src).st_mode  # the path the user named: a link to it is their choice
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{src}: no such file or directory") from None
-    if stat.S_ISREG(mode):
-        return [(None, src)]
+    if stat.S_ISREG(mode):  # a name ending in digits gives its number
+        m = _CHECKPOINT_RE.match(os.path.basename(src))
+        return [(int(m.group("step")) if m else None, src)]
     if not stat.S_ISDIR(mode):
         raise ForeignEntryError(
             f"{src}: expected a msgpack checkpoint file or a directory of them, found "
@@ -284,15 +286,7 @@ def files_to_import(src: Any, step: int | None) -> list[tuple[int | None, str]]:
     ``<prefix><step>`` file of a ``flax.training.checkpoints`` directory (or only
     ``step``). Reads names and one byte of each file; the step each is written as is
     ``import_step.choose_step``'s, once its state is read."""
-    src = local_path(src, what="msgpack source")
-
-    def number_of(number: int | None, path: str) -> int | None:
-        if number is not None:
-            return number
-        m = _CHECKPOINT_RE.match(os.path.basename(path))
-        return int(m.group("step")) if m else None
-
-    return [(number_of(n, p), p) for n, p in _files(src, step)]
+    return _files(local_path(src, what="msgpack source"), step)
 
 
 def _orbax_hint(path: str) -> str:

@@ -83,12 +83,6 @@ def _is_item(loc: Location, name: str) -> bool:
     return loc.exists(ITEM_METADATA) or loc.exists(JSON_ITEM_FILE) or loc.exists(name)
 
 
-def step_dirs(loc: Location) -> dict[int, Location]:
-    """{step: directory} of the finalized steps of an Orbax manager directory (see
-    :mod:`.orbax_steps`: entries that are no steps are passed over)."""
-    return list_steps(loc).steps
-
-
 def read_json(loc: Location, name: str) -> Any:
     """A JSON file of the checkpoint: regular files only, never blocking, capped."""
     raw = loc.read_bytes(name, max_bytes=_MAX_JSON_BYTES)

@@ -41,14 +41,7 @@ from .orbax_layout import (
 )
 from .orbax_steps import list_steps
 
-__all__ = [
-    "ItemReader",
-    "lone_item",
-    "orbax_steps",
-    "read_step",
-    "restore_item",
-    "restore_orbax",
-]
+__all__ = ["ItemReader", "lone_item", "orbax_steps", "read_step", "restore_item", "restore_orbax"]
 
 
 _MAX_LEAF_BYTES = 1 << 40  # a leaf claiming more is malformed metadata, never allocated

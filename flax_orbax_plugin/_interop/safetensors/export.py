@@ -193,19 +193,48 @@ def to_safetensors(
     check(EXPORT_OPTIONS, flags)
     dtype, metadata = checked_cast(dtype), checked_metadata(metadata)
     check_policy(cast)
+    tensors, read = _plan(source, key_map, transpose_kernels, dtype, cast, memory_limit_bytes)
+    shards = split_shards(tensors, limit)
+    outputs = _outputs(out, len(shards), force)
+    meta = _file_metadata(metadata, transpose_kernels)
+    return _write(outputs, shards, tensors, read, meta, force, progress, memory_limit_bytes)
+
+
+def _outputs(out: str, count: int, force: bool) -> tuple[str, list[str], str]:
+    """(directory, file names, index name) of an export of ``count`` shards to ``out``.
+    Refused: a directory that is part of a committed checkpoint (a step, an item, a
+    core checkpoint), a run directory or a folder of one (those never change), and an
+    existing output that ``force`` may not replace."""
+    directory, names, index_name = output_names(out, count)
+    held = holding_checkpoint(Location.from_path(os.path.realpath(directory)), runs=2)
+    if held is not None:
+        raise UnsupportedLocationError(
+            f"safetensors output {directory}: lies inside {held}; a committed checkpoint "
+            f"never changes: write the export elsewhere"
+        )
+    check_outputs(directory, names, index_name, force)
+    return directory, names, index_name
+
+
+def _plan(source: Any, key_map: Any, transpose_kernels: bool, dtype: Any, cast: str, limit):
+    """The tensors an export writes (each leaf's name, dtype and layout), every leaf
+    checked against the ceiling ``limit``, and the reader of their values."""
     key_map = checked_key_map(key_map)
-    leaves, read = _source_leaves(source, memory_limit_bytes)
+    leaves, read = _source_leaves(source, limit)
     if not leaves:
         raise ValueError("nothing to export: the source holds no array leaves")
     tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype, cast)
-    refuse_over_limit(tensors, memory_limit_bytes)
-    shards = split_shards(tensors, limit)
-    directory, names, index_name = output_names(out, len(shards))
-    _refuse_inside_checkpoint(directory)
+    refuse_over_limit(tensors, limit)
+    return tensors, read
+
+
+def _write(outputs: tuple, shards, tensors, read, meta, force, progress, limit) -> ExportResult:
+    """Writes the shards under temporary names and places them, then the index, then
+    removes what an old export left (``force``); on any failure (Ctrl-C too) nothing of
+    it stays. Leaves are read in groups of at most ``limit`` bytes."""
+    directory, names, index_name = outputs
     finals = [os.path.join(directory, n) for n in names]
     index_path = os.path.join(directory, index_name) if len(shards) > 1 else None
-    check_outputs(directory, names, index_name, force)
-    meta = _file_metadata(metadata, transpose_kernels)
     total = sum(t.nbytes for t in tensors)
     created = _ownership.missing_directories(directory)  # removed again on failure
     os.makedirs(directory, exist_ok=True)
@@ -213,7 +242,7 @@ def to_safetensors(
     staged = Staged(directory, names, shards, meta)  # its marker names this export
     try:
         with progress_of(progress, total) as bar:
-            staged.write(tensors, read, bar, group_bytes=memory_limit_bytes)
+            staged.write(tensors, read, bar, group_bytes=limit)
         old = old_outputs(directory, index_name) if force else set()
         for tmp, final in zip(staged.shard_tmps, finals, strict=True):
             staged.place(tmp, final)
@@ -229,17 +258,6 @@ def to_safetensors(
         raise
     staged.done()
     return ExportResult(tuple(finals), index_path, len(tensors), total)
-
-
-def _refuse_inside_checkpoint(directory: str) -> None:
-    """The export's directory is no part of a committed checkpoint (a step, an item, a
-    core checkpoint) nor a run directory or a folder of one: those never change."""
-    held = holding_checkpoint(Location.from_path(os.path.realpath(directory)), runs=2)
-    if held is not None:
-        raise UnsupportedLocationError(
-            f"safetensors output {directory}: lies inside {held}; a committed checkpoint "
-            f"never changes: write the export elsewhere"
-        )
 
 
 def _file_metadata(metadata: dict[str, str] | None, transpose_kernels: bool) -> dict[str, str]:

@@ -74,8 +74,7 @@ def _writer_gone(path: str, nonce: str) -> bool:
     that no longer exists; False whenever that is not certain."""
     try:
         doc = loads_json(
-            read_capped(path, follow_links=False, what="marker", max_bytes=_MAX_MARKER_BYTES),
-            path,
+            read_capped(path, follow_links=False, what="marker", max_bytes=_MAX_MARKER_BYTES), path
         )
     except (CheckpointError, OSError):
         return False

@@ -6,6 +6,7 @@ Single process, one thread. Rules: ``docs/safetensors.md``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -127,16 +128,10 @@ class Staged:
         _remains.end(self.directory, self.nonce)  # last: what it names is gone
 
 
-class _NoProgress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
+class _NoBar:
     def advance(self, amount: int = 1, note: str = "") -> None:
         pass
 
 
 def progress_of(factory, total):
-    return factory(total) if factory is not None else _NoProgress()
+    return factory(total) if factory is not None else contextlib.nullcontext(_NoBar())

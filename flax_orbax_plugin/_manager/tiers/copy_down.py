@@ -60,21 +60,13 @@ class CopyDown:
             return self._ensure_local(step)
         if self._places.per_host:
             return self._each_ensure_local(step, region)
-        outcome = "absent"
-        if self._places.primary:
-            try:
-                outcome = "present" if self._ensure_local(step) else "absent"
-            except Exception as e:  # noqa: BLE001  (every process raises it below)
-                kind = "corrupt" if isinstance(e, CorruptCheckpointError) else "failed"
-                outcome = f"{kind}: {type(e).__name__}: {e}"
-                error = e
+        outcome, error = self._outcome(step) if self._places.primary else ("absent", None)
         op = _distributed.next_operation_id("tiers-copy-down", region=region)
         outcome = _distributed.broadcast_str(op, outcome, region=region)
         if outcome.startswith(("corrupt", "failed")):
             if self._places.primary:
                 raise error
-            cls = CorruptCheckpointError if outcome.startswith("corrupt") else CheckpointError
-            raise cls(
+            raise _error_class(outcome)(
                 f"copying step {step} down from {self._places.remote} failed on the primary: "
                 + outcome.split(": ", 1)[1]
             )
@@ -84,12 +76,7 @@ class CopyDown:
         """Each host's own directory: every process copies the step down into its own
         (verified in full), then the outcomes are shared (one key-value round): all
         restore it, or all raise, naming the processes that failed."""
-        error: Exception | None = None
-        try:
-            outcome = "present" if self._ensure_local(step) else "absent"
-        except Exception as e:  # noqa: BLE001  (every process raises below)
-            kind = "corrupt" if isinstance(e, CorruptCheckpointError) else "failed"
-            outcome, error = f"{kind}: {type(e).__name__}: {e}", e
+        outcome, error = self._outcome(step)
         op = _distributed.next_operation_id("tiers-copy-down", region=region)
         _distributed.publish(op, outcome, region=region)
         outcomes = _distributed.gather_str(op, region=region)
@@ -97,12 +84,20 @@ class CopyDown:
             raise error
         bad = [(p, o) for p, o in enumerate(outcomes) if o.startswith(("corrupt", "failed"))]
         if bad:
-            cls = CorruptCheckpointError if bad[0][1].startswith("corrupt") else CheckpointError
-            raise cls(
+            raise _error_class(bad[0][1])(
                 f"copying step {step} down from {self._places.remote} failed on "
                 + "; ".join(f"process {p}: {o.split(': ', 1)[1]}" for p, o in bad)
             )
         return all(o == "present" for o in outcomes)
+
+    def _outcome(self, step: int) -> tuple[str, Exception | None]:
+        """This process's copy down of ``step`` as the word it shares (``present``,
+        ``absent``, ``corrupt: ...`` or ``failed: ...``) and the error it raises."""
+        try:
+            return ("present" if self._ensure_local(step) else "absent"), None
+        except Exception as e:  # noqa: BLE001  (every process raises it, once shared)
+            kind = "corrupt" if isinstance(e, CorruptCheckpointError) else "failed"
+            return f"{kind}: {type(e).__name__}: {e}", e
 
     def _ensure_local(self, step: int) -> bool:
         """Copies ``step`` down (see :meth:`ensure_local`): listed, copied into local
@@ -189,6 +184,11 @@ class CopyDown:
             staging.abort()
             raise
         return nbytes, t0
+
+
+def _error_class(outcome: str) -> type[CheckpointError]:
+    """The error a shared outcome that failed is raised as elsewhere."""
+    return CorruptCheckpointError if outcome.startswith("corrupt") else CheckpointError
 
 
 def _verify_copy(

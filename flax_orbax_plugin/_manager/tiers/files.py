@@ -82,19 +82,7 @@ def copy_files(
             raise Stopped()
         if streamed:
             return _stream(src, dst, rel, manifest.files.get(rel), piece)
-        data = read_remote_file(src, rel)
-        if memory_limit is not None and len(data) > memory_limit:
-            logger.warning(
-                "checkpoint: persistent tier: %s/%s holds %d bytes, above host_memory=%d: "
-                "an object store takes and gives a file whole, so it is held whole",
-                src,
-                rel,
-                len(data),
-                memory_limit,
-            )
-        _check_sha(src, rel, manifest.files.get(rel), hashlib.sha256(data).hexdigest())
-        dst.write_bytes(rel, data, durable=False)
-        return len(data)
+        return _whole(src, dst, rel, manifest.files.get(rel), memory_limit)
 
     total = 0
     # The process's priority (_base.env): a copy may call a store's client.
@@ -109,6 +97,24 @@ def copy_files(
                 f.cancel()
             raise
     return total
+
+
+def _whole(src: Location, dst: Location, rel: str, expected: str | None, limit) -> int:
+    """Copies one file read whole (an object store at either end, or no ceiling), its
+    sha256 checked (``expected``); a file above the ceiling ``limit`` is said."""
+    data = read_remote_file(src, rel)
+    if limit is not None and len(data) > limit:
+        logger.warning(
+            "checkpoint: persistent tier: %s/%s holds %d bytes, above host_memory=%d: "
+            "an object store takes and gives a file whole, so it is held whole",
+            src,
+            rel,
+            len(data),
+            limit,
+        )
+    _check_sha(src, rel, expected, hashlib.sha256(data).hexdigest())
+    dst.write_bytes(rel, data, durable=False)
+    return len(data)
 
 
 def _stream(src: Location, dst: Location, rel: str, expected: str | None, piece: int) -> int:
@@ -184,14 +190,17 @@ def listing_digest(sizes: dict[str, int]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def partition(sizes: dict[str, int], n: int) -> list[list[str]]:
+def partition(
+    sizes: dict[str, int], n: int, holders: dict[str, list[int]] | None = None
+) -> list[list[str]]:
     """The files of a step split among ``n`` processes, the same on every process:
-    largest first (ties by path), each to the least-loaded process (ties by index),
-    a file weighing its size plus :data:`FILE_COST_BYTES`. Each share is sorted."""
+    largest first (ties by path), each to the least-loaded process (ties by index)
+    among its ``holders`` (None: every process), a file weighing its size plus
+    :data:`FILE_COST_BYTES`. Each share is sorted."""
     loads = [0] * n
     shares: list[list[str]] = [[] for _ in range(n)]
     for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
-        p = min(range(n), key=lambda i: (loads[i], i))
+        p = min(range(n) if holders is None else holders[rel], key=lambda i: (loads[i], i))
         shares[p].append(rel)
         loads[p] += sizes[rel] + FILE_COST_BYTES
     return [sorted(share) for share in shares]

@@ -64,13 +64,10 @@ def open_primary(
             raise
         failure = e
     latest = remote_steps[-1] if remote_steps else -1
-    every = places.retention.keep_every
     missing = [
         s
         for s in local_steps
-        if places.due(s)
-        and s not in remote_steps
-        and (s > latest or (every is not None and s % every == 0))
+        if places.due(s) and s not in remote_steps and (s > latest or places.kept_forever(s))
     ]
     return remote_steps, missing, failure
 

@@ -338,11 +338,5 @@ def share_of_hosts(
                 )
             holders.setdefault(rel, []).append(p)
     _files.check_listed(manifest, list(union), "the hosts' copies together")
-    loads = [0] * len(listings)
-    me, share = _distributed.process_index(), []
-    for rel in sorted(union, key=lambda r: (-union[r], r)):
-        p = min(holders[rel], key=lambda i: (loads[i], i))
-        loads[p] += union[rel] + _files.FILE_COST_BYTES
-        if p == me:
-            share.append(rel)
-    return sorted(share), _files.listing_digest(union), len(union)
+    share = _files.partition(union, len(listings), holders)[_distributed.process_index()]
+    return share, _files.listing_digest(union), len(union)

@@ -39,6 +39,25 @@ __all__ = ["PersistentTier"]
 logger = logging.getLogger("flax_orbax_plugin")
 
 
+def _check_places(local: Location, remote: Location) -> None:
+    """The local tier is a local directory, and the two tiers are two places side by
+    side (one place, or one inside the other: each would list the other's steps)."""
+    if not local.is_local:
+        raise ValueError(
+            f"the local tier must be a local directory, found {local}; give the bucket "
+            f"as persistent= and a local path as the manager's directory"
+        )
+    if remote.is_local:
+        mine, theirs = (os.path.realpath(x.path) + os.sep for x in (local, remote))
+        if mine.startswith(theirs) or theirs.startswith(mine):
+            itself = mine == theirs
+            where = "the local directory itself" if itself else "nested with the local directory"
+            raise OptionError(
+                f"persistent location {remote} is {where} ({local}): the two tiers "
+                f"are two places side by side, e.g. /scratch/run and /shared/run"
+            )
+
+
 class PersistentTier:
     """The persistent copy of a manager's local directory; see ``docs/tiers.md``.
 
@@ -77,24 +96,8 @@ class PersistentTier:
         host_memory: int | str | None = None,
     ):
         self.local = local
-        self.remote = Location.from_path(remote)
-        if not local.is_local:
-            raise ValueError(
-                f"the local tier must be a local directory, found {local}; give the bucket "
-                f"as persistent= and a local path as the manager's directory"
-            )
-        if self.remote.is_local:  # one place, or one inside the other: each lists the other
-            mine, theirs = (os.path.realpath(x.path) + os.sep for x in (local, self.remote))
-            if mine.startswith(theirs) or theirs.startswith(mine):
-                where = (
-                    "the local directory itself"
-                    if mine == theirs
-                    else "nested with the local directory"
-                )
-                raise OptionError(
-                    f"persistent location {self.remote} is {where} ({local}): the two tiers "
-                    f"are two places side by side, e.g. /scratch/run and /shared/run"
-                )
+        self.remote = remote = Location.from_path(remote)
+        _check_places(local, remote)
         # With several processes the local directory is one every host mounts (as for
         # any manager directory): each process copies its share of every step, the
         # primary decides the rounds and commits; see docs/tiers.md.
@@ -102,19 +105,11 @@ class PersistentTier:
         multi = _distributed.process_count() > 1
         if not grace_seconds >= 0:
             raise ValueError(f"persistent_grace_seconds must be >= 0, found {grace_seconds!r}")
-        self.retention = Retention(keep=keep, keep_every=keep_every)
+        self.retention = retention = Retention(keep=keep, keep_every=keep_every)
         self.grace_seconds = float(grace_seconds)
         self._lease_seconds = _run_owner.check_lease(lease_seconds)
         self._places = Places(
-            local,
-            self.remote,
-            self.retention,
-            remove_step,
-            primary,
-            multi,
-            per_host,
-            every,
-            host_memory,
+            local, remote, retention, remove_step, primary, multi, per_host, every, host_memory
         )
         self._state = TierState()
         self._damaged = DamagedSteps(self.remote)
