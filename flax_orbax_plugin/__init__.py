@@ -93,8 +93,7 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
     )
     from ._manager.step_parts import StepParts
     from ._manager.tiers.tier_option import Tier
-    from ._reading.restore import metadata, restore
-    from ._reading.serving import restore_params
+    from ._reading.restore import metadata, restore, restore_params
     from ._state.iterators import StepIndexedIterator
     from ._storage.location import Location
     from ._version import __version__ as __version__
@@ -193,7 +192,7 @@ __all__ = [
 # statement _api.py has), without every wing: a serving process's first use of
 # ``restore_params`` imported the whole API (0.1 s under load, half of it the interop
 # and manager wings serving never touches). Any other name loads them all.
-_OWN_MODULE = (("restore_params", "._reading.serving"),)
+_OWN_MODULE = (("restore_params", "._reading.restore"),)
 
 
 def __getattr__(name: str):

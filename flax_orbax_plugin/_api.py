@@ -72,8 +72,7 @@ from ._manager.save_rules import (
 )
 from ._manager.step_parts import StepParts
 from ._manager.tiers.tier_option import Tier
-from ._reading.restore import metadata, restore
-from ._reading.serving import restore_params
+from ._reading.restore import metadata, restore, restore_params
 from ._state.iterators import StepIndexedIterator
 from ._storage.location import Location
 

@@ -1,37 +1,126 @@
-"""Reading any checkpoint: this library's own, a step's JSON item, or an Orbax directory.
+"""A step's items that are not pytrees (``step``, ``extras``, ``data_iterator``, any JSON
+item), pointed at on their own: ``fop.restore(DIR/<step>/extras)`` returns the JSON
+value, ``fop.metadata`` describes the item, and the CLI lists, inspects and verifies it.
+
+They hold no ``_METADATA.json`` (that is a pytree's): the reading fronts call these
+functions where ``_format.steps.classify`` found such an item (its step's manifest
+read once, carried in the ``StepItem``), never the native reader. Each item is read by
+the built-in checkpointable of its kind, exactly as ``CheckpointManager.restore``
+reads it, its JSON checked against the checksum in the step manifest. Safe from any
+thread.
+
+Reading any checkpoint: this library's own, a step's JSON item, or an Orbax directory.
 
 The front of ``fop.restore`` and ``fop.metadata``: it waits for this process's save to
 the path, classifies what is there once (``_format.steps.classify``) and dispatches
-on that: the native reader (``_core.restore``), a step's JSON item (``_reading.items``)
+on that: the native reader (``_core.restore``), a step's JSON item (below)
 or the Orbax reader (``_interop.orbax_reader``), none of which knows the others; any
 other place is an error that says what is there. Restoring this library's
 checkpoints costs no listing.
+
+Serving: restore the params of a step alone, onto any device layout.
+
+Opens nothing of a step but its manifest and ``params/`` (listing the directory and
+checking which steps hold a manifest). Safe to call from any thread and any process,
+even while a manager writes to the directory.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import Any
 
+import jax
+import numpy as np
+
 from .._base import distributed as _distributed
+from .._base.env import flag
 from .._base.regions import public
 from .._core import formats as _requests
 from .._core import handle as _handle
 from .._core import restore as _core_restore
+from .._core import restore as _restore
 from .._core.read_agreement import agree_on_read
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._core.reads import place
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    OptionError,
+    OptionTypeError,
+    StructureError,
+)
 from .._format import metadata as _metadata
 from .._format import steps as _places
+from .._format import steps as _steps
 from .._format.foreign import is_step
+from .._format.layout import STEP_VERSION
+from .._format.steps import StepItem, step_item
+from .._interop import hf_shards as _hf_shards
 from .._interop.orbax_layout import open_orbax
+from .._interop.orbax_params import restore_orbax_params
 from .._interop.orbax_reader import lone_item, restore_orbax
 from .._interop.orbax_steps import agreed_latest
-from .._like.onto_like import concrete
-from .._state.train_state import update_in_place
+from .._like import onto_like as _casting
+from .._like import transform as _transform
+from .._like.onto_like import checked_dtype, concrete, retarget
+from .._manager.checkpointables import BUILTIN_CHECKPOINTABLES
+from .._state.train_state import (
+    holds_nnx_objects,
+    is_nnx,
+    nnx_state_as_dict,
+    split_state,
+    update_in_place,
+)
 from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
-from . import items as _items
 
-__all__ = ["metadata", "restore"]
+__all__ = ["StepItem", "describe", "metadata", "read", "restore", "restore_params", "step_item"]
+
+# The readers of the kinds that are not pytrees, by the kind the manifest records.
+_READERS = {c.kind: c for c in BUILTIN_CHECKPOINTABLES.values() if c.kind != "pytree"}
+_READERS[_hf_shards.KIND] = _hf_shards.HFShards(every_steps=1)  # {tensor name: array}
+
+
+def read(item: StepItem, like: Any = None, *, changes: dict[str, Any] | None = None) -> Any:
+    """The value of a non-pytree item, read as the manager reads it (``like``: an int
+    or scalar template for ``step``, an iterator to set the state of for
+    ``data_iterator``). ``changes`` (partial, missing, transform) apply to pytrees
+    only: given for a JSON item, they are refused rather than silently ignored."""
+    reader = _reader(item)
+    asked = {k: v for k, v in (changes or {}).items() if v not in (None, False, "error")}
+    if asked:
+        raise CheckpointError(
+            f"{item.location} is {item.label}, a JSON value: {', '.join(sorted(asked))}= apply "
+            f"to pytrees (restore it without them)"
+        )
+    return reader.restore(item.location, like)
+
+
+def describe(item: StepItem) -> _metadata.CheckpointMetadata:
+    """``fop.metadata`` of a non-pytree item: its kind, the step's time and process
+    count, and no leaves (reads nothing but the step manifest)."""
+    _reader(item)
+    return _metadata.CheckpointMetadata(
+        path=str(item.location),
+        format_version=STEP_VERSION,
+        created_at=item.manifest.time,
+        process_count=item.manifest.process_count,
+        leaves={},
+        kind=item.entry.kind,
+    )
+
+
+def _reader(item: StepItem) -> Any:
+    reader = _READERS.get(item.entry.kind)
+    if reader is None:
+        raise CheckpointError(
+            f"{item.location} is {item.label}, written by a checkpointable of your own: "
+            f"read it with CheckpointManager(..., checkpointables={{{item.name!r}: ...}})"
+            f".restore(items=({item.name!r},))"
+        )
+    return reader
 
 
 # Onto devices of several processes the restore is collective: a failure on one process
@@ -59,7 +148,7 @@ def restore(
     """Restores the checkpoint at ``path`` in the form of ``like`` (see
     ``flax_orbax_plugin._core.restore`` for what ``like`` decides). ``path`` may
     also be a step's JSON item (``DIR/<step>/extras``, ``.../step``,
-    ``.../data_iterator``): its value is returned (see ``_reading.items``).
+    ``.../data_iterator``): its value is returned (see ``read`` in this module).
     NNX modules, optimizers and Rngs in ``like`` (alone, or in a tuple, list or dict such
     as ``(model, optimizer)``) are restored in place, and ``like``'s objects returned.
 
@@ -126,7 +215,7 @@ def restore(
         restored = _core_restore.restore_with(location, like, request)
         return update_in_place(like, restored)  # NNX objects: restored in place
     if place.kind == _places.JSON_ITEM:
-        return _items.read(place.item, like, changes=changes)
+        return read(place.item, like, changes=changes)
     if place.kind != _places.ORBAX:
         raise _places.not_a_checkpoint(place)  # what is there instead
     if region is not None:  # the processes agree on what they read, as for ours
@@ -181,7 +270,7 @@ def metadata(path: Any) -> _metadata.CheckpointMetadata:
     if place.kind in _places.PYTREES:
         return _core_restore.metadata(location)
     if place.kind == _places.JSON_ITEM:
-        return _items.describe(place.item)
+        return describe(place.item)
     if place.kind == _places.ORBAX:
         raise CheckpointNotFoundError(_orbax_message(location))
     raise _places.not_a_checkpoint(place)
@@ -202,3 +291,278 @@ def _orbax_message(location: Location) -> str:
         f"fop.restore(path, like) or fop.restore_params, or convert it with "
         f"fop.import_orbax(path, out_dir) and inspect the converted steps"
     )
+
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+def _params_like(like: Any) -> Any:
+    """The params of ``like``: a TrainState's, an NNX model's (also in a tuple or dict);
+    ``like`` itself when it is a params tree (a flax.struct dataclass of arrays too)."""
+    if like is None or (isinstance(like, Mapping) and not holds_nnx_objects(like)):
+        return like
+    try:
+        items = split_state(like)
+    except TypeError:
+        return like  # a params pytree of another kind (list, tuple, dataclass leaf tree)
+    if "params" in items:
+        return items["params"]
+    elements = like if isinstance(like, list | tuple) else (like,)
+    if not any(is_nnx(x) for x in elements):
+        return like  # a flax.struct dataclass of params (no 'params' field): the tree
+    raise OptionTypeError(
+        f"restore_params(like): expected the model, its params or a training state holding "
+        f"them, found {type(like).__name__}, which holds no nnx.Param variables (its items: "
+        f"{sorted(items)}); pass the model (nnx.eval_shape(...) of it is enough) or "
+        f"nnx.state(model, nnx.Param)"
+    )
+
+
+def _spans(directory: Any, like: Any = None, *, sharding: Any = None, **_: Any) -> bool:
+    """Whether a ``restore_params`` call is collective: ``like`` or ``sharding`` places
+    data on devices of other processes."""
+    return _distributed.spans_processes(_params_like(like), sharding)
+
+
+@public("restore-params", spans=_spans, errors=refusals(arguments("directory")))
+def restore_params(
+    directory: Any,
+    like: Any = None,
+    *,
+    region: _distributed.Region | None,
+    step: int | None = None,
+    item: str = "params",
+    dtype: Any = None,
+    sharding: Any = None,
+    partial: bool = False,
+    missing: str = "error",
+    transform: Any = None,
+    surgery: Any = None,
+    dry_run: bool = False,
+    cast: str = "safe",
+    memory_limit_bytes: int | None = None,
+) -> Any:
+    """Restore only the params of a step (the latest by default), for serving.
+
+    ``item`` names another pytree item to serve instead of ``params`` (``"ema_params"``,
+    an EMA copy saved beside them); ``like`` is then that item's tree (or a training
+    state whose field of that name is taken).
+
+    Opens nothing but ``<directory>/<step>/params/`` (listing the directory and
+    checking each step's manifest exists). ``like`` is a params pytree (arrays or
+    ShapeDtypeStructs, e.g. from ``jax.eval_shape``), a TrainState / NNX module
+    whose params are taken, or None (numpy on the host). ``dtype`` casts the
+    floating-point leaves, over the dtypes ``like`` gives (``cast="safe"``: a value
+    that overflows or is not representable is a StructureError naming the leaf;
+    ``"unsafe"``: numpy's cast);
+    ``sharding`` is one Sharding for every leaf or a pytree of them. Safe to call
+    from any thread, even while a manager writes. With several processes and a
+    ``like`` or ``sharding`` that spans them, the call is collective and every
+    process reads the primary's latest step (one key-value round).
+
+    ``partial``, ``missing`` and ``transform`` restore into changed params, as
+    ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
+    ``partial=True`` with ``like`` a subset of the saved params. ``surgery`` changes
+    the layout during the read and ``dry_run=True`` returns the plan instead, as in
+    ``fop.restore``. ``memory_limit_bytes``: the host-memory ceiling of the reads in
+    flight beyond the params returned, as ``fop.restore`` takes it.
+    """
+    _requests.check_serving(
+        step=step, item=item, memory_limit_bytes=memory_limit_bytes
+    )  # OptionError naming one, before any read
+    changes = _transform.changes(
+        partial=partial, missing=missing, transform=transform, surgery=surgery
+    )
+    dry_run = flag("dry_run", dry_run)
+    _casting.check_policy(cast)
+    if dtype is not None:  # before any read; the sharding's structure once like is known
+        checked_dtype(dtype)
+    kinds = (jax.sharding.Sharding, Mapping, list, tuple)
+    if not (sharding is None or isinstance(sharding, kinds)):
+        raise OptionTypeError(
+            f"sharding: expected one jax Sharding or a pytree of them, found "
+            f"{type(sharding).__name__} {sharding!r:.60}"
+        )
+    sharding = concrete(
+        sharding, option="sharding"
+    )  # on an AbstractMesh: onto set_mesh's mesh, or refused
+    loc = Location.from_path(directory)
+    place = _places.classify(loc, steps_first=True)  # a run of ours costs its one listing
+    steps = _steps.committed_of(loc, place.listing)  # (an unreadable step: warned)
+    if step is None and _spans(directory, like, sharding=sharding):
+        step, steps = _agreed_latest(loc, steps, region)
+    if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
+        if place.kind == _places.ORBAX:
+            _orbax_item(directory, item)
+            placing = (dtype, sharding, changes, partial, dry_run)
+            return _orbax_params(directory, like, step, *placing, region, cast=cast)
+        raise _places.no_steps(place)  # what is there instead (a step, a run below, ...)
+    given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
+    given["memory_limit_bytes"] = memory_limit_bytes
+    placing = (like, item, dtype, sharding, changes, cast, dry_run, region, given)
+
+    def serve(chosen: int) -> Any:
+        return _serve_step(loc, steps, chosen, *placing)
+
+    if step is not None:
+        return serve(_steps.choose_step(loc, steps, step))
+    return _steps.newest_readable(loc, steps, serve)  # past a step the environment shuts
+
+
+def _serve_step(
+    loc, steps, step, like, item, dtype, sharding, changes, cast, dry_run, region, given
+) -> Any:
+    """restore_params of committed ``step`` of ``loc`` (``given``: the changed-model
+    options as the caller gave them, for an NNX module's params saved as an nnx.State)."""
+    partial, missing, transform, surgery = (given[k] for k in _GIVEN)
+    memory_limit_bytes = given["memory_limit_bytes"]  # the host-memory ceiling
+    logger.info("restore_params: step %d of %s", step, loc)  # which step was served
+    step_loc = _steps.step_location(loc, step)
+    items = _steps.read_manifest(step_loc).items
+    params_loc = step_loc.child(_pytree_item(items, item, f"step {step} of {loc}", step_loc).dir)
+    target = _params_like(like) if item == "params" else _item_like(like, item)
+    if target is None and (dtype is not None or sharding is not None):
+        if dry_run:  # the plan places leaves where like says: it read them all instead
+            raise OptionError(
+                "dry_run=True with dtype= or sharding= needs like= (the plan says where "
+                "each leaf lands): give like=jax.eval_shape(...), or leave them out"
+            )
+        limit = memory_limit_bytes
+        return _host_then_placed(params_loc, dtype, sharding, changes, cast, region, limit)
+    target, back = nnx_state_as_dict(target)  # an nnx.State like: read as its pure dict
+    if transform is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
+        # params saved as an nnx.State (each leaf at <path>/value) into a module's form
+        changes = _transform.changes(
+            partial=partial, missing=missing, transform={r"/value$": ""}, surgery=surgery
+        )
+    if target is not None and (dtype is not None or sharding is not None):
+        target = retarget(target, dtype, sharding)
+    try:
+        options = {"dry_run": dry_run, "cast": cast, **changes.kwargs()}
+        options["memory_limit_bytes"] = memory_limit_bytes
+        got = _restore.restore(params_loc, target, region=region, **options)
+        return got if back is None or dry_run else back(got)
+    except CorruptCheckpointError as e:  # the latest is damaged: the older ones are named
+        older = [s for s in steps if s < step][-3:]
+        if older:
+            e.add_note(f"older steps of {loc}: {older}; restore_params(..., step={older[-1]})")
+        raise
+    except StructureError as e:  # model.init's output given whole: say so
+        if isinstance(target, Mapping) and "params" in target and e.args:
+            hint = _variables_hint(target, items, step_loc)
+            e.args = (f"{e.args[0]}\n{hint}", *e.args[1:])
+        raise
+
+
+_GIVEN = ("partial", "missing", "transform", "surgery")
+
+
+def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> Any:
+    """The manifest entry of pytree item ``item``; else CheckpointNotFoundError naming
+    the items there (or CheckpointError for an item that is no pytree)."""
+    if item not in items:  # which items there are, and how to read one of them
+        raise CheckpointNotFoundError(
+            f"{where} holds no {item} item (its items: {sorted(items)}); "
+            f"restore_params(..., item=<one of them>) or fop.restore({str(step_loc)!r} + "
+            f"'/<item>') reads one"
+        )
+    if items[item].kind != "pytree":
+        raise CheckpointError(
+            f"item {item!r} of {where} is a {items[item].kind} item, not a pytree of "
+            f"arrays: fop.restore({str(step_loc)!r} + '/{items[item].dir}') reads it"
+        )
+    return items[item]
+
+
+def _item_like(like: Any, item: str) -> Any:
+    """``like`` for item ``item``: a training state's field of that name (``state.ema_params``
+    for ``item="ema_params"``), else ``like`` itself (that item's tree)."""
+    if like is None or isinstance(like, Mapping):
+        return like
+    return getattr(like, item, like)
+
+
+def _orbax_item(directory: Any, item: str) -> None:
+    if item != "params":  # the params choice reads Orbax's own layouts (orbax_params)
+        raise CheckpointError(
+            f"{directory} is an Orbax checkpoint: item={item!r} chooses an item of this "
+            f"library's steps; read that Orbax item with fop.restore('{directory}/<step>/"
+            f"{item}'), or convert the run first (fop.import_orbax)"
+        )
+
+
+def _variables_hint(target: Mapping, items: Mapping, step_loc: Location) -> str:
+    """What to do with a like holding ``params`` at its top (model.init's output)."""
+    hint = "like holds a 'params' key at its top (model.init's output?): pass like['params']"
+    others = sorted(str(k) for k in target if k != "params" and str(k) in items)
+    if others:  # batch_stats ...: items of their own, read by fop.restore
+        where = f"fop.restore({str(step_loc)!r} + '/{others[0]}')"
+        hint += f"; {others} are items of their own: {where}"
+    return hint
+
+
+def _saved_as_nnx_state(params_loc: Location) -> bool:
+    """Whether the params were saved as an ``nnx.State`` (``{"params": nnx.state(model,
+    nnx.Param)}``): every leaf path ends in NNX's ``/value``, which a module's params
+    and their pure dict, the form an NNX like is read in, do not have."""
+    paths = list(_restore.metadata(params_loc).leaves)
+    return bool(paths) and all(p.endswith("/value") for p in paths)
+
+
+def _agreed_latest(
+    loc: Location, steps: list[int], region: _distributed.Region | None
+) -> tuple[int | None, list[int]]:
+    """Collective (in ``region``): the primary's latest step, on every process, and this process's
+    listing (listed again when it lacks that step). Processes that list the directory at
+    different moments while a manager commits would otherwise each read their own
+    latest step: params of two steps in one model, without an error."""
+    op = _distributed.next_operation_id("serve-step", region=region)
+    agreed = _distributed.broadcast_str(op, str(steps[-1]) if steps else "", region=region)
+    if not agreed:
+        return None, steps
+    step = int(agreed)
+    return step, steps if step in steps else _steps.committed_steps(loc)
+
+
+def _orbax_params(
+    directory, like, step, dtype, sharding, changes, partial, dry_run, region, *, cast
+) -> Any:
+    """The params of the Orbax checkpoint at ``directory`` (none of ours is there)."""
+    if changes.keep_missing or changes.transform is not None or changes.surgery or dry_run:
+        raise CheckpointError(
+            f"{directory} is an Orbax checkpoint: missing=, transform=, surgery= and "
+            f"dry_run= apply to this library's checkpoints; convert it first with "
+            f"fop.import_orbax(src, dst)"
+        )
+    if step is None and _distributed.spans_processes(_params_like(like), sharding):
+        step = agreed_latest(Location.from_path(directory), region=region)
+    return restore_orbax_params(
+        directory,
+        _params_like(like),
+        step=step,
+        dtype=dtype,
+        sharding=sharding,
+        partial=partial,
+        cast=cast,
+    )
+
+
+def _host_then_placed(
+    params_loc: Location, dtype, sharding, changes, cast: str, region, limit: int | None
+) -> Any:
+    """Without ``like``: the params read to the host (in ``region``, ``limit`` bytes of
+    reads in flight), then cast and placed."""
+    kwargs = changes.kwargs()
+    host = _restore.restore(params_loc, None, region=region, memory_limit_bytes=limit, **kwargs)
+    target = retarget(host, dtype, sharding)
+    _casting.check_tree(host, target, cast=cast)  # narrowing rounds; overflow raises
+
+    def placed(x, t):
+        if isinstance(t, np.ndarray | np.generic):  # a host leaf (retarget's numpy template)
+            return x.astype(t.dtype)
+        if not isinstance(t, jax.ShapeDtypeStruct):  # str, bytes, Python scalars: as read
+            return x
+        x = x.astype(t.dtype)
+        return x if t.sharding is None else place(x, t.sharding)
+
+    return jax.tree_util.tree_map(placed, host, target)
