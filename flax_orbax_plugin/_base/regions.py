@@ -1,38 +1,4 @@
-"""Liveness by progress: heartbeats, what each process is doing, and late peers named.
-
-A wait on another process (``distributed._wait``) judges it by its signs of life and of
-progress, not by one fixed wall-clock timeout. Every process, from its first collective
-operation or wait (:func:`ensure_beating`), publishes a heartbeat under
-``fop/alive/<process>`` in jax.distributed's key-value store every
-``FOP_PEER_SILENT_S / 4`` seconds (at most 1 s): a counter, a progress counter (it moves
-when bytes of a write or read moved, or an activity began or ended, since the last beat)
-and what its threads are doing (:data:`ACTIVITIES`: the collective operations they are
-in, the key one waits for, the bytes a write or read has moved and has left). A
-:class:`PeerWatch` (one per wait) reads the awaited process's heartbeat about once a
-second, once the wait lasted a second (the other late ones' only when it reports):
-
-* a process whose counter has not moved for ``FOP_PEER_SILENT_S`` (default 10) is dead:
-  :class:`CoordinationError` naming it and what it was last doing;
-* a live process is waited for as long as it makes progress: a slow save or restore of
-  any length is never aborted. The wait's stall timeout (``stall_s``: the manager's
-  ``stall_timeout=``, else ``FOP_COORDINATION_TIMEOUT_S``, 300 s) ends only a wait on a
-  process that made no progress that long: one beating but stalled (its bytes and its
-  activities unchanged; a process that only waits for a third one is judged by the
-  third's waiter instead, who raises in the region), one never seen beating (it may not
-  have reached its first coordination call yet), and two that only wait for each other
-  (different paths);
-* a process whose operation of the number this wait is in is of another kind (its
-  heartbeat names its operations) took another path: it never makes this call, and the
-  wait raises at once (``_base/other_paths.py``);
-* after ``FOP_LATE_REPORT_S`` (default 10), and every as long again, the waiting process
-  logs a warning naming the late processes and what they are doing, with their bytes
-  done and left.
-
-Threading: one heartbeat thread per process (a daemon; it stops when the coordination
-service is gone). :data:`ACTIVITIES` is thread-safe; each thread's activities are its
-own (a stack per thread). A :class:`PeerWatch` is used by the one thread that waits.
-
-Regions of collective operations, and the failures published in them.
+"""Regions of collective operations, the failures published in them, and liveness.
 
 A region is one collective operation of every process (:func:`collective`); its tag is
 the same on every process (the n-th collective operation of each). An error leaving a
@@ -59,6 +25,34 @@ operation runs in the region that drew it (:func:`resumed`, e.g. ``SaveHandle``)
 its failures are published there too. A user's code that calls a public function
 inside an operation (a custom ``Checkpointable`` calling ``fop.save``) draws a region
 of its own, the same on every process (the process's n-th collective operation).
+One heartbeat thread per process (a daemon); :data:`ACTIVITIES` is thread-safe, a stack
+per thread; a :class:`PeerWatch` is used by the one thread that waits.
+
+Liveness by progress: a wait on another process (``distributed._wait``) judges it by
+its signs of life and progress, not by a fixed timeout. From its first collective
+operation or wait (:func:`ensure_beating`) every process publishes a heartbeat under
+``fop/alive/<process>`` every ``FOP_PEER_SILENT_S / 4`` seconds (at most 1 s): a
+counter, a progress counter (bytes moved, an activity began or ended) and what its
+threads are doing (:data:`ACTIVITIES`). A :class:`PeerWatch` (one per wait) reads the
+awaited process's heartbeat about once a second, once the wait lasted a second:
+
+* a process whose counter has not moved for ``FOP_PEER_SILENT_S`` (default 10) is dead:
+  :class:`CoordinationError` naming it and what it was last doing;
+* a live process is waited for as long as it makes progress: a slow save or restore of
+  any length is never aborted. The wait's stall timeout (``stall_s``: the manager's
+  ``stall_timeout=``, else ``FOP_COORDINATION_TIMEOUT_S``, 300 s) ends only a wait on a
+  process that made no progress that long: one beating but stalled (its bytes and its
+  activities unchanged; a process that only waits for a third one is judged by the
+  third's waiter instead, who raises in the region), one never seen beating (it may not
+  have reached its first coordination call yet), and two that only wait for each other
+  (different paths);
+* a process whose operation of the number this wait is in is of another kind (its
+  heartbeat names its operations) took another path: it never makes this call, and the
+  wait raises at once (``_base.distributed``);
+* after ``FOP_LATE_REPORT_S`` (default 10), and every as long again, the waiting process
+  logs a warning naming the late processes and what they are doing, with their bytes
+  done and left.
+
 """
 
 from __future__ import annotations
@@ -90,10 +84,8 @@ __all__ = ["ACTIVITIES", "Activities", "PeerWatch", "Progress", "ensure_beating"
 
 ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
 LOOK_S = 1.0  # how often a wait reads the heartbeats (and how long before its first look)
-# Read once, at import (so a bad value is refused at the package's first use, on every
-# process, not only inside a first long wait): see the module docstring.
-PEER_SILENT_S = _env.read("FOP_PEER_SILENT_S")
-LATE_REPORT_S = _env.read("FOP_LATE_REPORT_S")
+# Read once, at import: a bad value is refused at the package's first use, everywhere.
+PEER_SILENT_S, LATE_REPORT_S = _env.read("FOP_PEER_SILENT_S"), _env.read("FOP_LATE_REPORT_S")
 logger = logging.getLogger("flax_orbax_plugin")
 
 
@@ -106,9 +98,8 @@ class Progress:
     total: int = 0
 
     def words(self) -> str:
-        mib = 1 << 20
         left = max(self.total - self.done, 0)
-        return f"{self.done / mib:.1f} MiB done, {left / mib:.1f} MiB left"
+        return f"{self.done / (1 << 20):.1f} MiB done, {left / (1 << 20):.1f} MiB left"
 
 
 @dataclasses.dataclass
@@ -548,9 +539,8 @@ def collective_method(kind: str, *, stall: str, scope: str) -> Callable:
     return _decorator(region)
 
 
-# What a public call's errors become: ``errors(error, arguments)`` (the call's bound
-# arguments by name) returns the error to raise in place of ``error``, or None to raise
-# it as it is (``_storage.kvstore.refusals``: a store's refusal, in words).
+# ``errors(error, arguments)``: the error to raise in place of ``error`` (None: as it
+# is), from the call's bound arguments (``_storage.kvstore.refusals``).
 Errors = Callable[[BaseException, dict[str, Any]], BaseException | None]
 
 
