@@ -53,13 +53,8 @@ def _need_distinct(op: Any, name: str, paths: tuple[str, ...]) -> None:
 
 
 def _need_prefix_pair(op: Any, a: str, b: str, names: tuple[str, str]) -> None:
-    _need(
-        op,
-        names[1],
-        a.endswith("/") == b.endswith("/"),
-        f"a prefix ending in '/' exactly when {names[0]} is one",
-        b,
-    )
+    ok = a.endswith("/") == b.endswith("/")
+    _need(op, names[1], ok, f"a prefix ending in '/' exactly when {names[0]} is one", b)
 
 
 @dataclasses.dataclass(frozen=True)
