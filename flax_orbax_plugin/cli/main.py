@@ -227,12 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         if interrupts is not None:
             interrupts.stopped()  # a second signal now changes nothing
         terminated = isinstance(e, shell.Terminated)
-        done = "; ".join(getattr(e, "__notes__", ()))
-        print(
-            f"flax-orbax {args.command}: {'terminated' if terminated else 'interrupted'}"
-            + (f" ({done})" if done else ""),
-            file=sys.stderr,
-        )
+        how = "terminated" if terminated else "interrupted"
+        print(f"flax-orbax {args.command}: {how}{_done(e)}", file=sys.stderr)
         return shell.EXIT_TERMINATED if terminated else shell.EXIT_INTERRUPTED
     # a signal the command could not act on (swallowed where it arrived, or after its
     # work): 130 or 143, said so
@@ -256,12 +252,16 @@ def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
         return getattr(e, "exit_code", EXIT_ERROR)
     except Exception as e:
         kind = "" if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: "
-        done = "; ".join(getattr(e, "__notes__", ()))  # what it had done (an import's steps)
-        print(  # the library's keywords that are flags here, in the flags' words
-            f"flax-orbax {args.command}: error: {kind}{in_flag_words(one_line(e))}"
-            + (f" ({' '.join(done.split())})" if done else ""),
-            file=sys.stderr,
-        )
+        # the library's keywords that are flags here, in the flags' words
+        line = f"{kind}{in_flag_words(one_line(e))}{_done(e, flat=True)}"
+        print(f"flax-orbax {args.command}: error: {line}", file=sys.stderr)
         if os.environ.get("FLAX_ORBAX_DEBUG"):
             raise
         return EXIT_ERROR
+
+
+def _done(e: BaseException, *, flat: bool = False) -> str:
+    """What the command had done before ``e`` (its notes: an import's steps), as
+    `` (...)``, on one line if ``flat``; "" when it had noted nothing."""
+    done = "; ".join(getattr(e, "__notes__", ()))
+    return f" ({' '.join(done.split()) if flat else done})" if done else ""
