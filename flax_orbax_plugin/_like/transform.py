@@ -82,8 +82,8 @@ def changes(
 ) -> Changes:
     """Validates the options (TypeError / ValueError naming the option; TransformError
     for ``transform``, see ``transform_rules``, and ``surgery``, see ``surgery``) and
-    compiles ``transform`` once. Called
-    by every restore entry point before anything is read."""
+    compiles ``transform`` once. Called by every restore entry point before anything
+    is read."""
     partial = flag("partial", partial)
     if missing not in MISSING_CHOICES:
         raise OptionError(f"missing must be one of {MISSING_CHOICES}, found {missing!r}")
@@ -308,16 +308,13 @@ def _renamed(message: str, saved: str, path: str) -> str:
 
 def mismatch(problems: list[str], where: str) -> StructureError:
     """One StructureError listing ``problems`` (the first line names the first one)."""
-    shown = problems[:MAX_LISTED]
-    more = len(problems) - len(shown)
-    noun = "difference" if len(problems) == 1 else "differences"
-    lines = [f"{shown[0]}" + (f" ({len(problems) - 1} more below)" if len(problems) > 1 else "")]
-    if len(problems) > 1:
-        lines.append(f"like does not match the checkpoint at {where}: {len(problems)} {noun}:")
-        lines.extend(f"  {p}" for p in shown)
-        if more:
-            lines.append(f"  ... and {more} more")
-    else:
-        lines[0] += f" at {where}"
-    lines.append(HINT)
-    return StructureError("\n".join(lines))
+    if len(problems) == 1:
+        return StructureError(f"{problems[0]} at {where}\n{HINT}")
+    lines = [
+        f"{problems[0]} ({len(problems) - 1} more below)",
+        f"like does not match the checkpoint at {where}: {len(problems)} differences:",
+        *(f"  {p}" for p in problems[:MAX_LISTED]),
+    ]
+    if len(problems) > MAX_LISTED:
+        lines.append(f"  ... and {len(problems) - MAX_LISTED} more")
+    return StructureError("\n".join([*lines, HINT]))
