@@ -82,8 +82,13 @@ class _Tree:
         before = self.how.pop(was, None) if was is not None else None
         self.how[path] = repr(op) if before is None else f"{before}, then {op!r}"
 
-    def under(self, prefix: str) -> list[str]:
-        return [p for p in self.nodes if p.startswith(prefix)]
+    def under(self, op: Any, path: str) -> list[str]:
+        """``[path]``, or the leaves under it when it is a prefix (none: a problem)."""
+        if not path.endswith("/"):
+            return [path]
+        if not (found := [p for p in self.nodes if p.startswith(path)]):
+            self.problems.append(f"surgery {op!r}: expected leaves under {path!r}, found none")
+        return found
 
 
 def _axis(tree: _Tree, op: Any, path: str, ndim: int, axis: int) -> int | None:
@@ -158,11 +163,7 @@ def _stack(tree: _Tree, op: Stack) -> None:
 
 
 def _unstack(tree: _Tree, op: Unstack) -> None:
-    prefix = op.source.endswith("/")
-    sources = tree.under(op.source) if prefix else [op.source]
-    if prefix and not sources:
-        tree.problems.append(f"surgery {op!r}: expected leaves under {op.source!r}, found none")
-    for path in sources:
+    for path in tree.under(op, op.source):
         node = tree.take(op, path)
         if node is None:
             continue
@@ -218,10 +219,7 @@ def _transpose(tree: _Tree, op: Transpose) -> None:
 
 
 def _rename(tree: _Tree, op: Rename) -> None:
-    olds = tree.under(op.old) if op.old.endswith("/") else [op.old]
-    if not olds:
-        tree.problems.append(f"surgery {op!r}: expected leaves under {op.old!r}, found none")
-    for old in olds:
+    for old in tree.under(op, op.old):
         node = tree.take(op, old)
         if node is not None:
             tree.put(op, op.new + old[len(op.old) :], node, was=old)

@@ -45,21 +45,22 @@ def _ints(values: Any) -> tuple[int, ...] | None:
     return tuple(operator.index(v) for v in values)
 
 
-def _need_distinct(op: Any, name: str, paths: tuple[str, ...]) -> None:
-    """Each path once (a leaf fused twice read once, then was missing the second time)."""
+def _need_paths(op: Any, name: str, expected: str = "a list of leaf paths") -> None:
+    """Field ``name`` of ``op``: a non-empty list of leaf paths (kept as a tuple), each
+    once (a leaf fused twice read once, then was missing the second time)."""
+    paths = getattr(op, name)
+    ok = isinstance(paths, (list, tuple)) and len(paths) >= 1 and all(map(_is_path, paths))
+    _need(op, name, ok, expected, paths)
+    paths = tuple(paths)
+    object.__setattr__(op, name, paths)
     twice = sorted({p for p in paths if paths.count(p) > 1})
     where = f" ({twice[0]!r} is there twice)" if twice else ""
     _need(op, name, not twice, "distinct leaf paths" + where, list(paths))
 
 
 def _need_prefix_pair(op: Any, a: str, b: str, names: tuple[str, str]) -> None:
-    _need(
-        op,
-        names[1],
-        a.endswith("/") == b.endswith("/"),
-        f"a prefix ending in '/' exactly when {names[0]} is one",
-        b,
-    )
+    ok = a.endswith("/") == b.endswith("/")
+    _need(op, names[1], ok, f"a prefix ending in '/' exactly when {names[0]} is one", b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +81,7 @@ class Stack:
             _need(self, "sources", ok, "a pattern with {i} (once)", self.sources)
             _need_prefix_pair(self, self.target, self.sources, ("target", "sources"))
         else:
-            srcs = self.sources
-            ok = isinstance(srcs, (list, tuple)) and srcs and all(map(_is_path, srcs))
-            _need(self, "sources", bool(ok), "a pattern with {i} or a list of paths", srcs)
-            object.__setattr__(self, "sources", tuple(srcs))
-            _need_distinct(self, "sources", self.sources)
+            _need_paths(self, "sources", "a pattern with {i} or a list of paths")
         _need_axis(self, self.axis)
 
 
@@ -116,11 +113,7 @@ class Fuse:
 
     def __post_init__(self):
         _need(self, "target", _is_path(self.target), "a leaf path", self.target)
-        srcs = self.sources
-        ok = isinstance(srcs, (list, tuple)) and len(srcs) >= 1 and all(map(_is_path, srcs))
-        _need(self, "sources", bool(ok), "a list of leaf paths", srcs)
-        object.__setattr__(self, "sources", tuple(srcs))
-        _need_distinct(self, "sources", self.sources)
+        _need_paths(self, "sources")
         _need_axis(self, self.axis)
 
 
@@ -136,11 +129,7 @@ class Split:
 
     def __post_init__(self):
         _need(self, "source", _is_path(self.source), "a leaf path", self.source)
-        tgts = self.targets
-        ok = isinstance(tgts, (list, tuple)) and len(tgts) >= 1 and all(map(_is_path, tgts))
-        _need(self, "targets", bool(ok), "a list of leaf paths", tgts)
-        object.__setattr__(self, "targets", tuple(tgts))
-        _need_distinct(self, "targets", self.targets)
+        _need_paths(self, "targets")
         _need_axis(self, self.axis)
         if self.sizes is not None:
             sizes = _ints(self.sizes)

@@ -52,11 +52,21 @@ def _join(plans: list[tuple[list[Piece], Assemble]], combine) -> tuple[list[Piec
     return pieces, assemble_all
 
 
+def _nothing(box: Box, dtype: str) -> tuple[list[Piece], Assemble]:
+    """An empty box: nothing read, an empty array of its shape."""
+    shape = [h - low for low, h in box]
+    return [], lambda arrays: np.empty(shape, dtype)
+
+
 class Node:
-    """A leaf as surgery makes it (see the module doc)."""
+    """A leaf as surgery makes it (see the module doc); its dtype is that of what it is
+    made of (``node``, or the first of ``parts``)."""
 
     shape: tuple[int, ...]
-    dtype: str
+
+    @property
+    def dtype(self) -> str:
+        return (self.parts[0] if hasattr(self, "parts") else self.node).dtype
 
     def pieces(self, box: Box) -> tuple[list[Piece], Assemble]:
         raise NotImplementedError
@@ -94,16 +104,11 @@ class Stacked(Node):
         inner.insert(self.axis, len(self.parts))
         return tuple(inner)
 
-    @property
-    def dtype(self) -> str:
-        return self.parts[0].dtype
-
     def pieces(self, box: Box) -> tuple[list[Piece], Assemble]:
         lo, hi = box[self.axis]
         inner = box[: self.axis] + box[self.axis + 1 :]
-        if lo == hi:  # an empty box: read nothing
-            shape = [h - low for low, h in box]
-            return [], lambda arrays: np.empty(shape, self.dtype)
+        if lo == hi:
+            return _nothing(box, self.dtype)
         plans = [self.parts[i].pieces(inner) for i in range(lo, hi)]
         return _join(plans, lambda arrays: np.stack(arrays, axis=self.axis))
 
@@ -120,10 +125,6 @@ class Taken(Node):
     def shape(self) -> tuple[int, ...]:
         shape = self.node.shape
         return shape[: self.axis] + shape[self.axis + 1 :]
-
-    @property
-    def dtype(self) -> str:
-        return self.node.dtype
 
     def pieces(self, box: Box) -> tuple[list[Piece], Assemble]:
         inner = box[: self.axis] + ((self.i, self.i + 1),) + box[self.axis :]
@@ -144,10 +145,6 @@ class Fused(Node):
         shape[self.axis] = sum(p.shape[self.axis] for p in self.parts)
         return tuple(shape)
 
-    @property
-    def dtype(self) -> str:
-        return self.parts[0].dtype
-
     def pieces(self, box: Box) -> tuple[list[Piece], Assemble]:
         lo, hi = box[self.axis]
         plans = []
@@ -160,8 +157,7 @@ class Fused(Node):
                 plans.append(part.pieces(sub))
             off += n
         if not plans:
-            shape = [h - low for low, h in box]
-            return [], lambda arrays: np.empty(shape, self.dtype)
+            return _nothing(box, self.dtype)
         return _join(plans, lambda arrays: np.concatenate(arrays, axis=self.axis))
 
 
@@ -180,10 +176,6 @@ class Sliced(Node):
         shape[self.axis] = self.size
         return tuple(shape)
 
-    @property
-    def dtype(self) -> str:
-        return self.node.dtype
-
     def pieces(self, box: Box) -> tuple[list[Piece], Assemble]:
         lo, hi = box[self.axis]
         inner = box[: self.axis] + ((lo + self.start, hi + self.start),) + box[self.axis + 1 :]
@@ -200,10 +192,6 @@ class Transposed(Node):
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.node.shape[a] for a in self.axes)
-
-    @property
-    def dtype(self) -> str:
-        return self.node.dtype
 
     def pieces(self, box: Box) -> tuple[list[Piece], Assemble]:
         inner: list[tuple[int, int]] = [(0, 0)] * len(self.axes)

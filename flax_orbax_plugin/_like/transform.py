@@ -82,8 +82,8 @@ def changes(
 ) -> Changes:
     """Validates the options (TypeError / ValueError naming the option; TransformError
     for ``transform``, see ``transform_rules``, and ``surgery``, see ``surgery``) and
-    compiles ``transform`` once. Called
-    by every restore entry point before anything is read."""
+    compiles ``transform`` once. Called by every restore entry point before anything
+    is read."""
     partial = flag("partial", partial)
     if missing not in MISSING_CHOICES:
         raise OptionError(f"missing must be one of {MISSING_CHOICES}, found {missing!r}")
@@ -119,13 +119,9 @@ def rename_records(records: dict[str, Any], opts: Changes, where: str) -> dict[s
     return out
 
 
-def _holds_no_value(leaf: Any) -> bool:
-    return isinstance(leaf, jax.ShapeDtypeStruct)
-
-
 def check_keepable(path: str, leaf: Any) -> None:
     """Raises when ``leaf`` (a leaf of like the checkpoint lacks) has no value to keep."""
-    if _holds_no_value(leaf):
+    if isinstance(leaf, jax.ShapeDtypeStruct):
         raise StructureError(
             f"leaf {path!r}: not in the checkpoint, and missing='keep' has no value to keep: "
             f"like holds a ShapeDtypeStruct{tuple(leaf.shape)} there; pass a concrete value "
@@ -178,13 +174,50 @@ def match(
     ``saved``: the checkpoint's own paths of leaves holding a value (before any
     transform). Every difference is collected first; then one StructureError lists
     them all (after ``problems``, found before: surgery's). A plan that reads none of
-    ``saved`` raises NothingMatchedError (see
-    :func:`check_matched`). ``cast``: the read's cast policy (a dtype no checked cast
-    reaches is a difference unless ``"unsafe"``).
-    """
+    ``saved`` raises NothingMatchedError (see :func:`check_matched`). ``cast``: the
+    read's cast policy (a dtype no checked cast reaches is a difference unless
+    ``"unsafe"``)."""
     problems = list(problems or ())
+    _refuse_one_leaf(flat, records, where)
+    casts: list[str] = []  # dtypes no checked cast reaches
+    out: list[Any] = []
+    for path, _, leaf in flat:
+        found = records.get(path)
+        if found is None:
+            out.append(_missing(path, leaf, records, opts, problems))
+            continue
+        index, record = found
+        try:
+            out.append(make(index, record, leaf))
+        except StructureError as e:
+            problems.append(_renamed(str(e), record.path, path))
+            out.append(None)
+            continue
+        why = _cast_problem(record.path, record, leaf, cast)
+        if why is not None:
+            casts.append(_renamed(why, record.path, path))
+    if not opts.partial:
+        wanted = {path for path, _, _ in flat}
+        problems += [
+            f"leaf {path!r}: unexpected key: found in the checkpoint but not in like "
+            f"(partial=True leaves it out)"
+            for path, (_, record) in records.items()
+            if path not in wanted and record.kind not in empty_kinds
+        ]
+    if problems:  # casts alone are refused by the read itself, naming a value
+        raise mismatch(problems + casts, where)
+    if not any(_holds_data(records.get(path)) for path, _, _ in flat):
+        like_paths = [
+            p for p, _, _ in flat if p not in records or records[p][1].kind not in NO_DATA
+        ]
+        check_matched(saved, like_paths, sorted(records), opts, where)
+    return out
+
+
+def _refuse_one_leaf(flat: list, records: dict[str, Any], where: str) -> None:
+    """like=object(), like=5: no tree at all, while the checkpoint is one."""
     if [p for p, _, _ in flat] == ["<root>"] and "<root>" not in records and records:
-        leaf = flat[0][2]  # like=object(), like=5: no tree at all, while the checkpoint is one
+        leaf = flat[0][2]
         raise mismatch(
             [
                 f"like is one leaf ({type(leaf).__name__} {leaf!r:.60}), not a tree: the "
@@ -193,61 +226,29 @@ def match(
             ],
             where,
         )
-    casts: list[str] = []  # dtypes no checked cast reaches
-    out: list[Any] = []
-    wanted = set()
-    matched = 0  # leaves of like read from a saved value
-    for path, _, leaf in flat:
-        wanted.add(path)
-        found = records.get(path)
-        if found is not None and found[0] >= 0 and found[1].kind not in NO_DATA:
-            matched += 1
-        if found is None:
-            if opts.keep_missing:
-                try:
-                    check_keepable(path, leaf)
-                except StructureError as e:
-                    problems.append(str(e))
-                out.append(KEEP)
-            else:
-                hint = (  # the first one, where records hold the saved paths themselves
-                    _onto_like.near_miss(path, records)
-                    if not problems and opts.transform is None
-                    else ""
-                )
-                problems.append(
-                    f"leaf {path!r}: expected by like, found no such key in the checkpoint "
-                    f"(missing='keep' keeps like's value){hint}"
-                )
-                out.append(None)
-            continue
+
+
+def _missing(path: str, leaf: Any, records: dict, opts: Changes, problems: list[str]) -> Any:
+    """The entry of like's leaf ``path`` the checkpoint lacks: KEEP (``missing="keep"``)
+    or None, a problem appended to ``problems`` (a near miss named on the first one,
+    where ``records`` hold the saved paths themselves)."""
+    if opts.keep_missing:
         try:
-            out.append(make(found[0], found[1], leaf))
+            check_keepable(path, leaf)
         except StructureError as e:
-            problems.append(_renamed(str(e), found[1].path, path))
-            out.append(None)
-            continue
-        why = _cast_problem(found[1].path, found[1], leaf, cast)
-        if why is not None:
-            casts.append(_renamed(why, found[1].path, path))
-    if not opts.partial:
-        for path, (_, record) in records.items():
-            if path not in wanted and record.kind not in empty_kinds:
-                problems.append(
-                    f"leaf {path!r}: unexpected key: found in the checkpoint but not in like "
-                    f"(partial=True leaves it out)"
-                )
-    if problems:  # casts alone are refused by the read itself, naming a value
-        raise mismatch(problems + casts, where)
-    if not matched:
-        like_paths = [p for p, _, leaf in flat if not _is_empty(p, records)]
-        check_matched(saved, like_paths, sorted(records), opts, where)
-    return out
+            problems.append(str(e))
+        return KEEP
+    hint = _onto_like.near_miss(path, records) if not problems and opts.transform is None else ""
+    problems.append(
+        f"leaf {path!r}: expected by like, found no such key in the checkpoint "
+        f"(missing='keep' keeps like's value){hint}"
+    )
+    return None
 
 
-def _is_empty(path: str, records: dict[str, tuple[int, Any]]) -> bool:
-    found = records.get(path)
-    return found is not None and found[1].kind in NO_DATA
+def _holds_data(found: tuple[int, Any] | None) -> bool:
+    """A saved leaf a read takes a value from (a leaf of like matched)."""
+    return found is not None and found[0] >= 0 and found[1].kind not in NO_DATA
 
 
 def check_matched(
@@ -307,16 +308,13 @@ def _renamed(message: str, saved: str, path: str) -> str:
 
 def mismatch(problems: list[str], where: str) -> StructureError:
     """One StructureError listing ``problems`` (the first line names the first one)."""
-    shown = problems[:MAX_LISTED]
-    more = len(problems) - len(shown)
-    noun = "difference" if len(problems) == 1 else "differences"
-    lines = [f"{shown[0]}" + (f" ({len(problems) - 1} more below)" if len(problems) > 1 else "")]
-    if len(problems) > 1:
-        lines.append(f"like does not match the checkpoint at {where}: {len(problems)} {noun}:")
-        lines.extend(f"  {p}" for p in shown)
-        if more:
-            lines.append(f"  ... and {more} more")
-    else:
-        lines[0] += f" at {where}"
-    lines.append(HINT)
-    return StructureError("\n".join(lines))
+    if len(problems) == 1:
+        return StructureError(f"{problems[0]} at {where}\n{HINT}")
+    lines = [
+        f"{problems[0]} ({len(problems) - 1} more below)",
+        f"like does not match the checkpoint at {where}: {len(problems)} differences:",
+        *(f"  {p}" for p in problems[:MAX_LISTED]),
+    ]
+    if len(problems) > MAX_LISTED:
+        lines.append(f"  ... and {len(problems) - MAX_LISTED} more")
+    return StructureError("\n".join([*lines, HINT]))

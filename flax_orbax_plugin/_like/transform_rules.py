@@ -95,14 +95,9 @@ def _rule(pattern: Any, replacement: Any) -> tuple[re.Pattern, str]:
         regex = re.compile(pattern)
     except re.error as e:
         raise TransformError(f"{entry}: the pattern is not a regex: {e}") from None
-    _check_template(entry, regex, replacement)
-    return regex, replacement
-
-
-def _check_template(entry: str, regex: re.Pattern, replacement: str) -> None:
-    fault = template_fault(regex, replacement)
-    if fault is not None:
+    if (fault := template_fault(regex, replacement)) is not None:
         raise TransformError(f"{entry}: {fault}")
+    return regex, replacement
 
 
 def template_fault(regex: re.Pattern, replacement: str) -> str | None:

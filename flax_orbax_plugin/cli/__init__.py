@@ -1,17 +1,14 @@
-"""The ``flax-orbax`` command line (also ``python -m flax_orbax_plugin``).
-
-    flax-orbax list DIR [--json]             steps, sizes, times, metrics
-    flax-orbax inspect PATH [--json] [--plot F]   leaves: shapes, dtypes, shardings, bytes
-    flax-orbax verify PATH [--json]          every checksum; exit 1 naming what is damaged
-    flax-orbax export PATH OUT --format safetensors [--dtype bfloat16]
-    flax-orbax gc DIR [--keep N] [--dry-run] [--json]   retention; remove unfinished steps
+"""The ``flax-orbax`` command line (also ``python -m flax_orbax_plugin``): ``list``,
+``inspect``, ``verify``, ``export``, ``import``, ``gc`` (``flax-orbax COMMAND --help``).
 
 Modules: ``main`` (parser, entry point: the standard library only, so ``--help`` and
-``--version`` are instant), ``dispatch`` (after parsing: path checks, then the command;
-it imports JAX and tensorstore), ``commands`` (one function per command), ``paths``
-(what a PATH names), ``output`` (exit codes, sizes, times), ``display`` (rich: bars and
-tables), ``json_output`` (the ``--json`` documents and their schemas), ``plot``
-(``inspect --plot``, matplotlib), ``store_errors`` (object-store failures as one line).
+``--version`` are instant; ``usage``: errors the arguments alone show), ``dispatch``
+(after parsing: path checks, then the command; it imports JAX and tensorstore),
+``commands``, ``list_command``, ``verify_command`` (the commands; ``gc_plan``: what
+``gc --dry-run`` would remove), ``paths`` (what a PATH names), ``output`` (exit codes,
+sizes, times), ``display`` (rich: bars and tables), ``json_output`` (the ``--json``
+documents and their schemas), ``plot`` (``--plot``, matplotlib), ``shell`` (signals
+and streams of a shell's command), ``native_logs`` (AWS log lines kept off stderr).
 """
 
 from .main import main

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import warnings
 from typing import Any
@@ -104,23 +105,11 @@ def _describe_item(item) -> dict[str, Any]:
         return {"name": item.name, "kind": item.kind, "note": _OPAQUE}
     meta = _restore.metadata(item.loc)
     leaves = [
-        {
-            "path": leaf.path,
-            "shape": [int(n) for n in leaf.shape],
-            "dtype": None if leaf.dtype is None else str(leaf.dtype),
-            "sharding": leaf.sharding or None,
-            "bytes": int(leaf.nbytes),
-        }
-        for leaf in meta.leaves.values()
+        _leaf(x.path, x.shape, None if x.dtype is None else str(x.dtype), x.sharding, x.nbytes)
+        for x in meta.leaves.values()
     ]
     values = sum(_numel(leaf.shape) for leaf in meta.leaves.values() if leaf.dtype)
-    return {
-        "name": item.name,
-        "kind": "pytree",
-        "leaves": leaves,
-        "total_bytes": int(meta.total_bytes),
-        "values": values,
-    }
+    return _tree_item(item, leaves, int(meta.total_bytes), values)
 
 
 _OPAQUE = "written by its own checkpointable: its contents are not described"
@@ -133,24 +122,26 @@ def _describe_shards(item) -> dict[str, Any]:
     if not item.loc.is_local:
         note = "Hugging Face shards on an object store: copy the folder down to list them"
         return {"name": item.name, "kind": item.kind, "note": note}
-    stored = read_safetensors_index(item.loc.path)
+    stored = sorted(read_safetensors_index(item.loc.path).items())
     leaves = [
-        {
-            "path": name,
-            "shape": list(t.shape),
-            "dtype": str(t.dtype),
-            "sharding": None,
-            "bytes": tensor_nbytes(t.dtype, _numel(t.shape)) or 0,
-        }
-        for name, t in sorted(stored.items())
+        _leaf(name, t.shape, str(t.dtype), None, tensor_nbytes(t.dtype, _numel(t.shape)) or 0)
+        for name, t in stored
     ]
-    return {
-        "name": item.name,
-        "kind": item.kind,
-        "leaves": leaves,
-        "total_bytes": sum(leaf["bytes"] for leaf in leaves),
-        "values": sum(_numel(leaf["shape"]) for leaf in leaves),
-    }
+    total = sum(leaf["bytes"] for leaf in leaves)
+    return _tree_item(item, leaves, total, sum(_numel(leaf["shape"]) for leaf in leaves))
+
+
+def _leaf(path: str, shape, dtype: str | None, sharding, nbytes: int) -> dict[str, Any]:
+    """One leaf of ``inspect --json`` (``json_output``'s schema)."""
+    shape = [int(n) for n in shape]
+    return dict(path=path, shape=shape, dtype=dtype, sharding=sharding or None, bytes=int(nbytes))
+
+
+def _tree_item(item, leaves: list, total_bytes: int, values: int) -> dict[str, Any]:
+    """An item of leaves in ``inspect --json``."""
+    return dict(
+        name=item.name, kind=item.kind, leaves=leaves, total_bytes=total_bytes, values=values
+    )
 
 
 def _print_item(d: dict[str, Any], *, summary: bool) -> None:
@@ -170,13 +161,13 @@ def _print_item(d: dict[str, Any], *, summary: bool) -> None:
         return
     rows = [
         _LeafRow(
-            name=leaf["path"],
-            shape=str(tuple(leaf["shape"])),
-            dtype=str(leaf["dtype"]),
-            sharding=_sharding_str(leaf["sharding"]),
-            bytes=leaf["bytes"],
+            x["path"],
+            str(tuple(x["shape"])),
+            str(x["dtype"]),
+            _sharding_str(x["sharding"]),
+            x["bytes"],
         )
-        for leaf in d["leaves"]
+        for x in d["leaves"]
     ]
     print(f"\n{d['name']}:")
     print(make_table(rows) if rows else "(no leaves)")
@@ -184,10 +175,7 @@ def _print_item(d: dict[str, Any], *, summary: bool) -> None:
 
 
 def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+    return math.prod(int(s) for s in shape)
 
 
 # -- export --------------------------------------------------------------------------
@@ -272,6 +260,30 @@ def cmd_import(args) -> int:
 
 def cmd_gc(args) -> int:
     loc = Location.from_path(args.directory)
+    _check_run_directory(loc, args)
+    found = gc_plan(loc, keep=args.keep, keep_every=args.keep_every)
+    # Not a run (nothing of ours to remove or keep): no writer opened, no lock left there.
+    idle = not (found.unfinished or found.steps or found.kept)
+    if idle:
+        _refuse_other_places(loc, found)
+    # what exports that died left here (their writers gone): removed as unfinished
+    exports = found.exports if args.dry_run else remove_exports(loc, found)
+    if not (args.dry_run or idle):
+        _report_gc(loc, args, *_gc_with_writer(loc, args, exports))
+        return 0
+    if args.dry_run and (holder := _writer_now(loc)) is not None:
+        warnings.warn(  # a real gc would refuse; its staging is not to remove
+            f"a training job writes to {loc} now ({holder}): a real gc would refuse "
+            f"until it stops, and the unfinished entries listed may be its saves in flight",
+            stacklevel=1,
+        )
+    _report_gc(loc, args, found.unfinished + exports, found.steps, found.kept, found.left_alone)
+    return 0
+
+
+def _check_run_directory(loc: Location, args) -> None:
+    """Refuses what ``gc`` must not run on: ``--keep-every`` alone, no directory, a
+    directory that is one checkpoint rather than a run (exit 0 there was wrong)."""
     if args.keep_every is not None and args.keep is None:
         raise CliError(f"--keep-every {args.keep_every} does nothing without --keep N")
     if not loc.is_dir():
@@ -279,74 +291,65 @@ def cmd_gc(args) -> int:
         raise CliError(
             f"{loc}: " + ("a file, not a run directory" if is_file else "no such directory")
         )
-    if (what := names_one(loc)) is not None:  # it found nothing to do there: exit 0 was wrong
+    if (what := names_one(loc)) is not None:
         raise CliError(
             f"{loc} is {what}, not a run directory: gc removes the unfinished and the old "
             f"steps of a run directory (give the directory that holds the steps)"
         )
-    found = gc_plan(loc, keep=args.keep, keep_every=args.keep_every)
-    # Not a run (nothing of ours to remove or keep): no writer opened, no lock left there.
-    idle = not (found.unfinished or found.steps or found.kept)
-    if idle and found.left_alone and not any(loc.exists(n) for n in _steps.RECORD_NAMES):
-        # Pointed one level too high or too low (a cron job's gc would free nothing,
-        # every day, with exit 0); a folder of other things is fine (nothing to do)
+
+
+def _refuse_other_places(loc: Location, found) -> None:
+    """``loc`` holds nothing of a run: refused where it is one level too high or too low
+    (a cron job's gc would free nothing, every day, with exit 0) or another library's
+    run; a folder of other things is fine (nothing to do)."""
+    if found.left_alone and not any(loc.exists(n) for n in _steps.RECORD_NAMES):
         if (where := _places.misplaced(loc)) is not None:
             raise CliError(f"{where}: gc removes nothing here")
-    if idle and (other := _foreign.foreign_run(loc)) is not None:  # another library's run
+    if (other := _foreign.foreign_run(loc)) is not None:
         raise CliError(
             f"{loc} holds {other}, no step of this library: gc removes only this library's "
             f"steps (`flax-orbax import {shell_word(loc)} OUT` converts it into steps of this "
             f"library)"
         )
-    # what exports that died left here (their writers gone): removed as unfinished
-    exports = found.exports if args.dry_run else remove_exports(loc, found)
-    if args.dry_run or idle:
-        removed_unfinished, removed, kept = found.unfinished + exports, found.steps, found.kept
-        left = found.left_alone
-        holder = None if not args.dry_run else _writer_now(loc)
-        if holder is not None:  # a real gc would refuse; its staging is not to remove
-            warnings.warn(
-                f"a training job writes to {loc} now ({holder}): a real gc would refuse "
-                f"until it stops, and the unfinished entries listed may be its saves in flight",
-                stacklevel=1,
-            )
-    else:
-        before = _steps.list_directory(loc)
-        # Opening a writer takes the directory's lock (refused while a training job
-        # writes to it) and removes unfinished steps.
-        try:
-            with (
-                status(f"gc {loc}"),
-                CheckpointManager(loc, keep=args.keep, keep_every=args.keep_every) as mngr,
-            ):
-                removed = mngr.gc()
-        except DirectoryLockedError as e:
-            raise _locked(
-                e, "gc removes nothing", " (--dry-run reads only, and works now)"
-            ) from None
-        after = _steps.list_directory(loc)
-        left = list(after.unfinished) + list(after.foreign)  # a dead core save's staging is foreign
-        removed_unfinished = [n for n in before.unfinished + before.foreign if n not in left]
-        removed_unfinished += [n for n in exports if n not in removed_unfinished]
-        kept = list(after.committed)
+
+
+def _gc_with_writer(loc: Location, args, exports: list[str]) -> tuple[list, list, list, list]:
+    """A real gc: a writer opened on ``loc`` takes the directory's lock (refused while a
+    training job writes to it) and removes unfinished steps, then retention. Returns
+    (unfinished removed, steps removed, steps kept, entries left alone)."""
+    before = _steps.list_directory(loc)
+    try:
+        with (
+            status(f"gc {loc}"),
+            CheckpointManager(loc, keep=args.keep, keep_every=args.keep_every) as mngr,
+        ):
+            removed = mngr.gc()
+    except DirectoryLockedError as e:
+        raise _locked(e, "gc removes nothing", " (--dry-run reads only, and works now)") from None
+    after = _steps.list_directory(loc)
+    left = list(after.unfinished) + list(after.foreign)  # a dead core save's staging is foreign
+    unfinished = [n for n in before.unfinished + before.foreign if n not in left]
+    unfinished += [n for n in exports if n not in unfinished]
+    return unfinished, removed, list(after.committed), left
+
+
+def _report_gc(loc: Location, args, unfinished, removed, kept, left) -> None:
     if args.json:
         json_output.emit(
             {
                 "directory": str(loc),
                 "dry_run": bool(args.dry_run),
-                "removed_unfinished": removed_unfinished,
+                "removed_unfinished": unfinished,
                 "removed_steps": list(removed),
                 "kept_steps": kept,
                 "left_alone": left,
             }
         )
-        return 0
+        return
     verb = "would remove" if args.dry_run else "removed"
-    print(f"{verb} unfinished: {', '.join(removed_unfinished) or 'none'}")
-    if args.keep is None:
-        print(f"{verb} steps: none (no --keep given)")
-    else:
-        print(f"{verb} steps: {', '.join(map(str, removed)) or 'none'}")
+    steps = ", ".join(map(str, removed)) or "none"
+    print(f"{verb} unfinished: {', '.join(unfinished) or 'none'}")
+    print(f"{verb} steps: {'none (no --keep given)' if args.keep is None else steps}")
     kept_verb = "would keep" if args.dry_run else "kept"
     print(f"{kept_verb} steps: {', '.join(map(str, kept)) or 'none'}")
     if left:
@@ -356,13 +359,9 @@ def cmd_gc(args) -> int:
         if inside:
             print(f"would leave what this library did not write: {', '.join(inside)}")
         print("dry run: nothing was removed")
-    return 0
 
 
 def _writer_now(loc: Location) -> str | None:
     """Who writes to ``loc`` now: the holder of a local directory's lock, or of an
     object store's lease (a real gc is refused while there is one)."""
     return live_holder(loc.path) if loc.is_local else _lease.live_holder(loc)
-
-
-# -- entry point -------------------------------------------------------------------------

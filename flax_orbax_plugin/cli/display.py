@@ -11,7 +11,9 @@ Loaded by the commands only (``cli.main`` does not import it): ``--help`` and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import sys
 from typing import Any
 
@@ -86,17 +88,7 @@ def status(text: str, *, stream: Any = None):
     """A spinner with ``text`` while a step without byte counts runs (a terminal only):
     a context manager."""
     console = _console(stream if stream is not None else sys.stderr)
-    if not console.is_terminal:
-        return _Quiet()
-    return console.status(text)
-
-
-class _Quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return console.status(text) if console.is_terminal else contextlib.nullcontext()
 
 
 def make_table(rows: list[Any]) -> str:
@@ -108,7 +100,7 @@ def make_table(rows: list[Any]) -> str:
         table.add_column(Text(name), overflow="fold")
     for row in rows:
         table.add_row(*(_cell(getattr(row, name)) for name in fields))
-    console = Console(width=_WIDE, highlight=False, record=True, file=_Sink())
+    console = Console(width=_WIDE, highlight=False, record=True, file=io.StringIO())
     console.print(table)
     lines = console.export_text().splitlines()
     return "\n".join(line.rstrip() for line in lines if line.strip())
@@ -118,13 +110,3 @@ def _cell(value: Any) -> Text:
     """Plain text (a leaf named ``[x]`` is no markup); an int with thousands commas."""
     number = isinstance(value, int) and not isinstance(value, bool)
     return Text(f"{value:,}" if number else str(value))
-
-
-class _Sink:
-    """A file that keeps nothing (the table is taken from the console's record)."""
-
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        pass

@@ -123,11 +123,9 @@ def emit(document: dict[str, Any]) -> None:
 def finite_metrics(values: dict[str, Any]) -> dict[str, float | int]:
     """The numeric extras a JSON document can hold (NaN and infinities left out: they
     are no JSON numbers)."""
-    out: dict[str, float | int] = {}
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if isinstance(value, float) and not math.isfinite(value):
-            continue
-        out[key] = value
-    return out
+    return {
+        key: value
+        for key, value in values.items()
+        if not isinstance(value, bool)
+        and (isinstance(value, int) or (isinstance(value, float) and math.isfinite(value)))
+    }

@@ -59,19 +59,17 @@ def _list_one_checkpoint(loc: Location) -> bool:
         kinds = ", ".join(f"{n} ({e.kind})" for n, e in sorted(manifest.items.items()))
         print(f"items: {kinds}")
         return True
-    item = _steps.step_item(loc)
-    if item is not None:
+    if (item := _steps.step_item(loc)) is not None:
         what = "its leaves" if item.is_pytree else "its value"
         print(f"{loc}: {item.label} of the run directory {loc.parent.parent}")
-        word = shell_word(loc)
-        print(f"`flax-orbax inspect {word}` shows {what}, `flax-orbax verify {word}` checks it")
-        return True
-    if loc.exists(COMMIT_FILE):
+    elif loc.exists(COMMIT_FILE):
+        what = "its leaves"
         print(f"{loc}: a checkpoint of one pytree (fop.save), not a directory of steps")
-        word = shell_word(loc)
-        print(f"`flax-orbax inspect {word}` shows its leaves, `flax-orbax verify {word}` checks it")
-        return True
-    return False
+    else:
+        return False
+    word = shell_word(loc)
+    print(f"`flax-orbax inspect {word}` shows {what}, `flax-orbax verify {word}` checks it")
+    return True
 
 
 def _list_data(loc: Location, args) -> int:
@@ -125,15 +123,13 @@ def _step_record(
     """One step of ``list --json`` (``_time``: the POSIX save time, for a plot); ``shut``:
     why the listing could not read the step's folder (nothing more is read)."""
     step_loc = step_loc or _steps.step_location(loc, step)
-    out: dict[str, Any] = {"step": step, "_time": None}
+    out: dict[str, Any] = {"step": step, "_time": None, "size_bytes": None}
     try:
         if shut is not None:
             raise PermissionError(shut)
         out["size_bytes"] = dir_bytes(step_loc)
-        manifest = _steps.read_manifest(step_loc)
-        extras = load_extras(step_loc)
+        manifest, extras = _steps.read_manifest(step_loc), load_extras(step_loc)
     except (CheckpointError, OSError) as e:  # OSError: unreadable here (not checked)
-        out.setdefault("size_bytes", None)
         out.update(bytes_written=None, bytes_reused=None, saved_at=None, items=[], metrics={})
         return {**out, "damaged": _why(e)}
     return {
@@ -164,8 +160,7 @@ def _list_row(
         if shut is not None:  # the listing could not read the step's folder
             raise PermissionError(shut)
         size = dir_bytes(step_loc)
-        manifest = _steps.read_manifest(step_loc)
-        extras = load_extras(step_loc)
+        manifest, extras = _steps.read_manifest(step_loc), load_extras(step_loc)
     except (CheckpointError, OSError) as e:
         what = "DAMAGED: " if isinstance(e, CheckpointError) else ""
         return _ListRow(str(step), "?", "?", "?", "?", f"{what}{_why(e)}", "-")

@@ -66,14 +66,102 @@ def _examples(*lines: str) -> str:
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-def _command(sub, name: str, what: str, *examples: str) -> argparse.ArgumentParser:
-    return sub.add_parser(
-        name,
-        help=what,
-        description=what[0].upper() + what[1:] + ".",
-        epilog=_examples(*examples),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+_RUN = "a CheckpointManager directory (local, s3://, gs://)"
+_CAST = "safe (default): a value --dtype would overflow is an error; unsafe: numpy's cast"
+_SOURCE = "Orbax manager/step/item dir, msgpack file or dir, safetensors file or dir"
+
+
+def _a(name: str, what: str, **keywords) -> tuple[str, dict]:
+    """An argument of a command: its name and ``add_argument``'s keywords."""
+    return name, {"help": what, **keywords}
+
+
+def _on(name: str, what: str) -> tuple[str, dict]:
+    return _a(name, what, action="store_true")
+
+
+_AT_STEP = _a("--step", _STEP, type=int)
+_MEMORY = _a("--memory-limit", _MEMORY_HELP, type=_size, metavar="SIZE")
+
+# Each command: what it does, its examples, its arguments (in the order --help shows).
+_COMMANDS = {
+    "list": (
+        "steps in a checkpoint directory: sizes, times, metrics",
+        ("flax-orbax list ckpts/", "flax-orbax list gs://bucket/run1 --json"),
+        _a("directory", _RUN),
+        _on("--json", _JSON),
+        _a("--plot", _PLOT_SAVES, metavar="FILE"),
+    ),
+    "inspect": (
+        "leaves with shapes, dtypes, shardings and bytes",
+        (
+            "flax-orbax inspect ckpts/ --item params",
+            "flax-orbax inspect ckpts/300 --json   (or --plot leaves.svg)",
+        ),
+        _a("path", _PATH),
+        _AT_STEP,
+        _a("--item", "only this checkpointable, e.g. params"),
+        _on("--summary", "one line per item, no leaf table"),
+        _on("--json", _JSON),
+        _a("--plot", _PLOT_LEAVES, metavar="FILE"),
+    ),
+    "verify": (
+        "read everything and check every checksum",
+        (
+            "flax-orbax verify ckpts/              (the latest step; exit 1 if damaged)",
+            "flax-orbax verify s3://bucket/run1 --all",
+        ),
+        _a("path", _PATH),
+        _AT_STEP,
+        _on("--all", "every step, not only the latest"),
+        _on("--json", _JSON + " (exit 1 still means damage)"),
+        _MEMORY,
+    ),
+    "export": (
+        "write params to a safetensors file",
+        (
+            "flax-orbax export ckpts/ model.safetensors --dtype bfloat16",
+            "flax-orbax export ckpts/ out/ --max-shard-size 2GiB --transpose-kernels",
+        ),
+        _a("path", _PATH),
+        _a("out", "the .safetensors file, or a local folder for shards + index"),
+        _a("--format", "of the file written", default="safetensors", choices=["safetensors"]),
+        _a("--dtype", "cast floating leaves, e.g. bfloat16"),
+        _a("--cast", _CAST, default="safe", choices=["safe", "unsafe"]),
+        _a("--item", "which checkpointable of a step (default: params)"),
+        _AT_STEP,
+        _a("--max-shard-size", "e.g. 5GB (10^9), 2GiB (2^30)", default="5GB"),
+        _on("--transpose-kernels", "PyTorch kernel layout"),
+        _a("--key-map", "JSON file: {leaf path: tensor name|null}"),
+        _on("--force", "replace an existing export"),
+        _MEMORY,
+    ),
+    "import": (
+        "an Orbax directory, Flax msgpack file(s) or safetensors as steps",
+        (
+            "flax-orbax import orbax_run/ ckpts/   (or checkpoint_1000.msgpack)",
+            "flax-orbax import model.safetensors ckpts/ --step 0   (or a folder of shards)",
+        ),
+        _a("source", _SOURCE),
+        _a("out", "a CheckpointManager directory (created if missing)"),
+        _a("--step", "only this step / write as this step", type=int),
+        _on("--force", "replace steps that exist in OUT"),
+        _a("--format-version", "of the steps written (default 2)", type=int, choices=(1, 2)),
+        _MEMORY,
+    ),
+    "gc": (
+        "apply retention and remove unfinished steps",
+        (
+            "flax-orbax gc ckpts/                  (only unfinished steps are removed)",
+            "flax-orbax gc ckpts/ --keep 3 --keep-every 1000 --dry-run",
+        ),
+        _a("directory", _RUN),
+        _a("--keep", "keep the last N steps", type=_positive),
+        _a("--keep-every", "and every step divisible by K", type=_positive),
+        _on("--dry-run", "name what would be removed; remove nothing"),
+        _on("--json", _JSON),
+    ),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,6 +184,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
     p = _Parser(
         prog="flax-orbax",
         description="Inspect, verify, export and clean flax_orbax_plugin checkpoints.",
@@ -104,115 +193,22 @@ def build_parser() -> argparse.ArgumentParser:
             "flax-orbax verify s3://bucket/run1 --all",
             "flax-orbax COMMAND --help     (the options and examples of one command)",
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=raw,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p.commands = sub.choices
-
-    s = _command(
-        sub,
-        "list",
-        "steps in a checkpoint directory: sizes, times, metrics",
-        "flax-orbax list ckpts/",
-        "flax-orbax list gs://bucket/run1 --json",
-    )
-    s.add_argument("directory", help="a CheckpointManager directory (local, s3://, gs://)")
-    s.add_argument("--json", action="store_true", help=_JSON)
-    s.add_argument("--plot", default=None, metavar="FILE", help=_PLOT_SAVES)
-
-    s = _command(
-        sub,
-        "inspect",
-        "leaves with shapes, dtypes, shardings and bytes",
-        "flax-orbax inspect ckpts/ --item params",
-        "flax-orbax inspect ckpts/300 --json   (or --plot leaves.svg)",
-    )
-    s.add_argument("path", help=_PATH)
-    s.add_argument("--step", type=int, default=None, help=_STEP)
-    s.add_argument("--item", default=None, help="only this checkpointable, e.g. params")
-    s.add_argument("--summary", action="store_true", help="one line per item, no leaf table")
-    s.add_argument("--json", action="store_true", help=_JSON)
-    s.add_argument("--plot", default=None, metavar="FILE", help=_PLOT_LEAVES)
-
-    s = _command(
-        sub,
-        "verify",
-        "read everything and check every checksum",
-        "flax-orbax verify ckpts/              (the latest step; exit 1 if damaged)",
-        "flax-orbax verify s3://bucket/run1 --all",
-    )
-    s.add_argument("path", help=_PATH)
-    s.add_argument("--step", type=int, default=None, help=_STEP)
-    s.add_argument("--all", action="store_true", help="every step, not only the latest")
-    s.add_argument("--json", action="store_true", help=_JSON + " (exit 1 still means damage)")
-    s.add_argument("--memory-limit", type=_size, default=None, metavar="SIZE", help=_MEMORY_HELP)
-
-    s = _command(
-        sub,
-        "export",
-        "write params to a safetensors file",
-        "flax-orbax export ckpts/ model.safetensors --dtype bfloat16",
-        "flax-orbax export ckpts/ out/ --max-shard-size 2GiB --transpose-kernels",
-    )
-    s.add_argument("path", help=_PATH)
-    s.add_argument("out", help="the .safetensors file, or a local folder for shards + index")
-    s.add_argument(
-        "--format", default="safetensors", choices=["safetensors"], help="of the file written"
-    )
-    s.add_argument("--dtype", default=None, help="cast floating leaves, e.g. bfloat16")
-    s.add_argument(
-        "--cast",
-        default="safe",
-        choices=["safe", "unsafe"],
-        help="safe (default): a value --dtype would overflow is an error; unsafe: numpy's cast",
-    )
-    s.add_argument("--item", default=None, help="which checkpointable of a step (default: params)")
-    s.add_argument("--step", type=int, default=None, help=_STEP)
-    s.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB (10^9), 2GiB (2^30)")
-    s.add_argument("--transpose-kernels", action="store_true", help="PyTorch kernel layout")
-    s.add_argument("--key-map", default=None, help="JSON file: {leaf path: tensor name|null}")
-    s.add_argument("--force", action="store_true", help="replace an existing export")
-    s.add_argument("--memory-limit", type=_size, default=None, metavar="SIZE", help=_MEMORY_HELP)
-
-    s = _command(
-        sub,
-        "import",
-        "an Orbax directory, Flax msgpack file(s) or safetensors as steps",
-        "flax-orbax import orbax_run/ ckpts/   (or checkpoint_1000.msgpack)",
-        "flax-orbax import model.safetensors ckpts/ --step 0   (or a folder of shards)",
-    )
-    s.add_argument(
-        "source", help="Orbax manager/step/item dir, msgpack file or dir, safetensors file or dir"
-    )
-    s.add_argument("out", help="a CheckpointManager directory (created if missing)")
-    s.add_argument("--step", type=int, default=None, help="only this step / write as this step")
-    s.add_argument("--force", action="store_true", help="replace steps that exist in OUT")
-    s.add_argument(
-        "--format-version",
-        type=int,
-        choices=(1, 2),
-        default=None,
-        help="of the steps written (default 2)",
-    )
-    s.add_argument("--memory-limit", type=_size, default=None, metavar="SIZE", help=_MEMORY_HELP)
-
-    s = _command(
-        sub,
-        "gc",
-        "apply retention and remove unfinished steps",
-        "flax-orbax gc ckpts/                  (only unfinished steps are removed)",
-        "flax-orbax gc ckpts/ --keep 3 --keep-every 1000 --dry-run",
-    )
-    s.add_argument("directory", help="a CheckpointManager directory (local, s3://, gs://)")
-    s.add_argument("--keep", type=_positive, default=None, help="keep the last N steps")
-    s.add_argument(
-        "--keep-every", type=_positive, default=None, help="and every step divisible by K"
-    )
-    s.add_argument(
-        "--dry-run", action="store_true", help="name what would be removed; remove nothing"
-    )
-    s.add_argument("--json", action="store_true", help=_JSON)
+    for name, (what, examples, *arguments) in _COMMANDS.items():
+        description = what[0].upper() + what[1:] + "."
+        s = sub.add_parser(
+            name,
+            help=what,
+            description=description,
+            epilog=_examples(*examples),
+            formatter_class=raw,
+        )
+        for argument, keywords in arguments:
+            s.add_argument(argument, **keywords)
     return p
 
 
@@ -231,12 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         if interrupts is not None:
             interrupts.stopped()  # a second signal now changes nothing
         terminated = isinstance(e, shell.Terminated)
-        done = "; ".join(getattr(e, "__notes__", ()))
-        print(
-            f"flax-orbax {args.command}: {'terminated' if terminated else 'interrupted'}"
-            + (f" ({done})" if done else ""),
-            file=sys.stderr,
-        )
+        how = "terminated" if terminated else "interrupted"
+        print(f"flax-orbax {args.command}: {how}{_done(e)}", file=sys.stderr)
         return shell.EXIT_TERMINATED if terminated else shell.EXIT_INTERRUPTED
     # a signal the command could not act on (swallowed where it arrived, or after its
     # work): 130 or 143, said so
@@ -260,12 +252,16 @@ def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
         return getattr(e, "exit_code", EXIT_ERROR)
     except Exception as e:
         kind = "" if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: "
-        done = "; ".join(getattr(e, "__notes__", ()))  # what it had done (an import's steps)
-        print(  # the library's keywords that are flags here, in the flags' words
-            f"flax-orbax {args.command}: error: {kind}{in_flag_words(one_line(e))}"
-            + (f" ({' '.join(done.split())})" if done else ""),
-            file=sys.stderr,
-        )
+        # the library's keywords that are flags here, in the flags' words
+        line = f"{kind}{in_flag_words(one_line(e))}{_done(e, flat=True)}"
+        print(f"flax-orbax {args.command}: error: {line}", file=sys.stderr)
         if os.environ.get("FLAX_ORBAX_DEBUG"):
             raise
         return EXIT_ERROR
+
+
+def _done(e: BaseException, *, flat: bool = False) -> str:
+    """What the command had done before ``e`` (its notes: an import's steps), as
+    `` (...)``, on one line if ``flat``; "" when it had noted nothing."""
+    done = "; ".join(getattr(e, "__notes__", ()))
+    return f" ({' '.join(done.split()) if flat else done})" if done else ""

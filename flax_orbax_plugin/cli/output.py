@@ -10,10 +10,7 @@ import re
 import shlex
 
 EXIT_DAMAGED = 1
-
-
 EXIT_ERROR = 2
-
 # An object store refused: no such bucket, no credentials, access denied (one line
 # naming the bucket and what to do).
 EXIT_STORE = 3

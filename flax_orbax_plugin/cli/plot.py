@@ -21,7 +21,6 @@ from .._storage.location import Location
 from .output import CliError, human_bytes
 from .usage import PLOT_FORMATS
 
-FORMATS = PLOT_FORMATS
 TOP_LEAVES = 30  # the largest leaves drawn; the rest are one "other" bar per item
 
 
@@ -47,7 +46,7 @@ class Save:
 def check_output(path: str) -> str:
     """The format of ``path`` (``png``/``svg``), once matplotlib is found and the place
     is allowed; a CliError naming ``--plot`` otherwise."""
-    fmt = FORMATS.get(os.path.splitext(path)[1].lower())
+    fmt = PLOT_FORMATS.get(os.path.splitext(path)[1].lower())
     if fmt is None:
         raise CliError(f"--plot {path!r}: expected a file name ending in .png or .svg")
     _figure_class()
@@ -125,7 +124,7 @@ def saves_figure(title: str, saves: list[Save], path: str) -> None:
 
 
 def _write(fig: Any, path: str) -> None:
-    fmt = FORMATS[os.path.splitext(path)[1].lower()]
+    fmt = PLOT_FORMATS[os.path.splitext(path)[1].lower()]
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".plot-{secrets.token_hex(8)}.{fmt}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)  # umask

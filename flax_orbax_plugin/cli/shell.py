@@ -70,7 +70,7 @@ class Interrupts:
     handled (the command cleaning up what it was writing, ``main`` saying so) is noted,
     not raised: it would cut the clean-up short or escape as a traceback. One that Python
     swallowed (it arrived inside a garbage-collection callback, whose exceptions are
-    ignored, and the command ran on) is still known: ``seen``. Once the command has its
+    ignored, and the command ran on) is still known: ``signum``. Once the command has its
     status (:meth:`finish`), a signal says it came too late and exits at once.
 
     Main thread (signal handlers run there); call order: :meth:`loaded`, then
@@ -81,10 +81,6 @@ class Interrupts:
         self.command = command
         self.signum: int | None = None  # the first signal: the one the command reports
         self._state = "loading"  # then "running", and "stopped" or "finished"
-
-    @property
-    def seen(self) -> bool:
-        return self.signum is not None
 
     @property
     def terminated(self) -> bool:

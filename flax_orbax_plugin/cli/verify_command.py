@@ -58,21 +58,24 @@ def cmd_verify(args) -> int:
         steps = ", ".join(str(u["step"]) for u in unreadable)
         print(f"verify: {len(unreadable)} step(s) could not be read: {steps}", file=sys.stderr)
     for r in results:
-        label = r.path if r.step is None else f"step {r.step}" + (f"/{r.item}" if r.item else "")
+        label = _name(r, "step ")
         if r.ok:
             print(f"ok       {label}" + (f" ({r.note})" if r.note else ""))
         else:
             print(f"DAMAGED  {label}: {one_line(r.error or '')}")
     if damaged:
-        names = ", ".join(
-            r.path if r.step is None else f"{r.step}" + (f"/{r.item}" if r.item else "")
-            for r in damaged
-        )  # a step whose manifest fails has no item: it read "1/None"
+        names = ", ".join(_name(r) for r in damaged)
         print(f"verify: {len(damaged)} damaged: {names}", file=sys.stderr)
         return EXIT_DAMAGED
     if not unreadable:
         print(f"verify: all {len(results)} checkpointable(s) ok")
     return failed
+
+
+def _name(r: Any, step: str = "") -> str:
+    """A result's path, or its step (after ``step``) and item (a step whose manifest
+    fails has no item: not "1/None")."""
+    return r.path if r.step is None else f"{step}{r.step}" + (f"/{r.item}" if r.item else "")
 
 
 def _run_steps(loc: Location, args) -> tuple[list[int], dict[int, str]]:
