@@ -56,7 +56,8 @@ def main() -> None:
     from flax_orbax_plugin._core import read_data, restore
     from flax_orbax_plugin._core import reads as targets
     from flax_orbax_plugin._format import steps
-    from flax_orbax_plugin._zarr import packed_index, packed_reader
+    from flax_orbax_plugin._zarr import chunks as packed_index
+    from flax_orbax_plugin._zarr import packed_reader
 
     print("module", fop.__file__)
     specs = C.params_specs(C.tree_specs("a"))

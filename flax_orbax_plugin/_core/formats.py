@@ -59,7 +59,7 @@ from .._like.transform import Changes
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
-from .._zarr import packed_index as _packed_index
+from .._zarr import chunks as _packed_index
 from .._zarr import packed_reader as _packed_reader
 from . import reads as _reads
 from .reads import check_claims, check_packed_claims

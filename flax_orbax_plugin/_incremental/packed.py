@@ -33,7 +33,7 @@ from .._storage import server_copy as _server_copy
 from .._storage.local_files import open_dirs as _open_dirs
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
-from .._zarr import packed_index as _index
+from .._zarr import chunks as _index
 from .chunks import Refused, Writes, chunk_file_bytes, not_the_snapshot, snapshot_crcs
 from .copies import _same_copy
 

@@ -51,8 +51,8 @@ from .._base import host as _host
 from .._storage import local_files as _docs
 from .._storage.location import Location, check_name
 from . import chunks as _chunks
+from . import chunks as _index
 from . import packed_codec as _codec
-from . import packed_index as _index
 
 _SYNC_FILE_RANGE_WRITE = 2
 DIRECT_ALIGN = 4096  # address, length and file offset of an O_DIRECT write

@@ -1,4 +1,4 @@
-"""Format version 2 restored from an object store: the fetch plan of ``_zarr.packed_index``.
+"""Format version 2 restored from an object store: the fetch plan of ``_zarr.chunks``.
 
 Against the real moto S3 server in this process, counting the requests it answers
 (``tests/support/_s3_requests.py``): a whole restore fetches each data file with one
@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._zarr import packed_index as packed_ranges
+from flax_orbax_plugin._zarr import packed_reader as packed_ranges
 
 pytest_plugins = ["_servers"]
 
@@ -123,7 +123,7 @@ def test_the_plan_merges_small_gaps_and_fetches_a_mostly_wanted_file_whole():
 
 
 def test_a_range_that_would_pass_the_memory_bound_is_fetched_in_pieces(monkeypatch):
-    from flax_orbax_plugin._zarr.packed_index import Segment
+    from flax_orbax_plugin._zarr.chunks import Segment
 
     kv = ts.KvStore.open("memory://").result()
     mib = 1 << 20
