@@ -29,73 +29,7 @@ from . import _version
 from ._base import interrupts as _interrupts
 
 if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads them
-    # (the same statements as _api.py; tests/cli/test_cli_startup.py checks they agree)
-    from ._core.save import SaveHandle, SaveResult, is_committed, save, save_async
-    from ._core.verify import VerifyResult, verify
-    from ._errors import (
-        CheckpointError,
-        CheckpointNotFoundError,
-        CoordinationError,
-        CorruptCheckpointError,
-        DirectoryLockedError,
-        EventHookError,
-        ForeignEntryError,
-        HookReentryError,
-        NotCommittedError,
-        NothingMatchedError,
-        OptionError,
-        OptionTypeError,
-        ProcessFailedError,
-        ReplicationError,
-        SaveCancelledError,
-        StepDeletedError,
-        StoreAccessError,
-        StructureError,
-        TransformError,
-        UnknownItemError,
-        UnsupportedLocationError,
-        UnsupportedRuntimeError,
-    )
-    from ._format.metadata import CheckpointMetadata, LeafMetadata
-    from ._interop.hf_shards import HFShards
-    from ._interop.importing import import_msgpack, import_orbax
-    from ._interop.msgpack_reader import restore_msgpack
-    from ._interop.orbax_reader import restore_orbax
-    from ._interop.safetensors import from_safetensors, to_safetensors
-    from ._like.surgery_ops import Fuse, Rename, Split, Stack, Transpose, Unstack
-    from ._like.surgery_plan import PlanEntry, RestorePlan
-    from ._manager.callback import CheckpointCallback
-    from ._manager.checkpointables import Checkpointable, Pending, ReadRequest, SaveRequest, Written
-    from ._manager.events import (
-        Event,
-        MetricWriterEvents,
-        RestoreDone,
-        SaveBlockingDone,
-        SaveCommitted,
-        SaveFailed,
-        SaveStarted,
-        StepReplicated,
-        StepsRemoved,
-    )
-    from ._manager.lanes import Lane, Lanes
-    from ._manager.manager import CheckpointManager
-    from ._manager.retention import KeepAny, KeepBest, KeepEvery, KeepFor, KeepLast, Retention
-    from ._manager.save_rules import (
-        AllOf,
-        AnyOf,
-        AtSteps,
-        Continuous,
-        EverySeconds,
-        EverySteps,
-        InitialSave,
-        OnPreemption,
-        SavePolicy,
-    )
-    from ._manager.step_parts import StepParts
-    from ._manager.tiers.tier_option import Tier
-    from ._reading.restore import metadata, restore, restore_params
-    from ._state.iterators import StepIndexedIterator
-    from ._storage.location import Location
+    from ._api import *  # noqa: F403  (_api.py: the one list of where each name lives)
     from ._version import __version__ as __version__
 
 __all__ = [

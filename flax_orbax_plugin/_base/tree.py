@@ -1,14 +1,9 @@
-"""A leaf's path as text: key entries joined by '/', '%' and '/' escaped in each.
-
-The names alone, without JAX (``_base.tree`` flattens trees into them): the format's
-records name leaves by these strings, and a reader of records (``flax-orbax list``)
-imports no JAX for them.
-
-Pytree paths: flatten a tree into named leaves and rebuild a tree from names.
+"""Pytree paths: flatten a tree into named leaves and rebuild a tree from names.
 
 A leaf's *path* is its key path joined by '/', e.g. ``params/Dense_0/kernel`` or
 ``opt_state/0/mu/w``. Path components escape '%' and '/' so that a path names
-exactly one leaf. ``None`` is kept as a leaf (jax drops it by default) so that
+exactly one leaf (``_base.key_paths``, without JAX). ``None`` is kept as a leaf (jax
+drops it by default) so that
 a saved tree comes back with the same structure, and so is every *empty node*
 (``{}``, ``[]``, ``()``, optax's ``EmptyState()``, a dataclass without fields):
 jax drops those too, and they carry no data but are part of the structure. Their
@@ -27,21 +22,9 @@ import jax
 import numpy as np
 
 from .._errors import StructureError
-
-KeyEntry = tuple[str, Any]  # ("dict" | "seq" | "attr" | "flat", key)
-
-
-def escape(part: Any) -> str:
-    """One key as a path component: '%' and '/' escaped, so that a path names one leaf."""
-    text = str(part)
-    if "%" in text or "/" in text:
-        text = text.replace("%", "%25").replace("/", "%2F")
-    return text
-
-
-def path_string(keys: list[KeyEntry] | tuple[KeyEntry, ...]) -> str:
-    """The display and matching form of a key path."""
-    return "/".join(escape(k) for _, k in keys) if keys else "<root>"
+from .key_paths import KeyEntry as KeyEntry
+from .key_paths import escape as escape
+from .key_paths import path_string as path_string
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NoReturn
 
-from ..._base.tree import path_string
+from ..._base.key_paths import path_string
 from ..._errors import CorruptCheckpointError
 from ..._storage import local_files as _docs
 from .records import (
