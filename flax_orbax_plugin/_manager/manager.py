@@ -24,6 +24,7 @@ from .._base import distributed as _distributed
 from .._base import host as _host
 from .._base.env import Option, flag, found
 from .._core import ownership as _ownership
+from .._core.formats import MEMORY_LIMIT
 from .._core.save import SaveHandle, SaveResult
 from .._errors import CheckpointError, OptionTypeError
 from .._format.foreign import refuse_foreign_run
@@ -375,6 +376,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         missing: str = "error",
         transform: Any = None,
         surgery: Any = None,
+        memory_limit_bytes: int | None = None,
     ) -> Any:
         """Restore a step (the latest that verifies, by default).
 
@@ -394,6 +396,9 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         ``<step>.corrupt-<nonce>`` (never deleted); the newest good step is restored.
         With ``step``, damage raises. Waits for the save in flight first (not from a hook).
         A step being read is never deleted by this manager's retention.
+
+        ``memory_limit_bytes``: the host memory this restore's reads hold at most (bytes;
+        never above the manager's ``host_memory``, which applies without it).
         """
         if isinstance(like, numbers.Integral) and not isinstance(like, bool):
             raise OptionTypeError(
@@ -403,9 +408,10 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         changes = _transform.changes(
             partial=partial, missing=missing, transform=transform, surgery=surgery
         )
+        limit = MEMORY_LIMIT.check(memory_limit_bytes)
         self._check_open()
         self._saver.wait()
-        return self._restorer.restore(like, step, items, data_iterator, changes, region)
+        return self._restorer.restore(like, step, items, data_iterator, changes, region, limit)
 
     @property
     def restored_step(self) -> int | None:

@@ -81,13 +81,24 @@ class Restorer:
         self._tier = "local"  # where the step last restored came from
 
     def restore(
-        self, like: Any, step: int | None, items: Any, data_iterator: Any, changes: Any, region
+        self,
+        like: Any,
+        step: int | None,
+        items: Any,
+        data_iterator: Any,
+        changes: Any,
+        region,
+        limit: int | None = None,
     ) -> Any:
         """``step`` (the latest that restores when None); see CheckpointManager.restore.
         Its collective calls are in ``region`` (the manager restore's, ``_base.regions``),
-        handed to each item's read in its request. Emits RestoreDone (``events``)."""
+        handed to each item's read in its request; ``limit``: this restore's host-memory
+        ceiling (bytes, under the manager's). Emits RestoreDone (``events``)."""
         started, self._tier = time.perf_counter(), "local"
-        result = self._restore(like, step, items, data_iterator, changes, region)
+        ceiling = _host_memory.resolve(self._ceiling)  # "auto": from the memory free now
+        if limit is not None:
+            ceiling = limit if ceiling is None else min(limit, ceiling)
+        result = self._restore(like, step, items, data_iterator, changes, region, ceiling)
         seconds, done = time.perf_counter() - started, self.restored_step
         where = _steps.step_location(self._loc, done)
         files, size = measure_stored(where, self._read.values()) or (None, None)
@@ -101,11 +112,10 @@ class Restorer:
         return self._book.tier.ensure_local(step, region)
 
     def _restore(
-        self, like: Any, step: int | None, items: Any, data_iterator: Any, changes: Any, region
+        self, like: Any, step: int | None, items: Any, data_iterator: Any, changes, region, ceiling
     ) -> Any:
         tier, own = self._book.tier, self._book.per_host
         # every item's modes, and the restore's region
-        ceiling = _host_memory.resolve(self._ceiling)  # "auto": from the memory free now
         request = ReadRequest.of_step(own_copy=own, changes=changes, region=region, ceiling=ceiling)
         fn = lambda s: self._restore_step(s, like, items, data_iterator, request)
         if own:

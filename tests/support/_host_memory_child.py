@@ -81,6 +81,10 @@ def main() -> None:
         with fop.CheckpointManager(run, host_memory=C, read_only=True) as m:
             return m.restore(like={"params": like})
 
+    def manager_restore_limit():  # the ceiling of one restore, the manager's unset
+        with fop.CheckpointManager(run, read_only=True) as m:
+            return m.restore(like={"params": like}, memory_limit_bytes=C)
+
     def resume():
         cb = fop.CheckpointCallback(run, resume=True, host_memory=C)
         try:
@@ -161,6 +165,7 @@ def main() -> None:
             os.path.join(directory, "core"), like=like, memory_limit_bytes=C
         ),
         "manager_restore": manager_restore,
+        "manager_restore_limit": manager_restore_limit,
         "resume": resume,
         "serve": lambda: fop.restore_params(run, like=like, memory_limit_bytes=C),
         "export": lambda: fop.to_safetensors(
@@ -209,7 +214,15 @@ def main() -> None:
         "hundred_saves": hundred_saves,
         "hundred_device_saves": hundred_device_saves,
     }
-    held = {"restore", "manager_restore", "resume", "serve", "from_safetensors", "copy_down"}
+    held = {
+        "restore",
+        "manager_restore",
+        "manager_restore_limit",
+        "resume",
+        "serve",
+        "from_safetensors",
+        "copy_down",
+    }
     if "import" in paths:
         msgpack_file()  # written before any path is measured
     if "import_orbax" in paths:  # written before any path is measured
