@@ -39,7 +39,6 @@ from .._base.env import flag
 from .._base.regions import public
 from .._core import formats as _requests
 from .._core import handle as _handle
-from .._core import restore as _core_restore
 from .._core import restore as _restore
 from .._core.read_agreement import agree_on_read
 from .._core.reads import place
@@ -145,59 +144,41 @@ def restore(
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
 ) -> Any:
-    """Restores the checkpoint at ``path`` in the form of ``like`` (see
-    ``flax_orbax_plugin._core.restore`` for what ``like`` decides). ``path`` may
-    also be a step's JSON item (``DIR/<step>/extras``, ``.../step``,
-    ``.../data_iterator``): its value is returned (see ``read`` in this module).
-    NNX modules, optimizers and Rngs in ``like`` (alone, or in a tuple, list or dict such
-    as ``(model, optimizer)``) are restored in place, and ``like``'s objects returned.
+    """Restores the checkpoint at ``path`` in the form of ``like`` (see ``_core.restore``), or the
+    value of a step's JSON item (``DIR/<step>/extras``, ``.../step``, ``.../data_iterator``). NNX
+    modules, optimizers and Rngs in ``like`` (alone or in a tuple, list or dict such as ``(model,
+    optimizer)``) are restored in place and returned. With no checkpoint of this library at
+    ``path``, an Orbax checkpoint there is read (without orbax).
 
-    A checkpoint of this library is read by the native reader; when there is none at
-    ``path`` and it holds an Orbax checkpoint, that is read instead (through
-    tensorstore, without orbax).
+    ``share_replicated_reads``: a leaf ``like`` replicates over several processes is read once in
+    all (each reads ``1/P`` of its rows, all-gathered: 3x faster with 2 processes, 9-10x with 4;
+    docs/scaling.md). None (default): on with several processes. The same on every process.
 
-    ``share_replicated_reads``: with several processes, a leaf that ``like`` replicates over all
-    of them is read once in all (each process reads ``1/P`` of its rows) and the parts are
-    all-gathered over jax's collectives, instead of every process reading all of it (measured
-    here: 3x faster with 2 processes, 9-10x with 4, on local disk and S3; docs/scaling.md).
-    ``None`` (default): on whenever there are several processes; False reads everything on every
-    process. Collective: every process must pass the same value.
+    ``cast="safe"`` (default) casts a leaf to ``like``'s dtype only when no value changes beyond
+    float rounding (float32 to bfloat16 rounds; 1e5 to float16, 300 to int8, 16777217 to float32,
+    float to int or bool raise StructureError); ``"unsafe"``: numpy's cast.
 
-    ``cast``: ``"safe"`` (default) casts a leaf to the dtype of ``like`` only when no
-    value changes beyond float rounding (float32 to bfloat16 rounds; 1e5 to float16,
-    300 to int8, 16777217 to float32, float to int or bool raise StructureError);
-    ``"unsafe"`` casts as numpy does.
-
-    Restoring into a changed model (see ``_like.transform``): ``partial=True`` leaves out
-    saved leaves ``like`` does not have; ``missing="keep"`` keeps ``like``'s own value
-    for a leaf the checkpoint lacks (a ShapeDtypeStruct there raises, naming it);
-    ``transform`` maps saved leaf paths to ``like``'s: ``{regex: replacement}``
-    applied with ``re.sub`` in order, or a callable ``path -> path | None`` (None
-    drops the leaf). Without them every difference is listed in one StructureError.
-
-    Layout surgery (see ``_like.surgery``): ``surgery=[fop.Stack(...), fop.Unstack(...),
-    fop.Fuse(...), fop.Split(...), fop.Transpose(...), fop.Rename(...)]`` applied in
-    order to the saved leaves (after ``transform``), during the read: each target
-    shard reads only the regions of the saved leaves it covers. ``dry_run=True``
-    returns a :class:`~flax_orbax_plugin.RestorePlan` (which saved leaves and index ranges make each
-    leaf of ``like``; ``print`` it) after every check, reading no array data.
+    Into a changed model: ``partial=True`` leaves out saved leaves ``like`` lacks;
+    ``missing="keep"`` keeps ``like``'s value for a leaf the checkpoint lacks (a ShapeDtypeStruct
+    there raises, naming it); ``transform`` maps saved leaf paths to ``like``'s (``{regex:
+    replacement}`` by ``re.sub`` in order, or ``path -> path | None``; None drops the leaf). Without
+    them every difference is listed in one StructureError. ``surgery``: a list of ``fop.Stack``,
+    ``Unstack``, ``Fuse``, ``Split``, ``Transpose`` and ``Rename`` operations applied in order to
+    the saved leaves (after ``transform``) during the read, each target shard reading only the
+    regions it covers. ``dry_run=True`` returns a :class:`~flax_orbax_plugin.RestorePlan` (the saved
+    leaves and index ranges making each leaf; ``print`` it) after every check, reading no data.
 
     Raises:
-      CheckpointNotFoundError: nothing at ``path``.
-      NotCommittedError: a save to ``path`` never committed.
-      StructureError: ``like`` does not fit (missing or unexpected key, shape, dtype).
-        NothingMatchedError (a subclass): no saved leaf matched ``like`` (with
-        ``partial``/``missing``/``transform``); ``missing="keep_all"`` accepts it.
-      TransformError: ``transform`` or ``surgery`` is malformed (checked before
-        anything is read).
-      CorruptCheckpointError: a checksum failed or data is missing; names the leaf.
+      CheckpointNotFoundError: nothing at ``path``. NotCommittedError: a save never committed.
+      StructureError: ``like`` does not fit (missing or unexpected key, shape, dtype);
+        NothingMatchedError (a subclass): no saved leaf matched ``like`` (with ``partial``/
+        ``missing``/``transform``); ``missing="keep_all"`` accepts it.
+      TransformError: ``transform`` or ``surgery`` is malformed (before anything is read).
+      CorruptCheckpointError: a checksum failed or data is missing, naming the leaf;
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
-    _requests.check_restore(  # by their declarations, before anything is read
-        memory_limit_bytes=memory_limit_bytes, share_replicated_reads=share_replicated_reads
-    )
-    request = _core_restore.read_request(  # every option checked, before anything is read
+    request = _restore.read_request(  # every option checked, before anything is read
         region=region,
         partial=partial,
         missing=missing,
@@ -208,24 +189,23 @@ def restore(
         cast=cast,
         share_replicated_reads=share_replicated_reads,
     )
-    location = Location.from_path(path)
-    changes = {"partial": partial, "missing": missing, "transform": transform}
+    return _read_place(Location.from_path(path), like, request)
+
+
+def _read_place(location: Location, like: Any, request: _requests.ReadRequest) -> Any:
+    """The procedure of ``fop.restore``: what is at ``location`` classified once, then read
+    by its reader (NNX objects in ``like`` restored in place); any other place is an
+    error that says what is there."""
     place = _classified(location)
     if place.kind in _places.PYTREES:
-        restored = _core_restore.restore_with(location, like, request)
-        return update_in_place(like, restored)  # NNX objects: restored in place
+        return update_in_place(like, _restore.restore_with(location, like, request))
     if place.kind == _places.JSON_ITEM:
-        return read(place.item, like, changes=changes)
+        opts = request.changes
+        given = {"partial": opts.partial, "missing": opts.missing, "transform": opts.transform}
+        return read(place.item, like, changes=given)
     if place.kind != _places.ORBAX:
-        raise _places.not_a_checkpoint(place)  # what is there instead
-    if region is not None:  # the processes agree on what they read, as for ours
-        agree_on_read(location, concrete(like), request)
-    if surgery or dry_run:
-        raise CheckpointError(
-            f"{location} is an Orbax checkpoint: surgery= and dry_run= apply to this "
-            f"library's checkpoints; convert it first (fop.import_orbax(src, dst))"
-        )
-    return update_in_place(like, _restore_orbax(location, like, region, cast=cast, **changes))
+        raise _places.not_a_checkpoint(place)
+    return update_in_place(like, _restore_orbax(location, like, request))
 
 
 def _classified(location: Location) -> _places.Place:
@@ -235,30 +215,31 @@ def _classified(location: Location) -> _places.Place:
     return _places.classify(location)
 
 
-def _restore_orbax(
-    location: Location,
-    like: Any,
-    region: _distributed.Region | None,
-    *,
-    cast: str,
-    partial: bool,
-    missing: str,
-    transform: Any,
-):
+def _restore_orbax(location: Location, like: Any, request: _requests.ReadRequest) -> Any:
     """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
-    (issue 16). Collective when ``like`` spans several processes and ``location`` is a
-    run: all read the primary's latest step (agreed in ``region``, the restore's)."""
-    if missing != "error" or transform is not None:
-        raise CheckpointError(
-            f"{location} is an Orbax checkpoint: missing= and transform= apply to this "
-            f"library's checkpoints; convert it first (fop.import_orbax(src, dst)) and "
-            f"restore the converted step"
-        )
+    (issue 16), the processes agreeing on what they read as for ours. Collective when
+    ``like`` spans several processes and ``location`` is a run: all read the primary's
+    latest step (agreed in the restore's region)."""
+    region, opts = request.region, request.changes
+    if region is not None:
+        agree_on_read(location, concrete(like), request)
+    if opts.surgery or request.dry_run:
+        raise _not_for_orbax(location, "surgery= and dry_run=", "(fop.import_orbax(src, dst))")
+    if opts.missing != "error" or opts.transform is not None:
+        how = "(fop.import_orbax(src, dst)) and restore the converted step"
+        raise _not_for_orbax(location, "missing= and transform=", how)
     step = None
-    if _distributed.spans_processes(like):  # every process reads the primary's latest step
-        step = agreed_latest(location, region=region) if not is_step(location) else None
-    # cast="unsafe" as for a checkpoint of ours (it was dropped here, silently)
-    return restore_orbax(location, like, step=step, partial=partial, cast=cast)
+    if _distributed.spans_processes(like) and not is_step(location):
+        step = agreed_latest(location, region=region)  # every process reads the primary's
+    return restore_orbax(location, like, step=step, partial=opts.partial, cast=request.cast)
+
+
+def _not_for_orbax(where: Any, options: str, how: str) -> CheckpointError:
+    """The refusal of ``options`` (``"missing= and transform="``) on an Orbax checkpoint."""
+    return CheckpointError(
+        f"{where} is an Orbax checkpoint: {options} apply to this library's checkpoints; "
+        f"convert it first {how}"
+    )
 
 
 @public(errors=refusals(arguments("path")))
@@ -268,7 +249,7 @@ def metadata(path: Any) -> _metadata.CheckpointMetadata:
     location = Location.from_path(path)
     place = _classified(location)
     if place.kind in _places.PYTREES:
-        return _core_restore.metadata(location)
+        return _restore.metadata(location)
     if place.kind == _places.JSON_ITEM:
         return describe(place.item)
     if place.kind == _places.ORBAX:
