@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -348,81 +348,102 @@ def restore_params(
     ``fop.restore``. ``memory_limit_bytes``: the host-memory ceiling of the reads in
     flight beyond the params returned, as ``fop.restore`` takes it.
     """
-    _requests.check_serving(
-        step=step, item=item, memory_limit_bytes=memory_limit_bytes
-    )  # OptionError naming one, before any read
-    changes = _transform.changes(
-        partial=partial, missing=missing, transform=transform, surgery=surgery
-    )
+    # each option checked (OptionError naming one) before any read
+    _requests.check_serving(step=step, item=item, memory_limit_bytes=memory_limit_bytes)
+    given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
+    changes = _transform.changes(**given)
     dry_run = flag("dry_run", dry_run)
     _casting.check_policy(cast)
-    if dtype is not None:  # before any read; the sharding's structure once like is known
+    sharding = _checked_placement(dtype, sharding)
+    limit = memory_limit_bytes
+    job = _Serving(like, item, dtype, sharding, changes, cast, dry_run, region, given, limit)
+    return _serve(directory, step, job)
+
+
+class _Serving(NamedTuple):
+    """``restore_params``' options, checked (``given``: the changed-model options as the
+    caller gave them, for an NNX module's params saved as an nnx.State)."""
+
+    like: Any
+    item: str
+    dtype: Any
+    sharding: Any
+    changes: _transform.Changes
+    cast: str
+    dry_run: bool
+    region: _distributed.Region | None
+    given: dict[str, Any]
+    memory_limit_bytes: int | None
+
+
+def _checked_placement(dtype: Any, sharding: Any) -> Any:
+    """``dtype`` checked and ``sharding`` (its structure is checked once like is known),
+    on an AbstractMesh placed onto set_mesh's mesh, or refused."""
+    if dtype is not None:
         checked_dtype(dtype)
-    kinds = (jax.sharding.Sharding, Mapping, list, tuple)
-    if not (sharding is None or isinstance(sharding, kinds)):
+    if not (sharding is None or isinstance(sharding, _SHARDINGS)):
         raise OptionTypeError(
             f"sharding: expected one jax Sharding or a pytree of them, found "
             f"{type(sharding).__name__} {sharding!r:.60}"
         )
-    sharding = concrete(
-        sharding, option="sharding"
-    )  # on an AbstractMesh: onto set_mesh's mesh, or refused
+    return concrete(sharding, option="sharding")
+
+
+_SHARDINGS = (jax.sharding.Sharding, Mapping, list, tuple)
+
+
+def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
+    """The procedure of ``restore_params``: what is at ``directory`` (a run of ours costs
+    its one listing), its committed steps, the step (the primary's latest when the call is
+    collective), then its params; an Orbax directory is read directly (issue 16)."""
     loc = Location.from_path(directory)
-    place = _places.classify(loc, steps_first=True)  # a run of ours costs its one listing
+    place = _places.classify(loc, steps_first=True)
     steps = _steps.committed_of(loc, place.listing)  # (an unreadable step: warned)
-    if step is None and _spans(directory, like, sharding=sharding):
-        step, steps = _agreed_latest(loc, steps, region)
-    if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
+    if step is None and _spans(directory, job.like, sharding=job.sharding):
+        step, steps = _agreed_latest(loc, steps, job.region)
+    if not steps:
         if place.kind == _places.ORBAX:
-            _orbax_item(directory, item)
-            placing = (dtype, sharding, changes, partial, dry_run)
-            return _orbax_params(directory, like, step, *placing, region, cast=cast)
+            return _orbax_params(directory, step, job)
         raise _places.no_steps(place)  # what is there instead (a step, a run below, ...)
-    given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
-    given["memory_limit_bytes"] = memory_limit_bytes
-    placing = (like, item, dtype, sharding, changes, cast, dry_run, region, given)
 
     def serve(chosen: int) -> Any:
-        return _serve_step(loc, steps, chosen, *placing)
+        return _serve_step(loc, steps, chosen, job)
 
     if step is not None:
         return serve(_steps.choose_step(loc, steps, step))
     return _steps.newest_readable(loc, steps, serve)  # past a step the environment shuts
 
 
-def _serve_step(
-    loc, steps, step, like, item, dtype, sharding, changes, cast, dry_run, region, given
-) -> Any:
-    """restore_params of committed ``step`` of ``loc`` (``given``: the changed-model
-    options as the caller gave them, for an NNX module's params saved as an nnx.State)."""
-    partial, missing, transform, surgery = (given[k] for k in _GIVEN)
-    memory_limit_bytes = given["memory_limit_bytes"]  # the host-memory ceiling
+def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> Any:
+    """restore_params of committed ``step`` of ``loc``."""
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
     step_loc = _steps.step_location(loc, step)
     items = _steps.read_manifest(step_loc).items
-    params_loc = step_loc.child(_pytree_item(items, item, f"step {step} of {loc}", step_loc).dir)
-    target = _params_like(like) if item == "params" else _item_like(like, item)
-    if target is None and (dtype is not None or sharding is not None):
-        if dry_run:  # the plan places leaves where like says: it read them all instead
+    entry = _pytree_item(items, job.item, f"step {step} of {loc}", step_loc)
+    params_loc = step_loc.child(entry.dir)
+    like, placing = job.like, job.dtype is not None or job.sharding is not None
+    target = _params_like(like) if job.item == "params" else _item_like(like, job.item)
+    if target is None and placing:
+        if job.dry_run:  # the plan places leaves where like says: it read them all instead
             raise OptionError(
                 "dry_run=True with dtype= or sharding= needs like= (the plan says where "
                 "each leaf lands): give like=jax.eval_shape(...), or leave them out"
             )
-        limit = memory_limit_bytes
-        return _host_then_placed(params_loc, dtype, sharding, changes, cast, region, limit)
+        return _host_then_placed(params_loc, job)
     target, back = nnx_state_as_dict(target)  # an nnx.State like: read as its pure dict
-    if transform is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
+    changes = job.changes
+    if job.given["transform"] is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
         # params saved as an nnx.State (each leaf at <path>/value) into a module's form
-        changes = _transform.changes(
-            partial=partial, missing=missing, transform={r"/value$": ""}, surgery=surgery
-        )
-    if target is not None and (dtype is not None or sharding is not None):
-        target = retarget(target, dtype, sharding)
+        changes = _transform.changes(**(job.given | {"transform": {r"/value$": ""}}))
+    if target is not None and placing:
+        target = retarget(target, job.dtype, job.sharding)
     try:
-        options = {"dry_run": dry_run, "cast": cast, **changes.kwargs()}
-        options["memory_limit_bytes"] = memory_limit_bytes
-        got = _restore.restore(params_loc, target, region=region, **options)
-        return got if back is None or dry_run else back(got)
+        options = {"dry_run": job.dry_run, "cast": job.cast, **changes.kwargs()}
+        limit = job.memory_limit_bytes
+        got = _restore.restore(
+            params_loc, target, region=job.region, memory_limit_bytes=limit, **options
+        )
+        return got if back is None or job.dry_run else back(got)
     except CorruptCheckpointError as e:  # the latest is damaged: the older ones are named
         older = [s for s in steps if s < step][-3:]
         if older:
@@ -433,9 +454,6 @@ def _serve_step(
             hint = _variables_hint(target, items, step_loc)
             e.args = (f"{e.args[0]}\n{hint}", *e.args[1:])
         raise
-
-
-_GIVEN = ("partial", "missing", "transform", "surgery")
 
 
 def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> Any:
@@ -461,15 +479,6 @@ def _item_like(like: Any, item: str) -> Any:
     if like is None or isinstance(like, Mapping):
         return like
     return getattr(like, item, like)
-
-
-def _orbax_item(directory: Any, item: str) -> None:
-    if item != "params":  # the params choice reads Orbax's own layouts (orbax_params)
-        raise CheckpointError(
-            f"{directory} is an Orbax checkpoint: item={item!r} chooses an item of this "
-            f"library's steps; read that Orbax item with fop.restore('{directory}/<step>/"
-            f"{item}'), or convert the run first (fop.import_orbax)"
-        )
 
 
 def _variables_hint(target: Mapping, items: Mapping, step_loc: Location) -> str:
@@ -505,38 +514,33 @@ def _agreed_latest(
     return step, steps if step in steps else _steps.committed_steps(loc)
 
 
-def _orbax_params(
-    directory, like, step, dtype, sharding, changes, partial, dry_run, region, *, cast
-) -> Any:
+def _orbax_params(directory: Any, step: int | None, job: _Serving) -> Any:
     """The params of the Orbax checkpoint at ``directory`` (none of ours is there)."""
-    if changes.keep_missing or changes.transform is not None or changes.surgery or dry_run:
+    if job.item != "params":  # the params choice reads Orbax's own layouts (orbax_params)
         raise CheckpointError(
-            f"{directory} is an Orbax checkpoint: missing=, transform=, surgery= and "
-            f"dry_run= apply to this library's checkpoints; convert it first with "
-            f"fop.import_orbax(src, dst)"
+            f"{directory} is an Orbax checkpoint: item={job.item!r} chooses an item of this "
+            f"library's steps; read that Orbax item with fop.restore('{directory}/<step>/"
+            f"{job.item}'), or convert the run first (fop.import_orbax)"
         )
-    if step is None and _distributed.spans_processes(_params_like(like), sharding):
-        step = agreed_latest(Location.from_path(directory), region=region)
-    return restore_orbax_params(
-        directory,
-        _params_like(like),
-        step=step,
-        dtype=dtype,
-        sharding=sharding,
-        partial=partial,
-        cast=cast,
-    )
+    changes = job.changes
+    if changes.keep_missing or changes.transform is not None or changes.surgery or job.dry_run:
+        options = "missing=, transform=, surgery= and dry_run="
+        raise _not_for_orbax(directory, options, "with fop.import_orbax(src, dst)")
+    like = _params_like(job.like)
+    if step is None and _distributed.spans_processes(like, job.sharding):
+        step = agreed_latest(Location.from_path(directory), region=job.region)
+    partial = job.given["partial"]
+    placing = {"dtype": job.dtype, "sharding": job.sharding, "partial": partial, "cast": job.cast}
+    return restore_orbax_params(directory, like, step=step, **placing)
 
 
-def _host_then_placed(
-    params_loc: Location, dtype, sharding, changes, cast: str, region, limit: int | None
-) -> Any:
-    """Without ``like``: the params read to the host (in ``region``, ``limit`` bytes of
+def _host_then_placed(params_loc: Location, job: _Serving) -> Any:
+    """Without ``like``: the params read to the host (in the job's region, its ceiling of
     reads in flight), then cast and placed."""
-    kwargs = changes.kwargs()
-    host = _restore.restore(params_loc, None, region=region, memory_limit_bytes=limit, **kwargs)
-    target = retarget(host, dtype, sharding)
-    _casting.check_tree(host, target, cast=cast)  # narrowing rounds; overflow raises
+    limit, kwargs = job.memory_limit_bytes, job.changes.kwargs()
+    host = _restore.restore(params_loc, None, region=job.region, memory_limit_bytes=limit, **kwargs)
+    target = retarget(host, job.dtype, job.sharding)
+    _casting.check_tree(host, target, cast=job.cast)  # narrowing rounds; overflow raises
 
     def placed(x, t):
         if isinstance(t, np.ndarray | np.generic):  # a host leaf (retarget's numpy template)
