@@ -1,9 +1,6 @@
-"""The plan of a restore (``dry_run=True``): which saved leaves, and which index
-ranges of them, make each leaf of like; built from the restore's checked targets, so
-it is what the read would do (``_like.surgery_plan.RestorePlan``).
-Threading: pure; the restoring thread.
-
-Restoring a pytree, driven by a ``like`` template.
+"""Restoring a pytree of this library's own, driven by a ``like`` template, and its plan
+(``dry_run=True``: which saved leaves and index ranges make each leaf of ``like``, built
+from the checked targets, so it is what the read would do).
 
 ``like`` decides the structure and the form of every leaf:
 
@@ -20,7 +17,7 @@ changes beyond float rounding (see ``_casting``; ``cast="unsafe"`` opts out). Wi
 ``partial=True`` the template may be a subtree; only its leaves are read.
 
 Threading: reads are issued to tensorstore's own thread pool from the calling
-thread; the host-memory budget bounds the bytes of reads in flight.
+thread; the host-memory budget bounds the bytes of reads in flight (the plan is pure).
 """
 
 from __future__ import annotations
@@ -134,7 +131,11 @@ def read_request(
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
 ) -> ReadRequest:
-    """The :class:`ReadRequest` of :func:`restore`'s options (checked on the way)."""
+    """The :class:`ReadRequest` of :func:`restore`'s options, checked (by their
+    declarations first) before anything is read."""
+    _formats.check_restore(
+        memory_limit_bytes=memory_limit_bytes, share_replicated_reads=share_replicated_reads
+    )
     dry_run = flag("dry_run", dry_run)
     share = share_replicated_reads
     return ReadRequest(
@@ -171,6 +172,8 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
 
 
 def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
+    """The read: the processes agree, the document is read and checked, then its leaves
+    are read whole (``like`` None) or onto ``like``."""
     like = _retarget.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
     if not request.own_copy and request.region is not None:  # a collective read
         agree_on_read(location, like, request)  # the same on every process, before a byte
@@ -180,66 +183,80 @@ def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
         _read_pool.prefetch_batches(location.path, _chunks.THREADS)
     doc = read_document(location)
     location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
-    records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
     saved = [rec.path for rec in doc.leaves if rec.kind not in _transform.NO_DATA]
     if like is None:
-        if opts.surgery:
-            raise TransformError(
-                f"surgery= makes leaves like places (restore of {location}): pass like"
-            )
-        leaves = list(enumerate(doc.leaves))
-        if opts.transform is not None:
-            leaves = [(i, rec) for i, rec in leaves if _dropped_or_same(opts, rec.path)]
-            if all(rec.kind in _transform.NO_DATA for _, rec in leaves):
-                _transform.check_matched(saved, None, [], opts, str(location))
-        targets = [make_target(i, rec, None, cast=request.cast) for i, rec in leaves]
-        if request.dry_run:
-            paths = [t.record.path for t in targets]
-            return plan_of(str(location), targets, paths, [], saved)
-        read_targets(location, doc, targets, request)
-        items = [(list(t.record.keys), t.result) for t in targets]
-        return _tree.rebuild(items)
+        return _as_saved(location, doc, request, saved)
+    return _onto_like(location, doc, like, request, saved)
+
+
+def _as_saved(location: Location, doc, request: ReadRequest, saved: list[str]) -> Any:
+    """``like=None``: the saved leaves (a transform may drop some) on the host, as saved."""
+    opts = request.changes
+    if opts.surgery:
+        raise TransformError(
+            f"surgery= makes leaves like places (restore of {location}): pass like"
+        )
+    leaves = list(enumerate(doc.leaves))
+    if opts.transform is not None:
+        leaves = [(i, rec) for i, rec in leaves if _dropped_or_same(opts, rec.path)]
+        if all(rec.kind in _transform.NO_DATA for _, rec in leaves):
+            _transform.check_matched(saved, None, [], opts, str(location))
+    targets = [make_target(i, rec, None, cast=request.cast) for i, rec in leaves]
+    if request.dry_run:
+        paths = [t.record.path for t in targets]
+        return plan_of(str(location), targets, paths, [], saved)
+    read_targets(location, doc, targets, request)
+    return _tree.rebuild([(list(t.record.keys), t.result) for t in targets])
+
+
+def _onto_like(location: Location, doc, like: Any, request: ReadRequest, saved: list[str]) -> Any:
+    """The saved leaves (renamed, made by the surgery) matched to ``like``'s and read onto
+    them; a leaf ``like`` keeps (``missing="keep"``) is its own."""
+    opts = request.changes
     flat, treedef = _tree.flatten(like)
+    records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
     records = _transform.rename_records(records, opts, str(location))
-    records, made, problems = (records, {}, [])
+    made, problems = {}, []
     if opts.surgery:
         ops = opts.surgery
         if opts.surgery_mirrored:  # an optimizer state: the ops at each mirror of params
             ops = _surgery_mirrors.mirrored(ops, records)
         records, made, problems = _surgery.apply(records, ops)
     add_missing_empties(flat, records)
-
-    def make(i, rec, leaf):
-        found = made.get(rec.path)
-        if found is None or found.record is not rec:
-            return make_target(i, rec, leaf, cast=request.cast)
-        try:
-            target = make_target(i, rec, leaf, cast=request.cast)
-        except StructureError as e:
-            raise StructureError(f"{e} (as surgery made it: {found.how})") from None
-        target.virtual = found
-        return target
-
     plan = _transform.match(
         flat,
         records,
         opts,
         where=str(location),
-        make=make,
+        make=_maker(made, request.cast),
         problems=problems,  # the operations' own, listed first
         empty_kinds=_layout.EMPTY_KINDS,
         saved=saved,
         cast=request.cast,
     )
     targets = [t for t in plan if t is not _transform.KEEP]
+    paired = list(zip(plan, flat, strict=True))
     if request.dry_run:
-        paired = list(zip(plan, flat, strict=True))
         paths = [p for t, (p, _, _) in paired if t is not _transform.KEEP]
         kept = [p for t, (p, _, _) in paired if t is _transform.KEEP]
         return plan_of(str(location), targets, paths, kept, saved)
     read_targets(location, doc, targets, request)
-    results = [
-        leaf if t is _transform.KEEP else t.result
-        for t, (_, _, leaf) in zip(plan, flat, strict=True)
-    ]
+    results = [leaf if t is _transform.KEEP else t.result for t, (_, _, leaf) in paired]
     return _tree.unflatten(treedef, results)
+
+
+def _maker(made: dict[str, Any], cast: str):
+    """``make(i, record, leaf)``: a leaf's target (through the operations that made it)."""
+
+    def make(i, rec, leaf):
+        found = made.get(rec.path)
+        if found is None or found.record is not rec:
+            return make_target(i, rec, leaf, cast=cast)
+        try:
+            target = make_target(i, rec, leaf, cast=cast)
+        except StructureError as e:
+            raise StructureError(f"{e} (as surgery made it: {found.how})") from None
+        target.virtual = found
+        return target
+
+    return make

@@ -209,6 +209,13 @@ class Restorer:
                 f"{what} restores from every host's own directory ({self._loc}) or from the "
                 f"persistent tier {tier.remote}{why}"
             )
+        return self._copied_down(target, fn, region)
+
+    def _copied_down(
+        self, target: int, fn: Callable[[int], Any], region: _distributed.Region | None
+    ) -> Any:
+        """Way (c): the persistent tier's ``target`` copied down, then read."""
+        tier = self._book.tier
         if target in self._book.listed():  # this host's part: the full copy replaces it
             _ownership.remove_step(self._loc, target)
             self._book.removed(target)
@@ -315,14 +322,13 @@ class Restorer:
             raise UnknownItemError(
                 f"step {step} of {self._loc} holds no data_iterator state; items: {sorted(saved)}"
             )
-        restored = {}
         others = {
             n: (step_loc.child(saved[n].dir), saved[n].kind, like_items.get(n)) for n in names
         }
-        for name in names:
-            restored[name] = self._restore_item(
-                step, step_loc, saved[name], name, like_items.get(name), request, others
-            )
+        restored = {
+            n: self._restore_item(step, step_loc, saved[n], n, like_items.get(n), request, others)
+            for n in names
+        }
         if data_iterator is not None:
             self._restore_item(
                 step, step_loc, saved["data_iterator"], "data_iterator", data_iterator, request

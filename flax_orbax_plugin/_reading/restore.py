@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -39,7 +39,6 @@ from .._base.env import flag
 from .._base.regions import public
 from .._core import formats as _requests
 from .._core import handle as _handle
-from .._core import restore as _core_restore
 from .._core import restore as _restore
 from .._core.read_agreement import agree_on_read
 from .._core.reads import place
@@ -145,59 +144,41 @@ def restore(
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
 ) -> Any:
-    """Restores the checkpoint at ``path`` in the form of ``like`` (see
-    ``flax_orbax_plugin._core.restore`` for what ``like`` decides). ``path`` may
-    also be a step's JSON item (``DIR/<step>/extras``, ``.../step``,
-    ``.../data_iterator``): its value is returned (see ``read`` in this module).
-    NNX modules, optimizers and Rngs in ``like`` (alone, or in a tuple, list or dict such
-    as ``(model, optimizer)``) are restored in place, and ``like``'s objects returned.
+    """Restores the checkpoint at ``path`` in the form of ``like`` (see ``_core.restore``), or the
+    value of a step's JSON item (``DIR/<step>/extras``, ``.../step``, ``.../data_iterator``). NNX
+    modules, optimizers and Rngs in ``like`` (alone or in a tuple, list or dict such as ``(model,
+    optimizer)``) are restored in place and returned. With no checkpoint of this library at
+    ``path``, an Orbax checkpoint there is read (without orbax).
 
-    A checkpoint of this library is read by the native reader; when there is none at
-    ``path`` and it holds an Orbax checkpoint, that is read instead (through
-    tensorstore, without orbax).
+    ``share_replicated_reads``: a leaf ``like`` replicates over several processes is read once in
+    all (each reads ``1/P`` of its rows, all-gathered: 3x faster with 2 processes, 9-10x with 4;
+    docs/scaling.md). None (default): on with several processes. The same on every process.
 
-    ``share_replicated_reads``: with several processes, a leaf that ``like`` replicates over all
-    of them is read once in all (each process reads ``1/P`` of its rows) and the parts are
-    all-gathered over jax's collectives, instead of every process reading all of it (measured
-    here: 3x faster with 2 processes, 9-10x with 4, on local disk and S3; docs/scaling.md).
-    ``None`` (default): on whenever there are several processes; False reads everything on every
-    process. Collective: every process must pass the same value.
+    ``cast="safe"`` (default) casts a leaf to ``like``'s dtype only when no value changes beyond
+    float rounding (float32 to bfloat16 rounds; 1e5 to float16, 300 to int8, 16777217 to float32,
+    float to int or bool raise StructureError); ``"unsafe"``: numpy's cast.
 
-    ``cast``: ``"safe"`` (default) casts a leaf to the dtype of ``like`` only when no
-    value changes beyond float rounding (float32 to bfloat16 rounds; 1e5 to float16,
-    300 to int8, 16777217 to float32, float to int or bool raise StructureError);
-    ``"unsafe"`` casts as numpy does.
-
-    Restoring into a changed model (see ``_like.transform``): ``partial=True`` leaves out
-    saved leaves ``like`` does not have; ``missing="keep"`` keeps ``like``'s own value
-    for a leaf the checkpoint lacks (a ShapeDtypeStruct there raises, naming it);
-    ``transform`` maps saved leaf paths to ``like``'s: ``{regex: replacement}``
-    applied with ``re.sub`` in order, or a callable ``path -> path | None`` (None
-    drops the leaf). Without them every difference is listed in one StructureError.
-
-    Layout surgery (see ``_like.surgery``): ``surgery=[fop.Stack(...), fop.Unstack(...),
-    fop.Fuse(...), fop.Split(...), fop.Transpose(...), fop.Rename(...)]`` applied in
-    order to the saved leaves (after ``transform``), during the read: each target
-    shard reads only the regions of the saved leaves it covers. ``dry_run=True``
-    returns a :class:`~flax_orbax_plugin.RestorePlan` (which saved leaves and index ranges make each
-    leaf of ``like``; ``print`` it) after every check, reading no array data.
+    Into a changed model: ``partial=True`` leaves out saved leaves ``like`` lacks;
+    ``missing="keep"`` keeps ``like``'s value for a leaf the checkpoint lacks (a ShapeDtypeStruct
+    there raises, naming it); ``transform`` maps saved leaf paths to ``like``'s (``{regex:
+    replacement}`` by ``re.sub`` in order, or ``path -> path | None``; None drops the leaf). Without
+    them every difference is listed in one StructureError. ``surgery``: a list of ``fop.Stack``,
+    ``Unstack``, ``Fuse``, ``Split``, ``Transpose`` and ``Rename`` operations applied in order to
+    the saved leaves (after ``transform``) during the read, each target shard reading only the
+    regions it covers. ``dry_run=True`` returns a :class:`~flax_orbax_plugin.RestorePlan` (the saved
+    leaves and index ranges making each leaf; ``print`` it) after every check, reading no data.
 
     Raises:
-      CheckpointNotFoundError: nothing at ``path``.
-      NotCommittedError: a save to ``path`` never committed.
-      StructureError: ``like`` does not fit (missing or unexpected key, shape, dtype).
-        NothingMatchedError (a subclass): no saved leaf matched ``like`` (with
-        ``partial``/``missing``/``transform``); ``missing="keep_all"`` accepts it.
-      TransformError: ``transform`` or ``surgery`` is malformed (checked before
-        anything is read).
-      CorruptCheckpointError: a checksum failed or data is missing; names the leaf.
+      CheckpointNotFoundError: nothing at ``path``. NotCommittedError: a save never committed.
+      StructureError: ``like`` does not fit (missing or unexpected key, shape, dtype);
+        NothingMatchedError (a subclass): no saved leaf matched ``like`` (with ``partial``/
+        ``missing``/``transform``); ``missing="keep_all"`` accepts it.
+      TransformError: ``transform`` or ``surgery`` is malformed (before anything is read).
+      CorruptCheckpointError: a checksum failed or data is missing, naming the leaf;
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
-    _requests.check_restore(  # by their declarations, before anything is read
-        memory_limit_bytes=memory_limit_bytes, share_replicated_reads=share_replicated_reads
-    )
-    request = _core_restore.read_request(  # every option checked, before anything is read
+    request = _restore.read_request(  # every option checked, before anything is read
         region=region,
         partial=partial,
         missing=missing,
@@ -208,24 +189,23 @@ def restore(
         cast=cast,
         share_replicated_reads=share_replicated_reads,
     )
-    location = Location.from_path(path)
-    changes = {"partial": partial, "missing": missing, "transform": transform}
+    return _read_place(Location.from_path(path), like, request)
+
+
+def _read_place(location: Location, like: Any, request: _requests.ReadRequest) -> Any:
+    """The procedure of ``fop.restore``: what is at ``location`` classified once, then read
+    by its reader (NNX objects in ``like`` restored in place); any other place is an
+    error that says what is there."""
     place = _classified(location)
     if place.kind in _places.PYTREES:
-        restored = _core_restore.restore_with(location, like, request)
-        return update_in_place(like, restored)  # NNX objects: restored in place
+        return update_in_place(like, _restore.restore_with(location, like, request))
     if place.kind == _places.JSON_ITEM:
-        return read(place.item, like, changes=changes)
+        opts = request.changes
+        given = {"partial": opts.partial, "missing": opts.missing, "transform": opts.transform}
+        return read(place.item, like, changes=given)
     if place.kind != _places.ORBAX:
-        raise _places.not_a_checkpoint(place)  # what is there instead
-    if region is not None:  # the processes agree on what they read, as for ours
-        agree_on_read(location, concrete(like), request)
-    if surgery or dry_run:
-        raise CheckpointError(
-            f"{location} is an Orbax checkpoint: surgery= and dry_run= apply to this "
-            f"library's checkpoints; convert it first (fop.import_orbax(src, dst))"
-        )
-    return update_in_place(like, _restore_orbax(location, like, region, cast=cast, **changes))
+        raise _places.not_a_checkpoint(place)
+    return update_in_place(like, _restore_orbax(location, like, request))
 
 
 def _classified(location: Location) -> _places.Place:
@@ -235,30 +215,31 @@ def _classified(location: Location) -> _places.Place:
     return _places.classify(location)
 
 
-def _restore_orbax(
-    location: Location,
-    like: Any,
-    region: _distributed.Region | None,
-    *,
-    cast: str,
-    partial: bool,
-    missing: str,
-    transform: Any,
-):
+def _restore_orbax(location: Location, like: Any, request: _requests.ReadRequest) -> Any:
     """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
-    (issue 16). Collective when ``like`` spans several processes and ``location`` is a
-    run: all read the primary's latest step (agreed in ``region``, the restore's)."""
-    if missing != "error" or transform is not None:
-        raise CheckpointError(
-            f"{location} is an Orbax checkpoint: missing= and transform= apply to this "
-            f"library's checkpoints; convert it first (fop.import_orbax(src, dst)) and "
-            f"restore the converted step"
-        )
+    (issue 16), the processes agreeing on what they read as for ours. Collective when
+    ``like`` spans several processes and ``location`` is a run: all read the primary's
+    latest step (agreed in the restore's region)."""
+    region, opts = request.region, request.changes
+    if region is not None:
+        agree_on_read(location, concrete(like), request)
+    if opts.surgery or request.dry_run:
+        raise _not_for_orbax(location, "surgery= and dry_run=", "(fop.import_orbax(src, dst))")
+    if opts.missing != "error" or opts.transform is not None:
+        how = "(fop.import_orbax(src, dst)) and restore the converted step"
+        raise _not_for_orbax(location, "missing= and transform=", how)
     step = None
-    if _distributed.spans_processes(like):  # every process reads the primary's latest step
-        step = agreed_latest(location, region=region) if not is_step(location) else None
-    # cast="unsafe" as for a checkpoint of ours (it was dropped here, silently)
-    return restore_orbax(location, like, step=step, partial=partial, cast=cast)
+    if _distributed.spans_processes(like) and not is_step(location):
+        step = agreed_latest(location, region=region)  # every process reads the primary's
+    return restore_orbax(location, like, step=step, partial=opts.partial, cast=request.cast)
+
+
+def _not_for_orbax(where: Any, options: str, how: str) -> CheckpointError:
+    """The refusal of ``options`` (``"missing= and transform="``) on an Orbax checkpoint."""
+    return CheckpointError(
+        f"{where} is an Orbax checkpoint: {options} apply to this library's checkpoints; "
+        f"convert it first {how}"
+    )
 
 
 @public(errors=refusals(arguments("path")))
@@ -268,7 +249,7 @@ def metadata(path: Any) -> _metadata.CheckpointMetadata:
     location = Location.from_path(path)
     place = _classified(location)
     if place.kind in _places.PYTREES:
-        return _core_restore.metadata(location)
+        return _restore.metadata(location)
     if place.kind == _places.JSON_ITEM:
         return describe(place.item)
     if place.kind == _places.ORBAX:
@@ -367,81 +348,102 @@ def restore_params(
     ``fop.restore``. ``memory_limit_bytes``: the host-memory ceiling of the reads in
     flight beyond the params returned, as ``fop.restore`` takes it.
     """
-    _requests.check_serving(
-        step=step, item=item, memory_limit_bytes=memory_limit_bytes
-    )  # OptionError naming one, before any read
-    changes = _transform.changes(
-        partial=partial, missing=missing, transform=transform, surgery=surgery
-    )
+    # each option checked (OptionError naming one) before any read
+    _requests.check_serving(step=step, item=item, memory_limit_bytes=memory_limit_bytes)
+    given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
+    changes = _transform.changes(**given)
     dry_run = flag("dry_run", dry_run)
     _casting.check_policy(cast)
-    if dtype is not None:  # before any read; the sharding's structure once like is known
+    sharding = _checked_placement(dtype, sharding)
+    limit = memory_limit_bytes
+    job = _Serving(like, item, dtype, sharding, changes, cast, dry_run, region, given, limit)
+    return _serve(directory, step, job)
+
+
+class _Serving(NamedTuple):
+    """``restore_params``' options, checked (``given``: the changed-model options as the
+    caller gave them, for an NNX module's params saved as an nnx.State)."""
+
+    like: Any
+    item: str
+    dtype: Any
+    sharding: Any
+    changes: _transform.Changes
+    cast: str
+    dry_run: bool
+    region: _distributed.Region | None
+    given: dict[str, Any]
+    memory_limit_bytes: int | None
+
+
+def _checked_placement(dtype: Any, sharding: Any) -> Any:
+    """``dtype`` checked and ``sharding`` (its structure is checked once like is known),
+    on an AbstractMesh placed onto set_mesh's mesh, or refused."""
+    if dtype is not None:
         checked_dtype(dtype)
-    kinds = (jax.sharding.Sharding, Mapping, list, tuple)
-    if not (sharding is None or isinstance(sharding, kinds)):
+    if not (sharding is None or isinstance(sharding, _SHARDINGS)):
         raise OptionTypeError(
             f"sharding: expected one jax Sharding or a pytree of them, found "
             f"{type(sharding).__name__} {sharding!r:.60}"
         )
-    sharding = concrete(
-        sharding, option="sharding"
-    )  # on an AbstractMesh: onto set_mesh's mesh, or refused
+    return concrete(sharding, option="sharding")
+
+
+_SHARDINGS = (jax.sharding.Sharding, Mapping, list, tuple)
+
+
+def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
+    """The procedure of ``restore_params``: what is at ``directory`` (a run of ours costs
+    its one listing), its committed steps, the step (the primary's latest when the call is
+    collective), then its params; an Orbax directory is read directly (issue 16)."""
     loc = Location.from_path(directory)
-    place = _places.classify(loc, steps_first=True)  # a run of ours costs its one listing
+    place = _places.classify(loc, steps_first=True)
     steps = _steps.committed_of(loc, place.listing)  # (an unreadable step: warned)
-    if step is None and _spans(directory, like, sharding=sharding):
-        step, steps = _agreed_latest(loc, steps, region)
-    if not steps:  # none of ours: an Orbax directory is read directly (issue 16)
+    if step is None and _spans(directory, job.like, sharding=job.sharding):
+        step, steps = _agreed_latest(loc, steps, job.region)
+    if not steps:
         if place.kind == _places.ORBAX:
-            _orbax_item(directory, item)
-            placing = (dtype, sharding, changes, partial, dry_run)
-            return _orbax_params(directory, like, step, *placing, region, cast=cast)
+            return _orbax_params(directory, step, job)
         raise _places.no_steps(place)  # what is there instead (a step, a run below, ...)
-    given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
-    given["memory_limit_bytes"] = memory_limit_bytes
-    placing = (like, item, dtype, sharding, changes, cast, dry_run, region, given)
 
     def serve(chosen: int) -> Any:
-        return _serve_step(loc, steps, chosen, *placing)
+        return _serve_step(loc, steps, chosen, job)
 
     if step is not None:
         return serve(_steps.choose_step(loc, steps, step))
     return _steps.newest_readable(loc, steps, serve)  # past a step the environment shuts
 
 
-def _serve_step(
-    loc, steps, step, like, item, dtype, sharding, changes, cast, dry_run, region, given
-) -> Any:
-    """restore_params of committed ``step`` of ``loc`` (``given``: the changed-model
-    options as the caller gave them, for an NNX module's params saved as an nnx.State)."""
-    partial, missing, transform, surgery = (given[k] for k in _GIVEN)
-    memory_limit_bytes = given["memory_limit_bytes"]  # the host-memory ceiling
+def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> Any:
+    """restore_params of committed ``step`` of ``loc``."""
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
     step_loc = _steps.step_location(loc, step)
     items = _steps.read_manifest(step_loc).items
-    params_loc = step_loc.child(_pytree_item(items, item, f"step {step} of {loc}", step_loc).dir)
-    target = _params_like(like) if item == "params" else _item_like(like, item)
-    if target is None and (dtype is not None or sharding is not None):
-        if dry_run:  # the plan places leaves where like says: it read them all instead
+    entry = _pytree_item(items, job.item, f"step {step} of {loc}", step_loc)
+    params_loc = step_loc.child(entry.dir)
+    like, placing = job.like, job.dtype is not None or job.sharding is not None
+    target = _params_like(like) if job.item == "params" else _item_like(like, job.item)
+    if target is None and placing:
+        if job.dry_run:  # the plan places leaves where like says: it read them all instead
             raise OptionError(
                 "dry_run=True with dtype= or sharding= needs like= (the plan says where "
                 "each leaf lands): give like=jax.eval_shape(...), or leave them out"
             )
-        limit = memory_limit_bytes
-        return _host_then_placed(params_loc, dtype, sharding, changes, cast, region, limit)
+        return _host_then_placed(params_loc, job)
     target, back = nnx_state_as_dict(target)  # an nnx.State like: read as its pure dict
-    if transform is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
+    changes = job.changes
+    if job.given["transform"] is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
         # params saved as an nnx.State (each leaf at <path>/value) into a module's form
-        changes = _transform.changes(
-            partial=partial, missing=missing, transform={r"/value$": ""}, surgery=surgery
-        )
-    if target is not None and (dtype is not None or sharding is not None):
-        target = retarget(target, dtype, sharding)
+        changes = _transform.changes(**(job.given | {"transform": {r"/value$": ""}}))
+    if target is not None and placing:
+        target = retarget(target, job.dtype, job.sharding)
     try:
-        options = {"dry_run": dry_run, "cast": cast, **changes.kwargs()}
-        options["memory_limit_bytes"] = memory_limit_bytes
-        got = _restore.restore(params_loc, target, region=region, **options)
-        return got if back is None or dry_run else back(got)
+        options = {"dry_run": job.dry_run, "cast": job.cast, **changes.kwargs()}
+        limit = job.memory_limit_bytes
+        got = _restore.restore(
+            params_loc, target, region=job.region, memory_limit_bytes=limit, **options
+        )
+        return got if back is None or job.dry_run else back(got)
     except CorruptCheckpointError as e:  # the latest is damaged: the older ones are named
         older = [s for s in steps if s < step][-3:]
         if older:
@@ -452,9 +454,6 @@ def _serve_step(
             hint = _variables_hint(target, items, step_loc)
             e.args = (f"{e.args[0]}\n{hint}", *e.args[1:])
         raise
-
-
-_GIVEN = ("partial", "missing", "transform", "surgery")
 
 
 def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> Any:
@@ -480,15 +479,6 @@ def _item_like(like: Any, item: str) -> Any:
     if like is None or isinstance(like, Mapping):
         return like
     return getattr(like, item, like)
-
-
-def _orbax_item(directory: Any, item: str) -> None:
-    if item != "params":  # the params choice reads Orbax's own layouts (orbax_params)
-        raise CheckpointError(
-            f"{directory} is an Orbax checkpoint: item={item!r} chooses an item of this "
-            f"library's steps; read that Orbax item with fop.restore('{directory}/<step>/"
-            f"{item}'), or convert the run first (fop.import_orbax)"
-        )
 
 
 def _variables_hint(target: Mapping, items: Mapping, step_loc: Location) -> str:
@@ -524,38 +514,33 @@ def _agreed_latest(
     return step, steps if step in steps else _steps.committed_steps(loc)
 
 
-def _orbax_params(
-    directory, like, step, dtype, sharding, changes, partial, dry_run, region, *, cast
-) -> Any:
+def _orbax_params(directory: Any, step: int | None, job: _Serving) -> Any:
     """The params of the Orbax checkpoint at ``directory`` (none of ours is there)."""
-    if changes.keep_missing or changes.transform is not None or changes.surgery or dry_run:
+    if job.item != "params":  # the params choice reads Orbax's own layouts (orbax_params)
         raise CheckpointError(
-            f"{directory} is an Orbax checkpoint: missing=, transform=, surgery= and "
-            f"dry_run= apply to this library's checkpoints; convert it first with "
-            f"fop.import_orbax(src, dst)"
+            f"{directory} is an Orbax checkpoint: item={job.item!r} chooses an item of this "
+            f"library's steps; read that Orbax item with fop.restore('{directory}/<step>/"
+            f"{job.item}'), or convert the run first (fop.import_orbax)"
         )
-    if step is None and _distributed.spans_processes(_params_like(like), sharding):
-        step = agreed_latest(Location.from_path(directory), region=region)
-    return restore_orbax_params(
-        directory,
-        _params_like(like),
-        step=step,
-        dtype=dtype,
-        sharding=sharding,
-        partial=partial,
-        cast=cast,
-    )
+    changes = job.changes
+    if changes.keep_missing or changes.transform is not None or changes.surgery or job.dry_run:
+        options = "missing=, transform=, surgery= and dry_run="
+        raise _not_for_orbax(directory, options, "with fop.import_orbax(src, dst)")
+    like = _params_like(job.like)
+    if step is None and _distributed.spans_processes(like, job.sharding):
+        step = agreed_latest(Location.from_path(directory), region=job.region)
+    partial = job.given["partial"]
+    placing = {"dtype": job.dtype, "sharding": job.sharding, "partial": partial, "cast": job.cast}
+    return restore_orbax_params(directory, like, step=step, **placing)
 
 
-def _host_then_placed(
-    params_loc: Location, dtype, sharding, changes, cast: str, region, limit: int | None
-) -> Any:
-    """Without ``like``: the params read to the host (in ``region``, ``limit`` bytes of
+def _host_then_placed(params_loc: Location, job: _Serving) -> Any:
+    """Without ``like``: the params read to the host (in the job's region, its ceiling of
     reads in flight), then cast and placed."""
-    kwargs = changes.kwargs()
-    host = _restore.restore(params_loc, None, region=region, memory_limit_bytes=limit, **kwargs)
-    target = retarget(host, dtype, sharding)
-    _casting.check_tree(host, target, cast=cast)  # narrowing rounds; overflow raises
+    limit, kwargs = job.memory_limit_bytes, job.changes.kwargs()
+    host = _restore.restore(params_loc, None, region=job.region, memory_limit_bytes=limit, **kwargs)
+    target = retarget(host, job.dtype, job.sharding)
+    _casting.check_tree(host, target, cast=job.cast)  # narrowing rounds; overflow raises
 
     def placed(x, t):
         if isinstance(t, np.ndarray | np.generic):  # a host leaf (retarget's numpy template)
