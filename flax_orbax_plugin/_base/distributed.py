@@ -47,7 +47,6 @@ from .. import _errors
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from . import env as _env
 from . import other_paths as _other_paths
-from . import regions as _liveness
 from . import regions as _regions
 from .regions import Region, raise_published_failure
 from .regions import client as _client
@@ -121,8 +120,8 @@ def _wait(
     within seconds, and so does, after ``timeout`` (the stall timeout), one that made no
     progress that long or was never seen beating (it may not have started)."""
     client, me = _client(), process_index()
-    _liveness.ensure_beating(client, me)
-    watch = _liveness.PeerWatch(
+    _regions.ensure_beating(client, me)
+    watch = _regions.PeerWatch(
         client,
         me,
         f"{key!r} from process {process}",
@@ -134,7 +133,7 @@ def _wait(
         elsewhere=functools.partial(_other_paths.raise_elsewhere, region),
     )
     piece = 0.02
-    with _liveness.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):
+    with _regions.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):
         while True:
             try:
                 return client.blocking_key_value_get(key, max(1, int(piece * 1000)))

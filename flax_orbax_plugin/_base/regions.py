@@ -76,9 +76,7 @@ import jax
 
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from . import env as _env
-from . import env as _option_spec
-from . import host as _exits
-from . import host as _pathways
+from . import host as _host
 
 __all__ = ["ACTIVITIES", "Activities", "PeerWatch", "Progress", "ensure_beating"]
 
@@ -485,13 +483,13 @@ def collective(
     continue an operation are handed its region instead of entering this. ``stall_s``:
     the stall timeout of the region's waits (see ``_base/liveness.py``); ``scope``: the
     region's (see :class:`Region`). Call it on the thread that makes the SPMD calls."""
-    _pathways.refuse_if_detected(kind)  # every public save and restore enters here
+    _host.refuse_if_detected(kind)  # every public save and restore enters here
     if not spans or jax.process_count() == 1:
         yield None
         return
     with contextlib.suppress(CoordinationError):  # no client: the first wait says so
         ensure_beating(client(), jax.process_index())  # before any wait on us
-    _exits.at_exit(_exits.ANNOUNCE, _announce_program_end)
+    _host.at_exit(_host.ANNOUNCE, _announce_program_end)
     region = Region(kind, str(next(_REGIONS)), stall_s=stall_s, scope=scope)
     with resumed(region):
         yield region
@@ -569,7 +567,7 @@ def public(
     def region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
         if kind is None:
             return contextlib.nullcontext()
-        _pathways.refuse_if_detected(kind)  # before ``spans`` looks at any device
+        _host.refuse_if_detected(kind)  # before ``spans`` looks at any device
         try:
             spanning = spans is None or spans(*args, **kwargs)
         except TypeError:  # arguments the function refuses (one missing): it says so itself
@@ -578,14 +576,14 @@ def public(
 
     def decorate(body: Callable) -> Callable:
         shown = inspect.signature(body)
-        takes = _option_spec.keywords_taken(body)
+        takes = _env.keywords_taken(body)
         owner = body.__qualname__
 
         @functools.wraps(body)
         def call(*args: Any, **kwargs: Any) -> Any:
             with region(*args, **kwargs) as drawn:
                 if takes is not None and not takes.issuperset(kwargs):
-                    raise _option_spec.unknown_keywords(owner, kwargs, takes)
+                    raise _env.unknown_keywords(owner, kwargs, takes)
                 try:
                     if kind is None:
                         return body(*args, **kwargs)

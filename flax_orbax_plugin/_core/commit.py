@@ -24,7 +24,7 @@ from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, CoordinationError, SaveCancelledError
 from .._storage.location import Location
-from . import handle as _pending
+from . import handle as _handle
 from . import ownership as _ownership
 
 logger = logging.getLogger("flax_orbax_plugin")
@@ -149,7 +149,7 @@ def is_dead(staging: Location) -> bool:
     writer and is unchanged for a while (``pending.abandoned``: empty, or committed, as a
     save killed between two renames leaves it), or nothing in it was touched for
     ``STALE_SECONDS`` (a writer on another host)."""
-    if _pending.writer_gone(staging) or _pending.abandoned(staging):
+    if _handle.writer_gone(staging) or _handle.abandoned(staging):
         return True
     return time.time() - staging.newest_mtime() > STALE_SECONDS
 

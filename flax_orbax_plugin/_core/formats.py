@@ -59,7 +59,7 @@ from .._like.transform import Changes
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
-from .._zarr import chunks as _packed_index
+from .._zarr import chunks as _chunks
 from .._zarr import packed_reader as _packed_reader
 from . import reads as _reads
 from .reads import check_claims, check_packed_claims
@@ -590,7 +590,7 @@ def checkpoint_names(parts: list[str], is_dir: bool) -> bool:
     head, rest = parts[0], parts[1:]
     if head in (_layout.ARRAYS_DIR, _layout.BATCHES_DIR):
         return is_dir or bool(rest)
-    if head == _packed_index.DATA_DIR:
+    if head == _chunks.DATA_DIR:
         if not rest:
             return is_dir
         return len(rest) == 1 and not is_dir and bool(_DATA_NAME.match(rest[0]))

@@ -44,12 +44,12 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._base import host as _exits
+from .._base import host as _host
 from .._base import processes as _processes
 from .._base.env import Option
 from .._errors import CheckpointError, DirectoryLockedError, HookReentryError, SaveCancelledError
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, PENDING_FILE
-from .._storage import local_files as _docs
+from .._storage import local_files as _local_files
 from .._storage.kvstore import raises_store_errors_in_methods
 from .._storage.location import Location
 
@@ -76,7 +76,7 @@ def is_marker(raw: bytes | None) -> bool:
     if raw is None:
         return False
     try:
-        doc = _docs.parse(raw, PENDING_FILE, _docs.PENDING_MARKER)
+        doc = _local_files.parse(raw, PENDING_FILE, _local_files.PENDING_MARKER)
     except CheckpointError:
         return False
     return isinstance(doc, dict) and doc.get("library") == LIBRARY and doc.get("kind") == "pending"
@@ -111,7 +111,9 @@ def claim_in_place(loc: Location, nonce: str, *, fresh: bool) -> None:
     :class:`DirectoryLockedError` naming its writer, and nothing is written. With
     ``fresh`` (a save that replaces nothing), a commit record found once the claim is
     held (another save committed there meanwhile) takes the claim back and refuses."""
-    raw, generation = loc.read_versioned(PENDING_FILE, max_bytes=_docs.PENDING_MARKER.max_bytes)
+    raw, generation = loc.read_versioned(
+        PENDING_FILE, max_bytes=_local_files.PENDING_MARKER.max_bytes
+    )
     if raw is not None and nonce_of(raw) == nonce:
         return  # this save's own claim
     if raw is not None and not writer_gone(loc):
@@ -227,7 +229,7 @@ def read(loc: Location) -> bytes | None:
 
 def _read_quietly(loc: Location, name: str) -> bytes | None:
     try:
-        return loc.read_bytes(name, max_bytes=_docs.PENDING_MARKER.max_bytes)
+        return loc.read_bytes(name, max_bytes=_local_files.PENDING_MARKER.max_bytes)
     except (CheckpointError, OSError):
         return None  # a link, a FIFO, gone meanwhile: not our marker
 
@@ -560,7 +562,7 @@ def _finish_at_exit(handle: SaveHandle) -> None:
     then exits with status 1 once its ``atexit`` handlers ran), or, when a Ctrl-C ended
     the program, cancels them."""
     _RUNNING.add(handle)
-    _exits.at_exit(_exits.FINISH, _finish_running)
+    _host.at_exit(_host.FINISH, _finish_running)
 
 
 def _finish_running() -> bool:

@@ -61,8 +61,7 @@ from .._base import host as _host
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, BatchStorage
 from .._zarr import chunks as _chunks
-from .._zarr import chunks as _subbyte
-from .._zarr import packed_writer as _chunk_writer
+from .._zarr import packed_writer as _packed_writer
 
 CPU_AS_DEVICE = False  # treat CPU arrays as device arrays (exercises this path on CPU)
 FETCH_PIECE = 16 << 20  # bytes of one background transfer of the device staging
@@ -372,7 +371,7 @@ def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) 
         if name in pieces:
             batch = batches[name]
             dtype = _layout.dtype_from_name(batch.dtype)
-            batch_data[name] = _chunk_writer.Gathered(pieces[name], dtype, batch.size)
+            batch_data[name] = _packed_writer.Gathered(pieces[name], dtype, batch.size)
         else:
             batch_data[name][end:] = 0
     return batch_data
@@ -417,7 +416,7 @@ def _summed(leaf):
     chunks; None for a packed or compressed leaf (the writer checksums other bytes),
     and while :data:`ONE_PASS` is off."""
     storage = leaf.record.storage
-    if not ONE_PASS or storage.codec is not None or _subbyte.is_packed(leaf.record):
+    if not ONE_PASS or storage.codec is not None or _chunks.is_packed(leaf.record):
         return None
     return leaf.record.shape, storage.chunk_shape, leaf.crcs
 
@@ -476,7 +475,7 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
     name = storage.batch
     off, size = storage.offset, storage.size
     if storage.packed:  # a sub-byte leaf: its packed bytes (a new array)
-        source = _subbyte.pack_flat(np.asarray(source))
+        source = _chunks.pack_flat(np.asarray(source))
     if pool is None:
         if isinstance(source, jax.Array):
             host = _host_copy(source, None)

@@ -67,14 +67,14 @@ from .._storage import deleting as _deleting
 from .._storage.local_files import entry_kind
 from .._storage.location import Location
 from . import formats as _formats
-from . import handle as _pending
+from . import handle as _handle
 from .created import missing_directories as missing_directories
 from .created import remove_created as remove_created
 
 logger = logging.getLogger("flax_orbax_plugin")
 
 
-_pending_bytes = _pending.marker_bytes  # the marker's helpers, under the names callers know
+_pending_bytes = _handle.marker_bytes  # the marker's helpers, under the names callers know
 
 
 class RemainsLeftError(CheckpointError):
@@ -95,7 +95,7 @@ def claim(loc: Location, nonce: str, *, fresh: bool = False) -> None:
     A write that fails leaves no empty staging folder behind (the write made it).
     Object stores write in place: the claim is conditional (``pending.claim_in_place``)."""
     if not loc.supports_rename:
-        _pending.claim_in_place(loc, nonce, fresh=fresh)
+        _handle.claim_in_place(loc, nonce, fresh=fresh)
         return
     try:
         loc.write_bytes(PENDING_FILE, _pending_bytes(nonce), durable=False)
@@ -129,7 +129,7 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
                 f"{path}: expected a directory this library created, found {entry_kind(st.st_mode)}"
             )
     try:
-        if _pending.is_marker(loc.read_bytes(PENDING_FILE)):
+        if _handle.is_marker(loc.read_bytes(PENDING_FILE)):
             return "pending marker"
         raw = loc.read_bytes(MANIFEST_FILE)
         if raw is not None:
@@ -141,11 +141,11 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
         if raw is not None:
             CommitMarker.from_bytes(raw, f"{loc}/{COMMIT_FILE}")
             return "commit marker"
-        if _pending.temporary_markers(loc):  # the marker's write cut short: still ours
+        if _handle.temporary_markers(loc):  # the marker's write cut short: still ours
             return "pending marker"
         # A staging name of ours holding only our marker's temporary files (empty: a
         # claim or removal killed between creating one and writing it): ours.
-        if _steps.SAVE_STAGING_RE.match(loc.name) and _pending.only_temporary_files(loc):
+        if _steps.SAVE_STAGING_RE.match(loc.name) and _handle.only_temporary_files(loc):
             return "pending marker"
     except ForeignEntryError:
         return None  # a link or a FIFO where our file would be: not ours
@@ -329,7 +329,7 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
             f"is there ({describe(loc)}); it is left alone. Move it away or choose another path"
         )
     if found == "pending marker":
-        _pending.refuse_if_held(loc, replace=replace)
+        _handle.refuse_if_held(loc, replace=replace)
     if found != "pending marker" and not replace:
         raise CheckpointError(
             f"{loc} already holds a committed checkpoint ({found}); pass force=True "
@@ -379,8 +379,8 @@ def _remove_proven(
         raw = _pending_bytes(secrets.token_hex(6))
         loc.write_bytes(PENDING_FILE, raw)  # durable: nothing is removed before it
     found = strangers(loc) if keep is None else keep
-    keep = sorted(set(_pending.keeps(raw)) | set(found))
-    if raw is None or keep != _pending.keeps(raw):
+    keep = sorted(set(_handle.keeps(raw)) | set(found))
+    if raw is None or keep != _handle.keeps(raw):
         loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6), keep))  # durable
     remove_all_but(loc, keep, pace=pace)
 
@@ -481,7 +481,7 @@ def strangers(loc: Location) -> list[str]:
         return []
     if not loc.is_local:
         return sorted(k for k in loc.keys() if not rule(k.split("/"), False))
-    ours = set(_pending.temporary_files(loc))  # our marker's write cut short, even empty
+    ours = set(_handle.temporary_files(loc))  # our marker's write cut short, even empty
     out: list[str] = []
     stack = [""]
     root = loc.path.rstrip("/")

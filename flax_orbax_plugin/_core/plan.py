@@ -50,14 +50,13 @@ from .._format.layout import (
     LeafRecord,
 )
 from .._incremental import reuse as _reuse
-from .._storage import local_files as _docs
+from .._storage import local_files as _local_files
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
-from .._zarr import chunks as _subbyte
-from .._zarr import packed_writer as _chunk_writer
+from .._zarr import chunks as _chunks
+from .._zarr import packed_writer as _packed_writer
 from . import commit as _commit
 from . import formats as _formats
-from . import host_snapshot as _device_copy
 from . import host_snapshot as _host_snapshot
 from .formats import SaveRequest
 
@@ -109,7 +108,7 @@ class DocumentSize:
             self.bytes += len(json.dumps(text))  # as the record holds it (escaped)
 
     def check(self) -> None:
-        limit = _docs.METADATA.max_bytes
+        limit = _local_files.METADATA.max_bytes
         if self.bytes > limit:
             raise StructureError(
                 f"{_layout.METADATA_FILE} of this tree would hold more than {self.bytes} "
@@ -285,7 +284,7 @@ class Plan:
         self.batches = batches
         self.request = request
         self.format = _formats.for_version(request.format_version)  # picked once, here
-        self.batch_data: dict[str, np.ndarray | _chunk_writer.Gathered] = {}
+        self.batch_data: dict[str, np.ndarray | _packed_writer.Gathered] = {}
         if _distributed.process_count() > 1:  # compared across processes; else unused
             for leaf in leaves:
                 leaf.value_digest = _host_value(leaf)
@@ -293,7 +292,7 @@ class Plan:
         self._pool: _host.BufferPool | None = None
         self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
         self.write_first = False  # the save returns only once its data is written
-        self.staging = _device_copy.Staging()  # how the blocking phase copied (snapshot)
+        self.staging = _host_snapshot.Staging()  # how the blocking phase copied (snapshot)
         self._take_later = False  # the device staging: the host copy is the write's
         self.data_written = threading.Event()  # this process's data written (or failed)
         self.cancelled = request.cancelled  # set: the save was cancelled (Ctrl-C)
@@ -340,27 +339,27 @@ class Plan:
             for leaf in self.leaves
             if leaf.value is not None and not isinstance(leaf.record.storage, BatchStorage)
         ]
-        on_device = [leaf for leaf in big if _device_copy.on_device(leaf.value)]
+        on_device = [leaf for leaf in big if _host_snapshot.on_device(leaf.value)]
         kind = "none"
         if budget is not None:
             kind = "streamed" if on_device else "none"
         elif on_device:
-            kind = _device_copy.staging_for(next(iter(on_device[0].value.devices())).platform)
+            kind = _host_snapshot.staging_for(next(iter(on_device[0].value.devices())).platform)
         note = ""
         if kind == "device":  # every jax.Array (a CPU one too) copied where it lives
             arrays = [leaf for leaf in big if isinstance(leaf.value, jax.Array)]
-            copies, note = _device_copy.snapshot([leaf.value for leaf in arrays])
+            copies, note = _host_snapshot.snapshot([leaf.value for leaf in arrays])
             if copies is not None:
                 for leaf, copy in zip(arrays, copies, strict=True):
                     leaf.value = copy  # its own copy: no donation touches it
                 for leaf in big:  # the caller may change a numpy array on return
                     if isinstance(leaf.value, np.ndarray):
                         leaf.value = leaf.value.copy()
-                self.staging = _device_copy.Staging("device")
+                self.staging = _host_snapshot.Staging("device")
                 self._take_later = True
                 return
             kind = "host"  # the device lacks the memory: copied to host now, said why
-        self.staging = _device_copy.Staging(kind, note)
+        self.staging = _host_snapshot.Staging(kind, note)
         self._take(kind)
 
     def _take(self, kind: str) -> None:
@@ -414,7 +413,7 @@ class Plan:
         primary = _distributed.is_primary() or self.request.own_copy
         reuse = self.request.reuse
         if self.format.copies_before_writing or reuse is not None:  # every region first
-            _device_copy.materialize_all(self.leaves)
+            _host_snapshot.materialize_all(self.leaves)
         found = None if reuse is None else self._unchanged(location, reuse)
         leaves, found = _stored_leaves(self.leaves, found)  # sub-byte leaves packed
         encoded: concurrent.futures.Future = concurrent.futures.Future()
@@ -439,7 +438,7 @@ class Plan:
         """``_METADATA.json``'s bytes (compact; the checksum is of these bytes)."""
         try:
             doc = self.document().to_json()
-            out.set_result(_docs.encode(doc, METADATA_FILE, _docs.METADATA))
+            out.set_result(_local_files.encode(doc, METADATA_FILE, _local_files.METADATA))
         except BaseException as e:  # noqa: BLE001  (raised by the write that needs it)
             out.set_exception(e)
 
@@ -500,12 +499,12 @@ def _stored_leaves(leaves: list[Leaf], found):
     the values): ``host_memory_budget`` does not stream them. Background thread."""
     out, by_index = [], {}
     for leaf in leaves:
-        if _subbyte.is_packed(leaf.record):
+        if _chunks.is_packed(leaf.record):
             writes = [
-                _subbyte.pack_write(leaf.record, index, _device_copy.materialize(data))
+                _chunks.pack_write(leaf.record, index, _host_snapshot.materialize(data))
                 for index, data in leaf.writes
             ]
-            leaf = Leaf(leaf.index, leaf.value, _subbyte.stored(leaf.record), writes)
+            leaf = Leaf(leaf.index, leaf.value, _chunks.stored(leaf.record), writes)
         out.append(leaf)
         by_index[leaf.index] = leaf
     if found is not None:

@@ -33,15 +33,15 @@ import jax
 import numpy as np
 
 from .._base import distributed as _distributed
-from .._base import regions as _liveness
+from .._base import regions as _regions
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._format import host_copy as _host_copy
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, CheckpointDocument, batch_dir
-from .._like import onto_like as _casting
+from .._like import onto_like as _onto_like
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
-from .._zarr import chunks as _subbyte
+from .._zarr import chunks as _chunks
 from . import formats as _formats
 from . import surgery_reads as _surgery_reads
 from .formats import ReadRequest, read_slice
@@ -260,7 +260,7 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
         raise copy.refusal(location, partial)
     direct = fmt.open(location, doc, checked, own_copy=request.own_copy)
     try:
-        with _liveness.ACTIVITIES.doing(f"reading {location}", moving=True) as progress:
+        with _regions.ACTIVITIES.doing(f"reading {location}", moving=True) as progress:
             return _read_targets_with(location, doc, targets, request, fmt, direct, progress)
     finally:
         if direct is not None:
@@ -277,10 +277,10 @@ def read_region(fmt, store, target: Target, direct, region=None):
     record = target.record
     if target.virtual is not None:  # made by surgery: ``store`` reads the saved leaves
         return _surgery_reads.VirtualRead(target.virtual, region, store)
-    if _subbyte.is_packed(record):
-        inner, width, skip = _subbyte.stored_region(record, region)
-        read = fmt.read_stored(store, target.index, _subbyte.stored(record), direct, inner)
-        return _subbyte.Unpacked(read, record, width, skip)
+    if _chunks.is_packed(record):
+        inner, width, skip = _chunks.stored_region(record, region)
+        read = fmt.read_stored(store, target.index, _chunks.stored(record), direct, inner)
+        return _chunks.Unpacked(read, record, width, skip)
     return fmt.read_stored(store, target.index, record, direct, region)
 
 
@@ -384,7 +384,7 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
 
         def done_box(data):
             if data.dtype != target.out_dtype:
-                _casting.check(target.record.path, data, target.out_dtype, cast=target.cast)
+                _onto_like.check(target.record.path, data, target.out_dtype, cast=target.cast)
                 data = data.astype(target.out_dtype)
             for key, devices in by_index.items():
                 rel = tuple(
@@ -408,7 +408,7 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
 
         def done(data, devices=devices):
             if data.dtype != target.out_dtype:
-                _casting.check(target.record.path, data, target.out_dtype, cast=target.cast)
+                _onto_like.check(target.record.path, data, target.out_dtype, cast=target.cast)
                 data = data.astype(target.out_dtype)
             pieces.extend(jax.device_put(data, _on(device, sharding)) for device, _ in devices)
             remaining[0] -= 1

@@ -27,7 +27,7 @@ import tensorstore as ts
 
 from .._base import env as _env
 from .._base import host as _host
-from .._base import regions as _liveness
+from .._base import regions as _regions
 from .._base import tree as _tree
 from .._errors import CheckpointError, CorruptCheckpointError, StepDeletedError, StructureError
 from .._format import layout as _layout
@@ -43,12 +43,11 @@ from .._format.layout import (
     batch_dir,
 )
 from .._format.layout.records import show
-from .._like import onto_like as _casting
 from .._like import onto_like as _onto_like
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
-from .._zarr import chunks as _subbyte
+from .._zarr import chunks as _chunks
 from .._zarr.chunks import CHUNK_DIR
 
 
@@ -80,7 +79,7 @@ def check_claims(
             continue
         if own_copy and getattr(target.like, "sharding", None) is not None:
             continue
-        record = _subbyte.stored(record)  # a packed leaf: its bytes as stored
+        record = _chunks.stored(record)  # a packed leaf: its bytes as stored
         storage = record.storage
         itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
         needed = _chunk_files.array_claim(
@@ -145,7 +144,7 @@ def check_packed_claims(location: Location, doc: CheckpointDocument, targets: li
             _check_dtype(packed, sub, batch.dtype, where, f"batches[{storage.batch!r}].dtype")
             _check_listed(packed, sub, needed, where, field, batch.size)
         if isinstance(storage, ArrayStorage):
-            record = _subbyte.stored(record)  # a packed leaf: its bytes as stored
+            record = _chunks.stored(record)  # a packed leaf: its bytes as stored
             storage = record.storage
             itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
             needed = _chunk_files.array_claim(
@@ -332,7 +331,7 @@ def _final_value(target: Target, host: np.ndarray) -> Any:
     record, like = target.record, target.like
     kind = record.kind
     if isinstance(record.storage, BatchStorage) and record.storage.packed:
-        host = _subbyte.unpack_flat(host, record)  # a sub-byte leaf's packed bytes
+        host = _chunks.unpack_flat(host, record)  # a sub-byte leaf's packed bytes
     host = host.reshape(record.shape)
     if kind == "prng_key":
         keys = jax.random.wrap_key_data(host, impl=record.impl)
@@ -347,7 +346,7 @@ def _final_value(target: Target, host: np.ndarray) -> Any:
                 keys = jax.device_put(keys, sharding)
         return keys
     if host.dtype != target.out_dtype:
-        _casting.check(record.path, host, target.out_dtype, cast=target.cast)
+        _onto_like.check(record.path, host, target.out_dtype, cast=target.cast)
         host = host.astype(target.out_dtype)
     if like is None:
         return _python_value(kind, host)
@@ -545,9 +544,9 @@ class ReadInto:
 class Reader:
     """Issues tensorstore reads in order, keeping at most ``limit`` bytes in flight."""
 
-    def __init__(self, limit: int, progress: _liveness.Progress | None = None):
+    def __init__(self, limit: int, progress: _regions.Progress | None = None):
         self.limit = limit
-        self.progress = progress or _liveness.Progress()  # the bytes read, and asked for
+        self.progress = progress or _regions.Progress()  # the bytes read, and asked for
         # a batch file's leaves at a time: placed while the next files are read
         self.placer = Placer(flush_bytes=min(limit, 16 << 20))
         self.pending: collections.deque = collections.deque()

@@ -31,13 +31,13 @@ from .._errors import StructureError, TransformError
 from .._format import layout as _layout
 from .._format import metadata as _metadata
 from .._format.steps import read_document
-from .._like import onto_like as _retarget
+from .._like import onto_like as _like
 from .._like import surgery as _surgery
 from .._like import surgery_mirrors as _surgery_mirrors
 from .._like import transform as _transform
 from .._like.surgery_plan import PlanEntry, RestorePlan, full_box
 from .._storage.location import Location
-from .._zarr import chunk_files as _read_pool
+from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
 from . import formats as _formats
 from . import handle as _handle
@@ -174,13 +174,13 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
 def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
     """The read: the processes agree, the document is read and checked, then its leaves
     are read whole (``like`` None) or onto ``like``."""
-    like = _retarget.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
+    like = _like.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
     if not request.own_copy and request.region is not None:  # a collective read
         agree_on_read(location, like, request)  # the same on every process, before a byte
     opts = request.changes
     if location.is_local and not opts.partial and opts.transform is None and not opts.surgery:
         # every batch is read whole: the disk starts on it while the metadata is parsed
-        _read_pool.prefetch_batches(location.path, _chunks.THREADS)
+        _chunk_files.prefetch_batches(location.path, _chunks.THREADS)
     doc = read_document(location)
     location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
     saved = [rec.path for rec in doc.leaves if rec.kind not in _transform.NO_DATA]

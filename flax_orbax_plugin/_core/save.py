@@ -30,7 +30,7 @@ from .._format.layout import COMMIT_FILE, CommitMarker
 from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
 from . import commit as _commit
-from . import handle as _pending
+from . import handle as _handle
 from . import host_snapshot as _host_snapshot
 from . import ownership as _ownership
 from .formats import DEFAULT_FORMAT_VERSION, SaveRequest, check_save
@@ -246,7 +246,7 @@ class _Background:
         if self.staging.renames or not _distributed.is_primary():
             return
         # Only under this save's own claim: a claim refused leaves the other writer's be.
-        if _pending.holds_nonce(self.location, self.staging.nonce):
+        if _handle.holds_nonce(self.location, self.staging.nonce):
             _ownership.remove(self.location, action="remove the remains of the failed save at")
 
 

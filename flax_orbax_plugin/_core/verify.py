@@ -15,7 +15,6 @@ from .._base.regions import public
 from .._errors import CheckpointError, OptionError, OptionTypeError
 from .._format import host_copy as _host_copy
 from .._format import layout as _layout
-from .._format import steps as _places
 from .._format import steps as _steps
 from .._format.layout import (
     JSON_VALUE_FILE,
@@ -30,7 +29,6 @@ from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
 from .._zarr import regions as _zarr_regions
 from . import formats as _formats
-from . import formats as _requests
 from . import handle as _handle
 from . import read_data as _read_data
 from . import reads as _reads
@@ -82,18 +80,18 @@ def verify(
     window, ``VERIFY_BUDGET_BYTES``, and one more read): the reads in flight hold
     at most half of it each time one more is submitted, so never more than it.
     """
-    limit = _requests.check_verify(
+    limit = _formats.check_verify(
         step=step, all_steps=all_steps, memory_limit_bytes=memory_limit_bytes
     )["memory_limit_bytes"]  # OptionError naming one
     budget = window_bytes(limit)
     if progress is not None and not callable(progress):
         raise OptionTypeError(f"progress: expected a function or None, found {progress!r:.60}")
     loc = Location.from_path(path)
-    place = _places.classify(loc)  # what is there, once: the dispatch below
-    if place.kind == _places.CHECKPOINT:
+    place = _steps.classify(loc)  # what is there, once: the dispatch below
+    if place.kind == _steps.CHECKPOINT:
         _no_step_chosen(loc, "a core checkpoint", None, step)
         return [_verify_pytree(loc, None, None, progress, budget=budget)]
-    if place.kind in (_places.STEP_KIND, _places.HOST_COPY):
+    if place.kind in (_steps.STEP_KIND, _steps.HOST_COPY):
         _no_step_chosen(loc, "one step", _step_number(loc), step)
         return verify_step(loc, _step_number(loc), progress=progress, budget=budget)
     if place.item is not None:  # an item of a step: checked as its kind is, as the step's are
@@ -107,8 +105,8 @@ def verify(
     if place.staged == METADATA_FILE:  # a pytree never committed: its verdict says so
         _no_step_chosen(loc, "a pytree", _step_number(loc.parent), step)
         return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress, budget=budget)]
-    if place.kind != _places.RUN or not place.listing.committed:
-        raise _places.no_steps(place)  # says what is there instead
+    if place.kind != _steps.RUN or not place.listing.committed:
+        raise _steps.no_steps(place)  # says what is there instead
     committed = place.listing.committed
     chosen = committed if all_steps else [_steps.choose_step(loc, committed, step)]
     out: list[VerifyResult] = []

@@ -28,18 +28,16 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base import env as _env
-from .._base import regions as _liveness
+from .._base import regions as _regions
 from .._errors import CheckpointError
 from .._format.layout import ArrayStorage, BatchRecord, array_dir, batch_dir, sha256
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
-from .._zarr import chunks as _subbyte
 from .._zarr import packed_codec as _codec
-from .._zarr import packed_writer as _chunk_writer
 from .._zarr import packed_writer as _packed_writer
-from . import host_snapshot as _device_copy
+from . import host_snapshot as _host_snapshot
 from .handle import raise_if_cancelled
 
 _LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied concurrently
@@ -80,7 +78,7 @@ def write_data(
     # tensorstore. Either way each write is one pending future, drained to ``limit``.
     writer = None
     if _chunk_files.usable(staging):
-        writer = _chunk_writer.ChunkWriter(staging.path)
+        writer = _packed_writer.ChunkWriter(staging.path)
     jobs = [
         _array_job(leaf, spec, writer)
         for leaf, spec in arrays
@@ -108,7 +106,7 @@ def write_data(
         _raise_as_checkpoint_error(e, staging, direct=writer is not None)
         raise
     finally:
-        _liveness.ACTIVITIES.end(doing)
+        _regions.ACTIVITIES.end(doing)
         if writer is not None:
             writer.close()
         if linker is not None:
@@ -151,7 +149,7 @@ def _create(specs: list) -> None:
         raise
 
 
-def _array_job(leaf, spec, writer: _chunk_writer.ChunkWriter | None):
+def _array_job(leaf, spec, writer: _packed_writer.ChunkWriter | None):
     """(spec, writes, direct write or None) of a leaf stored as its own array."""
     record = leaf.record
     if writer is None or record.storage.codec is not None:
@@ -174,13 +172,13 @@ def _batch_jobs(batch_specs, batches, batch_data, writer) -> list:
             if writer is not None and batches[name].codec is None:
                 jobs.append((spec, [((slice(None),), data)], _direct_batch(writer, name, batches)))
             else:
-                if isinstance(data, _chunk_writer.Gathered):
+                if isinstance(data, _packed_writer.Gathered):
                     data = data.assemble()
                 jobs.append((spec, [((slice(None),), data)], None))
     return jobs
 
 
-def _direct_batch(writer: _chunk_writer.ChunkWriter, name: str, batches):
+def _direct_batch(writer: _packed_writer.ChunkWriter, name: str, batches):
     batch = batches[name]
     return lambda index, data: writer.batch(batch_dir(name), batch.chunk, batch.inner, data)
 
@@ -195,13 +193,13 @@ class _Pending:
         self.futures: collections.deque = collections.deque()
         self.in_flight = 0
         self.written = 0
-        self.progress = _liveness.Progress()
+        self.progress = _regions.Progress()
 
     def report(self, total: int):
         """Begins this thread's activity "writing this process's data" of ``total``
         bytes, whose progress (:attr:`progress`) the heartbeat publishes; the caller
-        ends it (``_liveness.ACTIVITIES.end``)."""
-        doing = _liveness.ACTIVITIES.begin("writing this process's data", moving=True)
+        ends it (``_regions.ACTIVITIES.end``)."""
+        doing = _regions.ACTIVITIES.begin("writing this process's data", moving=True)
         self.progress = doing.progress
         self.progress.total = total
         return doing
@@ -226,7 +224,7 @@ class _Pending:
         while writes:
             raise_if_cancelled(self.cancelled, "the save, while writing its data,")
             index, data = writes.pop()
-            data = _device_copy.materialize(data)  # a region still on its device: copied now
+            data = _host_snapshot.materialize(data)  # a region still on its device: copied now
             if data.size:
                 futures = direct(index, data) if direct is not None else None
                 if futures is None:
@@ -315,7 +313,7 @@ def write_packed(
             pending.drain(0)
         finally:
             writer.close()
-            _liveness.ACTIVITIES.end(doing)
+            _regions.ACTIVITIES.end(doing)
     except BaseException as e:
         _settle(pending.futures)
         _raise_as_checkpoint_error(e, staging, direct=True)
@@ -329,7 +327,7 @@ def _dtypes(leaves: list, batches: dict[str, BatchRecord]) -> dict[str, str]:
     out = {batch_dir(name): b.dtype for name, b in batches.items()}
     for leaf in leaves:
         if isinstance(leaf.record.storage, ArrayStorage):
-            out[array_dir(leaf.index)] = _subbyte.stored(leaf.record).dtype
+            out[array_dir(leaf.index)] = _chunks.stored(leaf.record).dtype
     return out
 
 
@@ -339,7 +337,7 @@ def _compressed_batch_jobs(batches: dict[str, BatchRecord], batch_data, writer) 
     for name, batch in batches.items():
         if batch.codec is not None and name in batch_data:
             data = batch_data.pop(name)
-            if isinstance(data, _chunk_writer.Gathered):
+            if isinstance(data, _packed_writer.Gathered):
                 data = data.assemble()
             spec = _arrays.batch_spec(_codec.MEMORY, batch)
             sub = batch_dir(name)

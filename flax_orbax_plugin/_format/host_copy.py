@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from .._storage import local_files as _docs
+from .._storage import local_files as _local_files
 from .._storage.location import Location
 from . import steps as _steps
 from .layout import HOST_FILE, ArrayStorage, BatchStorage, iterator_state_file
@@ -110,10 +110,10 @@ def read_at(step_loc: Location) -> tuple[dict | None, str | None]:
     (bounded parse, every field's type: :func:`check_marker`), or what is wrong with it
     (``"no _HOST.json"`` when there is none)."""
     try:
-        raw = step_loc.read_bytes(HOST_FILE, max_bytes=_docs.HOST_MARKER.max_bytes)
+        raw = step_loc.read_bytes(HOST_FILE, max_bytes=_local_files.HOST_MARKER.max_bytes)
         if raw is None:
             return None, f"no {HOST_FILE}"
-        doc = _docs.parse(raw, f"{step_loc}/{HOST_FILE}", _docs.HOST_MARKER)
+        doc = _local_files.parse(raw, f"{step_loc}/{HOST_FILE}", _local_files.HOST_MARKER)
     except CheckpointError as e:
         return None, str(e)
     problem = check_marker(doc)

@@ -52,7 +52,7 @@ from .._errors import (
     ForeignEntryError,
     NotCommittedError,
 )
-from .._storage import local_files as _docs
+from .._storage import local_files as _local_files
 from .._storage.location import Location
 from . import layout as _layout
 from .foreign import foreign_format_hint, is_msgpack_checkpoint, is_orbax_checkpoint
@@ -352,7 +352,7 @@ def read_item_json(item_loc: Location, name: str) -> object:
     raw = item_loc.read_bytes(name)
     if raw is None:
         raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
-    return decode_checked(raw, where, expected, _docs.JSON_ITEM)
+    return decode_checked(raw, where, expected, _local_files.JSON_ITEM)
 
 
 MAX_PROBED = 16  # children looked into for a run or checkpoint one level down
@@ -704,7 +704,7 @@ def read_document(location: Location) -> CheckpointDocument:
     where = f"{location}/{METADATA_FILE}"
     listed = listed_checksums(location)
     raw = read_listed(location, METADATA_FILE, listed=listed)
-    doc = CheckpointDocument.from_json(_layout.decode(raw, where, _docs.METADATA), where)
+    doc = CheckpointDocument.from_json(_layout.decode(raw, where, _local_files.METADATA), where)
     return dataclasses.replace(doc, listed=listed)
 
 

@@ -33,7 +33,6 @@ from .._storage import server_copy as _server_copy
 from .._storage.local_files import open_dirs as _open_dirs
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
-from .._zarr import chunks as _index
 from .chunks import Refused, Writes, chunk_file_bytes, not_the_snapshot, snapshot_crcs
 from .copies import _same_copy
 
@@ -64,7 +63,7 @@ class Taken:
     written first, side by side, so that the next step can take their files whole)."""
 
     files: dict[str, int]
-    chunks: dict[str, _index.Segment]
+    chunks: dict[str, _chunks.Segment]
     leaves: frozenset[int]
     nbytes: int
     unchanged: frozenset[int] = frozenset()
@@ -83,7 +82,7 @@ def reuse_files(
     taken (logged where something was refused): a :class:`Taken` without files."""
     none = Taken({}, {}, frozenset(), 0, frozenset(unchanged))
     try:
-        previous = _index.read_index(source, process)
+        previous = _chunks.read_index(source, process)
     except (CheckpointError, OSError) as e:
         logger.warning("incremental save: not reusing data files of %s: %s", source, e)
         return none
@@ -91,7 +90,7 @@ def reuse_files(
     files = _files_to_take(previous, segments, unchanged)
     if not files:
         return none
-    names = {old: _index.data_file_name(process, n) for n, old in enumerate(files)}
+    names = {old: _chunks.data_file_name(process, n) for n, old in enumerate(files)}
     leaves = frozenset(_whole(segments, files, unchanged))
     segments = {key: (i, seg) for key, (i, seg) in segments.items() if i in leaves}
     done: list[str] = []
@@ -114,11 +113,11 @@ def reuse_files(
 
 
 def _reusable_segments(
-    previous: _index.DataIndex, unchanged: dict[int, Unchanged]
-) -> dict[str, tuple[int, _index.Segment]]:
+    previous: _chunks.DataIndex, unchanged: dict[int, Unchanged]
+) -> dict[str, tuple[int, _chunks.Segment]]:
     """``{new key: (leaf, previous segment)}`` for every chunk of the leaves whose every
     chunk the previous index lists with a chunk's size and the snapshot's crc32c."""
-    out: dict[str, tuple[int, _index.Segment]] = {}
+    out: dict[str, tuple[int, _chunks.Segment]] = {}
     for i, leaf in unchanged.items():
         size = chunk_file_bytes(leaf.record)
         try:
@@ -132,7 +131,7 @@ def _reusable_segments(
             if seg is None or seg.length != size:
                 break
             if seg.crc32c != crcs[parts]:
-                shown = f"{array_dir(leaf.j)}/{name} ({_index.DATA_DIR}/{seg.file})"
+                shown = f"{array_dir(leaf.j)}/{name} ({_chunks.DATA_DIR}/{seg.file})"
                 logger.warning(
                     "incremental save: leaf %r is written: %s",
                     leaf.record.path,
@@ -155,7 +154,7 @@ def _whole(segments, files: list[str], unchanged: dict[int, Unchanged]) -> set[i
     return out & set(unchanged)
 
 
-def _files_to_take(previous: _index.DataIndex, segments, unchanged) -> list[str]:
+def _files_to_take(previous: _chunks.DataIndex, segments, unchanged) -> list[str]:
     """The previous data files (in their order) of which at least LIVE_FRACTION of the
     bytes are chunks of leaves held whole by the files taken (a fixed point: dropping
     a file may drop a leaf it shares with another)."""
@@ -178,16 +177,16 @@ def link_file(
     old: str,
     new: str,
     size: int,
-    live: list[_index.Segment],
+    live: list[_chunks.Segment],
 ) -> None:
     """Hard-links ``data/<old>`` of ``source`` as ``data/<new>`` of ``target`` (never
     following a symlink), then checks the new name: a regular file of ``size`` bytes in
     which every ``live`` segment's bytes match its crc32c trailer, equal to the index's.
     Raises (after unlinking it) on any failure."""
     os.makedirs(target.path, exist_ok=True)  # another process may not have yet
-    sfd = _open_dirs(source.path, [_index.DATA_DIR])
+    sfd = _open_dirs(source.path, [_chunks.DATA_DIR])
     try:
-        dfd = _open_dirs(target.path, [_index.DATA_DIR], create=True)
+        dfd = _open_dirs(target.path, [_chunks.DATA_DIR], create=True)
         try:
             st = os.stat(old, dir_fd=sfd, follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode):
@@ -234,7 +233,7 @@ def copy_file(
     old: str,
     new: str,
     size: int,
-    live: list[_index.Segment],
+    live: list[_chunks.Segment],
 ) -> None:
     """Copies ``data/<old>`` of ``source`` to ``data/<new>`` of ``target`` on the server,
     only from the object listed (of ``size`` bytes), and checks the copy (size and
@@ -243,8 +242,8 @@ def copy_file(
     segment's trailer against the index). Raises (after deleting it) on any failure."""
     if source.spec | {"path": ""} != target.spec | {"path": ""}:
         raise Refused(f"{target}: not in the bucket of {source}")
-    src = f"{source.path}{_index.DATA_DIR}/{old}"
-    dst = f"{target.path}{_index.DATA_DIR}/{new}"
+    src = f"{source.path}{_chunks.DATA_DIR}/{old}"
+    dst = f"{target.path}{_chunks.DATA_DIR}/{new}"
     info = copier.list(src).get(src)
     if info is None or info.size != size:
         raise Refused(f"{source}/data/{old}: expected {size} bytes, found {info}")
@@ -264,6 +263,6 @@ def _undo(target: Location, names: list[str]) -> None:
     """Removes the data files this call took (its own names in the staging item)."""
     for name in names:
         try:
-            target.delete(f"{_index.DATA_DIR}/{name}")
+            target.delete(f"{_chunks.DATA_DIR}/{name}")
         except (OSError, CheckpointError):
             pass

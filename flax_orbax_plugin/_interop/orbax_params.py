@@ -15,7 +15,7 @@ import jax
 
 from .._base import tree as _tree
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .._like import onto_like as _casting
+from .._like import onto_like as _onto_like
 from .._like.onto_like import retarget
 from .orbax_layout import OrbaxItem, OrbaxLeaf, open_orbax
 from .orbax_reader import ItemReader, restore_item
@@ -92,7 +92,7 @@ def restore_orbax_params(
     is a StructureError naming the leaf, as for this library's checkpoints;
     ``"unsafe"``: numpy's cast); ``sharding`` is one Sharding or a pytree of
     them; ``partial`` leaves out saved leaves ``like`` lacks (a model's batch stats)."""
-    _casting.check_policy(cast)
+    _onto_like.check_policy(cast)
     _, items = open_orbax(path, step=step)
     item, prefix = _params_source(items)
     if prefix:

@@ -18,7 +18,6 @@ from .._base.env import flag, outside_stacklevel
 from .._base.tree import flatten
 from .._errors import NothingMatchedError, OptionError, StructureError
 from .._format import layout as _layout
-from . import onto_like as _casting
 from . import onto_like as _onto_like
 from .surgery import check_surgery
 from .transform_rules import compile_transform, describe, unmatched_rules
@@ -149,7 +148,7 @@ def _cast_problem(path: str, record: Any, like: Any, cast: str) -> str | None:
         saved = _layout.dtype_from_name(record.dtype, path=path)
         if saved == want:  # the usual case: nothing to cast
             return None
-        _casting.check(path, np.empty((0,), saved), np.dtype(want), cast=cast)
+        _onto_like.check(path, np.empty((0,), saved), np.dtype(want), cast=cast)
     except StructureError as e:
         return str(e)
     return None

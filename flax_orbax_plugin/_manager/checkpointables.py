@@ -90,7 +90,7 @@ from .._format import layout as _layout
 from .._format import steps as _steps
 from .._state import global_position as _global
 from .._state.iterators import iterator_state, set_iterator_state
-from .._storage import local_files as _docs
+from .._storage import local_files as _local_files
 from .._storage.location import Location
 
 __all__ = [
@@ -118,9 +118,9 @@ def to_json(value: Any, where: str, depth: int = 0) -> Any:
     accepts is refused here, on the caller's thread, naming where it is: text UTF-8
     cannot encode (a lone surrogate, in a value or a key), nesting deeper than a JSON
     item may have (``json_docs.JSON_ITEM``)."""
-    if depth > _docs.JSON_ITEM.max_depth:
+    if depth > _local_files.JSON_ITEM.max_depth:
         raise StructureError(
-            f"{where}: nested more than {_docs.JSON_ITEM.max_depth} levels deep, more "
+            f"{where}: nested more than {_local_files.JSON_ITEM.max_depth} levels deep, more "
             f"than a reader accepts in a JSON item"
         )
     if isinstance(value, str):
@@ -208,7 +208,7 @@ def read_json(directory: Location, name: str) -> Any:
 def encode_json(value: Any, where: str) -> bytes:
     """The bytes of a JSON item (``to_json``'s output), within the reader's limits
     (``json_docs.JSON_ITEM``: StructureError naming ``where`` otherwise)."""
-    return _docs.encode(value, where, _docs.JSON_ITEM, sort_keys=True)
+    return _local_files.encode(value, where, _local_files.JSON_ITEM, sort_keys=True)
 
 
 def write_json(directory: Location, name: str, data: bytes) -> Written:

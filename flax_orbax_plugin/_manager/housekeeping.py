@@ -21,7 +21,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._core import commit as _commit
-from .._core import handle as _pending
+from .._core import handle as _handle
 from .._core import ownership as _ownership
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import layout as _layout
@@ -155,7 +155,7 @@ def _remove_dead_staging(loc: Location, listing: Any, stuck: dict[str, str]) -> 
 
 def _live(loc: Location, name: str) -> bool:
     """Whether ``name``'s save still runs on this host (left alone, with a WARNING)."""
-    writer = _pending.writer_alive(loc.child(name))
+    writer = _handle.writer_alive(loc.child(name))
     if writer is not None:
         logger.warning(
             "%s: unfinished step %s left alone: its save is still running (%s)", loc, name, writer

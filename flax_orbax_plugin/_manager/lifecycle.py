@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._base import host as _exits
+from .._base import host as _host
 from .._base import regions as _regions
 from .._errors import CheckpointError
 from . import events as _events
@@ -49,7 +49,7 @@ def leave_at_exit(manager: Lifecycle) -> None:
     process in their next save, learn at once that it left and why, rather than after
     the stall timeout (then jax's own shutdown barrier)."""
     _OPEN.add(manager)
-    _exits.at_exit(_exits.LEAVE, _leave_all)
+    _host.at_exit(_host.LEAVE, _leave_all)
 
 
 def _leave_all() -> bool:

@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._base import host as _host_memory
+from .._base import host as _host
 from .._base.env import (
     Option,
     check,
@@ -67,7 +67,7 @@ from .._format.steps import STEP, STEP_OR_NONE
 from .._state.iterators import check_iterator
 from .._storage.location import Location
 from . import retention as _retention
-from . import save_rules as _policy
+from . import save_rules as _save_rules
 from .checkpointables import BUILTIN_CHECKPOINTABLES, Checkpointable, PytreeCheckpointable, kind_of
 from .lanes import Lanes
 from .retention import KeepRule, Retention
@@ -180,7 +180,7 @@ def _flag(name: str, doc: str, *, default: bool = False, aliases: tuple[str, ...
     return Option(name, "flag", default=default, doc=doc, aliases=aliases)
 
 
-POLICY_SHORTHANDS = tuple(o.name for o in _policy.FIELDS)
+POLICY_SHORTHANDS = tuple(o.name for o in _save_rules.FIELDS)
 RETENTION_SHORTHANDS = tuple(o.name for o in _retention.FIELDS)
 
 ASYNC_SAVE = _flag(
@@ -227,7 +227,7 @@ MANAGER: tuple[Option, ...] = (
         annotation="Retention | KeepRule",
         doc="which steps to keep, as one object: Retention(...), KeepLast(n), KeepFor(s)...",
     ),
-    *_policy.FIELDS,
+    *_save_rules.FIELDS,
     Option(
         "policy",
         "custom",
@@ -343,7 +343,7 @@ CALLBACK_HINTS: Mapping[str, str] = {
 """The callback's hints: the flat tier keywords point to a Tier in its manager_options."""
 
 CALLBACK: tuple[Option, ...] = (
-    *(o for o in _policy.FIELDS if o.name in ("every_steps", "every_seconds")),
+    *(o for o in _save_rules.FIELDS if o.name in ("every_steps", "every_seconds")),
     dataclasses.replace(_retention.KEEP, default=3),
     Option(
         "resume",
@@ -514,7 +514,7 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     option counts as given when it differs from its default). Returns ``{name:
     value}`` of every option, ``policy`` and ``retention`` as the objects (from the
     shorthands when not given) and ``persistent`` a Tier or None."""
-    given = _host_memory.take_old_name(given)
+    given = _host.take_old_name(given)
     refuse_unknown("CheckpointManager", given, MANAGER + DEPRECATED, hints=HINTS)
     given = _resolve_tier(given)
     _refuse_both(given)
@@ -535,7 +535,7 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     if out["persistent"] is not None and not out["handle_sigterm"]:  # the exit's wait
         grace = out["persistent"].grace_seconds
         refuse_without("Tier(grace_seconds)", grace, "handle_sigterm=True", default=_GRACE)
-    _host_memory.refuse_idle(out)
+    _host.refuse_idle(out)
     return out
 
 
@@ -596,9 +596,9 @@ def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict
     if out["resume"] is not False:
         refuse_without("overwrite", out["overwrite"], "resume=False", default=False)
     inner = dict(out["manager_options"] or {})
-    if _host_memory.HOST_MEMORY_BUDGET.name in inner:  # the callback's own, by its old name
+    if _host.HOST_MEMORY_BUDGET.name in inner:  # the callback's own, by its old name
         both = {"host_memory": given["host_memory"]} if "host_memory" in given else {}
-        inner = _host_memory.take_old_name({**inner, **both}, owner="manager_options: ")
+        inner = _host.take_old_name({**inner, **both}, owner="manager_options: ")
         out["host_memory"] = inner.pop("host_memory")
     refuse_unknown(
         "manager_options: CheckpointManager",

@@ -41,7 +41,7 @@ from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import host_copy as _host_copy
 from .._format import steps as _steps
 from .._format.layout import HOST_FILE
-from .._storage import local_files as _docs
+from .._storage import local_files as _local_files
 from .._storage import run_record as _run_record
 from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location
@@ -158,7 +158,9 @@ def host_marker(
         "layout": layout,
         "hosts": hosts,
     }
-    return _docs.encode(doc, HOST_FILE, _docs.HOST_MARKER, sort_keys=True, separators=None)
+    return _local_files.encode(
+        doc, HOST_FILE, _local_files.HOST_MARKER, sort_keys=True, separators=None
+    )
 
 
 def read_marker(loc: Location, step: int) -> tuple[dict | None, str | None]:

@@ -37,7 +37,7 @@ from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base.env import found
 from .._core import commit as _commit
-from .._core import handle as _pending
+from .._core import handle as _handle
 from .._core import ownership as _ownership
 from .._core.commit import Staging, Written
 from .._core.formats import SaveRequest
@@ -457,10 +457,10 @@ def abort_staged(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> No
     if staging.renames:
         _ownership.remove_staging(staging.location, staging.nonce)
     elif not replace:  # a new step written in place: no manifest, all of it goes
-        if _pending.holds_nonce(staging.final, staging.nonce):  # under its own claim only
+        if _handle.holds_nonce(staging.final, staging.nonce):  # under its own claim only
             _ownership.remove_if_ours(staging.final, what="uncommitted step")
     else:  # the old step stays whole: only the new items' fresh directories go
         fresh = [d for n, d in dirs.items() if d != n]
         _ownership.remove_children(staging.final, fresh, action="abort the save into")
-        if _pending.holds_nonce(staging.final, staging.nonce):  # its commit record proves it
+        if _handle.holds_nonce(staging.final, staging.nonce):  # its commit record proves it
             _ownership.unclaim(staging.final)

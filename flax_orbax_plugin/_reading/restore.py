@@ -37,7 +37,7 @@ import numpy as np
 from .._base import distributed as _distributed
 from .._base.env import flag
 from .._base.regions import public
-from .._core import formats as _requests
+from .._core import formats as _formats
 from .._core import handle as _handle
 from .._core import restore as _restore
 from .._core.read_agreement import agree_on_read
@@ -51,7 +51,6 @@ from .._errors import (
     StructureError,
 )
 from .._format import metadata as _metadata
-from .._format import steps as _places
 from .._format import steps as _steps
 from .._format.foreign import is_step
 from .._format.layout import STEP_VERSION
@@ -61,7 +60,7 @@ from .._interop.orbax_layout import open_orbax
 from .._interop.orbax_params import restore_orbax_params
 from .._interop.orbax_reader import lone_item, restore_orbax
 from .._interop.orbax_steps import agreed_latest
-from .._like import onto_like as _casting
+from .._like import onto_like as _onto_like
 from .._like import transform as _transform
 from .._like.onto_like import checked_dtype, concrete, retarget
 from .._manager.checkpointables import BUILTIN_CHECKPOINTABLES
@@ -192,30 +191,30 @@ def restore(
     return _read_place(Location.from_path(path), like, request)
 
 
-def _read_place(location: Location, like: Any, request: _requests.ReadRequest) -> Any:
+def _read_place(location: Location, like: Any, request: _formats.ReadRequest) -> Any:
     """The procedure of ``fop.restore``: what is at ``location`` classified once, then read
     by its reader (NNX objects in ``like`` restored in place); any other place is an
     error that says what is there."""
     place = _classified(location)
-    if place.kind in _places.PYTREES:
+    if place.kind in _steps.PYTREES:
         return update_in_place(like, _restore.restore_with(location, like, request))
-    if place.kind == _places.JSON_ITEM:
+    if place.kind == _steps.JSON_ITEM:
         opts = request.changes
         given = {"partial": opts.partial, "missing": opts.missing, "transform": opts.transform}
         return read(place.item, like, changes=given)
-    if place.kind != _places.ORBAX:
-        raise _places.not_a_checkpoint(place)
+    if place.kind != _steps.ORBAX:
+        raise _steps.not_a_checkpoint(place)
     return update_in_place(like, _restore_orbax(location, like, request))
 
 
-def _classified(location: Location) -> _places.Place:
+def _classified(location: Location) -> _steps.Place:
     """What is at ``location``, once this process's save to it (``fop.save_async``) has
     finished: the one classification the front dispatches on."""
     _handle.wait_for_pending_save(location)
-    return _places.classify(location)
+    return _steps.classify(location)
 
 
-def _restore_orbax(location: Location, like: Any, request: _requests.ReadRequest) -> Any:
+def _restore_orbax(location: Location, like: Any, request: _formats.ReadRequest) -> Any:
     """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
     (issue 16), the processes agreeing on what they read as for ours. Collective when
     ``like`` spans several processes and ``location`` is a run: all read the primary's
@@ -248,13 +247,13 @@ def metadata(path: Any) -> _metadata.CheckpointMetadata:
     On an Orbax checkpoint the error says what it holds and how to read it."""
     location = Location.from_path(path)
     place = _classified(location)
-    if place.kind in _places.PYTREES:
+    if place.kind in _steps.PYTREES:
         return _restore.metadata(location)
-    if place.kind == _places.JSON_ITEM:
+    if place.kind == _steps.JSON_ITEM:
         return describe(place.item)
-    if place.kind == _places.ORBAX:
+    if place.kind == _steps.ORBAX:
         raise CheckpointNotFoundError(_orbax_message(location))
-    raise _places.not_a_checkpoint(place)
+    raise _steps.not_a_checkpoint(place)
 
 
 def _orbax_message(location: Location) -> str:
@@ -349,11 +348,11 @@ def restore_params(
     flight beyond the params returned, as ``fop.restore`` takes it.
     """
     # each option checked (OptionError naming one) before any read
-    _requests.check_serving(step=step, item=item, memory_limit_bytes=memory_limit_bytes)
+    _formats.check_serving(step=step, item=item, memory_limit_bytes=memory_limit_bytes)
     given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
     changes = _transform.changes(**given)
     dry_run = flag("dry_run", dry_run)
-    _casting.check_policy(cast)
+    _onto_like.check_policy(cast)
     sharding = _checked_placement(dtype, sharding)
     limit = memory_limit_bytes
     job = _Serving(like, item, dtype, sharding, changes, cast, dry_run, region, given, limit)
@@ -397,14 +396,14 @@ def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
     its one listing), its committed steps, the step (the primary's latest when the call is
     collective), then its params; an Orbax directory is read directly (issue 16)."""
     loc = Location.from_path(directory)
-    place = _places.classify(loc, steps_first=True)
+    place = _steps.classify(loc, steps_first=True)
     steps = _steps.committed_of(loc, place.listing)  # (an unreadable step: warned)
     if step is None and _spans(directory, job.like, sharding=job.sharding):
         step, steps = _agreed_latest(loc, steps, job.region)
     if not steps:
-        if place.kind == _places.ORBAX:
+        if place.kind == _steps.ORBAX:
             return _orbax_params(directory, step, job)
-        raise _places.no_steps(place)  # what is there instead (a step, a run below, ...)
+        raise _steps.no_steps(place)  # what is there instead (a step, a run below, ...)
 
     def serve(chosen: int) -> Any:
         return _serve_step(loc, steps, chosen, job)
@@ -540,7 +539,7 @@ def _host_then_placed(params_loc: Location, job: _Serving) -> Any:
     limit, kwargs = job.memory_limit_bytes, job.changes.kwargs()
     host = _restore.restore(params_loc, None, region=job.region, memory_limit_bytes=limit, **kwargs)
     target = retarget(host, job.dtype, job.sharding)
-    _casting.check_tree(host, target, cast=job.cast)  # narrowing rounds; overflow raises
+    _onto_like.check_tree(host, target, cast=job.cast)  # narrowing rounds; overflow raises
 
     def placed(x, t):
         if isinstance(t, np.ndarray | np.generic):  # a host leaf (retarget's numpy template)

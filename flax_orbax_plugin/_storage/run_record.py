@@ -16,13 +16,13 @@ import socket
 from typing import Any
 
 from .._errors import CorruptCheckpointError
-from . import local_files as _docs
+from . import local_files as _local_files
 from .location import Location
 
 __all__ = ["MAX_RECORD_BYTES", "RUN_FILE", "RunRecord", "read_record", "read_versioned", "write_if"]
 
 RUN_FILE = "_RUN.json"
-MAX_RECORD_BYTES = _docs.RUN_RECORD.max_bytes
+MAX_RECORD_BYTES = _local_files.RUN_RECORD.max_bytes
 _LIBRARY = "flax_orbax_plugin"
 _HEX = re.compile(r"^[0-9a-f]{8,64}$", re.ASCII)
 
@@ -47,14 +47,16 @@ class RunRecord:
         """The record's JSON; ValueError for a lease time that could not be read back
         (past year 9999), StructureError for one over the reader's limits."""
         if self.lease_expires is not None:
-            _docs.check_time(self.lease_expires, RUN_FILE, "lease_expires", stored=False)
+            _local_files.check_time(self.lease_expires, RUN_FILE, "lease_expires", stored=False)
         doc = {"library": _LIBRARY, "kind": "run", **dataclasses.asdict(self)}
-        return _docs.encode(doc, RUN_FILE, _docs.RUN_RECORD, sort_keys=True, separators=None)
+        return _local_files.encode(
+            doc, RUN_FILE, _local_files.RUN_RECORD, sort_keys=True, separators=None
+        )
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> RunRecord:
         """Parses and checks a record; CorruptCheckpointError naming the field."""
-        doc = _docs.parse(raw, where, _docs.RUN_RECORD)
+        doc = _local_files.parse(raw, where, _local_files.RUN_RECORD)
         if not isinstance(doc, dict):
             raise CorruptCheckpointError(f"{where}: expected a JSON object, found {_kind(doc)}")
         for field, want in (("library", _LIBRARY), ("kind", "run")):
@@ -79,7 +81,7 @@ class RunRecord:
                 f"{where}: field pid: expected a process id, found {_short(pid)}"
             )
         if expires is not None:
-            expires = _docs.check_time(expires, where, "lease_expires", stored=True)
+            expires = _local_files.check_time(expires, where, "lease_expires", stored=True)
         return cls(doc["run"], host, pid, doc["holder"], expires)
 
     def describe(self) -> str:

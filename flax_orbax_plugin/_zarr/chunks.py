@@ -64,9 +64,9 @@ from typing import Any
 import numpy as np
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from .._format import steps as _documents
+from .._format import steps as _steps
 from .._format.layout import DTYPES, ArrayStorage, LeafRecord, dtype_from_name
-from .._storage import local_files as _docs
+from .._storage import local_files as _local_files
 from .._storage.location import Location
 
 try:
@@ -549,8 +549,10 @@ def read_index(
     of an index (restore, verify, incremental reuse, the tier) reads it here."""
     name = index_name(process)
     where = f"{location}/{name}"
-    raw = _documents.read_listed(location, name, listed=listed)
-    return DataIndex.from_json(_docs.parse(raw, where, _docs.DATA_INDEX), where, process)
+    raw = _steps.read_listed(location, name, listed=listed)
+    return DataIndex.from_json(
+        _local_files.parse(raw, where, _local_files.DATA_INDEX), where, process
+    )
 
 
 def _check_disjoint(chunks: dict[str, Segment], where: str) -> None:

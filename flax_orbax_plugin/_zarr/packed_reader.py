@@ -48,7 +48,6 @@ from .._storage.location import Location
 from . import arrays as _arrays
 from . import chunk_files as _chunk_files
 from . import chunks as _chunks
-from . import chunks as _index
 from . import packed_codec as _codec
 
 
@@ -61,7 +60,7 @@ class PackedReader(_chunk_files.ChunkReader):
     def __init__(
         self,
         location: Location,
-        chunks: dict[str, _index.Segment],
+        chunks: dict[str, _chunks.Segment],
         file_bytes: dict[str, int] | None = None,
         dtypes: dict[str, str] | None = None,
     ):
@@ -85,7 +84,7 @@ class PackedReader(_chunk_files.ChunkReader):
                 self.close()
                 raise
         else:
-            spec = location.kvstore(_index.DATA_DIR)
+            spec = location.kvstore(_chunks.DATA_DIR)
             self._kv = ts.KvStore.open(spec, context=_kvstore.context(local=False)).result()
             self._ranged = None  # object stores: whole segments, through the fetch plan
             self._ranges = RangeReads(self._kv, chunks, file_bytes or {})
@@ -93,13 +92,13 @@ class PackedReader(_chunk_files.ChunkReader):
             self._batch_pool = _DeferredPool(self._batch_pool, self._ranges, chunks)
 
     def _open(self, name: str, chunks) -> int:
-        path = os.path.join(self._location.path, _index.DATA_DIR, name)
+        path = os.path.join(self._location.path, _chunks.DATA_DIR, name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
                 raise ValueError(
-                    f"data file {_index.DATA_DIR}/{name} cannot be opened: {e}"
+                    f"data file {_chunks.DATA_DIR}/{name} cannot be opened: {e}"
                 ) from None
             raise
         st = os.fstat(fd)
@@ -107,7 +106,7 @@ class PackedReader(_chunk_files.ChunkReader):
         if not stat.S_ISREG(st.st_mode) or st.st_size < end:
             os.close(fd)
             raise ValueError(
-                f"data file {_index.DATA_DIR}/{name}: expected a regular file of at least "
+                f"data file {_chunks.DATA_DIR}/{name}: expected a regular file of at least "
                 f"{end} bytes, found {st.st_size}"
             )
         return fd
@@ -126,7 +125,7 @@ class PackedReader(_chunk_files.ChunkReader):
         """``{data file: (its length, the length its index records)}`` of the local data
         files open here (an object store's are not looked up: empty)."""
         return {
-            f"{_index.DATA_DIR}/{name}": (os.fstat(fd).st_size, self._file_bytes.get(name, -1))
+            f"{_chunks.DATA_DIR}/{name}": (os.fstat(fd).st_size, self._file_bytes.get(name, -1))
             for name, fd in self._fds.items()
         }
 
@@ -141,7 +140,7 @@ class PackedReader(_chunk_files.ChunkReader):
         if self._claimed is None:
             totals: dict[str, list[int]] = {}
             for key, segment in self._chunks.items():
-                entry = totals.setdefault(_index.array_prefix(key), [0, 0])
+                entry = totals.setdefault(_chunks.array_prefix(key), [0, 0])
                 entry[0] += 1
                 entry[1] += segment.length
             self._claimed = {k: (n, b) for k, (n, b) in totals.items()}
@@ -158,7 +157,7 @@ class PackedReader(_chunk_files.ChunkReader):
         if seg is None:
             return f"chunk {path} (no data index lists it)"
         end = seg.offset + seg.length - 1
-        return f"data file {_index.DATA_DIR}/{seg.file}, bytes {seg.offset}-{end} (chunk {path})"
+        return f"data file {_chunks.DATA_DIR}/{seg.file}, bytes {seg.offset}-{end} (chunk {path})"
 
     def _ranged_segment(self, path: str, name: str, expected: int, ranges: list) -> None:
         """Fills the parts of each ``(offset, parts)`` of ``ranges`` (offsets inside the
@@ -183,7 +182,7 @@ class PackedReader(_chunk_files.ChunkReader):
                 got = os.preadv(fd, views[: _chunks.IOV_MAX], at)
                 if got == 0:
                     raise ValueError(
-                        f"chunk {path} ({_index.DATA_DIR}/{segment.file}): ended early"
+                        f"chunk {path} ({_chunks.DATA_DIR}/{segment.file}): ended early"
                     )
                 at, total = at + got, total + got
                 _chunks.advance(views, got)
@@ -205,7 +204,7 @@ class PackedReader(_chunk_files.ChunkReader):
             raise ValueError(
                 f"chunk {path}: expected {expected} bytes, its data index lists {segment.length}"
             )
-        where = f"{path} ({_index.DATA_DIR}/{segment.file} at {segment.offset})"
+        where = f"{path} ({_chunks.DATA_DIR}/{segment.file} at {segment.offset})"
         if self._kv is not None:
             value = self._ranges.take(path, segment)
             if value is None:
@@ -363,12 +362,12 @@ def open_packed(
     index read, checked against the sha256 its commit recorded (``listed``: those
     checksums, when the commit was read already), and validated."""
     indexes = [
-        _index.read_index(location, process, listed=listed) for process in range(process_count)
+        _chunks.read_index(location, process, listed=listed) for process in range(process_count)
     ]
     sizes = {name: size for index in indexes for name, size in index.files.items()}
     where = str(location)
-    dtypes = _index.merge_dtypes(indexes, where)
-    return PackedReader(location, _index.merge(indexes, where), sizes, dtypes)
+    dtypes = _chunks.merge_dtypes(indexes, where)
+    return PackedReader(location, _chunks.merge(indexes, where), sizes, dtypes)
 
 
 AHEAD_BYTES = 64 << 20  # object stores: chunk jobs started ahead of the one waited for
@@ -395,7 +394,7 @@ class _DeferredPool:
     fetch plan is made then (``RangeReads.plan``), and the jobs up to that one, and
     :data:`AHEAD_BYTES` of chunks after it, start in order. Calling thread only."""
 
-    def __init__(self, pool, ranges: RangeReads, chunks: dict[str, _index.Segment]):
+    def __init__(self, pool, ranges: RangeReads, chunks: dict[str, _chunks.Segment]):
         self._pool = pool
         self._ranges = ranges
         self._chunks = chunks
@@ -479,7 +478,7 @@ class RangeReads:
     """Planned, coalesced reads of the segments ``chunks`` lists from the open kvstore
     ``kv`` (rooted at the checkpoint's ``data/``); ``file_bytes``: each data file's size."""
 
-    def __init__(self, kv, chunks: dict[str, _index.Segment], file_bytes: dict[str, int]):
+    def __init__(self, kv, chunks: dict[str, _chunks.Segment], file_bytes: dict[str, int]):
         self._kv = kv
         self._chunks = chunks
         self._file_bytes = file_bytes
@@ -544,7 +543,7 @@ class RangeReads:
         for _, _, key in entry.items:
             self._range_of[key] = entry
 
-    def take(self, key: str, segment: _index.Segment) -> bytes | memoryview | None:
+    def take(self, key: str, segment: _chunks.Segment) -> bytes | memoryview | None:
         """The bytes of ``key``'s segment from its range (fetched now if not yet); None
         when no plan holds it, or its range came back short: the caller then reads the
         segment alone (and reports it missing where that fails too)."""

@@ -48,10 +48,9 @@ import numpy as np
 
 from .._base import env as _env
 from .._base import host as _host
-from .._storage import local_files as _docs
+from .._storage import local_files as _local_files
 from .._storage.location import Location, check_name
 from . import chunks as _chunks
-from . import chunks as _index
 from . import packed_codec as _codec
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -386,9 +385,9 @@ class PackedWriter(ChunkWriter):
             self._target = max(1, min(self._target, gathered_bytes // lanes))
         self._lanes: list[list] = [[None, []] for _ in range(lanes)]  # [file, its pieces]
         self._lane_of: dict[str, int] = {}  # array (d/<i>, b/<batch>) -> its lane
-        self._chunks: dict[str, _index.Segment] = {}
+        self._chunks: dict[str, _chunks.Segment] = {}
 
-    def adopt(self, files: dict[str, int], chunks: dict[str, _index.Segment]) -> None:
+    def adopt(self, files: dict[str, int], chunks: dict[str, _chunks.Segment]) -> None:
         """Lists data files already in place (an incremental step's files taken from the
         previous step, named by this process's first numbers: name -> size) and their
         segments; call before any write. New chunks go to new files after them."""
@@ -445,15 +444,15 @@ class PackedWriter(ChunkWriter):
             if _sync_file_range is not None:  # start writeback; no wait
                 _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
         else:
-            file, offset, full = self._append(_index.array_prefix(name), pieces, length)
+            file, offset, full = self._append(_chunks.array_prefix(name), pieces, length)
             if full is not None:
                 self._upload(*full)
         with self._lock:
-            self._chunks[name] = _index.Segment(file, offset, length, crc)
+            self._chunks[name] = _chunks.Segment(file, offset, length, crc)
 
     def _next_file(self) -> str:
         """Under the lock: starts data file number len(files)."""
-        name = _index.data_file_name(self._process, len(self._files))
+        name = _chunks.data_file_name(self._process, len(self._files))
         self._files[name] = 0
         self._current = name
         return name
@@ -466,7 +465,7 @@ class PackedWriter(ChunkWriter):
             name = self._current
             if name is None or (self._files[name] and self._files[name] + length > self._target):
                 name = self._next_file()
-                directory = os.path.join(self._location.path, _index.DATA_DIR)
+                directory = os.path.join(self._location.path, _chunks.DATA_DIR)
                 os.makedirs(directory, exist_ok=True)
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                 self._fds[name] = os.open(os.path.join(directory, name), flags, 0o644)
@@ -485,7 +484,7 @@ class PackedWriter(ChunkWriter):
             with self._lock:
                 fd = self._direct_fds.get(file)
                 if fd is None:
-                    path = os.path.join(self._location.path, _index.DATA_DIR, file)
+                    path = os.path.join(self._location.path, _chunks.DATA_DIR, file)
                     flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | O_DIRECT
                     fd = self._direct_fds[file] = os.open(path, flags)
             done, head = 0, len(view)
@@ -519,7 +518,7 @@ class PackedWriter(ChunkWriter):
     def _upload(self, name: str, pieces: list[np.ndarray]) -> None:
         data = b"".join(memoryview(p) for p in pieces)
         pieces.clear()
-        self._location.write_bytes(f"{_index.DATA_DIR}/{name}", data)
+        self._location.write_bytes(f"{_chunks.DATA_DIR}/{name}", data)
 
     def close(self) -> None:
         """Waits for every chunk, writes the last object (object stores) and closes the
@@ -539,18 +538,18 @@ class PackedWriter(ChunkWriter):
                 os.close(fd)
             self._fds, self._direct_fds = {}, {}
 
-    def index(self, dtypes: dict[str, str] | None = None) -> _index.DataIndex:
+    def index(self, dtypes: dict[str, str] | None = None) -> _chunks.DataIndex:
         """The index of everything written (call after :meth:`close`); ``dtypes``: the
         stored dtype name of each array (``d/<i>``, ``b/<batch>``), recorded for those
         with chunks here."""
         chunks = dict(self._chunks)
-        held = {_index.array_prefix(key) for key in chunks}
+        held = {_chunks.array_prefix(key) for key in chunks}
         arrays = {k: v for k, v in (dtypes or {}).items() if k in held}
-        return _index.DataIndex(self._process, dict(self._files), chunks, arrays)
+        return _chunks.DataIndex(self._process, dict(self._files), chunks, arrays)
 
     def write_index(self, dtypes: dict[str, str] | None = None) -> tuple[str, bytes]:
         """Writes ``data/<process>.json`` (not yet durable); returns (its name, bytes)."""
-        name = _index.index_name(self._process)
-        raw = _docs.encode(self.index(dtypes).to_json(), name, _docs.DATA_INDEX)
+        name = _chunks.index_name(self._process)
+        raw = _local_files.encode(self.index(dtypes).to_json(), name, _local_files.DATA_INDEX)
         self._location.write_bytes(name, raw, durable=False)
         return name, raw

@@ -16,7 +16,7 @@ import os
 import warnings
 from typing import Any
 
-from .._core import ownership as _removing
+from .._core import ownership as _ownership
 from .._core import restore as _restore
 from .._errors import (
     DirectoryLockedError,
@@ -24,7 +24,6 @@ from .._errors import (
     StructureError,
 )
 from .._format import foreign as _foreign
-from .._format import steps as _places
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
@@ -303,7 +302,7 @@ def _refuse_other_places(loc: Location, found) -> None:
     (a cron job's gc would free nothing, every day, with exit 0) or another library's
     run; a folder of other things is fine (nothing to do)."""
     if found.left_alone and not any(loc.exists(n) for n in _steps.RECORD_NAMES):
-        if (where := _places.misplaced(loc)) is not None:
+        if (where := _steps.misplaced(loc)) is not None:
             raise CliError(f"{where}: gc removes nothing here")
     if (other := _foreign.foreign_run(loc)) is not None:
         raise CliError(
@@ -355,7 +354,7 @@ def _report_gc(loc: Location, args, unfinished, removed, kept, left) -> None:
     if left:
         print(f"not steps of this library (left alone): {', '.join(left)}")
     if args.dry_run:  # a user's files in the steps it would remove stay (a real gc warns)
-        inside = [f"{s}/{n}" for s in removed for n in _removing.strangers(loc.child(str(s)))]
+        inside = [f"{s}/{n}" for s in removed for n in _ownership.strangers(loc.child(str(s)))]
         if inside:
             print(f"would leave what this library did not write: {', '.join(inside)}")
         print("dry run: nothing was removed")

@@ -10,7 +10,6 @@ from typing import Any
 
 from .._errors import CheckpointError
 from .._format import layout as _layout
-from .._format import steps as _places
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
 from .._storage import server_copy as _server_copy
@@ -100,7 +99,7 @@ def describe_missing(loc: Location, listing: _steps.Listing) -> str:
     """What ``loc`` holds instead of committed steps, in the library's words."""
     if loc.exists(METADATA_FILE) and not loc.exists(COMMIT_FILE):
         return f"{loc} is a core checkpoint that was never committed (its save died)"
-    return one_line(_places.no_steps(loc, listing))
+    return one_line(_steps.no_steps(loc, listing))
 
 
 def _step_items_of(loc: Location, step: int) -> tuple[str, list[Item]]:

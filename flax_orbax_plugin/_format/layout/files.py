@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 from ..._base.key_paths import path_string
 from ..._errors import CorruptCheckpointError
-from ..._storage import local_files as _docs
+from ..._storage import local_files as _local_files
 from .records import (
     MAX_PROCESSES,
     BatchRecord,
@@ -92,7 +92,7 @@ class CheckpointDocument:
     listed: dict[str, str] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        _docs.check_time(self.created_at, METADATA_FILE, "created_at", stored=False)
+        _local_files.check_time(self.created_at, METADATA_FILE, "created_at", stored=False)
         return {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
@@ -215,7 +215,7 @@ class CommitMarker:
     committed_at: float = 0.0
 
     def to_bytes(self) -> bytes:
-        _docs.check_time(self.committed_at, COMMIT_FILE, "committed_at", stored=False)
+        _local_files.check_time(self.committed_at, COMMIT_FILE, "committed_at", stored=False)
         return seal(
             {
                 "format": FORMAT_NAME,
@@ -223,18 +223,18 @@ class CommitMarker:
                 "committed_at": self.committed_at,
                 "files": self.files,
             },
-            _docs.COMMIT_MARKER,
+            _local_files.COMMIT_MARKER,
         )
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> CommitMarker:
-        obj = decode(raw, where, _docs.COMMIT_MARKER)
+        obj = decode(raw, where, _local_files.COMMIT_MARKER)
         if isinstance(obj, dict) and "checksum" not in obj and "files" not in obj:
             raise CorruptCheckpointError(
                 f"{where}: a commit marker without checksums (written before format version "
                 f"1 was fixed); re-save it with this version"
             )
-        body = parse_sealed(raw, where, _docs.COMMIT_MARKER)
+        body = parse_sealed(raw, where, _local_files.COMMIT_MARKER)
         check_format_version(body, where, FORMAT_NAME, "format_version", FORMAT_VERSION)
         files = files_field(body, where)
         need(METADATA_FILE in files, where, "files", f"an entry for {METADATA_FILE}", files)
@@ -273,7 +273,7 @@ class StepManifest:
     lane: str | None = None
 
     def to_bytes(self) -> bytes:
-        _docs.check_time(self.time, MANIFEST_FILE, "time", stored=False)
+        _local_files.check_time(self.time, MANIFEST_FILE, "time", stored=False)
         body = {
             "format": STEP_FORMAT,
             "version": STEP_VERSION,
@@ -288,11 +288,11 @@ class StepManifest:
             body["bytes"] = {"written": self.bytes_written, "reused": self.bytes_reused}
         if self.lane is not None:
             body["lane"] = self.lane
-        return seal(body, _docs.STEP_MANIFEST)
+        return seal(body, _local_files.STEP_MANIFEST)
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> StepManifest:
-        body = parse_sealed(raw, where, _docs.STEP_MANIFEST)
+        body = parse_sealed(raw, where, _local_files.STEP_MANIFEST)
         check_format_version(body, where, STEP_FORMAT, "version", STEP_VERSION)
         step = int_field(body, "step", where, "step")
         raw_items = body.get("items")

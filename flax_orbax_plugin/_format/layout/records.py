@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ..._errors import CorruptCheckpointError, StructureError
-from ..._storage import local_files as _docs
+from ..._storage import local_files as _local_files
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", re.ASCII)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$", re.ASCII)
@@ -57,13 +57,13 @@ def encode(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def decode(raw: bytes, where: str, kind: _docs.DocKind) -> Any:
+def decode(raw: bytes, where: str, kind: _local_files.DocKind) -> Any:
     """Parses JSON bytes read from an untrusted store as a document of ``kind`` (its
     size, depth and key limits: ``_storage/json_docs.py``); errors name the file."""
-    return _docs.parse(raw, where, kind)
+    return _local_files.parse(raw, where, kind)
 
 
-def decode_checked(raw: bytes, where: str, expected_sha256: str, kind: _docs.DocKind) -> Any:
+def decode_checked(raw: bytes, where: str, expected_sha256: str, kind: _local_files.DocKind) -> Any:
     """Parses ``raw`` after checking it against the checksum recorded at commit."""
     found = sha256(raw)
     if found != expected_sha256:
@@ -80,16 +80,16 @@ def sha256_mismatch(where: str, expected: str, found: str) -> NoReturn:
     )
 
 
-def seal(body: dict[str, Any], kind: _docs.DocKind | None = None) -> bytes:
+def seal(body: dict[str, Any], kind: _local_files.DocKind | None = None) -> bytes:
     """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form; with
     ``kind``, refused (StructureError) past what a reader of that kind accepts."""
     sealed = dict(body, checksum=sha256(encode(body)))
     if kind is None:
         return encode(sealed)
-    return _docs.encode(sealed, kind.what, kind, sort_keys=True)
+    return _local_files.encode(sealed, kind.what, kind, sort_keys=True)
 
 
-def parse_sealed(raw: bytes, where: str, kind: _docs.DocKind) -> dict[str, Any]:
+def parse_sealed(raw: bytes, where: str, kind: _local_files.DocKind) -> dict[str, Any]:
     obj = decode(raw, where, kind)
     need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
     body = dict(obj)
@@ -146,7 +146,7 @@ def int_field(obj: Mapping, key: str, where: str, field: str, *, lo: int = 0, hi
 def time_field(obj: Mapping, key: str, where: str, field: str) -> float:
     """An optional time in seconds since the epoch (0.0 when absent), within what the
     platform formats as a date (``json_docs.check_time``)."""
-    return _docs.check_time(obj.get(key, 0.0), where, field, stored=True)
+    return _local_files.check_time(obj.get(key, 0.0), where, field, stored=True)
 
 
 def str_field(obj: Mapping, key: str, where: str, field: str) -> str:
@@ -197,7 +197,7 @@ def files_field(obj: Mapping, where: str) -> dict[str, str]:
     return dict(files)
 
 
-MAX_JSON_BYTES = _docs.METADATA.max_bytes  # the limits of every kind: _storage/json_docs.py
+MAX_JSON_BYTES = _local_files.METADATA.max_bytes  # the limits of every kind: _storage/json_docs.py
 MAX_NDIM = 64
 MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: larger "arrays" are damage, not data
 MAX_PROCESSES = 1 << 20

@@ -29,7 +29,7 @@ from ..._core.commit import Written
 from ..._core.handle import raise_if_cancelled
 from ..._errors import StructureError
 from ..._format import layout as _layout
-from ..._like import onto_like as _casting
+from ..._like import onto_like as _onto_like
 from ..._manager.checkpointables import encode_json, write_json
 from ..._storage.location import Location
 from .layout import INDEX_NAME, Layout, runs
@@ -100,10 +100,10 @@ def _bytes_of(layout: Layout, path: str, box: tuple, data: np.ndarray) -> tuple[
     t = layout.placed[path].tensor
     if data.dtype != t.dtype:  # rounding is the opt-in; an overflow (1e5 to inf) is not
         try:
-            _casting.check(path, np.asarray(data), t.dtype, cast="safe")
+            _onto_like.check(path, np.asarray(data), t.dtype, cast="safe")
         except StructureError as e:  # HFShards has no cast=: its own way out
             advice = "export that leaf in another dtype (bfloat16) or leave it out (key_map)"
-            raise StructureError(f"HFShards: {_casting.with_advice(e, advice)}") from None
+            raise StructureError(f"HFShards: {_onto_like.with_advice(e, advice)}") from None
         data = data.astype(t.dtype)
     if t.axes is not None:
         data, box = data.transpose(t.axes), tuple(box[a] for a in t.axes)

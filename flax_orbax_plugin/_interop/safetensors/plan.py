@@ -23,9 +23,7 @@ import numpy as np
 from ..._base.env import Option, found
 from ..._core.formats import MEMORY_LIMIT
 from ..._errors import OptionError, OptionTypeError, StructureError
-from ..._like import onto_like as _casting
 from ..._like import onto_like as _onto_like
-from ..._like import onto_like as _retarget
 from .headers import (
     METADATA_KEY,
     TAGS,
@@ -80,7 +78,7 @@ def checked_cast(dtype: Any, option: str = "dtype", *, byte_sized: bool = False)
     that safetensors has a tag for (and, ``byte_sized``, not packed below a byte); the
     numpy dtype, or an OptionError / OptionTypeError naming ``option``."""
     try:
-        out = _retarget.checked_dtype(dtype)
+        out = _onto_like.checked_dtype(dtype)
     except (OptionError, OptionTypeError) as e:
         text = str(e).removeprefix("dtype: ")
         raise type(e)(f"{option}: {text}") from None
@@ -314,7 +312,7 @@ def plan_tensors(
 def tensor_bytes(t: Tensor, value: Any) -> np.ndarray:
     arr = np.asarray(value)
     if arr.dtype != t.dtype:  # a value the cast would change: StructureError naming it
-        _casting.check(t.path, arr, t.dtype, cast=t.cast)
+        _onto_like.check(t.path, arr, t.dtype, cast=t.cast)
         with np.errstate(all="ignore"):  # "unsafe": numpy's cast, as asked
             arr = arr.astype(t.dtype)
     if t.axes is not None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..._base import tree as _tree
 from ..._base.env import check
-from ..._core import reads as _targets
+from ..._core import reads as _reads
 from ..._core.formats import MEMORY_LIMIT
 from ..._errors import CorruptCheckpointError, OptionError, StructureError
 from ..._like import onto_like as _onto_like
@@ -294,4 +294,4 @@ def _check_placeable(plans: list) -> None:
         try:
             jax.device_put(np.zeros((), plan.out_dtype), device)
         except (RuntimeError, TypeError, ValueError) as e:
-            raise _targets.cannot_place(plan.path, plan.out_dtype, device.platform, e) from None
+            raise _reads.cannot_place(plan.path, plan.out_dtype, device.platform, e) from None

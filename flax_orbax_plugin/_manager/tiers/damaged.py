@@ -18,7 +18,7 @@ import secrets
 from ..._errors import CorruptCheckpointError
 from ..._format import steps as _steps
 from ..._format.layout import MANIFEST_FILE
-from ..._storage import local_files as _docs
+from ..._storage import local_files as _local_files
 from ..._storage.location import Location
 
 __all__ = ["DAMAGED_FILE", "DamagedSteps"]
@@ -57,7 +57,7 @@ class DamagedSteps:
             return {}
         where = f"{self.remote}/{DAMAGED_FILE}"
         try:
-            doc = _docs.parse(raw, where, _docs.TIER_RECORD)
+            doc = _local_files.parse(raw, where, _local_files.TIER_RECORD)
             steps = doc["steps"]
             if doc.get("library") != "flax_orbax_plugin" or not isinstance(steps, dict):
                 raise ValueError("not a damage record of this library")
@@ -86,7 +86,9 @@ class DamagedSteps:
                 if s in shas
             },
         }
-        raw = _docs.encode(doc, DAMAGED_FILE, _docs.TIER_RECORD, sort_keys=True, separators=None)
+        raw = _local_files.encode(
+            doc, DAMAGED_FILE, _local_files.TIER_RECORD, sort_keys=True, separators=None
+        )
         self.remote.write_bytes(DAMAGED_FILE, raw)
 
     def set_aside(self, step: int, raw: bytes, error: Exception) -> None:
