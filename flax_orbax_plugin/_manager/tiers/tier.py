@@ -109,7 +109,16 @@ class PersistentTier:
         self.grace_seconds = float(grace_seconds)
         self._lease_seconds = _run_owner.check_lease(lease_seconds)
         self._places = Places(
-            local, remote, retention, remove_step, primary, multi, per_host, every, host_memory
+            local,
+            remote,
+            retention.rule,
+            remove_step,
+            primary,
+            multi,
+            per_host,
+            every,
+            host_memory,
+            keep_every,
         )
         self._state = TierState()
         self._damaged = DamagedSteps(self.remote)
