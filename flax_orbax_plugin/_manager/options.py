@@ -430,7 +430,7 @@ def check_import(**options: Any) -> dict[str, Any]:  # an importer's, before it 
     return check(IMPORT, options)
 
 
-_CLOCK_DEFAULT = next(o.default for o in MANAGER if o.name == "clock")
+_CLOCK_DEFAULT = _save_rules.CLOCK.default
 _GROUPS = (
     ("retention", Retention, RETENTION_SHORTHANDS),
     ("policy", SavePolicy, POLICY_SHORTHANDS),
@@ -537,12 +537,10 @@ _GRACE = next(o.default for o in _tier_option.FIELDS if o.name == "grace_seconds
 
 
 def _compose(out: dict[str, Any]) -> None:
-    """``out``'s policy and retention as the rule objects, the one spelling past this
-    front (:func:`_rules`): the shorthands become the SavePolicy or Retention they stand
-    for (checked, in those objects' words), then its rule; a Lanes is both; a retention
-    that deletes nothing alone, or a Lanes given as the retention, is refused; ``clock``
-    is the SavePolicy's, else the manager's option (refused when nothing uses the
-    time)."""
+    """``out``'s policy and retention as rule objects (:func:`_rules`; the shorthands via
+    the SavePolicy or Retention they fill): a Lanes is both; a retention that deletes
+    nothing alone, or a Lanes as the retention, is refused; ``clock`` is the SavePolicy's,
+    else the manager's option (refused when nothing uses the time)."""
     if isinstance(out["retention"], Lanes):
         raise OptionError(
             f"retention={out['retention']!r}: a Lanes is a save policy and its retention at "
@@ -577,9 +575,8 @@ def _compose(out: dict[str, Any]) -> None:
 
 
 def _rules(value: Any) -> Any:
-    """``value`` (a save policy or a retention) in the rule objects alone: a SavePolicy
-    or a Retention, wherever it stands (inside AnyOf, AllOf, KeepAny, a Lane), replaced
-    by the rule its fields stand for (their ``ALIASES``)."""
+    """``value`` with each SavePolicy or Retention in it (also inside AnyOf, AllOf,
+    KeepAny, a Lane) replaced by the rule objects it stands for (their ``ALIASES``)."""
     if isinstance(value, SavePolicy | Retention):
         return value.rule
     if isinstance(value, AnyOf | AllOf):
@@ -696,10 +693,9 @@ def _overrides(
 @dataclass(frozen=True)
 class ManagerOptions:
     """CheckpointManager's keyword options, checked once (see :meth:`build`): the
-    fields are the options of the same names (``MANAGER``), except ``location`` (from
-    ``directory``), ``policy`` and ``retention`` (the rule objects, whichever spelling
-    was given: the shorthands, SavePolicy, Retention), ``tier`` (``persistent=``, a Tier
-    or None) and ``overrides`` (from ``checkpointables`` and ``compression``)."""
+    fields are the options of the same names (``MANAGER``; ``policy`` and ``retention``
+    as rule objects), except ``location`` (from ``directory``), ``tier`` (``persistent=``,
+    a Tier or None) and ``overrides`` (from ``checkpointables`` and ``compression``)."""
 
     location: Location
     policy: SaveRule

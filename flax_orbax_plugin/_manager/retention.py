@@ -287,9 +287,8 @@ and ``best_mode`` are ``keep_best``'s); declared here only."""
 
 
 def from_aliases(values: Mapping[str, Any]) -> KeepAny:
-    """The rule objects ``values`` (checked flat fields, :data:`ALIASES`) stand for: the
-    union of those set (``KeepLast | KeepEvery | KeepBest``); with none, one that keeps
-    every step (``KeepAny(KeepEvery(1))``, which deletes nothing)."""
+    """The rules ``values`` (checked flat fields) stand for: the union of those set;
+    with none, ``KeepAny(KeepEvery(1))`` (keeps every step, deletes nothing)."""
     parts = [make(values) for name, make in ALIASES if values.get(name) is not None]
     return KeepAny(*parts) if parts else KeepAny(KeepEvery(1))
 
@@ -332,18 +331,18 @@ class Retention(KeepRule):
             )
 
     @property
-    def deletes_anything(self) -> bool:  # type: ignore[override]
-        """Whether any step is ever deleted (``keep`` or ``keep_best`` set)."""
-        return self.keep is not None or self.keep_best is not None
-
-    @property
     def rule(self) -> KeepRule:
-        """The same retention as the composable rules (:func:`from_aliases`)."""
+        """The same retention as the composable rules (:func:`from_aliases`), which
+        answers for it (the library itself is handed the rule: ``options``)."""
         return from_aliases(vars(self))
 
     @property
+    def deletes_anything(self) -> bool:  # type: ignore[override]
+        return self.rule.deletes_anything
+
+    @property
     def metric_names(self) -> frozenset[str]:
-        return frozenset() if self.best_metric is None else frozenset({self.best_metric})
+        return self.rule.metric_names
 
     def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
         return self.rule.kept(steps, facts)

@@ -352,19 +352,14 @@ CLOCK = Option(
 FIELDS: tuple[Option, ...] = (EVERY_STEPS, EVERY_SECONDS, STEPS, CLOCK)
 """The fields of :class:`SavePolicy`, which are also the manager's shorthands."""
 
-ALIASES: tuple[tuple[str, Callable[[Any], SaveRule]], ...] = (
-    ("steps", AtSteps),
-    ("every_steps", EverySteps),
-    ("every_seconds", EverySeconds),
-)
+ALIASES = (("steps", AtSteps), ("every_steps", EverySteps), ("every_seconds", EverySeconds))
 """The flat spellings of a save policy (``SavePolicy``'s fields, the manager's and the
 callback's keywords) -> the rule object each stands for; declared here only."""
 
 
 def from_aliases(values: Mapping[str, Any]) -> SaveRule:
-    """The rule objects ``values`` (checked flat fields, :data:`ALIASES`) stand for: the
-    union of those set (``AtSteps | EverySteps | EverySeconds``), ``EverySteps(1)`` when
-    none is (every step is saved)."""
+    """The rules ``values`` (checked flat fields) stand for: the union of those set,
+    ``EverySteps(1)`` (every step) when none is."""
     parts = [make(values[name]) for name, make in ALIASES if values.get(name) is not None]
     if not parts:
         return EverySteps(1)
@@ -401,14 +396,14 @@ class SavePolicy(SaveRule):
         return self.every_steps is None and self.every_seconds is None and not self.steps
 
     @property
-    def uses_time(self) -> bool:  # type: ignore[override]
-        """Whether a decision depends on the time (then one process decides for all)."""
-        return self.every_seconds is not None
+    def rule(self) -> SaveRule:
+        """The same policy as the composable objects (:func:`from_aliases`), which
+        answers for it (the library itself is handed the rule: ``options``)."""
+        return from_aliases(vars(self))
 
     @property
-    def rule(self) -> SaveRule:
-        """The same policy as the composable objects (:func:`from_aliases`)."""
-        return from_aliases(vars(self))
+    def uses_time(self) -> bool:  # type: ignore[override]
+        return self.rule.uses_time
 
     def wants(self, moment: Moment | int, *, elapsed: float = 0.0) -> bool:  # type: ignore[override]
         """Whether the step of ``moment`` is to be saved; ``wants(step, elapsed=s)``:
