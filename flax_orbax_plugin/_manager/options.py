@@ -1,41 +1,35 @@
-"""The options of CheckpointManager and CheckpointCallback, each declared once.
+"""The options of CheckpointManager and CheckpointCallback, each declared once, and
+checked once where they enter.
 
-Each declaration (``_base.env.Option``) holds the option's name, type, range
-or choices, default, one-line doc and the names other libraries give it; the
-fields of the public option objects are declared beside them (``policy.FIELDS``,
-``retention.FIELDS``, ``tiers.tier_option.FIELDS``) and the manager's shorthands
-(``keep=``, ``every_steps=`` ...) are those same declarations. From them come the
-constructors' signatures and docstrings, the table in docs/manager.md (tested to
-match), the checks and the "did you mean" of an unknown keyword.
+Each declaration (``_base.env.Option``) holds the option's name, type, range or
+choices, default, one-line doc and the names other libraries give it (its
+``aliases``: Orbax's ``CheckpointManagerOptions``, ``flax.training.checkpoints``,
+earlier versions of this library); the fields of the public option objects are
+declared beside them (``save_rules.FIELDS``, ``retention.FIELDS``,
+``tiers.tier_option.FIELDS``) and the manager's shorthands (``keep=``,
+``every_steps=`` ...) are those same declarations. From them come the constructors'
+signatures and docstrings, the table in docs/manager.md (tested to match), the checks
+and the "did you mean" of an unknown keyword.
 
-``options.check_manager`` and ``options.check_callback`` check every keyword option by
-its public name, where it enters (the constructor), before anything is made: a value of
-the wrong type, out of range, NaN, infinite, empty or unknown is an
-:class:`~flax_orbax_plugin.OptionError` (``OptionTypeError`` for a wrong type) naming
-the option, what it takes and what was found. An option given in a mode where it does
-nothing (``keep_every=`` when nothing is deleted, any writer's option with
-``read_only=True``...) is refused with a message naming both, and so is a shorthand
-given with the object that covers it (``keep=`` with ``retention=``). The flat
-``persistent_*`` keywords of earlier releases still work, with a DeprecationWarning
-naming the ``Tier`` to write instead. The callback checks its ``manager_options``
-here too (not when the manager is first made). Declarations and pure converters; any
-thread.
+:func:`check_manager` and :func:`check_callback` check every keyword option by its
+public name before anything is made: a value of the wrong type, out of range, NaN,
+infinite, empty or unknown is an :class:`~flax_orbax_plugin.OptionError`
+(``OptionTypeError`` for a wrong type) naming the option, what it takes and what was
+found (``keep="3"`` names ``keep``, not an internal field when retention first runs).
+An option given in a mode where it does nothing (``keep_every=`` when nothing is
+deleted, any writer's option with ``read_only=True``...) is refused naming both, and so
+is a shorthand given with the object that covers it (``keep=`` with ``retention=``).
+The flat ``persistent_*`` keywords of earlier releases become the ``Tier`` they stand
+for, with a DeprecationWarning naming it. The callback checks its ``manager_options``
+here too (not when the manager is first made).
 
-Options of CheckpointManager and CheckpointCallback, checked when they are made.
+A save policy and a retention leave this front in one spelling, the rule objects
+(``EverySteps``, ``KeepLast``...): the shorthands, ``SavePolicy`` and ``Retention``
+(anywhere in a composed policy or a Lane) are translated here by their one alias table
+(``save_rules.ALIASES``, ``retention.ALIASES``). :class:`ManagerOptions` is the
+manager's options checked once, as one frozen record.
 
-Each option is checked by its public name, type and range, as its one declaration
-says (``option_table``; the fields of ``SavePolicy``, ``Retention`` and ``Tier``
-beside those objects): ``keep="3"`` is an OptionTypeError naming ``keep``, not an
-error about an internal field when retention first runs. A keyword that is not an
-option gets the one it most likely stands for (the declarations' ``aliases``: the
-names of Orbax's ``CheckpointManagerOptions``, of ``flax.training.checkpoints`` and of
-earlier versions of this library; then close spellings). A shorthand given with the
-object that covers it (``keep=`` with ``retention=``) is an OptionError naming both;
-a flat ``persistent_*`` keyword becomes the ``Tier`` it stands for, with a
-DeprecationWarning naming it. :class:`ManagerOptions` is the manager's options
-checked once, as one frozen record.
-
-Pure functions; called on the constructing thread.
+Declarations and pure functions; called on the constructing thread.
 """
 
 from __future__ import annotations
@@ -69,9 +63,9 @@ from .._storage.location import Location
 from . import retention as _retention
 from . import save_rules as _save_rules
 from .checkpointables import BUILTIN_CHECKPOINTABLES, Checkpointable, PytreeCheckpointable, kind_of
-from .lanes import Lanes
-from .retention import KeepRule, Retention
-from .save_rules import SavePolicy, SaveRule
+from .lanes import Lane, Lanes
+from .retention import KeepAny, KeepRule, Retention
+from .save_rules import AllOf, AnyOf, SavePolicy, SaveRule
 from .tiers import tier_option as _tier_option
 from .tiers.tier_option import Tier
 
@@ -436,7 +430,7 @@ def check_import(**options: Any) -> dict[str, Any]:  # an importer's, before it 
     return check(IMPORT, options)
 
 
-_CLOCK_DEFAULT = next(o.default for o in MANAGER if o.name == "clock")
+_CLOCK_DEFAULT = _save_rules.CLOCK.default
 _GROUPS = (
     ("retention", Retention, RETENTION_SHORTHANDS),
     ("policy", SavePolicy, POLICY_SHORTHANDS),
@@ -512,8 +506,8 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     refused ("did you mean"), the flat ``persistent_*`` turned into a Tier (warned),
     values checked, the options that do nothing in the chosen mode refused (an
     option counts as given when it differs from its default). Returns ``{name:
-    value}`` of every option, ``policy`` and ``retention`` as the objects (from the
-    shorthands when not given) and ``persistent`` a Tier or None."""
+    value}`` of every option, ``policy`` and ``retention`` as the rule objects (from
+    the shorthands when not given) and ``persistent`` a Tier or None."""
     given = _host.take_old_name(given)
     refuse_unknown("CheckpointManager", given, MANAGER + DEPRECATED, hints=HINTS)
     given = _resolve_tier(given)
@@ -543,10 +537,10 @@ _GRACE = next(o.default for o in _tier_option.FIELDS if o.name == "grace_seconds
 
 
 def _compose(out: dict[str, Any]) -> None:
-    """``out``'s policy and retention as objects (from the shorthands when not given):
-    a Lanes is both; a retention that deletes nothing alone, or a Lanes given as the
-    retention, is refused; ``clock`` is the SavePolicy's, else the manager's option (refused
-    when nothing uses the time)."""
+    """``out``'s policy and retention as rule objects (:func:`_rules`; the shorthands via
+    the SavePolicy or Retention they fill): a Lanes is both; a retention that deletes
+    nothing alone, or a Lanes as the retention, is refused; ``clock`` is the SavePolicy's,
+    else the manager's option (refused when nothing uses the time)."""
     if isinstance(out["retention"], Lanes):
         raise OptionError(
             f"retention={out['retention']!r}: a Lanes is a save policy and its retention at "
@@ -577,6 +571,22 @@ def _compose(out: dict[str, Any]) -> None:
             "a policy or retention that uses the time (EverySeconds, Continuous, KeepFor...)",
             default=_CLOCK_DEFAULT,
         )
+    out["policy"], out["retention"] = _rules(policy), _rules(retention)
+
+
+def _rules(value: Any) -> Any:
+    """``value`` with each SavePolicy or Retention in it (also inside AnyOf, AllOf,
+    KeepAny, a Lane) replaced by the rule objects it stands for (their ``ALIASES``)."""
+    if isinstance(value, SavePolicy | Retention):
+        return value.rule
+    if isinstance(value, AnyOf | AllOf):
+        return type(value)(*map(_rules, value.policies))
+    if isinstance(value, KeepAny):
+        return KeepAny(*map(_rules, value.rules))
+    if isinstance(value, Lanes | Lane):
+        parts = {f.name: _rules(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **parts)
+    return value
 
 
 def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict]:
@@ -683,9 +693,9 @@ def _overrides(
 @dataclass(frozen=True)
 class ManagerOptions:
     """CheckpointManager's keyword options, checked once (see :meth:`build`): the
-    fields are the options of the same names (``option_table.MANAGER``), except
-    ``location`` (from ``directory``), ``tier`` (``persistent=``, a Tier or None) and
-    ``overrides`` (from ``checkpointables`` and ``compression``)."""
+    fields are the options of the same names (``MANAGER``; ``policy`` and ``retention``
+    as rule objects), except ``location`` (from ``directory``), ``tier`` (``persistent=``,
+    a Tier or None) and ``overrides`` (from ``checkpointables`` and ``compression``)."""
 
     location: Location
     policy: SaveRule

@@ -15,31 +15,18 @@ the one just written, those being read or not yet replicated).
   ago (its clock, as of its latest save); a step whose save time it does not know
   (one of an earlier run) is kept: an age rule never removes what it cannot date.
 
-``Retention(keep=, keep_every=, keep_best=, best_metric=, best_mode=)`` and the
-manager's shorthands produce these same objects (``Retention.rule``).
+These objects are the one spelling of a retention inside the library. The flat
+spellings (the manager's ``keep=``, ``keep_every=``, ``keep_best=``, ``best_metric=``,
+``best_mode=``, the callback's ``keep=``, a Tier's ``keep=``/``keep_every=``, the CLI's
+``gc --keep``, and the public :class:`Retention` holding the same fields) are aliases,
+declared once (:data:`ALIASES`, :func:`from_aliases`) and translated where they enter
+(the options front, the tier, ``gc``): the retention runner is only ever given the
+objects. Each field is declared once (:data:`FIELDS`), so a bad value is refused with
+the same words in either spelling; with neither ``keep`` nor ``keep_best`` nothing is
+deleted. :func:`steps_to_delete` is a pure function of the step list (tested without
+storage); ``protected`` steps are never deleted.
 
 Pure values; any thread.
-
-Retention: which committed steps a CheckpointManager deletes (a public option object).
-
-:func:`steps_to_delete` is a pure function of the step list, so it is tested without
-touching storage. A step survives if any rule of :class:`Retention` keeps it:
-
-* ``keep``: the ``keep`` highest steps;
-* ``keep_every``: every step divisible by ``keep_every``, forever;
-* ``keep_best``: the ``keep_best`` steps with the best ``metrics[step]``
-  (``best_mode`` "min" or "max"); only finite metrics are ranked: a step without one,
-  or whose metric is NaN, +inf or -inf (a diverged run), is not best and is kept or
-  deleted by the other rules alone;
-* ``protected``: steps never deleted (the one just written, the newest, ones being
-  read).
-
-When neither ``keep`` nor ``keep_best`` is set nothing is deleted. Each field is
-declared once (:data:`FIELDS`); the manager's shorthands (``keep=``, ``keep_every=``,
-``keep_best=``, ``best_metric=``, ``best_mode=``) are the same declarations. A
-Retention is the union of the composable rules of ``keep_rules`` (:attr:`Retention.rule`:
-``KeepLast | KeepEvery | KeepBest``), which ``retention=`` takes as well (with
-``KeepFor`` and ``lanes.Lanes``): :func:`steps_to_delete` asks any of them.
 """
 
 from __future__ import annotations
@@ -53,6 +40,7 @@ from .._base.env import Option, check, found, refuse_without
 from .._errors import OptionError, OptionTypeError
 
 __all__ = [
+    "ALIASES",
     "FIELDS",
     "KeepAny",
     "KeepBest",
@@ -64,6 +52,7 @@ __all__ = [
     "StepFacts",
     "check_keep",
     "finite",
+    "from_aliases",
     "steps_to_delete",
 ]
 
@@ -287,6 +276,22 @@ BEST_MODE = Option(
 FIELDS: tuple[Option, ...] = (KEEP, KEEP_EVERY, KEEP_BEST, BEST_METRIC, BEST_MODE)
 """The fields of :class:`Retention`, which are also the manager's shorthands."""
 
+ALIASES: tuple[tuple[str, Callable[[Mapping[str, Any]], KeepRule]], ...] = (
+    ("keep", lambda v: KeepLast(v["keep"])),
+    ("keep_every", lambda v: KeepEvery(v["keep_every"])),
+    ("keep_best", lambda v: KeepBest(v["keep_best"], metric=v["best_metric"], mode=v["best_mode"])),
+)
+"""The flat spellings of a retention (``Retention``'s fields, the manager's, the
+callback's and a Tier's keywords) -> the rule object each stands for (``best_metric``
+and ``best_mode`` are ``keep_best``'s); declared here only."""
+
+
+def from_aliases(values: Mapping[str, Any]) -> KeepAny:
+    """The rules ``values`` (checked flat fields) stand for: the union of those set;
+    with none, ``KeepAny(KeepEvery(1))`` (keeps every step, deletes nothing)."""
+    parts = [make(values) for name, make in ALIASES if values.get(name) is not None]
+    return KeepAny(*parts) if parts else KeepAny(KeepEvery(1))
+
 
 @dataclass(frozen=True)
 class Retention(KeepRule):
@@ -326,25 +331,18 @@ class Retention(KeepRule):
             )
 
     @property
-    def deletes_anything(self) -> bool:  # type: ignore[override]
-        """Whether any step is ever deleted (``keep`` or ``keep_best`` set)."""
-        return self.keep is not None or self.keep_best is not None
+    def rule(self) -> KeepRule:
+        """The same retention as the composable rules (:func:`from_aliases`), which
+        answers for it (the library itself is handed the rule: ``options``)."""
+        return from_aliases(vars(self))
 
     @property
-    def rule(self) -> KeepRule:
-        """The same retention as the composable rules (``keep_rules``)."""
-        parts: list[KeepRule] = []
-        if self.keep is not None:
-            parts.append(KeepLast(self.keep))
-        if self.keep_every is not None:
-            parts.append(KeepEvery(self.keep_every))
-        if self.keep_best is not None:
-            parts.append(KeepBest(self.keep_best, metric=self.best_metric, mode=self.best_mode))
-        return KeepAny(*parts) if parts else KeepAny(KeepEvery(1))  # keeps every step
+    def deletes_anything(self) -> bool:  # type: ignore[override]
+        return self.rule.deletes_anything
 
     @property
     def metric_names(self) -> frozenset[str]:
-        return frozenset() if self.best_metric is None else frozenset({self.best_metric})
+        return self.rule.metric_names
 
     def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
         return self.rule.kept(steps, facts)

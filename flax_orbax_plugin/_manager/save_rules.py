@@ -2,9 +2,7 @@
 
 Each policy is a frozen value asked one question, :meth:`SaveRule.wants`, about one
 :class:`Moment` (the step, the time, what the manager knows of its last save); it
-holds no state, so one policy may be shared between managers. The manager's
-``schedule`` builds the moment; the shorthands (``every_steps=``, ``every_seconds=``,
-``steps=``, and ``SavePolicy``) produce these same objects (``SavePolicy.rule``).
+holds no state, so one policy may be shared between managers.
 
 * :class:`EverySteps` ``(n)``: ``step % n == 0``;
 * :class:`EverySeconds` ``(t)``: ``t`` seconds since the last save (or the first
@@ -19,50 +17,34 @@ holds no state, so one policy may be shared between managers. The manager's
   it started (the manager's own timings, on its clock);
 * :class:`AnyOf` / :class:`AllOf` (``a | b``, ``a & b``).
 
-A decision that depends on the time or on the save in flight (:attr:`SaveRule.uses_time`)
-is taken by the primary and shared with every process (``schedule``); the others
-depend only on the step and on what every process knows alike.
+These objects are the one spelling of a save policy inside the library. The flat
+spellings (the manager's and the callback's ``every_steps=``, ``every_seconds=``,
+``steps=``, and the public :class:`SavePolicy` holding the same fields) are aliases,
+declared once (:data:`ALIASES`, :func:`from_aliases`) and translated by the options
+front (``options``): :class:`SaveSchedule` is only ever given the objects. With no
+rule set every call saves; ``save(step, ..., ignore_policy=True)`` saves whatever the
+policy says. Each field is declared once (:data:`FIELDS`), so a bad value is refused
+with the same words in either spelling.
 
-Pure values; any thread.
-
-SavePolicy: which steps a CheckpointManager saves (a public option object).
-
-A step is saved when any rule fires: it is in ``steps``; it is a multiple of
-``every_steps``; at least ``every_seconds`` have passed since the last save (or since
-the first decision: the first call starts the clock, as CLU's periodic actions do).
-With no rule set every call saves; ``save(step, ..., ignore_policy=True)`` saves
-whatever the policy says. The time comes from ``clock`` (or ``t`` from the caller), so
-tests need no sleeps.
-
-A policy is frozen and holds no state: the manager's ``schedule`` keeps the time of
-the last save and asks the policy's :attr:`SavePolicy.rule`: the composable objects
-of ``save_rules`` (``AtSteps | EverySteps | EverySeconds``; ``EverySteps(1)`` with no
-rule set), so the shorthands and the objects take one path. A SavePolicy is a save
-policy itself: ``SavePolicy(every_steps=1000) | fop.OnPreemption()`` works.
-
-Each field is declared once (:data:`FIELDS`): the manager's shorthands
-(``every_steps=``, ``every_seconds=``, ``steps=``, ``clock=``) are the same
-declarations, so a bad value is refused with the same words either way.
-
-SaveSchedule: which steps a manager saves, and when it must stop.
-
-The save policy (a frozen ``save_rules.SaveRule``; a ``SavePolicy`` stands for its
-``rule``) on the manager's clock, with what it is asked about kept here: the time the
-last save began and how long it blocked the loop (:class:`~.save_rules.Moment`). A
-decision that depends on the time or on the save in flight (``uses_time``, or a
-retention that dates steps) is the primary's, shared with every process together with
-its time (the step's save time is then the same everywhere). The preemption notice
+:class:`SaveSchedule` asks the policy on the manager's clock (``clock=``, a
+SavePolicy's own, or ``t`` from the caller: tests need no sleeps) and keeps what it is
+asked about: the time the last save began and how long it blocked the loop. A decision
+that depends on the time or on the save in flight (:attr:`SaveRule.uses_time`, or a
+retention that dates steps) is taken by the primary and shared with every process with
+its time (the step's save time is then the same everywhere); the others depend only on
+the step and on what every process knows alike. The preemption notice
 (``handle_sigterm``, or an ``OnPreemption`` policy: see ``preemption``) answers which
 step is the one to save before stopping.
 
-Threading: the training thread only. With several processes every process asks
-for every step, in order (``should_save`` or ``save`` once per step).
+The rules and SavePolicy are pure values (any thread). SaveSchedule: the training
+thread only; with several processes every process asks for every step, in order
+(``should_save`` or ``save`` once per step).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
@@ -72,6 +54,7 @@ from .._errors import OptionError, OptionTypeError
 from .preemption import Preemption
 
 __all__ = [
+    "ALIASES",
     "AllOf",
     "AnyOf",
     "AtSteps",
@@ -87,6 +70,7 @@ __all__ = [
     "SaveRule",
     "SaveSchedule",
     "check_rule",
+    "from_aliases",
 ]
 
 MAX_SECONDS = 1e9  # seconds: about 31 years, below threading.TIMEOUT_MAX everywhere
@@ -368,6 +352,19 @@ CLOCK = Option(
 FIELDS: tuple[Option, ...] = (EVERY_STEPS, EVERY_SECONDS, STEPS, CLOCK)
 """The fields of :class:`SavePolicy`, which are also the manager's shorthands."""
 
+ALIASES = (("steps", AtSteps), ("every_steps", EverySteps), ("every_seconds", EverySeconds))
+"""The flat spellings of a save policy (``SavePolicy``'s fields, the manager's and the
+callback's keywords) -> the rule object each stands for; declared here only."""
+
+
+def from_aliases(values: Mapping[str, Any]) -> SaveRule:
+    """The rules ``values`` (checked flat fields) stand for: the union of those set,
+    ``EverySteps(1)`` (every step) when none is."""
+    parts = [make(values[name]) for name, make in ALIASES if values.get(name) is not None]
+    if not parts:
+        return EverySteps(1)
+    return parts[0] if len(parts) == 1 else AnyOf(*parts)
+
 
 @dataclass(frozen=True)
 class SavePolicy(SaveRule):
@@ -399,23 +396,14 @@ class SavePolicy(SaveRule):
         return self.every_steps is None and self.every_seconds is None and not self.steps
 
     @property
-    def uses_time(self) -> bool:  # type: ignore[override]
-        """Whether a decision depends on the time (then one process decides for all)."""
-        return self.every_seconds is not None
+    def rule(self) -> SaveRule:
+        """The same policy as the composable objects (:func:`from_aliases`), which
+        answers for it (the library itself is handed the rule: ``options``)."""
+        return from_aliases(vars(self))
 
     @property
-    def rule(self) -> SaveRule:
-        """The same policy as the composable objects (``save_rules``)."""
-        parts: list[SaveRule] = []
-        if self.steps:
-            parts.append(AtSteps(self.steps))
-        if self.every_steps is not None:
-            parts.append(EverySteps(self.every_steps))
-        if self.every_seconds is not None:
-            parts.append(EverySeconds(self.every_seconds))
-        if not parts:
-            return EverySteps(1)
-        return parts[0] if len(parts) == 1 else AnyOf(*parts)
+    def uses_time(self) -> bool:  # type: ignore[override]
+        return self.rule.uses_time
 
     def wants(self, moment: Moment | int, *, elapsed: float = 0.0) -> bool:  # type: ignore[override]
         """Whether the step of ``moment`` is to be saved; ``wants(step, elapsed=s)``:
@@ -431,7 +419,8 @@ FORCED = "forced"  # the label of a step saved whatever the policy says
 class SaveSchedule:
     """``policy`` on its clock, the last save's time and blocking time, the notice.
 
-    ``clock``: the time source (a SavePolicy's own ``clock`` wins); ``shares_time``:
+    ``policy``: the rule objects (the options front translates every other spelling);
+    ``clock``: the time source (the front's: a SavePolicy's own wins); ``shares_time``:
     the decision and its time are the primary's even when the policy does not use the
     time (a retention by age). ``context()``: ``(has_steps, in_flight)`` for each
     decision (the manager's: a committed step is known, a save's background phase
@@ -443,8 +432,6 @@ class SaveSchedule:
         clock: Callable[[], float] = time.monotonic,
         shares_time: bool = False,
     ):
-        if isinstance(policy, SavePolicy):  # its own clock, when it has one, wins
-            policy, clock = policy.rule, clock if policy.clock is time.monotonic else policy.clock
         self._rule = policy
         self.clock = clock
         self._shares = policy.uses_time or shares_time

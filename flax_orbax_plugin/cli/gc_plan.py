@@ -53,7 +53,7 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
     committed = sorted(listing.committed)
     doomed: list[int] = []
     if keep is not None:
-        policy = Retention(keep=keep, keep_every=keep_every)
+        policy = Retention(keep=keep, keep_every=keep_every).rule  # its checks, then rules
         doomed = sound_steps_to_delete(
             committed,
             policy,

@@ -7,6 +7,7 @@ in (``t=``) and a save's blocking time is made by a fake clock that the extras c
 (called inside the blocking phase) advances: no sleeps.
 """
 
+import dataclasses
 import math
 import os
 import signal
@@ -21,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin._manager.agreement import shared_view
+from flax_orbax_plugin._manager.options import ManagerOptions
 from flax_orbax_plugin._manager.retention import StepFacts
 from flax_orbax_plugin._manager.save_rules import Moment
 
@@ -396,6 +399,57 @@ def test_manager_refuses_misplaced_objects(tmp_path):
     with pytest.raises(fop.OptionError, match=r"^steps must name at least one step, found list"):
         fop.CheckpointManager(tmp_path / "f", steps=[])  # not "no rule": every step
     assert not (tmp_path / "f").exists()
+
+
+def _spellings(value):
+    """The SavePolicy and Retention objects anywhere inside ``value``."""
+    if isinstance(value, fop.SavePolicy | fop.Retention):
+        return [value]
+    if isinstance(value, tuple):
+        return [x for v in value for x in _spellings(v)]
+    if dataclasses.is_dataclass(value):
+        return [x for f in dataclasses.fields(value) for x in _spellings(getattr(value, f.name))]
+    return []
+
+
+def test_every_spelling_leaves_the_options_front_as_rule_objects(tmp_path):
+    """The flat keywords, SavePolicy and Retention (also inside AnyOf, KeepAny or a Lane)
+    are aliases: past the front the manager holds the rule objects alone, and two
+    spellings of one policy are one value (what processes compare at the open)."""
+    lanes = fop.Lanes(
+        temporary=fop.Lane(fop.SavePolicy(every_seconds=60), keep=fop.Retention(keep=2)),
+        permanent=fop.Lane(fop.SavePolicy(every_steps=10) | fop.OnPreemption()),
+    )
+    cases = [
+        ({"every_steps": 5, "keep": 2}, fop.EverySteps(5), fop.KeepAny(fop.KeepLast(2))),
+        (
+            dict(
+                policy=fop.SavePolicy(every_steps=5, steps=[7]),
+                retention=fop.Retention(keep=2, keep_every=4),
+            ),
+            fop.AtSteps([7]) | fop.EverySteps(5),
+            fop.KeepLast(2) | fop.KeepEvery(4),
+        ),
+        (
+            dict(
+                policy=fop.SavePolicy(every_steps=5) | fop.OnPreemption(),
+                retention=fop.Retention(keep=1) | fop.KeepFor(60),
+            ),
+            fop.EverySteps(5) | fop.OnPreemption(),
+            fop.KeepLast(1) | fop.KeepFor(60),
+        ),
+        ({}, fop.EverySteps(1), fop.KeepAny(fop.KeepEvery(1))),  # every step, none deleted
+    ]
+    for options, policy, retention in cases:
+        opts = ManagerOptions.build(str(tmp_path), options)
+        assert (opts.policy, opts.retention) == (policy, retention), options
+    opts = ManagerOptions.build(str(tmp_path), {"policy": lanes})
+    assert _spellings(opts.policy) == [] and _spellings(opts.retention) == []
+    kept = fop.KeepAny(fop.KeepLast(2))
+    assert opts.policy.temporary == fop.Lane(fop.EverySeconds(60), keep=kept)
+    flat = ManagerOptions.build(str(tmp_path), {"every_steps": 5})
+    objects = ManagerOptions.build(str(tmp_path), {"policy": fop.EverySteps(5)})
+    assert shared_view(flat) == shared_view(objects)
 
 
 def test_on_preemption_saves_the_notified_step_once_and_the_loop_goes_on(tmp_path):

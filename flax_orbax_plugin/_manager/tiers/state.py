@@ -20,7 +20,7 @@ from ..._errors import ReplicationError
 from ..._storage.location import Location
 from ..._storage.run_owner import RunOwner
 from ..events import Events
-from ..retention import Retention
+from ..retention import KeepRule
 
 __all__ = ["MAX_DEFER_S", "Places", "Stopped", "TierState", "Yielding"]
 
@@ -48,13 +48,14 @@ class Places:
 
     local: Location
     remote: Location
-    retention: Retention
+    retention: KeepRule  # the rule objects (PersistentTier translates keep, keep_every)
     remove_step: Callable[[Location, int], None]
     primary: bool
     multi: bool
     per_host: bool = False  # each host's own local directory (see _manager/per_host.py)
     every: int = 1  # the tier option's every (Tier(every=)): the steps due here
     host_memory: int | str | None = None  # the manager's ceiling (_base.host)
+    keep_every: int | None = None  # the steps a newer one never drops from the queue
 
     def memory_limit(self) -> int | None:
         """The bytes a copy of this tier may hold now: the manager's ``host_memory``
@@ -66,8 +67,7 @@ class Places:
         return step % self.every == 0
 
     def kept_forever(self, step: int) -> bool:
-        every = self.retention.keep_every
-        return every is not None and step % every == 0
+        return self.keep_every is not None and step % self.keep_every == 0
 
 
 @dataclasses.dataclass

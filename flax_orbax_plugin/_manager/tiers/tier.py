@@ -108,9 +108,8 @@ class PersistentTier:
         self.retention = retention = Retention(keep=keep, keep_every=keep_every)
         self.grace_seconds = float(grace_seconds)
         self._lease_seconds = _run_owner.check_lease(lease_seconds)
-        self._places = Places(
-            local, remote, retention, remove_step, primary, multi, per_host, every, host_memory
-        )
+        where = (local, remote, retention.rule, remove_step, primary, multi, per_host, every)
+        self._places = Places(*where, host_memory, keep_every)
         self._state = TierState()
         self._damaged = DamagedSteps(self.remote)
         yielding = Yielding(busy, self._state)
