@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -20,7 +21,6 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import host as _host
-from .._base import host as _host_memory
 from .._base import interrupts as _interrupts
 from .._core import formats as _formats
 from .._core import ownership as _ownership
@@ -265,7 +265,7 @@ class Saver:
             for n, v in items.items()
             if kind_of(checkpointable_for(n, self._overrides)) not in _READ_FIRST
         }
-        figure, budget = _host_memory.save_budget(self._ceiling, arrays, self._incremental)
+        figure, budget = _host.save_budget(self._ceiling, arrays, self._incremental)
         events.emit(SaveStarted(step, str(self._loc), figure, budget is not None))
         try:
             with _interrupts.deferred_sigint():
@@ -313,7 +313,7 @@ class Saver:
     def budget_of(self, items: dict) -> Any:
         """The host-memory budget one blocking phase of ``items`` streams under (or None;
         an OptionError before anything is written: ``host_memory.save_budget``)."""
-        return _host_memory.save_budget(self._ceiling, items, self._incremental)[1]
+        return _host.save_budget(self._ceiling, items, self._incremental)[1]
 
     def metric_of(self, extras: Any, step: int) -> dict[str, float | None]:
         """The metrics retention ranks ``step`` by, read from its ``extras``."""
@@ -330,7 +330,7 @@ class Saver:
 
     def begin_parts(self, step: int, local: list, region: _distributed.Region | None) -> OpenStep:
         """:meth:`begin` for a step saved in parts (``step_parts``), its SaveStarted said."""
-        figure = _host_memory.resolve(self._ceiling)
+        figure = _host.resolve(self._ceiling)
         self._book.events.emit(SaveStarted(step, str(self._loc), figure, False))
         return self.begin(step, local, region)
 
@@ -377,11 +377,8 @@ class Saver:
         step, region = opened.step, opened.request.region
         entries = {n: ItemEntry(kind_of(h), opened.dirs[n]) for n, h in opened.handlers.items()}
         pendings = opened.pendings
-        digest = _layout.sha256(
-            _layout.encode(
-                [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
-            )
-        )
+        kinds = [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
+        digest = _layout.sha256(_layout.encode(kinds))
         op = _distributed.next_operation_id("manager-commit", region=region)
         commit = StepCommit(
             self._loc,
@@ -396,28 +393,7 @@ class Saver:
             writer=self._book.writer,
             lane=self._book.lane_of(step),
         )
-        started, reuses = opened.started, opened.reuses
-
-        def background() -> SaveResult:
-            try:
-                written = commit.run(op, region)
-            except BaseException as e:
-                self._book.forget()  # a failed commit never enters the list; re-read
-                self._book.events.save_failed(step, str(self._loc), "background", e)
-                raise
-            finally:  # every process has read every exchanged value by now
-                _reuse.release(reuses)
-            result = SaveResult(
-                str(opened.final),
-                blocking,
-                time.perf_counter() - started,
-                written.bytes_written,
-                step,
-                written.bytes_reused,
-            )
-            self._after_commit(step, result, metric, commit.stored)
-            return result
-
+        background = functools.partial(self._background, commit, op, opened, metric, blocking)
         snaps = [getattr(p, "snap", None) for p in pendings.values()]
         stagings = {str(s.staging) for s in snaps if s is not None}
         stagings.discard("none")
@@ -483,13 +459,32 @@ class Saver:
         if opened.staging.own or _distributed.process_count() == 1:
             abort_refused(opened.staging, opened.replace, opened.dirs)
 
-    def _after_commit(
-        self, step: int, result: SaveResult, metric: dict[str, float | None], stored: Any
-    ) -> None:
-        """Background thread, once ``step`` committed (``stored``: its files and bytes
-        as stored, or None: see ``StepCommit.stored``)."""
+    def _background(
+        self,
+        commit: StepCommit,
+        op: str,
+        opened: OpenStep,
+        metric: dict[str, float | None],
+        blocking: float,
+    ) -> SaveResult:
+        """The background phase of :meth:`commit`: ``opened``'s commit, then the
+        bookkeeping (the book, SaveCommitted, the line logged, tier and retention told).
+        A failed commit never enters the book (re-read) and is said (SaveFailed)."""
+        step = opened.step
+        try:
+            written = commit.run(op, opened.request.region)
+        except BaseException as e:
+            self._book.forget()
+            self._book.events.save_failed(step, str(self._loc), "background", e)
+            raise
+        finally:  # every process has read every exchanged value by now
+            _reuse.release(opened.reuses)
+        elapsed = time.perf_counter() - opened.started
+        result = SaveResult(
+            str(opened.final), blocking, elapsed, written.bytes_written, step, written.bytes_reused
+        )
         self._book.committed(step, result, metric)
-        files, size = stored if stored is not None else (None, None)
+        files, size = commit.stored or (None, None)
         r = result
         times = (r.blocking_seconds, r.total_seconds - r.blocking_seconds, r.total_seconds)
         counts = (files, size, r.bytes_written, r.bytes_reused)
@@ -507,3 +502,4 @@ class Saver:
         if tier is not None:
             tier.submit(step)
         self._retention.submit(step)
+        return result
