@@ -229,9 +229,7 @@ def _primary_round(op, own_status, what, publish, abort, structure, region) -> s
             failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if s["error"]]
             outcome = (_failed_outcome(statuses) + "; ".join(failed)) if failed else None
         if outcome is None:
-            files: dict[str, str] = {}
-            for s in statuses:
-                files.update(s["files"])
+            files = {name: sha for s in statuses for name, sha in s["files"].items()}
             _env.pause_point("before_commit")
             publish(files)
             outcome = "committed"
@@ -272,32 +270,28 @@ def _other_round(op, status, abort, structure, region) -> str:
 STRUCTURE = "tree of another structure"  # in the outcome when the digests differ
 
 
-def _first_difference(op: str, mine: list[str], region: _distributed.Region | None) -> str:
-    """``; here ...``: the first leaf where this process's tree differs from the
-    primary's (published with the outcome), or nothing when it cannot be read."""
+def _first_difference(op: str, mine: list[str], region, p: int = 0, timeout_s=None) -> str:
+    """``; here ...``: the first leaf where this process's tree differs from process
+    ``p``'s (the primary's, published with the outcome), or nothing when it cannot be
+    read."""
     try:
-        theirs = json.loads(_distributed.get_from(f"{op}/structure", 0, region=region))
+        got = _distributed.get_from(f"{op}/structure", p, region=region, timeout_s=timeout_s)
+        theirs = json.loads(got)
     except (CoordinationError, ValueError):
         return ""
-    return _difference(mine, theirs, 0)
+    return _difference(mine, theirs, p)
 
 
 def _their_difference(
     op: str, outcome: str, mine: list[str], region: _distributed.Region | None
 ) -> str:
-    """The primary's side of :func:`_first_difference`: the first leaf where the process
-    the outcome names differs from its own tree (that process publishes its leaves once
-    it read the outcome; waited for a few seconds at most: nothing when it is gone)."""
+    """The primary's side of :func:`_first_difference`: the process the outcome names
+    publishes its leaves once it read the outcome (waited for a few seconds at most:
+    nothing when it is gone)."""
     found = re.search(r"process ([0-9]+) saved a " + STRUCTURE, outcome)
     if found is None:
         return ""
-    p = int(found.group(1))
-    try:
-        got = _distributed.get_from(f"{op}/structure", p, region=region, timeout_s=10.0)
-        theirs = json.loads(got)
-    except (CoordinationError, ValueError):
-        return ""
-    return _difference(mine, theirs, p)
+    return _first_difference(op, mine, region, int(found.group(1)), timeout_s=10.0)
 
 
 def _difference(mine: list[str], theirs: list[str], p: int) -> str:
