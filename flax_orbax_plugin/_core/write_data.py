@@ -101,9 +101,8 @@ def write_data(
 
 
 def _start_links(staging: Location, linking: list, links: dict[int, Any]):
-    """(the helper pool, one future per leaf of ``linking``), or (None, []) for none:
-    one thread on local disk, a few leaves at once on object stores (each waits on
-    requests)."""
+    """(the helper pool: one thread on local disk, a few leaves at once on object stores;
+    one future per leaf of ``linking``), or (None, []) for none."""
     if not linking:
         return None, []
     workers = 1 if staging.is_local else _LEAVES_COPIED_AT_ONCE

@@ -258,10 +258,9 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         return True
 
     def _end_inflight(self, step: int, *, supersede: bool, preempted: bool) -> None:
-        """``save``'s wait for the save in flight. Superseding, it is cancelled instead,
-        unless it replaced a cancelled save itself (then it is waited for: at least every
-        other save commits, so a run whose saves outlast a step still commits steps); a
-        preemption's, always."""
+        """``save``'s wait for the save in flight. Superseding, it is cancelled instead (by
+        a preemption, always) unless it replaced a cancelled save itself: then waited for,
+        so that at least every other save commits (a run whose saves outlast a step)."""
         if supersede and (preempted or not self._replaced):
             self._replaced = self._saver.supersede(step)
         else:

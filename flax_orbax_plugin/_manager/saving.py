@@ -395,16 +395,14 @@ class Saver:
         )
         background = functools.partial(self._background, commit, op, opened, metric, blocking)
         snaps = [getattr(p, "snap", None) for p in pendings.values()]
-        stagings = {str(s.staging) for s in snaps if s is not None}
-        stagings.discard("none")
+        stagings = {str(s.staging) for s in snaps if s is not None} - {"none"}
         staging = "; ".join(sorted(stagings)) or "none"
         self._book.events.emit(SaveBlockingDone(step, str(self._loc), blocking, staging))
         guard = self._book.events.refuse_in_hook  # its wait or cancel from a hook: refused
         cancelled = opened.request.cancelled
-        handle = SaveHandle(
+        self.inflight = SaveHandle(
             str(opened.final), background, cancelled=cancelled, region=region, guard=guard
-        )
-        self.inflight = handle.start()
+        ).start()
 
     def save_items(
         self, opened: OpenStep, items: dict, *, budget: Any = None
@@ -480,12 +478,11 @@ class Saver:
         finally:  # every process has read every exchanged value by now
             _reuse.release(opened.reuses)
         elapsed = time.perf_counter() - opened.started
-        result = SaveResult(
+        r = SaveResult(
             str(opened.final), blocking, elapsed, written.bytes_written, step, written.bytes_reused
         )
-        self._book.committed(step, result, metric)
+        self._book.committed(step, r, metric)
         files, size = commit.stored or (None, None)
-        r = result
         times = (r.blocking_seconds, r.total_seconds - r.blocking_seconds, r.total_seconds)
         counts = (files, size, r.bytes_written, r.bytes_reused)
         self._book.events.emit(SaveCommitted(step, str(self._loc), "local", *times, *counts))
@@ -493,13 +490,13 @@ class Saver:
             self.log_level,
             "checkpoint: committed step %d: blocking %.4f s, total %.4f s, %d bytes, %.3f GB/s",
             step,
-            result.blocking_seconds,
-            result.total_seconds,
-            result.bytes_written,
-            result.gigabytes_per_second,
+            r.blocking_seconds,
+            r.total_seconds,
+            r.bytes_written,
+            r.gigabytes_per_second,
         )
         tier = self._book.tier
         if tier is not None:
             tier.submit(step)
         self._retention.submit(step)
-        return result
+        return r
