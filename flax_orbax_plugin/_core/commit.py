@@ -198,35 +198,13 @@ def commit_collectively(
         written = write()
     except BaseException as e:  # noqa: BLE001  (reported to every process below)
         error = e
-    status = json.dumps(
-        {
-            "step": step,
-            "digest": digest,
-            "agreed": agreed or {},
-            "error": None if error is None else f"{type(error).__name__}: {error}",
-            "files": written.files,
-        }
-    )
+    failed = None if error is None else f"{type(error).__name__}: {error}"
+    mine = {"step": step, "digest": digest, "agreed": agreed or {}, "error": failed}
+    status = json.dumps({**mine, "files": written.files})
     if _distributed.is_primary():
-        outcome = _decide_and_commit(op, status, what, publish, abort, region)
-        if _distributed.process_count() > 1:
-            if STRUCTURE in outcome and structure is not None:  # before the outcome
-                _distributed.publish(f"{op}/structure", json.dumps(structure()), region=region)
-            _distributed.broadcast_str(f"{op}/outcome", outcome, region=region)
-            if STRUCTURE in outcome and structure is not None:
-                outcome += _their_difference(op, outcome, structure(), region)
+        outcome = _primary_round(op, status, what, publish, abort, structure, region)
     else:
-        _distributed.publish(f"{op}/status", status, region=region)
-        # The primary may spend up to one stall timeout on a status: wait longer for
-        # its outcome, so a missing process is reported by name rather than as "late".
-        wait = 2 * _distributed.stall_timeout(region=region)
-        outcome = _distributed.broadcast_str(f"{op}/outcome", None, region=region, timeout_s=wait)
-        if STRUCTURE in outcome and structure is not None:
-            mine = structure()
-            _distributed.publish(f"{op}/structure", json.dumps(mine), region=region)  # for 0
-            outcome += _first_difference(op, mine, region)
-        if outcome != "committed":
-            outcome = _discard(abort, outcome)  # e.g. staging of another step than the primary's
+        outcome = _other_round(op, status, abort, structure, region)
     if error is not None:
         error.add_note(f"{what}: {outcome}")
         raise error
@@ -239,35 +217,81 @@ def commit_collectively(
     return written
 
 
+def _primary_round(op, own_status, what, publish, abort, structure, region) -> str:
+    """The primary's side: reads every status, commits (``publish``) or discards, then
+    tells the outcome (a tree of another structure: after its own leaves)."""
+    try:
+        statuses = [json.loads(own_status)]
+        for p in range(1, _distributed.process_count()):
+            statuses.append(json.loads(_distributed.get_from(f"{op}/status", p, region=region)))
+        outcome = _disagreement(statuses)
+        if outcome is None:
+            failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if s["error"]]
+            outcome = (_failed_outcome(statuses) + "; ".join(failed)) if failed else None
+        if outcome is None:
+            files = {name: sha for s in statuses for name, sha in s["files"].items()}
+            _env.pause_point("before_commit")
+            publish(files)
+            outcome = "committed"
+    except CoordinationError as e:  # a process is gone or late: nothing commits
+        outcome = f"lost: not committed; {e}"
+    except SaveCancelledError as e:  # the primary's own cancellation, at its last check
+        outcome = f"{CANCELLED}process 0: {e}"
+    except BaseException as e:  # noqa: BLE001  (every process learns of it)
+        outcome = f"not committed; commit failed on the primary: {type(e).__name__}: {e}"
+    if outcome != "committed":
+        outcome = _discard(abort, outcome)
+    if _distributed.process_count() > 1:
+        differs = STRUCTURE in outcome and structure is not None
+        if differs:
+            _distributed.publish(f"{op}/structure", json.dumps(structure()), region=region)
+        _distributed.broadcast_str(f"{op}/outcome", outcome, region=region)
+        if differs:
+            outcome += _their_difference(op, outcome, structure(), region)
+    return outcome
+
+
+def _other_round(op, status, abort, structure, region) -> str:
+    """Another process's side: publishes its status, reads the outcome (waiting longer
+    than the primary may spend on one status, so a missing process is reported by name
+    rather than as "late"), discards its staged files unless committed."""
+    _distributed.publish(f"{op}/status", status, region=region)
+    wait = 2 * _distributed.stall_timeout(region=region)
+    outcome = _distributed.broadcast_str(f"{op}/outcome", None, region=region, timeout_s=wait)
+    if STRUCTURE in outcome and structure is not None:
+        mine = structure()
+        _distributed.publish(f"{op}/structure", json.dumps(mine), region=region)  # for 0
+        outcome += _first_difference(op, mine, region)
+    if outcome != "committed":
+        outcome = _discard(abort, outcome)  # e.g. staging of another step than the primary's
+    return outcome
+
+
 STRUCTURE = "tree of another structure"  # in the outcome when the digests differ
 
 
-def _first_difference(op: str, mine: list[str], region: _distributed.Region | None) -> str:
-    """``; here ...``: the first leaf where this process's tree differs from the
-    primary's (published with the outcome), or nothing when it cannot be read."""
+def _first_difference(op: str, mine: list[str], region, p: int = 0, timeout_s=None) -> str:
+    """``; here ...``: the first leaf where this process's tree differs from process
+    ``p``'s (the primary's, published with the outcome), or nothing when it cannot be
+    read."""
     try:
-        theirs = json.loads(_distributed.get_from(f"{op}/structure", 0, region=region))
+        got = _distributed.get_from(f"{op}/structure", p, region=region, timeout_s=timeout_s)
+        theirs = json.loads(got)
     except (CoordinationError, ValueError):
         return ""
-    return _difference(mine, theirs, 0)
+    return _difference(mine, theirs, p)
 
 
 def _their_difference(
     op: str, outcome: str, mine: list[str], region: _distributed.Region | None
 ) -> str:
-    """The primary's side of :func:`_first_difference`: the first leaf where the process
-    the outcome names differs from its own tree (that process publishes its leaves once
-    it read the outcome; waited for a few seconds at most: nothing when it is gone)."""
+    """The primary's side of :func:`_first_difference`: the process the outcome names
+    publishes its leaves once it read the outcome (waited for a few seconds at most:
+    nothing when it is gone)."""
     found = re.search(r"process ([0-9]+) saved a " + STRUCTURE, outcome)
     if found is None:
         return ""
-    p = int(found.group(1))
-    try:
-        got = _distributed.get_from(f"{op}/structure", p, region=region, timeout_s=10.0)
-        theirs = json.loads(got)
-    except (CoordinationError, ValueError):
-        return ""
-    return _difference(mine, theirs, p)
+    return _first_difference(op, mine, region, int(found.group(1)), timeout_s=10.0)
 
 
 def _difference(mine: list[str], theirs: list[str], p: int) -> str:
@@ -292,31 +316,6 @@ def _discard(abort: Callable[[], None], outcome: str) -> str:
         me = _distributed.process_index()
         return f"{outcome} (and removing process {me}'s staged files failed: {e})"
     return outcome
-
-
-def _decide_and_commit(op, own_status, what, publish, abort, region) -> str:
-    try:
-        statuses = [json.loads(own_status)]
-        for p in range(1, _distributed.process_count()):
-            statuses.append(json.loads(_distributed.get_from(f"{op}/status", p, region=region)))
-        outcome = _disagreement(statuses)
-        if outcome is None:
-            failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if s["error"]]
-            outcome = (_failed_outcome(statuses) + "; ".join(failed)) if failed else None
-        if outcome is None:
-            files: dict[str, str] = {}
-            for s in statuses:
-                files.update(s["files"])
-            _env.pause_point("before_commit")
-            publish(files)
-            return "committed"
-    except CoordinationError as e:  # a process is gone or late: nothing commits
-        outcome = f"lost: not committed; {e}"
-    except SaveCancelledError as e:  # the primary's own cancellation, at its last check
-        outcome = f"{CANCELLED}process 0: {e}"
-    except BaseException as e:  # noqa: BLE001  (every process learns of it)
-        outcome = f"not committed; commit failed on the primary: {type(e).__name__}: {e}"
-    return _discard(abort, outcome)
 
 
 CANCELLED = "cancelled, not committed; "  # the outcome when only cancellations failed

@@ -67,43 +67,28 @@ def write_data(
     if primary:
         _create(arrays + batch_specs)
     # Links or server-side copies (after the zarr.json files exist: they go beside
-    # them) run on helper threads (one on local disk; a few leaves at once on object
-    # stores, where each waits on requests) while the changed leaves are written; a
-    # leaf whose link or copy fails is written after them.
+    # them) run on helper threads while the changed leaves are written; a leaf whose
+    # link or copy fails is written after them.
     linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
     linker, linked = _start_links(staging, linking, links)
-    skip = {leaf.index for leaf, _ in linking}
-    # Plain arrays and batches on local disk are written by ChunkWriter (no chunk-buffer
-    # copy, writeback started per file); the rest, and any region it declines, by
-    # tensorstore. Either way each write is one pending future, drained to ``limit``.
-    writer = None
-    if _chunk_files.usable(staging):
-        writer = _packed_writer.ChunkWriter(staging.path)
+    # Plain arrays and batches on local disk: ChunkWriter (no chunk-buffer copy,
+    # writeback started per file); the rest, and any region it declines: tensorstore.
+    writer = _packed_writer.ChunkWriter(staging.path) if _chunk_files.usable(staging) else None
     jobs = [
         _array_job(leaf, spec, writer)
         for leaf, spec in arrays
-        if leaf.writes and leaf.index not in skip
+        if leaf.writes and leaf.index not in links
     ]
     jobs += _batch_jobs(batch_specs, batches, batch_data, writer)
     pending = _Pending(limit, cancelled)
-    reused = 0
-    doing = pending.report(sum(_nbytes(d) for _, writes, _ in jobs for _, d in writes))
+    total = sum(int(getattr(d, "nbytes", 0) or 0) for _, writes, _ in jobs for _, d in writes)
+    doing = pending.report(total)
     try:
         pending.write_all(jobs)
-        if linker is not None:  # the leaves whose links failed
-            jobs = []
-            for (leaf, spec), future in zip(linking, linked, strict=True):
-                nbytes = future.result()
-                if nbytes is None:
-                    jobs.append(_array_job(leaf, spec, writer))
-                else:
-                    reused += nbytes
-                    leaf.writes.clear()  # drop the snapshot: the previous step has it
-            pending.write_all(jobs)
+        reused = _write_unlinked(pending, linking, linked, writer)
         pending.drain(0)
     except BaseException as e:
-        _settle(pending.futures)  # never leave writes in flight that recreate files
-        _raise_as_checkpoint_error(e, staging, direct=writer is not None)
+        pending.fail(e, staging, direct=writer is not None)
         raise
     finally:
         _regions.ACTIVITIES.end(doing)
@@ -116,7 +101,8 @@ def write_data(
 
 
 def _start_links(staging: Location, linking: list, links: dict[int, Any]):
-    """(the helper pool, one future per leaf of ``linking``), or (None, []) for none."""
+    """(the helper pool: one thread on local disk, a few leaves at once on object stores;
+    one future per leaf of ``linking``), or (None, []) for none."""
     if not linking:
         return None, []
     workers = 1 if staging.is_local else _LEAVES_COPIED_AT_ONCE
@@ -128,14 +114,19 @@ def _start_links(staging: Location, linking: list, links: dict[int, Any]):
     return linker, [linker.submit(links[leaf.index]) for leaf, _ in linking]
 
 
-def _raise_as_checkpoint_error(e: BaseException, staging: Location, *, direct: bool) -> None:
-    """Raises a failed write's error as a CheckpointError where it is one (tensorstore's
-    ValueError; an OSError of the direct writer); returns for any other."""
-    if isinstance(e, ValueError):  # tensorstore's status text, with its whole spec
-        text = str(e).split(" [tensorstore_spec=", 1)[0]
-        raise CheckpointError(f"writing array data to {staging} failed: {text}") from e
-    if isinstance(e, OSError) and direct:
-        raise CheckpointError(f"writing array data to {staging} failed: {e}") from e
+def _write_unlinked(pending: _Pending, linking: list, linked: list, writer) -> int:
+    """Writes the leaves of ``linking`` whose link or copy failed, once each is known;
+    returns the bytes the others reused."""
+    jobs, reused = [], 0
+    for (leaf, spec), future in zip(linking, linked, strict=True):
+        nbytes = future.result()
+        if nbytes is None:
+            jobs.append(_array_job(leaf, spec, writer))
+        else:
+            reused += nbytes
+            leaf.writes.clear()  # drop the snapshot: the previous step has it
+    pending.write_all(jobs)
+    return reused
 
 
 def _create(specs: list) -> None:
@@ -172,10 +163,13 @@ def _batch_jobs(batch_specs, batches, batch_data, writer) -> list:
             if writer is not None and batches[name].codec is None:
                 jobs.append((spec, [((slice(None),), data)], _direct_batch(writer, name, batches)))
             else:
-                if isinstance(data, _packed_writer.Gathered):
-                    data = data.assemble()
-                jobs.append((spec, [((slice(None),), data)], None))
+                jobs.append((spec, [((slice(None),), _assembled(data))], None))
     return jobs
+
+
+def _assembled(data: Any) -> Any:
+    """A batch whole in one buffer (its leaves' ``Gathered`` pieces copied together)."""
+    return data.assemble() if isinstance(data, _packed_writer.Gathered) else data
 
 
 def _direct_batch(writer: _packed_writer.ChunkWriter, name: str, batches):
@@ -203,6 +197,17 @@ class _Pending:
         self.progress = doing.progress
         self.progress.total = total
         return doing
+
+    def fail(self, error: BaseException, staging: Location, *, direct: bool) -> None:
+        """After ``error``: waits for every write in flight (none may recreate files after
+        a cleanup), then raises ``error`` as a CheckpointError where it is one
+        (tensorstore's ValueError; an OSError of the direct writer); returns for any other."""
+        _settle(self.futures)
+        if isinstance(error, ValueError):  # tensorstore's status text, with its whole spec
+            text = str(error).split(" [tensorstore_spec=", 1)[0]
+            raise CheckpointError(f"writing array data to {staging} failed: {text}") from error
+        if isinstance(error, OSError) and direct:
+            raise CheckpointError(f"writing array data to {staging} failed: {error}") from error
 
     def drain(self, to: int) -> None:
         """Waits for the oldest writes until at most ``to`` bytes are in flight, and
@@ -245,10 +250,6 @@ class _Pending:
             self.drain(self.limit)
 
 
-def _nbytes(data: Any) -> int:
-    return int(getattr(data, "nbytes", 0) or 0)
-
-
 def _settle(pending) -> None:
     """Waits for every future, ignoring their errors (the first error is the one raised)."""
     for future, _ in pending:
@@ -281,30 +282,11 @@ def write_packed(
     total = sum(data.nbytes for leaf in leaves for _, data in leaf.writes)
     total += sum(data.nbytes for data in batch_data.values())
     taken = None if reuse is None else reuse()
+    gathered = None if budget is None else budget // 4
     writer = _packed_writer.PackedWriter(
-        staging,
-        process,
-        data_file_bytes,
-        total,
-        gathered_bytes=None if budget is None else budget // 4,
+        staging, process, data_file_bytes, total, gathered_bytes=gathered
     )
-    stable: frozenset[int] = frozenset()
-    if taken is not None:
-        writer.adopt(taken.files, taken.chunks)
-        stable = taken.unchanged - taken.leaves
-        for leaf in leaves:
-            if leaf.index in taken.leaves:
-                leaf.writes.clear()  # drop the snapshot: the data file taken holds it
-    # Unchanged leaves not taken first, side by side: their files can be taken next time.
-    ordered = sorted(leaves, key=lambda leaf: leaf.index not in stable)
-    jobs = [
-        (None, leaf.writes, _direct(writer, leaf))
-        for leaf in ordered
-        if isinstance(leaf.record.storage, ArrayStorage) and leaf.writes
-    ]
-    plain = [(name, None) for name, b in batches.items() if b.codec is None]
-    jobs += _batch_jobs(plain, batches, batch_data, writer)
-    jobs += _compressed_batch_jobs(batches, batch_data, writer)
+    jobs = _packed_jobs(writer, taken, leaves, batches, batch_data)
     pending = _Pending(limit, cancelled)
     doing = pending.report(total)  # bytes done and left, in this process's heartbeat
     try:
@@ -315,11 +297,31 @@ def write_packed(
             writer.close()
             _regions.ACTIVITIES.end(doing)
     except BaseException as e:
-        _settle(pending.futures)
-        _raise_as_checkpoint_error(e, staging, direct=True)
+        pending.fail(e, staging, direct=True)
         raise
     name, raw = writer.write_index(_dtypes(leaves, batches))
     return pending.written, {name: sha256(raw)}, 0 if taken is None else taken.nbytes
+
+
+def _packed_jobs(writer: _packed_writer.PackedWriter, taken, leaves, batches, batch_data) -> list:
+    """The jobs of a packed write: the previous step's data files ``taken`` adopted (their
+    leaves not written), the unchanged leaves not taken first, side by side (their files
+    can be taken next time), then the other leaves and the batches."""
+    stable: frozenset[int] = frozenset()
+    if taken is not None:
+        writer.adopt(taken.files, taken.chunks)
+        stable = taken.unchanged - taken.leaves
+        for leaf in leaves:
+            if leaf.index in taken.leaves:
+                leaf.writes.clear()  # drop the snapshot: the data file taken holds it
+    jobs = [
+        (None, leaf.writes, _direct(writer, leaf))
+        for leaf in sorted(leaves, key=lambda leaf: leaf.index not in stable)
+        if isinstance(leaf.record.storage, ArrayStorage) and leaf.writes
+    ]
+    plain = [(name, None) for name, b in batches.items() if b.codec is None]
+    jobs += _batch_jobs(plain, batches, batch_data, writer)
+    return jobs + _compressed_batch_jobs(batches, batch_data, writer)
 
 
 def _dtypes(leaves: list, batches: dict[str, BatchRecord]) -> dict[str, str]:
@@ -336,9 +338,7 @@ def _compressed_batch_jobs(batches: dict[str, BatchRecord], batch_data, writer) 
     jobs = []
     for name, batch in batches.items():
         if batch.codec is not None and name in batch_data:
-            data = batch_data.pop(name)
-            if isinstance(data, _packed_writer.Gathered):
-                data = data.assemble()
+            data = _assembled(batch_data.pop(name))
             spec = _arrays.batch_spec(_codec.MEMORY, batch)
             sub = batch_dir(name)
             write = lambda index, data, sub=sub, spec=spec: [

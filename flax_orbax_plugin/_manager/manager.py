@@ -4,9 +4,9 @@ One training thread owns a manager (``save`` / ``restore`` / ``wait`` / ``close`
 save's writes and commit run on a background thread, retention on a deletion thread;
 a background error is re-raised by the next call. With several processes every
 process makes the same calls in the same order. The work is done by collaborators
-given what they need (``options``, ``book``, ``schedule``, ``saving``, ``step_commit``,
+given what they need (``options``, ``save_rules``, ``saving``, ``step_commit``,
 ``restoring``, ``retaining``, ``housekeeping``): docs/manager.md, with the layout and
-the threading in full. The options are declared in ``option_table`` (the docstring and
+the threading in full. The options are declared in ``options`` (the docstring and
 signature below come from there: ``signatures``).
 """
 
@@ -57,7 +57,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 @raises_store_errors_in_methods(manager_places)  # a store's refusal: StoreAccessError
 class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecycle.Lifecycle
-    # __init__'s docstring and signature: from option_table.MANAGER (signatures.document)
+    # __init__'s docstring and signature: from options.MANAGER (signatures.document)
 
     def __init__(self, directory: Any, **options: Any):
         spans = not options.get("read_only")
@@ -218,8 +218,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         whatever the policy says (``force=``, its old name, warns). A step at or below
         the latest committed one is refused unless ``overwrite=True`` (which replaces an
         existing step atomically). ``t`` is the time of the decision (default: the
-        manager's clock). ``extras`` may be a
-        callable returning the mapping, called only when the step is saved.
+        manager's clock). ``extras`` may be a callable returning the mapping, called only
+        when the step is saved.
 
         Returns once every item's blocking phase is done (state may then be mutated
         or donated); the write completes in the background unless ``async_save=False``.
@@ -241,27 +241,11 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         lane, now = schedule.decide(step, t, forced=ignore_policy or stop, region=region)
         if lane is None:
             return False
-        # The save in flight is cancelled, not waited for, unless it replaced a cancelled
-        # save itself (then it is waited for: at least every other save commits, so a
-        # run whose saves outlast a step still commits steps); a preemption's, always.
-        if supersede and (preempted or not self._replaced):
-            self._replaced = self._saver.supersede(step)
-        else:
-            with _not_saved(step):
-                self._saver.wait()
-            self._replaced = False
+        self._end_inflight(step, supersede=supersede, preempted=preempted)
         began = schedule.clock()  # the blocking time, as Continuous() measures it
         with self._saver.saving():  # from here to its commit, removals yield to the save
             local = self._saver.check_new_step(step, overwrite or stop, region)
-            extras = extras() if callable(extras) else extras  # only for a step that is saved
-            if extras is not None and not isinstance(extras, Mapping):  # metrics go by name
-                raise OptionTypeError(
-                    f"extras (or what extras_fn returned): expected a dict of JSON values, "
-                    f"found {found(extras)}"
-                )
-            items = collect_items(state, data_iterator, extras)
-            if self._unheld:  # the first save: a name that matched no item warns, once
-                self._unheld = _checkpointables.warn_unheld(self._unheld, items)
+            items, extras = self._items(state, data_iterator, extras)
             self._book.note_save(step, now, lane)  # its time and lane (KeepFor, Lanes)
             replicate = stop or schedule.preemption_step == step  # to the tier anyway
             self._saver.start(step, items, extras, local, replicate=replicate, region=region)
@@ -273,6 +257,31 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             raise SystemExit(128 + signal.SIGTERM)
         self._book.events.raise_after_save(step)  # a hook's, once this step is saved too
         return True
+
+    def _end_inflight(self, step: int, *, supersede: bool, preempted: bool) -> None:
+        """``save``'s wait for the save in flight. Superseding, it is cancelled instead (by
+        a preemption, always) unless it replaced a cancelled save itself: then waited for,
+        so that at least every other save commits (a run whose saves outlast a step)."""
+        if supersede and (preempted or not self._replaced):
+            self._replaced = self._saver.supersede(step)
+        else:
+            with _not_saved(step):
+                self._saver.wait()
+            self._replaced = False
+
+    def _items(self, state: Any, data_iterator: Any, extras: Any) -> tuple[dict, Any]:
+        """``save``'s items and extras (a callable called now: only for a step that is
+        saved; a mapping, as metrics go by name)."""
+        extras = extras() if callable(extras) else extras
+        if extras is not None and not isinstance(extras, Mapping):
+            raise OptionTypeError(
+                f"extras (or what extras_fn returned): expected a dict of JSON values, "
+                f"found {found(extras)}"
+            )
+        items = collect_items(state, data_iterator, extras)
+        if self._unheld:  # the first save: a name that matched no item warns, once
+            self._unheld = _checkpointables.warn_unheld(self._unheld, items)
+        return items, extras
 
     @_distributed.collective_method("manager-save-parts", stall="_stall_s", scope="_scope")
     def step_parts(

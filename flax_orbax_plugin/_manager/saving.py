@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -376,11 +377,8 @@ class Saver:
         step, region = opened.step, opened.request.region
         entries = {n: ItemEntry(kind_of(h), opened.dirs[n]) for n, h in opened.handlers.items()}
         pendings = opened.pendings
-        digest = _layout.sha256(
-            _layout.encode(
-                [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
-            )
-        )
+        kinds = [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
+        digest = _layout.sha256(_layout.encode(kinds))
         op = _distributed.next_operation_id("manager-commit", region=region)
         commit = StepCommit(
             self._loc,
@@ -395,39 +393,16 @@ class Saver:
             writer=self._book.writer,
             lane=self._book.lane_of(step),
         )
-        started, reuses = opened.started, opened.reuses
-
-        def background() -> SaveResult:
-            try:
-                written = commit.run(op, region)
-            except BaseException as e:
-                self._book.forget()  # a failed commit never enters the list; re-read
-                self._book.events.save_failed(step, str(self._loc), "background", e)
-                raise
-            finally:  # every process has read every exchanged value by now
-                _reuse.release(reuses)
-            result = SaveResult(
-                str(opened.final),
-                blocking,
-                time.perf_counter() - started,
-                written.bytes_written,
-                step,
-                written.bytes_reused,
-            )
-            self._after_commit(step, result, metric, commit.stored)
-            return result
-
+        background = functools.partial(self._background, commit, op, opened, metric, blocking)
         snaps = [getattr(p, "snap", None) for p in pendings.values()]
-        stagings = {str(s.staging) for s in snaps if s is not None}
-        stagings.discard("none")
+        stagings = {str(s.staging) for s in snaps if s is not None} - {"none"}
         staging = "; ".join(sorted(stagings)) or "none"
         self._book.events.emit(SaveBlockingDone(step, str(self._loc), blocking, staging))
         guard = self._book.events.refuse_in_hook  # its wait or cancel from a hook: refused
         cancelled = opened.request.cancelled
-        handle = SaveHandle(
+        self.inflight = SaveHandle(
             str(opened.final), background, cancelled=cancelled, region=region, guard=guard
-        )
-        self.inflight = handle.start()
+        ).start()
 
     def save_items(
         self, opened: OpenStep, items: dict, *, budget: Any = None
@@ -482,14 +457,32 @@ class Saver:
         if opened.staging.own or _distributed.process_count() == 1:
             abort_refused(opened.staging, opened.replace, opened.dirs)
 
-    def _after_commit(
-        self, step: int, result: SaveResult, metric: dict[str, float | None], stored: Any
-    ) -> None:
-        """Background thread, once ``step`` committed (``stored``: its files and bytes
-        as stored, or None: see ``StepCommit.stored``)."""
-        self._book.committed(step, result, metric)
-        files, size = stored if stored is not None else (None, None)
-        r = result
+    def _background(
+        self,
+        commit: StepCommit,
+        op: str,
+        opened: OpenStep,
+        metric: dict[str, float | None],
+        blocking: float,
+    ) -> SaveResult:
+        """The background phase of :meth:`commit`: ``opened``'s commit, then the
+        bookkeeping (the book, SaveCommitted, the line logged, tier and retention told).
+        A failed commit never enters the book (re-read) and is said (SaveFailed)."""
+        step = opened.step
+        try:
+            written = commit.run(op, opened.request.region)
+        except BaseException as e:
+            self._book.forget()
+            self._book.events.save_failed(step, str(self._loc), "background", e)
+            raise
+        finally:  # every process has read every exchanged value by now
+            _reuse.release(opened.reuses)
+        elapsed = time.perf_counter() - opened.started
+        r = SaveResult(
+            str(opened.final), blocking, elapsed, written.bytes_written, step, written.bytes_reused
+        )
+        self._book.committed(step, r, metric)
+        files, size = commit.stored or (None, None)
         times = (r.blocking_seconds, r.total_seconds - r.blocking_seconds, r.total_seconds)
         counts = (files, size, r.bytes_written, r.bytes_reused)
         self._book.events.emit(SaveCommitted(step, str(self._loc), "local", *times, *counts))
@@ -497,12 +490,13 @@ class Saver:
             self.log_level,
             "checkpoint: committed step %d: blocking %.4f s, total %.4f s, %d bytes, %.3f GB/s",
             step,
-            result.blocking_seconds,
-            result.total_seconds,
-            result.bytes_written,
-            result.gigabytes_per_second,
+            r.blocking_seconds,
+            r.total_seconds,
+            r.bytes_written,
+            r.gigabytes_per_second,
         )
         tier = self._book.tier
         if tier is not None:
             tier.submit(step)
         self._retention.submit(step)
+        return r
