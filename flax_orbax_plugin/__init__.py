@@ -1,23 +1,10 @@
 """flax_orbax_plugin: fast, safe, sharded checkpointing for Flax/Optax training loops.
 
-The core (one pytree):
+``fop.save`` / ``save_async`` / ``restore`` / ``metadata`` / ``verify`` for one pytree;
+``CheckpointManager``, ``CheckpointCallback`` for a directory of steps; ``restore_params``
+to serve; importers and safetensors export. Reference: docs/api.md.
 
-    fop.save(path, tree)                 # durable and committed on return
-    handle = fop.save_async(path, tree)  # returns after the host snapshot; handle.wait()
-    tree = fop.restore(path, like=None)  # like: arrays / ShapeDtypeStructs / None -> numpy
-    info = fop.metadata(path)            # leaves, shapes, dtypes, shardings; no data read
-    report = fop.verify(path)            # every checksum of a checkpoint or a directory
-
-A directory of training steps: ``CheckpointManager``, ``CheckpointCallback``;
-serving: ``restore_params``.
-
-Coming from elsewhere, going elsewhere:
-
-    tree = fop.restore(orbax_dir, like)               # Orbax directories read as they are
-    fop.import_orbax(orbax_dir, out_dir)              # ... or converted to steps
-    fop.import_msgpack(flax_msgpack_file, out_dir)    # flax.serialization / training.checkpoints
-    fop.to_safetensors(path_or_tree, out, max_shard_size="5GB")
-    params = fop.from_safetensors(index_or_files, like)
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin``.
 """
 
 from __future__ import annotations

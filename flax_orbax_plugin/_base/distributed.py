@@ -1,34 +1,10 @@
 """Multi-process coordination through jax.distributed's coordination service.
 
-With one process every function here is a no-op. With several (after
-``jax.distributed.initialize``), every process must call the same functions in
-the same order (SPMD); process 0 is the primary: it writes metadata and
-commits. Waits judge the awaited process by its heartbeat (``_base/liveness.py``): a
-dead process turns into a :class:`CoordinationError` naming it and the wait within
-seconds, a live one is waited for as long as it makes progress (the late ones named in
-the log every ``FOP_LATE_REPORT_S``, with their bytes left); the timeouts here are stall
-timeouts (:func:`stall_timeout`): how long the awaited process may make no progress.
+One process: every function is a no-op. Several: every process calls the same functions
+in the same order (SPMD); process 0 is the primary. Every function that draws a name or
+waits takes ``region=`` explicitly; a background phase runs in the region handed to it.
 
-Collective operations (:func:`collective`: a manager's open, save, restore and wait, a
-core save or restore, ``restore_params``, a tier's replication rounds) are regions (see
-``_base/regions.py``): one waiting on other processes
-(:func:`_wait`, the one place that waits: key-value gets, barriers, gathers, agreements)
-looks at the failures published in its region between short slices, and an error
-leaving a region is published (``fop/failed/<region>/<process>``), so one process's
-failure raises :class:`ProcessFailedError` on every other within a slice, not after the
-timeout. Regions also name the operations drawn in them (``<region>.<n>``), so the
-processes meet on the same names again after a failure left them at different points.
-
-The region is an explicit input: every function here that draws a name or waits takes
-``region=`` (a :class:`Region`, or None: one process, or a call that is not collective,
-whose names come from the process's own sequence), handed down from the entry point
-that drew it (a request's ``region``, an argument); nothing reads it from the thread.
-
-Thread-safety: the coordination client is thread-safe; barrier and key names
-are unique per save, so a background thread may call these while the
-training thread runs. Regions are drawn on the thread that makes the SPMD calls (the
-training thread, in the same order on every process); a background phase of an
-operation runs in its region (:func:`resumed`, e.g. ``SaveHandle``), handed it.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.distributed``.
 """
 
 from __future__ import annotations

@@ -1,76 +1,9 @@
-"""Options declared once: each public option's type, range and allowed values.
+"""Options and ``FOP_*`` environment variables declared once; fail points and background priority.
 
-An :class:`Option` is one keyword option (or ``FOP_*`` environment variable) as
-declared by the module that owns it (``_core.formats`` for the core's entry points,
-``_manager.options`` for the manager and the callback, ``_manager.save_rules``,
-``_manager.retention`` and ``_manager.tiers.tier_option`` for the fields of the public
-option objects): its name, kind, range or choices, default, one-line doc and the
-names other libraries give it. :func:`check` checks the values given by name against
-their declarations, where they enter, and raises
-:class:`~flax_orbax_plugin.OptionError` (a ValueError) or
-:class:`~flax_orbax_plugin.OptionTypeError` (also a TypeError) naming the option,
-what it takes and what was found, with the closest allowed string where one is close.
-:func:`refuse_without` refuses an option that does nothing in the chosen mode;
-:func:`refuse_unknown` a keyword that is no option ("did you mean"; for the public
-functions and classes that take no ``**options``, :func:`named_keywords`), and
-:func:`signature`, :func:`doc_lines` and :func:`doc_table` derive what ``help()`` and
-the docs show from the same declarations.
+Pure functions over frozen records, any thread; ``read`` parses a variable at each use
+(or once at import for the coordination timeout and liveness's two).
 
-Pure functions over frozen records; any thread.
-
-The ``FOP_*`` environment variables the package reads, each declared once.
-
-:func:`read` is the one place a ``FOP_*`` variable is read: its text is parsed and
-checked against its declaration (:class:`~._base.option_spec.Option`), and a value it
-does not take raises :class:`~flax_orbax_plugin.OptionError` naming the variable,
-what it takes and what was found (never clamped, never ignored). Unset or empty: the
-default. Read at each use (the fault specs and the thread priority) or once at import
-(the coordination timeout, and liveness's two), on any thread.
-
-Variables: ``FOP_BACKGROUND_NICE`` (:func:`lower`, below), ``FOP_COORDINATION_TIMEOUT_S``
-(``_base.distributed``), ``FOP_PEER_SILENT_S`` and ``FOP_LATE_REPORT_S``
-(``_base.regions``), ``FOP_DIRECT_IO`` (``_zarr.packed_writer``), ``FOP_COMMIT``
-(``_storage.location``), ``FOP_PATHWAYS`` (``_base.host``), ``FOP_STORE_RETRIES``
-(``_storage.kvstore``), ``FOP_KILL_AT`` and
-``FOP_FAIL_AT`` (the fail points below: ``phase``, ``phase:N``, and for ``FOP_FAIL_AT``
-``phase:N:ERRNO``), ``FOP_PAUSE_AT`` and ``FOP_PAUSE_S`` (test pause points),
-``FOP_SLOW_AT`` and ``FOP_SLOW_S`` (test slow points). ``FOP_COORDINATION_TIMEOUT_S`` is
-the default stall timeout (a manager's ``stall_timeout=`` overrides it).
-
-What two of them do lives here too, so that each variable and its effect are read in
-one place:
-
-**Fail points** (tests): :func:`kill_point`, :func:`fail_point`, :func:`pause_point`
-and :func:`slow_point` are deterministic crash, error, pause and slow points at the
-named phases of a save or a read, armed by ``FOP_KILL_AT``, ``FOP_FAIL_AT``,
-``FOP_PAUSE_AT`` and ``FOP_SLOW_AT``; design notes: ``docs/internals.md``, section
-``flax_orbax_plugin._base.env``.
-
-**Background priority** (:func:`lower`, :func:`initializer`):
-A save's background phase writes its chunks (checksums, writes, links) on a pool of
-threads while the training steps run. At the same priority a pool of 8 such threads
-takes a share of the CPUs per thread while they are runnable, which on a machine whose
-training threads use every core slows the steps that overlap a save.
-``FOP_BACKGROUND_NICE=<0-19>`` (checked by :func:`read`: any other value is an
-OptionError naming it) makes each such thread lower its own priority to that ``nice``
-value as its first act (Linux nice values are per thread); 0, the default, leaves it
-alone.
-
-Confined to the library's own threads: a thread inherits the nice value of the thread
-that creates it, and a lowered thread cannot raise itself back (that needs
-CAP_SYS_NICE), so only a pool whose every task works on local files alone (OS calls,
-checksums, links: :func:`initializer` with ``local_only=True``) lowers itself; a task
-that may call a store's client (tensorstore's codecs and kvstores, HTTP), which starts
-worker threads of its own that would keep the lowered value for the rest of the
-process, runs at the process's priority. The commit protocol, retention, replication
-and tier copies keep the process's priority. None of these threads runs user code.
-
-Off by default (0): measured on a 2-core machine with a 1.2 GB state, nice 10 was
-within the noise of nice 0 once the writes went through ``O_DIRECT`` (30 steps, 3
-saves: 9.91 s against 10.23 s), while a lower priority lengthens the time a save is
-in flight, the window in which a preemption loses it: at nice 19 a few-KiB save of a
-Python-bound loop was not committed 100 steps later under load, and at nice 10 it
-lost that race once in three runs of the end-to-end kill test.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.env``.
 """
 
 from __future__ import annotations

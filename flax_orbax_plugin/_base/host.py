@@ -1,78 +1,9 @@
-"""What the library does when the program ends, in one order, from one exit hook.
+"""The program's end (one exit hook), host buffers, Pathways detection, the host-memory ceiling.
 
-Steps, in this order (each registered by the module that owns it, once, at first need):
+Exit steps run on the main thread at exit, in order FINISH, LEAVE, ANNOUNCE (``at_exit``
+from any thread); the rest are pure functions, any thread.
 
-1. :data:`FINISH` (``_core.handle``): the saves still running finish (or, after a
-   Ctrl-C, are cancelled), so that every value they set for the other processes is set;
-2. :data:`LEAVE` (``_manager.lifecycle``): the writers of several processes not closed
-   leave their runs (the others, waiting for this one in their manager's next
-   operation, raise at once, naming it and its error);
-3. :data:`ANNOUNCE` (``_base.regions``): a process that took part in a collective
-   operation says that its program ended (the others, waiting for it outside a
-   manager, raise at once rather than at their stall timeout).
-
-A step returns True when the program must exit with status 1 (a save that failed at
-exit, which nobody else reads): then, once every step ran, the program's own ``atexit``
-handlers run and the process exits with 1. Every step runs, whatever an earlier one
-found (a failed save still lets the others learn that this process left).
-
-One ``threading`` exit hook: those run before ``atexit``'s (jax's shutdown barrier
-among them, which would wait for the others), last registered first; ours is
-registered after ``concurrent.futures``' own (imported here for that), so a save still
-running writes with pools not yet shut down. A process that never used the library
-with several processes registers no step that touches jax.
-
-Threading: :func:`at_exit` from any thread; the steps run on the main thread at exit.
-
-Host buffers for snapshots and restores.
-
-Two properties matter and numpy's defaults give neither:
-
-* 64-byte alignment: jax on CPU adopts such a numpy buffer without copying it
-  (``jax.device_put``); numpy's large allocations are only 16-byte aligned, so a
-  restored leaf would be copied once more.
-* no transparent huge pages: numpy asks for them on large allocations, and where the
-  kernel compacts memory to serve them (``defrag=madvise``) first-touching a fresh
-  buffer was measured 4x slower here (1.2 GB: 2.65 s against 0.6 s).
-
-Thread-safety: numpy's huge-page switch is process-wide; it is flipped only around
-the allocation itself, which merely changes a hint for other threads' allocations.
-
-Pathways (single-controller JAX): detected, and refused with a message naming it.
-
-The library is built on JAX's multi-controller runtime: one process per host, each
-writing and reading only the shards its own devices hold, agreeing through
-``jax.distributed``'s coordination service. Under Pathways one Python process (the
-controller) drives the devices of every host through a proxy backend
-(``JAX_PLATFORMS=proxy``, set up by ``pathwaysutils``); ``jax.process_count()`` is 1
-and every device looks addressable. A save would then move every shard of every host
-through the controller's memory and write it from that one process: the per-host
-parallel writes, the host-memory budget per host and the per-host tiers would not
-hold as documented, and none of it has been run (no Pathways cluster here).
-
-So a save or restore under Pathways raises :class:`UnsupportedRuntimeError` naming it,
-at the front of each collective operation (``_base.regions.collective``: ``fop.save``,
-``fop.save_async``, ``fop.restore``, ``fop.restore_params``, a manager's open, save,
-restore, delete and wait). ``FOP_PATHWAYS=allow`` lets it run as one process
-(untested; every byte through the controller host). Reads of JSON and metadata
-(``fop.metadata``, ``fop.verify``, the command line) touch no device and are not refused.
-
-Detection (:func:`detected`): ``jax.config.jax_platforms`` names the ``proxy``
-platform (the way ``pathwaysutils`` itself tells), or the initialised default backend's
-platform is ``proxy``. Pure reads; any thread.
-
-The host-memory ceiling: the one figure that bounds what an operation holds on host.
-
-A ceiling is given as bytes (an int), ``"auto"`` or None (no bound). ``"auto"`` is
-derived when the operation starts, from the memory free then: the smaller of the
-kernel's ``MemAvailable`` (``/proc/meminfo``) and what the process's cgroup still
-allows (``memory.max`` minus ``memory.current``, cgroup v2; ``limit_in_bytes`` minus
-``usage_in_bytes``, v1), times :data:`AUTO_FRACTION`; where neither can be read (not
-Linux) it is no bound. :func:`check_ceiling` is the converter of every option that
-takes a ceiling (the manager's ``host_memory``, the readers' and importers'
-``memory_limit_bytes``, the CLI's ``--memory-limit``).
-
-Pure functions (they read ``/proc`` and ``/sys``); any thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.host``.
 """
 
 from __future__ import annotations

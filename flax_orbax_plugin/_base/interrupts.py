@@ -1,15 +1,8 @@
 """Ctrl-C during a save: deferred over its blocking phase, re-raised at its end.
 
-A SIGINT that arrives while a save copies the state to host would otherwise raise
-``KeyboardInterrupt`` wherever the main thread happens to be, including inside a
-callback run by JAX or tensorstore, which report and drop it: the training loop ran
-on. :func:`deferred_sigint` holds it instead and hands it, once the block is over,
-to the handler that was installed before (``KeyboardInterrupt`` by default).
+Only the main thread defers (elsewhere the block runs without deferral); blocks nest.
 
-Threading: only the main thread may install a signal handler; on any other thread
-(and where the previous handler was not installed from Python, so it could not be put
-back exactly) the block runs without deferral. Nesting is fine: an inner block hands
-the signal to the outer one's recorder, which re-raises it at its own end.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.interrupts``.
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
-"""Requests: every mode of one save or one read, as a frozen record handed down explicitly,
-and the keyword options of the core's entry points they are built from.
+"""Requests (frozen records of one save or read) and the format seam (one ``Format`` per version).
 
-An entry point (``fop.save_async``, ``fop.restore``, a manager's save or restore, the
-tier, the importers) checks its options once (:func:`check_save`, :func:`check_restore`,
-:func:`check_verify`, :func:`check_serving`: each option declared once, as an
-``Option``; each function the entry point's first act, on the caller's thread, before
-anything is read, written or waited for) and builds one :class:`SaveRequest` or
-:class:`ReadRequest`; from there every layer gets
-the request as an argument: the plan, the snapshot, the format's write, the reads,
-the claims check and the cast check. No mode is a context variable, a module global
-or a flag set on an object after it was built; nor is the collective region the
-operation runs in (``_base.regions``): it is the request's ``region``. A manager's
-items get theirs through the public ``Checkpointable`` protocol (``save(directory,
-value, request)``, ``restore(directory, like, request)``), the built-ins as any other.
+Options are checked once, the entry point's first act, on the caller's thread; a request
+never changes; the write runs on the save's background thread, the read on the restoring one.
 
-Threading: a request never changes; it may be read from any thread.
-
-The format seam: how a pytree's data is laid out in files, one object per version.
-
-A save is plan -> snapshot -> **format write** -> commit; a restore is targets ->
-**format read** -> placement. :class:`Format` is the protocol; :data:`CHUNK_FILES`
-(version 1: one file per chunk, a ``zarr.json`` per array, ``_zarr.chunk_files``) and
-:data:`DATA_FILES` (version 2: each process's chunks packed into a few data files
-and one JSON index, ``_zarr.packed_*``) are its two implementations, each owning both
-directions: the write (snapshot to files and index, reuse of unchanged data), the
-read (opening the reader with the claims checked, range reads of arrays and batches)
-and what verify reads. The core picks the format once: :func:`for_version` from the
-save's request, :func:`of_document` from the metadata on read. Nothing outside this
-module (and the formats' own internals in ``_zarr``, the records that parse the
-version in ``_format.layout``) tests a format version; ``tools/import_graph.py
---check`` enforces it.
-
-Threading: formats hold no state; the write runs on the save's background thread,
-the read on the restoring thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.formats``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
-"""The pending marker (``_PENDING.json``, FORMAT.md): what it says, where it is found,
-and whether the writer it names is gone.
+"""The pending marker (``_PENDING.json``), and a save's ``SaveHandle`` and ``SaveResult``.
 
-A writer puts the marker first into every place it stages or is about to remove and
-deletes it last (``_core.ownership``), so the remains of a save or removal that died
-are proven ours by it. The marker is itself written through a temporary file
-(``_PENDING.json.tmp-<hex>``, then a rename): a writer killed between the two leaves
-the temporary file alone, and its content, our marker naming the dead writer, proves
-the place ours just as well (:func:`read`).
+Marker functions are stateless, any thread; a handle's background phase runs on its own
+(non-daemon) thread; ``wait``, ``done`` and ``cancel`` from any thread.
 
-A writer killed after creating the temporary file but before writing it leaves it
-empty (or holding part of the marker): still a file of ours by its name, never
-someone else's (:func:`temporary_files`); in a place of ours with a staging name of
-ours (``<step>.deleting-<nonce>``, ``.partial-<nonce>``) that holds nothing else, it
-proves the place ours (``ownership.proof``).
-
-A place whose marker names no writer (it is gone: a removal that was cut short
-between its rename and its marker, a commit between its marker's deletion and its
-rename) is dead once nothing changed there for :data:`QUIET_SECONDS`
-(:func:`abandoned`): a live writer holds such a place for a few system calls only.
-
-Threading: stateless; any function may be called from any thread.
-
-Handles and results of a save: a :class:`SaveHandle` for the background phase, a
-:class:`SaveResult` for what it did.
-
-Threading: a handle's background phase runs on its own (non-daemon) thread; ``wait``,
-``done`` and ``cancel`` may be called from any thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.handle``.
 """
 
 from __future__ import annotations

@@ -1,41 +1,10 @@
 """The one owner of removal: every delete, clear, swap and overwrite of a checkpoint,
 a step or a staging place goes through this module, on every store.
 
-Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.ownership``.
-
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).
 
-What a removal of a place of ours takes, and what it leaves: the names this library
-did not write.
-
-A step or a checkpoint is ours once proven (``ownership.proof``), but a user may put a
-file into it afterwards (notes, an export, a plot). Every removal (retention,
-``CheckpointManager.delete``, ``gc``, the remains of a save cut short) removes only the
-names this library writes and leaves the others where they are, with a warning;
-replacing a checkpoint that holds such names is refused (``ownership.check_slot``).
-
-The names this library writes, by place:
-
-- **a step** (proven by its manifest): the manifest, the pending marker, a host's
-  marker (a directory per host) and the item
-  directories the manifest names. Inside an item of kind ``pytree``, a checkpoint's
-  names (below); inside a ``json``, ``step`` or ``data_iterator`` item, the JSON files
-  the manifest lists for it. An item of any other kind belongs to its checkpointable,
-  whose files this library cannot tell apart: all of it is the item's.
-- **a checkpoint** (``fop.save``'s directory, proven by its commit marker; a pytree
-  item): ``_METADATA.json``, ``_COMMITTED``, the pending marker, ``d/`` and ``b/``
-  (version 1's zarr arrays, named by tensorstore below them) and ``data/`` holding
-  ``<process>.json`` indexes and ``<process>-<n>.bin`` data files (version 2).
-- **a place proven only by the pending marker** (staging, a save cut short): all ours;
-  its name is fresh, nobody else writes there. A removal cut short records what it
-  leaves in its pending marker, so the next attempt leaves it too.
-- **anywhere** (local disk): a temporary file of the pending marker's write
-  (``_PENDING.json.tmp-<hex>``, no larger than a marker), whatever it holds: a
-  removal killed between creating it and renaming it, empty if before its write
-  (``_core.handle.temporary_files``).
-
-Threading: stateless; callers serialise removals of one place (``_core.ownership``).
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.ownership``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """The processes of a collective read agree on what they read, before any byte.
 
-A restore that spans processes (``fop.restore``, ``restore_params``, a manager's items:
-in a collective region, ``_base.regions``, its request's ``region``) builds global
-arrays from every process's part, and shares replicated reads (each process reads a
-slice, then an all-gather). A process that named another checkpoint (a step or path of
-its own), or a ``like`` with another dtype, shape or sharding, made a global array of
-two checkpoints or two dtypes, silently. :func:`agree_on_read` compares, in one
-key-value round, a digest of what each process is about to read (the checkpoint's place,
-the read's options, like's leaves: path, shape, dtype, sharding); on a difference every
-process raises the same CoordinationError naming the first one (a second round, only
-then, names the first leaf that differs).
+Threading: the caller's thread, the same call on every process (inside the collective).
 
-A read of a host's own directory (``own_copy``) and a read outside a region (one
-process alone, onto host arrays) agree on nothing. Threading: the caller's thread, the
-same call on every process (it is inside the collective).
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.read_agreement``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
-"""Reading a restore's leaves out of one batch (thousands of small leaves in one 1-D
-array of files of checksummed inner chunks).
+"""Reading the stored data of a restore's targets (arrays, shards, batches) through the format.
 
-On a local disk without compression (format version 1) the needed leaves are read
-as runs of whole inner chunks, file by file, straight into one buffer; each file's
-leaves are placed as soon as that file is read, while the reader's threads read the
-next files. A run reads only the inner chunks that hold needed leaves (params of a
-train state: about their bytes, not the whole batch). Elsewhere: the whole batch at
-once when most of it is needed, else leaf by leaf. A damaged file is located to its
-leaves by reading them one by one. Threading: calling thread (see ``reads``).
+Reads are issued from the calling thread to tensorstore's pool and the chunk reader's
+threads; callbacks run on the calling thread.
 
-Reading the stored data of a restore's targets: arrays, shards, batches.
-
-:func:`read_targets` opens the checkpoint's format (``formats``, from its metadata:
-the claims checked first), then issues every read in order through it: whole chunks
-of plain local arrays straight from their files, anything else through tensorstore
-or the data files' reader, keeping at most the request's bytes of reads in flight.
-Damage is reported per leaf (CorruptCheckpointError), a checkpoint deleted while read
-as StepDeletedError, and environmental failures (EMFILE, EIO, timeouts) as what they
-are.
-Threading: reads are issued from the calling thread to tensorstore's own pool and
-the chunk reader's threads; callbacks run on the calling thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.read_data``.
 """
 
 from __future__ import annotations

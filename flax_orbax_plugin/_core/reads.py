@@ -1,18 +1,9 @@
-"""What a checkpoint's metadata claims, checked against its chunk files before
-anything sized by a claim is allocated (local disks; see :func:`check_claims`).
+"""A restore's targets (checked against ``like``), the metadata's claims checked, and the
+pieces every read uses (fresh host arrays, in-order reads under a budget, read errors).
 
-The targets of a restore: one per leaf read, checked against ``like``, and the
-leaf's final form once its bytes are on the host.
+Threading: the restoring (calling) thread only.
 
-:func:`make_target` checks a saved record against its ``like`` leaf (kind, shape,
-dtype) before anything is read; :func:`finish` casts and converts the host data,
-and :class:`Placer` batches the host-to-device transfers. All on the restoring thread.
-
-The pieces every read of a restore or ``verify`` uses: reads into fresh host arrays,
-the in-order issuing of reads under a memory budget, and the errors a read reports
-(damage per leaf, a deleted step, the environment's own failures).
-Threading: calling thread only (the reads themselves run on tensorstore's pool and
-the chunk reader's threads).
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.reads``.
 """
 
 from __future__ import annotations

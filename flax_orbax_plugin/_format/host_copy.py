@@ -1,16 +1,8 @@
-"""A host's own copy of a step (a manager with a directory per host, ``docs/tiers.md``):
-its marker :data:`HOST_FILE` read and checked, and what the copy holds.
+"""A host's own copy of a step: its marker ``HOST_FILE`` read and checked, and what it holds.
 
-Each host's directory holds the step's every JSON file but only the regions of the
-arrays that host's devices held (``_manager/per_host.py`` writes them). The marker's
-``held`` field says which: ``{"sets": [[region, ...], ...], "items": {item: {leaf
-path: set index}}}``, a region ``[[start, stop], ...]`` per dimension; a leaf not
-named there is held whole (a replicated leaf, a host leaf, one sharded within this
-host), one named with an empty set not at all. ``held`` null: the copy holds every
-region (a copy of the bucket's step, or a marker written before ``held`` was), so it
-is read and verified as any step. Readers (``verify``, ``restore``) use it so that a
-healthy host's copy is not taken for a damaged step, and a read of it alone never
-passes for the whole checkpoint.
+Pure reads of small files; any thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.host_copy``.
 """
 
 from __future__ import annotations

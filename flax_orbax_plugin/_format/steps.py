@@ -1,36 +1,9 @@
-"""Steps of a checkpoint directory: names, listing, manifests, the latest step.
+"""Steps of a checkpoint directory, what a wrong place holds (``classify`` and the
+describers), and checked reads of ``_METADATA.json``.
+
+Reads names and small files only, never following a link; safe from any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.steps``.
-
-What a place holds when it holds not what a reader asked for: the one describer of
-wrong directories, for every reading entry point (``fop.restore``, ``fop.metadata``,
-``restore_params``, the CLI's ``inspect``/``verify``/``list``/``export``).
-
-:func:`not_a_checkpoint` answers a reader that wanted one pytree, :func:`no_steps` one
-that wanted a directory of steps. Each names what is there: nothing, a file, an empty
-directory, a step, a run directory, an interrupted save (a staging place of ours: the
-only case called "interrupted"), another library's checkpoint, or runs and checkpoints
-one level down (named, so the user can point at them); else what it holds.
-
-:func:`classify` says once, at the front of every reading operation, what is at a path
-(one frozen :class:`Place`: a checkpoint of ours, a step, one host's copy of a step, an
-item of a step, a run of steps, an Orbax checkpoint, a Flax msgpack file, an
-unfinished save, nothing); ``fop.restore``, ``fop.metadata``, ``restore_params`` and
-``fop.verify`` dispatch on its kind, and the describers take it. Its probes are names
-and small files, in one order (the kind a reader expects first, so that a
-well-formed call costs that kind's one probe).
-
-The describers run on error paths only: they list the place and, for the level below,
-at most :data:`MAX_PROBED` children. Reads names and small files only; no link is
-followed (listing as :mod:`.steps` does). Safe from any thread.
-
-Checked reads of a checkpoint's metadata document (``_METADATA.json``).
-
-:func:`read_document` returns the validated :class:`CheckpointDocument` of a
-committed checkpoint (a standalone one, or an item of a committed manager step),
-checked against the checksum recorded at its commit; anything else is an error
-saying what is there instead (a step, an unfinished save, another library's
-checkpoint, a file, nothing). Reads two small JSON files; safe from any thread.
 """
 
 from __future__ import annotations

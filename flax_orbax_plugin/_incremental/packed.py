@@ -1,22 +1,8 @@
 """Reuse in format version 2: whole data files of the previous step, linked or copied.
 
-A version-2 process packs its chunks into a few large data files, so the unit of reuse
-is a data file, not a chunk. :func:`reuse_files` reads this process's data index of the
-previous step (checked against its step's manifest), finds the segments of the
-unchanged leaves it writes now (``plan_reuse``, ``chunks_of``) and takes every data
-file of which at least :data:`LIVE_FRACTION` of the bytes are such segments: a hard
-link (local filesystem) or a server-side copy (S3 ``CopyObject``, GCS ``rewriteTo``)
-under this step's next data file name. Its other segments (changed or gone leaves)
-become bytes no index lists. A leaf is reused only when every chunk of its regions lies
-in a file taken; the rest is written. Every step stays self-contained: nothing refers
-to another step, so deleting one never affects another (``docs/incremental.md``).
-
-Checks, before a file is taken: each reused segment has a chunk's size and its index
-crc32c equals the crc32c of the snapshot's bytes for that chunk; after the link, each
-reused segment's bytes match that crc32c (local disk: read back, as version 1 reads a
-linked chunk file); after a copy, the copy is the object listed (size and content tag,
-as :mod:`.copies`). Any failure removes what this call took and the leaves are written.
 Called on the background thread of a save, on every process.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._incremental.packed``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Which step, and which items, an imported state is written as (Orbax and msgpack).
 
-A foreign checkpoint may say its step three ways: the caller gives it (``step=``,
-``--step``), the state holds it (a top-level ``step`` leaf, as a Flax ``TrainState``
-has), or its name does (an Orbax step directory, ``checkpoint_<N>``). A given step
-must equal the state's; without one the state's is taken (a name that differs is a
-warning), else the name's; with none of them the import is refused, naming how to
-give it: never a silent step 0 (:func:`choose_step`, :func:`state_step`: pure,
-called per step). Before anything is written, :func:`orbax_steps_to_import` names the
-Orbax steps an import writes (reading names and metadata), and :func:`refuse_mixing`
-refuses steps of the output directory that the import would hide or replace.
-:func:`step_items` maps a foreign step's items onto this library's (a training state
-split, JSON items into extras); a tree never lands under a name this library
-reserves for another kind (``extras``, ``data_iterator``).
+Pure functions, called per step, before anything is written.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.import_step``.
 """
 
 from __future__ import annotations

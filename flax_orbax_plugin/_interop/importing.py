@@ -1,16 +1,10 @@
-"""Turning a foreign checkpoint's trees into a step of a ``CheckpointManager`` directory.
+"""Turning a foreign checkpoint's trees into steps of a ``CheckpointManager`` directory
+(``import_orbax``, ``import_msgpack``, ``import_checkpoint``).
 
-Shared by the Orbax and msgpack importers. Who calls what: an importer reads one
-foreign step into ``{item name: tree or JSON value}``, maps it with
-:func:`.import_step.step_items`, and hands an iterator of steps to ``save_steps``, which
-writes each through the public ``CheckpointManager.save`` (so the on-disk layout
-is exactly what a training job writes).
+An importer reads a step, maps it with ``import_step.step_items`` and hands the steps to
+``save_steps`` (the public ``CheckpointManager.save``). Safe from any thread.
 
-The public importers :func:`import_orbax`, :func:`import_msgpack` and
-:func:`import_checkpoint` (``flax-orbax import``) live here: this is the one module
-of the foreign-format wing that calls the manager; the readers only read.
-
-Thread-safety: every function here is safe to call from any thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.importing``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Reading Flax msgpack checkpoints (``flax.serialization`` / ``flax.training.checkpoints``).
 
-Flax writes a state dict (nested dicts with string keys; lists become ``{"0": ...}``)
-as msgpack, with arrays as msgpack *extension* values: type 1 an ndarray, 2 a
-Python complex, 3 a numpy scalar. An ndarray's extension payload is itself msgpack:
-``[shape, dtype name, raw C-order bytes]``. Arrays over 2**30 bytes are split into
-``{"__msgpack_chunked_array__": True, "shape": ..., "chunks": {...}}``.
+Data only: nothing in the file is imported or called; every claimed length is checked
+before anything is allocated.
 
-msgpack is data only: this decoder builds dicts, lists, strings, numbers and numpy
-arrays of an allow-listed dtype; it never imports or calls anything named in the
-file. The file is memory-mapped, so its bytes are not held in memory a second time;
-every length the file claims (a map, an array, a byte string, an ndarray's shape)
-is checked against the file's real size, in Python ints, before anything sized by
-it is allocated.
-
-Trust rules: the file is opened with ``O_NONBLOCK`` and must be a regular file (a
-FIFO, device or socket is a :class:`ForeignEntryError`, never a hang). A file the
-user names may be a symlink to a regular file (their choice); the files found by
-scanning a ``flax.training.checkpoints`` directory are never links (skipped). Any
-malformed input (nesting deeper than :data:`_MAX_DEPTH`, map keys that are not all
-strings or all integers, a bad shape or dtype) is a :class:`CorruptCheckpointError`
-naming the file and the key path.
-
-``flax.training.checkpoints`` names its files ``<prefix><step>`` (``checkpoint_100``);
-a directory of those is imported one step per file.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.msgpack_reader``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Which entries of an Orbax manager directory are its steps, as Orbax itself decides.
 
-Orbax lists a step when a directory is named ``<step>`` or ``<prefix>_<step>`` and is
-*finalized*: renamed into place after its ``_CHECKPOINT_METADATA`` was written (on GCS,
-where nothing is renamed: holding ``commit_success.txt``). Everything else beside the
-steps is not a step and is passed over: hidden files, Orbax's unfinished
-``<step>.orbax-checkpoint-tmp-*`` folders, its ``metadata/`` and ``todelete_subdir``
-folders, and an entry named like a step that is not finalized (an empty ``999/``, a
-file ``999``). Those named like steps, and unfinished saves, are kept in
-:attr:`OrbaxSteps.skipped` so that a caller can say why the newest of them was not
-taken. A symbolic link named like a step is never followed (``ForeignEntryError``).
+Reads names and at most a few small files per entry; safe from any thread.
 
-Rules and what is refused: ``docs/orbax.md``. Reads names and at most a few small
-files per entry; safe from any thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.orbax_steps``.
 """
 
 from __future__ import annotations

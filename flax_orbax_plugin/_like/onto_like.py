@@ -1,24 +1,9 @@
-"""When restore may cast a saved leaf to another dtype: never when a value changes.
+"""Casting a saved leaf (checked), retargeting a template, placing foreign data onto ``like``.
 
-Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.casting``.
-
-The policy (``"safe"`` or ``"unsafe"``) is an argument of every check: a restore's
-``ReadRequest.cast``, carried by each of its targets. Threading: no state; any thread.
-
-Retargeting a template: the same shapes with another float dtype or other shardings.
-
-Used where a caller asks for a checkpoint's leaves in another form than they were
-saved (``restore_params(..., dtype=, sharding=)``, native or Orbax). Pure: builds
-``jax.ShapeDtypeStruct`` leaves (numpy templates for numpy leaves kept on the host),
-touches no device memory.
-
-Placing foreign array data onto a ``like`` leaf: checks, lossless casts, shards.
+The cast policy is an argument of every check. An importer calls ``plan`` once per leaf
+(it raises before anything is read), then ``materialize``. No state; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.onto_like``.
-
-Who calls what: an importer calls :func:`plan` once per leaf (it raises before
-anything is read), then :func:`materialize` with a ``read(index)`` function that
-returns the numpy data of one region (a tuple of slices) of the stored array.
 """
 
 from __future__ import annotations

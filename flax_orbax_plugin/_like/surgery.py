@@ -1,19 +1,9 @@
-"""Layout surgery on restore (``surgery=[...]``): stacking per-layer leaves into a
-scanned leaf and back, fusing and splitting along an axis, transposing and renaming.
+"""Layout surgery on restore (``surgery=[...]``): stack, unstack, fuse, split, transpose
+and rename, declared on the saved records, not run on data.
 
-The operations are declared, not run on data: :func:`apply` turns the saved records
-(after ``transform=``, in order, each operation on what the ones before it left) into
-the leaves like gets, each a node of ``surgery_plan`` that maps any box of it to the
-saved regions it is made of. The read (``_core.read_data``) then asks each target
-shard's box for its pieces, so every process reads only the byte ranges of the saved
-leaves its shards cover; nothing is read whole and cut afterwards.
+``check_surgery`` where the option enters; ``apply`` after ``transform=``. Pure; any thread.
 
-Paths: a leaf's path (``layers_0/mlp/kernel``), or a prefix ending in ``/``
-(``layers_{i}/``: every leaf under it, the rest of the path kept). ``{i}`` stands for
-a layer number (0, 1, ..., no leading zeros). :func:`check_surgery` validates the
-option where it enters (TransformError naming the entry); :func:`apply` collects every
-difference (a path no leaf has, shapes or dtypes that do not fit) and raises one
-StructureError listing them all. Threading: pure; any thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.surgery``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """The ``transform=`` option of a restore, checked and compiled once where it enters.
 
-Every restore entry point (``fop.restore``, ``CheckpointManager.restore``,
-``CheckpointCallback.on_train_start``, ``restore_params``) hands its ``transform``
-to :func:`compile_transform` before anything is read. A ``{regex: replacement}``
-dict is checked whole: each key must be a str that compiles, each value a str that
-is a valid ``re.sub`` template for its own pattern (every ``\\1`` / ``\\g<name>`` a
-group the pattern has, no bad escape). The check expands the replacement against a
-match with the pattern's groups, as ``re.sub`` will, so no rule can fail later on a
-saved path. Any fault is a :class:`TransformError` naming the entry, what was
-expected and what was found; so is a callable's own exception on a saved path (the
-path named, the exception chained), and a result that is not a str or None.
+``compile_transform`` runs before anything is read. Pure functions; safe from any thread.
 
-Pure functions; safe from any thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.transform_rules``.
 """
 
 from __future__ import annotations

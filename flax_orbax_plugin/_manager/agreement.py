@@ -1,19 +1,8 @@
 """The options every process must open a writing manager with, compared at its open.
 
-With several processes, a manager's options decide what each process does at each step:
-which steps it saves (the policy), which it deletes (retention), the format and the
-compression of what it writes, whether it reuses the previous step's chunks, how it
-meets SIGTERM, where its persistent tier is. A process opened with another value would
-save other steps than the others (each waits in a commit the other never enters), or
-write files the others' index does not describe (a committed step that cannot be
-read). So at the open every process shows its options (one key-value round) and a
-difference is a :class:`CoordinationError` on every process, naming each option that
-differs and each process's value, before anything is written.
+One collective key-value round, on the constructing thread; otherwise pure functions.
 
-Per-host choices may differ: ``async_save``, ``host_memory``,
-``reuse_host_buffers``, ``on_event`` and the clock.
-
-Pure functions but for the one collective round; the constructing thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.agreement``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """CheckpointCallback: checkpointing for a training loop in three calls.
 
-Who calls what, in which order (all on the training thread)::
+All on the training thread, in order: ``on_train_start`` once, ``on_step_end`` after every
+step (or ``cb(step)`` in a CLU hooks list), ``on_train_end`` once.
 
-    cb = CheckpointCallback(directory, every_steps=500, resume=config.checkpoint.resume)
-    state = cb.on_train_start(state, data_iterator=it)   # once, before the first step
-    for step in range(int(state.step) + 1, num_steps + 1):
-        state = train_step(state, next(it))
-        cb.on_step_end(step, state)                       # after every step
-    cb.on_train_end(state)                                # once; saves the last step, waits
-
-It fits a CLU-style hooks list too: give it ``state_fn`` (returning the current state)
-and call ``cb(step, t=None)`` after each step, as CLU's ``periodic_actions`` are called.
-The callback hands its policy options (``every_steps``, ``every_seconds``) to the
-:class:`CheckpointManager` it creates, which takes every save decision (once, shared
-by all processes) and owns the directory: retention, the writer lock, async writes,
-the commit. The final step is always saved by ``on_train_end``.
-
-No silent mixing of runs: ``resume=False`` on a directory holding steps raises (unless
-``overwrite=True``, which removes them); steps must increase (``state.step`` warned once).
-
-Each committed save is logged once on the ``flax_orbax_plugin`` logger (at DEBUG with
-a ``writer`` or an ``on_event`` hook, which report it); a ``writer`` (CLU's metric
-writer shape) gets ``writer.write_scalars(step, {"checkpoint/...": ...})`` on the
-training thread, and ``on_event`` every event of the manager
-(``fop.MetricWriterEvents(writer)`` writes them to a CLU metric writer). A writer's or
-hook's error is an ``EventHookError`` raised after the step is saved, as noted.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.callback``.
 """
 
 from __future__ import annotations

@@ -1,69 +1,9 @@
-"""JSON items of a step (``extras``, the step, data-iterator states): their values to
-JSON and back, and their files, within what a reader accepts (``json_docs.JSON_ITEM``).
+"""Checkpointables: the protocol and the built-ins (pytrees, JSON items, data-iterator states).
 
-:func:`to_json` converts (and checks) a value on the caller's thread, naming where in
-it a problem is; :func:`encode_json` makes its bytes (refused past the reader's
-limits) before anything is committed; :func:`write_json` and :func:`read_json` write
-and read the file (the read checked against the step manifest's checksum). Pure
-functions and single writes: any thread.
+``save`` runs the blocking phase on the training thread; the manager calls its
+``Pending.wait`` from its background thread, on every process; ``restore`` on the caller's.
 
-A data iterator's saved position, read back onto another number of processes.
-
-A step's ``data_iterator`` item holds one file per saving process,
-``{"state": ..., "global_position": n}``, the second field present when the
-iterator declared a position that does not depend on the process count
-(``_state.global_position``). When the restoring processes are as many as the saving
-ones, each reads its own file. When they are not, :func:`position_across_counts`
-reads process 0's file and, where it exists, this process's own, checks that both
-hold the same global position, and returns it; each restoring process then
-continues from it on its own share. A state without a global position is refused,
-naming both counts and why.
-
-Pure reads; called on the restoring thread of each process (no collective: every
-process reads the same small files).
-
-Checkpointables: named, separately restorable pieces of a training state.
-
-A checkpoint step is a directory holding one sub-directory per checkpointable
-(``params/``, ``opt_state/``, ``data_iterator/``, ``extras/`` ...). Each piece is
-written and read by a :class:`Checkpointable`, a two-method protocol:
-
-``directory`` is a :class:`flax_orbax_plugin._storage.location.Location` (a local
-directory or a prefix on an object store); ``request`` is the step's
-:class:`~flax_orbax_plugin.SaveRequest` or :class:`~flax_orbax_plugin.ReadRequest`
-(frozen: a host's own directory ``own_copy``, its time ``created_at``, the host-memory
-budget, a changed model's ``changes``...), the same the built-ins get; a checkpointable
-uses the fields it needs. One that sets ``incremental = True`` gets
-``request.reuse`` (the previous step's same item) when the manager saves
-incrementally. ``request.region`` is the manager operation's collective region
-(``_base.regions``), which the built-ins hand down; one that calls ``fop.save`` or
-``fop.restore`` itself makes a collective operation of its own: that call draws its
-own region (this process's n-th collective operation, so the same on every process
-that makes it), inside the manager's.
-
-* ``save(directory, value, request) -> Pending`` runs the *blocking phase* on the calling
-  (training) thread: it snapshots ``value`` (device-to-host copies, iterator
-  state, JSON encoding) so the caller may mutate or donate it as soon as ``save``
-  returns. The returned :class:`Pending` finishes the write; the manager calls
-  ``Pending.wait()`` from its background thread, on every process. ``directory``
-  (inside the step's staging directory) does not exist yet when ``save`` is called;
-  the checkpointable creates it. ``wait()`` returns a :class:`Written` (array bytes,
-  and the sha256 of each JSON file it wrote, which the step manifest records and
-  restore checks) or None. It commits nothing: the step commits once, after every
-  item of every process is durable (the manager makes the staging directory durable
-  with one sync).
-* ``restore(directory, like, request) -> value`` reads the piece back. ``like`` is the
-  abstract or concrete value the caller wants (pytree of arrays or
-  ``jax.ShapeDtypeStruct``, an iterator to set the state of, an int, ...) or None.
-
-Built-ins (:func:`checkpointable_for`): ``params``, ``opt_state``, ``rng`` and any other
-name are pytrees written through the tensorstore core; ``step`` a JSON integer; ``extras``
-a JSON value; ``data_iterator`` the JSON state of an iterator with ``get_state()`` and
-``set_state()`` (grain's) or ``state_dict()`` and ``load_state_dict()``, per process.
-
-The older two-argument protocol (no request) works for one release, with a
-DeprecationWarning naming the class (:func:`checkpointable_for`). Nothing here ever
-unpickles: every non-array file is JSON.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.checkpointables``.
 """
 
 from __future__ import annotations

@@ -1,62 +1,10 @@
-"""The checkpoint event records: frozen dataclasses, one per kind of event, each with
-the figures it gives a metric writer (``scalars``). Who sends them, on which thread and
-in which order: ``events`` (the module docstring) and docs/manager.md, "Events".
+"""The checkpoint event records (frozen dataclasses handed to ``on_event=`` and to
+``jax.monitoring``).
 
-Checkpoint events: what a manager's saves, restores and retention did, as frozen
-records handed to the user's ``on_event=`` hook and to ``jax.monitoring``.
+The hook is never called by two threads at once; which thread sends each event, and in
+which order, is in the design notes.
 
-Who calls the hook, on which thread, in which order (one manager, one process)::
-
-    save(step) that saves:   SaveStarted          training thread, in save()
-                             SaveBlockingDone     training thread, before save() returns
-                             SaveCommitted        the save's background thread ("fop-save"),
-                               or SaveFailed      once the step committed (or failed), before
-                                                  retention and the persistent tier hear of it
-    retention:               StepsRemoved         the deletion thread ("fop-retention"), after
-                                                  the SaveCommitted of the step that ran it
-                                                  (the training thread for gc())
-    persistent tier:         StepReplicated       the replication thread ("fop-replicate",
-                               or SaveFailed      the primary), after the step's SaveCommitted;
-                             StepsRemoved         its retention (tier "persistent") after it
-    restore():               RestoreDone          training thread, before restore() returns
-
-A step's events come in that order, and a save's SaveCommitted (or SaveFailed) comes
-before the next save's SaveStarted (a save waits for the one in flight). A blocking
-phase that fails gives SaveFailed (``phase="blocking"``) on the training thread, a
-background one (``phase="background"``) on the save's thread. StepsRemoved may come
-before or after the next save's SaveStarted. The hook is never called by two threads
-at once (calls are serialized under a lock), so it need not be thread-safe; it should
-return quickly (a save's commit waits for it).
-
-Calling the manager from the hook: what reads committed steps works, on any event
-(``steps()``, ``latest_step()``, ``restore(step=...)``: evaluating each checkpoint from
-its SaveCommitted; with one process, as a restore from a hook on the save's thread
-draws no collective operation). A restore there waits for no save: the step being
-reported is committed, the save's bookkeeping after it (retention, the persistent tier)
-waits for the hook. What would wait for the thread delivering the event, or for a
-thread that must deliver one in turn (``save``, ``wait``, ``wait_for_save``,
-``close``, ``delete``, ``gc``, ``pending_save.wait()`` or ``.cancel()``, the persistent
-tier's ``wait``/``close``), raises :class:`HookReentryError` naming the call, never
-hangs: note the event and make the call from the training loop.
-
-A hook that raises loses no step and breaks no save: the exception is logged at once
-(ERROR, with its traceback, on the ``flax_orbax_plugin`` logger) and the first one is
-raised again (a SystemExit too; a Ctrl-C on the training thread goes on at once), as
-:class:`EventHookError` (its ``__cause__`` the hook's exception), by
-the manager's next ``save()`` that saves (as it returns: its own step is saved too;
-one process only), ``wait()`` or ``close()`` (once closed; with several processes on
-every process, agreed as ``wait`` meets them); a save on SIGTERM still exits with
-SystemExit. The save whose event it was stays committed.
-
-Figures are this process's. ``SaveCommitted.files_written`` and ``bytes_written`` are
-the files of the committed step as stored, counted by the primary once it committed
-(a walk of the step's directory on a local disk, one listing on an object store,
-where sizes are not listed: ``bytes_written`` is None there); ``array_bytes`` is what
-the writers wrote of array data. The other processes report None for both counts.
-
-``jax.monitoring`` (always, hook or not; see :data:`MONITORING_NAMES`): durations
-through ``record_event_duration_secs``, byte and file counts through
-``record_scalar``, the others through ``record_event``; every call passes ``step=``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.events``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Housekeeping of a directory of steps: what a manager checks and clears at open.
 
-A directory that is a file, a step or a core checkpoint is refused
-(:func:`refuse_step_directory`). A writer takes the directory's lock and, on the
-primary, removes what dead saves of ours left (:func:`open_writer`,
-:func:`remove_unfinished`: proven ours, see ``_ownership``), finishing a replacement
-that was committed but not yet renamed (:func:`roll_forward`). Everything else is
-left alone, and named in a warning; so is a leftover of ours that cannot be removed
-(the run still opens; ``gc`` raises it: :func:`raise_stuck`). Committed steps a user deletes
-(``CheckpointManager.delete``) go through :func:`remove_committed`.
+Functions of a Location; called on the training thread (at open, in ``gc`` and ``delete``).
 
-Functions of a Location; called on the training thread (at open, in ``gc`` and
-``delete``).
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.housekeeping``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Temporary and permanent lanes: two save policies, each with its own retention.
 
-``Lanes(temporary=Lane(EverySeconds(1800), keep=KeepLast(2)),
-permanent=Lane(EverySteps(10_000)))`` saves a step when either lane wants it and records
-the lane it was saved in (in the manager, and in the step's manifest, so that a later
-run, whatever its lanes' policies, knows it): ``permanent`` when the permanent policy
-wants it, else ``temporary``. Retention then judges each lane's steps apart, by that
-lane's ``keep`` (``None``: kept forever), among that lane's steps only: a temporary step
-never pushes a permanent one out, nor the other way. A step whose lane is not recorded
-(one saved by an earlier version, listed from the directory) is in the lane its number
-says when the permanent policy goes by numbers only (no time, no preemption:
-``EverySteps``, ``AtSteps`` and their combinations; a restarted job's temporary steps
-are still removed); with any other permanent policy it counts as permanent, never
-removed by the temporary lane's rule.
-
-Given as ``CheckpointManager(directory, policy=Lanes(...))``: a Lanes is the save
-policy and the retention at once (``retention=`` and the retention shorthands are then
-refused). The lanes share the directory (and its persistent tier, if any).
-
 Pure values; any thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.lanes``.
 """
 
 from __future__ import annotations

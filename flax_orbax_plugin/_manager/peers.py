@@ -1,28 +1,9 @@
-"""Way (b) of a per-host restore: the processes that lost their copy of a step (a
-replaced host, its directory empty) get it from a peer whose copy holds the same
-regions, over jax collectives: no shared disk, no bucket read (``docs/tiers.md``,
-"Per-host directories").
+"""Way (b) of a per-host restore: a process that lost its copy of a step gets it from a
+peer over jax collectives.
 
-:func:`fetch` is collective (every process calls it, in the same order):
+``fetch`` is collective: every process calls it, in the same order.
 
-1. offers (one key-value round): each process says whether it holds the step (a valid
-   marker) and what its marker says the hosts held when it was saved (``hosts``, the
-   per-process region digests of ``per_host.host_regions``; a copy from the bucket
-   holds every region);
-2. the plan, the same on every process: each process lacking the step gets the lowest
-   holder whose copy holds the regions that process held; none for some process (a
-   fully sharded state, no replica): way (b) is not possible, nothing was moved;
-3. per donor: it reads its copy (every file but its marker; the manifest too) into
-   memory and shares the names, sizes and sha256s (one round); the bytes reach every
-   process in pieces of at most :data:`PIECE_BYTES` (``broadcast_one_to_all``: a psum
-   over every device, the others adding zeros: exact);
-4. each recipient checks every file's size and sha256 (and the manifest's own sha256
-   of each JSON file), writes them into its staging with its own marker (today's map),
-   commits, the manifest last; the outcomes are shared: all committed, or way (b)
-   failed on every process alike (a recipient's copy is then replaced by way c).
-
-Memory: a donor holds its whole copy in host memory; every process one piece at a
-time on its devices.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.peers``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-"""Each host's own local directory (a manager with ``persistent=`` whose processes each
-see a directory no other process sees: the host's NVMe or ``/dev/shm``).
+"""Each host's own local directory: saving, the persistent tier and restore ways of a
+manager whose processes each see a directory no other sees.
 
-What differs from one shared directory (``docs/tiers.md``, "Per-host directories"):
+Collective where they say so: every process calls them in the same order, on the
+training thread.
 
-* saving: every process writes every region its devices hold (replicas included) and
-  every JSON file into its own staging directory, plus :data:`HOST_FILE`, the host's
-  marker naming the step, the run, the process->device map and the saved layout; the
-  primary gathers every process's status as for any step (``_core.commit``), builds the
-  one manifest and shares its bytes; every process then commits its own copy;
-* the persistent tier: each process uploads its share of the union of the hosts'
-  files (each file once), the primary commits the bucket's manifest;
-* restore (``restore_way``): way (a), every process holds the step with a valid marker
-  and reads its own files; else way (c), every process copies the bucket's step down
-  to its own directory, committed with this host's marker (today's map), so the next
-  restore takes way (a); way (b), hosts lacking the step get it from a peer over jax
-  collectives, is ``peers.py``.
-
-Functions here are collective where they say so (every process calls them in the same
-order, on the training thread).
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.per_host``.
 """
 
 from __future__ import annotations

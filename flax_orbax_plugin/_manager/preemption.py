@@ -1,33 +1,9 @@
 """Preemption notices: how a writer learns that the run must stop, and at which step.
 
-Two ways, chosen once when a manager with ``handle_sigterm=True`` opens:
+Training thread only; every process asks ``Preemption.reached`` once per step, for every
+step, in increasing order, with the same step numbers.
 
-* **One process** (``signal``): a Python SIGTERM handler, installed from the main
-  thread, sets a flag; the next step asked about is the one to save. The previous
-  handler is put back by :meth:`Preemption.uninstall`.
-* **Several processes** (``jax``, after ``jax.distributed.initialize``): jax owns
-  SIGTERM. ``initialize`` starts a preemption sync manager whose notifier catches the
-  signal on any host and tells the coordination service; every process then learns
-  of it and the processes agree on one step (one past the highest step any of them
-  had reported). ``jax.experimental.multihost_utils.reached_preemption_sync_point(step)``
-  returns True on every process at that step, and only there. No Python handler is
-  installed: replacing jax's notifier would leave a host whose notice the others
-  never hear about (it force-saves alone and waits for them; they enter the next
-  step's collective and wait for it: a deadlock).
-* **Several processes, jax's preemption service off**
-  (``jax_enable_preemption_service=False``: no sync manager, the jax call raises):
-  refused when the manager opens, on every process, with a ValueError saying what to
-  set. A per-process handler is no fallback there: two hosts signalled between
-  different steps (even "at once") save different steps, and the first one waits for
-  the other while the other waits in the next step's collective, until the
-  coordination timeout.
-
-Call order (the ``jax`` way's contract, the same as jax's): every process asks
-:meth:`Preemption.reached` once per training step, for every step, in increasing
-order, with the same step numbers. Asking again for the step asked last returns the
-same answer without asking jax (``should_save(step)`` then ``save(step)`` ask once).
-
-Threading: the training thread only (the handler runs on the main thread).
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.preemption``.
 """
 
 from __future__ import annotations

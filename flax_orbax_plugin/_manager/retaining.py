@@ -1,29 +1,10 @@
 """RetentionRunner: applies a manager's retention policy to its directory.
 
-Which steps go is ``retention.steps_to_delete`` (pure); this runs it on the steps a
-manager knows (its :class:`StepBook`), with what it knows of them
-(``keep_rules.StepFacts``: the metrics a ``KeepBest`` ranks, from the save's extras,
-else read back from the step; when and in which lane this manager saved each), and deletes
-the doomed steps through ``_ownership.remove_step`` (the primary only).
+``start`` creates the one deletion thread; each commit calls ``submit`` from the save's
+background thread; ``wait`` and ``shutdown`` are the training thread's; ``apply`` runs on
+the deletion thread (the training thread for ``gc``).
 
-Deletion never delays a save: passes run on the one deletion thread, off the save
-path, and the queue is bounded without ever blocking a commit: at most one pass runs
-and one waits, and a commit that finds a pass waiting joins it (a pass recomputes what
-goes from the step list, so passes coalesce; the waiting pass protects the newest step
-it was asked for). A step whose removal fails stays listed and is tried again by the next
-pass; a failure still standing once the queue is drained is raised by ``wait`` (the
-manager's ``wait`` and ``close``), never dropped. A step that left the listing (renamed
-to ``<step>.deleting-*``) but whose files could not be removed is gone as a step
-(``StepsRemoved`` names it) and its remains' error is raised the same way; the next
-writer's open or ``gc`` removes them. On object stores a removal keeps many
-deletes in flight, none while the training thread is in a save, and only
-:data:`WHILE_SAVING` while its background write runs: the save's requests never queue
-behind ours (``benchmarks/bench_deletion.py``).
-
-Threading and call order: ``start`` (the writer's open) creates the one deletion
-thread; each commit calls ``submit`` from the save's background thread; ``wait``
-and ``shutdown`` are the training thread's (``wait``, ``close``); ``apply`` runs on
-the deletion thread, or on the training thread for ``gc``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.retaining``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """StepParts: one manager step saved in parts, from several calls, committed once.
 
-``CheckpointManager.step_parts(step, expect=(...))`` opens the step: its staging,
-claimed under its pending marker (``Saver.begin``), the same place a whole save
-stages in. Each :meth:`StepParts.save` runs one item's blocking phase into it (the
-device-to-host copy, the iterator's state, the JSON) and hands its write to the step's
-one writer thread, which writes the parts in the order they came while the caller
-goes on. The part that completes ``expect`` starts the step's one commit
-(``Saver.commit``: the ``StepCommit`` of a whole save, every item written and durable
-on every process, then the manifest, then the rename or marker). Until then the step
-is staging only: never listed, never restored, never counted by ``latest_step()``; a
-crash leaves a staging directory that the next writer's open (or ``gc()``) removes.
+The training thread makes every call; with several processes each call is collective,
+in the same order on every process.
 
-Leaving the ``with`` block, or :meth:`StepParts.abort`, with parts missing cancels
-the writes and removes what the step staged through the one owner of removal
-(``step_commit.abort_refused``); a part whose blocking phase fails does the same
-(the step is then given up whole: open it again to retry).
-
-Threading and order: the training thread makes every call. With several processes
-each call is collective, as ``save`` is: every process opens the step and saves every
-part, in the same order (each writes its own shards of it), and the commit is agreed
-as a whole save's; a process that gives up publishes its error in the step's
-collective operation, so the others' commit fails at once rather than waiting.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.step_parts``.
 """
 
 from __future__ import annotations

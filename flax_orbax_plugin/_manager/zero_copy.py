@@ -1,41 +1,10 @@
 """Zero-copy saves: a training step that never donates what a save still holds.
 
-``step = mngr.wrap_step(train_step, donate_argnums=0)`` (or the callback's
-``wrap_step``) compiles ``train_step`` three ways, each once, when first needed:
+The training thread calls the wrapped step and the manager's ``save``; the manager tells
+the step what each save holds (``ZeroCopyStep.saved``) from that thread, after the
+save's blocking phase.
 
-* **plain**: ``jit(train_step, donate_argnums=...)``, the step as the user would
-  write it; every call that does not follow a save takes it.
-* **into a spare**: the first call after a save receives the very arrays that save
-  holds (the manager's saves then keep CPU arrays as zero-copy views instead of
-  copying them into host buffers). They must not be donated, so this variant takes
-  the saved state as a plain input and donates a *spare* instead: the arrays of the
-  previous save, whose writes are done. It is compiled with ``keep_unused=True``
-  (without it jax drops the unused spare and aliases nothing) and the outputs are
-  checked to land in the spare's buffers: where they do not, a ``CheckpointError``
-  says which leaves did not alias and why that happens.
-* **fresh**: the same call when no spare fits (a change of shape or sharding, the
-  previous save still writing): no donation, jax allocates the output. The second
-  call (its state has the shardings the step gives it) allocates the first spare
-  (zeros) and compiles the spare variant ahead of time, so the step after the first
-  save neither compiles nor writes into fresh memory, as every later one.
-
-Memory: two states from the second call on, the one the step computes and the one
-the save writes or the spare (as the manager's host buffers would), never a copy of
-either. The saved bytes are the state at the save's step whatever the steps after do:
-jax never donates or frees a buffer a view of the save still references
-(``_core.host_snapshot.cpu_views_are_snapshots``, checked once per process; where it
-does not hold, and for accelerator arrays, which a save copies off the device, every
-call takes the plain variant).
-
-Contract: a state passed to the wrapped step is consumed, as with ``donate_argnums``;
-after a save it is kept until the next save's writes are done and then reused as that
-step's spare. Pass the step function itself, not a jitted one (a jitted function's own
-donation does not apply inside another jit). Functional steps over pytrees only (a
-Linen ``TrainState``, tuples and dicts of arrays); NNX objects are refused.
-
-Threading: the training thread calls the wrapped step and the manager's ``save``; the
-manager tells the step what each save holds (:meth:`ZeroCopyStep.saved`) from that
-thread, after the save's blocking phase.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.zero_copy``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """A data position that does not depend on the process count: the global position.
 
-A data iterator's saved state is normally each process's own (the shard it reads,
-how far into it), so a step saved by N processes cannot be restored onto M. An
-iterator whose position is an index into the *global* stream of batches (the same
-on every process, whatever their number) can be: each of the M processes is given
-that index and continues from its own share of the next global batch. Such an
-iterator declares it with a pair of methods:
-
-* ``global_position() -> int``: the index, in the global stream, of the next batch
-  (or example) it hands out; the same on every process that advanced in step;
-* ``set_global_position(position: int) -> None``: continue from there, on this
-  process's share as the iterator computes it now (from ``jax.process_index()`` /
-  ``jax.process_count()``, or its own shard options).
-
-:class:`~flax_orbax_plugin.StepIndexedIterator` has them (its position is the
-global batch index handed to ``make_batch``). grain's ``ElasticIterator`` (where
-grain has it) is recognised without them: its state ``{"global_next_index": n}``
-is such a position. Any other iterator's state stays per process and a change of
-the process count is refused.
-
 Call order: one thread (the training loop's) reads and sets the position.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._state.global_position``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Deleting the objects of a place on a kvstore, many at once and paced.
+"""Deleting the objects of a place on a kvstore, many at once and paced (for
+``_core.ownership`` only).
 
-The mechanics only: what may be deleted is decided, and proven ours, by
-``_core.ownership`` (the one owner of removal), the only caller. S3 and GCS removals
-open a tensorstore context of their own (:func:`removal_context`): their requests have
-their own concurrency limit, so a step being deleted never takes the request slots of
-a save writing at the same time. Tensorstore has no batch delete: on S3, where
-botocore is installed and finds credentials, :func:`delete_batches` sends DeleteObjects
-requests of up to 1000 keys (the client of ``server_copy``); elsewhere (GCS: its JSON
-batch endpoint is not served by the emulator the tests use; no botocore) each object is
-one delete request, and :func:`delete_keys` keeps ``pace()`` of them in flight. Either
-way ``pace()`` is asked before each request: retention asks for none while the training
-thread is in a save, and for few while its write runs (``_manager/retaining.py``).
+The context is created once, lazily, under a lock; ``delete_objects`` runs on the calling
+thread, its batches on short-lived threads joined before it returns.
 
-Threading: the context is created once, lazily, under a lock; :func:`delete_objects`
-runs on the calling thread (the deletion thread, or the training thread for ``gc``),
-batches on short-lived threads of their own, all joined before it returns.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.deleting``.
 """
 
 from __future__ import annotations

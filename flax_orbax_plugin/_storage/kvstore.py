@@ -1,21 +1,9 @@
-"""Tensorstore kvstores: the shared contexts, storage names, and the spec of a path.
+"""Tensorstore kvstores: shared contexts, the spec of a path, and an object store's refusal
+said once.
 
-A location is named by a path, an ``s3://``, ``gs://``, ``memory://`` or ``file://``
-URL, or a tensorstore kvstore spec given as a dict; :func:`spec_from_path` turns any of
-them into the canonical spec a :class:`~.location.Location` holds, and is the one
-checker of what a path argument names (:func:`local_path` for the inputs only local
-files can serve: anything else is refused, never made a local name). :func:`context` is
-created once per kind of store, lazily, under a lock: safe from any thread.
+Contexts are created once per kind of store, lazily, under a lock: safe from any thread.
 
-An object store's refusal, said once: no such bucket, no credentials, access denied.
-
-Tensorstore reports these as a ``ValueError`` carrying the store's XML or JSON body.
-:func:`refusal` reads that text once, here, for every caller: the command line prints
-its line (exit code 3), and every public entry point of the Python API raises
-:class:`~flax_orbax_plugin.StoreAccessError`, naming the bucket, what happened and what
-to do: a function through its entry decorator (``_base.regions.public``, handed
-:func:`refusals`), a public class through :func:`raises_store_errors_in_methods`.
-Anything else passes unchanged.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstore``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """One live writer per place on an object store: a lease held in its run record.
 
-A local directory has its writer lock (:mod:`.lock`: ``flock``, dropped by the kernel
-when the holder dies). An object store has no lock, so a writer there holds a lease:
-the place's run record (``_RUN.json``, :mod:`.run_record`) names the holder and when
-its lease ends. It is taken and renewed by conditional writes (two opens cannot both
-win), every third of its length, and released at close (``lease_expires: 0``, the run
-id kept). Another writer (a manager, a tier, ``gc``) is refused while a lease is live;
-one whose holder died is taken over once it ran out, or at once when the holder ran
-on this host and its process is gone. An open waits out another host's lease that is
-no longer renewed (:func:`settle`: a job rescheduled after its machine died resumes
-rather than fails); one renewed meanwhile is refused. A plain manager on an object store holds one
-(:func:`take`); so does a tiered run on its persistent path (:mod:`.run_owner`).
-The design: ``docs/run_owner.md``.
+``take`` and ``release`` from the writer's thread; renewal on its own daemon thread;
+``renew``, ``raise_if_lost`` and ``take_again_if_lost`` from any thread.
 
-Threading: :meth:`Lease.take` and :meth:`Lease.release` from the thread that owns
-the writer (the training thread); renewal on its own daemon thread;
-:meth:`Lease.renew`, :meth:`Lease.raise_if_lost` and :meth:`Lease.take_again_if_lost`
-from any thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.lease``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
-"""JSON documents on storage: what a reader accepts of each kind, declared once.
+"""JSON documents on storage (limits per kind, checked parse and encode), and local files
+under a location, never following a link below it.
 
-Every JSON document this library writes and reads back (a checkpoint's metadata, data
-indexes, step manifests, commit, pending and per-host markers, run records, JSON
-items and iterator states) has a :class:`DocKind`: the most bytes and the deepest
-nesting a reader accepts, and whether an object may repeat a key. Readers parse with
-:func:`parse`: the size is checked first, then the nesting depth by a scan of the bytes
-(so the parser never recurses past it), then JSON, refusing every non-finite number,
-text that is not UTF-8 (an escaped lone surrogate) and, where the kind says so, every
-repeated key; CorruptCheckpointError naming the file. Writers encode with
-:func:`encode`, which refuses with a StructureError naming the document, what was
-found and the limit, everything :func:`parse` would refuse: a writer never commits
-what a reader refuses. Times a record carries are checked by :func:`check_time` on
-both sides (the range the platform can format as a date).
+Pure functions of bytes and paths, no state: safe from any thread.
 
-Pure functions, no state: safe from any thread.
-
-Local files under a location, never following a link below it.
-
-The location's own path is taken as given (it may pass through a symlink the user
-chose), but every name below it is opened component by component with
-``O_NOFOLLOW`` (:func:`open_dirs`); only regular files are read (a FIFO, a device or a
-symlink is a :class:`ForeignEntryError` naming it, never a hang), small files are
-capped at :data:`MAX_SMALL_FILE_BYTES`, and files are written under a temporary name,
-then renamed. Plain functions of paths, safe from any thread; :class:`.location.Location`
-is their one caller besides the walks (:func:`walk_entries`) and :func:`entry_kind`.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.local_files``.
 """
 
 from __future__ import annotations

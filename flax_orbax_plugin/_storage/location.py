@@ -1,37 +1,10 @@
-"""How a commit becomes visible on a local path: a directory rename, or a file written last.
+"""Where a checkpoint lives (``Location``, on any tensorstore kvstore) and how a commit
+becomes visible on a local path (a rename, or a file written last).
 
-A step (or a core checkpoint) on local disk is staged under a name of its own and
-renamed into place: one atomic ``rename(2)``. On a FUSE mount that stands for an object
-store (GCS Fuse, the usual way TPU VMs see a bucket; s3fs, mountpoint-s3 ...) a
-directory rename is neither atomic nor cheap: it copies every file, one by one, so a
-crash midway leaves a directory that holds part of a step under the step's name.
-There the library commits as on an object store: the step is written in place, under
-its pending marker, and the step manifest, written last (a single file: one object,
-uploaded whole on close), is what makes it a step. Listing counts a step only when its
-manifest is there, on every store.
+A Location is immutable, any thread; tensorstore does not fsync: callers use
+``Location.sync``. The mount table is read at each call.
 
-:func:`commits_by_file` decides, from ``FOP_COMMIT`` (``auto``, the default: detect;
-``file``: always a file written last; ``rename``: always a rename) and, for ``auto``,
-the type of the mount holding the path (:func:`mount_type`, from
-``/proc/self/mountinfo``: ``fuse``, ``fuse.<name>`` or ``fuseblk`` is FUSE). Where the
-mount table cannot be read (not Linux), ``auto`` renames.
-
-Pure reads of the mount table, on any thread, at each call (a mount can change while a
-process runs; one small read per save).
-
-Storage layer: where a checkpoint lives, on any tensorstore kvstore.
-
-A :class:`Location` is a directory-like prefix on a store: the local filesystem
-(the default), ``s3://``, ``gs://``, ``memory://`` or any tensorstore kvstore spec
-given as a dict (:mod:`.kvstore`). Array data is read and written by tensorstore
-drivers pointed at :meth:`Location.kvstore`; the small JSON files (metadata, commit
-marker) and listing/removal go through its methods, on local disk never following a
-link below the location (:mod:`.local_files`). Local directories support atomic
-rename; object stores do not, so callers commit there by writing a marker last.
-
-Thread-safety: a Location is immutable; its methods may be called from any thread.
-Tensorstore does not fsync what it writes; callers make a location durable with
-:meth:`Location.sync`.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.location``.
 """
 
 from __future__ import annotations

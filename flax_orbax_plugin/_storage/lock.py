@@ -1,16 +1,8 @@
-"""One live writer per checkpoint directory.
+"""One live writer per checkpoint directory: an exclusive ``flock`` on ``.writer.lock``.
 
-``DirectoryLock`` takes an exclusive ``fcntl.flock`` on ``<directory>/.writer.lock``.
-The kernel drops a flock when the holding process dies, however it dies
-(SIGKILL included), so a crashed writer never leaves the directory stuck. The
-holder's pid and host are written into the file only to make the error message
-useful; they are never trusted. flock locks an open file description, so a
-second lock in the same process is refused too. Local filesystems only.
+Local filesystems only; a second lock in the same process is refused.
 
-The lock file is created with ``O_EXCL``, or (left by an earlier writer) opened with
-``O_NOFOLLOW``, and must be a regular file with one name: a symlink, a FIFO, a device
-or a hard link of another file named ``.writer.lock`` is refused with
-ForeignEntryError, and what it points to or links is never truncated or written.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.lock``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""The process's shared reader threads of :class:`~chunk_files.ChunkReader`: started
-once, not on every restore, and forgotten in a forked child (where they do not run).
-Threading: any thread.
+"""zarr3 chunk files read straight into host memory on a local disk, and what they must hold.
 
-zarr3 chunk files read straight into host memory on a local disk, and what they
-must hold.
+One ``ChunkReader`` per restore; the shared reader threads start once per process (any
+thread), forgotten in a forked child.
 
-:class:`ChunkReader` reads whole arrays and batches stored without compression with
-one ``preadv`` per file, checking every crc32c (the files :class:`ChunkWriter` of
-``chunk_writer``, or tensorstore, wrote); :func:`array_claim`, :func:`batch_claim` and
-:func:`stored_files` size what a checkpoint's metadata claims against the files on
-disk before anything is allocated. Anything else (object stores, compression, a
-big-endian host, a region that is not whole chunks) goes through tensorstore:
-:func:`usable` and :meth:`ChunkReader.read` say so. Measurements: docs/chunk_files.md.
-Threading: one :class:`ChunkReader` per restore (see its docstring).
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.chunk_files``.
 """
 
 from __future__ import annotations

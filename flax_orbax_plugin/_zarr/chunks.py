@@ -1,54 +1,9 @@
-"""One zarr3 chunk on disk: its name, its stored bytes and its crc32c trailer.
+"""One zarr3 chunk on disk (name, bytes, crc32c trailer), packed sub-byte arrays, and format
+version 2's data index.
 
-The only place that knows the chunk key encoding (``c/<i0>/<i1>/...`` under an
-array's directory), the ``crc32c`` codec's 4-byte little-endian trailer and the
-``sharding_indexed`` index entry of a chunk that is not stored. The writer
-(``chunk_writer``), the reader (``chunk_files``) and incremental reuse
-(``_incremental.reuse``) compute names and checksums through it, and
-:func:`extend_crc` is the package's one crc32c. Design notes: docs/chunk_files.md.
-Pure functions: any thread.
+Pure functions and immutable records: any thread.
 
-The crc32c is the ``crc32c`` package's where it is installed: it releases the GIL on
-any buffer of 32 KiB or more (numpy arrays included), so writer threads checksumming
-chunks never stall the training thread. ``google_crc32c`` (the fallback) releases it
-only for ``bytes`` of 1 MiB or more, never for numpy buffers: with 8 writer threads the
-training thread waited tens of milliseconds per call (benchmarks/bench_onepass.py).
-
-:func:`copy_crc` copies and checksums in one pass with the package's optional C
-extension (``_copycrc.c``, built by setup.py where a compiler exists; it releases the
-GIL too); where it is not built, with ``np.copyto`` then the crc32c above.
-
-Sub-byte dtypes (int1/2/4, uint1/2/4, float4_e2m1fn, float6_*) stored packed.
-
-numpy (ml_dtypes) holds one such value per byte. A leaf of one, stored as its own
-array, is written packed when its chunks allow it: storage
-``{"type": "packed_array"}``, a zarr3 ``uint8`` array whose last axis holds each row's
-values as one little-endian bit stream (value ``j`` of a row at bits
-``[j * bits, (j + 1) * bits)``, bit ``k`` of the row being bit ``k % 8`` of byte
-``k // 8``; the bits after a row's last value are zero), so ``ceil(n * bits / 8)``
-bytes per row of ``n`` values. The last axis of a chunk spans ``chunk * bits / 8``
-whole bytes, or the whole row: every chunk starts on a byte, and no two writers share
-one. Layout: FORMAT.md ("Packed sub-byte arrays").
-
-:func:`stored` gives the record of the array as stored (what chunk geometry, claims,
-specs and reuse compute with); :func:`pack_write` turns one region of values into the
-stored region and bytes; :func:`unpacked_read` wraps a read of the stored bytes into
-one of the values. Which leaves are packed: ``_format.layout.packable``. Pure
-functions: any thread.
-
-Format version 2's data index: where each chunk of one process lies in its data files.
-
-A process of a version-2 save writes every chunk of its arrays, and every shard of its
-batches, into a few large data files ``data/<process>-<n>.bin`` of its item, one after
-another, each segment the exact bytes a version-1 chunk file holds (the chunk and its
-crc32c trailer; a batch shard with its checksummed index). ``data/<process>.json``
-lists them: ``{key: [file number, offset, length, crc32c]}``, the key being the
-version-1 file name of the chunk (``d/<i>/c/<i0>/...``, ``b/<batch>/c/<s>``) and the
-crc32c a copy of the segment's last four bytes (little endian), and, for every array
-and batch it holds chunks of, the dtype the bytes were written as (``arrays``: what a
-version-1 ``zarr.json`` says, so a metadata document whose dtype was changed is caught
-before its bytes are reinterpreted). FORMAT.md, "Version 2".
-Records are immutable; any thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.chunks``.
 """
 
 from __future__ import annotations

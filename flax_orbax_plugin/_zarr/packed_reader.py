@@ -1,31 +1,9 @@
-"""Reading format version 2: chunks at known offsets in the data files of every process.
+"""Reading format version 2: chunks at known offsets in the data files, and the fetch plan
+of a restore on an object store.
 
-:class:`PackedReader` is a :class:`~chunk_files.ChunkReader` whose chunk "files" are
-segments of the data files the merged indexes (``packed_index``) list: one ``preadv``
-at the segment's offset on a local disk, one byte-range read on an object store. Every
-check of version 1 holds (the segment's exact length, each crc32c trailer, a batch
-shard's index) plus the index's own copy of the trailer. Unlike ``ChunkReader`` it
-reads any region, whole chunks or not: a chunk that the region cuts is read whole into
-scratch, checked, and only its part in the region is copied (resharding reads only the
-chunks each target shard touches). Threading: as ``ChunkReader``.
+``PackedReader`` threads as ``ChunkReader``; ``RangeReads`` is thread-safe (one lock).
 
-The fetch plan of a version-2 restore on an object store: few GETs, bounded memory.
-
-A restore first declares every chunk it will read (:meth:`RangeReads.want`, by the
-reads it issues); the first chunk it waits for plans them all (:meth:`RangeReads.plan`):
-per data file, the wanted segments sorted by offset are merged into ranges wherever the
-gap between two is under :data:`GAP_BYTES` (fetching a small gap is cheaper than a
-request), and a file whose wanted bytes are at least :data:`WHOLE_FRACTION` of it is
-fetched whole with one plain GET. The plan starts the ranges' GETs at once, in the
-order the reads need them, side by side (several files at a time), while the fetched
-bytes held stay under :data:`FETCH_BYTES` (one range may pass it when none is held);
-a range's bytes are dropped once every chunk wanted from it was taken
-(:meth:`RangeReads.take`, on the reader's threads), which starts the next ones. A
-chunk job that needs a range not yet started starts it; if it does not fit the bound,
-it is split and only a run of at most :data:`PIECE_BYTES` from the chunk that asked is
-fetched. Only wanted segments are ever handed out (and each is checked by the
-caller: length and crc32c); a resharding restore wants only its shards' chunks.
-Thread-safe (one lock guards the plan and the ranges).
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.packed_reader``.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
-"""Writing zarr3 chunk files straight from host memory on a local disk.
+"""Writing chunks straight from host memory: zarr3 chunk files (``ChunkWriter``) and format
+version 2's data files (``PackedWriter``).
 
-:class:`ChunkWriter` writes whole chunks of arrays and whole batch arrays (the
-``sharding_indexed`` codec) byte for byte as tensorstore writes them for the specs of
-``_arrays``; :class:`Gathered` is a batch given as its leaves' own buffers. Why, and
-what it measured: docs/chunk_files.md. A chunk's page-aligned payload is written with
-``O_DIRECT`` (no copy into the page cache), the rest buffered: docs/saving.md. The
-writer's threads can run at a lower CPU priority (opt-in: ``_base.env``): they
-only checksum and write local files (a subclass whose tasks call a store's client
-passes ``local_only=False``).
+One writer per save, driven by the save's background thread only; its futures are
+completed by the writer's own threads.
 
-Threading and call order: one :class:`ChunkWriter` per save, used by the save's
-background thread only; its :meth:`~ChunkWriter.array`/:meth:`~ChunkWriter.batch`
-return futures completed by the writer's own threads, each holding a reference to the
-bytes it writes until it is done. Files are created with ``O_EXCL | O_NOFOLLOW`` inside
-the save's fresh staging directory: nothing existing is overwritten or followed.
-
-Writing format version 2: this process's chunks packed into a few large data files.
-
-:class:`PackedWriter` is a :class:`~chunk_writer.ChunkWriter` whose chunk "files" are
-segments of data files ``data/<process>-<n>.bin``: each chunk gets the next offset of
-the current data file (a new file once ``target_bytes`` would be passed) and is written
-there with one ``pwritev`` on a local disk; on an object store the segments are
-gathered in memory and each data file is written as one object when it is full (or
-at :meth:`close`). :meth:`index` is the ``data/<process>.json`` that lists them
-(``packed_index``). Files are created with ``O_EXCL | O_NOFOLLOW`` in the save's fresh
-staging directory.
-
-Threading: as ``ChunkWriter``: one per save, driven by the save's background thread;
-segments are written by the writer's threads (offsets handed out under a lock), which
-may run at a lower priority (``_base.env``) only on a local disk; compressed
-chunks are encoded (tensorstore's codecs, which start threads of their own) on a pool
-of their own at the process's priority.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.packed_writer``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Keeps the AWS C libraries' log lines off the terminal while a command talks to S3.
 
-tensorstore's s3 driver hands the AWS C libraries (aws-c-auth, aws-c-io, aws-c-http) a
-logger that writes through absl at ERROR for their warnings, straight to file
-descriptor 2: the default credential chain logs every config file it does not find
-and every instance-metadata probe that fails (5-20 lines per store opened), though
-nothing is wrong or the failure comes back as an error anyway. The library names
-environment credentials explicitly (``_storage.kvstore``), which opens no file; for
-the other paths (a profile, instance metadata, none) this filter drops those lines.
+Not reentrant; one command at a time per process. ``FLAX_ORBAX_DEBUG=1`` turns it off.
 
-:func:`aws_lines_filtered` points descriptor 2 at a pipe for the duration of a
-command; a thread copies every line to the real stderr except the AWS libraries'
-own (absl lines whose "file" is an AWS log subject, e.g. ``common-io:5]``,
-``AuthCredentialsProvider:6146]``), and their continuation lines. FATAL lines and
-everything else (Python's stderr, JAX's, tensorstore's own logs) pass unchanged and
-in order. ``FLAX_ORBAX_DEBUG=1`` turns the filter off. Not reentrant; one command
-at a time per process.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin.cli.native_logs``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""What a command run from a shell needs and an in-process call must not get: a stdout
-whose reader may go away, and SIGTERM taken as an interruption.
+"""What a command run from a shell needs: a stdout whose reader may go away, and SIGTERM
+taken as an interruption.
 
-``flax-orbax list DIR | head -1``: once the reader closes the pipe, the rest of the
-output is dropped (stdout then points at ``/dev/null``) and the command finishes what it
-was doing, with its own exit status (``gc``'s removals are done and reported as done,
-``verify``'s damage still exits 1), as a pipe's writer that ignores SIGPIPE does. A
-SIGTERM (a scheduler's, ``timeout``'s) interrupts the command as Ctrl-C does: what it
-was writing is removed, and it exits 143. A stdout or stderr the shell left closed
-(``flax-orbax gc DIR >&-``) is one whose reader is gone from the start: what would go
-there is dropped. The standard library only; installed by ``main`` for a shell's
-command (``main()`` without ``argv``) alone.
+Installed by ``main`` for a shell's command (``main()`` without ``argv``) alone.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin.cli.shell``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The files of a checkpoint and a step: their names on disk and the documents they hold.
 
-Names (FORMAT.md, "Names" and "A checkpoint"): the only place that spells them:
-``d/<i>`` (leaf i's own array), ``b/<p>.<dtype>`` (a batch of small leaves),
-``process_<i>.json`` (a data iterator's state per process), and the JSON files of a
-checkpoint and a step. Chunk names under an array are zarr's (``_zarr.chunks``).
+Records are immutable; any thread.
 
-Documents: ``_METADATA.json`` (:class:`CheckpointDocument`: the document of one
-checkpoint, with the checks across its leaves: unique paths, one consistent pytree,
-batch slots inside their batches) and the commit records, ``_COMMITTED`` of a core
-checkpoint (:class:`CommitMarker`) and ``_CHECKPOINT.json`` of a manager step
-(:class:`StepManifest`). Both commit records are sealed (a checksum of their own
-canonical JSON) and carry the sha256 of every JSON file restore trusts.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout.files``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""Checked JSON: checksums, canonical bytes, bounded parsing and field validators.
+"""Checked JSON (checksums, bounded parsing, validators), dtype names and bounds, and the
+records of one leaf and one batch.
 
-Every record's ``from_json`` validates its fields with the helpers here and raises
-:class:`CorruptCheckpointError` naming the file and the field; :func:`decode` bounds
-what an untrusted file may hold, :func:`decode_checked` and :func:`parse_sealed`
-check the sha256 recorded at commit and a sealed file's own checksum.
+Pure functions over immutable records; any thread.
 
-dtype names, leaf kinds and the bounds of format version 1.
-
-The dtypes zarr3 stores (by numpy name), the leaf kinds a record may have, and the
-limits past which a number in a checkpoint's JSON is damage, not data.
-
-The records of one leaf and one batch of small leaves (``_METADATA.json`` entries).
-
-``from_json`` validates every field (types, ranges, safe names, shapes bounded and
-consistent with the dtype and kind) before anything sized by them is allocated.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout.records``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """``fop.HFShards``: a Hugging Face safetensors set written as an item of a step.
 
-Given to a manager (``CheckpointManager(dir, hf_shards=fop.HFShards(every_steps=K))``),
-it is the checkpointable of item ``name`` (``<step>/hf/``), which the manager adds on
-each saved step that is a multiple of ``every_steps``, holding the value of item
-``item`` (``params``): ``model-0000i-of-0000N.safetensors`` and
-``model.safetensors.index.json`` (and ``config.json`` with ``config=``). It is written
-into the step's staging directory with the other items and committed with the step
-(and removed with it by retention), never on its own.
+Threading: ``save`` on the training thread (the blocking phase), ``Pending.wait`` on the
+manager's background thread, ``restore`` on the caller's.
 
-Each process writes only its own bytes into the final files: the layout (files,
-headers, offsets) comes from the global shapes and dtypes alone (``layout.plan``), so
-every process computes the same; each writes the regions of its addressable shards
-whose ``replica_id`` is 0 (each region once in the whole job) with ``pwrite`` at
-their offsets (``writing``). No tensor is gathered. On an object store, which has no
-ranged writes, a single process assembles each file in memory and writes it whole;
-several processes there are refused (UnsupportedLocationError).
-
-Threading: ``save`` on the training thread (the blocking phase: device-to-host copies
-of this process's regions), ``Pending.wait`` on the manager's background thread,
-``restore`` on the caller's.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.hf_shards.item``.
 """
 
 from __future__ import annotations

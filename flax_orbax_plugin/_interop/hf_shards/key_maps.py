@@ -1,18 +1,8 @@
 """Key maps of Hugging Face shards: leaf path -> tensor name, and whether it is transposed.
 
-A :class:`KeyMap` is an ordered list of rules ``(pattern, replacement)``: the first
-pattern that matches the whole leaf path (``re.fullmatch``) names the tensor
-(``re`` replacement syntax: ``\\1``); a replacement of None leaves the leaf out on
-purpose. A leaf no rule matches is an error listing every such leaf (never silently
-dropped). ``transposes`` are patterns over the leaf path: a matching leaf is written
-with its axes ``(..., in, out)`` as ``(out, in, ...)`` (a Flax ``Dense`` kernel
-``(in, out)`` as a PyTorch ``Linear`` weight ``(out, in)``).
-
-:data:`GPT2` is the built-in map of a GPT-2-shaped Flax model (module names as in
-``docs/safetensors.md``): Flax ``Dense`` kernels are ``(in, out)``, and so are the
-weights of Hugging Face GPT-2's ``Conv1D`` layers (``c_attn``, ``c_proj``, ``c_fc``):
-they are not transposed; only a separate ``lm_head`` (a ``Linear``, ``(out, in)``) is.
 Pure functions over frozen records; any thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.hf_shards.key_maps``.
 """
 
 from __future__ import annotations

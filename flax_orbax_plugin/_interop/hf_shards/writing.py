@@ -1,15 +1,9 @@
 """What one process writes of a Hugging Face shard set: its regions, at their offsets.
 
-:func:`snapshot` (blocking phase, training thread) copies to host the regions of the
-addressable shards with ``replica_id`` 0 (for a host value, process 0 holds it whole);
-:class:`Pending` (background thread) writes them. On local disk every process opens
-each file it writes (``O_CREAT | O_NOFOLLOW`` inside the step's staging directory,
-which this save created under an unpredictable name) and sets it to its final size
-(``ftruncate`` to the same length is idempotent, so the order across processes does
-not matter), process 0 writes the headers, the index and ``config.json``, and each
-process ``pwrite``s its runs; durability is the step's one sync. On an object store
-(one process: ``item`` refuses several) each file is assembled in memory and written
-whole.
+``snapshot`` runs in the blocking phase on the training thread; ``Pending`` writes on the
+background thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.hf_shards.writing``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The remains of an export that died: named by a marker, removed by the next export to
 its folder or by ``flax-orbax gc`` of it.
 
-An export names itself in its output folder before it creates anything there: a
-marker, ``.flax-orbax-export-<nonce>.pending`` (this library, the writer's host and
-process id), and every temporary file it creates carries the same unpredictable nonce
-(``.<final name>.tmp-<nonce>``, :func:`temp_name`); it removes the marker last, once
-its files are in place or removed. A writer that could not clean up (``kill -9``, a
-default SIGTERM) leaves the marker naming it, and :func:`remove_dead` removes, for a
-marker whose writer ran on this host and is gone, the regular files that carry its
-nonce, then the marker. Never a live writer's, nor another host's (whether it lives
-cannot be told), nor a file that does not carry the nonce of a marker of ours.
-
 Threading: stateless; local disk only.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.safetensors.remains``.
 """
 
 from __future__ import annotations
