@@ -75,7 +75,7 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
     (_P + "_incremental.reuse", "_LOGGED"): "what was logged once per store and reason",
     (_P + "_base.regions", "_BEATING"): "the process's heartbeat thread per coordination client",
     (_P + "_storage.deleting", "_CONTEXT"): "the tensorstore context removals share (created once)",
-    (_P + "_core.handle", "_IN_FLIGHT"): (
+    (_P + "_base.host", "_IN_FLIGHT"): (
         "the process's one save_async in flight (a second waits; a restore or verify of "
         "its path waits for it)"
     ),

@@ -68,6 +68,31 @@ def at_exit(step: int, work: Callable[[], bool]) -> None:
         _STEPS.setdefault(step, work)
 
 
+# The process's latest ``fop.save_async`` until nothing of it is left to report (a save
+# that succeeded leaves when it finishes, one that failed when its error was raised): a
+# second save waits for it, a restore or verify of its path too.
+_IN_FLIGHT: list[Any] = []
+
+
+def in_flight(handle: Any) -> None:
+    """``handle`` (a ``SaveHandle``) is the latest save in flight (under the caller's lock)."""
+    _IN_FLIGHT[:] = [handle]
+
+
+def settled(handle: Any) -> None:
+    """``handle`` has nothing left to report: no save or read waits for it any longer."""
+    with contextlib.suppress(ValueError):
+        _IN_FLIGHT.remove(handle)
+
+
+def wait_for_pending_save(location: Any = None) -> None:
+    """Waits for the save in flight (only if it targets ``location``, a Location, when
+    given); re-raises an error that its ``wait()`` has not already reported."""
+    for handle in list(_IN_FLIGHT):
+        if location is None or handle.path == str(location):
+            handle.raise_unreported()
+
+
 def _run() -> None:
     failed = False
     for step in sorted(_STEPS):

@@ -394,6 +394,8 @@ class SaveHandle:
         finally:
             self._target = None  # drop the host snapshot
             self._finished.set()
+            if self._error is None:
+                _host.settled(self)  # nothing to report: a later read need not wait
 
     def done(self) -> bool:
         return self._finished.is_set()
@@ -415,6 +417,7 @@ class SaveHandle:
         self._await(timeout)
         if self._error is not None:
             self._reported = True
+            _host.settled(self)
             raise self._error
         assert self._result is not None
         return self._result
@@ -429,6 +432,7 @@ class SaveHandle:
             if self._reported:
                 return None
             self._reported = True
+            _host.settled(self)
             raise self._error
         return self._result
 
@@ -486,6 +490,7 @@ class SaveHandle:
         else:
             cancelled.set()
         self._reported = True
+        _host.settled(self)
         if self._thread.ident is None:
             return True  # never started: nothing was written
         if threading.current_thread() is not self._thread:
@@ -503,25 +508,8 @@ class SaveHandle:
         self._finished.wait()
         if self._error is not None and not self._reported:
             self._reported = True
+            _host.settled(self)
             raise self._error
-
-
-# The latest ``fop.save_async`` (``save._start`` sets it): a second one waits for it, a
-# restore or verify of its path too.
-_IN_FLIGHT: list[SaveHandle] = []
-
-
-def in_flight(handle: SaveHandle) -> None:
-    """``handle`` is the process's latest ``fop.save_async`` (under the caller's lock)."""
-    _IN_FLIGHT[:] = [handle]
-
-
-def wait_for_pending_save(location: Any = None) -> None:
-    """Waits for the in-flight ``fop.save_async`` (only if it targets ``location``, a
-    Location, when given); re-raises an error that ``wait()`` has not already reported."""
-    for handle in list(_IN_FLIGHT):
-        if location is None or handle.path == str(location):
-            handle.raise_unreported()
 
 
 # Saves whose background phase runs, finished before the interpreter stops its thread

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._base import host as _host
 from .._base import tree as _tree
 from .._base.env import flag
 from .._errors import StructureError, TransformError
@@ -40,7 +41,6 @@ from .._storage.location import Location
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
 from . import formats as _formats
-from . import handle as _handle
 from .formats import DEFAULT_READ_LIMIT_BYTES, ReadRequest
 from .read_agreement import agree_on_read
 from .read_data import read_targets
@@ -75,7 +75,7 @@ def metadata(path: Any) -> _metadata.CheckpointMetadata:
     ``path``; reads no array data (``_reading.restore.metadata`` adds what a foreign
     checkpoint there is)."""
     location = Location.from_path(path)
-    _handle.wait_for_pending_save(location)
+    _host.wait_for_pending_save(location)
     return _metadata.to_public(read_document(location), str(location))
 
 
@@ -154,7 +154,7 @@ def restore_with(path: Any, like: Any, request: ReadRequest) -> Any:
     """:func:`restore` with its modes given as one request (a manager's items, the
     tier): the same read, nothing taken from anywhere but the arguments."""
     location = Location.from_path(path)
-    _handle.wait_for_pending_save(location)
+    _host.wait_for_pending_save(location)
     with _tree.paused_gc():
         return _restore(location, like, request)
 

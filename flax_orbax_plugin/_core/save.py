@@ -23,6 +23,7 @@ import numpy as np
 
 from .._base import distributed as _distributed
 from .._base import env as _env
+from .._base import host as _host
 from .._base import interrupts as _interrupts
 from .._base import tree as _tree
 from .._base.regions import public
@@ -38,9 +39,7 @@ from .handle import (
     Cancellation,
     SaveHandle,
     SaveResult,
-    in_flight,
     raise_if_cancelled,
-    wait_for_pending_save,
 )
 from .plan import Plan, Snapshot, structure_lines
 
@@ -140,7 +139,7 @@ def _start(
     """The blocking phase of :func:`save_async`; appends the handle to ``started`` as
     soon as its background phase runs."""
     with _IN_FLIGHT_LOCK:
-        wait_for_pending_save()  # interruptible: nothing of this save exists yet
+        _host.wait_for_pending_save()  # interruptible: nothing of this save exists yet
         # Ctrl-C is held over the blocking phase proper (never raised inside a callback
         # of JAX or tensorstore, which would drop it) and raised at its end.
         with _interrupts.deferred_sigint():
@@ -178,7 +177,7 @@ def _start(
                 },
             )
             handle = SaveHandle(str(location), job.run, cancelled=cancelled, region=region)
-            in_flight(handle)
+            _host.in_flight(handle)
             handle.start()
             started.append(handle)
         wait_for_data(snap, handle)  # interruptible: the caller's except cancels

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from .._base import host as _host
 from .._base.regions import public
 from .._errors import CheckpointError, OptionError, OptionTypeError
 from .._format import host_copy as _host_copy
@@ -29,7 +30,6 @@ from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
 from .._zarr import regions as _zarr_regions
 from . import formats as _formats
-from . import handle as _handle
 from . import read_data as _read_data
 from . import reads as _reads
 from .reads import make_target
@@ -254,7 +254,7 @@ def check_pytree(
     ``held``: the item of a host's own copy of a step, whose regions alone are read
     (every chunk of them: a missing one is damage) and whose claims are checked for
     the leaves and batches it holds whole."""
-    _handle.wait_for_pending_save(location)
+    _host.wait_for_pending_save(location)
     doc = read_document(location)
     location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
     targets = [make_target(i, rec, None, cast="safe") for i, rec in enumerate(doc.leaves)]

@@ -35,10 +35,10 @@ import jax
 import numpy as np
 
 from .._base import distributed as _distributed
+from .._base import host as _host
 from .._base.env import flag
 from .._base.regions import public
 from .._core import formats as _formats
-from .._core import handle as _handle
 from .._core import restore as _restore
 from .._core.read_agreement import agree_on_read
 from .._core.reads import place
@@ -210,7 +210,7 @@ def _read_place(location: Location, like: Any, request: _formats.ReadRequest) ->
 def _classified(location: Location) -> _steps.Place:
     """What is at ``location``, once this process's save to it (``fop.save_async``) has
     finished: the one classification the front dispatches on."""
-    _handle.wait_for_pending_save(location)
+    _host.wait_for_pending_save(location)
     return _steps.classify(location)
 
 
