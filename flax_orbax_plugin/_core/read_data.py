@@ -21,6 +21,7 @@ from .._base import regions as _regions
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._format import host_copy as _host_copy
 from .._format import layout as _layout
+from .._format import steps as _steps
 from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, CheckpointDocument, batch_dir
 from .._like import onto_like as _onto_like
 from .._storage.location import Location
@@ -238,7 +239,9 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
     # the claims of the saved leaves surgery's leaves are made of are checked too
     made = [t for t in targets if t.virtual is not None]  # surgery's leaves
     checked = targets + (_surgery_reads.sources(made) if made else [])
-    copy = None if request.own_copy else _host_copy.of_item(location)  # read alone
+    # an item of a step read alone (not through its manager) may be one host's copy
+    alone = not request.own_copy and _steps.is_step_name(location.parent.name)
+    copy = _host_copy.of_item(location) if alone else None
     partial = [] if copy is None else copy.partial(location.name, [t.record for t in checked])
     if partial:  # one host's copy (a directory per host) never passes for the whole
         raise copy.refusal(location, partial)
