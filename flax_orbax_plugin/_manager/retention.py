@@ -308,7 +308,7 @@ class Retention(KeepRule):
 
     @property
     def rule(self) -> KeepRule:
-        """The same retention as the composable rules (:func:`from_aliases`), which
+        """The same retention as the composable rules (``from_aliases``), which
         answers for it (the library itself is handed the rule: ``options``)."""
         return from_aliases(vars(self))
 

@@ -363,7 +363,7 @@ class SavePolicy(SaveRule):
 
     @property
     def rule(self) -> SaveRule:
-        """The same policy as the composable objects (:func:`from_aliases`), which
+        """The same policy as the composable objects (``from_aliases``), which
         answers for it (the library itself is handed the rule: ``options``)."""
         return from_aliases(vars(self))
 
