@@ -1,10 +1,8 @@
 """Staging and commit: how a checkpoint (a core pytree or a manager step) becomes visible
-whole or not at all. Used once per commit: items inside a manager step have no commit
-of their own.
+whole or not at all, once per commit (items inside a manager step have none of their own).
 
-Two strategies (rename on filesystems, a marker written last on object stores) and one
-collective protocol (:func:`commit_collectively`: no barrier, two key-value rounds),
-run on the background save thread of every process, in the same order on each.
+Run on the background save thread of every process, in the same order on each
+(:func:`commit_collectively`: no barrier, two key-value rounds).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.commit``.
 """

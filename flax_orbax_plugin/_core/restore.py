@@ -1,23 +1,10 @@
 """Restoring a pytree of this library's own, driven by a ``like`` template, and its plan
-(``dry_run=True``: which saved leaves and index ranges make each leaf of ``like``, built
-from the checked targets, so it is what the read would do).
+(``dry_run=True``: the plan is pure).
 
-``like`` decides the structure and the form of every leaf:
+Threading: reads are issued to tensorstore's own thread pool from the calling thread;
+the host-memory budget bounds the bytes of reads in flight.
 
-* ``None`` (the whole tree or one leaf): numpy arrays / Python scalars on the host,
-  structure rebuilt from the saved paths as nested dicts and lists;
-* a ``jax.Array`` or ``jax.ShapeDtypeStruct`` with a sharding: a jax.Array on that
-  sharding; each process reads exactly the regions its devices need, whatever mesh
-  or device count the checkpoint was written with;
-* a ``jax.ShapeDtypeStruct`` without a sharding: a jax.Array on the default device;
-* a numpy array or scalar, a Python scalar: the same kind of value.
-
-A dtype in ``like`` that differs from the saved one is cast, only where no value
-changes beyond float rounding (see ``_casting``; ``cast="unsafe"`` opts out). With
-``partial=True`` the template may be a subtree; only its leaves are read.
-
-Threading: reads are issued to tensorstore's own thread pool from the calling
-thread; the host-memory budget bounds the bytes of reads in flight (the plan is pure).
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.restore``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The background phase's data, in either format: the files this process writes.
 
-Format version 1 (:func:`write_data`): every zarr.json (primary) and this process's
-chunks. It creates the arrays, starts the links or server-side copies of unchanged
-leaves on helper threads, and writes every other region: plain arrays and batches on
-local disk through ``_zarr.packed_writer`` (no chunk-buffer copy), the rest through
-tensorstore.
+Called on the save's background thread; the format seam (``formats``) picks
+:func:`write_data` (version 1) or :func:`write_packed` (version 2). On any failure no
+write is left in flight.
 
-Format version 2 (:func:`write_packed`): this process's chunks packed into a few data
-files of its item, and their index (``_zarr.packed_writer``). No ``zarr.json`` is
-written and nothing goes through tensorstore's zarr driver: every region is whole
-chunks (the plan aligns them), written by one ``PackedWriter``. An incremental step
-first takes the previous step's data files that hold mostly unchanged leaves
-(``_incremental.packed``) and writes the other leaves after them.
-
-In both, each write is one pending future drained to the memory limit, and on any
-failure no write is left in flight. The format seam (``formats``) picks the one to
-call. Called on the save's background thread.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.write_data``.
 """
 
 from __future__ import annotations

@@ -3,11 +3,10 @@
 One training thread owns a manager (``save`` / ``restore`` / ``wait`` / ``close``); a
 save's writes and commit run on a background thread, retention on a deletion thread;
 a background error is re-raised by the next call. With several processes every
-process makes the same calls in the same order. The work is done by collaborators
-given what they need (``options``, ``save_rules``, ``saving``, ``step_commit``,
-``restoring``, ``retaining``, ``housekeeping``): docs/manager.md, with the layout and
-the threading in full. The options are declared in ``options`` (the docstring and
-signature below come from there: ``signatures``).
+process makes the same calls in the same order. The class's docstring and signature
+come from ``options`` (``signatures``).
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.manager``.
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """The options of CheckpointManager and CheckpointCallback, each declared once, and
-checked once where they enter.
-
-Each declaration (``_base.env.Option``) holds the option's name, type, range or
-choices, default, one-line doc and the names other libraries give it (its
-``aliases``: Orbax's ``CheckpointManagerOptions``, ``flax.training.checkpoints``,
-earlier versions of this library); the fields of the public option objects are
-declared beside them (``save_rules.FIELDS``, ``retention.FIELDS``,
-``tiers.tier_option.FIELDS``) and the manager's shorthands (``keep=``,
-``every_steps=`` ...) are those same declarations. From them come the constructors'
-signatures and docstrings, the table in docs/manager.md (tested to match), the checks
-and the "did you mean" of an unknown keyword.
-
-:func:`check_manager` and :func:`check_callback` check every keyword option by its
-public name before anything is made: a value of the wrong type, out of range, NaN,
-infinite, empty or unknown is an :class:`~flax_orbax_plugin.OptionError`
-(``OptionTypeError`` for a wrong type) naming the option, what it takes and what was
-found (``keep="3"`` names ``keep``, not an internal field when retention first runs).
-An option given in a mode where it does nothing (``keep_every=`` when nothing is
-deleted, any writer's option with ``read_only=True``...) is refused naming both, and so
-is a shorthand given with the object that covers it (``keep=`` with ``retention=``).
-The flat ``persistent_*`` keywords of earlier releases become the ``Tier`` they stand
-for, with a DeprecationWarning naming it. The callback checks its ``manager_options``
-here too (not when the manager is first made).
-
-A save policy and a retention leave this front in one spelling, the rule objects
-(``EverySteps``, ``KeepLast``...): the shorthands, ``SavePolicy`` and ``Retention``
-(anywhere in a composed policy or a Lane) are translated here by their one alias table
-(``save_rules.ALIASES``, ``retention.ALIASES``). :class:`ManagerOptions` is the
-manager's options checked once, as one frozen record.
+checked once where they enter (:func:`check_manager`, :func:`check_callback`: before
+anything is made); a save policy and a retention leave here as rule objects.
 
 Declarations and pure functions; called on the constructing thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.options``.
 """
 
 from __future__ import annotations

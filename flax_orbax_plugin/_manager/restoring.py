@@ -1,16 +1,10 @@
 """Restorer: reads a step of a manager's directory back.
 
-:meth:`Restorer.restore` tries the candidates newest first (both tiers: the
-persistent one's copied down first), sets a damaged step aside and goes on to the
-next (past one an environmental error shuts too: warned, never set aside);
-:meth:`Restorer.with_step` marks the step as being read (never deleted meanwhile by
-this manager's retention), a step deleted by another process is a StepDeletedError;
-then the names to restore are chosen (``items``, ``like``'s items, or all), each
-item is read by its checkpointable, and a resume that leaves the saved data position
-out is warned about once.
+Threading: the training thread (``CheckpointManager.restore``), after the in-flight
+save was waited for; :meth:`Restorer.with_step` marks the step as being read (never
+deleted meanwhile by this manager's retention).
 
-Threading: the training thread (``CheckpointManager.restore``), after the
-in-flight save was waited for.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.restoring``.
 """
 
 from __future__ import annotations

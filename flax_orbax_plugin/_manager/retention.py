@@ -1,32 +1,8 @@
 """Retention as small composable objects: which committed steps a manager keeps.
 
-Each rule is a frozen value asked :meth:`KeepRule.kept` about the committed steps
-(ascending) and the :class:`StepFacts` the manager knows of them; a step survives
-when any rule keeps it (``a | b`` is :class:`KeepAny`, the union). Steps not kept are
-deleted by the retention runner (``retaining``), except the protected ones (the newest,
-the one just written, those being read or not yet replicated).
-
-* :class:`KeepLast` ``(n)``: the ``n`` highest steps;
-* :class:`KeepEvery` ``(k)``: every step divisible by ``k``, forever;
-* :class:`KeepBest` ``(n, metric=, mode=)``: the ``n`` steps with the best finite
-  ``extras[metric]`` (``mode`` "min" or "max"; ties go to the newer step); a step
-  without one, or whose metric is NaN or infinite (a diverged run), is never best;
-* :class:`KeepFor` ``(seconds)``: the steps this manager saved less than ``seconds``
-  ago (its clock, as of its latest save); a step whose save time it does not know
-  (one of an earlier run) is kept: an age rule never removes what it cannot date.
-
-These objects are the one spelling of a retention inside the library. The flat
-spellings (the manager's ``keep=``, ``keep_every=``, ``keep_best=``, ``best_metric=``,
-``best_mode=``, the callback's ``keep=``, a Tier's ``keep=``/``keep_every=``, the CLI's
-``gc --keep``, and the public :class:`Retention` holding the same fields) are aliases,
-declared once (:data:`ALIASES`, :func:`from_aliases`) and translated where they enter
-(the options front, the tier, ``gc``): the retention runner is only ever given the
-objects. Each field is declared once (:data:`FIELDS`), so a bad value is refused with
-the same words in either spelling; with neither ``keep`` nor ``keep_best`` nothing is
-deleted. :func:`steps_to_delete` is a pure function of the step list (tested without
-storage); ``protected`` steps are never deleted.
-
 Pure values; any thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.retention``.
 """
 
 from __future__ import annotations
@@ -332,7 +308,7 @@ class Retention(KeepRule):
 
     @property
     def rule(self) -> KeepRule:
-        """The same retention as the composable rules (:func:`from_aliases`), which
+        """The same retention as the composable rules (``from_aliases``), which
         answers for it (the library itself is handed the rule: ``options``)."""
         return from_aliases(vars(self))
 

@@ -1,44 +1,10 @@
 """Save policies as small composable objects: which steps a CheckpointManager saves.
 
-Each policy is a frozen value asked one question, :meth:`SaveRule.wants`, about one
-:class:`Moment` (the step, the time, what the manager knows of its last save); it
-holds no state, so one policy may be shared between managers.
-
-* :class:`EverySteps` ``(n)``: ``step % n == 0``;
-* :class:`EverySeconds` ``(t)``: ``t`` seconds since the last save (or the first
-  decision: the first call starts the clock, as CLU's periodic actions do);
-* :class:`AtSteps` ``(steps)``: these steps;
-* :class:`OnPreemption` ``()``: the step every process agreed to save before stopping
-  (``preemption``: jax's sync point with several processes), once;
-* :class:`InitialSave` ``()``: the first step asked about when the directory holds no
-  step;
-* :class:`Continuous` ``(max_overhead_percent=p)``: whenever the previous save is done
-  and the time the last save blocked the loop is at most ``p`` percent of the time since
-  it started (the manager's own timings, on its clock);
-* :class:`AnyOf` / :class:`AllOf` (``a | b``, ``a & b``).
-
-These objects are the one spelling of a save policy inside the library. The flat
-spellings (the manager's and the callback's ``every_steps=``, ``every_seconds=``,
-``steps=``, and the public :class:`SavePolicy` holding the same fields) are aliases,
-declared once (:data:`ALIASES`, :func:`from_aliases`) and translated by the options
-front (``options``): :class:`SaveSchedule` is only ever given the objects. With no
-rule set every call saves; ``save(step, ..., ignore_policy=True)`` saves whatever the
-policy says. Each field is declared once (:data:`FIELDS`), so a bad value is refused
-with the same words in either spelling.
-
-:class:`SaveSchedule` asks the policy on the manager's clock (``clock=``, a
-SavePolicy's own, or ``t`` from the caller: tests need no sleeps) and keeps what it is
-asked about: the time the last save began and how long it blocked the loop. A decision
-that depends on the time or on the save in flight (:attr:`SaveRule.uses_time`, or a
-retention that dates steps) is taken by the primary and shared with every process with
-its time (the step's save time is then the same everywhere); the others depend only on
-the step and on what every process knows alike. The preemption notice
-(``handle_sigterm``, or an ``OnPreemption`` policy: see ``preemption``) answers which
-step is the one to save before stopping.
-
 The rules and SavePolicy are pure values (any thread). SaveSchedule: the training
 thread only; with several processes every process asks for every step, in order
 (``should_save`` or ``save`` once per step).
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.save_rules``.
 """
 
 from __future__ import annotations
@@ -397,7 +363,7 @@ class SavePolicy(SaveRule):
 
     @property
     def rule(self) -> SaveRule:
-        """The same policy as the composable objects (:func:`from_aliases`), which
+        """The same policy as the composable objects (``from_aliases``), which
         answers for it (the library itself is handed the rule: ``options``)."""
         return from_aliases(vars(self))
 

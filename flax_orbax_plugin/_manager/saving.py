@@ -1,13 +1,13 @@
 """Saver: one step of a manager's directory, from its items to its commit.
 
 ``CheckpointManager.save`` calls, in order, on the training thread:
-:meth:`Saver.check_new_step` (steps increase; a foreign entry's name is never taken),
-:func:`collect_items`, then :meth:`Saver.start`: the blocking phase of every item
-(device-to-host snapshot, iterator state, JSON; a StructureError names its item), then
-one background thread (a :class:`SaveHandle`) that writes, commits (``step_commit``)
-and does the bookkeeping after the commit: the step joins the book, the commit is
-logged, the persistent tier and retention are told. At most one save is in flight
-(:attr:`Saver.inflight`); its error is re-raised once, by :meth:`Saver.wait`."""
+:meth:`Saver.check_new_step`, :func:`collect_items`, then :meth:`Saver.start` (every
+item's blocking phase, then one background :class:`SaveHandle` that writes, commits and
+does the bookkeeping). At most one save is in flight (:attr:`Saver.inflight`); its
+error is re-raised once, by :meth:`Saver.wait`.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.saving``.
+"""
 
 from __future__ import annotations
 

@@ -1,28 +1,11 @@
-"""A step's items that are not pytrees (``step``, ``extras``, ``data_iterator``, any JSON
-item), pointed at on their own: ``fop.restore(DIR/<step>/extras)`` returns the JSON
-value, ``fop.metadata`` describes the item, and the CLI lists, inspects and verifies it.
+"""Reading any checkpoint (this library's own, a step's JSON item, or an Orbax directory):
+the front of ``fop.restore``, ``fop.metadata`` and ``fop.restore_params``.
 
-They hold no ``_METADATA.json`` (that is a pytree's): the reading fronts call these
-functions where ``_format.steps.classify`` found such an item (its step's manifest
-read once, carried in the ``StepItem``), never the native reader. Each item is read by
-the built-in checkpointable of its kind, exactly as ``CheckpointManager.restore``
-reads it, its JSON checked against the checksum in the step manifest. Safe from any
-thread.
+``restore`` and ``metadata`` first wait for this process's save to the path. A JSON
+item's read is safe from any thread; ``restore_params`` from any thread and any
+process, even while a manager writes to the directory.
 
-Reading any checkpoint: this library's own, a step's JSON item, or an Orbax directory.
-
-The front of ``fop.restore`` and ``fop.metadata``: it waits for this process's save to
-the path, classifies what is there once (``_format.steps.classify``) and dispatches
-on that: the native reader (``_core.restore``), a step's JSON item (below)
-or the Orbax reader (``_interop.orbax_reader``), none of which knows the others; any
-other place is an error that says what is there. Restoring this library's
-checkpoints costs no listing.
-
-Serving: restore the params of a step alone, onto any device layout.
-
-Opens nothing of a step but its manifest and ``params/`` (listing the directory and
-checking which steps hold a manifest). Safe to call from any thread and any process,
-even while a manager writes to the directory.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._reading.restore``.
 """
 
 from __future__ import annotations
