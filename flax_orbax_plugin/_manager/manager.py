@@ -60,14 +60,12 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
     # __init__'s docstring and signature: from option_table.MANAGER (signatures.document)
 
     def __init__(self, directory: Any, **options: Any):
-        spans = not options.get("read_only")
-        with _distributed.collective("manager-open", spans=spans) as region:  # _base.regions
+        spans, stall_s = not options.get("read_only"), _options.open_stall(options)
+        with _distributed.collective("manager-open", spans=spans, stall_s=stall_s) as region:
             opts = _options.ManagerOptions.build(directory, options)
             self._loc, self._stall_s = opts.location, opts.stall_timeout
             self._unheld = set(opts.overrides) - {getattr(opts.hf_shards, "name", None)}
-            if region is not None:  # the open's own waits; its operations' scope (lifecycle)
-                region.stall_s = opts.stall_timeout
-            self._scope = None if region is None else region.tag
+            self._scope = None if region is None else region.tag  # its operations' (lifecycle)
             self._schedule = SaveSchedule(
                 opts.policy,
                 opts.clock,
