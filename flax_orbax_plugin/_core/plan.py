@@ -275,12 +275,9 @@ def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> L
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    """The layout of one save, identical on every process (:meth:`build`): its leaves
-    and batches, the request (every mode of the save: format, budget, own copy,
-    reuse...), the format picked from it and the digest compared across processes.
-    :meth:`snapshot` (once) copies this process's bytes into the :class:`Snapshot`;
-    the leaves pass to it (the host copy fills their writes): the plan is not used after.
-    """
+    """The layout of one save, identical on every process (:meth:`build`), with its
+    request (every mode of the save), format and digest. :meth:`snapshot` (once) makes
+    the :class:`Snapshot`; the leaves pass to it (their writes filled): the plan is done."""
 
     leaves: list[Leaf]
     batches: dict[str, BatchRecord]
@@ -370,13 +367,10 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Snapshot:
-    """This process's host copy of one save (made by :meth:`Plan.snapshot`): what the
-    background phase needs, :meth:`write` called once, on one background thread.
-
-    Its fields are fixed; only what it holds is handed on as it is written: the writers
-    take ``batch_data``, the leaves' writes are dropped and the pooled buffers given
-    back once written, and ``data_written`` is set then. ``staging``: how the blocking
-    phase copied; ``write_first``: the save returns only once its data is written."""
+    """This process's host copy of one save (:meth:`Plan.snapshot`), all the background
+    phase needs: :meth:`write` once, on one thread, hands on what it holds (batches taken,
+    writes dropped, buffers given back) and sets ``data_written``. ``staging``: how the
+    blocking phase copied; ``write_first``: the save returns once its data is written."""
 
     leaves: list[Leaf]
     batches: dict[str, BatchRecord]

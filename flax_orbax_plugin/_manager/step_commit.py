@@ -66,13 +66,10 @@ __all__ = [
 
 
 class StepBook:
-    """The step records of the manager on ``location`` (see the module docstring).
-
-    Built whole, once the writer's open resolved what it is given (a reader: nothing):
-    ``events`` (where every collaborator's events go), the persistent ``tier`` (opened),
-    ``per_host`` (each host has its own directory, see per_host), ``run`` (the run owning
-    the places, the primary's, shared: each host's marker names it) and ``writer`` (the
-    writer's lock or lease; before_commit); these are never set again."""
+    """The step records of the manager on ``location`` (see the module docstring), built
+    once the writer's open resolved the opened ``tier``, ``per_host`` (see per_host), the
+    ``run`` owning the places (each host's marker names it) and the ``writer``'s lock or
+    lease (a reader: none of them); ``events``: where every collaborator's go."""
 
     def __init__(
         self,
