@@ -283,7 +283,7 @@ class Format(Protocol):
     ) -> tuple:
         """Writes this process's data of ``snap`` (a Snapshot) under ``location``:
         ``leaves``, its leaves as stored (sub-byte ones packed); ``found``: the reuse
-        plan (``Plan._unchanged``) or None. Returns (bytes written, {file: sha256} to
+        plan (``Snapshot._unchanged``) or None. Returns (bytes written, {file: sha256} to
         record in the commit marker, bytes reused)."""
 
     def reuser(self, location: Location) -> Any:
@@ -347,7 +347,7 @@ class ChunkFiles:
             primary=primary,
             limit=snap.request.limit,
             links=links,
-            cancelled=snap.cancelled,
+            cancelled=snap.request.cancelled,
         )
         return written, {}, reused
 
@@ -404,7 +404,7 @@ class DataFiles:
             limit=snap.request.limit,
             data_file_bytes=snap.request.data_file_bytes,
             budget=snap.request.host_memory_budget,
-            cancelled=snap.cancelled,
+            cancelled=snap.request.cancelled,
             reuse=None if found is None else _files_reuse(location, *found),
         )
 

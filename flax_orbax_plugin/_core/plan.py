@@ -11,11 +11,11 @@ The layout of one save: a record per leaf and the batches of small leaves.
 
 :meth:`Plan.build` classifies every leaf and decides its storage (its own array, or
 a slot in the batch of its writer process and dtype), identically on every process;
-:meth:`Plan.snapshot` takes this process's host copy (``host_snapshot``) and
-:meth:`Plan.write` is the background phase, through the format the request names
-(``formats``: picked once, at build). Call order: build and snapshot on the caller's
-thread, then write on one background thread. Every mode is the frozen request's; no
-field is set from outside after build.
+:meth:`Plan.snapshot` takes this process's host copy (``host_snapshot``) into a
+:class:`Snapshot`, whose :meth:`Snapshot.write` is the background phase, through the
+format the request names (``formats``: picked once, at build). Call order: build and
+snapshot on the caller's thread, then write on one background thread. Every mode is
+the frozen request's; both are frozen, built whole.
 """
 
 from __future__ import annotations
@@ -272,30 +272,17 @@ def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> L
     )
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    """The layout of one save, identical on every process, plus this process's snapshot.
+    """The layout of one save, identical on every process (:meth:`build`), with its
+    request (every mode of the save), format and digest. :meth:`snapshot` (once) makes
+    the :class:`Snapshot`; the leaves pass to it (their writes filled): the plan is done."""
 
-    After :meth:`snapshot` it is the :class:`Snapshot` handed to the background phase.
-    ``request``: every mode of the save (format, budget, own copy, reuse...), fixed.
-    """
-
-    def __init__(self, leaves: list[Leaf], batches: dict[str, BatchRecord], request: SaveRequest):
-        self.leaves = leaves
-        self.batches = batches
-        self.request = request
-        self.format = _formats.for_version(request.format_version)  # picked once, here
-        self.batch_data: dict[str, np.ndarray | _packed_writer.Gathered] = {}
-        if _distributed.process_count() > 1:  # compared across processes; else unused
-            for leaf in leaves:
-                leaf.value_digest = _host_value(leaf)
-        self.digest = _digest(leaves)
-        self._pool: _host.BufferPool | None = None
-        self._pooled: list[np.ndarray] = []  # taken from _pool, given back after write
-        self.write_first = False  # the save returns only once its data is written
-        self.staging = _host_snapshot.Staging()  # how the blocking phase copied (snapshot)
-        self._take_later = False  # the device staging: the host copy is the write's
-        self.data_written = threading.Event()  # this process's data written (or failed)
-        self.cancelled = request.cancelled  # set: the save was cancelled (Ctrl-C)
+    leaves: list[Leaf]
+    batches: dict[str, BatchRecord]
+    request: SaveRequest
+    format: _formats.Format
+    digest: str
 
     @classmethod
     def build(cls, tree: Any, request: SaveRequest) -> Plan:
@@ -304,6 +291,7 @@ class Plan:
         leaves: list[Leaf] = []
         batching = _Batching()
         size = DocumentSize()
+        compared = _distributed.process_count() > 1  # small host values: else unused
         for index, (path, keys, raw) in enumerate(flat):
             kind, value, impl = classify(path, raw)
             keys = tuple(keys)
@@ -315,24 +303,27 @@ class Plan:
                 leaves.append(Leaf(index, None, LeafRecord(path, keys, kind)))
                 continue
             record = _data_record(path, keys, kind, value, impl, codec, batching)
-            leaves.append(Leaf(index, value, record))
+            shown = _host_value(value) if compared else None
+            leaves.append(Leaf(index, value, record, value_digest=shown))
         size.check()
-        return cls(leaves, batching.records(codec), request)
+        version = _formats.for_version(request.format_version)  # picked once, here
+        return cls(leaves, batching.records(codec), request, version, _digest(leaves))
 
-    def snapshot(self) -> None:
+    def snapshot(self) -> Snapshot:
         """The blocking phase's copy of every byte this process writes: into the
         request's buffers where it has them and no host memory budget (given back by
-        :meth:`write`); for a host's own directory every byte this process holds.
+        :meth:`Snapshot.write`); for a host's own directory every byte this process holds.
 
         Small leaves are read first. Accelerator arrays then take the platform's
-        staging (``device_copy``, said in :attr:`staging`): with the device staging only
-        a copy on the device is made here and their host copy runs in :meth:`write`;
-        nothing here reads a device value after that copy is enqueued."""
+        staging (``device_copy``, said in ``Snapshot.staging``): with the device staging
+        only a copy on the device is made here and their host copy runs in
+        :meth:`Snapshot.write`; nothing here reads a device value after that copy is
+        enqueued."""
         req = self.request
         budget = req.host_memory_budget
-        self._pool = None if budget is not None else req.buffers
-        self.batch_data, self._pooled = _host_snapshot.take_small(
-            self.leaves, self.batches, self._pool, req.own_copy
+        pool = None if budget is not None else req.buffers
+        batch_data, pooled = _host_snapshot.take_small(
+            self.leaves, self.batches, pool, req.own_copy
         )
         big = [  # the leaves stored as arrays of their own (another process's small too)
             leaf
@@ -349,29 +340,48 @@ class Plan:
         if kind == "device":  # every jax.Array (a CPU one too) copied where it lives
             arrays = [leaf for leaf in big if isinstance(leaf.value, jax.Array)]
             copies, note = _host_snapshot.snapshot([leaf.value for leaf in arrays])
-            if copies is not None:
+            if copies is None:
+                kind = "host"  # the device lacks the memory: copied to host now, said why
+            else:
                 for leaf, copy in zip(arrays, copies, strict=True):
                     leaf.value = copy  # its own copy: no donation touches it
                 for leaf in big:  # the caller may change a numpy array on return
                     if isinstance(leaf.value, np.ndarray):
                         leaf.value = leaf.value.copy()
-                self.staging = _host_snapshot.Staging("device")
-                self._take_later = True
-                return
-            kind = "host"  # the device lacks the memory: copied to host now, said why
-        self.staging = _host_snapshot.Staging(kind, note)
-        self._take(kind)
-
-    def _take(self, kind: str) -> None:
-        pooled, self.write_first = _host_snapshot.take_regions(
+        # the device staging: the host copy is the write's (from the device copy)
+        write_first = kind != "device" and _take(self.leaves, self.batches, pool, req, kind, pooled)
+        return Snapshot(
             self.leaves,
             self.batches,
-            self._pool,
-            self.request.own_copy,
-            self.request.host_memory_budget,
-            device_kind=kind,
+            req,
+            self.format,
+            self.digest,
+            batch_data,
+            pool,
+            pooled,
+            _host_snapshot.Staging(kind, note),
+            write_first,
         )
-        self._pooled += pooled
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Snapshot:
+    """This process's host copy of one save (:meth:`Plan.snapshot`), all the background
+    phase needs: :meth:`write` once, on one thread, hands on what it holds (batches taken,
+    writes dropped, buffers given back) and sets ``data_written``. ``staging``: how the
+    blocking phase copied; ``write_first``: the save returns once its data is written."""
+
+    leaves: list[Leaf]
+    batches: dict[str, BatchRecord]
+    request: SaveRequest
+    format: _formats.Format
+    digest: str
+    batch_data: dict[str, np.ndarray | _packed_writer.Gathered]
+    pool: _host.BufferPool | None
+    pooled: list[np.ndarray]  # taken from ``pool``, given back after write
+    staging: _host_snapshot.Staging
+    write_first: bool
+    data_written: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def document(self) -> CheckpointDocument:
         return CheckpointDocument(
@@ -399,17 +409,16 @@ class Plan:
             return self._write(location, durable=durable)
         finally:
             self.data_written.set()
-            if self._pool is not None:  # tensorstore reads none of them any more
-                self._pool.give_back(self._pooled)
-            self._pooled = []
+            if self.pool is not None:  # tensorstore reads none of them any more
+                self.pool.give_back(self.pooled)
+            self.pooled.clear()
             for leaf in self.leaves:  # views of the state: jax may donate its buffers now
                 leaf.writes = []
-            self.batch_data = {}
+            self.batch_data.clear()
 
     def _write(self, location, *, durable) -> _commit.Written:
-        if self._take_later:  # the device staging: the host copy, from the device copy
-            self._take_later = False
-            self._take("fetch")
+        if self.staging.kind == "device":  # the host copy, from the device copy
+            _take(self.leaves, self.batches, self.pool, self.request, "fetch", self.pooled)
         primary = _distributed.is_primary() or self.request.own_copy
         reuse = self.request.reuse
         if self.format.copies_before_writing or reuse is not None:  # every region first
@@ -487,7 +496,15 @@ class Plan:
         return way, source, unchanged
 
 
-Snapshot = Plan
+def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) -> bool:
+    """The regions of the leaves stored as arrays of their own, copied as ``kind`` says
+    (``host_snapshot.take_regions``), their pooled buffers added to ``pooled``; whether
+    the save must wait for its data to be written before it returns."""
+    more, write_first = _host_snapshot.take_regions(
+        leaves, batches, pool, request.own_copy, request.host_memory_budget, device_kind=kind
+    )
+    pooled += more
+    return write_first
 
 
 def _stored_leaves(leaves: list[Leaf], found):
@@ -542,9 +559,8 @@ def _digest(leaves: list[Leaf]) -> str:
     return h.hexdigest()
 
 
-def _host_value(leaf: Leaf) -> str | None:
-    """A short digest of a small host leaf's bytes (None for any other leaf)."""
-    value = leaf.value
+def _host_value(value: Any) -> str | None:
+    """A short digest of a small host value's bytes (None for any other value)."""
     if isinstance(value, np.ndarray) and value.nbytes <= 1 << 16:
         return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:12]
     return None

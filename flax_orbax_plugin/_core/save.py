@@ -287,9 +287,9 @@ def snapshot(tree: Any, request: SaveRequest) -> Snapshot:
     with _tree.paused_gc():
         plan = Plan.build(tree, request)
     _env.pause_point("snapshot")
-    plan.snapshot()
+    snap = plan.snapshot()
     _env.kill_point("after_snapshot")
-    return plan
+    return snap
 
 
 def pool_sizes(like: Any, request: SaveRequest) -> list[int]:

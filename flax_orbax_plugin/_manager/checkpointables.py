@@ -293,11 +293,11 @@ class Checkpointable(Protocol):
 class _Done:
     """A Pending whose work runs, once, when waited on (or is already done)."""
 
-    def __init__(self, fn: Callable[[], Any] | None = None, digest: str = ""):
+    def __init__(self, fn: Callable[[], Any] | None = None, digest: str = "", snap: Any = None):
         self._fn = fn
         self._result: Any = None
         self.digest = digest  # of the saved structure, compared across processes
-        self.snap: Any = None  # a pytree item's snapshot (see PytreeCheckpointable.save)
+        self.snap = snap  # a pytree item's snapshot (see PytreeCheckpointable.save)
 
     def wait(self) -> Any:
         if self._fn is not None:
@@ -340,9 +340,8 @@ class PytreeCheckpointable:
         if self.format_version is not None:
             own["format_version"] = self.format_version
         snap = _save.snapshot(value, request.replace(**own) if own else request)
-        done = _Done(lambda: snap.write(directory, durable=False), snap.digest)
-        done.snap = snap  # the manager waits for its data under a budget (write_first)
-        return done
+        # the snapshot: the manager waits for its data under a budget (write_first)
+        return _Done(lambda: snap.write(directory, durable=False), snap.digest, snap)
 
     def pool_sizes(self, like: Any, request: SaveRequest = _SAVE) -> list[int]:
         """The pooled buffers' sizes one :meth:`save` of a value like ``like`` takes."""

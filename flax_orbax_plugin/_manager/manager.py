@@ -37,6 +37,7 @@ from . import housekeeping as _housekeeping
 from . import options as _options
 from . import per_host as _per_host
 from . import signatures as _signatures
+from .events import Events
 from .lifecycle import Lifecycle, leave_at_exit
 from .options import MANAGER
 from .restoring import Restorer
@@ -59,20 +60,28 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
     # __init__'s docstring and signature: from options.MANAGER (signatures.document)
 
     def __init__(self, directory: Any, **options: Any):
-        spans = not options.get("read_only")
-        with _distributed.collective("manager-open", spans=spans) as region:  # _base.regions
+        spans, stall_s = not options.get("read_only"), _options.open_stall(options)
+        with _distributed.collective("manager-open", spans=spans, stall_s=stall_s) as region:
             opts = _options.ManagerOptions.build(directory, options)
             self._loc, self._stall_s = opts.location, opts.stall_timeout
             self._unheld = set(opts.overrides) - {getattr(opts.hf_shards, "name", None)}
-            if region is not None:  # the open's own waits; its operations' scope (lifecycle)
-                region.stall_s = opts.stall_timeout
-            self._scope = None if region is None else region.tag
-            self._schedule = SaveSchedule(opts.policy, opts.clock, opts.retention.uses_time)
+            self._scope = None if region is None else region.tag  # its operations' (lifecycle)
+            self._schedule = SaveSchedule(
+                opts.policy,
+                opts.clock,
+                opts.retention.uses_time,
+                context=lambda: (bool(self._book.known()), self._saver.in_flight),
+            )
             self._async, self._read_only = opts.async_save, opts.read_only
             self._supersede = opts.supersede  # False, "preemption" or True
             self._replaced = False  # the save in flight replaced a cancelled one
             self._buffers = _host.BufferPool() if opts.reuse_host_buffers else None  # asked for
-            self._book = StepBook(self._loc, on_event=opts.on_event)
+            _housekeeping.refuse_step_directory(self._loc)
+            opts.check_reader()
+            refuse_foreign_run(self._loc, writing=not opts.read_only)  # before anything
+            events = Events(opts.on_event)  # where every collaborator's events go
+            opened = {} if opts.read_only else self._open(opts, events, region)
+            self._book = StepBook(self._loc, events, **opened)  # built whole, once opened
             self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
             self._saver = Saver(
                 self._loc,
@@ -87,36 +96,47 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             )
             reader = (self._loc, opts.overrides, self._book, opts.read_only, opts.host_memory)
             self._restorer = Restorer(*reader)
-            self._schedule.context = lambda: (bool(self._book.known()), self._saver.in_flight)
             self._closed = False
             self._parts: StepParts | None = None  # a step being saved in parts (step_parts)
-            _housekeeping.refuse_step_directory(self._loc)
-            opts.check_reader()
-            refuse_foreign_run(self._loc, writing=not opts.read_only)  # before anything
             if not opts.read_only:
-                self._open(opts, region)
+                self._start(opts)
 
-    def _open(self, opts: _options.ManagerOptions, region: _distributed.Region | None) -> None:
-        """A writer's open, in the open's ``region``: the options every process shares,
-        lock, housekeeping, deletion thread, tier, SIGTERM."""
+    def _open(self, opts: _options.ManagerOptions, events: Events, region) -> dict[str, Any]:
+        """A writer's open, in the open's ``region``, before the book is built: the
+        options every process shares, lock, housekeeping, tier; returns what the book is
+        built with. The tier opens before the saver exists (its run is the book's): it
+        tells ``events``, and its ``busy`` says no save until the saver is built."""
         _agreement.check_same_options(opts, region)  # before anything is touched
         tier, path = opts.tier, None if opts.tier is None else opts.tier.path
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version, region)
-        self._book.per_host = own  # each host's own directory (docs/tiers.md)
-        self._book.writer = _housekeeping.open_writer(self._loc, own=own, region=region)
+        writer = _housekeeping.open_writer(self._loc, own=own, region=region)
+        opened: dict[str, Any] = {"per_host": own, "writer": writer}  # own: docs/tiers.md
         try:  # several processes on a local path: the same directory on every host
-            self._retainer.start(busy=lambda: self._saver.busy)  # a save runs: fewer deletes
             if tier is None:
                 _shared_dir.check_visible(self._loc, region)
-            else:
-                self._book.tier = tier.open(
-                    self._loc,
-                    remove_step=_ownership.remove_step,
-                    busy=lambda: self.save_in_flight,
-                    per_host=own,
-                    host_memory=opts.host_memory,  # bounds the tier's copies too
-                )
-                _per_host.open_tier(self._book, self.steps(), region)
+                return opened
+            opened["tier"] = tier.open(
+                self._loc,
+                remove_step=_ownership.remove_step,
+                busy=lambda: "_saver" in vars(self) and self.save_in_flight,
+                per_host=own,
+                host_memory=opts.host_memory,  # bounds the tier's copies too
+            )
+            opened["run"] = _per_host.open_tier(self._loc, opened["tier"], own, events, region)
+            return opened
+        except BaseException:  # the others learn of it at once: waits for none of them
+            if "tier" in opened:
+                opened["tier"].close(0, raise_errors=False)
+            if writer is not None:  # no lock file left where there was none
+                writer.discard()
+                writer.release()
+            raise
+
+    def _start(self, opts: _options.ManagerOptions) -> None:
+        """A writer's open, once its collaborators are built: deletion thread, SIGTERM,
+        the policy's clock, the exit hook."""
+        try:
+            self._retainer.start(busy=lambda: self._saver.busy)  # a save runs: fewer deletes
             self._schedule.watch(handle_sigterm=opts.handle_sigterm)  # or OnPreemption()
             self._schedule.resume_clock(lambda: _housekeeping.saved_at(self._loc, self.steps()))
             leave_at_exit(self)  # a program ending without close(): see there

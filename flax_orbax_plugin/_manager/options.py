@@ -476,6 +476,16 @@ def _refuse_both(given: Mapping[str, Any]) -> None:
             )
 
 
+def open_stall(given: Mapping[str, Any]) -> float | None:
+    """The stall timeout of the manager open's own waits, from ``given`` before its
+    region is drawn; None where it is no valid one (:func:`check_manager` refuses it
+    then, in the region: the other processes learn of it)."""
+    try:
+        return STALL_TIMEOUT.check(given.get("stall_timeout"))
+    except (OptionError, TypeError):
+        return None
+
+
 def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     """The manager's keyword options ``given`` (public names) checked: unknown names
     refused ("did you mean"), the flat ``persistent_*`` turned into a Tier (warned),

@@ -229,31 +229,35 @@ def detect(
     return own
 
 
-def open_tier(book: Any, local_steps: list[int], region: _distributed.Region | None) -> None:
-    """Collective (in the manager open's ``region``): opens ``book.tier`` with the local
-    steps (each host's own directory: those every host holds, of this run alike on every
-    host) and shares the run owning the places; then every host's own directory is claimed
-    for that run (see :func:`claim_directory`), all processes raising alike when one is
-    another run's."""
-    if book.per_host:
-        mine = _open_view(book.location, local_steps)
+def open_tier(
+    loc: Location, tier: Any, own: bool, events: Any, region: _distributed.Region | None
+) -> str | None:
+    """Collective (in the manager open's ``region``), before the manager's book is built:
+    opens ``tier`` with the local steps of ``loc`` (``own``, each host's own directory:
+    those every host holds, of this run alike on every host), telling ``events``, and
+    returns the run owning the places (shared; None unless ``own``); then every host's
+    own directory is claimed for that run (see :func:`claim_directory`), all processes
+    raising alike when one is another run's."""
+    local_steps = _steps.committed_steps(loc)
+    if own:
+        mine = _open_view(loc, local_steps)
         views = _distributed.gather_json("per-host-open", mine, region=region)
         local_steps = _queued(views)
-    book.tier.open(local_steps, events=book.events, region=region)
-    if book.per_host:
-        op = _distributed.next_operation_id("per-host-run", region=region)
-        book.run = _distributed.broadcast_str(op, json.dumps(book.tier.run_id), region=region)
-        book.run = json.loads(book.run)
-        error = None
-        if not _distributed.is_primary():  # the primary's: its run owner checked it
-            try:
-                claim_directory(book.location, book.run, book.listed())
-            except CheckpointError as e:
-                error = e
-        where = f"the open of {book.location}"
-        _distributed.agree("per-host-claim", error, region=region, what=where)
-        # A full copy from the bucket holds every region: readable with any layout.
-        book.tier.mark_copies(lambda step: host_marker(step, book.run, COPY_LAYOUT))
+    tier.open(local_steps, events=events, region=region)
+    if not own:
+        return None
+    op = _distributed.next_operation_id("per-host-run", region=region)
+    run = json.loads(_distributed.broadcast_str(op, json.dumps(tier.run_id), region=region))
+    error = None
+    if not _distributed.is_primary():  # the primary's: its run owner checked it
+        try:
+            claim_directory(loc, run, _steps.committed_steps(loc))
+        except CheckpointError as e:
+            error = e
+    _distributed.agree("per-host-claim", error, region=region, what=f"the open of {loc}")
+    # A full copy from the bucket holds every region: readable with any layout.
+    tier.mark_copies(lambda step: host_marker(step, run, COPY_LAYOUT))
+    return run
 
 
 def _open_view(loc: Location, steps: list[int]) -> dict:

@@ -397,6 +397,7 @@ class SaveSchedule:
         policy: SaveRule,
         clock: Callable[[], float] = time.monotonic,
         shares_time: bool = False,
+        context: Callable[[], tuple[bool, bool]] = lambda: (False, False),
     ):
         self._rule = policy
         self.clock = clock
@@ -406,7 +407,7 @@ class SaveSchedule:
         self._saved_any = False  # this schedule recorded a save
         self._preemption_saved = False  # OnPreemption saves the agreed step once
         self.preemption_step: int | None = None  # the step saved for it (replicated)
-        self.context: Callable[[], tuple[bool, bool]] = lambda: (False, False)
+        self.context = context
         self.preemption: Preemption | None = None  # see preemption
         self.stops = False  # handle_sigterm: the preemption step's save ends the run
 

@@ -30,7 +30,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
@@ -66,17 +66,24 @@ __all__ = [
 
 
 class StepBook:
-    """The step records of the manager on ``location`` (see the module docstring)."""
+    """The step records of the manager on ``location`` (see the module docstring), built
+    once the writer's open resolved the opened ``tier``, ``per_host`` (see per_host), the
+    ``run`` owning the places (each host's marker names it) and the ``writer``'s lock or
+    lease (a reader: none of them); ``events``: where every collaborator's go."""
 
-    def __init__(self, location: Location, *, on_event: Callable[[Any], Any] | None = None):
+    def __init__(
+        self,
+        location: Location,
+        events: Events,
+        *,
+        tier: PersistentTier | None = None,
+        per_host: bool = False,
+        run: str | None = None,
+        writer: Any = None,
+    ):
         self.location = location
-        self.tier: PersistentTier | None = None  # set once, when the manager opens it
-        # Set once at open: each host has its own directory (see per_host), and the run
-        # owning the places (the primary's, shared), which each host's marker names.
-        self.per_host = False
-        self.run: str | None = None
-        self.writer: Any = None  # the writer's lock or lease (set at open; before_commit)
-        self.events = Events(on_event)  # where every collaborator's events go
+        self.events = events
+        self.tier, self.per_host, self.run, self.writer = tier, per_host, run, writer
         self.lock = threading.Lock()  # guards the fields below
         self._reading: collections.Counter[int] = collections.Counter()
         self._deleting: set[int] = set()
