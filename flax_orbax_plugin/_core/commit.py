@@ -24,6 +24,7 @@ from .._errors import CheckpointError, CoordinationError, SaveCancelledError
 from .._storage.location import Location
 from . import handle as _handle
 from . import ownership as _ownership
+from .formats import Written
 
 logger = logging.getLogger("flax_orbax_plugin")
 STALE_SECONDS = 3600.0  # a staging directory untouched this long belongs to a dead save
@@ -150,17 +151,6 @@ def is_dead(staging: Location) -> bool:
     if _handle.writer_gone(staging) or _handle.abandoned(staging):
         return True
     return time.time() - staging.newest_mtime() > STALE_SECONDS
-
-
-@dataclasses.dataclass(frozen=True)
-class Written:
-    """What one process wrote: array bytes and ``{relative JSON file: sha256}``; plus the
-    array bytes it hard-linked or copied on the server from the previous step instead
-    (incremental steps)."""
-
-    bytes_written: int = 0
-    files: dict[str, str] = dataclasses.field(default_factory=dict)
-    bytes_reused: int = 0
 
 
 def commit_collectively(

@@ -54,6 +54,7 @@ __all__ = [
     "of_document",
     "read_limit",
     "version_for",
+    "Written",
 ]
 
 # The format a save writes when none is asked for (FORMAT.md: version 2, data files;
@@ -254,6 +255,17 @@ def check_verify(**options: Any) -> dict[str, Any]:
 def check_serving(**options: Any) -> dict[str, Any]:
     """``fop.restore_params``'s options of :data:`SERVING`, checked."""
     return check(SERVING, options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What one process wrote: array bytes and ``{relative JSON file: sha256}``; plus the
+    array bytes it hard-linked or copied on the server from the previous step instead
+    (incremental steps)."""
+
+    bytes_written: int = 0
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+    bytes_reused: int = 0
 
 
 class Format(Protocol):

@@ -55,7 +55,6 @@ from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunks as _chunks
 from .._zarr import packed_writer as _packed_writer
-from . import commit as _commit
 from . import formats as _formats
 from . import host_snapshot as _host_snapshot
 from .formats import SaveRequest
@@ -393,7 +392,7 @@ class Snapshot:
             self.format.version,
         )
 
-    def write(self, location: Location, *, durable: bool = True) -> _commit.Written:
+    def write(self, location: Location, *, durable: bool = True) -> _formats.Written:
         """Background phase: this process's chunks (and, on the primary, every zarr.json
         and ``_METADATA.json``); with ``durable``, made durable (one syncfs; a manager
         step syncs once for all its items instead). Commits nothing.
@@ -416,7 +415,7 @@ class Snapshot:
                 leaf.writes = []
             self.batch_data.clear()
 
-    def _write(self, location, *, durable) -> _commit.Written:
+    def _write(self, location, *, durable) -> _formats.Written:
         if self.staging.kind == "device":  # the host copy, from the device copy
             _take(self.leaves, self.batches, self.pool, self.request, "fetch", self.pooled)
         primary = _distributed.is_primary() or self.request.own_copy
@@ -441,7 +440,7 @@ class Snapshot:
         if durable:
             location.sync()
             _env.kill_point("after_sync")
-        return _commit.Written(written, files, reused)
+        return _formats.Written(written, files, reused)
 
     def _encode(self, out: concurrent.futures.Future) -> None:
         """``_METADATA.json``'s bytes (compact; the checksum is of these bytes)."""

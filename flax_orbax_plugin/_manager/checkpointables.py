@@ -23,8 +23,7 @@ from .._base.env import outside_stacklevel
 from .._core import formats as _formats
 from .._core import restore as _restore
 from .._core import save as _save
-from .._core.commit import Written
-from .._core.formats import ReadRequest, SaveRequest
+from .._core.formats import ReadRequest, SaveRequest, Written
 from .._errors import CheckpointError, CorruptCheckpointError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps

@@ -39,8 +39,8 @@ from .._base.env import found
 from .._core import commit as _commit
 from .._core import handle as _handle
 from .._core import ownership as _ownership
-from .._core.commit import Staging, Written
-from .._core.formats import SaveRequest
+from .._core.commit import Staging
+from .._core.formats import SaveRequest, Written
 from .._core.handle import raise_if_cancelled
 from .._core.plan import structure_lines
 from .._core.save import SaveResult

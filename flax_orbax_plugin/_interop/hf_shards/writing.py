@@ -19,7 +19,7 @@ import numpy as np
 
 from ..._base import distributed as _distributed
 from ..._base import env as _env
-from ..._core.commit import Written
+from ..._core.formats import Written
 from ..._core.handle import raise_if_cancelled
 from ..._errors import StructureError
 from ..._format import layout as _layout
