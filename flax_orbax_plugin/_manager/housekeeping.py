@@ -12,9 +12,9 @@ import os
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._core import commit as _commit
 from .._core import handle as _handle
 from .._core import ownership as _ownership
+from .._core import save as _save
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import layout as _layout
 from .._format import steps as _steps
@@ -124,7 +124,7 @@ def _remove_dead_staging(loc: Location, listing: Any, stuck: dict[str, str]) -> 
         kinds = loc.child_kinds()
         for name in listing.foreign:
             if kinds.get(name) == "dir" and _steps.SAVE_STAGING_RE.match(name):
-                if not _commit.is_dead(loc.child(name)):
+                if not _save.is_dead(loc.child(name)):
                     continue  # its save may still run: not ours to touch yet
                 gone, why = _ownership.remove_leftover(
                     loc.child(name), what="staging of an interrupted save"

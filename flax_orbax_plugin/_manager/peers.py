@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 
 from .._base import distributed as _distributed
 from .._core import ownership as _ownership
-from .._core.commit import Staging
+from .._core.save import Staging
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE

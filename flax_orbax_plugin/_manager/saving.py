@@ -24,10 +24,9 @@ from .._base import host as _host
 from .._base import interrupts as _interrupts
 from .._core import formats as _formats
 from .._core import ownership as _ownership
-from .._core.commit import Staging
 from .._core.formats import SaveRequest
 from .._core.handle import Cancellation
-from .._core.save import SaveHandle, SaveResult, wait_for_data
+from .._core.save import SaveHandle, SaveResult, Staging, wait_for_data
 from .._errors import CheckpointError, SaveCancelledError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps

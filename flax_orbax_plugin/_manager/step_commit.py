@@ -17,7 +17,7 @@ of its own; when every process has made its files durable (``write``), the prima
 writes the manifest and commits the step once (``publish``: rename on filesystems,
 the manifest as the marker on object stores); a failure anywhere removes what this
 save wrote (``abort``), never the step it was replacing. The collective protocol
-is ``_core.commit.commit_collectively``; this module supplies the three steps.
+is ``_core.save.commit_collectively``; this module supplies the three steps.
 
 Threading: built on the training thread, :meth:`StepCommit.run` on the save's
 background thread (every process runs it, with the same operation id).
@@ -36,14 +36,13 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base.env import found
-from .._core import commit as _commit
 from .._core import handle as _handle
 from .._core import ownership as _ownership
-from .._core.commit import Staging
+from .._core import save as _save
 from .._core.formats import SaveRequest, Written
 from .._core.handle import raise_if_cancelled
 from .._core.plan import structure_lines
-from .._core.save import SaveResult
+from .._core.save import SaveResult, Staging
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE, ItemEntry, StepManifest
@@ -315,7 +314,7 @@ class StepCommit:
             old = _steps.read_manifest(staging.final)
             self._old_dirs = {e.dir for e in old.items.values()}
         self._op, self._region = op, region
-        written = _commit.commit_collectively(
+        written = _save.commit_collectively(
             op,
             what=f"step {self._step} of {self._loc}",
             step=self._step,

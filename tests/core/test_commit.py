@@ -1,6 +1,6 @@
 """One step, one commit, with several real processes (jax.distributed on 127.0.0.1).
 
-The protocol (``flax_orbax_plugin/_core/commit.py``): no barrier and two key-value rounds per
+The protocol (``flax_orbax_plugin/_core/save.py``): no barrier and two key-value rounds per
 manager step, whatever the number of items; a step commits only when every process
 reported the same step and tree structure; a fully replicated state saves with several
 processes, its chunks written in disjoint parts by the replicas.

@@ -16,7 +16,7 @@ import time
 from ..._base import distributed as _distributed
 from ..._base import env as _env
 from ..._core import ownership as _ownership
-from ..._core.commit import Staging
+from ..._core.save import Staging
 from ..._core.verify import verify_step, window_bytes
 from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
 from ..._format import steps as _steps

@@ -14,7 +14,7 @@ import secrets
 import time
 
 from ..._core import ownership as _ownership
-from ..._core.commit import Staging
+from ..._core.save import Staging
 from ..._errors import (
     CoordinationError,
     CorruptCheckpointError,

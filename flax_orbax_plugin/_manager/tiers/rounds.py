@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from ..._base import distributed as _distributed
-from ..._core.commit import Staging
+from ..._core.save import Staging
 from ..._errors import CheckpointError, ReplicationError
 from ..._format import steps as _steps
 from ..._format.layout import MANIFEST_FILE
