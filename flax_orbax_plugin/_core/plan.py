@@ -40,7 +40,6 @@ from .._base import host as _host
 from .._base import tree as _tree
 from .._errors import StructureError
 from .._format import layout as _layout
-from .._format import metadata as _metadata
 from .._format.layout import (
     METADATA_FILE,
     ArrayStorage,
@@ -266,9 +265,7 @@ def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> L
         shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
         chunk = _arrays.chunk_shape(shard_shape, dtype.itemsize, must_divide=is_partitioned(value))
         storage = ArrayStorage(tuple(chunk), codec, _layout.packable(name, shape, chunk))
-    return LeafRecord(
-        path, keys, kind, shape, name, _metadata.describe_sharding(sharding), storage, impl
-    )
+    return LeafRecord(path, keys, kind, shape, name, describe_sharding(sharding), storage, impl)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -563,3 +560,34 @@ def _host_value(value: Any) -> str | None:
     if isinstance(value, np.ndarray) and value.nbytes <= 1 << 16:
         return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:12]
     return None
+
+
+def describe_sharding(sharding: Any) -> dict[str, Any] | None:
+    """A JSON description of a jax sharding (informational; restore uses ``like``)."""
+    if sharding is None:
+        return None
+    return _describe_sharding(sharding)
+
+
+@functools.lru_cache(maxsize=1024)
+def _describe_sharding(sharding: Any) -> dict[str, Any]:
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = []
+        for entry in sharding.spec:
+            if entry is None or isinstance(entry, str):
+                spec.append(entry)
+            else:
+                spec.append(list(entry))
+        return {
+            "type": "NamedSharding",
+            "mesh_axis_names": list(sharding.mesh.axis_names),
+            "mesh_shape": [int(s) for s in sharding.mesh.devices.shape],
+            "spec": spec,
+        }
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return {"type": "SingleDeviceSharding"}
+    return {
+        "type": type(sharding).__name__,
+        "fully_replicated": bool(sharding.is_fully_replicated),
+        "num_devices": len(sharding.device_set),
+    }

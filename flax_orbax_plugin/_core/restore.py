@@ -173,7 +173,7 @@ def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
     saved = [rec.path for rec in doc.leaves if rec.kind not in _transform.NO_DATA]
     if like is None:
         return _as_saved(location, doc, request, saved)
-    return _onto_like(location, doc, like, request, saved)
+    return _read_onto_like(location, doc, like, request, saved)
 
 
 def _as_saved(location: Location, doc, request: ReadRequest, saved: list[str]) -> Any:
@@ -196,7 +196,7 @@ def _as_saved(location: Location, doc, request: ReadRequest, saved: list[str]) -
     return _tree.rebuild([(list(t.record.keys), t.result) for t in targets])
 
 
-def _onto_like(location: Location, doc, like: Any, request: ReadRequest, saved: list[str]) -> Any:
+def _read_onto_like(location: Location, doc, like: Any, request: ReadRequest, saved: list[str]) -> Any:
     """The saved leaves (renamed, made by the surgery) matched to ``like``'s and read onto
     them; a leaf ``like`` keeps (``missing="keep"``) is its own."""
     opts = request.changes

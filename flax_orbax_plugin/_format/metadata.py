@@ -7,43 +7,9 @@ frozen result types users see, and describes jax shardings as JSON.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
-import jax
-
 from .layout import CheckpointDocument
-
-
-def describe_sharding(sharding: Any) -> dict[str, Any] | None:
-    """A JSON description of a jax sharding (informational; restore uses ``like``)."""
-    if sharding is None:
-        return None
-    return _describe_sharding(sharding)
-
-
-@functools.lru_cache(maxsize=1024)
-def _describe_sharding(sharding: Any) -> dict[str, Any]:
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = []
-        for entry in sharding.spec:
-            if entry is None or isinstance(entry, str):
-                spec.append(entry)
-            else:
-                spec.append(list(entry))
-        return {
-            "type": "NamedSharding",
-            "mesh_axis_names": list(sharding.mesh.axis_names),
-            "mesh_shape": [int(s) for s in sharding.mesh.devices.shape],
-            "spec": spec,
-        }
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return {"type": "SingleDeviceSharding"}
-    return {
-        "type": type(sharding).__name__,
-        "fully_replicated": bool(sharding.is_fully_replicated),
-        "num_devices": len(sharding.device_set),
-    }
 
 
 @dataclasses.dataclass(frozen=True)
