@@ -53,8 +53,9 @@ def main() -> None:
 
     import flax_orbax_plugin as fop
     from flax_orbax_plugin._core import formats as F
-    from flax_orbax_plugin._core import read_data, restore
     from flax_orbax_plugin._core import reads as targets
+    from flax_orbax_plugin._core import restore as read_data
+    from flax_orbax_plugin._core import restore as restore
     from flax_orbax_plugin._format import steps
     from flax_orbax_plugin._zarr import chunks as packed_index
     from flax_orbax_plugin._zarr import packed_reader

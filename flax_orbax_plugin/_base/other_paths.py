@@ -1,5 +1,5 @@
 """A process that took another path: its collective operation of the number this one
-waits in is of another kind (seen in its heartbeat, ``_base/liveness.py``), so it never
+waits in is of another kind (seen in its heartbeat, ``_base/regions.py``), so it never
 makes this call. Two processes get there when an error reached one of them at another
 point than the others (it went on to close while they saved the next step, say), or
 when a collective call was made on some processes only; each then waited for the

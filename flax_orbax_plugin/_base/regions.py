@@ -481,7 +481,7 @@ def collective(
     one process may make alone); no region is drawn (the body gets None). With one
     process: None too. Each call draws a new region, nested or not: internals that
     continue an operation are handed its region instead of entering this. ``stall_s``:
-    the stall timeout of the region's waits (see ``_base/liveness.py``); ``scope``: the
+    the stall timeout of the region's waits (see ``_base/regions.py``); ``scope``: the
     region's (see :class:`Region`). Call it on the thread that makes the SPMD calls."""
     _host.refuse_if_detected(kind)  # every public save and restore enters here
     if not spans or jax.process_count() == 1:

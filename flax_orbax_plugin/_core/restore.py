@@ -1,37 +1,475 @@
-"""Restoring a pytree of this library's own, driven by a ``like`` template, and its plan
-(``dry_run=True``: the plan is pure).
+"""Restoring a pytree of this library's own, driven by a ``like`` template (and its
+plan: ``dry_run=True`` is pure), down to the reads of its targets (arrays, shards,
+batches) through the format.
 
-Threading: reads are issued to tensorstore's own thread pool from the calling thread;
-the host-memory budget bounds the bytes of reads in flight.
+Threading: reads are issued from the calling thread to tensorstore's pool and the chunk
+reader's threads; callbacks run on the calling thread; the host-memory budget bounds
+the bytes of reads in flight.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.restore``.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
+import math
 from typing import Any
+
+import jax
+import numpy as np
 
 from .._base import distributed as _distributed
 from .._base import host as _host
+from .._base import regions as _regions
 from .._base import tree as _tree
 from .._base.env import flag
-from .._errors import StructureError, TransformError
+from .._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StructureError,
+    TransformError,
+)
+from .._format import host_copy as _host_copy
 from .._format import layout as _layout
 from .._format import metadata as _metadata
+from .._format import steps as _steps
+from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, CheckpointDocument, batch_dir
 from .._format.steps import read_document
 from .._like import onto_like as _like
+from .._like import onto_like as _onto_like
 from .._like import surgery as _surgery
 from .._like import surgery_mirrors as _surgery_mirrors
 from .._like import transform as _transform
 from .._like.surgery_plan import PlanEntry, RestorePlan, full_box
 from .._storage.location import Location
+from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
 from . import formats as _formats
-from .formats import DEFAULT_READ_LIMIT_BYTES, ReadRequest
+from . import surgery_reads as _surgery_reads
+from .formats import DEFAULT_READ_LIMIT_BYTES, ReadRequest, read_slice
 from .read_agreement import agree_on_read
-from .read_data import read_targets
-from .reads import Target, add_missing_empties, make_target
+from .reads import (
+    Reader,
+    ReadInto,
+    Target,
+    add_missing_empties,
+    corrupt,
+    deleted_or,
+    finish,
+    make_target,
+    opened,
+    sharding_of,
+)
+
+# Needed leaves closer than this many inner chunks are read as one run (the gap is
+# read too: one request instead of two).
+RUN_GAP_INNER_CHUNKS = 1
+
+
+class _Batch:
+    """One batch's reads for a restore: the leaves wanted, how to read one alone."""
+
+    def __init__(self, reader: Reader, location, batch: BatchRecord, fail, errors, direct):
+        self.reader, self.location, self.batch = reader, location, batch
+        self.fail, self.errors, self.direct = fail, errors, direct
+        self.dtype = _layout.dtype_from_name(batch.dtype)
+        self.store = None
+
+    def read_each(self, targets: list[Target]) -> None:
+        """One read per leaf (tensorstore, or the packed reader's batch files)."""
+        for target in targets:
+            off, size = target.record.storage.offset, target.record.storage.size
+
+            def done(data, target=target):
+                finish(target, data, self.reader.placer)
+
+            self.reader.submit(
+                ReadInto(self.store[off : off + size], self.dtype)
+                if self.store is not None
+                else read_slice(self.direct, self.batch, off, size),
+                size * self.dtype.itemsize,
+                done,
+                self.fail([target.record.path]),
+            )
+
+    def locate(self, targets: list[Target], error: Exception) -> None:
+        """After ``error`` reading ``targets`` together: reads them one by one to name
+        the damaged ones (all of them where no single read fails)."""
+        errors, before = self.errors, len(self.errors)
+        self.read_each(targets)
+        self.reader.drain(0)
+        if len(errors) == before:
+            errors.append(corrupt([t.record.path for t in targets], self.location, error))
+        else:
+            bad = [str(e) for e in errors[before:]]
+            del errors[before:]
+            paths = [t.record.path for t in targets if any(repr(t.record.path) in b for b in bad)]
+            errors.append(corrupt(paths, self.location, error))
+
+
+def read_batch(reader: Reader, location, batch: BatchRecord, members, fail, errors, fmt, direct):
+    """Reads the ``members`` (targets) of ``batch`` in format ``fmt`` through ``direct``
+    (its reader); damage goes to ``errors`` (via ``fail(paths)``), naming the leaves."""
+    one = _Batch(reader, location, batch, fail, errors, direct)
+    paths = [t.record.path for t in members]
+    try:
+        one.store = fmt.batch_store(location, batch, direct, paths)
+    except fmt.batch_damage as e:  # version 2: a shard missing, too long, not its index's
+        errors.append(corrupt(paths, location, e))
+        return
+    if fmt.reads_batch_runs(direct, batch):
+        for target in members:
+            if not target.record.storage.size:  # nothing stored
+                finish(target, np.empty(0, one.dtype), reader.placer)
+        stored = [t for t in members if t.record.storage.size]
+        for run in _runs(stored, batch.inner):
+            _read_run(one, run)
+        return
+    if sum(t.record.storage.size for t in members) * 2 < batch.size:
+        one.read_each(members)
+        return
+
+    def done_all(data):
+        for target in members:
+            off, size = target.record.storage.offset, target.record.storage.size
+            finish(target, data[off : off + size], reader.placer)
+
+    if direct is not None and batch.codec is None:
+        sub, inner = batch_dir(batch.name), batch.inner
+        whole = direct.read_batch(sub, batch.size, int(batch.chunk), inner, one.dtype)
+    else:
+        whole = ReadInto(one.store, one.dtype)
+    reader.submit(
+        whole, batch.size * one.dtype.itemsize, done_all, lambda e: one.locate(members, e)
+    )
+
+
+def _runs(members: list[Target], inner: int) -> list[list[Target]]:
+    """The members by offset, in runs whose gaps are under ``RUN_GAP_INNER_CHUNKS``
+    inner chunks."""
+    ordered = sorted(members, key=lambda t: t.record.storage.offset)
+    runs: list[list[Target]] = []
+    stop = 0
+    for target in ordered:
+        off, size = target.record.storage.offset, target.record.storage.size
+        if not runs or off > stop + RUN_GAP_INNER_CHUNKS * inner:
+            runs.append([])
+        runs[-1].append(target)
+        stop = max(stop, off + size)
+    return runs
+
+
+class _FilePart:
+    """The ``k``-th file of a ranged batch read, as a future of the whole buffer."""
+
+    def __init__(self, read, k: int):
+        self.read, self.k = read, k
+
+    def result(self) -> np.ndarray:
+        self.read.futures[self.k].result()
+        return self.read.out
+
+
+def _read_run(one: _Batch, run: list[Target]) -> None:
+    """Reads the inner chunks under one run of leaves; each file's leaves (those that
+    end in it) are finished once it is read, unless a file they touch failed."""
+    batch, chunk = one.batch, int(one.batch.chunk)
+    start = run[0].record.storage.offset
+    stop = max(t.record.storage.offset + t.record.storage.size for t in run)
+    inner = batch.inner
+    read = one.direct.read_batch_range(
+        batch_dir(batch.name), batch.size, chunk, inner, one.dtype, start, stop
+    )
+    by_file: dict[int, list[Target]] = {}
+    for target in run:
+        off, size = target.record.storage.offset, target.record.storage.size
+        by_file.setdefault((off + size - 1) // chunk, []).append(target)
+    failed: dict[int, Exception] = {}
+
+    def done(data, s):
+        good, hit = [], []
+        for target in by_file.get(s, []):
+            first = target.record.storage.offset // chunk
+            (hit if any(f in failed for f in range(first, s + 1)) else good).append(target)
+        for target in good:
+            off = target.record.storage.offset - read.first
+            finish(target, data[off : off + target.record.storage.size], one.reader.placer)
+        if hit:
+            one.locate(hit, next(failed[f] for f in sorted(failed)))
+
+    def failed_file(error, s):
+        failed[s] = error
+        if by_file.get(s):
+            one.locate(by_file[s], error)
+
+    for k, s in enumerate(read.files):
+        nbytes = (read.ends[k] - max(read.first, s * chunk)) * one.dtype.itemsize
+        one.reader.submit(
+            _FilePart(read, k),
+            nbytes,
+            lambda data, s=s: done(data, s),
+            lambda error, s=s: failed_file(error, s),
+        )
+
+
+def read_targets(location: Location, doc: CheckpointDocument, targets: list, request: ReadRequest):
+    """Reads every target's data into ``target.result``, as ``request`` says (reads in
+    flight, shared reads, a host's own copy).
+
+    When the processes read together (a target placed on devices of several processes,
+    or a leaf read shared, ``request.share_reads``: each process reads its rows, then an
+    all-gather) this is collective: the processes agree on the outcome of their reads
+    before any all-gather, so a read that fails on one process (damage in a region only
+    it reads, an I/O error) raises on every process, naming it, rather than the others
+    going on with a state that process lacks, or waiting in the all-gather. Host arrays
+    alone are no collective (one process may read alone); the manager's restore also
+    agrees per step (``Restorer._agreed``)."""
+    # from the targets and the request alone: the same on every process
+    collective = _collective(targets, request.share_reads)
+    error = None
+    shared: list = []
+    try:
+        shared = _read_targets_inner(location, doc, targets, request)
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        # damage, or (version 2: its indexes are read now) the checkpoint gone meanwhile
+        error = deleted_or(location, e)
+    except Exception as e:  # noqa: BLE001  (re-raised below, after the agreement)
+        error = e
+    if collective:
+        where = f"restore of {location}"
+        _distributed.agree("restore-read", error, region=request.region, what=where)
+    elif error is not None:
+        raise error
+    for target, sharding in shared:  # collective, in the same order on every process
+        target.result = _replicate(sharding)(target.result)
+
+
+def _collective(targets: list, share_reads: bool) -> bool:
+    """Whether reading ``targets`` is a read by several processes together (see
+    read_targets): a leaf read shared (then all-gathered), or placed on devices of
+    other processes. Not for each host's own directory (``share_reads`` off), where
+    every process reads alone and the manager agrees per step."""
+    if not share_reads or _distributed.process_count() == 1:
+        return False
+    for t in targets:
+        if t.record.kind in _layout.NO_DATA_KINDS:
+            continue
+        sharding = sharding_of(t)
+        if sharding is not None and not sharding.is_fully_addressable:
+            return True
+        batched = isinstance(t.record.storage, BatchStorage)
+        if not batched and _shared_read_sharding(sharding, t.record.shape) is not None:
+            return True
+    return False
+
+
+def _read_targets_inner(location, doc: CheckpointDocument, targets: list, request: ReadRequest):
+    fmt = _formats.of_document(doc)  # picked once, from the metadata
+    # the claims of the saved leaves surgery's leaves are made of are checked too
+    made = [t for t in targets if t.virtual is not None]  # surgery's leaves
+    checked = targets + (_surgery_reads.sources(made) if made else [])
+    # an item of a step read alone (not through its manager) may be one host's copy
+    alone = not request.own_copy and _steps.is_step_name(location.parent.name)
+    copy = _host_copy.of_item(location) if alone else None
+    partial = [] if copy is None else copy.partial(location.name, [t.record for t in checked])
+    if partial:  # one host's copy (a directory per host) never passes for the whole
+        raise copy.refusal(location, partial)
+    direct = fmt.open(location, doc, checked, own_copy=request.own_copy)
+    try:
+        with _regions.ACTIVITIES.doing(f"reading {location}", moving=True) as progress:
+            return _read_targets_with(location, doc, targets, request, fmt, direct, progress)
+    finally:
+        if direct is not None:
+            direct.close()
+
+
+def read_region(fmt, store, target: Target, direct, region=None):
+    """A read of ``region`` (global; None: all) of a stored array in format ``fmt``
+    through ``direct`` (its reader): straight from its chunk files where they are plain
+    (local, uncompressed) and the region is whole chunks, else through tensorstore or
+    the data files' reader; a packed (sub-byte) leaf's stored bytes, unpacked; a leaf
+    surgery made, as the regions of the saved leaves it covers (``store``: their
+    ``SavedReads``)."""
+    record = target.record
+    if target.virtual is not None:  # made by surgery: ``store`` reads the saved leaves
+        return _surgery_reads.VirtualRead(target.virtual, region, store)
+    if _chunks.is_packed(record):
+        inner, width, skip = _chunks.stored_region(record, region)
+        read = fmt.read_stored(store, target.index, _chunks.stored(record), direct, inner)
+        return _chunks.Unpacked(read, record, width, skip)
+    return fmt.read_stored(store, target.index, record, direct, region)
+
+
+def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct, progress):
+    reader = Reader(request.memory_limit_bytes, progress)  # progress: read by the heartbeat
+    errors: list[CorruptCheckpointError] = []
+    by_batch: dict[str, list[Target]] = collections.defaultdict(list)
+    shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)
+    saved_reads = None  # the saved leaves that surgery's leaves read, if there are any
+    if any(t.virtual is not None for t in targets):
+        saved_reads = _surgery_reads.SavedReads(location, doc, fmt, direct, read_region, targets)
+
+    def fail(paths):
+        return lambda e: errors.append(corrupt(paths, location, e))
+
+    opening = {}  # every array's zarr.json read at once (a format with them: version 1)
+    for target in targets:
+        record = target.record
+        if isinstance(record.storage, ArrayStorage) and fmt.array_specs:
+            spec = _arrays.leaf_spec(location, target.index, record)
+            opening[target.index] = _arrays.open_for_read(spec)
+    for target in targets:
+        record = target.record
+        if record.kind in _layout.NO_DATA_KINDS:
+            continue
+        if isinstance(record.storage, BatchStorage):
+            by_batch[record.storage.batch].append(target)
+            continue
+        if target.virtual is not None:
+            store = saved_reads
+        else:
+            future = opening.pop(target.index, None)
+            store = None if future is None else opened(future, location, [record.path])
+        nbytes = record.nbytes
+        sharding = sharding_of(target)
+        rows = _shared_read_sharding(sharding, record.shape) if request.share_reads else None
+        if rows is not None:  # each process reads 1/P; an all-gather replicates it
+            shared.append((target, sharding))
+            _read_shards(reader, store, target, rows, fail([record.path]), fmt, direct)
+        elif sharding is None or sharding.is_fully_replicated or nbytes == 0:
+
+            def done(data, target=target):
+                finish(target, data, reader.placer)
+
+            reader.submit(
+                read_region(fmt, store, target, direct), nbytes, done, fail([record.path])
+            )
+        else:
+            _read_shards(reader, store, target, sharding, fail([record.path]), fmt, direct)
+    for name, members in by_batch.items():
+        read_batch(reader, location, doc.batches[name], members, fail, errors, fmt, direct)
+    reader.drain(0)
+    reader.placer.flush()
+    if errors:
+        raise deleted_or(location, errors[0])
+    return shared  # the all-gathers are read_targets', after the agreement
+
+
+def _shared_read_sharding(sharding: Any, shape: tuple[int, ...]) -> Any:
+    """For a leaf replicated over several processes: the sharding that splits its rows
+    over every device (each process then reads only its devices' rows), or None where
+    that does not apply (one process, not replicated, rows not divisible)."""
+    if (
+        _distributed.process_count() == 1
+        or not isinstance(sharding, jax.sharding.NamedSharding)
+        or not sharding.is_fully_replicated
+        or not shape
+        or shape[0] % sharding.mesh.size
+    ):
+        return None
+    return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(tuple(sharding.mesh.axis_names))
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _replicate(sharding: Any):
+    """An all-gather onto ``sharding`` (jax's collectives: the interconnect, or gloo on
+    CPU), as one jitted identity."""
+    return jax.jit(lambda x: x, out_shardings=sharding)
+
+
+def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt, direct) -> None:
+    """Reads only the regions this process's devices need; assembles a global jax.Array."""
+    shape = target.record.shape
+    by_index: dict[tuple, list] = collections.defaultdict(list)
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index)
+        by_index[key].append((device, index))
+    pieces: list[jax.Array] = []
+    remaining = [len(by_index)]
+    itemsize = target.dtype.itemsize
+    if target.virtual is None:
+        box = _bounding_box(list(by_index), shape, target.record.storage.chunk_shape)
+    else:  # made by surgery: read as one box unless every region is whole saved chunks
+        regions = [tuple(_bounds(k, shape)) for k in by_index]
+        aligned = len(regions) < 2 or _surgery_reads.on_chunks(target.virtual, regions)
+        box = None if aligned else _bounding_box(list(by_index), shape, shape)
+    if box is not None:  # this process's regions tile one box: read it once
+        box_index = tuple(slice(lo, hi) for lo, hi in box)
+
+        def done_box(data):
+            if data.dtype != target.out_dtype:
+                _onto_like.check(target.record.path, data, target.out_dtype, cast=target.cast)
+                data = data.astype(target.out_dtype)
+            for key, devices in by_index.items():
+                rel = tuple(
+                    slice(lo - blo, hi - blo)
+                    for (lo, hi), (blo, _) in zip(_bounds(key, shape), box, strict=True)
+                )
+                pieces.extend(
+                    jax.device_put(data[rel], _on(device, sharding)) for device, _ in devices
+                )
+            target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+        nbytes = math.prod(hi - lo for lo, hi in box) * itemsize
+        reader.submit(
+            read_region(fmt, store, target, direct, box_index), nbytes, done_box, on_error
+        )
+        return
+
+    for key, devices in by_index.items():
+        index = devices[0][1]
+        nbytes = math.prod(hi - lo for lo, hi in _bounds(key, shape)) * itemsize
+
+        def done(data, devices=devices):
+            if data.dtype != target.out_dtype:
+                _onto_like.check(target.record.path, data, target.out_dtype, cast=target.cast)
+                data = data.astype(target.out_dtype)
+            pieces.extend(jax.device_put(data, _on(device, sharding)) for device, _ in devices)
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+        reader.submit(read_region(fmt, store, target, direct, index), nbytes, done, on_error)
+
+
+def _on(device: Any, sharding: Any) -> Any:
+    """Where one shard goes: ``device``, in the memory ``sharding`` asks for (a
+    ``pinned_host`` target's pieces must be there too, or jax refuses to assemble them)."""
+    kind = getattr(sharding, "memory_kind", None)
+    return device if kind is None else jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+
+
+def _bounds(key: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    return [(lo or 0, shape[d] if hi is None else hi) for d, (lo, hi) in enumerate(key)]
+
+
+def _bounding_box(
+    keys: list[tuple], shape: tuple[int, ...], chunk: tuple[int, ...]
+) -> list[tuple[int, int]] | None:
+    """The box around several regions when a stored chunk straddles two of them and they
+    (nearly) fill the box, so one read serves them all and no chunk is read twice.
+    Regions that fall on chunk boundaries are read separately, each straight into its
+    own buffer (no extra copy)."""
+    if len(keys) < 2 or not shape:
+        return None
+    regions = [_bounds(k, shape) for k in keys]
+    aligned = all(
+        lo % c == 0 and (hi % c == 0 or hi == n)
+        for r in regions
+        for (lo, hi), c, n in zip(r, chunk, shape, strict=True)
+    )
+    if aligned:
+        return None
+    box = [
+        (min(r[d][0] for r in regions), max(r[d][1] for r in regions)) for d in range(len(shape))
+    ]
+    volume = lambda b: int(np.prod([hi - lo for lo, hi in b], dtype=np.int64))
+    needed = sum(volume(r) for r in regions)
+    return box if volume(box) <= needed * 1.125 else None
 
 
 def entry_of(target: Target, path: str) -> PlanEntry:
@@ -196,7 +634,9 @@ def _as_saved(location: Location, doc, request: ReadRequest, saved: list[str]) -
     return _tree.rebuild([(list(t.record.keys), t.result) for t in targets])
 
 
-def _read_onto_like(location: Location, doc, like: Any, request: ReadRequest, saved: list[str]) -> Any:
+def _read_onto_like(
+    location: Location, doc, like: Any, request: ReadRequest, saved: list[str]
+) -> Any:
     """The saved leaves (renamed, made by the surgery) matched to ``like``'s and read onto
     them; a leaf ``like`` keeps (``missing="keep"``) is its own."""
     opts = request.changes

@@ -30,8 +30,8 @@ from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
 from .._zarr import regions as _zarr_regions
 from . import formats as _formats
-from . import read_data as _read_data
 from . import reads as _reads
+from . import restore as _restore
 from .reads import make_target
 
 # Bytes of array data read but not yet checked, at most (plus one chunk or file).
@@ -303,7 +303,7 @@ def _check_data(location, doc, targets, fmt, direct, window: _Window, budget, he
             for span in spans or [None]:
                 for region in _zarr_regions.within(record.shape, span, chunk, itemsize, budget):
                     nbytes = _zarr_regions.nbytes(region, record.shape, itemsize)
-                    read = _read_data.read_region(fmt, store, target, direct, region)
+                    read = _restore.read_region(fmt, store, target, direct, region)
                     window.submit(read, nbytes, [record.path])
         for name, batch in doc.batches.items():
             if name not in skipped:
@@ -371,7 +371,7 @@ def _check_batch(location, doc, batch, fmt, direct, window: _Window, budget: int
     try:  # version 1: its zarr.json; 2: compressed, its shards fetched (else None)
         store = fmt.batch_store(location, batch, direct, paths)
     except fmt.batch_damage as e:
-        raise _read_data.corrupt(paths, location, e) from None
+        raise _restore.corrupt(paths, location, e) from None
     dtype = _layout.dtype_from_name(batch.dtype)
     itemsize = dtype.itemsize
     chunk = int(batch.chunk)

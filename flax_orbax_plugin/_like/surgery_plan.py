@@ -7,7 +7,7 @@ A node (:class:`Saved`, :class:`Stacked`, :class:`Taken`, :class:`Fused`,
 the saved leaves' boxes to read (:class:`Piece`) and the function that assembles their
 arrays, in that order, into the box's array. Nodes compose (a transpose of a stack of
 slices), so every target shard reads exactly the saved regions it covers, whatever
-the chain of operations. Pure numpy; no reads happen here (``_core.read_data`` reads
+the chain of operations. Pure numpy; no reads happen here (``_core.restore`` reads
 the pieces). Threading: nodes are immutable; any thread.
 """
 

@@ -1,4 +1,4 @@
-"""What a heartbeat says a process is doing (``_base/liveness.py``), on one process.
+"""What a heartbeat says a process is doing (``_base/regions.py``), on one process.
 
 The waits themselves (a slow process waited for and named, a dead one detected, two
 waiting for each other) need several processes: tests/end_to_end/test_liveness.py.

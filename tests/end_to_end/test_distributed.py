@@ -14,7 +14,7 @@ What they show:
 * async saves from several processes, with the saved buffers replaced right away;
 * a process SIGKILLed in the middle of a save: no step is committed, the survivors
   fail within a bounded time with an error naming the missing process (its heartbeat
-  stopped: ``_base/liveness.py``, and tests/end_to_end/test_liveness.py);
+  stopped: ``_base/regions.py``, and tests/end_to_end/test_liveness.py);
 * the same on a bucket (moto S3 on 127.0.0.1), through the manager: several
   processes write one step, retention, and a process killed mid-save;
 * decisions about the store are the primary's (a late process on S3 and GCS, through

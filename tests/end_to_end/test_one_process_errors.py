@@ -2,7 +2,7 @@
 timeout: a bad argument given on one process only (``fop.save(..., bogus=1)``, a
 callback's ``keep="x"``) is refused inside the call's collective region, so it is
 published there; a program that took part in collective operations announces its end
-(``_base/exits.py``); a close that fails leaves the run; and a process whose operation
+(``_base/host.py``); a close that fails leaves the run; and a process whose operation
 of the same number is another (it met an error at another step) is named at once.
 
 Real JAX processes on 127.0.0.1 (``tests/support/_multiprocess.py``) with a 120 s stall

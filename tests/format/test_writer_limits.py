@@ -1,4 +1,4 @@
-"""A writer never commits what a reader refuses (``_storage/json_docs.py``: one
+"""A writer never commits what a reader refuses (``_storage/local_files.py``: one
 declaration of the reader's limits per document kind, used by both sides).
 
 Refused at save time, naming the document or the leaf, with nothing left at the

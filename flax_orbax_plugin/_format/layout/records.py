@@ -49,7 +49,7 @@ def encode(obj: Any) -> bytes:
 
 def decode(raw: bytes, where: str, kind: _local_files.DocKind) -> Any:
     """Parses JSON bytes read from an untrusted store as a document of ``kind`` (its
-    size, depth and key limits: ``_storage/json_docs.py``); errors name the file."""
+    size, depth and key limits: ``_storage/local_files.py``); errors name the file."""
     return _local_files.parse(raw, where, kind)
 
 
@@ -187,7 +187,7 @@ def files_field(obj: Mapping, where: str) -> dict[str, str]:
     return dict(files)
 
 
-MAX_JSON_BYTES = _local_files.METADATA.max_bytes  # the limits of every kind: _storage/json_docs.py
+MAX_JSON_BYTES = _local_files.METADATA.max_bytes  # the limits of every kind: _storage/local_files.py
 MAX_NDIM = 64
 MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: larger "arrays" are damage, not data
 MAX_PROCESSES = 1 << 20
@@ -369,7 +369,7 @@ def check_codec(codec: Any, *, where: str = "compression") -> str | None:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArrayStorage:
     """A leaf stored as its own zarr3 array ``d/<index>/``; ``codec`` compresses it;
-    ``packed``: a sub-byte dtype's values packed into bits (``_zarr/subbyte.py``)."""
+    ``packed``: a sub-byte dtype's values packed into bits (``_zarr/chunks.py``)."""
 
     chunk_shape: tuple[int, ...]
     codec: str | None = None
