@@ -555,9 +555,11 @@ def read_request(
     memory_limit_bytes: int | None = None,
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
+    changes: _transform.Changes | None = None,
 ) -> ReadRequest:
     """The :class:`ReadRequest` of :func:`restore`'s options, checked (by their
-    declarations first) before anything is read."""
+    declarations first) before anything is read. ``changes``: a front's own, already
+    checked (then ``partial``, ``missing``, ``transform`` and ``surgery`` are not given)."""
     _formats.check_restore(
         memory_limit_bytes=memory_limit_bytes, share_replicated_reads=share_replicated_reads
     )
@@ -567,7 +569,8 @@ def read_request(
         memory_limit_bytes=memory_limit_bytes or DEFAULT_READ_LIMIT_BYTES,
         cast=cast,
         share_reads=_distributed.process_count() > 1 if share is None else bool(share),
-        changes=_transform.changes(
+        changes=changes
+        or _transform.changes(
             partial=partial, missing=missing, transform=transform, surgery=surgery
         ),
         dry_run=dry_run,

@@ -23,6 +23,9 @@ import numpy as np
 from .._base.env import flag, outside_stacklevel
 from .._base.tree import encode_key, path_string
 from .._errors import OptionError, OptionTypeError, StructureError
+from .surgery import check_surgery
+from .transform_rules import compile_transform
+from .transform_rules import describe as describe_transform
 
 CAST_POLICIES = ("safe", "unsafe")
 
@@ -619,3 +622,59 @@ def materialize(leaf: LeafPlan, read: Reader) -> Any:
         data = leaf.cast(np.asarray(read(devices[0][1])))
         pieces.extend(jax.device_put(data, device) for device, _ in devices)
     return jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)
+
+
+# The options of a restore into a changed model (partial, missing, transform, surgery),
+# checked once by every restore entry point (their words: transform_rules, surgery).
+MISSING_CHOICES = ("error", "keep", "keep_all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Changes:
+    """The validated options of a restore into a changed model."""
+
+    partial: bool = False
+    missing: str = "error"
+    transform: Callable[[str], str | None] | None = None
+    surgery: tuple[Any, ...] = ()  # checked operations (``surgery.check_surgery``)
+    # An item that mirrors params (an optimizer state): the operations apply at every
+    # prefix where they match, and nowhere without a word (``surgery_mirrors``).
+    surgery_mirrored: bool = False
+
+    @property
+    def keep_missing(self) -> bool:
+        return self.missing in ("keep", "keep_all")
+
+    @property
+    def nothing_may_match(self) -> bool:
+        """``missing="keep_all"``: a restore that matches no saved leaf only warns."""
+        return self.missing == "keep_all"
+
+    def describe(self) -> str:
+        """The options as given, for messages."""
+        rules = describe_transform(self.transform)
+        out = f"partial={self.partial}, missing={self.missing!r}, {rules}"
+        return out + (f", surgery={list(self.surgery)!r}" if self.surgery else "")
+
+    def kwargs(self) -> dict[str, Any]:
+        """The options as ``restore`` keywords (``transform`` already compiled)."""
+        out = {"partial": self.partial, "missing": self.missing, "transform": self.transform}
+        return out | {"surgery": self.surgery}
+
+    def rename(self, path: str) -> str | None:
+        return path if self.transform is None else self.transform(path)
+
+
+def changes(
+    *, partial: Any = False, missing: Any = "error", transform: Any = None, surgery: Any = None
+) -> Changes:
+    """Validates the options (TypeError / ValueError naming the option; TransformError
+    for ``transform``, see ``transform_rules``, and ``surgery``, see ``surgery``) and
+    compiles ``transform`` once. Called by every restore entry point before anything
+    is read."""
+    partial = flag("partial", partial)
+    if missing not in MISSING_CHOICES:
+        raise OptionError(f"missing must be one of {MISSING_CHOICES}, found {missing!r}")
+    # A plain restore (no transform, no surgery) compiles and checks nothing more.
+    compiled = None if transform is None else compile_transform(transform)
+    return Changes(partial, missing, compiled, () if surgery is None else check_surgery(surgery))

@@ -5,7 +5,6 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.transform
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 from collections.abc import Callable
@@ -14,19 +13,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base.env import flag, outside_stacklevel
+from .._base.env import outside_stacklevel
 from .._base.tree import flatten
-from .._errors import NothingMatchedError, OptionError, StructureError
+from .._errors import NothingMatchedError, StructureError
 from .._format import layout as _layout
 from . import onto_like as _onto_like
-from .surgery import check_surgery
-from .transform_rules import compile_transform, describe, unmatched_rules
+from .onto_like import Changes as Changes
+from .onto_like import changes as changes
+from .transform_rules import unmatched_rules
 
 logger = logging.getLogger("flax_orbax_plugin")
 
 __all__ = ["Changes", "changes", "KEEP"]
 
-MISSING_CHOICES = ("error", "keep", "keep_all")
 MAX_LISTED = 40  # differences shown in one message; the rest are counted
 PATHS_SHOWN = 4  # paths of each side named when nothing matched
 NO_DATA = ("none", *_layout.EMPTY_KINDS)  # records that match without holding a value
@@ -39,56 +38,6 @@ HINT = (
     "transform={regex: replacement} (or a callable path -> path or None) maps saved "
     "paths onto like's"
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Changes:
-    """The validated options of a restore into a changed model."""
-
-    partial: bool = False
-    missing: str = "error"
-    transform: Callable[[str], str | None] | None = None
-    surgery: tuple[Any, ...] = ()  # checked operations (``surgery.check_surgery``)
-    # An item that mirrors params (an optimizer state): the operations apply at every
-    # prefix where they match, and nowhere without a word (``surgery_mirrors``).
-    surgery_mirrored: bool = False
-
-    @property
-    def keep_missing(self) -> bool:
-        return self.missing in ("keep", "keep_all")
-
-    @property
-    def nothing_may_match(self) -> bool:
-        """``missing="keep_all"``: a restore that matches no saved leaf only warns."""
-        return self.missing == "keep_all"
-
-    def describe(self) -> str:
-        """The options as given, for messages."""
-        out = f"partial={self.partial}, missing={self.missing!r}, {describe(self.transform)}"
-        return out + (f", surgery={list(self.surgery)!r}" if self.surgery else "")
-
-    def kwargs(self) -> dict[str, Any]:
-        """The options as ``restore`` keywords (``transform`` already compiled)."""
-        out = {"partial": self.partial, "missing": self.missing, "transform": self.transform}
-        return out | {"surgery": self.surgery}
-
-    def rename(self, path: str) -> str | None:
-        return path if self.transform is None else self.transform(path)
-
-
-def changes(
-    *, partial: Any = False, missing: Any = "error", transform: Any = None, surgery: Any = None
-) -> Changes:
-    """Validates the options (TypeError / ValueError naming the option; TransformError
-    for ``transform``, see ``transform_rules``, and ``surgery``, see ``surgery``) and
-    compiles ``transform`` once. Called by every restore entry point before anything
-    is read."""
-    partial = flag("partial", partial)
-    if missing not in MISSING_CHOICES:
-        raise OptionError(f"missing must be one of {MISSING_CHOICES}, found {missing!r}")
-    # A plain restore (no transform, no surgery) compiles and checks nothing more.
-    compiled = None if transform is None else compile_transform(transform)
-    return Changes(partial, missing, compiled, () if surgery is None else check_surgery(surgery))
 
 
 def rename_records(records: dict[str, Any], opts: Changes, where: str) -> dict[str, Any]:

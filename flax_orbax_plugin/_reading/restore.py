@@ -420,11 +420,7 @@ def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> An
     if target is not None and placing:
         target = retarget(target, job.dtype, job.sharding)
     try:
-        options = {"dry_run": job.dry_run, "cast": job.cast, **changes.kwargs()}
-        limit = job.memory_limit_bytes
-        got = _restore.restore(
-            params_loc, target, region=job.region, memory_limit_bytes=limit, **options
-        )
+        got = _restore.restore_with(params_loc, target, _request(job, changes))
         return got if back is None or job.dry_run else back(got)
     except CorruptCheckpointError as e:  # the latest is damaged: the older ones are named
         older = [s for s in steps if s < step][-3:]
@@ -516,11 +512,20 @@ def _orbax_params(directory: Any, step: int | None, job: _Serving) -> Any:
     return restore_orbax_params(directory, like, step=step, **placing)
 
 
+def _request(job: _Serving, changes: Any, *, onto: bool = True) -> Any:
+    """The read of a serve: its region and ceiling, ``changes`` (checked), and (``onto``:
+    read onto its target) its cast and dry run."""
+    modes = {"dry_run": job.dry_run, "cast": job.cast} if onto else {}
+    limit = job.memory_limit_bytes
+    return _restore.read_request(
+        region=job.region, memory_limit_bytes=limit, changes=changes, **modes
+    )
+
+
 def _host_then_placed(params_loc: Location, job: _Serving) -> Any:
     """Without ``like``: the params read to the host (in the job's region, its ceiling of
     reads in flight), then cast and placed."""
-    limit, kwargs = job.memory_limit_bytes, job.changes.kwargs()
-    host = _restore.restore(params_loc, None, region=job.region, memory_limit_bytes=limit, **kwargs)
+    host = _restore.restore_with(params_loc, None, _request(job, job.changes, onto=False))
     target = retarget(host, job.dtype, job.sharding)
     _onto_like.check_tree(host, target, cast=job.cast)  # narrowing rounds; overflow raises
 
