@@ -26,7 +26,7 @@ CHILD = r"""
 import os, shutil, signal, sys
 import numpy as np
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._storage import mounts
+from flax_orbax_plugin._storage import location as mounts
 
 directory, detect, log = sys.argv[1], sys.argv[2] == "detect", sys.argv[3]
 if detect:
