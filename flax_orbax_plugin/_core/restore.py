@@ -270,8 +270,8 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
     # the claims of the saved leaves surgery's leaves are made of are checked too
     made = [t for t in targets if t.virtual is not None]  # surgery's leaves
     checked = targets + (_surgery_reads.sources(made) if made else [])
-    # an item of a step read alone (not through its manager) may be one host's copy
-    alone = not request.own_copy and _steps.is_step_name(location.parent.name)
+    # an item read alone (not through its manager) in a step that is one host's copy
+    alone = not request.own_copy and _steps.in_host_copy(location)
     copy = _host_copy.of_item(location) if alone else None
     partial = [] if copy is None else copy.partial(location.name, [t.record for t in checked])
     if partial:  # one host's copy (a directory per host) never passes for the whole

@@ -77,6 +77,13 @@ def is_step_name(name: str) -> bool:
     return bool(STEP_RE.match(name))
 
 
+def in_host_copy(item_loc: Location) -> bool:
+    """Whether the item at ``item_loc`` is in a local step marked as one host's copy (a
+    directory per host, ``_format.host_copy``): a stat, nothing read."""
+    parent = item_loc.parent
+    return item_loc.is_local and is_step_name(parent.name) and parent.exists(HOST_FILE)
+
+
 @dataclasses.dataclass(frozen=True)
 class Listing:
     """What a directory holds, by the rules in the module docstring."""
