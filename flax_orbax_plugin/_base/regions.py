@@ -528,7 +528,7 @@ def collective_method(kind: str, *, stall: str, scope: str) -> Callable:
     e.g. a manager's ``stall_timeout=``), its scope the attribute ``scope`` (e.g. the
     tag of the manager's open). The region of a call is also the decorated method's
     attribute ``_fop_region(self, *args, **kwargs)``: a check of the call made around
-    it (an unknown keyword, ``option_spec``) fails in it."""
+    it (an unknown keyword, ``_base.env``) fails in it."""
 
     def region(self: Any, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
         stall_s, scope_tag = getattr(self, stall, None), getattr(self, scope, None)

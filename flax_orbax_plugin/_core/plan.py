@@ -311,7 +311,7 @@ class Plan:
         :meth:`Snapshot.write`); for a host's own directory every byte this process holds.
 
         Small leaves are read first. Accelerator arrays then take the platform's
-        staging (``device_copy``, said in ``Snapshot.staging``): with the device staging
+        staging (``host_snapshot``, said in ``Snapshot.staging``): with the device staging
         only a copy on the device is made here and their host copy runs in
         :meth:`Snapshot.write`; nothing here reads a device value after that copy is
         enqueued."""

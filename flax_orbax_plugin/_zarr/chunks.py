@@ -500,7 +500,7 @@ def read_index(
     """The data index of ``process`` in the version-2 checkpoint at ``location``: its
     bytes checked against the sha256 the commit recorded (``listed``: those checksums,
     when the commit was read already), parsed as a data index (no
-    key twice: ``json_docs``) and validated (:meth:`DataIndex.from_json`). Every reader
+    key twice: ``local_files``) and validated (:meth:`DataIndex.from_json`). Every reader
     of an index (restore, verify, incremental reuse, the tier) reads it here."""
     name = index_name(process)
     where = f"{location}/{name}"

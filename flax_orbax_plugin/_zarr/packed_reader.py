@@ -214,7 +214,7 @@ class PackedReader(_chunk_files.ChunkReader):
         """Starts reading ``region`` (global; None: all) of array ``sub``, any region.
 
         On an object store the read is deferred (``deferred`` set): its chunks are
-        declared to the fetch plan (``packed_ranges``) and its jobs start only when a
+        declared to the fetch plan (:class:`RangeReads`) and its jobs start only when a
         result is waited for, with at most :data:`AHEAD_BYTES` of later jobs, so that
         the plan knows every read issued before the first wait."""
         bounds = [
