@@ -20,7 +20,7 @@ __all__ = ["check_same_options", "shared_view"]
 
 # ManagerOptions field -> the public name a user sees in the error.
 SHARED = {
-    "policy": "the save policy (every_steps=, every_seconds=, save_policy=, ...)",
+    "policy": "the save policy (every_steps=, every_seconds=, policy=, ...)",
     "retention": "the retention (keep=, keep_every=, keep_best=, retention=, ...)",
     "tier": "persistent=",
     "overrides": "checkpointables= / compression=",

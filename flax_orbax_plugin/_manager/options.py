@@ -559,17 +559,25 @@ def _compose(out: dict[str, Any]) -> None:
     out["policy"], out["retention"] = _rules(policy), _rules(retention)
 
 
-def _rules(value: Any) -> Any:
+def _rules(value: Any, *, top: bool = True) -> Any:
     """``value`` with each SavePolicy or Retention in it (also inside AnyOf, AllOf,
-    KeepAny, a Lane) replaced by the rule objects it stands for (their ``ALIASES``)."""
+    KeepAny, a Lane) replaced by the rule objects it stands for (their ``ALIASES``).
+    A SavePolicy's own ``clock`` counts only at the top (:func:`_compose`): inside
+    another rule or a Lane it would be dropped, so it is refused."""
+    if isinstance(value, SavePolicy) and not top and value.clock is not _CLOCK_DEFAULT:
+        raise OptionError(
+            f"{value!r}: the clock= of a SavePolicy inside another rule or a Lane is not "
+            "used (the manager has one clock): give clock= to the manager"
+        )
     if isinstance(value, SavePolicy | Retention):
         return value.rule
     if isinstance(value, AnyOf | AllOf):
-        return type(value)(*map(_rules, value.policies))
+        return type(value)(*(_rules(p, top=False) for p in value.policies))
     if isinstance(value, KeepAny):
-        return KeepAny(*map(_rules, value.rules))
+        return KeepAny(*(_rules(r, top=False) for r in value.rules))
     if isinstance(value, Lanes | Lane):
-        parts = {f.name: _rules(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        fields = dataclasses.fields(value)
+        parts = {f.name: _rules(getattr(value, f.name), top=False) for f in fields}
         return dataclasses.replace(value, **parts)
     return value
 

@@ -602,3 +602,26 @@ def test_an_earlier_runs_permanent_steps_survive_a_change_of_lanes(tmp_path):
     # 10 and 20 stay permanent (their manifests say so), 28 is this run's permanent
     # step (7 divides it), 27 and 29 the temporary lane's last two
     assert fop.CheckpointManager(tmp_path, read_only=True).steps() == [10, 20, 27, 28, 29]
+
+
+def test_a_savepolicy_clock_inside_another_rule_is_refused_not_dropped(tmp_path):
+    """A SavePolicy's own clock counts at the top only (the manager has one clock): inside
+    AnyOf, AllOf or a Lane it was dropped without a word; now the open refuses it."""
+    timed = fop.SavePolicy(every_seconds=60, clock=FakeClock())
+    for n, policy in enumerate(
+        [
+            fop.AnyOf(fop.EverySteps(5), timed),
+            fop.AllOf(timed, fop.EverySteps(2)),
+            fop.Lanes(
+                temporary=fop.Lane(timed, keep=fop.KeepLast(1)),
+                permanent=fop.Lane(fop.EverySteps(4)),
+            ),
+        ]
+    ):
+        with pytest.raises(fop.OptionError, match=r"clock= of a SavePolicy inside another"):
+            fop.CheckpointManager(tmp_path / str(n), policy=policy)
+    clock = FakeClock()  # at the top it is the manager's clock, as before
+    with fop.CheckpointManager(
+        tmp_path / "top", policy=fop.SavePolicy(every_seconds=60, clock=clock)
+    ):
+        pass
