@@ -1,58 +1,11 @@
-"""Regions of collective operations, the failures published in them, and liveness.
+"""Regions of collective operations, the failures published in them, and liveness by
+progress (heartbeats, what each process is doing, late peers named). A region is an
+explicit input, drawn by the public entry point on the thread that makes the SPMD calls
+(the same order on every process) and handed down as an argument; one heartbeat thread
+per process (a daemon); :data:`ACTIVITIES` is thread-safe, a stack per thread; a
+:class:`PeerWatch` is used by the one thread that waits.
 
-A region is one collective operation of every process (:func:`collective`); its tag is
-the same on every process (the n-th collective operation of each). An error leaving a
-region is published under ``fop/failed/<tag>/<process>`` in jax.distributed's key-value
-store; :func:`raise_published_failure`, called by the one wait on other processes
-(``distributed._wait``) between its short slices, raises :class:`ProcessFailedError`
-once another process published one in the waiting thread's region. So a process that
-fails anywhere inside an operation (before, between or after its coordination calls)
-reaches every other within a slice, not when a timeout runs out. A call's own checks
-fail inside its region too (the "did you mean" of the public names enters the region
-the collective decorators give the call, ``_fop_region``; checks made before an
-operation's region exists publish in one drawn for them: :func:`failing_before`); and a
-process that entered a region announces its program's end (:func:`announce_leaving`
-for :data:`PROGRAM`, a step of ``_base.host``).
-
-Threading: a region is an explicit input, never a thread's or a context's state. The
-public entry point draws it (:func:`collective`, or its decorators, which hand it to
-the function's body as ``region=``) on the thread that makes the SPMD calls (the
-training thread), in the same order on every process, and hands it down as an
-argument (a ``SaveRequest``'s or ``ReadRequest``'s ``region``, the ``region=`` of every
-function of ``_base.distributed`` that draws a name or waits); internals call
-internals with it, never a decorated public function. A background phase of an
-operation runs in the region that drew it (:func:`resumed`, e.g. ``SaveHandle``), so
-its failures are published there too. A user's code that calls a public function
-inside an operation (a custom ``Checkpointable`` calling ``fop.save``) draws a region
-of its own, the same on every process (the process's n-th collective operation).
-One heartbeat thread per process (a daemon); :data:`ACTIVITIES` is thread-safe, a stack
-per thread; a :class:`PeerWatch` is used by the one thread that waits.
-
-Liveness by progress: a wait on another process (``distributed._wait``) judges it by
-its signs of life and progress, not by a fixed timeout. From its first collective
-operation or wait (:func:`ensure_beating`) every process publishes a heartbeat under
-``fop/alive/<process>`` every ``FOP_PEER_SILENT_S / 4`` seconds (at most 1 s): a
-counter, a progress counter (bytes moved, an activity began or ended) and what its
-threads are doing (:data:`ACTIVITIES`). A :class:`PeerWatch` (one per wait) reads the
-awaited process's heartbeat about once a second, once the wait lasted a second:
-
-* a process whose counter has not moved for ``FOP_PEER_SILENT_S`` (default 10) is dead:
-  :class:`CoordinationError` naming it and what it was last doing;
-* a live process is waited for as long as it makes progress: a slow save or restore of
-  any length is never aborted. The wait's stall timeout (``stall_s``: the manager's
-  ``stall_timeout=``, else ``FOP_COORDINATION_TIMEOUT_S``, 300 s) ends only a wait on a
-  process that made no progress that long: one beating but stalled (its bytes and its
-  activities unchanged; a process that only waits for a third one is judged by the
-  third's waiter instead, who raises in the region), one never seen beating (it may not
-  have reached its first coordination call yet), and two that only wait for each other
-  (different paths);
-* a process whose operation of the number this wait is in is of another kind (its
-  heartbeat names its operations) took another path: it never makes this call, and the
-  wait raises at once (``_base.distributed``);
-* after ``FOP_LATE_REPORT_S`` (default 10), and every as long again, the waiting process
-  logs a warning naming the late processes and what they are doing, with their bytes
-  done and left.
-
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.regions``.
 """
 
 from __future__ import annotations

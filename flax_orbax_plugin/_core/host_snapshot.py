@@ -1,47 +1,9 @@
-"""Device-to-host copies of the regions a save writes from accelerator arrays.
+"""Device-to-host copies of what a save writes: the device, pinned and host stagings
+(:func:`staging_for`), streaming under a budget, and the blocking phase's host copy
+(:func:`take_small`, :func:`take_regions`). Called on the saving thread, once per save;
+:func:`fetch` and :func:`materialize` on the background phase's thread.
 
-Three stagings, one chosen per save by :func:`staging_for` from the platform (measured
-on each; ``benchmarks/accel_staging.py`` and ``benchmarks/bench_accelerator.py``):
-
-* **device** (TPU): the blocking phase makes one copy of every array on its own device
-  (:func:`snapshot`, one jitted call per device set: an enqueue, about a millisecond
-  for a 1.5 GB state on a TPU v5e, done on the device in a few). No donation can touch
-  that copy, so the host copy runs in the background phase (:func:`fetch`), one piece
-  of at most :data:`FETCH_PIECE` bytes in flight at a time, each region when the
-  writer gets to it (:class:`OnDevice`, so transfers overlap writes): on a TPU a transfer
-  enqueued before a step delays that step by its length, so pieces keep each step's
-  wait short (whole arrays at once made the next step wait 0.34 s where it took 0.02 s;
-  pinned host staging, 1.9 s). Where the devices lack the memory for the copy the
-  save falls back to **host** and says so (:class:`Staging`'s ``note``).
-* **pinned** (GPU, not measured here; the choice of the peers there): each region is
-  copied with ``jax.device_put`` into ``pinned_host`` memory, enqueued.
-* **host** (any other accelerator, and the device staging's fallback): every region's
-  ``copy_to_host_async`` is started, then all are read before the blocking phase ends:
-  the step after the save never waits, the blocking phase does.
-
-A save under ``host_memory_budget`` is **streamed** instead: each region is copied on
-its device (one more state of device memory until written) and the background writer
-copies it to host when it gets to it, never holding more than the budget at once
-(``write_data``'s in-flight bound); regions larger than a fraction of the budget are
-split into pieces of whole chunk rows (:func:`pieces`).
-
-The writes of a pinned or streamed save hold a :class:`Deferred` where they would hold
-host bytes, and the background phase calls :func:`materialize` (on its own thread).
-On CPU, jax arrays are host memory already and take none of these ways, unless
-:data:`CPU_AS_DEVICE` is set (tests and the benchmarks exercise the device staging on
-CPU: jax's CPU client has a ``pinned_host`` memory too).
-
-The blocking phase's host copy: every byte this process writes, copied off device.
-
-Who writes what: a partitioned array's shards are written by the processes that hold
-them; the replicas of a shard (or of a whole replicated array) split its chunk rows
-among the processes holding them (replica-parallel); a batch of small leaves is
-written by the process holding replica 0 of them. :func:`take_small` reads the small
-leaves (every device-to-host copy started before waiting on any), then
-:func:`take_regions` copies the large regions (or, for the device staging, runs in the
-background phase from the device's own copy). On CPU a numpy view of a jax.Array is the
-snapshot itself (:func:`cpu_views_are_snapshots`), so nothing is copied there.
-Called on the saving thread, once per save.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """
 
 from __future__ import annotations
