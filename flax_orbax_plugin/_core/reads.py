@@ -70,28 +70,37 @@ def check_claims(
             continue
         if own_copy and getattr(target.like, "sharding", None) is not None:
             continue
-        record = _chunks.stored(record)  # a packed leaf: its bytes as stored
-        storage = record.storage
-        itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
-        needed = _chunk_files.array_claim(
-            record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None
-        )
+        record, needed = _array_needed(record)
         field = f"leaves[{target.index}] ({record.path!r}).shape"
         sub = array_dir(target.index)
         _check_claim(location, sub, needed, where, field, record.shape)
     for name, paths in sorted(batches.items()):
         batch = doc.batches[name]
-        itemsize = _layout.dtype_from_name(batch.dtype).itemsize
-        needed = _chunk_files.batch_claim(
-            batch.size,
-            int(batch.chunk),
-            batch.inner,
-            itemsize,
-            compressed=batch.codec is not None,
-        )
+        needed = _batch_needed(batch)
         shown = ", ".join(repr(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
         field = f"batches[{name!r}].size (holding leaves {shown})"
         _check_claim(location, batch_dir(name), needed, where, field, batch.size)
+
+
+def _array_needed(record) -> tuple[Any, tuple[int, int]]:
+    """A leaf's record as stored (a packed leaf's bytes) and the (chunk files, bytes)
+    its claim needs."""
+    record = _chunks.stored(record)
+    storage = record.storage
+    itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
+    needed = _chunk_files.array_claim(
+        record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None
+    )
+    return record, needed
+
+
+def _batch_needed(batch) -> tuple[int, int]:
+    """The (chunk files, bytes) a batch's claim needs."""
+    itemsize = _layout.dtype_from_name(batch.dtype).itemsize
+    compressed = batch.codec is not None
+    return _chunk_files.batch_claim(
+        batch.size, int(batch.chunk), batch.inner, itemsize, compressed=compressed
+    )
 
 
 def _check_claim(location, sub: str, needed, where: str, field: str, claim) -> None:
@@ -122,25 +131,13 @@ def check_packed_claims(location: Location, doc: CheckpointDocument, targets: li
         if isinstance(storage, BatchStorage) and storage.batch not in seen:
             seen.add(storage.batch)
             batch = doc.batches[storage.batch]
-            itemsize = _layout.dtype_from_name(batch.dtype).itemsize
-            needed = _chunk_files.batch_claim(
-                batch.size,
-                int(batch.chunk),
-                batch.inner,
-                itemsize,
-                compressed=batch.codec is not None,
-            )
+            needed = _batch_needed(batch)
             field = f"batches[{storage.batch!r}].size"
             sub = batch_dir(storage.batch)
             _check_dtype(packed, sub, batch.dtype, where, f"batches[{storage.batch!r}].dtype")
             _check_listed(packed, sub, needed, where, field, batch.size)
         if isinstance(storage, ArrayStorage):
-            record = _chunks.stored(record)  # a packed leaf: its bytes as stored
-            storage = record.storage
-            itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
-            needed = _chunk_files.array_claim(
-                record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None
-            )
+            record, needed = _array_needed(record)
             field = f"leaves[{target.index}] ({record.path!r})"
             sub = array_dir(target.index)
             _check_dtype(packed, sub, record.dtype, where, f"{field}.dtype")
