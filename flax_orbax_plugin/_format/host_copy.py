@@ -237,10 +237,7 @@ def of_step(step_loc: Location) -> tuple[HostCopy | None, str | None]:
 
 
 def of_item(item_loc: Location) -> HostCopy | None:
-    """:func:`of_step` of the step holding the item at ``item_loc`` (None where its
-    parent is no step of a directory per host, or the marker is unreadable: the reads
-    then check the item as they would any)."""
-    parent = item_loc.parent
-    if not item_loc.is_local or not _steps.is_step_name(parent.name):
-        return None
-    return of_step(parent)[0]
+    """:func:`of_step` of the step holding the item at ``item_loc``, one that
+    ``_format.steps.in_host_copy`` found marked as a host's copy (None where the marker
+    is unreadable: the reads then check the item as they would any)."""
+    return of_step(item_loc.parent)[0]
