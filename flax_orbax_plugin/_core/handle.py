@@ -416,8 +416,7 @@ class SaveHandle:
         self._refuse_reentry("SaveHandle.wait()")
         self._await(timeout)
         if self._error is not None:
-            self._reported = True
-            _host.settled(self)
+            self._mark_reported()
             raise self._error
         assert self._result is not None
         return self._result
@@ -431,8 +430,7 @@ class SaveHandle:
         if self._error is not None:
             if self._reported:
                 return None
-            self._reported = True
-            _host.settled(self)
+            self._mark_reported()
             raise self._error
         return self._result
 
@@ -489,8 +487,7 @@ class SaveHandle:
             cancelled.cancel(reason)
         else:
             cancelled.set()
-        self._reported = True
-        _host.settled(self)
+        self._mark_reported()
         if self._thread.ident is None:
             return True  # never started: nothing was written
         if threading.current_thread() is not self._thread:
@@ -503,12 +500,16 @@ class SaveHandle:
         committed)."""
         return self._error if self._finished.is_set() else None
 
+    def _mark_reported(self) -> None:
+        """Its outcome was raised or cancelled: no save or read waits for it any longer."""
+        self._reported = True
+        _host.settled(self)
+
     def raise_unreported(self) -> None:
         """Waits; re-raises the error only if no ``wait()`` has reported it yet."""
         self._finished.wait()
         if self._error is not None and not self._reported:
-            self._reported = True
-            _host.settled(self)
+            self._mark_reported()
             raise self._error
 
 
