@@ -24,6 +24,7 @@ to). Single-threaded driver; not a test.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import sys
 import tempfile
 import threading
@@ -104,10 +105,20 @@ class _Tracer:
             threading.setprofile(None)
 
 
+def _lines(modules) -> int:
+    """The lines the files of ``modules`` hold: what a reader of the walk reads."""
+    total = 0
+    for module in modules:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.origin:
+            total += len(Path(spec.origin).read_text().splitlines())
+    return total
+
+
 def _report(title: str, tracer: _Tracer) -> None:
     short = lambda m: m[len(TOP) + 1 :]
     print(f"== {title}")
-    print(f"modules entered: {len(tracer.entered)}")
+    print(f"modules entered: {len(tracer.entered)}, holding {_lines(tracer.entered)} lines")
     for module, n in sorted(tracer.entered.items(), key=lambda kv: (-kv[1], kv[0])):
         print(f"  {n:5d} {short(module)}")
     print(f"calls up a layer: {sum(tracer.up.values())} ({len(tracer.up)} distinct)")
@@ -167,15 +178,17 @@ def main() -> int:
                 t = _Tracer()
                 t.run(call)
                 _report(title, t)
-                summary.append((title.split(":")[0], len(t.entered), sum(t.up.values())))
+                summary.append(
+                    (title.split(":")[0], len(t.entered), _lines(t.entered), sum(t.up.values()))
+                )
         finally:
             for opened in closing:
                 opened.close()
     print("== hidden modes (tools/state_scan.py)")
     counts = report(Path(fop.__file__).resolve().parent)
-    print("== summary: modules entered, calls up a layer")
-    for name, n, up in summary:
-        print(f"  {name:9s} {n:3d} {up:5d}")
+    print("== summary: modules entered, the lines they hold, calls up a layer")
+    for name, n, lines, up in summary:
+        print(f"  {name:9s} {n:3d} {lines:6d} {up:5d}")
     ctx, state, tests = counts
     print(f"  context variables {ctx}, module-level mutable state {state}, ", end="")
     print(f"format-version tests outside the seam {tests}")
