@@ -25,8 +25,7 @@ from .._incremental import packed
 from .._incremental import reuse as _reuse
 from .._incremental.copies import copy_leaf
 from .._incremental.links import link_leaf
-from .._like.onto_like import check_policy
-from .._like.transform import Changes
+from .._like.onto_like import Changes, check_policy
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files

@@ -36,11 +36,9 @@ from .._format import metadata as _metadata
 from .._format import steps as _steps
 from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, CheckpointDocument, batch_dir
 from .._format.steps import read_document
-from .._like import onto_like as _like
 from .._like import onto_like as _onto_like
 from .._like import surgery as _surgery
 from .._like import surgery_mirrors as _surgery_mirrors
-from .._like import transform as _transform
 from .._like.surgery_plan import PlanEntry, RestorePlan, full_box
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
@@ -524,7 +522,7 @@ def restore(
     which documents the arguments and errors and adds the fallback to foreign formats;
     internal callers that read only native checkpoints (items of a step, serving,
     export) call this one. Threading as in the module doc; ``partial``, ``missing`` and
-    ``transform`` restore into a changed model (``_like.transform``), ``surgery`` with
+    ``transform`` restore into a changed model (``_like.onto_like``), ``surgery`` with
     layout changes (``_like.surgery``); ``dry_run=True`` returns the
     :class:`RestorePlan` instead, reading no array data. The options become one
     :class:`ReadRequest` (see :func:`restore_with`), with ``region``: the collective
@@ -555,7 +553,7 @@ def read_request(
     memory_limit_bytes: int | None = None,
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
-    changes: _transform.Changes | None = None,
+    changes: _onto_like.Changes | None = None,
 ) -> ReadRequest:
     """The :class:`ReadRequest` of :func:`restore`'s options, checked (by their
     declarations first) before anything is read. ``changes``: a front's own, already
@@ -570,7 +568,7 @@ def read_request(
         cast=cast,
         share_reads=_distributed.process_count() > 1 if share is None else bool(share),
         changes=changes
-        or _transform.changes(
+        or _onto_like.changes(
             partial=partial, missing=missing, transform=transform, surgery=surgery
         ),
         dry_run=dry_run,
@@ -587,7 +585,7 @@ def restore_with(path: Any, like: Any, request: ReadRequest) -> Any:
         return _restore(location, like, request)
 
 
-def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
+def _dropped_or_same(opts: _onto_like.Changes, path: str) -> bool:
     """With ``like=None`` a transform may only drop leaves (False): there is no
     structure to place a renamed one in."""
     new = opts.rename(path)
@@ -602,7 +600,7 @@ def _dropped_or_same(opts: _transform.Changes, path: str) -> bool:
 def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
     """The read: the processes agree, the document is read and checked, then its leaves
     are read whole (``like`` None) or onto ``like``."""
-    like = _like.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
+    like = _onto_like.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
     if not request.own_copy and request.region is not None:  # a collective read
         agree_on_read(location, like, request)  # the same on every process, before a byte
     opts = request.changes
@@ -611,7 +609,7 @@ def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
         _chunk_files.prefetch_batches(location.path, _chunks.THREADS)
     doc = read_document(location)
     location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
-    saved = [rec.path for rec in doc.leaves if rec.kind not in _transform.NO_DATA]
+    saved = [rec.path for rec in doc.leaves if rec.kind not in _onto_like.NO_DATA]
     if like is None:
         return _as_saved(location, doc, request, saved)
     return _read_onto_like(location, doc, like, request, saved)
@@ -627,8 +625,8 @@ def _as_saved(location: Location, doc, request: ReadRequest, saved: list[str]) -
     leaves = list(enumerate(doc.leaves))
     if opts.transform is not None:
         leaves = [(i, rec) for i, rec in leaves if _dropped_or_same(opts, rec.path)]
-        if all(rec.kind in _transform.NO_DATA for _, rec in leaves):
-            _transform.check_matched(saved, None, [], opts, str(location))
+        if all(rec.kind in _onto_like.NO_DATA for _, rec in leaves):
+            _onto_like.check_matched(saved, None, [], opts, str(location))
     targets = [make_target(i, rec, None, cast=request.cast) for i, rec in leaves]
     if request.dry_run:
         paths = [t.record.path for t in targets]
@@ -645,7 +643,7 @@ def _read_onto_like(
     opts = request.changes
     flat, treedef = _tree.flatten(like)
     records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
-    records = _transform.rename_records(records, opts, str(location))
+    records = _onto_like.rename_records(records, opts, str(location))
     made, problems = {}, []
     if opts.surgery:
         ops = opts.surgery
@@ -653,7 +651,7 @@ def _read_onto_like(
             ops = _surgery_mirrors.mirrored(ops, records)
         records, made, problems = _surgery.apply(records, ops)
     add_missing_empties(flat, records)
-    plan = _transform.match(
+    plan = _onto_like.match(
         flat,
         records,
         opts,
@@ -664,14 +662,14 @@ def _read_onto_like(
         saved=saved,
         cast=request.cast,
     )
-    targets = [t for t in plan if t is not _transform.KEEP]
+    targets = [t for t in plan if t is not _onto_like.KEEP]
     paired = list(zip(plan, flat, strict=True))
     if request.dry_run:
-        paths = [p for t, (p, _, _) in paired if t is not _transform.KEEP]
-        kept = [p for t, (p, _, _) in paired if t is _transform.KEEP]
+        paths = [p for t, (p, _, _) in paired if t is not _onto_like.KEEP]
+        kept = [p for t, (p, _, _) in paired if t is _onto_like.KEEP]
         return plan_of(str(location), targets, paths, kept, saved)
     read_targets(location, doc, targets, request)
-    results = [leaf if t is _transform.KEEP else t.result for t, (_, _, leaf) in paired]
+    results = [leaf if t is _onto_like.KEEP else t.result for t, (_, _, leaf) in paired]
     return _tree.unflatten(treedef, results)
 
 

@@ -29,6 +29,7 @@ from .._errors import (
 from .._format import layout as _layout
 from .._format.foreign import is_msgpack_checkpoint, is_orbax_checkpoint
 from .._like import onto_like as _onto_like
+from .._like import placing as _placing
 from .._like.onto_like import check_policy
 from .._storage.kvstore import arguments, local_path, refusals
 from .._storage.local_files import entry_kind
@@ -223,10 +224,10 @@ def restore_msgpack(
             out.append(value)
             continue
         host = np.asarray(value)
-        plan = _onto_like.plan(
+        plan = _placing.plan(
             p, host.shape, host.dtype, leaf_like, source=str(path), allow_cast=cast == "unsafe"
         )
-        out.append(_onto_like.materialize(plan, lambda index, host=host: host[index]))
+        out.append(_placing.materialize(plan, lambda index, host=host: host[index]))
     return _tree.unflatten(treedef, out)
 
 

@@ -28,6 +28,7 @@ from .._errors import (
 from .._format.foreign import ITEM_METADATA, is_step
 from .._format.steps import STEP_OR_NONE
 from .._like import onto_like as _onto_like
+from .._like import placing as _placing
 from .._like.onto_like import legacy_cast
 from .._storage.kvstore import arguments, context, refusals
 from .._storage.location import Location
@@ -101,7 +102,7 @@ class ItemReader:
         self, leaf: OrbaxLeaf, like: Any, *, allow_cast: bool = False, rounds: bool = False
     ) -> Any:
         """One leaf in the form of ``like`` (see :mod:`_onto_like`; ``rounds``: a checked
-        cast may round a float, ``_onto_like.plan``)."""
+        cast may round a float, ``_placing.plan``)."""
         if leaf.value_type in ("None", "Dict", "List"):
             if like is not None and not (isinstance(like, (dict, list, tuple)) and len(like) == 0):
                 raise StructureError(
@@ -126,7 +127,7 @@ class ItemReader:
                 f"{list(shape)} ({nbytes} bytes), more than the {_MAX_LEAF_BYTES}-byte limit "
                 f"for one leaf; refusing to allocate it"
             )
-        plan = _onto_like.plan(
+        plan = _placing.plan(
             leaf.path,
             store.shape,
             store.dtype.numpy_dtype,
@@ -146,7 +147,7 @@ class ItemReader:
                 ) from e
 
         try:
-            return _onto_like.materialize(plan, read)
+            return _placing.materialize(plan, read)
         except MemoryError:
             raise CorruptCheckpointError(
                 f"leaf {leaf.path!r} in {self.item}: its array metadata claims shape "

@@ -18,7 +18,7 @@ from .._base import distributed as _distributed
 from .._core.save import SaveResult
 from .._errors import CheckpointError, EventHookError, OptionTypeError
 from .._format.steps import checked_step
-from .._like.transform import changes as check_changes
+from .._like.onto_like import changes as check_changes
 from .._state.iterators import check_iterator
 from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state

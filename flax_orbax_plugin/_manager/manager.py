@@ -28,7 +28,7 @@ from .._core.save import SaveHandle, SaveResult
 from .._errors import CheckpointError, OptionTypeError
 from .._format.foreign import refuse_foreign_run
 from .._format.steps import checked_step
-from .._like import transform as _transform
+from .._like import onto_like as _onto_like
 from .._storage import shared_dir as _shared_dir
 from .._storage.kvstore import raises_store_errors_in_methods
 from . import agreement as _agreement
@@ -433,7 +433,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                 f"restore(like): expected a template (a TrainState, NNX object, dict of "
                 f"items or None), found the int {like}; for a step: restore(step={like})"
             )
-        changes = _transform.changes(
+        changes = _onto_like.changes(
             partial=partial, missing=missing, transform=transform, surgery=surgery
         )
         limit = MEMORY_LIMIT.check(memory_limit_bytes)

@@ -33,7 +33,7 @@ from .._errors import (
 )
 from .._format import steps as _steps
 from .._format.layout import ItemEntry
-from .._like import transform as _transform
+from .._like import onto_like as _onto_like
 from .._state.resume import check_items, item_mismatch, warn_unread
 from .._state.train_state import merge_state, split_state
 from .._storage.location import Location
@@ -374,12 +374,12 @@ class Restorer:
             if changes.keep_missing:  # an item the step lacks keeps like's value
                 for n in names:
                     if n not in saved:
-                        _transform.check_item_keepable(n, like_items[n])
+                        _onto_like.check_item_keepable(n, like_items[n])
                 names = [n for n in names if n in saved]
             if not names:  # every item of like would keep its own value
                 held = sorted(n for n in saved if n != "data_iterator")
                 where = f"step {step} of {self._loc}"
-                _transform.check_matched(held, list(like_items), [], changes, where, "item")
+                _onto_like.check_matched(held, list(like_items), [], changes, where, "item")
             absent = [n for n in names if n not in saved]
             if absent:
                 shown = ", ".join(repr(n) for n in absent)

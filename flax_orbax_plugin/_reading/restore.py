@@ -44,7 +44,6 @@ from .._interop.orbax_params import restore_orbax_params
 from .._interop.orbax_reader import lone_item, restore_orbax
 from .._interop.orbax_steps import agreed_latest
 from .._like import onto_like as _onto_like
-from .._like import transform as _transform
 from .._like.onto_like import checked_dtype, concrete, retarget
 from .._manager.checkpointables import BUILTIN_CHECKPOINTABLES
 from .._state.train_state import (
@@ -333,7 +332,7 @@ def restore_params(
     # each option checked (OptionError naming one) before any read
     _formats.check_serving(step=step, item=item, memory_limit_bytes=memory_limit_bytes)
     given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
-    changes = _transform.changes(**given)
+    changes = _onto_like.changes(**given)
     dry_run = flag("dry_run", dry_run)
     _onto_like.check_policy(cast)
     sharding = _checked_placement(dtype, sharding)
@@ -350,7 +349,7 @@ class _Serving(NamedTuple):
     item: str
     dtype: Any
     sharding: Any
-    changes: _transform.Changes
+    changes: _onto_like.Changes
     cast: str
     dry_run: bool
     region: _distributed.Region | None
@@ -416,7 +415,7 @@ def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> An
     changes = job.changes
     if job.given["transform"] is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
         # params saved as an nnx.State (each leaf at <path>/value) into a module's form
-        changes = _transform.changes(**(job.given | {"transform": {r"/value$": ""}}))
+        changes = _onto_like.changes(**(job.given | {"transform": {r"/value$": ""}}))
     if target is not None and placing:
         target = retarget(target, job.dtype, job.sharding)
     try:

@@ -15,7 +15,7 @@ from .._base import tree as _tree
 from .._base.env import outside_stacklevel
 from .._errors import NothingMatchedError, OptionError, OptionTypeError, StructureError
 from .._format.steps import read_document
-from .._like.transform import HINT
+from .._like.onto_like import HINT
 from .train_state import split_state
 
 __all__ = ["check_items", "check_reset", "items_to_restore", "item_mismatch"]

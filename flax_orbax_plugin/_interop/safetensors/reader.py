@@ -22,7 +22,7 @@ from ..._base.env import check
 from ..._core import reads as _reads
 from ..._core.formats import MEMORY_LIMIT
 from ..._errors import CorruptCheckpointError, OptionError, StructureError
-from ..._like import onto_like as _onto_like
+from ..._like import placing as _placing
 from ..._like.onto_like import legacy_cast
 from ..._storage.untrusted import open_regular
 from .headers import Stored, default_names, kernel_axes, read_safetensors_index
@@ -212,7 +212,7 @@ def _read_onto(
         used.add(name)
         axes = kernel_axes(path, len(t.shape), transpose_kernels)
         shape = tuple(t.shape[i] for i in np.argsort(axes)) if axes else t.shape
-        plan = _onto_like.plan(
+        plan = _placing.plan(
             path,
             shape,
             t.dtype,
@@ -233,13 +233,13 @@ def _read_onto(
     _refuse_over_limit(plans, limit)
     values = []
     for plan, t, axes in plans:
-        values.append(_onto_like.materialize(plan, files.reader(t, axes)))
+        values.append(_placing.materialize(plan, files.reader(t, axes)))
         if limit is not None:  # a transfer keeps its host copy alive until it is done:
             jax.block_until_ready(values[-1])  # one at a time under a ceiling
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def held_bytes(plan: _onto_like.LeafPlan) -> int:
+def held_bytes(plan: _placing.LeafPlan) -> int:
     """Host bytes that reading ``plan``'s leaf holds beyond the result, at most: the
     largest piece read (the whole leaf, or the largest region of a sharded ``like``
     this process holds) in the stored dtype where it is not the result itself (placed
