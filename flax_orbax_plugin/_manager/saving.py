@@ -475,7 +475,8 @@ class Saver:
             self._book.events.save_failed(step, str(self._loc), "background", e)
             raise
         finally:  # every process has read every exchanged value by now
-            _reuse.release(opened.reuses)
+            if opened.reuses:  # an incremental item's exchange (none: nothing to release)
+                _reuse.release(opened.reuses)
         elapsed = time.perf_counter() - opened.started
         r = SaveResult(
             str(opened.final), blocking, elapsed, written.bytes_written, step, written.bytes_reused
