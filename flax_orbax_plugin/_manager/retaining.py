@@ -69,6 +69,7 @@ class RetentionRunner:
         self._loc = location
         self._busy: Callable[[], str | None] = lambda: None
         self.policy = policy
+        self._metric_names = policy.metric_names  # a rule is frozen: its names, asked once
         self._overrides = overrides
         self._book = book
         self._pool: ThreadPoolExecutor | None = None
@@ -142,7 +143,7 @@ class RetentionRunner:
         """The metrics the retention ranks, in the extras being saved: ``{name: value}``.
         A metric the extras of ``step`` lack is warned of (once per name): that step is
         never ranked (a misspelt ``best_metric`` ranks nothing, see ``KeepBest``)."""
-        names = self.policy.metric_names
+        names = self._metric_names
         held = extras if isinstance(extras, Mapping) else {}
         out = {name: as_metric(held.get(name)) for name in names}
         for name in sorted(n for n, v in out.items() if v is None and n not in self._unranked):
@@ -167,7 +168,7 @@ class RetentionRunner:
         known, value = self._book.metric(step)
         if known:
             return value
-        names = self.policy.metric_names
+        names = self._metric_names
         value = dict.fromkeys(names)
         try:
             step_loc = _steps.step_location(self._loc, step)
