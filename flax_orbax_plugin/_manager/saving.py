@@ -29,16 +29,21 @@ from .._core.handle import Cancellation
 from .._core.save import SaveHandle, SaveResult, Staging, wait_for_data
 from .._errors import CheckpointError, SaveCancelledError, StructureError
 from .._format import layout as _layout
-from .._format import steps as _steps
 from .._format.layout import ItemEntry
 from .._incremental import reuse as _reuse
 from .._incremental.reuse import Reuse
 from .._state.train_state import split_state
 from .._storage.location import Location
 from . import per_host as _per_host
-from .checkpointables import Checkpointable, Pending, checkpointable_for, kind_of, with_copy_item
+from .checkpointables import (
+    Checkpointable,
+    Pending,
+    check_item_name,
+    checkpointable_for,
+    kind_of,
+    with_copy_item,
+)
 from .events import SaveBlockingDone, SaveCommitted, SaveStarted
-from .options import check_item_name
 from .retaining import RetentionRunner
 from .step_commit import StepBook, StepCommit, abort_refused, start_item, wait_all
 
@@ -195,6 +200,12 @@ class Saver:
 
     # -- before: the slot
 
+    def _step_dir(self, step: int) -> Location:
+        """Where ``step`` (a checked int) is committed: its canonical digits under the
+        directory, the rule of ``_format.steps.step_location``, spelt here so that a
+        save asks no other module for a name it already holds."""
+        return self._loc.child(str(step))
+
     def check_new_step(
         self, step: int, overwrite: bool, region: _distributed.Region | None
     ) -> list[int]:
@@ -204,7 +215,7 @@ class Saver:
         manager save's). Returns the committed local steps (from memory: no listing)."""
         local = self._book.known()
         if step not in local or overwrite:  # a foreign entry there is never replaced
-            at, replace = _steps.step_location(self._loc, step), step in local
+            at, replace = self._step_dir(step), step in local
             flags = {"replace": replace, "clear": not replace, "take_empty": False}
             _ownership.prepare_slot(at, what=f"step {step}", **flags, region=region)
         # Steps increase across both tiers (the persistent one as known, not listed).
@@ -345,7 +356,7 @@ class Saver:
         in the save's ``region``; the step's items then come through :meth:`save_items`
         and it commits through :meth:`commit` (or its staging goes: :meth:`abort_alone`)."""
         started = time.perf_counter()
-        final = _steps.step_location(self._loc, step)
+        final = self._step_dir(step)
         own = self._book.per_host
         staging = Staging.begin(final, _distributed.unique_name(region=region), own=own)
         prev = max((s for s in local if s < step), default=None) if self._incremental else None
@@ -359,7 +370,7 @@ class Saver:
             created_at=_per_host.agreed_time(region) if own else None,
             region=region,
         )
-        prev_loc = None if prev is None else _steps.step_location(self._loc, prev)
+        prev_loc = None if prev is None else self._step_dir(prev)
         return OpenStep(step, final, staging, step in local, request, prev_loc, started)
 
     def commit(
