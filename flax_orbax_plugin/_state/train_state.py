@@ -12,11 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._base.tree import encode_key, path_string
 from .._errors import StructureError
 
 __all__ = [
+    "PLAIN_VALUE_TYPES",
     "holds_nnx_objects",
     "merge_state",
     "nnx_state_as_dict",
@@ -25,6 +27,10 @@ __all__ = [
 ]
 
 _NNX_MODULE_ITEMS = ("params", "rng", "model_state")
+# The exact types of a value that is never an NNX object nor a Linen TrainState: a dict
+# of str names to such values (or jax Arrays) is its own items (split_state's answer),
+# which a caller may know without calling it (the manager's save: ``collect_items``).
+PLAIN_VALUE_TYPES = frozenset({dict, list, tuple, int, float, bool, str, type(None), np.ndarray})
 _NNX_GRAPH_KINDS = ("model_and_optimizer", "optimizer", "rngs", "module")
 _ELEMENT_KINDS = (
     "an nnx.Module, nnx.Optimizer, nnx.ModelAndOptimizer, nnx.Rngs, nnx.State or a Linen TrainState"
