@@ -41,10 +41,9 @@ from .events import Events
 from .lifecycle import Lifecycle, leave_at_exit
 from .options import MANAGER, SAVE_CALL
 from .restoring import Restorer
-from .retaining import RetentionRunner
+from .retaining import RetentionRunner, StepBook
 from .save_rules import SaveSchedule
 from .saving import Saver, collect_items
-from .step_commit import StepBook
 from .step_parts import StepParts, checked_expect
 from .store_places import manager_places
 from .tiers import PersistentTier
@@ -251,8 +250,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         step, ignore_policy = _check_save_call(
             step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t
         )
-        schedule = self._schedule
-        preempted = schedule.preempted_at(step)  # first, at every step (step checked above)
+        schedule, preempted = self._schedule, self._schedule.preempted_at(step)  # every step
         stop = preempted and schedule.stops  # handle_sigterm: save, close and exit
         supersede = self._supersede is True or (preempted and self._supersede == "preemption")
         if not supersede:  # superseding: a cancelled save's error is expected (below)

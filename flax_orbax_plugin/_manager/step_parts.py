@@ -21,8 +21,7 @@ from .._core.save import wait_for_data
 from .._errors import CheckpointError, OptionTypeError
 from .._incremental import reuse as _reuse
 from .checkpointables import check_item_name
-from .saving import OpenStep, Saver
-from .step_commit import wait_all
+from .saving import OpenStep, Saver, wait_all
 
 __all__ = ["StepParts", "checked_expect"]
 
