@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._base import distributed as _distributed
 from .._base import env as _env
@@ -100,9 +101,9 @@ def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]
 
 def _plain_items(state: Any) -> bool:
     """Whether ``state`` is a dict of str names to plain values (``PLAIN_VALUE_TYPES``,
-    jax Arrays): its own items, with nothing in it that ``split_state`` would split."""
+    numpy and jax arrays): its own items, with nothing in it that ``split_state`` splits."""
     return type(state) is dict and all(
-        type(k) is str and (type(v) in PLAIN_VALUE_TYPES or isinstance(v, jax.Array))
+        type(k) is str and (type(v) in PLAIN_VALUE_TYPES or isinstance(v, np.ndarray | jax.Array))
         for k, v in state.items()
     )
 

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from .._base.tree import encode_key, path_string
 from .._errors import StructureError
@@ -27,10 +26,8 @@ __all__ = [
 ]
 
 _NNX_MODULE_ITEMS = ("params", "rng", "model_state")
-# The exact types of a value that is never an NNX object nor a Linen TrainState: a dict
-# of str names to such values (or jax Arrays) is its own items (split_state's answer),
-# which a caller may know without calling it (the manager's save: ``collect_items``).
-PLAIN_VALUE_TYPES = frozenset({dict, list, tuple, int, float, bool, str, type(None), np.ndarray})
+# Never NNX nor a TrainState: a dict of str names to these (or arrays) is its own items
+PLAIN_VALUE_TYPES = frozenset({dict, list, tuple, int, float, bool, str, type(None)})
 _NNX_GRAPH_KINDS = ("model_and_optimizer", "optimizer", "rngs", "module")
 _ELEMENT_KINDS = (
     "an nnx.Module, nnx.Optimizer, nnx.ModelAndOptimizer, nnx.Rngs, nnx.State or a Linen TrainState"
@@ -199,12 +196,9 @@ def _split_mapping(state: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in state.items():
         if not isinstance(key, str):
             raise TypeError(f"item names must be str, found {key!r}")
-        where = f"state[{key!r}]"
         kind = _nnx_kind(value)
-        if kind in _NNX_GRAPH_KINDS:
-            _add_items(items, owners, _split_nnx(value, kind), where)
-        else:
-            _add_items(items, owners, {key: value}, where)
+        parts = _split_nnx(value, kind) if kind in _NNX_GRAPH_KINDS else {key: value}
+        _add_items(items, owners, parts, f"state[{key!r}]")
     return items
 
 
