@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from .._base import distributed as _distributed
 from .._core.save import SaveResult
 from .._errors import CheckpointError, EventHookError, OptionTypeError
-from .._format.steps import checked_step
+from .._format.steps import STEP, checked_step
 from .._like.onto_like import changes as check_changes
 from .._state.iterators import check_iterator
 from .._state.resume import check_reset, items_to_restore
@@ -185,7 +185,7 @@ class CheckpointCallback:
 
     def on_step_end(self, step: int, state: Any, *, t: float | None = None) -> bool:
         """Saves ``state`` as ``step`` if the policy says so; returns whether it did."""
-        step = checked_step(step)
+        step = STEP.check(step)  # its declaration's check (checked_step's), asked directly
         if self._ended is not None:  # it would reopen the manager for a save nobody waits for
             raise self._run_over(f"on_step_end({step})")
         if self._stepped is None and not self._started:  # a CLU hook list's cb(step) alone

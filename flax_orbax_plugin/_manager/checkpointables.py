@@ -477,6 +477,16 @@ BUILTIN_CHECKPOINTABLES: Mapping[str, Checkpointable] = {
 _DEFAULT = PytreeCheckpointable()
 
 
+def check_item_name(name: Any) -> str:
+    """``name`` if it is a safe checkpointable name, else StructureError."""
+    if not _layout.is_safe_name(name):
+        raise StructureError(
+            f"invalid checkpointable name {name!r}: use letters, digits, '_', '-', '.' "
+            "and do not start with '_' or '.'"
+        )
+    return name
+
+
 def kind_of(checkpointable: Any) -> str:
     """The kind a step's manifest records for ``checkpointable``'s item, and that a
     restore compares: its ``kind`` (``"custom"`` for a class without one)."""

@@ -21,11 +21,11 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import host as _host
-from .._base.env import Option, flag, found
+from .._base.env import Option, check, flag, found
 from .._core import ownership as _ownership
 from .._core.formats import MEMORY_LIMIT
 from .._core.save import SaveHandle, SaveResult
-from .._errors import CheckpointError, OptionTypeError
+from .._errors import CheckpointError, OptionError, OptionTypeError
 from .._format.foreign import refuse_foreign_run
 from .._format.steps import checked_step
 from .._like import onto_like as _onto_like
@@ -39,12 +39,11 @@ from . import per_host as _per_host
 from . import signatures as _signatures
 from .events import Events
 from .lifecycle import Lifecycle, leave_at_exit
-from .options import MANAGER
+from .options import MANAGER, SAVE_CALL
 from .restoring import Restorer
-from .retaining import RetentionRunner
+from .retaining import RetentionRunner, StepBook
 from .save_rules import SaveSchedule
 from .saving import Saver, collect_items
-from .step_commit import StepBook
 from .step_parts import StepParts, checked_expect
 from .store_places import manager_places
 from .tiers import PersistentTier
@@ -248,10 +247,10 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         """
         self._check_writable()
         self._refuse_open_parts("save")
-        step, ignore_policy = _options.check_save_call(
+        step, ignore_policy = _check_save_call(
             step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t
         )
-        schedule, preempted = self._schedule, self.preempted_at(step)  # first, at every step
+        schedule, preempted = self._schedule, self._schedule.preempted_at(step)  # every step
         stop = preempted and schedule.stops  # handle_sigterm: save, close and exit
         supersede = self._supersede is True or (preempted and self._supersede == "preemption")
         if not supersede:  # superseding: a cancelled save's error is expected (below)
@@ -502,6 +501,26 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             raise CheckpointError(f"manager on {self._loc} is read-only")
         if self._book.writer is not None and self._book.writer.take_again_if_lost():
             self._book.forget()  # its directory removed under it: what it lists is gone
+
+
+def _check_save_call(
+    *, step: Any, ignore_policy: Any, force: Any, overwrite: Any, t: Any
+) -> tuple[int, bool]:
+    """``CheckpointManager.save``'s step and options checked by their declarations
+    (``options.SAVE_CALL``): ``(step, ignore_policy)`` (``force=``, its deprecated name,
+    warned and taken as ``ignore_policy``)."""
+    out = check(
+        SAVE_CALL,
+        dict(step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t),
+    )
+    if force is not None:
+        _options.warn_deprecated("CheckpointManager.save(force=)", "save(..., ignore_policy=True)")
+        if ignore_policy:
+            raise OptionError(
+                f"force={force!r} and ignore_policy={ignore_policy!r} are one option (force= "
+                "is its deprecated name): give ignore_policy= alone"
+            )
+    return out["step"], bool(out["force"] or out["ignore_policy"])
 
 
 @contextlib.contextmanager

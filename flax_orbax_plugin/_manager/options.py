@@ -30,14 +30,20 @@ from .._base.env import (
 from .._base.host import HOST_MEMORY
 from .._core import formats as _formats
 from .._core.formats import MEMORY_LIMIT
-from .._errors import OptionError, StructureError
+from .._errors import OptionError
 from .._format import layout as _layout
 from .._format.steps import STEP, STEP_OR_NONE
 from .._state.iterators import check_iterator
 from .._storage.location import Location
 from . import retention as _retention
 from . import save_rules as _save_rules
-from .checkpointables import BUILTIN_CHECKPOINTABLES, Checkpointable, PytreeCheckpointable, kind_of
+from .checkpointables import (
+    BUILTIN_CHECKPOINTABLES,
+    Checkpointable,
+    PytreeCheckpointable,
+    check_item_name,
+    kind_of,
+)
 from .lanes import Lane, Lanes
 from .retention import KeepAny, KeepRule, Retention
 from .save_rules import AllOf, AnyOf, SavePolicy, SaveRule
@@ -58,9 +64,8 @@ __all__ = [
     "WRITER_ONLY",
     "check_callback",
     "check_import",
-    "check_item_name",
     "check_manager",
-    "check_save_call",
+    "warn_deprecated",
 ]
 
 
@@ -412,7 +417,8 @@ _GROUPS = (
 )
 
 
-def _deprecated(what: str, instead: str) -> None:
+def warn_deprecated(what: str, instead: str) -> None:
+    """A deprecated spelling used: DeprecationWarning, at the caller's line."""
     warnings.warn(
         f"{what}: deprecated, and gone in the next release; write {instead}",
         DeprecationWarning,
@@ -436,7 +442,7 @@ def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
             f"{', '.join(f'{n}=' for n in flat)} and persistent={path!r} both configure the "
             f"persistent tier: give {written} inside Tier(...) alone"
         )
-    _deprecated(
+    warn_deprecated(
         ", ".join(f"{n}=" for n in flat),
         f"persistent=fop.Tier({'<path>' if path is None else repr(path)}, {written})",
     )
@@ -627,35 +633,6 @@ def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict
     kwargs = _resolve_tier({**shared, **inner})
     check_manager(kwargs)
     return out, kwargs
-
-
-def check_save_call(
-    *, step: Any, ignore_policy: Any, force: Any, overwrite: Any, t: Any
-) -> tuple[int, bool]:
-    """``CheckpointManager.save``'s step and options checked: ``(step, ignore_policy)``
-    (``force=``, its deprecated name, warned and taken as ``ignore_policy``)."""
-    out = check(
-        SAVE_CALL,
-        dict(step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t),
-    )
-    if force is not None:
-        _deprecated("CheckpointManager.save(force=)", "save(..., ignore_policy=True)")
-        if ignore_policy:
-            raise OptionError(
-                f"force={force!r} and ignore_policy={ignore_policy!r} are one option (force= "
-                "is its deprecated name): give ignore_policy= alone"
-            )
-    return out["step"], bool(out["force"] or out["ignore_policy"])
-
-
-def check_item_name(name: Any) -> str:
-    """``name`` if it is a safe checkpointable name, else StructureError."""
-    if not _layout.is_safe_name(name):
-        raise StructureError(
-            f"invalid checkpointable name {name!r}: use letters, digits, '_', '-', '.' "
-            "and do not start with '_' or '.'"
-        )
-    return name
 
 
 def _overrides(

@@ -41,7 +41,7 @@ from . import peers as _peers
 from . import per_host as _per_host
 from .checkpointables import COPY_KINDS, Checkpointable, checkpointable_for, kind_of
 from .events import RestoreDone, measure_stored
-from .step_commit import StepBook
+from .retaining import StepBook
 
 __all__ = ["Restorer"]
 

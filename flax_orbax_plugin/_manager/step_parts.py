@@ -20,9 +20,8 @@ from .._base.env import found
 from .._core.save import wait_for_data
 from .._errors import CheckpointError, OptionTypeError
 from .._incremental import reuse as _reuse
-from .options import check_item_name
-from .saving import OpenStep, Saver
-from .step_commit import wait_all
+from .checkpointables import check_item_name
+from .saving import OpenStep, Saver, wait_all
 
 __all__ = ["StepParts", "checked_expect"]
 

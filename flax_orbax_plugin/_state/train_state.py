@@ -17,6 +17,7 @@ from .._base.tree import encode_key, path_string
 from .._errors import StructureError
 
 __all__ = [
+    "PLAIN_VALUE_TYPES",
     "holds_nnx_objects",
     "merge_state",
     "nnx_state_as_dict",
@@ -25,6 +26,8 @@ __all__ = [
 ]
 
 _NNX_MODULE_ITEMS = ("params", "rng", "model_state")
+# Never NNX nor a TrainState: a dict of str names to these (or arrays) is its own items
+PLAIN_VALUE_TYPES = frozenset({dict, list, tuple, int, float, bool, str, type(None)})
 _NNX_GRAPH_KINDS = ("model_and_optimizer", "optimizer", "rngs", "module")
 _ELEMENT_KINDS = (
     "an nnx.Module, nnx.Optimizer, nnx.ModelAndOptimizer, nnx.Rngs, nnx.State or a Linen TrainState"
@@ -193,12 +196,9 @@ def _split_mapping(state: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in state.items():
         if not isinstance(key, str):
             raise TypeError(f"item names must be str, found {key!r}")
-        where = f"state[{key!r}]"
         kind = _nnx_kind(value)
-        if kind in _NNX_GRAPH_KINDS:
-            _add_items(items, owners, _split_nnx(value, kind), where)
-        else:
-            _add_items(items, owners, {key: value}, where)
+        parts = _split_nnx(value, kind) if kind in _NNX_GRAPH_KINDS else {key: value}
+        _add_items(items, owners, parts, f"state[{key!r}]")
     return items
 
 
