@@ -41,6 +41,7 @@ from .._storage.location import Location
 from . import handle as _handle
 from . import host_snapshot as _host_snapshot
 from . import ownership as _ownership
+from . import removing as _removing
 from .formats import DEFAULT_FORMAT_VERSION, SaveRequest, Written, check_save
 from .handle import Cancellation, SaveHandle, SaveResult, raise_if_cancelled
 from .plan import Plan, Snapshot, structure_lines
@@ -153,12 +154,12 @@ class Staging:
         prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
         for name, kind in parent.child_kinds().items():
             if kind == "dir" and name.startswith(prefixes) and is_dead(parent.child(name)):
-                _ownership.remove_leftover(parent.child(name), what="stale staging")
+                _removing.remove_leftover(parent.child(name), what="stale staging")
 
     def abort(self) -> None:
         """Primary only: removes what this commit staged (renaming strategy)."""
         if self.renames:
-            _ownership.remove_staging(self.location, self.nonce)
+            _removing.remove_staging(self.location, self.nonce)
 
 
 def is_dead(staging: Location) -> bool:
