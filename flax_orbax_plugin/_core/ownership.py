@@ -40,6 +40,7 @@ from .._storage.local_files import entry_kind
 from .._storage.location import Location
 from . import formats as _formats
 from . import handle as _handle
+from . import writer_liveness as _liveness
 from .created import missing_directories as missing_directories
 from .created import remove_created as remove_created
 
@@ -55,9 +56,9 @@ def claim(loc: Location, nonce: str, *, fresh: bool = False) -> None:
     Written by one process per place (the primary, or each process in its own copy).
     Not fsynced on its own: a later ``sync`` of the staging place makes it durable.
     A write that fails leaves no empty staging folder behind (the write made it).
-    Object stores write in place: the claim is conditional (``pending.claim_in_place``)."""
+    Object stores write in place: the claim is conditional (``writer_liveness.claim_in_place``)."""
     if not loc.supports_rename:
-        _handle.claim_in_place(loc, nonce, fresh=fresh)
+        _liveness.claim_in_place(loc, nonce, fresh=fresh)
         return
     try:
         loc.write_bytes(PENDING_FILE, _pending_bytes(nonce), durable=False)
@@ -192,7 +193,7 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
             f"is there ({describe(loc)}); it is left alone. Move it away or choose another path"
         )
     if found == "pending marker":
-        _handle.refuse_if_held(loc, replace=replace)
+        _liveness.refuse_if_held(loc, replace=replace)
     if found != "pending marker" and not replace:
         raise CheckpointError(
             f"{loc} already holds a committed checkpoint ({found}); pass force=True "

@@ -38,16 +38,15 @@ from .._errors import CheckpointError, CoordinationError, SaveCancelledError
 from .._format.layout import COMMIT_FILE, CommitMarker
 from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
-from . import handle as _handle
 from . import host_snapshot as _host_snapshot
 from . import ownership as _ownership
 from . import removing as _removing
+from . import writer_liveness as _liveness
 from .formats import DEFAULT_FORMAT_VERSION, SaveRequest, Written, check_save
 from .handle import Cancellation, SaveHandle, SaveResult, raise_if_cancelled
 from .plan import Plan, Snapshot, structure_lines
 
 logger = logging.getLogger("flax_orbax_plugin")
-STALE_SECONDS = 3600.0  # a staging directory untouched this long belongs to a dead save
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,29 +147,22 @@ class Staging:
     def _remove_stale_siblings(self) -> None:
         """After a commit: staging left by earlier saves of the same name that died
         (``<name>.partial-*``, ``<name>.deleting-*``; real directories only, never
-        through a link) is garbage. Only dead ones go (:func:`is_dead`), so a save of the
-        same path still running in another job is never cut short."""
+        through a link) is garbage. Only dead ones go (``writer_liveness.is_dead``), so a
+        save of the same path still running in another job is never cut short."""
         parent = self.final.parent
         prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
         for name, kind in parent.child_kinds().items():
-            if kind == "dir" and name.startswith(prefixes) and is_dead(parent.child(name)):
+            if (
+                kind == "dir"
+                and name.startswith(prefixes)
+                and _liveness.is_dead(parent.child(name))
+            ):
                 _removing.remove_leftover(parent.child(name), what="stale staging")
 
     def abort(self) -> None:
         """Primary only: removes what this commit staged (renaming strategy)."""
         if self.renames:
             _removing.remove_staging(self.location, self.nonce)
-
-
-def is_dead(staging: Location) -> bool:
-    """Staging (a real directory) of a save that no longer runs: the process named in
-    its pending marker is gone (this host: see ``pending.writer_gone``), it names no
-    writer and is unchanged for a while (``pending.abandoned``: empty, or committed, as a
-    save killed between two renames leaves it), or nothing in it was touched for
-    ``STALE_SECONDS`` (a writer on another host)."""
-    if _handle.writer_gone(staging) or _handle.abandoned(staging):
-        return True
-    return time.time() - staging.newest_mtime() > STALE_SECONDS
 
 
 def commit_collectively(
@@ -568,7 +560,7 @@ class _Background:
         if self.staging.renames or not _distributed.is_primary():
             return
         # Only under this save's own claim: a claim refused leaves the other writer's be.
-        if _handle.holds_nonce(self.location, self.staging.nonce):
+        if _liveness.holds_nonce(self.location, self.staging.nonce):
             _ownership.remove(self.location, action="remove the remains of the failed save at")
 
 

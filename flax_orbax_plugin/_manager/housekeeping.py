@@ -12,10 +12,9 @@ import os
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._core import handle as _handle
 from .._core import ownership as _ownership
 from .._core import removing as _removing
-from .._core import save as _save
+from .._core import writer_liveness as _liveness
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import layout as _layout
 from .._format import steps as _steps
@@ -125,7 +124,7 @@ def _remove_dead_staging(loc: Location, listing: Any, stuck: dict[str, str]) -> 
         kinds = loc.child_kinds()
         for name in listing.foreign:
             if kinds.get(name) == "dir" and _steps.SAVE_STAGING_RE.match(name):
-                if not _save.is_dead(loc.child(name)):
+                if not _liveness.is_dead(loc.child(name)):
                     continue  # its save may still run: not ours to touch yet
                 gone, why = _removing.remove_leftover(
                     loc.child(name), what="staging of an interrupted save"
@@ -148,7 +147,7 @@ def _remove_dead_staging(loc: Location, listing: Any, stuck: dict[str, str]) -> 
 
 def _live(loc: Location, name: str) -> bool:
     """Whether ``name``'s save still runs on this host (left alone, with a WARNING)."""
-    writer = _handle.writer_alive(loc.child(name))
+    writer = _liveness.writer_alive(loc.child(name))
     if writer is not None:
         logger.warning(
             "%s: unfinished step %s left alone: its save is still running (%s)", loc, name, writer

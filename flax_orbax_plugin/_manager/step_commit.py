@@ -36,10 +36,10 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base.env import found
-from .._core import handle as _handle
 from .._core import ownership as _ownership
 from .._core import removing as _removing
 from .._core import save as _save
+from .._core import writer_liveness as _liveness
 from .._core.formats import SaveRequest, Written
 from .._core.handle import raise_if_cancelled
 from .._core.plan import structure_lines
@@ -464,10 +464,10 @@ def abort_staged(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> No
     if staging.renames:
         _removing.remove_staging(staging.location, staging.nonce)
     elif not replace:  # a new step written in place: no manifest, all of it goes
-        if _handle.holds_nonce(staging.final, staging.nonce):  # under its own claim only
+        if _liveness.holds_nonce(staging.final, staging.nonce):  # under its own claim only
             _removing.remove_if_ours(staging.final, what="uncommitted step")
     else:  # the old step stays whole: only the new items' fresh directories go
         fresh = [d for n, d in dirs.items() if d != n]
         _removing.remove_children(staging.final, fresh, action="abort the save into")
-        if _handle.holds_nonce(staging.final, staging.nonce):  # its commit record proves it
+        if _liveness.holds_nonce(staging.final, staging.nonce):  # its commit record proves it
             _ownership.unclaim(staging.final)
