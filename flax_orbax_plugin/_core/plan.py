@@ -527,19 +527,6 @@ def _stored_leaves(leaves: list[Leaf], found):
     return out, found
 
 
-def structure_lines(leaves: list[Leaf]) -> list[str]:
-    """One line per leaf (path, kind, dtype and shape): what :func:`_digest` covers, in
-    words, so that a structure that differs between processes can be named."""
-    out = []
-    for leaf in leaves:
-        r = leaf.record
-        shape = "" if r.shape is None else list(r.shape)
-        shown = leaf.value_digest
-        value = "" if shown is None else f" (value digest {shown})"
-        out.append(f"{r.path}: {r.kind} {r.dtype or ''}{shape}{value}".rstrip())
-    return out
-
-
 def _digest(leaves: list[Leaf]) -> str:
     """A digest of the tree's structure (paths, kinds, shapes, dtypes) and of the values
     the primary alone writes that are small enough to compare (str and bytes leaves,

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -38,13 +37,14 @@ from .._errors import CheckpointError, CoordinationError, SaveCancelledError
 from .._format.layout import COMMIT_FILE, CommitMarker
 from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
+from . import commit_rounds as _rounds
 from . import host_snapshot as _host_snapshot
 from . import ownership as _ownership
 from . import removing as _removing
 from . import writer_liveness as _liveness
 from .formats import DEFAULT_FORMAT_VERSION, SaveRequest, Written, check_save
 from .handle import Cancellation, SaveHandle, SaveResult, raise_if_cancelled
-from .plan import Plan, Snapshot, structure_lines
+from .plan import Plan, Snapshot
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -204,7 +204,7 @@ def commit_collectively(
     if _distributed.is_primary():
         outcome = _primary_round(op, status, what, publish, abort, structure, region)
     else:
-        outcome = _other_round(op, status, abort, structure, region)
+        outcome = _rounds.other_round(op, status, abort, structure, region)
     if error is not None:
         error.add_note(f"{what}: {outcome}")
         raise error
@@ -240,81 +240,14 @@ def _primary_round(op, own_status, what, publish, abort, structure, region) -> s
     except BaseException as e:  # noqa: BLE001  (every process learns of it)
         outcome = f"not committed; commit failed on the primary: {type(e).__name__}: {e}"
     if outcome != "committed":
-        outcome = _discard(abort, outcome)
+        outcome = _rounds.discard(abort, outcome)
     if _distributed.process_count() > 1:
-        differs = STRUCTURE in outcome and structure is not None
+        differs = _rounds.STRUCTURE in outcome and structure is not None
         if differs:
             _distributed.publish(f"{op}/structure", json.dumps(structure()), region=region)
         _distributed.broadcast_str(f"{op}/outcome", outcome, region=region)
         if differs:
-            outcome += _their_difference(op, outcome, structure(), region)
-    return outcome
-
-
-def _other_round(op, status, abort, structure, region) -> str:
-    """Another process's side: publishes its status, reads the outcome (waiting longer
-    than the primary may spend on one status, so a missing process is reported by name
-    rather than as "late"), discards its staged files unless committed."""
-    _distributed.publish(f"{op}/status", status, region=region)
-    wait = 2 * _distributed.stall_timeout(region=region)
-    outcome = _distributed.broadcast_str(f"{op}/outcome", None, region=region, timeout_s=wait)
-    if STRUCTURE in outcome and structure is not None:
-        mine = structure()
-        _distributed.publish(f"{op}/structure", json.dumps(mine), region=region)  # for 0
-        outcome += _first_difference(op, mine, region)
-    if outcome != "committed":
-        outcome = _discard(abort, outcome)  # e.g. staging of another step than the primary's
-    return outcome
-
-
-STRUCTURE = "tree of another structure"  # in the outcome when the digests differ
-
-
-def _first_difference(op: str, mine: list[str], region, p: int = 0, timeout_s=None) -> str:
-    """``; here ...``: the first leaf where this process's tree differs from process
-    ``p``'s (the primary's, published with the outcome), or nothing when it cannot be
-    read."""
-    try:
-        got = _distributed.get_from(f"{op}/structure", p, region=region, timeout_s=timeout_s)
-        theirs = json.loads(got)
-    except (CoordinationError, ValueError):
-        return ""
-    return _difference(mine, theirs, p)
-
-
-def _their_difference(
-    op: str, outcome: str, mine: list[str], region: _distributed.Region | None
-) -> str:
-    """The primary's side of :func:`_first_difference`: the process the outcome names
-    publishes its leaves once it read the outcome (waited for a few seconds at most:
-    nothing when it is gone)."""
-    found = re.search(r"process ([0-9]+) saved a " + STRUCTURE, outcome)
-    if found is None:
-        return ""
-    return _first_difference(op, mine, region, int(found.group(1)), timeout_s=10.0)
-
-
-def _difference(mine: list[str], theirs: list[str], p: int) -> str:
-    for a, b in zip(mine, theirs, strict=False):
-        if a != b:
-            return f"; the first leaf that differs: {a!r} here, {b!r} on process {p}"
-    if len(mine) != len(theirs):
-        extra = mine[len(theirs)] if len(mine) > len(theirs) else theirs[len(mine)]
-        return (
-            f"; {len(mine)} leaves here, {len(theirs)} on process {p} (the first one only "
-            f"{'here' if len(mine) > len(theirs) else f'on process {p}'}: {extra!r})"
-        )
-    return "; the leaves' paths, kinds, dtypes, shapes and small values agree: a str leaf differs"
-
-
-def _discard(abort: Callable[[], None], outcome: str) -> str:
-    """Removes this process's staged files after a failed outcome; a removal that fails
-    too is added to the outcome (reported with it), never passed over in silence."""
-    try:
-        abort()
-    except Exception as e:  # noqa: BLE001
-        me = _distributed.process_index()
-        return f"{outcome} (and removing process {me}'s staged files failed: {e})"
+            outcome += _rounds.their_difference(op, outcome, structure(), region)
     return outcome
 
 
@@ -351,7 +284,7 @@ def _disagreement(statuses: list[dict[str, Any]]) -> str | None:
             )
         if s["digest"] != first["digest"]:
             return (
-                f"disagree: process {p} saved a {STRUCTURE} than process 0 "
+                f"disagree: process {p} saved a {_rounds.STRUCTURE} than process 0 "
                 f"(structure digests {s['digest'][:12]} and {first['digest'][:12]}) at step "
                 f"{first['step']}; every process must save the same tree"
             )
@@ -546,7 +479,7 @@ class _Background:
             publish=publish,
             abort=self.abort,
             agreed=self.agreed,
-            structure=lambda: structure_lines(self.snap.leaves),
+            structure=lambda: _rounds.structure_lines(self.snap.leaves),
             region=self.region,
         )
         total = time.perf_counter() - self.start

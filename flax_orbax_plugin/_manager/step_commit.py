@@ -40,9 +40,9 @@ from .._core import ownership as _ownership
 from .._core import removing as _removing
 from .._core import save as _save
 from .._core import writer_liveness as _liveness
+from .._core.commit_rounds import structure_lines
 from .._core.formats import SaveRequest, Written
 from .._core.handle import raise_if_cancelled
-from .._core.plan import structure_lines
 from .._core.save import SaveResult, Staging
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
