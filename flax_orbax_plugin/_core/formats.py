@@ -19,22 +19,20 @@ from .._base.env import INT64_MAX, Option, check, refuse_without
 from .._base.host import HOST_MEMORY_BUDGET, BufferPool
 from .._errors import CorruptCheckpointError, OptionError
 from .._format import layout as _layout
-from .._format.layout import BatchRecord, CheckpointDocument, array_dir, batch_dir
+from .._format.layout import BatchRecord, CheckpointDocument, batch_dir
 from .._format.steps import STEP_OR_NONE
 from .._incremental import packed
 from .._incremental import reuse as _reuse
-from .._incremental.copies import copy_leaf
-from .._incremental.links import link_leaf
 from .._like.onto_like import check_policy
 from .._like.transform import Changes
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
-from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
 from .._zarr import packed_reader as _packed_reader
 from . import reads as _reads
-from .reads import check_claims, check_packed_claims
-from .write_data import write_data, write_packed
+from .format_v1 import CHUNK_FILES
+from .reads import check_packed_claims
+from .write_data import write_packed
 
 __all__ = [
     "CHUNK_FILES",
@@ -60,7 +58,6 @@ __all__ = [
 # The format a save writes when none is asked for (FORMAT.md: version 2, data files;
 # version 1 on request, and in a directory per host, which version 2 does not write).
 DEFAULT_FORMAT_VERSION = 2
-ONE_FILE_PER_CHUNK = "format_version=2 (version 1 writes one file per chunk)"
 
 DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
 # Reads in flight beyond the restored arrays themselves. Small: reading leaves one
@@ -327,73 +324,6 @@ class Format(Protocol):
         CorruptCheckpointError naming the file otherwise."""
 
 
-def _plain_read(index: int, record: Any, direct: Any, region: Any):
-    """Whole chunks of an uncompressed array straight from the reader, where it reads
-    them; None otherwise."""
-    if direct is None or record.storage.codec is not None:
-        return None
-    dtype = _layout.dtype_from_name(record.dtype, path=record.path)
-    sub = array_dir(index)
-    return direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
-
-
-class ChunkFiles:
-    """Version 1: one file per chunk and a ``zarr.json`` per array and batch."""
-
-    version = 1
-    copies_before_writing = False
-    per_host_directories = True
-    ignored_options = (("data_file_bytes", ONE_FILE_PER_CHUNK),)
-    batch_damage: tuple[type[BaseException], ...] = ()
-    array_specs = True
-
-    def write(
-        self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
-    ) -> tuple:
-        links = {} if found is None else _links(location, *found)
-        written, reused = write_data(
-            location,
-            leaves,
-            snap.batches,
-            snap.batch_data,
-            primary=primary,
-            limit=snap.request.limit,
-            links=links,
-            cancelled=snap.request.cancelled,
-        )
-        return written, {}, reused
-
-    def reuser(self, location: Location) -> Any:
-        return _reuse.reuser(location, link=link_leaf, copy=copy_leaf)
-
-    def wrote(self, doc: CheckpointDocument) -> bool:
-        return doc.format_version == 1
-
-    def open(self, location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool):
-        check_claims(location, doc, targets, own_copy=own_copy)
-        return _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
-
-    def array_store(self, location: Location, target: Any, paths: list[str]) -> Any:
-        spec = _arrays.leaf_spec(location, target.index, target.record)
-        return _reads.open_array(spec, location, paths)
-
-    def read_stored(self, store: Any, index: int, record: Any, direct: Any, region: Any) -> Any:
-        read = _plain_read(index, record, direct, region)
-        if read is not None:
-            return read
-        dtype = _layout.dtype_from_name(record.dtype, path=record.path)
-        return _reads.ReadInto(store if region is None else store[region], dtype)
-
-    def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
-        return _reads.open_array(_arrays.batch_spec(location, batch), location, paths)
-
-    def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
-        return direct is not None and batch.codec is None
-
-    def check_lengths(self, location: Location, direct: Any) -> None:
-        pass  # each chunk file's length is checked by its read (its crc32c trailer last)
-
-
 class DataFiles:
     """Version 2: each process's chunks in a few data files and one JSON index."""
 
@@ -447,7 +377,7 @@ class DataFiles:
         return None  # every array is read through the data files' reader
 
     def read_stored(self, store: Any, index: int, record: Any, direct: Any, region: Any) -> Any:
-        read = _plain_read(index, record, direct, region)
+        read = _reads.plain_read(index, record, direct, region)
         if read is not None:
             return read
         return direct.read_compressed(index, record, region)
@@ -469,7 +399,6 @@ class DataFiles:
                 )
 
 
-CHUNK_FILES = ChunkFiles()
 DATA_FILES = DataFiles()
 _BY_VERSION: dict[int, Format] = {1: CHUNK_FILES, 2: DATA_FILES}
 
@@ -521,26 +450,6 @@ def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int
     first = files.start * chunk if files else 0
     read.out = read.out[off - first : off - first + size]
     return read
-
-
-def _links(location: Location, way, source: Location, unchanged: list) -> dict[int, Any]:
-    """``{leaf index: link()}`` (version 1): ``link()`` links or copies this process's
-    chunks of the leaf and returns the bytes reused, or None when it must write its
-    regions after all."""
-    return {
-        leaf.index: functools.partial(
-            way,
-            source,
-            j,
-            location,
-            leaf.index,
-            leaf.record,
-            chunks=chunks,
-            nbytes=sum(data.nbytes for _, data in leaf.writes),
-            writes=leaf.writes,  # the snapshot, which each reused chunk must equal
-        )
-        for leaf, j, chunks in unchanged
-    }
 
 
 def _files_reuse(location: Location, way, source: Location, unchanged: list):

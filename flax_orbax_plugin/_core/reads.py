@@ -597,3 +597,13 @@ def opened(future, location: Location, paths: list[str]):
     except ValueError as e:
         raise_environmental(e)
         raise corrupt(paths, location, e) from None
+
+
+def plain_read(index: int, record: Any, direct: Any, region: Any):
+    """Whole chunks of an uncompressed array straight from the reader, where it reads
+    them; None otherwise."""
+    if direct is None or record.storage.codec is not None:
+        return None
+    dtype = _layout.dtype_from_name(record.dtype, path=record.path)
+    sub = array_dir(index)
+    return direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
