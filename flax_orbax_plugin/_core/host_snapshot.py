@@ -90,7 +90,7 @@ def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bo
     pooled: list[np.ndarray] = []
     keep = _keeper(pool, pooled)  # a pooled buffer is given back after the write
     writers = _writers(leaves, batches, me, own_copy)
-    owned = [o for o in _owned(leaves, writers, me, own_copy) if _is_small(o[0])]
+    owned = [o for o in owned_regions(leaves, writers, me, own_copy) if _is_small(o[0])]
     for _, source, _ in owned:
         if on_device(source):
             source.copy_to_host_async()
@@ -123,7 +123,7 @@ def take_regions(
     pooled: list[np.ndarray] = []
     keep = _keeper(pool, pooled)  # a pooled buffer is given back after the write
     writers = _writers(leaves, batches, me, own_copy)
-    owned = [o for o in _owned(leaves, writers, me, own_copy) if not _is_small(o[0])]
+    owned = [o for o in owned_regions(leaves, writers, me, own_copy) if not _is_small(o[0])]
     later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
     streamed = budget is not None
     kind = "streamed" if streamed else device_kind
@@ -162,7 +162,7 @@ def _is_small(leaf) -> bool:
 
 def _writers(leaves: list, batches: dict, me: int, own_copy: bool) -> dict[str, int]:
     if own_copy:
-        return _held_batches(leaves, batches, me)
+        return held_batches(leaves, batches, me)
     return {n: b.process for n, b in batches.items()}
 
 
@@ -193,31 +193,6 @@ def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) 
         else:
             batch_data[name][end:] = 0
     return batch_data
-
-
-def pool_sizes(leaves: list, batches: dict[str, BatchRecord], own_copy: bool = False) -> list:
-    """The byte size of every buffer :func:`take` with a pool takes for these leaves (a
-    plan's) and batches: each batch this process writes, each region it copies of a CPU
-    or numpy leaf stored as its own array (accelerator regions go to pinned memory, not
-    to the pool). Reads no array data."""
-    me = _distributed.process_index()
-    writers = {n: b.process for n, b in batches.items()}
-    if own_copy:
-        writers = _held_batches(leaves, batches, me)
-    sizes = [
-        b.size * _layout.dtype_from_name(b.dtype).itemsize
-        for n, b in batches.items()
-        if writers[n] == me
-    ]
-    for leaf, source, rows in _owned(leaves, writers, me, own_copy):
-        if isinstance(leaf.record.storage, BatchStorage):
-            continue
-        data = source[0] if isinstance(source, tuple) else source
-        if on_device(data):
-            continue
-        extents = [len(range(*r.indices(n))) for r, n in zip(rows, leaf.record.shape, strict=True)]
-        sizes.append(math.prod(extents) * np.dtype(data.dtype).itemsize)
-    return sizes
 
 
 # Checksum each chunk as it is copied into the pool (one pass) instead of in the
@@ -251,7 +226,7 @@ def _pieces(leaf, source, rows, budget: int | None) -> list:
     return pieces(rows, length, chunk_rows, row_bytes, max(1, budget // 4))
 
 
-def _held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dict[str, int]:
+def held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dict[str, int]:
     """``{batch: me}`` for each batch every leaf of which this process holds (own copy)."""
     held = dict.fromkeys(batches, me)
     for leaf in leaves:
@@ -262,7 +237,7 @@ def _held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dic
     return held
 
 
-def _owned(leaves: list, writers: dict[str, int], me: int, own_copy: bool) -> list:
+def owned_regions(leaves: list, writers: dict[str, int], me: int, own_copy: bool) -> list:
     """(leaf, what to read it from, region) for every piece this process writes; each
     source is resolved once, so the object whose device-to-host copy is started is the
     one read afterwards (jax caches the copy per object)."""

@@ -24,9 +24,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import numpy as np
-
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base import host as _host
@@ -38,7 +35,6 @@ from .._format.layout import COMMIT_FILE, CommitMarker
 from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
 from . import commit_rounds as _rounds
-from . import host_snapshot as _host_snapshot
 from . import ownership as _ownership
 from . import removing as _removing
 from . import writer_liveness as _liveness
@@ -538,31 +534,3 @@ def snapshot(tree: Any, request: SaveRequest) -> Snapshot:
     snap = plan.snapshot()
     _env.kill_point("after_snapshot")
     return snap
-
-
-def pool_sizes(like: Any, request: SaveRequest) -> list[int]:
-    """The byte sizes of the pooled host buffers one save of a tree like ``like`` takes
-    (its arrays, or ``jax.ShapeDtypeStruct`` leaves: ``jax.eval_shape`` of it), as
-    ``request`` says; for ``BufferPool.reserve``. Reads no array data, allocates
-    nothing. A ShapeDtypeStruct spread over several devices is refused (pass the state
-    itself: its shards decide the regions)."""
-    return _host_snapshot.pool_sizes(*_sizing_plan(like, request), own_copy=request.own_copy)
-
-
-def _sizing_plan(like: Any, request: SaveRequest) -> tuple[list, dict]:
-    def stand_in(path, x):
-        if not isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        sharding = getattr(x, "sharding", None)
-        if sharding is not None and len(sharding.device_set) > 1:
-            raise ValueError(
-                f"reserve: leaf {jax.tree_util.keystr(path)!r}: expected an array or a "
-                f"ShapeDtypeStruct on one device, found one sharded over "
-                f"{len(sharding.device_set)} devices (pass the state itself)"
-            )
-        return np.broadcast_to(np.zeros((), x.dtype), x.shape)  # no memory: stride 0
-
-    tree = jax.tree_util.tree_map_with_path(stand_in, like)
-    with _tree.paused_gc():
-        plan = Plan.build(tree, request)
-    return plan.leaves, plan.batches
