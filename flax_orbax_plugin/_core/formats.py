@@ -1,4 +1,5 @@
-"""Requests (frozen records of one save or read) and the format seam (one ``Format`` per version).
+"""The save's request (the frozen record of one save), the entry points' options, and the
+format seam (one ``Format`` per version; a read's request is ``reads``').
 
 Options are checked once, the entry point's first act, on the caller's thread; a request
 never changes; the write runs on the save's background thread, the read on the restoring one.
@@ -19,12 +20,10 @@ from .._base.env import INT64_MAX, Option, check, refuse_without
 from .._base.host import HOST_MEMORY_BUDGET, BufferPool
 from .._errors import CorruptCheckpointError, OptionError
 from .._format import layout as _layout
-from .._format.layout import BatchRecord, CheckpointDocument, batch_dir
+from .._format.layout import BatchRecord, CheckpointDocument
 from .._format.steps import STEP_OR_NONE
 from .._incremental import packed
 from .._incremental import reuse as _reuse
-from .._like.onto_like import check_policy
-from .._like.transform import Changes
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunks as _chunks
@@ -38,11 +37,9 @@ __all__ = [
     "CHUNK_FILES",
     "DATA_FILES",
     "DEFAULT_FORMAT_VERSION",
-    "DEFAULT_READ_LIMIT_BYTES",
     "DEFAULT_WRITE_LIMIT_BYTES",
     "Format",
     "MEMORY_LIMIT",
-    "ReadRequest",
     "SaveRequest",
     "check_restore",
     "check_save",
@@ -50,7 +47,6 @@ __all__ = [
     "check_verify",
     "for_version",
     "of_document",
-    "read_limit",
     "version_for",
     "Written",
 ]
@@ -60,10 +56,6 @@ __all__ = [
 DEFAULT_FORMAT_VERSION = 2
 
 DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
-# Reads in flight beyond the restored arrays themselves. Small: reading leaves one
-# after another (each with tensorstore's chunk-level parallelism) is as fast as
-# reading them all at once on few cores, and keeps peak memory near the result's.
-DEFAULT_READ_LIMIT_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,64 +103,6 @@ class SaveRequest:
 
     def replace(self, **fields: Any) -> SaveRequest:
         return dataclasses.replace(self, **fields)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadRequest:
-    """How one pytree is read (the options of ``fop.restore``, checked, plus what a
-    manager adds).
-
-    ``memory_limit_bytes``: reads in flight; ``cast``: ``"safe"`` (no cast that changes
-    a value) or ``"unsafe"``; ``share_reads``: processes read a replicated leaf
-    together (each its rows, then an all-gather; collective); ``own_copy``: a host's own
-    directory (each process reads alone; an array read onto a sharded ``like`` holds
-    only this host's chunks, so its claims are not checked against the whole array);
-    ``changes``: a restore into a changed model (``partial``, ``missing``,
-    ``transform``, ``surgery``); ``dry_run``: return the plan of the read
-    (``RestorePlan``), reading no array data; ``region``: the collective operation the
-    read is part of (``_base.regions``; its processes agree on what they read), or None
-    (one process, or a read one process may make alone).
-    """
-
-    memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
-    cast: str = "safe"
-    share_reads: bool = False
-    own_copy: bool = False
-    changes: Changes = Changes()
-    dry_run: bool = False
-    region: _distributed.Region | None = dataclasses.field(default=None, compare=False)
-
-    def __post_init__(self):
-        check_policy(self.cast)
-        if self.own_copy and self.share_reads:
-            raise ValueError("ReadRequest: a host's own copy is read alone (share_reads=False)")
-
-    @classmethod
-    def of_step(
-        cls,
-        *,
-        own_copy: bool,
-        changes: Changes | None,
-        region: _distributed.Region | None,
-        ceiling: int | None = None,
-    ) -> ReadRequest:
-        """The request of a manager step's items, in the manager restore's ``region``:
-        each host's own directory is read by each process alone (no collective); else
-        replicated leaves are read shared. ``ceiling``: the manager's host-memory ceiling
-        in bytes (its reads in flight stay under it: ``read_limit``), or None."""
-        share = not own_copy and _distributed.process_count() > 1
-        changes = changes or Changes()
-        limit = read_limit(ceiling)
-        return cls(limit, share_reads=share, own_copy=own_copy, changes=changes, region=region)
-
-    def replace(self, **fields: Any) -> ReadRequest:
-        return dataclasses.replace(self, **fields)
-
-
-def read_limit(ceiling: int | None) -> int:
-    """Bytes of reads in flight under a host-memory ``ceiling`` (bytes, or None): the
-    default (:data:`DEFAULT_READ_LIMIT_BYTES`), never above the ceiling."""
-    return DEFAULT_READ_LIMIT_BYTES if ceiling is None else min(DEFAULT_READ_LIMIT_BYTES, ceiling)
 
 
 # The host-memory limit of a save's or a read's copies: one declaration for both.
@@ -437,19 +371,6 @@ def refuse_ignored(version: int | None, given: dict[str, Any], refuse) -> None:
     for name, needs in for_version(version).ignored_options:
         if name in given:
             refuse(name, needs)
-
-
-def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int, size: int):
-    """A read of elements ``[off, off + size)`` of a version-2 batch: the batch files
-    holding them, then the slice."""
-    chunk = int(batch.chunk)
-    files = range(off // chunk, -(-(off + size) // chunk)) if size else range(0)
-    dtype = _layout.dtype_from_name(batch.dtype)
-    sub, inner = batch_dir(batch.name), batch.inner
-    read = direct.read_batch(sub, batch.size, chunk, inner, dtype, files)
-    first = files.start * chunk if files else 0
-    read.out = read.out[off - first : off - first + size]
-    return read
 
 
 def _files_reuse(location: Location, way, source: Location, unchanged: list):

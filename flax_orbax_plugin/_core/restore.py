@@ -48,11 +48,12 @@ from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
 from . import formats as _formats
 from . import surgery_reads as _surgery_reads
-from .formats import DEFAULT_READ_LIMIT_BYTES, ReadRequest, read_slice
 from .read_agreement import agree_on_read
 from .reads import (
+    DEFAULT_READ_LIMIT_BYTES,
     Reader,
     ReadInto,
+    ReadRequest,
     Target,
     add_missing_empties,
     corrupt,
@@ -60,6 +61,7 @@ from .reads import (
     finish,
     make_target,
     opened,
+    read_slice,
     sharding_of,
 )
 

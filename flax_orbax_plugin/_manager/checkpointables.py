@@ -24,7 +24,8 @@ from .._core import formats as _formats
 from .._core import pool_sizes as _pool_sizes
 from .._core import restore as _restore
 from .._core import save as _save
-from .._core.formats import ReadRequest, SaveRequest, Written
+from .._core.formats import SaveRequest, Written
+from .._core.reads import ReadRequest
 from .._errors import CheckpointError, CorruptCheckpointError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps

@@ -21,8 +21,7 @@ from .._base import distributed as _distributed
 from .._base import host as _host
 from .._base.env import outside_stacklevel
 from .._core import removing as _removing
-from .._core.formats import ReadRequest
-from .._core.reads import step_deleted_or
+from .._core.reads import ReadRequest, step_deleted_or
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
