@@ -18,10 +18,9 @@ from typing import Any, Protocol
 from .._base import distributed as _distributed
 from .._base.env import INT64_MAX, Option, check, refuse_without
 from .._base.host import HOST_MEMORY_BUDGET, BufferPool
-from .._errors import CorruptCheckpointError, OptionError
+from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, CheckpointDocument
-from .._format.steps import STEP_OR_NONE
 from .._incremental import packed
 from .._incremental import reuse as _reuse
 from .._storage.location import Location
@@ -41,10 +40,7 @@ __all__ = [
     "Format",
     "MEMORY_LIMIT",
     "SaveRequest",
-    "check_restore",
     "check_save",
-    "check_serving",
-    "check_verify",
     "for_version",
     "of_document",
     "version_for",
@@ -157,35 +153,6 @@ def check_save(**options: Any) -> dict[str, Any]:
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
     )
     return out
-
-
-RESTORE: tuple[Option, ...] = (
-    MEMORY_LIMIT,
-    Option("share_replicated_reads", "flag", none_ok=True, expected="True, False or None"),
-)
-VERIFY: tuple[Option, ...] = (STEP_OR_NONE, Option("all_steps", "flag"), MEMORY_LIMIT)
-SERVING: tuple[Option, ...] = (STEP_OR_NONE, Option("item", "str"), MEMORY_LIMIT)
-
-
-def check_restore(**options: Any) -> dict[str, Any]:
-    """``fop.restore``'s options of :data:`RESTORE`, checked."""
-    return check(RESTORE, options)
-
-
-def check_verify(**options: Any) -> dict[str, Any]:
-    """``fop.verify``'s options, checked; ``step`` with ``all_steps`` refused."""
-    out = check(VERIFY, options)
-    if out["all_steps"] and out["step"] is not None:
-        raise OptionError(
-            f"step={out['step']} and all_steps=True conflict: all_steps verifies every "
-            "step, step= one of them; give one of the two"
-        )
-    return out
-
-
-def check_serving(**options: Any) -> dict[str, Any]:
-    """``fop.restore_params``'s options of :data:`SERVING`, checked."""
-    return check(SERVING, options)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,6 @@ from .._base import distributed as _distributed
 from .._base import host as _host
 from .._base.env import flag
 from .._base.regions import public
-from .._core import formats as _formats
 from .._core import restore as _restore
 from .._core.read_agreement import agree_on_read
 from .._core.reads import ReadRequest, place
@@ -331,7 +330,7 @@ def restore_params(
     flight beyond the params returned, as ``fop.restore`` takes it.
     """
     # each option checked (OptionError naming one) before any read
-    _formats.check_serving(step=step, item=item, memory_limit_bytes=memory_limit_bytes)
+    _restore.check_serving(step=step, item=item, memory_limit_bytes=memory_limit_bytes)
     given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
     changes = _transform.changes(**given)
     dry_run = flag("dry_run", dry_run)
