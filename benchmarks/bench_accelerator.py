@@ -52,7 +52,7 @@ def _io(a) -> dict:
     import flax_orbax_plugin as fop
 
     if a.tiny:
-        from flax_orbax_plugin._core import host_snapshot as device_copy
+        from flax_orbax_plugin._core import device_copy
 
         device_copy.CPU_AS_DEVICE = True
     dev = jax.devices()[0]

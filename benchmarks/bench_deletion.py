@@ -19,7 +19,7 @@ Two cases, run alternately in one process, ``--rounds`` times each:
 
 Beside the per-save figures, the time a removal of one step took (from the commit that
 queued it to its end, as the deletion thread saw it: ``StepsRemoved``'s time is not
-recorded, so the removal is timed around ``_ownership.remove_step``).
+recorded, so the removal is timed around ``_removing.remove_step``).
 
 Per save (async: the blocking phase returns, the write and commit go on behind): the
 blocking time of ``mngr.save``, the time of the "train step" right after it (a fixed
@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from machine_load import cpu_times, load1  # noqa: E402
 
 import flax_orbax_plugin as fop  # noqa: E402
-from flax_orbax_plugin._core import ownership as _ownership  # noqa: E402
+from flax_orbax_plugin._core import removing as _removing  # noqa: E402
 from flax_orbax_plugin._storage import deleting as _deleting  # noqa: E402
 
 
@@ -85,7 +85,7 @@ REMOVALS: list[float] = []  # seconds per step removal, this process (see the do
 
 def _timed_removals() -> None:
     """Times every ``remove_step`` (the retention runner looks it up on the module)."""
-    original = _ownership.remove_step
+    original = _removing.remove_step
 
     def timed(*args, **kwargs):
         t = time.perf_counter()
@@ -94,7 +94,7 @@ def _timed_removals() -> None:
         finally:
             REMOVALS.append(time.perf_counter() - t)
 
-    _ownership.remove_step = timed
+    _removing.remove_step = timed
 
 
 def one_run(server: S3Server, case: str, leaves: int, saves: int) -> dict:

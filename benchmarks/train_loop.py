@@ -104,7 +104,7 @@ def main(argv=None):
     )
     a = p.parse_args(argv)
     if a.cpu_as_device:
-        from flax_orbax_plugin._core import host_snapshot as device_copy
+        from flax_orbax_plugin._core import device_copy
 
         device_copy.CPU_AS_DEVICE = True
     a.dir = os.path.abspath(a.dir)

@@ -233,7 +233,7 @@ class BufferPool:
 
     def reserve(self, sizes: list[int]) -> int:
         """Makes the free lists hold one buffer per byte size of ``sizes`` (those of one
-        save, ``_core.save.pool_sizes``), each populated (:func:`populate`): the first
+        save, ``_core.pool_sizes``), each populated (:func:`populate`): the first
         save then takes buffers that were touched before, without page faults. Buffers
         already free count; returns the bytes newly allocated. Call before the loop, with
         no save in flight (the training thread)."""

@@ -1,4 +1,5 @@
-"""Requests (frozen records of one save or read) and the format seam (one ``Format`` per version).
+"""The save's request (the frozen record of one save), the entry points' options, and the
+format seam (one ``Format`` per version; a read's request is ``reads``').
 
 Options are checked once, the entry point's first act, on the caller's thread; a request
 never changes; the write runs on the save's background thread, the read on the restoring one.
@@ -17,41 +18,31 @@ from typing import Any, Protocol
 from .._base import distributed as _distributed
 from .._base.env import INT64_MAX, Option, check, refuse_without
 from .._base.host import HOST_MEMORY_BUDGET, BufferPool
-from .._errors import CorruptCheckpointError, OptionError
+from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
-from .._format.layout import BatchRecord, CheckpointDocument, array_dir, batch_dir
-from .._format.steps import STEP_OR_NONE
+from .._format.layout import BatchRecord, CheckpointDocument
 from .._incremental import packed
 from .._incremental import reuse as _reuse
-from .._incremental.copies import copy_leaf
-from .._incremental.links import link_leaf
-from .._like.onto_like import Changes, check_policy
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
-from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
 from .._zarr import packed_reader as _packed_reader
 from . import reads as _reads
-from .reads import check_claims, check_packed_claims
-from .write_data import write_data, write_packed
+from .format_v1 import CHUNK_FILES
+from .reads import check_packed_claims
+from .write_data import write_packed
 
 __all__ = [
     "CHUNK_FILES",
     "DATA_FILES",
     "DEFAULT_FORMAT_VERSION",
-    "DEFAULT_READ_LIMIT_BYTES",
     "DEFAULT_WRITE_LIMIT_BYTES",
     "Format",
     "MEMORY_LIMIT",
-    "ReadRequest",
     "SaveRequest",
-    "check_restore",
     "check_save",
-    "check_serving",
-    "check_verify",
     "for_version",
     "of_document",
-    "read_limit",
     "version_for",
     "Written",
 ]
@@ -59,13 +50,8 @@ __all__ = [
 # The format a save writes when none is asked for (FORMAT.md: version 2, data files;
 # version 1 on request, and in a directory per host, which version 2 does not write).
 DEFAULT_FORMAT_VERSION = 2
-ONE_FILE_PER_CHUNK = "format_version=2 (version 1 writes one file per chunk)"
 
 DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
-# Reads in flight beyond the restored arrays themselves. Small: reading leaves one
-# after another (each with tensorstore's chunk-level parallelism) is as fast as
-# reading them all at once on few cores, and keeps peak memory near the result's.
-DEFAULT_READ_LIMIT_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,64 +99,6 @@ class SaveRequest:
 
     def replace(self, **fields: Any) -> SaveRequest:
         return dataclasses.replace(self, **fields)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadRequest:
-    """How one pytree is read (the options of ``fop.restore``, checked, plus what a
-    manager adds).
-
-    ``memory_limit_bytes``: reads in flight; ``cast``: ``"safe"`` (no cast that changes
-    a value) or ``"unsafe"``; ``share_reads``: processes read a replicated leaf
-    together (each its rows, then an all-gather; collective); ``own_copy``: a host's own
-    directory (each process reads alone; an array read onto a sharded ``like`` holds
-    only this host's chunks, so its claims are not checked against the whole array);
-    ``changes``: a restore into a changed model (``partial``, ``missing``,
-    ``transform``, ``surgery``); ``dry_run``: return the plan of the read
-    (``RestorePlan``), reading no array data; ``region``: the collective operation the
-    read is part of (``_base.regions``; its processes agree on what they read), or None
-    (one process, or a read one process may make alone).
-    """
-
-    memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
-    cast: str = "safe"
-    share_reads: bool = False
-    own_copy: bool = False
-    changes: Changes = Changes()
-    dry_run: bool = False
-    region: _distributed.Region | None = dataclasses.field(default=None, compare=False)
-
-    def __post_init__(self):
-        check_policy(self.cast)
-        if self.own_copy and self.share_reads:
-            raise ValueError("ReadRequest: a host's own copy is read alone (share_reads=False)")
-
-    @classmethod
-    def of_step(
-        cls,
-        *,
-        own_copy: bool,
-        changes: Changes | None,
-        region: _distributed.Region | None,
-        ceiling: int | None = None,
-    ) -> ReadRequest:
-        """The request of a manager step's items, in the manager restore's ``region``:
-        each host's own directory is read by each process alone (no collective); else
-        replicated leaves are read shared. ``ceiling``: the manager's host-memory ceiling
-        in bytes (its reads in flight stay under it: ``read_limit``), or None."""
-        share = not own_copy and _distributed.process_count() > 1
-        changes = changes or Changes()
-        limit = read_limit(ceiling)
-        return cls(limit, share_reads=share, own_copy=own_copy, changes=changes, region=region)
-
-    def replace(self, **fields: Any) -> ReadRequest:
-        return dataclasses.replace(self, **fields)
-
-
-def read_limit(ceiling: int | None) -> int:
-    """Bytes of reads in flight under a host-memory ``ceiling`` (bytes, or None): the
-    default (:data:`DEFAULT_READ_LIMIT_BYTES`), never above the ceiling."""
-    return DEFAULT_READ_LIMIT_BYTES if ceiling is None else min(DEFAULT_READ_LIMIT_BYTES, ceiling)
 
 
 # The host-memory limit of a save's or a read's copies: one declaration for both.
@@ -225,35 +153,6 @@ def check_save(**options: Any) -> dict[str, Any]:
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
     )
     return out
-
-
-RESTORE: tuple[Option, ...] = (
-    MEMORY_LIMIT,
-    Option("share_replicated_reads", "flag", none_ok=True, expected="True, False or None"),
-)
-VERIFY: tuple[Option, ...] = (STEP_OR_NONE, Option("all_steps", "flag"), MEMORY_LIMIT)
-SERVING: tuple[Option, ...] = (STEP_OR_NONE, Option("item", "str"), MEMORY_LIMIT)
-
-
-def check_restore(**options: Any) -> dict[str, Any]:
-    """``fop.restore``'s options of :data:`RESTORE`, checked."""
-    return check(RESTORE, options)
-
-
-def check_verify(**options: Any) -> dict[str, Any]:
-    """``fop.verify``'s options, checked; ``step`` with ``all_steps`` refused."""
-    out = check(VERIFY, options)
-    if out["all_steps"] and out["step"] is not None:
-        raise OptionError(
-            f"step={out['step']} and all_steps=True conflict: all_steps verifies every "
-            "step, step= one of them; give one of the two"
-        )
-    return out
-
-
-def check_serving(**options: Any) -> dict[str, Any]:
-    """``fop.restore_params``'s options of :data:`SERVING`, checked."""
-    return check(SERVING, options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,73 +225,6 @@ class Format(Protocol):
         CorruptCheckpointError naming the file otherwise."""
 
 
-def _plain_read(index: int, record: Any, direct: Any, region: Any):
-    """Whole chunks of an uncompressed array straight from the reader, where it reads
-    them; None otherwise."""
-    if direct is None or record.storage.codec is not None:
-        return None
-    dtype = _layout.dtype_from_name(record.dtype, path=record.path)
-    sub = array_dir(index)
-    return direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
-
-
-class ChunkFiles:
-    """Version 1: one file per chunk and a ``zarr.json`` per array and batch."""
-
-    version = 1
-    copies_before_writing = False
-    per_host_directories = True
-    ignored_options = (("data_file_bytes", ONE_FILE_PER_CHUNK),)
-    batch_damage: tuple[type[BaseException], ...] = ()
-    array_specs = True
-
-    def write(
-        self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
-    ) -> tuple:
-        links = {} if found is None else _links(location, *found)
-        written, reused = write_data(
-            location,
-            leaves,
-            snap.batches,
-            snap.batch_data,
-            primary=primary,
-            limit=snap.request.limit,
-            links=links,
-            cancelled=snap.request.cancelled,
-        )
-        return written, {}, reused
-
-    def reuser(self, location: Location) -> Any:
-        return _reuse.reuser(location, link=link_leaf, copy=copy_leaf)
-
-    def wrote(self, doc: CheckpointDocument) -> bool:
-        return doc.format_version == 1
-
-    def open(self, location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool):
-        check_claims(location, doc, targets, own_copy=own_copy)
-        return _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
-
-    def array_store(self, location: Location, target: Any, paths: list[str]) -> Any:
-        spec = _arrays.leaf_spec(location, target.index, target.record)
-        return _reads.open_array(spec, location, paths)
-
-    def read_stored(self, store: Any, index: int, record: Any, direct: Any, region: Any) -> Any:
-        read = _plain_read(index, record, direct, region)
-        if read is not None:
-            return read
-        dtype = _layout.dtype_from_name(record.dtype, path=record.path)
-        return _reads.ReadInto(store if region is None else store[region], dtype)
-
-    def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
-        return _reads.open_array(_arrays.batch_spec(location, batch), location, paths)
-
-    def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
-        return direct is not None and batch.codec is None
-
-    def check_lengths(self, location: Location, direct: Any) -> None:
-        pass  # each chunk file's length is checked by its read (its crc32c trailer last)
-
-
 class DataFiles:
     """Version 2: each process's chunks in a few data files and one JSON index."""
 
@@ -446,7 +278,7 @@ class DataFiles:
         return None  # every array is read through the data files' reader
 
     def read_stored(self, store: Any, index: int, record: Any, direct: Any, region: Any) -> Any:
-        read = _plain_read(index, record, direct, region)
+        read = _reads.plain_read(index, record, direct, region)
         if read is not None:
             return read
         return direct.read_compressed(index, record, region)
@@ -468,7 +300,6 @@ class DataFiles:
                 )
 
 
-CHUNK_FILES = ChunkFiles()
 DATA_FILES = DataFiles()
 _BY_VERSION: dict[int, Format] = {1: CHUNK_FILES, 2: DATA_FILES}
 
@@ -507,39 +338,6 @@ def refuse_ignored(version: int | None, given: dict[str, Any], refuse) -> None:
     for name, needs in for_version(version).ignored_options:
         if name in given:
             refuse(name, needs)
-
-
-def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int, size: int):
-    """A read of elements ``[off, off + size)`` of a version-2 batch: the batch files
-    holding them, then the slice."""
-    chunk = int(batch.chunk)
-    files = range(off // chunk, -(-(off + size) // chunk)) if size else range(0)
-    dtype = _layout.dtype_from_name(batch.dtype)
-    sub, inner = batch_dir(batch.name), batch.inner
-    read = direct.read_batch(sub, batch.size, chunk, inner, dtype, files)
-    first = files.start * chunk if files else 0
-    read.out = read.out[off - first : off - first + size]
-    return read
-
-
-def _links(location: Location, way, source: Location, unchanged: list) -> dict[int, Any]:
-    """``{leaf index: link()}`` (version 1): ``link()`` links or copies this process's
-    chunks of the leaf and returns the bytes reused, or None when it must write its
-    regions after all."""
-    return {
-        leaf.index: functools.partial(
-            way,
-            source,
-            j,
-            location,
-            leaf.index,
-            leaf.record,
-            chunks=chunks,
-            nbytes=sum(data.nbytes for _, data in leaf.writes),
-            writes=leaf.writes,  # the snapshot, which each reused chunk must equal
-        )
-        for leaf, j, chunks in unchanged
-    }
 
 
 def _files_reuse(location: Location, way, source: Location, unchanged: list):

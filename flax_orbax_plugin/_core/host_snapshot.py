@@ -1,7 +1,9 @@
-"""Device-to-host copies of what a save writes: the device, pinned and host stagings
-(:func:`staging_for`), streaming under a budget, and the blocking phase's host copy
-(:func:`take_small`, :func:`take_regions`). Called on the saving thread, once per save;
-:func:`fetch` and :func:`materialize` on the background phase's thread.
+"""The host copies of what a save writes: the blocking phase's copy of the small
+leaves' batches (:func:`take_small`) and of the regions stored as arrays of their own
+(:func:`take_regions`: pooled, zero-copy CPU views, streaming under a budget), which
+process writes which rows, and :func:`materialize` of a region still on its way. The
+device copies of accelerator arrays are ``_core.device_copy``'s. Called on the saving
+thread, once per save; :func:`materialize` on the background phase's thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """
@@ -15,7 +17,6 @@ import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .._base import distributed as _distributed
@@ -24,19 +25,7 @@ from .._format import layout as _layout
 from .._format.layout import BatchRecord, BatchStorage
 from .._zarr import chunks as _chunks
 from .._zarr import packed_writer as _packed_writer
-
-CPU_AS_DEVICE = False  # treat CPU arrays as device arrays (exercises this path on CPU)
-FETCH_PIECE = 16 << 20  # bytes of one background transfer of the device staging
-SNAPSHOT_HEADROOM = 0.9  # the device copy takes at most this share of a device's free memory
-
-
-def staging_for(platform: str) -> str:
-    """The staging of a save whose arrays live on ``platform`` (see the module's doc)."""
-    if platform == "tpu" or (platform == "cpu" and CPU_AS_DEVICE):
-        return "device"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "pinned"
-    return "host"
+from . import device_copy as _device_copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,151 +41,18 @@ class Staging:
         return f"{self.kind} ({self.note})" if self.note else self.kind
 
 
-@functools.partial(jax.jit, donate_argnums=())
-def _copy_all(arrays: list) -> list:
-    return [jnp.copy(x) for x in arrays]
-
-
-def free_bytes(device: Any) -> int | None:
-    """Bytes free on ``device`` (None: the platform does not say)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001  (a platform without memory statistics)
-        return None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-
-
-def snapshot(arrays: list) -> tuple[list | None, str]:
-    """A copy of every array of ``arrays`` on its own devices (enqueued: one jitted call
-    per local device over the shards it holds, each array then reassembled from its
-    copied shards), or (None, why) where some device lacks the memory for it. Called in
-    the blocking phase, on the saving thread; reads no device value. No collective: with
-    several processes each copies its own shards and decides its fallback alone."""
-    need: dict[Any, int] = {}
-    for x in arrays:
-        for shard in x.addressable_shards:
-            need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
-    for device, nbytes in need.items():
-        free = free_bytes(device)
-        if free is not None and nbytes > free * SNAPSHOT_HEADROOM:
-            return None, (
-                f"device memory short on {device}: the copy needs {nbytes} bytes, "
-                f"{max(free, 0)} free"
-            )
-    shards = [[s.data for s in x.addressable_shards] for x in arrays]
-    by_device: dict[Any, list[tuple[int, int]]] = {}
-    for i, pieces in enumerate(shards):
-        for j, piece in enumerate(pieces):
-            by_device.setdefault(next(iter(piece.devices())), []).append((i, j))
-    copied: list[list] = [[None] * len(pieces) for pieces in shards]
-    for members in by_device.values():
-        outs = _copy_all([shards[i][j] for i, j in members])
-        for (i, j), c in zip(members, outs, strict=True):
-            copied[i][j] = c
-    copies = [
-        pieces[0]
-        if len(pieces) == 1
-        and x.sharding.is_fully_addressable
-        and x.ndim == pieces[0].ndim
-        and len(x.sharding.device_set) == 1
-        else jax.make_array_from_single_device_arrays(x.shape, x.sharding, pieces)
-        for x, pieces in zip(arrays, copied, strict=True)
-    ]
-    return copies, ""
-
-
-class Deferred:
-    """A region's bytes, still on a device or on their way to host memory."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: jax.Array):
-        self.array = array
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.array.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(self.array.dtype)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
-
-
 def on_device(data: Any) -> bool:
     """Whether ``data`` (a single-device jax.Array) takes the device path."""
     if not isinstance(data, jax.Array):
         return False
-    return CPU_AS_DEVICE or next(iter(data.devices())).platform != "cpu"
-
-
-def start(data: jax.Array, part: tuple[slice, ...] | None, *, kind: str) -> Deferred:
-    """The region ``part`` (None: all) of the single-device array ``data``, as the
-    staging ``kind`` says: ``streamed``, copied on the device; ``pinned``, its copy into
-    pinned host memory enqueued (``host`` where the device has none); ``host``, its
-    ``copy_to_host_async`` started (the caller reads it before the blocking phase ends:
-    a donation would delete ``data``)."""
-    if kind == "streamed":  # a copy on the device, which no donation of ``data`` invalidates
-        return Deferred(jnp.copy(data) if part is None else data[part])
-    region = data if part is None else data[part]
-    device = next(iter(region.devices()))
-    if kind == "pinned" and "pinned_host" in {m.kind for m in device.addressable_memories()}:
-        target = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-        return Deferred(jax.device_put(region, target))
-    region.copy_to_host_async()
-    return Deferred(region)
-
-
-def fetch(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
-    """Host bytes of the region ``part`` (None: all) of the single-device array
-    ``data``, brought over in pieces of whole rows of at most :data:`FETCH_PIECE`
-    bytes, one in flight at a time (background phase, device staging)."""
-    region = data if part is None else data[part]
-    shape = tuple(region.shape)
-    if not shape or region.nbytes <= FETCH_PIECE or shape[0] <= 1:
-        return np.asarray(region)
-    out = np.empty(shape, np.dtype(region.dtype))
-    rows = max(1, FETCH_PIECE // max(1, region.nbytes // shape[0]))
-    for lo in range(0, shape[0], rows):
-        out[lo : lo + rows] = np.asarray(region[lo : lo + rows])
-    return out
-
-
-class OnDevice(Deferred):
-    """The region ``part`` of a device copy (the device staging), brought to host by
-    :func:`fetch` when the background writer gets to it: the transfer of one region
-    overlaps the writes of those before it, and no more than the writes in flight is
-    held in host memory."""
-
-    __slots__ = ("part",)
-
-    def __init__(self, array: jax.Array, part: tuple[slice, ...] | None):
-        super().__init__(array)
-        self.part = part
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        if self.part is None:
-            return tuple(self.array.shape)
-        return tuple(
-            len(range(*s.indices(n))) for s, n in zip(self.part, self.array.shape, strict=False)
-        ) + tuple(self.array.shape[len(self.part) :])
+    return _device_copy.CPU_AS_DEVICE or next(iter(data.devices())).platform != "cpu"
 
 
 def materialize(data: Any) -> Any:
     """Host bytes of ``data`` (a :class:`Deferred` is copied, or waited for, here)."""
-    if isinstance(data, OnDevice):
-        return fetch(data.array, data.part)
-    if isinstance(data, Deferred):
+    if isinstance(data, _device_copy.OnDevice):
+        return _device_copy.fetch(data.array, data.part)
+    if isinstance(data, _device_copy.Deferred):
         return np.asarray(data.array)
     return data
 
@@ -234,7 +90,7 @@ def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bo
     pooled: list[np.ndarray] = []
     keep = _keeper(pool, pooled)  # a pooled buffer is given back after the write
     writers = _writers(leaves, batches, me, own_copy)
-    owned = [o for o in _owned(leaves, writers, me, own_copy) if _is_small(o[0])]
+    owned = [o for o in owned_regions(leaves, writers, me, own_copy) if _is_small(o[0])]
     for _, source, _ in owned:
         if on_device(source):
             source.copy_to_host_async()
@@ -259,7 +115,7 @@ def take_regions(
 
     Accelerator arrays are staged as ``device_kind`` says (``_device_copy``: ``pinned``
     or ``host`` in the blocking phase; ``fetch``, in the background phase of the device
-    staging, from the copy :func:`snapshot` made), or streamed with a
+    staging, from the copy ``_device_copy.snapshot`` made), or streamed with a
     ``budget``, in pieces of at most a quarter of it. With a ``budget``, CPU arrays are
     held as zero-copy views and nothing is copied: the save then returns only once they
     are written (the second value), so no copy of the state is ever made."""
@@ -267,7 +123,7 @@ def take_regions(
     pooled: list[np.ndarray] = []
     keep = _keeper(pool, pooled)  # a pooled buffer is given back after the write
     writers = _writers(leaves, batches, me, own_copy)
-    owned = [o for o in _owned(leaves, writers, me, own_copy) if not _is_small(o[0])]
+    owned = [o for o in owned_regions(leaves, writers, me, own_copy) if not _is_small(o[0])]
     later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
     streamed = budget is not None
     kind = "streamed" if streamed else device_kind
@@ -306,7 +162,7 @@ def _is_small(leaf) -> bool:
 
 def _writers(leaves: list, batches: dict, me: int, own_copy: bool) -> dict[str, int]:
     if own_copy:
-        return _held_batches(leaves, batches, me)
+        return held_batches(leaves, batches, me)
     return {n: b.process for n, b in batches.items()}
 
 
@@ -337,31 +193,6 @@ def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) 
         else:
             batch_data[name][end:] = 0
     return batch_data
-
-
-def pool_sizes(leaves: list, batches: dict[str, BatchRecord], own_copy: bool = False) -> list:
-    """The byte size of every buffer :func:`take` with a pool takes for these leaves (a
-    plan's) and batches: each batch this process writes, each region it copies of a CPU
-    or numpy leaf stored as its own array (accelerator regions go to pinned memory, not
-    to the pool). Reads no array data."""
-    me = _distributed.process_index()
-    writers = {n: b.process for n, b in batches.items()}
-    if own_copy:
-        writers = _held_batches(leaves, batches, me)
-    sizes = [
-        b.size * _layout.dtype_from_name(b.dtype).itemsize
-        for n, b in batches.items()
-        if writers[n] == me
-    ]
-    for leaf, source, rows in _owned(leaves, writers, me, own_copy):
-        if isinstance(leaf.record.storage, BatchStorage):
-            continue
-        data = source[0] if isinstance(source, tuple) else source
-        if on_device(data):
-            continue
-        extents = [len(range(*r.indices(n))) for r, n in zip(rows, leaf.record.shape, strict=True)]
-        sizes.append(math.prod(extents) * np.dtype(data.dtype).itemsize)
-    return sizes
 
 
 # Checksum each chunk as it is copied into the pool (one pass) instead of in the
@@ -395,7 +226,7 @@ def _pieces(leaf, source, rows, budget: int | None) -> list:
     return pieces(rows, length, chunk_rows, row_bytes, max(1, budget // 4))
 
 
-def _held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dict[str, int]:
+def held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dict[str, int]:
     """``{batch: me}`` for each batch every leaf of which this process holds (own copy)."""
     held = dict.fromkeys(batches, me)
     for leaf in leaves:
@@ -406,7 +237,7 @@ def _held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dic
     return held
 
 
-def _owned(leaves: list, writers: dict[str, int], me: int, own_copy: bool) -> list:
+def owned_regions(leaves: list, writers: dict[str, int], me: int, own_copy: bool) -> list:
     """(leaf, what to read it from, region) for every piece this process writes; each
     source is resolved once, so the object whose device-to-host copy is started is the
     one read afterwards (jax caches the copy per object)."""
@@ -463,8 +294,8 @@ def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
         part = _relative(rows, index)
         if on_device(data):
             if kind == "fetch":  # brought over when the writer gets to it
-                return OnDevice(data, part)
-            return start(data, part, kind=kind)
+                return _device_copy.OnDevice(data, part)
+            return _device_copy.start(data, part, kind=kind)
         streamed = kind == "streamed"
         if streamed:  # a budget: the save waits for the views to be written
             host = np.asarray(data)

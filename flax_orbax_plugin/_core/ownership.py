@@ -1,5 +1,8 @@
 """The one owner of removal: every delete, clear, swap and overwrite of a checkpoint,
-a step or a staging place goes through this module, on every store.
+a step or a staging place goes through this module, on every store: what proves a place
+ours, the claims, the checks before a save writes, and the removal of a place proven
+ours. Removing whole steps and leftovers (retention, housekeeping, a failed save's
+staging) is ``_core.removing``'s, built on these.
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).
@@ -37,6 +40,7 @@ from .._storage.local_files import entry_kind
 from .._storage.location import Location
 from . import formats as _formats
 from . import handle as _handle
+from . import writer_liveness as _liveness
 from .created import missing_directories as missing_directories
 from .created import remove_created as remove_created
 
@@ -46,31 +50,21 @@ logger = logging.getLogger("flax_orbax_plugin")
 _pending_bytes = _handle.marker_bytes  # the marker's helpers, under the names callers know
 
 
-class RemainsLeftError(CheckpointError):
-    """A removal took a place out of every listing (renamed it to ``<step>.deleting-*``,
-    or deleted its manifest) but could not remove its files: they stay at ``place``,
-    proven ours, and the next writer's open or ``gc`` tries again."""
-
-    def __init__(self, message: str, place: str):
-        super().__init__(message)
-        self.place = place
-
-
 def claim(loc: Location, nonce: str, *, fresh: bool = False) -> None:
     """Marks ``loc`` as a place this library is writing (staging) or removing.
 
     Written by one process per place (the primary, or each process in its own copy).
     Not fsynced on its own: a later ``sync`` of the staging place makes it durable.
     A write that fails leaves no empty staging folder behind (the write made it).
-    Object stores write in place: the claim is conditional (``pending.claim_in_place``)."""
+    Object stores write in place: the claim is conditional (``writer_liveness.claim_in_place``)."""
     if not loc.supports_rename:
-        _handle.claim_in_place(loc, nonce, fresh=fresh)
+        _liveness.claim_in_place(loc, nonce, fresh=fresh)
         return
     try:
         loc.write_bytes(PENDING_FILE, _pending_bytes(nonce), durable=False)
     except BaseException:
         if loc.is_local:
-            _rmdir_if_empty(loc)  # a fresh name nobody else writes: holds nothing
+            rmdir_if_empty(loc)  # a fresh name nobody else writes: holds nothing
         raise
 
 
@@ -164,110 +158,11 @@ def remove(loc: Location, *, action: str = "remove", step: int | None = None) ->
     Crash-safe: the pending marker is written first and deleted last, so a removal
     cut short leaves remains that are still proven ours (and removed next time).
     """
-    if is_empty(loc) and not _exists(loc):
+    if is_empty(loc) and not exists(loc):
         return False
     require_ours(loc, action=action, step=step)
-    _remove_proven(loc)
+    remove_proven(loc)
     return True
-
-
-def remove_if_ours(loc: Location, *, what: str) -> bool:
-    """Housekeeping: removes ``loc`` when it is proven ours, else logs that it is left
-    alone. Returns whether it was removed. Environmental errors propagate."""
-    try:
-        found = proof(loc)
-    except ForeignEntryError as e:
-        logger.warning("checkpoint: %s left alone: %s", what, e)
-        return False
-    if found is None:
-        if not _exists(loc):
-            return False
-        if loc.is_local and _rmdir_if_empty(loc):
-            return True  # an empty directory holds nothing to lose (a cut-short removal)
-        logger.warning(
-            "checkpoint: %s %s left alone: nothing in it proves this library wrote it (%s)",
-            what,
-            loc,
-            describe(loc),
-        )
-        return False
-    logger.info("checkpoint: removing %s %s", what, loc)
-    _remove_proven(loc)
-    return True
-
-
-def remove_leftover(loc: Location, *, what: str) -> tuple[bool, str | None]:
-    """:func:`remove_if_ours` for housekeeping that must go on (a writer's open, ``gc``,
-    after a commit): a leftover that cannot be removed (a folder made read-only, EIO) is
-    passed over with a WARNING naming it and the error. Returns whether it was removed,
-    and that error (None when there was none)."""
-    try:
-        return remove_if_ours(loc, what=what), None
-    except (OSError, CheckpointError) as e:
-        why = f"{type(e).__name__}: {e}"
-        logger.warning("checkpoint: cannot remove %s %s, passed over: %s", what, loc, why)
-        return False, why
-
-
-def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
-    """Removes the staging place of a save of this process (``nonce`` is that save's:
-    drawn from this run's session nonce, a name nobody else creates). Proven by our
-    marker, or on local disk by the name itself: only the primary claims, and the
-    others' staging of a step the primary did not save carries no marker."""
-    _env.fail_point("remove_staging")  # tests: a removal that fails (FOP_FAIL_AT)
-    if loc.is_local and _rmdir_if_empty(loc):
-        return True  # nothing was written (a full disk, a file size limit): no marker needed
-    if proof(loc) is None and loc.is_local and loc.name.endswith(f".partial-{nonce}"):
-        if _exists(loc):
-            logger.info("checkpoint: removing this save's %s %s", what, loc)
-            _remove_proven(loc)
-            return True
-        return False
-    return remove_if_ours(loc, what=what)
-
-
-def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | None = None) -> None:
-    """Deletes a committed step of ``directory`` so that it disappears from listings
-    at once: on local disk a rename to ``<step>.deleting-<nonce>``; on object stores
-    the manifest goes first (after the pending marker), then its objects, many at once:
-    ``pace()`` (asked before each request; default :data:`REMOVAL_CONCURRENCY`) is how
-    many deletes may be in flight now (retention asks for fewer while a save runs).
-
-    A failure once the step has left the listings (renamed, or its manifest deleted) is
-    a :class:`RemainsLeftError` naming the place its files stay in and why."""
-    step_loc = directory.child(str(step))
-    require_ours(step_loc, action="delete step", step=step)
-    _env.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)
-    keep = strangers(step_loc)  # someone else's files stay where they are
-    if directory.supports_rename and not keep:
-        doomed = directory.child(f"{step}.deleting-{secrets.token_hex(6)}")
-        step_loc.rename(doomed)  # atomic: the step disappears from listings at once
-        _env.kill_point("mid_retention")
-        _env.pause_point("mid_retention")  # tests: a slow removal (FOP_PAUSE_AT)
-        _remove_remains(step, doomed, keep=keep, how=f"renamed to {doomed.name}")
-        return
-    step_loc.write_bytes(PENDING_FILE, _pending_bytes(secrets.token_hex(6), keep), durable=False)
-    step_loc.delete(MANIFEST_FILE)  # uncommit first, then delete the data
-    _env.kill_point("mid_retention")
-    _env.pause_point("mid_retention")
-    _remove_remains(step, step_loc, pace=pace, keep=keep, how="its manifest deleted")
-
-
-def _remove_remains(
-    step: int, loc: Location, *, how: str, pace: Callable[[], int] | None = None, keep: list[str]
-) -> None:
-    """:func:`remove_step` once the step left the listings: its files go, or a
-    RemainsLeftError says where they stay and why (never "already gone")."""
-    try:
-        _env.fail_point("remove_remains")  # tests: a removal that fails midway (FOP_FAIL_AT)
-        _remove_proven(loc, pace=pace, keep=keep)
-    except (OSError, CheckpointError) as e:
-        raise RemainsLeftError(
-            f"step {step} left the listing ({how}) but removing its files failed: "
-            f"{type(e).__name__}: {e}; they stay in {loc} (proven ours) until the next "
-            f"writer's open or gc() removes them",
-            str(loc),
-        ) from e
 
 
 def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = True) -> str | None:
@@ -278,7 +173,7 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
     steps lists one as foreign, never replaced: FORMAT.md). Returns the proof found
     (None for an empty place)."""
     if is_empty(loc):
-        if not take_empty and loc.is_local and _exists(loc):
+        if not take_empty and loc.is_local and exists(loc):
             raise ForeignEntryError(
                 f"cannot write {what} at {loc}: an empty folder this library did not "
                 f"create is there (listed as foreign, never replaced); it is left alone. "
@@ -298,7 +193,7 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
             f"is there ({describe(loc)}); it is left alone. Move it away or choose another path"
         )
     if found == "pending marker":
-        _handle.refuse_if_held(loc, replace=replace)
+        _liveness.refuse_if_held(loc, replace=replace)
     if found != "pending marker" and not replace:
         raise CheckpointError(
             f"{loc} already holds a committed checkpoint ({found}); pass force=True "
@@ -313,15 +208,7 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
     return found
 
 
-def remove_children(loc: Location, names: list[str], *, action: str) -> None:
-    """Removes the named children of ``loc`` (item directories of an old version of a
-    step, after a replacing commit on an object store) once ``loc`` is proven ours."""
-    require_ours(loc, action=action)
-    for name in names:
-        remove_tree(loc.child(name))
-
-
-def _rmdir_if_empty(loc: Location) -> bool:
+def rmdir_if_empty(loc: Location) -> bool:
     try:
         os.rmdir(loc.path.rstrip("/"))  # refused unless empty: nothing can be lost
     except OSError:
@@ -329,13 +216,13 @@ def _rmdir_if_empty(loc: Location) -> bool:
     return True
 
 
-def _exists(loc: Location) -> bool:
+def exists(loc: Location) -> bool:
     if loc.is_local:
         return os.path.lexists(loc.path.rstrip("/"))
     return loc.is_dir()
 
 
-def _remove_proven(
+def remove_proven(
     loc: Location, *, pace: Callable[[], int] | None = None, keep: list[str] | None = None
 ) -> None:
     """Removes what this library wrote at ``loc`` (``_core.removing``), the pending
@@ -515,24 +402,6 @@ def remove_all_but(loc: Location, keep: list[str], *, pace: Callable[[], int] | 
             "y" if len(keep) == 1 else "ies",
             shown,
         )
-
-
-def remove_tree(loc: Location) -> None:
-    """Removes a child of a place already proven ours (no proof of its own needed; the
-    item directories of a replaced step: ``ownership.remove_children``)."""
-    if loc.is_local:
-        path = loc.path.rstrip("/")
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-        return
-    kv = ts.KvStore.open(loc.spec, context=_deleting.removal_context(loc.spec)).result()
-    kv.delete_range(ts.KvStore.KeyRange()).result()
 
 
 def _clear_local(root: str, rel: str, kept: set[str], holders: set[str]) -> None:

@@ -54,6 +54,7 @@ from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunks as _chunks
 from .._zarr import packed_writer as _packed_writer
+from . import device_copy as _device_copy
 from . import formats as _formats
 from . import host_snapshot as _host_snapshot
 from .formats import SaveRequest
@@ -331,11 +332,11 @@ class Plan:
         if budget is not None:
             kind = "streamed" if on_device else "none"
         elif on_device:
-            kind = _host_snapshot.staging_for(next(iter(on_device[0].value.devices())).platform)
+            kind = _device_copy.staging_for(next(iter(on_device[0].value.devices())).platform)
         note = ""
         if kind == "device":  # every jax.Array (a CPU one too) copied where it lives
             arrays = [leaf for leaf in big if isinstance(leaf.value, jax.Array)]
-            copies, note = _host_snapshot.snapshot([leaf.value for leaf in arrays])
+            copies, note = _device_copy.snapshot([leaf.value for leaf in arrays])
             if copies is None:
                 kind = "host"  # the device lacks the memory: copied to host now, said why
             else:
@@ -524,19 +525,6 @@ def _stored_leaves(leaves: list[Leaf], found):
         way, source, unchanged = found
         found = way, source, [(by_index[leaf.index], j, chunks) for leaf, j, chunks in unchanged]
     return out, found
-
-
-def structure_lines(leaves: list[Leaf]) -> list[str]:
-    """One line per leaf (path, kind, dtype and shape): what :func:`_digest` covers, in
-    words, so that a structure that differs between processes can be named."""
-    out = []
-    for leaf in leaves:
-        r = leaf.record
-        shape = "" if r.shape is None else list(r.shape)
-        shown = leaf.value_digest
-        value = "" if shown is None else f" (value digest {shown})"
-        out.append(f"{r.path}: {r.kind} {r.dtype or ''}{shape}{value}".rstrip())
-    return out
 
 
 def _digest(leaves: list[Leaf]) -> str:

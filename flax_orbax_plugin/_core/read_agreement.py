@@ -17,7 +17,7 @@ from .._base import tree as _tree
 from .._errors import CoordinationError
 from .._format import layout as _layout
 from .._storage.location import Location
-from .formats import ReadRequest
+from .reads import ReadRequest
 
 __all__ = ["agree_on_read"]
 

@@ -1,5 +1,7 @@
-"""A restore's targets (checked against ``like``), the metadata's claims checked, and the
-pieces every read uses (fresh host arrays, in-order reads under a budget, read errors).
+"""How one pytree is read (:class:`ReadRequest`, the frozen record of a read's modes),
+a restore's targets (checked against ``like``), the metadata's claims checked, and the
+pieces every read uses (fresh host arrays, in-order reads under a budget, read errors,
+the plain and sliced reads the formats share).
 
 Threading: the restoring (calling) thread only.
 
@@ -16,6 +18,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base import host as _host
 from .._base import regions as _regions
@@ -27,6 +30,7 @@ from .._format.layout import (
     COMMIT_FILE,
     METADATA_FILE,
     ArrayStorage,
+    BatchRecord,
     BatchStorage,
     CheckpointDocument,
     LeafRecord,
@@ -35,11 +39,89 @@ from .._format.layout import (
 )
 from .._format.layout.records import show
 from .._like import onto_like as _onto_like
+from .._like.onto_like import Changes, check_policy
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
+from .._zarr import packed_reader as _packed_reader
 from .._zarr.chunks import CHUNK_DIR
+
+# Reads in flight beyond the restored arrays themselves. Small: reading leaves one
+# after another (each with tensorstore's chunk-level parallelism) is as fast as
+# reading them all at once on few cores, and keeps peak memory near the result's.
+DEFAULT_READ_LIMIT_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRequest:
+    """How one pytree is read (the options of ``fop.restore``, checked, plus what a
+    manager adds).
+
+    ``memory_limit_bytes``: reads in flight; ``cast``: ``"safe"`` (no cast that changes
+    a value) or ``"unsafe"``; ``share_reads``: processes read a replicated leaf
+    together (each its rows, then an all-gather; collective); ``own_copy``: a host's own
+    directory (each process reads alone; an array read onto a sharded ``like`` holds
+    only this host's chunks, so its claims are not checked against the whole array);
+    ``changes``: a restore into a changed model (``partial``, ``missing``,
+    ``transform``, ``surgery``); ``dry_run``: return the plan of the read
+    (``RestorePlan``), reading no array data; ``region``: the collective operation the
+    read is part of (``_base.regions``; its processes agree on what they read), or None
+    (one process, or a read one process may make alone).
+    """
+
+    memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
+    cast: str = "safe"
+    share_reads: bool = False
+    own_copy: bool = False
+    changes: Changes = Changes()
+    dry_run: bool = False
+    region: _distributed.Region | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        check_policy(self.cast)
+        if self.own_copy and self.share_reads:
+            raise ValueError("ReadRequest: a host's own copy is read alone (share_reads=False)")
+
+    @classmethod
+    def of_step(
+        cls,
+        *,
+        own_copy: bool,
+        changes: Changes | None,
+        region: _distributed.Region | None,
+        ceiling: int | None = None,
+    ) -> ReadRequest:
+        """The request of a manager step's items, in the manager restore's ``region``:
+        each host's own directory is read by each process alone (no collective); else
+        replicated leaves are read shared. ``ceiling``: the manager's host-memory ceiling
+        in bytes (its reads in flight stay under it: ``read_limit``), or None."""
+        share = not own_copy and _distributed.process_count() > 1
+        changes = changes or Changes()
+        limit = read_limit(ceiling)
+        return cls(limit, share_reads=share, own_copy=own_copy, changes=changes, region=region)
+
+    def replace(self, **fields: Any) -> ReadRequest:
+        return dataclasses.replace(self, **fields)
+
+
+def read_limit(ceiling: int | None) -> int:
+    """Bytes of reads in flight under a host-memory ``ceiling`` (bytes, or None): the
+    default (:data:`DEFAULT_READ_LIMIT_BYTES`), never above the ceiling."""
+    return DEFAULT_READ_LIMIT_BYTES if ceiling is None else min(DEFAULT_READ_LIMIT_BYTES, ceiling)
+
+
+def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int, size: int):
+    """A read of elements ``[off, off + size)`` of a version-2 batch: the batch files
+    holding them, then the slice."""
+    chunk = int(batch.chunk)
+    files = range(off // chunk, -(-(off + size) // chunk)) if size else range(0)
+    dtype = _layout.dtype_from_name(batch.dtype)
+    sub, inner = batch_dir(batch.name), batch.inner
+    read = direct.read_batch(sub, batch.size, chunk, inner, dtype, files)
+    first = files.start * chunk if files else 0
+    read.out = read.out[off - first : off - first + size]
+    return read
 
 
 def check_claims(
@@ -597,3 +679,13 @@ def opened(future, location: Location, paths: list[str]):
     except ValueError as e:
         raise_environmental(e)
         raise corrupt(paths, location, e) from None
+
+
+def plain_read(index: int, record: Any, direct: Any, region: Any):
+    """Whole chunks of an uncompressed array straight from the reader, where it reads
+    them; None otherwise."""
+    if direct is None or record.storage.codec is not None:
+        return None
+    dtype = _layout.dtype_from_name(record.dtype, path=record.path)
+    sub = array_dir(index)
+    return direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)

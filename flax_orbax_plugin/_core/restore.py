@@ -23,7 +23,7 @@ from .._base import distributed as _distributed
 from .._base import host as _host
 from .._base import regions as _regions
 from .._base import tree as _tree
-from .._base.env import flag
+from .._base.env import Option, check, flag
 from .._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -35,7 +35,7 @@ from .._format import layout as _layout
 from .._format import metadata as _metadata
 from .._format import steps as _steps
 from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, CheckpointDocument, batch_dir
-from .._format.steps import read_document
+from .._format.steps import STEP_OR_NONE, read_document
 from .._like import onto_like as _onto_like
 from .._like import surgery as _surgery
 from .._like import surgery_mirrors as _surgery_mirrors
@@ -46,11 +46,12 @@ from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
 from . import formats as _formats
 from . import surgery_reads as _surgery_reads
-from .formats import DEFAULT_READ_LIMIT_BYTES, ReadRequest, read_slice
 from .read_agreement import agree_on_read
 from .reads import (
+    DEFAULT_READ_LIMIT_BYTES,
     Reader,
     ReadInto,
+    ReadRequest,
     Target,
     add_missing_empties,
     corrupt,
@@ -58,8 +59,28 @@ from .reads import (
     finish,
     make_target,
     opened,
+    read_slice,
     sharding_of,
 )
+
+RESTORE: tuple[Option, ...] = (
+    _formats.MEMORY_LIMIT,
+    Option("share_replicated_reads", "flag", none_ok=True, expected="True, False or None"),
+)
+
+
+SERVING: tuple[Option, ...] = (STEP_OR_NONE, Option("item", "str"), _formats.MEMORY_LIMIT)
+
+
+def check_restore(**options: Any) -> dict[str, Any]:
+    """``fop.restore``'s options of :data:`RESTORE`, checked."""
+    return check(RESTORE, options)
+
+
+def check_serving(**options: Any) -> dict[str, Any]:
+    """``fop.restore_params``'s options of :data:`SERVING`, checked."""
+    return check(SERVING, options)
+
 
 # Needed leaves closer than this many inner chunks are read as one run (the gap is
 # read too: one request instead of two).
@@ -558,7 +579,7 @@ def read_request(
     """The :class:`ReadRequest` of :func:`restore`'s options, checked (by their
     declarations first) before anything is read. ``changes``: a front's own, already
     checked (then ``partial``, ``missing``, ``transform`` and ``surgery`` are not given)."""
-    _formats.check_restore(
+    check_restore(
         memory_limit_bytes=memory_limit_bytes, share_replicated_reads=share_replicated_reads
     )
     dry_run = flag("dry_run", dry_run)

@@ -19,14 +19,10 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
-
-import jax
-import numpy as np
 
 from .._base import distributed as _distributed
 from .._base import env as _env
@@ -38,15 +34,15 @@ from .._errors import CheckpointError, CoordinationError, SaveCancelledError
 from .._format.layout import COMMIT_FILE, CommitMarker
 from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
-from . import handle as _handle
-from . import host_snapshot as _host_snapshot
+from . import commit_rounds as _rounds
 from . import ownership as _ownership
+from . import removing as _removing
+from . import writer_liveness as _liveness
 from .formats import DEFAULT_FORMAT_VERSION, SaveRequest, Written, check_save
 from .handle import Cancellation, SaveHandle, SaveResult, raise_if_cancelled
-from .plan import Plan, Snapshot, structure_lines
+from .plan import Plan, Snapshot
 
 logger = logging.getLogger("flax_orbax_plugin")
-STALE_SECONDS = 3600.0  # a staging directory untouched this long belongs to a dead save
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,29 +143,22 @@ class Staging:
     def _remove_stale_siblings(self) -> None:
         """After a commit: staging left by earlier saves of the same name that died
         (``<name>.partial-*``, ``<name>.deleting-*``; real directories only, never
-        through a link) is garbage. Only dead ones go (:func:`is_dead`), so a save of the
-        same path still running in another job is never cut short."""
+        through a link) is garbage. Only dead ones go (``writer_liveness.is_dead``), so a
+        save of the same path still running in another job is never cut short."""
         parent = self.final.parent
         prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
         for name, kind in parent.child_kinds().items():
-            if kind == "dir" and name.startswith(prefixes) and is_dead(parent.child(name)):
-                _ownership.remove_leftover(parent.child(name), what="stale staging")
+            if (
+                kind == "dir"
+                and name.startswith(prefixes)
+                and _liveness.is_dead(parent.child(name))
+            ):
+                _removing.remove_leftover(parent.child(name), what="stale staging")
 
     def abort(self) -> None:
         """Primary only: removes what this commit staged (renaming strategy)."""
         if self.renames:
-            _ownership.remove_staging(self.location, self.nonce)
-
-
-def is_dead(staging: Location) -> bool:
-    """Staging (a real directory) of a save that no longer runs: the process named in
-    its pending marker is gone (this host: see ``pending.writer_gone``), it names no
-    writer and is unchanged for a while (``pending.abandoned``: empty, or committed, as a
-    save killed between two renames leaves it), or nothing in it was touched for
-    ``STALE_SECONDS`` (a writer on another host)."""
-    if _handle.writer_gone(staging) or _handle.abandoned(staging):
-        return True
-    return time.time() - staging.newest_mtime() > STALE_SECONDS
+            _removing.remove_staging(self.location, self.nonce)
 
 
 def commit_collectively(
@@ -211,7 +200,7 @@ def commit_collectively(
     if _distributed.is_primary():
         outcome = _primary_round(op, status, what, publish, abort, structure, region)
     else:
-        outcome = _other_round(op, status, abort, structure, region)
+        outcome = _rounds.other_round(op, status, abort, structure, region)
     if error is not None:
         error.add_note(f"{what}: {outcome}")
         raise error
@@ -247,81 +236,14 @@ def _primary_round(op, own_status, what, publish, abort, structure, region) -> s
     except BaseException as e:  # noqa: BLE001  (every process learns of it)
         outcome = f"not committed; commit failed on the primary: {type(e).__name__}: {e}"
     if outcome != "committed":
-        outcome = _discard(abort, outcome)
+        outcome = _rounds.discard(abort, outcome)
     if _distributed.process_count() > 1:
-        differs = STRUCTURE in outcome and structure is not None
+        differs = _rounds.STRUCTURE in outcome and structure is not None
         if differs:
             _distributed.publish(f"{op}/structure", json.dumps(structure()), region=region)
         _distributed.broadcast_str(f"{op}/outcome", outcome, region=region)
         if differs:
-            outcome += _their_difference(op, outcome, structure(), region)
-    return outcome
-
-
-def _other_round(op, status, abort, structure, region) -> str:
-    """Another process's side: publishes its status, reads the outcome (waiting longer
-    than the primary may spend on one status, so a missing process is reported by name
-    rather than as "late"), discards its staged files unless committed."""
-    _distributed.publish(f"{op}/status", status, region=region)
-    wait = 2 * _distributed.stall_timeout(region=region)
-    outcome = _distributed.broadcast_str(f"{op}/outcome", None, region=region, timeout_s=wait)
-    if STRUCTURE in outcome and structure is not None:
-        mine = structure()
-        _distributed.publish(f"{op}/structure", json.dumps(mine), region=region)  # for 0
-        outcome += _first_difference(op, mine, region)
-    if outcome != "committed":
-        outcome = _discard(abort, outcome)  # e.g. staging of another step than the primary's
-    return outcome
-
-
-STRUCTURE = "tree of another structure"  # in the outcome when the digests differ
-
-
-def _first_difference(op: str, mine: list[str], region, p: int = 0, timeout_s=None) -> str:
-    """``; here ...``: the first leaf where this process's tree differs from process
-    ``p``'s (the primary's, published with the outcome), or nothing when it cannot be
-    read."""
-    try:
-        got = _distributed.get_from(f"{op}/structure", p, region=region, timeout_s=timeout_s)
-        theirs = json.loads(got)
-    except (CoordinationError, ValueError):
-        return ""
-    return _difference(mine, theirs, p)
-
-
-def _their_difference(
-    op: str, outcome: str, mine: list[str], region: _distributed.Region | None
-) -> str:
-    """The primary's side of :func:`_first_difference`: the process the outcome names
-    publishes its leaves once it read the outcome (waited for a few seconds at most:
-    nothing when it is gone)."""
-    found = re.search(r"process ([0-9]+) saved a " + STRUCTURE, outcome)
-    if found is None:
-        return ""
-    return _first_difference(op, mine, region, int(found.group(1)), timeout_s=10.0)
-
-
-def _difference(mine: list[str], theirs: list[str], p: int) -> str:
-    for a, b in zip(mine, theirs, strict=False):
-        if a != b:
-            return f"; the first leaf that differs: {a!r} here, {b!r} on process {p}"
-    if len(mine) != len(theirs):
-        extra = mine[len(theirs)] if len(mine) > len(theirs) else theirs[len(mine)]
-        return (
-            f"; {len(mine)} leaves here, {len(theirs)} on process {p} (the first one only "
-            f"{'here' if len(mine) > len(theirs) else f'on process {p}'}: {extra!r})"
-        )
-    return "; the leaves' paths, kinds, dtypes, shapes and small values agree: a str leaf differs"
-
-
-def _discard(abort: Callable[[], None], outcome: str) -> str:
-    """Removes this process's staged files after a failed outcome; a removal that fails
-    too is added to the outcome (reported with it), never passed over in silence."""
-    try:
-        abort()
-    except Exception as e:  # noqa: BLE001
-        me = _distributed.process_index()
-        return f"{outcome} (and removing process {me}'s staged files failed: {e})"
+            outcome += _rounds.their_difference(op, outcome, structure(), region)
     return outcome
 
 
@@ -358,7 +280,7 @@ def _disagreement(statuses: list[dict[str, Any]]) -> str | None:
             )
         if s["digest"] != first["digest"]:
             return (
-                f"disagree: process {p} saved a {STRUCTURE} than process 0 "
+                f"disagree: process {p} saved a {_rounds.STRUCTURE} than process 0 "
                 f"(structure digests {s['digest'][:12]} and {first['digest'][:12]}) at step "
                 f"{first['step']}; every process must save the same tree"
             )
@@ -553,7 +475,7 @@ class _Background:
             publish=publish,
             abort=self.abort,
             agreed=self.agreed,
-            structure=lambda: structure_lines(self.snap.leaves),
+            structure=lambda: _rounds.structure_lines(self.snap.leaves),
             region=self.region,
         )
         total = time.perf_counter() - self.start
@@ -567,7 +489,7 @@ class _Background:
         if self.staging.renames or not _distributed.is_primary():
             return
         # Only under this save's own claim: a claim refused leaves the other writer's be.
-        if _handle.holds_nonce(self.location, self.staging.nonce):
+        if _liveness.holds_nonce(self.location, self.staging.nonce):
             _ownership.remove(self.location, action="remove the remains of the failed save at")
 
 
@@ -612,31 +534,3 @@ def snapshot(tree: Any, request: SaveRequest) -> Snapshot:
     snap = plan.snapshot()
     _env.kill_point("after_snapshot")
     return snap
-
-
-def pool_sizes(like: Any, request: SaveRequest) -> list[int]:
-    """The byte sizes of the pooled host buffers one save of a tree like ``like`` takes
-    (its arrays, or ``jax.ShapeDtypeStruct`` leaves: ``jax.eval_shape`` of it), as
-    ``request`` says; for ``BufferPool.reserve``. Reads no array data, allocates
-    nothing. A ShapeDtypeStruct spread over several devices is refused (pass the state
-    itself: its shards decide the regions)."""
-    return _host_snapshot.pool_sizes(*_sizing_plan(like, request), own_copy=request.own_copy)
-
-
-def _sizing_plan(like: Any, request: SaveRequest) -> tuple[list, dict]:
-    def stand_in(path, x):
-        if not isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        sharding = getattr(x, "sharding", None)
-        if sharding is not None and len(sharding.device_set) > 1:
-            raise ValueError(
-                f"reserve: leaf {jax.tree_util.keystr(path)!r}: expected an array or a "
-                f"ShapeDtypeStruct on one device, found one sharded over "
-                f"{len(sharding.device_set)} devices (pass the state itself)"
-            )
-        return np.broadcast_to(np.zeros((), x.dtype), x.shape)  # no memory: stride 0
-
-    tree = jax.tree_util.tree_map_with_path(stand_in, like)
-    with _tree.paused_gc():
-        plan = Plan.build(tree, request)
-    return plan.leaves, plan.batches

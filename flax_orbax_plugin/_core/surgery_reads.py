@@ -18,8 +18,7 @@ from .._format import layout as _layout
 from .._format.layout import ArrayStorage
 from .._like.surgery_plan import Piece
 from .._zarr import chunks as _chunks
-from . import formats as _formats
-from .reads import ReadInto, Target, make_target
+from .reads import ReadInto, Target, make_target, read_slice
 
 
 def _box(region: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -106,7 +105,7 @@ class SavedReads:
             self.stores["span", batch.name] = _Once(
                 ReadInto(store[lo:hi], dtype)
                 if store is not None
-                else _formats.read_slice(self.direct, batch, lo, hi - lo)
+                else read_slice(self.direct, batch, lo, hi - lo)
             )
         return _Cut(self.stores["span", batch.name], lo, record, piece.box)
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base import host as _host
+from .._base.env import Option, check
 from .._base.regions import public
 from .._errors import CheckpointError, OptionError, OptionTypeError
 from .._format import host_copy as _host_copy
@@ -25,7 +26,7 @@ from .._format.layout import (
     batch_dir,
     iterator_state_file,
 )
-from .._format.steps import read_document
+from .._format.steps import STEP_OR_NONE, read_document
 from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
 from .._zarr import regions as _zarr_regions
@@ -33,6 +34,20 @@ from . import formats as _formats
 from . import reads as _reads
 from . import restore as _restore
 from .reads import make_target
+
+VERIFY: tuple[Option, ...] = (STEP_OR_NONE, Option("all_steps", "flag"), _formats.MEMORY_LIMIT)
+
+
+def check_verify(**options: Any) -> dict[str, Any]:
+    """``fop.verify``'s options, checked; ``step`` with ``all_steps`` refused."""
+    out = check(VERIFY, options)
+    if out["all_steps"] and out["step"] is not None:
+        raise OptionError(
+            f"step={out['step']} and all_steps=True conflict: all_steps verifies every "
+            "step, step= one of them; give one of the two"
+        )
+    return out
+
 
 # Bytes of array data read but not yet checked, at most (plus one chunk or file).
 VERIFY_BUDGET_BYTES = 16 << 20
@@ -80,9 +95,9 @@ def verify(
     window, ``VERIFY_BUDGET_BYTES``, and one more read): the reads in flight hold
     at most half of it each time one more is submitted, so never more than it.
     """
-    limit = _formats.check_verify(
-        step=step, all_steps=all_steps, memory_limit_bytes=memory_limit_bytes
-    )["memory_limit_bytes"]  # OptionError naming one
+    limit = check_verify(step=step, all_steps=all_steps, memory_limit_bytes=memory_limit_bytes)[
+        "memory_limit_bytes"
+    ]  # OptionError naming one
     budget = window_bytes(limit)
     if progress is not None and not callable(progress):
         raise OptionTypeError(f"progress: expected a function or None, found {progress!r:.60}")

@@ -1,8 +1,9 @@
-"""The background phase's data, in either format: the files this process writes.
+"""The background phase's data: the files this process writes in format version 2
+(:func:`write_packed`, the default), and the writes in flight both formats bound
+(:class:`WritesInFlight`; version 1's write is ``format_v1``'s).
 
-Called on the save's background thread; the format seam (``formats``) picks
-:func:`write_data` (version 1) or :func:`write_packed` (version 2). On any failure no
-write is left in flight.
+Called on the save's background thread, as the format seam (``formats``) picks. On any
+failure no write is left in flight.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.write_data``.
 """
@@ -10,7 +11,6 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.write_dat
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import sys
 import threading
 from collections.abc import Callable
@@ -22,128 +22,14 @@ from .._errors import CheckpointError
 from .._format.layout import ArrayStorage, BatchRecord, array_dir, batch_dir, sha256
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
-from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
 from .._zarr import packed_codec as _codec
 from .._zarr import packed_writer as _packed_writer
 from . import host_snapshot as _host_snapshot
 from .handle import raise_if_cancelled
 
-_LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied concurrently
 
-
-def write_data(
-    staging: Location,
-    leaves: list,
-    batches: dict[str, BatchRecord],
-    batch_data: dict[str, Any],
-    *,
-    primary: bool,
-    limit: int,
-    links: dict[int, Any],
-    cancelled: threading.Event | None = None,
-) -> tuple[int, int]:
-    """Writes this process's chunks (and, on the primary, every zarr.json), linking or
-    copying the leaves in ``links`` instead where it can; returns (bytes written, bytes
-    reused). Takes the batches it writes out of ``batch_data``. Stops (KeyboardInterrupt)
-    at the next region once ``cancelled`` is set."""
-    arrays = [
-        (leaf, _arrays.leaf_spec(staging, leaf.index, leaf.record))
-        for leaf in leaves
-        if isinstance(leaf.record.storage, ArrayStorage)
-    ]
-    batch_specs = [(name, _arrays.batch_spec(staging, b)) for name, b in batches.items()]
-    if primary:
-        _create(arrays + batch_specs)
-    # Links or server-side copies (after the zarr.json files exist: they go beside
-    # them) run on helper threads while the changed leaves are written; a leaf whose
-    # link or copy fails is written after them.
-    linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
-    linker, linked = _start_links(staging, linking, links)
-    # Plain arrays and batches on local disk: ChunkWriter (no chunk-buffer copy,
-    # writeback started per file); the rest, and any region it declines: tensorstore.
-    writer = _packed_writer.ChunkWriter(staging.path) if _chunk_files.usable(staging) else None
-    jobs = [
-        _array_job(leaf, spec, writer)
-        for leaf, spec in arrays
-        if leaf.writes and leaf.index not in links
-    ]
-    jobs += _batch_jobs(batch_specs, batches, batch_data, writer)
-    pending = _Pending(limit, cancelled)
-    total = sum(int(getattr(d, "nbytes", 0) or 0) for _, writes, _ in jobs for _, d in writes)
-    doing = pending.report(total)
-    try:
-        pending.write_all(jobs)
-        reused = _write_unlinked(pending, linking, linked, writer)
-        pending.drain(0)
-    except BaseException as e:
-        pending.fail(e, staging, direct=writer is not None)
-        raise
-    finally:
-        _regions.ACTIVITIES.end(doing)
-        if writer is not None:
-            writer.close()
-        if linker is not None:
-            # No link or copy is made after a failure's cleanup: queued ones never start.
-            linker.shutdown(wait=True, cancel_futures=True)
-    return pending.written, reused
-
-
-def _start_links(staging: Location, linking: list, links: dict[int, Any]):
-    """(the helper pool: one thread on local disk, a few leaves at once on object stores;
-    one future per leaf of ``linking``), or (None, []) for none."""
-    if not linking:
-        return None, []
-    workers = 1 if staging.is_local else _LEAVES_COPIED_AT_ONCE
-    linker = concurrent.futures.ThreadPoolExecutor(  # hard links alone may be lowered
-        workers,
-        thread_name_prefix="fop-link",
-        initializer=_env.initializer(local_only=staging.is_local),
-    )
-    return linker, [linker.submit(links[leaf.index]) for leaf, _ in linking]
-
-
-def _write_unlinked(pending: _Pending, linking: list, linked: list, writer) -> int:
-    """Writes the leaves of ``linking`` whose link or copy failed, once each is known;
-    returns the bytes the others reused."""
-    jobs, reused = [], 0
-    for (leaf, spec), future in zip(linking, linked, strict=True):
-        nbytes = future.result()
-        if nbytes is None:
-            jobs.append(_array_job(leaf, spec, writer))
-        else:
-            reused += nbytes
-            leaf.writes.clear()  # drop the snapshot: the previous step has it
-    pending.write_all(jobs)
-    return reused
-
-
-def _create(specs: list) -> None:
-    """Creates every array's zarr.json (the primary, before any chunk is written)."""
-    creates = [_arrays.create(spec) for _, spec in specs]
-    try:
-        for future in creates:
-            future.result()
-    except BaseException:
-        _settle((f, 0) for f in creates)  # none may recreate files after a cleanup
-        raise
-
-
-def _array_job(leaf, spec, writer: _packed_writer.ChunkWriter | None):
-    """(spec, writes, direct write or None) of a leaf stored as its own array."""
-    record = leaf.record
-    if writer is None or record.storage.codec is not None:
-        return spec, leaf.writes, None
-
-    def direct(index, data):
-        return writer.array(
-            array_dir(leaf.index), record.shape, record.storage.chunk_shape, index, data, leaf.crcs
-        )
-
-    return spec, leaf.writes, direct
-
-
-def _batch_jobs(batch_specs, batches, batch_data, writer) -> list:
+def batch_jobs(batch_specs, batches, batch_data, writer) -> list:
     """The jobs of the batches this process writes (those in ``batch_data``)."""
     jobs = []
     for name, spec in batch_specs:
@@ -166,7 +52,7 @@ def _direct_batch(writer: _packed_writer.ChunkWriter, name: str, batches):
     return lambda index, data: writer.batch(batch_dir(name), batch.chunk, batch.inner, data)
 
 
-class _Pending:
+class WritesInFlight:
     """Writes in flight (future, bytes), drained whenever more than ``limit`` bytes are
     (the host-memory budget); ``written`` counts the bytes handed out."""
 
@@ -191,7 +77,7 @@ class _Pending:
         """After ``error``: waits for every write in flight (none may recreate files after
         a cleanup), then raises ``error`` as a CheckpointError where it is one
         (tensorstore's ValueError; an OSError of the direct writer); returns for any other."""
-        _settle(self.futures)
+        settle(self.futures)
         if isinstance(error, ValueError):  # tensorstore's status text, with its whole spec
             text = str(error).split(" [tensorstore_spec=", 1)[0]
             raise CheckpointError(f"writing array data to {staging} failed: {text}") from error
@@ -239,7 +125,7 @@ class _Pending:
             self.drain(self.limit)
 
 
-def _settle(pending) -> None:
+def settle(pending) -> None:
     """Waits for every future, ignoring their errors (the first error is the one raised)."""
     for future, _ in pending:
         try:
@@ -276,7 +162,7 @@ def write_packed(
         staging, process, data_file_bytes, total, gathered_bytes=gathered
     )
     jobs = _packed_jobs(writer, taken, leaves, batches, batch_data)
-    pending = _Pending(limit, cancelled)
+    pending = WritesInFlight(limit, cancelled)
     doing = pending.report(total)  # bytes done and left, in this process's heartbeat
     try:
         try:
@@ -309,8 +195,8 @@ def _packed_jobs(writer: _packed_writer.PackedWriter, taken, leaves, batches, ba
         if isinstance(leaf.record.storage, ArrayStorage) and leaf.writes
     ]
     plain = [(name, None) for name, b in batches.items() if b.codec is None]
-    jobs += _batch_jobs(plain, batches, batch_data, writer)
-    return jobs + _compressed_batch_jobs(batches, batch_data, writer)
+    jobs += batch_jobs(plain, batches, batch_data, writer)
+    return jobs + _compressedbatch_jobs(batches, batch_data, writer)
 
 
 def _dtypes(leaves: list, batches: dict[str, BatchRecord]) -> dict[str, str]:
@@ -322,7 +208,7 @@ def _dtypes(leaves: list, batches: dict[str, BatchRecord]) -> dict[str, str]:
     return out
 
 
-def _compressed_batch_jobs(batches: dict[str, BatchRecord], batch_data, writer) -> list:
+def _compressedbatch_jobs(batches: dict[str, BatchRecord], batch_data, writer) -> list:
     """The jobs of this process's compressed batches (each encoded whole in memory)."""
     jobs = []
     for name, batch in batches.items():

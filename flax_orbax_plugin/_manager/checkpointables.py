@@ -21,9 +21,11 @@ import numpy as np
 
 from .._base.env import outside_stacklevel
 from .._core import formats as _formats
+from .._core import pool_sizes as _pool_sizes
 from .._core import restore as _restore
 from .._core import save as _save
-from .._core.formats import ReadRequest, SaveRequest, Written
+from .._core.formats import SaveRequest, Written
+from .._core.reads import ReadRequest
 from .._errors import CheckpointError, CorruptCheckpointError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
@@ -344,7 +346,7 @@ class PytreeCheckpointable:
 
     def pool_sizes(self, like: Any, request: SaveRequest = _SAVE) -> list[int]:
         """The pooled buffers' sizes one :meth:`save` of a value like ``like`` takes."""
-        return _save.pool_sizes(like, request)
+        return _pool_sizes.pool_sizes(like, request)
 
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
         """The core's restore as ``request`` says: a changed model's ``changes``; a

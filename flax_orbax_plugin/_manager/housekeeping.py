@@ -12,9 +12,9 @@ import os
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._core import handle as _handle
 from .._core import ownership as _ownership
-from .._core import save as _save
+from .._core import removing as _removing
+from .._core import writer_liveness as _liveness
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import layout as _layout
 from .._format import steps as _steps
@@ -103,7 +103,7 @@ def remove_unfinished(loc: Location, *, warn: bool = True) -> dict[str, str]:
         if _live(loc, name):
             continue
         if not roll_forward(loc, name, listing):
-            _, why = _ownership.remove_leftover(loc.child(name), what="unfinished step")
+            _, why = _removing.remove_leftover(loc.child(name), what="unfinished step")
             if why is not None:
                 stuck[name] = why
     foreign = _remove_dead_staging(loc, listing, stuck)
@@ -124,9 +124,9 @@ def _remove_dead_staging(loc: Location, listing: Any, stuck: dict[str, str]) -> 
         kinds = loc.child_kinds()
         for name in listing.foreign:
             if kinds.get(name) == "dir" and _steps.SAVE_STAGING_RE.match(name):
-                if not _save.is_dead(loc.child(name)):
+                if not _liveness.is_dead(loc.child(name)):
                     continue  # its save may still run: not ours to touch yet
-                gone, why = _ownership.remove_leftover(
+                gone, why = _removing.remove_leftover(
                     loc.child(name), what="staging of an interrupted save"
                 )
                 if gone:
@@ -137,7 +137,7 @@ def _remove_dead_staging(loc: Location, listing: Any, stuck: dict[str, str]) -> 
     else:  # object stores: a step written in place, never committed
         for name in listing.foreign:
             if _steps.is_step_name(name) and not _live(loc, name):
-                gone, why = _ownership.remove_leftover(loc.child(name), what="uncommitted step")
+                gone, why = _removing.remove_leftover(loc.child(name), what="uncommitted step")
                 if gone or why is not None:
                     foreign.remove(name)
                 if why is not None:
@@ -147,7 +147,7 @@ def _remove_dead_staging(loc: Location, listing: Any, stuck: dict[str, str]) -> 
 
 def _live(loc: Location, name: str) -> bool:
     """Whether ``name``'s save still runs on this host (left alone, with a WARNING)."""
-    writer = _handle.writer_alive(loc.child(name))
+    writer = _liveness.writer_alive(loc.child(name))
     if writer is not None:
         logger.warning(
             "%s: unfinished step %s left alone: its save is still running (%s)", loc, name, writer
@@ -204,7 +204,7 @@ def remove_committed(loc: Location, steps: list[int], committed: list[int]) -> N
             f"(its steps: {committed}); nothing was removed"
         )
     for step in steps:
-        _ownership.remove_step(loc, step)
+        _removing.remove_step(loc, step)
 
 
 def saved_at(loc: Location, steps: list[int]) -> float | None:

@@ -22,7 +22,7 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base import host as _host
 from .._base.env import Option, check, flag, found
-from .._core import ownership as _ownership
+from .._core import removing as _removing
 from .._core.formats import MEMORY_LIMIT
 from .._core.save import SaveHandle, SaveResult
 from .._errors import CheckpointError, OptionError, OptionTypeError
@@ -116,7 +116,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                 return opened
             opened["tier"] = tier.open(
                 self._loc,
-                remove_step=_ownership.remove_step,
+                remove_step=_removing.remove_step,
                 busy=lambda: "_saver" in vars(self) and self.save_in_flight,
                 per_host=own,
                 host_memory=opts.host_memory,  # bounds the tier's copies too

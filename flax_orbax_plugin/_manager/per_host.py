@@ -23,7 +23,7 @@ import jax
 from .._base import distributed as _distributed
 from .._base import tree as _tree
 from .._core import formats as _formats
-from .._core import ownership as _ownership
+from .._core import removing as _removing
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import host_copy as _host_copy
 from .._format import steps as _steps
@@ -336,7 +336,7 @@ def remove_steps(
         )
     for step in steps:
         if step in committed:
-            _ownership.remove_step(loc, step)
+            _removing.remove_step(loc, step)
 
 
 def with_primary_extras(

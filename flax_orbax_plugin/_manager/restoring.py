@@ -20,9 +20,8 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base import host as _host
 from .._base.env import outside_stacklevel
-from .._core import ownership as _ownership
-from .._core.formats import ReadRequest
-from .._core.reads import step_deleted_or
+from .._core import removing as _removing
+from .._core.reads import ReadRequest, step_deleted_or
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -211,7 +210,7 @@ class Restorer:
         """Way (c): the persistent tier's ``target`` copied down, then read."""
         tier = self._book.tier
         if target in self._book.listed():  # this host's part: the full copy replaces it
-            _ownership.remove_step(self._loc, target)
+            _removing.remove_step(self._loc, target)
             self._book.removed(target)
         tier.ensure_local(target, region)
         self._book.forget()
@@ -224,7 +223,7 @@ class Restorer:
         """Collective: way (b), ``target`` sent to the processes lacking it from peers
         holding the same regions (``_manager/peers.py``); True when all now hold it."""
         if target in self._book.listed() and target not in mine:  # not this host's
-            _ownership.remove_step(self._loc, target)  # (an old map): a peer's replaces it
+            _removing.remove_step(self._loc, target)  # (an old map): a peer's replaces it
             self._book.removed(target)
         done = _peers.fetch(self._loc, target, self._book.run, target in mine, region)
         self._book.forget()

@@ -34,7 +34,7 @@ import numpy as np
 
 from .._base import distributed as _distributed
 from .._base.env import found, outside_stacklevel
-from .._core import ownership as _ownership
+from .._core import removing as _removing
 from .._core.save import SaveResult
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
@@ -398,8 +398,8 @@ class RetentionRunner:
         if not self._book.begin_delete(step):
             return False
         try:
-            _ownership.remove_step(self._loc, step, pace=self._pace)
-        except _ownership.RemainsLeftError as e:  # no longer a step; its files stay
+            _removing.remove_step(self._loc, step, pace=self._pace)
+        except _removing.RemainsLeftError as e:  # no longer a step; its files stay
             logger.warning("retention: %s", e)
             self._book.removed(step)
             with self._lock:

@@ -37,12 +37,13 @@ from .._base import host as _host
 from .._base import interrupts as _interrupts
 from .._base.env import found
 from .._core import formats as _formats
-from .._core import handle as _handle
 from .._core import ownership as _ownership
+from .._core import removing as _removing
 from .._core import save as _save
+from .._core import writer_liveness as _liveness
+from .._core.commit_rounds import structure_lines
 from .._core.formats import SaveRequest, Written
 from .._core.handle import Cancellation, raise_if_cancelled
-from .._core.plan import structure_lines
 from .._core.save import SaveHandle, SaveResult, Staging, wait_for_data
 from .._errors import CheckpointError, SaveCancelledError, StructureError
 from .._format import layout as _layout
@@ -754,7 +755,7 @@ class StepCommit:
         staging.publish(MANIFEST_FILE, raw, replace=True)
         if not staging.renames and self._old_dirs:
             fresh = {e.dir for e in self._entries.values()}
-            _ownership.remove_children(  # the replaced step's own item directories
+            _removing.remove_children(  # the replaced step's own item directories
                 staging.final, sorted(self._old_dirs - fresh), action="clean up the replaced"
             )
         self.stored = measure_stored(staging.final)
@@ -787,12 +788,12 @@ def abort_staged(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> No
     claim, the old step left whole. Called by the commit's abort (background) and by a
     save refused in its blocking phase (training thread), which stages no less."""
     if staging.renames:
-        _ownership.remove_staging(staging.location, staging.nonce)
+        _removing.remove_staging(staging.location, staging.nonce)
     elif not replace:  # a new step written in place: no manifest, all of it goes
-        if _handle.holds_nonce(staging.final, staging.nonce):  # under its own claim only
-            _ownership.remove_if_ours(staging.final, what="uncommitted step")
+        if _liveness.holds_nonce(staging.final, staging.nonce):  # under its own claim only
+            _removing.remove_if_ours(staging.final, what="uncommitted step")
     else:  # the old step stays whole: only the new items' fresh directories go
         fresh = [d for n, d in dirs.items() if d != n]
-        _ownership.remove_children(staging.final, fresh, action="abort the save into")
-        if _handle.holds_nonce(staging.final, staging.nonce):  # its commit record proves it
+        _removing.remove_children(staging.final, fresh, action="abort the save into")
+        if _liveness.holds_nonce(staging.final, staging.nonce):  # its commit record proves it
             _ownership.unclaim(staging.final)

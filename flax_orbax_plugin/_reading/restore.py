@@ -21,10 +21,9 @@ from .._base import distributed as _distributed
 from .._base import host as _host
 from .._base.env import flag
 from .._base.regions import public
-from .._core import formats as _formats
 from .._core import restore as _restore
 from .._core.read_agreement import agree_on_read
-from .._core.reads import place
+from .._core.reads import ReadRequest, place
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -173,7 +172,7 @@ def restore(
     return _read_place(Location.from_path(path), like, request)
 
 
-def _read_place(location: Location, like: Any, request: _formats.ReadRequest) -> Any:
+def _read_place(location: Location, like: Any, request: ReadRequest) -> Any:
     """The procedure of ``fop.restore``: what is at ``location`` classified once, then read
     by its reader (NNX objects in ``like`` restored in place); any other place is an
     error that says what is there."""
@@ -196,7 +195,7 @@ def _classified(location: Location) -> _steps.Place:
     return _steps.classify(location)
 
 
-def _restore_orbax(location: Location, like: Any, request: _formats.ReadRequest) -> Any:
+def _restore_orbax(location: Location, like: Any, request: ReadRequest) -> Any:
     """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
     (issue 16), the processes agreeing on what they read as for ours. Collective when
     ``like`` spans several processes and ``location`` is a run: all read the primary's
@@ -330,7 +329,7 @@ def restore_params(
     flight beyond the params returned, as ``fop.restore`` takes it.
     """
     # each option checked (OptionError naming one) before any read
-    _formats.check_serving(step=step, item=item, memory_limit_bytes=memory_limit_bytes)
+    _restore.check_serving(step=step, item=item, memory_limit_bytes=memory_limit_bytes)
     given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
     changes = _onto_like.changes(**given)
     dry_run = flag("dry_run", dry_run)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from .._core import ownership as _ownership
-from .._core import save as _save
+from .._core import writer_liveness as _liveness
 from .._errors import CheckpointError, ForeignEntryError
 from .._format import steps as _steps
 from .._interop.safetensors import remains as _remains
@@ -46,7 +46,7 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
         entry = loc.child(name)
         if loc.is_local:
             staging = kinds.get(name) == "dir" and _steps.SAVE_STAGING_RE.match(name)
-            if staging and _save.is_dead(entry) and _proven(entry):
+            if staging and _liveness.is_dead(entry) and _proven(entry):
                 foreign_gone.append(name)
         elif _steps.is_step_name(name) and _proven(entry):
             foreign_gone.append(name)

@@ -6,7 +6,7 @@
 - ``fop.save(force=True)`` killed between its renames leaves ``<name>.partial-<nonce>``
   or ``<name>.deleting-<nonce>``, a whole checkpoint with a valid commit marker and no
   pending marker (so no process to ask): once nothing changed there for
-  ``pending.QUIET_SECONDS`` no live writer holds it, and the next save of that name or
+  ``writer_liveness.QUIET_SECONDS`` no live writer holds it, and the next save of that name or
   ``gc`` of its directory removes it (they were left for an hour, or for ever by gc).
 - A save that fails before writing anything (a file size limit) removes its empty
   staging itself, and its error names the file it was writing.
@@ -21,8 +21,8 @@ import sys
 import numpy as np
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._core import handle as _pending
 from flax_orbax_plugin._core import ownership as _ownership
+from flax_orbax_plugin._core import writer_liveness as _liveness
 from flax_orbax_plugin._storage.location import Location
 from flax_orbax_plugin.cli import gc_plan
 
@@ -85,7 +85,7 @@ def test_the_next_save_of_a_path_removes_its_abandoned_copies(tmp_path, monkeypa
     shutil.copytree(path, other)
     fop.save(path, tiny(2), force=True)  # just now: a live writer may hold them
     assert partial.is_dir() and deleting.is_dir()
-    monkeypatch.setattr(_pending, "QUIET_SECONDS", 0.0)
+    monkeypatch.setattr(_liveness, "QUIET_SECONDS", 0.0)
     fop.save(path, tiny(3), force=True)
     assert sorted(os.listdir(tmp_path)) == ["core", other.name]
     np.testing.assert_array_equal(fop.restore(path)["params"]["w"], tiny(3)["params"]["w"])
@@ -97,7 +97,7 @@ def test_gc_removes_abandoned_copies_and_empty_staging_beside_a_checkpoint(tmp_p
     _abandon(path, "partial")
     _abandon(path, "deleting")
     (tmp_path / "core.partial-empty1").mkdir()  # a save that failed before its marker
-    monkeypatch.setattr(_pending, "QUIET_SECONDS", 0.0)
+    monkeypatch.setattr(_liveness, "QUIET_SECONDS", 0.0)
     plan = gc_plan.plan(Location.from_path(str(tmp_path)), keep=None, keep_every=None)
     assert sorted(plan.unfinished) == [
         "core.deleting-deadd1",

@@ -16,6 +16,7 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._base import env as _env
 from flax_orbax_plugin._core import ownership as _ownership
+from flax_orbax_plugin._core import removing as _removing
 from flax_orbax_plugin._storage import location as _storage
 from flax_orbax_plugin._storage.location import Location
 
@@ -169,11 +170,11 @@ def test_removal_refuses_without_proof_and_never_follows_links(tmp_path):
     with pytest.raises(fop.ForeignEntryError):
         _ownership.remove(loc.child("5"))
     with pytest.raises(fop.ForeignEntryError):
-        _ownership.remove_step(loc, 5)
+        _removing.remove_step(loc, 5)
     assert (outside / "keep.txt").read_text() == "x" and os.path.islink(run / "5")
     (run / "6").mkdir()
     (run / "6" / "f").write_text("user")
-    assert not _ownership.remove_if_ours(loc.child("6"), what="test")
+    assert not _removing.remove_if_ours(loc.child("6"), what="test")
     assert (run / "6" / "f").read_text() == "user"
 
 

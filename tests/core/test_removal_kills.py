@@ -1,6 +1,6 @@
 """A removal of a committed step killed (SIGKILL) at any instant leaves nothing that a
 later writer calls someone else's: ownership is provable after every system call of
-``ownership.remove_step``, and the next writer's open removes what it left.
+``removing.remove_step``, and the next writer's open removes what it left.
 
 A fork server pays for the interpreter and the package's import once; each ``go``
 forks a real process that removes step 1 of a fresh copy of a run and SIGKILLs itself
@@ -22,7 +22,7 @@ import flax_orbax_plugin as fop
 _SERVER = textwrap.dedent(
     """
     import os, signal, sys, traceback
-    from flax_orbax_plugin._core import ownership
+    from flax_orbax_plugin._core import removing
     from flax_orbax_plugin._storage.location import Location
 
     CALLS = ("open", "write", "fsync", "rename", "replace", "unlink", "rmdir", "mkdir")
@@ -45,7 +45,7 @@ _SERVER = textwrap.dedent(
                 setattr(os, name, counted(getattr(os, name)))
             code = 1
             try:
-                ownership.remove_step(Location.from_path(run), 1)
+                removing.remove_step(Location.from_path(run), 1)
                 print("calls", count[0], flush=True)
                 code = 0
             except BaseException:

@@ -477,7 +477,7 @@ def test_a_commit_removes_stale_staging_of_the_same_name_only(tmp_path):
     """A killed fop.save leaves <path>.partial-*; the next commit of that path removes it
     (a real directory of that exact name pattern, untouched for an hour), and never a
     link, other names, or a staging directory still being written."""
-    from flax_orbax_plugin._core import save as _commit
+    from flax_orbax_plugin._core import writer_liveness as _liveness
 
     (tmp_path / "c.partial-dead01" / "d").mkdir(parents=True)
     (tmp_path / "c.partial-dead01" / _ownership.PENDING_FILE).write_bytes(
@@ -485,7 +485,7 @@ def test_a_commit_removes_stale_staging_of_the_same_name_only(tmp_path):
     )
     (tmp_path / "c.partial-user01" / "d").mkdir(parents=True)  # our pattern, no marker
     (tmp_path / "c.partial-live01" / "d").mkdir(parents=True)  # another job's, running
-    old = time.time() - 2 * _commit.STALE_SECONDS
+    old = time.time() - 2 * _liveness.STALE_SECONDS
     os.utime(tmp_path / "c.partial-dead01" / "d", (old, old))
     os.utime(tmp_path / "c.partial-dead01" / _ownership.PENDING_FILE, (old, old))
     os.utime(tmp_path / "c.partial-dead01", (old, old))

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._base import env as _env
-from flax_orbax_plugin._core import host_snapshot as _device_copy
+from flax_orbax_plugin._core import device_copy as _device_copy
+from flax_orbax_plugin._core import host_snapshot as _host_snapshot
 from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
 from flax_orbax_plugin._zarr import packed_writer as _packed_writer
 
@@ -44,7 +45,7 @@ def device_path(monkeypatch):
     it starts and every one it materializes (their sizes), calling the real functions."""
     monkeypatch.setattr(_device_copy, "CPU_AS_DEVICE", True)
     seen = {"started": [], "materialized": [], "snapshots": [], "fetched": []}
-    start, materialize = _device_copy.start, _device_copy.materialize
+    start, materialize = _device_copy.start, _host_snapshot.materialize
     snapshot, fetch = _device_copy.snapshot, _device_copy.fetch
 
     def spy_start(data, part, *, kind):
@@ -67,7 +68,7 @@ def device_path(monkeypatch):
         return fetch(data, part)
 
     monkeypatch.setattr(_device_copy, "start", spy_start)
-    monkeypatch.setattr(_device_copy, "materialize", spy_materialize)
+    monkeypatch.setattr(_host_snapshot, "materialize", spy_materialize)
     monkeypatch.setattr(_device_copy, "snapshot", spy_snapshot)
     monkeypatch.setattr(_device_copy, "fetch", spy_fetch)
     return seen

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._core import host_snapshot as _device_copy
+from flax_orbax_plugin._core import device_copy as _device_copy
 
 _READS = ("__array__", "__float__", "__int__", "__index__", "__bool__", "item", "tolist")
 

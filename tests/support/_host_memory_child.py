@@ -111,7 +111,7 @@ def main() -> None:
         out[f"{name}_state_bytes"] = sum(x.nbytes for x in small.values())
 
     def hundred_device_saves():  # the same through the accelerator's device staging
-        from flax_orbax_plugin._core import host_snapshot as device_copy
+        from flax_orbax_plugin._core import device_copy
 
         device_copy.CPU_AS_DEVICE = True
         try:

@@ -1055,7 +1055,7 @@ def device_staging_across_processes(ctx, directory):
     import numpy as np
 
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin._core import host_snapshot as device_copy
+    from flax_orbax_plugin._core import device_copy
 
     device_copy.CPU_AS_DEVICE = True
     if ctx.process_id == 1:

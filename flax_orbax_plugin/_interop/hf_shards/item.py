@@ -19,7 +19,8 @@ import numpy as np
 from ..._base import distributed as _distributed
 from ..._base import tree as _tree
 from ..._base.env import Option, found
-from ..._core.formats import ReadRequest, SaveRequest
+from ..._core.formats import SaveRequest
+from ..._core.reads import ReadRequest
 from ..._errors import OptionError, OptionTypeError, StructureError, UnsupportedLocationError
 from ..._format import layout as _layout
 from ..._manager.checkpointables import COPY_KINDS, encode_json

@@ -14,6 +14,7 @@ import secrets
 import time
 
 from ..._core import ownership as _ownership
+from ..._core import removing as _removing
 from ..._core.save import Staging
 from ..._errors import (
     CoordinationError,
@@ -244,7 +245,7 @@ class Replicator:
                 if staging.renames:
                     staging.abort()
                 else:
-                    _ownership.remove_if_ours(final, what="uncommitted copy")
+                    _removing.remove_if_ours(final, what="uncommitted copy")
             except Exception:  # noqa: BLE001
                 pass
             raise
@@ -286,8 +287,8 @@ def remove_unfinished(remote: Location) -> None:
     ``2024/``, a ``007/``, another library's run."""
     listing = _steps.list_directory(remote)
     for name in listing.unfinished:
-        _ownership.remove_if_ours(remote.child(name), what="unfinished copy")
+        _removing.remove_if_ours(remote.child(name), what="unfinished copy")
     if not remote.is_local:
         for name in listing.foreign:
             if _steps.is_step_name(name):
-                _ownership.remove_if_ours(remote.child(name), what="uncommitted copy")
+                _removing.remove_if_ours(remote.child(name), what="uncommitted copy")

@@ -1,0 +1,99 @@
+"""The commit of several processes, beyond the primary's own round (``_core.save``):
+each other process's round (:func:`other_round`: its status published, the outcome
+read, its staged files discarded unless committed) and, where the processes saved
+trees of another structure, the first leaf where they differ (:func:`structure_lines`,
+:func:`their_difference`); and :func:`discard`, every process's removal of its staged
+files after an outcome other than committed. A save of one process that commits reads
+none of it.
+
+Threading: the save's background thread, every process in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+
+from .._base import distributed as _distributed
+from .._errors import CoordinationError
+
+
+def other_round(op, status, abort, structure, region) -> str:
+    """Another process's side: publishes its status, reads the outcome (waiting longer
+    than the primary may spend on one status, so a missing process is reported by name
+    rather than as "late"), discards its staged files unless committed."""
+    _distributed.publish(f"{op}/status", status, region=region)
+    wait = 2 * _distributed.stall_timeout(region=region)
+    outcome = _distributed.broadcast_str(f"{op}/outcome", None, region=region, timeout_s=wait)
+    if STRUCTURE in outcome and structure is not None:
+        mine = structure()
+        _distributed.publish(f"{op}/structure", json.dumps(mine), region=region)  # for 0
+        outcome += _first_difference(op, mine, region)
+    if outcome != "committed":
+        outcome = discard(abort, outcome)  # e.g. staging of another step than the primary's
+    return outcome
+
+
+STRUCTURE = "tree of another structure"  # in the outcome when the digests differ
+
+
+def _first_difference(op: str, mine: list[str], region, p: int = 0, timeout_s=None) -> str:
+    """``; here ...``: the first leaf where this process's tree differs from process
+    ``p``'s (the primary's, published with the outcome), or nothing when it cannot be
+    read."""
+    try:
+        got = _distributed.get_from(f"{op}/structure", p, region=region, timeout_s=timeout_s)
+        theirs = json.loads(got)
+    except (CoordinationError, ValueError):
+        return ""
+    return _difference(mine, theirs, p)
+
+
+def their_difference(
+    op: str, outcome: str, mine: list[str], region: _distributed.Region | None
+) -> str:
+    """The primary's side of :func:`_first_difference`: the process the outcome names
+    publishes its leaves once it read the outcome (waited for a few seconds at most:
+    nothing when it is gone)."""
+    found = re.search(r"process ([0-9]+) saved a " + STRUCTURE, outcome)
+    if found is None:
+        return ""
+    return _first_difference(op, mine, region, int(found.group(1)), timeout_s=10.0)
+
+
+def _difference(mine: list[str], theirs: list[str], p: int) -> str:
+    for a, b in zip(mine, theirs, strict=False):
+        if a != b:
+            return f"; the first leaf that differs: {a!r} here, {b!r} on process {p}"
+    if len(mine) != len(theirs):
+        extra = mine[len(theirs)] if len(mine) > len(theirs) else theirs[len(mine)]
+        return (
+            f"; {len(mine)} leaves here, {len(theirs)} on process {p} (the first one only "
+            f"{'here' if len(mine) > len(theirs) else f'on process {p}'}: {extra!r})"
+        )
+    return "; the leaves' paths, kinds, dtypes, shapes and small values agree: a str leaf differs"
+
+
+def discard(abort: Callable[[], None], outcome: str) -> str:
+    """Removes this process's staged files after a failed outcome; a removal that fails
+    too is added to the outcome (reported with it), never passed over in silence."""
+    try:
+        abort()
+    except Exception as e:  # noqa: BLE001
+        me = _distributed.process_index()
+        return f"{outcome} (and removing process {me}'s staged files failed: {e})"
+    return outcome
+
+
+def structure_lines(leaves: list) -> list[str]:
+    """One line per leaf (path, kind, dtype and shape): what :func:`_digest` covers, in
+    words, so that a structure that differs between processes can be named."""
+    out = []
+    for leaf in leaves:
+        r = leaf.record
+        shape = "" if r.shape is None else list(r.shape)
+        shown = leaf.value_digest
+        value = "" if shown is None else f" (value digest {shown})"
+        out.append(f"{r.path}: {r.kind} {r.dtype or ''}{shape}{value}".rstrip())
+    return out

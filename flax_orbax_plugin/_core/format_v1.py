@@ -1,0 +1,229 @@
+"""Format version 1 (one file per chunk, a ``zarr.json`` per array and batch): its
+``Format`` (:data:`CHUNK_FILES`: write, reuse, reader, array and batch reads) and its
+write (:func:`write_data`: the zarr arrays created by the primary, chunks written
+through the direct chunk writer or tensorstore, unchanged leaves linked or copied on
+the server). A save writes it on request (``format_version=1``) and in a directory per
+host; the default format (version 2) is ``formats``'s, the seam.
+
+Called on the save's background thread (write) and the restoring thread (reads).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+from typing import Any
+
+from .._base import env as _env
+from .._base import regions as _regions
+from .._format import layout as _layout
+from .._format.layout import ArrayStorage, BatchRecord, CheckpointDocument, array_dir
+from .._incremental import reuse as _reuse
+from .._incremental.copies import copy_leaf
+from .._incremental.links import link_leaf
+from .._storage.location import Location
+from .._zarr import arrays as _arrays
+from .._zarr import chunk_files as _chunk_files
+from .._zarr import packed_writer as _packed_writer
+from . import reads as _reads
+from . import write_data as _write_data
+from .reads import check_claims
+
+ONE_FILE_PER_CHUNK = "format_version=2 (version 1 writes one file per chunk)"
+
+
+class ChunkFiles:
+    """Version 1: one file per chunk and a ``zarr.json`` per array and batch."""
+
+    version = 1
+    copies_before_writing = False
+    per_host_directories = True
+    ignored_options = (("data_file_bytes", ONE_FILE_PER_CHUNK),)
+    batch_damage: tuple[type[BaseException], ...] = ()
+    array_specs = True
+
+    def write(
+        self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
+    ) -> tuple:
+        links = {} if found is None else _links(location, *found)
+        written, reused = write_data(
+            location,
+            leaves,
+            snap.batches,
+            snap.batch_data,
+            primary=primary,
+            limit=snap.request.limit,
+            links=links,
+            cancelled=snap.request.cancelled,
+        )
+        return written, {}, reused
+
+    def reuser(self, location: Location) -> Any:
+        return _reuse.reuser(location, link=link_leaf, copy=copy_leaf)
+
+    def wrote(self, doc: CheckpointDocument) -> bool:
+        return doc.format_version == 1
+
+    def open(self, location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool):
+        check_claims(location, doc, targets, own_copy=own_copy)
+        return _chunk_files.ChunkReader(location.path) if _chunk_files.usable(location) else None
+
+    def array_store(self, location: Location, target: Any, paths: list[str]) -> Any:
+        spec = _arrays.leaf_spec(location, target.index, target.record)
+        return _reads.open_array(spec, location, paths)
+
+    def read_stored(self, store: Any, index: int, record: Any, direct: Any, region: Any) -> Any:
+        read = _reads.plain_read(index, record, direct, region)
+        if read is not None:
+            return read
+        dtype = _layout.dtype_from_name(record.dtype, path=record.path)
+        return _reads.ReadInto(store if region is None else store[region], dtype)
+
+    def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
+        return _reads.open_array(_arrays.batch_spec(location, batch), location, paths)
+
+    def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
+        return direct is not None and batch.codec is None
+
+    def check_lengths(self, location: Location, direct: Any) -> None:
+        pass  # each chunk file's length is checked by its read (its crc32c trailer last)
+
+
+def _links(location: Location, way, source: Location, unchanged: list) -> dict[int, Any]:
+    """``{leaf index: link()}`` (version 1): ``link()`` links or copies this process's
+    chunks of the leaf and returns the bytes reused, or None when it must write its
+    regions after all."""
+    return {
+        leaf.index: functools.partial(
+            way,
+            source,
+            j,
+            location,
+            leaf.index,
+            leaf.record,
+            chunks=chunks,
+            nbytes=sum(data.nbytes for _, data in leaf.writes),
+            writes=leaf.writes,  # the snapshot, which each reused chunk must equal
+        )
+        for leaf, j, chunks in unchanged
+    }
+
+
+_LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied concurrently
+
+
+def write_data(
+    staging: Location,
+    leaves: list,
+    batches: dict[str, BatchRecord],
+    batch_data: dict[str, Any],
+    *,
+    primary: bool,
+    limit: int,
+    links: dict[int, Any],
+    cancelled: threading.Event | None = None,
+) -> tuple[int, int]:
+    """Writes this process's chunks (and, on the primary, every zarr.json), linking or
+    copying the leaves in ``links`` instead where it can; returns (bytes written, bytes
+    reused). Takes the batches it writes out of ``batch_data``. Stops (KeyboardInterrupt)
+    at the next region once ``cancelled`` is set."""
+    arrays = [
+        (leaf, _arrays.leaf_spec(staging, leaf.index, leaf.record))
+        for leaf in leaves
+        if isinstance(leaf.record.storage, ArrayStorage)
+    ]
+    batch_specs = [(name, _arrays.batch_spec(staging, b)) for name, b in batches.items()]
+    if primary:
+        _create(arrays + batch_specs)
+    # Links or server-side copies (after the zarr.json files exist: they go beside
+    # them) run on helper threads while the changed leaves are written; a leaf whose
+    # link or copy fails is written after them.
+    linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
+    linker, linked = _start_links(staging, linking, links)
+    # Plain arrays and batches on local disk: ChunkWriter (no chunk-buffer copy,
+    # writeback started per file); the rest, and any region it declines: tensorstore.
+    writer = _packed_writer.ChunkWriter(staging.path) if _chunk_files.usable(staging) else None
+    jobs = [
+        _array_job(leaf, spec, writer)
+        for leaf, spec in arrays
+        if leaf.writes and leaf.index not in links
+    ]
+    jobs += _write_data.batch_jobs(batch_specs, batches, batch_data, writer)
+    pending = _write_data.WritesInFlight(limit, cancelled)
+    total = sum(int(getattr(d, "nbytes", 0) or 0) for _, writes, _ in jobs for _, d in writes)
+    doing = pending.report(total)
+    try:
+        pending.write_all(jobs)
+        reused = _write_unlinked(pending, linking, linked, writer)
+        pending.drain(0)
+    except BaseException as e:
+        pending.fail(e, staging, direct=writer is not None)
+        raise
+    finally:
+        _regions.ACTIVITIES.end(doing)
+        if writer is not None:
+            writer.close()
+        if linker is not None:
+            # No link or copy is made after a failure's cleanup: queued ones never start.
+            linker.shutdown(wait=True, cancel_futures=True)
+    return pending.written, reused
+
+
+def _start_links(staging: Location, linking: list, links: dict[int, Any]):
+    """(the helper pool: one thread on local disk, a few leaves at once on object stores;
+    one future per leaf of ``linking``), or (None, []) for none."""
+    if not linking:
+        return None, []
+    workers = 1 if staging.is_local else _LEAVES_COPIED_AT_ONCE
+    linker = concurrent.futures.ThreadPoolExecutor(  # hard links alone may be lowered
+        workers,
+        thread_name_prefix="fop-link",
+        initializer=_env.initializer(local_only=staging.is_local),
+    )
+    return linker, [linker.submit(links[leaf.index]) for leaf, _ in linking]
+
+
+def _write_unlinked(
+    pending: _write_data.WritesInFlight, linking: list, linked: list, writer
+) -> int:
+    """Writes the leaves of ``linking`` whose link or copy failed, once each is known;
+    returns the bytes the others reused."""
+    jobs, reused = [], 0
+    for (leaf, spec), future in zip(linking, linked, strict=True):
+        nbytes = future.result()
+        if nbytes is None:
+            jobs.append(_array_job(leaf, spec, writer))
+        else:
+            reused += nbytes
+            leaf.writes.clear()  # drop the snapshot: the previous step has it
+    pending.write_all(jobs)
+    return reused
+
+
+def _create(specs: list) -> None:
+    """Creates every array's zarr.json (the primary, before any chunk is written)."""
+    creates = [_arrays.create(spec) for _, spec in specs]
+    try:
+        for future in creates:
+            future.result()
+    except BaseException:
+        _write_data.settle((f, 0) for f in creates)  # none may recreate files after a cleanup
+        raise
+
+
+def _array_job(leaf, spec, writer: _packed_writer.ChunkWriter | None):
+    """(spec, writes, direct write or None) of a leaf stored as its own array."""
+    record = leaf.record
+    if writer is None or record.storage.codec is not None:
+        return spec, leaf.writes, None
+
+    def direct(index, data):
+        return writer.array(
+            array_dir(leaf.index), record.shape, record.storage.chunk_shape, index, data, leaf.crcs
+        )
+
+    return spec, leaf.writes, direct
+
+
+CHUNK_FILES = ChunkFiles()

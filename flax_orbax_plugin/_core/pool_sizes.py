@@ -1,0 +1,77 @@
+"""The pooled host buffers one save takes, sized ahead from a tree like the one it saves
+(:func:`pool_sizes`: for ``BufferPool.reserve``, a manager's reserved host buffers):
+each batch of small leaves this process writes and each region it copies of a CPU or
+numpy leaf stored as its own array. Reads no array data, allocates nothing; a save
+itself never asks.
+
+Threading: any thread (pure: plans a stand-in tree, as the save would).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base import distributed as _distributed
+from .._base import tree as _tree
+from .._format import layout as _layout
+from .._format.layout import BatchRecord, BatchStorage
+from . import host_snapshot as _host_snapshot
+from .formats import SaveRequest
+from .plan import Plan
+
+
+def pool_sizes(like: Any, request: SaveRequest) -> list[int]:
+    """The byte sizes of the pooled host buffers one save of a tree like ``like`` takes
+    (its arrays, or ``jax.ShapeDtypeStruct`` leaves: ``jax.eval_shape`` of it), as
+    ``request`` says; for ``BufferPool.reserve``. Reads no array data, allocates
+    nothing. A ShapeDtypeStruct spread over several devices is refused (pass the state
+    itself: its shards decide the regions)."""
+    return _buffer_sizes(*_sizing_plan(like, request), own_copy=request.own_copy)
+
+
+def _sizing_plan(like: Any, request: SaveRequest) -> tuple[list, dict]:
+    def stand_in(path, x):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None and len(sharding.device_set) > 1:
+            raise ValueError(
+                f"reserve: leaf {jax.tree_util.keystr(path)!r}: expected an array or a "
+                f"ShapeDtypeStruct on one device, found one sharded over "
+                f"{len(sharding.device_set)} devices (pass the state itself)"
+            )
+        return np.broadcast_to(np.zeros((), x.dtype), x.shape)  # no memory: stride 0
+
+    tree = jax.tree_util.tree_map_with_path(stand_in, like)
+    with _tree.paused_gc():
+        plan = Plan.build(tree, request)
+    return plan.leaves, plan.batches
+
+
+def _buffer_sizes(leaves: list, batches: dict[str, BatchRecord], own_copy: bool = False) -> list:
+    """The byte size of every buffer :func:`take` with a pool takes for these leaves (a
+    plan's) and batches: each batch this process writes, each region it copies of a CPU
+    or numpy leaf stored as its own array (accelerator regions go to pinned memory, not
+    to the pool). Reads no array data."""
+    me = _distributed.process_index()
+    writers = {n: b.process for n, b in batches.items()}
+    if own_copy:
+        writers = _host_snapshot.held_batches(leaves, batches, me)
+    sizes = [
+        b.size * _layout.dtype_from_name(b.dtype).itemsize
+        for n, b in batches.items()
+        if writers[n] == me
+    ]
+    for leaf, source, rows in _host_snapshot.owned_regions(leaves, writers, me, own_copy):
+        if isinstance(leaf.record.storage, BatchStorage):
+            continue
+        data = source[0] if isinstance(source, tuple) else source
+        if _host_snapshot.on_device(data):
+            continue
+        extents = [len(range(*r.indices(n))) for r, n in zip(rows, leaf.record.shape, strict=True)]
+        sizes.append(math.prod(extents) * np.dtype(data.dtype).itemsize)
+    return sizes
