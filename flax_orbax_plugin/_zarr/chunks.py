@@ -1,5 +1,6 @@
-"""One zarr3 chunk on disk (name, bytes, crc32c trailer), packed sub-byte arrays, and format
-version 2's data index.
+"""One zarr3 chunk on disk (name, bytes, crc32c trailer, its grid), whether a leaf is stored
+packed (the packing: ``sub_byte``), and format version 2's data index. The crc32c of a
+region's chunks, or while copying them: ``crcs``.
 
 Pure functions and immutable records: any thread.
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import os
 import re
 from collections.abc import Callable
@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CheckpointError, CorruptCheckpointError
+from .._errors import CorruptCheckpointError
 from .._format import steps as _steps
-from .._format.layout import DTYPES, ArrayStorage, LeafRecord, dtype_from_name
+from .._format.layout import ArrayStorage, LeafRecord
 from .._storage import local_files as _local_files
 from .._storage.location import Location
 
@@ -35,11 +35,6 @@ except ImportError:  # pragma: no cover - the fallback: holds the GIL on numpy b
     GIL_FREE_CRC = False
 else:
     GIL_FREE_CRC = True
-
-try:  # the optional C extension (setup.py): copies and checksums in one pass
-    from . import _copycrc
-except ImportError:  # not built (no compiler): np.copyto, then the crc32c above
-    _copycrc = None
 
 THREADS = 8  # as tensorstore's file_io_concurrency for local disks (_storage.context)
 CHUNK_DIR = "c"  # zarr3 default chunk key encoding: c/<i0>/<i1>/...
@@ -127,111 +122,6 @@ def chunk_payload(view: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
     return as_bytes(view)
 
 
-def chunk_crcs(
-    shape: tuple[int, ...], chunk: tuple[int, ...], index: tuple[slice, ...], data: np.ndarray
-) -> dict[tuple[int, ...], int] | None:
-    """``{chunk grid cell: crc32c}`` of every chunk of the region ``index`` (global) of
-    an array of ``shape`` holding ``data`` (that region's values): the value the
-    zarr3 ``crc32c`` codec stores as the trailer of each chunk file that
-    :meth:`ChunkWriter.array` (or tensorstore) writes for it, computed over the same
-    bytes (little endian, edge chunks zero-padded). None when the region is not whole
-    chunks. A 0-d array is one chunk, cell ``()``. Any thread; reads ``data`` only."""
-    if data.dtype.byteorder == ">":  # the stored encoding is little endian
-        data = data.astype(data.dtype.newbyteorder("<"))
-    if not shape:
-        if data.shape != ():
-            return None
-        return {
-            (): int.from_bytes(
-                crc_trailer([as_bytes(np.ascontiguousarray(data))]).tobytes(), "little"
-            )
-        }
-    region = whole_chunks(shape, chunk, index)
-    if region is None or data.shape != region[0]:
-        return None
-    return {
-        cell: int.from_bytes(
-            crc_trailer([chunk_payload(data[at], tuple(chunk))]).tobytes(), "little"
-        )
-        for cell, at in region[1]
-    }
-
-
-COPY_STEP = 256 << 10  # without the kernel: bytes copied, then checksummed, at a time
-
-
-def has_kernel() -> bool:
-    """Whether the C kernel of :func:`copy_crc` is built (and imported) here."""
-    return _copycrc is not None
-
-
-def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int = 0, kernel: bool | None = None) -> int:
-    """``dst[...] = src`` for flat uint8 arrays of one size (C-contiguous, not
-    overlapping); returns the crc32c of those bytes continued from ``crc`` (as
-    :func:`extend_crc`). ``kernel``: None, the C kernel where it is built; True, the
-    kernel (RuntimeError where it is not); False, ``np.copyto`` then the crc32c,
-    :data:`COPY_STEP` bytes at a time (each piece checksummed while still in cache).
-    Any thread: both release the GIL on large buffers."""
-    if kernel is None:
-        kernel = _copycrc is not None
-    if kernel:
-        if _copycrc is None:
-            raise RuntimeError(
-                "copy_crc: the C kernel (flax_orbax_plugin._zarr._copycrc) is not built"
-            )
-        return _copycrc.copy_crc(dst, src, crc)
-    for a in range(0, dst.size, COPY_STEP):
-        np.copyto(dst[a : a + COPY_STEP], src[a : a + COPY_STEP])
-        crc = _crc32c(dst[a : a + COPY_STEP], crc)
-    return crc
-
-
-def extend_zeros(crc: int, n: int) -> int:
-    """crc32c of the bytes so far (``crc``) followed by ``n`` zero bytes."""
-    if _copycrc is not None:
-        return _copycrc.extend_zeros(crc, n)
-    return _crc32c(np.zeros(n, np.uint8), crc) if n else crc
-
-
-def copy_with_crcs(
-    dst: np.ndarray,
-    src: np.ndarray,
-    shape: tuple[int, ...],
-    chunk: tuple[int, ...],
-    index: tuple[slice, ...],
-    out: dict,
-    kernel: bool | None = None,
-) -> None:
-    """``np.copyto(dst, src)``, checksumming in the same pass: ``dst`` and ``src`` hold
-    the region ``index`` (global) of an array of ``shape`` chunked by ``chunk``; where
-    it is whole chunks, each chunk's crc32c (the value :func:`chunk_crcs` gives, the
-    trailer its file stores) is put in ``out`` (``{chunk grid cell: crc32c}``).
-
-    A chunk spanning whole rows (its trailing axes the array's) is copied by
-    :func:`copy_crc` (``kernel``: which way), which checksums every byte as it copies it
-    (the C kernel), or right after it copies each piece, still in the core's cache;
-    the zero padding of a chunk cut by the array's end is checksummed after it. Other
-    chunks are copied, then checksummed. Nothing is put in ``out`` for a region that
-    is not whole chunks, a 0-d or big-endian array: the writer computes those. Any
-    thread (the copies and the crc32c release the GIL); distinct calls put distinct
-    cells."""
-    region = None if dst.dtype.byteorder == ">" else whole_chunks(shape, chunk, index)
-    if region is None or dst.shape != region[0] or src.shape != dst.shape:
-        np.copyto(dst, src)
-        return
-    for cell, at in region[1]:
-        d, s = dst[at], src[at]
-        if d.shape[1:] == tuple(chunk[1:]) and d.flags.c_contiguous and s.flags.c_contiguous:
-            flat_d, flat_s = d.reshape(-1).view(np.uint8), s.reshape(-1).view(np.uint8)
-            crc = copy_crc(flat_d, flat_s, 0, kernel)
-            pad = (int(np.prod(chunk)) - d.size) * d.dtype.itemsize  # cut by the array's end
-            crc = extend_zeros(crc, pad)
-        else:
-            np.copyto(d, s)
-            crc = _crc32c(chunk_payload(d, tuple(chunk)))
-        out[cell] = crc
-
-
 def as_bytes(array: np.ndarray) -> np.ndarray:
     """The bytes of a C-contiguous array as a flat, read-only uint8 view (any dtype,
     ml_dtypes ones too; google_crc32c, the fallback crc, takes read-only buffers only)."""
@@ -252,141 +142,8 @@ def advance(views: list[memoryview], done: int) -> None:
             done = 0
 
 
-def bits_of(dtype_name: str) -> int:
-    return DTYPES[dtype_name].bits
-
-
-def _nbytes(values: int, bits: int) -> int:
-    return -(-values * bits // 8)
-
-
 def is_packed(record: LeafRecord) -> bool:
     return isinstance(record.storage, ArrayStorage) and record.storage.packed
-
-
-def stored(record: LeafRecord) -> LeafRecord:
-    """``record`` as its zarr3 array stores it: itself, or for a packed leaf a ``uint8``
-    record whose shape and chunk shape hold the packed bytes along the last axis."""
-    if not is_packed(record):
-        return record
-    bits = bits_of(record.dtype)
-    storage = record.storage
-    shape = (*record.shape[:-1], _nbytes(record.shape[-1], bits))
-    chunk = (*storage.chunk_shape[:-1], _nbytes(storage.chunk_shape[-1], bits))
-    return dataclasses.replace(
-        record,
-        shape=shape,
-        dtype="uint8",
-        storage=dataclasses.replace(storage, chunk_shape=chunk, packed=False),
-    )
-
-
-def group(bits: int) -> int:
-    """Values per group of whole bytes (4-bit: 2 in 1 byte; 2-bit: 4; 1-bit: 8; 6-bit: 4
-    in 3 bytes): a row's groups start on bytes."""
-    return 8 // math.gcd(bits, 8)
-
-
-def pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
-    """``values`` (a sub-byte dtype, any shape of at least one axis) as packed rows:
-    uint8 of shape ``(..., ceil(n * bits / 8))``."""
-    low = np.ascontiguousarray(values).view(np.uint8) & np.uint8((1 << bits) - 1)
-    n, g = low.shape[-1], group(bits)
-    if n % g:
-        pad = np.zeros((*low.shape[:-1], g - n % g), np.uint8)
-        low = np.concatenate([low, pad], axis=-1)
-    lanes = low.reshape(*low.shape[:-1], -1, g)
-    wide = np.uint32 if g * bits > 8 else np.uint8
-    word = np.zeros(lanes.shape[:-1], wide)
-    for j in range(g):
-        word |= lanes[..., j].astype(wide) << wide(j * bits)
-    per = g * bits // 8  # bytes per group
-    out = np.empty((*word.shape, per), np.uint8)
-    for i in range(per):
-        out[..., i] = word >> wide(8 * i) if per > 1 else word
-    return out.reshape(*low.shape[:-1], -1)[..., : _nbytes(n, bits)]
-
-
-def unpack_rows(packed: np.ndarray, bits: int, width: int, skip: int, dtype) -> np.ndarray:
-    """Values ``skip .. skip + width`` of each row of ``packed`` (uint8 rows, each
-    starting on a group): an array of ``dtype`` (one canonical byte each)."""
-    packed = np.asarray(packed, np.uint8)
-    g = group(bits)
-    per = g * bits // 8
-    if packed.shape[-1] % per:
-        pad = np.zeros((*packed.shape[:-1], per - packed.shape[-1] % per), np.uint8)
-        packed = np.concatenate([packed, pad], axis=-1)
-    groups = packed.reshape(*packed.shape[:-1], -1, per)
-    wide = np.uint32 if per > 1 else np.uint8
-    word = groups[..., 0].astype(wide)
-    for i in range(1, per):
-        word |= groups[..., i].astype(wide) << wide(8 * i)
-    mask = wide((1 << bits) - 1)
-    out = np.empty((*word.shape, g), np.uint8)
-    for j in range(g):
-        out[..., j] = (word >> wide(j * bits)) & mask
-    out = out.reshape(*packed.shape[:-1], -1)
-    return np.ascontiguousarray(out[..., skip : skip + width]).view(dtype)
-
-
-def pack_flat(values: np.ndarray) -> np.ndarray:
-    """A small leaf's values (a sub-byte dtype) as one bit stream, C order: the bytes of
-    its ``packed_batch`` slot (uint8, ``_format.layout.packed_bytes`` of them)."""
-    flat = np.ascontiguousarray(values).reshape(-1)
-    return pack_rows(flat, bits_of(flat.dtype.name))
-
-
-def unpack_flat(data: np.ndarray, record: LeafRecord) -> np.ndarray:
-    """The values of a ``packed_batch`` leaf from its slot's bytes (flat)."""
-    count = math.prod(record.shape)
-    dtype = dtype_from_name(record.dtype, path=record.path)
-    return unpack_rows(np.asarray(data).reshape(-1), bits_of(record.dtype), count, 0, dtype)
-
-
-def _last_axis(index, n: int) -> tuple[int, int]:
-    start, stop, step = index[-1].indices(n)
-    if step != 1:
-        raise CheckpointError(f"a strided region {index} of a packed array")
-    return start, stop
-
-
-def pack_write(record: LeafRecord, index: tuple, data: np.ndarray) -> tuple[tuple, np.ndarray]:
-    """One region (``index``, global, whole chunks) of a packed leaf and its values:
-    the stored array's region and its bytes."""
-    bits, n = bits_of(record.dtype), record.shape[-1]
-    start, stop = _last_axis(index, n)
-    if start * bits % 8 or (stop * bits % 8 and stop != n):
-        raise CheckpointError(
-            f"leaf {record.path!r}: a region {index} whose last axis is not on whole bytes "
-            f"of its packed {record.dtype} chunks"
-        )
-    region = (*index[:-1], slice(start * bits // 8, _nbytes(stop, bits)))
-    return region, pack_rows(np.asarray(data), bits)
-
-
-class Unpacked:
-    """A read of a packed leaf's stored bytes that gives the leaf's values."""
-
-    def __init__(self, read: Any, record: LeafRecord, width: int, skip: int):
-        self.read, self.bits = read, bits_of(record.dtype)
-        self.width, self.skip = width, skip
-        self.dtype = dtype_from_name(record.dtype, path=record.path)
-        self.deferred = getattr(read, "deferred", False)
-
-    def result(self) -> np.ndarray:
-        return unpack_rows(self.read.result(), self.bits, self.width, self.skip, self.dtype)
-
-
-def stored_region(record: LeafRecord, region) -> tuple[tuple, int, int]:
-    """For a read of ``region`` (global; None: all) of a packed leaf: (the stored
-    array's region holding it, from the byte of the group its first value is in; the
-    values per row; the values to skip at each row's start)."""
-    bits, n = bits_of(record.dtype), record.shape[-1]
-    index = tuple(region) if region is not None else (slice(None),) * len(record.shape)
-    start, stop = _last_axis(index, n)
-    first = start - start % group(bits)
-    inner = (*index[:-1], slice(first * bits // 8, _nbytes(stop, bits)))
-    return inner, stop - start, start - first
 
 
 INDEX_FORMAT = "flax_orbax_plugin/data"

@@ -120,7 +120,7 @@ class ChunkWriter:
         region does not consist of whole chunks (chunks cut by the array's end are
         whole: they are padded with zeros, the fill value, as tensorstore pads them).
         ``crcs``: ``{chunk grid cell: crc32c}`` of chunks of ``data`` checksummed
-        already (as they were copied: ``chunks.copy_with_crcs``); a chunk there is not
+        already (as they were copied: ``crcs.copy_with_crcs``); a chunk there is not
         read again to checksum it, the others are checksummed here."""
         region = _chunks.whole_chunks(shape, chunk, index)
         if region is None or data.shape != region[0]:

@@ -230,7 +230,7 @@ def test_snapshot_crcs_are_the_trailers_the_writer_stores(tmp_path):
     """``chunk_crcs`` gives, for every chunk of a region, the trailer of the file the
     chunk writer stores for it: whole chunks, edge chunks (zero-padded) and chunks that
     are not contiguous in the region (cut along a later axis)."""
-    from flax_orbax_plugin._zarr import chunks as _chunks
+    from flax_orbax_plugin._zarr import crcs as _crcs
     from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
 
     shape, chunk = (7, 10), (3, 4)
@@ -239,19 +239,19 @@ def test_snapshot_crcs_are_the_trailers_the_writer_stores(tmp_path):
     with _chunk_writer.ChunkWriter(str(tmp_path)) as writer:
         for future in writer.array("d/0", shape, chunk, region, data[3:]):
             future.result()
-    crcs = _chunks.chunk_crcs(shape, chunk, region, data[3:])
+    crcs = _crcs.chunk_crcs(shape, chunk, region, data[3:])
     assert sorted(crcs) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
     for cell, crc in crcs.items():
         stored = (tmp_path / "d" / "0" / "c" / str(cell[0]) / str(cell[1])).read_bytes()
         assert len(stored) == 3 * 4 * 4 + 4
         assert int.from_bytes(stored[-4:], "little") == crc
-    assert _chunks.chunk_crcs(shape, chunk, (slice(2, 7), slice(None)), data[2:]) is None
+    assert _crcs.chunk_crcs(shape, chunk, (slice(2, 7), slice(None)), data[2:]) is None
     other = data[3:].copy()
     other[3, 9] += 1  # in the padded edge chunk (2, 2)
-    changed = _chunks.chunk_crcs(shape, chunk, region, other)
+    changed = _crcs.chunk_crcs(shape, chunk, region, other)
     assert [c for c in crcs if crcs[c] != changed[c]] == [(2, 2)]
     big_endian = data[3:].astype(">f4")
-    assert _chunks.chunk_crcs(shape, chunk, region, big_endian) == crcs
+    assert _crcs.chunk_crcs(shape, chunk, region, big_endian) == crcs
 
 
 @pytest.mark.parametrize("damage", ["truncate", "remove", "symlink"])
