@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,18 +45,6 @@ def chunk_parts(cell) -> tuple[str, ...]:
 def chunk_key(cell) -> str:
     """``c/<i0>/<i1>/...``: the key of chunk grid cell ``cell`` under its array."""
     return "/".join(chunk_parts(cell))
-
-
-def file_name(path: str) -> str:
-    """A version-1 chunk or batch file's name in errors: ``<array>/c/...`` (4 parts)."""
-    return "/".join(path.split(os.sep)[-4:])
-
-
-def stored_name(path: str, where: Callable[[str], str] | None, kind: str) -> str:
-    """The words naming the stored bytes of chunk ``path`` in a damage error: the file
-    of the format that wrote them (``where(path)``: a version-2 data file and its byte
-    range), else version 1's own file (``<kind> <array>/c/...``)."""
-    return where(path) if where is not None else f"{kind} {file_name(path)}"
 
 
 def extend_crc(crc: int, data) -> int:
@@ -98,10 +84,6 @@ def crc_trailer(parts: list[np.ndarray]) -> np.ndarray:
     for part in parts:
         crc = _crc32c(as_bytes(part), crc)
     return np.frombuffer(crc.to_bytes(CRC_BYTES, "little"), np.uint8)
-
-
-def crc_matches(parts: list[np.ndarray], trailer: np.ndarray) -> bool:
-    return np.array_equal(crc_trailer(parts), trailer)
 
 
 def chunk_payload(view: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
