@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._base import env as _env
 from . import local_files as _local
-from .kvstore import check_name, context, prefix_range, spec_from_path, tensorstore
+from .contexts import context, prefix_range, tensorstore
+from .kvstore import check_name, spec_from_path
 from .local_files import MAX_SMALL_FILE_BYTES, walk_entries
 
 __all__ = ["commits_by_file", "is_fuse", "mount_type", "mount_type_in"]

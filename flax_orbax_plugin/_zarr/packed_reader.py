@@ -25,7 +25,7 @@ from .._base import host as _host
 from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
 from .._format import steps as _steps
-from .._storage import kvstore as _kvstore
+from .._storage import contexts as _contexts
 from .._storage import local_files as _local_files
 from .._storage.location import Location
 from . import arrays as _arrays
@@ -77,7 +77,7 @@ class PackedReader(_chunk_files.ChunkReader):
                 raise
         else:
             spec = location.kvstore(_chunks.DATA_DIR)
-            self._kv = ts.KvStore.open(spec, context=_kvstore.context(local=False)).result()
+            self._kv = ts.KvStore.open(spec, context=_contexts.context(local=False)).result()
             self._ranged = None  # object stores: whole segments, through the fetch plan
             self._ranges = RangeReads(self._kv, chunks, file_bytes or {})
             self._pool = _DeferredPool(self._pool, self._ranges, chunks)
