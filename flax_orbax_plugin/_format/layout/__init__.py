@@ -12,6 +12,15 @@ with the names on disk, in ``files``; leaf and batch records in ``records``; dty
 
 from __future__ import annotations
 
+from .dtypes import (
+    DTYPES,
+    SUPPORTED_DTYPES,
+    dtype_from_name,
+    dtype_name,
+    packable,
+    packed_bytes,
+    zarr_dtype,
+)
 from .files import (
     ARRAYS_DIR,
     BATCHES_DIR,
@@ -34,7 +43,6 @@ from .files import (
     iterator_state_file,
 )
 from .records import (
-    DTYPES,
     EMPTY_KINDS,
     KEY_KINDS,
     LEAF_KINDS,
@@ -47,7 +55,6 @@ from .records import (
     PRNG_IMPLS,
     PRNG_KEY_WORDS,
     SCALAR_KINDS,
-    SUPPORTED_DTYPES,
     TEXT_KINDS,
     ArrayStorage,
     BatchRecord,
@@ -57,19 +64,14 @@ from .records import (
     check_codec,
     decode,
     decode_checked,
-    dtype_from_name,
-    dtype_name,
     encode,
     is_safe_name,
-    packable,
-    packed_bytes,
     parse_sealed,
     seal,
     sha256,
     sha256_mismatch,
     text_bytes,
     text_value,
-    zarr_dtype,
 )
 
 __all__ = [

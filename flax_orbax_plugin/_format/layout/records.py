@@ -1,5 +1,5 @@
-"""Checked JSON (checksums, bounded parsing, validators), dtype names and bounds, and the
-records of one leaf and one batch.
+"""Checked JSON (checksums, bounded parsing, validators), bounds, and the records of one
+leaf and one batch. The dtypes they name: ``dtypes``.
 
 Pure functions over immutable records; any thread.
 
@@ -11,9 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-import functools
 import hashlib
-import importlib
 import json
 import math
 import re
@@ -21,10 +19,9 @@ import reprlib
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-import numpy as np
-
-from ..._errors import CorruptCheckpointError, StructureError
+from ..._errors import CorruptCheckpointError
 from ..._storage import local_files as _local_files
+from .dtypes import DTYPES, SUPPORTED_DTYPES, dtype_from_name, packable, packed_bytes
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", re.ASCII)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$", re.ASCII)
@@ -193,73 +190,6 @@ MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: larger "arrays" are damage, not data
 MAX_PROCESSES = 1 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class Dtype:
-    """One dtype a checkpoint may hold: the package's one declaration of it.
-
-    ``name`` is numpy's (ml_dtypes') name, as leaf and batch records store it; ``bits``
-    the bits of one value (under 8: a sub-byte type, one value per byte in memory);
-    ``zarr`` the zarr3 ``data_type`` of its arrays' ``zarr.json``: its own name where
-    tensorstore's zarr3 driver knows it, else ``uint8``, which holds the same byte per
-    value (the leaf record names the dtype); ``safetensors`` its tag in the safetensors
-    spec, or None where the spec has none.
-    """
-
-    name: str
-    bits: int
-    zarr: str
-    safetensors: str | None
-
-
-def _table(rows: str) -> dict[str, Dtype]:
-    out = {}
-    for row in rows.strip().splitlines():
-        name, bits, zarr, tag = row.split()
-        zarr = name if zarr == "=" else zarr
-        out[name] = Dtype(name, int(bits), zarr, None if tag == "-" else tag)
-    return out
-
-
-# name, bits, zarr3 data_type ("=": its own name), safetensors tag ("-": none). Every
-# dtype jax.numpy offers (tests/format/test_every_dtype.py fails for one not listed).
-DTYPES = _table(
-    """
-    bool                8   =       BOOL
-    int1                1   uint8   -
-    int2                2   =       -
-    int4                4   =       -
-    int8                8   =       I8
-    int16               16  =       I16
-    int32               32  =       I32
-    int64               64  =       I64
-    uint1               1   uint8   -
-    uint2               2   uint8   -
-    uint4               4   uint8   -
-    uint8               8   =       U8
-    uint16              16  =       U16
-    uint32              32  =       U32
-    uint64              64  =       U64
-    float4_e2m1fn       4   =       F4
-    float6_e2m3fn       6   uint8   F6_E2M3
-    float6_e3m2fn       6   uint8   F6_E3M2
-    float8_e3m4         8   =       -
-    float8_e4m3         8   uint8   -
-    float8_e4m3b11fnuz  8   =       -
-    float8_e4m3fn       8   =       F8_E4M3
-    float8_e4m3fnuz     8   =       F8_E4M3FNUZ
-    float8_e5m2         8   =       F8_E5M2
-    float8_e5m2fnuz     8   =       F8_E5M2FNUZ
-    float8_e8m0fnu      8   =       F8_E8M0
-    float16             16  =       F16
-    bfloat16            16  =       BF16
-    float32             32  =       F32
-    float64             64  =       F64
-    complex64           64  =       C64
-    complex128          128 =       -
-    """
-)
-SUPPORTED_DTYPES = frozenset(DTYPES)
-
 PRNG_IMPLS = frozenset({"threefry2x32", "rbg", "unsafe_rbg"})
 EMPTY_KINDS = ("empty_dict", "empty_list")  # {} (or a field-less node); [] or ()
 # A str or bytes leaf: its value is JSON in the record ("value"; bytes as base64).
@@ -281,59 +211,6 @@ SCALAR_KINDS = {
     "py_complex": SUPPORTED_DTYPES,
     "np_scalar": SUPPORTED_DTYPES,
 }
-
-
-@functools.lru_cache(maxsize=256)
-def dtype_name(dtype: np.dtype) -> str:
-    """``dtype.name``, cached (numpy computes it anew on every access)."""
-    return dtype.name
-
-
-@functools.lru_cache(maxsize=64)
-def dtype_from_name(name: str, *, path: str = "?") -> np.dtype:
-    """numpy dtype for a stored dtype name; a clear error for unknown names."""
-    if name not in SUPPORTED_DTYPES:
-        raise StructureError(
-            f"leaf {path!r}: unknown dtype {name!r} (expected one of {sorted(SUPPORTED_DTYPES)})"
-        )
-    return _numpy_dtype(name)
-
-
-# The dtypes numpy itself has; every other one is ml_dtypes', imported at the first
-# such dtype resolved (0.3-0.9 s: a command that reads only JSON never pays it).
-NUMPY_NATIVE = frozenset(
-    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
-    "complex64 complex128".split()
-)
-
-
-def _numpy_dtype(name: str) -> np.dtype:
-    if name in NUMPY_NATIVE:
-        return np.dtype(name)
-    return np.dtype(getattr(importlib.import_module("ml_dtypes"), name))
-
-
-@functools.lru_cache(maxsize=64)
-def zarr_dtype(name: str) -> np.dtype:
-    """The numpy dtype of the zarr3 ``data_type`` that arrays of dtype ``name`` are
-    stored as (``name``'s own where tensorstore knows it; else ``uint8``): tensorstore
-    reads and writes their values through a view of this dtype (same itemsize)."""
-    return _numpy_dtype(DTYPES[name].zarr)
-
-
-def packable(name: str, shape, chunk) -> bool:
-    """Whether a leaf of dtype ``name``, ``shape`` and ``chunk`` shape is stored packed
-    (``packed_array``): a sub-byte dtype, at least one axis and no empty one, and
-    chunks whose last axis is whole bytes (or the whole axis). FORMAT.md."""
-    bits = DTYPES[name].bits
-    if bits >= 8 or not shape or 0 in shape:
-        return False
-    return chunk[-1] == shape[-1] or chunk[-1] * bits % 8 == 0
-
-
-def packed_bytes(name: str, count: int) -> int:
-    """Bytes of ``count`` values of a sub-byte dtype packed into one bit stream."""
-    return -(-count * DTYPES[name].bits // 8)
 
 
 def batch_name(process: int, dtype: str) -> str:
