@@ -1,5 +1,6 @@
-"""Steps of a checkpoint directory, what a wrong place holds (``classify`` and the
-describers), and checked reads of ``_METADATA.json``.
+"""Steps of a checkpoint directory, what a place holds (``classify``; a one-pytree
+reader's words for it), and checked reads of ``_METADATA.json``. The other readers' and
+writers' words for a wrong place: ``describe``.
 
 Reads names and small files only, never following a link; safe from any thread.
 
@@ -46,9 +47,6 @@ __all__ = [
     "MAX_PROBED",
     "Place",
     "classify",
-    "holding_checkpoint",
-    "misplaced",
-    "no_steps",
     "not_a_checkpoint",
 ]
 
@@ -462,29 +460,7 @@ def not_a_checkpoint(where: Location | Place) -> CheckpointError:
             f"{location} is not a committed checkpoint: its save was interrupted or is "
             f"still running"
         )
-    return CheckpointNotFoundError(_nothing_here(location, "no checkpoint"))
-
-
-def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
-    """The committed checkpoint of this library that ``location`` is (or lies inside),
-    in words: a step (or a place inside one of its items), a core checkpoint, or, for
-    ``location`` and its first ``runs - 1`` parents, a run directory holding committed
-    steps. None when there is none. For writers whose output must stay outside every
-    checkpoint (an export, an import's run): a committed checkpoint never changes.
-
-    Probes one marker per parent (and lists ``runs`` directories); a local
-    ``location`` should be a real path (no link on the way). Safe from any thread."""
-    here, level = location, 0
-    while True:
-        if here.exists(MANIFEST_FILE):
-            return f"step {here.name} of the run directory {here.parent}"
-        if here.exists(COMMIT_FILE):
-            return f"the checkpoint {here} (written by fop.save)"
-        if level < runs and list_directory(here).committed:
-            return f"the run directory {here} (it holds committed steps)"
-        if here.parent == here:
-            return None
-        here, level = here.parent, level + 1
+    return CheckpointNotFoundError(nothing_here(location, "no checkpoint"))
 
 
 def _step_items(step: Location) -> str:
@@ -500,53 +476,7 @@ def _step_items(step: Location) -> str:
     return (", ".join(shown) or "none") + (f" and {more} more" if more > 0 else "")
 
 
-def no_steps(where: Location | Place, listing: Listing | None = None) -> CheckpointError:
-    """The error for a reader of a directory of steps (``restore_params``, ``verify``,
-    the CLI) that found no committed step at ``where`` (its :class:`Place`, or a
-    location classified here; ``listing``: its listing, when made)."""
-    place = where if isinstance(where, Place) else classify(where)
-    location, listing = place.location, listing or place.listing
-    if place.kind in (STEP_KIND, HOST_COPY):
-        step = location.name
-        return CheckpointNotFoundError(
-            f"{location} is step {step} of the run directory {location.parent}, not a run "
-            f"directory: name that directory (and step {step}), e.g. "
-            f"fop.restore_params({str(location.parent)!r}, step={step})"
-        )
-    if place.item is not None:
-        item = place.item.manifest
-        return CheckpointNotFoundError(
-            f"{location} is an item of step {item.step} of the run directory "
-            f"{location.parent.parent}, not a run directory: fop.restore({str(location)!r}) "
-            f"reads it, fop.restore_params({str(location.parent.parent)!r}, step={item.step}) "
-            f"serves the step's params"
-        )
-    if place.kind == CHECKPOINT:
-        return CheckpointNotFoundError(
-            f"{location} is a checkpoint of one pytree (fop.save), not a directory of "
-            f"steps: read it with fop.restore({str(location)!r})"
-        )
-    listing = listing if listing is not None else list_directory(location)
-    if listing.corrupt:  # steps there were, all set aside: damage, not an empty run
-        return CorruptCheckpointError(
-            f"no committed steps in {location}: every step was set aside as damaged "
-            f"({', '.join(listing.corrupt)}); inspect them with `flax-orbax verify "
-            f"{location}/<name>`"
-        )
-    if listing.unfinished:
-        return CheckpointNotFoundError(
-            f"no committed steps in {location}: the saves of "
-            f"{', '.join(listing.unfinished)} were interrupted or are still running"
-        )
-    if any(location.exists(n) for n in RECORD_NAMES):
-        return CheckpointNotFoundError(
-            f"no committed steps in {location}: a run directory of CheckpointManager with "
-            f"no committed step yet"
-        )
-    return CheckpointNotFoundError(_nothing_here(location, "no committed steps"))
-
-
-def _nothing_here(location: Location, none: str) -> str:
+def nothing_here(location: Location, none: str) -> str:
     """``none`` (what was looked for) and what ``location`` holds instead."""
     hint = foreign_format_hint(location)
     if hint:
@@ -558,13 +488,13 @@ def _nothing_here(location: Location, none: str) -> str:
         return f"{none} at {location}: the path does not exist" + (
             "" if location.is_local else " (nothing is stored under it)"
         )
-    inside = _inside(location)
+    inside = folder_inside(location)
     if inside is not None:
         return f"{none} at {location}: it is a folder inside {inside}; point at that instead"
     names = [n for n in location.list_children() if not n.startswith(".fop-visible-")]
     if not names:
         return f"{none} at {location}: an empty directory (nothing was ever saved here)"
-    below = _one_level_down(location, names)
+    below = one_level_down(location, names)
     if below:
         return (
             f"{none} at {location} itself; one level down: {'; '.join(below)}. Point at "
@@ -574,21 +504,7 @@ def _nothing_here(location: Location, none: str) -> str:
     return f"{none} at {location}: it holds no checkpoint of this library (it holds: {shown})"
 
 
-def misplaced(location: Location) -> str | None:
-    """Where ``location`` (no run itself) is one level off a run of ours: a folder inside
-    a checkpoint, step or item, or a folder with runs one level down;
-    None otherwise (a folder of other things is no mistake of place). ``gc``'s check."""
-    inside = _inside(location)
-    if inside is not None:
-        return f"{location} is a folder inside {inside}; point at the run directory instead"
-    names = [n for n in location.list_children() if not n.startswith(".fop-visible-")]
-    below = _one_level_down(location, names, runs_only=True)  # a checkpoint there: no gc's
-    if below:
-        return f"{location} holds no run itself; one level down: {'; '.join(below)}"
-    return None
-
-
-def _inside(location: Location) -> str | None:
+def folder_inside(location: Location) -> str | None:
     """What of ours ``location`` is a folder inside (a checkpoint, a step, an item)."""
     try:
         parent = location.parent
@@ -603,7 +519,7 @@ def _inside(location: Location) -> str | None:
     return None
 
 
-def _one_level_down(location: Location, names: list[str], *, runs_only: bool = False) -> list[str]:
+def one_level_down(location: Location, names: list[str], *, runs_only: bool = False) -> list[str]:
     """Runs and checkpoints (``runs_only``: runs) of ours among the first
     :data:`MAX_PROBED` children."""
     kinds = location.child_kinds() if location.is_local else None

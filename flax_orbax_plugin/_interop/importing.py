@@ -28,13 +28,14 @@ from .._errors import (
     StructureError,
     UnsupportedLocationError,
 )
+from .._format.describe import holding_checkpoint
 from .._format.foreign import (
     STEP_RE,
     is_msgpack_checkpoint,
     is_orbax_checkpoint,
     safetensors_source,
 )
-from .._format.steps import holding_checkpoint, list_directory
+from .._format.steps import list_directory
 from .._manager import options as _options
 from .._manager.manager import CheckpointManager
 from .._storage.kvstore import arguments, local_path, refusals

@@ -30,7 +30,8 @@ from ..._errors import (
     StructureError,
     UnsupportedLocationError,
 )
-from ..._format.steps import holding_checkpoint, manifest_for_item
+from ..._format.describe import holding_checkpoint
+from ..._format.steps import manifest_for_item
 from ..._like.onto_like import check_policy
 from ..._storage.kvstore import arguments, local_path, refusals
 from ..._storage.location import Location
