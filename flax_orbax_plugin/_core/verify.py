@@ -22,11 +22,10 @@ from .._format.layout import (
     JSON_VALUE_FILE,
     METADATA_FILE,
     ArrayStorage,
-    StepManifest,
     batch_dir,
     iterator_state_file,
 )
-from .._format.steps import read_document
+from .._format.steps import StepManifest, read_document
 from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
 from .._zarr import regions as _zarr_regions

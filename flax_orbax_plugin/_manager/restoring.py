@@ -32,7 +32,7 @@ from .._errors import (
     UnknownItemError,
 )
 from .._format import steps as _steps
-from .._format.layout import ItemEntry
+from .._format.steps import ItemEntry
 from .._like import transform as _transform
 from .._state.resume import check_items, item_mismatch, warn_unread
 from .._state.train_state import merge_state, split_state

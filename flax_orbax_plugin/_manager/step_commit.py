@@ -45,8 +45,9 @@ from .._core.plan import structure_lines
 from .._core.save import SaveResult, Staging
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
-from .._format.layout import MANIFEST_FILE, ItemEntry, StepManifest
+from .._format.layout import MANIFEST_FILE
 from .._format.layout.files import LANES
+from .._format.steps import ItemEntry, StepManifest
 from .._storage.location import Location
 from .checkpointables import Checkpointable, Pending
 from .events import Events, measure_stored

@@ -6,7 +6,8 @@ validates every field and raises :class:`CorruptCheckpointError` naming the file
 the field, before anything sized by the untrusted numbers is allocated (``checked``).
 FORMAT.md at the repository root is the specification; later format versions restore
 version 1. Files: ``_METADATA.json`` (:class:`CheckpointDocument`),
-``_COMMITTED`` (:class:`CommitMarker`) and ``_CHECKPOINT.json`` (:class:`StepManifest`),
+``_COMMITTED`` (:class:`CommitMarker`); ``_CHECKPOINT.json`` (``StepManifest``, with the
+steps it commits: ``_format.steps``),
 with the names on disk, in ``files``; leaf and batch records in ``records``; dtypes in ``dtypes``.
 """
 
@@ -36,8 +37,6 @@ from .files import (
     STEP_VERSION,
     CheckpointDocument,
     CommitMarker,
-    ItemEntry,
-    StepManifest,
     array_dir,
     batch_dir,
     iterator_state_file,
@@ -86,7 +85,6 @@ __all__ = [
     "EMPTY_KINDS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "ItemEntry",
     "JSON_VALUE_FILE",
     "KEY_KINDS",
     "LEAF_KINDS",
@@ -108,7 +106,6 @@ __all__ = [
     "STEP_FORMAT",
     "STEP_VERSION",
     "SUPPORTED_DTYPES",
-    "StepManifest",
     "TEXT_KINDS",
     "array_dir",
     "batch_dir",
