@@ -39,20 +39,20 @@ from .layout import (
     PENDING_FILE,
     CheckpointDocument,
     CommitMarker,
-    decode_checked,
 )
-from .layout.files import LANES, STEP_FORMAT, STEP_VERSION
+from .layout.read_back import decode_checked, opt_str, str_field
 from .layout.records import (
+    LANES,
     MAX_PROCESSES,
+    STEP_FORMAT,
+    STEP_VERSION,
     check_format_version,
     files_field,
     int_field,
     is_safe_name,
     need,
-    opt_str,
     parse_sealed,
     seal,
-    str_field,
     time_field,
 )
 
@@ -706,7 +706,7 @@ def read_document(location: Location) -> CheckpointDocument:
     where = f"{location}/{METADATA_FILE}"
     listed = listed_checksums(location)
     raw = read_listed(location, METADATA_FILE, listed=listed)
-    doc = CheckpointDocument.from_json(_layout.decode(raw, where, _local_files.METADATA), where)
+    doc = _layout.document_from_json(_layout.decode(raw, where, _local_files.METADATA), where)
     return dataclasses.replace(doc, listed=listed)
 
 

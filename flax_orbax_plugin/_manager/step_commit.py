@@ -46,7 +46,7 @@ from .._core.save import SaveResult, Staging
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE
-from .._format.layout.files import LANES
+from .._format.layout.records import LANES
 from .._format.steps import ItemEntry, StepManifest
 from .._storage.location import Location
 from .checkpointables import Checkpointable, Pending

@@ -577,7 +577,7 @@ def test_link_leaf_links_only_the_chunks_asked_for_and_undoes_only_its_own(tmp_p
     with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
     files, record = _leaf_files(d, 1, "base/w1")
-    rec = _layout.LeafRecord.from_json(record, "m", 0)
+    rec = _layout.leaf_from_json(record, "m", 0)
     i = json.load(open(os.path.join(d, "1", "params", "_METADATA.json")))["leaves"].index(record)
     names = sorted(n for n in files if n.startswith("c/"))
     assert len(names) == 3  # 768 x 1024 float32 in chunks of 256 rows
@@ -626,7 +626,7 @@ def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_
     with fop.CheckpointManager(url, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
     files, record, prefix = _remote_leaf(s3_location, 1, "base/w1")
-    rec = _layout.LeafRecord.from_json(record, "m", 0)
+    rec = _layout.leaf_from_json(record, "m", 0)
     j = int(prefix.rstrip("/").rsplit("/", 1)[1])
     names = sorted(n for n in files if n.startswith("c/"))
     mine = [tuple(n.split("/")) for n in names[1:]]
@@ -713,13 +713,13 @@ def test_digest_field_is_validated():
         "storage": {"type": "array", "chunk_shape": [4]},
         "digest": "xxh3_128:" + "ab" * 16,
     }
-    rec = _layout.LeafRecord.from_json(raw, "m.json", 0)
+    rec = _layout.leaf_from_json(raw, "m.json", 0)
     assert rec.digest == raw["digest"] and rec.to_json() == raw
     for bad in ("xxh3_128:XYZ", 5, "", "nocolon" + "0" * 32, "../x:" + "0" * 32):
         with pytest.raises(CorruptCheckpointError, match=r"leaves\[0\] \('w'\)\.digest"):
-            _layout.LeafRecord.from_json(dict(raw, digest=bad), "m.json", 0)
+            _layout.leaf_from_json(dict(raw, digest=bad), "m.json", 0)
     del raw["digest"]
-    assert _layout.LeafRecord.from_json(raw, "m.json", 0).digest is None
+    assert _layout.leaf_from_json(raw, "m.json", 0).digest is None
 
 
 KILLED_CHILD = """
