@@ -25,7 +25,7 @@ from .._format.layout import BatchRecord, BatchStorage
 from .._zarr import chunks as _chunks
 from .._zarr import crcs as _crcs
 from .._zarr import packed_writer as _packed_writer
-from .._zarr import sub_byte as _sub_byte
+from .._zarr import subbyte as _subbyte
 
 CPU_AS_DEVICE = False  # treat CPU arrays as device arrays (exercises this path on CPU)
 FETCH_PIECE = 16 << 20  # bytes of one background transfer of the device staging
@@ -439,7 +439,7 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
     name = storage.batch
     off, size = storage.offset, storage.size
     if storage.packed:  # a sub-byte leaf: its packed bytes (a new array)
-        source = _sub_byte.pack_flat(np.asarray(source))
+        source = _subbyte.pack_flat(np.asarray(source))
     if pool is None:
         if isinstance(source, jax.Array):
             host = _host_copy(source, None)

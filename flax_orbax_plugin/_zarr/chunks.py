@@ -1,5 +1,5 @@
 """One zarr3 chunk on disk (name, bytes, crc32c trailer, its grid), whether a leaf is stored
-packed (the packing: ``sub_byte``), and format version 2's data index. The crc32c of a
+packed (the packing: ``subbyte``), and format version 2's data index. The crc32c of a
 region's chunks, or while copying them: ``crcs``.
 
 Pure functions and immutable records: any thread.

@@ -14,7 +14,7 @@ import pytest
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._errors import CorruptCheckpointError
 from flax_orbax_plugin._format import layout as _layout
-from flax_orbax_plugin._zarr import sub_byte as _sub_byte
+from flax_orbax_plugin._zarr import subbyte as _subbyte
 
 SUB_BYTE = sorted(n for n, e in _layout.DTYPES.items() if e.bits < 8)
 
@@ -42,15 +42,15 @@ def _reference_rows(values: np.ndarray, bits: int) -> bytes:
 def test_rows_pack_and_unpack_as_the_format_says(name):
     bits = _layout.DTYPES[name].bits
     values = _values(name, (3, 7))
-    packed = _sub_byte.pack_rows(values, bits)
+    packed = _subbyte.pack_rows(values, bits)
     assert packed.tobytes() == _reference_rows(values, bits)
     dtype = values.dtype
-    back = _sub_byte.unpack_rows(packed, bits, 7, 0, dtype)
+    back = _subbyte.unpack_rows(packed, bits, 7, 0, dtype)
     assert back.tobytes() == values.tobytes()
-    g = _sub_byte.group(bits)
+    g = _subbyte.group(bits)
     for start in range(1, 7):  # a region starting inside a byte: read from its group
         first = start - start % g
-        cut = _sub_byte.unpack_rows(
+        cut = _subbyte.unpack_rows(
             packed[:, first * bits // 8 :], bits, 7 - start, start - first, dtype
         )
         assert cut.tobytes() == np.ascontiguousarray(values[:, start:]).tobytes()
