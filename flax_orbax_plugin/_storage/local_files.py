@@ -26,6 +26,7 @@ import numpy as np
 
 from .._base import env as _env
 from .._errors import CorruptCheckpointError, ForeignEntryError, StructureError
+from .untrusted import entry_kind
 
 __all__ = [
     "COMMIT_MARKER",
@@ -298,23 +299,6 @@ def walk_entries(top: str):
 
 def _kind(st: os.stat_result) -> str:
     return entry_kind(st.st_mode)
-
-
-def entry_kind(mode: int) -> str:
-    """'a FIFO', 'a symbolic link', 'a directory' ... for an ``st_mode``."""
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a special file"
 
 
 def require_regular(st: os.stat_result, path: str, *, allow_dir: bool = False) -> None:
