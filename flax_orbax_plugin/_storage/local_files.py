@@ -26,6 +26,7 @@ import numpy as np
 
 from .._base import env as _env
 from .._errors import CorruptCheckpointError, ForeignEntryError, StructureError
+from .json_refusals import field_before, unencodable
 from .untrusted import entry_kind
 
 __all__ = [
@@ -162,7 +163,7 @@ def parse(raw: bytes, where: str, kind: DocKind) -> Any:
         ) from None
     except _NonFinite as e:
         raise CorruptCheckpointError(
-            f"malformed {where}: field {_field_before(raw, e.text)}: expected a finite "
+            f"malformed {where}: field {field_before(raw, e.text)}: expected a finite "
             f"number, found {e.text[:40]}"
         ) from None
     except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
@@ -177,19 +178,6 @@ def parse(raw: bytes, where: str, kind: DocKind) -> Any:
                 f"surrogate in {bad[1]!r}"
             )
     return value
-
-
-_KEY_BEFORE = re.compile(rb'"([^"\\]{1,64})"\s*:\s*[\[\s]*$')
-
-
-def _field_before(raw: bytes, text: str) -> str:
-    """The key under which the number ``text`` first appears in ``raw`` (for the error
-    message), else its byte offset."""
-    at = raw.find(text.encode())
-    if at < 0:
-        return "?"
-    match = _KEY_BEFORE.search(raw[max(0, at - 200) : at])
-    return match.group(1).decode(errors="replace") if match else f"at byte {at}"
 
 
 def encode(value: Any, where: str, kind: DocKind, **dumps: Any) -> bytes:
@@ -226,38 +214,6 @@ def encode(value: Any, where: str, kind: DocKind, **dumps: Any) -> bytes:
             f"{kind.what} ({kind.max_depth})"
         )
     return raw
-
-
-def unencodable(value: Any) -> tuple[str, str] | None:
-    """(where in ``value``, the text) of the first str, as a dict key or a value,
-    that UTF-8 cannot encode (a lone surrogate); None when there is none. Walked
-    without recursion, to the depth a document may have."""
-    stack: list[tuple[Any, str]] = [(value, "the value")]
-    while stack:
-        x, at = stack.pop()
-        if isinstance(x, str):
-            if not _encodes(x):
-                return at, _shown(x)
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                if isinstance(k, str) and not _encodes(k):
-                    return f"the key {_shown(k)!r} of {at}", _shown(k)
-                stack.append((v, f"{at}[{k!r}]"[:200]))
-        elif isinstance(x, list | tuple):
-            stack.extend((v, f"{at}[{i}]"[:200]) for i, v in enumerate(x))
-    return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _shown(text: str) -> str:
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_time(value: Any, where: str, field: str, *, stored: bool) -> float:
