@@ -19,6 +19,7 @@ from .._storage import server_copy as _server_copy
 from .._storage.local_files import open_dirs as _open_dirs
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
+from .._zarr import crcs as _crcs
 from .._zarr import packed_reader as _packed_reader
 from .chunks import Refused, Writes, chunk_file_bytes, not_the_snapshot, snapshot_crcs
 from .copies import _same_copy
@@ -202,7 +203,7 @@ def _check_linked(dfd: int, name: str, shown: str, size: int, live) -> None:
                 block = os.pread(fd, min(_READ_BLOCK, stop - at), at)
                 if not block:
                     break
-                crc = _chunks.extend_crc(crc, block)
+                crc = _crcs.extend_crc(crc, block)
                 at += len(block)
             tail = os.pread(fd, _chunks.CRC_BYTES, stop - _chunks.CRC_BYTES)
             if at != stop or crc != _chunks.CRC32C_RESIDUE:

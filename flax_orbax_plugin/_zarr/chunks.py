@@ -47,12 +47,6 @@ def chunk_key(cell) -> str:
     return "/".join(chunk_parts(cell))
 
 
-def extend_crc(crc: int, data) -> int:
-    """crc32c of the bytes so far (``crc``) followed by ``data`` (any C-contiguous
-    buffer: bytes, memoryview, a numpy array of any dtype)."""
-    return _crc32c(data, crc)
-
-
 def whole_chunks(shape, chunk, index):
     """For the region ``index`` (global) of an array of ``shape``: (the region's shape,
     [(chunk grid cell, the cell's part of the region, relative to it), ...]); None when

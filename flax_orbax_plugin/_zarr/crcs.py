@@ -21,6 +21,12 @@ except ImportError:  # not built (no compiler): np.copyto, then the crc32c of ``
     _copycrc = None
 
 
+def extend_crc(crc: int, data) -> int:
+    """crc32c of the bytes so far (``crc``) followed by ``data`` (any C-contiguous
+    buffer: bytes, memoryview, a numpy array of any dtype)."""
+    return _crc32c(data, crc)
+
+
 def chunk_crcs(
     shape: tuple[int, ...], chunk: tuple[int, ...], index: tuple[slice, ...], data: np.ndarray
 ) -> dict[tuple[int, ...], int] | None:
