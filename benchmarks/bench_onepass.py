@@ -162,6 +162,7 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
 
     from flax_orbax_plugin._base import host as H
     from flax_orbax_plugin._zarr import chunks as Z
+    from flax_orbax_plugin._zarr import crcs as C
 
     arrays = _arrays(mib)
     pool = H.BufferPool()
@@ -190,7 +191,7 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
             for i in range(0, rows, step):
                 piece = (slice(i, i + step), slice(None))
                 copier = functools.partial(
-                    Z.copy_with_crcs,
+                    C.copy_with_crcs,
                     shape=a.shape,
                     chunk=chunk,
                     index=piece,
@@ -204,7 +205,7 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
 
     old()  # the pool's buffers touched once: steady state
     variants = {"copy then crc": old, "one pass (python)": lambda: new(False)}
-    if Z.has_kernel():
+    if C.has_kernel():
         variants["one pass (kernel)"] = lambda: new(True)
     rows_out: dict[str, list] = {name: [] for name in variants}
     split: list[float] = []
@@ -232,7 +233,7 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
     out["copy then crc"]["of_which_copy_wall_s_median"] = round(statistics.median(copy_wall), 3)
     out["GB"] = round(gb, 3)
     out["crc"] = "crc32c" if Z.GIL_FREE_CRC else "google_crc32c"
-    out["kernel_built"] = Z.has_kernel()
+    out["kernel_built"] = C.has_kernel()
     out.update(m.figures)
     print("phases", json.dumps(out), flush=True)
     return out
@@ -248,7 +249,7 @@ def kernel_rates(repeats: int, mib: int = 256) -> dict:
     import numpy as np
     from crc32c import crc32c
 
-    from flax_orbax_plugin._zarr import chunks as Z
+    from flax_orbax_plugin._zarr import crcs as Z
 
     src = np.random.default_rng(2).integers(0, 256, mib << 20, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -301,7 +302,7 @@ def steady_saves(mib: int, repeats: int, directory: str) -> dict:
     from flax_orbax_plugin._core import host_snapshot as S
 
     state = {"params": {f"w{i}": jax.numpy.asarray(a) for i, a in enumerate(_arrays(mib))}}
-    from flax_orbax_plugin._zarr import chunks as Z
+    from flax_orbax_plugin._zarr import crcs as Z
 
     default, kernel = S.ONE_PASS, Z._copycrc
     ways = [("one pass off", False, kernel), ("one pass on", True, kernel)]

@@ -57,7 +57,6 @@ def main() -> None:
     from flax_orbax_plugin._core import restore as read_data
     from flax_orbax_plugin._core import restore as restore
     from flax_orbax_plugin._format import steps
-    from flax_orbax_plugin._zarr import chunks as packed_index
     from flax_orbax_plugin._zarr import packed_reader
 
     print("module", fop.__file__)
@@ -68,7 +67,7 @@ def main() -> None:
     timed(steps, "read_manifest")
     timed(restore, "read_document")
     timed(restore, "_restore")
-    timed(packed_index, "read_index")
+    timed(packed_reader, "read_index")
     timed(packed_reader, "open_packed")
     timed(F, "check_packed_claims")
     timed(read_data, "_read_targets_with", "reads+placement (_read_targets_with)")

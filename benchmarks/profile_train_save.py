@@ -98,7 +98,7 @@ def save_cpu(state, repeats: int, directory: str) -> dict:
 def write_files(nbytes: int, directory: str, repeats: int) -> dict:
     import numpy as np
 
-    from flax_orbax_plugin._zarr import chunks as _chunks
+    from flax_orbax_plugin._zarr import crcs as _crcs
 
     chunk = 4 << 20
     n = nbytes // chunk
@@ -110,7 +110,7 @@ def write_files(nbytes: int, directory: str, repeats: int) -> dict:
         part = arr[i * chunk : (i + 1) * chunk]
         ro = part.view()
         ro.flags.writeable = False
-        crc = _chunks.extend_crc(0, ro).to_bytes(4, "little")
+        crc = _crcs.extend_crc(0, ro).to_bytes(4, "little")
         path = os.path.join(directory, f"c{i}")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:

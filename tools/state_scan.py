@@ -69,7 +69,7 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
     (_P + "_zarr.chunk_files", "_read_total"): _TEST_COUNTER,
     (_P + "_base.env", "_HITS"): "FOP_FAIL_AT's N-th hit, counted per process (a test hook)",
     (_P + "_base.tree", "_LEAF_TYPES"): "a cache of the types seen to be plain leaves",
-    (_P + "_storage.kvstore", "_CONTEXTS"): "the tensorstore contexts every open shares",
+    (_P + "_storage.contexts", "_CONTEXTS"): "the tensorstore contexts every open shares",
     (_P + "_zarr.chunk_files", "_pools"): "the process's shared read threads",
     (_P + "_zarr.chunk_files", "_pools_lock"): "the process's shared read threads (after fork)",
     (_P + "_incremental.reuse", "_LOGGED"): "what was logged once per store and reason",

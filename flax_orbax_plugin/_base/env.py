@@ -482,7 +482,7 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
     "FOP_PATHWAYS": (Option("FOP_PATHWAYS", "choice", choices=("refuse", "allow")), "refuse"),
     # _storage.location: how a step commits on a local path (auto: a file on FUSE mounts)
     "FOP_COMMIT": (Option("FOP_COMMIT", "choice", choices=("auto", "rename", "file")), "auto"),
-    # _storage.kvstore: retries of an object store request (0.5 s doubling to 10 s)
+    # _storage.contexts: retries of an object store request (0.5 s doubling to 10 s)
     "FOP_STORE_RETRIES": (Option("FOP_STORE_RETRIES", "int", low=0, high=100), 8),
     "FOP_KILL_AT": (
         Option(

@@ -151,7 +151,7 @@ def copy_all(pairs: list[tuple]) -> None:
     :data:`COPY_THREADS` threads (numpy releases the GIL while copying): a blocking
     phase's memory copies at the machine's memory bandwidth rather than one core's.
     An item (dst, src, copier) is copied by ``copier(dst, src)`` instead, whole, on one
-    of the threads (a copy that checksums as it goes: ``_zarr.chunks.copy_with_crcs``;
+    of the threads (a copy that checksums as it goes: ``_zarr.crcs.copy_with_crcs``;
     the caller cuts it into pieces). Returns when every copy is done; the first error is
     raised."""
     jobs: list[tuple] = []

@@ -25,6 +25,7 @@ from .._incremental.links import link_leaf
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
+from .._zarr import chunk_writer as _chunk_writer
 from .._zarr import packed_writer as _packed_writer
 from . import reads as _reads
 from . import write_data as _write_data
@@ -141,9 +142,9 @@ def write_data(
     # link or copy fails is written after them.
     linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
     linker, linked = _start_links(staging, linking, links)
-    # Plain arrays and batches on local disk: ChunkWriter (no chunk-buffer copy,
+    # Plain arrays and batches on local disk: ChunkFileWriter (no chunk-buffer copy,
     # writeback started per file); the rest, and any region it declines: tensorstore.
-    writer = _packed_writer.ChunkWriter(staging.path) if _chunk_files.usable(staging) else None
+    writer = _chunk_writer.ChunkFileWriter(staging.path) if _chunk_files.usable(staging) else None
     jobs = [
         _array_job(leaf, spec, writer)
         for leaf, spec in arrays

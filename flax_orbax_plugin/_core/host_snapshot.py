@@ -24,7 +24,9 @@ from .._base import host as _host
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, BatchStorage
 from .._zarr import chunks as _chunks
+from .._zarr import crcs as _crcs
 from .._zarr import packed_writer as _packed_writer
+from .._zarr import subbyte as _subbyte
 from . import device_copy as _device_copy
 
 
@@ -201,7 +203,7 @@ def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) 
 # 1.2 GB, the blocking phase as long), off without it (the one pass in Python saves
 # less CPU and lengthens the blocking phase: 0.132 -> 0.213 s). Either way the
 # carried checksums are proven equal to the bytes written (tests/core/test_onepass_crcs.py).
-ONE_PASS = _chunks.has_kernel()
+ONE_PASS = _crcs.has_kernel()
 
 
 def _summed(leaf):
@@ -268,7 +270,7 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
     name = storage.batch
     off, size = storage.offset, storage.size
     if storage.packed:  # a sub-byte leaf: its packed bytes (a new array)
-        source = _chunks.pack_flat(np.asarray(source))
+        source = _subbyte.pack_flat(np.asarray(source))
     if pool is None:
         if isinstance(source, jax.Array):
             host = _host_copy(source, None)
@@ -314,7 +316,7 @@ def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
 def _pooled(pool: _host.BufferPool, host: np.ndarray, rows, later: list, summed) -> np.ndarray:
     """A pooled buffer for ``host`` (the region ``rows``, global, of a leaf), its copy
     left in ``later`` for ``copy_all``, cut into pieces of whole chunk rows each copied
-    and checksummed in one pass (``_zarr.chunks.copy_with_crcs``): every chunk's crc32c
+    and checksummed in one pass (``_zarr.crcs.copy_with_crcs``): every chunk's crc32c
     lands in the leaf's ``crcs`` (``summed``: (shape, chunk shape, crcs)), and the
     writer does not read the chunk again to checksum it; ``summed`` None: copied only."""
     out = pool.empty(host.shape, host.dtype)
@@ -327,7 +329,7 @@ def _pooled(pool: _host.BufferPool, host: np.ndarray, rows, later: list, summed)
     for piece in pieces(rows, shape[0], chunk[0], row_bytes, _host.COPY_PIECE):
         at = slice((piece[0].start or 0) - start, (piece[0].stop or shape[0]) - start)
         copier = functools.partial(
-            _chunks.copy_with_crcs, shape=shape, chunk=chunk, index=piece, out=crcs
+            _crcs.copy_with_crcs, shape=shape, chunk=chunk, index=piece, out=crcs
         )
         later.append((out[at], host[at], copier))
     return out

@@ -27,17 +27,11 @@ from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
 from .._format import steps as _steps
-from .._format.layout import (
-    COMMIT_FILE,
-    HOST_FILE,
-    MANIFEST_FILE,
-    PENDING_FILE,
-    CommitMarker,
-    StepManifest,
-)
+from .._format.layout import COMMIT_FILE, HOST_FILE, MANIFEST_FILE, PENDING_FILE, CommitMarker
+from .._format.steps import StepManifest
 from .._storage import deleting as _deleting
-from .._storage.local_files import entry_kind
 from .._storage.location import Location
+from .._storage.untrusted import entry_kind
 from . import formats as _formats
 from . import handle as _handle
 from . import writer_liveness as _liveness

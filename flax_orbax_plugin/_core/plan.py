@@ -54,6 +54,7 @@ from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunks as _chunks
 from .._zarr import packed_writer as _packed_writer
+from .._zarr import subbyte as _subbyte
 from . import device_copy as _device_copy
 from . import formats as _formats
 from . import host_snapshot as _host_snapshot
@@ -506,7 +507,7 @@ def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) 
 
 def _stored_leaves(leaves: list[Leaf], found):
     """The leaves as their arrays store them: a packed (sub-byte) leaf becomes one of
-    its stored record (``_zarr.chunks.stored``) holding its regions' packed bytes; the
+    its stored record (``_zarr.subbyte.stored``) holding its regions' packed bytes; the
     others are themselves. ``found`` (what ``Plan._unchanged`` returned, or None) with
     its leaves replaced the same way, so reuse compares the bytes on disk. A packed
     leaf's regions still on their devices are copied here, all at once (packing needs
@@ -515,10 +516,10 @@ def _stored_leaves(leaves: list[Leaf], found):
     for leaf in leaves:
         if _chunks.is_packed(leaf.record):
             writes = [
-                _chunks.pack_write(leaf.record, index, _host_snapshot.materialize(data))
+                _subbyte.pack_write(leaf.record, index, _host_snapshot.materialize(data))
                 for index, data in leaf.writes
             ]
-            leaf = Leaf(leaf.index, leaf.value, _chunks.stored(leaf.record), writes)
+            leaf = Leaf(leaf.index, leaf.value, _subbyte.stored(leaf.record), writes)
         out.append(leaf)
         by_index[leaf.index] = leaf
     if found is not None:

@@ -43,8 +43,8 @@ from .._like.onto_like import Changes, check_policy
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
-from .._zarr import chunks as _chunks
 from .._zarr import packed_reader as _packed_reader
+from .._zarr import subbyte as _subbyte
 from .._zarr.chunks import CHUNK_DIR
 
 # Reads in flight beyond the restored arrays themselves. Small: reading leaves one
@@ -167,7 +167,7 @@ def check_claims(
 def _array_needed(record) -> tuple[Any, tuple[int, int]]:
     """A leaf's record as stored (a packed leaf's bytes) and the (chunk files, bytes)
     its claim needs."""
-    record = _chunks.stored(record)
+    record = _subbyte.stored(record)
     storage = record.storage
     itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
     needed = _chunk_files.array_claim(
@@ -401,7 +401,7 @@ def _final_value(target: Target, host: np.ndarray) -> Any:
     record, like = target.record, target.like
     kind = record.kind
     if isinstance(record.storage, BatchStorage) and record.storage.packed:
-        host = _chunks.unpack_flat(host, record)  # a sub-byte leaf's packed bytes
+        host = _subbyte.unpack_flat(host, record)  # a sub-byte leaf's packed bytes
     host = host.reshape(record.shape)
     if kind == "prng_key":
         keys = jax.random.wrap_key_data(host, impl=record.impl)

@@ -15,6 +15,7 @@ from .._base import host as _host
 from .._base.env import Option, check
 from .._base.regions import public
 from .._errors import CheckpointError, OptionError, OptionTypeError
+from .._format import describe as _describe
 from .._format import host_copy as _host_copy
 from .._format import layout as _layout
 from .._format import steps as _steps
@@ -22,11 +23,10 @@ from .._format.layout import (
     JSON_VALUE_FILE,
     METADATA_FILE,
     ArrayStorage,
-    StepManifest,
     batch_dir,
     iterator_state_file,
 )
-from .._format.steps import STEP_OR_NONE, read_document
+from .._format.steps import STEP_OR_NONE, StepManifest, read_document
 from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
 from .._zarr import regions as _zarr_regions
@@ -121,7 +121,7 @@ def verify(
         _no_step_chosen(loc, "a pytree", _step_number(loc.parent), step)
         return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress, budget=budget)]
     if place.kind != _steps.RUN or not place.listing.committed:
-        raise _steps.no_steps(place)  # says what is there instead
+        raise _describe.no_steps(place)  # says what is there instead
     committed = place.listing.committed
     chosen = committed if all_steps else [_steps.choose_step(loc, committed, step)]
     out: list[VerifyResult] = []

@@ -25,6 +25,7 @@ from .._zarr import arrays as _arrays
 from .._zarr import chunks as _chunks
 from .._zarr import packed_codec as _codec
 from .._zarr import packed_writer as _packed_writer
+from .._zarr import subbyte as _subbyte
 from . import host_snapshot as _host_snapshot
 from .handle import raise_if_cancelled
 
@@ -204,7 +205,7 @@ def _dtypes(leaves: list, batches: dict[str, BatchRecord]) -> dict[str, str]:
     out = {batch_dir(name): b.dtype for name, b in batches.items()}
     for leaf in leaves:
         if isinstance(leaf.record.storage, ArrayStorage):
-            out[array_dir(leaf.index)] = _chunks.stored(leaf.record).dtype
+            out[array_dir(leaf.index)] = _subbyte.stored(leaf.record).dtype
     return out
 
 

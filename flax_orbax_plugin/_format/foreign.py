@@ -18,9 +18,8 @@ import re
 from typing import Any
 
 from .._errors import CheckpointError, ForeignEntryError
-from .._storage.local_files import entry_kind
 from .._storage.location import Location
-from .._storage.untrusted import open_regular
+from .._storage.untrusted import entry_kind, open_regular
 from .layout import MANIFEST_FILE, METADATA_FILE
 
 # -- Orbax ----------------------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""Steps of a checkpoint directory, what a wrong place holds (``classify`` and the
-describers), and checked reads of ``_METADATA.json``.
+"""Steps of a checkpoint directory, the step manifest (the one commit of a manager step),
+what a place holds (``classify``; a one-pytree reader's words for it), and checked reads
+of ``_METADATA.json``. The other readers' and writers' words for a wrong place:
+``describe``.
 
 Reads names and small files only, never following a link; safe from any thread.
 
@@ -37,18 +39,27 @@ from .layout import (
     PENDING_FILE,
     CheckpointDocument,
     CommitMarker,
-    ItemEntry,
-    StepManifest,
-    decode_checked,
+)
+from .layout.read_back import decode_checked, opt_str, str_field
+from .layout.records import (
+    LANES,
+    MAX_PROCESSES,
+    STEP_FORMAT,
+    STEP_VERSION,
+    check_format_version,
+    files_field,
+    int_field,
+    is_safe_name,
+    need,
+    parse_sealed,
+    seal,
+    time_field,
 )
 
 __all__ = [
     "MAX_PROBED",
     "Place",
     "classify",
-    "holding_checkpoint",
-    "misplaced",
-    "no_steps",
     "not_a_checkpoint",
 ]
 
@@ -225,6 +236,99 @@ def checked_step(step: Any) -> int:
 
 def step_location(loc: Location, step: int) -> Location:
     return loc.child(str(operator.index(step)))
+
+
+# -- the step manifest: the one commit of a manager step ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemEntry:
+    """One checkpointable of a step: its kind and the directory holding it."""
+
+    kind: str
+    dir: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepManifest:
+    """``<step>/_CHECKPOINT.json``: the one commit of a manager step.
+
+    ``files`` maps every JSON file of the step that restore trusts (relative to the
+    step) to its sha256; ``tree_digest`` is the digest all processes agreed on.
+    ``bytes_written``/``bytes_reused`` (optional, one-process steps only): array bytes
+    the save wrote, and those of unchanged leaves it took from the previous step
+    (hard links or server-side copies) instead; informational. ``lane`` (optional): the
+    lane of a ``Lanes`` policy the step was saved in (:data:`LANES`), which retention
+    goes by in a later run, whatever its policy says of the step's number.
+    """
+
+    step: int
+    items: dict[str, ItemEntry]
+    files: dict[str, str]
+    process_count: int = 1
+    time: float = 0.0
+    tree_digest: str = ""
+    bytes_written: int | None = None
+    bytes_reused: int | None = None
+    lane: str | None = None
+
+    def to_bytes(self) -> bytes:
+        _local_files.check_time(self.time, MANIFEST_FILE, "time", stored=False)
+        body = {
+            "format": STEP_FORMAT,
+            "version": STEP_VERSION,
+            "step": self.step,
+            "items": {n: {"kind": e.kind, "dir": e.dir} for n, e in self.items.items()},
+            "files": self.files,
+            "process_count": self.process_count,
+            "time": self.time,
+            "tree_digest": self.tree_digest,
+        }
+        if self.bytes_written is not None and self.bytes_reused is not None:
+            body["bytes"] = {"written": self.bytes_written, "reused": self.bytes_reused}
+        if self.lane is not None:
+            body["lane"] = self.lane
+        return seal(body, _local_files.STEP_MANIFEST)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> StepManifest:
+        body = parse_sealed(raw, where, _local_files.STEP_MANIFEST)
+        check_format_version(body, where, STEP_FORMAT, "version", STEP_VERSION)
+        step = int_field(body, "step", where, "step")
+        raw_items = body.get("items")
+        need(isinstance(raw_items, dict), where, "items", "an object", raw_items)
+        items = {}
+        for name, entry in raw_items.items():
+            need(is_safe_name(name), where, f"items[{name!r}]", "a safe item name", name)
+            need(isinstance(entry, dict), where, f"items[{name!r}]", "an object", entry)
+            kind = str_field(entry, "kind", where, f"items[{name!r}].kind")
+            d = entry.get("dir")
+            need(is_safe_name(d), where, f"items[{name!r}].dir", "a safe directory name", d)
+            items[name] = ItemEntry(kind, d)
+        dirs = [e.dir for e in items.values()]
+        need(len(set(dirs)) == len(dirs), where, "items", "distinct directories", dirs)
+        written = reused = None
+        if "bytes" in body:
+            sizes = body["bytes"]
+            need(isinstance(sizes, dict), where, "bytes", "an object", sizes)
+            written = int_field(sizes, "written", where, "bytes.written")
+            reused = int_field(sizes, "reused", where, "bytes.reused")
+        lane = body.get("lane")
+        need(lane is None or lane in LANES, where, "lane", f"one of {LANES}", lane)
+        return cls(
+            step,
+            items,
+            files_field(body, where),
+            int_field(body, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES),
+            time_field(body, "time", where, "time"),
+            opt_str(body, "tree_digest", where),
+            written,
+            reused,
+            lane,
+        )
+
+    def file_checksum(self, item_dir: str, name: str) -> str | None:
+        return self.files.get(f"{item_dir}/{name}")
 
 
 def read_manifest(step_loc: Location) -> StepManifest:
@@ -462,29 +566,7 @@ def not_a_checkpoint(where: Location | Place) -> CheckpointError:
             f"{location} is not a committed checkpoint: its save was interrupted or is "
             f"still running"
         )
-    return CheckpointNotFoundError(_nothing_here(location, "no checkpoint"))
-
-
-def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
-    """The committed checkpoint of this library that ``location`` is (or lies inside),
-    in words: a step (or a place inside one of its items), a core checkpoint, or, for
-    ``location`` and its first ``runs - 1`` parents, a run directory holding committed
-    steps. None when there is none. For writers whose output must stay outside every
-    checkpoint (an export, an import's run): a committed checkpoint never changes.
-
-    Probes one marker per parent (and lists ``runs`` directories); a local
-    ``location`` should be a real path (no link on the way). Safe from any thread."""
-    here, level = location, 0
-    while True:
-        if here.exists(MANIFEST_FILE):
-            return f"step {here.name} of the run directory {here.parent}"
-        if here.exists(COMMIT_FILE):
-            return f"the checkpoint {here} (written by fop.save)"
-        if level < runs and list_directory(here).committed:
-            return f"the run directory {here} (it holds committed steps)"
-        if here.parent == here:
-            return None
-        here, level = here.parent, level + 1
+    return CheckpointNotFoundError(nothing_here(location, "no checkpoint"))
 
 
 def _step_items(step: Location) -> str:
@@ -500,53 +582,7 @@ def _step_items(step: Location) -> str:
     return (", ".join(shown) or "none") + (f" and {more} more" if more > 0 else "")
 
 
-def no_steps(where: Location | Place, listing: Listing | None = None) -> CheckpointError:
-    """The error for a reader of a directory of steps (``restore_params``, ``verify``,
-    the CLI) that found no committed step at ``where`` (its :class:`Place`, or a
-    location classified here; ``listing``: its listing, when made)."""
-    place = where if isinstance(where, Place) else classify(where)
-    location, listing = place.location, listing or place.listing
-    if place.kind in (STEP_KIND, HOST_COPY):
-        step = location.name
-        return CheckpointNotFoundError(
-            f"{location} is step {step} of the run directory {location.parent}, not a run "
-            f"directory: name that directory (and step {step}), e.g. "
-            f"fop.restore_params({str(location.parent)!r}, step={step})"
-        )
-    if place.item is not None:
-        item = place.item.manifest
-        return CheckpointNotFoundError(
-            f"{location} is an item of step {item.step} of the run directory "
-            f"{location.parent.parent}, not a run directory: fop.restore({str(location)!r}) "
-            f"reads it, fop.restore_params({str(location.parent.parent)!r}, step={item.step}) "
-            f"serves the step's params"
-        )
-    if place.kind == CHECKPOINT:
-        return CheckpointNotFoundError(
-            f"{location} is a checkpoint of one pytree (fop.save), not a directory of "
-            f"steps: read it with fop.restore({str(location)!r})"
-        )
-    listing = listing if listing is not None else list_directory(location)
-    if listing.corrupt:  # steps there were, all set aside: damage, not an empty run
-        return CorruptCheckpointError(
-            f"no committed steps in {location}: every step was set aside as damaged "
-            f"({', '.join(listing.corrupt)}); inspect them with `flax-orbax verify "
-            f"{location}/<name>`"
-        )
-    if listing.unfinished:
-        return CheckpointNotFoundError(
-            f"no committed steps in {location}: the saves of "
-            f"{', '.join(listing.unfinished)} were interrupted or are still running"
-        )
-    if any(location.exists(n) for n in RECORD_NAMES):
-        return CheckpointNotFoundError(
-            f"no committed steps in {location}: a run directory of CheckpointManager with "
-            f"no committed step yet"
-        )
-    return CheckpointNotFoundError(_nothing_here(location, "no committed steps"))
-
-
-def _nothing_here(location: Location, none: str) -> str:
+def nothing_here(location: Location, none: str) -> str:
     """``none`` (what was looked for) and what ``location`` holds instead."""
     hint = foreign_format_hint(location)
     if hint:
@@ -558,13 +594,13 @@ def _nothing_here(location: Location, none: str) -> str:
         return f"{none} at {location}: the path does not exist" + (
             "" if location.is_local else " (nothing is stored under it)"
         )
-    inside = _inside(location)
+    inside = folder_inside(location)
     if inside is not None:
         return f"{none} at {location}: it is a folder inside {inside}; point at that instead"
     names = [n for n in location.list_children() if not n.startswith(".fop-visible-")]
     if not names:
         return f"{none} at {location}: an empty directory (nothing was ever saved here)"
-    below = _one_level_down(location, names)
+    below = one_level_down(location, names)
     if below:
         return (
             f"{none} at {location} itself; one level down: {'; '.join(below)}. Point at "
@@ -574,21 +610,7 @@ def _nothing_here(location: Location, none: str) -> str:
     return f"{none} at {location}: it holds no checkpoint of this library (it holds: {shown})"
 
 
-def misplaced(location: Location) -> str | None:
-    """Where ``location`` (no run itself) is one level off a run of ours: a folder inside
-    a checkpoint, step or item, or a folder with runs one level down;
-    None otherwise (a folder of other things is no mistake of place). ``gc``'s check."""
-    inside = _inside(location)
-    if inside is not None:
-        return f"{location} is a folder inside {inside}; point at the run directory instead"
-    names = [n for n in location.list_children() if not n.startswith(".fop-visible-")]
-    below = _one_level_down(location, names, runs_only=True)  # a checkpoint there: no gc's
-    if below:
-        return f"{location} holds no run itself; one level down: {'; '.join(below)}"
-    return None
-
-
-def _inside(location: Location) -> str | None:
+def folder_inside(location: Location) -> str | None:
     """What of ours ``location`` is a folder inside (a checkpoint, a step, an item)."""
     try:
         parent = location.parent
@@ -603,7 +625,7 @@ def _inside(location: Location) -> str | None:
     return None
 
 
-def _one_level_down(location: Location, names: list[str], *, runs_only: bool = False) -> list[str]:
+def one_level_down(location: Location, names: list[str], *, runs_only: bool = False) -> list[str]:
     """Runs and checkpoints (``runs_only``: runs) of ours among the first
     :data:`MAX_PROBED` children."""
     kinds = location.child_kinds() if location.is_local else None
@@ -684,7 +706,7 @@ def read_document(location: Location) -> CheckpointDocument:
     where = f"{location}/{METADATA_FILE}"
     listed = listed_checksums(location)
     raw = read_listed(location, METADATA_FILE, listed=listed)
-    doc = CheckpointDocument.from_json(_layout.decode(raw, where, _local_files.METADATA), where)
+    doc = _layout.document_from_json(_layout.decode(raw, where, _local_files.METADATA), where)
     return dataclasses.replace(doc, listed=listed)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._format.layout import LeafRecord, dtype_from_name
 from .._zarr import chunks as _chunks
+from .._zarr import crcs as _crcs
 
 CRC_BYTES = _chunks.CRC_BYTES
 Writes = list[tuple[tuple[slice, ...], np.ndarray]]  # a leaf's (region, data) to write
@@ -51,7 +52,7 @@ def snapshot_crcs(
     record: LeafRecord, writes: Writes, names: Iterable[tuple[str, ...]]
 ) -> dict[tuple[str, ...], int]:
     """``{chunk name: crc32c}`` for ``names`` (as :func:`chunk_names`): the crc32c trailer
-    each chunk file would get if written from ``writes`` (``_zarr.chunks.chunk_crcs``:
+    each chunk file would get if written from ``writes`` (``_zarr.crcs.chunk_crcs``:
     the stored encoding, edge chunks zero-padded). Raises :class:`Refused` for a name
     that no region of ``writes`` covers whole (nothing to compare it with)."""
     shape, chunk = tuple(record.shape), tuple(record.storage.chunk_shape)
@@ -61,7 +62,7 @@ def snapshot_crcs(
         if not data.size:
             continue
         try:
-            crcs = _chunks.chunk_crcs(shape, chunk, region, data)
+            crcs = _crcs.chunk_crcs(shape, chunk, region, data)
         except (ValueError, TypeError) as e:  # a region this function cannot encode
             raise Refused(f"the snapshot's crc32c per chunk: {type(e).__name__}: {e}") from e
         for cell, crc in (crcs or {}).items():

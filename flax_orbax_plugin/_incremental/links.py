@@ -20,6 +20,7 @@ from .._format.layout import LeafRecord, array_dir
 from .._storage.local_files import open_dirs as _open_dirs
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
+from .._zarr import crcs as _crcs
 from .chunks import (
     CRC_BYTES,
     Refused,
@@ -136,7 +137,7 @@ def _check_linked(dfd: int, name: str, shown: str, size: int, expected: int) -> 
         crc, seen = 0, 0
         with os.fdopen(os.dup(fd), "rb") as f:
             while block := f.read(_READ_BLOCK):  # streamed: a chunk may be large
-                crc = _chunks.extend_crc(crc, block)
+                crc = _crcs.extend_crc(crc, block)
                 seen += len(block)
         if seen != size or crc != _CRC32C_RESIDUE:
             raise Refused(f"{shown}: its crc32c does not match its bytes (damaged or changed)")

@@ -19,6 +19,8 @@ from .._storage import server_copy as _server_copy
 from .._storage.local_files import open_dirs as _open_dirs
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
+from .._zarr import crcs as _crcs
+from .._zarr import packed_reader as _packed_reader
 from .chunks import Refused, Writes, chunk_file_bytes, not_the_snapshot, snapshot_crcs
 from .copies import _same_copy
 
@@ -68,7 +70,7 @@ def reuse_files(
     taken (logged where something was refused): a :class:`Taken` without files."""
     none = Taken({}, {}, frozenset(), 0, frozenset(unchanged))
     try:
-        previous = _chunks.read_index(source, process)
+        previous = _packed_reader.read_index(source, process)
     except (CheckpointError, OSError) as e:
         logger.warning("incremental save: not reusing data files of %s: %s", source, e)
         return none
@@ -201,7 +203,7 @@ def _check_linked(dfd: int, name: str, shown: str, size: int, live) -> None:
                 block = os.pread(fd, min(_READ_BLOCK, stop - at), at)
                 if not block:
                     break
-                crc = _chunks.extend_crc(crc, block)
+                crc = _crcs.extend_crc(crc, block)
                 at += len(block)
             tail = os.pread(fd, _chunks.CRC_BYTES, stop - _chunks.CRC_BYTES)
             if at != stop or crc != _chunks.CRC32C_RESIDUE:

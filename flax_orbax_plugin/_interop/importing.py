@@ -28,16 +28,18 @@ from .._errors import (
     StructureError,
     UnsupportedLocationError,
 )
+from .._format.describe import holding_checkpoint
 from .._format.foreign import (
     STEP_RE,
     is_msgpack_checkpoint,
     is_orbax_checkpoint,
     safetensors_source,
 )
-from .._format.steps import holding_checkpoint, list_directory
+from .._format.steps import list_directory
 from .._manager import options as _options
 from .._manager.manager import CheckpointManager
-from .._storage.kvstore import arguments, local_path, refusals
+from .._storage.kvstore import arguments, refusals
+from .._storage.local_inputs import local_path
 from .._storage.location import Location
 from .._storage.lock import LOCK_FILE
 from . import msgpack_reader, orbax_reader

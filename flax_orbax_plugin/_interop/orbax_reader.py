@@ -30,7 +30,8 @@ from .._format.steps import STEP_OR_NONE
 from .._like import onto_like as _onto_like
 from .._like import placing as _placing
 from .._like.onto_like import legacy_cast
-from .._storage.kvstore import arguments, context, refusals
+from .._storage.contexts import context
+from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
 from .orbax_layout import (
     STRINGS_FILE,

@@ -18,7 +18,7 @@ from typing import Any
 import tensorstore as ts
 
 from . import server_copy as _server_copy
-from .kvstore import context, store_retries
+from .contexts import context, store_retries
 from .location import Location
 
 __all__ = [

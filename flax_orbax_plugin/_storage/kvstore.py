@@ -1,85 +1,33 @@
-"""Tensorstore kvstores: shared contexts, the spec of a path, and an object store's refusal
-said once.
+"""Tensorstore kvstores: the spec of a path (the one checker of "where is this path"), and
+the decorators that hand an object store's refusal to ``store_errors`` to be worded.
 
-Contexts are created once per kind of store, lazily, under a lock: safe from any thread.
+tensorstore and the shared contexts: ``contexts``; an ``s3://`` store's settings from the
+environment: ``s3_credentials``. Pure functions: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstore``.
 """
 
 from __future__ import annotations
 
-import configparser
 import functools
 import inspect
 import os
 import re
-import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlparse
 
-from .._base import env as _env
-from .._errors import CheckpointError, StoreAccessError, UnsupportedLocationError
+from .._errors import StoreAccessError, UnsupportedLocationError
+from . import s3_credentials as _s3_credentials
+from . import store_errors as _store_errors
+from .contexts import tensorstore
 
 __all__ = [
     "arguments",
     "raises_store_errors",
     "raises_store_errors_in_methods",
-    "refusal",
     "refusals",
-    "store_error_line",
 ]
-
-if TYPE_CHECKING:
-    import tensorstore as ts
-
-
-def tensorstore() -> Any:
-    """The tensorstore module, imported at its first use rather than with this module:
-    a command that reads a few JSON files of a local disk (``flax-orbax list``) never
-    needs it, and its import takes about a second. Any thread."""
-    import tensorstore as ts  # inside on purpose: see the docstring
-
-    return ts
-
-
-_CONTEXTS: dict[bool, ts.Context] = {}
-_CONTEXT_LOCK = threading.Lock()
-
-
-def context(*, local: bool = True) -> ts.Context:
-    """The tensorstore context shared by every open: caches off, no fsync by tensorstore
-    (see :meth:`Location.sync`). Local disks get few concurrent file operations (more
-    only raised peak memory on restore, measured here), object stores many (latency).
-    """
-    with _CONTEXT_LOCK:
-        if local not in _CONTEXTS:
-            spec: dict[str, Any] = {
-                "cache_pool": {"total_bytes_limit": 0},
-                "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
-            }
-            if local:
-                spec["file_io_sync"] = False
-                spec["file_io_concurrency"] = {"limit": 8}
-            else:
-                spec["s3_request_concurrency"] = {"limit": 32}
-                spec["gcs_request_concurrency"] = {"limit": 32}
-                spec["s3_request_retries"] = spec["gcs_request_retries"] = store_retries()
-            _CONTEXTS[local] = tensorstore().Context(spec)
-        return _CONTEXTS[local]
-
-
-def store_retries() -> dict[str, Any]:
-    """The retries of an object store request: ``FOP_STORE_RETRIES`` (default 8), the
-    delay doubling from 0.5 s to at most 10 s, so that a store that cannot be reached (a
-    wrong endpoint, the server gone mid-save) fails in about a minute. tensorstore's own
-    default retried for about 15 minutes, silently, while a save's blocking phase held
-    back Ctrl-C."""
-    return {
-        "max_retries": _env.read("FOP_STORE_RETRIES"),
-        "initial_delay": "0.5s",
-        "max_delay": "10s",
-    }
 
 
 def check_name(name: str) -> str:
@@ -214,30 +162,6 @@ def _cut(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def local_path(path: Any, *, what: str, note: str = "") -> str:
-    """The local filesystem path ``path`` names (a plain path as given, a ``file://``
-    URL's path), for inputs only local files can serve (safetensors files, msgpack
-    files, a key map). An object-store URL (or a kvstore spec of one) is refused with
-    an UnsupportedLocationError naming ``what`` and the store, plus ``note`` (what to do instead):
-    never turned into a local name such as ``./s3:/bucket``."""
-    text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else None
-    scheme = _SCHEME.match(text) if text is not None else None
-    if scheme is not None and scheme.group(1).lower() not in _STORES:
-        raise UnsupportedLocationError(
-            f"{what} {text!r}: a {scheme.group(1) + ':'!r} URL, but {what} must be a local "
-            f"path (or file://){': ' + note if note else ''}"
-        )
-    spec = spec_from_path(path, what=what)
-    if spec["driver"] == "file":
-        if text is not None and not _SCHEME.match(text):
-            return text
-        return spec["path"].rstrip("/") or "/"
-    raise UnsupportedLocationError(
-        f"{what} {_shown(path)}: names an object store ({spec['driver']}), but {what} must "
-        f"be a local path (or file://){': ' + note if note else ''}"
-    )
-
-
 def _shown(path: Any) -> str:
     return repr(os.fspath(path) if isinstance(path, (str, os.PathLike)) else path)
 
@@ -281,151 +205,8 @@ def _url_spec(text: str, what: str) -> dict[str, Any]:
     # refused below as an empty component (it was quietly read as 'x', another key)
     spec = {"driver": _STORES[scheme], "bucket": url.netloc, "path": url.path[1:]}
     if scheme == "s3":
-        spec.update(_s3_settings_from_env())
+        spec.update(_s3_credentials.settings_from_env())
     return spec
-
-
-def _s3_settings_from_env() -> dict[str, Any]:
-    """S3-compatible servers: tensorstore's s3 driver ignores ``AWS_ENDPOINT_URL``
-    (it always talks to amazonaws.com), so an ``s3://`` URL takes it from here.
-
-    With both keys in the environment, the credentials are named as coming from it:
-    the default chain would pick them first too (the same credentials), but builds its
-    profile provider on the way, which logs about 5 ERROR lines per open when
-    ``~/.aws/config`` or ``~/.aws/credentials`` is missing (aws-c-auth, through
-    tensorstore's absl logging, on stderr). Else a profile with both keys in the shared
-    credentials file (``AWS_PROFILE``, default ``default``) is named with its files
-    (:func:`_profile_with_keys`). Anything else is left to the default chain."""
-    settings: dict[str, Any] = {}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        settings["endpoint"] = endpoint
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        settings["aws_region"] = region
-    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-        settings["aws_credentials"] = {"type": "environment"}
-        return settings
-    credentials = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser(
-        "~/.aws/credentials"
-    )
-    config = os.environ.get("AWS_CONFIG_FILE") or os.path.expanduser("~/.aws/config")
-    profile = os.environ.get("AWS_PROFILE") or "default"
-    try:
-        info = os.stat(credentials)
-    except OSError:
-        return settings
-    stamp = (info.st_mtime_ns, info.st_size)
-    named = _profile_with_keys(credentials, stamp, profile, config, os.path.isfile(config))
-    if named is not None:
-        settings["aws_credentials"] = named
-    return settings
-
-
-@functools.lru_cache(maxsize=8)
-def _profile_with_keys(
-    credentials: str, stamp: tuple[int, int], profile: str, config: str, config_exists: bool
-) -> dict[str, str] | None:
-    """The profile provider, named in full, when the credentials file holds both keys of
-    ``profile``: the keys the default chain should read next, but tensorstore 0.1.86's
-    chain finds no profile ("could not load a profile at .") and goes on anonymous
-    (access denied); named with its files it reads them, and logs nothing. A missing
-    config file is given as the empty ``os.devnull``. None for any other file (a role,
-    SSO, a process: left to the default chain). ``stamp``: the file's mtime and size, a
-    cache key (the file is read again when it changes)."""
-    del stamp
-    parser = configparser.RawConfigParser()
-    try:
-        parser.read(credentials, encoding="utf-8")
-        keys = parser.has_option(profile, "aws_access_key_id") and parser.has_option(
-            profile, "aws_secret_access_key"
-        )
-    except (configparser.Error, OSError, UnicodeError):
-        return None
-    if not keys:
-        return None
-    return {
-        "type": "profile",
-        "profile": profile,
-        "credentials_file": credentials,
-        "config_file": config if config_exists else os.devnull,
-    }
-
-
-def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
-    key_range = tensorstore().KvStore.KeyRange
-    if not prefix:
-        return key_range()
-    end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-    return key_range(inclusive_min=prefix, exclusive_max=end)
-
-
-_NO_CREDENTIALS = (
-    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile) for s3://, or "
-    "GOOGLE_APPLICATION_CREDENTIALS / `gcloud auth application-default login` for gs://"
-)
-
-# By tensorstore's status text: (pattern, what happened, what to do); the first wins.
-_REFUSALS = (
-    (
-        r"NoSuchBucket|bucket does not exist|404.*bucket",
-        "no such bucket",
-        "check the bucket's name (and the endpoint/project it lives in)",
-    ),
-    (
-        r"PROVIDER_INVALID_ENVIRONMENT|Failed to get credentials|Failed to create credentials",
-        "no credentials could be loaded",
-        _NO_CREDENTIALS,
-    ),
-    (
-        r"PERMISSION_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|"
-        r"http_response_code='40[13]'|UNAUTHENTICATED",
-        "access denied",
-        "check that these credentials may read (and, to write, write) this bucket",
-    ),
-)
-_UNREACHABLE = (
-    r"Could not connect to server|Couldn't connect|Failed to connect|Could not resolve "
-    r"host|Couldn't resolve host|curl_code='(6|7|28)'",
-    "cannot be reached",
-    "check the endpoint (AWS_ENDPOINT_URL, TENSORSTORE_GCS_HTTP_URL) and the network",
-)
-# A reply without the store's own body (GCS emulators answer a missing bucket so).
-_UNREADABLE = (
-    r"Failed to parse response metadata",
-    "no such bucket, or its reply could not be read",
-    "check the bucket's name and the endpoint (TENSORSTORE_GCS_HTTP_URL: a GCS server?)",
-)
-_REFUSALS = (*_REFUSALS, _UNREACHABLE, _UNREADABLE)
-_BUCKET_IN_BODY = re.compile(r"<BucketName>([^<]+)</BucketName>")
-
-
-def refusal(error: BaseException, spec: dict[str, Any]) -> StoreAccessError | None:
-    """The :class:`StoreAccessError` that ``error`` (raised by tensorstore on the s3 or
-    gcs store of ``spec``) means, or None for any other error and any other store.
-    Access denied with no AWS credentials anywhere in the environment is reported as
-    missing credentials (the request went out anonymous)."""
-    driver = spec.get("driver")
-    if driver not in ("s3", "gcs") or not isinstance(error, ValueError):
-        return None
-    if isinstance(error, CheckpointError):  # ours already says what happened
-        return None
-    text = str(error)
-    url = f"{'s3' if driver == 's3' else 'gs'}://{spec.get('bucket', '')}"
-    for pattern, what, todo in _REFUSALS:
-        if re.search(pattern, text):
-            if what == "access denied" and driver == "s3" and not _aws_credentials_present():
-                what = "no credentials could be loaded (the request went anonymous)"
-                todo = _NO_CREDENTIALS
-            detail = text.splitlines()[0][:300] if text else ""
-            return StoreAccessError(f"{url}: {what}; {todo}", url=url, reason=what, detail=detail)
-    return None
-
-
-def store_error_line(error: BaseException, spec: dict[str, Any]) -> str | None:
-    """The one line the command line prints for ``error`` (see :func:`refusal`)."""
-    found = refusal(error, spec)
-    return None if found is None else str(found)
 
 
 def _specs(places: Iterable[Any]) -> list[dict[str, Any]]:
@@ -438,16 +219,6 @@ def _specs(places: Iterable[Any]) -> list[dict[str, Any]]:
         except (ValueError, TypeError):  # not a place: its own check reports it
             continue
     return out
-
-
-def _first_refusal(error: BaseException, places: Iterable[Any]) -> StoreAccessError | None:
-    specs = [s for s in _specs(places) if s.get("driver") in ("s3", "gcs")]
-    named = _BUCKET_IN_BODY.search(str(error))  # S3's body names the bucket
-    if named and not any(s.get("bucket") == named.group(1) for s in specs):
-        specs = [{"driver": "s3", "bucket": named.group(1)}]  # a place of no argument
-    elif named:
-        specs.sort(key=lambda s: s.get("bucket") != named.group(1))
-    return next((r for s in specs if (r := refusal(error, s)) is not None), None)
 
 
 def arguments(*names: str) -> Callable[[dict[str, Any]], list[Any]]:
@@ -466,7 +237,7 @@ def refusals(
     def translate(error: BaseException, bound: dict[str, Any]) -> StoreAccessError | None:
         if not isinstance(error, ValueError):
             return None
-        return _first_refusal(error, places(bound))
+        return _store_errors.first_refusal(error, _specs(places(bound)))
 
     return translate
 
@@ -517,18 +288,3 @@ def raises_store_errors_in_methods(places: Callable[[dict[str, Any]], Iterable[A
         return cls
 
     return decorate
-
-
-def _aws_credentials_present() -> bool:
-    """Whether the environment names any AWS credentials (keys, a profile, a
-    credentials file): otherwise the default chain ends anonymous."""
-    if os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE"):
-        return True
-    if os.environ.get("AWS_WEB_IDENTITY_TOKEN_FILE") or os.environ.get(
-        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"
-    ):
-        return True
-    files = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser(
-        "~/.aws/credentials"
-    )
-    return os.path.isfile(files)

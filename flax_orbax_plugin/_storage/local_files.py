@@ -17,7 +17,6 @@ import math
 import os
 import re
 import secrets
-import shutil
 import stat
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,6 +25,8 @@ import numpy as np
 
 from .._base import env as _env
 from .._errors import CorruptCheckpointError, ForeignEntryError, StructureError
+from .json_refusals import field_before, unencodable
+from .untrusted import entry_kind
 
 __all__ = [
     "COMMIT_MARKER",
@@ -161,7 +162,7 @@ def parse(raw: bytes, where: str, kind: DocKind) -> Any:
         ) from None
     except _NonFinite as e:
         raise CorruptCheckpointError(
-            f"malformed {where}: field {_field_before(raw, e.text)}: expected a finite "
+            f"malformed {where}: field {field_before(raw, e.text)}: expected a finite "
             f"number, found {e.text[:40]}"
         ) from None
     except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
@@ -176,19 +177,6 @@ def parse(raw: bytes, where: str, kind: DocKind) -> Any:
                 f"surrogate in {bad[1]!r}"
             )
     return value
-
-
-_KEY_BEFORE = re.compile(rb'"([^"\\]{1,64})"\s*:\s*[\[\s]*$')
-
-
-def _field_before(raw: bytes, text: str) -> str:
-    """The key under which the number ``text`` first appears in ``raw`` (for the error
-    message), else its byte offset."""
-    at = raw.find(text.encode())
-    if at < 0:
-        return "?"
-    match = _KEY_BEFORE.search(raw[max(0, at - 200) : at])
-    return match.group(1).decode(errors="replace") if match else f"at byte {at}"
 
 
 def encode(value: Any, where: str, kind: DocKind, **dumps: Any) -> bytes:
@@ -225,38 +213,6 @@ def encode(value: Any, where: str, kind: DocKind, **dumps: Any) -> bytes:
             f"{kind.what} ({kind.max_depth})"
         )
     return raw
-
-
-def unencodable(value: Any) -> tuple[str, str] | None:
-    """(where in ``value``, the text) of the first str, as a dict key or a value,
-    that UTF-8 cannot encode (a lone surrogate); None when there is none. Walked
-    without recursion, to the depth a document may have."""
-    stack: list[tuple[Any, str]] = [(value, "the value")]
-    while stack:
-        x, at = stack.pop()
-        if isinstance(x, str):
-            if not _encodes(x):
-                return at, _shown(x)
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                if isinstance(k, str) and not _encodes(k):
-                    return f"the key {_shown(k)!r} of {at}", _shown(k)
-                stack.append((v, f"{at}[{k!r}]"[:200]))
-        elif isinstance(x, list | tuple):
-            stack.extend((v, f"{at}[{i}]"[:200]) for i, v in enumerate(x))
-    return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _shown(text: str) -> str:
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_time(value: Any, where: str, field: str, *, stored: bool) -> float:
@@ -298,23 +254,6 @@ def walk_entries(top: str):
 
 def _kind(st: os.stat_result) -> str:
     return entry_kind(st.st_mode)
-
-
-def entry_kind(mode: int) -> str:
-    """'a FIFO', 'a symbolic link', 'a directory' ... for an ``st_mode``."""
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a special file"
 
 
 def require_regular(st: os.stat_result, path: str, *, allow_dir: bool = False) -> None:
@@ -572,49 +511,6 @@ def child_kinds(path: str) -> dict[str, str]:
     except (FileNotFoundError, NotADirectoryError):
         return {}
     return dict(sorted(out.items()))
-
-
-def size_bytes(path: str) -> int | None:
-    """Total bytes of the files under ``path`` (``lstat``: links counted, not followed);
-    None when part of it cannot be read (a total without it would look whole)."""
-    total, unread = 0, []
-    for root, _, files in os.walk(path, onerror=unread.append):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except FileNotFoundError:
-                pass  # removed meanwhile
-            except OSError as e:
-                unread.append(e)
-    return None if unread else total
-
-
-def remove_tree(path: str) -> None:
-    """Removes the real directory ``path`` (no trailing '/'); symlinks inside it are
-    unlinked, never followed; a ``path`` that is itself a symlink or not a directory is
-    refused with ForeignEntryError. No error if nothing is there."""
-    try:
-        st = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        raise ForeignEntryError(
-            f"refusing to remove {path}: expected a directory this library created, "
-            f"found {_kind(st)} (nothing was removed)"
-        )
-    shutil.rmtree(path, ignore_errors=True)  # fd-based: never follows a link
-
-
-def newest_mtime(path: str) -> float:
-    """The latest modification time of the directory ``path`` and its immediate entries
-    (``lstat``: no link followed); ``inf`` when it cannot be read."""
-    try:
-        times = [os.lstat(path).st_mtime]
-        with os.scandir(path) as it:
-            times += [e.stat(follow_symlinks=False).st_mtime for e in it]
-    except OSError:
-        return float("inf")
-    return max(times)
 
 
 def exchange(a_path: str, b_path: str) -> bool:

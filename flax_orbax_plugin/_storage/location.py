@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from .._base import env as _env
 from . import local_files as _local
-from .kvstore import check_name, context, prefix_range, spec_from_path, tensorstore
+from . import local_tree as _local_tree
+from .contexts import context, prefix_range, tensorstore
+from .kvstore import check_name, spec_from_path
 from .local_files import MAX_SMALL_FILE_BYTES, walk_entries
 
 __all__ = ["commits_by_file", "is_fuse", "mount_type", "mount_type_in"]
@@ -284,7 +286,7 @@ class Location:
         read)."""
         if not self.is_local:
             raise NotImplementedError(f"sizes are only listed on local disks, not {self}")
-        return _local.size_bytes(self.path)
+        return _local_tree.size_bytes(self.path)
 
     def makedirs(self) -> None:
         """Creates a local directory (and its parents); nothing to do on object stores."""
@@ -303,7 +305,7 @@ class Location:
         """
         if self.is_local:
             path = self.path.rstrip("/")  # a trailing '/' would make lstat follow a link
-            _local.remove_tree(path)
+            _local_tree.remove_tree(path)
             return
         self._kv().delete_range(prefix_range("")).result()
 
@@ -317,7 +319,7 @@ class Location:
     def newest_mtime(self) -> float:
         """Local only: the latest modification time of this directory and its immediate
         entries (``lstat``: no link followed); ``inf`` when it cannot be read."""
-        return _local.newest_mtime(self.path.rstrip("/"))
+        return _local_tree.newest_mtime(self.path.rstrip("/"))
 
     def exchange(self, other: Location) -> bool:
         """Atomically swaps two local directories (``renameat2(RENAME_EXCHANGE)``), then

@@ -4,7 +4,8 @@
 ``O_NOFOLLOW``, and refuses anything that is not a regular file with a
 :class:`ForeignEntryError` naming the path and what was found; :func:`read_capped`
 reads such a file whole, at most a cap of bytes, checked against ``fstat`` before
-anything is allocated; :func:`loads_json` parses untrusted JSON.
+anything is allocated; :func:`loads_json` parses untrusted JSON; :func:`entry_kind`
+names what a refused entry is (every refusal of a foreign entry says it so).
 
 Thread-safety: every function here is safe to call from any thread.
 """
@@ -18,7 +19,24 @@ import stat
 from typing import Any
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
-from .local_files import entry_kind
+
+
+def entry_kind(mode: int) -> str:
+    """'a FIFO', 'a symbolic link', 'a directory' ... for an ``st_mode``."""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
+
 
 # Largest JSON document (an index, a header, Orbax metadata) read into memory.
 MAX_JSON_BYTES = 64 << 20

@@ -23,7 +23,7 @@ from .._format.layout import (
     dtype_from_name,
 )
 from .._storage.location import Location, context
-from . import chunks as _chunks
+from . import subbyte as _subbyte
 
 CHUNK_TARGET_BYTES = 4 << 20  # large leaves: chunks of at most ~4 MiB (restore peak memory)
 # batches of small leaves: one file per ~16 MiB (its inner chunks: BatchRecord.inner)
@@ -206,7 +206,7 @@ def environmental(error: BaseException) -> OSError | None:
 def leaf_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any]:
     """The spec of leaf number ``index``'s own array (``d/<index>``) under ``root`` (a
     packed leaf's: its stored ``uint8`` array, ``_zarr.chunks``)."""
-    record = _chunks.stored(record)
+    record = _subbyte.stored(record)
     dtype = dtype_from_name(record.dtype, path=record.path)
     return spec(
         root,

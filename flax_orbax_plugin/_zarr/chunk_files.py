@@ -15,6 +15,7 @@ import os
 import stat
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,23 @@ from .._base import env as _env
 from .._base import host as _host
 from .._storage.location import check_name, walk_entries
 from . import chunks as _chunks
+from .chunks import crc_trailer
+
+
+def file_name(path: str) -> str:
+    """A version-1 chunk or batch file's name in errors: ``<array>/c/...`` (4 parts)."""
+    return "/".join(path.split(os.sep)[-4:])
+
+
+def stored_name(path: str, where: Callable[[str], str] | None, kind: str) -> str:
+    """The words naming the stored bytes of chunk ``path`` in a damage error: the file
+    of the format that wrote them (``where(path)``: a version-2 data file and its byte
+    range), else version 1's own file (``<kind> <array>/c/...``)."""
+    return where(path) if where is not None else f"{kind} {file_name(path)}"
+
+
+def crc_matches(parts: list[np.ndarray], trailer: np.ndarray) -> bool:
+    return np.array_equal(crc_trailer(parts), trailer)
 
 
 class Jobs:
@@ -209,7 +227,7 @@ class ChunkReader:
         self._batch_pool = Jobs(min(threads, BATCH_THREADS))
         self._fill = _read_file  # (path, name, parts): a subclass reads from elsewhere
         self._ranged = _read_ranges  # (path, name, expected, ranges); None: no parts read
-        self._where = None  # (path) -> where a subclass stores a chunk (chunks.stored_name)
+        self._where = None  # (path) -> where a subclass stores a chunk (stored_name)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -351,14 +369,14 @@ def bytes_read() -> int:
 def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None, where=None) -> None:
     """Reads one chunk file: its first ``dest.size`` bytes into ``dest``, the zero
     padding of a chunk cut by the array's end into scratch, then checks its crc32c."""
-    name = _chunks.file_name(path)
+    name = file_name(path)
     parts = [dest]
     if chunk_bytes > dest.size:
         parts.append(np.empty(chunk_bytes - dest.size, np.uint8))
     trailer = np.empty(_chunks.CRC_BYTES, np.uint8)
     (fill or _read_file)(path, name, parts + [trailer])
-    if not _chunks.crc_matches(parts, trailer):
-        raise ValueError(f"{_chunks.stored_name(path, where, 'chunk')}: crc32c checksum mismatch")
+    if not crc_matches(parts, trailer):
+        raise ValueError(f"{stored_name(path, where, 'chunk')}: crc32c checksum mismatch")
 
 
 def _read_chunk_copy(
@@ -404,8 +422,8 @@ def _read_shard(
     checks the index (exactly the layout both writers produce: inner chunks in order,
     none missing before ``size``) and every checksum. With ``inners`` (j0, j1): only
     inner chunks j0..j1-1 and the index, through ``ranged`` (a packed reader's segment
-    reads) or from the file at ``path``. ``where``: see ``chunks.stored_name``."""
-    name, label = _chunks.file_name(path), _chunks.stored_name(path, where, "batch file")
+    reads) or from the file at ``path``. ``where``: see :func:`stored_name`."""
+    name, label = file_name(path), stored_name(path, where, "batch file")
     count = chunk // inner
     present = -(-min(size - s * chunk, chunk) // inner)
     j0, j1 = inners or (0, present)
@@ -429,7 +447,7 @@ def _read_shard(
         ranges = [(j0 * stride, parts), (present * stride, tail)]
         expected_bytes = present * stride + index.nbytes + _chunks.CRC_BYTES
         (ranged or _read_ranges)(path, name, expected_bytes, ranges)
-    if not _chunks.crc_matches([index.view(np.uint8)], index_trailer):
+    if not crc_matches([index.view(np.uint8)], index_trailer):
         raise ValueError(f"{label}: crc32c checksum mismatch in its index")
     expected = np.full(2 * count, _chunks.MISSING_ENTRY, "<u8")
     expected[0 : 2 * present : 2] = np.arange(present, dtype="<u8") * (inner + _chunks.CRC_BYTES)
@@ -437,7 +455,7 @@ def _read_shard(
     if not np.array_equal(index, expected):
         raise ValueError(f"{label}: its index does not list the expected chunks")
     for j, (data, trailer) in enumerate(checks, j0):
-        if not _chunks.crc_matches(data, trailer):
+        if not crc_matches(data, trailer):
             raise ValueError(f"{label}: crc32c checksum mismatch in inner chunk {j}")
 
 

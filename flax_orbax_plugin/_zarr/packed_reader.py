@@ -1,5 +1,5 @@
-"""Reading format version 2: chunks at known offsets in the data files, and the fetch plan
-of a restore on an object store.
+"""Reading format version 2: the data indexes read back and checked, chunks at known offsets
+in the data files, and the fetch plan of a restore on an object store.
 
 ``PackedReader`` threads as ``ChunkReader``; ``RangeReads`` is thread-safe (one lock).
 
@@ -12,21 +12,35 @@ import collections
 import errno
 import itertools
 import os
+import re
 import stat
 import threading
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
 from .._base import env as _env
 from .._base import host as _host
+from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
-from .._storage import kvstore as _kvstore
+from .._format import steps as _steps
+from .._storage import contexts as _contexts
+from .._storage import local_files as _local_files
 from .._storage.location import Location
 from . import arrays as _arrays
 from . import chunk_files as _chunk_files
 from . import chunks as _chunks
 from . import packed_codec as _codec
+from .chunks import (
+    DATA_DIR,
+    INDEX_FORMAT,
+    MAX_SEGMENT_BYTES,
+    DataIndex,
+    Segment,
+    array_prefix,
+    index_name,
+)
 
 
 class PackedReader(_chunk_files.ChunkReader):
@@ -63,7 +77,7 @@ class PackedReader(_chunk_files.ChunkReader):
                 raise
         else:
             spec = location.kvstore(_chunks.DATA_DIR)
-            self._kv = ts.KvStore.open(spec, context=_kvstore.context(local=False)).result()
+            self._kv = ts.KvStore.open(spec, context=_contexts.context(local=False)).result()
             self._ranged = None  # object stores: whole segments, through the fetch plan
             self._ranges = RangeReads(self._kv, chunks, file_bytes or {})
             self._pool = _DeferredPool(self._pool, self._ranges, chunks)
@@ -333,19 +347,155 @@ def _read_part(key: str, dest: np.ndarray, chunk, src, fill, where) -> None:
     dest[...] = raw.view(dest.dtype).reshape(chunk)[src]
 
 
+# -- format version 2's data index, read back: every field checked before use --------------
+
+
+_DATA_FILE = re.compile(r"^(0|[1-9][0-9]{0,8})-(0|[1-9][0-9]{0,8})\.bin$", re.ASCII)
+_KEY = re.compile(r"^(d/(0|[1-9][0-9]*)|b/[A-Za-z0-9][A-Za-z0-9_.-]*)/c(/(0|[1-9][0-9]*))+$")
+_ARRAY = re.compile(r"^(d/(0|[1-9][0-9]*)|b/[A-Za-z0-9][A-Za-z0-9_.-]*)$")
+_DTYPE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+def index_from_json(obj: Any, where: str, process: int) -> DataIndex:
+    """Validates every field (names, numbers, ranges) before anything is used."""
+
+    def bad(field: str, expected: str, found: Any):
+        shown = repr(found)[:80]
+        raise CorruptCheckpointError(f"{where}: field {field}: expected {expected}, found {shown}")
+
+    if not isinstance(obj, dict) or obj.get("format") != INDEX_FORMAT:
+        bad("format", repr(INDEX_FORMAT), obj.get("format") if isinstance(obj, dict) else obj)
+    if obj.get("format_version") != 2:
+        bad("format_version", "2", obj.get("format_version"))
+    if obj.get("process") != process or isinstance(obj.get("process"), bool):
+        bad("process", str(process), obj.get("process"))
+    files = _files(obj.get("files"), process, bad)
+    names = list(files)
+    raw = obj.get("chunks")
+    if not isinstance(raw, dict):
+        bad("chunks", "an object", raw)
+    chunks = {}
+    for key, entry in raw.items():
+        if not isinstance(key, str) or not _KEY.match(key):
+            bad("chunks", "keys d/<leaf>/c/<i>/... or b/<batch>/c/<i>", key)
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 4
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        ):
+            bad(f"chunks[{key!r}]", "[file, offset, length, crc32c] (integers)", entry)
+        number, offset, length, crc = entry
+        if not 0 <= number < len(names):
+            bad(f"chunks[{key!r}][0]", f"a file number below {len(names)}", number)
+        if not (0 <= offset and 4 < length <= MAX_SEGMENT_BYTES and 0 <= crc < 1 << 32):
+            bad(f"chunks[{key!r}]", "offset >= 0, 4 < length, a 32-bit crc32c", entry)
+        name = names[number]
+        if offset + length > files[name]:
+            bad(f"chunks[{key!r}]", f"a segment inside {name} ({files[name]} bytes)", entry)
+        chunks[key] = Segment(name, offset, length, crc)
+    _check_disjoint(chunks, where)
+    return DataIndex(process, files, chunks, _array_chunks(obj.get("arrays", {}), chunks, bad))
+
+
+def read_index(
+    location: Location, process: int, *, listed: dict[str, str] | None = None
+) -> DataIndex:
+    """The data index of ``process`` in the version-2 checkpoint at ``location``: its
+    bytes checked against the sha256 the commit recorded (``listed``: those checksums,
+    when the commit was read already), parsed as a data index (no
+    key twice: ``local_files``) and validated (:func:`index_from_json`). Every reader
+    of an index (restore, verify, incremental reuse, the tier) reads it here."""
+    name = index_name(process)
+    where = f"{location}/{name}"
+    raw = _steps.read_listed(location, name, listed=listed)
+    return index_from_json(_local_files.parse(raw, where, _local_files.DATA_INDEX), where, process)
+
+
+def _check_disjoint(chunks: dict[str, Segment], where: str) -> None:
+    """Segments do not overlap (FORMAT.md): two keys sharing bytes would restore one
+    chunk's bytes as another's, each passing its crc32c."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for key, s in chunks.items():
+        by_file.setdefault(s.file, []).append((s.offset, s.offset + s.length, key))
+    for name, spans in by_file.items():
+        spans.sort()
+        for (a, b, k1), (c, d, k2) in zip(spans, spans[1:], strict=False):
+            if c < b:
+                raise CorruptCheckpointError(
+                    f"{where}: field chunks: segments of {k1!r} (bytes {a}..{b}) and "
+                    f"{k2!r} (bytes {c}..{d}) overlap in {DATA_DIR}/{name}; segments are "
+                    f"disjoint"
+                )
+
+
+def _files(raw: Any, process: int, bad) -> dict[str, int]:
+    if not isinstance(raw, list):
+        bad("files", "a list", raw)
+    files: dict[str, int] = {}
+    for n, item in enumerate(raw):
+        name = item.get("name") if isinstance(item, dict) else None
+        size = item.get("bytes") if isinstance(item, dict) else None
+        m = _DATA_FILE.match(name) if isinstance(name, str) else None
+        if m is None or int(m.group(1)) != process or name in files:
+            bad(f"files[{n}].name", f"a new name <{process}>-<n>.bin", name)
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= 1 << 50:
+            bad(f"files[{n}].bytes", "a size in bytes", size)
+        files[name] = size
+    return files
+
+
+def _array_chunks(raw: Any, chunks: dict[str, Segment], bad) -> dict[str, str]:
+    """The ``arrays`` field: ``{d/<i> or b/<batch>: dtype name}``, each an array this
+    index lists chunks of (absent in indexes written before it: no dtype is known)."""
+    if not isinstance(raw, dict):
+        bad("arrays", "an object", raw)
+    held = {array_prefix(key) for key in chunks}
+    for key, dtype in raw.items():
+        if not isinstance(key, str) or not _ARRAY.match(key) or key not in held:
+            bad("arrays", "keys d/<leaf> or b/<batch> of arrays with chunks listed", key)
+        if not isinstance(dtype, str) or not _DTYPE.match(dtype):
+            bad(f"arrays[{key!r}]", "a dtype name", dtype)
+    return dict(raw)
+
+
+def merge_dtypes(indexes: list[DataIndex], where: str) -> dict[str, str]:
+    """Every process's stored dtypes in one mapping; two processes naming different
+    dtypes for one array is damage."""
+    out: dict[str, str] = {}
+    for index in indexes:
+        for key, dtype in index.arrays.items():
+            if out.setdefault(key, dtype) != dtype:
+                raise CorruptCheckpointError(
+                    f"{where}: array {key}: the data indexes record dtype {out[key]!r} "
+                    f"and {dtype!r}"
+                )
+    return out
+
+
+def merge(indexes: list[DataIndex], where: str) -> dict[str, Segment]:
+    """Every process's chunks in one mapping; a chunk listed twice is damage."""
+    out: dict[str, Segment] = {}
+    for index in indexes:
+        for key, segment in index.chunks.items():
+            if key in out:
+                raise CorruptCheckpointError(
+                    f"{where}: chunk {key} is listed by two processes' data indexes"
+                )
+            out[key] = segment
+    return out
+
+
 def open_packed(
     location: Location, process_count: int, *, listed: dict[str, str] | None = None
 ) -> PackedReader:
     """A reader of the version-2 checkpoint at ``location``: every process's data
     index read, checked against the sha256 its commit recorded (``listed``: those
     checksums, when the commit was read already), and validated."""
-    indexes = [
-        _chunks.read_index(location, process, listed=listed) for process in range(process_count)
-    ]
+    indexes = [read_index(location, process, listed=listed) for process in range(process_count)]
     sizes = {name: size for index in indexes for name, size in index.files.items()}
     where = str(location)
-    dtypes = _chunks.merge_dtypes(indexes, where)
-    return PackedReader(location, _chunks.merge(indexes, where), sizes, dtypes)
+    dtypes = merge_dtypes(indexes, where)
+    return PackedReader(location, merge(indexes, where), sizes, dtypes)
 
 
 AHEAD_BYTES = 64 << 20  # object stores: chunk jobs started ahead of the one waited for

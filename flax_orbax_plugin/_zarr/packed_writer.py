@@ -1,5 +1,6 @@
-"""Writing chunks straight from host memory: zarr3 chunk files (``ChunkWriter``) and format
-version 2's data files (``PackedWriter``).
+"""Writing chunks straight from host memory: whole chunks and batch shards cut from the
+snapshot (``ChunkWriter``, both formats), and format version 2's data files
+(``PackedWriter``). Version 1's file per chunk: ``chunk_writer.ChunkFileWriter``.
 
 One writer per save, driven by the save's background thread only; its futures are
 completed by the writer's own threads.
@@ -12,7 +13,6 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import ctypes
-import fcntl
 import os
 import sys
 import threading
@@ -70,19 +70,10 @@ def direct_span(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> tuple[int, in
     return (skip, length) if length >= max(minimum, 1) else (0, 0)
 
 
-def direct_head(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> int:
-    """The bytes of ``first`` (a file's or segment's first piece) an ``O_DIRECT`` write
-    can take: its whole pages, when it is C-contiguous, starts on a page and is at
-    least ``minimum`` bytes (0: none)."""
-    if first.nbytes < minimum or not first.flags.c_contiguous:
-        return 0
-    if first.ctypes.data % DIRECT_ALIGN:
-        return 0
-    return first.nbytes - first.nbytes % DIRECT_ALIGN
-
-
 class ChunkWriter:
-    """Writes whole zarr3 chunks of arrays under ``root`` (a local directory path)."""
+    """Writes whole zarr3 chunks of arrays under ``root`` (a local directory path): cuts
+    them from host memory (zero-padded, checksummed) and hands each to ``_write_file``,
+    which each format's writer defines."""
 
     def __init__(self, root: str, *, threads: int = _chunks.THREADS, local_only: bool = True):
         self._root = root
@@ -120,7 +111,7 @@ class ChunkWriter:
         region does not consist of whole chunks (chunks cut by the array's end are
         whole: they are padded with zeros, the fill value, as tensorstore pads them).
         ``crcs``: ``{chunk grid cell: crc32c}`` of chunks of ``data`` checksummed
-        already (as they were copied: ``chunks.copy_with_crcs``); a chunk there is not
+        already (as they were copied: ``crcs.copy_with_crcs``); a chunk there is not
         read again to checksum it, the others are checksummed here."""
         region = _chunks.whole_chunks(shape, chunk, index)
         if region is None or data.shape != region[0]:
@@ -191,56 +182,11 @@ class ChunkWriter:
         pieces += [index, _chunks.crc_trailer([index])]
         self._write_file(name, pieces)
 
-    # -- files ---------------------------------------------------------------------------
-
     def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
-        path = os.path.join(self._root, check_name(name))
-        parent = os.path.dirname(path)
-        if parent not in self._dirs:
-            os.makedirs(parent, exist_ok=True)
-            self._dirs.add(parent)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o644)
-        try:
-            views = [memoryview(p) for p in pieces if p.size]
-            offset = self._write_direct(fd, pieces[0]) if self._direct and pieces else 0
-            if offset:
-                _chunks.advance(views, offset)
-                os.lseek(fd, offset, os.SEEK_SET)
-            while views:
-                _chunks.advance(views, os.writev(fd, views[: _chunks.IOV_MAX]))
-            if _sync_file_range is not None:  # start writeback now; never waits for it
-                _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
-        finally:
-            os.close(fd)
-
-    def _write_direct(self, fd: int, first: np.ndarray) -> int:
-        """Writes the page-aligned head of ``first`` (the file's first piece) with
-        ``O_DIRECT``, from its own memory to the disk: no copy into the page cache, the
-        CPU time the training steps would lose (measured: a tenth of the system time of
-        a buffered write). Returns the bytes written (0: nothing was, the caller writes
-        it all); the file is left in buffered mode for the rest. A filesystem that
-        refuses ``O_DIRECT`` turns it off for this writer."""
-        head = direct_head(first)
-        if head == 0:
-            return 0
-        mode = fcntl.fcntl(fd, fcntl.F_GETFL)
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, mode | O_DIRECT)
-        except OSError:
-            self._direct = False
-            return 0
-        view = memoryview(first.reshape(-1).view(np.uint8))[:head]
-        done = 0
-        try:
-            while done < head:
-                done += os.pwrite(fd, view[done:], done)
-        except OSError:  # the caller writes the rest buffered (and reports a real error)
-            if not done:
-                self._direct = False
-        finally:
-            fcntl.fcntl(fd, fcntl.F_SETFL, mode)
-        return done - done % DIRECT_ALIGN if done < head else done
+        """Writes one chunk file (or data file segment): ``name`` its version-1 key,
+        ``pieces`` its bytes in order. Each format's writer defines it
+        (``chunk_writer.ChunkFileWriter``, :class:`PackedWriter`)."""
+        raise NotImplementedError
 
 
 _ZEROS = np.zeros(1 << 17, np.uint8)

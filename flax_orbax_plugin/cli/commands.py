@@ -23,6 +23,7 @@ from .._errors import (
     OptionError,
     StructureError,
 )
+from .._format import describe as _describe
 from .._format import foreign as _foreign
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
@@ -302,7 +303,7 @@ def _refuse_other_places(loc: Location, found) -> None:
     (a cron job's gc would free nothing, every day, with exit 0) or another library's
     run; a folder of other things is fine (nothing to do)."""
     if found.left_alone and not any(loc.exists(n) for n in _steps.RECORD_NAMES):
-        if (where := _steps.misplaced(loc)) is not None:
+        if (where := _describe.misplaced(loc)) is not None:
             raise CliError(f"{where}: gc removes nothing here")
     if (other := _foreign.foreign_run(loc)) is not None:
         raise CliError(

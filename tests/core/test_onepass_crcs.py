@@ -27,7 +27,7 @@ from flax_orbax_plugin._base import host as _host
 from flax_orbax_plugin._core import host_snapshot as _host_snapshot
 from flax_orbax_plugin._core import plan as _plan
 from flax_orbax_plugin._zarr import arrays as _arrays
-from flax_orbax_plugin._zarr import chunks as _chunks
+from flax_orbax_plugin._zarr import crcs as _crcs
 from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
 
 
@@ -38,7 +38,7 @@ def small_geometry(monkeypatch):
     monkeypatch.setattr(_plan, "SMALL_LEAF_BYTES", 1 << 12)
     monkeypatch.setattr(_arrays, "CHUNK_TARGET_BYTES", 16 << 10)
     monkeypatch.setattr(_host, "COPY_PIECE", 40 << 10)
-    monkeypatch.setattr(_chunks, "COPY_STEP", 4096)
+    monkeypatch.setattr(_crcs, "COPY_STEP", 4096)
 
 
 @pytest.fixture(params=["kernel", "fallback"])
@@ -48,8 +48,8 @@ def carried(request, monkeypatch):
     default only where the kernel is built: host_snapshot.ONE_PASS), copied by the
     kernel or by its fallback."""
     if request.param == "fallback":
-        monkeypatch.setattr(_chunks, "_copycrc", None)
-    elif not _chunks.has_kernel():
+        monkeypatch.setattr(_crcs, "_copycrc", None)
+    elif not _crcs.has_kernel():
         pytest.skip("the C extension is not built here")
     monkeypatch.setattr(_host_snapshot, "ONE_PASS", True)
     seen: dict[str, int | None] = {}
@@ -136,4 +136,4 @@ def test_every_carried_crc32c_is_that_of_the_bytes_written(
 
 
 def test_one_pass_is_on_by_default_where_the_kernel_is_built():
-    assert _host_snapshot.ONE_PASS == _chunks.has_kernel()
+    assert _host_snapshot.ONE_PASS == _crcs.has_kernel()

@@ -20,7 +20,7 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin._base import env as _env
 from flax_orbax_plugin._core import device_copy as _device_copy
 from flax_orbax_plugin._core import host_snapshot as _host_snapshot
-from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
+from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
 from flax_orbax_plugin._zarr import packed_writer as _packed_writer
 
 
@@ -177,7 +177,7 @@ def test_cpu_arrays_under_a_budget_are_written_before_the_save_returns(
 ):
     state = _state(devices, 3.0)
     expected = _expected(state)
-    writer = _chunk_writer.ChunkWriter if version == 1 else _packed_writer.PackedWriter
+    writer = _chunk_writer.ChunkFileWriter if version == 1 else _packed_writer.PackedWriter
     real = writer._write_file
 
     def slow(self, name, pieces):  # every file written late: a save that returned
@@ -218,14 +218,14 @@ def _chunk_bytes(root) -> dict[str, bytes]:
 def test_direct_io_writes_the_same_bytes_as_buffered_writes(tmp_path, devices, monkeypatch):
     state = _state(devices, 4.0)
     direct = []
-    real = _chunk_writer.ChunkWriter._write_direct
+    real = _chunk_writer.ChunkFileWriter._write_direct
 
     def spy(self, fd, first):
         done = real(self, fd, first)
         direct.append(done)
         return done
 
-    monkeypatch.setattr(_chunk_writer.ChunkWriter, "_write_direct", spy)
+    monkeypatch.setattr(_chunk_writer.ChunkFileWriter, "_write_direct", spy)
     with fop.CheckpointManager(
         tmp_path / "a", format_version=1
     ) as mngr:  # pooled, page-aligned buffers
@@ -284,14 +284,14 @@ def test_version_2_data_files_take_direct_writes_at_page_boundaries(
 
     monkeypatch.setattr(_packed_writer.PackedWriter, "_write_direct_at", spy)
     skips = []
-    real_span = _chunk_writer.direct_span
+    real_span = _packed_writer.direct_span
 
     def span_spy(first, minimum=4096):
         skip, length = real_span(first, minimum)
         skips.append(skip)
         return skip, length
 
-    monkeypatch.setattr(_chunk_writer, "direct_span", span_spy)
+    monkeypatch.setattr(_packed_writer, "direct_span", span_spy)
     options = {"reuse_host_buffers": False} if views else {}
     with fop.CheckpointManager(tmp_path / "run", format_version=2, **options) as mngr:
         mngr.save(1, {"params": state})

@@ -42,7 +42,7 @@ SHAPE = (16, 64)  # 1024 elements: several chunks per array below, 8 row shards
 def test_the_table_lists_every_jax_numpy_dtype():
     assert len(ALL) >= 30  # the derivation finds jnp.float32, jnp.int4, ... (not nothing)
     assert {"int4", "uint4", "float4_e2m1fn", "float8_e8m0fnu", "float8_e3m4"} <= set(ALL)
-    assert set(ALL) == set(_layout.DTYPES), "a dtype missing from _format/layout/records.py"
+    assert set(ALL) == set(_layout.DTYPES), "a dtype missing from _format/layout/dtypes.py"
 
 
 def _bits_of(name: str) -> np.ndarray:

@@ -72,4 +72,4 @@ def test_size_bounded_at_save_and_read(tmp_path):
 def test_malformed_record_is_named(record, field):
     obj = {"path": "s", "keys": [["dict", "s"]], **record}
     with pytest.raises(fop.CorruptCheckpointError, match=rf"leaves\[0\] \('s'\)\.{field}"):
-        _layout.LeafRecord.from_json(obj, "m.json", 0)
+        _layout.leaf_from_json(obj, "m.json", 0)

@@ -230,28 +230,28 @@ def test_snapshot_crcs_are_the_trailers_the_writer_stores(tmp_path):
     """``chunk_crcs`` gives, for every chunk of a region, the trailer of the file the
     chunk writer stores for it: whole chunks, edge chunks (zero-padded) and chunks that
     are not contiguous in the region (cut along a later axis)."""
-    from flax_orbax_plugin._zarr import chunks as _chunks
-    from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
+    from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
+    from flax_orbax_plugin._zarr import crcs as _crcs
 
     shape, chunk = (7, 10), (3, 4)
     data = np.arange(70, dtype=np.float32).reshape(shape) * 1.5
     region = (slice(3, 7), slice(None))
-    with _chunk_writer.ChunkWriter(str(tmp_path)) as writer:
+    with _chunk_writer.ChunkFileWriter(str(tmp_path)) as writer:
         for future in writer.array("d/0", shape, chunk, region, data[3:]):
             future.result()
-    crcs = _chunks.chunk_crcs(shape, chunk, region, data[3:])
+    crcs = _crcs.chunk_crcs(shape, chunk, region, data[3:])
     assert sorted(crcs) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
     for cell, crc in crcs.items():
         stored = (tmp_path / "d" / "0" / "c" / str(cell[0]) / str(cell[1])).read_bytes()
         assert len(stored) == 3 * 4 * 4 + 4
         assert int.from_bytes(stored[-4:], "little") == crc
-    assert _chunks.chunk_crcs(shape, chunk, (slice(2, 7), slice(None)), data[2:]) is None
+    assert _crcs.chunk_crcs(shape, chunk, (slice(2, 7), slice(None)), data[2:]) is None
     other = data[3:].copy()
     other[3, 9] += 1  # in the padded edge chunk (2, 2)
-    changed = _chunks.chunk_crcs(shape, chunk, region, other)
+    changed = _crcs.chunk_crcs(shape, chunk, region, other)
     assert [c for c in crcs if crcs[c] != changed[c]] == [(2, 2)]
     big_endian = data[3:].astype(">f4")
-    assert _chunks.chunk_crcs(shape, chunk, region, big_endian) == crcs
+    assert _crcs.chunk_crcs(shape, chunk, region, big_endian) == crcs
 
 
 @pytest.mark.parametrize("damage", ["truncate", "remove", "symlink"])
@@ -577,7 +577,7 @@ def test_link_leaf_links_only_the_chunks_asked_for_and_undoes_only_its_own(tmp_p
     with fop.CheckpointManager(d, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
     files, record = _leaf_files(d, 1, "base/w1")
-    rec = _layout.LeafRecord.from_json(record, "m", 0)
+    rec = _layout.leaf_from_json(record, "m", 0)
     i = json.load(open(os.path.join(d, "1", "params", "_METADATA.json")))["leaves"].index(record)
     names = sorted(n for n in files if n.startswith("c/"))
     assert len(names) == 3  # 768 x 1024 float32 in chunks of 256 rows
@@ -626,7 +626,7 @@ def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_
     with fop.CheckpointManager(url, incremental=True, format_version=1) as mngr:
         _save(mngr, 1, _state())
     files, record, prefix = _remote_leaf(s3_location, 1, "base/w1")
-    rec = _layout.LeafRecord.from_json(record, "m", 0)
+    rec = _layout.leaf_from_json(record, "m", 0)
     j = int(prefix.rstrip("/").rsplit("/", 1)[1])
     names = sorted(n for n in files if n.startswith("c/"))
     mine = [tuple(n.split("/")) for n in names[1:]]
@@ -713,13 +713,13 @@ def test_digest_field_is_validated():
         "storage": {"type": "array", "chunk_shape": [4]},
         "digest": "xxh3_128:" + "ab" * 16,
     }
-    rec = _layout.LeafRecord.from_json(raw, "m.json", 0)
+    rec = _layout.leaf_from_json(raw, "m.json", 0)
     assert rec.digest == raw["digest"] and rec.to_json() == raw
     for bad in ("xxh3_128:XYZ", 5, "", "nocolon" + "0" * 32, "../x:" + "0" * 32):
         with pytest.raises(CorruptCheckpointError, match=r"leaves\[0\] \('w'\)\.digest"):
-            _layout.LeafRecord.from_json(dict(raw, digest=bad), "m.json", 0)
+            _layout.leaf_from_json(dict(raw, digest=bad), "m.json", 0)
     del raw["digest"]
-    assert _layout.LeafRecord.from_json(raw, "m.json", 0).digest is None
+    assert _layout.leaf_from_json(raw, "m.json", 0).digest is None
 
 
 KILLED_CHILD = """

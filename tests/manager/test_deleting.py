@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin._storage import contexts as _contexts
 from flax_orbax_plugin._storage import deleting as _deleting
-from flax_orbax_plugin._storage import kvstore as _kvstore
 
 pytest_plugins = ["_servers"]
 
@@ -106,7 +106,7 @@ def test_removals_on_each_object_store(store, request):
     else:
         loc = request.getfixturevalue(f"{store}_location")
         where, spec, keys = loc.url, dict(loc.spec), loc.keys
-    shared = _deleting.removal_context(spec) is _kvstore.context(local=False)
+    shared = _deleting.removal_context(spec) is _contexts.context(local=False)
     assert shared == (store == "memory")
     with fop.CheckpointManager(where, keep=1) as mngr:
         for step in (1, 2, 3):

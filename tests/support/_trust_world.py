@@ -208,7 +208,7 @@ class MemoryLocation:
     def kvstore(self):
         import tensorstore as ts
 
-        from flax_orbax_plugin._storage.kvstore import context
+        from flax_orbax_plugin._storage.contexts import context
 
         path = f"{self.bucket}/{self.prefix}/" if self.prefix else f"{self.bucket}/"
         spec = {"driver": "memory", "path": path}

@@ -20,7 +20,7 @@ from flax_orbax_plugin._format.layout import BatchRecord
 from flax_orbax_plugin._storage import location as _storage
 from flax_orbax_plugin._zarr import arrays as _arrays
 from flax_orbax_plugin._zarr import chunk_files as _chunk_files
-from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
+from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
 
 
 def _files(root):
@@ -45,7 +45,7 @@ def _values(dtype_name, shape, seed=0):
 
 
 def _both(tmp_path, make_spec, write_direct, values):
-    """Files of the same array written by tensorstore and by ChunkWriter."""
+    """Files of the same array written by tensorstore and by ChunkFileWriter."""
     out = []
     for who in ("tensorstore", "direct"):
         root = tmp_path / who
@@ -55,7 +55,7 @@ def _both(tmp_path, make_spec, write_direct, values):
             store = _arrays.open_for_write(spec)
             store[...].write(_arrays.as_stored(values, store.dtype.numpy_dtype)).result()
         else:
-            with _chunk_writer.ChunkWriter(str(root)) as writer:
+            with _chunk_writer.ChunkFileWriter(str(root)) as writer:
                 futures = write_direct(writer)
                 assert futures is not None
                 for future in futures:
@@ -108,7 +108,7 @@ def test_batch_shards_are_the_bytes_tensorstore_writes(tmp_path, dtype_name, siz
 
 def test_a_region_of_partial_chunks_is_declined_and_nothing_written(tmp_path):
     values = np.ones((6, 4), np.float32)
-    with _chunk_writer.ChunkWriter(str(tmp_path)) as writer:
+    with _chunk_writer.ChunkFileWriter(str(tmp_path)) as writer:
         # starts inside a chunk / stops inside one before the array's end
         assert writer.array("x", (12, 4), (4, 4), (slice(2, 8), slice(None)), values) is None
         assert writer.array("x", (12, 4), (4, 4), (slice(0, 6), slice(None)), values) is None
@@ -141,7 +141,7 @@ def test_an_existing_file_or_symlink_is_never_written_through(tmp_path):
     (root / "x" / "c").mkdir(parents=True)
     os.symlink(outside, root / "x" / "c" / "0")
     values = np.ones((4,), np.float32)
-    with _chunk_writer.ChunkWriter(str(root)) as writer:
+    with _chunk_writer.ChunkFileWriter(str(root)) as writer:
         (future,) = writer.array("x", (4,), (4,), (slice(None),), values)
         with pytest.raises(OSError) as info:
             future.result()
@@ -432,7 +432,7 @@ def test_names_that_leave_the_checkpoint_are_refused(tmp_path):
                 reader.read_batch(sub, 4, 4, 4, np.float32)
     finally:
         reader.close()
-    with _chunk_writer.ChunkWriter(str(tmp_path / "w")) as writer:
+    with _chunk_writer.ChunkFileWriter(str(tmp_path / "w")) as writer:
         (future,) = writer.array("../x", (4,), (4,), (slice(None),), values)
         with pytest.raises(ValueError, match="invalid storage name"):
             future.result()

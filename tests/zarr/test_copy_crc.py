@@ -1,5 +1,5 @@
 """The copy that checksums as it copies (``_zarr/_copycrc.c``, optional, and its
-fallback in ``_zarr/chunks.py``): the bytes copied, and the crc32c of exactly the
+fallback in ``_zarr/crcs.py``): the bytes copied, and the crc32c of exactly the
 ``crc32c`` package's ``crc32c(data, value)``, for every way the kernel has (SSE4.2
 with cached and with non-temporal stores, the portable C path), sizes 0, 1, odd ones
 and ones around its blocks, unaligned source and destination, crcs continued over
@@ -13,9 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from flax_orbax_plugin._zarr import chunks as _chunks
+from flax_orbax_plugin._zarr import crcs as _crcs
 
-K = _chunks._copycrc
+K = _crcs._copycrc
 needs_kernel = pytest.mark.skipif(K is None, reason="the C extension is not built here")
 BLOCK = 65600  # the kernel's bytes per stream (then 1088): sizes around 3 of them
 SIZES = [0, 1, 2, 7, 8, 15, 16, 17, 31, 33, 255, 4095, 4097, 3 * BLOCK - 1, 3 * BLOCK]
@@ -101,35 +101,35 @@ def way(request, monkeypatch):
         if K is None:
             pytest.skip("the C extension is not built here")
     else:
-        monkeypatch.setattr(_chunks, "_copycrc", None)
-        monkeypatch.setattr(_chunks, "COPY_STEP", 4096)  # several pieces per chunk
+        monkeypatch.setattr(_crcs, "_copycrc", None)
+        monkeypatch.setattr(_crcs, "COPY_STEP", 4096)  # several pieces per chunk
     return request.param
 
 
 def test_copy_crc_both_ways(way):
-    assert _chunks.has_kernel() == (way == "kernel")
+    assert _crcs.has_kernel() == (way == "kernel")
     rng = np.random.default_rng(7)
     for n in SIZES + [int(n) for n in rng.integers(0, 100_000, 8)]:
         for off in (0, 1, 3):
             src = rng.integers(0, 256, n + off, dtype=np.uint8)[off:]
             dst = np.empty(n + 1, np.uint8)[1:]
             start = int(rng.integers(0, 1 << 32))
-            assert _chunks.copy_crc(dst, src, start) == crc32c.crc32c(src, start), n
+            assert _crcs.copy_crc(dst, src, start) == crc32c.crc32c(src, start), n
             assert np.array_equal(dst, src)
         for pad in (0, 1, 3, 4099):
             want = crc32c.crc32c(np.zeros(pad, np.uint8), n)
-            assert _chunks.extend_zeros(n, pad) == want
+            assert _crcs.extend_zeros(n, pad) == want
 
 
 def test_the_fallback_by_argument_and_the_kernel_when_absent(monkeypatch):
     rng = np.random.default_rng(8)
     src = rng.integers(0, 256, 100_003, dtype=np.uint8)
     dst = np.empty_like(src)
-    assert _chunks.copy_crc(dst, src, 5, kernel=False) == crc32c.crc32c(src, 5)
+    assert _crcs.copy_crc(dst, src, 5, kernel=False) == crc32c.crc32c(src, 5)
     assert np.array_equal(dst, src)
-    monkeypatch.setattr(_chunks, "_copycrc", None)
+    monkeypatch.setattr(_crcs, "_copycrc", None)
     with pytest.raises(RuntimeError, match="not built"):
-        _chunks.copy_crc(dst, src, 0, kernel=True)
+        _crcs.copy_crc(dst, src, 0, kernel=True)
 
 
 CASES = [  # (dtype, shape, chunk): edge chunks on the first axis, on a trailing one
@@ -149,13 +149,13 @@ def test_copy_with_crcs_gives_the_crcs_a_chunk_file_stores(way, dtype, shape, ch
     data = rng.standard_normal(shape) * 50
     data = (data > 0) if dtype is np.bool_ else data.astype(dtype)
     whole = tuple(slice(0, n) for n in shape)
-    want = _chunks.chunk_crcs(shape, chunk, whole, data)
+    want = _crcs.chunk_crcs(shape, chunk, whole, data)
     for rows in [(0, shape[0]), (chunk[0], shape[0]), (0, chunk[0])]:
         index = (slice(*rows), *whole[1:])
         src = data[index]
         dst = np.empty_like(src)
         out: dict = {}
-        _chunks.copy_with_crcs(dst, src, shape, chunk, index, out, kernel=None)
+        _crcs.copy_with_crcs(dst, src, shape, chunk, index, out, kernel=None)
         assert np.array_equal(dst, src)
         assert out and all(out[cell] == want[cell] for cell in out)
         grid = [-(-(b - a) // c) for (a, b), c in [(rows, chunk[0])]]

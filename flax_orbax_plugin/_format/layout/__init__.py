@@ -1,75 +1,79 @@
-"""The on-disk layout, format version 1: typed records for every JSON file.
+"""The on-disk layout, format version 1: typed records for the JSON files of a checkpoint.
 
-This package is the only place that knows the JSON field names and the names on disk
-(``files``). Every record has ``to_json()`` and a ``from_json(obj, where)`` that
-validates every field and raises :class:`CorruptCheckpointError` naming the file and
-the field, before anything sized by the untrusted numbers is allocated (``checked``).
-FORMAT.md at the repository root is the specification; later format versions restore
-version 1. Files: ``_METADATA.json`` (:class:`CheckpointDocument`),
-``_COMMITTED`` (:class:`CommitMarker`) and ``_CHECKPOINT.json`` (:class:`StepManifest`),
-with the names on disk, in ``files``; leaf and batch records in ``records``; dtypes in ``dtypes``.
+This package and ``_format.steps`` (the step manifest) are the only places that know the
+JSON field names and the names on disk. ``records``: the records as a writer makes them
+(``to_json()``/``to_bytes()``), the names on disk, and the checked-JSON helpers;
+``read_back``: each record parsed from what storage holds (``leaf_from_json``,
+``batch_from_json``, ``document_from_json``; ``CommitMarker.from_bytes``, which a save
+reads too, stays with its record), every field validated before anything sized by the
+untrusted numbers is allocated, a :class:`CorruptCheckpointError` naming the file and the
+field; ``dtypes``: the dtypes a checkpoint may hold. FORMAT.md at the repository root is
+the specification; later format versions restore version 1.
 """
 
 from __future__ import annotations
 
-from .files import (
+from .dtypes import (
+    DTYPES,
+    SUPPORTED_DTYPES,
+    dtype_from_name,
+    dtype_name,
+    packable,
+    packed_bytes,
+    zarr_dtype,
+)
+from .read_back import (
+    batch_from_json,
+    decode_checked,
+    document_from_json,
+    leaf_from_json,
+    sha256_mismatch,
+    text_bytes,
+    text_value,
+)
+from .records import (
     ARRAYS_DIR,
     BATCHES_DIR,
     COMMIT_FILE,
+    EMPTY_KINDS,
     FORMAT_NAME,
     FORMAT_VERSION,
     HOST_FILE,
     JSON_VALUE_FILE,
-    MANIFEST_FILE,
-    METADATA_FILE,
-    PENDING_FILE,
-    STEP_FORMAT,
-    STEP_VERSION,
-    CheckpointDocument,
-    CommitMarker,
-    ItemEntry,
-    StepManifest,
-    array_dir,
-    batch_dir,
-    iterator_state_file,
-)
-from .records import (
-    DTYPES,
-    EMPTY_KINDS,
     KEY_KINDS,
     LEAF_KINDS,
+    MANIFEST_FILE,
     MAX_ARRAY_BYTES,
     MAX_JSON_BYTES,
     MAX_NDIM,
     MAX_PROCESSES,
     MAX_TEXT_BYTES,
+    METADATA_FILE,
     NO_DATA_KINDS,
+    PENDING_FILE,
     PRNG_IMPLS,
     PRNG_KEY_WORDS,
     SCALAR_KINDS,
-    SUPPORTED_DTYPES,
+    STEP_FORMAT,
+    STEP_VERSION,
     TEXT_KINDS,
     ArrayStorage,
     BatchRecord,
     BatchStorage,
+    CheckpointDocument,
+    CommitMarker,
     LeafRecord,
+    array_dir,
+    batch_dir,
     batch_name,
     check_codec,
     decode,
-    decode_checked,
-    dtype_from_name,
-    dtype_name,
     encode,
     is_safe_name,
-    packable,
-    packed_bytes,
+    iterator_state_file,
     parse_sealed,
     seal,
     sha256,
-    sha256_mismatch,
-    text_bytes,
-    text_value,
-    zarr_dtype,
 )
 
 __all__ = [
@@ -84,7 +88,6 @@ __all__ = [
     "EMPTY_KINDS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "ItemEntry",
     "JSON_VALUE_FILE",
     "KEY_KINDS",
     "LEAF_KINDS",
@@ -106,19 +109,21 @@ __all__ = [
     "STEP_FORMAT",
     "STEP_VERSION",
     "SUPPORTED_DTYPES",
-    "StepManifest",
     "TEXT_KINDS",
     "array_dir",
     "batch_dir",
+    "batch_from_json",
     "batch_name",
     "check_codec",
     "decode",
     "decode_checked",
     "dtype_from_name",
+    "document_from_json",
     "dtype_name",
     "encode",
     "is_safe_name",
     "iterator_state_file",
+    "leaf_from_json",
     "parse_sealed",
     "seal",
     "sha256",

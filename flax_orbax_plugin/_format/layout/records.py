@@ -1,5 +1,8 @@
-"""Checked JSON (checksums, bounded parsing, validators), dtype names and bounds, and the
-records of one leaf and one batch.
+"""Format version 1's records as a writer makes them: checked JSON (checksums, canonical
+bytes, bounded parsing, the field validators every reader shares), bounds, the records of
+one leaf and one batch, the names on disk, ``_METADATA.json``'s document and the commit
+marker. The records read back and checked: ``read_back``; the dtypes they name:
+``dtypes``; the step manifest: ``_format.steps``.
 
 Pure functions over immutable records; any thread.
 
@@ -8,12 +11,8 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
-import functools
 import hashlib
-import importlib
 import json
 import math
 import re
@@ -21,10 +20,9 @@ import reprlib
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-import numpy as np
-
-from ..._errors import CorruptCheckpointError, StructureError
+from ..._errors import CorruptCheckpointError
 from ..._storage import local_files as _local_files
+from .dtypes import SUPPORTED_DTYPES, dtype_from_name
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", re.ASCII)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$", re.ASCII)
@@ -51,23 +49,6 @@ def decode(raw: bytes, where: str, kind: _local_files.DocKind) -> Any:
     """Parses JSON bytes read from an untrusted store as a document of ``kind`` (its
     size, depth and key limits: ``_storage/local_files.py``); errors name the file."""
     return _local_files.parse(raw, where, kind)
-
-
-def decode_checked(raw: bytes, where: str, expected_sha256: str, kind: _local_files.DocKind) -> Any:
-    """Parses ``raw`` after checking it against the checksum recorded at commit."""
-    found = sha256(raw)
-    if found != expected_sha256:
-        sha256_mismatch(where, expected_sha256, found)
-    return decode(raw, where, kind)
-
-
-def sha256_mismatch(where: str, expected: str, found: str) -> NoReturn:
-    """Raises the CorruptCheckpointError of a JSON file whose sha256 differs from the
-    one recorded at commit."""
-    raise CorruptCheckpointError(
-        f"{where}: checksum mismatch: expected sha256 {expected[:16]}... "
-        f"(recorded at commit), found {found[:16]}...; the file was changed or damaged"
-    )
 
 
 def seal(body: dict[str, Any], kind: _local_files.DocKind | None = None) -> bytes:
@@ -119,10 +100,6 @@ def need(cond: bool, where: str, field: str, expected: str, found: Any) -> None:
         fail(where, field, expected, found)
 
 
-def one_of(x: Any, names: frozenset[str]) -> bool:
-    return isinstance(x, str) and x in names
-
-
 def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -137,19 +114,6 @@ def time_field(obj: Mapping, key: str, where: str, field: str) -> float:
     """An optional time in seconds since the epoch (0.0 when absent), within what the
     platform formats as a date (``json_docs.check_time``)."""
     return _local_files.check_time(obj.get(key, 0.0), where, field, stored=True)
-
-
-def str_field(obj: Mapping, key: str, where: str, field: str) -> str:
-    value = obj.get(key)
-    need(isinstance(value, str), where, field, "a string", value)
-    return value
-
-
-def opt_str(obj: Mapping, key: str, where: str, *, limit: int = 1000) -> str:
-    """An optional, informational string field ("" when absent)."""
-    value = obj.get(key, "")
-    need(isinstance(value, str) and len(value) <= limit, where, key, "a short string", value)
-    return value
 
 
 def check_format_version(obj: Mapping, where: str, name: str, key: str, known: int) -> int:
@@ -193,73 +157,6 @@ MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: larger "arrays" are damage, not data
 MAX_PROCESSES = 1 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class Dtype:
-    """One dtype a checkpoint may hold: the package's one declaration of it.
-
-    ``name`` is numpy's (ml_dtypes') name, as leaf and batch records store it; ``bits``
-    the bits of one value (under 8: a sub-byte type, one value per byte in memory);
-    ``zarr`` the zarr3 ``data_type`` of its arrays' ``zarr.json``: its own name where
-    tensorstore's zarr3 driver knows it, else ``uint8``, which holds the same byte per
-    value (the leaf record names the dtype); ``safetensors`` its tag in the safetensors
-    spec, or None where the spec has none.
-    """
-
-    name: str
-    bits: int
-    zarr: str
-    safetensors: str | None
-
-
-def _table(rows: str) -> dict[str, Dtype]:
-    out = {}
-    for row in rows.strip().splitlines():
-        name, bits, zarr, tag = row.split()
-        zarr = name if zarr == "=" else zarr
-        out[name] = Dtype(name, int(bits), zarr, None if tag == "-" else tag)
-    return out
-
-
-# name, bits, zarr3 data_type ("=": its own name), safetensors tag ("-": none). Every
-# dtype jax.numpy offers (tests/format/test_every_dtype.py fails for one not listed).
-DTYPES = _table(
-    """
-    bool                8   =       BOOL
-    int1                1   uint8   -
-    int2                2   =       -
-    int4                4   =       -
-    int8                8   =       I8
-    int16               16  =       I16
-    int32               32  =       I32
-    int64               64  =       I64
-    uint1               1   uint8   -
-    uint2               2   uint8   -
-    uint4               4   uint8   -
-    uint8               8   =       U8
-    uint16              16  =       U16
-    uint32              32  =       U32
-    uint64              64  =       U64
-    float4_e2m1fn       4   =       F4
-    float6_e2m3fn       6   uint8   F6_E2M3
-    float6_e3m2fn       6   uint8   F6_E3M2
-    float8_e3m4         8   =       -
-    float8_e4m3         8   uint8   -
-    float8_e4m3b11fnuz  8   =       -
-    float8_e4m3fn       8   =       F8_E4M3
-    float8_e4m3fnuz     8   =       F8_E4M3FNUZ
-    float8_e5m2         8   =       F8_E5M2
-    float8_e5m2fnuz     8   =       F8_E5M2FNUZ
-    float8_e8m0fnu      8   =       F8_E8M0
-    float16             16  =       F16
-    bfloat16            16  =       BF16
-    float32             32  =       F32
-    float64             64  =       F64
-    complex64           64  =       C64
-    complex128          128 =       -
-    """
-)
-SUPPORTED_DTYPES = frozenset(DTYPES)
-
 PRNG_IMPLS = frozenset({"threefry2x32", "rbg", "unsafe_rbg"})
 EMPTY_KINDS = ("empty_dict", "empty_list")  # {} (or a field-less node); [] or ()
 # A str or bytes leaf: its value is JSON in the record ("value"; bytes as base64).
@@ -283,59 +180,6 @@ SCALAR_KINDS = {
 }
 
 
-@functools.lru_cache(maxsize=256)
-def dtype_name(dtype: np.dtype) -> str:
-    """``dtype.name``, cached (numpy computes it anew on every access)."""
-    return dtype.name
-
-
-@functools.lru_cache(maxsize=64)
-def dtype_from_name(name: str, *, path: str = "?") -> np.dtype:
-    """numpy dtype for a stored dtype name; a clear error for unknown names."""
-    if name not in SUPPORTED_DTYPES:
-        raise StructureError(
-            f"leaf {path!r}: unknown dtype {name!r} (expected one of {sorted(SUPPORTED_DTYPES)})"
-        )
-    return _numpy_dtype(name)
-
-
-# The dtypes numpy itself has; every other one is ml_dtypes', imported at the first
-# such dtype resolved (0.3-0.9 s: a command that reads only JSON never pays it).
-NUMPY_NATIVE = frozenset(
-    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
-    "complex64 complex128".split()
-)
-
-
-def _numpy_dtype(name: str) -> np.dtype:
-    if name in NUMPY_NATIVE:
-        return np.dtype(name)
-    return np.dtype(getattr(importlib.import_module("ml_dtypes"), name))
-
-
-@functools.lru_cache(maxsize=64)
-def zarr_dtype(name: str) -> np.dtype:
-    """The numpy dtype of the zarr3 ``data_type`` that arrays of dtype ``name`` are
-    stored as (``name``'s own where tensorstore knows it; else ``uint8``): tensorstore
-    reads and writes their values through a view of this dtype (same itemsize)."""
-    return _numpy_dtype(DTYPES[name].zarr)
-
-
-def packable(name: str, shape, chunk) -> bool:
-    """Whether a leaf of dtype ``name``, ``shape`` and ``chunk`` shape is stored packed
-    (``packed_array``): a sub-byte dtype, at least one axis and no empty one, and
-    chunks whose last axis is whole bytes (or the whole axis). FORMAT.md."""
-    bits = DTYPES[name].bits
-    if bits >= 8 or not shape or 0 in shape:
-        return False
-    return chunk[-1] == shape[-1] or chunk[-1] * bits % 8 == 0
-
-
-def packed_bytes(name: str, count: int) -> int:
-    """Bytes of ``count`` values of a sub-byte dtype packed into one bit stream."""
-    return -(-count * DTYPES[name].bits // 8)
-
-
 def batch_name(process: int, dtype: str) -> str:
     """The name of the batch of small leaves of ``dtype`` written by ``process``."""
     return f"{process}.{dtype}"
@@ -346,9 +190,6 @@ def batch_name(process: int, dtype: str) -> str:
 # (:attr:`BatchRecord.inner`), so this rule is the format's.
 BATCH_INNER_CHUNK_BYTES = 64 << 10
 
-# A leaf's optional content digest: "<algorithm>:<hex>" (this version writes xxh3_128r;
-# earlier ones wrote xxh3_128, still valid to read).
-_LEAF_DIGEST = re.compile(r"^[a-z0-9_]{1,32}:[0-9a-f]{16,128}$", re.ASCII)
 # -- leaves and batches -----------------------------------------------------------------
 
 
@@ -439,201 +280,6 @@ class LeafRecord:
             out["digest"] = self.digest
         return out
 
-    @classmethod
-    def from_json(cls, obj: Any, where: str, index: int) -> LeafRecord:
-        # Hot path (thousands of leaves): conditions first, messages only on failure.
-        if not isinstance(obj, dict):
-            fail(where, f"leaves[{index}]", "an object", obj)
-        path = obj.get("path")
-        if not isinstance(path, str):
-            fail(where, f"leaves[{index}].path", "a string", path)
-
-        def bad(field: str, expected: str, found: Any) -> NoReturn:
-            fail(where, f"leaves[{index}] ({path!r}).{field}", expected, found)
-
-        kind = obj.get("kind")
-        if not one_of(kind, LEAF_KINDS):
-            bad("kind", f"one of {sorted(LEAF_KINDS)}", kind)
-        keys = _keys(obj.get("keys"), bad)
-        if kind in TEXT_KINDS:
-            return cls(path, keys, kind, value=_text_field(obj, kind, bad))
-        if kind in NO_DATA_KINDS:
-            return cls(path, keys, kind)
-        shape, dtype, size = _shape_and_dtype(obj, kind, bad)
-        sharding = obj.get("sharding")
-        if not (sharding is None or (isinstance(sharding, dict) and _shallow(sharding))):
-            bad("sharding", "an object of at most 4 levels and 1000 values, or null", sharding)
-        impl = _prng_impl(obj, dtype, shape, bad) if kind == "prng_key" else None
-        storage = _storage_field(obj.get("storage"), shape, size, bad, dtype)
-        if isinstance(storage, ArrayStorage) and storage.packed:
-            _check_packed(dtype, shape, storage.chunk_shape, bad)
-        digest = obj.get("digest")
-        if not (digest is None or (isinstance(digest, str) and _LEAF_DIGEST.match(digest))):
-            bad("digest", "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex)", digest)
-        return cls(path, keys, kind, shape, dtype, sharding, storage, impl, digest)
-
-
-# The parts of LeafRecord.from_json; ``bad(field, expected, found)`` raises.
-
-
-def _text_field(obj: dict, kind: str, bad) -> str:
-    """The ``value`` of a str or bytes leaf: bounded text (bytes: base64)."""
-    value = obj.get("value")
-    if not (isinstance(value, str) and len(value) <= 2 * MAX_TEXT_BYTES):
-        bad("value", f"a string of at most {2 * MAX_TEXT_BYTES} characters", value)
-    if kind == "py_bytes":
-        text_bytes(value, lambda: bad("value", "base64 text", value))
-    elif not _utf8_within(value, MAX_TEXT_BYTES):
-        bad("value", f"text of at most {MAX_TEXT_BYTES} bytes in UTF-8", value)
-    return value
-
-
-def _shape_and_dtype(obj: dict, kind: str, bad) -> tuple[tuple[int, ...], str, int]:
-    """(shape, dtype name, element count): bounded, and a scalar's for a scalar kind."""
-    shape = obj.get("shape")
-    if not (
-        type(shape) is list
-        and len(shape) <= MAX_NDIM
-        and all(type(d) is int and 0 <= d < (1 << 50) for d in shape)
-    ):
-        bad("shape", f"a list of at most {MAX_NDIM} non-negative ints", shape)
-    shape = tuple(shape)
-    dtype = obj.get("dtype")
-    if not one_of(dtype, SUPPORTED_DTYPES):
-        bad("dtype", "a supported dtype name", dtype)
-    size = math.prod(shape)  # Python ints: never overflows
-    if size * dtype_from_name(dtype).itemsize > MAX_ARRAY_BYTES:
-        bad("shape", f"at most {MAX_ARRAY_BYTES} bytes", shape)
-    if kind in SCALAR_KINDS:
-        if shape:
-            bad("shape", f"[] (a {kind} is a scalar)", shape)
-        if dtype not in SCALAR_KINDS[kind]:
-            bad("dtype", f"one of {sorted(SCALAR_KINDS[kind])} (for a {kind})", dtype)
-    return shape, dtype, size
-
-
-def _prng_impl(obj: dict, dtype: str, shape: tuple[int, ...], bad) -> str:
-    """A PRNG key leaf's ``impl``, and its key data's shape for that implementation."""
-    impl = obj.get("impl")
-    if not one_of(impl, PRNG_IMPLS):
-        bad("impl", f"one of {sorted(PRNG_IMPLS)}", impl)
-    if dtype != "uint32" or not shape or shape[-1] != PRNG_KEY_WORDS[impl]:
-        bad("shape", f"uint32[..., {PRNG_KEY_WORDS[impl]}] (key data of {impl})", shape)
-    return impl
-
-
-def _check_packed(dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], bad) -> None:
-    """A ``packed_array`` holds a sub-byte dtype, at least one axis, and chunks whose
-    last axis is whole bytes or the whole axis (FORMAT.md, packed sub-byte arrays)."""
-    if not packable(dtype, shape, chunk):
-        bad(
-            "storage.type",
-            f"'array' ({dtype}{list(shape)} in chunks {list(chunk)})",
-            "packed_array",
-        )
-
-
-def _storage_field(
-    raw: Any, shape: tuple[int, ...], size: int, bad, dtype: str
-) -> ArrayStorage | BatchStorage:
-    """A data leaf's ``storage``: a slot in a batch, or an array of its own."""
-    if not isinstance(raw, dict):
-        bad("storage", "an object", raw)
-    stype = raw.get("type")
-    if stype in ("batch", "packed_batch"):
-        packed = stype == "packed_batch"
-        batch, offset, n = raw.get("batch"), raw.get("offset"), raw.get("size")
-        if not isinstance(batch, str):
-            bad("storage.batch", "a string", batch)
-        if not (type(offset) is int and 0 <= offset <= 1 << 62):
-            bad("storage.offset", "an int in [0, 2**62]", offset)
-        if packed and DTYPES[dtype].bits >= 8:
-            bad("storage.type", f"'batch' (a {dtype} is not packed)", stype)
-        want = packed_bytes(dtype, size) if packed else size
-        if n != want or type(n) is not int:
-            shown = "bytes of its packed values" if packed else "the shape's element count"
-            bad("storage.size", f"{want} ({shown})", n)
-        return BatchStorage(batch, offset, n, packed)
-    if stype in ("array", "packed_array"):
-        chunk = raw.get("chunk_shape")
-        if not (
-            type(chunk) is list
-            and len(chunk) == len(shape)
-            and all(
-                type(c) is int and 1 <= c <= max(1, d) for c, d in zip(chunk, shape, strict=True)
-            )
-        ):
-            bad("storage.chunk_shape", f"{len(shape)} ints in [1, shape]", chunk)
-        codec = raw.get("codec")
-        if not (codec is None or (isinstance(codec, str) and _CODEC.match(codec))):
-            bad("storage.codec", "absent or 'zstd:<1-22>'", codec)
-        return ArrayStorage(tuple(chunk), codec, stype == "packed_array")
-    bad("storage.type", "'array', 'packed_array', 'batch' or 'packed_batch'", stype)
-
-
-def _utf8_within(text: str, limit: int) -> bool:
-    try:
-        return len(text.encode("utf-8")) <= limit
-    except UnicodeEncodeError:  # a lone surrogate: no str this library writes
-        return False
-
-
-def text_value(record: LeafRecord) -> str | bytes:
-    """The str or bytes a record of a TEXT_KINDS kind holds (checked when parsed)."""
-    if record.kind == "py_bytes":
-        return text_bytes(record.value or "", lambda: None)
-    return record.value or ""
-
-
-def text_bytes(value: str, on_error) -> bytes:
-    """``value`` (base64) decoded; ``on_error()`` is called (and must raise) if it is not
-    base64 of at most MAX_TEXT_BYTES bytes."""
-    try:
-        data = base64.b64decode(value.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError, ValueError):
-        on_error()
-        raise
-    if len(data) > MAX_TEXT_BYTES:
-        on_error()
-    return data
-
-
-def _shallow(value: Any, *, depth: int = 4, values: int = 1000) -> bool:
-    """Whether a JSON value nests at most ``depth`` levels and holds at most ``values``
-    values (a sharding description is small; walked without recursion)."""
-    stack, seen = [(value, 0)], 0
-    while stack:
-        x, level = stack.pop()
-        seen += 1
-        if seen > values or level > depth:
-            return False
-        if isinstance(x, dict):
-            stack.extend((v, level + 1) for v in x.values())
-        elif isinstance(x, list):
-            stack.extend((v, level + 1) for v in x)
-    return True
-
-
-def _keys(keys: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
-    """``[[kind, key], ...]`` as a tuple of pairs; ``bad(field, expected, found)`` raises."""
-    if not (type(keys) is list and len(keys) <= 1000):
-        bad("keys", "a list of [kind, key]", keys)
-    out = []
-    for k in keys:
-        if not (
-            type(k) is list
-            and len(k) == 2
-            and one_of(k[0], KEY_KINDS)
-            and (
-                (k[0] in ("seq", "flat") and is_int(k[1]) and 0 <= k[1] < (1 << 31))
-                or (k[0] == "attr" and isinstance(k[1], str))
-                or (k[0] == "dict" and (isinstance(k[1], str) or is_int(k[1])))
-            )
-        ):
-            bad("keys", "[kind, key] pairs", k)
-        out.append((k[0], k[1]))
-    return tuple(out)
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BatchRecord:
@@ -670,29 +316,104 @@ class BatchRecord:
             "chunk": self.chunk,
         }
 
+
+# -- names on disk --------------------------------------------------------------------------
+
+FORMAT_NAME = "flax_orbax_plugin"
+FORMAT_VERSION = 1
+LATEST_FORMAT_VERSION = 2  # _METADATA.json: 1 (a file per chunk) or 2 (data files)
+STEP_FORMAT = "flax_orbax_plugin/step"
+STEP_VERSION = 1
+LANES = ("temporary", "permanent", "forced")  # a step's lane (``lanes.Lanes``, a forced save)
+
+METADATA_FILE = "_METADATA.json"
+COMMIT_FILE = "_COMMITTED"
+MANIFEST_FILE = "_CHECKPOINT.json"
+PENDING_FILE = "_PENDING.json"  # a save in progress (or killed): see _core.ownership
+HOST_FILE = "_HOST.json"  # in each host's copy of a step (_manager.per_host); never uploaded
+JSON_VALUE_FILE = "value.json"
+ARRAYS_DIR = "d"  # d/<i>/: the zarr3 array of leaf number i
+BATCHES_DIR = "b"  # b/<name>/: a zarr3 1-D batch of small leaves
+
+
+def array_dir(index: int) -> str:
+    """``d/<i>``: where leaf number ``index`` is stored as its own array."""
+    return f"{ARRAYS_DIR}/{int(index)}"
+
+
+def batch_dir(name: str) -> str:
+    """``b/<name>``: where the batch ``name`` (``records.batch_name``) is stored."""
+    return f"{BATCHES_DIR}/{name}"
+
+
+def iterator_state_file(process_index: int) -> str:
+    """``process_<i>.json``: the data iterator state of process ``process_index``."""
+    return f"process_{process_index}.json"
+
+
+# -- a checkpoint's metadata ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointDocument:
+    """``_METADATA.json``: every leaf of one pytree and the batches of small leaves."""
+
+    leaves: tuple[LeafRecord, ...]
+    batches: dict[str, BatchRecord]
+    process_count: int = 1
+    created_at: float = 0.0
+    jax_version: str = ""
+    format_version: int = FORMAT_VERSION
+    # Read, not written: the sha256 of the checkpoint's JSON files its commit recorded,
+    # by name (``_format.steps.read_document`` sets it), or None.
+    listed: dict[str, str] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        _local_files.check_time(self.created_at, METADATA_FILE, "created_at", stored=False)
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "created_at": self.created_at,
+            "process_count": self.process_count,
+            "jax_version": self.jax_version,
+            "leaves": [leaf.to_json() for leaf in self.leaves],
+            "batches": {name: b.to_json() for name, b in self.batches.items()},
+        }
+
+
+# -- commit records -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitMarker:
+    """``_COMMITTED`` of a standalone core checkpoint: written last; its presence is the
+    commit on object stores. Carries the sha256 of ``_METADATA.json``."""
+
+    files: dict[str, str]
+    committed_at: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        _local_files.check_time(self.committed_at, COMMIT_FILE, "committed_at", stored=False)
+        return seal(
+            {
+                "format": FORMAT_NAME,
+                "format_version": FORMAT_VERSION,
+                "committed_at": self.committed_at,
+                "files": self.files,
+            },
+            _local_files.COMMIT_MARKER,
+        )
+
     @classmethod
-    def from_json(cls, name: str, obj: Any, where: str, process_count: int) -> BatchRecord:
-        at = f"batches[{name!r}]"
-        need(isinstance(obj, dict), where, at, "an object", obj)
-        dtype = obj.get("dtype")
-        need(one_of(dtype, SUPPORTED_DTYPES), where, f"{at}.dtype", "a supported dtype name", dtype)
-        process = int_field(obj, "process", where, f"{at}.process", hi=process_count - 1)
-        itemsize = dtype_from_name(dtype).itemsize
-        size = int_field(obj, "size", where, f"{at}.size", lo=1, hi=MAX_ARRAY_BYTES // itemsize)
-        chunk = int_field(obj, "chunk", where, f"{at}.chunk", lo=1, hi=MAX_ARRAY_BYTES // itemsize)
-        need(
-            name == batch_name(process, dtype),
-            where,
-            at,
-            f"name {batch_name(process, dtype)!r}",
-            name,
-        )
-        codec = obj.get("codec")
-        need(
-            codec is None or (isinstance(codec, str) and bool(_CODEC.match(codec))),
-            where,
-            f"{at}.codec",
-            "absent or 'zstd:<1-22>'",
-            codec,
-        )
-        return cls(name, dtype, process, size, chunk, codec)
+    def from_bytes(cls, raw: bytes, where: str) -> CommitMarker:
+        obj = decode(raw, where, _local_files.COMMIT_MARKER)
+        if isinstance(obj, dict) and "checksum" not in obj and "files" not in obj:
+            raise CorruptCheckpointError(
+                f"{where}: a commit marker without checksums (written before format version "
+                f"1 was fixed); re-save it with this version"
+            )
+        body = parse_sealed(raw, where, _local_files.COMMIT_MARKER)
+        check_format_version(body, where, FORMAT_NAME, "format_version", FORMAT_VERSION)
+        files = files_field(body, where)
+        need(METADATA_FILE in files, where, "files", f"an entry for {METADATA_FILE}", files)
+        return cls(files, time_field(body, "committed_at", where, "committed_at"))

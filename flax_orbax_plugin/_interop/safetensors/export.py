@@ -30,9 +30,11 @@ from ..._errors import (
     StructureError,
     UnsupportedLocationError,
 )
-from ..._format.steps import holding_checkpoint, manifest_for_item
+from ..._format.describe import holding_checkpoint
+from ..._format.steps import manifest_for_item
 from ..._like.onto_like import check_policy
-from ..._storage.kvstore import arguments, local_path, refusals
+from ..._storage.kvstore import arguments, refusals
+from ..._storage.local_inputs import local_path
 from ..._storage.location import Location
 from ..._storage.untrusted import loads_json, read_capped
 from . import remains as _remains

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, OptionError
 from ..._format import layout as _layout
-from ..._storage.kvstore import local_path
+from ..._storage.local_inputs import local_path
 from ..._storage.untrusted import loads_json, open_regular, read_capped
 from .packing import packed_bits, tensor_nbytes
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..._format import layout as _layout
-from ..._zarr import chunks as _chunks
+from ..._zarr import subbyte as _subbyte
 
 
 def packed_bits(dtype: np.dtype) -> int | None:
@@ -36,14 +36,14 @@ def tensor_nbytes(dtype: np.dtype, count: int) -> int | None:
 def pack(values: np.ndarray, bits: int) -> np.ndarray:
     """The packed bytes (uint8, flat) of ``values`` (C order; their count times
     ``bits`` a multiple of 8): the whole tensor as one row (``_zarr.chunks``)."""
-    return _chunks.pack_rows(np.ascontiguousarray(values).reshape(-1), bits)
+    return _subbyte.pack_rows(np.ascontiguousarray(values).reshape(-1), bits)
 
 
 def unpack(data: np.ndarray, bits: int, count: int, skip: int = 0) -> np.ndarray:
     """Values ``skip .. skip + count`` (one canonical byte each, uint8) of the packed
-    bytes ``data`` (uint8, starting on a group of whole bytes: ``_zarr.chunks.group``)."""
-    return _chunks.unpack_rows(data, bits, count, skip, np.uint8)
+    bytes ``data`` (uint8, starting on a group of whole bytes: ``_zarr.subbyte.group``)."""
+    return _subbyte.unpack_rows(data, bits, count, skip, np.uint8)
 
 
 def group(bits: int) -> int:
-    return _chunks.group(bits)
+    return _subbyte.group(bits)

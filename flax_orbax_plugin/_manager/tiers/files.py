@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from ..._base import env as _env
 from ..._core import ownership as _ownership
 from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
-from ..._format.layout import MANIFEST_FILE, StepManifest
+from ..._format.layout import MANIFEST_FILE
+from ..._format.steps import StepManifest
 from ..._storage.location import Location
 from .state import Stopped
 

@@ -1,0 +1,111 @@
+"""What a place holds when it is not what a caller asked for, in words: a directory of
+steps with none committed (:func:`no_steps`), a committed checkpoint a writer must stay
+out of (:func:`holding_checkpoint`), a folder one level off a run (:func:`misplaced`).
+
+Only a call that fails, or a writer's check of its output, runs this (the one-pytree
+reader's own words, ``steps.not_a_checkpoint``, stay beside the read that raises them).
+Reads names and small files only, never following a link; safe from any thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.steps``.
+"""
+
+from __future__ import annotations
+
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._storage.location import Location
+from .layout import COMMIT_FILE, MANIFEST_FILE
+from .steps import (
+    CHECKPOINT,
+    HOST_COPY,
+    RECORD_NAMES,
+    STEP_KIND,
+    Listing,
+    Place,
+    classify,
+    folder_inside,
+    list_directory,
+    nothing_here,
+    one_level_down,
+)
+
+
+def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
+    """The committed checkpoint of this library that ``location`` is (or lies inside),
+    in words: a step (or a place inside one of its items), a core checkpoint, or, for
+    ``location`` and its first ``runs - 1`` parents, a run directory holding committed
+    steps. None when there is none. For writers whose output must stay outside every
+    checkpoint (an export, an import's run): a committed checkpoint never changes.
+
+    Probes one marker per parent (and lists ``runs`` directories); a local
+    ``location`` should be a real path (no link on the way). Safe from any thread."""
+    here, level = location, 0
+    while True:
+        if here.exists(MANIFEST_FILE):
+            return f"step {here.name} of the run directory {here.parent}"
+        if here.exists(COMMIT_FILE):
+            return f"the checkpoint {here} (written by fop.save)"
+        if level < runs and list_directory(here).committed:
+            return f"the run directory {here} (it holds committed steps)"
+        if here.parent == here:
+            return None
+        here, level = here.parent, level + 1
+
+
+def no_steps(where: Location | Place, listing: Listing | None = None) -> CheckpointError:
+    """The error for a reader of a directory of steps (``restore_params``, ``verify``,
+    the CLI) that found no committed step at ``where`` (its :class:`Place`, or a
+    location classified here; ``listing``: its listing, when made)."""
+    place = where if isinstance(where, Place) else classify(where)
+    location, listing = place.location, listing or place.listing
+    if place.kind in (STEP_KIND, HOST_COPY):
+        step = location.name
+        return CheckpointNotFoundError(
+            f"{location} is step {step} of the run directory {location.parent}, not a run "
+            f"directory: name that directory (and step {step}), e.g. "
+            f"fop.restore_params({str(location.parent)!r}, step={step})"
+        )
+    if place.item is not None:
+        item = place.item.manifest
+        return CheckpointNotFoundError(
+            f"{location} is an item of step {item.step} of the run directory "
+            f"{location.parent.parent}, not a run directory: fop.restore({str(location)!r}) "
+            f"reads it, fop.restore_params({str(location.parent.parent)!r}, step={item.step}) "
+            f"serves the step's params"
+        )
+    if place.kind == CHECKPOINT:
+        return CheckpointNotFoundError(
+            f"{location} is a checkpoint of one pytree (fop.save), not a directory of "
+            f"steps: read it with fop.restore({str(location)!r})"
+        )
+    listing = listing if listing is not None else list_directory(location)
+    if listing.corrupt:  # steps there were, all set aside: damage, not an empty run
+        return CorruptCheckpointError(
+            f"no committed steps in {location}: every step was set aside as damaged "
+            f"({', '.join(listing.corrupt)}); inspect them with `flax-orbax verify "
+            f"{location}/<name>`"
+        )
+    if listing.unfinished:
+        return CheckpointNotFoundError(
+            f"no committed steps in {location}: the saves of "
+            f"{', '.join(listing.unfinished)} were interrupted or are still running"
+        )
+    if any(location.exists(n) for n in RECORD_NAMES):
+        return CheckpointNotFoundError(
+            f"no committed steps in {location}: a run directory of CheckpointManager with "
+            f"no committed step yet"
+        )
+    return CheckpointNotFoundError(nothing_here(location, "no committed steps"))
+
+
+def misplaced(location: Location) -> str | None:
+    """Where ``location`` (no run itself) is one level off a run of ours: a folder inside
+    a checkpoint, step or item, or a folder with runs one level down;
+    None otherwise (a folder of other things is no mistake of place). ``gc``'s check."""
+    inside = folder_inside(location)
+    if inside is not None:
+        return f"{location} is a folder inside {inside}; point at the run directory instead"
+    names = [n for n in location.list_children() if not n.startswith(".fop-visible-")]
+    below = one_level_down(location, names, runs_only=True)  # a checkpoint there: no gc's
+    if below:
+        return f"{location} holds no run itself; one level down: {'; '.join(below)}"
+    return None

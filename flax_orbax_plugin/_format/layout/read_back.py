@@ -1,0 +1,418 @@
+"""The records of format version 1 read back from storage, every field checked before
+anything sized by it is allocated: a leaf, a batch, ``_METADATA.json``'s document (and the
+checks across its leaves: unique paths, one consistent pytree, batch slots inside their
+batches), a JSON file against the checksum its commit recorded, and a text leaf's value.
+Each raises :class:`CorruptCheckpointError` naming the file and the field.
+
+Only a read runs this (restore, verify, metadata, an incremental step's look at the
+previous one); a save writes the records of ``records``. Pure functions: any thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout.records``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+from ..._base.key_paths import path_string
+from ..._errors import CorruptCheckpointError
+from ..._storage import local_files as _local_files
+from .dtypes import DTYPES, SUPPORTED_DTYPES, dtype_from_name, packable, packed_bytes
+from .records import (
+    _CODEC,
+    FORMAT_NAME,
+    KEY_KINDS,
+    LATEST_FORMAT_VERSION,
+    LEAF_KINDS,
+    MAX_ARRAY_BYTES,
+    MAX_NDIM,
+    MAX_PROCESSES,
+    MAX_TEXT_BYTES,
+    NO_DATA_KINDS,
+    PRNG_IMPLS,
+    PRNG_KEY_WORDS,
+    SCALAR_KINDS,
+    TEXT_KINDS,
+    ArrayStorage,
+    BatchRecord,
+    BatchStorage,
+    CheckpointDocument,
+    LeafRecord,
+    batch_name,
+    check_format_version,
+    decode,
+    fail,
+    int_field,
+    is_int,
+    need,
+    sha256,
+    time_field,
+)
+
+# -- checked reads and the validators only a reader uses ----------------------------------
+
+
+def decode_checked(raw: bytes, where: str, expected_sha256: str, kind: _local_files.DocKind) -> Any:
+    """Parses ``raw`` after checking it against the checksum recorded at commit."""
+    found = sha256(raw)
+    if found != expected_sha256:
+        sha256_mismatch(where, expected_sha256, found)
+    return decode(raw, where, kind)
+
+
+def sha256_mismatch(where: str, expected: str, found: str) -> NoReturn:
+    """Raises the CorruptCheckpointError of a JSON file whose sha256 differs from the
+    one recorded at commit."""
+    raise CorruptCheckpointError(
+        f"{where}: checksum mismatch: expected sha256 {expected[:16]}... "
+        f"(recorded at commit), found {found[:16]}...; the file was changed or damaged"
+    )
+
+
+def one_of(x: Any, names: frozenset[str]) -> bool:
+    return isinstance(x, str) and x in names
+
+
+def str_field(obj: Mapping, key: str, where: str, field: str) -> str:
+    value = obj.get(key)
+    need(isinstance(value, str), where, field, "a string", value)
+    return value
+
+
+def opt_str(obj: Mapping, key: str, where: str, *, limit: int = 1000) -> str:
+    """An optional, informational string field ("" when absent)."""
+    value = obj.get(key, "")
+    need(isinstance(value, str) and len(value) <= limit, where, key, "a short string", value)
+    return value
+
+
+# A leaf's optional content digest: "<algorithm>:<hex>" (this version writes xxh3_128r;
+# earlier ones wrote xxh3_128, still valid to read).
+_LEAF_DIGEST = re.compile(r"^[a-z0-9_]{1,32}:[0-9a-f]{16,128}$", re.ASCII)
+
+
+# -- a checkpoint's metadata ---------------------------------------------------------------
+
+
+def document_from_json(obj: Any, where: str) -> CheckpointDocument:
+    need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
+    version = check_format_version(obj, where, FORMAT_NAME, "format_version", LATEST_FORMAT_VERSION)
+    process_count = int_field(obj, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES)
+    raw_leaves = obj.get("leaves")
+    need(isinstance(raw_leaves, list), where, "leaves", "a list", raw_leaves)
+    raw_batches = obj.get("batches")
+    need(isinstance(raw_batches, dict), where, "batches", "an object", raw_batches)
+    batches = {
+        name: batch_from_json(name, b, where, process_count) for name, b in raw_batches.items()
+    }
+    leaves = tuple(leaf_from_json(r, where, i) for i, r in enumerate(raw_leaves))
+    _check_leaves(leaves, batches, where)
+    return CheckpointDocument(
+        leaves,
+        batches,
+        process_count,
+        time_field(obj, "created_at", where, "created_at"),
+        opt_str(obj, "jax_version", where),
+        version,
+    )
+
+
+def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord], where: str):
+    seen: set[str] = set()
+    limit = 2 * len(leaves)
+    tree = _TreeShape()
+    for i, leaf in enumerate(leaves):
+
+        def bad(field: str, expected: str, found: Any, leaf=leaf, i=i) -> NoReturn:
+            fail(where, f"leaves[{i}] ({leaf.path!r}).{field}", expected, found)
+
+        if leaf.path in seen:
+            bad("path", "a path no other leaf has", leaf.path)
+        seen.add(leaf.path)
+        expected_path = path_string(leaf.keys)
+        if leaf.path != expected_path:
+            bad("path", f"{expected_path!r} (from its keys)", leaf.path)
+        if not leaf.keys and len(leaves) != 1:
+            bad("keys", "a key path (only a lone leaf may be the root)", [])
+        for kind, key in leaf.keys:
+            if kind in ("seq", "flat") and key > limit:
+                bad("keys", "indices below the leaf count", key)
+        conflict = tree.add(leaf.keys)
+        if conflict:
+            bad("keys", *conflict)
+        storage = leaf.storage
+        if isinstance(storage, BatchStorage):
+            batch = batches.get(storage.batch)
+            if batch is None:
+                bad("storage.batch", f"one of {sorted(batches)}", storage.batch)
+            held = "uint8" if storage.packed else leaf.dtype  # packed: bytes of a uint8 batch
+            if batch.dtype != held:
+                bad("storage.batch", f"a batch of dtype {held}", batch.dtype)
+            if storage.offset + storage.size > batch.size:
+                bad("storage.offset", f"offset + size <= {batch.size}", storage.offset)
+
+
+class _TreeShape:
+    """The nodes that the leaves' key paths make, checked to form one pytree as restore
+    rebuilds it: a node's children are all list entries (``seq``/``flat``) or all
+    mapping entries (``dict``/``attr``), the keys of one mapping are all ``str`` or all
+    ``int`` (jax cannot order mixed keys), and no leaf is also a node. Memory: one
+    entry per distinct key path prefix (bounded by the metadata's size)."""
+
+    def __init__(self):
+        self._child: dict[tuple[int, str, Any], int] = {}
+        self._form: list[Any] = [None]  # per node: None (unseen), "leaf", or (kind, key type)
+
+    def add(self, keys: tuple[tuple[str, Any], ...]) -> tuple[str, Any] | None:
+        """Adds one leaf; (expected, found) describing the first conflict, else None."""
+        node = 0
+        for kind, key in keys:
+            form = ("list", int) if kind in ("seq", "flat") else ("map", type(key))
+            known = self._form[node]
+            if known == "leaf":
+                return "a key path under no other leaf", [kind, key]
+            if known is None:
+                self._form[node] = form
+            elif known != form:
+                expected = "list entries" if known[0] == "list" else f"{known[1].__name__} keys"
+                return f"{expected} like its siblings'", [kind, key]
+            slot = (node, form[0], key)
+            child = self._child.get(slot)
+            if child is None:
+                child = self._child[slot] = len(self._form)
+                self._form.append(None)
+            node = child
+        if self._form[node] is not None:
+            return "a leaf with no other leaf under it", list(keys[-1]) if keys else []
+        self._form[node] = "leaf"
+        return None
+
+
+# -- leaves and batches -----------------------------------------------------------------
+
+
+def batch_from_json(name: str, obj: Any, where: str, process_count: int) -> BatchRecord:
+    at = f"batches[{name!r}]"
+    need(isinstance(obj, dict), where, at, "an object", obj)
+    dtype = obj.get("dtype")
+    need(one_of(dtype, SUPPORTED_DTYPES), where, f"{at}.dtype", "a supported dtype name", dtype)
+    process = int_field(obj, "process", where, f"{at}.process", hi=process_count - 1)
+    itemsize = dtype_from_name(dtype).itemsize
+    size = int_field(obj, "size", where, f"{at}.size", lo=1, hi=MAX_ARRAY_BYTES // itemsize)
+    chunk = int_field(obj, "chunk", where, f"{at}.chunk", lo=1, hi=MAX_ARRAY_BYTES // itemsize)
+    need(
+        name == batch_name(process, dtype),
+        where,
+        at,
+        f"name {batch_name(process, dtype)!r}",
+        name,
+    )
+    codec = obj.get("codec")
+    need(
+        codec is None or (isinstance(codec, str) and bool(_CODEC.match(codec))),
+        where,
+        f"{at}.codec",
+        "absent or 'zstd:<1-22>'",
+        codec,
+    )
+    return BatchRecord(name, dtype, process, size, chunk, codec)
+
+
+def leaf_from_json(obj: Any, where: str, index: int) -> LeafRecord:
+    # Hot path (thousands of leaves): conditions first, messages only on failure.
+    if not isinstance(obj, dict):
+        fail(where, f"leaves[{index}]", "an object", obj)
+    path = obj.get("path")
+    if not isinstance(path, str):
+        fail(where, f"leaves[{index}].path", "a string", path)
+
+    def bad(field: str, expected: str, found: Any) -> NoReturn:
+        fail(where, f"leaves[{index}] ({path!r}).{field}", expected, found)
+
+    kind = obj.get("kind")
+    if not one_of(kind, LEAF_KINDS):
+        bad("kind", f"one of {sorted(LEAF_KINDS)}", kind)
+    keys = _keys(obj.get("keys"), bad)
+    if kind in TEXT_KINDS:
+        return LeafRecord(path, keys, kind, value=_text_field(obj, kind, bad))
+    if kind in NO_DATA_KINDS:
+        return LeafRecord(path, keys, kind)
+    shape, dtype, size = _shape_and_dtype(obj, kind, bad)
+    sharding = obj.get("sharding")
+    if not (sharding is None or (isinstance(sharding, dict) and _shallow(sharding))):
+        bad("sharding", "an object of at most 4 levels and 1000 values, or null", sharding)
+    impl = _prng_impl(obj, dtype, shape, bad) if kind == "prng_key" else None
+    storage = _storage_field(obj.get("storage"), shape, size, bad, dtype)
+    if isinstance(storage, ArrayStorage) and storage.packed:
+        _check_packed(dtype, shape, storage.chunk_shape, bad)
+    digest = obj.get("digest")
+    if not (digest is None or (isinstance(digest, str) and _LEAF_DIGEST.match(digest))):
+        bad("digest", "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex)", digest)
+    return LeafRecord(path, keys, kind, shape, dtype, sharding, storage, impl, digest)
+
+
+# The parts of leaf_from_json; ``bad(field, expected, found)`` raises.
+
+
+def _text_field(obj: dict, kind: str, bad) -> str:
+    """The ``value`` of a str or bytes leaf: bounded text (bytes: base64)."""
+    value = obj.get("value")
+    if not (isinstance(value, str) and len(value) <= 2 * MAX_TEXT_BYTES):
+        bad("value", f"a string of at most {2 * MAX_TEXT_BYTES} characters", value)
+    if kind == "py_bytes":
+        text_bytes(value, lambda: bad("value", "base64 text", value))
+    elif not _utf8_within(value, MAX_TEXT_BYTES):
+        bad("value", f"text of at most {MAX_TEXT_BYTES} bytes in UTF-8", value)
+    return value
+
+
+def _shape_and_dtype(obj: dict, kind: str, bad) -> tuple[tuple[int, ...], str, int]:
+    """(shape, dtype name, element count): bounded, and a scalar's for a scalar kind."""
+    shape = obj.get("shape")
+    if not (
+        type(shape) is list
+        and len(shape) <= MAX_NDIM
+        and all(type(d) is int and 0 <= d < (1 << 50) for d in shape)
+    ):
+        bad("shape", f"a list of at most {MAX_NDIM} non-negative ints", shape)
+    shape = tuple(shape)
+    dtype = obj.get("dtype")
+    if not one_of(dtype, SUPPORTED_DTYPES):
+        bad("dtype", "a supported dtype name", dtype)
+    size = math.prod(shape)  # Python ints: never overflows
+    if size * dtype_from_name(dtype).itemsize > MAX_ARRAY_BYTES:
+        bad("shape", f"at most {MAX_ARRAY_BYTES} bytes", shape)
+    if kind in SCALAR_KINDS:
+        if shape:
+            bad("shape", f"[] (a {kind} is a scalar)", shape)
+        if dtype not in SCALAR_KINDS[kind]:
+            bad("dtype", f"one of {sorted(SCALAR_KINDS[kind])} (for a {kind})", dtype)
+    return shape, dtype, size
+
+
+def _prng_impl(obj: dict, dtype: str, shape: tuple[int, ...], bad) -> str:
+    """A PRNG key leaf's ``impl``, and its key data's shape for that implementation."""
+    impl = obj.get("impl")
+    if not one_of(impl, PRNG_IMPLS):
+        bad("impl", f"one of {sorted(PRNG_IMPLS)}", impl)
+    if dtype != "uint32" or not shape or shape[-1] != PRNG_KEY_WORDS[impl]:
+        bad("shape", f"uint32[..., {PRNG_KEY_WORDS[impl]}] (key data of {impl})", shape)
+    return impl
+
+
+def _check_packed(dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], bad) -> None:
+    """A ``packed_array`` holds a sub-byte dtype, at least one axis, and chunks whose
+    last axis is whole bytes or the whole axis (FORMAT.md, packed sub-byte arrays)."""
+    if not packable(dtype, shape, chunk):
+        bad(
+            "storage.type",
+            f"'array' ({dtype}{list(shape)} in chunks {list(chunk)})",
+            "packed_array",
+        )
+
+
+def _storage_field(
+    raw: Any, shape: tuple[int, ...], size: int, bad, dtype: str
+) -> ArrayStorage | BatchStorage:
+    """A data leaf's ``storage``: a slot in a batch, or an array of its own."""
+    if not isinstance(raw, dict):
+        bad("storage", "an object", raw)
+    stype = raw.get("type")
+    if stype in ("batch", "packed_batch"):
+        packed = stype == "packed_batch"
+        batch, offset, n = raw.get("batch"), raw.get("offset"), raw.get("size")
+        if not isinstance(batch, str):
+            bad("storage.batch", "a string", batch)
+        if not (type(offset) is int and 0 <= offset <= 1 << 62):
+            bad("storage.offset", "an int in [0, 2**62]", offset)
+        if packed and DTYPES[dtype].bits >= 8:
+            bad("storage.type", f"'batch' (a {dtype} is not packed)", stype)
+        want = packed_bytes(dtype, size) if packed else size
+        if n != want or type(n) is not int:
+            shown = "bytes of its packed values" if packed else "the shape's element count"
+            bad("storage.size", f"{want} ({shown})", n)
+        return BatchStorage(batch, offset, n, packed)
+    if stype in ("array", "packed_array"):
+        chunk = raw.get("chunk_shape")
+        if not (
+            type(chunk) is list
+            and len(chunk) == len(shape)
+            and all(
+                type(c) is int and 1 <= c <= max(1, d) for c, d in zip(chunk, shape, strict=True)
+            )
+        ):
+            bad("storage.chunk_shape", f"{len(shape)} ints in [1, shape]", chunk)
+        codec = raw.get("codec")
+        if not (codec is None or (isinstance(codec, str) and _CODEC.match(codec))):
+            bad("storage.codec", "absent or 'zstd:<1-22>'", codec)
+        return ArrayStorage(tuple(chunk), codec, stype == "packed_array")
+    bad("storage.type", "'array', 'packed_array', 'batch' or 'packed_batch'", stype)
+
+
+def _utf8_within(text: str, limit: int) -> bool:
+    try:
+        return len(text.encode("utf-8")) <= limit
+    except UnicodeEncodeError:  # a lone surrogate: no str this library writes
+        return False
+
+
+def text_value(record: LeafRecord) -> str | bytes:
+    """The str or bytes a record of a TEXT_KINDS kind holds (checked when parsed)."""
+    if record.kind == "py_bytes":
+        return text_bytes(record.value or "", lambda: None)
+    return record.value or ""
+
+
+def text_bytes(value: str, on_error) -> bytes:
+    """``value`` (base64) decoded; ``on_error()`` is called (and must raise) if it is not
+    base64 of at most MAX_TEXT_BYTES bytes."""
+    try:
+        data = base64.b64decode(value.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        on_error()
+        raise
+    if len(data) > MAX_TEXT_BYTES:
+        on_error()
+    return data
+
+
+def _shallow(value: Any, *, depth: int = 4, values: int = 1000) -> bool:
+    """Whether a JSON value nests at most ``depth`` levels and holds at most ``values``
+    values (a sharding description is small; walked without recursion)."""
+    stack, seen = [(value, 0)], 0
+    while stack:
+        x, level = stack.pop()
+        seen += 1
+        if seen > values or level > depth:
+            return False
+        if isinstance(x, dict):
+            stack.extend((v, level + 1) for v in x.values())
+        elif isinstance(x, list):
+            stack.extend((v, level + 1) for v in x)
+    return True
+
+
+def _keys(keys: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
+    """``[[kind, key], ...]`` as a tuple of pairs; ``bad(field, expected, found)`` raises."""
+    if not (type(keys) is list and len(keys) <= 1000):
+        bad("keys", "a list of [kind, key]", keys)
+    out = []
+    for k in keys:
+        if not (
+            type(k) is list
+            and len(k) == 2
+            and one_of(k[0], KEY_KINDS)
+            and (
+                (k[0] in ("seq", "flat") and is_int(k[1]) and 0 <= k[1] < (1 << 31))
+                or (k[0] == "attr" and isinstance(k[1], str))
+                or (k[0] == "dict" and (isinstance(k[1], str) or is_int(k[1])))
+            )
+        ):
+            bad("keys", "[kind, key] pairs", k)
+        out.append((k[0], k[1]))
+    return tuple(out)

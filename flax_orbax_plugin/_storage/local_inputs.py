@@ -1,0 +1,40 @@
+"""Inputs only a local file can serve (a safetensors or msgpack file, a key map): the local
+path a path argument names, an object-store URL refused with what to do instead.
+
+Only the importers, exporters and the command line call this; a save or restore of a
+checkpoint takes any store (``kvstore.spec_from_path``). Pure functions: any thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstore``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .._errors import UnsupportedLocationError
+from .kvstore import _SCHEME, _STORES, _shown, spec_from_path
+
+
+def local_path(path: Any, *, what: str, note: str = "") -> str:
+    """The local filesystem path ``path`` names (a plain path as given, a ``file://``
+    URL's path), for inputs only local files can serve (safetensors files, msgpack
+    files, a key map). An object-store URL (or a kvstore spec of one) is refused with
+    an UnsupportedLocationError naming ``what`` and the store, plus ``note`` (what to do instead):
+    never turned into a local name such as ``./s3:/bucket``."""
+    text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else None
+    scheme = _SCHEME.match(text) if text is not None else None
+    if scheme is not None and scheme.group(1).lower() not in _STORES:
+        raise UnsupportedLocationError(
+            f"{what} {text!r}: a {scheme.group(1) + ':'!r} URL, but {what} must be a local "
+            f"path (or file://){': ' + note if note else ''}"
+        )
+    spec = spec_from_path(path, what=what)
+    if spec["driver"] == "file":
+        if text is not None and not _SCHEME.match(text):
+            return text
+        return spec["path"].rstrip("/") or "/"
+    raise UnsupportedLocationError(
+        f"{what} {_shown(path)}: names an object store ({spec['driver']}), but {what} must "
+        f"be a local path (or file://){': ' + note if note else ''}"
+    )

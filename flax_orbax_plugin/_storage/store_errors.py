@@ -1,0 +1,105 @@
+"""An object store's refusal, said once: tensorstore's status text of an ``s3://`` or
+``gs://`` store (no such bucket, no credentials, access denied, unreachable) worded as
+a :class:`StoreAccessError` naming the bucket and what to do.
+
+Only a failing call on an object store runs this (``kvstore.raises_store_errors`` and
+the ``errors=`` of public entries hand it the error). Pure functions: any thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstore``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .._errors import CheckpointError, StoreAccessError
+from .s3_credentials import aws_credentials_present
+
+_NO_CREDENTIALS = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile) for s3://, or "
+    "GOOGLE_APPLICATION_CREDENTIALS / `gcloud auth application-default login` for gs://"
+)
+
+
+# By tensorstore's status text: (pattern, what happened, what to do); the first wins.
+_REFUSALS = (
+    (
+        r"NoSuchBucket|bucket does not exist|404.*bucket",
+        "no such bucket",
+        "check the bucket's name (and the endpoint/project it lives in)",
+    ),
+    (
+        r"PROVIDER_INVALID_ENVIRONMENT|Failed to get credentials|Failed to create credentials",
+        "no credentials could be loaded",
+        _NO_CREDENTIALS,
+    ),
+    (
+        r"PERMISSION_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|"
+        r"http_response_code='40[13]'|UNAUTHENTICATED",
+        "access denied",
+        "check that these credentials may read (and, to write, write) this bucket",
+    ),
+)
+
+
+_UNREACHABLE = (
+    r"Could not connect to server|Couldn't connect|Failed to connect|Could not resolve "
+    r"host|Couldn't resolve host|curl_code='(6|7|28)'",
+    "cannot be reached",
+    "check the endpoint (AWS_ENDPOINT_URL, TENSORSTORE_GCS_HTTP_URL) and the network",
+)
+
+
+# A reply without the store's own body (GCS emulators answer a missing bucket so).
+_UNREADABLE = (
+    r"Failed to parse response metadata",
+    "no such bucket, or its reply could not be read",
+    "check the bucket's name and the endpoint (TENSORSTORE_GCS_HTTP_URL: a GCS server?)",
+)
+
+
+_REFUSALS = (*_REFUSALS, _UNREACHABLE, _UNREADABLE)
+
+
+_BUCKET_IN_BODY = re.compile(r"<BucketName>([^<]+)</BucketName>")
+
+
+def refusal(error: BaseException, spec: dict[str, Any]) -> StoreAccessError | None:
+    """The :class:`StoreAccessError` that ``error`` (raised by tensorstore on the s3 or
+    gcs store of ``spec``) means, or None for any other error and any other store.
+    Access denied with no AWS credentials anywhere in the environment is reported as
+    missing credentials (the request went out anonymous)."""
+    driver = spec.get("driver")
+    if driver not in ("s3", "gcs") or not isinstance(error, ValueError):
+        return None
+    if isinstance(error, CheckpointError):  # ours already says what happened
+        return None
+    text = str(error)
+    url = f"{'s3' if driver == 's3' else 'gs'}://{spec.get('bucket', '')}"
+    for pattern, what, todo in _REFUSALS:
+        if re.search(pattern, text):
+            if what == "access denied" and driver == "s3" and not aws_credentials_present():
+                what = "no credentials could be loaded (the request went anonymous)"
+                todo = _NO_CREDENTIALS
+            detail = text.splitlines()[0][:300] if text else ""
+            return StoreAccessError(f"{url}: {what}; {todo}", url=url, reason=what, detail=detail)
+    return None
+
+
+def store_error_line(error: BaseException, spec: dict[str, Any]) -> str | None:
+    """The one line the command line prints for ``error`` (see :func:`refusal`)."""
+    found = refusal(error, spec)
+    return None if found is None else str(found)
+
+
+def first_refusal(error: BaseException, specs: list[dict[str, Any]]) -> StoreAccessError | None:
+    """The refusal ``error`` means on the first of the object stores of ``specs`` (the
+    bucket the error's body names first), or None."""
+    specs = [s for s in specs if s.get("driver") in ("s3", "gcs")]
+    named = _BUCKET_IN_BODY.search(str(error))  # S3's body names the bucket
+    if named and not any(s.get("bucket") == named.group(1) for s in specs):
+        specs = [{"driver": "s3", "bucket": named.group(1)}]  # a place of no argument
+    elif named:
+        specs.sort(key=lambda s: s.get("bucket") != named.group(1))
+    return next((r for s in specs if (r := refusal(error, s)) is not None), None)
