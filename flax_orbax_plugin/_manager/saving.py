@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from .._base import buffer_pool as _buffer_pool
 from .._base import distributed as _distributed
 from .._base import host as _host
 from .._base import interrupts as _interrupts
@@ -99,7 +100,7 @@ class Saver:
         book: StepBook,
         retention: RetentionRunner,
         incremental: bool,
-        buffers: _host.BufferPool | None,
+        buffers: _buffer_pool.BufferPool | None,
         host_memory: int | str | None = None,
         format_version: int | None = None,
         hf_shards: Any = None,
