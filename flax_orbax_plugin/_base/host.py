@@ -1,4 +1,5 @@
-"""The program's end (one exit hook), host buffers, Pathways detection, the host-memory ceiling.
+"""The program's end (one exit hook), host buffers, this process among the others (its
+index, their count, the primary), Pathways detection, the host-memory ceiling.
 
 Exit steps run on the main thread at exit, in order FINISH, LEAVE, ANNOUNCE (``at_exit``
 from any thread); the rest are pure functions, any thread.
@@ -37,7 +38,10 @@ __all__ = [
     "at_exit",
     "available_bytes",
     "detected",
+    "is_primary",
     "held_bytes",
+    "process_count",
+    "process_index",
     "largest_row",
     "refuse_if_detected",
     "resolve",
@@ -164,6 +168,18 @@ def copy_all(pairs: list[tuple]) -> None:
 
 def _copy_job(dst: np.ndarray, src: np.ndarray, copier=np.copyto) -> None:
     copier(dst, src)
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def is_primary() -> bool:
+    return jax.process_index() == 0
 
 
 PROXY = "proxy"  # the platform name of the IFRT proxy backend Pathways runs behind

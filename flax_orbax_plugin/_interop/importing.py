@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .._base import host as _host
-from .._base.regions import public
+from .._base.distributed import public
 from .._core import ownership as _ownership
 from .._errors import (
     CheckpointError,
