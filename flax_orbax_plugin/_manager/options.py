@@ -23,10 +23,10 @@ from .._base.env import (
     check,
     found,
     outside_stacklevel,
-    refuse_unknown,
     refuse_without,
     with_defaults,
 )
+from .._base.keywords import refuse_unknown
 from .._base.memory_options import HOST_MEMORY
 from .._core import formats as _formats
 from .._core.formats import MEMORY_LIMIT
