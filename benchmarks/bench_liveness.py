@@ -80,10 +80,10 @@ def heartbeat_cost(ctx, directory, saves):
     from jax.sharding import PartitionSpec as P
 
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin._base import liveness, regions
+    from flax_orbax_plugin._base import host, liveness, regions
 
     beat = liveness._Heartbeat(regions.client(), ctx.process_id + 1000, 1.0)  # a spare key
-    with regions.ACTIVITIES.doing("writing this process's data", moving=True) as progress:
+    with host.ACTIVITIES.doing("writing this process's data", moving=True) as progress:
         progress.total = 1 << 30
         times = []
         for i in range(200):

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from .._errors import CoordinationError
 from . import env as _env
 from . import failures as _failures
+from . import host as _host
 from . import liveness as _liveness
 from . import other_paths as _other_paths
-from . import regions as _regions
 from .failures import raise_published_failure
 from .host import is_primary, process_count, process_index
 from .regions import CALLS, Region
@@ -95,7 +95,7 @@ def _wait(
         elsewhere=functools.partial(_other_paths.raise_elsewhere, region),
     )
     piece = 0.02
-    with _regions.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):
+    with _host.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):
         while True:
             try:
                 return client.blocking_key_value_get(key, max(1, int(piece * 1000)))

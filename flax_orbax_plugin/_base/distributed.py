@@ -34,8 +34,8 @@ from . import failures as _failures
 from . import host as _host
 from . import liveness as _liveness
 from .failures import publish_failure
-from .host import is_primary, process_count, process_index
-from .regions import ACTIVITIES, CALLS, Region, client
+from .host import ACTIVITIES, is_primary, process_count, process_index
+from .regions import CALLS, Region, client
 
 # The key-value rounds (``_base/coordination.py``), for the callers.
 barrier, broadcast_str, gather_str = (

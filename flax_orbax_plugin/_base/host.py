@@ -1,8 +1,11 @@
-"""The program's end (one exit hook), host buffers, this process among the others (its
-index, their count, the primary), Pathways detection, the host-memory ceiling.
+"""This process: its end (one exit hook), its host buffers, who it is among the others
+(its index, their count, the primary) and what its threads are doing
+(:data:`ACTIVITIES`, which its heartbeat publishes when there are others:
+``_base/liveness.py``), Pathways detection, the host-memory ceiling.
 
 Exit steps run on the main thread at exit, in order FINISH, LEAVE, ANNOUNCE (``at_exit``
-from any thread); the rest are pure functions, any thread.
+from any thread); :data:`ACTIVITIES` is thread-safe, a stack per thread; the rest are
+pure functions, any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.host``.
 """
@@ -13,12 +16,14 @@ import atexit
 import concurrent.futures
 import concurrent.futures.thread
 import contextlib
+import dataclasses
 import logging
 import math
 import os
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -30,6 +35,9 @@ from . import tree as _tree
 from .env import INT64_MAX
 
 __all__ = [
+    "ACTIVITIES",
+    "Activities",
+    "Progress",
     "ANNOUNCE",
     "AUTO",
     "AUTO_FRACTION",
@@ -180,6 +188,90 @@ def process_count() -> int:
 
 def is_primary() -> bool:
     return jax.process_index() == 0
+
+
+@dataclasses.dataclass
+class Progress:
+    """Bytes an activity has moved (``done``) of those handed to it so far (``total``);
+    updated by the thread doing the work, read by the heartbeat thread."""
+
+    done: int = 0
+    total: int = 0
+
+    def words(self) -> str:
+        left = max(self.total - self.done, 0)
+        return f"{self.done / (1 << 20):.1f} MiB done, {left / (1 << 20):.1f} MiB left"
+
+
+@dataclasses.dataclass
+class _Activity:
+    what: str
+    since: float
+    progress: Progress | None = None
+
+
+class Activities:
+    """What this process's threads are doing (a stack per thread, innermost last)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stacks: dict[int, list[_Activity]] = {}
+
+    @contextlib.contextmanager
+    def doing(self, what: str, *, moving: bool = False) -> Iterator[Progress | None]:
+        """Records ``what`` as this thread's current activity for the body; ``moving``:
+        the body moves bytes and reports them in the :class:`Progress` it is given."""
+        entry = self.begin(what, moving=moving)
+        try:
+            yield entry.progress
+        finally:
+            self.end(entry)
+
+    def begin(self, what: str, *, moving: bool = False) -> _Activity:
+        """:meth:`doing` for a body that is no ``with`` block: pair with :meth:`end`."""
+        entry = _Activity(what, time.monotonic(), Progress() if moving else None)
+        with self._lock:
+            self._stacks.setdefault(threading.get_ident(), []).append(entry)
+        return entry
+
+    def end(self, entry: _Activity) -> None:
+        """Ends ``entry`` (begun on this thread)."""
+        me = threading.get_ident()
+        with self._lock:
+            stack = self._stacks.get(me, [])
+            if entry in stack:
+                stack.remove(entry)
+            if not stack:
+                self._stacks.pop(me, None)
+
+    def signature(self) -> tuple:
+        """What changes when this process progresses: each activity and its bytes done
+        (compared between two beats by the heartbeat thread)."""
+        with self._lock:
+            stacks = [list(s) for s in self._stacks.values()]
+        return tuple(
+            (a.what, a.since, None if a.progress is None else a.progress.done)
+            for stack in stacks
+            for a in stack
+        )
+
+    def describe(self) -> list[str]:
+        """One line per busy thread: its activities, outermost first, with their bytes."""
+        now = time.monotonic()
+        with self._lock:
+            stacks = [list(s) for s in self._stacks.values() if s]
+        lines = []
+        for stack in stacks:
+            parts = []
+            for a in stack:
+                part = f"{a.what} ({now - a.since:.0f} s"
+                part += f", {a.progress.words()})" if a.progress is not None else ")"
+                parts.append(part)
+            lines.append(" > ".join(parts))
+        return sorted(lines)
+
+
+ACTIVITIES = Activities()  # this process's (one per process, like its coordination client)
 
 
 PROXY = "proxy"  # the platform name of the IFRT proxy backend Pathways runs behind

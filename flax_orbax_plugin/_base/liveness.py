@@ -23,7 +23,7 @@ from typing import Any
 
 from .._errors import CoordinationError
 from . import env as _env
-from .regions import ACTIVITIES
+from .host import ACTIVITIES
 
 __all__ = ["PeerWatch", "ensure_beating"]
 
