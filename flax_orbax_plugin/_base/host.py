@@ -29,31 +29,22 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._errors import OptionError, UnsupportedRuntimeError
+from .._errors import UnsupportedRuntimeError
 from . import env as _env
-from . import tree as _tree
-from .env import INT64_MAX
 
 __all__ = [
     "ACTIVITIES",
     "Activities",
     "Progress",
     "ANNOUNCE",
-    "AUTO",
-    "AUTO_FRACTION",
     "FINISH",
     "LEAVE",
     "at_exit",
-    "available_bytes",
     "detected",
     "is_primary",
-    "held_bytes",
     "process_count",
     "process_index",
-    "largest_row",
     "refuse_if_detected",
-    "resolve",
-    "save_budget",
 ]
 
 FINISH, LEAVE, ANNOUNCE = 0, 1, 2  # the steps, in the order they run
@@ -302,127 +293,3 @@ def refuse_if_detected(operation: str) -> None:
         f"persistence under Pathways; FOP_PATHWAYS=allow runs it as one process anyway "
         f"(untested: every shard passes through the controller's host memory)"
     )
-
-
-AUTO = "auto"
-AUTO_FRACTION = 0.5
-"""The share of the memory free at the start of an operation that ``"auto"`` allows."""
-
-_CGROUP_V2 = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
-_CGROUP_V1 = (
-    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-    "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-)
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # "max": no limit
-
-
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def available_bytes() -> int | None:
-    """Host memory free for this process now: the smaller of ``MemAvailable`` and the
-    cgroup's limit less its usage; None where neither can be read."""
-    figures = [_meminfo_available()]
-    for limit_path, usage_path in (_CGROUP_V2, _CGROUP_V1):
-        limit, usage = _read_int(limit_path), _read_int(usage_path)
-        if limit is not None and usage is not None and limit < INT64_MAX // 2:
-            figures.append(max(0, limit - usage))
-            break
-    known = [f for f in figures if f is not None]
-    return min(known) if known else None
-
-
-def resolve(ceiling: int | str | None) -> int | None:
-    """The bytes ``ceiling`` allows now: itself (an int), :data:`AUTO_FRACTION` of
-    :func:`available_bytes` (``"auto"``; None where that is unknown), or None."""
-    if ceiling != AUTO:
-        return ceiling  # type: ignore[return-value]
-    free = available_bytes()
-    return None if free is None else max(1, int(free * AUTO_FRACTION))
-
-
-def _shards(leaf: Any) -> list[tuple[tuple[int, ...], int]]:
-    """``[(shape, itemsize)]`` of the pieces of ``leaf`` this process holds: a jax
-    array's addressable shards (read from their indices: no data touched), a numpy
-    array whole; nothing for other leaves."""
-    dtype = getattr(leaf, "dtype", None)
-    shape = getattr(leaf, "shape", None)
-    if dtype is None or shape is None or not hasattr(dtype, "itemsize"):
-        return []
-    deleted = getattr(leaf, "is_deleted", None)
-    if callable(deleted) and deleted():  # the save's own check names the leaf
-        return []
-    shards = getattr(leaf, "addressable_shards", None)
-    if shards is None:
-        return [(tuple(shape), dtype.itemsize)]
-    out = []
-    for shard in shards:
-        dims = tuple(
-            len(range(*s.indices(n))) if isinstance(s, slice) else 1
-            for s, n in zip(shard.index, shape, strict=False)
-        )
-        out.append((dims + tuple(shape[len(dims) :]), dtype.itemsize))
-    return out
-
-
-def held_bytes(tree: Any) -> int:
-    """Bytes of the array leaves of ``tree`` this process holds (its shards)."""
-    return sum(math.prod(s) * size for leaf in _leaves(tree) for s, size in _shards(leaf))
-
-
-def largest_row(tree: Any) -> tuple[int, str]:
-    """``(bytes, leaf path)`` of the largest row (one index of the first axis of a
-    shard; a scalar whole) among the array leaves of ``tree``: the least a streamed save
-    copies at once."""
-    best, where = 0, ""
-    for path, _, leaf in _tree.flatten(tree)[0]:
-        for shape, size in _shards(leaf):
-            row = math.prod(shape[1:]) * size if shape else size
-            if row > best:
-                best, where = row, path
-    return best, where
-
-
-def _leaves(tree: Any) -> list:
-    return [leaf for _, _, leaf in _tree.flatten(tree)[0]]
-
-
-def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple[Any, Any]:
-    """``(ceiling, budget)`` of one save of ``items`` under the ceiling ``given``: the
-    ceiling in bytes now (:func:`resolve`; None: no bound) and the
-    ``host_memory_budget`` the save streams under: the ceiling when ``given`` in
-    bytes; under ``"auto"`` only when this process's share of the state does not fit
-    (never for an ``incremental`` step: it copies every region first). A ceiling
-    below the largest row of the state (the least a streamed save copies at once) is
-    an OptionError naming the leaf and both figures: called before anything is written."""
-    ceiling = resolve(given)
-    if ceiling is None:
-        return None, None
-    if not isinstance(given, int) and (incremental or held_bytes(items) <= ceiling):
-        return ceiling, None
-    row, path = largest_row(items)
-    if row > ceiling:
-        shown = given if isinstance(given, int) else repr(AUTO)
-        raise OptionError(
-            f"host_memory={shown}: a save under a ceiling of {ceiling} bytes copies at least "
-            f"one row of a leaf at a time, and a row of leaf {path!r} holds {row} bytes; "
-            f"nothing was written: raise host_memory to at least {row}, or give "
-            f"host_memory=None (no bound)"
-        )
-    return ceiling, ceiling
