@@ -33,52 +33,19 @@ from . import env as _env
 from . import failures as _failures
 from . import host as _host
 from . import liveness as _liveness
+from . import regions as _regions
 from .failures import publish_failure
-from .host import ACTIVITIES, is_primary, process_count, process_index
-from .regions import CALLS, Region, client
+from .host import ACTIVITIES, process_count
+from .regions import Region, client
 
 # The key-value rounds (``_base/coordination.py``), for the callers.
-barrier, broadcast_str, gather_str = (
-    _coordination.barrier,
-    _coordination.broadcast_str,
-    _coordination.gather_str,
-)
-publish, forget, poll, get_from = (
-    _coordination.publish,
-    _coordination.forget,
-    _coordination.poll,
-    _coordination.get_from,
-)
+barrier, broadcast_str = _coordination.barrier, _coordination.broadcast_str
+gather_str, get_from = _coordination.gather_str, _coordination.get_from
+publish, forget, poll = _coordination.publish, _coordination.forget, _coordination.poll
 stall_timeout, DEFAULT_TIMEOUT_S = _coordination.stall_timeout, _coordination.DEFAULT_TIMEOUT_S
-__all__ = [
-    "CALLS",
-    "DEFAULT_TIMEOUT_S",
-    "Region",
-    "agree",
-    "barrier",
-    "broadcast_str",
-    "collective",
-    "collective_method",
-    "failing_before",
-    "forget",
-    "gather_json",
-    "gather_str",
-    "get_from",
-    "is_primary",
-    "next_operation_id",
-    "poll",
-    "process_count",
-    "process_index",
-    "public",
-    "publish",
-    "publish_failure",
-    "resumed",
-    "session_nonce",
-    "spans_processes",
-    "stall_timeout",
-    "unique_name",
-]
-
+# Who this process is (``_base/host.py``), and the coordination calls it made (tests
+# count them: ``_base/regions.py``), for the callers.
+is_primary, process_index, CALLS = _host.is_primary, _host.process_index, _regions.CALLS
 _COUNTER = itertools.count()
 _REGIONS = itertools.count()  # the n-th collective operation of this process
 
