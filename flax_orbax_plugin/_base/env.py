@@ -46,11 +46,9 @@ __all__ = [
     "outside_stacklevel",
     "pause_point",
     "read",
-    "refuse_without",
     "slow_point",
     "unexpected",
     "unknown_keywords",
-    "with_defaults",
 ]
 
 INT64_MAX = (1 << 63) - 1  # sizes and counts handed to tensorstore or the OS
@@ -226,20 +224,6 @@ def check(declared: Iterable[Option], values: Mapping[str, Any]) -> dict[str, An
 def flag(name: str, value: Any) -> bool:
     """``value`` of the flag ``name`` as a bool; 1, "no" or None: OptionTypeError."""
     return Option(name, "flag").check(value)
-
-
-def refuse_without(option: str, value: Any, needs: str, *, default: Any = None) -> None:
-    """Refuses ``option`` given (``value`` is not ``default``) in a mode where it does
-    nothing: OptionError naming the option, its value and ``needs`` (the mode it needs,
-    as the message says it: ``"format_version=2"``)."""
-    if value is default or (default is not None and value == default):
-        return
-    raise OptionError(f"{option}={value!r} does nothing without {needs}")
-
-
-def with_defaults(declared: Iterable[Option], given: Mapping[str, Any]) -> dict[str, Any]:
-    """``{name: value}`` of every declared option: ``given``'s, else its default."""
-    return {o.name: given[o.name] if o.name in given else o.default for o in declared}
 
 
 def unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = None) -> str:

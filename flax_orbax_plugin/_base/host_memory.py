@@ -20,7 +20,8 @@ from typing import Any
 
 from .._errors import OptionError
 from . import tree as _tree
-from .env import INT64_MAX, Option, check, found, outside_stacklevel, refuse_without
+from .env import INT64_MAX, Option, check, found, outside_stacklevel
+from .keywords import refuse_without
 
 __all__ = [
     "AUTO",

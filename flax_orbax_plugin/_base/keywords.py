@@ -1,9 +1,12 @@
-""" "Did you mean": the public names given their keyword check once, where they are
-bound (:func:`named_keywords`, ``_api``), and the check of an entry that takes
-``**options`` (:func:`refuse_unknown`), each naming the keyword meant (an alias, a
-hint, an option of an inner dict, the closest spelling). The wrapper a call runs
-(``env.checked``) and its error's words (``env.unknown_keywords``) are ``_base.env``'s:
-every call of a public method passes there.
+"""The keywords an entry is given, as a whole (one option's value is ``_base.env``'s):
+"did you mean" for one it does not take, bound once to the public names
+(:func:`named_keywords`, ``_api``) or checked by an entry that takes ``**options``
+(:func:`refuse_unknown`), each naming the keyword meant (an alias, a hint, an option of
+an inner dict, the closest spelling); an option given in a mode where it does nothing
+(:func:`refuse_without`); the declared defaults of those not given
+(:func:`with_defaults`). The wrapper a call of a public method runs (``env.checked``)
+and its error's words (``env.unknown_keywords``) stay in ``_base.env``: every such
+call passes there.
 
 Pure functions over frozen declarations; any thread.
 
@@ -16,9 +19,10 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .._errors import OptionError
 from .env import Option, checked, unexpected
 
-__all__ = ["named_keywords", "refuse_unknown"]
+__all__ = ["named_keywords", "refuse_unknown", "refuse_without", "with_defaults"]
 
 
 def refuse_unknown(
@@ -90,3 +94,17 @@ def _alias_of(name: str, declared: Iterable[Option]) -> str | None:
         if name in option.aliases:
             return option.name + "="
     return None
+
+
+def refuse_without(option: str, value: Any, needs: str, *, default: Any = None) -> None:
+    """Refuses ``option`` given (``value`` is not ``default``) in a mode where it does
+    nothing: OptionError naming the option, its value and ``needs`` (the mode it needs,
+    as the message says it: ``"format_version=2"``)."""
+    if value is default or (default is not None and value == default):
+        return
+    raise OptionError(f"{option}={value!r} does nothing without {needs}")
+
+
+def with_defaults(declared: Iterable[Option], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name: value}`` of every declared option: ``given``'s, else its default."""
+    return {o.name: given[o.name] if o.name in given else o.default for o in declared}
