@@ -19,7 +19,6 @@ import numbers
 import operator
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -43,7 +42,6 @@ __all__ = [
     "keywords_taken",
     "kill_point",
     "lower",
-    "outside_stacklevel",
     "pause_point",
     "read",
     "slow_point",
@@ -273,21 +271,6 @@ def checked(fn: Callable, owner: str) -> Callable:
 
     call._fop_named = True  # type: ignore[attr-defined]
     return call
-
-
-def outside_stacklevel() -> int:
-    """The ``stacklevel`` that makes a ``warnings.warn`` called from inside the package
-    name the first frame outside it (the user's call; the frames of ``contextlib``,
-    which the package's collective decorators run in, are skipped too)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and _inside(frame.f_code.co_filename, package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _inside(filename: str, package: str) -> bool:
-    return os.path.abspath(filename).startswith(package) or filename == contextlib.__file__
 
 
 VARIABLES: dict[str, tuple[Option, Any]] = {

@@ -20,8 +20,9 @@ from typing import Any
 
 from .._errors import OptionError
 from . import tree as _tree
-from .env import INT64_MAX, Option, check, found, outside_stacklevel
+from .env import INT64_MAX, Option, check, found
 from .keywords import refuse_without
+from .shown import outside_stacklevel
 
 __all__ = [
     "AUTO",

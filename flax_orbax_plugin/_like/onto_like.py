@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .._base.env import flag, outside_stacklevel
+from .._base.env import flag
+from .._base.shown import outside_stacklevel
 from .._base.tree import encode_key, path_string
 from .._errors import OptionError, OptionTypeError, StructureError
 from .surgery import check_surgery

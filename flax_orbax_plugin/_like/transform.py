@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base.env import outside_stacklevel
+from .._base.shown import outside_stacklevel
 from .._base.tree import flatten
 from .._errors import NothingMatchedError, StructureError
 from .._format import layout as _layout

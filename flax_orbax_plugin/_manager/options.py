@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._base import host_memory as _host_memory
-from .._base.env import Option, check, found, outside_stacklevel
+from .._base.env import Option, check, found
 from .._base.host_memory import HOST_MEMORY
 from .._base.keywords import refuse_unknown, refuse_without, with_defaults
+from .._base.shown import outside_stacklevel
 from .._core import formats as _formats
 from .._core.formats import MEMORY_LIMIT
 from .._errors import OptionError, StructureError

@@ -19,7 +19,7 @@ from typing import Any
 
 from .._base import distributed as _distributed
 from .._base import host_memory as _host_memory
-from .._base.env import outside_stacklevel
+from .._base.shown import outside_stacklevel
 from .._core import ownership as _ownership
 from .._core.formats import ReadRequest
 from .._core.reads import step_deleted_or

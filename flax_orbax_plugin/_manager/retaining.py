@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from .._base import distributed as _distributed
-from .._base.env import found, outside_stacklevel
+from .._base.env import found
+from .._base.shown import outside_stacklevel
 from .._core import ownership as _ownership
 from .._errors import CheckpointError
 from .._format import steps as _steps
