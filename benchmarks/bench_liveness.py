@@ -8,7 +8,7 @@ Starts N real JAX processes per repeat (``tests/support/_multiprocess.py``:
 jax.distributed on 127.0.0.1, CPU devices, gloo) running
 ``tests/support/_mp_workers.py:core_save_killed``: every process saves step 1, then
 step 2, and the last process SIGKILLs itself mid-write of step 2. The others wait for
-it in the commit; they judge it by its heartbeat (``_base/regions.py``), so they raise
+it in the commit; they judge it by its heartbeat (``_base/liveness.py``), so they raise
 ``CoordinationError`` ("process k is dead") once it was silent ``FOP_PEER_SILENT_S``
 (``--silent``, default the package's 10 s), while ``FOP_COORDINATION_TIMEOUT_S`` stays
 at its default 300 s (the old rule waited that long) and jax's own heartbeat timeout
@@ -17,7 +17,7 @@ SIGKILL) to the last survivor raising; median and largest over the repeats, with
 1-minute load (``/proc/loadavg``) and the CPU share stolen (``/proc/stat``) beside it.
 
 Heartbeat overhead (2 processes, :func:`heartbeat_cost` in each): the median time of one
-beat (``_base/regions.py``: describe the activities, compare the progress signature,
+beat (``_base/liveness.py``: describe the activities, compare the progress signature,
 one key-value set) over 200 beats while an activity with bytes is open, and the share
 of one core that is at the default rate (1 beat a second); and the median of
 ``--saves`` saves of 16 MiB per process with the default heartbeat (1/s) beside the
@@ -80,11 +80,10 @@ def heartbeat_cost(ctx, directory, saves):
     from jax.sharding import PartitionSpec as P
 
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin._base import regions
-    from flax_orbax_plugin._base import regions as liveness
+    from flax_orbax_plugin._base import host, liveness, regions
 
     beat = liveness._Heartbeat(regions.client(), ctx.process_id + 1000, 1.0)  # a spare key
-    with liveness.ACTIVITIES.doing("writing this process's data", moving=True) as progress:
+    with host.ACTIVITIES.doing("writing this process's data", moving=True) as progress:
         progress.total = 1 << 30
         times = []
         for i in range(200):

@@ -160,12 +160,13 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
     threads, as ``ChunkWriter`` did) against one pass (``copy_with_crcs`` pieces)."""
     import functools
 
+    from flax_orbax_plugin._base import buffer_pool
     from flax_orbax_plugin._base import host as H
     from flax_orbax_plugin._zarr import chunks as Z
     from flax_orbax_plugin._zarr import crcs as C
 
     arrays = _arrays(mib)
-    pool = H.BufferPool()
+    pool = buffer_pool.BufferPool()
     chunk = (256, 4096)  # 4 MiB of float32
     rows = 4096
 

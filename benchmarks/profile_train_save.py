@@ -44,9 +44,10 @@ def step_after(state, step, x, repeats: int) -> dict:
     import jax
     import numpy as np
 
+    from flax_orbax_plugin._base import buffer_pool
     from flax_orbax_plugin._base import host as H
 
-    pool = H.BufferPool()
+    pool = buffer_pool.BufferPool()
     out: dict[str, list[float]] = {"nothing held": [], "views held": [], "pooled copy": []}
     for _ in range(repeats):
         for mode in out:

@@ -8,7 +8,7 @@ The package's ``__init__`` loads this module on the first access of a public nam
 
 # ruff: noqa: F401  (every import here is a re-export, through the package)
 
-from ._base.env import named_keywords as _named_keywords
+from ._base.keywords import named_keywords as _named_keywords
 from ._core.save import SaveHandle, SaveResult, is_committed, save, save_async
 from ._core.verify import VerifyResult, verify
 from ._errors import (

@@ -55,7 +55,7 @@ _TEST_COUNTER = "a documented test hook: counts what tests assert (no behaviour 
 ALLOWED_STATE: dict[tuple[str, str], str] = {
     (_P + "_base.distributed", "_COUNTER"): _SEQUENCE,
     (_P + "_base.distributed", "_NAMES"): _SEQUENCE,
-    (_P + "_base.regions", "_REGIONS"): _SEQUENCE,
+    (_P + "_base.distributed", "_REGIONS"): _SEQUENCE,
     (_P + "_base.distributed", "_SESSION"): "the process's session nonce, drawn once",
     (_P + "_base.regions", "CALLS"): _TEST_COUNTER,
     (_P + "_core.handle", "_RUNNING"): "the process's saves still running, finished at exit",
@@ -73,7 +73,7 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
     (_P + "_zarr.chunk_files", "_pools"): "the process's shared read threads",
     (_P + "_zarr.chunk_files", "_pools_lock"): "the process's shared read threads (after fork)",
     (_P + "_incremental.reuse", "_LOGGED"): "what was logged once per store and reason",
-    (_P + "_base.regions", "_BEATING"): "the process's heartbeat thread per coordination client",
+    (_P + "_base.liveness", "_BEATING"): "the process's heartbeat thread per coordination client",
     (_P + "_storage.deleting", "_CONTEXT"): "the tensorstore context removals share (created once)",
     (_P + "_base.host", "_IN_FLIGHT"): (
         "the process's one save_async in flight (a second waits; a restore or verify of "

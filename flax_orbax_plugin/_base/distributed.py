@@ -1,125 +1,62 @@
-"""Multi-process coordination through jax.distributed's coordination service.
+"""The face of several processes: the entry of every collective operation (the one
+decorator of a public operation, :func:`public`; :func:`collective`, which draws the
+operation's region), who this process is, the names every process derives alike, and
+the agreements of :func:`agree` and :func:`gather_json`; the key-value rounds
+(``_base/coordination.py``) are named here for the callers.
 
-One process: every function is a no-op. Several: every process calls the same functions
-in the same order (SPMD); process 0 is the primary. Every function that draws a name or
-waits takes ``region=`` explicitly; a background phase runs in the region handed to it.
+One process: every function is a no-op (a call enters, finds one process, and goes
+on). Several: every process calls the same functions in the same order (SPMD);
+process 0 is the primary. Every function that draws a name or waits takes ``region=``
+explicitly; a background phase runs in the region handed to it.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.distributed``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import itertools
 import json
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
 from .. import _errors
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
+from . import coordination as _coordination
 from . import env as _env
-from . import other_paths as _other_paths
+from . import failures as _failures
+from . import host as _host
+from . import liveness as _liveness
 from . import regions as _regions
-from .regions import Region, raise_published_failure
-from .regions import client as _client
+from .failures import publish_failure
+from .host import ACTIVITIES, process_count
+from .regions import Region, client
 
-# The regions of collective operations (see the module docstring), for the callers.
-collective, resumed = _regions.collective, _regions.resumed
-collective_method, public = _regions.collective_method, _regions.public
-publish_failure, failing_before = _regions.publish_failure, _regions.failing_before
-
-DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")  # the default stall timeout
-POLL_S = 0.25  # the longest slice of a wait in a region between looks at its failures
+# The key-value rounds (``_base/coordination.py``), for the callers.
+barrier, broadcast_str = _coordination.barrier, _coordination.broadcast_str
+gather_str, get_from = _coordination.gather_str, _coordination.get_from
+publish, forget, poll = _coordination.publish, _coordination.forget, _coordination.poll
+stall_timeout, DEFAULT_TIMEOUT_S = _coordination.stall_timeout, _coordination.DEFAULT_TIMEOUT_S
+# Who this process is (``_base/host.py``), and the coordination calls it made (tests
+# count them: ``_base/regions.py``), for the callers.
+is_primary, process_index, CALLS = _host.is_primary, _host.process_index, _regions.CALLS
 _COUNTER = itertools.count()
+_REGIONS = itertools.count()  # the n-th collective operation of this process
 
-CALLS = _regions.CALLS  # coordination calls of this process, by kind: tests count them
 _SESSION: list[str] = []
 _SESSION_LOCK = threading.Lock()
-
-
-def process_index() -> int:
-    return jax.process_index()
-
-
-def process_count() -> int:
-    return jax.process_count()
-
-
-def is_primary() -> bool:
-    return jax.process_index() == 0
 
 
 def next_operation_id(kind: str, *, region: Region | None) -> str:
     """A name every process derives identically for its n-th operation of this kind (in
     a region: its n-th of the region's)."""
     return f"fop/{kind}/{next(_COUNTER) if region is None else region.draw()}"
-
-
-def stall_timeout(explicit: float | None = None, *, region: Region | None) -> float:
-    """The stall timeout of a wait in ``region``: ``explicit`` if given, else the
-    region's (a manager's ``stall_timeout=``), else ``FOP_COORDINATION_TIMEOUT_S``."""
-    if explicit is not None:
-        return explicit
-    found = None if region is None else region.stall_s
-    return DEFAULT_TIMEOUT_S if found is None else found
-
-
-def _stall_name(region: Region | None) -> str:
-    unset = region is None or region.stall_s is None
-    return "FOP_COORDINATION_TIMEOUT_S" if unset else "stall_timeout"
-
-
-def _timed_out(e: Exception) -> bool:
-    return "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e)
-
-
-def _wait(
-    key: str,
-    timeout: float,
-    describe: Callable[[str], str],
-    process: int,
-    *,
-    region: Region | None,
-    late: Callable[[], list[int]] | None = None,
-) -> str:
-    """The value under ``key`` once ``process`` set it: the one wait on other processes.
-
-    It waits in slices of at most :data:`POLL_S`, looking between them at the failures
-    published in ``region`` and (:class:`liveness.PeerWatch`) at ``process``'s heartbeat:
-    a live process is waited for as long as it makes progress, with the late processes
-    (``late()``, default ``[process]``) logged every ``FOP_LATE_REPORT_S``; a dead one
-    (its heartbeat stopped ``FOP_PEER_SILENT_S`` ago) raises CoordinationError naming it
-    within seconds, and so does, after ``timeout`` (the stall timeout), one that made no
-    progress that long or was never seen beating (it may not have started)."""
-    client, me = _client(), process_index()
-    _regions.ensure_beating(client, me)
-    watch = _regions.PeerWatch(
-        client,
-        me,
-        f"{key!r} from process {process}",
-        stall_s=timeout,
-        late=late or (lambda: [process]),
-        region=None if region is None else region.kind,
-        stall_name=_stall_name(region),
-        operation=None if region is None else (region.kind, region.tag),
-        elsewhere=functools.partial(_other_paths.raise_elsewhere, region),
-    )
-    piece = 0.02
-    with _regions.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):
-        while True:
-            try:
-                return client.blocking_key_value_get(key, max(1, int(piece * 1000)))
-            except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
-                if not _timed_out(e):
-                    raise CoordinationError(describe(str(e))) from e
-            raise_published_failure(region, process)
-            _regions.raise_if_left(process, key, region)
-            watch.look(process)
-            piece = min(2 * piece, POLL_S)
 
 
 def spans_processes(*trees: Any) -> bool:
@@ -138,105 +75,6 @@ def spans_processes(*trees: Any) -> bool:
         if is_sharding(found) and not found.is_fully_addressable:
             return True
     return False
-
-
-def barrier(name: str, *, region: Region | None, timeout_s: float | None = None) -> None:
-    """Blocks until every process reached ``name``; raises CoordinationError naming the
-    missing processes (a key-value barrier: it waits through :func:`_wait`, each
-    process given the stall timeout ``timeout_s``, default :func:`stall_timeout`)."""
-    if process_count() == 1:
-        return
-    timeout = stall_timeout(timeout_s, region=region)
-    CALLS["barrier"] += 1
-    _regions.fault_point(region)
-    client, me = _client(), process_index()
-    client.key_value_set(f"{name}/at/{me}", "1")
-
-    def describe(said: str) -> str:
-        missing = [p for p in range(process_count()) if p != me and not _is_set(f"{name}/at/{p}")]
-        return (
-            f"process {me} of {process_count()}: not every process reached barrier {name!r} "
-            f"(missing process(es): {', '.join(map(str, missing))}; {said})"
-        )
-
-    def late() -> list[int]:
-        return [p for p in range(process_count()) if p != me and not _is_set(f"{name}/at/{p}")]
-
-    for p in range(process_count()):
-        if p != me:
-            _wait(f"{name}/at/{p}", timeout, describe, p, region=region, late=late)
-
-
-def _is_set(key: str) -> bool:
-    try:
-        _client().key_value_try_get(key)
-        return True
-    except Exception:  # noqa: BLE001  (NOT_FOUND, or a service gone: not there either way)
-        return False
-
-
-def broadcast_str(
-    name: str, value: str | None, *, region: Region | None, timeout_s: float | None = None
-) -> str:
-    """The primary's ``value`` on every process (others pass anything)."""
-    if process_count() == 1:
-        assert value is not None
-        return value
-    timeout = stall_timeout(timeout_s, region=region)
-    _regions.fault_point(region)
-    if is_primary():
-        CALLS["kv_set"] += 1
-        _client().key_value_set(name, value)
-        return value
-    CALLS["kv_get"] += 1
-    return _wait(
-        name,
-        timeout,
-        lambda e: f"process {process_index()}: no value for {name!r} from the primary ({e})",
-        0,
-        region=region,
-    )
-
-
-def publish(name: str, value: str, *, region: Region | None) -> None:
-    """Stores this process's ``value`` under ``name/<process>`` for :func:`gather_str`
-    (``region``: the operation's, whose fault point it is)."""
-    if process_count() > 1:
-        _regions.fault_point(region)
-        CALLS["kv_set"] += 1
-        _client().key_value_set(f"{name}/{process_index()}", value)
-
-
-def forget(name: str) -> None:
-    """Deletes this process's value under ``name/<process>`` (see :func:`publish`), once
-    every process has read it: values stay in the coordination service until deleted.
-    Errors are ignored (a value left behind costs memory, nothing else)."""
-    if process_count() > 1:
-        CALLS["kv_delete"] += 1
-        try:
-            _client().key_value_delete(f"{name}/{process_index()}")
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def gather_str(name: str, *, region: Region | None, timeout_s: float | None = None) -> list[str]:
-    """Values that every process published under ``name``, by process index."""
-    return [get_from(name, p, region=region, timeout_s=timeout_s) for p in range(process_count())]
-
-
-def poll(name: str, *, region: Region | None, wait_s: float) -> str | None:
-    """The value under ``name``, waiting at most ``wait_s``; None when none was set by
-    then. For a background thread that follows another process's decisions and must
-    stay responsive to its own shutdown (a long wait is a loop of short polls)."""
-    _regions.fault_point(region)
-    CALLS["kv_get"] += 1
-    try:
-        return _client().blocking_key_value_get(name, max(1, int(wait_s * 1000)))
-    except Exception as e:
-        if _timed_out(e):
-            raise_published_failure(region)
-            return None
-        raise CoordinationError(f"process {process_index()}: reading {name!r}: {e}") from e
 
 
 def session_nonce(*, region: Region | None) -> str:
@@ -259,22 +97,6 @@ def unique_name(*, region: Region | None) -> str:
 
 
 _NAMES = itertools.count()
-
-
-def get_from(
-    name: str, process: int, *, region: Region | None, timeout_s: float | None = None
-) -> str:
-    """The value ``process`` published under ``name`` (see :func:`publish`)."""
-    timeout = stall_timeout(timeout_s, region=region)
-    _regions.fault_point(region)
-    CALLS["kv_get"] += 1
-    return _wait(
-        f"{name}/{process}",
-        timeout,
-        lambda e: f"no value {name!r} from process {process} ({e})",
-        process,
-        region=region,
-    )
 
 
 def gather_json(kind: str, value: Any, *, region: Region | None) -> list[Any]:
@@ -306,7 +128,7 @@ def agree(kind: str, error: BaseException | None, *, region: Region | None, what
     mine = None if error is None else {"type": type(error).__name__, "message": str(error)}
     op = next_operation_id(kind, region=region)
     if error is not None:  # a process waiting elsewhere in the region must not wait for us
-        _regions.announce_agreement(op, error, region)
+        _failures.announce_agreement(op, error, region)
     if region is not None:
         region.agreeing = op
     try:
@@ -328,3 +150,177 @@ def agree(kind: str, error: BaseException | None, *, region: Region | None, what
             if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
                 cls = CheckpointError
             raise cls(f"{what}: process {p} failed: {view['type']}: {view['message']}")
+
+
+@contextlib.contextmanager
+def collective(
+    kind: str, *, spans: bool = True, stall_s: float | None = None, scope: str | None = None
+) -> Iterator[Region | None]:
+    """A collective operation of every process (a context manager): draws a region and
+    gives it to the body (``with collective(...) as region``), which hands it down; in
+    it, waits raise :class:`ProcessFailedError` once another process published a
+    failure, and its error, leaving it, is published for the others.
+
+    ``spans=False``: this call is not collective (e.g. a restore onto host arrays, which
+    one process may make alone); no region is drawn (the body gets None). With one
+    process: None too. Each call draws a new region, nested or not: internals that
+    continue an operation are handed its region instead of entering this. ``stall_s``:
+    the stall timeout of the region's waits (see ``_base/regions.py``); ``scope``: the
+    region's (see :class:`Region`). Call it on the thread that makes the SPMD calls."""
+    _host.refuse_if_detected(kind)  # every public save and restore enters here
+    if not spans or jax.process_count() == 1:
+        yield None
+        return
+    with contextlib.suppress(CoordinationError):  # no client: the first wait says so
+        _liveness.ensure_beating(client(), jax.process_index())  # before any wait on us
+    _host.at_exit(_host.ANNOUNCE, _failures.announce_program_end)
+    region = Region(kind, str(next(_REGIONS)), stall_s=stall_s, scope=scope)
+    with resumed(region):
+        yield region
+
+
+@contextlib.contextmanager
+def failing_before(kind: str, *, spans: bool = True) -> Iterator[None]:
+    """Checks made before the region of the operation they belong to is drawn (the
+    callback's options, checked by its constructor; its manager opens at its first
+    use): an error leaving the body is published in a region drawn for it then, this
+    process's n-th collective operation, the one the others draw for that operation
+    (``kind``), so that they raise at once there rather than wait for it. Draws
+    nothing when the body succeeds; ``spans=False``: the operation is not collective."""
+    try:
+        yield
+    except Exception:
+        with collective(kind, spans=spans):
+            raise
+
+
+def collective_method(kind: str, *, stall: str, scope: str) -> Callable:
+    """A decorator for a method whose body takes the keyword ``region``: each call is
+    :func:`collective`, its region handed to the body as ``region=`` (the decorated
+    method takes the body's other parameters), its stall timeout the attribute
+    ``stall`` of the object it is called on (set by its constructor from its options:
+    e.g. a manager's ``stall_timeout=``), its scope the attribute ``scope`` (e.g. the
+    tag of the manager's open). The region of a call is also the decorated method's
+    attribute ``_fop_region(self, *args, **kwargs)``: a check of the call made around
+    it (an unknown keyword, ``_base.env``) fails in it."""
+
+    def region(self: Any, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+        stall_s, scope_tag = getattr(self, stall, None), getattr(self, scope, None)
+        return collective(kind, stall_s=stall_s, scope=scope_tag)
+
+    return _decorator(region)
+
+
+# ``errors(error, arguments)``: the error to raise in place of ``error`` (None: as it
+# is), from the call's bound arguments (``_storage.kvstore.refusals``).
+Errors = Callable[[BaseException, dict[str, Any]], BaseException | None]
+
+
+def public(
+    kind: str | None = None,
+    *,
+    spans: Callable[..., bool] | None = None,
+    errors: Errors | None = None,
+) -> Callable:
+    """The one decorator of a public operation, its entry: each call
+
+    * refuses a keyword the function does not take, naming the one meant ("did you
+      mean"; ``_base.env``), in the call's region;
+    * with ``kind``, is a collective operation (:func:`collective` when ``spans(*args,
+      **kwargs)`` says from the arguments that this call is one, e.g. a like on devices
+      of other processes; None: always): the body takes the
+      keyword ``region`` and is handed the region drawn (or None); without ``kind`` it
+      is a call of one process, no region drawn;
+    * raises, in place of an error of the body, what ``errors`` makes of it (see
+      :data:`Errors`; e.g. a store's refusal as StoreAccessError), inside the region,
+      so that the other processes learn that one.
+
+    The signature shown is the body's (without ``region``). The package's own calls of
+    the decorated name go through the same entry. Threading: the caller's."""
+
+    def region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+        if kind is None:
+            return contextlib.nullcontext()
+        _host.refuse_if_detected(kind)  # before ``spans`` looks at any device
+        try:
+            spanning = spans is None or spans(*args, **kwargs)
+        except TypeError:  # arguments the function refuses (one missing): it says so itself
+            spanning = False
+        return collective(kind, spans=spanning)
+
+    def decorate(body: Callable) -> Callable:
+        shown = inspect.signature(body)
+        takes = _env.keywords_taken(body)
+        owner = body.__qualname__
+
+        @functools.wraps(body)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with region(*args, **kwargs) as drawn:
+                if takes is not None and not takes.issuperset(kwargs):
+                    raise _env.unknown_keywords(owner, kwargs, takes)
+                try:
+                    if kind is None:
+                        return body(*args, **kwargs)
+                    return body(*args, region=drawn, **kwargs)
+                except Exception as e:
+                    found = None if errors is None else _translated(errors, e, shown, args, kwargs)
+                    if found is None:
+                        raise
+                    raise found from None
+
+        params = [p for p in shown.parameters.values() if p.name != "region"]
+        call.__signature__ = shown.replace(parameters=params)  # type: ignore[attr-defined]
+        call._fop_region = region  # type: ignore[attr-defined]
+        call._fop_named = True  # type: ignore[attr-defined]
+        return call
+
+    return decorate
+
+
+def _translated(
+    errors: Errors, error: Exception, shown: inspect.Signature, args: tuple, kwargs: dict
+) -> BaseException | None:
+    """What ``errors`` makes of ``error`` (None: it stands, also where the translation
+    itself fails)."""
+    try:
+        return errors(error, shown.bind_partial(*args, **kwargs).arguments)
+    except Exception:  # noqa: BLE001  (the original error stands)
+        return None
+
+
+def _decorator(region: Callable[..., contextlib.AbstractContextManager]) -> Callable:
+    """The wrapper of :func:`collective_method`: the body called in ``region(...)``'s
+    region, handed it as ``region=``; the signature shown is the body's without it."""
+
+    def decorate(body: Callable) -> Callable:
+        @functools.wraps(body)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with region(*args, **kwargs) as drawn:
+                return body(*args, region=drawn, **kwargs)
+
+        shown = inspect.signature(body)
+        params = [p for p in shown.parameters.values() if p.name != "region"]
+        call.__signature__ = shown.replace(parameters=params)  # type: ignore[attr-defined]
+        call._fop_region = region  # type: ignore[attr-defined]
+        return call
+
+    return decorate
+
+
+@contextlib.contextmanager
+def resumed(region: Region | None) -> Iterator[None]:
+    """Runs the body as a part of the operation of ``region`` (its activity named in the
+    heartbeat; e.g. a save's write and commit on a background thread, which hands
+    ``region`` down itself); an error leaving the body is published. ``None``:
+    nothing."""
+    if region is None:
+        yield
+        return
+    try:
+        with ACTIVITIES.doing(f"{region.kind} (operation {region.tag})"):
+            yield
+    except (SystemExit, GeneratorExit):  # a preempted run leaves together, on purpose
+        raise
+    except BaseException as e:
+        publish_failure(region, e)
+        raise

@@ -18,41 +18,35 @@ import math
 import numbers
 import operator
 import os
-import re
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from .._errors import CheckpointError, OptionError, OptionTypeError
+from .fault_specs import FaultSpec, fault_spec
 
 __all__ = [
-    "FaultSpec",
     "INT64_MAX",
     "InjectedFault",
     "Option",
     "VARIABLES",
     "check",
-    "doc_lines",
-    "doc_table",
+    "checked",
     "fail_point",
     "flag",
     "found",
     "initializer",
+    "keywords_taken",
     "kill_point",
     "lower",
-    "named_keywords",
-    "outside_stacklevel",
     "pause_point",
     "read",
-    "refuse_unknown",
-    "refuse_without",
-    "signature",
     "slow_point",
-    "with_defaults",
+    "unexpected",
+    "unknown_keywords",
 ]
 
 INT64_MAX = (1 << 63) - 1  # sizes and counts handed to tensorstore or the OS
@@ -230,52 +224,7 @@ def flag(name: str, value: Any) -> bool:
     return Option(name, "flag").check(value)
 
 
-def refuse_without(option: str, value: Any, needs: str, *, default: Any = None) -> None:
-    """Refuses ``option`` given (``value`` is not ``default``) in a mode where it does
-    nothing: OptionError naming the option, its value and ``needs`` (the mode it needs,
-    as the message says it: ``"format_version=2"``)."""
-    if value is default or (default is not None and value == default):
-        return
-    raise OptionError(f"{option}={value!r} does nothing without {needs}")
-
-
-def with_defaults(declared: Iterable[Option], given: Mapping[str, Any]) -> dict[str, Any]:
-    """``{name: value}`` of every declared option: ``given``'s, else its default."""
-    return {o.name: given[o.name] if o.name in given else o.default for o in declared}
-
-
-def refuse_unknown(
-    owner: str,
-    given: Iterable[str],
-    declared: Iterable[Option],
-    *,
-    hints: Mapping[str, str] | None = None,
-    inside: tuple[str, Iterable[Option]] | None = None,
-) -> None:
-    """Raises TypeError naming each keyword of ``given`` that no option of ``declared``
-    takes, with what it most likely stands for: an option whose ``aliases`` name it,
-    ``hints[name]`` (words for names that are no single option), an option of the
-    dict option ``inside = (option, declared)`` takes (the callback's
-    ``manager_options``), then the closest spelling; the message lists the options."""
-    declared = tuple(declared)
-    names = {o.name for o in declared}
-    unknown = [name for name in given if name not in names]
-    if not unknown:
-        return
-    inner_option, inner = inside if inside is not None else ("", ())
-    inner_names = {o.name for o in inner}
-    lines = []
-    for name in unknown:
-        hint = _alias_of(name, declared) or (hints or {}).get(name)
-        alias = _alias_of(name, inner)
-        inner_name = alias[:-1] if alias else (name if name in inner_names else None)
-        if inner_name is not None and hint is None:
-            hint = f"{inner_option}={{{inner_name!r}: ...}}"
-        lines.append(_unexpected(owner, name, names, hint))
-    raise TypeError("; ".join(lines) + f" (its options: {', '.join(sorted(names))})")
-
-
-def _unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = None) -> str:
+def unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = None) -> str:
     """Python's words for an unknown keyword, with the closest name as the hint."""
     if hint is None:
         close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.75)
@@ -283,38 +232,6 @@ def _unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = 
     return f"{owner}() got an unexpected keyword argument {name!r}" + (
         f": did you mean {hint}?" if hint else ""
     )
-
-
-def named_keywords(obj: Any, *, methods: bool = False) -> Any:
-    """``obj`` (a public function or class) with "did you mean" for an unknown keyword
-    (refused in the region of a collective call): a function is returned wrapped (its
-    module's own name stays unwrapped, for the package's calls); a class gets its
-    ``__init__`` wrapped, and with ``methods`` its public methods (its own and those of
-    the package's classes it inherits), set on the class itself. A callable taking
-    ``**kwargs`` checks its own (:func:`refuse_unknown`) and is left as it is, as are
-    exceptions. Applied once, where the public names are bound (``_api``)."""
-    if isinstance(obj, type):
-        if not issubclass(obj, BaseException):
-            _name_methods(obj, methods)
-        return obj
-    return _checked(obj, obj.__qualname__) if inspect.isfunction(obj) else obj
-
-
-def _name_methods(cls: type, methods: bool) -> None:
-    package = __name__.split(".")[0]
-    done = set()
-    for base in cls.__mro__:
-        if not base.__module__.startswith(package):
-            continue
-        for name, value in vars(base).items():
-            if name in done or (name != "__init__" and (not methods or name.startswith("_"))):
-                continue
-            done.add(name)
-            owner = cls.__name__ if name == "__init__" else f"{cls.__name__}.{name}"
-            if inspect.isfunction(value):
-                setattr(cls, name, _checked(value, owner))
-            elif isinstance(value, (classmethod, staticmethod)):
-                setattr(cls, name, type(value)(_checked(value.__func__, owner)))
 
 
 def keywords_taken(fn: Callable) -> frozenset[str] | None:
@@ -333,11 +250,11 @@ def unknown_keywords(owner: str, given: Iterable[str], takes: Iterable[str]) -> 
     """The TypeError of a call of ``owner`` given keywords it does not take (each named,
     with the one meant: "did you mean ...?"; then every keyword it takes)."""
     takes = set(takes)
-    lines = "; ".join(_unexpected(owner, k, takes) for k in given if k not in takes)
+    lines = "; ".join(unexpected(owner, k, takes) for k in given if k not in takes)
     return TypeError(f"{lines} (its keywords: {', '.join(sorted(takes))})")
 
 
-def _checked(fn: Callable, owner: str) -> Callable:
+def checked(fn: Callable, owner: str) -> Callable:
     if getattr(fn, "_fop_named", False):
         return fn
     takes = keywords_taken(fn)
@@ -354,94 +271,6 @@ def _checked(fn: Callable, owner: str) -> Callable:
 
     call._fop_named = True  # type: ignore[attr-defined]
     return call
-
-
-def _alias_of(name: str, declared: Iterable[Option]) -> str | None:
-    """``"<option>="`` of the declared option that ``name`` is an alias of, or None."""
-    for option in declared:
-        if name in option.aliases:
-            return option.name + "="
-    return None
-
-
-def signature(
-    leading: Iterable[inspect.Parameter], declared: Iterable[Option]
-) -> inspect.Signature:
-    """``leading`` (``self``, ``directory``...) then every declared option as a
-    keyword-only parameter with its default and type: what ``help()`` and
-    ``inspect.signature`` show for a function that takes ``**options``."""
-    options = [
-        inspect.Parameter(
-            o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type_text
-        )
-        for o in declared
-    ]
-    return inspect.Signature([*leading, *options])
-
-
-def doc_lines(declared: Iterable[Option], *, indent: str = "  ") -> str:
-    """One line per declared option, ``name: doc (default: ...)``, for a docstring."""
-    return "\n".join(
-        f"{indent}{o.name}: {o.doc} (default: {_default_text(o.default)})" for o in declared
-    )
-
-
-def doc_table(declared: Iterable[Option]) -> str:
-    """The declared options as a markdown table (docs/manager.md holds these, tested
-    to match): option, type, default, doc."""
-    rows = ["| option | type | default | what it does |", "|---|---|---|---|"]
-    for o in declared:
-        kind = o.type_text.replace("|", "\\|")
-        rows.append(f"| `{o.name}` | `{kind}` | `{_default_text(o.default)}` | {o.doc} |")
-    return "\n".join(rows)
-
-
-def _default_text(value: Any) -> str:
-    name = getattr(value, "__qualname__", None)
-    if callable(value) and name is not None:
-        return f"{getattr(value, '__module__', '')}.{name}".lstrip(".")
-    return repr(value)
-
-
-def outside_stacklevel() -> int:
-    """The ``stacklevel`` that makes a ``warnings.warn`` called from inside the package
-    name the first frame outside it (the user's call; the frames of ``contextlib``,
-    which the package's collective decorators run in, are skipped too)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and _inside(frame.f_code.co_filename, package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _inside(filename: str, package: str) -> bool:
-    return os.path.abspath(filename).startswith(package) or filename == contextlib.__file__
-
-
-class FaultSpec(NamedTuple):
-    """A parsed ``FOP_KILL_AT`` / ``FOP_FAIL_AT``: the phase, from its ``nth`` hit on,
-    and (``FOP_FAIL_AT``) the errno name of the injected error."""
-
-    phase: str
-    nth: int
-    errno_name: str
-    text: str
-
-
-_PHASE = re.compile(r"[a-z][a-z0-9_-]*\Z")
-
-
-def _fault_spec(text: str, *, with_errno: bool) -> FaultSpec:
-    parts = text.split(":")
-    if len(parts) > (3 if with_errno else 2) or not _PHASE.match(parts[0]):
-        raise ValueError("bad syntax")
-    nth = parts[1] if len(parts) > 1 else "1"
-    if not nth.isdigit() or int(nth) < 1:
-        raise ValueError("bad hit count")
-    name = parts[2] if len(parts) > 2 else "EIO"
-    if not isinstance(getattr(errno, name, None), int) or not name.isupper():
-        raise ValueError("bad errno name")
-    return FaultSpec(parts[0], int(nth), name, text)
 
 
 VARIABLES: dict[str, tuple[Option, Any]] = {
@@ -488,7 +317,7 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
         Option(
             "FOP_KILL_AT",
             "custom",
-            convert=lambda t: _fault_spec(t, with_errno=False),
+            convert=lambda t: fault_spec(t, with_errno=False),
             expected="a kill point: 'phase' or 'phase:N' (its N-th hit, N >= 1)",
         ),
         None,
@@ -497,7 +326,7 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
         Option(
             "FOP_PAUSE_AT",
             "custom",
-            convert=lambda t: _fault_spec(t, with_errno=False),
+            convert=lambda t: fault_spec(t, with_errno=False),
             expected="a pause point: 'phase' or 'phase:N' (its N-th hit, N >= 1)",
         ),
         None,
@@ -506,7 +335,7 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
         Option(
             "FOP_SLOW_AT",
             "custom",
-            convert=lambda t: _fault_spec(t, with_errno=False),
+            convert=lambda t: fault_spec(t, with_errno=False),
             expected="a slow point: 'phase' or 'phase:N' (from its N-th hit, N >= 1)",
         ),
         None,
@@ -523,7 +352,7 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
         Option(
             "FOP_FAIL_AT",
             "custom",
-            convert=lambda t: _fault_spec(t, with_errno=True),
+            convert=lambda t: fault_spec(t, with_errno=True),
             expected="a fail point: 'phase', 'phase:N' or 'phase:N:ERRNO' (N >= 1, "
             "ERRNO an errno name such as EIO)",
         ),

@@ -1,7 +1,11 @@
-"""The program's end (one exit hook), host buffers, Pathways detection, the host-memory ceiling.
+"""This process: its end (one exit hook), its host buffers, who it is among the others
+(its index, their count, the primary) and what its threads are doing
+(:data:`ACTIVITIES`, which its heartbeat publishes when there are others:
+``_base/liveness.py``), Pathways detection, the host-memory ceiling.
 
 Exit steps run on the main thread at exit, in order FINISH, LEAVE, ANNOUNCE (``at_exit``
-from any thread); the rest are pure functions, any thread.
+from any thread); :data:`ACTIVITIES` is thread-safe, a stack per thread; the rest are
+pure functions, any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.host``.
 """
@@ -12,44 +16,35 @@ import atexit
 import concurrent.futures
 import concurrent.futures.thread
 import contextlib
-import ctypes
+import dataclasses
 import logging
 import math
-import mmap
 import os
 import sys
 import threading
-import warnings
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
-from .._errors import OptionError, UnsupportedRuntimeError
+from .._errors import UnsupportedRuntimeError
 from . import env as _env
-from . import tree as _tree
-from .env import INT64_MAX, Option, check, found, outside_stacklevel, refuse_without
 
 __all__ = [
+    "ACTIVITIES",
+    "Activities",
+    "Progress",
     "ANNOUNCE",
-    "AUTO",
-    "AUTO_FRACTION",
     "FINISH",
-    "HOST_MEMORY",
-    "HOST_MEMORY_BUDGET",
     "LEAVE",
     "at_exit",
-    "available_bytes",
-    "check_ceiling",
     "detected",
-    "held_bytes",
-    "largest_row",
-    "refuse_idle",
+    "is_primary",
+    "process_count",
+    "process_index",
     "refuse_if_detected",
-    "resolve",
-    "save_budget",
-    "take_old_name",
 ]
 
 FINISH, LEAVE, ANNOUNCE = 0, 1, 2  # the steps, in the order they run
@@ -174,133 +169,100 @@ def _copy_job(dst: np.ndarray, src: np.ndarray, copier=np.copyto) -> None:
     copier(dst, src)
 
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+def process_index() -> int:
+    return jax.process_index()
 
 
-def _load_madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+def process_count() -> int:
+    return jax.process_count()
 
 
-_madvise = _load_madvise()
+def is_primary() -> bool:
+    return jax.process_index() == 0
 
 
-def populate(buffer: np.ndarray) -> bool:
-    """Makes every page of ``buffer`` (C-contiguous, page-aligned start) resident and
-    writable now: ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it (one call
-    faults every page in, without a fault per page), else one byte written per page.
-    Returns whether madvise did it. The values are not meaningful either way."""
-    flat = buffer.reshape(-1).view(np.uint8)
-    address, length = flat.ctypes.data, flat.size - flat.size % PAGE
-    if _madvise is not None and length and address % PAGE == 0:
-        if _madvise(address, length, MADV_POPULATE_WRITE) == 0:
-            return True
-    flat[::PAGE] = 0  # an older kernel (EINVAL): a write fault per page
-    return False
+@dataclasses.dataclass
+class Progress:
+    """Bytes an activity has moved (``done``) of those handed to it so far (``total``);
+    updated by the thread doing the work, read by the heartbeat thread."""
+
+    done: int = 0
+    total: int = 0
+
+    def words(self) -> str:
+        left = max(self.total - self.done, 0)
+        return f"{self.done / (1 << 20):.1f} MiB done, {left / (1 << 20):.1f} MiB left"
 
 
-class BufferPool:
-    """Snapshot buffers reused from one save to the next (a manager's saves).
+@dataclasses.dataclass
+class _Activity:
+    what: str
+    since: float
+    progress: Progress | None = None
 
-    A fresh host buffer costs its first touch (page faults: about 0.6 s per GB on this
-    kind of machine), and so does a zero-copy snapshot of CPU arrays, one step later:
-    while the snapshot's views are alive the training step cannot donate its state and
-    allocates fresh outputs instead. A copy into memory that was touched before costs
-    only the copy. The pool holds the buffers of the last save that gave its buffers
-    back (one host copy of what it saved) for the next snapshot to take.
 
-    Thread-safety and call order: :meth:`empty` is called by the blocking phase
-    (training thread), :meth:`give_back` by the background write once tensorstore no
-    longer reads the buffers (another thread); one lock guards the free lists. A buffer
-    is handed out only after it was given back, so a save still writing never has its
-    buffers overwritten, whatever the saves' overlap.
-    """
+class Activities:
+    """What this process's threads are doing (a stack per thread, innermost last)."""
 
-    MIN_BYTES = 1 << 16  # smaller buffers come from malloc's heap cheaply anyway
-
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: dict[int, list[np.ndarray]] = {}
-        self.allocated = 0  # buffers of MIN_BYTES or more made fresh by empty()
-        self.reused = 0  # buffers empty() took from the free lists
+        self._stacks: dict[int, list[_Activity]] = {}
 
-    def reserve(self, sizes: list[int]) -> int:
-        """Makes the free lists hold one buffer per byte size of ``sizes`` (those of one
-        save, ``_core.pool_sizes``), each populated (:func:`populate`): the first
-        save then takes buffers that were touched before, without page faults. Buffers
-        already free count; returns the bytes newly allocated. Call before the loop, with
-        no save in flight (the training thread)."""
-        want: dict[int, int] = {}
-        for n in sizes:
-            if n >= self.MIN_BYTES:
-                want[n] = want.get(n, 0) + 1
-        made = 0
+    @contextlib.contextmanager
+    def doing(self, what: str, *, moving: bool = False) -> Iterator[Progress | None]:
+        """Records ``what`` as this thread's current activity for the body; ``moving``:
+        the body moves bytes and reports them in the :class:`Progress` it is given."""
+        entry = self.begin(what, moving=moving)
+        try:
+            yield entry.progress
+        finally:
+            self.end(entry)
+
+    def begin(self, what: str, *, moving: bool = False) -> _Activity:
+        """:meth:`doing` for a body that is no ``with`` block: pair with :meth:`end`."""
+        entry = _Activity(what, time.monotonic(), Progress() if moving else None)
         with self._lock:
-            free = {n: list(a) for n, a in self._free.items()}
-        for n, count in want.items():
-            have = free.setdefault(n, [])
-            while len(have) < count:
-                raw = empty((n,), np.uint8)
-                populate(raw)
-                have.append(raw)
-                made += n
+            self._stacks.setdefault(threading.get_ident(), []).append(entry)
+        return entry
+
+    def end(self, entry: _Activity) -> None:
+        """Ends ``entry`` (begun on this thread)."""
+        me = threading.get_ident()
         with self._lock:
-            self._free = free
-        return made
+            stack = self._stacks.get(me, [])
+            if entry in stack:
+                stack.remove(entry)
+            if not stack:
+                self._stacks.pop(me, None)
 
-    def empty(self, shape, dtype) -> np.ndarray:
-        """As :func:`empty`, from the pool when a given-back buffer has the size."""
-        dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
-        raw = None
-        if nbytes >= self.MIN_BYTES:
-            with self._lock:
-                free = self._free.get(nbytes)
-                if free:
-                    raw = free.pop()
-                    self.reused += 1
-                else:
-                    self.allocated += 1
-        if raw is None:
-            raw = empty((nbytes,), np.uint8)
-        return raw.view(dtype).reshape(shape)
-
-    def copy(self, array: np.ndarray, later: list | None = None) -> np.ndarray:
-        """A pooled copy of ``array``; with ``later``, the copy is only appended to it as
-        (buffer, array), for :func:`copy_all` to make."""
-        out = self.empty(array.shape, array.dtype)
-        if later is None:
-            np.copyto(out, array)
-        else:
-            later.append((out, array))
-        return out
-
-    def give_back(self, arrays) -> None:
-        """Makes ``arrays`` (from :meth:`empty`, no longer read) the pool's free buffers;
-        buffers given back earlier and not taken since are dropped, so the pool never
-        holds more than one save's worth."""
-        free: dict[int, list[np.ndarray]] = {}
-        for a in arrays:
-            if a.nbytes >= self.MIN_BYTES and a.flags.c_contiguous:
-                free.setdefault(a.nbytes, []).append(a.reshape(-1).view(np.uint8))
+    def signature(self) -> tuple:
+        """What changes when this process progresses: each activity and its bytes done
+        (compared between two beats by the heartbeat thread)."""
         with self._lock:
-            self._free = free
+            stacks = [list(s) for s in self._stacks.values()]
+        return tuple(
+            (a.what, a.since, None if a.progress is None else a.progress.done)
+            for stack in stacks
+            for a in stack
+        )
 
-    def clear(self) -> None:
+    def describe(self) -> list[str]:
+        """One line per busy thread: its activities, outermost first, with their bytes."""
+        now = time.monotonic()
         with self._lock:
-            self._free = {}
+            stacks = [list(s) for s in self._stacks.values() if s]
+        lines = []
+        for stack in stacks:
+            parts = []
+            for a in stack:
+                part = f"{a.what} ({now - a.since:.0f} s"
+                part += f", {a.progress.words()})" if a.progress is not None else ")"
+                parts.append(part)
+            lines.append(" > ".join(parts))
+        return sorted(lines)
 
-    @property
-    def nbytes(self) -> int:
-        with self._lock:
-            return sum(a.nbytes for free in self._free.values() for a in free)
+
+ACTIVITIES = Activities()  # this process's (one per process, like its coordination client)
 
 
 PROXY = "proxy"  # the platform name of the IFRT proxy backend Pathways runs behind
@@ -330,213 +292,4 @@ def refuse_if_detected(operation: str) -> None:
         f"every host). Run one process per host, or use Orbax with pathwaysutils' "
         f"persistence under Pathways; FOP_PATHWAYS=allow runs it as one process anyway "
         f"(untested: every shard passes through the controller's host memory)"
-    )
-
-
-AUTO = "auto"
-AUTO_FRACTION = 0.5
-"""The share of the memory free at the start of an operation that ``"auto"`` allows."""
-
-_CGROUP_V2 = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
-_CGROUP_V1 = (
-    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-    "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-)
-
-
-def check_ceiling(value: Any) -> int | str | None:
-    """``value`` if it is a ceiling: a positive int (bytes, at most 2**63-1), ``"auto"``
-    or None; else ValueError / TypeError in the words of an option's message."""
-    if value is None or value == AUTO:
-        return value
-    if isinstance(value, bool) or not isinstance(value, int):
-        index = getattr(value, "__index__", None)  # numpy integer scalars
-        if index is None or isinstance(value, bool):
-            expected = "expected a positive int of bytes, 'auto' or None"
-            raise TypeError(f"{expected}, found {found(value)}")
-        value = index()
-    if not 1 <= value <= INT64_MAX:
-        raise ValueError(f"expected a positive int of bytes <= {INT64_MAX}, found {value}")
-    return int(value)
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # "max": no limit
-
-
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def available_bytes() -> int | None:
-    """Host memory free for this process now: the smaller of ``MemAvailable`` and the
-    cgroup's limit less its usage; None where neither can be read."""
-    figures = [_meminfo_available()]
-    for limit_path, usage_path in (_CGROUP_V2, _CGROUP_V1):
-        limit, usage = _read_int(limit_path), _read_int(usage_path)
-        if limit is not None and usage is not None and limit < INT64_MAX // 2:
-            figures.append(max(0, limit - usage))
-            break
-    known = [f for f in figures if f is not None]
-    return min(known) if known else None
-
-
-def resolve(ceiling: int | str | None) -> int | None:
-    """The bytes ``ceiling`` allows now: itself (an int), :data:`AUTO_FRACTION` of
-    :func:`available_bytes` (``"auto"``; None where that is unknown), or None."""
-    if ceiling != AUTO:
-        return ceiling  # type: ignore[return-value]
-    free = available_bytes()
-    return None if free is None else max(1, int(free * AUTO_FRACTION))
-
-
-def _shards(leaf: Any) -> list[tuple[tuple[int, ...], int]]:
-    """``[(shape, itemsize)]`` of the pieces of ``leaf`` this process holds: a jax
-    array's addressable shards (read from their indices: no data touched), a numpy
-    array whole; nothing for other leaves."""
-    dtype = getattr(leaf, "dtype", None)
-    shape = getattr(leaf, "shape", None)
-    if dtype is None or shape is None or not hasattr(dtype, "itemsize"):
-        return []
-    deleted = getattr(leaf, "is_deleted", None)
-    if callable(deleted) and deleted():  # the save's own check names the leaf
-        return []
-    shards = getattr(leaf, "addressable_shards", None)
-    if shards is None:
-        return [(tuple(shape), dtype.itemsize)]
-    out = []
-    for shard in shards:
-        dims = tuple(
-            len(range(*s.indices(n))) if isinstance(s, slice) else 1
-            for s, n in zip(shard.index, shape, strict=False)
-        )
-        out.append((dims + tuple(shape[len(dims) :]), dtype.itemsize))
-    return out
-
-
-def held_bytes(tree: Any) -> int:
-    """Bytes of the array leaves of ``tree`` this process holds (its shards)."""
-    return sum(math.prod(s) * size for leaf in _leaves(tree) for s, size in _shards(leaf))
-
-
-def largest_row(tree: Any) -> tuple[int, str]:
-    """``(bytes, leaf path)`` of the largest row (one index of the first axis of a
-    shard; a scalar whole) among the array leaves of ``tree``: the least a streamed save
-    copies at once."""
-    best, where = 0, ""
-    for path, _, leaf in _tree.flatten(tree)[0]:
-        for shape, size in _shards(leaf):
-            row = math.prod(shape[1:]) * size if shape else size
-            if row > best:
-                best, where = row, path
-    return best, where
-
-
-def _leaves(tree: Any) -> list:
-    return [leaf for _, _, leaf in _tree.flatten(tree)[0]]
-
-
-HOST_MEMORY = Option(
-    "host_memory",
-    "custom",
-    none_ok=True,
-    convert=check_ceiling,
-    default=AUTO,
-    annotation="int | str",
-    doc="the host-memory ceiling, bytes any save, restore or resume holds beyond "
-    "the state: an int (a save streams under it), 'auto' (half the memory free when a save "
-    "starts: it streams only when the state does not fit) or None (no bound)",
-)
-"""A manager's (and a callback's) one ceiling (docs/manager.md, "Host memory")."""
-
-HOST_MEMORY_BUDGET = Option(  # fop.save's, and the manager's host_memory by its old name
-    "host_memory_budget",
-    "int",
-    none_ok=True,
-    low=1,
-    high=INT64_MAX,
-    expected=f"a positive int <= {INT64_MAX} or None",
-    doc="host bytes a step may hold beyond the state (None: no bound)",
-)
-
-
-def take_old_name(given: Mapping[str, Any], owner: str = "") -> dict[str, Any]:
-    """``given`` (a manager's keyword options) with ``host_memory_budget=``, the earlier
-    name of ``host_memory``, checked by its declaration and turned into
-    ``host_memory=`` with a DeprecationWarning; both given is an OptionError naming
-    both. ``owner``: the words before the name in messages."""
-    old = HOST_MEMORY_BUDGET.name
-    if old not in given:
-        return dict(given)
-    value = check((HOST_MEMORY_BUDGET,), {old: given[old]})[old]
-    if "host_memory" in given:
-        raise OptionError(
-            f"{owner}{old}={given[old]!r} and host_memory={given['host_memory']!r} are one "
-            f"option ({old}= is its earlier name): give host_memory= alone"
-        )
-    warnings.warn(
-        f"{owner}{old}=: deprecated, and gone in the next release; write host_memory={value!r}",
-        DeprecationWarning,
-        stacklevel=outside_stacklevel(),
-    )
-    out = {k: v for k, v in given.items() if k != old}
-    out["host_memory"] = value
-    return out
-
-
-def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple[Any, Any]:
-    """``(ceiling, budget)`` of one save of ``items`` under the ceiling ``given``: the
-    ceiling in bytes now (:func:`resolve`; None: no bound) and the
-    ``host_memory_budget`` the save streams under: the ceiling when ``given`` in
-    bytes; under ``"auto"`` only when this process's share of the state does not fit
-    (never for an ``incremental`` step: it copies every region first). A ceiling
-    below the largest row of the state (the least a streamed save copies at once) is
-    an OptionError naming the leaf and both figures: called before anything is written."""
-    ceiling = resolve(given)
-    if ceiling is None:
-        return None, None
-    if not isinstance(given, int) and (incremental or held_bytes(items) <= ceiling):
-        return ceiling, None
-    row, path = largest_row(items)
-    if row > ceiling:
-        shown = given if isinstance(given, int) else repr(AUTO)
-        raise OptionError(
-            f"host_memory={shown}: a save under a ceiling of {ceiling} bytes copies at least "
-            f"one row of a leaf at a time, and a row of leaf {path!r} holds {row} bytes; "
-            f"nothing was written: raise host_memory to at least {row}, or give "
-            f"host_memory=None (no bound)"
-        )
-    return ceiling, ceiling
-
-
-def refuse_idle(out: Mapping[str, Any]) -> None:
-    """A manager's checked options ``out``: the host-memory options that do nothing
-    beside another refused, naming both: a ceiling of bytes with incremental steps
-    (they copy every region to host first; ``"auto"`` then streams no save),
-    ``reuse_host_buffers=True`` under a ceiling of bytes (each save streams: nothing
-    is pooled)."""
-    ceiling = out["host_memory"]
-    if not isinstance(ceiling, int):
-        return
-    if out["incremental"]:
-        needs = "incremental=False (an incremental step copies every region to host first)"
-        refuse_without("host_memory", ceiling, needs)
-    refuse_without(
-        "reuse_host_buffers",
-        out["reuse_host_buffers"],
-        "host_memory=None or 'auto' (under a ceiling of bytes nothing is pooled: each "
-        "save streams, CPU arrays are written from their own memory)",
-        default=False,
     )

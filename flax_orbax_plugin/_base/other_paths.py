@@ -7,7 +7,7 @@ other until the stall timeout. Now the wait raises within a second or two, namin
 process and the failure it published last (``_base/regions.py``), the error that sent
 it there as a rule.
 
-Threading: the waiting thread (``distributed._wait``), handed its region.
+Threading: the waiting thread (``coordination._wait``), handed its region.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from .._errors import CoordinationError, ProcessFailedError
+from . import failures as _failures
 from . import regions as _regions
 
 __all__ = ["raise_elsewhere"]
@@ -55,13 +56,13 @@ def _latest_failures() -> dict[int, dict[str, Any]]:
     """The failure each process published last (in its region of the highest number)."""
     _regions.CALLS["failure_check"] += 1
     try:
-        found = _regions.client().key_value_dir_get(f"{_regions.FAILED}/")
+        found = _regions.client().key_value_dir_get(f"{_failures.FAILED}/")
     except Exception:  # noqa: BLE001  (none, or a service gone)
         return {}
     latest: dict[int, tuple[int, dict[str, Any]]] = {}
     for key, value in found:
-        tag = key.split(f"{_regions.FAILED}/", 1)[-1].split("/", 1)[0]
-        r = _regions.failure_record(value)
+        tag = key.split(f"{_failures.FAILED}/", 1)[-1].split("/", 1)[0]
+        r = _failures.failure_record(value)
         if tag.isdigit() and int(tag) >= latest.get(r["process"], (-1, r))[0]:
             latest[r["process"]] = (int(tag), r)
     return {p: r for p, (_, r) in latest.items()}

@@ -5,14 +5,19 @@ between). Pure functions; any thread.
 * :func:`listed`: ``'a', 'b', 'c' ... and 997 more``.
 * :func:`number_ranges`: the sorted ints a set lacks or holds as ranges,
   ``1, 3..999999`` (computed from the ints present, never by counting through a range).
+
+And where a warning is shown: :func:`outside_stacklevel`, the user's own call.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["LIMIT", "gaps", "listed", "number_ranges"]
+__all__ = ["LIMIT", "gaps", "listed", "number_ranges", "outside_stacklevel"]
 
 LIMIT = 8  # items a message names before "... and N more"
 _ITEM_CHARS = 200  # one item's text at most (a name may be long too)
@@ -62,3 +67,18 @@ def number_ranges(ranges: Sequence[tuple[int, int]], *, limit: int = LIMIT) -> s
             text.rsplit(" ... and ", 1)[0] + f" ... and {len(rest)} more ranges ({count} numbers)"
         )
     return text
+
+
+def outside_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` called from inside the package
+    name the first frame outside it (the user's call; the frames of ``contextlib``,
+    which the package's collective decorators run in, are skipped too)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and _inside(frame.f_code.co_filename, package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _inside(filename: str, package: str) -> bool:
+    return os.path.abspath(filename).startswith(package) or filename == contextlib.__file__

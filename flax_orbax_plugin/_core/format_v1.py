@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from .._base import env as _env
-from .._base import regions as _regions
+from .._base import host as _host
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchRecord, CheckpointDocument, array_dir
 from .._incremental import reuse as _reuse
@@ -162,7 +162,7 @@ def write_data(
         pending.fail(e, staging, direct=writer is not None)
         raise
     finally:
-        _regions.ACTIVITIES.end(doing)
+        _host.ACTIVITIES.end(doing)
         if writer is not None:
             writer.close()
         if linker is not None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from .._base import distributed as _distributed
 from .._base import host as _host
+from .._base.buffer_pool import BufferPool
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, BatchStorage
 from .._zarr import chunks as _chunks
@@ -313,7 +314,7 @@ def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
     return keep(_pooled(pool, np.asarray(source), rows, later, summed))
 
 
-def _pooled(pool: _host.BufferPool, host: np.ndarray, rows, later: list, summed) -> np.ndarray:
+def _pooled(pool: BufferPool, host: np.ndarray, rows, later: list, summed) -> np.ndarray:
     """A pooled buffer for ``host`` (the region ``rows``, global, of a leaf), its copy
     left in ``later`` for ``copy_all``, cut into pieces of whole chunk rows each copied
     and checksummed in one pass (``_zarr.crcs.copy_with_crcs``): every chunk's crc32c

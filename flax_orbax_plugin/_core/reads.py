@@ -21,7 +21,6 @@ import tensorstore as ts
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base import host as _host
-from .._base import regions as _regions
 from .._base import tree as _tree
 from .._errors import CheckpointError, CorruptCheckpointError, StepDeletedError, StructureError
 from .._format import layout as _layout
@@ -614,9 +613,9 @@ class ReadInto:
 class Reader:
     """Issues tensorstore reads in order, keeping at most ``limit`` bytes in flight."""
 
-    def __init__(self, limit: int, progress: _regions.Progress | None = None):
+    def __init__(self, limit: int, progress: _host.Progress | None = None):
         self.limit = limit
-        self.progress = progress or _regions.Progress()  # the bytes read, and asked for
+        self.progress = progress or _host.Progress()  # the bytes read, and asked for
         # a batch file's leaves at a time: placed while the next files are read
         self.placer = Placer(flush_bytes=min(limit, 16 << 20))
         self.pending: collections.deque = collections.deque()

@@ -21,7 +21,6 @@ import numpy as np
 
 from .._base import distributed as _distributed
 from .._base import host as _host
-from .._base import regions as _regions
 from .._base import tree as _tree
 from .._base.env import Option, check, flag
 from .._errors import (
@@ -298,7 +297,7 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
         raise copy.refusal(location, partial)
     direct = fmt.open(location, doc, checked, own_copy=request.own_copy)
     try:
-        with _regions.ACTIVITIES.doing(f"reading {location}", moving=True) as progress:
+        with _host.ACTIVITIES.doing(f"reading {location}", moving=True) as progress:
             return _read_targets_with(location, doc, targets, request, fmt, direct, progress)
     finally:
         if direct is not None:

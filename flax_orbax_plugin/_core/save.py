@@ -29,7 +29,7 @@ from .._base import env as _env
 from .._base import host as _host
 from .._base import interrupts as _interrupts
 from .._base import tree as _tree
-from .._base.regions import public
+from .._base.distributed import public
 from .._errors import CheckpointError, CoordinationError, SaveCancelledError
 from .._format.layout import COMMIT_FILE, CommitMarker
 from .._storage.kvstore import arguments, refusals

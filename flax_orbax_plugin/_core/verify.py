@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base import host as _host
+from .._base.distributed import public
 from .._base.env import Option, check
-from .._base.regions import public
 from .._errors import CheckpointError, OptionError, OptionTypeError
 from .._format import describe as _describe
 from .._format import host_copy as _host_copy

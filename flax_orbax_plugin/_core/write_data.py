@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base import env as _env
-from .._base import regions as _regions
+from .._base import host as _host
 from .._errors import CheckpointError
 from .._format.layout import ArrayStorage, BatchRecord, array_dir, batch_dir, sha256
 from .._storage.location import Location
@@ -63,13 +63,13 @@ class WritesInFlight:
         self.futures: collections.deque = collections.deque()
         self.in_flight = 0
         self.written = 0
-        self.progress = _regions.Progress()
+        self.progress = _host.Progress()
 
     def report(self, total: int):
         """Begins this thread's activity "writing this process's data" of ``total``
         bytes, whose progress (:attr:`progress`) the heartbeat publishes; the caller
-        ends it (``_regions.ACTIVITIES.end``)."""
-        doing = _regions.ACTIVITIES.begin("writing this process's data", moving=True)
+        ends it (``_host.ACTIVITIES.end``)."""
+        doing = _host.ACTIVITIES.begin("writing this process's data", moving=True)
         self.progress = doing.progress
         self.progress.total = total
         return doing
@@ -171,7 +171,7 @@ def write_packed(
             pending.drain(0)
         finally:
             writer.close()
-            _regions.ACTIVITIES.end(doing)
+            _host.ACTIVITIES.end(doing)
     except BaseException as e:
         pending.fail(e, staging, direct=True)
         raise

@@ -19,7 +19,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from .._base.env import Option, outside_stacklevel
+from .._base.env import Option
+from .._base.shown import outside_stacklevel
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,

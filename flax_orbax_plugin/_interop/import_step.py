@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._base import shown as _shown
-from .._base.env import outside_stacklevel
+from .._base.shown import outside_stacklevel
 from .._errors import StructureError
 from .._format.foreign import is_step
 from .._storage.location import Location

@@ -16,8 +16,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .._base import host as _host
-from .._base.regions import public
+from .._base import host_memory as _host_memory
+from .._base.distributed import public
 from .._core import ownership as _ownership
 from .._errors import (
     CheckpointError,
@@ -209,7 +209,7 @@ def _refuse_rows(step: int, items: Any, limit: int | None) -> None:
     the import's words, before the step is written."""
     if limit is None:
         return
-    row, path = _host.largest_row(items)
+    row, path = _host_memory.largest_row(items)
     if row > limit // 2:
         raise OptionError(
             f"memory_limit_bytes={limit}: step {step}: a row of leaf {path!r} holds {row} "
@@ -378,7 +378,7 @@ def import_orbax(
 def _orbax_step(step_loc: Location, step: int | None, limit: int | None):
     """``(step number, imported step)`` of one Orbax step directory, read whole."""
     trees, kinds = orbax_reader.read_step(step_loc)
-    refuse_over(step_loc, _host.held_bytes(trees), limit, "arrays, once read,")
+    refuse_over(step_loc, _host_memory.held_bytes(trees), limit, "arrays, once read,")
     imported = step_items(trees, kinds, source=str(step_loc))
     stored = imported[1].get("step")  # a training state's step leaf, as an int
     stored = stored if isinstance(stored, int) else None

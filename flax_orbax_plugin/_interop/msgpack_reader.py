@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 from .._base import tree as _tree
-from .._base.regions import public
+from .._base.distributed import public
 from .._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,

@@ -18,8 +18,8 @@ from typing import Any
 import tensorstore as ts
 
 from .._base import tree as _tree
+from .._base.distributed import public
 from .._base.env import flag
-from .._base.regions import public
 from .._errors import (
     CheckpointError,
     CorruptCheckpointError,

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .._base.env import flag, outside_stacklevel
+from .._base.env import flag
+from .._base.shown import outside_stacklevel
 from .._base.tree import encode_key, flatten, path_string
 from .._errors import NothingMatchedError, OptionError, OptionTypeError, StructureError
 from .._format import layout as _layout

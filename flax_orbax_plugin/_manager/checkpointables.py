@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._base.env import outside_stacklevel
+from .._base.shown import outside_stacklevel
 from .._core import formats as _formats
 from .._core import pool_sizes as _pool_sizes
 from .._core import restore as _restore

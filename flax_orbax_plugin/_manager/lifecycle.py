@@ -6,7 +6,7 @@ end with.
 error leaves it: a process whose training loop raised (a bug on one host, a Ctrl-C)
 does not enter ``close``'s meeting, which the others, waiting for it in their next
 save, would never reach; they learn at once that it left, and with which error
-(``_base.regions.announce_leaving``), rather than after the stall timeout.
+(``_base.failures.announce_leaving``), rather than after the stall timeout.
 
 Threading: the training thread, as every call of the manager.
 """
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base import distributed as _distributed
+from .._base import failures as _failures
 from .._base import host as _host
-from .._base import regions as _regions
 from .._errors import CheckpointError
 from . import events as _events
 
@@ -119,7 +119,7 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
                 tier.close(grace, raise_errors=not self.preempted)
         except BaseException as e:
             self._shut()
-            _regions.announce_leaving(e, scope=self._scope, where=f"the run of {self._loc}")
+            _failures.announce_leaving(e, scope=self._scope, where=f"the run of {self._loc}")
             raise
         self._shut()
         self._book.events.raise_error()
@@ -139,7 +139,7 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
         except BaseException:  # ``error`` goes on; this one is logged
             logger.exception("checkpoint: the save in flight failed while leaving")
         finally:
-            _regions.announce_leaving(error, scope=self._scope, where=f"the run of {self._loc}")
+            _failures.announce_leaving(error, scope=self._scope, where=f"the run of {self._loc}")
             self._shut()
 
     def _shut(self, *, refused: bool = False) -> None:

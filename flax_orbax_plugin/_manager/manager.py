@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._base import host as _host
+from .._base.buffer_pool import BufferPool
 from .._base.env import Option, check, flag, found
 from .._core import removing as _removing
 from .._core.formats import MEMORY_LIMIT
@@ -74,7 +74,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             self._async, self._read_only = opts.async_save, opts.read_only
             self._supersede = opts.supersede  # False, "preemption" or True
             self._replaced = False  # the save in flight replaced a cancelled one
-            self._buffers = _host.BufferPool() if opts.reuse_host_buffers else None  # asked for
+            self._buffers = BufferPool() if opts.reuse_host_buffers else None  # asked for
             _housekeeping.refuse_step_directory(self._loc)
             opts.check_reader()
             refuse_foreign_run(self._loc, writing=not opts.read_only)  # before anything

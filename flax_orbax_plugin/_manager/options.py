@@ -17,17 +17,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._base import host as _host
-from .._base.env import (
-    Option,
-    check,
-    found,
-    outside_stacklevel,
-    refuse_unknown,
-    refuse_without,
-    with_defaults,
-)
-from .._base.host import HOST_MEMORY
+from .._base import host_memory as _host_memory
+from .._base.env import Option, check, found
+from .._base.host_memory import HOST_MEMORY
+from .._base.keywords import refuse_unknown, refuse_without, with_defaults
+from .._base.shown import outside_stacklevel
 from .._core import formats as _formats
 from .._core.formats import MEMORY_LIMIT
 from .._errors import OptionError
@@ -499,7 +493,7 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     option counts as given when it differs from its default). Returns ``{name:
     value}`` of every option, ``policy`` and ``retention`` as the rule objects (from
     the shorthands when not given) and ``persistent`` a Tier or None."""
-    given = _host.take_old_name(given)
+    given = _host_memory.take_old_name(given)
     refuse_unknown("CheckpointManager", given, MANAGER + DEPRECATED, hints=HINTS)
     given = _resolve_tier(given)
     _refuse_both(given)
@@ -520,7 +514,7 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     if out["persistent"] is not None and not out["handle_sigterm"]:  # the exit's wait
         grace = out["persistent"].grace_seconds
         refuse_without("Tier(grace_seconds)", grace, "handle_sigterm=True", default=_GRACE)
-    _host.refuse_idle(out)
+    _host_memory.refuse_idle(out)
     return out
 
 
@@ -605,9 +599,9 @@ def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict
     if out["resume"] is not False:
         refuse_without("overwrite", out["overwrite"], "resume=False", default=False)
     inner = dict(out["manager_options"] or {})
-    if _host.HOST_MEMORY_BUDGET.name in inner:  # the callback's own, by its old name
+    if _host_memory.HOST_MEMORY_BUDGET.name in inner:  # the callback's own, by its old name
         both = {"host_memory": given["host_memory"]} if "host_memory" in given else {}
-        inner = _host.take_old_name({**inner, **both}, owner="manager_options: ")
+        inner = _host_memory.take_old_name({**inner, **both}, owner="manager_options: ")
         out["host_memory"] = inner.pop("host_memory")
     refuse_unknown(
         "manager_options: CheckpointManager",

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._base import host as _host
-from .._base.env import outside_stacklevel
+from .._base import host_memory as _host_memory
+from .._base.shown import outside_stacklevel
 from .._core import removing as _removing
 from .._core.reads import ReadRequest, step_deleted_or
 from .._errors import (
@@ -88,7 +88,7 @@ class Restorer:
         handed to each item's read in its request; ``limit``: this restore's host-memory
         ceiling (bytes, under the manager's). Emits RestoreDone (``events``)."""
         started, self._tier = time.perf_counter(), "local"
-        ceiling = _host.resolve(self._ceiling)  # "auto": from the memory free now
+        ceiling = _host_memory.resolve(self._ceiling)  # "auto": from the memory free now
         if limit is not None:
             ceiling = limit if ceiling is None else min(limit, ceiling)
         result = self._restore(like, step, items, data_iterator, changes, region, ceiling)

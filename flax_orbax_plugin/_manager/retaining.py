@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from .._base import distributed as _distributed
-from .._base.env import found, outside_stacklevel
+from .._base.env import found
+from .._base.shown import outside_stacklevel
 from .._core import removing as _removing
 from .._core.save import SaveResult
 from .._errors import CheckpointError, CheckpointNotFoundError

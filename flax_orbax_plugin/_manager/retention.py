@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from .._base.env import Option, check, found, refuse_without
+from .._base.env import Option, check, found
+from .._base.keywords import refuse_without
 from .._errors import OptionError, OptionTypeError
 
 __all__ = [

@@ -15,7 +15,8 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from .._base import distributed as _distributed
-from .._base.env import Option, check, found, refuse_without
+from .._base.env import Option, check, found
+from .._base.keywords import refuse_without
 from .._errors import OptionError, OptionTypeError
 from .preemption import Preemption
 

@@ -31,9 +31,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._base import buffer_pool as _buffer_pool
 from .._base import distributed as _distributed
 from .._base import env as _env
-from .._base import host as _host
+from .._base import host_memory as _host_memory
 from .._base import interrupts as _interrupts
 from .._base.env import found
 from .._core import formats as _formats
@@ -144,7 +145,7 @@ class Saver:
         book: StepBook,
         retention: RetentionRunner,
         incremental: bool,
-        buffers: _host.BufferPool | None,
+        buffers: _buffer_pool.BufferPool | None,
         host_memory: int | str | None = None,
         format_version: int | None = None,
         hf_shards: Any = None,
@@ -315,7 +316,7 @@ class Saver:
             for n, v in items.items()
             if kind_of(checkpointable_for(n, self._overrides)) not in _READ_FIRST
         }
-        figure, budget = _host.save_budget(self._ceiling, arrays, self._incremental)
+        figure, budget = _host_memory.save_budget(self._ceiling, arrays, self._incremental)
         events.emit(SaveStarted(step, str(self._loc), figure, budget is not None))
         try:
             with _interrupts.deferred_sigint():
@@ -363,7 +364,7 @@ class Saver:
     def budget_of(self, items: dict) -> Any:
         """The host-memory budget one blocking phase of ``items`` streams under (or None;
         an OptionError before anything is written: ``host_memory.save_budget``)."""
-        return _host.save_budget(self._ceiling, items, self._incremental)[1]
+        return _host_memory.save_budget(self._ceiling, items, self._incremental)[1]
 
     def metric_of(self, extras: Any, step: int) -> dict[str, float | None]:
         """The metrics retention ranks ``step`` by, read from its ``extras``."""
@@ -380,7 +381,7 @@ class Saver:
 
     def begin_parts(self, step: int, local: list, region: _distributed.Region | None) -> OpenStep:
         """:meth:`begin` for a step saved in parts (``step_parts``), its SaveStarted said."""
-        figure = _host.resolve(self._ceiling)
+        figure = _host_memory.resolve(self._ceiling)
         self._book.events.emit(SaveStarted(step, str(self._loc), figure, False))
         return self.begin(step, local, region)
 

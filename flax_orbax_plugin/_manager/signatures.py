@@ -14,7 +14,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable
 
-from .._base.env import Option, doc_lines, signature
+from .._base.env import Option
+from .._base.option_docs import doc_lines, signature
 
 __all__ = ["CALLBACK_DOC", "MANAGER_DOC", "document"]
 

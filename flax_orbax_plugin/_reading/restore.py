@@ -19,8 +19,8 @@ import numpy as np
 
 from .._base import distributed as _distributed
 from .._base import host as _host
+from .._base.distributed import public
 from .._base.env import flag
-from .._base.regions import public
 from .._core import restore as _restore
 from .._core.read_agreement import agree_on_read
 from .._core.reads import ReadRequest, place

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._base import tree as _tree
-from .._base.env import outside_stacklevel
+from .._base.shown import outside_stacklevel
 from .._errors import NothingMatchedError, OptionError, OptionTypeError, StructureError
 from .._format.steps import read_document
 from .._like.onto_like import HINT

@@ -1,4 +1,5 @@
-"""What a heartbeat says a process is doing (``_base/regions.py``), on one process.
+"""What a heartbeat says a process is doing (``_base/host.py``, read by
+``_base/liveness.py``), on one process.
 
 The waits themselves (a slow process waited for and named, a dead one detected, two
 waiting for each other) need several processes: tests/end_to_end/test_liveness.py.
@@ -6,11 +7,11 @@ waiting for each other) need several processes: tests/end_to_end/test_liveness.p
 
 import threading
 
-from flax_orbax_plugin._base import regions as liveness
+from flax_orbax_plugin._base import host, liveness
 
 
 def test_activities_name_each_threads_innermost_work_with_its_bytes():
-    acts = liveness.Activities()
+    acts = host.Activities()
     inner_ready, release = threading.Event(), threading.Event()
 
     def writer():
@@ -37,7 +38,7 @@ def test_activities_name_each_threads_innermost_work_with_its_bytes():
 
 
 def test_an_activity_ends_when_its_body_raises():
-    acts = liveness.Activities()
+    acts = host.Activities()
     try:
         with acts.doing("reading s3://b/run/1/params", moving=True):
             raise OSError("EIO")
@@ -52,7 +53,7 @@ def test_an_activity_ends_when_its_body_raises():
 
 def test_the_progress_signature_moves_with_bytes_and_activities_not_with_time():
     """What the heartbeat's progress counter follows (a stall: the signature unchanged)."""
-    acts = liveness.Activities()
+    acts = host.Activities()
     with acts.doing("manager-save (operation 1)"):
         with acts.doing("writing this process's data", moving=True) as progress:
             progress.total = 4 << 20

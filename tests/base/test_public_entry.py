@@ -1,4 +1,4 @@
-"""One entry decorator per public operation (``_base.regions.public``, issue 52): the
+"""One entry decorator per public operation (``_base.distributed.public``, issue 52): the
 misspelt keyword, the collective region and a store's refusal are one wrapper, not three
 decorators in three wings."""
 
@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._base import regions as _regions
+from flax_orbax_plugin._base import distributed as _distributed
 from flax_orbax_plugin._errors import StoreAccessError
 
 OPERATIONS = [
@@ -46,7 +46,7 @@ def test_the_entry_names_the_keyword_meant_and_says_a_refusal_in_words():
             return StoreAccessError(f"{bound['path']}: no such bucket")
         return None
 
-    @_regions.public("probe", errors=errors)
+    @_distributed.public("probe", errors=errors)
     def probe(path, *, region, limit=1):
         if path == "bad":
             raise refused
@@ -63,7 +63,7 @@ def test_the_entry_names_the_keyword_meant_and_says_a_refusal_in_words():
         probe("other")
     assert list(inspect.signature(probe).parameters) == ["path", "limit"]
 
-    @_regions.public(errors=errors)  # not collective: no region handed
+    @_distributed.public(errors=errors)  # not collective: no region handed
     def single(path):
         return path
 

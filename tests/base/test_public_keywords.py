@@ -1,5 +1,5 @@
 """An unknown keyword at any public entry point names the keyword it most likely meant
-(``_base.env.named_keywords``), as the manager's options do.
+(``_base.keywords.named_keywords``), as the manager's options do.
 
 Every public function and class is tried, with each of its keywords misspelt: a name a
 new entry point adds is covered without a test of its own."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._base import host as _host_memory
+from flax_orbax_plugin._base import host_memory as _host_memory
 from flax_orbax_plugin._errors import OptionError
 from flax_orbax_plugin._manager.events import SaveStarted
 

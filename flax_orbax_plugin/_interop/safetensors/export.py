@@ -20,8 +20,8 @@ import numpy as np
 
 from ..._base import interrupts as _interrupts
 from ..._base import tree as _tree
+from ..._base.distributed import public
 from ..._base.env import check
-from ..._base.regions import public
 from ..._core import ownership as _ownership
 from ..._core import restore as _restore
 from ..._errors import (

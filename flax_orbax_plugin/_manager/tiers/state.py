@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from ..._base import env as _env
-from ..._base import host as _host
+from ..._base import host_memory as _host_memory
 from ..._errors import ReplicationError
 from ..._storage.location import Location
 from ..._storage.run_owner import RunOwner
@@ -60,7 +60,7 @@ class Places:
     def memory_limit(self) -> int | None:
         """The bytes a copy of this tier may hold now: the manager's ``host_memory``
         resolved (``"auto"``: from the memory free now; None: no bound)."""
-        return _host.resolve(self.host_memory)
+        return _host_memory.resolve(self.host_memory)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` goes to this tier by its number (``Tier(every=)``)."""

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
-from ..._base.env import Option, check, found, refuse_without
+from ..._base.env import Option, check, found
+from ..._base.keywords import refuse_without
 from ..._storage import run_owner as _run_owner
 from ..._storage.kvstore import spec_from_path
 from ..._storage.location import Location

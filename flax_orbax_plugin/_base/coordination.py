@@ -1,0 +1,230 @@
+"""The coordination service's key-value rounds between processes: a barrier, the
+primary's value broadcast, each process's value published and gathered, a poll; each
+waits through the one wait (:func:`_wait`), which looks between its slices at the
+failures published in the region (``_base/failures.py``) and at the heartbeat of the
+process it waits for (``_base/liveness.py``). Only several processes reach here (with
+one, the callers in ``_base/distributed.py`` and above return first); the rounds are
+named to the callers by ``_base/distributed.py``.
+
+Threading: every process calls the same rounds in the same order (SPMD); each takes
+``region=`` explicitly; a background phase runs in the region handed to it.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.distributed``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from .._errors import CoordinationError
+from . import env as _env
+from . import failures as _failures
+from . import host as _host
+from . import liveness as _liveness
+from . import other_paths as _other_paths
+from .failures import raise_published_failure
+from .host import is_primary, process_count, process_index
+from .regions import CALLS, Region
+from .regions import client as _client
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "barrier",
+    "broadcast_str",
+    "fault_point",
+    "forget",
+    "gather_str",
+    "get_from",
+    "poll",
+    "publish",
+    "stall_timeout",
+]
+
+DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")  # the default stall timeout
+POLL_S = 0.25  # the longest slice of a wait in a region between looks at its failures
+
+
+def stall_timeout(explicit: float | None = None, *, region: Region | None) -> float:
+    """The stall timeout of a wait in ``region``: ``explicit`` if given, else the
+    region's (a manager's ``stall_timeout=``), else ``FOP_COORDINATION_TIMEOUT_S``."""
+    if explicit is not None:
+        return explicit
+    found = None if region is None else region.stall_s
+    return DEFAULT_TIMEOUT_S if found is None else found
+
+
+def _stall_name(region: Region | None) -> str:
+    unset = region is None or region.stall_s is None
+    return "FOP_COORDINATION_TIMEOUT_S" if unset else "stall_timeout"
+
+
+def _timed_out(e: Exception) -> bool:
+    return "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e)
+
+
+def _wait(
+    key: str,
+    timeout: float,
+    describe: Callable[[str], str],
+    process: int,
+    *,
+    region: Region | None,
+    late: Callable[[], list[int]] | None = None,
+) -> str:
+    """The value under ``key`` once ``process`` set it: the one wait on other processes.
+
+    It waits in slices of at most :data:`POLL_S`, looking between them at the failures
+    published in ``region`` and (:class:`liveness.PeerWatch`) at ``process``'s heartbeat:
+    a live process is waited for as long as it makes progress, with the late processes
+    (``late()``, default ``[process]``) logged every ``FOP_LATE_REPORT_S``; a dead one
+    (its heartbeat stopped ``FOP_PEER_SILENT_S`` ago) raises CoordinationError naming it
+    within seconds, and so does, after ``timeout`` (the stall timeout), one that made no
+    progress that long or was never seen beating (it may not have started)."""
+    client, me = _client(), process_index()
+    _liveness.ensure_beating(client, me)
+    watch = _liveness.PeerWatch(
+        client,
+        me,
+        f"{key!r} from process {process}",
+        stall_s=timeout,
+        late=late or (lambda: [process]),
+        region=None if region is None else region.kind,
+        stall_name=_stall_name(region),
+        operation=None if region is None else (region.kind, region.tag),
+        elsewhere=functools.partial(_other_paths.raise_elsewhere, region),
+    )
+    piece = 0.02
+    with _host.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):
+        while True:
+            try:
+                return client.blocking_key_value_get(key, max(1, int(piece * 1000)))
+            except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
+                if not _timed_out(e):
+                    raise CoordinationError(describe(str(e))) from e
+            raise_published_failure(region, process)
+            _failures.raise_if_left(process, key, region)
+            watch.look(process)
+            piece = min(2 * piece, POLL_S)
+
+
+def barrier(name: str, *, region: Region | None, timeout_s: float | None = None) -> None:
+    """Blocks until every process reached ``name``; raises CoordinationError naming the
+    missing processes (a key-value barrier: it waits through :func:`_wait`, each
+    process given the stall timeout ``timeout_s``, default :func:`stall_timeout`)."""
+    if process_count() == 1:
+        return
+    timeout = stall_timeout(timeout_s, region=region)
+    CALLS["barrier"] += 1
+    fault_point(region)
+    client, me = _client(), process_index()
+    client.key_value_set(f"{name}/at/{me}", "1")
+
+    def describe(said: str) -> str:
+        missing = [p for p in range(process_count()) if p != me and not _is_set(f"{name}/at/{p}")]
+        return (
+            f"process {me} of {process_count()}: not every process reached barrier {name!r} "
+            f"(missing process(es): {', '.join(map(str, missing))}; {said})"
+        )
+
+    def late() -> list[int]:
+        return [p for p in range(process_count()) if p != me and not _is_set(f"{name}/at/{p}")]
+
+    for p in range(process_count()):
+        if p != me:
+            _wait(f"{name}/at/{p}", timeout, describe, p, region=region, late=late)
+
+
+def _is_set(key: str) -> bool:
+    try:
+        _client().key_value_try_get(key)
+        return True
+    except Exception:  # noqa: BLE001  (NOT_FOUND, or a service gone: not there either way)
+        return False
+
+
+def broadcast_str(
+    name: str, value: str | None, *, region: Region | None, timeout_s: float | None = None
+) -> str:
+    """The primary's ``value`` on every process (others pass anything)."""
+    if process_count() == 1:
+        assert value is not None
+        return value
+    timeout = stall_timeout(timeout_s, region=region)
+    fault_point(region)
+    if is_primary():
+        CALLS["kv_set"] += 1
+        _client().key_value_set(name, value)
+        return value
+    CALLS["kv_get"] += 1
+    return _wait(
+        name,
+        timeout,
+        lambda e: f"process {process_index()}: no value for {name!r} from the primary ({e})",
+        0,
+        region=region,
+    )
+
+
+def publish(name: str, value: str, *, region: Region | None) -> None:
+    """Stores this process's ``value`` under ``name/<process>`` for :func:`gather_str`
+    (``region``: the operation's, whose fault point it is)."""
+    if process_count() > 1:
+        fault_point(region)
+        CALLS["kv_set"] += 1
+        _client().key_value_set(f"{name}/{process_index()}", value)
+
+
+def forget(name: str) -> None:
+    """Deletes this process's value under ``name/<process>`` (see :func:`publish`), once
+    every process has read it: values stay in the coordination service until deleted.
+    Errors are ignored (a value left behind costs memory, nothing else)."""
+    if process_count() > 1:
+        CALLS["kv_delete"] += 1
+        try:
+            _client().key_value_delete(f"{name}/{process_index()}")
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def gather_str(name: str, *, region: Region | None, timeout_s: float | None = None) -> list[str]:
+    """Values that every process published under ``name``, by process index."""
+    return [get_from(name, p, region=region, timeout_s=timeout_s) for p in range(process_count())]
+
+
+def poll(name: str, *, region: Region | None, wait_s: float) -> str | None:
+    """The value under ``name``, waiting at most ``wait_s``; None when none was set by
+    then. For a background thread that follows another process's decisions and must
+    stay responsive to its own shutdown (a long wait is a loop of short polls)."""
+    fault_point(region)
+    CALLS["kv_get"] += 1
+    try:
+        return _client().blocking_key_value_get(name, max(1, int(wait_s * 1000)))
+    except Exception as e:
+        if _timed_out(e):
+            raise_published_failure(region)
+            return None
+        raise CoordinationError(f"process {process_index()}: reading {name!r}: {e}") from e
+
+
+def get_from(
+    name: str, process: int, *, region: Region | None, timeout_s: float | None = None
+) -> str:
+    """The value ``process`` published under ``name`` (see :func:`publish`)."""
+    timeout = stall_timeout(timeout_s, region=region)
+    fault_point(region)
+    CALLS["kv_get"] += 1
+    return _wait(
+        f"{name}/{process}",
+        timeout,
+        lambda e: f"no value {name!r} from process {process} ({e})",
+        process,
+        region=region,
+    )
+
+
+def fault_point(region: Region | None) -> None:
+    """Before each coordination call: the fault point of ``region``'s kind
+    (``FOP_FAIL_AT=collective-<kind>[:N]``, see ``_base.env``; None: none)."""
+    if region is not None:
+        _env.fail_point(f"collective-{region.kind}")

@@ -1,0 +1,254 @@
+"""The host-memory ceiling, the one figure that bounds what an operation holds on host:
+its options (``host_memory``, a manager's and a callback's; ``host_memory_budget``,
+``fop.save``'s and ``host_memory``'s earlier name) declared, its converter, the earlier
+name taken with a warning, the refusals of options that do nothing beside a ceiling of
+bytes; and what a ceiling allows when an operation starts (:func:`resolve`, from the
+memory free then) and how a manager's save streams under it (:func:`save_budget`).
+``fop.save`` streams under its own budget without entering here.
+
+Pure functions over frozen declarations (they read ``/proc`` and ``/sys``); any thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.host``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from .._errors import OptionError
+from . import tree as _tree
+from .env import INT64_MAX, Option, check, found
+from .keywords import refuse_without
+from .shown import outside_stacklevel
+
+__all__ = [
+    "AUTO",
+    "AUTO_FRACTION",
+    "HOST_MEMORY",
+    "HOST_MEMORY_BUDGET",
+    "available_bytes",
+    "check_ceiling",
+    "held_bytes",
+    "largest_row",
+    "refuse_idle",
+    "resolve",
+    "save_budget",
+    "take_old_name",
+]
+
+
+AUTO = "auto"
+
+
+AUTO_FRACTION = 0.5
+"""The share of the memory free at the start of an operation that ``"auto"`` allows."""
+
+
+_CGROUP_V2 = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
+
+
+_CGROUP_V1 = (
+    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def available_bytes() -> int | None:
+    """Host memory free for this process now: the smaller of ``MemAvailable`` and the
+    cgroup's limit less its usage; None where neither can be read."""
+    figures = [_meminfo_available()]
+    for limit_path, usage_path in (_CGROUP_V2, _CGROUP_V1):
+        limit, usage = _read_int(limit_path), _read_int(usage_path)
+        if limit is not None and usage is not None and limit < INT64_MAX // 2:
+            figures.append(max(0, limit - usage))
+            break
+    known = [f for f in figures if f is not None]
+    return min(known) if known else None
+
+
+def resolve(ceiling: int | str | None) -> int | None:
+    """The bytes ``ceiling`` allows now: itself (an int), :data:`AUTO_FRACTION` of
+    :func:`available_bytes` (``"auto"``; None where that is unknown), or None."""
+    if ceiling != AUTO:
+        return ceiling  # type: ignore[return-value]
+    free = available_bytes()
+    return None if free is None else max(1, int(free * AUTO_FRACTION))
+
+
+def _shards(leaf: Any) -> list[tuple[tuple[int, ...], int]]:
+    """``[(shape, itemsize)]`` of the pieces of ``leaf`` this process holds: a jax
+    array's addressable shards (read from their indices: no data touched), a numpy
+    array whole; nothing for other leaves."""
+    dtype = getattr(leaf, "dtype", None)
+    shape = getattr(leaf, "shape", None)
+    if dtype is None or shape is None or not hasattr(dtype, "itemsize"):
+        return []
+    deleted = getattr(leaf, "is_deleted", None)
+    if callable(deleted) and deleted():  # the save's own check names the leaf
+        return []
+    shards = getattr(leaf, "addressable_shards", None)
+    if shards is None:
+        return [(tuple(shape), dtype.itemsize)]
+    out = []
+    for shard in shards:
+        dims = tuple(
+            len(range(*s.indices(n))) if isinstance(s, slice) else 1
+            for s, n in zip(shard.index, shape, strict=False)
+        )
+        out.append((dims + tuple(shape[len(dims) :]), dtype.itemsize))
+    return out
+
+
+def held_bytes(tree: Any) -> int:
+    """Bytes of the array leaves of ``tree`` this process holds (its shards)."""
+    return sum(math.prod(s) * size for leaf in _leaves(tree) for s, size in _shards(leaf))
+
+
+def largest_row(tree: Any) -> tuple[int, str]:
+    """``(bytes, leaf path)`` of the largest row (one index of the first axis of a
+    shard; a scalar whole) among the array leaves of ``tree``: the least a streamed save
+    copies at once."""
+    best, where = 0, ""
+    for path, _, leaf in _tree.flatten(tree)[0]:
+        for shape, size in _shards(leaf):
+            row = math.prod(shape[1:]) * size if shape else size
+            if row > best:
+                best, where = row, path
+    return best, where
+
+
+def _leaves(tree: Any) -> list:
+    return [leaf for _, _, leaf in _tree.flatten(tree)[0]]
+
+
+def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple[Any, Any]:
+    """``(ceiling, budget)`` of one save of ``items`` under the ceiling ``given``: the
+    ceiling in bytes now (:func:`resolve`; None: no bound) and the
+    ``host_memory_budget`` the save streams under: the ceiling when ``given`` in
+    bytes; under ``"auto"`` only when this process's share of the state does not fit
+    (never for an ``incremental`` step: it copies every region first). A ceiling
+    below the largest row of the state (the least a streamed save copies at once) is
+    an OptionError naming the leaf and both figures: called before anything is written."""
+    ceiling = resolve(given)
+    if ceiling is None:
+        return None, None
+    if not isinstance(given, int) and (incremental or held_bytes(items) <= ceiling):
+        return ceiling, None
+    row, path = largest_row(items)
+    if row > ceiling:
+        shown = given if isinstance(given, int) else repr(AUTO)
+        raise OptionError(
+            f"host_memory={shown}: a save under a ceiling of {ceiling} bytes copies at least "
+            f"one row of a leaf at a time, and a row of leaf {path!r} holds {row} bytes; "
+            f"nothing was written: raise host_memory to at least {row}, or give "
+            f"host_memory=None (no bound)"
+        )
+    return ceiling, ceiling
+
+
+def check_ceiling(value: Any) -> int | str | None:
+    """``value`` if it is a ceiling: a positive int (bytes, at most 2**63-1), ``"auto"``
+    or None; else ValueError / TypeError in the words of an option's message."""
+    if value is None or value == AUTO:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        index = getattr(value, "__index__", None)  # numpy integer scalars
+        if index is None or isinstance(value, bool):
+            expected = "expected a positive int of bytes, 'auto' or None"
+            raise TypeError(f"{expected}, found {found(value)}")
+        value = index()
+    if not 1 <= value <= INT64_MAX:
+        raise ValueError(f"expected a positive int of bytes <= {INT64_MAX}, found {value}")
+    return int(value)
+
+
+HOST_MEMORY = Option(
+    "host_memory",
+    "custom",
+    none_ok=True,
+    convert=check_ceiling,
+    default=AUTO,
+    annotation="int | str",
+    doc="the host-memory ceiling, bytes any save, restore or resume holds beyond "
+    "the state: an int (a save streams under it), 'auto' (half the memory free when a save "
+    "starts: it streams only when the state does not fit) or None (no bound)",
+)
+"""A manager's (and a callback's) one ceiling (docs/manager.md, "Host memory")."""
+
+HOST_MEMORY_BUDGET = Option(  # fop.save's, and the manager's host_memory by its old name
+    "host_memory_budget",
+    "int",
+    none_ok=True,
+    low=1,
+    high=INT64_MAX,
+    expected=f"a positive int <= {INT64_MAX} or None",
+    doc="host bytes a step may hold beyond the state (None: no bound)",
+)
+
+
+def take_old_name(given: Mapping[str, Any], owner: str = "") -> dict[str, Any]:
+    """``given`` (a manager's keyword options) with ``host_memory_budget=``, the earlier
+    name of ``host_memory``, checked by its declaration and turned into
+    ``host_memory=`` with a DeprecationWarning; both given is an OptionError naming
+    both. ``owner``: the words before the name in messages."""
+    old = HOST_MEMORY_BUDGET.name
+    if old not in given:
+        return dict(given)
+    value = check((HOST_MEMORY_BUDGET,), {old: given[old]})[old]
+    if "host_memory" in given:
+        raise OptionError(
+            f"{owner}{old}={given[old]!r} and host_memory={given['host_memory']!r} are one "
+            f"option ({old}= is its earlier name): give host_memory= alone"
+        )
+    warnings.warn(
+        f"{owner}{old}=: deprecated, and gone in the next release; write host_memory={value!r}",
+        DeprecationWarning,
+        stacklevel=outside_stacklevel(),
+    )
+    out = {k: v for k, v in given.items() if k != old}
+    out["host_memory"] = value
+    return out
+
+
+def refuse_idle(out: Mapping[str, Any]) -> None:
+    """A manager's checked options ``out``: the host-memory options that do nothing
+    beside another refused, naming both: a ceiling of bytes with incremental steps
+    (they copy every region to host first; ``"auto"`` then streams no save),
+    ``reuse_host_buffers=True`` under a ceiling of bytes (each save streams: nothing
+    is pooled)."""
+    ceiling = out["host_memory"]
+    if not isinstance(ceiling, int):
+        return
+    if out["incremental"]:
+        needs = "incremental=False (an incremental step copies every region to host first)"
+        refuse_without("host_memory", ceiling, needs)
+    refuse_without(
+        "reuse_host_buffers",
+        out["reuse_host_buffers"],
+        "host_memory=None or 'auto' (under a ceiling of bytes nothing is pooled: each "
+        "save streams, CPU arrays are written from their own memory)",
+        default=False,
+    )

@@ -1,0 +1,110 @@
+"""The keywords an entry is given, as a whole (one option's value is ``_base.env``'s):
+"did you mean" for one it does not take, bound once to the public names
+(:func:`named_keywords`, ``_api``) or checked by an entry that takes ``**options``
+(:func:`refuse_unknown`), each naming the keyword meant (an alias, a hint, an option of
+an inner dict, the closest spelling); an option given in a mode where it does nothing
+(:func:`refuse_without`); the declared defaults of those not given
+(:func:`with_defaults`). The wrapper a call of a public method runs (``env.checked``)
+and its error's words (``env.unknown_keywords``) stay in ``_base.env``: every such
+call passes there.
+
+Pure functions over frozen declarations; any thread.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.env``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .._errors import OptionError
+from .env import Option, checked, unexpected
+
+__all__ = ["named_keywords", "refuse_unknown", "refuse_without", "with_defaults"]
+
+
+def refuse_unknown(
+    owner: str,
+    given: Iterable[str],
+    declared: Iterable[Option],
+    *,
+    hints: Mapping[str, str] | None = None,
+    inside: tuple[str, Iterable[Option]] | None = None,
+) -> None:
+    """Raises TypeError naming each keyword of ``given`` that no option of ``declared``
+    takes, with what it most likely stands for: an option whose ``aliases`` name it,
+    ``hints[name]`` (words for names that are no single option), an option of the
+    dict option ``inside = (option, declared)`` takes (the callback's
+    ``manager_options``), then the closest spelling; the message lists the options."""
+    declared = tuple(declared)
+    names = {o.name for o in declared}
+    unknown = [name for name in given if name not in names]
+    if not unknown:
+        return
+    inner_option, inner = inside if inside is not None else ("", ())
+    inner_names = {o.name for o in inner}
+    lines = []
+    for name in unknown:
+        hint = _alias_of(name, declared) or (hints or {}).get(name)
+        alias = _alias_of(name, inner)
+        inner_name = alias[:-1] if alias else (name if name in inner_names else None)
+        if inner_name is not None and hint is None:
+            hint = f"{inner_option}={{{inner_name!r}: ...}}"
+        lines.append(unexpected(owner, name, names, hint))
+    raise TypeError("; ".join(lines) + f" (its options: {', '.join(sorted(names))})")
+
+
+def named_keywords(obj: Any, *, methods: bool = False) -> Any:
+    """``obj`` (a public function or class) with "did you mean" for an unknown keyword
+    (refused in the region of a collective call): a function is returned wrapped (its
+    module's own name stays unwrapped, for the package's calls); a class gets its
+    ``__init__`` wrapped, and with ``methods`` its public methods (its own and those of
+    the package's classes it inherits), set on the class itself. A callable taking
+    ``**kwargs`` checks its own (:func:`refuse_unknown`) and is left as it is, as are
+    exceptions. Applied once, where the public names are bound (``_api``)."""
+    if isinstance(obj, type):
+        if not issubclass(obj, BaseException):
+            _name_methods(obj, methods)
+        return obj
+    return checked(obj, obj.__qualname__) if inspect.isfunction(obj) else obj
+
+
+def _name_methods(cls: type, methods: bool) -> None:
+    package = __name__.split(".")[0]
+    done = set()
+    for base in cls.__mro__:
+        if not base.__module__.startswith(package):
+            continue
+        for name, value in vars(base).items():
+            if name in done or (name != "__init__" and (not methods or name.startswith("_"))):
+                continue
+            done.add(name)
+            owner = cls.__name__ if name == "__init__" else f"{cls.__name__}.{name}"
+            if inspect.isfunction(value):
+                setattr(cls, name, checked(value, owner))
+            elif isinstance(value, (classmethod, staticmethod)):
+                setattr(cls, name, type(value)(checked(value.__func__, owner)))
+
+
+def _alias_of(name: str, declared: Iterable[Option]) -> str | None:
+    """``"<option>="`` of the declared option that ``name`` is an alias of, or None."""
+    for option in declared:
+        if name in option.aliases:
+            return option.name + "="
+    return None
+
+
+def refuse_without(option: str, value: Any, needs: str, *, default: Any = None) -> None:
+    """Refuses ``option`` given (``value`` is not ``default``) in a mode where it does
+    nothing: OptionError naming the option, its value and ``needs`` (the mode it needs,
+    as the message says it: ``"format_version=2"``)."""
+    if value is default or (default is not None and value == default):
+        return
+    raise OptionError(f"{option}={value!r} does nothing without {needs}")
+
+
+def with_defaults(declared: Iterable[Option], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name: value}`` of every declared option: ``given``'s, else its default."""
+    return {o.name: given[o.name] if o.name in given else o.default for o in declared}

@@ -1,0 +1,283 @@
+"""Liveness by progress: this process's heartbeat (one daemon thread per coordination
+client, publishing what its threads are doing, ``regions.ACTIVITIES``) and the judge of
+the processes a wait waits for (:class:`PeerWatch`: a dead one, a stalled one, one that
+took another path, two that only wait for each other, the late ones named). Only
+several processes reach here: a one-process operation never waits.
+
+Threading: one heartbeat thread per process; a :class:`PeerWatch` is used by the one
+thread that waits.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.regions``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import CoordinationError
+from . import env as _env
+from .host import ACTIVITIES
+
+__all__ = ["PeerWatch", "ensure_beating"]
+
+ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
+LOOK_S = 1.0  # how often a wait reads the heartbeats (and how long before its first look)
+# Read once, at import: a bad value is refused at the package's first use, everywhere.
+PEER_SILENT_S, LATE_REPORT_S = _env.read("FOP_PEER_SILENT_S"), _env.read("FOP_LATE_REPORT_S")
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+class _Heartbeat:
+    """The thread that publishes this process's heartbeat (see the module docstring)."""
+
+    def __init__(self, client: Any, process: int, period_s: float):
+        self._client, self._key, self._period = client, f"{ALIVE}/{process}", period_s
+        self._thread = threading.Thread(target=self._run, name="fop-heartbeat", daemon=True)
+        self.beats = 0
+        self.moved = 0  # beats at which this process had progressed since the last one
+        self._last: tuple | None = None
+
+    def start(self) -> _Heartbeat:
+        try:
+            self._beat()  # the first beat before the first wait, on the caller's thread
+        except Exception:  # noqa: BLE001  (the thread tries again; a wait reports a service gone)
+            pass
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        self.beats += 1
+        now = ACTIVITIES.signature()
+        if now != self._last:
+            self._last, self.moved = now, self.moved + 1
+        doc = {"beat": self.beats, "moved": self.moved, "doing": ACTIVITIES.describe()[:8]}
+        self._client.key_value_set(self._key, json.dumps(doc), allow_overwrite=True)
+
+    def _run(self) -> None:
+        failures = 0
+        while failures < 5:  # the service gone (shutdown, or the primary died): stop
+            time.sleep(self._period)
+            try:
+                self._beat()
+                failures = 0
+            except Exception:  # noqa: BLE001  (a wait reports a service gone itself)
+                failures += 1
+
+
+_BEATING: dict[int, _Heartbeat] = {}  # id(client) -> its heartbeat: one per session
+_BEATING_LOCK = threading.Lock()
+
+
+def ensure_beating(client: Any, process: int) -> None:
+    """Starts this process's heartbeat for ``client`` (once per coordination client)."""
+    with _BEATING_LOCK:
+        if id(client) not in _BEATING:
+            period = min(1.0, PEER_SILENT_S / 4)
+            _BEATING[id(client)] = _Heartbeat(client, process, period).start()
+
+
+@dataclasses.dataclass
+class _Seen:
+    beat: int
+    at: float  # monotonic time the beat was first seen at this value
+    doing: list[str]
+    moved: int = 0  # its progress counter
+    moved_at: float = 0.0  # monotonic time the progress counter was first seen at this value
+
+
+def _only_waiting(lines: list[str]) -> bool:
+    """Whether every busy thread of a process (its :meth:`Activities.describe` lines) is
+    waiting for another process, innermost (so it makes no progress of its own)."""
+    return bool(lines) and all(
+        line.rsplit(" > ", 1)[-1].startswith("waiting for ") for line in lines
+    )
+
+
+class PeerWatch:
+    """One wait's judge of the processes it waits for (see the module docstring).
+
+    ``what``: the wait, in words (``barrier 'fop/...'``); ``late()``: the processes it
+    still waits for (called only when a report is due); ``stall_s``: the stall timeout,
+    how long a process may make no progress (``stall_name``: the option that set it)."""
+
+    def __init__(
+        self,
+        client: Any,
+        me: int,
+        what: str,
+        *,
+        stall_s: float,
+        late: Callable[[], list[int]],
+        region: str | None = None,
+        stall_name: str = "FOP_COORDINATION_TIMEOUT_S",
+        operation: tuple[str, str] | None = None,
+        elsewhere: Callable[[int, str, str], None] | None = None,
+    ):
+        self._client, self._me, self._what, self._late = client, me, what, late
+        self._region, self._operation, self._elsewhere = region, operation, elsewhere
+        self._stall_s, self._stall_name = stall_s, stall_name
+        self._silent_s, self._report_s = PEER_SILENT_S, LATE_REPORT_S
+        self._start = time.monotonic()
+        self._next_look = self._start + LOOK_S
+        self._next_report = self._start + self._report_s
+        self._seen: dict[int, _Seen] = {}
+        self._mutual_since: float | None = None
+
+    def look(self, process: int) -> None:
+        """Between two slices of the wait for ``process``: raises CoordinationError when
+        it is dead or stalled; logs the late processes when a report is due. Reads the
+        heartbeats at most once per :data:`LOOK_S`."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + LOOK_S
+        self._read(now, [process])
+        seen = self._seen.get(process)
+        if seen is None:
+            if now - self._start >= self._stall_s:
+                raise CoordinationError(
+                    f"{self._prefix()}process {process} showed no heartbeat within "
+                    f"{self._stall_s:g}s ({self._stall_name}): it never reached "
+                    f"its first coordination call, or died before it"
+                )
+        elif now - seen.at >= self._silent_s:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} is dead: its heartbeat stopped "
+                f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}); it was "
+                f"{self._doing(seen)}"
+            )
+        else:
+            self._check_path(process, seen)
+            if _only_waiting(seen.doing):
+                self._check_mutual(process, seen, now)
+            else:
+                self._mutual_since = None
+                self._check_stalled(process, seen, now)
+        if now >= self._next_report:
+            self._next_report = now + self._report_s
+            self._report(now)
+
+    def _check_stalled(self, process: int, seen: _Seen, now: float) -> None:
+        """A live process doing something of its own (or nothing of ours) is given as
+        long as it progresses: its bytes or its activities changed within the stall
+        timeout. One that only waits for a third process is not judged here (the third's
+        waiter judges it, and its error reaches this one through the region)."""
+        still = now - max(seen.moved_at, self._start)
+        if still >= self._stall_s and not seen.doing:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} is alive but has not made this call: "
+                f"for {still:.1f}s ({self._stall_name}={self._stall_s:g}) it was doing "
+                f"nothing of this library's. A collective call (a save or read with "
+                f"several processes, a manager's save, restore or close) must be made by "
+                f"every process, in the same order; was it called on some processes only?"
+            )
+        if still >= self._stall_s:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} is alive but stalled: no progress "
+                f"(bytes moved, activity begun or ended) for {still:.1f}s "
+                f"({self._stall_name}={self._stall_s:g}); it was {self._doing(seen)}"
+            )
+
+    def _check_path(self, process: int, seen: _Seen) -> None:
+        """A process whose operation of this wait's number (``operation``: its kind and
+        tag) is of another kind took another path (an error sent it elsewhere, or a
+        collective call made on some processes only): it never sets the value.
+        ``elsewhere(process, its kind, what it is doing)`` raises, at once."""
+        if self._operation is None or self._elsewhere is None:
+            return
+        kind, tag = self._operation
+        for line in seen.doing:
+            for m in _OPERATION.finditer(line):
+                if m.group(2) == tag and m.group(1) != kind:
+                    self._elsewhere(process, m.group(1), self._doing(seen))
+
+    def _check_mutual(self, process: int, seen: _Seen, now: float) -> None:
+        """Two live processes can still make no progress: each only waits, one for the
+        other (they took different paths). That is limited by the stall timeout."""
+        mutual = any(f"from process {self._me} (" in line for line in seen.doing)
+        if not (mutual and _only_waiting(ACTIVITIES.describe())):
+            self._mutual_since = None
+            return
+        if self._mutual_since is None:
+            self._mutual_since = now
+        if now - self._mutual_since >= self._stall_s:
+            raise CoordinationError(
+                f"{self._prefix()}process {process} and this one have only waited for each "
+                f"other for {now - self._mutual_since:.0f}s ({self._stall_name}): "
+                f"they took different paths; process {process} was {self._doing(seen)}"
+            )
+
+    def _read(self, now: float, processes: list[int]) -> None:
+        """Reads the heartbeats of ``processes`` (one key each: a wait on one process
+        costs one read a second, whatever the number of processes)."""
+        for process in processes:
+            try:
+                value = self._client.key_value_try_get(f"{ALIVE}/{process}")
+            except Exception:  # noqa: BLE001  (not beating yet, or a service gone)
+                continue
+            try:
+                doc = json.loads(value)
+                beat, doing = int(doc["beat"]), [str(d) for d in doc.get("doing", [])]
+                moved = int(doc.get("moved", 0))
+            except (ValueError, KeyError, TypeError):
+                continue
+            old = self._seen.get(process)
+            if old is None or old.beat != beat:
+                moved_at = now if old is None or old.moved != moved else old.moved_at
+                self._seen[process] = _Seen(beat, now, doing, moved, moved_at)
+
+    def _prefix(self) -> str:
+        where = f" in {self._region}" if self._region else ""
+        return f"process {self._me}{where}, waiting for {self._what}: "
+
+    @staticmethod
+    def _doing(seen: _Seen) -> str:
+        return "doing " + "; ".join(seen.doing) if seen.doing else "doing nothing of ours"
+
+    def _report(self, now: float) -> None:
+        """Logs the late processes and, behind them, those they wait for in turn (the
+        straggler at the end of the chain is the one to look at)."""
+        late = self._late()
+        self._read(now, [p for p in late if p != self._me])
+        behind: list[int] = []
+        frontier = list(late)
+        while frontier and len(behind) < 8:  # who the late ones wait for, and so on
+            for q in self._waits_for(frontier.pop(0)):
+                if q != self._me and q not in late and q not in behind:
+                    self._read(now, [q])
+                    behind.append(q)
+                    frontier.append(q)
+        logger.warning(
+            "%shas waited %.0fs; late: %s%s",
+            self._prefix(),
+            now - self._start,
+            ", ".join(self._words(p, now) for p in late) or "none (the value is on its way)",
+            f"; behind them: {', '.join(self._words(q, now) for q in behind)}" if behind else "",
+        )
+
+    def _waits_for(self, process: int) -> list[int]:
+        """The processes ``process``'s threads wait for, innermost (from its heartbeat)."""
+        seen = self._seen.get(process)
+        found = []
+        for line in seen.doing if seen is not None else []:
+            m = _WAITING.match(line.rsplit(" > ", 1)[-1])
+            if m is not None and int(m.group(1)) not in found:
+                found.append(int(m.group(1)))
+        return found
+
+    def _words(self, p: int, now: float) -> str:
+        seen = self._seen.get(p)
+        if seen is None:
+            return f"process {p} (no heartbeat seen yet)"
+        return f"process {p} (alive, beat {now - seen.at:.1f}s ago, {self._doing(seen)})"
+
+
+_WAITING = re.compile(r"waiting for .* from process ([0-9]+) \(")
+_OPERATION = re.compile(r"([\w-]+) \(operation ([^)]+)\)")  # an activity of distributed.resumed
