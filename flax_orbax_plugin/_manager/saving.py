@@ -49,8 +49,7 @@ from .._core.save import SaveHandle, SaveResult, Staging, wait_for_data
 from .._errors import CheckpointError, SaveCancelledError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
-from .._format.layout import MANIFEST_FILE
-from .._format.layout.records import LANES
+from .._format.layout.records import LANES, MANIFEST_FILE
 from .._format.steps import ItemEntry, StepManifest
 from .._incremental import reuse as _reuse
 from .._incremental.reuse import Reuse
@@ -66,7 +65,6 @@ from .checkpointables import (
     with_copy_item,
 )
 from .events import SaveBlockingDone, SaveCommitted, SaveStarted, measure_stored
-from .per_host import HOST_FILE
 from .retaining import RetentionRunner, StepBook
 
 __all__ = [
@@ -711,7 +709,8 @@ class StepCommit:
                 files.update({f"{d}/{f}": h for f, h in result.files.items()})
         if self._host_marker is not None:
             self._check_own_items()
-            self._staging.location.write_bytes(HOST_FILE, self._host_marker, durable=False)
+            marker = (_per_host.HOST_FILE, self._host_marker)
+            self._staging.location.write_bytes(*marker, durable=False)
         self._staging.location.sync()
         _env.kill_point("after_sync")
         self._sizes.append(Written(total, files, reused))
