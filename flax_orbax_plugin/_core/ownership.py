@@ -27,8 +27,15 @@ from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
 from .._format import steps as _steps
-from .._format.layout import COMMIT_FILE, HOST_FILE, MANIFEST_FILE, PENDING_FILE, CommitMarker
-from .._format.steps import StepManifest
+from .._format.layout import (
+    COMMIT_FILE,
+    HOST_FILE,
+    MANIFEST_FILE,
+    PENDING_FILE,
+    CommitMarker,
+    StepManifest,
+    manifest_from_bytes,
+)
 from .._storage import deleting as _deleting
 from .._storage.location import Location
 from .._storage.untrusted import entry_kind
@@ -90,7 +97,7 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
             return "pending marker"
         raw = loc.read_bytes(MANIFEST_FILE)
         if raw is not None:
-            manifest = StepManifest.from_bytes(raw, f"{loc}/{MANIFEST_FILE}")
+            manifest = manifest_from_bytes(raw, f"{loc}/{MANIFEST_FILE}")
             if step is None or manifest.step == step:
                 return "step manifest"
             return None
@@ -315,7 +322,7 @@ def rule_for(loc: Location) -> Rule | None:
     try:
         raw = loc.read_bytes(MANIFEST_FILE)
         if raw is not None:
-            return _step_rule(StepManifest.from_bytes(raw, f"{loc}/{MANIFEST_FILE}"))
+            return _step_rule(manifest_from_bytes(raw, f"{loc}/{MANIFEST_FILE}"))
         if loc.read_bytes(COMMIT_FILE) is not None:
             return _formats.checkpoint_names
     except CheckpointError:

@@ -23,10 +23,11 @@ from .._format.layout import (
     JSON_VALUE_FILE,
     METADATA_FILE,
     ArrayStorage,
+    StepManifest,
     batch_dir,
     iterator_state_file,
 )
-from .._format.steps import STEP_OR_NONE, StepManifest, read_document
+from .._format.steps import STEP_OR_NONE, read_document
 from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
 from .._zarr import regions as _zarr_regions

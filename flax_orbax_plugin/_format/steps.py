@@ -40,22 +40,10 @@ from .layout import (
     PENDING_FILE,
     CheckpointDocument,
     CommitMarker,
+    ItemEntry,
+    StepManifest,
 )
-from .layout.read_back import decode_checked, opt_str, str_field
-from .layout.records import (
-    LANES,
-    MAX_PROCESSES,
-    STEP_FORMAT,
-    STEP_VERSION,
-    check_format_version,
-    files_field,
-    int_field,
-    is_safe_name,
-    need,
-    parse_sealed,
-    seal,
-    time_field,
-)
+from .layout.read_back import decode_checked
 
 __all__ = [
     "MAX_PROBED",
@@ -239,99 +227,6 @@ def step_location(loc: Location, step: int) -> Location:
     return loc.child(str(operator.index(step)))
 
 
-# -- the step manifest: the one commit of a manager step ---------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ItemEntry:
-    """One checkpointable of a step: its kind and the directory holding it."""
-
-    kind: str
-    dir: str
-
-
-@dataclasses.dataclass(frozen=True)
-class StepManifest:
-    """``<step>/_CHECKPOINT.json``: the one commit of a manager step.
-
-    ``files`` maps every JSON file of the step that restore trusts (relative to the
-    step) to its sha256; ``tree_digest`` is the digest all processes agreed on.
-    ``bytes_written``/``bytes_reused`` (optional, one-process steps only): array bytes
-    the save wrote, and those of unchanged leaves it took from the previous step
-    (hard links or server-side copies) instead; informational. ``lane`` (optional): the
-    lane of a ``Lanes`` policy the step was saved in (:data:`LANES`), which retention
-    goes by in a later run, whatever its policy says of the step's number.
-    """
-
-    step: int
-    items: dict[str, ItemEntry]
-    files: dict[str, str]
-    process_count: int = 1
-    time: float = 0.0
-    tree_digest: str = ""
-    bytes_written: int | None = None
-    bytes_reused: int | None = None
-    lane: str | None = None
-
-    def to_bytes(self) -> bytes:
-        _local_files.check_time(self.time, MANIFEST_FILE, "time", stored=False)
-        body = {
-            "format": STEP_FORMAT,
-            "version": STEP_VERSION,
-            "step": self.step,
-            "items": {n: {"kind": e.kind, "dir": e.dir} for n, e in self.items.items()},
-            "files": self.files,
-            "process_count": self.process_count,
-            "time": self.time,
-            "tree_digest": self.tree_digest,
-        }
-        if self.bytes_written is not None and self.bytes_reused is not None:
-            body["bytes"] = {"written": self.bytes_written, "reused": self.bytes_reused}
-        if self.lane is not None:
-            body["lane"] = self.lane
-        return seal(body, _local_files.STEP_MANIFEST)
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, where: str) -> StepManifest:
-        body = parse_sealed(raw, where, _local_files.STEP_MANIFEST)
-        check_format_version(body, where, STEP_FORMAT, "version", STEP_VERSION)
-        step = int_field(body, "step", where, "step")
-        raw_items = body.get("items")
-        need(isinstance(raw_items, dict), where, "items", "an object", raw_items)
-        items = {}
-        for name, entry in raw_items.items():
-            need(is_safe_name(name), where, f"items[{name!r}]", "a safe item name", name)
-            need(isinstance(entry, dict), where, f"items[{name!r}]", "an object", entry)
-            kind = str_field(entry, "kind", where, f"items[{name!r}].kind")
-            d = entry.get("dir")
-            need(is_safe_name(d), where, f"items[{name!r}].dir", "a safe directory name", d)
-            items[name] = ItemEntry(kind, d)
-        dirs = [e.dir for e in items.values()]
-        need(len(set(dirs)) == len(dirs), where, "items", "distinct directories", dirs)
-        written = reused = None
-        if "bytes" in body:
-            sizes = body["bytes"]
-            need(isinstance(sizes, dict), where, "bytes", "an object", sizes)
-            written = int_field(sizes, "written", where, "bytes.written")
-            reused = int_field(sizes, "reused", where, "bytes.reused")
-        lane = body.get("lane")
-        need(lane is None or lane in LANES, where, "lane", f"one of {LANES}", lane)
-        return cls(
-            step,
-            items,
-            files_field(body, where),
-            int_field(body, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES),
-            time_field(body, "time", where, "time"),
-            opt_str(body, "tree_digest", where),
-            written,
-            reused,
-            lane,
-        )
-
-    def file_checksum(self, item_dir: str, name: str) -> str | None:
-        return self.files.get(f"{item_dir}/{name}")
-
-
 def read_manifest(step_loc: Location) -> StepManifest:
     """The validated manifest of a committed step (checksum checked)."""
     raw = step_loc.read_bytes(MANIFEST_FILE)
@@ -344,7 +239,7 @@ def _checked_manifest(step_loc: Location, raw: bytes) -> StepManifest:
     """The manifest of the step at ``step_loc`` from its bytes ``raw``, checked as
     :func:`read_manifest` says."""
     where = f"{step_loc}/{MANIFEST_FILE}"
-    manifest = StepManifest.from_bytes(raw, where)
+    manifest = _layout.manifest_from_bytes(raw, where)
     if STEP_RE.match(step_loc.name) and manifest.step != int(step_loc.name):
         raise CorruptCheckpointError(
             f"{where}: field step: expected {int(step_loc.name)} (the directory's name), "

@@ -31,7 +31,7 @@ from .._errors import (
     UnknownItemError,
 )
 from .._format import steps as _steps
-from .._format.steps import ItemEntry
+from .._format.layout import ItemEntry
 from .._like import onto_like as _onto_like
 from .._state.resume import check_items, item_mismatch, warn_unread
 from .._state.train_state import merge_state, split_state

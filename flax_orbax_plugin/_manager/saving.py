@@ -49,8 +49,8 @@ from .._core.save import SaveHandle, SaveResult, Staging, wait_for_data
 from .._errors import CheckpointError, SaveCancelledError, StructureError
 from .._format import layout as _layout
 from .._format import steps as _steps
+from .._format.layout import ItemEntry, StepManifest
 from .._format.layout.records import LANES, MANIFEST_FILE
-from .._format.steps import ItemEntry, StepManifest
 from .._incremental import reuse as _reuse
 from .._incremental.reuse import Reuse
 from .._state.train_state import PLAIN_VALUE_TYPES, split_state

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._errors import CheckpointError, CorruptCheckpointError
 from flax_orbax_plugin._format import layout as _layout
-from flax_orbax_plugin._format import steps as _steps
 
 TREE = {
     "a": np.arange(12, dtype=np.float32).reshape(3, 4),
@@ -155,19 +154,19 @@ def test_manifest_damage_and_crafted_item_names(tmp_path):
 
 
 def test_manifest_bytes_written_and_reused_are_optional_and_validated():
-    items = {"params": _steps.ItemEntry("pytree", "params")}
-    m = _steps.StepManifest(3, items, {}, bytes_written=10, bytes_reused=20)
-    back = _steps.StepManifest.from_bytes(m.to_bytes(), "m")
+    items = {"params": _layout.ItemEntry("pytree", "params")}
+    m = _layout.StepManifest(3, items, {}, bytes_written=10, bytes_reused=20)
+    back = _layout.manifest_from_bytes(m.to_bytes(), "m")
     assert (back.bytes_written, back.bytes_reused) == (10, 20)
-    plain = _steps.StepManifest(3, items, {})
+    plain = _layout.StepManifest(3, items, {})
     assert b'"bytes"' not in plain.to_bytes()  # as written before the field existed
-    assert _steps.StepManifest.from_bytes(plain.to_bytes(), "m").bytes_written is None
+    assert _layout.manifest_from_bytes(plain.to_bytes(), "m").bytes_written is None
     body = json.loads(m.to_bytes())
     body.pop("checksum")
     bads = ({"written": -1, "reused": 0}, {"written": 1}, [1, 2], {"written": "1", "reused": 0})
     for bad in bads:
         with pytest.raises(CorruptCheckpointError, match=r"bytes"):
-            _steps.StepManifest.from_bytes(_layout.seal(dict(body, bytes=bad)), "m")
+            _layout.manifest_from_bytes(_layout.seal(dict(body, bytes=bad)), "m")
 
 
 _MUTATIONS = st.sampled_from(["delete", "type", "negative", "huge", "string", "list"])

@@ -14,7 +14,7 @@ import pytest
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._errors import CheckpointError, CheckpointNotFoundError
 from flax_orbax_plugin._format import steps as _steps
-from flax_orbax_plugin._format.steps import ItemEntry, StepManifest
+from flax_orbax_plugin._format.layout import ItemEntry, StepManifest
 from flax_orbax_plugin._manager.checkpointables import (
     BUILTIN_CHECKPOINTABLES,
     Checkpointable,

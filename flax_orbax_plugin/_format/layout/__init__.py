@@ -1,10 +1,11 @@
 """The on-disk layout, format version 1: typed records for the JSON files of a checkpoint.
 
-This package and ``_format.steps`` (the step manifest) are the only places that know the
-JSON field names and the names on disk. ``records``: the records as a writer makes them
-(``to_json()``/``to_bytes()``), the names on disk, and the checked-JSON helpers;
+This package is the only place that knows the JSON field names and the names on disk.
+``records``: the records as a writer makes them (``to_json()``/``to_bytes()``), the
+names on disk, and the checked-JSON helpers;
 ``read_back``: each record parsed from what storage holds (``leaf_from_json``,
-``batch_from_json``, ``document_from_json``; ``CommitMarker.from_bytes``, which a save
+``batch_from_json``, ``document_from_json``, ``manifest_from_bytes``;
+``CommitMarker.from_bytes``, which a save
 reads too, stays with its record), every field validated before anything sized by the
 untrusted numbers is allocated, a :class:`CorruptCheckpointError` naming the file and the
 field; ``dtypes``: the dtypes a checkpoint may hold. FORMAT.md at the repository root is
@@ -27,6 +28,7 @@ from .read_back import (
     decode_checked,
     document_from_json,
     leaf_from_json,
+    manifest_from_bytes,
     sha256_mismatch,
     text_bytes,
     text_value,
@@ -62,7 +64,9 @@ from .records import (
     BatchStorage,
     CheckpointDocument,
     CommitMarker,
+    ItemEntry,
     LeafRecord,
+    StepManifest,
     array_dir,
     batch_dir,
     batch_name,
@@ -85,6 +89,9 @@ __all__ = [
     "COMMIT_FILE",
     "CheckpointDocument",
     "CommitMarker",
+    "ItemEntry",
+    "StepManifest",
+    "manifest_from_bytes",
     "EMPTY_KINDS",
     "FORMAT_NAME",
     "FORMAT_VERSION",

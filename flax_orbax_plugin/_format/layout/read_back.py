@@ -27,6 +27,7 @@ from .records import (
     _CODEC,
     FORMAT_NAME,
     KEY_KINDS,
+    LANES,
     LATEST_FORMAT_VERSION,
     LEAF_KINDS,
     MAX_ARRAY_BYTES,
@@ -37,19 +38,26 @@ from .records import (
     PRNG_IMPLS,
     PRNG_KEY_WORDS,
     SCALAR_KINDS,
+    STEP_FORMAT,
+    STEP_VERSION,
     TEXT_KINDS,
     ArrayStorage,
     BatchRecord,
     BatchStorage,
     CheckpointDocument,
+    ItemEntry,
     LeafRecord,
+    StepManifest,
     batch_name,
     check_format_version,
     decode,
     fail,
+    files_field,
     int_field,
     is_int,
+    is_safe_name,
     need,
+    parse_sealed,
     sha256,
     time_field,
 )
@@ -416,3 +424,44 @@ def _keys(keys: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
             bad("keys", "[kind, key] pairs", k)
         out.append((k[0], k[1]))
     return tuple(out)
+
+
+# -- the step manifest --------------------------------------------------------------------
+
+
+def manifest_from_bytes(raw: bytes, where: str) -> StepManifest:
+    """The step manifest ``raw`` (``<step>/_CHECKPOINT.json``), every field checked."""
+    body = parse_sealed(raw, where, _local_files.STEP_MANIFEST)
+    check_format_version(body, where, STEP_FORMAT, "version", STEP_VERSION)
+    step = int_field(body, "step", where, "step")
+    raw_items = body.get("items")
+    need(isinstance(raw_items, dict), where, "items", "an object", raw_items)
+    items = {}
+    for name, entry in raw_items.items():
+        need(is_safe_name(name), where, f"items[{name!r}]", "a safe item name", name)
+        need(isinstance(entry, dict), where, f"items[{name!r}]", "an object", entry)
+        kind = str_field(entry, "kind", where, f"items[{name!r}].kind")
+        d = entry.get("dir")
+        need(is_safe_name(d), where, f"items[{name!r}].dir", "a safe directory name", d)
+        items[name] = ItemEntry(kind, d)
+    dirs = [e.dir for e in items.values()]
+    need(len(set(dirs)) == len(dirs), where, "items", "distinct directories", dirs)
+    written = reused = None
+    if "bytes" in body:
+        sizes = body["bytes"]
+        need(isinstance(sizes, dict), where, "bytes", "an object", sizes)
+        written = int_field(sizes, "written", where, "bytes.written")
+        reused = int_field(sizes, "reused", where, "bytes.reused")
+    lane = body.get("lane")
+    need(lane is None or lane in LANES, where, "lane", f"one of {LANES}", lane)
+    return StepManifest(
+        step,
+        items,
+        files_field(body, where),
+        int_field(body, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES),
+        time_field(body, "time", where, "time"),
+        opt_str(body, "tree_digest", where),
+        written,
+        reused,
+        lane,
+    )

@@ -385,6 +385,59 @@ class CheckpointDocument:
 
 
 @dataclasses.dataclass(frozen=True)
+class ItemEntry:
+    """One checkpointable of a step: its kind and the directory holding it."""
+
+    kind: str
+    dir: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepManifest:
+    """``<step>/_CHECKPOINT.json``: the one commit of a manager step.
+
+    ``files`` maps every JSON file of the step that restore trusts (relative to the
+    step) to its sha256; ``tree_digest`` is the digest all processes agreed on.
+    ``bytes_written``/``bytes_reused`` (optional, one-process steps only): array bytes
+    the save wrote, and those of unchanged leaves it took from the previous step
+    (hard links or server-side copies) instead; informational. ``lane`` (optional): the
+    lane of a ``Lanes`` policy the step was saved in (:data:`LANES`), which retention
+    goes by in a later run, whatever its policy says of the step's number.
+    """
+
+    step: int
+    items: dict[str, ItemEntry]
+    files: dict[str, str]
+    process_count: int = 1
+    time: float = 0.0
+    tree_digest: str = ""
+    bytes_written: int | None = None
+    bytes_reused: int | None = None
+    lane: str | None = None
+
+    def to_bytes(self) -> bytes:
+        _local_files.check_time(self.time, MANIFEST_FILE, "time", stored=False)
+        body = {
+            "format": STEP_FORMAT,
+            "version": STEP_VERSION,
+            "step": self.step,
+            "items": {n: {"kind": e.kind, "dir": e.dir} for n, e in self.items.items()},
+            "files": self.files,
+            "process_count": self.process_count,
+            "time": self.time,
+            "tree_digest": self.tree_digest,
+        }
+        if self.bytes_written is not None and self.bytes_reused is not None:
+            body["bytes"] = {"written": self.bytes_written, "reused": self.bytes_reused}
+        if self.lane is not None:
+            body["lane"] = self.lane
+        return seal(body, _local_files.STEP_MANIFEST)
+
+    def file_checksum(self, item_dir: str, name: str) -> str | None:
+        return self.files.get(f"{item_dir}/{name}")
+
+
+@dataclasses.dataclass(frozen=True)
 class CommitMarker:
     """``_COMMITTED`` of a standalone core checkpoint: written last; its presence is the
     commit on object stores. Carries the sha256 of ``_METADATA.json``."""

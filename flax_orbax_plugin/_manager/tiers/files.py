@@ -19,8 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..._base import env as _env
 from ..._core import ownership as _ownership
 from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
-from ..._format.layout import MANIFEST_FILE
-from ..._format.steps import StepManifest
+from ..._format.layout import MANIFEST_FILE, StepManifest, manifest_from_bytes
 from ..._storage.location import Location
 from .state import Stopped
 
@@ -236,7 +235,7 @@ def read_remote_file(step_loc: Location, rel: str) -> bytes:
 def parse_manifest(raw: bytes, step_loc: Location, step: int) -> StepManifest:
     """The step manifest read from ``step_loc``, which must name ``step``."""
     where = f"{step_loc}/{MANIFEST_FILE}"
-    manifest = StepManifest.from_bytes(raw, where)
+    manifest = manifest_from_bytes(raw, where)
     if manifest.step != step:
         raise CorruptCheckpointError(
             f"{where}: field step: expected {step} (the directory's name), found {manifest.step}"

@@ -23,8 +23,7 @@ from ..._errors import (
     ReplicationError,
 )
 from ..._format import steps as _steps
-from ..._format.layout import MANIFEST_FILE
-from ..._format.steps import StepManifest
+from ..._format.layout import MANIFEST_FILE, StepManifest
 from ..._storage.location import Location
 from ..events import StepReplicated, measure_stored
 from ..retention import steps_to_delete
