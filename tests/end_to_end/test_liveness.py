@@ -103,12 +103,16 @@ def mutual_wait(ctx):
 
 def one_sided_save(ctx, directory):
     """Both meet once (so both beat), then only process 0 saves (a collective call);
-    process 1 goes on with something else."""
+    process 1 goes on with something else (alive, beating, never in the library) until
+    process 0's call has failed (its result written), 6 s at most."""
     from flax_orbax_plugin._base import distributed as _distributed
 
     _distributed.barrier("fop/test/met", region=None)
     if ctx.process_id == 1:
-        time.sleep(6)
+        primary_done = os.path.join(ctx.job["workdir"], "result_0.json")
+        end = time.monotonic() + 6
+        while time.monotonic() < end and not os.path.exists(primary_done):
+            time.sleep(0.05)
         return {"error": None}
     t = time.monotonic()
     try:
