@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import _proc
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,6 +22,8 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_accelerator.py")
 def test_the_accelerator_benchmark_runs_small_on_cpu_and_checks_its_restores(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = ROOT
+    # Its processes run one after another and compile the same step: compiled once.
+    env.update(_proc.compile_cache_env(tmp_path / "jax_cache"))
     args = [sys.executable, SCRIPT, "--tiny", "--libs", "none,fop-cb"]
     args += ["--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=280)

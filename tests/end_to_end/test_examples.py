@@ -1,7 +1,9 @@
 """The examples through their real command lines, in subprocesses.
 
 A small configuration (overridden on the command line, as a user would) keeps
-these fast; `make demo` runs the full-size main job.
+these fast; `make demo` runs the full-size main job. The runs of one test, one after
+another, share JAX's persistent compilation cache (a directory of the test's own): a
+run loads the programs the run before it compiled.
 """
 
 import os
@@ -12,6 +14,7 @@ import subprocess
 import sys
 
 import _paths
+import _proc
 import numpy as np
 import pytest
 
@@ -31,10 +34,14 @@ SMALL = [
 ]
 
 
-def _env():
+def _env(cache=None):
+    """The example's environment; with ``cache`` (a test's directory), the compilation
+    cache its runs share (for tests whose runs compile the same programs)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one device, as a user's laptop
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    if cache is not None:
+        env.update(_proc.compile_cache_env(cache / "jax_cache"))
     return env
 
 
@@ -42,9 +49,11 @@ def example_cmd(script, *flags):
     return [sys.executable, os.path.join(REPO, "examples", script), f"--config={CONFIG}", *flags]
 
 
-def run_example(script, *flags, timeout=180):
+def run_example(tmp_path, script, *flags, timeout=180):
     cmd = example_cmd(script, *flags)
-    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout
+    )
     assert p.returncode == 0, f"{cmd} exited {p.returncode}\n{p.stdout}\n{p.stderr}"
     return p.stdout
 
@@ -61,7 +70,7 @@ def test_resume_from_the_config_flag_and_serve(tmp_path):
     ckpt = tmp_path / "ckpt"
     where = f"--config.checkpoint.directory={ckpt}"
 
-    out = run_example("train.py", *SMALL, where)
+    out = run_example(tmp_path, "train.py", *SMALL, where)
     assert "starting from scratch" in out
     first = digest(out, "final")
     curve = losses(out)
@@ -76,13 +85,13 @@ def test_resume_from_the_config_flag_and_serve(tmp_path):
     shutil.rmtree(ckpt / "250")
     shutil.rmtree(ckpt / "300")
 
-    out = run_example("train.py", *SMALL, where, "--config.checkpoint.resume=True")
+    out = run_example(tmp_path, "train.py", *SMALL, where, "--config.checkpoint.resume=True")
     assert "resumed from step 200" in out
     assert re.search(r"^checkpoint   200 \| restored in [0-9.]+ s$", out, re.M)
     assert "step    50 | loss" not in out  # did not start over
     assert digest(out, "final") == first  # bit-identical to the uninterrupted run
 
-    out = run_example("serve.py", *SMALL, where)
+    out = run_example(tmp_path, "serve.py", *SMALL, where)
     accuracy = float(re.search(r"held-out accuracy ([0-9.]+)", out).group(1))
     assert 0.4 < accuracy <= 1.0  # 4 classes: chance is 0.25
     assert digest(out, "served") == first
@@ -100,7 +109,8 @@ def test_main_job_kills_resumes_and_matches(tmp_path):
         "--config.log_every_steps=20",
         "--config.checkpoint.every_steps=100",
     ]
-    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    env = _env(tmp_path)  # the main job's five runs, one after another, inherit it
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "sent SIGKILL" in p.stdout and "exit status -9" in p.stdout
     resumed = int(re.search(r"resumed from step (\d+)", p.stdout).group(1))

@@ -30,8 +30,10 @@ pytestmark = pytest.mark.distributed
 
 STALL_S = 3.0  # the manager's stall_timeout= in these runs
 SLOW_S = 0.75  # a slowed process's sleep per region written / read completed
-LEAVES = 4  # sharded leaves: 2 regions each per process (2 devices): 8 x 0.75 s = 6 s
-PAUSE_S = 12  # a stalled process's pause (it is named stalled after about 4 s)
+# Sharded leaves: 2 regions each per process (2 devices): 6 x 0.75 s = 4.5 s, at least
+# 1.5 times the stall timeout by the sleeps alone.
+LEAVES = 3
+PAUSE_S = 10  # a stalled process's pause (it is named stalled after about 4 s)
 ENV = {"FOP_LATE_REPORT_S": "1", "FOP_PEER_SILENT_S": "4"}
 
 
@@ -103,12 +105,16 @@ def mutual_wait(ctx):
 
 def one_sided_save(ctx, directory):
     """Both meet once (so both beat), then only process 0 saves (a collective call);
-    process 1 goes on with something else."""
+    process 1 goes on with something else (alive, beating, never in the library) until
+    process 0's call has failed (its result written), 6 s at most."""
     from flax_orbax_plugin._base import distributed as _distributed
 
     _distributed.barrier("fop/test/met", region=None)
     if ctx.process_id == 1:
-        time.sleep(6)
+        primary_done = os.path.join(ctx.job["workdir"], "result_0.json")
+        end = time.monotonic() + 6
+        while time.monotonic() < end and not os.path.exists(primary_done):
+            time.sleep(0.05)
         return {"error": None}
     t = time.monotonic()
     try:
@@ -182,7 +188,7 @@ def test_a_slow_but_progressing_process_is_named_with_its_bytes_left_never_abort
 def test_a_process_that_stops_progressing_is_named_stalled(tmp_path):
     """Process 1 pauses mid-write, beating but moving nothing, past stall_timeout=3 s:
     process 0 (waiting for it in the commit) names it stalled while it is still paused
-    (within seconds of the stall timeout, well before the 12 s pause ends), the commit's
+    (within seconds of the stall timeout, well before the 10 s pause ends), the commit's
     outcome says so on both, and no step is committed."""
     run = run_processes(
         "test_liveness:slow_save_and_restore",

@@ -1,10 +1,12 @@
 """Real training programs SIGKILLed mid-run and resumed: bit-exact with an uninterrupted run.
 
-Each test runs tests/support/_training_programs.py three times in subprocesses: once
-uninterrupted, once SIGKILLed while it is stuck in a slow step after a committed
-save, and once resumed with ``resume=True``. Every form of training state trains
-in lockstep within one program, so the whole file costs three program starts
-per test.
+Each test runs tests/support/_training_programs.py three times in subprocesses, one
+after another: once uninterrupted, once SIGKILLed while it is stuck in a slow step
+after a committed save, and once resumed with ``resume=True``. Every form of training
+state trains in lockstep within one program, so the whole file costs three program
+starts per test; the first run leaves the programs it compiled in JAX's persistent
+compilation cache (a directory of the test's own), so the other two load them
+instead of compiling them again (most of a run's time).
 """
 
 import os
@@ -17,6 +19,7 @@ import threading
 import time
 
 import _paths
+import _proc
 import pytest
 
 REPO = _paths.REPO
@@ -26,10 +29,12 @@ SAVED = 4
 DEADLINE = 120  # seconds for any one program run
 
 
-def _env():
+def _env(directory):
     env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one device, the same in every run
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    # One cache per test, beside the run's directory; the runs are one at a time.
+    env.update(_proc.compile_cache_env(os.path.join(os.path.dirname(directory), "jax_cache")))
     return env
 
 
@@ -40,7 +45,12 @@ def _check(out, cmd, returncode):
 def start_program(directory, forms, *flags):
     cmd = [sys.executable, PROGRAM, str(directory), ",".join(forms), *flags]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        cwd=REPO,
+        env=_env(directory),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     return cmd, proc
 
@@ -69,7 +79,12 @@ def run_and_kill(directory, forms):
     """Starts the program, waits (bounded) until it hangs after a committed save, SIGKILLs it."""
     cmd = [sys.executable, PROGRAM, str(directory), ",".join(forms), f"--hang-at={HANG_AT}"]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        cwd=REPO,
+        env=_env(directory),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
@@ -104,12 +119,9 @@ def run_and_kill(directory, forms):
 
 
 def assert_kill_and_resume_bit_exact(tmp_path, forms):
-    # The uninterrupted reference runs alongside the run that gets killed.
-    reference_run = start_program(tmp_path / "reference", forms)
-    try:
-        killed = run_and_kill(tmp_path / "run", forms)
-    finally:
-        reference = finals(finish_program(*reference_run))
+    # The uninterrupted reference first: the runs after it load what it compiled.
+    reference = finals(run_program(tmp_path / "reference", forms))
+    killed = run_and_kill(tmp_path / "run", forms)
     assert set(reference) == set(forms)
     assert "final" not in killed
     for form in forms:  # the kill left only committed step 4 behind (no step 8 yet)

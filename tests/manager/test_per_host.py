@@ -443,9 +443,9 @@ def test_per_host_a_host_killed_mid_save_then_a_sigterm_on_resume(tmp_path, s3_l
         devices_per_process=2,
         args={"base": base, "url": url},
         kill=Kill(process=1, at="mid_save"),
-        env=env,
+        env={**env, "FOP_PEER_SILENT_S": "3"},  # the killed process: named dead in 3 s
         heartbeat_timeout_s=60,
-        done_timeout_s=2,
+        done_timeout_s=1,  # the survivor's last barrier: its peer is gone
         timeout_s=60,
     )
     assert run[1].killed, run[1].describe()

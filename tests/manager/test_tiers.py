@@ -737,7 +737,7 @@ def test_a_process_killed_mid_share_leaves_nothing_listed_and_a_restart_finishes
         2,
         devices_per_process=2,
         args={"local": local, "url": s3_location.url},
-        env={"FOP_COORDINATION_TIMEOUT_S": "8", **s3_location.env},
+        env={"FOP_COORDINATION_TIMEOUT_S": "8", "FOP_PEER_SILENT_S": "3", **s3_location.env},
         heartbeat_timeout_s=30,
         timeout_s=120,
         recoverable=True,  # the survivor is not terminated by jax when its peer dies
@@ -748,6 +748,7 @@ def test_a_process_killed_mid_share_leaves_nothing_listed_and_a_restart_finishes
     error = run[0].result["error"]
     assert error.startswith(f"step 2 of {local} was not replicated"), error
     assert "from process 1" in error  # the primary names the process it lost
+    assert "process 1 is dead" in error  # by its silent heartbeat (FOP_PEER_SILENT_S=3)
     assert run[0].result["remote"] == [1]
     assert remote_steps(s3_location.url) == [1]
     assert f"2/{MANIFEST_FILE}" not in s3_location.keys()

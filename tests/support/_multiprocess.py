@@ -179,6 +179,11 @@ def run_processes(
     """Runs ``target(ctx, **args)`` in ``n`` processes; see the module docstring."""
     workdir = workdir or tempfile.mkdtemp(prefix="fop-mp-")
     os.makedirs(workdir, exist_ok=True)
+    for i in range(n):  # a workdir used before: its end marks are not this run's
+        try:
+            os.remove(os.path.join(workdir, f"ended_{i}"))
+        except FileNotFoundError:
+            pass
     port = free_port()
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     child_env.update(env or {})
@@ -422,14 +427,25 @@ def _child_main() -> int:
     # Success: leave together, so that no process looks dead to the coordination
     # service while its peers still work; then jax's own shutdown (itself a barrier).
     # If a peer is gone, the done barrier fails and we leave without that shutdown,
-    # which would otherwise wait shutdown_timeout_s and then abort the process.
+    # which would otherwise wait shutdown_timeout_s and then abort the process. A peer
+    # the parent already saw end (killed, or failed before this point) can never reach
+    # the barrier: then it is not waited for at all (done_timeout_s of nothing).
     try:
+        if _a_peer_ended(job):
+            raise RuntimeError("a peer has ended: the done barrier cannot be met")
         ctx.client.wait_at_barrier("fop_mp/done", int(job["done_timeout_s"] * 1000))
     except Exception:  # noqa: BLE001
         _host_leaves_last(job)
         return rc
     jax.distributed.shutdown()
     return rc
+
+
+def _a_peer_ended(job: dict) -> bool:
+    """Whether the parent has marked another process of this run ended (``ended_<i>``):
+    a process still running its target never is, so a marked one died or failed."""
+    others = set(range(job["num_processes"])) - {job["process_id"]}
+    return any(os.path.exists(os.path.join(job["workdir"], f"ended_{i}")) for i in others)
 
 
 def _host_leaves_last(job: dict) -> None:

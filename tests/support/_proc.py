@@ -6,6 +6,8 @@
 * :func:`read_line` returns the child's next stdout line, or fails the test when
   none arrives within ``timeout`` seconds (or the child exits first); it never
   blocks past the deadline.
+* :func:`compile_cache_env` lets children run one after another compile the same
+  JAX programs once (the persistent compilation cache).
 * :func:`wait` waits for the child's exit with a deadline, SIGKILLing it on expiry.
 * :func:`sigterm_after` reads the step numbers a training child prints until one
   reaches a bound, then SIGTERMs it and collects the rest of its output.
@@ -37,6 +39,20 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     env.update(extra)
     return env
+
+
+def compile_cache_env(directory: object) -> dict[str, str]:
+    """Environment that makes a JAX child keep every program it compiles in ``directory``
+    (JAX's persistent compilation cache, no minimum time or size) and load it from there
+    in the next child that compiles the same program: children that run the same training
+    code one after another compile it once. Give it to children that run one at a time:
+    JAX writes an entry in place, so a child reading it while another writes it would see
+    half a file (a warning, and a compile)."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(directory),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 def permissions_can_hold() -> bool:
