@@ -422,7 +422,9 @@ class Snapshot:
         reuse = self.request.reuse
         if self.format.copies_before_writing or reuse is not None:  # every region first
             _host_snapshot.materialize_all(self.leaves)
-        found = None if reuse is None else self._unchanged(location, reuse)
+        found = None
+        if reuse is not None:
+            found = _reuse.unchanged(self.leaves, self.format, location, reuse, self.request.region)
         leaves, found = _stored_leaves(self.leaves, found)  # sub-byte leaves packed
         encoded: concurrent.futures.Future = concurrent.futures.Future()
         if primary:  # encoded while tensorstore's threads write the data
@@ -450,50 +452,6 @@ class Snapshot:
         except BaseException as e:  # noqa: BLE001  (raised by the write that needs it)
             out.set_exception(e)
 
-    def _unchanged(self, location: Location, reuse: _reuse.Reuse):
-        """Records the digest of every array leaf (every process's region hashes, through
-        the key-value store with several processes: every process calls this, in the
-        same order); returns (the way to reuse, the previous step's item, [(leaf, its
-        previous number, the chunks of this process's regions)] for the leaves the
-        previous step holds unchanged and of which this process writes regions), or
-        None where this process reuses nothing (see :func:`_reuse.reuser`)."""
-        way = self.format.reuser(location)
-        if way is None and _distributed.process_count() == 1:
-            return None
-        arrays = [leaf for leaf in self.leaves if isinstance(leaf.record.storage, ArrayStorage)]
-        mine: dict[int, list] | None = None
-        try:
-            mine = {
-                leaf.index: _reuse.region_digests(leaf.record, leaf.writes)
-                for leaf in arrays
-                if leaf.writes
-            }
-        except Exception as e:  # noqa: BLE001  (no digest, no reuse; the save goes on)
-            _reuse.logger.warning("incremental save: no digests recorded: %s", e)
-        everyone = _reuse.exchange(reuse.op, mine, self.request.region)
-        if everyone is None or mine is None:
-            return None
-        for leaf in arrays:
-            if everyone.get(leaf.index):
-                digest = _reuse.leaf_digest(everyone[leaf.index])
-                leaf.record = dataclasses.replace(leaf.record, digest=digest)
-        previous = None if way is None else _reuse.previous_document(reuse)
-        if previous is None or not self.format.wrote(previous[1]):
-            return None  # (a step of the other version: its chunks are stored elsewhere)
-        source, doc = previous
-        if _distributed.is_primary():  # what reuse never takes, said once (WARNING)
-            records = [leaf.record for leaf in self.leaves]
-            _reuse.report_batched(location.parent.parent, reuse.item, records)
-        by_index = {leaf.index: leaf for leaf in self.leaves}
-        records = {i: leaf.record for i, leaf in by_index.items()}
-        unchanged = []
-        for i, j in _reuse.plan_reuse(records, doc).items():
-            leaf = by_index[i]
-            chunks = _reuse.chunks_of(leaf.record, [b for b, _ in mine.get(i, ())])
-            if leaf.writes and chunks is not None:
-                unchanged.append((leaf, j, chunks))
-        return way, source, unchanged
-
 
 def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) -> bool:
     """The regions of the leaves stored as arrays of their own, copied as ``kind`` says
@@ -509,7 +467,7 @@ def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) 
 def _stored_leaves(leaves: list[Leaf], found):
     """The leaves as their arrays store them: a packed (sub-byte) leaf becomes one of
     its stored record (``_zarr.subbyte.stored``) holding its regions' packed bytes; the
-    others are themselves. ``found`` (what ``Plan._unchanged`` returned, or None) with
+    others are themselves. ``found`` (what ``_reuse.unchanged`` returned, or None) with
     its leaves replaced the same way, so reuse compares the bytes on disk. A packed
     leaf's regions still on their devices are copied here, all at once (packing needs
     the values): ``host_memory_budget`` does not stream them. Background thread."""

@@ -282,3 +282,52 @@ def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, 
             ranges.append(range(a // c, -(-b // c)))
         out.update(_chunks.chunk_parts(idx) for idx in itertools.product(*ranges))
     return sorted(out)
+
+
+# -- 4. what a snapshot reuses -----------------------------------------------------------
+
+
+def unchanged(leaves: list, fmt: Any, location: Location, reuse: Reuse, region: Any):
+    """An incremental save's leaves against the previous step: records the digest of
+    every array leaf of a snapshot's ``leaves`` (every process's region hashes, through
+    the key-value store with several processes, in the save's ``region``: every process
+    calls this, in the same order); returns (the way to reuse, the previous step's
+    item, [(leaf, its previous number, the chunks of this process's regions)] for the
+    leaves the previous step holds unchanged and of which this process writes regions),
+    or None where this process reuses nothing (see :func:`reuser`). ``fmt``: the
+    snapshot's format (it knows its way to reuse and the steps it wrote); ``location``:
+    the item being written. Called by the save's write (``_core.plan``)."""
+    way = fmt.reuser(location)
+    if way is None and _distributed.process_count() == 1:
+        return None
+    arrays = [leaf for leaf in leaves if isinstance(leaf.record.storage, ArrayStorage)]
+    mine: dict[int, list] | None = None
+    try:
+        mine = {
+            leaf.index: region_digests(leaf.record, leaf.writes) for leaf in arrays if leaf.writes
+        }
+    except Exception as e:  # noqa: BLE001  (no digest, no reuse; the save goes on)
+        logger.warning("incremental save: no digests recorded: %s", e)
+    everyone = exchange(reuse.op, mine, region)
+    if everyone is None or mine is None:
+        return None
+    for leaf in arrays:
+        if everyone.get(leaf.index):
+            digest = leaf_digest(everyone[leaf.index])
+            leaf.record = dataclasses.replace(leaf.record, digest=digest)
+    previous = None if way is None else previous_document(reuse)
+    if previous is None or not fmt.wrote(previous[1]):
+        return None  # (a step of the other version: its chunks are stored elsewhere)
+    source, doc = previous
+    if _distributed.is_primary():  # what reuse never takes, said once (WARNING)
+        records = [leaf.record for leaf in leaves]
+        report_batched(location.parent.parent, reuse.item, records)
+    by_index = {leaf.index: leaf for leaf in leaves}
+    records = {i: leaf.record for i, leaf in by_index.items()}
+    unchanged = []
+    for i, j in plan_reuse(records, doc).items():
+        leaf = by_index[i]
+        chunks = chunks_of(leaf.record, [b for b, _ in mine.get(i, ())])
+        if leaf.writes and chunks is not None:
+            unchanged.append((leaf, j, chunks))
+    return way, source, unchanged
