@@ -77,10 +77,11 @@ from ._state.iterators import StepIndexedIterator
 from ._storage.location import Location
 
 # A misspelt keyword is named with the one meant ("did you mean keep=?"), as the
-# manager's options are: each public function, the constructors of what users make
-# (option objects, surgery ops) and the methods of the two objects users call. The
-# records the library makes itself (locations, requests, results, events, metadata)
-# are left as they are: the package constructs them on every call.
+# manager's options are: each public function and the constructors of what users make
+# (option objects, surgery ops); the manager's and the callback's methods check their
+# own, as their entries (``_base.distributed.public`` on the class). The records the
+# library makes itself (locations, requests, results, events, metadata) are left as
+# they are: the package constructs them on every call.
 _MADE_INSIDE = {
     "CheckpointMetadata",
     "Checkpointable",
@@ -105,6 +106,5 @@ _MADE_INSIDE = {
     "VerifyResult",
     "Written",
 }
-_CALLED = {"CheckpointManager", "CheckpointCallback"}
 for _name in [n for n in globals() if not n.startswith("_") and n not in _MADE_INSIDE]:
-    globals()[_name] = _named_keywords(globals()[_name], methods=_name in _CALLED)
+    globals()[_name] = _named_keywords(globals()[_name])

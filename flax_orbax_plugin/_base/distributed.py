@@ -194,23 +194,6 @@ def failing_before(kind: str, *, spans: bool = True) -> Iterator[None]:
             raise
 
 
-def collective_method(kind: str, *, stall: str, scope: str) -> Callable:
-    """A decorator for a method whose body takes the keyword ``region``: each call is
-    :func:`collective`, its region handed to the body as ``region=`` (the decorated
-    method takes the body's other parameters), its stall timeout the attribute
-    ``stall`` of the object it is called on (set by its constructor from its options:
-    e.g. a manager's ``stall_timeout=``), its scope the attribute ``scope`` (e.g. the
-    tag of the manager's open). The region of a call is also the decorated method's
-    attribute ``_fop_region(self, *args, **kwargs)``: a check of the call made around
-    it (an unknown keyword, ``_base.env``) fails in it."""
-
-    def region(self: Any, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
-        stall_s, scope_tag = getattr(self, stall, None), getattr(self, scope, None)
-        return collective(kind, stall_s=stall_s, scope=scope_tag)
-
-    return _decorator(region)
-
-
 # ``errors(error, arguments)``: the error to raise in place of ``error`` (None: as it
 # is), from the call's bound arguments (``_storage.kvstore.refusals``).
 Errors = Callable[[BaseException, dict[str, Any]], BaseException | None]
@@ -221,8 +204,11 @@ def public(
     *,
     spans: Callable[..., bool] | None = None,
     errors: Errors | None = None,
+    stall: str | None = None,
+    scope: str | None = None,
 ) -> Callable:
-    """The one decorator of a public operation, its entry: each call
+    """The one decorator of a public operation, its entry (a function, a method or a
+    class): each call
 
     * refuses a keyword the function does not take, naming the one meant ("did you
       mean"; ``_base.env``), in the call's region;
@@ -235,6 +221,15 @@ def public(
       :data:`Errors`; e.g. a store's refusal as StoreAccessError), inside the region,
       so that the other processes learn that one.
 
+    On a method, ``stall`` and ``scope`` name attributes of the object it is called on
+    (set by its constructor): its region's stall timeout (e.g. a manager's
+    ``stall_timeout=``; see ``_base/regions.py``) and scope (see :class:`Region`).
+
+    On a class (no ``kind``): the entry of ``__init__``, ``__enter__``, ``__exit__`` and
+    each public method it defines or takes from its bases (mixins), with ``errors``;
+    a method that is an entry already (``@public(kind, ...)`` in the class body: a
+    collective one) is left as it is, as are properties, class and static methods.
+
     The signature shown is the body's (without ``region``). The package's own calls of
     the decorated name go through the same entry. Threading: the caller's."""
 
@@ -246,35 +241,81 @@ def public(
             spanning = spans is None or spans(*args, **kwargs)
         except TypeError:  # arguments the function refuses (one missing): it says so itself
             spanning = False
-        return collective(kind, spans=spanning)
+        own = args[0] if args and (stall or scope) else None  # a method's object
+        stall_s = None if stall is None else getattr(own, stall, None)
+        return collective(
+            kind,
+            spans=spanning,
+            stall_s=stall_s,
+            scope=None if scope is None else getattr(own, scope, None),
+        )
 
-    def decorate(body: Callable) -> Callable:
-        shown = inspect.signature(body)
-        takes = _env.keywords_taken(body)
-        owner = body.__qualname__
-
-        @functools.wraps(body)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with region(*args, **kwargs) as drawn:
-                if takes is not None and not takes.issuperset(kwargs):
-                    raise _env.unknown_keywords(owner, kwargs, takes)
-                try:
-                    if kind is None:
-                        return body(*args, **kwargs)
-                    return body(*args, region=drawn, **kwargs)
-                except Exception as e:
-                    found = None if errors is None else _translated(errors, e, shown, args, kwargs)
-                    if found is None:
-                        raise
-                    raise found from None
-
-        params = [p for p in shown.parameters.values() if p.name != "region"]
-        call.__signature__ = shown.replace(parameters=params)  # type: ignore[attr-defined]
-        call._fop_region = region  # type: ignore[attr-defined]
-        call._fop_named = True  # type: ignore[attr-defined]
-        return call
+    def decorate(body: Any) -> Any:
+        if isinstance(body, type):
+            if kind is not None:
+                raise TypeError(f"public({kind!r}) on {body.__name__}: a kind is a method's")
+            return _public_methods(body, errors)
+        return _entry(body, region, errors, kind is not None, body.__qualname__)
 
     return decorate
+
+
+def _entry(
+    body: Callable,
+    region: Callable[..., contextlib.AbstractContextManager],
+    errors: Errors | None,
+    hands_region: bool,
+    owner: str,
+) -> Callable:
+    """:func:`public`'s wrapper of ``body``: the call's keywords checked, then the body
+    called (handed ``region=`` where ``hands_region``) and its error translated, all in
+    ``region(...)``'s region; ``owner``: the name an unknown keyword's error gives."""
+    shown = inspect.signature(body)
+    takes = _env.keywords_taken(body)
+    if takes is not None and not hands_region and "region" in shown.parameters:
+        takes |= {"region"}  # a body's own ``region`` (a SaveHandle's), given by its caller
+
+    @functools.wraps(body)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with region(*args, **kwargs) as drawn:
+            if takes is not None and not takes.issuperset(kwargs):
+                raise _env.unknown_keywords(owner, kwargs, takes)
+            try:
+                if not hands_region:
+                    return body(*args, **kwargs)
+                return body(*args, region=drawn, **kwargs)
+            except Exception as e:
+                found = None if errors is None else _translated(errors, e, shown, args, kwargs)
+                if found is None:
+                    raise
+                raise found from None
+
+    params = [p for p in shown.parameters.values() if p.name != "region" or not hands_region]
+    call.__signature__ = shown.replace(parameters=params)  # type: ignore[attr-defined]
+    call._fop_named = True  # type: ignore[attr-defined]
+    return call
+
+
+_ENTERED = ("__init__", "__enter__", "__exit__")  # a class's dunders that are entries
+
+
+def _public_methods(cls: type, errors: Errors | None) -> type:
+    """``public(errors=errors)`` on a class (see :func:`public`), set on the class."""
+    found: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__[:-1]):  # the class's own definitions last
+        found.update(vars(klass))
+    for name, attr in found.items():
+        if name.startswith("_") and name not in _ENTERED:
+            continue
+        if not inspect.isfunction(attr) or getattr(attr, "_fop_named", False):
+            continue
+        owner = cls.__name__ if name == "__init__" else f"{cls.__name__}.{name}"
+        setattr(cls, name, _entry(attr, _no_region, errors, False, owner))
+    return cls
+
+
+def _no_region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 def _translated(
@@ -286,25 +327,6 @@ def _translated(
         return errors(error, shown.bind_partial(*args, **kwargs).arguments)
     except Exception:  # noqa: BLE001  (the original error stands)
         return None
-
-
-def _decorator(region: Callable[..., contextlib.AbstractContextManager]) -> Callable:
-    """The wrapper of :func:`collective_method`: the body called in ``region(...)``'s
-    region, handed it as ``region=``; the signature shown is the body's without it."""
-
-    def decorate(body: Callable) -> Callable:
-        @functools.wraps(body)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with region(*args, **kwargs) as drawn:
-                return body(*args, region=drawn, **kwargs)
-
-        shown = inspect.signature(body)
-        params = [p for p in shown.parameters.values() if p.name != "region"]
-        call.__signature__ = shown.replace(parameters=params)  # type: ignore[attr-defined]
-        call._fop_region = region  # type: ignore[attr-defined]
-        return call
-
-    return decorate
 
 
 @contextlib.contextmanager

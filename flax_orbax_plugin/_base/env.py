@@ -9,7 +9,6 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.env``.
 from __future__ import annotations
 
 import collections
-import contextlib
 import difflib
 import errno
 import functools
@@ -255,19 +254,20 @@ def unknown_keywords(owner: str, given: Iterable[str], takes: Iterable[str]) -> 
 
 
 def checked(fn: Callable, owner: str) -> Callable:
+    """``fn`` (a function or constructor of one process: no region) refusing a keyword
+    it does not take with :func:`unknown_keywords` (``owner``: its name there); ``fn``
+    itself where it takes ``**kwargs`` or checks its own (``_base.distributed.public``)."""
     if getattr(fn, "_fop_named", False):
         return fn
     takes = keywords_taken(fn)
     if takes is None:
         return fn
-    region = getattr(fn, "_fop_region", lambda *a, **k: contextlib.nullcontext())
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if takes.issuperset(kwargs):
-            return fn(*args, **kwargs)
-        with region(*args, **kwargs):
+        if not takes.issuperset(kwargs):
             raise unknown_keywords(owner, kwargs, takes)
+        return fn(*args, **kwargs)
 
     call._fop_named = True  # type: ignore[attr-defined]
     return call

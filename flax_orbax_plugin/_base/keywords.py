@@ -4,8 +4,8 @@
 (:func:`refuse_unknown`), each naming the keyword meant (an alias, a hint, an option of
 an inner dict, the closest spelling); an option given in a mode where it does nothing
 (:func:`refuse_without`); the declared defaults of those not given
-(:func:`with_defaults`). The wrapper a call of a public method runs (``env.checked``)
-and its error's words (``env.unknown_keywords``) stay in ``_base.env``: every such
+(:func:`with_defaults`). The wrapper a call of a public function or constructor runs
+(``env.checked``) and its error's words (``env.unknown_keywords``) stay in ``_base.env``: every such
 call passes there.
 
 Pure functions over frozen declarations; any thread.
@@ -56,36 +56,31 @@ def refuse_unknown(
     raise TypeError("; ".join(lines) + f" (its options: {', '.join(sorted(names))})")
 
 
-def named_keywords(obj: Any, *, methods: bool = False) -> Any:
-    """``obj`` (a public function or class) with "did you mean" for an unknown keyword
-    (refused in the region of a collective call): a function is returned wrapped (its
+def named_keywords(obj: Any) -> Any:
+    """``obj`` (a public function or a plain class: an option object, a rule, a surgery
+    op) with "did you mean" for an unknown keyword: a function is returned wrapped (its
     module's own name stays unwrapped, for the package's calls); a class gets its
-    ``__init__`` wrapped, and with ``methods`` its public methods (its own and those of
-    the package's classes it inherits), set on the class itself. A callable taking
-    ``**kwargs`` checks its own (:func:`refuse_unknown`) and is left as it is, as are
-    exceptions. Applied once, where the public names are bound (``_api``)."""
+    ``__init__`` (its own or one of the package's classes it inherits) wrapped, set on
+    the class itself. A callable taking ``**kwargs`` checks its own
+    (:func:`refuse_unknown`) and is left as it is, as are exceptions and an entry of
+    ``_base.distributed.public`` (a function, or the ``__init__`` and methods of a
+    class it decorates: the manager, the callback), which checks its own keywords.
+    Applied once, where the public names are bound (``_api``)."""
     if isinstance(obj, type):
         if not issubclass(obj, BaseException):
-            _name_methods(obj, methods)
+            _name_init(obj)
         return obj
     return checked(obj, obj.__qualname__) if inspect.isfunction(obj) else obj
 
 
-def _name_methods(cls: type, methods: bool) -> None:
+def _name_init(cls: type) -> None:
     package = __name__.split(".")[0]
-    done = set()
     for base in cls.__mro__:
-        if not base.__module__.startswith(package):
-            continue
-        for name, value in vars(base).items():
-            if name in done or (name != "__init__" and (not methods or name.startswith("_"))):
-                continue
-            done.add(name)
-            owner = cls.__name__ if name == "__init__" else f"{cls.__name__}.{name}"
-            if inspect.isfunction(value):
-                setattr(cls, name, checked(value, owner))
-            elif isinstance(value, (classmethod, staticmethod)):
-                setattr(cls, name, type(value)(checked(value.__func__, owner)))
+        if base.__module__.startswith(package) and "__init__" in vars(base):
+            init = vars(base)["__init__"]
+            if inspect.isfunction(init):
+                cls.__init__ = checked(init, cls.__name__)  # type: ignore[misc]
+            return
 
 
 def _alias_of(name: str, declared: Iterable[Option]) -> str | None:

@@ -27,7 +27,7 @@ from .._base.env import Option
 from .._errors import CheckpointError, HookReentryError, SaveCancelledError
 from .._format.layout import PENDING_FILE
 from .._storage import local_files as _local_files
-from .._storage.kvstore import raises_store_errors_in_methods
+from .._storage.kvstore import refusals
 from .._storage.location import Location
 
 LIBRARY = "flax_orbax_plugin"
@@ -193,7 +193,7 @@ class Cancellation(threading.Event):
         self.set()
 
 
-@raises_store_errors_in_methods(lambda bound: [bound["self"].path])
+@_distributed.public(errors=refusals(lambda bound: [bound["self"].path]))
 class SaveHandle:
     """A save whose background phase may still run: ``wait()`` returns its
     :class:`SaveResult` or re-raises its error (an error is never dropped: a handle

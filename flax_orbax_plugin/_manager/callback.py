@@ -22,7 +22,7 @@ from .._like.onto_like import changes as check_changes
 from .._state.iterators import check_iterator
 from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state
-from .._storage.kvstore import arguments, raises_store_errors_in_methods
+from .._storage.kvstore import arguments, refusals
 from . import options as _options
 from . import resuming as _resuming
 from . import signatures as _signatures
@@ -40,7 +40,7 @@ class ScalarWriter(Protocol):
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
 
 
-@raises_store_errors_in_methods(arguments("directory"))  # its manager names the rest
+@_distributed.public(errors=refusals(arguments("directory")))  # its manager names the rest
 class CheckpointCallback:
     # The docstring and the signature of __init__ are derived from the option
     # declarations (option_table.CALLBACK) by signatures.document, below the class.

@@ -30,7 +30,7 @@ from .._format.foreign import refuse_foreign_run
 from .._format.steps import checked_step
 from .._like import onto_like as _onto_like
 from .._storage import shared_dir as _shared_dir
-from .._storage.kvstore import raises_store_errors_in_methods
+from .._storage.kvstore import refusals
 from . import agreement as _agreement
 from . import checkpointables as _checkpointables
 from . import housekeeping as _housekeeping
@@ -54,7 +54,15 @@ __all__ = ["CheckpointManager"]
 logger = logging.getLogger("flax_orbax_plugin")
 
 
-@raises_store_errors_in_methods(manager_places)  # a store's refusal: StoreAccessError
+# A store's refusal, in any call of a manager: StoreAccessError naming the store.
+_STORE_ERRORS = refusals(manager_places)
+# The entry of a collective method: its region's stall timeout and scope are the manager's.
+_collective = functools.partial(
+    _distributed.public, errors=_STORE_ERRORS, stall="_stall_s", scope="_scope"
+)
+
+
+@_distributed.public(errors=_STORE_ERRORS)  # every other public method's entry
 class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecycle.Lifecycle
     # __init__'s docstring and signature: from options.MANAGER (signatures.document)
 
@@ -155,7 +163,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
 
     all_steps = steps
 
-    @_distributed.collective_method("manager-delete", stall="_stall_s", scope="_scope")
+    @_collective("manager-delete")
     def delete(self, *steps: int, region: _distributed.Region | None) -> None:
         """Removes the committed ``steps`` of this directory now, through the one owner
         of removal (only steps this library committed; each leaves listings at once);
@@ -214,7 +222,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         primary's time-based decision with every process)."""
         return self._schedule.should_save(checked_step(step), t)
 
-    @_distributed.collective_method("manager-save", stall="_stall_s", scope="_scope")
+    @_collective("manager-save")
     def save(
         self,
         step: int,
@@ -301,7 +309,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             self._unheld = _checkpointables.warn_unheld(self._unheld, items)
         return items, extras
 
-    @_distributed.collective_method("manager-save-parts", stall="_stall_s", scope="_scope")
+    @_collective("manager-save-parts")
     def step_parts(
         self,
         step: int,
@@ -390,7 +398,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         _housekeeping.raise_stuck(self._loc, stuck)
         return removed
 
-    @_distributed.collective_method("manager-restore", stall="_stall_s", scope="_scope")
+    @_collective("manager-restore")
     def restore(
         self,
         like: Any = None,
@@ -474,7 +482,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         """Figures of the most recently committed save of this manager, if any."""
         return self._book.last_save
 
-    @_distributed.collective_method("manager-wait", stall="_stall_s", scope="_scope")
+    @_collective("manager-wait")
     def wait(self, *, region: _distributed.Region | None) -> None:
         """Block until the in-flight save is committed and retention has run.
 

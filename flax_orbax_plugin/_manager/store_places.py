@@ -1,4 +1,4 @@
-"""The stores a CheckpointManager's call may reach (for ``raises_store_errors_in_methods``).
+"""The stores a CheckpointManager's call may reach (for ``kvstore.refusals``).
 
 Pure function of a call's bound arguments; any thread.
 """

@@ -1,5 +1,6 @@
 """Tensorstore kvstores: the spec of a path (the one checker of "where is this path"), and
-the decorators that hand an object store's refusal to ``store_errors`` to be worded.
+the ``errors=`` of a public entry that hands an object store's refusal to ``store_errors``
+to be worded (:func:`refusals`).
 
 tensorstore and the shared contexts: ``contexts``; an ``s3://`` store's settings from the
 environment: ``s3_credentials``. Pure functions: any thread.
@@ -9,8 +10,6 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstor
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -22,12 +21,7 @@ from . import s3_credentials as _s3_credentials
 from . import store_errors as _store_errors
 from .contexts import tensorstore
 
-__all__ = [
-    "arguments",
-    "raises_store_errors",
-    "raises_store_errors_in_methods",
-    "refusals",
-]
+__all__ = ["arguments", "refusals"]
 
 
 def check_name(name: str) -> str:
@@ -222,7 +216,7 @@ def _specs(places: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def arguments(*names: str) -> Callable[[dict[str, Any]], list[Any]]:
-    """The ``places`` of :func:`raises_store_errors` for an entry point whose places are
+    """The ``places`` of :func:`refusals` for an entry point whose places are
     the arguments ``names`` (a path, a URL, a spec dict or a Location each)."""
     return lambda bound: [bound.get(n) for n in names]
 
@@ -230,9 +224,11 @@ def arguments(*names: str) -> Callable[[dict[str, Any]], list[Any]]:
 def refusals(
     places: Callable[[dict[str, Any]], Iterable[Any]],
 ) -> Callable[[BaseException, dict[str, Any]], StoreAccessError | None]:
-    """The ``errors=`` of a public entry (``_base.regions.public``): a tensorstore
-    refusal (a ``ValueError``) of one of the object stores that ``places(arguments)``
-    names, as :class:`StoreAccessError`; None for every other error."""
+    """The ``errors=`` of a public entry (``_base.distributed.public``, on a function or
+    a class): a tensorstore refusal (a ``ValueError``) of one of the object stores that
+    ``places(arguments)`` names (``arguments``: the call's bound arguments by name,
+    ``self`` included for a method), as :class:`StoreAccessError`; None for every
+    other error."""
 
     def translate(error: BaseException, bound: dict[str, Any]) -> StoreAccessError | None:
         if not isinstance(error, ValueError):
@@ -240,51 +236,3 @@ def refusals(
         return _store_errors.first_refusal(error, _specs(places(bound)))
 
     return translate
-
-
-def raises_store_errors(places: Callable[[dict[str, Any]], Iterable[Any]]) -> Callable:
-    """A public entry point's decorator: a tensorstore refusal of one of the object
-    stores that ``places(arguments)`` names (``arguments``: the call's bound
-    arguments by name, ``self`` included for a method) is raised as
-    :class:`StoreAccessError`; every other error passes unchanged. The signature (and
-    ``__signature__``) is the wrapped function's."""
-
-    translate = refusals(places)
-
-    def decorate(fn: Callable) -> Callable:
-        sig = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except ValueError as e:
-                try:
-                    found = translate(e, sig.bind_partial(*args, **kwargs).arguments)
-                except Exception:  # noqa: BLE001  (the original error stands)
-                    found = None
-                if found is None:
-                    raise
-                raise found from None
-
-        return wrapper
-
-    return decorate
-
-
-def raises_store_errors_in_methods(places: Callable[[dict[str, Any]], Iterable[Any]]) -> Callable:
-    """A public class's decorator: :func:`raises_store_errors` on ``__init__``,
-    ``__enter__``, ``__exit__`` and every public method the class defines or takes from
-    its bases (mixins; properties, class and static methods are left as they are)."""
-
-    def decorate(cls: type) -> type:
-        found: dict[str, Any] = {}
-        for klass in reversed(cls.__mro__[:-1]):  # the class's own definitions last
-            found.update(vars(klass))
-        for name, attr in found.items():
-            public = not name.startswith("_") or name in ("__init__", "__enter__", "__exit__")
-            if public and inspect.isfunction(attr):
-                setattr(cls, name, raises_store_errors(places)(attr))
-        return cls
-
-    return decorate

@@ -2,8 +2,8 @@
 ``gs://`` store (no such bucket, no credentials, access denied, unreachable) worded as
 a :class:`StoreAccessError` naming the bucket and what to do.
 
-Only a failing call on an object store runs this (``kvstore.raises_store_errors`` and
-the ``errors=`` of public entries hand it the error). Pure functions: any thread.
+Only a failing call on an object store runs this (the ``errors=`` of public entries,
+``kvstore.refusals``, hand it the error). Pure functions: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstore``.
 """
