@@ -195,7 +195,7 @@ def failing_before(kind: str, *, spans: bool = True) -> Iterator[None]:
 
 
 # ``errors(error, arguments)``: the error to raise in place of ``error`` (None: as it
-# is), from the call's bound arguments (``_storage.kvstore.refusals``).
+# is), from the call's bound arguments (``_storage.store_errors.refusals``).
 Errors = Callable[[BaseException, dict[str, Any]], BaseException | None]
 
 

@@ -27,8 +27,8 @@ from .._base.env import Option
 from .._errors import CheckpointError, HookReentryError, SaveCancelledError
 from .._format.layout import PENDING_FILE
 from .._storage import local_files as _local_files
-from .._storage.kvstore import refusals
 from .._storage.location import Location
+from .._storage.store_errors import refusals
 
 LIBRARY = "flax_orbax_plugin"
 # The temporary file ``_storage.local_files.write_file`` writes a marker through.

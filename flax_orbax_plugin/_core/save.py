@@ -32,8 +32,8 @@ from .._base import tree as _tree
 from .._base.distributed import public
 from .._errors import CheckpointError, CoordinationError, SaveCancelledError
 from .._format.layout import COMMIT_FILE, CommitMarker
-from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
+from .._storage.store_errors import arguments, refusals
 from . import commit_rounds as _rounds
 from . import ownership as _ownership
 from . import removing as _removing

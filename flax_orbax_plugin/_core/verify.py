@@ -28,8 +28,8 @@ from .._format.layout import (
     iterator_state_file,
 )
 from .._format.steps import STEP_OR_NONE, read_document
-from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
+from .._storage.store_errors import arguments, refusals
 from .._zarr import regions as _zarr_regions
 from . import formats as _formats
 from . import reads as _reads

@@ -38,10 +38,10 @@ from .._format.foreign import (
 from .._format.steps import list_directory
 from .._manager import options as _options
 from .._manager.manager import CheckpointManager
-from .._storage.kvstore import arguments, refusals
 from .._storage.local_inputs import local_path
 from .._storage.location import Location
 from .._storage.lock import LOCK_FILE
+from .._storage.store_errors import arguments, refusals
 from . import msgpack_reader, orbax_reader
 from .import_step import (
     ImportedStep,

@@ -31,8 +31,8 @@ from .._format.foreign import is_msgpack_checkpoint, is_orbax_checkpoint
 from .._like import onto_like as _onto_like
 from .._like import placing as _placing
 from .._like.onto_like import check_policy
-from .._storage.kvstore import arguments, refusals
 from .._storage.local_inputs import local_path
+from .._storage.store_errors import arguments, refusals
 from .._storage.untrusted import entry_kind, open_regular
 
 __all__ = ["files_to_import", "read_msgpack", "restore_msgpack"]

@@ -31,8 +31,8 @@ from .._like import onto_like as _onto_like
 from .._like import placing as _placing
 from .._like.onto_like import legacy_cast
 from .._storage.contexts import context
-from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
+from .._storage.store_errors import arguments, refusals
 from .orbax_layout import (
     STRINGS_FILE,
     OrbaxItem,

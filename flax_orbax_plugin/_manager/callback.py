@@ -22,7 +22,7 @@ from .._like.onto_like import changes as check_changes
 from .._state.iterators import check_iterator
 from .._state.resume import check_reset, items_to_restore
 from .._state.train_state import merge_state
-from .._storage.kvstore import arguments, refusals
+from .._storage.store_errors import arguments, refusals
 from . import options as _options
 from . import resuming as _resuming
 from . import signatures as _signatures

@@ -30,7 +30,7 @@ from .._format.foreign import refuse_foreign_run
 from .._format.steps import checked_step
 from .._like import onto_like as _onto_like
 from .._storage import shared_dir as _shared_dir
-from .._storage.kvstore import refusals
+from .._storage.store_errors import refusals
 from . import agreement as _agreement
 from . import checkpointables as _checkpointables
 from . import housekeeping as _housekeeping

@@ -1,4 +1,4 @@
-"""The stores a CheckpointManager's call may reach (for ``kvstore.refusals``).
+"""The stores a CheckpointManager's call may reach (for ``store_errors.refusals``).
 
 Pure function of a call's bound arguments; any thread.
 """

@@ -53,8 +53,8 @@ from .._state.train_state import (
     split_state,
     update_in_place,
 )
-from .._storage.kvstore import arguments, refusals
 from .._storage.location import Location
+from .._storage.store_errors import arguments, refusals
 
 __all__ = ["StepItem", "describe", "metadata", "read", "restore", "restore_params", "step_item"]
 

@@ -1,9 +1,8 @@
-"""Tensorstore kvstores: the spec of a path (the one checker of "where is this path"), and
-the ``errors=`` of a public entry that hands an object store's refusal to ``store_errors``
-to be worded (:func:`refusals`).
+"""Tensorstore kvstores: the spec of a path (the one checker of "where is this path").
 
-tensorstore and the shared contexts: ``contexts``; an ``s3://`` store's settings from the
-environment: ``s3_credentials``. Pure functions: any thread.
+An object store's refusal is worded by ``store_errors``; tensorstore and the shared
+contexts: ``contexts``; an ``s3://`` store's settings from the environment:
+``s3_credentials``. Pure functions: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstore``.
 """
@@ -12,16 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlparse
 
-from .._errors import StoreAccessError, UnsupportedLocationError
+from .._errors import UnsupportedLocationError
 from . import s3_credentials as _s3_credentials
-from . import store_errors as _store_errors
 from .contexts import tensorstore
-
-__all__ = ["arguments", "refusals"]
 
 
 def check_name(name: str) -> str:
@@ -201,38 +196,3 @@ def _url_spec(text: str, what: str) -> dict[str, Any]:
     if scheme == "s3":
         spec.update(_s3_credentials.settings_from_env())
     return spec
-
-
-def _specs(places: Iterable[Any]) -> list[dict[str, Any]]:
-    out = []
-    for place in places:
-        if place is None:
-            continue
-        try:
-            out.append(spec_from_path(place.spec if hasattr(place, "spec") else place))
-        except (ValueError, TypeError):  # not a place: its own check reports it
-            continue
-    return out
-
-
-def arguments(*names: str) -> Callable[[dict[str, Any]], list[Any]]:
-    """The ``places`` of :func:`refusals` for an entry point whose places are
-    the arguments ``names`` (a path, a URL, a spec dict or a Location each)."""
-    return lambda bound: [bound.get(n) for n in names]
-
-
-def refusals(
-    places: Callable[[dict[str, Any]], Iterable[Any]],
-) -> Callable[[BaseException, dict[str, Any]], StoreAccessError | None]:
-    """The ``errors=`` of a public entry (``_base.distributed.public``, on a function or
-    a class): a tensorstore refusal (a ``ValueError``) of one of the object stores that
-    ``places(arguments)`` names (``arguments``: the call's bound arguments by name,
-    ``self`` included for a method), as :class:`StoreAccessError`; None for every
-    other error."""
-
-    def translate(error: BaseException, bound: dict[str, Any]) -> StoreAccessError | None:
-        if not isinstance(error, ValueError):
-            return None
-        return _store_errors.first_refusal(error, _specs(places(bound)))
-
-    return translate

@@ -2,8 +2,9 @@
 ``gs://`` store (no such bucket, no credentials, access denied, unreachable) worded as
 a :class:`StoreAccessError` naming the bucket and what to do.
 
-Only a failing call on an object store runs this (the ``errors=`` of public entries,
-``kvstore.refusals``, hand it the error). Pure functions: any thread.
+The ``errors=`` of a public entry is :func:`refusals` (its places named by
+:func:`arguments`): built when the entry is defined, run only when a call fails. Pure
+functions: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstore``.
 """
@@ -11,9 +12,11 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstor
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._errors import CheckpointError, StoreAccessError
+from .kvstore import spec_from_path
 from .s3_credentials import aws_credentials_present
 
 _NO_CREDENTIALS = (
@@ -103,3 +106,41 @@ def first_refusal(error: BaseException, specs: list[dict[str, Any]]) -> StoreAcc
     elif named:
         specs.sort(key=lambda s: s.get("bucket") != named.group(1))
     return next((r for s in specs if (r := refusal(error, s)) is not None), None)
+
+
+# -- an entry's errors= (``_base.distributed.public``) -------------------------------------
+
+
+def _specs(places: Iterable[Any]) -> list[dict[str, Any]]:
+    out = []
+    for place in places:
+        if place is None:
+            continue
+        try:
+            out.append(spec_from_path(place.spec if hasattr(place, "spec") else place))
+        except (ValueError, TypeError):  # not a place: its own check reports it
+            continue
+    return out
+
+
+def arguments(*names: str) -> Callable[[dict[str, Any]], list[Any]]:
+    """The ``places`` of :func:`refusals` for an entry point whose places are
+    the arguments ``names`` (a path, a URL, a spec dict or a Location each)."""
+    return lambda bound: [bound.get(n) for n in names]
+
+
+def refusals(
+    places: Callable[[dict[str, Any]], Iterable[Any]],
+) -> Callable[[BaseException, dict[str, Any]], StoreAccessError | None]:
+    """The ``errors=`` of a public entry (``_base.distributed.public``, on a function or
+    a class): a tensorstore refusal (a ``ValueError``) of one of the object stores that
+    ``places(arguments)`` names (``arguments``: the call's bound arguments by name,
+    ``self`` included for a method), as :class:`StoreAccessError`; None for every
+    other error."""
+
+    def translate(error: BaseException, bound: dict[str, Any]) -> StoreAccessError | None:
+        if not isinstance(error, ValueError):
+            return None
+        return first_refusal(error, _specs(places(bound)))
+
+    return translate

@@ -33,9 +33,9 @@ from ..._errors import (
 from ..._format.describe import holding_checkpoint
 from ..._format.steps import manifest_for_item
 from ..._like.onto_like import check_policy
-from ..._storage.kvstore import arguments, refusals
 from ..._storage.local_inputs import local_path
 from ..._storage.location import Location
+from ..._storage.store_errors import arguments, refusals
 from ..._storage.untrusted import loads_json, read_capped
 from . import remains as _remains
 from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES
