@@ -89,7 +89,12 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             events = Events(opts.on_event)  # where every collaborator's events go
             opened = {} if opts.read_only else self._open(opts, events, region)
             self._book = StepBook(self._loc, events, **opened)  # built whole, once opened
-            self._retainer = RetentionRunner(self._loc, opts.retention, opts.overrides, self._book)
+
+            def busy() -> str | None:  # a save runs: fewer deletes (the saver is built next)
+                return self._saver.busy
+
+            retention = (opts.retention, opts.overrides, self._book)
+            self._retainer = RetentionRunner(self._loc, *retention, busy)
             self._saver = Saver(
                 self._loc,
                 opts.overrides,
@@ -128,8 +133,9 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                 busy=lambda: "_saver" in vars(self) and self.save_in_flight,
                 per_host=own,
                 host_memory=opts.host_memory,  # bounds the tier's copies too
+                events=events,  # told of each replicated step and removal
             )
-            opened["run"] = _per_host.open_tier(self._loc, opened["tier"], own, events, region)
+            opened["run"] = _per_host.open_tier(self._loc, opened["tier"], own, region)
             return opened
         except BaseException:  # the others learn of it at once: waits for none of them
             if "tier" in opened:
@@ -143,7 +149,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         """A writer's open, once its collaborators are built: deletion thread, SIGTERM,
         the policy's clock, the exit hook."""
         try:
-            self._retainer.start(busy=lambda: self._saver.busy)  # a save runs: fewer deletes
+            self._retainer.start()
             self._schedule.watch(handle_sigterm=opts.handle_sigterm)  # or OnPreemption()
             self._schedule.resume_clock(lambda: _housekeeping.saved_at(self._loc, self.steps()))
             leave_at_exit(self)  # a program ending without close(): see there

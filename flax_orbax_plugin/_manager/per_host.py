@@ -230,20 +230,20 @@ def detect(
 
 
 def open_tier(
-    loc: Location, tier: Any, own: bool, events: Any, region: _distributed.Region | None
+    loc: Location, tier: Any, own: bool, region: _distributed.Region | None
 ) -> str | None:
     """Collective (in the manager open's ``region``), before the manager's book is built:
     opens ``tier`` with the local steps of ``loc`` (``own``, each host's own directory:
-    those every host holds, of this run alike on every host), telling ``events``, and
-    returns the run owning the places (shared; None unless ``own``); then every host's
-    own directory is claimed for that run (see :func:`claim_directory`), all processes
-    raising alike when one is another run's."""
+    those every host holds, of this run alike on every host), and returns the run owning
+    the places (shared; None unless ``own``); then every host's own directory is claimed
+    for that run (see :func:`claim_directory`), all processes raising alike when one is
+    another run's."""
     local_steps = _steps.committed_steps(loc)
     if own:
         mine = _open_view(loc, local_steps)
         views = _distributed.gather_json("per-host-open", mine, region=region)
         local_steps = _queued(views)
-    tier.open(local_steps, events=events, region=region)
+    tier.open(local_steps, region=region)
     if not own:
         return None
     op = _distributed.next_operation_id("per-host-run", region=region)

@@ -231,7 +231,9 @@ def as_metric(value: Any) -> float | None:
 
 
 class RetentionRunner:
-    """Deletes the steps of ``location`` that ``policy`` does not keep."""
+    """Deletes the steps of ``location`` that ``policy`` does not keep. ``busy()``:
+    which part of a save runs now (``"blocking"``: the training thread is in it,
+    ``"writing"``: its background phase, None: no save), asked by removals."""
 
     def __init__(
         self,
@@ -239,9 +241,10 @@ class RetentionRunner:
         policy: KeepRule,
         overrides: Mapping[str, Checkpointable],
         book: StepBook,
+        busy: Callable[[], str | None] = lambda: None,
     ):
         self._loc = location
-        self._busy: Callable[[], str | None] = lambda: None
+        self._busy = busy
         self.policy = policy
         self._metric_names = policy.metric_names  # a rule is frozen: its names, asked once
         self._overrides = overrides
@@ -258,11 +261,8 @@ class RetentionRunner:
 
     # -- the deletion thread
 
-    def start(self, *, busy: Callable[[], str | None]) -> None:
-        """The writer's open: the deletion thread (a reader never deletes). ``busy()``:
-        which part of a save runs now (``"blocking"``: the training thread is in it,
-        ``"writing"``: its background phase, None: no save), asked by removals."""
-        self._busy = busy
+    def start(self) -> None:
+        """The writer's open: the deletion thread (a reader never deletes)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fop-retention")
 
     def submit(self, just_written: int) -> None:

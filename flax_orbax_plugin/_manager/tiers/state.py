@@ -87,7 +87,7 @@ class TierState:
     # Other processes: the steps the primary has started rounds for.
     round_steps: set[int] = dataclasses.field(default_factory=set)
     owner: RunOwner | None = None  # the primary's, from open()
-    events: Events = dataclasses.field(default_factory=Events)  # the manager's, from open()
+    events: Events = dataclasses.field(default_factory=Events)  # the manager's, at construction
     replicated: list[int] = dataclasses.field(default_factory=list)  # committed, in order
     # This process's share of each step it helped commit: relative paths (for tests).
     copied_files: dict[int, list[str]] = dataclasses.field(default_factory=dict)

@@ -78,6 +78,7 @@ class PersistentTier:
         ``Tier(every=)``), and those :meth:`force` names.
       host_memory: the manager's host-memory ceiling (bytes, "auto" or None): each
         copy up or down holds at most it (``files.copy_files``).
+      events: the manager's, told of each replicated step and removal.
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class PersistentTier:
         per_host: bool = False,
         every: int = 1,
         host_memory: int | str | None = None,
+        events: Events | None = None,
     ):
         self.local = local
         self.remote = remote = Location.from_path(remote)
@@ -110,7 +112,7 @@ class PersistentTier:
         self._lease_seconds = _run_owner.check_lease(lease_seconds)
         where = (local, remote, retention.rule, remove_step, primary, multi, per_host, every)
         self._places = Places(*where, host_memory, keep_every)
-        self._state = TierState()
+        self._state = TierState() if events is None else TierState(events=events)
         self._damaged = DamagedSteps(self.remote)
         yielding = Yielding(busy, self._state)
         self._rounds = Rounds(self._places, self._state, yielding)
@@ -141,17 +143,13 @@ class PersistentTier:
         self,
         local_steps: Iterable[int],
         *,
-        events: Events | None = None,
         region: _distributed.Region | None,
     ) -> None:
         """Cleans the persistent tier's unfinished copies, queues the local steps it lacks
         (see ``docs/tiers.md``) and starts the replicator thread. Collective: every process
         calls it, in the manager open's ``region``; the primary lists, decides what is
         missing and shares both (one key-value round), with the name of this tier's
-        replication rounds. ``events``: the manager's, told of each replicated step and
-        removal."""
-        if events is not None:
-            self._state.events = events
+        replication rounds."""
         remote_steps: list[int] = []
         missing: list[int] = []
         failure: BaseException | None = None

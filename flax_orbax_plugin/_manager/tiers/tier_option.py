@@ -20,6 +20,7 @@ from ..._base.keywords import refuse_without
 from ..._storage import run_owner as _run_owner
 from ..._storage.kvstore import spec_from_path
 from ..._storage.location import Location
+from ..events import Events
 from ..retention import KEEP, KEEP_EVERY
 from .tier import PersistentTier
 
@@ -142,6 +143,7 @@ class Tier:
         busy: Callable[[], bool],
         per_host: bool,
         host_memory: int | str | None = None,
+        events: Events | None = None,
     ) -> PersistentTier:
         """The ``PersistentTier`` this option describes, replicating ``local``
         (the manager's writer open calls it; the other arguments: see PersistentTier)."""
@@ -157,4 +159,5 @@ class Tier:
             busy=busy,
             per_host=per_host,
             host_memory=host_memory,
+            events=events,
         )
