@@ -19,13 +19,30 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 _SERVER_FIXTURES = {"s3": ("s3_server", "s3_location"), "gcs": ("gcs_server", "gcs_location")}
 
 
+# A test module that starts processes (a CLI run, several JAX processes, a kill): its
+# tests take seconds each, where most others take milliseconds.
+_STARTS_PROCESSES = ("subprocess", "_multiprocess", "_proc")
+
+
 def pytest_collection_modifyitems(items):
     """Every test that uses a server fixture carries its marker (registered in
-    pyproject.toml), so ``-m 'not s3 and not gcs'`` deselects them all."""
+    pyproject.toml), so ``-m 'not s3 and not gcs'`` deselects them all. The modules that
+    start processes run first (each module's tests keep their order): the workers begin
+    with the long tests and end on short ones, so no long test is left for the end."""
     for item in items:
         for marker, fixtures in _SERVER_FIXTURES.items():
             if any(f in getattr(item, "fixturenames", ()) for f in fixtures):
                 item.add_marker(marker)
+    slow: dict[str, bool] = {}
+
+    def starts_processes(item) -> bool:
+        path = str(item.path)
+        if path not in slow:
+            source = item.path.read_text() if item.path.suffix == ".py" else ""
+            slow[path] = any(word in source for word in _STARTS_PROCESSES)
+        return slow[path]
+
+    items.sort(key=lambda item: not starts_processes(item))
 
 
 def pytest_collection_finish(session):
