@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import operator
 import os
 import re
 import warnings
@@ -224,7 +223,7 @@ def checked_step(step: Any) -> int:
 
 
 def step_location(loc: Location, step: int) -> Location:
-    return loc.child(str(operator.index(step)))
+    return loc.child(_layout.step_dir(step))
 
 
 def read_manifest(step_loc: Location) -> StepManifest:

@@ -240,10 +240,8 @@ class Saver:
     # -- before: the slot
 
     def _step_dir(self, step: int) -> Location:
-        """Where ``step`` (a checked int) is committed: its canonical digits under the
-        directory, the rule of ``_format.steps.step_location``, spelt here so that a
-        save asks no other module for a name it already holds."""
-        return self._loc.child(str(step))
+        """Where ``step`` (a checked int) is committed (``layout.step_dir``)."""
+        return self._loc.child(_layout.step_dir(step))
 
     def check_new_step(
         self, step: int, overwrite: bool, region: _distributed.Region | None

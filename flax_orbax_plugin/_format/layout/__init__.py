@@ -78,6 +78,7 @@ from .records import (
     parse_sealed,
     seal,
     sha256,
+    step_dir,
 )
 
 __all__ = [
@@ -134,6 +135,7 @@ __all__ = [
     "parse_sealed",
     "seal",
     "sha256",
+    "step_dir",
     "sha256_mismatch",
     "packable",
     "packed_bytes",

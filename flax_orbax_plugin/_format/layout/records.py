@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import operator
 import re
 import reprlib
 from collections.abc import Mapping
@@ -334,6 +335,11 @@ HOST_FILE = "_HOST.json"  # in each host's copy of a step (_manager.per_host); n
 JSON_VALUE_FILE = "value.json"
 ARRAYS_DIR = "d"  # d/<i>/: the zarr3 array of leaf number i
 BATCHES_DIR = "b"  # b/<name>/: a zarr3 1-D batch of small leaves
+
+
+def step_dir(step: int) -> str:
+    """``<step>``: a manager step's directory, the canonical digits of its number."""
+    return str(operator.index(step))
 
 
 def array_dir(index: int) -> str:
