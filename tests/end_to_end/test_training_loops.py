@@ -77,15 +77,7 @@ def finals(out):
 
 def run_and_kill(directory, forms):
     """Starts the program, waits (bounded) until it hangs after a committed save, SIGKILLs it."""
-    cmd = [sys.executable, PROGRAM, str(directory), ",".join(forms), f"--hang-at={HANG_AT}"]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=_env(directory),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    cmd, proc = start_program(directory, forms, f"--hang-at={HANG_AT}")
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
     reader.start()
