@@ -93,8 +93,9 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             def busy() -> str | None:  # a save runs: fewer deletes (the saver is built next)
                 return self._saver.busy
 
-            retention = (opts.retention, opts.overrides, self._book)
-            self._retainer = RetentionRunner(self._loc, *retention, busy)
+            self._retainer = RetentionRunner(
+                self._loc, opts.retention, opts.overrides, self._book, busy
+            )
             self._saver = Saver(
                 self._loc,
                 opts.overrides,

@@ -707,8 +707,9 @@ class StepCommit:
                 files.update({f"{d}/{f}": h for f, h in result.files.items()})
         if self._host_marker is not None:
             self._check_own_items()
-            marker = (_per_host.HOST_FILE, self._host_marker)
-            self._staging.location.write_bytes(*marker, durable=False)
+            self._staging.location.write_bytes(
+                _per_host.HOST_FILE, self._host_marker, durable=False
+            )
         self._staging.location.sync()
         _env.kill_point("after_sync")
         self._sizes.append(Written(total, files, reused))
