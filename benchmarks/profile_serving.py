@@ -56,7 +56,7 @@ def main() -> None:
     from flax_orbax_plugin._core import reads as targets
     from flax_orbax_plugin._core import restore as read_data
     from flax_orbax_plugin._core import restore as restore
-    from flax_orbax_plugin._format import steps
+    from flax_orbax_plugin._format import layout, steps
     from flax_orbax_plugin._zarr import packed_reader
 
     print("module", fop.__file__)
@@ -64,7 +64,7 @@ def main() -> None:
     like = C.build_like(specs, "single")["params"]
     path = os.path.join(a.root, "fop")
     timed(steps, "committed_steps")
-    timed(steps, "read_manifest")
+    timed(layout, "read_manifest")
     timed(restore, "read_document")
     timed(restore, "_restore")
     timed(packed_reader, "read_index")

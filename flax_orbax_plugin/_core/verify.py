@@ -169,7 +169,7 @@ def verify_step(
     what it is meant to hold, that host's regions (``_format/host_copy.py``), each
     result saying so in its ``note``; a bad marker is one failed result for the step."""
     try:
-        manifest = _steps.read_manifest(step_loc)
+        manifest = _layout.read_manifest(step_loc)
         copy, problem = _host_copy.of_step(step_loc)
     except CheckpointError as e:
         return [VerifyResult(str(step_loc), step, None, False, str(e))]
@@ -231,7 +231,7 @@ def _check_item_files(
         if file in elsewhere and not item_loc.exists(file):
             continue  # another host's file, in that host's own directory
         if file != METADATA_FILE:  # read with its pytree below
-            _steps.read_item_json(item_loc, file)
+            _layout.read_item_json(item_loc, file)
 
 
 def _verify_pytree(

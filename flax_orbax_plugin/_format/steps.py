@@ -1,7 +1,8 @@
 """Steps of a checkpoint directory, the step manifest (the one commit of a manager step),
-what a place holds (``classify``; a one-pytree reader's words for it), and checked reads
-of ``_METADATA.json``. The other readers' and writers' words for a wrong place:
-``describe``.
+what a place holds (``classify``; a one-pytree reader's words for it), and the front of
+the checked reads of ``_METADATA.json`` (``read_document``: the words for a place no
+commit lists; the reads themselves are ``layout.read_back``'s). The other readers' and
+writers' words for a wrong place: ``describe``.
 
 Reads names and small files only, never following a link; safe from any thread.
 
@@ -23,11 +24,8 @@ from .._base.shown import outside_stacklevel
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
-    ForeignEntryError,
     NotCommittedError,
 )
-from .._storage import local_files as _local_files
 from .._storage.location import Location
 from . import layout as _layout
 from .foreign import foreign_format_hint, is_msgpack_checkpoint, is_orbax_checkpoint
@@ -37,12 +35,14 @@ from .layout import (
     MANIFEST_FILE,
     METADATA_FILE,
     PENDING_FILE,
+    STEP_NAME,
+    STEP_RE,
     CheckpointDocument,
-    CommitMarker,
     ItemEntry,
     StepManifest,
+    manifest_for_item,
+    read_manifest,
 )
-from .layout.read_back import decode_checked
 
 __all__ = [
     "MAX_PROBED",
@@ -51,8 +51,6 @@ __all__ = [
     "not_a_checkpoint",
 ]
 
-# Canonical step names only: ``0`` or digits without a leading zero (``007`` is foreign).
-_STEP = r"(0|[1-9][0-9]{0,17})"
 MAX_STEP = 10**18 - 1  # the largest step a step directory's name holds (STEP_RE)
 STEPS = f"an int step in [0, {MAX_STEP}]"  # what a step option takes, in its errors
 # The step option, declared once: every entry point that takes a step checks it so.
@@ -60,11 +58,10 @@ STEP = Option("step", "int", low=0, high=MAX_STEP, expected=STEPS)
 STEP_OR_NONE = Option(
     "step", "int", none_ok=True, low=0, high=MAX_STEP, expected=f"{STEPS} or None"
 )
-STEP_RE = re.compile(rf"^{_STEP}$", re.ASCII)
-TMP_RE = re.compile(rf"^{_STEP}\.(partial|deleting)-[0-9a-z]{{1,32}}$", re.ASCII)
+TMP_RE = re.compile(rf"^{STEP_NAME}\.(partial|deleting)-[0-9a-z]{{1,32}}$", re.ASCII)
 # The staging of a core save (``fop.save(<dir>/<name>)``), beside its target: not a step.
 SAVE_STAGING_RE = re.compile(r"^[^/]+\.(partial|deleting)-[0-9a-z]{1,32}$", re.ASCII)
-CORRUPT_RE = re.compile(rf"^{_STEP}\.corrupt-[0-9a-z]{{1,32}}$", re.ASCII)
+CORRUPT_RE = re.compile(rf"^{STEP_NAME}\.corrupt-[0-9a-z]{{1,32}}$", re.ASCII)
 LOCK_NAME = ".writer.lock"
 # Records of ours at the top of a directory (run owner, damaged persistent copies):
 # never steps, never foreign. Named here, where listing lives, not imported from
@@ -226,28 +223,6 @@ def step_location(loc: Location, step: int) -> Location:
     return loc.child(_layout.step_dir(step))
 
 
-def read_manifest(step_loc: Location) -> StepManifest:
-    """The validated manifest of a committed step (checksum checked)."""
-    raw = step_loc.read_bytes(MANIFEST_FILE)
-    if raw is None:
-        raise CheckpointNotFoundError(f"{step_loc} is not a committed step (no {MANIFEST_FILE})")
-    return _checked_manifest(step_loc, raw)
-
-
-def _checked_manifest(step_loc: Location, raw: bytes) -> StepManifest:
-    """The manifest of the step at ``step_loc`` from its bytes ``raw``, checked as
-    :func:`read_manifest` says."""
-    where = f"{step_loc}/{MANIFEST_FILE}"
-    manifest = _layout.manifest_from_bytes(raw, where)
-    if STEP_RE.match(step_loc.name) and manifest.step != int(step_loc.name):
-        raise CorruptCheckpointError(
-            f"{where}: field step: expected {int(step_loc.name)} (the directory's name), "
-            f"found {manifest.step}"
-        )
-    _check_item_folders(step_loc, manifest)
-    return manifest
-
-
 def manifest_damage(loc: Location, step: int) -> CheckpointError | None:
     """Why the manifest of committed ``step`` of ``loc`` does not read whole (None: it
     does). Retention (the writer's and ``gc``'s) neither counts nor removes such a step."""
@@ -258,37 +233,8 @@ def manifest_damage(loc: Location, step: int) -> CheckpointError | None:
     return None
 
 
-def _check_item_folders(step_loc: Location, manifest: StepManifest) -> None:
-    """On local disk, every item folder the manifest names is a directory of the step
-    itself: a symlink there (to a folder outside the step) is never followed, by any
-    reader of the step or of the item. A missing folder is left to the item's reader."""
-    if not step_loc.is_local:
-        return
-    kinds = step_loc.child_kinds()
-    for name, entry in manifest.items.items():
-        kind = kinds.get(entry.dir, "dir")
-        if kind != "dir":
-            raise ForeignEntryError(
-                f"{step_loc.child(entry.dir)}: the folder of item {name!r} of step "
-                f"{manifest.step}: expected a directory written by this library, found a "
-                f"{'symbolic link' if kind == 'symlink' else kind} (never followed or read)"
-            )
-
-
 def write_manifest(step_loc: Location, manifest: StepManifest) -> None:
     step_loc.write_bytes(MANIFEST_FILE, manifest.to_bytes())
-
-
-def manifest_for_item(item_loc: Location) -> StepManifest | None:
-    """The manifest of the step holding ``item_loc`` (None when its parent is no step)."""
-    parent = item_loc.parent
-    raw = parent.read_bytes(MANIFEST_FILE)  # read once: absent, or the manifest checked
-    if raw is None:
-        return None
-    manifest = _checked_manifest(parent, raw)
-    if item_loc.name not in {e.dir for e in manifest.items.values()}:
-        return None
-    return manifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,21 +263,6 @@ def step_item(location: Location) -> StepItem | None:
         return None
     name, entry = next((n, e) for n, e in manifest.items.items() if e.dir == location.name)
     return StepItem(location, name, entry, manifest)
-
-
-def read_item_json(item_loc: Location, name: str) -> object:
-    """A JSON file of a step's item, checked against the checksum in the step manifest."""
-    where = f"{item_loc}/{name}"
-    manifest = manifest_for_item(item_loc)
-    if manifest is None:
-        raise CorruptCheckpointError(f"{where}: not inside a committed step")
-    expected = manifest.file_checksum(item_loc.name, name)
-    if expected is None:
-        raise CorruptCheckpointError(f"{where}: the step manifest records no checksum for it")
-    raw = item_loc.read_bytes(name)
-    if raw is None:
-        raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
-    return decode_checked(raw, where, expected, _local_files.JSON_ITEM)
 
 
 MAX_PROBED = 16  # children looked into for a run or checkpoint one level down
@@ -595,45 +526,17 @@ def _staged(location: Location) -> str | None:
 
 def read_document(location: Location) -> CheckpointDocument:
     """The validated metadata of a committed checkpoint (a standalone one, or an item of
-    a committed manager step), checked against the checksum recorded at its commit;
-    the checksums its commit recorded ride along (``listed``), so that the other JSON
-    files of one read are checked without reading the commit again."""
-    where = f"{location}/{METADATA_FILE}"
-    listed = listed_checksums(location)
-    raw = read_listed(location, METADATA_FILE, listed=listed)
-    doc = _layout.document_from_json(_layout.decode(raw, where, _local_files.METADATA), where)
-    return dataclasses.replace(doc, listed=listed)
+    a committed manager step), checked against the checksum recorded at its commit
+    (``layout.read_back.read_listed_document``); an error saying what is there when no
+    commit lists it."""
+    return _layout.read_listed_document(location, listed_checksums(location))
 
 
 def listed_checksums(location: Location) -> dict[str, str]:
     """The sha256 of each JSON file of the committed checkpoint at ``location``, by name,
-    as its commit recorded them (the commit marker's, or the step manifest's, file
-    list); an error saying what is there when no commit lists it."""
-    raw_marker = location.read_bytes(COMMIT_FILE)
-    if raw_marker is not None:
-        return dict(CommitMarker.from_bytes(raw_marker, f"{location}/{COMMIT_FILE}").files)
-    manifest = manifest_for_item(location)
-    if manifest is None:
+    as its commit recorded them (``layout.read_back.committed_checksums``); an error
+    saying what is there when no commit lists it."""
+    listed = _layout.committed_checksums(location)
+    if listed is None:
         raise not_a_checkpoint(location)
-    prefix = f"{location.name}/"
-    return {k[len(prefix) :]: v for k, v in manifest.files.items() if k.startswith(prefix)}
-
-
-def read_listed(location: Location, name: str, *, listed: dict[str, str] | None = None) -> bytes:
-    """The bytes of the JSON file ``name`` of a committed checkpoint, checked against
-    the sha256 its commit recorded (``listed``: :func:`listed_checksums`, when read;
-    else read here); CorruptCheckpointError when it is unlisted, missing or changed."""
-    where = f"{location}/{name}"
-    expected = (listed if listed is not None else listed_checksums(location)).get(name)
-    if expected is None:
-        raise CorruptCheckpointError(
-            f"{where}: the commit records no checksum for it (the item is not a "
-            f"pytree, or the file list was damaged)"
-        )
-    raw = location.read_bytes(name)
-    if raw is None:
-        raise CorruptCheckpointError(f"{location} is committed but {name} is missing")
-    found = _layout.sha256(raw)
-    if found != expected:
-        _layout.sha256_mismatch(where, expected, found)
-    return raw
+    return listed

@@ -28,9 +28,8 @@ import xxhash
 from .._base import distributed as _distributed
 from .._base import shown as _shown
 from .._errors import CheckpointError
-from .._format import steps as _steps
+from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument, LeafRecord
-from .._format.steps import read_document
 from .._storage import server_copy as _server_copy
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
@@ -192,12 +191,13 @@ def previous_document(reuse: Reuse) -> tuple[Location, CheckpointDocument] | Non
     if reuse.previous_step is None:
         return None
     try:
-        manifest = _steps.read_manifest(reuse.previous_step)
+        manifest = _layout.read_manifest(reuse.previous_step)
         entry = manifest.items.get(reuse.item)
         if entry is None or entry.kind != "pytree":
             return None
         location = reuse.previous_step.child(entry.dir)
-        doc = read_document(location)
+        listed = _layout.item_checksums(manifest, entry.dir)  # the manifest just read
+        doc = _layout.read_listed_document(location, listed)
     except (CheckpointError, OSError) as e:
         logger.warning("incremental save: not reusing %s: %s", reuse.previous_step, e)
         return None

@@ -28,7 +28,6 @@ from .._core.formats import SaveRequest, Written
 from .._core.reads import ReadRequest
 from .._errors import CheckpointError, CorruptCheckpointError, StructureError
 from .._format import layout as _layout
-from .._format import steps as _steps
 from .._state import global_position as _global
 from .._state.iterators import iterator_state, set_iterator_state
 from .._storage import local_files as _local_files
@@ -143,7 +142,7 @@ def from_json(value: Any) -> Any:
 def read_json(directory: Location, name: str) -> Any:
     """JSON file ``name`` of an item of a committed step, checked against the checksum
     its step manifest records."""
-    return _steps.read_item_json(directory, name)
+    return _layout.read_item_json(directory, name)
 
 
 def encode_json(value: Any, where: str) -> bytes:
@@ -445,7 +444,7 @@ class DataIteratorCheckpointable:
         return _Done(write)
 
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
-        manifest = _steps.manifest_for_item(directory)
+        manifest = _layout.manifest_for_item(directory)
         if manifest is not None and manifest.process_count != jax.process_count():
             # another process count: only a global position carries over
             read = self._reader(directory)

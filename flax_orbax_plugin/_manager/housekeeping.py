@@ -175,7 +175,7 @@ def rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
     if not kind.startswith("partial-") or int(step_name) in listing.committed:
         return False
     try:
-        _steps.read_manifest(loc.child(name))
+        _layout.read_manifest(loc.child(name))
     except CheckpointError:
         return False
     return True
@@ -213,6 +213,6 @@ def saved_at(loc: Location, steps: list[int]) -> float | None:
     if not steps:
         return None
     try:
-        return _steps.read_manifest(_steps.step_location(loc, steps[-1])).time
+        return _layout.read_manifest(_steps.step_location(loc, steps[-1])).time
     except CheckpointError:
         return None

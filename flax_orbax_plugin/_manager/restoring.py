@@ -30,6 +30,7 @@ from .._errors import (
     StructureError,
     UnknownItemError,
 )
+from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import ItemEntry
 from .._like import onto_like as _onto_like
@@ -307,7 +308,7 @@ class Restorer:
     ) -> Any:
         changes = request.changes
         step_loc = _steps.step_location(self._loc, step)
-        saved = _steps.read_manifest(step_loc).items
+        saved = _layout.read_manifest(step_loc).items
         like_items = split_state(like) if like is not None else {}
         single = isinstance(items, str)
         names = self._names_to_restore(step, saved, items, like, like_items, changes)

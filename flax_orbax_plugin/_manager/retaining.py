@@ -38,6 +38,7 @@ from .._base.shown import outside_stacklevel
 from .._core import removing as _removing
 from .._core.save import SaveResult
 from .._errors import CheckpointError, CheckpointNotFoundError
+from .._format import layout as _layout
 from .._format import steps as _steps
 from .._storage.deleting import REMOVAL_CONCURRENCY
 from .._storage.location import Location
@@ -346,7 +347,7 @@ class RetentionRunner:
         value = dict.fromkeys(names)
         try:
             step_loc = _steps.step_location(self._loc, step)
-            entry = _steps.read_manifest(step_loc).items.get("extras")
+            entry = _layout.read_manifest(step_loc).items.get("extras")
             if entry is not None:
                 extras = checkpointable_for("extras", self._overrides).restore(
                     step_loc.child(entry.dir), None
@@ -494,7 +495,7 @@ class RetentionRunner:
         """The lane an earlier run recorded in ``step``'s manifest (None: none, a step of
         an earlier version; its number says), read once (None remembered too)."""
         try:
-            lane = _steps.read_manifest(_steps.step_location(self._loc, step)).lane
+            lane = _layout.read_manifest(_steps.step_location(self._loc, step)).lane
         except CheckpointError:  # a damaged step: never deleted (see _reads_whole)
             return None
         self._book.note_lane(step, lane)

@@ -48,7 +48,6 @@ from .._core.handle import Cancellation, raise_if_cancelled
 from .._core.save import SaveHandle, SaveResult, Staging, wait_for_data
 from .._errors import CheckpointError, SaveCancelledError, StructureError
 from .._format import layout as _layout
-from .._format import steps as _steps
 from .._format.layout import ItemEntry, StepManifest
 from .._format.layout.records import LANES, MANIFEST_FILE
 from .._incremental import reuse as _reuse
@@ -636,7 +635,7 @@ class StepCommit:
         ``op``, in ``region`` (the manager save's: ``_base.regions``)."""
         staging = self._staging
         if self._replace and not staging.renames and _distributed.is_primary():
-            old = _steps.read_manifest(staging.final)
+            old = _layout.read_manifest(staging.final)
             self._old_dirs = {e.dir for e in old.items.values()}
         self._op, self._region = op, region
         written = _save.commit_collectively(

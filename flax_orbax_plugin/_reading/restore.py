@@ -33,6 +33,7 @@ from .._errors import (
     StructureError,
 )
 from .._format import describe as _describe
+from .._format import layout as _layout
 from .._format import metadata as _metadata
 from .._format import steps as _steps
 from .._format.foreign import is_step
@@ -399,7 +400,7 @@ def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> An
     """restore_params of committed ``step`` of ``loc``."""
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
     step_loc = _steps.step_location(loc, step)
-    items = _steps.read_manifest(step_loc).items
+    items = _layout.read_manifest(step_loc).items
     entry = _pytree_item(items, job.item, f"step {step} of {loc}", step_loc)
     params_loc = step_loc.child(entry.dir)
     like, placing = job.like, job.dtype is not None or job.sharding is not None

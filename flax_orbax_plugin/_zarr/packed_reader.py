@@ -407,7 +407,9 @@ def read_index(
     of an index (restore, verify, incremental reuse, the tier) reads it here."""
     name = index_name(process)
     where = f"{location}/{name}"
-    raw = _steps.read_listed(location, name, listed=listed)
+    if listed is None:
+        listed = _steps.listed_checksums(location)
+    raw = _layout.read_listed(location, name, listed=listed)
     return index_from_json(_local_files.parse(raw, where, _local_files.DATA_INDEX), where, process)
 
 

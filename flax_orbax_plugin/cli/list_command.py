@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from .._errors import CheckpointError
+from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE
 from .._storage.location import Location
@@ -53,7 +54,7 @@ def _list_one_checkpoint(loc: Location) -> bool:
     step's row and items), instead of calling its contents "not steps"; False for
     anything else (a directory of steps, or nothing of ours)."""
     if loc.exists(MANIFEST_FILE):
-        manifest = _steps.read_manifest(loc)
+        manifest = _layout.read_manifest(loc)
         print(f"{loc}: step {manifest.step} of the run directory {loc.parent}")
         print(make_table([_list_row(loc.parent, manifest.step, step_loc=loc)]))
         kinds = ", ".join(f"{n} ({e.kind})" for n, e in sorted(manifest.items.items()))
@@ -76,7 +77,7 @@ def _list_data(loc: Location, args) -> int:
     """``list --json`` / ``--plot``: a directory of steps, or one step (as a directory
     of one); anything else is an error saying what PATH is."""
     if loc.exists(MANIFEST_FILE):
-        directory, steps = loc.parent, [_steps.read_manifest(loc).step]
+        directory, steps = loc.parent, [_layout.read_manifest(loc).step]
         listing = _steps.Listing(committed=tuple(steps), unfinished=(), corrupt=(), foreign=())
         records = [_step_record(directory, steps[0], step_loc=loc)]
     else:
@@ -128,7 +129,7 @@ def _step_record(
         if shut is not None:
             raise PermissionError(shut)
         out["size_bytes"] = dir_bytes(step_loc)
-        manifest, extras = _steps.read_manifest(step_loc), load_extras(step_loc)
+        manifest, extras = _layout.read_manifest(step_loc), load_extras(step_loc)
     except (CheckpointError, OSError) as e:  # OSError: unreadable here (not checked)
         out.update(bytes_written=None, bytes_reused=None, saved_at=None, items=[], metrics={})
         return {**out, "damaged": _why(e)}
@@ -160,7 +161,7 @@ def _list_row(
         if shut is not None:  # the listing could not read the step's folder
             raise PermissionError(shut)
         size = dir_bytes(step_loc)
-        manifest, extras = _steps.read_manifest(step_loc), load_extras(step_loc)
+        manifest, extras = _layout.read_manifest(step_loc), load_extras(step_loc)
     except (CheckpointError, OSError) as e:
         what = "DAMAGED: " if isinstance(e, CheckpointError) else ""
         return _ListRow(str(step), "?", "?", "?", "?", f"{what}{_why(e)}", "-")

@@ -42,7 +42,7 @@ def resolve(
     if loc.exists(MANIFEST_FILE):
         _only(loc, "one step", step, _number(loc), None, None)
         label, items = str(loc), step_items(loc)
-    elif (manifest := _steps.manifest_for_item(loc)) is not None:
+    elif (manifest := _layout.manifest_for_item(loc)) is not None:
         name, entry = next((n, e) for n, e in manifest.items.items() if e.dir == loc.name)
         _only(loc, f"item {name!r} of one step", step, _number(loc.parent), item, name)
         return str(loc.parent), [Item(name, loc, entry.kind)]
@@ -75,7 +75,7 @@ def names_one(loc: Location) -> str | None:
         return "a core checkpoint"
     if loc.exists(MANIFEST_FILE):
         return "one step"
-    return None if _steps.manifest_for_item(loc) is None else "an item of one step"
+    return None if _layout.manifest_for_item(loc) is None else "an item of one step"
 
 
 def _number(loc: Location) -> int | None:
@@ -109,7 +109,7 @@ def _step_items_of(loc: Location, step: int) -> tuple[str, list[Item]]:
 
 
 def step_items(step_loc: Location) -> list[Item]:
-    manifest = _steps.read_manifest(step_loc)
+    manifest = _layout.read_manifest(step_loc)
     return [Item(n, step_loc.child(e.dir), e.kind) for n, e in sorted(manifest.items.items())]
 
 
@@ -135,15 +135,15 @@ JSON_KINDS = ("json", "step", "data_iterator")
 def read_json_item(item: Item) -> Any:
     data_iterator = item.kind == "data_iterator"
     name = _layout.iterator_state_file(0) if data_iterator else _layout.JSON_VALUE_FILE
-    return _steps.read_item_json(item.loc, name)
+    return _layout.read_item_json(item.loc, name)
 
 
 def load_extras(step_loc: Location) -> dict[str, Any]:
     try:
-        entry = _steps.read_manifest(step_loc).items.get("extras")
+        entry = _layout.read_manifest(step_loc).items.get("extras")
         if entry is None:
             return {}
-        value = _steps.read_item_json(step_loc.child(entry.dir), _layout.JSON_VALUE_FILE)
+        value = _layout.read_item_json(step_loc.child(entry.dir), _layout.JSON_VALUE_FILE)
     except CheckpointError:
         return {}
     return value if isinstance(value, dict) else {}

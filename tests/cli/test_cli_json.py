@@ -18,6 +18,7 @@ import pytest
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._core import ownership as _ownership
+from flax_orbax_plugin._format import layout as _layout
 from flax_orbax_plugin._format import steps as _steps
 from flax_orbax_plugin._storage.location import Location
 from flax_orbax_plugin.cli.json_output import SCHEMAS
@@ -67,7 +68,7 @@ def test_list_json(run_dir, capsys):
     assert [s["step"] for s in doc["steps"]] == list(STEPS)
     loc = Location.from_path(run_dir)
     for row in doc["steps"]:
-        manifest = _steps.read_manifest(_steps.step_location(loc, row["step"]))
+        manifest = _layout.read_manifest(_steps.step_location(loc, row["step"]))
         assert abs(_as_time(row["saved_at"]) - manifest.time) < 1
         assert row["metrics"] == {"loss": 1.0 / row["step"]}  # NaN left out, text too
         assert row["items"] == ["extras", "params"] and row["damaged"] is None
@@ -83,7 +84,7 @@ def test_list_table_times_carry_their_zone(run_dir, capsys):
     out = capsys.readouterr().out
     times = re.findall(r"\| (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d) +\|", out)
     assert len(times) == len(STEPS), out
-    manifest = _steps.read_manifest(_steps.step_location(Location.from_path(run_dir), 1))
+    manifest = _layout.read_manifest(_steps.step_location(Location.from_path(run_dir), 1))
     assert abs(_as_time(times[0]) - manifest.time) < 1
 
 

@@ -8,7 +8,7 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._core import restore as _restore
-from flax_orbax_plugin._format import steps as _steps
+from flax_orbax_plugin._format import layout as _layout
 
 
 def state(i):
@@ -64,7 +64,7 @@ def test_reader_of_a_step_that_retention_deletes_gets_step_deleted_error(
 def test_reader_of_a_step_deleted_right_after_listing_gets_step_deleted_error(
     tmp_path, writer, monkeypatch
 ):
-    real = _steps.read_manifest
+    real = _layout.read_manifest
 
     def delete_then_read(step_loc):
         if step_loc.name == "1":
@@ -72,7 +72,7 @@ def test_reader_of_a_step_deleted_right_after_listing_gets_step_deleted_error(
             writer.wait()
         return real(step_loc)
 
-    monkeypatch.setattr(_steps, "read_manifest", delete_then_read)
+    monkeypatch.setattr(_layout, "read_manifest", delete_then_read)
     reader = fop.CheckpointManager(tmp_path, read_only=True)
     with pytest.raises(fop.StepDeletedError, match=r"step 1 of .* was deleted while"):
         reader.restore(step=1)

@@ -13,6 +13,7 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._errors import CheckpointError, CheckpointNotFoundError
+from flax_orbax_plugin._format import layout as _layout
 from flax_orbax_plugin._format import steps as _steps
 from flax_orbax_plugin._format.layout import ItemEntry, StepManifest
 from flax_orbax_plugin._manager.checkpointables import (
@@ -38,7 +39,7 @@ def save_item(c, tmp_path, name, value):
     step = Location.from_path(tmp_path).child("1")
     written = c.save(step.child(name), value).wait()
     try:
-        old = _steps.read_manifest(step)
+        old = _layout.read_manifest(step)
         items, files = dict(old.items), dict(old.files)
     except CheckpointNotFoundError:
         items, files = {}, {}

@@ -15,6 +15,7 @@ import numpy as np
 from _s3_requests import S3Requests
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin._format import layout as _layout
 from flax_orbax_plugin._format import steps as _steps
 from flax_orbax_plugin._format.layout import MANIFEST_FILE
 from flax_orbax_plugin._storage.location import Location
@@ -27,7 +28,7 @@ STATE = {"params": {"w": np.arange(64, dtype=np.float32), "b": np.ones(8, np.flo
 def _plant_manifests(where, source: int, steps) -> None:
     """Steps ``steps`` as the manifest of committed step ``source`` with their own step
     number (the listing and the step check look at nothing else), written at once."""
-    manifest = _steps.read_manifest(_steps.step_location(Location.from_path(where.url), source))
+    manifest = _layout.read_manifest(_steps.step_location(Location.from_path(where.url), source))
     kv = where.kvstore()
     futures = [
         kv.write(f"{s}/{MANIFEST_FILE}", dataclasses.replace(manifest, step=s).to_bytes())

@@ -102,7 +102,7 @@ def _craft(run, levels):
     step = Location.from_path(run).child("1")
     raw = json.dumps(nested(levels)).encode()
     (run / "1" / "extras" / _layout.JSON_VALUE_FILE).write_bytes(raw)
-    manifest = _steps.read_manifest(step)
+    manifest = _layout.read_manifest(step)
     files = dict(manifest.files, **{f"extras/{_layout.JSON_VALUE_FILE}": _layout.sha256(raw)})
     _steps.write_manifest(step, dataclasses.replace(manifest, files=files))
 

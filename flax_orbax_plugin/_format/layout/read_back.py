@@ -5,7 +5,11 @@ batches), a JSON file against the checksum its commit recorded, and a text leaf'
 Each raises :class:`CorruptCheckpointError` naming the file and the field.
 
 Only a read runs this (restore, verify, metadata, an incremental step's look at the
-previous one); a save writes the records of ``records``. Pure functions: any thread.
+previous one); a save writes the records of ``records``. The readers of a committed step's
+records (:func:`read_manifest`, :func:`read_item_json`, :func:`read_listed`,
+:func:`read_listed_document`) read them from storage, never following a link; where no
+commit lists a place, the words for what is there are ``_format.steps``' (its
+``listed_checksums`` and ``read_document``). Any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout.records``.
 """
@@ -14,26 +18,31 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from ..._base.key_paths import path_string
-from ..._errors import CorruptCheckpointError
+from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
 from ..._storage import local_files as _local_files
+from ..._storage.location import Location
 from .dtypes import DTYPES, SUPPORTED_DTYPES, dtype_from_name, packable, packed_bytes
 from .records import (
     _CODEC,
+    COMMIT_FILE,
     FORMAT_NAME,
     KEY_KINDS,
     LANES,
     LATEST_FORMAT_VERSION,
     LEAF_KINDS,
+    MANIFEST_FILE,
     MAX_ARRAY_BYTES,
     MAX_NDIM,
     MAX_PROCESSES,
     MAX_TEXT_BYTES,
+    METADATA_FILE,
     NO_DATA_KINDS,
     PRNG_IMPLS,
     PRNG_KEY_WORDS,
@@ -45,6 +54,7 @@ from .records import (
     BatchRecord,
     BatchStorage,
     CheckpointDocument,
+    CommitMarker,
     ItemEntry,
     LeafRecord,
     StepManifest,
@@ -61,6 +71,10 @@ from .records import (
     sha256,
     time_field,
 )
+
+# Canonical step names only: ``0`` or digits without a leading zero (``007`` is foreign).
+STEP_NAME = r"(0|[1-9][0-9]{0,17})"
+STEP_RE = re.compile(rf"^{STEP_NAME}$", re.ASCII)
 
 # -- checked reads and the validators only a reader uses ----------------------------------
 
@@ -465,3 +479,125 @@ def manifest_from_bytes(raw: bytes, where: str) -> StepManifest:
         reused,
         lane,
     )
+
+
+# -- the records of a committed step, read from storage -----------------------------------
+
+
+def read_manifest(step_loc: Location) -> StepManifest:
+    """The validated manifest of a committed step (checksum checked)."""
+    raw = step_loc.read_bytes(MANIFEST_FILE)
+    if raw is None:
+        raise CheckpointNotFoundError(f"{step_loc} is not a committed step (no {MANIFEST_FILE})")
+    return _checked_manifest(step_loc, raw)
+
+
+def _checked_manifest(step_loc: Location, raw: bytes) -> StepManifest:
+    """The manifest of the step at ``step_loc`` from its bytes ``raw``, checked as
+    :func:`read_manifest` says."""
+    where = f"{step_loc}/{MANIFEST_FILE}"
+    manifest = manifest_from_bytes(raw, where)
+    if STEP_RE.match(step_loc.name) and manifest.step != int(step_loc.name):
+        raise CorruptCheckpointError(
+            f"{where}: field step: expected {int(step_loc.name)} (the directory's name), "
+            f"found {manifest.step}"
+        )
+    _check_item_folders(step_loc, manifest)
+    return manifest
+
+
+def _check_item_folders(step_loc: Location, manifest: StepManifest) -> None:
+    """On local disk, every item folder the manifest names is a directory of the step
+    itself: a symlink there (to a folder outside the step) is never followed, by any
+    reader of the step or of the item. A missing folder is left to the item's reader."""
+    if not step_loc.is_local:
+        return
+    kinds = step_loc.child_kinds()
+    for name, entry in manifest.items.items():
+        kind = kinds.get(entry.dir, "dir")
+        if kind != "dir":
+            raise ForeignEntryError(
+                f"{step_loc.child(entry.dir)}: the folder of item {name!r} of step "
+                f"{manifest.step}: expected a directory written by this library, found a "
+                f"{'symbolic link' if kind == 'symlink' else kind} (never followed or read)"
+            )
+
+
+def manifest_for_item(item_loc: Location) -> StepManifest | None:
+    """The manifest of the step holding ``item_loc`` (None when its parent is no step)."""
+    parent = item_loc.parent
+    raw = parent.read_bytes(MANIFEST_FILE)  # read once: absent, or the manifest checked
+    if raw is None:
+        return None
+    manifest = _checked_manifest(parent, raw)
+    if item_loc.name not in {e.dir for e in manifest.items.values()}:
+        return None
+    return manifest
+
+
+def read_item_json(item_loc: Location, name: str) -> object:
+    """A JSON file of a step's item, checked against the checksum in the step manifest."""
+    where = f"{item_loc}/{name}"
+    manifest = manifest_for_item(item_loc)
+    if manifest is None:
+        raise CorruptCheckpointError(f"{where}: not inside a committed step")
+    expected = manifest.file_checksum(item_loc.name, name)
+    if expected is None:
+        raise CorruptCheckpointError(f"{where}: the step manifest records no checksum for it")
+    raw = item_loc.read_bytes(name)
+    if raw is None:
+        raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
+    return decode_checked(raw, where, expected, _local_files.JSON_ITEM)
+
+
+def committed_checksums(location: Location) -> dict[str, str] | None:
+    """The sha256 of each JSON file of the committed checkpoint at ``location``, by name,
+    as its commit recorded them (the commit marker's, or the step manifest's, file
+    list); None when no commit lists it (``_format.steps.listed_checksums`` says what
+    is there)."""
+    raw_marker = location.read_bytes(COMMIT_FILE)
+    if raw_marker is not None:
+        return dict(CommitMarker.from_bytes(raw_marker, f"{location}/{COMMIT_FILE}").files)
+    manifest = manifest_for_item(location)
+    if manifest is None:
+        return None
+    return item_checksums(manifest, location.name)
+
+
+def item_checksums(manifest: StepManifest, item_dir: str) -> dict[str, str]:
+    """The sha256 of each JSON file of the item in folder ``item_dir``, by name, as the
+    step ``manifest`` lists them."""
+    prefix = f"{item_dir}/"
+    return {k[len(prefix) :]: v for k, v in manifest.files.items() if k.startswith(prefix)}
+
+
+def read_listed(location: Location, name: str, *, listed: dict[str, str]) -> bytes:
+    """The bytes of the JSON file ``name`` of a committed checkpoint, checked against
+    the sha256 its commit recorded (``listed``: :func:`committed_checksums`);
+    CorruptCheckpointError when it is unlisted, missing or changed."""
+    where = f"{location}/{name}"
+    expected = listed.get(name)
+    if expected is None:
+        raise CorruptCheckpointError(
+            f"{where}: the commit records no checksum for it (the item is not a "
+            f"pytree, or the file list was damaged)"
+        )
+    raw = location.read_bytes(name)
+    if raw is None:
+        raise CorruptCheckpointError(f"{location} is committed but {name} is missing")
+    found = sha256(raw)
+    if found != expected:
+        sha256_mismatch(where, expected, found)
+    return raw
+
+
+def read_listed_document(location: Location, listed: dict[str, str]) -> CheckpointDocument:
+    """The validated metadata of the committed checkpoint at ``location`` (a standalone
+    one, or an item of a committed manager step), checked against the checksum its
+    commit recorded (``listed``: :func:`committed_checksums`); the checksums ride along
+    (``listed``), so that the other JSON files of one read are checked without reading
+    the commit again."""
+    where = f"{location}/{METADATA_FILE}"
+    raw = read_listed(location, METADATA_FILE, listed=listed)
+    doc = document_from_json(decode(raw, where, _local_files.METADATA), where)
+    return dataclasses.replace(doc, listed=listed)

@@ -31,7 +31,7 @@ from ..._errors import (
     UnsupportedLocationError,
 )
 from ..._format.describe import holding_checkpoint
-from ..._format.steps import manifest_for_item
+from ..._format.layout import manifest_for_item
 from ..._like.onto_like import check_policy
 from ..._storage.local_inputs import local_path
 from ..._storage.location import Location
