@@ -29,9 +29,9 @@ import jax
 from .. import _errors
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from . import coordination as _coordination
-from . import env as _env
 from . import failures as _failures
 from . import host as _host
+from . import keywords as _keywords
 from . import liveness as _liveness
 from . import regions as _regions
 from .failures import publish_failure
@@ -271,7 +271,7 @@ def _entry(
     called (handed ``region=`` where ``hands_region``) and its error translated, all in
     ``region(...)``'s region; ``owner``: the name an unknown keyword's error gives."""
     shown = inspect.signature(body)
-    takes = _env.keywords_taken(body)
+    takes = _keywords.keywords_taken(body)
     if takes is not None and not hands_region and "region" in shown.parameters:
         takes |= {"region"}  # a body's own ``region`` (a SaveHandle's), given by its caller
 
@@ -279,7 +279,7 @@ def _entry(
     def call(*args: Any, **kwargs: Any) -> Any:
         with region(*args, **kwargs) as drawn:
             if takes is not None and not takes.issuperset(kwargs):
-                raise _env.unknown_keywords(owner, kwargs, takes)
+                raise _keywords.unknown_keywords(owner, kwargs, takes)
             try:
                 if not hands_region:
                     return body(*args, **kwargs)
