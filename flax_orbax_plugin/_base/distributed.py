@@ -59,24 +59,6 @@ def next_operation_id(kind: str, *, region: Region | None) -> str:
     return f"fop/{kind}/{next(_COUNTER) if region is None else region.draw()}"
 
 
-def spans_processes(*trees: Any) -> bool:
-    """Whether a sharding in ``trees`` (leaves with a ``.sharding``, or shardings) places
-    data on devices of other processes: a read onto them is collective."""
-    if jax.process_count() == 1:
-        return False
-    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
-    for leaf in jax.tree_util.tree_leaves(trees, is_leaf=is_sharding):
-        found = leaf if is_sharding(leaf) else getattr(leaf, "sharding", None)
-        if isinstance(getattr(found, "mesh", None), jax.sharding.AbstractMesh):
-            mesh = jax.sharding.get_mesh()  # set_mesh's, onto which the read places it
-            if not mesh.empty and not mesh.is_multi_process:
-                continue
-            return not mesh.empty  # none: refused by the read, naming the leaf
-        if is_sharding(found) and not found.is_fully_addressable:
-            return True
-    return False
-
-
 def session_nonce(*, region: Region | None) -> str:
     """A random name shared by every process, agreed once per process lifetime (the
     primary's, under one fixed key: each process reads it at its first call, whenever
