@@ -220,7 +220,8 @@ def _primary_round(op, own_status, what, publish, abort, structure, region) -> s
         statuses = [json.loads(own_status)]
         for p in range(1, _distributed.process_count()):
             statuses.append(json.loads(_distributed.get_from(f"{op}/status", p, region=region)))
-        outcome = _disagreement(statuses)
+        # one process: one status, nothing to disagree with
+        outcome = _rounds.disagreement(statuses) if len(statuses) > 1 else None
         if outcome is None:
             failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if s["error"]]
             outcome = (_failed_outcome(statuses) + "; ".join(failed)) if failed else None
@@ -258,33 +259,6 @@ def _failed_outcome(statuses: list[dict[str, Any]]) -> str:
     if all(e.startswith(f"{SaveCancelledError.__name__}:") for e in errors):
         return CANCELLED
     return "not committed; "
-
-
-def _disagreement(statuses: list[dict[str, Any]]) -> str | None:
-    first = statuses[0]
-    for p, s in enumerate(statuses[1:], start=1):
-        if s["step"] != first["step"]:
-            return (
-                f"disagree: process 0 saved step {first['step']} but process {p} saved step "
-                f"{s['step']}; every process must save the same step"
-            )
-        if s["agreed"] != first["agreed"]:
-            mine, theirs = first["agreed"], s["agreed"]
-            names = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
-            each = "; ".join(
-                f"{k}: {mine.get(k)!r} on process 0, {theirs.get(k)!r} on process {p}"
-                for k in names
-            )
-            return f"disagree: the processes saved with different options ({each}); " + (
-                "every process must pass the same"
-            )
-        if s["digest"] != first["digest"]:
-            return (
-                f"disagree: process {p} saved a {_rounds.STRUCTURE} than process 0 "
-                f"(structure digests {s['digest'][:12]} and {first['digest'][:12]}) at step "
-                f"{first['step']}; every process must save the same tree"
-            )
-    return None
 
 
 _IN_FLIGHT_LOCK = threading.Lock()  # one save_async starts at a time
