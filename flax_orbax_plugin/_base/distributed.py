@@ -29,9 +29,9 @@ import jax
 from .. import _errors
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from . import coordination as _coordination
-from . import env as _env
 from . import failures as _failures
 from . import host as _host
+from . import keywords as _keywords
 from . import liveness as _liveness
 from . import regions as _regions
 from .failures import publish_failure
@@ -57,24 +57,6 @@ def next_operation_id(kind: str, *, region: Region | None) -> str:
     """A name every process derives identically for its n-th operation of this kind (in
     a region: its n-th of the region's)."""
     return f"fop/{kind}/{next(_COUNTER) if region is None else region.draw()}"
-
-
-def spans_processes(*trees: Any) -> bool:
-    """Whether a sharding in ``trees`` (leaves with a ``.sharding``, or shardings) places
-    data on devices of other processes: a read onto them is collective."""
-    if jax.process_count() == 1:
-        return False
-    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
-    for leaf in jax.tree_util.tree_leaves(trees, is_leaf=is_sharding):
-        found = leaf if is_sharding(leaf) else getattr(leaf, "sharding", None)
-        if isinstance(getattr(found, "mesh", None), jax.sharding.AbstractMesh):
-            mesh = jax.sharding.get_mesh()  # set_mesh's, onto which the read places it
-            if not mesh.empty and not mesh.is_multi_process:
-                continue
-            return not mesh.empty  # none: refused by the read, naming the leaf
-        if is_sharding(found) and not found.is_fully_addressable:
-            return True
-    return False
 
 
 def session_nonce(*, region: Region | None) -> str:
@@ -271,7 +253,7 @@ def _entry(
     called (handed ``region=`` where ``hands_region``) and its error translated, all in
     ``region(...)``'s region; ``owner``: the name an unknown keyword's error gives."""
     shown = inspect.signature(body)
-    takes = _env.keywords_taken(body)
+    takes = _keywords.keywords_taken(body)
     if takes is not None and not hands_region and "region" in shown.parameters:
         takes |= {"region"}  # a body's own ``region`` (a SaveHandle's), given by its caller
 
@@ -279,7 +261,7 @@ def _entry(
     def call(*args: Any, **kwargs: Any) -> Any:
         with region(*args, **kwargs) as drawn:
             if takes is not None and not takes.issuperset(kwargs):
-                raise _env.unknown_keywords(owner, kwargs, takes)
+                raise _keywords.unknown_keywords(owner, kwargs, takes)
             try:
                 if not hands_region:
                     return body(*args, **kwargs)

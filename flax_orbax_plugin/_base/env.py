@@ -11,8 +11,6 @@ from __future__ import annotations
 import collections
 import difflib
 import errno
-import functools
-import inspect
 import math
 import numbers
 import operator
@@ -33,19 +31,15 @@ __all__ = [
     "Option",
     "VARIABLES",
     "check",
-    "checked",
     "fail_point",
     "flag",
     "found",
     "initializer",
-    "keywords_taken",
     "kill_point",
     "lower",
     "pause_point",
     "read",
     "slow_point",
-    "unexpected",
-    "unknown_keywords",
 ]
 
 INT64_MAX = (1 << 63) - 1  # sizes and counts handed to tensorstore or the OS
@@ -221,56 +215,6 @@ def check(declared: Iterable[Option], values: Mapping[str, Any]) -> dict[str, An
 def flag(name: str, value: Any) -> bool:
     """``value`` of the flag ``name`` as a bool; 1, "no" or None: OptionTypeError."""
     return Option(name, "flag").check(value)
-
-
-def unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = None) -> str:
-    """Python's words for an unknown keyword, with the closest name as the hint."""
-    if hint is None:
-        close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.75)
-        hint = f"{close[0]}=" if close else None
-    return f"{owner}() got an unexpected keyword argument {name!r}" + (
-        f": did you mean {hint}?" if hint else ""
-    )
-
-
-def keywords_taken(fn: Callable) -> frozenset[str] | None:
-    """The keywords ``fn`` (under the package's decorators) takes, those the package
-    hands it (``self``, ``cls``, ``region``) left out; None when it takes ``**kwargs``
-    (it checks its own: :func:`refuse_unknown`)."""
-    inner = inspect.unwrap(fn)  # under the package's decorators (store errors, regions)
-    if inner.__code__.co_flags & inspect.CO_VARKEYWORDS:  # not its __signature__, if set
-        return None
-    params = inspect.signature(inner, follow_wrapped=False).parameters.values()
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return frozenset(p.name for p in params if p.kind in kinds) - {"self", "cls", "region"}
-
-
-def unknown_keywords(owner: str, given: Iterable[str], takes: Iterable[str]) -> TypeError:
-    """The TypeError of a call of ``owner`` given keywords it does not take (each named,
-    with the one meant: "did you mean ...?"; then every keyword it takes)."""
-    takes = set(takes)
-    lines = "; ".join(unexpected(owner, k, takes) for k in given if k not in takes)
-    return TypeError(f"{lines} (its keywords: {', '.join(sorted(takes))})")
-
-
-def checked(fn: Callable, owner: str) -> Callable:
-    """``fn`` (a function or constructor of one process: no region) refusing a keyword
-    it does not take with :func:`unknown_keywords` (``owner``: its name there); ``fn``
-    itself where it takes ``**kwargs`` or checks its own (``_base.distributed.public``)."""
-    if getattr(fn, "_fop_named", False):
-        return fn
-    takes = keywords_taken(fn)
-    if takes is None:
-        return fn
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if not takes.issuperset(kwargs):
-            raise unknown_keywords(owner, kwargs, takes)
-        return fn(*args, **kwargs)
-
-    call._fop_named = True  # type: ignore[attr-defined]
-    return call
 
 
 VARIABLES: dict[str, tuple[Option, Any]] = {

@@ -189,10 +189,6 @@ class Progress:
     done: int = 0
     total: int = 0
 
-    def words(self) -> str:
-        left = max(self.total - self.done, 0)
-        return f"{self.done / (1 << 20):.1f} MiB done, {left / (1 << 20):.1f} MiB left"
-
 
 @dataclasses.dataclass
 class _Activity:
@@ -235,31 +231,11 @@ class Activities:
             if not stack:
                 self._stacks.pop(me, None)
 
-    def signature(self) -> tuple:
-        """What changes when this process progresses: each activity and its bytes done
-        (compared between two beats by the heartbeat thread)."""
+    def stacks(self) -> list[list[_Activity]]:
+        """A copy of each busy thread's activities, outermost first (read by the
+        heartbeat, ``_base.liveness``: what a process is doing, and whether it moves)."""
         with self._lock:
-            stacks = [list(s) for s in self._stacks.values()]
-        return tuple(
-            (a.what, a.since, None if a.progress is None else a.progress.done)
-            for stack in stacks
-            for a in stack
-        )
-
-    def describe(self) -> list[str]:
-        """One line per busy thread: its activities, outermost first, with their bytes."""
-        now = time.monotonic()
-        with self._lock:
-            stacks = [list(s) for s in self._stacks.values() if s]
-        lines = []
-        for stack in stacks:
-            parts = []
-            for a in stack:
-                part = f"{a.what} ({now - a.since:.0f} s"
-                part += f", {a.progress.words()})" if a.progress is not None else ")"
-                parts.append(part)
-            lines.append(" > ".join(parts))
-        return sorted(lines)
+            return [list(s) for s in self._stacks.values() if s]
 
 
 ACTIVITIES = Activities()  # this process's (one per process, like its coordination client)

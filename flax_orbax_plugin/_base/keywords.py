@@ -4,9 +4,10 @@
 (:func:`refuse_unknown`), each naming the keyword meant (an alias, a hint, an option of
 an inner dict, the closest spelling); an option given in a mode where it does nothing
 (:func:`refuse_without`); the declared defaults of those not given
-(:func:`with_defaults`). The wrapper a call of a public function or constructor runs
-(``env.checked``) and its error's words (``env.unknown_keywords``) stay in ``_base.env``: every such
-call passes there.
+(:func:`with_defaults`); the wrapper a call of a public function or constructor runs
+(:func:`checked`, bound by :func:`named_keywords`) and its error's words
+(:func:`unknown_keywords`, also ``_base.distributed.public``'s). A call with the keywords
+its entry takes passes the wrapper's one set test and nothing else here.
 
 Pure functions over frozen declarations; any thread.
 
@@ -15,14 +16,75 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.env``.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .._errors import OptionError
-from .env import Option, checked, unexpected
+from .env import Option
 
-__all__ = ["named_keywords", "refuse_unknown", "refuse_without", "with_defaults"]
+__all__ = [
+    "checked",
+    "keywords_taken",
+    "named_keywords",
+    "refuse_unknown",
+    "refuse_without",
+    "unexpected",
+    "unknown_keywords",
+    "with_defaults",
+]
+
+
+def unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = None) -> str:
+    """Python's words for an unknown keyword, with the closest name as the hint."""
+    if hint is None:
+        close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.75)
+        hint = f"{close[0]}=" if close else None
+    return f"{owner}() got an unexpected keyword argument {name!r}" + (
+        f": did you mean {hint}?" if hint else ""
+    )
+
+
+def keywords_taken(fn: Callable) -> frozenset[str] | None:
+    """The keywords ``fn`` (under the package's decorators) takes, those the package
+    hands it (``self``, ``cls``, ``region``) left out; None when it takes ``**kwargs``
+    (it checks its own: :func:`refuse_unknown`)."""
+    inner = inspect.unwrap(fn)  # under the package's decorators (store errors, regions)
+    if inner.__code__.co_flags & inspect.CO_VARKEYWORDS:  # not its __signature__, if set
+        return None
+    params = inspect.signature(inner, follow_wrapped=False).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in params if p.kind in kinds) - {"self", "cls", "region"}
+
+
+def unknown_keywords(owner: str, given: Iterable[str], takes: Iterable[str]) -> TypeError:
+    """The TypeError of a call of ``owner`` given keywords it does not take (each named,
+    with the one meant: "did you mean ...?"; then every keyword it takes)."""
+    takes = set(takes)
+    lines = "; ".join(unexpected(owner, k, takes) for k in given if k not in takes)
+    return TypeError(f"{lines} (its keywords: {', '.join(sorted(takes))})")
+
+
+def checked(fn: Callable, owner: str) -> Callable:
+    """``fn`` (a function or constructor of one process: no region) refusing a keyword
+    it does not take with :func:`unknown_keywords` (``owner``: its name there); ``fn``
+    itself where it takes ``**kwargs`` or checks its own (``_base.distributed.public``)."""
+    if getattr(fn, "_fop_named", False):
+        return fn
+    takes = keywords_taken(fn)
+    if takes is None:
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not takes.issuperset(kwargs):
+            raise unknown_keywords(owner, kwargs, takes)
+        return fn(*args, **kwargs)
+
+    call._fop_named = True  # type: ignore[attr-defined]
+    return call
 
 
 def refuse_unknown(

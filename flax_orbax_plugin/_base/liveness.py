@@ -1,5 +1,6 @@
 """Liveness by progress: this process's heartbeat (one daemon thread per coordination
-client, publishing what its threads are doing, ``regions.ACTIVITIES``) and the judge of
+client, publishing what its threads are doing, ``host.ACTIVITIES``, read here in words,
+:func:`activity_lines`, and as a :func:`progress_signature`) and the judge of
 the processes a wait waits for (:class:`PeerWatch`: a dead one, a stalled one, one that
 took another path, two that only wait for each other, the late ones named). Only
 several processes reach here: a one-process operation never waits.
@@ -23,15 +24,44 @@ from typing import Any
 
 from .._errors import CoordinationError
 from . import env as _env
-from .host import ACTIVITIES
+from .host import ACTIVITIES, Activities, Progress
 
-__all__ = ["PeerWatch", "ensure_beating"]
+__all__ = ["PeerWatch", "activity_lines", "ensure_beating", "progress_signature"]
 
 ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
 LOOK_S = 1.0  # how often a wait reads the heartbeats (and how long before its first look)
 # Read once, at import: a bad value is refused at the package's first use, everywhere.
 PEER_SILENT_S, LATE_REPORT_S = _env.read("FOP_PEER_SILENT_S"), _env.read("FOP_LATE_REPORT_S")
 logger = logging.getLogger("flax_orbax_plugin")
+
+
+def progress_signature(activities: Activities) -> tuple:
+    """What changes when this process progresses: each activity and its bytes done
+    (compared between two beats by the heartbeat thread)."""
+    return tuple(
+        (a.what, a.since, None if a.progress is None else a.progress.done)
+        for stack in activities.stacks()
+        for a in stack
+    )
+
+
+def activity_lines(activities: Activities) -> list[str]:
+    """One line per busy thread: its activities, outermost first, with their bytes."""
+    now = time.monotonic()
+    lines = []
+    for stack in activities.stacks():
+        parts = []
+        for a in stack:
+            part = f"{a.what} ({now - a.since:.0f} s"
+            part += f", {_words(a.progress)})" if a.progress is not None else ")"
+            parts.append(part)
+        lines.append(" > ".join(parts))
+    return sorted(lines)
+
+
+def _words(progress: Progress) -> str:
+    left = max(progress.total - progress.done, 0)
+    return f"{progress.done / (1 << 20):.1f} MiB done, {left / (1 << 20):.1f} MiB left"
 
 
 class _Heartbeat:
@@ -54,10 +84,10 @@ class _Heartbeat:
 
     def _beat(self) -> None:
         self.beats += 1
-        now = ACTIVITIES.signature()
+        now = progress_signature(ACTIVITIES)
         if now != self._last:
             self._last, self.moved = now, self.moved + 1
-        doc = {"beat": self.beats, "moved": self.moved, "doing": ACTIVITIES.describe()[:8]}
+        doc = {"beat": self.beats, "moved": self.moved, "doing": activity_lines(ACTIVITIES)[:8]}
         self._client.key_value_set(self._key, json.dumps(doc), allow_overwrite=True)
 
     def _run(self) -> None:
@@ -202,7 +232,7 @@ class PeerWatch:
         """Two live processes can still make no progress: each only waits, one for the
         other (they took different paths). That is limited by the stall timeout."""
         mutual = any(f"from process {self._me} (" in line for line in seen.doing)
-        if not (mutual and _only_waiting(ACTIVITIES.describe())):
+        if not (mutual and _only_waiting(activity_lines(ACTIVITIES))):
             self._mutual_since = None
             return
         if self._mutual_since is None:

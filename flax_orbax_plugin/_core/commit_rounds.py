@@ -1,6 +1,7 @@
 """The commit of several processes, beyond the primary's own round (``_core.save``):
 each other process's round (:func:`other_round`: its status published, the outcome
-read, its staged files discarded unless committed) and, where the processes saved
+read, its staged files discarded unless committed), the primary's test of whether
+the processes' statuses agree (:func:`disagreement`) and, where the processes saved
 trees of another structure, the first leaf where they differ (:func:`structure_lines`,
 :func:`their_difference`); and :func:`discard`, every process's removal of its staged
 files after an outcome other than committed. A save of one process that commits reads
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from typing import Any
 
 from .._base import distributed as _distributed
 from .._errors import CoordinationError
@@ -36,6 +38,36 @@ def other_round(op, status, abort, structure, region) -> str:
 
 
 STRUCTURE = "tree of another structure"  # in the outcome when the digests differ
+
+
+def disagreement(statuses: list[dict[str, Any]]) -> str | None:
+    """The primary's reading of every process's status (``_core.save``): ``disagree: ...``
+    naming the first process whose step, options or tree differ from process 0's, or
+    None when they agree."""
+    first = statuses[0]
+    for p, s in enumerate(statuses[1:], start=1):
+        if s["step"] != first["step"]:
+            return (
+                f"disagree: process 0 saved step {first['step']} but process {p} saved step "
+                f"{s['step']}; every process must save the same step"
+            )
+        if s["agreed"] != first["agreed"]:
+            mine, theirs = first["agreed"], s["agreed"]
+            names = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
+            each = "; ".join(
+                f"{k}: {mine.get(k)!r} on process 0, {theirs.get(k)!r} on process {p}"
+                for k in names
+            )
+            return f"disagree: the processes saved with different options ({each}); " + (
+                "every process must pass the same"
+            )
+        if s["digest"] != first["digest"]:
+            return (
+                f"disagree: process {p} saved a {STRUCTURE} than process 0 "
+                f"(structure digests {s['digest'][:12]} and {first['digest'][:12]}) at step "
+                f"{first['step']}; every process must save the same tree"
+            )
+    return None
 
 
 def _first_difference(op: str, mine: list[str], region, p: int = 0, timeout_s=None) -> str:

@@ -26,6 +26,7 @@ import tensorstore as ts
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
+from .._format import describe as _describe
 from .._format import steps as _steps
 from .._format.layout import (
     COMMIT_FILE,
@@ -132,14 +133,6 @@ def is_empty(loc: Location) -> bool:
     return not loc.is_dir()
 
 
-def describe(loc: Location, limit: int = 5) -> str:
-    """A short list of what ``loc`` holds, for error messages."""
-    names = loc.list_children()
-    shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
-    run = "a CheckpointManager's directory of steps: " if _steps.committed_steps(loc) else ""
-    return f"{run}it holds {shown}" if names else "it is empty"
-
-
 def require_ours(loc: Location, *, action: str, step: int | None = None) -> str:
     """The proof that ``loc`` is ours; ForeignEntryError naming it otherwise."""
     found = proof(loc, step=step)
@@ -147,7 +140,7 @@ def require_ours(loc: Location, *, action: str, step: int | None = None) -> str:
         raise ForeignEntryError(
             f"refusing to {action} {loc}: expected a checkpoint or step this library "
             f"created (our manifest, commit marker or pending marker), found none "
-            f"({describe(loc)}); nothing was changed"
+            f"({_describe.contents(loc)}); nothing was changed"
         )
     return found
 
@@ -190,8 +183,9 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
         ) from None
     if found is None:
         raise ForeignEntryError(
-            f"cannot write {what} at {loc}: something this library did not create as a checkpoint "
-            f"is there ({describe(loc)}); it is left alone. Move it away or choose another path"
+            f"cannot write {what} at {loc}: something this library did not create as a "
+            f"checkpoint is there ({_describe.contents(loc)}); it is left alone. Move it "
+            f"away or choose another path"
         )
     if found == "pending marker":
         _liveness.refuse_if_held(loc, replace=replace)

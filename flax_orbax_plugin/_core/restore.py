@@ -265,6 +265,24 @@ def read_targets(location: Location, doc: CheckpointDocument, targets: list, req
         target.result = _replicate(sharding)(target.result)
 
 
+def spans_processes(*trees: Any) -> bool:
+    """Whether a sharding in ``trees`` (leaves with a ``.sharding``, or shardings) places
+    data on devices of other processes: a read onto them is collective."""
+    if jax.process_count() == 1:
+        return False
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
+    for leaf in jax.tree_util.tree_leaves(trees, is_leaf=is_sharding):
+        found = leaf if is_sharding(leaf) else getattr(leaf, "sharding", None)
+        if isinstance(getattr(found, "mesh", None), jax.sharding.AbstractMesh):
+            mesh = jax.sharding.get_mesh()  # set_mesh's, onto which the read places it
+            if not mesh.empty and not mesh.is_multi_process:
+                continue
+            return not mesh.empty  # none: refused by the read, naming the leaf
+        if is_sharding(found) and not found.is_fully_addressable:
+            return True
+    return False
+
+
 def _collective(targets: list, share_reads: bool) -> bool:
     """Whether reading ``targets`` is a read by several processes together (see
     read_targets): a leaf read shared (then all-gathered), or placed on devices of

@@ -220,7 +220,8 @@ def _primary_round(op, own_status, what, publish, abort, structure, region) -> s
         statuses = [json.loads(own_status)]
         for p in range(1, _distributed.process_count()):
             statuses.append(json.loads(_distributed.get_from(f"{op}/status", p, region=region)))
-        outcome = _disagreement(statuses)
+        # one process: one status, nothing to disagree with
+        outcome = _rounds.disagreement(statuses) if len(statuses) > 1 else None
         if outcome is None:
             failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if s["error"]]
             outcome = (_failed_outcome(statuses) + "; ".join(failed)) if failed else None
@@ -260,33 +261,6 @@ def _failed_outcome(statuses: list[dict[str, Any]]) -> str:
     return "not committed; "
 
 
-def _disagreement(statuses: list[dict[str, Any]]) -> str | None:
-    first = statuses[0]
-    for p, s in enumerate(statuses[1:], start=1):
-        if s["step"] != first["step"]:
-            return (
-                f"disagree: process 0 saved step {first['step']} but process {p} saved step "
-                f"{s['step']}; every process must save the same step"
-            )
-        if s["agreed"] != first["agreed"]:
-            mine, theirs = first["agreed"], s["agreed"]
-            names = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
-            each = "; ".join(
-                f"{k}: {mine.get(k)!r} on process 0, {theirs.get(k)!r} on process {p}"
-                for k in names
-            )
-            return f"disagree: the processes saved with different options ({each}); " + (
-                "every process must pass the same"
-            )
-        if s["digest"] != first["digest"]:
-            return (
-                f"disagree: process {p} saved a {_rounds.STRUCTURE} than process 0 "
-                f"(structure digests {s['digest'][:12]} and {first['digest'][:12]}) at step "
-                f"{first['step']}; every process must save the same tree"
-            )
-    return None
-
-
 _IN_FLIGHT_LOCK = threading.Lock()  # one save_async starts at a time
 
 
@@ -305,62 +279,15 @@ def save(
 ):
     """Saves ``tree`` to ``path``; durable and committed on return.
 
-    See :func:`save_async` for the arguments.
+    See ``fop.save_async`` (``_core.save_async``) for the arguments.
     """
     given = {k: v for k, v in locals().items() if k not in ("path", "tree", "region")}
-    return _save_async(path, tree, region, given).wait()
+    return start_save(path, tree, region, given).wait()
 
 
-@public("save", errors=refusals(arguments("path")))
-def save_async(
-    path: Any,
-    tree: Any,
-    *,
-    region: _distributed.Region | None,
-    force: bool = False,
-    memory_limit_bytes: int | None = None,
-    compression: str | None = None,
-    format_version: int | None = DEFAULT_FORMAT_VERSION,
-    data_file_bytes: int | None = None,
-    host_memory_budget: int | None = None,
-) -> SaveHandle:
-    """Starts saving ``tree`` to ``path``; returns once the tree is snapshotted to host.
-
-    Args:
-      path: a local directory, an ``s3://``/``gs://`` URL or a tensorstore kvstore spec.
-        It must not hold a committed checkpoint unless ``force``.
-      tree: dicts, lists, tuples, NamedTuples, registered dataclasses; leaves are
-        jax.Arrays (any sharding), numpy arrays, numpy or Python scalars, typed PRNG
-        key arrays, or None.
-      force: replace a committed checkpoint at ``path``.
-      memory_limit_bytes: bound on bytes handed to tensorstore and not yet written.
-      compression: None, or ``"zstd"`` / ``"zstd:<level 1-22>"``: every chunk is
-        compressed before its checksum (zarr3 ``zstd`` codec; recorded per array, so
-        restore needs no option).
-      format_version: 2 (default, also None: each process packs its chunks into a few
-        data files, see FORMAT.md) or 1 (one file per chunk; readable forever).
-      data_file_bytes: version 2: the size a data file does not pass unless one chunk
-        is larger (default 1 GiB on a filesystem, 256 MiB on an object store);
-        refused with version 1.
-      host_memory_budget: bytes of host memory the save may hold beyond the state
-        itself (None: no bound). Accelerator arrays are copied on their devices (one
-        more state of device memory until written) and to host in pieces as the
-        writes complete (the blocking phase enqueues the device copies only). CPU
-        arrays are written from their own memory before this returns (no copy at
-        all; the blocking phase is then the data write). Small leaves (batched) are
-        copied as usual. Both format versions stream; version 2 on an object store
-        gathers each data file in memory before its upload, made smaller under a
-        budget (docs/saving.md, section 3).
-
-    Returns:
-      A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
-    """
-    given = {k: v for k, v in locals().items() if k not in ("path", "tree", "region")}
-    return _save_async(path, tree, region, given)
-
-
-def _save_async(path, tree, region: _distributed.Region | None, given: dict) -> SaveHandle:
-    """:func:`save_async` in ``region`` (the caller's: drawn by the public function)."""
+def start_save(path, tree, region: _distributed.Region | None, given: dict) -> SaveHandle:
+    """``fop.save_async`` (``_core.save_async``) in ``region`` (the caller's: drawn by
+    the public function); ``fop.save`` waits for it."""
     # Every keyword option checked by its name, before anything waits or is written;
     # the modes (and the region) become one request, handed down from here.
     options = check_save(**given)
@@ -491,19 +418,6 @@ class _Background:
         # Only under this save's own claim: a claim refused leaves the other writer's be.
         if _liveness.holds_nonce(self.location, self.staging.nonce):
             _ownership.remove(self.location, action="remove the remains of the failed save at")
-
-
-@public(errors=refusals(arguments("path")))
-def is_committed(path: Any) -> bool:
-    """True when ``path`` holds a committed standalone checkpoint. A store that
-    answers "not there" for a bucket it lacks (S3 reads a missing bucket's key as
-    missing) is listed before False is said: StoreAccessError for no such bucket."""
-    location = Location.from_path(path)
-    if location.exists(COMMIT_FILE):
-        return True
-    if not location.is_local:
-        location.is_dir()  # a listing: a missing bucket or a refusal raises here
-    return False
 
 
 def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:

@@ -1,6 +1,7 @@
 """What a place holds when it is not what a caller asked for, in words: a directory of
 steps with none committed (:func:`no_steps`), a committed checkpoint a writer must stay
-out of (:func:`holding_checkpoint`), a folder one level off a run (:func:`misplaced`).
+out of (:func:`holding_checkpoint`), a folder one level off a run (:func:`misplaced`),
+what a place not proven ours holds (:func:`contents`).
 
 Only a call that fails, or a writer's check of its output, runs this (the one-pytree
 reader's own words, ``steps.not_a_checkpoint``, stay beside the read that raises them).
@@ -22,11 +23,21 @@ from .steps import (
     Listing,
     Place,
     classify,
+    committed_steps,
     folder_inside,
     list_directory,
     nothing_here,
     one_level_down,
 )
+
+
+def contents(loc: Location, limit: int = 5) -> str:
+    """A short list of what ``loc`` holds, for the words of a refused removal or write
+    (``_core.ownership``, ``_core.removing``)."""
+    names = loc.list_children()
+    shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+    run = "a CheckpointManager's directory of steps: " if committed_steps(loc) else ""
+    return f"{run}it holds {shown}" if names else "it is empty"
 
 
 def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:

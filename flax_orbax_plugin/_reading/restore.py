@@ -109,7 +109,7 @@ def _reader(item: StepItem) -> Any:
 # onto host arrays one may read alone (``region`` None).
 @public(
     "restore",
-    spans=lambda path, like=None, **_: _distributed.spans_processes(like),
+    spans=lambda path, like=None, **_: _restore.spans_processes(like),
     errors=refusals(arguments("path")),
 )
 def restore(
@@ -211,7 +211,7 @@ def _restore_orbax(location: Location, like: Any, request: ReadRequest) -> Any:
         how = "(fop.import_orbax(src, dst)) and restore the converted step"
         raise _not_for_orbax(location, "missing= and transform=", how)
     step = None
-    if _distributed.spans_processes(like) and not is_step(location):
+    if _restore.spans_processes(like) and not is_step(location):
         step = agreed_latest(location, region=region)  # every process reads the primary's
     return restore_orbax(location, like, step=step, partial=opts.partial, cast=request.cast)
 
@@ -284,7 +284,7 @@ def _params_like(like: Any) -> Any:
 def _spans(directory: Any, like: Any = None, *, sharding: Any = None, **_: Any) -> bool:
     """Whether a ``restore_params`` call is collective: ``like`` or ``sharding`` places
     data on devices of other processes."""
-    return _distributed.spans_processes(_params_like(like), sharding)
+    return _restore.spans_processes(_params_like(like), sharding)
 
 
 @public("restore-params", spans=_spans, errors=refusals(arguments("directory")))
@@ -505,7 +505,7 @@ def _orbax_params(directory: Any, step: int | None, job: _Serving) -> Any:
         options = "missing=, transform=, surgery= and dry_run="
         raise _not_for_orbax(directory, options, "with fop.import_orbax(src, dst)")
     like = _params_like(job.like)
-    if step is None and _distributed.spans_processes(like, job.sharding):
+    if step is None and _restore.spans_processes(like, job.sharding):
         step = agreed_latest(Location.from_path(directory), region=job.region)
     partial = job.given["partial"]
     placing = {"dtype": job.dtype, "sharding": job.sharding, "partial": partial, "cast": job.cast}
