@@ -27,8 +27,8 @@ from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunk_writer as _chunk_writer
 from .._zarr import packed_writer as _packed_writer
+from . import host_snapshot as _host_snapshot
 from . import reads as _reads
-from . import write_data as _write_data
 from .reads import check_claims
 
 ONE_FILE_PER_CHUNK = "format_version=2 (version 1 writes one file per chunk)"
@@ -150,8 +150,8 @@ def write_data(
         for leaf, spec in arrays
         if leaf.writes and leaf.index not in links
     ]
-    jobs += _write_data.batch_jobs(batch_specs, batches, batch_data, writer)
-    pending = _write_data.WritesInFlight(limit, cancelled)
+    jobs += _host_snapshot.batch_jobs(batch_specs, batches, batch_data, writer)
+    pending = _host_snapshot.WritesInFlight(limit, cancelled)
     total = sum(int(getattr(d, "nbytes", 0) or 0) for _, writes, _ in jobs for _, d in writes)
     doing = pending.report(total)
     try:
@@ -186,7 +186,7 @@ def _start_links(staging: Location, linking: list, links: dict[int, Any]):
 
 
 def _write_unlinked(
-    pending: _write_data.WritesInFlight, linking: list, linked: list, writer
+    pending: _host_snapshot.WritesInFlight, linking: list, linked: list, writer
 ) -> int:
     """Writes the leaves of ``linking`` whose link or copy failed, once each is known;
     returns the bytes the others reused."""
@@ -209,7 +209,7 @@ def _create(specs: list) -> None:
         for future in creates:
             future.result()
     except BaseException:
-        _write_data.settle((f, 0) for f in creates)  # none may recreate files after a cleanup
+        _host_snapshot.settle((f, 0) for f in creates)  # none may recreate files after a cleanup
         raise
 
 

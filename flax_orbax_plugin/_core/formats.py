@@ -31,8 +31,8 @@ from .._zarr import chunks as _chunks
 from .._zarr import packed_reader as _packed_reader
 from . import reads as _reads
 from .format_v1 import CHUNK_FILES
+from .host_snapshot import write_packed
 from .reads import check_packed_claims
-from .write_data import write_packed
 
 __all__ = [
     "CHUNK_FILES",
