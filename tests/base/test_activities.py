@@ -5,8 +5,13 @@ The waits themselves (a slow process waited for and named, a dead one detected, 
 waiting for each other) need several processes: tests/end_to_end/test_liveness.py.
 """
 
+import json
 import threading
+import time
 
+import pytest
+
+import flax_orbax_plugin as fop
 from flax_orbax_plugin._base import host, liveness
 
 
@@ -65,3 +70,54 @@ def test_the_progress_signature_moves_with_bytes_and_activities_not_with_time():
             assert moved != first
         assert acts.signature() not in (first, moved)  # an activity ended
     assert acts.signature() == ()
+
+
+class _Heartbeats:
+    """The coordination service's key-value store as a wait reads heartbeats from it."""
+
+    def __init__(self):
+        self.values = {}
+
+    def beat(self, process, n):
+        self.values[f"{liveness.ALIVE}/{process}"] = json.dumps(
+            {"beat": n, "moved": n, "doing": ["manager-save (operation 2)"]}
+        )
+
+    def key_value_try_get(self, key):
+        return self.values[key]
+
+
+def _named_dead(watch, process, within_s):
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            watch.look(process)
+        except fop.CoordinationError as e:
+            return str(e)
+        time.sleep(0.01)
+    return None
+
+
+def test_a_process_named_dead_is_remembered_until_it_beats_again(monkeypatch):
+    """The next wait on a process an earlier wait named dead raises at its first look,
+    in that session only; once its heartbeat moves again it is judged afresh."""
+    monkeypatch.setattr(liveness, "_DEAD", {}, raising=False)  # (fresh: this test's own)
+    monkeypatch.setattr(liveness, "PEER_SILENT_S", 0.5)
+    monkeypatch.setattr(liveness, "LOOK_S", 0.05)
+    service, other = _Heartbeats(), _Heartbeats()
+    service.beat(1, 7)
+    other.beat(1, 7)
+
+    def watch(client):
+        return liveness.PeerWatch(client, 0, "'k' from process 1", stall_s=60, late=lambda: [1])
+
+    first = _named_dead(watch(service), 1, within_s=10)
+    assert first is not None and "process 1 is dead: its heartbeat stopped" in first
+    with pytest.raises(fop.CoordinationError, match="named dead by an earlier wait"):
+        watch(service).look(1)  # at once: no look interval, no silence waited out again
+    watch(other).look(1)  # another session's process 1: judged on its own
+    service.beat(1, 8)  # it was only frozen: it beats again
+    again = watch(service)
+    again.look(1)
+    assert liveness._DEAD == {}  # forgotten: a later silence is timed afresh
+    assert _named_dead(again, 1, within_s=0.3) is None

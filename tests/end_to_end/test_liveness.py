@@ -22,7 +22,7 @@ import time
 import _mp_workers as W
 import numpy as np
 import pytest
-from _multiprocess import run_processes
+from _multiprocess import Kill, run_processes
 
 import flax_orbax_plugin as fop
 
@@ -122,6 +122,50 @@ def one_sided_save(ctx, directory):
         return {"error": None}
     except fop.CoordinationError as e:
         return {"error": str(e), "s": time.monotonic() - t}
+
+
+def waits_on_a_dead_process(ctx, waits):
+    """Both meet (so both beat); process 1 is SIGKILLed; process 0 then waits for it at
+    ``waits`` barriers in turn, each timed."""
+    from flax_orbax_plugin._base import distributed as _distributed
+
+    _distributed.barrier("fop/test/dead-met", region=None)
+    ctx.point("met")  # process 1 dies here (Kill)
+    out = []
+    for i in range(waits):
+        t = time.monotonic()
+        try:
+            _distributed.barrier(f"fop/test/dead-{i}", region=None)
+            out.append({"error": None, "s": time.monotonic() - t})
+        except fop.CoordinationError as e:
+            out.append({"error": str(e), "s": time.monotonic() - t})
+    return out
+
+
+def test_a_process_named_dead_stays_dead_for_the_next_waits(tmp_path):
+    """Process 1 is SIGKILLed: process 0's first wait names it dead once it was silent
+    FOP_PEER_SILENT_S (3 s); each later wait on it in that process raises at its first
+    look, saying so, rather than waiting out the silence once more (was: 3 s each)."""
+    silent = 3.0
+    run = run_processes(
+        "test_liveness:waits_on_a_dead_process",
+        2,
+        args={"waits": 3},
+        kill=Kill(process=1, at="met"),
+        env={"FOP_COORDINATION_TIMEOUT_S": "60", "FOP_PEER_SILENT_S": str(silent)},
+        heartbeat_timeout_s=60,
+        timeout_s=60,
+        done_timeout_s=2,
+    )
+    assert run[1].killed, run[1].describe()
+    assert run[0].ok, run[0].describe()
+    first, *later = run[0].result
+    assert "process 1 is dead: its heartbeat stopped" in first["error"], first
+    assert silent <= first["s"] < silent + 10, first
+    for wait in later:
+        assert "process 1 is dead: its heartbeat stopped" in wait["error"], wait
+        assert "named dead by an earlier wait" in wait["error"], wait
+        assert wait["s"] < silent / 2, (first, later)  # at its first look, not after 3 s
 
 
 def test_a_collective_call_made_by_one_process_only_says_so(tmp_path):
