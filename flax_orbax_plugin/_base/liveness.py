@@ -31,7 +31,7 @@ from .host import ACTIVITIES
 __all__ = ["PeerWatch", "ensure_beating"]
 
 ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
-LOOK_S = 1.0  # how often a wait reads the heartbeats (and how long before its first look)
+LOOK_S = 1.0  # how often a wait reads the heartbeats (its first look: at its first slice's end)
 # Read once, at import: a bad value is refused at the package's first use, everywhere.
 PEER_SILENT_S, LATE_REPORT_S = _env.read("FOP_PEER_SILENT_S"), _env.read("FOP_LATE_REPORT_S")
 logger = logging.getLogger("flax_orbax_plugin")
@@ -151,7 +151,9 @@ class PeerWatch:
         self._stall_s, self._stall_name = stall_s, stall_name
         self._silent_s, self._report_s = PEER_SILENT_S, LATE_REPORT_S
         self._start = time.monotonic()
-        self._next_look = self._start + LOOK_S
+        # The first look at once: a process's silence is counted from its beat first seen,
+        # so a look put off by a second would put off naming a dead process by as much.
+        self._next_look = self._start
         self._next_report = self._start + self._report_s
         self._seen: dict[int, _Seen] = {}
         self._mutual_since: float | None = None
@@ -160,8 +162,8 @@ class PeerWatch:
     def look(self, process: int) -> None:
         """Between two slices of the wait for ``process``: raises CoordinationError when
         it is dead or stalled; logs the late processes when a report is due. Reads the
-        heartbeats at most once per :data:`LOOK_S`, but at once for a process named dead
-        before in this session (:meth:`_still_dead`)."""
+        heartbeats at its first call, then at most once per :data:`LOOK_S` (a process
+        named dead before in this session: :meth:`_still_dead`, first)."""
         now = time.monotonic()
         if process not in self._recalled:
             self._recalled.add(process)

@@ -77,6 +77,7 @@ class _Heartbeats:
 
     def __init__(self):
         self.values = {}
+        self.reads = 0
 
     def beat(self, process, n):
         self.values[f"{liveness.ALIVE}/{process}"] = json.dumps(
@@ -84,6 +85,7 @@ class _Heartbeats:
         )
 
     def key_value_try_get(self, key):
+        self.reads += 1
         return self.values[key]
 
 
@@ -121,3 +123,23 @@ def test_a_process_named_dead_is_remembered_until_it_beats_again(monkeypatch):
     again.look(1)
     assert liveness._DEAD == {}  # forgotten: a later silence is timed afresh
     assert _named_dead(again, 1, within_s=0.3) is None
+
+
+def test_a_wait_reads_the_heartbeat_at_its_first_look_so_a_silence_counts_from_then(
+    monkeypatch,
+):
+    """The first look reads the awaited process's heartbeat at once (was: once the wait
+    had lasted LOOK_S), so a silent process is named dead after FOP_PEER_SILENT_S and a
+    look, not a second later."""
+    monkeypatch.setattr(liveness, "_DEAD", {}, raising=False)
+    monkeypatch.setattr(liveness, "PEER_SILENT_S", 0.5)
+    service = _Heartbeats()
+    service.beat(1, 3)  # its last beat: it never beats again
+    t = time.monotonic()
+    watch = liveness.PeerWatch(service, 0, "'k' from process 1", stall_s=60, late=lambda: [1])
+    watch.look(1)
+    assert service.reads == 1  # at once
+    error = _named_dead(watch, 1, within_s=10)
+    took = time.monotonic() - t
+    assert error is not None and "process 1 is dead: its heartbeat stopped" in error
+    assert took < liveness.LOOK_S + 0.6, took  # one look after the first (was: two)
