@@ -74,6 +74,7 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
     (_P + "_zarr.chunk_files", "_pools_lock"): "the process's shared read threads (after fork)",
     (_P + "_incremental.reuse", "_LOGGED"): "what was logged once per store and reason",
     (_P + "_base.liveness", "_BEATING"): "the process's heartbeat thread per coordination client",
+    (_P + "_base.liveness", "_DEAD"): "the processes this one's waits named dead, per session",
     (_P + "_storage.deleting", "_CONTEXT"): "the tensorstore context removals share (created once)",
     (_P + "_base.host", "_IN_FLIGHT"): (
         "the process's one save_async in flight (a second waits; a restore or verify of "

@@ -257,6 +257,7 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
     "FOP_COMMIT": (Option("FOP_COMMIT", "choice", choices=("auto", "rename", "file")), "auto"),
     # _storage.contexts: retries of an object store request (0.5 s doubling to 10 s)
     "FOP_STORE_RETRIES": (Option("FOP_STORE_RETRIES", "int", low=0, high=100), 8),
+    "FOP_TIER_RETRY_DELAY_S": (Option("FOP_TIER_RETRY_DELAY_S", "number", low=0, high=60), 0.5),
     "FOP_KILL_AT": (
         Option(
             "FOP_KILL_AT",

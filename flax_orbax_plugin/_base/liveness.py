@@ -2,11 +2,14 @@
 client, publishing what its threads are doing, ``host.ACTIVITIES``, read here in words,
 :func:`activity_lines`, and as a :func:`progress_signature`) and the judge of
 the processes a wait waits for (:class:`PeerWatch`: a dead one, a stalled one, one that
-took another path, two that only wait for each other, the late ones named). Only
-several processes reach here: a one-process operation never waits.
+took another path, two that only wait for each other, the late ones named). A process
+named dead stays dead for this process's later waits (:data:`_DEAD`): they raise at
+their first look, not after ``FOP_PEER_SILENT_S`` of silence again, unless its heartbeat
+moved since. Only several processes reach here: a one-process operation never waits.
 
 Threading: one heartbeat thread per process; a :class:`PeerWatch` is used by the one
-thread that waits.
+thread that waits; the record of dead processes is shared by every waiting thread
+(under its lock).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.regions``.
 """
@@ -29,7 +32,7 @@ from .host import ACTIVITIES, Activities, Progress
 __all__ = ["PeerWatch", "activity_lines", "ensure_beating", "progress_signature"]
 
 ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
-LOOK_S = 1.0  # how often a wait reads the heartbeats (and how long before its first look)
+LOOK_S = 1.0  # how often a wait reads the heartbeats (its first look: at its first slice's end)
 # Read once, at import: a bad value is refused at the package's first use, everywhere.
 PEER_SILENT_S, LATE_REPORT_S = _env.read("FOP_PEER_SILENT_S"), _env.read("FOP_LATE_REPORT_S")
 logger = logging.getLogger("flax_orbax_plugin")
@@ -113,6 +116,29 @@ def ensure_beating(client: Any, process: int) -> None:
             _BEATING[id(client)] = _Heartbeat(client, process, period).start()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Dead:
+    """A process named dead by a wait: its last heartbeat (``beat``), when that beat was
+    first seen (monotonic), what it was doing, and the client of the session it was in."""
+
+    client: Any
+    beat: int
+    at: float
+    doing: list[str]
+
+
+# (id(client), process) -> the record of a process named dead in that session. The
+# client is kept in the record (so its id is never reused while listed) and compared.
+_DEAD: dict[tuple[int, int], _Dead] = {}
+_DEAD_LOCK = threading.Lock()
+
+
+def _dead_record(client: Any, process: int) -> _Dead | None:
+    with _DEAD_LOCK:
+        found = _DEAD.get((id(client), process))
+    return found if found is not None and found.client is client else None
+
+
 @dataclasses.dataclass
 class _Seen:
     beat: int
@@ -155,16 +181,23 @@ class PeerWatch:
         self._stall_s, self._stall_name = stall_s, stall_name
         self._silent_s, self._report_s = PEER_SILENT_S, LATE_REPORT_S
         self._start = time.monotonic()
-        self._next_look = self._start + LOOK_S
+        # The first look at once: a process's silence is counted from its beat first seen,
+        # so a look put off by a second would put off naming a dead process by as much.
+        self._next_look = self._start
         self._next_report = self._start + self._report_s
         self._seen: dict[int, _Seen] = {}
         self._mutual_since: float | None = None
+        self._recalled: set[int] = set()  # the processes looked up in _DEAD already
 
     def look(self, process: int) -> None:
         """Between two slices of the wait for ``process``: raises CoordinationError when
         it is dead or stalled; logs the late processes when a report is due. Reads the
-        heartbeats at most once per :data:`LOOK_S`."""
+        heartbeats at its first call, then at most once per :data:`LOOK_S` (a process
+        named dead before in this session: :meth:`_still_dead`, first)."""
         now = time.monotonic()
+        if process not in self._recalled:
+            self._recalled.add(process)
+            self._still_dead(process, now)
         if now < self._next_look:
             return
         self._next_look = now + LOOK_S
@@ -178,6 +211,10 @@ class PeerWatch:
                     f"its first coordination call, or died before it"
                 )
         elif now - seen.at >= self._silent_s:
+            with _DEAD_LOCK:
+                _DEAD[(id(self._client), process)] = _Dead(
+                    self._client, seen.beat, seen.at, seen.doing
+                )
             raise CoordinationError(
                 f"{self._prefix()}process {process} is dead: its heartbeat stopped "
                 f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}); it was "
@@ -193,6 +230,28 @@ class PeerWatch:
         if now >= self._next_report:
             self._next_report = now + self._report_s
             self._report(now)
+
+    def _still_dead(self, process: int, now: float) -> None:
+        """At this wait's first look at ``process``: when an earlier wait of this session
+        named it dead and its heartbeat has not moved since (the same beat, or none to
+        read: a service gone), raises CoordinationError at once. A process that beats
+        again (it was only frozen) is forgotten and judged as any other."""
+        dead = _dead_record(self._client, process)
+        if dead is None:
+            return
+        self._read(now, [process])
+        seen = self._seen.get(process)
+        if seen is not None and seen.beat != dead.beat:
+            with _DEAD_LOCK:
+                if _DEAD.get((id(self._client), process)) is dead:
+                    del _DEAD[(id(self._client), process)]
+            return
+        raise CoordinationError(
+            f"{self._prefix()}process {process} is dead: its heartbeat stopped "
+            f"{now - dead.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}; named dead "
+            f"by an earlier wait, and it has not beaten since); it was "
+            f"{self._doing(_Seen(dead.beat, dead.at, dead.doing))}"
+        )
 
     def _check_stalled(self, process: int, seen: _Seen, now: float) -> None:
         """A live process doing something of its own (or nothing of ours) is given as

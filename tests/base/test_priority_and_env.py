@@ -147,3 +147,20 @@ def test_good_values_are_taken(monkeypatch):
     assert _env.read("FOP_BACKGROUND_NICE") == 7
     assert _env.read("FOP_FAIL_AT")[:3] == ("read_chunk", 2, "EMFILE")
     assert _env.read("FOP_DIRECT_IO") == "1"
+
+
+def test_a_bad_tier_retry_delay_is_refused_at_a_tiers_open(tmp_path):
+    """FOP_TIER_RETRY_DELAY_S is read once, when a manager with a persistent tier is
+    first opened in the process: a bad value is refused there, by name."""
+    code = "import sys, flax_orbax_plugin as fop\n"
+    code += "fop.CheckpointManager(sys.argv[1], persistent=sys.argv[2])"
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "local"), str(tmp_path / "remote")],
+        env=_proc.child_env(FOP_TIER_RETRY_DELAY_S="-1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0
+    expected = "environment variable FOP_TIER_RETRY_DELAY_S must be a finite number >= 0"
+    assert expected in run.stderr and "'-1'" in run.stderr, run.stderr[-2000:]

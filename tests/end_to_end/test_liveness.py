@@ -22,7 +22,7 @@ import time
 import _mp_workers as W
 import numpy as np
 import pytest
-from _multiprocess import run_processes
+from _multiprocess import Kill, run_processes
 
 import flax_orbax_plugin as fop
 
@@ -33,7 +33,9 @@ SLOW_S = 0.75  # a slowed process's sleep per region written / read completed
 # Sharded leaves: 2 regions each per process (2 devices): 6 x 0.75 s = 4.5 s, at least
 # 1.5 times the stall timeout by the sleeps alone.
 LEAVES = 3
-PAUSE_S = 10  # a stalled process's pause (it is named stalled after about 4 s)
+# A stalled process's pause: it is named stalled about 3 s into it (the stall timeout;
+# a wait's first look at the heartbeat is at once), its save ~5 s in, < PAUSE_S - 2.
+PAUSE_S = 9
 ENV = {"FOP_LATE_REPORT_S": "1", "FOP_PEER_SILENT_S": "4"}
 
 
@@ -124,6 +126,50 @@ def one_sided_save(ctx, directory):
         return {"error": str(e), "s": time.monotonic() - t}
 
 
+def waits_on_a_dead_process(ctx, waits):
+    """Both meet (so both beat); process 1 is SIGKILLed; process 0 then waits for it at
+    ``waits`` barriers in turn, each timed."""
+    from flax_orbax_plugin._base import distributed as _distributed
+
+    _distributed.barrier("fop/test/dead-met", region=None)
+    ctx.point("met")  # process 1 dies here (Kill)
+    out = []
+    for i in range(waits):
+        t = time.monotonic()
+        try:
+            _distributed.barrier(f"fop/test/dead-{i}", region=None)
+            out.append({"error": None, "s": time.monotonic() - t})
+        except fop.CoordinationError as e:
+            out.append({"error": str(e), "s": time.monotonic() - t})
+    return out
+
+
+def test_a_process_named_dead_stays_dead_for_the_next_waits(tmp_path):
+    """Process 1 is SIGKILLed: process 0's first wait names it dead once it was silent
+    FOP_PEER_SILENT_S (3 s); each later wait on it in that process raises at its first
+    look, saying so, rather than waiting out the silence once more (was: 3 s each)."""
+    silent = 3.0
+    run = run_processes(
+        "test_liveness:waits_on_a_dead_process",
+        2,
+        args={"waits": 3},
+        kill=Kill(process=1, at="met"),
+        env={"FOP_COORDINATION_TIMEOUT_S": "60", "FOP_PEER_SILENT_S": str(silent)},
+        heartbeat_timeout_s=60,
+        timeout_s=60,
+        done_timeout_s=2,
+    )
+    assert run[1].killed, run[1].describe()
+    assert run[0].ok, run[0].describe()
+    first, *later = run[0].result
+    assert "process 1 is dead: its heartbeat stopped" in first["error"], first
+    assert silent <= first["s"] < silent + 10, first
+    for wait in later:
+        assert "process 1 is dead: its heartbeat stopped" in wait["error"], wait
+        assert "named dead by an earlier wait" in wait["error"], wait
+        assert wait["s"] < silent / 2, (first, later)  # at its first look, not after 3 s
+
+
 def test_a_collective_call_made_by_one_process_only_says_so(tmp_path):
     """The other process is alive and doing nothing of the library's: after the stall
     timeout the caller is told that it has not made the call, not that it stalled."""
@@ -188,7 +234,7 @@ def test_a_slow_but_progressing_process_is_named_with_its_bytes_left_never_abort
 def test_a_process_that_stops_progressing_is_named_stalled(tmp_path):
     """Process 1 pauses mid-write, beating but moving nothing, past stall_timeout=3 s:
     process 0 (waiting for it in the commit) names it stalled while it is still paused
-    (within seconds of the stall timeout, well before the 10 s pause ends), the commit's
+    (within seconds of the stall timeout, well before the 9 s pause ends), the commit's
     outcome says so on both, and no step is committed."""
     run = run_processes(
         "test_liveness:slow_save_and_restore",

@@ -106,6 +106,14 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, me, directory, via = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+if me != 0:  # once the service listens (see _multiprocess.await_coordinator)
+    import socket
+    for _ in range(6000):
+        try:
+            socket.create_connection(("127.0.0.1", int(port)), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.01)
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=me,
                            shutdown_timeout_seconds=20)
 import numpy as np

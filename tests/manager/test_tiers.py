@@ -683,7 +683,9 @@ def test_a_share_failing_on_one_process_commits_nothing_and_every_process_raises
         2,
         devices_per_process=2,
         args={"local": local, "url": s3_location.url},
-        env={"FOP_COORDINATION_TIMEOUT_S": "20", **s3_location.env},
+        # The three attempts at step 2 (each failing on process 1) without the pauses
+        # between them (0.5 s, then 1 s).
+        env={"FOP_COORDINATION_TIMEOUT_S": "20", "FOP_TIER_RETRY_DELAY_S": "0", **s3_location.env},
         heartbeat_timeout_s=30,
         timeout_s=120,
     ).check()

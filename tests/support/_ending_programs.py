@@ -24,6 +24,10 @@ import jax
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, me, directory, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+if me != 0:  # the service listens first (see _multiprocess.await_coordinator)
+    from _multiprocess import await_coordinator
+
+    await_coordinator(f"127.0.0.1:{port}", 60)
 jax.distributed.initialize(
     f"127.0.0.1:{port}", num_processes=2, process_id=me, shutdown_timeout_seconds=60
 )

@@ -361,6 +361,24 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), func)
 
 
+def await_coordinator(address: str, timeout_s: float) -> None:
+    """Returns once the coordination service at ``address`` ("host:port") accepts a
+    connection, or after ``timeout_s`` (``jax.distributed.initialize`` then reports what
+    it finds). A process other than the service's host calls it before initialize: a
+    client that reaches the port before the service listens waits out gRPC's reconnect
+    backoff (~1 s) before it tries again, and every process's initialize waits for it."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.01)
+
+
 def _child_main() -> int:
     job = json.loads(os.environ[_SPEC_ENV])
     t_start = time.time()
@@ -372,6 +390,8 @@ def _child_main() -> int:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if job["recoverable"]:
             jax.config.update("jax_enable_recoverability", True)
+        if job["process_id"] != 0:
+            await_coordinator(job["coordinator"], job["init_timeout_s"])
         jax.distributed.initialize(
             coordinator_address=job["coordinator"],
             num_processes=job["num_processes"],

@@ -13,6 +13,7 @@ import logging
 import secrets
 import time
 
+from ..._base import env as _env
 from ..._core import ownership as _ownership
 from ..._core import removing as _removing
 from ..._core.save import Staging
@@ -37,7 +38,8 @@ __all__ = ["RETRIES", "RETRY_DELAY_S", "Replicator", "remove_unfinished"]
 logger = logging.getLogger("flax_orbax_plugin")
 
 RETRIES = 2
-RETRY_DELAY_S = 0.5
+# The pause before the n-th retry is n times this (read once, at import).
+RETRY_DELAY_S = _env.read("FOP_TIER_RETRY_DELAY_S")
 
 
 class Replicator:
