@@ -4,7 +4,7 @@ Contexts are created once per kind of store (local, object store), lazily, under
 safe from any thread. A local save or restore of format version 2 opens none (its files
 are read and written directly: ``local_files``, ``_zarr``).
 
-Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstore``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.location``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ path a path argument names, an object-store URL refused with what to do instead.
 Only the importers, exporters and the command line call this; a save or restore of a
 checkpoint takes any store (``kvstore.spec_from_path``). Pure functions: any thread.
 
-Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstore``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.location``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from .._errors import UnsupportedLocationError
-from .kvstore import _SCHEME, _STORES, _shown, spec_from_path
+from .location import _SCHEME, _STORES, _shown, spec_from_path
 
 
 def local_path(path: Any, *, what: str, note: str = "") -> str:

@@ -5,7 +5,7 @@ credentials are named at all.
 Only an ``s3://`` path runs this. Pure functions over the environment (and the
 credentials file, cached by its mtime and size): any thread.
 
-Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstore``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.location``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The ``errors=`` of a public entry is :func:`refusals` (its places named by
 :func:`arguments`): built when the entry is defined, run only when a call fails. Pure
 functions: any thread.
 
-Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.kvstore``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.location``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._errors import CheckpointError, StoreAccessError
-from .kvstore import spec_from_path
+from .location import spec_from_path
 from .s3_credentials import aws_credentials_present
 
 _NO_CREDENTIALS = (

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Callable
 
 from .. import _errors
-from .._storage.kvstore import spec_from_path
 from .._storage.local_inputs import local_path
+from .._storage.location import spec_from_path
 from .._storage.store_errors import store_error_line
 from .native_logs import aws_lines_filtered
 from .output import EXIT_STORE, CliError, one_line

@@ -12,7 +12,7 @@ import sys
 import _paths
 import pytest
 
-from flax_orbax_plugin._storage.kvstore import spec_from_path
+from flax_orbax_plugin._storage.location import spec_from_path
 
 pytest_plugins = ["_servers"]
 

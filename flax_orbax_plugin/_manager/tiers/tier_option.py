@@ -18,8 +18,7 @@ from typing import Any
 from ..._base.env import Option, check, found
 from ..._base.keywords import refuse_without
 from ..._storage import run_owner as _run_owner
-from ..._storage.kvstore import spec_from_path
-from ..._storage.location import Location
+from ..._storage.location import Location, spec_from_path
 from ..events import Events
 from ..retention import KEEP, KEEP_EVERY
 from .tier import PersistentTier
