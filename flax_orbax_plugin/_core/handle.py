@@ -193,6 +193,14 @@ class Cancellation(threading.Event):
         self.set()
 
 
+def _set(cancelled: threading.Event, reason: str | None) -> None:
+    """Sets a save's cancellation event, with ``reason`` where it takes one."""
+    if isinstance(cancelled, Cancellation):
+        cancelled.cancel(reason)
+    else:
+        cancelled.set()
+
+
 @_distributed.public(errors=refusals(lambda bound: [bound["self"].path]))
 class SaveHandle:
     """A save whose background phase may still run: ``wait()`` returns its
@@ -231,7 +239,14 @@ class SaveHandle:
         self._reported = False
         self._finished = threading.Event()
 
-    def start(self) -> SaveHandle:
+    def start(self, *, held: Any = None) -> SaveHandle:
+        """Starts the background phase (once). ``held``: the ``_base.interrupts.Held``
+        of the deferral its blocking phase runs in; with a Ctrl-C held there, the
+        background phase starts cancelled (an interruption), so the KeyboardInterrupt
+        raised at that phase's end finds nothing committed, however soon the background
+        phase would have finished."""
+        if held is not None and held.received:
+            _set(self.cancelled, None)
         _finish_at_exit(self)
         self._thread.start()
         return self
@@ -334,11 +349,7 @@ class SaveHandle:
         return self._cancel(None)
 
     def _cancel(self, reason: str | None) -> bool:
-        cancelled = self.cancelled
-        if isinstance(cancelled, Cancellation):
-            cancelled.cancel(reason)
-        else:
-            cancelled.set()
+        _set(self.cancelled, reason)
         self._mark_reported()
         if self._thread.ident is None:
             return True  # never started: nothing was written

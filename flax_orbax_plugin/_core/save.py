@@ -313,7 +313,7 @@ def _start(
         _host.wait_for_pending_save()  # interruptible: nothing of this save exists yet
         # Ctrl-C is held over the blocking phase proper (never raised inside a callback
         # of JAX or tensorstore, which would drop it) and raised at its end.
-        with _interrupts.deferred_sigint():
+        with _interrupts.deferred_sigint() as ctrl_c:
             start = time.perf_counter()
             location = Location.from_path(path)
             cancelled = Cancellation()  # the writes stop once it is set
@@ -349,7 +349,7 @@ def _start(
             )
             handle = SaveHandle(str(location), job.run, cancelled=cancelled, region=region)
             _host.in_flight(handle)
-            handle.start()
+            handle.start(held=ctrl_c)  # a Ctrl-C held by now: it starts cancelled
             started.append(handle)
         wait_for_data(snap, handle)  # interruptible: the caller's except cancels
         return handle

@@ -314,8 +314,8 @@ class Saver:
         figure, budget = _host_memory.save_budget(self._ceiling, arrays, self._incremental)
         events.emit(SaveStarted(step, str(self._loc), figure, budget is not None))
         try:
-            with _interrupts.deferred_sigint():
-                pendings = self._start(step, items, extras, local, replicate, region, budget)
+            with _interrupts.deferred_sigint() as held:
+                pendings = self._start(step, items, extras, local, replicate, region, budget, held)
             for pending in pendings.values():  # views under a budget: written before returning
                 wait_for_data(getattr(pending, "snap", None), self.inflight)  # interruptible
             self.views_held(items, self.inflight)
@@ -327,9 +327,7 @@ class Saver:
                 events.save_failed(step, str(self._loc), "blocking", e)
             raise
 
-    def _start(
-        self, step: int, items: dict, extras: Any, local: list, replicate: bool, region, budget
-    ) -> dict[str, Pending]:
+    def _start(self, step, items, extras, local, replicate, region, budget, held) -> dict:
         if replicate and self._book.tier is not None:
             self._book.tier.force(step)
         if self._hf_shards is not None and self._hf_shards.due(step):
@@ -345,7 +343,8 @@ class Saver:
             self.abort_alone(opened)
             raise
         marker = _per_host.own_marker(step, self._book.run, items) if own else None
-        self.commit(opened, metric, time.perf_counter() - opened.started, host_marker=marker)
+        blocking = time.perf_counter() - opened.started
+        self.commit(opened, metric, blocking, host_marker=marker, held=held)
         return opened.pendings
 
     # -- a step saved in parts (step_parts): what a whole save does above, by piece
@@ -416,10 +415,12 @@ class Saver:
         blocking: float,
         *,
         host_marker: bytes | None = None,
+        held: Any = None,
     ) -> None:
         """Every item of ``opened`` is in (its blocking phase done): its one commit
         starts in the background, the save in flight from now on (``inflight``).
-        ``blocking``: the seconds the training loop waited for it. Training thread."""
+        ``blocking``: the seconds the training loop waited for it; ``held``: the Ctrl-C
+        deferral the blocking phase ran in (``SaveHandle.start``). Training thread."""
         step, region = opened.step, opened.request.region
         entries = {n: ItemEntry(kind_of(h), opened.dirs[n]) for n, h in opened.handlers.items()}
         pendings = opened.pendings
@@ -448,7 +449,7 @@ class Saver:
         cancelled = opened.request.cancelled
         self.inflight = SaveHandle(
             str(opened.final), background, cancelled=cancelled, region=region, guard=guard
-        ).start()
+        ).start(held=held)
 
     def save_items(
         self, opened: OpenStep, items: dict, *, budget: Any = None
