@@ -360,7 +360,7 @@ def _expected_kill_tree():
 
 
 def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
-    """Kill a real saving process at 16 moments (up to 12 more when too few land mid-save);
+    """Kill a real saving process at 16 moments (up to 24 more when too few land mid-save);
     each path is uncommitted or exact."""
     script = tmp_path / "child.py"
     script.write_text(_KILL_CHILD)
@@ -398,11 +398,12 @@ def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
         points = 16
         # Kills spread over 1.2x the calibrated save; when too few land mid-save (later
         # saves ran faster or slower than the calibration on this shared machine), up to
-        # 12 more go into the window between the latest kill that came before anything
-        # was written and the earliest that found the save done, where mid-save lies.
+        # 24 more go into the window between the latest kill that came before anything
+        # was written and the earliest that found the save done, where mid-save lies
+        # (measured again after each: a loaded machine moves it).
         delays = [duration * 1.2 * i / (points - 1) for i in range(points)]
         seen: dict[float, str] = {}
-        extra = 12
+        extra = EXTRA_KILLS
         i = 0
         while i < len(delays):
             path = tmp_path / f"c{i}"
@@ -424,7 +425,7 @@ def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
             i += 1
             if i == len(delays) and outcomes["interrupted mid-save"] < 3 and extra:
                 extra -= 1
-                delays.append(_inside_the_window(seen, 12 - extra))
+                delays.append(_inside_the_window(seen, EXTRA_KILLS - extra))
     finally:
         server.stdin.close()
         _proc.wait(server, timeout=60)
@@ -433,14 +434,20 @@ def test_sigkill_at_many_points_never_leaves_a_half_checkpoint(tmp_path):
     assert sum(outcomes.values()) == len(delays)
 
 
+EXTRA_KILLS = 24  # kills aimed inside the mid-save window, at most, when too few land there
+
+
 def _inside_the_window(seen: dict[float, str], k: int) -> float:
-    """The k-th (1..12) kill delay inside the window where a kill lands mid-save: after
-    the latest delay that killed the save before it wrote, before the earliest that
-    found it committed (spread over the window, its middle first)."""
+    """The k-th (1..EXTRA_KILLS) kill delay inside the window where a kill lands
+    mid-save: after the latest delay that killed the save before it wrote, before the
+    earliest that found it committed (spread over the window, its middle first: the
+    base-2 van der Corput sequence 1/2, 1/4, 3/4, 1/8, ...)."""
     before = max((d for d, o in seen.items() if o == "killed before writing"), default=0.0)
     done = [d for d, o in seen.items() if o == "exact" and d > before]
     end = min(done, default=before * 1.5 + 0.05)
-    fraction = [0.5, 0.25, 0.75, 0.125, 0.375, 0.625, 0.875, 0.1, 0.3, 0.6, 0.9, 0.05][k - 1]
+    fraction, scale, n = 0.0, 0.5, k
+    while n:
+        fraction, n, scale = fraction + scale * (n & 1), n >> 1, scale / 2
     return before + (end - before) * fraction
 
 
