@@ -1,15 +1,8 @@
-"""The on-disk layout, format version 1: typed records for the JSON files of a checkpoint.
-
-This package is the only place that knows the JSON field names and the names on disk.
-``records``: the records as a writer makes them (``to_json()``/``to_bytes()``), the
-names on disk, and the checked-JSON helpers;
-``read_back``: each record parsed from what storage holds (``leaf_from_json``,
-``batch_from_json``, ``document_from_json``, ``manifest_from_bytes``;
-``CommitMarker.from_bytes``, which a save
-reads too, stays with its record), every field validated before anything sized by the
-untrusted numbers is allocated, a :class:`CorruptCheckpointError` naming the file and the
-field; ``dtypes``: the dtypes a checkpoint may hold. FORMAT.md at the repository root is
-the specification; later format versions restore version 1.
+"""The on-disk layout, format version 1: typed records for the JSON files of a checkpoint,
+the only place that knows the JSON field names and the names on disk (FORMAT.md is the
+specification). ``records``: the records as a writer makes them; ``read_back``: each
+record parsed from storage, every field checked first; ``dtypes``: the dtypes a
+checkpoint may hold.
 """
 
 from __future__ import annotations
@@ -21,15 +14,11 @@ from .dtypes import (
     dtype_name,
     packable,
     packed_bytes,
-    zarr_dtype,
 )
 from .read_back import (
     STEP_NAME,
     STEP_RE,
-    batch_from_json,
     committed_checksums,
-    decode_checked,
-    document_from_json,
     item_checksums,
     leaf_from_json,
     manifest_for_item,
@@ -38,8 +27,6 @@ from .read_back import (
     read_listed,
     read_listed_document,
     read_manifest,
-    sha256_mismatch,
-    text_bytes,
     text_value,
 )
 from .records import (
@@ -47,25 +34,13 @@ from .records import (
     BATCHES_DIR,
     COMMIT_FILE,
     EMPTY_KINDS,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     HOST_FILE,
     JSON_VALUE_FILE,
-    KEY_KINDS,
-    LEAF_KINDS,
     MANIFEST_FILE,
-    MAX_ARRAY_BYTES,
-    MAX_JSON_BYTES,
-    MAX_NDIM,
-    MAX_PROCESSES,
     MAX_TEXT_BYTES,
     METADATA_FILE,
     NO_DATA_KINDS,
     PENDING_FILE,
-    PRNG_IMPLS,
-    PRNG_KEY_WORDS,
-    SCALAR_KINDS,
-    STEP_FORMAT,
     STEP_VERSION,
     TEXT_KINDS,
     ArrayStorage,
@@ -80,11 +55,9 @@ from .records import (
     batch_dir,
     batch_name,
     check_codec,
-    decode,
     encode,
     is_safe_name,
     iterator_state_file,
-    parse_sealed,
     seal,
     sha256,
     step_dir,
@@ -103,53 +76,33 @@ __all__ = [
     "StepManifest",
     "manifest_from_bytes",
     "EMPTY_KINDS",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
     "JSON_VALUE_FILE",
-    "KEY_KINDS",
-    "LEAF_KINDS",
     "LeafRecord",
     "MANIFEST_FILE",
     "PENDING_FILE",
     "HOST_FILE",
     "DTYPES",
-    "MAX_ARRAY_BYTES",
-    "MAX_JSON_BYTES",
-    "MAX_NDIM",
-    "MAX_PROCESSES",
     "MAX_TEXT_BYTES",
     "METADATA_FILE",
     "NO_DATA_KINDS",
-    "PRNG_IMPLS",
-    "PRNG_KEY_WORDS",
-    "SCALAR_KINDS",
-    "STEP_FORMAT",
     "STEP_VERSION",
     "SUPPORTED_DTYPES",
     "TEXT_KINDS",
     "array_dir",
     "batch_dir",
-    "batch_from_json",
     "batch_name",
     "check_codec",
-    "decode",
-    "decode_checked",
     "dtype_from_name",
-    "document_from_json",
     "dtype_name",
     "encode",
     "is_safe_name",
     "iterator_state_file",
     "leaf_from_json",
-    "parse_sealed",
     "seal",
     "sha256",
     "step_dir",
-    "sha256_mismatch",
     "packable",
     "packed_bytes",
-    "text_bytes",
-    "zarr_dtype",
     "text_value",
     "STEP_NAME",
     "STEP_RE",

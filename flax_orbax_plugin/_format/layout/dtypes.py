@@ -117,14 +117,6 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(getattr(importlib.import_module("ml_dtypes"), name))
 
 
-@functools.lru_cache(maxsize=64)
-def zarr_dtype(name: str) -> np.dtype:
-    """The numpy dtype of the zarr3 ``data_type`` that arrays of dtype ``name`` are
-    stored as (``name``'s own where tensorstore knows it; else ``uint8``): tensorstore
-    reads and writes their values through a view of this dtype (same itemsize)."""
-    return _numpy_dtype(DTYPES[name].zarr)
-
-
 def packable(name: str, shape, chunk) -> bool:
     """Whether a leaf of dtype ``name``, ``shape`` and ``chunk`` shape is stored packed
     (``packed_array``): a sub-byte dtype, at least one axis and no empty one, and
