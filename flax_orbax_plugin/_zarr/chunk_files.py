@@ -493,15 +493,21 @@ def _read_ranges(path: str, name: str, expected: int, ranges: list) -> None:
         if len(ranges) > 1 and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         for at, parts in ranges:
-            views = [memoryview(p) for p in parts if p.size]
-            while views:
-                got = os.preadv(fd, views[: _chunks.IOV_MAX], at)
-                if got == 0:
-                    raise ValueError(f"chunk {name}: ended early")
-                at += got
-                total += got
-                _chunks.advance(views, got)
+            total += preadv_into(fd, parts, at, name) - at
     finally:
         os.close(fd)
         with _read_lock:
             _read_total += total
+
+
+def preadv_into(fd: int, parts: list[np.ndarray], at: int, name: str) -> int:
+    """Fills ``parts`` (uint8 arrays) from ``fd`` from offset ``at`` on; returns the
+    offset after them. ValueError naming chunk ``name`` where the file ends early."""
+    views = [memoryview(p) for p in parts if p.size]
+    while views:
+        got = os.preadv(fd, views[: _chunks.IOV_MAX], at)
+        if got == 0:
+            raise ValueError(f"chunk {name}: ended early")
+        at += got
+        _chunks.advance(views, got)
+    return at

@@ -151,13 +151,9 @@ class PackedReader(_chunk_files.ChunkReader):
         end = seg.offset + seg.length - 1
         return f"data file {_chunks.DATA_DIR}/{seg.file}, bytes {seg.offset}-{end} (chunk {path})"
 
-    def _ranged_segment(self, path: str, name: str, expected: int, ranges: list) -> None:
-        """Fills the parts of each ``(offset, parts)`` of ``ranges`` (offsets inside the
-        segment of chunk ``path``) from its data file; the segment must be ``expected``
-        bytes long, and its last four bytes (the last range's last part: a batch
-        shard's index checksum, which the caller checks against the index it reads)
-        must be the crc32c the data index lists. Only those bytes are read."""
-        _env.fail_point("read_chunk")
+    def _segment(self, path: str, expected: int) -> _chunks.Segment:
+        """The segment of chunk ``path``, which must be ``expected`` bytes long."""
+        _env.fail_point("read_chunk")  # as version 1's reader, before each chunk read
         segment = self._chunks.get(path)
         if segment is None:
             raise ValueError(f"chunk {path} is missing (no data index lists it)")
@@ -165,19 +161,20 @@ class PackedReader(_chunk_files.ChunkReader):
             raise ValueError(
                 f"chunk {path}: expected {expected} bytes, its data index lists {segment.length}"
             )
-        fd = self._fds[segment.file]
+        return segment
+
+    def _ranged_segment(self, path: str, name: str, expected: int, ranges: list) -> None:
+        """Fills the parts of each ``(offset, parts)`` of ``ranges`` (offsets inside the
+        segment of chunk ``path``) from its data file, reading only those bytes; the last
+        four (a batch shard's index checksum) must be the crc32c the data index lists."""
+        segment = self._segment(path, expected)
+        label = f"{path} ({_chunks.DATA_DIR}/{segment.file})"
         total = 0
-        for at, parts in ranges:
-            views = [memoryview(p) for p in parts if p.size]
-            at += segment.offset
-            while views:
-                got = os.preadv(fd, views[: _chunks.IOV_MAX], at)
-                if got == 0:
-                    raise ValueError(
-                        f"chunk {path} ({_chunks.DATA_DIR}/{segment.file}): ended early"
-                    )
-                at, total = at + got, total + got
-                _chunks.advance(views, got)
+        for offset, parts in ranges:
+            at = _chunk_files.preadv_into(
+                self._fds[segment.file], parts, segment.offset + offset, label
+            )
+            total += at - segment.offset - offset
         _chunk_files.count_read(total)
         last = ranges[-1][1][-1]
         if (
@@ -187,15 +184,8 @@ class PackedReader(_chunk_files.ChunkReader):
             raise ValueError(f"chunk {path}: its crc32c differs from its data index's")
 
     def _fill_segment(self, path: str, name: str, parts: list[np.ndarray]) -> None:
-        _env.fail_point("read_chunk")  # as version 1's reader, before each chunk read
-        segment = self._chunks.get(path)
-        if segment is None:
-            raise ValueError(f"chunk {path} is missing (no data index lists it)")
         expected = sum(p.size for p in parts)
-        if segment.length != expected:
-            raise ValueError(
-                f"chunk {path}: expected {expected} bytes, its data index lists {segment.length}"
-            )
+        segment = self._segment(path, expected)
         where = f"{path} ({_chunks.DATA_DIR}/{segment.file} at {segment.offset})"
         if self._kv is not None:
             value = self._ranges.take(path, segment)
@@ -212,15 +202,10 @@ class PackedReader(_chunk_files.ChunkReader):
                 p[...] = raw[at : at + p.size]
                 at += p.size
         else:
-            views = [memoryview(p) for p in parts if p.size]
-            at = segment.offset
-            while views:
-                got = os.preadv(self._fds[segment.file], views[: _chunks.IOV_MAX], at)
-                if got == 0:
-                    raise ValueError(f"chunk {where}: ended early")
-                at += got
-                _chunks.advance(views, got)
-            _chunk_files.count_read(at - segment.offset)
+            fd = self._fds[segment.file]
+            _chunk_files.count_read(
+                _chunk_files.preadv_into(fd, parts, segment.offset, where) - segment.offset
+            )
         if int.from_bytes(parts[-1].tobytes(), "little") != segment.crc32c:
             raise ValueError(f"chunk {where}: its crc32c differs from its data index's")
 
@@ -231,11 +216,7 @@ class PackedReader(_chunk_files.ChunkReader):
         declared to the fetch plan (:class:`RangeReads`) and its jobs start only when a
         result is waited for, with at most :data:`AHEAD_BYTES` of later jobs, so that
         the plan knows every read issued before the first wait."""
-        bounds = [
-            s.indices(n)[:2]
-            for s, n in zip(region or [slice(None)] * len(shape), shape, strict=True)
-        ]
-        ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(bounds, chunk, strict=True)]
+        bounds, ranges = _cells(shape, chunk, region)
         if self._kv is not None:
             self._ranges.want(_key(sub, cell) for cell in itertools.product(*ranges))
         read = super().read(sub, shape, chunk, dtype, region)
@@ -270,12 +251,8 @@ class PackedReader(_chunk_files.ChunkReader):
         array (its ``record``): only the segments of the chunks it touches are fetched
         (each checked against its index entry, and bounded), then decoded and checked
         by tensorstore."""
-        sub, shape, chunk = _layout.array_dir(index), record.shape, record.storage.chunk_shape
-        bounds = [
-            s.indices(n)[:2]
-            for s, n in zip(region or [slice(None)] * len(shape), shape, strict=True)
-        ]
-        ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(bounds, chunk, strict=True)]
+        sub, chunk = _layout.array_dir(index), record.storage.chunk_shape
+        _, ranges = _cells(record.shape, chunk, region)
         keys = [_key(sub, cell) for cell in itertools.product(*ranges)]
         decoder = _codec.Decoder(_arrays.leaf_spec(_codec.MEMORY, index, record))
         raw = int(np.prod(chunk, dtype=np.int64)) * decoder.store.dtype.numpy_dtype.itemsize
@@ -300,7 +277,7 @@ class PackedReader(_chunk_files.ChunkReader):
 
     def _load_all(self, sub, keys, decoder, raw: int, inners: int) -> list:
         if self._kv is not None:
-            self._ranges.prefetch(keys)
+            self._ranges.want(keys)
         bound = _codec.max_segment_bytes(raw, inners)
         return [self._pool.submit(self._load, sub, key, decoder, bound) for key in keys]
 
@@ -333,6 +310,15 @@ class CompressedRead:
         into = _arrays.as_stored(out, self.view.dtype.numpy_dtype)
         ts.array(into, copy=False).write(self.view).result()
         return out
+
+
+def _cells(shape, chunk, region) -> tuple[list[tuple[int, int]], list[range]]:
+    """The bounds of ``region`` (global; None: all) per axis, and the chunk indices it
+    touches per axis."""
+    bounds = [
+        s.indices(n)[:2] for s, n in zip(region or [slice(None)] * len(shape), shape, strict=True)
+    ]
+    return bounds, [range(a // c, -(-b // c)) for (a, b), c in zip(bounds, chunk, strict=True)]
 
 
 def _key(sub: str, cell) -> str:
@@ -628,11 +614,6 @@ class RangeReads:
                 if key in self._chunks:
                     self._wanted[key] += 1
                     self._seq.setdefault(key, len(self._seq))
-
-    def prefetch(self, keys) -> None:
-        """As :meth:`want` (the name earlier callers use; their reads then wait through
-        the deferred pool, which plans)."""
-        self.want(keys)
 
     def plan(self) -> None:
         """Plans every key wanted since the last plan, and starts the fetches of its
