@@ -1,11 +1,6 @@
-"""What a place holds when it is not what a caller asked for, in words: a directory of
-steps with none committed (:func:`no_steps`), a committed checkpoint a writer must stay
-out of (:func:`holding_checkpoint`), a folder one level off a run (:func:`misplaced`),
-what a place not proven ours holds (:func:`contents`).
-
-Only a call that fails, or a writer's check of its output, runs this (the one-pytree
-reader's own words, ``steps.not_a_checkpoint``, stay beside the read that raises them).
-Reads names and small files only, never following a link; safe from any thread.
+"""What a place holds when it is not what a caller asked for, in words (the one-pytree
+reader's words: ``steps.not_a_checkpoint``). Only a failing call or a writer's check of its
+output runs this. Reads names and small files only, never following a link; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.steps``.
 """
@@ -41,14 +36,11 @@ def contents(loc: Location, limit: int = 5) -> str:
 
 
 def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
-    """The committed checkpoint of this library that ``location`` is (or lies inside),
-    in words: a step (or a place inside one of its items), a core checkpoint, or, for
-    ``location`` and its first ``runs - 1`` parents, a run directory holding committed
-    steps. None when there is none. For writers whose output must stay outside every
-    checkpoint (an export, an import's run): a committed checkpoint never changes.
-
-    Probes one marker per parent (and lists ``runs`` directories); a local
-    ``location`` should be a real path (no link on the way). Safe from any thread."""
+    """The committed checkpoint of ours that ``location`` is or lies inside, in words: a
+    step, a core checkpoint, or (``location`` and its first ``runs - 1`` parents) a run
+    directory holding committed steps; None when there is none. For writers whose
+    output must stay outside every checkpoint. A local ``location`` should be a real
+    path (no link on the way)."""
     here, level = location, 0
     while True:
         if here.exists(MANIFEST_FILE):
@@ -63,9 +55,8 @@ def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
 
 
 def no_steps(where: Location | Place, listing: Listing | None = None) -> CheckpointError:
-    """The error for a reader of a directory of steps (``restore_params``, ``verify``,
-    the CLI) that found no committed step at ``where`` (its :class:`Place`, or a
-    location classified here; ``listing``: its listing, when made)."""
+    """The error for a reader of a directory of steps that found no committed step at
+    ``where`` (its :class:`Place`, or a location classified here)."""
     place = where if isinstance(where, Place) else classify(where)
     location, listing = place.location, listing or place.listing
     if place.kind in (STEP_KIND, HOST_COPY):
@@ -109,9 +100,8 @@ def no_steps(where: Location | Place, listing: Listing | None = None) -> Checkpo
 
 
 def misplaced(location: Location) -> str | None:
-    """Where ``location`` (no run itself) is one level off a run of ours: a folder inside
-    a checkpoint, step or item, or a folder with runs one level down;
-    None otherwise (a folder of other things is no mistake of place). ``gc``'s check."""
+    """Where ``location`` (no run itself) is one level off a run of ours: inside a
+    checkpoint, step or item, or above runs; None otherwise. ``gc``'s check."""
     inside = folder_inside(location)
     if inside is not None:
         return f"{location} is a folder inside {inside}; point at the run directory instead"

@@ -1,8 +1,6 @@
-"""Steps of a checkpoint directory, the step manifest (the one commit of a manager step),
-what a place holds (``classify``; a one-pytree reader's words for it), and the front of
-the checked reads of ``_METADATA.json`` (``read_document``: the words for a place no
-commit lists; the reads themselves are ``layout.read_back``'s). The other readers' and
-writers' words for a wrong place: ``describe``.
+"""Steps of a checkpoint directory and their manifests, what a place holds (``classify``)
+and the front of the checked reads of ``_METADATA.json`` (``read_document``). The other
+readers' and writers' words for a wrong place: ``describe``.
 
 Reads names and small files only, never following a link; safe from any thread.
 
@@ -44,13 +42,6 @@ from .layout import (
     read_manifest,
 )
 
-__all__ = [
-    "MAX_PROBED",
-    "Place",
-    "classify",
-    "not_a_checkpoint",
-]
-
 MAX_STEP = 10**18 - 1  # the largest step a step directory's name holds (STEP_RE)
 STEPS = f"an int step in [0, {MAX_STEP}]"  # what a step option takes, in its errors
 # The step option, declared once: every entry point that takes a step checks it so.
@@ -63,9 +54,8 @@ TMP_RE = re.compile(rf"^{STEP_NAME}\.(partial|deleting)-[0-9a-z]{{1,32}}$", re.A
 SAVE_STAGING_RE = re.compile(r"^[^/]+\.(partial|deleting)-[0-9a-z]{1,32}$", re.ASCII)
 CORRUPT_RE = re.compile(rf"^{STEP_NAME}\.corrupt-[0-9a-z]{{1,32}}$", re.ASCII)
 LOCK_NAME = ".writer.lock"
-# Records of ours at the top of a directory (run owner, damaged persistent copies):
-# never steps, never foreign. Named here, where listing lives, not imported from
-# the modules that write them (they sit above this one).
+# Records of ours at the top of a directory (run owner, damaged persistent copies): never
+# steps, never foreign (named here: their writers sit above this module).
 RECORD_NAMES = frozenset({LOCK_NAME, "_RUN.json", "_DAMAGED.json"})
 
 
@@ -74,15 +64,14 @@ def is_step_name(name: str) -> bool:
 
 
 def in_host_copy(item_loc: Location) -> bool:
-    """Whether the item at ``item_loc`` is in a local step marked as one host's copy (a
-    directory per host, ``_format.host_copy``): a stat, nothing read."""
+    """Whether the item at ``item_loc`` is in a local step marked as one host's copy."""
     parent = item_loc.parent
     return item_loc.is_local and is_step_name(parent.name) and parent.exists(HOST_FILE)
 
 
 @dataclasses.dataclass(frozen=True)
 class Listing:
-    """What a directory holds, by the rules in the module docstring."""
+    """What a directory holds, by names (and manifest markers)."""
 
     committed: tuple[int, ...]
     unfinished: tuple[str, ...]
@@ -139,16 +128,9 @@ def list_directory(loc: Location) -> Listing:
     )
 
 
-def committed_steps(loc: Location) -> list[int]:
-    """The committed steps of ``loc``, ascending. A step folder the environment keeps
-    shut (a permission, an I/O error) is left out, with a warning naming it: it is
-    neither chosen as the latest nor taken for damage (nothing is moved or removed)."""
-    return committed_of(loc, list_directory(loc))
-
-
-def committed_of(loc: Location, listing: Listing | None) -> list[int]:
-    """:func:`committed_steps` of ``listing``, the listing of ``loc`` made already
-    (None: listed here)."""
+def committed_steps(loc: Location, listing: Listing | None = None) -> list[int]:
+    """The committed steps of ``loc`` (``listing``: its listing, when made), ascending. A
+    step folder the environment keeps shut is left out, with a warning naming it."""
     listing = listing if listing is not None else list_directory(loc)
     for step, why in listing.unreadable:
         warn_unreadable(loc, step, why)
@@ -156,15 +138,14 @@ def committed_of(loc: Location, listing: Listing | None) -> list[int]:
 
 
 def environmental(error: BaseException) -> bool:
-    """Whether ``error`` is the environment's (a permission, an I/O error, a timeout: an
-    OSError that is no error of this library), which proves no damage: the step it
-    kept shut is skipped for the latest, never set aside."""
+    """Whether ``error`` is the environment's (an OSError that is no error of this
+    library): it proves no damage, so the step it kept shut is skipped, never set aside."""
     return isinstance(error, OSError) and not isinstance(error, CheckpointError)
 
 
 def warn_unreadable(loc: Location, step: int, why: _W) -> _W:
-    """Warns that step ``step`` of ``loc`` was skipped for the latest: an environmental
-    error (``why``) kept it shut. Returns ``why``."""
+    """Warns that an environmental error ``why`` kept step ``step`` of ``loc`` shut, so it
+    was skipped for the latest. Returns ``why``."""
     text = str(why)
     text = text if text.startswith("cannot be read") else f"cannot be read: {text}"
     warnings.warn(
@@ -181,10 +162,9 @@ _W = TypeVar("_W")
 
 
 def newest_readable(loc: Location, steps: Sequence[int], read: Callable[[int], _T]) -> _T:
-    """``read(step)`` of the newest of ``steps`` (ascending) that the environment lets
-    be read: a step whose read fails with an environmental error (:func:`environmental`)
-    is skipped with a warning naming it and the next older one is read; damage and
-    every other error propagate; when every step is shut, the newest one's error."""
+    """``read(step)`` of the newest of ``steps`` (ascending) that the environment lets be
+    read (a step shut by an environmental error is warned about and skipped); damage
+    propagates; when every step is shut, the newest one's error."""
     if not steps:
         raise CheckpointNotFoundError(f"no committed steps in {loc}{foreign_format_hint(loc)}")
     first: OSError | None = None
@@ -213,9 +193,7 @@ def choose_step(loc: Location, steps: list[int] | tuple[int, ...], step: int | N
 
 
 def checked_step(step: Any) -> int:
-    """``step`` checked by its one declaration (:data:`STEP`): an int in ``[0,
-    MAX_STEP]``, numpy and jax integer scalars too, never a bool (True read as step 1)
-    nor a str or float (4.7 truncated to 4); OptionTypeError / OptionError naming it."""
+    """``step`` checked by its one declaration (:data:`STEP`)."""
     return STEP.check(step)
 
 
@@ -225,7 +203,7 @@ def step_location(loc: Location, step: int) -> Location:
 
 def manifest_damage(loc: Location, step: int) -> CheckpointError | None:
     """Why the manifest of committed ``step`` of ``loc`` does not read whole (None: it
-    does). Retention (the writer's and ``gc``'s) neither counts nor removes such a step."""
+    does): retention neither counts nor removes such a step."""
     try:
         read_manifest(step_location(loc, step))
     except CheckpointError as e:
@@ -256,8 +234,8 @@ class StepItem:
 
 
 def step_item(location: Location) -> StepItem | None:
-    """The item of a committed step at ``location``, or None when its parent is no
-    committed step listing it (a damaged manifest raises, naming it)."""
+    """The item of a committed step at ``location``, or None when no committed step lists
+    it (a damaged manifest raises)."""
     manifest = manifest_for_item(location)
     if manifest is None:
         return None
@@ -267,9 +245,8 @@ def step_item(location: Location) -> StepItem | None:
 
 MAX_PROBED = 16  # children looked into for a run or checkpoint one level down
 PATHS_NAMED = 4  # items of a step named when pointing at them
-# What a save of ours leaves in its place before it commits: the pending marker (its
-# name is the removal owner's, ``_core.ownership``, a wing above: named here) and a
-# pytree's metadata written before its commit marker (object stores).
+# What a save of ours leaves before it commits: the pending marker (named by
+# ``_core.ownership``, a wing above) and a pytree's metadata (object stores).
 _STAGING_FILES = (METADATA_FILE, "_PENDING.json")
 
 
@@ -289,11 +266,9 @@ PYTREES = (CHECKPOINT, ITEM)  # what the native reader reads
 
 @dataclasses.dataclass(frozen=True)
 class Place:
-    """What is at ``location``, classified once (:func:`classify`): its ``kind`` (one
-    of the constants above), and what the probes found on the way: the step item
-    (:data:`ITEM`, :data:`JSON_ITEM`), the listing (when the place was listed), the
-    staging file of an unfinished save (``staged``: its name, or ``"partial"`` for a
-    staging folder beside it)."""
+    """What is at ``location`` (:func:`classify`): its ``kind`` (a constant above) and what
+    the probes found: the step item, the listing, an unfinished save's staging file
+    (``staged``: its name, or ``"partial"`` for a staging folder beside it)."""
 
     location: Location
     kind: str
@@ -327,14 +302,10 @@ class Place:
 
 
 def classify(location: Location, *, steps_first: bool = False) -> Place:
-    """What is at ``location`` (see :class:`Place`), by names and small files, in this
-    order: a checkpoint of ours, a step (a host's copy), an item of a step, an Orbax
-    checkpoint, a run of ours, an unfinished save of ours, a msgpack file, nothing.
-    ``steps_first``: a reader of a run directory (``restore_params``) lists it first, and
-    a run with committed steps costs that one listing (its errors propagate, as the
-    reader's own listing did); the rest follow in the order above. A damaged manifest
-    of the step holding ``location`` raises CorruptCheckpointError, naming it. Safe
-    from any thread."""
+    """What is at ``location``, by names and small files, in the order of the kinds above.
+    ``steps_first``: a reader of a run directory lists it first (its errors propagate),
+    so a run with committed steps costs one listing. A damaged manifest of the step
+    holding ``location`` raises CorruptCheckpointError."""
     listing = list_directory(location) if steps_first else None
     if listing is not None and listing.committed:
         return Place(location, RUN, listing=listing)
@@ -360,9 +331,8 @@ def classify(location: Location, *, steps_first: bool = False) -> Place:
 
 
 def _run_listing(location: Location, listing: Listing | None) -> Listing | None:
-    """The listing of ``location`` (``listing``, when made) when it is a run directory of
-    ours (committed steps, or our run records); None for anything else, and where it
-    is no directory or cannot be listed (the describers say what it is)."""
+    """The listing of ``location`` when it is a run directory of ours (committed steps, or
+    our run records); None otherwise, or where it cannot be listed."""
     try:
         if location.is_local and not location.is_dir():
             return None
@@ -375,9 +345,8 @@ def _run_listing(location: Location, listing: Listing | None) -> Listing | None:
 
 
 def not_a_checkpoint(where: Location | Place) -> CheckpointError:
-    """The error for a reader of one pytree (``fop.restore``, ``fop.metadata``) that
-    found no committed checkpoint at ``where`` (its :class:`Place`, or a location
-    classified here)."""
+    """The error for a reader of one pytree that found no committed checkpoint at
+    ``where`` (its :class:`Place`, or a location classified here)."""
     place = where if isinstance(where, Place) else classify(where)
     location = place.location
     if place.kind in (STEP_KIND, HOST_COPY):
@@ -396,8 +365,7 @@ def not_a_checkpoint(where: Location | Place) -> CheckpointError:
 
 
 def _step_items(step: Location) -> str:
-    """The items of the step at ``step`` as paths, pytrees first (it named a ``params``
-    item also where the step has none)."""
+    """The items of the step at ``step`` as paths, pytrees first."""
     try:
         items = read_manifest(step).items
     except CheckpointError as e:  # a damaged manifest: say so, name no item
@@ -481,8 +449,7 @@ def _what_child_is(child: Location) -> str | None:
 
 
 def _run_directory_message(location: Location, listing: Listing | None) -> str:
-    """What to call on a directory of manager steps (it holds committed steps, or
-    our run records; ``listing``: its listing, made by :func:`classify`)."""
+    """What to call on a run directory (``listing``: its listing, when made)."""
     listing = listing if listing is not None else list_directory(location)
     latest = listing.latest
     if latest is None:
@@ -510,9 +477,8 @@ def _run_directory_message(location: Location, listing: Listing | None) -> str:
 
 
 def _staged(location: Location) -> str | None:
-    """What shows that a save of ours to ``location`` began and never committed: the
-    name of a staging file of ours there, or (local disk) ``"partial"`` for a
-    ``<name>.partial-*`` staging beside it; None when nothing does."""
+    """The name of a staging file of ours at ``location``, or (local disk) ``"partial"``
+    for a ``<name>.partial-*`` staging beside it; None when a save never began there."""
     found = next((n for n in _STAGING_FILES if location.exists(n)), None)
     if found is not None or not location.is_local:
         return found
@@ -525,17 +491,14 @@ def _staged(location: Location) -> str | None:
 
 
 def read_document(location: Location) -> CheckpointDocument:
-    """The validated metadata of a committed checkpoint (a standalone one, or an item of
-    a committed manager step), checked against the checksum recorded at its commit
-    (``layout.read_back.read_listed_document``); an error saying what is there when no
-    commit lists it."""
+    """The validated metadata of a committed checkpoint or step item, checked against the
+    checksum its commit recorded; an error saying what is there when no commit lists it."""
     return _layout.read_listed_document(location, listed_checksums(location))
 
 
 def listed_checksums(location: Location) -> dict[str, str]:
-    """The sha256 of each JSON file of the committed checkpoint at ``location``, by name,
-    as its commit recorded them (``layout.read_back.committed_checksums``); an error
-    saying what is there when no commit lists it."""
+    """``layout.committed_checksums`` of ``location``; an error saying what is there when
+    no commit lists it."""
     listed = _layout.committed_checksums(location)
     if listed is None:
         raise not_a_checkpoint(location)

@@ -380,7 +380,7 @@ def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
     collective), then its params; an Orbax directory is read directly (issue 16)."""
     loc = Location.from_path(directory)
     place = _steps.classify(loc, steps_first=True)
-    steps = _steps.committed_of(loc, place.listing)  # (an unreadable step: warned)
+    steps = _steps.committed_steps(loc, place.listing)  # (an unreadable step: warned)
     if step is None and _spans(directory, job.like, sharding=job.sharding):
         step, steps = _agreed_latest(loc, steps, job.region)
     if not steps:
