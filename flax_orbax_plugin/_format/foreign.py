@@ -1,14 +1,7 @@
-"""What other libraries' checkpoints look like: detection without their readers.
-
-An Orbax item, step or manager directory is recognized by its file names
-(``_METADATA``, ``_CHECKPOINT_METADATA``, numbered step directories) and never
-holds this library's own ``_METADATA.json`` / ``_CHECKPOINT.json``; a Flax msgpack
-file by its first byte (a msgpack map). Only names and at most one byte are read;
-nothing is parsed. The readers (``_interop``) build on these names; error messages
-of the native format use :func:`foreign_format_hint`.
-
-Trust rules: no link is followed below the path the user named; a FIFO or device
-is refused without blocking.
+"""What other libraries' checkpoints look like: detection without their readers (in
+``_interop``). Orbax is recognized by its file names, a Flax msgpack file by its first
+byte; nothing is parsed. No link is followed below the path the user named; a FIFO or
+device is refused without blocking. Any thread.
 """
 
 from __future__ import annotations
@@ -29,9 +22,8 @@ ITEM_METADATA = "_METADATA"  # a pytree item's tree metadata
 COMMIT_FILE = "commit_success.txt"  # orbax's commit mark where it cannot rename (GCS)
 TMP_MARK = ".orbax-checkpoint-tmp"  # in the name of every unfinished orbax save
 OWN_FILES = (METADATA_FILE, MANIFEST_FILE)  # this plugin's files: never Orbax
-# '<step>', or '<prefix>_<step>' as orbax's step_prefix and flax.training.checkpoints
-# ('checkpoint_100') name them (group 1: the prefix, group 2: the step); unfinished
-# saves ('<name>.orbax-checkpoint-tmp-...') and hidden entries never match.
+# '<step>', or '<prefix>_<step>' as orbax's step_prefix and flax.training.checkpoints name
+# them (group 1: the prefix, group 2: the step); hidden entries never match.
 STEP_RE = re.compile(r"^(?:([A-Za-z0-9][A-Za-z0-9._-]*)_)?([0-9]+)$", re.ASCII)
 
 
@@ -42,12 +34,10 @@ def is_step(loc: Location) -> bool:
 def is_orbax_checkpoint(path: Any) -> bool:
     """True when ``path`` is an Orbax item, step or manager directory (never one of ours).
 
-    A manager directory is one whose newest entry named like a step is an Orbax step
-    (``_CHECKPOINT_METADATA``); what is no step of anyone's is passed over to find it
-    (an empty ``999/``, a file, a save Orbax left unfinished, a link), so the cost is
-    a few lookups, not one per step. A folder of the user's (``2024/`` with files but
-    no record) or a step of this library there says it is no Orbax run; a directory
-    holding no step but an unfinished Orbax save is one (its reader says what it holds)."""
+    A manager directory is one whose newest entry named like a step is an Orbax step;
+    what is no step of anyone's (an empty folder, a file, an unfinished save, a link) is
+    passed over, a folder of the user's or a step of ours says it is no Orbax run. A
+    directory holding only an unfinished Orbax save is one (its reader says so)."""
     try:
         loc = Location.from_path(path)
     except (TypeError, ValueError):
@@ -78,8 +68,7 @@ def is_orbax_checkpoint(path: Any) -> bool:
 
 
 def numbered_children(loc: Location) -> list[tuple[int, str, str]]:
-    """``(step, prefix, name)`` of the children named like steps (not checked further;
-    two may name one step: the caller decides which of them is a step)."""
+    """``(step, prefix, name)`` of the children named like steps (two may name one step)."""
     out = []
     for name in loc.list_children():
         m = STEP_RE.match(name)
@@ -93,8 +82,8 @@ _MAX_LEGACY_PROBES = 16  # item folders looked into for a step without a record
 
 
 def legacy_step(step_loc: Location) -> bool:
-    """Whether ``step_loc`` (named like a step, no ``_CHECKPOINT_METADATA``) is a step
-    of an older orbax, which wrote no step record: a folder in it holds ``_METADATA``."""
+    """Whether ``step_loc`` is a step of an older orbax (no step record, but a folder in it
+    holds ``_METADATA``)."""
     for name in [n for n in step_loc.list_children() if n[:1] not in "._"][:_MAX_LEGACY_PROBES]:
         try:
             child = subdir(step_loc, name, "item")
@@ -106,10 +95,8 @@ def legacy_step(step_loc: Location) -> bool:
 
 
 def not_finalized(step_loc: Location) -> str | None:
-    """Why the directory ``step_loc`` (named like a step) is no finalized Orbax step,
-    or None when it is one: orbax finalizes a step by renaming it into place after
-    writing its ``_CHECKPOINT_METADATA``, and on GCS (no rename) by writing
-    ``commit_success.txt`` last."""
+    """Why the directory ``step_loc`` (named like a step) is no finalized Orbax step, or
+    None (on GCS, orbax finalizes by writing ``commit_success.txt`` last)."""
     if any(step_loc.exists(n) for n in OWN_FILES):
         return OURS
     if not step_loc.exists(STEP_METADATA) and not legacy_step(step_loc):
@@ -122,12 +109,8 @@ def not_finalized(step_loc: Location) -> str | None:
 
 
 def unfinished(loc: Location, record: Any) -> str | None:
-    """Why the Orbax step or item at ``loc`` (named directly, its parsed
-    ``_CHECKPOINT_METADATA`` ``record`` or None) is a save Orbax never finished, or
-    None: still named ``*.orbax-checkpoint-tmp*`` (Orbax renames a save into place once
-    finished), an item inside such a step, or a record whose ``commit_timestamp_nsecs``
-    is null (Orbax sets it as it finalizes; every finished save of orbax 0.12 has it).
-    Such a directory may lack items or hold partly written arrays."""
+    """Why the Orbax step or item at ``loc`` (``record``: its parsed
+    ``_CHECKPOINT_METADATA`` or None) is a save Orbax never finished, or None."""
     if TMP_MARK in loc.name:
         return f"its name holds {TMP_MARK!r}: Orbax renames a save into place once finished"
     if TMP_MARK in loc.parent.name:
@@ -140,23 +123,16 @@ def unfinished(loc: Location, record: Any) -> str | None:
     return None
 
 
-def local_kind(loc: Location, name: str) -> str | None:
-    """Local only: what the entry ``name`` of ``loc`` is (``lstat``: no link followed),
-    or None when it is absent."""
-    try:
-        return entry_kind(os.lstat(os.path.join(loc.path, name)).st_mode)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
 def subdir(loc: Location, name: str, role: str) -> Location | None:
     """``loc/name`` when it is a real directory; None when it is absent or (on local
-    disk) a plain file; ForeignEntryError for a symbolic link (never followed: it could
-    lead into another run) or a special file."""
+    disk) a plain file; ForeignEntryError for a symbolic link or a special file."""
     if not loc.is_local:
         return loc.child(name)
-    kind = local_kind(loc, name)
-    if kind is None or kind == "a regular file":
+    try:
+        kind = entry_kind(os.lstat(os.path.join(loc.path, name)).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if kind == "a regular file":
         return None
     if kind != "a directory":
         raise ForeignEntryError(
@@ -193,10 +169,8 @@ SAFETENSORS_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
 def safetensors_source(path: Any) -> str | list[str] | None:
-    """What a safetensors reader takes for local ``path``: the file itself (a
-    ``.safetensors`` file or a ``*.safetensors.index.json``), a directory's one index,
-    else its ``.safetensors`` files (sorted); None when it holds none. By names only:
-    the reader checks every header."""
+    """What a safetensors reader takes for local ``path``: the file itself, a directory's
+    one index, else its ``.safetensors`` files (sorted); None when it holds none."""
     path = os.fspath(path)
     if os.path.isfile(path):
         return path if path.endswith(SAFETENSORS_SUFFIXES) else None
@@ -212,10 +186,8 @@ def safetensors_source(path: Any) -> str | list[str] | None:
 
 
 def refuse_foreign_run(loc: Location, *, writing: bool) -> None:
-    """Raises CheckpointError when ``loc`` holds another library's run
-    (:func:`foreign_run`): a manager opened there, to write (its new steps would start a
-    fresh run beside the old one's) or to read (it lists steps of this library only: it
-    would find none, and say the directory is empty), names what to do instead."""
+    """Raises CheckpointError, naming what to do instead, when a manager is opened on
+    another library's run (:func:`foreign_run`) to write or to read."""
     held = foreign_run(loc)
     if held is None:
         return
@@ -240,8 +212,8 @@ def refuse_foreign_run(loc: Location, *, writing: bool) -> None:
 
 
 def foreign_format_hint(loc: Location) -> str:
-    """``"; <what it is and what to do>"`` when ``loc`` holds another library's checkpoint
-    (Orbax, Flax msgpack), else ``""``. For error messages."""
+    """``"; <what it is and what to do>"`` when ``loc`` holds another library's checkpoint,
+    else ``""``."""
     try:
         if loc.is_local and is_msgpack_checkpoint(loc.path.rstrip("/")):
             return (
@@ -262,10 +234,8 @@ _MSGPACK_STEP = re.compile(r"^[A-Za-z_]*checkpoint_[0-9]+$")
 
 
 def foreign_run(loc: Location) -> str | None:
-    """What ``loc`` holds in place of steps of this library, when it is another
-    library's run (an Orbax run, Flax msgpack ``checkpoint_<n>`` files), in words;
-    None otherwise (nothing there, steps of ours, anything else). A writer is never
-    opened there: its new steps would start a fresh run beside the old one's."""
+    """What ``loc`` holds, in words, when it is another library's run (an Orbax run, Flax
+    msgpack ``checkpoint_<n>`` files); None otherwise."""
     try:
         if not loc.is_dir():
             return None

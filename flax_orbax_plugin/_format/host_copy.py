@@ -17,17 +17,6 @@ from .._storage.location import Location
 from . import steps as _steps
 from .layout import HOST_FILE, ArrayStorage, BatchStorage, iterator_state_file
 
-__all__ = [
-    "COPY_LAYOUT",
-    "HOST_FILE",
-    "MARKER_FORMAT",
-    "HeldItem",
-    "HostCopy",
-    "of_item",
-    "of_step",
-    "read_at",
-]
-
 MARKER_FORMAT = "flax_orbax_plugin/host-copy"
 COPY_LAYOUT = "copied down: every region"  # the marker's layout of a bucket's step
 
@@ -44,7 +33,7 @@ def _region_ok(region: Any) -> bool:
 
 
 def _held_ok(held: Any) -> bool:
-    """``held`` as the module docstring describes it (or null)."""
+    """``held``: null, or ``{"sets": [[region, ...], ...], "items": {item: {leaf: set}}}``."""
     if held is None:
         return True
     if not isinstance(held, dict) or set(held) != {"sets", "items"}:
@@ -98,9 +87,8 @@ def check_marker(doc: Any) -> str | None:
 
 
 def read_at(step_loc: Location) -> tuple[dict | None, str | None]:
-    """The :data:`HOST_FILE` of the step at ``step_loc`` as a checked JSON object
-    (bounded parse, every field's type: :func:`check_marker`), or what is wrong with it
-    (``"no _HOST.json"`` when there is none)."""
+    """The :data:`HOST_FILE` of the step at ``step_loc`` as a checked JSON object, or what
+    is wrong with it (``"no _HOST.json"`` when there is none)."""
     try:
         raw = step_loc.read_bytes(HOST_FILE, max_bytes=_local_files.HOST_MARKER.max_bytes)
         if raw is None:
@@ -136,9 +124,8 @@ class HostCopy:
         return HeldItem(self, name)
 
     def regions(self, item: str, path: str, shape: tuple[int, ...]) -> list[tuple] | None:
-        """The regions (tuples of slices) of leaf ``path`` of ``item`` this copy holds;
-        None when it holds the leaf whole. CorruptCheckpointError when the marker names
-        regions outside the leaf's ``shape``."""
+        """The regions (tuples of slices) of leaf ``path`` of ``item`` this copy holds (None:
+        whole); CorruptCheckpointError for a region outside the leaf's ``shape``."""
         if self.held is None:
             return None
         index = self.held["items"].get(item, {}).get(path)
@@ -158,14 +145,12 @@ class HostCopy:
         return out
 
     def partial(self, item: str, records: list) -> list[str]:
-        """The paths of ``records`` (leaf records of ``item``) this copy does not hold
-        whole."""
+        """The paths of ``records`` (of ``item``) this copy does not hold whole."""
         return [r.path for r in records if self.regions(item, r.path, r.shape) is not None]
 
     def elsewhere(self, kind: str, process_count: int) -> set[str]:
         """The files of an item of ``kind`` that the step's manifest lists but this copy
-        need not hold: the other processes' data iterator states (each process writes
-        its own), in a copy of the host's own shards."""
+        need not hold: the other processes' data iterator states."""
         if self.held is None or kind != "data_iterator":
             return set()
         others = (p for p in range(process_count) if p != self.process_index)
@@ -196,8 +181,8 @@ class HeldItem:
         return self.copy.regions(self.name, record.path, record.shape)
 
     def skipped_batches(self, doc: Any) -> set[str]:
-        """The batches this copy does not hold: one of their leaves is not held whole
-        (a host writes a batch only when it holds all of its leaves)."""
+        """The batches one of whose leaves this copy does not hold whole (a host writes a
+        batch only when it holds all of its leaves)."""
         return {
             rec.storage.batch
             for rec in doc.leaves
@@ -205,8 +190,7 @@ class HeldItem:
         }
 
     def whole(self, record: Any, skipped: set[str]) -> bool:
-        """Whether the copy holds ``record``'s leaf whole (its claims hold);
-        ``skipped``: :meth:`skipped_batches`."""
+        """Whether the copy holds ``record``'s leaf whole (``skipped``: :meth:`skipped_batches`)."""
         if isinstance(record.storage, BatchStorage):
             return record.storage.batch not in skipped
         return not isinstance(record.storage, ArrayStorage) or self.regions(record) is None
@@ -220,9 +204,8 @@ def held_bytes(regions: list[tuple] | None, shape: tuple[int, ...], itemsize: in
 
 
 def of_step(step_loc: Location) -> tuple[HostCopy | None, str | None]:
-    """The host copy that the step at ``step_loc`` is (None: a step of one shared
-    directory, no marker there), or what is wrong with its marker. Local directories
-    only (the marker is never uploaded: a tier leaves it out)."""
+    """The host copy that the local step at ``step_loc`` is (None: no marker there), or what
+    is wrong with its marker (never uploaded: a tier leaves it out)."""
     if not step_loc.is_local or not step_loc.exists(HOST_FILE):
         return None, None
     doc, problem = read_at(step_loc)
@@ -237,7 +220,6 @@ def of_step(step_loc: Location) -> tuple[HostCopy | None, str | None]:
 
 
 def of_item(item_loc: Location) -> HostCopy | None:
-    """:func:`of_step` of the step holding the item at ``item_loc``, one that
-    ``_format.steps.in_host_copy`` found marked as a host's copy (None where the marker
+    """:func:`of_step` of the step holding the item at ``item_loc`` (None where the marker
     is unreadable: the reads then check the item as they would any)."""
     return of_step(item_loc.parent)[0]

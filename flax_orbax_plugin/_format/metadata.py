@@ -1,7 +1,5 @@
-"""Public descriptions of a checkpoint's leaves (:func:`flax_orbax_plugin.metadata`).
-
-The on-disk records themselves live in ``_layout``; this module turns them into the
-frozen result types users see, and describes jax shardings as JSON.
+"""Public descriptions of a checkpoint's leaves (:func:`flax_orbax_plugin.metadata`): the
+frozen result types users see, made from the on-disk records of ``layout``.
 """
 
 from __future__ import annotations
@@ -46,20 +44,7 @@ class CheckpointMetadata:
 
 def to_public(doc: CheckpointDocument, path: str) -> CheckpointMetadata:
     leaves = {
-        rec.path: LeafMetadata(
-            path=rec.path,
-            kind=rec.kind,
-            shape=rec.shape,
-            dtype=rec.dtype,
-            sharding=rec.sharding,
-            nbytes=rec.nbytes,
-        )
-        for rec in doc.leaves
+        r.path: LeafMetadata(r.path, r.kind, r.shape, r.dtype, r.sharding, r.nbytes)
+        for r in doc.leaves
     }
-    return CheckpointMetadata(
-        path=path,
-        format_version=doc.format_version,
-        created_at=doc.created_at,
-        process_count=doc.process_count,
-        leaves=leaves,
-    )
+    return CheckpointMetadata(path, doc.format_version, doc.created_at, doc.process_count, leaves)

@@ -19,15 +19,10 @@ from ..._errors import StructureError
 
 @dataclasses.dataclass(frozen=True)
 class Dtype:
-    """One dtype a checkpoint may hold: the package's one declaration of it.
-
-    ``name`` is numpy's (ml_dtypes') name, as leaf and batch records store it; ``bits``
-    the bits of one value (under 8: a sub-byte type, one value per byte in memory);
-    ``zarr`` the zarr3 ``data_type`` of its arrays' ``zarr.json``: its own name where
-    tensorstore's zarr3 driver knows it, else ``uint8``, which holds the same byte per
-    value (the leaf record names the dtype); ``safetensors`` its tag in the safetensors
-    spec, or None where the spec has none.
-    """
+    """One dtype a checkpoint may hold. ``name``: numpy's (ml_dtypes'), as records store
+    it; ``bits``: of one value (under 8: sub-byte, one value per byte in memory);
+    ``zarr``: its arrays' zarr3 ``data_type`` (its own name where tensorstore knows it,
+    else ``uint8``: the same byte per value); ``safetensors``: its tag, or None."""
 
     name: str
     bits: int
@@ -85,6 +80,12 @@ DTYPES = _table(
 
 
 SUPPORTED_DTYPES = frozenset(DTYPES)
+# The dtypes numpy itself has; every other one is ml_dtypes', imported at the first
+# such dtype resolved (0.3-0.9 s: a command that reads only JSON never pays it).
+NUMPY_NATIVE = frozenset(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
+    "complex64 complex128".split()
+)
 
 
 @functools.lru_cache(maxsize=256)
@@ -100,18 +101,6 @@ def dtype_from_name(name: str, *, path: str = "?") -> np.dtype:
         raise StructureError(
             f"leaf {path!r}: unknown dtype {name!r} (expected one of {sorted(SUPPORTED_DTYPES)})"
         )
-    return _numpy_dtype(name)
-
-
-# The dtypes numpy itself has; every other one is ml_dtypes', imported at the first
-# such dtype resolved (0.3-0.9 s: a command that reads only JSON never pays it).
-NUMPY_NATIVE = frozenset(
-    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
-    "complex64 complex128".split()
-)
-
-
-def _numpy_dtype(name: str) -> np.dtype:
     if name in NUMPY_NATIVE:
         return np.dtype(name)
     return np.dtype(getattr(importlib.import_module("ml_dtypes"), name))
