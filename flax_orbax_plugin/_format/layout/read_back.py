@@ -1,15 +1,8 @@
 """The records of format version 1 read back from storage, every field checked before
-anything sized by it is allocated: a leaf, a batch, ``_METADATA.json``'s document (and the
-checks across its leaves: unique paths, one consistent pytree, batch slots inside their
-batches), a JSON file against the checksum its commit recorded, and a text leaf's value.
-Each raises :class:`CorruptCheckpointError` naming the file and the field.
-
-Only a read runs this (restore, verify, metadata, an incremental step's look at the
-previous one); a save writes the records of ``records``. The readers of a committed step's
-records (:func:`read_manifest`, :func:`read_item_json`, :func:`read_listed`,
-:func:`read_listed_document`) read them from storage, never following a link; where no
-commit lists a place, the words for what is there are ``_format.steps``' (its
-``listed_checksums`` and ``read_document``). Any thread.
+anything sized by it is allocated, and the JSON files of a committed step read against
+the checksums its commit recorded (never following a link). Each raises
+:class:`CorruptCheckpointError` naming the file and the field. Only a read runs this;
+where no commit lists a place, the words for it are ``_format.steps``'. Any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout.records``.
 """
@@ -79,31 +72,19 @@ STEP_RE = re.compile(rf"^{STEP_NAME}$", re.ASCII)
 # -- checked reads and the validators only a reader uses ----------------------------------
 
 
-def decode_checked(raw: bytes, where: str, expected_sha256: str, kind: _local_files.DocKind) -> Any:
-    """Parses ``raw`` after checking it against the checksum recorded at commit."""
+def _checked(raw: bytes, where: str, expected: str) -> bytes:
+    """``raw``, whose sha256 must be ``expected`` (recorded at commit)."""
     found = sha256(raw)
-    if found != expected_sha256:
-        sha256_mismatch(where, expected_sha256, found)
-    return decode(raw, where, kind)
-
-
-def sha256_mismatch(where: str, expected: str, found: str) -> NoReturn:
-    """Raises the CorruptCheckpointError of a JSON file whose sha256 differs from the
-    one recorded at commit."""
-    raise CorruptCheckpointError(
-        f"{where}: checksum mismatch: expected sha256 {expected[:16]}... "
-        f"(recorded at commit), found {found[:16]}...; the file was changed or damaged"
-    )
+    if found != expected:
+        raise CorruptCheckpointError(
+            f"{where}: checksum mismatch: expected sha256 {expected[:16]}... "
+            f"(recorded at commit), found {found[:16]}...; the file was changed or damaged"
+        )
+    return raw
 
 
 def one_of(x: Any, names: frozenset[str]) -> bool:
     return isinstance(x, str) and x in names
-
-
-def str_field(obj: Mapping, key: str, where: str, field: str) -> str:
-    value = obj.get(key)
-    need(isinstance(value, str), where, field, "a string", value)
-    return value
 
 
 def opt_str(obj: Mapping, key: str, where: str, *, limit: int = 1000) -> str:
@@ -270,8 +251,6 @@ def leaf_from_json(obj: Any, where: str, index: int) -> LeafRecord:
         bad("sharding", "an object of at most 4 levels and 1000 values, or null", sharding)
     impl = _prng_impl(obj, dtype, shape, bad) if kind == "prng_key" else None
     storage = _storage_field(obj.get("storage"), shape, size, bad, dtype)
-    if isinstance(storage, ArrayStorage) and storage.packed:
-        _check_packed(dtype, shape, storage.chunk_shape, bad)
     digest = obj.get("digest")
     if not (digest is None or (isinstance(digest, str) and _LEAF_DIGEST.match(digest))):
         bad("digest", "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex)", digest)
@@ -288,8 +267,13 @@ def _text_field(obj: dict, kind: str, bad) -> str:
         bad("value", f"a string of at most {2 * MAX_TEXT_BYTES} characters", value)
     if kind == "py_bytes":
         text_bytes(value, lambda: bad("value", "base64 text", value))
-    elif not _utf8_within(value, MAX_TEXT_BYTES):
-        bad("value", f"text of at most {MAX_TEXT_BYTES} bytes in UTF-8", value)
+    else:
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError:  # a lone surrogate: no str this library writes
+            size = MAX_TEXT_BYTES + 1
+        if size > MAX_TEXT_BYTES:
+            bad("value", f"text of at most {MAX_TEXT_BYTES} bytes in UTF-8", value)
     return value
 
 
@@ -327,17 +311,6 @@ def _prng_impl(obj: dict, dtype: str, shape: tuple[int, ...], bad) -> str:
     return impl
 
 
-def _check_packed(dtype: str, shape: tuple[int, ...], chunk: tuple[int, ...], bad) -> None:
-    """A ``packed_array`` holds a sub-byte dtype, at least one axis, and chunks whose
-    last axis is whole bytes or the whole axis (FORMAT.md, packed sub-byte arrays)."""
-    if not packable(dtype, shape, chunk):
-        bad(
-            "storage.type",
-            f"'array' ({dtype}{list(shape)} in chunks {list(chunk)})",
-            "packed_array",
-        )
-
-
 def _storage_field(
     raw: Any, shape: tuple[int, ...], size: int, bad, dtype: str
 ) -> ArrayStorage | BatchStorage:
@@ -372,15 +345,10 @@ def _storage_field(
         codec = raw.get("codec")
         if not (codec is None or (isinstance(codec, str) and _CODEC.match(codec))):
             bad("storage.codec", "absent or 'zstd:<1-22>'", codec)
+        if stype == "packed_array" and not packable(dtype, shape, chunk):  # FORMAT.md
+            bad("storage.type", f"'array' ({dtype}{list(shape)} in chunks {chunk})", stype)
         return ArrayStorage(tuple(chunk), codec, stype == "packed_array")
     bad("storage.type", "'array', 'packed_array', 'batch' or 'packed_batch'", stype)
-
-
-def _utf8_within(text: str, limit: int) -> bool:
-    try:
-        return len(text.encode("utf-8")) <= limit
-    except UnicodeEncodeError:  # a lone surrogate: no str this library writes
-        return False
 
 
 def text_value(record: LeafRecord) -> str | bytes:
@@ -454,7 +422,8 @@ def manifest_from_bytes(raw: bytes, where: str) -> StepManifest:
     for name, entry in raw_items.items():
         need(is_safe_name(name), where, f"items[{name!r}]", "a safe item name", name)
         need(isinstance(entry, dict), where, f"items[{name!r}]", "an object", entry)
-        kind = str_field(entry, "kind", where, f"items[{name!r}].kind")
+        kind = entry.get("kind")
+        need(isinstance(kind, str), where, f"items[{name!r}].kind", "a string", kind)
         d = entry.get("dir")
         need(is_safe_name(d), where, f"items[{name!r}].dir", "a safe directory name", d)
         items[name] = ItemEntry(kind, d)
@@ -493,8 +462,6 @@ def read_manifest(step_loc: Location) -> StepManifest:
 
 
 def _checked_manifest(step_loc: Location, raw: bytes) -> StepManifest:
-    """The manifest of the step at ``step_loc`` from its bytes ``raw``, checked as
-    :func:`read_manifest` says."""
     where = f"{step_loc}/{MANIFEST_FILE}"
     manifest = manifest_from_bytes(raw, where)
     if STEP_RE.match(step_loc.name) and manifest.step != int(step_loc.name):
@@ -507,9 +474,8 @@ def _checked_manifest(step_loc: Location, raw: bytes) -> StepManifest:
 
 
 def _check_item_folders(step_loc: Location, manifest: StepManifest) -> None:
-    """On local disk, every item folder the manifest names is a directory of the step
-    itself: a symlink there (to a folder outside the step) is never followed, by any
-    reader of the step or of the item. A missing folder is left to the item's reader."""
+    """On local disk, every item folder the manifest names must be a directory of the
+    step itself, never a link (a missing one is left to the item's reader)."""
     if not step_loc.is_local:
         return
     kinds = step_loc.child_kinds()
@@ -547,14 +513,12 @@ def read_item_json(item_loc: Location, name: str) -> object:
     raw = item_loc.read_bytes(name)
     if raw is None:
         raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
-    return decode_checked(raw, where, expected, _local_files.JSON_ITEM)
+    return decode(_checked(raw, where, expected), where, _local_files.JSON_ITEM)
 
 
 def committed_checksums(location: Location) -> dict[str, str] | None:
     """The sha256 of each JSON file of the committed checkpoint at ``location``, by name,
-    as its commit recorded them (the commit marker's, or the step manifest's, file
-    list); None when no commit lists it (``_format.steps.listed_checksums`` says what
-    is there)."""
+    as its commit marker or step manifest recorded them; None when no commit lists it."""
     raw_marker = location.read_bytes(COMMIT_FILE)
     if raw_marker is not None:
         return dict(CommitMarker.from_bytes(raw_marker, f"{location}/{COMMIT_FILE}").files)
@@ -565,8 +529,7 @@ def committed_checksums(location: Location) -> dict[str, str] | None:
 
 
 def item_checksums(manifest: StepManifest, item_dir: str) -> dict[str, str]:
-    """The sha256 of each JSON file of the item in folder ``item_dir``, by name, as the
-    step ``manifest`` lists them."""
+    """The sha256 of each JSON file of the item in folder ``item_dir``, by name."""
     prefix = f"{item_dir}/"
     return {k[len(prefix) :]: v for k, v in manifest.files.items() if k.startswith(prefix)}
 
@@ -585,18 +548,13 @@ def read_listed(location: Location, name: str, *, listed: dict[str, str]) -> byt
     raw = location.read_bytes(name)
     if raw is None:
         raise CorruptCheckpointError(f"{location} is committed but {name} is missing")
-    found = sha256(raw)
-    if found != expected:
-        sha256_mismatch(where, expected, found)
-    return raw
+    return _checked(raw, where, expected)
 
 
 def read_listed_document(location: Location, listed: dict[str, str]) -> CheckpointDocument:
-    """The validated metadata of the committed checkpoint at ``location`` (a standalone
-    one, or an item of a committed manager step), checked against the checksum its
-    commit recorded (``listed``: :func:`committed_checksums`); the checksums ride along
-    (``listed``), so that the other JSON files of one read are checked without reading
-    the commit again."""
+    """The validated metadata of the committed checkpoint or step item at ``location``,
+    checked against ``listed`` (:func:`committed_checksums`), which rides along on it so
+    that the read's other JSON files are checked without reading the commit again."""
     where = f"{location}/{METADATA_FILE}"
     raw = read_listed(location, METADATA_FILE, listed=listed)
     doc = document_from_json(decode(raw, where, _local_files.METADATA), where)
