@@ -1,9 +1,7 @@
 """Format version 1's writer: one zarr3 chunk file per chunk (a batch shard per file) under a
-local directory, its first page written with ``O_DIRECT`` where the filesystem allows.
-
-Only a save of format version 1 runs this (``format_version=1``); version 2 writes data
-files (``packed_writer.PackedWriter``). One writer per save, driven by the save's
-background thread only; its futures are completed by the writer's own threads.
+local directory, its first pages written with ``O_DIRECT`` where the filesystem allows.
+One writer per save, driven by the save's background thread; its futures are completed
+by the writer's own threads.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.packed_writer``.
 """
@@ -23,18 +21,8 @@ from .packed_writer import (
     O_DIRECT,
     ChunkWriter,
     _sync_file_range,
+    direct_span,
 )
-
-
-def direct_head(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> int:
-    """The bytes of ``first`` (a file's or segment's first piece) an ``O_DIRECT`` write
-    can take: its whole pages, when it is C-contiguous, starts on a page and is at
-    least ``minimum`` bytes (0: none)."""
-    if first.nbytes < minimum or not first.flags.c_contiguous:
-        return 0
-    if first.ctypes.data % DIRECT_ALIGN:
-        return 0
-    return first.nbytes - first.nbytes % DIRECT_ALIGN
 
 
 class ChunkFileWriter(ChunkWriter):
@@ -63,14 +51,11 @@ class ChunkFileWriter(ChunkWriter):
             os.close(fd)
 
     def _write_direct(self, fd: int, first: np.ndarray) -> int:
-        """Writes the page-aligned head of ``first`` (the file's first piece) with
-        ``O_DIRECT``, from its own memory to the disk: no copy into the page cache, the
-        CPU time the training steps would lose (measured: a tenth of the system time of
-        a buffered write). Returns the bytes written (0: nothing was, the caller writes
-        it all); the file is left in buffered mode for the rest. A filesystem that
-        refuses ``O_DIRECT`` turns it off for this writer."""
-        head = direct_head(first)
-        if head == 0:
+        """Writes the page-aligned head of ``first`` with ``O_DIRECT`` (no copy into the
+        page cache: a tenth of a buffered write's system time); returns the bytes written,
+        the file left buffered for the rest. A filesystem refusing it turns it off here."""
+        skip, head = direct_span(first)  # its whole pages, when it starts on a page
+        if skip or not head:
             return 0
         mode = fcntl.fcntl(fd, fcntl.F_GETFL)
         try:
