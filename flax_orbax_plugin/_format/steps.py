@@ -302,10 +302,11 @@ class Place:
 
 
 def classify(location: Location, *, steps_first: bool = False) -> Place:
-    """What is at ``location``, by names and small files, in the order of the kinds above.
-    ``steps_first``: a reader of a run directory lists it first (its errors propagate),
-    so a run with committed steps costs one listing. A damaged manifest of the step
-    holding ``location`` raises CorruptCheckpointError."""
+    """What is at ``location``, by names and small files, in this order: ours, a step, an
+    item, Orbax, a run, an unfinished save, msgpack, nothing. ``steps_first``: a reader of
+    a run directory lists it first (its errors propagate), so a run with committed steps
+    costs one listing. A damaged manifest of the step holding ``location`` raises
+    CorruptCheckpointError."""
     listing = list_directory(location) if steps_first else None
     if listing is not None and listing.committed:
         return Place(location, RUN, listing=listing)

@@ -42,13 +42,9 @@ def chunk_shape(
     must_divide: bool,
     target: int | None = None,
 ) -> list[int]:
-    """A chunk of at most ~``target`` bytes, splitting leading axes first (so a chunk is
-    a contiguous slab where possible).
-
-    With ``must_divide`` (the array is split over several writers) the chunk divides
-    ``shard_shape`` so every chunk lies inside one shard; a shard axis without a
-    usable divisor is kept whole rather than cut into tiny chunks.
-    """
+    """A chunk of at most ~``target`` bytes, splitting leading axes first (a contiguous
+    slab where possible). With ``must_divide`` (several writers) it divides
+    ``shard_shape``; a shard axis without a usable divisor is kept whole."""
     target = target or CHUNK_TARGET_BYTES
     chunk = [max(1, s) for s in shard_shape]
     for axis in range(len(chunk)):
@@ -83,8 +79,7 @@ def spec(
     codec: str | None = None,
 ) -> dict[str, Any]:
     """zarr3 spec; with ``inner_chunk`` each chunk is one file of checksummed inner chunks
-    (zarr3 sharding codec), so damage is located to ``inner_chunk`` granularity.
-    ``codec`` ``"zstd:<level>"`` compresses each (inner) chunk before its checksum."""
+    (sharding codec). ``codec`` ``"zstd:<level>"`` compresses each before its checksum."""
     bytes_codec: dict[str, Any] = {"name": "bytes"}
     if itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}
@@ -122,9 +117,7 @@ def spec(
 
 
 def as_stored(data: np.ndarray, stored: np.dtype) -> np.ndarray:
-    """``data`` as tensorstore reads and writes it in an array whose zarr3 ``data_type``
-    is ``stored`` (a dtype's ``DTYPES[...].zarr``: the same bytes, a view, no copy);
-    ``data`` itself where that is its own dtype. Any thread."""
+    """``data`` viewed (no copy) as the zarr3 ``data_type`` ``stored`` its array has."""
     return data if data.dtype == stored else data.view(stored)
 
 
@@ -144,10 +137,8 @@ def open_for_write(array_spec: dict[str, Any]) -> ts.TensorStore:
 
 
 def open_for_read(array_spec: dict[str, Any]) -> ts.Future:
-    """Starts opening, checking the stored ``zarr.json`` agrees with ``array_spec``
-    (shape, dtype, chunks, codecs: the future raises ValueError otherwise); a missing
-    chunk raises instead of reading zeros. A future, so that a restore reads every
-    ``zarr.json`` at once rather than one after another."""
+    """Starts opening (a future: a restore opens every array at once), checking the stored
+    ``zarr.json`` agrees with ``array_spec``; a missing chunk raises, never reads zeros."""
     array_spec = dict(array_spec, fill_missing_data_reads=False)
     return ts.open(array_spec, open=True, context=_context_for(array_spec))
 
@@ -173,14 +164,10 @@ _STATUS_ERRNO = {
 
 
 def environmental(error: BaseException) -> OSError | None:
-    """The :class:`OSError` that ``error`` (raised by tensorstore) stands for when it is
-    the environment's fault (a file-descriptor or memory limit, a permission, a timeout,
-    a refused or reset connection, any status that proves nothing about the bytes);
-    None when it proves damage (see ``_DAMAGE``) or is not a tensorstore status.
-
-    The errno is the one tensorstore reports (``[os_error_code=24]``: EMFILE), else one
-    standing for the status (DEADLINE_EXCEEDED: ETIMEDOUT, UNAVAILABLE: ECONNREFUSED,
-    PERMISSION_DENIED: EACCES, RESOURCE_EXHAUSTED: ENOMEM, others: EIO)."""
+    """The :class:`OSError` that ``error`` (raised by tensorstore) stands for when it is the
+    environment's fault (any status that proves nothing about the bytes), with the errno
+    tensorstore reports, else one standing for the status (:data:`_STATUS_ERRNO`, EIO);
+    None when it proves damage (``_DAMAGE``) or is not a tensorstore status."""
     if isinstance(error, OSError):
         return error
     if not isinstance(error, ValueError):
@@ -204,30 +191,17 @@ def environmental(error: BaseException) -> OSError | None:
 
 
 def leaf_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any]:
-    """The spec of leaf number ``index``'s own array (``d/<index>``) under ``root`` (a
-    packed leaf's: its stored ``uint8`` array, ``_zarr.chunks``)."""
+    """The spec of leaf number ``index``'s own array under ``root`` (packed: its bytes)."""
     record = _subbyte.stored(record)
-    dtype = dtype_from_name(record.dtype, path=record.path)
-    return spec(
-        root,
-        array_dir(index),
-        record.shape,
-        record.dtype,
-        record.storage.chunk_shape,
-        dtype.itemsize,
-        codec=record.storage.codec,
-    )
+    itemsize = dtype_from_name(record.dtype, path=record.path).itemsize
+    shape, chunk, codec = record.shape, record.storage.chunk_shape, record.storage.codec
+    return spec(root, array_dir(index), shape, record.dtype, chunk, itemsize, codec=codec)
 
 
 def batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
     """The spec of the batch array ``b/<name>`` under ``root``."""
+    itemsize, chunk = dtype_from_name(batch.dtype).itemsize, [int(batch.chunk)]
+    sub, inner = batch_dir(batch.name), [batch.inner]
     return spec(
-        root,
-        batch_dir(batch.name),
-        [batch.size],
-        batch.dtype,
-        [int(batch.chunk)],
-        dtype_from_name(batch.dtype).itemsize,
-        inner_chunk=[batch.inner],
-        codec=batch.codec,
+        root, sub, [batch.size], batch.dtype, chunk, itemsize, inner_chunk=inner, codec=batch.codec
     )

@@ -33,9 +33,8 @@ def file_name(path: str) -> str:
 
 
 def stored_name(path: str, where: Callable[[str], str] | None, kind: str) -> str:
-    """The words naming the stored bytes of chunk ``path`` in a damage error: the file
-    of the format that wrote them (``where(path)``: a version-2 data file and its byte
-    range), else version 1's own file (``<kind> <array>/c/...``)."""
+    """The words naming the stored bytes of chunk ``path`` in a damage error: ``where(path)``
+    (a version-2 data file and its byte range), else version 1's own file."""
     return where(path) if where is not None else f"{kind} {file_name(path)}"
 
 
@@ -44,10 +43,9 @@ def crc_matches(parts: list[np.ndarray], trailer: np.ndarray) -> bool:
 
 
 class Jobs:
-    """This reader's jobs on the process's shared pool of ``threads`` reader threads:
-    started once, not on every restore (starting 8 threads cost 0.1 s of a 0.5 s
-    restore of 6,000 small leaves on a busy machine). :meth:`shutdown` cancels this
-    reader's jobs not started yet and waits for the rest, leaving others' jobs alone."""
+    """This reader's jobs on the process's shared pool of ``threads`` reader threads (started
+    once: 8 new threads cost 0.1 s of a 0.5 s restore of 6,000 small leaves). :meth:`shutdown`
+    cancels or waits for this reader's jobs only."""
 
     def __init__(self, threads: int):
         self._pool = _shared_pool(threads)
@@ -98,13 +96,10 @@ PREFETCH_BYTES = 256 << 20
 
 
 def prefetch_batches(root: str, threads: int) -> concurrent.futures.Future | None:
-    """Asks the kernel to start reading the batch files under ``root/b`` (a hint:
-    ``POSIX_FADV_WILLNEED``; the first :data:`PREFETCH_BYTES` of them), on one of the
-    shared reader threads, so that the disk works while the restoring thread parses
-    the metadata; None where there is no such hint. For a restore that reads every
-    batch whole: the later reads check every byte as before; only the regular files
-    under ``b/*/c`` are opened (never through a link). Nothing is allocated or kept;
-    a failure is the later read's to report."""
+    """Asks the kernel (``POSIX_FADV_WILLNEED``) to start reading the first
+    :data:`PREFETCH_BYTES` of the batch files under ``root/b`` on a reader thread, so the
+    disk works while the metadata is parsed; None where there is no such hint. Opens
+    regular files only, never through a link; a failure is the later read's to report."""
     if not hasattr(os, "posix_fadvise"):
         return None
     return _shared_pool(threads).submit(_advise_batches, os.path.join(root, "b"))
@@ -159,10 +154,8 @@ MAX_COMPRESSION_RATIO = 1 << 16
 
 
 def array_claim(shape, chunk, itemsize: int, *, compressed: bool) -> tuple[int, int]:
-    """(chunk files, bytes) that an array of ``shape`` stored in ``chunk``-shaped chunks
-    needs on disk: uncompressed, each file is the whole (padded) chunk and its crc32c;
-    compressed, the bytes are a lower bound (see :data:`MAX_COMPRESSION_RATIO`).
-    Python ints: claims of any size are computed exactly, nothing is allocated."""
+    """(chunk files, bytes) that an array of ``shape`` in ``chunk``-shaped chunks needs on
+    disk (compressed: a lower bound), in Python ints: nothing is allocated."""
     cells = math.prod(-(-int(n) // int(c)) for n, c in zip(shape, chunk, strict=True))
     chunk_bytes = math.prod(int(c) for c in chunk) * itemsize
     if compressed:
@@ -173,9 +166,8 @@ def array_claim(shape, chunk, itemsize: int, *, compressed: bool) -> tuple[int, 
 def batch_claim(
     size: int, chunk: int, inner: int, itemsize: int, *, compressed: bool
 ) -> tuple[int, int]:
-    """(files, bytes) that a batch array (1-D, ``size`` elements, files of ``chunk``
-    elements holding ``inner``-element chunks, as ``ChunkWriter.batch`` and tensorstore
-    write it) needs on disk; compressed, a lower bound."""
+    """(files, bytes) that a batch array (``size`` elements, files of ``chunk`` elements in
+    ``inner``-element chunks) needs on disk; compressed, a lower bound."""
     files = -(-size // chunk)
     index = files * (16 * (chunk // inner) + _chunks.CRC_BYTES)  # one checksummed index per file
     if compressed:
@@ -186,9 +178,8 @@ def batch_claim(
 
 
 def stored_files(root: str, sub: str) -> tuple[int, int]:
-    """(regular files, their total bytes) under ``root/sub/c`` (an array's chunk files),
-    walked without following any link; (0, 0) when there is no such directory. Costs
-    one ``stat`` per file that exists, whatever the metadata claims."""
+    """(regular files, their total bytes) under ``root/sub/c``, walked without following
+    any link; (0, 0) when there is no such directory."""
     count = total = 0
     for entry in walk_entries(os.path.join(root, check_name(sub), _chunks.CHUNK_DIR)):
         if entry.is_file(follow_symlinks=False):
@@ -201,17 +192,13 @@ BATCH_THREADS = 4  # threads of ranged batch reads (read_batch_range)
 
 
 class ChunkReader:
-    """Reads whole arrays and batches stored without compression from local chunk files
-    straight into fresh aligned host buffers: one ``preadv`` per file, each chunk
-    into its place in the result.
+    """Reads arrays and batches stored without compression from local chunk files straight
+    into fresh aligned host buffers, one ``preadv`` per file. Every chunk file must be a
+    regular file (``O_NOFOLLOW``) of exactly the chunk's size plus its crc32c, which must
+    match; else ValueError naming the chunk (the caller names the leaf).
 
-    Every chunk file must be a regular file (``O_NOFOLLOW``) of exactly the chunk's
-    size plus its checksum, and the crc32c must match; otherwise the read raises
-    ValueError naming the chunk (the caller names the leaf).
-
-    Threading: :meth:`read` and :meth:`read_batch` are called from one thread (the
-    restore's); the reads run on the reader's threads; :meth:`close` waits for them.
-    """
+    Threading: :meth:`read` and :meth:`read_batch` are called from the restore's thread;
+    the reads run on the reader's threads; :meth:`close` waits for them."""
 
     packed = False  # format version 2's reader (a subclass) reads every array and batch
 
@@ -246,12 +233,8 @@ class ChunkReader:
         region: tuple[slice, ...] | None = None,
     ) -> PendingRead | None:
         """Starts reading ``region`` (global; None: all) of array ``sub``; None when the
-        region is not whole chunks (chunks cut by the array's end count as whole), so
-        tensorstore reads it instead.
-
-        A chunk whose bytes are contiguous in the result (it spans the region's every
-        axis but the first) is read straight into place; any other is read whole into
-        a scratch buffer, checked, then copied into place."""
+        region is not whole chunks. A chunk contiguous in the result is read straight
+        into place, any other into scratch, checked, then copied."""
         check_name(sub)  # never a path outside the checkpoint
         whole = _chunks.whole_chunks(shape, chunk, region or tuple(slice(None) for _ in shape))
         if whole is None:
@@ -263,7 +246,7 @@ class ChunkReader:
             path = os.path.join(self._root, sub, *_chunks.chunk_parts(cell))
             if dest.flags.c_contiguous and dest.shape[1:] == tuple(chunk[1:]):
                 # in place; a chunk cut along the first axis only has its padding last
-                job = (_read_chunk, path, _as_writable_bytes(dest), chunk_bytes)
+                job = (_read_chunk, path, dest.reshape(-1).view(np.uint8), chunk_bytes)
             else:
                 job = (_read_chunk_copy, path, dest, tuple(chunk), self._scratch)
             read.futures.append(self._pool.submit(*job, **self._fill_kw()))
@@ -272,42 +255,28 @@ class ChunkReader:
     def read_batch(
         self, sub: str, size: int, chunk: int, inner: int, dtype, files: range | None = None
     ) -> PendingRead:
-        """Starts reading all of batch array ``sub`` (1-D, ``size`` elements, files of
-        ``chunk`` elements holding ``inner``-element chunks), or only the elements of
-        its ``files`` (consecutive file numbers: ``verify`` reads a batch a few files at
-        a time)."""
+        """Starts reading all of batch array ``sub`` (as :func:`batch_claim` describes it), or
+        only the elements of its ``files`` (consecutive file numbers)."""
         check_name(sub)  # never a path outside the checkpoint
         files = range(-(-size // chunk)) if files is None else files
         first = files.start * chunk if files else 0
         stop = min(size, files.stop * chunk) if files else 0
         read = PendingRead((stop - first,), dtype)
         flat = read.out.view(np.uint8)
-        itemsize = read.out.dtype.itemsize
-        read.futures = [
-            self._pool.submit(
-                _read_shard,
-                os.path.join(self._root, sub, *_chunks.chunk_parts((s,))),
-                flat,
-                s,
-                size * itemsize,
-                chunk * itemsize,
-                inner * itemsize,
-                first * itemsize,
-                **self._fill_kw(),
-            )
-            for s in files
-        ]
+        itemsize, kw = read.out.dtype.itemsize, self._fill_kw()
+        sizes = (size * itemsize, chunk * itemsize, inner * itemsize, first * itemsize)
+        for s in files:
+            path = os.path.join(self._root, sub, *_chunks.chunk_parts((s,)))
+            read.futures.append(self._pool.submit(_read_shard, path, flat, s, *sizes, **kw))
         return read
 
     def read_batch_range(
         self, sub: str, size: int, chunk: int, inner: int, dtype, start: int, stop: int
     ) -> PendingRead:
-        """Starts reading elements ``[start, stop)`` of batch array ``sub`` (as in
-        :meth:`read_batch`), rounded out to whole inner chunks: one job per file, each
-        reading only its inner chunks in the range and the file's index, all checked.
-        The result's ``first`` is the element its ``out`` starts at; ``files`` are the
-        file numbers of its ``futures`` and ``ends`` the element each file's part ends
-        at. Local chunk files only (not a packed reader)."""
+        """Starts reading elements ``[start, stop)`` of batch array ``sub``, rounded out to
+        whole inner chunks: one job per file reading only those and the file's index. The
+        result's ``first`` is the element its ``out`` starts at, ``files`` the file numbers
+        of its ``futures``, ``ends`` the element each file's part ends at."""
         check_name(sub)  # never a path outside the checkpoint
         if self._ranged is None or not 0 <= start < stop <= size:
             raise ValueError(f"batch {sub}: no ranged read of [{start}, {stop}) here")
@@ -359,9 +328,7 @@ def count_read(nbytes: int) -> None:
 
 
 def bytes_read() -> int:
-    """Bytes this process has read from chunk files through :class:`ChunkReader` (a
-    counter, as tensorstore's ``/tensorstore/kvstore/file/bytes_read`` metric is for
-    its own reads)."""
+    """Bytes this process has read through :class:`ChunkReader` and its subclass."""
     with _read_lock:
         return _read_total
 
@@ -382,12 +349,9 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None, whe
 def _read_chunk_copy(
     path: str, dest: np.ndarray, chunk: tuple[int, ...], scratch: dict, *, fill=None, where=None
 ) -> None:
-    """Reads one chunk file whole into scratch, checks it, then copies the part that
-    lies in the array (``dest``'s shape, from the chunk's origin) into ``dest``.
-
-    The scratch is the calling thread's own in ``scratch`` (the reader's, by thread
-    ident: no thread touches another's), kept between chunks: fresh memory for every
-    chunk would cost its first touch each time (about 0.6 s per GB on this machine)."""
+    """Reads one chunk file whole into scratch, checks it, then copies its part in the
+    array into ``dest``. The scratch is the calling thread's own in ``scratch`` (by thread
+    ident), kept between chunks: fresh memory would cost its first touch (0.6 s per GB)."""
     nbytes = int(np.prod(chunk, dtype=np.int64)) * dest.dtype.itemsize
     me = threading.get_ident()
     buffer = scratch.get(me)
@@ -396,11 +360,6 @@ def _read_chunk_copy(
     raw = buffer[:nbytes]
     _read_chunk(path, raw, nbytes, fill=fill, where=where)
     dest[...] = raw.view(dest.dtype).reshape(chunk)[tuple(slice(0, n) for n in dest.shape)]
-
-
-def _as_writable_bytes(array: np.ndarray) -> np.ndarray:
-    """The bytes of a C-contiguous array as a flat uint8 view to read into."""
-    return array.reshape(-1).view(np.uint8)
 
 
 def _read_shard(
@@ -417,12 +376,10 @@ def _read_shard(
     ranged=None,
     where=None,
 ) -> None:
-    """Reads one batch file (a zarr3 shard, sizes in bytes) into ``flat`` (the batch's
-    bytes from byte ``base`` on): every stored inner chunk straight to its place, then
-    checks the index (exactly the layout both writers produce: inner chunks in order,
-    none missing before ``size``) and every checksum. With ``inners`` (j0, j1): only
-    inner chunks j0..j1-1 and the index, through ``ranged`` (a packed reader's segment
-    reads) or from the file at ``path``. ``where``: see :func:`stored_name`."""
+    """Reads one batch file (a zarr3 shard, sizes in bytes) into ``flat`` (the batch's bytes
+    from byte ``base`` on), then checks its index (inner chunks in order, none missing)
+    and every checksum. With ``inners`` (j0, j1): only inner chunks j0..j1-1 and the
+    index, through ``ranged`` (a packed reader's) or from the file at ``path``."""
     name, label = file_name(path), stored_name(path, where, "batch file")
     count = chunk // inner
     present = -(-min(size - s * chunk, chunk) // inner)
@@ -466,11 +423,9 @@ def _read_file(path: str, name: str, parts: list[np.ndarray]) -> None:
 
 
 def _read_ranges(path: str, name: str, expected: int, ranges: list) -> None:
-    """Fills the parts of each ``(offset, parts)`` of ``ranges`` from the file at
-    ``path``, which must be a regular file of exactly ``expected`` bytes (never
-    followed if a symlink). A file read in part is read without readahead (only the
-    ranges' pages come from the disk)."""
-    global _read_total
+    """Fills the parts of each ``(offset, parts)`` of ``ranges`` from the file at ``path``,
+    a regular file (never a link) of exactly ``expected`` bytes; several ranges are read
+    without readahead."""
     _env.fail_point("read_chunk")
     try:
         # O_NONBLOCK: a FIFO in the checkpoint's place never blocks (refused below)
@@ -496,8 +451,7 @@ def _read_ranges(path: str, name: str, expected: int, ranges: list) -> None:
             total += preadv_into(fd, parts, at, name) - at
     finally:
         os.close(fd)
-        with _read_lock:
-            _read_total += total
+        count_read(total)
 
 
 def preadv_into(fd: int, parts: list[np.ndarray], at: int, name: str) -> int:

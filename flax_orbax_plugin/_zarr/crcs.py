@@ -1,10 +1,6 @@
 """The crc32c of chunks: every chunk of a region at once, or each while the region is
-copied (the optional C kernel, ``_copycrc``: it checksums every byte as it copies it).
-
-Only a host copy that checksums as it goes (``_core.host_snapshot``) and incremental
-steps' proofs of equal chunks run this; a chunk file's own trailer is
-``chunks.crc_trailer``. Pure functions: any thread (the copies and the crc32c release
-the GIL on large buffers).
+copied (the optional C kernel ``_copycrc`` checksums every byte as it copies it). Pure
+functions: any thread (the copies and the crc32c release the GIL on large buffers).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.chunks``.
 """
@@ -13,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .chunks import _crc32c, as_bytes, chunk_payload, crc_trailer, whole_chunks
+from .chunks import _crc32c, as_bytes, chunk_payload, whole_chunks
 
 try:  # the optional C extension (setup.py): copies and checksums in one pass
     from . import _copycrc
@@ -30,31 +26,20 @@ def extend_crc(crc: int, data) -> int:
 def chunk_crcs(
     shape: tuple[int, ...], chunk: tuple[int, ...], index: tuple[slice, ...], data: np.ndarray
 ) -> dict[tuple[int, ...], int] | None:
-    """``{chunk grid cell: crc32c}`` of every chunk of the region ``index`` (global) of
-    an array of ``shape`` holding ``data`` (that region's values): the value the
-    zarr3 ``crc32c`` codec stores as the trailer of each chunk file that
-    :meth:`ChunkWriter.array` (or tensorstore) writes for it, computed over the same
-    bytes (little endian, edge chunks zero-padded). None when the region is not whole
-    chunks. A 0-d array is one chunk, cell ``()``. Any thread; reads ``data`` only."""
+    """``{chunk grid cell: crc32c}`` of every chunk of the region ``index`` (global) of an
+    array of ``shape`` holding ``data``: the trailer each chunk file stores (little
+    endian, edge chunks zero-padded). None when the region is not whole chunks. A 0-d
+    array is one chunk, cell ``()``."""
     if data.dtype.byteorder == ">":  # the stored encoding is little endian
         data = data.astype(data.dtype.newbyteorder("<"))
     if not shape:
         if data.shape != ():
             return None
-        return {
-            (): int.from_bytes(
-                crc_trailer([as_bytes(np.ascontiguousarray(data))]).tobytes(), "little"
-            )
-        }
+        return {(): _crc32c(as_bytes(np.ascontiguousarray(data)))}
     region = whole_chunks(shape, chunk, index)
     if region is None or data.shape != region[0]:
         return None
-    return {
-        cell: int.from_bytes(
-            crc_trailer([chunk_payload(data[at], tuple(chunk))]).tobytes(), "little"
-        )
-        for cell, at in region[1]
-    }
+    return {cell: _crc32c(chunk_payload(data[at], tuple(chunk))) for cell, at in region[1]}
 
 
 COPY_STEP = 256 << 10  # without the kernel: bytes copied, then checksummed, at a time
@@ -66,12 +51,10 @@ def has_kernel() -> bool:
 
 
 def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int = 0, kernel: bool | None = None) -> int:
-    """``dst[...] = src`` for flat uint8 arrays of one size (C-contiguous, not
-    overlapping); returns the crc32c of those bytes continued from ``crc`` (as
-    :func:`extend_crc`). ``kernel``: None, the C kernel where it is built; True, the
-    kernel (RuntimeError where it is not); False, ``np.copyto`` then the crc32c,
-    :data:`COPY_STEP` bytes at a time (each piece checksummed while still in cache).
-    Any thread: both release the GIL on large buffers."""
+    """``dst[...] = src`` for flat uint8 arrays of one size; returns the crc32c of those
+    bytes continued from ``crc``. ``kernel``: None, the C kernel where built; True, the
+    kernel (RuntimeError where not built); False, ``np.copyto`` then the crc32c,
+    :data:`COPY_STEP` bytes at a time (each piece checksummed while still in cache)."""
     if kernel is None:
         kernel = _copycrc is not None
     if kernel:
@@ -102,19 +85,11 @@ def copy_with_crcs(
     out: dict,
     kernel: bool | None = None,
 ) -> None:
-    """``np.copyto(dst, src)``, checksumming in the same pass: ``dst`` and ``src`` hold
-    the region ``index`` (global) of an array of ``shape`` chunked by ``chunk``; where
-    it is whole chunks, each chunk's crc32c (the value :func:`chunk_crcs` gives, the
-    trailer its file stores) is put in ``out`` (``{chunk grid cell: crc32c}``).
-
-    A chunk spanning whole rows (its trailing axes the array's) is copied by
-    :func:`copy_crc` (``kernel``: which way), which checksums every byte as it copies it
-    (the C kernel), or right after it copies each piece, still in the core's cache;
-    the zero padding of a chunk cut by the array's end is checksummed after it. Other
-    chunks are copied, then checksummed. Nothing is put in ``out`` for a region that
-    is not whole chunks, a 0-d or big-endian array: the writer computes those. Any
-    thread (the copies and the crc32c release the GIL); distinct calls put distinct
-    cells."""
+    """``np.copyto(dst, src)`` for the region ``index`` (global) of an array of ``shape``
+    chunked by ``chunk``, putting each chunk's crc32c (as :func:`chunk_crcs`) in ``out``
+    where the region is whole chunks. A chunk of whole rows is copied and checksummed
+    in one pass by :func:`copy_crc` (``kernel``: which way), others copied then
+    checksummed. Nothing is put for a 0-d or big-endian array: the writer computes those."""
     region = None if dst.dtype.byteorder == ">" else whole_chunks(shape, chunk, index)
     if region is None or dst.shape != region[0] or src.shape != dst.shape:
         np.copyto(dst, src)

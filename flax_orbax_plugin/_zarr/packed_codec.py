@@ -1,14 +1,7 @@
-"""Format version 2's compressed segments, encoded and decoded by tensorstore in memory.
-
-A compressed chunk of version 2 is byte for byte the version-1 chunk file that the
-zarr3 codecs ``bytes``, ``zstd`` (its level), ``crc32c`` give (a batch shard: the
-``sharding_indexed`` codec over those). This library has no zstd of its own, so both
-directions go through tensorstore's zarr3 driver over a private ``memory`` kvstore
-(a fresh :class:`tensorstore.Context` each, freed with it): :func:`encode` writes whole
-chunks there and hands back each chunk's stored bytes, keyed as in version 1;
-:class:`Decoder` is an array of the record's spec whose chunks are put into its
-memory, one segment each, before tensorstore reads (and checks) them. Any thread;
-one :class:`Decoder` per read.
+"""Format version 2's compressed segments (byte for byte version 1's chunk files), encoded
+and decoded by tensorstore's zarr3 driver over a private ``memory`` kvstore (a fresh
+context each): this library has no zstd of its own. Any thread; one :class:`Decoder` per
+read.
 """
 
 from __future__ import annotations
@@ -27,17 +20,15 @@ _ZARR_JSON = b"zarr.json"
 
 
 def max_segment_bytes(raw_bytes: int, inner_chunks: int = 1) -> int:
-    """The most bytes a compressed segment of ``raw_bytes`` decoded bytes may hold in
-    ``inner_chunks`` checksummed chunks (zstd's bound per frame, each frame's crc32c, a
-    shard's index): a data index listing more is damage, refused before allocating."""
+    """The most bytes a compressed segment of ``raw_bytes`` decoded bytes in
+    ``inner_chunks`` checksummed chunks may hold: a data index listing more is damage."""
     frames = raw_bytes + raw_bytes // 128 + inner_chunks * (1024 + _chunks.CRC_BYTES)
     return frames + 16 * inner_chunks + _chunks.CRC_BYTES
 
 
 def encode(spec: dict[str, Any], writes: list[tuple[Any, np.ndarray]]) -> list[tuple[str, Any]]:
-    """``[(key inside the array, stored bytes)]`` of every chunk of ``writes`` (regions
-    of whole chunks and their values) encoded with ``spec`` (built under
-    :data:`MEMORY`), sorted by key."""
+    """``[(key inside the array, stored bytes)]`` of every chunk of ``writes`` (regions of
+    whole chunks, values) encoded with ``spec`` (under :data:`MEMORY`), sorted by key."""
     context = ts.Context()
     spec = dict(spec, store_data_equal_to_fill_value=True)
     store = ts.open(spec, create=True, open=True, context=context).result()
@@ -52,10 +43,8 @@ def encode(spec: dict[str, Any], writes: list[tuple[Any, np.ndarray]]) -> list[t
 
 
 class Decoder:
-    """A zarr3 array of ``spec`` (built under :data:`MEMORY`) in its own memory; call
-    :meth:`put` for each stored chunk a read needs, then read :attr:`store`: a chunk
-    not put is missing (an error, never zeros), each put one checked by tensorstore's
-    ``crc32c`` codec as it decodes."""
+    """A zarr3 array of ``spec`` (under :data:`MEMORY`) in its own memory: :meth:`put` each
+    stored chunk a read needs, then read :attr:`store` (a chunk not put is an error)."""
 
     def __init__(self, spec: dict[str, Any]):
         self._context = ts.Context()

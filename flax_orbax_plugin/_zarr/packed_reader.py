@@ -105,12 +105,11 @@ class PackedReader(_chunk_files.ChunkReader):
 
     def read_batch(self, sub, size, chunk, inner, dtype, files=None):
         """As ``ChunkReader.read_batch``; on an object store, deferred (see ``read``)."""
-        if self._kv is None:
-            return super().read_batch(sub, size, chunk, inner, dtype, files)
-        numbers = range(-(-size // chunk)) if files is None else files
-        self._ranges.want(_key(sub, (s,)) for s in numbers)
+        if self._kv is not None:
+            numbers = range(-(-size // chunk)) if files is None else files
+            self._ranges.want(_key(sub, (s,)) for s in numbers)
         read = super().read_batch(sub, size, chunk, inner, dtype, files)
-        read.deferred = True
+        read.deferred = self._kv is not None
         return read
 
     def file_lengths(self) -> dict[str, tuple[int, int]]:
@@ -210,12 +209,10 @@ class PackedReader(_chunk_files.ChunkReader):
             raise ValueError(f"chunk {where}: its crc32c differs from its data index's")
 
     def read(self, sub, shape, chunk, dtype, region=None) -> _chunk_files.PendingRead:
-        """Starts reading ``region`` (global; None: all) of array ``sub``, any region.
-
-        On an object store the read is deferred (``deferred`` set): its chunks are
-        declared to the fetch plan (:class:`RangeReads`) and its jobs start only when a
-        result is waited for, with at most :data:`AHEAD_BYTES` of later jobs, so that
-        the plan knows every read issued before the first wait."""
+        """Starts reading ``region`` (global; None: all) of array ``sub``, any region. On an
+        object store the read is deferred: its chunks are declared to the fetch plan and
+        its jobs start when a result is waited for, so the plan knows every read issued
+        before the first wait."""
         bounds, ranges = _cells(shape, chunk, region)
         if self._kv is not None:
             self._ranges.want(_key(sub, cell) for cell in itertools.product(*ranges))
@@ -234,23 +231,14 @@ class PackedReader(_chunk_files.ChunkReader):
                 lo, hi = max(a, i * c), min(b, i * c + c)
                 src.append(slice(lo - i * c, hi - i * c))
                 dst.append(slice(lo - a, hi - a))
-            job = (
-                _read_part,
-                _key(sub, cell),
-                read.out[tuple(dst)],
-                tuple(chunk),
-                tuple(src),
-                self._fill,
-                self._where,
-            )
-            read.futures.append(self._pool.submit(*job))
+            args = (_key(sub, cell), read.out[tuple(dst)], tuple(chunk), tuple(src))
+            read.futures.append(self._pool.submit(_read_part, *args, self._fill, self._where))
         return read
 
     def read_compressed(self, index: int, record, region=None) -> CompressedRead:
-        """Starts reading ``region`` (global; None: all) of leaf ``index``'s compressed
-        array (its ``record``): only the segments of the chunks it touches are fetched
-        (each checked against its index entry, and bounded), then decoded and checked
-        by tensorstore."""
+        """Starts reading ``region`` (global; None: all) of leaf ``index``'s compressed array
+        (its ``record``): the segments of the chunks it touches, each checked and bounded,
+        then decoded and checked by tensorstore."""
         sub, chunk = _layout.array_dir(index), record.storage.chunk_shape
         _, ranges = _cells(record.shape, chunk, region)
         keys = [_key(sub, cell) for cell in itertools.product(*ranges)]
@@ -261,9 +249,8 @@ class PackedReader(_chunk_files.ChunkReader):
         return CompressedRead(self._load_all(sub, keys, decoder, raw, 1), view, dtype)
 
     def compressed_batch(self, batch):
-        """The compressed batch of ``batch`` (its record) as a tensorstore array, every
-        shard fetched and checked against its index entry; None for an uncompressed
-        batch (read by :meth:`read_batch`). Raises ValueError for a damaged shard."""
+        """The compressed batch of ``batch`` (its record) as a tensorstore array, every shard
+        fetched and checked (ValueError for a damaged one); None for an uncompressed batch."""
         if batch.codec is None:
             return None
         chunk, inner = int(batch.chunk), batch.inner
@@ -386,11 +373,9 @@ def index_from_json(obj: Any, where: str, process: int) -> DataIndex:
 def read_index(
     location: Location, process: int, *, listed: dict[str, str] | None = None
 ) -> DataIndex:
-    """The data index of ``process`` in the version-2 checkpoint at ``location``: its
-    bytes checked against the sha256 the commit recorded (``listed``: those checksums,
-    when the commit was read already), parsed as a data index (no
-    key twice: ``local_files``) and validated (:func:`index_from_json`). Every reader
-    of an index (restore, verify, incremental reuse, the tier) reads it here."""
+    """The data index of ``process`` in the version-2 checkpoint at ``location``, checked
+    against the sha256 its commit recorded (``listed``: those checksums, when read
+    already), parsed and validated. Every reader of an index reads it here."""
     name = index_name(process)
     where = f"{location}/{name}"
     if listed is None:
@@ -476,9 +461,8 @@ def merge(indexes: list[DataIndex], where: str) -> dict[str, Segment]:
 def open_packed(
     location: Location, process_count: int, *, listed: dict[str, str] | None = None
 ) -> PackedReader:
-    """A reader of the version-2 checkpoint at ``location``: every process's data
-    index read, checked against the sha256 its commit recorded (``listed``: those
-    checksums, when the commit was read already), and validated."""
+    """A reader of the version-2 checkpoint at ``location`` over every process's data
+    index (:func:`read_index`)."""
     indexes = [read_index(location, process, listed=listed) for process in range(process_count)]
     sizes = {name: size for index in indexes for name, size in index.files.items()}
     where = str(location)
@@ -490,8 +474,8 @@ AHEAD_BYTES = 64 << 20  # object stores: chunk jobs started ahead of the one wai
 
 
 class _Job:
-    """A chunk job of a read on an object store, started (on the reader's threads)
-    when its result, or an earlier job's, is first waited for."""
+    """A chunk job of a read on an object store, started when its result, or an earlier
+    job's, is first waited for."""
 
     def __init__(self, pool: _DeferredPool, call: tuple, kwargs: dict):
         self._pool = pool
@@ -506,9 +490,9 @@ class _Job:
 
 
 class _DeferredPool:
-    """The reader's pool on an object store: jobs queue until one is waited for; the
-    fetch plan is made then (``RangeReads.plan``), and the jobs up to that one, and
-    :data:`AHEAD_BYTES` of chunks after it, start in order. Calling thread only."""
+    """The reader's pool on an object store: jobs queue until one is waited for; then the
+    fetch plan is made and the jobs up to it, and :data:`AHEAD_BYTES` after, start in
+    order. Calling thread only."""
 
     def __init__(self, pool, ranges: RangeReads, chunks: dict[str, _chunks.Segment]):
         self._pool = pool
@@ -559,8 +543,8 @@ class _Range:
         self.lock = threading.Lock()
 
     def bytes(self) -> memoryview:
-        """The fetched bytes (empty when the object is missing). Taken from the result
-        once: every ``ReadResult.value`` is a fresh copy of the whole range."""
+        """The fetched bytes (empty when the object is missing), taken from the result once
+        (every ``ReadResult.value`` is a fresh copy)."""
         with self.lock:
             if self.value is None:
                 result = self.future.result()
@@ -655,9 +639,8 @@ class RangeReads:
             self._range_of[key] = entry
 
     def take(self, key: str, segment: _chunks.Segment) -> bytes | memoryview | None:
-        """The bytes of ``key``'s segment from its range (fetched now if not yet); None
-        when no plan holds it, or its range came back short: the caller then reads the
-        segment alone (and reports it missing where that fails too)."""
+        """The bytes of ``key``'s segment from its range (fetched now if not yet); None when
+        no plan holds it or its range came back short (the caller reads it alone)."""
         with self._lock:
             entry = self._range_of.get(key)
             if entry is None or self._left[key] <= 0:
@@ -676,8 +659,8 @@ class RangeReads:
         return value if len(value) == segment.length else None
 
     def _start(self, entry: _Range, key: str) -> _Range:
-        """Issues ``entry``'s GET, or, past the memory bound, that of a piece of it from
-        ``key`` on (the rest stays planned). Under the lock."""
+        """Issues ``entry``'s GET, or past the memory bound a piece of it from ``key`` on.
+        Under the lock."""
         if self._held_bytes and self._held_bytes + entry.nbytes > FETCH_BYTES:
             entry = self._split(entry, key)
         self._issue(entry)

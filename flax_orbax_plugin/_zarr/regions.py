@@ -10,10 +10,9 @@ __all__ = ["covering", "nbytes", "within"]
 
 
 def covering(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, budget: int):
-    """Regions (tuples of slices) of whole chunks covering an array, each at most
-    ``budget`` bytes where one chunk is not larger: slabs of whole chunks along the
-    first axis where they fit, else along the next axis within one chunk of the first,
-    and so on. A generator: nothing is allocated per chunk ahead of its read."""
+    """Regions (tuples of slices) of whole chunks covering an array, each at most ``budget``
+    bytes where one chunk is not larger: slabs along the first axis where they fit, else
+    along the next within one chunk of the first, and so on. A generator."""
     if not shape or math.prod(shape) * itemsize <= budget:
         yield None
         return

@@ -1,8 +1,5 @@
 """Sub-byte arrays (int4, float4, 1-, 2- and 6-bit dtypes) packed into bytes: a packed
-leaf's stored array, its regions, and its values from the stored bytes (FORMAT.md,
-packed sub-byte arrays). Whether a leaf is stored packed: ``chunks.is_packed``.
-
-Pure functions and immutable records: any thread.
+leaf's stored array, its regions, and its values (FORMAT.md). Pure functions: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.chunks``.
 """
@@ -29,8 +26,7 @@ def _nbytes(values: int, bits: int) -> int:
 
 
 def stored(record: LeafRecord) -> LeafRecord:
-    """``record`` as its zarr3 array stores it: itself, or for a packed leaf a ``uint8``
-    record whose shape and chunk shape hold the packed bytes along the last axis."""
+    """``record`` as its zarr3 array stores it: itself, or a packed leaf's ``uint8`` bytes."""
     if not is_packed(record):
         return record
     bits = bits_of(record.dtype)
@@ -52,8 +48,7 @@ def group(bits: int) -> int:
 
 
 def pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
-    """``values`` (a sub-byte dtype, any shape of at least one axis) as packed rows:
-    uint8 of shape ``(..., ceil(n * bits / 8))``."""
+    """``values`` (a sub-byte dtype, at least one axis) as uint8 packed rows."""
     low = np.ascontiguousarray(values).view(np.uint8) & np.uint8((1 << bits) - 1)
     n, g = low.shape[-1], group(bits)
     if n % g:
@@ -94,8 +89,7 @@ def unpack_rows(packed: np.ndarray, bits: int, width: int, skip: int, dtype) -> 
 
 
 def pack_flat(values: np.ndarray) -> np.ndarray:
-    """A small leaf's values (a sub-byte dtype) as one bit stream, C order: the bytes of
-    its ``packed_batch`` slot (uint8, ``_format.layout.packed_bytes`` of them)."""
+    """A small leaf's values (a sub-byte dtype) as one bit stream: its ``packed_batch`` slot."""
     flat = np.ascontiguousarray(values).reshape(-1)
     return pack_rows(flat, bits_of(flat.dtype.name))
 
@@ -115,8 +109,7 @@ def _last_axis(index, n: int) -> tuple[int, int]:
 
 
 def pack_write(record: LeafRecord, index: tuple, data: np.ndarray) -> tuple[tuple, np.ndarray]:
-    """One region (``index``, global, whole chunks) of a packed leaf and its values:
-    the stored array's region and its bytes."""
+    """The stored array's region and bytes of region ``index`` (global) of a packed leaf."""
     bits, n = bits_of(record.dtype), record.shape[-1]
     start, stop = _last_axis(index, n)
     if start * bits % 8 or (stop * bits % 8 and stop != n):
@@ -142,9 +135,8 @@ class Unpacked:
 
 
 def stored_region(record: LeafRecord, region) -> tuple[tuple, int, int]:
-    """For a read of ``region`` (global; None: all) of a packed leaf: (the stored
-    array's region holding it, from the byte of the group its first value is in; the
-    values per row; the values to skip at each row's start)."""
+    """For a read of ``region`` (global; None: all) of a packed leaf: (the stored region
+    holding it, from its first group's byte; values per row; values to skip per row)."""
     bits, n = bits_of(record.dtype), record.shape[-1]
     index = tuple(region) if region is not None else (slice(None),) * len(record.shape)
     start, stop = _last_axis(index, n)
