@@ -36,11 +36,9 @@ def contents(loc: Location, limit: int = 5) -> str:
 
 
 def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
-    """The committed checkpoint of ours that ``location`` is or lies inside, in words: a
-    step, a core checkpoint, or (``location`` and its first ``runs - 1`` parents) a run
-    directory holding committed steps; None when there is none. For writers whose
-    output must stay outside every checkpoint. A local ``location`` should be a real
-    path (no link on the way)."""
+    """The committed checkpoint of ours that ``location`` (a real path) is or lies inside, in
+    words: a step, a core checkpoint, or (``location`` and its first ``runs - 1`` parents)
+    a run holding committed steps; None when there is none. For writers' outputs."""
     here, level = location, 0
     while True:
         if here.exists(MANIFEST_FILE):

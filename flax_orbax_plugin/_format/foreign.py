@@ -32,12 +32,10 @@ def is_step(loc: Location) -> bool:
 
 
 def is_orbax_checkpoint(path: Any) -> bool:
-    """True when ``path`` is an Orbax item, step or manager directory (never one of ours).
-
-    A manager directory is one whose newest entry named like a step is an Orbax step;
-    what is no step of anyone's (an empty folder, a file, an unfinished save, a link) is
-    passed over, a folder of the user's or a step of ours says it is no Orbax run. A
-    directory holding only an unfinished Orbax save is one (its reader says so)."""
+    """True when ``path`` is an Orbax item, step or manager directory (never one of ours):
+    a manager directory's newest step-named entry that is a step of anyone's decides (a
+    folder of the user's or a step of ours: no); one holding only an unfinished Orbax save
+    is one."""
     try:
         loc = Location.from_path(path)
     except (TypeError, ValueError):

@@ -119,13 +119,8 @@ def list_directory(loc: Location) -> Listing:
             corrupt.append(name)
         else:
             foreign.append(name)
-    return Listing(
-        tuple(sorted(committed)),
-        tuple(unfinished),
-        tuple(corrupt),
-        tuple(foreign),
-        tuple(sorted(unreadable)),
-    )
+    lists = (sorted(committed), unfinished, corrupt, foreign, sorted(unreadable))
+    return Listing(*map(tuple, lists))
 
 
 def committed_steps(loc: Location, listing: Listing | None = None) -> list[int]:

@@ -193,12 +193,10 @@ BATCH_THREADS = 4  # threads of ranged batch reads (read_batch_range)
 
 class ChunkReader:
     """Reads arrays and batches stored without compression from local chunk files straight
-    into fresh aligned host buffers, one ``preadv`` per file. Every chunk file must be a
-    regular file (``O_NOFOLLOW``) of exactly the chunk's size plus its crc32c, which must
-    match; else ValueError naming the chunk (the caller names the leaf).
-
-    Threading: :meth:`read` and :meth:`read_batch` are called from the restore's thread;
-    the reads run on the reader's threads; :meth:`close` waits for them."""
+    into fresh aligned host buffers, one ``preadv`` per file, each a regular file of the
+    chunk's size plus a matching crc32c (else ValueError naming the chunk). Threading:
+    called from the restore's thread; the reads run on the reader's threads; :meth:`close`
+    waits for them."""
 
     packed = False  # format version 2's reader (a subclass) reads every array and batch
 

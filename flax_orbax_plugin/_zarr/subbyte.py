@@ -29,16 +29,11 @@ def stored(record: LeafRecord) -> LeafRecord:
     """``record`` as its zarr3 array stores it: itself, or a packed leaf's ``uint8`` bytes."""
     if not is_packed(record):
         return record
-    bits = bits_of(record.dtype)
-    storage = record.storage
+    bits, chunk = bits_of(record.dtype), record.storage.chunk_shape
     shape = (*record.shape[:-1], _nbytes(record.shape[-1], bits))
-    chunk = (*storage.chunk_shape[:-1], _nbytes(storage.chunk_shape[-1], bits))
-    return dataclasses.replace(
-        record,
-        shape=shape,
-        dtype="uint8",
-        storage=dataclasses.replace(storage, chunk_shape=chunk, packed=False),
-    )
+    chunk = (*chunk[:-1], _nbytes(chunk[-1], bits))
+    storage = dataclasses.replace(record.storage, chunk_shape=chunk, packed=False)
+    return dataclasses.replace(record, shape=shape, dtype="uint8", storage=storage)
 
 
 def group(bits: int) -> int:

@@ -115,14 +115,9 @@ def document_from_json(obj: Any, where: str) -> CheckpointDocument:
     }
     leaves = tuple(leaf_from_json(r, where, i) for i, r in enumerate(raw_leaves))
     _check_leaves(leaves, batches, where)
-    return CheckpointDocument(
-        leaves,
-        batches,
-        process_count,
-        time_field(obj, "created_at", where, "created_at"),
-        opt_str(obj, "jax_version", where),
-        version,
-    )
+    created_at = time_field(obj, "created_at", where, "created_at")
+    jax_version = opt_str(obj, "jax_version", where)
+    return CheckpointDocument(leaves, batches, process_count, created_at, jax_version, version)
 
 
 def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord], where: str):
@@ -161,11 +156,9 @@ def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord
 
 
 class _TreeShape:
-    """The nodes that the leaves' key paths make, checked to form one pytree as restore
-    rebuilds it: a node's children are all list entries (``seq``/``flat``) or all
-    mapping entries (``dict``/``attr``), the keys of one mapping are all ``str`` or all
-    ``int`` (jax cannot order mixed keys), and no leaf is also a node. Memory: one
-    entry per distinct key path prefix (bounded by the metadata's size)."""
+    """The nodes the leaves' key paths make, checked to form one pytree: a node's children
+    all list entries or all mapping entries, one mapping's keys all ``str`` or all ``int``
+    (jax cannot order mixed keys), no leaf also a node. One entry per key path prefix."""
 
     def __init__(self):
         self._child: dict[tuple[int, str, Any], int] = {}
@@ -208,21 +201,10 @@ def batch_from_json(name: str, obj: Any, where: str, process_count: int) -> Batc
     itemsize = dtype_from_name(dtype).itemsize
     size = int_field(obj, "size", where, f"{at}.size", lo=1, hi=MAX_ARRAY_BYTES // itemsize)
     chunk = int_field(obj, "chunk", where, f"{at}.chunk", lo=1, hi=MAX_ARRAY_BYTES // itemsize)
-    need(
-        name == batch_name(process, dtype),
-        where,
-        at,
-        f"name {batch_name(process, dtype)!r}",
-        name,
-    )
+    expected = batch_name(process, dtype)
+    need(name == expected, where, at, f"name {expected!r}", name)
     codec = obj.get("codec")
-    need(
-        codec is None or (isinstance(codec, str) and bool(_CODEC.match(codec))),
-        where,
-        f"{at}.codec",
-        "absent or 'zstd:<1-22>'",
-        codec,
-    )
+    need(_codec_ok(codec), where, f"{at}.codec", "absent or 'zstd:<1-22>'", codec)
     return BatchRecord(name, dtype, process, size, chunk, codec)
 
 
@@ -343,12 +325,17 @@ def _storage_field(
         ):
             bad("storage.chunk_shape", f"{len(shape)} ints in [1, shape]", chunk)
         codec = raw.get("codec")
-        if not (codec is None or (isinstance(codec, str) and _CODEC.match(codec))):
+        if not _codec_ok(codec):
             bad("storage.codec", "absent or 'zstd:<1-22>'", codec)
         if stype == "packed_array" and not packable(dtype, shape, chunk):  # FORMAT.md
             bad("storage.type", f"'array' ({dtype}{list(shape)} in chunks {chunk})", stype)
         return ArrayStorage(tuple(chunk), codec, stype == "packed_array")
     bad("storage.type", "'array', 'packed_array', 'batch' or 'packed_batch'", stype)
+
+
+def _codec_ok(codec: Any) -> bool:
+    """Whether a stored ``codec`` field is absent or ``"zstd:<1-22>"``."""
+    return codec is None or (isinstance(codec, str) and bool(_CODEC.match(codec)))
 
 
 def text_value(record: LeafRecord) -> str | bytes:
@@ -437,17 +424,10 @@ def manifest_from_bytes(raw: bytes, where: str) -> StepManifest:
         reused = int_field(sizes, "reused", where, "bytes.reused")
     lane = body.get("lane")
     need(lane is None or lane in LANES, where, "lane", f"one of {LANES}", lane)
-    return StepManifest(
-        step,
-        items,
-        files_field(body, where),
-        int_field(body, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES),
-        time_field(body, "time", where, "time"),
-        opt_str(body, "tree_digest", where),
-        written,
-        reused,
-        lane,
-    )
+    files = files_field(body, where)
+    processes = int_field(body, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES)
+    time, digest = time_field(body, "time", where, "time"), opt_str(body, "tree_digest", where)
+    return StepManifest(step, items, files, processes, time, digest, written, reused, lane)
 
 
 # -- the records of a committed step, read from storage -----------------------------------
