@@ -57,10 +57,8 @@ def is_orbax_checkpoint(path: Any) -> bool:
                 return True
             if child.list_children():
                 return False  # a folder of the user's (no record): not an Orbax run
-        except CheckpointError:
-            continue  # a link or special file: never followed; the reader names it
-        except OSError:  # a folder the environment shuts (a permission): the next one
-            continue  # (the step listing names it)
+        except (CheckpointError, OSError):  # a link, a special file, a folder shut by the
+            continue  # environment: never followed here; its reader or listing names it
     # no step at all, but a save Orbax left unfinished: the reader says so
     return any(TMP_MARK in name for name in loc.list_children())
 

@@ -129,12 +129,11 @@ class PackedReader(_chunk_files.ChunkReader):
     def claimed(self, prefix: str) -> tuple[int, int]:
         """(chunks, bytes) the indexes list under the array ``prefix`` (``d/<i>``)."""
         if self._claimed is None:
-            totals: dict[str, list[int]] = {}
+            self._claimed = {}
             for key, segment in self._chunks.items():
-                entry = totals.setdefault(_chunks.array_prefix(key), [0, 0])
-                entry[0] += 1
-                entry[1] += segment.length
-            self._claimed = {k: (n, b) for k, (n, b) in totals.items()}
+                array = _chunks.array_prefix(key)
+                n, b = self._claimed.get(array, (0, 0))
+                self._claimed[array] = (n + 1, b + segment.length)
         return self._claimed.get(prefix, (0, 0))
 
     @property
