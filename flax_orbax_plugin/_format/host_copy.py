@@ -25,11 +25,17 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
 
 
+def _pair(d: Any) -> bool:
+    return isinstance(d, list) and len(d) == 2 and all(map(_is_int, d))
+
+
 def _region_ok(region: Any) -> bool:
-    return isinstance(region, list) and all(
-        isinstance(d, list) and len(d) == 2 and all(map(_is_int, d)) and d[0] <= d[1]
-        for d in region
-    )
+    return isinstance(region, list) and all(_pair(d) and d[0] <= d[1] for d in region)
+
+
+def _short_str(limit: int):
+    """The check of a field that is null or a string of at most ``limit`` characters."""
+    return lambda v: v is None or isinstance(v, str) and len(v) <= limit
 
 
 def _held_ok(held: Any) -> bool:
@@ -54,20 +60,14 @@ def _held_ok(held: Any) -> bool:
 _MARKER_FIELDS = {
     "format": (repr(MARKER_FORMAT), lambda v: v == MARKER_FORMAT),
     "step": ("a step number", _is_int),
-    "run": ("a run id or null", lambda v: v is None or isinstance(v, str) and len(v) <= 64),
+    "run": ("a run id or null", _short_str(64)),
     "process_index": ("a process index", _is_int),
     "process_count": ("a process count", _is_int),
     "devices": (
         "[[device id, process index], ...]",
-        lambda v: (
-            isinstance(v, list)
-            and all(isinstance(d, list) and len(d) == 2 and all(map(_is_int, d)) for d in v)
-        ),
+        lambda v: isinstance(v, list) and all(map(_pair, v)),
     ),
-    "layout": (
-        "a layout description or null",
-        lambda v: v is None or isinstance(v, str) and len(v) <= 256,
-    ),
+    "layout": ("a layout description or null", _short_str(256)),
     "hosts": (
         "null or a list of digests",
         lambda v: v is None or isinstance(v, list) and all(isinstance(h, str) for h in v),
