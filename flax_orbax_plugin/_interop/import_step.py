@@ -1,6 +1,5 @@
-"""Which step, and which items, an imported state is written as (Orbax and msgpack).
-
-Pure functions, called per step, before anything is written.
+"""Which step, and which items, an imported state is written as: pure functions,
+called per step before anything is written.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.import_step``.
 """
@@ -22,23 +21,12 @@ from .._storage.location import Location
 from .orbax_layout import open_orbax
 from .orbax_steps import list_steps
 
-__all__ = [
-    "ImportedStep",
-    "choose_step",
-    "orbax_steps_to_import",
-    "refuse_existing",
-    "refuse_mixing",
-    "state_step",
-    "step_items",
-]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 
 def state_step(tree: Any, path: str) -> int | None:
-    """The state's own step: its top-level ``step`` leaf (a Flax ``TrainState``'s),
-    an integer scalar; None when it has none. StructureError for a ``step`` leaf that
-    is a scalar but not an integer (a step cannot be guessed from it)."""
+    """The state's top-level ``step`` leaf (a ``TrainState``'s) as an int, or None;
+    StructureError for a scalar ``step`` that is no non-negative integer."""
     if not isinstance(tree, dict) or "step" not in tree:
         return None
     value = tree["step"]
@@ -54,12 +42,9 @@ def state_step(tree: Any, path: str) -> int | None:
 
 
 def choose_step(path: str, *, given: int | None, named: int | None, stored: int | None) -> int:
-    """The step the state read from ``path`` is imported as: ``given`` by the caller
-    (it must equal the state's own, ``stored``, when the state has one), else the
-    state's, else the number its name gives (``named``); with none of them, an error
-    asking for it. A name whose number differs from the state's step is logged as a
-    warning (the state's is taken: ``flax.training.checkpoints`` and Orbax name steps
-    by whatever number their caller passed)."""
+    """The step the state read from ``path`` is imported as: ``given`` (it must equal
+    the state's own, ``stored``), else ``stored`` (a differing ``named`` is warned
+    of), else the number its name gives (``named``), else a StructureError."""
     if given is not None:
         if stored is not None and stored != given:
             raise StructureError(
@@ -87,9 +72,9 @@ def choose_step(path: str, *, given: int | None, named: int | None, stored: int 
 
 
 def orbax_steps_to_import(src: Any, step: int | None) -> list[tuple[int, Location]]:
-    """``[(step number, step directory)]`` that importing ``src`` writes: every committed
-    step of an Orbax manager directory (or only ``step``), or a lone step or item
-    directory as ``step`` (default: its own number, else 0). Reads names and metadata."""
+    """``[(step number, step directory)]`` importing ``src`` writes: every committed
+    step of an Orbax run (or only ``step``), or a lone step or item as ``step`` (default:
+    its own number, else 0)."""
     loc = Location.from_path(src)
     if is_step(loc):
         own, _ = open_orbax(loc)
@@ -111,9 +96,8 @@ def orbax_steps_to_import(src: Any, step: int | None) -> list[tuple[int, Locatio
 
 
 def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool) -> None:
-    """Before anything is written: a planned step that exists is refused (unless
-    ``force``: replaced), and so are steps newer than every planned one (a resume would
-    take one of those, not the import); older steps kept beside the import warn."""
+    """Unless ``force``: refuses a planned step that exists and steps newer than every
+    planned one (a resume would take those); warns of older steps beside the import."""
     if force or not held:
         return
     refuse_existing(out_dir, held, planned, force)
@@ -121,8 +105,7 @@ def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool
     if newer:
         raise FileExistsError(
             f"{out_dir} already holds steps newer than those imported ({_steps_text(newer)}): a "
-            "resume would take them, not the import; import into a new directory, or pass "
-            "force=True (--force on the command line) to add these steps beside them"
+            "resume would take them; import into a new directory, or pass force=True (--force)"
         )
     warnings.warn(
         f"{out_dir} already holds steps {_steps_text(held)}; the imported steps are added beside "
@@ -133,8 +116,7 @@ def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool
 
 
 def refuse_existing(out_dir: Any, held: list[int], numbers: list[int], force: bool) -> None:
-    """Unless ``force`` (replace them): FileExistsError for the first of ``numbers`` that
-    ``out_dir`` already holds (``held``)."""
+    """Unless ``force``: FileExistsError for the first of ``numbers`` in ``held``."""
     clash = [] if force else sorted(set(held) & set(numbers))
     if clash:
         raise FileExistsError(
@@ -164,9 +146,8 @@ def _to_step_int(value: Any, source: str) -> int:
 
 
 def _split(tree: Any, source: str) -> dict[str, Any]:
-    """A training-state dict (it has 'params') gives one item per top-level key; a
-    None or empty entry (an empty optimizer state) stays an item, as this library's
-    save keeps it: the import gives back every entry the state held."""
+    """A training-state dict (it has 'params') gives one item per top-level key (empty
+    ones too, as this library's save keeps them); any other tree is ``params``."""
     if isinstance(tree, Mapping) and "params" in tree:
         return {
             str(key): _to_step_int(value, source) if key == "step" else value
@@ -176,19 +157,11 @@ def _split(tree: Any, source: str) -> dict[str, Any]:
 
 
 def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: str) -> ImportedStep:
-    """Maps a foreign step's items onto this plugin's checkpointables.
-
-    * one pytree item (a lone ``StandardSave``, a msgpack file): a dict with a
-      ``params`` key is a training state, each top-level key an item (``params``,
-      ``opt_state``, ``step`` ...); any other tree becomes ``params``;
-    * several items: an item named like one of ours is kept by name; a pytree item
-      holding a training state is split as above; any other pytree is kept by name;
-    * JSON items go into ``extras`` under their item name, but for the ``metrics``
-      item that Orbax's ``CheckpointManager`` writes beside each step (``best_fn``):
-      its entries become top-level extras, where this library's ``keep_best`` and
-      ``flax-orbax list`` look for a step's metrics.
-
-    Returns ``(step, items, extras)`` with step left as -1 (the caller decides).
+    """Maps a foreign step's items onto this plugin's checkpointables: a pytree item
+    holding a training state (:func:`_split`) gives its keys as items, another is kept
+    by name (a lone one is ``params``); JSON items go into ``extras`` by name, but the
+    entries of Orbax's ``metrics`` item become top-level extras (``keep_best`` reads
+    them there). Returns ``(-1, items, extras)``: the caller decides the step.
     """
     pytrees = {n: t for n, t in trees.items() if kinds[n] == "pytree" and t is not None}
     extras = {n: t for n, t in trees.items() if kinds[n] == "json" and n != "metrics"}
@@ -223,8 +196,7 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
     return -1, items, extras or None
 
 
-# Item names whose kind this library fixes: a tree saved under one would not come back
-# as the tree it was (extras are JSON: arrays would become lists).
+# Item names whose kind this library fixes: a tree saved under one would not come back.
 _RESERVED = {
     "extras": "the step's JSON extras (extras=)",
     "data_iterator": "a data iterator's state (data_iterator=)",
@@ -232,17 +204,13 @@ _RESERVED = {
 
 
 def _refuse_reserved(items: Mapping[str, Any], origin: Mapping[str, str], source: str) -> None:
-    """StructureError for a tree that would be imported under a name this library
-    reserves for another kind of item (an Orbax pytree item named ``extras``, or a
-    training state's top-level ``extras`` key): never saved as another kind."""
+    """StructureError for a tree imported under a name reserved for another kind."""
     for name, what in _RESERVED.items():
         if name in items:
             came = origin.get(name, name)
             where = f"Orbax item {name!r}" if came == name else f"key {name!r} of item {came!r}"
             raise StructureError(
                 f"item {name!r} of {source}: a tree ({where}), but this library reserves "
-                f"the item name {name!r} for {what}: imported under it, its arrays would not "
-                f"come back as arrays; nothing of this step was imported. Read the step with "
-                f"fop.restore and save the tree under another item name with "
-                f"fop.CheckpointManager.save"
+                f"the item name {name!r} for {what}; nothing of this step was imported: "
+                f"save the tree under another item name"
             )

@@ -1,9 +1,5 @@
-"""The params of an Orbax checkpoint for serving: which item holds them, read alone.
-
-Params are the ``params`` item, else the ``params`` subtree of a pytree item (a saved
-TrainState), else the only pytree item of a step none of whose items is missing.
-Entry point: :func:`restore_orbax_params` (``fop.restore_params`` on an Orbax
-directory); the reading itself: :mod:`.orbax_reader`.
+"""The params of an Orbax checkpoint for serving, read alone:
+:func:`restore_orbax_params` (``fop.restore_params`` on an Orbax directory).
 """
 
 from __future__ import annotations
@@ -24,17 +20,15 @@ __all__ = ["restore_orbax_params"]
 
 
 def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, ...]]:
-    """The item holding params and the key prefix of params inside it. An item the
-    step's record names but whose directory is gone is never passed over for another:
-    a step missing its ``params`` would otherwise serve the optimizer state."""
+    """The item holding params and their key prefix in it. A missing item is never
+    passed over for another (that would serve the optimizer state)."""
     if "params" in items and items["params"].kind in ("pytree", "missing"):
         return _readable(items["params"]), ()
     pytrees = {n: i for n, i in items.items() if i.kind == "pytree"}
     where = next(iter(items.values())).location.parent if items else ""
     holders = {n: i for n, i in pytrees.items() if any(_top(leaf) == "params" for leaf in i.leaves)}
     if len(holders) > 1:
-        # As the import splits them: a training state (params and more) gives the
-        # params; an item holding params alone (an EMA copy) stays an item of its own.
+        # as the import splits them: a training state gives the params, not an EMA copy
         states = [n for n, i in holders.items() if any(_top(x) != "params" for x in i.leaves)]
         if len(states) != 1:
             raise CheckpointError(
@@ -70,7 +64,6 @@ def _readable(item: OrbaxItem) -> OrbaxItem:
 
 
 def _top(leaf: OrbaxLeaf) -> str | None:
-    """The top-level dict key of ``leaf`` (None: not under a dict key)."""
     return leaf.keys[0][1] if leaf.keys and leaf.keys[0][0] == "dict" else None
 
 
@@ -84,14 +77,9 @@ def restore_orbax_params(
     partial: bool = False,
     cast: str = "safe",
 ) -> Any:
-    """The params of an Orbax checkpoint, reading nothing else.
-
-    Params are the ``params`` item, else the ``params`` subtree of a pytree item
-    (a saved TrainState), else the only pytree item. ``dtype`` casts floating leaves
-    (rounding them; under ``cast="safe"`` a value that overflows, wraps or truncates
-    is a StructureError naming the leaf, as for this library's checkpoints;
-    ``"unsafe"``: numpy's cast); ``sharding`` is one Sharding or a pytree of
-    them; ``partial`` leaves out saved leaves ``like`` lacks (a model's batch stats)."""
+    """The params of an Orbax checkpoint, reading nothing else: the ``params`` item,
+    else the ``params`` subtree of a pytree item, else the only pytree item. The
+    options are ``fop.restore_params``'s."""
     _onto_like.check_policy(cast)
     _, items = open_orbax(path, step=step)
     item, prefix = _params_source(items)

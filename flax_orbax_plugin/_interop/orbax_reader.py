@@ -1,12 +1,8 @@
-"""Reading Orbax checkpoints without importing orbax: leaves, trees, params, steps.
+"""Reading Orbax checkpoints without importing orbax: leaves, trees, steps.
 
-Each array is opened with tensorstore directly (zarr or zarr3, inside OCDBT or one
-directory per leaf) by its parameter name, the key path joined by '.'; its claimed
-size is checked before anything is allocated, and missing chunks are an error when
-the checkpoint says every chunk was stored. Nothing here unpickles. Entry points:
-:func:`orbax_steps`, :func:`restore_orbax` (``fop.restore`` on an Orbax directory),
-:func:`read_step` (``flax-orbax import``); params for serving: :mod:`.orbax_params`.
-The layout: :mod:`.orbax_layout`; rules: ``docs/orbax.md``.
+Each array is opened with tensorstore by its parameter name; its claimed size is
+checked before anything is allocated. Nothing here unpickles. Entry points:
+:func:`restore_orbax`, :func:`read_step` (import); params: :mod:`.orbax_params`.
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ _ARRAY_LEAF = "checkpoint"  # the one leaf of an ArraySave item (and of a random
 
 
 def orbax_steps(path: Any) -> list[int]:
-    """Committed steps of an Orbax manager directory (``<step>`` or ``<prefix>_<step>``
-    directories holding ``_CHECKPOINT_METADATA``)."""
+    """Committed steps of an Orbax manager directory."""
     return list(list_steps(Location.from_path(path)).steps)
 
 
@@ -102,8 +97,7 @@ class ItemReader:
     def read(
         self, leaf: OrbaxLeaf, like: Any, *, allow_cast: bool = False, rounds: bool = False
     ) -> Any:
-        """One leaf in the form of ``like`` (see :mod:`_onto_like`; ``rounds``: a checked
-        cast may round a float, ``_placing.plan``)."""
+        """One leaf in the form of ``like`` (``rounds``: a checked cast may round)."""
         if leaf.value_type in ("None", "Dict", "List"):
             if like is not None and not (isinstance(like, (dict, list, tuple)) and len(like) == 0):
                 raise StructureError(
@@ -125,8 +119,7 @@ class ItemReader:
         if nbytes > _MAX_LEAF_BYTES:
             raise CorruptCheckpointError(
                 f"leaf {leaf.path!r} in {self.item}: its array metadata claims shape "
-                f"{list(shape)} ({nbytes} bytes), more than the {_MAX_LEAF_BYTES}-byte limit "
-                f"for one leaf; refusing to allocate it"
+                f"{list(shape)} ({nbytes} bytes), more than the {_MAX_LEAF_BYTES}-byte limit"
             )
         plan = _placing.plan(
             leaf.path,
@@ -157,7 +150,6 @@ class ItemReader:
 
 
 def _select(item: OrbaxItem, like: Any, partial: bool) -> list[tuple[OrbaxLeaf, Any]]:
-    """Pairs each leaf to read with its like leaf; StructureError when they do not fit."""
     if like is None:
         return [(leaf, None) for leaf in item.leaves]
     by_path = {leaf.path: leaf for leaf in item.leaves}
@@ -201,8 +193,7 @@ def iter_leaves(
 
 
 def _small_value(item: OrbaxItem) -> Any:
-    """The value of a JSON item (its one file, parsed) or a text item (a proto saved
-    as text: the text itself)."""
+    """The value of a JSON item, or the text of a text item (a proto)."""
     if item.kind == "json":
         return read_json(item.location, item.file)
     if item.kind == "text":
@@ -224,7 +215,6 @@ def _small_value(item: OrbaxItem) -> Any:
 def restore_item(
     item: OrbaxItem, like: Any, partial: bool, allow_cast: bool, *, rounds: bool = False
 ) -> Any:
-    """``item`` in the form of ``like``; ``rounds``: checked casts may round a float."""
     if item.kind != "pytree":
         return _small_value(item)
     if item.unwrap:  # one array saved alone: orbax names its only leaf 'checkpoint'
@@ -255,9 +245,8 @@ def _restore_tree(
 
 
 def lone_item(loc: Location, items: dict[str, OrbaxItem]) -> OrbaxItem | None:
-    """The one item that ``loc`` is itself (an item directory named, or a run's step that
-    is one item, as ``flax.training.checkpoints``' ``checkpoint_<N>``), from
-    ``open_orbax(loc)``'s items; None for a step of items (even of one)."""
+    """The one item ``loc`` is itself (an item directory, or a run's step that is one
+    item), of ``open_orbax(loc)``'s items; None for a step of items (even of one)."""
     if len(items) != 1:
         return None
     (item,) = items.values()
@@ -286,7 +275,7 @@ def restore_orbax(
     metadata), that tree's ``like`` (a TrainState): that tree is returned. Dtype
     changes must be lossless unless ``cast="unsafe"`` (``allow_cast=True``, deprecated).
     """
-    step = STEP_OR_NONE.check(step)  # the options by their kinds, before anything is read
+    step = STEP_OR_NONE.check(step)
     partial = flag("partial", partial)
     allow_cast = legacy_cast(cast, allow_cast, where="restore_orbax") == "unsafe"
     loc = Location.from_path(path)
@@ -315,8 +304,7 @@ def restore_orbax(
             f"item {unknown[0]!r}: expected by like, found no such item in {loc} "
             f"(items: {sorted(items)}){hint}"
         )
-    # JSON, text and unreadable items (metrics, configs) may be left out of like:
-    # a tree of arrays is asked for, and they are not arrays
+    # JSON, text and unreadable items may be left out of like: they are not arrays
     extra = sorted(n for n, i in items.items() if n not in like and i.kind in ("pytree", "missing"))
     if not partial and extra:
         raise StructureError(
@@ -325,13 +313,9 @@ def restore_orbax(
     return {k: restore_item(items[k], v, partial, allow_cast) for k, v in like.items()}
 
 
-# -- what an import reads ------------------------------------------------------------
-
-
 def read_step(step_loc: Location) -> tuple[dict[str, Any], dict[str, str]]:
-    """``({item: tree or JSON value}, {item: kind})`` of one Orbax step, every leaf read
-    to host memory (one leaf at a time). The step's ``custom_metadata`` (from its
-    record), when there is any, comes as one more JSON item of that name."""
+    """``({item: tree or JSON value}, {item: kind})`` of one Orbax step read to host,
+    its ``custom_metadata`` as one more JSON item."""
     _, items = open_orbax(step_loc)
     trees = {name: restore_item(item, None, False, False) for name, item in items.items()}
     kinds = {name: "pytree" if item.kind == "pytree" else "json" for name, item in items.items()}

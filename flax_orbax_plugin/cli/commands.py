@@ -25,9 +25,9 @@ from .._format import foreign as _foreign
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
-from .._interop.safetensors import DTYPE_NAMES as _SAFETENSORS_DTYPES
 from .._interop.safetensors import plan as _safetensors_plan
 from .._interop.safetensors import remains as _remains
+from .._interop.safetensors.headers import DTYPE_NAMES as _SAFETENSORS_DTYPES
 from .._interop.safetensors.headers import read_safetensors_index
 from .._interop.safetensors.packing import tensor_nbytes
 from .._like.onto_like import with_advice
@@ -348,5 +348,4 @@ def _report_gc(loc: Location, args, unfinished, removed, kept, left) -> None:
 
 def _writer_now(loc: Location) -> str | None:
     """Who writes to ``loc`` now: the holder of its lock (local) or lease (a store)."""
-
     return live_holder(loc.path) if loc.is_local else _lease.live_holder(loc)

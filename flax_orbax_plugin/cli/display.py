@@ -86,7 +86,6 @@ def status(text: str, *, stream: Any = None):
 
 def make_table(rows: list[Any]) -> str:
     """Dataclass rows as a Markdown-style table, a header of the field names."""
-
     fields = [f.name for f in dataclasses.fields(rows[0])] if rows else []
     table = Table(box=box.MARKDOWN, show_edge=True, pad_edge=True)
     for name in fields:

@@ -70,7 +70,6 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
 
 def _proven(loc: Location) -> bool:
     """Whether housekeeping would remove ``loc``: proven ours, or an empty local folder."""
-
     try:
         if _ownership.proof(loc) is not None:
             return True

@@ -120,7 +120,6 @@ def emit(document: dict[str, Any]) -> None:
 
 def finite_metrics(values: dict[str, Any]) -> dict[str, float | int]:
     """The numeric extras a JSON document can hold (no NaN or infinities)."""
-
     return {
         key: value
         for key, value in values.items()

@@ -253,6 +253,5 @@ def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
 
 def _done(e: BaseException, *, flat: bool = False) -> str:
     """`` (...)``: what the command had done before ``e`` (its notes), "" if nothing."""
-
     done = "; ".join(getattr(e, "__notes__", ()))
     return f" ({' '.join(done.split()) if flat else done})" if done else ""

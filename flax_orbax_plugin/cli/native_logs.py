@@ -35,7 +35,6 @@ def is_aws_line(line: bytes) -> bool | None:
 def aws_lines_filtered(*, enabled: bool = True):
     """While the block runs, descriptor 2 goes through the filter; restored, every
     line copied, before it returns."""
-
     if not enabled or os.environ.get("FLAX_ORBAX_DEBUG"):
         yield
         return

@@ -67,7 +67,6 @@ def _figure_class() -> Any:
 
 def leaves_figure(title: str, bars: list[Bar], path: str) -> None:
     """Bars of the ``TOP_LEAVES`` largest leaves (a colour per item), the rest summed."""
-
     bars = sorted(bars, key=lambda b: -b.nbytes)
     shown, rest = bars[:TOP_LEAVES], bars[TOP_LEAVES:]
     for item in sorted({b.item for b in rest}):

@@ -175,7 +175,6 @@ def install_signals() -> Interrupts:
 def install(interrupts: Interrupts, command: str) -> None:
     """Once parsed: stdout safe from a closed pipe, warnings as the command's lines
     (``flax-orbax list: warning: ...``), ``command`` named by :class:`Interrupts`."""
-
     interrupts.command = command
     sys.stdout = _PipeSafe(sys.stdout)  # type: ignore[assignment]
 

@@ -98,7 +98,6 @@ def _verify_each_step(
     """``verify`` of ``steps`` of run ``loc``, each by its own path: a step that cannot
     be read (not damage; ``shut``: those the listing could not read) is reported and
     the others still checked. ``limit``: ``--memory-limit``."""
-
     results, unreadable = [], []
     for step in steps:
         where = str(_steps.step_location(loc, step))

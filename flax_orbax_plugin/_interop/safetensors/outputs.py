@@ -1,12 +1,9 @@
 """What an export writes and replaces, on local disk: output names, temporary files,
 and the proof that an existing file is ours.
 
-Nothing is ever written through a link: each file is created under a new,
-unpredictable name (``O_CREAT | O_EXCL | O_NOFOLLOW``) and renamed over its final
-name. ``force`` replaces or removes only files proven ours: regular files (not links)
-carrying this library's marker and, for stale files an old index lists, also named
-like our shards; anything else is left alone with a warning, or refused. Single
-process, one thread. Rules in full: ``docs/safetensors.md``.
+Each file is created under a new, unpredictable name and renamed over its final name;
+``force`` replaces only files proven ours (regular, carrying our marker). Single
+process, one thread. Rules: ``docs/safetensors.md``.
 """
 
 from __future__ import annotations
@@ -31,12 +28,12 @@ from .headers import (
 )
 from .remains import temp_name
 
-_log = logging.getLogger(__package__)  # flax_orbax_plugin._interop.safetensors, as before
+_log = logging.getLogger(__package__)
 
 
 def output_names(out: str, count: int) -> tuple[str, list[str], str]:
-    """(directory, file names, index name) for ``out``: a ``*.safetensors`` file path
-    (its stem names the shards) or a directory (``model*.safetensors`` inside)."""
+    """(directory, file names, index name) for ``out``: a ``*.safetensors`` path or a
+    directory."""
     if out.endswith(".safetensors"):
         directory, stem = os.path.dirname(os.path.abspath(out)), os.path.basename(out)[:-12]
     else:
@@ -71,19 +68,16 @@ def fsync_dir(directory: str) -> None:
 
 
 def create_temp(directory: str, final_name: str, nonce: str) -> tuple[str, Any]:
-    """A new file beside ``final_name`` under the temporary name carrying ``nonce`` (the
-    export's, :func:`.remains.temp_name`), created exclusively (``O_CREAT | O_EXCL |
-    O_NOFOLLOW``, mode 0o644): a planted file or symlink is never opened, followed or
-    truncated. Returns (path, binary file object)."""
+    """(path, binary file) of a new file beside ``final_name`` under the export's
+    temporary name, created exclusively: a planted file or link is never followed."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     path = os.path.join(directory, temp_name(final_name, nonce))
     return path, os.fdopen(os.open(path, flags, 0o644), "wb")
 
 
 def proven_ours(path: str) -> tuple[bool, str]:
-    """(True, "") when ``path`` is a regular file (not a link) this library wrote: a
-    safetensors file whose header metadata, or an index whose metadata, carries our
-    marker; else (False, what was found). Opens without following or blocking."""
+    """(True, "") when ``path`` is a regular file whose metadata carries our marker,
+    else (False, what was found). Opens without following or blocking."""
     try:
         fd, st = open_regular(path, follow_links=False, what="file")
     except CheckpointNotFoundError:
@@ -109,8 +103,8 @@ def proven_ours(path: str) -> tuple[bool, str]:
 
 
 def remove_if_ours(directory: str, name: str, stem: str) -> None:
-    """Removes ``directory/name`` only when it is named like our shards of ``stem`` and
-    proven ours (:func:`proven_ours`); anything else is left alone with a warning."""
+    """Removes ``directory/name`` when named like our shards of ``stem`` and proven ours;
+    anything else is left alone with a warning."""
     path = os.path.join(directory, name)
     if not re.fullmatch(SHARD_NAME_RE.format(stem=re.escape(stem)), name):
         _log.warning("%s: listed by the old index but not named like our shards; left alone", path)
@@ -124,8 +118,7 @@ def remove_if_ours(directory: str, name: str, stem: str) -> None:
 
 
 def old_outputs(directory: str, index_name: str) -> set[str]:
-    """Files listed by an index of ours already in ``directory``, plus the index itself
-    (empty when there is none, or it is not proven ours)."""
+    """Files an index of ours in ``directory`` lists, and the index (none if not ours)."""
     path = os.path.join(directory, index_name)
     if not proven_ours(path)[0]:
         return set()
@@ -139,9 +132,8 @@ def old_outputs(directory: str, index_name: str) -> set[str]:
 
 
 def check_outputs(directory: str, names: list[str], index_name: str, force: bool) -> None:
-    """Without ``force`` any existing output name is a FileExistsError; with it, each
-    existing one must be proven ours (a regular file carrying our marker), else a
-    ForeignEntryError: what this library did not write is never replaced."""
+    """An existing output name is a FileExistsError without ``force``, and with it a
+    ForeignEntryError unless proven ours."""
     single = names[0] if len(names) == 1 else index_name.replace(INDEX_SUFFIX, ".safetensors")
     targets = sorted({*names, index_name, single})
     clash = [n for n in targets if os.path.lexists(os.path.join(directory, n))]
@@ -157,17 +149,15 @@ def check_outputs(directory: str, names: list[str], index_name: str, force: bool
         if not ours and found != "nothing":
             raise ForeignEntryError(
                 f"{os.path.join(directory, name)}: expected an earlier export of this library "
-                f"to replace, found {found}; it is left alone (nothing was written). Remove it "
-                f"yourself or export elsewhere"
+                f"to replace, found {found}; it is left alone (nothing was written)"
             )
 
 
 def remove_stale(
     directory: str, index_name: str, names: list[str], old: set[str], *, force: bool, sharded: bool
 ) -> None:
-    """After the new files are in place: removes, when proven ours, the files an old
-    index listed that this export did not write, and with ``force`` an unsharded
-    export's file that a sharded one replaces (:func:`remove_if_ours`)."""
+    """After the new files are in place: removes (:func:`remove_if_ours`) the files an
+    old index listed that this export did not write, and an unsharded one it replaces."""
     stem = index_name[: -len(INDEX_SUFFIX)]
     for stale in sorted(old - set(names) - ({index_name} if sharded else set())):
         remove_if_ours(directory, stale, stem)  # only files an old index listed

@@ -1,7 +1,5 @@
 """The files one export writes, under temporary names until they are in place
-(:class:`Staged`), and its progress bar (:func:`progress_of`).
-
-Single process, one thread. Rules: ``docs/safetensors.md``.
+(:class:`Staged`), and its progress bar. Single process, one thread.
 """
 
 from __future__ import annotations
@@ -22,20 +20,15 @@ _GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a chec
 
 
 def _groups(tensors: list[Tensor], limit: int | None) -> list[list[Tensor]]:
-    """Leaves read per partial restore: the same greedy split as the shards, groups of
-    at most ``limit`` bytes (the host-memory ceiling; default :data:`_GROUP_BYTES`)."""
+    """Leaves read per partial restore: groups of at most ``limit`` (or _GROUP_BYTES)."""
     size = _GROUP_BYTES if limit is None else min(_GROUP_BYTES, limit)
     return [g for g in split_shards(tensors, size) if g]
 
 
 class Staged:
-    """The temporary files of one export, each created under a name carrying the
-    export's unpredictable nonce (:func:`.outputs.create_temp`), after its marker
-    (:mod:`.remains`): the shards, written in order by :meth:`write`, then the index
-    (:meth:`write_index`), each renamed into place (:meth:`place`); :meth:`done`
-    removes the marker once all are in place, :meth:`discard` closes and removes every
-    one of them (and only those, temporary or placed), then the marker, when the export
-    fails. One thread."""
+    """The temporary files of one export, named by its nonce after its marker: call
+    :meth:`write`, :meth:`place` each shard, :meth:`write_index`, then :meth:`done`;
+    or on failure :meth:`discard` (every file it created, then the marker). One thread."""
 
     def __init__(
         self, directory: str, names: list[str], shards: list[list[Tensor]], meta: dict[str, str]
@@ -58,8 +51,7 @@ class Staged:
     def write(
         self, tensors: list[Tensor], read: Callable, bar, *, group_bytes: int | None = None
     ) -> None:
-        """Every shard, durable and closed: the tensors read a group (at most
-        ``group_bytes``, see :func:`_groups`) at a time."""
+        """Every shard, durable and closed, the tensors read a group at a time."""
         by_path = {t.path: t for t in tensors}
         files, current = self.files, -1
         for group in _groups(tensors, group_bytes):
