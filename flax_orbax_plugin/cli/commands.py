@@ -28,8 +28,7 @@ from .._interop.importing import import_checkpoint
 from .._interop.safetensors import plan as _safetensors_plan
 from .._interop.safetensors import remains as _remains
 from .._interop.safetensors.headers import DTYPE_NAMES as _SAFETENSORS_DTYPES
-from .._interop.safetensors.headers import read_safetensors_index
-from .._interop.safetensors.packing import tensor_nbytes
+from .._interop.safetensors.headers import read_safetensors_index, tensor_nbytes
 from .._like.onto_like import with_advice
 from .._manager.checkpointables import COPY_KINDS
 from .._manager.manager import CheckpointManager

@@ -17,8 +17,8 @@ from ..safetensors.headers import (
     MARKER_KEY,
     MARKER_VALUE,
     default_names,
+    packed_bits,
 )
-from ..safetensors.packing import packed_bits
 from ..safetensors.plan import Tensor, checked_name, encode_header, split_shards, tensor_dtype
 from .key_maps import KeyMap
 

@@ -36,7 +36,15 @@ from ..._storage.store_errors import arguments, refusals
 from ..._storage.untrusted import loads_json, read_capped
 from . import remains as _remains
 from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES
-from .outputs import check_outputs, fsync_dir, old_outputs, output_names, remove_stale
+from .outputs import (
+    Staged,
+    check_outputs,
+    fsync_dir,
+    old_outputs,
+    output_names,
+    progress_of,
+    remove_stale,
+)
 from .plan import (
     EXPORT_OPTIONS,
     ListedKeyMap,
@@ -48,7 +56,6 @@ from .plan import (
     refuse_over_limit,
     split_shards,
 )
-from .staged import Staged, progress_of
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _LOCAL_ONLY = "safetensors files are written to local disk; export there, then copy them"

@@ -2,7 +2,10 @@
 
 Every header and index is checked against the real file (size, caps, overlaps) before
 anything sized by it is allocated; files must be regular (a symlink is followed: the
-Hugging Face cache links each file to its blob). Rules: ``docs/safetensors.md``.
+Hugging Face cache links each file to its blob). Sub-byte tensors (``F4``, ``F6_*``)
+are ``elements * bits / 8`` bytes, the elements in C order in one little-endian bit
+stream (``F4``: the first value in the low nibble, as PyTorch's ``float4_e2m1fn_x2``).
+Rules: ``docs/safetensors.md``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, OptionEr
 from ..._format import layout as _layout
 from ..._storage.local_inputs import local_path
 from ..._storage.untrusted import loads_json, open_regular, read_capped
-from .packing import packed_bits, tensor_nbytes
+from ..._zarr import subbyte as _subbyte
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_STEM = "model"
@@ -40,6 +43,31 @@ DTYPES: dict[str, np.dtype] = {
 }
 TAGS = {dtype: tag for tag, dtype in DTYPES.items()}
 DTYPE_NAMES = frozenset(str(dtype) for dtype in DTYPES.values())  # 'bfloat16', 'bool' ...
+
+
+def packed_bits(dtype: np.dtype) -> int | None:
+    """The bits per value of a dtype safetensors stores packed; None for whole bytes."""
+    entry = _layout.DTYPES.get(dtype.name)
+    return entry.bits if entry is not None and entry.bits < 8 else None
+
+
+def tensor_nbytes(dtype: np.dtype, count: int) -> int | None:
+    """Bytes of ``count`` values of ``dtype``; None where packed values are no whole bytes."""
+    bits = packed_bits(dtype)
+    if bits is None:
+        return count * dtype.itemsize
+    return None if count * bits % 8 else count * bits // 8
+
+
+def pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """The packed bytes (uint8, flat) of ``values``: the whole tensor as one row."""
+    return _subbyte.pack_rows(np.ascontiguousarray(values).reshape(-1), bits)
+
+
+def unpack(data: np.ndarray, bits: int, count: int, skip: int = 0) -> np.ndarray:
+    """Values ``skip .. skip + count`` (uint8 each) of the packed bytes ``data``
+    (starting on a group of whole bytes: ``_zarr.subbyte.group``)."""
+    return _subbyte.unpack_rows(data, bits, count, skip, np.uint8)
 
 
 METADATA_KEY = "__metadata__"  # the header's entry of str -> str, never a tensor

@@ -26,8 +26,10 @@ from .headers import (
     default_names,
     kernel_axes,
     name_fault,
+    pack,
+    packed_bits,
+    tensor_nbytes,
 )
-from .packing import pack, packed_bits, tensor_nbytes
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
 _UNITS = {

@@ -24,8 +24,15 @@ from ..._like import placing as _placing
 from ..._like.onto_like import legacy_cast
 from ..._storage.untrusted import open_regular
 from ..._zarr.subbyte import group
-from .headers import Stored, default_names, kernel_axes, read_safetensors_index, runs
-from .packing import packed_bits, unpack
+from .headers import (
+    Stored,
+    default_names,
+    kernel_axes,
+    packed_bits,
+    read_safetensors_index,
+    runs,
+    unpack,
+)
 from .plan import FLAGS, checked_key_map, checked_name
 
 
