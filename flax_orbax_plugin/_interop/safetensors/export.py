@@ -186,7 +186,7 @@ def to_safetensors(
         anything is written. None: no ceiling.
 
     Returns:
-      An :class:`ExportResult`.
+      An ``ExportResult``: the files, the index, the tensor count and bytes.
     """
     out = local_path(out, what="safetensors output", note=_LOCAL_ONLY)
     limit = parse_size(max_shard_size)
