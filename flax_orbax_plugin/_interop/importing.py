@@ -1,8 +1,9 @@
-"""Turning a foreign checkpoint's trees into steps of a ``CheckpointManager`` directory
-(``import_orbax``, ``import_msgpack``, ``import_checkpoint``).
+"""Importing a foreign checkpoint's trees as steps of a ``CheckpointManager`` directory.
 
-An importer reads a step, maps it with ``import_step.step_items`` and hands the steps to
-``save_steps`` (the public ``CheckpointManager.save``). Safe from any thread.
+An importer's front checks its options and paths, reads a step, decides its number
+(:func:`choose_step`) and maps it with :func:`step_items` (pure functions, called per
+step before anything is written), and hands the steps to ``save_steps`` (the public
+``CheckpointManager.save``). Safe from any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.importing``.
 """
@@ -11,13 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from .._base import host_memory as _host_memory
+from .._base import shown as _shown
 from .._base.distributed import public
+from .._base.shown import outside_stacklevel
 from .._core import ownership as _ownership
 from .._errors import (
     CheckpointError,
@@ -33,6 +40,7 @@ from .._format.foreign import (
     STEP_RE,
     is_msgpack_checkpoint,
     is_orbax_checkpoint,
+    is_step,
     safetensors_source,
 )
 from .._format.steps import list_directory
@@ -43,29 +51,213 @@ from .._storage.location import Location
 from .._storage.lock import LOCK_FILE
 from .._storage.store_errors import arguments, refusals
 from . import msgpack_reader, orbax_reader
-from .import_step import (
-    ImportedStep,
-    choose_step,
-    orbax_steps_to_import,
-    refuse_existing,
-    refuse_mixing,
-    state_step,
-    step_items,
-)
+from .orbax_layout import open_orbax
+from .orbax_steps import list_steps
 from .safetensors.headers import read_safetensors_index as headers
 from .safetensors.headers import tree_of_names
 from .safetensors.reader import from_safetensors
 
-__all__ = [
-    "import_checkpoint",
-    "import_msgpack",
-    "import_orbax",
-    "import_safetensors",
-    "save_steps",
-    "step_items",
-    "ImportedStep",
-    "refuse_foreign_targets",
-]
+__all__ = ["import_checkpoint", "import_msgpack", "import_orbax", "import_safetensors"]
+
+# -- which step an imported state is written as ---------------------------------
+
+
+logger = logging.getLogger("flax_orbax_plugin")
+
+
+def state_step(tree: Any, path: str) -> int | None:
+    """The state's top-level ``step`` leaf (a ``TrainState``'s) as an int, or None;
+    StructureError for a scalar ``step`` that is no non-negative integer."""
+    if not isinstance(tree, dict) or "step" not in tree:
+        return None
+    value = tree["step"]
+    if isinstance(value, dict | list | str | bytes) or value is None:
+        return None  # a subtree named step, not a step
+    arr = np.asarray(value)
+    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer) or int(arr) < 0:
+        raise StructureError(
+            f"leaf 'step' in {path}: expected a non-negative integer scalar (the state's "
+            f"step), found {arr.dtype}{list(arr.shape)}"
+        )
+    return int(arr)
+
+
+def choose_step(path: str, *, given: int | None, named: int | None, stored: int | None) -> int:
+    """The step the state read from ``path`` is imported as: ``given`` (it must equal
+    the state's own, ``stored``), else ``stored`` (a differing ``named`` is warned
+    of), else the number its name gives (``named``), else a StructureError."""
+    if given is not None:
+        if stored is not None and stored != given:
+            raise StructureError(
+                f"{path}: step {given} was asked for, but the state's step leaf says "
+                f"{stored}; import it as step {stored} (or leave the step out)"
+            )
+        return given
+    if stored is not None:
+        if named is not None and named != stored:
+            logger.warning(
+                "import: %s is named for step %d but its state's step leaf says %d: "
+                "imported as step %d (pass step= to choose)",
+                path,
+                named,
+                stored,
+                stored,
+            )
+        return stored
+    if named is not None:
+        return named
+    raise StructureError(
+        f"{path}: no step to import it as: the state has no top-level 'step' leaf and "
+        f"its name no step number; give it (step= in Python, --step on the command line)"
+    )
+
+
+def orbax_steps_to_import(src: Any, step: int | None) -> list[tuple[int, Location]]:
+    """``[(step number, step directory)]`` importing ``src`` writes: every committed
+    step of an Orbax run (or only ``step``), or a lone step or item as ``step`` (default:
+    its own number, else 0)."""
+    loc = Location.from_path(src)
+    if is_step(loc):
+        own, _ = open_orbax(loc)
+        return [(step if step is not None else (own if own is not None else 0), loc)]
+    listing = list_steps(loc)
+    if step is not None:
+        return [(listing.choose(step), listing.steps[step])]
+    if not listing.steps:
+        listing.choose(None)  # an error naming what was passed over
+    passed = listing.skipped_above(None)
+    if passed:
+        logger.warning(
+            "%s: importing Orbax steps %s; passed over (not finalized steps): %s",
+            loc,
+            _shown.listed(sorted(listing.steps)),
+            _shown.listed(passed),
+        )
+    return list(listing.steps.items())
+
+
+def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool) -> None:
+    """Unless ``force``: refuses a planned step that exists and steps newer than every
+    planned one (a resume would take those); warns of older steps beside the import."""
+    if force or not held:
+        return
+    refuse_existing(out_dir, held, planned, force)
+    newer = [s for s in held if planned and s > max(planned)]
+    if newer:
+        raise FileExistsError(
+            f"{out_dir} already holds steps newer than those imported ({_steps_text(newer)}): a "
+            "resume would take them; import into a new directory, or pass force=True (--force)"
+        )
+    warnings.warn(
+        f"{out_dir} already holds steps {_steps_text(held)}; the imported steps are added beside "
+        "them (one run directory holding two runs' steps, if they came from elsewhere)",
+        UserWarning,
+        stacklevel=outside_stacklevel(),
+    )
+
+
+def refuse_existing(out_dir: Any, held: list[int], numbers: list[int], force: bool) -> None:
+    """Unless ``force``: FileExistsError for the first of ``numbers`` in ``held``."""
+    clash = [] if force else sorted(set(held) & set(numbers))
+    if clash:
+        raise FileExistsError(
+            f"{out_dir}: step {clash[0]} exists already; to replace it pass force=True "
+            f"(--force on the command line)"
+        )
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+
+
+# -- which items an imported state becomes ------------------------------------------
+
+
+ImportedStep = tuple[int, dict[str, Any], dict[str, Any] | None]  # (step, items, extras)
+
+
+def _to_step_int(value: Any, source: str) -> int:
+    arr = np.asarray(value)
+    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise StructureError(
+            f"leaf 'step' in {source}: expected an integer scalar, "
+            f"found {arr.dtype}{list(arr.shape)}"
+        )
+    return int(arr)
+
+
+def _split(tree: Any, source: str) -> dict[str, Any]:
+    """A training-state dict (it has 'params') gives one item per top-level key (empty
+    ones too, as this library's save keeps them); any other tree is ``params``."""
+    if isinstance(tree, Mapping) and "params" in tree:
+        return {
+            str(key): _to_step_int(value, source) if key == "step" else value
+            for key, value in tree.items()
+        }
+    return {"params": tree}
+
+
+def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: str) -> ImportedStep:
+    """Maps a foreign step's items onto this plugin's checkpointables: a pytree item
+    holding a training state (:func:`_split`) gives its keys as items, another is kept
+    by name (a lone one is ``params``); JSON items go into ``extras`` by name, but the
+    entries of Orbax's ``metrics`` item become top-level extras (``keep_best`` reads
+    them there). Returns ``(-1, items, extras)``: the caller decides the step.
+    """
+    pytrees = {n: t for n, t in trees.items() if kinds[n] == "pytree" and t is not None}
+    extras = {n: t for n, t in trees.items() if kinds[n] == "json" and n != "metrics"}
+    metrics = trees.get("metrics") if kinds.get("metrics") == "json" else None
+    if isinstance(metrics, Mapping):
+        clash = sorted(set(metrics) & set(extras))
+        if clash:
+            raise StructureError(
+                f"metric {clash[0]!r} of {source}: also the name of a JSON item; import "
+                f"one of them only"
+            )
+        extras.update(metrics)
+    elif metrics is not None:
+        extras["metrics"] = metrics
+    items: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # our item -> the foreign item it came from
+    for name, tree in pytrees.items():
+        parts = _split(tree, source) if name != "params" else {"params": tree}
+        if len(pytrees) > 1 and set(parts) == {"params"} and name != "params":
+            parts = {name: tree}  # one of several items, no training state: kept by name
+        clash = sorted(set(parts) & set(items))
+        if clash:
+            raise StructureError(
+                f"item {clash[0]!r} of {source}: found in two Orbax items; import them "
+                f"one at a time"
+            )
+        items.update(parts)
+        origin.update(dict.fromkeys(parts, name))
+    _refuse_reserved(items, origin, source)
+    if "step" in items and not isinstance(items["step"], int):
+        items["step"] = _to_step_int(items["step"], source)
+    return -1, items, extras or None
+
+
+# Item names whose kind this library fixes: a tree saved under one would not come back.
+_RESERVED = {
+    "extras": "the step's JSON extras (extras=)",
+    "data_iterator": "a data iterator's state (data_iterator=)",
+}
+
+
+def _refuse_reserved(items: Mapping[str, Any], origin: Mapping[str, str], source: str) -> None:
+    """StructureError for a tree imported under a name reserved for another kind."""
+    for name, what in _RESERVED.items():
+        if name in items:
+            came = origin.get(name, name)
+            where = f"Orbax item {name!r}" if came == name else f"key {name!r} of item {came!r}"
+            raise StructureError(
+                f"item {name!r} of {source}: a tree ({where}), but this library reserves "
+                f"the item name {name!r} for {what}; nothing of this step was imported: "
+                f"save the tree under another item name"
+            )
+
+
+# -- the importers --------------------------------------------------------------------
 
 
 _NOT_ORBAX = (
@@ -75,10 +267,8 @@ _NOT_ORBAX = (
 
 
 def refuse_foreign_targets(out_dir: Any, numbers: Iterable[int]) -> None:
-    """ForeignEntryError when ``out_dir`` already holds an entry named like one of
-    ``numbers`` that is not a committed step of ours (a user's folder, a file, a
-    symlink, the Orbax step of an in-place import): it would be replaced otherwise.
-    Reads only the directory listing; writes nothing."""
+    """ForeignEntryError when ``out_dir`` holds an entry named like one of ``numbers``
+    that is not a committed step of ours (it would be replaced). Reads the listing only."""
     loc = Location.from_path(out_dir)
     if loc.is_local and not os.path.isdir(loc.path):
         return  # nothing there yet (or the manager will refuse what is there)
@@ -87,16 +277,14 @@ def refuse_foreign_targets(out_dir: Any, numbers: Iterable[int]) -> None:
         if str(number) in foreign:
             raise ForeignEntryError(
                 f"{loc.child(str(number))}: importing step {number} would replace this entry, "
-                f"which is not a committed step of this library (a folder of your own, or the "
-                f"source checkpoint's own step when importing in place); it is left alone and "
-                f"nothing was written. Import into another output directory."
+                f"not a committed step of this library; nothing was written: import into "
+                f"another output directory"
             )
 
 
 def refuse_inside_checkpoint(out_dir: Any) -> None:
-    """UnsupportedLocationError when ``out_dir`` is a step, lies inside a committed
-    checkpoint, or inside a run directory (its steps would gain a run of their own, or
-    a folder named like a step): a committed checkpoint never changes."""
+    """UnsupportedLocationError when ``out_dir`` is or lies inside a committed checkpoint
+    or a run directory: a committed checkpoint never changes."""
     loc = Location.from_path(out_dir)
     if loc.is_local:  # a link on the way is resolved: the checkpoint it leads into counts
         loc = Location.from_path(os.path.realpath(loc.path))
@@ -109,8 +297,7 @@ def refuse_inside_checkpoint(out_dir: Any) -> None:
 
 
 def refuse_inside_source(src: Any, out_dir: Any) -> None:
-    """UnsupportedLocationError when ``out_dir`` lies inside ``src`` (links resolved):
-    an import never writes into what it reads (another library's checkpoint)."""
+    """UnsupportedLocationError when ``out_dir`` lies inside ``src`` (links resolved)."""
     s, o = Location.from_path(src), Location.from_path(out_dir)
     if s.is_local and o.is_local:
         a, b = os.path.realpath(s.path), os.path.realpath(o.path)
@@ -133,22 +320,16 @@ def save_steps(
     options: Mapping[str, Any],
     source_bytes: Sequence[int] = (),
 ) -> list[int]:
-    """Saves each ``(step, (_, items, extras))`` as a committed step of ``out_dir``.
+    """Saves each ``(step, (_, items, extras))`` of ``steps`` (consumed lazily: one
+    step's trees in memory at a time) as a committed step of ``out_dir``; returns the
+    steps written, in order.
 
-    ``options``: the importer's, checked (``force``, ``format_version``, ``progress``,
-    ``memory_limit_bytes``). A step that already exists there is an error unless
-    ``force`` (then replaced); an entry named like the step that is not a committed step
-    of ours is always an error (ForeignEntryError), checked for every ``planned`` step
-    before anything is written and again before each step. ``steps`` is consumed
-    lazily: one step's trees are in memory at a time. Returns the steps written, in
-    order. ``format_version``: of the steps written (1 or 2; None: the manager's
-    default, 2). ``progress(sum(source_bytes))``, called once in the calling thread,
-    returns a context manager whose ``advance(nbytes, note)`` is called as each step
-    commits, with that step's ``source_bytes`` entry (the CLI's bar).
-    ``memory_limit_bytes``: the ceiling of the import: the step read (at most half of
-    it: :func:`refuse_over`, the reader's front) and its save, which streams under the
-    other half (the manager's ``host_memory``), nothing pooled; a leaf whose row exceeds
-    that half is refused before the step is written.
+    ``options``: the importer's, checked. An existing step is an error unless ``force``
+    (replaced); an entry named like a ``planned`` step that is not ours always is,
+    checked before anything is written and again before each step. ``progress``
+    (called once with ``sum(source_bytes)``) advances by each step's entry as it
+    commits. ``memory_limit_bytes``: half for the step read (:func:`refuse_over`), half
+    for its save, which streams (the manager's ``host_memory``).
     """
     refuse_inside_checkpoint(out_dir)
     refuse_foreign_targets(out_dir, planned)
@@ -161,8 +342,8 @@ def save_steps(
         if written:
             e.add_note(
                 f"the import committed step(s) {written} to {loc} before it failed (they are "
-                f"whole); a re-run replaces them only with force=True (--force on the command "
-                f"line), or import the steps left one at a time with step= (--step)"
+                f"whole); a re-run replaces them only with force=True (--force), or import "
+                f"the steps left one at a time with step= (--step)"
             )
         else:  # a directory this import created holds only its lock file: both go
             _ownership.remove_created(created, files=(LOCK_FILE,))
@@ -171,9 +352,8 @@ def save_steps(
 
 
 def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: list[int]) -> None:
-    """:func:`save_steps`' manager session: each step checked, saved, then counted in
-    ``written`` (the caller's, read when this fails)."""
-    force, limit = options["force"], options["memory_limit_bytes"]
+    """:func:`save_steps`' manager session; each step saved is added to ``written``."""
+    force, limit, progress = options["force"], options["memory_limit_bytes"], options["progress"]
     with (
         CheckpointManager(
             out_dir,
@@ -181,7 +361,7 @@ def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: li
             format_version=options["format_version"],
             host_memory=None if limit is None else limit // 2,
         ) as mngr,
-        _open_progress(options["progress"], sum(sizes)) as bar,
+        contextlib.nullcontext() if progress is None else progress(sum(sizes)) as bar,
     ):
         refuse_mixing(out_dir, mngr.steps(), planned, force)
         for number, (_, items, extras) in steps:
@@ -193,8 +373,7 @@ def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: li
             refuse_foreign_targets(out_dir, [number])
             refuse_existing(out_dir, mngr.steps(), [number], force)
             _refuse_rows(number, items, limit)
-            # overwrite: an imported step may lie below the latest one (no training run
-            # is resumed here); an existing step was refused above unless force.
+            # overwrite: an imported step may lie below the latest (refused above unless force)
             mngr.save(number, items, extras=extras, ignore_policy=True, overwrite=True)
             written.append(number)
             del items, extras  # one step's trees at a time
@@ -204,41 +383,32 @@ def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: li
 
 
 def _refuse_rows(step: int, items: Any, limit: int | None) -> None:
-    """A leaf of step ``step`` whose row (the least a streamed save copies at once) is
-    above the half of the ceiling ``limit`` the save streams under: an OptionError in
-    the import's words, before the step is written."""
+    """OptionError for a leaf whose row (the least a streamed save copies at once) is
+    above half the ceiling ``limit``, before the step is written."""
     if limit is None:
         return
     row, path = _host_memory.largest_row(items)
     if row > limit // 2:
         raise OptionError(
             f"memory_limit_bytes={limit}: step {step}: a row of leaf {path!r} holds {row} "
-            f"bytes, and an import's save streams under half the ceiling, a row at a time; "
-            f"nothing of it was written: give memory_limit_bytes >= {2 * row} (or None)"
+            f"bytes, above the half an import's save streams under; nothing of it was "
+            f"written: give memory_limit_bytes >= {2 * row} (or None)"
         )
 
 
 def refuse_over(source: Any, nbytes: int, limit: int | None, what: str) -> None:
-    """An import holds a whole step in host memory while its save streams under the
-    rest of the ceiling (half each: :func:`save_steps`): ``source`` whose ``what``
-    hold ``nbytes`` above half the ceiling ``limit`` is an OptionError naming both
-    figures, and the ceiling it needs (no limit: none)."""
+    """OptionError when ``source``'s ``what`` hold ``nbytes``, above the half of the
+    ceiling ``limit`` an import may hold a step in (:func:`save_steps`)."""
     if limit is not None and nbytes > limit // 2:
         raise OptionError(
-            f"memory_limit_bytes={limit}: {source}: its {what} hold {nbytes} bytes, and an "
-            f"import holds a whole step in host memory (at most half the ceiling) while "
-            f"its save streams under the other half; nothing of it was written: give "
-            f"memory_limit_bytes >= {2 * nbytes} (or None)"
+            f"memory_limit_bytes={limit}: {source}: its {what} hold {nbytes} bytes, above "
+            f"the half of the ceiling an import holds a step in; nothing of it was "
+            f"written: give memory_limit_bytes >= {2 * nbytes} (or None)"
         )
 
 
-def _open_progress(progress: Callable[[int], Any] | None, total: int) -> Any:
-    return contextlib.nullcontext(None) if progress is None else progress(total)
-
-
 def _source_size(path: Any) -> int:
-    """Bytes of a local file or directory to import (0 elsewhere: a bucket's are not
-    listed for a progress bar)."""
+    """Bytes of a local file or directory to import (0 elsewhere)."""
     loc = Location.from_path(path)
     if not loc.is_local:
         return 0
@@ -258,14 +428,7 @@ def import_checkpoint(
     memory_limit_bytes: int | None = None,
 ) -> list[int]:
     """``flax-orbax import``: an Orbax directory, Flax msgpack file(s) or safetensors
-    into ``out_dir``.
-
-    Orbax (a manager, step or item directory) goes through :func:`import_orbax`;
-    safetensors (a file, an index, a folder holding them) through
-    :func:`import_safetensors`; a msgpack file or a ``flax.training.checkpoints``
-    directory through :func:`import_msgpack`; another file is refused. Returns the
-    steps written. ``progress``: as ``save_steps``'s, over the source bytes read.
-    """
+    into ``out_dir``, through the importer of its kind (another file is refused)."""
     options = {"step": step, "force": force, "format_version": format_version}
     options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
     if is_orbax_checkpoint(src):
@@ -283,11 +446,10 @@ def import_checkpoint(
     if safetensors_source(local) is not None:  # by name: the headers are checked on read
         return import_safetensors(src, out_dir, **options)
     if os.path.isfile(local) and not is_msgpack_checkpoint(local):
-        raise CorruptCheckpointError(  # damage, where its name says a Flax checkpoint
+        raise CorruptCheckpointError(
             f"import source {src}: a file that is neither a Flax msgpack checkpoint (it "
             f"opens no msgpack map: not a Flax msgpack checkpoint) nor safetensors (no "
-            f".safetensors name); import takes an Orbax directory, msgpack file(s) or "
-            f"safetensors file(s)"
+            f".safetensors name)"
         )
     if os.path.exists(local):
         return import_msgpack(src, out_dir, **options)
@@ -295,8 +457,7 @@ def import_checkpoint(
 
 
 def _check(src: Any, out_dir: Any, options: dict[str, Any]) -> None:
-    """An importer's front, before it reads: its ``options`` (one mapping, as
-    :func:`save_steps` takes them) checked, and ``out_dir`` refused inside ``src``."""
+    """An importer's front, before it reads: ``options`` checked, ``out_dir`` not in ``src``."""
     _options.check_import(**options)
     refuse_inside_source(src, out_dir)
 
@@ -312,14 +473,10 @@ def import_safetensors(
     progress: Callable[[int], Any] | None = None,
     memory_limit_bytes: int | None = None,
 ) -> list[int]:
-    """Writes safetensors (a file, an index, or a folder of shards: an export of this
-    library or a Hugging Face model) as item ``params`` of step ``step`` of
-    ``out_dir`` (the files name no step: ``step`` is needed). Tensor names become leaf
-    paths, '.' as '/' (what an export without a key map wrote), or stay whole where
-    that would make a name both a leaf and a folder. Returns ``[step]``.
-    ``memory_limit_bytes``: the host-memory ceiling: files holding more than half of
-    it are refused before anything is read, naming both figures; the save streams
-    under the other half (``save_steps``)."""
+    """Writes safetensors (a file, an index, or a folder of shards) as item ``params``
+    of step ``step`` (needed: the files name none) of ``out_dir``; tensor names become
+    leaf paths as ``headers.tree_of_names`` says. Returns ``[step]``. Tensors above
+    half of ``memory_limit_bytes`` are refused before anything is read."""
     options = {"step": step, "force": force, "format_version": format_version}
     options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
     _check(src, out_dir, options)
@@ -352,16 +509,14 @@ def import_orbax(
 
     ``src`` is an Orbax manager directory (every committed step, or only ``step``),
     a step directory or an item directory. Each is written as ``step`` when given
-    (refused unless it equals a training state's ``step`` leaf, where there is one),
-    else as that leaf, else as the step directory's number; with none of them it is
-    refused (``import_step.choose_step``). Leaves are read one at a
-    time to host memory and the assembled step is saved with the public
-    ``CheckpointManager.save``, so the peak is about twice the step's bytes (the tree,
-    then the save's own host snapshot). Returns the steps written. Items map as
-    ``step_items`` says. ``progress``: as ``save_steps``'s.
-    ``memory_limit_bytes``: the host-memory ceiling: a step whose files (before
-    reading) or arrays (once read, before writing) exceed half of it is refused,
-    naming both figures; the save streams under the other half (``save_steps``).
+    (refused unless it equals a training state's ``step`` leaf), else as that leaf,
+    else as the step directory's number, else refused. A step is read whole to host
+    memory, then saved with ``CheckpointManager.save`` (items as
+    ``step_items`` maps them). ``force`` replaces existing steps;
+    ``format_version``: of the steps written; ``progress``: as ``save_steps``'s.
+    ``memory_limit_bytes``: the host-memory ceiling: a step whose files or arrays
+    exceed half of it is refused, naming both figures; the save streams under the
+    other half. Returns the steps written.
     """
     options = {"step": step, "force": force, "format_version": format_version}
     options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
@@ -402,15 +557,13 @@ def import_msgpack(
 
     ``src`` is one msgpack file or a ``flax.training.checkpoints`` directory (every
     ``<prefix><step>`` file, or only ``step``). Each is written as ``step`` when given
-    (refused unless it equals the state's ``step`` leaf, a Flax ``TrainState``'s,
-    where the state has one), else as the state's step, else as the number its name
-    ends with; a file with none of them is refused (``import_step.choose_step``),
-    the first before anything is written. A state dict with ``params`` is split into
-    items (``params``, ``opt_state``, ``step`` ...), any other tree is saved as
-    ``params``. Returns the steps written. ``progress``: as ``save_steps``'s.
-    ``memory_limit_bytes``: the host-memory ceiling: a file read holds its bytes, then
-    its arrays, so a file larger than half the ceiling is refused before anything is
-    read, naming both figures; the save streams under the other half (``save_steps``).
+    (refused unless it equals the state's ``step`` leaf), else as the state's step,
+    else as the number its name ends with, else refused (the first file before
+    anything is written). A state dict with ``params`` is split into items, any other
+    tree is saved as ``params``. ``force`` replaces existing steps; ``format_version``:
+    of the steps written; ``progress``: as ``save_steps``'s. ``memory_limit_bytes``:
+    the host-memory ceiling: a file larger than half of it is refused before it is
+    read; the save streams under the other half. Returns the steps written.
     """
     options = {"step": step, "force": force, "format_version": format_version}
     options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)

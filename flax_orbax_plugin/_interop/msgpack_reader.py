@@ -116,7 +116,7 @@ def _check_keys(tree: dict, where: str, keys: list[Any]) -> None:
 
 
 def _unchunk(tree: Any, where: str, keys: list[Any] | None = None) -> Any:
-    """The tree with chunked arrays joined; checks depth and key types on the way."""
+    """The tree with chunked arrays joined, depth and key types checked."""
     keys = [] if keys is None else keys
     if len(keys) > _MAX_DEPTH:
         raise CorruptCheckpointError(
@@ -160,7 +160,6 @@ def read_msgpack(path: Any) -> Any:
         raise CheckpointNotFoundError(
             f"{where}: a directory, not a msgpack file{_orbax_hint(path)}"
         )
-    # The named file may be a symlink the user chose; it must resolve to a regular file.
     fd, st = open_regular(path, follow_links=True, what="msgpack checkpoint")
     with open(fd, "rb", closefd=True) as f:
         size = st.st_size
@@ -190,9 +189,9 @@ def read_msgpack(path: Any) -> Any:
 def restore_msgpack(
     path: Any, like: Any = None, *, partial: bool = False, cast: str = "safe"
 ) -> Any:
-    """A msgpack checkpoint in the form of ``like`` (the rules of ``fop.restore``;
-    dtype changes must be lossless unless ``cast="unsafe"``); ``like`` None gives the
-    state dict as read."""
+    """A msgpack checkpoint in the form of ``like`` (None: the state dict as read), by
+    the rules of ``fop.restore``: ``partial`` allows keys ``like`` lacks, and a dtype
+    change must be lossless unless ``cast="unsafe"``."""
     check_policy(cast)
     tree = read_msgpack(path)
     if like is None:
@@ -231,7 +230,10 @@ def restore_msgpack(
     return _tree.unflatten(treedef, out)
 
 
-def _files(src: str, step: int | None) -> list[tuple[int | None, str]]:
+def files_to_import(src: Any, step: int | None) -> list[tuple[int | None, str]]:
+    """``[(the step its name gives or None, file)]`` importing ``src`` reads: one
+    msgpack file, or every ``<prefix><step>`` file of a directory (or only ``step``)."""
+    src = local_path(src, what="msgpack source")
     try:
         mode = os.stat(src).st_mode  # the path the user named: a link to it is their choice
     except FileNotFoundError:
@@ -262,18 +264,8 @@ def _files(src: str, step: int | None) -> list[tuple[int | None, str]]:
     return found
 
 
-def files_to_import(src: Any, step: int | None) -> list[tuple[int | None, str]]:
-    """``[(the step its name gives, file)]`` that importing ``src`` reads: one msgpack
-    file (a name ending in digits gives its number, else None) or every
-    ``<prefix><step>`` file of a ``flax.training.checkpoints`` directory (or only
-    ``step``). Reads names and one byte of each file; the step each is written as is
-    ``import_step.choose_step``'s, once its state is read."""
-    return _files(local_path(src, what="msgpack source"), step)
-
-
 def _orbax_hint(path: str) -> str:
-    """Where ``path`` (a directory) holds Orbax checkpoints (``flax.training.checkpoints``
-    writes ``checkpoint_<step>/`` so since Flax 0.7): the readers that take them."""
+    """Where directory ``path`` holds Orbax checkpoints: the readers that take them."""
     orbax = is_orbax_checkpoint(path) or any(
         _CHECKPOINT_RE.match(n) and is_orbax_checkpoint(os.path.join(path, n))
         for n in sorted(os.listdir(path))[:16]

@@ -1,14 +1,8 @@
 """The layout of an Orbax checkpoint, read as data: manager, step and item directories.
 
-A manager directory holds numbered step directories (which of them are steps:
-:mod:`.orbax_steps`); a step holds ``_CHECKPOINT_METADATA`` (naming each item's
-handler) and one directory per item; an item holds ``_METADATA`` (a pytree: each
-leaf's key path and value type, OCDBT and zarr3 flags), one JSON file (``JsonSave``,
-the manager's ``metrics``), a proto as text, or a random key's folders.
 :func:`open_orbax` resolves any of them into :class:`OrbaxItem`s, every metadata field
 checked (a :class:`CorruptCheckpointError` names the file and field); nothing below
-the named path is followed (a link is a :class:`ForeignEntryError`). Arrays are read
-by :mod:`.orbax_reader`. Layout, trust rules and what is refused: ``docs/orbax.md``.
+the named path is followed. Arrays: :mod:`.orbax_reader`; rules: ``docs/orbax.md``.
 """
 
 from __future__ import annotations
@@ -57,8 +51,7 @@ class OrbaxLeaf:
 @dataclasses.dataclass(frozen=True)
 class OrbaxItem:
     """One item of an Orbax checkpoint: a pytree (``leaves``), a JSON value or a text
-    (``file``), or one this reader cannot read (``unreadable`` says why; an error only
-    when its value is asked for)."""
+    (``file``), or one that cannot be read (``unreadable``: an error when asked for)."""
 
     location: Location
     name: str
@@ -76,9 +69,6 @@ class OrbaxItem:
         return str(self.location)
 
 
-# -- recognizing and listing ----------------------------------------------------------
-
-
 def _is_item(loc: Location, name: str) -> bool:
     return loc.exists(ITEM_METADATA) or loc.exists(JSON_ITEM_FILE) or loc.exists(name)
 
@@ -92,8 +82,7 @@ def read_json(loc: Location, name: str) -> Any:
 
 
 def custom_metadata(loc: Location) -> dict[str, Any]:
-    """The ``custom_metadata`` the record of the step (or lone item) at ``loc`` holds
-    (``CheckpointManager.save(..., custom_metadata=)``); {} when it holds none."""
+    """The ``custom_metadata`` of the step (or lone item) at ``loc``; {} when none."""
     if not loc.exists(STEP_METADATA):
         return {}
     record = read_json(loc, STEP_METADATA)
@@ -137,8 +126,7 @@ def _parse_keys(entry: Any, where: str, max_index: int) -> tuple[tuple[tuple[str
     return tuple(keys), param_name
 
 
-# Orbax's handlers by class name (the last part of the dotted name _CHECKPOINT_METADATA
-# records; never imported): what each writes in its item directory.
+# Orbax's handlers by class name (the end of the dotted name its record holds).
 _PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler", "PyTreeHandler")
 _JSON_HANDLERS = ("JsonCheckpointHandler", "JsonHandler", "MetricsHandler")
 _TEXT_HANDLERS = ("ProtoCheckpointHandler", "ProtoHandler")
@@ -149,9 +137,8 @@ _KEY_HANDLERS = {  # a random key: an array item in a folder, beside a JSON flag
 
 
 def _item(loc: Location, name: str, handler: str | None = None) -> OrbaxItem:
-    """The item at ``loc``, read as its ``handler`` (a class name from the step's
-    record) wrote it; without one, as its files say (``_METADATA``: a pytree; a
-    ``metadata`` file, or one named like the item as the manager's ``metrics``: JSON)."""
+    """The item at ``loc``, read as its ``handler`` (from the step's record) wrote it;
+    without one, as its files say (``_METADATA``: a pytree; else one JSON file)."""
     loc.check_no_links()  # local: no symlink, FIFO or device anywhere in the item
     short = handler.rsplit(".", 1)[-1] if isinstance(handler, str) else None
     if short in _KEY_HANDLERS:
@@ -181,8 +168,7 @@ def _item(loc: Location, name: str, handler: str | None = None) -> OrbaxItem:
 
 
 def _only_file(loc: Location, what: str) -> str:
-    """The one file a JSON or proto item holds besides orbax's commit mark (and, saved
-    alone, its record); hidden files (a copy's ``.DS_Store``) are no part of it."""
+    """The one file a JSON or proto item holds besides orbax's marks (hidden ones aside)."""
     if loc.is_local:  # no link or special file is left: check_no_links ran
         files = [n for n, k in loc.child_kinds().items() if k == "file"]
     else:  # a key, not a prefix of keys
@@ -197,8 +183,8 @@ def _only_file(loc: Location, what: str) -> str:
 
 
 def _key_item(loc: Location, name: str, folder: str) -> OrbaxItem:
-    """A random key item: the key's array (or numpy's state tree) in ``folder``, and a
-    JSON flag in ``<folder>_metadata`` (numpy: ``legacy``, a ``get_state()`` tuple)."""
+    """A random key item: its array (or numpy's state) in ``folder``; numpy's ``legacy``
+    flag (a ``get_state()`` tuple) in ``<folder>_metadata``."""
     inner = subdir(loc, folder, "item")
     if inner is None:
         raise CorruptCheckpointError(f"{loc}: a random key item without its {folder}/ folder")
@@ -243,8 +229,7 @@ def _pytree_item(loc: Location, name: str) -> OrbaxItem:
 
 
 def _leaves(tree_meta: dict, where: str) -> list[OrbaxLeaf]:
-    """The leaves ``_METADATA``'s ``tree_metadata`` lists, each key path and value type
-    checked, no path listed twice."""
+    """The leaves of ``tree_metadata``, each checked, no path listed twice."""
     leaves = []
     seen: set[str] = set()
     for entry in tree_meta.values():
@@ -265,8 +250,7 @@ def _leaves(tree_meta: dict, where: str) -> list[OrbaxLeaf]:
 
 
 def _flags(doc: dict, where: str) -> dict[str, bool]:
-    """``use_ocdbt``, ``use_zarr3`` and ``store_array_data_equal_to_fill_value`` of
-    ``_METADATA``: true or false (null or absent: orbax's default)."""
+    """The storage flags of ``_METADATA`` (null or absent: orbax's default)."""
     flags = {}
     for field, default in (
         ("use_ocdbt", True),
@@ -295,8 +279,7 @@ def _check_storage_names(leaves: list[OrbaxLeaf], where: str) -> None:
 
 
 def _check_tree_shape(leaves: list[OrbaxLeaf], where: str) -> None:
-    """The leaves' key paths must form a tree: one kind of key (dict or sequence) under
-    each node, and no leaf that is also the parent of another leaf."""
+    """The key paths form a tree: one kind of key under each node, no leaf a parent."""
     kind_under: dict[tuple, str] = {}
     interior: set[tuple] = set()
     for leaf in leaves:
@@ -317,12 +300,8 @@ def _check_tree_shape(leaves: list[OrbaxLeaf], where: str) -> None:
 
 
 def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[str, OrbaxItem]]:
-    """Resolves an Orbax directory into ``(step, {item name: item})``.
-
-    ``path`` is a manager directory (its latest step, or ``step``), a step
-    directory (every item in it) or one item directory (one item named after the
-    directory). The step is None when ``path`` is not inside a manager directory.
-    """
+    """``(step or None, {item name: item})`` of a manager directory (its latest step, or
+    ``step``), a step directory or one item directory (named after the directory)."""
     loc = Location.from_path(path)
     listing = None if is_step(loc) else list_steps(loc)
     if listing is not None and (listing.steps or not legacy_step(loc)):
@@ -331,8 +310,7 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
     elif step is not None:  # one step (an older orbax's has no record) or item
         raise OptionError(
             f"step={step}: {loc} is one Orbax checkpoint (a step or an item), not a run of "
-            f"steps: step= does not apply; name the run directory holding the steps with "
-            f"step={step}, or leave step= out"
+            f"steps: step= does not apply; name the run directory, or leave step= out"
         )
     else:
         m = STEP_RE.match(loc.name)
@@ -341,8 +319,7 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
     why = unfinished(loc, record)
     if why is not None:  # named directly: a run's listing passes those over
         raise CheckpointNotFoundError(
-            f"{loc}: an unfinished Orbax save, not read: {why}. Read a finalized step of "
-            f"the run (a killed save's step is not whole), or save it again with Orbax"
+            f"{loc}: an unfinished Orbax save, not read: {why}. Read a finalized step"
         )
     handlers = record.get("item_handlers") if isinstance(record, dict) else None
     if isinstance(handlers, str) or (
@@ -353,8 +330,7 @@ def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[
 
 
 def _step_items(loc: Location, handlers: Any) -> dict[str, OrbaxItem]:
-    """The items of the step at ``loc``: those its record's ``item_handlers`` names,
-    else (an older orbax) every folder that looks like an item."""
+    """The items its record's ``item_handlers`` names, else every item-like folder."""
     if isinstance(handlers, dict):
         for name in handlers:
             if not _plain(name):

@@ -1,20 +1,18 @@
 """Reading Orbax checkpoints without importing orbax: leaves, trees, params, steps.
 
-Each array is opened with tensorstore directly (zarr or zarr3, inside OCDBT or one
-directory per leaf) by its parameter name, the key path joined by '.'; its claimed
-size is checked before anything is allocated, and missing chunks are an error when
-the checkpoint says every chunk was stored. Nothing here unpickles. Entry points:
-:func:`orbax_steps`, :func:`restore_orbax` (``fop.restore`` on an Orbax directory),
-:func:`read_step` (``flax-orbax import``); params for serving: :mod:`.orbax_params`.
-The layout: :mod:`.orbax_layout`; rules: ``docs/orbax.md``.
+Each array is opened with tensorstore by its parameter name; its claimed size is
+checked before anything is allocated. Nothing here unpickles. Entry points:
+:func:`restore_orbax`, :func:`restore_orbax_params` (serving), :func:`read_step`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import jax
 import tensorstore as ts
 
 from .._base import tree as _tree
@@ -22,6 +20,7 @@ from .._base.distributed import public
 from .._base.env import flag
 from .._errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     StructureError,
 )
@@ -29,7 +28,7 @@ from .._format.foreign import ITEM_METADATA, is_step
 from .._format.steps import STEP_OR_NONE
 from .._like import onto_like as _onto_like
 from .._like import placing as _placing
-from .._like.onto_like import legacy_cast
+from .._like.onto_like import legacy_cast, retarget
 from .._storage.contexts import context
 from .._storage.location import Location
 from .._storage.store_errors import arguments, refusals
@@ -43,7 +42,7 @@ from .orbax_layout import (
 )
 from .orbax_steps import list_steps
 
-__all__ = ["ItemReader", "lone_item", "orbax_steps", "read_step", "restore_item", "restore_orbax"]
+__all__ = ["lone_item", "orbax_steps", "read_step", "restore_orbax", "restore_orbax_params"]
 
 
 _MAX_LEAF_BYTES = 1 << 40  # a leaf claiming more is malformed metadata, never allocated
@@ -52,8 +51,7 @@ _ARRAY_LEAF = "checkpoint"  # the one leaf of an ArraySave item (and of a random
 
 
 def orbax_steps(path: Any) -> list[int]:
-    """Committed steps of an Orbax manager directory (``<step>`` or ``<prefix>_<step>``
-    directories holding ``_CHECKPOINT_METADATA``)."""
+    """Committed steps of an Orbax manager directory."""
     return list(list_steps(Location.from_path(path)).steps)
 
 
@@ -102,8 +100,7 @@ class ItemReader:
     def read(
         self, leaf: OrbaxLeaf, like: Any, *, allow_cast: bool = False, rounds: bool = False
     ) -> Any:
-        """One leaf in the form of ``like`` (see :mod:`_onto_like`; ``rounds``: a checked
-        cast may round a float, ``_placing.plan``)."""
+        """One leaf in the form of ``like`` (``rounds``: a checked cast may round)."""
         if leaf.value_type in ("None", "Dict", "List"):
             if like is not None and not (isinstance(like, (dict, list, tuple)) and len(like) == 0):
                 raise StructureError(
@@ -125,8 +122,7 @@ class ItemReader:
         if nbytes > _MAX_LEAF_BYTES:
             raise CorruptCheckpointError(
                 f"leaf {leaf.path!r} in {self.item}: its array metadata claims shape "
-                f"{list(shape)} ({nbytes} bytes), more than the {_MAX_LEAF_BYTES}-byte limit "
-                f"for one leaf; refusing to allocate it"
+                f"{list(shape)} ({nbytes} bytes), more than the {_MAX_LEAF_BYTES}-byte limit"
             )
         plan = _placing.plan(
             leaf.path,
@@ -157,7 +153,6 @@ class ItemReader:
 
 
 def _select(item: OrbaxItem, like: Any, partial: bool) -> list[tuple[OrbaxLeaf, Any]]:
-    """Pairs each leaf to read with its like leaf; StructureError when they do not fit."""
     if like is None:
         return [(leaf, None) for leaf in item.leaves]
     by_path = {leaf.path: leaf for leaf in item.leaves}
@@ -201,8 +196,7 @@ def iter_leaves(
 
 
 def _small_value(item: OrbaxItem) -> Any:
-    """The value of a JSON item (its one file, parsed) or a text item (a proto saved
-    as text: the text itself)."""
+    """The value of a JSON item, or the text of a text item (a proto)."""
     if item.kind == "json":
         return read_json(item.location, item.file)
     if item.kind == "text":
@@ -224,7 +218,6 @@ def _small_value(item: OrbaxItem) -> Any:
 def restore_item(
     item: OrbaxItem, like: Any, partial: bool, allow_cast: bool, *, rounds: bool = False
 ) -> Any:
-    """``item`` in the form of ``like``; ``rounds``: checked casts may round a float."""
     if item.kind != "pytree":
         return _small_value(item)
     if item.unwrap:  # one array saved alone: orbax names its only leaf 'checkpoint'
@@ -255,9 +248,8 @@ def _restore_tree(
 
 
 def lone_item(loc: Location, items: dict[str, OrbaxItem]) -> OrbaxItem | None:
-    """The one item that ``loc`` is itself (an item directory named, or a run's step that
-    is one item, as ``flax.training.checkpoints``' ``checkpoint_<N>``), from
-    ``open_orbax(loc)``'s items; None for a step of items (even of one)."""
+    """The one item ``loc`` is itself (an item directory, or a run's step that is one
+    item), of ``open_orbax(loc)``'s items; None for a step of items (even of one)."""
     if len(items) != 1:
         return None
     (item,) = items.values()
@@ -286,7 +278,7 @@ def restore_orbax(
     metadata), that tree's ``like`` (a TrainState): that tree is returned. Dtype
     changes must be lossless unless ``cast="unsafe"`` (``allow_cast=True``, deprecated).
     """
-    step = STEP_OR_NONE.check(step)  # the options by their kinds, before anything is read
+    step = STEP_OR_NONE.check(step)
     partial = flag("partial", partial)
     allow_cast = legacy_cast(cast, allow_cast, where="restore_orbax") == "unsafe"
     loc = Location.from_path(path)
@@ -315,8 +307,7 @@ def restore_orbax(
             f"item {unknown[0]!r}: expected by like, found no such item in {loc} "
             f"(items: {sorted(items)}){hint}"
         )
-    # JSON, text and unreadable items (metrics, configs) may be left out of like:
-    # a tree of arrays is asked for, and they are not arrays
+    # JSON, text and unreadable items may be left out of like: they are not arrays
     extra = sorted(n for n, i in items.items() if n not in like and i.kind in ("pytree", "missing"))
     if not partial and extra:
         raise StructureError(
@@ -325,13 +316,102 @@ def restore_orbax(
     return {k: restore_item(items[k], v, partial, allow_cast) for k, v in like.items()}
 
 
-# -- what an import reads ------------------------------------------------------------
+# -- params for serving ----------------------------------------------------------------
+
+
+def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, ...]]:
+    """The item holding params and their key prefix in it. A missing item is never
+    passed over for another (that would serve the optimizer state)."""
+    if "params" in items and items["params"].kind in ("pytree", "missing"):
+        return _readable(items["params"]), ()
+    pytrees = {n: i for n, i in items.items() if i.kind == "pytree"}
+    where = next(iter(items.values())).location.parent if items else ""
+    holders = {n: i for n, i in pytrees.items() if any(_top(leaf) == "params" for leaf in i.leaves)}
+    if len(holders) > 1:
+        # as the import splits them: a training state gives the params, not an EMA copy
+        states = [n for n, i in holders.items() if any(_top(x) != "params" for x in i.leaves)]
+        if len(states) != 1:
+            raise CheckpointError(
+                f"the Orbax checkpoint {where} holds params in several items "
+                f"({', '.join(sorted(holders))}): which to serve is not clear; read the one "
+                f"you mean, e.g. fop.restore('{where}/{sorted(holders)[0]}')['params']"
+            )
+        return holders[states[0]], ("params",)
+    if holders:
+        return next(iter(holders.values())), ("params",)
+    missing = sorted(n for n, i in items.items() if i.kind == "missing")
+    if missing:
+        raise CorruptCheckpointError(
+            f"no params in the Orbax checkpoint {where}: no item named 'params' and no item "
+            f"with a top-level 'params' key, and item(s) {missing} are missing: "
+            f"{items[missing[0]].unreadable}"
+        )
+    if len(pytrees) == 1:
+        return next(iter(pytrees.values())), ()
+    raise CheckpointNotFoundError(
+        f"no params in the Orbax checkpoint {where}: "
+        f"no item named 'params' and no item with a top-level 'params' key "
+        f"(items: {sorted(items)})"
+    )
+
+
+def _readable(item: OrbaxItem) -> OrbaxItem:
+    if item.kind == "missing":
+        raise CorruptCheckpointError(
+            f"item {item.name!r} of the Orbax checkpoint {item.location.parent}: {item.unreadable}"
+        )
+    return item
+
+
+def _top(leaf: OrbaxLeaf) -> str | None:
+    return leaf.keys[0][1] if leaf.keys and leaf.keys[0][0] == "dict" else None
+
+
+def restore_orbax_params(
+    path: Any,
+    like: Any = None,
+    *,
+    step: int | None = None,
+    dtype: Any = None,
+    sharding: Any = None,
+    partial: bool = False,
+    cast: str = "safe",
+) -> Any:
+    """The params of an Orbax checkpoint, reading nothing else: the ``params`` item,
+    else the ``params`` subtree of a pytree item, else the only pytree item. The
+    options are ``fop.restore_params``'s."""
+    _onto_like.check_policy(cast)
+    _, items = open_orbax(path, step=step)
+    item, prefix = _params_source(items)
+    if prefix:
+        leaves = tuple(
+            dataclasses.replace(
+                leaf, keys=leaf.keys[1:], path=_tree.path_string(list(leaf.keys[1:]))
+            )
+            for leaf in item.leaves
+            if leaf.keys[0] == ("dict", prefix[0]) and len(leaf.keys) > 1
+        )
+        item = dataclasses.replace(item, leaves=leaves)
+    if like is None and dtype is None and sharding is None:
+        return restore_item(item, None, False, False)
+    if like is None:
+        reader = ItemReader(item)
+        like = _tree.rebuild((list(leaf.keys), _abstract(reader, leaf)) for leaf in item.leaves)
+    if dtype is not None or sharding is not None:
+        like = retarget(like, dtype, sharding)
+    return restore_item(item, like, partial, cast == "unsafe", rounds=dtype is not None)
+
+
+def _abstract(reader: ItemReader, leaf: OrbaxLeaf) -> Any:
+    if leaf.value_type in ("None", "Dict", "List", "string"):
+        return reader.read(leaf, None)
+    store = reader.open(leaf)
+    return jax.ShapeDtypeStruct(tuple(store.shape), store.dtype.numpy_dtype)
 
 
 def read_step(step_loc: Location) -> tuple[dict[str, Any], dict[str, str]]:
-    """``({item: tree or JSON value}, {item: kind})`` of one Orbax step, every leaf read
-    to host memory (one leaf at a time). The step's ``custom_metadata`` (from its
-    record), when there is any, comes as one more JSON item of that name."""
+    """``({item: tree or JSON value}, {item: kind})`` of one Orbax step read to host,
+    its ``custom_metadata`` as one more JSON item."""
     _, items = open_orbax(step_loc)
     trees = {name: restore_item(item, None, False, False) for name, item in items.items()}
     kinds = {name: "pytree" if item.kind == "pytree" else "json" for name, item in items.items()}

@@ -1,6 +1,5 @@
-"""Which entries of an Orbax manager directory are its steps, as Orbax itself decides.
-
-Reads names and at most a few small files per entry; safe from any thread.
+"""Which entries of an Orbax manager directory are its steps, as Orbax decides; safe
+from any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.orbax_steps``.
 """
@@ -30,8 +29,7 @@ class OrbaxSteps:
     skipped: tuple[tuple[str, str], ...] = ()  # (entry name, why it is no step)
 
     def skipped_above(self, step: int | None) -> list[str]:
-        """``"name (why)"`` of the skipped entries that name a step above ``step``
-        (every one when ``step`` is None): what a reader of the latest step passed over."""
+        """``"name (why)"`` of the skipped entries above ``step`` (None: all)."""
         out = []
         for name, why in self.skipped:
             number = _number(name)
@@ -40,10 +38,8 @@ class OrbaxSteps:
         return out
 
     def choose(self, step: int | None) -> int:
-        """``step`` (None: the latest finalized step); CheckpointNotFoundError naming
-        what was found when there is no such step, saying what an entry named like it
-        is. Logs a warning when the latest step is taken and entries named like newer
-        steps were passed over."""
+        """``step`` (None: the latest, warning of newer entries passed over), or a
+        CheckpointNotFoundError naming what was found."""
         if not self.steps:
             passed = self.skipped_above(None)
             raise CheckpointNotFoundError(
@@ -80,12 +76,9 @@ def _number(name: str) -> int | None:
 
 
 def list_steps(loc: Location) -> OrbaxSteps:
-    """Lists ``loc`` as Orbax would: one look per entry named like a step (two for a
-    non-finalized one). Raises CorruptCheckpointError when two finalized directories
-    name one step (``5`` and ``0005``), or finalized steps follow two naming schemes
-    (``30`` and ``backup_50``): which of them Orbax would read depends on options the
-    directory does not record, so nothing is guessed. ForeignEntryError for a symbolic
-    link or special file named like a step."""
+    """Lists ``loc`` as Orbax would. CorruptCheckpointError when two finalized
+    directories name one step (``5``, ``0005``) or two naming schemes are used: which
+    Orbax would read is not recorded, so nothing is guessed."""
     found: dict[int, tuple[str, Location]] = {}
     prefixes: dict[str, str] = {}
     skipped = []
@@ -121,11 +114,9 @@ def list_steps(loc: Location) -> OrbaxSteps:
 
 
 def agreed_latest(loc: Location, *, region: _distributed.Region | None) -> int | None:
-    """Collective (every process calls it, in the read's ``region``): the primary's
-    latest finalized step, on every process, so that processes listing the run while
-    Orbax finalizes a step never read two steps into one tree. None when the primary
-    found none or could not list the run: every process then lists it itself and
-    raises the same error."""
+    """Collective (every process, in the read's ``region``): the primary's latest
+    finalized step, so no two processes read different steps; None when the primary
+    found none (every process then lists the run and raises the same error)."""
     op = _distributed.next_operation_id("orbax-latest-step", region=region)
     latest = ""
     if _distributed.is_primary():

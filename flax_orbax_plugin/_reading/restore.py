@@ -41,8 +41,7 @@ from .._format.layout import STEP_VERSION
 from .._format.steps import StepItem, step_item
 from .._interop import hf_shards as _hf_shards
 from .._interop.orbax_layout import open_orbax
-from .._interop.orbax_params import restore_orbax_params
-from .._interop.orbax_reader import lone_item, restore_orbax
+from .._interop.orbax_reader import lone_item, restore_orbax, restore_orbax_params
 from .._interop.orbax_steps import agreed_latest
 from .._like import onto_like as _onto_like
 from .._like.onto_like import checked_dtype, concrete, retarget
@@ -494,7 +493,7 @@ def _agreed_latest(
 
 def _orbax_params(directory: Any, step: int | None, job: _Serving) -> Any:
     """The params of the Orbax checkpoint at ``directory`` (none of ours is there)."""
-    if job.item != "params":  # the params choice reads Orbax's own layouts (orbax_params)
+    if job.item != "params":  # the params choice reads Orbax's own layouts (orbax_reader)
         raise CheckpointError(
             f"{directory} is an Orbax checkpoint: item={job.item!r} chooses an item of this "
             f"library's steps; read that Orbax item with fop.restore('{directory}/<step>/"

@@ -1,10 +1,7 @@
-"""One function per ``flax-orbax`` command (``cmd_<name>(args) -> exit status``;
-``list`` is in ``list_command``, ``verify`` in ``verify_command``).
+"""``inspect``, ``export``, ``import`` and ``gc``: ``cmd_<name>(args) -> exit status``.
 
-PATH is a checkpoint directory (the latest step, or ``--step N``), one step
-(``DIR/<step>``), one checkpointable (``DIR/<step>/params``) or a core checkpoint, on
-local disk, ``s3://`` or ``gs://``: the CLI is a client of the library (the same
-layout, steps and verify modules), so it works wherever the library does.
+Called by ``dispatch`` after ``main`` checked the usage (``usage``). The CLI is a client
+of the library, so it works on every store the library does.
 """
 
 from __future__ import annotations
@@ -28,10 +25,10 @@ from .._format import foreign as _foreign
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
 from .._interop.importing import import_checkpoint
-from .._interop.safetensors import DTYPE_NAMES as _SAFETENSORS_DTYPES
 from .._interop.safetensors import plan as _safetensors_plan
-from .._interop.safetensors.headers import read_safetensors_index
-from .._interop.safetensors.packing import tensor_nbytes
+from .._interop.safetensors import remains as _remains
+from .._interop.safetensors.headers import DTYPE_NAMES as _SAFETENSORS_DTYPES
+from .._interop.safetensors.headers import read_safetensors_index, tensor_nbytes
 from .._like.onto_like import with_advice
 from .._manager.checkpointables import COPY_KINDS
 from .._manager.manager import CheckpointManager
@@ -41,7 +38,6 @@ from .._storage.lock import live_holder
 from . import json_output, plot
 from .display import byte_progress, make_table, status
 from .gc_plan import plan as gc_plan
-from .gc_plan import remove_exports
 from .output import CliError, human_bytes, one_line, shell_word
 from .paths import JSON_KINDS, names_one, read_json_item, resolve
 
@@ -95,8 +91,7 @@ def cmd_inspect(args) -> int:
 
 def _describe_item(item) -> dict[str, Any]:
     """One item of ``inspect --json``: a pytree's leaves (metadata only), a JSON item's
-    value, a Hugging Face shards item's tensors (their headers), or only the kind of an
-    item whose contents belong to its checkpointable (a custom one: never read as JSON)."""
+    value, a shards item's tensors (headers), else only its kind (never read as JSON)."""
     if item.kind in JSON_KINDS:
         return {"name": item.name, "kind": item.kind, "value": read_json_item(item)}
     if item.kind in COPY_KINDS:
@@ -116,9 +111,8 @@ _OPAQUE = "written by its own checkpointable: its contents are not described"
 
 
 def _describe_shards(item) -> dict[str, Any]:
-    """An item of safetensors shards (``fop.HFShards``): its tensors from the files'
-    headers (no tensor data read), as leaves named by tensor; on an object store only
-    its kind (the shards are read from local disk)."""
+    """An ``fop.HFShards`` item: its tensors as leaves, from the files' headers (local
+    disk only; elsewhere only its kind)."""
     if not item.loc.is_local:
         note = "Hugging Face shards on an object store: copy the folder down to list them"
         return {"name": item.name, "kind": item.kind, "note": note}
@@ -132,13 +126,11 @@ def _describe_shards(item) -> dict[str, Any]:
 
 
 def _leaf(path: str, shape, dtype: str | None, sharding, nbytes: int) -> dict[str, Any]:
-    """One leaf of ``inspect --json`` (``json_output``'s schema)."""
     shape = [int(n) for n in shape]
     return dict(path=path, shape=shape, dtype=dtype, sharding=sharding or None, bytes=int(nbytes))
 
 
 def _tree_item(item, leaves: list, total_bytes: int, values: int) -> dict[str, Any]:
-    """An item of leaves in ``inspect --json``."""
     return dict(
         name=item.name, kind=item.kind, leaves=leaves, total_bytes=total_bytes, values=values
     )
@@ -182,8 +174,6 @@ def _numel(shape) -> int:
 
 
 def cmd_export(args) -> int:
-    if args.format != "safetensors":
-        raise CliError(f"unknown export format {args.format!r} (supported: safetensors)")
     if args.dtype is not None and args.dtype not in _SAFETENSORS_DTYPES:
         raise CliError(f"--dtype {args.dtype}: not a safetensors dtype")
     try:  # checked here to be named as flags: the library names its keywords
@@ -191,10 +181,7 @@ def cmd_export(args) -> int:
         _safetensors_plan.parse_size(args.max_shard_size, "--max-shard-size")
     except OptionError as e:
         raise CliError(one_line(e)) from None
-    if args.dtype is None and args.cast != "safe":
-        raise CliError(f"--cast {args.cast} does nothing without --dtype (no leaf is cast)")
-    # PATH a core checkpoint or an item: that one (another --item is refused); a step
-    # or a run: --item, params by default.
+    # a step or a run: --item, params by default
     chosen = resolve(args.path, args.step, args.item, default="params")[1][0]
     if chosen.kind != "pytree":
         raise CliError(
@@ -231,7 +218,7 @@ def cmd_export(args) -> int:
 
 
 def _locked(e: DirectoryLockedError, refusal: str, instead: str) -> CliError:
-    """A live writer's lock, in the command line's words (not the library's keywords)."""
+    """A live writer's lock, in the command line's words."""
     return CliError(
         f"{one_line(e).split(';')[0]}; {refusal} while a training job writes there: "
         f"run it once the job has stopped{instead}"
@@ -262,12 +249,14 @@ def cmd_gc(args) -> int:
     loc = Location.from_path(args.directory)
     _check_run_directory(loc, args)
     found = gc_plan(loc, keep=args.keep, keep_every=args.keep_every)
-    # Not a run (nothing of ours to remove or keep): no writer opened, no lock left there.
+    # Not a run: no writer opened, no lock left there.
     idle = not (found.unfinished or found.steps or found.kept)
     if idle:
         _refuse_other_places(loc, found)
-    # what exports that died left here (their writers gone): removed as unfinished
-    exports = found.exports if args.dry_run else remove_exports(loc, found)
+    # what exports that died left here: removed as unfinished
+    exports = found.exports
+    if found.exports and not args.dry_run:  # checked again now: never a live writer's
+        exports = _remains.remove_dead(loc.path.rstrip("/"))
     if not (args.dry_run or idle):
         _report_gc(loc, args, *_gc_with_writer(loc, args, exports))
         return 0
@@ -282,10 +271,7 @@ def cmd_gc(args) -> int:
 
 
 def _check_run_directory(loc: Location, args) -> None:
-    """Refuses what ``gc`` must not run on: ``--keep-every`` alone, no directory, a
-    directory that is one checkpoint rather than a run (exit 0 there was wrong)."""
-    if args.keep_every is not None and args.keep is None:
-        raise CliError(f"--keep-every {args.keep_every} does nothing without --keep N")
+    """Refuses a ``gc`` of no directory, or of one checkpoint rather than a run."""
     if not loc.is_dir():
         is_file = loc.is_local and os.path.isfile(loc.path.rstrip("/"))
         raise CliError(
@@ -300,8 +286,7 @@ def _check_run_directory(loc: Location, args) -> None:
 
 def _refuse_other_places(loc: Location, found) -> None:
     """``loc`` holds nothing of a run: refused where it is one level too high or too low
-    (a cron job's gc would free nothing, every day, with exit 0) or another library's
-    run; a folder of other things is fine (nothing to do)."""
+    (a cron job's gc would free nothing, every day) or another library's run."""
     if found.left_alone and not any(loc.exists(n) for n in _steps.RECORD_NAMES):
         if (where := _describe.misplaced(loc)) is not None:
             raise CliError(f"{where}: gc removes nothing here")
@@ -314,8 +299,7 @@ def _refuse_other_places(loc: Location, found) -> None:
 
 
 def _gc_with_writer(loc: Location, args, exports: list[str]) -> tuple[list, list, list, list]:
-    """A real gc: a writer opened on ``loc`` takes the directory's lock (refused while a
-    training job writes to it) and removes unfinished steps, then retention. Returns
+    """A real gc under the directory's lock (refused while a training job writes):
     (unfinished removed, steps removed, steps kept, entries left alone)."""
     before = _steps.list_directory(loc)
     try:
@@ -362,6 +346,5 @@ def _report_gc(loc: Location, args, unfinished, removed, kept, left) -> None:
 
 
 def _writer_now(loc: Location) -> str | None:
-    """Who writes to ``loc`` now: the holder of a local directory's lock, or of an
-    object store's lease (a real gc is refused while there is one)."""
+    """Who writes to ``loc`` now: the holder of its lock (local) or lease (a store)."""
     return live_holder(loc.path) if loc.is_local else _lease.live_holder(loc)

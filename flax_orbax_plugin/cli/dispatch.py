@@ -1,9 +1,7 @@
 """What runs after the arguments parse: each path argument checked, then its command.
 
-Loaded by ``main`` only once the arguments parse; it imports the one command it runs
-(:func:`command`), so a command that reads a few JSON files (``list``) imports neither
-JAX nor tensorstore, and those that read arrays (seconds) load them. Errors propagate
-to ``main``, which prints them as one line.
+It imports the one command it runs (:func:`command`): ``list`` loads neither JAX nor
+tensorstore. Errors propagate to ``main``, which prints them as one line.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from .._storage.store_errors import store_error_line
 from .native_logs import aws_lines_filtered
 from .output import EXIT_STORE, CliError, one_line
 
-# Each command's module and function, imported when that command runs (command()).
 COMMANDS = {
     "list": ("list_command", "cmd_list"),
     "inspect": ("commands", "cmd_inspect"),
@@ -37,11 +34,8 @@ def command(name: str) -> Callable[[argparse.Namespace], int]:
     return getattr(importlib.import_module(f"{__package__}.{module}"), function)
 
 
-# Every path argument, by command: (attribute, its name in messages, where it may be).
-# "store": any location the library reads and writes (local, s3://, gs://, memory://:
-# one process's own, so a command started from a shell is warned);
-# "local": a file only the local filesystem can serve. Checked before a command runs,
-# by the library's one checker of what a path names: a URL is never made a local name.
+# Every path argument, by command: (attribute, its name in messages, where it may be:
+# "store" any location the library takes, "local" a local file only).
 _NOTE = {"out": "safetensors files are written to local disk; export there, then copy them"}
 PATH_ARGUMENTS = {
     "list": (("directory", "DIRECTORY", "store"), ("plot", "--plot", "local")),
@@ -64,10 +58,9 @@ class StoreAccessError(CliError):
 
 
 def check_paths(args: argparse.Namespace, *, in_process: bool = False) -> list[dict]:
-    """CliError naming the first path argument that names no place it may be; a
-    warning on stderr for each memory:// one, and from a shell (not ``in_process``) a
-    CliError for a memory:// OUT: what it writes would be lost when the command exits.
-    Returns the specs of the store paths."""
+    """The specs of the store paths; CliError naming the first path argument that names
+    no place it may be, or a memory:// OUT from a shell (not ``in_process``); a warning
+    for each other memory:// one."""
     specs = []
     for attr, name, where in PATH_ARGUMENTS[args.command]:
         value = getattr(args, attr)
@@ -102,11 +95,9 @@ def run(
     *,
     in_process: bool = False,
 ) -> int:
-    """The exit status of ``command`` (that of ``args.command``: :func:`command`, loaded
-    first, while ``main`` holds signals back), its paths checked first; on an
-    object store, the AWS libraries' log lines are kept off stderr and a refusal (no
-    bucket, no credentials, access denied) is one :class:`StoreAccessError` line.
-    ``in_process``: ``main(argv)`` called from Python (it shares memory:// stores)."""
+    """The exit status of ``command`` (loaded by :func:`command`), its paths checked
+    first; on an object store AWS log lines are kept off stderr and a refusal is one
+    :class:`StoreAccessError` line. ``in_process``: ``main(argv)`` called from Python."""
     specs = check_paths(args, in_process=in_process)
     remote = [s for s in specs if s["driver"] in ("s3", "gcs")]
     with aws_lines_filtered(enabled=any(s["driver"] == "s3" for s in remote)):
@@ -114,7 +105,7 @@ def run(
             return command(args)
         except CliError:
             raise
-        except _errors.StoreAccessError as e:  # the library's own, said once: exit 3 too
+        except _errors.StoreAccessError as e:  # exit 3 too
             raise StoreAccessError(one_line(e)) from None
         except Exception as e:
             line = next((x for s in remote if (x := store_error_line(e, s))), None)

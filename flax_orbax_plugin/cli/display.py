@@ -1,12 +1,8 @@
-"""What the commands show: progress bars and tables, drawn by ``rich``.
+"""Progress bars and tables, drawn by ``rich`` (a dependency of Flax).
 
-``rich`` (a dependency of Flax, so nothing new to install) draws the bars (bytes done,
-transfer rate, time taken and time left) on stderr only when stderr is a terminal; on a pipe or a
-file nothing is drawn, so scripts get plain lines. Tables are Markdown-style
-(``| a | b |``), one row per line, as wide as their cells on a pipe.
-
-Loaded by the commands only (``cli.main`` does not import it): ``--help`` and
-``--version`` import no progress library. Not thread-safe: one command draws at a time.
+Bars go to stderr only when it is a terminal (scripts get plain lines); tables are
+Markdown-style, never wrapped on a pipe. Loaded by the commands only (not by ``main``).
+Not thread-safe: one command draws at a time.
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ def _console(stream: Any) -> Console:
 
 
 class ByteProgress:
-    """A bar of ``total`` bytes labelled ``label`` on ``stream`` (stderr by default) when
-    it is a terminal; silent otherwise. A context manager; ``advance(nbytes, note)``
-    moves it (the protocol of the library's ``progress=`` arguments)."""
+    """A bar of ``total`` bytes on ``stream`` (stderr) when it is a terminal, else
+    silent: a context manager with ``advance(nbytes, note)`` (the ``progress=`` protocol)."""
 
     def __init__(self, total: int, label: str, *, stream: Any = None):
         console = _console(stream if stream is not None else sys.stderr)
@@ -75,8 +70,7 @@ class ByteProgress:
 
 
 def byte_progress(label: str, *, stream: Any = None):
-    """The ``progress=`` factory for the library's readers and writers: called with the
-    total bytes, it returns a :class:`ByteProgress` labelled ``label``."""
+    """The ``progress=`` factory: total bytes -> a :class:`ByteProgress` of ``label``."""
 
     def factory(total: int, note: str = "") -> ByteProgress:
         return ByteProgress(total, f"{label} {note}".strip(), stream=stream)
@@ -85,15 +79,13 @@ def byte_progress(label: str, *, stream: Any = None):
 
 
 def status(text: str, *, stream: Any = None):
-    """A spinner with ``text`` while a step without byte counts runs (a terminal only):
-    a context manager."""
+    """A context manager: a spinner with ``text`` (a terminal only)."""
     console = _console(stream if stream is not None else sys.stderr)
     return console.status(text) if console.is_terminal else contextlib.nullcontext()
 
 
 def make_table(rows: list[Any]) -> str:
-    """Dataclass rows as a Markdown-style table: a header of the field names, then one
-    line per row (``| 10 | 1.2 MiB | ... |``)."""
+    """Dataclass rows as a Markdown-style table, a header of the field names."""
     fields = [f.name for f in dataclasses.fields(rows[0])] if rows else []
     table = Table(box=box.MARKDOWN, show_edge=True, pad_edge=True)
     for name in fields:

@@ -1,9 +1,7 @@
 """``flax-orbax gc --dry-run``: what ``gc`` would remove, found by reading only.
 
-The same rules as the writer's housekeeping (``_manager.housekeeping.remove_unfinished``)
-and retention (``_manager.retention.sound_steps_to_delete``, the newest step always
-kept, a damaged step neither counted nor removed),
-asked without a writer: no lock is taken and nothing is written, renamed or removed.
+The rules of the writer's housekeeping and retention (``_manager.housekeeping``,
+``_manager.retention``), asked without a writer: no lock, nothing written or removed.
 A test runs both on one directory and compares their answers.
 """
 
@@ -23,10 +21,8 @@ from .._storage.location import Location
 
 @dataclasses.dataclass(frozen=True)
 class GcPlan:
-    """Names ``gc`` would remove (``unfinished``: entries; ``steps``: committed steps;
-    ``exports``: what safetensors exports that died left, see
-    ``_interop.safetensors.remains``), the steps it would keep, and the entries it would
-    leave alone."""
+    """Names ``gc`` would remove (``unfinished`` entries, committed ``steps``, the
+    ``exports`` that died left), the steps it would keep, the entries it leaves alone."""
 
     unfinished: list[str]
     steps: list[int]
@@ -72,15 +68,8 @@ def plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
     )
 
 
-def remove_exports(loc: Location, found: GcPlan) -> list[str]:
-    """Removes what the exports that died left in ``loc`` (``found.exports``, checked
-    again now: a writer is never live); returns the names removed."""
-    return _remains.remove_dead(loc.path.rstrip("/")) if found.exports else []
-
-
 def _proven(loc: Location) -> bool:
-    """True when housekeeping would remove ``loc``: it is proven ours (or, on local
-    disk, an empty directory)."""
+    """Whether housekeeping would remove ``loc``: proven ours, or an empty local folder."""
     try:
         if _ownership.proof(loc) is not None:
             return True

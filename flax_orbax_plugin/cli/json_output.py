@@ -1,9 +1,7 @@
 """``--json``: one JSON document on stdout per command, each described by a JSON Schema.
 
-The schemas below are the contract (``docs/cli.md`` shows them; a test checks that the
-document there equals these and that every command's output validates). Sizes are
-bytes (ints, or null where the store reports none); times are ISO 8601 strings with
-their zone offset. Fields may be added; none is removed or changes meaning.
+The schemas are the contract (``docs/cli.md`` shows them, a test compares): fields may
+be added, none removed or changed in meaning. Sizes are bytes, times ISO 8601.
 """
 
 from __future__ import annotations
@@ -121,8 +119,7 @@ def emit(document: dict[str, Any]) -> None:
 
 
 def finite_metrics(values: dict[str, Any]) -> dict[str, float | int]:
-    """The numeric extras a JSON document can hold (NaN and infinities left out: they
-    are no JSON numbers)."""
+    """The numeric extras a JSON document can hold (no NaN or infinities)."""
     return {
         key: value
         for key, value in values.items()

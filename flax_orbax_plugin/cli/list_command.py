@@ -50,9 +50,7 @@ def cmd_list(args) -> int:
 
 
 def _list_one_checkpoint(loc: Location) -> bool:
-    """``list`` of a step, of a step's item or of a core checkpoint: what it is (and a
-    step's row and items), instead of calling its contents "not steps"; False for
-    anything else (a directory of steps, or nothing of ours)."""
+    """``list`` of a step, an item or a core checkpoint: what it is; False otherwise."""
     if loc.exists(MANIFEST_FILE):
         manifest = _layout.read_manifest(loc)
         print(f"{loc}: step {manifest.step} of the run directory {loc.parent}")
@@ -74,8 +72,7 @@ def _list_one_checkpoint(loc: Location) -> bool:
 
 
 def _list_data(loc: Location, args) -> int:
-    """``list --json`` / ``--plot``: a directory of steps, or one step (as a directory
-    of one); anything else is an error saying what PATH is."""
+    """``list --json`` / ``--plot`` of a run, or of one step (as a run of one)."""
     if loc.exists(MANIFEST_FILE):
         directory, steps = loc.parent, [_layout.read_manifest(loc).step]
         listing = _steps.Listing(committed=tuple(steps), unfinished=(), corrupt=(), foreign=())
@@ -121,8 +118,8 @@ def _list_data(loc: Location, args) -> int:
 def _step_record(
     loc: Location, step: int, *, step_loc: Location | None = None, shut: str | None = None
 ) -> dict:
-    """One step of ``list --json`` (``_time``: the POSIX save time, for a plot); ``shut``:
-    why the listing could not read the step's folder (nothing more is read)."""
+    """One step of ``list --json`` (``_time``: for a plot); ``shut``: why the listing
+    could not read the step's folder."""
     step_loc = step_loc or _steps.step_location(loc, step)
     out: dict[str, Any] = {"step": step, "_time": None, "size_bytes": None}
     try:
@@ -146,7 +143,6 @@ def _step_record(
 
 
 def _why(e: BaseException) -> str:
-    """A step that cannot be listed: damage, or a file this process cannot read."""
     text = one_line(e)
     if isinstance(e, CheckpointError) or text.startswith("cannot be read"):
         return text
@@ -180,7 +176,7 @@ def _list_row(
 
 
 def _metric(value: int | float) -> str:
-    """A metric in 4 significant digits; an int past a float's range too (no OverflowError)."""
+    """A metric in 4 significant digits (an int past a float's range too)."""
     try:
         return f"{value:.4g}"
     except OverflowError:
@@ -190,8 +186,7 @@ def _metric(value: int | float) -> str:
 
 @dataclasses.dataclass
 class _ListRow:
-    """One step: its size on a local disk; the array bytes its save wrote and those it
-    took unchanged from the previous step (incremental), from the manifest."""
+    """One step: its size; the array bytes its save wrote and reused (incremental)."""
 
     step: str
     size: str

@@ -1,10 +1,8 @@
-"""The ``flax-orbax`` parser and entry point: one command per subcommand, errors as
-one line on stderr and an exit status (1: damage found by ``verify``, 3: an object store
-refused (no such bucket, no credentials, access denied), 2: anything else).
+"""The ``flax-orbax`` parser and entry point: errors as one line on stderr and an exit
+status (1: damage found by ``verify``, 3: an object store refused, 2: anything else).
 
-This module imports only the standard library, the version and the error classes, so
-``--help``, ``<command> --help`` and ``--version`` answer at once; ``main`` loads the
-commands (and with them JAX and tensorstore, seconds) only after the arguments parse.
+The standard library only, so ``--help`` and ``--version`` answer at once; ``main``
+loads the commands (JAX and tensorstore: seconds) only after the arguments parse.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ _PLOT_SAVES = "also draw the steps' saves over time to FILE (.png or .svg; needs
 
 
 def _positive(text: str) -> int:
-    """``--keep N``/``--keep-every K``: said in the command line's words (argparse names
-    the flag), not the library's keyword."""
+    """``--keep N``/``--keep-every K`` (argparse names the flag in its error)."""
     try:
         value = int(text)
     except ValueError:
@@ -165,9 +162,7 @@ _COMMANDS = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """The top-level parser: an argument a command does not take is that command's
-    error, with its usage (argparse's own named only ``flax-orbax [-h] [--version]
-    COMMAND ...``, which hides what the command takes)."""
+    """An argument a command does not take is that command's error, with its usage."""
 
     commands: dict[str, argparse.ArgumentParser] = {}
 
@@ -213,8 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # A shell's command (see shell): Ctrl-C and SIGTERM taken before anything else (held
-    # while the commands load), a closed pipe or stream, the library's warnings as lines.
+    # A shell's command (see shell): signals taken before anything else.
     interrupts = shell.install_signals() if argv is None else None
     if argv is None:
         shell.open_standard_streams()
@@ -223,15 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         shell.install(interrupts, args.command)
     try:
         status = _run(args, interrupts)
-    except KeyboardInterrupt as e:  # what it had done already (an import's steps) said
+    except KeyboardInterrupt as e:
         if interrupts is not None:
             interrupts.stopped()  # a second signal now changes nothing
         terminated = isinstance(e, shell.Terminated)
         how = "terminated" if terminated else "interrupted"
         print(f"flax-orbax {args.command}: {how}{_done(e)}", file=sys.stderr)
         return shell.EXIT_TERMINATED if terminated else shell.EXIT_INTERRUPTED
-    # a signal the command could not act on (swallowed where it arrived, or after its
-    # work): 130 or 143, said so
+    # a signal the command could not act on: 130 or 143, said so
     return status if interrupts is None else interrupts.finish(status)
 
 
@@ -239,11 +232,10 @@ def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
     """The command's exit status; errors as one line (a KeyboardInterrupt propagates)."""
     try:
         usage.check(args)  # said before the command loads (JAX, seconds)
-        # Inside the function on purpose: the commands import JAX and tensorstore
-        # (seconds), which --help, <command> --help and --version must not pay.
+        # Inside the function on purpose: --help and --version must not load JAX.
         from . import dispatch
 
-        command = dispatch.command(args.command)  # its modules (JAX for most), signals held
+        command = dispatch.command(args.command)  # signals held while it loads
         if interrupts is not None:
             interrupts.loaded()
         return dispatch.run(args, command, in_process=interrupts is None)
@@ -252,7 +244,6 @@ def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
         return getattr(e, "exit_code", EXIT_ERROR)
     except Exception as e:
         kind = "" if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: "
-        # the library's keywords that are flags here, in the flags' words
         line = f"{kind}{in_flag_words(one_line(e))}{_done(e, flat=True)}"
         print(f"flax-orbax {args.command}: error: {line}", file=sys.stderr)
         if os.environ.get("FLAX_ORBAX_DEBUG"):
@@ -261,7 +252,6 @@ def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
 
 
 def _done(e: BaseException, *, flat: bool = False) -> str:
-    """What the command had done before ``e`` (its notes: an import's steps), as
-    `` (...)``, on one line if ``flat``; "" when it had noted nothing."""
+    """`` (...)``: what the command had done before ``e`` (its notes), "" if nothing."""
     done = "; ".join(getattr(e, "__notes__", ()))
     return f" ({' '.join(done.split()) if flat else done})" if done else ""

@@ -15,9 +15,8 @@ import threading
 
 # absl's prefix: severity, MMDD hh:mm:ss.micros, thread id, file:line]
 _ABSL = re.compile(rb"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ ([^:\]\s]+):\d+\] ")
-# Source files of tensorstore's own logging end in a C/C++ suffix; the AWS logger puts
-# its subject's name there ("common-io", "AuthCredentialsProvider", "http-stream"...),
-# or "aws_api.cc" for a subject without a name.
+# tensorstore's own lines name a C/C++ file; the AWS logger names its subject there
+# ("common-io", ...), or "aws_api.cc" for a subject without a name.
 _SOURCE = re.compile(rb"\.(cc|c|h|cpp|hpp)$")
 
 
@@ -34,8 +33,8 @@ def is_aws_line(line: bytes) -> bool | None:
 
 @contextlib.contextmanager
 def aws_lines_filtered(*, enabled: bool = True):
-    """While the block runs, descriptor 2 goes through the filter (see the module
-    docstring); restored, and every line copied, before it returns."""
+    """While the block runs, descriptor 2 goes through the filter; restored, every
+    line copied, before it returns."""
     if not enabled or os.environ.get("FLAX_ORBAX_DEBUG"):
         yield
         return

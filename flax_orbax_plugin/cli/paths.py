@@ -1,6 +1,4 @@
-"""Path resolution: what a PATH argument names (a directory of steps, one step, one
-checkpointable, a core checkpoint) on any store, and the items found there.
-"""
+"""What a PATH argument names (a run, a step, an item, a core checkpoint), its items."""
 
 from __future__ import annotations
 
@@ -30,11 +28,8 @@ def resolve(
 ) -> tuple[str, list[Item]]:
     """(label, items) for PATH: a core checkpoint, a step, an item, or a directory.
 
-    ``--step`` chooses among a run directory's steps and ``--item`` among a step's
-    items: where PATH already names one (a core checkpoint, a step, an item) another
-    value is a usage error naming both, never ignored. ``item`` (``default`` when None,
-    for a step or a run): the items are that one (a CliError listing the items where
-    there is none)."""
+    ``step`` and ``item`` (``default`` when None, for a step or a run) choose; where
+    PATH already names one, another value is a CliError naming both, never ignored."""
     loc = Location.from_path(path)
     if loc.exists(COMMIT_FILE):
         _only(loc, "a core checkpoint (one pytree, no steps or items)", step, None, item, None)
@@ -69,8 +64,7 @@ def resolve(
 
 
 def names_one(loc: Location) -> str | None:
-    """What ``loc`` is when it names one checkpoint rather than a run directory (a core
-    checkpoint, one step, an item of one), in words; None otherwise."""
+    """In words, the one checkpoint ``loc`` names rather than a run; None otherwise."""
     if loc.exists(COMMIT_FILE):
         return "a core checkpoint"
     if loc.exists(MANIFEST_FILE):
@@ -114,9 +108,8 @@ def step_items(step_loc: Location) -> list[Item]:
 
 
 def dir_bytes(loc: Location) -> int | None:
-    """Bytes stored under ``loc``: a local walk, or the sizes an object store's listing
-    reports (S3 through botocore, GCS through its JSON API); None where neither can be
-    had (no client installed, a listing refused)."""
+    """Bytes stored under ``loc``: a local walk or a store's listing; None where
+    neither can be had (no client installed, a listing refused)."""
     if loc.is_local:
         return loc.size_bytes()
     copier, _ = _server_copy.copier_for(loc)
@@ -128,8 +121,7 @@ def dir_bytes(loc: Location) -> int | None:
         return None
 
 
-# The kinds of item whose value is one JSON file of the step (the built-in JSON items).
-JSON_KINDS = ("json", "step", "data_iterator")
+JSON_KINDS = ("json", "step", "data_iterator")  # items whose value is one JSON file
 
 
 def read_json_item(item: Item) -> Any:

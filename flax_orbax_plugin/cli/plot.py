@@ -1,11 +1,9 @@
-"""``inspect --plot FILE`` and ``list --plot FILE``: a picture of one step's leaves by
-size, or of a run's saves over time, as PNG or SVG (by FILE's suffix).
+"""``inspect --plot FILE`` and ``list --plot FILE``: one step's leaves by size, or a
+run's saves over time, as PNG or SVG (by FILE's suffix).
 
-matplotlib is an optional dependency (``pip install flax_orbax_plugin[plot]``); without
-it the command fails with one line saying so, before anything is read. Figures are
-drawn on matplotlib's object API (no pyplot: no global figure, no GUI backend), then
-written under a temporary name beside FILE and renamed onto it, so a failed draw leaves
-no half file. FILE is a local path outside every checkpoint.
+matplotlib is optional: without it the command fails with one line before anything is
+read. Drawn on its object API (no pyplot: no global figure, no GUI backend), written
+under a temporary name beside FILE and renamed onto it (no half file).
 """
 
 from __future__ import annotations
@@ -43,12 +41,9 @@ class Save:
     reused: int | None
 
 
-def check_output(path: str) -> str:
-    """The format of ``path`` (``png``/``svg``), once matplotlib is found and the place
-    is allowed; a CliError naming ``--plot`` otherwise."""
-    fmt = PLOT_FORMATS.get(os.path.splitext(path)[1].lower())
-    if fmt is None:
-        raise CliError(f"--plot {path!r}: expected a file name ending in .png or .svg")
+def check_output(path: str) -> None:
+    """A CliError naming ``--plot`` unless matplotlib is found and the place is allowed
+    (the suffix: ``usage``)."""
     _figure_class()
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
@@ -56,13 +51,11 @@ def check_output(path: str) -> str:
     held = holding_checkpoint(Location.from_path(os.path.realpath(directory)), runs=2)
     if held is not None:
         raise CliError(f"--plot {path!r}: lies inside {held}; write the picture elsewhere")
-    return fmt
 
 
 def _figure_class() -> Any:
     try:
-        # Here, not at the top: matplotlib is optional and slow to import; only a
-        # command given --plot pays for it.
+        # here: matplotlib is optional and slow to import
         from matplotlib.figure import Figure
     except ImportError:
         raise CliError(
@@ -73,8 +66,7 @@ def _figure_class() -> Any:
 
 
 def leaves_figure(title: str, bars: list[Bar], path: str) -> None:
-    """Horizontal bars of the ``TOP_LEAVES`` largest leaves (one colour per item), the
-    rest summed per item; written to ``path``."""
+    """Bars of the ``TOP_LEAVES`` largest leaves (a colour per item), the rest summed."""
     bars = sorted(bars, key=lambda b: -b.nbytes)
     shown, rest = bars[:TOP_LEAVES], bars[TOP_LEAVES:]
     for item in sorted({b.item for b in rest}):

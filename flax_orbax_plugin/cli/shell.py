@@ -1,7 +1,5 @@
-"""What a command run from a shell needs: a stdout whose reader may go away, and SIGTERM
-taken as an interruption.
-
-Installed by ``main`` for a shell's command (``main()`` without ``argv``) alone.
+"""A shell's command (``main()`` without ``argv``): a stdout whose reader may go away,
+SIGTERM taken as an interruption.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin.cli.shell``.
 """
@@ -55,20 +53,15 @@ class _PipeSafe:
 
 
 class Interrupts:
-    """Ctrl-C and SIGTERM for a shell's command: one line, and 130 (SIGINT) or 143
-    (SIGTERM), whenever they come and however many.
+    """Ctrl-C and SIGTERM for a shell's command: one line, and 130 or 143, whenever they
+    come and however many.
 
-    Held back while the commands load (JAX's import, interrupted, fails as a raw
-    ImportError or aborts the process), then raised where the command is (SIGTERM as
-    :class:`Terminated`). One that arrives while an interruption is already being
-    handled (the command cleaning up what it was writing, ``main`` saying so) is noted,
-    not raised: it would cut the clean-up short or escape as a traceback. One that Python
-    swallowed (it arrived inside a garbage-collection callback, whose exceptions are
-    ignored, and the command ran on) is still known: ``signum``. Once the command has its
-    status (:meth:`finish`), a signal says it came too late and exits at once.
+    Held back while the commands load (an interrupted JAX import aborts), then raised
+    where the command is; one arriving while an interruption is handled is noted, not
+    raised (it would cut the clean-up short); one Python swallowed is still known
+    (``signum``); after :meth:`finish`, one says it came too late and exits at once.
 
-    Main thread (signal handlers run there); call order: :meth:`loaded`, then
-    :meth:`stopped` (main reported an interruption) or :meth:`finish`.
+    Main thread; call order: :meth:`loaded`, then :meth:`stopped` or :meth:`finish`.
     """
 
     def __init__(self, command: str = "") -> None:
@@ -95,16 +88,15 @@ class Interrupts:
             _raise(self.signum)
 
     def stopped(self) -> None:
-        """``main`` has said how the command ended: later signals change nothing, until
-        the process has exited (ignored, not handled: once Python's finalization has
-        put the default handlers back, one would kill the process)."""
+        """``main`` has said how the command ended: later signals are ignored (not
+        handled: after finalization a default handler would kill the process)."""
         self._state = "stopped"
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def finish(self, status: int) -> int:
-        """The command ended with ``status``: the exit status, 130 or 143 where a signal
-        came that could not stop it (said so on stderr); a later one exits at once."""
+        """The exit status: ``status``, or 130 / 143 where a signal came that could not
+        stop the command (said so on stderr)."""
         if self._state == "stopped":
             return status
         self._state = "finished"
@@ -140,8 +132,7 @@ def _raise(signum: int) -> None:
 
 
 def _handling_interruption() -> bool:
-    """True while the main thread handles a KeyboardInterrupt (an ``except`` or
-    ``finally`` block, a context manager's exit, on its way out): a clean-up under way."""
+    """True while the main thread handles a KeyboardInterrupt: a clean-up under way."""
     exc = sys.exc_info()[1]
     for _ in range(64):  # an exception raised during the clean-up: its context
         if exc is None:
@@ -153,12 +144,9 @@ def _handling_interruption() -> bool:
 
 
 def open_standard_streams() -> None:
-    """A descriptor 0, 1 or 2 the shell left closed (``>&-``, ``2>&-``, a daemon's) is
-    opened on ``/dev/null``, and Python's stream for it (None then) is made on it: the
-    command's lines go nowhere, as to a reader that closed the pipe. Else stdout was
-    None (an AttributeError, a traceback and exit status 120), stderr's lines went to
-    stdout (into a ``--json`` document), and the first file the command opened took the
-    free number, where a library's log line to descriptor 2 would have landed."""
+    """A descriptor 0, 1 or 2 the shell left closed (``>&-``) is opened on
+    ``/dev/null``, and a Python stream that is None is made: else stderr's lines went
+    into stdout, or a log line into the first file the command opened."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
@@ -167,8 +155,7 @@ def open_standard_streams() -> None:
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
-    # For the process's life; on a /dev/null of their own, not on descriptors 1 and 2,
-    # which a file opened before this (whose stream this is not) may hold.
+    # on a /dev/null of their own: descriptors 1 and 2 may hold another file
     if sys.stdout is None:
         sys.stdout = open(os.devnull, "w")
     if sys.stderr is None:
@@ -176,11 +163,8 @@ def open_standard_streams() -> None:
 
 
 def install_signals() -> Interrupts:
-    """Ctrl-C and SIGTERM as :class:`Interrupts` says: the first thing a shell's command
-    does (before its arguments are parsed), so that none is raw at any moment. A signal
-    the command was started ignoring stays ignored, as Python and other tools leave it
-    (a script's background job, ``cmd &``, ignores SIGINT: the Ctrl-C that stops the
-    script is not for it)."""
+    """Ctrl-C and SIGTERM as :class:`Interrupts` says, before the arguments parse. A
+    signal the command was started ignoring (``cmd &``: SIGINT) stays ignored."""
     interrupts = Interrupts()
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) is not signal.SIG_IGN:
@@ -189,9 +173,8 @@ def install_signals() -> Interrupts:
 
 
 def install(interrupts: Interrupts, command: str) -> None:
-    """A shell's command, once parsed: stdout kept safe from a closed pipe, the
-    library's warnings as the command's lines (``flax-orbax list: warning: ...``, not
-    Python's ``<file>:<line>: UserWarning``), ``command`` named by :class:`Interrupts`."""
+    """Once parsed: stdout safe from a closed pipe, warnings as the command's lines
+    (``flax-orbax list: warning: ...``), ``command`` named by :class:`Interrupts`."""
     interrupts.command = command
     sys.stdout = _PipeSafe(sys.stdout)  # type: ignore[assignment]
 

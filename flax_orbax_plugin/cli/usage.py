@@ -1,8 +1,6 @@
 """A command's usage errors that its arguments alone show, said before the command
-loads (its modules import JAX and tensorstore: seconds): ``verify --step N --all``,
-a ``--plot`` file that is no picture, ``export --cast unsafe`` without ``--dtype``,
-``gc --keep-every K`` without ``--keep``. The standard library only; the command
-checks them again where it runs (called from Python, ``main`` is not the only door).
+loads (JAX: seconds). The standard library only; ``main`` checks every command here
+before ``dispatch`` runs it, so the commands do not check these again.
 """
 
 from __future__ import annotations

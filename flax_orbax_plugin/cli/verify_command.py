@@ -1,6 +1,4 @@
-"""``flax-orbax verify``: every checksum of a step, a run's latest or all its steps, an
-item or a core checkpoint; ``--all`` of a run directory checks one step at a time.
-"""
+"""``flax-orbax verify``: every checksum; ``--all`` of a run checks a step at a time."""
 
 from __future__ import annotations
 
@@ -73,16 +71,14 @@ def cmd_verify(args) -> int:
 
 
 def _name(r: Any, step: str = "") -> str:
-    """A result's path, or its step (after ``step``) and item (a step whose manifest
-    fails has no item: not "1/None")."""
+    """A result's path, or its step (after ``step``) and item (when it has one)."""
     return r.path if r.step is None else f"{step}{r.step}" + (f"/{r.item}" if r.item else "")
 
 
 def _run_steps(loc: Location, args) -> tuple[list[int], dict[int, str]]:
-    """The steps of run directory ``loc`` to verify one at a time: every step with
-    ``--all``, the newest without ``--step`` (a step folder the listing could not read
-    counts: it is reported, not passed over for an older one); none for anything else
-    (``fop.verify`` of PATH). And why each step folder that could not be read was shut."""
+    """The steps of run ``loc`` to verify one at a time (all, or the newest, an
+    unreadable one included), and why each unreadable one was shut; none for anything
+    else (``fop.verify`` of PATH)."""
     if args.step is not None:
         return [], {}
     try:
@@ -99,11 +95,9 @@ def _run_steps(loc: Location, args) -> tuple[list[int], dict[int, str]]:
 def _verify_each_step(
     loc: Location, steps: list[int], shut: dict[int, str], limit: int | None
 ) -> tuple[list, list[dict[str, Any]]]:
-    """``verify`` of steps of the run directory ``loc``, a step at a time (each by its
-    own path: the directory is listed once): a step that cannot be read (a permission,
-    an I/O error: not damage, so ``fop.verify`` raises; ``shut``: those the listing
-    could not read) is reported and the other steps are still checked. ``limit``:
-    ``--memory-limit``."""
+    """``verify`` of ``steps`` of run ``loc``, each by its own path: a step that cannot
+    be read (not damage; ``shut``: those the listing could not read) is reported and
+    the others still checked. ``limit``: ``--memory-limit``."""
     results, unreadable = [], []
     for step in steps:
         where = str(_steps.step_location(loc, step))

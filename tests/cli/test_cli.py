@@ -269,7 +269,7 @@ def test_export_and_verify_read_a_group_of_leaves_at_a_time(
     directory, params = ckpt_dir
     whole = tmp_path / "whole.safetensors"
     assert run_cli(capsys, "export", directory, whole)[0] == 0
-    from flax_orbax_plugin._interop.safetensors import staged as _safetensors
+    from flax_orbax_plugin._interop.safetensors import outputs as _safetensors
 
     monkeypatch.setattr(_safetensors, "_GROUP_BYTES", 1)
     one_by_one = tmp_path / "one.safetensors"

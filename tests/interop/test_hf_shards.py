@@ -317,7 +317,7 @@ def test_readme_recipe(tmp_path):
 def test_runs_place_a_region_where_row_major_order_puts_it():
     """The byte ranges a process writes of a region it holds (what several processes
     write when their regions are not whole rows), against numpy's own indexing."""
-    from flax_orbax_plugin._interop.hf_shards.layout import runs
+    from flax_orbax_plugin._interop.safetensors.headers import runs
 
     shape = (4, 6, 5)
     for box in [

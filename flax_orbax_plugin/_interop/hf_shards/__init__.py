@@ -1,10 +1,5 @@
-"""Hugging Face safetensors shards written as an item of a manager's step.
-
-:mod:`.key_maps` names the tensors (the built-in GPT-2 map, regex maps, transposes);
-:mod:`.layout` computes the files, headers and offsets from the global shapes alone;
-:mod:`.writing` writes one process's regions at their offsets; :mod:`.item` is
-:class:`HFShards`, the option and checkpointable. Layout and rules:
-``docs/safetensors.md`` ("Shards written while training").
+"""Hugging Face safetensors shards written as an item of a manager's step
+(:class:`HFShards`). Layout and rules: ``docs/safetensors.md``.
 """
 
 from .item import KIND, HFShards

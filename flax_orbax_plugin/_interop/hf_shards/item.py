@@ -41,19 +41,15 @@ _EVERY_STEPS = Option("HFShards(every_steps=)", "int", low=1)
 @dataclasses.dataclass(frozen=True)
 class HFShards:
     """Hugging Face shards of item ``item`` as item ``name`` of every saved step that is
-    a multiple of ``every_steps`` (see the module docstring).
-
-    The options are keyword-only, checked here.
+    a multiple of ``every_steps``. The options are checked here.
 
     Args:
       every_steps: a positive int; steps ``0, K, 2K ...`` (among those saved) get them.
       item: the item written (default ``"params"``).
       name: the item's name in the step (default ``"hf"``: ``<step>/hf/``).
-      key_map: ``"gpt2"`` (a GPT-2-shaped Flax model: ``key_maps.GPT2``), a dict or
-        pairs ``{regex over the leaf path: tensor name (re's \\1) or None}`` (first
-        full match wins; a leaf no rule matches is an error), a KeyMap, or None
-        (names as ``fop.to_safetensors`` gives them: the path with '/' replaced by
-        '.', or every full path when two leaves would get one name that way).
+      key_map: ``"gpt2"`` (a GPT-2-shaped Flax model), a dict or pairs ``{regex over the
+        leaf path: tensor name (re's \\1) or None}`` (first full match wins; a leaf no
+        rule matches is an error), a KeyMap, or None (``fop.to_safetensors``'s names).
       transposes: regexes of the leaves written as ``(out, in, ...)`` from
         ``(..., in, out)`` (added to the built-in map's own).
       max_shard_bytes: bytes or a size (``"5GB"``, ``"2GiB"``) per file.
@@ -94,7 +90,7 @@ class HFShards:
                 raise OptionTypeError(
                     f"HFShards(config=): expected a dict, found {found(self.config)}"
                 )
-            try:  # the save's own rule (config.json), now rather than at the first save
+            try:  # the save's own rule, now rather than at the first save
                 encode_json(dict(self.config), "HFShards(config=)")
             except StructureError as e:
                 raise OptionError(str(e)) from None
@@ -115,9 +111,8 @@ class HFShards:
             where = "each host's own directory" if request.own_copy else str(directory)
             raise UnsupportedLocationError(
                 f"hf_shards: {count} processes would each write their own byte ranges into "
-                f"the shard files, which {where} cannot take (no ranged writes into one "
-                f"shared file); save the shards to a directory every host shares on local "
-                f"or network disk, or from a single process"
+                f"the shard files, which {where} cannot take; save the shards to a "
+                f"directory every host shares, or from a single process"
             )
         flat, _ = _tree.flatten(value)
         leaves, values = [], {}
@@ -138,8 +133,7 @@ class HFShards:
         return _writing.Pending(directory, layout, regions, self.config, request.cancelled)
 
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ):
-        """``{tensor name: numpy array}`` of the set (local disk). The values of item
-        ``item`` come back from that item; ``like`` here must be None."""
+        """``{tensor name: numpy array}`` of the set (local disk); ``like`` must be None."""
         if like is not None:
             raise ValueError(
                 f"item {self.name!r} (Hugging Face shards) restores as {{tensor name: array}} "
@@ -148,7 +142,6 @@ class HFShards:
         if not directory.is_local:
             raise UnsupportedLocationError(
                 f"{directory}: item {self.name!r} (Hugging Face shards) is read back from "
-                f"local disk only; copy the step's {self.name}/ directory down and read it "
-                f"with fop.from_safetensors or transformers"
+                f"local disk only; copy the step's {self.name}/ directory down"
             )
         return from_safetensors(directory.path)

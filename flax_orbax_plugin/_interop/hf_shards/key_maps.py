@@ -1,6 +1,5 @@
-"""Key maps of Hugging Face shards: leaf path -> tensor name, and whether it is transposed.
-
-Pure functions over frozen records; any thread.
+"""Key maps of Hugging Face shards: leaf path -> tensor name, and whether it is
+transposed. Pure functions over frozen records; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.hf_shards.key_maps``.
 """
@@ -20,8 +19,8 @@ __all__ = ["GPT2", "KeyMap", "check_transposes", "key_map_of", "transpose_patter
 
 @dataclasses.dataclass(frozen=True)
 class KeyMap:
-    """Rules ``((pattern, replacement or None), ...)`` and the ``transposes`` patterns
-    (see the module docstring); checked when made."""
+    """Rules ``((pattern, replacement or None), ...)`` and ``transposes`` patterns,
+    checked when made."""
 
     rules: tuple[tuple[str, str | None], ...]
     transposes: tuple[str, ...] = ()
@@ -35,7 +34,7 @@ class KeyMap:
                     f"{type(replacement).__name__} {replacement!r}"
                 )
             fault = None if replacement is None else template_fault(regex, replacement)
-            if fault is not None:  # re's raw error at the first leaf it matched
+            if fault is not None:
                 raise OptionError(f"key_map[{pattern!r}]: {fault}")
         for pattern in self.transposes:
             _compile(pattern, "transposes")
@@ -85,9 +84,7 @@ BUILT_IN = {"gpt2": GPT2}
 
 
 def key_map_of(key_map: Any, transposes: Iterable[str] | None) -> KeyMap | None:
-    """The :class:`KeyMap` of ``HFShards(key_map=, transposes=)``: ``"gpt2"`` (the
-    built-in, its transposes plus ``transposes``), a mapping or a sequence of pairs
-    ``{pattern: name or None}``, a KeyMap, or None (default names: '/' -> '.')."""
+    """The :class:`KeyMap` of ``HFShards(key_map=, transposes=)``."""
     extra = transpose_patterns(transposes)
     if key_map is None:
         return KeyMap((), extra) if extra else None
@@ -121,9 +118,7 @@ def transpose_patterns(transposes: Any) -> tuple[str, ...]:
 
 
 def check_transposes(patterns: tuple[str, ...], paths: list[str], item: str) -> None:
-    """Each pattern of ``transposes=`` matches a leaf path (as a key map's listed names
-    must): one that matches none (a typo) was silently ignored, the kernel not
-    transposed. OptionError naming it."""
+    """OptionError for a pattern of ``transposes=`` that matches no leaf path (a typo)."""
     for pattern in patterns:
         if not any(re.fullmatch(pattern, path) for path in paths):
             shown = ", ".join(repr(p) for p in paths[:6]) + (" ..." if len(paths) > 6 else "")

@@ -1,20 +1,12 @@
-"""The layout of a Hugging Face shard set, the same on every process.
-
-:func:`plan` turns the leaves' global paths, dtypes and shapes into the tensors
-(name, written dtype and shape, transpose), the shard files (greedy, in order, under
-the size limit, as Hugging Face splits them), each file's JSON header and each
-tensor's byte offset in its file. Nothing but the global shapes and dtypes enters, so
-every process computes the same layout without exchanging a byte. :func:`runs` gives
-the contiguous byte ranges of a box of a row-major tensor: what one process writes of
-the regions it holds. Pure functions; any thread.
+"""The layout of a Hugging Face shard set: tensors, files, headers and offsets from the
+global paths, dtypes and shapes alone, so every process computes the same layout
+without exchanging a byte. Pure functions; any thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -25,20 +17,19 @@ from ..safetensors.headers import (
     MARKER_KEY,
     MARKER_VALUE,
     default_names,
+    packed_bits,
 )
-from ..safetensors.packing import packed_bits
 from ..safetensors.plan import Tensor, checked_name, encode_header, split_shards, tensor_dtype
 from .key_maps import KeyMap
 
-__all__ = ["Layout", "Placed", "plan", "runs"]
+__all__ = ["Layout", "Placed", "plan"]
 
 INDEX_NAME = DEFAULT_STEM + INDEX_SUFFIX
 
 
 @dataclasses.dataclass(frozen=True)
 class Placed:
-    """A tensor and where its bytes go: file ``shard`` (an index into the names), from
-    absolute byte ``offset``."""
+    """A tensor and where its bytes go: file ``shard``, from absolute byte ``offset``."""
 
     tensor: Tensor
     shard: int
@@ -86,9 +77,7 @@ def _names(leaves: Sequence[tuple[str, np.dtype, tuple[int, ...]]], key_map: Key
 
 
 def _unique(names: dict[str, str], *, default: bool) -> dict[str, str]:
-    """``names`` (leaf path -> tensor name; ``default``: the default names, else a key
-    map's), each a name a header can hold and none twice; refused before a byte is
-    written, naming the leaf."""
+    """``names`` (``default``: the default names), each one a header can hold, none twice."""
     seen: dict[str, str] = {}
     for path, name in names.items():
         checked_name(path, name, default, "hf_shards key_map")
@@ -104,9 +93,8 @@ def _tensor(path: str, name: str, dtype, shape, key_map: KeyMap | None, cast) ->
     out = tensor_dtype(path, dtype, cast)
     if packed_bits(out) is not None:  # a process's rows need not fall on whole bytes
         raise StructureError(
-            f"leaf {path!r}: {out} is packed below a byte in safetensors; hf_shards writes "
-            f"each process's rows at their byte offsets, so it takes byte-sized dtypes "
-            f"only: cast it (HFShards(dtype='bfloat16')) or leave it out (key_map)"
+            f"leaf {path!r}: {out} is packed below a byte in safetensors; hf_shards takes "
+            f"byte-sized dtypes only: cast it (HFShards(dtype='bfloat16')) or leave it out"
         )
     axes = None
     if key_map is not None and key_map.transposed(path):
@@ -150,27 +138,3 @@ def plan(
         sizes.append(offset)
     total = sum(t.nbytes for t in tensors)
     return Layout(files, tuple(headers), tuple(sizes), placed, total)
-
-
-def runs(shape: tuple[int, ...], box: Sequence[slice]) -> Iterator[tuple[int, int]]:
-    """``(first element, element count)`` of each contiguous range that the box
-    ``box`` (one slice of step 1 per axis) covers in a row-major tensor of ``shape``,
-    in the box's own row-major order (the order of its values, flattened)."""
-    n = len(shape)
-    if n == 0:
-        yield 0, 1
-        return
-    starts = [s.start for s in box]
-    stops = [s.stop for s in box]
-    if any(b <= a for a, b in zip(starts, stops, strict=True)):
-        return
-    k = n - 1  # the axes after k are covered whole: one range spans them
-    while k > 0 and starts[k] == 0 and stops[k] == shape[k]:
-        k -= 1
-    strides = [math.prod(shape[a + 1 :]) for a in range(n)]
-    length = (stops[k] - starts[k]) * strides[k]
-    for idx in itertools.product(*(range(starts[a], stops[a]) for a in range(k))):
-        yield (
-            sum(i * s for i, s in zip(idx, strides, strict=False)) + starts[k] * strides[k],
-            length,
-        )

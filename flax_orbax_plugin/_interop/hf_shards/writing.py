@@ -1,7 +1,5 @@
 """What one process writes of a Hugging Face shard set: its regions, at their offsets.
-
-``snapshot`` runs in the blocking phase on the training thread; ``Pending`` writes on the
-background thread.
+``snapshot`` runs on the training thread; ``Pending`` writes on a background thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.hf_shards.writing``.
 """
@@ -26,7 +24,8 @@ from ..._format import layout as _layout
 from ..._like import onto_like as _onto_like
 from ..._manager.checkpointables import encode_json, write_json
 from ..._storage.location import Location
-from .layout import INDEX_NAME, Layout, runs
+from ..safetensors.headers import runs
+from .layout import INDEX_NAME, Layout
 
 __all__ = ["Pending", "snapshot"]
 
@@ -38,11 +37,9 @@ def _box(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
 
 
 def snapshot(layout: Layout, values: Mapping[str, Any]) -> list[tuple[str, tuple, np.ndarray]]:
-    """This process's regions ``(leaf path, box in the leaf, host copy)``: device
-    copies started for all, then waited for; the copies are the caller's to mutate.
-    The regions of one leaf that together fill a box (a process holding whole rows,
-    split over its devices by columns) are copied into one buffer of that box: one
-    contiguous range of the file where each region alone is a run per row."""
+    """This process's regions ``(leaf path, box in the leaf, host copy)``: device copies
+    started for all, then waited for. Regions of one leaf that fill a box together are
+    copied into one buffer (one range of the file, not a run per row each)."""
     primary = _distributed.is_primary()
     pending = []
     for path in layout.placed:
@@ -68,8 +65,8 @@ def _volume(box: tuple) -> int:
 
 
 def _merged(path: str, parts: list) -> list[tuple[str, tuple, np.ndarray]]:
-    """Host copies of one leaf's regions: one buffer when they fill their bounding box
-    (they are disjoint: replica 0 of each), else one copy each."""
+    """Host copies of one leaf's (disjoint) regions: one buffer when they fill their
+    bounding box, else one copy each."""
     if len(parts) > 1:
         boxes = [box for box, _ in parts]
         bound = tuple(
@@ -89,8 +86,7 @@ def _merged(path: str, parts: list) -> list[tuple[str, tuple, np.ndarray]]:
 
 
 def _bytes_of(layout: Layout, path: str, box: tuple, data: np.ndarray) -> tuple[tuple, np.ndarray]:
-    """The region as written: its box in the tensor and its bytes (cast, transposed,
-    C order, little-endian)."""
+    """The region as written: its box in the tensor and its bytes."""
     t = layout.placed[path].tensor
     if data.dtype != t.dtype:  # rounding is the opt-in; an overflow (1e5 to inf) is not
         try:
@@ -140,9 +136,8 @@ class _MemoryFile:
 
 
 class Pending:
-    """The background part: a thread started when made writes this process's bytes;
-    :meth:`wait` joins it, re-raises its error, and returns what the step manifest
-    records (the index's and config's checksums)."""
+    """A thread started when made writes this process's bytes; :meth:`wait` joins it,
+    re-raises its error, returns what the step manifest records."""
 
     def __init__(
         self,
@@ -159,7 +154,6 @@ class Pending:
         self.digest = _layout.sha256(self.index)  # every process computed the same layout
         self._result: Written | None = None
         self._error: BaseException | None = None
-        # The writes start now, beside the other items' (which start when waited on).
         self._thread = threading.Thread(
             target=self._run, args=(regions,), name="fop-hf-shards", daemon=True
         )

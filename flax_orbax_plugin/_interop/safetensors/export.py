@@ -1,10 +1,7 @@
 """Export: :func:`to_safetensors` (and the CLI's :func:`export_checkpoint`).
 
-A checkpoint is read a group of leaves at a time (never the whole tree), each leaf
-written through :mod:`.plan`'s tensor into a shard created under a temporary name
-(:mod:`.outputs`), renamed into place once durable; the index is written last.
-Single process (run it on one host), one thread. Layout and rules:
-``docs/safetensors.md``.
+A checkpoint is read a group of leaves at a time, written into shards under temporary
+names, renamed into place once durable; the index last. Single process, one thread.
 """
 
 from __future__ import annotations
@@ -39,7 +36,15 @@ from ..._storage.store_errors import arguments, refusals
 from ..._storage.untrusted import loads_json, read_capped
 from . import remains as _remains
 from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES
-from .outputs import check_outputs, fsync_dir, old_outputs, output_names, remove_stale
+from .outputs import (
+    Staged,
+    check_outputs,
+    fsync_dir,
+    old_outputs,
+    output_names,
+    progress_of,
+    remove_stale,
+)
 from .plan import (
     EXPORT_OPTIONS,
     ListedKeyMap,
@@ -51,10 +56,8 @@ from .plan import (
     refuse_over_limit,
     split_shards,
 )
-from .staged import Staged, progress_of
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-# Why an object-store ``out`` is refused: files are staged, fsynced and renamed in place.
 _LOCAL_ONLY = "safetensors files are written to local disk; export there, then copy them"
 
 
@@ -73,14 +76,13 @@ def _unescape(part: str) -> str:
 
 
 def _checkpoint_leaves(src: Any, limit: int | None) -> tuple[list, Callable]:
-    """Leaves of one of this plugin's checkpoints and a reader of a group of them."""
+    """A checkpoint's leaves and a reader of a group of them."""
     meta = _restore.metadata(src)
     keys = [leaf.path for leaf in meta.leaves.values() if leaf.kind == "prng_key"]
     if keys:
         raise StructureError(
             f"leaf {keys[0]!r}: a PRNG key array has no safetensors equivalent (expected "
-            f"numeric arrays, found a typed key); keep keys out of the exported item, "
-            f"or save jax.random.key_data(key) there instead"
+            f"numeric arrays, found a typed key); save jax.random.key_data(key) instead"
         )
     leaves = [
         (leaf.path, _dtype_of(leaf.dtype), tuple(leaf.shape))
@@ -96,7 +98,6 @@ def _checkpoint_leaves(src: Any, limit: int | None) -> tuple[list, Callable]:
             for part in parts[:-1]:
                 node = node.setdefault(part, {})
             node[parts[-1]] = None
-        # host arrays, ``limit`` bytes of reads in flight
         read_alone = _restore.restore(
             src, template, region=None, partial=True, memory_limit_bytes=limit
         )
@@ -119,9 +120,8 @@ def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
     for p, v in values.items():
         if jax.dtypes.issubdtype(getattr(v, "dtype", None), jax.dtypes.prng_key):
             raise StructureError(
-                f"leaf {p!r}: expected an array of numbers, found a PRNG key "
-                f"({v.dtype}), which safetensors has no dtype for: export "
-                f"jax.random.key_data(...) of it instead, or leave it out of the tree"
+                f"leaf {p!r}: expected an array of numbers, found a PRNG key ({v.dtype}): "
+                f"export jax.random.key_data(...) of it instead"
             )
     # by dtype, in this host's byte order (a big-endian array is converted when written)
     leaves = [
@@ -136,7 +136,7 @@ def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
 
 
 def _source_leaves(source: Any, limit: int | None) -> tuple[list, Callable]:
-    """A checkpoint's leaves (a path, a Location or a kvstore spec) or a tree's."""
+    """A checkpoint's leaves (a path, Location or kvstore spec) or a tree's."""
     if isinstance(source, (str, os.PathLike, Location)) or (
         isinstance(source, dict) and "driver" in source
     ):
@@ -162,31 +162,31 @@ def to_safetensors(
     """Writes ``source`` as safetensors, sharded above ``max_shard_size``.
 
     Args:
-      source: a checkpoint of this plugin holding one pytree (e.g. ``DIR/<step>/params``),
-        read a group of leaves at a time; or an in-memory pytree of arrays.
-      out: ``path/name.safetensors`` (shards are ``name-00001-of-0000N.safetensors``
-        with ``name.safetensors.index.json``) or a directory (``model.safetensors``...).
+      source: a checkpoint of this plugin holding one pytree (e.g. ``DIR/<step>/params``)
+        or an in-memory pytree of arrays.
+      out: ``path/name.safetensors`` (shards: ``name-00001-of-0000N.safetensors`` and
+        ``name.safetensors.index.json``) or a directory (``model.safetensors``...).
       max_shard_size: bytes or a size such as ``"5GB"`` (10**9) or ``"2GiB"`` (2**30).
-      key_map: leaf path (``Dense_0/kernel``) -> tensor name, or None to leave the leaf
-        out: a function, or a mapping of the leaves it renames (every key a leaf of
-        the source; the others keep their default name). Default: '/' replaced by '.'.
-      transpose_kernels: write leaves named ``kernel`` in PyTorch's layout: a Dense
-        kernel ``(in, out)`` as ``(out, in)``, a conv kernel ``(*spatial, in, out)``
-        as ``(out, in, *spatial)``.
-      dtype: cast floating leaves to this floating dtype (e.g. ``"bfloat16"``): values
-        are rounded; one that overflows or is not representable is a StructureError
-        naming the leaf, as in ``fop.restore``.
-      cast: ``"safe"`` (the default: the check above) or ``"unsafe"`` (numpy's cast,
-        overflow to inf included).
-      metadata: the header's ``__metadata__`` (strings); default ``{"format": "flax"}``,
-        ``{"format": "pt"}`` with ``transpose_kernels``.
+      key_map: leaf path -> tensor name, or None to leave the leaf out: a function, or
+        a mapping of the leaves it renames (each a leaf of the source). Default: '/'
+        replaced by '.'.
+      transpose_kernels: write leaves named ``kernel`` in PyTorch's layout
+        (``(..., in, out)`` as ``(out, in, ...)``).
+      dtype: cast floating leaves to this floating dtype (rounded; a value that
+        overflows is a StructureError naming the leaf, unless ``cast="unsafe"``).
+      cast: ``"safe"`` (the default) or ``"unsafe"`` (numpy's cast).
+      metadata: the header's ``__metadata__`` (strings); default ``{"format": "flax"}``
+        (``"pt"`` with ``transpose_kernels``).
       force: replace existing output files (and the shards an old index listed);
         without it an existing output is a FileExistsError.
       progress: ``progress(total_bytes)`` returns a context manager with
-        ``advance(nbytes, note)`` (the CLI's progress bar).
+        ``advance(nbytes, note)``.
       memory_limit_bytes: the host-memory ceiling: leaves are read in groups of at most
-        this many bytes (default 64 MiB); a leaf larger than it is refused (OptionError)
-        before anything is written. None: no ceiling.
+        this many bytes (default 64 MiB); a larger leaf is an OptionError before
+        anything is written. None: no ceiling.
+
+    Returns:
+      An ``ExportResult``: the files, the index, the tensor count and bytes.
     """
     out = local_path(out, what="safetensors output", note=_LOCAL_ONLY)
     limit = parse_size(max_shard_size)
@@ -203,10 +203,8 @@ def to_safetensors(
 
 
 def _outputs(out: str, count: int, force: bool) -> tuple[str, list[str], str]:
-    """(directory, file names, index name) of an export of ``count`` shards to ``out``.
-    Refused: a directory that is part of a committed checkpoint (a step, an item, a
-    core checkpoint), a run directory or a folder of one (those never change), and an
-    existing output that ``force`` may not replace."""
+    """(directory, file names, index name) of an export of ``count`` shards to ``out``;
+    refused inside a committed checkpoint or run, or over what ``force`` may not replace."""
     directory, names, index_name = output_names(out, count)
     held = holding_checkpoint(Location.from_path(os.path.realpath(directory)), runs=2)
     if held is not None:
@@ -219,8 +217,7 @@ def _outputs(out: str, count: int, force: bool) -> tuple[str, list[str], str]:
 
 
 def _plan(source: Any, key_map: Any, transpose_kernels: bool, dtype: Any, cast: str, limit):
-    """The tensors an export writes (each leaf's name, dtype and layout), every leaf
-    checked against the ceiling ``limit``, and the reader of their values."""
+    """The tensors an export writes, checked against the ceiling ``limit``, and a reader."""
     key_map = checked_key_map(key_map)
     leaves, read = _source_leaves(source, limit)
     if not leaves:
@@ -231,9 +228,8 @@ def _plan(source: Any, key_map: Any, transpose_kernels: bool, dtype: Any, cast: 
 
 
 def _write(outputs: tuple, shards, tensors, read, meta, force, progress, limit) -> ExportResult:
-    """Writes the shards under temporary names and places them, then the index, then
-    removes what an old export left (``force``); on any failure (Ctrl-C too) nothing of
-    it stays. Leaves are read in groups of at most ``limit`` bytes."""
+    """Writes the shards, places them, then the index, then removes what an old export
+    left (``force``); on any failure (Ctrl-C too) nothing of it stays."""
     directory, names, index_name = outputs
     finals = [os.path.join(directory, n) for n in names]
     index_path = os.path.join(directory, index_name) if len(shards) > 1 else None

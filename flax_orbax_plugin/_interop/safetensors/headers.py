@@ -1,18 +1,20 @@
 """The safetensors layout, read with trust checks: dtype table, names, headers, index.
 
-A file is an 8-byte header length, a JSON header of ``{name: {dtype, shape,
-data_offsets}}`` and the tensors' bytes; a sharded export adds an index naming each
-tensor's file. Every header and index is checked against the real file (size, caps,
-overlaps) before anything sized by it is allocated; files are opened with
-``O_NONBLOCK`` and must be regular files (a symlink is followed: the Hugging Face
-cache links each file to its blob). Layout and trust rules: ``docs/safetensors.md``.
+Every header and index is checked against the real file (size, caps, overlaps) before
+anything sized by it is allocated; files must be regular (a symlink is followed: the
+Hugging Face cache links each file to its blob). Sub-byte tensors (``F4``, ``F6_*``)
+are ``elements * bits / 8`` bytes, the elements in C order in one little-endian bit
+stream (``F4``: the first value in the low nibble, as PyTorch's ``float4_e2m1fn_x2``).
+Rules: ``docs/safetensors.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,21 +23,19 @@ from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, OptionEr
 from ..._format import layout as _layout
 from ..._storage.local_inputs import local_path
 from ..._storage.untrusted import loads_json, open_regular, read_capped
-from .packing import packed_bits, tensor_nbytes
+from ..._zarr import subbyte as _subbyte
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_STEM = "model"
 _MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 MAX_INDEX_BYTES = 64 << 20  # an index.json read into memory
-# In every header's __metadata__ and every index's metadata this library writes: only
-# a regular file carrying it (and named like our shards) is ever replaced or removed.
+# In the metadata of every file this library writes: only such a file is ever replaced.
 MARKER_KEY = "flax_orbax_plugin"
 MARKER_VALUE = "1"
 SHARD_NAME_RE = r"{stem}(?:(?:-[0-9]{{5}}-of-[0-9]{{5}})?\.safetensors|\.safetensors\.index\.json)"
 _MAX_NDIM = 64
 
-# safetensors dtype tag <-> numpy dtype, from the package's one dtype table (the CLI's
-# --dtype too); a dtype whose entry has no tag has no safetensors form
+# safetensors dtype tag <-> numpy dtype, from the package's one dtype table
 DTYPES: dict[str, np.dtype] = {
     entry.safetensors: _layout.dtype_from_name(name)
     for name, entry in sorted(_layout.DTYPES.items())
@@ -45,14 +45,37 @@ TAGS = {dtype: tag for tag, dtype in DTYPES.items()}
 DTYPE_NAMES = frozenset(str(dtype) for dtype in DTYPES.values())  # 'bfloat16', 'bool' ...
 
 
+def packed_bits(dtype: np.dtype) -> int | None:
+    """The bits per value of a dtype safetensors stores packed; None for whole bytes."""
+    entry = _layout.DTYPES.get(dtype.name)
+    return entry.bits if entry is not None and entry.bits < 8 else None
+
+
+def tensor_nbytes(dtype: np.dtype, count: int) -> int | None:
+    """Bytes of ``count`` values of ``dtype``; None where packed values are no whole bytes."""
+    bits = packed_bits(dtype)
+    if bits is None:
+        return count * dtype.itemsize
+    return None if count * bits % 8 else count * bits // 8
+
+
+def pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """The packed bytes (uint8, flat) of ``values``: the whole tensor as one row."""
+    return _subbyte.pack_rows(np.ascontiguousarray(values).reshape(-1), bits)
+
+
+def unpack(data: np.ndarray, bits: int, count: int, skip: int = 0) -> np.ndarray:
+    """Values ``skip .. skip + count`` (uint8 each) of the packed bytes ``data``
+    (starting on a group of whole bytes: ``_zarr.subbyte.group``)."""
+    return _subbyte.unpack_rows(data, bits, count, skip, np.uint8)
+
+
 METADATA_KEY = "__metadata__"  # the header's entry of str -> str, never a tensor
 
 
 def name_fault(name: object) -> str | None:
-    """Why ``name`` cannot name a tensor in a safetensors header (a reason for a
-    message), or None when it can: a non-empty str that UTF-8 can write, other than the
-    header's ``__metadata__`` entry (``safetensors`` refuses a file with a tensor of that
-    name: it reads that entry as the metadata)."""
+    """Why ``name`` cannot name a tensor in a header, or None: a non-empty UTF-8 str
+    other than ``__metadata__``."""
     if not isinstance(name, str) or not name:
         return f"expected a tensor name (a non-empty str), found {name!r:.80}"
     if name == METADATA_KEY:
@@ -68,23 +91,20 @@ def name_fault(name: object) -> str | None:
 
 
 def default_name(path: str) -> str:
-    """The default tensor name of a leaf path: ``params/Dense_0/kernel`` -> ``Dense_0.kernel``
-    (relative to the exported checkpoint, so ``'/'`` becomes ``'.'``)."""
+    """The default tensor name of a leaf path: ``Dense_0/kernel`` -> ``Dense_0.kernel``."""
     return path.replace("/", ".")
 
 
 def default_names(paths: list[str]) -> dict[str, str]:
-    """Each leaf path's tensor name without a key map, the same both ways (export and
-    ``from_safetensors``): :func:`default_name`, unless two leaves' names collide
-    ('a.b' and 'a/b'): then every tensor is named by its full path."""
+    """Each leaf path's tensor name without a key map (both ways): :func:`default_name`,
+    unless two collide ('a.b' and 'a/b'): then every one is its full path."""
     names = {p: default_name(p) for p in paths}
     return names if len(set(names.values())) == len(names) else {p: p for p in paths}
 
 
 def tree_of_names(tensors: dict[str, Any]) -> dict[str, Any]:
-    """Tensors by name as the tree an export without a key map named so (the inverse of
-    :func:`default_name`): ``{"a.b": x}`` as ``{"a": {"b": x}}``; the flat dict where a
-    name would be both a leaf and a folder (``a.b`` and ``a.b.c``) or has an empty part."""
+    """``{"a.b": x}`` as ``{"a": {"b": x}}`` (the inverse of :func:`default_name`); the
+    flat dict where a name would be both a leaf and a folder, or has an empty part."""
     tree: dict[str, Any] = {}
     for name, value in tensors.items():
         *folders, leaf = name.split(".")
@@ -104,6 +124,30 @@ def kernel_axes(path: str, ndim: int, transpose: bool) -> tuple[int, ...] | None
     if not transpose or ndim < 2 or path.rsplit("/", 1)[-1] != "kernel":
         return None
     return (ndim - 1, ndim - 2, *range(ndim - 2))
+
+
+def runs(shape: tuple[int, ...], box: Sequence[slice]) -> Iterator[tuple[int, int]]:
+    """``(first element, element count)`` of each contiguous range that the box
+    ``box`` (one slice of step 1 per axis) covers in a row-major tensor of ``shape``,
+    in the box's own row-major order (the order of its values, flattened)."""
+    n = len(shape)
+    if n == 0:
+        yield 0, 1
+        return
+    starts = [s.start for s in box]
+    stops = [s.stop for s in box]
+    if any(b <= a for a, b in zip(starts, stops, strict=True)):
+        return
+    k = n - 1  # the axes after k are covered whole: one range spans them
+    while k > 0 and starts[k] == 0 and stops[k] == shape[k]:
+        k -= 1
+    strides = [math.prod(shape[a + 1 :]) for a in range(n)]
+    length = (stops[k] - starts[k]) * strides[k]
+    for idx in itertools.product(*(range(starts[a], stops[a]) for a in range(k))):
+        yield (
+            sum(i * s for i, s in zip(idx, strides, strict=False)) + starts[k] * strides[k],
+            length,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +184,7 @@ def pread_exact(fd: int, n: int, offset: int, path: str, what: str) -> bytes:
 
 
 def header_json(fd: int, size: int, path: str) -> tuple[int, Any]:
-    """(header length, parsed header) of an open safetensors file of ``size`` bytes; the
-    claimed length is checked against the file and the cap before it is read."""
+    """(header length, parsed header) of an open file of ``size`` bytes, its length checked."""
     if size < 8:
         raise CorruptCheckpointError(f"{path}: {size} bytes, too short for a safetensors file")
     n = int.from_bytes(pread_exact(fd, 8, 0, path, "header length"), "little")
@@ -157,8 +200,6 @@ def header_json(fd: int, size: int, path: str) -> tuple[int, Any]:
 
 
 def _read_header(path: str) -> dict[str, Stored]:
-    # A symlink is followed here (Hugging Face cache snapshots link each file to its
-    # blob); it must resolve to a regular file, and a FIFO never blocks.
     fd, st = open_regular(path, follow_links=True, what="safetensors file")
     try:
         size = st.st_size
@@ -210,8 +251,7 @@ def _read_header(path: str) -> dict[str, Stored]:
 
 
 def _check_size(where: str, tag: str, dtype: np.dtype, shape: list, span: int) -> None:
-    """A tensor's data_offsets span the bytes its dtype and shape need (sub-byte tags
-    packed: a whole number of bytes)."""
+    """A tensor's data_offsets span the bytes its dtype and shape need."""
     count = math.prod(shape)  # Python ints: never overflows
     need = tensor_nbytes(dtype, count)
     if need is None:
@@ -225,11 +265,8 @@ def _check_size(where: str, tag: str, dtype: np.dtype, shape: list, span: int) -
 
 
 def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:
-    """Every tensor of one file, several files, an index or a directory; validated.
-
-    A directory means its ``model.safetensors.index.json``, else its
-    ``model.safetensors``. Files an index names must lie beside it (plain names).
-    """
+    """Every tensor of one file, several, an index or a directory (its
+    ``model.safetensors.index.json``, else ``model.safetensors``), validated."""
     if isinstance(paths_or_index, (list, tuple)):
         if not paths_or_index:  # it read nothing and gave {}
             raise OptionError(
@@ -276,7 +313,6 @@ def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:
 
 
 def _read_index(path: str) -> dict[str, str]:
-    # Like the shards, the index the user names may be a symlink to a regular file.
     raw = read_capped(
         path, follow_links=True, what="safetensors index file", max_bytes=MAX_INDEX_BYTES
     )

@@ -1,23 +1,26 @@
-"""What an export writes and replaces, on local disk: output names, temporary files,
-and the proof that an existing file is ours.
+"""What an export writes and replaces, on local disk: output names, the files under
+temporary names until they are in place (:class:`Staged`), and the proof that an
+existing file is ours.
 
-Nothing is ever written through a link: each file is created under a new,
-unpredictable name (``O_CREAT | O_EXCL | O_NOFOLLOW``) and renamed over its final
-name. ``force`` replaces or removes only files proven ours: regular files (not links)
-carrying this library's marker and, for stale files an old index lists, also named
-like our shards; anything else is left alone with a warning, or refused. Single
-process, one thread. Rules in full: ``docs/safetensors.md``.
+Each file is created under a new, unpredictable name and renamed over its final name;
+``force`` replaces only files proven ours (regular, carrying our marker). Single
+process, one thread. Rules: ``docs/safetensors.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
+from ..._base import env as _env
 from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
 from ..._storage.untrusted import loads_json, open_regular, read_capped
+from . import remains as _remains
 from .headers import (
     DEFAULT_STEM,
     INDEX_SUFFIX,
@@ -29,14 +32,14 @@ from .headers import (
     plain_name,
     pread_exact,
 )
-from .remains import temp_name
+from .plan import Tensor, encode_header, split_shards, tensor_bytes
 
-_log = logging.getLogger(__package__)  # flax_orbax_plugin._interop.safetensors, as before
+_log = logging.getLogger(__package__)
 
 
 def output_names(out: str, count: int) -> tuple[str, list[str], str]:
-    """(directory, file names, index name) for ``out``: a ``*.safetensors`` file path
-    (its stem names the shards) or a directory (``model*.safetensors`` inside)."""
+    """(directory, file names, index name) for ``out``: a ``*.safetensors`` path or a
+    directory."""
     if out.endswith(".safetensors"):
         directory, stem = os.path.dirname(os.path.abspath(out)), os.path.basename(out)[:-12]
     else:
@@ -71,19 +74,16 @@ def fsync_dir(directory: str) -> None:
 
 
 def create_temp(directory: str, final_name: str, nonce: str) -> tuple[str, Any]:
-    """A new file beside ``final_name`` under the temporary name carrying ``nonce`` (the
-    export's, :func:`.remains.temp_name`), created exclusively (``O_CREAT | O_EXCL |
-    O_NOFOLLOW``, mode 0o644): a planted file or symlink is never opened, followed or
-    truncated. Returns (path, binary file object)."""
+    """(path, binary file) of a new file beside ``final_name`` under the export's
+    temporary name, created exclusively: a planted file or link is never followed."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    path = os.path.join(directory, temp_name(final_name, nonce))
+    path = os.path.join(directory, _remains.temp_name(final_name, nonce))
     return path, os.fdopen(os.open(path, flags, 0o644), "wb")
 
 
 def proven_ours(path: str) -> tuple[bool, str]:
-    """(True, "") when ``path`` is a regular file (not a link) this library wrote: a
-    safetensors file whose header metadata, or an index whose metadata, carries our
-    marker; else (False, what was found). Opens without following or blocking."""
+    """(True, "") when ``path`` is a regular file whose metadata carries our marker,
+    else (False, what was found). Opens without following or blocking."""
     try:
         fd, st = open_regular(path, follow_links=False, what="file")
     except CheckpointNotFoundError:
@@ -109,8 +109,8 @@ def proven_ours(path: str) -> tuple[bool, str]:
 
 
 def remove_if_ours(directory: str, name: str, stem: str) -> None:
-    """Removes ``directory/name`` only when it is named like our shards of ``stem`` and
-    proven ours (:func:`proven_ours`); anything else is left alone with a warning."""
+    """Removes ``directory/name`` when named like our shards of ``stem`` and proven ours;
+    anything else is left alone with a warning."""
     path = os.path.join(directory, name)
     if not re.fullmatch(SHARD_NAME_RE.format(stem=re.escape(stem)), name):
         _log.warning("%s: listed by the old index but not named like our shards; left alone", path)
@@ -124,8 +124,7 @@ def remove_if_ours(directory: str, name: str, stem: str) -> None:
 
 
 def old_outputs(directory: str, index_name: str) -> set[str]:
-    """Files listed by an index of ours already in ``directory``, plus the index itself
-    (empty when there is none, or it is not proven ours)."""
+    """Files an index of ours in ``directory`` lists, and the index (none if not ours)."""
     path = os.path.join(directory, index_name)
     if not proven_ours(path)[0]:
         return set()
@@ -139,9 +138,8 @@ def old_outputs(directory: str, index_name: str) -> set[str]:
 
 
 def check_outputs(directory: str, names: list[str], index_name: str, force: bool) -> None:
-    """Without ``force`` any existing output name is a FileExistsError; with it, each
-    existing one must be proven ours (a regular file carrying our marker), else a
-    ForeignEntryError: what this library did not write is never replaced."""
+    """An existing output name is a FileExistsError without ``force``, and with it a
+    ForeignEntryError unless proven ours."""
     single = names[0] if len(names) == 1 else index_name.replace(INDEX_SUFFIX, ".safetensors")
     targets = sorted({*names, index_name, single})
     clash = [n for n in targets if os.path.lexists(os.path.join(directory, n))]
@@ -157,20 +155,133 @@ def check_outputs(directory: str, names: list[str], index_name: str, force: bool
         if not ours and found != "nothing":
             raise ForeignEntryError(
                 f"{os.path.join(directory, name)}: expected an earlier export of this library "
-                f"to replace, found {found}; it is left alone (nothing was written). Remove it "
-                f"yourself or export elsewhere"
+                f"to replace, found {found}; it is left alone (nothing was written)"
             )
 
 
 def remove_stale(
     directory: str, index_name: str, names: list[str], old: set[str], *, force: bool, sharded: bool
 ) -> None:
-    """After the new files are in place: removes, when proven ours, the files an old
-    index listed that this export did not write, and with ``force`` an unsharded
-    export's file that a sharded one replaces (:func:`remove_if_ours`)."""
+    """After the new files are in place: removes (:func:`remove_if_ours`) the files an
+    old index listed that this export did not write, and an unsharded one it replaces."""
     stem = index_name[: -len(INDEX_SUFFIX)]
     for stale in sorted(old - set(names) - ({index_name} if sharded else set())):
         remove_if_ours(directory, stale, stem)  # only files an old index listed
     single = os.path.join(directory, index_name.replace(INDEX_SUFFIX, ".safetensors"))
     if force and sharded and os.path.lexists(single):
         remove_if_ours(directory, os.path.basename(single), stem)  # an unsharded export
+
+
+# -- one export's files ----------------------------------------------------------------
+
+_GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a checkpoint
+
+
+def _groups(tensors: list[Tensor], limit: int | None) -> list[list[Tensor]]:
+    """Leaves read per partial restore: groups of at most ``limit`` (or _GROUP_BYTES)."""
+    size = _GROUP_BYTES if limit is None else min(_GROUP_BYTES, limit)
+    return [g for g in split_shards(tensors, size) if g]
+
+
+class Staged:
+    """The temporary files of one export, named by its nonce after its marker: call
+    :meth:`write`, :meth:`place` each shard, :meth:`write_index`, then :meth:`done`;
+    or on failure :meth:`discard` (every file it created, then the marker). One thread."""
+
+    def __init__(
+        self, directory: str, names: list[str], shards: list[list[Tensor]], meta: dict[str, str]
+    ):
+        self.directory, self.names, self.shards, self.meta = directory, names, shards, meta
+        self.tmps: list[str] = []  # every temporary file this call created (and only those)
+        self.shard_of = {t.path: i for i, shard in enumerate(shards) for t in shard}
+        self.files: list[Any] = [None] * len(shards)
+        self.shard_tmps: list[str | None] = [None] * len(shards)
+        self.placed: list[tuple[str, int]] = []  # (final path, inode) renamed into place
+        self.nonce = _remains.begin(directory)  # before any file: remains proven ours
+
+    def _start(self, i: int) -> Any:
+        tmp, f = create_temp(self.directory, self.names[i], self.nonce)
+        self.tmps.append(tmp)
+        self.shard_tmps[i] = tmp
+        f.write(encode_header(self.shards[i], self.meta))
+        return f
+
+    def write(
+        self, tensors: list[Tensor], read: Callable, bar, *, group_bytes: int | None = None
+    ) -> None:
+        """Every shard, durable and closed, the tensors read a group at a time."""
+        by_path = {t.path: t for t in tensors}
+        files, current = self.files, -1
+        for group in _groups(tensors, group_bytes):
+            for path, value in read([t.path for t in group]):
+                i = self.shard_of[path]
+                if i != current:
+                    close_shard(files, current)
+                    files[i] = self._start(i)
+                    current = i
+                t = by_path[path]
+                data = tensor_bytes(t, value)
+                files[i].write(memoryview(data))
+                _env.pause_point("export_write")
+                _env.slow_point("export_write")
+                bar.advance(data.nbytes, path)
+                del data, value  # one leaf (or one group) in memory at a time
+        close_shard(files, current)
+        for i in range(len(self.shards)):
+            if files[i] is None:  # a shard of empty tensors only
+                files[i] = self._start(i)
+                close_shard(files, i)
+
+    def write_index(
+        self, tensors: list[Tensor], total: int, index_name: str, index_path: str
+    ) -> None:
+        """The index, durable, renamed into place once the shards are."""
+        index = {
+            "metadata": {"total_size": total, MARKER_KEY: MARKER_VALUE},
+            "weight_map": {t.name: self.names[self.shard_of[t.path]] for t in tensors},
+        }
+        tmp, f = create_temp(self.directory, index_name, self.nonce)
+        self.tmps.append(tmp)
+        with f:
+            f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        self.place(tmp, index_path)
+
+    def place(self, tmp: str, final: str) -> None:
+        """Renames ``tmp`` over ``final`` (a name replaced, never written through a link)."""
+        inode = os.lstat(tmp).st_ino
+        os.replace(tmp, final)
+        self.placed.append((final, inode))
+        _env.pause_point("export_placed")
+
+    def done(self) -> None:
+        """Every file is in place: the marker goes."""
+        _remains.end(self.directory, self.nonce)
+
+    def discard(self) -> None:
+        _env.pause_point("export_discard")  # tests: a second signal during the clean-up
+        for f in self.files:
+            if f is not None and not f.closed:
+                f.close()
+        for tmp in self.tmps:  # ours: created exclusively under an unpredictable name
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        for final, inode in self.placed:  # a file this export put in place: still ours
+            try:
+                if os.lstat(final).st_ino == inode:
+                    os.unlink(final)
+            except FileNotFoundError:
+                pass
+        _remains.end(self.directory, self.nonce)  # last: what it names is gone
+
+
+class _NoBar:
+    def advance(self, amount: int = 1, note: str = "") -> None:
+        pass
+
+
+def progress_of(factory, total):
+    return factory(total) if factory is not None else contextlib.nullcontext(_NoBar())

@@ -1,10 +1,5 @@
-"""An export's plan: each leaf's tensor (name, dtype, layout), its bytes, its shard.
-
-Pure functions of the leaves' paths, dtypes and shapes (no file is touched):
-``key_map`` names each tensor (default: ``headers.default_names``),
-``transpose_kernels`` writes Flax kernels in PyTorch's layout, ``dtype`` casts the
-floating leaves, and :func:`shards` splits the tensors greedily, in order, under the
-size limit (:func:`parse_size`), as Hugging Face does.
+"""An export's plan: each leaf's tensor (name, dtype, layout), its bytes, its shard,
+and the export's options checked. Pure functions: no file is touched.
 """
 
 from __future__ import annotations
@@ -31,8 +26,10 @@ from .headers import (
     default_names,
     kernel_axes,
     name_fault,
+    pack,
+    packed_bits,
+    tensor_nbytes,
 )
-from .packing import pack, packed_bits, tensor_nbytes
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -50,9 +47,8 @@ _UNITS = {
 
 
 def parse_size(size: int | str, option: str = "max_shard_size") -> int:
-    """Bytes in a size such as ``5GB`` (10**9 bytes a GB, as Hugging Face counts),
-    ``2MiB`` (2**20), ``500KB`` or a plain number of bytes (an int, numpy's included);
-    an OptionError naming ``option`` otherwise."""
+    """Bytes in a size such as ``5GB`` (10**9, as Hugging Face counts), ``2MiB`` (2**20)
+    or a number of bytes; an OptionError naming ``option`` otherwise."""
     value = None
     if isinstance(size, str):
         if m := _SIZE_RE.match(size):
@@ -73,10 +69,9 @@ def parse_size(size: int | str, option: str = "max_shard_size") -> int:
 
 
 def checked_cast(dtype: Any, option: str = "dtype", *, byte_sized: bool = False):
-    """``dtype=`` of an export or of ``HFShards``, checked where it is given: None, or a
-    floating dtype (``_like.onto_like.checked_dtype``, as ``restore_params`` takes it)
-    that safetensors has a tag for (and, ``byte_sized``, not packed below a byte); the
-    numpy dtype, or an OptionError / OptionTypeError naming ``option``."""
+    """``dtype=`` of an export or of ``HFShards``: None, or a floating dtype safetensors
+    has a tag for (``byte_sized``: not packed below a byte), as numpy's; else an
+    OptionError / OptionTypeError naming ``option``."""
     try:
         out = _onto_like.checked_dtype(dtype)
     except (OptionError, OptionTypeError) as e:
@@ -100,9 +95,8 @@ def checked_cast(dtype: Any, option: str = "dtype", *, byte_sized: bool = False)
 
 
 def checked_metadata(metadata: Any) -> dict[str, str] | None:
-    """``metadata=`` (a safetensors header's ``__metadata__``: str -> str): None or a
-    mapping of str to str; an OptionTypeError naming the entry otherwise (a value was
-    written as its ``str()``: None as 'None')."""
+    """``metadata=`` (the header's ``__metadata__``): None or a mapping of str to str;
+    an OptionTypeError naming the entry otherwise."""
     if metadata is None:
         return None
     if not isinstance(metadata, Mapping):
@@ -153,8 +147,7 @@ def encode_header(tensors: Sequence[Tensor], metadata: dict[str, str]) -> bytes:
 
 
 def split_shards(tensors: list[Tensor], limit: int) -> list[list[Tensor]]:
-    """Greedy, in order, as Hugging Face does: a tensor larger than the limit gets a
-    file of its own."""
+    """Greedy, in order, as Hugging Face does (a tensor above the limit alone)."""
     shards: list[list[Tensor]] = [[]]
     size = 0
     for t in tensors:
@@ -167,9 +160,8 @@ def split_shards(tensors: list[Tensor], limit: int) -> list[list[Tensor]]:
 
 
 class ListedKeyMap:
-    """A key map given as ``{leaf path: tensor name or None}`` (a ``--key-map`` file):
-    listed leaves take their entry, the others their default name. Every listed path
-    must be a leaf of the source (:meth:`check`): a mistyped one was silently ignored."""
+    """A key map ``{leaf path: tensor name or None}``: listed leaves take their entry,
+    the others their default name; :meth:`check`: every listed path is a leaf."""
 
     def __init__(self, mapping: dict[str, str | None], where: str):
         self.mapping, self.where = mapping, where
@@ -187,30 +179,27 @@ class ListedKeyMap:
             )
 
 
-# The exporter's and the importer's True/False options, each declared once.
 FLAGS = tuple(Option(name, "flag") for name in ("transpose_kernels", "partial"))
 EXPORT_OPTIONS = (*FLAGS, Option("force", "flag"), Option("progress", "callable", none_ok=True))
-EXPORT_OPTIONS += (MEMORY_LIMIT,)  # the host-memory ceiling (_base.host)
+EXPORT_OPTIONS += (MEMORY_LIMIT,)
 
 
 def refuse_over_limit(tensors: list[Tensor], limit: int | None) -> None:
-    """An export holds one leaf (or one group of them) at a time: a leaf larger than
-    the ceiling ``limit`` is refused before anything is written, naming both figures."""
+    """OptionError for a leaf larger than the ceiling ``limit`` (an export holds one)."""
     if limit is None:
         return
     big = max(tensors, key=lambda t: t.nbytes, default=None)
     if big is not None and big.nbytes > limit:
         raise OptionError(
             f"memory_limit_bytes={limit}: leaf {big.path!r} holds {big.nbytes} bytes, and an "
-            f"export holds one whole leaf in host memory at a time; nothing was written: "
-            f"give memory_limit_bytes >= {big.nbytes} (or None)"
+            f"export holds one whole leaf; nothing was written: give memory_limit_bytes >= "
+            f"{big.nbytes} (or None)"
         )
 
 
 def checked_key_map(key_map: Any) -> Callable[[str], str | None] | None:
-    """``key_map=`` as given to an exporter or an importer: None, a function, or a
-    mapping ``{leaf path: tensor name or None}`` (a :class:`ListedKeyMap`, as the CLI's
-    ``--key-map`` file); an OptionTypeError naming it otherwise."""
+    """``key_map=``: None, a function, or a mapping (as a :class:`ListedKeyMap`); an
+    OptionTypeError otherwise."""
     if key_map is None or isinstance(key_map, ListedKeyMap):
         return key_map
     if isinstance(key_map, Mapping):
@@ -231,10 +220,9 @@ def checked_key_map(key_map: Any) -> Callable[[str], str | None] | None:
 
 
 def checked_name(path: str, name: Any, default: bool, option: str = "key_map") -> str:
-    """``name``, the tensor name of leaf ``path`` (``default``: its default name, else
-    what ``option`` made of it), or a StructureError (a default name) / OptionError (a
-    key map's) naming the leaf, before any file is written: a writer never commits a
-    header ``safetensors`` refuses (``headers.name_fault``)."""
+    """``name``, the tensor name of leaf ``path``, or a StructureError (``default``: a
+    default name) / OptionError (``option``'s) naming the leaf: a writer never commits
+    a header ``safetensors`` refuses."""
     fault = name_fault(name)
     if fault is None:
         return name
@@ -247,9 +235,8 @@ def checked_name(path: str, name: Any, default: bool, option: str = "key_map") -
 
 
 def tensor_dtype(path: str, leaf_dtype, cast) -> np.dtype:
-    """The dtype leaf ``path`` is written as in safetensors: its own, or ``cast`` for a
-    floating leaf; a StructureError naming the leaf when safetensors has no tag for it
-    (the exporter and the HF shards item)."""
+    """The dtype leaf ``path`` is written as: its own, or ``cast`` for a floating leaf;
+    a StructureError when safetensors has no tag for it."""
     out = np.dtype(leaf_dtype)
     if cast is not None and not _onto_like._is_float(np.dtype(cast)):
         raise OptionError(
@@ -282,7 +269,7 @@ def plan_tensors(
         if name is not None:
             checked_name(path, name, key_map is None or name == default_name(path))
             names[path] = name
-    if leaves and not names:  # it wrote a file of no tensors and exited 0
+    if leaves and not names:
         raise OptionError(
             f"key_map leaves out every leaf ({len(leaves)}): nothing would be exported"
         )

@@ -1,10 +1,8 @@
 """Reading safetensors straight onto ``like``: :func:`from_safetensors`.
 
-Every header is validated first (:mod:`.headers`); then each leaf of ``like`` is read
-onto its sharding, each process reading only the regions its devices hold (one
-``pread`` per contiguous run of bytes, straight into the destination buffer). Each
-file is checked to be the same one (device, inode, size) when its data is read as when
-its header was. Collective-free: works on every process of a multi-process job.
+Every header is validated first; each process reads only the regions its devices hold
+(one ``pread`` per contiguous run), from files checked to be those whose headers were
+read. Collective-free: works on every process of a multi-process job.
 """
 
 from __future__ import annotations
@@ -25,8 +23,16 @@ from ..._errors import CorruptCheckpointError, OptionError, StructureError
 from ..._like import placing as _placing
 from ..._like.onto_like import legacy_cast
 from ..._storage.untrusted import open_regular
-from .headers import Stored, default_names, kernel_axes, read_safetensors_index
-from .packing import group, packed_bits, unpack
+from ..._zarr.subbyte import group
+from .headers import (
+    Stored,
+    default_names,
+    kernel_axes,
+    packed_bits,
+    read_safetensors_index,
+    runs,
+    unpack,
+)
 from .plan import FLAGS, checked_key_map, checked_name
 
 
@@ -40,40 +46,24 @@ def _pread_into(fd: int, buf: memoryview, offset: int, where: str) -> None:
 
 
 def _read_region(fd: int, t: Stored, index: tuple[slice, ...]) -> np.ndarray:
-    """The region ``index`` (unit-step slices) of a stored tensor, read with one
-    ``pread`` per contiguous run of bytes: nothing outside the region is read."""
-    shape = t.shape
-    starts = [s.indices(d)[0] for s, d in zip(index, shape, strict=True)]
-    stops = [s.indices(d)[1] for s, d in zip(index, shape, strict=True)]
+    """The region ``index`` (unit-step slices) of a stored tensor, nothing outside it read."""
+    starts = [s.indices(d)[0] for s, d in zip(index, t.shape, strict=True)]
+    stops = [s.indices(d)[1] for s, d in zip(index, t.shape, strict=True)]
     bits = packed_bits(t.dtype)
     if bits is not None:
         return _read_packed(fd, t, bits, starts, stops)
     out = np.empty([max(0, b - a) for a, b in zip(starts, stops, strict=True)], t.dtype)
-    if out.size == 0:
-        return out
-    buf = memoryview(out.reshape(-1).view(np.uint8))
-    where = f"{t.file} ({t.name})"
-    if not shape:
-        _pread_into(fd, buf, t.offset, where)
-        return out
-    itemsize = t.dtype.itemsize
-    strides = [int(np.prod(shape[i + 1 :], dtype=np.int64)) * itemsize for i in range(len(shape))]
-    k = len(shape) - 1  # axes after k are whole: a run spans axis k's slice
-    while k > 0 and starts[k] == 0 and stops[k] == shape[k]:
-        k -= 1
-    run = (stops[k] - starts[k]) * strides[k]
-    pos = 0
-    for outer in np.ndindex(*[stops[i] - starts[i] for i in range(k)]):
-        offset = t.offset + starts[k] * strides[k]
-        offset += sum((starts[i] + o) * strides[i] for i, o in enumerate(outer))
-        _pread_into(fd, buf[pos : pos + run], offset, where)
-        pos += run
+    buf, pos = memoryview(out.reshape(-1).view(np.uint8)), 0
+    item, where = t.dtype.itemsize, f"{t.file} ({t.name})"
+    box = [slice(a, b) for a, b in zip(starts, stops, strict=True)]
+    for first, count in runs(t.shape, box):  # one pread per contiguous run
+        _pread_into(fd, buf[pos : pos + count * item], t.offset + first * item, where)
+        pos += count * item
     return out
 
 
 def _read_packed(fd: int, t: Stored, bits: int, starts: list, stops: list) -> np.ndarray:
-    """A region of a packed (sub-byte) tensor: the bytes of the rows of axis 0 it spans
-    (one ``pread``), unpacked, then the region cut from them."""
+    """A region of a packed tensor: the rows of axis 0 it spans read, unpacked, cut."""
     shape = t.shape
     if any(b <= a for a, b in zip(starts, stops, strict=True)):
         return np.empty([max(0, b - a) for a, b in zip(starts, stops, strict=True)], t.dtype)
@@ -137,10 +127,8 @@ def from_safetensors(
     allow_cast: bool | None = None,
     memory_limit_bytes: int | None = None,
 ) -> Any:
-    """Reads safetensors straight onto the shardings of ``like``.
-
-    One leaf is read at a time (on a sharded ``like``, one region of it at a time), so
-    what this holds beyond the result is the host copy of one piece and its cast.
+    """Reads safetensors straight onto the shardings of ``like``, one leaf (or one
+    region of a sharded leaf) at a time.
 
     Args:
       paths_or_index: a ``.safetensors`` file, a list of them, a
@@ -153,13 +141,14 @@ def from_safetensors(
         names), as for export (default: '/' replaced by '.').
       transpose_kernels: the files hold kernels in PyTorch's layout (see export).
       partial: allow tensors in the files that ``like`` does not use.
-      cast: ``"safe"`` (a cast that would change a value is a StructureError naming
-        the leaf) or ``"unsafe"`` (numpy's cast), as ``fop.restore`` takes it.
+      cast: ``"safe"`` (a cast that would change a value is a StructureError) or
+        ``"unsafe"`` (numpy's cast), as ``fop.restore`` takes it.
       allow_cast: deprecated (``allow_cast=True`` is ``cast="unsafe"``).
       memory_limit_bytes: the host-memory ceiling (None: no bound): a leaf whose piece
-        read to host (and its cast, where the dtype changes) is larger is refused,
-        naming the leaf and both figures, before any byte is read. A piece read
-        straight into the result (``like`` None or numpy, no cast) holds nothing more.
+        read to host (and its cast) is larger is an OptionError before any byte is read.
+
+    Returns:
+      The tree of ``like`` (or ``{tensor name: numpy array}``).
 
     Raises:
       StructureError: a leaf of ``like`` has no tensor, a shape differs, a cast would
@@ -240,10 +229,9 @@ def _read_onto(
 
 
 def held_bytes(plan: _placing.LeafPlan) -> int:
-    """Host bytes that reading ``plan``'s leaf holds beyond the result, at most: the
-    largest piece read (the whole leaf, or the largest region of a sharded ``like``
-    this process holds) in the stored dtype where it is not the result itself (placed
-    on a device, or cast), plus its cast."""
+    """Host bytes reading ``plan``'s leaf holds beyond the result, at most: its largest
+    piece here where that is not the result itself (placed on a device, or cast), plus
+    its cast."""
     like = plan.like
     stored, out = plan.stored_dtype.itemsize, plan.out_dtype.itemsize
     cast = plan.out_dtype != plan.stored_dtype
@@ -262,24 +250,20 @@ def held_bytes(plan: _placing.LeafPlan) -> int:
 
 
 def _refuse_over_limit(plans: list, limit: int | None) -> None:
-    """A leaf whose read holds more than the ceiling ``limit`` (:func:`held_bytes`):
-    an OptionError naming the leaf and both figures, before any byte is read."""
+    """OptionError for a leaf whose read holds more than ``limit`` (:func:`held_bytes`)."""
     if limit is None:
         return
     held, path = max(((held_bytes(p), p.path) for p, _, _ in plans), default=(0, ""))
     if held > limit:
         raise OptionError(
             f"memory_limit_bytes={limit}: leaf {path!r}: reading it holds {held} bytes of "
-            f"host memory (one piece read to host, and its cast), and from_safetensors "
-            f"reads one leaf at a time; nothing was read: give memory_limit_bytes >= "
-            f"{held} (or None)"
+            f"host memory; nothing was read: give memory_limit_bytes >= {held} (or None)"
         )
 
 
 def _check_placeable(plans: list) -> None:
-    """A leaf read onto a device (like: a jax.Array or ShapeDtypeStruct) in a dtype jax
-    cannot place there (float6 on CPU) is fop.restore's StructureError, not jax's raw
-    error at the first transfer: one probe (a 0-d array) per dtype and device."""
+    """A leaf read onto a device in a dtype jax cannot place there (float6 on CPU) is
+    fop.restore's StructureError, not jax's raw error: one probe per dtype and device."""
     seen = set()
     for plan, _, _ in plans:
         if plan.key_impl is not None or not isinstance(

@@ -1,7 +1,5 @@
 """The remains of an export that died: named by a marker, removed by the next export to
-its folder or by ``flax-orbax gc`` of it.
-
-Threading: stateless; local disk only.
+its folder or by ``flax-orbax gc``. Stateless; local disk only.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.safetensors.remains``.
 """
@@ -36,8 +34,7 @@ def temp_name(final_name: str, nonce: str) -> str:
 
 
 def begin(directory: str) -> str:
-    """Writes a new export's marker in ``directory`` (created exclusively, never through
-    a link) and returns its nonce, for :func:`temp_name`."""
+    """Writes a new export's marker in ``directory`` (exclusively); returns its nonce."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(16):
         nonce = secrets.token_hex(8)
@@ -62,8 +59,8 @@ def end(directory: str, nonce: str) -> None:
 
 
 def _writer_gone(path: str, nonce: str) -> bool:
-    """True when ``path`` is our marker for ``nonce`` and names a process of this host
-    that no longer exists; False whenever that is not certain."""
+    """True when ``path`` is our marker for ``nonce``, of a process of this host that
+    is gone; False whenever that is not certain."""
     try:
         doc = loads_json(
             read_capped(path, follow_links=False, what="marker", max_bytes=_MAX_MARKER_BYTES), path
@@ -78,8 +75,7 @@ def _writer_gone(path: str, nonce: str) -> bool:
 
 
 def dead(directory: str) -> list[str]:
-    """The names in ``directory`` that exports which died left: each such export's
-    temporary files (regular files carrying its nonce), then its marker."""
+    """What exports that died left in ``directory``: each one's files, then its marker."""
     try:
         names = os.listdir(directory)
     except OSError:
@@ -96,8 +92,7 @@ def dead(directory: str) -> list[str]:
 
 
 def remove_dead(directory: str) -> list[str]:
-    """Removes what :func:`dead` names (each marker after its files); returns those
-    names. A failure to remove one is logged and the rest goes on."""
+    """Removes what :func:`dead` names (a failure is logged); returns the names removed."""
     removed = []
     for name in dead(directory):
         try:
