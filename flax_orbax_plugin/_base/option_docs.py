@@ -1,7 +1,5 @@
-"""Declared options as a reader sees them: the signature ``help()`` shows for a function
-that takes ``**options``, one docstring line per option, the markdown table of the
-docs. Built where a public name is defined (import time) and by the docs' tests; no
-call of an operation runs here.
+"""Declared options as a reader sees them: a signature for ``help()``, docstring lines,
+the docs' markdown table. Built at import time and by the docs' tests.
 
 Pure functions over frozen declarations; any thread.
 
@@ -22,9 +20,8 @@ __all__ = ["doc_lines", "doc_table", "signature"]
 def signature(
     leading: Iterable[inspect.Parameter], declared: Iterable[Option]
 ) -> inspect.Signature:
-    """``leading`` (``self``, ``directory``...) then every declared option as a
-    keyword-only parameter with its default and type: what ``help()`` and
-    ``inspect.signature`` show for a function that takes ``**options``."""
+    """``leading`` (``self``, ``directory``...), then every declared option as a
+    keyword-only parameter with its default and type."""
     options = [
         inspect.Parameter(
             o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type_text
@@ -42,8 +39,7 @@ def doc_lines(declared: Iterable[Option], *, indent: str = "  ") -> str:
 
 
 def doc_table(declared: Iterable[Option]) -> str:
-    """The declared options as a markdown table (docs/manager.md holds these, tested
-    to match): option, type, default, doc."""
+    """The declared options as a markdown table (docs/manager.md, tested to match)."""
     rows = ["| option | type | default | what it does |", "|---|---|---|---|"]
     for o in declared:
         kind = o.type_text.replace("|", "\\|")
