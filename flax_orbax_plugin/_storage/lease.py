@@ -15,13 +15,12 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from .._base import processes as _processes
 from .._errors import CheckpointError, DirectoryLockedError
 from .location import Location
-from .run_record import RunRecord, read_versioned, write_if
+from .run_record import RUN_FILE, RunRecord, read_versioned, write_if
 
 __all__ = ["LEASE_SECONDS", "Lease", "live_holder", "take"]
 
@@ -38,25 +37,20 @@ def when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")
 
 
-def dead_here(rec: RunRecord) -> bool:
-    """True when the record's holder ran on this host and its process is gone (a
-    restart after SIGKILL need not wait for the lease to run out)."""
-    return _processes.alive_here(rec.host, rec.pid) is False
-
-
 def _live(rec: RunRecord | None, now: float) -> bool:
+    """Whether ``rec`` holds a lease not run out, of a holder not known dead (one of this
+    host whose process is gone: a restart after SIGKILL need not wait)."""
     return (
         rec is not None
         and rec.lease_expires is not None
         and rec.lease_expires > now
-        and not dead_here(rec)
+        and _processes.alive_here(rec.host, rec.pid) is not False
     )
 
 
 def live_holder(loc: Location) -> str | None:
-    """Who holds a live lease on the object-store place ``loc`` now (its record's words
-    and when the lease ends), or None: nobody (the lock's :func:`.lock.live_holder` for
-    a local directory). Reads only; a record that cannot be read names nobody."""
+    """Who holds a live lease on the object-store place ``loc`` now, and until when, or
+    None (also for a record that cannot be read). Reads only."""
     try:
         rec, _ = read_versioned(loc)
     except CheckpointError:
@@ -85,14 +79,11 @@ def settle(
     loc: Location, rec: RunRecord | None, generation: Any, *, what: str, clock=time.time
 ) -> tuple[RunRecord | None, Any]:
     """Before taking ``loc`` (its record ``rec``, read at ``generation``; ``what``: the
-    place in words): a live lease of a process of this host is a DirectoryLockedError
-    at once. One of another host is waited out, when it ends within
-    :data:`MAX_WAIT_SECONDS` (a job rescheduled onto a new machine after its old one
-    died: its lease is no longer renewed): the record is read again every second;
-    renewed meanwhile, its holder is alive: DirectoryLockedError at once (within a
-    third of its lease). A lease that ran out, whose holder died here, or was released
-    is taken over (a WARNING names it). Returns the record and generation to write
-    over."""
+    place in words): a live lease of this host is a DirectoryLockedError at once; one of
+    another host ending within :data:`MAX_WAIT_SECONDS` is waited out (a job moved off a
+    dead machine), re-read every second, and refused once renewed. A lease run out,
+    released, or of a holder dead here is taken over with a WARNING. Returns the record
+    and generation to write over."""
     said = False
     while _live(rec, now := clock()):
         assert rec is not None and rec.lease_expires is not None
@@ -126,12 +117,20 @@ def settle(
 
 
 class Lease:
-    """A lease on ``loc`` for run ``run``, taken by :meth:`take` from the record found
-    at its generation; renewed on a daemon thread until :meth:`release`."""
+    """A lease on ``loc`` for run ``run`` by ``holder``, taken by :meth:`take`; renewed
+    on a daemon thread until :meth:`release`."""
 
-    def __init__(self, loc: Location, run: str, *, seconds: float = LEASE_SECONDS, clock=time.time):
+    def __init__(
+        self,
+        loc: Location,
+        run: str,
+        *,
+        seconds: float = LEASE_SECONDS,
+        clock=time.time,
+        holder: str | None = None,
+    ):
         self.loc, self.run, self.seconds, self._clock = loc, run, seconds, clock
-        self.holder = secrets.token_hex(8)
+        self.holder = secrets.token_hex(8) if holder is None else holder
         self._generation: Any = None  # of the record we last wrote
         self._guard = threading.Lock()  # guards _generation and _lost
         self._lost: DirectoryLockedError | None = None
@@ -143,17 +142,23 @@ class Lease:
         expires = self._clock() + self.seconds if expires is None else expires
         return RunRecord.here(self.run, self.holder, expires)
 
-    def take(self, generation: Any, *, taken: Callable[[RunRecord | None], Exception]) -> None:
-        """Writes this holder's record if ``loc``'s is still at ``generation`` (the one
-        the caller read and checked with :func:`settle`), then renews it. Someone
-        else's write in between: ``taken(their record)`` is raised (None: the store
-        holds none, it refused the write)."""
+    def take(self, generation: Any) -> None:
+        """Writes this holder's record if ``loc``'s is still at ``generation`` (read and
+        checked with :func:`settle`), then renews it; DirectoryLockedError naming the
+        one who wrote in between."""
         new = write_if(self.loc, self.record(), generation)
         if new is None:
             theirs, _ = read_versioned(self.loc)
             if theirs is None:  # S3 reads a missing bucket as a missing key: this raises
                 self.loc.is_dir()
-            raise taken(theirs)
+                raise CheckpointError(
+                    f"{self.loc}: the store refused the conditional write of {RUN_FILE}, "
+                    f"and holds no record"
+                )
+            raise DirectoryLockedError(
+                f"{self.loc} was taken by {theirs.describe()} while this manager opened "
+                f"it: one writer at a time"
+            )
         self._generation = new
         self._thread = threading.Thread(target=self._renew_loop, name="fop-lease", daemon=True)
         self._thread.start()
@@ -178,10 +183,9 @@ class Lease:
             except Exception as e:  # noqa: BLE001  (the lease then expires by itself)
                 logger.warning("checkpoint: could not release the lease on %s: %s", self.loc, e)
 
-    def discard(self) -> None:
-        """A writer's open refused after the lease was taken: :meth:`release` (the
-        record stays: it names the run, and a released lease is taken by the next open)."""
-        self.release()
+    # A writer's open refused after the lease was taken: the record stays (it names the
+    # run; a released lease is taken by the next open).
+    discard = release
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.seconds / 3):
@@ -242,19 +246,10 @@ class Lease:
 
 
 def take(loc: Location, *, seconds: float = LEASE_SECONDS) -> Lease:
-    """A plain writer's lease on the object-store directory ``loc`` (a manager's open):
-    the run its record names goes on (a new one without a record). DirectoryLockedError
+    """A plain writer's lease on the object-store directory ``loc`` (a manager's open),
+    for the run its record names (a new one without a record). DirectoryLockedError
     while another writer's lease is live, or when another open won meanwhile."""
     rec, generation = settle(loc, *read_versioned(loc), what="the directory")
     lease = Lease(loc, secrets.token_hex(16) if rec is None else rec.run, seconds=seconds)
-
-    def taken(theirs: RunRecord | None) -> Exception:
-        if theirs is None:
-            return CheckpointError(f"{loc}: the store refused the lease's conditional write")
-        return DirectoryLockedError(
-            f"{loc} was taken by {theirs.describe()} while this manager opened it: one "
-            f"writer at a time"
-        )
-
-    lease.take(generation, taken=taken)
+    lease.take(generation)
     return lease

@@ -1,9 +1,7 @@
 """A run owns its places: the local directory and the persistent path of a tiered
-manager each record the run that owns them (:mod:`.run_record`), and one live run
-holds them at a time: a lock on filesystems, a lease renewed every third of
-:data:`LEASE_SECONDS` on object stores (conditional writes, so two opens cannot both
-win). Both places must name the same run. Only the primary process creates a
-:class:`RunOwner`.
+manager each record the run that owns them (:mod:`.run_record`), and one live run holds
+them at a time (a lock on filesystems, a lease on object stores). Both places must name
+the same run. Only the primary process creates a :class:`RunOwner`.
 
 Threading: :meth:`RunOwner.open` and :meth:`RunOwner.close` from the thread that owns
 the tier (the training thread); :meth:`RunOwner.check` and
@@ -38,8 +36,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 def check_lease(lease_seconds: Any) -> float:
-    """``persistent_lease_seconds`` as a float; ValueError naming it otherwise (the
-    time a record states must stay one a reader can format: at most a year)."""
+    """``persistent_lease_seconds`` as a float; ValueError naming it otherwise."""
     ok = isinstance(lease_seconds, (int, float)) and not isinstance(lease_seconds, bool)
     if not (ok and MIN_LEASE_SECONDS <= lease_seconds <= MAX_LEASE_SECONDS):
         raise ValueError(
@@ -83,14 +80,14 @@ class RunOwner:
     # ------------------------------------------------------------------ open / close
 
     def open(self) -> str:
-        """Takes the persistent path for this run (lock or lease), checks that both
-        places belong to one run, writes the records a place lacks; returns the run id.
-        Raises DirectoryLockedError (another live run holds the path) or CheckpointError
-        (the places belong to different runs); nothing is held after a raise."""
+        """Takes the persistent path (lock or lease), checks that both places belong to
+        one run, writes the records a place lacks; returns the run id. Raises
+        DirectoryLockedError (another live run holds it) or CheckpointError (two runs);
+        nothing is held after a raise."""
         try:
             return self._open()
         except BaseException:
-            self._release()
+            self.close()
             raise
 
     def _open(self) -> str:
@@ -140,31 +137,20 @@ class RunOwner:
             if remote_rec is None or remote_rec != mine:
                 self.remote.write_bytes(RUN_FILE, mine.to_bytes())
         else:
-            self._lease = Lease(self.remote, run, seconds=self.lease_seconds, clock=self._clock)
-            self._lease.holder = self.holder
-            self._lease.take(generation, taken=self._taken)
+            self._lease = Lease(
+                self.remote, run, seconds=self.lease_seconds, clock=self._clock, holder=self.holder
+            )
+            self._lease.take(generation)
         if local_rec is None:
             self.local.makedirs()
             self.local.write_bytes(RUN_FILE, self._record().to_bytes())
         return run
 
-    def _taken(self, theirs: RunRecord | None) -> Exception:
-        if theirs is None:
-            return CheckpointError(
-                f"{self.remote}: the run record {RUN_FILE} could not be written (the store "
-                f"refused the conditional write, and holds no record)"
-            )
-        return DirectoryLockedError(
-            f"{self.remote} was taken by {theirs.describe()} while this manager opened it; "
-            f"one run writes to a persistent path at a time"
-        )
-
     def _refuse_steps_without_record(
         self, local_rec: RunRecord | None, remote_rec: RunRecord | None
     ) -> None:
-        """A place without a record that holds steps, beside one with a record: another
-        run's steps (every run writes both records at its open). Adopting it would copy
-        them into this run, and a resume would restore the other run's weights."""
+        """Refuses a place without a record that holds steps, beside one with a record:
+        another run's steps (every run writes both records at its open)."""
         pairs = ((self.local, local_rec, self.remote, remote_rec),)
         pairs += ((self.remote, remote_rec, self.local, local_rec),)
         for bare, rec, other, other_rec in pairs:
@@ -186,9 +172,6 @@ class RunOwner:
     def close(self) -> None:
         """Stops renewing and releases the place (the lock; on object stores the
         lease is marked released, ``lease_expires: 0``, keeping the run id). Idempotent."""
-        self._release()
-
-    def _release(self) -> None:
         if self._lease is not None:
             self._lease.release()
         if self._lock is not None:
