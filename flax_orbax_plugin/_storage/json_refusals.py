@@ -1,9 +1,5 @@
-"""Where in a JSON document a refusal points: the key under which a refused number
-stands in the raw text, and the first string of a value that UTF-8 cannot encode (a
-lone surrogate), with where it is.
-
-Only a refusal of ``local_files.parse`` or ``local_files.encode`` runs this (a damaged
-document read back, a value no reader would accept). Pure functions: any thread.
+"""Where in a JSON document a refusal of ``local_files.parse`` or ``encode`` points: the
+key of a refused number, the first string UTF-8 cannot encode. Pure functions: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.local_files``.
 """
@@ -27,9 +23,8 @@ def field_before(raw: bytes, text: str) -> str:
 
 
 def unencodable(value: Any) -> tuple[str, str] | None:
-    """(where in ``value``, the text) of the first str, as a dict key or a value,
-    that UTF-8 cannot encode (a lone surrogate); None when there is none. Walked
-    without recursion, to the depth a document may have."""
+    """(where in ``value``, the text) of the first str (key or value) that UTF-8 cannot
+    encode (a lone surrogate), or None. Walked without recursion."""
     stack: list[tuple[Any, str]] = [(value, "the value")]
     while stack:
         x, at = stack.pop()

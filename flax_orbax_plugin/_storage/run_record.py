@@ -1,10 +1,6 @@
-"""The run record of a place (``_RUN.json``): which run owns it, and who holds it.
-
-:class:`RunRecord` parses and checks the record (CorruptCheckpointError naming the
-field); :func:`read_record` reads it never through a link; on object stores
-:func:`read_versioned` and :func:`write_if` read it with its storage generation and
-write it only if that generation is still current (a compare-and-swap). The owner
-that uses them is :mod:`.run_owner`; the design: ``docs/run_owner.md``.
+"""The run record of a place (``_RUN.json``): which run owns it, and who holds it;
+read never through a link, and on object stores written only if its generation is
+still current (a compare-and-swap). The design: ``docs/run_owner.md``.
 """
 
 from __future__ import annotations
@@ -39,8 +35,8 @@ class RunRecord:
 
     @classmethod
     def here(cls, run: str, holder: str, expires: float | None = None) -> RunRecord:
-        """The record of ``run`` held by ``holder`` in this process of this host (a
-        lease ending ``expires``; None: a place held by a lock, or by its run alone)."""
+        """The record of ``run`` held by ``holder`` in this process (a lease ending
+        ``expires``; None: held by a lock)."""
         return cls(run, socket.gethostname(), os.getpid(), holder, expires)
 
     def to_bytes(self) -> bytes:
@@ -98,9 +94,8 @@ def _short(value: Any) -> str:
 
 
 def read_record(loc: Location) -> RunRecord | None:
-    """The record of ``loc``, or None when it has none. Never follows a link (a link
-    or special file at its name is a ForeignEntryError); a malformed record is a
-    CorruptCheckpointError naming the file and field."""
+    """The record of ``loc``, or None. Never follows a link (ForeignEntryError); a
+    malformed record is a CorruptCheckpointError naming the file and field."""
     raw = loc.read_bytes(RUN_FILE, max_bytes=MAX_RECORD_BYTES)
     return None if raw is None else RunRecord.from_bytes(raw, f"{loc}/{RUN_FILE}")
 

@@ -23,12 +23,9 @@ def check_visible(
     loc: Location, region: _distributed.Region | None, *, per_host_ok: bool = False
 ) -> bool:
     """Raises CheckpointError on every process when some process does not see what the
-    primary wrote in ``loc`` (see the module docstring). Every process calls it, in the
-    manager open's ``region`` (``_base.regions``).
-
-    With ``per_host_ok`` (a manager with a persistent tier), directories that no other
-    process sees (each host its own disk) are accepted: returns True then, on every
-    process. A mix (some processes share a directory, others do not) is refused."""
+    primary wrote in ``loc``. Every process calls it, in the manager open's ``region``.
+    With ``per_host_ok`` (a persistent tier), a directory per host is accepted: True
+    then, on every process; a mix is refused."""
     if _distributed.process_count() == 1 or not loc.is_local:
         return False
     if per_host_ok:
@@ -163,8 +160,7 @@ def _read(directory: str, name: str, nonce: bytes) -> str:
 
 def _remove(directory: str, name: str, identity: tuple[int, int]) -> None:
     """Unlinks ``directory/name`` only while it is still the file :func:`_create` made
-    (same device and inode, a regular file, no link followed). Errors are left alone:
-    a file of a few bytes left behind costs nothing and is never read as a step."""
+    (same device and inode, no link followed); errors are left alone (a few bytes)."""
     try:
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
