@@ -19,8 +19,6 @@ import numpy as np
 
 from .host import PAGE, empty
 
-__all__ = ["BufferPool", "populate"]
-
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 
 

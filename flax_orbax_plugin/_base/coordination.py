@@ -23,19 +23,6 @@ from .host import is_primary, process_count, process_index
 from .regions import CALLS, Region
 from .regions import client as _client
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "barrier",
-    "broadcast_str",
-    "fault_point",
-    "forget",
-    "gather_str",
-    "get_from",
-    "poll",
-    "publish",
-    "stall_timeout",
-]
-
 DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")  # the default stall timeout
 POLL_S = 0.25  # the longest slice of a wait in a region between looks at its failures
 

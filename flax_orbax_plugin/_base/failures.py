@@ -21,20 +21,6 @@ import jax
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
 from .regions import CALLS, Region, client
 
-__all__ = [
-    "FAILED",
-    "LEFT",
-    "PROGRAM",
-    "announce_agreement",
-    "announce_leaving",
-    "announce_program_end",
-    "failure_record",
-    "publish_failure",
-    "raise_elsewhere",
-    "raise_if_left",
-    "raise_published_failure",
-]
-
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
 LEFT = "fop/left"  # LEFT/<scope>/<process>: it left that scope (announce_leaving)
 PROGRAM = "program"  # the scope of waits outside a manager's: a process whose program ended

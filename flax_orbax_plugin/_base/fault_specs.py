@@ -12,8 +12,6 @@ import errno
 import re
 from typing import NamedTuple
 
-__all__ = ["FaultSpec", "fault_spec"]
-
 
 class FaultSpec(NamedTuple):
     """The phase, from its ``nth`` hit on, and the errno name of an injected error."""

@@ -21,22 +21,6 @@ from .env import INT64_MAX, Option, check, found
 from .keywords import refuse_without
 from .shown import outside_stacklevel
 
-__all__ = [
-    "AUTO",
-    "AUTO_FRACTION",
-    "HOST_MEMORY",
-    "HOST_MEMORY_BUDGET",
-    "available_bytes",
-    "check_ceiling",
-    "held_bytes",
-    "largest_row",
-    "refuse_idle",
-    "resolve",
-    "save_budget",
-    "take_old_name",
-]
-
-
 AUTO = "auto"
 
 

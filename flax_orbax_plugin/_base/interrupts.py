@@ -12,8 +12,6 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["Held", "deferred_sigint"]
-
 
 class Held:
     """The SIGINTs one deferral received so far (its handler while the block runs). A

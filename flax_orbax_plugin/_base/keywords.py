@@ -19,17 +19,6 @@ from typing import Any
 from .._errors import OptionError
 from .env import Option
 
-__all__ = [
-    "checked",
-    "keywords_taken",
-    "named_keywords",
-    "refuse_unknown",
-    "refuse_without",
-    "unexpected",
-    "unknown_keywords",
-    "with_defaults",
-]
-
 
 def unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = None) -> str:
     """Python's words for an unknown keyword, with the closest name as the hint."""

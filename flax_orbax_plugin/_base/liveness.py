@@ -26,8 +26,6 @@ from .._errors import CoordinationError
 from . import env as _env
 from .host import ACTIVITIES, Activities, Progress
 
-__all__ = ["PeerWatch", "activity_lines", "ensure_beating", "progress_signature"]
-
 ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
 LOOK_S = 1.0  # how often a wait reads the heartbeats (its first look: at its first slice's end)
 # Read once, at import: a bad value is refused at the package's first use, everywhere.

@@ -11,8 +11,6 @@ import os
 import socket
 from typing import Any
 
-__all__ = ["alive_here"]
-
 
 def alive_here(host: Any, pid: Any) -> bool | None:
     """True when ``pid`` runs on this host (another user's counts), False when it died,

@@ -13,9 +13,6 @@ import dataclasses
 
 from .._errors import CoordinationError
 
-__all__ = ["CALLS", "Region", "client"]
-
-
 # Coordination calls made by this process, by kind ("barrier", "kv_set", "kv_get",
 # "kv_delete", "failure_check"): tests assert how many one save costs.
 CALLS: collections.Counter[str] = collections.Counter()

@@ -11,8 +11,6 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["LIMIT", "gaps", "listed", "number_ranges", "outside_stacklevel"]
-
 LIMIT = 8  # items a message names before "... and N more"
 _ITEM_CHARS = 200  # one item's text at most (a name may be long too)
 

@@ -21,16 +21,6 @@ from . import server_copy as _server_copy
 from .contexts import context
 from .location import Location
 
-__all__ = [
-    "PAUSED_POLL_S",
-    "REMOVAL_CONCURRENCY",
-    "batch_deleter",
-    "delete_batches",
-    "delete_keys",
-    "delete_objects",
-    "removal_context",
-]
-
 REMOVAL_CONCURRENCY = 8  # delete requests in flight by default (S3 / GCS)
 PAUSED_POLL_S = 0.01  # how often a paused removal asks whether it may go on
 

@@ -22,8 +22,6 @@ from .._errors import CheckpointError, DirectoryLockedError
 from .location import Location
 from .run_record import RUN_FILE, RunRecord, read_versioned, write_if
 
-__all__ = ["LEASE_SECONDS", "Lease", "live_holder", "take"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 LEASE_SECONDS = 60.0

@@ -24,14 +24,6 @@ from .location import Location
 from .lock import DirectoryLock
 from .run_record import RUN_FILE, RunRecord, read_record, read_versioned
 
-__all__ = [
-    "LEASE_SECONDS",
-    "MAX_LEASE_SECONDS",
-    "MIN_LEASE_SECONDS",
-    "RunOwner",
-    "check_lease",
-]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 

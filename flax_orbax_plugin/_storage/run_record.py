@@ -15,8 +15,6 @@ from .._errors import CorruptCheckpointError
 from . import local_files as _local_files
 from .location import Location
 
-__all__ = ["MAX_RECORD_BYTES", "RUN_FILE", "RunRecord", "read_record", "read_versioned", "write_if"]
-
 RUN_FILE = "_RUN.json"
 MAX_RECORD_BYTES = _local_files.RUN_RECORD.max_bytes
 _LIBRARY = "flax_orbax_plugin"
