@@ -10,7 +10,6 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.distribut
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 from .._errors import CoordinationError
@@ -34,11 +33,6 @@ def stall_timeout(explicit: float | None = None, *, region: Region | None) -> fl
         return explicit
     found = None if region is None else region.stall_s
     return DEFAULT_TIMEOUT_S if found is None else found
-
-
-def _stall_name(region: Region | None) -> str:
-    unset = region is None or region.stall_s is None
-    return "FOP_COORDINATION_TIMEOUT_S" if unset else "stall_timeout"
 
 
 def _timed_out(e: Exception) -> bool:
@@ -66,10 +60,7 @@ def _wait(
         f"{key!r} from process {process}",
         stall_s=timeout,
         late=late or (lambda: [process]),
-        region=None if region is None else region.kind,
-        stall_name=_stall_name(region),
-        operation=None if region is None else (region.kind, region.tag),
-        elsewhere=functools.partial(_failures.raise_elsewhere, region),
+        region=region,
     )
     piece = 0.02
     with _host.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):

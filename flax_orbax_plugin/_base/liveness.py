@@ -24,7 +24,9 @@ from typing import Any
 
 from .._errors import CoordinationError
 from . import env as _env
+from .failures import raise_elsewhere
 from .host import ACTIVITIES, Activities, Progress
+from .regions import Region
 
 ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
 LOOK_S = 1.0  # how often a wait reads the heartbeats (its first look: at its first slice's end)
@@ -144,7 +146,7 @@ class PeerWatch:
 
     ``what``: the wait, in words (``barrier 'fop/...'``); ``late()``: the processes it
     still waits for (called only when a report is due); ``stall_s``: the stall timeout,
-    how long a process may make no progress (``stall_name``: the option that set it)."""
+    how long a process may make no progress; ``region``: the wait's, if any."""
 
     def __init__(
         self,
@@ -154,14 +156,12 @@ class PeerWatch:
         *,
         stall_s: float,
         late: Callable[[], list[int]],
-        region: str | None = None,
-        stall_name: str = "FOP_COORDINATION_TIMEOUT_S",
-        operation: tuple[str, str] | None = None,
-        elsewhere: Callable[[int, str, str], None] | None = None,
+        region: Region | None = None,
     ):
         self._client, self._me, self._what, self._late = client, me, what, late
-        self._region, self._operation, self._elsewhere = region, operation, elsewhere
-        self._stall_s, self._stall_name = stall_s, stall_name
+        self._region, self._stall_s = region, stall_s
+        unset = region is None or region.stall_s is None
+        self._stall_name = "FOP_COORDINATION_TIMEOUT_S" if unset else "stall_timeout"
         self._silent_s, self._report_s = PEER_SILENT_S, LATE_REPORT_S
         self._start = time.monotonic()
         # The first look at once: a process's silence is counted from its beat first seen,
@@ -255,13 +255,12 @@ class PeerWatch:
         """A process whose operation of this wait's number is of another kind took
         another path and never sets the value: ``elsewhere(process, its kind, doing)``
         raises at once."""
-        if self._operation is None or self._elsewhere is None:
+        if self._region is None:
             return
-        kind, tag = self._operation
         for line in seen.doing:
             for m in _OPERATION.finditer(line):
-                if m.group(2) == tag and m.group(1) != kind:
-                    self._elsewhere(process, m.group(1), self._doing(seen))
+                if m.group(2) == self._region.tag and m.group(1) != self._region.kind:
+                    raise_elsewhere(self._region, process, m.group(1), self._doing(seen))
 
     def _check_mutual(self, process: int, seen: _Seen, now: float) -> None:
         """Two live processes that only wait for each other: limited by the stall timeout."""
@@ -297,7 +296,7 @@ class PeerWatch:
                 self._seen[process] = _Seen(beat, now, doing, moved, moved_at)
 
     def _prefix(self) -> str:
-        where = f" in {self._region}" if self._region else ""
+        where = f" in {self._region.kind}" if self._region else ""
         return f"process {self._me}{where}, waiting for {self._what}: "
 
     @staticmethod
