@@ -1,7 +1,9 @@
 """The keywords an entry is given, as a whole (one option's value is ``_base.env``'s):
 "did you mean" for one it does not take (:func:`named_keywords` on the public names,
 :func:`refuse_unknown` for ``**options``), an option given in a mode where it does
-nothing (:func:`refuse_without`), the declared defaults (:func:`with_defaults`).
+nothing (:func:`refuse_without`), the declared defaults (:func:`with_defaults`); and
+the declarations as a reader sees them (a signature for ``help()``, docstring lines, the
+docs' markdown table), built at import time and by the docs' tests.
 
 Pure functions over frozen declarations; any thread.
 
@@ -140,3 +142,40 @@ def refuse_without(option: str, value: Any, needs: str, *, default: Any = None) 
 def with_defaults(declared: Iterable[Option], given: Mapping[str, Any]) -> dict[str, Any]:
     """``{name: value}`` of every declared option: ``given``'s, else its default."""
     return {o.name: given[o.name] if o.name in given else o.default for o in declared}
+
+
+def signature(
+    leading: Iterable[inspect.Parameter], declared: Iterable[Option]
+) -> inspect.Signature:
+    """``leading`` (``self``, ``directory``...), then every declared option as a
+    keyword-only parameter with its default and type."""
+    options = [
+        inspect.Parameter(
+            o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type_text
+        )
+        for o in declared
+    ]
+    return inspect.Signature([*leading, *options])
+
+
+def doc_lines(declared: Iterable[Option], *, indent: str = "  ") -> str:
+    """One line per declared option, ``name: doc (default: ...)``, for a docstring."""
+    return "\n".join(
+        f"{indent}{o.name}: {o.doc} (default: {_default_text(o.default)})" for o in declared
+    )
+
+
+def doc_table(declared: Iterable[Option]) -> str:
+    """The declared options as a markdown table (docs/manager.md, tested to match)."""
+    rows = ["| option | type | default | what it does |", "|---|---|---|---|"]
+    for o in declared:
+        kind = o.type_text.replace("|", "\\|")
+        rows.append(f"| `{o.name}` | `{kind}` | `{_default_text(o.default)}` | {o.doc} |")
+    return "\n".join(rows)
+
+
+def _default_text(value: Any) -> str:
+    name = getattr(value, "__qualname__", None)
+    if callable(value) and name is not None:
+        return f"{getattr(value, '__module__', '')}.{name}".lstrip(".")
+    return repr(value)

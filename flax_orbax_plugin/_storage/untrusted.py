@@ -1,8 +1,9 @@
 """Local entries that may not be what they seem, never followed through a link: the one
 opener every foreign-format reader uses (:func:`open_regular`: ``O_NONBLOCK``, so a FIFO
 never blocks; anything but a regular file is a :class:`ForeignEntryError`), a capped
-whole read, untrusted JSON, what a refused entry is (:func:`entry_kind`), and a local
-directory as a whole (size, newest change, removal), walked with ``lstat``.
+whole read, untrusted JSON and where in it a refusal of ``local_files`` points, what a
+refused entry is (:func:`entry_kind`), and a local directory as a whole (size, newest
+change, removal), walked with ``lstat``.
 
 Pure functions of paths: any thread.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 from typing import Any
@@ -154,3 +156,47 @@ def newest_mtime(path: str) -> float:
     except OSError:
         return float("inf")
     return max(times)
+
+
+_KEY_BEFORE = re.compile(rb'"([^"\\]{1,64})"\s*:\s*[\[\s]*$')
+
+
+def field_before(raw: bytes, text: str) -> str:
+    """The key under which the number ``text`` first appears in ``raw`` (for the error
+    message), else its byte offset."""
+    at = raw.find(text.encode())
+    if at < 0:
+        return "?"
+    match = _KEY_BEFORE.search(raw[max(0, at - 200) : at])
+    return match.group(1).decode(errors="replace") if match else f"at byte {at}"
+
+
+def unencodable(value: Any) -> tuple[str, str] | None:
+    """(where in ``value``, the text) of the first str (key or value) that UTF-8 cannot
+    encode (a lone surrogate), or None. Walked without recursion."""
+    stack: list[tuple[Any, str]] = [(value, "the value")]
+    while stack:
+        x, at = stack.pop()
+        if isinstance(x, str):
+            if not _encodes(x):
+                return at, _shown(x)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                if isinstance(k, str) and not _encodes(k):
+                    return f"the key {_shown(k)!r} of {at}", _shown(k)
+                stack.append((v, f"{at}[{k!r}]"[:200]))
+        elif isinstance(x, list | tuple):
+            stack.extend((v, f"{at}[{i}]"[:200]) for i, v in enumerate(x))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(text: str) -> str:
+    return text if len(text) <= 40 else text[:37] + "..."
