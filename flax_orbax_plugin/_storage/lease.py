@@ -74,7 +74,7 @@ def _refusal(loc: Location, rec: RunRecord, now: float, what: str) -> DirectoryL
 
 
 def settle(
-    loc: Location, rec: RunRecord | None, generation: Any, *, what: str, clock=time.time
+    loc: Location, rec: RunRecord | None, generation: Any, *, what: str
 ) -> tuple[RunRecord | None, Any]:
     """Before taking ``loc`` (its record ``rec``, read at ``generation``; ``what``: the
     place in words): a live lease of this host is a DirectoryLockedError at once; one of
@@ -83,7 +83,7 @@ def settle(
     released, or of a holder dead here is taken over with a WARNING. Returns the record
     and generation to write over."""
     said = False
-    while _live(rec, now := clock()):
+    while _live(rec, now := time.time()):
         assert rec is not None and rec.lease_expires is not None
         left = rec.lease_expires - now
         if rec.host == socket.gethostname() or left > MAX_WAIT_SECONDS:
@@ -99,8 +99,8 @@ def settle(
             said = True
         time.sleep(min(1.0, left + 0.05))
         found, found_generation = read_versioned(loc)
-        if _live(found, clock()) and found is not None and found != rec:  # renewed: alive
-            raise _refusal(loc, found, clock(), what)
+        if _live(found, time.time()) and found is not None and found != rec:  # renewed: alive
+            raise _refusal(loc, found, time.time(), what)
         rec, generation = found, found_generation
     if rec is not None and rec.lease_expires:
         logger.warning(
@@ -108,7 +108,7 @@ def settle(
             "without closing)",
             loc,
             rec.describe(),
-            "expired" if rec.lease_expires <= clock() else "would expire (its process is gone)",
+            "expired" if rec.lease_expires <= time.time() else "would expire (its process is gone)",
             when(rec.lease_expires),
         )
     return rec, generation
@@ -124,10 +124,9 @@ class Lease:
         run: str,
         *,
         seconds: float = LEASE_SECONDS,
-        clock=time.time,
         holder: str | None = None,
     ):
-        self.loc, self.run, self.seconds, self._clock = loc, run, seconds, clock
+        self.loc, self.run, self.seconds = loc, run, seconds
         self.holder = secrets.token_hex(8) if holder is None else holder
         self._generation: Any = None  # of the record we last wrote
         self._guard = threading.Lock()  # guards _generation and _lost
@@ -137,7 +136,7 @@ class Lease:
 
     def record(self, *, expires: float | None = None) -> RunRecord:
         """This holder's record, its lease ending ``expires`` (default: a lease from now)."""
-        expires = self._clock() + self.seconds if expires is None else expires
+        expires = time.time() + self.seconds if expires is None else expires
         return RunRecord.here(self.run, self.holder, expires)
 
     def take(self, generation: Any) -> None:
@@ -160,10 +159,6 @@ class Lease:
         self._generation = new
         self._thread = threading.Thread(target=self._renew_loop, name="fop-lease", daemon=True)
         self._thread.start()
-
-    @property
-    def held(self) -> bool:
-        return self._generation is not None
 
     def release(self) -> None:
         """Stops renewing and marks the lease released (``lease_expires: 0``, the run id
@@ -229,12 +224,10 @@ class Lease:
             if self._lost is not None:
                 raise self._lost
 
-    def before_commit(self) -> None:
-        """A writer's check right before it commits a step (any thread): the lease is
-        renewed now, by a conditional write, so a writer that lost the place (it was
-        stopped past its lease, and another took it) commits nothing over the new
-        holder's steps: DirectoryLockedError instead (the step is aborted)."""
-        self.renew()
+    # A writer's check right before it commits a step (any thread): renewed by a
+    # conditional write, a writer that lost the place commits nothing over the new
+    # holder's steps (DirectoryLockedError: the step is aborted).
+    before_commit = renew
 
     def take_again_if_lost(self) -> bool:
         """The writer's check before each write (as ``DirectoryLock``'s): raises the

@@ -47,15 +47,10 @@ class DirectoryLock:
             if ours and not collected:  # one nobody holds any more (a notebook cell run
                 gc.collect()  # again) lets go when it is collected
                 return self.acquire(collected=True)
+            mine = ": this process; close() its CheckpointManager (or callback) first"
             raise DirectoryLockedError(
                 f"{os.path.dirname(self.path)} already has a live writer ({holder}"
-                + (
-                    ": this process; close() its CheckpointManager (or callback) first, or "
-                    "use it; one you no longer hold lets go once its save in flight ended"
-                    if ours
-                    else ""
-                )
-                + "); open it with read_only=True to read while it trains"
+                f"{mine if ours else ''}); open it with read_only=True to read while it trains"
             ) from None
         except BaseException:
             os.close(fd)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +46,6 @@ class RunOwner:
       lease_seconds: the lease on object stores (see ``docs/run_owner.md``).
       steps_of: a place's committed steps (a place without a record that holds steps
         was never this run's: every run writes both records when it opens).
-      clock: wall-clock time source (``time.time``).
     """
 
     def __init__(
@@ -57,13 +55,11 @@ class RunOwner:
         *,
         lease_seconds: float = LEASE_SECONDS,
         steps_of: Callable[[Location], list[int]],
-        clock=time.time,
     ):
         self.local = local
         self.remote = remote
         self._steps_of = steps_of
-        self.lease_seconds = check_lease(lease_seconds)
-        self._clock = clock
+        self.lease_seconds = lease_seconds  # checked by the tier (check_lease)
         self.holder = secrets.token_hex(8)
         self.run_id: str | None = None
         self._lock: DirectoryLock | None = None  # the persistent path's, on filesystems
@@ -96,19 +92,14 @@ class RunOwner:
             self._lock.acquire()  # DirectoryLockedError: another live writer
             remote_rec, generation = read_record(self.remote), None
         else:
-            remote_rec, generation = settle(
-                self.remote,
-                *read_versioned(self.remote),
-                what="the persistent path",
-                clock=self._clock,
-            )
+            found = read_versioned(self.remote)
+            remote_rec, generation = settle(self.remote, *found, what="the persistent path")
         if local_rec is not None and remote_rec is not None and local_rec.run != remote_rec.run:
             raise CheckpointError(
                 f"{self.local} belongs to run {local_rec.run} but the persistent path "
-                f"{self.remote} belongs to run {remote_rec.run} (their {RUN_FILE} records "
-                f"differ): they are two runs, and mixing them would replace or restore the "
-                f"other's steps. Give this run its own persistent path, or its own local "
-                f"directory (an empty one continues the persistent path's run)"
+                f"{self.remote} belongs to run {remote_rec.run} ({RUN_FILE}): two runs. Give "
+                f"this run its own persistent path, or its own local directory (an empty one "
+                f"continues the persistent path's run)"
             )
         self._refuse_steps_without_record(local_rec, remote_rec)
         if local_rec is not None:
@@ -129,9 +120,7 @@ class RunOwner:
             if remote_rec is None or remote_rec != mine:
                 self.remote.write_bytes(RUN_FILE, mine.to_bytes())
         else:
-            self._lease = Lease(
-                self.remote, run, seconds=self.lease_seconds, clock=self._clock, holder=self.holder
-            )
+            self._lease = Lease(self.remote, run, seconds=self.lease_seconds, holder=self.holder)
             self._lease.take(generation)
         if local_rec is None:
             self.local.makedirs()
@@ -150,10 +139,8 @@ class RunOwner:
             if steps:
                 raise CheckpointError(
                     f"{bare} holds steps {steps[-3:]} but no run record ({RUN_FILE}), while "
-                    f"{other} belongs to run {other_rec.run}: its steps are not that run's "
-                    f"(every run records itself in both places when it opens), and mixing "
-                    f"them would restore one run's weights into the other. Give this run "
-                    f"its own persistent path, or its own local directory"
+                    f"{other} belongs to run {other_rec.run}: its steps are another run's. "
+                    f"Give this run its own persistent path, or its own local directory"
                 )
 
     def _record(self) -> RunRecord:

@@ -75,23 +75,10 @@ def copier_for(location: Location) -> tuple[Copier | None, str]:
     spec = location.spec
     spec.pop("path", None)
     driver = spec.get("driver")
-    if driver == "s3":
-        env = tuple(
-            os.environ.get(k)
-            for k in ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE")
-        )
-        return _s3_copier(json.dumps(spec, sort_keys=True), env)
-    if driver == "gcs":
-        env = tuple(
-            os.environ.get(k)
-            for k in (
-                "TENSORSTORE_GCS_HTTP_URL",
-                "GOOGLE_AUTH_TOKEN_FOR_TESTING",
-                "GOOGLE_APPLICATION_CREDENTIALS",
-            )
-        )
-        return _gcs_copier(json.dumps(spec, sort_keys=True), env)
-    return None, f"the {driver!r} kvstore driver has no server-side copy"
+    if driver not in _COPIERS:
+        return None, f"the {driver!r} kvstore driver has no server-side copy"
+    make, names = _COPIERS[driver]
+    return make(json.dumps(spec, sort_keys=True), tuple(os.environ.get(k) for k in names))
 
 
 # -- S3 -----------------------------------------------------------------------------------
@@ -329,6 +316,19 @@ def _exact(body: bytes, start: int, stop: int, shown: str) -> bytes:
             f"the store answered {len(body)}{'+' if len(body) > stop - start else ''}"
         )
     return body
+
+
+_COPIERS = {  # driver: its copier by (spec, environment), the variables it depends on
+    "s3": (_s3_copier, ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE")),
+    "gcs": (
+        _gcs_copier,
+        (
+            "TENSORSTORE_GCS_HTTP_URL",
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+        ),
+    ),
+}
 
 
 def _gcs_info(obj: dict) -> ObjectInfo:
