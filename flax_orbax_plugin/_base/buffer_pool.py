@@ -9,6 +9,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.host``.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
 import mmap
@@ -72,10 +73,7 @@ class BufferPool:
         """Makes the free lists hold one populated buffer per byte size of ``sizes`` (one
         save's, ``_core.pool_sizes``); returns the bytes newly allocated. Call with no
         save in flight (the training thread)."""
-        want: dict[int, int] = {}
-        for n in sizes:
-            if n >= self.MIN_BYTES:
-                want[n] = want.get(n, 0) + 1
+        want = collections.Counter(n for n in sizes if n >= self.MIN_BYTES)
         made = 0
         with self._lock:
             free = {n: list(a) for n, a in self._free.items()}
@@ -107,14 +105,10 @@ class BufferPool:
             raw = empty((nbytes,), np.uint8)
         return raw.view(dtype).reshape(shape)
 
-    def copy(self, array: np.ndarray, later: list | None = None) -> np.ndarray:
-        """A pooled copy of ``array``; with ``later``, the copy is only appended to it as
-        (buffer, array), for :func:`copy_all` to make."""
+    def copy(self, array: np.ndarray) -> np.ndarray:
+        """A pooled copy of ``array``."""
         out = self.empty(array.shape, array.dtype)
-        if later is None:
-            np.copyto(out, array)
-        else:
-            later.append((out, array))
+        np.copyto(out, array)
         return out
 
     def give_back(self, arrays) -> None:

@@ -10,6 +10,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.distribut
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from .._errors import CoordinationError
@@ -19,7 +20,7 @@ from . import host as _host
 from . import liveness as _liveness
 from .failures import raise_published_failure
 from .host import is_primary, process_count, process_index
-from .regions import CALLS, Region
+from .regions import CALLS, Region, is_set
 from .regions import client as _client
 
 DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")  # the default stall timeout
@@ -88,7 +89,7 @@ def barrier(name: str, *, region: Region | None, timeout_s: float | None = None)
     client.key_value_set(f"{name}/at/{me}", "1")
 
     def late() -> list[int]:
-        return [p for p in range(process_count()) if p != me and not _is_set(f"{name}/at/{p}")]
+        return [p for p in range(process_count()) if p != me and not is_set(f"{name}/at/{p}")]
 
     def describe(said: str) -> str:
         return (
@@ -99,14 +100,6 @@ def barrier(name: str, *, region: Region | None, timeout_s: float | None = None)
     for p in range(process_count()):
         if p != me:
             _wait(f"{name}/at/{p}", timeout, describe, p, region=region, late=late)
-
-
-def _is_set(key: str) -> bool:
-    try:
-        _client().key_value_try_get(key)
-        return True
-    except Exception:  # noqa: BLE001  (NOT_FOUND, or a service gone: not there either way)
-        return False
 
 
 def broadcast_str(
@@ -146,10 +139,8 @@ def forget(name: str) -> None:
     (errors ignored: a value left behind costs memory only)."""
     if process_count() > 1:
         CALLS["kv_delete"] += 1
-        try:
+        with contextlib.suppress(Exception):
             _client().key_value_delete(f"{name}/{process_index()}")
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def gather_str(name: str, *, region: Region | None, timeout_s: float | None = None) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
-from .regions import CALLS, Region, client
+from .regions import CALLS, Region, client, is_set
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
 LEFT = "fop/left"  # LEFT/<scope>/<process>: it left that scope (announce_leaving)
@@ -92,11 +92,8 @@ def raise_if_left(process: int, key: str, region: Region | None) -> None:
         said = c.key_value_try_get(f"{LEFT}/{scope}/{process}")
     except Exception:  # noqa: BLE001  (NOT_FOUND: it did not leave)
         return
-    try:
-        c.key_value_try_get(key)  # set before it left: read on
+    if is_set(key):  # set before it left: read on
         return
-    except Exception:  # noqa: BLE001
-        pass
     r = failure_record(said)
     where = "waiting" if region is None else region.kind
     said = f"left {r['kind']} with {r['type']}: {r['message']}"

@@ -13,6 +13,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.regions``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -74,10 +75,8 @@ class _Heartbeat:
         self._last: tuple | None = None
 
     def start(self) -> _Heartbeat:
-        try:
+        with contextlib.suppress(Exception):  # the thread tries again; a wait reports it
             self._beat()  # the first beat before the first wait, on the caller's thread
-        except Exception:  # noqa: BLE001  (the thread tries again; a wait reports a service gone)
-            pass
         self._thread.start()
         return self
 
@@ -195,11 +194,7 @@ class PeerWatch:
         elif now - seen.at >= self._silent_s:
             with _DEAD_LOCK:
                 _DEAD[(id(self._client), process)] = (self._client, seen)
-            raise CoordinationError(
-                f"{self._prefix()}process {process} is dead: its heartbeat stopped "
-                f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}); it was "
-                f"{self._doing(seen)}"
-            )
+            raise self._dead(process, seen, now)
         else:
             self._check_path(process, seen)
             if _only_waiting(seen.doing):
@@ -225,11 +220,13 @@ class PeerWatch:
                 if _DEAD.get((id(self._client), process), (None, None))[1] is dead:
                     del _DEAD[(id(self._client), process)]
             return
-        raise CoordinationError(
+        raise self._dead(process, dead, now, "; named dead by an earlier wait, not beaten since")
+
+    def _dead(self, process: int, seen: _Seen, now: float, why: str = "") -> CoordinationError:
+        return CoordinationError(
             f"{self._prefix()}process {process} is dead: its heartbeat stopped "
-            f"{now - dead.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}; named dead "
-            f"by an earlier wait, and it has not beaten since); it was "
-            f"{self._doing(dead)}"
+            f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}{why}); it was "
+            f"{self._doing(seen)}"
         )
 
     def _check_stalled(self, process: int, seen: _Seen, now: float) -> None:
@@ -240,9 +237,8 @@ class PeerWatch:
             raise CoordinationError(
                 f"{self._prefix()}process {process} is alive but has not made this call: "
                 f"for {still:.1f}s ({self._stall_name}={self._stall_s:g}) it was doing "
-                f"nothing of this library's. A collective call (a save or read with "
-                f"several processes, a manager's save, restore or close) must be made by "
-                f"every process, in the same order; was it called on some processes only?"
+                f"nothing of this library's; was this collective call made on some processes "
+                f"only? Every process makes them, in the same order"
             )
         if still >= self._stall_s:
             raise CoordinationError(

@@ -30,6 +30,15 @@ def client():
     return found
 
 
+def is_set(key: str) -> bool:
+    """Whether ``key`` is set in the coordination service now (a service gone: no)."""
+    try:
+        client().key_value_try_get(key)
+        return True
+    except Exception:  # noqa: BLE001  (NOT_FOUND, or a service gone: not there either way)
+        return False
+
+
 @dataclasses.dataclass
 class Region:
     """One collective operation: its kind (``manager-save`` ...) and its tag, the same on

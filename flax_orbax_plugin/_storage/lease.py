@@ -8,6 +8,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.lease`
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -203,10 +204,8 @@ class Lease:
                 self._generation = new
                 return
         theirs = None
-        try:
+        with contextlib.suppress(Exception):  # the error below says what is known
             theirs, _ = read_versioned(self.loc)
-        except Exception:  # noqa: BLE001  (the error below says what is known)
-            pass
         lost = DirectoryLockedError(
             f"this run ({self.run}) lost {self.loc} to "
             + (theirs.describe() if theirs else "another writer")

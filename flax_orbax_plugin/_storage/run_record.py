@@ -52,7 +52,9 @@ class RunRecord:
         """Parses and checks a record; CorruptCheckpointError naming the field."""
         doc = _local_files.parse(raw, where, _local_files.RUN_RECORD)
         if not isinstance(doc, dict):
-            raise CorruptCheckpointError(f"{where}: expected a JSON object, found {_kind(doc)}")
+            raise CorruptCheckpointError(
+                f"{where}: expected a JSON object, found {type(doc).__name__}"
+            )
         for field, want in (("library", _LIBRARY), ("kind", "run")):
             if doc.get(field) != want:
                 raise CorruptCheckpointError(
@@ -80,10 +82,6 @@ class RunRecord:
 
     def describe(self) -> str:
         return f"run {self.run} (pid {self.pid} on {self.host})"
-
-
-def _kind(value: Any) -> str:
-    return type(value).__name__
 
 
 def _short(value: Any) -> str:

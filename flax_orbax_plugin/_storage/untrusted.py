@@ -20,22 +20,20 @@ from typing import Any
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
 
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
 
 def entry_kind(mode: int) -> str:
     """'a FIFO', 'a symbolic link', 'a directory' ... for an ``st_mode``."""
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a special file"
+    return next((kind for test, kind in _KINDS if test(mode)), "a special file")
 
 
 # Largest JSON document (an index, a header, Orbax metadata) read into memory.
