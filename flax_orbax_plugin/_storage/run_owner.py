@@ -15,26 +15,14 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
-from typing import Any
 
 from .._errors import CheckpointError, DirectoryLockedError
-from .lease import LEASE_SECONDS, MAX_LEASE_SECONDS, MIN_LEASE_SECONDS, Lease, settle
+from .lease import LEASE_SECONDS, Lease, settle
 from .location import Location
 from .lock import DirectoryLock
 from .run_record import RUN_FILE, RunRecord, read_record, read_versioned
 
 logger = logging.getLogger("flax_orbax_plugin")
-
-
-def check_lease(lease_seconds: Any) -> float:
-    """``persistent_lease_seconds`` as a float; ValueError naming it otherwise."""
-    ok = isinstance(lease_seconds, (int, float)) and not isinstance(lease_seconds, bool)
-    if not (ok and MIN_LEASE_SECONDS <= lease_seconds <= MAX_LEASE_SECONDS):
-        raise ValueError(
-            f"persistent_lease_seconds must be a number of seconds from {MIN_LEASE_SECONDS:g} "
-            f"up to {MAX_LEASE_SECONDS:.0f} (a year), found {lease_seconds!r}"
-        )
-    return float(lease_seconds)
 
 
 class RunOwner:
@@ -59,7 +47,7 @@ class RunOwner:
         self.local = local
         self.remote = remote
         self._steps_of = steps_of
-        self.lease_seconds = lease_seconds  # checked by the tier (check_lease)
+        self.lease_seconds = lease_seconds  # checked by its declaration (tiers/tier_option)
         self.holder = secrets.token_hex(8)
         self.run_id: str | None = None
         self._lock: DirectoryLock | None = None  # the persistent path's, on filesystems
