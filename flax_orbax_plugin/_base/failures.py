@@ -67,7 +67,7 @@ def announce_leaving(error: BaseException, *, scope: str | None, where: str) -> 
     its stall timeout. A new manager is a new scope."""
     if scope is None or jax.process_count() == 1:
         return
-    record = {**_record(Region(where, scope), error), "kind": where}
+    record = _record(Region(where, scope), error)  # its kind: where
     _set(f"{LEFT}/{scope}/{jax.process_index()}", record)
 
 
