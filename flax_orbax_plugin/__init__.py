@@ -109,11 +109,9 @@ __all__ = [
 ]
 
 
-# Names a serving process uses alone, loaded from their own module on first use (the
-# statement _api.py has), without every wing: a serving process's first use of
-# ``restore_params`` imported the whole API (0.1 s under load, half of it the interop
-# and manager wings serving never touches). Any other name loads them all.
-_OWN_MODULE = (("restore_params", "._reading.restore"),)
+# Names a serving process uses alone, loaded from their own module on first use without
+# every wing (the interop and manager wings serving never touches).
+_OWN_MODULE = {"restore_params": "._reading.restore"}
 
 
 def __getattr__(name: str):
@@ -124,26 +122,18 @@ def __getattr__(name: str):
     elif name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     else:
-        # A Ctrl-C while the modules load (JAX's import, seconds) was raised inside
-        # JAX's garbage-collection callback, which dropped it: the first save then ran
-        # and committed. Held until they are loaded, then raised here, before any use.
+        # A Ctrl-C while JAX imports (seconds) was dropped by its garbage-collection
+        # callback: held until the modules are loaded, then raised here, before any use.
         with _interrupts.deferred_sigint():
-            value = _public(name)
+            if name in _OWN_MODULE:
+                value = getattr(importlib.import_module(_OWN_MODULE[name], __name__), name)
+            else:
+                # Inside the function on purpose: ``_api`` imports JAX and tensorstore
+                # (seconds), which ``import flax_orbax_plugin`` and --help must not pay.
+                from . import _api
+
+                value = getattr(_api, name)
     globals()[name] = value
-    return value
-
-
-def _public(name: str):
-    own = dict(_OWN_MODULE).get(name)
-    if own is not None:
-        value = getattr(importlib.import_module(own, __name__), name)
-    else:
-        # Inside the function on purpose: ``_api`` imports JAX and tensorstore (seconds),
-        # which ``import flax_orbax_plugin`` and the CLI's --help/--version must not pay.
-        # Python's import lock makes a concurrent first use wait for the finished module.
-        from . import _api
-
-        value = getattr(_api, name)
     return value
 
 

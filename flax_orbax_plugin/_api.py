@@ -1,9 +1,6 @@
 """The public names of ``flax_orbax_plugin``, imported eagerly (JAX, tensorstore and
-every wing come with them: seconds).
-
-The package's ``__init__`` loads this module on the first access of a public name
-(PEP 562), so that ``import flax_orbax_plugin`` and the command line's ``--help`` and
-``--version`` stay instant; nothing else imports it.
+every wing: seconds). Loaded by the package's ``__init__`` on the first access of a
+public name (PEP 562); nothing else imports it.
 """
 
 # ruff: noqa: F401  (every import here is a re-export, through the package)
@@ -77,12 +74,9 @@ from ._reading.restore import metadata, restore, restore_params
 from ._state.iterators import StepIndexedIterator
 from ._storage.location import Location
 
-# A misspelt keyword is named with the one meant ("did you mean keep=?"), as the
-# manager's options are: each public function and the constructors of what users make
-# (option objects, surgery ops); the manager's and the callback's methods check their
-# own, as their entries (``_base.distributed.public`` on the class). The records the
-# library makes itself (locations, requests, results, events, metadata) are left as
-# they are: the package constructs them on every call.
+# A misspelt keyword is named with the one meant ("did you mean keep=?") for each public
+# function and the constructors of what users make; the records the library makes
+# itself (locations, requests, results, events, metadata) are left as they are.
 _MADE_INSIDE = {
     "CheckpointMetadata",
     "Checkpointable",

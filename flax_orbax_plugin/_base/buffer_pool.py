@@ -1,15 +1,15 @@
 """A manager's snapshot buffers, reused from one save to the next
-(``reuse_host_buffers=True``), and the populating of fresh ones: a save without a pool
-(``fop.save``, a manager's default) never enters here.
+(``reuse_host_buffers=True``), and the populating of fresh ones.
 
-Thread-safety: :class:`BufferPool` is locked (see its docstring); :func:`populate` is a
-pure function, any thread.
+Thread-safety: :class:`BufferPool` is locked (see its docstring); :func:`populate`: any
+thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.host``.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
 import mmap
@@ -19,8 +19,6 @@ import threading
 import numpy as np
 
 from .host import PAGE, empty
-
-__all__ = ["BufferPool", "populate"]
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 
@@ -41,10 +39,9 @@ _madvise = _load_madvise()
 
 
 def populate(buffer: np.ndarray) -> bool:
-    """Makes every page of ``buffer`` (C-contiguous, page-aligned start) resident and
-    writable now: ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it (one call
-    faults every page in, without a fault per page), else one byte written per page.
-    Returns whether madvise did it. The values are not meaningful either way."""
+    """Makes every page of ``buffer`` (C-contiguous, page-aligned) resident and writable
+    now: ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it, else one byte written
+    per page (the values are garbage either way). Returns whether madvise did it."""
     flat = buffer.reshape(-1).view(np.uint8)
     address, length = flat.ctypes.data, flat.size - flat.size % PAGE
     if _madvise is not None and length and address % PAGE == 0:
@@ -55,20 +52,13 @@ def populate(buffer: np.ndarray) -> bool:
 
 
 class BufferPool:
-    """Snapshot buffers reused from one save to the next (a manager's saves).
+    """Snapshot buffers reused from one save to the next: a fresh buffer costs its page
+    faults (about 0.6 s per GB), a copy into memory touched before only the copy. It
+    holds the buffers of the last save that gave its buffers back.
 
-    A fresh host buffer costs its first touch (page faults: about 0.6 s per GB on this
-    kind of machine), and so does a zero-copy snapshot of CPU arrays, one step later:
-    while the snapshot's views are alive the training step cannot donate its state and
-    allocates fresh outputs instead. A copy into memory that was touched before costs
-    only the copy. The pool holds the buffers of the last save that gave its buffers
-    back (one host copy of what it saved) for the next snapshot to take.
-
-    Thread-safety and call order: :meth:`empty` is called by the blocking phase
-    (training thread), :meth:`give_back` by the background write once tensorstore no
-    longer reads the buffers (another thread); one lock guards the free lists. A buffer
-    is handed out only after it was given back, so a save still writing never has its
-    buffers overwritten, whatever the saves' overlap.
+    Call order: :meth:`empty` from the blocking phase (training thread),
+    :meth:`give_back` from the background write once nothing reads the buffers; one
+    lock guards the free lists. A buffer is handed out only after it was given back.
     """
 
     MIN_BYTES = 1 << 16  # smaller buffers come from malloc's heap cheaply anyway
@@ -80,15 +70,10 @@ class BufferPool:
         self.reused = 0  # buffers empty() took from the free lists
 
     def reserve(self, sizes: list[int]) -> int:
-        """Makes the free lists hold one buffer per byte size of ``sizes`` (those of one
-        save, ``_core.pool_sizes``), each populated (:func:`populate`): the first
-        save then takes buffers that were touched before, without page faults. Buffers
-        already free count; returns the bytes newly allocated. Call before the loop, with
-        no save in flight (the training thread)."""
-        want: dict[int, int] = {}
-        for n in sizes:
-            if n >= self.MIN_BYTES:
-                want[n] = want.get(n, 0) + 1
+        """Makes the free lists hold one populated buffer per byte size of ``sizes`` (one
+        save's, ``_core.pool_sizes``); returns the bytes newly allocated. Call with no
+        save in flight (the training thread)."""
+        want = collections.Counter(n for n in sizes if n >= self.MIN_BYTES)
         made = 0
         with self._lock:
             free = {n: list(a) for n, a in self._free.items()}
@@ -120,20 +105,15 @@ class BufferPool:
             raw = empty((nbytes,), np.uint8)
         return raw.view(dtype).reshape(shape)
 
-    def copy(self, array: np.ndarray, later: list | None = None) -> np.ndarray:
-        """A pooled copy of ``array``; with ``later``, the copy is only appended to it as
-        (buffer, array), for :func:`copy_all` to make."""
+    def copy(self, array: np.ndarray) -> np.ndarray:
+        """A pooled copy of ``array``."""
         out = self.empty(array.shape, array.dtype)
-        if later is None:
-            np.copyto(out, array)
-        else:
-            later.append((out, array))
+        np.copyto(out, array)
         return out
 
     def give_back(self, arrays) -> None:
-        """Makes ``arrays`` (from :meth:`empty`, no longer read) the pool's free buffers;
-        buffers given back earlier and not taken since are dropped, so the pool never
-        holds more than one save's worth."""
+        """Makes ``arrays`` (from :meth:`empty`, no longer read) the free buffers, dropping
+        those given back earlier: the pool holds one save's worth at most."""
         free: dict[int, list[np.ndarray]] = {}
         for a in arrays:
             if a.nbytes >= self.MIN_BYTES and a.flags.c_contiguous:

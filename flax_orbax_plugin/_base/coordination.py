@@ -1,10 +1,6 @@
-"""The coordination service's key-value rounds between processes: a barrier, the
-primary's value broadcast, each process's value published and gathered, a poll; each
-waits through the one wait (:func:`_wait`), which looks between its slices at the
-failures published in the region (``_base/failures.py``) and at the heartbeat of the
-process it waits for (``_base/liveness.py``). Only several processes reach here (with
-one, the callers in ``_base/distributed.py`` and above return first); the rounds are
-named to the callers by ``_base/distributed.py``.
+"""The coordination service's key-value rounds between processes (a barrier, a
+broadcast, publish and gather, a poll), each through the one wait (:func:`_wait`). Only
+several processes reach here; ``_base/distributed.py`` names the rounds to callers.
 
 Threading: every process calls the same rounds in the same order (SPMD); each takes
 ``region=`` explicitly; a background phase runs in the region handed to it.
@@ -14,7 +10,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.distribut
 
 from __future__ import annotations
 
-import functools
+import contextlib
 from collections.abc import Callable
 
 from .._errors import CoordinationError
@@ -22,24 +18,10 @@ from . import env as _env
 from . import failures as _failures
 from . import host as _host
 from . import liveness as _liveness
-from . import other_paths as _other_paths
 from .failures import raise_published_failure
 from .host import is_primary, process_count, process_index
-from .regions import CALLS, Region
+from .regions import CALLS, Region, is_set
 from .regions import client as _client
-
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "barrier",
-    "broadcast_str",
-    "fault_point",
-    "forget",
-    "gather_str",
-    "get_from",
-    "poll",
-    "publish",
-    "stall_timeout",
-]
 
 DEFAULT_TIMEOUT_S = _env.read("FOP_COORDINATION_TIMEOUT_S")  # the default stall timeout
 POLL_S = 0.25  # the longest slice of a wait in a region between looks at its failures
@@ -52,11 +34,6 @@ def stall_timeout(explicit: float | None = None, *, region: Region | None) -> fl
         return explicit
     found = None if region is None else region.stall_s
     return DEFAULT_TIMEOUT_S if found is None else found
-
-
-def _stall_name(region: Region | None) -> str:
-    unset = region is None or region.stall_s is None
-    return "FOP_COORDINATION_TIMEOUT_S" if unset else "stall_timeout"
 
 
 def _timed_out(e: Exception) -> bool:
@@ -72,15 +49,10 @@ def _wait(
     region: Region | None,
     late: Callable[[], list[int]] | None = None,
 ) -> str:
-    """The value under ``key`` once ``process`` set it: the one wait on other processes.
-
-    It waits in slices of at most :data:`POLL_S`, looking between them at the failures
-    published in ``region`` and (:class:`liveness.PeerWatch`) at ``process``'s heartbeat:
-    a live process is waited for as long as it makes progress, with the late processes
-    (``late()``, default ``[process]``) logged every ``FOP_LATE_REPORT_S``; a dead one
-    (its heartbeat stopped ``FOP_PEER_SILENT_S`` ago) raises CoordinationError naming it
-    within seconds, and so does, after ``timeout`` (the stall timeout), one that made no
-    progress that long or was never seen beating (it may not have started)."""
+    """The value under ``key`` once ``process`` set it: the one wait on other processes,
+    in slices of at most :data:`POLL_S`, looking between them at the failures published
+    in ``region`` and at ``process``'s heartbeat (:class:`liveness.PeerWatch`, which
+    logs the ``late()`` processes and raises for a dead or stalled one)."""
     client, me = _client(), process_index()
     _liveness.ensure_beating(client, me)
     watch = _liveness.PeerWatch(
@@ -89,10 +61,7 @@ def _wait(
         f"{key!r} from process {process}",
         stall_s=timeout,
         late=late or (lambda: [process]),
-        region=None if region is None else region.kind,
-        stall_name=_stall_name(region),
-        operation=None if region is None else (region.kind, region.tag),
-        elsewhere=functools.partial(_other_paths.raise_elsewhere, region),
+        region=region,
     )
     piece = 0.02
     with _host.ACTIVITIES.doing(f"waiting for {key!r} from process {process}"):
@@ -109,9 +78,8 @@ def _wait(
 
 
 def barrier(name: str, *, region: Region | None, timeout_s: float | None = None) -> None:
-    """Blocks until every process reached ``name``; raises CoordinationError naming the
-    missing processes (a key-value barrier: it waits through :func:`_wait`, each
-    process given the stall timeout ``timeout_s``, default :func:`stall_timeout`)."""
+    """Blocks until every process reached ``name`` (a key-value barrier); raises
+    CoordinationError naming the missing processes."""
     if process_count() == 1:
         return
     timeout = stall_timeout(timeout_s, region=region)
@@ -120,27 +88,18 @@ def barrier(name: str, *, region: Region | None, timeout_s: float | None = None)
     client, me = _client(), process_index()
     client.key_value_set(f"{name}/at/{me}", "1")
 
+    def late() -> list[int]:
+        return [p for p in range(process_count()) if p != me and not is_set(f"{name}/at/{p}")]
+
     def describe(said: str) -> str:
-        missing = [p for p in range(process_count()) if p != me and not _is_set(f"{name}/at/{p}")]
         return (
             f"process {me} of {process_count()}: not every process reached barrier {name!r} "
-            f"(missing process(es): {', '.join(map(str, missing))}; {said})"
+            f"(missing process(es): {', '.join(map(str, late()))}; {said})"
         )
-
-    def late() -> list[int]:
-        return [p for p in range(process_count()) if p != me and not _is_set(f"{name}/at/{p}")]
 
     for p in range(process_count()):
         if p != me:
             _wait(f"{name}/at/{p}", timeout, describe, p, region=region, late=late)
-
-
-def _is_set(key: str) -> bool:
-    try:
-        _client().key_value_try_get(key)
-        return True
-    except Exception:  # noqa: BLE001  (NOT_FOUND, or a service gone: not there either way)
-        return False
 
 
 def broadcast_str(
@@ -176,15 +135,12 @@ def publish(name: str, value: str, *, region: Region | None) -> None:
 
 
 def forget(name: str) -> None:
-    """Deletes this process's value under ``name/<process>`` (see :func:`publish`), once
-    every process has read it: values stay in the coordination service until deleted.
-    Errors are ignored (a value left behind costs memory, nothing else)."""
+    """Deletes this process's value under ``name/<process>`` once every process read it
+    (errors ignored: a value left behind costs memory only)."""
     if process_count() > 1:
         CALLS["kv_delete"] += 1
-        try:
+        with contextlib.suppress(Exception):
             _client().key_value_delete(f"{name}/{process_index()}")
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def gather_str(name: str, *, region: Region | None, timeout_s: float | None = None) -> list[str]:
@@ -194,8 +150,7 @@ def gather_str(name: str, *, region: Region | None, timeout_s: float | None = No
 
 def poll(name: str, *, region: Region | None, wait_s: float) -> str | None:
     """The value under ``name``, waiting at most ``wait_s``; None when none was set by
-    then. For a background thread that follows another process's decisions and must
-    stay responsive to its own shutdown (a long wait is a loop of short polls)."""
+    then (a background thread's short polls, responsive to its own shutdown)."""
     fault_point(region)
     CALLS["kv_get"] += 1
     try:

@@ -1,9 +1,9 @@
 """Failures seen by every process: an error leaving a collective operation's region is
 published there (:func:`publish_failure`), and a wait in that region raises
 :class:`ProcessFailedError` once another process published one
-(:func:`raise_published_failure`), announced an agreement it brings an error to, or left
-the manager's scope or its program (:func:`announce_leaving`, :func:`raise_if_left`).
-Only several processes reach here: with one, an error is simply raised.
+(:func:`raise_published_failure`), announced an agreement it brings an error to, left
+the manager's scope or its program (:func:`announce_leaving`, :func:`raise_if_left`), or
+took another path (:func:`raise_elsewhere`). Only several processes reach here.
 
 Threading: any thread; the records are this module's own JSON.
 
@@ -12,28 +12,14 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.regions``
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from typing import Any
 
 import jax
 
-from .._errors import CheckpointError, ProcessFailedError
-from .regions import CALLS, Region, client
-
-__all__ = [
-    "FAILED",
-    "LEFT",
-    "PROGRAM",
-    "announce_agreement",
-    "announce_leaving",
-    "announce_program_end",
-    "failure_record",
-    "publish_failure",
-    "raise_if_left",
-    "raise_published_failure",
-]
+from .._errors import CheckpointError, CoordinationError, ProcessFailedError
+from .regions import CALLS, Region, client, is_set
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
 LEFT = "fop/left"  # LEFT/<scope>/<process>: it left that scope (announce_leaving)
@@ -41,62 +27,63 @@ PROGRAM = "program"  # the scope of waits outside a manager's: a process whose p
 
 
 def announce_program_end() -> bool:
-    """At exit (``_base.host``, once the saves still running ended), in a process that
-    took part in a collective operation: says that it left :data:`PROGRAM`, with the
-    exception that ended it (if one did). A wait for one of its values that it set
-    before goes on (:func:`raise_if_left`): a run that ended well is not affected."""
+    """At exit (``_base.host``), in a process that took part in a collective operation:
+    says that it left :data:`PROGRAM`, with the exception that ended it, if any."""
     ended = getattr(sys, "last_value", None) or CheckpointError("its program ended")
     announce_leaving(ended, scope=PROGRAM, where="the program")
     return False
 
 
-def publish_failure(region: Region, error: BaseException) -> None:
-    """Publishes ``error`` as this process's failure in ``region`` (once more with a
-    later error: the last one stays). A service already gone is no news to the others."""
-    record = _record(region, error)
+def _set(key: str, record: dict[str, Any], *, quiet: bool = True) -> None:
+    """Sets ``record`` under ``key``; a service already gone is no news to the others
+    (raised only when not ``quiet``)."""
     CALLS["kv_set"] += 1
-    key = f"{FAILED}/{region.tag}/{jax.process_index()}"
     try:
         client().key_value_set(key, json.dumps(record), allow_overwrite=True)
-    except Exception:  # noqa: BLE001  (the error itself is raised on this process)
-        pass
+    except Exception:  # a service gone: the error itself is raised on this process
+        if not quiet:
+            raise
+
+
+def publish_failure(region: Region, error: BaseException) -> None:
+    """Publishes ``error`` as this process's failure in ``region`` (the last one stays)."""
+    _set(f"{FAILED}/{region.tag}/{jax.process_index()}", _record(region, error))
 
 
 def announce_agreement(op: str, error: BaseException, region: Region | None) -> None:
-    """Before an agreement (``distributed.agree``) at which this process brings
-    ``error``: says so in the region, so that a process waiting elsewhere, which this
-    one will never meet there (it left the path where the others wait), raises rather
-    than waits; one at the same agreement, or past it, reads on (a recoverable failure:
-    the others learn it at the agreement)."""
+    """Before an agreement (``distributed.agree``) this process brings ``error`` to: a
+    process waiting elsewhere (which this one will never meet there) raises rather than
+    waits; one at the same agreement, or past it, reads on."""
     if region is not None and jax.process_count() > 1:
         number = int(op.rsplit(".", 1)[1])
         record = {**_record(region, error), "agreement": op, "number": number}
-        CALLS["kv_set"] += 1
-        key = f"{FAILED}/{region.tag}/{jax.process_index()}/at/{number}"
-        client().key_value_set(key, json.dumps(record), allow_overwrite=True)
+        _set(f"{FAILED}/{region.tag}/{jax.process_index()}/at/{number}", record, quiet=False)
 
 
 def announce_leaving(error: BaseException, *, scope: str | None, where: str) -> None:
     """Says that this process leaves ``scope`` (a manager's operations: see
-    :class:`Region`) with ``error``, raised out of ``where`` (e.g. the manager's ``with``
-    block) once its own save in flight ended: it sets no more values there, so another
-    process waiting in that scope for one of its values raises
-    :class:`ProcessFailedError` within a slice (:func:`raise_if_left`) rather than at
-    its stall timeout. A new manager is a new scope: a run that goes on after an error
-    every process shared (and left together) is not affected."""
+    :class:`Region`) with ``error``, raised out of ``where``: a process waiting in that
+    scope for one of its values raises within a slice (:func:`raise_if_left`), not at
+    its stall timeout. A new manager is a new scope."""
     if scope is None or jax.process_count() == 1:
         return
-    record = {**_record(Region(where, scope), error), "kind": where}
-    CALLS["kv_set"] += 1
-    with contextlib.suppress(Exception):  # a service gone: the others learn of it anyway
-        key = f"{LEFT}/{scope}/{jax.process_index()}"
-        client().key_value_set(key, json.dumps(record), allow_overwrite=True)
+    record = _record(Region(where, scope), error)  # its kind: where
+    _set(f"{LEFT}/{scope}/{jax.process_index()}", record)
+
+
+def _failed(message: str, process: int, error_type: str) -> ProcessFailedError:
+    error = ProcessFailedError(message)
+    error.process, error.error_type = process, error_type
+    return error
+
+
+def _me() -> str:
+    return f"process {jax.process_index()} of {jax.process_count()}"
 
 
 def raise_if_left(process: int, key: str, region: Region | None) -> None:
-    """Raises :class:`ProcessFailedError` when ``process`` announced that it left the
-    scope of ``region``, the waiting operation's (:func:`announce_leaving`; outside a
-    manager's scope, :data:`PROGRAM`: its program ended) and ``key``, its value this
+    """Raises ProcessFailedError when ``process`` announced that it left the scope of
+    ``region`` (outside a manager's scope, :data:`PROGRAM`) and ``key``, the value this
     wait is for, is not set: it never will be. Any thread."""
     scope = PROGRAM if region is None or region.scope is None else region.scope
     c = client()
@@ -105,26 +92,18 @@ def raise_if_left(process: int, key: str, region: Region | None) -> None:
         said = c.key_value_try_get(f"{LEFT}/{scope}/{process}")
     except Exception:  # noqa: BLE001  (NOT_FOUND: it did not leave)
         return
-    try:
-        c.key_value_try_get(key)  # set before it left: read on
+    if is_set(key):  # set before it left: read on
         return
-    except Exception:  # noqa: BLE001
-        pass
     r = failure_record(said)
     where = "waiting" if region is None else region.kind
-    error = ProcessFailedError(
-        f"process {jax.process_index()} of {jax.process_count()}, in {where}: "
-        f"process {process} left {r['kind']} with {r['type']}: {r['message']}"
-    )
-    error.process, error.error_type = process, r["type"]
-    raise error
+    said = f"left {r['kind']} with {r['type']}: {r['message']}"
+    raise _failed(f"{_me()}, in {where}: process {process} {said}", process, r["type"])
 
 
 def _diverged(region: Region, r: dict[str, Any], waiting_for: int | None) -> bool:
-    """Whether a published record of another process ends the waits in ``region``: a
-    failure leaving the region, or an agreement the region is not at and never went
-    through, of the process it waits for (which waits there instead), or past which the
-    region has already drawn names."""
+    """Whether another process's record ends the waits in ``region``: a failure leaving
+    the region, or an agreement the region is not at and never went through, of the
+    process it waits for, or past which the region has already drawn names."""
     op = r["agreement"]
     if op is None:
         return True
@@ -146,9 +125,9 @@ def _record(region: Region, error: BaseException) -> dict[str, Any]:
 
 
 def raise_published_failure(region: Region | None, waiting_for: int | None = None) -> None:
-    """Raises :class:`ProcessFailedError` when another process published a failure in
-    ``region``, the waiting operation's (an own failure first, before one that was only
-    learnt; None: nothing); ``waiting_for``: the process whose value it waits for."""
+    """Raises ProcessFailedError when another process published a failure in ``region``
+    (an own failure first, before one only learnt); ``waiting_for``: the process whose
+    value the wait is for."""
     if region is None or jax.process_count() == 1:
         return
     CALLS["failure_check"] += 1
@@ -161,12 +140,50 @@ def raise_published_failure(region: Region | None, waiting_for: int | None = Non
     records = [r for r in records if r["process"] != me and _diverged(region, r, waiting_for)]
     if records:
         r = min(records, key=lambda r: (r["derived"], r["process"]))
-        error = ProcessFailedError(
-            f"process {jax.process_index()} of {jax.process_count()}, in {region.kind}: "
-            f"process {r['process']} failed in {r['kind']}: {r['type']}: {r['message']}"
+        said = f"failed in {r['kind']}: {r['type']}: {r['message']}"
+        raise _failed(
+            f"{_me()}, in {region.kind}: process {r['process']} {said}", r["process"], r["type"]
         )
-        error.process, error.error_type = r["process"], r["type"]
-        raise error
+
+
+def raise_elsewhere(region: Region | None, process: int, theirs: str, doing: str) -> None:
+    """Raises for a wait in ``region`` on ``process``, whose collective operation of the
+    region's number is ``theirs``, of another kind (its heartbeat: ``liveness``): it
+    took another path and never makes this call. ProcessFailedError naming its latest
+    published failure, else CoordinationError naming this process's own, if any."""
+    assert region is not None
+    words = (
+        f"{_me()}, in {region.kind} (operation {region.tag}): process {process} is in "
+        f"{theirs} as its operation {region.tag}, so it will not make this call"
+    )
+    latest = _latest_failures()
+    r = latest.get(process)
+    if r is not None:
+        said = f"it failed in {r['kind']}: {r['type']}: {r['message']}"
+        raise _failed(f"{words}: {said}", process, r["type"])
+    own = latest.get(jax.process_index())
+    why = (
+        " (a collective call made on some processes only?)"
+        if own is None
+        else f" (this process failed before, in {own['kind']}: {own['type']}: {own['message']})"
+    )
+    raise CoordinationError(f"{words}{why}; it was {doing}")
+
+
+def _latest_failures() -> dict[int, dict[str, Any]]:
+    """The failure each process published last (in its region of the highest number)."""
+    CALLS["failure_check"] += 1
+    try:
+        found = client().key_value_dir_get(f"{FAILED}/")
+    except Exception:  # noqa: BLE001  (none, or a service gone)
+        return {}
+    latest: dict[int, tuple[int, dict[str, Any]]] = {}
+    for key, value in found:
+        tag = key.split(f"{FAILED}/", 1)[-1].split("/", 1)[0]
+        r = failure_record(value)
+        if tag.isdigit() and int(tag) >= latest.get(r["process"], (-1, r))[0]:
+            latest[r["process"]] = (int(tag), r)
+    return {p: r for p, (_, r) in latest.items()}
 
 
 def failure_record(text: str) -> dict[str, Any]:

@@ -1,7 +1,5 @@
 """The syntax of the test hooks' variables (``FOP_KILL_AT``, ``FOP_FAIL_AT``,
-``FOP_PAUSE_AT``, ``FOP_SLOW_AT``): ``phase[:N[:ERRNO]]`` parsed into a
-:class:`FaultSpec`, run only when such a variable is set (``env.read``); the points
-themselves, on every path, are ``_base.env``'s.
+``FOP_PAUSE_AT``, ``FOP_SLOW_AT``): ``phase[:N[:ERRNO]]``, parsed when one is set.
 
 Pure functions; any thread.
 
@@ -14,12 +12,9 @@ import errno
 import re
 from typing import NamedTuple
 
-__all__ = ["FaultSpec", "fault_spec"]
-
 
 class FaultSpec(NamedTuple):
-    """A parsed ``FOP_KILL_AT`` / ``FOP_FAIL_AT``: the phase, from its ``nth`` hit on,
-    and (``FOP_FAIL_AT``) the errno name of the injected error."""
+    """The phase, from its ``nth`` hit on, and the errno name of an injected error."""
 
     phase: str
     nth: int

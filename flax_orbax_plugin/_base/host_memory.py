@@ -1,10 +1,7 @@
-"""The host-memory ceiling, the one figure that bounds what an operation holds on host:
-its options (``host_memory``, a manager's and a callback's; ``host_memory_budget``,
-``fop.save``'s and ``host_memory``'s earlier name) declared, its converter, the earlier
-name taken with a warning, the refusals of options that do nothing beside a ceiling of
-bytes; and what a ceiling allows when an operation starts (:func:`resolve`, from the
-memory free then) and how a manager's save streams under it (:func:`save_budget`).
-``fop.save`` streams under its own budget without entering here.
+"""The host-memory ceiling: its options (``host_memory``; ``host_memory_budget``,
+``fop.save``'s and its earlier name) declared and checked, what it allows when an
+operation starts (:func:`resolve`) and a manager's save budget under it
+(:func:`save_budget`).
 
 Pure functions over frozen declarations (they read ``/proc`` and ``/sys``); any thread.
 
@@ -23,22 +20,6 @@ from . import tree as _tree
 from .env import INT64_MAX, Option, check, found
 from .keywords import refuse_without
 from .shown import outside_stacklevel
-
-__all__ = [
-    "AUTO",
-    "AUTO_FRACTION",
-    "HOST_MEMORY",
-    "HOST_MEMORY_BUDGET",
-    "available_bytes",
-    "check_ceiling",
-    "held_bytes",
-    "largest_row",
-    "refuse_idle",
-    "resolve",
-    "save_budget",
-    "take_old_name",
-]
-
 
 AUTO = "auto"
 
@@ -99,9 +80,8 @@ def resolve(ceiling: int | str | None) -> int | None:
 
 
 def _shards(leaf: Any) -> list[tuple[tuple[int, ...], int]]:
-    """``[(shape, itemsize)]`` of the pieces of ``leaf`` this process holds: a jax
-    array's addressable shards (read from their indices: no data touched), a numpy
-    array whole; nothing for other leaves."""
+    """``[(shape, itemsize)]`` of the pieces of ``leaf`` this process holds (a jax
+    array's addressable shards from their indices, a numpy array whole)."""
     dtype = getattr(leaf, "dtype", None)
     shape = getattr(leaf, "shape", None)
     if dtype is None or shape is None or not hasattr(dtype, "itemsize"):
@@ -124,13 +104,13 @@ def _shards(leaf: Any) -> list[tuple[tuple[int, ...], int]]:
 
 def held_bytes(tree: Any) -> int:
     """Bytes of the array leaves of ``tree`` this process holds (its shards)."""
-    return sum(math.prod(s) * size for leaf in _leaves(tree) for s, size in _shards(leaf))
+    leaves = [leaf for _, _, leaf in _tree.flatten(tree)[0]]
+    return sum(math.prod(s) * size for leaf in leaves for s, size in _shards(leaf))
 
 
 def largest_row(tree: Any) -> tuple[int, str]:
-    """``(bytes, leaf path)`` of the largest row (one index of the first axis of a
-    shard; a scalar whole) among the array leaves of ``tree``: the least a streamed save
-    copies at once."""
+    """``(bytes, leaf path)`` of the largest row (one index of a shard's first axis)
+    among the array leaves of ``tree``: the least a streamed save copies at once."""
     best, where = 0, ""
     for path, _, leaf in _tree.flatten(tree)[0]:
         for shape, size in _shards(leaf):
@@ -140,18 +120,12 @@ def largest_row(tree: Any) -> tuple[int, str]:
     return best, where
 
 
-def _leaves(tree: Any) -> list:
-    return [leaf for _, _, leaf in _tree.flatten(tree)[0]]
-
-
 def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple[Any, Any]:
-    """``(ceiling, budget)`` of one save of ``items`` under the ceiling ``given``: the
-    ceiling in bytes now (:func:`resolve`; None: no bound) and the
-    ``host_memory_budget`` the save streams under: the ceiling when ``given`` in
-    bytes; under ``"auto"`` only when this process's share of the state does not fit
-    (never for an ``incremental`` step: it copies every region first). A ceiling
-    below the largest row of the state (the least a streamed save copies at once) is
-    an OptionError naming the leaf and both figures: called before anything is written."""
+    """``(ceiling, budget)`` of one save of ``items`` under ``given``: the ceiling in
+    bytes now (None: no bound) and the budget the save streams under: the ceiling when
+    ``given`` in bytes; under ``"auto"`` only when this process's share does not fit
+    (never for an ``incremental`` step). OptionError, before anything is written, for a
+    ceiling below the state's largest row."""
     ceiling = resolve(given)
     if ceiling is None:
         return None, None
@@ -170,8 +144,8 @@ def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple
 
 
 def check_ceiling(value: Any) -> int | str | None:
-    """``value`` if it is a ceiling: a positive int (bytes, at most 2**63-1), ``"auto"``
-    or None; else ValueError / TypeError in the words of an option's message."""
+    """``value`` if it is a ceiling (a positive int64 of bytes, ``"auto"`` or None);
+    else ValueError / TypeError in an option message's words."""
     if value is None or value == AUTO:
         return value
     if isinstance(value, bool) or not isinstance(value, int):
@@ -210,10 +184,9 @@ HOST_MEMORY_BUDGET = Option(  # fop.save's, and the manager's host_memory by its
 
 
 def take_old_name(given: Mapping[str, Any], owner: str = "") -> dict[str, Any]:
-    """``given`` (a manager's keyword options) with ``host_memory_budget=``, the earlier
-    name of ``host_memory``, checked by its declaration and turned into
-    ``host_memory=`` with a DeprecationWarning; both given is an OptionError naming
-    both. ``owner``: the words before the name in messages."""
+    """``given`` (a manager's options) with ``host_memory_budget=``, the earlier name,
+    checked and turned into ``host_memory=`` with a DeprecationWarning (both given: an
+    OptionError). ``owner``: the words before the name in messages."""
     old = HOST_MEMORY_BUDGET.name
     if old not in given:
         return dict(given)
@@ -234,11 +207,8 @@ def take_old_name(given: Mapping[str, Any], owner: str = "") -> dict[str, Any]:
 
 
 def refuse_idle(out: Mapping[str, Any]) -> None:
-    """A manager's checked options ``out``: the host-memory options that do nothing
-    beside another refused, naming both: a ceiling of bytes with incremental steps
-    (they copy every region to host first; ``"auto"`` then streams no save),
-    ``reuse_host_buffers=True`` under a ceiling of bytes (each save streams: nothing
-    is pooled)."""
+    """Refuses in a manager's checked options ``out`` a ceiling of bytes with incremental
+    steps, and ``reuse_host_buffers=True`` under a ceiling of bytes (nothing is pooled)."""
     ceiling = out["host_memory"]
     if not isinstance(ceiling, int):
         return

@@ -12,15 +12,11 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["Held", "deferred_sigint"]
-
 
 class Held:
-    """What one deferral holds: the SIGINTs its block received so far (``received``;
-    raised as one at its end). Its handler while the block runs. A background phase
-    started inside the block reads it (``SaveHandle.start(held=)``): started with a
-    Ctrl-C held, it starts cancelled, so the KeyboardInterrupt at the block's end never
-    races its commit."""
+    """The SIGINTs one deferral received so far (its handler while the block runs). A
+    background phase started with a Ctrl-C held starts cancelled
+    (``SaveHandle.start(held=)``), so it never races the KeyboardInterrupt."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -31,12 +27,10 @@ class Held:
 
 @contextlib.contextmanager
 def deferred_sigint() -> Iterator[Held]:
-    """Runs the block with SIGINT recorded rather than acted on; afterwards the
-    previous handler is put back exactly and, if a SIGINT arrived, runs once, here
-    (so ``KeyboardInterrupt`` is raised at the end of the block, after the block's own
-    clean-up). Several SIGINTs during the block count as one. Yields the block's
-    :class:`Held` (off the main thread, or under a handler installed outside Python,
-    one that holds nothing: the signal is not deferred there)."""
+    """Runs the block with SIGINT recorded; afterwards the previous handler is put back
+    and, if a SIGINT arrived (several count as one), runs once, here. Yields the
+    :class:`Held` (one that holds nothing off the main thread or under a handler
+    installed outside Python: no deferral there)."""
     held = Held()
     if threading.current_thread() is not threading.main_thread():
         yield held
@@ -51,6 +45,5 @@ def deferred_sigint() -> Iterator[Held]:
     finally:
         signal.signal(signal.SIGINT, previous)
         if held.received:
-            # Delivered again to this thread: the previous handler runs now, as if the
-            # signal had just arrived (a KeyboardInterrupt propagates from here).
+            # The previous handler runs now (a KeyboardInterrupt propagates from here).
             signal.raise_signal(signal.SIGINT)

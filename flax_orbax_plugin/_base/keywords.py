@@ -1,13 +1,9 @@
 """The keywords an entry is given, as a whole (one option's value is ``_base.env``'s):
-"did you mean" for one it does not take, bound once to the public names
-(:func:`named_keywords`, ``_api``) or checked by an entry that takes ``**options``
-(:func:`refuse_unknown`), each naming the keyword meant (an alias, a hint, an option of
-an inner dict, the closest spelling); an option given in a mode where it does nothing
-(:func:`refuse_without`); the declared defaults of those not given
-(:func:`with_defaults`); the wrapper a call of a public function or constructor runs
-(:func:`checked`, bound by :func:`named_keywords`) and its error's words
-(:func:`unknown_keywords`, also ``_base.distributed.public``'s). A call with the keywords
-its entry takes passes the wrapper's one set test and nothing else here.
+"did you mean" for one it does not take (:func:`named_keywords` on the public names,
+:func:`refuse_unknown` for ``**options``), an option given in a mode where it does
+nothing (:func:`refuse_without`), the declared defaults (:func:`with_defaults`); and
+the declarations as a reader sees them (a signature for ``help()``, docstring lines, the
+docs' markdown table), built at import time and by the docs' tests.
 
 Pure functions over frozen declarations; any thread.
 
@@ -25,17 +21,6 @@ from typing import Any
 from .._errors import OptionError
 from .env import Option
 
-__all__ = [
-    "checked",
-    "keywords_taken",
-    "named_keywords",
-    "refuse_unknown",
-    "refuse_without",
-    "unexpected",
-    "unknown_keywords",
-    "with_defaults",
-]
-
 
 def unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = None) -> str:
     """Python's words for an unknown keyword, with the closest name as the hint."""
@@ -48,9 +33,8 @@ def unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = N
 
 
 def keywords_taken(fn: Callable) -> frozenset[str] | None:
-    """The keywords ``fn`` (under the package's decorators) takes, those the package
-    hands it (``self``, ``cls``, ``region``) left out; None when it takes ``**kwargs``
-    (it checks its own: :func:`refuse_unknown`)."""
+    """The keywords ``fn`` (under the package's decorators) takes, less ``self``,
+    ``cls`` and ``region``; None when it takes ``**kwargs`` (it checks its own)."""
     inner = inspect.unwrap(fn)  # under the package's decorators (store errors, regions)
     if inner.__code__.co_flags & inspect.CO_VARKEYWORDS:  # not its __signature__, if set
         return None
@@ -60,17 +44,16 @@ def keywords_taken(fn: Callable) -> frozenset[str] | None:
 
 
 def unknown_keywords(owner: str, given: Iterable[str], takes: Iterable[str]) -> TypeError:
-    """The TypeError of a call of ``owner`` given keywords it does not take (each named,
-    with the one meant: "did you mean ...?"; then every keyword it takes)."""
+    """The TypeError of a call of ``owner`` given keywords it does not take (each with
+    the one meant), listing those it takes."""
     takes = set(takes)
     lines = "; ".join(unexpected(owner, k, takes) for k in given if k not in takes)
     return TypeError(f"{lines} (its keywords: {', '.join(sorted(takes))})")
 
 
 def checked(fn: Callable, owner: str) -> Callable:
-    """``fn`` (a function or constructor of one process: no region) refusing a keyword
-    it does not take with :func:`unknown_keywords` (``owner``: its name there); ``fn``
-    itself where it takes ``**kwargs`` or checks its own (``_base.distributed.public``)."""
+    """``fn`` refusing a keyword it does not take (:func:`unknown_keywords`, naming
+    ``owner``); ``fn`` itself where it takes ``**kwargs`` or is checked already."""
     if getattr(fn, "_fop_named", False):
         return fn
     takes = keywords_taken(fn)
@@ -96,10 +79,9 @@ def refuse_unknown(
     inside: tuple[str, Iterable[Option]] | None = None,
 ) -> None:
     """Raises TypeError naming each keyword of ``given`` that no option of ``declared``
-    takes, with what it most likely stands for: an option whose ``aliases`` name it,
-    ``hints[name]`` (words for names that are no single option), an option of the
-    dict option ``inside = (option, declared)`` takes (the callback's
-    ``manager_options``), then the closest spelling; the message lists the options."""
+    takes, with what it most likely stands for: an option it is an alias of,
+    ``hints[name]``, an option of the dict option ``inside = (option, declared)`` (the
+    callback's ``manager_options``), else the closest spelling."""
     declared = tuple(declared)
     names = {o.name for o in declared}
     unknown = [name for name in given if name not in names]
@@ -119,14 +101,10 @@ def refuse_unknown(
 
 
 def named_keywords(obj: Any) -> Any:
-    """``obj`` (a public function or a plain class: an option object, a rule, a surgery
-    op) with "did you mean" for an unknown keyword: a function is returned wrapped (its
-    module's own name stays unwrapped, for the package's calls); a class gets its
-    ``__init__`` (its own or one of the package's classes it inherits) wrapped, set on
-    the class itself. A callable taking ``**kwargs`` checks its own
-    (:func:`refuse_unknown`) and is left as it is, as are exceptions and an entry of
-    ``_base.distributed.public`` (a function, or the ``__init__`` and methods of a
-    class it decorates: the manager, the callback), which checks its own keywords.
+    """``obj`` (a public function or class) with "did you mean" for an unknown keyword:
+    a function is returned wrapped (its module's own name stays unwrapped); a class gets
+    its (or its nearest package base's) ``__init__`` wrapped in place. Exceptions, entries
+    of ``_base.distributed.public`` and callables taking ``**kwargs`` check their own.
     Applied once, where the public names are bound (``_api``)."""
     if isinstance(obj, type):
         if not issubclass(obj, BaseException):
@@ -154,9 +132,8 @@ def _alias_of(name: str, declared: Iterable[Option]) -> str | None:
 
 
 def refuse_without(option: str, value: Any, needs: str, *, default: Any = None) -> None:
-    """Refuses ``option`` given (``value`` is not ``default``) in a mode where it does
-    nothing: OptionError naming the option, its value and ``needs`` (the mode it needs,
-    as the message says it: ``"format_version=2"``)."""
+    """OptionError for ``option`` given (``value`` is not ``default``) in a mode where it
+    does nothing, naming its value and ``needs`` (the mode it needs: ``"format_version=2"``)."""
     if value is default or (default is not None and value == default):
         return
     raise OptionError(f"{option}={value!r} does nothing without {needs}")
@@ -165,3 +142,40 @@ def refuse_without(option: str, value: Any, needs: str, *, default: Any = None) 
 def with_defaults(declared: Iterable[Option], given: Mapping[str, Any]) -> dict[str, Any]:
     """``{name: value}`` of every declared option: ``given``'s, else its default."""
     return {o.name: given[o.name] if o.name in given else o.default for o in declared}
+
+
+def signature(
+    leading: Iterable[inspect.Parameter], declared: Iterable[Option]
+) -> inspect.Signature:
+    """``leading`` (``self``, ``directory``...), then every declared option as a
+    keyword-only parameter with its default and type."""
+    options = [
+        inspect.Parameter(
+            o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type_text
+        )
+        for o in declared
+    ]
+    return inspect.Signature([*leading, *options])
+
+
+def doc_lines(declared: Iterable[Option], *, indent: str = "  ") -> str:
+    """One line per declared option, ``name: doc (default: ...)``, for a docstring."""
+    return "\n".join(
+        f"{indent}{o.name}: {o.doc} (default: {_default_text(o.default)})" for o in declared
+    )
+
+
+def doc_table(declared: Iterable[Option]) -> str:
+    """The declared options as a markdown table (docs/manager.md, tested to match)."""
+    rows = ["| option | type | default | what it does |", "|---|---|---|---|"]
+    for o in declared:
+        kind = o.type_text.replace("|", "\\|")
+        rows.append(f"| `{o.name}` | `{kind}` | `{_default_text(o.default)}` | {o.doc} |")
+    return "\n".join(rows)
+
+
+def _default_text(value: Any) -> str:
+    name = getattr(value, "__qualname__", None)
+    if callable(value) and name is not None:
+        return f"{getattr(value, '__module__', '')}.{name}".lstrip(".")
+    return repr(value)

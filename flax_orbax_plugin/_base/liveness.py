@@ -1,11 +1,8 @@
-"""Liveness by progress: this process's heartbeat (one daemon thread per coordination
-client, publishing what its threads are doing, ``host.ACTIVITIES``, read here in words,
-:func:`activity_lines`, and as a :func:`progress_signature`) and the judge of
-the processes a wait waits for (:class:`PeerWatch`: a dead one, a stalled one, one that
-took another path, two that only wait for each other, the late ones named). A process
-named dead stays dead for this process's later waits (:data:`_DEAD`): they raise at
-their first look, not after ``FOP_PEER_SILENT_S`` of silence again, unless its heartbeat
-moved since. Only several processes reach here: a one-process operation never waits.
+"""Liveness by progress: this process's heartbeat (what its threads are doing,
+``host.ACTIVITIES``) and the judge of the processes a wait waits for
+(:class:`PeerWatch`: dead, stalled, on another path, only waiting for each other, late).
+A process named dead stays dead for later waits (:data:`_DEAD`) until its heartbeat
+moves. Only several processes reach here.
 
 Threading: one heartbeat thread per process; a :class:`PeerWatch` is used by the one
 thread that waits; the record of dead processes is shared by every waiting thread
@@ -16,6 +13,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.regions``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -27,9 +25,9 @@ from typing import Any
 
 from .._errors import CoordinationError
 from . import env as _env
+from .failures import raise_elsewhere
 from .host import ACTIVITIES, Activities, Progress
-
-__all__ = ["PeerWatch", "activity_lines", "ensure_beating", "progress_signature"]
+from .regions import Region
 
 ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
 LOOK_S = 1.0  # how often a wait reads the heartbeats (its first look: at its first slice's end)
@@ -39,8 +37,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 def progress_signature(activities: Activities) -> tuple:
-    """What changes when this process progresses: each activity and its bytes done
-    (compared between two beats by the heartbeat thread)."""
+    """What changes when this process progresses: each activity and its bytes done."""
     return tuple(
         (a.what, a.since, None if a.progress is None else a.progress.done)
         for stack in activities.stacks()
@@ -78,10 +75,8 @@ class _Heartbeat:
         self._last: tuple | None = None
 
     def start(self) -> _Heartbeat:
-        try:
+        with contextlib.suppress(Exception):  # the thread tries again; a wait reports it
             self._beat()  # the first beat before the first wait, on the caller's thread
-        except Exception:  # noqa: BLE001  (the thread tries again; a wait reports a service gone)
-            pass
         self._thread.start()
         return self
 
@@ -117,29 +112,6 @@ def ensure_beating(client: Any, process: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Dead:
-    """A process named dead by a wait: its last heartbeat (``beat``), when that beat was
-    first seen (monotonic), what it was doing, and the client of the session it was in."""
-
-    client: Any
-    beat: int
-    at: float
-    doing: list[str]
-
-
-# (id(client), process) -> the record of a process named dead in that session. The
-# client is kept in the record (so its id is never reused while listed) and compared.
-_DEAD: dict[tuple[int, int], _Dead] = {}
-_DEAD_LOCK = threading.Lock()
-
-
-def _dead_record(client: Any, process: int) -> _Dead | None:
-    with _DEAD_LOCK:
-        found = _DEAD.get((id(client), process))
-    return found if found is not None and found.client is client else None
-
-
-@dataclasses.dataclass
 class _Seen:
     beat: int
     at: float  # monotonic time the beat was first seen at this value
@@ -148,9 +120,21 @@ class _Seen:
     moved_at: float = 0.0  # monotonic time the progress counter was first seen at this value
 
 
+# (id(client), process) -> (client, its last heartbeat seen) of a process named dead in
+# that session. The client is kept (so its id is never reused while listed) and compared.
+_DEAD: dict[tuple[int, int], tuple[Any, _Seen]] = {}
+_DEAD_LOCK = threading.Lock()
+
+
+def _dead_record(client: Any, process: int) -> _Seen | None:
+    with _DEAD_LOCK:
+        found = _DEAD.get((id(client), process))
+    return found[1] if found is not None and found[0] is client else None
+
+
 def _only_waiting(lines: list[str]) -> bool:
-    """Whether every busy thread of a process (its :meth:`Activities.describe` lines) is
-    waiting for another process, innermost (so it makes no progress of its own)."""
+    """Whether every busy thread of a process (its activity lines) is waiting for
+    another process, innermost (so it makes no progress of its own)."""
     return bool(lines) and all(
         line.rsplit(" > ", 1)[-1].startswith("waiting for ") for line in lines
     )
@@ -161,7 +145,7 @@ class PeerWatch:
 
     ``what``: the wait, in words (``barrier 'fop/...'``); ``late()``: the processes it
     still waits for (called only when a report is due); ``stall_s``: the stall timeout,
-    how long a process may make no progress (``stall_name``: the option that set it)."""
+    how long a process may make no progress; ``region``: the wait's, if any."""
 
     def __init__(
         self,
@@ -171,14 +155,12 @@ class PeerWatch:
         *,
         stall_s: float,
         late: Callable[[], list[int]],
-        region: str | None = None,
-        stall_name: str = "FOP_COORDINATION_TIMEOUT_S",
-        operation: tuple[str, str] | None = None,
-        elsewhere: Callable[[int, str, str], None] | None = None,
+        region: Region | None = None,
     ):
         self._client, self._me, self._what, self._late = client, me, what, late
-        self._region, self._operation, self._elsewhere = region, operation, elsewhere
-        self._stall_s, self._stall_name = stall_s, stall_name
+        self._region, self._stall_s = region, stall_s
+        unset = region is None or region.stall_s is None
+        self._stall_name = "FOP_COORDINATION_TIMEOUT_S" if unset else "stall_timeout"
         self._silent_s, self._report_s = PEER_SILENT_S, LATE_REPORT_S
         self._start = time.monotonic()
         # The first look at once: a process's silence is counted from its beat first seen,
@@ -192,8 +174,7 @@ class PeerWatch:
     def look(self, process: int) -> None:
         """Between two slices of the wait for ``process``: raises CoordinationError when
         it is dead or stalled; logs the late processes when a report is due. Reads the
-        heartbeats at its first call, then at most once per :data:`LOOK_S` (a process
-        named dead before in this session: :meth:`_still_dead`, first)."""
+        heartbeats at most once per :data:`LOOK_S`."""
         now = time.monotonic()
         if process not in self._recalled:
             self._recalled.add(process)
@@ -212,14 +193,8 @@ class PeerWatch:
                 )
         elif now - seen.at >= self._silent_s:
             with _DEAD_LOCK:
-                _DEAD[(id(self._client), process)] = _Dead(
-                    self._client, seen.beat, seen.at, seen.doing
-                )
-            raise CoordinationError(
-                f"{self._prefix()}process {process} is dead: its heartbeat stopped "
-                f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}); it was "
-                f"{self._doing(seen)}"
-            )
+                _DEAD[(id(self._client), process)] = (self._client, seen)
+            raise self._dead(process, seen, now)
         else:
             self._check_path(process, seen)
             if _only_waiting(seen.doing):
@@ -232,10 +207,9 @@ class PeerWatch:
             self._report(now)
 
     def _still_dead(self, process: int, now: float) -> None:
-        """At this wait's first look at ``process``: when an earlier wait of this session
-        named it dead and its heartbeat has not moved since (the same beat, or none to
-        read: a service gone), raises CoordinationError at once. A process that beats
-        again (it was only frozen) is forgotten and judged as any other."""
+        """At this wait's first look at ``process``: raises CoordinationError at once when
+        an earlier wait named it dead and its heartbeat has not moved since; one that
+        beats again (it was only frozen) is forgotten."""
         dead = _dead_record(self._client, process)
         if dead is None:
             return
@@ -243,29 +217,28 @@ class PeerWatch:
         seen = self._seen.get(process)
         if seen is not None and seen.beat != dead.beat:
             with _DEAD_LOCK:
-                if _DEAD.get((id(self._client), process)) is dead:
+                if _DEAD.get((id(self._client), process), (None, None))[1] is dead:
                     del _DEAD[(id(self._client), process)]
             return
-        raise CoordinationError(
+        raise self._dead(process, dead, now, "; named dead by an earlier wait, not beaten since")
+
+    def _dead(self, process: int, seen: _Seen, now: float, why: str = "") -> CoordinationError:
+        return CoordinationError(
             f"{self._prefix()}process {process} is dead: its heartbeat stopped "
-            f"{now - dead.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}; named dead "
-            f"by an earlier wait, and it has not beaten since); it was "
-            f"{self._doing(_Seen(dead.beat, dead.at, dead.doing))}"
+            f"{now - seen.at:.1f}s ago (FOP_PEER_SILENT_S={self._silent_s:g}{why}); it was "
+            f"{self._doing(seen)}"
         )
 
     def _check_stalled(self, process: int, seen: _Seen, now: float) -> None:
         """A live process doing something of its own (or nothing of ours) is given as
-        long as it progresses: its bytes or its activities changed within the stall
-        timeout. One that only waits for a third process is not judged here (the third's
-        waiter judges it, and its error reaches this one through the region)."""
+        long as its bytes or activities change within the stall timeout."""
         still = now - max(seen.moved_at, self._start)
         if still >= self._stall_s and not seen.doing:
             raise CoordinationError(
                 f"{self._prefix()}process {process} is alive but has not made this call: "
                 f"for {still:.1f}s ({self._stall_name}={self._stall_s:g}) it was doing "
-                f"nothing of this library's. A collective call (a save or read with "
-                f"several processes, a manager's save, restore or close) must be made by "
-                f"every process, in the same order; was it called on some processes only?"
+                f"nothing of this library's; was this collective call made on some processes "
+                f"only? Every process makes them, in the same order"
             )
         if still >= self._stall_s:
             raise CoordinationError(
@@ -275,21 +248,18 @@ class PeerWatch:
             )
 
     def _check_path(self, process: int, seen: _Seen) -> None:
-        """A process whose operation of this wait's number (``operation``: its kind and
-        tag) is of another kind took another path (an error sent it elsewhere, or a
-        collective call made on some processes only): it never sets the value.
-        ``elsewhere(process, its kind, what it is doing)`` raises, at once."""
-        if self._operation is None or self._elsewhere is None:
+        """A process whose operation of this wait's number is of another kind took
+        another path and never sets the value: ``elsewhere(process, its kind, doing)``
+        raises at once."""
+        if self._region is None:
             return
-        kind, tag = self._operation
         for line in seen.doing:
             for m in _OPERATION.finditer(line):
-                if m.group(2) == tag and m.group(1) != kind:
-                    self._elsewhere(process, m.group(1), self._doing(seen))
+                if m.group(2) == self._region.tag and m.group(1) != self._region.kind:
+                    raise_elsewhere(self._region, process, m.group(1), self._doing(seen))
 
     def _check_mutual(self, process: int, seen: _Seen, now: float) -> None:
-        """Two live processes can still make no progress: each only waits, one for the
-        other (they took different paths). That is limited by the stall timeout."""
+        """Two live processes that only wait for each other: limited by the stall timeout."""
         mutual = any(f"from process {self._me} (" in line for line in seen.doing)
         if not (mutual and _only_waiting(activity_lines(ACTIVITIES))):
             self._mutual_since = None
@@ -304,8 +274,7 @@ class PeerWatch:
             )
 
     def _read(self, now: float, processes: list[int]) -> None:
-        """Reads the heartbeats of ``processes`` (one key each: a wait on one process
-        costs one read a second, whatever the number of processes)."""
+        """Reads the heartbeats of ``processes`` (one key each)."""
         for process in processes:
             try:
                 value = self._client.key_value_try_get(f"{ALIVE}/{process}")
@@ -323,7 +292,7 @@ class PeerWatch:
                 self._seen[process] = _Seen(beat, now, doing, moved, moved_at)
 
     def _prefix(self) -> str:
-        where = f" in {self._region}" if self._region else ""
+        where = f" in {self._region.kind}" if self._region else ""
         return f"process {self._me}{where}, waiting for {self._what}: "
 
     @staticmethod
@@ -331,8 +300,7 @@ class PeerWatch:
         return "doing " + "; ".join(seen.doing) if seen.doing else "doing nothing of ours"
 
     def _report(self, now: float) -> None:
-        """Logs the late processes and, behind them, those they wait for in turn (the
-        straggler at the end of the chain is the one to look at)."""
+        """Logs the late processes and, behind them, those they wait for in turn."""
         late = self._late()
         self._read(now, [p for p in late if p != self._me])
         behind: list[int] = []

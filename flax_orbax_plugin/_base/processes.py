@@ -1,8 +1,6 @@
-"""Whether the writer a marker or record names (its host name and process id) is a
-process of this host, and whether it still runs: the one test behind every removal of
-a dead writer's remains (a save's staging, an export's files) and every takeover of a
-dead holder's lease. Only a process of this host can be asked; another host's is never
-judged dead from here.
+"""Whether the writer a marker or record names (host, pid) still runs on this host: the
+one test behind every removal of a dead writer's remains and every takeover of a dead
+holder's lease. Another host's process is never judged dead from here.
 
 Threading: stateless; any thread.
 """
@@ -13,14 +11,10 @@ import os
 import socket
 from typing import Any
 
-__all__ = ["alive_here"]
-
 
 def alive_here(host: Any, pid: Any) -> bool | None:
-    """True when ``pid`` runs on this host (another user's process counts: it cannot be
-    signalled, but it exists), False when this host has no such process (it died), None
-    where that cannot be told: another host, this very process, an id that is no
-    process id. Asks the OS only (signal 0)."""
+    """True when ``pid`` runs on this host (another user's counts), False when it died,
+    None where that cannot be told: another host, this very process, no process id."""
     if host != socket.gethostname() or pid == os.getpid():
         return None
     if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31:

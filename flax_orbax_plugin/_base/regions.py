@@ -1,10 +1,7 @@
-"""A collective operation's region (:class:`Region`: its kind, its tag, the names drawn
-in it, the agreement it is in), the coordination client and the count of the calls made
-to it: what only several processes use. A region is an explicit input, drawn by the
-public entry point (``_base/distributed.py``) on the thread that makes the SPMD calls
-(the same order on every process) and handed down as an argument; what this process's
-threads are doing in it (``ACTIVITIES``, which its heartbeat publishes) is
-``_base/host.py``'s.
+"""A collective operation's region (:class:`Region`), the coordination client and the
+count of the calls made to it. A region is drawn by the public entry point
+(``_base/distributed.py``) on the thread that makes the SPMD calls (the same order on
+every process) and handed down as an argument.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.regions``.
 """
@@ -15,9 +12,6 @@ import collections
 import dataclasses
 
 from .._errors import CoordinationError
-
-__all__ = ["CALLS", "Region", "client"]
-
 
 # Coordination calls made by this process, by kind ("barrier", "kv_set", "kv_get",
 # "kv_delete", "failure_check"): tests assert how many one save costs.
@@ -36,17 +30,23 @@ def client():
     return found
 
 
+def is_set(key: str) -> bool:
+    """Whether ``key`` is set in the coordination service now (a service gone: no)."""
+    try:
+        client().key_value_try_get(key)
+        return True
+    except Exception:  # noqa: BLE001  (NOT_FOUND, or a service gone: not there either way)
+        return False
+
+
 @dataclasses.dataclass
 class Region:
     """One collective operation: its kind (``manager-save`` ...) and its tag, the same on
-    every process (the n-th collective operation of this process); the names drawn in it
-    so far (:attr:`drawn`), the agreement it is in and those it completed, its waits'
-    stall timeout (``stall_s``, seconds; None: ``FOP_COORDINATION_TIMEOUT_S``), and its
-    ``scope``: the tag of the open of the manager it is an operation of (whose
-    processes may announce that they left it: :func:`announce_leaving`), or None.
-    Handed down explicitly (see the module docstring); its names are drawn on the
-    thread that makes the SPMD calls, or by a background phase after that thread's
-    last draw in it (``SaveHandle``)."""
+    every process; the names drawn in it so far, the agreement it is in and those it
+    completed, its waits' stall timeout (``stall_s``; None: ``FOP_COORDINATION_TIMEOUT_S``)
+    and ``scope``: the tag of the manager's open it belongs to, or None. Its names are
+    drawn on the thread that makes the SPMD calls, or by a background phase after that
+    thread's last draw in it (``SaveHandle``)."""
 
     kind: str
     tag: str

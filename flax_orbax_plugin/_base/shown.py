@@ -1,12 +1,6 @@
-"""Lists in messages, bounded: an error or warning names at most a few items, never
-every one (a directory of a million entries, layers 0, 2 and 1,000,000 missing all
-between). Pure functions; any thread.
-
-* :func:`listed`: ``'a', 'b', 'c' ... and 997 more``.
-* :func:`number_ranges`: the sorted ints a set lacks or holds as ranges,
-  ``1, 3..999999`` (computed from the ints present, never by counting through a range).
-
-And where a warning is shown: :func:`outside_stacklevel`, the user's own call.
+"""Lists in messages, bounded (``'a', 'b' ... and 997 more``; ranges ``1, 3..999999``
+computed from the ints present), and the ``stacklevel`` of the user's own call.
+Pure functions; any thread.
 """
 
 from __future__ import annotations
@@ -17,8 +11,6 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["LIMIT", "gaps", "listed", "number_ranges", "outside_stacklevel"]
-
 LIMIT = 8  # items a message names before "... and N more"
 _ITEM_CHARS = 200  # one item's text at most (a name may be long too)
 
@@ -26,9 +18,8 @@ _ITEM_CHARS = 200  # one item's text at most (a name may be long too)
 def listed(
     items: Iterable[Any], *, limit: int = LIMIT, fmt: Callable[[Any], str] = str, empty: str = ""
 ) -> str:
-    """The first ``limit`` of ``items``, each as ``fmt`` writes it (cut at 200
-    characters), joined by ``', '``, then ``' ... and N more'`` for the rest;
-    ``empty`` when there are none."""
+    """The first ``limit`` of ``items`` as ``fmt`` writes them (cut at 200 characters),
+    then ``' ... and N more'``; ``empty`` when there are none."""
     shown: list[str] = []
     more = 0
     for item in items:
@@ -70,9 +61,8 @@ def number_ranges(ranges: Sequence[tuple[int, int]], *, limit: int = LIMIT) -> s
 
 
 def outside_stacklevel() -> int:
-    """The ``stacklevel`` that makes a ``warnings.warn`` called from inside the package
-    name the first frame outside it (the user's call; the frames of ``contextlib``,
-    which the package's collective decorators run in, are skipped too)."""
+    """The ``stacklevel`` of a ``warnings.warn`` inside the package that names the first
+    frame outside it and ``contextlib`` (the user's call)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     frame, level = sys._getframe(1), 1
     while frame is not None and _inside(frame.f_code.co_filename, package):

@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Iterable
 
 from .._base.env import Option
-from .._base.option_docs import doc_lines, signature
+from .._base.keywords import doc_lines, signature
 
 __all__ = ["CALLBACK_DOC", "MANAGER_DOC", "document"]
 

@@ -1,8 +1,8 @@
 """Deleting the objects of a place on a kvstore, many at once and paced (for
 ``_core.ownership`` only).
 
-The context is created once, lazily, under a lock; ``delete_objects`` runs on the calling
-thread, its batches on short-lived threads joined before it returns.
+``delete_objects`` runs on the calling thread, its batches on short-lived threads joined
+before it returns.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.deleting``.
 """
@@ -18,46 +18,20 @@ from typing import Any
 import tensorstore as ts
 
 from . import server_copy as _server_copy
-from .contexts import context, store_retries
+from .contexts import context
 from .location import Location
-
-__all__ = [
-    "PAUSED_POLL_S",
-    "REMOVAL_CONCURRENCY",
-    "batch_deleter",
-    "delete_batches",
-    "delete_keys",
-    "delete_objects",
-    "removal_context",
-]
 
 REMOVAL_CONCURRENCY = 8  # delete requests in flight by default (S3 / GCS)
 PAUSED_POLL_S = 0.01  # how often a paused removal asks whether it may go on
-_CONTEXT: list[ts.Context] = []
-_LOCK = threading.Lock()
 
 
 def removal_context(spec: dict[str, Any]) -> ts.Context:
-    """The context a removal opens ``spec`` in: on S3 and GCS one of its own (see the
-    module docstring); other stores the shared one (a ``memory://`` store lives in its
-    context, and local files go through the file driver's own limits)."""
+    """The context a removal opens ``spec`` in: on S3 and GCS one of its own (its own
+    request slots, not a save's); other stores the shared one (a ``memory://`` store
+    lives in its context)."""
     if spec.get("driver") not in ("s3", "gcs"):
         return context(local=spec.get("driver") == "file")
-    with _LOCK:
-        if not _CONTEXT:
-            retries = store_retries()
-            _CONTEXT.append(
-                ts.Context(
-                    {
-                        "cache_pool": {"total_bytes_limit": 0},
-                        "s3_request_concurrency": {"limit": REMOVAL_CONCURRENCY},
-                        "gcs_request_concurrency": {"limit": REMOVAL_CONCURRENCY},
-                        "s3_request_retries": retries,
-                        "gcs_request_retries": retries,
-                    }
-                )
-            )
-        return _CONTEXT[0]
+    return context(local=False, requests=REMOVAL_CONCURRENCY)
 
 
 def delete_objects(
@@ -73,9 +47,8 @@ def delete_objects(
 
 
 def batch_deleter(loc: Location) -> _server_copy.Copier | None:
-    """The bucket's batch delete for the objects under ``loc``: S3's DeleteObjects
-    (through botocore, as the server-side copies: ``server_copy``) or None (another
-    store, no botocore or no credentials: then one delete request per object)."""
+    """S3's DeleteObjects for the objects under ``loc`` (botocore, as ``server_copy``),
+    or None (another store, no botocore or no credentials)."""
     if loc.spec.get("driver") != "s3":
         return None  # GCS: its JSON batch endpoint is not reachable in the emulator
     copier, _why = _server_copy.copier_for(loc)
@@ -85,9 +58,8 @@ def batch_deleter(loc: Location) -> _server_copy.Copier | None:
 def delete_batches(
     copier: _server_copy.Copier, prefix: str, keys: list[bytes], pace: Callable[[], int] | None
 ) -> None:
-    """Deletes ``keys`` (relative to the object prefix ``prefix``) by batch requests of
-    up to ``copier.batch_limit`` keys, keeping up to ``pace()`` of them in flight
-    (each on a thread of its own); 0 pauses as in :func:`delete_keys`. Raises the
+    """Deletes ``keys`` (relative to ``prefix``) by batch requests, up to ``pace()`` of
+    them in flight, each on a thread (0 pauses, as in :func:`delete_keys`). Raises the
     first batch's CopyError once every batch in flight ended."""
     names = [prefix + k.decode() for k in keys]
     batches = [names[i : i + copier.batch_limit] for i in range(0, len(names), copier.batch_limit)]
@@ -121,10 +93,9 @@ def delete_batches(
 
 def delete_keys(kv: ts.KvStore, keys: list[bytes], pace: Callable[[], int] | None) -> None:
     """Deletes ``keys`` of ``kv``, one request each, keeping ``pace()`` of them in flight
-    (default :data:`REMOVAL_CONCURRENCY`). ``pace`` is asked before each request, so a
-    removal slows down as soon as a save starts and speeds up when it ends; 0 pauses it
-    (every request in flight is waited for, then it asks again every
-    :data:`PAUSED_POLL_S`)."""
+    (default :data:`REMOVAL_CONCURRENCY`), asked before each request (a removal slows
+    down while a save runs); 0 pauses it: every request in flight is waited for, then
+    it asks again every :data:`PAUSED_POLL_S`."""
     in_flight: collections.deque = collections.deque()
     for key in keys:
         width = pace() if pace is not None else REMOVAL_CONCURRENCY

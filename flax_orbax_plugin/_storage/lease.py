@@ -8,6 +8,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.lease`
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -15,15 +16,12 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from .._base import processes as _processes
 from .._errors import CheckpointError, DirectoryLockedError
 from .location import Location
-from .run_record import RunRecord, read_versioned, write_if
-
-__all__ = ["LEASE_SECONDS", "Lease", "live_holder", "take"]
+from .run_record import RUN_FILE, RunRecord, read_versioned, write_if
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -38,25 +36,20 @@ def when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")
 
 
-def dead_here(rec: RunRecord) -> bool:
-    """True when the record's holder ran on this host and its process is gone (a
-    restart after SIGKILL need not wait for the lease to run out)."""
-    return _processes.alive_here(rec.host, rec.pid) is False
-
-
 def _live(rec: RunRecord | None, now: float) -> bool:
+    """Whether ``rec`` holds a lease not run out, of a holder not known dead (one of this
+    host whose process is gone: a restart after SIGKILL need not wait)."""
     return (
         rec is not None
         and rec.lease_expires is not None
         and rec.lease_expires > now
-        and not dead_here(rec)
+        and _processes.alive_here(rec.host, rec.pid) is not False
     )
 
 
 def live_holder(loc: Location) -> str | None:
-    """Who holds a live lease on the object-store place ``loc`` now (its record's words
-    and when the lease ends), or None: nobody (the lock's :func:`.lock.live_holder` for
-    a local directory). Reads only; a record that cannot be read names nobody."""
+    """Who holds a live lease on the object-store place ``loc`` now, and until when, or
+    None (also for a record that cannot be read). Reads only."""
     try:
         rec, _ = read_versioned(loc)
     except CheckpointError:
@@ -82,19 +75,16 @@ def _refusal(loc: Location, rec: RunRecord, now: float, what: str) -> DirectoryL
 
 
 def settle(
-    loc: Location, rec: RunRecord | None, generation: Any, *, what: str, clock=time.time
+    loc: Location, rec: RunRecord | None, generation: Any, *, what: str
 ) -> tuple[RunRecord | None, Any]:
     """Before taking ``loc`` (its record ``rec``, read at ``generation``; ``what``: the
-    place in words): a live lease of a process of this host is a DirectoryLockedError
-    at once. One of another host is waited out, when it ends within
-    :data:`MAX_WAIT_SECONDS` (a job rescheduled onto a new machine after its old one
-    died: its lease is no longer renewed): the record is read again every second;
-    renewed meanwhile, its holder is alive: DirectoryLockedError at once (within a
-    third of its lease). A lease that ran out, whose holder died here, or was released
-    is taken over (a WARNING names it). Returns the record and generation to write
-    over."""
+    place in words): a live lease of this host is a DirectoryLockedError at once; one of
+    another host ending within :data:`MAX_WAIT_SECONDS` is waited out (a job moved off a
+    dead machine), re-read every second, and refused once renewed. A lease run out,
+    released, or of a holder dead here is taken over with a WARNING. Returns the record
+    and generation to write over."""
     said = False
-    while _live(rec, now := clock()):
+    while _live(rec, now := time.time()):
         assert rec is not None and rec.lease_expires is not None
         left = rec.lease_expires - now
         if rec.host == socket.gethostname() or left > MAX_WAIT_SECONDS:
@@ -110,8 +100,8 @@ def settle(
             said = True
         time.sleep(min(1.0, left + 0.05))
         found, found_generation = read_versioned(loc)
-        if _live(found, clock()) and found is not None and found != rec:  # renewed: alive
-            raise _refusal(loc, found, clock(), what)
+        if _live(found, time.time()) and found is not None and found != rec:  # renewed: alive
+            raise _refusal(loc, found, time.time(), what)
         rec, generation = found, found_generation
     if rec is not None and rec.lease_expires:
         logger.warning(
@@ -119,19 +109,26 @@ def settle(
             "without closing)",
             loc,
             rec.describe(),
-            "expired" if rec.lease_expires <= clock() else "would expire (its process is gone)",
+            "expired" if rec.lease_expires <= time.time() else "would expire (its process is gone)",
             when(rec.lease_expires),
         )
     return rec, generation
 
 
 class Lease:
-    """A lease on ``loc`` for run ``run``, taken by :meth:`take` from the record found
-    at its generation; renewed on a daemon thread until :meth:`release`."""
+    """A lease on ``loc`` for run ``run`` by ``holder``, taken by :meth:`take`; renewed
+    on a daemon thread until :meth:`release`."""
 
-    def __init__(self, loc: Location, run: str, *, seconds: float = LEASE_SECONDS, clock=time.time):
-        self.loc, self.run, self.seconds, self._clock = loc, run, seconds, clock
-        self.holder = secrets.token_hex(8)
+    def __init__(
+        self,
+        loc: Location,
+        run: str,
+        *,
+        seconds: float = LEASE_SECONDS,
+        holder: str | None = None,
+    ):
+        self.loc, self.run, self.seconds = loc, run, seconds
+        self.holder = secrets.token_hex(8) if holder is None else holder
         self._generation: Any = None  # of the record we last wrote
         self._guard = threading.Lock()  # guards _generation and _lost
         self._lost: DirectoryLockedError | None = None
@@ -140,27 +137,29 @@ class Lease:
 
     def record(self, *, expires: float | None = None) -> RunRecord:
         """This holder's record, its lease ending ``expires`` (default: a lease from now)."""
-        expires = self._clock() + self.seconds if expires is None else expires
+        expires = time.time() + self.seconds if expires is None else expires
         return RunRecord.here(self.run, self.holder, expires)
 
-    def take(self, generation: Any, *, taken: Callable[[RunRecord | None], Exception]) -> None:
-        """Writes this holder's record if ``loc``'s is still at ``generation`` (the one
-        the caller read and checked with :func:`settle`), then renews it. Someone
-        else's write in between: ``taken(their record)`` is raised (None: the store
-        holds none, it refused the write)."""
+    def take(self, generation: Any) -> None:
+        """Writes this holder's record if ``loc``'s is still at ``generation`` (read and
+        checked with :func:`settle`), then renews it; DirectoryLockedError naming the
+        one who wrote in between."""
         new = write_if(self.loc, self.record(), generation)
         if new is None:
             theirs, _ = read_versioned(self.loc)
             if theirs is None:  # S3 reads a missing bucket as a missing key: this raises
                 self.loc.is_dir()
-            raise taken(theirs)
+                raise CheckpointError(
+                    f"{self.loc}: the store refused the conditional write of {RUN_FILE}, "
+                    f"and holds no record"
+                )
+            raise DirectoryLockedError(
+                f"{self.loc} was taken by {theirs.describe()} while this manager opened "
+                f"it: one writer at a time"
+            )
         self._generation = new
         self._thread = threading.Thread(target=self._renew_loop, name="fop-lease", daemon=True)
         self._thread.start()
-
-    @property
-    def held(self) -> bool:
-        return self._generation is not None
 
     def release(self) -> None:
         """Stops renewing and marks the lease released (``lease_expires: 0``, the run id
@@ -178,10 +177,9 @@ class Lease:
             except Exception as e:  # noqa: BLE001  (the lease then expires by itself)
                 logger.warning("checkpoint: could not release the lease on %s: %s", self.loc, e)
 
-    def discard(self) -> None:
-        """A writer's open refused after the lease was taken: :meth:`release` (the
-        record stays: it names the run, and a released lease is taken by the next open)."""
-        self.release()
+    # A writer's open refused after the lease was taken: the record stays (it names the
+    # run; a released lease is taken by the next open).
+    discard = release
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.seconds / 3):
@@ -206,10 +204,8 @@ class Lease:
                 self._generation = new
                 return
         theirs = None
-        try:
+        with contextlib.suppress(Exception):  # the error below says what is known
             theirs, _ = read_versioned(self.loc)
-        except Exception:  # noqa: BLE001  (the error below says what is known)
-            pass
         lost = DirectoryLockedError(
             f"this run ({self.run}) lost {self.loc} to "
             + (theirs.describe() if theirs else "another writer")
@@ -227,12 +223,10 @@ class Lease:
             if self._lost is not None:
                 raise self._lost
 
-    def before_commit(self) -> None:
-        """A writer's check right before it commits a step (any thread): the lease is
-        renewed now, by a conditional write, so a writer that lost the place (it was
-        stopped past its lease, and another took it) commits nothing over the new
-        holder's steps: DirectoryLockedError instead (the step is aborted)."""
-        self.renew()
+    # A writer's check right before it commits a step (any thread): renewed by a
+    # conditional write, a writer that lost the place commits nothing over the new
+    # holder's steps (DirectoryLockedError: the step is aborted).
+    before_commit = renew
 
     def take_again_if_lost(self) -> bool:
         """The writer's check before each write (as ``DirectoryLock``'s): raises the
@@ -242,19 +236,10 @@ class Lease:
 
 
 def take(loc: Location, *, seconds: float = LEASE_SECONDS) -> Lease:
-    """A plain writer's lease on the object-store directory ``loc`` (a manager's open):
-    the run its record names goes on (a new one without a record). DirectoryLockedError
+    """A plain writer's lease on the object-store directory ``loc`` (a manager's open),
+    for the run its record names (a new one without a record). DirectoryLockedError
     while another writer's lease is live, or when another open won meanwhile."""
     rec, generation = settle(loc, *read_versioned(loc), what="the directory")
     lease = Lease(loc, secrets.token_hex(16) if rec is None else rec.run, seconds=seconds)
-
-    def taken(theirs: RunRecord | None) -> Exception:
-        if theirs is None:
-            return CheckpointError(f"{loc}: the store refused the lease's conditional write")
-        return DirectoryLockedError(
-            f"{loc} was taken by {theirs.describe()} while this manager opened it: one "
-            f"writer at a time"
-        )
-
-    lease.take(generation, taken=taken)
+    lease.take(generation)
     return lease

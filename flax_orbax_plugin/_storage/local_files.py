@@ -25,8 +25,7 @@ import numpy as np
 
 from .._base import env as _env
 from .._errors import CorruptCheckpointError, ForeignEntryError, StructureError
-from .json_refusals import field_before, unencodable
-from .untrusted import entry_kind
+from .untrusted import entry_kind, field_before, unencodable
 
 __all__ = [
     "COMMIT_MARKER",

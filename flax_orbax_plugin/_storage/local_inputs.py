@@ -1,8 +1,5 @@
-"""Inputs only a local file can serve (a safetensors or msgpack file, a key map): the local
-path a path argument names, an object-store URL refused with what to do instead.
-
-Only the importers, exporters and the command line call this; a save or restore of a
-checkpoint takes any store (``kvstore.spec_from_path``). Pure functions: any thread.
+"""Inputs only a local file can serve (a safetensors or msgpack file, a key map), for the
+importers, exporters and the command line. Pure functions: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.location``.
 """
@@ -17,11 +14,9 @@ from .location import _SCHEME, _STORES, _shown, spec_from_path
 
 
 def local_path(path: Any, *, what: str, note: str = "") -> str:
-    """The local filesystem path ``path`` names (a plain path as given, a ``file://``
-    URL's path), for inputs only local files can serve (safetensors files, msgpack
-    files, a key map). An object-store URL (or a kvstore spec of one) is refused with
-    an UnsupportedLocationError naming ``what`` and the store, plus ``note`` (what to do instead):
-    never turned into a local name such as ``./s3:/bucket``."""
+    """The local path ``path`` names (a plain path as given, a ``file://`` URL's path).
+    An object-store URL or spec is an UnsupportedLocationError naming ``what``, the
+    store and ``note`` (what to do instead), never a local name such as ``./s3:/bucket``."""
     text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else None
     scheme = _SCHEME.match(text) if text is not None else None
     if scheme is not None and scheme.group(1).lower() not in _STORES:

@@ -24,8 +24,8 @@ from urllib.parse import urlparse
 from .._base import env as _env
 from .._errors import UnsupportedLocationError
 from . import local_files as _local
-from . import local_tree as _local_tree
 from . import s3_credentials as _s3_credentials
+from . import untrusted as _untrusted
 from .contexts import context, prefix_range, tensorstore
 from .local_files import MAX_SMALL_FILE_BYTES, walk_entries
 
@@ -473,7 +473,7 @@ class Location:
         read)."""
         if not self.is_local:
             raise NotImplementedError(f"sizes are only listed on local disks, not {self}")
-        return _local_tree.size_bytes(self.path)
+        return _untrusted.size_bytes(self.path)
 
     def makedirs(self) -> None:
         """Creates a local directory (and its parents); nothing to do on object stores."""
@@ -492,7 +492,7 @@ class Location:
         """
         if self.is_local:
             path = self.path.rstrip("/")  # a trailing '/' would make lstat follow a link
-            _local_tree.remove_tree(path)
+            _untrusted.remove_tree(path)
             return
         self._kv().delete_range(prefix_range("")).result()
 
@@ -506,7 +506,7 @@ class Location:
     def newest_mtime(self) -> float:
         """Local only: the latest modification time of this directory and its immediate
         entries (``lstat``: no link followed); ``inf`` when it cannot be read."""
-        return _local_tree.newest_mtime(self.path.rstrip("/"))
+        return _untrusted.newest_mtime(self.path.rstrip("/"))
 
     def exchange(self, other: Location) -> bool:
         """Atomically swaps two local directories (``renameat2(RENAME_EXCHANGE)``), then

@@ -47,15 +47,10 @@ class DirectoryLock:
             if ours and not collected:  # one nobody holds any more (a notebook cell run
                 gc.collect()  # again) lets go when it is collected
                 return self.acquire(collected=True)
+            mine = ": this process; close() its CheckpointManager (or callback) first"
             raise DirectoryLockedError(
                 f"{os.path.dirname(self.path)} already has a live writer ({holder}"
-                + (
-                    ": this process; close() its CheckpointManager (or callback) first, or "
-                    "use it; one you no longer hold lets go once its save in flight ended"
-                    if ours
-                    else ""
-                )
-                + "); open it with read_only=True to read while it trains"
+                f"{mine if ours else ''}); open it with read_only=True to read while it trains"
             ) from None
         except BaseException:
             os.close(fd)
@@ -104,9 +99,8 @@ class DirectoryLock:
         raise DirectoryLockedError(f"{self.path}: created and removed again while opened")
 
     def _check_own_file(self, fd: int) -> None:
-        """Refuses (ForeignEntryError; the caller closes ``fd``, the file's bytes
-        untouched) a lock file that is not a regular file or has another name besides
-        this one (a hard link: writing it would write the file it links)."""
+        """ForeignEntryError (the caller closes ``fd``) for a lock file that is no regular
+        file or has another name (a hard link: writing it would write the file it links)."""
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise self._foreign("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a special file")
@@ -130,11 +124,10 @@ class DirectoryLock:
             os.close(fd)
 
     def discard(self) -> None:
-        """:meth:`release` for a writer's open that was refused after the lock was
-        taken: the lock file goes too where this lock created it (and the directory,
-        where the open made it and it is empty), so a refused open leaves nothing
-        behind. Unlinked while still held; an opener that found the file before checks,
-        once it holds it, that it is still the one at the path (:meth:`acquire`)."""
+        """:meth:`release` for a writer's open refused after the lock was taken: the lock
+        file goes too where this lock created it (unlinked while held: :meth:`acquire`
+        checks the file it holds is still at the path), and the directory where the open
+        made it and it is empty."""
         if self._fd is not None and self._created and self._at_path(self._fd):
             try:
                 os.unlink(self.path)
@@ -165,21 +158,14 @@ class DirectoryLock:
         holds a ``flock`` for its process; the writer checks the file before each save)."""
 
     def take_again_if_lost(self) -> bool:
-        """Whether the lock file this writer holds is no longer the one at its path (the
-        directory removed, or the file replaced) and was taken again (a WARNING says so;
-        a wiped local disk under a persistent tier writes on): a write there
-        would otherwise recreate the directory without any lock, for a second writer to
-        take. DirectoryLockedError when another writer holds the new one. One ``stat``
-        and one ``fstat`` when nothing changed; the writer calls it before each write."""
+        """Whether the lock file this writer holds was no longer the one at its path (the
+        directory removed, or the file replaced) and was taken again, with a WARNING (a
+        write would otherwise recreate the directory unlocked); DirectoryLockedError when
+        another writer holds the new one. The writer calls it before each write."""
         if self._fd is None and not self._lost:
             return False  # never taken, or released
         if self._fd is not None:
-            held = os.fstat(self._fd)
-            try:
-                now = os.stat(self.path, follow_symlinks=False)
-            except FileNotFoundError:
-                now = None
-            if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            if self._at_path(self._fd):
                 return False
             self.release()
             self._lost = True  # until taken again: every later write tries, or is refused
@@ -195,10 +181,9 @@ class DirectoryLock:
 
 
 def live_holder(directory: str) -> str | None:
-    """Who holds the writer lock of the local ``directory`` now (what its file says of
-    them), or None: nobody. Reads only: nothing is created, and a shared lock is taken
-    and let go at once (a writer's exclusive one refuses it). A lock file that is a link
-    or no regular file is nobody's (the writer refuses it)."""
+    """Who holds the writer lock of the local ``directory`` now (what its file says), or
+    None. Reads only: a shared lock is taken and let go at once; a lock file that is a
+    link or no regular file is nobody's."""
     path = os.path.join(directory, LOCK_FILE)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

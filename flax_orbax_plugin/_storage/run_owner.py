@@ -1,9 +1,7 @@
 """A run owns its places: the local directory and the persistent path of a tiered
-manager each record the run that owns them (:mod:`.run_record`), and one live run
-holds them at a time: a lock on filesystems, a lease renewed every third of
-:data:`LEASE_SECONDS` on object stores (conditional writes, so two opens cannot both
-win). Both places must name the same run. Only the primary process creates a
-:class:`RunOwner`.
+manager each record the run that owns them (:mod:`.run_record`), and one live run holds
+them at a time (a lock on filesystems, a lease on object stores). Both places must name
+the same run. Only the primary process creates a :class:`RunOwner`.
 
 Threading: :meth:`RunOwner.open` and :meth:`RunOwner.close` from the thread that owns
 the tier (the training thread); :meth:`RunOwner.check` and
@@ -16,37 +14,15 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import time
 from collections.abc import Callable
-from typing import Any
 
 from .._errors import CheckpointError, DirectoryLockedError
-from .lease import LEASE_SECONDS, MAX_LEASE_SECONDS, MIN_LEASE_SECONDS, Lease, settle
+from .lease import LEASE_SECONDS, Lease, settle
 from .location import Location
 from .lock import DirectoryLock
 from .run_record import RUN_FILE, RunRecord, read_record, read_versioned
 
-__all__ = [
-    "LEASE_SECONDS",
-    "MAX_LEASE_SECONDS",
-    "MIN_LEASE_SECONDS",
-    "RunOwner",
-    "check_lease",
-]
-
 logger = logging.getLogger("flax_orbax_plugin")
-
-
-def check_lease(lease_seconds: Any) -> float:
-    """``persistent_lease_seconds`` as a float; ValueError naming it otherwise (the
-    time a record states must stay one a reader can format: at most a year)."""
-    ok = isinstance(lease_seconds, (int, float)) and not isinstance(lease_seconds, bool)
-    if not (ok and MIN_LEASE_SECONDS <= lease_seconds <= MAX_LEASE_SECONDS):
-        raise ValueError(
-            f"persistent_lease_seconds must be a number of seconds from {MIN_LEASE_SECONDS:g} "
-            f"up to {MAX_LEASE_SECONDS:.0f} (a year), found {lease_seconds!r}"
-        )
-    return float(lease_seconds)
 
 
 class RunOwner:
@@ -58,7 +34,6 @@ class RunOwner:
       lease_seconds: the lease on object stores (see ``docs/run_owner.md``).
       steps_of: a place's committed steps (a place without a record that holds steps
         was never this run's: every run writes both records when it opens).
-      clock: wall-clock time source (``time.time``).
     """
 
     def __init__(
@@ -68,13 +43,11 @@ class RunOwner:
         *,
         lease_seconds: float = LEASE_SECONDS,
         steps_of: Callable[[Location], list[int]],
-        clock=time.time,
     ):
         self.local = local
         self.remote = remote
         self._steps_of = steps_of
-        self.lease_seconds = check_lease(lease_seconds)
-        self._clock = clock
+        self.lease_seconds = lease_seconds  # checked by its declaration (tiers/tier_option)
         self.holder = secrets.token_hex(8)
         self.run_id: str | None = None
         self._lock: DirectoryLock | None = None  # the persistent path's, on filesystems
@@ -83,14 +56,14 @@ class RunOwner:
     # ------------------------------------------------------------------ open / close
 
     def open(self) -> str:
-        """Takes the persistent path for this run (lock or lease), checks that both
-        places belong to one run, writes the records a place lacks; returns the run id.
-        Raises DirectoryLockedError (another live run holds the path) or CheckpointError
-        (the places belong to different runs); nothing is held after a raise."""
+        """Takes the persistent path (lock or lease), checks that both places belong to
+        one run, writes the records a place lacks; returns the run id. Raises
+        DirectoryLockedError (another live run holds it) or CheckpointError (two runs);
+        nothing is held after a raise."""
         try:
             return self._open()
         except BaseException:
-            self._release()
+            self.close()
             raise
 
     def _open(self) -> str:
@@ -107,19 +80,14 @@ class RunOwner:
             self._lock.acquire()  # DirectoryLockedError: another live writer
             remote_rec, generation = read_record(self.remote), None
         else:
-            remote_rec, generation = settle(
-                self.remote,
-                *read_versioned(self.remote),
-                what="the persistent path",
-                clock=self._clock,
-            )
+            found = read_versioned(self.remote)
+            remote_rec, generation = settle(self.remote, *found, what="the persistent path")
         if local_rec is not None and remote_rec is not None and local_rec.run != remote_rec.run:
             raise CheckpointError(
                 f"{self.local} belongs to run {local_rec.run} but the persistent path "
-                f"{self.remote} belongs to run {remote_rec.run} (their {RUN_FILE} records "
-                f"differ): they are two runs, and mixing them would replace or restore the "
-                f"other's steps. Give this run its own persistent path, or its own local "
-                f"directory (an empty one continues the persistent path's run)"
+                f"{self.remote} belongs to run {remote_rec.run} ({RUN_FILE}): two runs. Give "
+                f"this run its own persistent path, or its own local directory (an empty one "
+                f"continues the persistent path's run)"
             )
         self._refuse_steps_without_record(local_rec, remote_rec)
         if local_rec is not None:
@@ -140,31 +108,18 @@ class RunOwner:
             if remote_rec is None or remote_rec != mine:
                 self.remote.write_bytes(RUN_FILE, mine.to_bytes())
         else:
-            self._lease = Lease(self.remote, run, seconds=self.lease_seconds, clock=self._clock)
-            self._lease.holder = self.holder
-            self._lease.take(generation, taken=self._taken)
+            self._lease = Lease(self.remote, run, seconds=self.lease_seconds, holder=self.holder)
+            self._lease.take(generation)
         if local_rec is None:
             self.local.makedirs()
             self.local.write_bytes(RUN_FILE, self._record().to_bytes())
         return run
 
-    def _taken(self, theirs: RunRecord | None) -> Exception:
-        if theirs is None:
-            return CheckpointError(
-                f"{self.remote}: the run record {RUN_FILE} could not be written (the store "
-                f"refused the conditional write, and holds no record)"
-            )
-        return DirectoryLockedError(
-            f"{self.remote} was taken by {theirs.describe()} while this manager opened it; "
-            f"one run writes to a persistent path at a time"
-        )
-
     def _refuse_steps_without_record(
         self, local_rec: RunRecord | None, remote_rec: RunRecord | None
     ) -> None:
-        """A place without a record that holds steps, beside one with a record: another
-        run's steps (every run writes both records at its open). Adopting it would copy
-        them into this run, and a resume would restore the other run's weights."""
+        """Refuses a place without a record that holds steps, beside one with a record:
+        another run's steps (every run writes both records at its open)."""
         pairs = ((self.local, local_rec, self.remote, remote_rec),)
         pairs += ((self.remote, remote_rec, self.local, local_rec),)
         for bare, rec, other, other_rec in pairs:
@@ -172,10 +127,8 @@ class RunOwner:
             if steps:
                 raise CheckpointError(
                     f"{bare} holds steps {steps[-3:]} but no run record ({RUN_FILE}), while "
-                    f"{other} belongs to run {other_rec.run}: its steps are not that run's "
-                    f"(every run records itself in both places when it opens), and mixing "
-                    f"them would restore one run's weights into the other. Give this run "
-                    f"its own persistent path, or its own local directory"
+                    f"{other} belongs to run {other_rec.run}: its steps are another run's. "
+                    f"Give this run its own persistent path, or its own local directory"
                 )
 
     def _record(self) -> RunRecord:
@@ -186,9 +139,6 @@ class RunOwner:
     def close(self) -> None:
         """Stops renewing and releases the place (the lock; on object stores the
         lease is marked released, ``lease_expires: 0``, keeping the run id). Idempotent."""
-        self._release()
-
-    def _release(self) -> None:
         if self._lease is not None:
             self._lease.release()
         if self._lock is not None:

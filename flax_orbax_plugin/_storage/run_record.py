@@ -1,10 +1,6 @@
-"""The run record of a place (``_RUN.json``): which run owns it, and who holds it.
-
-:class:`RunRecord` parses and checks the record (CorruptCheckpointError naming the
-field); :func:`read_record` reads it never through a link; on object stores
-:func:`read_versioned` and :func:`write_if` read it with its storage generation and
-write it only if that generation is still current (a compare-and-swap). The owner
-that uses them is :mod:`.run_owner`; the design: ``docs/run_owner.md``.
+"""The run record of a place (``_RUN.json``): which run owns it, and who holds it;
+read never through a link, and on object stores written only if its generation is
+still current (a compare-and-swap). The design: ``docs/run_owner.md``.
 """
 
 from __future__ import annotations
@@ -18,8 +14,6 @@ from typing import Any
 from .._errors import CorruptCheckpointError
 from . import local_files as _local_files
 from .location import Location
-
-__all__ = ["MAX_RECORD_BYTES", "RUN_FILE", "RunRecord", "read_record", "read_versioned", "write_if"]
 
 RUN_FILE = "_RUN.json"
 MAX_RECORD_BYTES = _local_files.RUN_RECORD.max_bytes
@@ -39,8 +33,8 @@ class RunRecord:
 
     @classmethod
     def here(cls, run: str, holder: str, expires: float | None = None) -> RunRecord:
-        """The record of ``run`` held by ``holder`` in this process of this host (a
-        lease ending ``expires``; None: a place held by a lock, or by its run alone)."""
+        """The record of ``run`` held by ``holder`` in this process (a lease ending
+        ``expires``; None: held by a lock)."""
         return cls(run, socket.gethostname(), os.getpid(), holder, expires)
 
     def to_bytes(self) -> bytes:
@@ -58,7 +52,9 @@ class RunRecord:
         """Parses and checks a record; CorruptCheckpointError naming the field."""
         doc = _local_files.parse(raw, where, _local_files.RUN_RECORD)
         if not isinstance(doc, dict):
-            raise CorruptCheckpointError(f"{where}: expected a JSON object, found {_kind(doc)}")
+            raise CorruptCheckpointError(
+                f"{where}: expected a JSON object, found {type(doc).__name__}"
+            )
         for field, want in (("library", _LIBRARY), ("kind", "run")):
             if doc.get(field) != want:
                 raise CorruptCheckpointError(
@@ -88,19 +84,14 @@ class RunRecord:
         return f"run {self.run} (pid {self.pid} on {self.host})"
 
 
-def _kind(value: Any) -> str:
-    return type(value).__name__
-
-
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def read_record(loc: Location) -> RunRecord | None:
-    """The record of ``loc``, or None when it has none. Never follows a link (a link
-    or special file at its name is a ForeignEntryError); a malformed record is a
-    CorruptCheckpointError naming the file and field."""
+    """The record of ``loc``, or None. Never follows a link (ForeignEntryError); a
+    malformed record is a CorruptCheckpointError naming the file and field."""
     raw = loc.read_bytes(RUN_FILE, max_bytes=MAX_RECORD_BYTES)
     return None if raw is None else RunRecord.from_bytes(raw, f"{loc}/{RUN_FILE}")
 

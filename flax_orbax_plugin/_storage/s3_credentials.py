@@ -1,9 +1,6 @@
-"""What the environment says of an ``s3://`` store: its endpoint, region and credentials
-(environment keys, a profile of the shared credentials file), and whether any AWS
-credentials are named at all.
-
-Only an ``s3://`` path runs this. Pure functions over the environment (and the
-credentials file, cached by its mtime and size): any thread.
+"""What the environment says of an ``s3://`` store: its endpoint, region and
+credentials, and whether any AWS credentials are named at all. Pure functions over the
+environment (and the credentials file, cached by its mtime and size): any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.location``.
 """
@@ -17,16 +14,11 @@ from typing import Any
 
 
 def settings_from_env() -> dict[str, Any]:
-    """S3-compatible servers: tensorstore's s3 driver ignores ``AWS_ENDPOINT_URL``
-    (it always talks to amazonaws.com), so an ``s3://`` URL takes it from here.
-
-    With both keys in the environment, the credentials are named as coming from it:
-    the default chain would pick them first too (the same credentials), but builds its
-    profile provider on the way, which logs about 5 ERROR lines per open when
-    ``~/.aws/config`` or ``~/.aws/credentials`` is missing (aws-c-auth, through
-    tensorstore's absl logging, on stderr). Else a profile with both keys in the shared
-    credentials file (``AWS_PROFILE``, default ``default``) is named with its files
-    (:func:`profile_with_keys`). Anything else is left to the default chain."""
+    """The s3 driver's settings from the environment: the endpoint
+    (``AWS_ENDPOINT_URL``, which tensorstore ignores), the region, and credentials named
+    where the default chain would misbehave: keys in the environment (its profile
+    provider logs ERROR lines per open without ``~/.aws`` files), else a profile with
+    both keys in the credentials file (:func:`profile_with_keys`)."""
     settings: dict[str, Any] = {}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
@@ -57,13 +49,10 @@ def settings_from_env() -> dict[str, Any]:
 def profile_with_keys(
     credentials: str, stamp: tuple[int, int], profile: str, config: str, config_exists: bool
 ) -> dict[str, str] | None:
-    """The profile provider, named in full, when the credentials file holds both keys of
-    ``profile``: the keys the default chain should read next, but tensorstore 0.1.86's
-    chain finds no profile ("could not load a profile at .") and goes on anonymous
-    (access denied); named with its files it reads them, and logs nothing. A missing
-    config file is given as the empty ``os.devnull``. None for any other file (a role,
-    SSO, a process: left to the default chain). ``stamp``: the file's mtime and size, a
-    cache key (the file is read again when it changes)."""
+    """The profile provider, named with its files, when the credentials file holds both
+    keys of ``profile`` (tensorstore 0.1.86's default chain finds no profile and goes
+    anonymous); a missing config file is ``os.devnull``. None for any other file (left
+    to the default chain). ``stamp``: the file's mtime and size, a cache key."""
     del stamp
     parser = configparser.RawConfigParser()
     try:

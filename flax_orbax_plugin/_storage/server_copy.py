@@ -26,11 +26,10 @@ _POOL = 32  # connections per copier (the number of copies in flight is the call
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
     """What a store says about one object: its size and tag (S3: the ETag; GCS:
-    ``crc32c`` and ``md5Hash``), or None where it gives none. ``content_tag``: the tag
-    depends on the bytes alone, so equal bytes in two objects have equal tags (not so
-    for an S3 ETag of a multipart upload or of an SSE-KMS/SSE-C object). Either way the
-    tag of one object changes when its bytes do. ``generation`` pins the object in a
-    later copy (S3: its ETag, for ``If-Match``; GCS: its generation)."""
+    ``crc32c`` and ``md5Hash``; None where none). ``content_tag``: the tag depends on the
+    bytes alone (not so for an S3 ETag of a multipart upload or an SSE-KMS/SSE-C
+    object). ``generation`` pins the object in a later copy (S3: its ETag; GCS: its
+    generation)."""
 
     size: int
     tag: str | None = None
@@ -51,8 +50,7 @@ class Copier:
 
     def copy(self, src: str, dst: str, source: ObjectInfo) -> ObjectInfo:
         """Copies ``src`` to ``dst`` on the server, only if ``src`` is still the object
-        ``source`` describes (S3 ``If-Match`` on its ETag, GCS its generation); returns
-        what the store reports for ``dst``."""
+        ``source`` describes; returns what the store reports for ``dst``."""
         raise NotImplementedError
 
     def delete(self, key: str) -> None:
@@ -68,8 +66,7 @@ class Copier:
 
     def read_range(self, key: str, start: int, stop: int, source: ObjectInfo) -> bytes:
         """Bytes ``[start, stop)`` of ``key``, only if it is still the object ``source``
-        describes (S3 ``If-Match`` on its ETag, GCS ``ifGenerationMatch``); raises
-        :class:`CopyError` when the store answers another length."""
+        describes; :class:`CopyError` when the store answers another length."""
         raise NotImplementedError
 
 
@@ -78,23 +75,10 @@ def copier_for(location: Location) -> tuple[Copier | None, str]:
     spec = location.spec
     spec.pop("path", None)
     driver = spec.get("driver")
-    if driver == "s3":
-        env = tuple(
-            os.environ.get(k)
-            for k in ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE")
-        )
-        return _s3_copier(json.dumps(spec, sort_keys=True), env)
-    if driver == "gcs":
-        env = tuple(
-            os.environ.get(k)
-            for k in (
-                "TENSORSTORE_GCS_HTTP_URL",
-                "GOOGLE_AUTH_TOKEN_FOR_TESTING",
-                "GOOGLE_APPLICATION_CREDENTIALS",
-            )
-        )
-        return _gcs_copier(json.dumps(spec, sort_keys=True), env)
-    return None, f"the {driver!r} kvstore driver has no server-side copy"
+    if driver not in _COPIERS:
+        return None, f"the {driver!r} kvstore driver has no server-side copy"
+    make, names = _COPIERS[driver]
+    return make(json.dumps(spec, sort_keys=True), tuple(os.environ.get(k) for k in names))
 
 
 # -- S3 -----------------------------------------------------------------------------------
@@ -324,14 +308,27 @@ class _GCSCopier(Copier):
 
 
 def _exact(body: bytes, start: int, stop: int, shown: str) -> bytes:
-    """``body`` when it is the ``stop - start`` bytes asked for (a store that ignored the
-    range answers more; at most one byte more is ever read)."""
+    """``body`` when it is the ``stop - start`` bytes asked for (one byte more is read,
+    to notice a store that ignored the range)."""
     if len(body) != stop - start:
         raise CopyError(
             f"{shown}: asked for bytes {start}-{stop - 1} ({stop - start} bytes), "
             f"the store answered {len(body)}{'+' if len(body) > stop - start else ''}"
         )
     return body
+
+
+_COPIERS = {  # driver: its copier by (spec, environment), the variables it depends on
+    "s3": (_s3_copier, ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE")),
+    "gcs": (
+        _gcs_copier,
+        (
+            "TENSORSTORE_GCS_HTTP_URL",
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+        ),
+    ),
+}
 
 
 def _gcs_info(obj: dict) -> ObjectInfo:

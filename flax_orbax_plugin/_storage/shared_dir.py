@@ -23,28 +23,16 @@ def check_visible(
     loc: Location, region: _distributed.Region | None, *, per_host_ok: bool = False
 ) -> bool:
     """Raises CheckpointError on every process when some process does not see what the
-    primary wrote in ``loc`` (see the module docstring). Every process calls it, in the
-    manager open's ``region`` (``_base.regions``).
-
-    With ``per_host_ok`` (a manager with a persistent tier), directories that no other
-    process sees (each host its own disk) are accepted: returns True then, on every
-    process. A mix (some processes share a directory, others do not) is refused."""
+    primary wrote in ``loc``. Every process calls it, in the manager open's ``region``.
+    With ``per_host_ok`` (a persistent tier), a directory per host is accepted: True
+    then, on every process; a mix is refused."""
     if _distributed.process_count() == 1 or not loc.is_local:
         return False
     if per_host_ok:
         return _per_host(loc, region)
     directory = loc.path.rstrip("/")
     op = _distributed.next_operation_id("visible", region=region)
-    created = None
-    if _distributed.is_primary():
-        name, nonce = f"{PREFIX}{secrets.token_hex(8)}", secrets.token_hex(16)
-        try:
-            created = _create(directory, name, nonce.encode())
-            shared = json.dumps({"name": name, "nonce": nonce, "host": socket.gethostname()})
-        except OSError as e:  # every process learns of it (none waits for a file)
-            shared = json.dumps({"error": f"{type(e).__name__}: {e}"})
-    else:
-        shared = None
+    created, shared = _create(directory) if _distributed.is_primary() else (None, None)
     try:
         sent = json.loads(_distributed.broadcast_str(f"{op}/file", shared, region=region))
         if "error" in sent:
@@ -79,15 +67,9 @@ def _per_host(loc: Location, region: _distributed.Region | None) -> bool:
     directory = loc.path.rstrip("/")
     op = _distributed.next_operation_id("visible", region=region)
     me, count = _distributed.process_index(), _distributed.process_count()
-    name, nonce = f"{PREFIX}{secrets.token_hex(8)}", secrets.token_hex(16)
-    created = None
+    created, mine = _create(directory)
     try:
-        try:
-            created = _create(directory, name, nonce.encode())
-            mine = {"name": name, "nonce": nonce, "host": socket.gethostname()}
-        except OSError as e:
-            mine = {"error": f"{type(e).__name__}: {e}"}
-        _distributed.publish(f"{op}/file", json.dumps(mine), region=region)
+        _distributed.publish(f"{op}/file", mine, region=region)
         files = [json.loads(v) for v in _distributed.gather_str(f"{op}/file", region=region)]
         seen = [
             "yes" if p == me else _read(directory, f["name"], f["nonce"].encode())
@@ -118,21 +100,26 @@ def _per_host(loc: Location, region: _distributed.Region | None) -> bool:
     )
 
 
-def _create(directory: str, name: str, data: bytes) -> tuple[str, tuple[int, int]]:
-    """Creates ``directory/name`` exclusively; returns its name and (device, inode)."""
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+def _create(directory: str) -> tuple[tuple[str, tuple[int, int]] | None, str]:
+    """Creates a file of a fresh name and nonce in ``directory``, exclusively: its name
+    and (device, inode), and the JSON every process is told (or the error, if none)."""
+    name, nonce = f"{PREFIX}{secrets.token_hex(8)}", secrets.token_hex(16)
     try:
-        fd = os.open(
-            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd
-        )
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
-            os.write(fd, data)
-            st = os.fstat(fd)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+            try:
+                os.write(fd, nonce.encode())
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
-    finally:
-        os.close(dir_fd)
-    return name, (st.st_dev, st.st_ino)
+            os.close(dir_fd)
+    except OSError as e:  # every process learns of it (none waits for a file)
+        return None, json.dumps({"error": f"{type(e).__name__}: {e}"})
+    shown = {"name": name, "nonce": nonce, "host": socket.gethostname()}
+    return (name, (st.st_dev, st.st_ino)), json.dumps(shown)
 
 
 def _read(directory: str, name: str, nonce: bytes) -> str:
@@ -163,8 +150,7 @@ def _read(directory: str, name: str, nonce: bytes) -> str:
 
 def _remove(directory: str, name: str, identity: tuple[int, int]) -> None:
     """Unlinks ``directory/name`` only while it is still the file :func:`_create` made
-    (same device and inode, a regular file, no link followed). Errors are left alone:
-    a file of a few bytes left behind costs nothing and is never read as a step."""
+    (same device and inode, no link followed); errors are left alone (a few bytes)."""
     try:
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
@@ -187,10 +173,7 @@ def _verdict(loc: Location, primary_host: str, reports: list) -> str:
     who = "; ".join(f"process {p} on host {r['host']!r}: {r['seen']}" for p, r in blind)
     return (
         f"{loc}: not every process sees the same directory: process 0 (host "
-        f"{primary_host!r}) wrote a file there that {len(blind)} of "
-        f"{len(reports) - 1} other process(es) cannot read ({who}). Each host has its "
-        f"own directory under this path; the primary would commit steps whose other "
-        f"shards are on other hosts. Use a filesystem every host mounts (NFS, Lustre, "
-        f"a FUSE-mounted bucket) or an object store (s3://..., gs://...); per-host "
-        f"local directories need a persistent tier (persistent=...)"
+        f"{primary_host!r}) wrote a file there that {len(blind)} of {len(reports) - 1} "
+        f"other process(es) cannot read ({who}). Use a filesystem every host mounts or an "
+        f"object store; per-host local directories need a persistent tier (persistent=...)"
     )

@@ -1,10 +1,6 @@
 """An object store's refusal, said once: tensorstore's status text of an ``s3://`` or
-``gs://`` store (no such bucket, no credentials, access denied, unreachable) worded as
-a :class:`StoreAccessError` naming the bucket and what to do.
-
-The ``errors=`` of a public entry is :func:`refusals` (its places named by
-:func:`arguments`): built when the entry is defined, run only when a call fails. Pure
-functions: any thread.
+``gs://`` store worded as a :class:`StoreAccessError` naming the bucket and what to do;
+the ``errors=`` of a public entry (:func:`refusals`). Pure functions: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.location``.
 """
@@ -43,36 +39,27 @@ _REFUSALS = (
         "access denied",
         "check that these credentials may read (and, to write, write) this bucket",
     ),
+    (
+        r"Could not connect to server|Couldn't connect|Failed to connect|Could not resolve "
+        r"host|Couldn't resolve host|curl_code='(6|7|28)'",
+        "cannot be reached",
+        "check the endpoint (AWS_ENDPOINT_URL, TENSORSTORE_GCS_HTTP_URL) and the network",
+    ),
+    (  # a reply without the store's own body (GCS emulators answer a missing bucket so)
+        r"Failed to parse response metadata",
+        "no such bucket, or its reply could not be read",
+        "check the bucket's name and the endpoint (TENSORSTORE_GCS_HTTP_URL: a GCS server?)",
+    ),
 )
-
-
-_UNREACHABLE = (
-    r"Could not connect to server|Couldn't connect|Failed to connect|Could not resolve "
-    r"host|Couldn't resolve host|curl_code='(6|7|28)'",
-    "cannot be reached",
-    "check the endpoint (AWS_ENDPOINT_URL, TENSORSTORE_GCS_HTTP_URL) and the network",
-)
-
-
-# A reply without the store's own body (GCS emulators answer a missing bucket so).
-_UNREADABLE = (
-    r"Failed to parse response metadata",
-    "no such bucket, or its reply could not be read",
-    "check the bucket's name and the endpoint (TENSORSTORE_GCS_HTTP_URL: a GCS server?)",
-)
-
-
-_REFUSALS = (*_REFUSALS, _UNREACHABLE, _UNREADABLE)
 
 
 _BUCKET_IN_BODY = re.compile(r"<BucketName>([^<]+)</BucketName>")
 
 
 def refusal(error: BaseException, spec: dict[str, Any]) -> StoreAccessError | None:
-    """The :class:`StoreAccessError` that ``error`` (raised by tensorstore on the s3 or
-    gcs store of ``spec``) means, or None for any other error and any other store.
-    Access denied with no AWS credentials anywhere in the environment is reported as
-    missing credentials (the request went out anonymous)."""
+    """The :class:`StoreAccessError` that ``error`` (tensorstore's, on the s3 or gcs
+    store of ``spec``) means, or None. Access denied with no AWS credentials in the
+    environment is reported as missing credentials (the request went out anonymous)."""
     driver = spec.get("driver")
     if driver not in ("s3", "gcs") or not isinstance(error, ValueError):
         return None
@@ -88,27 +75,6 @@ def refusal(error: BaseException, spec: dict[str, Any]) -> StoreAccessError | No
             detail = text.splitlines()[0][:300] if text else ""
             return StoreAccessError(f"{url}: {what}; {todo}", url=url, reason=what, detail=detail)
     return None
-
-
-def store_error_line(error: BaseException, spec: dict[str, Any]) -> str | None:
-    """The one line the command line prints for ``error`` (see :func:`refusal`)."""
-    found = refusal(error, spec)
-    return None if found is None else str(found)
-
-
-def first_refusal(error: BaseException, specs: list[dict[str, Any]]) -> StoreAccessError | None:
-    """The refusal ``error`` means on the first of the object stores of ``specs`` (the
-    bucket the error's body names first), or None."""
-    specs = [s for s in specs if s.get("driver") in ("s3", "gcs")]
-    named = _BUCKET_IN_BODY.search(str(error))  # S3's body names the bucket
-    if named and not any(s.get("bucket") == named.group(1) for s in specs):
-        specs = [{"driver": "s3", "bucket": named.group(1)}]  # a place of no argument
-    elif named:
-        specs.sort(key=lambda s: s.get("bucket") != named.group(1))
-    return next((r for s in specs if (r := refusal(error, s)) is not None), None)
-
-
-# -- an entry's errors= (``_base.distributed.public``) -------------------------------------
 
 
 def _specs(places: Iterable[Any]) -> list[dict[str, Any]]:
@@ -132,15 +98,20 @@ def arguments(*names: str) -> Callable[[dict[str, Any]], list[Any]]:
 def refusals(
     places: Callable[[dict[str, Any]], Iterable[Any]],
 ) -> Callable[[BaseException, dict[str, Any]], StoreAccessError | None]:
-    """The ``errors=`` of a public entry (``_base.distributed.public``, on a function or
-    a class): a tensorstore refusal (a ``ValueError``) of one of the object stores that
-    ``places(arguments)`` names (``arguments``: the call's bound arguments by name,
-    ``self`` included for a method), as :class:`StoreAccessError`; None for every
-    other error."""
+    """The ``errors=`` of a public entry (``_base.distributed.public``): a tensorstore
+    refusal (a ``ValueError``) of one of the object stores that ``places(bound)`` names
+    (``bound``: the call's arguments by name, ``self`` included), as
+    :class:`StoreAccessError` (on the bucket the error's body names first); else None."""
 
     def translate(error: BaseException, bound: dict[str, Any]) -> StoreAccessError | None:
         if not isinstance(error, ValueError):
             return None
-        return first_refusal(error, _specs(places(bound)))
+        specs = [s for s in _specs(places(bound)) if s.get("driver") in ("s3", "gcs")]
+        named = _BUCKET_IN_BODY.search(str(error))  # S3's body names the bucket
+        if named and not any(s.get("bucket") == named.group(1) for s in specs):
+            specs = [{"driver": "s3", "bucket": named.group(1)}]  # a place of no argument
+        elif named:
+            specs.sort(key=lambda s: s.get("bucket") != named.group(1))
+        return next((r for s in specs if (r := refusal(error, s)) is not None), None)
 
     return translate

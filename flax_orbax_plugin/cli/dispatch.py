@@ -14,7 +14,7 @@ from collections.abc import Callable
 from .. import _errors
 from .._storage.local_inputs import local_path
 from .._storage.location import spec_from_path
-from .._storage.store_errors import store_error_line
+from .._storage.store_errors import refusal
 from .native_logs import aws_lines_filtered
 from .output import EXIT_STORE, CliError, one_line
 
@@ -108,7 +108,7 @@ def run(
         except _errors.StoreAccessError as e:  # exit 3 too
             raise StoreAccessError(one_line(e)) from None
         except Exception as e:
-            line = next((x for s in remote if (x := store_error_line(e, s))), None)
+            line = next((str(x) for s in remote if (x := refusal(e, s))), None)
             if line is None:
                 raise
             raise StoreAccessError(line) from None

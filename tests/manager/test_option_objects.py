@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._base.option_docs import doc_table
+from flax_orbax_plugin._base.keywords import doc_table
 from flax_orbax_plugin._manager import options as option_table
 from flax_orbax_plugin._manager.tiers import tier_option
 

@@ -109,7 +109,7 @@ class PersistentTier:
             raise ValueError(f"persistent_grace_seconds must be >= 0, found {grace_seconds!r}")
         self.retention = retention = Retention(keep=keep, keep_every=keep_every)
         self.grace_seconds = float(grace_seconds)
-        self._lease_seconds = _run_owner.check_lease(lease_seconds)
+        self._lease_seconds = lease_seconds  # checked by its declaration (Tier, tier_option)
         where = (local, remote, retention.rule, remove_step, primary, multi, per_host, every)
         self._places = Places(*where, host_memory, keep_every)
         self._state = TierState() if events is None else TierState(events=events)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..._base.env import Option, check, found
 from ..._base.keywords import refuse_without
-from ..._storage import run_owner as _run_owner
+from ..._storage import lease as _lease
 from ..._storage.location import Location, spec_from_path
 from ..events import Events
 from ..retention import KEEP, KEEP_EVERY
@@ -81,12 +81,12 @@ FIELDS: tuple[Option, ...] = (
     Option(
         "lease_seconds",
         "number",
-        low=_run_owner.MIN_LEASE_SECONDS,
-        high=_run_owner.MAX_LEASE_SECONDS,
-        default=_run_owner.LEASE_SECONDS,
+        low=_lease.MIN_LEASE_SECONDS,
+        high=_lease.MAX_LEASE_SECONDS,
+        default=_lease.LEASE_SECONDS,
         expected=(
-            f"a number of seconds >= {_run_owner.MIN_LEASE_SECONDS:g} and <= "
-            f"{_run_owner.MAX_LEASE_SECONDS:g}"
+            f"a number of seconds >= {_lease.MIN_LEASE_SECONDS:g} and <= "
+            f"{_lease.MAX_LEASE_SECONDS:g}"
         ),
         doc="on an object store, the lease that makes one live run own the path",
     ),
@@ -105,7 +105,7 @@ def refuse_idle(values: dict[str, Any], local: bool, name: Callable[[str], str] 
             f"{name('keep')}= (the tier keeps every step without it)",
         )
     if local:
-        default = _run_owner.LEASE_SECONDS
+        default = _lease.LEASE_SECONDS
         needs = "a persistent tier on an object store (a filesystem path is held by a lock)"
         refuse_without(name("lease_seconds"), values["lease_seconds"], needs, default=default)
 
@@ -125,7 +125,7 @@ class Tier:
     keep_every: int | None = None
     every: int = 1
     grace_seconds: float = 30.0
-    lease_seconds: float = _run_owner.LEASE_SECONDS
+    lease_seconds: float = _lease.LEASE_SECONDS
 
     def __post_init__(self) -> None:
         PATH.check(self.path)
