@@ -24,18 +24,21 @@ class StructureError(CheckpointError, ValueError):
 
 
 class NothingMatchedError(StructureError):
-    """A restore matched no saved leaf to the template: names the options and some paths
-    of both sides. ``missing="keep_all"`` accepts it, with a warning."""
+    """A restore matched no saved leaf to the template (``partial=``, ``missing=``,
+    ``transform=`` left nothing to read): names the options and some paths of both
+    sides. ``missing="keep_all"`` accepts it, with a warning."""
 
 
 class TransformError(CheckpointError, ValueError, TypeError):
-    """A ``transform=`` option is malformed: names the entry, what was expected and what
-    was found. Raised before anything is read."""
+    """A ``transform=`` option is malformed (a pattern that is no regex, a replacement
+    naming a group its pattern lacks, a value of the wrong type): names the entry, what
+    was expected and what was found. Raised before anything is read."""
 
 
 class UnsupportedLocationError(CheckpointError, ValueError):
-    """A path argument names no place it may be (an unknown ``scheme:``, a malformed URL,
-    an object store where only local files are supported): names what was given."""
+    """A path argument names no place that argument may be: an unknown ``scheme:``, a
+    malformed store URL, or an object store where only local files are supported.
+    Names the argument, what it was given and what is supported."""
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -56,13 +59,16 @@ class CoordinationError(CheckpointError):
 
 
 class SaveCancelledError(CheckpointError):
-    """A save cancelled before it committed (``supersede=``): nothing of it was committed,
-    earlier steps are untouched. Every process raises it for the same step."""
+    """A save cancelled before it committed (superseded by a newer save or a preemption
+    save: ``supersede=``): nothing of it was committed, its staging is removed, earlier
+    steps are untouched. With several processes every process raises it for the same
+    step (the cancellation is the commit's agreed outcome)."""
 
 
 class ProcessFailedError(CoordinationError):
-    """Another process failed inside the collective operation this one waited in: names
-    that process, the operation and its error."""
+    """Another process failed inside the collective operation this one waited in (its
+    failure published through the coordination service): names that process, the
+    operation and its error."""
 
 
 class UnknownItemError(CheckpointError, KeyError):
@@ -82,21 +88,25 @@ class ReplicationError(CheckpointError):
 
 
 class EventHookError(CheckpointError):
-    """The ``on_event`` hook raised: raised again by the next ``save``, ``wait`` or
-    ``close`` (the hook's exception is its ``__cause__``, the event its ``event``)."""
+    """The ``on_event`` hook of a manager or callback raised: raised again by the next
+    ``save``, ``wait`` or ``close`` (the hook's exception is its ``__cause__``, the
+    event its ``event``). The checkpoint the event reported on is unaffected."""
 
     event: object = None
 
 
 class HookReentryError(CheckpointError, RuntimeError):
-    """An ``on_event`` hook called an operation that would wait for the very thing
-    delivering the event (``wait``, ``save``, ``close``...): refused, never a hang.
-    Names the call, the event and what to do instead (then an :class:`EventHookError`)."""
+    """An ``on_event`` hook (or another callback the library calls on one of its own
+    threads) called an operation that would wait for the very thing delivering the
+    event (``wait``, ``save``, ``close``, a save handle's ``wait``...): refused, never a
+    hang. Names the call, the event and what to do instead; raised in the hook (so
+    kept and raised again as an :class:`EventHookError`, its ``__cause__``)."""
 
 
 class OptionError(CheckpointError, ValueError):
-    """An option or ``FOP_*`` variable with a value it does not take, or one that does
-    nothing in the chosen mode: names the option, what was expected and what was found."""
+    """An option (a keyword of the public API) or a ``FOP_*`` environment variable with
+    a value it does not take, or one that does nothing in the chosen mode: names the
+    option, what was expected and what was found."""
 
 
 class OptionTypeError(OptionError, TypeError):
@@ -104,9 +114,10 @@ class OptionTypeError(OptionError, TypeError):
 
 
 class StoreAccessError(CheckpointError, ValueError):
-    """An object store refused (no such bucket, no credentials, access denied): names
-    the bucket (``url``), what happened (``reason``) and what to do; ``detail`` is the
-    store's own first line."""
+    """An object store refused: no such bucket, no credentials could be loaded, or
+    access denied. The message names the bucket (``url``), what happened (``reason``)
+    and what to do; ``detail`` is the store's own first line. A ``ValueError``, as the
+    raw error from tensorstore was."""
 
     def __init__(self, message: str, *, url: str = "", reason: str = "", detail: str = ""):
         super().__init__(message)
