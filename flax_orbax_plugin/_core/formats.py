@@ -34,23 +34,8 @@ from .format_v1 import CHUNK_FILES
 from .host_snapshot import write_packed
 from .reads import check_packed_claims
 
-__all__ = [
-    "CHUNK_FILES",
-    "DATA_FILES",
-    "DEFAULT_FORMAT_VERSION",
-    "DEFAULT_WRITE_LIMIT_BYTES",
-    "Format",
-    "MEMORY_LIMIT",
-    "SaveRequest",
-    "check_save",
-    "for_version",
-    "of_document",
-    "version_for",
-    "Written",
-]
-
-# The format a save writes when none is asked for (FORMAT.md: version 2, data files;
-# version 1 on request, and in a directory per host, which version 2 does not write).
+# The format a save writes when none is asked for (FORMAT.md; version 1 on request and
+# in a directory per host, which version 2 does not write).
 DEFAULT_FORMAT_VERSION = 2
 
 DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
@@ -58,21 +43,17 @@ DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
 
 @dataclasses.dataclass(frozen=True)
 class SaveRequest:
-    """How one pytree is saved (the options of ``fop.save_async``, checked, plus what a
-    manager adds per step and item).
+    """How one pytree is saved (``fop.save_async``'s options, checked, plus what a manager
+    adds per step and item).
 
-    ``format_version``: 2 (data files, the default) or 1 (chunk files), the one place the save's
-    format is chosen; ``compression``: a checked codec or None;
-    ``memory_limit_bytes``: writes in flight (None: the default, see :attr:`limit`);
-    ``host_memory_budget``: host bytes the save may hold beyond the state;
-    ``data_file_bytes``: version 2's data file size; ``own_copy``: a host's own
-    directory (every process writes all it holds and every JSON file);
-    ``created_at``: the document's time (the same on every process for an own copy;
-    None: when written); ``reuse``: an ``_incremental.Reuse`` (a manager with
-    ``incremental=True``) or None; ``buffers``: a manager's host buffers or None;
-    ``cancelled``: set when the save is cancelled (Ctrl-C): its writes stop;
-    ``region``: the collective operation the save is part of (``_base.regions``: its
-    names are drawn there, its waits look at its failures), or None (one process).
+    ``format_version``: 2 (data files) or 1 (chunk files), the one place the format is
+    chosen; ``compression``: a checked codec or None; ``memory_limit_bytes``: writes in
+    flight (see :attr:`limit`); ``host_memory_budget``: host bytes the save may hold
+    beyond the state; ``data_file_bytes``: version 2's data file size; ``own_copy``: a
+    host's own directory (every process writes all it holds and every JSON file);
+    ``created_at``: the document's time (agreed, for an own copy); ``reuse``: an
+    ``_incremental.Reuse`` or None; ``buffers``: a manager's host buffers or None;
+    ``cancelled``: set when the save is cancelled; ``region``: its collective operation.
     """
 
     format_version: int = DEFAULT_FORMAT_VERSION
@@ -93,8 +74,7 @@ class SaveRequest:
 
     @property
     def limit(self) -> int:
-        """The bytes of writes in flight, ``memory_limit_bytes`` (default
-        ``DEFAULT_WRITE_LIMIT_BYTES``), at most half the host memory budget."""
+        """The bytes of writes in flight: at most half the host memory budget."""
         limit = self.memory_limit_bytes or DEFAULT_WRITE_LIMIT_BYTES
         budget = self.host_memory_budget
         return limit if budget is None else max(1, min(limit, budget // 2))
@@ -143,14 +123,11 @@ SAVE: tuple[Option, ...] = (
 
 
 def check_save(**options: Any) -> dict[str, Any]:
-    """``fop.save``'s options of :data:`SAVE` given by name, checked; ``{name: checked
-    value}``. A value of the wrong type, out of range, NaN, empty or unknown is an
-    OptionError naming the option, what it takes and what was found;
-    ``data_file_bytes`` with format version 1 (one file per chunk: it does nothing
-    there) is refused naming both."""
+    """``fop.save``'s options of :data:`SAVE` given by name, checked (OptionError naming
+    the option, what it takes and what was found); an option the chosen format ignores
+    (``data_file_bytes`` with version 1) is refused naming both."""
     out = check(SAVE, options)
     out["format_version"] = version_for(out["format_version"], per_host=False)
-    # What the chosen format ignores is refused (the format says what, and why).
     refuse_ignored(
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
     )
@@ -159,9 +136,8 @@ def check_save(**options: Any) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """What one process wrote: array bytes and ``{relative JSON file: sha256}``; plus the
-    array bytes it hard-linked or copied on the server from the previous step instead
-    (incremental steps)."""
+    """What one process wrote: array bytes, ``{relative JSON file: sha256}``, and the array
+    bytes it reused from the previous step instead."""
 
     bytes_written: int = 0
     files: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -193,10 +169,9 @@ class Format(Protocol):
     def write(
         self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
     ) -> tuple:
-        """Writes this process's data of ``snap`` (a Snapshot) under ``location``:
-        ``leaves``, its leaves as stored (sub-byte ones packed); ``found``: the reuse
-        plan (``Snapshot._unchanged``) or None. Returns (bytes written, {file: sha256} to
-        record in the commit marker, bytes reused)."""
+        """Writes this process's data of ``snap`` under ``location`` (``leaves``: as stored;
+        ``found``: the reuse plan or None). Returns (bytes written, {file: sha256}, bytes
+        reused)."""
 
     def reuser(self, location: Location) -> Any:
         """How this process reuses unchanged data under ``location`` (None: it cannot)."""
@@ -212,8 +187,7 @@ class Format(Protocol):
         """What tensorstore reads an array through (None: the reader alone)."""
 
     def read_stored(self, store: Any, index: int, record: Any, direct: Any, region: Any) -> Any:
-        """A read of ``region`` (None: all) of leaf ``index``'s stored array, as
-        ``record`` (its stored record: a sub-byte leaf's packed bytes) describes it."""
+        """A read of ``region`` (None: all) of leaf ``index``'s stored array (``record``)."""
 
     def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
         """What a batch is read through (raises one of :attr:`batch_damage` on damage)."""
@@ -222,9 +196,8 @@ class Format(Protocol):
         """Whether a batch's leaves are read in runs straight from its chunk files."""
 
     def check_lengths(self, location: Location, direct: Any) -> None:
-        """``verify`` only: the files hold nothing past what was written (bytes appended
-        change no value a read returns, but the file is not the one committed);
-        CorruptCheckpointError naming the file otherwise."""
+        """``verify`` only: CorruptCheckpointError naming a file holding bytes past what
+        was written."""
 
 
 class DataFiles:
@@ -323,9 +296,8 @@ def of_document(doc: CheckpointDocument) -> Format:
 
 
 def version_for(asked: int | None, *, per_host: bool) -> int:
-    """The version a manager step's items write: ``asked`` (checked), else the default
-    (:data:`DEFAULT_FORMAT_VERSION`), or version 1 in a directory per host, which
-    version 2 does not write yet (asking for 2 there is refused at the manager's open)."""
+    """The version a manager step's items write: ``asked`` (checked), else the default,
+    or version 1 in a directory per host (which version 2 does not write)."""
     if asked is not None:
         return asked
     if per_host and not for_version(DEFAULT_FORMAT_VERSION).per_host_directories:
@@ -343,8 +315,8 @@ def refuse_ignored(version: int | None, given: dict[str, Any], refuse) -> None:
 
 
 def _files_reuse(location: Location, way, source: Location, unchanged: list):
-    """Version 2: ``reuse()`` takes this process's previous data files that hold
-    mostly unchanged leaves (``_incremental.packed.reuse_files``)."""
+    """Version 2: ``reuse()`` takes this process's previous data files that hold mostly
+    unchanged leaves."""
     if not unchanged:
         return None
     leaves = {
@@ -364,9 +336,8 @@ _TOP_FILES = (_layout.COMMIT_FILE, _layout.METADATA_FILE, _layout.PENDING_FILE)
 
 
 def checkpoint_names(parts: list[str], is_dir: bool) -> bool:
-    """Whether the library writes (and its readers open) the entry at ``parts`` (a path
-    relative to a checkpoint, split on '/'; ``is_dir``: as a directory): the top files,
-    version 1's zarr arrays (``d/``, ``b/``: tensorstore's names below) and version 2's
+    """Whether the library writes (and reads) the entry at ``parts`` (relative to a
+    checkpoint): the top files, version 1's ``d/`` and ``b/`` and version 2's
     ``data/<p>.json`` and ``data/<p>-<n>.bin``. Anything else is a user's: never read,
     never removed."""
     head, rest = parts[0], parts[1:]
