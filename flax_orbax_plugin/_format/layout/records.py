@@ -1,8 +1,6 @@
 """Format version 1's records as a writer makes them: checked JSON (checksums, canonical
-bytes, bounded parsing, the field validators every reader shares), bounds, the records of
-one leaf and one batch, the names on disk, ``_METADATA.json``'s document and the commit
-marker. The records read back and checked: ``read_back``; the dtypes they name:
-``dtypes``; the step manifest: ``_format.steps``.
+bytes, the field validators every reader shares), bounds, the records of a leaf and a
+batch, the names on disk, ``_METADATA.json``'s document and the commit records.
 
 Pure functions over immutable records; any thread.
 
@@ -47,8 +45,7 @@ def encode(obj: Any) -> bytes:
 
 
 def decode(raw: bytes, where: str, kind: _local_files.DocKind) -> Any:
-    """Parses JSON bytes read from an untrusted store as a document of ``kind`` (its
-    size, depth and key limits: ``_storage/local_files.py``); errors name the file."""
+    """Parses JSON bytes read from an untrusted store as a document of ``kind``."""
     return _local_files.parse(raw, where, kind)
 
 
@@ -84,8 +81,7 @@ _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 
 
 
 def show(value: Any) -> str:
-    """A short repr of an untrusted value: bounded in time, size and depth (a deeply
-    nested or huge value never recurses or builds its whole repr)."""
+    """A short repr of an untrusted value, bounded in time, size and depth."""
     text = _REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -112,14 +108,13 @@ def int_field(obj: Mapping, key: str, where: str, field: str, *, lo: int = 0, hi
 
 
 def time_field(obj: Mapping, key: str, where: str, field: str) -> float:
-    """An optional time in seconds since the epoch (0.0 when absent), within what the
-    platform formats as a date (``json_docs.check_time``)."""
+    """An optional time in seconds since the epoch (0.0 when absent), checked."""
     return _local_files.check_time(obj.get(key, 0.0), where, field, stored=True)
 
 
 def check_format_version(obj: Mapping, where: str, name: str, key: str, known: int) -> int:
-    """Checks the ``format`` name and returns the version under ``key``; a version this
-    library does not know yet is refused with the way out (upgrade)."""
+    """Checks the ``format`` name and returns the version under ``key`` (one this library
+    does not know yet is refused, saying: upgrade)."""
     need(obj.get("format") == name, where, "format", repr(name), obj.get("format"))
     version = int_field(obj, key, where, key, lo=1, hi=1 << 30)
     if version > known:
@@ -186,9 +181,8 @@ def batch_name(process: int, dtype: str) -> str:
     return f"{process}.{dtype}"
 
 
-# A batch's files hold checksummed inner chunks of about 64 KiB. The inner chunk is not
-# recorded (version 2 has no zarr.json): every reader derives it from the batch's record
-# (:attr:`BatchRecord.inner`), so this rule is the format's.
+# A batch's files hold checksummed inner chunks of about 64 KiB, not recorded: every
+# reader derives them from the batch's record (:attr:`BatchRecord.inner`): the format's rule.
 BATCH_INNER_CHUNK_BYTES = 64 << 10
 
 # -- leaves and batches -----------------------------------------------------------------
@@ -241,8 +235,7 @@ class LeafRecord:
     sharding: dict[str, Any] | None = None
     storage: ArrayStorage | BatchStorage | None = None
     impl: str | None = None  # PRNG key implementation (kind "prng_key")
-    # "xxh3_128r:<hex>" over the leaf's regions and their bytes (optional; incremental
-    # manager steps; FORMAT.md)
+    # "xxh3_128r:<hex>" over the leaf's regions and bytes (incremental steps; FORMAT.md)
     digest: str | None = None
     value: str | None = None  # TEXT_KINDS: the str, or the bytes as base64
 
@@ -305,17 +298,11 @@ class BatchRecord:
         return inner
 
     def to_json(self) -> dict[str, Any]:
+        out = {"dtype": self.dtype, "process": self.process, "size": self.size}
+        out["chunk"] = self.chunk
         if self.codec is not None:
-            return {**self._fields(), "codec": self.codec}
-        return self._fields()
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "dtype": self.dtype,
-            "process": self.process,
-            "size": self.size,
-            "chunk": self.chunk,
-        }
+            out["codec"] = self.codec
+        return out
 
 
 # -- names on disk --------------------------------------------------------------------------
@@ -370,8 +357,7 @@ class CheckpointDocument:
     created_at: float = 0.0
     jax_version: str = ""
     format_version: int = FORMAT_VERSION
-    # Read, not written: the sha256 of the checkpoint's JSON files its commit recorded,
-    # by name (``_format.steps.read_document`` sets it), or None.
+    # Read, not written: the sha256 of the JSON files its commit recorded, by name.
     listed: dict[str, str] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -402,13 +388,10 @@ class ItemEntry:
 class StepManifest:
     """``<step>/_CHECKPOINT.json``: the one commit of a manager step.
 
-    ``files`` maps every JSON file of the step that restore trusts (relative to the
-    step) to its sha256; ``tree_digest`` is the digest all processes agreed on.
-    ``bytes_written``/``bytes_reused`` (optional, one-process steps only): array bytes
-    the save wrote, and those of unchanged leaves it took from the previous step
-    (hard links or server-side copies) instead; informational. ``lane`` (optional): the
-    lane of a ``Lanes`` policy the step was saved in (:data:`LANES`), which retention
-    goes by in a later run, whatever its policy says of the step's number.
+    ``files``: the sha256 of every JSON file restore trusts, by path in the step;
+    ``tree_digest``: the digest all processes agreed on; ``bytes_written`` and
+    ``bytes_reused`` (one-process steps only): informational; ``lane``: the
+    :data:`LANES` lane the step was saved in, which retention goes by in a later run.
     """
 
     step: int
