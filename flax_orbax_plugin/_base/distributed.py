@@ -149,18 +149,6 @@ def collective(
         yield region
 
 
-@contextlib.contextmanager
-def failing_before(kind: str, *, spans: bool = True) -> Iterator[None]:
-    """Checks made before their operation's region is drawn (the callback's constructor):
-    an error leaving the body is published in a region drawn for it then (the one the
-    others draw for ``kind``), so they raise at once; nothing is drawn on success."""
-    try:
-        yield
-    except Exception:
-        with collective(kind, spans=spans):
-            raise
-
-
 # ``errors(error, arguments)``: the error to raise in place of ``error`` (None: as it
 # is), from the call's bound arguments (``_storage.store_errors.refusals``).
 Errors = Callable[[BaseException, dict[str, Any]], BaseException | None]
@@ -257,6 +245,7 @@ _ENTERED = ("__init__", "__enter__", "__exit__")  # a class's dunders that are e
 def _public_methods(cls: type, errors: Errors | None) -> type:
     """``public(errors=errors)`` on a class (see :func:`public`), set on the class."""
     found: dict[str, Any] = {}
+    no_region = lambda *args, **kwargs: contextlib.nullcontext()
     for klass in reversed(cls.__mro__[:-1]):  # the class's own definitions last
         found.update(vars(klass))
     for name, attr in found.items():
@@ -265,12 +254,8 @@ def _public_methods(cls: type, errors: Errors | None) -> type:
         if not inspect.isfunction(attr) or getattr(attr, "_fop_named", False):
             continue
         owner = cls.__name__ if name == "__init__" else f"{cls.__name__}.{name}"
-        setattr(cls, name, _entry(attr, _no_region, errors, False, owner))
+        setattr(cls, name, _entry(attr, no_region, errors, False, owner))
     return cls
-
-
-def _no_region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
 
 
 def _translated(

@@ -239,10 +239,8 @@ def refuse_if_detected(operation: str) -> None:
     if how is None or _env.read("FOP_PATHWAYS") == "allow":
         return
     raise UnsupportedRuntimeError(
-        f"{operation}: Pathways (single-controller JAX) detected ({how}), which "
-        f"flax_orbax_plugin does not support: it writes and reads each host's shards from "
-        f"that host's own process (multi-controller JAX, jax.distributed.initialize on "
-        f"every host). Run one process per host, or use Orbax with pathwaysutils' "
-        f"persistence under Pathways; FOP_PATHWAYS=allow runs it as one process anyway "
-        f"(untested: every shard passes through the controller's host memory)"
+        f"{operation}: Pathways (single-controller JAX) detected ({how}): flax_orbax_plugin"
+        f" needs each host's own process (multi-controller JAX). Run one process per host, or"
+        f" Orbax with pathwaysutils under Pathways; FOP_PATHWAYS=allow runs it anyway"
+        f" (untested: every shard passes through the controller's host memory)"
     )

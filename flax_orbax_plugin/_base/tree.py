@@ -34,10 +34,6 @@ def paused_gc():
             gc.enable()
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 _PLAIN_LEAVES = (
     bool,
     int,
@@ -58,7 +54,7 @@ def is_empty_node(x: Any) -> bool:
         return not x
     if x is None or isinstance(x, _PLAIN_LEAVES):
         return False
-    leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=_is_none)
+    leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is None)
     return not leaves and not jax.tree_util.treedef_is_leaf(treedef)
 
 

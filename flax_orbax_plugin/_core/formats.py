@@ -94,10 +94,6 @@ MEMORY_LIMIT = Option(
 )
 
 
-def _codec(value: Any) -> str | None:
-    return _layout.check_codec(value, where="compression")
-
-
 SAVE: tuple[Option, ...] = (
     Option("force", "flag"),
     MEMORY_LIMIT,
@@ -105,7 +101,7 @@ SAVE: tuple[Option, ...] = (
         "compression",
         "str",
         none_ok=True,
-        convert=_codec,
+        convert=_layout.check_codec,  # its errors name "compression"
         expected="None, 'zstd' or 'zstd:<level 1-22>'",
     ),
     # None: the default version, as the manager's format_version=None means
@@ -149,22 +145,15 @@ class Format(Protocol):
 
     Call order on save (the background thread, every process): :meth:`reuser` and
     :meth:`wrote` while planning reuse, then :meth:`write` once. On read (the caller's
-    thread): :meth:`open` once, then :meth:`array_store`, :meth:`read_stored`,
-    :meth:`batch_store` and :meth:`reads_batch_runs` per array and batch, then the
-    reader's ``close()``.
+    thread): :meth:`open` once, then the reads per array and batch, then ``close()``.
     """
 
     version: int
-    # Every region is on host before the write starts (the writer packs host bytes).
-    copies_before_writing: bool
-    # A directory per host (each host its own copy of a manager step) is written.
-    per_host_directories: bool
-    # Options this format ignores, each with what would make it count: refused.
-    ignored_options: tuple[tuple[str, str], ...]
-    # What a batch store's opening raises on damage (a tuple for ``except``).
-    batch_damage: tuple[type[BaseException], ...]
-    # Every array has its own ``zarr.json``, opened through tensorstore before reading.
-    array_specs: bool
+    copies_before_writing: bool  # every region on host before the write starts
+    per_host_directories: bool  # a directory per host (of a manager step) is written
+    ignored_options: tuple[tuple[str, str], ...]  # (option, what makes it count): refused
+    batch_damage: tuple[type[BaseException], ...]  # a batch store's opening on damage
+    array_specs: bool  # every array has its own ``zarr.json``, opened through tensorstore
 
     def write(
         self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any

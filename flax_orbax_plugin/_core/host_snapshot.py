@@ -418,7 +418,9 @@ def batch_jobs(batch_specs, batches, batch_data, writer) -> list:
         if name in batch_data:
             data = batch_data.pop(name)
             if writer is not None and batches[name].codec is None:
-                jobs.append((spec, [((slice(None),), data)], _direct_batch(writer, name, batches)))
+                sub, b = batch_dir(name), batches[name]
+                write = lambda _i, d, sub=sub, b=b: writer.batch(sub, b.chunk, b.inner, d)
+                jobs.append((spec, [((slice(None),), data)], write))
             else:
                 jobs.append((spec, [((slice(None),), _assembled(data))], None))
     return jobs
@@ -427,11 +429,6 @@ def batch_jobs(batch_specs, batches, batch_data, writer) -> list:
 def _assembled(data: Any) -> Any:
     """A batch whole in one buffer (its leaves' ``Gathered`` pieces copied together)."""
     return data.assemble() if isinstance(data, _packed_writer.Gathered) else data
-
-
-def _direct_batch(writer: _packed_writer.ChunkWriter, name: str, batches):
-    batch = batches[name]
-    return lambda index, data: writer.batch(batch_dir(name), batch.chunk, batch.inner, data)
 
 
 class WritesInFlight:

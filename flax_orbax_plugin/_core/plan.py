@@ -188,7 +188,6 @@ class Leaf:
     record: LeafRecord
     writes: list[tuple[tuple[slice, ...], np.ndarray]] = dataclasses.field(default_factory=list)
     # {chunk grid cell: crc32c} of chunks of ``writes`` checksummed as they were copied
-    # into pooled buffers (host_snapshot): the writers take these rather than re-read
     crcs: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
     # a small host leaf's bytes, digested when planned (compared across processes)
     value_digest: str | None = None
@@ -216,8 +215,7 @@ class _Batching:
         batches = {}
         for batch, (dtype, process, chunk) in self.kinds.items():
             size = max(1, self.sizes.get(batch, 0))
-            # A small batch gets a chunk just big enough (a power of two): a full inner
-            # chunk is stored even when the batch uses a few bytes of it.
+            # a small batch: a chunk just big enough (a power of two), as it is stored whole
             chunk = min(chunk, 1 << (size - 1).bit_length())
             batches[batch] = BatchRecord(batch, dtype, process, size, chunk, codec)
         return batches

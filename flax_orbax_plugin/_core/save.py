@@ -94,17 +94,14 @@ class Staging:
         if not replace:
             raise CheckpointError(f"{self.final} was created by someone else meanwhile")
         _ownership.require_ours(self.final, action="replace")
+        old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
         if self.location.exchange(self.final):  # one atomic swap: no window without it
             _env.kill_point("mid_rename")
-            old = self.location.sibling(f"{self.final.name}.deleting-{self.nonce}")
             self.location.rename(old)  # the old one, now at the staging name
-            _ownership.remove(old, action="remove the replaced")
-            self._remove_stale_siblings()
-            return
-        old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
-        self.final.rename(old)  # no exchange here: a crash now leaves a complete
-        _env.kill_point("mid_rename")  # .partial- that the next writer rolls forward
-        self.location.rename(self.final)
+        else:
+            self.final.rename(old)  # no exchange here: a crash now leaves a complete
+            _env.kill_point("mid_rename")  # .partial- that the next writer rolls forward
+            self.location.rename(self.final)
         _ownership.remove(old, action="remove the replaced")
         self._remove_stale_siblings()
 
@@ -156,13 +153,11 @@ def commit_collectively(
 ) -> Written:
     """Runs the protocol in the module docstring; returns what this process wrote.
 
-    ``write`` runs on every process; ``publish(files)`` on the primary only, with every
-    process's files; ``abort()`` removes what was staged, on the primary and, after a
-    failed outcome, on every process. ``agreed``: the options (JSON by name) every
-    process must have saved with. ``structure``: the tree's leaves in words (computed
-    only when the structures differ). ``region``: the save's collective operation.
-    Raises this process's own write error, or :class:`CoordinationError` when the
-    processes disagree, or :class:`CheckpointError` when another process failed.
+    ``write`` runs on every process; ``publish(files)`` on the primary, with every
+    process's files; ``abort()`` removes what was staged. ``agreed``: the options (JSON
+    by name) every process must have saved with; ``structure``: the tree's leaves in
+    words (computed only when the structures differ). Raises this process's own error,
+    CoordinationError when the processes disagree, CheckpointError when another failed.
     """
     error: BaseException | None = None
     written = Written()
@@ -198,9 +193,11 @@ def _primary_round(op, own_status, what, publish, abort, structure, region) -> s
             statuses.append(json.loads(_distributed.get_from(f"{op}/status", p, region=region)))
         # one process: one status, nothing to disagree with
         outcome = _rounds.disagreement(statuses) if len(statuses) > 1 else None
-        if outcome is None:
-            failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if s["error"]]
-            outcome = (_failed_outcome(statuses) + "; ".join(failed)) if failed else None
+        errors = [(p, s["error"]) for p, s in enumerate(statuses) if s["error"]]
+        if outcome is None and errors:  # cancelled when every failure is an agreed abort
+            cancelled = all(e.startswith(f"{SaveCancelledError.__name__}:") for _, e in errors)
+            head = CANCELLED if cancelled else "not committed; "
+            outcome = head + "; ".join(f"process {p}: {e}" for p, e in errors)
         if outcome is None:
             files = {name: sha for s in statuses for name, sha in s["files"].items()}
             _env.pause_point("before_commit")
@@ -225,15 +222,6 @@ def _primary_round(op, own_status, what, publish, abort, structure, region) -> s
 
 
 CANCELLED = "cancelled, not committed; "  # the outcome when only cancellations failed
-
-
-def _failed_outcome(statuses: list[dict[str, Any]]) -> str:
-    """The outcome's head when some process failed: ``cancelled`` when every failure is
-    a ``SaveCancelledError`` (an agreed abort), else ``not committed``."""
-    errors = [s["error"] for s in statuses if s["error"]]
-    if all(e.startswith(f"{SaveCancelledError.__name__}:") for e in errors):
-        return CANCELLED
-    return "not committed; "
 
 
 _IN_FLIGHT_LOCK = threading.Lock()  # one save_async starts at a time
@@ -266,8 +254,7 @@ def start_save(path, tree, region: _distributed.Region | None, given: dict) -> S
     options = check_save(**given)
     force = options.pop("force")
     request = SaveRequest(region=region, **options)
-    # Interrupted (Ctrl-C: held until the end of the blocking phase, see _start), the
-    # save is cancelled: nothing staged is left, and the KeyboardInterrupt raised.
+    # Interrupted (Ctrl-C), the save is cancelled: nothing staged is left.
     started: list[SaveHandle] = []
     try:
         return _start(path, tree, started, request, force=force)
@@ -284,16 +271,15 @@ def _start(
     soon as its background phase runs."""
     with _IN_FLIGHT_LOCK:
         _host.wait_for_pending_save()  # interruptible: nothing of this save exists yet
-        # Ctrl-C is held over the blocking phase proper (never raised inside a callback
-        # of JAX or tensorstore, which would drop it) and raised at its end.
+        # Ctrl-C held over the blocking phase (never raised inside a JAX or tensorstore
+        # callback, which would drop it), and raised at its end.
         with _interrupts.deferred_sigint() as ctrl_c:
             start = time.perf_counter()
             location = Location.from_path(path)
             cancelled = Cancellation()  # the writes stop once it is set
             snap = snapshot(tree, request.replace(cancelled=cancelled))
-            # Refuses a foreign or (without ``force``) committed target. Object stores
-            # write in place: remains of a dead save, or with ``force`` a checkpoint of
-            # ours, are cleared first, in the background phase (the primary decides).
+            # Refuses a foreign or (without ``force``) committed target; on object stores
+            # what is ours there is cleared in the background phase.
             region = request.region
             held = _ownership.prepare_slot(
                 location, what="a checkpoint", replace=force, clear=False, region=region

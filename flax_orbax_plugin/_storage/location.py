@@ -314,9 +314,7 @@ class Location:
         return self._with_path(self.path + check_name(name) + "/")
 
     def sibling(self, name: str) -> Location:
-        parent = self.path.rstrip("/").rsplit("/", 1)[0] if "/" in self.path.rstrip("/") else ""
-        prefix = parent + "/" if parent or self.is_local else ""
-        return self._with_path(prefix + check_name(name) + "/")
+        return self.parent.child(name)
 
     @property
     def parent(self) -> Location:

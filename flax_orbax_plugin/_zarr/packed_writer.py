@@ -32,12 +32,6 @@ DIRECT_ALIGN = 4096  # address, length and file offset of an O_DIRECT write
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def direct_io_enabled() -> bool:
-    """Whether chunk payloads may be written with ``O_DIRECT`` (``FOP_DIRECT_IO=0``
-    turns it off; so does a filesystem that refuses it, found at the first file)."""
-    return bool(O_DIRECT) and _env.read("FOP_DIRECT_IO") != "0"
-
-
 def _load_sync_file_range():
     if not sys.platform.startswith("linux"):
         return None
@@ -72,7 +66,8 @@ class ChunkWriter:
 
     def __init__(self, root: str, *, threads: int = _chunks.THREADS, local_only: bool = True):
         self._root = root
-        self._direct = direct_io_enabled()
+        # O_DIRECT unless FOP_DIRECT_IO=0 (or a filesystem refusing it, at the first file)
+        self._direct = bool(O_DIRECT) and _env.read("FOP_DIRECT_IO") != "0"
         self._pool = concurrent.futures.ThreadPoolExecutor(
             threads,
             thread_name_prefix="fop-chunk",
@@ -249,10 +244,6 @@ LANE_BYTES = 64 << 20  # object stores: one more lane per this many bytes to wri
 _UNALIGNED_DIRECT_MIN = 1 << 20
 
 
-def default_data_file_bytes(location: Location) -> int:
-    return LOCAL_DATA_FILE_BYTES if location.is_local else OBJECT_DATA_FILE_BYTES
-
-
 class PackedWriter(ChunkWriter):
     """Writes one process's whole chunks into data files under ``location``'s ``data/``,
     each at most ``target_bytes`` unless one chunk is larger. On an object store up to
@@ -272,7 +263,8 @@ class PackedWriter(ChunkWriter):
         self._encoder: concurrent.futures.ThreadPoolExecutor | None = None  # see encoded
         self._location = location
         self._process = int(process)
-        self._target = int(target_bytes or default_data_file_bytes(location))
+        default = LOCAL_DATA_FILE_BYTES if location.is_local else OBJECT_DATA_FILE_BYTES
+        self._target = int(target_bytes or default)
         if self._target < 1:
             raise ValueError(f"data_file_bytes: expected a positive size, found {self._target}")
         self._lock = threading.Lock()

@@ -541,7 +541,7 @@ def read_item_json(item_loc: Location, name: str) -> object:
     manifest = manifest_for_item(item_loc)
     if manifest is None:
         raise CorruptCheckpointError(f"{where}: not inside a committed step")
-    expected = manifest.file_checksum(item_loc.name, name)
+    expected = manifest.files.get(f"{item_loc.name}/{name}")
     if expected is None:
         raise CorruptCheckpointError(f"{where}: the step manifest records no checksum for it")
     raw = item_loc.read_bytes(name)

@@ -422,9 +422,6 @@ class StepManifest:
             body["lane"] = self.lane
         return seal(body, _local_files.STEP_MANIFEST)
 
-    def file_checksum(self, item_dir: str, name: str) -> str | None:
-        return self.files.get(f"{item_dir}/{name}")
-
 
 @dataclasses.dataclass(frozen=True)
 class CommitMarker:
