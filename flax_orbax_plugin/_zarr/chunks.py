@@ -24,6 +24,9 @@ except ImportError:  # pragma: no cover - the fallback: holds the GIL on numpy b
     def _crc32c(data, value: int = 0) -> int:
         return google_crc32c.extend(value, data)
 
+    GIL_FREE_CRC = False  # read by benchmarks/bench_onepass.py
+else:
+    GIL_FREE_CRC = True
 
 THREADS = 8  # as tensorstore's file_io_concurrency for local disks (_storage.context)
 CHUNK_DIR = "c"  # zarr3 default chunk key encoding: c/<i0>/<i1>/...
