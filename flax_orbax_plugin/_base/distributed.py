@@ -43,6 +43,7 @@ stall_timeout, DEFAULT_TIMEOUT_S = _coordination.stall_timeout, _coordination.DE
 # Who this process is, and the coordination calls it made (tests count them).
 is_primary, process_index, CALLS = _host.is_primary, _host.process_index, _regions.CALLS
 _COUNTER = itertools.count()
+_NAMES = itertools.count()  # unique_name's
 _REGIONS = itertools.count()  # the n-th collective operation of this process
 
 _SESSION: list[str] = []
@@ -70,9 +71,6 @@ def unique_name(*, region: Region | None) -> str:
     region ``<session>x<region>y<n>``, its n-th of the region's)."""
     drawn = next(_NAMES) if region is None else region.draw().replace(".", "y")
     return f"{session_nonce(region=region)}x{drawn}"
-
-
-_NAMES = itertools.count()
 
 
 def gather_json(kind: str, value: Any, *, region: Region | None) -> list[Any]:

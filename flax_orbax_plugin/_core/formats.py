@@ -106,14 +106,7 @@ SAVE: tuple[Option, ...] = (
     ),
     # None: the default version, as the manager's format_version=None means
     Option("format_version", "choice", choices=(1, 2), none_ok=True),
-    Option(
-        "data_file_bytes",
-        "int",
-        none_ok=True,
-        low=1,
-        high=INT64_MAX,
-        expected=f"a positive int <= {INT64_MAX} or None",
-    ),
+    dataclasses.replace(MEMORY_LIMIT, name="data_file_bytes"),  # the same bounds
     HOST_MEMORY_BUDGET,
 )
 
@@ -202,18 +195,8 @@ class DataFiles:
     def write(
         self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
     ) -> tuple:
-        return write_packed(
-            location,
-            leaves,
-            snap.batches,
-            snap.batch_data,
-            process=_distributed.process_index(),
-            limit=snap.request.limit,
-            data_file_bytes=snap.request.data_file_bytes,
-            budget=snap.request.host_memory_budget,
-            cancelled=snap.request.cancelled,
-            reuse=None if found is None else _files_reuse(location, *found),
-        )
+        reuse = None if found is None else _files_reuse(location, *found)
+        return write_packed(location, leaves, snap, reuse)
 
     def reuser(self, location: Location) -> Any:
         return _reuse.reuser(location, link=packed.link_file, copy=packed.copy_file)

@@ -511,33 +511,26 @@ def settle(pending) -> None:
 
 
 def write_packed(
-    staging: Location,
-    leaves: list,
-    batches: dict[str, BatchRecord],
-    batch_data: dict[str, Any],
-    *,
-    process: int,
-    limit: int,
-    data_file_bytes: int | None = None,
-    budget: int | None = None,
-    reuse: Callable[[], Any] | None = None,
-    cancelled: threading.Event | None = None,
+    staging: Location, leaves: list, snap: Any, reuse: Callable[[], Any] | None
 ) -> tuple[int, dict[str, str], int]:
-    """Writes this process's chunks into its data files and its index (taking its
-    batches out of ``batch_data``); returns (bytes written, {index file: sha256}, bytes
-    reused). ``reuse()``: the previous data files taken. ``budget``: the host-memory
-    budget (files gathered for upload stay within a quarter of it)."""
+    """Writes this process's chunks of ``snap`` (a Snapshot; ``leaves``: as stored) into
+    its data files and its index, taking its batches out of ``snap.batch_data``; returns
+    (bytes written, {index file: sha256}, bytes reused). ``reuse()``: the previous data
+    files taken. Files gathered for upload stay within a quarter of the host memory budget."""
     if sys.byteorder != "little":
         raise CheckpointError("format_version=2 is written on little-endian hosts only")
+    req, batches, batch_data = snap.request, snap.batches, snap.batch_data
     total = sum(data.nbytes for leaf in leaves for _, data in leaf.writes)
     total += sum(data.nbytes for data in batch_data.values())
     taken = None if reuse is None else reuse()
+    budget = req.host_memory_budget
     gathered = None if budget is None else budget // 4
+    process = _distributed.process_index()
     writer = _packed_writer.PackedWriter(
-        staging, process, data_file_bytes, total, gathered_bytes=gathered
+        staging, process, req.data_file_bytes, total, gathered_bytes=gathered
     )
     jobs = _packed_jobs(writer, taken, leaves, batches, batch_data)
-    pending = WritesInFlight(limit, cancelled)
+    pending = WritesInFlight(req.limit, req.cancelled)
     doing = pending.report(total)  # bytes done and left, in this process's heartbeat
     try:
         try:

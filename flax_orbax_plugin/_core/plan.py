@@ -102,10 +102,9 @@ class DocumentSize:
         limit = _local_files.METADATA.max_bytes
         if self.bytes > limit:
             raise StructureError(
-                f"{_layout.METADATA_FILE} of this tree would hold more than {self.bytes} "
-                f"bytes ({self.leaves} leaves, {self.text_leaves} of them str or bytes, "
-                f"kept in it), more than a reader accepts ({limit}); store large text as "
-                f"numpy uint8 arrays, or save fewer leaves per checkpoint"
+                f"{_layout.METADATA_FILE} of this tree would hold more than {self.bytes} bytes "
+                f"({self.leaves} leaves, {self.text_leaves} str or bytes), more than a reader "
+                f"accepts ({limit}): store large text as uint8 arrays, or save fewer leaves"
             )
 
 
@@ -272,12 +271,10 @@ class Plan:
         for index, (path, keys, raw) in enumerate(flat):
             kind, value, impl = classify(path, raw)
             keys = tuple(keys)
-            size.add(path, value if kind in _layout.TEXT_KINDS else None)
-            if kind in _layout.TEXT_KINDS:
-                leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=value)))
-                continue
+            text = value if kind in _layout.TEXT_KINDS else None  # kept in the record
+            size.add(path, text)
             if kind in _layout.NO_DATA_KINDS:
-                leaves.append(Leaf(index, None, LeafRecord(path, keys, kind)))
+                leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=text)))
                 continue
             record = _data_record(path, keys, kind, value, impl, codec, batching)
             shown = _host_value(value) if compared else None

@@ -62,10 +62,8 @@ class Staging:
         """The staging place of a commit of ``final`` (every process: the same ``nonce``),
         claimed unless ``claim=False`` (the caller claims before its first write).
         ``own``: a place only this process sees: every process claims and commits its own."""
-        if final.supports_rename:
-            staging = cls(final, final.sibling(f"{final.name}.partial-{nonce}"), nonce, own)
-        else:
-            staging = cls(final, final, nonce, own)
+        place = final.sibling(f"{final.name}.partial-{nonce}") if final.supports_rename else final
+        staging = cls(final, place, nonce, own)
         if claim:
             staging.claim()
         return staging

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -103,14 +104,9 @@ class ChunkWriter:
         region = _chunks.whole_chunks(shape, chunk, index)
         if region is None or data.shape != region[0]:
             return None
+        crcs, submit = crcs or {}, functools.partial(self._pool.submit, self._write_chunk)
         return [
-            self._pool.submit(
-                self._write_chunk,
-                f"{sub}/{_chunks.chunk_key(cell)}",
-                data[at],
-                tuple(chunk),
-                None if crcs is None else crcs.get(cell),
-            )
+            submit(f"{sub}/{_chunks.chunk_key(cell)}", data[at], tuple(chunk), crcs.get(cell))
             for cell, at in region[1]
         ]
 
@@ -135,16 +131,10 @@ class ChunkWriter:
         if isinstance(data, np.ndarray):
             data = Gathered([(0, data)], data.dtype, data.size)
         size, itemsize = data.size, data.dtype.itemsize
+        sizes = (size * itemsize, chunk * itemsize, inner * itemsize)  # in bytes
+        submit = functools.partial(self._pool.submit, self._write_shard)
         return [
-            self._pool.submit(
-                self._write_shard,
-                f"{sub}/{_chunks.chunk_key((s,))}",
-                data,
-                s,
-                size * itemsize,
-                chunk * itemsize,
-                inner * itemsize,
-            )
+            submit(f"{sub}/{_chunks.chunk_key((s,))}", data, s, *sizes)
             for s in range(-(-size // chunk))
         ]
 

@@ -130,20 +130,10 @@ def files_field(obj: Mapping, where: str) -> dict[str, str]:
     need(isinstance(files, dict), where, "files", "an object {file: sha256}", files)
     for name, digest in files.items():
         parts = name.split("/")
-        need(
-            all(is_safe_name(p) or p.startswith("_") and is_safe_name(p[1:]) for p in parts),
-            where,
-            f"files[{name!r}]",
-            "a relative path of safe names",
-            name,
-        )
-        need(
-            isinstance(digest, str) and bool(_SHA256.match(digest)),
-            where,
-            f"files[{name!r}]",
-            "a sha256 hex digest",
-            digest,
-        )
+        safe = all(is_safe_name(p) or p.startswith("_") and is_safe_name(p[1:]) for p in parts)
+        need(safe, where, f"files[{name!r}]", "a relative path of safe names", name)
+        sha = isinstance(digest, str) and bool(_SHA256.match(digest))
+        need(sha, where, f"files[{name!r}]", "a sha256 hex digest", digest)
     return dict(files)
 
 
