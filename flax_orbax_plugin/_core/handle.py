@@ -268,8 +268,12 @@ class SaveHandle:
         error was already reported (by :meth:`wait` or :meth:`cancel`), else its error,
         raised once."""
         self._await(None)
-        self.raise_unreported()
-        return self._result  # None after an error
+        if self._error is not None:
+            if self._reported:
+                return None
+            self._mark_reported()
+            raise self._error
+        return self._result
 
     def _await(self, timeout: float | None) -> None:
         try:

@@ -57,7 +57,7 @@ def spec_from_path(path: Any, *, what: str = "checkpoint location") -> dict[str,
     else:
         raise UnsupportedLocationError(
             f"{what}: expected a path (str or os.PathLike), a URL or a kvstore spec dict, "
-            f"found {type(path).__name__} {_cut(path)}"
+            f"found {_env.found(path)}"
         )
     spec["path"] = spec.get("path", "").rstrip("/") + "/"
     if spec["driver"] != "file" and spec["path"] == "/":
@@ -71,7 +71,7 @@ def _path_text(path: Any, what: str) -> str:
     try:
         text = os.fsdecode(path)
     except (TypeError, UnicodeError) as e:  # a PathLike whose fspath is no text
-        raise UnsupportedLocationError(f"{what} {_cut(path)}: not a path ({e})") from None
+        raise UnsupportedLocationError(f"{what} {_env.found(path)}: not a path ({e})") from None
     if not text:
         raise UnsupportedLocationError(
             f"{what}: an empty path, which would name the current directory; expected "
@@ -118,8 +118,7 @@ def _dict_spec(path: dict[str, Any], what: str) -> dict[str, Any]:
         raise UnsupportedLocationError(f"{what}: a kvstore spec needs a 'driver', found {path!r}")
     if not isinstance(spec.get("path", ""), str):
         raise UnsupportedLocationError(
-            f"{what}: the kvstore spec's 'path' must be a str, found "
-            f"{type(spec['path']).__name__} {_cut(spec['path'])}"
+            f"{what}: the kvstore spec's 'path' must be a str, found {_env.found(spec['path'])}"
         )
     if spec["driver"] == "file":
         if not spec.get("path"):
@@ -149,11 +148,6 @@ def _check_store_spec(spec: dict[str, Any], given: Any, what: str) -> None:
         tensorstore().KvStore.Spec(spec)
     except (ValueError, TypeError, RuntimeError) as e:
         raise UnsupportedLocationError(f"{what} {_shown(given)}: {e}") from None
-
-
-def _cut(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _shown(path: Any) -> str:
