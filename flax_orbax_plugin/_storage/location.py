@@ -26,8 +26,6 @@ from . import s3_credentials as _s3_credentials
 from .contexts import context, prefix_range, tensorstore
 from .local_files import MAX_DOCUMENT_BYTES, walk_entries
 
-__all__ = ["commits_by_file", "is_fuse", "mount_type", "mount_type_in"]
-
 
 def check_name(name: str) -> str:
     """``name`` if it is a relative storage name inside a location (no empty, ``.`` or

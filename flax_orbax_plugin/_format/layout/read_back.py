@@ -60,7 +60,6 @@ from .records import (
     StepManifest,
     batch_name,
     check_format_version,
-    decode,
     fail,
     files_field,
     int_field,
@@ -84,7 +83,7 @@ def decode_checked(raw: bytes, where: str, expected_sha256: str, kind: _local_fi
     found = sha256(raw)
     if found != expected_sha256:
         sha256_mismatch(where, expected_sha256, found)
-    return decode(raw, where, kind)
+    return _local_files.parse(raw, where, kind)
 
 
 def sha256_mismatch(where: str, expected: str, found: str) -> NoReturn:
@@ -599,5 +598,5 @@ def read_listed_document(location: Location, listed: dict[str, str]) -> Checkpoi
     the commit again."""
     where = f"{location}/{METADATA_FILE}"
     raw = read_listed(location, METADATA_FILE, listed=listed)
-    doc = document_from_json(decode(raw, where, _local_files.METADATA), where)
+    doc = document_from_json(_local_files.parse(raw, where, _local_files.METADATA), where)
     return dataclasses.replace(doc, listed=listed)

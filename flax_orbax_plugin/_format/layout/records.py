@@ -44,11 +44,6 @@ def encode(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def decode(raw: bytes, where: str, kind: _local_files.DocKind) -> Any:
-    """Parses JSON bytes read from an untrusted store as a document of ``kind``."""
-    return _local_files.parse(raw, where, kind)
-
-
 def seal(body: dict[str, Any], kind: _local_files.DocKind | None = None) -> bytes:
     """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form; with
     ``kind``, refused (StructureError) past what a reader of that kind accepts."""
@@ -59,7 +54,7 @@ def seal(body: dict[str, Any], kind: _local_files.DocKind | None = None) -> byte
 
 
 def parse_sealed(raw: bytes, where: str, kind: _local_files.DocKind) -> dict[str, Any]:
-    obj = decode(raw, where, kind)
+    obj = _local_files.parse(raw, where, kind)
     need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
     body = dict(obj)
     checksum = body.pop("checksum", None)
@@ -435,7 +430,7 @@ class CommitMarker:
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> CommitMarker:
-        obj = decode(raw, where, _local_files.COMMIT_MARKER)
+        obj = _local_files.parse(raw, where, _local_files.COMMIT_MARKER)
         if isinstance(obj, dict) and "checksum" not in obj and "files" not in obj:
             raise CorruptCheckpointError(
                 f"{where}: a commit marker without checksums (written before format version "
