@@ -1,13 +1,10 @@
-"""The face of several processes: the entry of every collective operation (the one
-decorator of a public operation, :func:`public`; :func:`collective`, which draws the
-operation's region), who this process is, the names every process derives alike, and
-the agreements of :func:`agree` and :func:`gather_json`; the key-value rounds
-(``_base/coordination.py``) are named here for the callers.
+"""The face of several processes: the entry of every public operation (:func:`public`,
+:func:`collective`), who this process is, the names every process derives alike, and
+the agreements (:func:`agree`, :func:`gather_json`, the key-value rounds).
 
-One process: every function is a no-op (a call enters, finds one process, and goes
-on). Several: every process calls the same functions in the same order (SPMD);
-process 0 is the primary. Every function that draws a name or waits takes ``region=``
-explicitly; a background phase runs in the region handed to it.
+One process: every function is a no-op. Several: every process calls the same functions
+in the same order (SPMD); process 0 is the primary. Every function that draws a name or
+waits takes ``region=`` explicitly; a background phase runs in the region handed to it.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.distributed``.
 """
@@ -43,10 +40,10 @@ barrier, broadcast_str = _coordination.barrier, _coordination.broadcast_str
 gather_str, get_from = _coordination.gather_str, _coordination.get_from
 publish, forget, poll = _coordination.publish, _coordination.forget, _coordination.poll
 stall_timeout, DEFAULT_TIMEOUT_S = _coordination.stall_timeout, _coordination.DEFAULT_TIMEOUT_S
-# Who this process is (``_base/host.py``), and the coordination calls it made (tests
-# count them: ``_base/regions.py``), for the callers.
+# Who this process is, and the coordination calls it made (tests count them).
 is_primary, process_index, CALLS = _host.is_primary, _host.process_index, _regions.CALLS
 _COUNTER = itertools.count()
+_NAMES = itertools.count()  # unique_name's
 _REGIONS = itertools.count()  # the n-th collective operation of this process
 
 _SESSION: list[str] = []
@@ -60,11 +57,9 @@ def next_operation_id(kind: str, *, region: Region | None) -> str:
 
 
 def session_nonce(*, region: Region | None) -> str:
-    """A random name shared by every process, agreed once per process lifetime (the
-    primary's, under one fixed key: each process reads it at its first call, whenever
-    that is, so a process that failed before reading it meets the others again); later
-    saves derive their staging names from it and a counter, with no coordination
-    (``region``: the operation that asks first, whose waits it makes)."""
+    """A random name shared by every process (the primary's, under one fixed key), agreed
+    once per process lifetime at its first call; staging names derive from it and a
+    counter with no coordination (``region``: the operation that asks first)."""
     with _SESSION_LOCK:
         if not _SESSION:
             _SESSION.append(broadcast_str("fop/session", secrets.token_hex(4), region=region))
@@ -76,9 +71,6 @@ def unique_name(*, region: Region | None) -> str:
     region ``<session>x<region>y<n>``, its n-th of the region's)."""
     drawn = next(_NAMES) if region is None else region.draw().replace(".", "y")
     return f"{session_nonce(region=region)}x{drawn}"
-
-
-_NAMES = itertools.count()
 
 
 def gather_json(kind: str, value: Any, *, region: Region | None) -> list[Any]:
@@ -93,15 +85,12 @@ def gather_json(kind: str, value: Any, *, region: Region | None) -> list[Any]:
 
 
 def agree(kind: str, error: BaseException | None, *, region: Region | None, what: str) -> None:
-    """Collective: every process learns whether any process failed at this point.
+    """Collective (one key-value round): every process learns whether any failed here.
 
-    Re-raises ``error`` (this process's own, once every process has learned of it); else
-    raises, on every process that succeeded, an error of the failed process's class (a
-    :class:`CheckpointError` subclass, else CheckpointError itself) naming that process;
-    returns when every process succeeded. One key-value round. So a restore that fails
-    on one process (a damaged chunk only it reads) fails on all of them, together and
-    at once: none goes on with a state the others did not restore, none waits in a
-    collective the failed one never enters.
+    Re-raises ``error`` (this process's own) once every process learned of it; else
+    raises on every other process an error of the failed one's class (a CheckpointError
+    subclass, else CheckpointError) naming it; returns when every process succeeded. So
+    a restore failing on one process fails on all, at once.
     """
     if process_count() == 1:
         if error is not None:
@@ -138,17 +127,14 @@ def agree(kind: str, error: BaseException | None, *, region: Region | None, what
 def collective(
     kind: str, *, spans: bool = True, stall_s: float | None = None, scope: str | None = None
 ) -> Iterator[Region | None]:
-    """A collective operation of every process (a context manager): draws a region and
-    gives it to the body (``with collective(...) as region``), which hands it down; in
-    it, waits raise :class:`ProcessFailedError` once another process published a
-    failure, and its error, leaving it, is published for the others.
+    """A collective operation of every process: draws a region for the body (``with
+    collective(...) as region``), in which waits raise :class:`ProcessFailedError` once
+    another process published a failure, and whose error is published for the others.
 
-    ``spans=False``: this call is not collective (e.g. a restore onto host arrays, which
-    one process may make alone); no region is drawn (the body gets None). With one
-    process: None too. Each call draws a new region, nested or not: internals that
-    continue an operation are handed its region instead of entering this. ``stall_s``:
-    the stall timeout of the region's waits (see ``_base/regions.py``); ``scope``: the
-    region's (see :class:`Region`). Call it on the thread that makes the SPMD calls."""
+    ``spans=False`` (a call one process may make alone) or one process: the body gets
+    None. Each call draws a new region (internals are handed theirs). ``stall_s``: the
+    region's stall timeout; ``scope``: its scope (:class:`Region`). Call it on the
+    thread that makes the SPMD calls."""
     _host.refuse_if_detected(kind)  # every public save and restore enters here
     if not spans or jax.process_count() == 1:
         yield None
@@ -159,21 +145,6 @@ def collective(
     region = Region(kind, str(next(_REGIONS)), stall_s=stall_s, scope=scope)
     with resumed(region):
         yield region
-
-
-@contextlib.contextmanager
-def failing_before(kind: str, *, spans: bool = True) -> Iterator[None]:
-    """Checks made before the region of the operation they belong to is drawn (the
-    callback's options, checked by its constructor; its manager opens at its first
-    use): an error leaving the body is published in a region drawn for it then, this
-    process's n-th collective operation, the one the others draw for that operation
-    (``kind``), so that they raise at once there rather than wait for it. Draws
-    nothing when the body succeeds; ``spans=False``: the operation is not collective."""
-    try:
-        yield
-    except Exception:
-        with collective(kind, spans=spans):
-            raise
 
 
 # ``errors(error, arguments)``: the error to raise in place of ``error`` (None: as it
@@ -189,31 +160,20 @@ def public(
     stall: str | None = None,
     scope: str | None = None,
 ) -> Callable:
-    """The one decorator of a public operation, its entry (a function, a method or a
-    class): each call
+    """The one decorator of a public operation (a function, a method or a class): each call
 
-    * refuses a keyword the function does not take, naming the one meant ("did you
-      mean"; ``_base.env``), in the call's region;
-    * with ``kind``, is a collective operation (:func:`collective` when ``spans(*args,
-      **kwargs)`` says from the arguments that this call is one, e.g. a like on devices
-      of other processes; None: always): the body takes the
-      keyword ``region`` and is handed the region drawn (or None); without ``kind`` it
-      is a call of one process, no region drawn;
-    * raises, in place of an error of the body, what ``errors`` makes of it (see
-      :data:`Errors`; e.g. a store's refusal as StoreAccessError), inside the region,
-      so that the other processes learn that one.
+    * refuses a keyword the function does not take ("did you mean"), in its region;
+    * with ``kind``, is a collective operation (:func:`collective`, when ``spans(*args,
+      **kwargs)`` says so; None: always) whose body is handed ``region=`` (or None);
+      without ``kind``, a call of one process;
+    * raises what ``errors`` (:data:`Errors`) makes of the body's error, in the region.
 
-    On a method, ``stall`` and ``scope`` name attributes of the object it is called on
-    (set by its constructor): its region's stall timeout (e.g. a manager's
-    ``stall_timeout=``; see ``_base/regions.py``) and scope (see :class:`Region`).
-
-    On a class (no ``kind``): the entry of ``__init__``, ``__enter__``, ``__exit__`` and
-    each public method it defines or takes from its bases (mixins), with ``errors``;
-    a method that is an entry already (``@public(kind, ...)`` in the class body: a
-    collective one) is left as it is, as are properties, class and static methods.
-
-    The signature shown is the body's (without ``region``). The package's own calls of
-    the decorated name go through the same entry. Threading: the caller's."""
+    On a method, ``stall`` and ``scope`` name the object's attributes holding its
+    region's stall timeout and scope. On a class (no ``kind``): the entry of
+    ``__init__``, ``__enter__``, ``__exit__`` and each public method, its bases' too,
+    with ``errors`` (methods that are entries already, properties, class and static
+    methods left as they are). The signature shown is the body's (without ``region``).
+    Threading: the caller's."""
 
     def region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
         if kind is None:
@@ -249,9 +209,8 @@ def _entry(
     hands_region: bool,
     owner: str,
 ) -> Callable:
-    """:func:`public`'s wrapper of ``body``: the call's keywords checked, then the body
-    called (handed ``region=`` where ``hands_region``) and its error translated, all in
-    ``region(...)``'s region; ``owner``: the name an unknown keyword's error gives."""
+    """:func:`public`'s wrapper of ``body``: keywords checked, the body called (handed
+    ``region=`` where ``hands_region``) and its error translated, in ``region(...)``."""
     shown = inspect.signature(body)
     takes = _keywords.keywords_taken(body)
     if takes is not None and not hands_region and "region" in shown.parameters:
@@ -284,6 +243,7 @@ _ENTERED = ("__init__", "__enter__", "__exit__")  # a class's dunders that are e
 def _public_methods(cls: type, errors: Errors | None) -> type:
     """``public(errors=errors)`` on a class (see :func:`public`), set on the class."""
     found: dict[str, Any] = {}
+    no_region = lambda *args, **kwargs: contextlib.nullcontext()
     for klass in reversed(cls.__mro__[:-1]):  # the class's own definitions last
         found.update(vars(klass))
     for name, attr in found.items():
@@ -292,19 +252,14 @@ def _public_methods(cls: type, errors: Errors | None) -> type:
         if not inspect.isfunction(attr) or getattr(attr, "_fop_named", False):
             continue
         owner = cls.__name__ if name == "__init__" else f"{cls.__name__}.{name}"
-        setattr(cls, name, _entry(attr, _no_region, errors, False, owner))
+        setattr(cls, name, _entry(attr, no_region, errors, False, owner))
     return cls
-
-
-def _no_region(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
 
 
 def _translated(
     errors: Errors, error: Exception, shown: inspect.Signature, args: tuple, kwargs: dict
 ) -> BaseException | None:
-    """What ``errors`` makes of ``error`` (None: it stands, also where the translation
-    itself fails)."""
+    """What ``errors`` makes of ``error`` (None: it stands, also where that fails)."""
     try:
         return errors(error, shown.bind_partial(*args, **kwargs).arguments)
     except Exception:  # noqa: BLE001  (the original error stands)
@@ -313,10 +268,8 @@ def _translated(
 
 @contextlib.contextmanager
 def resumed(region: Region | None) -> Iterator[None]:
-    """Runs the body as a part of the operation of ``region`` (its activity named in the
-    heartbeat; e.g. a save's write and commit on a background thread, which hands
-    ``region`` down itself); an error leaving the body is published. ``None``:
-    nothing."""
+    """Runs the body as a part of the operation of ``region`` (named in the heartbeat;
+    e.g. a save's background phase); an error leaving it is published. None: nothing."""
     if region is None:
         yield
         return

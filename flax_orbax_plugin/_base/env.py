@@ -25,23 +25,6 @@ from typing import Any
 from .._errors import CheckpointError, OptionError, OptionTypeError
 from .fault_specs import FaultSpec, fault_spec
 
-__all__ = [
-    "INT64_MAX",
-    "InjectedFault",
-    "Option",
-    "VARIABLES",
-    "check",
-    "fail_point",
-    "flag",
-    "found",
-    "initializer",
-    "kill_point",
-    "lower",
-    "pause_point",
-    "read",
-    "slow_point",
-]
-
 INT64_MAX = (1 << 63) - 1  # sizes and counts handed to tensorstore or the OS
 
 
@@ -55,18 +38,14 @@ def found(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Option:
-    """One option: ``kind`` is ``"int"`` (an integer scalar, not a bool), ``"number"`` (an int or
-    a float, not a bool; never NaN or infinite), ``"flag"`` (True or False),
-    ``"choice"`` (one of ``choices``), ``"str"`` (a non-empty str), ``"callable"``,
-    or ``"custom"`` (``convert`` alone decides). ``low`` / ``high`` bound numbers
-    (``low_open``: strictly above ``low``); ``none_ok``: None is allowed;
-    ``convert(value) -> value`` runs last (it raises ValueError / TypeError with its
-    own words, which :func:`check` prefixes with the option's name); ``expected``: the
-    words of the messages (derived from the declaration when empty). ``default``: the
-    value when it is not given; ``doc``: one line for the docstring and docs tables;
-    ``aliases``: names other libraries (or earlier versions) give this option, which
-    an unknown keyword of that name is pointed to; ``annotation``: the type shown in
-    the signature (derived from ``kind`` when empty)."""
+    """One option: ``kind`` is ``"int"`` (not a bool), ``"number"`` (int or float, not a
+    bool, finite), ``"flag"``, ``"choice"`` (one of ``choices``), ``"str"`` (non-empty),
+    ``"callable"`` or ``"custom"`` (``convert`` alone decides). ``low`` / ``high`` bound
+    numbers (``low_open``: strictly above); ``none_ok``: None allowed; ``convert`` runs
+    last (its ValueError / TypeError prefixed with the name); ``expected``: the messages'
+    words (derived when empty); ``default``; ``doc``: one line for docstrings and docs;
+    ``aliases``: other libraries' names an unknown keyword is pointed from;
+    ``annotation``: the signature's type (derived from ``kind`` when empty)."""
 
     name: str
     kind: str
@@ -184,8 +163,7 @@ class Option:
 
 
 def _plain(value: Any) -> Any:
-    """A numpy bool or integer scalar as Python's (numpy is not imported: the CLI's
-    start loads none); anything else as it is."""
+    """A numpy bool or integer scalar as Python's (without importing numpy); else as is."""
     numpy = type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
     if numpy and getattr(value.dtype, "kind", None) in ("b", "i", "u"):
         return value.item()
@@ -361,8 +339,7 @@ def fail_point(phase: str) -> None:
 
 def pause_point(phase: str) -> None:
     """``FOP_PAUSE_AT=<phase>[:<nth>]``: at the Nth pass, writes ``FOP_PAUSED <phase>``
-    to stderr and sleeps ``FOP_PAUSE_S`` seconds (default 2), so a test can send a real
-    signal while a save is exactly there."""
+    to stderr and sleeps ``FOP_PAUSE_S`` seconds (a test's window for a real signal)."""
     if _reached("FOP_PAUSE_AT", phase, f"pause:{phase}"):
         os.write(2, f"FOP_PAUSED {phase}\n".encode())
         time.sleep(read("FOP_PAUSE_S"))
@@ -370,9 +347,7 @@ def pause_point(phase: str) -> None:
 
 def slow_point(phase: str) -> None:
     """``FOP_SLOW_AT=<phase>[:<nth>]``: from the Nth pass on, every pass sleeps
-    ``FOP_SLOW_S`` seconds (default 1), so a test can make a write or a read slow but
-    progressing (``write``: after each region a save hands out, ``read``: after each
-    read a restore completes)."""
+    ``FOP_SLOW_S`` seconds (a test's slow but progressing write or read)."""
     if _reached("FOP_SLOW_AT", phase, f"slow:{phase}"):
         time.sleep(read("FOP_SLOW_S"))
 
@@ -381,9 +356,8 @@ def slow_point(phase: str) -> None:
 
 
 def lower() -> None:
-    """Lowers the calling thread's CPU priority to ``FOP_BACKGROUND_NICE`` (never
-    raises an OSError; a no-op off Linux). Call only as the first act of a thread
-    that starts no thread and calls no store's client (see the module docstring)."""
+    """Lowers the calling thread's CPU priority to ``FOP_BACKGROUND_NICE`` (never raises
+    an OSError); only as the first act of a thread that starts none and calls no store."""
     nice = read("FOP_BACKGROUND_NICE")
     if not nice or not hasattr(os, "setpriority"):
         return
@@ -395,9 +369,7 @@ def lower() -> None:
 
 
 def initializer(*, local_only: bool) -> Callable[[], None] | None:
-    """The ``initializer`` of a bulk pool: :func:`lower` when every task of the pool
-    works on local files alone (``local_only``), else None (the process's priority).
-    Reads ``FOP_BACKGROUND_NICE`` now, so a bad value fails the save that makes the
-    pool (raised by its ``wait``), before any thread is lowered."""
+    """The ``initializer`` of a bulk pool: :func:`lower` when its tasks work on local
+    files alone, else None. Reads ``FOP_BACKGROUND_NICE`` now: a bad value fails here."""
     read("FOP_BACKGROUND_NICE")
     return lower if local_only else None

@@ -1,7 +1,6 @@
-"""This process: its end (one exit hook), its host buffers, who it is among the others
-(its index, their count, the primary) and what its threads are doing
-(:data:`ACTIVITIES`, which its heartbeat publishes when there are others:
-``_base/liveness.py``), Pathways detection, the host-memory ceiling.
+"""This process: its end (one exit hook), its host buffers, who it is among the others,
+what its threads are doing (:data:`ACTIVITIES`, published by its heartbeat), Pathways
+detection.
 
 Exit steps run on the main thread at exit, in order FINISH, LEAVE, ANNOUNCE (``at_exit``
 from any thread); :data:`ACTIVITIES` is thread-safe, a stack per thread; the rest are
@@ -32,21 +31,6 @@ import numpy as np
 from .._errors import UnsupportedRuntimeError
 from . import env as _env
 
-__all__ = [
-    "ACTIVITIES",
-    "Activities",
-    "Progress",
-    "ANNOUNCE",
-    "FINISH",
-    "LEAVE",
-    "at_exit",
-    "detected",
-    "is_primary",
-    "process_count",
-    "process_index",
-    "refuse_if_detected",
-]
-
 FINISH, LEAVE, ANNOUNCE = 0, 1, 2  # the steps, in the order they run
 _STEPS: dict[int, Callable[[], bool]] = {}  # step -> its work (see the module docstring)
 _LOCK = threading.Lock()
@@ -54,18 +38,16 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 def at_exit(step: int, work: Callable[[], bool]) -> None:
-    """Runs ``work`` as ``step`` when the program ends (once, whatever the number of
-    calls; the first registers the exit hook). ``work`` returns True when the program
-    must exit with status 1."""
+    """Runs ``work`` (once) as ``step`` when the program ends; ``work`` returns True when
+    the program must exit with status 1."""
     with _LOCK:
         if not _STEPS:
             threading._register_atexit(_run)  # type: ignore[attr-defined]
         _STEPS.setdefault(step, work)
 
 
-# The process's latest ``fop.save_async`` until nothing of it is left to report (a save
-# that succeeded leaves when it finishes, one that failed when its error was raised): a
-# second save waits for it, a restore or verify of its path too.
+# The process's latest ``fop.save_async`` until nothing of it is left to report: a second
+# save waits for it, a restore or verify of its path too.
 _IN_FLIGHT: list[Any] = []
 
 
@@ -114,8 +96,8 @@ except ImportError:  # pragma: no cover - other numpy layouts
 
 
 def empty(shape, dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary, and
-    on a page (4096 bytes) from 64 KiB on: direct I/O reads and writes it in place."""
+    """An uninitialised C-contiguous array aligned to 64 bytes, to a page from 64 KiB on
+    (direct I/O reads and writes it in place)."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     align = PAGE if nbytes >= 1 << 16 else ALIGNMENT
@@ -141,14 +123,10 @@ COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def copy_all(pairs: list[tuple]) -> None:
-    """``np.copyto(dst, src)`` for every (dst, src) of ``pairs`` (C-contiguous ``dst``),
-    split into pieces of at most :data:`COPY_PIECE` bytes and run on up to
-    :data:`COPY_THREADS` threads (numpy releases the GIL while copying): a blocking
-    phase's memory copies at the machine's memory bandwidth rather than one core's.
-    An item (dst, src, copier) is copied by ``copier(dst, src)`` instead, whole, on one
-    of the threads (a copy that checksums as it goes: ``_zarr.crcs.copy_with_crcs``;
-    the caller cuts it into pieces). Returns when every copy is done; the first error is
-    raised."""
+    """``np.copyto(dst, src)`` for every (dst, src) of ``pairs``, in pieces of at most
+    :data:`COPY_PIECE` bytes on up to :data:`COPY_THREADS` threads (memory bandwidth,
+    not one core's); an item (dst, src, copier) is copied whole by ``copier(dst, src)``.
+    Returns when every copy is done; the first error is raised."""
     jobs: list[tuple] = []
     for dst, src, *copier in pairs:
         if copier or dst.nbytes <= COPY_PIECE or src.ndim == 0 or src.shape[0] < 2:
@@ -232,8 +210,7 @@ class Activities:
                 self._stacks.pop(me, None)
 
     def stacks(self) -> list[list[_Activity]]:
-        """A copy of each busy thread's activities, outermost first (read by the
-        heartbeat, ``_base.liveness``: what a process is doing, and whether it moves)."""
+        """A copy of each busy thread's activities, outermost first (for the heartbeat)."""
         with self._lock:
             return [list(s) for s in self._stacks.values() if s]
 
@@ -262,10 +239,8 @@ def refuse_if_detected(operation: str) -> None:
     if how is None or _env.read("FOP_PATHWAYS") == "allow":
         return
     raise UnsupportedRuntimeError(
-        f"{operation}: Pathways (single-controller JAX) detected ({how}), which "
-        f"flax_orbax_plugin does not support: it writes and reads each host's shards from "
-        f"that host's own process (multi-controller JAX, jax.distributed.initialize on "
-        f"every host). Run one process per host, or use Orbax with pathwaysutils' "
-        f"persistence under Pathways; FOP_PATHWAYS=allow runs it as one process anyway "
-        f"(untested: every shard passes through the controller's host memory)"
+        f"{operation}: Pathways (single-controller JAX) detected ({how}): flax_orbax_plugin"
+        f" needs each host's own process (multi-controller JAX). Run one process per host, or"
+        f" Orbax with pathwaysutils under Pathways; FOP_PATHWAYS=allow runs it anyway"
+        f" (untested: every shard passes through the controller's host memory)"
     )

@@ -1,8 +1,6 @@
 """A leaf's path as text: key entries joined by '/', '%' and '/' escaped in each.
 
-The names alone, without JAX (``_base.tree`` flattens trees into them): the format's
-records name leaves by these strings, and a reader of records (``flax-orbax list``)
-imports no JAX for them.
+Without JAX: a reader of records (``flax-orbax list``) imports none for them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Pytree paths: flatten a tree into named leaves and rebuild a tree from names.
 
-A leaf's *path* is its key path joined by '/', e.g. ``params/Dense_0/kernel`` or
-``opt_state/0/mu/w``. Path components escape '%' and '/' so that a path names
-exactly one leaf (``_base.key_paths``, without JAX). ``None`` is kept as a leaf (jax
-drops it by default) so that
-a saved tree comes back with the same structure, and so is every *empty node*
-(``{}``, ``[]``, ``()``, optax's ``EmptyState()``, a dataclass without fields):
-jax drops those too, and they carry no data but are part of the structure. Their
-saved records have the kinds ``empty_dict`` or ``empty_list`` (see
-:func:`empty_kind`), and :func:`rebuild` turns them back into ``{}`` or ``[]``.
+A leaf's *path* is its key path joined by '/' (``params/Dense_0/kernel``; names:
+``_base.key_paths``). ``None`` and every *empty node* (``{}``, ``[]``, ``()``, optax's
+``EmptyState()``) are kept as leaves (jax drops them) so that a saved tree comes back
+with the same structure: records of kind ``empty_dict`` or ``empty_list``.
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ from .key_paths import path_string as path_string
 
 @contextlib.contextmanager
 def paused_gc():
-    """Pauses Python's cyclic garbage collector while thousands of small leaf records
-    are built (it ran repeatedly during a 6,000-leaf save or restore, for nothing)."""
+    """Pauses Python's cyclic garbage collector while thousands of leaf records are built."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -38,10 +32,6 @@ def paused_gc():
     finally:
         if enabled:
             gc.enable()
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
 
 
 _PLAIN_LEAVES = (
@@ -64,7 +54,7 @@ def is_empty_node(x: Any) -> bool:
         return not x
     if x is None or isinstance(x, _PLAIN_LEAVES):
         return False
-    leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=_is_none)
+    leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is None)
     return not leaves and not jax.tree_util.treedef_is_leaf(treedef)
 
 
@@ -84,9 +74,8 @@ def _is_leaf(x: Any) -> bool:
 
 
 def empty_kind(x: Any) -> str:
-    """The record kind of an empty node: ``empty_list`` for lists and tuples (plain, not
-    named), ``empty_dict`` for everything else (dicts, NamedTuples, dataclasses), as
-    :func:`rebuild` turns sequence keys into lists and the others into dicts."""
+    """The record kind of an empty node: ``empty_list`` for plain lists and tuples,
+    ``empty_dict`` for the rest (as :func:`rebuild` makes lists and dicts)."""
     if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
         return "empty_list"
     return "empty_dict"
@@ -166,10 +155,8 @@ def unflatten(treedef: Any, leaves: list[Any]) -> Any:
 
 
 def rebuild(items: Iterator[tuple[list[KeyEntry], Any]]) -> Any:
-    """Builds nested dicts/lists from ``(keys, value)`` pairs (restore without ``like``).
-
-    Dict and attribute keys become dicts, sequence and flattened-index keys lists.
-    """
+    """Nested dicts (dict and attribute keys) and lists (sequence and flattened-index
+    keys) from ``(keys, value)`` pairs (restore without ``like``)."""
     root: list[Any] = [None]
     for keys, value in items:
         node, slot = root, 0

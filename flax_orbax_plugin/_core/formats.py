@@ -34,23 +34,8 @@ from .format_v1 import CHUNK_FILES
 from .host_snapshot import write_packed
 from .reads import check_packed_claims
 
-__all__ = [
-    "CHUNK_FILES",
-    "DATA_FILES",
-    "DEFAULT_FORMAT_VERSION",
-    "DEFAULT_WRITE_LIMIT_BYTES",
-    "Format",
-    "MEMORY_LIMIT",
-    "SaveRequest",
-    "check_save",
-    "for_version",
-    "of_document",
-    "version_for",
-    "Written",
-]
-
-# The format a save writes when none is asked for (FORMAT.md: version 2, data files;
-# version 1 on request, and in a directory per host, which version 2 does not write).
+# The format a save writes when none is asked for (FORMAT.md; version 1 on request and
+# in a directory per host, which version 2 does not write).
 DEFAULT_FORMAT_VERSION = 2
 
 DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
@@ -58,21 +43,17 @@ DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
 
 @dataclasses.dataclass(frozen=True)
 class SaveRequest:
-    """How one pytree is saved (the options of ``fop.save_async``, checked, plus what a
-    manager adds per step and item).
+    """How one pytree is saved (``fop.save_async``'s options, checked, plus what a manager
+    adds per step and item).
 
-    ``format_version``: 2 (data files, the default) or 1 (chunk files), the one place the save's
-    format is chosen; ``compression``: a checked codec or None;
-    ``memory_limit_bytes``: writes in flight (None: the default, see :attr:`limit`);
-    ``host_memory_budget``: host bytes the save may hold beyond the state;
-    ``data_file_bytes``: version 2's data file size; ``own_copy``: a host's own
-    directory (every process writes all it holds and every JSON file);
-    ``created_at``: the document's time (the same on every process for an own copy;
-    None: when written); ``reuse``: an ``_incremental.Reuse`` (a manager with
-    ``incremental=True``) or None; ``buffers``: a manager's host buffers or None;
-    ``cancelled``: set when the save is cancelled (Ctrl-C): its writes stop;
-    ``region``: the collective operation the save is part of (``_base.regions``: its
-    names are drawn there, its waits look at its failures), or None (one process).
+    ``format_version``: 2 (data files) or 1 (chunk files), the one place the format is
+    chosen; ``compression``: a checked codec or None; ``memory_limit_bytes``: writes in
+    flight (see :attr:`limit`); ``host_memory_budget``: host bytes the save may hold
+    beyond the state; ``data_file_bytes``: version 2's data file size; ``own_copy``: a
+    host's own directory (every process writes all it holds and every JSON file);
+    ``created_at``: the document's time (agreed, for an own copy); ``reuse``: an
+    ``_incremental.Reuse`` or None; ``buffers``: a manager's host buffers or None;
+    ``cancelled``: set when the save is cancelled; ``region``: its collective operation.
     """
 
     format_version: int = DEFAULT_FORMAT_VERSION
@@ -93,8 +74,7 @@ class SaveRequest:
 
     @property
     def limit(self) -> int:
-        """The bytes of writes in flight, ``memory_limit_bytes`` (default
-        ``DEFAULT_WRITE_LIMIT_BYTES``), at most half the host memory budget."""
+        """The bytes of writes in flight: at most half the host memory budget."""
         limit = self.memory_limit_bytes or DEFAULT_WRITE_LIMIT_BYTES
         budget = self.host_memory_budget
         return limit if budget is None else max(1, min(limit, budget // 2))
@@ -114,10 +94,6 @@ MEMORY_LIMIT = Option(
 )
 
 
-def _codec(value: Any) -> str | None:
-    return _layout.check_codec(value, where="compression")
-
-
 SAVE: tuple[Option, ...] = (
     Option("force", "flag"),
     MEMORY_LIMIT,
@@ -125,32 +101,22 @@ SAVE: tuple[Option, ...] = (
         "compression",
         "str",
         none_ok=True,
-        convert=_codec,
+        convert=_layout.check_codec,  # its errors name "compression"
         expected="None, 'zstd' or 'zstd:<level 1-22>'",
     ),
     # None: the default version, as the manager's format_version=None means
     Option("format_version", "choice", choices=(1, 2), none_ok=True),
-    Option(
-        "data_file_bytes",
-        "int",
-        none_ok=True,
-        low=1,
-        high=INT64_MAX,
-        expected=f"a positive int <= {INT64_MAX} or None",
-    ),
+    dataclasses.replace(MEMORY_LIMIT, name="data_file_bytes"),  # the same bounds
     HOST_MEMORY_BUDGET,
 )
 
 
 def check_save(**options: Any) -> dict[str, Any]:
-    """``fop.save``'s options of :data:`SAVE` given by name, checked; ``{name: checked
-    value}``. A value of the wrong type, out of range, NaN, empty or unknown is an
-    OptionError naming the option, what it takes and what was found;
-    ``data_file_bytes`` with format version 1 (one file per chunk: it does nothing
-    there) is refused naming both."""
+    """``fop.save``'s options of :data:`SAVE` given by name, checked (OptionError naming
+    the option, what it takes and what was found); an option the chosen format ignores
+    (``data_file_bytes`` with version 1) is refused naming both."""
     out = check(SAVE, options)
     out["format_version"] = version_for(out["format_version"], per_host=False)
-    # What the chosen format ignores is refused (the format says what, and why).
     refuse_ignored(
         out["format_version"], out, lambda name, needs: refuse_without(name, out[name], needs)
     )
@@ -159,9 +125,8 @@ def check_save(**options: Any) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """What one process wrote: array bytes and ``{relative JSON file: sha256}``; plus the
-    array bytes it hard-linked or copied on the server from the previous step instead
-    (incremental steps)."""
+    """What one process wrote: array bytes, ``{relative JSON file: sha256}``, and the array
+    bytes it reused from the previous step instead."""
 
     bytes_written: int = 0
     files: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -173,30 +138,22 @@ class Format(Protocol):
 
     Call order on save (the background thread, every process): :meth:`reuser` and
     :meth:`wrote` while planning reuse, then :meth:`write` once. On read (the caller's
-    thread): :meth:`open` once, then :meth:`array_store`, :meth:`read_stored`,
-    :meth:`batch_store` and :meth:`reads_batch_runs` per array and batch, then the
-    reader's ``close()``.
+    thread): :meth:`open` once, then the reads per array and batch, then ``close()``.
     """
 
     version: int
-    # Every region is on host before the write starts (the writer packs host bytes).
-    copies_before_writing: bool
-    # A directory per host (each host its own copy of a manager step) is written.
-    per_host_directories: bool
-    # Options this format ignores, each with what would make it count: refused.
-    ignored_options: tuple[tuple[str, str], ...]
-    # What a batch store's opening raises on damage (a tuple for ``except``).
-    batch_damage: tuple[type[BaseException], ...]
-    # Every array has its own ``zarr.json``, opened through tensorstore before reading.
-    array_specs: bool
+    copies_before_writing: bool  # every region on host before the write starts
+    per_host_directories: bool  # a directory per host (of a manager step) is written
+    ignored_options: tuple[tuple[str, str], ...]  # (option, what makes it count): refused
+    batch_damage: tuple[type[BaseException], ...]  # a batch store's opening on damage
+    array_specs: bool  # every array has its own ``zarr.json``, opened through tensorstore
 
     def write(
         self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
     ) -> tuple:
-        """Writes this process's data of ``snap`` (a Snapshot) under ``location``:
-        ``leaves``, its leaves as stored (sub-byte ones packed); ``found``: the reuse
-        plan (``Snapshot._unchanged``) or None. Returns (bytes written, {file: sha256} to
-        record in the commit marker, bytes reused)."""
+        """Writes this process's data of ``snap`` under ``location`` (``leaves``: as stored;
+        ``found``: the reuse plan or None). Returns (bytes written, {file: sha256}, bytes
+        reused)."""
 
     def reuser(self, location: Location) -> Any:
         """How this process reuses unchanged data under ``location`` (None: it cannot)."""
@@ -212,8 +169,7 @@ class Format(Protocol):
         """What tensorstore reads an array through (None: the reader alone)."""
 
     def read_stored(self, store: Any, index: int, record: Any, direct: Any, region: Any) -> Any:
-        """A read of ``region`` (None: all) of leaf ``index``'s stored array, as
-        ``record`` (its stored record: a sub-byte leaf's packed bytes) describes it."""
+        """A read of ``region`` (None: all) of leaf ``index``'s stored array (``record``)."""
 
     def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
         """What a batch is read through (raises one of :attr:`batch_damage` on damage)."""
@@ -222,9 +178,8 @@ class Format(Protocol):
         """Whether a batch's leaves are read in runs straight from its chunk files."""
 
     def check_lengths(self, location: Location, direct: Any) -> None:
-        """``verify`` only: the files hold nothing past what was written (bytes appended
-        change no value a read returns, but the file is not the one committed);
-        CorruptCheckpointError naming the file otherwise."""
+        """``verify`` only: CorruptCheckpointError naming a file holding bytes past what
+        was written."""
 
 
 class DataFiles:
@@ -240,18 +195,8 @@ class DataFiles:
     def write(
         self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
     ) -> tuple:
-        return write_packed(
-            location,
-            leaves,
-            snap.batches,
-            snap.batch_data,
-            process=_distributed.process_index(),
-            limit=snap.request.limit,
-            data_file_bytes=snap.request.data_file_bytes,
-            budget=snap.request.host_memory_budget,
-            cancelled=snap.request.cancelled,
-            reuse=None if found is None else _files_reuse(location, *found),
-        )
+        reuse = None if found is None else _files_reuse(location, *found)
+        return write_packed(location, leaves, snap, reuse)
 
     def reuser(self, location: Location) -> Any:
         return _reuse.reuser(location, link=packed.link_file, copy=packed.copy_file)
@@ -323,9 +268,8 @@ def of_document(doc: CheckpointDocument) -> Format:
 
 
 def version_for(asked: int | None, *, per_host: bool) -> int:
-    """The version a manager step's items write: ``asked`` (checked), else the default
-    (:data:`DEFAULT_FORMAT_VERSION`), or version 1 in a directory per host, which
-    version 2 does not write yet (asking for 2 there is refused at the manager's open)."""
+    """The version a manager step's items write: ``asked`` (checked), else the default,
+    or version 1 in a directory per host (which version 2 does not write)."""
     if asked is not None:
         return asked
     if per_host and not for_version(DEFAULT_FORMAT_VERSION).per_host_directories:
@@ -343,8 +287,8 @@ def refuse_ignored(version: int | None, given: dict[str, Any], refuse) -> None:
 
 
 def _files_reuse(location: Location, way, source: Location, unchanged: list):
-    """Version 2: ``reuse()`` takes this process's previous data files that hold
-    mostly unchanged leaves (``_incremental.packed.reuse_files``)."""
+    """Version 2: ``reuse()`` takes this process's previous data files that hold mostly
+    unchanged leaves."""
     if not unchanged:
         return None
     leaves = {
@@ -364,9 +308,8 @@ _TOP_FILES = (_layout.COMMIT_FILE, _layout.METADATA_FILE, _layout.PENDING_FILE)
 
 
 def checkpoint_names(parts: list[str], is_dir: bool) -> bool:
-    """Whether the library writes (and its readers open) the entry at ``parts`` (a path
-    relative to a checkpoint, split on '/'; ``is_dir``: as a directory): the top files,
-    version 1's zarr arrays (``d/``, ``b/``: tensorstore's names below) and version 2's
+    """Whether the library writes (and reads) the entry at ``parts`` (relative to a
+    checkpoint): the top files, version 1's ``d/`` and ``b/`` and version 2's
     ``data/<p>.json`` and ``data/<p>-<n>.bin``. Anything else is a user's: never read,
     never removed."""
     head, rest = parts[0], parts[1:]

@@ -1,6 +1,5 @@
 """The pending marker (``_PENDING.json``: what it says, where it is found), and a save's
-``SaveHandle`` and ``SaveResult``. Whether the writer a marker names is alive is
-``_core.writer_liveness``'s.
+``SaveHandle`` and ``SaveResult``.
 
 Marker functions are stateless, any thread; a handle's background phase runs on its own
 (non-daemon) thread; ``wait``, ``done`` and ``cancel`` from any thread.
@@ -36,9 +35,8 @@ TMP_RE = re.compile(rf"^{re.escape(PENDING_FILE)}\.tmp-[0-9a-f]{{1,64}}$", re.AS
 
 
 def marker_bytes(nonce: str, keep: list[str] | tuple[str, ...] = ()) -> bytes:
-    """The pending marker: ours, with the writer (host name and process id) that lets a
-    later save or ``gc`` tell a save that died from one still running; ``keep``: what
-    a removal leaves (entries this library did not write)."""
+    """The pending marker, naming its writer (host, pid: is it still running?) and, for
+    a removal, what it leaves (``keep``)."""
     doc = {"library": LIBRARY, "kind": "pending", "nonce": nonce}
     doc.update(host=socket.gethostname(), pid=os.getpid())
     if keep:
@@ -64,11 +62,9 @@ def keeps(raw: bytes | None) -> list[str]:
 
 
 def temporary_files(loc: Location) -> list[str]:
-    """Local only: the regular files at the top of ``loc`` named as the temporary file of
-    a pending marker's write (``_PENDING.json.tmp-<hex>``) that hold our marker or the
-    start of one, or nothing: a writer killed between creating one and renaming it
-    leaves it empty (or, in principle, holding part of the marker). In a place proven
-    ours they are ours too (``removing.strangers``); none elsewhere."""
+    """Local only (none elsewhere): the regular files at the top of ``loc`` named as a
+    pending marker's temporary file that hold our marker, its start, or nothing (a
+    writer killed before its rename)."""
     if not loc.is_local:
         return []
     try:
@@ -90,8 +86,7 @@ def _ours_cut_short(raw: bytes | None) -> bool:
 
 def only_temporary_files(loc: Location) -> bool:
     """Local only: True when ``loc`` holds something, and nothing but
-    :func:`temporary_files`: a claim or a removal killed while it wrote the marker,
-    before anything else was written there or after everything else was removed."""
+    :func:`temporary_files` (a claim or a removal killed while it wrote the marker)."""
     try:
         kinds = loc.child_kinds() if loc.is_local else {}
     except OSError:
@@ -100,14 +95,12 @@ def only_temporary_files(loc: Location) -> bool:
 
 
 def temporary_markers(loc: Location) -> list[str]:
-    """Local only: the names of the temporary files at the top of ``loc`` that hold our
-    pending marker (a marker's write cut short after it was written); none elsewhere."""
+    """Local only: the :func:`temporary_files` of ``loc`` that hold our whole marker."""
     return [n for n in temporary_files(loc) if is_marker(_read_quietly(loc, n))]
 
 
 def read(loc: Location) -> bytes | None:
-    """The pending marker of ``loc``: ``_PENDING.json``, else (local disk) the content
-    of a temporary file holding our marker; None when there is neither."""
+    """The pending marker of ``loc``, else (local) a temporary file's; None when neither."""
     raw = loc.read_bytes(PENDING_FILE)
     if raw is not None:
         return raw
@@ -133,23 +126,19 @@ CANCELLED = "cancelled by its handle's cancel()"  # the reason of a cancel() wit
 
 
 def checked_timeout(timeout: Any) -> float | None:
-    """A wait's ``timeout`` checked (an OptionError for a negative, NaN, infinite or
-    non-number one) and clamped to ``threading.TIMEOUT_MAX`` (about 49 days on Linux):
-    a longer one waits as long as that, never an OverflowError from the wait."""
+    """A wait's ``timeout`` checked (OptionError) and clamped to ``threading.TIMEOUT_MAX``
+    (never an OverflowError from the wait)."""
     timeout = _TIMEOUT.check(timeout)
     return None if timeout is None else min(float(timeout), threading.TIMEOUT_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
 class SaveResult:
-    """Figures of one finished save (a core checkpoint or a manager step), as seen by
-    this process.
-
-    ``blocking_seconds``: how long the caller waited; ``total_seconds``: from the start
-    of the save until it committed; ``bytes_written``: array bytes this process wrote;
-    ``bytes_reused``: array bytes of unchanged leaves hard-linked (local disk) or copied
-    on the server (S3, GCS) from the previous step instead of written (incremental
-    manager steps; not part of ``bytes_written``).
+    """Figures of one finished save (a checkpoint or a manager step), as seen by this
+    process: ``blocking_seconds`` the caller waited; ``total_seconds`` until it committed;
+    ``bytes_written``: array bytes this process wrote; ``bytes_reused``: array bytes of
+    unchanged leaves linked or copied on the server from the previous step instead
+    (incremental manager steps; not in ``bytes_written``).
     """
 
     path: str
@@ -178,10 +167,8 @@ class SaveResult:
 
 
 class Cancellation(threading.Event):
-    """The event a save's background phase checks (see :func:`raise_if_cancelled`), with
-    why it was set: no ``reason`` is an interruption (Ctrl-C: a KeyboardInterrupt), a
-    ``reason`` a cancellation asked for (``supersede=``: a :class:`SaveCancelledError`).
-    The reason is written before the event is set, and never changed after."""
+    """The event a save's background phase checks, with why it was set (written before,
+    never changed): no ``reason`` is an interruption, a ``reason`` a cancellation."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -207,13 +194,10 @@ class SaveHandle:
     :class:`SaveResult` or re-raises its error (an error is never dropped: a handle
     nobody waited on raises at the next save).
 
-    Thread-safety: ``wait``, ``done`` and ``cancel`` may be called from any thread. Made
-    in a collective operation (``_base.regions``: its ``region``, which ``target`` is
-    handed too), the background phase runs in that region: a failure there reaches
-    the other processes at once, as one in the blocking phase. They wait on an event
-    the background phase sets when it ends, never on ``Thread.join``: a join cut short
-    by Ctrl-C marks the thread finished while it still runs (CPython 3.11), and the
-    interpreter would then exit under a running save and leave its staging behind.
+    Thread-safety: ``wait``, ``done`` and ``cancel`` may be called from any thread. The
+    background phase runs in the save's ``region`` (a failure reaches the other
+    processes at once). Waits are on an event, never ``Thread.join`` (a join cut short
+    by Ctrl-C marks a running thread finished on CPython 3.11).
     """
 
     def __init__(
@@ -226,12 +210,9 @@ class SaveHandle:
         guard: Callable[[str], None] | None = None,
     ):
         self.path = path
-        # guard(call): raises where ``call`` (a wait or cancel) may not be made: a
-        # manager's, from its on_event hook (``Events.refuse_in_hook``).
-        self._guard = guard
+        self._guard = guard  # raises where a wait or cancel may not be made (on_event)
         self._target = target
-        self._region = region  # the operation's, whose region ``target`` runs in
-        # Set by :meth:`cancel`; the background phase checks it (see raise_if_cancelled).
+        self._region = region
         self.cancelled = cancelled if cancelled is not None else Cancellation()
         self._thread = threading.Thread(target=self._run, name="fop-save", daemon=False)
         self._result: SaveResult | None = None
@@ -240,11 +221,8 @@ class SaveHandle:
         self._finished = threading.Event()
 
     def start(self, *, held: Any = None) -> SaveHandle:
-        """Starts the background phase (once). ``held``: the ``_base.interrupts.Held``
-        of the deferral its blocking phase runs in; with a Ctrl-C held there, the
-        background phase starts cancelled (an interruption), so the KeyboardInterrupt
-        raised at that phase's end finds nothing committed, however soon the background
-        phase would have finished."""
+        """Starts the background phase (once); cancelled as an interruption where
+        ``held`` (the blocking phase's ``_base.interrupts.Held``) holds a Ctrl-C."""
         if held is not None and held.received:
             _set(self.cancelled, None)
         _finish_at_exit(self)
@@ -271,14 +249,11 @@ class SaveHandle:
         """Blocks until the save is committed; raises its error if it failed (a save
         cancelled by :meth:`cancel`: its SaveCancelledError, each time).
 
-        Interrupted (Ctrl-C, or any exception raised into the waiting thread), the save
-        is abandoned (its background phase stops as interrupted), then the interruption
-        propagates. ``timeout`` (seconds, a finite number >= 0, or None: no limit; one
-        past ``threading.TIMEOUT_MAX`` waits that long) is checked first: a bad one is an
-        OptionError and leaves the save running; a wait that times out raises
-        TimeoutError and leaves it running too. Called from the save's own background
-        thread (a callback it runs), or from where its ``guard`` refuses it (a manager's
-        on_event hook): HookReentryError, never a wait for itself."""
+        Interrupted (Ctrl-C), the save is abandoned, then the interruption propagates.
+        ``timeout``: seconds, a finite number >= 0, or None (no limit); a bad one is an
+        OptionError, a wait that times out a TimeoutError, both leaving the save
+        running. From the save's own thread or a manager's on_event hook:
+        HookReentryError, never a wait for itself."""
         timeout = checked_timeout(timeout)
         self._refuse_reentry("SaveHandle.wait()")
         self._await(timeout)
@@ -289,10 +264,9 @@ class SaveHandle:
         return self._result
 
     def settle(self) -> SaveResult | None:
-        """:meth:`wait` for a manager's save in flight (its ``wait``, its next save):
-        the result, None for a save whose error was already reported (by a
-        :meth:`wait`, or by :meth:`cancel`: a cancel is never reported again), else
-        its error, raised (once)."""
+        """:meth:`wait` for a manager's save in flight: the result, None for a save whose
+        error was already reported (by :meth:`wait` or :meth:`cancel`), else its error,
+        raised once."""
         self._await(None)
         if self._error is not None:
             if self._reported:
@@ -324,28 +298,19 @@ class SaveHandle:
             self._guard(call)
 
     def cancel(self, *, reason: str | None = None) -> bool:
-        """Abandons the save: its background phase stops before it commits (at its next
-        check: before its first write, between the regions it writes, once its data is
-        written, before the commit) and removes what it staged; waits for that. Returns
-        True when nothing of the save was committed (cancelled, or failed), False when
-        it committed first (it stays committed).
+        """Abandons the save: its background phase stops at its next check before the
+        commit and removes what it staged; waits for that. Returns True when nothing
+        was committed (cancelled, or failed), False when it committed first.
 
-        The save ends with a :class:`SaveCancelledError` saying ``reason`` (e.g.
-        ``"superseded by step 8"``; default: cancelled by this call; with several
-        processes, every process then gets one: the commit's agreed outcome). That
-        return is its report: its error (the cancellation, or one it met first) is
-        never raised again by a manager (its ``wait``, ``close``, next ``save``); read
-        it from :attr:`error`; :meth:`wait` on this handle raises it (no result).
-        Interrupted again while it waits, the background phase still stops and cleans
-        up on its own (the thread is not a daemon: the interpreter waits for it).
-        Refused like :meth:`wait` from the save's own thread."""
+        The save ends with a :class:`SaveCancelledError` saying ``reason`` (default:
+        cancelled by this call; every process gets one). That return is its report: a
+        manager never raises its error again; :attr:`error` holds it and :meth:`wait`
+        raises it. Refused like :meth:`wait` from the save's own thread."""
         self._refuse_reentry("SaveHandle.cancel()")
         return self._cancel(CANCELLED if reason is None else str(reason))
 
     def abandon(self) -> bool:
-        """:meth:`cancel` as an interruption: the background phase stops with a
-        KeyboardInterrupt (what a Ctrl-C in the caller's wait, or at exit, does; a
-        failing blocking phase after the background one started)."""
+        """:meth:`cancel` as an interruption (the background phase gets a KeyboardInterrupt)."""
         return self._cancel(None)
 
     def _cancel(self, reason: str | None) -> bool:
@@ -359,8 +324,7 @@ class SaveHandle:
 
     @property
     def error(self) -> BaseException | None:
-        """The error the background phase ended with (None while it runs or once it
-        committed)."""
+        """The error the background phase ended with (None while it runs or if committed)."""
         return self._error if self._finished.is_set() else None
 
     def _mark_reported(self) -> None:
@@ -376,30 +340,23 @@ class SaveHandle:
             raise self._error
 
 
-# Saves whose background phase runs, finished before the interpreter stops its thread
-# pools (see _finish_at_exit).
+# Saves whose background phase runs (see _finish_at_exit).
 _RUNNING: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
 
 def _finish_at_exit(handle: SaveHandle) -> None:
-    """A save the program does not wait for still commits when the program ends (its
-    last line, or an exception nobody caught right after a save). The interpreter waits
-    for the non-daemon save thread, but first stops the thread pools the save writes
-    with ("cannot schedule new futures after interpreter shutdown"): the save failed,
-    silently, and its step was lost. So the first save registers the library's first
-    exit step (``_base.host``, before the pools stop): it waits for every save still
-    running, saying so on stderr (and a failure, which nobody else reads: the program
-    then exits with status 1 once its ``atexit`` handlers ran), or, when a Ctrl-C ended
-    the program, cancels them."""
+    """A save the program does not wait for still commits when it ends: the interpreter
+    would stop the thread pools it writes with before joining its thread (the step
+    lost, silently). So the first save registers an exit step, run before the pools
+    stop, that waits for every running save, saying so (and a failure: exit status 1)
+    on stderr, or cancels them when a Ctrl-C ended the program."""
     _RUNNING.add(handle)
     _host.at_exit(_host.FINISH, _finish_running)
 
 
 def _finish_running() -> bool:
-    """The saves still running, finished (see :func:`_finish_at_exit`); True when one
-    failed and nobody read its error."""
-    # Ctrl-C ended the program: its saves are abandoned, as an interrupted wait() does
-    # (what they staged is removed); the interpreter has set sys.last_value by now.
+    """The saves still running, finished; True when one failed and nobody read its error."""
+    # Ctrl-C ended the program (sys.last_value is set by now): its saves are abandoned
     interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
     failed = False
     for handle in [h for h in list(_RUNNING) if not h.done()]:
@@ -416,10 +373,8 @@ def _finish_running() -> bool:
 
 
 def raise_if_cancelled(cancelled: threading.Event | None, what: str) -> None:
-    """Background phase, at its checks: stops a save whose handle was cancelled (a
-    KeyboardInterrupt for an interruption on the caller's thread, a SaveCancelledError
-    for a cancellation with a reason: see :class:`Cancellation`); the commit protocol
-    then removes what was staged and tells every other process."""
+    """Background phase, at its checks: stops a cancelled save (a KeyboardInterrupt for
+    an interruption, a SaveCancelledError for a cancellation with a reason)."""
     if cancelled is None or not cancelled.is_set():
         return
     where = f"process {_distributed.process_index()}"

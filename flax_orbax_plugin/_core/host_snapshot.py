@@ -1,16 +1,10 @@
 """One process's data of a save, from its devices to its files.
 
-The blocking phase's host copies: the small leaves' batches (:func:`take_small`) and
-the regions stored as arrays of their own (:func:`take_regions`: pooled, zero-copy CPU
-views, streaming under a budget), which process writes which rows, and
-:func:`materialize` of a region still on its way. The device copies of accelerator
-arrays are ``_core.device_copy``'s. Called on the saving thread, once per save.
-
-The background phase's writes of those copies: the files this process writes in format
-version 2 (:func:`write_packed`, the default: the format seam's ``DataFiles.write``),
-and the writes in flight both formats bound (:class:`WritesInFlight`; version 1's
-write is ``format_v1``'s). Called on the save's background thread; on any failure no
-write is left in flight.
+Blocking phase (the saving thread, once per save): the host copies of the small leaves'
+batches (:func:`take_small`) and of the regions stored as their own arrays
+(:func:`take_regions`), and which process writes which rows. Background phase (the
+save's thread): format version 2's files (:func:`write_packed`) and the bounded writes
+in flight of both formats (:class:`WritesInFlight`); on any failure none is left in flight.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """
@@ -50,9 +44,8 @@ from .handle import raise_if_cancelled
 
 @dataclasses.dataclass(frozen=True)
 class Staging:
-    """How one save's blocking phase copied its accelerator arrays: ``kind`` (device,
-    pinned, host, streamed, or none where nothing is on a device) and, for a fallback,
-    ``note`` (why)."""
+    """How a save's blocking phase copied its accelerator arrays: ``kind`` (device,
+    pinned, host, streamed or none) and, for a fallback, ``note`` (why)."""
 
     kind: str = "none"
     note: str = ""
@@ -78,8 +71,7 @@ def materialize(data: Any) -> Any:
 
 
 def materialize_all(leaves: list) -> None:
-    """Every :class:`Deferred` of the leaves' writes replaced by its host bytes (for
-    the writers that read every region up front: format version 2, incremental)."""
+    """Every :class:`Deferred` of the leaves' writes replaced by its host bytes."""
     for leaf in leaves:
         writes = getattr(leaf, "writes", None)
         if writes:
@@ -89,9 +81,8 @@ def materialize_all(leaves: list) -> None:
 def pieces(
     rows: tuple[slice, ...], length: int, chunk_rows: int, row_bytes: int, most: int
 ) -> list:
-    """``rows`` (a region of whole chunk rows along axis 0 of an array of ``length``
-    rows) cut into consecutive regions of whole chunk rows of at most ``most`` bytes
-    each (at least one chunk row)."""
+    """``rows`` (whole chunk rows along axis 0 of ``length``) cut into consecutive
+    regions of whole chunk rows of at most ``most`` bytes each (at least one row)."""
     if not rows or row_bytes <= 0:
         return [rows]
     start = rows[0].start or 0
@@ -106,11 +97,7 @@ def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bo
     """The batches of small leaves this process writes, read now (every device-to-host
     copy started first): (batch name -> its data, pooled buffers to give back). Called
     before any large region's transfer is enqueued, so no read waits behind one."""
-    me = _distributed.process_index()
-    pooled: list[np.ndarray] = []
-    keep = _keeper(pool, pooled)  # a pooled buffer is given back after the write
-    writers = _writers(leaves, batches, me, own_copy)
-    owned = [o for o in owned_regions(leaves, writers, me, own_copy) if _is_small(o[0])]
+    me, pooled, keep, writers, owned = _owned(leaves, batches, pool, own_copy, small=True)
     for _, source, _ in owned:
         if on_device(source):
             source.copy_to_host_async()
@@ -128,22 +115,15 @@ def take_regions(
     budget: int | None = None,
     device_kind: str = "pinned",
 ):
-    """The regions of the leaves stored as arrays of their own that this process
-    writes, each into its leaf's ``writes`` (``own_copy``: every region it holds,
-    replicas included, under the shared layout's names): (pooled buffers to give
+    """The regions stored as arrays of their own that this process writes (``own_copy``:
+    every region it holds), each into its leaf's ``writes``: (pooled buffers to give
     back, whether the save must wait for its writes before returning).
 
-    Accelerator arrays are staged as ``device_kind`` says (``_device_copy``: ``pinned``
-    or ``host`` in the blocking phase; ``fetch``, in the background phase of the device
-    staging, from the copy ``_device_copy.snapshot`` made), or streamed with a
-    ``budget``, in pieces of at most a quarter of it. With a ``budget``, CPU arrays are
-    held as zero-copy views and nothing is copied: the save then returns only once they
-    are written (the second value), so no copy of the state is ever made."""
-    me = _distributed.process_index()
-    pooled: list[np.ndarray] = []
-    keep = _keeper(pool, pooled)  # a pooled buffer is given back after the write
-    writers = _writers(leaves, batches, me, own_copy)
-    owned = [o for o in owned_regions(leaves, writers, me, own_copy) if not _is_small(o[0])]
+    Accelerator arrays are staged as ``device_kind`` says (``pinned``, ``host``, or
+    ``fetch`` in the device staging's background phase), or with a ``budget`` streamed
+    in pieces of at most a quarter of it; CPU arrays are then held as zero-copy views
+    and the save returns once they are written (the second value)."""
+    _, pooled, keep, _, owned = _owned(leaves, batches, pool, own_copy, small=False)
     later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
     streamed = budget is not None
     kind = "streamed" if streamed else device_kind
@@ -164,33 +144,31 @@ def take_regions(
     return pooled, views_held
 
 
-def _keeper(pool, pooled: list[np.ndarray]):
-    """The function that records a buffer taken from ``pool`` (into ``pooled``, given
-    back once written) and returns it; records nothing without a pool."""
+def _owned(leaves: list, batches: dict, pool, own_copy: bool, *, small: bool):
+    """(me, pooled buffers, the function recording one taken from ``pool``, writers of
+    the batches, the regions this process writes of the small or the other leaves)."""
+    me = _distributed.process_index()
+    pooled: list[np.ndarray] = []
 
     def keep(buffer: np.ndarray) -> np.ndarray:
-        if pool is not None:
+        if pool is not None:  # given back after the write
             pooled.append(buffer)
         return buffer
 
-    return keep
+    writers = {n: b.process for n, b in batches.items()}
+    if own_copy:
+        writers = held_batches(leaves, batches, me)
+    owned = [o for o in owned_regions(leaves, writers, me, own_copy) if _is_small(o[0]) == small]
+    return me, pooled, keep, writers, owned
 
 
 def _is_small(leaf) -> bool:
     return isinstance(leaf.record.storage, BatchStorage)
 
 
-def _writers(leaves: list, batches: dict, me: int, own_copy: bool) -> dict[str, int]:
-    if own_copy:
-        return held_batches(leaves, batches, me)
-    return {n: b.process for n, b in batches.items()}
-
-
 def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) -> dict:
-    """The batches this process writes, from their small leaves: with a pool, copied
-    into one pooled buffer per batch; otherwise each leaf's own host snapshot (a
-    zero-copy view on CPU, see _host_copy), the batch written from those pieces
-    (gathered, never copied on this thread)."""
+    """The batches this process writes: with a pool, one pooled buffer per batch; else
+    the pieces of each leaf's own host snapshot, gathered by the writer."""
     batch_data: dict[str, Any] = {}
     ends: dict[str, int] = {}  # end of the last leaf written into each batch
     pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
@@ -202,9 +180,8 @@ def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) 
             else:
                 batch_data[name] = keep(pool.empty((batch.size,), dtype))
             ends[name] = 0
-    for leaf, source, _ in owned:
-        if isinstance(leaf.record.storage, BatchStorage):
-            _copy_small(leaf.record.storage, source, batch_data, pieces, ends, pool)
+    for leaf, source, _ in owned:  # small leaves only
+        _copy_small(leaf.record.storage, source, batch_data, pieces, ends, pool)
     for name, end in ends.items():
         if name in pieces:
             batch = batches[name]
@@ -215,19 +192,15 @@ def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) 
     return batch_data
 
 
-# Checksum each chunk as it is copied into the pool (one pass) instead of in the
-# writer: on where the C kernel is built (_zarr/_copycrc.c computes the crc as it
-# copies; benchmarks/results/onepass_kernel.json: a save's CPU 0.376 -> 0.263 s per
-# 1.2 GB, the blocking phase as long), off without it (the one pass in Python saves
-# less CPU and lengthens the blocking phase: 0.132 -> 0.213 s). Either way the
-# carried checksums are proven equal to the bytes written (tests/core/test_onepass_crcs.py).
+# Each chunk checksummed as it is copied into the pool, where the C kernel is built
+# (benchmarks/results/onepass_kernel.json: a save's CPU 0.376 -> 0.263 s per 1.2 GB);
+# in Python the one pass would lengthen the blocking phase (0.132 -> 0.213 s).
 ONE_PASS = _crcs.has_kernel()
 
 
 def _summed(leaf):
     """(shape, chunk shape, the leaf's crcs) for a pooled copy that checksums its
-    chunks; None for a packed or compressed leaf (the writer checksums other bytes),
-    and while :data:`ONE_PASS` is off."""
+    chunks; None for a packed or compressed leaf, and while :data:`ONE_PASS` is off."""
     storage = leaf.record.storage
     if not ONE_PASS or storage.codec is not None or _chunks.is_packed(leaf.record):
         return None
@@ -235,8 +208,7 @@ def _summed(leaf):
 
 
 def _pieces(leaf, source, rows, budget: int | None) -> list:
-    """``[rows]``, or with a ``budget`` a device region cut into pieces of whole chunk
-    rows of at most a quarter of it (each copied to host on its own)."""
+    """``[rows]``, or with a ``budget`` a device region in pieces of at most a quarter of it."""
     if budget is None or not isinstance(source, tuple) or not on_device(source[0]):
         return [rows]
     data = source[0]
@@ -306,9 +278,7 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
 
 def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
     """The host copy of the region ``rows`` of a leaf stored as its own array (of an
-    accelerator array: a ``Deferred``). A
-    pooled copy is checksummed as it is copied (``summed``: the leaf's shape, chunk
-    shape and crcs, see :func:`_pooled`)."""
+    accelerator array: a ``Deferred``); a pooled copy is checksummed as ``summed`` says."""
     if isinstance(source, tuple):
         data, index = source
         part = _relative(rows, index)
@@ -332,11 +302,9 @@ def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
 
 
 def _pooled(pool: BufferPool, host: np.ndarray, rows, later: list, summed) -> np.ndarray:
-    """A pooled buffer for ``host`` (the region ``rows``, global, of a leaf), its copy
-    left in ``later`` for ``copy_all``, cut into pieces of whole chunk rows each copied
-    and checksummed in one pass (``_zarr.crcs.copy_with_crcs``): every chunk's crc32c
-    lands in the leaf's ``crcs`` (``summed``: (shape, chunk shape, crcs)), and the
-    writer does not read the chunk again to checksum it; ``summed`` None: copied only."""
+    """A pooled buffer for ``host`` (the global region ``rows``), its copy left in ``later``
+    for ``copy_all`` in pieces of whole chunk rows, each chunk's crc32c computed as it is
+    copied into ``summed``'s crcs (None: copied only)."""
     out = pool.empty(host.shape, host.dtype)
     shape, chunk, crcs = summed or ((), (), None)
     if not shape or not rows:
@@ -408,12 +376,9 @@ def _relative(rows: tuple[slice, ...], index: tuple[slice, ...]) -> tuple[slice,
 def _host_copy(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
     """Host bytes of ``data`` that no later donation, deletion or update can change.
 
-    On CPU, ``np.asarray`` is a zero-copy view of the device buffer, and jax does not
-    donate or free a buffer while such a view is alive (a donating step then allocates
-    a new output): the view *is* a snapshot, held until its chunks are written, and the
-    blocking phase copies nothing. That is checked once per process
-    (:func:`cpu_views_are_snapshots`); where it does not hold, the bytes are copied.
-    Elsewhere ``np.asarray`` is a fresh device-to-host copy already.
+    On CPU, jax neither donates nor frees a buffer while a numpy view of it lives, so
+    the view is the snapshot (checked once: :func:`cpu_views_are_snapshots`; else
+    copied). Elsewhere ``np.asarray`` is a fresh device-to-host copy already.
     """
     host = np.asarray(data)
     if part is not None:
@@ -453,7 +418,9 @@ def batch_jobs(batch_specs, batches, batch_data, writer) -> list:
         if name in batch_data:
             data = batch_data.pop(name)
             if writer is not None and batches[name].codec is None:
-                jobs.append((spec, [((slice(None),), data)], _direct_batch(writer, name, batches)))
+                sub, b = batch_dir(name), batches[name]
+                write = lambda _i, d, sub=sub, b=b: writer.batch(sub, b.chunk, b.inner, d)
+                jobs.append((spec, [((slice(None),), data)], write))
             else:
                 jobs.append((spec, [((slice(None),), _assembled(data))], None))
     return jobs
@@ -462,11 +429,6 @@ def batch_jobs(batch_specs, batches, batch_data, writer) -> list:
 def _assembled(data: Any) -> Any:
     """A batch whole in one buffer (its leaves' ``Gathered`` pieces copied together)."""
     return data.assemble() if isinstance(data, _packed_writer.Gathered) else data
-
-
-def _direct_batch(writer: _packed_writer.ChunkWriter, name: str, batches):
-    batch = batches[name]
-    return lambda index, data: writer.batch(batch_dir(name), batch.chunk, batch.inner, data)
 
 
 class WritesInFlight:
@@ -483,8 +445,7 @@ class WritesInFlight:
 
     def report(self, total: int):
         """Begins this thread's activity "writing this process's data" of ``total``
-        bytes, whose progress (:attr:`progress`) the heartbeat publishes; the caller
-        ends it (``_host.ACTIVITIES.end``)."""
+        bytes (its progress published by the heartbeat); the caller ends it."""
         doing = _host.ACTIVITIES.begin("writing this process's data", moving=True)
         self.progress = doing.progress
         self.progress.total = total
@@ -492,8 +453,8 @@ class WritesInFlight:
 
     def fail(self, error: BaseException, staging: Location, *, direct: bool) -> None:
         """After ``error``: waits for every write in flight (none may recreate files after
-        a cleanup), then raises ``error`` as a CheckpointError where it is one
-        (tensorstore's ValueError; an OSError of the direct writer); returns for any other."""
+        a cleanup), then raises a tensorstore ValueError (or a direct writer's OSError) as
+        a CheckpointError; returns for any other."""
         settle(self.futures)
         if isinstance(error, ValueError):  # tensorstore's status text, with its whole spec
             text = str(error).split(" [tensorstore_spec=", 1)[0]
@@ -502,8 +463,7 @@ class WritesInFlight:
             raise CheckpointError(f"writing array data to {staging} failed: {error}") from error
 
     def drain(self, to: int) -> None:
-        """Waits for the oldest writes until at most ``to`` bytes are in flight, and
-        settles those already done (their bytes count as progress at once)."""
+        """Waits for the oldest writes until at most ``to`` bytes are in flight."""
         while self.futures and (self.in_flight > to or self.futures[0][0].done()):
             future, nbytes = self.futures.popleft()
             future.result()
@@ -515,8 +475,7 @@ class WritesInFlight:
             self._write(spec, writes, direct)
 
     def _write(self, spec, writes: list, direct) -> None:
-        """Writes every region of one job (popped from ``writes``: each snapshot buffer
-        is released once its write is done)."""
+        """Writes every region of one job (popped: each buffer is released once written)."""
         store = None
         while writes:
             raise_if_cancelled(self.cancelled, "the save, while writing its data,")
@@ -552,34 +511,26 @@ def settle(pending) -> None:
 
 
 def write_packed(
-    staging: Location,
-    leaves: list,
-    batches: dict[str, BatchRecord],
-    batch_data: dict[str, Any],
-    *,
-    process: int,
-    limit: int,
-    data_file_bytes: int | None = None,
-    budget: int | None = None,
-    reuse: Callable[[], Any] | None = None,
-    cancelled: threading.Event | None = None,
+    staging: Location, leaves: list, snap: Any, reuse: Callable[[], Any] | None
 ) -> tuple[int, dict[str, str], int]:
-    """Writes this process's chunks into its data files and its index; returns (bytes
-    written, {index file: sha256}, bytes reused). Takes the batches it writes out of
-    ``batch_data``. ``reuse()``: the previous data files taken (a ``Taken``).
-    ``budget``: the host-memory budget (on an object store, the data files gathered in
-    memory before their upload stay within a quarter of it)."""
+    """Writes this process's chunks of ``snap`` (a Snapshot; ``leaves``: as stored) into
+    its data files and its index, taking its batches out of ``snap.batch_data``; returns
+    (bytes written, {index file: sha256}, bytes reused). ``reuse()``: the previous data
+    files taken. Files gathered for upload stay within a quarter of the host memory budget."""
     if sys.byteorder != "little":
         raise CheckpointError("format_version=2 is written on little-endian hosts only")
+    req, batches, batch_data = snap.request, snap.batches, snap.batch_data
     total = sum(data.nbytes for leaf in leaves for _, data in leaf.writes)
     total += sum(data.nbytes for data in batch_data.values())
     taken = None if reuse is None else reuse()
+    budget = req.host_memory_budget
     gathered = None if budget is None else budget // 4
+    process = _distributed.process_index()
     writer = _packed_writer.PackedWriter(
-        staging, process, data_file_bytes, total, gathered_bytes=gathered
+        staging, process, req.data_file_bytes, total, gathered_bytes=gathered
     )
     jobs = _packed_jobs(writer, taken, leaves, batches, batch_data)
-    pending = WritesInFlight(limit, cancelled)
+    pending = WritesInFlight(req.limit, req.cancelled)
     doing = pending.report(total)  # bytes done and left, in this process's heartbeat
     try:
         try:
@@ -596,9 +547,8 @@ def write_packed(
 
 
 def _packed_jobs(writer: _packed_writer.PackedWriter, taken, leaves, batches, batch_data) -> list:
-    """The jobs of a packed write: the previous step's data files ``taken`` adopted (their
-    leaves not written), the unchanged leaves not taken first, side by side (their files
-    can be taken next time), then the other leaves and the batches."""
+    """The jobs of a packed write: the data files ``taken`` adopted (their leaves not
+    written), the unchanged leaves first (side by side: taken next time), then the rest."""
     stable: frozenset[int] = frozenset()
     if taken is not None:
         writer.adopt(taken.files, taken.chunks)
@@ -617,7 +567,7 @@ def _packed_jobs(writer: _packed_writer.PackedWriter, taken, leaves, batches, ba
 
 
 def _dtypes(leaves: list, batches: dict[str, BatchRecord]) -> dict[str, str]:
-    """The stored dtype of every array and batch (the index records those it holds)."""
+    """The stored dtype of every array and batch."""
     out = {batch_dir(name): b.dtype for name, b in batches.items()}
     for leaf in leaves:
         if isinstance(leaf.record.storage, ArrayStorage):

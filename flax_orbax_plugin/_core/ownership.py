@@ -1,8 +1,6 @@
-"""The one owner of removal: every delete, clear, swap and overwrite of a checkpoint,
-a step or a staging place goes through this module, on every store: what proves a place
-ours, the claims, the checks before a save writes, and the removal of a place proven
-ours. Removing whole steps and leftovers (retention, housekeeping, a failed save's
-staging) is ``_core.removing``'s, built on these.
+"""The one owner of removal, on every store: what proves a place ours, the claims, the
+checks before a save writes, and the removal of a place proven ours (``_core.removing``
+builds removing steps and leftovers on these).
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).
@@ -53,12 +51,9 @@ _pending_bytes = _handle.marker_bytes  # the marker's helpers, under the names c
 
 
 def claim(loc: Location, nonce: str, *, fresh: bool = False) -> None:
-    """Marks ``loc`` as a place this library is writing (staging) or removing.
-
-    Written by one process per place (the primary, or each process in its own copy).
-    Not fsynced on its own: a later ``sync`` of the staging place makes it durable.
-    A write that fails leaves no empty staging folder behind (the write made it).
-    Object stores write in place: the claim is conditional (``writer_liveness.claim_in_place``)."""
+    """Marks ``loc`` as a place this library is writing (staging) or removing: by one
+    process per place, made durable by a later ``sync``; a failed write leaves no empty
+    folder. Object stores: a conditional claim (``writer_liveness.claim_in_place``)."""
     if not loc.supports_rename:
         _liveness.claim_in_place(loc, nonce, fresh=fresh)
         return
@@ -71,18 +66,16 @@ def claim(loc: Location, nonce: str, *, fresh: bool = False) -> None:
 
 
 def unclaim(loc: Location) -> None:
-    """Deletes the pending marker once the commit record (manifest or commit marker)
-    that proves ``loc`` ours is written."""
+    """Deletes the pending marker once the commit record proving ``loc`` ours is written."""
     _env.fail_point("unclaim")  # tests: a store refusing the removal (FOP_FAIL_AT)
     loc.delete(PENDING_FILE)
 
 
 def proof(loc: Location, *, step: int | None = None) -> str | None:
     """What proves ``loc`` ours (``"step manifest"``, ``"commit marker"``, ``"pending
-    marker"``: also a temporary file of its write holding it, or, at a staging name of
-    ours, only such files, empty ones too: see ``_core.handle``), or None. With
-    ``step``, a manifest must name that step. Raises ForeignEntryError when ``loc`` (on
-    local disk) is not a real directory."""
+    marker"``: also its temporary files, see ``_core.handle``), or None. With ``step``,
+    a manifest must name that step. ForeignEntryError when a local ``loc`` is not a
+    real directory."""
     if loc.is_local:
         path = loc.path.rstrip("/")
         try:
@@ -108,8 +101,7 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
             return "commit marker"
         if _handle.temporary_markers(loc):  # the marker's write cut short: still ours
             return "pending marker"
-        # A staging name of ours holding only our marker's temporary files (empty: a
-        # claim or removal killed between creating one and writing it): ours.
+        # a staging name of ours holding only our marker's temporary files, empty too
         if _steps.SAVE_STAGING_RE.match(loc.name) and _handle.only_temporary_files(loc):
             return "pending marker"
     except ForeignEntryError:
@@ -120,8 +112,7 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
 
 
 def is_empty(loc: Location) -> bool:
-    """True when nothing at all is stored at ``loc`` (an empty local directory too; a
-    file there is something)."""
+    """True when nothing at all is stored at ``loc`` (an empty local directory too)."""
     if loc.is_local:
         try:
             with os.scandir(loc.path.rstrip("/")) as it:
@@ -146,12 +137,9 @@ def require_ours(loc: Location, *, action: str, step: int | None = None) -> str:
 
 
 def remove(loc: Location, *, action: str = "remove", step: int | None = None) -> bool:
-    """Removes ``loc`` whole once it is proven ours; False (and nothing changed) when
-    nothing is there; ForeignEntryError when it is not ours.
-
-    Crash-safe: the pending marker is written first and deleted last, so a removal
-    cut short leaves remains that are still proven ours (and removed next time).
-    """
+    """Removes ``loc`` whole once it is proven ours; False when nothing is there;
+    ForeignEntryError when it is not ours. Crash-safe: the pending marker is written
+    first and deleted last (:func:`remove_proven`)."""
     if is_empty(loc) and not exists(loc):
         return False
     require_ours(loc, action=action, step=step)
@@ -161,11 +149,8 @@ def remove(loc: Location, *, action: str = "remove", step: int | None = None) ->
 
 def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = True) -> str | None:
     """Before writing a checkpoint or step at ``loc``: refuses a place held by something
-    foreign (ForeignEntryError naming it: a file or a link there too), and a committed
-    one of ours unless ``replace``. Nothing there, or remains of a dead save of ours,
-    are fine; so is an empty directory unless ``take_empty`` is False (a directory of
-    steps lists one as foreign, never replaced: FORMAT.md). Returns the proof found
-    (None for an empty place)."""
+    foreign (ForeignEntryError), a committed one of ours unless ``replace``, and an empty
+    directory if not ``take_empty`` (FORMAT.md). Returns the proof found (None: empty)."""
     if is_empty(loc):
         if not take_empty and loc.is_local and exists(loc):
             raise ForeignEntryError(
@@ -220,11 +205,9 @@ def exists(loc: Location) -> bool:
 def remove_proven(
     loc: Location, *, pace: Callable[[], int] | None = None, keep: list[str] | None = None
 ) -> None:
-    """Removes what this library wrote at ``loc`` (``_core.removing``), the pending
-    marker first (naming what is left, so that a removal cut short leaves it too) and
-    last. ``keep``: what was found there already (``remove_step``: not looked for again).
-    Without a marker there, one naming this remover is written before the walk for
-    ``keep``: a live removal is never taken for an abandoned place (``_core.handle``)."""
+    """Removes what this library wrote at ``loc``, the pending marker (naming what is
+    kept) written first and removed last. ``keep``: the strangers found already. A fresh
+    marker names this remover, so a live removal is never taken for an abandoned place."""
     raw = loc.read_bytes(PENDING_FILE)
     if raw is None and keep is None:
         raw = _pending_bytes(secrets.token_hex(6))
@@ -245,16 +228,11 @@ def prepare_slot(
     take_empty: bool = True,
     region: _distributed.Region | None,
 ) -> bool:
-    """:func:`check_slot` for a save about to write at ``loc``, agreed by every process
-    (collective, in the save's ``region``); with ``clear`` a dead save's remains (or,
-    with ``replace``, a committed checkpoint) are removed too. Returns whether ``loc``
-    held something of ours (with ``clear=False``: what the caller must clear first).
-
-    On an object store every process writes into ``loc`` itself (no staging name), so
-    a fast process's first object could land before a slower one looks (then they
-    decide differently: a hang, or others' data deleted): the primary alone looks,
-    before anyone writes, and every process waits for its verdict (one key-value
-    round). Local stores stage under names of their own: every process looks there."""
+    """:func:`check_slot` for a save about to write at ``loc``, collective in ``region``;
+    with ``clear`` what it found of ours is removed too. Returns whether ``loc`` held
+    something of ours. On an object store (written in place: a fast process's first
+    object could land before a slower one looks) the primary alone looks and every
+    process waits for its verdict (one key-value round); elsewhere every process looks."""
 
     def look() -> bool:
         held = check_slot(loc, what=what, replace=replace, take_empty=take_empty) is not None
@@ -312,7 +290,7 @@ def _step_rule(manifest: StepManifest) -> Rule:
 
 def rule_for(loc: Location) -> Rule | None:
     """The names the library writes at ``loc``, from its commit record (None: no
-    readable record, everything there is the library's: staging, a save cut short)."""
+    readable record: everything there is the library's)."""
     try:
         raw = loc.read_bytes(MANIFEST_FILE)
         if raw is not None:
@@ -356,8 +334,7 @@ def strangers(loc: Location) -> list[str]:
 
 
 def enclosing(names: list[str]) -> set[str]:
-    """Every directory (relative path) that holds one of ``names``: what a removal that
-    leaves them must keep."""
+    """Every directory (relative path) that holds one of ``names``."""
     out = set()
     for name in names:
         parts = name.split("/")
@@ -366,10 +343,8 @@ def enclosing(names: list[str]) -> set[str]:
 
 
 def remove_all_but(loc: Location, keep: list[str], *, pace: Callable[[], int] | None) -> None:
-    """Removes everything at ``loc`` but ``keep`` (relative paths, with the directories
-    holding them), the pending marker last; ``loc`` itself goes when nothing is kept.
-    What is kept is named in a warning. Object stores: see ``_storage.deleting`` for
-    ``pace``."""
+    """Removes everything at ``loc`` but ``keep`` (named in a warning) and the
+    directories holding it, the pending marker last; ``loc`` too when nothing is kept."""
     kept, holders = set(keep), enclosing(keep)
     if loc.is_local:
         _clear_local(loc.path.rstrip("/"), "", kept, holders)
@@ -415,8 +390,7 @@ def _clear_local(root: str, rel: str, kept: set[str], holders: set[str]) -> None
 
 
 def _rmtree(path: str) -> None:
-    """``shutil.rmtree`` (fd-based: links inside are unlinked, not followed), its error
-    naming the full path of what it could not remove (not the bare name it had)."""
+    """``shutil.rmtree`` (links unlinked, never followed), its error naming the full path."""
 
     def fail(_func, where, exc_info) -> None:
         e = exc_info[1] if isinstance(exc_info, tuple) else exc_info

@@ -1,21 +1,12 @@
-"""What each leaf of a tree being saved is: its kind, its value as saved, its writer.
+"""The layout of one save: a record per leaf and the batches of small leaves.
 
-:func:`classify` turns a pytree leaf into (kind, the value to save, the PRNG key
-implementation or None), refusing what cannot be saved with a StructureError naming
-the leaf's path; :func:`writer_process` and :func:`is_partitioned` say who writes an
-unpartitioned leaf and whether a leaf is split over devices; :class:`DocumentSize`
-bounds what the leaves put into ``_METADATA.json`` (and refuses a path no reader
-accepts). Pure functions of the leaf, called by ``plan`` on the caller's thread.
-
-The layout of one save: a record per leaf and the batches of small leaves.
-
-:meth:`Plan.build` classifies every leaf and decides its storage (its own array, or
-a slot in the batch of its writer process and dtype), identically on every process;
-:meth:`Plan.snapshot` takes this process's host copy (``host_snapshot``) into a
-:class:`Snapshot`, whose :meth:`Snapshot.write` is the background phase, through the
-format the request names (``formats``: picked once, at build). Call order: build and
-snapshot on the caller's thread, then write on one background thread. Every mode is
-the frozen request's; both are frozen, built whole.
+:func:`classify` turns a pytree leaf into (kind, value to save, PRNG impl), refusing
+what cannot be saved with a StructureError naming its path. :meth:`Plan.build` decides
+every leaf's storage (its own array, or a slot in the batch of its writer process and
+dtype), identically on every process, and picks the format once; :meth:`Plan.snapshot`
+takes this process's host copy into a :class:`Snapshot`, whose :meth:`Snapshot.write`
+is the background phase. Call order: build and snapshot on the caller's thread, then
+write on one background thread. Every mode is the frozen request's.
 """
 
 from __future__ import annotations
@@ -87,10 +78,9 @@ def _utf8(text: str, what: str) -> bytes:
 
 
 class DocumentSize:
-    """A lower bound of the bytes of ``_METADATA.json`` while a plan is built, so a
-    tree whose metadata no reader accepts (``json_docs.METADATA``) is refused before
-    anything is staged; :meth:`add` also refuses a leaf path UTF-8 cannot encode (a
-    dict key with a lone surrogate). The exact size is checked when it is encoded."""
+    """A lower bound of ``_METADATA.json``'s bytes, so a tree whose metadata no reader
+    accepts is refused before anything is staged (the exact size is checked when it is
+    encoded); :meth:`add` refuses a leaf path UTF-8 cannot encode."""
 
     _PER_LEAF = len('{"path":"","keys":[],"kind":""}')
 
@@ -112,10 +102,9 @@ class DocumentSize:
         limit = _local_files.METADATA.max_bytes
         if self.bytes > limit:
             raise StructureError(
-                f"{_layout.METADATA_FILE} of this tree would hold more than {self.bytes} "
-                f"bytes ({self.leaves} leaves, {self.text_leaves} of them str or bytes, "
-                f"kept in it), more than a reader accepts ({limit}); store large text as "
-                f"numpy uint8 arrays, or save fewer leaves per checkpoint"
+                f"{_layout.METADATA_FILE} of this tree would hold more than {self.bytes} bytes "
+                f"({self.leaves} leaves, {self.text_leaves} str or bytes), more than a reader "
+                f"accepts ({limit}): store large text as uint8 arrays, or save fewer leaves"
             )
 
 
@@ -188,17 +177,6 @@ def _first_device(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> ja
     return next(iter(sharding.devices_indices_map(shape)))
 
 
-def writer_process(value: Any) -> int:
-    """Process that writes an unpartitioned leaf: the owner of replica 0."""
-    if isinstance(value, jax.Array):
-        return _first_device(value.sharding, value.shape).process_index
-    return 0
-
-
-def is_partitioned(value: Any) -> bool:
-    return isinstance(value, jax.Array) and not value.sharding.is_fully_replicated
-
-
 SMALL_LEAF_BYTES = 1 << 20  # unpartitioned leaves up to this size are batched
 
 
@@ -209,7 +187,6 @@ class Leaf:
     record: LeafRecord
     writes: list[tuple[tuple[slice, ...], np.ndarray]] = dataclasses.field(default_factory=list)
     # {chunk grid cell: crc32c} of chunks of ``writes`` checksummed as they were copied
-    # into pooled buffers (host_snapshot): the writers take these rather than re-read
     crcs: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
     # a small host leaf's bytes, digested when planned (compared across processes)
     value_digest: str | None = None
@@ -237,16 +214,15 @@ class _Batching:
         batches = {}
         for batch, (dtype, process, chunk) in self.kinds.items():
             size = max(1, self.sizes.get(batch, 0))
-            # A small batch gets a chunk just big enough (a power of two): a full inner
-            # chunk is stored even when the batch uses a few bytes of it.
+            # a small batch: a chunk just big enough (a power of two), as it is stored whole
             chunk = min(chunk, 1 << (size - 1).bit_length())
             batches[batch] = BatchRecord(batch, dtype, process, size, chunk, codec)
         return batches
 
 
 def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> LeafRecord:
-    """The record of a leaf with array data: a batch slot when small and unpartitioned,
-    else an array of its own."""
+    """The record of a leaf with array data: a batch slot (written by the owner of
+    replica 0) when small and unpartitioned, else an array of its own."""
     dtype = np.dtype(value.dtype)
     name = _layout.dtype_name(dtype)
     if name not in _layout.SUPPORTED_DTYPES:
@@ -256,8 +232,9 @@ def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> L
     shape = tuple(int(s) for s in value.shape)
     sharding = value.sharding if isinstance(value, jax.Array) else None
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes <= SMALL_LEAF_BYTES and not is_partitioned(value):
-        process = writer_process(value)
+    partitioned = sharding is not None and not sharding.is_fully_replicated
+    if nbytes <= SMALL_LEAF_BYTES and not partitioned:
+        process = 0 if sharding is None else _first_device(sharding, shape).process_index
         if _layout.DTYPES[name].bits < 8 and shape and 0 not in shape:  # its packed bytes
             packed = _layout.packed_bytes(name, math.prod(shape))
             slot = batching.slot(process, "uint8", np.dtype(np.uint8), packed)
@@ -266,7 +243,7 @@ def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> L
             storage = batching.slot(process, name, dtype, nbytes)
     else:
         shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
-        chunk = _arrays.chunk_shape(shard_shape, dtype.itemsize, must_divide=is_partitioned(value))
+        chunk = _arrays.chunk_shape(shard_shape, dtype.itemsize, must_divide=partitioned)
         storage = ArrayStorage(tuple(chunk), codec, _layout.packable(name, shape, chunk))
     return LeafRecord(path, keys, kind, shape, name, describe_sharding(sharding), storage, impl)
 
@@ -294,12 +271,10 @@ class Plan:
         for index, (path, keys, raw) in enumerate(flat):
             kind, value, impl = classify(path, raw)
             keys = tuple(keys)
-            size.add(path, value if kind in _layout.TEXT_KINDS else None)
-            if kind in _layout.TEXT_KINDS:
-                leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=value)))
-                continue
+            text = value if kind in _layout.TEXT_KINDS else None  # kept in the record
+            size.add(path, text)
             if kind in _layout.NO_DATA_KINDS:
-                leaves.append(Leaf(index, None, LeafRecord(path, keys, kind)))
+                leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=text)))
                 continue
             record = _data_record(path, keys, kind, value, impl, codec, batching)
             shown = _host_value(value) if compared else None
@@ -309,15 +284,11 @@ class Plan:
         return cls(leaves, batching.records(codec), request, version, _digest(leaves))
 
     def snapshot(self) -> Snapshot:
-        """The blocking phase's copy of every byte this process writes: into the
-        request's buffers where it has them and no host memory budget (given back by
-        :meth:`Snapshot.write`); for a host's own directory every byte this process holds.
-
-        Small leaves are read first. Accelerator arrays then take the platform's
-        staging (``host_snapshot``, said in ``Snapshot.staging``): with the device staging
-        only a copy on the device is made here and their host copy runs in
-        :meth:`Snapshot.write`; nothing here reads a device value after that copy is
-        enqueued."""
+        """The blocking phase's copy of every byte this process writes (into the
+        request's buffers where it has them and no budget). Small leaves are read first;
+        accelerator arrays then take the platform's staging (with the device staging only
+        a device copy is made here, its host copy in :meth:`Snapshot.write`); nothing
+        here reads a device value after that copy is enqueued."""
         req = self.request
         budget = req.host_memory_budget
         pool = None if budget is not None else req.buffers
@@ -365,10 +336,9 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Snapshot:
-    """This process's host copy of one save (:meth:`Plan.snapshot`), all the background
-    phase needs: :meth:`write` once, on one thread, hands on what it holds (batches taken,
-    writes dropped, buffers given back) and sets ``data_written``. ``staging``: how the
-    blocking phase copied; ``write_first``: the save returns once its data is written."""
+    """This process's host copy of one save, all the background phase needs: :meth:`write`
+    once, on one thread, releases what it holds and sets ``data_written``. ``write_first``:
+    the save returns once its data is written."""
 
     leaves: list[Leaf]
     batches: dict[str, BatchRecord]
@@ -393,17 +363,11 @@ class Snapshot:
         )
 
     def write(self, location: Location, *, durable: bool = True) -> _formats.Written:
-        """Background phase: this process's chunks (and, on the primary, every zarr.json
-        and ``_METADATA.json``); with ``durable``, made durable (one syncfs; a manager
-        step syncs once for all its items instead). Commits nothing.
-
-        ``request.reuse`` (a manager step with ``incremental=True``; local disk, S3/GCS with
-        a server-side copier; any number of processes, each calling this in the same
-        order): every leaf stored as its own array gets a digest in ``_METADATA.json``
-        (over every process's region hashes, exchanged first), and of one whose digest
-        and layout equal the previous step's each process hard-links (local) or copies
-        on the server (object stores) the chunks of its regions rather than writing
-        them (see ``_incremental/reuse.py``). Writes in flight: at most ``request.limit`` bytes."""
+        """Background phase: this process's chunks (and, on the primary, the metadata);
+        with ``durable``, made durable (a manager step syncs once for all its items).
+        Commits nothing. With ``request.reuse`` (every process, in the same order) the
+        chunks of a leaf equal to the previous step's are linked or copied on the server
+        rather than written (``_incremental/reuse.py``)."""
         try:
             return self._write(location, durable=durable)
         finally:
@@ -454,9 +418,7 @@ class Snapshot:
 
 
 def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) -> bool:
-    """The regions of the leaves stored as arrays of their own, copied as ``kind`` says
-    (``host_snapshot.take_regions``), their pooled buffers added to ``pooled``; whether
-    the save must wait for its data to be written before it returns."""
+    """``host_snapshot.take_regions``, its pooled buffers added to ``pooled``."""
     more, write_first = _host_snapshot.take_regions(
         leaves, batches, pool, request.own_copy, request.host_memory_budget, device_kind=kind
     )
@@ -465,12 +427,9 @@ def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) 
 
 
 def _stored_leaves(leaves: list[Leaf], found):
-    """The leaves as their arrays store them: a packed (sub-byte) leaf becomes one of
-    its stored record (``_zarr.subbyte.stored``) holding its regions' packed bytes; the
-    others are themselves. ``found`` (what ``_reuse.unchanged`` returned, or None) with
-    its leaves replaced the same way, so reuse compares the bytes on disk. A packed
-    leaf's regions still on their devices are copied here, all at once (packing needs
-    the values): ``host_memory_budget`` does not stream them. Background thread."""
+    """The leaves as stored: a sub-byte leaf becomes one of its stored record holding
+    its packed bytes (its device regions copied here, all at once: not streamed), and
+    ``found`` (``_reuse.unchanged``'s) refers to those. Background thread."""
     out, by_index = [], {}
     for leaf in leaves:
         if _chunks.is_packed(leaf.record):
@@ -488,10 +447,9 @@ def _stored_leaves(leaves: list[Leaf], found):
 
 
 def _digest(leaves: list[Leaf]) -> str:
-    """A digest of the tree's structure (paths, kinds, shapes, dtypes) and of the values
-    the primary alone writes that are small enough to compare (str and bytes leaves,
-    host scalars and arrays up to 64 KiB: a learning rate, a mask): equal on every
-    process that saves the same tree. (A differing ``lr`` saved process 0's, silently.)"""
+    """A digest of the tree's structure and of the small values the primary alone writes
+    (str and bytes leaves, host arrays up to 64 KiB): equal on every process that saves
+    the same tree, so a differing ``lr`` is not saved as process 0's silently."""
     h = hashlib.sha256()
     for leaf in leaves:
         r = leaf.record
@@ -510,22 +468,13 @@ def _host_value(value: Any) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1024)
 def describe_sharding(sharding: Any) -> dict[str, Any] | None:
     """A JSON description of a jax sharding (informational; restore uses ``like``)."""
     if sharding is None:
         return None
-    return _describe_sharding(sharding)
-
-
-@functools.lru_cache(maxsize=1024)
-def _describe_sharding(sharding: Any) -> dict[str, Any]:
     if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = []
-        for entry in sharding.spec:
-            if entry is None or isinstance(entry, str):
-                spec.append(entry)
-            else:
-                spec.append(list(entry))
+        spec = [e if e is None or isinstance(e, str) else list(e) for e in sharding.spec]
         return {
             "type": "NamedSharding",
             "mesh_axis_names": list(sharding.mesh.axis_names),

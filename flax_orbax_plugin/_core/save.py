@@ -1,14 +1,12 @@
 """Saving a pytree: the blocking snapshot, then the background write and the commit.
 
-Call order, on every process (SPMD: all processes save the same tree structure in the
-same order): :func:`snapshot` (the caller's thread) plans the layout (``plan``) and
-copies this process's bytes to host (``host_snapshot``); from then on the caller may
-donate or overwrite the saved arrays. :meth:`Snapshot.write` (a background thread)
-writes the metadata and the data in the request's format (``formats``) and makes them
-durable; then :func:`commit_collectively` (the same background thread of every process,
-in the same order: no barrier, two key-value rounds) makes the checkpoint (a core
-pytree, or a whole manager step) visible whole or not at all. Only one
-:func:`save_async` runs at a time in a process; a second one waits for it.
+Call order, on every process (all save the same tree structure in the same order):
+:func:`snapshot` (the caller's thread) plans the layout and copies this process's bytes
+to host, after which the caller may donate the arrays; :meth:`Snapshot.write` (a
+background thread) writes and syncs the data; then :func:`commit_collectively` (the
+same thread, two key-value rounds, no barrier) makes the checkpoint (a pytree or a
+manager step) visible whole or not at all. One :func:`save_async` runs at a time in a
+process; a second one waits for it.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.save``.
 """
@@ -18,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -62,24 +59,18 @@ class Staging:
     def begin(
         cls, final: Location, nonce: str, *, claim: bool = True, own: bool = False
     ) -> Staging:
-        """The staging place of a commit of ``final``, claimed (pending marker written)
-        before anything else is written there (by the primary). Every process calls it
-        with the same ``nonce``. With ``claim=False`` the caller calls :meth:`claim` itself, before
-        its first write (the core save: in its background phase). ``own``: a place only this
-        process sees (each host's own directory): every process claims and commits its own."""
-        if final.supports_rename:
-            staging = cls(final, final.sibling(f"{final.name}.partial-{nonce}"), nonce, own)
-        else:
-            staging = cls(final, final, nonce, own)
+        """The staging place of a commit of ``final`` (every process: the same ``nonce``),
+        claimed unless ``claim=False`` (the caller claims before its first write).
+        ``own``: a place only this process sees: every process claims and commits its own."""
+        place = final.sibling(f"{final.name}.partial-{nonce}") if final.supports_rename else final
+        staging = cls(final, place, nonce, own)
         if claim:
             staging.claim()
         return staging
 
     def claim(self, *, fresh: bool = False) -> None:
         """Primary only (a no-op elsewhere): the others share the place and its claim.
-        A process that writes before the claim lands can at worst leave remains
-        nothing proves ours: left alone, never a foreign place removed. ``fresh``: a
-        save that replaces nothing (object stores: see ``ownership.claim``)."""
+        ``fresh``: a save that replaces nothing (object stores: ``ownership.claim``)."""
         if self.own or _distributed.is_primary():
             _ownership.claim(self.location, self.nonce, fresh=fresh)
 
@@ -93,32 +84,28 @@ class Staging:
         self._unclaim()  # the marker now proves it ours (a crash: a committed .partial-)
         if not self.renames:
             return
-        if not self.final.is_dir() or self._remove_if_empty(self.final):
+        # an empty directory at the final name holds nothing to lose (rmdir: if empty)
+        if not self.final.is_dir() or _ownership.rmdir_if_empty(self.final):
             self.location.rename(self.final)
             self._remove_stale_siblings()
             return
         if not replace:
             raise CheckpointError(f"{self.final} was created by someone else meanwhile")
         _ownership.require_ours(self.final, action="replace")
+        old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
         if self.location.exchange(self.final):  # one atomic swap: no window without it
             _env.kill_point("mid_rename")
-            old = self.location.sibling(f"{self.final.name}.deleting-{self.nonce}")
             self.location.rename(old)  # the old one, now at the staging name
-            _ownership.remove(old, action="remove the replaced")
-            self._remove_stale_siblings()
-            return
-        old = self.final.sibling(f"{self.final.name}.deleting-{self.nonce}")
-        self.final.rename(old)  # no exchange here: a crash now leaves a complete
-        _env.kill_point("mid_rename")  # .partial- that the next writer rolls forward
-        self.location.rename(self.final)
+        else:
+            self.final.rename(old)  # no exchange here: a crash now leaves a complete
+            _env.kill_point("mid_rename")  # .partial- that the next writer rolls forward
+            self.location.rename(self.final)
         _ownership.remove(old, action="remove the replaced")
         self._remove_stale_siblings()
 
     def _unclaim(self) -> None:
-        """The pending marker removed once the commit marker is written. A store that
-        refuses the removal (a bucket policy allowing PUT, not DELETE) leaves it in a
-        committed checkpoint, which the commit marker already proves whole: a WARNING,
-        never a committed save reported as not committed."""
+        """The pending marker removed once the commit marker is written; a store that
+        refuses (PUT allowed, not DELETE) leaves it with a WARNING: the save is committed."""
         try:
             _ownership.unclaim(self.location)
         except Exception as e:  # noqa: BLE001  (committed all the same)
@@ -130,21 +117,9 @@ class Staging:
                 e,
             )
 
-    @staticmethod
-    def _remove_if_empty(loc: Location) -> bool:
-        """An empty directory at the final name (made by the user beforehand) holds
-        nothing to lose: ``rmdir`` removes it only if it is still empty."""
-        try:
-            os.rmdir(loc.path.rstrip("/"))
-        except OSError:
-            return False
-        return True
-
     def _remove_stale_siblings(self) -> None:
-        """After a commit: staging left by earlier saves of the same name that died
-        (``<name>.partial-*``, ``<name>.deleting-*``; real directories only, never
-        through a link) is garbage. Only dead ones go (``writer_liveness.is_dead``), so a
-        save of the same path still running in another job is never cut short."""
+        """After a commit: the staging (real directories only) of earlier saves of the same
+        name goes if they are dead, never one still running in another job."""
         parent = self.final.parent
         prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
         for name, kind in parent.child_kinds().items():
@@ -176,17 +151,11 @@ def commit_collectively(
 ) -> Written:
     """Runs the protocol in the module docstring; returns what this process wrote.
 
-    ``write`` runs on every process (its own files, made durable); ``publish(files)``
-    runs on the primary only, ``files`` merging every process's; ``abort()`` removes
-    what was staged, on the primary and, after a failed outcome, on every process.
-    ``agreed``: the options every process must have saved with (JSON values by name:
-    the target path, the format...); a difference is a disagreement naming them.
-    ``structure``: the tree's leaves in words (computed only when the structures
-    differ: the primary publishes its own, each other process names the first leaf
-    where its own differs). ``region``: the save's collective operation, whose names
-    and failures its rounds use (``_base.regions``).
-    Raises this process's own write error, or :class:`CoordinationError` when the
-    processes disagree, or :class:`CheckpointError` when another process failed.
+    ``write`` runs on every process; ``publish(files)`` on the primary, with every
+    process's files; ``abort()`` removes what was staged. ``agreed``: the options (JSON
+    by name) every process must have saved with; ``structure``: the tree's leaves in
+    words (computed only when the structures differ). Raises this process's own error,
+    CoordinationError when the processes disagree, CheckpointError when another failed.
     """
     error: BaseException | None = None
     written = Written()
@@ -222,9 +191,11 @@ def _primary_round(op, own_status, what, publish, abort, structure, region) -> s
             statuses.append(json.loads(_distributed.get_from(f"{op}/status", p, region=region)))
         # one process: one status, nothing to disagree with
         outcome = _rounds.disagreement(statuses) if len(statuses) > 1 else None
-        if outcome is None:
-            failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if s["error"]]
-            outcome = (_failed_outcome(statuses) + "; ".join(failed)) if failed else None
+        errors = [(p, s["error"]) for p, s in enumerate(statuses) if s["error"]]
+        if outcome is None and errors:  # cancelled when every failure is an agreed abort
+            cancelled = all(e.startswith(f"{SaveCancelledError.__name__}:") for _, e in errors)
+            head = CANCELLED if cancelled else "not committed; "
+            outcome = head + "; ".join(f"process {p}: {e}" for p, e in errors)
         if outcome is None:
             files = {name: sha for s in statuses for name, sha in s["files"].items()}
             _env.pause_point("before_commit")
@@ -249,16 +220,6 @@ def _primary_round(op, own_status, what, publish, abort, structure, region) -> s
 
 
 CANCELLED = "cancelled, not committed; "  # the outcome when only cancellations failed
-
-
-def _failed_outcome(statuses: list[dict[str, Any]]) -> str:
-    """The outcome's head when some process failed: ``cancelled`` when every failure is
-    a cancellation asked for (``SaveCancelledError``: every process then raises one, an
-    agreed abort), else ``not committed``."""
-    errors = [s["error"] for s in statuses if s["error"]]
-    if all(e.startswith(f"{SaveCancelledError.__name__}:") for e in errors):
-        return CANCELLED
-    return "not committed; "
 
 
 _IN_FLIGHT_LOCK = threading.Lock()  # one save_async starts at a time
@@ -286,15 +247,12 @@ def save(
 
 
 def start_save(path, tree, region: _distributed.Region | None, given: dict) -> SaveHandle:
-    """``fop.save_async`` (``_core.save_async``) in ``region`` (the caller's: drawn by
-    the public function); ``fop.save`` waits for it."""
-    # Every keyword option checked by its name, before anything waits or is written;
-    # the modes (and the region) become one request, handed down from here.
+    """``fop.save_async`` in ``region`` (drawn by the public function); ``fop.save`` waits
+    for it. Every option is checked before anything waits or is written."""
     options = check_save(**given)
     force = options.pop("force")
     request = SaveRequest(region=region, **options)
-    # Interrupted (Ctrl-C: held until the end of the blocking phase, see _start), the
-    # save is cancelled: nothing staged is left, and the KeyboardInterrupt raised.
+    # Interrupted (Ctrl-C), the save is cancelled: nothing staged is left.
     started: list[SaveHandle] = []
     try:
         return _start(path, tree, started, request, force=force)
@@ -311,16 +269,15 @@ def _start(
     soon as its background phase runs."""
     with _IN_FLIGHT_LOCK:
         _host.wait_for_pending_save()  # interruptible: nothing of this save exists yet
-        # Ctrl-C is held over the blocking phase proper (never raised inside a callback
-        # of JAX or tensorstore, which would drop it) and raised at its end.
+        # Ctrl-C held over the blocking phase (never raised inside a JAX or tensorstore
+        # callback, which would drop it), and raised at its end.
         with _interrupts.deferred_sigint() as ctrl_c:
             start = time.perf_counter()
             location = Location.from_path(path)
             cancelled = Cancellation()  # the writes stop once it is set
             snap = snapshot(tree, request.replace(cancelled=cancelled))
-            # Refuses a foreign or (without ``force``) committed target. Object stores
-            # write in place: remains of a dead save, or with ``force`` a checkpoint of
-            # ours, are cleared first, in the background phase (the primary decides).
+            # Refuses a foreign or (without ``force``) committed target; on object stores
+            # what is ours there is cleared in the background phase.
             region = request.region
             held = _ownership.prepare_slot(
                 location, what="a checkpoint", replace=force, clear=False, region=region
@@ -357,8 +314,8 @@ def _start(
 
 @dataclasses.dataclass(frozen=True)
 class _Background:
-    """The background phase of one :func:`save_async`: clear (object stores), write,
-    commit collectively. Runs on the handle's thread, in the save's ``region``."""
+    """The background phase of one :func:`save_async` (clear on object stores, write,
+    commit collectively), on the handle's thread, in the save's ``region``."""
 
     location: Location
     snap: Snapshot
@@ -409,9 +366,8 @@ class _Background:
         return SaveResult(str(location), self.blocking, total, written.bytes_written)
 
     def abort(self) -> None:
-        """What the failed save wrote goes: its staging directory or, written in place
-        on an object store, what it wrote there while our pending marker alone proves
-        it (nothing committed; the primary, once every process stopped writing)."""
+        """What the failed save wrote goes: its staging directory, or (in place on an
+        object store, on the primary) what its own pending marker still proves its."""
         self.staging.abort()
         if self.staging.renames or not _distributed.is_primary():
             return
@@ -421,9 +377,8 @@ class _Background:
 
 
 def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:
-    """Blocks, for a save that holds views of the state under a host memory budget,
-    until its data is written (or its background phase ended); returns at once for
-    any other."""
+    """Blocks until the data of a save holding views of the state (a host memory
+    budget) is written or its background phase ended; returns at once for any other."""
     if snap is None or not snap.write_first:
         return
     while not snap.data_written.wait(0.05):
@@ -433,15 +388,8 @@ def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:
 
 def snapshot(tree: Any, request: SaveRequest) -> Snapshot:
     """The blocking phase: plan ``tree``'s layout and copy this process's bytes to host,
-    as ``request`` says (its fields: :class:`SaveRequest`).
-
-    ``request.buffers`` (a manager's pool; not under a host memory budget): every host
-    byte is copied into buffers taken from it, CPU arrays included, and given back once
-    written; without it, CPU arrays are held as zero-copy views and other bytes go to
-    fresh memory. ``request.own_copy`` (a manager step in each host's own directory):
-    this process writes everything it holds and every JSON file, ``_METADATA.json``
-    dated ``request.created_at`` (the same bytes on every process).
-    """
+    as ``request`` (:class:`SaveRequest`) says: into ``request.buffers`` where given
+    (and no budget), else CPU arrays held as zero-copy views."""
     with _tree.paused_gc():
         plan = Plan.build(tree, request)
     _env.pause_point("snapshot")

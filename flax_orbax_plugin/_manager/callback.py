@@ -46,9 +46,13 @@ class CheckpointCallback:
     # declarations (option_table.CALLBACK) by signatures.document, below the class.
 
     def __init__(self, directory: str, **options: Any):
-        # Refused on some processes only, the others learn of it in their manager's open.
-        with _distributed.failing_before("manager-open"):
+        # Refused on some processes only: published in a region drawn for it now, the
+        # one the others draw for their manager's open, so they raise at once there.
+        try:
             values, self._manager_options = _options.check_callback(options, directory)
+        except Exception:
+            with _distributed.collective("manager-open"):
+                raise
         self.directory = directory
         self.every_steps = values["every_steps"]
         self.every_seconds = values["every_seconds"]

@@ -27,25 +27,6 @@ from .._base import env as _env
 from .._errors import CorruptCheckpointError, ForeignEntryError, StructureError
 from .untrusted import entry_kind, field_before, unencodable
 
-__all__ = [
-    "COMMIT_MARKER",
-    "DATA_INDEX",
-    "DocKind",
-    "HOST_MARKER",
-    "JSON_ITEM",
-    "MAX_DOCUMENT_BYTES",
-    "MAX_TIME",
-    "METADATA",
-    "PENDING_MARKER",
-    "RUN_RECORD",
-    "STEP_MANIFEST",
-    "TIER_RECORD",
-    "check_time",
-    "depth",
-    "encode",
-    "parse",
-]
-
 
 @dataclasses.dataclass(frozen=True)
 class DocKind:
@@ -57,9 +38,8 @@ class DocKind:
     unique_keys: bool = True  # an object listing a key twice is damage
 
 
-# The one declaration of the reader's limits (FORMAT.md, "Limits"). The metadata of a
-# checkpoint lets a repeated key pass to the parser (checking costs ~60% of its parse
-# time); its records are checked field by field, paths unique, after parsing.
+# The one declaration of the reader's limits (FORMAT.md, "Limits"). The metadata lets a
+# repeated key pass the parser (~60% of its parse time); its records are checked after.
 METADATA = DocKind("metadata document (_METADATA.json)", 64 << 20, 64, unique_keys=False)
 DATA_INDEX = DocKind("data index (data/<p>.json)", 64 << 20, 8)
 STEP_MANIFEST = DocKind("step manifest (_CHECKPOINT.json)", 64 << 20, 8)
@@ -74,8 +54,7 @@ MAX_DOCUMENT_BYTES = max(
     k.max_bytes for k in (METADATA, DATA_INDEX, STEP_MANIFEST, COMMIT_MARKER, JSON_ITEM)
 )
 
-# The latest time a record may carry: 9999-12-30 UTC, a day before datetime's end, so
-# that it formats as a date in every time zone.
+# The latest time a record may carry: a day before datetime's end (a date in every zone).
 MAX_TIME = float(datetime.datetime(9999, 12, 30, tzinfo=datetime.UTC).timestamp())
 
 _ESCAPE = re.compile(rb"\\.", re.DOTALL)
@@ -83,8 +62,7 @@ _QUOTE, _OPEN, _CLOSE = ord('"'), ord("{"), ord("}")  # '[' | 32 == '{', ']' | 3
 
 
 def depth(raw: bytes) -> int:
-    """The deepest nesting of arrays and objects in the JSON text ``raw`` (brackets
-    inside strings not counted), found without parsing: a few vectorised passes."""
+    """The deepest nesting of arrays and objects in the JSON text ``raw``, without parsing."""
     if b"\\" in raw:
         raw = _ESCAPE.sub(b"", raw)  # then every '"' opens or closes a string
     a = np.frombuffer(raw, np.uint8)
@@ -133,10 +111,9 @@ def _constant(name: str) -> Any:
 
 
 def parse(raw: bytes, where: str, kind: DocKind) -> Any:
-    """The JSON value of ``raw``, read from storage as a document of ``kind``;
+    """The JSON value of ``raw``, a document of ``kind`` read from storage;
     CorruptCheckpointError naming ``where`` when it is larger or deeper than ``kind``
-    allows, not UTF-8 JSON, holds a non-finite number, a lone surrogate or (if
-    ``kind.unique_keys``) an object with a repeated key."""
+    allows, not UTF-8 JSON, or holds a non-finite number, a lone surrogate or a repeated key."""
     if len(raw) > kind.max_bytes:
         raise CorruptCheckpointError(
             f"{where}: {len(raw)} bytes, more than a {kind.what} may hold ({kind.max_bytes})"
@@ -179,10 +156,8 @@ def parse(raw: bytes, where: str, kind: DocKind) -> Any:
 
 
 def encode(value: Any, where: str, kind: DocKind, **dumps: Any) -> bytes:
-    """The JSON bytes of ``value`` (``dumps``: json.dumps options; compact by
-    default) as a document of ``kind`` to be written at ``where``. StructureError
-    naming ``where`` for anything :func:`parse` would refuse: larger or deeper than
-    ``kind`` allows, a non-finite number, text with a lone surrogate."""
+    """The JSON bytes (compact unless ``dumps`` says) of ``value``, a document of ``kind``
+    for ``where``; StructureError naming ``where`` for anything :func:`parse` would refuse."""
     dumps.setdefault("separators", (",", ":"))
     try:
         text = json.dumps(value, allow_nan=False, **dumps)
@@ -215,9 +190,8 @@ def encode(value: Any, where: str, kind: DocKind, **dumps: Any) -> bytes:
 
 
 def check_time(value: Any, where: str, field: str, *, stored: bool) -> float:
-    """``value`` as seconds since the epoch in [0, :data:`MAX_TIME`] (what the platform
-    formats as a date). A record read back (``stored``): CorruptCheckpointError naming
-    ``where`` and ``field``; one about to be written: ValueError."""
+    """``value`` as seconds since the epoch in [0, :data:`MAX_TIME`]; else, for a record
+    read back (``stored``), CorruptCheckpointError naming ``where`` and ``field``, or ValueError."""
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if ok and 0 <= value <= MAX_TIME:
         return float(value)
@@ -228,14 +202,9 @@ def check_time(value: Any, where: str, field: str, *, stored: bool) -> float:
     raise CorruptCheckpointError(message) if stored else ValueError(message)
 
 
-# Largest small file (JSON metadata, manifest, JSON items, markers) read into memory.
-MAX_SMALL_FILE_BYTES = MAX_DOCUMENT_BYTES
-
-
 def walk_entries(top: str):
-    """Every entry under the local directory ``top`` that is not a directory (files,
-    links, FIFOs ...), walked without following any link, opening no file; nothing
-    when ``top`` is missing."""
+    """Every non-directory entry under the local directory ``top``, walked without
+    following a link or opening a file; nothing when ``top`` is missing."""
     stack = [top]
     while stack:
         where = stack.pop()
@@ -251,20 +220,16 @@ def walk_entries(top: str):
                     yield entry
 
 
-def _kind(st: os.stat_result) -> str:
-    return entry_kind(st.st_mode)
-
-
 def require_regular(st: os.stat_result, path: str, *, allow_dir: bool = False) -> None:
     if stat.S_ISREG(st.st_mode) or (allow_dir and stat.S_ISDIR(st.st_mode)):
         return
     raise ForeignEntryError(
-        f"{path}: expected a regular file written by this library, found {_kind(st)} "
+        f"{path}: expected a regular file written by this library, found {entry_kind(st.st_mode)} "
         "(never followed or read)"
     )
 
 
-def check_size(size: int, path: str, max_bytes: int | None = MAX_SMALL_FILE_BYTES) -> None:
+def check_size(size: int, path: str, max_bytes: int | None = MAX_DOCUMENT_BYTES) -> None:
     if max_bytes is not None and size > max_bytes:
         raise CorruptCheckpointError(
             f"{path}: expected a small file of at most {max_bytes} bytes, found {size} bytes"
@@ -272,9 +237,8 @@ def check_size(size: int, path: str, max_bytes: int | None = MAX_SMALL_FILE_BYTE
 
 
 def open_dirs(root: str, parts: list[str], *, create: bool = False) -> int:
-    """An fd of ``root/parts...``: ``root`` as given, each part opened with
-    ``O_NOFOLLOW`` (created first with ``create``). ForeignEntryError for a symlink
-    or non-directory on the way; FileNotFoundError when a part is missing."""
+    """An fd of ``root/parts...``, each part opened with ``O_NOFOLLOW`` (created first with
+    ``create``); ForeignEntryError for a link or non-directory on the way."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         walked = root.rstrip("/")
@@ -294,7 +258,8 @@ def open_dirs(root: str, parts: list[str], *, create: bool = False) -> int:
                     raise type(e)(e.errno, e.strerror, walked) from None
                 st = os.stat(part, dir_fd=fd, follow_symlinks=False)
                 raise ForeignEntryError(
-                    f"{walked}: expected a directory written by this library, found {_kind(st)} "
+                    f"{walked}: expected a directory written by this library, found "
+                    f"{entry_kind(st.st_mode)} "
                     "(never followed)"
                 ) from None
             os.close(fd)
@@ -306,8 +271,8 @@ def open_dirs(root: str, parts: list[str], *, create: bool = False) -> int:
 
 
 def _open_regular(root: str, name: str) -> tuple[int, os.stat_result] | None:
-    """An fd of the regular file ``root/name`` (never through a link, a FIFO never
-    waited on) and its stat; None when it does not exist."""
+    """An fd of the regular file ``root/name`` (no link, no FIFO waited on) and its
+    stat; None when it does not exist."""
     parts = name.split("/")
     path = os.path.join(root, name)
     try:
@@ -359,9 +324,8 @@ def read_file(root: str, name: str, max_bytes: int | None) -> bytes | None:
 
 
 def read_pieces(root: str, name: str, piece: int) -> Iterator[bytes] | None:
-    """The file ``root/name`` as pieces of at most ``piece`` bytes, read as they are
-    taken (a generator: one piece held at a time), never through a link; None when it
-    does not exist. The file is closed when the generator ends or is closed."""
+    """The file ``root/name`` as pieces of at most ``piece`` bytes read as taken (closed
+    when the generator ends or is closed); None when it does not exist."""
     opened = _open_regular(root, name)
     if opened is None:
         return None
@@ -381,8 +345,7 @@ def write_file(
     root: str, name: str, data: bytes | Iterable[bytes], *, durable: bool = True
 ) -> None:
     """Writes ``root/name`` whole (a temporary name, then a rename), never through a
-    link; an OSError names the file it was writing (EFBIG, ENOSPC, EACCES ...).
-    ``data``: the bytes, or an iterable of pieces written as each is taken."""
+    link; an OSError names the file. ``data``: the bytes, or pieces."""
     _env.fail_point("write_small")
     try:
         _write_file(root, name, data, durable=durable)
@@ -398,8 +361,7 @@ def write_file(
 
 
 def make_dirs(root: str) -> None:
-    """``os.makedirs(root, exist_ok=True)``; a file (or another non-directory) where a
-    directory on the way must be is a ForeignEntryError naming it, left alone."""
+    """``os.makedirs(root, exist_ok=True)``; a non-directory on the way: ForeignEntryError."""
     try:
         os.makedirs(root, exist_ok=True)
     except (NotADirectoryError, FileExistsError):
@@ -412,7 +374,7 @@ def make_dirs(root: str) -> None:
         st = os.stat(walked, follow_symlinks=False)
         raise ForeignEntryError(
             f"cannot create the directory {os.path.abspath(root)}: {walked} is "
-            f"{_kind(st)}, not a directory; it is left alone. Choose another path"
+            f"{entry_kind(st.st_mode)}, not a directory; it is left alone. Choose another path"
         ) from None
 
 
@@ -476,7 +438,7 @@ def delete_file(root: str, name: str) -> None:
 
 def exists(root: str, name: str) -> bool:
     """True for a regular file or directory at ``root/name``; ForeignEntryError for a
-    symlink or special file there (or on the way there)."""
+    link or special file there or on the way."""
     parts = name.split("/")
     try:
         dfd = open_dirs(root, parts[:-1])
@@ -493,8 +455,7 @@ def exists(root: str, name: str) -> bool:
 
 
 def child_kinds(path: str) -> dict[str, str]:
-    """``{name: "dir" | "file" | "symlink" | "other"}`` of the immediate children, from
-    the directory entries themselves (no symlink is followed)."""
+    """``{name: "dir" | "file" | "symlink" | "other"}`` of the immediate children."""
     out = {}
     try:
         with os.scandir(path) as it:

@@ -1,12 +1,9 @@
 """Where a checkpoint lives: the kvstore spec of a path (:func:`spec_from_path`, the
-one checker of "where is this path"), the place itself (``Location``, on any
-tensorstore kvstore), and how a commit becomes visible on a local path (a rename, or a
-file written last).
+one checker of "where is this path"), the place itself (``Location``), and how a commit
+becomes visible on a local path (a rename, or a file written last).
 
 A Location is immutable, any thread; tensorstore does not fsync: callers use
-``Location.sync``. The mount table is read at each call. An object store's refusal is
-worded by ``store_errors``; tensorstore and the shared contexts: ``contexts``; an
-``s3://`` store's settings from the environment: ``s3_credentials``.
+``Location.sync``. The mount table is read at each call.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._storage.location``.
 """
@@ -27,9 +24,7 @@ from . import local_files as _local
 from . import s3_credentials as _s3_credentials
 from . import untrusted as _untrusted
 from .contexts import context, prefix_range, tensorstore
-from .local_files import MAX_SMALL_FILE_BYTES, walk_entries
-
-__all__ = ["commits_by_file", "is_fuse", "mount_type", "mount_type_in"]
+from .local_files import MAX_DOCUMENT_BYTES, walk_entries
 
 
 def check_name(name: str) -> str:
@@ -49,14 +44,10 @@ _STORES = {"s3": "s3", "gs": "gcs", "memory": "memory", "file": "file"}
 
 def spec_from_path(path: Any, *, what: str = "checkpoint location") -> dict[str, Any]:
     """The kvstore spec, its path ending in '/', of an os.PathLike/str path, an
-    s3/gs/memory/file URL or a kvstore dict. The one checker of "where is this path":
-    any other ``scheme:`` (and a store URL without ``//`` or without a bucket) is a
-    UnsupportedLocationError naming ``what`` and what is supported, never read as a
-    local name. So is a path naming no place of its own (empty: it would be the current
-    directory), text a store cannot hold (NUL, not UTF-8), a leading ``~`` (never
-    expanded: it would be a folder named ``~``), a URL's ``?``/``#`` part (dropped
-    otherwise), a ``.``/``..``/empty component in a store key, and anything tensorstore
-    itself refuses (a bucket name, a driver): all before anything is opened."""
+    s3/gs/memory/file URL or a kvstore dict. Any other scheme, an empty path, NUL or
+    non-UTF-8 text, a leading ``~``, a URL's ``?``/``#`` part, a ``.``/``..``/empty
+    component in a store key, and whatever tensorstore refuses is an
+    UnsupportedLocationError naming ``what``, before anything is opened."""
     if isinstance(path, dict):
         spec = _dict_spec(path, what)
     elif isinstance(path, (str, bytes, os.PathLike)):
@@ -64,7 +55,7 @@ def spec_from_path(path: Any, *, what: str = "checkpoint location") -> dict[str,
     else:
         raise UnsupportedLocationError(
             f"{what}: expected a path (str or os.PathLike), a URL or a kvstore spec dict, "
-            f"found {type(path).__name__} {_cut(path)}"
+            f"found {_env.found(path)}"
         )
     spec["path"] = spec.get("path", "").rstrip("/") + "/"
     if spec["driver"] != "file" and spec["path"] == "/":
@@ -78,7 +69,7 @@ def _path_text(path: Any, what: str) -> str:
     try:
         text = os.fsdecode(path)
     except (TypeError, UnicodeError) as e:  # a PathLike whose fspath is no text
-        raise UnsupportedLocationError(f"{what} {_cut(path)}: not a path ({e})") from None
+        raise UnsupportedLocationError(f"{what} {_env.found(path)}: not a path ({e})") from None
     if not text:
         raise UnsupportedLocationError(
             f"{what}: an empty path, which would name the current directory; expected "
@@ -110,8 +101,7 @@ def _path_text(path: Any, what: str) -> str:
 
 
 def _local_abspath(text: str, what: str) -> str:
-    """The absolute form of a local path; a backslash is refused here, where it enters
-    (no name below it could be made: it was a raw "invalid storage name" at save)."""
+    """The absolute form of a local path; a backslash (a Windows path) is refused."""
     if "\\" in text:
         raise UnsupportedLocationError(
             f"{what} {text!r}: holds a backslash (a Windows path?); expected a POSIX path, "
@@ -126,8 +116,7 @@ def _dict_spec(path: dict[str, Any], what: str) -> dict[str, Any]:
         raise UnsupportedLocationError(f"{what}: a kvstore spec needs a 'driver', found {path!r}")
     if not isinstance(spec.get("path", ""), str):
         raise UnsupportedLocationError(
-            f"{what}: the kvstore spec's 'path' must be a str, found "
-            f"{type(spec['path']).__name__} {_cut(spec['path'])}"
+            f"{what}: the kvstore spec's 'path' must be a str, found {_env.found(spec['path'])}"
         )
     if spec["driver"] == "file":
         if not spec.get("path"):
@@ -140,8 +129,8 @@ def _dict_spec(path: dict[str, Any], what: str) -> dict[str, Any]:
 
 
 def _check_store_spec(spec: dict[str, Any], given: Any, what: str) -> None:
-    """Store keys with an empty, '.' or '..' component (kept literally by a store, so
-    never the place they read as), then tensorstore's own parse of ``spec``."""
+    """Refuses store keys with an empty, '.' or '..' component (kept literally by a
+    store), then what tensorstore's own parse of ``spec`` refuses."""
     if spec["driver"] != "file":
         parts = spec["path"].rstrip("/").split("/") if spec["path"] else []
         bad = [p for p in parts if p in ("", ".", "..")]
@@ -157,11 +146,6 @@ def _check_store_spec(spec: dict[str, Any], given: Any, what: str) -> None:
         tensorstore().KvStore.Spec(spec)
     except (ValueError, TypeError, RuntimeError) as e:
         raise UnsupportedLocationError(f"{what} {_shown(given)}: {e}") from None
-
-
-def _cut(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _shown(path: Any) -> str:
@@ -203,8 +187,7 @@ def _url_spec(text: str, what: str) -> dict[str, Any]:
                 f"{what} {text!r}: expected file:///<absolute path>, found no path"
             )
         return {"driver": "file", "path": _local_abspath(_path_text(url.path, what), what)}
-    # the one '/' after the bucket goes; another ('s3://b//x': the key '/x') stays, and is
-    # refused below as an empty component (it was quietly read as 'x', another key)
+    # the one '/' after the bucket goes; another ('s3://b//x') is refused as empty below
     spec = {"driver": _STORES[scheme], "bucket": url.netloc, "path": url.path[1:]}
     if scheme == "s3":
         spec.update(_s3_credentials.settings_from_env())
@@ -222,9 +205,8 @@ def _unescape(field: str) -> str:
 
 
 def mount_type_in(path: str, mountinfo: str) -> str | None:
-    """The filesystem type of the mount holding absolute ``path``, by the longest mount
-    point that contains it in ``mountinfo`` (the text of a ``/proc/<pid>/mountinfo``);
-    None when no line parses."""
+    """The filesystem type of the longest mount point holding absolute ``path`` in
+    ``mountinfo`` (a ``/proc/<pid>/mountinfo``'s text); None when no line parses."""
     best, kind = -1, None
     for line in mountinfo.splitlines():
         fields = line.split(" ")
@@ -239,9 +221,8 @@ def mount_type_in(path: str, mountinfo: str) -> str | None:
 
 
 def mount_type(path: str) -> str | None:
-    """The filesystem type of the mount holding ``path`` (its nearest existing
-    ancestor, links resolved as the kernel would), or None where the mount table cannot
-    be read."""
+    """The filesystem type of the mount holding ``path`` (its nearest existing ancestor,
+    links resolved), or None where the mount table cannot be read."""
     here = os.path.abspath(path)
     while not os.path.exists(here) and os.path.dirname(here) != here:
         here = os.path.dirname(here)
@@ -259,7 +240,7 @@ def is_fuse(fstype: str | None) -> bool:
 
 def commits_by_file(path: str) -> bool:
     """Whether a commit at local ``path`` writes a file last in place of a directory
-    rename (``FOP_COMMIT``; ``auto``: on a FUSE mount, see the module docstring)."""
+    rename (``FOP_COMMIT``; ``auto``: on a FUSE mount)."""
     how = _env.read("FOP_COMMIT")
     if how != "auto":
         return how == "file"
@@ -290,8 +271,7 @@ class Location:
 
     @property
     def supports_rename(self) -> bool:
-        """Whether a commit here is a directory rename (local disk, but not a FUSE mount
-        of a bucket: there, as on object stores, a file written last; ``_storage.mounts``)."""
+        """Whether a commit here is a directory rename (local disk, not a FUSE mount)."""
         return self.is_local and not commits_by_file(self.path)
 
     @property
@@ -326,9 +306,7 @@ class Location:
         return self._with_path(self.path + check_name(name) + "/")
 
     def sibling(self, name: str) -> Location:
-        parent = self.path.rstrip("/").rsplit("/", 1)[0] if "/" in self.path.rstrip("/") else ""
-        prefix = parent + "/" if parent or self.is_local else ""
-        return self._with_path(prefix + check_name(name) + "/")
+        return self.parent.child(name)
 
     @property
     def parent(self) -> Location:
@@ -350,23 +328,17 @@ class Location:
 
     # -- small files ---------------------------------------------------------------
 
-    def read_bytes(
-        self, name: str, *, max_bytes: int | None = MAX_SMALL_FILE_BYTES
-    ) -> bytes | None:
-        """The file's bytes, or None when it does not exist.
-
-        Raises ForeignEntryError for a symlink or non-regular file (never followed or
-        read) and CorruptCheckpointError above ``max_bytes`` (metadata and JSON files:
-        ``MAX_SMALL_FILE_BYTES``; None for array data copied whole).
-        """
+    def read_bytes(self, name: str, *, max_bytes: int | None = MAX_DOCUMENT_BYTES) -> bytes | None:
+        """The file's bytes, or None when it does not exist. Raises ForeignEntryError for
+        a symlink or non-regular file (never followed) and CorruptCheckpointError above
+        ``max_bytes`` (None: no limit)."""
         if self.is_local:
             return _local.read_file(self.path, check_name(name), max_bytes)
         return self.read_versioned(name, max_bytes=max_bytes)[0]
 
     def read_pieces(self, name: str, piece: int) -> Iterator[bytes] | None:
-        """The file as pieces of at most ``piece`` bytes, read as they are taken (local
-        disk: one piece held at a time, never through a link; an object store: read
-        whole, one piece); None when it does not exist."""
+        """The file as pieces of at most ``piece`` bytes, read as taken (an object store:
+        one piece); None when it does not exist."""
         if self.is_local:
             return _local.read_pieces(self.path, check_name(name), piece)
         data = self.read_bytes(name, max_bytes=None)
@@ -375,10 +347,8 @@ class Location:
     def write_bytes(
         self, name: str, data: bytes | Iterable[bytes], *, durable: bool = True
     ) -> None:
-        """Writes the file whole (a temporary name, then a rename on local disk); with
-        ``durable``, fsyncs the file and its directory (else a later :meth:`sync` does).
-        ``data``: the bytes, or pieces (local disk: each written as it is taken; an
-        object store takes a file whole: joined first)."""
+        """Writes the file whole (local: a temporary name, then a rename); ``durable``:
+        fsyncs the file and its directory. ``data``: the bytes, or pieces."""
         if self.is_local:
             _local.write_file(self.path, check_name(name), data, durable=durable)
             return
@@ -386,9 +356,9 @@ class Location:
             data = b"".join(data)
         self._kv().write(check_name(name), data).result()
 
-    def read_versioned(self, name: str, *, max_bytes: int | None = MAX_SMALL_FILE_BYTES) -> Any:
-        """Object stores: ``(bytes or None, generation)``: the file and the storage
-        generation it was read at (also for a missing file), for :meth:`write_if`."""
+    def read_versioned(self, name: str, *, max_bytes: int | None = MAX_DOCUMENT_BYTES) -> Any:
+        """Object stores: ``(bytes or None, generation)`` the file was read at, for
+        :meth:`write_if`."""
         result = self._kv().read(check_name(name)).result()
         if result.state != "value":
             return None, result.stamp.generation
@@ -396,9 +366,8 @@ class Location:
         return bytes(result.value), result.stamp.generation
 
     def write_if(self, name: str, data: bytes | None, generation: Any) -> Any | None:
-        """Object stores: writes (``None``: deletes) the file only if its stored
-        generation is still ``generation`` (one conditional request); returns the new
-        generation, or None when someone else wrote or deleted it meanwhile."""
+        """Object stores: writes (``None``: deletes) the file only if its generation is
+        still ``generation``; returns the new one, or None when someone else changed it."""
         stamp = self._kv().write(check_name(name), data, if_equal=generation).result()
         return stamp.generation or None
 
@@ -435,11 +404,8 @@ class Location:
 
     def check_no_links(self, *, read: Callable[[list[str], bool], bool] | None = None) -> None:
         """Local only (no-op elsewhere): raises ForeignEntryError naming the first
-        symlink or special file anywhere under this location (with ``read``, the
-        names a reader opens: ``read(relative path parts, is_dir)``; a user's link at
-        another name is never opened, and left alone). One ``scandir`` walk, no file
-        opened; restore calls it once per checkpoint, since tensorstore's file driver
-        follows symlinks."""
+        symlink or special file under this location (with ``read``: among the names
+        ``read(relative path parts, is_dir)`` says a reader opens). One ``scandir`` walk."""
         if not self.is_local:
             return
         top = self.path.rstrip("/") or "/"
@@ -462,15 +428,13 @@ class Location:
         return sorted(n for n in names if n)
 
     def keys(self) -> list[str]:
-        """Every key (file) under this object-store location, recursively, as one
-        listing; local disks: NotImplementedError (walk the directory instead)."""
+        """Every key under this object-store location (local: NotImplementedError)."""
         if self.is_local:
             raise NotImplementedError(f"keys are listed on object stores only, not {self}")
         return [k.decode("utf-8") for k in self._kv().list().result()]
 
     def size_bytes(self) -> int | None:
-        """Total bytes of the files under a local location (None: part of it cannot be
-        read)."""
+        """Total bytes of the files under a local location (None: some cannot be read)."""
         if not self.is_local:
             raise NotImplementedError(f"sizes are only listed on local disks, not {self}")
         return _untrusted.size_bytes(self.path)
@@ -481,15 +445,10 @@ class Location:
             _local.make_dirs(self.path)
 
     def remove(self) -> None:
-        """Removes everything under this location (no error if nothing is there).
-
-        Proves nothing: the package removes only through ``_core/ownership.py`` (which proves
-        a place ours first); this primitive is left for tests that clean up by hand.
-
-        Local: only a real directory is removed; symlinks inside it are unlinked, never
-        followed. A location that is itself a symlink or not a directory is refused
-        with ForeignEntryError (what it points to is left alone).
-        """
+        """Removes everything under this location (no error if nothing is there); proves
+        nothing (the package removes through ``_core/ownership.py`` only). Local: links
+        inside are unlinked, never followed; a location that is itself a link or not a
+        directory is refused with ForeignEntryError."""
         if self.is_local:
             path = self.path.rstrip("/")  # a trailing '/' would make lstat follow a link
             _untrusted.remove_tree(path)
@@ -504,29 +463,22 @@ class Location:
         _local.fsync_dir(os.path.dirname(dst.path.rstrip("/")))
 
     def newest_mtime(self) -> float:
-        """Local only: the latest modification time of this directory and its immediate
-        entries (``lstat``: no link followed); ``inf`` when it cannot be read."""
+        """Local only: the latest mtime of this directory and its entries (``lstat``);
+        ``inf`` when it cannot be read."""
         return _untrusted.newest_mtime(self.path.rstrip("/"))
 
     def exchange(self, other: Location) -> bool:
-        """Atomically swaps two local directories (``renameat2(RENAME_EXCHANGE)``), then
-        fsyncs the parent; False where the kernel or filesystem cannot (the caller then
-        renames in two steps)."""
+        """Atomically swaps two local directories, then fsyncs the parent; False where
+        the kernel or filesystem cannot."""
         if not (self.is_local and other.is_local):
             return False
         return _local.exchange(self.path.rstrip("/"), other.path.rstrip("/"))
 
     def sync(self) -> None:
-        """Makes everything written under a local location durable (no-op elsewhere:
-        an object store's write is durable once acknowledged).
-
-        One ``syncfs`` of the filesystem costs about one fsync of a single large file,
-        while an fsync per file costs a disk flush each; where ``syncfs`` is missing,
-        every file and directory is fsynced.
-        """
+        """Makes everything written under a local location durable (one ``syncfs``, else
+        an fsync per file); a no-op on object stores (durable once acknowledged)."""
         if not self.is_local:
             return
-        # A save with no array data writes nothing before its metadata: the staging
-        # directory (which the commit renames) is created here.
+        # a save with no array data may not have made its staging directory yet
         os.makedirs(self.path, exist_ok=True)
         _local.sync_tree(self.path)

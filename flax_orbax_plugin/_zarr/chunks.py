@@ -1,6 +1,5 @@
 """One zarr3 chunk on disk (name, bytes, crc32c trailer, its grid), whether a leaf is stored
-packed (the packing: ``subbyte``), and format version 2's data index. The crc32c of a
-region's chunks, or while copying them: ``crcs``.
+packed, and format version 2's data index.
 
 Pure functions and immutable records: any thread.
 
@@ -25,7 +24,7 @@ except ImportError:  # pragma: no cover - the fallback: holds the GIL on numpy b
     def _crc32c(data, value: int = 0) -> int:
         return google_crc32c.extend(value, data)
 
-    GIL_FREE_CRC = False
+    GIL_FREE_CRC = False  # read by benchmarks/bench_onepass.py
 else:
     GIL_FREE_CRC = True
 
@@ -48,10 +47,9 @@ def chunk_key(cell) -> str:
 
 
 def whole_chunks(shape, chunk, index):
-    """For the region ``index`` (global) of an array of ``shape``: (the region's shape,
-    [(chunk grid cell, the cell's part of the region, relative to it), ...]); None when
-    the region is empty or not whole chunks (a chunk cut by the array's end counts as
-    whole)."""
+    """For the global region ``index`` of an array of ``shape``: (the region's shape,
+    [(chunk grid cell, its part of the region, relative), ...]); None when the region is
+    empty or not whole chunks (one cut by the array's end counts as whole)."""
     if not shape:
         return None
     starts, stops = [], []
@@ -72,8 +70,7 @@ def whole_chunks(shape, chunk, index):
 
 
 def crc_trailer(parts: list[np.ndarray]) -> np.ndarray:
-    """The zarr3 ``crc32c`` codec's trailer of the bytes of ``parts`` one after another
-    (C-contiguous arrays), as 4 uint8."""
+    """The zarr3 ``crc32c`` trailer of the bytes of ``parts`` in order, as 4 uint8."""
     crc = 0
     for part in parts:
         crc = _crc32c(as_bytes(part), crc)
@@ -81,10 +78,9 @@ def crc_trailer(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def chunk_payload(view: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
-    """The stored bytes of one chunk (before its crc32c) from ``view``, the chunk's
-    part of the array: zero-padded to the full ``chunk`` where the array's end cuts
-    it, as tensorstore pads it."""
-    if view.shape != chunk:  # cut by the array's end: zero-padded to the full chunk
+    """The stored bytes of one chunk (before its crc32c) from ``view``, its part of the
+    array, zero-padded to the full ``chunk`` where the array's end cuts it."""
+    if view.shape != chunk:
         full = np.zeros(chunk, view.dtype)
         full[tuple(slice(0, n) for n in view.shape)] = view
         view = full
@@ -94,16 +90,15 @@ def chunk_payload(view: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:
-    """The bytes of a C-contiguous array as a flat, read-only uint8 view (any dtype,
-    ml_dtypes ones too; google_crc32c, the fallback crc, takes read-only buffers only)."""
+    """The bytes of a C-contiguous array as a flat, read-only uint8 view (read-only:
+    what google_crc32c takes)."""
     out = array.reshape(-1).view(np.uint8)
     out.flags.writeable = False
     return out
 
 
 def advance(views: list[memoryview], done: int) -> None:
-    """Drops ``done`` bytes from the front of ``views`` (a short read or write resumes
-    mid-buffer)."""
+    """Drops ``done`` bytes from the front of ``views`` (after a short read or write)."""
     while done:
         if done >= len(views[0]):
             done -= len(views[0])
@@ -150,9 +145,8 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class DataIndex:
-    """The index of one process: its data files (name -> size in bytes), chunks, and
-    the stored dtype of every array it holds chunks of (``d/<i>`` or ``b/<batch>`` ->
-    dtype name; empty in an index written before dtypes were recorded)."""
+    """The index of one process: its data files (name -> bytes), chunks, and the stored
+    dtype of every array it holds chunks of (empty in an index older than that)."""
 
     process: int
     files: dict[str, int]

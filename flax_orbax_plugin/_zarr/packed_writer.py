@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -32,12 +33,6 @@ DIRECT_ALIGN = 4096  # address, length and file offset of an O_DIRECT write
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def direct_io_enabled() -> bool:
-    """Whether chunk payloads may be written with ``O_DIRECT`` (``FOP_DIRECT_IO=0``
-    turns it off; so does a filesystem that refuses it, found at the first file)."""
-    return bool(O_DIRECT) and _env.read("FOP_DIRECT_IO") != "0"
-
-
 def _load_sync_file_range():
     if not sys.platform.startswith("linux"):
         return None
@@ -54,14 +49,10 @@ _sync_file_range = _load_sync_file_range()
 
 
 def direct_span(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> tuple[int, int]:
-    """(skip, length): the bytes of ``first`` an ``O_DIRECT`` write can take wherever it
-    starts in memory: ``length`` bytes of whole pages from its first page boundary,
-    ``skip`` bytes in (0, 0: none; it must be C-contiguous and leave at least
-    ``minimum`` such bytes). Written at a file offset congruent to its address modulo
-    :data:`DIRECT_ALIGN`, the part after ``skip`` lands on page boundaries both in
-    memory and in the file: a zero-copy view of a jax buffer (which jax places a few
-    cache lines past a page) is then written directly, its first ``skip`` bytes and
-    its tail buffered."""
+    """(skip, length): ``length`` bytes of whole pages of ``first`` from its first page
+    boundary, ``skip`` bytes in (0, 0: not C-contiguous, or fewer than ``minimum``).
+    Written at a file offset congruent to its address, they are page-aligned in memory
+    and file alike: an ``O_DIRECT`` write of a jax buffer's view, head and tail buffered."""
     if not first.flags.c_contiguous:
         return 0, 0
     skip = -first.ctypes.data % DIRECT_ALIGN
@@ -71,13 +62,13 @@ def direct_span(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> tuple[int, in
 
 
 class ChunkWriter:
-    """Writes whole zarr3 chunks of arrays under ``root`` (a local directory path): cuts
-    them from host memory (zero-padded, checksummed) and hands each to ``_write_file``,
-    which each format's writer defines."""
+    """Writes whole zarr3 chunks of arrays under the local directory ``root``, cut from
+    host memory (zero-padded, checksummed), through each format's ``_write_file``."""
 
     def __init__(self, root: str, *, threads: int = _chunks.THREADS, local_only: bool = True):
         self._root = root
-        self._direct = direct_io_enabled()
+        # O_DIRECT unless FOP_DIRECT_IO=0 (or a filesystem refusing it, at the first file)
+        self._direct = bool(O_DIRECT) and _env.read("FOP_DIRECT_IO") != "0"
         self._pool = concurrent.futures.ThreadPoolExecutor(
             threads,
             thread_name_prefix="fop-chunk",
@@ -106,24 +97,16 @@ class ChunkWriter:
         data: np.ndarray,
         crcs: dict | None = None,
     ) -> list[concurrent.futures.Future] | None:
-        """Starts writing every chunk of the region ``index`` (global) of the array
-        ``sub`` from ``data`` (that region's values); None, writing nothing, when the
-        region does not consist of whole chunks (chunks cut by the array's end are
-        whole: they are padded with zeros, the fill value, as tensorstore pads them).
-        ``crcs``: ``{chunk grid cell: crc32c}`` of chunks of ``data`` checksummed
-        already (as they were copied: ``crcs.copy_with_crcs``); a chunk there is not
-        read again to checksum it, the others are checksummed here."""
+        """Starts writing every chunk of the global region ``index`` of the array ``sub``
+        from ``data``; None, writing nothing, when the region is not whole chunks (those
+        cut by the array's end are zero-padded). ``crcs``: ``{chunk grid cell: crc32c}``
+        of chunks checksummed already; the others are checksummed here."""
         region = _chunks.whole_chunks(shape, chunk, index)
         if region is None or data.shape != region[0]:
             return None
+        crcs, submit = crcs or {}, functools.partial(self._pool.submit, self._write_chunk)
         return [
-            self._pool.submit(
-                self._write_chunk,
-                f"{sub}/{_chunks.chunk_key(cell)}",
-                data[at],
-                tuple(chunk),
-                None if crcs is None else crcs.get(cell),
-            )
+            submit(f"{sub}/{_chunks.chunk_key(cell)}", data[at], tuple(chunk), crcs.get(cell))
             for cell, at in region[1]
         ]
 
@@ -142,23 +125,16 @@ class ChunkWriter:
     def batch(
         self, sub: str, chunk: int, inner: int, data: np.ndarray | Gathered
     ) -> list[concurrent.futures.Future]:
-        """Starts writing the whole batch array ``sub`` (1-D) from ``data`` (its values,
-        or its leaves as :class:`Gathered` pieces): one file per ``chunk`` elements, each
-        a zarr3 shard of checksummed ``inner``-element chunks followed by its checksummed
-        index."""
+        """Starts writing the whole 1-D batch array ``sub`` from ``data`` (or its
+        :class:`Gathered` pieces): a zarr3 shard per ``chunk`` elements of checksummed
+        ``inner``-element chunks and its checksummed index."""
         if isinstance(data, np.ndarray):
             data = Gathered([(0, data)], data.dtype, data.size)
         size, itemsize = data.size, data.dtype.itemsize
+        sizes = (size * itemsize, chunk * itemsize, inner * itemsize)  # in bytes
+        submit = functools.partial(self._pool.submit, self._write_shard)
         return [
-            self._pool.submit(
-                self._write_shard,
-                f"{sub}/{_chunks.chunk_key((s,))}",
-                data,
-                s,
-                size * itemsize,
-                chunk * itemsize,
-                inner * itemsize,
-            )
+            submit(f"{sub}/{_chunks.chunk_key((s,))}", data, s, *sizes)
             for s in range(-(-size // chunk))
         ]
 
@@ -183,9 +159,7 @@ class ChunkWriter:
         self._write_file(name, pieces)
 
     def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
-        """Writes one chunk file (or data file segment): ``name`` its version-1 key,
-        ``pieces`` its bytes in order. Each format's writer defines it
-        (``chunk_writer.ChunkFileWriter``, :class:`PackedWriter`)."""
+        """Writes one chunk (``name``: its version-1 key) from ``pieces``, in order."""
         raise NotImplementedError
 
 
@@ -198,13 +172,9 @@ def _zeros(nbytes: int) -> np.ndarray:
 
 
 class Gathered:
-    """A 1-D array's bytes given as pieces at byte offsets, zeros between and after
-    them: a batch of small leaves written straight from the leaves' own (snapshot)
-    buffers, never copied into one batch buffer first.
-
-    ``pieces``: (byte offset, C-contiguous array), non-overlapping, any order; ``dtype``
-    and ``size`` (elements): the array's.
-    """
+    """A 1-D array's bytes as non-overlapping pieces ``(byte offset, C-contiguous array)``
+    with zeros between (a batch written straight from its leaves' snapshot buffers);
+    ``dtype`` and ``size`` (elements): the array's."""
 
     def __init__(self, pieces: list[tuple[int, np.ndarray]], dtype, size: int):
         ordered = sorted(((int(o), _chunks.as_bytes(a)) for o, a in pieces), key=lambda p: p[0])
@@ -259,25 +229,16 @@ MAX_LANES = 4  # object stores: data files filled (and uploaded) at once
 LANE_BYTES = 64 << 20  # object stores: one more lane per this many bytes to write
 
 
-# A segment from memory that starts past a page boundary (a zero-copy view of a jax
-# buffer) is written directly only from this size: its file offset then skips up to
-# a page to match the address (at most 0.4% more file).
+# A segment starting past a page boundary is written directly only from this size (its
+# file offset skips up to a page to match its address: at most 0.4% more file).
 _UNALIGNED_DIRECT_MIN = 1 << 20
 
 
-def default_data_file_bytes(location: Location) -> int:
-    return LOCAL_DATA_FILE_BYTES if location.is_local else OBJECT_DATA_FILE_BYTES
-
-
 class PackedWriter(ChunkWriter):
-    """Writes whole chunks of arrays and batches of one process into data files under
-    ``location`` (its ``data/``); ``target_bytes``: a data file's size it does not pass
-    unless one chunk is larger. On an object store, up to :data:`MAX_LANES` data files
-    are filled side by side (one per :data:`LANE_BYTES` of ``total_bytes``, what this
-    process writes), so that their uploads overlap: a single PUT is one stream.
-    ``gathered_bytes`` (a host-memory budget's share): on an object store, the files
-    being filled hold at most this many bytes in all (smaller files, at least one chunk
-    each); None: no bound."""
+    """Writes one process's whole chunks into data files under ``location``'s ``data/``,
+    each at most ``target_bytes`` unless one chunk is larger. On an object store up to
+    :data:`MAX_LANES` files (one per :data:`LANE_BYTES` of ``total_bytes``) are filled
+    side by side so their uploads overlap, holding at most ``gathered_bytes`` in all."""
 
     def __init__(
         self,
@@ -292,7 +253,8 @@ class PackedWriter(ChunkWriter):
         self._encoder: concurrent.futures.ThreadPoolExecutor | None = None  # see encoded
         self._location = location
         self._process = int(process)
-        self._target = int(target_bytes or default_data_file_bytes(location))
+        default = LOCAL_DATA_FILE_BYTES if location.is_local else OBJECT_DATA_FILE_BYTES
+        self._target = int(target_bytes or default)
         if self._target < 1:
             raise ValueError(f"data_file_bytes: expected a positive size, found {self._target}")
         self._lock = threading.Lock()
@@ -308,9 +270,8 @@ class PackedWriter(ChunkWriter):
         self._chunks: dict[str, _chunks.Segment] = {}
 
     def adopt(self, files: dict[str, int], chunks: dict[str, _chunks.Segment]) -> None:
-        """Lists data files already in place (an incremental step's files taken from the
-        previous step, named by this process's first numbers: name -> size) and their
-        segments; call before any write. New chunks go to new files after them."""
+        """Lists data files already in place (taken from the previous step: name -> size)
+        and their segments, before any write; new chunks go to files after them."""
         with self._lock:
             if self._files:
                 raise ValueError("adopt() comes before the first chunk")
@@ -318,9 +279,8 @@ class PackedWriter(ChunkWriter):
             self._chunks.update(chunks)
 
     def encoded(self, sub: str, spec: dict[str, Any], writes: list) -> concurrent.futures.Future:
-        """Starts writing the chunks of ``writes`` (regions of whole chunks of the array
-        ``sub``, and their values) compressed as ``spec`` (built under
-        ``packed_codec.MEMORY``) says: one segment per chunk, its stored bytes."""
+        """Starts writing the chunks of ``writes`` (regions of whole chunks of ``sub`` and
+        their values) compressed as ``spec`` says: one segment per chunk."""
         if self._encoder is None:  # the process's priority: the codecs start threads
             self._encoder = concurrent.futures.ThreadPoolExecutor(
                 _chunks.THREADS, thread_name_prefix="fop-encode"
@@ -378,9 +338,8 @@ class PackedWriter(ChunkWriter):
         return name
 
     def _allocate_local(self, length: int, phase: int | None = None) -> tuple[str, int, int]:
-        """(file, offset, its fd) for a segment of ``length`` bytes; ``phase``: at an
-        offset congruent to it modulo a page (the source's address; the bytes skipped
-        mean nothing, FORMAT.md), for a direct write of its whole pages."""
+        """(file, offset, its fd) for a segment of ``length`` bytes; ``phase``: at an offset
+        congruent to it modulo a page (the bytes skipped mean nothing, FORMAT.md)."""
         with self._lock:
             name = self._current
             if name is None or (self._files[name] and self._files[name] + length > self._target):
@@ -396,10 +355,8 @@ class PackedWriter(ChunkWriter):
             return name, offset, self._fds[name]
 
     def _write_direct_at(self, file: str, view: memoryview, offset: int) -> bool:
-        """Writes ``view`` (whole pages, page-aligned) at ``offset`` (page-aligned) of
-        data file ``file`` with ``O_DIRECT``, through a second descriptor of the file
-        (the shared one stays buffered for the other threads' tails); False, having
-        written nothing that counts, where the filesystem refuses it (then off)."""
+        """Writes the page-aligned ``view`` at ``offset`` of ``file`` through a second,
+        ``O_DIRECT`` descriptor; False (and direct I/O off) where the filesystem refuses."""
         try:
             with self._lock:
                 fd = self._direct_fds.get(file)
@@ -416,9 +373,8 @@ class PackedWriter(ChunkWriter):
             return False
 
     def _append(self, array: str, pieces, length: int):
-        """Object stores: adds the segment's pieces (views of the snapshot, kept until
-        the file is written: joined once, no other copy) to the current file; returns
-        (file, offset, the finished file's (name, pieces) to upload, or None)."""
+        """Object stores: adds the segment's pieces (views, joined once at upload) to its
+        lane's file; returns (file, offset, the finished file's (name, pieces) or None)."""
         full = None
         with self._lock:
             # an array's chunks go to one lane: side by side, read back by few GETs
@@ -459,9 +415,8 @@ class PackedWriter(ChunkWriter):
             self._fds, self._direct_fds = {}, {}
 
     def index(self, dtypes: dict[str, str] | None = None) -> _chunks.DataIndex:
-        """The index of everything written (call after :meth:`close`); ``dtypes``: the
-        stored dtype name of each array (``d/<i>``, ``b/<batch>``), recorded for those
-        with chunks here."""
+        """The index of everything written (after :meth:`close`), with the stored dtype
+        (``dtypes``) of each array with chunks here."""
         chunks = dict(self._chunks)
         held = {_chunks.array_prefix(key) for key in chunks}
         arrays = {k: v for k, v in (dtypes or {}).items() if k in held}

@@ -13,7 +13,7 @@ from _trust_world import files_under as snapshot
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
-from flax_orbax_plugin._storage.local_files import MAX_SMALL_FILE_BYTES
+from flax_orbax_plugin._storage.local_files import MAX_DOCUMENT_BYTES as MAX_SMALL_FILE_BYTES
 from flax_orbax_plugin._storage.location import Location
 from flax_orbax_plugin._storage.lock import DirectoryLock
 

@@ -53,7 +53,6 @@ from .records import (
     StepManifest,
     batch_name,
     check_format_version,
-    decode,
     fail,
     files_field,
     int_field,
@@ -487,13 +486,13 @@ def read_item_json(item_loc: Location, name: str) -> object:
     manifest = manifest_for_item(item_loc)
     if manifest is None:
         raise CorruptCheckpointError(f"{where}: not inside a committed step")
-    expected = manifest.file_checksum(item_loc.name, name)
+    expected = manifest.files.get(f"{item_loc.name}/{name}")
     if expected is None:
         raise CorruptCheckpointError(f"{where}: the step manifest records no checksum for it")
     raw = item_loc.read_bytes(name)
     if raw is None:
         raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
-    return decode(_checked(raw, where, expected), where, _local_files.JSON_ITEM)
+    return _local_files.parse(_checked(raw, where, expected), where, _local_files.JSON_ITEM)
 
 
 def committed_checksums(location: Location) -> dict[str, str] | None:
@@ -537,5 +536,5 @@ def read_listed_document(location: Location, listed: dict[str, str]) -> Checkpoi
     that the read's other JSON files are checked without reading the commit again."""
     where = f"{location}/{METADATA_FILE}"
     raw = read_listed(location, METADATA_FILE, listed=listed)
-    doc = document_from_json(decode(raw, where, _local_files.METADATA), where)
+    doc = document_from_json(_local_files.parse(raw, where, _local_files.METADATA), where)
     return dataclasses.replace(doc, listed=listed)

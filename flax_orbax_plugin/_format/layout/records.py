@@ -1,8 +1,6 @@
 """Format version 1's records as a writer makes them: checked JSON (checksums, canonical
-bytes, bounded parsing, the field validators every reader shares), bounds, the records of
-one leaf and one batch, the names on disk, ``_METADATA.json``'s document and the commit
-marker. The records read back and checked: ``read_back``; the dtypes they name:
-``dtypes``; the step manifest: ``_format.steps``.
+bytes, the field validators every reader shares), bounds, the records of a leaf and a
+batch, the names on disk, ``_METADATA.json``'s document and the commit records.
 
 Pure functions over immutable records; any thread.
 
@@ -46,12 +44,6 @@ def encode(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def decode(raw: bytes, where: str, kind: _local_files.DocKind) -> Any:
-    """Parses JSON bytes read from an untrusted store as a document of ``kind`` (its
-    size, depth and key limits: ``_storage/local_files.py``); errors name the file."""
-    return _local_files.parse(raw, where, kind)
-
-
 def seal(body: dict[str, Any], kind: _local_files.DocKind | None = None) -> bytes:
     """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form; with
     ``kind``, refused (StructureError) past what a reader of that kind accepts."""
@@ -62,7 +54,7 @@ def seal(body: dict[str, Any], kind: _local_files.DocKind | None = None) -> byte
 
 
 def parse_sealed(raw: bytes, where: str, kind: _local_files.DocKind) -> dict[str, Any]:
-    obj = decode(raw, where, kind)
+    obj = _local_files.parse(raw, where, kind)
     need(isinstance(obj, dict), where, "the file", "a JSON object", obj)
     body = dict(obj)
     checksum = body.pop("checksum", None)
@@ -84,8 +76,7 @@ _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 
 
 
 def show(value: Any) -> str:
-    """A short repr of an untrusted value: bounded in time, size and depth (a deeply
-    nested or huge value never recurses or builds its whole repr)."""
+    """A short repr of an untrusted value, bounded in time, size and depth."""
     text = _REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -112,14 +103,13 @@ def int_field(obj: Mapping, key: str, where: str, field: str, *, lo: int = 0, hi
 
 
 def time_field(obj: Mapping, key: str, where: str, field: str) -> float:
-    """An optional time in seconds since the epoch (0.0 when absent), within what the
-    platform formats as a date (``json_docs.check_time``)."""
+    """An optional time in seconds since the epoch (0.0 when absent), checked."""
     return _local_files.check_time(obj.get(key, 0.0), where, field, stored=True)
 
 
 def check_format_version(obj: Mapping, where: str, name: str, key: str, known: int) -> int:
-    """Checks the ``format`` name and returns the version under ``key``; a version this
-    library does not know yet is refused with the way out (upgrade)."""
+    """Checks the ``format`` name and returns the version under ``key`` (one this library
+    does not know yet is refused, saying: upgrade)."""
     need(obj.get("format") == name, where, "format", repr(name), obj.get("format"))
     version = int_field(obj, key, where, key, lo=1, hi=1 << 30)
     if version > known:
@@ -135,20 +125,10 @@ def files_field(obj: Mapping, where: str) -> dict[str, str]:
     need(isinstance(files, dict), where, "files", "an object {file: sha256}", files)
     for name, digest in files.items():
         parts = name.split("/")
-        need(
-            all(is_safe_name(p) or p.startswith("_") and is_safe_name(p[1:]) for p in parts),
-            where,
-            f"files[{name!r}]",
-            "a relative path of safe names",
-            name,
-        )
-        need(
-            isinstance(digest, str) and bool(_SHA256.match(digest)),
-            where,
-            f"files[{name!r}]",
-            "a sha256 hex digest",
-            digest,
-        )
+        safe = all(is_safe_name(p) or p.startswith("_") and is_safe_name(p[1:]) for p in parts)
+        need(safe, where, f"files[{name!r}]", "a relative path of safe names", name)
+        sha = isinstance(digest, str) and bool(_SHA256.match(digest))
+        need(sha, where, f"files[{name!r}]", "a sha256 hex digest", digest)
     return dict(files)
 
 
@@ -186,9 +166,8 @@ def batch_name(process: int, dtype: str) -> str:
     return f"{process}.{dtype}"
 
 
-# A batch's files hold checksummed inner chunks of about 64 KiB. The inner chunk is not
-# recorded (version 2 has no zarr.json): every reader derives it from the batch's record
-# (:attr:`BatchRecord.inner`), so this rule is the format's.
+# A batch's files hold checksummed inner chunks of about 64 KiB, not recorded: every
+# reader derives them from the batch's record (:attr:`BatchRecord.inner`): the format's rule.
 BATCH_INNER_CHUNK_BYTES = 64 << 10
 
 # -- leaves and batches -----------------------------------------------------------------
@@ -241,8 +220,7 @@ class LeafRecord:
     sharding: dict[str, Any] | None = None
     storage: ArrayStorage | BatchStorage | None = None
     impl: str | None = None  # PRNG key implementation (kind "prng_key")
-    # "xxh3_128r:<hex>" over the leaf's regions and their bytes (optional; incremental
-    # manager steps; FORMAT.md)
+    # "xxh3_128r:<hex>" over the leaf's regions and bytes (incremental steps; FORMAT.md)
     digest: str | None = None
     value: str | None = None  # TEXT_KINDS: the str, or the bytes as base64
 
@@ -305,17 +283,11 @@ class BatchRecord:
         return inner
 
     def to_json(self) -> dict[str, Any]:
+        out = {"dtype": self.dtype, "process": self.process, "size": self.size}
+        out["chunk"] = self.chunk
         if self.codec is not None:
-            return {**self._fields(), "codec": self.codec}
-        return self._fields()
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "dtype": self.dtype,
-            "process": self.process,
-            "size": self.size,
-            "chunk": self.chunk,
-        }
+            out["codec"] = self.codec
+        return out
 
 
 # -- names on disk --------------------------------------------------------------------------
@@ -370,8 +342,7 @@ class CheckpointDocument:
     created_at: float = 0.0
     jax_version: str = ""
     format_version: int = FORMAT_VERSION
-    # Read, not written: the sha256 of the checkpoint's JSON files its commit recorded,
-    # by name (``_format.steps.read_document`` sets it), or None.
+    # Read, not written: the sha256 of the JSON files its commit recorded, by name.
     listed: dict[str, str] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -402,13 +373,10 @@ class ItemEntry:
 class StepManifest:
     """``<step>/_CHECKPOINT.json``: the one commit of a manager step.
 
-    ``files`` maps every JSON file of the step that restore trusts (relative to the
-    step) to its sha256; ``tree_digest`` is the digest all processes agreed on.
-    ``bytes_written``/``bytes_reused`` (optional, one-process steps only): array bytes
-    the save wrote, and those of unchanged leaves it took from the previous step
-    (hard links or server-side copies) instead; informational. ``lane`` (optional): the
-    lane of a ``Lanes`` policy the step was saved in (:data:`LANES`), which retention
-    goes by in a later run, whatever its policy says of the step's number.
+    ``files``: the sha256 of every JSON file restore trusts, by path in the step;
+    ``tree_digest``: the digest all processes agreed on; ``bytes_written`` and
+    ``bytes_reused`` (one-process steps only): informational; ``lane``: the
+    :data:`LANES` lane the step was saved in, which retention goes by in a later run.
     """
 
     step: int
@@ -439,9 +407,6 @@ class StepManifest:
             body["lane"] = self.lane
         return seal(body, _local_files.STEP_MANIFEST)
 
-    def file_checksum(self, item_dir: str, name: str) -> str | None:
-        return self.files.get(f"{item_dir}/{name}")
-
 
 @dataclasses.dataclass(frozen=True)
 class CommitMarker:
@@ -465,7 +430,7 @@ class CommitMarker:
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> CommitMarker:
-        obj = decode(raw, where, _local_files.COMMIT_MARKER)
+        obj = _local_files.parse(raw, where, _local_files.COMMIT_MARKER)
         if isinstance(obj, dict) and "checksum" not in obj and "files" not in obj:
             raise CorruptCheckpointError(
                 f"{where}: a commit marker without checksums (written before format version "
