@@ -43,17 +43,21 @@ DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
 
 @dataclasses.dataclass(frozen=True)
 class SaveRequest:
-    """How one pytree is saved (``fop.save_async``'s options, checked, plus what a manager
-    adds per step and item).
+    """How one pytree is saved (the options of ``fop.save_async``, checked, plus what a
+    manager adds per step and item).
 
-    ``format_version``: 2 (data files) or 1 (chunk files), the one place the format is
-    chosen; ``compression``: a checked codec or None; ``memory_limit_bytes``: writes in
-    flight (see :attr:`limit`); ``host_memory_budget``: host bytes the save may hold
-    beyond the state; ``data_file_bytes``: version 2's data file size; ``own_copy``: a
-    host's own directory (every process writes all it holds and every JSON file);
-    ``created_at``: the document's time (agreed, for an own copy); ``reuse``: an
-    ``_incremental.Reuse`` or None; ``buffers``: a manager's host buffers or None;
-    ``cancelled``: set when the save is cancelled; ``region``: its collective operation.
+    ``format_version``: 2 (data files, the default) or 1 (chunk files), the one place the save's
+    format is chosen; ``compression``: a checked codec or None;
+    ``memory_limit_bytes``: writes in flight (None: the default, see :attr:`limit`);
+    ``host_memory_budget``: host bytes the save may hold beyond the state;
+    ``data_file_bytes``: version 2's data file size; ``own_copy``: a host's own
+    directory (every process writes all it holds and every JSON file);
+    ``created_at``: the document's time (the same on every process for an own copy;
+    None: when written); ``reuse``: an ``_incremental.Reuse`` (a manager with
+    ``incremental=True``) or None; ``buffers``: a manager's host buffers or None;
+    ``cancelled``: set when the save is cancelled (Ctrl-C): its writes stop;
+    ``region``: the collective operation the save is part of (``_base.regions``: its
+    names are drawn there, its waits look at its failures), or None (one process).
     """
 
     format_version: int = DEFAULT_FORMAT_VERSION
@@ -74,7 +78,8 @@ class SaveRequest:
 
     @property
     def limit(self) -> int:
-        """The bytes of writes in flight: at most half the host memory budget."""
+        """The bytes of writes in flight, ``memory_limit_bytes`` (default
+        ``DEFAULT_WRITE_LIMIT_BYTES``), at most half the host memory budget."""
         limit = self.memory_limit_bytes or DEFAULT_WRITE_LIMIT_BYTES
         budget = self.host_memory_budget
         return limit if budget is None else max(1, min(limit, budget // 2))
@@ -125,8 +130,9 @@ def check_save(**options: Any) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """What one process wrote: array bytes, ``{relative JSON file: sha256}``, and the array
-    bytes it reused from the previous step instead."""
+    """What one process wrote: array bytes and ``{relative JSON file: sha256}``; plus the
+    array bytes it hard-linked or copied on the server from the previous step instead
+    (incremental steps)."""
 
     bytes_written: int = 0
     files: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -134,11 +134,14 @@ def checked_timeout(timeout: Any) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class SaveResult:
-    """Figures of one finished save (a checkpoint or a manager step), as seen by this
-    process: ``blocking_seconds`` the caller waited; ``total_seconds`` until it committed;
-    ``bytes_written``: array bytes this process wrote; ``bytes_reused``: array bytes of
-    unchanged leaves linked or copied on the server from the previous step instead
-    (incremental manager steps; not in ``bytes_written``).
+    """Figures of one finished save (a core checkpoint or a manager step), as seen by
+    this process.
+
+    ``blocking_seconds``: how long the caller waited; ``total_seconds``: from the start
+    of the save until it committed; ``bytes_written``: array bytes this process wrote;
+    ``bytes_reused``: array bytes of unchanged leaves hard-linked (local disk) or copied
+    on the server (S3, GCS) from the previous step instead of written (incremental
+    manager steps; not part of ``bytes_written``).
     """
 
     path: str
@@ -194,10 +197,13 @@ class SaveHandle:
     :class:`SaveResult` or re-raises its error (an error is never dropped: a handle
     nobody waited on raises at the next save).
 
-    Thread-safety: ``wait``, ``done`` and ``cancel`` may be called from any thread. The
-    background phase runs in the save's ``region`` (a failure reaches the other
-    processes at once). Waits are on an event, never ``Thread.join`` (a join cut short
-    by Ctrl-C marks a running thread finished on CPython 3.11).
+    Thread-safety: ``wait``, ``done`` and ``cancel`` may be called from any thread. Made
+    in a collective operation (``_base.regions``: its ``region``, which ``target`` is
+    handed too), the background phase runs in that region: a failure there reaches
+    the other processes at once, as one in the blocking phase. They wait on an event
+    the background phase sets when it ends, never on ``Thread.join``: a join cut short
+    by Ctrl-C marks the thread finished while it still runs (CPython 3.11), and the
+    interpreter would then exit under a running save and leave its staging behind.
     """
 
     def __init__(
@@ -221,8 +227,11 @@ class SaveHandle:
         self._finished = threading.Event()
 
     def start(self, *, held: Any = None) -> SaveHandle:
-        """Starts the background phase (once); cancelled as an interruption where
-        ``held`` (the blocking phase's ``_base.interrupts.Held``) holds a Ctrl-C."""
+        """Starts the background phase (once). ``held``: the ``_base.interrupts.Held``
+        of the deferral its blocking phase runs in; with a Ctrl-C held there, the
+        background phase starts cancelled (an interruption), so the KeyboardInterrupt
+        raised at that phase's end finds nothing committed, however soon the background
+        phase would have finished."""
         if held is not None and held.received:
             _set(self.cancelled, None)
         _finish_at_exit(self)
@@ -249,11 +258,14 @@ class SaveHandle:
         """Blocks until the save is committed; raises its error if it failed (a save
         cancelled by :meth:`cancel`: its SaveCancelledError, each time).
 
-        Interrupted (Ctrl-C), the save is abandoned, then the interruption propagates.
-        ``timeout``: seconds, a finite number >= 0, or None (no limit); a bad one is an
-        OptionError, a wait that times out a TimeoutError, both leaving the save
-        running. From the save's own thread or a manager's on_event hook:
-        HookReentryError, never a wait for itself."""
+        Interrupted (Ctrl-C, or any exception raised into the waiting thread), the save
+        is abandoned (its background phase stops as interrupted), then the interruption
+        propagates. ``timeout`` (seconds, a finite number >= 0, or None: no limit; one
+        past ``threading.TIMEOUT_MAX`` waits that long) is checked first: a bad one is an
+        OptionError and leaves the save running; a wait that times out raises
+        TimeoutError and leaves it running too. Called from the save's own background
+        thread (a callback it runs), or from where its ``guard`` refuses it (a manager's
+        on_event hook): HookReentryError, never a wait for itself."""
         timeout = checked_timeout(timeout)
         self._refuse_reentry("SaveHandle.wait()")
         self._await(timeout)
@@ -264,9 +276,10 @@ class SaveHandle:
         return self._result
 
     def settle(self) -> SaveResult | None:
-        """:meth:`wait` for a manager's save in flight: the result, None for a save whose
-        error was already reported (by :meth:`wait` or :meth:`cancel`), else its error,
-        raised once."""
+        """:meth:`wait` for a manager's save in flight (its ``wait``, its next save):
+        the result, None for a save whose error was already reported (by a
+        :meth:`wait`, or by :meth:`cancel`: a cancel is never reported again), else
+        its error, raised (once)."""
         self._await(None)
         if self._error is not None:
             if self._reported:
@@ -298,19 +311,28 @@ class SaveHandle:
             self._guard(call)
 
     def cancel(self, *, reason: str | None = None) -> bool:
-        """Abandons the save: its background phase stops at its next check before the
-        commit and removes what it staged; waits for that. Returns True when nothing
-        was committed (cancelled, or failed), False when it committed first.
+        """Abandons the save: its background phase stops before it commits (at its next
+        check: before its first write, between the regions it writes, once its data is
+        written, before the commit) and removes what it staged; waits for that. Returns
+        True when nothing of the save was committed (cancelled, or failed), False when
+        it committed first (it stays committed).
 
-        The save ends with a :class:`SaveCancelledError` saying ``reason`` (default:
-        cancelled by this call; every process gets one). That return is its report: a
-        manager never raises its error again; :attr:`error` holds it and :meth:`wait`
-        raises it. Refused like :meth:`wait` from the save's own thread."""
+        The save ends with a :class:`SaveCancelledError` saying ``reason`` (e.g.
+        ``"superseded by step 8"``; default: cancelled by this call; with several
+        processes, every process then gets one: the commit's agreed outcome). That
+        return is its report: its error (the cancellation, or one it met first) is
+        never raised again by a manager (its ``wait``, ``close``, next ``save``); read
+        it from :attr:`error`; :meth:`wait` on this handle raises it (no result).
+        Interrupted again while it waits, the background phase still stops and cleans
+        up on its own (the thread is not a daemon: the interpreter waits for it).
+        Refused like :meth:`wait` from the save's own thread."""
         self._refuse_reentry("SaveHandle.cancel()")
         return self._cancel(CANCELLED if reason is None else str(reason))
 
     def abandon(self) -> bool:
-        """:meth:`cancel` as an interruption (the background phase gets a KeyboardInterrupt)."""
+        """:meth:`cancel` as an interruption: the background phase stops with a
+        KeyboardInterrupt (what a Ctrl-C in the caller's wait, or at exit, does; a
+        failing blocking phase after the background one started)."""
         return self._cancel(None)
 
     def _cancel(self, reason: str | None) -> bool:
@@ -324,7 +346,8 @@ class SaveHandle:
 
     @property
     def error(self) -> BaseException | None:
-        """The error the background phase ended with (None while it runs or if committed)."""
+        """The error the background phase ended with (None while it runs or once it
+        committed)."""
         return self._error if self._finished.is_set() else None
 
     def _mark_reported(self) -> None:

@@ -509,14 +509,16 @@ def import_orbax(
 
     ``src`` is an Orbax manager directory (every committed step, or only ``step``),
     a step directory or an item directory. Each is written as ``step`` when given
-    (refused unless it equals a training state's ``step`` leaf), else as that leaf,
-    else as the step directory's number, else refused. A step is read whole to host
-    memory, then saved with ``CheckpointManager.save`` (items as
-    ``step_items`` maps them). ``force`` replaces existing steps;
-    ``format_version``: of the steps written; ``progress``: as ``save_steps``'s.
-    ``memory_limit_bytes``: the host-memory ceiling: a step whose files or arrays
-    exceed half of it is refused, naming both figures; the save streams under the
-    other half. Returns the steps written.
+    (refused unless it equals a training state's ``step`` leaf, where there is one),
+    else as that leaf, else as the step directory's number; with none of them it is
+    refused (``import_step.choose_step``). Leaves are read one at a
+    time to host memory and the assembled step is saved with the public
+    ``CheckpointManager.save``, so the peak is about twice the step's bytes (the tree,
+    then the save's own host snapshot). Returns the steps written. Items map as
+    ``step_items`` says. ``progress``: as ``save_steps``'s.
+    ``memory_limit_bytes``: the host-memory ceiling: a step whose files (before
+    reading) or arrays (once read, before writing) exceed half of it is refused,
+    naming both figures; the save streams under the other half (``save_steps``).
     """
     options = {"step": step, "force": force, "format_version": format_version}
     options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
@@ -557,13 +559,15 @@ def import_msgpack(
 
     ``src`` is one msgpack file or a ``flax.training.checkpoints`` directory (every
     ``<prefix><step>`` file, or only ``step``). Each is written as ``step`` when given
-    (refused unless it equals the state's ``step`` leaf), else as the state's step,
-    else as the number its name ends with, else refused (the first file before
-    anything is written). A state dict with ``params`` is split into items, any other
-    tree is saved as ``params``. ``force`` replaces existing steps; ``format_version``:
-    of the steps written; ``progress``: as ``save_steps``'s. ``memory_limit_bytes``:
-    the host-memory ceiling: a file larger than half of it is refused before it is
-    read; the save streams under the other half. Returns the steps written.
+    (refused unless it equals the state's ``step`` leaf, a Flax ``TrainState``'s,
+    where the state has one), else as the state's step, else as the number its name
+    ends with; a file with none of them is refused (``import_step.choose_step``),
+    the first before anything is written. A state dict with ``params`` is split into
+    items (``params``, ``opt_state``, ``step`` ...), any other tree is saved as
+    ``params``. Returns the steps written. ``progress``: as ``save_steps``'s.
+    ``memory_limit_bytes``: the host-memory ceiling: a file read holds its bytes, then
+    its arrays, so a file larger than half the ceiling is refused before anything is
+    read, naming both figures; the save streams under the other half (``save_steps``).
     """
     options = {"step": step, "force": force, "format_version": format_version}
     options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)

@@ -271,7 +271,8 @@ class Location:
 
     @property
     def supports_rename(self) -> bool:
-        """Whether a commit here is a directory rename (local disk, not a FUSE mount)."""
+        """Whether a commit here is a directory rename (local disk, but not a FUSE mount
+        of a bucket: there, as on object stores, a file written last; ``_storage.mounts``)."""
         return self.is_local and not commits_by_file(self.path)
 
     @property
@@ -329,16 +330,20 @@ class Location:
     # -- small files ---------------------------------------------------------------
 
     def read_bytes(self, name: str, *, max_bytes: int | None = MAX_DOCUMENT_BYTES) -> bytes | None:
-        """The file's bytes, or None when it does not exist. Raises ForeignEntryError for
-        a symlink or non-regular file (never followed) and CorruptCheckpointError above
-        ``max_bytes`` (None: no limit)."""
+        """The file's bytes, or None when it does not exist.
+
+        Raises ForeignEntryError for a symlink or non-regular file (never followed or
+        read) and CorruptCheckpointError above ``max_bytes`` (metadata and JSON files:
+        ``MAX_SMALL_FILE_BYTES``; None for array data copied whole).
+        """
         if self.is_local:
             return _local.read_file(self.path, check_name(name), max_bytes)
         return self.read_versioned(name, max_bytes=max_bytes)[0]
 
     def read_pieces(self, name: str, piece: int) -> Iterator[bytes] | None:
-        """The file as pieces of at most ``piece`` bytes, read as taken (an object store:
-        one piece); None when it does not exist."""
+        """The file as pieces of at most ``piece`` bytes, read as they are taken (local
+        disk: one piece held at a time, never through a link; an object store: read
+        whole, one piece); None when it does not exist."""
         if self.is_local:
             return _local.read_pieces(self.path, check_name(name), piece)
         data = self.read_bytes(name, max_bytes=None)
@@ -347,8 +352,10 @@ class Location:
     def write_bytes(
         self, name: str, data: bytes | Iterable[bytes], *, durable: bool = True
     ) -> None:
-        """Writes the file whole (local: a temporary name, then a rename); ``durable``:
-        fsyncs the file and its directory. ``data``: the bytes, or pieces."""
+        """Writes the file whole (a temporary name, then a rename on local disk); with
+        ``durable``, fsyncs the file and its directory (else a later :meth:`sync` does).
+        ``data``: the bytes, or pieces (local disk: each written as it is taken; an
+        object store takes a file whole: joined first)."""
         if self.is_local:
             _local.write_file(self.path, check_name(name), data, durable=durable)
             return
@@ -357,8 +364,8 @@ class Location:
         self._kv().write(check_name(name), data).result()
 
     def read_versioned(self, name: str, *, max_bytes: int | None = MAX_DOCUMENT_BYTES) -> Any:
-        """Object stores: ``(bytes or None, generation)`` the file was read at, for
-        :meth:`write_if`."""
+        """Object stores: ``(bytes or None, generation)``: the file and the storage
+        generation it was read at (also for a missing file), for :meth:`write_if`."""
         result = self._kv().read(check_name(name)).result()
         if result.state != "value":
             return None, result.stamp.generation
@@ -366,8 +373,9 @@ class Location:
         return bytes(result.value), result.stamp.generation
 
     def write_if(self, name: str, data: bytes | None, generation: Any) -> Any | None:
-        """Object stores: writes (``None``: deletes) the file only if its generation is
-        still ``generation``; returns the new one, or None when someone else changed it."""
+        """Object stores: writes (``None``: deletes) the file only if its stored
+        generation is still ``generation`` (one conditional request); returns the new
+        generation, or None when someone else wrote or deleted it meanwhile."""
         stamp = self._kv().write(check_name(name), data, if_equal=generation).result()
         return stamp.generation or None
 
@@ -404,8 +412,11 @@ class Location:
 
     def check_no_links(self, *, read: Callable[[list[str], bool], bool] | None = None) -> None:
         """Local only (no-op elsewhere): raises ForeignEntryError naming the first
-        symlink or special file under this location (with ``read``: among the names
-        ``read(relative path parts, is_dir)`` says a reader opens). One ``scandir`` walk."""
+        symlink or special file anywhere under this location (with ``read``, the
+        names a reader opens: ``read(relative path parts, is_dir)``; a user's link at
+        another name is never opened, and left alone). One ``scandir`` walk, no file
+        opened; restore calls it once per checkpoint, since tensorstore's file driver
+        follows symlinks."""
         if not self.is_local:
             return
         top = self.path.rstrip("/") or "/"
@@ -428,13 +439,15 @@ class Location:
         return sorted(n for n in names if n)
 
     def keys(self) -> list[str]:
-        """Every key under this object-store location (local: NotImplementedError)."""
+        """Every key (file) under this object-store location, recursively, as one
+        listing; local disks: NotImplementedError (walk the directory instead)."""
         if self.is_local:
             raise NotImplementedError(f"keys are listed on object stores only, not {self}")
         return [k.decode("utf-8") for k in self._kv().list().result()]
 
     def size_bytes(self) -> int | None:
-        """Total bytes of the files under a local location (None: some cannot be read)."""
+        """Total bytes of the files under a local location (None: part of it cannot be
+        read)."""
         if not self.is_local:
             raise NotImplementedError(f"sizes are only listed on local disks, not {self}")
         return _untrusted.size_bytes(self.path)
@@ -445,10 +458,15 @@ class Location:
             _local.make_dirs(self.path)
 
     def remove(self) -> None:
-        """Removes everything under this location (no error if nothing is there); proves
-        nothing (the package removes through ``_core/ownership.py`` only). Local: links
-        inside are unlinked, never followed; a location that is itself a link or not a
-        directory is refused with ForeignEntryError."""
+        """Removes everything under this location (no error if nothing is there).
+
+        Proves nothing: the package removes only through ``_core/ownership.py`` (which proves
+        a place ours first); this primitive is left for tests that clean up by hand.
+
+        Local: only a real directory is removed; symlinks inside it are unlinked, never
+        followed. A location that is itself a symlink or not a directory is refused
+        with ForeignEntryError (what it points to is left alone).
+        """
         if self.is_local:
             path = self.path.rstrip("/")  # a trailing '/' would make lstat follow a link
             _untrusted.remove_tree(path)
@@ -463,20 +481,26 @@ class Location:
         _local.fsync_dir(os.path.dirname(dst.path.rstrip("/")))
 
     def newest_mtime(self) -> float:
-        """Local only: the latest mtime of this directory and its entries (``lstat``);
-        ``inf`` when it cannot be read."""
+        """Local only: the latest modification time of this directory and its immediate
+        entries (``lstat``: no link followed); ``inf`` when it cannot be read."""
         return _untrusted.newest_mtime(self.path.rstrip("/"))
 
     def exchange(self, other: Location) -> bool:
-        """Atomically swaps two local directories, then fsyncs the parent; False where
-        the kernel or filesystem cannot."""
+        """Atomically swaps two local directories (``renameat2(RENAME_EXCHANGE)``), then
+        fsyncs the parent; False where the kernel or filesystem cannot (the caller then
+        renames in two steps)."""
         if not (self.is_local and other.is_local):
             return False
         return _local.exchange(self.path.rstrip("/"), other.path.rstrip("/"))
 
     def sync(self) -> None:
-        """Makes everything written under a local location durable (one ``syncfs``, else
-        an fsync per file); a no-op on object stores (durable once acknowledged)."""
+        """Makes everything written under a local location durable (no-op elsewhere:
+        an object store's write is durable once acknowledged).
+
+        One ``syncfs`` of the filesystem costs about one fsync of a single large file,
+        while an fsync per file costs a disk flush each; where ``syncfs`` is missing,
+        every file and directory is fsynced.
+        """
         if not self.is_local:
             return
         # a save with no array data may not have made its staging directory yet

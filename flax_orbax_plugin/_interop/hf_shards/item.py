@@ -41,15 +41,19 @@ _EVERY_STEPS = Option("HFShards(every_steps=)", "int", low=1)
 @dataclasses.dataclass(frozen=True)
 class HFShards:
     """Hugging Face shards of item ``item`` as item ``name`` of every saved step that is
-    a multiple of ``every_steps``. The options are checked here.
+    a multiple of ``every_steps`` (see the module docstring).
+
+    The options are keyword-only, checked here.
 
     Args:
       every_steps: a positive int; steps ``0, K, 2K ...`` (among those saved) get them.
       item: the item written (default ``"params"``).
       name: the item's name in the step (default ``"hf"``: ``<step>/hf/``).
-      key_map: ``"gpt2"`` (a GPT-2-shaped Flax model), a dict or pairs ``{regex over the
-        leaf path: tensor name (re's \\1) or None}`` (first full match wins; a leaf no
-        rule matches is an error), a KeyMap, or None (``fop.to_safetensors``'s names).
+      key_map: ``"gpt2"`` (a GPT-2-shaped Flax model: ``key_maps.GPT2``), a dict or
+        pairs ``{regex over the leaf path: tensor name (re's \\1) or None}`` (first
+        full match wins; a leaf no rule matches is an error), a KeyMap, or None
+        (names as ``fop.to_safetensors`` gives them: the path with '/' replaced by
+        '.', or every full path when two leaves would get one name that way).
       transposes: regexes of the leaves written as ``(out, in, ...)`` from
         ``(..., in, out)`` (added to the built-in map's own).
       max_shard_bytes: bytes or a size (``"5GB"``, ``"2GiB"``) per file.
@@ -133,7 +137,8 @@ class HFShards:
         return _writing.Pending(directory, layout, regions, self.config, request.cancelled)
 
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ):
-        """``{tensor name: numpy array}`` of the set (local disk); ``like`` must be None."""
+        """``{tensor name: numpy array}`` of the set (local disk). The values of item
+        ``item`` come back from that item; ``like`` here must be None."""
         if like is not None:
             raise ValueError(
                 f"item {self.name!r} (Hugging Face shards) restores as {{tensor name: array}} "

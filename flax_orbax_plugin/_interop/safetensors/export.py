@@ -162,31 +162,31 @@ def to_safetensors(
     """Writes ``source`` as safetensors, sharded above ``max_shard_size``.
 
     Args:
-      source: a checkpoint of this plugin holding one pytree (e.g. ``DIR/<step>/params``)
-        or an in-memory pytree of arrays.
-      out: ``path/name.safetensors`` (shards: ``name-00001-of-0000N.safetensors`` and
-        ``name.safetensors.index.json``) or a directory (``model.safetensors``...).
+      source: a checkpoint of this plugin holding one pytree (e.g. ``DIR/<step>/params``),
+        read a group of leaves at a time; or an in-memory pytree of arrays.
+      out: ``path/name.safetensors`` (shards are ``name-00001-of-0000N.safetensors``
+        with ``name.safetensors.index.json``) or a directory (``model.safetensors``...).
       max_shard_size: bytes or a size such as ``"5GB"`` (10**9) or ``"2GiB"`` (2**30).
-      key_map: leaf path -> tensor name, or None to leave the leaf out: a function, or
-        a mapping of the leaves it renames (each a leaf of the source). Default: '/'
-        replaced by '.'.
-      transpose_kernels: write leaves named ``kernel`` in PyTorch's layout
-        (``(..., in, out)`` as ``(out, in, ...)``).
-      dtype: cast floating leaves to this floating dtype (rounded; a value that
-        overflows is a StructureError naming the leaf, unless ``cast="unsafe"``).
-      cast: ``"safe"`` (the default) or ``"unsafe"`` (numpy's cast).
-      metadata: the header's ``__metadata__`` (strings); default ``{"format": "flax"}``
-        (``"pt"`` with ``transpose_kernels``).
+      key_map: leaf path (``Dense_0/kernel``) -> tensor name, or None to leave the leaf
+        out: a function, or a mapping of the leaves it renames (every key a leaf of
+        the source; the others keep their default name). Default: '/' replaced by '.'.
+      transpose_kernels: write leaves named ``kernel`` in PyTorch's layout: a Dense
+        kernel ``(in, out)`` as ``(out, in)``, a conv kernel ``(*spatial, in, out)``
+        as ``(out, in, *spatial)``.
+      dtype: cast floating leaves to this floating dtype (e.g. ``"bfloat16"``): values
+        are rounded; one that overflows or is not representable is a StructureError
+        naming the leaf, as in ``fop.restore``.
+      cast: ``"safe"`` (the default: the check above) or ``"unsafe"`` (numpy's cast,
+        overflow to inf included).
+      metadata: the header's ``__metadata__`` (strings); default ``{"format": "flax"}``,
+        ``{"format": "pt"}`` with ``transpose_kernels``.
       force: replace existing output files (and the shards an old index listed);
         without it an existing output is a FileExistsError.
       progress: ``progress(total_bytes)`` returns a context manager with
-        ``advance(nbytes, note)``.
+        ``advance(nbytes, note)`` (the CLI's progress bar).
       memory_limit_bytes: the host-memory ceiling: leaves are read in groups of at most
-        this many bytes (default 64 MiB); a larger leaf is an OptionError before
-        anything is written. None: no ceiling.
-
-    Returns:
-      An ``ExportResult``: the files, the index, the tensor count and bytes.
+        this many bytes (default 64 MiB); a leaf larger than it is refused (OptionError)
+        before anything is written. None: no ceiling.
     """
     out = local_path(out, what="safetensors output", note=_LOCAL_ONLY)
     limit = parse_size(max_shard_size)

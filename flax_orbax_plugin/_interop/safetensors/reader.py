@@ -127,8 +127,10 @@ def from_safetensors(
     allow_cast: bool | None = None,
     memory_limit_bytes: int | None = None,
 ) -> Any:
-    """Reads safetensors straight onto the shardings of ``like``, one leaf (or one
-    region of a sharded leaf) at a time.
+    """Reads safetensors straight onto the shardings of ``like``.
+
+    One leaf is read at a time (on a sharded ``like``, one region of it at a time), so
+    what this holds beyond the result is the host copy of one piece and its cast.
 
     Args:
       paths_or_index: a ``.safetensors`` file, a list of them, a
@@ -141,14 +143,13 @@ def from_safetensors(
         names), as for export (default: '/' replaced by '.').
       transpose_kernels: the files hold kernels in PyTorch's layout (see export).
       partial: allow tensors in the files that ``like`` does not use.
-      cast: ``"safe"`` (a cast that would change a value is a StructureError) or
-        ``"unsafe"`` (numpy's cast), as ``fop.restore`` takes it.
+      cast: ``"safe"`` (a cast that would change a value is a StructureError naming
+        the leaf) or ``"unsafe"`` (numpy's cast), as ``fop.restore`` takes it.
       allow_cast: deprecated (``allow_cast=True`` is ``cast="unsafe"``).
       memory_limit_bytes: the host-memory ceiling (None: no bound): a leaf whose piece
-        read to host (and its cast) is larger is an OptionError before any byte is read.
-
-    Returns:
-      The tree of ``like`` (or ``{tensor name: numpy array}``).
+        read to host (and its cast, where the dtype changes) is larger is refused,
+        naming the leaf and both figures, before any byte is read. A piece read
+        straight into the result (``like`` None or numpy, no cast) holds nothing more.
 
     Raises:
       StructureError: a leaf of ``like`` has no tensor, a shape differs, a cast would
