@@ -97,9 +97,8 @@ def _checkpoint_leaves(src: Any, limit: int | None) -> tuple[list, Callable]:
                 node = node.setdefault(part, {})
             node[parts[-1]] = None
         # host arrays, ``limit`` bytes of reads in flight
-        read_alone = _restore.restore(
-            src, template, region=None, partial=True, memory_limit_bytes=limit
-        )
+        request = _restore.read_request(region=None, partial=True, memory_limit_bytes=limit)
+        read_alone = _restore.restore_with(src, template, request)
         flat, _ = _tree.flatten(read_alone)
         values = {p: v for p, _, v in flat}
         for path in paths:
