@@ -1,13 +1,9 @@
 """Surgery in items that mirror params: an optimizer state's moments.
 
-``surgery=[...]`` is written against params' leaf paths (``layers_{i}/kernel``). An
-optimizer state holds trees of the same shape under prefixes of its own (Adam's
-``0/mu/`` and ``0/nu/``), so a resume into a changed model needs the same operations
-there. :func:`mirrored` gives, for one item's saved leaf paths, every operation at
-every prefix under which its leaves appear (the empty prefix included: an item that
-holds params' paths itself); an operation that matches nowhere in such an item does
-nothing there (params, restored with the operations as given, still refuses one that
-matches nothing). Pure functions; any thread.
+``surgery=[...]`` is written against params' paths; an optimizer state holds trees of
+the same shape under prefixes of its own (Adam's ``0/mu/``). :func:`mirrored` gives
+every operation at every prefix where it matches (``''`` included); one matching
+nowhere does nothing there (params still refuse it). Pure functions; any thread.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from .surgery_ops import Fuse, Rename, Split, Stack, Transpose, Unstack
 __all__ = ["mirrored"]
 
 _NUMBER = "(?:0|[1-9][0-9]*)"
-# The fields of each operation that hold paths (patterns with {i} included).
 _PATHS = {
     Stack: ("target", "sources"),
     Unstack: ("source", "targets"),
@@ -34,9 +29,8 @@ _PATHS = {
 
 
 def mirrored(ops: tuple[Any, ...], paths: Iterable[str]) -> tuple[Any, ...]:
-    """``ops`` as they apply to an item whose saved leaves are ``paths``: each at every
-    prefix (``''`` or ending in ``'/'``) under which what it reads is found, in order
-    (the leaves an earlier operation makes count for the later ones)."""
+    """``ops`` at every prefix of ``paths`` where what each reads is found, in order (an
+    earlier operation's leaves count for the later ones)."""
     known = set(paths)
     out: list[Any] = []
     for op in ops:
