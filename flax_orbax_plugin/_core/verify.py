@@ -92,10 +92,8 @@ def verify(
     thread, as each read is checked. ``memory_limit_bytes``: the host-memory ceiling of
     the reads (None: ``VERIFY_BUDGET_BYTES`` and one more read).
     """
-    limit = check_verify(step=step, all_steps=all_steps, memory_limit_bytes=memory_limit_bytes)[
-        "memory_limit_bytes"
-    ]  # OptionError naming one
-    budget = window_bytes(limit)
+    given = {"step": step, "all_steps": all_steps, "memory_limit_bytes": memory_limit_bytes}
+    budget = window_bytes(check_verify(**given)["memory_limit_bytes"])  # OptionError naming one
     if progress is not None and not callable(progress):
         raise OptionTypeError(f"progress: expected a function or None, found {progress!r:.60}")
     loc = Location.from_path(path)
