@@ -89,16 +89,13 @@ class ReadRequest:
         replicated leaves read shared. ``ceiling``: the manager's host-memory ceiling."""
         share = not own_copy and _distributed.process_count() > 1
         changes = changes or Changes()
-        limit = read_limit(ceiling)
+        limit = (
+            DEFAULT_READ_LIMIT_BYTES if ceiling is None else min(DEFAULT_READ_LIMIT_BYTES, ceiling)
+        )
         return cls(limit, share_reads=share, own_copy=own_copy, changes=changes, region=region)
 
     def replace(self, **fields: Any) -> ReadRequest:
         return dataclasses.replace(self, **fields)
-
-
-def read_limit(ceiling: int | None) -> int:
-    """Bytes of reads in flight: the default, never above ``ceiling`` (bytes, or None)."""
-    return DEFAULT_READ_LIMIT_BYTES if ceiling is None else min(DEFAULT_READ_LIMIT_BYTES, ceiling)
 
 
 def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int, size: int):
@@ -384,8 +381,9 @@ def _final_value(target: Target, host: np.ndarray) -> Any:
     if host.dtype != target.out_dtype:
         _onto_like.check(record.path, host, target.out_dtype, cast=target.cast)
         host = host.astype(target.out_dtype)
-    if like is None:
-        return _python_value(kind, host)
+    if like is None:  # a Python scalar saved: its type back
+        convert = _PYTHON_KINDS.get(kind)
+        return host if convert is None else convert(host[()])
     if isinstance(like, (bool, int, float, complex)):
         return type(like)(host[()])
     if isinstance(like, np.generic):
@@ -431,7 +429,8 @@ class Placer:
 
 
 def _put(items: list[tuple[Target, np.ndarray]], sharding: Any) -> list[jax.Array]:
-    if _direct_put and _one_device_memory(sharding):
+    one_device = isinstance(sharding, jax.sharding.SingleDeviceSharding)
+    if _direct_put and one_device and sharding.memory_kind in (None, "device"):
         return _put_on_one_device([host for _, host in items], sharding)
     if sharding.is_fully_addressable:
         return jax.device_put([host for _, host in items], sharding)
@@ -457,12 +456,6 @@ def cannot_place(path: str, dtype: Any, platform: str, error: Exception) -> Stru
         f"{platform} ({' '.join(str(error).split())[:200]}); read it to the host "
         "instead (a numpy array in like, or like=None)"
     )
-
-
-def _one_device_memory(sharding: Any) -> bool:
-    """Whether ``sharding`` is one device's default memory (not pinned host memory)."""
-    one = isinstance(sharding, jax.sharding.SingleDeviceSharding)
-    return one and sharding.memory_kind in (None, "device")
 
 
 def _put_on_one_device(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
@@ -495,18 +488,8 @@ def place(host: np.ndarray, sharding: Any) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _python_value(kind: str, host: np.ndarray) -> Any:
-    if kind == "py_int":
-        return int(host[()])
-    if kind == "py_float":
-        return float(host[()])
-    if kind == "py_bool":
-        return bool(host[()])
-    if kind == "py_complex":
-        return complex(host[()])
-    if kind == "np_scalar":
-        return host[()]
-    return host
+_SCALAR = {"py_int": int, "py_float": float, "py_bool": bool, "py_complex": complex}
+_PYTHON_KINDS = _SCALAR | {"np_scalar": lambda value: value}  # the rest: the array itself
 
 
 def sharding_of(target: Target) -> Any:

@@ -71,16 +71,6 @@ RESTORE: tuple[Option, ...] = (
 SERVING: tuple[Option, ...] = (STEP_OR_NONE, Option("item", "str"), _formats.MEMORY_LIMIT)
 
 
-def check_restore(**options: Any) -> dict[str, Any]:
-    """``fop.restore``'s options of :data:`RESTORE`, checked."""
-    return check(RESTORE, options)
-
-
-def check_serving(**options: Any) -> dict[str, Any]:
-    """``fop.restore_params``'s options of :data:`SERVING`, checked."""
-    return check(SERVING, options)
-
-
 RUN_GAP_INNER_CHUNKS = 1  # leaves closer than this many inner chunks: one read (gap too)
 
 
@@ -532,9 +522,8 @@ def read_request(
 ) -> ReadRequest:
     """The :class:`ReadRequest` of ``fop.restore``'s options, checked before anything is
     read. ``changes``: a front's own, already checked (then the four it holds not given)."""
-    check_restore(
-        memory_limit_bytes=memory_limit_bytes, share_replicated_reads=share_replicated_reads
-    )
+    given = {"memory_limit_bytes": memory_limit_bytes}
+    check(RESTORE, given | {"share_replicated_reads": share_replicated_reads})
     dry_run = flag("dry_run", dry_run)
     share = share_replicated_reads
     return ReadRequest(
