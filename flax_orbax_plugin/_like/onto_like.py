@@ -407,13 +407,7 @@ def near_miss(path: str, stored: Collection[str]) -> str:
 
 
 def _is_float(dtype: np.dtype) -> bool:
-    if dtype.kind in "biuc":
-        return False
-    try:
-        ml_dtypes.finfo(dtype)
-    except ValueError:
-        return False
-    return True
+    return _category(dtype) == "float"
 
 
 def is_lossless(src: Any, dst: Any) -> bool:
@@ -477,11 +471,6 @@ class Changes:
     @property
     def keep_missing(self) -> bool:
         return self.missing in ("keep", "keep_all")
-
-    @property
-    def nothing_may_match(self) -> bool:
-        """``missing="keep_all"``: a restore that matches no saved leaf only warns."""
-        return self.missing == "keep_all"
 
     def describe(self) -> str:
         """The options as given, for messages."""
@@ -633,7 +622,8 @@ def match(
         ]
     if problems:  # casts alone are refused by the read itself, naming a value
         raise mismatch(problems + casts, where)
-    if not any(_holds_data(records.get(path)) for path, _, _ in flat):
+    found = [records.get(path) for path, _, _ in flat]
+    if not any(f is not None and f[0] >= 0 and f[1].kind not in NO_DATA for f in found):
         like_paths = [
             p for p, _, _ in flat if p not in records or records[p][1].kind not in NO_DATA
         ]
@@ -671,11 +661,6 @@ def _missing(path: str, leaf: Any, records: dict, opts: Changes, problems: list[
     return None
 
 
-def _holds_data(found: tuple[int, Any] | None) -> bool:
-    """A saved leaf a read takes a value from (a leaf of like matched)."""
-    return found is not None and found[0] >= 0 and found[1].kind not in NO_DATA
-
-
 def check_matched(
     saved: list[str],
     like_paths: list[str] | None,
@@ -690,7 +675,7 @@ def check_matched(
     if not saved:
         return  # an empty checkpoint: nothing to match
     what = f"restore of {where} matched no saved {unit} ({opts.describe()})"
-    if opts.nothing_may_match:
+    if opts.missing == "keep_all":  # nothing may match, on purpose
         logger.warning(
             "checkpoint: %s; missing='keep_all' accepts it: every leaf of like keeps its "
             "own value and nothing is read",

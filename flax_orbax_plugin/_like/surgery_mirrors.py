@@ -34,7 +34,8 @@ def mirrored(ops: tuple[Any, ...], paths: Iterable[str]) -> tuple[Any, ...]:
     known = set(paths)
     out: list[Any] = []
     for op in ops:
-        for prefix in sorted(_prefixes(op, known)):
+        regex = re.compile(r"((?:[^/]+/)*?)" + _reads(op))
+        for prefix in sorted({m.group(1) for path in known if (m := regex.fullmatch(path))}):
             moved = _moved(op, prefix)
             out.append(moved)
             known.update(_made(moved))
@@ -52,11 +53,6 @@ def _reads(op: Any) -> str:
     head, _, tail = first.partition("{i}")
     regex = re.escape(head) + (_NUMBER + re.escape(tail) if "{i}" in first else "")
     return regex + (".*" if first.endswith("/") else "")
-
-
-def _prefixes(op: Any, known: set[str]) -> set[str]:
-    regex = re.compile(r"((?:[^/]+/)*?)" + _reads(op))
-    return {m.group(1) for path in known if (m := regex.fullmatch(path))}
 
 
 def _moved(op: Any, prefix: str) -> Any:

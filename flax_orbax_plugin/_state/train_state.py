@@ -290,17 +290,12 @@ def update_in_place(like: Any, restored: Any) -> Any:
         if len(restored) != len(like):
             return restored
         elements = [update_in_place(a, b) for a, b in zip(like, restored, strict=True)]
-        return like if all(map(operator.is_, like, elements)) else _rebuilt(like, elements)
+        if all(map(operator.is_, like, elements)):
+            return like
+        return type(like)._make(elements) if hasattr(like, "_make") else type(like)(elements)
     if type(like) is dict and type(restored) is dict and restored.keys() == like.keys():
         return {k: update_in_place(like[k], restored[k]) for k in like}
     return restored
-
-
-def _rebuilt(like: list | tuple, elements: list[Any]) -> Any:
-    """A sequence of ``like``'s type (a NamedTuple's too) holding ``elements``."""
-    if isinstance(like, tuple) and hasattr(like, "_make"):
-        return type(like)._make(elements)
-    return type(like)(elements)
 
 
 def nnx_state_as_dict(like: Any) -> tuple[Any, Any]:
