@@ -397,7 +397,6 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
         key = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index)
         by_index[key].append((device, index))
     pieces: list[jax.Array] = []
-    remaining = [len(by_index)]
     itemsize = target.dtype.itemsize
     if target.virtual is None:
         box = _bounding_box(list(by_index), shape, target.record.storage.chunk_shape)
@@ -406,41 +405,30 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
         aligned = len(regions) < 2 or _surgery_reads.on_chunks(target.virtual, regions)
         box = None if aligned else _bounding_box(list(by_index), shape, shape)
     if box is not None:  # this process's regions tile one box: read it once
-        box_index = tuple(slice(lo, hi) for lo, hi in box)
+        groups = [(box, list(by_index.items()))]
+    else:
+        groups = [(_bounds(key, shape), [(key, devices)]) for key, devices in by_index.items()]
+    remaining = [len(groups)]
+    for bounds, members in groups:
 
-        def done_box(data):
+        def done(data, bounds=bounds, members=members):
             if data.dtype != target.out_dtype:
                 _onto_like.check(target.record.path, data, target.out_dtype, cast=target.cast)
                 data = data.astype(target.out_dtype)
-            for key, devices in by_index.items():
+            for key, devices in members:
                 rel = tuple(
                     slice(lo - blo, hi - blo)
-                    for (lo, hi), (blo, _) in zip(_bounds(key, shape), box, strict=True)
+                    for (lo, hi), (blo, _) in zip(_bounds(key, shape), bounds, strict=True)
                 )
                 pieces.extend(
                     jax.device_put(data[rel], _on(device, sharding)) for device, _ in devices
                 )
-            target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
-
-        nbytes = math.prod(hi - lo for lo, hi in box) * itemsize
-        reader.submit(
-            read_region(fmt, store, target, direct, box_index), nbytes, done_box, on_error
-        )
-        return
-
-    for key, devices in by_index.items():
-        index = devices[0][1]
-        nbytes = math.prod(hi - lo for lo, hi in _bounds(key, shape)) * itemsize
-
-        def done(data, devices=devices):
-            if data.dtype != target.out_dtype:
-                _onto_like.check(target.record.path, data, target.out_dtype, cast=target.cast)
-                data = data.astype(target.out_dtype)
-            pieces.extend(jax.device_put(data, _on(device, sharding)) for device, _ in devices)
             remaining[0] -= 1
             if remaining[0] == 0:
                 target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
+        index = tuple(slice(lo, hi) for lo, hi in bounds)
+        nbytes = math.prod(hi - lo for lo, hi in bounds) * itemsize
         reader.submit(read_region(fmt, store, target, direct, index), nbytes, done, on_error)
 
 
