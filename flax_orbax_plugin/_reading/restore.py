@@ -21,7 +21,7 @@ import numpy as np
 from .._base import distributed as _distributed
 from .._base import host as _host
 from .._base.distributed import public
-from .._base.env import check, flag
+from .._base.env import check
 from .._core import restore as _restore
 from .._core.read_agreement import agree_on_read
 from .._core.reads import ReadRequest, place
@@ -312,26 +312,20 @@ def restore_params(
     changes = _onto_like.changes(
         partial=partial, missing=missing, transform=transform, surgery=surgery
     )
-    dry_run = flag("dry_run", dry_run)
-    _onto_like.check_policy(cast)
+    modes = {"dry_run": dry_run, "cast": cast, "changes": changes}  # each checked here
+    request = _restore.read_request(region=region, memory_limit_bytes=memory_limit_bytes, **modes)
     sharding = _checked_placement(dtype, sharding)
-    limit = memory_limit_bytes
-    job = _Serving(like, item, dtype, sharding, changes, cast, dry_run, region, limit)
-    return _serve(directory, step, job)
+    return _serve(directory, step, _Serving(like, item, dtype, sharding, request))
 
 
 class _Serving(NamedTuple):
-    """``restore_params``' options, checked."""
+    """``restore_params``' options, checked; ``request``: the read's (its modes)."""
 
     like: Any
     item: str
     dtype: Any
     sharding: Any
-    changes: _onto_like.Changes
-    cast: str
-    dry_run: bool
-    region: _distributed.Region | None
-    memory_limit_bytes: int | None
+    request: ReadRequest
 
 
 def _checked_placement(dtype: Any, sharding: Any) -> Any:
@@ -356,7 +350,7 @@ def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
     place = _steps.classify(loc, steps_first=True)
     steps = _steps.committed_of(loc, place.listing)  # (an unreadable step: warned)
     if step is None and _spans(directory, job.like, sharding=job.sharding):
-        step, steps = _agreed_latest(loc, steps, job.region)
+        step, steps = _agreed_latest(loc, steps, job.request.region)
     if not steps:
         if place.kind == _steps.ORBAX:
             return _orbax_params(directory, step, job)
@@ -380,22 +374,22 @@ def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> An
     like, placing = job.like, job.dtype is not None or job.sharding is not None
     target = _params_like(like) if job.item == "params" else _item_like(like, job.item)
     if target is None and placing:
-        if job.dry_run:  # the plan places leaves where like says: it read them all instead
+        if job.request.dry_run:  # the plan places leaves where like says: it read them all instead
             raise OptionError(
                 "dry_run=True with dtype= or sharding= needs like= (the plan says where "
                 "each leaf lands): give like=jax.eval_shape(...), or leave them out"
             )
         return _host_then_placed(params_loc, job)
     target, back = nnx_state_as_dict(target)  # an nnx.State like: read as its pure dict
-    changes = job.changes
+    changes = job.request.changes
     if changes.transform is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
         # params saved as an nnx.State (each leaf at <path>/value) into a module's form
         changes = dataclasses.replace(changes, transform=compile_transform({r"/value$": ""}))
     if target is not None and placing:
         target = retarget(target, job.dtype, job.sharding)
     try:
-        got = _restore.restore_with(params_loc, target, _request(job, changes))
-        return got if back is None or job.dry_run else back(got)
+        got = _restore.restore_with(params_loc, target, job.request.replace(changes=changes))
+        return got if back is None or job.request.dry_run else back(got)
     except CorruptCheckpointError as e:  # the latest is damaged: the older ones are named
         older = [s for s in steps if s < step][-3:]
         if older:
@@ -468,32 +462,24 @@ def _orbax_params(directory: Any, step: int | None, job: _Serving) -> Any:
             f"library's steps; read that Orbax item with fop.restore('{directory}/<step>/"
             f"{job.item}'), or convert the run first (fop.import_orbax)"
         )
-    changes = job.changes
-    if changes.keep_missing or changes.transform is not None or changes.surgery or job.dry_run:
+    changes, dry_run = job.request.changes, job.request.dry_run
+    if changes.keep_missing or changes.transform is not None or changes.surgery or dry_run:
         options = "missing=, transform=, surgery= and dry_run="
         raise _not_for_orbax(directory, options, "with fop.import_orbax(src, dst)")
     like = _params_like(job.like)
     if step is None and _restore.spans_processes(like, job.sharding):
-        step = agreed_latest(Location.from_path(directory), region=job.region)
-    placing = {"dtype": job.dtype, "sharding": job.sharding, "cast": job.cast}
+        step = agreed_latest(Location.from_path(directory), region=job.request.region)
+    placing = {"dtype": job.dtype, "sharding": job.sharding, "cast": job.request.cast}
     placing["partial"] = changes.partial
     return restore_orbax_params(directory, like, step=step, **placing)
 
 
-def _request(job: _Serving, changes: Any, *, onto: bool = True) -> Any:
-    """The read request of a serve (``onto``: with its cast and dry run)."""
-    modes = {"dry_run": job.dry_run, "cast": job.cast} if onto else {}
-    limit = job.memory_limit_bytes
-    return _restore.read_request(
-        region=job.region, memory_limit_bytes=limit, changes=changes, **modes
-    )
-
-
 def _host_then_placed(params_loc: Location, job: _Serving) -> Any:
     """Without ``like``: the params read to the host, then cast and placed."""
-    host = _restore.restore_with(params_loc, None, _request(job, job.changes, onto=False))
+    request = job.request.replace(cast="safe", dry_run=False)  # as saved: cast after
+    host = _restore.restore_with(params_loc, None, request)
     target = retarget(host, job.dtype, job.sharding)
-    _onto_like.check_tree(host, target, cast=job.cast)  # narrowing rounds; overflow raises
+    _onto_like.check_tree(host, target, cast=job.request.cast)  # narrowing rounds; overflow raises
 
     def placed(x, t):
         if isinstance(t, np.ndarray | np.generic):  # a host leaf (retarget's numpy template)
