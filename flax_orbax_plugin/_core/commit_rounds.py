@@ -1,11 +1,6 @@
-"""The commit of several processes, beyond the primary's own round (``_core.save``):
-each other process's round (:func:`other_round`: its status published, the outcome
-read, its staged files discarded unless committed), the primary's test of whether
-the processes' statuses agree (:func:`disagreement`) and, where the processes saved
-trees of another structure, the first leaf where they differ (:func:`structure_lines`,
-:func:`their_difference`); and :func:`discard`, every process's removal of its staged
-files after an outcome other than committed. A save of one process that commits reads
-none of it.
+"""The commit of several processes beyond the primary's own round (``_core.save``): the
+other processes' round, the test that their statuses agree, the first leaf where their
+trees differ, and the removal of staged files after an outcome other than committed.
 
 Threading: the save's background thread, every process in the same order.
 """
@@ -22,9 +17,8 @@ from .._errors import CoordinationError
 
 
 def other_round(op, status, abort, structure, region) -> str:
-    """Another process's side: publishes its status, reads the outcome (waiting longer
-    than the primary may spend on one status, so a missing process is reported by name
-    rather than as "late"), discards its staged files unless committed."""
+    """Another process's side: publishes its status, reads the outcome (waiting longer than
+    the primary may, so a missing process is named), discards its files unless committed."""
     _distributed.publish(f"{op}/status", status, region=region)
     wait = 2 * _distributed.stall_timeout(region=region)
     outcome = _distributed.broadcast_str(f"{op}/outcome", None, region=region, timeout_s=wait)
@@ -41,9 +35,8 @@ STRUCTURE = "tree of another structure"  # in the outcome when the digests diffe
 
 
 def disagreement(statuses: list[dict[str, Any]]) -> str | None:
-    """The primary's reading of every process's status (``_core.save``): ``disagree: ...``
-    naming the first process whose step, options or tree differ from process 0's, or
-    None when they agree."""
+    """``disagree: ...`` naming the first process whose step, options or tree differ from
+    process 0's, or None."""
     first = statuses[0]
     for p, s in enumerate(statuses[1:], start=1):
         if s["step"] != first["step"]:
@@ -71,9 +64,7 @@ def disagreement(statuses: list[dict[str, Any]]) -> str | None:
 
 
 def _first_difference(op: str, mine: list[str], region, p: int = 0, timeout_s=None) -> str:
-    """``; here ...``: the first leaf where this process's tree differs from process
-    ``p``'s (the primary's, published with the outcome), or nothing when it cannot be
-    read."""
+    """``; here ...``: the first leaf where this tree differs from process ``p``'s, or ""."""
     try:
         got = _distributed.get_from(f"{op}/structure", p, region=region, timeout_s=timeout_s)
         theirs = json.loads(got)
@@ -85,9 +76,7 @@ def _first_difference(op: str, mine: list[str], region, p: int = 0, timeout_s=No
 def their_difference(
     op: str, outcome: str, mine: list[str], region: _distributed.Region | None
 ) -> str:
-    """The primary's side of :func:`_first_difference`: the process the outcome names
-    publishes its leaves once it read the outcome (waited for a few seconds at most:
-    nothing when it is gone)."""
+    """The primary's side of :func:`_first_difference` (waits seconds at most)."""
     found = re.search(r"process ([0-9]+) saved a " + STRUCTURE, outcome)
     if found is None:
         return ""
@@ -108,8 +97,7 @@ def _difference(mine: list[str], theirs: list[str], p: int) -> str:
 
 
 def discard(abort: Callable[[], None], outcome: str) -> str:
-    """Removes this process's staged files after a failed outcome; a removal that fails
-    too is added to the outcome (reported with it), never passed over in silence."""
+    """Removes this process's staged files after a failed outcome; a failure is added to it."""
     try:
         abort()
     except Exception as e:  # noqa: BLE001
@@ -119,8 +107,7 @@ def discard(abort: Callable[[], None], outcome: str) -> str:
 
 
 def structure_lines(leaves: list) -> list[str]:
-    """One line per leaf (path, kind, dtype and shape): what :func:`_digest` covers, in
-    words, so that a structure that differs between processes can be named."""
+    """One line per leaf (what the structure digest covers), to name a difference."""
     out = []
     for leaf in leaves:
         r = leaf.record

@@ -1,10 +1,7 @@
-"""The device copies of a save of accelerator arrays: which staging a platform takes
-(:func:`staging_for`: device, pinned or host), the device staging's copy of every
-array on its own devices (:func:`snapshot`, the blocking phase) and its transfer to host
-in pieces when the writer gets to a region (:class:`OnDevice`, :func:`fetch`, the
-background phase), and the regions started on their way to host (:func:`start`:
-pinned, host, or streamed under a budget; a :class:`Deferred` until read). A save of
-host (numpy or CPU) arrays takes none of it (``host_snapshot``: its host copies).
+"""The device copies of a save of accelerator arrays: the staging a platform takes, the
+copy on its own devices (:func:`snapshot`, blocking phase), its transfer to host in
+pieces (:func:`fetch`, background phase), and regions started on their way to host
+(:func:`start`). A save of host arrays takes none of it.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """
@@ -20,11 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 CPU_AS_DEVICE = False  # treat CPU arrays as device arrays (exercises this path on CPU)
-
-
 FETCH_PIECE = 16 << 20  # bytes of one background transfer of the device staging
-
-
 SNAPSHOT_HEADROOM = 0.9  # the device copy takes at most this share of a device's free memory
 
 
@@ -54,11 +47,9 @@ def free_bytes(device: Any) -> int | None:
 
 
 def snapshot(arrays: list) -> tuple[list | None, str]:
-    """A copy of every array of ``arrays`` on its own devices (enqueued: one jitted call
-    per local device over the shards it holds, each array then reassembled from its
-    copied shards), or (None, why) where some device lacks the memory for it. Called in
-    the blocking phase, on the saving thread; reads no device value. No collective: with
-    several processes each copies its own shards and decides its fallback alone."""
+    """A copy of every array on its own devices (one jitted call per local device), or
+    (None, why) where a device lacks the memory. Blocking phase, saving thread; no
+    collective (each process copies its own shards and decides its fallback alone)."""
     need: dict[Any, int] = {}
     for x in arrays:
         for shard in x.addressable_shards:
@@ -118,11 +109,9 @@ class Deferred:
 
 
 def start(data: jax.Array, part: tuple[slice, ...] | None, *, kind: str) -> Deferred:
-    """The region ``part`` (None: all) of the single-device array ``data``, as the
-    staging ``kind`` says: ``streamed``, copied on the device; ``pinned``, its copy into
-    pinned host memory enqueued (``host`` where the device has none); ``host``, its
-    ``copy_to_host_async`` started (the caller reads it before the blocking phase ends:
-    a donation would delete ``data``)."""
+    """The region ``part`` (None: all) of single-device ``data``, started as ``kind`` says:
+    ``streamed`` (a device copy), ``pinned`` (into pinned host memory, else ``host``),
+    ``host`` (``copy_to_host_async``: read before the blocking phase ends)."""
     if kind == "streamed":  # a copy on the device, which no donation of ``data`` invalidates
         return Deferred(jnp.copy(data) if part is None else data[part])
     region = data if part is None else data[part]
@@ -135,9 +124,8 @@ def start(data: jax.Array, part: tuple[slice, ...] | None, *, kind: str) -> Defe
 
 
 def fetch(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
-    """Host bytes of the region ``part`` (None: all) of the single-device array
-    ``data``, brought over in pieces of whole rows of at most :data:`FETCH_PIECE`
-    bytes, one in flight at a time (background phase, device staging)."""
+    """Host bytes of the region ``part`` of single-device ``data``, in pieces of whole rows
+    of at most :data:`FETCH_PIECE` bytes, one at a time (background phase)."""
     region = data if part is None else data[part]
     shape = tuple(region.shape)
     if not shape or region.nbytes <= FETCH_PIECE or shape[0] <= 1:
@@ -150,10 +138,8 @@ def fetch(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
 
 
 class OnDevice(Deferred):
-    """The region ``part`` of a device copy (the device staging), brought to host by
-    :func:`fetch` when the background writer gets to it: the transfer of one region
-    overlaps the writes of those before it, and no more than the writes in flight is
-    held in host memory."""
+    """The region ``part`` of a device copy, brought to host by :func:`fetch` when the
+    writer gets to it (transfers overlap the writes before them)."""
 
     __slots__ = ("part",)
 

@@ -1,9 +1,6 @@
 """Format version 1 (one file per chunk, a ``zarr.json`` per array and batch): its
-``Format`` (:data:`CHUNK_FILES`: write, reuse, reader, array and batch reads) and its
-write (:func:`write_data`: the zarr arrays created by the primary, chunks written
-through the direct chunk writer or tensorstore, unchanged leaves linked or copied on
-the server). A save writes it on request (``format_version=1``) and in a directory per
-host; the default format (version 2) is ``formats``'s, the seam.
+``Format`` (:data:`CHUNK_FILES`) and its write (:func:`write_data`). Written on request
+(``format_version=1``) and in a directory per host; the seam is ``formats``.
 
 Called on the save's background thread (write) and the restoring thread (reads).
 """
@@ -12,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import threading
 from typing import Any
 
 from .._base import env as _env
@@ -48,16 +44,7 @@ class ChunkFiles:
         self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
     ) -> tuple:
         links = {} if found is None else _links(location, *found)
-        written, reused = write_data(
-            location,
-            leaves,
-            snap.batches,
-            snap.batch_data,
-            primary=primary,
-            limit=snap.request.limit,
-            links=links,
-            cancelled=snap.request.cancelled,
-        )
+        written, reused = write_data(location, leaves, snap, primary=primary, links=links)
         return written, {}, reused
 
     def reuser(self, location: Location) -> Any:
@@ -92,9 +79,7 @@ class ChunkFiles:
 
 
 def _links(location: Location, way, source: Location, unchanged: list) -> dict[int, Any]:
-    """``{leaf index: link()}`` (version 1): ``link()`` links or copies this process's
-    chunks of the leaf and returns the bytes reused, or None when it must write its
-    regions after all."""
+    """``{leaf index: link()}``: links or copies the leaf's chunks; the bytes reused or None."""
     return {
         leaf.index: functools.partial(
             way,
@@ -115,20 +100,13 @@ _LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied conc
 
 
 def write_data(
-    staging: Location,
-    leaves: list,
-    batches: dict[str, BatchRecord],
-    batch_data: dict[str, Any],
-    *,
-    primary: bool,
-    limit: int,
-    links: dict[int, Any],
-    cancelled: threading.Event | None = None,
+    staging: Location, leaves: list, snap: Any, *, primary: bool, links: dict[int, Any]
 ) -> tuple[int, int]:
-    """Writes this process's chunks (and, on the primary, every zarr.json), linking or
-    copying the leaves in ``links`` instead where it can; returns (bytes written, bytes
-    reused). Takes the batches it writes out of ``batch_data``. Stops (KeyboardInterrupt)
-    at the next region once ``cancelled`` is set."""
+    """Writes this process's chunks of ``snap`` (the primary: every zarr.json too), linking
+    or copying the leaves in ``links``; returns (bytes written, bytes reused). Takes its
+    batches out of ``snap.batch_data``; stops (KeyboardInterrupt) at the next region once
+    the request is cancelled."""
+    batches = snap.batches
     arrays = [
         (leaf, _arrays.leaf_spec(staging, leaf.index, leaf.record))
         for leaf in leaves
@@ -137,21 +115,19 @@ def write_data(
     batch_specs = [(name, _arrays.batch_spec(staging, b)) for name, b in batches.items()]
     if primary:
         _create(arrays + batch_specs)
-    # Links or server-side copies (after the zarr.json files exist: they go beside
-    # them) run on helper threads while the changed leaves are written; a leaf whose
-    # link or copy fails is written after them.
+    # links or copies run on helper threads while the changed leaves are written; a leaf
+    # whose link or copy fails is written after them
     linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
     linker, linked = _start_links(staging, linking, links)
-    # Plain arrays and batches on local disk: ChunkFileWriter (no chunk-buffer copy,
-    # writeback started per file); the rest, and any region it declines: tensorstore.
+    # local plain arrays and batches: ChunkFileWriter; the rest, or a region it declines: ts
     writer = _chunk_writer.ChunkFileWriter(staging.path) if _chunk_files.usable(staging) else None
     jobs = [
         _array_job(leaf, spec, writer)
         for leaf, spec in arrays
         if leaf.writes and leaf.index not in links
     ]
-    jobs += _host_snapshot.batch_jobs(batch_specs, batches, batch_data, writer)
-    pending = _host_snapshot.WritesInFlight(limit, cancelled)
+    jobs += _host_snapshot.batch_jobs(batch_specs, batches, snap.batch_data, writer)
+    pending = _host_snapshot.WritesInFlight(snap.request.limit, snap.request.cancelled)
     total = sum(int(getattr(d, "nbytes", 0) or 0) for _, writes, _ in jobs for _, d in writes)
     doing = pending.report(total)
     try:
@@ -172,8 +148,7 @@ def write_data(
 
 
 def _start_links(staging: Location, linking: list, links: dict[int, Any]):
-    """(the helper pool: one thread on local disk, a few leaves at once on object stores;
-    one future per leaf of ``linking``), or (None, []) for none."""
+    """(the helper pool, one future per leaf of ``linking``), or (None, []) for none."""
     if not linking:
         return None, []
     workers = 1 if staging.is_local else _LEAVES_COPIED_AT_ONCE
@@ -188,8 +163,7 @@ def _start_links(staging: Location, linking: list, links: dict[int, Any]):
 def _write_unlinked(
     pending: _host_snapshot.WritesInFlight, linking: list, linked: list, writer
 ) -> int:
-    """Writes the leaves of ``linking`` whose link or copy failed, once each is known;
-    returns the bytes the others reused."""
+    """Writes the leaves whose link or copy failed; returns the bytes the others reused."""
     jobs, reused = [], 0
     for (leaf, spec), future in zip(linking, linked, strict=True):
         nbytes = future.result()

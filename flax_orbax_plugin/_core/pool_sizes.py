@@ -1,8 +1,5 @@
 """The pooled host buffers one save takes, sized ahead from a tree like the one it saves
-(:func:`pool_sizes`: for ``BufferPool.reserve``, a manager's reserved host buffers):
-each batch of small leaves this process writes and each region it copies of a CPU or
-numpy leaf stored as its own array. Reads no array data, allocates nothing; a save
-itself never asks.
+(for ``BufferPool.reserve``). Reads no array data, allocates nothing.
 
 Threading: any thread (pure: plans a stand-in tree, as the save would).
 """
@@ -25,15 +22,9 @@ from .plan import Plan
 
 
 def pool_sizes(like: Any, request: SaveRequest) -> list[int]:
-    """The byte sizes of the pooled host buffers one save of a tree like ``like`` takes
-    (its arrays, or ``jax.ShapeDtypeStruct`` leaves: ``jax.eval_shape`` of it), as
-    ``request`` says; for ``BufferPool.reserve``. Reads no array data, allocates
-    nothing. A ShapeDtypeStruct spread over several devices is refused (pass the state
-    itself: its shards decide the regions)."""
-    return _buffer_sizes(*_sizing_plan(like, request), own_copy=request.own_copy)
+    """The byte sizes of the pooled host buffers one save of ``like`` (arrays, or
+    ShapeDtypeStructs on one device) takes, as ``request`` says."""
 
-
-def _sizing_plan(like: Any, request: SaveRequest) -> tuple[list, dict]:
     def stand_in(path, x):
         if not isinstance(x, jax.ShapeDtypeStruct):
             return x
@@ -49,14 +40,12 @@ def _sizing_plan(like: Any, request: SaveRequest) -> tuple[list, dict]:
     tree = jax.tree_util.tree_map_with_path(stand_in, like)
     with _tree.paused_gc():
         plan = Plan.build(tree, request)
-    return plan.leaves, plan.batches
+    return _buffer_sizes(plan.leaves, plan.batches, own_copy=request.own_copy)
 
 
 def _buffer_sizes(leaves: list, batches: dict[str, BatchRecord], own_copy: bool = False) -> list:
-    """The byte size of every buffer :func:`take` with a pool takes for these leaves (a
-    plan's) and batches: each batch this process writes, each region it copies of a CPU
-    or numpy leaf stored as its own array (accelerator regions go to pinned memory, not
-    to the pool). Reads no array data."""
+    """The byte size of every pooled buffer for a plan's leaves and batches: each batch this
+    process writes, each region it copies of a host leaf stored as its own array."""
     me = _distributed.process_index()
     writers = {n: b.process for n, b in batches.items()}
     if own_copy:

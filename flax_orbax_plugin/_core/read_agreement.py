@@ -25,15 +25,14 @@ _SHOWN_LEAVES = 4000  # leaves named in the second round (a digest beyond them)
 
 
 def agree_on_read(location: Location, like: Any, request: ReadRequest) -> None:
-    """Raises CoordinationError on every process when the processes of this collective
-    read differ in what they read (see the module docstring); returns otherwise. Called
-    in a collective region only (``request.region``), for a read of no host's own
-    directory."""
-    leaves = _like_leaves(like)
+    """Raises CoordinationError on every process when the processes of this collective read
+    (``request.region``) differ in the path, options or like they read."""
+    flat = [] if like is None else _tree.flatten(like)[0]
+    leaves = [f"{path} {_describe(leaf)}" for path, _, leaf in flat]
     mine = {
         "checkpoint": str(location),
         "options": f"cast={request.cast!r}, {request.changes.describe()}",
-        "like": _digest(leaves),
+        "like": _layout.sha256("\n".join(leaves).encode()),
     }
     views = _distributed.gather_json("read-agreement", mine, region=request.region)
     for field in ("checkpoint", "options", "like"):
@@ -49,13 +48,6 @@ def agree_on_read(location: Location, like: Any, request: ReadRequest) -> None:
         )
 
 
-def _like_leaves(like: Any) -> list[str]:
-    if like is None:
-        return []
-    flat, _ = _tree.flatten(like)
-    return [f"{path} {_describe(leaf)}" for path, _, leaf in flat]
-
-
 def _describe(leaf: Any) -> str:
     shape = getattr(leaf, "shape", None)
     dtype = getattr(leaf, "dtype", None)
@@ -69,13 +61,8 @@ def _describe(leaf: Any) -> str:
     return f"{list(shape)} {dtype} {placed}"
 
 
-def _digest(leaves: list[str]) -> str:
-    return _layout.sha256("\n".join(leaves).encode())
-
-
 def _like_difference(leaves: list[str], region: _distributed.Region | None) -> str:
-    """The message for likes that differ: every process names its leaves (a second
-    round, taken by all, since all saw the digests differ), compared in order."""
+    """The message for likes that differ (a second round: every process names its leaves)."""
     views = _distributed.gather_json("read-agreement-leaves", leaves[:_SHOWN_LEAVES], region=region)
     first = views[0]
     for p, other in enumerate(views[1:], start=1):

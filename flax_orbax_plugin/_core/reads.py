@@ -1,7 +1,5 @@
-"""How one pytree is read (:class:`ReadRequest`, the frozen record of a read's modes),
-a restore's targets (checked against ``like``), the metadata's claims checked, and the
-pieces every read uses (fresh host arrays, in-order reads under a budget, read errors,
-the plain and sliced reads the formats share).
+"""How one pytree is read (:class:`ReadRequest`), a restore's targets checked against
+``like``, the metadata's claims checked, and the pieces every read uses.
 
 Threading: the restoring (calling) thread only.
 
@@ -39,6 +37,7 @@ from .._format.layout import (
 from .._format.layout.records import show
 from .._like import onto_like as _onto_like
 from .._like.onto_like import Changes, check_policy
+from .._like.onto_like import describe as _describe
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
@@ -46,27 +45,22 @@ from .._zarr import packed_reader as _packed_reader
 from .._zarr import subbyte as _subbyte
 from .._zarr.chunks import CHUNK_DIR
 
-# Reads in flight beyond the restored arrays themselves. Small: reading leaves one
-# after another (each with tensorstore's chunk-level parallelism) is as fast as
-# reading them all at once on few cores, and keeps peak memory near the result's.
+# Reads in flight beyond the result. Small: leaves read one after another (each with
+# tensorstore's chunk parallelism) are as fast on few cores, and keep peak memory low.
 DEFAULT_READ_LIMIT_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class ReadRequest:
-    """How one pytree is read (the options of ``fop.restore``, checked, plus what a
-    manager adds).
+    """How one pytree is read: ``fop.restore``'s options, checked, plus a manager's.
 
-    ``memory_limit_bytes``: reads in flight; ``cast``: ``"safe"`` (no cast that changes
-    a value) or ``"unsafe"``; ``share_reads``: processes read a replicated leaf
-    together (each its rows, then an all-gather; collective); ``own_copy``: a host's own
-    directory (each process reads alone; an array read onto a sharded ``like`` holds
-    only this host's chunks, so its claims are not checked against the whole array);
-    ``changes``: a restore into a changed model (``partial``, ``missing``,
-    ``transform``, ``surgery``); ``dry_run``: return the plan of the read
-    (``RestorePlan``), reading no array data; ``region``: the collective operation the
-    read is part of (``_base.regions``; its processes agree on what they read), or None
-    (one process, or a read one process may make alone).
+    ``memory_limit_bytes``: reads in flight; ``cast``: ``"safe"`` or ``"unsafe"``;
+    ``share_reads``: processes read a replicated leaf together (each its rows, then an
+    all-gather; collective); ``own_copy``: a host's own directory (each process reads
+    alone; a sharded array's claims are not checked against the whole array);
+    ``changes``: a restore into a changed model; ``dry_run``: return the
+    ``RestorePlan``, reading no data; ``region``: the collective operation the read is
+    part of (``_base.regions``), or None (a read one process may make alone).
     """
 
     memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
@@ -91,28 +85,21 @@ class ReadRequest:
         region: _distributed.Region | None,
         ceiling: int | None = None,
     ) -> ReadRequest:
-        """The request of a manager step's items, in the manager restore's ``region``:
-        each host's own directory is read by each process alone (no collective); else
-        replicated leaves are read shared. ``ceiling``: the manager's host-memory ceiling
-        in bytes (its reads in flight stay under it: ``read_limit``), or None."""
+        """The request of a manager step's items: a host's own directory read alone, else
+        replicated leaves read shared. ``ceiling``: the manager's host-memory ceiling."""
         share = not own_copy and _distributed.process_count() > 1
         changes = changes or Changes()
-        limit = read_limit(ceiling)
+        limit = (
+            DEFAULT_READ_LIMIT_BYTES if ceiling is None else min(DEFAULT_READ_LIMIT_BYTES, ceiling)
+        )
         return cls(limit, share_reads=share, own_copy=own_copy, changes=changes, region=region)
 
     def replace(self, **fields: Any) -> ReadRequest:
         return dataclasses.replace(self, **fields)
 
 
-def read_limit(ceiling: int | None) -> int:
-    """Bytes of reads in flight under a host-memory ``ceiling`` (bytes, or None): the
-    default (:data:`DEFAULT_READ_LIMIT_BYTES`), never above the ceiling."""
-    return DEFAULT_READ_LIMIT_BYTES if ceiling is None else min(DEFAULT_READ_LIMIT_BYTES, ceiling)
-
-
 def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int, size: int):
-    """A read of elements ``[off, off + size)`` of a version-2 batch: the batch files
-    holding them, then the slice."""
+    """A read of elements ``[off, off + size)`` of a version-2 batch."""
     chunk = int(batch.chunk)
     files = range(off // chunk, -(-(off + size) // chunk)) if size else range(0)
     dtype = _layout.dtype_from_name(batch.dtype)
@@ -126,18 +113,12 @@ def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int
 def check_claims(
     location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool
 ) -> None:
-    """Checks that the chunk files of every array and batch that ``targets`` read hold
-    at least the bytes their metadata claims, before anything sized by a claim is
-    allocated (a resealed, checksum-valid ``_METADATA.json`` may claim any shape):
-    a CorruptCheckpointError naming the file, the field and what is on disk otherwise.
-    Local disks only (object stores list no sizes: a read there is bounded by the
-    ``zarr.json`` agreement and tensorstore's own per-chunk checks). One ``stat`` per
-    existing chunk file; nothing per claimed element or chunk.
-
-    ``own_copy``: a host's own copy of a manager step (each host its own directory)
-    holds the chunks of its own regions only: an array read onto a ``like`` with a
-    sharding (sized by the caller, each process reading its own regions) is not checked
-    against the whole claim."""
+    """Checks that the chunk files every target reads hold at least the bytes the metadata
+    claims, before anything sized by a claim is allocated (a resealed metadata may claim
+    any shape); else a CorruptCheckpointError naming the file, the field and what is on
+    disk. Local disks only (object stores list no sizes); one ``stat`` per chunk file.
+    ``own_copy``: a host's own copy holds its own regions only: a sharded array there is
+    not checked against the whole claim."""
     if not location.is_local:
         return
     where = f"{location}/{METADATA_FILE}"
@@ -164,8 +145,7 @@ def check_claims(
 
 
 def _array_needed(record) -> tuple[Any, tuple[int, int]]:
-    """A leaf's record as stored (a packed leaf's bytes) and the (chunk files, bytes)
-    its claim needs."""
+    """A leaf's record as stored and the (chunk files, bytes) its claim needs."""
     record = _subbyte.stored(record)
     storage = record.storage
     itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
@@ -200,10 +180,8 @@ def _check_claim(location, sub: str, needed, where: str, field: str, claim) -> N
 
 
 def check_packed_claims(location: Location, doc: CheckpointDocument, targets: list, packed) -> None:
-    """Format version 2: the data indexes list at least the chunks and bytes that every
-    array and batch ``targets`` read claims (each listed segment lies inside its data
-    file, checked when the reader opened them on a local disk), before anything sized
-    by a claim is allocated."""
+    """Format version 2: the data indexes list at least the chunks and bytes every target
+    claims, checked before anything sized by a claim is allocated."""
     where = f"{location}/{METADATA_FILE}"
     seen: set[str] = set()
     for target in targets:
@@ -226,8 +204,7 @@ def check_packed_claims(location: Location, doc: CheckpointDocument, targets: li
 
 
 def _check_dtype(packed, sub: str, claim: str, where: str, field: str) -> None:
-    """The dtype the metadata claims is the one the data index says the bytes were
-    written as (an index written before dtypes were recorded names none)."""
+    """The metadata's dtype is the data index's (an older index names none)."""
     found = packed.dtypes.get(sub)
     if found is not None and found != claim:
         raise CorruptCheckpointError(
@@ -269,16 +246,6 @@ class Target:
     # a leaf layout surgery made (``_like.surgery.Made``): read through its node's
     # pieces; ``record`` is then its stand-in (shape and dtype, no storage)
     virtual: Any = None
-
-
-def _describe(x: Any) -> str:
-    if x is None:
-        return "None"
-    shape = getattr(x, "shape", None)
-    dtype = getattr(x, "dtype", None)
-    if shape is not None:
-        return f"{type(x).__name__}(shape={tuple(shape)}, dtype={dtype})"
-    return type(x).__name__
 
 
 def make_target(index: int, record: LeafRecord, like: Any, *, cast: str) -> Target:
@@ -357,8 +324,7 @@ def _empty_target(target: Target) -> Target:
 
 
 def add_missing_empties(flat: list, records: dict[str, tuple[int, LeafRecord]]) -> None:
-    """Empty nodes of ``like`` that a checkpoint does not record (written before empty
-    nodes were recorded) hold no data: they are restored as they are in ``like``."""
+    """Empty nodes of ``like`` an older checkpoint does not record: restored as in ``like``."""
     for path, keys, leaf in flat:
         if path not in records and _tree.is_empty_node(leaf):
             kind = _tree.empty_kind(leaf)
@@ -366,8 +332,7 @@ def add_missing_empties(flat: list, records: dict[str, tuple[int, LeafRecord]]) 
 
 
 def _check_key_like(record: Any, like: Any) -> None:
-    """A saved PRNG key array restores only into a key of its own impl (a key's words
-    mean nothing under another impl: no cast), before anything is read."""
+    """A saved PRNG key array restores only into a key of its own impl (no cast)."""
     if like is None:
         return
     shape, dtype = _onto_like.template_of(record.path, like)
@@ -387,8 +352,7 @@ def _check_key_like(record: Any, like: Any) -> None:
 
 
 def finish(target: Target, host: np.ndarray, placer: Placer) -> None:
-    """Turns host data into the leaf's final form (cast, scalar) in ``target.result``;
-    device placement goes through ``placer``."""
+    """Host data into ``target.result`` in its final form; device placement via ``placer``."""
     value = _final_value(target, host)
     if isinstance(value, tuple):  # (host, sharding): batched device_put
         placer.add(target, *value)
@@ -417,8 +381,9 @@ def _final_value(target: Target, host: np.ndarray) -> Any:
     if host.dtype != target.out_dtype:
         _onto_like.check(record.path, host, target.out_dtype, cast=target.cast)
         host = host.astype(target.out_dtype)
-    if like is None:
-        return _python_value(kind, host)
+    if like is None:  # a Python scalar saved: its type back
+        convert = _PYTHON_KINDS.get(kind)
+        return host if convert is None else convert(host[()])
     if isinstance(like, (bool, int, float, complex)):
         return type(like)(host[()])
     if isinstance(like, np.generic):
@@ -449,9 +414,7 @@ class Placer:
     def flush(self) -> None:
         if not self.pending:
             return
-        # One call per sharding: jax.device_put with one sharding for a whole list
-        # skips broadcasting a list of shardings over it (a third of its time for
-        # thousands of small leaves).
+        # one call per sharding: no broadcast of shardings over the list (a third of the time)
         groups: dict[Any, list[tuple[Target, np.ndarray]]] = {}
         for target, host, sharding in self.pending:
             groups.setdefault(sharding, []).append((target, host))
@@ -466,7 +429,8 @@ class Placer:
 
 
 def _put(items: list[tuple[Target, np.ndarray]], sharding: Any) -> list[jax.Array]:
-    if _direct_put and _one_device_memory(sharding):
+    one_device = isinstance(sharding, jax.sharding.SingleDeviceSharding)
+    if _direct_put and one_device and sharding.memory_kind in (None, "device"):
         return _put_on_one_device([host for _, host in items], sharding)
     if sharding.is_fully_addressable:
         return jax.device_put([host for _, host in items], sharding)
@@ -474,9 +438,8 @@ def _put(items: list[tuple[Target, np.ndarray]], sharding: Any) -> list[jax.Arra
 
 
 def _unplaceable(items: list, sharding: Any, error: Exception) -> Exception:
-    """The leaf of ``items`` that jax cannot place (a dtype its backend does not hold,
-    float6 on CPU), as a StructureError naming it; ``error`` itself when none fails
-    alone."""
+    """The leaf of ``items`` jax cannot place (float6 on CPU) as a StructureError naming
+    it; ``error`` itself when none fails alone."""
     for target, host in items:
         try:
             _put([(target, host)], sharding)
@@ -487,8 +450,7 @@ def _unplaceable(items: list, sharding: Any, error: Exception) -> Exception:
 
 
 def cannot_place(path: str, dtype: Any, platform: str, error: Exception) -> StructureError:
-    """Leaf ``path``'s ``dtype`` that jax refused (``error``) to place on ``platform``:
-    the one text of every reader (``fop.restore``, ``fop.from_safetensors``)."""
+    """Leaf ``path``'s ``dtype`` jax refused to place on ``platform``, for every reader."""
     return StructureError(
         f"leaf {path!r}: jax cannot place a {dtype} array on "
         f"{platform} ({' '.join(str(error).split())[:200]}); read it to the host "
@@ -496,22 +458,10 @@ def cannot_place(path: str, dtype: Any, platform: str, error: Exception) -> Stru
     )
 
 
-def _one_device_memory(sharding: Any) -> bool:
-    """Whether ``sharding`` is one device's default memory (not pinned host memory)."""
-    return isinstance(sharding, jax.sharding.SingleDeviceSharding) and sharding.memory_kind in (
-        None,
-        "device",
-    )
-
-
 def _put_on_one_device(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
-    """``hosts`` onto the one device of ``sharding``, one transfer each, without
-    ``jax.device_put``'s per-array dispatch (its checks, aval updates and broadcasting
-    of the target over the list: ~70 us an array, against ~25 us here): the call
-    jax's own ``device_put`` makes for a numpy array onto one device
-    (``pxla.batched_device_put``), with one abstract value per (shape, dtype).
-    The arrays are committed to the device, as ``jax.device_put`` makes them; a dtype
-    that jax canonicalizes (float64 without x64) goes through ``jax.device_put``."""
+    """``hosts`` onto the one device of ``sharding`` by the call ``jax.device_put`` makes
+    (``batched_device_put``), without its per-array dispatch (~70 us an array, here ~25);
+    committed as jax's are. A dtype jax canonicalizes goes through ``jax.device_put``."""
     device = next(iter(sharding.device_set))
     avals: dict[tuple, Any] = {}
     out = []
@@ -530,28 +480,16 @@ def _put_on_one_device(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array
 
 
 def place(host: np.ndarray, sharding: Any) -> jax.Array:
-    """``host`` (the same on every process) onto ``sharding``, from this process's own
-    shards: no collective. ``jax.device_put`` onto devices of other processes checks that
-    every process holds the same value, an all-gather the others may never enter (one
-    that failed before it, to learn of at the restore's agreement): they would wait in
-    it, where no failure is seen (``_base.regions``)."""
+    """``host`` (the same on every process) onto ``sharding`` from this process's own
+    shards: no collective (``jax.device_put`` would all-gather to compare, which a process
+    that failed earlier never enters)."""
     if sharding.is_fully_addressable:
         return jax.device_put(host, sharding)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _python_value(kind: str, host: np.ndarray) -> Any:
-    if kind == "py_int":
-        return int(host[()])
-    if kind == "py_float":
-        return float(host[()])
-    if kind == "py_bool":
-        return bool(host[()])
-    if kind == "py_complex":
-        return complex(host[()])
-    if kind == "np_scalar":
-        return host[()]
-    return host
+_SCALAR = {"py_int": int, "py_float": float, "py_bool": bool, "py_complex": complex}
+_PYTHON_KINDS = _SCALAR | {"np_scalar": lambda value: value}  # the rest: the array itself
 
 
 def sharding_of(target: Target) -> Any:
@@ -564,8 +502,7 @@ def sharding_of(target: Target) -> Any:
 
 
 def deleted_or(location: Location, error: Exception) -> Exception:
-    """``error``, or a StepDeletedError when the checkpoint's commit marker is gone (the
-    writer's retention removed it while this process was reading)."""
+    """``error``, or a StepDeletedError when the commit marker is gone (retention)."""
     try:
         if location.exists(COMMIT_FILE) or location.parent.exists(_layout.MANIFEST_FILE):
             return error
@@ -580,9 +517,7 @@ def deleted_or(location: Location, error: Exception) -> Exception:
 
 
 def step_deleted_or(directory: Location, step: int, error: Exception) -> Exception:
-    """``error``, or a StepDeletedError when ``step`` is no longer a committed step of
-    the manager's ``directory`` (another process's retention deleted it while this one
-    read it)."""
+    """``error``, or a StepDeletedError when ``step`` of ``directory`` is no longer committed."""
     try:  # listed afresh: another process may have deleted it
         if isinstance(error, StepDeletedError) or step in _steps.committed_steps(directory):
             return error
@@ -595,8 +530,7 @@ def step_deleted_or(directory: Location, step: int, error: Exception) -> Excepti
 
 
 class ReadInto:
-    """A read straight into a new numpy array (tensorstore copies chunk by chunk into it,
-    without a second whole-array buffer)."""
+    """A read straight into a new numpy array (no second whole-array buffer)."""
 
     def __init__(self, view, dtype: np.dtype | None = None):
         """``dtype``: the leaf's, where its array stores a stand-in (``DTYPES[...].zarr``)."""
@@ -647,9 +581,8 @@ class Reader:
 
 
 def raise_environmental(error: Exception) -> None:
-    """Raises the OSError ``error`` stands for when it is no proof of damage (EMFILE,
-    EIO, EACCES, a timeout, a refused connection: see ``_arrays.environmental``), so
-    that no intact checkpoint is reported (and set aside) as damaged."""
+    """Raises the OSError ``error`` stands for when it is no proof of damage (EMFILE, EIO,
+    a timeout: ``_arrays.environmental``): no intact checkpoint is reported damaged."""
     env = _arrays.environmental(error)
     if env is error:
         raise error
@@ -667,8 +600,7 @@ def corrupt(paths: list[str], location: Location, error: Exception) -> CorruptCh
 
 
 def open_array(spec: dict[str, Any], location: Location, paths: list[str]):
-    """Opens a stored array, checking its ``zarr.json`` agrees with the metadata (shape,
-    dtype, chunks, codecs); a mismatch names the leaves."""
+    """Opens a stored array; a ``zarr.json`` at odds with the metadata names the leaves."""
     return opened(_arrays.open_for_read(spec), location, paths)
 
 
@@ -681,8 +613,7 @@ def opened(future, location: Location, paths: list[str]):
 
 
 def plain_read(index: int, record: Any, direct: Any, region: Any):
-    """Whole chunks of an uncompressed array straight from the reader, where it reads
-    them; None otherwise."""
+    """Whole chunks of an uncompressed array straight from the reader, else None."""
     if direct is None or record.storage.codec is not None:
         return None
     dtype = _layout.dtype_from_name(record.dtype, path=record.path)

@@ -1,8 +1,6 @@
-"""Removing steps and leftovers: retention's and ``delete``'s removal of a committed
-step, housekeeping's removal of what dead saves left (a writer's open, ``gc``, after a
-commit), a failed save's staging, and a replaced step's item directories. What proves
-a place ours, and the removal of a place proven ours, are ``_core.ownership``'s; a save
-that replaces nothing reads none of this module.
+"""Removing steps and leftovers: a committed step (retention, ``delete``), what dead saves
+left (housekeeping), a failed save's staging, a replaced step's item directories. The
+proof that a place is ours, and its removal, are ``_core.ownership``'s.
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).
@@ -32,9 +30,8 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 class RemainsLeftError(CheckpointError):
-    """A removal took a place out of every listing (renamed it to ``<step>.deleting-*``,
-    or deleted its manifest) but could not remove its files: they stay at ``place``,
-    proven ours, and the next writer's open or ``gc`` tries again."""
+    """A removal took a place out of every listing but could not remove its files: they
+    stay at ``place``, proven ours, for the next writer's open or ``gc``."""
 
     def __init__(self, message: str, place: str):
         super().__init__(message)
@@ -42,8 +39,7 @@ class RemainsLeftError(CheckpointError):
 
 
 def remove_if_ours(loc: Location, *, what: str) -> bool:
-    """Housekeeping: removes ``loc`` when it is proven ours, else logs that it is left
-    alone. Returns whether it was removed. Environmental errors propagate."""
+    """Removes ``loc`` when proven ours, else logs that it is left alone; whether removed."""
     try:
         found = _ownership.proof(loc)
     except ForeignEntryError as e:
@@ -67,10 +63,8 @@ def remove_if_ours(loc: Location, *, what: str) -> bool:
 
 
 def remove_leftover(loc: Location, *, what: str) -> tuple[bool, str | None]:
-    """:func:`remove_if_ours` for housekeeping that must go on (a writer's open, ``gc``,
-    after a commit): a leftover that cannot be removed (a folder made read-only, EIO) is
-    passed over with a WARNING naming it and the error. Returns whether it was removed,
-    and that error (None when there was none)."""
+    """:func:`remove_if_ours` for housekeeping that must go on: a leftover that cannot be
+    removed is passed over with a WARNING. Returns (removed, the error or None)."""
     try:
         return remove_if_ours(loc, what=what), None
     except (OSError, CheckpointError) as e:
@@ -80,10 +74,8 @@ def remove_leftover(loc: Location, *, what: str) -> tuple[bool, str | None]:
 
 
 def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
-    """Removes the staging place of a save of this process (``nonce`` is that save's:
-    drawn from this run's session nonce, a name nobody else creates). Proven by our
-    marker, or on local disk by the name itself: only the primary claims, and the
-    others' staging of a step the primary did not save carries no marker."""
+    """Removes the staging place of this process's save (``nonce``: that save's), proven by
+    our marker or, on local disk, by its name (the others' staging carries no marker)."""
     _env.fail_point("remove_staging")  # tests: a removal that fails (FOP_FAIL_AT)
     if loc.is_local and _ownership.rmdir_if_empty(loc):
         return True  # nothing was written (a full disk, a file size limit): no marker needed
@@ -97,14 +89,9 @@ def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
 
 
 def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | None = None) -> None:
-    """Deletes a committed step of ``directory`` so that it disappears from listings
-    at once: on local disk a rename to ``<step>.deleting-<nonce>``; on object stores
-    the manifest goes first (after the pending marker), then its objects, many at once:
-    ``pace()`` (asked before each request; default :data:`REMOVAL_CONCURRENCY`) is how
-    many deletes may be in flight now (retention asks for fewer while a save runs).
-
-    A failure once the step has left the listings (renamed, or its manifest deleted) is
-    a :class:`RemainsLeftError` naming the place its files stay in and why."""
+    """Deletes a committed step so it leaves the listings at once (local: a rename to
+    ``<step>.deleting-<nonce>``; object stores: the manifest first, then its objects,
+    ``pace()`` deletes in flight). A failure after that is a :class:`RemainsLeftError`."""
     step_loc = directory.child(str(step))
     _ownership.require_ours(step_loc, action="delete step", step=step)
     _env.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)
@@ -128,8 +115,7 @@ def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | Non
 def _remove_remains(
     step: int, loc: Location, *, how: str, pace: Callable[[], int] | None = None, keep: list[str]
 ) -> None:
-    """:func:`remove_step` once the step left the listings: its files go, or a
-    RemainsLeftError says where they stay and why (never "already gone")."""
+    """The step's files go, or a RemainsLeftError says where they stay and why."""
     try:
         _env.fail_point("remove_remains")  # tests: a removal that fails midway (FOP_FAIL_AT)
         _ownership.remove_proven(loc, pace=pace, keep=keep)
@@ -143,16 +129,14 @@ def _remove_remains(
 
 
 def remove_children(loc: Location, names: list[str], *, action: str) -> None:
-    """Removes the named children of ``loc`` (item directories of an old version of a
-    step, after a replacing commit on an object store) once ``loc`` is proven ours."""
+    """Removes the named children of ``loc`` (a replaced step's items) once proven ours."""
     _ownership.require_ours(loc, action=action)
     for name in names:
         remove_tree(loc.child(name))
 
 
 def remove_tree(loc: Location) -> None:
-    """Removes a child of a place already proven ours (no proof of its own needed; the
-    item directories of a replaced step: ``removing.remove_children``)."""
+    """Removes a child of a place already proven ours."""
     if loc.is_local:
         path = loc.path.rstrip("/")
         try:

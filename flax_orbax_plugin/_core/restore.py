@@ -1,6 +1,5 @@
-"""Restoring a pytree of this library's own, driven by a ``like`` template (and its
-plan: ``dry_run=True`` is pure), down to the reads of its targets (arrays, shards,
-batches) through the format.
+"""Restoring a pytree of this library's own onto a ``like`` template (or its plan:
+``dry_run=True``), down to the reads of its targets through the format.
 
 Threading: reads are issued from the calling thread to tensorstore's pool and the chunk
 reader's threads; callbacks run on the calling thread; the host-memory budget bounds
@@ -72,19 +71,7 @@ RESTORE: tuple[Option, ...] = (
 SERVING: tuple[Option, ...] = (STEP_OR_NONE, Option("item", "str"), _formats.MEMORY_LIMIT)
 
 
-def check_restore(**options: Any) -> dict[str, Any]:
-    """``fop.restore``'s options of :data:`RESTORE`, checked."""
-    return check(RESTORE, options)
-
-
-def check_serving(**options: Any) -> dict[str, Any]:
-    """``fop.restore_params``'s options of :data:`SERVING`, checked."""
-    return check(SERVING, options)
-
-
-# Needed leaves closer than this many inner chunks are read as one run (the gap is
-# read too: one request instead of two).
-RUN_GAP_INNER_CHUNKS = 1
+RUN_GAP_INNER_CHUNKS = 1  # leaves closer than this many inner chunks: one read (gap too)
 
 
 class _Batch:
@@ -129,8 +116,7 @@ class _Batch:
 
 
 def read_batch(reader: Reader, location, batch: BatchRecord, members, fail, errors, fmt, direct):
-    """Reads the ``members`` (targets) of ``batch`` in format ``fmt`` through ``direct``
-    (its reader); damage goes to ``errors`` (via ``fail(paths)``), naming the leaves."""
+    """Reads the ``members`` of ``batch`` through ``direct``; damage goes to ``errors``."""
     one = _Batch(reader, location, batch, fail, errors, direct)
     paths = [t.record.path for t in members]
     try:
@@ -166,8 +152,7 @@ def read_batch(reader: Reader, location, batch: BatchRecord, members, fail, erro
 
 
 def _runs(members: list[Target], inner: int) -> list[list[Target]]:
-    """The members by offset, in runs whose gaps are under ``RUN_GAP_INNER_CHUNKS``
-    inner chunks."""
+    """The members by offset, in runs with gaps under ``RUN_GAP_INNER_CHUNKS``."""
     ordered = sorted(members, key=lambda t: t.record.storage.offset)
     runs: list[list[Target]] = []
     stop = 0
@@ -192,8 +177,8 @@ class _FilePart:
 
 
 def _read_run(one: _Batch, run: list[Target]) -> None:
-    """Reads the inner chunks under one run of leaves; each file's leaves (those that
-    end in it) are finished once it is read, unless a file they touch failed."""
+    """Reads the inner chunks under one run; a leaf is finished with the file it ends in,
+    unless a file it touches failed."""
     batch, chunk = one.batch, int(one.batch.chunk)
     start = run[0].record.storage.offset
     stop = max(t.record.storage.offset + t.record.storage.size for t in run)
@@ -234,18 +219,12 @@ def _read_run(one: _Batch, run: list[Target]) -> None:
 
 
 def read_targets(location: Location, doc: CheckpointDocument, targets: list, request: ReadRequest):
-    """Reads every target's data into ``target.result``, as ``request`` says (reads in
-    flight, shared reads, a host's own copy).
+    """Reads every target's data into ``target.result``, as ``request`` says.
 
-    When the processes read together (a target placed on devices of several processes,
-    or a leaf read shared, ``request.share_reads``: each process reads its rows, then an
-    all-gather) this is collective: the processes agree on the outcome of their reads
-    before any all-gather, so a read that fails on one process (damage in a region only
-    it reads, an I/O error) raises on every process, naming it, rather than the others
-    going on with a state that process lacks, or waiting in the all-gather. Host arrays
-    alone are no collective (one process may read alone); the manager's restore also
-    agrees per step (``Restorer._agreed``)."""
-    # from the targets and the request alone: the same on every process
+    Collective when the processes read together (a target on devices of several
+    processes, or a leaf read shared): they agree on the outcome of their reads before
+    any all-gather, so a read failing on one process raises on every process, naming it.
+    Host arrays alone: no collective."""
     collective = _collective(targets, request.share_reads)
     error = None
     shared: list = []
@@ -284,10 +263,8 @@ def spans_processes(*trees: Any) -> bool:
 
 
 def _collective(targets: list, share_reads: bool) -> bool:
-    """Whether reading ``targets`` is a read by several processes together (see
-    read_targets): a leaf read shared (then all-gathered), or placed on devices of
-    other processes. Not for each host's own directory (``share_reads`` off), where
-    every process reads alone and the manager agrees per step."""
+    """Whether reading ``targets`` is collective (see read_targets); from the targets and
+    ``share_reads`` alone, so the same on every process."""
     if not share_reads or _distributed.process_count() == 1:
         return False
     for t in targets:
@@ -323,12 +300,8 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
 
 
 def read_region(fmt, store, target: Target, direct, region=None):
-    """A read of ``region`` (global; None: all) of a stored array in format ``fmt``
-    through ``direct`` (its reader): straight from its chunk files where they are plain
-    (local, uncompressed) and the region is whole chunks, else through tensorstore or
-    the data files' reader; a packed (sub-byte) leaf's stored bytes, unpacked; a leaf
-    surgery made, as the regions of the saved leaves it covers (``store``: their
-    ``SavedReads``)."""
+    """A read of ``region`` (global; None: all) of a stored array through ``direct``; a
+    packed leaf's bytes unpacked; a leaf surgery made, from the saved leaves in ``store``."""
     record = target.record
     if target.virtual is not None:  # made by surgery: ``store`` reads the saved leaves
         return _surgery_reads.VirtualRead(target.virtual, region, store)
@@ -395,9 +368,8 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
 
 
 def _shared_read_sharding(sharding: Any, shape: tuple[int, ...]) -> Any:
-    """For a leaf replicated over several processes: the sharding that splits its rows
-    over every device (each process then reads only its devices' rows), or None where
-    that does not apply (one process, not replicated, rows not divisible)."""
+    """For a leaf replicated over several processes: the sharding splitting its rows over
+    every device, or None (one process, not replicated, rows not divisible)."""
     if (
         _distributed.process_count() == 1
         or not isinstance(sharding, jax.sharding.NamedSharding)
@@ -413,8 +385,7 @@ def _shared_read_sharding(sharding: Any, shape: tuple[int, ...]) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _replicate(sharding: Any):
-    """An all-gather onto ``sharding`` (jax's collectives: the interconnect, or gloo on
-    CPU), as one jitted identity."""
+    """An all-gather onto ``sharding``, as one jitted identity."""
     return jax.jit(lambda x: x, out_shardings=sharding)
 
 
@@ -426,7 +397,6 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
         key = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index)
         by_index[key].append((device, index))
     pieces: list[jax.Array] = []
-    remaining = [len(by_index)]
     itemsize = target.dtype.itemsize
     if target.virtual is None:
         box = _bounding_box(list(by_index), shape, target.record.storage.chunk_shape)
@@ -435,41 +405,30 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
         aligned = len(regions) < 2 or _surgery_reads.on_chunks(target.virtual, regions)
         box = None if aligned else _bounding_box(list(by_index), shape, shape)
     if box is not None:  # this process's regions tile one box: read it once
-        box_index = tuple(slice(lo, hi) for lo, hi in box)
+        groups = [(box, list(by_index.items()))]
+    else:
+        groups = [(_bounds(key, shape), [(key, devices)]) for key, devices in by_index.items()]
+    remaining = [len(groups)]
+    for bounds, members in groups:
 
-        def done_box(data):
+        def done(data, bounds=bounds, members=members):
             if data.dtype != target.out_dtype:
                 _onto_like.check(target.record.path, data, target.out_dtype, cast=target.cast)
                 data = data.astype(target.out_dtype)
-            for key, devices in by_index.items():
+            for key, devices in members:
                 rel = tuple(
                     slice(lo - blo, hi - blo)
-                    for (lo, hi), (blo, _) in zip(_bounds(key, shape), box, strict=True)
+                    for (lo, hi), (blo, _) in zip(_bounds(key, shape), bounds, strict=True)
                 )
                 pieces.extend(
                     jax.device_put(data[rel], _on(device, sharding)) for device, _ in devices
                 )
-            target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
-
-        nbytes = math.prod(hi - lo for lo, hi in box) * itemsize
-        reader.submit(
-            read_region(fmt, store, target, direct, box_index), nbytes, done_box, on_error
-        )
-        return
-
-    for key, devices in by_index.items():
-        index = devices[0][1]
-        nbytes = math.prod(hi - lo for lo, hi in _bounds(key, shape)) * itemsize
-
-        def done(data, devices=devices):
-            if data.dtype != target.out_dtype:
-                _onto_like.check(target.record.path, data, target.out_dtype, cast=target.cast)
-                data = data.astype(target.out_dtype)
-            pieces.extend(jax.device_put(data, _on(device, sharding)) for device, _ in devices)
             remaining[0] -= 1
             if remaining[0] == 0:
                 target.result = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
+        index = tuple(slice(lo, hi) for lo, hi in bounds)
+        nbytes = math.prod(hi - lo for lo, hi in bounds) * itemsize
         reader.submit(read_region(fmt, store, target, direct, index), nbytes, done, on_error)
 
 
@@ -487,10 +446,8 @@ def _bounds(key: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
 def _bounding_box(
     keys: list[tuple], shape: tuple[int, ...], chunk: tuple[int, ...]
 ) -> list[tuple[int, int]] | None:
-    """The box around several regions when a stored chunk straddles two of them and they
-    (nearly) fill the box, so one read serves them all and no chunk is read twice.
-    Regions that fall on chunk boundaries are read separately, each straight into its
-    own buffer (no extra copy)."""
+    """The box around several regions when a chunk straddles two of them and they (nearly)
+    fill it: one read, no chunk read twice; None when they fall on chunk boundaries."""
     if len(keys) < 2 or not shape:
         return None
     regions = [_bounds(k, shape) for k in keys]
@@ -510,7 +467,6 @@ def _bounding_box(
 
 
 def entry_of(target: Target, path: str) -> PlanEntry:
-    """``target``'s entry under like's ``path``."""
     record = target.record
     if target.virtual is None:
         box = full_box(tuple(record.shape))
@@ -533,52 +489,10 @@ def plan_of(
 
 
 def metadata(path: Any) -> _metadata.CheckpointMetadata:
-    """Leaf paths, shapes, dtypes and shardings of this library's checkpoint at
-    ``path``; reads no array data (``_reading.restore.metadata`` adds what a foreign
-    checkpoint there is)."""
+    """``fop.metadata`` of this library's checkpoint at ``path``; reads no array data."""
     location = Location.from_path(path)
     _host.wait_for_pending_save(location)
     return _metadata.to_public(read_document(location), str(location))
-
-
-def restore(
-    path: Any,
-    like: Any = None,
-    *,
-    region: _distributed.Region | None,
-    partial: bool = False,
-    missing: str = "error",
-    transform: Any = None,
-    surgery: Any = None,
-    dry_run: bool = False,
-    memory_limit_bytes: int | None = None,
-    cast: str = "safe",
-    share_replicated_reads: bool | None = None,
-) -> Any:
-    """Restores this library's own checkpoint at ``path`` in the form of ``like``.
-
-    The native reader behind :func:`flax_orbax_plugin.restore` (``_reading.restore``),
-    which documents the arguments and errors and adds the fallback to foreign formats;
-    internal callers that read only native checkpoints (items of a step, serving,
-    export) call this one. Threading as in the module doc; ``partial``, ``missing`` and
-    ``transform`` restore into a changed model (``_like.onto_like``), ``surgery`` with
-    layout changes (``_like.surgery``); ``dry_run=True`` returns the
-    :class:`RestorePlan` instead, reading no array data. The options become one
-    :class:`ReadRequest` (see :func:`restore_with`), with ``region``: the collective
-    operation the read is part of (``_base.regions``; None: a read of one process).
-    """
-    request = read_request(
-        region=region,
-        partial=partial,
-        missing=missing,
-        transform=transform,
-        surgery=surgery,
-        dry_run=dry_run,
-        memory_limit_bytes=memory_limit_bytes,
-        cast=cast,
-        share_replicated_reads=share_replicated_reads,
-    )
-    return restore_with(path, like, request)
 
 
 def read_request(
@@ -594,12 +508,10 @@ def read_request(
     share_replicated_reads: bool | None = None,
     changes: _onto_like.Changes | None = None,
 ) -> ReadRequest:
-    """The :class:`ReadRequest` of :func:`restore`'s options, checked (by their
-    declarations first) before anything is read. ``changes``: a front's own, already
-    checked (then ``partial``, ``missing``, ``transform`` and ``surgery`` are not given)."""
-    check_restore(
-        memory_limit_bytes=memory_limit_bytes, share_replicated_reads=share_replicated_reads
-    )
+    """The :class:`ReadRequest` of ``fop.restore``'s options, checked before anything is
+    read. ``changes``: a front's own, already checked (then the four it holds not given)."""
+    given = {"memory_limit_bytes": memory_limit_bytes}
+    check(RESTORE, given | {"share_replicated_reads": share_replicated_reads})
     dry_run = flag("dry_run", dry_run)
     share = share_replicated_reads
     return ReadRequest(
@@ -616,8 +528,7 @@ def read_request(
 
 
 def restore_with(path: Any, like: Any, request: ReadRequest) -> Any:
-    """:func:`restore` with its modes given as one request (a manager's items, the
-    tier): the same read, nothing taken from anywhere but the arguments."""
+    """The native restore of ``path`` onto ``like``, every mode in ``request``."""
     location = Location.from_path(path)
     _host.wait_for_pending_save(location)
     with _tree.paused_gc():
@@ -625,8 +536,7 @@ def restore_with(path: Any, like: Any, request: ReadRequest) -> Any:
 
 
 def _dropped_or_same(opts: _onto_like.Changes, path: str) -> bool:
-    """With ``like=None`` a transform may only drop leaves (False): there is no
-    structure to place a renamed one in."""
+    """With ``like=None`` a transform may only drop leaves (False), not rename them."""
     new = opts.rename(path)
     if new is not None and new != path:
         raise TransformError(
@@ -637,8 +547,7 @@ def _dropped_or_same(opts: _onto_like.Changes, path: str) -> bool:
 
 
 def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
-    """The read: the processes agree, the document is read and checked, then its leaves
-    are read whole (``like`` None) or onto ``like``."""
+    """The processes agree, the document is read, then its leaves (onto ``like``)."""
     like = _onto_like.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
     if not request.own_copy and request.region is not None:  # a collective read
         agree_on_read(location, like, request)  # the same on every process, before a byte
@@ -677,8 +586,7 @@ def _as_saved(location: Location, doc, request: ReadRequest, saved: list[str]) -
 def _read_onto_like(
     location: Location, doc, like: Any, request: ReadRequest, saved: list[str]
 ) -> Any:
-    """The saved leaves (renamed, made by the surgery) matched to ``like``'s and read onto
-    them; a leaf ``like`` keeps (``missing="keep"``) is its own."""
+    """The saved leaves (renamed, made by surgery) matched to ``like``'s and read."""
     opts = request.changes
     flat, treedef = _tree.flatten(like)
     records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}

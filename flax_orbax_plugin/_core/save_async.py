@@ -1,9 +1,6 @@
-"""The other public fronts of a core save: :func:`save_async`, which starts one and
-returns its handle once the tree is snapshotted to host (``fop.save`` is the same save,
-waited for: ``_core.save``), and :func:`is_committed`, whether one landed at a path.
-
-Both are public operations of one process each (``fop.save_async`` in the region its
-decorator draws); the save they start runs as ``_core.save`` describes.
+"""The other public fronts of a core save: :func:`save_async` (``fop.save`` waited for)
+and :func:`is_committed`. Public operations of one process each; the save runs as
+``_core.save`` describes.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.save``.
 """
@@ -54,14 +51,9 @@ def save_async(
         is larger (default 1 GiB on a filesystem, 256 MiB on an object store);
         refused with version 1.
       host_memory_budget: bytes of host memory the save may hold beyond the state
-        itself (None: no bound). Accelerator arrays are copied on their devices (one
-        more state of device memory until written) and to host in pieces as the
-        writes complete (the blocking phase enqueues the device copies only). CPU
-        arrays are written from their own memory before this returns (no copy at
-        all; the blocking phase is then the data write). Small leaves (batched) are
-        copied as usual. Both format versions stream; version 2 on an object store
-        gathers each data file in memory before its upload, made smaller under a
-        budget (docs/saving.md, section 3).
+        itself (None: no bound). Accelerator arrays are copied on their devices and to
+        host in pieces as the writes complete; CPU arrays are written from their own
+        memory before this returns (docs/saving.md, section 3).
 
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
@@ -72,9 +64,8 @@ def save_async(
 
 @public(errors=refusals(arguments("path")))
 def is_committed(path: Any) -> bool:
-    """True when ``path`` holds a committed standalone checkpoint. A store that
-    answers "not there" for a bucket it lacks (S3 reads a missing bucket's key as
-    missing) is listed before False is said: StoreAccessError for no such bucket."""
+    """True when ``path`` holds a committed standalone checkpoint; StoreAccessError for a
+    missing bucket (listed before False is said)."""
     location = Location.from_path(path)
     if location.exists(COMMIT_FILE):
         return True

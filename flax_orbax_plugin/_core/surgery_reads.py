@@ -1,11 +1,6 @@
-"""Reading the leaves layout surgery made (``_like.surgery``): a box of such a leaf
-(a target shard's region) is read as the boxes of the saved leaves it covers, each
-through the format's own region read (``read_data.read_region``: chunk files, the
-data files' reader or tensorstore), then assembled on the host.
-
-A saved leaf in a batch (a small leaf) is read whole and cut; an array leaf only in
-the region asked for. Threading: the restoring thread (the reads run on the formats'
-pools; ``result`` waits for them).
+"""Reading the leaves layout surgery made: a box of such a leaf is read as the boxes of
+the saved leaves it covers (the format's region read; a small leaf's batch span whole,
+then cut), assembled on the host. Threading: the restoring thread.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ def _box(region: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 
 
 class VirtualRead:
-    """The read of ``region`` of a made leaf: every piece's read started now, the
-    assembled array on :meth:`result`."""
+    """The read of ``region`` of a made leaf: pieces read now, assembled on :meth:`result`."""
 
     def __init__(self, made: Any, region: Any, saved: SavedReads):
         pieces, self.assemble = made.node.pieces(_box(region, made.node.shape))
@@ -45,8 +39,7 @@ class VirtualRead:
 
 
 class _Cut:
-    """A small leaf out of one read of its batch's elements from ``start``, cut to a box
-    once done."""
+    """A small leaf out of one read of its batch from ``start``, cut to ``box``."""
 
     def __init__(self, read, start: int, record, box):
         self.read, self.start, self.record, self.box = read, start, record, box
@@ -61,11 +54,8 @@ class _Cut:
 
 
 class SavedReads:
-    """Region reads of saved leaves in one restore's format ``fmt`` through ``direct``
-    (its reader); stores opened once per leaf or batch. The small leaves of one batch
-    that ``targets`` (the restore's) need are read once, together: the span from the
-    first to the last (a batch's files are read whole; one read per leaf would read a
-    file once per leaf in it)."""
+    """Region reads of saved leaves through ``direct``; stores opened once per leaf or batch,
+    and the small leaves of one batch read once together (the span they need)."""
 
     def __init__(self, location, doc, fmt, direct, read_region, targets: list[Target]):
         self.location, self.doc, self.fmt, self.direct = location, doc, fmt, direct
@@ -80,12 +70,9 @@ class SavedReads:
             end = storage.offset + storage.size
             self.spans[storage.batch] = (min(lo, storage.offset), max(hi, end))
 
-    def source_target(self, piece: Piece) -> Target:
-        return make_target(piece.index, piece.record, None, cast="safe")
-
     def read(self, piece: Piece):
         record = piece.record
-        target = self.source_target(piece)
+        target = make_target(piece.index, record, None, cast="safe")
         if isinstance(record.storage, ArrayStorage):
             key = ("leaf", piece.index)
             if key not in self.stores:
@@ -123,9 +110,8 @@ class _Once:
 
 
 def on_chunks(made: Any, boxes: list[tuple[tuple[int, int], ...]]) -> bool:
-    """Whether every saved region that ``boxes`` (of the made leaf) need falls on whole
-    chunks of its leaf: then each box is read alone, straight from its chunks, and no
-    chunk is read twice (else the read takes the boxes' bounding box once)."""
+    """Whether every saved region ``boxes`` need falls on whole chunks (then each box is
+    read alone; else their bounding box once)."""
     for box in boxes:
         pieces, _ = made.node.pieces(box)
         for p in pieces:

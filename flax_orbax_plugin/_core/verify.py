@@ -50,8 +50,7 @@ def check_verify(**options: Any) -> dict[str, Any]:
     return out
 
 
-# Bytes of array data read but not yet checked, at most (plus one chunk or file).
-VERIFY_BUDGET_BYTES = 16 << 20
+VERIFY_BUDGET_BYTES = 16 << 20  # data read but not yet checked (plus one chunk or file)
 MIN_WINDOW_BYTES = 64 << 10  # under a ceiling: the window is never smaller
 
 __all__ = ["VerifyResult", "verify"]
@@ -88,18 +87,13 @@ def verify(
     damage (only :class:`CheckpointNotFoundError` when nothing checkable is there).
 
     ``progress``: called once per pytree checked, in the calling thread, as
-    ``progress(total_bytes, what)`` (``what``: ``"step 30/params"``, or the path of a
-    core checkpoint); it returns a context manager whose ``advance(nbytes, note)`` is
-    called, in the same thread, as each read is checked (the CLI's progress bar).
-
-    ``memory_limit_bytes``: the host-memory ceiling of the reads (None: the fixed
-    window, ``VERIFY_BUDGET_BYTES``, and one more read): the reads in flight hold
-    at most half of it each time one more is submitted, so never more than it.
+    ``progress(total_bytes, what)`` (``what``: ``"step 30/params"``, or a path); it
+    returns a context manager whose ``advance(nbytes, note)`` is called, in the same
+    thread, as each read is checked. ``memory_limit_bytes``: the host-memory ceiling of
+    the reads (None: ``VERIFY_BUDGET_BYTES`` and one more read).
     """
-    limit = check_verify(step=step, all_steps=all_steps, memory_limit_bytes=memory_limit_bytes)[
-        "memory_limit_bytes"
-    ]  # OptionError naming one
-    budget = window_bytes(limit)
+    given = {"step": step, "all_steps": all_steps, "memory_limit_bytes": memory_limit_bytes}
+    budget = window_bytes(check_verify(**given)["memory_limit_bytes"])  # OptionError naming one
     if progress is not None and not callable(progress):
         raise OptionTypeError(f"progress: expected a function or None, found {progress!r:.60}")
     loc = Location.from_path(path)
@@ -132,20 +126,15 @@ def verify(
 
 
 def window_bytes(limit: int | None) -> int:
-    """The window of a verify's reads under the ceiling ``limit`` (None: none): half of
-    it (the window's reads and the one submitted past it, each at most the window),
-    never above ``VERIFY_BUDGET_BYTES`` nor below :data:`MIN_WINDOW_BYTES` (the
-    stated constant above a smaller ceiling: reads of a few values each would take
-    hours)."""
+    """The window of a verify's reads under the ceiling ``limit``: half of it (the window
+    and the one read past it), within [``MIN_WINDOW_BYTES``, ``VERIFY_BUDGET_BYTES``]."""
     if limit is None:
         return VERIFY_BUDGET_BYTES
     return max(MIN_WINDOW_BYTES, min(VERIFY_BUDGET_BYTES, limit // 2))
 
 
 def _no_step_chosen(loc: Location, what: str, own: int | None, step: Any) -> None:
-    """``step=`` chooses among a run directory's steps: where ``path`` names ``what``
-    itself, another step is an OptionError, never ignored (``all_steps=True`` there
-    is everything at ``path``: that one)."""
+    """Where ``path`` names ``what`` itself, a ``step=`` other than its own is refused."""
     if step is not None and step != own:
         raise OptionError(
             f"step={step}: {loc} is {what}, not a directory of steps; step= chooses among "
@@ -164,10 +153,8 @@ def verify_step(
     progress: Progress | None = None,
     budget: int = VERIFY_BUDGET_BYTES,
 ) -> list[VerifyResult]:
-    """Every item of one step; a bad manifest is one failed result for the step. A
-    host's own copy of a step (a directory per host: its ``_HOST.json``) is checked for
-    what it is meant to hold, that host's regions (``_format/host_copy.py``), each
-    result saying so in its ``note``; a bad marker is one failed result for the step."""
+    """Every item of one step; a bad manifest or host marker is one failed result. A host's
+    own copy is checked for that host's regions only, each result saying so in its ``note``."""
     try:
         manifest = _layout.read_manifest(step_loc)
         copy, problem = _host_copy.of_step(step_loc)
@@ -190,9 +177,8 @@ def _verify_item(
     copy: _host_copy.HostCopy | None = None,
     budget: int = VERIFY_BUDGET_BYTES,
 ) -> VerifyResult:
-    """One item of a committed step: the files its kind needs, every JSON file it
-    holds against the manifest's checksum, and a pytree's data (``copy``: a host's own
-    copy of the step, its regions only)."""
+    """One item of a committed step: the files its kind needs, its JSON files against the
+    manifest's checksums, and a pytree's data."""
     entry = manifest.items[name]
     item_loc = step_loc.child(entry.dir)
     note = None if copy is None else copy.note
@@ -261,15 +247,10 @@ def check_pytree(
     what: str = "",
     held: _host_copy.HeldItem | None = None,
 ) -> None:
-    """Checks a committed pytree checkpoint as restore reads it (metadata checksum and
-    fields, sizes claimed against the files on disk, every ``zarr.json``, every chunk's
-    crc32c) holding at most ``budget`` bytes of data at a time; raises the
-    CorruptCheckpointError restore would (naming the leaf), OSError for the
-    environment's errors. Returns nothing: no value is kept. ``progress(total_bytes,
-    what)``: as :func:`verify`'s, its bar advanced by each checked read's bytes.
-    ``held``: the item of a host's own copy of a step, whose regions alone are read
-    (every chunk of them: a missing one is damage) and whose claims are checked for
-    the leaves and batches it holds whole."""
+    """Checks a committed pytree as restore reads it (metadata, claimed sizes, every
+    ``zarr.json``, every chunk's crc32c), at most ``budget`` bytes at a time; raises the
+    CorruptCheckpointError restore would, OSError for the environment's. ``progress``:
+    as :func:`verify`'s. ``held``: a host's own copy's item, whose regions alone are read."""
     _host.wait_for_pending_save(location)
     doc = read_document(location)
     location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
@@ -331,8 +312,7 @@ def _check_data(location, doc, targets, fmt, direct, window: _Window, budget, he
 
 
 class _Window:
-    """Reads in flight, at most ``budget`` bytes of them (plus the last submitted); each
-    result is checked (its read raised nothing) and dropped."""
+    """Reads in flight, at most ``budget`` bytes (plus the last); each checked and dropped."""
 
     def __init__(self, location: Location, budget: int, bar: Any = None):
         self.location, self.budget, self.bar = location, budget, bar
@@ -362,8 +342,7 @@ class _Window:
 
 
 def _damaged_leaves(store, members: list) -> list[str]:
-    """The leaves among ``members`` (records of one batch) whose own elements fail to
-    read, each read alone through tensorstore (one small leaf at a time)."""
+    """The leaves among ``members`` (of one batch) whose own elements fail to read alone."""
     bad = []
     for rec in members:
         off, size = rec.storage.offset, rec.storage.size
@@ -376,8 +355,7 @@ def _damaged_leaves(store, members: list) -> list[str]:
 
 
 def _check_batch(location, doc, batch, fmt, direct, window: _Window, budget: int) -> None:
-    """Reads a batch a few of its files at a time; damage names the leaves stored in
-    the files that failed."""
+    """Reads a batch a few files at a time; damage names the leaves in the files that failed."""
     members = [
         rec
         for rec in doc.leaves

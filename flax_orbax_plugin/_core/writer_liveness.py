@@ -1,9 +1,6 @@
-"""The writer a pending marker names: whether it is alive, gone, or left a place
-abandoned (``writer_gone``, ``writer_alive``, ``abandoned``, a save's dead staging:
-``is_dead``); a save's own claim (``holds_nonce``); the refusals of a place another
-writer holds, and the conditional claim of an object store (``claim_in_place``).
-The marker itself (what it says, where it is found) is ``_core.handle``'s; a save into
-a place nobody holds reads none of this module.
+"""The writer a pending marker names: alive, gone, or a place left abandoned; a save's
+own claim, the refusals of a place another writer holds, and an object store's
+conditional claim. The marker itself is ``_core.handle``'s.
 
 Threading: stateless; any function may be called from any thread.
 """
@@ -23,8 +20,7 @@ from .._storage import local_files as _local_files
 from .._storage.location import Location
 from . import handle as _handle
 
-# A place without a marker, unchanged this long, has no live writer (module docstring).
-QUIET_SECONDS = 30.0
+QUIET_SECONDS = 30.0  # a place without a marker, unchanged this long: no live writer
 
 
 def nonce_of(raw: bytes | None) -> str | None:
@@ -34,8 +30,7 @@ def nonce_of(raw: bytes | None) -> str | None:
 
 
 def holds_nonce(loc: Location, nonce: str) -> bool:
-    """True when ``loc``'s pending marker is the one written with ``nonce`` (this save's
-    own claim), never when another writer's marker took its place."""
+    """True when ``loc``'s pending marker is this save's own (written with ``nonce``)."""
     try:
         return nonce_of(_handle.read(loc)) == nonce
     except CheckpointError:
@@ -43,13 +38,10 @@ def holds_nonce(loc: Location, nonce: str) -> bool:
 
 
 def claim_in_place(loc: Location, nonce: str, *, fresh: bool) -> None:
-    """Object stores: writes the pending marker only where no other writer's marker is
-    (a conditional request: two saves that start at once into the same place cannot
-    both claim it; the store has no rename to stage under a name of one's own). A
-    marker of a writer of this host that is gone is taken over; any other is a
-    :class:`DirectoryLockedError` naming its writer, and nothing is written. With
-    ``fresh`` (a save that replaces nothing), a commit record found once the claim is
-    held (another save committed there meanwhile) takes the claim back and refuses."""
+    """Object stores: writes the pending marker only where no other writer's is (a
+    conditional request: two saves at once cannot both claim it). A gone writer of this
+    host's marker is taken over; any other is a :class:`DirectoryLockedError`. With
+    ``fresh``, a commit record found once the claim is held takes it back and refuses."""
     raw, generation = loc.read_versioned(
         PENDING_FILE, max_bytes=_local_files.PENDING_MARKER.max_bytes
     )
@@ -71,9 +63,8 @@ def claim_in_place(loc: Location, nonce: str, *, fresh: bool) -> None:
 
 def refuse_if_held(loc: Location, *, replace: bool) -> None:
     """Before a save writes where a pending marker is: DirectoryLockedError when it names
-    a live writer of this host, or (object stores, unless ``replace``) a writer of
-    another host, whose life cannot be told from here: clearing the place as a dead
-    save's remains would delete a live save's files (``force=True`` replaces them)."""
+    a live writer of this host, or (object stores, unless ``replace``) another host's,
+    whose life cannot be told from here."""
     alive = writer_alive(loc)
     if alive is not None:
         refuse_held(loc, alive)
@@ -101,8 +92,7 @@ def refuse_held(loc: Location, who: str) -> None:
 
 
 def writer_of(raw: bytes | None) -> tuple[str, int] | None:
-    """The writer a pending marker names (host, pid), or None where it names none that
-    can be trusted (an older marker, a damaged or foreign one)."""
+    """The writer a pending marker names (host, pid), or None where none is trusted."""
     if not _handle.is_marker(raw):
         return None
     doc = json.loads(raw)
@@ -115,10 +105,8 @@ def writer_of(raw: bytes | None) -> tuple[str, int] | None:
 
 
 def _other_writer(loc: Location) -> tuple[tuple[str, int], bool] | None:
-    """The writer ``loc``'s pending marker names when it is another process of this
-    host, and whether it is alive (another user's process counts as alive); None where
-    that is not certain (another host, this very process, a marker naming no writer, a
-    link or a FIFO where our marker would be)."""
+    """The writer ``loc``'s marker names when another process of this host, and whether it
+    is alive; None where not certain (another host, this process, no writer named)."""
     try:
         writer = writer_of(_handle.read(loc))
     except CheckpointError:
@@ -128,20 +116,15 @@ def _other_writer(loc: Location) -> tuple[tuple[str, int], bool] | None:
 
 
 def writer_gone(loc: Location) -> bool:
-    """True when ``loc`` carries our pending marker and the process that wrote it ran on
-    this host and is no longer alive: a save (or removal) that was killed or interrupted
-    before it could clean up, and that nobody is still writing. False whenever that is
-    not certain (another host, this very process, a marker naming no writer)."""
+    """True when ``loc``'s pending marker names a process of this host that is gone (a
+    killed save or removal); False whenever that is not certain."""
     found = _other_writer(loc)
     return found is not None and not found[1]
 
 
 def writer_alive(loc: Location) -> str | None:
-    """The writer ``loc``'s pending marker names (``"pid N on host"``) when it is
-    another live process of this host: a save still running, which nobody else may
-    remove (object stores have no writer lock: a second open or ``gc`` on the same path
-    would delete the staged files of its step, and the step then committed without
-    them). None otherwise (dead, this process, another host, no marker naming one)."""
+    """``"pid N on host"`` when ``loc``'s marker names another live process of this host
+    (a save still running, which nobody else may remove); None otherwise."""
     found = _other_writer(loc)
     if found is None or not found[1]:
         return None
@@ -150,11 +133,9 @@ def writer_alive(loc: Location) -> str | None:
 
 
 def abandoned(loc: Location) -> bool:
-    """Local only: True when ``loc`` (a real directory) holds no pending marker, is
-    empty or holds a commit record (``_COMMITTED``, ``_CHECKPOINT.json``), and nothing
-    in it changed for :data:`QUIET_SECONDS` (the status change time of the directory
-    itself counts: a rename sets it). Such a place is left by a writer killed in one of
-    the short moments when nothing names it: a live one moves on within moments."""
+    """Local only: True when ``loc`` (a real directory) holds no pending marker, is empty
+    or holds a commit record, and nothing in it (its ctime too) changed for
+    :data:`QUIET_SECONDS`: left by a writer killed when nothing named it."""
     if not loc.is_local:
         return False
     path = loc.path.rstrip("/")
@@ -176,11 +157,8 @@ STALE_SECONDS = 3600.0  # a staging directory untouched this long belongs to a d
 
 
 def is_dead(staging: Location) -> bool:
-    """Staging (a real directory) of a save that no longer runs: the process named in
-    its pending marker is gone (this host: see :func:`writer_gone`), it names no
-    writer and is unchanged for a while (:func:`abandoned`: empty, or committed, as a
-    save killed between two renames leaves it), or nothing in it was touched for
-    ``STALE_SECONDS`` (a writer on another host)."""
+    """Staging of a save that no longer runs: :func:`writer_gone`, :func:`abandoned`, or
+    untouched for ``STALE_SECONDS`` (a writer on another host)."""
     if writer_gone(staging) or abandoned(staging):
         return True
     return time.time() - staging.newest_mtime() > STALE_SECONDS

@@ -1,12 +1,8 @@
 """Reuse on an object store: server-side copies of the previous step's chunk objects.
 
-:func:`copy_leaf` lists the previous step's chunks of an unchanged leaf, checks each
-source's crc32c trailer against the snapshot's (:mod:`.chunks`), copies this process's
-chunks on the server (S3 ``CopyObject``, GCS ``rewriteTo``; up to
-:data:`COPIES_IN_FLIGHT` at once per leaf, each pinned to the object listed), then
-checks the copies. Any failure deletes this process's copies and the caller writes the
-leaf; a copier's failure never fails the save. Called on the background thread of a
-save, on every process. Design: ``docs/incremental.md``.
+:func:`copy_leaf` copies this process's chunks of an unchanged leaf on the server, each
+checked before and after; any failure deletes its copies and the leaf is written (never
+failing the save). A save's background thread, every process. ``docs/incremental.md``.
 """
 
 from __future__ import annotations
@@ -46,11 +42,9 @@ def copy_leaf(
     chunks: list[tuple[str, ...]] | None = None,
     nbytes: int | None = None,
 ) -> int | None:
-    """Copies the chunk objects ``chunks`` (all of them when None) of leaf ``j`` of
-    ``source`` (the previous step's item) to leaf ``i`` of ``target`` (the new step's
-    item) on the server, then checks them; returns ``nbytes`` (the bytes reused; the
-    leaf's when None), or None after deleting whatever it copied (the caller writes
-    those chunks; the other processes' copies are theirs). The checks: :class:`_LeafCopy`."""
+    """Copies ``chunks`` (None: all) of leaf ``j`` of ``source`` to leaf ``i`` of ``target``
+    on the server and checks them (:class:`_LeafCopy`); returns the bytes reused
+    (``nbytes``, or the leaf's), or None after deleting whatever it copied."""
     size = chunk_file_bytes(record)
     if source.spec | {"path": ""} != target.spec | {"path": ""}:
         return None
@@ -85,23 +79,15 @@ def copy_leaf(
 
 @dataclasses.dataclass(frozen=True)
 class _LeafCopy:
-    """The copies of one leaf's chunks (``size`` bytes each) from leaf ``j`` of ``source``
-    to leaf ``i`` of ``target``, made and checked in order: :meth:`check_listing`,
-    :meth:`copy_all` (a thread pool), :meth:`check_copies`.
+    """The copies of one leaf's chunks (``size`` bytes each), made and checked in order:
+    :meth:`check_listing`, :meth:`copy_all`, :meth:`check_copies`.
 
-    Checked: the previous step lists exactly the leaf's chunk objects (every chunk is
-    stored, fill values included), each of the size a chunk has; each copy is made
-    only from the object listed (S3 ``If-Match`` its ETag, GCS its generation); each
-    copy's answer carries the source's content tag (S3 ETag, GCS crc32c and md5; not
-    compared where the tag is no hash of the bytes: S3 multipart or SSE-KMS/SSE-C),
-    and a listing of the new keys afterwards shows each of the source's size and the
-    tag the copy answered (:func:`_same_copy`); and before each copy, the source's
-    crc32c trailer (its last 4 bytes, one ranged read pinned to the object listed)
-    equals the crc32c of the snapshot's bytes for that chunk (``writes``, this
-    process's ``(region, data)`` pairs of the leaf): a chunk edited and resealed is
-    refused. The source's other bytes are not read here: a chunk damaged in place
-    under its old trailer is copied as is, and restore and ``verify`` report it in
-    both steps (never silently wrong)."""
+    Checked: the previous step lists exactly the leaf's chunks, each of a chunk's size;
+    each copy is pinned to the object listed (S3 ``If-Match``, GCS generation); each
+    source's crc32c trailer equals the snapshot's bytes' (a chunk resealed is refused);
+    each copy's answer and listing carry the source's size and tag (:func:`_same_copy`).
+    A chunk damaged under its old trailer is copied as is: restore and ``verify`` report
+    it in both steps."""
 
     copier: _server_copy.Copier
     source: Location
@@ -121,8 +107,7 @@ class _LeafCopy:
     def check_listing(
         self, wanted: list[str], every: set[str]
     ) -> dict[str, _server_copy.ObjectInfo]:
-        """``{chunk name: listed object}`` of the source leaf: every chunk ``wanted``
-        there, of a chunk's size, and nothing that is not a chunk of the leaf."""
+        """``{chunk name: listed object}``: every chunk ``wanted``, of a chunk's size, no other."""
         source, j, size, src_prefix = self.source, self.j, self.size, self.src_prefix
         listed = {k[len(src_prefix) :]: v for k, v in self.copier.list(src_prefix).items()}
         for name in wanted:
@@ -144,14 +129,9 @@ class _LeafCopy:
         listed: dict[str, _server_copy.ObjectInfo],
         expected: dict[str, int],
     ) -> dict[str, _server_copy.ObjectInfo]:
-        """Each chunk's copy answer, after checking its source's crc32c trailer against
-        ``expected``; the first error raised."""
-        copier, size, src_prefix, dst_prefix = (
-            self.copier,
-            self.size,
-            self.src_prefix,
-            self.dst_prefix,
-        )
+        """Each chunk's copy answer, its source's crc32c trailer checked first."""
+        copier, size = self.copier, self.size
+        src_prefix, dst_prefix = self.src_prefix, self.dst_prefix
 
         def check_and_copy(name: str) -> _server_copy.ObjectInfo:
             info = listed[name]
@@ -193,9 +173,8 @@ def _same_copy(
     answer: _server_copy.ObjectInfo,
     listed: _server_copy.ObjectInfo | None,
 ) -> bool:
-    """The copy's answer has the source's size and, where both tags are content tags,
-    its tag; the new key's listing has that size and the answer's tag (the object the
-    copy made, unchanged since)."""
+    """The copy's answer has the source's size (and content tag); the new key's listing
+    has that size and the answer's tag."""
     if listed is None or answer.size != source.size or listed.size != source.size:
         return False
     if source.content_tag and answer.content_tag and source.tag and answer.tag:
@@ -205,9 +184,7 @@ def _same_copy(
 
 
 def _delete_copies(copier: _server_copy.Copier, prefix: str, names: list[str]) -> None:
-    """Deletes the objects ``prefix + name`` for ``names`` (this process's chunks of one
-    leaf of the new step, which only this save writes; other processes' chunks under
-    ``prefix`` are left alone); errors are ignored (the write replaces them)."""
+    """Deletes this process's copies ``prefix + name``; errors ignored (the write replaces)."""
     mine = set(names)
     try:
         for key in copier.list(prefix):

@@ -19,22 +19,26 @@ from .._storage import server_copy as _server_copy
 from .._storage.local_files import open_dirs as _open_dirs
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
-from .._zarr import crcs as _crcs
 from .._zarr import packed_reader as _packed_reader
-from .chunks import Refused, Writes, chunk_file_bytes, not_the_snapshot, snapshot_crcs
+from .chunks import (
+    Refused,
+    Writes,
+    check_linked,
+    chunk_file_bytes,
+    not_the_snapshot,
+    snapshot_crcs,
+)
 from .copies import _same_copy
 
 logger = logging.getLogger("flax_orbax_plugin")
 
 LIVE_FRACTION = 0.5  # a previous data file is taken when this share of it is reused
-_READ_BLOCK = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class Unchanged:
-    """An unchanged leaf this process writes: ``j`` its number in the previous step,
-    ``chunks`` the chunk names (as ``chunk_names``) of its regions, ``writes`` its
-    snapshot (``(region, data)`` pairs), ``nbytes`` the bytes of those regions."""
+    """An unchanged leaf this process writes: ``j`` its previous number, ``chunks`` of its
+    regions, ``writes`` its snapshot, ``nbytes`` those regions' bytes."""
 
     j: int
     record: LeafRecord
@@ -45,10 +49,8 @@ class Unchanged:
 
 @dataclasses.dataclass(frozen=True)
 class Taken:
-    """What :func:`reuse_files` took: the data files (name -> size, in number order),
-    their reused segments under this step's keys, the leaves they hold whole and
-    their bytes; ``unchanged``: every unchanged leaf asked about (those not taken are
-    written first, side by side, so that the next step can take their files whole)."""
+    """What :func:`reuse_files` took: data files (name -> size), their segments under this
+    step's keys, the leaves held whole, their bytes; ``unchanged``: every one asked about."""
 
     files: dict[str, int]
     chunks: dict[str, _chunks.Segment]
@@ -64,10 +66,8 @@ def reuse_files(
     process: int,
     unchanged: dict[int, Unchanged],
 ) -> Taken:
-    """Takes the previous data files of ``process`` (under ``source``, the previous
-    step's item) that hold mostly ``unchanged`` leaves into ``target`` (the staging
-    item) with ``take`` (:func:`link_file` or a :func:`copy_file` partial); nothing
-    taken (logged where something was refused): a :class:`Taken` without files."""
+    """Takes the previous data files of ``process`` holding mostly ``unchanged`` leaves into
+    ``target`` with ``take`` (:func:`link_file`, :func:`copy_file`); else a Taken of none."""
     none = Taken({}, {}, frozenset(), 0, frozenset(unchanged))
     try:
         previous = _packed_reader.read_index(source, process)
@@ -103,8 +103,8 @@ def reuse_files(
 def _reusable_segments(
     previous: _chunks.DataIndex, unchanged: dict[int, Unchanged]
 ) -> dict[str, tuple[int, _chunks.Segment]]:
-    """``{new key: (leaf, previous segment)}`` for every chunk of the leaves whose every
-    chunk the previous index lists with a chunk's size and the snapshot's crc32c."""
+    """``{new key: (leaf, previous segment)}`` of the leaves whose every chunk the index
+    lists with a chunk's size and the snapshot's crc32c."""
     out: dict[str, tuple[int, _chunks.Segment]] = {}
     for i, leaf in unchanged.items():
         size = chunk_file_bytes(leaf.record)
@@ -143,9 +143,8 @@ def _whole(segments, files: list[str], unchanged: dict[int, Unchanged]) -> set[i
 
 
 def _files_to_take(previous: _chunks.DataIndex, segments, unchanged) -> list[str]:
-    """The previous data files (in their order) of which at least LIVE_FRACTION of the
-    bytes are chunks of leaves held whole by the files taken (a fixed point: dropping
-    a file may drop a leaf it shares with another)."""
+    """The previous data files at least LIVE_FRACTION live (leaves held whole), to a fixed
+    point (dropping a file may drop a leaf it shares)."""
     files = list(previous.files)
     while True:
         whole = _whole(segments, files, unchanged)
@@ -167,10 +166,9 @@ def link_file(
     size: int,
     live: list[_chunks.Segment],
 ) -> None:
-    """Hard-links ``data/<old>`` of ``source`` as ``data/<new>`` of ``target`` (never
-    following a symlink), then checks the new name: a regular file of ``size`` bytes in
-    which every ``live`` segment's bytes match its crc32c trailer, equal to the index's.
-    Raises (after unlinking it) on any failure."""
+    """Hard-links ``data/<old>`` of ``source`` as ``data/<new>`` of ``target`` (no symlink
+    followed), then checks it (size, every ``live`` segment's crc32c); raises after
+    unlinking it on any failure."""
     os.makedirs(target.path, exist_ok=True)  # another process may not have yet
     sfd = _open_dirs(source.path, [_chunks.DATA_DIR])
     try:
@@ -181,7 +179,9 @@ def link_file(
                 raise Refused(f"{source}/data/{old}: expected a regular file")
             os.link(old, new, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
             try:
-                _check_linked(dfd, new, f"{source}/data/{old}", size, live)
+                shown = f"{source}/data/{old}"
+                segments = [(f"{shown} at {s.offset}", s.offset, s.length, s.crc32c) for s in live]
+                check_linked(dfd, new, shown, size, segments, _differs)
             except BaseException:
                 os.unlink(new, dir_fd=dfd)
                 raise
@@ -191,27 +191,8 @@ def link_file(
         os.close(sfd)
 
 
-def _check_linked(dfd: int, name: str, shown: str, size: int, live) -> None:
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise Refused(f"{shown}: expected a regular file of {size} bytes, found {st.st_size}")
-        for seg in live:
-            crc, at, stop = 0, seg.offset, seg.offset + seg.length
-            while at < stop:
-                block = os.pread(fd, min(_READ_BLOCK, stop - at), at)
-                if not block:
-                    break
-                crc = _crcs.extend_crc(crc, block)
-                at += len(block)
-            tail = os.pread(fd, _chunks.CRC_BYTES, stop - _chunks.CRC_BYTES)
-            if at != stop or crc != _chunks.CRC32C_RESIDUE:
-                raise Refused(f"{shown} at {seg.offset}: its crc32c does not match its bytes")
-            if int.from_bytes(tail, "little") != seg.crc32c:
-                raise Refused(f"{shown} at {seg.offset}: its crc32c differs from its index's")
-    finally:
-        os.close(fd)
+def _differs(where: str, stored: int, expected: int) -> str:
+    return f"{where}: its crc32c differs from its index's"
 
 
 def copy_file(
@@ -223,11 +204,8 @@ def copy_file(
     size: int,
     live: list[_chunks.Segment],
 ) -> None:
-    """Copies ``data/<old>`` of ``source`` to ``data/<new>`` of ``target`` on the server,
-    only from the object listed (of ``size`` bytes), and checks the copy (size and
-    content tag, as ``copies._same_copy``). The segments' crc32c were checked against
-    the snapshot before; the bytes are not read here (restore and ``verify`` check each
-    segment's trailer against the index). Raises (after deleting it) on any failure."""
+    """Copies ``data/<old>`` of ``source`` to ``data/<new>`` of ``target`` on the server from
+    the object listed, and checks the copy (``_same_copy``); raises after deleting it."""
     if source.spec | {"path": ""} != target.spec | {"path": ""}:
         raise Refused(f"{target}: not in the bucket of {source}")
     src = f"{source.path}{_chunks.DATA_DIR}/{old}"

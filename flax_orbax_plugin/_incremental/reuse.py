@@ -1,14 +1,8 @@
-"""Incremental steps: a leaf unchanged since the previous committed step is reused.
-
-Its chunks are hard-linked from that step on a local filesystem (:mod:`.links`) or
-copied on the server on S3 and GCS (:mod:`.copies`); in format version 2, whole data
-files holding mostly unchanged leaves (:mod:`.packed`); every step stays
-self-contained. This module is the way per store (:func:`reuser`), the digests
-(:func:`region_digests`, :func:`exchange`, :func:`leaf_digest`, :func:`release`), the
-previous step (:func:`previous_document`) and the plan (:func:`plan_reuse`,
-:func:`chunks_of`). All on the background thread of the save (``_core.save``), on
-every process, only with :class:`Reuse` given (``CheckpointManager(incremental=True)``).
-Who calls what, the checks and what is not protected: ``docs/incremental.md``.
+"""Incremental steps: a leaf unchanged since the previous committed step is reused
+(hard-linked locally, :mod:`.links`; copied on the server on S3 and GCS, :mod:`.copies`;
+whole data files in version 2, :mod:`.packed`). Here: the way per store, the digests,
+the previous step and the plan. All on the save's background thread, on every process,
+only with :class:`Reuse` given. Design notes: ``docs/incremental.md``.
 """
 
 from __future__ import annotations
@@ -33,8 +27,6 @@ from .._format.layout import ArrayStorage, BatchStorage, CheckpointDocument, Lea
 from .._storage import server_copy as _server_copy
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
-from .copies import copy_leaf  # noqa: F401  (version 1's ways, named here for callers)
-from .links import link_leaf  # noqa: F401
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -43,15 +35,11 @@ DIGEST_ALGORITHM = "xxh3_128r"  # a hash over (region bounds, xxh3_128 of its by
 
 @dataclasses.dataclass(frozen=True)
 class Reuse:
-    """Opt-in incremental save of one pytree item of a manager step: record leaf digests
-    and reuse the unchanged leaves of ``item`` in ``previous_step`` (the previous
-    committed step's directory; None for the first step, whose digests are still
-    recorded).
+    """Incremental save of one pytree item: record leaf digests and reuse the unchanged
+    leaves of ``item`` in ``previous_step`` (None for the first step: digests only).
 
-    ``op``: the key-value name under which the processes exchange their region hashes
-    (:func:`exchange`), drawn with ``_distributed.next_operation_id`` on the training
-    thread in the same order on every process; None with several processes: nothing
-    is hashed, exchanged or reused (one process needs none)."""
+    ``op``: the key-value name of the region hash exchange, drawn on the training thread
+    in the same order on every process; None with several processes: nothing reused."""
 
     previous_step: Location | None
     item: str
@@ -65,12 +53,8 @@ _LOGGED_LOCK = threading.Lock()
 def reuser(
     location: Location, *, link: Callable[..., Any], copy: Callable[..., Any]
 ) -> Callable[..., int | None] | None:
-    """How this process reuses its data of unchanged leaves under ``location``, in the
-    ways its format gives: ``link`` on a local filesystem (version 1's
-    :func:`link_leaf`, version 2's ``packed.link_file``), ``copy`` with the store's
-    server-side copier on S3 and GCS (:func:`copy_leaf`, ``packed.copy_file``); None
-    (it writes every leaf) where no copier is available (logged once per store and
-    reason)."""
+    """How this process reuses unchanged data under ``location``: ``link`` locally, ``copy``
+    with the store's server-side copier; None where there is none (logged once)."""
     if location.is_local:
         return link
     copier, why = _server_copy.copier_for(location)
@@ -93,14 +77,8 @@ Bounds = tuple[tuple[int, int], ...]  # (start, stop) per axis, in the leaf's co
 Entry = tuple[Bounds, str]  # a region and the xxh3_128 hex of its bytes
 
 
-def region_bounds(region: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
-    """``region`` (slices, None meaning the whole axis) as ``((start, stop), ...)``."""
-    return tuple(s.indices(n)[:2] for s, n in zip(region, shape, strict=True))
-
-
 def region_hash(data: np.ndarray) -> str:
-    """``xxh3_128`` hex of ``data``'s elements in C order as little-endian bytes (numpy's
-    in-memory form; one byte per ``bool`` and 8-bit element)."""
+    """``xxh3_128`` hex of ``data``'s elements in C order as little-endian bytes."""
     if data.dtype.byteorder == ">":
         data = data.astype(data.dtype.newbyteorder("<"))
     return xxhash.xxh3_128(np.ascontiguousarray(data).reshape(-1).view(np.uint8)).hexdigest()
@@ -109,13 +87,11 @@ def region_hash(data: np.ndarray) -> str:
 def region_digests(
     record: LeafRecord, writes: Iterable[tuple[tuple[slice, ...], np.ndarray]]
 ) -> list[Entry]:
-    """This process's entries for one leaf: ``(bounds, hash)`` of every region it writes
-    (see :func:`leaf_digest`). Raises ValueError when a region's data does not have
-    the region's shape (never for a snapshot of this library)."""
+    """This process's ``(bounds, hash)`` of every region of one leaf it writes."""
     shape = tuple(record.shape)
     out = []
     for region, data in writes:
-        bounds = region_bounds(region, shape)
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(region, shape, strict=True))
         if tuple(data.shape) != tuple(b - a for a, b in bounds):
             raise ValueError(f"leaf {record.path!r}: region {bounds} holds shape {data.shape}")
         out.append((bounds, region_hash(data)))
@@ -123,11 +99,8 @@ def region_digests(
 
 
 def leaf_digest(entries: Iterable[Entry]) -> str:
-    """``"xxh3_128r:<hex>"``: XXH3-128 of one ASCII line per region,
-    ``start:stop,start:stop,...=<hash>`` and a newline (axes in order, ``hash`` the
-    region's :func:`region_hash`), the lines sorted by bounds; ``entries``: those of
-    every process that writes the leaf. Equal digests: the same regions, the same
-    bytes in each (FORMAT.md)."""
+    """``"xxh3_128r:<hex>"``: XXH3-128 of the sorted lines ``start:stop,...=<hash>\n``
+    of every process's ``entries`` (FORMAT.md)."""
     lines = sorted((tuple(tuple(map(int, ab)) for ab in b), h) for b, h in entries)
     hasher = xxhash.xxh3_128()
     for bounds, h in lines:
@@ -138,15 +111,9 @@ def leaf_digest(entries: Iterable[Entry]) -> str:
 def exchange(
     op: str | None, mine: dict[int, list[Entry]] | None, region: _distributed.Region | None
 ) -> dict[int, list[Entry]] | None:
-    """Every process's entries, merged per leaf index; ``mine`` (None: this process
-    could not hash) as is with one process. With several, one key-value set of this
-    process's JSON under ``<op>/regions/<process>`` and one blocking get per process
-    (the coordination timeout; a lost process raises :class:`CoordinationError`).
-    None when any process sent ``null`` (or ``op`` is None): nobody gets a digest.
-
-    Background thread, same call order on every process, in ``region`` (the manager
-    save's, its request's); :func:`release` deletes the value once every process has
-    read it."""
+    """Every process's entries, merged per leaf index (``mine`` as is with one process);
+    None when any process could not hash (or ``op`` is None). Background thread, same
+    call order on every process, in ``region``; :func:`release` deletes the value."""
     if _distributed.process_count() == 1:
         return mine
     if op is None:
@@ -173,8 +140,7 @@ def exchange(
 
 
 def release(reuses: Iterable[Reuse]) -> None:
-    """Deletes this process's exchanged values (after the step's commit, when every
-    process has read them); errors are ignored. A no-op with one process."""
+    """Deletes this process's exchanged values after the step's commit."""
     if _distributed.process_count() == 1:
         return
     for reuse in reuses:
@@ -186,8 +152,7 @@ def release(reuses: Iterable[Reuse]) -> None:
 
 
 def previous_document(reuse: Reuse) -> tuple[Location, CheckpointDocument] | None:
-    """The previous step's item location and checked metadata; None (logged) when there
-    is none, it is not a pytree, or it does not read cleanly."""
+    """The previous step's item location and checked metadata, or None (logged)."""
     if reuse.previous_step is None:
         return None
     try:
@@ -205,8 +170,7 @@ def previous_document(reuse: Reuse) -> tuple[Location, CheckpointDocument] | Non
 
 
 def plan_reuse(records: dict[int, LeafRecord], previous: CheckpointDocument) -> dict[int, int]:
-    """``{leaf index: previous leaf index}`` for every leaf (stored as its own array, with
-    a digest) whose previous record matches in every field that decides its bytes."""
+    """``{leaf index: previous index}`` of array leaves matching in every field of their bytes."""
     by_path = {r.path: (j, r) for j, r in enumerate(previous.leaves)}
     out = {}
     for i, rec in records.items():
@@ -231,12 +195,8 @@ def plan_reuse(records: dict[int, LeafRecord], previous: CheckpointDocument) -> 
 
 
 def report_batched(store: Location, item: str, records: Iterable[LeafRecord]) -> None:
-    """Warns (WARNING, once per store and item, in this process) which leaves of
-    ``item`` are batched (``BatchStorage``: leaves of 1 MiB or less, packed together
-    into one array) and so written again at every incremental step, changed or not:
-    reuse takes only leaves stored as their own arrays (a frozen embedding of 1 MiB
-    beside a trained adapter is rewritten every step). Names the first leaves and the
-    bytes in all. See docs/incremental.md."""
+    """Warns (once per store and item) which leaves of ``item`` are batched and so written
+    again at every incremental step: reuse takes only leaves stored as their own arrays."""
     batched = [r for r in records if isinstance(r.storage, BatchStorage)]
     if not batched:
         return
@@ -269,9 +229,8 @@ def _size(nbytes: int) -> str:
 
 
 def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, ...]] | None:
-    """The chunk files (as :func:`chunk_names`) that ``regions`` cover, sorted; None when
-    a region does not start and end on chunk boundaries (or the leaf's end): its
-    chunks are shared with another region, so it is written, never reused."""
+    """The chunk files ``regions`` cover, sorted; None when a region is not on chunk
+    boundaries (its chunks are shared: written, never reused)."""
     chunk, shape = record.storage.chunk_shape, tuple(record.shape)
     out: set[tuple[str, ...]] = set()
     for bounds in regions:
@@ -288,15 +247,9 @@ def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, 
 
 
 def unchanged(leaves: list, fmt: Any, location: Location, reuse: Reuse, region: Any):
-    """An incremental save's leaves against the previous step: records the digest of
-    every array leaf of a snapshot's ``leaves`` (every process's region hashes, through
-    the key-value store with several processes, in the save's ``region``: every process
-    calls this, in the same order); returns (the way to reuse, the previous step's
-    item, [(leaf, its previous number, the chunks of this process's regions)] for the
-    leaves the previous step holds unchanged and of which this process writes regions),
-    or None where this process reuses nothing (see :func:`reuser`). ``fmt``: the
-    snapshot's format (it knows its way to reuse and the steps it wrote); ``location``:
-    the item being written. Called by the save's write (``_core.plan``)."""
+    """Records the digest of every array leaf (collective in ``region``: every process,
+    same order) and returns (the way to reuse, the previous item, [(leaf, previous
+    index, this process's chunks)] of the unchanged leaves), or None (nothing reused)."""
     way = fmt.reuser(location)
     if way is None and _distributed.process_count() == 1:
         return None

@@ -1,9 +1,8 @@
 """Reading onto ``like``: the saved tree matched against the template, a saved leaf cast
 (checked), a template retargeted, and the options of a restore into a changed model.
 
-The cast policy is an argument of every check. A reader calls :func:`changes` once (the
-options, checked before anything is read), then :func:`rename_records` and :func:`match`
-for the tree; foreign readers place a leaf with ``_like.placing``. No state; any thread.
+A reader calls :func:`changes` once (before anything is read), then
+:func:`rename_records` and :func:`match`. No state; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.onto_like``.
 """
@@ -75,7 +74,6 @@ def _first(values: np.ndarray, bad: np.ndarray | None = None) -> Any:
 
 
 def _changed(values: np.ndarray, changed: np.ndarray) -> Any:
-    """The first value marked ``changed``, or None when none is."""
     return _first(values, changed) if changed.any() else None
 
 
@@ -83,8 +81,7 @@ ADVICE = "pass cast='unsafe' to cast anyway"  # the end of each refusal (readers
 
 
 def with_advice(error: StructureError, advice: str) -> str:
-    """A refusal of :func:`check` with another way out at its end than ``cast='unsafe'``
-    (a caller whose option has another name: a reader's, ``HFShards``, the CLI's flag)."""
+    """A refusal of :func:`check` ending in ``advice`` (an option of another name)."""
     return str(error).replace(ADVICE, advice)
 
 
@@ -94,10 +91,8 @@ def _fail(path: str, src: np.dtype, dst: np.dtype, why: str, example: Any) -> St
 
 
 def _float_changes(x: np.ndarray, dst: np.dtype) -> np.ndarray | None:
-    """Mask of float values that a cast to ``dst`` turns into something other than a
-    rounding (finite to inf/NaN, inf to NaN or finite, NaN to a number, a finite value
-    past ``dst``'s range: a dtype without inf (float4, float6) saturates it to its
-    largest value); None if none."""
+    """Mask of float values a cast to ``dst`` changes beyond rounding (to or from inf/NaN,
+    past ``dst``'s range: float4/float6 saturate); None if none."""
     orig = x if x.dtype.kind == "f" else x.astype(np.float32)  # ml_dtypes floats
     back = x.astype(dst).astype(orig.dtype)
     finite = np.isfinite(orig)
@@ -111,24 +106,21 @@ def _float_changes(x: np.ndarray, dst: np.dtype) -> np.ndarray | None:
 
 @functools.lru_cache(maxsize=64)
 def _holds_bools(dst: np.dtype) -> bool:
-    """Whether 0 and 1 are values of ``dst`` (float8_e8m0fnu, powers of two only, has
-    no 0)."""
+    """Whether 0 and 1 are values of ``dst`` (float8_e8m0fnu has no 0)."""
     with np.errstate(all="ignore"):
         back = np.array([0, 1], np.uint8).astype(dst).astype(np.float64)
     return back.tolist() == [0.0, 1.0]
 
 
 def _overflow_at(dst: np.dtype) -> float:
-    """The magnitude from which a value rounds past ``dst``'s largest finite value (its
-    largest plus half a step there, where round-to-nearest-even leaves the range)."""
+    """The magnitude from which a value rounds past ``dst``'s largest (plus half a step)."""
     info = ml_dtypes.finfo(dst)
     largest = float(info.max)
     return largest + 2.0 ** (np.floor(np.log2(largest)) - int(info.nmant)) / 2
 
 
 def check_tree(host: Any, target: Any, *, cast: str) -> None:
-    """:func:`check` for every leaf of ``host`` (numpy values) against the dtype of the
-    matching leaf of ``target`` (arrays or ShapeDtypeStructs of the same structure)."""
+    """:func:`check` for every leaf of ``host`` against ``target``'s leaf's dtype."""
 
     def one(keypath, x, t):
         # str, bytes and None leaves pass through (no dtype to cast to or from)
@@ -140,18 +132,15 @@ def check_tree(host: Any, target: Any, *, cast: str) -> None:
 
 
 def check_policy(cast: Any) -> str:
-    """``cast=`` where it enters (restore, restore_params, the exporter, a request):
-    one of :data:`CAST_POLICIES`, else an OptionError naming it."""
+    """``cast=``: one of :data:`CAST_POLICIES`, else an OptionError naming it."""
     if cast not in CAST_POLICIES:
         raise OptionError(f"cast must be one of {CAST_POLICIES}, found {cast!r:.60}")
     return cast
 
 
 def legacy_cast(cast: Any, allow_cast: Any, *, where: str) -> str:
-    """``cast=`` of an entry point that took ``allow_cast=`` in earlier releases
-    (``from_safetensors``, ``restore_orbax``): the policy, checked; ``allow_cast=``
-    given (True or False) still works this release, with a DeprecationWarning naming
-    ``cast=``; both given is an OptionError."""
+    """``cast=`` of an entry point that took ``allow_cast=`` before: that still works, with
+    a DeprecationWarning; both given is an OptionError."""
     check_policy(cast)
     if allow_cast is None:
         return cast
@@ -253,8 +242,7 @@ def _check_int_exact(path, values: np.ndarray, src, dst, real: np.dtype) -> None
 
 
 def checked_dtype(dtype: Any) -> Any:
-    """``dtype=`` (cast the floating leaves to it): None or a floating dtype, else an
-    OptionError naming it (a cast of floats to integers truncates every value)."""
+    """``dtype=``: None or a floating dtype, else an OptionError naming it."""
     if dtype is None:
         return None
     try:
@@ -272,9 +260,8 @@ def checked_dtype(dtype: Any) -> Any:
 
 
 def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
-    """ShapeDtypeStructs for ``tree`` with floating leaves cast to ``dtype`` and new shardings
-    (one Sharding for every leaf, or a pytree of them); leaves without a shape pass, and
-    a numpy leaf no sharding is given for stays a numpy template (read to the host)."""
+    """ShapeDtypeStructs for ``tree``, floating leaves cast to ``dtype``, with ``sharding``
+    (one, or a pytree); a numpy leaf with no sharding stays a numpy template."""
     dtype = checked_dtype(dtype)
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [leaf for _, leaf in with_paths]
@@ -321,19 +308,16 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
 
 
 def _on_device(dtype: Any) -> Any:
-    """The dtype a device array of ``dtype`` holds: int64 / float64 are int32 / float32
-    unless jax_enable_x64 is on. Asked for as such, so the checked cast refuses a value
-    the narrower dtype cannot hold (placing the wide data wrapped it silently)."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    """The dtype a device array of ``dtype`` holds (int64 is int32 without x64), so the
+    checked cast refuses a value the narrower dtype cannot hold."""
+    if _is_extended(dtype):
         return dtype  # a PRNG key's dtype: its own
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _on_host(leaf: np.ndarray | np.generic, dtype: Any) -> np.ndarray | np.generic:
-    """A numpy leaf of a like with no sharding asked for it, as a numpy template of
-    ``dtype``: the restore gives numpy of exactly that dtype (a ShapeDtypeStruct would
-    give a device array, its int64 made int32 without jax_enable_x64). Allocates
-    nothing: a broadcast of one value."""
+    """A numpy leaf with no sharding, as a numpy template of ``dtype`` (read to the host
+    as exactly that dtype); a broadcast of one value, allocating nothing."""
     if leaf.dtype == dtype:
         return leaf
     if isinstance(leaf, np.generic):
@@ -342,12 +326,9 @@ def _on_host(leaf: np.ndarray | np.generic, dtype: Any) -> np.ndarray | np.gener
 
 
 def concrete(tree: Any, *, option: str | None = None) -> Any:
-    """``tree`` (a like, or a pytree of shardings) with every sharding on an
-    ``AbstractMesh`` (``nnx.eval_shape`` under ``jax.set_mesh`` gives these) put on the
-    concrete mesh of the ``jax.set_mesh`` around the call; a StructureError naming the
-    leaf where there is none of that shape (an abstract mesh names no devices to read
-    onto; ``option``: the option ``tree`` is, named instead). ``tree`` itself when it
-    holds no abstract sharding (the common case)."""
+    """``tree`` (a like, or shardings) with every sharding on an ``AbstractMesh`` put on the
+    mesh of the ``jax.set_mesh`` around the call; a StructureError naming the leaf (or
+    ``option``) where there is none of that shape."""
     if not any(_abstract_mesh(leaf) for leaf in jax.tree_util.tree_leaves(tree)):
         return tree  # every restore asks: no key paths built for the common case
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -396,10 +377,8 @@ def describe(x: Any) -> str:
 
 
 def near_miss(path: str, stored: Collection[str]) -> str:
-    """Words to add where like's leaf ``path`` is missing from a checkpoint that holds
-    it one level off: below it (an NNX State's ``<path>/value``) or under a key (the
-    tree saved inside a dict), or above it (saved without NNX's ``/value``); ""
-    otherwise. One pass over ``stored`` (a dict or set of the saved paths)."""
+    """Words to add where like's leaf ``path`` is missing from ``stored`` (the saved
+    paths) that hold it one level off (NNX's ``/value``, under a key); else ""."""
     if path.endswith("/value") and path[: -len("/value")] in stored:
         return (
             f"; it holds {path[: -len('/value')]!r}: saved without NNX's '/value' "
@@ -428,13 +407,7 @@ def near_miss(path: str, stored: Collection[str]) -> str:
 
 
 def _is_float(dtype: np.dtype) -> bool:
-    if dtype.kind in "biuc":
-        return False
-    try:
-        ml_dtypes.finfo(dtype)
-    except ValueError:
-        return False
-    return True
+    return _category(dtype) == "float"
 
 
 def is_lossless(src: Any, dst: Any) -> bool:
@@ -459,18 +432,16 @@ def is_lossless(src: Any, dst: Any) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def is_key_dtype(dtype: Any) -> bool:
-    """Whether ``dtype`` is a jax PRNG key dtype (asked once per dtype, not per leaf)."""
+    """Whether ``dtype`` is a jax PRNG key dtype."""
     return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 
 def template_of(path: str, like: Any) -> tuple[tuple[int, ...], Any]:
-    """(shape, dtype) a leaf of ``like`` asks for: an array, a ShapeDtypeStruct or a
-    scalar; StructureError naming the leaf for anything else."""
+    """(shape, dtype) a leaf of ``like`` asks for; StructureError for a non-array."""
     if isinstance(like, (bool, int, float, complex)):
         return (), np.asarray(like).dtype
     if isinstance(like, jax.ShapeDtypeStruct) and not _is_extended(like.dtype):
-        # what jax will hold: int64 / float64 are int32 / float32 unless jax_enable_x64
-        # is on (a value the narrower dtype cannot hold is refused, not truncated)
+        # what jax will hold (int64 is int32 without x64): a value it cannot is refused
         return tuple(like.shape), jax.dtypes.canonicalize_dtype(like.dtype)
     if isinstance(like, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
         return tuple(like.shape), like.dtype
@@ -484,8 +455,6 @@ def _is_extended(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
-# The options of a restore into a changed model (partial, missing, transform, surgery),
-# checked once by every restore entry point (their words: transform_rules, surgery).
 MISSING_CHOICES = ("error", "keep", "keep_all")
 
 
@@ -497,18 +466,11 @@ class Changes:
     missing: str = "error"
     transform: Callable[[str], str | None] | None = None
     surgery: tuple[Any, ...] = ()  # checked operations (``surgery.check_surgery``)
-    # An item that mirrors params (an optimizer state): the operations apply at every
-    # prefix where they match, and nowhere without a word (``surgery_mirrors``).
     surgery_mirrored: bool = False
 
     @property
     def keep_missing(self) -> bool:
         return self.missing in ("keep", "keep_all")
-
-    @property
-    def nothing_may_match(self) -> bool:
-        """``missing="keep_all"``: a restore that matches no saved leaf only warns."""
-        return self.missing == "keep_all"
 
     def describe(self) -> str:
         """The options as given, for messages."""
@@ -528,14 +490,11 @@ class Changes:
 def changes(
     *, partial: Any = False, missing: Any = "error", transform: Any = None, surgery: Any = None
 ) -> Changes:
-    """Validates the options (TypeError / ValueError naming the option; TransformError
-    for ``transform``, see ``transform_rules``, and ``surgery``, see ``surgery``) and
-    compiles ``transform`` once. Called by every restore entry point before anything
-    is read."""
+    """The options checked (an error naming the option), ``transform`` compiled once;
+    every restore entry point calls it before anything is read."""
     partial = flag("partial", partial)
     if missing not in MISSING_CHOICES:
         raise OptionError(f"missing must be one of {MISSING_CHOICES}, found {missing!r}")
-    # A plain restore (no transform, no surgery) compiles and checks nothing more.
     compiled = None if transform is None else compile_transform(transform)
     return Changes(partial, missing, compiled, () if surgery is None else check_surgery(surgery))
 
@@ -555,8 +514,8 @@ HINT = (
 
 
 def rename_records(records: dict[str, Any], opts: Changes, where: str) -> dict[str, Any]:
-    """``{saved path: value}`` keyed by the paths ``opts.transform`` maps them to (a
-    saved leaf mapped to None is left out). Two saved leaves onto one path raise."""
+    """``records`` keyed by the paths ``opts.transform`` maps them to (None: left out);
+    two saved leaves onto one path raise."""
     if opts.transform is None:
         return records
     for pattern in unmatched_rules(opts.transform, records):  # a typo, most likely
@@ -582,7 +541,7 @@ def rename_records(records: dict[str, Any], opts: Changes, where: str) -> dict[s
 
 
 def check_keepable(path: str, leaf: Any) -> None:
-    """Raises when ``leaf`` (a leaf of like the checkpoint lacks) has no value to keep."""
+    """Raises when ``leaf`` (missing from the checkpoint) has no value to keep."""
     if isinstance(leaf, jax.ShapeDtypeStruct):
         raise StructureError(
             f"leaf {path!r}: not in the checkpoint, and missing='keep' has no value to keep: "
@@ -599,9 +558,8 @@ def check_item_keepable(name: str, value: Any) -> None:
 
 
 def _cast_problem(path: str, record: Any, like: Any, cast: str) -> str | None:
-    """The reason no checked cast takes the saved dtype to like's, whatever the values
-    (float to int, to bool, complex to real); None when one may (always, for
-    ``cast="unsafe"``)."""
+    """Why no checked cast takes the saved dtype to like's whatever the values (float to
+    int, complex to real); None when one may."""
     if record.dtype is None or record.kind == "prng_key" or like is None:
         return None
     try:
@@ -632,13 +590,9 @@ def match(
     """One entry per leaf of ``flat`` (like's ``(path, keys, leaf)``): ``make(index,
     record, leaf)`` for a leaf the checkpoint holds, :data:`KEEP` for one kept from like.
 
-    ``records``: ``{like path: (index, record)}`` (after :func:`rename_records`);
-    ``saved``: the checkpoint's own paths of leaves holding a value (before any
-    transform). Every difference is collected first; then one StructureError lists
-    them all (after ``problems``, found before: surgery's). A plan that reads none of
-    ``saved`` raises NothingMatchedError (see :func:`check_matched`). ``cast``: the
-    read's cast policy (a dtype no checked cast reaches is a difference unless
-    ``"unsafe"``)."""
+    ``records``: ``{like path: (index, record)}``; ``saved``: the checkpoint's paths
+    holding a value. Every difference (after ``problems``) goes into one StructureError;
+    a plan reading none of ``saved`` raises NothingMatchedError (:func:`check_matched`)."""
     problems = list(problems or ())
     _refuse_one_leaf(flat, records, where)
     casts: list[str] = []  # dtypes no checked cast reaches
@@ -668,7 +622,8 @@ def match(
         ]
     if problems:  # casts alone are refused by the read itself, naming a value
         raise mismatch(problems + casts, where)
-    if not any(_holds_data(records.get(path)) for path, _, _ in flat):
+    found = [records.get(path) for path, _, _ in flat]
+    if not any(f is not None and f[0] >= 0 and f[1].kind not in NO_DATA for f in found):
         like_paths = [
             p for p, _, _ in flat if p not in records or records[p][1].kind not in NO_DATA
         ]
@@ -691,9 +646,7 @@ def _refuse_one_leaf(flat: list, records: dict[str, Any], where: str) -> None:
 
 
 def _missing(path: str, leaf: Any, records: dict, opts: Changes, problems: list[str]) -> Any:
-    """The entry of like's leaf ``path`` the checkpoint lacks: KEEP (``missing="keep"``)
-    or None, a problem appended to ``problems`` (a near miss named on the first one,
-    where ``records`` hold the saved paths themselves)."""
+    """The entry of like's leaf ``path`` the checkpoint lacks: KEEP, or None and a problem."""
     if opts.keep_missing:
         try:
             check_keepable(path, leaf)
@@ -708,11 +661,6 @@ def _missing(path: str, leaf: Any, records: dict, opts: Changes, problems: list[
     return None
 
 
-def _holds_data(found: tuple[int, Any] | None) -> bool:
-    """A saved leaf a read takes a value from (a leaf of like matched)."""
-    return found is not None and found[0] >= 0 and found[1].kind not in NO_DATA
-
-
 def check_matched(
     saved: list[str],
     like_paths: list[str] | None,
@@ -721,16 +669,13 @@ def check_matched(
     where: str,
     unit: str = "leaf",
 ) -> None:
-    """Called when a restore reads no saved leaf (or, ``unit="item"``, a manager's
-    restore no saved item): raises NothingMatchedError when the checkpoint at ``where``
-    holds values (``saved``), since every leaf would come back as like's own; with
-    ``missing="keep_all"`` (nothing may match, on purpose) it logs a WARNING instead.
-    ``like_paths``: like's leaves (None: no like); ``renamed``: the saved paths as the
-    transform maps them."""
+    """When a restore reads no saved leaf (``unit="item"``: item) of a checkpoint holding
+    values (``saved``): NothingMatchedError, or a WARNING under ``missing="keep_all"``.
+    ``like_paths``: like's leaves (None: no like); ``renamed``: after the transform."""
     if not saved:
         return  # an empty checkpoint: nothing to match
     what = f"restore of {where} matched no saved {unit} ({opts.describe()})"
-    if opts.nothing_may_match:
+    if opts.missing == "keep_all":  # nothing may match, on purpose
         logger.warning(
             "checkpoint: %s; missing='keep_all' accepts it: every leaf of like keeps its "
             "own value and nothing is read",
@@ -760,8 +705,7 @@ def _some(paths: list[str]) -> str:
 
 
 def _renamed(message: str, saved: str, path: str) -> str:
-    """``message`` about saved leaf ``saved`` naming like's ``path`` too, when a
-    transform renamed it."""
+    """``message`` about saved leaf ``saved`` naming like's ``path`` too, when renamed."""
     prefix = f"leaf {saved!r}"
     if saved == path or not message.startswith(prefix):
         return message

@@ -1,8 +1,5 @@
-"""Placing a foreign reader's leaf onto ``like``: checked before a byte is read.
-
-An importer (safetensors, an Orbax run, a msgpack file, HF shards) calls :func:`plan`
-once per leaf (it raises before anything is read, naming the leaf), then
-:func:`materialize` with a reader of that leaf's region. No state; any thread.
+"""Placing a foreign reader's leaf onto ``like``: an importer calls :func:`plan` per leaf
+(raising before anything is read), then :func:`materialize`. No state; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._like.placing``.
 """
@@ -48,10 +45,8 @@ class LeafPlan:
     rounds: bool = False  # dtype= asked for a narrower float: it may round, never overflow
 
     def cast(self, data: np.ndarray) -> np.ndarray:
-        """``data`` in ``out_dtype``. A checked cast follows the rules every reader
-        shares (``_like.casting``: float to integer never, even for whole values) and,
-        stricter here, changes no value at all (a float may round where ``rounds``);
-        else StructureError."""
+        """``data`` in ``out_dtype``; a checked cast follows ``onto_like.check`` and changes
+        no value at all (a float may round where ``rounds``), else StructureError."""
         if data.dtype == self.out_dtype:
             return data
         if self.check_values:
@@ -88,13 +83,9 @@ def plan(
     cast_option: str = "cast='unsafe'",
     rounds: bool = False,
 ) -> LeafPlan:
-    """Checks that the stored ``shape``/``dtype`` fit ``like``; ``source`` names the file,
-    ``cast_option`` what the calling entry point takes to cast anyway (its messages say).
-    ``rounds``: a checked cast may round a float (``dtype=`` asked for it), as
-    ``fop.restore``'s does; overflow, wrap-around and truncation are still refused.
-
-    Raises StructureError naming the leaf, the expected and the found value.
-    """
+    """Checks that the stored ``shape``/``dtype`` fit ``like`` (StructureError naming the
+    leaf); ``source``: the file; ``cast_option``: the entry point's way to cast anyway;
+    ``rounds``: a checked cast may round a float (never overflow)."""
     shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
     if like is None:
         return LeafPlan(path, shape, dtype, dtype, None, python_scalar)

@@ -24,8 +24,7 @@ _NUMBER = "(0|[1-9][0-9]*)"
 
 
 def check_surgery(value: Any) -> tuple[Any, ...]:
-    """``surgery=`` as a tuple of operations (None: none); TransformError naming the
-    entry otherwise. Called where the option enters, before anything is read."""
+    """``surgery=`` as a tuple of operations (None: none); else TransformError naming it."""
     if value is None:
         return ()
     if not isinstance(value, (list, tuple)):
@@ -43,8 +42,7 @@ def check_surgery(value: Any) -> tuple[Any, ...]:
 
 
 class _Tree:
-    """The leaves as the operations so far left them: ``{path: node}`` for arrays,
-    problems collected (one listing at the end)."""
+    """The leaves as the operations so far left them, and the problems found."""
 
     def __init__(self, nodes: dict[str, _plan.Node], others: dict[str, Any]):
         self.nodes, self.others = nodes, others
@@ -91,8 +89,7 @@ def _axis(tree: _Tree, op: Any, path: str, ndim: int, axis: int) -> int | None:
 
 
 def _same(tree: _Tree, op: Any, paths: list[str], nodes: list[_plan.Node], skip: int | None):
-    """Whether ``nodes`` agree in dtype and shape (but axis ``skip``); every one that
-    does not is a problem, against the first."""
+    """Whether ``nodes`` agree in dtype and shape (but axis ``skip``); each other is a problem."""
     first, ok = nodes[0], True
 
     def cut(shape):
@@ -231,9 +228,8 @@ class Made:
 def apply(
     records: dict[str, tuple[int, Any]], ops: tuple[Any, ...]
 ) -> tuple[dict[str, tuple[int, Any]], dict[str, Made], list[str]]:
-    """``records`` (``{path: (index, record)}``, after ``transform=``) as ``ops`` leave
-    them, the leaves they made (``{path: Made}``: their records are stand-ins, with no
-    storage, read through the node) and the problems found (empty: all fit)."""
+    """``records`` as ``ops`` leave them, the leaves they made (stand-in records, read
+    through the node) and the problems found (empty: all fit)."""
     if not ops:
         return records, {}, []
     nodes: dict[str, _plan.Node] = {}

@@ -1,13 +1,9 @@
 """Surgery in items that mirror params: an optimizer state's moments.
 
-``surgery=[...]`` is written against params' leaf paths (``layers_{i}/kernel``). An
-optimizer state holds trees of the same shape under prefixes of its own (Adam's
-``0/mu/`` and ``0/nu/``), so a resume into a changed model needs the same operations
-there. :func:`mirrored` gives, for one item's saved leaf paths, every operation at
-every prefix under which its leaves appear (the empty prefix included: an item that
-holds params' paths itself); an operation that matches nowhere in such an item does
-nothing there (params, restored with the operations as given, still refuses one that
-matches nothing). Pure functions; any thread.
+``surgery=[...]`` is written against params' paths; an optimizer state holds trees of
+the same shape under prefixes of its own (Adam's ``0/mu/``). :func:`mirrored` gives
+every operation at every prefix where it matches (``''`` included); one matching
+nowhere does nothing there (params still refuse it). Pure functions; any thread.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from .surgery_ops import Fuse, Rename, Split, Stack, Transpose, Unstack
 __all__ = ["mirrored"]
 
 _NUMBER = "(?:0|[1-9][0-9]*)"
-# The fields of each operation that hold paths (patterns with {i} included).
 _PATHS = {
     Stack: ("target", "sources"),
     Unstack: ("source", "targets"),
@@ -34,13 +29,13 @@ _PATHS = {
 
 
 def mirrored(ops: tuple[Any, ...], paths: Iterable[str]) -> tuple[Any, ...]:
-    """``ops`` as they apply to an item whose saved leaves are ``paths``: each at every
-    prefix (``''`` or ending in ``'/'``) under which what it reads is found, in order
-    (the leaves an earlier operation makes count for the later ones)."""
+    """``ops`` at every prefix of ``paths`` where what each reads is found, in order (an
+    earlier operation's leaves count for the later ones)."""
     known = set(paths)
     out: list[Any] = []
     for op in ops:
-        for prefix in sorted(_prefixes(op, known)):
+        regex = re.compile(r"((?:[^/]+/)*?)" + _reads(op))
+        for prefix in sorted({m.group(1) for path in known if (m := regex.fullmatch(path))}):
             moved = _moved(op, prefix)
             out.append(moved)
             known.update(_made(moved))
@@ -58,11 +53,6 @@ def _reads(op: Any) -> str:
     head, _, tail = first.partition("{i}")
     regex = re.escape(head) + (_NUMBER + re.escape(tail) if "{i}" in first else "")
     return regex + (".*" if first.endswith("/") else "")
-
-
-def _prefixes(op: Any, known: set[str]) -> set[str]:
-    regex = re.compile(r"((?:[^/]+/)*?)" + _reads(op))
-    return {m.group(1) for path in known if (m := regex.fullmatch(path))}
 
 
 def _moved(op: Any, prefix: str) -> Any:

@@ -1,7 +1,5 @@
-"""The operations of layout surgery on restore (``surgery=[...]``), as declared by the
-caller: frozen records that check their own fields when made (TransformError naming
-the operation, the field, what was expected and what was found). What they do to a
-checkpoint's leaves is ``surgery.apply``'s. Threading: immutable; any thread.
+"""The operations of layout surgery (``surgery=[...]``): frozen records that check their
+own fields when made (TransformError naming the field). Threading: immutable; any thread.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ def _ints(values: Any) -> tuple[int, ...] | None:
 
 
 def _need_paths(op: Any, name: str, expected: str = "a list of leaf paths") -> None:
-    """Field ``name`` of ``op``: a non-empty list of leaf paths (kept as a tuple), each
-    once (a leaf fused twice read once, then was missing the second time)."""
+    """Field ``name`` of ``op``: a non-empty list of distinct leaf paths (kept as a tuple)."""
     paths = getattr(op, name)
     ok = isinstance(paths, (list, tuple)) and len(paths) >= 1 and all(map(_is_path, paths))
     _need(op, name, ok, expected, paths)

@@ -1,14 +1,9 @@
-"""What a leaf is made of after layout surgery: nodes that map a box of the target
-leaf to the boxes of the saved leaves it needs, and the plan a ``dry_run`` returns.
+"""What a leaf is made of after layout surgery, and the plan a ``dry_run`` returns.
 
-A node (:class:`Saved`, :class:`Stacked`, :class:`Taken`, :class:`Fused`,
-:class:`Sliced`, :class:`Transposed`) has a shape and a dtype and answers
-:meth:`Node.pieces`: for a box of itself (``((lo, hi), ...)``, one pair per axis),
-the saved leaves' boxes to read (:class:`Piece`) and the function that assembles their
-arrays, in that order, into the box's array. Nodes compose (a transpose of a stack of
-slices), so every target shard reads exactly the saved regions it covers, whatever
-the chain of operations. Pure numpy; no reads happen here (``_core.restore`` reads
-the pieces). Threading: nodes are immutable; any thread.
+A node has a shape and a dtype and answers :meth:`Node.pieces`: for a box of itself
+(``((lo, hi), ...)``), the saved leaves' boxes to read and the function assembling
+their arrays into the box's. Nodes compose, so every target shard reads exactly the
+saved regions it covers. Pure numpy, no reads. Threading: immutable; any thread.
 """
 
 from __future__ import annotations
@@ -59,8 +54,7 @@ def _nothing(box: Box, dtype: str) -> tuple[list[Piece], Assemble]:
 
 
 class Node:
-    """A leaf as surgery makes it (see the module doc); its dtype is that of what it is
-    made of (``node``, or the first of ``parts``)."""
+    """A leaf as surgery makes it; its dtype is that of ``node`` or the first of ``parts``."""
 
     shape: tuple[int, ...]
 

@@ -21,10 +21,8 @@ RULES = "_fop_transform_rules"  # a dict option's compiled rules, in order
 
 
 def compile_transform(transform: Any) -> Callable[[str], str | None] | None:
-    """``transform`` as one function ``saved path -> like path | None`` (None: none).
-
-    Raises TransformError for a malformed option. A function this returned is returned
-    as it is (an option checked once, handed on by an entry point to another)."""
+    """``transform`` as one function ``saved path -> like path | None`` (None: none; one
+    this returned: as is); TransformError for a malformed option."""
     if transform is None:
         return None
     if callable(transform) and hasattr(transform, SOURCE):
@@ -44,9 +42,8 @@ def compile_transform(transform: Any) -> Callable[[str], str | None] | None:
 
 
 def unmatched_rules(compiled: Callable[[str], str | None] | None, paths: Any) -> list[str]:
-    """The patterns of a ``{regex: replacement}`` transform that no path of ``paths``
-    (the saved leaves) matched, each rule applied, in order, to what the rules before it
-    made of the path (as the restore applies them); [] for a callable or None."""
+    """The patterns of a ``{regex: replacement}`` transform no saved path matched (the
+    rules applied in order, as the restore does); [] for a callable or None."""
     rules = getattr(compiled, RULES, None)
     if not rules:
         return []
@@ -92,11 +89,8 @@ def _rule(pattern: Any, replacement: Any) -> tuple[re.Pattern, str]:
 
 
 def template_fault(regex: re.Pattern, replacement: str) -> str | None:
-    """Why ``replacement`` is no ``re`` template for ``regex`` (a reason for a message),
-    or None: it is expanded against a match holding ``regex``'s groups (each empty), so
-    groups and escapes are resolved exactly as ``re.sub`` / ``Match.expand`` resolve
-    them. The one check of every option made of ``{regex: replacement}`` rules
-    (``transform=``, ``HFShards(key_map=)``)."""
+    """Why ``replacement`` is no ``re`` template for ``regex``, or None: expanded against
+    a match of ``regex``'s (empty) groups, as ``re.sub`` would; every rule option's check."""
     names = {index: name for name, index in regex.groupindex.items()}
     groups = "".join(
         f"(?P<{names[i]}>)" if i in names else "()" for i in range(1, regex.groups + 1)

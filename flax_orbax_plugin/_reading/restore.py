@@ -10,6 +10,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._reading.restor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -20,7 +21,7 @@ import numpy as np
 from .._base import distributed as _distributed
 from .._base import host as _host
 from .._base.distributed import public
-from .._base.env import flag
+from .._base.env import check
 from .._core import restore as _restore
 from .._core.read_agreement import agree_on_read
 from .._core.reads import ReadRequest, place
@@ -38,13 +39,14 @@ from .._format import metadata as _metadata
 from .._format import steps as _steps
 from .._format.foreign import is_step
 from .._format.layout import STEP_VERSION
-from .._format.steps import StepItem, step_item
+from .._format.steps import StepItem
 from .._interop import hf_shards as _hf_shards
 from .._interop.orbax_layout import open_orbax
 from .._interop.orbax_reader import lone_item, restore_orbax, restore_orbax_params
 from .._interop.orbax_steps import agreed_latest
 from .._like import onto_like as _onto_like
 from .._like.onto_like import checked_dtype, concrete, retarget
+from .._like.transform_rules import compile_transform
 from .._manager.checkpointables import BUILTIN_CHECKPOINTABLES
 from .._state.train_state import (
     holds_nnx_objects,
@@ -56,7 +58,7 @@ from .._state.train_state import (
 from .._storage.location import Location
 from .._storage.store_errors import arguments, refusals
 
-__all__ = ["StepItem", "describe", "metadata", "read", "restore", "restore_params", "step_item"]
+__all__ = ["describe", "metadata", "read", "restore", "restore_params"]
 
 # The readers of the kinds that are not pytrees, by the kind the manifest records.
 _READERS = {c.kind: c for c in BUILTIN_CHECKPOINTABLES.values() if c.kind != "pytree"}
@@ -64,10 +66,8 @@ _READERS[_hf_shards.KIND] = _hf_shards.HFShards(every_steps=1)  # {tensor name: 
 
 
 def read(item: StepItem, like: Any = None, *, changes: dict[str, Any] | None = None) -> Any:
-    """The value of a non-pytree item, read as the manager reads it (``like``: an int
-    or scalar template for ``step``, an iterator to set the state of for
-    ``data_iterator``). ``changes`` (partial, missing, transform) apply to pytrees
-    only: given for a JSON item, they are refused rather than silently ignored."""
+    """The value of a non-pytree item, read as the manager reads it; ``changes`` (pytrees
+    only) given for a JSON item are refused rather than silently ignored."""
     reader = _reader(item)
     asked = {k: v for k, v in (changes or {}).items() if v not in (None, False, "error")}
     if asked:
@@ -79,8 +79,7 @@ def read(item: StepItem, like: Any = None, *, changes: dict[str, Any] | None = N
 
 
 def describe(item: StepItem) -> _metadata.CheckpointMetadata:
-    """``fop.metadata`` of a non-pytree item: its kind, the step's time and process
-    count, and no leaves (reads nothing but the step manifest)."""
+    """``fop.metadata`` of a non-pytree item, from the step manifest alone."""
     _reader(item)
     return _metadata.CheckpointMetadata(
         path=str(item.location),
@@ -103,9 +102,8 @@ def _reader(item: StepItem) -> Any:
     return reader
 
 
-# Onto devices of several processes the restore is collective: a failure on one process
-# reaches the others at once (``_base.regions``: the region drawn, handed as ``region=``);
-# onto host arrays one may read alone (``region`` None).
+# Onto devices of several processes the restore is collective (``region=``, drawn by
+# ``_base.regions``); onto host arrays one may read alone (``region`` None).
 @public(
     "restore",
     spans=lambda path, like=None, **_: _restore.spans_processes(like),
@@ -125,15 +123,15 @@ def restore(
     cast: str = "safe",
     share_replicated_reads: bool | None = None,
 ) -> Any:
-    """Restores the checkpoint at ``path`` in the form of ``like`` (see ``_core.restore``), or the
-    value of a step's JSON item (``DIR/<step>/extras``, ``.../step``, ``.../data_iterator``). NNX
-    modules, optimizers and Rngs in ``like`` (alone or in a tuple, list or dict such as ``(model,
-    optimizer)``) are restored in place and returned. With no checkpoint of this library at
-    ``path``, an Orbax checkpoint there is read (without orbax).
+    """Restores the checkpoint at ``path`` in the form of ``like``, or the value of a step's
+    JSON item (``DIR/<step>/extras``, ``.../step``, ``.../data_iterator``). NNX modules,
+    optimizers and Rngs in ``like`` (alone or in a tuple, list or dict) are restored in place
+    and returned. An Orbax checkpoint at ``path`` is read too (without orbax).
 
-    ``share_replicated_reads``: a leaf ``like`` replicates over several processes is read once in
-    all (each reads ``1/P`` of its rows, all-gathered: 3x faster with 2 processes, 9-10x with 4;
-    docs/scaling.md). None (default): on with several processes. The same on every process.
+    ``share_replicated_reads``: a leaf ``like`` replicates over several processes is read once
+    in all (each reads ``1/P`` of its rows, then an all-gather; docs/scaling.md). None
+    (default): on with several processes. ``memory_limit_bytes``: the host-memory ceiling of
+    the reads in flight beyond the result.
 
     ``cast="safe"`` (default) casts a leaf to ``like``'s dtype only when no value changes beyond
     float rounding (float32 to bfloat16 rounds; 1e5 to float16, 300 to int8, 16777217 to float32,
@@ -159,24 +157,13 @@ def restore(
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
-    request = _restore.read_request(  # every option checked, before anything is read
-        region=region,
-        partial=partial,
-        missing=missing,
-        transform=transform,
-        surgery=surgery,
-        dry_run=dry_run,
-        memory_limit_bytes=memory_limit_bytes,
-        cast=cast,
-        share_replicated_reads=share_replicated_reads,
-    )
+    options = {k: v for k, v in locals().items() if k not in ("path", "like")}
+    request = _restore.read_request(**options)  # every option checked, before any read
     return _read_place(Location.from_path(path), like, request)
 
 
 def _read_place(location: Location, like: Any, request: ReadRequest) -> Any:
-    """The procedure of ``fop.restore``: what is at ``location`` classified once, then read
-    by its reader (NNX objects in ``like`` restored in place); any other place is an
-    error that says what is there."""
+    """``fop.restore``: what is at ``location`` classified once, then read by its reader."""
     place = _classified(location)
     if place.kind in _steps.PYTREES:
         return update_in_place(like, _restore.restore_with(location, like, request))
@@ -190,17 +177,14 @@ def _read_place(location: Location, like: Any, request: ReadRequest) -> Any:
 
 
 def _classified(location: Location) -> _steps.Place:
-    """What is at ``location``, once this process's save to it (``fop.save_async``) has
-    finished: the one classification the front dispatches on."""
+    """What is at ``location``, once this process's save to it has finished."""
     _host.wait_for_pending_save(location)
     return _steps.classify(location)
 
 
 def _restore_orbax(location: Location, like: Any, request: ReadRequest) -> Any:
-    """Not one of ours: the Orbax checkpoint at ``location`` read through tensorstore
-    (issue 16), the processes agreeing on what they read as for ours. Collective when
-    ``like`` spans several processes and ``location`` is a run: all read the primary's
-    latest step (agreed in the restore's region)."""
+    """The Orbax checkpoint at ``location``, read through tensorstore; collective when
+    ``like`` spans processes (all read the primary's latest step of a run)."""
     region, opts = request.region, request.changes
     if region is not None:
         agree_on_read(location, concrete(like), request)
@@ -216,7 +200,6 @@ def _restore_orbax(location: Location, like: Any, request: ReadRequest) -> Any:
 
 
 def _not_for_orbax(where: Any, options: str, how: str) -> CheckpointError:
-    """The refusal of ``options`` (``"missing= and transform="``) on an Orbax checkpoint."""
     return CheckpointError(
         f"{where} is an Orbax checkpoint: {options} apply to this library's checkpoints; "
         f"convert it first {how}"
@@ -281,8 +264,7 @@ def _params_like(like: Any) -> Any:
 
 
 def _spans(directory: Any, like: Any = None, *, sharding: Any = None, **_: Any) -> bool:
-    """Whether a ``restore_params`` call is collective: ``like`` or ``sharding`` places
-    data on devices of other processes."""
+    """Whether a ``restore_params`` call is collective (data on other processes' devices)."""
     return _restore.spans_processes(_params_like(like), sharding)
 
 
@@ -306,21 +288,16 @@ def restore_params(
 ) -> Any:
     """Restore only the params of a step (the latest by default), for serving.
 
-    ``item`` names another pytree item to serve instead of ``params`` (``"ema_params"``,
-    an EMA copy saved beside them); ``like`` is then that item's tree (or a training
-    state whose field of that name is taken).
+    ``item`` names another pytree item to serve instead (``"ema_params"``); ``like`` is
+    then that item's tree (or a training state whose field of that name is taken).
 
-    Opens nothing but ``<directory>/<step>/params/`` (listing the directory and
-    checking each step's manifest exists). ``like`` is a params pytree (arrays or
-    ShapeDtypeStructs, e.g. from ``jax.eval_shape``), a TrainState / NNX module
-    whose params are taken, or None (numpy on the host). ``dtype`` casts the
-    floating-point leaves, over the dtypes ``like`` gives (``cast="safe"``: a value
-    that overflows or is not representable is a StructureError naming the leaf;
-    ``"unsafe"``: numpy's cast);
-    ``sharding`` is one Sharding for every leaf or a pytree of them. Safe to call
-    from any thread, even while a manager writes. With several processes and a
-    ``like`` or ``sharding`` that spans them, the call is collective and every
-    process reads the primary's latest step (one key-value round).
+    Opens nothing but ``<directory>/<step>/params/``. ``like`` is a params pytree
+    (arrays or ShapeDtypeStructs), a TrainState / NNX module whose params are taken, or
+    None (numpy on the host). ``dtype`` casts the floating-point leaves (``cast="safe"``:
+    a value that overflows is a StructureError naming the leaf; ``"unsafe"``: numpy's);
+    ``sharding`` is one Sharding for every leaf or a pytree of them. Safe from any
+    thread, even while a manager writes. With a ``like`` or ``sharding`` spanning
+    several processes the call is collective: all read the primary's latest step.
 
     ``partial``, ``missing`` and ``transform`` restore into changed params, as
     ``fop.restore`` does (paths are within params: ``Dense_0/kernel``); e.g.
@@ -330,36 +307,28 @@ def restore_params(
     flight beyond the params returned, as ``fop.restore`` takes it.
     """
     # each option checked (OptionError naming one) before any read
-    _restore.check_serving(step=step, item=item, memory_limit_bytes=memory_limit_bytes)
-    given = {"partial": partial, "missing": missing, "transform": transform, "surgery": surgery}
-    changes = _onto_like.changes(**given)
-    dry_run = flag("dry_run", dry_run)
-    _onto_like.check_policy(cast)
+    check(_restore.SERVING, {"step": step, "item": item, "memory_limit_bytes": memory_limit_bytes})
+    changes = _onto_like.changes(
+        partial=partial, missing=missing, transform=transform, surgery=surgery
+    )
+    modes = {"dry_run": dry_run, "cast": cast, "changes": changes}  # each checked here
+    request = _restore.read_request(region=region, memory_limit_bytes=memory_limit_bytes, **modes)
     sharding = _checked_placement(dtype, sharding)
-    limit = memory_limit_bytes
-    job = _Serving(like, item, dtype, sharding, changes, cast, dry_run, region, given, limit)
-    return _serve(directory, step, job)
+    return _serve(directory, step, _Serving(like, item, dtype, sharding, request))
 
 
 class _Serving(NamedTuple):
-    """``restore_params``' options, checked (``given``: the changed-model options as the
-    caller gave them, for an NNX module's params saved as an nnx.State)."""
+    """``restore_params``' options, checked; ``request``: the read's (its modes)."""
 
     like: Any
     item: str
     dtype: Any
     sharding: Any
-    changes: _onto_like.Changes
-    cast: str
-    dry_run: bool
-    region: _distributed.Region | None
-    given: dict[str, Any]
-    memory_limit_bytes: int | None
+    request: ReadRequest
 
 
 def _checked_placement(dtype: Any, sharding: Any) -> Any:
-    """``dtype`` checked and ``sharding`` (its structure is checked once like is known),
-    on an AbstractMesh placed onto set_mesh's mesh, or refused."""
+    """``dtype`` checked and ``sharding`` (an AbstractMesh's onto set_mesh's), or refused."""
     if dtype is not None:
         checked_dtype(dtype)
     if not (sharding is None or isinstance(sharding, _SHARDINGS)):
@@ -374,14 +343,13 @@ _SHARDINGS = (jax.sharding.Sharding, Mapping, list, tuple)
 
 
 def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
-    """The procedure of ``restore_params``: what is at ``directory`` (a run of ours costs
-    its one listing), its committed steps, the step (the primary's latest when the call is
-    collective), then its params; an Orbax directory is read directly (issue 16)."""
+    """``restore_params``: what is at ``directory``, its committed steps, the step (agreed
+    when collective), then its params; an Orbax directory is read directly."""
     loc = Location.from_path(directory)
     place = _steps.classify(loc, steps_first=True)
     steps = _steps.committed_steps(loc, place.listing)  # (an unreadable step: warned)
     if step is None and _spans(directory, job.like, sharding=job.sharding):
-        step, steps = _agreed_latest(loc, steps, job.region)
+        step, steps = _agreed_latest(loc, steps, job.request.region)
     if not steps:
         if place.kind == _steps.ORBAX:
             return _orbax_params(directory, step, job)
@@ -405,22 +373,22 @@ def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> An
     like, placing = job.like, job.dtype is not None or job.sharding is not None
     target = _params_like(like) if job.item == "params" else _item_like(like, job.item)
     if target is None and placing:
-        if job.dry_run:  # the plan places leaves where like says: it read them all instead
+        if job.request.dry_run:  # the plan places leaves where like says: it read them all instead
             raise OptionError(
                 "dry_run=True with dtype= or sharding= needs like= (the plan says where "
                 "each leaf lands): give like=jax.eval_shape(...), or leave them out"
             )
         return _host_then_placed(params_loc, job)
     target, back = nnx_state_as_dict(target)  # an nnx.State like: read as its pure dict
-    changes = job.changes
-    if job.given["transform"] is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
+    changes = job.request.changes
+    if changes.transform is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
         # params saved as an nnx.State (each leaf at <path>/value) into a module's form
-        changes = _onto_like.changes(**(job.given | {"transform": {r"/value$": ""}}))
+        changes = dataclasses.replace(changes, transform=compile_transform({r"/value$": ""}))
     if target is not None and placing:
         target = retarget(target, job.dtype, job.sharding)
     try:
-        got = _restore.restore_with(params_loc, target, _request(job, changes))
-        return got if back is None or job.dry_run else back(got)
+        got = _restore.restore_with(params_loc, target, job.request.replace(changes=changes))
+        return got if back is None or job.request.dry_run else back(got)
     except CorruptCheckpointError as e:  # the latest is damaged: the older ones are named
         older = [s for s in steps if s < step][-3:]
         if older:
@@ -434,8 +402,7 @@ def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> An
 
 
 def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> Any:
-    """The manifest entry of pytree item ``item``; else CheckpointNotFoundError naming
-    the items there (or CheckpointError for an item that is no pytree)."""
+    """The manifest entry of pytree item ``item``, else an error naming the items there."""
     if item not in items:  # which items there are, and how to read one of them
         raise CheckpointNotFoundError(
             f"{where} holds no {item} item (its items: {sorted(items)}); "
@@ -451,8 +418,7 @@ def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> A
 
 
 def _item_like(like: Any, item: str) -> Any:
-    """``like`` for item ``item``: a training state's field of that name (``state.ema_params``
-    for ``item="ema_params"``), else ``like`` itself (that item's tree)."""
+    """``like`` for item ``item``: a training state's field of that name, else ``like``."""
     if like is None or isinstance(like, Mapping):
         return like
     return getattr(like, item, like)
@@ -469,9 +435,7 @@ def _variables_hint(target: Mapping, items: Mapping, step_loc: Location) -> str:
 
 
 def _saved_as_nnx_state(params_loc: Location) -> bool:
-    """Whether the params were saved as an ``nnx.State`` (``{"params": nnx.state(model,
-    nnx.Param)}``): every leaf path ends in NNX's ``/value``, which a module's params
-    and their pure dict, the form an NNX like is read in, do not have."""
+    """Whether the params were saved as an ``nnx.State`` (every path ends in ``/value``)."""
     paths = list(_restore.metadata(params_loc).leaves)
     return bool(paths) and all(p.endswith("/value") for p in paths)
 
@@ -479,10 +443,8 @@ def _saved_as_nnx_state(params_loc: Location) -> bool:
 def _agreed_latest(
     loc: Location, steps: list[int], region: _distributed.Region | None
 ) -> tuple[int | None, list[int]]:
-    """Collective (in ``region``): the primary's latest step, on every process, and this process's
-    listing (listed again when it lacks that step). Processes that list the directory at
-    different moments while a manager commits would otherwise each read their own
-    latest step: params of two steps in one model, without an error."""
+    """Collective (in ``region``): the primary's latest step on every process (else each
+    might read its own latest: two steps in one model), and this process's listing."""
     op = _distributed.next_operation_id("serve-step", region=region)
     agreed = _distributed.broadcast_str(op, str(steps[-1]) if steps else "", region=region)
     if not agreed:
@@ -499,34 +461,24 @@ def _orbax_params(directory: Any, step: int | None, job: _Serving) -> Any:
             f"library's steps; read that Orbax item with fop.restore('{directory}/<step>/"
             f"{job.item}'), or convert the run first (fop.import_orbax)"
         )
-    changes = job.changes
-    if changes.keep_missing or changes.transform is not None or changes.surgery or job.dry_run:
+    changes, dry_run = job.request.changes, job.request.dry_run
+    if changes.keep_missing or changes.transform is not None or changes.surgery or dry_run:
         options = "missing=, transform=, surgery= and dry_run="
         raise _not_for_orbax(directory, options, "with fop.import_orbax(src, dst)")
     like = _params_like(job.like)
     if step is None and _restore.spans_processes(like, job.sharding):
-        step = agreed_latest(Location.from_path(directory), region=job.region)
-    partial = job.given["partial"]
-    placing = {"dtype": job.dtype, "sharding": job.sharding, "partial": partial, "cast": job.cast}
+        step = agreed_latest(Location.from_path(directory), region=job.request.region)
+    placing = {"dtype": job.dtype, "sharding": job.sharding, "cast": job.request.cast}
+    placing["partial"] = changes.partial
     return restore_orbax_params(directory, like, step=step, **placing)
 
 
-def _request(job: _Serving, changes: Any, *, onto: bool = True) -> Any:
-    """The read of a serve: its region and ceiling, ``changes`` (checked), and (``onto``:
-    read onto its target) its cast and dry run."""
-    modes = {"dry_run": job.dry_run, "cast": job.cast} if onto else {}
-    limit = job.memory_limit_bytes
-    return _restore.read_request(
-        region=job.region, memory_limit_bytes=limit, changes=changes, **modes
-    )
-
-
 def _host_then_placed(params_loc: Location, job: _Serving) -> Any:
-    """Without ``like``: the params read to the host (in the job's region, its ceiling of
-    reads in flight), then cast and placed."""
-    host = _restore.restore_with(params_loc, None, _request(job, job.changes, onto=False))
+    """Without ``like``: the params read to the host, then cast and placed."""
+    request = job.request.replace(cast="safe", dry_run=False)  # as saved: cast after
+    host = _restore.restore_with(params_loc, None, request)
     target = retarget(host, job.dtype, job.sharding)
-    _onto_like.check_tree(host, target, cast=job.cast)  # narrowing rounds; overflow raises
+    _onto_like.check_tree(host, target, cast=job.request.cast)  # narrowing rounds; overflow raises
 
     def placed(x, t):
         if isinstance(t, np.ndarray | np.generic):  # a host leaf (retarget's numpy template)

@@ -29,8 +29,7 @@ def _index(value: Any, where: str) -> int:
 
 
 def global_position(it: Any, state: Any) -> int | None:
-    """The global position of ``it`` (whose state is ``state``, just read), or None
-    when it declares none (its position is its process's own)."""
+    """The global position of ``it`` (its ``state`` just read), or None where it has none."""
     if callable(getattr(it, "global_position", None)) and callable(
         getattr(it, "set_global_position", None)
     ):

@@ -1,9 +1,8 @@
 """Data position for input pipelines without grain: :class:`StepIndexedIterator`.
 
-Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._state.iterators``.
+Call order: one thread (the training loop's) calls every method.
 
-Call order: one thread (the training loop's) calls ``next``, ``get_state``,
-``set_state``, ``seek`` and the global position pair.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._state.iterators``.
 """
 
 from __future__ import annotations
@@ -41,10 +40,8 @@ class StepIndexedIterator:
         :meth:`seek`. Epochs end when ``make_epoch``'s iterable does.
       num_epochs: stop after this many epochs (epoch form); None repeats forever.
 
-    ``get_state()`` is the position of the next batch this adapter hands out. If
-    a prefetcher draws from it ahead of training, that is ahead of the step being
-    saved: then give the callback no data iterator and, after resuming, call
-    ``seek(int(state.step))`` (batches consumed equal steps done).
+    ``get_state()`` is the position of the next batch handed out; behind a prefetcher,
+    give the callback no data iterator and ``seek(int(state.step))`` after resuming.
     """
 
     def __init__(
@@ -129,10 +126,8 @@ class StepIndexedIterator:
         return {"index": self._index, "epoch": self._epoch, "offset": self._offset}
 
     def set_state(self, state: Any) -> None:
-        """Positions the iterator where ``get_state()`` returned ``state``.
-
-        Raises ValueError for a state of the other form or with a bad field.
-        """
+        """Positions the iterator at ``state`` (from ``get_state()``); ValueError for a
+        state of the other form or with a bad field."""
         if not isinstance(state, dict):
             raise ValueError(
                 f"StepIndexedIterator.set_state: expected a dict, found {type(state).__name__}"
@@ -151,17 +146,13 @@ class StepIndexedIterator:
                 "StepIndexedIterator.set_state: the state has no 'epoch' (saved by the "
                 "make_batch form) but this iterator has make_epoch"
             )
-        self._index, self._epoch, self._offset = (
-            index,
-            _count(state, "epoch"),
-            _count(state, "offset"),
-        )
+        epoch, offset = _count(state, "epoch"), _count(state, "offset")
+        self._index, self._epoch, self._offset = index, epoch, offset
         self._it = None
 
     def global_position(self) -> int:
-        """The global index of the next batch: the same on every process, whatever their
-        number (``make_batch(index)`` makes this process's share of batch ``index``).
-        A step saved on N processes therefore resumes on M (``_state.global_position``)."""
+        """The global index of the next batch, the same on every process (a step saved on
+        N processes resumes on M)."""
         return self._index
 
     def set_global_position(self, position: int) -> None:
@@ -184,9 +175,6 @@ class StepIndexedIterator:
         self.set_state({"index": index, "epoch": epoch, "offset": offset})
 
 
-# -- the position of any data iterator: read, and set back ------------------------------
-
-
 _ITERATOR_ADVICE = (
     "To save the position of a pipeline that can rebuild a batch from its index (an "
     "in-memory shuffle seeded by the epoch, a tf.data pipeline made per epoch), wrap it "
@@ -200,9 +188,7 @@ _PAIRS = (("get_state", "set_state"), ("state_dict", "load_state_dict"))  # get,
 
 def check_iterator(it: Any) -> Any:
     """``it`` when it has a pair that reads its position and sets it back; else an
-    OptionTypeError saying what it lacks (where it is given: a callback's
-    ``data_iterator=``; a position that could be saved but never restored fails here,
-    not at the restart)."""
+    OptionTypeError saying what it lacks (where given, not at the restart)."""
     _pair(it)
     return it
 

@@ -20,15 +20,11 @@ from .train_state import split_state
 
 __all__ = ["check_items", "check_reset", "items_to_restore", "item_mismatch"]
 
-
-# What a deliberate change of a built-in item is, in the advice of a mismatch.
 _WHY = {"opt_state": "a new optimizer", "params": "a new model", "rng": "new random keys"}
 
 
 def check_reset(reset: Any) -> tuple[str, ...]:
-    """``reset=`` of a resume checked where it enters: a tuple (list, set) of item names;
-    None is (). ValueError for a bare str, TypeError for anything else that is not a
-    collection of str (it raised "'int' object is not iterable")."""
+    """``reset=`` checked where it enters: a collection of item names (None: ())."""
     if isinstance(reset, str):
         raise OptionTypeError(
             f"reset must be a tuple of item names, e.g. ({reset!r},), found {reset!r}"
@@ -37,8 +33,7 @@ def check_reset(reset: Any) -> tuple[str, ...]:
 
 
 def check_items(items: Any) -> tuple[str, ...] | None:
-    """``items=`` of a restore checked where it enters: None (like's items, or all),
-    one item name, or a collection of them; TypeError naming the option otherwise."""
+    """``items=`` checked where it enters: None, one item name, or a collection of them."""
     if items is None or isinstance(items, str):
         return items if items is None else (items,)
     names = _names(items, "items", "e.g. 'params' or ('params', 'extras')")
@@ -64,11 +59,7 @@ def _names(value: Any, option: str, example: str) -> tuple[str, ...]:
 
 
 def items_to_restore(state: Any, *, reset: Iterable[str]) -> list[str]:
-    """The item names of ``state`` less those in ``reset``, in ``state``'s order.
-
-    Raises ValueError when ``reset`` is a bare string or names an item that
-    ``state`` does not have (listing the ones it has).
-    """
+    """The item names of ``state`` less ``reset``; ValueError naming one it lacks."""
     reset = list(check_reset(reset))
     names = list(split_state(state))
     # "data_iterator" is no item of the state: resetting it starts the data afresh
@@ -83,16 +74,9 @@ def items_to_restore(state: Any, *, reset: Iterable[str]) -> list[str]:
 def item_mismatch(
     error: StructureError, *, name: str, step: int, location: Any, others: Any = None
 ) -> StructureError:
-    """A StructureError for item ``name`` of a step that does not fit the given state
-    (a NothingMatchedError stays one).
-
-    Keeps the core's message (the leaf, what was expected, what was found) and says
-    how to start that item fresh instead, together with every other item that does not
-    fit either (``others``: ``{item: (its Location, its kind, like's value)}``, checked
-    by their saved leaf paths and shapes, no data read): a model whose width changed is
-    told to reset its params and the optimizer state that mirrors them at once, never
-    one after the other.
-    """
+    """The core's StructureError for item ``name`` (a NothingMatchedError stays one), with
+    how to start it fresh together with every other item that does not fit either
+    (``others``: ``{item: (Location, kind, like's value)}``, compared by metadata)."""
     detail = str(error).removesuffix("; pass partial=True to restore a subtree")
     detail = detail.removesuffix("\n" + HINT)
     names = [name, *misfits(others or {}, but=name)]
@@ -125,11 +109,8 @@ def item_mismatch(
 
 
 def misfits(others: Any, *, but: str) -> list[str]:
-    """The items of ``others`` (see :func:`item_mismatch`) but ``but``, pytree items
-    given a template, whose saved leaf paths or shapes differ from the template's:
-    read from their metadata alone (no array data). An item that cannot be compared
-    (unreadable metadata, an odd template) is left out: the advice claims no more than
-    it checked."""
+    """The pytree items of ``others`` but ``but`` whose saved paths or shapes differ from
+    the template's (metadata only); one that cannot be compared is left out."""
     out = []
     for name, (loc, kind, like) in others.items():
         if name == but or kind != "pytree" or like is None:
@@ -145,19 +126,13 @@ def misfits(others: Any, *, but: str) -> list[str]:
     return out
 
 
-# Items a restore into ``like`` may leave out without a word: the metrics saved beside
-# the state, and the data position (which has its own warning: warn_replay).
+# Items a restore into ``like`` may leave out without a word (data_iterator: warn_replay)
 UNREAD_OK = frozenset({"extras", "data_iterator"})
 
 
 def warn_unread(step: int, location: Any, saved: Iterable[str], read: Iterable[str]) -> None:
-    """Warns when a restore into ``like`` leaves out items the step holds (a
-    ``batch_stats`` or an NNX ``rngs`` the given state lacks): the run would go on
-    without them, silently. ``saved``: the step's items a restore into ``like`` would
-    read (never a copy of another item, such as HF shards: read only when named). The
-    advice names what each entry point takes to leave them out on purpose:
-    ``partial=True`` (the manager's restore and ``on_train_start`` both), or the
-    manager's ``items=[...]``."""
+    """Warns when a restore into ``like`` leaves out items of ``saved`` (a ``batch_stats``
+    the state lacks): the run would go on without them, silently."""
     unread = sorted(set(saved) - set(read) - UNREAD_OK)
     if unread:
         warnings.warn(

@@ -35,9 +35,8 @@ _ELEMENT_KINDS = (
 
 
 def _nnx():
-    """``flax.nnx`` if this process imported it, else None: an NNX object exists only
-    once its module was imported, so a tree of plain arrays never imports flax (seconds
-    on a cold start, in the first save)."""
+    """``flax.nnx`` if this process imported it, else None (no NNX object can exist
+    then): a tree of plain arrays never imports flax (seconds on a cold start)."""
     return sys.modules.get("flax.nnx")
 
 
@@ -64,16 +63,6 @@ def _nnx_kind(x: Any) -> str | None:
         return "module"
     if isinstance(x, nnx.State):
         return "state"
-    return None
-
-
-def _element_kind(x: Any) -> str | None:
-    """The kind of a tuple element: an NNX kind, "linen", or None (unsupported)."""
-    kind = _nnx_kind(x)
-    if kind is not None:
-        return kind
-    if _is_struct_dataclass(x):
-        return "linen"
     return None
 
 
@@ -182,7 +171,7 @@ def _split_sequence(state: list | tuple) -> dict[str, Any]:
     items: dict[str, Any] = {}
     owners: dict[str, str] = {}
     for i, element in enumerate(state):
-        if _element_kind(element) is None:
+        if _nnx_kind(element) is None and not _is_struct_dataclass(element):
             raise TypeError(
                 f"state[{i}]: expected {_ELEMENT_KINDS}, found {type(element).__name__}"
             )
@@ -203,12 +192,8 @@ def _split_mapping(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def split_state(state: Any) -> dict[str, Any]:
-    """Return ``{item name: value}`` for a training state (see the module docstring).
-
-    Raises TypeError for a state of an unsupported kind (naming the position of
-    an unsupported element of a tuple), or when two parts of the state provide
-    the same item.
-    """
+    """``{item name: value}`` of a training state; TypeError for an unsupported kind (naming
+    a tuple element's position) or two parts providing the same item."""
     if state is None:
         return {}
     kind = _nnx_kind(state)
@@ -233,12 +218,8 @@ def _subset(restored: Mapping[str, Any], names: Any) -> dict[str, Any]:
 
 
 def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
-    """Put ``restored`` items back into a state shaped like ``like``.
-
-    Items of ``like`` missing from ``restored`` keep ``like``'s value, so a partial
-    restore (``items=("params",)``) into a concrete ``like`` keeps the rest. With
-    ``like=None`` the dict of items is returned.
-    """
+    """``restored`` items put back into a state shaped like ``like`` (items it lacks keep
+    ``like``'s value); with ``like=None`` the dict of items."""
     if like is None:
         return dict(restored)
     kind = _nnx_kind(like)
@@ -268,10 +249,8 @@ def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
 
 
 def _check_none_in_like(like: Mapping[str, Any], restored: Mapping[str, Any]) -> None:
-    """A field that is ``None`` in ``like`` (a TrainState's ``dynamic_scale=None``) where
-    the step holds values: merged, the state held a dict of numpy arrays in place of the
-    object it had none of, silently. (A dict state's ``None`` item is a template that
-    reads the item as saved, as ``like=None`` does.)"""
+    """Refuses a field ``None`` in ``like`` (``dynamic_scale=None``) where the step holds
+    values: merged, it would silently hold a dict of numpy arrays."""
     for name, value in restored.items():
         if name not in like or like[name] is not None:
             continue
@@ -289,8 +268,7 @@ def _check_none_in_like(like: Mapping[str, Any], restored: Mapping[str, Any]) ->
 
 
 def is_nnx(like: Any) -> bool:
-    """Whether ``like`` is an NNX object (a Module, Optimizer, Rngs or State), or a
-    mapping that holds one."""
+    """Whether ``like`` is an NNX object, or a mapping that holds one."""
     return _nnx_kind(like) is not None or (isinstance(like, Mapping) and holds_nnx_objects(like))
 
 
@@ -300,11 +278,8 @@ def holds_nnx_objects(state: Mapping[str, Any]) -> bool:
 
 
 def update_in_place(like: Any, restored: Any) -> Any:
-    """``restored`` (read in the form of ``like``) written into ``like``'s NNX objects (a
-    Module, Optimizer or Rngs: restored in place, as a manager's restore does and the
-    README promises), also where ``like`` is a tuple, list or dict holding them (``(model,
-    optimizer)``): then ``like`` itself, or a container of its type holding ``like``'s
-    own objects; else ``restored`` (an ``nnx.State`` is a value, returned as read)."""
+    """``restored`` written into ``like``'s NNX objects (Module, Optimizer, Rngs: restored
+    in place), also inside a tuple, list or dict; else ``restored`` (a State is a value)."""
     if _nnx_kind(like) in _NNX_GRAPH_KINDS:
         if type(restored) is not type(like):  # a RestorePlan (dry_run)
             return restored
@@ -315,24 +290,17 @@ def update_in_place(like: Any, restored: Any) -> Any:
         if len(restored) != len(like):
             return restored
         elements = [update_in_place(a, b) for a, b in zip(like, restored, strict=True)]
-        return like if all(map(operator.is_, like, elements)) else _rebuilt(like, elements)
+        if all(map(operator.is_, like, elements)):
+            return like
+        return type(like)._make(elements) if hasattr(like, "_make") else type(like)(elements)
     if type(like) is dict and type(restored) is dict and restored.keys() == like.keys():
         return {k: update_in_place(like[k], restored[k]) for k in like}
     return restored
 
 
-def _rebuilt(like: list | tuple, elements: list[Any]) -> Any:
-    """A sequence of ``like``'s type (a NamedTuple's too) holding ``elements``."""
-    if isinstance(like, tuple) and hasattr(like, "_make"):
-        return type(like)._make(elements)
-    return type(like)(elements)
-
-
 def nnx_state_as_dict(like: Any) -> tuple[Any, Any]:
-    """``(pure dict, back)`` for an ``nnx.State`` (``nnx.state(model, nnx.Param)``, its
-    ``eval_shape``): a module's params are saved without NNX's '/value', so the read
-    goes through the pure dict and ``back(restored)`` returns a new State of ``like``'s
-    structure holding the values; ``(like, None)`` for anything else."""
+    """``(pure dict, back)`` for an ``nnx.State`` (read as its pure dict, without NNX's
+    '/value'; ``back`` makes a new State of ``like``'s structure); else ``(like, None)``."""
     if _nnx_kind(like) != "state":
         return like, None
     nnx = _nnx()

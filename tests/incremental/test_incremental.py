@@ -23,6 +23,7 @@ from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CorruptCheckpointError
 from flax_orbax_plugin._format import layout as _layout
 from flax_orbax_plugin._incremental import copies as _copies
+from flax_orbax_plugin._incremental import links as _links
 from flax_orbax_plugin._incremental import reuse as _incremental
 from flax_orbax_plugin._zarr import arrays as _arrays
 
@@ -586,9 +587,7 @@ def test_link_leaf_links_only_the_chunks_asked_for_and_undoes_only_its_own(tmp_p
     mine = [tuple(n.split("/")) for n in names[1:]]
     w1 = _state()["params"]["base"]["w1"]
     writes = [((slice(256, 768), slice(None)), w1[256:])]  # this process's snapshot
-    got = _incremental.link_leaf(
-        source, i, target, 0, rec, writes=writes, chunks=mine, nbytes=12345
-    )
+    got = _links.link_leaf(source, i, target, 0, rec, writes=writes, chunks=mine, nbytes=12345)
     assert got == 12345
     linked = sorted(
         os.path.relpath(os.path.join(t, f), tmp_path / "new" / "d" / "0")
@@ -610,10 +609,7 @@ def test_link_leaf_links_only_the_chunks_asked_for_and_undoes_only_its_own(tmp_p
         f.seek(10)
         f.write(bytes([byte[0] ^ 1]))
     again = Location.from_path(str(tmp_path / "again"))
-    assert (
-        _incremental.link_leaf(source, i, again, 0, rec, writes=writes, chunks=mine, nbytes=1)
-        is None
-    )
+    assert _links.link_leaf(source, i, again, 0, rec, writes=writes, chunks=mine, nbytes=1) is None
     left = [os.path.join(t, f) for t, _, fs in os.walk(tmp_path / "again") for f in fs]
     assert left == [str(other)] and other.read_bytes() == b"theirs"
 
@@ -636,9 +632,7 @@ def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_
     copier, why = _server_copy.copier_for(source)
     assert copier is not None, why
     target = Location.from_path(f"{url}/new")
-    got = _incremental.copy_leaf(
-        copier, source, j, target, 0, rec, writes=writes, chunks=mine, nbytes=7
-    )
+    got = _copies.copy_leaf(copier, source, j, target, 0, rec, writes=writes, chunks=mine, nbytes=7)
     assert got == 7
     copied = {k: s3_location.read(k) for k in s3_location.keys() if k.startswith("new/")}
     assert sorted(copied) == [f"new/d/0/{n}" for n in names[1:]]
@@ -665,15 +659,12 @@ def test_copy_leaf_copies_only_the_chunks_asked_for_and_deletes_only_its_own(s3_
 
     again = Location.from_path(f"{url}/again")
     assert (
-        _incremental.copy_leaf(FailsLast(), source, j, again, 0, rec, writes=writes, chunks=mine)
-        is None
+        _copies.copy_leaf(FailsLast(), source, j, again, 0, rec, writes=writes, chunks=mine) is None
     )
     assert [k for k in s3_location.keys() if k.startswith("again/")] == ["again/d/0/c/0/0"]
     # A short source chunk of this process is refused before any copy.
     s3_location.kvstore().write(prefix + names[2], files[names[2]][:100]).result()
-    assert (
-        _incremental.copy_leaf(copier, source, j, again, 0, rec, writes=writes, chunks=mine) is None
-    )
+    assert _copies.copy_leaf(copier, source, j, again, 0, rec, writes=writes, chunks=mine) is None
     assert [k for k in s3_location.keys() if k.startswith("again/")] == ["again/d/0/c/0/0"]
 
 

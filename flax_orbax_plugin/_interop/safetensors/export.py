@@ -98,9 +98,9 @@ def _checkpoint_leaves(src: Any, limit: int | None) -> tuple[list, Callable]:
             for part in parts[:-1]:
                 node = node.setdefault(part, {})
             node[parts[-1]] = None
-        read_alone = _restore.restore(
-            src, template, region=None, partial=True, memory_limit_bytes=limit
-        )
+        # host arrays, ``limit`` bytes of reads in flight
+        request = _restore.read_request(region=None, partial=True, memory_limit_bytes=limit)
+        read_alone = _restore.restore_with(src, template, request)
         flat, _ = _tree.flatten(read_alone)
         values = {p: v for p, _, v in flat}
         for path in paths:
