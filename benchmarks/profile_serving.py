@@ -57,6 +57,7 @@ def main() -> None:
     from flax_orbax_plugin._core import restore as read_data
     from flax_orbax_plugin._core import restore as restore
     from flax_orbax_plugin._format import layout, steps
+    from flax_orbax_plugin._like import onto_like
     from flax_orbax_plugin._zarr import packed_reader
 
     print("module", fop.__file__)
@@ -72,7 +73,7 @@ def main() -> None:
     timed(F, "check_packed_claims")
     timed(read_data, "_read_targets_with", "reads+placement (_read_targets_with)")
     timed(targets.Placer, "flush", "Placer.flush")
-    timed(restore._transform, "match", "transform.match (targets)")
+    timed(onto_like, "match", "onto_like.match (targets)")
     timed(packed_reader.PackedReader, "_fill_segment", "chunk reads (a reader thread)")
     if not a.warm:
         evict(path)
