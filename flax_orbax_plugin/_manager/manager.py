@@ -45,7 +45,6 @@ from .retaining import RetentionRunner, StepBook
 from .save_rules import SaveSchedule
 from .saving import Saver, collect_items
 from .step_parts import StepParts, checked_expect
-from .store_places import manager_places
 from .tiers import PersistentTier
 from .zero_copy import HostMemory
 
@@ -54,8 +53,16 @@ __all__ = ["CheckpointManager"]
 logger = logging.getLogger("flax_orbax_plugin")
 
 
+def _places(bound: dict[str, Any]) -> list[Any]:
+    """The stores a manager's call may reach: its directory and its persistent tier
+    (``directory``: the argument, or the property once __init__ has set it)."""
+    tier = (bound.get("options") or {}).get("persistent")
+    own = getattr(bound["self"], "directory", None)
+    return [bound.get("directory"), getattr(tier, "path", tier), own]
+
+
 # A store's refusal, in any call of a manager: StoreAccessError naming the store.
-_STORE_ERRORS = refusals(manager_places)
+_STORE_ERRORS = refusals(_places)
 # The entry of a collective method: its region's stall timeout and scope are the manager's.
 _collective = functools.partial(
     _distributed.public, errors=_STORE_ERRORS, stall="_stall_s", scope="_scope"
