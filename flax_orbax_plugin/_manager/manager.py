@@ -122,10 +122,9 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
                 self._start(opts)
 
     def _open(self, opts: _options.ManagerOptions, events: Events, region) -> dict[str, Any]:
-        """A writer's open, in the open's ``region``, before the book is built: the
-        options every process shares, lock, housekeeping, tier; returns what the book is
-        built with. The tier opens before the saver exists (its run is the book's): it
-        tells ``events``, and its ``busy`` says no save until the saver is built."""
+        """A writer's open, in ``region``, before the book is built: shared options, lock,
+        housekeeping, tier (before the saver exists: its ``busy`` says no save till then);
+        returns what the book is built with."""
         _agreement.check_same_options(opts, region)  # before anything is touched
         tier, path = opts.tier, None if opts.tier is None else opts.tier.path
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version, region)
@@ -299,9 +298,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         return True
 
     def _end_inflight(self, step: int, *, supersede: bool, preempted: bool) -> None:
-        """``save``'s wait for the save in flight. Superseding, it is cancelled instead (by
-        a preemption, always) unless it replaced a cancelled save itself: then waited for,
-        so that at least every other save commits (a run whose saves outlast a step)."""
+        """``save``'s wait for the save in flight, or superseding its cancel (unless it
+        replaced a cancelled save itself: then at least every other save commits)."""
         if supersede and (preempted or not self._replaced):
             self._replaced = self._saver.supersede(step)
         else:
@@ -528,9 +526,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
 def _check_save_call(
     *, step: Any, ignore_policy: Any, force: Any, overwrite: Any, t: Any
 ) -> tuple[int, bool]:
-    """``CheckpointManager.save``'s step and options checked by their declarations
-    (``options.SAVE_CALL``): ``(step, ignore_policy)`` (``force=``, its deprecated name,
-    warned and taken as ``ignore_policy``)."""
+    """``(step, ignore_policy)`` checked (``options.SAVE_CALL``; ``force=`` warned)."""
     out = check(
         SAVE_CALL,
         dict(step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t),
@@ -547,8 +543,7 @@ def _check_save_call(
 
 @contextlib.contextmanager
 def _not_saved(step: int) -> Iterator[None]:
-    """An earlier step's background error, raised as ``save(step)`` begins: says that
-    ``step`` itself was not saved (a loop that catches it and goes on would lose it)."""
+    """An earlier save's error raised as ``save(step)`` begins says ``step`` was not saved."""
     try:
         yield
     except Exception as e:

@@ -1,8 +1,6 @@
-"""The options of CheckpointManager and CheckpointCallback, each declared once, and
-checked once where they enter (:func:`check_manager`, :func:`check_callback`: before
-anything is made); a save policy and a retention leave here as rule objects.
-
-Declarations and pure functions; called on the constructing thread.
+"""The options of CheckpointManager and CheckpointCallback, each declared once and
+checked once where they enter, before anything is made; a save policy and a retention
+leave here as rule objects. Pure functions, on the constructing thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.options``.
 """
@@ -106,7 +104,6 @@ DIRECTORY = Option(
 
 
 def _hf_shards(value: Any) -> Any:
-    """``hf_shards=``: an ``fop.HFShards(...)`` (an item the manager adds to due steps)."""
     needed = ("every_steps", "item", "name", "due", "save", "restore")
     if not all(hasattr(value, n) for n in needed):
         raise TypeError(f"expected fop.HFShards(every_steps=K, ...) or None, found {found(value)}")
@@ -134,7 +131,6 @@ def _instance(cls: type, name: str, shorthands: str, objects: str) -> Any:
 
 
 def _tier(value: Any) -> Tier:
-    """``persistent=``: a Tier, or a bare path standing for ``Tier(path)``."""
     return value if isinstance(value, Tier) else Tier(value)  # its path checked there
 
 
@@ -287,8 +283,7 @@ DEPRECATED: tuple[Option, ...] = tuple(
     dataclasses.replace(o, name=f"persistent_{o.name}", doc=f"deprecated: Tier(path, {o.name}=)")
     for o in _tier_option.FIELDS
 )
-"""The flat ``persistent_<field>`` keywords of earlier releases: a Tier's fields under
-those names (taken for one release, with a DeprecationWarning)."""
+"""The deprecated flat ``persistent_<field>`` keywords: a Tier's fields under those names."""
 
 HINTS: Mapping[str, str] = {
     "best_fn": "keep_best= with best_metric= (a key of the extras you save) and best_mode=",
@@ -298,8 +293,7 @@ HINTS: Mapping[str, str] = {
     ),
     "create": "nothing: the directory is created when needed",
 }
-"""Names users bring from elsewhere that are no single option -> what to write here
-(names that are one option are that option's ``aliases``)."""
+"""Names users bring from elsewhere that are no single option -> what to write here."""
 
 CALLBACK_HINTS: Mapping[str, str] = {
     **HINTS,
@@ -421,9 +415,8 @@ def warn_deprecated(what: str, instead: str) -> None:
 
 
 def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
-    """``given`` with its flat ``persistent_<field>`` keywords (deprecated) turned into
-    the ``persistent=Tier(path, <field>=...)`` they stand for; each checked by its flat
-    name first, and refused where it does nothing (no ``persistent=``)."""
+    """``given`` with its deprecated ``persistent_<field>`` keywords (checked by those
+    names, refused without ``persistent=``) turned into ``persistent=Tier(...)``."""
     flat = {o.name: given[o.name] for o in DEPRECATED if o.name in given}
     if not flat:
         return dict(given)
@@ -477,9 +470,8 @@ def _refuse_both(given: Mapping[str, Any]) -> None:
 
 
 def open_stall(given: Mapping[str, Any]) -> float | None:
-    """The stall timeout of the manager open's own waits, from ``given`` before its
-    region is drawn; None where it is no valid one (:func:`check_manager` refuses it
-    then, in the region: the other processes learn of it)."""
+    """The stall timeout of the manager open's own waits, read before its region is
+    drawn; None where invalid (:func:`check_manager` refuses it then, in the region)."""
     try:
         return STALL_TIMEOUT.check(given.get("stall_timeout"))
     except (OptionError, TypeError):
@@ -487,12 +479,10 @@ def open_stall(given: Mapping[str, Any]) -> float | None:
 
 
 def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
-    """The manager's keyword options ``given`` (public names) checked: unknown names
-    refused ("did you mean"), the flat ``persistent_*`` turned into a Tier (warned),
-    values checked, the options that do nothing in the chosen mode refused (an
-    option counts as given when it differs from its default). Returns ``{name:
-    value}`` of every option, ``policy`` and ``retention`` as the rule objects (from
-    the shorthands when not given) and ``persistent`` a Tier or None."""
+    """The manager's keyword options ``given`` checked: unknown names refused, the flat
+    ``persistent_*`` made a Tier (warned), values checked, idle options refused.
+    Returns ``{name: value}`` of every option, ``policy`` and ``retention`` as rule
+    objects and ``persistent`` a Tier or None."""
     given = _host_memory.take_old_name(given)
     refuse_unknown("CheckpointManager", given, MANAGER + DEPRECATED, hints=HINTS)
     given = _resolve_tier(given)
@@ -522,10 +512,8 @@ _GRACE = next(o.default for o in _tier_option.FIELDS if o.name == "grace_seconds
 
 
 def _compose(out: dict[str, Any]) -> None:
-    """``out``'s policy and retention as rule objects (:func:`_rules`; the shorthands via
-    the SavePolicy or Retention they fill): a Lanes is both; a retention that deletes
-    nothing alone, or a Lanes as the retention, is refused; ``clock`` is the SavePolicy's,
-    else the manager's option (refused when nothing uses the time)."""
+    """``out``'s policy and retention as rule objects (a Lanes is both); ``clock`` the
+    SavePolicy's, else the manager's (refused when nothing uses the time)."""
     if isinstance(out["retention"], Lanes):
         raise OptionError(
             f"retention={out['retention']!r}: a Lanes is a save policy and its retention at "
@@ -560,10 +548,8 @@ def _compose(out: dict[str, Any]) -> None:
 
 
 def _rules(value: Any, *, top: bool = True) -> Any:
-    """``value`` with each SavePolicy or Retention in it (also inside AnyOf, AllOf,
-    KeepAny, a Lane) replaced by the rule objects it stands for (their ``ALIASES``).
-    A SavePolicy's own ``clock`` counts only at the top (:func:`_compose`): inside
-    another rule or a Lane it would be dropped, so it is refused."""
+    """``value`` with each SavePolicy or Retention in it, nested too, replaced by its
+    rule objects (a SavePolicy's ``clock`` below the top is refused: it would be dropped)."""
     if isinstance(value, SavePolicy) and not top and value.clock is not _CLOCK_DEFAULT:
         raise OptionError(
             f"{value!r}: the clock= of a SavePolicy inside another rule or a Lane is not "
@@ -583,10 +569,8 @@ def _rules(value: Any, *, top: bool = True) -> Any:
 
 
 def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict]:
-    """CheckpointCallback's ``directory``, keyword options ``given`` and its
-    ``manager_options`` (checked now, not when the manager is first made): returns
-    the callback's options (defaults filled in) and the keyword options of the
-    manager it makes (flat ``persistent_*`` already turned into a Tier)."""
+    """CheckpointCallback's ``directory`` and options ``given`` (its ``manager_options``
+    too) checked now; returns the callback's options and its manager's keyword options."""
     refuse_unknown(
         "CheckpointCallback",
         given,
@@ -633,8 +617,7 @@ def _overrides(
     checkpointables: Mapping[str, Checkpointable] | None,
     compression: Mapping[str, str] | None,
 ) -> dict[str, Checkpointable]:
-    """The checkpointable per item name: ``checkpointables``, then ``compression``'s
-    (the format version is the save request's: ``Saver``)."""
+    """The checkpointable per item name: ``checkpointables``, then ``compression``'s."""
     overrides = dict(checkpointables or {})
     for name, codec in (compression or {}).items():
         if name in overrides:
@@ -656,10 +639,8 @@ def _overrides(
 
 @dataclass(frozen=True)
 class ManagerOptions:
-    """CheckpointManager's keyword options, checked once (see :meth:`build`): the
-    fields are the options of the same names (``MANAGER``; ``policy`` and ``retention``
-    as rule objects), except ``location`` (from ``directory``), ``tier`` (``persistent=``,
-    a Tier or None) and ``overrides`` (from ``checkpointables`` and ``compression``)."""
+    """CheckpointManager's keyword options, checked once (:meth:`build`): the options of
+    the same names, and ``location``, ``tier`` (``persistent=``) and ``overrides``."""
 
     location: Location
     policy: SaveRule
@@ -681,9 +662,8 @@ class ManagerOptions:
 
     @classmethod
     def build(cls, directory: Any, given: Mapping[str, Any]) -> ManagerOptions:
-        """Checks ``given`` (the keyword options, by their public names: see
-        :func:`check_manager`) and ``directory``; raises OptionError (OptionTypeError:
-        a TypeError) naming the option, TypeError for an unknown one."""
+        """Checks ``given`` (:func:`check_manager`) and ``directory``; OptionError naming
+        the option, TypeError for an unknown one."""
         values = check_manager(given)
         location = Location.from_path(DIRECTORY.check(directory))
         if values["persistent"] is not None and not location.is_local:  # before any store
