@@ -1,10 +1,8 @@
 """CheckpointManager: a directory of training steps (the façade).
 
-One training thread owns a manager (``save`` / ``restore`` / ``wait`` / ``close``); a
-save's writes and commit run on a background thread, retention on a deletion thread;
-a background error is re-raised by the next call. With several processes every
-process makes the same calls in the same order. The class's docstring and signature
-come from ``options`` (``signatures``).
+One training thread owns a manager; a save's writes and commit run on a background
+thread, retention on a deletion thread; a background error is re-raised by the next
+call. With several processes every process makes the same calls in the same order.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.manager``.
 """

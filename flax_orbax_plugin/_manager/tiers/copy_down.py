@@ -1,10 +1,8 @@
 """Copy-down: a persistent step made a committed local one (see ``docs/tiers.md``).
 
-The step is copied into local staging, **verified there in full** (every JSON
-checksum, every chunk's crc32c), then committed; proven damage sets the persistent
-copy aside (:class:`~.damaged.DamagedSteps`), environmental errors raise and set
-nothing aside. Called on restore, from the training thread; collective with several
-processes (the primary copies, every process gets its outcome).
+Copied into local staging, **verified there in full**, then committed; proven damage
+sets the persistent copy aside, environmental errors set nothing aside. Training
+thread, on restore; collective with several processes.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Persistent steps a verified copy-down proved damaged (see ``docs/tiers.md``).
 
-On filesystems such a step is renamed ``<step>.corrupt-<nonce>``; object stores,
-which cannot rename, keep it and record it in :data:`DAMAGED_FILE` with the sha256
-of the manifest found damaged. Either way it is never listed, copied down or counted
-again, and a good copy replicated later replaces it. The primary reads the record at
-open, sets steps aside (copy-down, training thread) and forgets them (replicator
-thread); :attr:`DamagedSteps.steps` is replaced, never mutated, so readers on other
-threads see a whole dict.
+Renamed ``<step>.corrupt-<nonce>`` on filesystems, recorded in :data:`DAMAGED_FILE`
+(with the damaged manifest's sha256) on object stores: never listed, copied down or
+counted again. The primary reads the record at open, sets steps aside (training
+thread) and forgets them (replicator thread); :attr:`DamagedSteps.steps` is replaced,
+never mutated, so readers on other threads see a whole dict.
 """
 
 from __future__ import annotations

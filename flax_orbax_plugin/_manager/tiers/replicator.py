@@ -1,10 +1,6 @@
-"""The primary's replicator (see ``docs/tiers.md``).
-
-:meth:`Replicator.run` is the primary's replicator thread (the only one with one
-process): it takes the newest queued step, yields to the manager's own save, copies
-the step with its store's commit (retried twice; with several processes in a round
-of :class:`~.rounds.Rounds`), then runs the persistent retention. A failure is kept
-as the tier's error. :func:`remove_unfinished` clears dead copies at open.
+"""The primary's replicator (see ``docs/tiers.md``): :meth:`Replicator.run` is its
+thread, copying the newest queued step (retried, in a round with several processes),
+then the persistent retention; a failure is kept as the tier's error.
 """
 
 from __future__ import annotations

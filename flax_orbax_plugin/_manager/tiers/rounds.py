@@ -1,10 +1,7 @@
 """The replication rounds of several processes (see ``docs/tiers.md``).
 
-The primary announces a round (a step to copy, or its outcome, or ``stop``), every
-process copies its share of the step's files and reports a status, the primary
-checks the statuses, commits or not, and publishes the round's outcome; the other
-processes follow the rounds in order and settle each outcome. The processes meet
-through the jax.distributed key-value store only. Every method runs on a replicator
+The primary announces a round, every process copies its share and reports, the
+primary commits or not and publishes the outcome. Every method runs on a replicator
 thread (the primary's :meth:`Rounds.lead`, the others' :meth:`Rounds.follow`).
 """
 

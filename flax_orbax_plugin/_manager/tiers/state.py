@@ -1,10 +1,6 @@
-"""What the persistent tier's collaborators share (see ``docs/tiers.md``).
-
-:class:`Places` is fixed at construction: the two places, the persistent retention
-and the manager's step removal. :class:`TierState` holds the replication queue and
-flags, every field guarded by its one condition (the training thread, the manager's
-save thread and the replicator thread all touch it). :class:`Yielding` is how a copy
-up waits for the manager's own save.
+"""What the persistent tier's collaborators share (see ``docs/tiers.md``): the fixed
+:class:`Places`, and :class:`TierState`, guarded by its one condition (the training,
+save and replicator threads all touch it).
 """
 
 from __future__ import annotations
