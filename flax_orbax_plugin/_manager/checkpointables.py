@@ -238,13 +238,10 @@ class Pending(Protocol):
 
 @runtime_checkable
 class Checkpointable(Protocol):
-    """Writes and reads one named piece of a training state.
-
-    ``kind`` is a short string recorded in the step's JSON manifest; ``request`` the
-    step's modes (see the module docstring).
-    Threading: ``save`` is called on the training thread, ``Pending.wait`` on the
-    manager's background thread, ``restore`` on the caller's thread.
-    """
+    """Writes and reads one named piece of a training state; ``kind``: a short string
+    recorded in the step's manifest, ``request``: the step's modes. Threading: ``save``
+    on the training thread, ``Pending.wait`` on the manager's background thread,
+    ``restore`` on the caller's."""
 
     kind: str
 
@@ -337,11 +334,8 @@ class JsonCheckpointable:
 
 
 class StepCheckpointable(JsonCheckpointable):
-    """The training step as a JSON integer; restored with the type of ``like``.
-
-    ``like`` may be an int, a numpy/jax scalar array or a ShapeDtypeStruct (the
-    restored value then has that dtype and, if it has one, that sharding).
-    """
+    """The training step as a JSON integer, restored as the kind of ``like`` (an int, a
+    numpy/jax scalar or a ShapeDtypeStruct: its dtype and sharding)."""
 
     kind = "step"
 
@@ -372,13 +366,9 @@ def cast_scalar_like(value: int, like: Any) -> Any:
 
 
 class DataIteratorCheckpointable:
-    """The position of a data iterator, one JSON file per process.
-
-    ``save`` calls ``get_state()`` (or ``state_dict()``) on the caller's thread, so
-    the state is the one at the moment of the call. Bytes states (grain's
-    DataLoader) are stored base64-encoded. ``restore(directory, like=iterator)``
-    calls ``set_state`` on that iterator and returns it; with ``like=None`` it
-    returns the decoded state of this process.
+    """The position of a data iterator, one JSON file per process: ``save`` takes
+    ``get_state()`` (or ``state_dict()``) on the caller's thread; ``restore`` sets it
+    on ``like`` and returns it (``like=None``: this process's decoded state).
     """
 
     kind = "data_iterator"

@@ -101,19 +101,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             self._retainer = RetentionRunner(
                 self._loc, opts.retention, opts.overrides, self._book, busy
             )
-            self._saver = Saver(
-                self._loc,
-                opts.overrides,
-                self._book,
-                self._retainer,
-                opts.incremental,
-                self._buffers,
-                opts.host_memory,
-                opts.format_version,
-                opts.hf_shards,
-            )
-            reader = (self._loc, opts.overrides, self._book, opts.read_only, opts.host_memory)
-            self._restorer = Restorer(*reader)
+            self._saver = Saver(opts, self._book, self._retainer, self._buffers)
+            self._restorer = Restorer(opts, self._book)
             self._closed = False
             self._parts: StepParts | None = None  # a step being saved in parts (step_parts)
             if not opts.read_only:

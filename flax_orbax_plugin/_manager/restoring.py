@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from .._base import distributed as _distributed
@@ -39,7 +39,7 @@ from .._state.train_state import merge_state, split_state
 from .._storage.location import Location
 from . import peers as _peers
 from . import per_host as _per_host
-from .checkpointables import COPY_KINDS, Checkpointable, checkpointable_for, kind_of
+from .checkpointables import COPY_KINDS, checkpointable_for, kind_of
 from .events import RestoreDone, measure_stored
 from .retaining import StepBook
 
@@ -49,22 +49,16 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 class Restorer:
-    """Restores steps of ``location``: ``overrides``, the checkpointable per item name;
-    ``book``, the manager's step records; ``read_only``: never moves a damaged step aside."""
+    """Restores steps of the manager's directory as its checked ``opts`` (a
+    ``ManagerOptions``) say (``read_only``: never moves a damaged step aside);
+    ``book``: the manager's step records."""
 
-    def __init__(
-        self,
-        location: Location,
-        overrides: Mapping[str, Checkpointable],
-        book: StepBook,
-        read_only: bool,
-        host_memory: int | str | None = None,
-    ):
-        self._loc = location
-        self._ceiling = host_memory  # bytes, "auto" or None (_base.host)
-        self._overrides = overrides
+    def __init__(self, opts: Any, book: StepBook):
+        self._loc = opts.location
+        self._ceiling = opts.host_memory  # bytes, "auto" or None (_base.host)
+        self._overrides = opts.overrides
         self._book = book
-        self._read_only = read_only
+        self._read_only = opts.read_only
         self.restored_step: int | None = None
         self._warned_replay = False  # warned that a resume left the data position out
         self.restored_items: tuple[str, ...] = ()  # the items the step last read holds

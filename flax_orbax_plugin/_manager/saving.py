@@ -122,28 +122,23 @@ class OpenStep:
 
 
 class Saver:
-    """Saves steps into ``location``: ``overrides``, the checkpointable per item name;
-    ``book``, the step records; ``retention``, told of each commit; ``buffers``: host
-    memory kept between saves (or None)."""
+    """Saves steps into the manager's directory as its checked ``opts`` (a
+    ``ManagerOptions``) say: ``book``, the step records; ``retention``, told of each
+    commit; ``buffers``: host memory kept between saves (or None)."""
 
     def __init__(
         self,
-        location: Location,
-        overrides: Mapping[str, Checkpointable],
+        opts: Any,
         book: StepBook,
         retention: RetentionRunner,
-        incremental: bool,
         buffers: _buffer_pool.BufferPool | None,
-        host_memory: int | str | None = None,
-        format_version: int | None = None,
-        hf_shards: Any = None,
     ):
-        self._loc = location
-        self._hf_shards = hf_shards  # an fop.HFShards: its item added to due steps
-        self._format_version = format_version  # asked for (None: the default, see save)
-        self._ceiling = host_memory  # bytes, "auto" or None (_base.host)
-        self._overrides = overrides
-        self._incremental = incremental
+        self._loc = opts.location
+        self._hf_shards = opts.hf_shards  # an fop.HFShards: its item added to due steps
+        self._format_version = opts.format_version  # None: the default (see save)
+        self._ceiling = opts.host_memory  # bytes, "auto" or None (_base.host)
+        self._overrides = opts.overrides
+        self._incremental = opts.incremental
         self._buffers = buffers
         self._book = book
         self._retention = retention
