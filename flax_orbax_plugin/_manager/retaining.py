@@ -34,7 +34,7 @@ from .._format import layout as _layout
 from .._format import steps as _steps
 from .._storage.deleting import REMOVAL_CONCURRENCY
 from .._storage.location import Location
-from .checkpointables import Checkpointable, checkpointable_for
+from .checkpointables import checkpointable_for
 from .events import Events
 from .retention import KeepRule, StepFacts, sound_steps_to_delete
 from .tiers import PersistentTier
@@ -214,22 +214,16 @@ def as_metric(value: Any) -> float | None:
 
 
 class RetentionRunner:
-    """Deletes the steps of ``location`` that ``policy`` does not keep. ``busy()``: which
-    part of a save runs now (``Saver.busy``), asked by removals."""
+    """Deletes the steps of the manager's directory that its retention (the checked
+    ``opts``, a ``ManagerOptions``) does not keep. ``busy()``: which part of a save runs
+    now (``Saver.busy``), asked by removals."""
 
-    def __init__(
-        self,
-        location: Location,
-        policy: KeepRule,
-        overrides: Mapping[str, Checkpointable],
-        book: StepBook,
-        busy: Callable[[], str | None] = lambda: None,
-    ):
-        self._loc = location
+    def __init__(self, opts: Any, book: StepBook, busy: Callable[[], str | None]):
+        self._loc = opts.location
         self._busy = busy
-        self.policy = policy
-        self._metric_names = policy.metric_names  # a rule is frozen: its names, asked once
-        self._overrides = overrides
+        self.policy: KeepRule = opts.retention
+        self._metric_names = self.policy.metric_names  # a rule is frozen: asked once
+        self._overrides = opts.overrides
         self._book = book
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
