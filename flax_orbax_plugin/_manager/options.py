@@ -33,7 +33,6 @@ from .checkpointables import (
     BUILTIN_CHECKPOINTABLES,
     Checkpointable,
     PytreeCheckpointable,
-    check_item_name,
     kind_of,
 )
 from .lanes import Lane, Lanes
@@ -617,7 +616,8 @@ def _overrides(
     checkpointables: Mapping[str, Checkpointable] | None,
     compression: Mapping[str, str] | None,
 ) -> dict[str, Checkpointable]:
-    """The checkpointable per item name: ``checkpointables``, then ``compression``'s."""
+    """The checkpointable per item name: ``checkpointables``, then ``compression``'s
+    (names and codecs checked by their options' converters already)."""
     overrides = dict(checkpointables or {})
     for name, codec in (compression or {}).items():
         if name in overrides:
@@ -631,9 +631,7 @@ def _overrides(
                 f"compression[{name!r}] does nothing: {name!r} is a JSON item (its value is "
                 "JSON, not arrays); compression applies to the items of arrays (params, ...)"
             )
-        overrides[check_item_name(name)] = PytreeCheckpointable(
-            compression=_layout.check_codec(codec, where=f"compression[{name!r}]")
-        )
+        overrides[name] = PytreeCheckpointable(compression=codec)
     return overrides
 
 
