@@ -323,11 +323,9 @@ class JsonCheckpointable:
         # encoded now, on the caller's thread: refused before the step is committed
         data = encode_json(self._encode(value), f"{directory}/{JSON_FILE}")
         primary = jax.process_index() == 0 or request.own_copy
-
-        def write() -> Written:
-            return write_json(directory, JSON_FILE, data) if primary else Written()
-
-        return _Done(write)
+        return _Done(
+            functools.partial(write_json, directory, JSON_FILE, data) if primary else Written
+        )
 
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
         return self._decode(_layout.read_item_json(directory, JSON_FILE), like)
@@ -383,11 +381,7 @@ class DataIteratorCheckpointable:
         name = self.filename(jax.process_index())
         record = {"state": state, **position_record(value, raw)}
         data = encode_json(record, f"{directory}/{name}")
-
-        def write() -> Written:
-            return write_json(directory, name, data)
-
-        return _Done(write)
+        return _Done(functools.partial(write_json, directory, name, data))
 
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
         manifest = _layout.manifest_for_item(directory)
