@@ -94,7 +94,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             events = Events(opts.on_event)  # where every collaborator's events go
             opened = {} if opts.read_only else self._open(opts, events, region)
             self._book = StepBook(self._loc, events, **opened)  # built whole, once opened
-            # A save runs: fewer deletes (the saver is built next).
+            # busy(): which part of a save runs, asked by removals (the saver is built next)
             self._retainer = RetentionRunner(opts, self._book, lambda: self._saver.busy)
             self._saver = Saver(opts, self._book, self._retainer, self._buffers)
             self._restorer = Restorer(opts, self._book)

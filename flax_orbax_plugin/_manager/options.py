@@ -139,6 +139,13 @@ def _mapping(value: Any) -> Mapping[str, Any]:
     return value
 
 
+def _object(name: str, convert: Any, annotation: str, doc: str, **more: Any) -> Option:
+    """A keyword option holding an object, None when not given, checked by ``convert``."""
+    return Option(
+        name, "custom", none_ok=True, convert=convert, annotation=annotation, doc=doc, **more
+    )
+
+
 def _flag(name: str, doc: str, *, default: bool = False, aliases: tuple[str, ...] = ()) -> Option:
     return Option(name, "flag", default=default, doc=doc, aliases=aliases)
 
@@ -221,31 +228,25 @@ MANAGER: tuple[Option, ...] = (
         "handle_sigterm",
         "on SIGTERM the next save saves its step, waits, closes and raises SystemExit(143)",
     ),
-    Option(
+    _object(
         "checkpointables",
-        "custom",
-        none_ok=True,
-        convert=_checkpointables,
-        annotation="Mapping[str, Checkpointable]",
-        doc="the checkpointable used per item name, instead of the built-in",
+        _checkpointables,
+        "Mapping[str, Checkpointable]",
+        "the checkpointable used per item name, instead of the built-in",
         aliases=("item_handlers", "handler_registry"),
     ),
     _flag("incremental", "link or server-copy a leaf unchanged since the last step"),
-    Option(
+    _object(
         "compression",
-        "custom",
-        none_ok=True,
-        convert=_compression,
-        annotation="Mapping[str, str]",
-        doc='per pytree item, "zstd" or "zstd:<level>", e.g. {"opt_state": "zstd"}',
+        _compression,
+        "Mapping[str, str]",
+        'per pytree item, "zstd" or "zstd:<level>", e.g. {"opt_state": "zstd"}',
     ),
-    Option(
+    _object(
         "persistent",
-        "custom",
-        none_ok=True,
-        convert=_tier,
-        annotation="Tier | str",
-        doc="a persistent tier every committed step is replicated to (Tier(path, ...) or a path)",
+        _tier,
+        "Tier | str",
+        "a persistent tier every committed step is replicated to (Tier(path, ...) or a path)",
     ),
     _flag(
         "reuse_host_buffers",
@@ -266,13 +267,11 @@ MANAGER: tuple[Option, ...] = (
     ),
     HOST_MEMORY,
     STALL_TIMEOUT,
-    Option(
+    _object(
         "hf_shards",
-        "custom",
-        none_ok=True,
-        convert=_hf_shards,
-        annotation="HFShards",
-        doc="Hugging Face safetensors shards of params written into every K-th step (HFShards)",
+        _hf_shards,
+        "HFShards",
+        "Hugging Face safetensors shards of params written into every K-th step (HFShards)",
     ),
     ON_EVENT,
 )
@@ -318,13 +317,8 @@ CALLBACK: tuple[Option, ...] = (
     _flag("overwrite", "with resume=False, remove the steps already there instead of refusing"),
     ASYNC_SAVE,
     Option("state_fn", "callable", none_ok=True, doc="returns the current state (for cb(step, t))"),
-    Option(
-        "data_iterator",
-        "custom",
-        none_ok=True,
-        convert=check_iterator,
-        annotation="Any",
-        doc="an iterator whose position is saved with each step",
+    _object(
+        "data_iterator", check_iterator, "Any", "an iterator whose position is saved with each step"
     ),
     Option(
         "extras_fn",
@@ -332,23 +326,19 @@ CALLBACK: tuple[Option, ...] = (
         none_ok=True,
         doc="extras_fn(step, state) -> dict of small JSON values saved with each step",
     ),
-    Option(
+    _object(
         "writer",
-        "custom",
-        none_ok=True,
-        convert=_writer,
-        annotation="ScalarWriter",
-        doc="an object with write_scalars(step, scalars) receiving each save's figures",
+        _writer,
+        "ScalarWriter",
+        "an object with write_scalars(step, scalars) receiving each save's figures",
     ),
     ON_EVENT,
     HOST_MEMORY,
-    Option(
+    _object(
         "manager_options",
-        "custom",
-        none_ok=True,
-        convert=_mapping,
-        annotation="Mapping",
-        doc='further CheckpointManager options, e.g. {"persistent": Tier(...)}',
+        _mapping,
+        "Mapping",
+        'further CheckpointManager options, e.g. {"persistent": Tier(...)}',
     ),
 )
 """Every keyword option of CheckpointCallback."""
