@@ -114,28 +114,23 @@ def remove_unfinished(loc: Location, *, warn: bool = True) -> dict[str, str]:
 def _remove_dead_staging(loc: Location, listing: Any, stuck: dict[str, str]) -> list[str]:
     """The foreign entries of ``listing`` less the dead staging removed."""
     foreign = list(listing.foreign)
-    if loc.is_local:  # a core save's staging beside its target (``<name>.partial-*``)
-        kinds = loc.child_kinds()
-        for name in listing.foreign:
-            if kinds.get(name) == "dir" and _steps.SAVE_STAGING_RE.match(name):
-                if not _liveness.is_dead(loc.child(name)):
-                    continue  # its save may still run: not ours to touch yet
-                gone, why = _removing.remove_leftover(
-                    loc.child(name), what="staging of an interrupted save"
-                )
-                if gone:
-                    foreign.remove(name)
-                elif why is not None:
-                    foreign.remove(name)
-                    stuck[name] = why
-    else:  # object stores: a step written in place, never committed
-        for name in listing.foreign:
-            if _steps.is_step_name(name) and not _live(loc, name):
-                gone, why = _removing.remove_leftover(loc.child(name), what="uncommitted step")
-                if gone or why is not None:
-                    foreign.remove(name)
-                if why is not None:
-                    stuck[name] = why
+    kinds = loc.child_kinds() if loc.is_local else {}
+    for name in listing.foreign:
+        if loc.is_local:  # a core save's staging beside its target (``<name>.partial-*``)
+            if kinds.get(name) != "dir" or not _steps.SAVE_STAGING_RE.match(name):
+                continue
+            if not _liveness.is_dead(loc.child(name)):
+                continue  # its save may still run: not ours to touch yet
+            what = "staging of an interrupted save"
+        elif _steps.is_step_name(name) and not _live(loc, name):
+            what = "uncommitted step"  # object stores: a step written in place, never committed
+        else:
+            continue
+        gone, why = _removing.remove_leftover(loc.child(name), what=what)
+        if gone or why is not None:  # (never both)
+            foreign.remove(name)
+        if why is not None:
+            stuck[name] = why
     return foreign
 
 
