@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -393,18 +392,9 @@ class Saver:
         kinds = [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
         digest = _layout.sha256(_layout.encode(kinds))
         op = _distributed.next_operation_id("manager-commit", region=region)
+        lane, writer = self._book.lane_of(step), self._book.writer
         commit = StepCommit(
-            self._loc,
-            step,
-            opened.staging,
-            pendings,
-            entries,
-            digest,
-            opened.replace,
-            host_marker=host_marker,
-            cancelled=opened.request.cancelled,
-            writer=self._book.writer,
-            lane=self._book.lane_of(step),
+            self._loc, opened, entries, digest, host_marker=host_marker, writer=writer, lane=lane
         )
         background = functools.partial(self._background, commit, op, opened, metric, blocking)
         snaps = [getattr(p, "snap", None) for p in pendings.values()]
@@ -547,35 +537,31 @@ def checked_written(name: str, result: Any) -> Written | None:
 
 
 class StepCommit:
-    """Commits ``step`` of ``location`` from ``staging`` once ``pendings`` are written;
-    ``digest``: the structure every process must agree on."""
+    """Commits the step ``opened`` of ``location`` once its pendings are written, with
+    the manifest's item ``entries``; ``digest``: the structure every process must agree on."""
 
     def __init__(
         self,
         location: Location,
-        step: int,
-        staging: Staging,
-        pendings: Mapping[str, Pending],
+        opened: OpenStep,
         entries: Mapping[str, ItemEntry],
         digest: str,
-        replace: bool,
         *,
         host_marker: bytes | None = None,
-        cancelled: threading.Event | None = None,
         writer: Any = None,
         lane: str | None = None,
     ):
         self._loc = location
-        self._step = step
-        self._staging = staging
-        self._pendings = pendings
+        self._step = opened.step
+        self._staging = opened.staging
+        self._pendings = opened.pendings
         self._entries = entries
         self._digest = digest
-        self._replace = replace
+        self._replace = opened.replace  # the step exists and is being replaced
         # Each host's own directory: this host's marker, written before the sync; every
         # process commits its own copy with the primary's manifest (see per_host).
         self._host_marker = host_marker
-        self._cancelled = cancelled or threading.Event()  # set: the save was interrupted
+        self._cancelled = opened.request.cancelled  # set: the save was interrupted
         self._writer = writer  # the manager's lock or lease: held still (before_commit)?
         self._lane = lane if lane in LANES else None  # recorded in the manifest (Lanes)
         self._op, self._region = "", None  # the commit's names and region: run's
