@@ -34,9 +34,8 @@ SHARED = {
 
 
 def _describe(value: Any) -> Any:
-    """``value`` as JSON that is equal on two processes exactly when the option is:
-    dataclasses field by field, sets sorted, functions by name, other objects by type and
-    their public attributes of plain values (a checkpointable's compression)."""
+    """``value`` as JSON equal on two processes exactly when the option is (objects by
+    type and public plain attributes, functions by name, a clock left out)."""
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -70,9 +69,8 @@ def shared_view(opts: Any) -> dict[str, Any]:
 
 
 def check_same_options(opts: Any, region: _distributed.Region | None) -> None:
-    """Collective (every process opening a writer, in the open's ``region``): raises
-    CoordinationError on every process when the processes' :func:`shared_view` differ,
-    naming each option and each process's value. One process: nothing."""
+    """Collective (a writer's open, in ``region``): CoordinationError on every process
+    naming each option whose :func:`shared_view` differs, and each process's value."""
     if _distributed.process_count() == 1:
         return
     views = _distributed.gather_json("manager-options", shared_view(opts), region=region)

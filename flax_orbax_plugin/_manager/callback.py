@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from .._base import distributed as _distributed
 from .._core.save import SaveResult
@@ -34,16 +33,9 @@ logger = logging.getLogger("flax_orbax_plugin")
 __all__ = ["CheckpointCallback"]
 
 
-class ScalarWriter(Protocol):
-    """What ``writer=`` takes (CLU's metric writers have this shape)."""
-
-    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
-
-
 @_distributed.public(errors=refusals(arguments("directory")))  # its manager names the rest
 class CheckpointCallback:
-    # The docstring and the signature of __init__ are derived from the option
-    # declarations (option_table.CALLBACK) by signatures.document, below the class.
+    # __init__'s docstring and signature: from options.CALLBACK (signatures.document)
 
     def __init__(self, directory: str, **options: Any):
         # Refused on some processes only: published in a region drawn for it now, the
@@ -110,22 +102,19 @@ class CheckpointCallback:
     ) -> Any:
         """Returns ``state`` resumed from the latest good step (per ``resume``), or
         unchanged. With ``resume=False`` a directory holding steps is refused (or, with
-        ``overwrite=True``, emptied of them).
+        ``overwrite=True``, emptied of them). ``data_iterator``: the iterator to save and
+        resume (if not given to the constructor).
 
         ``reset`` names items kept from ``state`` instead of restored, e.g.
-        ``reset=("opt_state",)`` after changing the optimizer: params, step, other
-        items and the data position are resumed, the optimizer starts fresh;
-        ``reset=("data_iterator",)`` starts the data afresh on purpose. Resuming a step
-        that holds a data position without a ``data_iterator`` warns once (the run would
-        replay its data).
+        ``reset=("opt_state",)`` after changing the optimizer, ``("data_iterator",)`` to
+        start the data afresh. Resuming a step that holds a data position without a
+        ``data_iterator`` warns once (the run would replay its data).
 
         ``partial``, ``missing``, ``transform`` and ``surgery`` resume into a changed
-        model, as in :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
-        grew layers: the new ones keep their values from ``state``). ``surgery`` names
-        params' paths: it applies to params as given and, in the other items, at every
-        prefix that mirrors them (Adam's ``0/mu/``, ``0/nu/``), where an operation that
-        finds nothing does nothing (``_like/surgery_mirrors.py``). Then reserves the
-        manager's host buffers for saving the state (:meth:`CheckpointManager.reserve`).
+        model, as in :meth:`CheckpointManager.restore`; ``surgery`` names params' paths
+        and applies, in the other items, at every prefix that mirrors them (Adam's
+        ``0/mu/``). Then reserves the manager's host buffers
+        (:meth:`CheckpointManager.reserve`).
         """
         if self._stepped is not None:  # else its own steps read as an earlier run's
             raise CheckpointError(
@@ -196,7 +185,7 @@ class CheckpointCallback:
             _resuming.unstarted(self.directory, self.manager, step, self.resume, self.overwrite)
         self._last_step = step
         self._stepped = step if self._stepped is None else self._stepped
-        self._poll()
+        self._finish_inflight(block=False)
         if step == self._last_saved_step:
             # Already saved; still asked about preemption (every step, on every process).
             if self.manager.preempted_at(step):
@@ -293,9 +282,7 @@ class CheckpointCallback:
     # -- saving and reporting ----------------------------------------------------
 
     def _save(self, step: int, state: Any, *, t: float | None, ignore_policy: bool) -> bool:
-        # No wait here: most steps save nothing, and the manager waits for the save in
-        # flight itself when it starts the next one (so the step after a save never
-        # waits for its commit).
+        # No wait here: the manager waits for the save in flight when it starts the next.
         self._finish_inflight(block=False)
         self._check_state_step(step, state)
         extras_fn = self._extras_fn
@@ -336,14 +323,10 @@ class CheckpointCallback:
                 saved,
             )
 
-    def _poll(self) -> None:
-        self._finish_inflight(block=False)
-
     def _finish_inflight(self, *, block: bool) -> None:
-        """Reports the save in flight once committed (``block`` False: not yet, if it
-        runs); a background failure raises here (through the manager). This process's
-        own wait, never the manager's collective ``wait`` (a barrier one process entered
-        would hold it until the others poll, a step later or more)."""
+        """Reports the save in flight once committed (``block`` False: not if it runs); a
+        background failure raises here. This process's own wait, never the collective
+        ``wait`` (a barrier one process entered would hold it until the others poll)."""
         if self._inflight is None:
             return
         handle = self._inflight_handle

@@ -9,6 +9,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.checkp
 from __future__ import annotations
 
 import base64
+import functools
 import inspect
 import math
 import warnings
@@ -48,16 +49,13 @@ __all__ = [
     "kind_of",
     "position_across_counts",
     "position_record",
-    "restore_across_counts",
 ]
 
 
 def to_json(value: Any, where: str, depth: int = 0) -> Any:
-    """Encode ``value`` as JSON-compatible data; bytes become ``{"__bytes__": b64}``,
-    NaN and infinities ``{"__float__": "nan" | "inf" | "-inf"}``. What no reader
-    accepts is refused here, on the caller's thread, naming where it is: text UTF-8
-    cannot encode (a lone surrogate, in a value or a key), nesting deeper than a JSON
-    item may have (``json_docs.JSON_ITEM``)."""
+    """``value`` as JSON data (bytes as ``{"__bytes__": b64}``, NaN and infinities as
+    ``{"__float__": repr}``); what no reader accepts (text UTF-8 cannot encode, nesting
+    past ``JSON_ITEM``) is refused here, on the caller's thread, naming ``where``."""
     if depth > _local_files.JSON_ITEM.max_depth:
         raise StructureError(
             f"{where}: nested more than {_local_files.JSON_ITEM.max_depth} levels deep, more "
@@ -65,9 +63,7 @@ def to_json(value: Any, where: str, depth: int = 0) -> Any:
         )
     if isinstance(value, str):
         return value if value.isascii() else _utf8(value, where)
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
+    if value is None or isinstance(value, int):  # bool too
         return value
     if isinstance(value, float):  # NaN and infinities are not JSON: tagged, exactly
         return value if math.isfinite(value) else {"__float__": repr(value)}
@@ -99,8 +95,7 @@ def to_json(value: Any, where: str, depth: int = 0) -> Any:
 
 
 def _check_array(value: Any, where: str) -> None:
-    """What ``np.asarray`` cannot make a JSON value of, named at ``where`` (it raised
-    jax's own TypeError or RuntimeError, naming no item): a PRNG key, a deleted array."""
+    """A deleted array or PRNG key, refused naming ``where`` (``np.asarray`` names no item)."""
     if not isinstance(value, jax.Array):
         return
     if value.is_deleted():
@@ -139,28 +134,19 @@ def from_json(value: Any) -> Any:
     return value
 
 
-def read_json(directory: Location, name: str) -> Any:
-    """JSON file ``name`` of an item of a committed step, checked against the checksum
-    its step manifest records."""
-    return _layout.read_item_json(directory, name)
-
-
 def encode_json(value: Any, where: str) -> bytes:
-    """The bytes of a JSON item (``to_json``'s output), within the reader's limits
-    (``json_docs.JSON_ITEM``: StructureError naming ``where`` otherwise)."""
+    """The bytes of a JSON item, within the reader's limits (else StructureError)."""
     return _local_files.encode(value, where, _local_files.JSON_ITEM, sort_keys=True)
 
 
 def write_json(directory: Location, name: str, data: bytes) -> Written:
-    """Writes the JSON bytes ``data`` (made durable by the step's sync); returns its
-    checksum."""
+    """Writes ``data`` (made durable by the step's sync); returns its checksum."""
     directory.write_bytes(name, data, durable=False)
     return Written(0, {name: _layout.sha256(data)})
 
 
 def position_record(value: Any, state: Any) -> dict[str, Any]:
-    """The fields a process's iterator file holds beside ``state``: the global
-    position of ``value`` where it declares one."""
+    """The global position of ``value`` (where it declares one), for its iterator file."""
     position = _global.global_position(value, state)
     return {} if position is None else {_global.GLOBAL_POSITION_KEY: position}
 
@@ -186,11 +172,9 @@ def position_across_counts(
     process: int,
     read: Callable[[int], Any],
 ) -> int:
-    """The global position to continue from, for a step whose iterator states were
-    saved by ``saved`` processes and are restored by ``restoring`` (``process`` is this
-    one); ``read(i)`` returns process i's decoded file. Raises StructureError naming
-    both counts when the saved position is per process, the processes saved different
-    positions, or ``like`` cannot take a global position."""
+    """The global position to continue from when ``saved`` processes saved the iterator
+    states and ``restoring`` restore them (``read(i)``: process i's decoded file);
+    StructureError naming both counts when no one global position continues them all."""
     head = (
         f"{directory}: the data iterator states were saved by {saved} process(es) but "
         f"{restoring} are restoring"
@@ -221,26 +205,6 @@ def position_across_counts(
     return positions[0]
 
 
-def restore_across_counts(
-    directory: Any, like: Any, manifest: Any, *, read: Callable[[int], Any]
-) -> Any:
-    """The data_iterator item of a step saved by ``manifest.process_count`` processes,
-    restored onto this job's count: ``like`` continued from the saved global position
-    (with ``like=None``, process 0's saved state, the same on every process)."""
-    position = position_across_counts(
-        directory,
-        like,
-        saved=manifest.process_count,
-        restoring=jax.process_count(),
-        process=jax.process_index(),
-        read=read,
-    )
-    if like is None:
-        return from_json(read(0)["state"])
-    _global.set_global_position(like, position)
-    return like
-
-
 _SAVE = SaveRequest()  # what a built-in called without a request does
 _READ = ReadRequest()
 
@@ -250,8 +214,7 @@ COPY_KINDS = ("hf_safetensors",)
 
 
 def with_copy_item(items: dict[str, Any], copy: Any, step: int) -> dict[str, Any]:
-    """``items`` and, last, item ``copy.name`` holding the value of item ``copy.item``
-    (an ``fop.HFShards``: its checkpointable writes the copy)."""
+    """``items`` and, last, item ``copy.name`` holding ``copy.item``'s value (HFShards)."""
     if copy.item not in items:
         raise CheckpointError(
             f"hf_shards: step {step} has no item {copy.item!r} to write as Hugging Face "
@@ -275,13 +238,10 @@ class Pending(Protocol):
 
 @runtime_checkable
 class Checkpointable(Protocol):
-    """Writes and reads one named piece of a training state.
-
-    ``kind`` is a short string recorded in the step's JSON manifest; ``request`` the
-    step's modes (see the module docstring).
-    Threading: ``save`` is called on the training thread, ``Pending.wait`` on the
-    manager's background thread, ``restore`` on the caller's thread.
-    """
+    """Writes and reads one named piece of a training state; ``kind``: a short string
+    recorded in the step's manifest, ``request``: the step's modes. Threading: ``save``
+    on the training thread, ``Pending.wait`` on the manager's background thread,
+    ``restore`` on the caller's."""
 
     kind: str
 
@@ -306,19 +266,15 @@ class _Done:
         return self._result
 
 
-def _process_index() -> int:
-    return jax.process_index()
-
-
 # ----------------------------------------------------------------------------- built-ins
 
 
 class PytreeCheckpointable:
     """A pytree of arrays written through the tensorstore core (``fop.save_async``).
 
-    ``restore`` hands ``like`` to the core's restore: arrays or ShapeDtypeStructs
-    (with ``.sharding`` to restore onto it), or None for numpy on the host.
-    ``compression`` / ``format_version``: this item's own (None: the request's).
+    ``restore``'s ``like``: arrays or ShapeDtypeStructs (with ``.sharding`` to restore
+    onto it), or None for numpy on the host. ``compression`` / ``format_version``: this
+    item's own (None: the request's).
     """
 
     kind = "pytree"
@@ -331,9 +287,8 @@ class PytreeCheckpointable:
         self.format_version = format_version
 
     def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
-        """The snapshot now, the write when waited on, as ``request`` says (reuse,
-        buffers, budget, a host's own directory and its time); this item's compression
-        and format version, where it has them, replace the request's."""
+        """The snapshot now, the write when waited on, as ``request`` says (this item's
+        compression and format version, where it has them, replace the request's)."""
         own: dict[str, Any] = {}
         if self.compression is not None:
             own["compression"] = self.compression
@@ -348,9 +303,7 @@ class PytreeCheckpointable:
         return _pool_sizes.pool_sizes(like, request)
 
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
-        """The core's restore as ``request`` says: a changed model's ``changes``; a
-        host's own directory (``own_copy``): every process reads what it needs itself,
-        no collective (a process whose read fails never leaves the others waiting)."""
+        """The core's restore as ``request`` says (``own_copy``: no collective)."""
         return _restore.restore_with(directory, like, request)
 
 
@@ -369,23 +322,18 @@ class JsonCheckpointable:
     def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
         # encoded now, on the caller's thread: refused before the step is committed
         data = encode_json(self._encode(value), f"{directory}/{JSON_FILE}")
-        primary = _process_index() == 0 or request.own_copy
-
-        def write() -> Written:
-            return write_json(directory, JSON_FILE, data) if primary else Written()
-
-        return _Done(write)
+        primary = jax.process_index() == 0 or request.own_copy
+        return _Done(
+            functools.partial(write_json, directory, JSON_FILE, data) if primary else Written
+        )
 
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
-        return self._decode(read_json(directory, JSON_FILE), like)
+        return self._decode(_layout.read_item_json(directory, JSON_FILE), like)
 
 
 class StepCheckpointable(JsonCheckpointable):
-    """The training step as a JSON integer; restored with the type of ``like``.
-
-    ``like`` may be an int, a numpy/jax scalar array or a ShapeDtypeStruct (the
-    restored value then has that dtype and, if it has one, that sharding).
-    """
+    """The training step as a JSON integer, restored as the kind of ``like`` (an int, a
+    numpy/jax scalar or a ShapeDtypeStruct: its dtype and sharding)."""
 
     kind = "step"
 
@@ -416,13 +364,9 @@ def cast_scalar_like(value: int, like: Any) -> Any:
 
 
 class DataIteratorCheckpointable:
-    """The position of a data iterator, one JSON file per process.
-
-    ``save`` calls ``get_state()`` (or ``state_dict()``) on the caller's thread, so
-    the state is the one at the moment of the call. Bytes states (grain's
-    DataLoader) are stored base64-encoded. ``restore(directory, like=iterator)``
-    calls ``set_state`` on that iterator and returns it; with ``like=None`` it
-    returns the decoded state of this process.
+    """The position of a data iterator, one JSON file per process: ``save`` takes
+    ``get_state()`` (or ``state_dict()``) on the caller's thread; ``restore`` sets it
+    on ``like`` and returns it (``like=None``: this process's decoded state).
     """
 
     kind = "data_iterator"
@@ -434,33 +378,39 @@ class DataIteratorCheckpointable:
     def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
         raw = iterator_state(value)
         state = to_json(raw, "data_iterator")
-        name = self.filename(_process_index())
+        name = self.filename(jax.process_index())
         record = {"state": state, **position_record(value, raw)}
         data = encode_json(record, f"{directory}/{name}")
-
-        def write() -> Written:
-            return write_json(directory, name, data)
-
-        return _Done(write)
+        return _Done(functools.partial(write_json, directory, name, data))
 
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
         manifest = _layout.manifest_for_item(directory)
         if manifest is not None and manifest.process_count != jax.process_count():
-            # another process count: only a global position carries over
-            read = self._reader(directory)
-            return restore_across_counts(directory, like, manifest, read=read)
-        state = from_json(self._read(directory, _process_index())["state"])
+            # another process count: only a global position carries over (like=None:
+            # process 0's state, the same on every process)
+            read = functools.partial(self._read, directory)
+            saved, count = manifest.process_count, jax.process_count()
+            at = position_across_counts(
+                directory,
+                like,
+                saved=saved,
+                restoring=count,
+                process=jax.process_index(),
+                read=read,
+            )
+            if like is None:
+                return from_json(read(0)["state"])
+            _global.set_global_position(like, at)
+            return like
+        state = from_json(self._read(directory, jax.process_index())["state"])
         if like is None:
             return state
         set_iterator_state(like, state)
         return like
 
-    def _reader(self, directory: Location) -> Callable[[int], dict[str, Any]]:
-        return lambda process_index: self._read(directory, process_index)
-
     def _read(self, directory: Location, process_index: int) -> dict[str, Any]:
         name = self.filename(process_index)
-        data = read_json(directory, name)
+        data = _layout.read_item_json(directory, name)
         if not isinstance(data, dict) or "state" not in data:
             raise CorruptCheckpointError(f"{directory}/{name}: expected an object with 'state'")
         return data
@@ -497,9 +447,8 @@ def kind_of(checkpointable: Any) -> str:
 def checkpointable_for(
     name: str, overrides: Mapping[str, Checkpointable] | None = None
 ) -> Checkpointable:
-    """The checkpointable that handles item ``name``: an override, a built-in, or a pytree.
-    An override of the older two-argument protocol comes back adapted (see the module
-    docstring)."""
+    """The checkpointable of item ``name``: an override (adapted: :func:`with_requests`),
+    a built-in, or a pytree."""
     if overrides and name in overrides:
         return with_requests(overrides[name])
     return BUILTIN_CHECKPOINTABLES.get(name, _DEFAULT)
@@ -546,10 +495,8 @@ def with_requests(checkpointable: Any) -> Checkpointable:
 
 
 def warn_unheld(named: set[str], items: Mapping[str, Any]) -> set[str]:
-    """At a manager's first save: warns (once) of each item that ``checkpointables=`` or
-    ``compression=`` names (``named``) but the save does not hold (a misspelt
-    ``compression={"param": ...}`` did nothing, without a word). Returns the empty
-    set (nothing is looked at again)."""
+    """At a manager's first save: warns of each item ``named`` by ``checkpointables=`` or
+    ``compression=`` that the save does not hold (a misspelling); returns the empty set."""
     unheld = sorted(named - set(items))
     if unheld:
         warnings.warn(

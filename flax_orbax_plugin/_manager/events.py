@@ -1,5 +1,4 @@
-"""The checkpoint event records (frozen dataclasses handed to ``on_event=`` and to
-``jax.monitoring``).
+"""The checkpoint event records (handed to ``on_event=`` and ``jax.monitoring``).
 
 The hook is never called by two threads at once; which thread sends each event, and in
 which order, is in the design notes.
@@ -60,10 +59,8 @@ class Event:
 class SaveStarted(Event):
     """The policy decided to save ``step``; its blocking phase begins.
 
-    ``host_memory``: the manager's host-memory ceiling for this save, in bytes (under
-    ``host_memory="auto"`` the figure derived from the memory free now), None without
-    one; ``streamed``: the save streams under it (writes from the state's own memory,
-    each region copied to host as it is written) instead of copying the state first."""
+    ``host_memory``: the manager's host-memory ceiling for this save in bytes (None:
+    none); ``streamed``: the save streams under it instead of copying the state first."""
 
     host_memory: int | None = None
     streamed: bool = False
@@ -74,10 +71,8 @@ class SaveBlockingDone(Event):
     """The blocking phase of ``step`` ended: the training loop waited
     ``blocking_seconds``; the write and commit go on in the background.
 
-    ``staging``: how accelerator arrays were copied (``device``: a copy on the device,
-    brought to host in the background; ``host``: to host memory before returning, with
-    the reason where it replaced ``device``; ``pinned``; ``streamed``; ``none`` where no
-    array was on an accelerator)."""
+    ``staging``: how accelerator arrays were copied (``device``, ``host`` with the
+    reason where it replaced ``device``, ``pinned``, ``streamed``, or ``none``)."""
 
     blocking_seconds: float
     staging: str = "none"
@@ -91,11 +86,9 @@ class SaveCommitted(Event):
     """``step`` is committed in ``tier`` (``"local"``: the manager's directory).
 
     ``background_seconds``: from the end of the blocking phase to the commit;
-    ``total_seconds``: from the start of the save. ``files_written`` and
-    ``bytes_written``: the committed step's files as stored (see the module
-    docstring; None where not counted); ``array_bytes``: array data written,
-    ``bytes_reused``: array data linked or copied from the previous step instead
-    (incremental)."""
+    ``total_seconds``: from the start of the save. ``files_written``, ``bytes_written``:
+    the committed step's files as stored (None where not counted); ``array_bytes``:
+    array data written, ``bytes_reused``: linked or copied from the previous step."""
 
     tier: str
     blocking_seconds: float
@@ -213,9 +206,8 @@ MONITORING_NAMES: Mapping[str, str] = {
 
 
 def stored_size(location: Location, dirs: Iterable[str] = ("",)) -> tuple[int, int | None]:
-    """``(files, bytes)`` stored under ``dirs`` of ``location``: on a local disk one
-    walk (no link followed, no file opened); on an object store one listing each, which
-    gives no sizes (bytes None)."""
+    """``(files, bytes)`` stored under ``dirs`` of ``location`` (no link followed; an
+    object store's listing gives no sizes: bytes None)."""
     files, size = 0, 0
     for d in dirs:
         where = location.child(d) if d else location
@@ -234,8 +226,7 @@ def stored_size(location: Location, dirs: Iterable[str] = ("",)) -> tuple[int, i
 def measure_stored(
     location: Location, dirs: Iterable[str] = ("",)
 ) -> tuple[int, int | None] | None:
-    """:func:`stored_size`, or None (logged) when the store cannot be listed: a count
-    never fails the commit or the restore it describes."""
+    """:func:`stored_size`, or None (logged): a count never fails what it describes."""
     try:
         return stored_size(location, dirs)
     except Exception as e:  # noqa: BLE001  (the figures are left out, said so)
@@ -248,15 +239,11 @@ class ScalarWriter(Protocol):
 
 
 class MetricWriterEvents:
-    """An ``on_event`` hook writing each event's figures to a metric writer (CLU's
-    ``MetricWriter.write_scalars(step, scalars)``: ``SummaryWriter`` for TensorBoard),
-    at the event's step, so they appear beside the loss. Tags: ``checkpoint/...``
-    (``Event.scalars``); an event without figures (SaveStarted) writes nothing.
-
-    Threading: ``write_scalars`` is called on the thread the event comes from (the
-    save's background thread for SaveCommitted); CLU's ``SummaryWriter`` may be written
-    from several threads. For a writer that may not, give the events to a queue and
-    write them from the training loop."""
+    """An ``on_event`` hook writing each event's figures (``Event.scalars``, tags
+    ``checkpoint/...``) to a metric ``writer`` (CLU's ``MetricWriter.write_scalars``) at
+    the event's step. Threading: called on the thread the event comes from (the save's
+    background thread for SaveCommitted); for a writer that is not thread-safe, queue
+    the events and write them from the training loop."""
 
     def __init__(self, writer: ScalarWriter):
         if not callable(getattr(writer, "write_scalars", None)):
@@ -275,9 +262,7 @@ class MetricWriterEvents:
 
 class Events:
     """Delivers a manager's events: to ``jax.monitoring``, then to ``hook`` (or None).
-
-    Called from the training, save and deletion threads; one call at a time. See the
-    module docstring for the order and what happens when the hook raises."""
+    Called from the training, save and deletion threads; one call at a time."""
 
     def __init__(self, hook: Callable[[Event], Any] | None = None):
         self.hook = hook
@@ -288,8 +273,7 @@ class Events:
         self._delivering: list[tuple[int, Event]] = []
 
     def delivering(self) -> Event | None:
-        """The event whose hook the calling thread is in (innermost), or None. Any
-        thread."""
+        """The event whose hook the calling thread is in (innermost), or None."""
         me = threading.get_ident()
         for ident, event in reversed(list(self._delivering)):
             if ident == me:
@@ -297,9 +281,8 @@ class Events:
         return None
 
     def refuse_in_hook(self, call: str) -> None:
-        """Raises :class:`HookReentryError` when the calling thread is in the hook:
-        ``call`` (e.g. ``"manager.wait()"``) waits for what delivering the event holds up
-        (see the module docstring). Any thread."""
+        """HookReentryError when the calling thread is in the hook: ``call`` would wait
+        for what delivering the event holds up."""
         event = self.delivering()
         if event is None:
             return
@@ -314,10 +297,8 @@ class Events:
         )
 
     def emit(self, event: Event) -> None:
-        """Records ``event`` and calls the hook; an exception it raises is logged and
-        kept (as an EventHookError), SystemExit too (never raised here, so a commit's
-        bookkeeping, the tier and retention always run), but a KeyboardInterrupt on the
-        main thread (a Ctrl-C while the hook ran: raised at once)."""
+        """Records ``event`` and calls the hook; what it raises is logged and kept (as an
+        EventHookError), never raised here, but for a Ctrl-C on the main thread."""
         with self._lock:
             try:
                 _monitor(event)
@@ -350,8 +331,7 @@ class Events:
                     self._error.__cause__ = e
 
     def holding(self, fn: Callable[[], Any]) -> None:
-        """``fn()``; an EventHookError it raises is kept for the next :meth:`raise_error`
-        (a close that waits, then closes the tier: raised once all of it is done)."""
+        """``fn()``; an EventHookError it raises is kept for the next :meth:`raise_error`."""
         try:
             fn()
         except EventHookError as e:
@@ -370,19 +350,16 @@ class Events:
             raise kept
 
     def raise_after_save(self, step: int) -> None:
-        """Training thread, as a save of ``step`` returns: :meth:`raise_error` with one
-        process, the error's ``saved_step`` set to ``step`` (its caller learns that the
-        step is saved all the same); with several, nothing (:meth:`agree` raises it on
-        every process: wait, close)."""
+        """Training thread, as a save of ``step`` returns: with one process
+        :meth:`raise_error`, ``saved_step`` set (with several, :meth:`agree` raises it)."""
         kept = self._take() if _distributed.process_count() == 1 else None
         if kept is not None:
             kept.saved_step = step
             raise kept
 
     def agree(self, kind: str, region: _distributed.Region | None, *, what: str) -> None:
-        """Collective (every process meets, in ``region``: one key-value round, as a
-        barrier): raises a hook error of this process, else one of another process's
-        (naming it), on every process; returns when no process has one."""
+        """Collective (in ``region``, as a barrier): raises on every process a hook error
+        of this process, else of another (naming it)."""
         _distributed.agree(kind, self._take(), region=region, what=what)
 
     # -- the events, as their callers have them
@@ -397,26 +374,15 @@ class Events:
             self.emit(StepsRemoved(step, directory, tier, tuple(sorted(removed))))
 
 
-# A manager's calls that wait for its save, retention or copy threads (see the module
-# docstring), refused from its hook; ``restore`` is allowed there with one process.
-REFUSED_IN_HOOKS = (
-    "save",
-    "step_parts",
-    "wait",
-    "wait_for_save",
-    "delete",
-    "gc",
-    "close",
-    "leave",
-)
+# A manager's calls that wait for its save, retention or copy threads, refused from its
+# hook; ``restore`` is allowed there with one process.
+REFUSED_IN_HOOKS = ("save", "step_parts", "wait", "wait_for_save", "delete", "gc", "close", "leave")
 
 
 def refuse_from_hooks(cls: type, names: Iterable[str], *, alone_ok: Iterable[str] = ()) -> None:
-    """Wraps the methods ``names`` (and ``alone_ok``) of ``cls``, a manager (its events:
-    ``self._book.events``): called from its own on_event hook, each raises
-    :class:`HookReentryError` naming it (``manager.<name>()``) before anything else
-    (before a collective region is drawn: a hook's thread draws none); one of
-    ``alone_ok`` is allowed there with one process."""
+    """Wraps the methods ``names`` (and ``alone_ok``: allowed with one process) of the
+    manager class ``cls``: called from its on_event hook, each raises HookReentryError
+    before anything else (before a collective region is drawn)."""
     for name in (*names, *alone_ok):
         setattr(cls, name, _guarded(getattr(cls, name), f"manager.{name}()", name in alone_ok))
 

@@ -57,11 +57,9 @@ def refuse_step_directory(loc: Location) -> None:
 def open_writer(
     loc: Location, *, own: bool = False, region: _distributed.Region | None
 ) -> DirectoryLock | _lease.Lease | None:
-    """A writer's open, on every process: the lock (the primary: ``flock`` on local
-    paths, a lease on object stores), the dead saves' remains removed (the primary),
-    then one meeting of all processes. Returns the lock or lease held (released again
-    if anything after it fails). ``own``: each host's own directory: every process
-    locks and cleans its own; ``region``: the open's (``_base.regions``)."""
+    """A writer's open, on every process, in ``region``: the primary's lock (or lease on
+    object stores) and removal of dead saves' remains (``own``: every process its own),
+    then one meeting. Returns the lock or lease held."""
     dir_lock = None
     if loc.is_local and (own or _distributed.is_primary()):
         # One writer per directory: the primary holds the lock for all processes
@@ -91,12 +89,9 @@ def open_writer(
 
 
 def remove_unfinished(loc: Location, *, warn: bool = True) -> dict[str, str]:
-    """Primary, at open and in ``gc``: removes what dead saves of ours left (proven
-    ours: see ``_ownership``); everything else is left alone. A leftover of ours that
-    cannot be removed (a folder made read-only) is passed over with a WARNING naming it
-    and the error, so that the run still opens and resumes; returns those ``{name:
-    error}`` (``gc`` raises them: :func:`raise_stuck`). ``warn``: the WARNING naming
-    entries that are not ours (False in ``gc``: the manager's open said it)."""
+    """Primary, at open and in ``gc``: removes what dead saves of ours left; returns
+    ``{name: error}`` of those it could not remove (WARNING each, so the run still
+    opens). ``warn``: the WARNING naming entries that are not ours."""
     listing = _steps.list_directory(loc)
     stuck: dict[str, str] = {}
     for name in listing.unfinished:
@@ -117,31 +112,25 @@ def remove_unfinished(loc: Location, *, warn: bool = True) -> dict[str, str]:
 
 
 def _remove_dead_staging(loc: Location, listing: Any, stuck: dict[str, str]) -> list[str]:
-    """The foreign entries of ``listing`` less the dead staging removed (a core save's
-    beside its target, locally; a step written in place, on object stores)."""
+    """The foreign entries of ``listing`` less the dead staging removed."""
     foreign = list(listing.foreign)
-    if loc.is_local:  # a core save's staging beside its target (``<name>.partial-*``)
-        kinds = loc.child_kinds()
-        for name in listing.foreign:
-            if kinds.get(name) == "dir" and _steps.SAVE_STAGING_RE.match(name):
-                if not _liveness.is_dead(loc.child(name)):
-                    continue  # its save may still run: not ours to touch yet
-                gone, why = _removing.remove_leftover(
-                    loc.child(name), what="staging of an interrupted save"
-                )
-                if gone:
-                    foreign.remove(name)
-                elif why is not None:
-                    foreign.remove(name)
-                    stuck[name] = why
-    else:  # object stores: a step written in place, never committed
-        for name in listing.foreign:
-            if _steps.is_step_name(name) and not _live(loc, name):
-                gone, why = _removing.remove_leftover(loc.child(name), what="uncommitted step")
-                if gone or why is not None:
-                    foreign.remove(name)
-                if why is not None:
-                    stuck[name] = why
+    kinds = loc.child_kinds() if loc.is_local else {}
+    for name in listing.foreign:
+        if loc.is_local:  # a core save's staging beside its target (``<name>.partial-*``)
+            if kinds.get(name) != "dir" or not _steps.SAVE_STAGING_RE.match(name):
+                continue
+            if not _liveness.is_dead(loc.child(name)):
+                continue  # its save may still run: not ours to touch yet
+            what = "staging of an interrupted save"
+        elif _steps.is_step_name(name) and not _live(loc, name):
+            what = "uncommitted step"  # object stores: a step written in place, never committed
+        else:
+            continue
+        gone, why = _removing.remove_leftover(loc.child(name), what=what)
+        if gone or why is not None:  # (never both)
+            foreign.remove(name)
+        if why is not None:
+            stuck[name] = why
     return foreign
 
 
@@ -156,8 +145,7 @@ def _live(loc: Location, name: str) -> bool:
 
 
 def raise_stuck(loc: Location, stuck: dict[str, str]) -> None:
-    """``gc``: a CheckpointError naming each leftover of ours it could not remove (and
-    why), once everything else was done; nothing when there is none."""
+    """``gc``: a CheckpointError naming each leftover of ours it could not remove."""
     if stuck:
         raise CheckpointError(
             f"gc could not remove what interrupted saves or removals left in {loc} (proven "
@@ -168,9 +156,7 @@ def raise_stuck(loc: Location, stuck: dict[str, str]) -> None:
 
 def rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
     """Whether unfinished ``name`` is a ``.partial-`` holding a valid manifest whose step
-    is missing: committed but not yet renamed (a crash between the renames of a
-    replacement), to be finished, not removed (the writer's :func:`roll_forward`, and
-    what ``gc`` plans)."""
+    is missing (a crash between the renames of a replacement): to be finished."""
     step_name, _, kind = name.partition(".")  # (a step written in place has no kind)
     if not kind.startswith("partial-") or int(step_name) in listing.committed:
         return False
@@ -193,10 +179,8 @@ def roll_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
 
 
 def remove_committed(loc: Location, steps: list[int], committed: list[int]) -> None:
-    """Removes ``steps`` of ``loc`` through the owner of removal, after checking that
-    each is among ``committed`` (the listing): CheckpointNotFoundError naming the
-    others, and nothing removed. ``CheckpointManager.delete``'s removal, on the process
-    that removes (the primary, or each with a directory per host)."""
+    """``CheckpointManager.delete``'s removal of ``steps``, each checked to be among
+    ``committed`` first (CheckpointNotFoundError, nothing removed)."""
     missing = [step for step in steps if step not in committed]
     if missing:
         raise CheckpointNotFoundError(
@@ -208,8 +192,7 @@ def remove_committed(loc: Location, steps: list[int], committed: list[int]) -> N
 
 
 def saved_at(loc: Location, steps: list[int]) -> float | None:
-    """When the latest of ``steps`` was saved (its manifest's time); None without one
-    that reads (a damaged one is the restore's to report, not the schedule's)."""
+    """When the latest of ``steps`` was saved (its manifest's time); None if unreadable."""
     if not steps:
         return None
     try:

@@ -97,10 +97,8 @@ class Lanes(SaveRule, KeepRule):
         return out
 
     def _lane_by_number(self, step: int) -> str:
-        """The lane of a step this manager did not save (an earlier run's): the one its
-        number alone says when the permanent policy goes by numbers only (it uses no
-        time and watches no preemption: EverySteps, AtSteps and their combinations);
-        else permanent (never removed by the temporary lane's rule)."""
+        """The lane of an earlier run's step: by its number when the permanent policy
+        goes by numbers only, else permanent (never removed by the temporary rule)."""
         save = self.permanent.save
         if save.uses_time or save.watches_preemption:
             return PERMANENT

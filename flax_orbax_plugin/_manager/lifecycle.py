@@ -3,10 +3,8 @@ ended this process's part of the run: with none of them), and the local shut-dow
 end with.
 
 ``with CheckpointManager(...) as mngr:`` closes when the block ends, and leaves when an
-error leaves it: a process whose training loop raised (a bug on one host, a Ctrl-C)
-does not enter ``close``'s meeting, which the others, waiting for it in their next
-save, would never reach; they learn at once that it left, and with which error
-(``_base.failures.announce_leaving``), rather than after the stall timeout.
+error leaves it (the others learn at once that this process left, and why, rather than
+after the stall timeout: ``_base.failures.announce_leaving``).
 
 Threading: the training thread, as every call of the manager.
 """
@@ -34,20 +32,11 @@ _OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
 def leave_at_exit(manager: Lifecycle) -> None:
-    """``manager`` (a writer) ends when this program ends without closing it: an
-    exception nobody caught (no ``with`` block), or the last line reached without
-    ``close()``. A step of the library's exit hook (``_base.host``): it runs before
-    ``atexit``'s (jax's shutdown among them), after the saves still running were waited
-    for, even one that failed.
-
-    With one process, a program that ended well closes it (its persistent tier's copies
-    finish, its lock or its lease on an object store is released: the next run, from
-    any host, opens it at once rather than waiting the lease out); one that ended with
-    an exception shuts it (its threads stopped, its lock or lease released; the first
-    exit step finished its save, or cancelled it after a Ctrl-C). With several, it
-    leaves the run (it cannot meet the others at exit): the others, waiting for this
-    process in their next save, learn at once that it left and why, rather than after
-    the stall timeout (then jax's own shutdown barrier)."""
+    """``manager`` (a writer) ends when this program ends without closing it, in the
+    library's exit hook (``_base.host``: before ``atexit``'s, after the saves still
+    running were waited for). One process: a program that ended well closes it, one
+    that raised shuts it (threads stopped, lock or lease released); several: it leaves
+    the run (the others learn at once that it left, and why)."""
     _OPEN.add(manager)
     _host.at_exit(_host.LEAVE, _leave_all)
 
@@ -89,25 +78,20 @@ def _say_copies_left(manager: Lifecycle) -> None:
 
 class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ... and wait)
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """The manager's calls that wait for a hook's own thread, refused from its
-        on_event hook (``events.refuse_from_hooks``): close and leave among them."""
+        """The manager's calls that wait for a hook's own thread, refused from its hook."""
         super().__init_subclass__(**kwargs)
         _events.refuse_from_hooks(cls, _events.REFUSED_IN_HOOKS, alone_ok=("restore",))
 
     def close(self) -> None:
         """Wait for the in-flight save, stop the threads, release the lock. Idempotent.
-        With several processes, on every process (it meets them: ``wait``). Closing
-        with an error (a save's, or one the others brought to the meeting), this
-        process then leaves the run as :meth:`leave` does: one of the others still
-        waiting for it in an operation of this manager (a step further on, after the
-        processes met the error at different steps) raises at once, naming it. From
-        its on_event hook: HookReentryError (``events``), and it stays open."""
+        With several processes, on every process (it meets them: ``wait``); closing with
+        an error, this process then leaves the run as :meth:`leave` does. From its
+        on_event hook: HookReentryError, and it stays open."""
         self._close(self.wait)
 
     def _close(self, meet: Callable[[], None]) -> None:
-        """:meth:`close`, meeting the other processes with ``meet``: the public ``wait``
-        (a region of its own), or the manager's ``_meet`` in the region of the operation
-        that closes (a save that stops the run: internals never call a public method)."""
+        """:meth:`close`, meeting the other processes with ``meet`` (the public ``wait``,
+        or ``_meet`` in the region of a save that stops the run)."""
         if self._closed:
             return
         self._drop_parts()  # a step open in parts: given up
@@ -125,12 +109,10 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
         self._book.events.raise_error()
 
     def leave(self, error: BaseException) -> None:
-        """Closes after ``error`` ended this process's part of the run (what the
-        ``with`` block's exit does then): the save in flight ends (committed with the
-        others, or its own error logged), then the other processes are told that this
-        one left: one waiting for it raises ProcessFailedError naming it and ``error``
-        at once. Waits for no other process. Idempotent. From its on_event hook:
-        HookReentryError, as :meth:`close`."""
+        """Closes after ``error`` ended this process's part of the run: the save in flight
+        ends, then the other processes are told that this one left (one waiting for it
+        raises ProcessFailedError naming ``error``). Waits for no other process.
+        Idempotent. From its on_event hook: HookReentryError."""
         if self._closed:
             return
         try:
@@ -143,9 +125,8 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
             self._shut()
 
     def _shut(self, *, refused: bool = False) -> None:
-        """Stops the threads and releases the lock (waits for no other process);
-        ``refused``: the writer's open failed, and the lock file (and directory) that
-        open made go too (``DirectoryLock.discard``)."""
+        """Stops the threads and releases the lock; ``refused``: the writer's open failed,
+        and the lock file (and directory) it made go too."""
         if self._book.tier is not None:
             self._book.tier.close(0, raise_errors=False)
         self._closed = True

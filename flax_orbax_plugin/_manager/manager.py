@@ -1,10 +1,8 @@
 """CheckpointManager: a directory of training steps (the façade).
 
-One training thread owns a manager (``save`` / ``restore`` / ``wait`` / ``close``); a
-save's writes and commit run on a background thread, retention on a deletion thread;
-a background error is re-raised by the next call. With several processes every
-process makes the same calls in the same order. The class's docstring and signature
-come from ``options`` (``signatures``).
+One training thread owns a manager; a save's writes and commit run on a background
+thread, retention on a deletion thread; a background error is re-raised by the next
+call. With several processes every process makes the same calls in the same order.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.manager``.
 """
@@ -45,7 +43,6 @@ from .retaining import RetentionRunner, StepBook
 from .save_rules import SaveSchedule
 from .saving import Saver, collect_items
 from .step_parts import StepParts, checked_expect
-from .store_places import manager_places
 from .tiers import PersistentTier
 from .zero_copy import HostMemory
 
@@ -54,8 +51,16 @@ __all__ = ["CheckpointManager"]
 logger = logging.getLogger("flax_orbax_plugin")
 
 
+def _places(bound: dict[str, Any]) -> list[Any]:
+    """The stores a manager's call may reach: its directory and its persistent tier
+    (``directory``: the argument, or the property once __init__ has set it)."""
+    tier = (bound.get("options") or {}).get("persistent")
+    own = getattr(bound["self"], "directory", None)
+    return [bound.get("directory"), getattr(tier, "path", tier), own]
+
+
 # A store's refusal, in any call of a manager: StoreAccessError naming the store.
-_STORE_ERRORS = refusals(manager_places)
+_STORE_ERRORS = refusals(_places)
 # The entry of a collective method: its region's stall timeout and scope are the manager's.
 _collective = functools.partial(
     _distributed.public, errors=_STORE_ERRORS, stall="_stall_s", scope="_scope"
@@ -89,36 +94,19 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             events = Events(opts.on_event)  # where every collaborator's events go
             opened = {} if opts.read_only else self._open(opts, events, region)
             self._book = StepBook(self._loc, events, **opened)  # built whole, once opened
-
-            def busy() -> str | None:  # a save runs: fewer deletes (the saver is built next)
-                return self._saver.busy
-
-            self._retainer = RetentionRunner(
-                self._loc, opts.retention, opts.overrides, self._book, busy
-            )
-            self._saver = Saver(
-                self._loc,
-                opts.overrides,
-                self._book,
-                self._retainer,
-                opts.incremental,
-                self._buffers,
-                opts.host_memory,
-                opts.format_version,
-                opts.hf_shards,
-            )
-            reader = (self._loc, opts.overrides, self._book, opts.read_only, opts.host_memory)
-            self._restorer = Restorer(*reader)
+            # busy(): which part of a save runs, asked by removals (the saver is built next)
+            self._retainer = RetentionRunner(opts, self._book, lambda: self._saver.busy)
+            self._saver = Saver(opts, self._book, self._retainer, self._buffers)
+            self._restorer = Restorer(opts, self._book)
             self._closed = False
             self._parts: StepParts | None = None  # a step being saved in parts (step_parts)
             if not opts.read_only:
                 self._start(opts)
 
     def _open(self, opts: _options.ManagerOptions, events: Events, region) -> dict[str, Any]:
-        """A writer's open, in the open's ``region``, before the book is built: the
-        options every process shares, lock, housekeeping, tier; returns what the book is
-        built with. The tier opens before the saver exists (its run is the book's): it
-        tells ``events``, and its ``busy`` says no save until the saver is built."""
+        """A writer's open, in ``region``, before the book is built: shared options, lock,
+        housekeeping, tier (before the saver exists: its ``busy`` says no save till then);
+        returns what the book is built with."""
         _agreement.check_same_options(opts, region)  # before anything is touched
         tier, path = opts.tier, None if opts.tier is None else opts.tier.path
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version, region)
@@ -172,13 +160,11 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
 
     @_collective("manager-delete")
     def delete(self, *steps: int, region: _distributed.Region | None) -> None:
-        """Removes the committed ``steps`` of this directory now, through the one owner
-        of removal (only steps this library committed; each leaves listings at once);
-        a step that is not committed is a CheckpointNotFoundError and removes nothing.
-        The persistent tier's copies stay (``persistent.remove(step)``). Call from the
-        training thread; waits for the save in flight first. With several processes
-        every process calls it with the same steps (a collective): all meet, the primary
-        removes the steps (each host its own, agreed first: ``per_host.remove_steps``)."""
+        """Removes the committed ``steps`` of this directory now (each leaves listings at
+        once); a step that is not committed is a CheckpointNotFoundError and removes
+        nothing. The persistent tier's copies stay (``persistent.remove(step)``).
+        Training thread, after the save in flight; with several processes every process
+        calls it with the same steps (the primary removes them)."""
         self._check_writable()
         self._saver.wait()
         steps = list(dict.fromkeys(checked_step(step) for step in steps))  # each once
@@ -209,10 +195,9 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         return self._schedule.preempted
 
     def preempted_at(self, step: int) -> bool:
-        """Whether ``step`` is the step to save before stopping (``handle_sigterm=True``
-        and SIGTERM arrived; with several processes, the step all of them agreed on).
-        ``save`` asks it itself; a caller that skips ``save`` for a step (already
-        saved) asks it instead: once per step, in order, on every process."""
+        """Whether ``step`` is the step to save before stopping (SIGTERM arrived; with
+        several processes, the step all agreed on). A caller that skips ``save`` for a
+        step asks it instead: once per step, in order, on every process."""
         return self._schedule.preempted_at(checked_step(step))
 
     @property
@@ -245,20 +230,18 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
     ) -> bool:
         """Save ``state`` as ``step`` if the policy says so; return whether it saved.
 
-        ``state`` is split into checkpointables (``_state/train_state.py``): a Flax
-        TrainState, NNX module/optimizer, or a dict of items. ``data_iterator``'s
-        state and the JSON ``extras`` become items too. ``ignore_policy=True`` saves
-        whatever the policy says (``force=``, its old name, warns). A step at or below
-        the latest committed one is refused unless ``overwrite=True`` (which replaces an
-        existing step atomically). ``t`` is the time of the decision (default: the
-        manager's clock). ``extras`` may be a callable returning the mapping, called only
-        when the step is saved.
+        ``state`` (a Flax TrainState, NNX module/optimizer, or a dict of items) is split
+        into items; ``data_iterator``'s state and the JSON ``extras`` (or a callable
+        returning them, called only when the step is saved) become items too.
+        ``ignore_policy=True`` saves whatever the policy says (``force=``, its old name,
+        warns). A step at or below the latest committed one is refused unless
+        ``overwrite=True`` (which replaces it atomically). ``t``: the time of the decision
+        (default: the manager's clock).
 
-        Returns once every item's blocking phase is done (state may then be mutated
-        or donated); the write completes in the background unless ``async_save=False``.
-        A save still writing is waited for first, or cancelled (``supersede=``: see
-        ``Saver.supersede``). Call from the training thread only; with several
-        processes, on every process.
+        Returns once every item's blocking phase is done (state may then be mutated or
+        donated); the write completes in the background unless ``async_save=False``. A
+        save still writing is waited for first, or cancelled (``supersede=``). Training
+        thread only; with several processes, on every process.
         """
         self._check_writable()
         self._refuse_open_parts("save")
@@ -292,9 +275,8 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         return True
 
     def _end_inflight(self, step: int, *, supersede: bool, preempted: bool) -> None:
-        """``save``'s wait for the save in flight. Superseding, it is cancelled instead (by
-        a preemption, always) unless it replaced a cancelled save itself: then waited for,
-        so that at least every other save commits (a run whose saves outlast a step)."""
+        """``save``'s wait for the save in flight, or superseding its cancel (unless it
+        replaced a cancelled save itself: then at least every other save commits)."""
         if supersede and (preempted or not self._replaced):
             self._replaced = self._saver.supersede(step)
         else:
@@ -325,16 +307,13 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         expect: Iterable[str],
         overwrite: bool = False,
     ) -> StepParts:
-        """Opens ``step`` to be saved in parts, from several calls: returns a
-        :class:`StepParts` (a context manager) whose ``save(name, value)`` adds item
-        ``name``; the step commits once, when the last of ``expect`` (item names) is
-        saved, with the one-commit rule of ``save``. Until then it is never listed,
-        restored or counted; leaving the ``with`` block (or ``abort()``) with parts
-        missing removes what it staged. The policy is not asked (see ``should_save``);
-        ``overwrite`` as in ``save``. One step at a time: ``save``, ``gc`` and another
-        ``step_parts`` are refused while one is open. Waits for the save in flight
-        first. Training thread; with several processes every process opens the step
-        and saves every part, in the same order (docs/manager.md)."""
+        """Opens ``step`` to be saved in parts: returns a :class:`StepParts` (a context
+        manager) whose ``save(name, value)`` adds item ``name``; the step commits once,
+        when the last of ``expect`` (item names) is saved. Until then it is never listed
+        or restored; leaving the ``with`` block (or ``abort()``) with parts missing
+        removes what it staged. The policy is not asked; ``overwrite`` as in ``save``.
+        While it is open ``save``, ``gc`` and ``step_parts`` are refused. Training
+        thread; with several processes every process saves every part, in one order."""
         self._check_writable()
         self._refuse_open_parts("step_parts")
         step, names = checked_step(step), checked_expect(expect)
@@ -433,14 +412,11 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
           the step lacks), ``transform`` and ``surgery`` as in ``fop.restore``, within
           each pytree item. Without them a StructureError lists every difference.
 
-        Without ``step``, a latest step that is damaged (a checksum fails, a file is
-        missing) is skipped with a warning and, by a writer, moved aside to
-        ``<step>.corrupt-<nonce>`` (never deleted); the newest good step is restored.
-        With ``step``, damage raises. Waits for the save in flight first (not from a hook).
-        A step being read is never deleted by this manager's retention.
-
-        ``memory_limit_bytes``: the host memory this restore's reads hold at most (bytes;
-        never above the manager's ``host_memory``, which applies without it).
+        Without ``step``, a damaged latest step is skipped with a warning and, by a
+        writer, moved aside to ``<step>.corrupt-<nonce>``; the newest good step is
+        restored. With ``step``, damage raises. Waits for the save in flight first.
+        ``memory_limit_bytes``: the host memory this restore's reads hold at most (never
+        above the manager's ``host_memory``).
         """
         if isinstance(like, numbers.Integral) and not isinstance(like, bool):
             raise OptionTypeError(
@@ -472,15 +448,13 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         return self._saver.inflight
 
     def wait_for_save(self) -> None:
-        """Block until this process's save in flight is committed; re-raises its
-        background error (once). Unlike :meth:`wait` it is no collective operation and
-        waits for no retention: a caller that polls :attr:`pending_save` calls it."""
+        """Block until this process's save in flight is committed; re-raises its error
+        (once). Unlike :meth:`wait`: not collective, no retention waited for."""
         self._saver.wait()
 
     def warn_data_replay(self) -> None:
         """Warns (once) when the step last restored holds a data position that was not
-        restored (the run would read its data again); a resume that restores named
-        items (the callback's ``reset=``) calls it after."""
+        restored (a resume that restores named items calls it after)."""
         if self.restored_step is not None:
             self._restorer.warn_replay(self.restored_step)
 
@@ -521,9 +495,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
 def _check_save_call(
     *, step: Any, ignore_policy: Any, force: Any, overwrite: Any, t: Any
 ) -> tuple[int, bool]:
-    """``CheckpointManager.save``'s step and options checked by their declarations
-    (``options.SAVE_CALL``): ``(step, ignore_policy)`` (``force=``, its deprecated name,
-    warned and taken as ``ignore_policy``)."""
+    """``(step, ignore_policy)`` checked (``options.SAVE_CALL``; ``force=`` warned)."""
     out = check(
         SAVE_CALL,
         dict(step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t),
@@ -540,8 +512,7 @@ def _check_save_call(
 
 @contextlib.contextmanager
 def _not_saved(step: int) -> Iterator[None]:
-    """An earlier step's background error, raised as ``save(step)`` begins: says that
-    ``step`` itself was not saved (a loop that catches it and goes on would lose it)."""
+    """An earlier save's error raised as ``save(step)`` begins says ``step`` was not saved."""
     try:
         yield
     except Exception as e:

@@ -1,8 +1,6 @@
-"""The options of CheckpointManager and CheckpointCallback, each declared once, and
-checked once where they enter (:func:`check_manager`, :func:`check_callback`: before
-anything is made); a save policy and a retention leave here as rule objects.
-
-Declarations and pure functions; called on the constructing thread.
+"""The options of CheckpointManager and CheckpointCallback, each declared once and
+checked once where they enter, before anything is made; a save policy and a retention
+leave here as rule objects. Pure functions, on the constructing thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.options``.
 """
@@ -35,7 +33,6 @@ from .checkpointables import (
     BUILTIN_CHECKPOINTABLES,
     Checkpointable,
     PytreeCheckpointable,
-    check_item_name,
     kind_of,
 )
 from .lanes import Lane, Lanes
@@ -106,7 +103,6 @@ DIRECTORY = Option(
 
 
 def _hf_shards(value: Any) -> Any:
-    """``hf_shards=``: an ``fop.HFShards(...)`` (an item the manager adds to due steps)."""
     needed = ("every_steps", "item", "name", "due", "save", "restore")
     if not all(hasattr(value, n) for n in needed):
         raise TypeError(f"expected fop.HFShards(every_steps=K, ...) or None, found {found(value)}")
@@ -134,7 +130,6 @@ def _instance(cls: type, name: str, shorthands: str, objects: str) -> Any:
 
 
 def _tier(value: Any) -> Tier:
-    """``persistent=``: a Tier, or a bare path standing for ``Tier(path)``."""
     return value if isinstance(value, Tier) else Tier(value)  # its path checked there
 
 
@@ -142,6 +137,13 @@ def _mapping(value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise TypeError(f"expected a dict of CheckpointManager options, found {found(value)}")
     return value
+
+
+def _object(name: str, convert: Any, annotation: str, doc: str, **more: Any) -> Option:
+    """A keyword option holding an object, None when not given, checked by ``convert``."""
+    return Option(
+        name, "custom", none_ok=True, convert=convert, annotation=annotation, doc=doc, **more
+    )
 
 
 def _flag(name: str, doc: str, *, default: bool = False, aliases: tuple[str, ...] = ()) -> Option:
@@ -226,31 +228,25 @@ MANAGER: tuple[Option, ...] = (
         "handle_sigterm",
         "on SIGTERM the next save saves its step, waits, closes and raises SystemExit(143)",
     ),
-    Option(
+    _object(
         "checkpointables",
-        "custom",
-        none_ok=True,
-        convert=_checkpointables,
-        annotation="Mapping[str, Checkpointable]",
-        doc="the checkpointable used per item name, instead of the built-in",
+        _checkpointables,
+        "Mapping[str, Checkpointable]",
+        "the checkpointable used per item name, instead of the built-in",
         aliases=("item_handlers", "handler_registry"),
     ),
     _flag("incremental", "link or server-copy a leaf unchanged since the last step"),
-    Option(
+    _object(
         "compression",
-        "custom",
-        none_ok=True,
-        convert=_compression,
-        annotation="Mapping[str, str]",
-        doc='per pytree item, "zstd" or "zstd:<level>", e.g. {"opt_state": "zstd"}',
+        _compression,
+        "Mapping[str, str]",
+        'per pytree item, "zstd" or "zstd:<level>", e.g. {"opt_state": "zstd"}',
     ),
-    Option(
+    _object(
         "persistent",
-        "custom",
-        none_ok=True,
-        convert=_tier,
-        annotation="Tier | str",
-        doc="a persistent tier every committed step is replicated to (Tier(path, ...) or a path)",
+        _tier,
+        "Tier | str",
+        "a persistent tier every committed step is replicated to (Tier(path, ...) or a path)",
     ),
     _flag(
         "reuse_host_buffers",
@@ -271,13 +267,11 @@ MANAGER: tuple[Option, ...] = (
     ),
     HOST_MEMORY,
     STALL_TIMEOUT,
-    Option(
+    _object(
         "hf_shards",
-        "custom",
-        none_ok=True,
-        convert=_hf_shards,
-        annotation="HFShards",
-        doc="Hugging Face safetensors shards of params written into every K-th step (HFShards)",
+        _hf_shards,
+        "HFShards",
+        "Hugging Face safetensors shards of params written into every K-th step (HFShards)",
     ),
     ON_EVENT,
 )
@@ -287,8 +281,7 @@ DEPRECATED: tuple[Option, ...] = tuple(
     dataclasses.replace(o, name=f"persistent_{o.name}", doc=f"deprecated: Tier(path, {o.name}=)")
     for o in _tier_option.FIELDS
 )
-"""The flat ``persistent_<field>`` keywords of earlier releases: a Tier's fields under
-those names (taken for one release, with a DeprecationWarning)."""
+"""The deprecated flat ``persistent_<field>`` keywords: a Tier's fields under those names."""
 
 HINTS: Mapping[str, str] = {
     "best_fn": "keep_best= with best_metric= (a key of the extras you save) and best_mode=",
@@ -298,8 +291,7 @@ HINTS: Mapping[str, str] = {
     ),
     "create": "nothing: the directory is created when needed",
 }
-"""Names users bring from elsewhere that are no single option -> what to write here
-(names that are one option are that option's ``aliases``)."""
+"""Names users bring from elsewhere that are no single option -> what to write here."""
 
 CALLBACK_HINTS: Mapping[str, str] = {
     **HINTS,
@@ -325,13 +317,8 @@ CALLBACK: tuple[Option, ...] = (
     _flag("overwrite", "with resume=False, remove the steps already there instead of refusing"),
     ASYNC_SAVE,
     Option("state_fn", "callable", none_ok=True, doc="returns the current state (for cb(step, t))"),
-    Option(
-        "data_iterator",
-        "custom",
-        none_ok=True,
-        convert=check_iterator,
-        annotation="Any",
-        doc="an iterator whose position is saved with each step",
+    _object(
+        "data_iterator", check_iterator, "Any", "an iterator whose position is saved with each step"
     ),
     Option(
         "extras_fn",
@@ -339,23 +326,19 @@ CALLBACK: tuple[Option, ...] = (
         none_ok=True,
         doc="extras_fn(step, state) -> dict of small JSON values saved with each step",
     ),
-    Option(
+    _object(
         "writer",
-        "custom",
-        none_ok=True,
-        convert=_writer,
-        annotation="ScalarWriter",
-        doc="an object with write_scalars(step, scalars) receiving each save's figures",
+        _writer,
+        "ScalarWriter",
+        "an object with write_scalars(step, scalars) receiving each save's figures",
     ),
     ON_EVENT,
     HOST_MEMORY,
-    Option(
+    _object(
         "manager_options",
-        "custom",
-        none_ok=True,
-        convert=_mapping,
-        annotation="Mapping",
-        doc='further CheckpointManager options, e.g. {"persistent": Tier(...)}',
+        _mapping,
+        "Mapping",
+        'further CheckpointManager options, e.g. {"persistent": Tier(...)}',
     ),
 )
 """Every keyword option of CheckpointCallback."""
@@ -421,9 +404,8 @@ def warn_deprecated(what: str, instead: str) -> None:
 
 
 def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
-    """``given`` with its flat ``persistent_<field>`` keywords (deprecated) turned into
-    the ``persistent=Tier(path, <field>=...)`` they stand for; each checked by its flat
-    name first, and refused where it does nothing (no ``persistent=``)."""
+    """``given`` with its deprecated ``persistent_<field>`` keywords (checked by those
+    names, refused without ``persistent=``) turned into ``persistent=Tier(...)``."""
     flat = {o.name: given[o.name] for o in DEPRECATED if o.name in given}
     if not flat:
         return dict(given)
@@ -477,9 +459,8 @@ def _refuse_both(given: Mapping[str, Any]) -> None:
 
 
 def open_stall(given: Mapping[str, Any]) -> float | None:
-    """The stall timeout of the manager open's own waits, from ``given`` before its
-    region is drawn; None where it is no valid one (:func:`check_manager` refuses it
-    then, in the region: the other processes learn of it)."""
+    """The stall timeout of the manager open's own waits, read before its region is
+    drawn; None where invalid (:func:`check_manager` refuses it then, in the region)."""
     try:
         return STALL_TIMEOUT.check(given.get("stall_timeout"))
     except (OptionError, TypeError):
@@ -487,12 +468,10 @@ def open_stall(given: Mapping[str, Any]) -> float | None:
 
 
 def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
-    """The manager's keyword options ``given`` (public names) checked: unknown names
-    refused ("did you mean"), the flat ``persistent_*`` turned into a Tier (warned),
-    values checked, the options that do nothing in the chosen mode refused (an
-    option counts as given when it differs from its default). Returns ``{name:
-    value}`` of every option, ``policy`` and ``retention`` as the rule objects (from
-    the shorthands when not given) and ``persistent`` a Tier or None."""
+    """The manager's keyword options ``given`` checked: unknown names refused, the flat
+    ``persistent_*`` made a Tier (warned), values checked, idle options refused.
+    Returns ``{name: value}`` of every option, ``policy`` and ``retention`` as rule
+    objects and ``persistent`` a Tier or None."""
     given = _host_memory.take_old_name(given)
     refuse_unknown("CheckpointManager", given, MANAGER + DEPRECATED, hints=HINTS)
     given = _resolve_tier(given)
@@ -522,10 +501,8 @@ _GRACE = next(o.default for o in _tier_option.FIELDS if o.name == "grace_seconds
 
 
 def _compose(out: dict[str, Any]) -> None:
-    """``out``'s policy and retention as rule objects (:func:`_rules`; the shorthands via
-    the SavePolicy or Retention they fill): a Lanes is both; a retention that deletes
-    nothing alone, or a Lanes as the retention, is refused; ``clock`` is the SavePolicy's,
-    else the manager's option (refused when nothing uses the time)."""
+    """``out``'s policy and retention as rule objects (a Lanes is both); ``clock`` the
+    SavePolicy's, else the manager's (refused when nothing uses the time)."""
     if isinstance(out["retention"], Lanes):
         raise OptionError(
             f"retention={out['retention']!r}: a Lanes is a save policy and its retention at "
@@ -560,10 +537,8 @@ def _compose(out: dict[str, Any]) -> None:
 
 
 def _rules(value: Any, *, top: bool = True) -> Any:
-    """``value`` with each SavePolicy or Retention in it (also inside AnyOf, AllOf,
-    KeepAny, a Lane) replaced by the rule objects it stands for (their ``ALIASES``).
-    A SavePolicy's own ``clock`` counts only at the top (:func:`_compose`): inside
-    another rule or a Lane it would be dropped, so it is refused."""
+    """``value`` with each SavePolicy or Retention in it, nested too, replaced by its
+    rule objects (a SavePolicy's ``clock`` below the top is refused: it would be dropped)."""
     if isinstance(value, SavePolicy) and not top and value.clock is not _CLOCK_DEFAULT:
         raise OptionError(
             f"{value!r}: the clock= of a SavePolicy inside another rule or a Lane is not "
@@ -583,10 +558,8 @@ def _rules(value: Any, *, top: bool = True) -> Any:
 
 
 def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict]:
-    """CheckpointCallback's ``directory``, keyword options ``given`` and its
-    ``manager_options`` (checked now, not when the manager is first made): returns
-    the callback's options (defaults filled in) and the keyword options of the
-    manager it makes (flat ``persistent_*`` already turned into a Tier)."""
+    """CheckpointCallback's ``directory`` and options ``given`` (its ``manager_options``
+    too) checked now; returns the callback's options and its manager's keyword options."""
     refuse_unknown(
         "CheckpointCallback",
         given,
@@ -634,7 +607,7 @@ def _overrides(
     compression: Mapping[str, str] | None,
 ) -> dict[str, Checkpointable]:
     """The checkpointable per item name: ``checkpointables``, then ``compression``'s
-    (the format version is the save request's: ``Saver``)."""
+    (names and codecs checked by their options' converters already)."""
     overrides = dict(checkpointables or {})
     for name, codec in (compression or {}).items():
         if name in overrides:
@@ -648,18 +621,14 @@ def _overrides(
                 f"compression[{name!r}] does nothing: {name!r} is a JSON item (its value is "
                 "JSON, not arrays); compression applies to the items of arrays (params, ...)"
             )
-        overrides[check_item_name(name)] = PytreeCheckpointable(
-            compression=_layout.check_codec(codec, where=f"compression[{name!r}]")
-        )
+        overrides[name] = PytreeCheckpointable(compression=codec)
     return overrides
 
 
 @dataclass(frozen=True)
 class ManagerOptions:
-    """CheckpointManager's keyword options, checked once (see :meth:`build`): the
-    fields are the options of the same names (``MANAGER``; ``policy`` and ``retention``
-    as rule objects), except ``location`` (from ``directory``), ``tier`` (``persistent=``,
-    a Tier or None) and ``overrides`` (from ``checkpointables`` and ``compression``)."""
+    """CheckpointManager's keyword options, checked once (:meth:`build`): the options of
+    the same names, and ``location``, ``tier`` (``persistent=``) and ``overrides``."""
 
     location: Location
     policy: SaveRule
@@ -681,9 +650,8 @@ class ManagerOptions:
 
     @classmethod
     def build(cls, directory: Any, given: Mapping[str, Any]) -> ManagerOptions:
-        """Checks ``given`` (the keyword options, by their public names: see
-        :func:`check_manager`) and ``directory``; raises OptionError (OptionTypeError:
-        a TypeError) naming the option, TypeError for an unknown one."""
+        """Checks ``given`` (:func:`check_manager`) and ``directory``; OptionError naming
+        the option, TypeError for an unknown one."""
         values = check_manager(given)
         location = Location.from_path(DIRECTORY.check(directory))
         if values["persistent"] is not None and not location.is_local:  # before any store

@@ -66,10 +66,8 @@ def plan(offers: list[dict | None]) -> dict[int, int] | str:
 def fetch(
     loc: Location, step: int, run: Any, holds: bool, region: _distributed.Region | None
 ) -> bool:
-    """Collective (in the restore's ``region``): way (b) for ``step`` (see the module
-    docstring); ``holds``: this process holds it with a valid marker. True on every process
-    when every process now holds it committed in its own directory; False (logged) on every
-    process otherwise."""
+    """Collective (in ``region``): way (b) for ``step`` (``holds``: this process has a
+    valid copy). True on every process when all now hold it committed, else False."""
     doc = _per_host.read_marker(loc, step)[0] if holds else None
     offers = _distributed.gather_json("peer-offer", _offer(doc), region=region)
     chosen = plan(offers)

@@ -69,8 +69,8 @@ def _array_leaves(items: Mapping[str, Any]):
 
 
 def layout_digest(items: Mapping[str, Any]) -> str:
-    """sha256 over every jax.Array leaf's path, shape, dtype and device -> region map:
-    what a host's copy holds for its devices (informational, in the marker)."""
+    """sha256 over every jax.Array leaf's path, shape, dtype and device -> region map
+    (informational, in the marker)."""
     h = hashlib.sha256()
     for name, path, leaf in _array_leaves(items):
         regions = sorted(
@@ -83,8 +83,7 @@ def layout_digest(items: Mapping[str, Any]) -> str:
 
 def host_regions(items: Mapping[str, Any]) -> list[str]:
     """Per process index, a sha256 over the regions its devices hold of every jax.Array
-    leaf (no device ids): two processes with the same digest hold the same regions, so
-    one's copy of a step is the other's (way b of a restore, ``_manager/peers.py``)."""
+    leaf (no device ids): two processes with one digest can read each other's copy."""
     count = _distributed.process_count()
     hashes = [hashlib.sha256() for _ in range(count)]
     for name, path, leaf in _array_leaves(items):
@@ -98,9 +97,8 @@ def host_regions(items: Mapping[str, Any]) -> list[str]:
 
 
 def held_regions(items: Mapping[str, Any]) -> dict:
-    """The marker's ``held`` (``_format/host_copy.py``): the regions this process's
-    devices hold of every jax.Array leaf of ``items`` that it does not hold whole, each
-    distinct set of regions once."""
+    """The marker's ``held``: the regions this process holds of each jax.Array leaf it
+    does not hold whole, each distinct set once."""
     me = _distributed.process_index()
     sets: list[list] = []
     seen: dict[tuple, int] = {}
@@ -131,9 +129,8 @@ def own_marker(step: int, run: str | None, items: Mapping[str, Any]) -> bytes:
 def host_marker(
     step: int, run: str | None, layout: str, hosts: list | None = None, held: dict | None = None
 ) -> bytes:
-    """The bytes of this host's :data:`HOST_FILE` for ``step``; ``hosts``: the
-    :func:`host_regions` of the saved items (None for a copy holding every region);
-    ``held``: the regions this copy holds (:func:`held_regions`; None: every region)."""
+    """The bytes of this host's :data:`HOST_FILE` for ``step``; ``hosts`` and ``held``:
+    :func:`host_regions` and :func:`held_regions` (None: a copy of every region)."""
     doc = {
         "held": held,
         "format": _FORMAT,
@@ -151,14 +148,13 @@ def host_marker(
 
 
 def read_marker(loc: Location, step: int) -> tuple[dict | None, str | None]:
-    """This host's :data:`HOST_FILE` of ``step`` as a checked JSON object (bounded
-    parse, every field's type: ``_format/host_copy.check_marker``), or what is wrong."""
+    """``(doc, None)``: this host's checked :data:`HOST_FILE` of ``step``; else ``(None, why)``."""
     return _host_copy.read_at(_steps.step_location(loc, step))
 
 
 def _marker_problem(loc: Location, step: int, run: Any) -> str | None:
-    """None when this host's copy of ``step`` was written by this process of this run
-    (``run=None``: of any run) with today's process->device map; else what differs."""
+    """What differs from this process of this run (None: any run) with today's
+    process->device map in the marker of ``step``; None when nothing."""
     doc, problem = read_marker(loc, step)
     if doc is None:
         return problem
@@ -175,8 +171,7 @@ def _marker_problem(loc: Location, step: int, run: Any) -> str | None:
 
 
 def valid_steps(loc: Location, steps: list[int], run: Any, *, quiet: bool = False) -> list[int]:
-    """This host's committed steps whose marker matches (see :func:`_marker_problem`);
-    the others are logged (unless ``quiet``)."""
+    """The ``steps`` whose marker matches (:func:`_marker_problem`); others logged."""
     out = []
     for s in steps:
         problem = _marker_problem(loc, s, run)
@@ -188,9 +183,8 @@ def valid_steps(loc: Location, steps: list[int], run: Any, *, quiet: bool = Fals
 
 
 def agreed_time(region: _distributed.Region | None) -> float:
-    """Collective (in the save's ``region``): the primary's clock, on every process (one
-    key-value round): the ``created_at`` of a per-host step's documents, so every host
-    writes the same bytes."""
+    """Collective (in the save's ``region``): the primary's clock on every process, the
+    ``created_at`` of a per-host step (every host writes the same bytes)."""
     op = _distributed.next_operation_id("per-host-time", region=region)
     return float(_distributed.broadcast_str(op, repr(time.time()), region=region))
 
@@ -202,9 +196,8 @@ def detect(
     format_version: int | None,
     region: _distributed.Region | None,
 ) -> bool:
-    """Collective, at a writer's open (in its ``region``): whether each process has its own
-    directory (accepted only with a persistent tier; without one the shared-directory check
-    refuses it later). Creates this process's directory first."""
+    """Collective, at a writer's open (in its ``region``): whether each process has its
+    own directory (only with a persistent tier). Creates this process's directory."""
     if persistent is None or not loc.is_local or _distributed.process_count() == 1:
         return False
     loc.makedirs()
@@ -232,12 +225,9 @@ def detect(
 def open_tier(
     loc: Location, tier: Any, own: bool, region: _distributed.Region | None
 ) -> str | None:
-    """Collective (in the manager open's ``region``), before the manager's book is built:
-    opens ``tier`` with the local steps of ``loc`` (``own``, each host's own directory:
-    those every host holds, of this run alike on every host), and returns the run owning
-    the places (shared; None unless ``own``); then every host's own directory is claimed
-    for that run (see :func:`claim_directory`), all processes raising alike when one is
-    another run's."""
+    """Collective (in the manager open's ``region``): opens ``tier`` with the local steps
+    of ``loc`` (``own``: those every host holds of this run); returns the run owning the
+    places (None unless ``own``), every host's directory claimed for it, or raises alike."""
     local_steps = _steps.committed_steps(loc)
     if own:
         mine = _open_view(loc, local_steps)
@@ -261,9 +251,7 @@ def open_tier(
 
 
 def _open_view(loc: Location, steps: list[int]) -> dict:
-    """This host's part of the open: the run of each of its valid steps (by its marker)
-    and, on the primary, the run its directory records (None: none, or unreadable:
-    the run owner then raises on its own)."""
+    """This host's part of the open: the run of each valid step, and the primary's record's."""
     record = None
     if _distributed.is_primary():
         try:
@@ -279,9 +267,7 @@ def _open_view(loc: Location, steps: list[int]) -> dict:
 
 
 def _queued(views: list[dict]) -> list[int]:
-    """The local steps the tier's open may queue: every host holds one, each copy's
-    marker naming the run the primary's directory records (a copy of another run on
-    some host is never replicated beside this run's)."""
+    """The local steps every host holds, each copy's marker naming the primary's run."""
     run = views[0]["record"]
     if run is None:
         return []
@@ -289,12 +275,9 @@ def _queued(views: list[dict]) -> list[int]:
 
 
 def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
-    """A non-primary host's own directory taken for ``run``, checked as the primary's
-    run owner checks the primary's (``docs/run_owner.md``): its run record must name
-    ``run``; without one, every committed step there (``steps``) must be this run's by
-    its marker (a directory a run used before each host recorded it), and the record
-    is then written. CheckpointError otherwise, nothing touched: another run's steps
-    are never adopted, restored or retained away."""
+    """A non-primary host's own directory taken for ``run`` (``docs/run_owner.md``): its
+    run record must name ``run``; without one, every committed step's marker must, and
+    the record is written. CheckpointError otherwise, nothing touched."""
     record = _run_record.read_record(loc)  # CorruptCheckpointError when malformed
     if record is not None:
         if record.run != run:
@@ -320,11 +303,9 @@ def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
 def remove_steps(
     loc: Location, steps: list[int], committed: list[int], region: _distributed.Region | None
 ) -> None:
-    """Collective (in ``region``), each host its own directory (``CheckpointManager.delete``): which
-    host holds which of ``steps`` (``committed``: this host's listing) is agreed
-    first (one key-value round); a step no host holds is a CheckpointNotFoundError on
-    every process and nothing is removed anywhere; else each host removes the steps
-    it holds (a step some host lacked goes from every host holding it)."""
+    """Collective (in ``region``): ``CheckpointManager.delete`` over each host's own
+    directory. Which host holds which step is agreed first; a step no host holds is a
+    CheckpointNotFoundError everywhere (nothing removed); else each removes its own."""
     mine = [s for s in steps if s in committed]
     held = _distributed.gather_json("per-host-delete", mine, region=region)
     missing = [s for s in steps if not any(s in view for view in held)]
@@ -343,21 +324,12 @@ def with_primary_extras(
     items: dict[str, Any], region: _distributed.Region | None
 ) -> dict[str, Any]:
     """``items`` with the primary's ``extras`` item (none where it has none), on every
-    process (collective, in the save's ``region``: see :func:`primary_extras`)."""
-    extras = primary_extras(items.get("extras"), region)
-    out = {n: v for n, v in items.items() if n != "extras"}
-    return out if extras is None else {**out, "extras": extras}
-
-
-def primary_extras(extras: Any, region: _distributed.Region | None) -> Any:
-    """The primary's ``extras`` (a JSON value, or None), on every process (collective:
-    one broadcast per save of several processes with each host's own directory). The
-    step's one manifest records one checksum per file, so each host's copy of the
-    extras item must hold the same JSON: the primary's, as everywhere else (processes
-    whose local metrics differ wrote their own, and every host's copy but one failed
-    its checksum)."""
+    process (collective, one broadcast in the save's ``region``): the step's one
+    manifest records one checksum per file, so every host's copy holds the same JSON."""
+    extras = items.get("extras")
     op = _distributed.next_operation_id("per-host-extras", region=region)
     text = json.dumps(None if extras is None else to_json(extras, "extras"))
     mine = text if _distributed.is_primary() else None
     agreed = json.loads(_distributed.broadcast_str(op, mine, region=region))
-    return None if agreed is None else from_json(agreed)
+    out = {n: v for n, v in items.items() if n != "extras"}
+    return out if agreed is None else {**out, "extras": from_json(agreed)}

@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from .._base import distributed as _distributed
@@ -39,7 +39,7 @@ from .._state.train_state import merge_state, split_state
 from .._storage.location import Location
 from . import peers as _peers
 from . import per_host as _per_host
-from .checkpointables import COPY_KINDS, Checkpointable, checkpointable_for, kind_of
+from .checkpointables import COPY_KINDS, checkpointable_for, kind_of
 from .events import RestoreDone, measure_stored
 from .retaining import StepBook
 
@@ -49,25 +49,16 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 class Restorer:
-    """Restores steps of ``location`` (see the module docstring).
+    """Restores steps of the manager's directory as its checked ``opts`` (a
+    ``ManagerOptions``) say (``read_only``: never moves a damaged step aside);
+    ``book``: the manager's step records."""
 
-    ``overrides``: the checkpointable per item name; ``book``: the manager's step
-    records; ``read_only``: a reader never moves a damaged step aside.
-    ``restored_step``: the step the last successful restore read."""
-
-    def __init__(
-        self,
-        location: Location,
-        overrides: Mapping[str, Checkpointable],
-        book: StepBook,
-        read_only: bool,
-        host_memory: int | str | None = None,
-    ):
-        self._loc = location
-        self._ceiling = host_memory  # bytes, "auto" or None (_base.host)
-        self._overrides = overrides
+    def __init__(self, opts: Any, book: StepBook):
+        self._loc = opts.location
+        self._ceiling = opts.host_memory  # bytes, "auto" or None (_base.host)
+        self._overrides = opts.overrides
         self._book = book
-        self._read_only = read_only
+        self._read_only = opts.read_only
         self.restored_step: int | None = None
         self._warned_replay = False  # warned that a resume left the data position out
         self.restored_items: tuple[str, ...] = ()  # the items the step last read holds
@@ -84,10 +75,9 @@ class Restorer:
         region,
         limit: int | None = None,
     ) -> Any:
-        """``step`` (the latest that restores when None); see CheckpointManager.restore.
-        Its collective calls are in ``region`` (the manager restore's, ``_base.regions``),
-        handed to each item's read in its request; ``limit``: this restore's host-memory
-        ceiling (bytes, under the manager's). Emits RestoreDone (``events``)."""
+        """``step`` (None: the latest that restores), as CheckpointManager.restore, its
+        collective calls in ``region``; ``limit``: a host-memory ceiling under the
+        manager's. Emits RestoreDone."""
         started, self._tier = time.perf_counter(), "local"
         ceiling = _host_memory.resolve(self._ceiling)  # "auto": from the memory free now
         if limit is not None:
@@ -153,12 +143,9 @@ class Restorer:
     def _restore_per_host(
         self, step: int | None, fn: Callable[[int], Any], region: _distributed.Region | None
     ) -> Any:
-        """Each host's own directory (collective; docs/tiers.md): way (a) when every
-        host holds the step with its marker valid and every host's read of its own
-        files succeeds; way (b) when the hosts lacking it get it from peers holding the
-        same regions (``_manager/peers.py``), then as (a); else way (c): the bucket's
-        step (the newest, without ``step``) copied down by every host into its own
-        directory, then read. Logged either way."""
+        """Each host's own directory (collective; docs/tiers.md): way (a) every host
+        reads its own copy; (b) the hosts lacking it get it from peers first; else (c)
+        the bucket's step is copied down by every host, then read."""
         tier = self._book.tier
         mine = _per_host.valid_steps(self._loc, self._book.listed(), self._book.run)
         views = _distributed.gather_json("restore-local", mine, region=region)
@@ -221,8 +208,7 @@ class Restorer:
         return result
 
     def _from_peers(self, target: int, mine: list[int], region: _distributed.Region | None) -> bool:
-        """Collective: way (b), ``target`` sent to the processes lacking it from peers
-        holding the same regions (``_manager/peers.py``); True when all now hold it."""
+        """Collective: way (b), ``target`` sent from peers; True when all now hold it."""
         if target in self._book.listed() and target not in mine:  # not this host's
             _removing.remove_step(self._loc, target)  # (an old map): a peer's replaces it
             self._book.removed(target)
@@ -233,8 +219,7 @@ class Restorer:
     def _attempt(
         self, step: int, fn: Callable[[int], Any], region: _distributed.Region | None
     ) -> tuple[Any, list[str]]:
-        """Collective: every host reads ``step`` from its own directory; returns this
-        host's result and every host's error (none: all read it)."""
+        """Collective: every host reads ``step``; this host's result and every host's error."""
         result, error = None, None
         try:
             result = self.with_step(step, fn)
@@ -254,9 +239,8 @@ class Restorer:
         return steps
 
     def _set_aside(self, step: int, error: Exception) -> None:
-        """Moves a step whose verified read proved damage (a checksum, size or format
-        mismatch) aside. A link or special file planted in it is no damage of the step's
-        own data: it is skipped, never moved. Environmental errors never get here."""
+        """Moves a step whose verified read proved damage aside (a planted foreign entry:
+        skipped, never moved)."""
         logger.warning("checkpoint: skipping damaged step %d of %s: %s", step, self._loc, error)
         if isinstance(error, ForeignEntryError):
             return
@@ -274,11 +258,8 @@ class Restorer:
     def _agreed(
         self, step: int, fn: Callable[[int], Any], region: _distributed.Region | None
     ) -> Any:
-        """:meth:`with_step` on every process together (one shared directory): when it
-        fails on any process, it fails on all of them (``_distributed.agree``), so every
-        process goes on to the same next step or raises; none resumes from a step the
-        others did not restore (a damaged chunk, or data-iterator file, that only one
-        process reads). One key-value round per step tried, with several processes."""
+        """:meth:`with_step` on every process together: when it fails on any process it
+        fails on all, so every process goes on to the same next step or raises."""
         if _distributed.process_count() == 1:
             return self.with_step(step, fn)
         result, error = None, None
@@ -341,11 +322,9 @@ class Restorer:
         return merged
 
     def warn_replay(self, step: int) -> None:
-        """Once per manager, when ``step`` (just restored) holds a data position: a
-        training resume that leaves it out replays the data from wherever the new
-        iterator starts. Called for a writer's restore of the whole state without a
-        ``data_iterator`` and by the callback's resume (``reset=`` of other items
-        too); never for a read-only manager, named ``items`` or ``restore_params``."""
+        """Warns once per manager when ``step`` (just restored) holds a data position that
+        a resume left out (it replays the data). A writer's whole-state restore and the
+        callback's resume call it."""
         if self._warned_replay or "data_iterator" not in self.restored_items:
             return
         self._warned_replay = True

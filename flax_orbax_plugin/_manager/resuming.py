@@ -1,9 +1,7 @@
-"""The callback's decisions at train start when it does not restore: a run to refuse
-or clear (``resume=False``), or no run to resume (``resume=True`` / ``"required"``);
-and at a first step that no train start preceded (:func:`unstarted`).
+"""The callback's decisions at train start when it does not restore (a run to refuse
+or clear, or none to resume), and at a first step no train start preceded.
 
-Called by :meth:`CheckpointCallback.on_train_start` (``unstarted``: ``on_step_end``) on
-the training thread, after the options were checked and the manager opened
+Called by CheckpointCallback on the training thread, after the manager opened
 (``place_exists`` before that: the manager creates the directory).
 """
 
@@ -39,10 +37,9 @@ def place_exists(directory: Any) -> bool:
 
 
 def no_run_to_resume(directory: Any, mngr: Any, resume: bool | str, existed: bool) -> None:
-    """``resume`` is True or "required" and neither tier holds a committed step:
-    raises when steps were all set aside as damaged or ``resume="required"``; else
-    logs a WARNING naming the place (a mistyped path starts a new run there, and an
-    INFO line alone went unseen) and the caller starts fresh."""
+    """``resume`` is set and neither tier holds a committed step: raises when steps were
+    all set aside as damaged or ``resume="required"``; else a WARNING naming the place
+    (a mistyped path starts a new run there)."""
     aside = _steps.list_directory(Location.from_path(directory)).corrupt
     if aside:  # steps existed but none restored: never silently start from step 0
         raise CheckpointError(
@@ -68,8 +65,7 @@ def no_run_to_resume(directory: Any, mngr: Any, resume: bool | str, existed: boo
 
 
 def created_by_open(directory: Any) -> list[str]:
-    """The local directories that opening ``directory`` will create (it and the missing
-    folders above it, deepest first: ``ownership.missing_directories``); [] elsewhere."""
+    """The local directories that opening ``directory`` will create, deepest first."""
     try:
         loc = Location.from_path(directory)
     except (OSError, ValueError):
@@ -78,17 +74,15 @@ def created_by_open(directory: Any) -> list[str]:
 
 
 def remove_created(directory: Any, mngr: Any, created: list[str]) -> None:
-    """Closes ``mngr`` and, when ``directory`` holds nothing but that open's lock file,
-    removes the lock and the ``created`` directories that are empty (deepest first:
-    ``ownership.remove_created``); anything else there is left."""
+    """Closes ``mngr`` and, when ``directory`` holds nothing but its lock file, removes
+    the lock and the empty ``created`` directories."""
     mngr.close()
     if created and Location.from_path(directory).list_children() == [LOCK_FILE]:
         _ownership.remove_created(created, files=(LOCK_FILE,))
 
 
 def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> None:
-    """``resume=False`` on a place holding steps: refused, or with ``overwrite`` its
-    steps (both tiers) removed through the owner of removal."""
+    """``resume=False`` on a place holding steps: refused, or with ``overwrite`` emptied."""
     if not overwrite:
         where = "" if mngr.persistent is None else f" (or its tier {mngr.persistent.remote})"
         raise CheckpointError(
@@ -107,11 +101,9 @@ def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> 
 
 
 def unstarted(directory: Any, mngr: Any, step: int, resume: bool | str, overwrite: bool) -> None:
-    """The first step of a loop that never called ``on_train_start`` (a CLU hook list
-    calling ``cb(step)`` alone): ``resume`` still applies. A directory holding an
-    earlier run's steps is refused, as on_train_start's ``resume=False`` refuses it
-    (or, with ``overwrite``, emptied); with ``resume=True`` its latest step was not
-    restored into this loop's state, whose saves would follow that run's steps."""
+    """The first step of a loop that never called ``on_train_start``: an earlier run's
+    steps are refused (or with ``overwrite`` emptied) as ``resume=False`` would, and
+    with ``resume`` set, since nothing was restored into this loop's state."""
     latest = mngr.latest_step(include_persistent=True)
     if latest is None or mngr.restored_step is not None:  # nothing to mix, or restored
         return
@@ -127,11 +119,8 @@ def unstarted(directory: Any, mngr: Any, step: int, resume: bool | str, overwrit
 
 
 def stale_step(step: int | None, saved: int | None, reached: int | None) -> None:
-    """``on_train_end(state)`` without ``step=``: a ``state.step`` (``step``) below the
-    step this run already saved (``saved``: its latest, or the resumed one) is a loop
-    that did not keep ``state.step`` up to date; refused (CheckpointError naming where
-    the step came from and the call that works), before the run ends, so that a retry
-    with ``step=`` saves the final step."""
+    """``on_train_end(state)`` without ``step=``: a ``state.step`` below the step this
+    run already ``saved`` is refused before the run ends (a retry with ``step=`` works)."""
     if step is None or saved is None or step >= saved:
         return
     reached = max(saved, reached or saved)

@@ -1,19 +1,11 @@
 """StepBook: what one CheckpointManager knows about its steps, under one lock; and
 RetentionRunner, which deletes the steps its retention policy drops, by that book.
 
-The book holds the committed steps of a writer (a list in memory, so that a save costs
-the same whatever the number of steps kept), the steps being read (never deleted by
-this manager's retention) and being deleted (never read), the metrics of each step for
-``keep_best`` (``{name: value}``), when this manager saved each step and in which lane
-(``KeepFor``, ``Lanes``), the figures of the last save, the persistent tier if any, and
-where events go. Threading: the training thread, the save's background thread and the
-deletion thread all use one book; every field is read and changed under its lock.
-
-RetentionRunner applies a manager's retention policy to its directory.
-
+Threading: the training thread, the save's background thread and the deletion thread
+all use one book; every field is read and changed under its lock. RetentionRunner:
 ``start`` creates the one deletion thread; each commit calls ``submit`` from the save's
-background thread; ``wait`` and ``shutdown`` are the training thread's; ``apply`` runs on
-the deletion thread (the training thread for ``gc``).
+background thread; ``wait`` and ``shutdown`` are the training thread's; ``apply`` runs
+on the deletion thread (the training thread for ``gc``).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.retaining``.
 """
@@ -42,7 +34,7 @@ from .._format import layout as _layout
 from .._format import steps as _steps
 from .._storage.deleting import REMOVAL_CONCURRENCY
 from .._storage.location import Location
-from .checkpointables import Checkpointable, checkpointable_for
+from .checkpointables import checkpointable_for
 from .events import Events
 from .retention import KeepRule, StepFacts, sound_steps_to_delete
 from .tiers import PersistentTier
@@ -54,10 +46,10 @@ WHILE_SAVING = 2  # deletes in flight on an object store while a save runs
 
 
 class StepBook:
-    """The step records of the manager on ``location`` (see the module docstring), built
-    once the writer's open resolved the opened ``tier``, ``per_host`` (see per_host), the
-    ``run`` owning the places (each host's marker names it) and the ``writer``'s lock or
-    lease (a reader: none of them); ``events``: where every collaborator's go."""
+    """The step records of the manager on ``location``: committed steps (in memory: a
+    save costs the same whatever the number kept), steps being read or deleted, metrics,
+    save times and lanes, the last save. Built once the writer's open resolved ``tier``,
+    ``per_host``, the ``run`` owning the places and the ``writer``'s lock or lease."""
 
     def __init__(
         self,
@@ -84,8 +76,7 @@ class StepBook:
     # -- committed steps
 
     def listed(self) -> list[int]:
-        """Committed steps, ascending (steps being deleted are left out), as listed in
-        the store now. A save never calls it: see :meth:`known`."""
+        """Committed steps, ascending (not those being deleted), as listed in the store now."""
         steps = _steps.committed_steps(self.location)
         with self.lock:
             return [s for s in steps if s not in self._deleting]
@@ -98,11 +89,8 @@ class StepBook:
         return steps[-1] if steps else None
 
     def known(self) -> list[int]:
-        """A writer's committed steps, from its list in memory (steps being deleted left
-        out): what ``save`` and retention use, so that a save costs the same whatever
-        the number of steps kept. Listed from the store at the first need and again
-        after a failed commit (or anything else that makes it unsure); kept up to date
-        by this manager's own commits and removals. Any thread."""
+        """A writer's committed steps from its list in memory (not those being deleted),
+        listed at the first need and after :meth:`forget`. Any thread."""
         with self.lock:
             known = self._committed
         if known is None:
@@ -115,8 +103,7 @@ class StepBook:
             return [s for s in known if s not in self._deleting]
 
     def forget(self) -> None:
-        """The list in memory may be wrong (a failed commit, a removal by someone
-        else, a copy from the persistent tier): the next need lists the store."""
+        """The list in memory may be wrong: the next need lists the store."""
         with self.lock:
             self._committed = None
 
@@ -125,7 +112,6 @@ class StepBook:
         with self.lock:
             if self._committed is not None and step not in self._committed:
                 bisect.insort(self._committed, step)
-        with self.lock:
             self._metrics[step] = metric
             self._last_save = result
 
@@ -159,8 +145,7 @@ class StepBook:
             return set(+self._reading)
 
     def begin_delete(self, step: int) -> bool:
-        """False when ``step`` is being read; else it is being deleted until
-        :meth:`end_delete`."""
+        """False when ``step`` is being read; else it is deleted until :meth:`end_delete`."""
         with self.lock:
             if self._reading[step] > 0:
                 return False
@@ -188,15 +173,13 @@ class StepBook:
     # -- save times and lanes (KeepFor, Lanes)
 
     def note_save(self, step: int, when: float, lane: str) -> None:
-        """Training thread, as ``step``'s save begins: its time (the schedule's, the
-        primary's with several processes when time matters) and its lane."""
+        """Training thread, as ``step``'s save begins: its time and lane."""
         with self.lock:
             self._times[step] = when
             self._lanes[step] = lane
 
     def note_lane(self, step: int, lane: str | None) -> None:
-        """Any thread: the lane an earlier run recorded for ``step`` (its manifest; None:
-        it recorded none, and its number says)."""
+        """Any thread: the lane an earlier run recorded for ``step`` (None: none)."""
         with self.lock:
             self._lanes.setdefault(step, lane)
 
@@ -212,9 +195,8 @@ class StepBook:
 
 
 def as_metric(value: Any) -> float | None:
-    """``value`` as a float: a real number (Python, numpy or a jax scalar); None for no
-    value or one that is not a number (a string "2" is text, never read as 2; a bool is
-    no metric either)."""
+    """``value`` as a float (a Python, numpy or jax real number); None for anything
+    else (no value, a string, a bool)."""
     if value is None or isinstance(value, (bool, np.bool_, str, bytes)):
         return None
     if isinstance(value, numbers.Real):
@@ -232,23 +214,16 @@ def as_metric(value: Any) -> float | None:
 
 
 class RetentionRunner:
-    """Deletes the steps of ``location`` that ``policy`` does not keep. ``busy()``:
-    which part of a save runs now (``"blocking"``: the training thread is in it,
-    ``"writing"``: its background phase, None: no save), asked by removals."""
+    """Deletes the steps of the manager's directory that its retention (the checked
+    ``opts``, a ``ManagerOptions``) does not keep. ``busy()``: which part of a save runs
+    now (``Saver.busy``), asked by removals."""
 
-    def __init__(
-        self,
-        location: Location,
-        policy: KeepRule,
-        overrides: Mapping[str, Checkpointable],
-        book: StepBook,
-        busy: Callable[[], str | None] = lambda: None,
-    ):
-        self._loc = location
+    def __init__(self, opts: Any, book: StepBook, busy: Callable[[], str | None]):
+        self._loc = opts.location
         self._busy = busy
-        self.policy = policy
-        self._metric_names = policy.metric_names  # a rule is frozen: its names, asked once
-        self._overrides = overrides
+        self.policy: KeepRule = opts.retention
+        self._metric_names = self.policy.metric_names  # a rule is frozen: asked once
+        self._overrides = opts.overrides
         self._book = book
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -267,9 +242,8 @@ class RetentionRunner:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fop-retention")
 
     def submit(self, just_written: int) -> None:
-        """After a commit (background thread): queues a pass on the deletion thread and
-        returns at once; joins the pass already queued, if one is (see the module
-        docstring: at most one runs and one waits)."""
+        """After a commit (background thread): queues a pass on the deletion thread, or
+        joins the one already queued (at most one runs and one waits)."""
         if self._pool is None:
             return
         with self._lock:
@@ -284,16 +258,14 @@ class RetentionRunner:
 
     def wait(self) -> None:
         """Training thread: drains the queue, then raises CheckpointError naming the
-        steps whose removal failed (they stay listed; the next pass or ``gc`` tries
-        again)."""
+        steps whose removal failed (they stay listed)."""
         fut = self._last
         if fut is not None:
             fut.result()
         self._raise_failures()
 
     def run_now(self) -> list[int]:
-        """``gc`` (training thread, the queue drained first): one pass now; raises like
-        :meth:`wait` when a removal failed. Returns the removed steps."""
+        """``gc``: the queue drained, one pass now, raised like :meth:`wait`; the removed steps."""
         self.wait()
         removed = self.apply(None)
         self._raise_failures()
@@ -315,9 +287,8 @@ class RetentionRunner:
     # -- metrics
 
     def metric_of(self, extras: Any, step: int) -> dict[str, float | None]:
-        """The metrics the retention ranks, in the extras being saved: ``{name: value}``.
-        A metric the extras of ``step`` lack is warned of (once per name): that step is
-        never ranked (a misspelt ``best_metric`` ranks nothing, see ``KeepBest``)."""
+        """``{name: value}`` of the ranked metrics in the extras being saved; one they
+        lack is warned of (once per name)."""
         names = self._metric_names
         held = extras if isinstance(extras, Mapping) else {}
         out = {name: as_metric(held.get(name)) for name in names}
@@ -363,11 +334,9 @@ class RetentionRunner:
     # -- deleting
 
     def apply(self, just_written: int | Iterable[int] | None) -> list[int]:
-        """Deletion thread (or ``gc``): delete the steps the retention policy does not
-        keep (the primary), protecting ``just_written`` (a step, or the newest of the
-        steps a queued pass was asked for); the other processes drop the same steps
-        from their list in memory. A step whose removal fails is kept, logged and
-        remembered for ``wait``."""
+        """Deletion thread (or ``gc``): the primary deletes the steps the policy does not
+        keep, protecting the newest of ``just_written``; the other processes drop them
+        from their list. A failed removal is kept, logged and remembered for ``wait``."""
         removed: list[int] = []
         if not self.policy.deletes_anything:
             return removed
@@ -395,8 +364,7 @@ class RetentionRunner:
 
     def _remove(self, step: int) -> bool:
         """Removes one doomed step; False when it is being read or its removal failed
-        (kept and listed). A step that left the listing but whose files could not go is
-        removed as a step (True), and its remains' error is kept for ``wait``."""
+        (kept). Remains left after it left the listing: True, their error kept."""
         if not self._book.begin_delete(step):
             return False
         try:
@@ -425,10 +393,8 @@ class RetentionRunner:
         return True
 
     def _pace(self) -> int:
-        """Deletes in flight on an object store (``busy()``, see :meth:`start`): none
-        while the training thread is in a save (paused: a short wait), few while its
-        background write runs (its requests never queue behind ours), the store's full
-        share otherwise."""
+        """Deletes in flight on an object store: none while the training thread is in a
+        save, few while its background write runs, the store's full share otherwise."""
         busy = self._busy()
         if busy == "blocking":
             return 0
@@ -458,8 +424,7 @@ class RetentionRunner:
         )
 
     def _reads_whole(self, step: int) -> bool:
-        """True when the manifest of ``step`` (of an earlier run) reads whole; asked once
-        per step (remembered). A damaged one is logged once and left where it is."""
+        """Whether an earlier run's ``step`` manifest reads whole (remembered)."""
         if step in self._whole or step in self._damaged:
             return step in self._whole
         damage = _steps.manifest_damage(self._loc, step)
@@ -477,8 +442,7 @@ class RetentionRunner:
         return True
 
     def _facts(self, steps: list[int]) -> StepFacts:
-        """What the rules are asked about: the ranked metrics (read back when not known),
-        the save time and lane of each step this manager saved, the latest save's time."""
+        """What the rules are asked about: metrics, save times, lanes, the latest time."""
         metrics: dict[str, dict[int, float]] = {n: {} for n in self.policy.metric_names}
         if metrics:
             for s in steps:
@@ -492,8 +456,7 @@ class RetentionRunner:
         return StepFacts(metrics=metrics, times=times, lanes=lanes, now=now)
 
     def _lane(self, step: int) -> str | None:
-        """The lane an earlier run recorded in ``step``'s manifest (None: none, a step of
-        an earlier version; its number says), read once (None remembered too)."""
+        """The lane an earlier run recorded in ``step``'s manifest (None: none), read once."""
         try:
             lane = _layout.read_manifest(_steps.step_location(self._loc, step)).lane
         except CheckpointError:  # a damaged step: never deleted (see _reads_whole)

@@ -47,10 +47,8 @@ def finite(value: object) -> float | None:
 
 @dataclass(frozen=True)
 class StepFacts:
-    """What a manager knows of its committed steps: ``metrics[name][step]`` (the saved
-    extras' values), ``times[step]`` (when this manager saved it, on its clock),
-    ``lanes[step]`` (the lane it was saved in: ``lanes.Lanes``), ``now`` (the time of
-    the latest save, which ages are measured from; None: no save dated)."""
+    """What a manager knows of its committed steps: ``metrics[name][step]``,
+    ``times[step]`` and ``lanes[step]`` of its saves, ``now`` (the latest save's time)."""
 
     metrics: Mapping[str, Mapping[int, Any]] = field(default_factory=dict)
     times: Mapping[int, float] = field(default_factory=dict)
@@ -133,12 +131,9 @@ class KeepEvery(KeepRule):
 
 @dataclass(frozen=True)
 class KeepBest(KeepRule):
-    """Keeps the ``n`` (>= 1) steps with the best finite ``extras[metric]``. A NaN or
-    infinite value is known and never best (a diverged step); a step without a value
-    (its extras lack the metric) is left to the other rules, as a step saved between
-    evaluations is. While no step holds a value at all (a misspelt ``metric``, or no
-    evaluation yet) it ranks nothing and keeps every step: it cannot tell which are
-    best, and deleting them would lose the ones it was asked to keep."""
+    """Keeps the ``n`` (>= 1) steps with the best finite ``extras[metric]`` (NaN or inf:
+    never best; no value: left to the other rules). While no step holds a value it
+    keeps every step (it cannot tell which are best)."""
 
     n: int
     metric: str = ""
@@ -258,14 +253,11 @@ ALIASES: tuple[tuple[str, Callable[[Mapping[str, Any]], KeepRule]], ...] = (
     ("keep_every", lambda v: KeepEvery(v["keep_every"])),
     ("keep_best", lambda v: KeepBest(v["keep_best"], metric=v["best_metric"], mode=v["best_mode"])),
 )
-"""The flat spellings of a retention (``Retention``'s fields, the manager's, the
-callback's and a Tier's keywords) -> the rule object each stands for (``best_metric``
-and ``best_mode`` are ``keep_best``'s); declared here only."""
+"""The flat spellings of a retention -> the rule object each stands for."""
 
 
 def from_aliases(values: Mapping[str, Any]) -> KeepAny:
-    """The rules ``values`` (checked flat fields) stand for: the union of those set;
-    with none, ``KeepAny(KeepEvery(1))`` (keeps every step, deletes nothing)."""
+    """The union of the rules ``values`` (checked flat fields) set; none: ``KeepEvery(1)``."""
     parts = [make(values) for name, make in ALIASES if values.get(name) is not None]
     return KeepAny(*parts) if parts else KeepAny(KeepEvery(1))
 
@@ -297,20 +289,15 @@ class Retention(KeepRule):
                 "keep_best and best_metric go together (set both or neither)"
             )
         if not self.deletes_anything:
-            refuse_without(
-                "keep_every",
-                self.keep_every,
-                "keep= or keep_best= (without them no step is deleted)",
-            )
+            needs = "keep= or keep_best= (without them no step is deleted)"
+            refuse_without("keep_every", self.keep_every, needs)
         if self.keep_best is None:
-            refuse_without(
-                "best_mode", self.best_mode, "keep_best= and best_metric=", default="min"
-            )
+            needs = "keep_best= and best_metric="
+            refuse_without("best_mode", self.best_mode, needs, default="min")
 
     @property
     def rule(self) -> KeepRule:
-        """The same retention as the composable rules (``from_aliases``), which
-        answers for it (the library itself is handed the rule: ``options``)."""
+        """The same retention as the composable rules (what the library is handed)."""
         return from_aliases(vars(self))
 
     @property
@@ -333,9 +320,8 @@ def steps_to_delete(
     protected: Iterable[int] = (),
     facts: StepFacts | None = None,
 ) -> list[int]:
-    """Return the sorted steps that ``policy`` (any retention rule) does not keep (nor
-    ``protected``). ``facts``: what is known of the steps; ``metrics`` (``{step: value}``)
-    stands for the facts of a policy that ranks one metric."""
+    """The sorted steps that ``policy`` keeps not, nor ``protected``; ``metrics``
+    (``{step: value}``) stands for the facts of a policy that ranks one metric."""
     steps = sorted(set(steps))
     if not policy.deletes_anything:
         return []
@@ -354,10 +340,8 @@ def sound_steps_to_delete(
     protected: Iterable[int] = (),
     facts: StepFacts | None = None,
 ) -> list[int]:
-    """:func:`steps_to_delete` counting only the steps ``whole(step)`` accepts (its
-    manifest reads whole): a damaged step is never deleted and never counted as kept,
-    so ``keep=2`` over two damaged newest steps keeps two good ones as well. ``whole``
-    is asked only about steps the policy would keep."""
+    """:func:`steps_to_delete` counting only the steps ``whole(step)`` accepts: a damaged
+    step is never deleted nor counted as kept (``whole``: asked of kept steps only)."""
     steps, damaged = sorted(set(steps)), set()
     while True:
         sound = [s for s in steps if s not in damaged]

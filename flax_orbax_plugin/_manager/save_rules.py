@@ -45,13 +45,10 @@ MAX_SECONDS = 1e9  # seconds: about 31 years, below threading.TIMEOUT_MAX everyw
 
 @dataclass(frozen=True)
 class Moment:
-    """What a save policy is asked about: ``step`` at time ``now``; ``since_save``:
-    seconds since the last save started (or since the first decision, before any);
-    ``has_steps``: the directory holds a committed step or this manager saved one;
-    ``in_flight``: the previous save's background phase still runs; ``preempted``:
-    ``step`` is the step to save before stopping (asked once per step, see
-    ``preemption``); ``last_blocking``: seconds the last save blocked the training
-    loop (None before any)."""
+    """What a save policy is asked about: ``step`` at ``now``; seconds ``since_save``
+    began (or the first decision); ``has_steps`` (committed or saved here); the previous
+    save ``in_flight``; ``preempted`` (the step to save before stopping);
+    ``last_blocking`` seconds of the last save (None before any)."""
 
     step: int
     now: float = 0.0
@@ -73,8 +70,7 @@ class SaveRule:
         raise NotImplementedError
 
     def label(self, moment: Moment) -> str | None:
-        """The lane ``moment``'s step is saved in (``"save"`` outside lanes), or None
-        when it is not saved (``lanes.Lanes`` names its lanes)."""
+        """The lane ``moment``'s step is saved in (``"save"`` outside lanes), or None."""
         return "save" if self.wants(moment) else None
 
     def __or__(self, other: Any) -> AnyOf:
@@ -96,13 +92,7 @@ def check_rule(value: Any, where: str) -> SaveRule:
 
 
 _N = Option("EverySteps(n)", "int", low=1)
-_T = Option(
-    "EverySeconds(seconds)",
-    "number",
-    low=0,
-    low_open=True,
-    high=MAX_SECONDS,
-)
+_T = Option("EverySeconds(seconds)", "number", low=0, low_open=True, high=MAX_SECONDS)
 _PERCENT = Option("Continuous(max_overhead_percent)", "number", low=0, low_open=True, high=100)
 
 
@@ -137,10 +127,8 @@ MAX_LISTED_STEPS = 1_000_000  # steps named one by one; more: a range, or every_
 
 
 def step_set(steps: Any, where: str) -> frozenset | range:
-    """The steps a rule saves, checked (OptionError / OptionTypeError naming ``where``):
-    a ``range`` stays a range (``range(10**12)`` costs nothing), any other iterable
-    becomes a frozenset of ints >= 0 (at most :data:`MAX_LISTED_STEPS`); never empty
-    (a rule that never saves: a list built empty by mistake)."""
+    """The steps a rule saves, checked (naming ``where``), never empty: a ``range`` stays
+    one (it costs nothing), any other iterable a frozenset of ints >= 0."""
     if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
         raise OptionTypeError(f"{where} must be an iterable of int steps, found {found(steps)}")
     if isinstance(steps, range):
@@ -164,8 +152,7 @@ def step_set(steps: Any, where: str) -> frozenset | range:
 
 @dataclass(frozen=True)
 class AtSteps(SaveRule):
-    """Saves these steps (ints >= 0: a range stays a range, anything else is kept as a
-    frozenset; see ``step_set``)."""
+    """Saves these steps (ints >= 0; a range stays a range, else a frozenset)."""
 
     steps: frozenset | range
 
@@ -234,8 +221,7 @@ def _parts(cls: type, policies: tuple[Any, ...]) -> tuple[SaveRule, ...]:
 
 @dataclass(frozen=True, init=False)
 class _Combined(SaveRule):
-    """What AnyOf and AllOf share: their parts (nested ones of the same kind flattened),
-    and needing the time or the preemption notice when any part does."""
+    """AnyOf's and AllOf's parts (nested ones of the same kind flattened)."""
 
     policies: tuple[SaveRule, ...]
 
@@ -320,13 +306,11 @@ FIELDS: tuple[Option, ...] = (EVERY_STEPS, EVERY_SECONDS, STEPS, CLOCK)
 """The fields of :class:`SavePolicy`, which are also the manager's shorthands."""
 
 ALIASES = (("steps", AtSteps), ("every_steps", EverySteps), ("every_seconds", EverySeconds))
-"""The flat spellings of a save policy (``SavePolicy``'s fields, the manager's and the
-callback's keywords) -> the rule object each stands for; declared here only."""
+"""The flat spellings of a save policy -> the rule object each stands for."""
 
 
 def from_aliases(values: Mapping[str, Any]) -> SaveRule:
-    """The rules ``values`` (checked flat fields) stand for: the union of those set,
-    ``EverySteps(1)`` (every step) when none is."""
+    """The union of the rules ``values`` (checked flat fields) set; none: ``EverySteps(1)``."""
     parts = [make(values[name]) for name, make in ALIASES if values.get(name) is not None]
     if not parts:
         return EverySteps(1)
@@ -364,8 +348,7 @@ class SavePolicy(SaveRule):
 
     @property
     def rule(self) -> SaveRule:
-        """The same policy as the composable objects (``from_aliases``), which
-        answers for it (the library itself is handed the rule: ``options``)."""
+        """The same policy as the composable objects (what the library is handed)."""
         return from_aliases(vars(self))
 
     @property
@@ -384,14 +367,9 @@ FORCED = "forced"  # the label of a step saved whatever the policy says
 
 
 class SaveSchedule:
-    """``policy`` on its clock, the last save's time and blocking time, the notice.
-
-    ``policy``: the rule objects (the options front translates every other spelling);
-    ``clock``: the time source (the front's: a SavePolicy's own wins); ``shares_time``:
-    the decision and its time are the primary's even when the policy does not use the
-    time (a retention by age). ``context()``: ``(has_steps, in_flight)`` for each
-    decision (the manager's: a committed step is known, a save's background phase
-    runs)."""
+    """``policy`` (rule objects) on its ``clock``, the last save's time and blocking
+    time, the notice. ``shares_time``: the decision and its time are the primary's even
+    when the policy does not use the time; ``context()``: ``(has_steps, in_flight)``."""
 
     def __init__(
         self,
@@ -418,9 +396,8 @@ class SaveSchedule:
         return self._rule.watches_preemption
 
     def watch(self, *, handle_sigterm: bool) -> None:
-        """A writer's open (main thread): installs the preemption notice when
-        ``handle_sigterm`` (then the notice's step ends the run) or the policy saves on
-        preemption (``OnPreemption``)."""
+        """A writer's open (main thread): the preemption notice, when ``handle_sigterm``
+        (its step then ends the run) or the policy saves on preemption."""
         if handle_sigterm or self.watches_preemption:
             self.preemption = Preemption.install()
             self.stops = handle_sigterm
@@ -431,11 +408,9 @@ class SaveSchedule:
             self.preemption.uninstall()
 
     def resume_clock(self, saved_at: Callable[[], float | None]) -> None:
-        """A writer's open: a time rule (``every_seconds``) counts from the latest
-        step's save (``saved_at()``: its wall time, None without one), not from this
-        process's first decision, so that a job restarted more often than its interval
-        still saves. The default clock only (its age is carried over); a clock of the
-        user's starts at the first decision, as before."""
+        """A writer's open: with the default clock a time rule counts from the latest
+        step's save (``saved_at()``, wall time), so that a job restarted more often
+        than its interval still saves."""
         if self._rule.uses_time and self.clock is time.monotonic and self._last_time is None:
             when = saved_at()
             if when is not None:
@@ -465,9 +440,8 @@ class SaveSchedule:
         return self.preemption is not None and self.preemption.notified
 
     def preempted_at(self, step: int) -> bool:
-        """Whether ``step`` is to be saved before stopping (``handle_sigterm``). With
-        several processes it asks jax's preemption sync manager: every process must
-        ask for every step, in order (``should_save`` or ``save`` once per step)."""
+        """Whether ``step`` is to be saved before stopping; with several processes every
+        process asks for every step, in order."""
         return self.preemption is not None and self.preemption.reached(step)
 
     def should_save(self, step: int, t: float | None) -> bool:
@@ -484,10 +458,9 @@ class SaveSchedule:
         forced: bool = False,
         region: _distributed.Region | None,
     ) -> tuple[str | None, float]:
-        """``(label, now)``: the lane ``step`` is saved in (``"save"`` outside lanes,
-        :data:`FORCED` for a step saved whatever the policy says) or None, and the time
-        of the decision; a time-based one is the primary's, shared by all, with its time
-        (in ``region``, the manager save's)."""
+        """``(label, now)``: the lane ``step`` is saved in (:data:`FORCED` when ``forced``)
+        or None, and the decision's time; a time-based one is the primary's, shared in
+        ``region``."""
         moment = self._moment(step, t)
         label = self._rule.label(moment)
         if forced and label is None:
@@ -503,7 +476,6 @@ class SaveSchedule:
         return label, now
 
     def record_save(self, now: float | None, blocking: float | None = None) -> None:
-        """A save began at ``now`` (the clock's time when None) and blocked the loop for
-        ``blocking`` seconds (on the clock)."""
+        """A save began at ``now`` (None: the clock's) and blocked ``blocking`` seconds."""
         self._last_time = self.now(now)
         self._last_blocking, self._saved_any = blocking, True

@@ -6,13 +6,10 @@ item's blocking phase, then one background :class:`SaveHandle` that writes, comm
 does the bookkeeping). At most one save is in flight (:attr:`Saver.inflight`); its
 error is re-raised once, by :meth:`Saver.wait`.
 
-Its background phase is the step's one commit (:class:`StepCommit`): the items write
-into the step's staging without commits of their own; once every process made its
-files durable (``write``) the primary writes the manifest and commits once
-(``publish``: a rename, or the manifest as the marker on object stores); a failure
-anywhere removes what this save wrote (``abort``), never the step it replaced. The
-protocol is ``_core.save.commit_collectively``; :class:`StepCommit` supplies its steps
-(built on the training thread, run on the save's background thread by every process).
+Its background phase is the step's one commit (:class:`StepCommit`, the steps of
+``_core.save.commit_collectively``: built on the training thread, run on the save's
+background thread by every process); a failure removes what this save wrote, never
+the step it replaced.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.saving``.
 """
@@ -23,7 +20,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -84,8 +80,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]:
-    """The items of one save: ``state`` split into checkpointables, then the data
-    iterator and the extras."""
+    """The items of one save: ``state``'s, then the data iterator and the extras."""
     items = dict(state) if _plain_items(state) else split_state(state)
     for name, value in (("data_iterator", data_iterator), ("extras", extras)):
         if value is not None:
@@ -100,8 +95,7 @@ def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]
 
 
 def _plain_items(state: Any) -> bool:
-    """Whether ``state`` is a dict of str names to plain values (``PLAIN_VALUE_TYPES``,
-    numpy and jax arrays): its own items, with nothing in it that ``split_state`` splits."""
+    """Whether ``state`` is a dict of str names to plain values or arrays (its own items)."""
     return type(state) is dict and all(
         type(k) is str and (type(v) in PLAIN_VALUE_TYPES or isinstance(v, np.ndarray | jax.Array))
         for k, v in state.items()
@@ -110,9 +104,8 @@ def _plain_items(state: Any) -> bool:
 
 @dataclasses.dataclass
 class OpenStep:
-    """A step being saved (:meth:`Saver.begin`): where it is staged and the modes every
-    item gets (``request``), then the items in it so far (:meth:`Saver.save_items`):
-    their directories, checkpointables, pending writes and reuses. Training thread."""
+    """A step being saved (:meth:`Saver.begin`): its staging, the ``request`` every item
+    gets, then the items in it so far (:meth:`Saver.save_items`). Training thread."""
 
     step: int
     final: Location
@@ -128,31 +121,23 @@ class OpenStep:
 
 
 class Saver:
-    """Saves steps into ``location`` (see the module docstring).
-
-    ``overrides``: the checkpointable per item name; ``book``: the manager's step
-    records; ``retention``: told of each commit; ``incremental``: reuse the previous
-    step's unchanged leaves; ``buffers``: host memory kept between saves (or None).
-    ``log_level``: of the one line logged per committed step."""
+    """Saves steps into the manager's directory as its checked ``opts`` (a
+    ``ManagerOptions``) say: ``book``, the step records; ``retention``, told of each
+    commit; ``buffers``: host memory kept between saves (or None)."""
 
     def __init__(
         self,
-        location: Location,
-        overrides: Mapping[str, Checkpointable],
+        opts: Any,
         book: StepBook,
         retention: RetentionRunner,
-        incremental: bool,
         buffers: _buffer_pool.BufferPool | None,
-        host_memory: int | str | None = None,
-        format_version: int | None = None,
-        hf_shards: Any = None,
     ):
-        self._loc = location
-        self._hf_shards = hf_shards  # an fop.HFShards: its item added to due steps
-        self._format_version = format_version  # asked for (None: the default, see save)
-        self._ceiling = host_memory  # bytes, "auto" or None (_base.host)
-        self._overrides = overrides
-        self._incremental = incremental
+        self._loc = opts.location
+        self._hf_shards = opts.hf_shards  # an fop.HFShards: its item added to due steps
+        self._format_version = opts.format_version  # None: the default (see save)
+        self._ceiling = opts.host_memory  # bytes, "auto" or None (_base.host)
+        self._overrides = opts.overrides
+        self._incremental = opts.incremental
         self._buffers = buffers
         self._book = book
         self._retention = retention
@@ -162,8 +147,8 @@ class Saver:
         self.starting = False  # in a save's blocking phase (see busy)
 
     def hold_views(self, step: Any) -> None:
-        """From now on saves hold CPU arrays as views (no host buffers) and ``step`` (a
-        ``zero_copy.ZeroCopyStep``) is told what each one holds. Training thread."""
+        """From now on saves hold CPU arrays as views and ``step`` (a ZeroCopyStep) is
+        told what each one holds. Training thread."""
         if self._buffers is not None:
             self._buffers.clear()  # reserved before (on_train_start): not needed now
         self._buffers = None
@@ -179,8 +164,7 @@ class Saver:
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
-        """The training thread's part of a save (its checks, then :meth:`start`): the
-        first half of :attr:`busy`."""
+        """The training thread's part of a save (:attr:`busy` is ``"blocking"``)."""
         self.starting = True
         try:
             yield
@@ -189,9 +173,8 @@ class Saver:
 
     @property
     def busy(self) -> str | None:
-        """Which part of a save runs: ``"blocking"`` (the training thread is in it),
-        ``"writing"`` (its background phase, to its commit), None. Read by the deletion
-        thread, which then deletes none, or few, objects at once."""
+        """Which part of a save runs: ``"blocking"``, ``"writing"`` (to its commit) or
+        None. Read by the deletion thread, which then deletes none, or few, at once."""
         if self.starting:
             return "blocking"
         return "writing" if self.in_flight else None
@@ -211,16 +194,12 @@ class Saver:
                 handle.settle()
 
     def supersede(self, step: int) -> bool:
-        """Cancels the save in flight, if any, for ``step`` (``supersede=``): it stops at
-        its next check, what it staged is removed (``_core.ownership``), nothing of it
-        commits, earlier steps stay. Returns whether a save was cancelled (False: none
-        in flight, or it committed first). Its SaveCancelledError is expected and not
-        raised (logged); any other error it ended with is raised, as :meth:`wait` would.
+        """Cancels the save in flight for ``step`` (``supersede=``): nothing of it commits,
+        what it staged is removed. Returns whether one was cancelled (False: none, or it
+        committed first); an error other than SaveCancelledError is raised.
 
-        Training thread, in place of :meth:`wait`. With several processes every process
-        calls it for the same ``step`` (the manager's ``save`` is collective): each
-        cancels its own part, and the commit protocol turns that into one outcome on
-        all (an agreed abort, or committed everywhere when the commit came first)."""
+        Training thread, in place of :meth:`wait`; with several processes every process
+        calls it for the same ``step`` and the commit protocol makes one outcome."""
         handle, self.inflight = self.inflight, None
         if handle is None:
             return False
@@ -246,9 +225,8 @@ class Saver:
         self, step: int, overwrite: bool, region: _distributed.Region | None
     ) -> list[int]:
         """Refuses a step at or below the latest committed one unless ``overwrite``, or
-        whose name a foreign entry holds (an empty folder too), or that holds what we did
-        not write (replaced); clears a dead save's remains (agreed, in ``region``: the
-        manager save's). Returns the committed local steps (from memory: no listing)."""
+        whose place holds what we did not write; clears a dead save's remains (agreed, in
+        ``region``). Returns the committed local steps (from memory)."""
         local = self._book.known()
         if step not in local or overwrite:  # a foreign entry there is never replaced
             at, replace = self._step_dir(step), step in local
@@ -268,9 +246,8 @@ class Saver:
         return local
 
     def reserve(self, like: Any) -> int:
-        """Sizes the manager's host buffers for one save of a state like ``like`` (the
-        state, or its ``jax.eval_shape``), populated now; returns the bytes allocated (0
-        without buffers: a ceiling of bytes or ``reuse_host_buffers=False``)."""
+        """Sizes and populates the host buffers for one save of a state like ``like``;
+        returns the bytes allocated (0 without buffers)."""
         if self._buffers is None:
             return 0
         own = self._book.per_host
@@ -296,15 +273,9 @@ class Saver:
         region: _distributed.Region | None,
     ) -> None:
         """Blocking phase of every item, then the background write and commit (the save
-        in flight), after the previous one. ``local``: the committed local steps (``step``
-        among them: replaced); ``replicate``: to the persistent tier anyway (SIGTERM);
-        ``region``: the manager save's (``_base.regions``), handed to each item in its
-        request and to the background phase, which runs in it.
-        Main thread: a Ctrl-C during the blocking phase is held until its end (never
-        raised inside a callback of JAX or tensorstore), then this step's save is
-        cancelled and the KeyboardInterrupt raised. Call with no save in flight.
-        Events (``events``): SaveStarted, SaveBlockingDone, or SaveFailed here when no
-        background phase started (else the background phase reports its failure)."""
+        in flight). ``local``: the committed local steps; ``replicate``: to the tier
+        anyway (SIGTERM); ``region``: the manager save's. Training thread, no save in
+        flight; a Ctrl-C is held to the blocking phase's end, then this save cancelled."""
         events = self._book.events
         arrays = {  # the items that hold arrays (JSON items are checked by their save)
             n: v
@@ -350,14 +321,12 @@ class Saver:
     # -- a step saved in parts (step_parts): what a whole save does above, by piece
 
     def views_held(self, items: dict, handle: Any) -> None:
-        """Tells the zero-copy steps (``hold_views``) that a blocking phase of ``items``
-        returned, its writes done once ``handle.done()``."""
+        """Tells the zero-copy steps that a blocking phase of ``items`` (``handle``) returned."""
         for zero_copy in self._steps:
             zero_copy.saved(items, handle)
 
     def budget_of(self, items: dict) -> Any:
-        """The host-memory budget one blocking phase of ``items`` streams under (or None;
-        an OptionError before anything is written: ``host_memory.save_budget``)."""
+        """The host-memory budget one blocking phase of ``items`` streams under (or None)."""
         return _host_memory.save_budget(self._ceiling, items, self._incremental)[1]
 
     def metric_of(self, extras: Any, step: int) -> dict[str, float | None]:
@@ -365,9 +334,8 @@ class Saver:
         return self._retention.metric_of(extras, step)
 
     def copies(self, step: int, names: Any) -> tuple[str, str] | None:
-        """``(item, copy)`` where ``hf_shards`` writes ``step``'s item ``item`` again as
-        item ``copy`` (None where it does not), for a step of the item ``names``: a
-        CheckpointError when ``item`` is not among them (``with_copy_item``)."""
+        """``(item, copy)`` where ``hf_shards`` writes ``step``'s ``item`` again (else
+        None), checked against the step's item ``names``."""
         if self._hf_shards is None or not self._hf_shards.due(step):
             return None
         with_copy_item(dict.fromkeys(names), self._hf_shards, step)  # its checks
@@ -386,10 +354,9 @@ class Saver:
     def begin(
         self, step: int, local: list, region: _distributed.Region | None, budget: Any = None
     ) -> OpenStep:
-        """Opens ``step``'s staging (claimed) and draws the modes every item of it gets
-        (``budget``: the host-memory budget of its items' requests). Training thread,
-        in the save's ``region``; the step's items then come through :meth:`save_items`
-        and it commits through :meth:`commit` (or its staging goes: :meth:`abort_alone`)."""
+        """Opens ``step``'s staging and draws the request every item gets. Training
+        thread, in ``region``; then :meth:`save_items`, :meth:`commit` (or
+        :meth:`abort_alone`)."""
         started = time.perf_counter()
         final = self._step_dir(step)
         own = self._book.per_host
@@ -417,28 +384,17 @@ class Saver:
         host_marker: bytes | None = None,
         held: Any = None,
     ) -> None:
-        """Every item of ``opened`` is in (its blocking phase done): its one commit
-        starts in the background, the save in flight from now on (``inflight``).
-        ``blocking``: the seconds the training loop waited for it; ``held``: the Ctrl-C
-        deferral the blocking phase ran in (``SaveHandle.start``). Training thread."""
+        """Every item of ``opened`` is in: its commit starts in the background
+        (``inflight``). ``held``: the blocking phase's Ctrl-C deferral. Training thread."""
         step, region = opened.step, opened.request.region
         entries = {n: ItemEntry(kind_of(h), opened.dirs[n]) for n, h in opened.handlers.items()}
         pendings = opened.pendings
         kinds = [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
         digest = _layout.sha256(_layout.encode(kinds))
         op = _distributed.next_operation_id("manager-commit", region=region)
+        lane, writer = self._book.lane_of(step), self._book.writer
         commit = StepCommit(
-            self._loc,
-            step,
-            opened.staging,
-            pendings,
-            entries,
-            digest,
-            opened.replace,
-            host_marker=host_marker,
-            cancelled=opened.request.cancelled,
-            writer=self._book.writer,
-            lane=self._book.lane_of(step),
+            self._loc, opened, entries, digest, host_marker=host_marker, writer=writer, lane=lane
         )
         background = functools.partial(self._background, commit, op, opened, metric, blocking)
         snaps = [getattr(p, "snap", None) for p in pendings.values()]
@@ -454,12 +410,9 @@ class Saver:
     def save_items(
         self, opened: OpenStep, items: dict, *, budget: Any = None
     ) -> dict[str, Pending]:
-        """The blocking phase of each of ``items`` into ``opened``'s staging, in order,
-        each handed the step's request (``budget``: this call's host-memory budget, when
-        given; with its own reuse for an ``incremental`` checkpointable of an
-        incremental manager); returns their pendings (also added to ``opened``). On an
-        error every write this call started is waited for, then it is raised (the
-        caller removes what the step staged: :meth:`abort_alone`)."""
+        """The blocking phase of each of ``items`` into ``opened``'s staging, each handed
+        the step's request; returns their pendings (also added to ``opened``). On an
+        error every write started is waited for, then it is raised."""
         staging, request = opened.staging, opened.request
         if budget is not None:
             request = request.replace(host_memory_budget=budget)
@@ -496,11 +449,8 @@ class Saver:
         return pendings
 
     def abort_alone(self, opened: OpenStep) -> None:
-        """Removes what ``opened`` staged, once its writes ended, where this process
-        alone writes there (one process, or each host's own directory); a removal
-        that fails is a WARNING (``abort_refused``). A directory other processes write
-        into is theirs too: it stays, ours by its pending marker, for the next writer's
-        open or ``gc()`` (their writes may still land in it: ENOTEMPTY)."""
+        """Removes what ``opened`` staged where this process alone writes there; a shared
+        directory stays (other processes' writes may land in it) for the next open or gc."""
         if opened.staging.own or _distributed.process_count() == 1:
             abort_refused(opened.staging, opened.replace, opened.dirs)
 
@@ -512,9 +462,8 @@ class Saver:
         metric: dict[str, float | None],
         blocking: float,
     ) -> SaveResult:
-        """The background phase of :meth:`commit`: ``opened``'s commit, then the
-        bookkeeping (the book, SaveCommitted, the line logged, tier and retention told).
-        A failed commit never enters the book (re-read) and is said (SaveFailed)."""
+        """The background phase of :meth:`commit`: the commit, then the bookkeeping
+        (book, SaveCommitted, log line, tier, retention); a failure: SaveFailed."""
         step = opened.step
         try:
             written = commit.run(op, opened.request.region)
@@ -567,9 +516,7 @@ def wait_all(pendings: Iterable[Pending], *, raise_first: bool = False) -> list[
 def start_item(
     name: str, handler: Checkpointable, directory: Location, value: Any, request: SaveRequest
 ) -> Pending:
-    """``handler.save(...)`` of item ``name``, its return checked: a Pending (an object
-    with ``wait()``), else CheckpointError naming the item (not an AttributeError later,
-    from the background thread, after ``save`` returned True)."""
+    """``handler.save(...)`` of item ``name``, its return checked to be a Pending."""
     pending = handler.save(directory, value, request)
     if not callable(getattr(pending, "wait", None)):
         raise CheckpointError(
@@ -580,8 +527,7 @@ def start_item(
 
 
 def checked_written(name: str, result: Any) -> Written | None:
-    """What item ``name``'s ``Pending.wait()`` returned: a Written or None, else
-    CheckpointError naming the item (its files would go unlisted, unchecked)."""
+    """What item ``name``'s ``Pending.wait()`` returned, checked: a Written or None."""
     if result is not None and not isinstance(result, Written):
         raise CheckpointError(
             f"item {name!r}: Pending.wait() returned {found(result)}; expected "
@@ -591,37 +537,31 @@ def checked_written(name: str, result: Any) -> Written | None:
 
 
 class StepCommit:
-    """Commits ``step`` of ``location`` from ``staging`` once ``pendings`` are written.
-
-    ``entries``: the manifest's item entries; ``digest``: the tree structure every
-    process must agree on; ``replace``: the step exists and is being replaced."""
+    """Commits the step ``opened`` of ``location`` once its pendings are written, with
+    the manifest's item ``entries``; ``digest``: the structure every process must agree on."""
 
     def __init__(
         self,
         location: Location,
-        step: int,
-        staging: Staging,
-        pendings: Mapping[str, Pending],
+        opened: OpenStep,
         entries: Mapping[str, ItemEntry],
         digest: str,
-        replace: bool,
         *,
         host_marker: bytes | None = None,
-        cancelled: threading.Event | None = None,
         writer: Any = None,
         lane: str | None = None,
     ):
         self._loc = location
-        self._step = step
-        self._staging = staging
-        self._pendings = pendings
+        self._step = opened.step
+        self._staging = opened.staging
+        self._pendings = opened.pendings
         self._entries = entries
         self._digest = digest
-        self._replace = replace
+        self._replace = opened.replace  # the step exists and is being replaced
         # Each host's own directory: this host's marker, written before the sync; every
         # process commits its own copy with the primary's manifest (see per_host).
         self._host_marker = host_marker
-        self._cancelled = cancelled or threading.Event()  # set: the save was interrupted
+        self._cancelled = opened.request.cancelled  # set: the save was interrupted
         self._writer = writer  # the manager's lock or lease: held still (before_commit)?
         self._lane = lane if lane in LANES else None  # recorded in the manifest (Lanes)
         self._op, self._region = "", None  # the commit's names and region: run's
@@ -632,8 +572,7 @@ class StepCommit:
         self.stored: tuple[int, int | None] | None = None
 
     def run(self, op: str, region: _distributed.Region | None) -> Written:
-        """Background thread: every item written and durable, then the one commit, named
-        ``op``, in ``region`` (the manager save's: ``_base.regions``)."""
+        """Background thread: every item written and durable, then the commit ``op``."""
         staging = self._staging
         if self._replace and not staging.renames and _distributed.is_primary():
             old = _layout.read_manifest(staging.final)
@@ -668,10 +607,8 @@ class StepCommit:
         return out
 
     def _commit_own_copies(self, op: str) -> None:
-        """Each host's own directory, once the primary committed its copy: every other
-        process commits its own with the primary's manifest and reports it; the primary
-        returns (and the tier replicates the step) only once every host's copy is
-        committed, else raises naming the hosts."""
+        """Each host's own directory: every other process commits its copy with the
+        primary's manifest and reports it; the primary raises naming any that failed."""
         if _distributed.is_primary():
             failed = []
             for p in range(1, _distributed.process_count()):
@@ -716,9 +653,7 @@ class StepCommit:
         return self._sizes[-1]
 
     def _check_own_items(self) -> None:
-        """Each host's own directory: every item wrote something into this host's copy
-        (a custom checkpointable that writes only on process 0 would leave the other
-        hosts' copies without it: they could not restore the step on their own)."""
+        """Each host's own directory: every item wrote something into this host's copy."""
         where = self._staging.location
         empty = [n for n, e in self._entries.items() if not where.child(e.dir).list_children()]
         if empty:
@@ -765,9 +700,8 @@ class StepCommit:
 
 
 def abort_refused(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> None:
-    """:func:`abort_staged` for a save refused in its blocking phase (training thread):
-    the refusal stays the error; a removal that fails is a WARNING (the next writer's
-    open or ``gc()`` removes what this save staged, proven ours by its claim)."""
+    """:func:`abort_staged` for a save refused in its blocking phase: a removal that
+    fails is a WARNING (the refusal stays the error)."""
     try:
         abort_staged(staging, replace, dirs)
     except Exception as e:  # noqa: BLE001  (the refusal is the error)
@@ -781,12 +715,9 @@ def abort_refused(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> N
 
 
 def abort_staged(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> None:
-    """Removes what one save staged and nothing else, on every store: its staging
-    directory (filesystems); on object stores, which write in place, the new step under
-    this save's own claim, or, where it replaces a committed step (``replace``), only
-    the new items' fresh directories (``dirs``: item name -> directory) and this save's
-    claim, the old step left whole. Called by the commit's abort (background) and by a
-    save refused in its blocking phase (training thread), which stages no less."""
+    """Removes what one save staged and nothing else: its staging directory; on object
+    stores the new step under this save's claim, or, replacing a step, only the new
+    items' fresh ``dirs`` and the claim. Background (abort) or training thread."""
     if staging.renames:
         _removing.remove_staging(staging.location, staging.nonce)
     elif not replace:  # a new step written in place: no manifest, all of it goes

@@ -1,10 +1,7 @@
 """The public signatures and docstrings of CheckpointManager and CheckpointCallback.
 
-Both constructors take ``**options``; what ``help()``, ``inspect.signature`` and the
-docstrings show is derived here from the one declaration of each option
-(``option_table.MANAGER`` / ``CALLBACK``: name, type, default, one-line doc), so an
-option is written once. docs/manager.md's option table is tested to match the same
-declarations (tests/manager/test_options.py).
+Both constructors take ``**options``; what ``help()`` and ``inspect.signature`` show is
+derived from the one declaration of each option (``options.MANAGER`` / ``CALLBACK``).
 
 Called once per class, at import.
 """

@@ -51,9 +51,7 @@ def checked_expect(expect: Any) -> tuple[str, ...]:
 
 
 class _Writing:
-    """A part's Pending, its write handed to the step's writer thread (``future``):
-    ``wait()`` returns what the write returned or raises its error; its other
-    attributes (``digest``, ``snap``) are the part's own."""
+    """A part's Pending whose write runs on the step's writer thread (``future``)."""
 
     def __init__(self, pending: Any, future: concurrent.futures.Future):
         self._pending, self._future = pending, future
@@ -66,13 +64,9 @@ class _Writing:
 
 
 class StepParts:
-    """One step saved in parts (see the module docstring), as
-    ``CheckpointManager.step_parts`` returns it; a context manager.
-
-    ``saver``: the manager's; ``opened``: the step, begun (``Saver.begin_parts``);
-    ``expect``: the item names it commits with; ``region``: the step's collective
-    operation; ``finished(blocking)``: called once the commit started (the manager's
-    bookkeeping, its wait when saves are synchronous)."""
+    """One step saved in parts, as ``CheckpointManager.step_parts`` returns it; a
+    context manager. ``opened``: the step begun; ``expect``: the item names it commits
+    with; ``finished(blocking)``: called once the commit started."""
 
     def __init__(
         self,
@@ -138,10 +132,9 @@ class StepParts:
             if not self.missing:
                 self._state = "committing"
                 self._writer.shutdown(wait=False)  # no part comes; its writes go on
-                step = self._opened.step
                 metric = self._metric
                 if metric is None:
-                    metric = self._saver.metric_of(None, step)
+                    metric = self._saver.metric_of(None, self._opened.step)
                 self._saver.commit(self._opened, metric, self._blocking)
         if self._state == "committing":
             self._finished(self._blocking)
@@ -185,10 +178,9 @@ class StepParts:
         self._blocking += time.perf_counter() - began
 
     def abort(self) -> None:
-        """Gives the step up: its writes are cancelled and waited for, what it staged is
-        removed (with several processes: left, ours, for the next open or ``gc()``);
-        nothing is committed. A no-op once the commit started or the step was given up.
-        Training thread; with several processes, on every process."""
+        """Gives the step up: its writes cancelled and waited for, what it staged removed
+        (several processes: left for the next open or ``gc()``), nothing committed. A
+        no-op once committing or given up. Training thread, on every process."""
         if self._state == "open":
             self._give_up(CheckpointError(f"step {self._opened.step} of {self._where}: aborted"))
 

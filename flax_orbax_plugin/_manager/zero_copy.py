@@ -26,9 +26,8 @@ __all__ = ["HostMemory", "ZeroCopyStep"]
 
 
 def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
-    """``value`` as a sorted tuple of distinct non-negative ints (OptionTypeError for
-    anything but an int or a sequence of ints, a bool included; OptionError for a
-    negative position)."""
+    """``value`` as a sorted tuple of distinct non-negative ints, else OptionTypeError
+    (a bool too) or OptionError (a negative position)."""
     found = f"found {value!r:.60} ({type(value).__name__})"
     items = (value,) if isinstance(value, int) or hasattr(type(value), "__index__") else value
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence | set | frozenset):
@@ -45,15 +44,16 @@ def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
 
 
 def _argnames(value: str | Sequence[str], fn: Callable) -> tuple[str, ...]:
-    """``static_argnames`` as a tuple of distinct names ``fn`` takes by keyword
-    (OptionTypeError for anything but a str or a sequence of str; OptionError for a
-    name ``fn``'s signature lacks, where it has one and no ``**kwargs``)."""
+    """``static_argnames`` as a tuple of distinct names ``fn`` takes by keyword, else
+    OptionTypeError (not strs) or OptionError (a name its signature lacks)."""
     name = "static_argnames"
     found = f"found {value!r:.60} ({type(value).__name__})"
     items = (value,) if isinstance(value, str) else value
-    if isinstance(items, bytes) or not isinstance(items, Sequence | set | frozenset):
-        raise OptionTypeError(f"wrap_step: {name} must be a str or strs, {found}")
-    if any(not isinstance(v, str) for v in items):
+    if (
+        isinstance(items, bytes)
+        or not isinstance(items, Sequence | set | frozenset)
+        or any(not isinstance(v, str) for v in items)
+    ):
         raise OptionTypeError(f"wrap_step: {name} must be a str or strs, {found}")
     names = tuple(dict.fromkeys(items))
     params = _parameters(fn)
@@ -79,12 +79,10 @@ def _parameters(fn: Callable) -> list[inspect.Parameter] | None:
 
 
 def _check_positions(fn: Callable, positions: tuple[int, ...], name: str) -> None:
-    """OptionError when ``fn`` takes fewer positional arguments than ``positions`` name
-    (known from its signature; a ``*args`` function takes any)."""
+    """OptionError when ``fn``'s signature takes fewer positional arguments than
+    ``positions`` name (none to read, or ``*args``: the call says)."""
     params = _parameters(fn)
-    if params is None or not positions:  # no signature to read: the call says
-        return
-    if any(p.kind == p.VAR_POSITIONAL for p in params):
+    if params is None or not positions or any(p.kind == p.VAR_POSITIONAL for p in params):
         return
     count = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
     if max(positions) >= count:
@@ -157,8 +155,8 @@ class ZeroCopyStep:
     # -- told by the manager (training thread)
 
     def saved(self, items: dict[str, Any], handle: Any) -> None:
-        """A save of ``items`` returned from its blocking phase (``handle``: the save,
-        done or in flight): its CPU arrays are held as views until its writes are done."""
+        """A save of ``items`` (``handle``) returned from its blocking phase: its CPU
+        arrays are held as views until its writes are done."""
         if not _host_snapshot.cpu_views_are_snapshots():
             return  # the save copied what it writes: donating the state is safe
         leaves = jax.tree_util.tree_leaves(items)
@@ -200,10 +198,8 @@ class ZeroCopyStep:
         return out
 
     def _take_spare(self, treedef: Any, leaves: list, inputs: set[int]) -> list | None:
-        """The previous save's arrays as a spare for a state of ``treedef`` / ``leaves``
-        (its buffers at ``inputs``), or None: none yet, its save still writing, another
-        structure, shape, dtype or sharding, or a buffer the current state shares (it
-        would be donated twice)."""
+        """The previous save's arrays as a spare for this state (buffers at ``inputs``),
+        or None: none, still writing, another layout, or a buffer shared with the state."""
         spare, self._spare = self._spare, None
         if spare is None:
             return None
@@ -213,9 +209,7 @@ class ZeroCopyStep:
         if old_def != treedef or len(old) != len(leaves):
             return None
         for a, b in zip(old, leaves, strict=True):
-            if not (_on_cpu(a) and _on_cpu(b)) or a.is_deleted():
-                return None
-            if _signature(a) != _signature(b):
+            if not (_on_cpu(a) and _on_cpu(b)) or a.is_deleted() or _signature(a) != _signature(b):
                 return None
         if any(p in inputs for x in old for p in _pointers(x)):
             return None
@@ -270,9 +264,8 @@ class ZeroCopyStep:
 
 
 def _first_spare(state: tuple) -> tuple[Any, list, None] | None:
-    """A spare for the step after the first save, allocated (and its pages touched) at
-    the second call, before the loop's saves: that step then costs what a steady one
-    does. None where the state is not all CPU arrays or views are not snapshots."""
+    """A spare for the step after the first save, made at the second call (that step
+    then costs what a steady one does); None unless all CPU arrays held as snapshots."""
     leaves, treedef = jax.tree_util.tree_flatten(state)
     if not leaves or not all(_on_cpu(x) for x in leaves):
         return None
@@ -291,10 +284,8 @@ def _first_spare(state: tuple) -> tuple[Any, list, None] | None:
 
 
 def _check_aliased(wanted: set[int], keys: list[tuple], inputs: set[int], out: Any) -> None:
-    """Raises unless the step's outputs landed in the spare's buffers (``wanted``, the
-    spare's leaves of ``keys`` (shape, dtype)): an output in fresh memory (neither in
-    the spare nor an input passed through) while a spare buffer of its shape and dtype
-    went unused is an alias jax did not make."""
+    """Raises when an output is in fresh memory (not the spare's buffers ``wanted``, nor
+    an input) while a spare buffer of its (shape, dtype) went unused: an alias jax missed."""
     unused = collections.Counter(keys)
     fresh: list[tuple[str, jax.Array]] = []
     for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
@@ -324,11 +315,10 @@ def _key(x: jax.Array) -> tuple:
 
 class HostMemory:  # the manager's reserve and wrap_step (its _saver and _check_writable)
     def reserve(self, like: Any) -> int:
-        """Allocates and populates (``MADV_POPULATE_WRITE``) the host buffers one save of
-        ``like`` (the state, or ShapeDtypeStructs on one device) copies into: the first
-        save costs what a steady one does. Returns the bytes allocated (0 once
-        :meth:`wrap_step` was called: saves then copy nothing). Training thread, before
-        the loop (``CheckpointCallback.on_train_start`` calls it); read-only: refused."""
+        """Allocates and populates the host buffers one save of ``like`` (the state, or
+        ShapeDtypeStructs) copies into, so the first save costs what a steady one does.
+        Returns the bytes allocated (0 after :meth:`wrap_step`). Training thread, before
+        the loop; refused when read-only."""
         self._check_writable()  # type: ignore[attr-defined]
         return self._saver.reserve(like)  # type: ignore[attr-defined]
 
@@ -345,17 +335,13 @@ class HostMemory:  # the manager's reserve and wrap_step (its _saver and _check_
         donate_argnums=0)``, then ``state, metrics = step(state, batch)``.
 
         From this call on, the manager's saves keep the state's CPU arrays as zero-copy
-        views (no host buffers, nothing copied in the blocking phase), and the step
-        right after a save writes its outputs into the previous save's arrays instead
-        of donating the ones being written. Call on the training thread.
+        views, and the step right after a save writes its outputs into the previous
+        save's arrays instead of donating the ones being written. ``donate_argnums``,
+        ``static_argnums``, ``static_argnames``: as ``jax.jit``'s. Training thread.
 
-        Not recommended for speed: measured on CPU (1.2 GB state, a save every 10 of 60
-        steps, `benchmarks/results/train_zero_copy_0.6.md`) its loop took 1.31x the run
-        without saves against 1.26x with ``reuse_host_buffers=True``: its blocking phase
-        is shorter (23 ms against 120 ms) but every step ran slower (0.30 s against 0.27
-        s median), two states held and the spare's variant competing with the writer.
-        It saves host memory between saves against the pool; on accelerators the device
-        staging makes it moot."""
+        Not recommended for speed (``benchmarks/results/train_zero_copy_0.6.md``: 1.31x
+        the run without saves against 1.26x with ``reuse_host_buffers=True``); it
+        saves host memory between saves against the pool."""
         self._check_writable()  # type: ignore[attr-defined]
         step = ZeroCopyStep(
             fn,

@@ -1,10 +1,8 @@
 """Copy-down: a persistent step made a committed local one (see ``docs/tiers.md``).
 
-The step is copied into local staging, **verified there in full** (every JSON
-checksum, every chunk's crc32c), then committed; proven damage sets the persistent
-copy aside (:class:`~.damaged.DamagedSteps`), environmental errors raise and set
-nothing aside. Called on restore, from the training thread; collective with several
-processes (the primary copies, every process gets its outcome).
+Copied into local staging, **verified there in full**, then committed; proven damage
+sets the persistent copy aside, environmental errors set nothing aside. Training
+thread, on restore; collective with several processes.
 """
 
 from __future__ import annotations
@@ -33,14 +31,8 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 class CopyDown:
-    """Copies persistent steps down into the local tier, for restore.
-
-    Args:
-      places: the tier's two places.
-      state: the tier's shared state (``reading`` protects a step being copied down
-        from the persistent retention; ``owner`` is checked before each copy).
-      damaged: the persistent steps proven damaged (never copied down again).
-    """
+    """Copies persistent steps down into the local tier, for restore (``damaged``: the
+    steps proven damaged, never copied down again)."""
 
     def __init__(self, places: Places, state: TierState, damaged: DamagedSteps):
         self._places = places
@@ -49,13 +41,9 @@ class CopyDown:
 
     def ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
         """Training thread, on restore: makes ``step`` a committed local step, copying it
-        down from the persistent tier when the local tier lacks it. Returns False when
-        neither tier has it. Raises CorruptCheckpointError (naming the file) when the
-        persistent copy fails its checks; nothing is then left in the local tier.
-
-        Collective with several processes (in ``region``, the restore's): the primary
-        copies, then tells the others the outcome (one key-value round), so all restore
-        the same step or all raise."""
+        down when the local tier lacks it; False when neither tier has it;
+        CorruptCheckpointError (nothing left locally) when the copy fails its checks.
+        Collective (in ``region``): the primary copies and shares the outcome."""
         if not self._places.multi:
             return self._ensure_local(step)
         if self._places.per_host:
@@ -73,9 +61,8 @@ class CopyDown:
         return outcome == "present"
 
     def _each_ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
-        """Each host's own directory: every process copies the step down into its own
-        (verified in full), then the outcomes are shared (one key-value round): all
-        restore it, or all raise, naming the processes that failed."""
+        """Each host's own directory: every process copies the step down into its own,
+        then the outcomes are shared: all restore it, or all raise."""
         outcome, error = self._outcome(step)
         op = _distributed.next_operation_id("tiers-copy-down", region=region)
         _distributed.publish(op, outcome, region=region)
@@ -91,8 +78,7 @@ class CopyDown:
         return all(o == "present" for o in outcomes)
 
     def _outcome(self, step: int) -> tuple[str, Exception | None]:
-        """This process's copy down of ``step`` as the word it shares (``present``,
-        ``absent``, ``corrupt: ...`` or ``failed: ...``) and the error it raises."""
+        """This process's copy down of ``step`` as the word it shares, and its error."""
         try:
             return ("present" if self._ensure_local(step) else "absent"), None
         except Exception as e:  # noqa: BLE001  (every process raises it, once shared)
@@ -100,14 +86,8 @@ class CopyDown:
             return f"{kind}: {type(e).__name__}: {e}", e
 
     def _ensure_local(self, step: int) -> bool:
-        """Copies ``step`` down (see :meth:`ensure_local`): listed, copied into local
-        staging, **verified there in full** (every JSON checksum, every chunk's crc32c:
-        ``verify_step``), then committed. Proven damage (a checksum or format
-        mismatch) sets the persistent copy aside (:meth:`DamagedSteps.set_aside`): it is
-        never listed, copied down or counted again, and the step's number is free for the
-        next save. Environmental errors (EMFILE, EIO, a timeout, a refused connection)
-        raise and set nothing aside. A link or special file in it is no damage of its
-        data: ForeignEntryError, nothing set aside."""
+        """Copies ``step`` down (see the module docstring); proven damage sets the
+        persistent copy aside, environmental errors and foreign entries do not."""
         local, remote, state = self._places.local, self._places.remote, self._state
         local_final = _steps.step_location(local, step)
         if local_final.exists(MANIFEST_FILE):
@@ -156,8 +136,7 @@ class CopyDown:
     def _copy(
         self, step: int, src: Location, raw: bytes, local_final: Location
     ) -> tuple[int, float]:
-        """The copy into local staging, verified and committed; returns the bytes
-        copied and when the copy started (``time.perf_counter``)."""
+        """The copy into local staging, verified and committed; (bytes, start time)."""
         manifest = _files.parse_manifest(raw, src, step)
         files = [f for f in _files.remote_files(src) if f != MANIFEST_FILE]
         _files.check_listed(manifest, files, str(src))
@@ -194,10 +173,8 @@ def _error_class(outcome: str) -> type[CheckpointError]:
 def _verify_copy(
     staging: Location, raw: bytes, step: int, src: Location, limit: int | None
 ) -> None:
-    """Verifies a step copied into local staging before it is committed: the manifest
-    is written there first (the pending marker still claims the place), then every
-    item is read in full (under the ceiling ``limit``). CorruptCheckpointError naming
-    the persistent file on damage; environmental errors propagate."""
+    """Verifies a step copied into local staging (its manifest written first) in full,
+    under ``limit``; CorruptCheckpointError naming the persistent file on damage."""
     staging.write_bytes(MANIFEST_FILE, raw, durable=False)
     bad = [r for r in verify_step(staging, step, budget=window_bytes(limit)) if not r.ok]
     if bad:

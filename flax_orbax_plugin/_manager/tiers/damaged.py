@@ -1,12 +1,10 @@
 """Persistent steps a verified copy-down proved damaged (see ``docs/tiers.md``).
 
-On filesystems such a step is renamed ``<step>.corrupt-<nonce>``; object stores,
-which cannot rename, keep it and record it in :data:`DAMAGED_FILE` with the sha256
-of the manifest found damaged. Either way it is never listed, copied down or counted
-again, and a good copy replicated later replaces it. The primary reads the record at
-open, sets steps aside (copy-down, training thread) and forgets them (replicator
-thread); :attr:`DamagedSteps.steps` is replaced, never mutated, so readers on other
-threads see a whole dict.
+Renamed ``<step>.corrupt-<nonce>`` on filesystems, recorded in :data:`DAMAGED_FILE`
+(with the damaged manifest's sha256) on object stores: never listed, copied down or
+counted again. The primary reads the record at open, sets steps aside (training
+thread) and forgets them (replicator thread); :attr:`DamagedSteps.steps` is replaced,
+never mutated, so readers on other threads see a whole dict.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ DAMAGED_FILE = "_DAMAGED.json"
 
 
 class DamagedSteps:
-    """The damaged steps of one persistent location: ``steps`` is ``{step: what
-    failed}``; the other processes get the primary's at open."""
+    """The damaged steps of one persistent location: ``steps``, ``{step: what failed}``."""
 
     def __init__(self, remote: Location):
         self.remote = remote
@@ -42,14 +39,12 @@ class DamagedSteps:
         return step in self.steps
 
     def committed_steps(self) -> list[int]:
-        """Steps committed in the persistent tier now (lists the store), less the
-        damaged ones (never listed again)."""
+        """Steps committed in the persistent tier now (listed), less the damaged ones."""
         damaged = self.steps
         return [s for s in _steps.committed_steps(self.remote) if s not in damaged]
 
     def read(self) -> dict[int, str]:
-        """Primary, at open: the damaged steps recorded in :data:`DAMAGED_FILE` (object
-        stores) whose manifest is still the one found damaged."""
+        """Primary, at open: the recorded damaged steps whose manifest is unchanged."""
         if self.remote.is_local:
             return {}
         raw = self.remote.read_bytes(DAMAGED_FILE)
@@ -92,12 +87,8 @@ class DamagedSteps:
         self.remote.write_bytes(DAMAGED_FILE, raw)
 
     def set_aside(self, step: int, raw: bytes, error: Exception) -> None:
-        """Primary, after a verified copy-down proved the persistent copy damaged: on
-        filesystems it is renamed to ``<step>.corrupt-<nonce>`` (never removed); on object
-        stores, which cannot rename, it stays and is recorded in :data:`DAMAGED_FILE`
-        (with its manifest's sha256). Either way it is never listed, copied down or
-        counted again, and a new save of the step replaces it. Failing to set it aside
-        is logged: the error raised is the damage."""
+        """Primary, after a verified copy-down proved ``step`` damaged: renamed aside, or
+        recorded (object stores); a failure to do so is logged (the damage is raised)."""
         text = str(error)
         try:
             if self.remote.supports_rename:
@@ -130,7 +121,6 @@ class DamagedSteps:
             )
 
     def _shas(self) -> dict[int, str]:
-        """The manifest sha256 of every damaged step recorded (object stores)."""
         out = {}
         for s in self.steps:
             current = self.remote.child(str(s)).read_bytes(MANIFEST_FILE)

@@ -1,10 +1,6 @@
-"""The files of a step, for the persistent tier (see ``docs/tiers.md``).
-
-Local and remote listing and reading (never through a link), the deterministic
-partition of a step's files among processes, listing digests, parsing and checking
-the step manifest, and :func:`copy_files`: files copied with the sha256 of each JSON
-file the manifest lists checked, within the manager's host-memory ceiling. Functions of
-their arguments only; thread-safe.
+"""The files of a step, for the persistent tier (see ``docs/tiers.md``): listing and
+reading (never through a link), their partition among processes, and
+:func:`copy_files`. Functions of their arguments only; thread-safe.
 """
 
 from __future__ import annotations
@@ -57,19 +53,13 @@ def copy_files(
     stopped: Callable[[], bool],
     memory_limit: int | None = None,
 ) -> int:
-    """Copies ``files`` (relative paths) from the step ``src`` into ``dst``, checking
-    the sha256 of each JSON file the manifest lists; the manifest itself is not among
-    them. Before each file ``before_file()`` runs (a copy up yields to local saves
-    there), then :class:`Stopped` is raised if ``stopped()``. Returns the bytes copied.
+    """Copies ``files`` (relative paths, not the manifest) from the step ``src`` into
+    ``dst``, checking the sha256 of each JSON file the manifest lists; ``before_file()``
+    runs before each, then :class:`Stopped` if ``stopped()``. Returns the bytes copied.
 
-    Host memory: without ``memory_limit``, :data:`COPY_THREADS` whole files at a
-    time. Under it (bytes, the manager's ``host_memory``): local disk to local disk,
-    each thread streams its file in pieces of at most ``memory_limit //
-    COPY_THREADS`` bytes (16 MiB at most), one piece held at a time; with an object
-    store at either end (it takes and gives a file whole) one file at a time, and a
-    file larger than the ceiling is said in a WARNING naming both figures (it is held
-    whole: its size is the floor of that copy). Runs its threads in the calling
-    thread's process; returns when every file is copied or one failed."""
+    Host memory: without ``memory_limit``, :data:`COPY_THREADS` whole files at a time;
+    under it, local to local each thread streams its file in pieces (a share of the
+    limit), else one file at a time (a file above the limit held whole, WARNING)."""
     streamed = memory_limit is not None and src.is_local and dst.is_local
     threads = COPY_THREADS if memory_limit is None or streamed else 1
     piece = (
@@ -100,8 +90,7 @@ def copy_files(
 
 
 def _whole(src: Location, dst: Location, rel: str, expected: str | None, limit) -> int:
-    """Copies one file read whole (an object store at either end, or no ceiling), its
-    sha256 checked (``expected``); a file above the ceiling ``limit`` is said."""
+    """Copies one file read whole, its sha256 checked; one above ``limit`` is said."""
     data = read_remote_file(src, rel)
     if limit is not None and len(data) > limit:
         logger.warning(
@@ -118,8 +107,7 @@ def _whole(src: Location, dst: Location, rel: str, expected: str | None, limit) 
 
 
 def _stream(src: Location, dst: Location, rel: str, expected: str | None, piece: int) -> int:
-    """Copies one local file to local ``dst`` a piece at a time; its sha256 checked
-    (``expected``) before the copy is renamed into place."""
+    """Copies one local file a piece at a time, its sha256 checked before the rename."""
     pieces = src.read_pieces(rel, piece)
     if pieces is None:
         raise CheckpointError(f"{src}/{rel} vanished while being replicated")
@@ -150,8 +138,7 @@ def _check_sha(src: Location, rel: str, expected: str | None, found: str) -> Non
 
 def local_files(root: str, step: int) -> list[str]:
     """Relative paths of the regular files under a local step directory, manifest and
-    pending marker excluded (a crash window can leave the marker beside a committed
-    manifest). A symlink or special file anywhere in it is a ForeignEntryError."""
+    pending marker excluded; a symlink or special file is a ForeignEntryError."""
     return sorted(local_file_sizes(root, step))
 
 
@@ -193,10 +180,9 @@ def listing_digest(sizes: dict[str, int]) -> str:
 def partition(
     sizes: dict[str, int], n: int, holders: dict[str, list[int]] | None = None
 ) -> list[list[str]]:
-    """The files of a step split among ``n`` processes, the same on every process:
-    largest first (ties by path), each to the least-loaded process (ties by index)
-    among its ``holders`` (None: every process), a file weighing its size plus
-    :data:`FILE_COST_BYTES`. Each share is sorted."""
+    """The files of a step split among ``n`` processes alike on every process: largest
+    first, each to the least-loaded of its ``holders`` (None: all; a file weighs its
+    size plus :data:`FILE_COST_BYTES`). Each share is sorted."""
     loads = [0] * n
     shares: list[list[str]] = [[] for _ in range(n)]
     for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):

@@ -1,10 +1,6 @@
 """Opening the persistent tier (see ``docs/tiers.md``), called by ``PersistentTier.open``
-on the training thread before the replicator starts.
-
-:func:`open_primary` takes both places for this run, reads the damage record, removes
-the unfinished copies and decides which local steps to queue; :func:`share_open`
-(several processes) hands the primary's outcome, damage record, round prefix and
-error to every process in one key-value round, so all open alike or all raise.
+on the training thread before the replicator starts: the primary's part, then (several
+processes) its outcome shared in one key-value round, so all open alike or all raise.
 """
 
 from __future__ import annotations
@@ -33,10 +29,9 @@ def open_primary(
     local_steps: Iterable[int],
     lease_seconds: float,
 ) -> tuple[list[int], list[int], BaseException | None]:
-    """Primary: takes both places for this run (``state.owner``), reads the damage
-    record, removes unfinished copies and lists; returns the persistent steps, the
-    local steps to queue and, with several processes, the failure to share (with one
-    process it raises)."""
+    """Primary: takes both places for this run, reads the damage record, removes
+    unfinished copies; returns the persistent steps, the local steps to queue and
+    (several processes) the failure to share."""
     remote_steps: list[int] = []
     failure: BaseException | None = None
     try:
@@ -80,10 +75,8 @@ def share_open(
     failure: BaseException | None,
     region: _distributed.Region | None,
 ) -> tuple[list[int], list[int]]:
-    """Several processes, every one (in the manager open's ``region``): the primary's
-    persistent steps and steps to queue (returned), its damage record (into
-    ``damaged``) and round prefix (into ``rounds``); every process raises the
-    primary's error."""
+    """Every process (in ``region``): the primary's persistent steps and steps to queue
+    (returned), damage record and round prefix (set), or its error (raised)."""
     op = _distributed.next_operation_id("tiers-open", region=region)
     mine = {
         "remote": remote_steps,

@@ -1,10 +1,6 @@
-"""The primary's replicator (see ``docs/tiers.md``).
-
-:meth:`Replicator.run` is the primary's replicator thread (the only one with one
-process): it takes the newest queued step, yields to the manager's own save, copies
-the step with its store's commit (retried twice; with several processes in a round
-of :class:`~.rounds.Rounds`), then runs the persistent retention. A failure is kept
-as the tier's error. :func:`remove_unfinished` clears dead copies at open.
+"""The primary's replicator (see ``docs/tiers.md``): :meth:`Replicator.run` is its
+thread, copying the newest queued step (retried, in a round with several processes),
+then the persistent retention; a failure is kept as the tier's error.
 """
 
 from __future__ import annotations
@@ -43,15 +39,8 @@ RETRY_DELAY_S = _env.read("FOP_TIER_RETRY_DELAY_S")
 
 
 class Replicator:
-    """Copies the primary's queued steps to the persistent tier.
-
-    Args:
-      places: the tier's two places.
-      state: the tier's shared state (the queue, ``known``, the error kept).
-      yielding: how a copy up yields to the manager's own save.
-      rounds: the rounds with the other processes (used when ``places.multi``).
-      damaged: the persistent steps proven damaged (a good copy replaces them).
-    """
+    """Copies the primary's queued steps to the persistent tier (``rounds``: with the
+    other processes; ``damaged``: steps a good copy replaces)."""
 
     def __init__(
         self,
@@ -120,8 +109,7 @@ class Replicator:
     def _failed(
         self, step: int, attempt: int, rnd: Round | None, before: bytes | None, e: Exception
     ) -> bool:
-        """An attempt failed with ``e``: logs it and finishes its round; returns whether
-        to try again (else the error is kept, or the step was replaced meanwhile)."""
+        """An attempt failed with ``e``: logged, its round finished; whether to retry."""
         if self._replaced_meanwhile(step, before):
             # overwrite=True replaced the local step mid-copy: what was read is a
             # mix of two versions, no damage; the new version was queued itself.
@@ -160,9 +148,8 @@ class Replicator:
         return before is not None and now != before
 
     def _replicate(self, step: int, rnd: Round | None) -> bool:
-        """Copies one committed local step; returns False when there was nothing to do.
-        With several processes (``rnd``) every process copies its share in this round
-        (:meth:`Rounds.lead`), and this one, the primary, commits when all succeeded."""
+        """Copies one committed local step (``rnd``: every process its share, the primary
+        commits); returns False when there was nothing to do."""
         places, state = self._places, self._state
         src = _steps.step_location(places.local, step)
         raw = src.read_bytes(MANIFEST_FILE)
@@ -219,21 +206,13 @@ class Replicator:
         final: Location,
         nonce: str,
     ) -> int:
-        """Copies ``files`` into the step's remote staging (all of them, or in the round
-        ``rnd`` this process's share), then commits: the manifest, last. Nothing partial
-        stays on failure. Returns the bytes copied."""
+        """Copies ``files`` (or in round ``rnd`` this process's share) into the step's
+        remote staging, then commits the manifest, last; nothing partial stays. Returns
+        the bytes copied."""
         staging = Staging.begin(final, nonce)
         try:
             if rnd is None:
-                nbytes = _files.copy_files(
-                    src,
-                    staging.location,
-                    files,
-                    manifest,
-                    before_file=self._yielding.before_file,
-                    stopped=lambda: self._state.stop,
-                    memory_limit=self._places.memory_limit(),
-                )
+                nbytes = self._rounds.copy(src, staging.location, files, manifest)
                 self._state.copied_files[step] = files
             else:
                 nfiles = None if self._places.per_host else len(files)
@@ -282,11 +261,8 @@ class Replicator:
 
 
 def remove_unfinished(remote: Location) -> None:
-    """Primary, at open: the persistent tier's copies that never committed
-    (``.partial-``/``.deleting-`` directories on filesystems, step prefixes without a
-    manifest on object stores), each removed only once proven ours (our pending
-    marker in it, see ``_ownership``). Everything else is left alone: a user's
-    ``2024/``, a ``007/``, another library's run."""
+    """Primary, at open: removes the persistent tier's copies that never committed,
+    each only once proven ours (``_ownership``); everything else is left alone."""
     listing = _steps.list_directory(remote)
     for name in listing.unfinished:
         _removing.remove_if_ours(remote.child(name), what="unfinished copy")

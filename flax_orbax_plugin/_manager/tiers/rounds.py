@@ -1,10 +1,7 @@
 """The replication rounds of several processes (see ``docs/tiers.md``).
 
-The primary announces a round (a step to copy, or its outcome, or ``stop``), every
-process copies its share of the step's files and reports a status, the primary
-checks the statuses, commits or not, and publishes the round's outcome; the other
-processes follow the rounds in order and settle each outcome. The processes meet
-through the jax.distributed key-value store only. Every method runs on a replicator
+The primary announces a round, every process copies its share and reports, the
+primary commits or not and publishes the outcome. Every method runs on a replicator
 thread (the primary's :meth:`Rounds.lead`, the others' :meth:`Rounds.follow`).
 """
 
@@ -39,8 +36,7 @@ class RoundFailed(CheckpointError):
 
 @dataclasses.dataclass
 class Round:
-    """One replication round (several processes): its key-value name and step, and
-    whether the primary has announced it yet."""
+    """One replication round: its key-value name, its step, announced yet."""
 
     key: str
     step: int
@@ -48,15 +44,8 @@ class Round:
 
 
 class Rounds:
-    """The rounds of one tier: their key-value prefix (:attr:`prefix`, agreed at open
-    and set before the replicator thread starts) and the next round's number (the
-    same sequence on every process; replicator thread only).
-
-    Args:
-      places: the tier's two places.
-      state: the tier's shared state.
-      yielding: how a copy up yields to the manager's own save.
-    """
+    """The rounds of one tier: their key-value :attr:`prefix` (agreed at open) and the
+    next round's number (the same sequence on every process; replicator thread only)."""
 
     def __init__(self, places: Places, state: TierState, yielding: Yielding):
         self._places = places
@@ -64,15 +53,26 @@ class Rounds:
         self._yielding = yielding
         self.prefix = ""
         self._round = 0
-        # The rounds' region (several processes), handed to each of their coordination
-        # calls: a replicator thread that ends on an error publishes it there, so the
-        # others' waits in the rounds raise at once.
+        # The rounds' region: a replicator thread's error published there ends the others' waits.
         self.region: _distributed.Region | None = None
 
     def start_region(self) -> None:
         """At open, once :attr:`prefix` is agreed: the rounds' region (several processes)."""
         if self._places.multi:
             self.region = _distributed.Region("tier-rounds", f"tier{self.prefix}")
+
+    def copy(self, src: Any, dst: Any, files: list[str], manifest: Any) -> int:
+        """``files`` of ``src`` copied into ``dst`` (yielding to the manager's saves,
+        stopped with the tier, within its host memory); the bytes copied."""
+        return _files.copy_files(
+            src,
+            dst,
+            files,
+            manifest,
+            before_file=self._yielding.before_file,
+            stopped=lambda: self._state.stop,
+            memory_limit=self._places.memory_limit(),
+        )
 
     def in_region(self, run) -> None:
         """Runs a replicator thread's ``run`` in the rounds' region."""
@@ -108,10 +108,8 @@ class Rounds:
                 _distributed.publish_failure(self.region, e)
 
     def lead(self, rnd: Round, step: int, nonce: str, raw: bytes, nfiles: int | None) -> int:
-        """Primary: announces ``step`` (staging ``nonce``, manifest ``raw``), copies its
-        own share, gathers every process's status; returns the bytes copied, or raises
-        as :func:`check_statuses`. ``nfiles``: the files in the step (None: each host's
-        own directory, where the union of the hosts' listings counts)."""
+        """Primary: announces ``step``, copies its own share, gathers every process's
+        status; returns the bytes copied, or raises as :func:`check_statuses`."""
         sha = hashlib.sha256(raw).hexdigest()
         self.announce(rnd, json.dumps({"step": step, "staging": nonce, "manifest": sha}))
         statuses = [self.copy_share(step, nonce, sha, rnd.key)]
@@ -123,11 +121,8 @@ class Rounds:
     # ------------------------------------------------------------------ every process
 
     def copy_share(self, step: int, nonce: str, manifest_sha: str, key: str) -> dict[str, Any]:
-        """Every process, in a round: lists the local step, takes its share of the files
-        (:func:`~.files.partition`, the same on every process; each host's own
-        directory: :func:`share_of_hosts`) and copies it into the step's remote staging;
-        returns this process's status (never raises but :class:`Stopped` on the
-        primary)."""
+        """Every process, in a round: copies its share of the local step's files into
+        the remote staging; returns its status (raises only Stopped, on the primary)."""
         listing, total = None, None
         per_host = self._places.per_host
         try:
@@ -146,15 +141,7 @@ class Rounds:
                 count, index = _distributed.process_count(), _distributed.process_index()
                 share = _files.partition(sizes, count)[index]
             staging = Staging.begin(_steps.step_location(self._places.remote, step), nonce)
-            nbytes = _files.copy_files(
-                src,
-                staging.location,
-                share,
-                manifest,
-                before_file=self._yielding.before_file,
-                stopped=lambda: self._state.stop,
-                memory_limit=self._places.memory_limit(),
-            )
+            nbytes = self.copy(src, staging.location, share, manifest)
             staging.location.sync()  # this process's files: durable before it reports
         except Stopped:
             if self._places.primary:
@@ -228,8 +215,7 @@ class Rounds:
                     state.cond.notify_all()
 
     def _take_part(self, key: str, step: int, info: dict[str, Any]) -> None:
-        """Follower: copies this process's share of the round ``key`` (unless the round
-        carries its outcome already), reports it and settles the outcome."""
+        """Follower: copies its share of round ``key``, reports it, settles the outcome."""
         outcome = info.get("outcome")
         if outcome is None:
             self._yielding.start()
@@ -242,8 +228,7 @@ class Rounds:
         self._settle(step, outcome)
 
     def _await_round(self, key: str) -> str | None:
-        """Follower: the primary's decision under ``key``; None when this tier stops (or
-        its close found no round announced within the coordination timeout)."""
+        """Follower: the primary's decision under ``key``; None when this tier stops."""
         start = time.monotonic()
         while True:
             with self._state.cond:
@@ -280,10 +265,8 @@ class Rounds:
 
 
 def check_statuses(statuses: list[dict[str, Any]], nfiles: int | None) -> int:
-    """Primary: every process's status of a round, by index; returns the bytes copied,
-    or raises :class:`Stopped` (a process's tier closed meanwhile) or
-    :class:`RoundFailed` naming the processes that failed or saw other files, or when
-    the shares together are not the ``nfiles`` files the primary listed."""
+    """Primary: the bytes copied by a round's ``statuses``, or Stopped, or RoundFailed
+    naming the processes that failed or saw other files (or not ``nfiles`` copied)."""
     if any(s.get("stopped") for s in statuses):
         raise Stopped()
     failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if not s["ok"]]
@@ -314,11 +297,8 @@ def share_of_hosts(
     error: BaseException | None = None,
 ):
     """Each host's own directory, every process in a round: publishes its listing (or
-    its ``error``), gathers every host's, and returns (its share: each file of the
-    union copied once, by the least-loaded host holding it, largest first; the union's
-    listing digest; the files in the union). Raises CheckpointError when a host could
-    not list, two hosts hold a file in different sizes, or a file the manifest lists
-    is on no host. ``region``: the rounds'."""
+    ``error``), gathers every host's; returns (its share of the union, the union's
+    digest, its size). CheckpointError when the hosts' copies do not add up."""
     mine = {"error": f"{type(error).__name__}: {error}"} if error else {"sizes": sizes}
     _distributed.publish(key, json.dumps(mine), region=region)
     listings = [json.loads(v) for v in _distributed.gather_str(key, region=region)]

@@ -1,10 +1,6 @@
-"""What the persistent tier's collaborators share (see ``docs/tiers.md``).
-
-:class:`Places` is fixed at construction: the two places, the persistent retention
-and the manager's step removal. :class:`TierState` holds the replication queue and
-flags, every field guarded by its one condition (the training thread, the manager's
-save thread and the replicator thread all touch it). :class:`Yielding` is how a copy
-up waits for the manager's own save.
+"""What the persistent tier's collaborators share (see ``docs/tiers.md``): the fixed
+:class:`Places`, and :class:`TierState`, guarded by its one condition (the training,
+save and replicator threads all touch it).
 """
 
 from __future__ import annotations
@@ -36,15 +32,8 @@ class Stopped(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Places:
-    """The two places of a tier and what is fixed about them.
-
-    ``remove_step(location, step)`` deletes a committed step (the manager's, so both
-    tiers delete alike); ``primary`` and ``multi``: this process is the primary, and
-    there are several processes; ``per_host``: each process sees only its own local
-    directory (the hosts' copies of a step together hold every file); ``every``: only
-    the steps divisible by it are replicated (``Tier(every=)``); ``host_memory``: the
-    manager's ceiling, which bounds the copies (``files.copy_files``).
-    """
+    """The two places of a tier and what is fixed about them (``remove_step``: the
+    manager's, so both tiers delete alike)."""
 
     local: Location
     remote: Location
@@ -58,8 +47,7 @@ class Places:
     keep_every: int | None = None  # the steps a newer one never drops from the queue
 
     def memory_limit(self) -> int | None:
-        """The bytes a copy of this tier may hold now: the manager's ``host_memory``
-        resolved (``"auto"``: from the memory free now; None: no bound)."""
+        """The bytes a copy of this tier may hold now (the manager's ``host_memory``)."""
         return _host_memory.resolve(self.host_memory)
 
     def due(self, step: int) -> bool:
@@ -72,9 +60,8 @@ class Places:
 
 @dataclasses.dataclass
 class TierState:
-    """The replication queue and flags; every field is guarded by :attr:`cond`, but
-    :attr:`owner` (set by ``open`` before the replicator starts, then only read) and
-    the lists kept for tests (``replicated``, ``copied_files``, ``copied_down``)."""
+    """The replication queue and flags, guarded by :attr:`cond` (but :attr:`owner`, set
+    before the replicator starts, and the lists kept for tests)."""
 
     cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
     queue: set[int] = dataclasses.field(default_factory=set)
@@ -120,9 +107,8 @@ class TierState:
 
 
 class Yielding:
-    """A copy up yields to the manager's own save: :meth:`start` opens a step's
-    window of :data:`MAX_DEFER_S`; :meth:`wait` (before the step and before each
-    file, replicator threads) sleeps while ``busy()`` and the window is open."""
+    """A copy up yields to the manager's own save: :meth:`wait` sleeps while ``busy()``
+    within a step's window of :data:`MAX_DEFER_S` (:meth:`start`)."""
 
     def __init__(self, busy: Callable[[], bool], state: TierState):
         self._busy = busy

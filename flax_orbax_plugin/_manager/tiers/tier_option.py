@@ -1,10 +1,7 @@
 """Tier: the persistent tier a CheckpointManager replicates to (a public option object).
 
-``CheckpointManager(local, persistent=Tier("gs://bucket/run", keep=1, every=10))``
-(a bare path or URL is ``Tier(path)``). Each field is declared once (:data:`FIELDS`);
-until the flat ``persistent_<field>=`` keywords of earlier releases are removed, they
-are the same declarations under those names (``option_table.DEPRECATED``). What the
-fields do: ``docs/tiers.md``; the manager hands them to ``PersistentTier``.
+Each field is declared once (:data:`FIELDS`; the deprecated flat ``persistent_<field>=``
+keywords are the same declarations: ``options.DEPRECATED``). Pure values, any thread.
 """
 
 from __future__ import annotations
@@ -27,9 +24,7 @@ __all__ = ["FIELDS", "Tier", "check_place", "refuse_idle"]
 
 
 def check_place(name: str, value: Any) -> Any:
-    """A path option (``directory``, a tier's path): its type here; what it names is
-    the one path checker's (``kvstore.spec_from_path``: an UnsupportedLocationError
-    naming ``name``)."""
+    """A path option ``name`` checked: its type here, what it names by ``spec_from_path``."""
     if isinstance(value, str) and not value.strip():
         raise ValueError(f"expected a path or URL, found {found(value)}")
     if not isinstance(value, str | Location | dict) and not hasattr(value, "__fspath__"):
@@ -95,9 +90,7 @@ FIELDS: tuple[Option, ...] = (
 
 
 def refuse_idle(values: dict[str, Any], local: bool, name: Callable[[str], str] = str) -> None:
-    """A tier's field that does nothing (``name(field)``: the name it was given by):
-    ``keep_every`` without ``keep``, ``lease_seconds`` on a filesystem path (a lock
-    holds it)."""
+    """Refuses a tier's field that does nothing (``name(field)``: as it was given)."""
     if values["keep"] is None:
         refuse_without(
             name("keep_every"),
@@ -144,16 +137,11 @@ class Tier:
         host_memory: int | str | None = None,
         events: Events | None = None,
     ) -> PersistentTier:
-        """The ``PersistentTier`` this option describes, replicating ``local``
-        (the manager's writer open calls it; the other arguments: see PersistentTier)."""
+        """The ``PersistentTier`` this option describes, replicating ``local`` (the
+        manager's writer open calls it; the other arguments: see PersistentTier)."""
         return PersistentTier(
             local,
-            self.path,
-            keep=self.keep,
-            keep_every=self.keep_every,
-            every=self.every,
-            grace_seconds=self.grace_seconds,
-            lease_seconds=self.lease_seconds,
+            self,
             remove_step=remove_step,
             busy=busy,
             per_host=per_host,
