@@ -52,15 +52,19 @@ DEFAULT_READ_LIMIT_BYTES = 64 << 20
 
 @dataclasses.dataclass(frozen=True)
 class ReadRequest:
-    """How one pytree is read: ``fop.restore``'s options, checked, plus a manager's.
+    """How one pytree is read (the options of ``fop.restore``, checked, plus what a
+    manager adds).
 
-    ``memory_limit_bytes``: reads in flight; ``cast``: ``"safe"`` or ``"unsafe"``;
-    ``share_reads``: processes read a replicated leaf together (each its rows, then an
-    all-gather; collective); ``own_copy``: a host's own directory (each process reads
-    alone; a sharded array's claims are not checked against the whole array);
-    ``changes``: a restore into a changed model; ``dry_run``: return the
-    ``RestorePlan``, reading no data; ``region``: the collective operation the read is
-    part of (``_base.regions``), or None (a read one process may make alone).
+    ``memory_limit_bytes``: reads in flight; ``cast``: ``"safe"`` (no cast that changes
+    a value) or ``"unsafe"``; ``share_reads``: processes read a replicated leaf
+    together (each its rows, then an all-gather; collective); ``own_copy``: a host's own
+    directory (each process reads alone; an array read onto a sharded ``like`` holds
+    only this host's chunks, so its claims are not checked against the whole array);
+    ``changes``: a restore into a changed model (``partial``, ``missing``,
+    ``transform``, ``surgery``); ``dry_run``: return the plan of the read
+    (``RestorePlan``), reading no array data; ``region``: the collective operation the
+    read is part of (``_base.regions``; its processes agree on what they read), or None
+    (one process, or a read one process may make alone).
     """
 
     memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
@@ -85,8 +89,10 @@ class ReadRequest:
         region: _distributed.Region | None,
         ceiling: int | None = None,
     ) -> ReadRequest:
-        """The request of a manager step's items: a host's own directory read alone, else
-        replicated leaves read shared. ``ceiling``: the manager's host-memory ceiling."""
+        """The request of a manager step's items, in the manager restore's ``region``:
+        each host's own directory is read by each process alone (no collective); else
+        replicated leaves are read shared. ``ceiling``: the manager's host-memory ceiling
+        in bytes (its reads in flight stay under it: ``read_limit``), or None."""
         share = not own_copy and _distributed.process_count() > 1
         changes = changes or Changes()
         limit = (

@@ -51,9 +51,14 @@ def save_async(
         is larger (default 1 GiB on a filesystem, 256 MiB on an object store);
         refused with version 1.
       host_memory_budget: bytes of host memory the save may hold beyond the state
-        itself (None: no bound). Accelerator arrays are copied on their devices and to
-        host in pieces as the writes complete; CPU arrays are written from their own
-        memory before this returns (docs/saving.md, section 3).
+        itself (None: no bound). Accelerator arrays are copied on their devices (one
+        more state of device memory until written) and to host in pieces as the
+        writes complete (the blocking phase enqueues the device copies only). CPU
+        arrays are written from their own memory before this returns (no copy at
+        all; the blocking phase is then the data write). Small leaves (batched) are
+        copied as usual. Both format versions stream; version 2 on an object store
+        gathers each data file in memory before its upload, made smaller under a
+        budget (docs/saving.md, section 3).
 
     Returns:
       A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
@@ -64,8 +69,9 @@ def save_async(
 
 @public(errors=refusals(arguments("path")))
 def is_committed(path: Any) -> bool:
-    """True when ``path`` holds a committed standalone checkpoint; StoreAccessError for a
-    missing bucket (listed before False is said)."""
+    """True when ``path`` holds a committed standalone checkpoint. A store that
+    answers "not there" for a bucket it lacks (S3 reads a missing bucket's key as
+    missing) is listed before False is said: StoreAccessError for no such bucket."""
     location = Location.from_path(path)
     if location.exists(COMMIT_FILE):
         return True

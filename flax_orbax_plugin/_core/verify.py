@@ -87,10 +87,13 @@ def verify(
     damage (only :class:`CheckpointNotFoundError` when nothing checkable is there).
 
     ``progress``: called once per pytree checked, in the calling thread, as
-    ``progress(total_bytes, what)`` (``what``: ``"step 30/params"``, or a path); it
-    returns a context manager whose ``advance(nbytes, note)`` is called, in the same
-    thread, as each read is checked. ``memory_limit_bytes``: the host-memory ceiling of
-    the reads (None: ``VERIFY_BUDGET_BYTES`` and one more read).
+    ``progress(total_bytes, what)`` (``what``: ``"step 30/params"``, or the path of a
+    core checkpoint); it returns a context manager whose ``advance(nbytes, note)`` is
+    called, in the same thread, as each read is checked (the CLI's progress bar).
+
+    ``memory_limit_bytes``: the host-memory ceiling of the reads (None: the fixed
+    window, ``VERIFY_BUDGET_BYTES``, and one more read): the reads in flight hold
+    at most half of it each time one more is submitted, so never more than it.
     """
     given = {"step": step, "all_steps": all_steps, "memory_limit_bytes": memory_limit_bytes}
     budget = window_bytes(check_verify(**given)["memory_limit_bytes"])  # OptionError naming one

@@ -102,19 +102,22 @@ class CheckpointCallback:
     ) -> Any:
         """Returns ``state`` resumed from the latest good step (per ``resume``), or
         unchanged. With ``resume=False`` a directory holding steps is refused (or, with
-        ``overwrite=True``, emptied of them). ``data_iterator``: the iterator to save and
-        resume (if not given to the constructor).
+        ``overwrite=True``, emptied of them).
 
         ``reset`` names items kept from ``state`` instead of restored, e.g.
-        ``reset=("opt_state",)`` after changing the optimizer, ``("data_iterator",)`` to
-        start the data afresh. Resuming a step that holds a data position without a
-        ``data_iterator`` warns once (the run would replay its data).
+        ``reset=("opt_state",)`` after changing the optimizer: params, step, other
+        items and the data position are resumed, the optimizer starts fresh;
+        ``reset=("data_iterator",)`` starts the data afresh on purpose. Resuming a step
+        that holds a data position without a ``data_iterator`` warns once (the run would
+        replay its data).
 
         ``partial``, ``missing``, ``transform`` and ``surgery`` resume into a changed
-        model, as in :meth:`CheckpointManager.restore`; ``surgery`` names params' paths
-        and applies, in the other items, at every prefix that mirrors them (Adam's
-        ``0/mu/``). Then reserves the manager's host buffers
-        (:meth:`CheckpointManager.reserve`).
+        model, as in :meth:`CheckpointManager.restore` (e.g. ``missing="keep"`` for a model that
+        grew layers: the new ones keep their values from ``state``). ``surgery`` names
+        params' paths: it applies to params as given and, in the other items, at every
+        prefix that mirrors them (Adam's ``0/mu/``, ``0/nu/``), where an operation that
+        finds nothing does nothing (``_like/surgery_mirrors.py``). Then reserves the
+        manager's host buffers for saving the state (:meth:`CheckpointManager.reserve`).
         """
         if self._stepped is not None:  # else its own steps read as an earlier run's
             raise CheckpointError(

@@ -238,10 +238,13 @@ class Pending(Protocol):
 
 @runtime_checkable
 class Checkpointable(Protocol):
-    """Writes and reads one named piece of a training state; ``kind``: a short string
-    recorded in the step's manifest, ``request``: the step's modes. Threading: ``save``
-    on the training thread, ``Pending.wait`` on the manager's background thread,
-    ``restore`` on the caller's."""
+    """Writes and reads one named piece of a training state.
+
+    ``kind`` is a short string recorded in the step's JSON manifest; ``request`` the
+    step's modes (see the module docstring).
+    Threading: ``save`` is called on the training thread, ``Pending.wait`` on the
+    manager's background thread, ``restore`` on the caller's thread.
+    """
 
     kind: str
 

@@ -59,8 +59,10 @@ class Event:
 class SaveStarted(Event):
     """The policy decided to save ``step``; its blocking phase begins.
 
-    ``host_memory``: the manager's host-memory ceiling for this save in bytes (None:
-    none); ``streamed``: the save streams under it instead of copying the state first."""
+    ``host_memory``: the manager's host-memory ceiling for this save, in bytes (under
+    ``host_memory="auto"`` the figure derived from the memory free now), None without
+    one; ``streamed``: the save streams under it (writes from the state's own memory,
+    each region copied to host as it is written) instead of copying the state first."""
 
     host_memory: int | None = None
     streamed: bool = False
@@ -71,8 +73,10 @@ class SaveBlockingDone(Event):
     """The blocking phase of ``step`` ended: the training loop waited
     ``blocking_seconds``; the write and commit go on in the background.
 
-    ``staging``: how accelerator arrays were copied (``device``, ``host`` with the
-    reason where it replaced ``device``, ``pinned``, ``streamed``, or ``none``)."""
+    ``staging``: how accelerator arrays were copied (``device``: a copy on the device,
+    brought to host in the background; ``host``: to host memory before returning, with
+    the reason where it replaced ``device``; ``pinned``; ``streamed``; ``none`` where no
+    array was on an accelerator)."""
 
     blocking_seconds: float
     staging: str = "none"
@@ -86,9 +90,11 @@ class SaveCommitted(Event):
     """``step`` is committed in ``tier`` (``"local"``: the manager's directory).
 
     ``background_seconds``: from the end of the blocking phase to the commit;
-    ``total_seconds``: from the start of the save. ``files_written``, ``bytes_written``:
-    the committed step's files as stored (None where not counted); ``array_bytes``:
-    array data written, ``bytes_reused``: linked or copied from the previous step."""
+    ``total_seconds``: from the start of the save. ``files_written`` and
+    ``bytes_written``: the committed step's files as stored (see the module
+    docstring; None where not counted); ``array_bytes``: array data written,
+    ``bytes_reused``: array data linked or copied from the previous step instead
+    (incremental)."""
 
     tier: str
     blocking_seconds: float
@@ -239,11 +245,15 @@ class ScalarWriter(Protocol):
 
 
 class MetricWriterEvents:
-    """An ``on_event`` hook writing each event's figures (``Event.scalars``, tags
-    ``checkpoint/...``) to a metric ``writer`` (CLU's ``MetricWriter.write_scalars``) at
-    the event's step. Threading: called on the thread the event comes from (the save's
-    background thread for SaveCommitted); for a writer that is not thread-safe, queue
-    the events and write them from the training loop."""
+    """An ``on_event`` hook writing each event's figures to a metric writer (CLU's
+    ``MetricWriter.write_scalars(step, scalars)``: ``SummaryWriter`` for TensorBoard),
+    at the event's step, so they appear beside the loss. Tags: ``checkpoint/...``
+    (``Event.scalars``); an event without figures (SaveStarted) writes nothing.
+
+    Threading: ``write_scalars`` is called on the thread the event comes from (the
+    save's background thread for SaveCommitted); CLU's ``SummaryWriter`` may be written
+    from several threads. For a writer that may not, give the events to a queue and
+    write them from the training loop."""
 
     def __init__(self, writer: ScalarWriter):
         if not callable(getattr(writer, "write_scalars", None)):

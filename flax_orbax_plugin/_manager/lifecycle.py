@@ -84,9 +84,12 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
 
     def close(self) -> None:
         """Wait for the in-flight save, stop the threads, release the lock. Idempotent.
-        With several processes, on every process (it meets them: ``wait``); closing with
-        an error, this process then leaves the run as :meth:`leave` does. From its
-        on_event hook: HookReentryError, and it stays open."""
+        With several processes, on every process (it meets them: ``wait``). Closing
+        with an error (a save's, or one the others brought to the meeting), this
+        process then leaves the run as :meth:`leave` does: one of the others still
+        waiting for it in an operation of this manager (a step further on, after the
+        processes met the error at different steps) raises at once, naming it. From
+        its on_event hook: HookReentryError (``events``), and it stays open."""
         self._close(self.wait)
 
     def _close(self, meet: Callable[[], None]) -> None:
@@ -109,10 +112,12 @@ class Lifecycle:  # the manager's close/leave (its _saver, _book, _retainer, ...
         self._book.events.raise_error()
 
     def leave(self, error: BaseException) -> None:
-        """Closes after ``error`` ended this process's part of the run: the save in flight
-        ends, then the other processes are told that this one left (one waiting for it
-        raises ProcessFailedError naming ``error``). Waits for no other process.
-        Idempotent. From its on_event hook: HookReentryError."""
+        """Closes after ``error`` ended this process's part of the run (what the
+        ``with`` block's exit does then): the save in flight ends (committed with the
+        others, or its own error logged), then the other processes are told that this
+        one left: one waiting for it raises ProcessFailedError naming it and ``error``
+        at once. Waits for no other process. Idempotent. From its on_event hook:
+        HookReentryError, as :meth:`close`."""
         if self._closed:
             return
         try:

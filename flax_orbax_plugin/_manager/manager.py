@@ -160,11 +160,13 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
 
     @_collective("manager-delete")
     def delete(self, *steps: int, region: _distributed.Region | None) -> None:
-        """Removes the committed ``steps`` of this directory now (each leaves listings at
-        once); a step that is not committed is a CheckpointNotFoundError and removes
-        nothing. The persistent tier's copies stay (``persistent.remove(step)``).
-        Training thread, after the save in flight; with several processes every process
-        calls it with the same steps (the primary removes them)."""
+        """Removes the committed ``steps`` of this directory now, through the one owner
+        of removal (only steps this library committed; each leaves listings at once);
+        a step that is not committed is a CheckpointNotFoundError and removes nothing.
+        The persistent tier's copies stay (``persistent.remove(step)``). Call from the
+        training thread; waits for the save in flight first. With several processes
+        every process calls it with the same steps (a collective): all meet, the primary
+        removes the steps (each host its own, agreed first: ``per_host.remove_steps``)."""
         self._check_writable()
         self._saver.wait()
         steps = list(dict.fromkeys(checked_step(step) for step in steps))  # each once
@@ -195,9 +197,10 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         return self._schedule.preempted
 
     def preempted_at(self, step: int) -> bool:
-        """Whether ``step`` is the step to save before stopping (SIGTERM arrived; with
-        several processes, the step all agreed on). A caller that skips ``save`` for a
-        step asks it instead: once per step, in order, on every process."""
+        """Whether ``step`` is the step to save before stopping (``handle_sigterm=True``
+        and SIGTERM arrived; with several processes, the step all of them agreed on).
+        ``save`` asks it itself; a caller that skips ``save`` for a step (already
+        saved) asks it instead: once per step, in order, on every process."""
         return self._schedule.preempted_at(checked_step(step))
 
     @property
@@ -230,18 +233,20 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
     ) -> bool:
         """Save ``state`` as ``step`` if the policy says so; return whether it saved.
 
-        ``state`` (a Flax TrainState, NNX module/optimizer, or a dict of items) is split
-        into items; ``data_iterator``'s state and the JSON ``extras`` (or a callable
-        returning them, called only when the step is saved) become items too.
-        ``ignore_policy=True`` saves whatever the policy says (``force=``, its old name,
-        warns). A step at or below the latest committed one is refused unless
-        ``overwrite=True`` (which replaces it atomically). ``t``: the time of the decision
-        (default: the manager's clock).
+        ``state`` is split into checkpointables (``_state/train_state.py``): a Flax
+        TrainState, NNX module/optimizer, or a dict of items. ``data_iterator``'s
+        state and the JSON ``extras`` become items too. ``ignore_policy=True`` saves
+        whatever the policy says (``force=``, its old name, warns). A step at or below
+        the latest committed one is refused unless ``overwrite=True`` (which replaces an
+        existing step atomically). ``t`` is the time of the decision (default: the
+        manager's clock). ``extras`` may be a callable returning the mapping, called only
+        when the step is saved.
 
-        Returns once every item's blocking phase is done (state may then be mutated or
-        donated); the write completes in the background unless ``async_save=False``. A
-        save still writing is waited for first, or cancelled (``supersede=``). Training
-        thread only; with several processes, on every process.
+        Returns once every item's blocking phase is done (state may then be mutated
+        or donated); the write completes in the background unless ``async_save=False``.
+        A save still writing is waited for first, or cancelled (``supersede=``: see
+        ``Saver.supersede``). Call from the training thread only; with several
+        processes, on every process.
         """
         self._check_writable()
         self._refuse_open_parts("save")
@@ -307,13 +312,16 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         expect: Iterable[str],
         overwrite: bool = False,
     ) -> StepParts:
-        """Opens ``step`` to be saved in parts: returns a :class:`StepParts` (a context
-        manager) whose ``save(name, value)`` adds item ``name``; the step commits once,
-        when the last of ``expect`` (item names) is saved. Until then it is never listed
-        or restored; leaving the ``with`` block (or ``abort()``) with parts missing
-        removes what it staged. The policy is not asked; ``overwrite`` as in ``save``.
-        While it is open ``save``, ``gc`` and ``step_parts`` are refused. Training
-        thread; with several processes every process saves every part, in one order."""
+        """Opens ``step`` to be saved in parts, from several calls: returns a
+        :class:`StepParts` (a context manager) whose ``save(name, value)`` adds item
+        ``name``; the step commits once, when the last of ``expect`` (item names) is
+        saved, with the one-commit rule of ``save``. Until then it is never listed,
+        restored or counted; leaving the ``with`` block (or ``abort()``) with parts
+        missing removes what it staged. The policy is not asked (see ``should_save``);
+        ``overwrite`` as in ``save``. One step at a time: ``save``, ``gc`` and another
+        ``step_parts`` are refused while one is open. Waits for the save in flight
+        first. Training thread; with several processes every process opens the step
+        and saves every part, in the same order (docs/manager.md)."""
         self._check_writable()
         self._refuse_open_parts("step_parts")
         step, names = checked_step(step), checked_expect(expect)
@@ -412,11 +420,14 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
           the step lacks), ``transform`` and ``surgery`` as in ``fop.restore``, within
           each pytree item. Without them a StructureError lists every difference.
 
-        Without ``step``, a damaged latest step is skipped with a warning and, by a
-        writer, moved aside to ``<step>.corrupt-<nonce>``; the newest good step is
-        restored. With ``step``, damage raises. Waits for the save in flight first.
-        ``memory_limit_bytes``: the host memory this restore's reads hold at most (never
-        above the manager's ``host_memory``).
+        Without ``step``, a latest step that is damaged (a checksum fails, a file is
+        missing) is skipped with a warning and, by a writer, moved aside to
+        ``<step>.corrupt-<nonce>`` (never deleted); the newest good step is restored.
+        With ``step``, damage raises. Waits for the save in flight first (not from a hook).
+        A step being read is never deleted by this manager's retention.
+
+        ``memory_limit_bytes``: the host memory this restore's reads hold at most (bytes;
+        never above the manager's ``host_memory``, which applies without it).
         """
         if isinstance(like, numbers.Integral) and not isinstance(like, bool):
             raise OptionTypeError(
@@ -448,13 +459,15 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         return self._saver.inflight
 
     def wait_for_save(self) -> None:
-        """Block until this process's save in flight is committed; re-raises its error
-        (once). Unlike :meth:`wait`: not collective, no retention waited for."""
+        """Block until this process's save in flight is committed; re-raises its
+        background error (once). Unlike :meth:`wait` it is no collective operation and
+        waits for no retention: a caller that polls :attr:`pending_save` calls it."""
         self._saver.wait()
 
     def warn_data_replay(self) -> None:
         """Warns (once) when the step last restored holds a data position that was not
-        restored (a resume that restores named items calls it after)."""
+        restored (the run would read its data again); a resume that restores named
+        items (the callback's ``reset=``) calls it after."""
         if self.restored_step is not None:
             self._restorer.warn_replay(self.restored_step)
 

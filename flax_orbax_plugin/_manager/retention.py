@@ -131,9 +131,12 @@ class KeepEvery(KeepRule):
 
 @dataclass(frozen=True)
 class KeepBest(KeepRule):
-    """Keeps the ``n`` (>= 1) steps with the best finite ``extras[metric]`` (NaN or inf:
-    never best; no value: left to the other rules). While no step holds a value it
-    keeps every step (it cannot tell which are best)."""
+    """Keeps the ``n`` (>= 1) steps with the best finite ``extras[metric]``. A NaN or
+    infinite value is known and never best (a diverged step); a step without a value
+    (its extras lack the metric) is left to the other rules, as a step saved between
+    evaluations is. While no step holds a value at all (a misspelt ``metric``, or no
+    evaluation yet) it ranks nothing and keeps every step: it cannot tell which are
+    best, and deleting them would lose the ones it was asked to keep."""
 
     n: int
     metric: str = ""
@@ -297,7 +300,8 @@ class Retention(KeepRule):
 
     @property
     def rule(self) -> KeepRule:
-        """The same retention as the composable rules (what the library is handed)."""
+        """The same retention as the composable rules (``from_aliases``), which
+        answers for it (the library itself is handed the rule: ``options``)."""
         return from_aliases(vars(self))
 
     @property

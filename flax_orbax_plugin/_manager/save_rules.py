@@ -152,7 +152,8 @@ def step_set(steps: Any, where: str) -> frozenset | range:
 
 @dataclass(frozen=True)
 class AtSteps(SaveRule):
-    """Saves these steps (ints >= 0; a range stays a range, else a frozenset)."""
+    """Saves these steps (ints >= 0: a range stays a range, anything else is kept as a
+    frozenset; see ``step_set``)."""
 
     steps: frozenset | range
 
@@ -348,7 +349,8 @@ class SavePolicy(SaveRule):
 
     @property
     def rule(self) -> SaveRule:
-        """The same policy as the composable objects (what the library is handed)."""
+        """The same policy as the composable objects (``from_aliases``), which
+        answers for it (the library itself is handed the rule: ``options``)."""
         return from_aliases(vars(self))
 
     @property

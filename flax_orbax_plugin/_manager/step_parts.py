@@ -64,9 +64,13 @@ class _Writing:
 
 
 class StepParts:
-    """One step saved in parts, as ``CheckpointManager.step_parts`` returns it; a
-    context manager. ``opened``: the step begun; ``expect``: the item names it commits
-    with; ``finished(blocking)``: called once the commit started."""
+    """One step saved in parts (see the module docstring), as
+    ``CheckpointManager.step_parts`` returns it; a context manager.
+
+    ``saver``: the manager's; ``opened``: the step, begun (``Saver.begin_parts``);
+    ``expect``: the item names it commits with; ``region``: the step's collective
+    operation; ``finished(blocking)``: called once the commit started (the manager's
+    bookkeeping, its wait when saves are synchronous)."""
 
     def __init__(
         self,
@@ -178,9 +182,10 @@ class StepParts:
         self._blocking += time.perf_counter() - began
 
     def abort(self) -> None:
-        """Gives the step up: its writes cancelled and waited for, what it staged removed
-        (several processes: left for the next open or ``gc()``), nothing committed. A
-        no-op once committing or given up. Training thread, on every process."""
+        """Gives the step up: its writes are cancelled and waited for, what it staged is
+        removed (with several processes: left, ours, for the next open or ``gc()``);
+        nothing is committed. A no-op once the commit started or the step was given up.
+        Training thread; with several processes, on every process."""
         if self._state == "open":
             self._give_up(CheckpointError(f"step {self._opened.step} of {self._where}: aborted"))
 

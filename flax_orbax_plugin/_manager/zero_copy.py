@@ -315,10 +315,11 @@ def _key(x: jax.Array) -> tuple:
 
 class HostMemory:  # the manager's reserve and wrap_step (its _saver and _check_writable)
     def reserve(self, like: Any) -> int:
-        """Allocates and populates the host buffers one save of ``like`` (the state, or
-        ShapeDtypeStructs) copies into, so the first save costs what a steady one does.
-        Returns the bytes allocated (0 after :meth:`wrap_step`). Training thread, before
-        the loop; refused when read-only."""
+        """Allocates and populates (``MADV_POPULATE_WRITE``) the host buffers one save of
+        ``like`` (the state, or ShapeDtypeStructs on one device) copies into: the first
+        save costs what a steady one does. Returns the bytes allocated (0 once
+        :meth:`wrap_step` was called: saves then copy nothing). Training thread, before
+        the loop (``CheckpointCallback.on_train_start`` calls it); read-only: refused."""
         self._check_writable()  # type: ignore[attr-defined]
         return self._saver.reserve(like)  # type: ignore[attr-defined]
 
@@ -335,13 +336,17 @@ class HostMemory:  # the manager's reserve and wrap_step (its _saver and _check_
         donate_argnums=0)``, then ``state, metrics = step(state, batch)``.
 
         From this call on, the manager's saves keep the state's CPU arrays as zero-copy
-        views, and the step right after a save writes its outputs into the previous
-        save's arrays instead of donating the ones being written. ``donate_argnums``,
-        ``static_argnums``, ``static_argnames``: as ``jax.jit``'s. Training thread.
+        views (no host buffers, nothing copied in the blocking phase), and the step
+        right after a save writes its outputs into the previous save's arrays instead
+        of donating the ones being written. Call on the training thread.
 
-        Not recommended for speed (``benchmarks/results/train_zero_copy_0.6.md``: 1.31x
-        the run without saves against 1.26x with ``reuse_host_buffers=True``); it
-        saves host memory between saves against the pool."""
+        Not recommended for speed: measured on CPU (1.2 GB state, a save every 10 of 60
+        steps, `benchmarks/results/train_zero_copy_0.6.md`) its loop took 1.31x the run
+        without saves against 1.26x with ``reuse_host_buffers=True``: its blocking phase
+        is shorter (23 ms against 120 ms) but every step ran slower (0.30 s against 0.27
+        s median), two states held and the spare's variant competing with the writer.
+        It saves host memory between saves against the pool; on accelerators the device
+        staging makes it moot."""
         self._check_writable()  # type: ignore[attr-defined]
         step = ZeroCopyStep(
             fn,

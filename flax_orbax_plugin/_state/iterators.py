@@ -40,8 +40,10 @@ class StepIndexedIterator:
         :meth:`seek`. Epochs end when ``make_epoch``'s iterable does.
       num_epochs: stop after this many epochs (epoch form); None repeats forever.
 
-    ``get_state()`` is the position of the next batch handed out; behind a prefetcher,
-    give the callback no data iterator and ``seek(int(state.step))`` after resuming.
+    ``get_state()`` is the position of the next batch this adapter hands out. If
+    a prefetcher draws from it ahead of training, that is ahead of the step being
+    saved: then give the callback no data iterator and, after resuming, call
+    ``seek(int(state.step))`` (batches consumed equal steps done).
     """
 
     def __init__(
@@ -126,8 +128,10 @@ class StepIndexedIterator:
         return {"index": self._index, "epoch": self._epoch, "offset": self._offset}
 
     def set_state(self, state: Any) -> None:
-        """Positions the iterator at ``state`` (from ``get_state()``); ValueError for a
-        state of the other form or with a bad field."""
+        """Positions the iterator where ``get_state()`` returned ``state``.
+
+        Raises ValueError for a state of the other form or with a bad field.
+        """
         if not isinstance(state, dict):
             raise ValueError(
                 f"StepIndexedIterator.set_state: expected a dict, found {type(state).__name__}"
@@ -151,8 +155,9 @@ class StepIndexedIterator:
         self._it = None
 
     def global_position(self) -> int:
-        """The global index of the next batch, the same on every process (a step saved on
-        N processes resumes on M)."""
+        """The global index of the next batch: the same on every process, whatever their
+        number (``make_batch(index)`` makes this process's share of batch ``index``).
+        A step saved on N processes therefore resumes on M (``_state.global_position``)."""
         return self._index
 
     def set_global_position(self, position: int) -> None:
