@@ -250,10 +250,12 @@ def _context_uses(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
-def scan(root: Path):
-    """(context variables, module-level mutable state, version tests) of the package."""
-    found = modules(root)
-    trees = {name: ast.parse(path.read_text()) for name, path in found.items()}
+def scan(root: Path, trees: dict[str, ast.AST] | None = None):
+    """(context variables, module-level mutable state, version tests) of the package;
+    ``trees``: its modules already parsed (dotted name -> tree, as :func:`modules`
+    names them), so that a caller that parsed them need not have them parsed again."""
+    if trees is None:
+        trees = {name: ast.parse(path.read_text()) for name, path in modules(root).items()}
     mutated = {name: _mutated(tree) for name, tree in trees.items()}
     mutated_anywhere: set[str] = set().union(*mutated.values())
     contexts, state, tests = [], [], []
