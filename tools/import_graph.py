@@ -190,9 +190,10 @@ def main(argv: list[str]) -> int:
     big_functions = []
     classes = []
     unexplained: list[tuple[str, int]] = []  # function-level imports without a why
+    trees: dict[str, ast.AST] = {}  # parsed once, for state_scan too
     for name, path in modules.items():
         text = path.read_text()
-        tree = ast.parse(text)
+        tree = trees[name] = ast.parse(text)
         lines = len(text.splitlines())
         source = text.splitlines()
         if lines > MODULE_LINES:
@@ -281,7 +282,7 @@ def main(argv: list[str]) -> int:
             )
             if n > most
         ]
-        contexts, state, tests = state_scan.scan(root)
+        contexts, state, tests = state_scan.scan(root, trees)
         for module, line, name, what in state_scan.hidden_modes(contexts, state):
             broken.append(f"hidden mode {name} ({what}) at {module}:{line}: pass it explicitly")
         for module, line, name, what in state_scan.outside_seam(tests):

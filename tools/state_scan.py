@@ -139,11 +139,26 @@ def _last_name(node: ast.AST) -> str | None:
     return None
 
 
+_FUNCTIONS = ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+
+
+def _outermost_functions(tree: ast.AST, kinds=_FUNCTIONS):
+    """The functions of ``tree`` that no other function holds (a nested one is inside
+    its outer one's walk: walking it again would only repeat its nodes)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, kinds):
+            yield node
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+
+
 def _in_functions(tree: ast.AST):
-    """Every node inside a function body (a container filled at import is a constant)."""
-    for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-            yield from ast.walk(fn)
+    """Every node inside a function body (a container filled at import is a constant),
+    each once."""
+    for fn in _outermost_functions(tree):
+        yield from ast.walk(fn)
 
 
 def _mutated(tree: ast.AST) -> set[str]:
@@ -170,14 +185,18 @@ def _mutated(tree: ast.AST) -> set[str]:
 
 
 def _globals_rebound(tree: ast.AST) -> set[str]:
+    """Names a function stores to that it (or a function inside it) declares global.
+    An outermost function's walk holds every nested one's declarations and stores, so
+    the nested ones add nothing: each function is walked once, inside its outermost."""
     out: set[str] = set()
-    for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
-            declared = {n for g in ast.walk(fn) if isinstance(g, ast.Global) for n in g.names}
-            for node in ast.walk(fn):
-                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                    if node.id in declared:
-                        out.add(node.id)
+    for fn in _outermost_functions(tree, ast.FunctionDef | ast.AsyncFunctionDef):
+        declared, stored = set(), set()
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Global):
+                declared.update(node.names)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                stored.add(node.id)
+        out |= declared & stored
     return out
 
 
@@ -231,16 +250,17 @@ def _context_uses(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
-def scan(root: Path):
-    """(context variables, module-level mutable state, version tests) of the package."""
-    found = modules(root)
-    trees = {name: ast.parse(path.read_text()) for name, path in found.items()}
-    mutated_anywhere: set[str] = set()
-    for tree in trees.values():
-        mutated_anywhere |= _mutated(tree)
+def scan(root: Path, trees: dict[str, ast.AST] | None = None):
+    """(context variables, module-level mutable state, version tests) of the package;
+    ``trees``: its modules already parsed (dotted name -> tree, as :func:`modules`
+    names them), so that a caller that parsed them need not have them parsed again."""
+    if trees is None:
+        trees = {name: ast.parse(path.read_text()) for name, path in modules(root).items()}
+    mutated = {name: _mutated(tree) for name, tree in trees.items()}
+    mutated_anywhere: set[str] = set().union(*mutated.values())
     contexts, state, tests = [], [], []
     for name, tree in trees.items():
-        mutated_here = _mutated(tree)
+        mutated_here = mutated[name]
         bound_at = {s.lineno: b for s in tree.body for b, _ in _bound(s)}
         for line, what in _context_uses(tree):
             contexts.append((name, line, bound_at.get(line, what), "context variable"))

@@ -34,8 +34,14 @@ def _check(root: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_package_has_no_hidden_mode():
-    contexts, state, _ = state_scan.scan(ROOT / "flax_orbax_plugin")
+@pytest.fixture(scope="module")
+def package_scan():
+    """The scan of the package (read only: the tests below only look at its lists)."""
+    return state_scan.scan(ROOT / "flax_orbax_plugin")
+
+
+def test_the_package_has_no_hidden_mode(package_scan):
+    contexts, state, _ = package_scan
     assert contexts == []  # none allowed: a collective region is an argument too
     assert state_scan.hidden_modes(contexts, state) == []
     assert _check(ROOT / "flax_orbax_plugin").returncode == 0
@@ -87,8 +93,8 @@ def test_a_context_variable_is_never_allowed(tmp_path, module, text):
     assert "hidden mode" in done.stderr and dotted in done.stderr
 
 
-def test_the_package_tests_no_format_version_outside_the_seam():
-    *_, tests = state_scan.scan(ROOT / "flax_orbax_plugin")
+def test_the_package_tests_no_format_version_outside_the_seam(package_scan):
+    *_, tests = package_scan
     assert state_scan.outside_seam(tests) == []
     assert any(t[0] == "flax_orbax_plugin._core.formats" for t in tests)  # it looks
 
