@@ -158,8 +158,17 @@ def restore(
         ForeignEntryError (a subclass): a symlink or special file in the checkpoint.
       StepDeletedError: the checkpoint was deleted (by retention) while being read.
     """
-    options = {k: v for k, v in locals().items() if k not in ("path", "like")}
-    request = _restore.read_request(**options)  # every option checked, before any read
+    request = _restore.read_request(  # every option checked, before any read
+        region=region,
+        partial=partial,
+        missing=missing,
+        transform=transform,
+        surgery=surgery,
+        dry_run=dry_run,
+        memory_limit_bytes=memory_limit_bytes,
+        cast=cast,
+        share_replicated_reads=share_replicated_reads,
+    )
     return _read_place(Location.from_path(path), like, request)
 
 
