@@ -1,6 +1,6 @@
 """``inspect``, ``export``, ``import`` and ``gc``: ``cmd_<name>(args) -> exit status``.
 
-Called by ``dispatch`` after ``main`` checked the usage (``usage``). The CLI is a client
+Called by ``dispatch`` after ``main`` checked the usage. The CLI is a client
 of the library, so it works on every store the library does.
 """
 
@@ -15,8 +15,11 @@ from typing import Any
 
 from .._core import ownership as _ownership
 from .._core import restore as _restore
+from .._core import writer_liveness as _liveness
 from .._errors import (
+    CheckpointError,
     DirectoryLockedError,
+    ForeignEntryError,
     OptionError,
     StructureError,
 )
@@ -31,13 +34,14 @@ from .._interop.safetensors.headers import DTYPE_NAMES as _SAFETENSORS_DTYPES
 from .._interop.safetensors.headers import read_safetensors_index, tensor_nbytes
 from .._like.onto_like import with_advice
 from .._manager.checkpointables import COPY_KINDS
+from .._manager.housekeeping import rolls_forward
 from .._manager.manager import CheckpointManager
+from .._manager.retention import Retention, sound_steps_to_delete
 from .._storage import lease as _lease
 from .._storage.location import Location
 from .._storage.lock import live_holder
 from . import json_output, plot
 from .display import byte_progress, make_table, status
-from .gc_plan import plan as gc_plan
 from .output import CliError, human_bytes, one_line, shell_word
 from .paths import JSON_KINDS, names_one, read_json_item, resolve
 
@@ -348,3 +352,64 @@ def _report_gc(loc: Location, args, unfinished, removed, kept, left) -> None:
 def _writer_now(loc: Location) -> str | None:
     """Who writes to ``loc`` now: the holder of its lock (local) or lease (a store)."""
     return live_holder(loc.path) if loc.is_local else _lease.live_holder(loc)
+
+
+@dataclasses.dataclass(frozen=True)
+class GcPlan:
+    """Names ``gc`` would remove (``unfinished`` entries, committed ``steps``, the
+    ``exports`` that died left), the steps it would keep, the entries it leaves alone."""
+
+    unfinished: list[str]
+    steps: list[int]
+    kept: list[int]
+    left_alone: list[str]
+    exports: list[str] = dataclasses.field(default_factory=list)
+
+
+def gc_plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
+    """What ``gc --keep keep --keep-every keep_every`` would do to ``loc`` now, found by
+    reading only: the rules of the writer's housekeeping and retention asked without a
+    writer (no lock, nothing written or removed; a test compares their answers)."""
+    listing = _steps.list_directory(loc)
+    finishing = [n for n in listing.unfinished if rolls_forward(loc, n, listing)]
+    unfinished = [n for n in listing.unfinished if n not in finishing and _proven(loc.child(n))]
+    foreign_gone = []
+    kinds = loc.child_kinds() if loc.is_local else {}
+    for name in listing.foreign:
+        entry = loc.child(name)
+        if loc.is_local:
+            staging = kinds.get(name) == "dir" and _steps.SAVE_STAGING_RE.match(name)
+            if staging and _liveness.is_dead(entry) and _proven(entry):
+                foreign_gone.append(name)
+        elif _steps.is_step_name(name) and _proven(entry):
+            foreign_gone.append(name)
+    committed = sorted(listing.committed)
+    doomed: list[int] = []
+    if keep is not None:
+        policy = Retention(keep=keep, keep_every=keep_every).rule  # its checks, then rules
+        doomed = sound_steps_to_delete(
+            committed,
+            policy,
+            whole=lambda s: _steps.manifest_damage(loc, s) is None,
+            protected=committed[-1:],
+        )
+    exports = _remains.dead(loc.path.rstrip("/")) if loc.is_local else []
+    done = unfinished + foreign_gone + finishing + exports
+    left = [n for n in listing.unfinished + listing.foreign if n not in done]
+    return GcPlan(
+        unfinished=unfinished + foreign_gone,
+        steps=doomed,
+        kept=[s for s in committed if s not in doomed],
+        left_alone=left,
+        exports=exports,
+    )
+
+
+def _proven(loc: Location) -> bool:
+    """Whether housekeeping would remove ``loc``: proven ours, or an empty local folder."""
+    try:
+        if _ownership.proof(loc) is not None:
+            return True
+    except (ForeignEntryError, CheckpointError):
+        return False
+    return loc.is_local and _ownership.is_empty(loc)

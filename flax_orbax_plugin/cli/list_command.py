@@ -35,7 +35,7 @@ def cmd_list(args) -> int:
         shut = dict(listing.unreadable)  # step folders the environment kept shut: a row each
         steps = sorted({*listing.committed, *shut})
         print(f"{loc}: {len(steps)} step(s)")
-        rows = [_list_row(loc, step, shut=shut.get(step)) for step in steps]
+        rows = [_list_row(_step_record(loc, step, shut=shut.get(step))) for step in steps]
         print(make_table(rows))
     if listing.unfinished:
         print(
@@ -54,7 +54,7 @@ def _list_one_checkpoint(loc: Location) -> bool:
     if loc.exists(MANIFEST_FILE):
         manifest = _layout.read_manifest(loc)
         print(f"{loc}: step {manifest.step} of the run directory {loc.parent}")
-        print(make_table([_list_row(loc.parent, manifest.step, step_loc=loc)]))
+        print(make_table([_list_row(_step_record(loc.parent, manifest.step, step_loc=loc))]))
         kinds = ", ".join(f"{n} ({e.kind})" for n, e in sorted(manifest.items.items()))
         print(f"items: {kinds}")
         return True
@@ -98,13 +98,11 @@ def _list_data(loc: Location, args) -> int:
             if r["_time"] is not None
         ]
         plot.saves_figure(str(directory), saves, args.plot)
-    for r in records:
-        del r["_time"]
     if args.json:
         json_output.emit(
             {
                 "directory": str(directory),
-                "steps": records,
+                "steps": [{k: v for k, v in r.items() if k[0] != "_"} for r in records],
                 "unfinished": list(listing.unfinished),
                 "set_aside": list(listing.corrupt),
                 "foreign": list(listing.foreign),
@@ -118,8 +116,9 @@ def _list_data(loc: Location, args) -> int:
 def _step_record(
     loc: Location, step: int, *, step_loc: Location | None = None, shut: str | None = None
 ) -> dict:
-    """One step of ``list --json`` (``_time``: for a plot); ``shut``: why the listing
-    could not read the step's folder."""
+    """One step of ``list``: the fields of ``list --json``, and three not in it
+    (``_time``: for a plot, ``_metrics``: every numeric extra, ``_damage``: whether the
+    step's error is damage); ``shut``: why the listing could not read the step's folder."""
     step_loc = step_loc or _steps.step_location(loc, step)
     out: dict[str, Any] = {"step": step, "_time": None, "size_bytes": None}
     try:
@@ -129,7 +128,10 @@ def _step_record(
         manifest, extras = _layout.read_manifest(step_loc), load_extras(step_loc)
     except (CheckpointError, OSError) as e:  # OSError: unreadable here (not checked)
         out.update(bytes_written=None, bytes_reused=None, saved_at=None, items=[], metrics={})
-        return {**out, "damaged": _why(e)}
+        return {**out, "damaged": _why(e), "_damage": isinstance(e, CheckpointError)}
+    numbers = {
+        k: v for k, v in extras.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     return {
         **out,
         "bytes_written": manifest.bytes_written,
@@ -137,7 +139,8 @@ def _step_record(
         "saved_at": iso_time(manifest.time),
         "_time": manifest.time,
         "items": sorted(manifest.items),
-        "metrics": json_output.finite_metrics(extras),
+        "metrics": json_output.finite_metrics(numbers),
+        "_metrics": numbers,
         "damaged": None,
     }
 
@@ -149,29 +152,21 @@ def _why(e: BaseException) -> str:
     return f"cannot be read: {text}"
 
 
-def _list_row(
-    loc: Location, step: int, *, step_loc: Location | None = None, shut: str | None = None
-) -> _ListRow:
-    step_loc = step_loc or _steps.step_location(loc, step)
-    try:
-        if shut is not None:  # the listing could not read the step's folder
-            raise PermissionError(shut)
-        size = dir_bytes(step_loc)
-        manifest, extras = _layout.read_manifest(step_loc), load_extras(step_loc)
-    except (CheckpointError, OSError) as e:
-        what = "DAMAGED: " if isinstance(e, CheckpointError) else ""
-        return _ListRow(str(step), "?", "?", "?", "?", f"{what}{_why(e)}", "-")
-    metrics = {
-        k: v for k, v in extras.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-    }
+def _list_row(record: dict) -> _ListRow:
+    """One row of the ``list`` table from :func:`_step_record`'s ``record``."""
+    if record["damaged"] is not None:
+        what = "DAMAGED: " if record["_damage"] else ""
+        return _ListRow(str(record["step"]), "?", "?", "?", "?", what + record["damaged"], "-")
+    size, written, reused = record["size_bytes"], record["bytes_written"], record["bytes_reused"]
+    metrics = sorted(record["_metrics"].items())
     return _ListRow(
-        step=str(step),
+        step=str(record["step"]),
         size="?" if size is None else human_bytes(size),
-        written="-" if manifest.bytes_written is None else human_bytes(manifest.bytes_written),
-        reused="-" if manifest.bytes_reused is None else human_bytes(manifest.bytes_reused),
-        saved=iso_time(manifest.time),
-        items=",".join(sorted(manifest.items)),
-        metrics=" ".join(f"{k}={_metric(v)}" for k, v in sorted(metrics.items())) or "-",
+        written="-" if written is None else human_bytes(written),
+        reused="-" if reused is None else human_bytes(reused),
+        saved=record["saved_at"],
+        items=",".join(record["items"]),
+        metrics=" ".join(f"{k}={_metric(v)}" for k, v in metrics) or "-",
     )
 
 

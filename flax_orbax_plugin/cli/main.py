@@ -2,7 +2,9 @@
 status (1: damage found by ``verify``, 3: an object store refused, 2: anything else).
 
 The standard library only, so ``--help`` and ``--version`` answer at once; ``main``
-loads the commands (JAX and tensorstore: seconds) only after the arguments parse.
+loads the commands (JAX and tensorstore: seconds) only after the arguments parse and
+:func:`check_usage` has said the usage errors the arguments alone show (the commands do
+not check those again).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 from .._errors import CheckpointError
 from .._version import __version__
-from . import shell, usage
+from . import shell
 from .output import EXIT_ERROR, CliError, in_flag_words, one_line
 
 _PATH = (
@@ -24,6 +26,7 @@ _STEP = "the step to read when PATH is a directory of steps (default: the latest
 _JSON = "print one JSON document instead (its schema: docs/cli.md)"
 _PLOT_LEAVES = "also draw the leaves by size to FILE (.png or .svg; needs matplotlib)"
 _PLOT_SAVES = "also draw the steps' saves over time to FILE (.png or .svg; needs matplotlib)"
+PLOT_FORMATS = {".png": "png", ".svg": "svg"}  # what --plot writes, by file name
 
 
 def _positive(text: str) -> int:
@@ -207,6 +210,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_usage(args: argparse.Namespace) -> None:
+    """CliError for the first usage error ``args`` (parsed) shows by itself."""
+    name = args.command
+    if name == "verify" and args.step is not None and args.all:
+        raise CliError(f"--step {args.step} and --all: choose one (--all checks every step)")
+    plot = getattr(args, "plot", None)
+    if plot and os.path.splitext(plot)[1].lower() not in PLOT_FORMATS:
+        raise CliError(f"--plot {plot!r}: expected a file name ending in .png or .svg")
+    if name == "export" and args.dtype is None and args.cast != "safe":
+        raise CliError(f"--cast {args.cast} does nothing without --dtype (no leaf is cast)")
+    if name == "gc" and args.keep_every is not None and args.keep is None:
+        raise CliError(f"--keep-every {args.keep_every} does nothing without --keep N")
+
+
 def main(argv: list[str] | None = None) -> int:
     # A shell's command (see shell): signals taken before anything else.
     interrupts = shell.install_signals() if argv is None else None
@@ -231,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, interrupts: shell.Interrupts | None) -> int:
     """The command's exit status; errors as one line (a KeyboardInterrupt propagates)."""
     try:
-        usage.check(args)  # said before the command loads (JAX, seconds)
+        check_usage(args)  # said before the command loads (JAX, seconds)
         # Inside the function on purpose: --help and --version must not load JAX.
         from . import dispatch
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from .._format.describe import holding_checkpoint
 from .._storage.location import Location
+from .main import PLOT_FORMATS
 from .output import CliError, human_bytes
-from .usage import PLOT_FORMATS
 
 TOP_LEAVES = 30  # the largest leaves drawn; the rest are one "other" bar per item
 
@@ -43,7 +43,7 @@ class Save:
 
 def check_output(path: str) -> None:
     """A CliError naming ``--plot`` unless matplotlib is found and the place is allowed
-    (the suffix: ``usage``)."""
+    (the suffix: ``main.check_usage``)."""
     _figure_class()
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):

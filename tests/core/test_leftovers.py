@@ -24,7 +24,7 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin._core import ownership as _ownership
 from flax_orbax_plugin._core import writer_liveness as _liveness
 from flax_orbax_plugin._storage.location import Location
-from flax_orbax_plugin.cli import gc_plan
+from flax_orbax_plugin.cli.commands import gc_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TMP_MARKER = _ownership.PENDING_FILE + ".tmp-0123456789abcdef"
@@ -49,7 +49,7 @@ def test_a_cut_short_marker_write_in_a_step_being_removed_is_ours(tmp_path):
     doomed = run / "1.deleting-0abc"
     os.rename(run / "1", doomed)
     (doomed / TMP_MARKER).write_bytes(_ownership._pending_bytes("0abc"))
-    assert gc_plan.plan(Location.from_path(str(run)), keep=None, keep_every=None).unfinished == [
+    assert gc_plan(Location.from_path(str(run)), keep=None, keep_every=None).unfinished == [
         doomed.name
     ]
     with fop.CheckpointManager(run) as mngr:
@@ -98,7 +98,7 @@ def test_gc_removes_abandoned_copies_and_empty_staging_beside_a_checkpoint(tmp_p
     _abandon(path, "deleting")
     (tmp_path / "core.partial-empty1").mkdir()  # a save that failed before its marker
     monkeypatch.setattr(_liveness, "QUIET_SECONDS", 0.0)
-    plan = gc_plan.plan(Location.from_path(str(tmp_path)), keep=None, keep_every=None)
+    plan = gc_plan(Location.from_path(str(tmp_path)), keep=None, keep_every=None)
     assert sorted(plan.unfinished) == [
         "core.deleting-deadd1",
         "core.partial-deadp1",
