@@ -195,6 +195,13 @@ def flag(name: str, value: Any) -> bool:
     return Option(name, "flag").check(value)
 
 
+def _point(name: str, what: str, *, with_errno: bool = False) -> tuple[Option, None]:
+    """A test hook's variable (``phase[:N]``, and ``:ERRNO`` ``with_errno``), unset by
+    default; ``what``: the words of its messages."""
+    convert = lambda t: fault_spec(t, with_errno=with_errno)
+    return Option(name, "custom", convert=convert, expected=what), None
+
+
 VARIABLES: dict[str, tuple[Option, Any]] = {
     "FOP_BACKGROUND_NICE": (Option("FOP_BACKGROUND_NICE", "int", low=0, high=19), 0),
     "FOP_COORDINATION_TIMEOUT_S": (
@@ -236,32 +243,14 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
     # _storage.contexts: retries of an object store request (0.5 s doubling to 10 s)
     "FOP_STORE_RETRIES": (Option("FOP_STORE_RETRIES", "int", low=0, high=100), 8),
     "FOP_TIER_RETRY_DELAY_S": (Option("FOP_TIER_RETRY_DELAY_S", "number", low=0, high=60), 0.5),
-    "FOP_KILL_AT": (
-        Option(
-            "FOP_KILL_AT",
-            "custom",
-            convert=lambda t: fault_spec(t, with_errno=False),
-            expected="a kill point: 'phase' or 'phase:N' (its N-th hit, N >= 1)",
-        ),
-        None,
+    "FOP_KILL_AT": _point(
+        "FOP_KILL_AT", "a kill point: 'phase' or 'phase:N' (its N-th hit, N >= 1)"
     ),
-    "FOP_PAUSE_AT": (  # test pause points (_env.pause_point)
-        Option(
-            "FOP_PAUSE_AT",
-            "custom",
-            convert=lambda t: fault_spec(t, with_errno=False),
-            expected="a pause point: 'phase' or 'phase:N' (its N-th hit, N >= 1)",
-        ),
-        None,
+    "FOP_PAUSE_AT": _point(
+        "FOP_PAUSE_AT", "a pause point: 'phase' or 'phase:N' (its N-th hit, N >= 1)"
     ),
-    "FOP_SLOW_AT": (  # test slow points (_env.slow_point): every pass from the Nth
-        Option(
-            "FOP_SLOW_AT",
-            "custom",
-            convert=lambda t: fault_spec(t, with_errno=False),
-            expected="a slow point: 'phase' or 'phase:N' (from its N-th hit, N >= 1)",
-        ),
-        None,
+    "FOP_SLOW_AT": _point(
+        "FOP_SLOW_AT", "a slow point: 'phase' or 'phase:N' (from its N-th hit, N >= 1)"
     ),
     "FOP_SLOW_S": (
         Option("FOP_SLOW_S", "number", low=0, high=3600, expected="seconds >= 0 and <= 3600"),
@@ -271,15 +260,11 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
         Option("FOP_PAUSE_S", "number", low=0, high=3600, expected="seconds >= 0 and <= 3600"),
         2.0,
     ),
-    "FOP_FAIL_AT": (
-        Option(
-            "FOP_FAIL_AT",
-            "custom",
-            convert=lambda t: fault_spec(t, with_errno=True),
-            expected="a fail point: 'phase', 'phase:N' or 'phase:N:ERRNO' (N >= 1, "
-            "ERRNO an errno name such as EIO)",
-        ),
-        None,
+    "FOP_FAIL_AT": _point(
+        "FOP_FAIL_AT",
+        "a fail point: 'phase', 'phase:N' or 'phase:N:ERRNO' (N >= 1, ERRNO an errno name such "
+        "as EIO)",
+        with_errno=True,
     ),
 }
 """name -> (declaration, default)."""

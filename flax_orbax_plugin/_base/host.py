@@ -1,10 +1,8 @@
-"""This process: its end (one exit hook), its host buffers, who it is among the others,
-what its threads are doing (:data:`ACTIVITIES`, published by its heartbeat), Pathways
-detection.
+"""This process: its end, its save in flight, its host buffers, who it is among the
+others, what its threads do (:data:`ACTIVITIES`), Pathways detection.
 
 Exit steps run on the main thread at exit, in order FINISH, LEAVE, ANNOUNCE (``at_exit``
-from any thread); :data:`ACTIVITIES` is thread-safe, a stack per thread; the rest are
-pure functions, any thread.
+from any thread); :data:`ACTIVITIES` is thread-safe; the rest: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.host``.
 """
@@ -31,8 +29,8 @@ import numpy as np
 from .._errors import UnsupportedRuntimeError
 from . import env as _env
 
-FINISH, LEAVE, ANNOUNCE = 0, 1, 2  # the steps, in the order they run
-_STEPS: dict[int, Callable[[], bool]] = {}  # step -> its work (see the module docstring)
+FINISH, LEAVE, ANNOUNCE = 0, 1, 2  # the exit steps, in the order they run
+_STEPS: dict[int, Callable[[], bool]] = {}  # step -> its work
 _LOCK = threading.Lock()
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -52,7 +50,7 @@ _IN_FLIGHT: list[Any] = []
 
 
 def in_flight(handle: Any) -> None:
-    """``handle`` (a ``SaveHandle``) is the latest save in flight (under the caller's lock)."""
+    """``handle`` (a ``SaveHandle``) is the latest save in flight (caller holds its lock)."""
     _IN_FLIGHT[:] = [handle]
 
 
@@ -130,29 +128,23 @@ def copy_all(pairs: list[tuple]) -> None:
     jobs: list[tuple] = []
     for dst, src, *copier in pairs:
         if copier or dst.nbytes <= COPY_PIECE or src.ndim == 0 or src.shape[0] < 2:
-            jobs.append((dst, src, *copier))
+            jobs.append((copier[0] if copier else np.copyto, dst, src))
             continue
         rows = max(1, COPY_PIECE // max(1, dst.nbytes // dst.shape[0]))
-        jobs += [(dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
-    if len(jobs) < 2 or COPY_THREADS == 1 or sum(j[0].nbytes for j in jobs) < 2 * COPY_PIECE:
-        for job in jobs:
-            _copy_job(*job)
+        jobs += [
+            (np.copyto, dst[i : i + rows], src[i : i + rows]) for i in range(0, len(dst), rows)
+        ]
+    if len(jobs) < 2 or COPY_THREADS == 1 or sum(j[1].nbytes for j in jobs) < 2 * COPY_PIECE:
+        for copier, dst, src in jobs:
+            copier(dst, src)
         return
     with concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="fop-copy") as ex:
-        for future in [ex.submit(_copy_job, *job) for job in jobs]:
+        for future in [ex.submit(*job) for job in jobs]:
             future.result()
 
 
-def _copy_job(dst: np.ndarray, src: np.ndarray, copier=np.copyto) -> None:
-    copier(dst, src)
-
-
-def process_index() -> int:
-    return jax.process_index()
-
-
-def process_count() -> int:
-    return jax.process_count()
+process_index = jax.process_index  # who this process is among the others
+process_count = jax.process_count
 
 
 def is_primary() -> bool:
@@ -161,8 +153,8 @@ def is_primary() -> bool:
 
 @dataclasses.dataclass
 class Progress:
-    """Bytes an activity has moved (``done``) of those handed to it so far (``total``);
-    updated by the thread doing the work, read by the heartbeat thread."""
+    """Bytes an activity moved of those handed to it so far: written by the thread doing
+    the work, read by the heartbeat thread."""
 
     done: int = 0
     total: int = 0

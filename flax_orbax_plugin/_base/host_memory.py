@@ -1,7 +1,5 @@
-"""The host-memory ceiling: its options (``host_memory``; ``host_memory_budget``,
-``fop.save``'s and its earlier name) declared and checked, what it allows when an
-operation starts (:func:`resolve`) and a manager's save budget under it
-(:func:`save_budget`).
+"""The host-memory ceiling: its options declared and checked, what it allows when an
+operation starts (:func:`resolve`), a manager's save budget under it (:func:`save_budget`).
 
 Pure functions over frozen declarations (they read ``/proc`` and ``/sys``); any thread.
 
@@ -22,15 +20,8 @@ from .keywords import refuse_without
 from .shown import outside_stacklevel
 
 AUTO = "auto"
-
-
-AUTO_FRACTION = 0.5
-"""The share of the memory free at the start of an operation that ``"auto"`` allows."""
-
-
-_CGROUP_V2 = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
-
-
+AUTO_FRACTION = 0.5  # the share of the memory free when an operation starts "auto" allows
+_CGROUP_V2 = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")  # (limit, usage)
 _CGROUP_V1 = (
     "/sys/fs/cgroup/memory/memory.limit_in_bytes",
     "/sys/fs/cgroup/memory/memory.usage_in_bytes",
@@ -121,11 +112,10 @@ def largest_row(tree: Any) -> tuple[int, str]:
 
 
 def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple[Any, Any]:
-    """``(ceiling, budget)`` of one save of ``items`` under ``given``: the ceiling in
-    bytes now (None: no bound) and the budget the save streams under: the ceiling when
-    ``given`` in bytes; under ``"auto"`` only when this process's share does not fit
-    (never for an ``incremental`` step). OptionError, before anything is written, for a
-    ceiling below the state's largest row."""
+    """``(ceiling, budget)`` of one save of ``items`` under ``given``: the ceiling in bytes
+    now (None: no bound) and the budget the save streams under (the ceiling; under
+    ``"auto"`` only when this process's share does not fit, never for an ``incremental``
+    step). OptionError, before anything is written, for a ceiling below the largest row."""
     ceiling = resolve(given)
     if ceiling is None:
         return None, None
@@ -144,8 +134,8 @@ def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple
 
 
 def check_ceiling(value: Any) -> int | str | None:
-    """``value`` if it is a ceiling (a positive int64 of bytes, ``"auto"`` or None);
-    else ValueError / TypeError in an option message's words."""
+    """``value`` if it is a ceiling (a positive int64 of bytes, ``"auto"`` or None); else
+    ValueError / TypeError in an option message's words."""
     if value is None or value == AUTO:
         return value
     if isinstance(value, bool) or not isinstance(value, int):

@@ -46,15 +46,6 @@ from .output import CliError, human_bytes, one_line, shell_word
 from .paths import JSON_KINDS, names_one, read_json_item, resolve
 
 
-@dataclasses.dataclass
-class _LeafRow:
-    name: str
-    shape: str
-    dtype: str
-    sharding: str
-    bytes: int
-
-
 def _sharding_str(sharding: Any) -> str:
     if not sharding:
         return "-"
@@ -156,12 +147,12 @@ def _print_item(d: dict[str, Any], *, summary: bool) -> None:
         )
         return
     rows = [
-        _LeafRow(
-            x["path"],
-            str(tuple(x["shape"])),
-            str(x["dtype"]),
-            _sharding_str(x["sharding"]),
-            x["bytes"],
+        dict(
+            name=x["path"],
+            shape=str(tuple(x["shape"])),
+            dtype=str(x["dtype"]),
+            sharding=_sharding_str(x["sharding"]),
+            bytes=x["bytes"],
         )
         for x in d["leaves"]
     ]

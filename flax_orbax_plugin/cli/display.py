@@ -8,7 +8,6 @@ Not thread-safe: one command draws at a time.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import sys
 from typing import Any
@@ -31,17 +30,18 @@ from rich.text import Text
 _WIDE = 10_000  # a table on a pipe is never wrapped
 
 
-def _console(stream: Any) -> Console:
-    terminal = bool(getattr(stream, "isatty", lambda: False)())
-    return Console(file=stream, width=None if terminal else _WIDE, highlight=False)
+def _console() -> Console:
+    """stderr's console (a pipe's never wraps)."""
+    terminal = bool(getattr(sys.stderr, "isatty", lambda: False)())
+    return Console(file=sys.stderr, width=None if terminal else _WIDE, highlight=False)
 
 
 class ByteProgress:
-    """A bar of ``total`` bytes on ``stream`` (stderr) when it is a terminal, else
-    silent: a context manager with ``advance(nbytes, note)`` (the ``progress=`` protocol)."""
+    """A bar of ``total`` bytes on stderr when it is a terminal, else silent: a context
+    manager with ``advance(nbytes, note)`` (the ``progress=`` protocol)."""
 
-    def __init__(self, total: int, label: str, *, stream: Any = None):
-        console = _console(stream if stream is not None else sys.stderr)
+    def __init__(self, total: int, label: str):
+        console = _console()
         self.enabled = console.is_terminal
         self._bar = Progress(
             TextColumn("{task.description}"),
@@ -69,29 +69,28 @@ class ByteProgress:
         self._bar.stop()
 
 
-def byte_progress(label: str, *, stream: Any = None):
+def byte_progress(label: str):
     """The ``progress=`` factory: total bytes -> a :class:`ByteProgress` of ``label``."""
 
     def factory(total: int, note: str = "") -> ByteProgress:
-        return ByteProgress(total, f"{label} {note}".strip(), stream=stream)
+        return ByteProgress(total, f"{label} {note}".strip())
 
     return factory
 
 
-def status(text: str, *, stream: Any = None):
+def status(text: str):
     """A context manager: a spinner with ``text`` (a terminal only)."""
-    console = _console(stream if stream is not None else sys.stderr)
+    console = _console()
     return console.status(text) if console.is_terminal else contextlib.nullcontext()
 
 
-def make_table(rows: list[Any]) -> str:
-    """Dataclass rows as a Markdown-style table, a header of the field names."""
-    fields = [f.name for f in dataclasses.fields(rows[0])] if rows else []
+def make_table(rows: list[dict[str, Any]]) -> str:
+    """Rows (dicts alike) as a Markdown-style table, a header of their keys."""
     table = Table(box=box.MARKDOWN, show_edge=True, pad_edge=True)
-    for name in fields:
+    for name in rows[0] if rows else ():
         table.add_column(Text(name), overflow="fold")
     for row in rows:
-        table.add_row(*(_cell(getattr(row, name)) for name in fields))
+        table.add_row(*map(_cell, row.values()))
     console = Console(width=_WIDE, highlight=False, record=True, file=io.StringIO())
     console.print(table)
     lines = console.export_text().splitlines()

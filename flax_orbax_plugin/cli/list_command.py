@@ -4,7 +4,6 @@ or what a step, an item or a core checkpoint is.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from .._errors import CheckpointError
@@ -152,15 +151,18 @@ def _why(e: BaseException) -> str:
     return f"cannot be read: {text}"
 
 
-def _list_row(record: dict) -> _ListRow:
-    """One row of the ``list`` table from :func:`_step_record`'s ``record``."""
+def _list_row(record: dict) -> dict[str, str]:
+    """One row of the ``list`` table from :func:`_step_record`'s ``record``: the step's
+    size, the array bytes its save wrote and reused (incremental)."""
+    step = str(record["step"])
     if record["damaged"] is not None:
         what = "DAMAGED: " if record["_damage"] else ""
-        return _ListRow(str(record["step"]), "?", "?", "?", "?", what + record["damaged"], "-")
+        cells = ("?", "?", "?", "?", what + record["damaged"], "-")
+        return dict(zip(_COLUMNS, (step, *cells), strict=True))
     size, written, reused = record["size_bytes"], record["bytes_written"], record["bytes_reused"]
     metrics = sorted(record["_metrics"].items())
-    return _ListRow(
-        step=str(record["step"]),
+    return dict(
+        step=step,
         size="?" if size is None else human_bytes(size),
         written="-" if written is None else human_bytes(written),
         reused="-" if reused is None else human_bytes(reused),
@@ -170,6 +172,9 @@ def _list_row(record: dict) -> _ListRow:
     )
 
 
+_COLUMNS = ("step", "size", "written", "reused", "saved", "items", "metrics")
+
+
 def _metric(value: int | float) -> str:
     """A metric in 4 significant digits (an int past a float's range too)."""
     try:
@@ -177,16 +182,3 @@ def _metric(value: int | float) -> str:
     except OverflowError:
         digits, sign = str(abs(value)), "-" if value < 0 else ""
         return f"{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
-
-
-@dataclasses.dataclass
-class _ListRow:
-    """One step: its size; the array bytes its save wrote and reused (incremental)."""
-
-    step: str
-    size: str
-    written: str
-    reused: str
-    saved: str
-    items: str
-    metrics: str
