@@ -12,12 +12,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from . import _version
 from ._base import interrupts as _interrupts
+from ._version import __version__ as __version__
 
 if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads them
     from ._api import *  # noqa: F403  (_api.py: the one list of where each name lives)
-    from ._version import __version__ as __version__
 
 __all__ = [
     "AllOf",
@@ -117,25 +116,18 @@ _OWN_MODULE = {"restore_params": "._reading.restore"}
 def __getattr__(name: str):
     """A public name, imported on its first use (PEP 562) with all the others (serving's
     ``restore_params`` alone: see ``_OWN_MODULE``)."""
-    if name == "__version__":
-        value = _version.__version__
-    elif name not in __all__:
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    else:
-        # A Ctrl-C while JAX imports (seconds) was dropped by its garbage-collection
-        # callback: held until the modules are loaded, then raised here, before any use.
-        with _interrupts.deferred_sigint():
-            if name in _OWN_MODULE:
-                value = getattr(importlib.import_module(_OWN_MODULE[name], __name__), name)
-            else:
-                # Inside the function on purpose: ``_api`` imports JAX and tensorstore
-                # (seconds), which ``import flax_orbax_plugin`` and --help must not pay.
-                from . import _api
-
-                value = getattr(_api, name)
+    # A Ctrl-C while JAX imports (seconds) was dropped by its garbage-collection
+    # callback: held until the modules are loaded, then raised here, before any use.
+    with _interrupts.deferred_sigint():
+        # Here on purpose: ``_api`` imports JAX and tensorstore (seconds), which
+        # ``import flax_orbax_plugin`` and --help must not pay.
+        module = importlib.import_module(_OWN_MODULE.get(name, "._api"), __name__)
+        value = getattr(module, name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__) | {"__version__"})
+    return sorted(set(globals()) | set(__all__))
