@@ -1,13 +1,11 @@
-"""``--json``: one JSON document on stdout per command, each described by a JSON Schema.
-
-The schemas are the contract (``docs/cli.md`` shows them, a test compares): fields may
-be added, none removed or changed in meaning. Sizes are bytes, times ISO 8601.
+"""``--json``: one JSON document on stdout per command, each described by a JSON Schema:
+the contract (``docs/cli.md``, a test compares): fields may be added, none removed or
+changed in meaning. Sizes are bytes, times ISO 8601.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 from typing import Any
 
@@ -116,13 +114,3 @@ for _schema in SCHEMAS.values():
 def emit(document: dict[str, Any]) -> None:
     """Writes ``document`` as one line of JSON on stdout (strict: no NaN or Infinity)."""
     sys.stdout.write(json.dumps(document, sort_keys=True, allow_nan=False) + "\n")
-
-
-def finite_metrics(values: dict[str, Any]) -> dict[str, float | int]:
-    """The numeric extras a JSON document can hold (no NaN or infinities)."""
-    return {
-        key: value
-        for key, value in values.items()
-        if not isinstance(value, bool)
-        and (isinstance(value, int) or (isinstance(value, float) and math.isfinite(value)))
-    }

@@ -4,6 +4,7 @@ or what a step, an item or a core checkpoint is.
 
 from __future__ import annotations
 
+from math import isfinite
 from typing import Any
 
 from .._errors import CheckpointError
@@ -115,9 +116,10 @@ def _list_data(loc: Location, args) -> int:
 def _step_record(
     loc: Location, step: int, *, step_loc: Location | None = None, shut: str | None = None
 ) -> dict:
-    """One step of ``list``: the fields of ``list --json``, and three not in it
-    (``_time``: for a plot, ``_metrics``: every numeric extra, ``_damage``: whether the
-    step's error is damage); ``shut``: why the listing could not read the step's folder."""
+    """One step of ``list``: the fields of ``list --json`` (its metrics: the finite ones),
+    and three not in it (``_time``: for a plot, ``_metrics``: every numeric extra,
+    ``_damage``: whether the step's error is damage); ``shut``: why the listing could not
+    read the step's folder."""
     step_loc = step_loc or _steps.step_location(loc, step)
     out: dict[str, Any] = {"step": step, "_time": None, "size_bytes": None}
     try:
@@ -138,7 +140,7 @@ def _step_record(
         "saved_at": iso_time(manifest.time),
         "_time": manifest.time,
         "items": sorted(manifest.items),
-        "metrics": json_output.finite_metrics(numbers),
+        "metrics": {k: v for k, v in numbers.items() if not isinstance(v, float) or isfinite(v)},
         "_metrics": numbers,
         "damaged": None,
     }

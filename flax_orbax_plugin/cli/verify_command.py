@@ -16,13 +16,12 @@ from .output import EXIT_DAMAGED, EXIT_ERROR, CliError, one_line
 
 
 def cmd_verify(args) -> int:
+    loc = Location.from_path(args.path)
     unreadable: list[dict[str, Any]] = []  # steps an environment error kept shut
     try:
-        steps, shut = _run_steps(Location.from_path(args.path), args)
+        steps, shut = _run_steps(loc, args)
         if steps:
-            results, unreadable = _verify_each_step(
-                Location.from_path(args.path), steps, shut, args.memory_limit
-            )
+            results, unreadable = _verify_each_step(loc, steps, shut, args.memory_limit)
         else:
             results = verify(
                 args.path,
@@ -35,7 +34,6 @@ def cmd_verify(args) -> int:
         raise CliError(one_line(e)) from e
     except CheckpointError as e:
         # Nothing checkable at PATH: a usage error, unless something is there but broken.
-        loc = Location.from_path(args.path)
         if loc.is_dir() and not isinstance(e, CheckpointNotFoundError):
             if args.json:
                 result = {"path": str(loc), "step": None, "item": None, "ok": False}
@@ -48,7 +46,7 @@ def cmd_verify(args) -> int:
     failed = EXIT_DAMAGED if damaged else EXIT_ERROR if unreadable else 0
     if args.json:
         found = [dataclasses.asdict(r) for r in results] + unreadable
-        _verify_json(str(Location.from_path(args.path)), found, unreadable=len(unreadable))
+        _verify_json(str(loc), found, unreadable=len(unreadable))
         return failed
     for u in unreadable:
         print(f"UNREADABLE step {u['step']}: {u['error']}")
@@ -118,7 +116,7 @@ def _verify_each_step(
 
 def _verify_json(path: str, results: list[dict[str, Any]], *, unreadable: int = 0) -> None:
     bad = sum(not r["ok"] for r in results)
-    doc = {"path": str(path), "ok": not bad, "damaged": bad - unreadable, "results": results}
+    doc = {"path": path, "ok": not bad, "damaged": bad - unreadable, "results": results}
     if unreadable:  # steps that could not be read (an environment error, not damage)
         doc["unreadable"] = unreadable
     json_output.emit(doc)
