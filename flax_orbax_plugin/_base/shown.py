@@ -48,15 +48,10 @@ def gaps(present: Sequence[int], start: int = 0) -> list[tuple[int, int]]:
 def number_ranges(ranges: Sequence[tuple[int, int]], *, limit: int = LIMIT) -> str:
     """``ranges`` (``(first, last)``, inclusive) as ``1, 3..999999``; past ``limit``
     ranges, ``... and N more ranges (M numbers)``."""
-    text = listed(
-        ranges, limit=limit, fmt=lambda r: str(r[0]) if r[0] == r[1] else f"{r[0]}..{r[1]}"
-    )
+    text = ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in ranges[:limit])
     if len(ranges) > limit:
         rest = ranges[limit:]
-        count = sum(b - a + 1 for a, b in rest)
-        text = (
-            text.rsplit(" ... and ", 1)[0] + f" ... and {len(rest)} more ranges ({count} numbers)"
-        )
+        text += f" ... and {len(rest)} more ranges ({sum(b - a + 1 for a, b in rest)} numbers)"
     return text
 
 
