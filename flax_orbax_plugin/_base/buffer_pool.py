@@ -1,8 +1,7 @@
 """A manager's snapshot buffers, reused from one save to the next
 (``reuse_host_buffers=True``), and the populating of fresh ones.
 
-Thread-safety: :class:`BufferPool` is locked (see its docstring); :func:`populate`: any
-thread.
+Thread-safety: :class:`BufferPool` is locked; :func:`populate`: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.host``.
 """
@@ -52,13 +51,12 @@ def populate(buffer: np.ndarray) -> bool:
 
 
 class BufferPool:
-    """Snapshot buffers reused from one save to the next: a fresh buffer costs its page
-    faults (about 0.6 s per GB), a copy into memory touched before only the copy. It
-    holds the buffers of the last save that gave its buffers back.
+    """The buffers of the last save that gave its buffers back: a fresh buffer costs its
+    page faults (about 0.6 s per GB), one touched before only the copy.
 
-    Call order: :meth:`empty` from the blocking phase (training thread),
-    :meth:`give_back` from the background write once nothing reads the buffers; one
-    lock guards the free lists. A buffer is handed out only after it was given back.
+    Call order: :meth:`empty` from the blocking phase (training thread), :meth:`give_back`
+    from the background write once nothing reads the buffers; one lock guards the free
+    lists. A buffer is handed out only after it was given back.
     """
 
     MIN_BYTES = 1 << 16  # smaller buffers come from malloc's heap cheaply anyway

@@ -1,7 +1,7 @@
 """Options and ``FOP_*`` environment variables declared once; fail points and background priority.
 
 Pure functions over frozen records, any thread; ``read`` parses a variable at each use
-(or once at import for the coordination timeout and liveness's two).
+(once at import: the coordination timeout and liveness's two).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.env``.
 """

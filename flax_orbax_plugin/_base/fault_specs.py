@@ -1,7 +1,6 @@
 """The syntax of the test hooks' variables (``FOP_KILL_AT``, ``FOP_FAIL_AT``,
-``FOP_PAUSE_AT``, ``FOP_SLOW_AT``): ``phase[:N[:ERRNO]]``, parsed when one is set.
-
-Pure functions; any thread.
+``FOP_PAUSE_AT``, ``FOP_SLOW_AT``): ``phase[:N[:ERRNO]]``, parsed when one is set. Any
+thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.env``.
 """

@@ -1,6 +1,5 @@
-"""Ctrl-C during a save: deferred over its blocking phase, re-raised at its end.
-
-Only the main thread defers (elsewhere the block runs without deferral); blocks nest.
+"""Ctrl-C during a save: deferred over its blocking phase, re-raised at its end. Only
+the main thread defers; blocks nest.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.interrupts``.
 """
@@ -14,9 +13,8 @@ from collections.abc import Iterator
 
 
 class Held:
-    """The SIGINTs one deferral received so far (its handler while the block runs). A
-    background phase started with a Ctrl-C held starts cancelled
-    (``SaveHandle.start(held=)``), so it never races the KeyboardInterrupt."""
+    """The SIGINTs one deferral received so far (its handler while the block runs): a
+    background phase started with one held starts cancelled (``SaveHandle.start``)."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -27,10 +25,9 @@ class Held:
 
 @contextlib.contextmanager
 def deferred_sigint() -> Iterator[Held]:
-    """Runs the block with SIGINT recorded; afterwards the previous handler is put back
-    and, if a SIGINT arrived (several count as one), runs once, here. Yields the
-    :class:`Held` (one that holds nothing off the main thread or under a handler
-    installed outside Python: no deferral there)."""
+    """Runs the block with SIGINT recorded, then puts the previous handler back and runs it
+    once, here, if a SIGINT arrived. Yields the :class:`Held` (no deferral off the main
+    thread or under a handler installed outside Python)."""
     held = Held()
     if threading.current_thread() is not threading.main_thread():
         yield held
@@ -44,6 +41,5 @@ def deferred_sigint() -> Iterator[Held]:
         yield held
     finally:
         signal.signal(signal.SIGINT, previous)
-        if held.received:
-            # The previous handler runs now (a KeyboardInterrupt propagates from here).
+        if held.received:  # the previous handler runs now (a KeyboardInterrupt from here)
             signal.raise_signal(signal.SIGINT)

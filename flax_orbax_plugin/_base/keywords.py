@@ -1,9 +1,7 @@
 """The keywords an entry is given, as a whole (one option's value is ``_base.env``'s):
-"did you mean" for one it does not take (:func:`named_keywords` on the public names,
-:func:`refuse_unknown` for ``**options``), an option given in a mode where it does
-nothing (:func:`refuse_without`), the declared defaults (:func:`with_defaults`); and
-the declarations as a reader sees them (a signature for ``help()``, docstring lines, the
-docs' markdown table), built at import time and by the docs' tests.
+"did you mean" for one it does not take, an option that does nothing in the chosen mode,
+the declared defaults; and the declarations as a reader sees them (a signature for
+``help()``, docstring lines, the docs' table).
 
 Pure functions over frozen declarations; any thread.
 
@@ -35,7 +33,7 @@ def unexpected(owner: str, name: str, names: Iterable[str], hint: str | None = N
 def keywords_taken(fn: Callable) -> frozenset[str] | None:
     """The keywords ``fn`` (under the package's decorators) takes, less ``self``,
     ``cls`` and ``region``; None when it takes ``**kwargs`` (it checks its own)."""
-    inner = inspect.unwrap(fn)  # under the package's decorators (store errors, regions)
+    inner = inspect.unwrap(fn)
     if inner.__code__.co_flags & inspect.CO_VARKEYWORDS:  # not its __signature__, if set
         return None
     params = inspect.signature(inner, follow_wrapped=False).parameters.values()
@@ -101,11 +99,10 @@ def refuse_unknown(
 
 
 def named_keywords(obj: Any) -> Any:
-    """``obj`` (a public function or class) with "did you mean" for an unknown keyword:
-    a function is returned wrapped (its module's own name stays unwrapped); a class gets
-    its (or its nearest package base's) ``__init__`` wrapped in place. Exceptions, entries
-    of ``_base.distributed.public`` and callables taking ``**kwargs`` check their own.
-    Applied once, where the public names are bound (``_api``)."""
+    """``obj`` (a public function or class) with "did you mean" for an unknown keyword: a
+    function wrapped, a class's (or its nearest package base's) ``__init__`` wrapped in
+    place; exceptions and callables taking ``**kwargs`` left as they are. Applied once,
+    where the public names are bound (``_api``)."""
     if isinstance(obj, type):
         if not issubclass(obj, BaseException):
             _name_init(obj)
@@ -133,7 +130,7 @@ def _alias_of(name: str, declared: Iterable[Option]) -> str | None:
 
 def refuse_without(option: str, value: Any, needs: str, *, default: Any = None) -> None:
     """OptionError for ``option`` given (``value`` is not ``default``) in a mode where it
-    does nothing, naming its value and ``needs`` (the mode it needs: ``"format_version=2"``)."""
+    does nothing, naming ``needs`` (the mode it needs: ``"format_version=2"``)."""
     if value is default or (default is not None and value == default):
         return
     raise OptionError(f"{option}={value!r} does nothing without {needs}")

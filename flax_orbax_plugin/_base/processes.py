@@ -1,8 +1,6 @@
 """Whether the writer a marker or record names (host, pid) still runs on this host: the
 one test behind every removal of a dead writer's remains and every takeover of a dead
-holder's lease. Another host's process is never judged dead from here.
-
-Threading: stateless; any thread.
+holder's lease; another host's process is never judged dead from here. Any thread.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Pytree paths: flatten a tree into named leaves and rebuild a tree from names.
-
-A leaf's *path* is its key path joined by '/' (``params/Dense_0/kernel``; names:
-``_base.key_paths``). ``None`` and every *empty node* (``{}``, ``[]``, ``()``, optax's
-``EmptyState()``) are kept as leaves (jax drops them) so that a saved tree comes back
-with the same structure: records of kind ``empty_dict`` or ``empty_list``.
+"""Pytree paths: a tree flattened into named leaves (``params/Dense_0/kernel``:
+``_base.key_paths``) and rebuilt from names. ``None`` and every empty node (``{}``,
+``[]``, ``()``, optax's ``EmptyState()``) are kept as leaves (jax drops them), so a saved
+tree comes back with its structure.
 """
 
 from __future__ import annotations
@@ -18,13 +16,12 @@ import numpy as np
 
 from .._errors import StructureError
 from .key_paths import KeyEntry as KeyEntry
-from .key_paths import escape as escape
 from .key_paths import path_string as path_string
 
 
 @contextlib.contextmanager
 def paused_gc():
-    """Pauses Python's cyclic garbage collector while thousands of leaf records are built."""
+    """Python's cyclic garbage collector paused (while thousands of records are built)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

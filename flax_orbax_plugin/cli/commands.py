@@ -1,7 +1,6 @@
-"""``inspect``, ``export``, ``import`` and ``gc``: ``cmd_<name>(args) -> exit status``.
-
-Called by ``dispatch`` after ``main`` checked the usage. The CLI is a client
-of the library, so it works on every store the library does.
+"""``inspect``, ``export``, ``import`` and ``gc``: ``cmd_<name>(args) -> exit status``,
+called by ``dispatch`` after ``main`` checked the usage; a client of the library, so on
+every store the library takes.
 """
 
 from __future__ import annotations
@@ -165,9 +164,6 @@ def _numel(shape) -> int:
     return math.prod(int(s) for s in shape)
 
 
-# -- export --------------------------------------------------------------------------
-
-
 def cmd_export(args) -> int:
     if args.dtype is not None and args.dtype not in _SAFETENSORS_DTYPES:
         raise CliError(f"--dtype {args.dtype}: not a safetensors dtype")
@@ -209,9 +205,6 @@ def cmd_export(args) -> int:
     return 0
 
 
-# -- import ------------------------------------------------------------------------------
-
-
 def _locked(e: DirectoryLockedError, refusal: str, instead: str) -> CliError:
     """A live writer's lock, in the command line's words."""
     return CliError(
@@ -235,9 +228,6 @@ def cmd_import(args) -> int:
         raise _locked(e, "import writes nothing", ", or import into another directory") from None
     print(f"imported step(s) {', '.join(map(str, steps))} from {args.source} into {args.out}")
     return 0
-
-
-# -- gc --------------------------------------------------------------------------------
 
 
 def cmd_gc(args) -> int:

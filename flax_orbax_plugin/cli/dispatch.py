@@ -1,7 +1,5 @@
-"""What runs after the arguments parse: each path argument checked, then its command.
-
-It imports the one command it runs (:func:`command`): ``list`` loads neither JAX nor
-tensorstore. Errors propagate to ``main``, which prints them as one line.
+"""After the arguments parse: each path argument checked, then the command, its module
+alone imported (``list`` loads neither JAX nor tensorstore). Errors propagate to ``main``.
 """
 
 from __future__ import annotations
@@ -59,8 +57,7 @@ class StoreAccessError(CliError):
 
 def check_paths(args: argparse.Namespace, *, in_process: bool = False) -> list[dict]:
     """The specs of the store paths; CliError naming the first path argument that names
-    no place it may be, or a memory:// OUT from a shell (not ``in_process``); a warning
-    for each other memory:// one."""
+    no place it may be, or a memory:// OUT from a shell; a warning for another memory://."""
     specs = []
     for attr, name, where in PATH_ARGUMENTS[args.command]:
         value = getattr(args, attr)
@@ -95,9 +92,9 @@ def run(
     *,
     in_process: bool = False,
 ) -> int:
-    """The exit status of ``command`` (loaded by :func:`command`), its paths checked
-    first; on an object store AWS log lines are kept off stderr and a refusal is one
-    :class:`StoreAccessError` line. ``in_process``: ``main(argv)`` called from Python."""
+    """``command``'s exit status, its paths checked first; on an object store AWS log
+    lines kept off stderr, a refusal one :class:`StoreAccessError` line. ``in_process``:
+    ``main(argv)`` called from Python."""
     specs = check_paths(args, in_process=in_process)
     remote = [s for s in specs if s["driver"] in ("s3", "gcs")]
     with aws_lines_filtered(enabled=any(s["driver"] == "s3" for s in remote)):

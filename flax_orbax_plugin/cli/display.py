@@ -1,7 +1,5 @@
-"""Progress bars and tables, drawn by ``rich`` (a dependency of Flax).
-
-Bars go to stderr only when it is a terminal (scripts get plain lines); tables are
-Markdown-style, never wrapped on a pipe. Loaded by the commands only (not by ``main``).
+"""Progress bars (on stderr when it is a terminal) and Markdown-style tables (never
+wrapped on a pipe), drawn by ``rich``; loaded by the commands only (not by ``main``).
 Not thread-safe: one command draws at a time.
 """
 

@@ -1,6 +1,5 @@
-"""Keeps the AWS C libraries' log lines off the terminal while a command talks to S3.
-
-Not reentrant; one command at a time per process. ``FLAX_ORBAX_DEBUG=1`` turns it off.
+"""Keeps the AWS C libraries' log lines off the terminal while a command talks to S3
+(``FLAX_ORBAX_DEBUG=1``: not). Not reentrant; one command at a time per process.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin.cli.native_logs``.
 """

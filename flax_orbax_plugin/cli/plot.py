@@ -1,9 +1,9 @@
 """``inspect --plot FILE`` and ``list --plot FILE``: one step's leaves by size, or a
 run's saves over time, as PNG or SVG (by FILE's suffix).
 
-matplotlib is optional: without it the command fails with one line before anything is
-read. Drawn on its object API (no pyplot: no global figure, no GUI backend), written
-under a temporary name beside FILE and renamed onto it (no half file).
+matplotlib is optional (without it: one line before anything is read); its object API
+(no pyplot: no global figure, no GUI backend); written beside FILE under a temporary
+name and renamed onto it (no half file).
 """
 
 from __future__ import annotations
@@ -24,17 +24,13 @@ TOP_LEAVES = 30  # the largest leaves drawn; the rest are one "other" bar per it
 
 @dataclasses.dataclass(frozen=True)
 class Bar:
-    """One bar of the leaves figure: a leaf (``item/path``) and its bytes."""
-
-    label: str
+    label: str  # a leaf: item/path
     item: str
     nbytes: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Save:
-    """One step of the saves figure: when it was saved and what its save wrote."""
-
     step: int
     time: float
     written: int | None
@@ -42,8 +38,7 @@ class Save:
 
 
 def check_output(path: str) -> None:
-    """A CliError naming ``--plot`` unless matplotlib is found and the place is allowed
-    (the suffix: ``main.check_usage``)."""
+    """A CliError naming ``--plot`` unless matplotlib is found and the place is allowed."""
     _figure_class()
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):

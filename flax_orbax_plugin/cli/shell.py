@@ -54,12 +54,10 @@ class _PipeSafe:
 
 class Interrupts:
     """Ctrl-C and SIGTERM for a shell's command: one line, and 130 or 143, whenever they
-    come and however many.
-
-    Held back while the commands load (an interrupted JAX import aborts), then raised
-    where the command is; one arriving while an interruption is handled is noted, not
-    raised (it would cut the clean-up short); one Python swallowed is still known
-    (``signum``); after :meth:`finish`, one says it came too late and exits at once.
+    come and however many. Held back while the commands load (an interrupted JAX import
+    aborts), then raised where the command is; one arriving during an interruption's
+    clean-up is noted, not raised; one Python swallowed is still known (``signum``);
+    after :meth:`finish`, one says it came too late and exits at once.
 
     Main thread; call order: :meth:`loaded`, then :meth:`stopped` or :meth:`finish`.
     """
