@@ -85,49 +85,40 @@ def cmd_inspect(args) -> int:
 
 def _describe_item(item) -> dict[str, Any]:
     """One item of ``inspect --json``: a pytree's leaves (metadata only), a JSON item's
-    value, a shards item's tensors (headers), else only its kind (never read as JSON)."""
+    value, an ``fop.HFShards`` item's tensors (its files' headers, on local disk only),
+    else only its kind (never read as JSON)."""
+    described = {"name": item.name, "kind": item.kind}
     if item.kind in JSON_KINDS:
-        return {"name": item.name, "kind": item.kind, "value": read_json_item(item)}
+        return {**described, "value": read_json_item(item)}
+    if item.kind in COPY_KINDS and not item.loc.is_local:
+        note = "Hugging Face shards on an object store: copy the folder down to list them"
+        return {**described, "note": note}
     if item.kind in COPY_KINDS:
-        return _describe_shards(item)
-    if item.kind != "pytree":
-        return {"name": item.name, "kind": item.kind, "note": _OPAQUE}
-    meta = _restore.metadata(item.loc)
-    leaves = [
-        _leaf(x.path, x.shape, None if x.dtype is None else str(x.dtype), x.sharding, x.nbytes)
-        for x in meta.leaves.values()
-    ]
-    values = sum(_numel(leaf.shape) for leaf in meta.leaves.values() if leaf.dtype)
-    return _tree_item(item, leaves, int(meta.total_bytes), values)
+        stored = sorted(read_safetensors_index(item.loc.path).items())
+        leaves = [
+            _leaf(name, t.shape, str(t.dtype), None, tensor_nbytes(t.dtype, _numel(t.shape)) or 0)
+            for name, t in stored
+        ]
+        total = sum(leaf["bytes"] for leaf in leaves)
+    elif item.kind == "pytree":
+        meta = _restore.metadata(item.loc)
+        leaves = [
+            _leaf(x.path, x.shape, None if x.dtype is None else str(x.dtype), x.sharding, x.nbytes)
+            for x in meta.leaves.values()
+        ]
+        total = int(meta.total_bytes)
+    else:
+        return {**described, "note": _OPAQUE}
+    values = sum(_numel(leaf["shape"]) for leaf in leaves if leaf["dtype"])
+    return {**described, "leaves": leaves, "total_bytes": total, "values": values}
 
 
 _OPAQUE = "written by its own checkpointable: its contents are not described"
 
 
-def _describe_shards(item) -> dict[str, Any]:
-    """An ``fop.HFShards`` item: its tensors as leaves, from the files' headers (local
-    disk only; elsewhere only its kind)."""
-    if not item.loc.is_local:
-        note = "Hugging Face shards on an object store: copy the folder down to list them"
-        return {"name": item.name, "kind": item.kind, "note": note}
-    stored = sorted(read_safetensors_index(item.loc.path).items())
-    leaves = [
-        _leaf(name, t.shape, str(t.dtype), None, tensor_nbytes(t.dtype, _numel(t.shape)) or 0)
-        for name, t in stored
-    ]
-    total = sum(leaf["bytes"] for leaf in leaves)
-    return _tree_item(item, leaves, total, sum(_numel(leaf["shape"]) for leaf in leaves))
-
-
 def _leaf(path: str, shape, dtype: str | None, sharding, nbytes: int) -> dict[str, Any]:
     shape = [int(n) for n in shape]
     return dict(path=path, shape=shape, dtype=dtype, sharding=sharding or None, bytes=int(nbytes))
-
-
-def _tree_item(item, leaves: list, total_bytes: int, values: int) -> dict[str, Any]:
-    return dict(
-        name=item.name, kind=item.kind, leaves=leaves, total_bytes=total_bytes, values=values
-    )
 
 
 def _print_item(d: dict[str, Any], *, summary: bool) -> None:
