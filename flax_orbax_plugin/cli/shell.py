@@ -67,10 +67,6 @@ class Interrupts:
         self.signum: int | None = None  # the first signal: the one the command reports
         self._state = "loading"  # then "running", and "stopped" or "finished"
 
-    @property
-    def terminated(self) -> bool:
-        return self.signum == signal.SIGTERM
-
     def handler(self, signum: int, frame: Any) -> None:
         if self.signum is None:
             self.signum = signum
@@ -98,23 +94,22 @@ class Interrupts:
         if self._state == "stopped":
             return status
         self._state = "finished"
-        if self.signum is None:
-            return status
-        self.stopped()
-        return self._say_too_late()
+        return status if self.signum is None else self._too_late()
 
-    def _say_too_late(self) -> int:
-        what = "terminated" if self.terminated else "interrupted"
+    def _too_late(self) -> int:
+        """Stops (:meth:`stopped`), says the signal came too late; its exit status."""
+        self.stopped()
+        terminated = self.signum == signal.SIGTERM
+        what = "terminated" if terminated else "interrupted"
         print(
             f"flax-orbax {self.command}: {what}, too late to stop it: the command had "
             f"finished (what it wrote is complete)",
             file=sys.stderr,
         )
-        return EXIT_TERMINATED if self.terminated else EXIT_INTERRUPTED
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
 
     def _exit_too_late(self) -> None:
-        self.stopped()
-        code = self._say_too_late()
+        code = self._too_late()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
