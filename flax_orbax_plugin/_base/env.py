@@ -131,9 +131,8 @@ class Option:
 
     def _check_range(self, value: Any) -> None:
         low, high = self.low, self.high
-        if low is not None and (value <= low if self.low_open else value < low):
-            self._fail(value, wrong_type=False)
-        if high is not None and value > high:
+        below = low is not None and (value <= low if self.low_open else value < low)
+        if below or (high is not None and value > high):
             self._fail(value, wrong_type=False)
 
     def _check_flag(self, value: Any) -> None:

@@ -15,8 +15,7 @@ import jax
 import numpy as np
 
 from .._errors import StructureError
-from .key_paths import KeyEntry as KeyEntry
-from .key_paths import path_string as path_string
+from .key_paths import KeyEntry, path_string
 
 
 @contextlib.contextmanager
