@@ -40,7 +40,6 @@ class ByteProgress:
 
     def __init__(self, total: int, label: str):
         console = _console()
-        self.enabled = console.is_terminal
         self._bar = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -51,7 +50,7 @@ class ByteProgress:
             TimeRemainingColumn(),
             TextColumn("{task.fields[note]}"),
             console=console,
-            disable=not self.enabled,
+            disable=not console.is_terminal,
             transient=True,
         )
         self._task = self._bar.add_task(label, total=max(int(total), 1), note="")
