@@ -146,10 +146,6 @@ def _mixed_keys(node: Any, keys: list[KeyEntry]) -> tuple[str, str] | None:
     return None
 
 
-def unflatten(treedef: Any, leaves: list[Any]) -> Any:
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
 def rebuild(items: Iterator[tuple[list[KeyEntry], Any]]) -> Any:
     """Nested dicts (dict and attribute keys) and lists (sequence and flattened-index
     keys) from ``(keys, value)`` pairs (restore without ``like``)."""

@@ -617,7 +617,7 @@ def _read_onto_like(
         return plan_of(str(location), targets, paths, kept, saved)
     read_targets(location, doc, targets, request)
     results = [leaf if t is _onto_like.KEEP else t.result for t, (_, _, leaf) in paired]
-    return _tree.unflatten(treedef, results)
+    return jax.tree_util.tree_unflatten(treedef, results)
 
 
 def _maker(made: dict[str, Any], cast: str):

@@ -15,6 +15,7 @@ import re
 import stat
 from typing import Any
 
+import jax
 import msgpack
 import numpy as np
 
@@ -227,7 +228,7 @@ def restore_msgpack(
             p, host.shape, host.dtype, leaf_like, source=str(path), allow_cast=cast == "unsafe"
         )
         out.append(_placing.materialize(plan, lambda index, host=host: host[index]))
-    return _tree.unflatten(treedef, out)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def files_to_import(src: Any, step: int | None) -> list[tuple[int | None, str]]:

@@ -244,7 +244,7 @@ def _restore_tree(
     flat, treedef = _tree.flatten(like)
     # a field-less node of like (optax's EmptyState) stays itself: Orbax saved it as None
     kept = [leaf if _tree.is_empty_node(leaf) else values[p] for p, _, leaf in flat]
-    return _tree.unflatten(treedef, kept)
+    return jax.tree_util.tree_unflatten(treedef, kept)
 
 
 def lone_item(loc: Location, items: dict[str, OrbaxItem]) -> OrbaxItem | None:
