@@ -60,10 +60,9 @@ def outside_stacklevel() -> int:
     frame outside it and ``contextlib`` (the user's call)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     frame, level = sys._getframe(1), 1
-    while frame is not None and _inside(frame.f_code.co_filename, package):
+    while frame is not None and (
+        os.path.abspath(frame.f_code.co_filename).startswith(package)
+        or frame.f_code.co_filename == contextlib.__file__
+    ):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def _inside(filename: str, package: str) -> bool:
-    return os.path.abspath(filename).startswith(package) or filename == contextlib.__file__

@@ -223,7 +223,7 @@ def cmd_import(args) -> int:
 
 def cmd_gc(args) -> int:
     loc = Location.from_path(args.directory)
-    _check_run_directory(loc, args)
+    _check_run_directory(loc)
     found = gc_plan(loc, keep=args.keep, keep_every=args.keep_every)
     # Not a run: no writer opened, no lock left there.
     idle = not (found.unfinished or found.steps or found.kept)
@@ -246,7 +246,7 @@ def cmd_gc(args) -> int:
     return 0
 
 
-def _check_run_directory(loc: Location, args) -> None:
+def _check_run_directory(loc: Location) -> None:
     """Refuses a ``gc`` of no directory, or of one checkpoint rather than a run."""
     if not loc.is_dir():
         is_file = loc.is_local and os.path.isfile(loc.path.rstrip("/"))
