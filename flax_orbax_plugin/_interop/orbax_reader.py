@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -101,21 +101,20 @@ class ItemReader:
         self, leaf: OrbaxLeaf, like: Any, *, allow_cast: bool = False, rounds: bool = False
     ) -> Any:
         """One leaf in the form of ``like`` (``rounds``: a checked cast may round)."""
-        if leaf.value_type in ("None", "Dict", "List"):
-            if like is not None and not (isinstance(like, (dict, list, tuple)) and len(like) == 0):
+        if leaf.value_type in ("None", "Dict", "List", "string"):
+            string = leaf.value_type == "string"
+            empty = isinstance(like, (dict, list, tuple)) and len(like) == 0
+            if like is not None and not (isinstance(like, str) if string else empty):
+                what = "a string" if string else f"an empty {leaf.value_type}"
                 raise StructureError(
                     f"leaf {leaf.path!r}: expected {_onto_like.describe(like)} (from like), "
-                    f"found an empty {leaf.value_type} in {self.item}"
+                    f"found {what} in {self.item}"
                 )
-            return {"None": None, "Dict": {}, "List": []}[leaf.value_type]
-        if leaf.value_type == "string":
-            value = self.string(leaf)
-            if like is not None and not isinstance(like, str):
-                raise StructureError(
-                    f"leaf {leaf.path!r}: expected {_onto_like.describe(like)} (from like), "
-                    f"found a string in {self.item}"
-                )
-            return value
+            return (
+                self.string(leaf)
+                if string
+                else {"None": None, "Dict": {}, "List": []}[leaf.value_type]
+            )
         store = self.open(leaf)
         shape = tuple(int(d) for d in store.shape)
         nbytes = math.prod(shape) * store.dtype.numpy_dtype.itemsize  # Python ints
@@ -150,49 +149,6 @@ class ItemReader:
                 f"leaf {leaf.path!r} in {self.item}: its array metadata claims shape "
                 f"{list(shape)} ({nbytes} bytes), more than this host can allocate"
             ) from None
-
-
-def _select(item: OrbaxItem, like: Any, partial: bool) -> list[tuple[OrbaxLeaf, Any]]:
-    if like is None:
-        return [(leaf, None) for leaf in item.leaves]
-    by_path = {leaf.path: leaf for leaf in item.leaves}
-    flat, _ = _tree.flatten(like)
-    wanted = {p for p, _, _ in flat}
-    missing = [p for p in wanted if p not in by_path]
-    if missing:
-        first, more = sorted(missing)[0], len(missing) - 1
-        raise StructureError(
-            f"leaf {first!r}: expected by like, found no such key in the Orbax checkpoint "
-            f"{item}{f' ({more} more)' if more else ''}{_onto_like.near_miss(first, by_path)}"
-        )
-    if not partial:
-        unexpected = [
-            leaf.path
-            for leaf in item.leaves
-            if leaf.path not in wanted and leaf.value_type not in ("None", "Dict", "List")
-        ]
-        if unexpected:
-            raise StructureError(
-                f"leaf {unexpected[0]!r}: unexpected key: found in the Orbax checkpoint {item} "
-                f"but not in like; pass partial=True to restore a subtree"
-            )
-    return [(by_path[p], leaf_like) for p, _, leaf_like in flat]
-
-
-def iter_leaves(
-    item: OrbaxItem,
-    like: Any = None,
-    *,
-    partial: bool = False,
-    allow_cast: bool = False,
-    rounds: bool = False,
-) -> Iterator[tuple[OrbaxLeaf, Any]]:
-    """Yields ``(leaf, value)`` one leaf at a time (only one leaf's data is read at once)."""
-    if item.kind != "pytree":
-        raise StructureError(f"{item} is a JSON item, not a pytree")
-    reader = ItemReader(item)
-    for leaf, leaf_like in _select(item, like, partial):
-        yield leaf, reader.read(leaf, leaf_like, allow_cast=allow_cast, rounds=rounds)
 
 
 def _small_value(item: OrbaxItem) -> Any:
@@ -235,13 +191,34 @@ def restore_item(
 def _restore_tree(
     item: OrbaxItem, like: Any, allow_cast: bool, *, partial: bool = False, rounds: bool = False
 ):
+    """The tree of a pytree item in the form of ``like``, one leaf's data read at a time."""
+    reader = ItemReader(item)
     if like is None:
         return _tree.rebuild(
-            (list(leaf.keys), value) for leaf, value in iter_leaves(item, allow_cast=allow_cast)
+            (list(leaf.keys), reader.read(leaf, None, allow_cast=allow_cast))
+            for leaf in item.leaves
         )
-    leaves = iter_leaves(item, like, partial=partial, allow_cast=allow_cast, rounds=rounds)
-    values = {leaf.path: value for leaf, value in leaves}
+    by_path = {leaf.path: leaf for leaf in item.leaves}
     flat, treedef = _tree.flatten(like)
+    wanted = {p for p, _, _ in flat}
+    missing = sorted(wanted - set(by_path))
+    if missing:
+        more = f" ({len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise StructureError(
+            f"leaf {missing[0]!r}: expected by like, found no such key in the Orbax checkpoint "
+            f"{item}{more}{_onto_like.near_miss(missing[0], by_path)}"
+        )
+    empty = ("None", "Dict", "List")
+    unexpected = [x.path for x in item.leaves if x.path not in wanted and x.value_type not in empty]
+    if unexpected and not partial:
+        raise StructureError(
+            f"leaf {unexpected[0]!r}: unexpected key: found in the Orbax checkpoint {item} "
+            f"but not in like; pass partial=True to restore a subtree"
+        )
+    values = {
+        p: reader.read(by_path[p], leaf_like, allow_cast=allow_cast, rounds=rounds)
+        for p, _, leaf_like in flat
+    }
     # a field-less node of like (optax's EmptyState) stays itself: Orbax saved it as None
     kept = [leaf if _tree.is_empty_node(leaf) else values[p] for p, _, leaf in flat]
     return _tree.unflatten(treedef, kept)
@@ -322,8 +299,13 @@ def restore_orbax(
 def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, ...]]:
     """The item holding params and their key prefix in it. A missing item is never
     passed over for another (that would serve the optimizer state)."""
-    if "params" in items and items["params"].kind in ("pytree", "missing"):
-        return _readable(items["params"]), ()
+    params = items.get("params")
+    if params is not None and params.kind == "missing":
+        raise CorruptCheckpointError(
+            f"item 'params' of the Orbax checkpoint {params.location.parent}: {params.unreadable}"
+        )
+    if params is not None and params.kind == "pytree":
+        return params, ()
     pytrees = {n: i for n, i in items.items() if i.kind == "pytree"}
     where = next(iter(items.values())).location.parent if items else ""
     holders = {n: i for n, i in pytrees.items() if any(_top(leaf) == "params" for leaf in i.leaves)}
@@ -353,14 +335,6 @@ def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, .
         f"no item named 'params' and no item with a top-level 'params' key "
         f"(items: {sorted(items)})"
     )
-
-
-def _readable(item: OrbaxItem) -> OrbaxItem:
-    if item.kind == "missing":
-        raise CorruptCheckpointError(
-            f"item {item.name!r} of the Orbax checkpoint {item.location.parent}: {item.unreadable}"
-        )
-    return item
 
 
 def _top(leaf: OrbaxLeaf) -> str | None:
