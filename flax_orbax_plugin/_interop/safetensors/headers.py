@@ -23,7 +23,6 @@ from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, OptionEr
 from ..._format import layout as _layout
 from ..._storage.local_inputs import local_path
 from ..._storage.untrusted import loads_json, open_regular, read_capped
-from ..._zarr import subbyte as _subbyte
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_STEM = "model"
@@ -57,17 +56,6 @@ def tensor_nbytes(dtype: np.dtype, count: int) -> int | None:
     if bits is None:
         return count * dtype.itemsize
     return None if count * bits % 8 else count * bits // 8
-
-
-def pack(values: np.ndarray, bits: int) -> np.ndarray:
-    """The packed bytes (uint8, flat) of ``values``: the whole tensor as one row."""
-    return _subbyte.pack_rows(np.ascontiguousarray(values).reshape(-1), bits)
-
-
-def unpack(data: np.ndarray, bits: int, count: int, skip: int = 0) -> np.ndarray:
-    """Values ``skip .. skip + count`` (uint8 each) of the packed bytes ``data``
-    (starting on a group of whole bytes: ``_zarr.subbyte.group``)."""
-    return _subbyte.unpack_rows(data, bits, count, skip, np.uint8)
 
 
 METADATA_KEY = "__metadata__"  # the header's entry of str -> str, never a tensor
@@ -172,15 +160,20 @@ def plain_name(name: str) -> bool:
     )
 
 
-def pread_exact(fd: int, n: int, offset: int, path: str, what: str) -> bytes:
-    parts, done = [], 0
-    while done < n:
-        chunk = os.pread(fd, n - done, offset + done)
-        if not chunk:
-            raise CorruptCheckpointError(f"{path}: file ended {n - done} bytes early in its {what}")
-        parts.append(chunk)
-        done += len(chunk)
-    return b"".join(parts)
+def pread_into(fd: int, buf: memoryview, offset: int, where: str) -> None:
+    """Fills ``buf`` from byte ``offset`` of ``fd``; CorruptCheckpointError at an early end."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{where}: file ended {len(buf) - done} bytes early")
+        done += n
+
+
+def pread_exact(fd: int, n: int, offset: int, path: str, what: str) -> bytearray:
+    buf = bytearray(n)
+    pread_into(fd, memoryview(buf), offset, f"{path} ({what})")
+    return buf
 
 
 def header_json(fd: int, size: int, path: str) -> tuple[int, Any]:

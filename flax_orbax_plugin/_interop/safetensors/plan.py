@@ -19,6 +19,7 @@ from ..._base.env import Option, found
 from ..._core.formats import MEMORY_LIMIT
 from ..._errors import OptionError, OptionTypeError, StructureError
 from ..._like import onto_like as _onto_like
+from ..._zarr.subbyte import pack_rows
 from .headers import (
     METADATA_KEY,
     TAGS,
@@ -26,7 +27,6 @@ from .headers import (
     default_names,
     kernel_axes,
     name_fault,
-    pack,
     packed_bits,
     tensor_nbytes,
 )
@@ -313,4 +313,4 @@ def tensor_bytes(t: Tensor, value: Any) -> np.ndarray:
             f"leaf {t.path!r}: expected shape {t.shape} for tensor {t.name!r}, found {arr.shape}"
         )
     bits = packed_bits(arr.dtype)
-    return arr.reshape(-1).view(np.uint8) if bits is None else pack(arr, bits)
+    return arr.reshape(-1).view(np.uint8) if bits is None else pack_rows(arr.reshape(-1), bits)
