@@ -57,7 +57,7 @@ from .safetensors.headers import read_safetensors_index as headers
 from .safetensors.headers import tree_of_names
 from .safetensors.reader import from_safetensors
 
-__all__ = ["import_checkpoint", "import_msgpack", "import_orbax", "import_safetensors"]
+__all__ = ["import_checkpoint", "import_msgpack", "import_orbax"]
 
 # -- which step an imported state is written as ---------------------------------
 
@@ -66,20 +66,11 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 def state_step(tree: Any, path: str) -> int | None:
-    """The state's top-level ``step`` leaf (a ``TrainState``'s) as an int, or None;
-    StructureError for a scalar ``step`` that is no non-negative integer."""
-    if not isinstance(tree, dict) or "step" not in tree:
-        return None
-    value = tree["step"]
+    """The state's top-level ``step`` leaf (a ``TrainState``'s) as an int, or None."""
+    value = tree.get("step") if isinstance(tree, dict) else None
     if isinstance(value, dict | list | str | bytes) or value is None:
-        return None  # a subtree named step, not a step
-    arr = np.asarray(value)
-    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer) or int(arr) < 0:
-        raise StructureError(
-            f"leaf 'step' in {path}: expected a non-negative integer scalar (the state's "
-            f"step), found {arr.dtype}{list(arr.shape)}"
-        )
-    return int(arr)
+        return None  # no step, or a subtree named step
+    return _to_step_int(value, path)
 
 
 def choose_step(path: str, *, given: int | None, named: int | None, stored: int | None) -> int:
@@ -178,22 +169,19 @@ ImportedStep = tuple[int, dict[str, Any], dict[str, Any] | None]  # (step, items
 
 def _to_step_int(value: Any, source: str) -> int:
     arr = np.asarray(value)
-    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer):
+    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer) or int(arr) < 0:
         raise StructureError(
-            f"leaf 'step' in {source}: expected an integer scalar, "
-            f"found {arr.dtype}{list(arr.shape)}"
+            f"leaf 'step' in {source}: expected a non-negative integer scalar (the state's "
+            f"step), found {arr.dtype}{list(arr.shape)}"
         )
     return int(arr)
 
 
-def _split(tree: Any, source: str) -> dict[str, Any]:
+def _split(tree: Any) -> dict[str, Any]:
     """A training-state dict (it has 'params') gives one item per top-level key (empty
     ones too, as this library's save keeps them); any other tree is ``params``."""
     if isinstance(tree, Mapping) and "params" in tree:
-        return {
-            str(key): _to_step_int(value, source) if key == "step" else value
-            for key, value in tree.items()
-        }
+        return {str(key): value for key, value in tree.items()}
     return {"params": tree}
 
 
@@ -220,7 +208,7 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
     items: dict[str, Any] = {}
     origin: dict[str, str] = {}  # our item -> the foreign item it came from
     for name, tree in pytrees.items():
-        parts = _split(tree, source) if name != "params" else {"params": tree}
+        parts = _split(tree) if name != "params" else {"params": tree}
         if len(pytrees) > 1 and set(parts) == {"params"} and name != "params":
             parts = {name: tree}  # one of several items, no training state: kept by name
         clash = sorted(set(parts) & set(items))
@@ -232,7 +220,7 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
         items.update(parts)
         origin.update(dict.fromkeys(parts, name))
     _refuse_reserved(items, origin, source)
-    if "step" in items and not isinstance(items["step"], int):
+    if "step" in items:
         items["step"] = _to_step_int(items["step"], source)
     return -1, items, extras or None
 
@@ -443,8 +431,9 @@ def import_checkpoint(
             f"library already: nothing to import (read it with fop.restore / "
             f"CheckpointManager, or copy the directory)"
         )
-    if safetensors_source(local) is not None:  # by name: the headers are checked on read
-        return import_safetensors(src, out_dir, **options)
+    source = safetensors_source(local)  # by name: the headers are checked on read
+    if source is not None:
+        return _import_safetensors(src, out_dir, options, source)
     if os.path.isfile(local) and not is_msgpack_checkpoint(local):
         raise CorruptCheckpointError(
             f"import source {src}: a file that is neither a Flax msgpack checkpoint (it "
@@ -462,35 +451,22 @@ def _check(src: Any, out_dir: Any, options: dict[str, Any]) -> None:
     refuse_inside_source(src, out_dir)
 
 
-@public(errors=refusals(arguments("src", "out_dir")))
-def import_safetensors(
-    src: Any,
-    out_dir: Any,
-    *,
-    step: int | None = None,
-    force: bool = False,
-    format_version: int | None = None,
-    progress: Callable[[int], Any] | None = None,
-    memory_limit_bytes: int | None = None,
-) -> list[int]:
-    """Writes safetensors (a file, an index, or a folder of shards) as item ``params``
-    of step ``step`` (needed: the files name none) of ``out_dir``; tensor names become
-    leaf paths as ``headers.tree_of_names`` says. Returns ``[step]``. Tensors above
-    half of ``memory_limit_bytes`` are refused before anything is read."""
-    options = {"step": step, "force": force, "format_version": format_version}
-    options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
+def _import_safetensors(src: Any, out_dir: Any, options: dict[str, Any], source: Any) -> list[int]:
+    """Writes safetensors ``source`` (a file, an index, or the shards of ``src``) as
+    item ``params`` of step ``options["step"]`` (needed: the files name none) of
+    ``out_dir``; tensor names become leaf paths as ``headers.tree_of_names`` says.
+    Returns ``[step]``. Tensors above half of ``memory_limit_bytes`` are refused
+    before anything is read."""
     _check(src, out_dir, options)
-    source = safetensors_source(local_path(src, what="import source", note=_NOT_ORBAX))
-    if source is None:
-        raise CheckpointNotFoundError(f"import source {src}: no safetensors file in it")
-    number = choose_step(str(src), given=step, named=None, stored=None)
-    files = source if isinstance(source, list) else [source]
-    if memory_limit_bytes is not None:  # what the headers claim (checked), before a read
+    number = choose_step(str(src), given=options["step"], named=None, stored=None)
+    limit = options["memory_limit_bytes"]
+    if limit is not None:  # what the headers claim (checked), before a read
         held = sum(math.prod(t.shape) * t.dtype.itemsize for t in headers(source).values())
-        refuse_over(src, held, memory_limit_bytes, "tensors")
+        refuse_over(src, held, limit, "tensors")
     tensors = from_safetensors(source)  # {name: array}; every header checked
     steps = [(number, (number, {"params": tree_of_names(tensors)}, None))]
-    sizes = [sum(os.path.getsize(f) for f in files)] if progress else ()
+    files = source if isinstance(source, list) else [source]
+    sizes = [sum(os.path.getsize(f) for f in files)] if options["progress"] else ()
     return save_steps(out_dir, iter(steps), planned=[number], options=options, source_bytes=sizes)
 
 
@@ -538,7 +514,6 @@ def _orbax_step(step_loc: Location, step: int | None, limit: int | None):
     refuse_over(step_loc, _host_memory.held_bytes(trees), limit, "arrays, once read,")
     imported = step_items(trees, kinds, source=str(step_loc))
     stored = imported[1].get("step")  # a training state's step leaf, as an int
-    stored = stored if isinstance(stored, int) else None
     named = STEP_RE.match(step_loc.name)  # an Orbax step directory's number
     named = int(named.groups()[-1]) if named else None  # the last group: digits
     return choose_step(str(step_loc), given=step, named=named, stored=stored), imported
