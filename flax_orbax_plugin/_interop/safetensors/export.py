@@ -30,6 +30,7 @@ from ..._errors import (
 from ..._format.describe import holding_checkpoint
 from ..._format.layout import manifest_for_item
 from ..._like.onto_like import check_policy
+from ..._storage.local_files import fsync_dir
 from ..._storage.local_inputs import local_path
 from ..._storage.location import Location
 from ..._storage.store_errors import arguments, refusals
@@ -39,7 +40,6 @@ from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES
 from .outputs import (
     Staged,
     check_outputs,
-    fsync_dir,
     old_outputs,
     output_names,
     progress_of,

@@ -58,29 +58,6 @@ def output_names(out: str, count: int) -> tuple[str, list[str], str]:
     return directory, names, f"{stem}{INDEX_SUFFIX}"
 
 
-def close_shard(files: list, i: int) -> None:
-    if i >= 0 and files[i] is not None and not files[i].closed:
-        files[i].flush()
-        os.fsync(files[i].fileno())
-        files[i].close()
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def create_temp(directory: str, final_name: str, nonce: str) -> tuple[str, Any]:
-    """(path, binary file) of a new file beside ``final_name`` under the export's
-    temporary name, created exclusively: a planted file or link is never followed."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    path = os.path.join(directory, _remains.temp_name(final_name, nonce))
-    return path, os.fdopen(os.open(path, flags, 0o644), "wb")
-
-
 def proven_ours(path: str) -> tuple[bool, str]:
     """(True, "") when ``path`` is a regular file whose metadata carries our marker,
     else (False, what was found). Opens without following or blocking."""
@@ -185,8 +162,9 @@ def _groups(tensors: list[Tensor], limit: int | None) -> list[list[Tensor]]:
 
 class Staged:
     """The temporary files of one export, named by its nonce after its marker: call
-    :meth:`write`, :meth:`place` each shard, :meth:`write_index`, then :meth:`done`;
-    or on failure :meth:`discard` (every file it created, then the marker). One thread."""
+    :meth:`write`, :meth:`place` each of :attr:`shard_tmps`, :meth:`write_index`, then
+    :meth:`done`; or on failure :meth:`discard` (every file it created, then the
+    marker). One thread."""
 
     def __init__(
         self, directory: str, names: list[str], shards: list[list[Tensor]], meta: dict[str, str]
@@ -194,43 +172,49 @@ class Staged:
         self.directory, self.names, self.shards, self.meta = directory, names, shards, meta
         self.tmps: list[str] = []  # every temporary file this call created (and only those)
         self.shard_of = {t.path: i for i, shard in enumerate(shards) for t in shard}
-        self.files: list[Any] = [None] * len(shards)
-        self.shard_tmps: list[str | None] = [None] * len(shards)
+        self.file: Any = None  # the shard being written: shards are written in order
         self.placed: list[tuple[str, int]] = []  # (final path, inode) renamed into place
         self.nonce = _remains.begin(directory)  # before any file: remains proven ours
 
-    def _start(self, i: int) -> Any:
-        tmp, f = create_temp(self.directory, self.names[i], self.nonce)
-        self.tmps.append(tmp)
-        self.shard_tmps[i] = tmp
-        f.write(encode_header(self.shards[i], self.meta))
+    @property
+    def shard_tmps(self) -> list[str]:
+        return self.tmps[: len(self.shards)]
+
+    def _create(self, final_name: str) -> Any:
+        """A new binary file under ``final_name``'s temporary name, created exclusively:
+        a planted file or link is never followed."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        path = os.path.join(self.directory, _remains.temp_name(final_name, self.nonce))
+        f = os.fdopen(os.open(path, flags, 0o644), "wb")
+        self.tmps.append(path)
         return f
+
+    def _open_shard(self, i: int) -> None:
+        """Shard ``i`` open for writing; the shards before it durable and closed (one
+        holding only empty tensors is created then)."""
+        while len(self.tmps) <= i:
+            if self.file is not None:
+                _close_durable(self.file)
+            n = len(self.tmps)
+            self.file = self._create(self.names[n])
+            self.file.write(encode_header(self.shards[n], self.meta))
 
     def write(
         self, tensors: list[Tensor], read: Callable, bar, *, group_bytes: int | None = None
     ) -> None:
         """Every shard, durable and closed, the tensors read a group at a time."""
         by_path = {t.path: t for t in tensors}
-        files, current = self.files, -1
         for group in _groups(tensors, group_bytes):
             for path, value in read([t.path for t in group]):
-                i = self.shard_of[path]
-                if i != current:
-                    close_shard(files, current)
-                    files[i] = self._start(i)
-                    current = i
-                t = by_path[path]
-                data = tensor_bytes(t, value)
-                files[i].write(memoryview(data))
+                self._open_shard(self.shard_of[path])
+                data = tensor_bytes(by_path[path], value)
+                self.file.write(memoryview(data))
                 _env.pause_point("export_write")
                 _env.slow_point("export_write")
                 bar.advance(data.nbytes, path)
                 del data, value  # one leaf (or one group) in memory at a time
-        close_shard(files, current)
-        for i in range(len(self.shards)):
-            if files[i] is None:  # a shard of empty tensors only
-                files[i] = self._start(i)
-                close_shard(files, i)
+        self._open_shard(len(self.shards) - 1)
+        _close_durable(self.file)
 
     def write_index(
         self, tensors: list[Tensor], total: int, index_name: str, index_path: str
@@ -240,13 +224,10 @@ class Staged:
             "metadata": {"total_size": total, MARKER_KEY: MARKER_VALUE},
             "weight_map": {t.name: self.names[self.shard_of[t.path]] for t in tensors},
         }
-        tmp, f = create_temp(self.directory, index_name, self.nonce)
-        self.tmps.append(tmp)
-        with f:
+        with self._create(index_name) as f:
             f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        self.place(tmp, index_path)
+            _close_durable(f)
+        self.place(self.tmps[-1], index_path)
 
     def place(self, tmp: str, final: str) -> None:
         """Renames ``tmp`` over ``final`` (a name replaced, never written through a link)."""
@@ -261,9 +242,8 @@ class Staged:
 
     def discard(self) -> None:
         _env.pause_point("export_discard")  # tests: a second signal during the clean-up
-        for f in self.files:
-            if f is not None and not f.closed:
-                f.close()
+        if self.file is not None and not self.file.closed:
+            self.file.close()
         for tmp in self.tmps:  # ours: created exclusively under an unpredictable name
             try:
                 os.unlink(tmp)
@@ -276,6 +256,12 @@ class Staged:
             except FileNotFoundError:
                 pass
         _remains.end(self.directory, self.nonce)  # last: what it names is gone
+
+
+def _close_durable(f: Any) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
 
 
 class _NoBar:
