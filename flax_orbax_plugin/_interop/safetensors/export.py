@@ -135,15 +135,6 @@ def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
     return leaves, read
 
 
-def _source_leaves(source: Any, limit: int | None) -> tuple[list, Callable]:
-    """A checkpoint's leaves (a path, Location or kvstore spec) or a tree's."""
-    if isinstance(source, (str, os.PathLike, Location)) or (
-        isinstance(source, dict) and "driver" in source
-    ):
-        return _checkpoint_leaves(source, limit)
-    return _tree_leaves(source)
-
-
 @public(errors=refusals(arguments("source")))  # a store's refusal: StoreAccessError
 def to_safetensors(
     source: Any,
@@ -219,7 +210,12 @@ def _outputs(out: str, count: int, force: bool) -> tuple[str, list[str], str]:
 def _plan(source: Any, key_map: Any, transpose_kernels: bool, dtype: Any, cast: str, limit):
     """The tensors an export writes, checked against the ceiling ``limit``, and a reader."""
     key_map = checked_key_map(key_map)
-    leaves, read = _source_leaves(source, limit)
+    if isinstance(source, (str, os.PathLike, Location)) or (
+        isinstance(source, dict) and "driver" in source  # a kvstore spec
+    ):
+        leaves, read = _checkpoint_leaves(source, limit)
+    else:
+        leaves, read = _tree_leaves(source)
     if not leaves:
         raise ValueError("nothing to export: the source holds no array leaves")
     tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype, cast)

@@ -61,23 +61,6 @@ def tensor_nbytes(dtype: np.dtype, count: int) -> int | None:
 METADATA_KEY = "__metadata__"  # the header's entry of str -> str, never a tensor
 
 
-def name_fault(name: object) -> str | None:
-    """Why ``name`` cannot name a tensor in a header, or None: a non-empty UTF-8 str
-    other than ``__metadata__``."""
-    if not isinstance(name, str) or not name:
-        return f"expected a tensor name (a non-empty str), found {name!r:.80}"
-    if name == METADATA_KEY:
-        return (
-            f"{METADATA_KEY!r} is the safetensors header's metadata entry, not a tensor name "
-            f"(safetensors refuses a file holding a tensor of that name)"
-        )
-    try:
-        name.encode("utf-8")  # a lone surrogate cannot be a tensor name in the header
-    except UnicodeEncodeError:
-        return f"the tensor name {name!r:.80} cannot be written as UTF-8"
-    return None
-
-
 def default_name(path: str) -> str:
     """The default tensor name of a leaf path: ``Dense_0/kernel`` -> ``Dense_0.kernel``."""
     return path.replace("/", ".")
