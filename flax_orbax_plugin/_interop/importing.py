@@ -136,12 +136,12 @@ def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool
     newer = [s for s in held if planned and s > max(planned)]
     if newer:
         raise FileExistsError(
-            f"{out_dir} already holds steps newer than those imported ({_steps_text(newer)}): a "
-            "resume would take them; import into a new directory, or pass force=True (--force)"
+            f"{out_dir} already holds steps newer than those imported ({_shown.listed(newer)}): "
+            "a resume would take them; import into a new directory, or pass force=True (--force)"
         )
     warnings.warn(
-        f"{out_dir} already holds steps {_steps_text(held)}; the imported steps are added beside "
-        "them (one run directory holding two runs' steps, if they came from elsewhere)",
+        f"{out_dir} already holds steps {_shown.listed(held)}; the imported steps are added "
+        "beside them (one run directory holding two runs' steps, if they came from elsewhere)",
         UserWarning,
         stacklevel=outside_stacklevel(),
     )
@@ -157,14 +157,10 @@ def refuse_existing(out_dir: Any, held: list[int], numbers: list[int], force: bo
         )
 
 
-def _steps_text(steps: list[int]) -> str:
-    return ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
-
-
 # -- which items an imported state becomes ------------------------------------------
 
 
-ImportedStep = tuple[int, dict[str, Any], dict[str, Any] | None]  # (step, items, extras)
+ImportedStep = tuple[dict[str, Any], dict[str, Any] | None]  # (items, extras)
 
 
 def _to_step_int(value: Any, source: str) -> int:
@@ -190,7 +186,7 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
     holding a training state (:func:`_split`) gives its keys as items, another is kept
     by name (a lone one is ``params``); JSON items go into ``extras`` by name, but the
     entries of Orbax's ``metrics`` item become top-level extras (``keep_best`` reads
-    them there). Returns ``(-1, items, extras)``: the caller decides the step.
+    them there). Returns ``(items, extras)``: the caller decides the step.
     """
     pytrees = {n: t for n, t in trees.items() if kinds[n] == "pytree" and t is not None}
     extras = {n: t for n, t in trees.items() if kinds[n] == "json" and n != "metrics"}
@@ -222,7 +218,7 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
     _refuse_reserved(items, origin, source)
     if "step" in items:
         items["step"] = _to_step_int(items["step"], source)
-    return -1, items, extras or None
+    return items, extras or None
 
 
 # Item names whose kind this library fixes: a tree saved under one would not come back.
@@ -308,7 +304,7 @@ def save_steps(
     options: Mapping[str, Any],
     source_bytes: Sequence[int] = (),
 ) -> list[int]:
-    """Saves each ``(step, (_, items, extras))`` of ``steps`` (consumed lazily: one
+    """Saves each ``(step, (items, extras))`` of ``steps`` (consumed lazily: one
     step's trees in memory at a time) as a committed step of ``out_dir``; returns the
     steps written, in order.
 
@@ -352,7 +348,7 @@ def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: li
         contextlib.nullcontext() if progress is None else progress(sum(sizes)) as bar,
     ):
         refuse_mixing(out_dir, mngr.steps(), planned, force)
-        for number, (_, items, extras) in steps:
+        for number, (items, extras) in steps:
             if number in written:  # two sources of one step: one would replace the other
                 raise StructureError(
                     f"two checkpoints of this import give step {number}; import them "
@@ -360,7 +356,9 @@ def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: li
                 )
             refuse_foreign_targets(out_dir, [number])
             refuse_existing(out_dir, mngr.steps(), [number], force)
-            _refuse_rows(number, items, limit)
+            if limit is not None:  # a row: the least a streamed save copies at once
+                row, path = _host_memory.largest_row(items)
+                refuse_over(f"step {number}", row, limit, f"a row of leaf {path!r} holds")
             # overwrite: an imported step may lie below the latest (refused above unless force)
             mngr.save(number, items, extras=extras, ignore_policy=True, overwrite=True)
             written.append(number)
@@ -370,28 +368,15 @@ def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: li
                 bar.advance(sizes[i] if i < len(sizes) else 0, "")
 
 
-def _refuse_rows(step: int, items: Any, limit: int | None) -> None:
-    """OptionError for a leaf whose row (the least a streamed save copies at once) is
-    above half the ceiling ``limit``, before the step is written."""
-    if limit is None:
-        return
-    row, path = _host_memory.largest_row(items)
-    if row > limit // 2:
-        raise OptionError(
-            f"memory_limit_bytes={limit}: step {step}: a row of leaf {path!r} holds {row} "
-            f"bytes, above the half an import's save streams under; nothing of it was "
-            f"written: give memory_limit_bytes >= {2 * row} (or None)"
-        )
-
-
 def refuse_over(source: Any, nbytes: int, limit: int | None, what: str) -> None:
-    """OptionError when ``source``'s ``what`` hold ``nbytes``, above the half of the
-    ceiling ``limit`` an import may hold a step in (:func:`save_steps`)."""
+    """OptionError when ``source``'s ``what`` (e.g. "its files hold") ``nbytes``, above
+    half the ceiling ``limit``: an import holds a step in one half, and its save
+    streams under the other (:func:`save_steps`)."""
     if limit is not None and nbytes > limit // 2:
         raise OptionError(
-            f"memory_limit_bytes={limit}: {source}: its {what} hold {nbytes} bytes, above "
-            f"the half of the ceiling an import holds a step in; nothing of it was "
-            f"written: give memory_limit_bytes >= {2 * nbytes} (or None)"
+            f"memory_limit_bytes={limit}: {source}: {what} {nbytes} bytes, above the half "
+            f"of the ceiling an import holds a step in (or streams its save under); nothing "
+            f"of it was written: give memory_limit_bytes >= {2 * nbytes} (or None)"
         )
 
 
@@ -462,9 +447,9 @@ def _import_safetensors(src: Any, out_dir: Any, options: dict[str, Any], source:
     limit = options["memory_limit_bytes"]
     if limit is not None:  # what the headers claim (checked), before a read
         held = sum(math.prod(t.shape) * t.dtype.itemsize for t in headers(source).values())
-        refuse_over(src, held, limit, "tensors")
+        refuse_over(src, held, limit, "its tensors hold")
     tensors = from_safetensors(source)  # {name: array}; every header checked
-    steps = [(number, (number, {"params": tree_of_names(tensors)}, None))]
+    steps = [(number, ({"params": tree_of_names(tensors)}, None))]
     files = source if isinstance(source, list) else [source]
     sizes = [sum(os.path.getsize(f) for f in files)] if options["progress"] else ()
     return save_steps(out_dir, iter(steps), planned=[number], options=options, source_bytes=sizes)
@@ -501,7 +486,7 @@ def import_orbax(
     _check(src, out_dir, options)
     targets = orbax_steps_to_import(src, step)
     for _, step_loc in targets:
-        refuse_over(step_loc, _source_size(step_loc), memory_limit_bytes, "files")
+        refuse_over(step_loc, _source_size(step_loc), memory_limit_bytes, "its files hold")
     states = (_orbax_step(loc, step, memory_limit_bytes) for _, loc in targets)
     sizes = [_source_size(loc) for _, loc in targets] if progress else ()
     planned = [n for n, _ in targets]
@@ -511,9 +496,9 @@ def import_orbax(
 def _orbax_step(step_loc: Location, step: int | None, limit: int | None):
     """``(step number, imported step)`` of one Orbax step directory, read whole."""
     trees, kinds = orbax_reader.read_step(step_loc)
-    refuse_over(step_loc, _host_memory.held_bytes(trees), limit, "arrays, once read,")
+    refuse_over(step_loc, _host_memory.held_bytes(trees), limit, "its arrays, once read, hold")
     imported = step_items(trees, kinds, source=str(step_loc))
-    stored = imported[1].get("step")  # a training state's step leaf, as an int
+    stored = imported[0].get("step")  # a training state's step leaf, as an int
     named = STEP_RE.match(step_loc.name)  # an Orbax step directory's number
     named = int(named.groups()[-1]) if named else None  # the last group: digits
     return choose_step(str(step_loc), given=step, named=named, stored=stored), imported
@@ -549,7 +534,9 @@ def import_msgpack(
     _check(src, out_dir, options)
     numbered = msgpack_reader.files_to_import(src, step)
     for _, path in numbered:
-        refuse_over(path, _source_size(path), memory_limit_bytes, "bytes (and then its arrays)")
+        refuse_over(
+            path, _source_size(path), memory_limit_bytes, "its bytes (and then its arrays) hold"
+        )
 
     def read(named: int | None, path: str) -> tuple[int, ImportedStep]:
         tree = msgpack_reader.read_msgpack(path)
