@@ -407,9 +407,8 @@ def import_checkpoint(
     if is_orbax_checkpoint(src):
         return import_orbax(src, out_dir, **options)
     local = local_path(src, what="import source", note=_NOT_ORBAX)
-    ours = None
-    if os.path.isdir(local):
-        ours = holding_checkpoint(Location.from_path(os.path.realpath(local)), runs=1)
+    real = Location.from_path(os.path.realpath(local))
+    ours = holding_checkpoint(real, runs=1) if os.path.isdir(local) else None
     if ours is not None:  # else: "no flax.training.checkpoints files in it"
         raise CheckpointError(
             f"import source {src}: is (or lies inside) {ours}, a checkpoint of this "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
@@ -63,7 +63,7 @@ class ItemReader:
         self.context = context(local=item.location.is_local)
         self._strings: dict[str, Any] | None = None
 
-    def spec(self, leaf: OrbaxLeaf) -> dict[str, Any]:
+    def open(self, leaf: OrbaxLeaf) -> ts.TensorStore:
         loc = self.item.location
         if self.item.use_ocdbt:
             kvstore = {"driver": "ocdbt", "base": loc.kvstore(), "path": leaf.param_name + "/"}
@@ -72,11 +72,8 @@ class ItemReader:
         spec = {"driver": "zarr3" if self.item.use_zarr3 else "zarr", "kvstore": kvstore}
         if self.item.all_chunks_stored:
             spec["fill_missing_data_reads"] = False
-        return spec
-
-    def open(self, leaf: OrbaxLeaf) -> ts.TensorStore:
         try:
-            return ts.open(self.spec(leaf), open=True, context=self.context).result()
+            return ts.open(spec, open=True, context=self.context).result()
         except ValueError as e:
             raise CorruptCheckpointError(
                 f"leaf {leaf.path!r} in {self.item}: cannot open its array "
@@ -200,21 +197,9 @@ def _restore_tree(
         )
     by_path = {leaf.path: leaf for leaf in item.leaves}
     flat, treedef = _tree.flatten(like)
-    wanted = {p for p, _, _ in flat}
-    missing = sorted(wanted - set(by_path))
-    if missing:
-        more = f" ({len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise StructureError(
-            f"leaf {missing[0]!r}: expected by like, found no such key in the Orbax checkpoint "
-            f"{item}{more}{_onto_like.near_miss(missing[0], by_path)}"
-        )
     empty = ("None", "Dict", "List")
-    unexpected = [x.path for x in item.leaves if x.path not in wanted and x.value_type not in empty]
-    if unexpected and not partial:
-        raise StructureError(
-            f"leaf {unexpected[0]!r}: unexpected key: found in the Orbax checkpoint {item} "
-            f"but not in like; pass partial=True to restore a subtree"
-        )
+    data = [leaf.path for leaf in item.leaves if leaf.value_type not in empty]
+    check_like_paths(flat, by_path, data, f"the Orbax checkpoint {item}", partial=partial)
     values = {
         p: reader.read(by_path[p], leaf_like, allow_cast=allow_cast, rounds=rounds)
         for p, _, leaf_like in flat
@@ -222,6 +207,28 @@ def _restore_tree(
     # a field-less node of like (optax's EmptyState) stays itself: Orbax saved it as None
     kept = [leaf if _tree.is_empty_node(leaf) else values[p] for p, _, leaf in flat]
     return _tree.unflatten(treedef, kept)
+
+
+def check_like_paths(
+    flat: list, stored: Collection[str], data: list[str], source: str, *, partial: bool
+) -> None:
+    """StructureError naming a leaf of ``like`` (``flat``: its flattening) that
+    ``source`` lacks (``stored``: its leaf paths), or, without ``partial``, one of
+    ``data`` (its leaves holding a value) that ``like`` lacks. For every foreign reader."""
+    wanted = {p for p, _, _ in flat}
+    missing = sorted(wanted - set(stored))
+    if missing:
+        more = f" ({len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise StructureError(
+            f"leaf {missing[0]!r}: expected by like, found no such key in {source}"
+            f"{more}{_onto_like.near_miss(missing[0], stored)}"
+        )
+    unexpected = [p for p in data if p not in wanted]
+    if unexpected and not partial:
+        raise StructureError(
+            f"leaf {unexpected[0]!r}: unexpected key: found in {source} but not in like; "
+            f"pass partial=True to restore a subtree"
+        )
 
 
 def lone_item(loc: Location, items: dict[str, OrbaxItem]) -> OrbaxItem | None:
@@ -354,7 +361,6 @@ def restore_orbax_params(
     """The params of an Orbax checkpoint, reading nothing else: the ``params`` item,
     else the ``params`` subtree of a pytree item, else the only pytree item. The
     options are ``fop.restore_params``'s."""
-    _onto_like.check_policy(cast)
     _, items = open_orbax(path, step=step)
     item, prefix = _params_source(items)
     if prefix:

@@ -245,16 +245,12 @@ class Staged:
         if self.file is not None and not self.file.closed:
             self.file.close()
         for tmp in self.tmps:  # ours: created exclusively under an unpredictable name
-            try:
+            with contextlib.suppress(FileNotFoundError):  # placed already
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
         for final, inode in self.placed:  # a file this export put in place: still ours
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 if os.lstat(final).st_ino == inode:
                     os.unlink(final)
-            except FileNotFoundError:
-                pass
         _remains.end(self.directory, self.nonce)  # last: what it names is gone
 
 
