@@ -94,8 +94,7 @@ def key_map_of(key_map: Any, transposes: Iterable[str] | None) -> KeyMap | None:
                 f"key_map: expected one of {sorted(BUILT_IN)}, a dict {{pattern: tensor "
                 f"name}} or a KeyMap, found {key_map!r}"
             )
-        base = BUILT_IN[key_map]
-        return dataclasses.replace(base, transposes=base.transposes + extra)
+        key_map = BUILT_IN[key_map]
     if isinstance(key_map, KeyMap):
         return dataclasses.replace(key_map, transposes=key_map.transposes + extra)
     pairs = list(key_map.items()) if isinstance(key_map, Mapping) else _pairs(key_map)

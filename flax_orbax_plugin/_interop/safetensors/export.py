@@ -189,7 +189,9 @@ def to_safetensors(
     tensors, read = _plan(source, key_map, transpose_kernels, dtype, cast, memory_limit_bytes)
     shards = split_shards(tensors, limit)
     outputs = _outputs(out, len(shards), force)
-    meta = _file_metadata(metadata, transpose_kernels)
+    if metadata is None:
+        metadata = {"format": "pt" if transpose_kernels else "flax"}
+    meta = {**metadata, MARKER_KEY: MARKER_VALUE}  # proves, to a later --force, that we wrote it
     return _write(outputs, shards, tensors, read, meta, force, progress, memory_limit_bytes)
 
 
@@ -252,15 +254,6 @@ def _write(outputs: tuple, shards, tensors, read, meta, force, progress, limit) 
         raise
     staged.done()
     return ExportResult(tuple(finals), index_path, len(tensors), total)
-
-
-def _file_metadata(metadata: dict[str, str] | None, transpose_kernels: bool) -> dict[str, str]:
-    """The header's ``__metadata__``: ``metadata`` (default: the layout) and our marker."""
-    if metadata is None:
-        metadata = {"format": "pt" if transpose_kernels else "flax"}
-    meta = {str(k): str(v) for k, v in metadata.items()}
-    meta[MARKER_KEY] = MARKER_VALUE  # proves, to a later --force, that we wrote the file
-    return meta
 
 
 def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:

@@ -2,10 +2,8 @@
 
 Every header and index is checked against the real file (size, caps, overlaps) before
 anything sized by it is allocated; files must be regular (a symlink is followed: the
-Hugging Face cache links each file to its blob). Sub-byte tensors (``F4``, ``F6_*``)
-are ``elements * bits / 8`` bytes, the elements in C order in one little-endian bit
-stream (``F4``: the first value in the low nibble, as PyTorch's ``float4_e2m1fn_x2``).
-Rules: ``docs/safetensors.md``.
+Hugging Face cache links each file to its blob). Rules (sub-byte packing too):
+``docs/safetensors.md``.
 """
 
 from __future__ import annotations
@@ -215,8 +213,15 @@ def _read_header(path: str) -> dict[str, Stored]:
             raise CorruptCheckpointError(
                 f"{where}: data_offsets {str(offsets)[:200]} outside the {data_len} data bytes"
             )
-        dtype = DTYPES[tag]
-        _check_size(where, tag, dtype, shape, offsets[1] - offsets[0])
+        dtype, count = DTYPES[tag], math.prod(shape)  # Python ints: never overflows
+        need, span = tensor_nbytes(dtype, count), offsets[1] - offsets[0]
+        if need is None:
+            bits = count * packed_bits(dtype)
+            raise CorruptCheckpointError(f"{where}: {tag}{shape} is {bits} bits, not whole bytes")
+        if span != need:
+            raise CorruptCheckpointError(
+                f"{where}: {tag}{shape} needs {need} bytes, data_offsets span {span}"
+            )
         spans.append((offsets[0], offsets[1], name))
         out[name] = Stored(name, path, dtype, tuple(shape), 8 + n + offsets[0], identity)
     spans.sort()
@@ -224,20 +229,6 @@ def _read_header(path: str) -> dict[str, Stored]:
         if begin < end:
             raise CorruptCheckpointError(f"{path}: tensors {a!r} and {b!r} overlap")
     return out
-
-
-def _check_size(where: str, tag: str, dtype: np.dtype, shape: list, span: int) -> None:
-    """A tensor's data_offsets span the bytes its dtype and shape need."""
-    count = math.prod(shape)  # Python ints: never overflows
-    need = tensor_nbytes(dtype, count)
-    if need is None:
-        raise CorruptCheckpointError(
-            f"{where}: {tag}{shape} is {count * packed_bits(dtype)} bits, not whole bytes"
-        )
-    if span != need:
-        raise CorruptCheckpointError(
-            f"{where}: {tag}{shape} needs {need} bytes, data_offsets span {span}"
-        )
 
 
 def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:

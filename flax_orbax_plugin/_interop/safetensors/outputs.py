@@ -1,10 +1,7 @@
 """What an export writes and replaces, on local disk: output names, the files under
-temporary names until they are in place (:class:`Staged`), and the proof that an
-existing file is ours.
-
-Each file is created under a new, unpredictable name and renamed over its final name;
-``force`` replaces only files proven ours (regular, carrying our marker). Single
-process, one thread. Rules: ``docs/safetensors.md``.
+temporary names until renamed into place (:class:`Staged`), and the proof that an
+existing file is ours (``force`` replaces only those). Single process, one thread.
+Rules: ``docs/safetensors.md``.
 """
 
 from __future__ import annotations
