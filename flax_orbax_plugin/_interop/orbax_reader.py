@@ -148,11 +148,13 @@ class ItemReader:
             ) from None
 
 
-def _small_value(item: OrbaxItem) -> Any:
-    """The value of a JSON item, or the text of a text item (a proto)."""
+def restore_item(
+    item: OrbaxItem, like: Any, partial: bool, allow_cast: bool, *, rounds: bool = False
+) -> Any:
+    """One item's value: a JSON value, a text, or its tree in the form of ``like``."""
     if item.kind == "json":
         return read_json(item.location, item.file)
-    if item.kind == "text":
+    if item.kind == "text":  # a proto, as text
         raw = item.location.read_bytes(item.file)
         if raw is None:
             raise CorruptCheckpointError(f"{item}/{item.file}: missing")
@@ -163,16 +165,10 @@ def _small_value(item: OrbaxItem) -> Any:
     where = f"item {item.name!r} of the Orbax checkpoint {item.location.parent}: {item.unreadable}"
     if item.kind == "missing":
         raise CorruptCheckpointError(f"{where}; restore the other items: like={{...}} naming them")
-    raise CheckpointError(
-        f"{where}; restore the other items (like={{...}} naming them) and this one with orbax"
-    )
-
-
-def restore_item(
-    item: OrbaxItem, like: Any, partial: bool, allow_cast: bool, *, rounds: bool = False
-) -> Any:
-    if item.kind != "pytree":
-        return _small_value(item)
+    if item.kind == "unreadable":
+        raise CheckpointError(
+            f"{where}; restore the other items (like={{...}} naming them) and this one with orbax"
+        )
     if item.unwrap:  # one array saved alone: orbax names its only leaf 'checkpoint'
         if [leaf.path for leaf in item.leaves] != [_ARRAY_LEAF]:
             raise CorruptCheckpointError(

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from ..._base import interrupts as _interrupts
@@ -28,7 +27,7 @@ from ..._errors import (
     UnsupportedLocationError,
 )
 from ..._format.describe import holding_checkpoint
-from ..._format.layout import manifest_for_item
+from ..._format.layout import dtype_from_name, manifest_for_item
 from ..._like.onto_like import check_policy
 from ..._storage.local_files import fsync_dir
 from ..._storage.local_inputs import local_path
@@ -85,7 +84,7 @@ def _checkpoint_leaves(src: Any, limit: int | None) -> tuple[list, Callable]:
             f"numeric arrays, found a typed key); save jax.random.key_data(key) instead"
         )
     leaves = [
-        (leaf.path, _dtype_of(leaf.dtype), tuple(leaf.shape))
+        (leaf.path, dtype_from_name(leaf.dtype, path=leaf.path), tuple(leaf.shape))
         for leaf in meta.leaves.values()
         if leaf.dtype is not None
     ]
@@ -107,10 +106,6 @@ def _checkpoint_leaves(src: Any, limit: int | None) -> tuple[list, Callable]:
             yield path, np.asarray(values.pop(path))
 
     return leaves, read
-
-
-def _dtype_of(name: str) -> np.dtype:
-    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
 def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
