@@ -302,7 +302,7 @@ def save_steps(
     *,
     planned: list[int],
     options: Mapping[str, Any],
-    source_bytes: Sequence[int] = (),
+    source_bytes: Sequence[int],
 ) -> list[int]:
     """Saves each ``(step, (items, extras))`` of ``steps`` (consumed lazily: one
     step's trees in memory at a time) as a committed step of ``out_dir``; returns the
@@ -364,8 +364,7 @@ def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: li
             written.append(number)
             del items, extras  # one step's trees at a time
             if bar is not None:
-                i = len(written) - 1
-                bar.advance(sizes[i] if i < len(sizes) else 0, "")
+                bar.advance(sizes[len(written) - 1], "")
 
 
 def refuse_over(source: Any, nbytes: int, limit: int | None, what: str) -> None:
@@ -450,7 +449,7 @@ def _import_safetensors(src: Any, out_dir: Any, options: dict[str, Any], source:
     tensors = from_safetensors(source)  # {name: array}; every header checked
     steps = [(number, ({"params": tree_of_names(tensors)}, None))]
     files = source if isinstance(source, list) else [source]
-    sizes = [sum(os.path.getsize(f) for f in files)] if options["progress"] else ()
+    sizes = [sum(os.path.getsize(f) for f in files)]
     return save_steps(out_dir, iter(steps), planned=[number], options=options, source_bytes=sizes)
 
 
@@ -484,10 +483,10 @@ def import_orbax(
     options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
     _check(src, out_dir, options)
     targets = orbax_steps_to_import(src, step)
-    for _, step_loc in targets:
-        refuse_over(step_loc, _source_size(step_loc), memory_limit_bytes, "its files hold")
+    sizes = [_source_size(loc) for _, loc in targets]
+    for (_, step_loc), size in zip(targets, sizes, strict=True):
+        refuse_over(step_loc, size, memory_limit_bytes, "its files hold")
     states = (_orbax_step(loc, step, memory_limit_bytes) for _, loc in targets)
-    sizes = [_source_size(loc) for _, loc in targets] if progress else ()
     planned = [n for n, _ in targets]
     return save_steps(out_dir, states, planned=planned, options=options, source_bytes=sizes)
 
@@ -532,10 +531,9 @@ def import_msgpack(
     options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
     _check(src, out_dir, options)
     numbered = msgpack_reader.files_to_import(src, step)
-    for _, path in numbered:
-        refuse_over(
-            path, _source_size(path), memory_limit_bytes, "its bytes (and then its arrays) hold"
-        )
+    sizes = [_source_size(path) for _, path in numbered]
+    for (_, path), size in zip(numbered, sizes, strict=True):
+        refuse_over(path, size, memory_limit_bytes, "its bytes (and then its arrays) hold")
 
     def read(named: int | None, path: str) -> tuple[int, ImportedStep]:
         tree = msgpack_reader.read_msgpack(path)
@@ -549,5 +547,4 @@ def import_msgpack(
         yield first.pop()
         yield from itertools.starmap(read, numbered[1:])
 
-    sizes = [_source_size(path) for _, path in numbered] if progress else ()
     return save_steps(out_dir, states(), planned=planned, options=options, source_bytes=sizes)
