@@ -288,7 +288,9 @@ def plan_tensors(
     return tensors
 
 
-def tensor_bytes(t: Tensor, value: Any) -> np.ndarray:
+def tensor_bytes(t: Tensor, value: Any, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """The bytes of ``value`` (of shape ``shape`` once written; default: the whole
+    tensor's) as ``t`` is written: cast, transposed, little-endian, packed."""
     arr = np.asarray(value)
     if arr.dtype != t.dtype:  # a value the cast would change: StructureError naming it
         _onto_like.check(t.path, arr, t.dtype, cast=t.cast)
@@ -300,9 +302,10 @@ def tensor_bytes(t: Tensor, value: Any) -> np.ndarray:
         arr = arr.copy(order="C")
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    if tuple(arr.shape) != t.shape:
+    want = t.shape if shape is None else shape
+    if tuple(arr.shape) != want:
         raise StructureError(
-            f"leaf {t.path!r}: expected shape {t.shape} for tensor {t.name!r}, found {arr.shape}"
+            f"leaf {t.path!r}: expected shape {want} for tensor {t.name!r}, found {arr.shape}"
         )
     bits = packed_bits(arr.dtype)
     return arr.reshape(-1).view(np.uint8) if bits is None else pack_rows(arr.reshape(-1), bits)
