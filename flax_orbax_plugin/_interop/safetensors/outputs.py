@@ -16,7 +16,7 @@ from typing import Any
 
 from ..._base import env as _env
 from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
-from ..._storage.untrusted import loads_json, open_regular, read_capped
+from ..._storage.untrusted import loads_json, open_regular
 from . import remains as _remains
 from .headers import (
     DEFAULT_STEM,
@@ -55,31 +55,31 @@ def output_names(out: str, count: int) -> tuple[str, list[str], str]:
     return directory, names, f"{stem}{INDEX_SUFFIX}"
 
 
-def proven_ours(path: str) -> tuple[bool, str]:
-    """(True, "") when ``path`` is a regular file whose metadata carries our marker,
-    else (False, what was found). Opens without following or blocking."""
+def proven_ours(path: str) -> tuple[dict | None, str]:
+    """(its index document or header, "") when ``path`` is a regular file whose metadata
+    carries our marker, else (None, what was found). Opens without following or blocking."""
     try:
         fd, st = open_regular(path, follow_links=False, what="file")
     except CheckpointNotFoundError:
-        return False, "nothing"
+        return None, "nothing"
     except (ForeignEntryError, OSError) as e:
-        return False, str(e)
+        return None, str(e)
     try:
         if path.endswith(INDEX_SUFFIX):
             if st.st_size > MAX_INDEX_BYTES:
-                return False, f"an index of {st.st_size} bytes"
+                return None, f"an index of {st.st_size} bytes"
             doc = loads_json(pread_exact(fd, st.st_size, 0, path, "index"), path)
             meta = doc.get("metadata") if isinstance(doc, dict) else None
         else:
-            _, header = header_json(fd, st.st_size, path)
-            meta = header.get("__metadata__")
+            _, doc = header_json(fd, st.st_size, path)
+            meta = doc.get("__metadata__")
     except (CorruptCheckpointError, OSError) as e:
-        return False, f"a file that is not one of our exports ({e})"
+        return None, f"a file that is not one of our exports ({e})"
     finally:
         os.close(fd)
     if isinstance(meta, dict) and meta.get(MARKER_KEY) == MARKER_VALUE:
-        return True, ""
-    return False, f"a file without the {MARKER_KEY!r} marker this library writes"
+        return doc, ""
+    return None, f"a file without the {MARKER_KEY!r} marker this library writes"
 
 
 def remove_if_ours(directory: str, name: str, stem: str) -> None:
@@ -90,7 +90,7 @@ def remove_if_ours(directory: str, name: str, stem: str) -> None:
         _log.warning("%s: listed by the old index but not named like our shards; left alone", path)
         return
     ours, found = proven_ours(path)
-    if not ours:
+    if ours is None:
         if found != "nothing":
             _log.warning("%s: listed by the old index, but %s; left alone", path, found)
         return
@@ -99,16 +99,12 @@ def remove_if_ours(directory: str, name: str, stem: str) -> None:
 
 def old_outputs(directory: str, index_name: str) -> set[str]:
     """Files an index of ours in ``directory`` lists, and the index (none if not ours)."""
-    path = os.path.join(directory, index_name)
-    if not proven_ours(path)[0]:
+    index, _ = proven_ours(os.path.join(directory, index_name))
+    if index is None:
         return set()
-    try:
-        raw = read_capped(path, follow_links=False, what="index", max_bytes=MAX_INDEX_BYTES)
-        weight_map = loads_json(raw, path).get("weight_map", {})
-        listed = {v for v in weight_map.values() if isinstance(v, str) and plain_name(v)}
-    except (OSError, CorruptCheckpointError, AttributeError):
-        return set()
-    return listed | {index_name}
+    weight_map = index.get("weight_map")
+    listed = weight_map.values() if isinstance(weight_map, dict) else ()
+    return {v for v in listed if isinstance(v, str) and plain_name(v)} | {index_name}
 
 
 def check_outputs(directory: str, names: list[str], index_name: str, force: bool) -> None:
@@ -126,7 +122,7 @@ def check_outputs(directory: str, names: list[str], index_name: str, force: bool
         )
     for name in clash:
         ours, found = proven_ours(os.path.join(directory, name))
-        if not ours and found != "nothing":
+        if ours is None and found != "nothing":
             raise ForeignEntryError(
                 f"{os.path.join(directory, name)}: expected an earlier export of this library "
                 f"to replace, found {found}; it is left alone (nothing was written)"
