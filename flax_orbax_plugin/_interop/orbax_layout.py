@@ -188,7 +188,7 @@ def _key_item(loc: Location, name: str, folder: str) -> OrbaxItem:
     inner = subdir(loc, folder, "item")
     if inner is None:
         raise CorruptCheckpointError(f"{loc}: a random key item without its {folder}/ folder")
-    item = dataclasses.replace(_pytree_item(inner, name), location=inner)
+    item = _pytree_item(inner, name)
     if folder == "jax_random_key":
         return dataclasses.replace(item, unwrap=True)
     flags = subdir(loc, folder + "_metadata", "item")
