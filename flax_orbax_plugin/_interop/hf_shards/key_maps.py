@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..._base import shown as _shown
 from ..._errors import OptionError, OptionTypeError
 from ..._like.transform_rules import template_fault
 
@@ -120,10 +121,9 @@ def check_transposes(patterns: tuple[str, ...], paths: list[str], item: str) -> 
     """OptionError for a pattern of ``transposes=`` that matches no leaf path (a typo)."""
     for pattern in patterns:
         if not any(re.fullmatch(pattern, path) for path in paths):
-            shown = ", ".join(repr(p) for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
             raise OptionError(
                 f"transposes: {pattern!r} matches no leaf path of item {item!r}; its "
-                f"leaves: {shown or 'none'}"
+                f"leaves: {_shown.listed(paths, limit=6, fmt=repr, empty='none')}"
             )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._base import shown as _shown
 from ..._base.env import Option, found
 from ..._core.formats import MEMORY_LIMIT
 from ..._errors import OptionError, OptionTypeError, StructureError
@@ -160,10 +161,10 @@ class ListedKeyMap:
     def check(self, paths: list[str]) -> None:
         unknown = sorted(set(self.mapping) - set(paths))
         if unknown:
-            shown = ", ".join(repr(p) for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
             raise OptionError(
                 f"{self.where}: names {len(unknown)} leaf path(s) the source does not have: "
-                f"{', '.join(repr(p) for p in unknown[:6])}; its leaves: {shown or 'none'}"
+                f"{_shown.listed(unknown, limit=6, fmt=repr)}; its leaves: "
+                f"{_shown.listed(paths, limit=6, fmt=repr, empty='none')}"
             )
 
 
