@@ -6,6 +6,7 @@ names, renamed into place once durable; the index last. Single process, one thre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator
@@ -41,7 +42,6 @@ from .outputs import (
     check_outputs,
     old_outputs,
     output_names,
-    progress_of,
     remove_stale,
 )
 from .plan import (
@@ -232,7 +232,7 @@ def _write(outputs: tuple, shards, tensors, read, meta, force, progress, limit) 
     _remains.remove_dead(directory)  # of an export here that died (its writer is gone)
     staged = Staged(directory, names, shards, meta)  # its marker names this export
     try:
-        with progress_of(progress, total) as bar:
+        with contextlib.nullcontext() if progress is None else progress(total) as bar:
             staged.write(tensors, read, bar, group_bytes=limit)
         old = old_outputs(directory, index_name) if force else set()
         for tmp, final in zip(staged.shard_tmps, finals, strict=True):

@@ -195,7 +195,8 @@ class Staged:
     def write(
         self, tensors: list[Tensor], read: Callable, bar, *, group_bytes: int | None = None
     ) -> None:
-        """Every shard, durable and closed, the tensors read a group at a time."""
+        """Every shard, durable and closed, the tensors read a group at a time (``bar``:
+        a progress bar advanced by each tensor's bytes, or None)."""
         by_path = {t.path: t for t in tensors}
         for group in _groups(tensors, group_bytes):
             for path, value in read([t.path for t in group]):
@@ -204,7 +205,8 @@ class Staged:
                 self.file.write(memoryview(data))
                 _env.pause_point("export_write")
                 _env.slow_point("export_write")
-                bar.advance(data.nbytes, path)
+                if bar is not None:
+                    bar.advance(data.nbytes, path)
                 del data, value  # one leaf (or one group) in memory at a time
         self._open_shard(len(self.shards) - 1)
         _close_durable(self.file)
@@ -251,12 +253,3 @@ def _close_durable(f: Any) -> None:
     f.flush()
     os.fsync(f.fileno())
     f.close()
-
-
-class _NoBar:
-    def advance(self, amount: int = 1, note: str = "") -> None:
-        pass
-
-
-def progress_of(factory, total):
-    return factory(total) if factory is not None else contextlib.nullcontext(_NoBar())
