@@ -244,17 +244,14 @@ def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:
         index = None
     else:
         path = local_path(paths_or_index, what="safetensors source")
-        if os.path.isdir(path):
-            candidate = os.path.join(path, DEFAULT_STEM + INDEX_SUFFIX)
-            single = os.path.join(path, DEFAULT_STEM + ".safetensors")
-            if os.path.isfile(candidate):
-                path = candidate
-            elif os.path.isfile(single):
-                path = single
-            else:
+        if os.path.isdir(path):  # its index, else its one file
+            names = (DEFAULT_STEM + INDEX_SUFFIX, DEFAULT_STEM + ".safetensors")
+            found = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
+            if not found:
                 raise CheckpointNotFoundError(
                     f"{path}: no {DEFAULT_STEM}{INDEX_SUFFIX} or {DEFAULT_STEM}.safetensors in it"
                 )
+            path = found[0]
         if path.endswith(".json"):
             index = _read_index(path)
             directory = os.path.dirname(os.path.abspath(path))
