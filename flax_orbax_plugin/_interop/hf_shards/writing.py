@@ -95,6 +95,7 @@ def _bytes_of(layout: Layout, path: str, box: tuple, data: np.ndarray) -> tuple[
         except StructureError as e:  # HFShards has no cast=: its own way out
             advice = "export that leaf in another dtype (bfloat16) or leave it out (key_map)"
             raise StructureError(f"HFShards: {_onto_like.with_advice(e, advice)}") from None
+        data = data.astype(t.dtype)  # checked: tensor_bytes need not check it again
     box = box if t.axes is None else tuple(box[a] for a in t.axes)
     return box, tensor_bytes(t, data, tuple(s.stop - s.start for s in box))
 
