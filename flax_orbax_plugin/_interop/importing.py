@@ -57,7 +57,7 @@ from .safetensors.headers import read_safetensors_index as headers
 from .safetensors.headers import tree_of_names
 from .safetensors.reader import from_safetensors
 
-__all__ = ["import_checkpoint", "import_msgpack", "import_orbax", "import_safetensors"]
+__all__ = ["import_checkpoint", "import_msgpack", "import_orbax"]
 
 # -- which step an imported state is written as ---------------------------------
 
@@ -66,20 +66,11 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 def state_step(tree: Any, path: str) -> int | None:
-    """The state's top-level ``step`` leaf (a ``TrainState``'s) as an int, or None;
-    StructureError for a scalar ``step`` that is no non-negative integer."""
-    if not isinstance(tree, dict) or "step" not in tree:
-        return None
-    value = tree["step"]
+    """The state's top-level ``step`` leaf (a ``TrainState``'s) as an int, or None."""
+    value = tree.get("step") if isinstance(tree, dict) else None
     if isinstance(value, dict | list | str | bytes) or value is None:
-        return None  # a subtree named step, not a step
-    arr = np.asarray(value)
-    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer) or int(arr) < 0:
-        raise StructureError(
-            f"leaf 'step' in {path}: expected a non-negative integer scalar (the state's "
-            f"step), found {arr.dtype}{list(arr.shape)}"
-        )
-    return int(arr)
+        return None  # no step, or a subtree named step
+    return _to_step_int(value, path)
 
 
 def choose_step(path: str, *, given: int | None, named: int | None, stored: int | None) -> int:
@@ -145,12 +136,12 @@ def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool
     newer = [s for s in held if planned and s > max(planned)]
     if newer:
         raise FileExistsError(
-            f"{out_dir} already holds steps newer than those imported ({_steps_text(newer)}): a "
-            "resume would take them; import into a new directory, or pass force=True (--force)"
+            f"{out_dir} already holds steps newer than those imported ({_shown.listed(newer)}): "
+            "a resume would take them; import into a new directory, or pass force=True (--force)"
         )
     warnings.warn(
-        f"{out_dir} already holds steps {_steps_text(held)}; the imported steps are added beside "
-        "them (one run directory holding two runs' steps, if they came from elsewhere)",
+        f"{out_dir} already holds steps {_shown.listed(held)}; the imported steps are added "
+        "beside them (one run directory holding two runs' steps, if they came from elsewhere)",
         UserWarning,
         stacklevel=outside_stacklevel(),
     )
@@ -166,34 +157,27 @@ def refuse_existing(out_dir: Any, held: list[int], numbers: list[int], force: bo
         )
 
 
-def _steps_text(steps: list[int]) -> str:
-    return ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
-
-
 # -- which items an imported state becomes ------------------------------------------
 
 
-ImportedStep = tuple[int, dict[str, Any], dict[str, Any] | None]  # (step, items, extras)
+ImportedStep = tuple[dict[str, Any], dict[str, Any] | None]  # (items, extras)
 
 
 def _to_step_int(value: Any, source: str) -> int:
     arr = np.asarray(value)
-    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer):
+    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer) or int(arr) < 0:
         raise StructureError(
-            f"leaf 'step' in {source}: expected an integer scalar, "
-            f"found {arr.dtype}{list(arr.shape)}"
+            f"leaf 'step' in {source}: expected a non-negative integer scalar (the state's "
+            f"step), found {arr.dtype}{list(arr.shape)}"
         )
     return int(arr)
 
 
-def _split(tree: Any, source: str) -> dict[str, Any]:
+def _split(tree: Any) -> dict[str, Any]:
     """A training-state dict (it has 'params') gives one item per top-level key (empty
     ones too, as this library's save keeps them); any other tree is ``params``."""
     if isinstance(tree, Mapping) and "params" in tree:
-        return {
-            str(key): _to_step_int(value, source) if key == "step" else value
-            for key, value in tree.items()
-        }
+        return {str(key): value for key, value in tree.items()}
     return {"params": tree}
 
 
@@ -202,7 +186,7 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
     holding a training state (:func:`_split`) gives its keys as items, another is kept
     by name (a lone one is ``params``); JSON items go into ``extras`` by name, but the
     entries of Orbax's ``metrics`` item become top-level extras (``keep_best`` reads
-    them there). Returns ``(-1, items, extras)``: the caller decides the step.
+    them there). Returns ``(items, extras)``: the caller decides the step.
     """
     pytrees = {n: t for n, t in trees.items() if kinds[n] == "pytree" and t is not None}
     extras = {n: t for n, t in trees.items() if kinds[n] == "json" and n != "metrics"}
@@ -220,7 +204,7 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
     items: dict[str, Any] = {}
     origin: dict[str, str] = {}  # our item -> the foreign item it came from
     for name, tree in pytrees.items():
-        parts = _split(tree, source) if name != "params" else {"params": tree}
+        parts = _split(tree) if name != "params" else {"params": tree}
         if len(pytrees) > 1 and set(parts) == {"params"} and name != "params":
             parts = {name: tree}  # one of several items, no training state: kept by name
         clash = sorted(set(parts) & set(items))
@@ -232,9 +216,9 @@ def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: st
         items.update(parts)
         origin.update(dict.fromkeys(parts, name))
     _refuse_reserved(items, origin, source)
-    if "step" in items and not isinstance(items["step"], int):
+    if "step" in items:
         items["step"] = _to_step_int(items["step"], source)
-    return -1, items, extras or None
+    return items, extras or None
 
 
 # Item names whose kind this library fixes: a tree saved under one would not come back.
@@ -318,9 +302,9 @@ def save_steps(
     *,
     planned: list[int],
     options: Mapping[str, Any],
-    source_bytes: Sequence[int] = (),
+    source_bytes: Sequence[int],
 ) -> list[int]:
-    """Saves each ``(step, (_, items, extras))`` of ``steps`` (consumed lazily: one
+    """Saves each ``(step, (items, extras))`` of ``steps`` (consumed lazily: one
     step's trees in memory at a time) as a committed step of ``out_dir``; returns the
     steps written, in order.
 
@@ -364,7 +348,7 @@ def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: li
         contextlib.nullcontext() if progress is None else progress(sum(sizes)) as bar,
     ):
         refuse_mixing(out_dir, mngr.steps(), planned, force)
-        for number, (_, items, extras) in steps:
+        for number, (items, extras) in steps:
             if number in written:  # two sources of one step: one would replace the other
                 raise StructureError(
                     f"two checkpoints of this import give step {number}; import them "
@@ -372,38 +356,26 @@ def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: li
                 )
             refuse_foreign_targets(out_dir, [number])
             refuse_existing(out_dir, mngr.steps(), [number], force)
-            _refuse_rows(number, items, limit)
+            if limit is not None:  # a row: the least a streamed save copies at once
+                row, path = _host_memory.largest_row(items)
+                refuse_over(f"step {number}", row, limit, f"a row of leaf {path!r} holds")
             # overwrite: an imported step may lie below the latest (refused above unless force)
             mngr.save(number, items, extras=extras, ignore_policy=True, overwrite=True)
             written.append(number)
             del items, extras  # one step's trees at a time
             if bar is not None:
-                i = len(written) - 1
-                bar.advance(sizes[i] if i < len(sizes) else 0, "")
-
-
-def _refuse_rows(step: int, items: Any, limit: int | None) -> None:
-    """OptionError for a leaf whose row (the least a streamed save copies at once) is
-    above half the ceiling ``limit``, before the step is written."""
-    if limit is None:
-        return
-    row, path = _host_memory.largest_row(items)
-    if row > limit // 2:
-        raise OptionError(
-            f"memory_limit_bytes={limit}: step {step}: a row of leaf {path!r} holds {row} "
-            f"bytes, above the half an import's save streams under; nothing of it was "
-            f"written: give memory_limit_bytes >= {2 * row} (or None)"
-        )
+                bar.advance(sizes[len(written) - 1], "")
 
 
 def refuse_over(source: Any, nbytes: int, limit: int | None, what: str) -> None:
-    """OptionError when ``source``'s ``what`` hold ``nbytes``, above the half of the
-    ceiling ``limit`` an import may hold a step in (:func:`save_steps`)."""
+    """OptionError when ``source``'s ``what`` (e.g. "its files hold") ``nbytes``, above
+    half the ceiling ``limit``: an import holds a step in one half, and its save
+    streams under the other (:func:`save_steps`)."""
     if limit is not None and nbytes > limit // 2:
         raise OptionError(
-            f"memory_limit_bytes={limit}: {source}: its {what} hold {nbytes} bytes, above "
-            f"the half of the ceiling an import holds a step in; nothing of it was "
-            f"written: give memory_limit_bytes >= {2 * nbytes} (or None)"
+            f"memory_limit_bytes={limit}: {source}: {what} {nbytes} bytes, above the half "
+            f"of the ceiling an import holds a step in (or streams its save under); nothing "
+            f"of it was written: give memory_limit_bytes >= {2 * nbytes} (or None)"
         )
 
 
@@ -434,17 +406,17 @@ def import_checkpoint(
     if is_orbax_checkpoint(src):
         return import_orbax(src, out_dir, **options)
     local = local_path(src, what="import source", note=_NOT_ORBAX)
-    ours = None
-    if os.path.isdir(local):
-        ours = holding_checkpoint(Location.from_path(os.path.realpath(local)), runs=1)
+    real = Location.from_path(os.path.realpath(local))
+    ours = holding_checkpoint(real, runs=1) if os.path.isdir(local) else None
     if ours is not None:  # else: "no flax.training.checkpoints files in it"
         raise CheckpointError(
             f"import source {src}: is (or lies inside) {ours}, a checkpoint of this "
             f"library already: nothing to import (read it with fop.restore / "
             f"CheckpointManager, or copy the directory)"
         )
-    if safetensors_source(local) is not None:  # by name: the headers are checked on read
-        return import_safetensors(src, out_dir, **options)
+    source = safetensors_source(local)  # by name: the headers are checked on read
+    if source is not None:
+        return _import_safetensors(src, out_dir, options, source)
     if os.path.isfile(local) and not is_msgpack_checkpoint(local):
         raise CorruptCheckpointError(
             f"import source {src}: a file that is neither a Flax msgpack checkpoint (it "
@@ -462,35 +434,22 @@ def _check(src: Any, out_dir: Any, options: dict[str, Any]) -> None:
     refuse_inside_source(src, out_dir)
 
 
-@public(errors=refusals(arguments("src", "out_dir")))
-def import_safetensors(
-    src: Any,
-    out_dir: Any,
-    *,
-    step: int | None = None,
-    force: bool = False,
-    format_version: int | None = None,
-    progress: Callable[[int], Any] | None = None,
-    memory_limit_bytes: int | None = None,
-) -> list[int]:
-    """Writes safetensors (a file, an index, or a folder of shards) as item ``params``
-    of step ``step`` (needed: the files name none) of ``out_dir``; tensor names become
-    leaf paths as ``headers.tree_of_names`` says. Returns ``[step]``. Tensors above
-    half of ``memory_limit_bytes`` are refused before anything is read."""
-    options = {"step": step, "force": force, "format_version": format_version}
-    options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
+def _import_safetensors(src: Any, out_dir: Any, options: dict[str, Any], source: Any) -> list[int]:
+    """Writes safetensors ``source`` (a file, an index, or the shards of ``src``) as
+    item ``params`` of step ``options["step"]`` (needed: the files name none) of
+    ``out_dir``; tensor names become leaf paths as ``headers.tree_of_names`` says.
+    Returns ``[step]``. Tensors above half of ``memory_limit_bytes`` are refused
+    before anything is read."""
     _check(src, out_dir, options)
-    source = safetensors_source(local_path(src, what="import source", note=_NOT_ORBAX))
-    if source is None:
-        raise CheckpointNotFoundError(f"import source {src}: no safetensors file in it")
-    number = choose_step(str(src), given=step, named=None, stored=None)
-    files = source if isinstance(source, list) else [source]
-    if memory_limit_bytes is not None:  # what the headers claim (checked), before a read
+    number = choose_step(str(src), given=options["step"], named=None, stored=None)
+    limit = options["memory_limit_bytes"]
+    if limit is not None:  # what the headers claim (checked), before a read
         held = sum(math.prod(t.shape) * t.dtype.itemsize for t in headers(source).values())
-        refuse_over(src, held, memory_limit_bytes, "tensors")
+        refuse_over(src, held, limit, "its tensors hold")
     tensors = from_safetensors(source)  # {name: array}; every header checked
-    steps = [(number, (number, {"params": tree_of_names(tensors)}, None))]
-    sizes = [sum(os.path.getsize(f) for f in files)] if progress else ()
+    steps = [(number, ({"params": tree_of_names(tensors)}, None))]
+    files = source if isinstance(source, list) else [source]
+    sizes = [sum(os.path.getsize(f) for f in files)]
     return save_steps(out_dir, iter(steps), planned=[number], options=options, source_bytes=sizes)
 
 
@@ -524,10 +483,10 @@ def import_orbax(
     options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
     _check(src, out_dir, options)
     targets = orbax_steps_to_import(src, step)
-    for _, step_loc in targets:
-        refuse_over(step_loc, _source_size(step_loc), memory_limit_bytes, "files")
+    sizes = [_source_size(loc) for _, loc in targets]
+    for (_, step_loc), size in zip(targets, sizes, strict=True):
+        refuse_over(step_loc, size, memory_limit_bytes, "its files hold")
     states = (_orbax_step(loc, step, memory_limit_bytes) for _, loc in targets)
-    sizes = [_source_size(loc) for _, loc in targets] if progress else ()
     planned = [n for n, _ in targets]
     return save_steps(out_dir, states, planned=planned, options=options, source_bytes=sizes)
 
@@ -535,10 +494,9 @@ def import_orbax(
 def _orbax_step(step_loc: Location, step: int | None, limit: int | None):
     """``(step number, imported step)`` of one Orbax step directory, read whole."""
     trees, kinds = orbax_reader.read_step(step_loc)
-    refuse_over(step_loc, _host_memory.held_bytes(trees), limit, "arrays, once read,")
+    refuse_over(step_loc, _host_memory.held_bytes(trees), limit, "its arrays, once read, hold")
     imported = step_items(trees, kinds, source=str(step_loc))
-    stored = imported[1].get("step")  # a training state's step leaf, as an int
-    stored = stored if isinstance(stored, int) else None
+    stored = imported[0].get("step")  # a training state's step leaf, as an int
     named = STEP_RE.match(step_loc.name)  # an Orbax step directory's number
     named = int(named.groups()[-1]) if named else None  # the last group: digits
     return choose_step(str(step_loc), given=step, named=named, stored=stored), imported
@@ -573,8 +531,9 @@ def import_msgpack(
     options.update(progress=progress, memory_limit_bytes=memory_limit_bytes)
     _check(src, out_dir, options)
     numbered = msgpack_reader.files_to_import(src, step)
-    for _, path in numbered:
-        refuse_over(path, _source_size(path), memory_limit_bytes, "bytes (and then its arrays)")
+    sizes = [_source_size(path) for _, path in numbered]
+    for (_, path), size in zip(numbered, sizes, strict=True):
+        refuse_over(path, size, memory_limit_bytes, "its bytes (and then its arrays) hold")
 
     def read(named: int | None, path: str) -> tuple[int, ImportedStep]:
         tree = msgpack_reader.read_msgpack(path)
@@ -588,5 +547,4 @@ def import_msgpack(
         yield first.pop()
         yield from itertools.starmap(read, numbered[1:])
 
-    sizes = [_source_size(path) for _, path in numbered] if progress else ()
     return save_steps(out_dir, states(), planned=planned, options=options, source_bytes=sizes)

@@ -25,16 +25,15 @@ from .._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ForeignEntryError,
-    StructureError,
 )
 from .._format import layout as _layout
 from .._format.foreign import is_msgpack_checkpoint, is_orbax_checkpoint
-from .._like import onto_like as _onto_like
 from .._like import placing as _placing
 from .._like.onto_like import check_policy
 from .._storage.local_inputs import local_path
 from .._storage.store_errors import arguments, refusals
 from .._storage.untrusted import entry_kind, open_regular
+from .orbax_reader import check_like_paths
 
 __all__ = ["files_to_import", "read_msgpack", "restore_msgpack"]
 
@@ -106,16 +105,6 @@ def _key_path(keys: list[Any]) -> str:
     return "/".join(str(k) for k in keys) or "<root>"
 
 
-def _check_keys(tree: dict, where: str, keys: list[Any]) -> None:
-    kinds = {str if isinstance(k, str) else int if type(k) is int else None for k in tree}
-    if None in kinds or len(kinds) > 1:
-        found = sorted({type(k).__name__ for k in tree})
-        raise CorruptCheckpointError(
-            f"{where}: map at {_key_path(keys)!r}: expected keys that are all strings (or all "
-            f"integers), found keys of type {', '.join(found)}"
-        )
-
-
 def _unchunk(tree: Any, where: str, keys: list[Any] | None = None) -> Any:
     """The tree with chunked arrays joined, depth and key types checked."""
     keys = [] if keys is None else keys
@@ -128,7 +117,13 @@ def _unchunk(tree: Any, where: str, keys: list[Any] | None = None) -> Any:
         return [_unchunk(v, where, [*keys, i]) for i, v in enumerate(tree)]
     if not isinstance(tree, dict):
         return tree
-    _check_keys(tree, where, keys)
+    kinds = {str if isinstance(k, str) else int if type(k) is int else None for k in tree}
+    if None in kinds or len(kinds) > 1:
+        found = sorted({type(k).__name__ for k in tree})
+        raise CorruptCheckpointError(
+            f"{where}: map at {_key_path(keys)!r}: expected keys that are all strings (or all "
+            f"integers), found keys of type {', '.join(found)}"
+        )
     if tree.get(_CHUNKED) is True:
         here = f"{where}: chunked array at {_key_path(keys)!r}"
         shape = _as_tuple(tree.get("shape"), here)
@@ -200,20 +195,7 @@ def restore_msgpack(
     flat, _ = _tree.flatten(tree)
     stored = {p: v for p, _, v in flat}
     like_flat, treedef = _tree.flatten(like)
-    wanted = {p for p, _, _ in like_flat}
-    missing = sorted(wanted - set(stored))
-    if missing:
-        raise StructureError(
-            f"leaf {missing[0]!r}: expected by like, found no such key in {path}"
-            + (f" ({len(missing) - 1} more)" if len(missing) > 1 else "")
-            + _onto_like.near_miss(missing[0], stored)
-        )
-    extra = sorted(set(stored) - wanted)
-    if extra and not partial:
-        raise StructureError(
-            f"leaf {extra[0]!r}: unexpected key: found in {path} but not in like; "
-            f"pass partial=True to restore a subtree"
-        )
+    check_like_paths(like_flat, stored, sorted(stored), str(path), partial=partial)
     out = []
     for p, _, leaf_like in like_flat:
         value = stored[p]

@@ -188,7 +188,7 @@ def _key_item(loc: Location, name: str, folder: str) -> OrbaxItem:
     inner = subdir(loc, folder, "item")
     if inner is None:
         raise CorruptCheckpointError(f"{loc}: a random key item without its {folder}/ folder")
-    item = dataclasses.replace(_pytree_item(inner, name), location=inner)
+    item = _pytree_item(inner, name)
     if folder == "jax_random_key":
         return dataclasses.replace(item, unwrap=True)
     flags = subdir(loc, folder + "_metadata", "item")
@@ -214,15 +214,18 @@ def _pytree_item(loc: Location, name: str) -> OrbaxItem:
     leaves = _leaves(tree_meta, where)
     _check_tree_shape(leaves, where)
     flags = _flags(doc, where)
-    use_ocdbt = flags["use_ocdbt"]
-    if not use_ocdbt:
-        _check_storage_names(leaves, where)
+    bad = [x for x in leaves if not flags["use_ocdbt"] and not _plain(x.param_name)]
+    if bad:  # without OCDBT each leaf is a directory named by its param_name
+        raise CorruptCheckpointError(
+            f"{where}: leaf {bad[0].path!r} names storage {bad[0].param_name!r}, "
+            f"which is not a plain directory name"
+        )
     return OrbaxItem(
         loc,
         name,
         "pytree",
         tuple(leaves),
-        use_ocdbt=use_ocdbt,
+        use_ocdbt=flags["use_ocdbt"],
         use_zarr3=flags["use_zarr3"],
         all_chunks_stored=flags["store_array_data_equal_to_fill_value"],
     )
@@ -266,16 +269,6 @@ def _flags(doc: dict, where: str) -> dict[str, bool]:
             )
         flags[field] = value
     return flags
-
-
-def _check_storage_names(leaves: list[OrbaxLeaf], where: str) -> None:
-    """Without OCDBT each leaf is a directory named by its parameter name: a plain name."""
-    for leaf in leaves:
-        if leaf.param_name in (".", "..") or "/" in leaf.param_name or "\\" in leaf.param_name:
-            raise CorruptCheckpointError(
-                f"{where}: leaf {leaf.path!r} names storage {leaf.param_name!r}, "
-                f"which is not a plain directory name"
-            )
 
 
 def _check_tree_shape(leaves: list[OrbaxLeaf], where: str) -> None:

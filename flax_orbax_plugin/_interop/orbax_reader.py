@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
@@ -63,7 +63,7 @@ class ItemReader:
         self.context = context(local=item.location.is_local)
         self._strings: dict[str, Any] | None = None
 
-    def spec(self, leaf: OrbaxLeaf) -> dict[str, Any]:
+    def open(self, leaf: OrbaxLeaf) -> ts.TensorStore:
         loc = self.item.location
         if self.item.use_ocdbt:
             kvstore = {"driver": "ocdbt", "base": loc.kvstore(), "path": leaf.param_name + "/"}
@@ -72,11 +72,8 @@ class ItemReader:
         spec = {"driver": "zarr3" if self.item.use_zarr3 else "zarr", "kvstore": kvstore}
         if self.item.all_chunks_stored:
             spec["fill_missing_data_reads"] = False
-        return spec
-
-    def open(self, leaf: OrbaxLeaf) -> ts.TensorStore:
         try:
-            return ts.open(self.spec(leaf), open=True, context=self.context).result()
+            return ts.open(spec, open=True, context=self.context).result()
         except ValueError as e:
             raise CorruptCheckpointError(
                 f"leaf {leaf.path!r} in {self.item}: cannot open its array "
@@ -101,21 +98,20 @@ class ItemReader:
         self, leaf: OrbaxLeaf, like: Any, *, allow_cast: bool = False, rounds: bool = False
     ) -> Any:
         """One leaf in the form of ``like`` (``rounds``: a checked cast may round)."""
-        if leaf.value_type in ("None", "Dict", "List"):
-            if like is not None and not (isinstance(like, (dict, list, tuple)) and len(like) == 0):
+        if leaf.value_type in ("None", "Dict", "List", "string"):
+            string = leaf.value_type == "string"
+            empty = isinstance(like, (dict, list, tuple)) and len(like) == 0
+            if like is not None and not (isinstance(like, str) if string else empty):
+                what = "a string" if string else f"an empty {leaf.value_type}"
                 raise StructureError(
                     f"leaf {leaf.path!r}: expected {_onto_like.describe(like)} (from like), "
-                    f"found an empty {leaf.value_type} in {self.item}"
+                    f"found {what} in {self.item}"
                 )
-            return {"None": None, "Dict": {}, "List": []}[leaf.value_type]
-        if leaf.value_type == "string":
-            value = self.string(leaf)
-            if like is not None and not isinstance(like, str):
-                raise StructureError(
-                    f"leaf {leaf.path!r}: expected {_onto_like.describe(like)} (from like), "
-                    f"found a string in {self.item}"
-                )
-            return value
+            return (
+                self.string(leaf)
+                if string
+                else {"None": None, "Dict": {}, "List": []}[leaf.value_type]
+            )
         store = self.open(leaf)
         shape = tuple(int(d) for d in store.shape)
         nbytes = math.prod(shape) * store.dtype.numpy_dtype.itemsize  # Python ints
@@ -152,54 +148,13 @@ class ItemReader:
             ) from None
 
 
-def _select(item: OrbaxItem, like: Any, partial: bool) -> list[tuple[OrbaxLeaf, Any]]:
-    if like is None:
-        return [(leaf, None) for leaf in item.leaves]
-    by_path = {leaf.path: leaf for leaf in item.leaves}
-    flat, _ = _tree.flatten(like)
-    wanted = {p for p, _, _ in flat}
-    missing = [p for p in wanted if p not in by_path]
-    if missing:
-        first, more = sorted(missing)[0], len(missing) - 1
-        raise StructureError(
-            f"leaf {first!r}: expected by like, found no such key in the Orbax checkpoint "
-            f"{item}{f' ({more} more)' if more else ''}{_onto_like.near_miss(first, by_path)}"
-        )
-    if not partial:
-        unexpected = [
-            leaf.path
-            for leaf in item.leaves
-            if leaf.path not in wanted and leaf.value_type not in ("None", "Dict", "List")
-        ]
-        if unexpected:
-            raise StructureError(
-                f"leaf {unexpected[0]!r}: unexpected key: found in the Orbax checkpoint {item} "
-                f"but not in like; pass partial=True to restore a subtree"
-            )
-    return [(by_path[p], leaf_like) for p, _, leaf_like in flat]
-
-
-def iter_leaves(
-    item: OrbaxItem,
-    like: Any = None,
-    *,
-    partial: bool = False,
-    allow_cast: bool = False,
-    rounds: bool = False,
-) -> Iterator[tuple[OrbaxLeaf, Any]]:
-    """Yields ``(leaf, value)`` one leaf at a time (only one leaf's data is read at once)."""
-    if item.kind != "pytree":
-        raise StructureError(f"{item} is a JSON item, not a pytree")
-    reader = ItemReader(item)
-    for leaf, leaf_like in _select(item, like, partial):
-        yield leaf, reader.read(leaf, leaf_like, allow_cast=allow_cast, rounds=rounds)
-
-
-def _small_value(item: OrbaxItem) -> Any:
-    """The value of a JSON item, or the text of a text item (a proto)."""
+def restore_item(
+    item: OrbaxItem, like: Any, partial: bool, allow_cast: bool, *, rounds: bool = False
+) -> Any:
+    """One item's value: a JSON value, a text, or its tree in the form of ``like``."""
     if item.kind == "json":
         return read_json(item.location, item.file)
-    if item.kind == "text":
+    if item.kind == "text":  # a proto, as text
         raw = item.location.read_bytes(item.file)
         if raw is None:
             raise CorruptCheckpointError(f"{item}/{item.file}: missing")
@@ -210,16 +165,10 @@ def _small_value(item: OrbaxItem) -> Any:
     where = f"item {item.name!r} of the Orbax checkpoint {item.location.parent}: {item.unreadable}"
     if item.kind == "missing":
         raise CorruptCheckpointError(f"{where}; restore the other items: like={{...}} naming them")
-    raise CheckpointError(
-        f"{where}; restore the other items (like={{...}} naming them) and this one with orbax"
-    )
-
-
-def restore_item(
-    item: OrbaxItem, like: Any, partial: bool, allow_cast: bool, *, rounds: bool = False
-) -> Any:
-    if item.kind != "pytree":
-        return _small_value(item)
+    if item.kind == "unreadable":
+        raise CheckpointError(
+            f"{where}; restore the other items (like={{...}} naming them) and this one with orbax"
+        )
     if item.unwrap:  # one array saved alone: orbax names its only leaf 'checkpoint'
         if [leaf.path for leaf in item.leaves] != [_ARRAY_LEAF]:
             raise CorruptCheckpointError(
@@ -235,16 +184,47 @@ def restore_item(
 def _restore_tree(
     item: OrbaxItem, like: Any, allow_cast: bool, *, partial: bool = False, rounds: bool = False
 ):
+    """The tree of a pytree item in the form of ``like``, one leaf's data read at a time."""
+    reader = ItemReader(item)
     if like is None:
         return _tree.rebuild(
-            (list(leaf.keys), value) for leaf, value in iter_leaves(item, allow_cast=allow_cast)
+            (list(leaf.keys), reader.read(leaf, None, allow_cast=allow_cast))
+            for leaf in item.leaves
         )
-    leaves = iter_leaves(item, like, partial=partial, allow_cast=allow_cast, rounds=rounds)
-    values = {leaf.path: value for leaf, value in leaves}
+    by_path = {leaf.path: leaf for leaf in item.leaves}
     flat, treedef = _tree.flatten(like)
+    empty = ("None", "Dict", "List")
+    data = [leaf.path for leaf in item.leaves if leaf.value_type not in empty]
+    check_like_paths(flat, by_path, data, f"the Orbax checkpoint {item}", partial=partial)
+    values = {
+        p: reader.read(by_path[p], leaf_like, allow_cast=allow_cast, rounds=rounds)
+        for p, _, leaf_like in flat
+    }
     # a field-less node of like (optax's EmptyState) stays itself: Orbax saved it as None
     kept = [leaf if _tree.is_empty_node(leaf) else values[p] for p, _, leaf in flat]
     return jax.tree_util.tree_unflatten(treedef, kept)
+
+
+def check_like_paths(
+    flat: list, stored: Collection[str], data: list[str], source: str, *, partial: bool
+) -> None:
+    """StructureError naming a leaf of ``like`` (``flat``: its flattening) that
+    ``source`` lacks (``stored``: its leaf paths), or, without ``partial``, one of
+    ``data`` (its leaves holding a value) that ``like`` lacks. For every foreign reader."""
+    wanted = {p for p, _, _ in flat}
+    missing = sorted(wanted - set(stored))
+    if missing:
+        more = f" ({len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise StructureError(
+            f"leaf {missing[0]!r}: expected by like, found no such key in {source}"
+            f"{more}{_onto_like.near_miss(missing[0], stored)}"
+        )
+    unexpected = [p for p in data if p not in wanted]
+    if unexpected and not partial:
+        raise StructureError(
+            f"leaf {unexpected[0]!r}: unexpected key: found in {source} but not in like; "
+            f"pass partial=True to restore a subtree"
+        )
 
 
 def lone_item(loc: Location, items: dict[str, OrbaxItem]) -> OrbaxItem | None:
@@ -322,8 +302,13 @@ def restore_orbax(
 def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, ...]]:
     """The item holding params and their key prefix in it. A missing item is never
     passed over for another (that would serve the optimizer state)."""
-    if "params" in items and items["params"].kind in ("pytree", "missing"):
-        return _readable(items["params"]), ()
+    params = items.get("params")
+    if params is not None and params.kind == "missing":
+        raise CorruptCheckpointError(
+            f"item 'params' of the Orbax checkpoint {params.location.parent}: {params.unreadable}"
+        )
+    if params is not None and params.kind == "pytree":
+        return params, ()
     pytrees = {n: i for n, i in items.items() if i.kind == "pytree"}
     where = next(iter(items.values())).location.parent if items else ""
     holders = {n: i for n, i in pytrees.items() if any(_top(leaf) == "params" for leaf in i.leaves)}
@@ -355,14 +340,6 @@ def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, .
     )
 
 
-def _readable(item: OrbaxItem) -> OrbaxItem:
-    if item.kind == "missing":
-        raise CorruptCheckpointError(
-            f"item {item.name!r} of the Orbax checkpoint {item.location.parent}: {item.unreadable}"
-        )
-    return item
-
-
 def _top(leaf: OrbaxLeaf) -> str | None:
     return leaf.keys[0][1] if leaf.keys and leaf.keys[0][0] == "dict" else None
 
@@ -380,7 +357,6 @@ def restore_orbax_params(
     """The params of an Orbax checkpoint, reading nothing else: the ``params`` item,
     else the ``params`` subtree of a pytree item, else the only pytree item. The
     options are ``fop.restore_params``'s."""
-    _onto_like.check_policy(cast)
     _, items = open_orbax(path, step=step)
     item, prefix = _params_source(items)
     if prefix:

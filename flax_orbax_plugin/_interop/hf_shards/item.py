@@ -73,7 +73,6 @@ class HFShards:
     _map: KeyMap | None = dataclasses.field(default=None, init=False, repr=False)
     _limit: int = dataclasses.field(default=0, init=False, repr=False)
     _cast: Any = dataclasses.field(default=None, init=False, repr=False)
-    _transposes: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         put = functools.partial(object.__setattr__, self)
@@ -99,7 +98,6 @@ class HFShards:
             except StructureError as e:
                 raise OptionError(str(e)) from None
         put("_map", key_map_of(self.key_map, self.transposes))
-        put("_transposes", transpose_patterns(self.transposes))
         put("_limit", parse_size(self.max_shard_bytes, "HFShards(max_shard_bytes=)"))
 
     def due(self, step: int) -> bool:
@@ -131,7 +129,8 @@ class HFShards:
                 )
             leaves.append((path, np.dtype(dtype), tuple(np.shape(leaf))))
             values[path] = leaf
-        check_transposes(self._transposes, [path for path, _, _ in leaves], self.item)
+        paths = [path for path, _, _ in leaves]
+        check_transposes(transpose_patterns(self.transposes), paths, self.item)
         layout = plan(leaves, self._map, self._limit, self._cast, {"item": self.item})
         regions = _writing.snapshot(layout, values)
         return _writing.Pending(directory, layout, regions, self.config, request.cancelled)

@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..._base import shown as _shown
 from ..._errors import OptionError, OptionTypeError
 from ..._like.transform_rules import template_fault
 
@@ -94,8 +95,7 @@ def key_map_of(key_map: Any, transposes: Iterable[str] | None) -> KeyMap | None:
                 f"key_map: expected one of {sorted(BUILT_IN)}, a dict {{pattern: tensor "
                 f"name}} or a KeyMap, found {key_map!r}"
             )
-        base = BUILT_IN[key_map]
-        return dataclasses.replace(base, transposes=base.transposes + extra)
+        key_map = BUILT_IN[key_map]
     if isinstance(key_map, KeyMap):
         return dataclasses.replace(key_map, transposes=key_map.transposes + extra)
     pairs = list(key_map.items()) if isinstance(key_map, Mapping) else _pairs(key_map)
@@ -121,10 +121,9 @@ def check_transposes(patterns: tuple[str, ...], paths: list[str], item: str) -> 
     """OptionError for a pattern of ``transposes=`` that matches no leaf path (a typo)."""
     for pattern in patterns:
         if not any(re.fullmatch(pattern, path) for path in paths):
-            shown = ", ".join(repr(p) for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
             raise OptionError(
                 f"transposes: {pattern!r} matches no leaf path of item {item!r}; its "
-                f"leaves: {shown or 'none'}"
+                f"leaves: {_shown.listed(paths, limit=6, fmt=repr, empty='none')}"
             )
 
 

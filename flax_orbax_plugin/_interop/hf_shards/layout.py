@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..._base import shown as _shown
 from ..._errors import StructureError
 from ..safetensors.headers import (
     DEFAULT_STEM,
@@ -66,10 +67,10 @@ def _names(leaves: Sequence[tuple[str, np.dtype, tuple[int, ...]]], key_map: Key
         elif name is not None:
             names[path] = name
     if unmatched:
-        shown = ", ".join(repr(p) for p in unmatched[:8]) + (" ..." if len(unmatched) > 8 else "")
         raise StructureError(
-            f"hf_shards key_map: {len(unmatched)} leaf path(s) match no rule: {shown}; map "
-            f"each to a tensor name, or to None to leave it out on purpose"
+            f"hf_shards key_map: {len(unmatched)} leaf path(s) match no rule: "
+            f"{_shown.listed(unmatched, fmt=repr)}; map each to a tensor name, or to None to "
+            f"leave it out on purpose"
         )
     if leaves and not names:
         raise StructureError(f"hf_shards key_map leaves out every leaf ({len(leaves)})")

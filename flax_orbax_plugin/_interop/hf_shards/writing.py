@@ -25,6 +25,7 @@ from ..._like import onto_like as _onto_like
 from ..._manager.checkpointables import encode_json, write_json
 from ..._storage.location import Location
 from ..safetensors.headers import runs
+from ..safetensors.plan import tensor_bytes
 from .layout import INDEX_NAME, Layout
 
 __all__ = ["Pending", "snapshot"]
@@ -94,14 +95,9 @@ def _bytes_of(layout: Layout, path: str, box: tuple, data: np.ndarray) -> tuple[
         except StructureError as e:  # HFShards has no cast=: its own way out
             advice = "export that leaf in another dtype (bfloat16) or leave it out (key_map)"
             raise StructureError(f"HFShards: {_onto_like.with_advice(e, advice)}") from None
-        data = data.astype(t.dtype)
-    if t.axes is not None:
-        data, box = data.transpose(t.axes), tuple(box[a] for a in t.axes)
-    if data.dtype.byteorder == ">":
-        data = data.astype(data.dtype.newbyteorder("<"))
-    if tuple(data.shape) != tuple(s.stop - s.start for s in box):
-        raise StructureError(f"leaf {path!r}: a shard of shape {data.shape} for the box {box}")
-    return box, np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        data = data.astype(t.dtype)  # checked: tensor_bytes need not check it again
+    box = box if t.axes is None else tuple(box[a] for a in t.axes)
+    return box, tensor_bytes(t, data, tuple(s.stop - s.start for s in box))
 
 
 class _LocalFile:

@@ -6,13 +6,13 @@ names, renamed into place once durable; the index last. Single process, one thre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from ..._base import interrupts as _interrupts
@@ -28,8 +28,9 @@ from ..._errors import (
     UnsupportedLocationError,
 )
 from ..._format.describe import holding_checkpoint
-from ..._format.layout import manifest_for_item
+from ..._format.layout import dtype_from_name, manifest_for_item
 from ..._like.onto_like import check_policy
+from ..._storage.local_files import fsync_dir
 from ..._storage.local_inputs import local_path
 from ..._storage.location import Location
 from ..._storage.store_errors import arguments, refusals
@@ -39,10 +40,8 @@ from .headers import MARKER_KEY, MARKER_VALUE, MAX_INDEX_BYTES
 from .outputs import (
     Staged,
     check_outputs,
-    fsync_dir,
     old_outputs,
     output_names,
-    progress_of,
     remove_stale,
 )
 from .plan import (
@@ -85,7 +84,7 @@ def _checkpoint_leaves(src: Any, limit: int | None) -> tuple[list, Callable]:
             f"numeric arrays, found a typed key); save jax.random.key_data(key) instead"
         )
     leaves = [
-        (leaf.path, _dtype_of(leaf.dtype), tuple(leaf.shape))
+        (leaf.path, dtype_from_name(leaf.dtype, path=leaf.path), tuple(leaf.shape))
         for leaf in meta.leaves.values()
         if leaf.dtype is not None
     ]
@@ -109,10 +108,6 @@ def _checkpoint_leaves(src: Any, limit: int | None) -> tuple[list, Callable]:
     return leaves, read
 
 
-def _dtype_of(name: str) -> np.dtype:
-    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
-
-
 def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
     flat, _ = _tree.flatten(tree)
     # None and empty nodes (kept as leaves by the tree's flattening) hold no tensor
@@ -133,15 +128,6 @@ def _tree_leaves(tree: Any) -> tuple[list, Callable[[list[str]], Iterator]]:
             yield path, np.asarray(values[path])
 
     return leaves, read
-
-
-def _source_leaves(source: Any, limit: int | None) -> tuple[list, Callable]:
-    """A checkpoint's leaves (a path, Location or kvstore spec) or a tree's."""
-    if isinstance(source, (str, os.PathLike, Location)) or (
-        isinstance(source, dict) and "driver" in source
-    ):
-        return _checkpoint_leaves(source, limit)
-    return _tree_leaves(source)
 
 
 @public(errors=refusals(arguments("source")))  # a store's refusal: StoreAccessError
@@ -198,7 +184,9 @@ def to_safetensors(
     tensors, read = _plan(source, key_map, transpose_kernels, dtype, cast, memory_limit_bytes)
     shards = split_shards(tensors, limit)
     outputs = _outputs(out, len(shards), force)
-    meta = _file_metadata(metadata, transpose_kernels)
+    if metadata is None:
+        metadata = {"format": "pt" if transpose_kernels else "flax"}
+    meta = {**metadata, MARKER_KEY: MARKER_VALUE}  # proves, to a later --force, that we wrote it
     return _write(outputs, shards, tensors, read, meta, force, progress, memory_limit_bytes)
 
 
@@ -219,7 +207,12 @@ def _outputs(out: str, count: int, force: bool) -> tuple[str, list[str], str]:
 def _plan(source: Any, key_map: Any, transpose_kernels: bool, dtype: Any, cast: str, limit):
     """The tensors an export writes, checked against the ceiling ``limit``, and a reader."""
     key_map = checked_key_map(key_map)
-    leaves, read = _source_leaves(source, limit)
+    if isinstance(source, (str, os.PathLike, Location)) or (
+        isinstance(source, dict) and "driver" in source  # a kvstore spec
+    ):
+        leaves, read = _checkpoint_leaves(source, limit)
+    else:
+        leaves, read = _tree_leaves(source)
     if not leaves:
         raise ValueError("nothing to export: the source holds no array leaves")
     tensors = plan_tensors(leaves, key_map, transpose_kernels, dtype, cast)
@@ -239,7 +232,7 @@ def _write(outputs: tuple, shards, tensors, read, meta, force, progress, limit) 
     _remains.remove_dead(directory)  # of an export here that died (its writer is gone)
     staged = Staged(directory, names, shards, meta)  # its marker names this export
     try:
-        with progress_of(progress, total) as bar:
+        with contextlib.nullcontext() if progress is None else progress(total) as bar:
             staged.write(tensors, read, bar, group_bytes=limit)
         old = old_outputs(directory, index_name) if force else set()
         for tmp, final in zip(staged.shard_tmps, finals, strict=True):
@@ -256,15 +249,6 @@ def _write(outputs: tuple, shards, tensors, read, meta, force, progress, limit) 
         raise
     staged.done()
     return ExportResult(tuple(finals), index_path, len(tensors), total)
-
-
-def _file_metadata(metadata: dict[str, str] | None, transpose_kernels: bool) -> dict[str, str]:
-    """The header's ``__metadata__``: ``metadata`` (default: the layout) and our marker."""
-    if metadata is None:
-        metadata = {"format": "pt" if transpose_kernels else "flax"}
-    meta = {str(k): str(v) for k, v in metadata.items()}
-    meta[MARKER_KEY] = MARKER_VALUE  # proves, to a later --force, that we wrote the file
-    return meta
 
 
 def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:

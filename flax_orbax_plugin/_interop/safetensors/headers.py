@@ -2,10 +2,8 @@
 
 Every header and index is checked against the real file (size, caps, overlaps) before
 anything sized by it is allocated; files must be regular (a symlink is followed: the
-Hugging Face cache links each file to its blob). Sub-byte tensors (``F4``, ``F6_*``)
-are ``elements * bits / 8`` bytes, the elements in C order in one little-endian bit
-stream (``F4``: the first value in the low nibble, as PyTorch's ``float4_e2m1fn_x2``).
-Rules: ``docs/safetensors.md``.
+Hugging Face cache links each file to its blob). Rules (sub-byte packing too):
+``docs/safetensors.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, OptionEr
 from ..._format import layout as _layout
 from ..._storage.local_inputs import local_path
 from ..._storage.untrusted import loads_json, open_regular, read_capped
-from ..._zarr import subbyte as _subbyte
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_STEM = "model"
@@ -59,35 +56,7 @@ def tensor_nbytes(dtype: np.dtype, count: int) -> int | None:
     return None if count * bits % 8 else count * bits // 8
 
 
-def pack(values: np.ndarray, bits: int) -> np.ndarray:
-    """The packed bytes (uint8, flat) of ``values``: the whole tensor as one row."""
-    return _subbyte.pack_rows(np.ascontiguousarray(values).reshape(-1), bits)
-
-
-def unpack(data: np.ndarray, bits: int, count: int, skip: int = 0) -> np.ndarray:
-    """Values ``skip .. skip + count`` (uint8 each) of the packed bytes ``data``
-    (starting on a group of whole bytes: ``_zarr.subbyte.group``)."""
-    return _subbyte.unpack_rows(data, bits, count, skip, np.uint8)
-
-
 METADATA_KEY = "__metadata__"  # the header's entry of str -> str, never a tensor
-
-
-def name_fault(name: object) -> str | None:
-    """Why ``name`` cannot name a tensor in a header, or None: a non-empty UTF-8 str
-    other than ``__metadata__``."""
-    if not isinstance(name, str) or not name:
-        return f"expected a tensor name (a non-empty str), found {name!r:.80}"
-    if name == METADATA_KEY:
-        return (
-            f"{METADATA_KEY!r} is the safetensors header's metadata entry, not a tensor name "
-            f"(safetensors refuses a file holding a tensor of that name)"
-        )
-    try:
-        name.encode("utf-8")  # a lone surrogate cannot be a tensor name in the header
-    except UnicodeEncodeError:
-        return f"the tensor name {name!r:.80} cannot be written as UTF-8"
-    return None
 
 
 def default_name(path: str) -> str:
@@ -172,15 +141,20 @@ def plain_name(name: str) -> bool:
     )
 
 
-def pread_exact(fd: int, n: int, offset: int, path: str, what: str) -> bytes:
-    parts, done = [], 0
-    while done < n:
-        chunk = os.pread(fd, n - done, offset + done)
-        if not chunk:
-            raise CorruptCheckpointError(f"{path}: file ended {n - done} bytes early in its {what}")
-        parts.append(chunk)
-        done += len(chunk)
-    return b"".join(parts)
+def pread_into(fd: int, buf: memoryview, offset: int, where: str) -> None:
+    """Fills ``buf`` from byte ``offset`` of ``fd``; CorruptCheckpointError at an early end."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{where}: file ended {len(buf) - done} bytes early")
+        done += n
+
+
+def pread_exact(fd: int, n: int, offset: int, path: str, what: str) -> bytearray:
+    buf = bytearray(n)
+    pread_into(fd, memoryview(buf), offset, f"{path} ({what})")
+    return buf
 
 
 def header_json(fd: int, size: int, path: str) -> tuple[int, Any]:
@@ -239,8 +213,15 @@ def _read_header(path: str) -> dict[str, Stored]:
             raise CorruptCheckpointError(
                 f"{where}: data_offsets {str(offsets)[:200]} outside the {data_len} data bytes"
             )
-        dtype = DTYPES[tag]
-        _check_size(where, tag, dtype, shape, offsets[1] - offsets[0])
+        dtype, count = DTYPES[tag], math.prod(shape)  # Python ints: never overflows
+        need, span = tensor_nbytes(dtype, count), offsets[1] - offsets[0]
+        if need is None:
+            bits = count * packed_bits(dtype)
+            raise CorruptCheckpointError(f"{where}: {tag}{shape} is {bits} bits, not whole bytes")
+        if span != need:
+            raise CorruptCheckpointError(
+                f"{where}: {tag}{shape} needs {need} bytes, data_offsets span {span}"
+            )
         spans.append((offsets[0], offsets[1], name))
         out[name] = Stored(name, path, dtype, tuple(shape), 8 + n + offsets[0], identity)
     spans.sort()
@@ -248,20 +229,6 @@ def _read_header(path: str) -> dict[str, Stored]:
         if begin < end:
             raise CorruptCheckpointError(f"{path}: tensors {a!r} and {b!r} overlap")
     return out
-
-
-def _check_size(where: str, tag: str, dtype: np.dtype, shape: list, span: int) -> None:
-    """A tensor's data_offsets span the bytes its dtype and shape need."""
-    count = math.prod(shape)  # Python ints: never overflows
-    need = tensor_nbytes(dtype, count)
-    if need is None:
-        raise CorruptCheckpointError(
-            f"{where}: {tag}{shape} is {count * packed_bits(dtype)} bits, not whole bytes"
-        )
-    if span != need:
-        raise CorruptCheckpointError(
-            f"{where}: {tag}{shape} needs {need} bytes, data_offsets span {span}"
-        )
 
 
 def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:
@@ -277,17 +244,14 @@ def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:
         index = None
     else:
         path = local_path(paths_or_index, what="safetensors source")
-        if os.path.isdir(path):
-            candidate = os.path.join(path, DEFAULT_STEM + INDEX_SUFFIX)
-            single = os.path.join(path, DEFAULT_STEM + ".safetensors")
-            if os.path.isfile(candidate):
-                path = candidate
-            elif os.path.isfile(single):
-                path = single
-            else:
+        if os.path.isdir(path):  # its index, else its one file
+            names = (DEFAULT_STEM + INDEX_SUFFIX, DEFAULT_STEM + ".safetensors")
+            found = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
+            if not found:
                 raise CheckpointNotFoundError(
                     f"{path}: no {DEFAULT_STEM}{INDEX_SUFFIX} or {DEFAULT_STEM}.safetensors in it"
                 )
+            path = found[0]
         if path.endswith(".json"):
             index = _read_index(path)
             directory = os.path.dirname(os.path.abspath(path))

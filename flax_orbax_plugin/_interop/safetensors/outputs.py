@@ -1,10 +1,7 @@
 """What an export writes and replaces, on local disk: output names, the files under
-temporary names until they are in place (:class:`Staged`), and the proof that an
-existing file is ours.
-
-Each file is created under a new, unpredictable name and renamed over its final name;
-``force`` replaces only files proven ours (regular, carrying our marker). Single
-process, one thread. Rules: ``docs/safetensors.md``.
+temporary names until renamed into place (:class:`Staged`), and the proof that an
+existing file is ours (``force`` replaces only those). Single process, one thread.
+Rules: ``docs/safetensors.md``.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from typing import Any
 
 from ..._base import env as _env
 from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
-from ..._storage.untrusted import loads_json, open_regular, read_capped
+from ..._storage.untrusted import loads_json, open_regular
 from . import remains as _remains
 from .headers import (
     DEFAULT_STEM,
@@ -58,54 +55,31 @@ def output_names(out: str, count: int) -> tuple[str, list[str], str]:
     return directory, names, f"{stem}{INDEX_SUFFIX}"
 
 
-def close_shard(files: list, i: int) -> None:
-    if i >= 0 and files[i] is not None and not files[i].closed:
-        files[i].flush()
-        os.fsync(files[i].fileno())
-        files[i].close()
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def create_temp(directory: str, final_name: str, nonce: str) -> tuple[str, Any]:
-    """(path, binary file) of a new file beside ``final_name`` under the export's
-    temporary name, created exclusively: a planted file or link is never followed."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    path = os.path.join(directory, _remains.temp_name(final_name, nonce))
-    return path, os.fdopen(os.open(path, flags, 0o644), "wb")
-
-
-def proven_ours(path: str) -> tuple[bool, str]:
-    """(True, "") when ``path`` is a regular file whose metadata carries our marker,
-    else (False, what was found). Opens without following or blocking."""
+def proven_ours(path: str) -> tuple[dict | None, str]:
+    """(its index document or header, "") when ``path`` is a regular file whose metadata
+    carries our marker, else (None, what was found). Opens without following or blocking."""
     try:
         fd, st = open_regular(path, follow_links=False, what="file")
     except CheckpointNotFoundError:
-        return False, "nothing"
+        return None, "nothing"
     except (ForeignEntryError, OSError) as e:
-        return False, str(e)
+        return None, str(e)
     try:
         if path.endswith(INDEX_SUFFIX):
             if st.st_size > MAX_INDEX_BYTES:
-                return False, f"an index of {st.st_size} bytes"
+                return None, f"an index of {st.st_size} bytes"
             doc = loads_json(pread_exact(fd, st.st_size, 0, path, "index"), path)
             meta = doc.get("metadata") if isinstance(doc, dict) else None
         else:
-            _, header = header_json(fd, st.st_size, path)
-            meta = header.get("__metadata__")
+            _, doc = header_json(fd, st.st_size, path)
+            meta = doc.get("__metadata__")
     except (CorruptCheckpointError, OSError) as e:
-        return False, f"a file that is not one of our exports ({e})"
+        return None, f"a file that is not one of our exports ({e})"
     finally:
         os.close(fd)
     if isinstance(meta, dict) and meta.get(MARKER_KEY) == MARKER_VALUE:
-        return True, ""
-    return False, f"a file without the {MARKER_KEY!r} marker this library writes"
+        return doc, ""
+    return None, f"a file without the {MARKER_KEY!r} marker this library writes"
 
 
 def remove_if_ours(directory: str, name: str, stem: str) -> None:
@@ -116,7 +90,7 @@ def remove_if_ours(directory: str, name: str, stem: str) -> None:
         _log.warning("%s: listed by the old index but not named like our shards; left alone", path)
         return
     ours, found = proven_ours(path)
-    if not ours:
+    if ours is None:
         if found != "nothing":
             _log.warning("%s: listed by the old index, but %s; left alone", path, found)
         return
@@ -125,16 +99,12 @@ def remove_if_ours(directory: str, name: str, stem: str) -> None:
 
 def old_outputs(directory: str, index_name: str) -> set[str]:
     """Files an index of ours in ``directory`` lists, and the index (none if not ours)."""
-    path = os.path.join(directory, index_name)
-    if not proven_ours(path)[0]:
+    index, _ = proven_ours(os.path.join(directory, index_name))
+    if index is None:
         return set()
-    try:
-        raw = read_capped(path, follow_links=False, what="index", max_bytes=MAX_INDEX_BYTES)
-        weight_map = loads_json(raw, path).get("weight_map", {})
-        listed = {v for v in weight_map.values() if isinstance(v, str) and plain_name(v)}
-    except (OSError, CorruptCheckpointError, AttributeError):
-        return set()
-    return listed | {index_name}
+    weight_map = index.get("weight_map")
+    listed = weight_map.values() if isinstance(weight_map, dict) else ()
+    return {v for v in listed if isinstance(v, str) and plain_name(v)} | {index_name}
 
 
 def check_outputs(directory: str, names: list[str], index_name: str, force: bool) -> None:
@@ -152,7 +122,7 @@ def check_outputs(directory: str, names: list[str], index_name: str, force: bool
         )
     for name in clash:
         ours, found = proven_ours(os.path.join(directory, name))
-        if not ours and found != "nothing":
+        if ours is None and found != "nothing":
             raise ForeignEntryError(
                 f"{os.path.join(directory, name)}: expected an earlier export of this library "
                 f"to replace, found {found}; it is left alone (nothing was written)"
@@ -185,8 +155,9 @@ def _groups(tensors: list[Tensor], limit: int | None) -> list[list[Tensor]]:
 
 class Staged:
     """The temporary files of one export, named by its nonce after its marker: call
-    :meth:`write`, :meth:`place` each shard, :meth:`write_index`, then :meth:`done`;
-    or on failure :meth:`discard` (every file it created, then the marker). One thread."""
+    :meth:`write`, :meth:`place` each of :attr:`shard_tmps`, :meth:`write_index`, then
+    :meth:`done`; or on failure :meth:`discard` (every file it created, then the
+    marker). One thread."""
 
     def __init__(
         self, directory: str, names: list[str], shards: list[list[Tensor]], meta: dict[str, str]
@@ -194,43 +165,51 @@ class Staged:
         self.directory, self.names, self.shards, self.meta = directory, names, shards, meta
         self.tmps: list[str] = []  # every temporary file this call created (and only those)
         self.shard_of = {t.path: i for i, shard in enumerate(shards) for t in shard}
-        self.files: list[Any] = [None] * len(shards)
-        self.shard_tmps: list[str | None] = [None] * len(shards)
+        self.file: Any = None  # the shard being written: shards are written in order
         self.placed: list[tuple[str, int]] = []  # (final path, inode) renamed into place
         self.nonce = _remains.begin(directory)  # before any file: remains proven ours
 
-    def _start(self, i: int) -> Any:
-        tmp, f = create_temp(self.directory, self.names[i], self.nonce)
-        self.tmps.append(tmp)
-        self.shard_tmps[i] = tmp
-        f.write(encode_header(self.shards[i], self.meta))
+    @property
+    def shard_tmps(self) -> list[str]:
+        return self.tmps[: len(self.shards)]
+
+    def _create(self, final_name: str) -> Any:
+        """A new binary file under ``final_name``'s temporary name, created exclusively:
+        a planted file or link is never followed."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        path = os.path.join(self.directory, _remains.temp_name(final_name, self.nonce))
+        f = os.fdopen(os.open(path, flags, 0o644), "wb")
+        self.tmps.append(path)
         return f
+
+    def _open_shard(self, i: int) -> None:
+        """Shard ``i`` open for writing; the shards before it durable and closed (one
+        holding only empty tensors is created then)."""
+        while len(self.tmps) <= i:
+            if self.file is not None:
+                _close_durable(self.file)
+            n = len(self.tmps)
+            self.file = self._create(self.names[n])
+            self.file.write(encode_header(self.shards[n], self.meta))
 
     def write(
         self, tensors: list[Tensor], read: Callable, bar, *, group_bytes: int | None = None
     ) -> None:
-        """Every shard, durable and closed, the tensors read a group at a time."""
+        """Every shard, durable and closed, the tensors read a group at a time (``bar``:
+        a progress bar advanced by each tensor's bytes, or None)."""
         by_path = {t.path: t for t in tensors}
-        files, current = self.files, -1
         for group in _groups(tensors, group_bytes):
             for path, value in read([t.path for t in group]):
-                i = self.shard_of[path]
-                if i != current:
-                    close_shard(files, current)
-                    files[i] = self._start(i)
-                    current = i
-                t = by_path[path]
-                data = tensor_bytes(t, value)
-                files[i].write(memoryview(data))
+                self._open_shard(self.shard_of[path])
+                data = tensor_bytes(by_path[path], value)
+                self.file.write(memoryview(data))
                 _env.pause_point("export_write")
                 _env.slow_point("export_write")
-                bar.advance(data.nbytes, path)
+                if bar is not None:
+                    bar.advance(data.nbytes, path)
                 del data, value  # one leaf (or one group) in memory at a time
-        close_shard(files, current)
-        for i in range(len(self.shards)):
-            if files[i] is None:  # a shard of empty tensors only
-                files[i] = self._start(i)
-                close_shard(files, i)
+        self._open_shard(len(self.shards) - 1)
+        _close_durable(self.file)
 
     def write_index(
         self, tensors: list[Tensor], total: int, index_name: str, index_path: str
@@ -240,13 +219,10 @@ class Staged:
             "metadata": {"total_size": total, MARKER_KEY: MARKER_VALUE},
             "weight_map": {t.name: self.names[self.shard_of[t.path]] for t in tensors},
         }
-        tmp, f = create_temp(self.directory, index_name, self.nonce)
-        self.tmps.append(tmp)
-        with f:
+        with self._create(index_name) as f:
             f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        self.place(tmp, index_path)
+            _close_durable(f)
+        self.place(self.tmps[-1], index_path)
 
     def place(self, tmp: str, final: str) -> None:
         """Renames ``tmp`` over ``final`` (a name replaced, never written through a link)."""
@@ -261,27 +237,19 @@ class Staged:
 
     def discard(self) -> None:
         _env.pause_point("export_discard")  # tests: a second signal during the clean-up
-        for f in self.files:
-            if f is not None and not f.closed:
-                f.close()
+        if self.file is not None and not self.file.closed:
+            self.file.close()
         for tmp in self.tmps:  # ours: created exclusively under an unpredictable name
-            try:
+            with contextlib.suppress(FileNotFoundError):  # placed already
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
         for final, inode in self.placed:  # a file this export put in place: still ours
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 if os.lstat(final).st_ino == inode:
                     os.unlink(final)
-            except FileNotFoundError:
-                pass
         _remains.end(self.directory, self.nonce)  # last: what it names is gone
 
 
-class _NoBar:
-    def advance(self, amount: int = 1, note: str = "") -> None:
-        pass
-
-
-def progress_of(factory, total):
-    return factory(total) if factory is not None else contextlib.nullcontext(_NoBar())
+def _close_durable(f: Any) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()

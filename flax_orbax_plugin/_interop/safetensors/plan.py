@@ -15,35 +15,23 @@ from typing import Any
 
 import numpy as np
 
+from ..._base import shown as _shown
 from ..._base.env import Option, found
 from ..._core.formats import MEMORY_LIMIT
 from ..._errors import OptionError, OptionTypeError, StructureError
 from ..._like import onto_like as _onto_like
+from ..._zarr.subbyte import pack_rows
 from .headers import (
     METADATA_KEY,
     TAGS,
     default_name,
     default_names,
     kernel_axes,
-    name_fault,
-    pack,
     packed_bits,
     tensor_nbytes,
 )
 
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*(?:(?:([KMGT])(I)?)?B)?\s*$", re.IGNORECASE)
 
 
 def parse_size(size: int | str, option: str = "max_shard_size") -> int:
@@ -51,8 +39,9 @@ def parse_size(size: int | str, option: str = "max_shard_size") -> int:
     or a number of bytes; an OptionError naming ``option`` otherwise."""
     value = None
     if isinstance(size, str):
-        if m := _SIZE_RE.match(size):
-            value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+        if m := _SIZE_RE.match(size):  # KB: 10**3, KiB: 2**10 ... TiB: 2**40
+            power = " KMGT".index((m.group(2) or " ").upper())
+            value = int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
     elif not isinstance(size, bool):
         with contextlib.suppress(TypeError):
             value = operator.index(size)
@@ -172,10 +161,10 @@ class ListedKeyMap:
     def check(self, paths: list[str]) -> None:
         unknown = sorted(set(self.mapping) - set(paths))
         if unknown:
-            shown = ", ".join(repr(p) for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
             raise OptionError(
                 f"{self.where}: names {len(unknown)} leaf path(s) the source does not have: "
-                f"{', '.join(repr(p) for p in unknown[:6])}; its leaves: {shown or 'none'}"
+                f"{_shown.listed(unknown, limit=6, fmt=repr)}; its leaves: "
+                f"{_shown.listed(paths, limit=6, fmt=repr, empty='none')}"
             )
 
 
@@ -223,8 +212,16 @@ def checked_name(path: str, name: Any, default: bool, option: str = "key_map") -
     """``name``, the tensor name of leaf ``path``, or a StructureError (``default``: a
     default name) / OptionError (``option``'s) naming the leaf: a writer never commits
     a header ``safetensors`` refuses."""
-    fault = name_fault(name)
-    if fault is None:
+    if not isinstance(name, str) or not name:
+        fault = f"expected a tensor name (a non-empty str), found {name!r:.80}"
+    elif name == METADATA_KEY:
+        fault = (
+            f"{METADATA_KEY!r} is the safetensors header's metadata entry, not a tensor name "
+            f"(safetensors refuses a file holding a tensor of that name)"
+        )
+    elif any("\ud800" <= c <= "\udfff" for c in name):  # a lone surrogate: no UTF-8
+        fault = f"the tensor name {name!r:.80} cannot be written as UTF-8"
+    else:
         return name
     if default:
         raise StructureError(
@@ -235,14 +232,10 @@ def checked_name(path: str, name: Any, default: bool, option: str = "key_map") -
 
 
 def tensor_dtype(path: str, leaf_dtype, cast) -> np.dtype:
-    """The dtype leaf ``path`` is written as: its own, or ``cast`` for a floating leaf;
-    a StructureError when safetensors has no tag for it."""
+    """The dtype leaf ``path`` is written as: its own, or ``cast`` (a floating dtype:
+    :func:`checked_cast`) for a floating leaf; a StructureError when safetensors has
+    no tag for it."""
     out = np.dtype(leaf_dtype)
-    if cast is not None and not _onto_like._is_float(np.dtype(cast)):
-        raise OptionError(
-            f"dtype: expected a floating dtype to cast the floating leaves to (e.g. "
-            f"'bfloat16'), found {np.dtype(cast)}: a cast to integers would truncate"
-        )
     if cast is not None and _onto_like._is_float(out):
         out = np.dtype(cast)
     if out not in TAGS:
@@ -296,7 +289,9 @@ def plan_tensors(
     return tensors
 
 
-def tensor_bytes(t: Tensor, value: Any) -> np.ndarray:
+def tensor_bytes(t: Tensor, value: Any, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """The bytes of ``value`` (of shape ``shape`` once written; default: the whole
+    tensor's) as ``t`` is written: cast, transposed, little-endian, packed."""
     arr = np.asarray(value)
     if arr.dtype != t.dtype:  # a value the cast would change: StructureError naming it
         _onto_like.check(t.path, arr, t.dtype, cast=t.cast)
@@ -308,9 +303,10 @@ def tensor_bytes(t: Tensor, value: Any) -> np.ndarray:
         arr = arr.copy(order="C")
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    if tuple(arr.shape) != t.shape:
+    want = t.shape if shape is None else shape
+    if tuple(arr.shape) != want:
         raise StructureError(
-            f"leaf {t.path!r}: expected shape {t.shape} for tensor {t.name!r}, found {arr.shape}"
+            f"leaf {t.path!r}: expected shape {want} for tensor {t.name!r}, found {arr.shape}"
         )
     bits = packed_bits(arr.dtype)
-    return arr.reshape(-1).view(np.uint8) if bits is None else pack(arr, bits)
+    return arr.reshape(-1).view(np.uint8) if bits is None else pack_rows(arr.reshape(-1), bits)

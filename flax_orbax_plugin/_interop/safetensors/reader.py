@@ -23,26 +23,17 @@ from ..._errors import CorruptCheckpointError, OptionError, StructureError
 from ..._like import placing as _placing
 from ..._like.onto_like import legacy_cast
 from ..._storage.untrusted import open_regular
-from ..._zarr.subbyte import group
+from ..._zarr.subbyte import group, unpack_rows
 from .headers import (
     Stored,
     default_names,
     kernel_axes,
     packed_bits,
+    pread_into,
     read_safetensors_index,
     runs,
-    unpack,
 )
 from .plan import FLAGS, checked_key_map, checked_name
-
-
-def _pread_into(fd: int, buf: memoryview, offset: int, where: str) -> None:
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n <= 0:
-            raise CorruptCheckpointError(f"{where}: file ended {len(buf) - done} bytes early")
-        done += n
 
 
 def _read_region(fd: int, t: Stored, index: tuple[slice, ...]) -> np.ndarray:
@@ -57,7 +48,7 @@ def _read_region(fd: int, t: Stored, index: tuple[slice, ...]) -> np.ndarray:
     item, where = t.dtype.itemsize, f"{t.file} ({t.name})"
     box = [slice(a, b) for a, b in zip(starts, stops, strict=True)]
     for first, count in runs(t.shape, box):  # one pread per contiguous run
-        _pread_into(fd, buf[pos : pos + count * item], t.offset + first * item, where)
+        pread_into(fd, buf[pos : pos + count * item], t.offset + first * item, where)
         pos += count * item
     return out
 
@@ -71,8 +62,8 @@ def _read_packed(fd: int, t: Stored, bits: int, starts: list, stops: list) -> np
     lo, hi = (starts[0], stops[0]) if shape else (0, 1)
     first = lo * row - lo * row % group(bits)  # the group (of whole bytes) it starts in
     raw = np.empty(-(-hi * row * bits // 8) - first * bits // 8, np.uint8)
-    _pread_into(fd, memoryview(raw), t.offset + first * bits // 8, f"{t.file} ({t.name})")
-    values = unpack(raw, bits, (hi - lo) * row, lo * row - first).view(t.dtype)
+    pread_into(fd, memoryview(raw), t.offset + first * bits // 8, f"{t.file} ({t.name})")
+    values = unpack_rows(raw, bits, (hi - lo) * row, lo * row - first, np.uint8).view(t.dtype)
     rows = values.reshape((hi - lo, *shape[1:]) if shape else ())
     if not shape:
         return rows

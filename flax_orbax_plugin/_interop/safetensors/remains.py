@@ -6,6 +6,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.safete
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -52,10 +53,8 @@ def begin(directory: str) -> str:
 
 def end(directory: str, nonce: str) -> None:
     """Removes the export's marker: its files are in place, or removed."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(directory, marker_name(nonce)))
-    except FileNotFoundError:
-        pass
 
 
 def _writer_gone(path: str, nonce: str) -> bool:
