@@ -1,6 +1,7 @@
 """The one owner of removal, on every store: what proves a place ours, the claims, the
-checks before a save writes, and the removal of a place proven ours (``_core.removing``
-builds removing steps and leftovers on these).
+checks before a save writes, the removal of a place proven ours (``_core.removing``
+builds removing steps and leftovers on these), and of what a failed import or export
+created.
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).
@@ -41,8 +42,6 @@ from .._storage.untrusted import entry_kind
 from . import formats as _formats
 from . import handle as _handle
 from . import writer_liveness as _liveness
-from .created import missing_directories as missing_directories
-from .created import remove_created as remove_created
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -402,3 +401,26 @@ def _rmtree(path: str) -> None:
         shutil.rmtree(path, onexc=fail)
     else:
         shutil.rmtree(path, onerror=fail)
+
+
+def missing_directories(path: str) -> list[str]:
+    """The directories ``os.makedirs(path)`` would create, the deepest first."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_created(directories: list[str], files: tuple[str, ...] = ()) -> None:
+    """Removes ``files`` (regular files in the deepest of ``directories``, never through a
+    link), then each of ``directories`` that is empty, deepest first."""
+    for name in files if directories else ():
+        path = os.path.join(directories[0], name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.unlink(path)
+    for path in directories:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return  # not empty (or gone): it and its parents stay
