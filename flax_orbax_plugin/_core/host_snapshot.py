@@ -115,14 +115,11 @@ def take_regions(
     budget: int | None = None,
     device_kind: str = "pinned",
 ):
-    """The regions stored as arrays of their own that this process writes (``own_copy``:
-    every region it holds), each into its leaf's ``writes``: (pooled buffers to give
-    back, whether the save must wait for its writes before returning).
-
-    Accelerator arrays are staged as ``device_kind`` says (``pinned``, ``host``, or
-    ``fetch`` in the device staging's background phase), or with a ``budget`` streamed
-    in pieces of at most a quarter of it; CPU arrays are then held as zero-copy views
-    and the save returns once they are written (the second value)."""
+    """The regions stored as arrays of their own that this process writes, into their
+    leaves' ``writes``: (pooled buffers to give back, whether the save waits for its
+    writes: with a ``budget``, device regions streamed in pieces of at most a quarter of
+    it and CPU arrays held as views). Accelerator arrays staged as ``device_kind`` says
+    (``pinned``, ``host``, or ``fetch`` in the device staging's background phase)."""
     _, pooled, keep, _, owned = _owned(leaves, batches, pool, own_copy, small=False)
     later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
     streamed = budget is not None
@@ -145,8 +142,8 @@ def take_regions(
 
 
 def _owned(leaves: list, batches: dict, pool, own_copy: bool, *, small: bool):
-    """(me, pooled buffers, the function recording one taken from ``pool``, writers of
-    the batches, the regions this process writes of the small or the other leaves)."""
+    """(me, pooled buffers, ``keep`` recording one taken from ``pool``, the batches'
+    writers, the regions this process writes of the small or the other leaves)."""
     me = _distributed.process_index()
     pooled: list[np.ndarray] = []
 
@@ -155,9 +152,7 @@ def _owned(leaves: list, batches: dict, pool, own_copy: bool, *, small: bool):
             pooled.append(buffer)
         return buffer
 
-    writers = {n: b.process for n, b in batches.items()}
-    if own_copy:
-        writers = held_batches(leaves, batches, me)
+    writers = batch_writers(leaves, batches, me, own_copy)
     owned = [o for o in owned_regions(leaves, writers, me, own_copy) if _is_small(o[0]) == small]
     return me, pooled, keep, writers, owned
 
@@ -218,8 +213,10 @@ def _pieces(leaf, source, rows, budget: int | None) -> list:
     return pieces(rows, length, chunk_rows, row_bytes, max(1, budget // 4))
 
 
-def held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dict[str, int]:
-    """``{batch: me}`` for each batch every leaf of which this process holds (own copy)."""
+def batch_writers(leaves: list, batches: dict[str, BatchRecord], me: int, own_copy: bool):
+    """``{batch: its writer}``; an own copy: this process where it holds every leaf, else -1."""
+    if not own_copy:
+        return {n: b.process for n, b in batches.items()}
     held = dict.fromkeys(batches, me)
     for leaf in leaves:
         storage = leaf.record.storage
@@ -374,12 +371,9 @@ def _relative(rows: tuple[slice, ...], index: tuple[slice, ...]) -> tuple[slice,
 
 
 def _host_copy(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
-    """Host bytes of ``data`` that no later donation, deletion or update can change.
-
-    On CPU, jax neither donates nor frees a buffer while a numpy view of it lives, so
-    the view is the snapshot (checked once: :func:`cpu_views_are_snapshots`; else
-    copied). Elsewhere ``np.asarray`` is a fresh device-to-host copy already.
-    """
+    """Host bytes of ``data`` no later donation, deletion or update can change: on CPU
+    a numpy view (jax frees no buffer a view holds: :func:`cpu_views_are_snapshots`),
+    elsewhere ``np.asarray``'s device-to-host copy."""
     host = np.asarray(data)
     if part is not None:
         host = host[part]
@@ -444,8 +438,8 @@ class WritesInFlight:
         self.progress = _host.Progress()
 
     def report(self, total: int):
-        """Begins this thread's activity "writing this process's data" of ``total``
-        bytes (its progress published by the heartbeat); the caller ends it."""
+        """Begins this thread's activity (``total`` bytes, in the heartbeat); the caller
+        ends it."""
         doing = _host.ACTIVITIES.begin("writing this process's data", moving=True)
         self.progress = doing.progress
         self.progress.total = total
@@ -453,8 +447,8 @@ class WritesInFlight:
 
     def fail(self, error: BaseException, staging: Location, *, direct: bool) -> None:
         """After ``error``: waits for every write in flight (none may recreate files after
-        a cleanup), then raises a tensorstore ValueError (or a direct writer's OSError) as
-        a CheckpointError; returns for any other."""
+        a cleanup); a tensorstore ValueError or a direct writer's OSError is raised as a
+        CheckpointError."""
         settle(self.futures)
         if isinstance(error, ValueError):  # tensorstore's status text, with its whole spec
             text = str(error).split(" [tensorstore_spec=", 1)[0]

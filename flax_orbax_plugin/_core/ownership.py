@@ -50,9 +50,8 @@ _pending_bytes = _handle.marker_bytes  # the marker's helpers, under the names c
 
 
 def claim(loc: Location, nonce: str, *, fresh: bool = False) -> None:
-    """Marks ``loc`` as a place this library is writing (staging) or removing: by one
-    process per place, made durable by a later ``sync``; a failed write leaves no empty
-    folder. Object stores: a conditional claim (``writer_liveness.claim_in_place``)."""
+    """Marks ``loc`` as a place this library is writing or removing (one process per
+    place; durable at a later ``sync``). Object stores: a conditional claim."""
     if not loc.supports_rename:
         _liveness.claim_in_place(loc, nonce, fresh=fresh)
         return
@@ -204,9 +203,9 @@ def exists(loc: Location) -> bool:
 def remove_proven(
     loc: Location, *, pace: Callable[[], int] | None = None, keep: list[str] | None = None
 ) -> None:
-    """Removes what this library wrote at ``loc``, the pending marker (naming what is
-    kept) written first and removed last. ``keep``: the strangers found already. A fresh
-    marker names this remover, so a live removal is never taken for an abandoned place."""
+    """Removes what this library wrote at ``loc``, a fresh pending marker (naming this
+    remover and what is kept: ``keep``, the strangers found already) written first and
+    removed last."""
     raw = loc.read_bytes(PENDING_FILE)
     if raw is None and keep is None:
         raw = _pending_bytes(secrets.token_hex(6))
@@ -288,8 +287,7 @@ def _step_rule(manifest: StepManifest) -> Rule:
 
 
 def rule_for(loc: Location) -> Rule | None:
-    """The names the library writes at ``loc``, from its commit record (None: no
-    readable record: everything there is the library's)."""
+    """The names the library writes at ``loc``, from its commit record (None: all)."""
     try:
         raw = loc.read_bytes(MANIFEST_FILE)
         if raw is not None:
@@ -332,19 +330,11 @@ def strangers(loc: Location) -> list[str]:
     return sorted(out)
 
 
-def enclosing(names: list[str]) -> set[str]:
-    """Every directory (relative path) that holds one of ``names``."""
-    out = set()
-    for name in names:
-        parts = name.split("/")
-        out.update("/".join(parts[:i]) for i in range(1, len(parts)))
-    return out
-
-
 def remove_all_but(loc: Location, keep: list[str], *, pace: Callable[[], int] | None) -> None:
     """Removes everything at ``loc`` but ``keep`` (named in a warning) and the
     directories holding it, the pending marker last; ``loc`` too when nothing is kept."""
-    kept, holders = set(keep), enclosing(keep)
+    kept = set(keep)
+    holders = {"/".join(k.split("/")[:i]) for k in keep for i in range(1, k.count("/") + 1)}
     if loc.is_local:
         _clear_local(loc.path.rstrip("/"), "", kept, holders)
         os.unlink(os.path.join(loc.path.rstrip("/"), PENDING_FILE))

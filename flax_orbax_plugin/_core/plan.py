@@ -186,10 +186,8 @@ class Leaf:
     value: Any  # jax.Array / np.ndarray / None, after scalar and key conversion
     record: LeafRecord
     writes: list[tuple[tuple[slice, ...], np.ndarray]] = dataclasses.field(default_factory=list)
-    # {chunk grid cell: crc32c} of chunks of ``writes`` checksummed as they were copied
-    crcs: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
-    # a small host leaf's bytes, digested when planned (compared across processes)
-    value_digest: str | None = None
+    crcs: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)  # as copied
+    value_digest: str | None = None  # a small host value's (compared across processes)
 
 
 class _Batching:
@@ -285,10 +283,8 @@ class Plan:
 
     def snapshot(self) -> Snapshot:
         """The blocking phase's copy of every byte this process writes (into the
-        request's buffers where it has them and no budget). Small leaves are read first;
-        accelerator arrays then take the platform's staging (with the device staging only
-        a device copy is made here, its host copy in :meth:`Snapshot.write`); nothing
-        here reads a device value after that copy is enqueued."""
+        request's buffers, if any and no budget): small leaves first, then the platform's
+        staging (the device staging's host copy is :meth:`Snapshot.write`'s)."""
         req = self.request
         budget = req.host_memory_budget
         pool = None if budget is not None else req.buffers
@@ -363,11 +359,9 @@ class Snapshot:
         )
 
     def write(self, location: Location, *, durable: bool = True) -> _formats.Written:
-        """Background phase: this process's chunks (and, on the primary, the metadata);
-        with ``durable``, made durable (a manager step syncs once for all its items).
-        Commits nothing. With ``request.reuse`` (every process, in the same order) the
-        chunks of a leaf equal to the previous step's are linked or copied on the server
-        rather than written (``_incremental/reuse.py``)."""
+        """Background phase: this process's chunks (the primary: the metadata too), made
+        durable with ``durable``; commits nothing. With ``request.reuse`` (every process,
+        in the same order) unchanged leaves are linked or copied (``_incremental/reuse``)."""
         try:
             return self._write(location, durable=durable)
         finally:
@@ -409,7 +403,6 @@ class Snapshot:
         return _formats.Written(written, files, reused)
 
     def _encode(self, out: concurrent.futures.Future) -> None:
-        """``_METADATA.json``'s bytes (compact; the checksum is of these bytes)."""
         try:
             doc = self.document().to_json()
             out.set_result(_local_files.encode(doc, METADATA_FILE, _local_files.METADATA))
@@ -418,7 +411,6 @@ class Snapshot:
 
 
 def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) -> bool:
-    """``host_snapshot.take_regions``, its pooled buffers added to ``pooled``."""
     more, write_first = _host_snapshot.take_regions(
         leaves, batches, pool, request.own_copy, request.host_memory_budget, device_kind=kind
     )
@@ -427,9 +419,8 @@ def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) 
 
 
 def _stored_leaves(leaves: list[Leaf], found):
-    """The leaves as stored: a sub-byte leaf becomes one of its stored record holding
-    its packed bytes (its device regions copied here, all at once: not streamed), and
-    ``found`` (``_reuse.unchanged``'s) refers to those. Background thread."""
+    """The leaves as stored (a sub-byte leaf: its packed bytes, copied here at once), and
+    ``found`` (``_reuse.unchanged``'s) referring to them. Background thread."""
     out, by_index = [], {}
     for leaf in leaves:
         if _chunks.is_packed(leaf.record):
@@ -462,7 +453,6 @@ def _digest(leaves: list[Leaf]) -> str:
 
 
 def _host_value(value: Any) -> str | None:
-    """A short digest of a small host value's bytes (None for any other value)."""
     if isinstance(value, np.ndarray) and value.nbytes <= 1 << 16:
         return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:12]
     return None

@@ -60,9 +60,8 @@ class Staging:
     def begin(
         cls, final: Location, nonce: str, *, claim: bool = True, own: bool = False
     ) -> Staging:
-        """The staging place of a commit of ``final`` (every process: the same ``nonce``),
-        claimed unless ``claim=False`` (the caller claims before its first write).
-        ``own``: a place only this process sees: every process claims and commits its own."""
+        """The staging of a commit of ``final`` (the same ``nonce`` on every process),
+        claimed unless ``claim=False`` (the caller claims before its first write)."""
         place = final.sibling(f"{final.name}.partial-{nonce}") if final.supports_rename else final
         staging = cls(final, place, nonce, own)
         if claim:
@@ -70,16 +69,13 @@ class Staging:
         return staging
 
     def claim(self, *, fresh: bool = False) -> None:
-        """Primary only (a no-op elsewhere): the others share the place and its claim.
-        ``fresh``: a save that replaces nothing (object stores: ``ownership.claim``)."""
+        """The primary's (or an own place's) claim; ``fresh``: a save that replaces nothing."""
         if self.own or _distributed.is_primary():
             _ownership.claim(self.location, self.nonce, fresh=fresh)
 
     def publish(self, marker: str, data: bytes, *, replace: bool) -> None:
-        """Primary only: writes the marker last and makes the checkpoint visible.
-
-        A ``final`` that holds anything this library cannot prove it wrote is never
-        replaced: ForeignEntryError, and the staged data is left for ``abort``."""
+        """Primary only: writes the marker last and makes the checkpoint visible; a
+        ``final`` not proven ours is never replaced (ForeignEntryError)."""
         self.location.write_bytes(marker, data)  # durable (file and directory fsynced)
         _env.kill_point("after_marker")
         self._unclaim()  # the marker now proves it ours (a crash: a committed .partial-)
@@ -105,8 +101,7 @@ class Staging:
         self._remove_stale_siblings()
 
     def _unclaim(self) -> None:
-        """The pending marker removed once the commit marker is written; a store that
-        refuses (PUT allowed, not DELETE) leaves it with a WARNING: the save is committed."""
+        """A store that refuses the delete (PUT allowed, not DELETE) leaves it: a WARNING."""
         try:
             _ownership.unclaim(self.location)
         except Exception as e:  # noqa: BLE001  (committed all the same)
@@ -119,8 +114,7 @@ class Staging:
             )
 
     def _remove_stale_siblings(self) -> None:
-        """After a commit: the staging (real directories only) of earlier saves of the same
-        name goes if they are dead, never one still running in another job."""
+        """After a commit: dead stagings of earlier saves of the same name go."""
         parent = self.final.parent
         prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
         for name, kind in parent.child_kinds().items():
@@ -132,7 +126,6 @@ class Staging:
                 _removing.remove_leftover(parent.child(name), what="stale staging")
 
     def abort(self) -> None:
-        """Primary only: removes what this commit staged (renaming strategy)."""
         if self.renames:
             _removing.remove_staging(self.location, self.nonce)
 
@@ -150,14 +143,13 @@ def commit_collectively(
     structure: Callable[[], list[str]] | None = None,
     region: _distributed.Region | None,
 ) -> Written:
-    """Runs the protocol in the module docstring; returns what this process wrote.
+    """The protocol of the module docstring; returns what this process wrote.
 
-    ``write`` runs on every process; ``publish(files)`` on the primary, with every
-    process's files; ``abort()`` removes what was staged. ``agreed``: the options (JSON
-    by name) every process must have saved with; ``structure``: the tree's leaves in
-    words (computed only when the structures differ). Raises this process's own error,
-    CoordinationError when the processes disagree, CheckpointError when another failed.
-    """
+    ``write`` runs on every process, ``publish(files)`` on the primary with every
+    process's files, ``abort()`` removes what was staged; ``agreed``: the options every
+    process must have saved with; ``structure``: the leaves in words (only when the
+    structures differ). Raises this process's error, CoordinationError when the
+    processes disagree, CheckpointError when another failed."""
     error: BaseException | None = None
     written = Written()
     try:
@@ -184,8 +176,7 @@ def commit_collectively(
 
 
 def _primary_round(op, own_status, what, publish, abort, structure, region) -> str:
-    """The primary's side: reads every status, commits (``publish``) or discards, then
-    tells the outcome (a tree of another structure: after its own leaves)."""
+    """The primary reads every status, commits or discards, then tells the outcome."""
     try:
         statuses = [json.loads(own_status)]
         for p in range(1, _distributed.process_count()):
@@ -309,12 +300,11 @@ def is_committed(path: Any) -> bool:
 
 
 def start_save(path, tree, region: _distributed.Region | None, given: dict) -> SaveHandle:
-    """``fop.save_async`` in ``region`` (drawn by the public function); ``fop.save`` waits
-    for it. Every option is checked before anything waits or is written."""
+    """``fop.save_async`` in ``region``, every option checked first; interrupted, the
+    save is cancelled (nothing staged is left)."""
     options = check_save(**given)
     force = options.pop("force")
     request = SaveRequest(region=region, **options)
-    # Interrupted (Ctrl-C), the save is cancelled: nothing staged is left.
     started: list[SaveHandle] = []
     try:
         return _start(path, tree, started, request, force=force)
@@ -327,8 +317,7 @@ def start_save(path, tree, region: _distributed.Region | None, given: dict) -> S
 def _start(
     path, tree, started: list[SaveHandle], request: SaveRequest, *, force: bool
 ) -> SaveHandle:
-    """The blocking phase of :func:`save_async`; appends the handle to ``started`` as
-    soon as its background phase runs."""
+    """The blocking phase; the handle goes to ``started`` once its background phase runs."""
     with _IN_FLIGHT_LOCK:
         _host.wait_for_pending_save()  # interruptible: nothing of this save exists yet
         # Ctrl-C held over the blocking phase (never raised inside a JAX or tensorstore
@@ -338,8 +327,8 @@ def _start(
             location = Location.from_path(path)
             cancelled = Cancellation()  # the writes stop once it is set
             snap = snapshot(tree, request.replace(cancelled=cancelled))
-            # Refuses a foreign or (without ``force``) committed target; on object stores
-            # what is ours there is cleared in the background phase.
+            # a foreign or (without force) committed target refused; cleared in the
+            # background phase on object stores
             region = request.region
             held = _ownership.prepare_slot(
                 location, what="a checkpoint", replace=force, clear=False, region=region
@@ -376,8 +365,8 @@ def _start(
 
 @dataclasses.dataclass(frozen=True)
 class _Background:
-    """The background phase of one :func:`save_async` (clear on object stores, write,
-    commit collectively), on the handle's thread, in the save's ``region``."""
+    """The background phase of one save (clear on object stores, write, commit), on the
+    handle's thread, in the save's ``region``."""
 
     location: Location
     snap: Snapshot
@@ -428,19 +417,17 @@ class _Background:
         return SaveResult(str(location), self.blocking, total, written.bytes_written)
 
     def abort(self) -> None:
-        """What the failed save wrote goes: its staging directory, or (in place on an
-        object store, on the primary) what its own pending marker still proves its."""
+        """The failed save's staging goes (in place, on the primary: under its own claim
+        only, never another writer's)."""
         self.staging.abort()
         if self.staging.renames or not _distributed.is_primary():
             return
-        # Only under this save's own claim: a claim refused leaves the other writer's be.
         if _liveness.holds_nonce(self.location, self.staging.nonce):
             _ownership.remove(self.location, action="remove the remains of the failed save at")
 
 
 def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:
-    """Blocks until the data of a save holding views of the state (a host memory
-    budget) is written or its background phase ended; returns at once for any other."""
+    """A save holding views of the state (a budget): waits until its data is written."""
     if snap is None or not snap.write_first:
         return
     while not snap.data_written.wait(0.05):
@@ -449,9 +436,7 @@ def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:
 
 
 def snapshot(tree: Any, request: SaveRequest) -> Snapshot:
-    """The blocking phase: plan ``tree``'s layout and copy this process's bytes to host,
-    as ``request`` (:class:`SaveRequest`) says: into ``request.buffers`` where given
-    (and no budget), else CPU arrays held as zero-copy views."""
+    """The blocking phase: ``tree``'s plan and this process's host copy."""
     with _tree.paused_gc():
         plan = Plan.build(tree, request)
     _env.pause_point("snapshot")

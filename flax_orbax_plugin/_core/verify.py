@@ -38,18 +38,6 @@ from .reads import make_target
 
 VERIFY: tuple[Option, ...] = (STEP_OR_NONE, Option("all_steps", "flag"), _formats.MEMORY_LIMIT)
 
-
-def check_verify(**options: Any) -> dict[str, Any]:
-    """``fop.verify``'s options, checked; ``step`` with ``all_steps`` refused."""
-    out = check(VERIFY, options)
-    if out["all_steps"] and out["step"] is not None:
-        raise OptionError(
-            f"step={out['step']} and all_steps=True conflict: all_steps verifies every "
-            "step, step= one of them; give one of the two"
-        )
-    return out
-
-
 VERIFY_BUDGET_BYTES = 16 << 20  # data read but not yet checked (plus one chunk or file)
 MIN_WINDOW_BYTES = 64 << 10  # under a ceiling: the window is never smaller
 
@@ -96,7 +84,13 @@ def verify(
     at most half of it each time one more is submitted, so never more than it.
     """
     given = {"step": step, "all_steps": all_steps, "memory_limit_bytes": memory_limit_bytes}
-    budget = window_bytes(check_verify(**given)["memory_limit_bytes"])  # OptionError naming one
+    options = check(VERIFY, given)  # OptionError naming one
+    if options["all_steps"] and options["step"] is not None:
+        raise OptionError(
+            f"step={options['step']} and all_steps=True conflict: all_steps verifies every "
+            "step, step= one of them; give one of the two"
+        )
+    budget = window_bytes(options["memory_limit_bytes"])
     if progress is not None and not callable(progress):
         raise OptionTypeError(f"progress: expected a function or None, found {progress!r:.60}")
     loc = Location.from_path(path)
