@@ -22,7 +22,6 @@ SNAPSHOT_HEADROOM = 0.9  # the device copy takes at most this share of a device'
 
 
 def staging_for(platform: str) -> str:
-    """The staging of a save whose arrays live on ``platform`` (see the module's doc)."""
     if platform == "tpu" or (platform == "cpu" and CPU_AS_DEVICE):
         return "device"
     if platform in ("gpu", "cuda", "rocm"):
@@ -124,8 +123,7 @@ def start(data: jax.Array, part: tuple[slice, ...] | None, *, kind: str) -> Defe
 
 
 def fetch(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
-    """Host bytes of the region ``part`` of single-device ``data``, in pieces of whole rows
-    of at most :data:`FETCH_PIECE` bytes, one at a time (background phase)."""
+    """Host bytes of ``data[part]``, fetched :data:`FETCH_PIECE` bytes of rows at a time."""
     region = data if part is None else data[part]
     shape = tuple(region.shape)
     if not shape or region.nbytes <= FETCH_PIECE or shape[0] <= 1:
@@ -138,8 +136,7 @@ def fetch(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
 
 
 class OnDevice(Deferred):
-    """The region ``part`` of a device copy, brought to host by :func:`fetch` when the
-    writer gets to it (transfers overlap the writes before them)."""
+    """A region of a device copy, fetched when the writer gets to it."""
 
     __slots__ = ("part",)
 

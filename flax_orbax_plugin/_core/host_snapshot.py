@@ -44,8 +44,7 @@ from .handle import raise_if_cancelled
 
 @dataclasses.dataclass(frozen=True)
 class Staging:
-    """How a save's blocking phase copied its accelerator arrays: ``kind`` (device,
-    pinned, host, streamed or none) and, for a fallback, ``note`` (why)."""
+    """How a save staged its accelerator arrays, and for a fallback ``note``: why."""
 
     kind: str = "none"
     note: str = ""
@@ -55,7 +54,6 @@ class Staging:
 
 
 def on_device(data: Any) -> bool:
-    """Whether ``data`` (a single-device jax.Array) takes the device path."""
     if not isinstance(data, jax.Array):
         return False
     return _device_copy.CPU_AS_DEVICE or next(iter(data.devices())).platform != "cpu"
@@ -71,7 +69,6 @@ def materialize(data: Any) -> Any:
 
 
 def materialize_all(leaves: list) -> None:
-    """Every :class:`Deferred` of the leaves' writes replaced by its host bytes."""
     for leaf in leaves:
         writes = getattr(leaf, "writes", None)
         if writes:
@@ -81,8 +78,7 @@ def materialize_all(leaves: list) -> None:
 def pieces(
     rows: tuple[slice, ...], length: int, chunk_rows: int, row_bytes: int, most: int
 ) -> list:
-    """``rows`` (whole chunk rows along axis 0 of ``length``) cut into consecutive
-    regions of whole chunk rows of at most ``most`` bytes each (at least one row)."""
+    """``rows`` cut into regions of whole chunk rows of at most ``most`` bytes (or one row)."""
     if not rows or row_bytes <= 0:
         return [rows]
     start = rows[0].start or 0
@@ -162,8 +158,7 @@ def _is_small(leaf) -> bool:
 
 
 def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) -> dict:
-    """The batches this process writes: with a pool, one pooled buffer per batch; else
-    the pieces of each leaf's own host snapshot, gathered by the writer."""
+    """The batches this process writes: pooled buffers, else each leaf's own host copy."""
     batch_data: dict[str, Any] = {}
     ends: dict[str, int] = {}  # end of the last leaf written into each batch
     pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
@@ -203,7 +198,7 @@ def _summed(leaf):
 
 
 def _pieces(leaf, source, rows, budget: int | None) -> list:
-    """``[rows]``, or with a ``budget`` a device region in pieces of at most a quarter of it."""
+    """``[rows]``; with a ``budget``, a device region in pieces of a quarter of it."""
     if budget is None or not isinstance(source, tuple) or not on_device(source[0]):
         return [rows]
     data = source[0]
@@ -274,8 +269,7 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
 
 
 def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
-    """The host copy of the region ``rows`` of a leaf stored as its own array (of an
-    accelerator array: a ``Deferred``); a pooled copy is checksummed as ``summed`` says."""
+    """The host copy (accelerator arrays: a ``Deferred``) of the region ``rows``."""
     if isinstance(source, tuple):
         data, index = source
         part = _relative(rows, index)
@@ -347,8 +341,7 @@ def _my_rows(index: tuple[slice, ...], shape, chunk, holders: list[int], me: int
 
 
 def _local_replica(value: jax.Array, index: tuple[slice, ...] | None) -> jax.Array:
-    """A single-device array on this process holding region ``index`` (None: the whole
-    unpartitioned value)."""
+    """A single-device array on this process holding region ``index`` (None: all)."""
     if len(value.sharding.device_set) == 1:
         return value
     want = None if index is None else tuple((s.start, s.stop) for s in index)
@@ -363,7 +356,6 @@ def _local_replica(value: jax.Array, index: tuple[slice, ...] | None) -> jax.Arr
 
 
 def _relative(rows: tuple[slice, ...], index: tuple[slice, ...]) -> tuple[slice, ...] | None:
-    """``rows`` (global) relative to the shard region ``index``; None when equal."""
     if not rows or rows[0] == index[0]:
         return None
     start = index[0].start or 0
@@ -406,7 +398,6 @@ def cpu_views_are_snapshots() -> bool:
 
 
 def batch_jobs(batch_specs, batches, batch_data, writer) -> list:
-    """The jobs of the batches this process writes (those in ``batch_data``)."""
     jobs = []
     for name, spec in batch_specs:
         if name in batch_data:
@@ -421,13 +412,11 @@ def batch_jobs(batch_specs, batches, batch_data, writer) -> list:
 
 
 def _assembled(data: Any) -> Any:
-    """A batch whole in one buffer (its leaves' ``Gathered`` pieces copied together)."""
     return data.assemble() if isinstance(data, _packed_writer.Gathered) else data
 
 
 class WritesInFlight:
-    """Writes in flight (future, bytes), drained whenever more than ``limit`` bytes are
-    (the host-memory budget); ``written`` counts the bytes handed out."""
+    """Writes in flight, drained past ``limit`` bytes; ``written``: the bytes handed out."""
 
     def __init__(self, limit: int, cancelled: threading.Event | None = None):
         self.limit = limit
@@ -496,7 +485,7 @@ class WritesInFlight:
 
 
 def settle(pending) -> None:
-    """Waits for every future, ignoring their errors (the first error is the one raised)."""
+    """Waits for every future, ignoring their errors (the first one is raised already)."""
     for future, _ in pending:
         try:
             future.result()
@@ -561,7 +550,6 @@ def _packed_jobs(writer: _packed_writer.PackedWriter, taken, leaves, batches, ba
 
 
 def _dtypes(leaves: list, batches: dict[str, BatchRecord]) -> dict[str, str]:
-    """The stored dtype of every array and batch."""
     out = {batch_dir(name): b.dtype for name, b in batches.items()}
     for leaf in leaves:
         if isinstance(leaf.record.storage, ArrayStorage):
@@ -570,7 +558,7 @@ def _dtypes(leaves: list, batches: dict[str, BatchRecord]) -> dict[str, str]:
 
 
 def _compressedbatch_jobs(batches: dict[str, BatchRecord], batch_data, writer) -> list:
-    """The jobs of this process's compressed batches (each encoded whole in memory)."""
+    """Each compressed batch encoded whole in memory."""
     jobs = []
     for name, batch in batches.items():
         if batch.codec is not None and name in batch_data:

@@ -97,7 +97,7 @@ def verify(
     place = _steps.classify(loc)  # what is there, once: the dispatch below
     if place.kind == _steps.CHECKPOINT:
         _no_step_chosen(loc, "a core checkpoint", None, step)
-        return [_verify_pytree(loc, None, None, progress, budget=budget)]
+        return [_verify_pytree(loc, None, None, progress, budget)]
     if place.kind in (_steps.STEP_KIND, _steps.HOST_COPY):
         _no_step_chosen(loc, "one step", _step_number(loc), step)
         return verify_step(loc, _step_number(loc), progress=progress, budget=budget)
@@ -111,7 +111,7 @@ def verify(
         return [_verify_item(loc.parent, manifest, name, number, progress, copy, budget)]
     if place.staged == METADATA_FILE:  # a pytree never committed: its verdict says so
         _no_step_chosen(loc, "a pytree", _step_number(loc.parent), step)
-        return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress, budget=budget)]
+        return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress, budget)]
     if place.kind != _steps.RUN or not place.listing.committed:
         raise _describe.no_steps(place)  # says what is there instead
     committed = place.listing.committed
@@ -165,15 +165,7 @@ def verify_step(
     ]
 
 
-def _verify_item(
-    step_loc: Location,
-    manifest: StepManifest,
-    name: str,
-    step: int | None,
-    progress: Progress | None = None,
-    copy: _host_copy.HostCopy | None = None,
-    budget: int = VERIFY_BUDGET_BYTES,
-) -> VerifyResult:
+def _verify_item(step_loc, manifest: StepManifest, name, step, progress, copy, budget: int):
     """One item of a committed step: the files its kind needs, its JSON files against the
     manifest's checksums, and a pytree's data."""
     entry = manifest.items[name]
@@ -184,7 +176,7 @@ def _verify_item(
     except CheckpointError as e:
         return VerifyResult(str(item_loc), step, name, False, str(e), note)
     if entry.kind == "pytree":
-        return _verify_pytree(item_loc, step, name, progress, copy, budget=budget)
+        return _verify_pytree(item_loc, step, name, progress, budget, copy)
     return VerifyResult(str(item_loc), step, name, True, None, note)
 
 
@@ -217,15 +209,7 @@ def _check_item_files(
             _layout.read_item_json(item_loc, file)
 
 
-def _verify_pytree(
-    loc: Location,
-    step: int | None,
-    item: str | None,
-    progress: Progress | None = None,
-    copy: _host_copy.HostCopy | None = None,
-    *,
-    budget: int = VERIFY_BUDGET_BYTES,
-) -> VerifyResult:
+def _verify_pytree(loc: Location, step, item, progress, budget: int, copy=None) -> VerifyResult:
     what = str(loc) if step is None else f"step {step}" + (f"/{item}" if item else "")
     held = None if copy is None or item is None else copy.item(item)
     note = None if copy is None else copy.note
