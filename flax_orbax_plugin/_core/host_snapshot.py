@@ -90,27 +90,38 @@ def pieces(
 
 
 def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bool = False):
-    """The batches of small leaves this process writes, read now (every device-to-host
-    copy started first): (batch name -> its data, pooled buffers to give back). Called
-    before any large region's transfer is enqueued, so no read waits behind one."""
+    """The batches of small leaves this process writes, read now, before any large
+    region's transfer is enqueued (every device-to-host copy started first): (batch name
+    -> a pooled buffer, else the pieces of each leaf's own host copy; pooled buffers)."""
     me, pooled, keep, writers, owned = _owned(leaves, batches, pool, own_copy, small=True)
     for _, source, _ in owned:
         if on_device(source):
             source.copy_to_host_async()
-    batch_data = _take_small(owned, batches, writers, me, pool, keep)
-    for leaf, _, _ in owned:
+    batch_data: dict[str, Any] = {}
+    ends: dict[str, int] = {}  # end of the last leaf written into each batch
+    pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for name, batch in batches.items():
+        if writers[name] == me:
+            dtype = _layout.dtype_from_name(batch.dtype)
+            if pool is None:
+                pieces[name] = []
+            else:
+                batch_data[name] = keep(pool.empty((batch.size,), dtype))
+            ends[name] = 0
+    for leaf, source, _ in owned:
+        _copy_small(leaf.record.storage, source, batch_data, pieces, ends, pool)
         leaf.value = None  # the snapshot is all the background phase needs
+    for name, end in ends.items():
+        if name in pieces:
+            batch = batches[name]
+            dtype = _layout.dtype_from_name(batch.dtype)
+            batch_data[name] = _packed_writer.Gathered(pieces[name], dtype, batch.size)
+        else:
+            batch_data[name][end:] = 0
     return batch_data, pooled
 
 
-def take_regions(
-    leaves: list,
-    batches: dict[str, BatchRecord],
-    pool,
-    own_copy: bool = False,
-    budget: int | None = None,
-    device_kind: str = "pinned",
-):
+def take_regions(leaves: list, batches: dict, pool, own_copy: bool, budget, device_kind: str):
     """The regions stored as arrays of their own that this process writes, into their
     leaves' ``writes``: (pooled buffers to give back, whether the save waits for its
     writes: with a ``budget``, device regions streamed in pieces of at most a quarter of
@@ -155,31 +166,6 @@ def _owned(leaves: list, batches: dict, pool, own_copy: bool, *, small: bool):
 
 def _is_small(leaf) -> bool:
     return isinstance(leaf.record.storage, BatchStorage)
-
-
-def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) -> dict:
-    """The batches this process writes: pooled buffers, else each leaf's own host copy."""
-    batch_data: dict[str, Any] = {}
-    ends: dict[str, int] = {}  # end of the last leaf written into each batch
-    pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
-    for name, batch in batches.items():
-        if writers[name] == me:
-            dtype = _layout.dtype_from_name(batch.dtype)
-            if pool is None:
-                pieces[name] = []
-            else:
-                batch_data[name] = keep(pool.empty((batch.size,), dtype))
-            ends[name] = 0
-    for leaf, source, _ in owned:  # small leaves only
-        _copy_small(leaf.record.storage, source, batch_data, pieces, ends, pool)
-    for name, end in ends.items():
-        if name in pieces:
-            batch = batches[name]
-            dtype = _layout.dtype_from_name(batch.dtype)
-            batch_data[name] = _packed_writer.Gathered(pieces[name], dtype, batch.size)
-        else:
-            batch_data[name][end:] = 0
-    return batch_data
 
 
 # Each chunk checksummed as it is copied into the pool, where the C kernel is built

@@ -102,10 +102,8 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
         # a staging name of ours holding only our marker's temporary files, empty too
         if _steps.SAVE_STAGING_RE.match(loc.name) and _handle.only_temporary_files(loc):
             return "pending marker"
-    except ForeignEntryError:
-        return None  # a link or a FIFO where our file would be: not ours
-    except CheckpointError:
-        return None  # a damaged record proves nothing
+    except CheckpointError:  # a damaged record, a link or a FIFO where ours would be
+        return None
     return None
 
 
@@ -286,25 +284,21 @@ def _step_rule(manifest: StepManifest) -> Rule:
     return rule
 
 
-def rule_for(loc: Location) -> Rule | None:
-    """The names the library writes at ``loc``, from its commit record (None: all)."""
+def strangers(loc: Location) -> list[str]:
+    """The entries under ``loc`` (relative paths, sorted) that the library did not write,
+    by its commit record (none without one): a directory of someone else's is named
+    once, not walked. Object stores name keys."""
+    rule: Rule
     try:
         raw = loc.read_bytes(MANIFEST_FILE)
         if raw is not None:
-            return _step_rule(manifest_from_bytes(raw, f"{loc}/{MANIFEST_FILE}"))
-        if loc.read_bytes(COMMIT_FILE) is not None:
-            return _formats.checkpoint_names
+            rule = _step_rule(manifest_from_bytes(raw, f"{loc}/{MANIFEST_FILE}"))
+        elif loc.read_bytes(COMMIT_FILE) is not None:
+            rule = _formats.checkpoint_names
+        else:
+            return []
     except CheckpointError:
-        return None  # damaged: ``proof`` does not prove such a place ours either
-    return None
-
-
-def strangers(loc: Location) -> list[str]:
-    """The entries under ``loc`` (relative paths, sorted) that the library did not write:
-    a directory of someone else's is named once, not walked. Object stores name keys."""
-    rule = rule_for(loc)
-    if rule is None:
-        return []
+        return []  # damaged: ``proof`` does not prove such a place ours either
     if not loc.is_local:
         return sorted(k for k in loc.keys() if not rule(k.split("/"), False))
     ours = set(_handle.temporary_files(loc))  # our marker's write cut short, even empty

@@ -1,12 +1,10 @@
-"""The layout of one save: a record per leaf and the batches of small leaves.
+"""The layout of one save: a record per leaf (:func:`classify` refuses what cannot be
+saved, naming its path) and the batches of small leaves.
 
-:func:`classify` turns a pytree leaf into (kind, value to save, PRNG impl), refusing
-what cannot be saved with a StructureError naming its path. :meth:`Plan.build` decides
-every leaf's storage (its own array, or a slot in the batch of its writer process and
-dtype), identically on every process, and picks the format once; :meth:`Plan.snapshot`
-takes this process's host copy into a :class:`Snapshot`, whose :meth:`Snapshot.write`
-is the background phase. Call order: build and snapshot on the caller's thread, then
-write on one background thread. Every mode is the frozen request's.
+:meth:`Plan.build` decides every leaf's storage identically on every process and picks
+the format once; :meth:`Plan.snapshot` takes this process's host copy into a
+:class:`Snapshot`, whose :meth:`Snapshot.write` is the background phase. Call order:
+build and snapshot on the caller's thread, then write on one background thread.
 """
 
 from __future__ import annotations
@@ -77,35 +75,19 @@ def _utf8(text: str, what: str) -> bytes:
         ) from None
 
 
-class DocumentSize:
-    """A lower bound of ``_METADATA.json``'s bytes, so a tree whose metadata no reader
-    accepts is refused before anything is staged (the exact size is checked when it is
-    encoded); :meth:`add` refuses a leaf path UTF-8 cannot encode."""
+_PER_LEAF = len('{"path":"","keys":[],"kind":""}')  # a leaf record's bytes beside its path
 
-    _PER_LEAF = len('{"path":"","keys":[],"kind":""}')
 
-    def __init__(self):
-        self.bytes = 0
-        self.leaves = 0
-        self.text_leaves = 0
-
-    def add(self, path: str, text: str | None) -> None:
-        if not path.isascii():
-            _utf8(path, f"leaf path {path!r}: a key")
-        self.leaves += 1
-        self.bytes += self._PER_LEAF + len(path)
-        if text is not None:
-            self.text_leaves += 1
-            self.bytes += len(json.dumps(text))  # as the record holds it (escaped)
-
-    def check(self) -> None:
-        limit = _local_files.METADATA.max_bytes
-        if self.bytes > limit:
-            raise StructureError(
-                f"{_layout.METADATA_FILE} of this tree would hold more than {self.bytes} bytes "
-                f"({self.leaves} leaves, {self.text_leaves} str or bytes), more than a reader "
-                f"accepts ({limit}): store large text as uint8 arrays, or save fewer leaves"
-            )
+def _check_document_size(nbytes: int, leaves: int, text_leaves: int) -> None:
+    """``nbytes``, a lower bound of ``_METADATA.json``'s (the exact size is checked when
+    it is encoded), refused before anything is staged when no reader would accept it."""
+    limit = _local_files.METADATA.max_bytes
+    if nbytes > limit:
+        raise StructureError(
+            f"{_layout.METADATA_FILE} of this tree would hold more than {nbytes} bytes "
+            f"({leaves} leaves, {text_leaves} str or bytes), more than a reader "
+            f"accepts ({limit}): store large text as uint8 arrays, or save fewer leaves"
+        )
 
 
 def _check_live(path: str, leaf: jax.Array) -> None:
@@ -264,20 +246,25 @@ class Plan:
         flat, _ = _tree.flatten(tree)
         leaves: list[Leaf] = []
         batching = _Batching()
-        size = DocumentSize()
+        doc_bytes = text_leaves = 0
         compared = _distributed.process_count() > 1  # small host values: else unused
         for index, (path, keys, raw) in enumerate(flat):
             kind, value, impl = classify(path, raw)
             keys = tuple(keys)
             text = value if kind in _layout.TEXT_KINDS else None  # kept in the record
-            size.add(path, text)
+            if not path.isascii():
+                _utf8(path, f"leaf path {path!r}: a key")
+            doc_bytes += _PER_LEAF + len(path)
+            if text is not None:
+                text_leaves += 1
+                doc_bytes += len(json.dumps(text))  # as the record holds it (escaped)
             if kind in _layout.NO_DATA_KINDS:
                 leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=text)))
                 continue
             record = _data_record(path, keys, kind, value, impl, codec, batching)
             shown = _host_value(value) if compared else None
             leaves.append(Leaf(index, value, record, value_digest=shown))
-        size.check()
+        _check_document_size(doc_bytes, len(flat), text_leaves)
         version = _formats.for_version(request.format_version)  # picked once, here
         return cls(leaves, batching.records(codec), request, version, _digest(leaves))
 

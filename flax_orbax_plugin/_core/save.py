@@ -160,7 +160,7 @@ def commit_collectively(
     mine = {"step": step, "digest": digest, "agreed": agreed or {}, "error": failed}
     status = json.dumps({**mine, "files": written.files})
     if _distributed.is_primary():
-        outcome = _primary_round(op, status, what, publish, abort, structure, region)
+        outcome = _primary_round(op, status, publish, abort, structure, region)
     else:
         outcome = _rounds.other_round(op, status, abort, structure, region)
     if error is not None:
@@ -175,7 +175,7 @@ def commit_collectively(
     return written
 
 
-def _primary_round(op, own_status, what, publish, abort, structure, region) -> str:
+def _primary_round(op, own_status, publish, abort, structure, region) -> str:
     """The primary reads every status, commits or discards, then tells the outcome."""
     try:
         statuses = [json.loads(own_status)]
@@ -337,7 +337,6 @@ def _start(
             name = _distributed.unique_name(region=region)
             staging = Staging.begin(location, name, claim=False)
             job = _Background(
-                location=location,
                 snap=snap,
                 staging=staging,
                 op=_distributed.next_operation_id("save", region=region),
@@ -346,7 +345,6 @@ def _start(
                 force=force,
                 start=start,
                 blocking=time.perf_counter() - start,
-                cancelled=cancelled,
                 agreed={
                     "path": str(location),
                     "force": force,
@@ -368,8 +366,7 @@ class _Background:
     """The background phase of one save (clear on object stores, write, commit), on the
     handle's thread, in the save's ``region``."""
 
-    location: Location
-    snap: Snapshot
+    snap: Snapshot  # its request's ``cancelled``: the handle's
     staging: Staging
     op: str
     region: _distributed.Region | None
@@ -377,11 +374,11 @@ class _Background:
     force: bool
     start: float
     blocking: float
-    cancelled: threading.Event
     agreed: dict[str, Any]  # what every process must save with (commit_collectively)
 
     def run(self) -> SaveResult:
-        location, staging = self.location, self.staging
+        staging, cancelled = self.staging, self.snap.request.cancelled
+        location = staging.final
         what = f"save to {location}"
         if self.clear_first:  # object store, no rename: start from an empty prefix
             if _distributed.is_primary():
@@ -389,15 +386,15 @@ class _Background:
             _distributed.barrier(f"{self.op}/cleared", region=self.region)
 
         def write() -> Written:
-            raise_if_cancelled(self.cancelled, what)
+            raise_if_cancelled(cancelled, what)
             _env.pause_point("before_claim")  # tests: two saves racing for one place
             staging.claim(fresh=not self.force)  # before any data: remains provably ours
             written = self.snap.write(staging.location)
-            raise_if_cancelled(self.cancelled, what)
+            raise_if_cancelled(cancelled, what)
             return written
 
         def publish(files: dict[str, str]) -> None:
-            raise_if_cancelled(self.cancelled, what)
+            raise_if_cancelled(cancelled, what)
             marker = CommitMarker(files, time.time()).to_bytes()
             staging.publish(COMMIT_FILE, marker, replace=self.force)
 
@@ -419,11 +416,12 @@ class _Background:
     def abort(self) -> None:
         """The failed save's staging goes (in place, on the primary: under its own claim
         only, never another writer's)."""
-        self.staging.abort()
-        if self.staging.renames or not _distributed.is_primary():
+        staging = self.staging
+        staging.abort()
+        if staging.renames or not _distributed.is_primary():
             return
-        if _liveness.holds_nonce(self.location, self.staging.nonce):
-            _ownership.remove(self.location, action="remove the remains of the failed save at")
+        if _liveness.holds_nonce(staging.final, staging.nonce):
+            _ownership.remove(staging.final, action="remove the remains of the failed save at")
 
 
 def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:
