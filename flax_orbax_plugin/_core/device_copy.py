@@ -1,7 +1,6 @@
-"""The device copies of a save of accelerator arrays: the staging a platform takes, the
-copy on its own devices (:func:`snapshot`, blocking phase), its transfer to host in
-pieces (:func:`fetch`, background phase), and regions started on their way to host
-(:func:`start`). A save of host arrays takes none of it.
+"""A save's accelerator arrays: the staging a platform takes, the copy on their devices
+(:func:`snapshot`, blocking phase), its transfer to host (:func:`fetch`, background
+phase), and regions started on their way to host (:func:`start`).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """

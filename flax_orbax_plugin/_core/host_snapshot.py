@@ -1,10 +1,7 @@
-"""One process's data of a save, from its devices to its files.
-
-Blocking phase (the saving thread, once per save): the host copies of the small leaves'
-batches (:func:`take_small`) and of the regions stored as their own arrays
-(:func:`take_regions`), and which process writes which rows. Background phase (the
-save's thread): format version 2's files (:func:`write_packed`) and the bounded writes
-in flight of both formats (:class:`WritesInFlight`); on any failure none is left in flight.
+"""One process's data of a save, from its devices to its files: in the blocking phase
+(the saving thread) its host copies (:func:`take_small`, :func:`take_regions`); in the
+background phase (the save's thread) version 2's files (:func:`write_packed`) and the
+bounded writes in flight of both formats (none left in flight on a failure).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """

@@ -1,7 +1,6 @@
 """The one owner of removal, on every store: what proves a place ours, the claims, the
 checks before a save writes, the removal of a place proven ours (``_core.removing``
-builds removing steps and leftovers on these), and of what a failed import or export
-created.
+builds on these) and of what a failed import or export created.
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).

@@ -563,12 +563,8 @@ def corrupt(paths: list[str], location: Location, error: Exception) -> CorruptCh
     )
 
 
-def open_array(spec: dict[str, Any], location: Location, paths: list[str]):
-    """Opens a stored array; a ``zarr.json`` at odds with the metadata names the leaves."""
-    return opened(_arrays.open_for_read(spec), location, paths)
-
-
 def opened(future, location: Location, paths: list[str]):
+    """A stored array opened; a ``zarr.json`` at odds with the metadata names the leaves."""
     try:
         return future.result()
     except ValueError as e:
