@@ -75,7 +75,8 @@ class SaveRequest:
 
     @property
     def limit(self) -> int:
-        """The bytes of writes in flight: at most half the host memory budget."""
+        """The bytes of writes in flight, ``memory_limit_bytes`` (default
+        ``DEFAULT_WRITE_LIMIT_BYTES``), at most half the host memory budget."""
         limit = self.memory_limit_bytes or DEFAULT_WRITE_LIMIT_BYTES
         budget = self.host_memory_budget
         return limit if budget is None else max(1, min(limit, budget // 2))

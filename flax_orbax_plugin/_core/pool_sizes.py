@@ -22,8 +22,7 @@ from .plan import Plan
 
 
 def pool_sizes(like: Any, request: SaveRequest) -> list[int]:
-    """The byte sizes of the pooled host buffers one save of ``like`` (arrays, or
-    ShapeDtypeStructs on one device) takes, as ``request`` says."""
+    """The pooled buffers' sizes of a save of ``like`` (arrays, or one device's structs)."""
 
     def stand_in(path, x):
         if not isinstance(x, jax.ShapeDtypeStruct):

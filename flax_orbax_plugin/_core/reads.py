@@ -104,11 +104,14 @@ class ReadRequest:
         return dataclasses.replace(self, **fields)
 
 
-def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int, size: int):
-    """A read of elements ``[off, off + size)`` of a version-2 batch."""
+def read_slice(store, direct: _packed_reader.PackedReader, batch: BatchRecord, off, size: int):
+    """A read of elements ``[off, off + size)`` of a batch, through tensorstore's ``store``
+    where there is one, else version 2's reader."""
+    dtype = _layout.dtype_from_name(batch.dtype)
+    if store is not None:
+        return ReadInto(store[off : off + size], dtype)
     chunk = int(batch.chunk)
     files = range(off // chunk, -(-(off + size) // chunk)) if size else range(0)
-    dtype = _layout.dtype_from_name(batch.dtype)
     sub, inner = batch_dir(batch.name), batch.inner
     read = direct.read_batch(sub, batch.size, chunk, inner, dtype, files)
     first = files.start * chunk if files else 0

@@ -88,9 +88,7 @@ class _Batch:
         for target in targets:
             off, size = target.record.storage.offset, target.record.storage.size
             self.reader.submit(
-                ReadInto(self.store[off : off + size], self.dtype)
-                if self.store is not None
-                else read_slice(self.direct, self.batch, off, size),
+                read_slice(self.store, self.direct, self.batch, off, size),
                 size * self.dtype.itemsize,
                 lambda data, target=target: finish(target, data, self.reader.placer),
                 self.fail([target.record.path]),
@@ -173,8 +171,7 @@ class _FilePart:
 
 
 def _read_run(one: _Batch, run: list[Target]) -> None:
-    """Reads the inner chunks under one run; a leaf is finished with the file it ends in,
-    unless a file it touches failed."""
+    """Reads one run; a leaf is finished with the file it ends in, unless one failed."""
     batch, chunk = one.batch, int(one.batch.chunk)
     start = run[0].record.storage.offset
     stop = max(t.record.storage.offset + t.record.storage.size for t in run)

@@ -166,8 +166,7 @@ def verify_step(
 
 
 def _verify_item(step_loc, manifest: StepManifest, name, step, progress, copy, budget: int):
-    """One item of a committed step: the files its kind needs, its JSON files against the
-    manifest's checksums, and a pytree's data."""
+    """One item of a step: the files its kind needs, its JSON checksums, a pytree's data."""
     entry = manifest.items[name]
     item_loc = step_loc.child(entry.dir)
     note = None if copy is None else copy.note

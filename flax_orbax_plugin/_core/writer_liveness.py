@@ -104,8 +104,7 @@ def writer_of(raw: bytes | None) -> tuple[str, int] | None:
 
 
 def _other_writer(loc: Location) -> tuple[tuple[str, int], bool] | None:
-    """(the writer ``loc``'s marker names, whether alive) for another process of this
-    host; None where not certain."""
+    """(another process of this host that ``loc``'s marker names, alive), else None."""
     try:
         writer = writer_of(_handle.read(loc))
     except CheckpointError:
