@@ -7,6 +7,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snap
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -81,13 +82,11 @@ def snapshot(arrays: list) -> tuple[list | None, str]:
     return copies, ""
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Deferred:
     """A region's bytes, still on a device or on their way to host memory."""
 
-    __slots__ = ("array",)
-
-    def __init__(self, array: jax.Array):
-        self.array = array
+    array: jax.Array
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -134,14 +133,11 @@ def fetch(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
     return out
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class OnDevice(Deferred):
     """A region of a device copy, fetched when the writer gets to it."""
 
-    __slots__ = ("part",)
-
-    def __init__(self, array: jax.Array, part: tuple[slice, ...] | None):
-        super().__init__(array)
-        self.part = part
+    part: tuple[slice, ...] | None
 
     @property
     def shape(self) -> tuple[int, ...]:

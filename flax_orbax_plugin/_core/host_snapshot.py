@@ -508,7 +508,11 @@ def write_packed(
     except BaseException as e:
         pending.fail(e, staging, direct=True)
         raise
-    name, raw = writer.write_index(_dtypes(leaves, batches))
+    dtypes = {batch_dir(name): b.dtype for name, b in batches.items()}  # as stored
+    for leaf in leaves:
+        if isinstance(leaf.record.storage, ArrayStorage):
+            dtypes[array_dir(leaf.index)] = _subbyte.stored(leaf.record).dtype
+    name, raw = writer.write_index(dtypes)
     return pending.written, {name: sha256(raw)}, 0 if taken is None else taken.nbytes
 
 
@@ -529,21 +533,7 @@ def _packed_jobs(writer: _packed_writer.PackedWriter, taken, leaves, batches, ba
     ]
     plain = [(name, None) for name, b in batches.items() if b.codec is None]
     jobs += batch_jobs(plain, batches, batch_data, writer)
-    return jobs + _compressedbatch_jobs(batches, batch_data, writer)
-
-
-def _dtypes(leaves: list, batches: dict[str, BatchRecord]) -> dict[str, str]:
-    out = {batch_dir(name): b.dtype for name, b in batches.items()}
-    for leaf in leaves:
-        if isinstance(leaf.record.storage, ArrayStorage):
-            out[array_dir(leaf.index)] = _subbyte.stored(leaf.record).dtype
-    return out
-
-
-def _compressedbatch_jobs(batches: dict[str, BatchRecord], batch_data, writer) -> list:
-    """Each compressed batch encoded whole in memory."""
-    jobs = []
-    for name, batch in batches.items():
+    for name, batch in batches.items():  # each compressed batch encoded whole in memory
         if batch.codec is not None and name in batch_data:
             data = _assembled(batch_data.pop(name))
             spec = _arrays.batch_spec(_codec.MEMORY, batch)
