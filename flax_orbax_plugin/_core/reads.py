@@ -226,14 +226,12 @@ def make_target(index: int, record: LeafRecord, like: Any, *, cast: str) -> Targ
     if record.kind in _layout.TEXT_KINDS:
         return _text_target(target)
     if record.kind == "none":
-        if like is not None and _tree.is_empty_node(like):
-            target.result = like  # holds no data either: EmptyState() saved as None (Orbax)
-            return target
-        if like is not None:
+        if like is not None and not _tree.is_empty_node(like):
             raise StructureError(
                 f"leaf {path!r}: expected {_describe(like)} (from like), "
                 f"found None in the checkpoint"
             )
+        target.result = like  # None, or an empty node (EmptyState() saved as None: Orbax)
         return target
     target.dtype = _layout.dtype_from_name(record.dtype, path=path)
     saved_shape = record.shape

@@ -179,23 +179,16 @@ def _verify_item(step_loc, manifest: StepManifest, name, step, progress, copy, b
     return VerifyResult(str(item_loc), step, name, True, None, note)
 
 
-def _required_files(kind: str, manifest: StepManifest) -> list[str]:
-    if kind == "pytree":
-        return [METADATA_FILE]
-    if kind in ("json", "step"):
-        return [JSON_VALUE_FILE]
-    if kind == "data_iterator":
-        return [iterator_state_file(p) for p in range(manifest.process_count)]
-    return []
-
-
 def _check_item_files(
     item_loc: Location, name: str, kind: str, manifest: StepManifest, copy: Any = None
 ) -> None:
     elsewhere = set() if copy is None else copy.elsewhere(kind, manifest.process_count)
     prefix = f"{item_loc.name}/"
     listed = [f[len(prefix) :] for f in manifest.files if f.startswith(prefix)]
-    for needed in _required_files(kind, manifest):
+    required = {"pytree": [METADATA_FILE], "json": [JSON_VALUE_FILE], "step": [JSON_VALUE_FILE]}
+    if kind == "data_iterator":
+        required[kind] = [iterator_state_file(p) for p in range(manifest.process_count)]
+    for needed in required.get(kind, []):
         if needed not in listed:
             raise CheckpointError(
                 f"item {name!r} ({kind}): the step manifest lists no {needed}; expected one "
