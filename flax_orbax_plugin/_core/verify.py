@@ -340,16 +340,15 @@ def _check_batch(location, doc, batch, fmt, direct, window: _Window, budget: int
     except fmt.batch_damage as e:
         raise _restore.corrupt(paths, location, e) from None
     dtype = _layout.dtype_from_name(batch.dtype)
-    itemsize = dtype.itemsize
-    chunk = int(batch.chunk)
+    itemsize, chunk = dtype.itemsize, int(batch.chunk)
     files = -(-batch.size // chunk)
     per_group = max(1, budget // (chunk * itemsize))
-    inner = batch.inner
     for first in range(0, files, per_group):
         group = range(first, min(files, first + per_group))
         lo, hi = group.start * chunk, min(batch.size, group.stop * chunk)
         if direct is not None and batch.codec is None:
-            read = direct.read_batch(batch_dir(batch.name), batch.size, chunk, inner, dtype, group)
+            sub = batch_dir(batch.name)
+            read = direct.read_batch(sub, batch.size, chunk, batch.inner, dtype, group)
         else:
             read = _reads.ReadInto(store[lo:hi])
         inside = [
