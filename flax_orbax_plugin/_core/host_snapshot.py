@@ -276,9 +276,8 @@ def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
 
 
 def _pooled(pool: BufferPool, host: np.ndarray, rows, later: list, summed) -> np.ndarray:
-    """A pooled buffer for ``host`` (the global region ``rows``), its copy left in ``later``
-    for ``copy_all`` in pieces of whole chunk rows, each chunk's crc32c computed as it is
-    copied into ``summed``'s crcs (None: copied only)."""
+    """A pooled buffer for ``host`` (the region ``rows``), its copy left in ``later`` in
+    pieces of whole chunk rows, checksummed into ``summed``'s crcs as copied (None: not)."""
     out = pool.empty(host.shape, host.dtype)
     shape, chunk, crcs = summed or ((), (), None)
     if not shape or not rows:
@@ -479,10 +478,10 @@ def settle(pending) -> None:
 def write_packed(
     staging: Location, leaves: list, snap: Any, reuse: Callable[[], Any] | None
 ) -> tuple[int, dict[str, str], int]:
-    """Writes this process's chunks of ``snap`` (a Snapshot; ``leaves``: as stored) into
-    its data files and its index, taking its batches out of ``snap.batch_data``; returns
-    (bytes written, {index file: sha256}, bytes reused). ``reuse()``: the previous data
-    files taken. Files gathered for upload stay within a quarter of the host memory budget."""
+    """Writes this process's chunks of ``snap`` (``leaves``: as stored; its batches taken
+    out of ``snap.batch_data``) into its data files and index: (bytes written, {index:
+    sha256}, bytes reused). ``reuse()``: the previous data files taken. Files gathered for
+    upload stay within a quarter of the host memory budget."""
     if sys.byteorder != "little":
         raise CheckpointError("format_version=2 is written on little-endian hosts only")
     req, batches, batch_data = snap.request, snap.batches, snap.batch_data

@@ -127,13 +127,12 @@ def check_claims(
     own_copy: bool = False,
     packed: Any = None,
 ) -> None:
-    """Checks that the stored data every target reads holds at least what the metadata
-    claims, before anything sized by a claim is allocated (a resealed metadata may claim
-    any shape); else a CorruptCheckpointError naming the field and what is stored.
-    Version 1 (``packed`` None): the chunk files, on local disks only (object stores list
-    no sizes), one ``stat`` per file; a host's own copy (``own_copy``) holds its own
-    regions only, so a sharded array there is not checked. Version 2: the data indexes
-    of ``packed``, and the dtypes they record."""
+    """CorruptCheckpointError, naming the field and what is stored, unless the data every
+    target reads holds what the metadata claims (a resealed one may claim any shape):
+    checked before anything sized by a claim is allocated. Version 1 (``packed`` None):
+    its chunk files, one ``stat`` each, on local disks only (object stores list no sizes);
+    a host's own copy (``own_copy``) holds its own regions, so a sharded array there is
+    not checked. Version 2: ``packed``'s indexes and the dtypes they record."""
     if packed is None and not location.is_local:
         return
     where = f"{location}/{METADATA_FILE}"
